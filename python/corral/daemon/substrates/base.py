@@ -1,0 +1,133 @@
+"""The one interface every substrate implements (container today; gvisor, microvm, vm later).
+
+The engine (``corral.daemon.engine``) owns policy: ids, admission, TTLs, bookkeeping, I/O pumping
+of exec pipes, the HTTP mapping. A substrate owns mechanism: making, entering and tearing down one
+sandbox, and resolving file operations inside its root. Substrate methods that do syscalls are
+synchronous and cheap (the Rust core releases the GIL); the engine calls slow ones (destroy,
+rmtree) through ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from corral.models import FileEntry, SandboxSpec
+
+
+@dataclass
+class SandboxRuntime:
+    """What a substrate needs to find one live sandbox again; persisted as JSON by the engine.
+
+    ``init_pid`` + ``init_starttime`` (field 22 of /proc/PID/stat) identify PID 1 of the sandbox
+    without the pid-reuse race; ``pidfd`` is the live handle (not persisted).
+    """
+
+    sandbox_id: str
+    init_pid: int
+    init_starttime: int
+    sandbox_dir: str
+    cgroup_paths: list[str]
+    pidfd: int = -1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sandbox_id": self.sandbox_id,
+            "init_pid": self.init_pid,
+            "init_starttime": self.init_starttime,
+            "sandbox_dir": self.sandbox_dir,
+            "cgroup_paths": self.cgroup_paths,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SandboxRuntime:
+        return cls(
+            sandbox_id=d["sandbox_id"],
+            init_pid=int(d["init_pid"]),
+            init_starttime=int(d["init_starttime"]),
+            sandbox_dir=d["sandbox_dir"],
+            cgroup_paths=list(d["cgroup_paths"]),
+            extra=dict(d.get("extra", {})),
+        )
+
+
+@dataclass
+class ExecSpec:
+    """A command to start inside a sandbox, fully resolved by the engine."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    uid: int = 0
+    gid: int = 0
+    groups: list[int] = field(default_factory=list)
+    stdin_fd: int = -1   # child's end of the pipes; -1 means /dev/null
+    stdout_fd: int = -1
+    stderr_fd: int = -1
+
+
+class Substrate(ABC):
+    name: str
+
+    @abstractmethod
+    def create(self, sandbox_id: str, spec: SandboxSpec, image: Any) -> SandboxRuntime:
+        """Make and start one sandbox (PID 1 running); raise a CorralError on failure and
+        leave nothing behind."""
+
+    @abstractmethod
+    def adopt(self, runtime: SandboxRuntime) -> bool:
+        """After a daemon restart: reattach to a sandbox if its init is still the same process
+        (fills ``runtime.pidfd``). False if it is gone."""
+
+    @abstractmethod
+    def destroy(self, runtime: SandboxRuntime) -> None:
+        """Kill every process of the sandbox and remove its cgroups and directories. Idempotent,
+        works on half-made or already-dead sandboxes, never raises for 'already gone'."""
+
+    @abstractmethod
+    def cleanup_orphans(self, known_ids: set[str]) -> list[str]:
+        """Remove every trace (processes, cgroups, dirs) of sandboxes not in ``known_ids``;
+        return the ids removed."""
+
+    @abstractmethod
+    def spawn(self, runtime: SandboxRuntime, spec: ExecSpec) -> int:
+        """Start a process inside the sandbox as a direct child of the daemon, in its own
+        session/process group; return its host pid."""
+
+    @abstractmethod
+    def is_alive(self, runtime: SandboxRuntime) -> bool: ...
+
+    # ---- files: every path is absolute inside the sandbox and resolved inside its root -------
+    @abstractmethod
+    def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes: ...
+
+    @abstractmethod
+    def write_file(self, runtime: SandboxRuntime, path: str, data: bytes, mode: int = 0o644,
+                   make_parents: bool = True) -> None: ...
+
+    @abstractmethod
+    def list_dir(self, runtime: SandboxRuntime, path: str) -> list[FileEntry]: ...
+
+    @abstractmethod
+    def stat(self, runtime: SandboxRuntime, path: str) -> FileEntry: ...
+
+    @abstractmethod
+    def mkdir(self, runtime: SandboxRuntime, path: str, parents: bool = True) -> None: ...
+
+    @abstractmethod
+    def remove(self, runtime: SandboxRuntime, path: str, recursive: bool = False) -> None: ...
+
+    @abstractmethod
+    def rename(self, runtime: SandboxRuntime, src: str, dst: str) -> None: ...
+
+    @abstractmethod
+    def upload_tar(self, runtime: SandboxRuntime, path: str, tar_bytes: bytes) -> None:
+        """Extract a tar into directory ``path`` (created if missing), every member resolved
+        inside the root."""
+
+    @abstractmethod
+    def download_tar(self, runtime: SandboxRuntime, path: str) -> bytes:
+        """A tar of the directory (or file) at ``path``."""

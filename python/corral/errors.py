@@ -1,0 +1,173 @@
+"""One exception hierarchy for the SDK, the daemon and the CLI.
+
+Every error that crosses the API carries a stable ``code`` (a lowercase snake_case string) and an
+HTTP status. The daemon raises these classes; the wire form is
+``{"error": {"code": ..., "message": ..., "details": {...}}}``; the SDK maps the code back to the
+same class with :func:`error_from_payload`. Codes are part of the public API: never rename one.
+
+``infra`` marks failures of the platform (node lost, daemon restarted, out of capacity), which a
+trainer should mask, as opposed to failures caused by the request or by the user's command.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CorralError(Exception):
+    """Base class of every corral error."""
+
+    code: str = "internal"
+    status: int = 500
+    infra: bool = False
+
+    def __init__(self, message: str = "", *, details: dict[str, Any] | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message or self.__class__.__name__)
+        self.message = message or self.__class__.__name__
+        self.details = details or {}
+        if code is not None:
+            self.code = code
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"error": {"code": self.code, "message": self.message, "details": self.details}}
+
+    def __reduce__(self):  # picklable across Ray / multiprocessing boundaries
+        return (_rebuild, (self.code, self.message, self.details))
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message}"
+
+
+# --- request errors -------------------------------------------------------------------------
+class InvalidRequest(CorralError):
+    code, status = "invalid_request", 400
+
+
+class InvalidPath(InvalidRequest):
+    """A path that is not absolute, is malformed, or resolves outside the sandbox root."""
+
+    code, status = "invalid_path", 400
+
+
+class Unauthorized(CorralError):
+    code, status = "unauthorized", 401
+
+
+class NotFound(CorralError):
+    code, status = "not_found", 404
+
+
+class SandboxNotFound(NotFound):
+    code, status = "sandbox_not_found", 404
+
+
+class ImageNotFound(NotFound):
+    code, status = "image_not_found", 404
+
+
+class FileNotFound(NotFound):
+    code, status = "file_not_found", 404
+
+
+class ProcessNotFound(NotFound):
+    code, status = "process_not_found", 404
+
+
+class Conflict(CorralError):
+    code, status = "conflict", 409
+
+
+class FileExists(Conflict):
+    code, status = "file_exists", 409
+
+
+class NotADirectory(Conflict):
+    code, status = "not_a_directory", 409
+
+
+class IsADirectory(Conflict):
+    code, status = "is_a_directory", 409
+
+
+class DirectoryNotEmpty(Conflict):
+    code, status = "directory_not_empty", 409
+
+
+class SandboxNotRunning(Conflict):
+    """The sandbox exists (or existed) but is no longer running (killed, expired)."""
+
+    code, status = "sandbox_not_running", 409
+
+
+class Unsupported(CorralError):
+    """A feature or substrate that is not available (yet, or on this host)."""
+
+    code, status = "unsupported", 501
+
+
+# --- infrastructure errors: mask these rollouts, don't learn from them ------------------------
+class InfraError(CorralError):
+    code, status, infra = "infra_error", 503, True
+
+
+class CapacityExceeded(InfraError):
+    code, status = "capacity_exceeded", 429
+
+
+class SandboxLost(InfraError):
+    """The sandbox died for a reason that is not the user's (init killed, node lost)."""
+
+    code, status = "sandbox_lost", 410
+
+
+class DaemonRestarted(InfraError):
+    """The daemon restarted while the call was in flight; its outcome is unknown."""
+
+    code, status = "daemon_restarted", 503
+
+
+class DaemonUnavailable(InfraError):
+    """No daemon answered (client side only)."""
+
+    code, status = "daemon_unavailable", 503
+
+
+class Timeout(InfraError):
+    """A request to the daemon timed out (not a command's own timeout: see ExecResult)."""
+
+    code, status = "timeout", 504
+
+
+class InternalError(InfraError):
+    code, status = "internal", 500
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+ERROR_CLASSES: dict[str, type[CorralError]] = {
+    c.code: c for c in [CorralError, *_all_subclasses(CorralError)]
+}
+
+
+def error_from_payload(payload: dict[str, Any], status: int | None = None) -> CorralError:
+    """Turn a wire error ``{"error": {...}}`` back into the matching exception."""
+    body = payload.get("error", payload) if isinstance(payload, dict) else {}
+    code = str(body.get("code", "internal"))
+    cls = ERROR_CLASSES.get(code)
+    if cls is None:
+        # An unknown code (newer daemon): keep the code, pick the class by status.
+        cls = InfraError if (status or 500) >= 500 else CorralError
+        err = cls(str(body.get("message", "")), details=body.get("details"), code=code)
+        return err
+    return cls(str(body.get("message", "")), details=body.get("details"))
+
+
+def _rebuild(code: str, message: str, details: dict[str, Any]) -> CorralError:
+    return error_from_payload({"error": {"code": code, "message": message, "details": details}})

@@ -1,0 +1,206 @@
+"""Wire models shared by the daemon and the SDK (pydantic v2).
+
+These are the API's request and response bodies. The daemon validates requests with them (a
+validation failure is ``invalid_request``) and the SDK parses responses with them, so both sides
+agree by construction. Field limits here are the API's limits: absurd values are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SUBSTRATES = ("process", "container", "gvisor", "microvm", "vm")
+Substrate = Literal["process", "container", "gvisor", "microvm", "vm"]
+NetworkMode = Literal["none"]
+SandboxState = Literal["starting", "running", "paused", "stopping", "dead"]
+
+DEFAULT_TIMEOUT_S = 300.0
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+DEFAULT_EXEC_TIMEOUT_S = 60.0
+DEFAULT_MAX_OUTPUT_BYTES = 4 * 1024 * 1024
+MAX_OUTPUT_BYTES = 256 * 1024 * 1024
+LABEL_KEY_PATTERN = r"^[A-Za-z0-9_.\-/]{1,63}$"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SandboxSpec(_Model):
+    """What a client asks for when it creates a sandbox."""
+
+    image: str = Field("host", min_length=1, max_length=200)
+    substrate: Substrate = "container"
+    cpu: float = Field(1.0, gt=0, le=256, description="CPU cores (CFS quota)")
+    memory_mb: int = Field(512, ge=16, le=1024 * 1024)
+    pids: int = Field(512, ge=8, le=1_000_000, description="max processes/threads")
+    timeout: float = Field(DEFAULT_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S,
+                           description="TTL in seconds from creation")
+    idle_timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S,
+                                       description="kill after this long with no API call")
+    env: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+    metadata: dict[str, str] = Field(default_factory=dict)
+    network: NetworkMode = "none"
+    hostname: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9\-.]{0,62}$")
+    cwd: str = Field("/root", min_length=1, max_length=4096)
+
+    @field_validator("env")
+    @classmethod
+    def _env_ok(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if not k or "=" in k or "\0" in k or "\0" in val:
+                raise ValueError(f"bad environment variable name or value: {k!r}")
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _labels_ok(cls, v: dict[str, str]) -> dict[str, str]:
+        import re
+
+        for k, val in v.items():
+            if not re.match(LABEL_KEY_PATTERN, k) or len(val) > 256:
+                raise ValueError(f"bad label {k!r}: keys match {LABEL_KEY_PATTERN}, values <= 256")
+        return v
+
+
+class SandboxInfo(_Model):
+    id: str
+    state: SandboxState
+    image: str
+    substrate: Substrate
+    cpu: float
+    memory_mb: int
+    pids: int
+    network: NetworkMode
+    hostname: str
+    labels: dict[str, str] = Field(default_factory=dict)
+    metadata: dict[str, str] = Field(default_factory=dict)
+    created_at: float
+    expires_at: float
+    idle_timeout: float | None = None
+    last_active_at: float
+    init_pid: int | None = None
+
+
+class CreateManyRequest(_Model):
+    count: int = Field(ge=1, le=10_000)
+    spec: SandboxSpec = Field(default_factory=SandboxSpec)
+
+
+class SetTimeoutRequest(_Model):
+    timeout: float = Field(gt=0, le=MAX_TIMEOUT_S, description="new TTL in seconds from now")
+
+
+class ExecRequest(_Model):
+    """Run a command. ``cmd`` as a string runs under ``/bin/sh -c``; as a list it is the argv."""
+
+    cmd: str | list[str]
+    timeout: float | None = Field(DEFAULT_EXEC_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    user: str | int | None = None
+    stdin: str | None = Field(None, description="text written to stdin, then stdin is closed")
+    background: bool = False
+    max_output_bytes: int = Field(DEFAULT_MAX_OUTPUT_BYTES, ge=0, le=MAX_OUTPUT_BYTES)
+
+    @field_validator("cmd")
+    @classmethod
+    def _cmd_ok(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list) and not v:
+            raise ValueError("cmd must not be an empty list")
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("cmd must not be empty")
+        items = v if isinstance(v, list) else [v]
+        if any("\0" in s for s in items):
+            raise ValueError("cmd must not contain NUL bytes")
+        return v
+
+
+class ExecResult(_Model):
+    stdout: str
+    stderr: str
+    exit_code: int
+    duration_s: float
+    truncated: bool = False
+    timed_out: bool = False
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+
+
+class ProcessHandle(_Model):
+    """A background command: poll, wait, stream, write stdin, kill."""
+
+    sandbox_id: str
+    pid: int
+    cmd: str | list[str]
+    started_at: float
+
+
+class ProcessStatus(_Model):
+    pid: int
+    running: bool
+    exit_code: int | None = None
+    timed_out: bool = False
+
+
+class StdinRequest(_Model):
+    data: str = ""
+    eof: bool = False
+
+
+class KillProcessRequest(_Model):
+    signal: int = Field(9, ge=1, le=64)
+
+
+class WaitRequest(_Model):
+    timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
+
+
+class FileEntry(_Model):
+    name: str
+    path: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+
+
+class MkdirRequest(_Model):
+    path: str
+    parents: bool = True
+
+
+class RemoveRequest(_Model):
+    path: str
+    recursive: bool = False
+
+
+class RenameRequest(_Model):
+    src: str
+    dst: str
+
+
+class ImageInfo(_Model):
+    name: str
+    kind: Literal["builtin", "rootfs"]
+    created_at: float
+    size_bytes: int | None = None
+
+
+class ImportImageRequest(_Model):
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.\-]{0,62}$")
+    source: str = Field(min_length=1, description="host path of a rootfs directory or tarball")
+
+
+class DaemonStatus(_Model):
+    version: str
+    pid: int
+    started_at: float
+    sandboxes: int
+    capacity: int
+    state_dir: str
+    cgroup_version: Literal[1, 2]
+    substrates: list[str]
