@@ -1,0 +1,178 @@
+"""Test harness: one real corrald per test session, on a private state dir, socket and cgroup.
+
+The environment variables are set at import time so every SDK client created by a test (and any
+daemon the SDK would start) uses the private instance, never a user's /var/lib/corral. At the end
+the daemon is stopped and the session fails if anything it made is left behind: a process, a
+cgroup, a mount or a directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+STATE_DIR = tempfile.mkdtemp(prefix="corral-test-", dir="/var/tmp")
+SOCKET = os.path.join(STATE_DIR, "run", "corrald.sock")
+CGROUP_NAME = f"corral-test-{os.getpid()}"
+os.environ["CORRAL_STATE_DIR"] = STATE_DIR
+os.environ["CORRAL_SOCKET"] = SOCKET
+os.environ["CORRAL_CGROUP"] = CGROUP_NAME
+os.environ.pop("CORRAL_URL", None)
+os.environ.pop("CORRAL_TCP", None)
+
+
+def cgroup_dirs(name: str = CGROUP_NAME) -> list[Path]:
+    """Every cgroup directory (v1 hierarchies and v2) under our private cgroup name."""
+    out = []
+    root = Path("/sys/fs/cgroup")
+    candidates = [root / name] + [p / name for p in root.iterdir() if p.is_dir()]
+    for c in candidates:
+        if c.is_dir():
+            out.append(c)
+    return out
+
+
+def leaked_sandbox_cgroups(name: str = CGROUP_NAME) -> list[str]:
+    return [str(d) for top in cgroup_dirs(name) for d in top.iterdir() if d.is_dir()]
+
+
+def pids_in_cgroups(name: str = CGROUP_NAME) -> set[int]:
+    pids: set[int] = set()
+    for top in cgroup_dirs(name):
+        for procs in top.rglob("cgroup.procs"):
+            try:
+                pids.update(int(x) for x in procs.read_text().split())
+            except OSError:
+                pass
+    return pids
+
+
+def host_mounts_under(path: str) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f if line.split()[4].startswith(path)]
+
+
+class DaemonProcess:
+    """A corrald subprocess the tests can stop, kill -9 and restart."""
+
+    def __init__(self, state_dir: str = STATE_DIR, socket_path: str = SOCKET) -> None:
+        self.state_dir = state_dir
+        self.socket_path = socket_path
+        self.proc: subprocess.Popen | None = None
+        self.log_path = os.path.join(state_dir, "corrald-test.log")
+
+    def start(self, timeout: float = 60.0) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
+        env = dict(os.environ, CORRAL_STATE_DIR=self.state_dir, CORRAL_SOCKET=self.socket_path)
+        self.proc = subprocess.Popen([sys.executable, "-m", "corral.daemon"], stdout=log,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        import httpx
+
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"corrald exited {self.proc.returncode}: {self.tail()}")
+            try:
+                t = httpx.HTTPTransport(uds=self.socket_path)
+                with httpx.Client(transport=t, base_url="http://corral", timeout=2) as c:
+                    if c.get("/v1/health").status_code == 200:
+                        return
+            except (httpx.HTTPError, OSError):
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"corrald did not answer in {timeout}s: {self.tail()}")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill9(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def restart(self, kill9: bool = False) -> None:
+        self.kill9() if kill9 else self.stop()
+        self.start()
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            return Path(self.log_path).read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+
+_DAEMON = DaemonProcess()
+
+
+def _force_cleanup() -> None:
+    for pid in pids_in_cgroups():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for _ in range(100):
+        left = []
+        for top in cgroup_dirs():
+            for d in sorted(top.rglob("*"), key=lambda p: -len(p.parts)):
+                if d.is_dir():
+                    try:
+                        d.rmdir()
+                    except OSError:
+                        left.append(d)
+            try:
+                top.rmdir()
+            except OSError:
+                left.append(top)
+        if not left:
+            return
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def daemon():
+    """The session's corrald. Tests may call .restart(kill9=True); it is running again after."""
+    _DAEMON.start()
+    yield _DAEMON
+    _DAEMON.stop()
+    leaks = {
+        "cgroups": leaked_sandbox_cgroups(),
+        "pids": sorted(pids_in_cgroups()),
+        "mounts": host_mounts_under(STATE_DIR),
+    }
+    sandboxes_dir = Path(STATE_DIR, "sandboxes")
+    leaks["dirs"] = [str(p) for p in sandboxes_dir.iterdir()] if sandboxes_dir.is_dir() else []
+    _force_cleanup()
+    log = _DAEMON.tail()
+    shutil.rmtree(STATE_DIR, ignore_errors=True)
+    if any(leaks.values()):
+        pytest.fail(f"corral leaked resources after the session: {leaks}\n{log}")
+
+
+@pytest.fixture
+def no_leaks(daemon):
+    """Use in a test to assert that it leaves no sandbox cgroups behind when it ends."""
+    before = set(leaked_sandbox_cgroups())
+    yield
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if set(leaked_sandbox_cgroups()) <= before:
+            break
+        time.sleep(0.05)
+    assert set(leaked_sandbox_cgroups()) <= before
