@@ -1,0 +1,270 @@
+"""Each isolation property the container substrate claims, attacked from inside a sandbox.
+
+The commands here are what untrusted agent code would try. Every test asserts that the attack
+fails AND, where it could have had an effect, that the host is unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import SOCKET, STATE_DIR
+
+import corral
+
+# Python run inside the sandbox; syscalls by number (x86_64) so no helper binary is needed.
+SYSCALL_PROBE = r"""
+import ctypes, errno, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+name, nr, *args = sys.argv[1:]
+args = [int(a) for a in args]
+r = libc.syscall(int(nr), *[ctypes.c_long(a) for a in args])
+e = ctypes.get_errno()
+print(name, r, errno.errorcode.get(e, e) if r == -1 else "OK")
+"""
+
+
+@pytest.fixture(scope="module")
+def sb():
+    with corral.Sandbox(image="host", timeout=600) as box:
+        box.files.write("/opt/probe.py", SYSCALL_PROBE)
+        yield box
+
+
+def sh(box, cmd: str, **kw):
+    return box.exec(cmd, timeout=kw.pop("timeout", 30), **kw)
+
+
+# --- processes -----------------------------------------------------------------------------------
+def test_pid_namespace_hides_host_and_other_sandboxes(sb):
+    with corral.Sandbox(image="host") as other:
+        other.exec("sleep 1000 >/dev/null 2>&1 &", timeout=10)
+        r = sh(sb, "ls /proc | grep -E '^[0-9]+$' | wc -l; cat /proc/1/comm; ps -e -o comm=")
+        assert r.exit_code == 0, r.stderr
+        lines = r.stdout.split()
+        assert int(lines[0]) <= 6, r.stdout  # init, sh, ls, grep, wc ... nothing of the host's
+        assert lines[1] == "corral-init"
+        assert "sleep" not in r.stdout and "corrald" not in r.stdout and "python" not in r.stdout
+
+
+def test_cannot_signal_or_trace_host_processes(sb):
+    daemon_pid = corral_daemon_pid()
+    r = sh(sb, f"kill -9 {daemon_pid}; echo rc=$?")
+    assert "rc=0" not in r.stdout
+    r = sh(sb, f"python3 /opt/probe.py ptrace 101 16 {daemon_pid} 0 0")  # PTRACE_ATTACH
+    assert "OK" not in r.stdout
+    assert os.path.exists(f"/proc/{daemon_pid}")
+
+
+def corral_daemon_pid() -> int:
+    return int(Path(STATE_DIR, "corrald.pid").read_text().split()[0])
+
+
+# --- filesystem ----------------------------------------------------------------------------------
+def test_writes_stay_inside(sb):
+    marker = "corral-isolation-marker"
+    r = sh(sb, f"echo {marker} > /usr/bin/{marker} && echo x >> /etc/hosts && "
+               f"rm -f /usr/bin/true.bak && cat /usr/bin/{marker}")
+    assert r.exit_code == 0 and marker in r.stdout, r.stderr
+    assert not os.path.exists(f"/usr/bin/{marker}")
+    assert not Path("/etc/hosts").read_text().rstrip().endswith("\nx")
+
+
+def test_host_secrets_and_private_dirs_not_visible(sb):
+    r = sh(sb, "ls -A /root /home /var /run /srv /mnt /tmp 2>&1; ls -A / ; "
+               "test -e /etc/shadow && echo SHADOW; test -e /etc/gshadow && echo GSHADOW; "
+               "ls /etc/ssh/ 2>/dev/null | grep _key$ ; test -e /work && ls -A /work")
+    out = r.stdout
+    assert "SHADOW" not in out and "GSHADOW" not in out
+    assert not any(line.endswith("_key") for line in out.splitlines())
+    for leaked in ("corrald", ".sock", "corral-test", ".cargo", ".pyenv", "main"):
+        assert leaked not in out, (leaked, out)
+    r = sh(sb, f"ls {STATE_DIR} {os.path.dirname(SOCKET)} /var/lib/corral 2>&1; echo rc=$?")
+    assert "No such file" in r.stdout and "corrald.sock" not in r.stdout
+    assert "rc=0" not in r.stdout
+
+
+def test_cannot_reach_daemon_socket(sb):
+    script = (
+        "import socket,sys\n"
+        "for p in sys.argv[1:]:\n"
+        "  s=socket.socket(socket.AF_UNIX)\n"
+        "  try: s.connect(p); print('CONNECTED', p)\n"
+        "  except OSError as e: print('refused', p, e.errno)\n"
+    )
+    sb.files.write("/opt/unix_probe.py", script)
+    r = sh(sb, f"python3 /opt/unix_probe.py {SOCKET} /run/corral/corrald.sock")
+    assert "CONNECTED" not in r.stdout and r.stdout.count("refused") == 2, r.stdout + r.stderr
+
+
+def test_sys_and_devices_minimal(sb):
+    r = sh(sb, "ls /dev; ls -A /sys | wc -l; mknod /tmp/sda b 8 0; echo mknod=$?")
+    devs = set(r.stdout.split())
+    assert {"null", "zero", "full", "random", "urandom", "tty", "pts", "shm"} <= devs
+    assert not devs & {"sda", "vda", "kvm", "mem", "kmsg", "nvme0"}
+    assert "mknod=0" not in r.stdout
+
+
+# --- privileges ----------------------------------------------------------------------------------
+def test_privileges_dropped(sb):
+    r = sh(sb, "grep -E '^(CapEff|CapBnd|NoNewPrivs|Seccomp):' /proc/self/status")
+    fields = dict(line.split(":\t") for line in r.stdout.strip().splitlines())
+    cap_eff = int(fields["CapEff"], 16)
+    for cap in (21, 18, 16, 19, 27, 13, 12):  # SYS_ADMIN SYS_CHROOT SYS_MODULE PTRACE MKNOD ...
+        assert not cap_eff & (1 << cap), f"capability {cap} still held"
+    assert int(fields["CapBnd"], 16) & (1 << 21) == 0
+    assert fields["NoNewPrivs"].strip() == "1"
+    assert fields["Seccomp"].strip() == "2"
+
+
+def test_mount_and_new_namespaces_denied(sb):
+    r = sh(sb, "mount -t tmpfs none /mnt; echo mount=$?; unshare -m true; echo unshare_m=$?; "
+               "unshare -U true; echo unshare_u=$?; unshare -n true; echo unshare_n=$?")
+    for probe in ("mount", "unshare_m", "unshare_u", "unshare_n"):
+        assert f"{probe}=0" not in r.stdout, r.stdout
+
+
+def test_chroot_escape_denied(sb):
+    # The classic escape from a chroot-based root: chroot into a subdir, then walk up.
+    escape = (
+        "import os\n"
+        "os.makedirs('/tmp/jail', exist_ok=True)\n"
+        "try:\n"
+        "    os.chroot('/tmp/jail')\n"
+        "    for _ in range(64): os.chdir('..')\n"
+        "    os.chroot('.')\n"
+        "    print('ESCAPED', os.listdir('/'))\n"
+        "except OSError as e:\n"
+        "    print('denied', e.errno)\n"
+    )
+    sb.files.write("/opt/escape.py", escape)
+    r = sh(sb, "python3 /opt/escape.py")
+    assert "ESCAPED" not in r.stdout and "denied" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(
+    "name,nr,args",
+    [
+        ("init_module", 175, [0, 0, 0]),
+        ("finit_module", 313, [0, 0, 0]),
+        ("delete_module", 176, [0, 0]),
+        ("kexec_load", 246, [0, 0, 0, 0]),
+        ("bpf", 321, [0, 0, 0]),
+        ("keyctl", 250, [0, 0, 0, 0, 0]),
+        ("add_key", 248, [0, 0, 0, 0, 0]),
+        ("perf_event_open", 298, [0, 0, 0, 0, 0]),
+        ("userfaultfd", 323, [0]),
+        ("open_by_handle_at", 304, [0, 0, 0]),
+        ("setns", 308, [0, 0]),
+        ("unshare_user", 272, [0x10000000]),
+        ("swapon", 167, [0, 0]),
+        ("reboot", 169, [0xFEE1DEAD, 672274793, 0x4321FEDC, 0]),
+        ("io_uring_setup", 425, [1, 0]),
+        ("pivot_root", 155, [0, 0]),
+    ],
+)
+def test_dangerous_syscalls_blocked(sb, name, nr, args):
+    r = sh(sb, f"python3 /opt/probe.py {name} {nr} {' '.join(map(str, args))}")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.startswith(name) and "OK" not in r.stdout, r.stdout
+    assert "EPERM" in r.stdout or "ENOSYS" in r.stdout, r.stdout
+
+
+# --- network -------------------------------------------------------------------------------------
+def test_host_loopback_unreachable_own_loopback_works(sb):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    port = srv.getsockname()[1]
+    accepted: list[object] = []
+
+    def accept_loop():
+        srv.settimeout(10)
+        try:
+            accepted.append(srv.accept())
+        except OSError:
+            pass
+
+    t = threading.Thread(target=accept_loop, daemon=True)
+    t.start()
+    probe = (
+        "import socket,sys\n"
+        "s=socket.socket(); s.settimeout(3)\n"
+        "try: s.connect(('127.0.0.1', int(sys.argv[1]))); print('CONNECTED')\n"
+        "except OSError as e: print('blocked', e)\n"
+        "srv=socket.socket(); srv.bind(('127.0.0.1',0)); srv.listen(1)\n"
+        "c=socket.create_connection(srv.getsockname()); print('own-loopback-ok')\n"
+        "print(open('/proc/net/dev').read())\n"
+    )
+    sb.files.write("/opt/net_probe.py", probe)
+    r = sh(sb, f"python3 /opt/net_probe.py {port}")
+    srv.close()
+    t.join(2)
+    assert "CONNECTED" not in r.stdout and not accepted, r.stdout
+    assert "own-loopback-ok" in r.stdout, r.stdout + r.stderr
+    ifaces = [ln.split(":")[0].strip() for ln in r.stdout.splitlines() if ":" in ln]
+    assert ifaces == ["lo"], ifaces
+
+
+def test_hostname_is_private(sb):
+    r = sh(sb, "hostname; hostname evil; echo rc=$?")
+    assert r.stdout.split()[0] != socket.gethostname()
+    assert socket.gethostname() != "evil"
+
+
+# --- file API ------------------------------------------------------------------------------------
+def test_file_api_symlinks_and_dotdot_stay_inside(sb):
+    host_target = Path(STATE_DIR, "escape-target")
+    host_target.mkdir(exist_ok=True)
+    r = sh(sb, f"ln -sfn / /tmp/rootlink; ln -sfn {host_target} /tmp/hostlink; "
+               "ln -sfn ../../../../../../etc /tmp/dotdot; echo ok")
+    assert "ok" in r.stdout
+    # Reading through links resolves inside the sandbox root: the sandbox's /etc has no shadow.
+    for p in ("/tmp/rootlink/etc/shadow", "/tmp/dotdot/shadow", "/../../../../etc/shadow"):
+        with pytest.raises(corral.CorralError) as ei:
+            sb.files.read(p)
+        assert ei.value.code in ("file_not_found", "invalid_path"), (p, ei.value)
+    # Writing through a link to a host path creates nothing on the host.
+    try:
+        sb.files.write("/tmp/hostlink/pwned", "x")
+    except corral.CorralError:
+        pass
+    assert not (host_target / "pwned").exists()
+    sb.files.write("/tmp/rootlink/tmp/inside.txt", "inside")
+    assert sb.files.read("/tmp/inside.txt") == "inside"
+    assert not Path("/tmp/inside.txt").exists() or Path("/tmp/inside.txt").read_text() != "inside"
+    host_target.rmdir()
+
+
+# --- resources -----------------------------------------------------------------------------------
+def test_memory_limit_contains_a_hog():
+    with corral.Sandbox(image="host", memory_mb=64) as box:
+        r = box.exec("python3 -c \"b = bytearray(512 * 1024 * 1024); print('survived')\"",
+                     timeout=60)
+        assert "survived" not in r.stdout
+        assert r.exit_code != 0
+        assert box.exec("echo alive", timeout=10).stdout.strip() == "alive"
+
+
+def test_pids_limit_contains_a_fork_bomb():
+    with corral.Sandbox(image="host", pids=32) as box:
+        spawn = (
+            "import subprocess\n"
+            "ps=[]\n"
+            "try:\n"
+            "    for i in range(200): ps.append(subprocess.Popen(['sleep','30']))\n"
+            "except OSError as e: print('limited at', len(ps))\n"
+            "for p in ps: p.kill()\n"
+        )
+        box.files.write("/tmp/spawn.py", spawn)
+        r = box.exec("python3 /tmp/spawn.py", timeout=60)
+        assert "limited at" in r.stdout, r.stdout + r.stderr
+        assert int(r.stdout.split()[-1]) < 32
+        box.exec("(bomb() { bomb | bomb & }; bomb) >/dev/null 2>&1; sleep 2", timeout=20)
+        # The host is unaffected and the sandbox can be killed cleanly (the fixture checks
+        # that no process or cgroup is left).
+        assert os.path.exists("/proc/self")
