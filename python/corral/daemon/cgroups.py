@@ -1,0 +1,340 @@
+"""One interface over cgroup v1 and v2 for per-sandbox resource limits.
+
+v2 is used only when the cgroup2 mount offers memory, pids and cpu; otherwise the v1 hierarchies
+(memory, pids, cpu, and freezer when mounted) hold one directory per sandbox:
+``<hierarchy>/<name>/<sandbox_id>``. Sandbox creation is a hot path (thousands per second), so
+hierarchy paths are found once at init and every call is plain ``os`` syscalls, no subprocess.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import signal
+import time
+
+_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,127}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
+_V1_REQUIRED = ("memory", "pids", "cpu")
+_V2_REQUIRED = {"memory", "pids", "cpu"}
+CFS_PERIOD_US = 100_000
+
+
+def _write(path: str, data: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, data.encode())
+    finally:
+        os.close(fd)
+
+
+def _read(path: str) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while True:
+            b = os.read(fd, 65536)
+            if not b:
+                break
+            chunks.append(b)
+        return b"".join(chunks).decode()
+    finally:
+        os.close(fd)
+
+
+def _read_pids(path: str) -> list[int]:
+    try:
+        return [int(x) for x in _read(os.path.join(path, "cgroup.procs")).split()]
+    except FileNotFoundError:
+        return []
+
+
+def check_id(sandbox_id: str) -> str:
+    """Refuse anything that could walk out of our directory (``..``, ``/``, odd bytes)."""
+    if not isinstance(sandbox_id, str) or not _ID_RE.match(sandbox_id):
+        raise ValueError(f"invalid sandbox id {sandbox_id!r}: only [a-z0-9-] allowed")
+    return sandbox_id
+
+
+def _mounts() -> tuple[dict[str, str], str | None]:
+    """v1 controller -> mount point (first mount wins) and the cgroup2 mount point."""
+    v1: dict[str, str] = {}
+    v2: str | None = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rfields = left.split(), right.split()
+            if len(fields) < 5 or len(rfields) < 3:
+                continue
+            mnt = fields[4].replace("\\040", " ")
+            if rfields[0] == "cgroup2" and v2 is None:
+                v2 = mnt
+            elif rfields[0] == "cgroup":
+                for opt in rfields[2].split(","):
+                    v1.setdefault(opt, mnt)
+    return v1, v2
+
+
+class CgroupManager:
+    """Creates, fills, kills and removes the cgroup directories of sandboxes."""
+
+    version: int
+
+    def __init__(self, name: str = "corral") -> None:
+        if not _NAME_RE.match(name) or ".." in name.split("/"):
+            raise ValueError(f"invalid cgroup name {name!r}")
+        self.name = name
+        v1, v2 = _mounts()
+        controllers: set[str] = set()
+        if v2:
+            try:
+                controllers = set(_read(os.path.join(v2, "cgroup.controllers")).split())
+            except OSError:
+                controllers = set()
+        if v2 and _V2_REQUIRED <= controllers:
+            self.version = 2
+            self._root = v2
+            self._bases = [os.path.join(v2, name)]
+            self._freezer: str | None = None
+            self._setup_v2()
+        else:
+            missing = [c for c in _V1_REQUIRED if c not in v1]
+            if missing:
+                raise RuntimeError(
+                    f"no usable cgroups: cgroup2 at {v2} offers {sorted(controllers)}, "
+                    f"v1 hierarchies missing {missing}")
+            self.version = 1
+            # One directory per distinct hierarchy (cpu may be co-mounted with cpuacct, etc.).
+            mounts: list[str] = []
+            for c in (*_V1_REQUIRED, "freezer"):
+                if c in v1 and v1[c] not in mounts:
+                    mounts.append(v1[c])
+            self._bases = [os.path.join(m, name) for m in mounts]
+            self._mem = os.path.join(v1["memory"], name)
+            self._pids = os.path.join(v1["pids"], name)
+            self._cpu = os.path.join(v1["cpu"], name)
+            self._freezer = os.path.join(v1["freezer"], name) if "freezer" in v1 else None
+            for b in self._bases:
+                os.makedirs(b, exist_ok=True)
+            # Whether memory+swap can be limited (swap accounting on) is fixed per host.
+            self._memsw = os.path.exists(os.path.join(self._mem, "memory.memsw.limit_in_bytes"))
+
+    # ---- setup -----------------------------------------------------------------------------
+    def _setup_v2(self) -> None:
+        """Make <root>/<name> and enable memory, pids, cpu down the chain to our sandboxes."""
+        chain = [self._root]
+        for part in self.name.split("/"):
+            chain.append(os.path.join(chain[-1], part))
+        for d in chain[1:]:
+            os.makedirs(d, exist_ok=True)
+        for d in chain:
+            self._enable_v2(d)
+        self._swap = None  # learnt on the first create (memory.swap.max exists or not)
+
+    def _enable_v2(self, d: str) -> None:
+        ctl = os.path.join(d, "cgroup.subtree_control")
+        if _V2_REQUIRED <= set(_read(ctl).split()):
+            return
+        try:
+            _write(ctl, "+memory +pids +cpu")
+        except OSError as e:
+            # "No internal processes": a non-root cgroup (typically the root of a container's
+            # cgroup namespace) that holds processes cannot delegate controllers. Move those
+            # processes to a leaf, as docker-in-docker does, and retry once.
+            if e.errno != errno.EBUSY or d != self._root:
+                raise
+            leaf = os.path.join(d, "init")
+            os.makedirs(leaf, exist_ok=True)
+            for pid in _read_pids(d):
+                try:
+                    _write(os.path.join(leaf, "cgroup.procs"), str(pid))
+                except OSError:
+                    pass  # exited, or a kernel thread
+            _write(ctl, "+memory +pids +cpu")
+
+    # ---- per sandbox -----------------------------------------------------------------------
+    def paths_for(self, sandbox_id: str) -> list[str]:
+        check_id(sandbox_id)
+        return [os.path.join(b, sandbox_id) for b in self._bases]
+
+    def create(self, sandbox_id: str, cpu: float, memory_mb: int, pids: int) -> list[str]:
+        """Make the sandbox's cgroup dirs with limits written; all or nothing."""
+        paths = self.paths_for(sandbox_id)
+        made: list[str] = []
+        mem = int(memory_mb) * 1024 * 1024
+        quota = max(1000, int(round(cpu * CFS_PERIOD_US)))
+        try:
+            for p in paths:
+                os.mkdir(p, 0o755)
+                made.append(p)
+            if self.version == 2:
+                p = paths[0]
+                _write(p + "/memory.max", str(mem))
+                if self._swap is None:
+                    self._swap = os.path.exists(p + "/memory.swap.max")
+                if self._swap:
+                    _write(p + "/memory.swap.max", "0")
+                _write(p + "/pids.max", str(int(pids)))
+                _write(p + "/cpu.max", f"{quota} {CFS_PERIOD_US}")
+            else:
+                m = os.path.join(self._mem, sandbox_id)
+                _write(m + "/memory.limit_in_bytes", str(mem))
+                if self._memsw:  # memsw must be >= limit, so it comes second
+                    _write(m + "/memory.memsw.limit_in_bytes", str(mem))
+                _write(os.path.join(self._pids, sandbox_id) + "/pids.max", str(int(pids)))
+                c = os.path.join(self._cpu, sandbox_id)
+                _write(c + "/cpu.cfs_period_us", str(CFS_PERIOD_US))
+                _write(c + "/cpu.cfs_quota_us", str(quota))
+        except BaseException:
+            for p in reversed(made):
+                try:
+                    os.rmdir(p)
+                except OSError:
+                    pass
+            raise
+        return paths
+
+    def procs_files(self, paths: list[str]) -> list[str]:
+        return [os.path.join(p, "cgroup.procs") for p in paths]
+
+    def pids(self, paths: list[str]) -> set[int]:
+        out: set[int] = set()
+        for p in paths:
+            out.update(_read_pids(p))
+        return out
+
+    def kill_all(self, paths: list[str], timeout: float = 2.0) -> None:
+        """SIGKILL every process in the cgroups until they are empty (or ``timeout``)."""
+        if self.version == 2 and paths:
+            try:
+                _write(paths[0] + "/cgroup.kill", "1")
+            except FileNotFoundError:
+                pass  # no cgroup.kill (kernel < 5.14) or no cgroup: the loop below does it
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while True:
+            pids = self.pids(paths)
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            # v1 frozen tasks do not act on SIGKILL until thawed.
+            if self.version == 1:
+                self.thaw(paths, wait=False)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def remove(self, paths: list[str], timeout: float = 1.0) -> None:
+        """rmdir each path (children first). A dying process may keep a cgroup busy for a few
+        ms, so EBUSY is retried; missing dirs are fine. Raises OSError if one stays busy."""
+        deadline = time.monotonic() + timeout
+        for p in paths:
+            delay = 0.0005
+            while True:
+                try:
+                    os.rmdir(p)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    if e.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+                        raise
+                    self._remove_children(p)
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.05)
+
+    def _remove_children(self, path: str) -> None:
+        try:
+            entries = list(os.scandir(path))
+        except FileNotFoundError:
+            return
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                self._remove_children(e.path)
+                try:
+                    os.rmdir(e.path)
+                except OSError:
+                    pass
+
+    def list_ids(self) -> set[str]:
+        ids: set[str] = set()
+        for b in self._bases:
+            try:
+                with os.scandir(b) as it:
+                    for e in it:
+                        if e.is_dir(follow_symlinks=False) and _ID_RE.match(e.name):
+                            ids.add(e.name)
+            except FileNotFoundError:
+                pass
+        return ids
+
+    def memory_usage(self, paths: list[str]) -> int:
+        fname = "memory.current" if self.version == 2 else "memory.usage_in_bytes"
+        for p in paths:
+            try:
+                return int(_read(os.path.join(p, fname)))
+            except FileNotFoundError:
+                continue
+        return 0
+
+    # ---- freezer ---------------------------------------------------------------------------
+    def _freezer_path(self, paths: list[str]) -> str:
+        if self.version == 2:
+            return paths[0]
+        if self._freezer is None:
+            raise OSError(errno.ENOTSUP, "no v1 freezer hierarchy mounted")
+        for p in paths:
+            if os.path.dirname(p) == self._freezer:
+                return p
+        raise OSError(errno.ENOENT, "no freezer cgroup among the sandbox's paths")
+
+    def is_frozen(self, paths: list[str]) -> bool:
+        p = self._freezer_path(paths)
+        if self.version == 2:
+            return "frozen 1" in _read(p + "/cgroup.events")
+        return _read(p + "/freezer.state").strip() == "FROZEN"
+
+    def freeze(self, paths: list[str], timeout: float = 5.0) -> None:
+        """Stop every process in the sandbox; returns once the kernel reports it frozen."""
+        p = self._freezer_path(paths)
+        if self.version == 2:
+            _write(p + "/cgroup.freeze", "1")
+        else:
+            _write(p + "/freezer.state", "FROZEN")
+        self._wait_state(paths, True, timeout)
+
+    def thaw(self, paths: list[str], wait: bool = True, timeout: float = 5.0) -> None:
+        try:
+            p = self._freezer_path(paths)
+        except OSError:
+            if wait:
+                raise
+            return
+        try:
+            if self.version == 2:
+                _write(p + "/cgroup.freeze", "0")
+            else:
+                _write(p + "/freezer.state", "THAWED")
+        except FileNotFoundError:
+            if wait:
+                raise
+            return
+        if wait:
+            self._wait_state(paths, False, timeout)
+
+    def _wait_state(self, paths: list[str], frozen: bool, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while self.is_frozen(paths) != frozen:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"cgroup did not become {'frozen' if frozen else 'thawed'}")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)

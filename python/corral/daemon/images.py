@@ -1,0 +1,456 @@
+"""Image registry: the builtin ``host`` image and imported rootfs directories / tarballs.
+
+An image is a list of overlays ``(target inside the sandbox, lower dirs top-first)``, target "/"
+first; the substrate mounts each with a private upper dir. Layout on disk:
+``<state_dir>/images/<name>/{rootfs/, image.json}``. ``images/`` is 0700 because imported trees
+may hold files that must not be reachable by unprivileged host users.
+
+The ``host`` image shows the host's OS read-only and nothing else. overlayfs refuses a lower layer
+that contains the upper dir, so host "/" cannot be a lower layer; instead ``host/rootfs`` is a
+skeleton (bin/lib symlinks, empty mountpoints, a sanitized copy of /etc) and the host's /usr (and
+/bin, /lib... on hosts without merged /usr) are stacked on top as their own overlays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import tarfile
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from corral.errors import Conflict, ImageNotFound, InvalidRequest
+from corral.models import MAX_TIMEOUT_S, ImageInfo
+
+HOST = "host"
+# Bump when the host skeleton's recipe changes: every daemon then rebuilds it once.
+HOST_IMAGE_VERSION = 1
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.\-]{0,62}$")
+_TOP_LEVEL_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+# Empty mountpoints / private dirs of the skeleton, with their modes.
+_SKELETON_DIRS = {
+    "usr": 0o755, "proc": 0o555, "dev": 0o755, "sys": 0o555, "tmp": 0o1777, "run": 0o755,
+    "var": 0o755, "var/tmp": 0o1777, "root": 0o700, "home": 0o755, "mnt": 0o755,
+    "opt": 0o755, "srv": 0o755,
+}
+_SUID_BITS = stat.S_ISUID | stat.S_ISGID
+
+
+@dataclass
+class Image:
+    name: str
+    kind: str  # "builtin" | "rootfs"
+    created_at: float
+    overlays: list[tuple[str, list[str]]]
+    size_bytes: int | None = None
+    path: str = ""  # images/<name>
+    meta: dict = field(default_factory=dict)
+
+    def info(self) -> ImageInfo:
+        return ImageInfo(name=self.name, kind=self.kind, created_at=self.created_at,
+                         size_bytes=self.size_bytes)
+
+
+# ---- host layout ---------------------------------------------------------------------------
+def _host_layout() -> dict[str, str | None]:
+    """For each of bin/sbin/lib*: its symlink target on the host, None if it is a real
+    directory; absent if it does not exist."""
+    out: dict[str, str | None] = {}
+    for n in _TOP_LEVEL_LINKS:
+        p = "/" + n
+        if os.path.islink(p):
+            out[n] = os.readlink(p)
+        elif os.path.isdir(p):
+            out[n] = None
+    return out
+
+
+def _etc_fingerprint() -> str:
+    """Changes when /etc gains, loses or changes a file (a package install adds
+    /etc/alternatives links the sandbox needs), so the skeleton follows the host."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk("/etc"):
+        dirnames.sort()
+        for n in sorted(filenames) + dirnames:
+            p = os.path.join(dirpath, n)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            h.update(f"{p}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_uid}\n".encode())
+    return h.hexdigest()
+
+
+def _host_marker() -> str:
+    layout = json.dumps(_host_layout(), sort_keys=True)
+    return f"v{HOST_IMAGE_VERSION}:{hashlib.sha256(layout.encode()).hexdigest()[:16]}:" \
+           f"{_etc_fingerprint()[:32]}"
+
+
+def _host_overlays(rootfs: str) -> list[tuple[str, list[str]]]:
+    ov: list[tuple[str, list[str]]] = [("/", [rootfs]), ("/usr", ["/usr"])]
+    for n, target in _host_layout().items():
+        if target is None:
+            ov.append(("/" + n, ["/" + n]))
+    return ov
+
+
+# ---- copying -------------------------------------------------------------------------------
+def _world_readable(st: os.stat_result) -> bool:
+    if stat.S_ISDIR(st.st_mode):
+        return st.st_mode & 0o005 == 0o005
+    return bool(st.st_mode & 0o004)
+
+
+def _copy_tree(src: str, dst: str, sanitize: bool) -> int:
+    """Copy ``src`` into the existing dir ``dst`` with ``cp -a`` semantics: symlinks kept as
+    symlinks, owners, modes and times preserved, hard links kept. Devices and sockets are
+    skipped (a device node in a lower layer would be a door to host hardware) and setuid/setgid
+    bits stripped. With ``sanitize`` anything not world-readable is skipped too (secrets).
+    Returns the bytes of regular files copied."""
+    total = 0
+    links: dict[tuple[int, int], str] = {}
+    dirs: list[tuple[str, os.stat_result]] = []
+
+    def walk(s: str, d: str) -> None:
+        nonlocal total
+        with os.scandir(s) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for e in entries:
+            sp, dp = e.path, os.path.join(d, e.name)
+            try:
+                st = os.lstat(sp)
+            except OSError:
+                continue
+            mode = st.st_mode
+            if stat.S_ISLNK(mode):
+                os.symlink(os.readlink(sp), dp)
+            elif sanitize and not _world_readable(st):
+                continue
+            elif stat.S_ISDIR(mode):
+                os.mkdir(dp, 0o700)
+                dirs.append((dp, st))
+                walk(sp, dp)
+                continue  # owner, mode and times are set after its contents
+            elif stat.S_ISREG(mode):
+                key = (st.st_dev, st.st_ino)
+                if st.st_nlink > 1 and key in links:
+                    os.link(links[key], dp)
+                    continue
+                shutil.copyfile(sp, dp, follow_symlinks=False)
+                os.chmod(dp, stat.S_IMODE(mode) & ~_SUID_BITS)
+                total += st.st_size
+                if st.st_nlink > 1:
+                    links[key] = dp
+            elif stat.S_ISFIFO(mode):
+                os.mkfifo(dp, stat.S_IMODE(mode) & 0o777)
+            else:
+                continue  # sockets, char and block devices
+            os.lchown(dp, st.st_uid, st.st_gid)
+            os.utime(dp, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+    walk(src, dst)
+    for dp, st in reversed(dirs):
+        os.lchown(dp, st.st_uid, st.st_gid)
+        os.chmod(dp, stat.S_IMODE(st.st_mode))
+        os.utime(dp, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return total
+
+
+def _safe_rel(name: str) -> str | None:
+    """A tar member name as a path relative to the rootfs: leading "/" and "./" dropped like
+    GNU tar does; ``..`` refused. None for the archive's root entry."""
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if any(p == ".." for p in parts):
+        raise InvalidRequest(f"tar member {name!r} escapes the image root ('..')")
+    if any("\0" in p for p in parts):
+        raise InvalidRequest(f"tar member {name!r} has a NUL byte")
+    return "/".join(parts) or None
+
+
+def _real_parent(root: str, rel: str) -> str:
+    """The host path of ``rel``'s parent, made if missing; refuses a parent that is (or goes
+    through) a symlink, so no member is ever written through a link to outside the root."""
+    d = root
+    for part in rel.split("/")[:-1]:
+        d = os.path.join(d, part)
+        try:
+            st = os.lstat(d)
+        except FileNotFoundError:
+            os.mkdir(d, 0o755)
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            raise InvalidRequest(f"tar member {rel!r} goes through a non-directory {part!r}")
+    return d
+
+
+def _extract_tar(source: str, dst: str) -> int:
+    """Extract a (compressed) tarball into ``dst`` without trusting it: every path is made
+    relative and checked component by component, nothing is written through a symlink, hard
+    links must point at a file already extracted, devices are skipped, setuid bits stripped.
+    Member symlinks are kept verbatim: the sandbox resolves them inside its own root."""
+    total = 0
+    dirs: list[tuple[str, tarfile.TarInfo]] = []
+    try:
+        tf = tarfile.open(source, "r:*")
+    except (tarfile.TarError, OSError) as e:
+        raise InvalidRequest(f"cannot read tarball {source}: {e}") from e
+    with tf:
+        try:
+            members = iter(tf)
+            for m in members:
+                rel = _safe_rel(m.name)
+                if rel is None:
+                    continue
+                parent = _real_parent(dst, rel)
+                target = os.path.join(parent, os.path.basename(rel))
+                try:
+                    st = os.lstat(target)
+                    if not (m.isdir() and stat.S_ISDIR(st.st_mode)):
+                        # A later member replaces an earlier one (tar semantics).
+                        shutil.rmtree(target) if stat.S_ISDIR(st.st_mode) else os.unlink(target)
+                except FileNotFoundError:
+                    pass
+                if m.isdir():
+                    if not os.path.isdir(target):
+                        os.mkdir(target, 0o700)
+                    dirs.append((target, m))
+                    continue
+                if m.isreg():
+                    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                                 | os.O_CLOEXEC, 0o600)
+                    with os.fdopen(fd, "wb") as out:
+                        f = tf.extractfile(m)
+                        if f is not None:
+                            shutil.copyfileobj(f, out, 1 << 20)
+                    os.chmod(target, m.mode & 0o7777 & ~_SUID_BITS)
+                    total += m.size
+                elif m.issym():
+                    if "\0" in m.linkname:
+                        raise InvalidRequest(f"tar member {m.name!r}: bad link target")
+                    os.symlink(m.linkname, target)
+                elif m.islnk():
+                    lrel = _safe_rel(m.linkname)
+                    if lrel is None:
+                        raise InvalidRequest(f"tar member {m.name!r}: bad hard link")
+                    src = os.path.join(_real_parent(dst, lrel), os.path.basename(lrel))
+                    try:
+                        sst = os.lstat(src)
+                    except FileNotFoundError:
+                        raise InvalidRequest(
+                            f"tar member {m.name!r}: hard link to missing {m.linkname!r}"
+                        ) from None
+                    if not stat.S_ISREG(sst.st_mode):
+                        raise InvalidRequest(f"tar member {m.name!r}: hard link to non-file")
+                    os.link(src, target, follow_symlinks=False)
+                    continue
+                elif m.isfifo():
+                    os.mkfifo(target, m.mode & 0o777)
+                else:
+                    continue  # devices and unknown types
+                os.lchown(target, m.uid, m.gid)
+                if not m.issym():
+                    os.utime(target, (m.mtime, m.mtime))
+        except tarfile.TarError as e:
+            raise InvalidRequest(f"corrupt tarball {source}: {e}") from e
+    for target, m in reversed(dirs):
+        if not stat.S_ISDIR(os.lstat(target).st_mode):
+            continue  # replaced by a later member
+        os.lchown(target, m.uid, m.gid)
+        os.chmod(target, m.mode & 0o7777)
+        os.utime(target, (m.mtime, m.mtime))
+    return total
+
+
+# ---- the store -----------------------------------------------------------------------------
+class ImageStore:
+    def __init__(self, state_dir: str) -> None:
+        self.dir = os.path.join(state_dir, "images")
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        self._lock = threading.Lock()
+        self._images: dict[str, Image] = {}
+        self._gc_temp()
+        for n in sorted(os.listdir(self.dir)):
+            if NAME_RE.match(n):
+                img = self._load(n)
+                if img is not None:
+                    self._images[n] = img
+
+    # ---- loading ---------------------------------------------------------------------------
+    def _load(self, name: str) -> Image | None:
+        path = os.path.join(self.dir, name)
+        try:
+            with open(os.path.join(path, "image.json")) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            return None
+        rootfs = os.path.join(path, "rootfs")
+        kind = meta.get("kind", "rootfs")
+        overlays = _host_overlays(rootfs) if kind == "builtin" else [("/", [rootfs])]
+        return Image(name=name, kind=kind, created_at=float(meta.get("created_at", 0.0)),
+                     overlays=overlays, size_bytes=meta.get("size_bytes"), path=path, meta=meta)
+
+    def _gc_temp(self) -> None:
+        """Remove half-built images left by a crash, and old host skeletons that no live
+        sandbox can still use (older than the longest sandbox TTL)."""
+        now = time.time()
+        for n in os.listdir(self.dir):
+            p = os.path.join(self.dir, n)
+            if n.startswith(".tmp-"):
+                shutil.rmtree(p, ignore_errors=True)
+            elif n.startswith(".old-"):
+                try:
+                    if now - os.lstat(p).st_mtime > MAX_TIMEOUT_S:
+                        shutil.rmtree(p, ignore_errors=True)
+                except OSError:
+                    pass
+
+    def _tmpdir(self, name: str) -> str:
+        return tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=self.dir)
+
+    @staticmethod
+    def _write_meta(path: str, meta: dict) -> None:
+        with open(os.path.join(path, "image.json"), "w") as f:
+            json.dump(meta, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+
+    # ---- host ------------------------------------------------------------------------------
+    def ensure_host(self) -> Image:
+        """Build the ``host`` skeleton if missing or stale; cheap (~ms) when up to date."""
+        marker = _host_marker()
+        with self._lock:
+            cur = self._images.get(HOST)
+            if cur is not None and cur.meta.get("marker") == marker \
+                    and os.path.isdir(os.path.join(cur.path, "rootfs")):
+                return cur
+            tmp = self._tmpdir(HOST)
+            try:
+                os.chmod(tmp, 0o755)
+                size = self._build_host(os.path.join(tmp, "rootfs"))
+                meta = {"name": HOST, "kind": "builtin", "created_at": time.time(),
+                        "marker": marker, "size_bytes": size}
+                self._write_meta(tmp, meta)
+                final = os.path.join(self.dir, HOST)
+                if os.path.lexists(final):
+                    # Live sandboxes may still have the old skeleton as a lower layer: set it
+                    # aside (deleted after the longest TTL) instead of deleting it under them.
+                    old = os.path.join(self.dir, f".old-{HOST}-{time.time_ns()}")
+                    os.rename(final, old)
+                    os.utime(old)
+                os.rename(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            img = self._load(HOST)
+            assert img is not None
+            self._images[HOST] = img
+            return img
+
+    @staticmethod
+    def _build_host(rootfs: str) -> int:
+        os.mkdir(rootfs, 0o755)
+        layout = _host_layout()
+        for n, target in layout.items():
+            if target is not None:
+                os.symlink(target, os.path.join(rootfs, n))
+            else:
+                os.mkdir(os.path.join(rootfs, n), 0o755)  # mountpoint for the host's dir
+        for d, mode in _SKELETON_DIRS.items():
+            p = os.path.join(rootfs, d)
+            os.mkdir(p)
+            os.chmod(p, mode)  # chmod, not mkdir's mode: the umask must not eat 1777
+        etc = os.path.join(rootfs, "etc")
+        os.mkdir(etc)
+        size = _copy_tree("/etc", etc, sanitize=True)
+        st = os.stat("/etc")
+        os.chmod(etc, stat.S_IMODE(st.st_mode))
+        return size
+
+    # ---- queries ---------------------------------------------------------------------------
+    def get(self, name: str) -> Image:
+        with self._lock:
+            img = self._images.get(name)
+        if img is None and name == HOST:
+            return self.ensure_host()
+        if img is None:
+            avail = ", ".join(sorted(set(self._images) | {HOST}))
+            raise ImageNotFound(f"no image named {name!r}; available: {avail}",
+                                details={"image": name, "available": sorted(
+                                    set(self._images) | {HOST})})
+        return img
+
+    def list(self) -> list[ImageInfo]:
+        if HOST not in self._images:
+            self.ensure_host()
+        with self._lock:
+            return [self._images[n].info() for n in sorted(self._images)]
+
+    # ---- import / remove -------------------------------------------------------------------
+    def import_image(self, name: str, source: str) -> ImageInfo:
+        """Import a rootfs directory or tarball (.tar, .tar.gz, .tgz, .tar.xz, ...) as
+        ``name``. Built in a temp dir and renamed into place, so it appears whole or not at
+        all; a name already taken is a Conflict."""
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise InvalidRequest(f"invalid image name {name!r}: must match {NAME_RE.pattern}")
+        if name == HOST or name in self._images:
+            raise Conflict(f"image {name!r} already exists", details={"image": name})
+        if not isinstance(source, str) or not source or "\0" in source:
+            raise InvalidRequest("source must be a host path")
+        src = os.path.abspath(source)
+        try:
+            st = os.stat(src)
+        except OSError as e:
+            raise InvalidRequest(f"cannot read source {source!r}: {e.strerror}") from e
+        tmp = self._tmpdir(name)
+        try:
+            os.chmod(tmp, 0o755)
+            rootfs = os.path.join(tmp, "rootfs")
+            os.mkdir(rootfs, 0o755)
+            if stat.S_ISDIR(st.st_mode):
+                if os.path.commonpath([src, self.dir]) == self.dir \
+                        or os.path.commonpath([src, tmp]) == src:
+                    raise InvalidRequest("source overlaps the image store")
+                size = _copy_tree(src, rootfs, sanitize=False)
+                os.chmod(rootfs, stat.S_IMODE(st.st_mode) | 0o755)
+            elif stat.S_ISREG(st.st_mode):
+                size = _extract_tar(src, rootfs)
+                os.chmod(rootfs, 0o755)
+            else:
+                raise InvalidRequest(f"source {source!r} is neither a directory nor a file")
+            meta = {"name": name, "kind": "rootfs", "created_at": time.time(),
+                    "source": src, "size_bytes": size}
+            self._write_meta(tmp, meta)
+            with self._lock:
+                final = os.path.join(self.dir, name)
+                try:
+                    os.rename(tmp, final)
+                except OSError as e:  # EEXIST / ENOTEMPTY: taken meanwhile
+                    raise Conflict(f"image {name!r} already exists",
+                                   details={"image": name}) from e
+                img = self._load(name)
+                assert img is not None
+                self._images[name] = img
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return img.info()
+
+    def remove(self, name: str) -> None:
+        """Delete an imported image. The engine must make sure no live sandbox uses it."""
+        if name == HOST:
+            raise InvalidRequest("the builtin 'host' image cannot be removed")
+        with self._lock:
+            img = self._images.pop(name, None)
+            if img is None:
+                raise ImageNotFound(f"no image named {name!r}", details={"image": name})
+            trash = os.path.join(self.dir, f".tmp-rm-{name}-{time.time_ns()}")
+            os.rename(img.path, trash)
+        shutil.rmtree(trash, ignore_errors=True)

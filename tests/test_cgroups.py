@@ -1,0 +1,206 @@
+"""CgroupManager against the real kernel (root required), on a private cgroup name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from corral.daemon.cgroups import CgroupManager
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="cgroups need root")
+MiB = 1024 * 1024
+
+
+def _cleanup(m: CgroupManager) -> None:
+    for sid in m.list_ids():
+        paths = m.paths_for(sid)
+        m.kill_all(paths)
+        m.remove(paths)
+    for b in m._bases:
+        try:
+            os.rmdir(b)
+        except FileNotFoundError:
+            pass
+
+
+@pytest.fixture
+def cg():
+    m = CgroupManager(f"corral-unit-{os.getpid()}")
+    try:
+        yield m
+    finally:
+        _cleanup(m)
+        assert not any(os.path.exists(b) for b in m._bases)
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _joined_child(cg: CgroupManager, paths: list[str]) -> subprocess.Popen:
+    """A real process that joins the sandbox's cgroups the way the Rust core does (write "0"
+    to each procs file) and then execs a sleeper."""
+    files = " ".join(cg.procs_files(paths))
+    child = subprocess.Popen(
+        ["/bin/sh", "-c", f"for f in {files}; do echo 0 > $f || exit 3; done; exec sleep 300"])
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise AssertionError(f"child exited early: {child.returncode}")
+        if all(child.pid in set(map(int, _read(f).split())) for f in cg.procs_files(paths)) \
+                and os.path.basename(os.readlink(f"/proc/{child.pid}/exe")) == "sleep":
+            return child
+        time.sleep(0.01)
+    child.kill()
+    raise AssertionError("child did not join its cgroups")
+
+
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_version_matches_host(cg):
+    try:
+        ctl = set(_read("/sys/fs/cgroup/cgroup.controllers").split())
+    except FileNotFoundError:
+        try:
+            ctl = set(_read("/sys/fs/cgroup/unified/cgroup.controllers").split())
+        except FileNotFoundError:
+            ctl = set()
+    assert cg.version == (2 if {"memory", "pids", "cpu"} <= ctl else 1)
+
+
+def test_create_writes_limits(cg):
+    paths = cg.create("lim-1", cpu=1.5, memory_mb=96, pids=77)
+    assert paths == cg.paths_for("lim-1")
+    assert all(os.path.isdir(p) for p in paths)
+    if cg.version == 2:
+        (p,) = paths
+        assert _read(p + "/memory.max") == str(96 * MiB)
+        assert _read(p + "/pids.max") == "77"
+        assert _read(p + "/cpu.max") == "150000 100000"
+        if os.path.exists(p + "/memory.swap.max"):
+            assert _read(p + "/memory.swap.max") == "0"
+    else:
+        by_ctl = {os.path.basename(os.path.dirname(os.path.dirname(p))): p for p in paths}
+        mem = next(p for p in paths if os.path.exists(p + "/memory.limit_in_bytes"))
+        assert _read(mem + "/memory.limit_in_bytes") == str(96 * MiB)
+        if os.path.exists(mem + "/memory.memsw.limit_in_bytes"):
+            assert _read(mem + "/memory.memsw.limit_in_bytes") == str(96 * MiB)
+        pid = next(p for p in paths if os.path.exists(p + "/pids.max"))
+        assert _read(pid + "/pids.max") == "77"
+        cpu = next(p for p in paths if os.path.exists(p + "/cpu.cfs_quota_us"))
+        assert _read(cpu + "/cpu.cfs_quota_us") == "150000"
+        assert _read(cpu + "/cpu.cfs_period_us") == "100000"
+        if os.path.isdir("/sys/fs/cgroup/freezer"):
+            assert any(os.path.exists(p + "/freezer.state") for p in paths), by_ctl
+    assert cg.list_ids() == {"lim-1"}
+    cg.remove(paths)
+    assert not any(os.path.exists(p) for p in paths)
+    assert cg.list_ids() == set()
+
+
+def test_create_is_all_or_nothing(cg):
+    with pytest.raises(OSError):
+        cg.create("bad-limit", cpu=1, memory_mb=64, pids=-5)  # the kernel refuses pids.max
+    assert not any(os.path.exists(p) for p in cg.paths_for("bad-limit"))
+    cg.create("dup", cpu=1, memory_mb=64, pids=10)
+    with pytest.raises(FileExistsError):
+        cg.create("dup", cpu=1, memory_mb=64, pids=10)
+    assert all(os.path.isdir(p) for p in cg.paths_for("dup"))  # the first one is untouched
+
+
+def test_join_kill_remove_real_process(cg):
+    paths = cg.create("run-1", cpu=1, memory_mb=64, pids=32)
+    child = _joined_child(cg, paths)
+    try:
+        assert cg.pids(paths) == {child.pid}
+        assert cg.memory_usage(paths) > 0
+        cg.kill_all(paths)
+        assert child.wait(5) == -signal.SIGKILL
+        assert cg.pids(paths) == set()
+        cg.remove(paths)
+        assert not any(os.path.exists(p) for p in paths)
+        assert "run-1" not in cg.list_ids()
+        cg.remove(paths)  # idempotent: already gone is fine
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_kill_all_reaches_a_process_tree(cg):
+    paths = cg.create("tree-1", cpu=1, memory_mb=64, pids=64)
+    files = " ".join(cg.procs_files(paths))
+    child = subprocess.Popen(
+        ["/bin/sh", "-c", f"for f in {files}; do echo 0 > $f; done; "
+                          "sleep 300 & sleep 300 & sleep 300 & wait"],
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 5
+        while len(cg.pids(paths)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(cg.pids(paths)) == 4
+        cg.kill_all(paths)
+        child.wait(5)
+        assert cg.pids(paths) == set()  # grandchildren die too (reaped by init here)
+        cg.remove(paths)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+
+
+def test_freeze_thaw_real_process(cg):
+    paths = cg.create("frz-1", cpu=1, memory_mb=64, pids=32)
+    child = _joined_child(cg, paths)
+    try:
+        assert _proc_state(child.pid) == "S"
+        cg.freeze(paths)
+        assert cg.is_frozen(paths)
+        # A frozen task shows as uninterruptible sleep (D) in /proc.
+        assert _proc_state(child.pid) == "D"
+        cg.thaw(paths)
+        assert not cg.is_frozen(paths)
+        assert _proc_state(child.pid) == "S"
+        # A frozen sandbox can still be killed (v1 needs the thaw kill_all does).
+        cg.freeze(paths)
+        cg.kill_all(paths)
+        assert child.wait(5) == -signal.SIGKILL
+        cg.remove(paths)
+    finally:
+        if child.poll() is None:
+            cg.thaw(paths, wait=False)
+            child.kill()
+            child.wait()
+
+
+@pytest.mark.parametrize("bad", ["", "../x", "..", "a/b", "A1", "x_y", "a b",
+                                 "/abs", "a\0b", "x" * 200, "é"])
+def test_bad_ids_rejected(cg, bad):
+    with pytest.raises(ValueError):
+        cg.paths_for(bad)
+    with pytest.raises(ValueError):
+        cg.create(bad, cpu=1, memory_mb=64, pids=10)
+    assert cg.list_ids() == set()
+
+
+def test_bad_name_rejected():
+    for bad in ["../escape", "/abs", "a/../b", ""]:
+        with pytest.raises(ValueError):
+            CgroupManager(bad)
+
+
+def test_list_ids_ignores_foreign_entries(cg):
+    cg.create("one", cpu=0.5, memory_mb=32, pids=8)
+    cg.create("two", cpu=0.5, memory_mb=32, pids=8)
+    os.mkdir(os.path.join(cg._bases[0], "Not_An_Id"))
+    try:
+        assert cg.list_ids() == {"one", "two"}
+    finally:
+        os.rmdir(os.path.join(cg._bases[0], "Not_An_Id"))
