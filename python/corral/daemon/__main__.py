@@ -1,0 +1,189 @@
+"""corrald: the corral daemon. ``python -m corral.daemon`` or ``corrald``.
+
+Flags override the environment (see corral.config). SIGTERM or SIGINT stops it gracefully:
+every sandbox is destroyed and the socket removed. One daemon per state dir, enforced by an
+flock on ``<state_dir>/corrald.pid`` (released by the kernel even after kill -9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import fcntl
+import logging
+import os
+import resource
+import signal
+import socket
+import sys
+
+from aiohttp import web
+
+from corral import __version__, config
+from corral.daemon import logs
+from corral.daemon.app import create_app
+from corral.daemon.engine import Engine
+
+log = logging.getLogger("corral.daemon")
+PIDFILE = "corrald.pid"
+
+
+class StartupError(Exception):
+    """A reason not to start, told to the operator in one line."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="corrald", description="corral sandbox daemon")
+    p.add_argument("--state-dir", help="state root (default $CORRAL_STATE_DIR or "
+                                       "/var/lib/corral)")
+    p.add_argument("--socket", help="unix socket path (default $CORRAL_SOCKET or "
+                                    "/run/corral/corrald.sock)")
+    p.add_argument("--tcp", help="also listen on HOST:PORT (requires --token)")
+    p.add_argument("--token", help="bearer token required on TCP (default $CORRAL_TOKEN)")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
+    p.add_argument("--version", action="version", version=f"corrald {__version__}")
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> config.Config:
+    over = {k: v for k, v in {"state_dir": args.state_dir, "socket_path": args.socket,
+                              "tcp_listen": args.tcp, "token": args.token,
+                              "log_level": args.log_level}.items() if v is not None}
+    cfg = dataclasses.replace(config.load(), **over)
+    return dataclasses.replace(cfg, state_dir=os.path.abspath(cfg.state_dir),
+                               socket_path=os.path.abspath(cfg.socket_path))
+
+
+def raise_nofile() -> int:
+    """Each sandbox holds a pidfd (and exec pipes come and go): lift the fd limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        with open("/proc/sys/fs/nr_open") as f:
+            want = int(f.read())
+    except (OSError, ValueError):
+        want = hard
+    for limit in (want, hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, max(limit, hard)))
+            return limit
+        except (ValueError, OSError):
+            continue
+    return soft
+
+
+def lock_pidfile(state_dir: str) -> int:
+    path = os.path.join(state_dir, PIDFILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise StartupError(f"another corrald (pid {other or '?'}) runs on {state_dir}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def bind_unix(path: str) -> socket.socket:
+    """A root-only socket (0600) in a directory we make 0700."""
+    d = os.path.dirname(path)
+    if not os.path.isdir(d):
+        os.makedirs(d, mode=0o700)
+        os.chmod(d, 0o700)
+    if os.path.lexists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # stale: its daemon is gone
+        else:
+            raise StartupError(f"another daemon is listening on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    return sock
+
+
+def parse_hostport(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    try:
+        return host.strip("[]") or "127.0.0.1", int(port)
+    except ValueError:
+        raise StartupError(f"--tcp must be HOST:PORT, got {value!r}") from None
+
+
+async def serve(cfg: config.Config) -> None:
+    if cfg.tcp_listen and not cfg.token:
+        raise StartupError("refusing to listen on TCP without a token (--token or "
+                           "CORRAL_TOKEN)")
+    os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
+    lock_fd = lock_pidfile(cfg.state_dir)
+    sock = bind_unix(cfg.socket_path)
+    engine = Engine(cfg)
+    runner: web.AppRunner | None = None
+    try:
+        await engine.start()
+        app = create_app(engine, cfg.token or None)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
+        await runner.setup()
+        await web.SockSite(runner, sock, backlog=4096).start()
+        if cfg.tcp_listen:
+            host, port = parse_hostport(cfg.tcp_listen)
+            await web.TCPSite(runner, host, port, backlog=4096).start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        log.info("corrald started", extra={"version": __version__, "pid": os.getpid(),
+                                           "socket": cfg.socket_path, "tcp": cfg.tcp_listen,
+                                           "state_dir": cfg.state_dir,
+                                           "sandboxes": len(engine.sandboxes)})
+        await stop.wait()
+        log.info("stopping")
+    finally:
+        # Stop taking connections first, then destroy everything, then let handlers finish.
+        try:
+            os.unlink(cfg.socket_path)
+        except FileNotFoundError:
+            pass
+        await engine.shutdown()
+        if runner is not None:
+            await runner.cleanup()
+        sock.close()
+        try:
+            os.unlink(os.path.join(cfg.state_dir, PIDFILE))
+        finally:
+            os.close(lock_fd)
+        log.info("corrald stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = build_config(args)
+    logs.setup(cfg.log_level)
+    if os.geteuid() != 0:
+        log.error("corrald must run as root (it makes namespaces, mounts and cgroups)")
+        return 1
+    nofile = raise_nofile()
+    log.debug("fd limit", extra={"nofile": nofile})
+    try:
+        asyncio.run(serve(cfg))
+    except StartupError as e:
+        log.error(str(e))
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,477 @@
+"""The HTTP/JSON API: routes -> engine calls, errors -> JSON, bearer auth on TCP.
+
+``ROUTES`` is the one table of the API: the app registers it and ``corral.daemon.openapi``
+generates the spec from it, so the two cannot drift apart.
+
+Responses are built as plain dicts and ``json.dumps``: no pydantic model on the way out (it
+would cost more than the sandbox operation for small calls). Requests are validated with the
+shared pydantic models; a validation failure is ``invalid_request`` with pydantic's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from corral.daemon.engine import MAX_READ_BYTES, Engine
+from corral.errors import (
+    CorralError,
+    InternalError,
+    InvalidPath,
+    InvalidRequest,
+    NotFound,
+    Unauthorized,
+)
+from corral.models import (
+    CreateManyRequest,
+    DaemonStatus,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    ImageInfo,
+    ImportImageRequest,
+    KillProcessRequest,
+    MkdirRequest,
+    ProcessHandle,
+    ProcessStatus,
+    RemoveRequest,
+    RenameRequest,
+    SandboxInfo,
+    SandboxSpec,
+    SetTimeoutRequest,
+    StdinRequest,
+    WaitRequest,
+)
+
+log = logging.getLogger("corral.api")
+
+ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
+MAX_BODY = 1 << 30           # file and tar uploads come as request bodies
+BIG_BODY = 1 << 20           # bigger writes go through a thread
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+# ---- helpers ---------------------------------------------------------------------------
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=json.dumps(obj, separators=(",", ":")).encode(), status=status,
+                        content_type="application/json")
+
+
+_OK = b'{"ok":true}'
+
+
+def _ok() -> web.Response:
+    return web.Response(body=_OK, content_type="application/json")
+
+
+def _error(err: CorralError, status: int | None = None) -> web.Response:
+    return _json(err.to_payload(), status or err.status)
+
+
+def validation_message(e: ValidationError) -> tuple[str, list[dict[str, Any]]]:
+    errs = [{"loc": [str(x) for x in d["loc"]], "msg": d["msg"], "type": d["type"]}
+            for d in e.errors(include_url=False, include_input=False, include_context=False)]
+    text = "; ".join(f"{'.'.join(d['loc']) or 'body'}: {d['msg']}" for d in errs[:5])
+    return text, errs
+
+
+async def _body(request: web.Request, model: type[BaseModel]) -> Any:
+    raw = await request.read()
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        text, errs = validation_message(e)
+        raise InvalidRequest(f"invalid {model.__name__}: {text}",
+                             details={"errors": errs}) from None
+
+
+def _engine(request: web.Request) -> Engine:
+    return request.app[ENGINE]
+
+
+def check_path(path: str, what: str = "path") -> str:
+    if not path.startswith("/") or "\0" in path or len(path) > 4096:
+        raise InvalidPath(f"{what} must be an absolute path inside the sandbox: {path!r}")
+    return path
+
+
+def _query_path(request: web.Request) -> str:
+    path = request.query.get("path")
+    if path is None:
+        raise InvalidRequest("missing query parameter 'path'")
+    return check_path(path)
+
+
+def _query_int(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw, 8) if len(raw) > 1 and raw.startswith("0") and raw.isdigit() \
+            else int(raw, 0)
+    except ValueError:
+        raise InvalidRequest(f"query parameter {name!r} must be an integer") from None
+    if not lo <= value <= hi:
+        raise InvalidRequest(f"query parameter {name!r} must be in [{lo}, {hi}]")
+    return value
+
+
+def _pid(request: web.Request) -> int:
+    try:
+        return int(request.match_info["pid"])
+    except ValueError:
+        raise InvalidRequest("process id must be an integer") from None
+
+
+def _entry(e: Any) -> Any:
+    return e.model_dump() if isinstance(e, BaseModel) else e
+
+
+# ---- handlers --------------------------------------------------------------------------
+async def health(request: web.Request) -> web.Response:
+    return web.Response(body=b'{"ok":true}', content_type="application/json")
+
+
+async def status(request: web.Request) -> web.Response:
+    return _json(_engine(request).status())
+
+
+async def create_sandbox(request: web.Request) -> web.Response:
+    spec = await _body(request, SandboxSpec)
+    return _json(_engine(request).create(spec).info(), 201)
+
+
+async def create_batch(request: web.Request) -> web.Response:
+    req = await _body(request, CreateManyRequest)
+    made = await _engine(request).create_many(req.count, req.spec)
+    return _json({"sandboxes": [sb.info() for sb in made]}, 201)
+
+
+async def list_sandboxes(request: web.Request) -> web.Response:
+    labels: dict[str, str | None] = {}
+    for item in request.query.getall("label", []):
+        key, eq, value = item.partition("=")
+        if not key:
+            raise InvalidRequest(f"bad label filter {item!r}: use key=value or key")
+        labels[key] = value if eq else None
+    return _json({"sandboxes": [sb.info() for sb in _engine(request).list(labels)]})
+
+
+async def get_sandbox(request: web.Request) -> web.Response:
+    return _json(_engine(request).get(request.match_info["id"]).info())
+
+
+async def kill_sandbox(request: web.Request) -> web.Response:
+    sid = request.match_info["id"]
+    killed = await _engine(request).kill(sid)
+    return _json({"id": sid, "killed": killed})
+
+
+async def set_timeout(request: web.Request) -> web.Response:
+    req = await _body(request, SetTimeoutRequest)
+    return _json(_engine(request).set_timeout(request.match_info["id"], req.timeout).info())
+
+
+async def exec_cmd(request: web.Request) -> web.Response:
+    req = await _body(request, ExecRequest)
+    return _json(await _engine(request).exec(request.match_info["id"], req))
+
+
+async def proc_status(request: web.Request) -> web.Response:
+    _, p = _engine(request).proc(request.match_info["id"], _pid(request))
+    return _json(p.status())
+
+
+async def proc_wait(request: web.Request) -> web.Response:
+    req = await _body(request, WaitRequest)
+    return _json(await _engine(request).wait(request.match_info["id"], _pid(request),
+                                             req.timeout))
+
+
+async def proc_stream(request: web.Request) -> web.StreamResponse:
+    """NDJSON: output chunks as they come (what was buffered first), then one final line:
+    ``{"exit_code", "timed_out"}``, or ``{"error": {...}}`` if the sandbox ended under it."""
+    engine = _engine(request)
+    sid = request.match_info["id"]
+    sb, p = engine.proc(sid, _pid(request))
+    queue: asyncio.Queue[tuple[str, str] | None] = asyncio.Queue()
+
+    def on_out(text: str) -> None:
+        queue.put_nowait(("stdout", text))
+
+    def on_err(text: str) -> None:
+        queue.put_nowait(("stderr", text))
+
+    if p.running:
+        first = [("stdout", p.stdout.subscribe(on_out)), ("stderr", p.stderr.subscribe(on_err))]
+        p.on_exit(lambda: queue.put_nowait(None))
+    else:
+        first = [("stdout", p.stdout.text()), ("stderr", p.stderr.text())]
+        queue.put_nowait(None)
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    try:
+        for name, text in first:
+            if text:
+                await resp.write(_line({"stream": name, "data": text}))
+        while (item := await queue.get()) is not None:
+            await resp.write(_line({"stream": item[0], "data": item[1]}))
+        final: dict[str, Any] = {"exit_code": p.exit_code, "timed_out": p.timed_out}
+        try:
+            engine.after_exit(sb, p)
+        except CorralError as e:
+            final = e.to_payload()
+        await resp.write(_line(final))
+        await resp.write_eof()
+    finally:
+        p.stdout.unsubscribe(on_out)
+        p.stderr.unsubscribe(on_err)
+    return resp
+
+
+def _line(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+async def proc_stdin(request: web.Request) -> web.Response:
+    req = await _body(request, StdinRequest)
+    _engine(request).stdin(request.match_info["id"], _pid(request), req.data, req.eof)
+    return _ok()
+
+
+async def proc_kill(request: web.Request) -> web.Response:
+    req = await _body(request, KillProcessRequest)
+    _engine(request).signal(request.match_info["id"], _pid(request), req.signal)
+    return _ok()
+
+
+async def file_read(request: web.Request) -> web.Response:
+    path = _query_path(request)
+    max_bytes = _query_int(request, "max_bytes", MAX_READ_BYTES, 0, MAX_READ_BYTES)
+    data = await _engine(request).read_file(request.match_info["id"], path, max_bytes)
+    return web.Response(body=data, content_type="application/octet-stream")
+
+
+async def file_write(request: web.Request) -> web.Response:
+    path = _query_path(request)
+    mode = _query_int(request, "mode", 0o644, 0, 0o7777)
+    data = await request.read()
+    await _engine(request).files(request.match_info["id"], "write_file", path, data, mode, True,
+                                 big=len(data) > BIG_BODY)
+    return _ok()
+
+
+async def file_list(request: web.Request) -> web.Response:
+    entries = await _engine(request).files(request.match_info["id"], "list_dir",
+                                           _query_path(request))
+    return _json({"entries": [_entry(e) for e in entries]})
+
+
+async def file_stat(request: web.Request) -> web.Response:
+    entry = await _engine(request).files(request.match_info["id"], "stat", _query_path(request))
+    return _json(_entry(entry))
+
+
+async def file_mkdir(request: web.Request) -> web.Response:
+    req = await _body(request, MkdirRequest)
+    await _engine(request).files(request.match_info["id"], "mkdir", check_path(req.path),
+                                 req.parents)
+    return _ok()
+
+
+async def file_remove(request: web.Request) -> web.Response:
+    req = await _body(request, RemoveRequest)
+    await _engine(request).files(request.match_info["id"], "remove", check_path(req.path),
+                                 req.recursive, big=req.recursive)
+    return _ok()
+
+
+async def file_rename(request: web.Request) -> web.Response:
+    req = await _body(request, RenameRequest)
+    await _engine(request).files(request.match_info["id"], "rename", check_path(req.src, "src"),
+                                 check_path(req.dst, "dst"))
+    return _ok()
+
+
+async def tar_upload(request: web.Request) -> web.Response:
+    path = _query_path(request)
+    data = await request.read()
+    await _engine(request).files(request.match_info["id"], "upload_tar", path, data, big=True)
+    return _ok()
+
+
+async def tar_download(request: web.Request) -> web.Response:
+    data = await _engine(request).files(request.match_info["id"], "download_tar",
+                                        _query_path(request), big=True)
+    return web.Response(body=data, content_type="application/x-tar")
+
+
+async def list_images(request: web.Request) -> web.Response:
+    images = _engine(request).images.list()
+    return _json({"images": [_entry(i) for i in images]})
+
+
+async def import_image(request: web.Request) -> web.Response:
+    req = await _body(request, ImportImageRequest)
+    info = await asyncio.to_thread(_engine(request).images.import_image, req.name, req.source)
+    return _json(_entry(info), 201)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    lines = [
+        "# TYPE corral_sandboxes gauge", f"corral_sandboxes {len(engine.sandboxes)}",
+        "# TYPE corral_capacity gauge", f"corral_capacity {engine.config.max_sandboxes}",
+    ]
+    for name, value in engine.counters.items():
+        lines += [f"# TYPE corral_{name}_total counter", f"corral_{name}_total {value}"]
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+# ---- the route table (the API contract; see docs/architecture.md) --------------------------
+@dataclass(frozen=True)
+class Param:
+    name: str
+    type: str = "string"        # JSON schema type
+    required: bool = False
+    description: str = ""
+    repeated: bool = False
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    handler: Handler
+    summary: str
+    body: type[BaseModel] | str | None = None         # a model, "bytes" or None
+    response: type[BaseModel] | str | dict | None = None  # a model, "bytes", "tar", "ndjson",
+    status: int = 200                                   # "ok", "text" or a JSON schema
+    query: tuple[Param, ...] = ()
+    alt_response: type[BaseModel] | None = None         # exec: ProcessHandle if background
+
+
+SCHEMA_REF = "#/components/schemas/"
+SB = "/v1/sandboxes/{id}"
+PROC = SB + "/procs/{pid}"
+PATH_Q = Param("path", required=True, description="absolute path inside the sandbox")
+
+
+def _list_of(key: str, model: type[BaseModel]) -> dict:
+    return {"type": "object", "required": [key],
+            "properties": {key: {"type": "array", "items": {"$ref": SCHEMA_REF + model.__name__}}}}
+
+
+ROUTES: tuple[Route, ...] = (
+    Route("GET", "/v1/health", health, "Liveness", response={
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}),
+    Route("GET", "/v1/status", status, "Daemon status", response=DaemonStatus),
+    Route("POST", "/v1/sandboxes", create_sandbox, "Create a sandbox", body=SandboxSpec,
+          response=SandboxInfo, status=201),
+    Route("POST", "/v1/sandboxes/batch", create_batch,
+          "Create many sandboxes (all or nothing)", body=CreateManyRequest,
+          response=_list_of("sandboxes", SandboxInfo), status=201),
+    Route("GET", "/v1/sandboxes", list_sandboxes, "List running sandboxes", query=(
+        Param("label", description="key=value (or key: present); repeat to AND them",
+              repeated=True),), response=_list_of("sandboxes", SandboxInfo)),
+    Route("GET", SB, get_sandbox, "Sandbox info", response=SandboxInfo),
+    Route("DELETE", SB, kill_sandbox, "Kill a sandbox (killed=false: it had already ended)",
+          response={"type": "object", "required": ["id", "killed"], "properties": {
+              "id": {"type": "string"}, "killed": {"type": "boolean"}}}),
+    Route("POST", SB + "/timeout", set_timeout, "Set the TTL, in seconds from now",
+          body=SetTimeoutRequest, response=SandboxInfo),
+    Route("POST", SB + "/exec", exec_cmd, "Run a command", body=ExecRequest,
+          response=ExecResult, alt_response=ProcessHandle),
+    Route("GET", PROC, proc_status, "Background process status", response=ProcessStatus),
+    Route("POST", PROC + "/wait", proc_wait, "Wait for a background process",
+          body=WaitRequest, response=ExecResult),
+    Route("GET", PROC + "/stream", proc_stream, "Stream a background process's output",
+          response="ndjson"),
+    Route("POST", PROC + "/stdin", proc_stdin, "Write to a background process's stdin",
+          body=StdinRequest, response="ok"),
+    Route("POST", PROC + "/kill", proc_kill, "Signal a background process's group",
+          body=KillProcessRequest, response="ok"),
+    Route("GET", SB + "/files", file_read, "Read a file", response="bytes", query=(
+        PATH_Q, Param("max_bytes", "integer", description="read at most this many bytes"))),
+    Route("PUT", SB + "/files", file_write, "Write a file (parents are created)", body="bytes",
+          response="ok", query=(PATH_Q, Param("mode", "integer",
+                                               description="permission bits (default 420)"))),
+    Route("GET", SB + "/files/list", file_list, "List a directory", query=(PATH_Q,),
+          response=_list_of("entries", FileEntry)),
+    Route("GET", SB + "/files/stat", file_stat, "Stat a path (lstat)", query=(PATH_Q,),
+          response=FileEntry),
+    Route("POST", SB + "/files/mkdir", file_mkdir, "Make a directory", body=MkdirRequest,
+          response="ok"),
+    Route("POST", SB + "/files/remove", file_remove, "Remove a file or directory",
+          body=RemoveRequest, response="ok"),
+    Route("POST", SB + "/files/rename", file_rename, "Rename", body=RenameRequest,
+          response="ok"),
+    Route("PUT", SB + "/files/tar", tar_upload, "Extract a tar into a directory", body="tar",
+          response="ok", query=(PATH_Q,)),
+    Route("GET", SB + "/files/tar", tar_download, "A tar of a directory or file",
+          response="tar", query=(PATH_Q,)),
+    Route("GET", "/v1/images", list_images, "List images",
+          response=_list_of("images", ImageInfo)),
+    Route("POST", "/v1/images", import_image, "Import a rootfs directory or tarball",
+          body=ImportImageRequest, response=ImageInfo, status=201),
+    Route("GET", "/metrics", metrics, "Prometheus metrics", response="text"),
+)
+
+
+# ---- errors and auth -------------------------------------------------------------------
+def _is_unix(request: web.Request) -> bool:
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    return sock is not None and sock.family == socket.AF_UNIX
+
+
+def _middleware(token: str | None) -> Any:
+    expected = f"Bearer {token}".encode() if token else None
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            # The unix socket is root-only (0600); TCP clients must present the token.
+            if request.path != "/v1/health" and not _is_unix(request):
+                got = request.headers.get("Authorization", "").encode()
+                if expected is None or not hmac.compare_digest(got, expected):
+                    raise Unauthorized("missing or wrong bearer token")
+            return await handler(request)
+        except CorralError as e:
+            return _error(e)
+        except web.HTTPException as e:
+            if e.status == 404:
+                return _error(NotFound(f"no route {request.method} {request.path}"))
+            if e.status == 405:
+                return _error(InvalidRequest(f"method {request.method} not allowed on "
+                                             f"{request.path}"), 405)
+            if e.status == 413:
+                return _error(InvalidRequest(f"request body too large (max {MAX_BODY} bytes)"),
+                              413)
+            return _error(CorralError(e.reason or str(e), code="http_error"), e.status)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:  # noqa: BLE001 - one bad request must not hurt the others
+            log.exception("unhandled error", extra={"method": request.method,
+                                                    "path": request.path})
+            return _error(InternalError(f"internal error: {type(e).__name__}: {e}"))
+
+    return middleware
+
+
+def create_app(engine: Engine | None, token: str | None = None) -> web.Application:
+    app = web.Application(middlewares=[_middleware(token)], client_max_size=MAX_BODY)
+    if engine is not None:
+        app[ENGINE] = engine
+    for r in ROUTES:
+        app.router.add_route(r.method, r.path, r.handler)
+    return app

@@ -1,0 +1,645 @@
+"""The engine: registry of sandboxes, lifecycle, admission, TTL/idle reaper, exec, files,
+persistence and re-adoption after a restart.
+
+Policy lives here; mechanism (namespaces, mounts, cgroups, file syscalls) in the substrate.
+Cheap substrate calls (create, spawn, small file operations: ~1 ms in the Rust core, GIL
+released) run directly on the event loop: a thread hop would cost more than the call. Slow ones
+(destroy, tar, big files, image import) go through ``asyncio.to_thread``.
+
+Ending states, as reported to callers (``reason`` in the error details):
+  killed, expired, idle_timeout -> ``sandbox_not_running`` (409): the client's own doing (a
+      DELETE, or the TTL / idle timeout it chose). An exec in flight when that happens gets the
+      same error, not a fake exit code.
+  lost -> ``sandbox_lost`` (410, infra): the init died and the daemon did not kill it.
+  shutdown -> ``daemon_restarted`` (503, infra): the daemon stopped while the call was running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import heapq
+import logging
+import os
+import shutil
+import time
+from collections import OrderedDict
+from typing import Any
+
+from corral import __version__
+from corral.config import Config
+from corral.daemon import persist, procs, users
+from corral.daemon.substrates.base import SandboxRuntime, Substrate
+from corral.errors import (
+    CapacityExceeded,
+    Conflict,
+    CorralError,
+    DaemonRestarted,
+    DirectoryNotEmpty,
+    FileExists,
+    FileNotFound,
+    ImageNotFound,
+    InternalError,
+    InvalidPath,
+    InvalidRequest,
+    IsADirectory,
+    NotADirectory,
+    ProcessNotFound,
+    SandboxLost,
+    SandboxNotFound,
+    SandboxNotRunning,
+    Timeout,
+    Unsupported,
+)
+from corral.models import SUBSTRATES, ExecRequest, SandboxSpec
+
+log = logging.getLogger("corral.engine")
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+TOMBSTONES = 50_000          # remembered ended ids, so late calls get a precise error
+MAX_PROCS_KEPT = 256         # finished background processes remembered per sandbox
+DIRECT_IO_BYTES = 1 << 20    # file reads/writes up to this size skip the thread hop
+MAX_READ_BYTES = 1 << 30
+PASSWD_MAX = 4 << 20
+
+_REASON_TEXT = {
+    "killed": "it was killed",
+    "expired": "its timeout (TTL) expired",
+    "idle_timeout": "its idle timeout expired",
+    "lost": "its init process died",
+    "shutdown": "the daemon shut down",
+}
+
+
+class Sandbox:
+    """One sandbox's bookkeeping; kept small, tens of thousands live at once."""
+
+    __slots__ = ("id", "spec", "runtime", "state", "reason", "created_at", "expires_at",
+                 "last_active", "sched", "busy", "procs", "stopping")
+
+    def __init__(self, sid: str, spec: SandboxSpec, created_at: float, expires_at: float) -> None:
+        self.id = sid
+        self.spec = spec
+        self.runtime: SandboxRuntime | None = None
+        self.state = "starting"
+        self.reason: str | None = None
+        self.created_at = created_at
+        self.expires_at = expires_at
+        self.last_active = created_at
+        self.sched = 0.0          # the reaper-heap entry that is current for this sandbox
+        self.busy = 0             # foreground execs in flight: not idle while > 0
+        self.procs: dict[int, procs.Process] | None = None
+        self.stopping: asyncio.Future[None] | None = None
+
+    @property
+    def hostname(self) -> str:
+        return self.spec.hostname or self.id
+
+    def deadline(self, now: float) -> float:
+        idle = self.spec.idle_timeout
+        if idle is None:
+            return self.expires_at
+        return min(self.expires_at, (now if self.busy else self.last_active) + idle)
+
+    def info(self) -> dict[str, Any]:
+        s = self.spec
+        return {
+            "id": self.id, "state": self.state, "image": s.image, "substrate": s.substrate,
+            "cpu": s.cpu, "memory_mb": s.memory_mb, "pids": s.pids, "network": s.network,
+            "hostname": self.hostname, "labels": s.labels, "metadata": s.metadata,
+            "created_at": self.created_at, "expires_at": self.expires_at,
+            "idle_timeout": s.idle_timeout, "last_active_at": self.last_active,
+            "init_pid": self.runtime.init_pid if self.runtime else None,
+        }
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "spec": self.spec.model_dump(mode="json"),
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "runtime": self.runtime.to_json() if self.runtime else None,
+        }
+
+
+def new_id() -> str:
+    return "sb-" + os.urandom(8).hex()
+
+
+def os_error(e: OSError, path: str = "") -> CorralError:
+    """Map a file-operation OSError to the API's error."""
+    where = f": {path}" if path else ""
+    n = e.errno
+    if n == errno.ENOENT:
+        return FileNotFound(f"no such file or directory{where}")
+    if n == errno.EEXIST:
+        return FileExists(f"file exists{where}")
+    if n == errno.ENOTDIR:
+        return NotADirectory(f"not a directory{where}")
+    if n == errno.EISDIR:
+        return IsADirectory(f"is a directory{where}")
+    if n == errno.ENOTEMPTY:
+        return DirectoryNotEmpty(f"directory not empty{where}")
+    if n in (errno.EXDEV, errno.ELOOP, errno.ENAMETOOLONG, errno.EINVAL):
+        return InvalidPath(f"{os.strerror(n)}{where}")
+    if n in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return InvalidRequest(f"permission denied{where}", details={"errno": n})
+    if n in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return InvalidRequest(f"{os.strerror(n)}{where}", details={"errno": n})
+    return InternalError(f"{e.strerror or e}{where}", details={"errno": n})
+
+
+class Engine:
+    def __init__(self, config: Config, *, substrates: dict[str, Substrate] | None = None,
+                 images: Any = None, cgroups: Any = None) -> None:
+        self.config = config
+        self.sandboxes: dict[str, Sandbox] = {}
+        self.tombstones: OrderedDict[str, str] = OrderedDict()
+        self.substrates: dict[str, Substrate] = substrates or {}
+        self.images = images
+        self.cgroups = cgroups
+        self.sandboxes_dir = os.path.join(config.state_dir, "sandboxes")
+        self.started_at = time.time()
+        self.shutting_down = False
+        self.counters: dict[str, int] = {
+            "created": 0, "create_failed": 0, "execs": 0, "exec_timeouts": 0, "lost": 0,
+            "expired": 0, "idle_timeout": 0, "killed": 0, "adopted": 0, "orphans_removed": 0,
+        }
+        self._heap: list[tuple[float, str]] = []
+        self._reaper: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- start / stop --------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        os.makedirs(self.sandboxes_dir, mode=0o700, exist_ok=True)
+        if not self.substrates:
+            await self._make_substrates()
+        self._recover()
+        self._reaper = asyncio.create_task(self._reap_loop())
+
+    async def _make_substrates(self) -> None:
+        # Imported here so the HTTP layer (and the OpenAPI generator) load without the core.
+        from corral.daemon.cgroups import CgroupManager
+        from corral.daemon.images import ImageStore
+        from corral.daemon.substrates.container import ContainerSubstrate
+
+        self.cgroups = CgroupManager(self.config.cgroup_name)
+        self.images = ImageStore(self.config.state_dir)
+        await asyncio.to_thread(self.images.ensure_host)
+        self.substrates["container"] = ContainerSubstrate(self.config.state_dir, self.cgroups,
+                                                          self.images)
+
+    def _recover(self) -> None:
+        """Re-adopt every sandbox a previous daemon left running; clean up everything else."""
+        known: set[str] = set()
+        lost = 0
+        for sid, meta in persist.iter_records(self.sandboxes_dir):
+            if not meta or not meta.get("runtime"):
+                continue  # half-made (crash mid-create): cleanup_orphans removes it
+            try:
+                spec = SandboxSpec.model_validate(meta["spec"])
+                runtime = SandboxRuntime.from_json(meta["runtime"])
+                substrate = self.substrates[spec.substrate]
+            except Exception:  # noqa: BLE001 - an unreadable record is an orphan
+                log.warning("unreadable sandbox record", extra={"sandbox": sid})
+                continue
+            try:
+                alive = substrate.adopt(runtime)
+            except Exception:  # noqa: BLE001
+                log.exception("adopt failed", extra={"sandbox": sid})
+                alive = False
+            if not alive:
+                lost += 1
+                try:
+                    substrate.destroy(runtime)
+                except Exception:  # noqa: BLE001
+                    log.exception("destroy of a dead sandbox failed", extra={"sandbox": sid})
+                shutil.rmtree(os.path.join(self.sandboxes_dir, sid), ignore_errors=True)
+                self._tombstone(sid, "lost")
+                continue
+            sb = Sandbox(sid, spec, float(meta["created_at"]), float(meta["expires_at"]))
+            sb.runtime = runtime
+            sb.state = "running"
+            sb.last_active = time.time()  # the idle clock restarts with the daemon
+            self.sandboxes[sid] = sb
+            known.add(sid)
+            self._watch(sb)
+            self._schedule(sb, time.time())
+        removed: list[str] = []
+        for substrate in self.substrates.values():
+            try:
+                removed += substrate.cleanup_orphans(known)
+            except Exception:  # noqa: BLE001
+                log.exception("cleanup_orphans failed", extra={"substrate": substrate.name})
+        for sid, _ in persist.iter_records(self.sandboxes_dir):
+            if sid not in known:  # belt and braces: records the substrate did not know
+                shutil.rmtree(os.path.join(self.sandboxes_dir, sid), ignore_errors=True)
+        self.counters["adopted"] = len(known)
+        self.counters["orphans_removed"] = len(removed)
+        log.info("recovered state", extra={"adopted": len(known), "lost": lost,
+                                           "orphans_removed": len(removed)})
+
+    async def shutdown(self) -> None:
+        """Destroy every sandbox (graceful stop)."""
+        self.shutting_down = True
+        if self._reaper:
+            self._reaper.cancel()
+        stops = [self._begin_stop(sb, "shutdown") for sb in list(self.sandboxes.values())]
+        if stops:
+            log.info("destroying sandboxes", extra={"count": len(stops)})
+            await asyncio.gather(*stops, return_exceptions=True)
+
+    # ---- lookup --------------------------------------------------------------------------
+    def _gone(self, sid: str, sb: Sandbox | None = None) -> CorralError:
+        reason = sb.reason if sb is not None else self.tombstones.get(sid)
+        if reason is None:
+            if sb is not None:  # still starting (only visible during a batch create)
+                return SandboxNotRunning(f"sandbox {sid} is still starting",
+                                         details={"reason": "starting"})
+            return SandboxNotFound(f"no sandbox {sid}", details={"id": sid})
+        text = f"sandbox {sid} is not running: {_REASON_TEXT.get(reason, reason)}"
+        details = {"id": sid, "reason": reason}
+        if reason == "lost":
+            return SandboxLost(text, details=details)
+        if reason == "shutdown":
+            return DaemonRestarted(text, details=details)
+        return SandboxNotRunning(text, details=details)
+
+    def get(self, sid: str) -> Sandbox:
+        """A running sandbox; refreshes its idle clock."""
+        sb = self.sandboxes.get(sid)
+        if sb is None or sb.state != "running":
+            raise self._gone(sid, sb)
+        sb.last_active = time.time()
+        return sb
+
+    def _substrate(self, name: str) -> Substrate:
+        sub = self.substrates.get(name)
+        if sub is None:
+            if name in SUBSTRATES:
+                raise Unsupported(f"substrate {name!r} is not yet supported; available: "
+                                  f"{', '.join(sorted(self.substrates))}",
+                                  details={"substrate": name})
+            raise InvalidRequest(f"unknown substrate {name!r}")
+        return sub
+
+    def _image(self, name: str) -> Any:
+        image = self.images.get(name)
+        if image is None:
+            raise ImageNotFound(f"no image {name!r}", details={"image": name})
+        return image
+
+    def _admit(self, n: int) -> None:
+        if self.shutting_down:
+            raise DaemonRestarted("the daemon is shutting down")
+        cap = self.config.max_sandboxes
+        if len(self.sandboxes) + n > cap:
+            raise CapacityExceeded(
+                f"capacity exceeded: {len(self.sandboxes)} of {cap} sandboxes in use, "
+                f"{n} requested", details={"in_use": len(self.sandboxes), "capacity": cap})
+
+    # ---- create --------------------------------------------------------------------------
+    def _create_one(self, substrate: Substrate, spec: SandboxSpec, image: Any) -> Sandbox:
+        sid = new_id()
+        if spec.hostname is None:
+            spec = spec.model_copy(update={"hostname": sid})
+        now = time.time()
+        sb = Sandbox(sid, spec, now, now + spec.timeout)
+        sdir = os.path.join(self.sandboxes_dir, sid)
+        meta_path = os.path.join(sdir, persist.META)
+        # The record exists before anything is made, so a crash mid-create is cleanable.
+        os.mkdir(sdir, 0o700)
+        self.sandboxes[sid] = sb  # counts against capacity while being made
+        try:
+            persist.write_json_atomic(meta_path, sb.meta())
+            sb.runtime = substrate.create(sid, spec, image)
+            sb.state = "running"
+            persist.write_json_atomic(meta_path, sb.meta())
+        except BaseException as e:
+            self.counters["create_failed"] += 1
+            del self.sandboxes[sid]
+            if sb.runtime is not None:
+                try:
+                    substrate.destroy(sb.runtime)
+                except Exception:  # noqa: BLE001
+                    log.exception("destroy after a failed create", extra={"sandbox": sid})
+            shutil.rmtree(sdir, ignore_errors=True)
+            if isinstance(e, CorralError) or not isinstance(e, Exception):
+                raise
+            if isinstance(e, OSError) and e.errno in (errno.EAGAIN, errno.ENOMEM,
+                                                      errno.ENOSPC):
+                raise CapacityExceeded(f"host out of resources: {e}") from e
+            log.exception("create failed", extra={"sandbox": sid})
+            raise InternalError(f"could not create the sandbox: {e}") from e
+        self.counters["created"] += 1
+        self._watch(sb)
+        self._schedule(sb, now)
+        return sb
+
+    def create(self, spec: SandboxSpec) -> Sandbox:
+        substrate = self._substrate(spec.substrate)
+        self._admit(1)
+        return self._create_one(substrate, spec, self._image(spec.image))
+
+    async def create_many(self, count: int, spec: SandboxSpec) -> list[Sandbox]:
+        """All or nothing: on the first failure the ones already made are destroyed."""
+        substrate = self._substrate(spec.substrate)
+        self._admit(count)
+        image = self._image(spec.image)
+        made: list[Sandbox] = []
+        try:
+            for i in range(count):
+                self._admit(1)
+                made.append(self._create_one(substrate, spec, image))
+                if i % 16 == 15:
+                    await asyncio.sleep(0)  # let other clients in during a big batch
+        except BaseException:
+            await asyncio.gather(*(self._begin_stop(sb, "killed") for sb in made),
+                                 return_exceptions=True)
+            raise
+        return made
+
+    # ---- liveness, reaper, destroy --------------------------------------------------------
+    def _watch(self, sb: Sandbox) -> None:
+        """Learn about a dead init as soon as it happens: its pidfd turns readable."""
+        fd = sb.runtime.pidfd if sb.runtime else -1
+        if fd >= 0 and self._loop is not None:
+            self._loop.add_reader(fd, self._on_init_exit, sb)
+
+    def _unwatch(self, sb: Sandbox) -> None:
+        fd = sb.runtime.pidfd if sb.runtime else -1
+        if fd >= 0 and self._loop is not None:
+            self._loop.remove_reader(fd)
+
+    def _on_init_exit(self, sb: Sandbox) -> None:
+        self._unwatch(sb)
+        if sb.state == "running":
+            self._lose(sb)
+
+    def _lose(self, sb: Sandbox) -> None:
+        log.warning("sandbox lost: its init died", extra={"sandbox": sb.id})
+        self.counters["lost"] += 1
+        self._begin_stop(sb, "lost")
+
+    def _check_alive(self, sb: Sandbox) -> None:
+        """After a failed call: if the init is gone, that was the cause -> sandbox_lost."""
+        if sb.state != "running":
+            raise self._gone(sb.id, sb)
+        try:
+            alive = self.substrates[sb.spec.substrate].is_alive(sb.runtime)
+        except Exception:  # noqa: BLE001
+            alive = False
+        if not alive:
+            self._lose(sb)
+            raise self._gone(sb.id, sb)
+
+    def _schedule(self, sb: Sandbox, now: float) -> None:
+        d = sb.deadline(now)
+        if not sb.sched or d < sb.sched:
+            sb.sched = d
+            heapq.heappush(self._heap, (d, sb.id))
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reaper_interval_s)
+            try:
+                self.reap(time.time())
+            except Exception:  # noqa: BLE001 - the reaper must survive anything
+                log.exception("reaper failed")
+
+    def reap(self, now: float) -> None:
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            when, sid = heapq.heappop(heap)
+            sb = self.sandboxes.get(sid)
+            if sb is None or sb.state != "running" or when != sb.sched:
+                continue  # gone, or a stale entry
+            idle = sb.spec.idle_timeout
+            if now >= sb.expires_at:
+                self._begin_stop(sb, "expired")
+            elif idle is not None and not sb.busy and now >= sb.last_active + idle:
+                self._begin_stop(sb, "idle_timeout")
+            else:
+                sb.sched = 0.0
+                self._schedule(sb, now)
+
+    def _begin_stop(self, sb: Sandbox, reason: str) -> asyncio.Future[None]:
+        if sb.stopping is None:
+            if sb.state == "running":
+                self._unwatch(sb)
+            sb.state = "stopping"
+            sb.reason = reason
+            if reason in self.counters:
+                self.counters[reason] += 1
+            sb.stopping = asyncio.ensure_future(self._destroy(sb))
+        return sb.stopping
+
+    async def _destroy(self, sb: Sandbox) -> None:
+        substrate = self.substrates.get(sb.spec.substrate)
+        sdir = os.path.join(self.sandboxes_dir, sb.id)
+
+        def work() -> None:
+            if sb.runtime is not None and substrate is not None:
+                substrate.destroy(sb.runtime)
+            shutil.rmtree(sdir, ignore_errors=True)
+
+        try:
+            await asyncio.to_thread(work)
+        except Exception:  # noqa: BLE001
+            log.exception("destroy failed", extra={"sandbox": sb.id})
+        finally:
+            sb.state = "dead"
+            if sb.procs:
+                for p in sb.procs.values():
+                    p.release()
+                sb.procs = None
+            self.sandboxes.pop(sb.id, None)
+            self._tombstone(sb.id, sb.reason or "killed")
+            log.debug("sandbox destroyed", extra={"sandbox": sb.id, "reason": sb.reason})
+
+    def _tombstone(self, sid: str, reason: str) -> None:
+        self.tombstones[sid] = reason
+        while len(self.tombstones) > TOMBSTONES:
+            self.tombstones.popitem(last=False)
+
+    async def kill(self, sid: str) -> bool:
+        """True if this call (or one in flight) destroyed it; False if it had already ended."""
+        sb = self.sandboxes.get(sid)
+        if sb is None:
+            if sid in self.tombstones:
+                return False
+            raise SandboxNotFound(f"no sandbox {sid}", details={"id": sid})
+        await asyncio.shield(self._begin_stop(sb, "killed"))
+        return True
+
+    def set_timeout(self, sid: str, timeout: float) -> Sandbox:
+        sb = self.get(sid)
+        now = time.time()
+        sb.expires_at = now + timeout
+        persist.write_json_atomic(os.path.join(self.sandboxes_dir, sid, persist.META), sb.meta())
+        self._schedule(sb, now)
+        return sb
+
+    def list(self, labels: dict[str, str | None]) -> list[Sandbox]:
+        out = []
+        for sb in self.sandboxes.values():
+            if sb.state != "running":
+                continue
+            have = sb.spec.labels
+            if all(k in have and (v is None or have[k] == v) for k, v in labels.items()):
+                out.append(sb)
+        return out
+
+    # ---- exec ----------------------------------------------------------------------------
+    def _identity(self, sb: Sandbox, user: str | int | None) -> users.Identity:
+        if user is None or user == 0 or user in ("root", "0"):
+            return users.ROOT
+        sub = self.substrates[sb.spec.substrate]
+
+        def read(path: str) -> str:
+            try:
+                return sub.read_file(sb.runtime, path, PASSWD_MAX).decode("utf-8", "replace")
+            except (FileNotFound, FileNotFoundError):
+                return ""
+
+        return users.resolve(user, read("/etc/passwd"), read("/etc/group"))
+
+    async def exec(self, sid: str, req: ExecRequest) -> dict[str, Any]:
+        sb = self.get(sid)
+        for k, v in req.env.items():
+            if not k or "=" in k or "\0" in k or "\0" in v:
+                raise InvalidRequest(f"bad environment variable name or value: {k!r}")
+        cwd = req.cwd or sb.spec.cwd
+        if not cwd.startswith("/") or "\0" in cwd:
+            raise InvalidPath(f"cwd must be an absolute path: {cwd!r}")
+        ident = self._identity(sb, req.user)
+        env = {"PATH": DEFAULT_PATH, "HOME": ident.home, "LANG": "C.UTF-8", "TERM": "xterm",
+               "HOSTNAME": sb.hostname}
+        env.update(sb.spec.env)
+        env.update(req.env)
+        argv = ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else req.cmd
+        stdin = req.stdin.encode() if req.stdin is not None else None
+        substrate = self.substrates[sb.spec.substrate]
+        assert self._loop is not None and sb.runtime is not None
+        try:
+            proc = procs.start(self._loop, substrate, sb.runtime, argv, env, cwd, ident.uid,
+                               ident.gid, ident.groups, cmd=req.cmd, stdin=stdin,
+                               keep_stdin=req.background, cap=req.max_output_bytes,
+                               timeout=req.timeout)
+        except CorralError:
+            raise
+        except OSError as e:
+            self._check_alive(sb)
+            log.exception("spawn failed", extra={"sandbox": sid})
+            raise InternalError(f"could not start the command: {e}") from e
+        self.counters["execs"] += 1
+        if req.background:
+            proc.ns_pid = procs.ns_pid(proc.pid)
+            self._keep_proc(sb, proc)
+            return {"sandbox_id": sid, "pid": proc.ns_pid, "cmd": req.cmd,
+                    "started_at": proc.started_at}
+        sb.busy += 1
+        try:
+            await proc.done
+        except asyncio.CancelledError:
+            proc.killpg(9)  # the daemon is stopping: don't leave the command behind
+            raise
+        finally:
+            sb.busy -= 1
+            sb.last_active = time.time()
+        self.after_exit(sb, proc)
+        return proc.result()
+
+    def after_exit(self, sb: Sandbox, proc: procs.Process) -> None:
+        """If the sandbox ended while the command ran, report that, not an exit code that
+        the ending caused. A SIGKILL we did not send (timeout) may be the init dying."""
+        if sb.state != "running":
+            raise self._gone(sb.id, sb)
+        if proc.timed_out:
+            self.counters["exec_timeouts"] += 1
+        elif proc.exit_code == 128 + 9:
+            self._check_alive(sb)
+
+    def _keep_proc(self, sb: Sandbox, proc: procs.Process) -> None:
+        if sb.procs is None:
+            sb.procs = {}
+        table = sb.procs
+        if len(table) >= MAX_PROCS_KEPT:
+            for pid in [pid for pid, p in table.items() if not p.running]:
+                del table[pid]
+                if len(table) < MAX_PROCS_KEPT // 2:
+                    break
+        old = table.pop(proc.ns_pid, None)
+        if old is not None:
+            old.release()
+        table[proc.ns_pid] = proc
+
+    def proc(self, sid: str, pid: int) -> tuple[Sandbox, procs.Process]:
+        sb = self.get(sid)
+        p = sb.procs.get(pid) if sb.procs else None
+        if p is None:
+            raise ProcessNotFound(f"no background process {pid} in sandbox {sid}",
+                                  details={"id": sid, "pid": pid})
+        return sb, p
+
+    async def wait(self, sid: str, pid: int, timeout: float | None) -> dict[str, Any]:
+        sb, p = self.proc(sid, pid)
+        if p.running:
+            try:
+                await asyncio.wait_for(asyncio.shield(p.done), timeout)
+            except asyncio.TimeoutError:
+                raise Timeout(f"process {pid} still running after {timeout} s",
+                              details={"pid": pid}) from None
+            sb.last_active = time.time()
+            self.after_exit(sb, p)
+        return p.result()
+
+    def stdin(self, sid: str, pid: int, data: str, eof: bool) -> None:
+        _, p = self.proc(sid, pid)
+        if not p.running:
+            raise Conflict(f"process {pid} has exited", details={"pid": pid})
+        if p.stdin is None:
+            raise Conflict(f"process {pid} has no stdin pipe", details={"pid": pid})
+        p.stdin.write(data.encode(), eof)
+
+    def signal(self, sid: str, pid: int, sig: int) -> None:
+        _, p = self.proc(sid, pid)
+        p.killpg(sig)
+
+    # ---- files ---------------------------------------------------------------------------
+    async def files(self, sid: str, op: str, *args: Any, big: bool = False) -> Any:
+        """Run a substrate file method; ``big`` ones in a thread."""
+        sb = self.get(sid)
+        sub = self.substrates[sb.spec.substrate]
+        fn = getattr(sub, op)
+        try:
+            if big:
+                return await asyncio.to_thread(fn, sb.runtime, *args)
+            return fn(sb.runtime, *args)
+        except CorralError:
+            if sb.state == "running":
+                self._check_alive(sb)
+            raise
+        except OSError as e:
+            self._check_alive(sb)
+            raise os_error(e, args[0] if args and isinstance(args[0], str) else "") from e
+
+    async def read_file(self, sid: str, path: str, max_bytes: int) -> bytes:
+        # Most reads are small: try on the loop, and only go to a thread when it was not.
+        first = min(max_bytes, DIRECT_IO_BYTES)
+        data = await self.files(sid, "read_file", path, first)
+        if len(data) < first or first == max_bytes:
+            return data
+        return await self.files(sid, "read_file", path, max_bytes, big=True)
+
+    # ---- status --------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        version = getattr(self.cgroups, "version", 1)
+        return {
+            "version": __version__, "pid": os.getpid(), "started_at": self.started_at,
+            "sandboxes": len(self.sandboxes), "capacity": self.config.max_sandboxes,
+            "state_dir": self.config.state_dir,
+            "cgroup_version": version if version in (1, 2) else 1,
+            "substrates": sorted(self.substrates),
+        }

@@ -1,0 +1,146 @@
+"""Start, find and stop the local corrald (used by the SDK's embedded default and the CLI).
+
+Stdlib only, so importing the SDK stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from corral import config
+from corral.errors import DaemonUnavailable, Timeout
+
+PIDFILE = "corrald.pid"
+LOGFILE = "corrald.log"
+
+
+def _paths(socket_path: str | None, state_dir: str | None) -> tuple[str, str]:
+    cfg = config.load()
+    return socket_path or cfg.socket_path, state_dir or cfg.state_dir
+
+
+def daemon_alive(socket_path: str | None = None, timeout: float = 1.0) -> bool:
+    """True if a corrald answers GET /v1/health on the unix socket."""
+    path = socket_path or config.load().socket_path
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(path)
+        s.sendall(b"GET /v1/health HTTP/1.1\r\nHost: corral\r\nConnection: close\r\n\r\n")
+        data = b""
+        while len(data) < 12:
+            chunk = s.recv(256)
+            if not chunk:
+                break
+            data += chunk
+        return data.startswith(b"HTTP/1.1 200")
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _tail(path: str, n: int = 2000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def ensure_daemon(socket_path: str | None = None, state_dir: str | None = None,
+                  timeout: float = 30.0) -> None:
+    """Make sure a corrald answers on ``socket_path``; start one (detached, logging to
+    ``<state_dir>/corrald.log``) if none does. Two callers racing is fine: the second daemon
+    finds the first's lock and exits, and both callers see the first answer."""
+    socket_path, state_dir = _paths(socket_path, state_dir)
+    if daemon_alive(socket_path):
+        return
+    if os.geteuid() != 0:
+        raise DaemonUnavailable(
+            f"no corrald answers on {socket_path} and only root can start one: run "
+            f"`sudo corral up` (or start corrald as root), or point CORRAL_SOCKET at a running "
+            f"daemon")
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    log_path = os.path.join(state_dir, LOGFILE)
+    env = dict(os.environ, CORRAL_STATE_DIR=state_dir, CORRAL_SOCKET=socket_path)
+    # The daemon must import the same corral as this process, installed or not.
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(config.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "corral.daemon", "--state-dir", state_dir,
+             "--socket", socket_path],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True, close_fds=True, cwd="/")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if daemon_alive(socket_path, timeout=0.5):
+            return
+        if proc.poll() is not None and not _locked(state_dir):
+            # It exited and no other daemon holds the state dir: it failed.
+            if daemon_alive(socket_path, timeout=0.5):
+                return
+            raise DaemonUnavailable(f"corrald exited with status {proc.returncode}; "
+                                    f"log {log_path}:\n{_tail(log_path)}")
+        time.sleep(0.02)
+    raise DaemonUnavailable(f"corrald did not answer on {socket_path} within {timeout} s; "
+                            f"log {log_path}:\n{_tail(log_path)}")
+
+
+def _locked(state_dir: str) -> bool:
+    """True if a daemon holds the state dir's lock."""
+    import fcntl
+
+    try:
+        fd = os.open(os.path.join(state_dir, PIDFILE), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _daemon_pid(state_dir: str) -> int | None:
+    try:
+        with open(os.path.join(state_dir, PIDFILE)) as f:
+            pid = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    try:  # guard against a recycled pid
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+    except OSError:
+        return None
+    return pid if b"corral.daemon" in cmd or b"corrald" in cmd else None
+
+
+def stop_daemon(socket_path: str | None = None, timeout: float = 30.0,
+                state_dir: str | None = None) -> bool:
+    """SIGTERM the daemon of ``state_dir`` (it destroys its sandboxes) and wait for it to
+    exit. False if none was running; raises Timeout if it did not stop in time."""
+    socket_path, state_dir = _paths(socket_path, state_dir)
+    pid = _daemon_pid(state_dir)
+    if pid is None or not _locked(state_dir):
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not os.path.exists(f"/proc/{pid}") or not _locked(state_dir):
+            return True
+        time.sleep(0.02)
+    raise Timeout(f"corrald (pid {pid}) did not stop within {timeout} s")

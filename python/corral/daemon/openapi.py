@@ -1,0 +1,162 @@
+"""Generate the API's OpenAPI 3.1 spec from ``app.ROUTES`` and the pydantic models.
+
+``python -m corral.daemon.openapi`` rewrites ``openapi.json`` next to this file;
+``--check`` exits 1 if the committed file is stale (tests/test_openapi.py does the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from corral import __version__
+from corral.daemon.app import ROUTES, SCHEMA_REF, Route
+
+SPEC_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "openapi.json")
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["code", "message"],
+        "properties": {
+            "code": {"type": "string", "description": "stable error code (corral/errors.py)"},
+            "message": {"type": "string"},
+            "details": {"type": "object"},
+        },
+    }},
+}
+_OK = {"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}}}
+_BINARY = {"type": "string", "format": "binary"}
+_MEDIA = {"bytes": "application/octet-stream", "tar": "application/x-tar",
+          "ndjson": "application/x-ndjson", "text": "text/plain"}
+
+
+def _models() -> list[tuple[type[BaseModel], str]]:
+    seen: dict[tuple[type[BaseModel], str], None] = {}
+    for r in ROUTES:
+        if isinstance(r.body, type):
+            seen[(r.body, "validation")] = None
+        for resp in (r.response, r.alt_response):
+            if isinstance(resp, type):
+                seen[(resp, "serialization")] = None
+        if isinstance(r.response, dict):  # list wrappers name their item model
+            items = next(iter(r.response.get("properties", {}).values()), {}).get("items", {})
+            ref = items.get("$ref", "")
+            if ref.startswith(SCHEMA_REF):
+                from corral import models
+
+                seen[(getattr(models, ref[len(SCHEMA_REF):]), "serialization")] = None
+    return list(seen)
+
+
+def _schema_ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": SCHEMA_REF + model.__name__}
+
+
+def _response(r: Route) -> dict[str, Any]:
+    resp = r.response
+    if isinstance(resp, str) and resp in _MEDIA:
+        media = _MEDIA[resp]  # type: ignore[index]
+        schema = {"type": "string"} if resp in ("ndjson", "text") else _BINARY
+        return {"description": "OK", "content": {media: {"schema": schema}}}
+    if resp == "ok":
+        schema: dict[str, Any] = _OK
+    elif isinstance(resp, type):
+        schema = _schema_ref(resp)
+        if r.alt_response is not None:
+            schema = {"oneOf": [schema, _schema_ref(r.alt_response)]}
+    else:
+        schema = resp or {}
+    return {"description": "OK", "content": {"application/json": {"schema": schema}}}
+
+
+def _operation(r: Route) -> dict[str, Any]:
+    params: list[dict[str, Any]] = []
+    for name in ("id", "pid"):
+        if "{" + name + "}" in r.path:
+            params.append({"name": name, "in": "path", "required": True, "schema": {
+                "type": "integer" if name == "pid" else "string"}})
+    for q in r.query:
+        schema: dict[str, Any] = {"type": q.type}
+        if q.repeated:
+            schema = {"type": "array", "items": schema}
+        params.append({"name": q.name, "in": "query", "required": q.required,
+                       "description": q.description, "schema": schema})
+    op: dict[str, Any] = {
+        "operationId": r.handler.__name__,
+        "summary": r.summary,
+        "responses": {
+            str(r.status): _response(r),
+            "default": {"description": "error", "content": {"application/json": {
+                "schema": {"$ref": SCHEMA_REF + "Error"}}}},
+        },
+    }
+    if params:
+        op["parameters"] = params
+    if isinstance(r.body, type):
+        op["requestBody"] = {"required": False, "content": {
+            "application/json": {"schema": _schema_ref(r.body)}}}
+    elif isinstance(r.body, str) and r.body in _MEDIA:
+        op["requestBody"] = {"required": True, "content": {
+            _MEDIA[r.body]: {"schema": _BINARY}}}  # type: ignore[index]
+    return op
+
+
+def build_spec() -> dict[str, Any]:
+    _, defs = models_json_schema(_models(), ref_template=SCHEMA_REF + "{model}")
+    schemas = dict(sorted(defs.get("$defs", {}).items()))
+    schemas["Error"] = _ERROR
+    paths: dict[str, dict[str, Any]] = {}
+    for r in ROUTES:
+        paths.setdefault(r.path, {})[r.method.lower()] = _operation(r)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "corrald", "version": __version__,
+                 "description": "The corral daemon API: sandboxes, exec, files, images. "
+                                "Unix socket (root only) or TCP with a bearer token."},
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{}, {"bearer": []}],
+        "paths": paths,
+    }
+
+
+def render() -> str:
+    return json.dumps(build_spec(), indent=2) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m corral.daemon.openapi")
+    p.add_argument("--check", action="store_true", help="exit 1 if the file is stale")
+    p.add_argument("-o", "--output", default=SPEC_PATH)
+    args = p.parse_args(argv)
+    text = render()
+    if args.check:
+        try:
+            with open(args.output) as f:
+                current = f.read()
+        except OSError:
+            current = ""
+        if current != text:
+            print(f"{args.output} is stale: run python -m corral.daemon.openapi",
+                  file=sys.stderr)
+            return 1
+        return 0
+    with open(args.output, "w") as f:
+        f.write(text)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

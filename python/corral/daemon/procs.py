@@ -1,0 +1,328 @@
+"""Exec I/O: the pipes, output capture, stdin and exit status of a process started in a sandbox.
+
+The process is a direct child of the daemon (``Substrate.spawn``). We wait for exactly that
+child through a pidfd registered with the event loop and reap it with
+``waitid(P_PIDFD, ..., WNOHANG)``. asyncio's subprocess APIs and child watchers are never used
+in the daemon: they reap with waitpid(-1)-style calls and would steal other children (sandbox
+inits, other execs).
+
+A command is done when its process exits, not when its pipes close: a background grandchild
+(``server &``) may keep stdout open forever. At exit we drain what is already in the pipes, then
+keep reading (and discarding) until EOF so that such a grandchild never gets SIGPIPE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from corral.daemon.substrates.base import ExecSpec, SandboxRuntime, Substrate
+from corral.errors import Conflict
+
+READ_CHUNK = 256 * 1024
+# After exit, read at most this many chunks synchronously: a grandchild flooding the pipe must
+# not pin the loop.
+DRAIN_CHUNKS = 64
+STDIN_MAX_PENDING = 64 * 1024 * 1024
+
+
+class Capture:
+    """One output stream read from the loop: kept up to ``cap`` bytes, counted to the end."""
+
+    __slots__ = ("fd", "buf", "cap", "total", "listeners", "decoder", "loop", "keep")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, cap: int) -> None:
+        self.loop = loop
+        self.fd = fd
+        self.buf = bytearray()
+        self.cap = cap
+        self.total = 0
+        self.keep = True           # False once the command is done: read only to avoid SIGPIPE
+        self.listeners: list[Callable[[str], None]] | None = None
+        self.decoder: Any = None   # incremental UTF-8 decoder, made when someone streams
+        loop.add_reader(fd, self._on_readable)
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > len(self.buf)
+
+    def _read(self) -> bool:
+        """One read; False when nothing more is readable right now (or at EOF)."""
+        try:
+            data = os.read(self.fd, READ_CHUNK)
+        except BlockingIOError:
+            return False
+        except OSError:
+            data = b""
+        if not data:
+            self.close()
+            return False
+        if self.keep:
+            self.total += len(data)
+            room = self.cap - len(self.buf)
+            if room > 0:
+                self.buf += data[:room] if len(data) > room else data
+            if self.listeners:
+                text = self.decoder.decode(data)
+                if text:
+                    for cb in self.listeners:
+                        cb(text)
+        return True
+
+    def _on_readable(self) -> None:
+        self._read()
+
+    def drain(self) -> None:
+        for _ in range(DRAIN_CHUNKS):
+            if self.fd < 0 or not self._read():
+                break
+
+    def subscribe(self, cb: Callable[[str], None]) -> str:
+        """Start delivering decoded text to ``cb``; return what was buffered so far."""
+        if self.decoder is None:
+            self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            # Bytes read before anyone streamed were not fed to the decoder: replay them now.
+            self.decoder.decode(bytes(self.buf))
+        if self.listeners is None:
+            self.listeners = []
+        self.listeners.append(cb)
+        pending = len(self.decoder.getstate()[0])
+        return bytes(self.buf[: len(self.buf) - pending]).decode("utf-8", "replace")
+
+    def unsubscribe(self, cb: Callable[[str], None]) -> None:
+        if self.listeners and cb in self.listeners:
+            self.listeners.remove(cb)
+
+    def text(self) -> str:
+        return self.buf.decode("utf-8", "replace")
+
+    def finish(self) -> None:
+        """The command is done: stop buffering, keep draining to EOF."""
+        self.keep = False
+        self.listeners = None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Stdin:
+    """The write end of a process's stdin, non-blocking, with a bounded pending queue."""
+
+    __slots__ = ("fd", "pending", "eof", "loop", "waiting")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
+        self.loop = loop
+        self.fd = fd
+        self.pending = bytearray()
+        self.eof = False
+        self.waiting = False
+
+    def write(self, data: bytes, eof: bool = False) -> None:
+        if self.fd < 0:
+            raise Conflict("stdin of this process is closed")
+        if len(self.pending) + len(data) > STDIN_MAX_PENDING:
+            raise Conflict("too much stdin pending: the process is not reading it")
+        self.pending += data
+        self.eof = self.eof or eof
+        self._flush()
+
+    def _flush(self) -> None:
+        while self.pending:
+            try:
+                n = os.write(self.fd, self.pending)
+            except BlockingIOError:
+                if not self.waiting:
+                    self.loop.add_writer(self.fd, self._flush)
+                    self.waiting = True
+                return
+            except OSError:  # EPIPE: the reader is gone
+                self.close()
+                return
+            del self.pending[:n]
+        if self.waiting:
+            self.loop.remove_writer(self.fd)
+            self.waiting = False
+        if self.eof:
+            self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            if self.waiting:
+                self.loop.remove_writer(self.fd)
+                self.waiting = False
+            os.close(self.fd)
+            self.fd = -1
+            self.pending = bytearray()
+
+
+class Process:
+    """One command running (or run) in a sandbox."""
+
+    __slots__ = ("pid", "ns_pid", "pidfd", "cmd", "started_at", "t0", "stdout", "stderr",
+                 "stdin", "exit_code", "timed_out", "duration", "done", "_timer", "loop",
+                 "_waiters")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pid: int, cmd: str | list[str],
+                 stdout_fd: int, stderr_fd: int, stdin_fd: int, cap: int,
+                 timeout: float | None) -> None:
+        self.loop = loop
+        self.pid = pid
+        self.ns_pid = pid
+        self.cmd = cmd
+        self.started_at = time.time()
+        self.t0 = time.monotonic()
+        self.stdout = Capture(loop, stdout_fd, cap)
+        self.stderr = Capture(loop, stderr_fd, cap)
+        self.stdin = Stdin(loop, stdin_fd) if stdin_fd >= 0 else None
+        self.exit_code: int | None = None
+        self.timed_out = False
+        self.duration = 0.0
+        self._waiters: list[Callable[[], None]] | None = None
+        self.done: asyncio.Future[None] = loop.create_future()
+        # The child is ours and unreaped, so the pid cannot have been reused yet.
+        self.pidfd = os.pidfd_open(pid)
+        loop.add_reader(self.pidfd, self._on_exit)
+        self._timer = loop.call_later(timeout, self._on_timeout) if timeout else None
+
+    @property
+    def running(self) -> bool:
+        return self.exit_code is None
+
+    def _on_timeout(self) -> None:
+        self._timer = None
+        if self.exit_code is None:
+            self.timed_out = True
+            self.killpg(signal.SIGKILL)
+
+    def killpg(self, sig: int) -> None:
+        """Signal the whole process group (the child called setsid, so pgid == pid). Safe
+        while the child is unreaped: its pid (and so its group id) cannot be reused."""
+        if self.exit_code is not None:
+            return
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _on_exit(self) -> None:
+        try:
+            res = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)
+        except ChildProcessError:
+            res = None
+            code = 255  # reaped elsewhere: should never happen, don't spin on the fd
+        else:
+            if res is None:
+                return  # spurious wake-up
+            code = res.si_status if res.si_code == os.CLD_EXITED else 128 + res.si_status
+        self.loop.remove_reader(self.pidfd)
+        os.close(self.pidfd)
+        self.pidfd = -1
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.duration = time.monotonic() - self.t0
+        self.stdout.drain()
+        self.stderr.drain()
+        self.exit_code = code
+        if self.stdin is not None:
+            self.stdin.close()
+        if self._waiters:
+            for cb in self._waiters:
+                cb()
+            self._waiters = None
+        self.stdout.finish()
+        self.stderr.finish()
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def on_exit(self, cb: Callable[[], None]) -> None:
+        """Call ``cb`` after the final output is drained, before buffers stop filling."""
+        if self._waiters is None:
+            self._waiters = []
+        self._waiters.append(cb)
+
+    def result(self) -> dict[str, Any]:
+        o, e = self.stdout, self.stderr
+        return {
+            "stdout": o.text(),
+            "stderr": e.text(),
+            "exit_code": self.exit_code,
+            "duration_s": round(self.duration, 6),
+            "truncated": o.truncated or e.truncated,
+            "timed_out": self.timed_out,
+            "stdout_bytes": o.total,
+            "stderr_bytes": e.total,
+        }
+
+    def status(self) -> dict[str, Any]:
+        return {"pid": self.ns_pid, "running": self.exit_code is None,
+                "exit_code": self.exit_code, "timed_out": self.timed_out}
+
+    def release(self) -> None:
+        """Forget the buffers (the sandbox is gone); pipes close when their writers die."""
+        if self.stdin is not None:
+            self.stdin.close()
+        self.stdout.buf = bytearray()
+        self.stderr.buf = bytearray()
+
+
+def _pipe() -> tuple[int, int]:
+    return os.pipe2(os.O_CLOEXEC)
+
+
+def start(loop: asyncio.AbstractEventLoop, substrate: Substrate, runtime: SandboxRuntime,
+          argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int,
+          groups: list[int], *, cmd: str | list[str], stdin: bytes | None, keep_stdin: bool,
+          cap: int, timeout: float | None) -> Process:
+    """Spawn ``argv`` in the sandbox with fresh pipes. ``stdin`` is written then closed unless
+    ``keep_stdin`` (background commands keep it open for the stdin route)."""
+    child_fds: list[int] = []
+    parent_fds: list[int] = []
+    try:
+        out_r, out_w = _pipe()
+        parent_fds.append(out_r)
+        child_fds.append(out_w)
+        err_r, err_w = _pipe()
+        parent_fds.append(err_r)
+        child_fds.append(err_w)
+        in_r = in_w = -1
+        if stdin is not None or keep_stdin:
+            in_r, in_w = _pipe()
+            child_fds.append(in_r)
+            parent_fds.append(in_w)
+        for fd in parent_fds:
+            os.set_blocking(fd, False)
+        spec = ExecSpec(argv=argv, env=env, cwd=cwd, uid=uid, gid=gid, groups=groups,
+                        stdin_fd=in_r, stdout_fd=out_w, stderr_fd=err_w)
+        pid = substrate.spawn(runtime, spec)
+    except BaseException:
+        for fd in parent_fds:
+            os.close(fd)
+        raise
+    finally:
+        for fd in child_fds:
+            os.close(fd)
+    proc = Process(loop, pid, cmd, out_r, err_r, in_w, cap, timeout)
+    if proc.stdin is not None and (stdin or not keep_stdin):
+        proc.stdin.write(stdin or b"", eof=not keep_stdin)
+    return proc
+
+
+def ns_pid(host_pid: int) -> int:
+    """The pid as seen inside the sandbox (last NSpid field); the host pid if unknown."""
+    try:
+        with open(f"/proc/{host_pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return host_pid
