@@ -12,9 +12,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import SOCKET, STATE_DIR
 
 import corral
+
+from conftest import SOCKET, STATE_DIR
 
 # Python run inside the sandbox; syscalls by number (x86_64) so no helper binary is needed.
 SYSCALL_PROBE = r"""
