@@ -308,11 +308,11 @@ class Engine:
         sb = Sandbox(sid, spec, now, now + spec.timeout)
         sdir = os.path.join(self.sandboxes_dir, sid)
         meta_path = os.path.join(sdir, persist.META)
-        # The record exists before anything is made, so a crash mid-create is cleanable.
+        # The directory is the record until meta.json exists: a crash mid-create leaves a
+        # dir without a runtime, which recovery hands to cleanup_orphans with everything else.
         os.mkdir(sdir, 0o700)
         self.sandboxes[sid] = sb  # counts against capacity while being made
         try:
-            persist.write_json_atomic(meta_path, sb.meta())
             sb.runtime = substrate.create(sid, spec, image)
             sb.state = "running"
             persist.write_json_atomic(meta_path, sb.meta())

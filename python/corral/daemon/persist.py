@@ -1,7 +1,8 @@
 """The engine's on-disk records: ``<state_dir>/sandboxes/<id>/meta.json``, written atomically.
 
-A record is written before the sandbox is made (``runtime`` null) and again once it runs, so a
-daemon killed at any point leaves either a record it can re-adopt or one that recovery cleans.
+The sandbox's directory is made before the sandbox and its record written once it runs, so a
+daemon killed at any point leaves either a record it can re-adopt or a directory without one,
+which recovery cleans (with the cgroups and processes of that id) through cleanup_orphans.
 No fsync: the failure to survive is a daemon crash (kill -9), not a power cut, and a sync per
 create would cost more than the create itself.
 """

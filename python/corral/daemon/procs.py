@@ -310,7 +310,21 @@ def start(loop: asyncio.AbstractEventLoop, substrate: Substrate, runtime: Sandbo
     finally:
         for fd in child_fds:
             os.close(fd)
-    proc = Process(loop, pid, cmd, out_r, err_r, in_w, cap, timeout)
+    try:
+        proc = Process(loop, pid, cmd, out_r, err_r, in_w, cap, timeout)
+    except BaseException:  # e.g. EMFILE on pidfd_open: don't leave an unreaped child behind
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        os.waitpid(pid, 0)
+        for fd in parent_fds:
+            try:
+                loop.remove_reader(fd)
+                os.close(fd)
+            except OSError:
+                pass
+        raise
     if proc.stdin is not None and (stdin or not keep_stdin):
         proc.stdin.write(stdin or b"", eof=not keep_stdin)
     return proc

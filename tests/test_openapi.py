@@ -1,0 +1,46 @@
+"""The committed OpenAPI spec, the app's routes and docs/architecture.md agree."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from corral.daemon.app import ROUTES, create_app
+from corral.daemon.openapi import SPEC_PATH, build_spec, render
+
+ARCH = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+
+
+def app_routes() -> set[tuple[str, str]]:
+    app = create_app(None)
+    return {(r.method, r.resource.canonical) for r in app.router.routes()}
+
+
+def spec_routes(spec: dict) -> set[tuple[str, str]]:
+    return {(m.upper(), p) for p, ops in spec["paths"].items() for m in ops}
+
+
+def test_spec_matches_app_routes():
+    spec = json.loads(Path(SPEC_PATH).read_text())
+    assert spec["openapi"].startswith("3.1")
+    assert spec_routes(spec) == app_routes()
+    assert len(app_routes()) == len(ROUTES)
+
+
+def test_committed_spec_is_generated():
+    assert Path(SPEC_PATH).read_text() == render(), \
+        "openapi.json is stale: run python -m corral.daemon.openapi"
+
+
+def test_spec_refs_resolve():
+    spec = build_spec()
+    schemas = spec["components"]["schemas"]
+    refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(spec)))
+    assert refs and refs <= set(schemas)
+
+
+def test_architecture_table_matches_routes():
+    rows = re.findall(r"^\| (GET|POST|PUT|DELETE) \| (\S+) \|", ARCH.read_text(), re.M)
+    documented = {(m, p.split("?")[0]) for m, p in rows}
+    assert documented == app_routes()
