@@ -1,0 +1,38 @@
+//! Compiles `init/corral-init.c` into a tiny static PID 1 that the library embeds.
+
+use std::env;
+use std::path::PathBuf;
+use std::process::Command;
+
+fn main() {
+    let src = PathBuf::from("init/corral-init.c");
+    println!("cargo:rerun-if-changed={}", src.display());
+    println!("cargo:rerun-if-env-changed=CORRAL_INIT_CC");
+    let out = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR")).join("corral-init");
+    let cc = env::var("CORRAL_INIT_CC").unwrap_or_else(|_| "cc".to_string());
+    let status = Command::new(&cc)
+        .args([
+            "-static",
+            "-nostdlib",
+            "-ffreestanding",
+            "-fno-stack-protector",
+            "-fno-pie",
+            "-no-pie",
+            "-Os",
+            "-s",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-fno-asynchronous-unwind-tables",
+            "-Wl,--build-id=none",
+            "-o",
+        ])
+        .arg(&out)
+        .arg(&src)
+        .status()
+        .unwrap_or_else(|e| panic!("running {cc} to build corral-init: {e}"));
+    assert!(
+        status.success(),
+        "{cc} failed to build corral-init ({status})"
+    );
+}

@@ -1,0 +1,605 @@
+//! File operations resolved inside a sandbox's root.
+//!
+//! Every path is first normalized lexically (`..` pops a component and stops at the root), then
+//! resolved from an O_PATH fd of the sandbox root with openat2(RESOLVE_IN_ROOT |
+//! RESOLVE_NO_MAGICLINKS): symlinks, absolute or relative, resolve as they would for a process
+//! chrooted there, and /proc magic links (/proc/self/root, /proc/1/cwd, ...) are refused. The
+//! final component of a mutating operation is only ever used with an *at syscall on its parent
+//! fd and never followed (O_NOFOLLOW, AT_SYMLINK_NOFOLLOW, unlinkat, renameat), so a symlink
+//! swapped in by code in the sandbox cannot redirect a write, a removal or a rename.
+//!
+//! The daemon runs with every capability, so it also refuses to read or write through procfs
+//! or sysfs (/proc/kmsg, /proc/<pid>/oom_score_adj, ...) and to read anything but regular
+//! files: a FIFO or a device made by the sandbox must not block or steer a daemon thread.
+
+use std::ffi::{CStr, CString, OsStr, OsString};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+
+use rustix::fs::{self as rfs, AtFlags, Dir, FileType, Mode, OFlags, ResolveFlags};
+use rustix::io::Errno;
+
+#[derive(Debug, thiserror::Error)]
+pub enum FsError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{op} {path:?}: {msg}")]
+    Os {
+        op: &'static str,
+        errno: i32,
+        path: String,
+        msg: String,
+    },
+}
+
+impl FsError {
+    fn os(op: &'static str, path: &Norm, e: Errno) -> Self {
+        let errno = e.raw_os_error();
+        let msg = match errno {
+            libc::EXDEV => "resolves outside the sandbox root".to_string(),
+            libc::ELOOP => {
+                "too many levels of symbolic links, or a symlink where none is allowed".to_string()
+            }
+            _ => crate::harden::strerror(errno),
+        };
+        FsError::Os {
+            op,
+            errno,
+            path: path.display(),
+            msg,
+        }
+    }
+
+    fn custom(op: &'static str, path: &Norm, errno: i32, msg: &str) -> Self {
+        FsError::Os {
+            op,
+            errno,
+            path: path.display(),
+            msg: msg.to_string(),
+        }
+    }
+
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            FsError::Os { errno, .. } => Some(*errno),
+            FsError::Invalid(_) => None,
+        }
+    }
+}
+
+type Result<T> = std::result::Result<T, FsError>;
+
+const PROC_SUPER_MAGIC: i64 = 0x9fa0;
+const SYSFS_MAGIC: i64 = 0x6265_6572;
+const CGROUP_SUPER_MAGIC: i64 = 0x27e0eb;
+const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+const DEBUGFS_MAGIC: i64 = 0x6462_6720;
+const SECURITYFS_MAGIC: i64 = 0x7365_6373;
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// A normalized path: its components, never "", "." or "..". Empty means the root.
+struct Norm {
+    comps: Vec<Vec<u8>>,
+}
+
+impl Norm {
+    fn new(path: &OsStr) -> Result<Self> {
+        let b = path.as_bytes();
+        if b.is_empty() {
+            return Err(FsError::Invalid("empty path".into()));
+        }
+        if b.contains(&0) {
+            return Err(FsError::Invalid(format!("NUL byte in path {path:?}")));
+        }
+        let mut comps: Vec<Vec<u8>> = Vec::new();
+        for c in b.split(|&x| x == b'/') {
+            match c {
+                b"" | b"." => {}
+                b".." => {
+                    comps.pop();
+                }
+                _ => comps.push(c.to_vec()),
+            }
+        }
+        Ok(Norm { comps })
+    }
+
+    #[cfg(test)]
+    fn is_root(&self) -> bool {
+        self.comps.is_empty()
+    }
+
+    /// Relative form of the first `n` components ("." for none).
+    fn rel(&self, n: usize) -> CString {
+        if n == 0 {
+            return CString::new(".").expect("no NUL");
+        }
+        CString::new(self.comps[..n].join(&b'/')).expect("checked for NUL")
+    }
+
+    fn full(&self) -> CString {
+        self.rel(self.comps.len())
+    }
+
+    fn parent(&self) -> CString {
+        self.rel(self.comps.len().saturating_sub(1))
+    }
+
+    fn base(&self) -> Option<CString> {
+        self.comps
+            .last()
+            .map(|c| CString::new(c.clone()).expect("checked for NUL"))
+    }
+
+    fn display(&self) -> String {
+        let mut s = String::from("/");
+        s.push_str(&String::from_utf8_lossy(&self.comps.join(&b'/')));
+        s
+    }
+}
+
+fn borrow(fd: RawFd) -> Result<BorrowedFd<'static>> {
+    if fd < 0 {
+        return Err(FsError::Invalid(format!("bad root fd {fd}")));
+    }
+    // SAFETY: the caller (Python) owns the fd and keeps it open for the duration of the call;
+    // the 'static borrow never escapes the call.
+    Ok(unsafe { BorrowedFd::borrow_raw(fd) })
+}
+
+/// openat2(root, rel, flags, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS), retrying the EAGAIN
+/// RESOLVE_IN_ROOT returns when a concurrent rename races a `..` lookup.
+fn open_in(
+    root: BorrowedFd<'_>,
+    rel: &CStr,
+    flags: OFlags,
+    mode: Mode,
+) -> rustix::io::Result<OwnedFd> {
+    let resolve = ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS;
+    let mut tries = 0;
+    loop {
+        match rfs::openat2(root, rel, flags | OFlags::CLOEXEC, mode, resolve) {
+            Err(Errno::AGAIN) | Err(Errno::INTR) if tries < 64 => tries += 1,
+            r => return r,
+        }
+    }
+}
+
+fn open_dir_path(root: BorrowedFd<'_>, rel: &CStr) -> rustix::io::Result<OwnedFd> {
+    open_in(root, rel, OFlags::PATH | OFlags::DIRECTORY, Mode::empty())
+}
+
+/// Refuse procfs/sysfs and friends (see the module doc).
+fn check_fs_type(fd: BorrowedFd<'_>, op: &'static str, path: &Norm) -> Result<()> {
+    let st = rfs::fstatfs(fd).map_err(|e| FsError::os(op, path, e))?;
+    let t = st.f_type as i64;
+    if [
+        PROC_SUPER_MAGIC,
+        SYSFS_MAGIC,
+        CGROUP_SUPER_MAGIC,
+        CGROUP2_SUPER_MAGIC,
+        DEBUGFS_MAGIC,
+        SECURITYFS_MAGIC,
+        BPF_FS_MAGIC,
+    ]
+    .contains(&t)
+    {
+        return Err(FsError::custom(
+            op,
+            path,
+            libc::EACCES,
+            "kernel pseudo-filesystems are not reachable through the files API",
+        ));
+    }
+    Ok(())
+}
+
+/// Create every missing directory of `path[..n]`; returns an O_PATH fd of it.
+fn mkdir_p(
+    root: BorrowedFd<'_>,
+    path: &Norm,
+    n: usize,
+    mode: u32,
+    op: &'static str,
+) -> Result<OwnedFd> {
+    if let Ok(fd) = open_dir_path(root, &path.rel(n)) {
+        return Ok(fd);
+    }
+    let mut cur = open_dir_path(root, c".").map_err(|e| FsError::os(op, path, e))?;
+    for i in 1..=n {
+        let rel = path.rel(i);
+        match open_dir_path(root, &rel) {
+            Ok(fd) => cur = fd,
+            Err(Errno::NOENT) => {
+                let name = CString::new(path.comps[i - 1].clone()).expect("checked for NUL");
+                match rfs::mkdirat(&cur, &name, Mode::from_raw_mode(mode)) {
+                    Ok(()) | Err(Errno::EXIST) => {}
+                    Err(e) => return Err(FsError::os(op, path, e)),
+                }
+                cur = open_dir_path(root, &rel).map_err(|e| FsError::os(op, path, e))?;
+            }
+            Err(e) => return Err(FsError::os(op, path, e)),
+        }
+    }
+    Ok(cur)
+}
+
+fn parent_fd(root: BorrowedFd<'_>, path: &Norm, op: &'static str) -> Result<OwnedFd> {
+    open_dir_path(root, &path.parent()).map_err(|e| FsError::os(op, path, e))
+}
+
+#[allow(clippy::unnecessary_cast)] // st_mode's type differs between architectures
+fn mode_of(st: &rfs::Stat) -> u32 {
+    st.st_mode as u32
+}
+
+fn kind_of(mode: u32) -> &'static str {
+    match FileType::from_raw_mode(mode) {
+        FileType::RegularFile => "file",
+        FileType::Directory => "dir",
+        FileType::Symlink => "symlink",
+        _ => "other",
+    }
+}
+
+/// (name, kind, size, permission bits, mtime)
+pub type ListEntry = (OsString, &'static str, u64, u32, f64);
+
+/// (kind, size, permission bits, mtime)
+pub type StatInfo = (&'static str, u64, u32, f64);
+
+fn stat_info(st: &rfs::Stat) -> StatInfo {
+    let mode = mode_of(st);
+    (
+        kind_of(mode),
+        st.st_size as u64,
+        mode & 0o7777,
+        st.st_mtime as f64 + st.st_mtime_nsec as f64 / 1e9,
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// public API
+
+/// O_PATH fd of /proc/PID/root.
+pub fn root_fd(pid: i32) -> std::io::Result<OwnedFd> {
+    crate::enter::open_proc_root(pid)
+}
+
+pub fn read(root: RawFd, path: &OsStr, max_bytes: u64) -> Result<Vec<u8>> {
+    const OP: &str = "read";
+    let root = borrow(root)?;
+    let p = Norm::new(path)?;
+    let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY;
+    let fd = open_in(root, &p.full(), flags, Mode::empty()).map_err(|e| FsError::os(OP, &p, e))?;
+    check_fs_type(fd.as_fd(), OP, &p)?;
+    let st = rfs::fstat(&fd).map_err(|e| FsError::os(OP, &p, e))?;
+    match FileType::from_raw_mode(mode_of(&st)) {
+        FileType::RegularFile => {}
+        FileType::Directory => return Err(FsError::os(OP, &p, Errno::ISDIR)),
+        _ => return Err(FsError::custom(OP, &p, libc::EINVAL, "not a regular file")),
+    }
+    // At most `max_bytes`: the caller compares the length with its limit to spot truncation.
+    let max = usize::try_from(max_bytes).unwrap_or(usize::MAX);
+    let want = usize::try_from(st.st_size.max(0))
+        .unwrap_or(usize::MAX)
+        .min(max);
+    let mut buf = vec![0u8; want];
+    let mut len = 0;
+    loop {
+        if len == buf.len() {
+            if len >= max {
+                break;
+            }
+            // The file grew, or st_size lied (some filesystems): keep going in chunks.
+            buf.resize((len + (1 << 16)).min(max), 0);
+        }
+        match rustix::io::read(&fd, &mut buf[len..]) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(FsError::os(OP, &p, e)),
+        }
+    }
+    buf.truncate(len);
+    Ok(buf)
+}
+
+pub fn write(root: RawFd, path: &OsStr, data: &[u8], mode: u32, make_parents: bool) -> Result<()> {
+    const OP: &str = "write";
+    let root = borrow(root)?;
+    let p = Norm::new(path)?;
+    let Some(base) = p.base() else {
+        return Err(FsError::os(OP, &p, Errno::ISDIR));
+    };
+    let dir = if make_parents {
+        mkdir_p(root, &p, p.comps.len() - 1, 0o755, OP)?
+    } else {
+        parent_fd(root, &p, OP)?
+    };
+    check_fs_type(dir.as_fd(), OP, &p)?;
+    let base_flags =
+        OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
+    let perm = Mode::from_raw_mode(mode & 0o7777);
+    // Create exclusively first so a new file gets exactly `mode` (fchmod beats the umask);
+    // an existing file keeps its mode and is truncated.
+    let (fd, created) = match rfs::openat(
+        &dir,
+        &base,
+        base_flags | OFlags::CREATE | OFlags::EXCL,
+        perm,
+    ) {
+        Ok(fd) => (fd, true),
+        Err(Errno::EXIST) => {
+            let fd = rfs::openat(&dir, &base, base_flags, Mode::empty())
+                .map_err(|e| FsError::os(OP, &p, e))?;
+            (fd, false)
+        }
+        Err(e) => return Err(FsError::os(OP, &p, e)),
+    };
+    let st = rfs::fstat(&fd).map_err(|e| FsError::os(OP, &p, e))?;
+    if FileType::from_raw_mode(mode_of(&st)) != FileType::RegularFile {
+        return Err(FsError::custom(OP, &p, libc::EINVAL, "not a regular file"));
+    }
+    if created {
+        rfs::fchmod(&fd, perm).map_err(|e| FsError::os(OP, &p, e))?;
+    } else {
+        rfs::ftruncate(&fd, 0).map_err(|e| FsError::os(OP, &p, e))?;
+    }
+    let mut off = 0;
+    while off < data.len() {
+        match rustix::io::write(&fd, &data[off..]) {
+            Ok(n) => off += n,
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(FsError::os(OP, &p, e)),
+        }
+    }
+    Ok(())
+}
+
+/// Entries of a directory: (name, kind, size, mode, mtime), sorted by name; symlinks are not
+/// followed.
+pub fn list(root: RawFd, path: &OsStr) -> Result<Vec<ListEntry>> {
+    const OP: &str = "list";
+    let root = borrow(root)?;
+    let p = Norm::new(path)?;
+    let fd = open_in(
+        root,
+        &p.full(),
+        OFlags::RDONLY | OFlags::DIRECTORY,
+        Mode::empty(),
+    )
+    .map_err(|e| FsError::os(OP, &p, e))?;
+    let mut dir = Dir::new(fd).map_err(|e| FsError::os(OP, &p, e))?;
+    let mut names = Vec::new();
+    while let Some(ent) = dir.read() {
+        let ent = ent.map_err(|e| FsError::os(OP, &p, e))?;
+        let name = ent.file_name();
+        if name == c"." || name == c".." {
+            continue;
+        }
+        names.push(name.to_owned());
+    }
+    names.sort();
+    let dfd = dir.fd().map_err(|e| FsError::os(OP, &p, e))?;
+    let mut out = Vec::with_capacity(names.len());
+    for name in names {
+        match rfs::statat(dfd, &name, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => {
+                let (k, size, mode, mtime) = stat_info(&st);
+                out.push((OsString::from_vec(name.into_bytes()), k, size, mode, mtime));
+            }
+            Err(Errno::NOENT) => {} // removed meanwhile
+            Err(e) => return Err(FsError::os(OP, &p, e)),
+        }
+    }
+    Ok(out)
+}
+
+/// lstat semantics: a symlink is reported as one.
+pub fn stat(root: RawFd, path: &OsStr) -> Result<StatInfo> {
+    const OP: &str = "stat";
+    let root = borrow(root)?;
+    let p = Norm::new(path)?;
+    let st = match p.base() {
+        None => {
+            let fd = open_dir_path(root, c".").map_err(|e| FsError::os(OP, &p, e))?;
+            rfs::fstat(&fd)
+        }
+        Some(base) => {
+            let dir = parent_fd(root, &p, OP)?;
+            rfs::statat(&dir, &base, AtFlags::SYMLINK_NOFOLLOW)
+        }
+    }
+    .map_err(|e| FsError::os(OP, &p, e))?;
+    Ok(stat_info(&st))
+}
+
+pub fn mkdir(root: RawFd, path: &OsStr, parents: bool, mode: u32) -> Result<()> {
+    const OP: &str = "mkdir";
+    let root = borrow(root)?;
+    let p = Norm::new(path)?;
+    if parents {
+        mkdir_p(root, &p, p.comps.len(), mode & 0o7777, OP)?;
+        return Ok(());
+    }
+    let Some(base) = p.base() else {
+        return Err(FsError::os(OP, &p, Errno::EXIST));
+    };
+    let dir = parent_fd(root, &p, OP)?;
+    rfs::mkdirat(&dir, &base, Mode::from_raw_mode(mode & 0o7777))
+        .map_err(|e| FsError::os(OP, &p, e))
+}
+
+pub fn remove(root: RawFd, path: &OsStr, recursive: bool) -> Result<()> {
+    const OP: &str = "remove";
+    let root = borrow(root)?;
+    let p = Norm::new(path)?;
+    let Some(base) = p.base() else {
+        return Err(FsError::Invalid(
+            "refusing to remove the sandbox's root directory".into(),
+        ));
+    };
+    let dir = parent_fd(root, &p, OP)?;
+    let st =
+        rfs::statat(&dir, &base, AtFlags::SYMLINK_NOFOLLOW).map_err(|e| FsError::os(OP, &p, e))?;
+    if FileType::from_raw_mode(mode_of(&st)) != FileType::Directory {
+        return rfs::unlinkat(&dir, &base, AtFlags::empty()).map_err(|e| FsError::os(OP, &p, e));
+    }
+    if recursive {
+        remove_tree(dir.as_fd(), &base, 0).map_err(|e| FsError::os(OP, &p, e))
+    } else {
+        rfs::unlinkat(&dir, &base, AtFlags::REMOVEDIR).map_err(|e| FsError::os(OP, &p, e))
+    }
+}
+
+const MAX_DEPTH: usize = 2048;
+
+/// rm -rf `name` in `parent`, never following a symlink (every step is relative to an fd
+/// opened with O_NOFOLLOW).
+fn remove_tree(parent: BorrowedFd<'_>, name: &CStr, depth: usize) -> rustix::io::Result<()> {
+    if depth > MAX_DEPTH {
+        return Err(Errno::LOOP);
+    }
+    let fd = match rfs::openat(
+        parent,
+        name,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) {
+        Ok(fd) => fd,
+        // Replaced by a symlink or a file meanwhile: just unlink what is there now.
+        Err(Errno::NOTDIR) | Err(Errno::LOOP) => {
+            return match rfs::unlinkat(parent, name, AtFlags::empty()) {
+                Err(Errno::NOENT) => Ok(()),
+                r => r,
+            }
+        }
+        Err(Errno::NOENT) => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let mut dir = Dir::new(fd)?;
+    let mut entries = Vec::new();
+    while let Some(ent) = dir.read() {
+        let ent = ent?;
+        let n = ent.file_name();
+        if n == c"." || n == c".." {
+            continue;
+        }
+        entries.push((n.to_owned(), ent.file_type()));
+    }
+    let dfd = dir.fd()?;
+    for (n, ft) in entries {
+        let is_dir = match ft {
+            FileType::Directory => true,
+            FileType::Unknown => matches!(
+                rfs::statat(dfd, &n, AtFlags::SYMLINK_NOFOLLOW)
+                    .map(|s| FileType::from_raw_mode(mode_of(&s))),
+                Ok(FileType::Directory)
+            ),
+            _ => false,
+        };
+        let r = if is_dir {
+            remove_tree(dfd, &n, depth + 1)
+        } else {
+            rfs::unlinkat(dfd, &n, AtFlags::empty())
+        };
+        match r {
+            Ok(()) | Err(Errno::NOENT) => {}
+            Err(Errno::ISDIR) => remove_tree(dfd, &n, depth + 1)?,
+            Err(e) => return Err(e),
+        }
+    }
+    drop(dir);
+    match rfs::unlinkat(parent, name, AtFlags::REMOVEDIR) {
+        Err(Errno::NOENT) => Ok(()),
+        r => r,
+    }
+}
+
+pub fn rename(root: RawFd, src: &OsStr, dst: &OsStr) -> Result<()> {
+    const OP: &str = "rename";
+    let root = borrow(root)?;
+    let s = Norm::new(src)?;
+    let d = Norm::new(dst)?;
+    let (Some(sb), Some(db)) = (s.base(), d.base()) else {
+        return Err(FsError::Invalid(
+            "cannot rename the sandbox's root directory".into(),
+        ));
+    };
+    let sd = parent_fd(root, &s, OP)?;
+    let dd = parent_fd(root, &d, OP)?;
+    rfs::renameat(&sd, &sb, &dd, &db).map_err(|e| FsError::os(OP, &s, e))
+}
+
+pub fn symlink(root: RawFd, target: &OsStr, linkpath: &OsStr) -> Result<()> {
+    const OP: &str = "symlink";
+    let root = borrow(root)?;
+    let p = Norm::new(linkpath)?;
+    if target.is_empty() || target.as_bytes().contains(&0) {
+        return Err(FsError::Invalid(format!("bad symlink target {target:?}")));
+    }
+    let Some(base) = p.base() else {
+        return Err(FsError::os(OP, &p, Errno::EXIST));
+    };
+    let dir = parent_fd(root, &p, OP)?;
+    rfs::symlinkat(target.as_bytes(), &dir, &base).map_err(|e| FsError::os(OP, &p, e))
+}
+
+pub fn readlink(root: RawFd, path: &OsStr) -> Result<OsString> {
+    const OP: &str = "readlink";
+    let root = borrow(root)?;
+    let p = Norm::new(path)?;
+    let Some(base) = p.base() else {
+        return Err(FsError::os(OP, &p, Errno::INVAL));
+    };
+    let dir = parent_fd(root, &p, OP)?;
+    let t = rfs::readlinkat(&dir, &base, Vec::new()).map_err(|e| FsError::os(OP, &p, e))?;
+    Ok(OsString::from_vec(t.into_bytes()))
+}
+
+/// chmod without following a final symlink (a symlink itself has no mode: EOPNOTSUPP).
+pub fn chmod(root: RawFd, path: &OsStr, mode: u32) -> Result<()> {
+    const OP: &str = "chmod";
+    let root = borrow(root)?;
+    let p = Norm::new(path)?;
+    let fd = match p.base() {
+        None => open_dir_path(root, c"."),
+        Some(base) => {
+            let dir = parent_fd(root, &p, OP)?;
+            rfs::openat(
+                &dir,
+                &base,
+                OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+        }
+    }
+    .map_err(|e| FsError::os(OP, &p, e))?;
+    let st = rfs::fstat(&fd).map_err(|e| FsError::os(OP, &p, e))?;
+    if FileType::from_raw_mode(mode_of(&st)) == FileType::Symlink {
+        return Err(FsError::os(OP, &p, Errno::OPNOTSUPP));
+    }
+    check_fs_type(fd.as_fd(), OP, &p)?;
+    // fchmod refuses O_PATH fds; the fd's /proc/self/fd magic link reaches the same inode.
+    let proc_path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    rfs::chmod(proc_path.as_str(), Mode::from_raw_mode(mode & 0o7777))
+        .map_err(|e| FsError::os(OP, &p, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normalize() {
+        let n = Norm::new(OsStr::new("/a/./b/../../../c//d/")).unwrap();
+        assert_eq!(n.full().as_bytes(), b"c/d");
+        assert_eq!(n.parent().as_bytes(), b"c");
+        assert_eq!(n.base().unwrap().as_bytes(), b"d");
+        let r = Norm::new(OsStr::new("/..")).unwrap();
+        assert!(r.is_root());
+        assert_eq!(r.full().as_bytes(), b".");
+        assert!(Norm::new(OsStr::new("")).is_err());
+    }
+}

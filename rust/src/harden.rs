@@ -1,0 +1,624 @@
+//! Hardening shared by the sandbox init (`spawn`) and every process started in a sandbox
+//! (`enter`): capabilities, no_new_privs, the seccomp filter and rlimits.
+//!
+//! Everything is split in two halves. The *prepare* half (plain Rust, may allocate, runs in the
+//! daemon before the fork) parses names, computes capability masks and compiles the BPF program.
+//! The *apply* half (`unsafe fn`s taking only plain data) runs in the forked child, where only
+//! async-signal-safe work is allowed: each is a handful of raw syscalls, no allocation, no locks,
+//! no glibc wrappers that talk to other threads (see `set_ids`).
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+
+use caps::Capability;
+use libc::{c_int, c_long};
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule, TargetArch,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum HardenError {
+    #[error("unknown rlimit {0:?} (known: {known})", known = RLIMIT_NAMES.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(" "))]
+    UnknownRlimit(String),
+    #[error("rlimit {name}: soft limit {soft} is above the hard limit {hard}")]
+    RlimitOrder { name: String, soft: u64, hard: u64 },
+    #[error("building the seccomp filter: {0}")]
+    Seccomp(String),
+}
+
+// ---------------------------------------------------------------------------------------------
+// rlimits
+
+/// One resource limit, ready for `prlimit64` in the child.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rlimit {
+    pub resource: c_int,
+    pub soft: u64,
+    pub hard: u64,
+}
+
+/// Infinity as the kernel spells it.
+pub const RLIM_INFINITY: u64 = u64::MAX;
+
+const RLIMIT_NAMES: &[(&str, c_int)] = &[
+    ("as", libc::RLIMIT_AS as c_int),
+    ("core", libc::RLIMIT_CORE as c_int),
+    ("cpu", libc::RLIMIT_CPU as c_int),
+    ("data", libc::RLIMIT_DATA as c_int),
+    ("fsize", libc::RLIMIT_FSIZE as c_int),
+    ("locks", libc::RLIMIT_LOCKS as c_int),
+    ("memlock", libc::RLIMIT_MEMLOCK as c_int),
+    ("msgqueue", libc::RLIMIT_MSGQUEUE as c_int),
+    ("nice", libc::RLIMIT_NICE as c_int),
+    ("nofile", libc::RLIMIT_NOFILE as c_int),
+    ("nproc", libc::RLIMIT_NPROC as c_int),
+    ("rss", libc::RLIMIT_RSS as c_int),
+    ("rtprio", libc::RLIMIT_RTPRIO as c_int),
+    ("rttime", libc::RLIMIT_RTTIME as c_int),
+    ("sigpending", libc::RLIMIT_SIGPENDING as c_int),
+    ("stack", libc::RLIMIT_STACK as c_int),
+];
+
+/// `name` is `nofile`, `RLIMIT_NOFILE` or `NOFILE`; a negative value means unlimited.
+pub fn rlimit(name: &str, soft: i128, hard: i128) -> Result<Rlimit, HardenError> {
+    let lower = name.to_ascii_lowercase();
+    let short = lower.strip_prefix("rlimit_").unwrap_or(&lower);
+    let resource = RLIMIT_NAMES
+        .iter()
+        .find(|(n, _)| *n == short)
+        .map(|(_, r)| *r)
+        .ok_or_else(|| HardenError::UnknownRlimit(name.to_string()))?;
+    let conv = |v: i128| {
+        if v < 0 || v >= u64::MAX as i128 {
+            RLIM_INFINITY
+        } else {
+            v as u64
+        }
+    };
+    let (soft, hard) = (conv(soft), conv(hard));
+    if soft > hard {
+        return Err(HardenError::RlimitOrder {
+            name: name.to_string(),
+            soft,
+            hard,
+        });
+    }
+    Ok(Rlimit {
+        resource,
+        soft,
+        hard,
+    })
+}
+
+/// Parent half: without CAP_SYS_RESOURCE a hard limit cannot be raised above our own, so
+/// clamp each request to the current hard limit (soft follows) instead of failing the spawn.
+pub fn clamp_rlimits(limits: &[Rlimit]) -> Vec<Rlimit> {
+    let can_raise =
+        caps::has_cap(None, caps::CapSet::Effective, Capability::CAP_SYS_RESOURCE).unwrap_or(false);
+    limits
+        .iter()
+        .map(|l| {
+            if can_raise {
+                return *l;
+            }
+            let mut cur = [0u64; 2];
+            // SAFETY: prlimit64(0, resource, NULL, &cur) reads our limit into a valid buffer.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_prlimit64,
+                    0 as c_long,
+                    l.resource as c_long,
+                    std::ptr::null::<u64>(),
+                    cur.as_mut_ptr(),
+                )
+            };
+            if rc < 0 || l.hard <= cur[1] {
+                return *l;
+            }
+            Rlimit {
+                resource: l.resource,
+                soft: l.soft.min(cur[1]),
+                hard: cur[1],
+            }
+        })
+        .collect()
+}
+
+/// `strerror` without std's " (os error N)" suffix.
+pub fn strerror(errno: c_int) -> String {
+    let s = std::io::Error::from_raw_os_error(errno).to_string();
+    match s.rfind(" (os error ") {
+        Some(i) => s[..i].to_string(),
+        None => s,
+    }
+}
+
+/// Child half: set every limit. Returns the errno of the first failure.
+///
+/// # Safety
+/// Async-signal-safe: raw `prlimit64` syscalls only.
+pub unsafe fn apply_rlimits(limits: &[Rlimit]) -> Result<(), c_int> {
+    for l in limits {
+        let new = [l.soft, l.hard];
+        // SAFETY: prlimit64(0 = self, resource, new, NULL): `new` is a valid struct rlimit64
+        // (two u64) on our stack for the duration of the call.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_prlimit64,
+                0 as c_long,
+                l.resource as c_long,
+                new.as_ptr(),
+                std::ptr::null_mut::<u64>(),
+            )
+        };
+        check(rc)?;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// capabilities
+
+/// The capabilities of a normal root shell in a sandbox (cf. the Docker default set, minus
+/// MKNOD, NET_RAW and SYS_CHROOT). Never SYS_CHROOT: the root switch is a chroot, and a second
+/// chroot is the classic way out of one.
+pub const SHELL_CAPS: &[Capability] = &[
+    Capability::CAP_CHOWN,
+    Capability::CAP_DAC_OVERRIDE,
+    Capability::CAP_FOWNER,
+    Capability::CAP_FSETID,
+    Capability::CAP_KILL,
+    Capability::CAP_SETGID,
+    Capability::CAP_SETUID,
+    Capability::CAP_SETPCAP,
+    Capability::CAP_NET_BIND_SERVICE,
+    Capability::CAP_AUDIT_WRITE,
+    Capability::CAP_SETFCAP,
+];
+
+pub fn shell_caps_mask() -> u64 {
+    SHELL_CAPS.iter().fold(0u64, |m, c| m | c.bitmask())
+}
+
+/// Highest capability number this kernel knows (read once).
+pub fn last_cap() -> u32 {
+    static LAST: OnceLock<u32> = OnceLock::new();
+    *LAST.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+            .ok()
+            .and_then(|s| s.trim().parse::<u32>().ok())
+            .or_else(|| {
+                caps::runtime::thread_all_supported()
+                    .iter()
+                    .map(|c| u32::from(c.index()))
+                    .max()
+            })
+            .unwrap_or(40)
+            .min(63)
+    })
+}
+
+/// What the child does with its capabilities, computed before the fork.
+#[derive(Debug, Clone, Copy)]
+pub struct CapPlan {
+    /// Bounding-set bits to keep; every other capability up to `last_cap` is dropped.
+    pub bounding: u64,
+    /// Effective = permitted = inheritable after the credentials switch (0 for non-root users).
+    pub sets: u64,
+    pub last_cap: u32,
+}
+
+impl CapPlan {
+    /// No capabilities at all (the init).
+    pub fn none() -> Self {
+        CapPlan {
+            bounding: 0,
+            sets: 0,
+            last_cap: last_cap(),
+        }
+    }
+
+    /// The normal-shell set for uid 0; nothing but the bounding set for other users.
+    pub fn shell(uid: u32) -> Self {
+        let mask = shell_caps_mask();
+        CapPlan {
+            bounding: mask,
+            sets: if uid == 0 { mask } else { 0 },
+            last_cap: last_cap(),
+        }
+    }
+}
+
+/// Child half, step 1: shrink the bounding set and clear the ambient set. Needs CAP_SETPCAP,
+/// so it runs before the credentials switch.
+///
+/// # Safety
+/// Async-signal-safe: raw prctl calls only.
+pub unsafe fn drop_bounding(plan: &CapPlan) -> Result<(), c_int> {
+    for cap in 0..=plan.last_cap {
+        if plan.bounding & (1u64 << cap) != 0 {
+            continue;
+        }
+        // SAFETY: prctl with integer arguments only.
+        let rc = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
+        if rc != 0 {
+            let e = errno();
+            // EINVAL: a capability this kernel does not have; nothing to drop.
+            if e != libc::EINVAL {
+                return Err(e);
+            }
+        }
+    }
+    // SAFETY: prctl with integer arguments only.
+    let rc = unsafe {
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
+    };
+    check(rc as c_long)
+}
+
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+
+/// Child half, step 2 (after `set_ids`): effective = permitted = inheritable = `plan.sets`.
+///
+/// # Safety
+/// Async-signal-safe: one raw capset syscall.
+pub unsafe fn apply_caps(plan: &CapPlan) -> Result<(), c_int> {
+    let mut hdr = CapHeader {
+        version: LINUX_CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let lo = plan.sets as u32;
+    let hi = (plan.sets >> 32) as u32;
+    let data = [
+        CapData {
+            effective: lo,
+            permitted: lo,
+            inheritable: lo,
+        },
+        CapData {
+            effective: hi,
+            permitted: hi,
+            inheritable: hi,
+        },
+    ];
+    // SAFETY: capset(header, data[2]) with valid pointers to our stack for the call's duration.
+    let rc = unsafe { libc::syscall(libc::SYS_capset, &mut hdr as *mut CapHeader, data.as_ptr()) };
+    check(rc)
+}
+
+/// Child half: supplementary groups, then gid, then uid, as raw syscalls.
+///
+/// glibc's setgroups/setresuid/setresgid broadcast the change to every thread of the process
+/// (nptl "setxid" signals). In a CLONE_VM child that still shares the daemon's memory, glibc
+/// believes the daemon's threads are its own and would change *their* credentials: never call
+/// the wrappers after the clone.
+///
+/// # Safety
+/// Async-signal-safe: three raw syscalls on caller-provided data.
+pub unsafe fn set_ids(uid: u32, gid: u32, groups: &[libc::gid_t]) -> Result<(), c_int> {
+    // SAFETY: setgroups(n, ptr) with a valid slice (ptr may dangle when n == 0, which the kernel
+    // never reads).
+    check(unsafe { libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()) })?;
+    // SAFETY: integer arguments only.
+    check(unsafe { libc::syscall(libc::SYS_setresgid, gid, gid, gid) })?;
+    // SAFETY: integer arguments only.
+    check(unsafe { libc::syscall(libc::SYS_setresuid, uid, uid, uid) })
+}
+
+/// # Safety
+/// Async-signal-safe: one prctl.
+pub unsafe fn no_new_privs() -> Result<(), c_int> {
+    // SAFETY: prctl with integer arguments only.
+    check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } as c_long)
+}
+
+// ---------------------------------------------------------------------------------------------
+// seccomp
+
+/// clone(2) flags that make new namespaces; CLONE_NEWTIME is not a valid clone() flag (it
+/// aliases the exit-signal byte) and only exists for clone3/unshare, both refused outright.
+const CLONE_NEW_FLAGS: &[u64] = &[
+    libc::CLONE_NEWNS as u64,
+    libc::CLONE_NEWCGROUP as u64,
+    libc::CLONE_NEWUTS as u64,
+    libc::CLONE_NEWIPC as u64,
+    libc::CLONE_NEWUSER as u64,
+    libc::CLONE_NEWPID as u64,
+    libc::CLONE_NEWNET as u64,
+];
+
+/// Syscalls refused with EPERM (docs/architecture.md has the list and the reasons).
+fn denied_syscalls() -> Vec<c_long> {
+    let mut v = vec![
+        libc::SYS_mount,
+        libc::SYS_umount2,
+        libc::SYS_pivot_root,
+        libc::SYS_chroot,
+        libc::SYS_move_mount,
+        libc::SYS_open_tree,
+        libc::SYS_fsopen,
+        libc::SYS_fsconfig,
+        libc::SYS_fsmount,
+        libc::SYS_fspick,
+        libc::SYS_mount_setattr,
+        libc::SYS_unshare,
+        libc::SYS_setns,
+        libc::SYS_kexec_load,
+        libc::SYS_kexec_file_load,
+        libc::SYS_init_module,
+        libc::SYS_finit_module,
+        libc::SYS_delete_module,
+        libc::SYS_bpf,
+        libc::SYS_keyctl,
+        libc::SYS_add_key,
+        libc::SYS_request_key,
+        libc::SYS_perf_event_open,
+        libc::SYS_userfaultfd,
+        libc::SYS_open_by_handle_at,
+        libc::SYS_name_to_handle_at,
+        libc::SYS_swapon,
+        libc::SYS_swapoff,
+        libc::SYS_reboot,
+        libc::SYS_settimeofday,
+        libc::SYS_clock_settime,
+        libc::SYS_clock_adjtime,
+        libc::SYS_adjtimex,
+        libc::SYS_syslog,
+        libc::SYS_acct,
+        libc::SYS_quotactl,
+        libc::SYS_quotactl_fd,
+        libc::SYS_vhangup,
+        libc::SYS_io_uring_setup,
+        libc::SYS_io_uring_enter,
+        libc::SYS_io_uring_register,
+        libc::SYS_ptrace,
+    ];
+    #[cfg(target_arch = "x86_64")]
+    v.extend([
+        libc::SYS_iopl,
+        libc::SYS_ioperm,
+        libc::SYS_lookup_dcookie,
+        libc::SYS_nfsservctl,
+        libc::SYS_uselib,
+    ]);
+    #[cfg(target_arch = "aarch64")]
+    v.extend([libc::SYS_lookup_dcookie, libc::SYS_nfsservctl]);
+    v
+}
+
+#[cfg(target_arch = "x86_64")]
+const AUDIT_ARCH: u32 = 62 | 0x8000_0000 | 0x4000_0000;
+#[cfg(target_arch = "aarch64")]
+const AUDIT_ARCH: u32 = 183 | 0x8000_0000 | 0x4000_0000;
+/// x86_64 runs x32-ABI syscalls with bit 30 set in the number, under the x86_64 audit arch; a
+/// filter that only compares numbers must refuse them or `mount | 0x40000000` walks past it.
+#[cfg(target_arch = "x86_64")]
+const X32_SYSCALL_BIT: u32 = 0x4000_0000;
+#[cfg(not(target_arch = "x86_64"))]
+const X32_SYSCALL_BIT: u32 = u32::MAX;
+
+const BPF_LD_W_ABS: u16 = (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16;
+const BPF_JEQ_K: u16 = (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16;
+const BPF_JGE_K: u16 = (libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K) as u16;
+const BPF_RET_K: u16 = (libc::BPF_RET | libc::BPF_K) as u16;
+
+fn insn(code: u16, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
+    libc::sock_filter { code, jt, jf, k }
+}
+
+fn build_filter() -> Result<Vec<libc::sock_filter>, HardenError> {
+    let err = |e: &dyn std::fmt::Display| HardenError::Seccomp(e.to_string());
+    let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(|e| err(&e))?;
+    let mut rules: BTreeMap<c_long, Vec<SeccompRule>> = BTreeMap::new();
+    for nr in denied_syscalls() {
+        rules.insert(nr, vec![]);
+    }
+    // clone(): refused when any CLONE_NEW* bit is set in the flags (arg 0). Rules of one
+    // syscall are OR-ed, so one masked-equality rule per bit.
+    let mut clone_rules = Vec::new();
+    for &bit in CLONE_NEW_FLAGS {
+        let cond =
+            SeccompCondition::new(0, SeccompCmpArgLen::Qword, SeccompCmpOp::MaskedEq(bit), bit)
+                .map_err(|e| err(&e))?;
+        clone_rules.push(SeccompRule::new(vec![cond]).map_err(|e| err(&e))?);
+    }
+    rules.insert(libc::SYS_clone, clone_rules);
+    let filter = SeccompFilter::new(
+        rules,
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::EPERM as u32),
+        arch,
+    )
+    .map_err(|e| err(&e))?;
+    let body: BpfProgram = filter
+        .try_into()
+        .map_err(|e: seccompiler::BackendError| err(&e))?;
+
+    // Hand-written prefix, then seccompiler's program (which starts with its own arch check and
+    // kills the process on a foreign arch). seccompiler's jumps are relative, so prepending is
+    // safe. clone3 gets ENOSYS so libcs fall back to clone(), whose flags we can inspect.
+    let enosys = libc::SECCOMP_RET_ERRNO | (libc::ENOSYS as u32 & libc::SECCOMP_RET_DATA);
+    let mut prog = vec![
+        insn(BPF_LD_W_ABS, 0, 0, 4),                    // 0: A = arch
+        insn(BPF_JEQ_K, 0, 4, AUDIT_ARCH),              // 1: foreign arch -> 6 (body kills)
+        insn(BPF_LD_W_ABS, 0, 0, 0),                    // 2: A = nr
+        insn(BPF_JGE_K, 1, 0, X32_SYSCALL_BIT),         // 3: x32 ABI -> 5
+        insn(BPF_JEQ_K, 0, 1, libc::SYS_clone3 as u32), // 4: clone3 -> 5, else 6
+        insn(BPF_RET_K, 0, 0, enosys),                  // 5: ENOSYS
+    ];
+    prog.extend(body.iter().map(|i| insn(i.code, i.jt, i.jf, i.k)));
+    if prog.len() > libc::BPF_MAXINSNS as usize {
+        return Err(HardenError::Seccomp(format!(
+            "filter too long: {} insns",
+            prog.len()
+        )));
+    }
+    Ok(prog)
+}
+
+/// The compiled filter, built once per daemon.
+pub fn seccomp_program() -> Result<&'static [libc::sock_filter], HardenError> {
+    static PROG: OnceLock<Result<Vec<libc::sock_filter>, String>> = OnceLock::new();
+    match PROG.get_or_init(|| build_filter().map_err(|e| e.to_string())) {
+        Ok(p) => Ok(p.as_slice()),
+        Err(e) => Err(HardenError::Seccomp(e.clone())),
+    }
+}
+
+/// Child half: install the filter (no_new_privs must already be set).
+///
+/// # Safety
+/// Async-signal-safe: one raw seccomp syscall; `prog` must stay alive for the call.
+pub unsafe fn apply_seccomp(prog: &[libc::sock_filter]) -> Result<(), c_int> {
+    let fprog = libc::sock_fprog {
+        len: prog.len() as u16,
+        filter: prog.as_ptr() as *mut _,
+    };
+    // SAFETY: seccomp(SET_MODE_FILTER, 0, &fprog); the kernel copies the program before
+    // returning, `fprog` and `prog` outlive the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_seccomp,
+            libc::SECCOMP_SET_MODE_FILTER as c_long,
+            0 as c_long,
+            &fprog as *const libc::sock_fprog,
+        )
+    };
+    check(rc)
+}
+
+// ---------------------------------------------------------------------------------------------
+// helpers for child code
+
+/// The calling thread's errno (a TLS read: async-signal-safe).
+#[inline]
+pub fn errno() -> c_int {
+    // SAFETY: __errno_location always returns a valid pointer to this thread's errno.
+    unsafe { *libc::__errno_location() }
+}
+
+/// `Err(errno)` when a libc-style return value is negative.
+#[inline]
+pub fn check(rc: c_long) -> Result<(), c_int> {
+    if rc < 0 {
+        Err(errno())
+    } else {
+        Ok(())
+    }
+}
+
+/// Child half: give every classic signal its default disposition and return the previous
+/// handlers to the kernel's defaults. Handlers are reset by execve anyway, but SIG_IGN survives
+/// it (the daemon ignores SIGPIPE, for one), and until the exec a handler of the daemon must
+/// never run on the child's stack: callers keep every signal blocked until just before exec.
+///
+/// # Safety
+/// Async-signal-safe: raw rt_sigaction calls.
+pub unsafe fn reset_signal_dispositions() {
+    // Kernel struct sigaction on x86_64 and aarch64: handler, flags, restorer, mask.
+    let act: [u64; 4] = [0; 4]; // SIG_DFL, no flags, no mask
+    for sig in 1..32 {
+        if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+            continue;
+        }
+        // SAFETY: rt_sigaction(sig, &act, NULL, 8) with a valid kernel sigaction on our stack.
+        unsafe {
+            libc::syscall(
+                libc::SYS_rt_sigaction,
+                sig as c_long,
+                act.as_ptr(),
+                std::ptr::null_mut::<u64>(),
+                8 as c_long,
+            );
+        }
+    }
+}
+
+/// Child half: unblock every signal (the mask is inherited across execve).
+///
+/// # Safety
+/// Async-signal-safe: one raw rt_sigprocmask.
+pub unsafe fn unblock_all_signals() {
+    let empty: u64 = 0;
+    // SAFETY: rt_sigprocmask(SIG_SETMASK, &empty, NULL, 8).
+    unsafe {
+        libc::syscall(
+            libc::SYS_rt_sigprocmask,
+            libc::SIG_SETMASK as c_long,
+            &empty as *const u64,
+            std::ptr::null_mut::<u64>(),
+            8 as c_long,
+        );
+    }
+}
+
+/// Parent side: block every signal on the calling thread around a clone, so no handler of the
+/// daemon can run in the child before it execs. Restored by dropping the guard.
+pub struct SignalBlock {
+    old: libc::sigset_t,
+}
+
+impl SignalBlock {
+    pub fn new() -> Self {
+        // SAFETY: sigset_t is plain data; sigfillset/pthread_sigmask get valid pointers.
+        unsafe {
+            let mut all: libc::sigset_t = std::mem::zeroed();
+            let mut old: libc::sigset_t = std::mem::zeroed();
+            libc::sigfillset(&mut all);
+            libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
+            SignalBlock { old }
+        }
+    }
+}
+
+impl Drop for SignalBlock {
+    fn drop(&mut self) {
+        // SAFETY: restores the mask saved in `new`.
+        unsafe {
+            libc::pthread_sigmask(libc::SIG_SETMASK, &self.old, std::ptr::null_mut());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filter_builds() {
+        let p = seccomp_program().unwrap();
+        assert!(p.len() > 50);
+    }
+
+    #[test]
+    fn rlimit_names() {
+        assert_eq!(
+            rlimit("nofile", 10, 20).unwrap().resource,
+            libc::RLIMIT_NOFILE as c_int
+        );
+        assert_eq!(rlimit("RLIMIT_NPROC", -1, -1).unwrap().hard, RLIM_INFINITY);
+        assert!(rlimit("bogus", 1, 1).is_err());
+        assert!(rlimit("nofile", 20, 10).is_err());
+    }
+}

@@ -1,0 +1,326 @@
+//! `corral._core`: the privileged, syscall-heavy hot path of corral (see docs/architecture.md,
+//! "The Rust core contract"). Python passes plain dicts, lists and ints; every call releases
+//! the GIL around its syscalls; kernel errors become `OSError(errno, "<step>: <reason>")`, bad
+//! arguments `ValueError`.
+
+mod child;
+mod enter;
+mod fs;
+mod harden;
+mod spawn;
+
+use std::ffi::OsString;
+use std::os::fd::{IntoRawFd, RawFd};
+
+use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use enter::{EnterError, ExecConfig};
+use fs::FsError;
+use harden::{HardenError, Rlimit};
+use spawn::{Overlay, SpawnConfig, SpawnError};
+
+// ---- errors -----------------------------------------------------------------------------------
+
+fn os_error(errno: i32, msg: String) -> PyErr {
+    PyOSError::new_err((errno, msg))
+}
+
+impl From<HardenError> for PyErr {
+    fn from(e: HardenError) -> PyErr {
+        match e {
+            HardenError::Seccomp(_) => os_error(libc::EINVAL, e.to_string()),
+            _ => PyValueError::new_err(e.to_string()),
+        }
+    }
+}
+
+impl From<SpawnError> for PyErr {
+    fn from(e: SpawnError) -> PyErr {
+        match e {
+            SpawnError::Invalid(m) => PyValueError::new_err(m),
+            SpawnError::Harden(h) => h.into(),
+            SpawnError::Os { step, errno, msg } => {
+                os_error(errno, format!("spawn_sandbox: {step}: {msg}"))
+            }
+        }
+    }
+}
+
+impl From<EnterError> for PyErr {
+    fn from(e: EnterError) -> PyErr {
+        match e {
+            EnterError::Invalid(m) => PyValueError::new_err(m),
+            EnterError::Harden(h) => h.into(),
+            EnterError::Os { step, errno, msg } => {
+                os_error(errno, format!("exec_in: {step}: {msg}"))
+            }
+        }
+    }
+}
+
+impl From<FsError> for PyErr {
+    fn from(e: FsError) -> PyErr {
+        match e {
+            FsError::Invalid(m) => PyValueError::new_err(m),
+            FsError::Os {
+                op,
+                errno,
+                path,
+                msg,
+            } => PyOSError::new_err((errno, format!("{op}: {msg}"), path)),
+        }
+    }
+}
+
+fn io_err(what: &str, e: std::io::Error) -> PyErr {
+    let errno = e.raw_os_error().unwrap_or(libc::EIO);
+    os_error(errno, format!("{what}: {}", harden::strerror(errno)))
+}
+
+// ---- cfg dict helpers -----------------------------------------------------------------------
+
+fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
+    Ok(d.get_item(key)?.filter(|v| !v.is_none()))
+}
+
+fn req<'py, T>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<T>
+where
+    T: for<'a> FromPyObject<'a, 'py>,
+    for<'a> <T as FromPyObject<'a, 'py>>::Error: Into<PyErr>,
+{
+    match item(d, key)? {
+        Some(v) => v.extract::<T>().map_err(|e| {
+            let e: PyErr = e.into();
+            PyValueError::new_err(format!("cfg[{key:?}]: {e}"))
+        }),
+        None => Err(PyValueError::new_err(format!("cfg is missing {key:?}"))),
+    }
+}
+
+fn opt<'py, T>(d: &Bound<'py, PyDict>, key: &str, default: T) -> PyResult<T>
+where
+    T: for<'a> FromPyObject<'a, 'py>,
+    for<'a> <T as FromPyObject<'a, 'py>>::Error: Into<PyErr>,
+{
+    match item(d, key)? {
+        Some(_) => req(d, key),
+        None => Ok(default),
+    }
+}
+
+fn rlimits(d: &Bound<'_, PyDict>) -> PyResult<Vec<Rlimit>> {
+    let Some(v) = item(d, "rlimits")? else {
+        return Ok(Vec::new());
+    };
+    let m = v
+        .cast::<PyDict>()
+        .map_err(|_| PyValueError::new_err("cfg[\"rlimits\"] must be a dict"))?;
+    let mut out = Vec::new();
+    for (k, v) in m.iter() {
+        let name: String = k
+            .extract()
+            .map_err(|_| PyValueError::new_err("rlimit names are str"))?;
+        let (soft, hard) = if let Ok(n) = v.extract::<i128>() {
+            (n, n)
+        } else if let Ok(pair) = v.extract::<(i128, i128)>() {
+            pair
+        } else {
+            return Err(PyValueError::new_err(format!(
+                "rlimit {name}: expected an int or a (soft, hard) pair"
+            )));
+        };
+        out.push(harden::rlimit(&name, soft, hard)?);
+    }
+    Ok(out)
+}
+
+fn spawn_config(cfg: &Bound<'_, PyDict>) -> PyResult<SpawnConfig> {
+    let ovs = req::<Bound<'_, PyList>>(cfg, "overlays")?;
+    let mut overlays = Vec::new();
+    for o in ovs.iter() {
+        let o = o
+            .cast::<PyDict>()
+            .map_err(|_| PyValueError::new_err("each overlay must be a dict"))?;
+        overlays.push(Overlay {
+            target: req(o, "target")?,
+            lower: req(o, "lower")?,
+            upper: req(o, "upper")?,
+            work: req(o, "work")?,
+        });
+    }
+    Ok(SpawnConfig {
+        init_fd: req(cfg, "init_fd")?,
+        root: req(cfg, "root")?,
+        overlays,
+        hostname: opt(cfg, "hostname", "sandbox".to_string())?,
+        cgroup_procs: opt(cfg, "cgroup_procs", Vec::new())?,
+        rlimits: rlimits(cfg)?,
+        netns_fd: opt(cfg, "netns_fd", None)?,
+    })
+}
+
+fn exec_config(cfg: &Bound<'_, PyDict>) -> PyResult<ExecConfig> {
+    Ok(ExecConfig {
+        init_pid: req(cfg, "init_pid")?,
+        pidfd: req(cfg, "pidfd")?,
+        root_fd: opt(cfg, "root_fd", None)?,
+        argv: req(cfg, "argv")?,
+        env: opt(cfg, "env", Vec::new())?,
+        cwd: opt(cfg, "cwd", "/".to_string())?,
+        uid: opt(cfg, "uid", 0)?,
+        gid: opt(cfg, "gid", 0)?,
+        groups: opt(cfg, "groups", Vec::new())?,
+        stdin: opt(cfg, "stdin", -1)?,
+        stdout: opt(cfg, "stdout", -1)?,
+        stderr: opt(cfg, "stderr", -1)?,
+        cgroup_procs: opt(cfg, "cgroup_procs", Vec::new())?,
+        rlimits: rlimits(cfg)?,
+        tty: opt(cfg, "tty", false)?,
+    })
+}
+
+// ---- functions ------------------------------------------------------------------------------
+
+/// A sealed (F_SEAL_WRITE|SHRINK|GROW|SEAL), close-on-exec memfd holding the static init.
+#[pyfunction]
+fn init_memfd(py: Python<'_>) -> PyResult<RawFd> {
+    py.detach(spawn::init_memfd)
+        .map(IntoRawFd::into_raw_fd)
+        .map_err(|e| io_err("init_memfd", e))
+}
+
+/// Create a sandbox; returns (init host pid, pidfd). See docs/architecture.md for `cfg`.
+#[pyfunction]
+fn spawn_sandbox(py: Python<'_>, cfg: &Bound<'_, PyDict>) -> PyResult<(i32, RawFd)> {
+    let c = spawn_config(cfg)?;
+    let (pid, pidfd) = py.detach(|| spawn::spawn_sandbox(&c))?;
+    Ok((pid, pidfd.into_raw_fd()))
+}
+
+/// Start a process inside a live sandbox as a direct child of the caller; returns its pid.
+#[pyfunction]
+fn exec_in(py: Python<'_>, cfg: &Bound<'_, PyDict>) -> PyResult<i32> {
+    let c = exec_config(cfg)?;
+    Ok(py.detach(|| enter::exec_in(&c))?)
+}
+
+/// O_PATH fd of /proc/PID/root (the sandbox's root).
+#[pyfunction]
+fn root_fd(py: Python<'_>, pid: i32) -> PyResult<RawFd> {
+    py.detach(|| fs::root_fd(pid))
+        .map(IntoRawFd::into_raw_fd)
+        .map_err(|e| io_err("root_fd", e))
+}
+
+#[pyfunction]
+#[pyo3(signature = (root_fd, path, max_bytes = 64 * 1024 * 1024))]
+fn fs_read<'py>(
+    py: Python<'py>,
+    root_fd: RawFd,
+    path: OsString,
+    max_bytes: u64,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let data = py.detach(|| fs::read(root_fd, &path, max_bytes))?;
+    Ok(PyBytes::new(py, &data))
+}
+
+#[pyfunction]
+#[pyo3(signature = (root_fd, path, data, mode = 0o644, make_parents = true))]
+fn fs_write(
+    py: Python<'_>,
+    root_fd: RawFd,
+    path: OsString,
+    data: &[u8],
+    mode: u32,
+    make_parents: bool,
+) -> PyResult<()> {
+    Ok(py.detach(|| fs::write(root_fd, &path, data, mode, make_parents))?)
+}
+
+/// list of (name, kind, size, mode, mtime); kind is file, dir, symlink or other.
+#[pyfunction]
+fn fs_list(py: Python<'_>, root_fd: RawFd, path: OsString) -> PyResult<Vec<fs::ListEntry>> {
+    Ok(py.detach(|| fs::list(root_fd, &path))?)
+}
+
+/// (kind, size, mode, mtime), lstat semantics.
+#[pyfunction]
+fn fs_stat(
+    py: Python<'_>,
+    root_fd: RawFd,
+    path: OsString,
+) -> PyResult<(&'static str, u64, u32, f64)> {
+    Ok(py.detach(|| fs::stat(root_fd, &path))?)
+}
+
+#[pyfunction]
+#[pyo3(signature = (root_fd, path, parents = true, mode = 0o755))]
+fn fs_mkdir(
+    py: Python<'_>,
+    root_fd: RawFd,
+    path: OsString,
+    parents: bool,
+    mode: u32,
+) -> PyResult<()> {
+    Ok(py.detach(|| fs::mkdir(root_fd, &path, parents, mode))?)
+}
+
+#[pyfunction]
+#[pyo3(signature = (root_fd, path, recursive = false))]
+fn fs_remove(py: Python<'_>, root_fd: RawFd, path: OsString, recursive: bool) -> PyResult<()> {
+    Ok(py.detach(|| fs::remove(root_fd, &path, recursive))?)
+}
+
+#[pyfunction]
+fn fs_rename(py: Python<'_>, root_fd: RawFd, src: OsString, dst: OsString) -> PyResult<()> {
+    Ok(py.detach(|| fs::rename(root_fd, &src, &dst))?)
+}
+
+#[pyfunction]
+fn fs_symlink(
+    py: Python<'_>,
+    root_fd: RawFd,
+    target: OsString,
+    linkpath: OsString,
+) -> PyResult<()> {
+    Ok(py.detach(|| fs::symlink(root_fd, &target, &linkpath))?)
+}
+
+#[pyfunction]
+fn fs_readlink(py: Python<'_>, root_fd: RawFd, path: OsString) -> PyResult<OsString> {
+    Ok(py.detach(|| fs::readlink(root_fd, &path))?)
+}
+
+#[pyfunction]
+fn fs_chmod(py: Python<'_>, root_fd: RawFd, path: OsString, mode: u32) -> PyResult<()> {
+    Ok(py.detach(|| fs::chmod(root_fd, &path, mode))?)
+}
+
+/// The capability names a process started with exec_in keeps (uid 0).
+#[pyfunction]
+fn shell_capabilities() -> Vec<String> {
+    harden::SHELL_CAPS.iter().map(|c| c.to_string()).collect()
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(init_memfd, m)?)?;
+    m.add_function(wrap_pyfunction!(spawn_sandbox, m)?)?;
+    m.add_function(wrap_pyfunction!(exec_in, m)?)?;
+    m.add_function(wrap_pyfunction!(root_fd, m)?)?;
+    m.add_function(wrap_pyfunction!(fs_read, m)?)?;
+    m.add_function(wrap_pyfunction!(fs_write, m)?)?;
+    m.add_function(wrap_pyfunction!(fs_list, m)?)?;
+    m.add_function(wrap_pyfunction!(fs_stat, m)?)?;
+    m.add_function(wrap_pyfunction!(fs_mkdir, m)?)?;
+    m.add_function(wrap_pyfunction!(fs_remove, m)?)?;
+    m.add_function(wrap_pyfunction!(fs_rename, m)?)?;
+    m.add_function(wrap_pyfunction!(fs_symlink, m)?)?;
+    m.add_function(wrap_pyfunction!(fs_readlink, m)?)?;
+    m.add_function(wrap_pyfunction!(fs_chmod, m)?)?;
+    m.add_function(wrap_pyfunction!(shell_capabilities, m)?)?;
+    m.add("DEFAULT_PATH", enter::DEFAULT_PATH)?;
+    Ok(())
+}

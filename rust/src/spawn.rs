@@ -1,0 +1,833 @@
+//! A new sandbox: clone into new namespaces, join the cgroups, assemble the root inside the new
+//! mount namespace, switch root, harden, exec the init.
+//!
+//! Order in the child (each one a `Step`, reported to the parent on failure):
+//! cgroups -> cgroup ns -> (join a pooled netns) -> / rprivate -> overlays -> /proc, /dev, /tmp
+//! -> /proc masking -> MS_MOVE root onto / + chroot(".") -> hostname -> lo up -> stdio on
+//! /dev/null -> rlimits -> drop every capability -> no_new_privs -> seccomp -> execveat(init).
+//!
+//! The overlay is mounted *inside* the new mount namespace so the host's mount table does not
+//! grow with every sandbox, and the root switch is MS_MOVE + chroot rather than pivot_root,
+//! whose cost grows with the number of tasks on the host (see DESIGN.md). chroot leaves the
+//! old root reachable to anyone who may chroot again, so the init keeps no capability at all
+//! and the seccomp filter refuses chroot, mount, unshare, setns and namespace-making clones.
+
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use libc::{c_char, c_int, c_long, c_void};
+
+use crate::child::{self, Report, Stack};
+use crate::harden::{self, CapPlan, HardenError, Rlimit};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpawnError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Harden(#[from] HardenError),
+    #[error("spawn_sandbox: {step}: {msg}")]
+    Os {
+        step: &'static str,
+        errno: i32,
+        msg: String,
+    },
+}
+
+impl SpawnError {
+    fn os(step: &'static str, errno: i32) -> Self {
+        SpawnError::Os {
+            step,
+            errno,
+            msg: harden::strerror(errno),
+        }
+    }
+}
+
+/// One overlay mount: `target` inside the sandbox ("/" first), lowerdirs top-first.
+#[derive(Debug, Clone)]
+pub struct Overlay {
+    pub target: String,
+    pub lower: Vec<String>,
+    pub upper: String,
+    pub work: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct SpawnConfig {
+    pub init_fd: RawFd,
+    pub root: String,
+    pub overlays: Vec<Overlay>,
+    pub hostname: String,
+    pub cgroup_procs: Vec<String>,
+    pub rlimits: Vec<Rlimit>,
+    /// Join this network namespace (e.g. from a pool) instead of making a new one.
+    pub netns_fd: Option<RawFd>,
+}
+
+// The steps, in order; the names are what an OSError says.
+const STEPS: &[&str] = &[
+    "clone",
+    "join_cgroup",
+    "unshare_cgroupns",
+    "join_netns",
+    "make_rprivate",
+    "mount_root_overlay",
+    "chdir_root",
+    "mountpoint",
+    "mount_overlay",
+    "mount_proc",
+    "mount_dev",
+    "mknod_dev",
+    "mount_devpts",
+    "mount_dev_shm",
+    "dev_symlinks",
+    "mask_proc",
+    "mount_tmp",
+    "move_root",
+    "chroot",
+    "sethostname",
+    "loopback_up",
+    "stdio_devnull",
+    "close_fds",
+    "rlimits",
+    "drop_caps",
+    "no_new_privs",
+    "seccomp",
+    "exec_init",
+];
+
+#[derive(Clone, Copy)]
+#[repr(u32)]
+enum Step {
+    #[allow(dead_code)] // index 0 of STEPS: a failed clone is reported by the parent
+    Clone = 0,
+    JoinCgroup,
+    UnshareCgroupNs,
+    JoinNetNs,
+    MakeRprivate,
+    MountRootOverlay,
+    ChdirRoot,
+    Mountpoint,
+    MountOverlay,
+    MountProc,
+    MountDev,
+    MknodDev,
+    MountDevpts,
+    MountDevShm,
+    DevSymlinks,
+    MaskProc,
+    MountTmp,
+    MoveRoot,
+    Chroot,
+    Sethostname,
+    LoopbackUp,
+    StdioDevnull,
+    CloseFds,
+    Rlimits,
+    DropCaps,
+    NoNewPrivs,
+    Seccomp,
+    ExecInit,
+}
+
+fn step_name(step: u32) -> &'static str {
+    STEPS.get(step as usize).copied().unwrap_or("unknown")
+}
+
+/// A mount target inside the new root, relative ("usr/local"), with each of its prefixes
+/// ("usr", "usr/local") so the child can create missing directories without allocating.
+struct Target {
+    prefixes: Vec<CString>,
+}
+
+impl Target {
+    fn new(rel: &str) -> Result<Self, SpawnError> {
+        let mut prefixes = Vec::new();
+        let mut acc = String::new();
+        for comp in rel.split('/').filter(|c| !c.is_empty() && *c != ".") {
+            if comp == ".." {
+                return Err(SpawnError::Invalid(format!(
+                    "mount target {rel:?} contains '..'"
+                )));
+            }
+            if !acc.is_empty() {
+                acc.push('/');
+            }
+            acc.push_str(comp);
+            prefixes.push(cstring(&acc)?);
+        }
+        Ok(Target { prefixes })
+    }
+
+    fn path(&self) -> Option<&CString> {
+        self.prefixes.last()
+    }
+}
+
+/// Everything the child needs, prepared (allocated) before the clone.
+struct Ctx {
+    report: Report,
+    cgroup_fds: Vec<OwnedFd>,
+    netns_fd: RawFd,
+    root: CString,
+    root_opts: CString,
+    subs: Vec<(Target, CString)>,
+    std_targets: [Target; 3], // proc, dev, tmp
+    hostname: Vec<u8>,
+    rlimits: Vec<Rlimit>,
+    caps: CapPlan,
+    seccomp: &'static [libc::sock_filter],
+    init_fd: RawFd,
+    argv: [*const c_char; 2],
+    envp: [*const c_char; 1],
+}
+
+fn cstring(s: &str) -> Result<CString, SpawnError> {
+    CString::new(s).map_err(|_| SpawnError::Invalid(format!("NUL byte in {s:?}")))
+}
+
+fn check_overlay_path(what: &str, p: &str, extra_forbidden: &[char]) -> Result<(), SpawnError> {
+    if !p.starts_with('/') {
+        return Err(SpawnError::Invalid(format!(
+            "overlay {what} {p:?} must be an absolute path"
+        )));
+    }
+    if let Some(c) = p
+        .chars()
+        .find(|c| *c == ',' || *c == '\\' || extra_forbidden.contains(c))
+    {
+        return Err(SpawnError::Invalid(format!(
+            "overlay {what} {p:?} contains {c:?}"
+        )));
+    }
+    Ok(())
+}
+
+fn overlay_opts(o: &Overlay) -> Result<CString, SpawnError> {
+    if o.lower.is_empty() {
+        return Err(SpawnError::Invalid(format!(
+            "overlay {:?} has no lowerdir",
+            o.target
+        )));
+    }
+    for l in &o.lower {
+        check_overlay_path("lowerdir", l, &[':'])?;
+    }
+    check_overlay_path("upperdir", &o.upper, &[':'])?;
+    check_overlay_path("workdir", &o.work, &[':'])?;
+    let s = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        o.lower.join(":"),
+        o.upper,
+        o.work
+    );
+    if s.len() >= 4096 {
+        return Err(SpawnError::Invalid(format!(
+            "overlay options for {:?} are {} bytes, the kernel takes at most 4095",
+            o.target,
+            s.len()
+        )));
+    }
+    cstring(&s)
+}
+
+fn open_cgroup_procs(paths: &[String]) -> Result<Vec<OwnedFd>, SpawnError> {
+    open_write_fds(paths).map_err(|(p, e)| SpawnError::Os {
+        step: "open_cgroup_procs",
+        errno: e.raw_os_error().unwrap_or(libc::EIO),
+        msg: format!("{p}: {e}"),
+    })
+}
+
+/// Open each file write-only, close-on-exec.
+pub(crate) fn open_write_fds(paths: &[String]) -> Result<Vec<OwnedFd>, (String, std::io::Error)> {
+    let mut fds = Vec::with_capacity(paths.len());
+    for p in paths {
+        let c = CString::new(p.as_str())
+            .map_err(|_| (p.clone(), std::io::Error::from_raw_os_error(libc::EINVAL)))?;
+        // SAFETY: open with a valid C string; the result is checked.
+        let fd = unsafe { libc::open(c.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err((p.clone(), std::io::Error::last_os_error()));
+        }
+        // SAFETY: fd was just returned by open and is owned by nobody else.
+        fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+    }
+    Ok(fds)
+}
+
+static INIT_ARGV0: &[u8] = b"corral-init\0";
+
+fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
+    if cfg.overlays.is_empty() {
+        return Err(SpawnError::Invalid("overlays must not be empty".into()));
+    }
+    if cfg.overlays[0].target != "/" {
+        return Err(SpawnError::Invalid(format!(
+            "the first overlay must target \"/\", not {:?}",
+            cfg.overlays[0].target
+        )));
+    }
+    if !cfg.root.starts_with('/') {
+        return Err(SpawnError::Invalid(format!(
+            "root {:?} must be an absolute path",
+            cfg.root
+        )));
+    }
+    if cfg.init_fd < 0 {
+        return Err(SpawnError::Invalid(
+            "init_fd must be an open fd (see init_memfd())".into(),
+        ));
+    }
+    if cfg.hostname.is_empty() || cfg.hostname.len() > 64 || cfg.hostname.contains('\0') {
+        return Err(SpawnError::Invalid(format!(
+            "bad hostname {:?}",
+            cfg.hostname
+        )));
+    }
+    let mut subs = Vec::new();
+    for o in &cfg.overlays[1..] {
+        if !o.target.starts_with('/') {
+            return Err(SpawnError::Invalid(format!(
+                "overlay target {:?} must be absolute",
+                o.target
+            )));
+        }
+        let t = Target::new(&o.target)?;
+        if t.path().is_none() {
+            return Err(SpawnError::Invalid(
+                "only the first overlay may target \"/\"".into(),
+            ));
+        }
+        subs.push((t, overlay_opts(o)?));
+    }
+    let root_opts = overlay_opts(&cfg.overlays[0])?;
+    let seccomp = harden::seccomp_program()?;
+    let cgroup_fds = open_cgroup_procs(&cfg.cgroup_procs)?;
+    Ok(Ctx {
+        report: Report::new(),
+        cgroup_fds,
+        netns_fd: cfg.netns_fd.unwrap_or(-1),
+        root: cstring(&cfg.root)?,
+        root_opts,
+        subs,
+        std_targets: [
+            Target::new("proc")?,
+            Target::new("dev")?,
+            Target::new("tmp")?,
+        ],
+        hostname: cfg.hostname.as_bytes().to_vec(),
+        rlimits: harden::clamp_rlimits(&cfg.rlimits),
+        caps: CapPlan::none(),
+        seccomp,
+        init_fd: cfg.init_fd,
+        argv: [INIT_ARGV0.as_ptr() as *const c_char, std::ptr::null()],
+        envp: [std::ptr::null()],
+    })
+}
+
+/// Create a sandbox; returns (init host pid, pidfd).
+pub fn spawn_sandbox(cfg: &SpawnConfig) -> Result<(i32, OwnedFd), SpawnError> {
+    let ctx = prepare(cfg)?;
+    let stack = Stack::new(child::CHILD_STACK_SIZE).map_err(|e| SpawnError::Os {
+        step: "alloc_stack",
+        errno: e.raw_os_error().unwrap_or(libc::ENOMEM),
+        msg: e.to_string(),
+    })?;
+    let mut flags = libc::CLONE_PIDFD
+        | libc::CLONE_NEWNS
+        | libc::CLONE_NEWPID
+        | libc::CLONE_NEWUTS
+        | libc::CLONE_NEWIPC;
+    if ctx.netns_fd < 0 {
+        flags |= libc::CLONE_NEWNET;
+    }
+    let res = {
+        let _block = harden::SignalBlock::new();
+        // SAFETY: `spawn_child` is async-signal-safe and never unwinds; `ctx` lives on our stack
+        // until after the clone returns (the child has exec'd or exited by then: CLONE_VFORK);
+        // signals are blocked by `_block`.
+        unsafe {
+            child::clone_vfork(
+                spawn_child,
+                &ctx as *const Ctx as *mut c_void,
+                flags,
+                &stack,
+            )
+        }
+    };
+    let (pid, pidfd) = res.map_err(|e| SpawnError::os("clone", e.raw_os_error().unwrap_or(0)))?;
+    // SAFETY: CLONE_PIDFD gave us this fd; we own it.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
+    let (step, errno) = (ctx.report.step(), ctx.report.errno());
+    if errno != 0 || step != Step::ExecInit as u32 {
+        child::reap(pid);
+        if errno != 0 {
+            return Err(SpawnError::os(step_name(step), errno));
+        }
+        return Err(SpawnError::Os {
+            step: step_name(step),
+            errno: libc::ECHILD,
+            msg: "the sandbox's child process died before exec (killed?)".into(),
+        });
+    }
+    Ok((pid, pidfd))
+}
+
+// ---------------------------------------------------------------------------------------------
+// child side: async-signal-safe only (see child.rs)
+
+/// Fail the current step with errno unless `rc >= 0`.
+#[inline]
+fn ck(r: &Report, rc: c_long) {
+    if rc < 0 {
+        r.fail(harden::errno());
+    }
+}
+
+#[inline]
+fn ck_res(r: &Report, res: Result<(), c_int>) {
+    if let Err(e) = res {
+        r.fail(e);
+    }
+}
+
+/// mount(2) with optional C-string arguments.
+///
+/// # Safety
+/// Async-signal-safe; the pointers come from live C strings.
+unsafe fn mount(
+    src: Option<&std::ffi::CStr>,
+    target: &std::ffi::CStr,
+    fstype: Option<&std::ffi::CStr>,
+    flags: libc::c_ulong,
+    data: Option<&std::ffi::CStr>,
+) -> c_long {
+    let p = |s: Option<&std::ffi::CStr>| s.map_or(std::ptr::null(), |s| s.as_ptr());
+    // SAFETY: every pointer is NULL or a valid NUL-terminated string.
+    unsafe {
+        libc::mount(
+            p(src),
+            target.as_ptr(),
+            p(fstype),
+            flags,
+            p(data) as *const c_void,
+        ) as c_long
+    }
+}
+
+/// Make sure `t` (relative to the cwd, which is the new root) is a real directory reached
+/// without following any symlink, creating missing components. A symlink on the way fails with
+/// ELOOP: an image (or a snapshot made from a sandbox's writes) must not steer a mount or a
+/// mkdir onto a host path.
+///
+/// # Safety
+/// Async-signal-safe: openat2/mkdirat/close syscalls on prepared strings.
+unsafe fn ensure_dir(r: &Report, t: &Target) {
+    let Some(full) = t.path() else { return };
+    // SAFETY: raw syscalls on valid C strings (see open_beneath).
+    unsafe {
+        let fd = open_beneath(full);
+        if fd >= 0 {
+            libc::close(fd as c_int);
+            return;
+        }
+        let e = harden::errno();
+        if e != libc::ENOENT {
+            r.fail(e);
+        }
+        for p in &t.prefixes {
+            if libc::mkdirat(libc::AT_FDCWD, p.as_ptr(), 0o755) < 0 {
+                let e = harden::errno();
+                if e != libc::EEXIST {
+                    r.fail(e);
+                }
+            }
+            let fd = open_beneath(p);
+            if fd < 0 {
+                r.fail(harden::errno());
+            }
+            libc::close(fd as c_int);
+        }
+    }
+}
+
+/// The kernel's `struct open_how` (libc's is non-exhaustive).
+#[repr(C)]
+struct OpenHow {
+    flags: u64,
+    mode: u64,
+    resolve: u64,
+}
+
+/// openat2(AT_FDCWD, p, O_PATH|O_DIRECTORY, RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS).
+///
+/// # Safety
+/// Async-signal-safe raw syscall.
+unsafe fn open_beneath(p: &std::ffi::CStr) -> c_long {
+    let how = OpenHow {
+        flags: (libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC | libc::O_NOFOLLOW) as u64,
+        mode: 0,
+        resolve: libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS,
+    };
+    // SAFETY: openat2 with a valid path and open_how of the right size.
+    unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            libc::AT_FDCWD as c_long,
+            p.as_ptr(),
+            &how as *const OpenHow,
+            std::mem::size_of::<OpenHow>(),
+        )
+    }
+}
+
+const DEVICES: &[(&std::ffi::CStr, u32, u32)] = &[
+    (c"dev/null", 1, 3),
+    (c"dev/zero", 1, 5),
+    (c"dev/full", 1, 7),
+    (c"dev/random", 1, 8),
+    (c"dev/urandom", 1, 9),
+    (c"dev/tty", 5, 0),
+];
+
+const DEV_LINKS: &[(&std::ffi::CStr, &std::ffi::CStr)] = &[
+    (c"pts/ptmx", c"dev/ptmx"),
+    (c"/proc/self/fd", c"dev/fd"),
+    (c"/proc/self/fd/0", c"dev/stdin"),
+    (c"/proc/self/fd/1", c"dev/stdout"),
+    (c"/proc/self/fd/2", c"dev/stderr"),
+];
+
+/// /proc entries that write to kernel-wide state (root in the sandbox would pass their DAC
+/// checks: /proc/sys/kernel/core_pattern is a host-root escape, sysrq-trigger reboots the
+/// host): bound read-only onto themselves.
+const PROC_READONLY: &[&std::ffi::CStr] = &[
+    c"proc/sys",
+    c"proc/sysrq-trigger",
+    c"proc/irq",
+    c"proc/bus",
+    c"proc/fs",
+];
+
+/// /proc files that leak host information: /dev/null is bound over them.
+const PROC_MASKED: &[&std::ffi::CStr] = &[
+    c"proc/kcore",
+    c"proc/keys",
+    c"proc/timer_list",
+    c"proc/sched_debug",
+    c"proc/latency_stats",
+    c"proc/acpi",
+];
+
+extern "C" fn spawn_child(arg: *mut c_void) -> c_int {
+    // SAFETY: `arg` is the parent's `Ctx`, alive and untouched until we exec or exit.
+    let c = unsafe { &*(arg as *const Ctx) };
+    // SAFETY: every call below is a raw syscall (or an async-signal-safe libc wrapper) on data
+    // prepared by the parent; nothing allocates, locks or unwinds.
+    unsafe { run_child(c) }
+}
+
+unsafe fn run_child(c: &Ctx) -> c_int {
+    let r = &c.report;
+    let at = |s: Step| r.at(s as u32);
+    // SAFETY: (whole body) raw syscalls on prepared data; see spawn_child.
+    unsafe {
+        harden::reset_signal_dispositions();
+        // Exact modes for the device nodes and mountpoints below; the init creates no files.
+        libc::umask(0);
+
+        at(Step::JoinCgroup);
+        for fd in &c.cgroup_fds {
+            ck(
+                r,
+                libc::write(fd.as_raw_fd(), b"0".as_ptr() as *const c_void, 1) as c_long,
+            );
+        }
+        at(Step::UnshareCgroupNs);
+        ck(r, libc::unshare(libc::CLONE_NEWCGROUP) as c_long);
+        if c.netns_fd >= 0 {
+            at(Step::JoinNetNs);
+            ck(r, libc::setns(c.netns_fd, libc::CLONE_NEWNET) as c_long);
+        }
+
+        at(Step::MakeRprivate);
+        ck(
+            r,
+            mount(None, c"/", None, libc::MS_REC | libc::MS_PRIVATE, None),
+        );
+
+        at(Step::MountRootOverlay);
+        let ovl_flags = libc::MS_NODEV | libc::MS_NOSUID;
+        ck(
+            r,
+            mount(
+                Some(c"overlay"),
+                &c.root,
+                Some(c"overlay"),
+                ovl_flags,
+                Some(&c.root_opts),
+            ),
+        );
+        at(Step::ChdirRoot);
+        ck(r, libc::chdir(c.root.as_ptr()) as c_long);
+
+        for (t, opts) in &c.subs {
+            at(Step::Mountpoint);
+            ensure_dir(r, t);
+            at(Step::MountOverlay);
+            if let Some(p) = t.path() {
+                ck(
+                    r,
+                    mount(Some(c"overlay"), p, Some(c"overlay"), ovl_flags, Some(opts)),
+                );
+            }
+        }
+
+        let [proc_t, dev_t, tmp_t] = &c.std_targets;
+        let nse = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+
+        at(Step::Mountpoint);
+        ensure_dir(r, dev_t);
+        at(Step::MountDev);
+        ck(
+            r,
+            mount(
+                Some(c"tmpfs"),
+                c"dev",
+                Some(c"tmpfs"),
+                libc::MS_NOSUID | libc::MS_NOEXEC,
+                Some(c"mode=755,size=64k,nr_inodes=64"),
+            ),
+        );
+        at(Step::MknodDev);
+        for (path, maj, min) in DEVICES {
+            let dev = libc::makedev(*maj, *min);
+            ck(
+                r,
+                libc::mknodat(libc::AT_FDCWD, path.as_ptr(), libc::S_IFCHR | 0o666, dev) as c_long,
+            );
+        }
+        at(Step::MountDevpts);
+        ck(
+            r,
+            libc::mkdirat(libc::AT_FDCWD, c"dev/pts".as_ptr(), 0o755) as c_long,
+        );
+        ck(
+            r,
+            mount(
+                Some(c"devpts"),
+                c"dev/pts",
+                Some(c"devpts"),
+                libc::MS_NOSUID | libc::MS_NOEXEC,
+                Some(c"newinstance,ptmxmode=0666,mode=0620,gid=5"),
+            ),
+        );
+        at(Step::MountDevShm);
+        ck(
+            r,
+            libc::mkdirat(libc::AT_FDCWD, c"dev/shm".as_ptr(), 0o1777) as c_long,
+        );
+        ck(
+            r,
+            mount(
+                Some(c"shm"),
+                c"dev/shm",
+                Some(c"tmpfs"),
+                nse,
+                Some(c"mode=1777,size=65536k"),
+            ),
+        );
+        at(Step::DevSymlinks);
+        for (target, link) in DEV_LINKS {
+            ck(
+                r,
+                libc::symlinkat(target.as_ptr(), libc::AT_FDCWD, link.as_ptr()) as c_long,
+            );
+        }
+
+        at(Step::Mountpoint);
+        ensure_dir(r, proc_t);
+        at(Step::MountProc);
+        ck(r, mount(Some(c"proc"), c"proc", Some(c"proc"), nse, None));
+        at(Step::MaskProc);
+        for p in PROC_READONLY {
+            if mount(Some(p), p, None, libc::MS_BIND, None) < 0 {
+                let e = harden::errno();
+                if e == libc::ENOENT {
+                    continue;
+                }
+                r.fail(e);
+            }
+            let ro = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nse;
+            ck(r, mount(None, p, None, ro, None));
+        }
+        for p in PROC_MASKED {
+            if mount(Some(c"dev/null"), p, None, libc::MS_BIND, None) < 0 {
+                let e = harden::errno();
+                // ENOENT: not on this kernel; ENOTDIR: a directory (acpi): mask with tmpfs.
+                if e == libc::ENOTDIR {
+                    ck(
+                        r,
+                        mount(
+                            Some(c"tmpfs"),
+                            p,
+                            Some(c"tmpfs"),
+                            nse | libc::MS_RDONLY,
+                            None,
+                        ),
+                    );
+                } else if e != libc::ENOENT {
+                    r.fail(e);
+                }
+            }
+        }
+
+        at(Step::Mountpoint);
+        ensure_dir(r, tmp_t);
+        at(Step::MountTmp);
+        ck(
+            r,
+            mount(
+                Some(c"tmpfs"),
+                c"tmp",
+                Some(c"tmpfs"),
+                libc::MS_NOSUID | libc::MS_NODEV,
+                Some(c"mode=1777"),
+            ),
+        );
+
+        at(Step::MoveRoot);
+        ck(r, mount(Some(c"."), c"/", None, libc::MS_MOVE, None));
+        at(Step::Chroot);
+        ck(r, libc::chroot(c".".as_ptr()) as c_long);
+        ck(r, libc::chdir(c"/".as_ptr()) as c_long);
+
+        at(Step::Sethostname);
+        ck(
+            r,
+            libc::sethostname(c.hostname.as_ptr() as *const c_char, c.hostname.len()) as c_long,
+        );
+
+        at(Step::LoopbackUp);
+        loopback_up(r);
+
+        at(Step::StdioDevnull);
+        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+        ck(r, null as c_long);
+        for fd in 0..3 {
+            if null != fd {
+                ck(r, libc::dup2(null, fd) as c_long);
+            }
+        }
+        if null > 2 {
+            libc::close(null);
+        }
+
+        at(Step::CloseFds);
+        // Every inherited fd (the daemon's, the cgroup files, the pidfd...) closes at exec; the
+        // init memfd too, which execveat tolerates for an ELF binary.
+        ck(
+            r,
+            libc::syscall(
+                libc::SYS_close_range,
+                3 as c_long,
+                !0u32 as c_long,
+                libc::CLOSE_RANGE_CLOEXEC as c_long,
+            ),
+        );
+
+        at(Step::Rlimits);
+        ck_res(r, harden::apply_rlimits(&c.rlimits));
+        at(Step::DropCaps);
+        ck_res(r, harden::drop_bounding(&c.caps));
+        ck_res(r, harden::apply_caps(&c.caps));
+        at(Step::NoNewPrivs);
+        ck_res(r, harden::no_new_privs());
+        at(Step::Seccomp);
+        ck_res(r, harden::apply_seccomp(c.seccomp));
+
+        // Signals stay blocked across the exec: the init takes them with sigwaitinfo.
+        at(Step::ExecInit);
+        libc::syscall(
+            libc::SYS_execveat,
+            c.init_fd as c_long,
+            c"".as_ptr(),
+            c.argv.as_ptr(),
+            c.envp.as_ptr(),
+            libc::AT_EMPTY_PATH as c_long,
+        );
+        r.fail(harden::errno())
+    }
+}
+
+/// `ip link set lo up` in the new network namespace.
+///
+/// # Safety
+/// Async-signal-safe: socket/ioctl/close on a stack ifreq.
+unsafe fn loopback_up(r: &Report) {
+    // SAFETY: raw socket/ioctl/close; ifreq is plain data on our stack.
+    unsafe {
+        let s = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        ck(r, s as c_long);
+        let mut ifr: libc::ifreq = std::mem::zeroed();
+        ifr.ifr_name[0] = b'l' as c_char;
+        ifr.ifr_name[1] = b'o' as c_char;
+        ifr.ifr_ifru.ifru_flags = (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+        let rc = libc::ioctl(s, libc::SIOCSIFFLAGS as _, &ifr as *const libc::ifreq);
+        let e = harden::errno();
+        libc::close(s);
+        if rc < 0 {
+            r.fail(e);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// the init binary
+
+static INIT_BIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/corral-init"));
+
+/// A sealed, close-on-exec memfd holding the init binary.
+pub fn init_memfd() -> std::io::Result<OwnedFd> {
+    let name = c"corral-init";
+    let base = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+    // SAFETY: memfd_create with a valid name; MFD_EXEC (6.3+) first, so a vm.memfd_noexec
+    // sysctl cannot make it unexecutable; older kernels reject the flag with EINVAL.
+    let mut fd = unsafe { libc::memfd_create(name.as_ptr(), base | libc::MFD_EXEC) };
+    if fd < 0 && harden::errno() == libc::EINVAL {
+        // SAFETY: as above.
+        fd = unsafe { libc::memfd_create(name.as_ptr(), base) };
+    }
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fresh fd we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut off = 0;
+    while off < INIT_BIN.len() {
+        // SAFETY: writing from a valid slice.
+        let n = unsafe {
+            libc::write(
+                fd.as_raw_fd(),
+                INIT_BIN[off..].as_ptr() as *const c_void,
+                INIT_BIN.len() - off,
+            )
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        off += n as usize;
+    }
+    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+    // SAFETY: fcntl on our fd with integer arguments.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(fd)
+}
