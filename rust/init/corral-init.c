@@ -17,9 +17,11 @@
 #define SIGCHLD 17
 #define SIG_BLOCK 0
 #define WNOHANG 1
+#define PR_SET_NAME 15
 
 #if defined(__x86_64__)
 #define NR_rt_sigprocmask 14
+#define NR_prctl 157
 #define NR_wait4 61
 #define NR_rt_sigtimedwait 128
 #define NR_exit_group 231
@@ -35,6 +37,7 @@ static long sys4(long n, long a, long b, long c, long d) {
 }
 #elif defined(__aarch64__)
 #define NR_rt_sigprocmask 135
+#define NR_prctl 167
 #define NR_wait4 260
 #define NR_rt_sigtimedwait 137
 #define NR_exit_group 94
@@ -66,6 +69,8 @@ __attribute__((noreturn, used)) void corral_init_main(void) {
     unsigned long all = ~0UL; /* kernel sigset_t: 64 bits */
     struct ksiginfo info;
 
+    /* exec'd from a memfd, the name would read "memfd:corral-init" in ps. */
+    sys4(NR_prctl, PR_SET_NAME, (long)"corral-init", 0, 0);
     sys4(NR_rt_sigprocmask, SIG_BLOCK, (long)&all, 0, sizeof(all));
     for (;;) {
         long sig = sys4(NR_rt_sigtimedwait, (long)&all, (long)&info, 0, sizeof(all));

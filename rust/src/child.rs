@@ -19,15 +19,46 @@
 //!   handler of the daemon can ever run on the child's stack.
 
 use std::io;
-use std::sync::atomic::{AtomicI32, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use libc::{c_int, c_void};
 
+const MAX_EVENTS: usize = 64;
+
 /// Progress of a child, written by the child, read by the parent after the clone returns.
-#[derive(Debug, Default)]
+/// Each `at()` also logs (step, CLOCK_MONOTONIC ns) — a vDSO read — which gives a free
+/// per-step profile (`profile`).
+#[derive(Debug)]
 pub struct Report {
     step: AtomicU32,
     errno: AtomicI32,
+    n: AtomicUsize,
+    ev_step: [AtomicU32; MAX_EVENTS],
+    ev_t: [AtomicU64; MAX_EVENTS],
+}
+
+/// CLOCK_MONOTONIC in ns (async-signal-safe).
+#[inline]
+pub fn now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime with a valid timespec pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+impl Default for Report {
+    fn default() -> Self {
+        Report {
+            step: AtomicU32::new(0),
+            errno: AtomicI32::new(0),
+            n: AtomicUsize::new(0),
+            ev_step: std::array::from_fn(|_| AtomicU32::new(0)),
+            ev_t: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
 }
 
 impl Report {
@@ -38,7 +69,35 @@ impl Report {
     /// Child: entering `step`.
     #[inline]
     pub fn at(&self, step: u32) {
+        let i = self.n.load(Ordering::Relaxed);
+        if i < MAX_EVENTS {
+            self.ev_step[i].store(step, Ordering::Relaxed);
+            self.ev_t[i].store(now_ns(), Ordering::Relaxed);
+            self.n.store(i + 1, Ordering::Relaxed);
+        }
         self.step.store(step, Ordering::SeqCst);
+    }
+
+    /// Parent, after the clone returned: how long each step took, in order. The first entry
+    /// ("clone") runs from `start_ns` to the child's first step; the last step runs until the
+    /// parent resumed (for the exec step: the execve itself).
+    pub fn profile(&self, start_ns: u64, names: &[&'static str]) -> Profile {
+        let end = now_ns();
+        let n = self.n.load(Ordering::SeqCst).min(MAX_EVENTS);
+        let mut out = Vec::with_capacity(n + 1);
+        let mut prev_name = "clone";
+        let mut prev_t = start_ns;
+        for i in 0..n {
+            let t = self.ev_t[i].load(Ordering::Relaxed);
+            out.push((prev_name, t.saturating_sub(prev_t)));
+            prev_name = names
+                .get(self.ev_step[i].load(Ordering::Relaxed) as usize)
+                .copied()
+                .unwrap_or("?");
+            prev_t = t;
+        }
+        out.push((prev_name, end.saturating_sub(prev_t)));
+        out
     }
 
     /// Child: `step` failed with `errno`; never returns.
@@ -151,4 +210,30 @@ pub fn reap(pid: libc::pid_t) -> Option<c_int> {
         }
         return None;
     }
+}
+
+/// Per-thread record of the last spawn/exec's step timings (for benchmarks and debugging).
+pub type Profile = Vec<(&'static str, u64)>;
+
+thread_local! {
+    static LAST_PROFILE: std::cell::RefCell<Vec<(&'static str, Profile)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+pub fn set_last_profile(what: &'static str, p: Profile) {
+    LAST_PROFILE.with(|l| {
+        let mut l = l.borrow_mut();
+        l.retain(|(w, _)| *w != what);
+        l.push((what, p));
+    });
+}
+
+pub fn last_profile(what: &str) -> Profile {
+    LAST_PROFILE.with(|l| {
+        l.borrow()
+            .iter()
+            .find(|(w, _)| *w == what)
+            .map(|(_, p)| p.clone())
+            .unwrap_or_default()
+    })
 }

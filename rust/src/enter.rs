@@ -293,6 +293,7 @@ pub fn exec_in(cfg: &ExecConfig) -> Result<i32, EnterError> {
     let stack =
         Stack::new(child::CHILD_STACK_SIZE).map_err(|e| EnterError::io("alloc_stack", e))?;
 
+    let t0 = child::now_ns();
     let res = {
         let _block = harden::SignalBlock::new();
         // SAFETY: setns on the calling thread with a pidfd we were given.
@@ -309,6 +310,7 @@ pub fn exec_in(cfg: &ExecConfig) -> Result<i32, EnterError> {
     };
     let (pid, _) = res.map_err(|e| EnterError::io("clone", e))?;
     let (step, errno) = (ctx.report.step(), ctx.report.errno());
+    child::set_last_profile("exec_in", ctx.report.profile(t0, STEPS));
     if errno != 0 || step != Step::Exec as u32 {
         child::reap(pid);
         if errno != 0 {

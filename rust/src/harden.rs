@@ -7,15 +7,10 @@
 //! async-signal-safe work is allowed: each is a handful of raw syscalls, no allocation, no locks,
 //! no glibc wrappers that talk to other threads (see `set_ids`).
 
-use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
 use caps::Capability;
 use libc::{c_int, c_long};
-use seccompiler::{
-    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
-    SeccompRule, TargetArch,
-};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HardenError {
@@ -421,53 +416,149 @@ const X32_SYSCALL_BIT: u32 = u32::MAX;
 const BPF_LD_W_ABS: u16 = (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16;
 const BPF_JEQ_K: u16 = (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16;
 const BPF_JGE_K: u16 = (libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K) as u16;
+const BPF_JSET_K: u16 = (libc::BPF_JMP | libc::BPF_JSET | libc::BPF_K) as u16;
 const BPF_RET_K: u16 = (libc::BPF_RET | libc::BPF_K) as u16;
 
-fn insn(code: u16, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
-    libc::sock_filter { code, jt, jf, k }
+/// Offsets in `struct seccomp_data`.
+const OFF_NR: u32 = 0;
+const OFF_ARCH: u32 = 4;
+/// Low 32 bits of args[0] (little-endian; every CLONE_NEW* bit lives there).
+#[cfg(target_endian = "little")]
+const OFF_ARG0_LO: u32 = 16;
+#[cfg(target_endian = "big")]
+const OFF_ARG0_LO: u32 = 20;
+
+/// Where a jump goes, resolved after layout.
+#[derive(Clone, Copy, Debug)]
+enum Tgt {
+    Next,
+    At(usize),
+    Allow,
+    Eperm,
+    Enosys,
+    Kill,
+    CloneCheck,
 }
 
-fn build_filter() -> Result<Vec<libc::sock_filter>, HardenError> {
-    let err = |e: &dyn std::fmt::Display| HardenError::Seccomp(e.to_string());
-    let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(|e| err(&e))?;
-    let mut rules: BTreeMap<c_long, Vec<SeccompRule>> = BTreeMap::new();
-    for nr in denied_syscalls() {
-        rules.insert(nr, vec![]);
-    }
-    // clone(): refused when any CLONE_NEW* bit is set in the flags (arg 0). Rules of one
-    // syscall are OR-ed, so one masked-equality rule per bit.
-    let mut clone_rules = Vec::new();
-    for &bit in CLONE_NEW_FLAGS {
-        let cond =
-            SeccompCondition::new(0, SeccompCmpArgLen::Qword, SeccompCmpOp::MaskedEq(bit), bit)
-                .map_err(|e| err(&e))?;
-        clone_rules.push(SeccompRule::new(vec![cond]).map_err(|e| err(&e))?);
-    }
-    rules.insert(libc::SYS_clone, clone_rules);
-    let filter = SeccompFilter::new(
-        rules,
-        SeccompAction::Allow,
-        SeccompAction::Errno(libc::EPERM as u32),
-        arch,
-    )
-    .map_err(|e| err(&e))?;
-    let body: BpfProgram = filter
-        .try_into()
-        .map_err(|e: seccompiler::BackendError| err(&e))?;
+struct Ins {
+    code: u16,
+    jt: Tgt,
+    jf: Tgt,
+    k: u32,
+}
 
-    // Hand-written prefix, then seccompiler's program (which starts with its own arch check and
-    // kills the process on a foreign arch). seccompiler's jumps are relative, so prepending is
-    // safe. clone3 gets ENOSYS so libcs fall back to clone(), whose flags we can inspect.
-    let enosys = libc::SECCOMP_RET_ERRNO | (libc::ENOSYS as u32 & libc::SECCOMP_RET_DATA);
-    let mut prog = vec![
-        insn(BPF_LD_W_ABS, 0, 0, 4),                    // 0: A = arch
-        insn(BPF_JEQ_K, 0, 4, AUDIT_ARCH),              // 1: foreign arch -> 6 (body kills)
-        insn(BPF_LD_W_ABS, 0, 0, 0),                    // 2: A = nr
-        insn(BPF_JGE_K, 1, 0, X32_SYSCALL_BIT),         // 3: x32 ABI -> 5
-        insn(BPF_JEQ_K, 0, 1, libc::SYS_clone3 as u32), // 4: clone3 -> 5, else 6
-        insn(BPF_RET_K, 0, 0, enosys),                  // 5: ENOSYS
+fn ins(code: u16, k: u32, jt: Tgt, jf: Tgt) -> Ins {
+    Ins { code, jt, jf, k }
+}
+
+/// Balanced comparison tree over the sorted denied syscall numbers: ~log2(n) comparisons per
+/// syscall instead of a linear chain. Besides the per-call cost, this is what makes installing
+/// the filter cheap: the kernel emulates the filter for every syscall number at attach time
+/// (the seccomp action cache), so the cost of attaching grows with the path length.
+fn emit_tree(out: &mut Vec<Ins>, nrs: &[u32]) {
+    if nrs.len() <= 3 {
+        for (i, &nr) in nrs.iter().enumerate() {
+            let miss = if i + 1 == nrs.len() {
+                Tgt::Allow
+            } else {
+                Tgt::Next
+            };
+            out.push(ins(BPF_JEQ_K, nr, Tgt::Eperm, miss));
+        }
+        return;
+    }
+    let mid = nrs.len() / 2;
+    let node = out.len();
+    out.push(ins(BPF_JGE_K, nrs[mid], Tgt::Next, Tgt::Next));
+    emit_tree(out, &nrs[..mid]);
+    out[node].jt = Tgt::At(out.len());
+    emit_tree(out, &nrs[mid..]);
+}
+
+/// The filter (see docs/architecture.md): foreign arch -> kill; x32 ABI numbers and clone3 ->
+/// ENOSYS (libcs then fall back to clone, whose flags a filter can read); clone with any
+/// CLONE_NEW* flag -> EPERM; the denied list -> EPERM; everything else allowed.
+fn build_filter() -> Result<Vec<libc::sock_filter>, HardenError> {
+    let mut nrs: Vec<u32> = denied_syscalls().into_iter().map(|n| n as u32).collect();
+    nrs.sort_unstable();
+    nrs.dedup();
+    let new_mask = CLONE_NEW_FLAGS.iter().fold(0u64, |m, f| m | f) as u32;
+
+    let mut p = vec![
+        ins(BPF_LD_W_ABS, OFF_ARCH, Tgt::Next, Tgt::Next),
+        ins(BPF_JEQ_K, AUDIT_ARCH, Tgt::Next, Tgt::Kill),
+        ins(BPF_LD_W_ABS, OFF_NR, Tgt::Next, Tgt::Next),
     ];
-    prog.extend(body.iter().map(|i| insn(i.code, i.jt, i.jf, i.k)));
+    if X32_SYSCALL_BIT != u32::MAX {
+        p.push(ins(BPF_JGE_K, X32_SYSCALL_BIT, Tgt::Enosys, Tgt::Next));
+    }
+    p.push(ins(
+        BPF_JEQ_K,
+        libc::SYS_clone3 as u32,
+        Tgt::Enosys,
+        Tgt::Next,
+    ));
+    p.push(ins(
+        BPF_JEQ_K,
+        libc::SYS_clone as u32,
+        Tgt::CloneCheck,
+        Tgt::Next,
+    ));
+    emit_tree(&mut p, &nrs);
+    let clone_check = p.len();
+    p.push(ins(BPF_LD_W_ABS, OFF_ARG0_LO, Tgt::Next, Tgt::Next));
+    p.push(ins(BPF_JSET_K, new_mask, Tgt::Eperm, Tgt::Allow));
+    let (allow, eperm, enosys, kill) = (p.len(), p.len() + 1, p.len() + 2, p.len() + 3);
+    let errno_ret = |e: i32| libc::SECCOMP_RET_ERRNO | (e as u32 & libc::SECCOMP_RET_DATA);
+    p.push(ins(
+        BPF_RET_K,
+        libc::SECCOMP_RET_ALLOW,
+        Tgt::Next,
+        Tgt::Next,
+    ));
+    p.push(ins(BPF_RET_K, errno_ret(libc::EPERM), Tgt::Next, Tgt::Next));
+    p.push(ins(
+        BPF_RET_K,
+        errno_ret(libc::ENOSYS),
+        Tgt::Next,
+        Tgt::Next,
+    ));
+    p.push(ins(
+        BPF_RET_K,
+        libc::SECCOMP_RET_KILL_PROCESS,
+        Tgt::Next,
+        Tgt::Next,
+    ));
+
+    let resolve = |i: usize, t: Tgt| -> Result<u8, HardenError> {
+        let dest = match t {
+            Tgt::Next => i + 1,
+            Tgt::At(d) => d,
+            Tgt::Allow => allow,
+            Tgt::Eperm => eperm,
+            Tgt::Enosys => enosys,
+            Tgt::Kill => kill,
+            Tgt::CloneCheck => clone_check,
+        };
+        let off = dest
+            .checked_sub(i + 1)
+            .ok_or_else(|| HardenError::Seccomp(format!("backward jump at {i}")))?;
+        u8::try_from(off).map_err(|_| HardenError::Seccomp(format!("jump too far at {i}")))
+    };
+    let mut prog = Vec::with_capacity(p.len());
+    for (i, x) in p.iter().enumerate() {
+        let (jt, jf) = if x.code & 0x07 == libc::BPF_JMP as u16 {
+            (resolve(i, x.jt)?, resolve(i, x.jf)?)
+        } else {
+            (0, 0)
+        };
+        prog.push(libc::sock_filter {
+            code: x.code,
+            jt,
+            jf,
+            k: x.k,
+        });
+    }
     if prog.len() > libc::BPF_MAXINSNS as usize {
         return Err(HardenError::Seccomp(format!(
             "filter too long: {} insns",
@@ -605,10 +696,65 @@ impl Drop for SignalBlock {
 mod tests {
     use super::*;
 
+    /// A BPF interpreter for the instructions the filter uses.
+    fn run(prog: &[libc::sock_filter], nr: u32, arch: u32, arg0: u64) -> u32 {
+        let mut data = [0u8; 64];
+        data[0..4].copy_from_slice(&nr.to_ne_bytes());
+        data[4..8].copy_from_slice(&arch.to_ne_bytes());
+        data[16..24].copy_from_slice(&arg0.to_ne_bytes());
+        let (mut pc, mut a) = (0usize, 0u32);
+        loop {
+            let i = prog[pc];
+            pc += 1;
+            match i.code {
+                BPF_LD_W_ABS => {
+                    let o = i.k as usize;
+                    a = u32::from_ne_bytes(data[o..o + 4].try_into().unwrap());
+                }
+                BPF_JEQ_K => pc += if a == i.k { i.jt } else { i.jf } as usize,
+                BPF_JGE_K => pc += if a >= i.k { i.jt } else { i.jf } as usize,
+                BPF_JSET_K => pc += if a & i.k != 0 { i.jt } else { i.jf } as usize,
+                BPF_RET_K => return i.k,
+                c => panic!("unexpected opcode {c:#x}"),
+            }
+        }
+    }
+
     #[test]
-    fn filter_builds() {
+    fn filter_policy() {
         let p = seccomp_program().unwrap();
-        assert!(p.len() > 50);
+        assert!(p.len() < 200, "{} insns", p.len());
+        let eperm = libc::SECCOMP_RET_ERRNO | libc::EPERM as u32;
+        let enosys = libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32;
+        let denied: Vec<u32> = denied_syscalls().into_iter().map(|n| n as u32).collect();
+        for nr in 0..1000u32 {
+            let r = run(p, nr, AUDIT_ARCH, 0);
+            let want = if denied.contains(&nr) {
+                eperm
+            } else if nr == libc::SYS_clone3 as u32 {
+                enosys
+            } else {
+                libc::SECCOMP_RET_ALLOW
+            };
+            assert_eq!(r, want, "syscall {nr}");
+        }
+        let clone = libc::SYS_clone as u32;
+        let fork_flags = (libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD) as u64;
+        assert_eq!(
+            run(p, clone, AUDIT_ARCH, fork_flags),
+            libc::SECCOMP_RET_ALLOW
+        );
+        let threads = (libc::CLONE_VM | libc::CLONE_THREAD | libc::CLONE_SIGHAND) as u64;
+        assert_eq!(run(p, clone, AUDIT_ARCH, threads), libc::SECCOMP_RET_ALLOW);
+        for f in CLONE_NEW_FLAGS {
+            assert_eq!(run(p, clone, AUDIT_ARCH, f | 17), eperm, "flag {f:#x}");
+        }
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(
+            run(p, libc::SYS_mount as u32 | X32_SYSCALL_BIT, AUDIT_ARCH, 0),
+            enosys
+        );
+        assert_eq!(run(p, 1, 0x4000_0003, 0), libc::SECCOMP_RET_KILL_PROCESS);
     }
 
     #[test]

@@ -298,6 +298,13 @@ fn fs_chmod(py: Python<'_>, root_fd: RawFd, path: OsString, mode: u32) -> PyResu
     Ok(py.detach(|| fs::chmod(root_fd, &path, mode))?)
 }
 
+/// Step timings (name, ns) of the calling thread's last spawn_sandbox or exec_in ("exec_in").
+#[pyfunction]
+#[pyo3(signature = (what = "spawn_sandbox"))]
+fn last_profile(what: &str) -> Vec<(&'static str, u64)> {
+    child::last_profile(what)
+}
+
 /// The capability names a process started with exec_in keeps (uid 0).
 #[pyfunction]
 fn shell_capabilities() -> Vec<String> {
@@ -321,6 +328,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fs_readlink, m)?)?;
     m.add_function(wrap_pyfunction!(fs_chmod, m)?)?;
     m.add_function(wrap_pyfunction!(shell_capabilities, m)?)?;
+    m.add_function(wrap_pyfunction!(last_profile, m)?)?;
     m.add("DEFAULT_PATH", enter::DEFAULT_PATH)?;
     Ok(())
 }

@@ -343,6 +343,7 @@ pub fn spawn_sandbox(cfg: &SpawnConfig) -> Result<(i32, OwnedFd), SpawnError> {
     if ctx.netns_fd < 0 {
         flags |= libc::CLONE_NEWNET;
     }
+    let t0 = child::now_ns();
     let res = {
         let _block = harden::SignalBlock::new();
         // SAFETY: `spawn_child` is async-signal-safe and never unwinds; `ctx` lives on our stack
@@ -361,6 +362,7 @@ pub fn spawn_sandbox(cfg: &SpawnConfig) -> Result<(i32, OwnedFd), SpawnError> {
     // SAFETY: CLONE_PIDFD gave us this fd; we own it.
     let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
     let (step, errno) = (ctx.report.step(), ctx.report.errno());
+    child::set_last_profile("spawn_sandbox", ctx.report.profile(t0, STEPS));
     if errno != 0 || step != Step::ExecInit as u32 {
         child::reap(pid);
         if errno != 0 {
@@ -511,10 +513,10 @@ const PROC_READONLY: &[&std::ffi::CStr] = &[
     c"proc/fs",
 ];
 
-/// /proc files that leak host information: /dev/null is bound over them.
+/// /proc files that leak host information (host task names and pids) or accept writes from
+/// uid 0 without a capability check (acpi/wakeup): /dev/null (a tmpfs for a directory) is
+/// bound over them. kcore and kmsg need capabilities the sandbox never has.
 const PROC_MASKED: &[&std::ffi::CStr] = &[
-    c"proc/kcore",
-    c"proc/keys",
     c"proc/timer_list",
     c"proc/sched_debug",
     c"proc/latency_stats",
