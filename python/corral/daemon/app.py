@@ -223,11 +223,15 @@ async def proc_stream(request: web.Request) -> web.StreamResponse:
         for name, text in first:
             if text:
                 await resp.write(_line({"stream": name, "data": text}))
-        while (item := await queue.get()) is not None:
-            await resp.write(_line({"stream": item[0], "data": item[1]}))
+        sb.busy += 1  # a client following the output is activity (no idle timeout)
+        try:
+            while (item := await queue.get()) is not None:
+                await resp.write(_line({"stream": item[0], "data": item[1]}))
+        finally:
+            sb.busy -= 1
         final: dict[str, Any] = {"exit_code": p.exit_code, "timed_out": p.timed_out}
         try:
-            engine.after_exit(sb, p)
+            await engine.after_exit(sb, p)
         except CorralError as e:
             final = e.to_payload()
         await resp.write(_line(final))
@@ -257,8 +261,10 @@ async def proc_kill(request: web.Request) -> web.Response:
 async def file_read(request: web.Request) -> web.Response:
     path = _query_path(request)
     max_bytes = _query_int(request, "max_bytes", MAX_READ_BYTES, 0, MAX_READ_BYTES)
-    data = await _engine(request).read_file(request.match_info["id"], path, max_bytes)
-    return web.Response(body=data, content_type="application/octet-stream")
+    data, truncated = await _engine(request).read_file(request.match_info["id"], path,
+                                                       max_bytes)
+    headers = {"X-Corral-Truncated": "true"} if truncated else None
+    return web.Response(body=data, content_type="application/octet-stream", headers=headers)
 
 
 async def file_write(request: web.Request) -> web.Response:
@@ -400,8 +406,10 @@ ROUTES: tuple[Route, ...] = (
           body=StdinRequest, response="ok"),
     Route("POST", PROC + "/kill", proc_kill, "Signal a background process's group",
           body=KillProcessRequest, response="ok"),
-    Route("GET", SB + "/files", file_read, "Read a file", response="bytes", query=(
-        PATH_Q, Param("max_bytes", "integer", description="read at most this many bytes"))),
+    Route("GET", SB + "/files", file_read, "Read a file (header X-Corral-Truncated: true when "
+          "it is longer than max_bytes)", response="bytes", query=(
+              PATH_Q, Param("max_bytes", "integer",
+                            description="read at most this many bytes (default 1 GiB)"))),
     Route("PUT", SB + "/files", file_write, "Write a file (parents are created)", body="bytes",
           response="ok", query=(PATH_Q, Param("mode", "integer",
                                                description="permission bits (default 420)"))),

@@ -61,6 +61,7 @@ MAX_PROCS_KEPT = 256         # finished background processes remembered per sand
 DIRECT_IO_BYTES = 1 << 20    # file reads/writes up to this size skip the thread hop
 MAX_READ_BYTES = 1 << 30
 PASSWD_MAX = 4 << 20
+INIT_EXIT_GRACE_STEPS = 40   # x 5 ms: how long an unexplained SIGKILL waits for the init's exit
 
 _REASON_TEXT = {
     "killed": "it was killed",
@@ -75,7 +76,7 @@ class Sandbox:
     """One sandbox's bookkeeping; kept small, tens of thousands live at once."""
 
     __slots__ = ("id", "spec", "runtime", "state", "reason", "created_at", "expires_at",
-                 "last_active", "sched", "busy", "procs", "stopping")
+                 "last_active", "sched", "busy", "threads", "procs", "stopping")
 
     def __init__(self, sid: str, spec: SandboxSpec, created_at: float, expires_at: float) -> None:
         self.id = sid
@@ -88,12 +89,14 @@ class Sandbox:
         self.last_active = created_at
         self.sched = 0.0          # the reaper-heap entry that is current for this sandbox
         self.busy = 0             # foreground execs in flight: not idle while > 0
+        self.threads = 0          # file operations running in worker threads
         self.procs: dict[int, procs.Process] | None = None
         self.stopping: asyncio.Future[None] | None = None
 
     @property
     def hostname(self) -> str:
-        return self.spec.hostname or self.id
+        # The spec object is shared by a batch; the substrate defaults the hostname to the id.
+        return self.spec.hostname or self.id[:63]
 
     def deadline(self, now: float) -> float:
         idle = self.spec.idle_timeout
@@ -302,8 +305,6 @@ class Engine:
     # ---- create --------------------------------------------------------------------------
     def _create_one(self, substrate: Substrate, spec: SandboxSpec, image: Any) -> Sandbox:
         sid = new_id()
-        if spec.hostname is None:
-            spec = spec.model_copy(update={"hostname": sid})
         now = time.time()
         sb = Sandbox(sid, spec, now, now + spec.timeout)
         sdir = os.path.join(self.sandboxes_dir, sid)
@@ -382,15 +383,17 @@ class Engine:
         self.counters["lost"] += 1
         self._begin_stop(sb, "lost")
 
+    def _alive(self, sb: Sandbox) -> bool:
+        try:
+            return self.substrates[sb.spec.substrate].is_alive(sb.runtime)
+        except Exception:  # noqa: BLE001
+            return False
+
     def _check_alive(self, sb: Sandbox) -> None:
         """After a failed call: if the init is gone, that was the cause -> sandbox_lost."""
         if sb.state != "running":
             raise self._gone(sb.id, sb)
-        try:
-            alive = self.substrates[sb.spec.substrate].is_alive(sb.runtime)
-        except Exception:  # noqa: BLE001
-            alive = False
-        if not alive:
+        if not self._alive(sb):
             self._lose(sb)
             raise self._gone(sb.id, sb)
 
@@ -445,6 +448,9 @@ class Engine:
             shutil.rmtree(sdir, ignore_errors=True)
 
         try:
+            # destroy closes the root fd that file operations in worker threads use.
+            while sb.threads:
+                await asyncio.sleep(0.005)
             await asyncio.to_thread(work)
         except Exception:  # noqa: BLE001
             log.exception("destroy failed", extra={"sandbox": sb.id})
@@ -528,6 +534,7 @@ class Engine:
                                keep_stdin=req.background, cap=req.max_output_bytes,
                                timeout=req.timeout)
         except CorralError:
+            self._check_alive(sb)  # e.g. sandbox_not_running from a dead init -> lost
             raise
         except OSError as e:
             self._check_alive(sb)
@@ -548,18 +555,26 @@ class Engine:
         finally:
             sb.busy -= 1
             sb.last_active = time.time()
-        self.after_exit(sb, proc)
+        await self.after_exit(sb, proc)
         return proc.result()
 
-    def after_exit(self, sb: Sandbox, proc: procs.Process) -> None:
+    async def after_exit(self, sb: Sandbox, proc: procs.Process) -> None:
         """If the sandbox ended while the command ran, report that, not an exit code that
-        the ending caused. A SIGKILL we did not send (timeout) may be the init dying."""
-        if sb.state != "running":
-            raise self._gone(sb.id, sb)
+        the ending caused. A SIGKILL we did not send (timeout) may be the init dying: the
+        kernel kills the namespace's processes *before* the init turns into a zombie, so the
+        command's exit can arrive first; give the init's pidfd watcher a moment to fire."""
         if proc.timed_out:
             self.counters["exec_timeouts"] += 1
-        elif proc.exit_code == 128 + 9:
-            self._check_alive(sb)
+        elif proc.exit_code == 128 + 9 and sb.state == "running":
+            for _ in range(INIT_EXIT_GRACE_STEPS):
+                if sb.state != "running" or not self._alive(sb):
+                    break
+                await asyncio.sleep(0.005)
+        if sb.state != "running":
+            raise self._gone(sb.id, sb)
+        if not self._alive(sb):
+            self._lose(sb)
+            raise self._gone(sb.id, sb)
 
     def _keep_proc(self, sb: Sandbox, proc: procs.Process) -> None:
         if sb.procs is None:
@@ -586,14 +601,22 @@ class Engine:
     async def wait(self, sid: str, pid: int, timeout: float | None) -> dict[str, Any]:
         sb, p = self.proc(sid, pid)
         if p.running:
-            try:
-                await asyncio.wait_for(asyncio.shield(p.done), timeout)
-            except asyncio.TimeoutError:
-                raise Timeout(f"process {pid} still running after {timeout} s",
-                              details={"pid": pid}) from None
-            sb.last_active = time.time()
-            self.after_exit(sb, p)
+            await self.until_exit(sb, p, timeout)
+            await self.after_exit(sb, p)
         return p.result()
+
+    async def until_exit(self, sb: Sandbox, p: procs.Process, timeout: float | None) -> None:
+        """Wait for a background process; a client waiting on it keeps the sandbox from
+        idling out, like a foreground exec."""
+        sb.busy += 1
+        try:
+            await asyncio.wait_for(asyncio.shield(p.done), timeout)
+        except asyncio.TimeoutError:
+            raise Timeout(f"process {p.ns_pid} still running after {timeout} s",
+                          details={"pid": p.ns_pid}) from None
+        finally:
+            sb.busy -= 1
+            sb.last_active = time.time()
 
     def stdin(self, sid: str, pid: int, data: str, eof: bool) -> None:
         _, p = self.proc(sid, pid)
@@ -615,7 +638,11 @@ class Engine:
         fn = getattr(sub, op)
         try:
             if big:
-                return await asyncio.to_thread(fn, sb.runtime, *args)
+                sb.threads += 1
+                try:
+                    return await asyncio.to_thread(fn, sb.runtime, *args)
+                finally:
+                    sb.threads -= 1
             return fn(sb.runtime, *args)
         except CorralError:
             if sb.state == "running":
@@ -625,13 +652,16 @@ class Engine:
             self._check_alive(sb)
             raise os_error(e, args[0] if args and isinstance(args[0], str) else "") from e
 
-    async def read_file(self, sid: str, path: str, max_bytes: int) -> bytes:
-        # Most reads are small: try on the loop, and only go to a thread when it was not.
+    async def read_file(self, sid: str, path: str, max_bytes: int) -> tuple[bytes, bool]:
+        """(data, truncated): at most ``max_bytes``. Most reads are small: try on the loop,
+        and go to a thread only when the file turns out big."""
         first = min(max_bytes, DIRECT_IO_BYTES)
-        data = await self.files(sid, "read_file", path, first)
-        if len(data) < first or first == max_bytes:
-            return data
-        return await self.files(sid, "read_file", path, max_bytes, big=True)
+        data = await self.files(sid, "read_file", path, first + 1)
+        if len(data) > first and first < max_bytes:
+            data = await self.files(sid, "read_file", path, max_bytes + 1, big=True)
+        if len(data) > max_bytes:
+            return data[:max_bytes], True
+        return data, False
 
     # ---- status --------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

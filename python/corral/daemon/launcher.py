@@ -74,25 +74,45 @@ def ensure_daemon(socket_path: str | None = None, state_dir: str | None = None,
     # The daemon must import the same corral as this process, installed or not.
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(config.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "corral.daemon", "--state-dir", state_dir,
-             "--socket", socket_path],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True, close_fds=True, cwd="/")
+    argv = [sys.executable, "-m", "corral.daemon", "--state-dir", state_dir,
+            "--socket", socket_path]
+    # Double fork through a tiny single-threaded helper: the daemon is not our child (no
+    # zombie when it exits, no tie to this process's lifetime) and runs in its own session.
+    out = subprocess.run([sys.executable, "-c", _DETACH, log_path, *argv], env=env, cwd="/",
+                         stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
+    try:
+        pid = int(out.stdout)
+    except ValueError:
+        raise DaemonUnavailable(f"could not start corrald: {out.stderr.decode()[-2000:]}") \
+            from None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if daemon_alive(socket_path, timeout=0.5):
             return
-        if proc.poll() is not None and not _locked(state_dir):
-            # It exited and no other daemon holds the state dir: it failed.
-            if daemon_alive(socket_path, timeout=0.5):
-                return
-            raise DaemonUnavailable(f"corrald exited with status {proc.returncode}; "
-                                    f"log {log_path}:\n{_tail(log_path)}")
+        if not os.path.exists(f"/proc/{pid}") and not _locked(state_dir):
+            # Ours exited and no other daemon holds the state dir: it failed.
+            raise DaemonUnavailable(f"corrald exited during start-up; log {log_path}:\n"
+                                    f"{_tail(log_path)}")
         time.sleep(0.02)
     raise DaemonUnavailable(f"corrald did not answer on {socket_path} within {timeout} s; "
                             f"log {log_path}:\n{_tail(log_path)}")
+
+
+_DETACH = """
+import os, sys
+log = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+pid = os.fork()
+if pid:
+    print(pid, flush=True)
+    os._exit(0)
+os.setsid()
+null = os.open("/dev/null", os.O_RDONLY)
+os.dup2(null, 0)
+os.dup2(log, 1)
+os.dup2(log, 2)
+os.closerange(3, 256)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
 
 def _locked(state_dir: str) -> bool:
