@@ -1,0 +1,356 @@
+"""The container substrate over the real core, cgroups and image store: no daemon, no mocks.
+
+A private state dir, a private cgroup name and the builtin ``host`` image; every sandbox a test
+makes is destroyed in a fixture finalizer, and the module checks at the end that no process,
+cgroup, mount or directory is left.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import signal
+import tarfile
+import tempfile
+import time
+
+import pytest
+
+pytest.importorskip("corral._core")
+
+from corral.daemon.cgroups import CgroupManager  # noqa: E402
+from corral.daemon.images import ImageStore  # noqa: E402
+from corral.daemon.substrates.base import ExecSpec, SandboxRuntime  # noqa: E402
+from corral.daemon.substrates.container import ContainerSubstrate, proc_starttime  # noqa: E402
+from corral.errors import (  # noqa: E402
+    DirectoryNotEmpty,
+    FileExists,
+    FileNotFound,
+    InternalError,
+    InvalidPath,
+    InvalidRequest,
+    IsADirectory,
+    NotADirectory,
+    SandboxNotRunning,
+)
+from corral.models import SandboxSpec  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+
+def _mounts_under(path: str) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f if line.split()[4].startswith(path)]
+
+
+@pytest.fixture(scope="module")
+def env():
+    state = tempfile.mkdtemp(prefix="corral-cs-test-", dir="/var/tmp")
+    cg = CgroupManager(f"corral-cs-test-{os.getpid()}")
+    sub = None
+    try:
+        images = ImageStore(state)
+        images.ensure_host()
+        sub = ContainerSubstrate(state, cg, images)
+        yield state, cg, images, sub
+    finally:
+        leftover_ids = cg.list_ids()
+        leftover_dirs = os.listdir(os.path.join(state, "sandboxes")) \
+            if os.path.isdir(os.path.join(state, "sandboxes")) else []
+        if sub is not None:
+            sub.cleanup_orphans(set())
+            os.close(sub.init_fd)
+        for base in {os.path.dirname(p) for p in cg.paths_for("x")}:
+            try:
+                os.rmdir(base)
+            except OSError:
+                pass
+        mounts = _mounts_under(state)
+        shutil.rmtree(state, ignore_errors=True)
+        assert not leftover_ids, f"cgroups left behind: {leftover_ids}"
+        assert not leftover_dirs, f"sandbox dirs left behind: {leftover_dirs}"
+        assert not mounts, f"host mounts left behind: {mounts}"
+
+
+@pytest.fixture
+def make(env):
+    state, cg, images, sub = env
+    made: list[SandboxRuntime] = []
+    counter = [0]
+
+    def create(spec: SandboxSpec | None = None, image="host") -> SandboxRuntime:
+        counter[0] += 1
+        sid = f"t{os.getpid()}-{time.monotonic_ns() % 10**9}-{counter[0]}"
+        rt = sub.create(sid, spec or SandboxSpec(), images.get(image))
+        made.append(rt)
+        return rt
+
+    try:
+        yield create
+    finally:
+        for rt in made:
+            sub.destroy(rt)
+
+
+@pytest.fixture
+def sub(env):
+    return env[3]
+
+
+@pytest.fixture
+def rt(make):
+    return make()
+
+
+def run(sub, rt, cmd, *, uid=0, gid=0, cwd="/root", env=None, timeout=30):
+    r, w = os.pipe()
+    argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else cmd
+    try:
+        pid = sub.spawn(rt, ExecSpec(argv=argv, env=env or {"PATH": "/usr/bin:/bin"}, cwd=cwd,
+                                     uid=uid, gid=gid, stdout_fd=w, stderr_fd=w))
+    finally:
+        os.close(w)
+    out = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            b = os.read(r, 65536)
+            if not b:
+                break
+            out += b
+    finally:
+        os.close(r)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), out.decode(errors="replace")
+
+
+# ---- lifecycle ----------------------------------------------------------------------------
+def test_create_exec_destroy(env, make):
+    state, cg, _, sub = env
+    before = _mounts_under(state)
+    rt = make(SandboxSpec(hostname="box-a", memory_mb=256, pids=64))
+    assert rt.pidfd >= 0 and rt.init_starttime == proc_starttime(rt.init_pid)
+    assert sub.is_alive(rt)
+    assert rt.init_pid in cg.pids(rt.cgroup_paths)
+    code, out = run(sub, rt, "hostname; id -u; cat /etc/os-release | head -1; ls /usr/bin/env")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "box-a" and lines[1] == "0" and lines[3] == "/usr/bin/env"
+    assert _mounts_under(state) == before  # the overlay lives in the sandbox's mount ns only
+    mem = [p for p in rt.cgroup_paths if "/memory/" in p]
+    if mem:
+        limit = int(open(os.path.join(mem[0], "memory.limit_in_bytes")).read())
+        assert limit == 256 * 1024 * 1024
+    sub.destroy(rt)
+    assert not sub.is_alive(rt)
+    assert rt.sandbox_id not in cg.list_ids()
+    assert not os.path.exists(rt.sandbox_dir)
+    assert proc_starttime(rt.init_pid) != rt.init_starttime
+    sub.destroy(rt)  # idempotent
+
+
+def test_exec_joins_the_sandbox_cgroup_and_pids_limit_holds(env, make):
+    _, cg, _, sub = env
+    rt = make(SandboxSpec(pids=16))
+    # dash gives up at the first failed fork: the pids limit stopped it
+    run(sub, rt, "for i in $(seq 40); do sleep 3 >/dev/null 2>&1 & done >/dev/null 2>&1")
+    n = len(cg.pids(rt.cgroup_paths))
+    assert 10 <= n <= 16, n
+
+
+def test_user_and_writes_persist_in_upper(sub, rt):
+    code, out = run(sub, rt, "id -u; touch /root/x 2>&1; echo $?", uid=65534, gid=65534)
+    assert out.splitlines()[0] == "65534"
+    assert out.splitlines()[-1] != "0"  # /root is 0700 root
+    code, out = run(sub, rt, "echo data > /usr/local/new-file && cat /usr/local/new-file")
+    assert out == "data\n"
+    assert not os.path.exists("/usr/local/new-file")  # went to the sandbox's upper dir
+    assert os.path.exists(os.path.join(rt.sandbox_dir, "upper/1/local/new-file"))
+
+
+def test_adopt_after_restart(env, make):
+    state, cg, images, sub = env
+    rt = make()
+    sub2 = ContainerSubstrate(state, cg, images)  # a restarted daemon
+    try:
+        again = SandboxRuntime.from_json(rt.to_json())
+        assert again.pidfd == -1
+        assert sub2.adopt(again)
+        assert again.pidfd >= 0 and sub2.is_alive(again)
+        code, out = run(sub2, again, "echo adopted")
+        assert out == "adopted\n"
+        stale = SandboxRuntime.from_json({**rt.to_json(), "init_starttime": 1})
+        assert not sub2.adopt(stale)
+        sub2.destroy(again)  # not sub2's child: waits by polling the pidfd
+        assert not sub.is_alive(rt)
+        assert rt.sandbox_id not in cg.list_ids()
+        gone = SandboxRuntime.from_json(rt.to_json())
+        assert not sub2.adopt(gone)
+    finally:
+        os.close(sub2.init_fd)
+
+
+def test_destroy_half_made_runtime(sub, env):
+    state = env[0]
+    sdir = os.path.join(state, "sandboxes", "halfmade")
+    os.makedirs(os.path.join(sdir, "upper"))
+    rt = SandboxRuntime(sandbox_id="halfmade", init_pid=2**22 + 7, init_starttime=5,
+                        sandbox_dir=sdir, cgroup_paths=[])
+    sub.destroy(rt)
+    sub.destroy(rt)
+    assert not os.path.exists(sdir)
+
+
+def test_cleanup_orphans(env, make):
+    state, cg, images, sub = env
+    keep = make()
+    orphan = make()
+    removed = sub.cleanup_orphans({keep.sandbox_id})
+    assert orphan.sandbox_id in removed and keep.sandbox_id not in removed
+    deadline = time.monotonic() + 5
+    while sub.is_alive(orphan) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not sub.is_alive(orphan)
+    assert orphan.sandbox_id not in cg.list_ids()
+    assert not os.path.exists(orphan.sandbox_dir)
+    assert sub.is_alive(keep)
+
+
+def test_create_failure_leaves_nothing(env):
+    state, cg, images, sub = env
+    img = images.get("host")
+    bad = type(img)(name="bad", kind="rootfs", created_at=0.0,
+                    overlays=[("/", ["/var/tmp/no-such-corral-layer"])])
+    with pytest.raises(InternalError) as ei:
+        sub.create("badimage1", SandboxSpec(), bad)
+    assert "mount_root_overlay" in str(ei.value)
+    assert "badimage1" not in cg.list_ids()
+    assert not os.path.exists(os.path.join(state, "sandboxes", "badimage1"))
+    with pytest.raises(InvalidRequest):
+        sub.create("../evil", SandboxSpec(), img)
+
+
+def test_spawn_into_dead_sandbox(sub, rt):
+    signal.pidfd_send_signal(rt.pidfd, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while sub.is_alive(rt) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not sub.is_alive(rt)
+    with pytest.raises(SandboxNotRunning):
+        sub.spawn(rt, ExecSpec(argv=["true"], env={}, cwd="/"))
+
+
+# ---- files -----------------------------------------------------------------------------------
+def test_files(sub, rt):
+    sub.write_file(rt, "/work/a/b.txt", b"hello", 0o640)
+    assert sub.read_file(rt, "/work/a/b.txt", 100) == b"hello"
+    assert sub.read_file(rt, "/work/a/b.txt", 3) == b"hel"
+    e = sub.stat(rt, "/work/a/b.txt")
+    assert (e.name, e.path, e.type, e.size, e.mode) == ("b.txt", "/work/a/b.txt", "file", 5,
+                                                         0o640)
+    assert sub.stat(rt, "/").type == "dir"
+    sub.mkdir(rt, "/work/d/e")
+    assert [(x.name, x.type, x.path) for x in sub.list_dir(rt, "/work")] == \
+        [("a", "dir", "/work/a"), ("d", "dir", "/work/d")]
+    sub.rename(rt, "/work/a/b.txt", "/work/d/c.txt")
+    code, out = run(sub, rt, "cat /work/d/c.txt")
+    assert out == "hello"
+    with pytest.raises(FileNotFound):
+        sub.read_file(rt, "/work/a/b.txt", 10)
+    with pytest.raises(FileExists):
+        sub.mkdir(rt, "/work/d", parents=False)
+    with pytest.raises(NotADirectory):
+        sub.list_dir(rt, "/work/d/c.txt")
+    with pytest.raises(IsADirectory):
+        sub.read_file(rt, "/work", 10)
+    with pytest.raises(DirectoryNotEmpty):
+        sub.remove(rt, "/work/d")
+    sub.remove(rt, "/work/d", recursive=True)
+    with pytest.raises(FileNotFound):
+        sub.stat(rt, "/work/d")
+    for bad in ("relative", "", "/a\0b"):
+        with pytest.raises(InvalidPath):
+            sub.read_file(rt, bad, 10)
+    with pytest.raises(InvalidPath):
+        sub.remove(rt, "/", recursive=True)
+
+
+def test_files_stay_inside(sub, rt, env):
+    state = env[0]
+    secret = os.path.join(state, "outside-secret")
+    with open(secret, "w") as f:
+        f.write("s")
+    run(sub, rt, "ln -s /../../../../../../.. /tmp/up; ln -s " + secret + " /tmp/abs")
+    with pytest.raises(FileNotFound):
+        sub.read_file(rt, "/tmp/abs", 10)
+    with pytest.raises(FileNotFound):
+        sub.read_file(rt, "/tmp/up" + secret, 10)
+    with pytest.raises(FileNotFound):
+        sub.read_file(rt, "/../../../../" + secret, 10)
+    with pytest.raises(InvalidPath):
+        sub.write_file(rt, "/tmp/abs", b"x")  # never through a final symlink
+    with pytest.raises(InvalidRequest):
+        sub.read_file(rt, "/proc/1/environ", 100)
+    assert open(secret).read() == "s"
+
+
+def _tar(entries) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, kind, payload, mode in entries:
+            ti = tarfile.TarInfo(name)
+            ti.mode = mode
+            if kind == "file":
+                ti.size = len(payload)
+                tf.addfile(ti, io.BytesIO(payload))
+            elif kind == "dir":
+                ti.type = tarfile.DIRTYPE
+                tf.addfile(ti)
+            elif kind == "sym":
+                ti.type = tarfile.SYMTYPE
+                ti.linkname = payload
+                tf.addfile(ti)
+            elif kind == "hard":
+                ti.type = tarfile.LNKTYPE
+                ti.linkname = payload
+                tf.addfile(ti)
+            elif kind == "chr":
+                ti.type = tarfile.CHRTYPE
+                ti.devmajor, ti.devminor = 1, 3
+                tf.addfile(ti)
+    return buf.getvalue()
+
+
+def test_tar_roundtrip(sub, rt):
+    data = _tar([
+        ("proj", "dir", None, 0o750),
+        ("proj/run.sh", "file", b"#!/bin/sh\necho ran\n", 0o755),
+        ("proj/sub/data.txt", "file", b"x" * 70000, 0o600),
+        ("proj/link", "sym", "sub/data.txt", 0o777),
+        ("proj/hard", "hard", "proj/run.sh", 0o644),
+    ])
+    sub.upload_tar(rt, "/work/up", data)
+    code, out = run(sub, rt, "/work/up/proj/run.sh; stat -c '%a' /work/up/proj; "
+                             "readlink /work/up/proj/link; wc -c < /work/up/proj/hard")
+    assert out.split() == ["ran", "750", "sub/data.txt", "19"]
+    back = tarfile.open(fileobj=io.BytesIO(sub.download_tar(rt, "/work/up")))
+    members = {m.name: m for m in back.getmembers()}
+    assert members["proj/link"].issym() and members["proj/link"].linkname == "sub/data.txt"
+    assert members["proj/run.sh"].mode == 0o755
+    assert back.extractfile(members["proj/sub/data.txt"]).read() == b"x" * 70000
+    single = tarfile.open(fileobj=io.BytesIO(sub.download_tar(rt, "/work/up/proj/run.sh")))
+    assert single.getnames() == ["run.sh"]
+
+
+def test_tar_rejects_hostile_members(sub, rt):
+    with pytest.raises(InvalidPath):
+        sub.upload_tar(rt, "/work/t1", _tar([("../../escape", "file", b"x", 0o644)]))
+    with pytest.raises(InvalidRequest):
+        sub.upload_tar(rt, "/work/t2", _tar([("dev-null", "chr", None, 0o666)]))
+    with pytest.raises(InvalidRequest):
+        sub.upload_tar(rt, "/work/t3", b"not a tar at all")
+    # A symlink member followed by a member "through" it stays inside the sandbox root.
+    sub.upload_tar(rt, "/work/t4", _tar([("l", "sym", "/", 0o777),
+                                         ("l/corral-tar-probe", "file", b"p", 0o644)]))
+    assert not os.path.exists("/corral-tar-probe")
