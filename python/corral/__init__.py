@@ -25,10 +25,15 @@ __all__ = [
     "SandboxNotFound", "SandboxNotRunning", "Timeout", "Unsupported", "__version__",
 ]
 
-# The SDK is added by corral.sdk (Sandbox, AsyncSandbox, ExecResult, ...).
-try:  # pragma: no cover - the SDK module may be absent during early bootstrap
-    from corral.sdk import AsyncSandbox, ExecResult, Sandbox  # noqa: F401
+from corral.sdk import (  # noqa: E402 - after __version__: the SDK modules import it
+    AsyncProcess,
+    AsyncSandbox,
+    CommandFailed,
+    ExecResult,
+    OutputChunk,
+    Process,
+    Sandbox,
+)
 
-    __all__ += ["AsyncSandbox", "ExecResult", "Sandbox"]
-except ImportError:  # noqa: S110
-    pass
+__all__ += ["AsyncProcess", "AsyncSandbox", "CommandFailed", "ExecResult", "OutputChunk",
+            "Process", "Sandbox"]

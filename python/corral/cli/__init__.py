@@ -1,0 +1,1 @@
+"""The ``corral`` command line; see corral.cli.main."""

@@ -1,0 +1,43 @@
+"""``corral``: the command line (typer + rich). Entry point ``corral.cli.main:main``.
+
+daemon.py     up, down, status, image ls | import
+sandboxes.py  create, exec, run, ls, rm, info
+demo.py       demo
+output.py     tables, JSON, the ``error [code]: message`` format and exit codes
+"""
+
+from __future__ import annotations
+
+import typer
+
+from corral import __version__
+from corral.cli import daemon, demo, sandboxes
+
+app = typer.Typer(
+    name="corral", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="corral: isolated Linux sandboxes for agentic RL.\n\nThe daemon is found on "
+         "$CORRAL_SOCKET (default /run/corral/corrald.sock) or $CORRAL_URL (+ $CORRAL_TOKEN).",
+)
+for sub in (daemon.app, sandboxes.app, demo.app):
+    app.registered_commands += sub.registered_commands
+app.add_typer(daemon.image_app, name="image")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"corral {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version.")) -> None:
+    pass
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

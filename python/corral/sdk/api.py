@@ -1,0 +1,293 @@
+"""Every API operation as a ``Call``: the one implementation behind Sandbox and AsyncSandbox.
+
+Requests are validated here with the shared pydantic models, so bad input fails fast with
+``InvalidRequest`` (the daemon validates again: it trusts no client). Responses are parsed into
+the shared models. Nothing in this module does I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from corral.errors import Conflict, CorralError, FileNotFound, InvalidRequest, NotADirectory
+from corral.models import (
+    DEFAULT_EXEC_TIMEOUT_S,
+    DEFAULT_MAX_OUTPUT_BYTES,
+    CreateManyRequest,
+    DaemonStatus,
+    ExecRequest,
+    FileEntry,
+    ImageInfo,
+    ImportImageRequest,
+    KillProcessRequest,
+    MkdirRequest,
+    ProcessHandle,
+    ProcessStatus,
+    RemoveRequest,
+    RenameRequest,
+    SandboxInfo,
+    SandboxSpec,
+    SetTimeoutRequest,
+    StdinRequest,
+    WaitRequest,
+)
+from corral.sdk.call import DEFAULT_READ_TIMEOUT, Call, seg
+from corral.sdk.results import ExecResult, OutputChunk
+
+M = TypeVar("M", bound=BaseModel)
+
+GRACE_S = 30.0            # wait this much beyond a command's own timeout before giving up
+OCTET = "application/octet-stream"
+
+
+# ---- request validation ------------------------------------------------------------------
+def validated(model: type[M], **fields: Any) -> M:
+    try:
+        return model(**fields)
+    except ValidationError as e:
+        msgs = [f"{'.'.join(str(x) for x in d['loc']) or 'value'}: {d['msg']}"
+                for d in e.errors(include_url=False)[:5]]
+        raise InvalidRequest(f"invalid {model.__name__}: {'; '.join(msgs)}") from None
+
+
+def _body(model: BaseModel) -> bytes:
+    return model.model_dump_json().encode()
+
+
+def _read_timeout(timeout: float | None) -> float | None:
+    return None if timeout is None else timeout + GRACE_S
+
+
+def spec(**fields: Any) -> SandboxSpec:
+    """A SandboxSpec from keyword arguments (None means the default)."""
+    return validated(SandboxSpec, **{k: v for k, v in fields.items() if v is not None})
+
+
+# ---- response parsers -------------------------------------------------------------------
+def _info(body: bytes) -> SandboxInfo:
+    return SandboxInfo.model_validate_json(body)
+
+
+def _infos(body: bytes) -> list[SandboxInfo]:
+    return [SandboxInfo.model_validate(x) for x in json.loads(body)["sandboxes"]]
+
+
+def _ok(body: bytes) -> None:
+    return None
+
+
+def _raw(body: bytes) -> bytes:
+    return body
+
+
+# ---- sandboxes ----------------------------------------------------------------------------
+def sb_path(sid: str) -> str:
+    if not sid or not isinstance(sid, str):
+        raise InvalidRequest(f"bad sandbox id {sid!r}")
+    return "/v1/sandboxes/" + seg(sid)
+
+
+def create(s: SandboxSpec) -> Call[SandboxInfo]:
+    return Call("POST", "/v1/sandboxes", _info, body=_body(s))
+
+
+def create_many(count: int, s: SandboxSpec) -> Call[list[SandboxInfo]]:
+    req = validated(CreateManyRequest, count=count, spec=s)
+    return Call("POST", "/v1/sandboxes/batch", _infos, body=_body(req),
+                timeout=DEFAULT_READ_TIMEOUT + 0.05 * count)
+
+
+def get(sid: str) -> Call[SandboxInfo]:
+    return Call("GET", sb_path(sid), _info, retry_safe=True)
+
+
+def label_filters(labels: Mapping[str, str | None] | list[str] | None) -> list[tuple[str, str]]:
+    """``{"k": "v"}`` (equal) or ``{"k": None}`` (present), or ``["k=v", "k"]``."""
+    if not labels:
+        return []
+    if isinstance(labels, Mapping):
+        return [("label", k if v is None else f"{k}={v}") for k, v in labels.items()]
+    return [("label", str(x)) for x in labels]
+
+
+def list_(labels: Mapping[str, str | None] | list[str] | None = None) -> Call[list[SandboxInfo]]:
+    return Call("GET", "/v1/sandboxes", _infos, query=label_filters(labels), retry_safe=True)
+
+
+def kill(sid: str) -> Call[bool]:
+    return Call("DELETE", sb_path(sid), lambda b: bool(json.loads(b)["killed"]))
+
+
+def set_timeout(sid: str, seconds: float) -> Call[SandboxInfo]:
+    req = validated(SetTimeoutRequest, timeout=seconds)
+    return Call("POST", sb_path(sid) + "/timeout", _info, body=_body(req))
+
+
+# ---- exec and background processes ----------------------------------------------------------
+def exec_(sid: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
+          env: Mapping[str, str] | None = None, cwd: str | None = None,
+          user: str | int | None = None, stdin: str | bytes | None = None,
+          background: bool = False,
+          max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> Call[Any]:
+    if isinstance(stdin, bytes):
+        stdin = stdin.decode("utf-8")
+    if isinstance(cmd, tuple):
+        cmd = list(cmd)
+    req = validated(ExecRequest, cmd=cmd, timeout=timeout, env=dict(env or {}), cwd=cwd,
+                    user=user, stdin=stdin, background=background,
+                    max_output_bytes=max_output_bytes)
+    if background:
+        return Call("POST", sb_path(sid) + "/exec", ProcessHandle.model_validate_json,
+                    body=_body(req))
+    return Call("POST", sb_path(sid) + "/exec", ExecResult.model_validate_json, body=_body(req),
+                timeout=_read_timeout(timeout))
+
+
+def _proc(sid: str, pid: int) -> str:
+    return f"{sb_path(sid)}/procs/{int(pid)}"
+
+
+def proc_status(sid: str, pid: int) -> Call[ProcessStatus]:
+    return Call("GET", _proc(sid, pid), ProcessStatus.model_validate_json, retry_safe=True)
+
+
+def proc_wait(sid: str, pid: int, timeout: float | None = None) -> Call[ExecResult]:
+    req = validated(WaitRequest, timeout=timeout)
+    return Call("POST", _proc(sid, pid) + "/wait", ExecResult.model_validate_json,
+                body=_body(req), timeout=_read_timeout(timeout))
+
+
+def proc_stdin(sid: str, pid: int, data: str | bytes, eof: bool = False) -> Call[None]:
+    if isinstance(data, bytes):
+        data = data.decode("utf-8")
+    req = validated(StdinRequest, data=data, eof=eof)
+    return Call("POST", _proc(sid, pid) + "/stdin", _ok, body=_body(req))
+
+
+def _ignore_conflict(err: CorralError) -> None:
+    if not isinstance(err, Conflict):
+        raise err
+
+
+def proc_close_stdin(sid: str, pid: int) -> Call[None]:
+    """EOF on stdin; a no-op if the process already exited or its stdin is closed."""
+    c = proc_stdin(sid, pid, "", True)
+    c.recover = _ignore_conflict
+    return c
+
+
+def proc_kill(sid: str, pid: int, signal: int = 9) -> Call[None]:
+    req = validated(KillProcessRequest, signal=signal)
+    return Call("POST", _proc(sid, pid) + "/kill", _ok, body=_body(req))
+
+
+def proc_stream(sid: str, pid: int) -> Call[None]:
+    return Call("GET", _proc(sid, pid) + "/stream", _ok, timeout=None)
+
+
+def stream_event(line: bytes) -> OutputChunk | ProcessStatus:
+    """One NDJSON line of a stream: an output chunk, or the final status (raises if the
+    sandbox ended under the process)."""
+    from corral.errors import error_from_payload
+
+    obj = json.loads(line)
+    if "stream" in obj:
+        return OutputChunk(obj["stream"], obj.get("data", ""))
+    if "error" in obj:
+        raise error_from_payload(obj)
+    return ProcessStatus(pid=0, running=False, exit_code=obj.get("exit_code"),
+                         timed_out=bool(obj.get("timed_out", False)))
+
+
+# ---- files --------------------------------------------------------------------------------
+def _path(path: str) -> str:
+    if not isinstance(path, str) or not path:
+        raise InvalidRequest(f"bad path {path!r}")
+    return path
+
+
+def read(sid: str, path: str, max_bytes: int | None = None) -> Call[bytes]:
+    q = [("path", _path(path))]
+    if max_bytes is not None:
+        q.append(("max_bytes", str(int(max_bytes))))
+    return Call("GET", sb_path(sid) + "/files", _raw, query=q, retry_safe=True)
+
+
+def write(sid: str, path: str, data: str | bytes, mode: int = 0o644) -> Call[None]:
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    elif not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidRequest(f"file data must be str or bytes, not {type(data).__name__}")
+    return Call("PUT", sb_path(sid) + "/files", _ok, query=[("path", _path(path)),
+                                                            ("mode", str(int(mode)))],
+                body=bytes(data), content_type=OCTET)
+
+
+def list_dir(sid: str, path: str) -> Call[list[FileEntry]]:
+    return Call("GET", sb_path(sid) + "/files/list",
+                lambda b: [FileEntry.model_validate(x) for x in json.loads(b)["entries"]],
+                query=[("path", _path(path))], retry_safe=True)
+
+
+def stat(sid: str, path: str) -> Call[FileEntry]:
+    return Call("GET", sb_path(sid) + "/files/stat", FileEntry.model_validate_json,
+                query=[("path", _path(path))], retry_safe=True)
+
+
+def _missing(err: CorralError) -> bool:
+    if isinstance(err, (FileNotFound, NotADirectory)):
+        return False
+    raise err
+
+
+def exists(sid: str, path: str) -> Call[bool]:
+    c = stat(sid, path)
+    return Call(c.method, c.path, lambda b: True, query=c.query, recover=_missing,
+                retry_safe=True)
+
+
+def mkdir(sid: str, path: str, parents: bool = True) -> Call[None]:
+    req = validated(MkdirRequest, path=path, parents=parents)
+    return Call("POST", sb_path(sid) + "/files/mkdir", _ok, body=_body(req))
+
+
+def remove(sid: str, path: str, recursive: bool = False) -> Call[None]:
+    req = validated(RemoveRequest, path=path, recursive=recursive)
+    return Call("POST", sb_path(sid) + "/files/remove", _ok, body=_body(req))
+
+
+def rename(sid: str, src: str, dst: str) -> Call[None]:
+    req = validated(RenameRequest, src=src, dst=dst)
+    return Call("POST", sb_path(sid) + "/files/rename", _ok, body=_body(req))
+
+
+def put_tar(sid: str, remote_dir: str, tar_bytes: bytes) -> Call[None]:
+    return Call("PUT", sb_path(sid) + "/files/tar", _ok, query=[("path", _path(remote_dir))],
+                body=tar_bytes, content_type="application/x-tar",
+                timeout=DEFAULT_READ_TIMEOUT * 5)
+
+
+def get_tar(sid: str, remote_path: str) -> Call[bytes]:
+    return Call("GET", sb_path(sid) + "/files/tar", _raw, query=[("path", _path(remote_path))],
+                timeout=DEFAULT_READ_TIMEOUT * 5, retry_safe=True)
+
+
+# ---- daemon and images ----------------------------------------------------------------------
+def status() -> Call[DaemonStatus]:
+    return Call("GET", "/v1/status", DaemonStatus.model_validate_json, retry_safe=True)
+
+
+def images() -> Call[list[ImageInfo]]:
+    return Call("GET", "/v1/images",
+                lambda b: [ImageInfo.model_validate(x) for x in json.loads(b)["images"]],
+                retry_safe=True)
+
+
+def import_image(name: str, source: str) -> Call[ImageInfo]:
+    req = validated(ImportImageRequest, name=name, source=source)
+    return Call("POST", "/v1/images", ImageInfo.model_validate_json, body=_body(req),
+                timeout=None)

@@ -1,0 +1,269 @@
+"""``corral.AsyncSandbox``: the asyncio facade, method for method the same as ``Sandbox``
+(tests/test_sdk.py checks the signatures match); the Calls come from the same corral.sdk.api.
+
+The constructor cannot await, so ``AsyncSandbox(...)`` only holds the spec; the sandbox is
+created by ``await AsyncSandbox.create(...)``, ``async with AsyncSandbox(...)``,
+``await AsyncSandbox(...)``, or else by its first method call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import os
+from collections.abc import AsyncIterator, Generator, Mapping
+from typing import Any
+
+from corral.errors import CorralError, SandboxNotFound
+from corral.models import (
+    DEFAULT_EXEC_TIMEOUT_S,
+    DEFAULT_MAX_OUTPUT_BYTES,
+    DEFAULT_TIMEOUT_S,
+    FileEntry,
+    ProcessStatus,
+    SandboxInfo,
+    SandboxSpec,
+)
+from corral.sdk import api, tarball
+from corral.sdk.call import Call, T, lost
+from corral.sdk.endpoint import Endpoint
+from corral.sdk.handle import ProcessBase, SandboxHandle
+from corral.sdk.results import ExecResult, OutputChunk
+
+Labels = Mapping[str, str | None] | builtins.list[str] | None
+
+
+_transport: Any = None
+
+
+def transport(endpoint: Endpoint) -> Any:
+    """The loop's aiohttp transport. Imported on first use: aiohttp takes ~0.2 s to import,
+    which sync-only programs and the CLI should not pay."""
+    global _transport
+    if _transport is None:
+        from corral.sdk.async_transport import transport as real
+
+        _transport = real
+    return _transport(endpoint)
+
+
+async def _send(endpoint: Endpoint, call: Call[T]) -> T:
+    return await transport(endpoint).call(call)
+
+
+class AsyncSandbox(SandboxHandle):
+    """The asyncio twin of ``corral.Sandbox``.
+
+    >>> async with corral.AsyncSandbox(image="host") as sb:
+    ...     (await sb.exec("echo hi")).stdout
+    'hi\\n'
+    """
+
+    files: AsyncFiles
+    _spec: SandboxSpec | None = None
+    _creating: asyncio.Future[str] | None = None
+
+    def __init__(self, image: str = "host", *, substrate: str = "container", cpu: float = 1.0,
+                 memory_mb: int = 512, pids: int = 512, timeout: float = DEFAULT_TIMEOUT_S,
+                 idle_timeout: float | None = None, env: Mapping[str, str] | None = None,
+                 labels: Mapping[str, str] | None = None,
+                 metadata: Mapping[str, str] | None = None, network: str = "none",
+                 hostname: str | None = None, cwd: str | None = None,
+                 endpoint: str | Endpoint | None = None) -> None:
+        # Validated now, so bad input fails at the call site, not at the first await.
+        self._spec = api.spec(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb,
+                              pids=pids, timeout=timeout, idle_timeout=idle_timeout, env=env,
+                              labels=labels, metadata=metadata, network=network,
+                              hostname=hostname, cwd=cwd)
+        self._init_handle(Endpoint.parse(endpoint), None)
+
+    def _init_files(self) -> None:
+        self.files = AsyncFiles(self)
+
+    async def _sid_ready(self) -> str:
+        """The id, creating the sandbox first if that has not happened yet (exactly once,
+        even when several tasks call methods on a fresh handle at the same time)."""
+        if self._sid is not None:
+            return self._sid
+        if self._creating is None:
+            self._creating = asyncio.ensure_future(self._create())
+        return await asyncio.shield(self._creating)
+
+    async def _create(self) -> str:
+        assert self._spec is not None
+        try:
+            info = await _send(self._endpoint, api.create(self._spec))
+        except BaseException:
+            self._creating = None  # a later call may try again
+            raise
+        self._sid = info.id
+        self.last_info = info
+        return info.id
+
+    async def _call(self, make: Any, *args: Any, **kwargs: Any) -> Any:
+        sid = await self._sid_ready()
+        return await transport(self._endpoint).call(make(sid, *args, **kwargs))
+
+    def __await__(self) -> Generator[Any, None, AsyncSandbox]:
+        async def ready() -> AsyncSandbox:
+            await self._sid_ready()
+            return self
+        return ready().__await__()
+
+    # ---- class-level ----------------------------------------------------------------------
+    @classmethod
+    async def create(cls, image: str = "host", **kwargs: Any) -> AsyncSandbox:
+        """Create a sandbox now (same parameters as the constructor)."""
+        return await cls(image, **kwargs)
+
+    @classmethod
+    async def connect(cls, sandbox_id: str, *,
+                      endpoint: str | Endpoint | None = None) -> AsyncSandbox:
+        ep = Endpoint.parse(endpoint)
+        info = await _send(ep, api.get(sandbox_id))
+        return cls._bind(ep, info.id, info)
+
+    @classmethod
+    def from_id(cls, sandbox_id: str, *, endpoint: str | Endpoint | None = None) -> AsyncSandbox:
+        """A handle to sandbox ``sandbox_id`` without a round trip (as after unpickling):
+        a wrong id shows up as SandboxNotFound on the first call."""
+        return cls._bind(Endpoint.parse(endpoint), sandbox_id)
+
+    @classmethod
+    async def list(cls, labels: Labels = None, *,
+                   endpoint: str | Endpoint | None = None) -> builtins.list[AsyncSandbox]:
+        ep = Endpoint.parse(endpoint)
+        return [cls._bind(ep, i.id, i) for i in await _send(ep, api.list_(labels))]
+
+    @classmethod
+    async def create_many(cls, n: int, image: str = "host", *,
+                          endpoint: str | Endpoint | None = None,
+                          **spec: Any) -> builtins.list[AsyncSandbox]:
+        ep = Endpoint.parse(endpoint)
+        infos = await _send(ep, api.create_many(n, api.spec(image=image, **spec)))
+        return [cls._bind(ep, i.id, i) for i in infos]
+
+    # ---- the sandbox ----------------------------------------------------------------------
+    async def exec(self, cmd: str | builtins.list[str], *,
+                   timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
+                   env: Mapping[str, str] | None = None, cwd: str | None = None,
+                   user: str | int | None = None, stdin: str | bytes | None = None,
+                   background: bool = False,
+                   max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> Any:
+        """See ``Sandbox.exec``; with ``background=True`` returns an AsyncProcess."""
+        res = await self._call(api.exec_, cmd, timeout=timeout, env=env, cwd=cwd, user=user,
+                               stdin=stdin, background=background,
+                               max_output_bytes=max_output_bytes)
+        if background:
+            return AsyncProcess(self._endpoint, res)
+        return res
+
+    async def info(self) -> SandboxInfo:
+        return self._remember(await self._call(api.get))
+
+    async def is_running(self) -> bool:
+        try:
+            return (await self.info()).state == "running"
+        except CorralError as e:
+            if e.infra:
+                raise
+            return False
+
+    async def set_timeout(self, seconds: float) -> SandboxInfo:
+        return self._remember(await self._call(api.set_timeout, seconds))
+
+    async def kill(self) -> bool:
+        if self._sid is None and self._creating is None:
+            return False  # never created: nothing to kill
+        return await self._call(api.kill)
+
+    async def __aenter__(self) -> AsyncSandbox:
+        await self._sid_ready()
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            await self.kill()
+        except SandboxNotFound:
+            pass
+        except CorralError:
+            if exc is None:
+                raise
+
+
+class AsyncFiles:
+    """``sandbox.files`` of an AsyncSandbox."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sb = sandbox
+
+    async def read(self, path: str) -> str:
+        return (await self._sb._call(api.read, path)).decode("utf-8", "replace")
+
+    async def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
+        return await self._sb._call(api.read, path, max_bytes)
+
+    async def write(self, path: str, data: str | bytes, mode: int = 0o644) -> None:
+        await self._sb._call(api.write, path, data, mode)
+
+    async def list(self, path: str = "/") -> builtins.list[FileEntry]:
+        return await self._sb._call(api.list_dir, path)
+
+    async def stat(self, path: str) -> FileEntry:
+        return await self._sb._call(api.stat, path)
+
+    async def exists(self, path: str) -> bool:
+        return await self._sb._call(api.exists, path)
+
+    async def mkdir(self, path: str, parents: bool = True) -> None:
+        await self._sb._call(api.mkdir, path, parents)
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        await self._sb._call(api.remove, path, recursive)
+
+    async def rename(self, src: str, dst: str) -> None:
+        await self._sb._call(api.rename, src, dst)
+
+    async def upload(self, local_dir: str | os.PathLike[str], remote_dir: str) -> None:
+        data = await asyncio.to_thread(tarball.pack, local_dir)  # disk I/O off the loop
+        await self._sb._call(api.put_tar, remote_dir, data)
+
+    async def download(self, remote_dir: str,
+                       local_dir: str | os.PathLike[str]) -> builtins.list[str]:
+        data = await self._sb._call(api.get_tar, remote_dir)
+        return await asyncio.to_thread(tarball.unpack, data, local_dir)
+
+
+class AsyncProcess(ProcessBase):
+    """A background command of an AsyncSandbox."""
+
+    async def _call(self, call: Call[T]) -> T:
+        return await transport(self._endpoint).call(call)
+
+    async def status(self) -> ProcessStatus:
+        return self._saw_status(await self._call(api.proc_status(self.sandbox_id, self.pid)))
+
+    async def wait(self, timeout: float | None = None) -> ExecResult:
+        return self._saw_result(
+            await self._call(api.proc_wait(self.sandbox_id, self.pid, timeout)))
+
+    async def stream(self) -> AsyncIterator[OutputChunk]:
+        """``async for stream, data in proc.stream()``."""
+        call = api.proc_stream(self.sandbox_id, self.pid)
+        async for line in transport(self._endpoint).lines(call):
+            ev = api.stream_event(line)
+            if isinstance(ev, OutputChunk):
+                yield ev
+            else:
+                self._saw_status(ev)
+                return
+        raise lost(self._endpoint, call, EOFError("the stream ended without an exit status"))
+
+    async def send_stdin(self, data: str | bytes, eof: bool = False) -> None:
+        await self._call(api.proc_stdin(self.sandbox_id, self.pid, data, eof))
+
+    async def close_stdin(self) -> None:
+        await self._call(api.proc_close_stdin(self.sandbox_id, self.pid))
+
+    async def kill(self, signal: int = 9) -> None:
+        await self._call(api.proc_kill(self.sandbox_id, self.pid, signal))

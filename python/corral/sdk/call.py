@@ -1,0 +1,105 @@
+"""One API call, described independently of any HTTP library.
+
+``corral.sdk.api`` builds ``Call`` objects (path, body, how to parse the answer, which errors
+to absorb); the sync and async transports only move bytes. That is the single implementation
+behind ``Sandbox`` and ``AsyncSandbox``: a method on either is "build the Call, send it".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+from urllib.parse import quote, urlencode
+
+from corral.errors import (
+    CapacityExceeded,
+    Conflict,
+    CorralError,
+    DaemonRestarted,
+    DaemonUnavailable,
+    InternalError,
+    InvalidRequest,
+    NotFound,
+    Unauthorized,
+    Unsupported,
+    error_from_payload,
+)
+
+T = TypeVar("T")
+
+DEFAULT_READ_TIMEOUT = 120.0  # seconds for an ordinary call (the daemon answers in ms)
+CONNECT_TIMEOUT = 10.0
+
+# Status -> class, for error bodies that are not corral JSON (a proxy, an old daemon).
+_BY_STATUS: dict[int, type[CorralError]] = {
+    400: InvalidRequest, 401: Unauthorized, 403: Unauthorized, 404: NotFound, 409: Conflict,
+    429: CapacityExceeded, 501: Unsupported, 502: DaemonUnavailable, 503: DaemonUnavailable,
+}
+
+
+@dataclass(slots=True)
+class Call(Generic[T]):
+    """A request and what to do with its answer."""
+
+    method: str
+    path: str                                   # already percent-encoded
+    parse: Callable[[bytes], T]
+    query: list[tuple[str, str]] | None = None
+    body: bytes | None = None
+    content_type: str = "application/json"
+    timeout: float | None = DEFAULT_READ_TIMEOUT  # read timeout; None waits as long as it takes
+    recover: Callable[[CorralError], T] | None = None  # turn some errors into a value
+    retry_safe: bool = False                    # may be sent again if the connection dropped
+
+    def target(self) -> str:
+        if not self.query:
+            return self.path
+        return self.path + "?" + urlencode(self.query, quote_via=quote, safe="/")
+
+    def finish(self, status: int, body: bytes) -> T:
+        if status < 400:
+            return self.parse(body)
+        err = error_from_response(status, body)
+        if self.recover is not None:
+            return self.recover(err)
+        raise err
+
+
+def seg(value: str) -> str:
+    """One path segment (a sandbox id): encoded so that nothing in it can change the route."""
+    return quote(value, safe="")
+
+
+def error_from_response(status: int, body: bytes) -> CorralError:
+    try:
+        payload: Any = json.loads(body)
+    except ValueError:
+        payload = None
+    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+        return error_from_payload(payload, status)
+    cls = _BY_STATUS.get(status) or (InternalError if status >= 500 else CorralError)
+    text = body[:300].decode("utf-8", "replace").strip()
+    return cls(f"HTTP {status} from corrald: {text}" if text else f"HTTP {status} from corrald")
+
+
+def unavailable(endpoint: object, exc: BaseException) -> DaemonUnavailable:
+    return DaemonUnavailable(f"no corrald answered on {endpoint}: {_describe(exc)}",
+                             details={"endpoint": str(endpoint)})
+
+
+def lost(endpoint: object, call: Call[Any], exc: BaseException) -> DaemonRestarted:
+    # The request may or may not have been carried out: the caller must not assume either.
+    return DaemonRestarted(
+        f"connection to corrald ({endpoint}) lost during {call.method} {call.path}; the "
+        f"daemon may have restarted and the call's outcome is unknown: {_describe(exc)}",
+        details={"endpoint": str(endpoint)})
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text += f" ({cause})"
+    return text

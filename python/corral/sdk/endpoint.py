@@ -1,0 +1,64 @@
+"""Where the daemon is: a local unix socket (the default) or a remote http(s) URL.
+
+An ``Endpoint`` is the only connection state a sandbox handle carries, so it is small, frozen,
+hashable and picklable. The bearer token is deliberately *not* part of it: it is read from
+``CORRAL_TOKEN`` in the process that makes the call, so pickled handles never carry secrets.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from corral import config
+from corral.errors import InvalidRequest
+
+UNIX_PREFIX = "unix://"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """``unix:///path/to/corrald.sock`` or ``http(s)://host:port``."""
+
+    url: str
+
+    @classmethod
+    def from_env(cls) -> Endpoint:
+        """``CORRAL_URL`` if set, else the unix socket ``CORRAL_SOCKET`` (or the default)."""
+        url = os.environ.get("CORRAL_URL", "").strip()
+        if url:
+            return cls.parse(url)
+        return cls(UNIX_PREFIX + config.load().socket_path)
+
+    @classmethod
+    def parse(cls, value: str | Endpoint | None) -> Endpoint:
+        """Accepts an Endpoint, ``None`` (from the environment), a socket path or a URL."""
+        if value is None:
+            return cls.from_env()
+        if isinstance(value, Endpoint):
+            return value
+        if value.startswith("/"):
+            return cls(UNIX_PREFIX + value)
+        if value.startswith(UNIX_PREFIX) and value[len(UNIX_PREFIX):].startswith("/"):
+            return cls(value)
+        if value.startswith(("http://", "https://")):
+            return cls(value.rstrip("/"))
+        raise InvalidRequest(f"bad corral endpoint {value!r}: use a socket path, "
+                             f"unix:///path or http(s)://host:port")
+
+    @property
+    def unix_path(self) -> str | None:
+        return self.url[len(UNIX_PREFIX):] if self.url.startswith(UNIX_PREFIX) else None
+
+    @property
+    def base_url(self) -> str:
+        """The URL prefix requests are sent to (the host part is ignored on a unix socket)."""
+        return "http://corral" if self.unix_path else self.url
+
+    def auth_header(self) -> str | None:
+        """``Bearer <CORRAL_TOKEN>`` for remote endpoints (the unix socket needs none)."""
+        token = os.environ.get("CORRAL_TOKEN", "")
+        return f"Bearer {token}" if token and not self.unix_path else None
+
+    def __str__(self) -> str:
+        return self.url

@@ -1,0 +1,104 @@
+"""What Sandbox and AsyncSandbox share: identity, pickling, repr.
+
+A handle is a sandbox id plus an endpoint and nothing else, so it pickles to a few bytes,
+crosses process and Ray boundaries, and reconnects lazily on its first call over there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from corral.models import ExecResult, ProcessHandle, ProcessStatus, SandboxInfo
+from corral.sdk.endpoint import Endpoint
+
+H = TypeVar("H", bound="SandboxHandle")
+E = TypeVar("E", bound=ExecResult)
+
+
+class SandboxHandle:
+    _sid: str | None
+    _endpoint: Endpoint
+    #: The SandboxInfo from the latest create / connect / list / info / set_timeout call on
+    #: this handle (not refreshed by itself; None after unpickling).
+    last_info: SandboxInfo | None
+
+    @classmethod
+    def _bind(cls: type[H], endpoint: Endpoint, sid: str, info: SandboxInfo | None = None) -> H:
+        """A handle for an existing sandbox, without any request."""
+        obj = cls.__new__(cls)
+        obj._init_handle(endpoint, sid, info)
+        return obj
+
+    def _init_handle(self, endpoint: Endpoint, sid: str | None,
+                     info: SandboxInfo | None = None) -> None:
+        self._endpoint = endpoint
+        self._sid = sid
+        self.last_info = info
+        self._init_files()
+
+    def _init_files(self) -> None:  # overridden: attaches .files
+        pass
+
+    @property
+    def id(self) -> str:
+        if self._sid is None:
+            raise RuntimeError(f"{type(self).__name__} not created yet: `await` it, use "
+                               f"`async with`, or call one of its methods first")
+        return self._sid
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return self._endpoint
+
+    def _remember(self, info: SandboxInfo) -> SandboxInfo:
+        self.last_info = info
+        return info
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restore, (type(self), self.id, self._endpoint.url))
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, SandboxHandle) and other._sid is not None
+                and (other._sid, other._endpoint) == (self._sid, self._endpoint))
+
+    def __hash__(self) -> int:
+        return hash((self._sid, self._endpoint))
+
+    def __repr__(self) -> str:
+        state = f" {self.last_info.state}" if self.last_info else ""
+        return f"<{type(self).__name__} {self._sid or '(not created)'}{state}>"
+
+
+class ProcessBase:
+    """What Process and AsyncProcess share: a (sandbox id, pid) pair plus the endpoint."""
+
+    def __init__(self, endpoint: Endpoint, handle: ProcessHandle) -> None:
+        self._endpoint = endpoint
+        self.sandbox_id = handle.sandbox_id
+        self.pid = handle.pid
+        self.cmd = handle.cmd
+        self.started_at = handle.started_at
+        #: Set once the exit is known (from wait(), stream() or status()).
+        self.exit_code: int | None = None
+        self.timed_out = False
+
+    def _saw_status(self, st: ProcessStatus) -> ProcessStatus:
+        if not st.running:
+            self.exit_code, self.timed_out = st.exit_code, st.timed_out
+        return st
+
+    def _saw_result(self, res: E) -> E:
+        self.exit_code, self.timed_out = res.exit_code, res.timed_out
+        return res
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        handle = ProcessHandle(sandbox_id=self.sandbox_id, pid=self.pid, cmd=self.cmd,
+                               started_at=self.started_at)
+        return (type(self), (self._endpoint, handle))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.pid} in {self.sandbox_id} cmd={self.cmd!r}>"
+
+
+def _restore(cls: type[H], sid: str, url: str) -> H:
+    return cls._bind(Endpoint(url), sid)

@@ -1,0 +1,231 @@
+"""``corral.Sandbox``: the blocking facade. Every method builds a Call (corral.sdk.api) and sends
+it on the sync transport; ``corral.sdk.async_sandbox`` mirrors it method for method."""
+
+from __future__ import annotations
+
+import builtins
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from corral.errors import CorralError, SandboxNotFound
+from corral.models import (
+    DEFAULT_EXEC_TIMEOUT_S,
+    DEFAULT_MAX_OUTPUT_BYTES,
+    DEFAULT_TIMEOUT_S,
+    FileEntry,
+    ProcessStatus,
+    SandboxInfo,
+)
+from corral.sdk import api, tarball
+from corral.sdk.call import Call, T, lost
+from corral.sdk.endpoint import Endpoint
+from corral.sdk.handle import ProcessBase, SandboxHandle
+from corral.sdk.results import ExecResult, OutputChunk
+from corral.sdk.sync_transport import transport
+
+Labels = Mapping[str, str | None] | builtins.list[str] | None
+
+
+def _send(endpoint: Endpoint, call: Call[T]) -> T:
+    return transport(endpoint).call(call)
+
+
+class Sandbox(SandboxHandle):
+    """An isolated Linux sandbox. ``Sandbox(...)`` creates one; ``with`` kills it on exit.
+
+    >>> with corral.Sandbox(image="host", cpu=1, memory_mb=512) as sb:
+    ...     sb.exec("echo hi").stdout
+    'hi\\n'
+    """
+
+    files: Files
+
+    def __init__(self, image: str = "host", *, substrate: str = "container", cpu: float = 1.0,
+                 memory_mb: int = 512, pids: int = 512, timeout: float = DEFAULT_TIMEOUT_S,
+                 idle_timeout: float | None = None, env: Mapping[str, str] | None = None,
+                 labels: Mapping[str, str] | None = None,
+                 metadata: Mapping[str, str] | None = None, network: str = "none",
+                 hostname: str | None = None, cwd: str | None = None,
+                 endpoint: str | Endpoint | None = None) -> None:
+        s = api.spec(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb, pids=pids,
+                     timeout=timeout, idle_timeout=idle_timeout, env=env, labels=labels,
+                     metadata=metadata, network=network, hostname=hostname, cwd=cwd)
+        ep = Endpoint.parse(endpoint)
+        info = _send(ep, api.create(s))
+        self._init_handle(ep, info.id, info)
+
+    def _init_files(self) -> None:
+        self.files = Files(self)
+
+    def _call(self, call: Call[T]) -> T:
+        return transport(self._endpoint).call(call)
+
+    # ---- class-level ----------------------------------------------------------------------
+    @classmethod
+    def create(cls, image: str = "host", **kwargs: Any) -> Sandbox:
+        """Same as ``Sandbox(...)``."""
+        return cls(image, **kwargs)
+
+    @classmethod
+    def connect(cls, sandbox_id: str, *, endpoint: str | Endpoint | None = None) -> Sandbox:
+        """A handle to an existing sandbox (raises SandboxNotFound / SandboxNotRunning)."""
+        ep = Endpoint.parse(endpoint)
+        info = _send(ep, api.get(sandbox_id))
+        return cls._bind(ep, info.id, info)
+
+    @classmethod
+    def from_id(cls, sandbox_id: str, *, endpoint: str | Endpoint | None = None) -> Sandbox:
+        """A handle to sandbox ``sandbox_id`` without a round trip (as after unpickling):
+        a wrong id shows up as SandboxNotFound on the first call."""
+        return cls._bind(Endpoint.parse(endpoint), sandbox_id)
+
+    @classmethod
+    def list(cls, labels: Labels = None, *,
+             endpoint: str | Endpoint | None = None) -> builtins.list[Sandbox]:
+        """Running sandboxes, optionally those whose labels match (``{"k": "v"}``; a None
+        value matches any value). Each handle's ``last_info`` holds what was listed."""
+        ep = Endpoint.parse(endpoint)
+        return [cls._bind(ep, i.id, i) for i in _send(ep, api.list_(labels))]
+
+    @classmethod
+    def create_many(cls, n: int, image: str = "host", *,
+                    endpoint: str | Endpoint | None = None,
+                    **spec: Any) -> builtins.list[Sandbox]:
+        """``n`` sandboxes with one spec, in one request (all or nothing)."""
+        ep = Endpoint.parse(endpoint)
+        infos = _send(ep, api.create_many(n, api.spec(image=image, **spec)))
+        return [cls._bind(ep, i.id, i) for i in infos]
+
+    # ---- the sandbox ----------------------------------------------------------------------
+    def exec(self, cmd: str | builtins.list[str], *,
+             timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
+             env: Mapping[str, str] | None = None, cwd: str | None = None,
+             user: str | int | None = None, stdin: str | bytes | None = None,
+             background: bool = False,
+             max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> Any:
+        """Run ``cmd`` (a string runs under ``/bin/sh -c``, a list is the argv) and return its
+        ExecResult; with ``background=True`` return a Process at once. A non-zero exit is not
+        an exception (``result.check()`` makes it one); ``timeout=None`` waits forever."""
+        res = self._call(api.exec_(self.id, cmd, timeout=timeout, env=env, cwd=cwd, user=user,
+                                   stdin=stdin, background=background,
+                                   max_output_bytes=max_output_bytes))
+        if background:
+            return Process(self._endpoint, res)
+        return res
+
+    def info(self) -> SandboxInfo:
+        return self._remember(self._call(api.get(self.id)))
+
+    def is_running(self) -> bool:
+        try:
+            return self.info().state == "running"
+        except CorralError as e:
+            if e.infra:
+                raise
+            return False
+
+    def set_timeout(self, seconds: float) -> SandboxInfo:
+        """Kill the sandbox ``seconds`` from now (extends or shortens its TTL)."""
+        return self._remember(self._call(api.set_timeout(self.id, seconds)))
+
+    def kill(self) -> bool:
+        """Kill it; False if it had already ended."""
+        return self._call(api.kill(self.id))
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self.kill()
+        except SandboxNotFound:
+            pass
+        except CorralError:
+            if exc is None:  # don't hide the body's own exception behind a cleanup failure
+                raise
+
+
+class Files:
+    """``sandbox.files``: file operations resolved inside the sandbox's root."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sb = sandbox
+
+    def _call(self, call: Call[T]) -> T:
+        return self._sb._call(call)
+
+    def read(self, path: str) -> str:
+        """The file as text (UTF-8; undecodable bytes become U+FFFD: use read_bytes)."""
+        return self._call(api.read(self._sb.id, path)).decode("utf-8", "replace")
+
+    def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
+        return self._call(api.read(self._sb.id, path, max_bytes))
+
+    def write(self, path: str, data: str | bytes, mode: int = 0o644) -> None:
+        """Create or replace a file (parent directories are created)."""
+        self._call(api.write(self._sb.id, path, data, mode))
+
+    def list(self, path: str = "/") -> builtins.list[FileEntry]:
+        return self._call(api.list_dir(self._sb.id, path))
+
+    def stat(self, path: str) -> FileEntry:
+        return self._call(api.stat(self._sb.id, path))
+
+    def exists(self, path: str) -> bool:
+        return self._call(api.exists(self._sb.id, path))
+
+    def mkdir(self, path: str, parents: bool = True) -> None:
+        self._call(api.mkdir(self._sb.id, path, parents))
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        self._call(api.remove(self._sb.id, path, recursive))
+
+    def rename(self, src: str, dst: str) -> None:
+        self._call(api.rename(self._sb.id, src, dst))
+
+    def upload(self, local_dir: str | os.PathLike[str], remote_dir: str) -> None:
+        """Copy a local directory's contents into ``remote_dir`` (one tar)."""
+        self._call(api.put_tar(self._sb.id, remote_dir, tarball.pack(local_dir)))
+
+    def download(self, remote_dir: str,
+                 local_dir: str | os.PathLike[str]) -> builtins.list[str]:
+        """Copy ``remote_dir`` into ``local_dir`` (one tar); returns the names extracted."""
+        return tarball.unpack(self._call(api.get_tar(self._sb.id, remote_dir)), local_dir)
+
+
+class Process(ProcessBase):
+    """A background command (``exec(..., background=True)``)."""
+
+    def _call(self, call: Call[T]) -> T:
+        return transport(self._endpoint).call(call)
+
+    def status(self) -> ProcessStatus:
+        return self._saw_status(self._call(api.proc_status(self.sandbox_id, self.pid)))
+
+    def wait(self, timeout: float | None = None) -> ExecResult:
+        """Its result once it exits (raises corral.Timeout if still running after
+        ``timeout`` seconds; the process keeps running)."""
+        return self._saw_result(self._call(api.proc_wait(self.sandbox_id, self.pid, timeout)))
+
+    def stream(self) -> Iterator[OutputChunk]:
+        """Output as it comes, from the start: ``for stream, data in proc.stream()``."""
+        call = api.proc_stream(self.sandbox_id, self.pid)
+        for line in transport(self._endpoint).lines(call):
+            ev = api.stream_event(line)
+            if isinstance(ev, OutputChunk):
+                yield ev
+            else:
+                self._saw_status(ev)
+                return
+        raise lost(self._endpoint, call, EOFError("the stream ended without an exit status"))
+
+    def send_stdin(self, data: str | bytes, eof: bool = False) -> None:
+        self._call(api.proc_stdin(self.sandbox_id, self.pid, data, eof))
+
+    def close_stdin(self) -> None:
+        self._call(api.proc_close_stdin(self.sandbox_id, self.pid))
+
+    def kill(self, signal: int = 9) -> None:
+        """Signal its whole process group (SIGKILL by default)."""
+        self._call(api.proc_kill(self.sandbox_id, self.pid, signal))
