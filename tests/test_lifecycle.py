@@ -53,8 +53,8 @@ def test_ttl_expiry(c):
     assert wait_until(lambda: reason(c, sid) == "expired", 10)
     expect_error(c.get(f"/v1/sandboxes/{sid}"), "sandbox_not_running", 409)
     assert wait_until(lambda: not cgroups_of(sid))
-    assert not os.path.exists(os.path.join(SANDBOXES, sid))
-    assert not os.path.exists(f"/proc/{info['init_pid']}")
+    assert wait_until(lambda: not os.path.exists(os.path.join(SANDBOXES, sid)))
+    assert wait_until(lambda: not os.path.exists(f"/proc/{info['init_pid']}"))
 
 
 def test_ttl_expiry_during_exec(c):

@@ -17,6 +17,7 @@ import resource
 import signal
 import socket
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
@@ -128,6 +129,11 @@ async def serve(cfg: config.Config) -> None:
     os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
     lock_fd = lock_pidfile(cfg.state_dir)
     sock = bind_unix(cfg.socket_path)
+    # Destroys (waiting for a pid namespace to die, cgroup removal) and big file operations
+    # run in threads and mostly wait in the kernel: more workers than the default few, so a
+    # wave of TTL expiries does not queue everyone's tar uploads behind it.
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(max_workers=32, thread_name_prefix="corral-io"))
     engine = Engine(cfg)
     runner: web.AppRunner | None = None
     try:

@@ -334,6 +334,8 @@ class Engine:
             log.exception("create failed", extra={"sandbox": sid})
             raise InternalError(f"could not create the sandbox: {e}") from e
         self.counters["created"] += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("sandbox created", extra={"sandbox": sid, "init_pid": sb.runtime.init_pid})
         self._watch(sb)
         self._schedule(sb, now)
         return sb
@@ -435,6 +437,8 @@ class Engine:
             sb.reason = reason
             if reason in self.counters:
                 self.counters[reason] += 1
+            if reason in ("expired", "idle_timeout"):
+                log.info("sandbox reaped", extra={"sandbox": sb.id, "reason": reason})
             sb.stopping = asyncio.ensure_future(self._destroy(sb))
         return sb.stopping
 
