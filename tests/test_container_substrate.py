@@ -60,7 +60,7 @@ def env():
             if os.path.isdir(os.path.join(state, "sandboxes")) else []
         if sub is not None:
             sub.cleanup_orphans(set())
-            os.close(sub.init_fd)
+            sub.close()
         for base in {os.path.dirname(p) for p in cg.paths_for("x")}:
             try:
                 os.rmdir(base)
@@ -188,7 +188,27 @@ def test_adopt_after_restart(env, make):
         gone = SandboxRuntime.from_json(rt.to_json())
         assert not sub2.adopt(gone)
     finally:
-        os.close(sub2.init_fd)
+        sub2.close()
+
+
+def test_netns_pool_reuses_namespaces(env, make):
+    state, cg, images, sub = env
+    deadline = time.monotonic() + 10
+    while len(sub.netns) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    a = make()
+    net_a = os.stat(f"/proc/{a.init_pid}/ns/net").st_ino
+    code, out = run(sub, a, "cat /sys/class/net/lo/operstate 2>/dev/null || ip -o link")
+    assert code == 0
+    sub.destroy(a)
+    # the freed namespace is handed out again, before fresh ones
+    seen = set()
+    for _ in range(3):
+        b = make()
+        seen.add(os.stat(f"/proc/{b.init_pid}/ns/net").st_ino)
+        if net_a in seen:
+            break
+    assert net_a in seen
 
 
 def test_destroy_half_made_runtime(sub, env):

@@ -510,11 +510,14 @@ def test_spawn_creates_missing_mountpoints_but_never_through_symlinks(state, mak
 
 
 def test_pooled_netns(state, make_box):
-    net = make_box("net1").start()
-    fd = os.open(f"/proc/{net.pid}/ns/net", os.O_RDONLY)
+    host_net = os.readlink("/proc/thread-self/ns/net")
+    fd = _core.netns_new()
     try:
+        assert os.readlink("/proc/thread-self/ns/net") == host_net  # the thread went back
         b = make_box("net2", netns_fd=fd).start()
-        assert os.readlink(f"/proc/{b.pid}/ns/net") == os.readlink(f"/proc/{net.pid}/ns/net")
+        assert os.stat(f"/proc/{b.pid}/ns/net").st_ino == os.fstat(fd).st_ino
+        code, out, _ = b.run("cat /sys/class/net/lo/flags 2>/dev/null || grep -c lo /proc/net/dev")
+        assert code == 0
     finally:
         os.close(fd)
 

@@ -191,6 +191,15 @@ fn init_memfd(py: Python<'_>) -> PyResult<RawFd> {
         .map_err(|e| io_err("init_memfd", e))
 }
 
+/// A new network namespace (loopback up) as an fd, for `netns_fd` of spawn_sandbox: pools of
+/// these take netns creation off the sandbox-creation path.
+#[pyfunction]
+fn netns_new(py: Python<'_>) -> PyResult<RawFd> {
+    py.detach(spawn::netns_new)
+        .map(IntoRawFd::into_raw_fd)
+        .map_err(|e| io_err("netns_new", e))
+}
+
 /// Create a sandbox; returns (init host pid, pidfd). See docs/architecture.md for `cfg`.
 #[pyfunction]
 fn spawn_sandbox(py: Python<'_>, cfg: &Bound<'_, PyDict>) -> PyResult<(i32, RawFd)> {
@@ -316,6 +325,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(init_memfd, m)?)?;
     m.add_function(wrap_pyfunction!(spawn_sandbox, m)?)?;
     m.add_function(wrap_pyfunction!(exec_in, m)?)?;
+    m.add_function(wrap_pyfunction!(netns_new, m)?)?;
     m.add_function(wrap_pyfunction!(root_fd, m)?)?;
     m.add_function(wrap_pyfunction!(fs_read, m)?)?;
     m.add_function(wrap_pyfunction!(fs_write, m)?)?;

@@ -13,6 +13,8 @@ its id alone, which is what :meth:`cleanup_orphans` relies on after a crash.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import errno
 import io
 import os
@@ -22,6 +24,7 @@ import signal
 import stat as stat_mod
 import tarfile
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from corral import _core
@@ -97,6 +100,74 @@ def _pidfd_exited(pidfd: int, timeout_s: float) -> bool:
     return bool(p.poll(max(0, int(timeout_s * 1000))))
 
 
+class NetnsPool:
+    """Ready network namespaces (fds with loopback up), so creating a sandbox does not pay the
+    ~0.8 ms a new netns costs. Refilled by a background thread and by reusing the namespace of
+    each destroyed sandbox, which also saves its teardown. Reuse is safe because nothing a
+    sandbox does to its netns outlives its processes: it has no CAP_NET_ADMIN (addresses,
+    routes, filters and the netns' sysctls are out of reach; /proc/sys is read-only) and its
+    sockets close when its processes die."""
+
+    def __init__(self, size: int) -> None:
+        self.size = max(0, size)
+        self._fds: collections.deque[int] = collections.deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if self.size:
+            self._thread = threading.Thread(target=self._run, name="corral-netns-pool",
+                                            daemon=True)
+            self._thread.start()
+
+    def take(self) -> int | None:
+        """The most recently added namespace (a reused one first), or None if empty."""
+        with self._cv:
+            fd = self._fds.pop() if self._fds else None
+            self._cv.notify()
+        return fd
+
+    def give(self, fd: int) -> None:
+        """Keep a namespace for later. The refill thread fills up to ``size``; freed ones are
+        kept up to twice that, so churn reuses namespaces instead of making new ones."""
+        with self._cv:
+            if not self._closed and len(self._fds) < 2 * self.size:
+                self._fds.append(fd)
+                return
+        os.close(fd)
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and len(self._fds) >= self.size:
+                    self._cv.wait()
+                if self._closed:
+                    return
+            try:
+                fd = _core.netns_new()
+            except OSError:
+                time.sleep(1.0)  # e.g. out of memory: try again later, creates fall back
+                continue
+            with self._cv:
+                if not self._closed and len(self._fds) < self.size:
+                    self._fds.appendleft(fd)  # fresh ones go last: reused ones first
+                    continue
+            os.close(fd)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            fds = list(self._fds)
+            self._fds.clear()
+            self._cv.notify_all()
+        for fd in fds:
+            os.close(fd)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
 def _file_error(e: OSError, path: str) -> CorralError:
     cls = _FILE_ERRORS.get(e.errno or 0, InternalError)
     reason = e.strerror or str(e)
@@ -115,10 +186,20 @@ def _check_path(path: str) -> str:
     return path
 
 
+class _RootRef:
+    __slots__ = ("fd", "users", "closing")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.users = 0
+        self.closing = False
+
+
 class ContainerSubstrate(Substrate):
     name = "container"
 
-    def __init__(self, state_dir: str, cgroups: CgroupManager, images: ImageStore) -> None:
+    def __init__(self, state_dir: str, cgroups: CgroupManager, images: ImageStore,
+                 netns_pool: int | None = None) -> None:
         self.state_dir = state_dir
         self.sandboxes_dir = os.path.join(state_dir, "sandboxes")
         os.makedirs(self.sandboxes_dir, mode=0o700, exist_ok=True)
@@ -126,9 +207,25 @@ class ContainerSubstrate(Substrate):
         self.images = images
         self.init_fd = _core.init_memfd()
         self.rlimits = dict(DEFAULT_RLIMITS)
-        # O_PATH fds of sandbox roots, opened on first use; never persisted.
-        self._root_fds: dict[str, int] = {}
+        # O_PATH fds of sandbox roots, opened on first use, reference-counted so destroy never
+        # closes one under a concurrent file operation (a reused fd number would point that
+        # operation at another file); never persisted.
+        self._roots: dict[str, _RootRef] = {}
+        self._closing: set[str] = set()
         self._lock = threading.Lock()
+        if netns_pool is None:
+            netns_pool = int(os.environ.get("CORRAL_NETNS_POOL", "32"))
+        self.netns = NetnsPool(netns_pool)
+
+    def close(self) -> None:
+        """Release what the substrate holds (not the sandboxes): pooled netns, root fds, the
+        init memfd."""
+        self.netns.close()
+        for sid in list(self._roots):
+            self._close_root(sid)
+        if self.init_fd >= 0:
+            os.close(self.init_fd)
+            self.init_fd = -1
 
     # ---- lifecycle -----------------------------------------------------------------------
     def create(self, sandbox_id: str, spec: SandboxSpec, image: Any) -> SandboxRuntime:
@@ -145,6 +242,7 @@ class ContainerSubstrate(Substrate):
         root = os.path.join(sdir, "root")
         paths: list[str] = []
         pid, pidfd = -1, -1
+        net_fd = self.netns.take()
         try:
             os.makedirs(sdir, mode=0o700, exist_ok=True)
             os.mkdir(root, 0o755)
@@ -166,8 +264,12 @@ class ContainerSubstrate(Substrate):
                 "hostname": spec.hostname or sandbox_id[:63],
                 "cgroup_procs": self.cgroups.procs_files(paths),
                 "rlimits": self.rlimits,
+                "netns_fd": net_fd,
             }
             pid, pidfd = _core.spawn_sandbox(cfg)
+            if net_fd is not None:
+                os.close(net_fd)  # the sandbox holds it now
+                net_fd = None
             starttime = proc_starttime(pid)
             if starttime is None:
                 raise OSError(errno.ESRCH, "spawn_sandbox: the init died right after exec")
@@ -175,6 +277,8 @@ class ContainerSubstrate(Substrate):
                                   sandbox_dir=sdir, cgroup_paths=paths, pidfd=pidfd,
                                   extra={"image": img.name})
         except BaseException as e:
+            if net_fd is not None:
+                self.netns.give(net_fd)
             self._undo_create(sandbox_id, sdir, paths, pid, pidfd)
             if isinstance(e, CorralError) or not isinstance(e, Exception):
                 raise
@@ -203,16 +307,19 @@ class ContainerSubstrate(Substrate):
         shutil.rmtree(sdir, ignore_errors=True)
 
     def _kill_and_wait(self, pid: int, pidfd: int, timeout_s: float = 10.0) -> None:
+        """SIGKILL the init (the kernel then kills every process of its pid namespace) and
+        wait until it is gone. The init only turns into a zombie once every process of the
+        namespace has been reaped, and processes started with exec_in are the daemon's children,
+        so this needs the daemon to keep reaping them meanwhile: bounded by ``timeout_s``."""
         try:
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        try:
-            # Our child: waitid reaps it (and returns once the pid namespace is torn down).
-            os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
-        except ChildProcessError:
-            # Adopted after a daemon restart: someone else reaps it; wait for the exit.
-            _pidfd_exited(pidfd, timeout_s)
+        if _pidfd_exited(pidfd, timeout_s):
+            try:
+                os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+            except ChildProcessError:
+                pass  # adopted after a restart: not our child, someone else reaps it
 
     def adopt(self, runtime: SandboxRuntime) -> bool:
         pid = runtime.init_pid
@@ -231,6 +338,15 @@ class ContainerSubstrate(Substrate):
         return True
 
     def destroy(self, runtime: SandboxRuntime) -> None:
+        with self._lock:
+            self._closing.add(runtime.sandbox_id)
+        try:
+            self._destroy(runtime)
+        finally:
+            with self._lock:
+                self._closing.discard(runtime.sandbox_id)
+
+    def _destroy(self, runtime: SandboxRuntime) -> None:
         self._close_root(runtime.sandbox_id)
         pidfd = runtime.pidfd
         if pidfd < 0 and runtime.init_pid > 0 and \
@@ -242,8 +358,11 @@ class ContainerSubstrate(Substrate):
                     pidfd = -1
             except OSError:
                 pidfd = -1
+        net_fd = self._netns_of(runtime.init_pid, pidfd) if pidfd >= 0 else None
         if pidfd >= 0:
             self._kill_and_wait(runtime.init_pid, pidfd)
+        if net_fd is not None:
+            self.netns.give(net_fd)
         paths = runtime.cgroup_paths or self.cgroups.paths_for(runtime.sandbox_id)
         self.cgroups.kill_all(paths)
         self.cgroups.remove(paths)
@@ -252,6 +371,19 @@ class ContainerSubstrate(Substrate):
         runtime.pidfd = -1
         sdir = os.path.join(self.sandboxes_dir, runtime.sandbox_id)
         shutil.rmtree(sdir, ignore_errors=True)
+
+    def _netns_of(self, pid: int, pidfd: int) -> int | None:
+        """An fd of a live sandbox's network namespace, to reuse once the sandbox is gone."""
+        if not self.netns.size:
+            return None
+        try:
+            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        if _pidfd_exited(pidfd, 0):  # pid may have been reused: not ours
+            os.close(fd)
+            return None
+        return fd
 
     def cleanup_orphans(self, known_ids: set[str]) -> list[str]:
         ids = set(self.cgroups.list_ids())
@@ -283,10 +415,14 @@ class ContainerSubstrate(Substrate):
 
     # ---- exec ----------------------------------------------------------------------------
     def spawn(self, runtime: SandboxRuntime, spec: ExecSpec) -> int:
+        with self._rooted(runtime) as root:
+            return self._spawn(runtime, spec, root)
+
+    def _spawn(self, runtime: SandboxRuntime, spec: ExecSpec, root: int) -> int:
         cfg = {
             "init_pid": runtime.init_pid,
             "pidfd": runtime.pidfd,
-            "root_fd": self._root(runtime),
+            "root_fd": root,
             "argv": list(spec.argv),
             "env": [f"{k}={v}" for k, v in spec.env.items()],
             "cwd": spec.cwd or "/",
@@ -313,11 +449,27 @@ class ContainerSubstrate(Substrate):
                                 details={"errno": e.errno}) from e
 
     # ---- files ---------------------------------------------------------------------------
-    def _root(self, runtime: SandboxRuntime) -> int:
-        fd = self._root_fds.get(runtime.sandbox_id)
-        if fd is not None:
-            return fd
-        if runtime.pidfd < 0:
+    @contextlib.contextmanager
+    def _rooted(self, runtime: SandboxRuntime):
+        """The sandbox's root fd, held open for the duration of the block."""
+        ref = self._acquire_root(runtime)
+        try:
+            yield ref.fd
+        finally:
+            with self._lock:
+                ref.users -= 1
+                close = ref.closing and ref.users == 0
+            if close:
+                os.close(ref.fd)
+
+    def _acquire_root(self, runtime: SandboxRuntime) -> _RootRef:
+        sid = runtime.sandbox_id
+        with self._lock:
+            ref = self._roots.get(sid)
+            if ref is not None:
+                ref.users += 1
+                return ref
+        if runtime.pidfd < 0 or sid in self._closing:
             raise SandboxNotRunning("the sandbox is not running")
         try:
             fd = _core.root_fd(runtime.init_pid)
@@ -328,22 +480,31 @@ class ContainerSubstrate(Substrate):
             os.close(fd)
             raise SandboxNotRunning("the sandbox's init is gone")
         with self._lock:
-            old = self._root_fds.get(runtime.sandbox_id)
-            if old is not None:  # another thread won the race
+            if sid in self._closing:
                 os.close(fd)
-                return old
-            self._root_fds[runtime.sandbox_id] = fd
-        return fd
+                raise SandboxNotRunning("the sandbox is being destroyed")
+            ref = self._roots.get(sid)
+            if ref is not None:  # another thread won the race
+                os.close(fd)
+            else:
+                ref = self._roots[sid] = _RootRef(fd)
+            ref.users += 1
+            return ref
 
     def _close_root(self, sandbox_id: str) -> None:
         with self._lock:
-            fd = self._root_fds.pop(sandbox_id, None)
-        if fd is not None:
-            os.close(fd)
+            ref = self._roots.pop(sandbox_id, None)
+            if ref is None:
+                return
+            ref.closing = True
+            close = ref.users == 0
+        if close:
+            os.close(ref.fd)
 
     def _fs(self, runtime: SandboxRuntime, fn: Any, path: str, *args: Any) -> Any:
         try:
-            return fn(self._root(runtime), *args)
+            with self._rooted(runtime) as root:
+                return fn(root, *args)
         except ValueError as e:
             raise InvalidPath(str(e), details={"path": path}) from None
         except OSError as e:
@@ -454,11 +615,9 @@ class ContainerSubstrate(Substrate):
         """Remove a non-directory at ``dest`` (tar semantics: a member replaces what is
         there); a symlink is removed, never followed."""
         try:
-            kind, *_ = _core.fs_stat(self._root(runtime), dest)
-        except FileNotFoundError:
+            kind, *_ = self._fs(runtime, _core.fs_stat, dest, dest)
+        except FileNotFound:
             return
-        except OSError as e:
-            raise _file_error(e, dest) from None
         if kind != "dir":
             self._fs(runtime, _core.fs_remove, dest, dest, False)
 
@@ -492,11 +651,9 @@ class ContainerSubstrate(Substrate):
     def _tar_add(self, runtime: SandboxRuntime, tf: tarfile.TarFile, path: str,
                  arcname: str) -> None:
         try:
-            kind, size, mode, mtime = _core.fs_stat(self._root(runtime), path)
-        except FileNotFoundError:
+            kind, size, mode, mtime = self._fs(runtime, _core.fs_stat, path, path)
+        except FileNotFound:
             return  # removed meanwhile
-        except OSError as e:
-            raise _file_error(e, path) from None
         ti = tarfile.TarInfo(arcname)
         ti.mode = mode
         ti.mtime = int(mtime)
@@ -509,11 +666,11 @@ class ContainerSubstrate(Substrate):
             tf.addfile(ti)
         elif kind == "file":
             try:
-                data = _core.fs_read(self._root(runtime), path, 1 << 40)
-            except OSError as e:
-                if e.errno == errno.EACCES:  # /proc and friends: skipped
+                data = self._fs(runtime, _core.fs_read, path, path, 1 << 40)
+            except InvalidRequest as e:
+                if e.details.get("errno") == errno.EACCES:  # /proc and friends: skipped
                     return
-                raise _file_error(e, path) from None
+                raise
             ti.size = len(data)
             tf.addfile(ti, io.BytesIO(data))
         # sockets, FIFOs, devices: skipped
