@@ -478,3 +478,55 @@ def test_async_pickled_handle():
             await box.kill()
 
     assert box.id == sid and asyncio.run(use()) == "pickled async"  # and in a new loop
+
+
+# ---- remote: CORRAL_URL + CORRAL_TOKEN over TCP ------------------------------------------------
+def test_remote_endpoint_over_tcp_with_token(monkeypatch):
+    import shutil
+    import socket
+    import tempfile
+
+    from conftest import DaemonProcess, cgroup_dirs, leaked_sandbox_cgroups
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cgroup = f"corral-test-tcp-{os.getpid()}"
+    state = tempfile.mkdtemp(prefix="corral-test-tcp-", dir="/var/tmp")
+    monkeypatch.setenv("CORRAL_CGROUP", cgroup)  # its own cgroups: it must not touch ours
+    monkeypatch.setenv("CORRAL_TCP", f"127.0.0.1:{port}")
+    monkeypatch.setenv("CORRAL_TOKEN", "test-token")
+    remote = DaemonProcess(state_dir=state, socket_path=os.path.join(state, "d.sock"))
+    remote.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        monkeypatch.setenv("CORRAL_URL", url)
+        with Sandbox(labels={"remote": "yes"}) as box:
+            assert str(box.endpoint) == url
+            assert box.exec("echo remote").stdout == "remote\n"
+            p = box.exec("echo a; sleep 0.1; echo b", background=True)
+            assert "".join(d for _, d in p.stream()) == "a\nb\n"
+            clone = pickle.loads(pickle.dumps(box))
+            assert clone.files.exists("/") and clone.endpoint == box.endpoint
+
+            async def go() -> str:
+                other = await AsyncSandbox.connect(box.id)
+                return (await other.exec("echo async-remote")).stdout
+
+            assert asyncio.run(go()) == "async-remote\n"
+        monkeypatch.setenv("CORRAL_TOKEN", "wrong")
+        from corral.errors import Unauthorized
+
+        with pytest.raises(Unauthorized):
+            # Another spelling of the address is a new endpoint, whose client reads the token.
+            Sandbox.list(endpoint=f"http://localhost:{port}")
+    finally:
+        remote.stop()
+        shutil.rmtree(state, ignore_errors=True)
+        leaked = leaked_sandbox_cgroups(cgroup)
+        for top in cgroup_dirs(cgroup):  # the daemon's (empty) parent cgroups
+            try:
+                top.rmdir()
+            except OSError:
+                pass
+    assert leaked == []

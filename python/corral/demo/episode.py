@@ -6,11 +6,12 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from corral.demo.policy import WORKDIR, ScriptedPolicy
 from corral.demo.tasks import Task
 from corral.errors import CorralError
-from corral.sdk import AsyncSandbox
+from corral.sdk import AsyncSandbox, ExecResult
 
 GRADER = "/opt/grader/hidden_test.py"  # outside the agent's workdir, written after it is done
 
@@ -37,9 +38,10 @@ async def run_episode(index: int, task: Task, rng: random.Random, policy: Script
     cand = policy.choose(task, rng)
     res = EpisodeResult(index=index, task=task.name, variant=cand.variant)
 
-    async def sh(sb: AsyncSandbox, cmd: str | list[str], **kw: object) -> object:
+    async def sh(sb: AsyncSandbox, cmd: str | list[str], timeout: float,
+                 **kw: Any) -> ExecResult:
         t0 = time.perf_counter()
-        out = await sb.exec(cmd, **kw)  # type: ignore[arg-type]
+        out = await sb.exec(cmd, timeout=timeout, **kw)
         res.exec_ms.append((time.perf_counter() - t0) * 1000)
         return out
 
@@ -62,8 +64,8 @@ async def run_episode(index: int, task: Task, rng: random.Random, policy: Script
             await sb.files.write(GRADER, task.hidden_test)
             graded = await sh(sb, ["/usr/bin/python3", GRADER], cwd=WORKDIR, timeout=30,
                               env={"PYTHONPATH": WORKDIR})
-            res.grader_output = (graded.stdout + graded.stderr)[-400:]  # type: ignore[attr-defined]
-            res.reward = 1.0 if graded.exit_code == 0 else 0.0  # type: ignore[attr-defined]
+            res.grader_output = (graded.stdout + graded.stderr)[-400:]
+            res.reward = 1.0 if graded.exit_code == 0 else 0.0
     except CorralError as e:
         if e.infra:
             res.reward = None  # masked: the platform failed, not the policy

@@ -12,7 +12,7 @@ import asyncio
 import builtins
 import os
 from collections.abc import AsyncIterator, Generator, Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 from corral.errors import CorralError, SandboxNotFound
 from corral.models import (
@@ -144,12 +144,24 @@ class AsyncSandbox(SandboxHandle):
         return [cls._bind(ep, i.id, i) for i in infos]
 
     # ---- the sandbox ----------------------------------------------------------------------
+    @overload
+    async def exec(self, cmd: str | builtins.list[str], *, timeout: float | None = ...,
+                   env: Mapping[str, str] | None = ..., cwd: str | None = ...,
+                   user: str | int | None = ..., stdin: str | bytes | None = ...,
+                   background: Literal[False] = ..., max_output_bytes: int = ...) -> ExecResult: ...
+
+    @overload
+    async def exec(self, cmd: str | builtins.list[str], *, timeout: float | None = ...,
+                   env: Mapping[str, str] | None = ..., cwd: str | None = ...,
+                   user: str | int | None = ..., stdin: str | bytes | None = ...,
+                   background: Literal[True], max_output_bytes: int = ...) -> AsyncProcess: ...
+
     async def exec(self, cmd: str | builtins.list[str], *,
                    timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
                    env: Mapping[str, str] | None = None, cwd: str | None = None,
                    user: str | int | None = None, stdin: str | bytes | None = None,
                    background: bool = False,
-                   max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> Any:
+                   max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> ExecResult | AsyncProcess:
         """See ``Sandbox.exec``; with ``background=True`` returns an AsyncProcess."""
         res = await self._call(api.exec_, cmd, timeout=timeout, env=env, cwd=cwd, user=user,
                                stdin=stdin, background=background,

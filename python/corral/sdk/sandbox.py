@@ -6,7 +6,7 @@ from __future__ import annotations
 import builtins
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 from corral.errors import CorralError, SandboxNotFound
 from corral.models import (
@@ -98,12 +98,24 @@ class Sandbox(SandboxHandle):
         return [cls._bind(ep, i.id, i) for i in infos]
 
     # ---- the sandbox ----------------------------------------------------------------------
+    @overload
+    def exec(self, cmd: str | builtins.list[str], *, timeout: float | None = ...,
+             env: Mapping[str, str] | None = ..., cwd: str | None = ...,
+             user: str | int | None = ..., stdin: str | bytes | None = ...,
+             background: Literal[False] = ..., max_output_bytes: int = ...) -> ExecResult: ...
+
+    @overload
+    def exec(self, cmd: str | builtins.list[str], *, timeout: float | None = ...,
+             env: Mapping[str, str] | None = ..., cwd: str | None = ...,
+             user: str | int | None = ..., stdin: str | bytes | None = ...,
+             background: Literal[True], max_output_bytes: int = ...) -> Process: ...
+
     def exec(self, cmd: str | builtins.list[str], *,
              timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
              env: Mapping[str, str] | None = None, cwd: str | None = None,
              user: str | int | None = None, stdin: str | bytes | None = None,
              background: bool = False,
-             max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> Any:
+             max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> ExecResult | Process:
         """Run ``cmd`` (a string runs under ``/bin/sh -c``, a list is the argv) and return its
         ExecResult; with ``background=True`` return a Process at once. A non-zero exit is not
         an exception (``result.check()`` makes it one); ``timeout=None`` waits forever."""
