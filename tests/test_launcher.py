@@ -65,6 +65,15 @@ def test_ensure_alive_stop(private):
     assert not os.path.exists(sock)
 
 
+def test_stop_finds_the_daemon_through_its_socket(private):
+    state, sock = private
+    launcher.ensure_daemon(sock, state, timeout=60)
+    # No state_dir given (the default one is not this daemon's): the socket tells.
+    assert launcher.stop_daemon(sock) is True
+    assert not launcher.daemon_alive(sock)
+    assert launcher.stop_daemon(sock) is False
+
+
 def test_ensure_refuses_without_root(private):
     state, sock = private
     code = ("import sys; from corral.daemon import launcher\n"

@@ -146,21 +146,57 @@ def _daemon_pid(state_dir: str) -> int | None:
     return pid if b"corral.daemon" in cmd or b"corrald" in cmd else None
 
 
+def _status(socket_path: str, timeout: float = 2.0) -> dict | None:
+    """GET /v1/status over the unix socket; None if no daemon answers."""
+    import json
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(socket_path)
+        s.sendall(b"GET /v1/status HTTP/1.1\r\nHost: corral\r\nConnection: close\r\n\r\n")
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+        head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            return None
+        status = json.loads(body)
+        return status if isinstance(status, dict) else None
+    except (OSError, ValueError):
+        return None
+    finally:
+        s.close()
+
+
 def stop_daemon(socket_path: str | None = None, timeout: float = 30.0,
                 state_dir: str | None = None) -> bool:
-    """SIGTERM the daemon of ``state_dir`` (it destroys its sandboxes) and wait for it to
-    exit. False if none was running; raises Timeout if it did not stop in time."""
-    socket_path, state_dir = _paths(socket_path, state_dir)
-    pid = _daemon_pid(state_dir)
-    if pid is None or not _locked(state_dir):
-        return False
+    """SIGTERM the daemon (it destroys its sandboxes) and wait for it to exit. The daemon
+    answering on ``socket_path`` says its pid and state dir. If none answers (hung), the
+    pidfile of ``state_dir`` is used, but only when ``state_dir`` was given or neither was (a
+    socket of its own says nothing about the default state dir's daemon). False if none was
+    running; raises Timeout if it did not stop."""
+    trust_pidfile = state_dir is not None or socket_path is None
+    socket_path, default_state = _paths(socket_path, state_dir)
+    status = _status(socket_path)
+    if status is not None and isinstance(status.get("pid"), int):
+        pid, state_dir = status["pid"], str(status.get("state_dir") or default_state)
+    else:
+        if not trust_pidfile:
+            return False
+        state_dir = default_state
+        found = _daemon_pid(state_dir)
+        if found is None or not _locked(state_dir):
+            return False
+        pid = found
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return False
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not os.path.exists(f"/proc/{pid}") or not _locked(state_dir):
+        # The kernel drops the daemon's flock when it exits (even before it is reaped).
+        if not _locked(state_dir) or not os.path.exists(f"/proc/{pid}"):
             return True
         time.sleep(0.02)
     raise Timeout(f"corrald (pid {pid}) did not stop within {timeout} s")
