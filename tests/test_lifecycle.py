@@ -213,6 +213,31 @@ def test_kill9_restart_readopts_and_cleans(daemon):
         assert wait_until(lambda: not os.path.exists(f"/proc/{survivor['init_pid']}"))
 
 
+def test_failed_start_keeps_sandboxes_for_the_next(daemon):
+    import socket
+    import subprocess
+    import sys
+
+    with client() as c:
+        sid = create(c, timeout=600)["id"]
+    daemon.kill9()
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        r = subprocess.run([sys.executable, "-m", "corral.daemon", "--tcp",
+                            f"127.0.0.1:{busy.getsockname()[1]}", "--token", "t"],
+                           capture_output=True, timeout=120)
+    finally:
+        busy.close()
+    assert r.returncode != 0
+    assert cgroups_of(sid)  # the failed start re-adopted it, then left it alone
+    daemon.start()
+    with client() as c:
+        assert run(c, sid, "echo still")["stdout"] == "still\n"
+        kill(c, sid)
+
+
 def test_graceful_stop_destroys_everything(daemon):
     with client() as c:
         infos = [create(c, timeout=600) for _ in range(3)]

@@ -136,6 +136,7 @@ async def serve(cfg: config.Config) -> None:
         ThreadPoolExecutor(max_workers=32, thread_name_prefix="corral-io"))
     engine = Engine(cfg)
     runner: web.AppRunner | None = None
+    serving = False
     try:
         await engine.start()
         app = create_app(engine, cfg.token or None)
@@ -149,6 +150,7 @@ async def serve(cfg: config.Config) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        serving = True
         log.info("corrald started", extra={"version": __version__, "pid": os.getpid(),
                                            "socket": cfg.socket_path, "tcp": cfg.tcp_listen,
                                            "state_dir": cfg.state_dir,
@@ -157,11 +159,16 @@ async def serve(cfg: config.Config) -> None:
         log.info("stopping")
     finally:
         # Stop taking connections first, then destroy everything, then let handlers finish.
+        # A start-up that failed (a busy TCP port, say) destroys nothing: the sandboxes it
+        # re-adopted wait for the next start.
         try:
             os.unlink(cfg.socket_path)
         except FileNotFoundError:
             pass
-        await engine.shutdown()
+        if serving:
+            await engine.shutdown()
+        else:
+            engine.close()
         if runner is not None:
             await runner.cleanup()
         sock.close()
@@ -175,7 +182,8 @@ async def serve(cfg: config.Config) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = build_config(args)
-    logs.setup(cfg.log_level)
+    level = cfg.log_level.upper()
+    logs.setup(level if level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") else "INFO")
     if os.geteuid() != 0:
         log.error("corrald must run as root (it makes namespaces, mounts and cgroups)")
         return 1
@@ -188,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception:  # noqa: BLE001 - one JSON line with the traceback, then a clean exit
+        log.exception("corrald failed")
+        return 1
     return 0
 
 

@@ -243,6 +243,14 @@ class Engine:
         log.info("recovered state", extra={"adopted": len(known), "lost": lost,
                                            "orphans_removed": len(removed)})
 
+    def close(self) -> None:
+        """Stop the reaper and watchers, leave every sandbox running (re-adopted next start)."""
+        if self._reaper:
+            self._reaper.cancel()
+        for sb in self.sandboxes.values():
+            if sb.state == "running":
+                self._unwatch(sb)
+
     async def shutdown(self) -> None:
         """Destroy every sandbox (graceful stop)."""
         self.shutting_down = True
