@@ -210,6 +210,15 @@ def test_upload_download(sb, tmp_path: Path):
     assert (dst / "pkg" / "new.txt").read_text() == "made-inside\n"
 
 
+def test_large_bodies_both_ways(sb):
+    blob = os.urandom(12 * 1024 * 1024 + 7)
+    sb.files.write("/big.bin", blob)
+    assert sb.exec("wc -c < /big.bin").stdout.strip() == str(len(blob))
+    assert sb.files.read_bytes("/big.bin") == blob
+    out = sb.exec("head -c 1000000 /big.bin | od -An -v -tx1 | tr -d ' \\n'").stdout
+    assert bytes.fromhex(out) == blob[:1000000]  # 2 MB of hex: under the output cap
+
+
 # ---- sync: background processes -------------------------------------------------------------
 def test_background_stream_wait(sb):
     p = sb.exec("for i in 1 2 3; do echo out$i; sleep 0.1; done; echo err >&2; exit 5",
@@ -245,6 +254,17 @@ def test_background_stdin_and_kill(sb):
     r.kill()
     res = r.wait(timeout=10)
     assert res.exit_code == 137 and not r.status().running
+
+
+def test_abandoned_stream_does_not_poison_the_client(sb):
+    p = sb.exec("for i in $(seq 1 200); do echo line $i; sleep 0.01; done", background=True)
+    for _stream, data in p.stream():
+        assert data.startswith("line")
+        break  # stop reading half-way: that connection must be dropped, not reused
+    assert sb.exec("echo next").stdout == "next\n"
+    assert p.wait(timeout=30).stdout.count("line") == 200
+    many = "".join(d for _, d in sb.exec("seq 1 50000", background=True).stream())
+    assert many == "".join(f"{i}\n" for i in range(1, 50001))
 
 
 # ---- pickling across processes ----------------------------------------------------------------

@@ -4,9 +4,13 @@ Layout (one job per module):
   endpoint.py          where the daemon is (unix socket or URL); what a handle pickles
   call.py              one API call as data; error bodies -> corral exceptions
   api.py               every operation as a Call: the single implementation of both facades
-  sync_transport.py    httpx HTTPTransport (uds=) for the blocking facade
-  async_transport.py   aiohttp for the asyncio facade (see its docstring for why)
+  h1.py                a small HTTP/1.1 client (unix socket or TCP/TLS; why: see its docstring)
+  sync_transport.py    the blocking facade's transport: h1 pool + error mapping
+  async_transport.py   the asyncio facade's transport: aiohttp (see its docstring for why)
+  tarball.py           directory <-> tar for files.upload / files.download
   autostart.py         the embedded default: start a local corrald on first use
+  handle.py            what both facades share: identity, pickling
+  results.py           ExecResult (.ok, .check()), CommandFailed, OutputChunk
   sandbox.py           Sandbox, Files, Process
   async_sandbox.py     AsyncSandbox, AsyncFiles, AsyncProcess
   admin.py             daemon status, images

@@ -13,7 +13,14 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from corral.errors import Conflict, CorralError, FileNotFound, InvalidRequest, NotADirectory
+from corral.errors import (
+    Conflict,
+    CorralError,
+    FileNotFound,
+    InvalidRequest,
+    NotADirectory,
+    error_from_payload,
+)
 from corral.models import (
     DEFAULT_EXEC_TIMEOUT_S,
     DEFAULT_MAX_OUTPUT_BYTES,
@@ -192,8 +199,6 @@ def proc_stream(sid: str, pid: int) -> Call[None]:
 def stream_event(line: bytes) -> OutputChunk | ProcessStatus:
     """One NDJSON line of a stream: an output chunk, or the final status (raises if the
     sandbox ended under the process)."""
-    from corral.errors import error_from_payload
-
     obj = json.loads(line)
     if "stream" in obj:
         return OutputChunk(obj["stream"], obj.get("data", ""))
