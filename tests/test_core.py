@@ -402,6 +402,12 @@ print("clone3", e(-1 if libc.syscall(435, 0, 0) < 0 else 0))
 print("ptrace", e(-1 if libc.ptrace(16, 1, 0, 0) < 0 else 0))
 print("bpf", e(-1 if libc.syscall(321, 0, 0, 0) < 0 else 0))
 print("x32_mount", e(-1 if libc.syscall(0x40000000 | 165, 0, 0, 0, 0, 0) < 0 else 0))
+import socket
+try:
+    socket.socket(40, socket.SOCK_STREAM)  # AF_VSOCK: not confined by network namespaces
+    print("vsock", 0)
+except OSError as ex:
+    print("vsock", ex.errno)
 EOF
     """
     if not os.path.exists("/usr/bin/python3"):
@@ -415,6 +421,7 @@ EOF
         assert res[k] == eperm, (k, out, err)
     assert res["clone3"] == enosys
     assert res["x32_mount"] == enosys
+    assert res["vsock"] == str(errno.EAFNOSUPPORT)
 
 
 def test_sandbox_proc_and_dev(box):

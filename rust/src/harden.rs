@@ -437,7 +437,9 @@ enum Tgt {
     Eperm,
     Enosys,
     Kill,
+    Eafnosupport,
     CloneCheck,
+    SocketCheck,
 }
 
 struct Ins {
@@ -477,7 +479,8 @@ fn emit_tree(out: &mut Vec<Ins>, nrs: &[u32]) {
 
 /// The filter (see docs/architecture.md): foreign arch -> kill; x32 ABI numbers and clone3 ->
 /// ENOSYS (libcs then fall back to clone, whose flags a filter can read); clone with any
-/// CLONE_NEW* flag -> EPERM; the denied list -> EPERM; everything else allowed.
+/// CLONE_NEW* flag -> EPERM; socket(AF_VSOCK) -> EAFNOSUPPORT; the denied list -> EPERM;
+/// everything else allowed.
 fn build_filter() -> Result<Vec<libc::sock_filter>, HardenError> {
     let mut nrs: Vec<u32> = denied_syscalls().into_iter().map(|n| n as u32).collect();
     nrs.sort_unstable();
@@ -504,11 +507,28 @@ fn build_filter() -> Result<Vec<libc::sock_filter>, HardenError> {
         Tgt::CloneCheck,
         Tgt::Next,
     ));
+    p.push(ins(
+        BPF_JEQ_K,
+        libc::SYS_socket as u32,
+        Tgt::SocketCheck,
+        Tgt::Next,
+    ));
     emit_tree(&mut p, &nrs);
     let clone_check = p.len();
     p.push(ins(BPF_LD_W_ABS, OFF_ARG0_LO, Tgt::Next, Tgt::Next));
     p.push(ins(BPF_JSET_K, new_mask, Tgt::Eperm, Tgt::Allow));
+    // socket(AF_VSOCK, ...): vsock is not confined by network namespaces; on a VM it reaches
+    // the hypervisor's services. Refused as if the family did not exist.
+    let socket_check = p.len();
+    p.push(ins(BPF_LD_W_ABS, OFF_ARG0_LO, Tgt::Next, Tgt::Next));
+    p.push(ins(
+        BPF_JEQ_K,
+        libc::AF_VSOCK as u32,
+        Tgt::Eafnosupport,
+        Tgt::Allow,
+    ));
     let (allow, eperm, enosys, kill) = (p.len(), p.len() + 1, p.len() + 2, p.len() + 3);
+    let eafnosupport = p.len() + 4;
     let errno_ret = |e: i32| libc::SECCOMP_RET_ERRNO | (e as u32 & libc::SECCOMP_RET_DATA);
     p.push(ins(
         BPF_RET_K,
@@ -529,6 +549,12 @@ fn build_filter() -> Result<Vec<libc::sock_filter>, HardenError> {
         Tgt::Next,
         Tgt::Next,
     ));
+    p.push(ins(
+        BPF_RET_K,
+        errno_ret(libc::EAFNOSUPPORT),
+        Tgt::Next,
+        Tgt::Next,
+    ));
 
     let resolve = |i: usize, t: Tgt| -> Result<u8, HardenError> {
         let dest = match t {
@@ -539,6 +565,8 @@ fn build_filter() -> Result<Vec<libc::sock_filter>, HardenError> {
             Tgt::Enosys => enosys,
             Tgt::Kill => kill,
             Tgt::CloneCheck => clone_check,
+            Tgt::SocketCheck => socket_check,
+            Tgt::Eafnosupport => eafnosupport,
         };
         let off = dest
             .checked_sub(i + 1)
