@@ -647,3 +647,30 @@ def test_last_profile(box):
     assert "mount_root_overlay" in prof and "exec_init" in prof
     box.run(["true"])
     assert "seccomp" in dict(_core.last_profile("exec_in"))
+
+
+def test_pty_session(box):
+    master, slave = _core.pty_open(box.rootfd)
+    try:
+        pid = _core.exec_in({"init_pid": box.pid, "pidfd": box.pidfd, "argv": ["/bin/sh", "-c",
+                             "tty; test -t 0 && echo interactive"],
+                             "env": ["PATH=/usr/bin:/bin"], "stdin": slave, "stdout": slave,
+                             "stderr": slave, "tty": True})
+        os.close(slave)
+        slave = -1
+        out = b""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO once the last slave fd closes
+                break
+            if not chunk:
+                break
+            out += chunk
+        os.waitpid(pid, 0)
+    finally:
+        os.close(master)
+        if slave >= 0:
+            os.close(slave)
+    assert b"/dev/pts/0" in out and b"interactive" in out

@@ -170,6 +170,26 @@ impl Drop for Stack {
 
 pub const CHILD_STACK_SIZE: usize = 256 * 1024;
 
+thread_local! {
+    static STACK: std::cell::RefCell<Option<Stack>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Run `f` with this thread's child stack (made on first use, unmapped when the thread ends).
+/// One per thread is enough: with CLONE_VFORK the child is done with it (exec'd or exited)
+/// before clone returns, and nothing here re-enters.
+pub fn with_stack<R>(f: impl FnOnce(&Stack) -> R) -> io::Result<R> {
+    STACK.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        let stack = match slot.take() {
+            Some(s) => s,
+            None => Stack::new(CHILD_STACK_SIZE)?,
+        };
+        let r = f(&stack);
+        *slot = Some(stack);
+        Ok(r)
+    })
+}
+
 /// `clone(cb, stack, flags | CLONE_VM | CLONE_VFORK | SIGCHLD, arg, &pidfd)`.
 ///
 /// Returns the child's pid (the child has exec'd or exited when this returns) and, with

@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 
 use libc::{c_char, c_int, c_long, c_void};
 
-use crate::child::{self, Report, Stack};
+use crate::child::{self, Report};
 use crate::harden::{self, CapPlan, HardenError, Rlimit};
 
 #[derive(Debug, thiserror::Error)]
@@ -290,11 +290,8 @@ fn prepare(cfg: &ExecConfig) -> Result<(Ctx, Option<OwnedFd>), EnterError> {
 pub fn exec_in(cfg: &ExecConfig) -> Result<i32, EnterError> {
     let (ctx, _owned_root) = prepare(cfg)?;
     let host_ns = host_pidns()?;
-    let stack =
-        Stack::new(child::CHILD_STACK_SIZE).map_err(|e| EnterError::io("alloc_stack", e))?;
-
     let t0 = child::now_ns();
-    let res = {
+    let res = child::with_stack(|stack| {
         let _block = harden::SignalBlock::new();
         // SAFETY: setns on the calling thread with a pidfd we were given.
         if unsafe { libc::setns(cfg.pidfd, libc::CLONE_NEWPID) } < 0 {
@@ -302,13 +299,13 @@ pub fn exec_in(cfg: &ExecConfig) -> Result<i32, EnterError> {
         }
         // SAFETY: `enter_child` is async-signal-safe and never unwinds; `ctx` outlives the clone
         // (CLONE_VFORK); signals are blocked by `_block`.
-        let res = unsafe {
-            child::clone_vfork(enter_child, &ctx as *const Ctx as *mut c_void, 0, &stack)
-        };
+        let res =
+            unsafe { child::clone_vfork(enter_child, &ctx as *const Ctx as *mut c_void, 0, stack) };
         restore_pid_ns(host_ns);
-        res
-    };
-    let (pid, _) = res.map_err(|e| EnterError::io("clone", e))?;
+        res.map_err(|e| EnterError::io("clone", e))
+    })
+    .map_err(|e| EnterError::io("alloc_stack", e))??;
+    let (pid, _) = res;
     let (step, errno) = (ctx.report.step(), ctx.report.errno());
     child::set_last_profile("exec_in", ctx.report.profile(t0, STEPS));
     if errno != 0 || step != Step::Exec as u32 {

@@ -587,6 +587,56 @@ pub fn chmod(root: RawFd, path: &OsStr, mode: u32) -> Result<()> {
         .map_err(|e| FsError::os(OP, &p, e))
 }
 
+const DEVPTS_SUPER_MAGIC: i64 = 0x1cd1;
+
+/// A new pseudo-terminal pair from the sandbox's own devpts instance: (master, slave), both
+/// close-on-exec. The master is opened at dev/pts/ptmx inside the root without following any
+/// symlink and must be a character device on a devpts filesystem; the slave comes from
+/// TIOCGPTPEER, never from a path the sandbox could swap.
+pub fn pty_open(root: RawFd) -> Result<(OwnedFd, OwnedFd)> {
+    const OP: &str = "pty_open";
+    let root = borrow(root)?;
+    let p = Norm::new(OsStr::new("/dev/pts/ptmx"))?;
+    let resolve = ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS | ResolveFlags::NO_SYMLINKS;
+    let flags = OFlags::RDWR | OFlags::NOCTTY | OFlags::CLOEXEC;
+    let master = rfs::openat2(root, c"dev/pts/ptmx", flags, Mode::empty(), resolve)
+        .map_err(|e| FsError::os(OP, &p, e))?;
+    let st = rfs::fstat(&master).map_err(|e| FsError::os(OP, &p, e))?;
+    let fst = rfs::fstatfs(&master).map_err(|e| FsError::os(OP, &p, e))?;
+    if FileType::from_raw_mode(mode_of(&st)) != FileType::CharacterDevice
+        || fst.f_type as i64 != DEVPTS_SUPER_MAGIC
+    {
+        return Err(FsError::custom(
+            OP,
+            &p,
+            libc::EINVAL,
+            "not the sandbox's devpts ptmx",
+        ));
+    }
+    let unlock: libc::c_int = 0;
+    // SAFETY: ioctl(TIOCSPTLCK, &int) on our master fd with a valid pointer.
+    if unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSPTLCK, &unlock) } < 0 {
+        return Err(FsError::os(
+            OP,
+            &p,
+            Errno::from_raw_os_error(crate::harden::errno()),
+        ));
+    }
+    let peer_flags = libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC;
+    // SAFETY: ioctl(TIOCGPTPEER, flags) returns a new fd or -1.
+    let slave = unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCGPTPEER, peer_flags) };
+    if slave < 0 {
+        return Err(FsError::os(
+            OP,
+            &p,
+            Errno::from_raw_os_error(crate::harden::errno()),
+        ));
+    }
+    // SAFETY: a fresh fd returned by the kernel, owned by nobody else.
+    let slave = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(slave) };
+    Ok((master, slave))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

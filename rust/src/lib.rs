@@ -3,6 +3,8 @@
 //! the GIL around its syscalls; kernel errors become `OSError(errno, "<step>: <reason>")`, bad
 //! arguments `ValueError`.
 
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 mod child;
 mod enter;
 mod fs;
@@ -314,6 +316,14 @@ fn last_profile(what: &str) -> Vec<(&'static str, u64)> {
     child::last_profile(what)
 }
 
+/// A pseudo-terminal pair (master, slave) from the sandbox's devpts, for PTY sessions: pass
+/// the slave as stdin/stdout/stderr of exec_in with `tty: True`.
+#[pyfunction]
+fn pty_open(py: Python<'_>, root_fd: RawFd) -> PyResult<(RawFd, RawFd)> {
+    let (m, s) = py.detach(|| fs::pty_open(root_fd))?;
+    Ok((m.into_raw_fd(), s.into_raw_fd()))
+}
+
 /// The capability names a process started with exec_in keeps (uid 0).
 #[pyfunction]
 fn shell_capabilities() -> Vec<String> {
@@ -337,6 +347,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fs_symlink, m)?)?;
     m.add_function(wrap_pyfunction!(fs_readlink, m)?)?;
     m.add_function(wrap_pyfunction!(fs_chmod, m)?)?;
+    m.add_function(wrap_pyfunction!(pty_open, m)?)?;
     m.add_function(wrap_pyfunction!(shell_capabilities, m)?)?;
     m.add_function(wrap_pyfunction!(last_profile, m)?)?;
     m.add("DEFAULT_PATH", enter::DEFAULT_PATH)?;

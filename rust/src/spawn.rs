@@ -17,7 +17,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use libc::{c_char, c_int, c_long, c_void};
 
-use crate::child::{self, Report, Stack};
+use crate::child::{self, Report};
 use crate::harden::{self, CapPlan, HardenError, Rlimit};
 
 #[derive(Debug, thiserror::Error)]
@@ -330,11 +330,6 @@ fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
 /// Create a sandbox; returns (init host pid, pidfd).
 pub fn spawn_sandbox(cfg: &SpawnConfig) -> Result<(i32, OwnedFd), SpawnError> {
     let ctx = prepare(cfg)?;
-    let stack = Stack::new(child::CHILD_STACK_SIZE).map_err(|e| SpawnError::Os {
-        step: "alloc_stack",
-        errno: e.raw_os_error().unwrap_or(libc::ENOMEM),
-        msg: e.to_string(),
-    })?;
     let mut flags = libc::CLONE_PIDFD
         | libc::CLONE_NEWNS
         | libc::CLONE_NEWPID
@@ -344,20 +339,14 @@ pub fn spawn_sandbox(cfg: &SpawnConfig) -> Result<(i32, OwnedFd), SpawnError> {
         flags |= libc::CLONE_NEWNET;
     }
     let t0 = child::now_ns();
-    let res = {
+    let res = child::with_stack(|stack| {
         let _block = harden::SignalBlock::new();
         // SAFETY: `spawn_child` is async-signal-safe and never unwinds; `ctx` lives on our stack
         // until after the clone returns (the child has exec'd or exited by then: CLONE_VFORK);
         // signals are blocked by `_block`.
-        unsafe {
-            child::clone_vfork(
-                spawn_child,
-                &ctx as *const Ctx as *mut c_void,
-                flags,
-                &stack,
-            )
-        }
-    };
+        unsafe { child::clone_vfork(spawn_child, &ctx as *const Ctx as *mut c_void, flags, stack) }
+    })
+    .map_err(|e| SpawnError::os("alloc_stack", e.raw_os_error().unwrap_or(libc::ENOMEM)))?;
     let (pid, pidfd) = res.map_err(|e| SpawnError::os("clone", e.raw_os_error().unwrap_or(0)))?;
     // SAFETY: CLONE_PIDFD gave us this fd; we own it.
     let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
