@@ -295,6 +295,12 @@ def test_exec_root_has_the_shell_capability_set(box):
     assert "CAP_SYS_CHROOT" not in _core.shell_capabilities()
 
 
+def test_exec_cwd_is_entered_as_the_user(box):
+    box.run("mkdir -m 700 /tmp/private")
+    assert box.run(["pwd"], cwd="/tmp/private")[1].strip() == "/tmp/private"
+    assert box.run(["pwd"], cwd="/tmp/private", uid=1000, gid=1000)[1].strip() == "/"
+
+
 def test_exec_as_user(box):
     code, out, _ = box.run("id -u; id -g; id -G; grep CapEff /proc/self/status", uid=1000,
                            gid=1000, groups=[1000, 20])

@@ -81,6 +81,7 @@ const STEPS: &[&str] = &[
     "drop_caps",
     "set_ids",
     "set_caps",
+    "chdir",
     "no_new_privs",
     "seccomp",
     "exec",
@@ -102,6 +103,7 @@ enum Step {
     DropCaps,
     SetIds,
     SetCaps,
+    Chdir,
     NoNewPrivs,
     Seccomp,
     Exec,
@@ -390,9 +392,7 @@ unsafe fn run_child(c: &Ctx) -> c_int {
         at(Step::Chroot);
         ck(r, libc::fchdir(c.root_fd) as c_long);
         ck(r, libc::chroot(c".".as_ptr()) as c_long);
-        if libc::chdir(c.cwd.as_ptr()) < 0 {
-            ck(r, libc::chdir(c"/".as_ptr()) as c_long);
-        }
+        ck(r, libc::chdir(c"/".as_ptr()) as c_long);
 
         at(Step::Setsid);
         ck(r, libc::setsid() as c_long);
@@ -448,6 +448,11 @@ unsafe fn run_child(c: &Ctx) -> c_int {
         ck_res(r, harden::set_ids(c.uid, c.gid, &c.groups));
         at(Step::SetCaps);
         ck_res(r, harden::apply_caps(&c.caps));
+        // As the final user, so a directory it may not enter falls back to / like a login.
+        at(Step::Chdir);
+        if libc::chdir(c.cwd.as_ptr()) < 0 {
+            ck(r, libc::chdir(c"/".as_ptr()) as c_long);
+        }
         at(Step::NoNewPrivs);
         ck_res(r, harden::no_new_privs());
         at(Step::Seccomp);
