@@ -4,6 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$HOME/.cargo/bin:$PATH"
-.venv/bin/ruff check python tests bench
+.venv/bin/ruff check .
 (cd rust && cargo fmt --check && cargo clippy --quiet --all-targets -- -D warnings)
 exec .venv/bin/pytest -q tests "$@"

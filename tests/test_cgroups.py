@@ -8,6 +8,7 @@ import subprocess
 import time
 
 import pytest
+
 from corral.daemon.cgroups import CgroupManager
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="cgroups need root")

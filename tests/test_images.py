@@ -11,6 +11,7 @@ import tarfile
 import tempfile
 
 import pytest
+
 from corral.daemon.images import ImageStore
 from corral.errors import Conflict, ImageNotFound, InvalidRequest
 
