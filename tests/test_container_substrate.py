@@ -374,3 +374,25 @@ def test_tar_rejects_hostile_members(sub, rt):
     sub.upload_tar(rt, "/work/t4", _tar([("l", "sym", "/", 0o777),
                                          ("l/corral-tar-probe", "file", b"p", 0o644)]))
     assert not os.path.exists("/corral-tar-probe")
+
+
+def test_exec_exit_codes_and_fds_with_cgroups(sub, rt):
+    assert run(sub, rt, ["no-such-command-corral"])[0] == 127
+    run(sub, rt, "printf x > /tmp/plain; chmod 644 /tmp/plain")
+    assert run(sub, rt, ["/tmp/plain"])[0] == 126
+    code, out = run(sub, rt, ["sh", "-c",
+                              "cat /proc/self/cgroup | grep -c ':/$'; ls /proc/self/fd"])
+    lines = out.split()
+    assert int(lines[0]) >= 3  # memory, pids, cpu... all at the sandbox's cgroup ns root
+    assert sorted(int(x) for x in lines[1:]) == [0, 1, 2, 3]  # no cgroup.procs fd leaked
+
+
+def test_exec_survives_oom_in_the_sandbox(make, sub):
+    """A sandbox at its memory limit with the OOM killer busy must never take the daemon (here:
+    this test process) down with a command being started in it."""
+    rt = make(SandboxSpec(memory_mb=48, pids=64))
+    run(sub, rt, "head -c 40M /dev/zero > /dev/shm/fill 2>/dev/null; "
+                 "(while :; do tail /dev/zero; done) >/dev/null 2>&1 &")
+    codes = [run(sub, rt, ["true"])[0] for _ in range(30)]
+    assert all(c in (0, -9, 137) for c in codes), codes
+    assert os.getpid() > 0  # still here

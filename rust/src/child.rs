@@ -16,7 +16,12 @@
 //!   This replaces the classic CLOEXEC error pipe: same information, two syscalls cheaper, and
 //!   it also catches a child killed by a signal;
 //! * every signal is blocked in the parent thread around the clone (`SignalBlock`), so no
-//!   handler of the daemon can ever run on the child's stack.
+//!   handler of the daemon can ever run on the child's stack;
+//! * the child joins the sandbox's memory cgroup while it still shares the daemon's memory. The
+//!   OOM killer kills every process sharing its victim's memory, so were the child picked in an
+//!   OOM of that cgroup, the daemon would die with it. The kernel never picks it: oom_badness()
+//!   skips tasks `in_vfork()` (CLONE_VFORK child sharing its parent's mm), exactly this case
+//!   (tests/test_container_substrate.py::test_exec_survives_oom_in_the_sandbox).
 
 use std::io;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};

@@ -247,9 +247,21 @@ pub(crate) fn open_write_fds(paths: &[String]) -> Result<Vec<OwnedFd>, (String, 
         let c = CString::new(p.as_str())
             .map_err(|_| (p.clone(), std::io::Error::from_raw_os_error(libc::EINVAL)))?;
         // SAFETY: open with a valid C string; the result is checked.
-        let fd = unsafe { libc::open(c.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC) };
+        let mut fd = unsafe { libc::open(c.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC) };
         if fd < 0 {
             return Err((p.clone(), std::io::Error::last_os_error()));
+        }
+        if fd < 3 {
+            // A daemon started with stdio closed: keep these off 0..2, which children remap.
+            // SAFETY: fcntl/close on the fd we just opened.
+            unsafe {
+                let high = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 3);
+                libc::close(fd);
+                if high < 0 {
+                    return Err((p.clone(), std::io::Error::last_os_error()));
+                }
+                fd = high;
+            }
         }
         // SAFETY: fd was just returned by open and is owned by nobody else.
         fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
