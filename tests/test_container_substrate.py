@@ -396,3 +396,15 @@ def test_exec_survives_oom_in_the_sandbox(make, sub):
     codes = [run(sub, rt, ["true"])[0] for _ in range(30)]
     assert all(c in (0, -9, 137) for c in codes), codes
     assert os.getpid() > 0  # still here
+
+
+def test_download_tar_is_capped(sub, rt, monkeypatch):
+    import corral.daemon.substrates.container as container
+
+    run(sub, rt, "mkdir -p /work/big && truncate -s 100G /work/big/sparse && echo hi > /work/big/a")
+    monkeypatch.setattr(container, "TAR_MAX_BYTES", 1 << 20)
+    with pytest.raises(InvalidRequest):
+        sub.download_tar(rt, "/work/big")
+    sub.remove(rt, "/work/big/sparse")
+    assert tarfile.open(fileobj=io.BytesIO(sub.download_tar(rt, "/work/big"))).getnames() == \
+        [".", "a"]

@@ -77,6 +77,8 @@ _OUT_OF_RESOURCES = {errno.EAGAIN, errno.ENOMEM, errno.ENOSPC, errno.EMFILE, err
                      errno.EUSERS}
 
 TAR_MAX_MEMBERS = 1_000_000
+# A download is built in memory: cap it (a sparse file claims any size it likes).
+TAR_MAX_BYTES = int(os.environ.get("CORRAL_TAR_MAX_BYTES", str(2 << 30)))
 # Kernel-made trees a download of "/" records as empty directories.
 _NO_DESCEND = {"/proc", "/sys", "/dev"}
 
@@ -588,7 +590,7 @@ class ContainerSubstrate(Substrate):
                     if target_rel is None:
                         raise InvalidRequest(f"tar hard link {m.name!r} points at the root")
                     src = f"{base}/{target_rel}"
-                    data = self._fs(runtime, _core.fs_read, src, src, 1 << 40)
+                    data = self._fs(runtime, _core.fs_read, src, src, TAR_MAX_BYTES)
                     self._replace(runtime, dest)
                     self._fs(runtime, _core.fs_write, dest, dest, data, mode, True)
                 else:
@@ -626,30 +628,31 @@ class ContainerSubstrate(Substrate):
         root = path.rstrip("/") or "/"
         kind, *_ = self._fs(runtime, _core.fs_stat, path, root)
         buf = io.BytesIO()
+        budget = [TAR_MAX_BYTES]
         arc_base = os.path.basename(root) if kind != "dir" else "."
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
             if kind != "dir":
-                self._tar_add(runtime, tf, root, arc_base)
+                self._tar_add(runtime, tf, root, arc_base, budget)
             else:
                 stack = [(root, ".")]
                 while stack:
                     d, arc = stack.pop()
-                    self._tar_add(runtime, tf, d, arc)
+                    self._tar_add(runtime, tf, d, arc, budget)
                     entries = self._fs(runtime, _core.fs_list, d, d)
                     for name, ekind, *_ in sorted(entries, reverse=True):
                         p = f"{d.rstrip('/')}/{name}"
                         a = f"{arc}/{name}" if arc != "." else name
                         if ekind == "dir":
                             if p in _NO_DESCEND:
-                                self._tar_add(runtime, tf, p, a)
+                                self._tar_add(runtime, tf, p, a, budget)
                             else:
                                 stack.append((p, a))
                         else:
-                            self._tar_add(runtime, tf, p, a)
+                            self._tar_add(runtime, tf, p, a, budget)
         return buf.getvalue()
 
     def _tar_add(self, runtime: SandboxRuntime, tf: tarfile.TarFile, path: str,
-                 arcname: str) -> None:
+                 arcname: str, budget: list[int]) -> None:
         try:
             kind, size, mode, mtime = self._fs(runtime, _core.fs_stat, path, path)
         except FileNotFound:
@@ -665,12 +668,16 @@ class ContainerSubstrate(Substrate):
             ti.linkname = self._fs(runtime, _core.fs_readlink, path, path)
             tf.addfile(ti)
         elif kind == "file":
+            if size > budget[0]:
+                raise InvalidRequest(f"tar would exceed {TAR_MAX_BYTES} bytes at {path}",
+                                     details={"path": path, "limit": TAR_MAX_BYTES})
             try:
-                data = self._fs(runtime, _core.fs_read, path, path, 1 << 40)
+                data = self._fs(runtime, _core.fs_read, path, path, budget[0])
             except InvalidRequest as e:
                 if e.details.get("errno") == errno.EACCES:  # /proc and friends: skipped
                     return
                 raise
+            budget[0] -= len(data)
             ti.size = len(data)
             tf.addfile(ti, io.BytesIO(data))
         # sockets, FIFOs, devices: skipped
