@@ -486,6 +486,8 @@ def test_spawn_rejects_bad_config(state, make_box):
         lambda c: c["overlays"][1].update(target="/a/../b"),
         lambda c: c["overlays"][0].update(lower=["/a,b"]),
         lambda c: c["overlays"][0].update(lower=["relative"]),
+        lambda c: c["overlays"][0].update(options=["upperdir=/etc"]),
+        lambda c: c["overlays"][0].update(options=["volatile,lowerdir=/"]),
         lambda c: c.update(hostname="x" * 65),
         lambda c: c.update(init_fd=-1),
         lambda c: c.update(rlimits={"nofile": (10, 5)}),
@@ -520,6 +522,15 @@ def test_spawn_creates_missing_mountpoints_but_never_through_symlinks(state, mak
         c.start()
     assert ei.value.errno == errno.ELOOP and "mountpoint" in str(ei.value)
     assert not os.path.exists("/etc/tools")
+
+
+def test_overlay_options(state, make_box):
+    b = make_box("vol")
+    for o in b.cfg["overlays"]:
+        o["options"] = ["volatile"]
+    b.start()
+    code, out, _ = b.run("grep -c 'overlay.*volatile' /proc/self/mountinfo")
+    assert out.strip() == "2"
 
 
 def test_pooled_netns(state, make_box):

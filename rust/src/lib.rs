@@ -150,6 +150,7 @@ fn spawn_config(cfg: &Bound<'_, PyDict>) -> PyResult<SpawnConfig> {
             lower: req(o, "lower")?,
             upper: req(o, "upper")?,
             work: req(o, "work")?,
+            options: opt(o, "options", Vec::new())?,
         });
     }
     Ok(SpawnConfig {

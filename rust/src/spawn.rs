@@ -51,7 +51,26 @@ pub struct Overlay {
     pub lower: Vec<String>,
     pub upper: String,
     pub work: String,
+    /// Extra overlayfs options, e.g. "volatile" (see `EXTRA_OPTIONS`).
+    pub options: Vec<String>,
 }
+
+/// overlayfs options a caller may add. `volatile` skips the sync of the upper filesystem that
+/// every unmount (= every sandbox teardown) otherwise does; a sandbox's upper dir never needs
+/// to survive a host crash.
+const EXTRA_OPTIONS: &[&str] = &[
+    "volatile",
+    "index=off",
+    "index=on",
+    "xino=off",
+    "xino=auto",
+    "metacopy=off",
+    "metacopy=on",
+    "redirect_dir=off",
+    "redirect_dir=on",
+    "uuid=off",
+    "uuid=null",
+];
 
 #[derive(Debug, Clone)]
 pub struct SpawnConfig {
@@ -216,12 +235,22 @@ fn overlay_opts(o: &Overlay) -> Result<CString, SpawnError> {
     }
     check_overlay_path("upperdir", &o.upper, &[':'])?;
     check_overlay_path("workdir", &o.work, &[':'])?;
-    let s = format!(
+    let mut s = format!(
         "lowerdir={},upperdir={},workdir={}",
         o.lower.join(":"),
         o.upper,
         o.work
     );
+    for opt in &o.options {
+        if !EXTRA_OPTIONS.contains(&opt.as_str()) {
+            return Err(SpawnError::Invalid(format!(
+                "overlay option {opt:?} is not allowed (allowed: {})",
+                EXTRA_OPTIONS.join(" ")
+            )));
+        }
+        s.push(',');
+        s.push_str(opt);
+    }
     if s.len() >= 4096 {
         return Err(SpawnError::Invalid(format!(
             "overlay options for {:?} are {} bytes, the kernel takes at most 4095",

@@ -209,6 +209,8 @@ class ContainerSubstrate(Substrate):
         self.images = images
         self.init_fd = _core.init_memfd()
         self.rlimits = dict(DEFAULT_RLIMITS)
+        self.overlay_options = [o for o in os.environ.get(
+            "CORRAL_OVERLAY_OPTIONS", "volatile").replace(",", " ").split() if o]
         # O_PATH fds of sandbox roots, opened on first use, reference-counted so destroy never
         # closes one under a concurrent file operation (a reused fd number would point that
         # operation at another file); never persisted.
@@ -257,7 +259,7 @@ class ContainerSubstrate(Substrate):
                 os.mkdir(upper, 0o755)
                 os.mkdir(work, 0o700)
                 overlays.append({"target": target, "lower": list(lowers), "upper": upper,
-                                 "work": work})
+                                 "work": work, "options": self.overlay_options})
             paths = self.cgroups.create(sandbox_id, spec.cpu, spec.memory_mb, spec.pids)
             cfg = {
                 "init_fd": self.init_fd,
