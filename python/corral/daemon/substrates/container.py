@@ -170,6 +170,13 @@ class NetnsPool:
             self._thread.join(timeout=5)
 
 
+def _reap_later(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
 def _file_error(e: OSError, path: str) -> CorralError:
     cls = _FILE_ERRORS.get(e.errno or 0, InternalError)
     reason = e.strerror or str(e)
@@ -324,6 +331,11 @@ class ContainerSubstrate(Substrate):
                 os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
             except ChildProcessError:
                 pass  # adopted after a restart: not our child, someone else reaps it
+            return
+        # Still there (children of ours in its namespace not reaped yet?): reap it whenever it
+        # goes, so it never lingers as a zombie once the caller has closed the pidfd.
+        threading.Thread(target=_reap_later, args=(pid,), name=f"corral-reap-{pid}",
+                         daemon=True).start()
 
     def adopt(self, runtime: SandboxRuntime) -> bool:
         pid = runtime.init_pid
