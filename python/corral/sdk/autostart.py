@@ -35,11 +35,13 @@ def try_start(endpoint: Endpoint) -> bool:
     """True if the caller should try to connect again (a daemon was started for this socket,
     now or earlier in this process). Raises DaemonUnavailable if starting one failed."""
     path = endpoint.unix_path
-    if path is None or path in _seen or not enabled(endpoint):
+    if path is None or not enabled(endpoint):
         return False
     with _lock:  # many threads / tasks failing at once start one daemon
-        if path in _outcome:
+        if path in _outcome:  # decided by an earlier caller: retry if it started one
             return _outcome[path]
+        if path in _seen:  # a daemon answered before and is gone now: don't replace it
+            return False
         _outcome[path] = False
         try:
             from corral.daemon.launcher import ensure_daemon  # lazy: the SDK stays light
