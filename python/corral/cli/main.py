@@ -41,3 +41,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+app.registered_commands += __import__("corral.cli.bench", fromlist=["app"]).app.registered_commands

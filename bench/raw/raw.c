@@ -1,0 +1,773 @@
+/* raw: the kernel work of one corral container sandbox, with no API around it.
+ *
+ * The floor corral's end-to-end numbers are compared against (issue 3). Per sandbox, in the same
+ * order as rust/src/spawn.rs and enter.rs:
+ *   create : mkdir <state>/<id>/{root,upper/N,work/N}; mkdir + limit a cgroup in each
+ *            controller (v1: memory pids cpu freezer; v2: one dir); clone(CLONE_VFORK|CLONE_VM|
+ *            CLONE_PIDFD|NEWNS|NEWPID|NEWUTS|NEWIPC[|NEWNET]); in the child: join the cgroups,
+ *            unshare(NEWCGROUP), / rprivate, overlay root + /usr overlay inside the new mount ns,
+ *            tmpfs /dev + mknods + devpts + /dev/shm + links, /proc (+ the same read-only binds
+ *            and masks), tmpfs /tmp, MS_MOVE root onto / + chroot, hostname, lo up (netns),
+ *            stdio on /dev/null, rlimits, drop caps, no_new_privs, seccomp, execveat(tiny init).
+ *   exec   : setns(pidfd, NEWPID) on this thread, clone(CLONE_VM|CLONE_VFORK) a child that joins
+ *            the cgroups, setns(pidfd, NS|UTS|IPC|NET|CGROUP), fchdir+chroot to /proc/PID/root,
+ *            setsid, stdout/stderr on pipes, hardening, execve `true` by PATH; wait; drain pipes.
+ *   destroy: pidfd_send_signal(SIGKILL), waitid(P_PIDFD), rmdir the cgroups, rm -rf the dirs.
+ *
+ * Usage: raw MODE N [--conc C] [--netns] [--no-harden] --state DIR --cgroup NAME --init BIN
+ *            --ov TARGET=LOWER[:LOWER...] ...
+ *   churn N : create -> exec true -> destroy, N times over C worker processes
+ *   exec N  : one sandbox, N execs of `true` over C workers
+ *   idle N  : create N and keep them; print a JSON line; destroy all when stdin closes
+ * Output: JSON on stdout with per-op latencies in microseconds.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <linux/audit.h>
+#include <linux/capability.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <net/if.h>
+#include <sched.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_OV 8
+#define MAX_CG 4
+#define STACK_SZ (64 * 1024)
+#define MAX_ERRORS 20
+
+/* ---- configuration ------------------------------------------------------------------------ */
+struct cgctl {
+    char base[256];
+    int nlim;
+    const char *file[4];
+    const char *val[4];
+};
+
+static struct {
+    int netns, conc, harden;
+    long n;
+    const char *mode, *state, *cgname, *init_path;
+    int nov;
+    const char *ov_target[MAX_OV], *ov_lower[MAX_OV];
+    int init_fd, ncg, cap_last;
+    struct rlimit nofile; /* 1024/524288 clamped to our hard limit, as corral does */
+    struct cgctl cg[MAX_CG];
+    struct sock_fprog seccomp;
+} G;
+
+static double now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+
+static void die(const char *what) {
+    fprintf(stderr, "raw: %s: %s\n", what, strerror(errno));
+    exit(2);
+}
+
+static int write_file(const char *path, const char *val) {
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = write(fd, val, strlen(val));
+    int e = errno;
+    close(fd);
+    errno = e;
+    return n < 0 ? -1 : 0;
+}
+
+/* ---- cgroups: the same controllers and limits corral writes ---------------------------------- */
+static void cg_add(const char *ctl_dir, int nlim, const char **files, const char **vals) {
+    struct cgctl *c = &G.cg[G.ncg++];
+    snprintf(c->base, sizeof c->base, "%s/%s", ctl_dir, G.cgname);
+    if (mkdir(c->base, 0755) < 0 && errno != EEXIST) die(c->base);
+    c->nlim = nlim;
+    for (int i = 0; i < nlim; i++) {
+        c->file[i] = files[i];
+        c->val[i] = vals[i];
+    }
+}
+
+static void cg_setup(void) {
+    if (access("/sys/fs/cgroup/memory/cgroup.procs", F_OK) == 0) {
+        char p[300];
+        snprintf(p, sizeof p, "/sys/fs/cgroup/memory/%s", G.cgname);
+        const char *mf[2] = {"memory.limit_in_bytes", "memory.memsw.limit_in_bytes"};
+        const char *mv[2] = {"536870912", "536870912"};
+        int memsw = access("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes", F_OK) == 0;
+        cg_add("/sys/fs/cgroup/memory", memsw ? 2 : 1, mf, mv);
+        const char *pf[1] = {"pids.max"}, *pv[1] = {"512"};
+        cg_add("/sys/fs/cgroup/pids", 1, pf, pv);
+        const char *cf[2] = {"cpu.cfs_period_us", "cpu.cfs_quota_us"};
+        const char *cv[2] = {"100000", "100000"};
+        cg_add("/sys/fs/cgroup/cpu", 2, cf, cv);
+        if (access("/sys/fs/cgroup/freezer/cgroup.procs", F_OK) == 0)
+            cg_add("/sys/fs/cgroup/freezer", 0, NULL, NULL);
+    } else {
+        const char *f[4] = {"memory.max", "memory.swap.max", "pids.max", "cpu.max"};
+        const char *v[4] = {"536870912", "0", "512", "100000 100000"};
+        cg_add("/sys/fs/cgroup", 4, f, v);
+        char p[300];
+        snprintf(p, sizeof p, "%s/cgroup.subtree_control", G.cg[0].base);
+        if (write_file(p, "+memory +pids +cpu") < 0) die(p);
+    }
+}
+
+static void cg_teardown(void) {
+    for (int i = 0; i < G.ncg; i++) rmdir(G.cg[i].base);
+}
+
+/* ---- seccomp: the same deny list as corral (x86_64), EPERM; namespace-making clone EPERM,
+ * clone3 ENOSYS ------------------------------------------------------------------------------- */
+#ifdef __x86_64__
+static const int DENIED[] = {
+    SYS_mount, SYS_umount2, SYS_pivot_root, SYS_chroot, SYS_move_mount, SYS_open_tree,
+    SYS_fsopen, SYS_fsconfig, SYS_fsmount, SYS_fspick, SYS_mount_setattr, SYS_unshare,
+    SYS_setns, SYS_kexec_load, SYS_kexec_file_load, SYS_init_module, SYS_finit_module,
+    SYS_delete_module, SYS_bpf, SYS_keyctl, SYS_add_key, SYS_request_key, SYS_perf_event_open,
+    SYS_userfaultfd, SYS_open_by_handle_at, SYS_name_to_handle_at, SYS_swapon, SYS_swapoff,
+    SYS_reboot, SYS_settimeofday, SYS_clock_settime, SYS_clock_adjtime, SYS_adjtimex,
+    SYS_syslog, SYS_acct, SYS_quotactl, SYS_quotactl_fd, SYS_vhangup, SYS_io_uring_setup,
+    SYS_io_uring_enter, SYS_io_uring_register, SYS_ptrace, SYS_iopl, SYS_ioperm,
+    SYS_lookup_dcookie, SYS_nfsservctl, SYS_uselib,
+};
+#define NDENIED (int)(sizeof DENIED / sizeof DENIED[0])
+
+static void seccomp_build(void) {
+    static struct sock_filter f[16 + 2 * NDENIED];
+    int k = 0;
+    uint32_t newmask = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC |
+                       CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET;
+    f[k++] = (struct sock_filter)BPF_STMT(BPF_LD | BPF_W | BPF_ABS,
+                                          offsetof(struct seccomp_data, arch));
+    f[k++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 1, 0);
+    f[k++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_KILL_PROCESS);
+    f[k++] = (struct sock_filter)BPF_STMT(BPF_LD | BPF_W | BPF_ABS,
+                                          offsetof(struct seccomp_data, nr));
+    f[k++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, 0x40000000, 0, 1);
+    f[k++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM);
+    f[k++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_clone, 0, 4);
+    f[k++] = (struct sock_filter)BPF_STMT(BPF_LD | BPF_W | BPF_ABS,
+                                          offsetof(struct seccomp_data, args[0]));
+    f[k++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, newmask, 0, 1);
+    f[k++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM);
+    f[k++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
+    f[k++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_clone3, 0, 1);
+    f[k++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS);
+    for (int i = 0; i < NDENIED; i++) {
+        f[k++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, DENIED[i], 0, 1);
+        f[k++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM);
+    }
+    f[k++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
+    G.seccomp.len = (unsigned short)k;
+    G.seccomp.filter = f;
+}
+#else
+static void seccomp_build(void) { G.seccomp.len = 0; }
+#endif
+
+/* Hardening of a child before exec: rlimits, capabilities (keep `keep`), ids, no_new_privs,
+ * seccomp. Returns -1 with errno set on failure. */
+static int harden(uint64_t keep, int set_ids) {
+    struct rlimit core = {0, 0}, nofile = G.nofile;
+    if (setrlimit(RLIMIT_CORE, &core) < 0 || setrlimit(RLIMIT_NOFILE, &nofile) < 0) return -1;
+    for (int cap = 0; cap <= G.cap_last; cap++)
+        if (!(keep & (1ULL << cap)) && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0) return -1;
+    if (set_ids) {
+        if (syscall(SYS_setgroups, 0, NULL) < 0 || syscall(SYS_setresgid, 0, 0, 0) < 0 ||
+            syscall(SYS_setresuid, 0, 0, 0) < 0)
+            return -1;
+    }
+    struct __user_cap_header_struct hdr = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[2];
+    for (int i = 0; i < 2; i++) {
+        uint32_t v = (uint32_t)(keep >> (32 * i));
+        data[i].effective = data[i].permitted = data[i].inheritable = v;
+    }
+    if (syscall(SYS_capset, &hdr, data) < 0) return -1;
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) return -1;
+    if (G.seccomp.len && syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &G.seccomp) < 0)
+        return -1;
+    return 0;
+}
+
+/* corral's "normal shell" capability set for root in the sandbox (never SYS_CHROOT etc.) */
+#define SHELL_CAPS                                                                            \
+    ((1ULL << CAP_CHOWN) | (1ULL << CAP_DAC_OVERRIDE) | (1ULL << CAP_FOWNER) |                \
+     (1ULL << CAP_FSETID) | (1ULL << CAP_KILL) | (1ULL << CAP_SETGID) | (1ULL << CAP_SETUID) | \
+     (1ULL << CAP_SETPCAP) | (1ULL << CAP_NET_BIND_SERVICE) | (1ULL << CAP_AUDIT_WRITE) |     \
+     (1ULL << CAP_SETFCAP))
+
+/* ---- one sandbox -------------------------------------------------------------------------- */
+struct sb {
+    pid_t pid;
+    int pidfd, rootfd;
+    char dir[256];
+};
+
+struct spawn_ctx {
+    int cgfds[MAX_CG];
+    char root[300];
+    char opts[MAX_OV][1024];
+    char hostname[64];
+    volatile int step, err;
+};
+
+static const char *SPAWN_STEPS[] = {
+    "start", "join_cgroup", "unshare_cgroupns", "rprivate", "root_overlay", "chdir_root",
+    "sub_overlay", "dev", "mknod", "devpts", "shm", "dev_links", "proc", "mask_proc", "tmp",
+    "move_root", "chroot", "hostname", "lo_up", "stdio", "close_range", "harden", "exec_init",
+};
+
+#define CK(s, expr)                        \
+    do {                                   \
+        if ((long)(expr) < 0) {            \
+            c->step = (s);                 \
+            c->err = errno;                \
+            _exit(127);                    \
+        }                                  \
+    } while (0)
+
+static int dir_beneath(const char *rel) {
+    int fd = open(rel, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd >= 0) {
+        close(fd);
+        return 0;
+    }
+    return mkdir(rel, 0755) < 0 && errno != EEXIST ? -1 : 0;
+}
+
+static int spawn_child(void *arg) {
+    struct spawn_ctx *c = arg;
+    const unsigned long nse = MS_NOSUID | MS_NODEV | MS_NOEXEC;
+    umask(0);
+    for (int i = 0; i < G.ncg; i++) CK(1, write(c->cgfds[i], "0", 1));
+    CK(2, unshare(CLONE_NEWCGROUP));
+    CK(3, mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL));
+    CK(4, mount("overlay", c->root, "overlay", MS_NODEV | MS_NOSUID, c->opts[0]));
+    CK(5, chdir(c->root));
+    for (int i = 1; i < G.nov; i++) {
+        const char *rel = G.ov_target[i] + 1;
+        CK(6, dir_beneath(rel));
+        CK(6, mount("overlay", rel, "overlay", MS_NODEV | MS_NOSUID, c->opts[i]));
+    }
+    CK(7, dir_beneath("dev"));
+    CK(7, mount("tmpfs", "dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=64k,nr_inodes=64"));
+    static const struct { const char *p; int maj, min; } devs[] = {
+        {"dev/null", 1, 3}, {"dev/zero", 1, 5}, {"dev/full", 1, 7},
+        {"dev/random", 1, 8}, {"dev/urandom", 1, 9}, {"dev/tty", 5, 0},
+    };
+    for (unsigned i = 0; i < sizeof devs / sizeof devs[0]; i++)
+        CK(8, mknod(devs[i].p, S_IFCHR | 0666, makedev(devs[i].maj, devs[i].min)));
+    CK(9, mkdir("dev/pts", 0755));
+    CK(9, mount("devpts", "dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+                "newinstance,ptmxmode=0666,mode=0620,gid=5"));
+    CK(10, mkdir("dev/shm", 01777));
+    CK(10, mount("shm", "dev/shm", "tmpfs", nse, "mode=1777,size=65536k"));
+    CK(11, symlink("pts/ptmx", "dev/ptmx"));
+    CK(11, symlink("/proc/self/fd", "dev/fd"));
+    CK(11, symlink("/proc/self/fd/0", "dev/stdin"));
+    CK(11, symlink("/proc/self/fd/1", "dev/stdout"));
+    CK(11, symlink("/proc/self/fd/2", "dev/stderr"));
+    CK(12, dir_beneath("proc"));
+    CK(12, mount("proc", "proc", "proc", nse, NULL));
+    static const char *ro[] = {"proc/sys", "proc/sysrq-trigger", "proc/irq", "proc/bus",
+                               "proc/fs"};
+    for (unsigned i = 0; i < sizeof ro / sizeof ro[0]; i++) {
+        if (mount(ro[i], ro[i], NULL, MS_BIND, NULL) < 0) {
+            if (errno == ENOENT) continue;
+            CK(13, -1);
+        }
+        CK(13, mount(NULL, ro[i], NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | nse, NULL));
+    }
+    static const char *masked[] = {"proc/timer_list", "proc/sched_debug", "proc/latency_stats",
+                                   "proc/acpi"};
+    for (unsigned i = 0; i < sizeof masked / sizeof masked[0]; i++) {
+        if (mount("dev/null", masked[i], NULL, MS_BIND, NULL) < 0) {
+            if (errno == ENOTDIR)
+                CK(13, mount("tmpfs", masked[i], "tmpfs", nse | MS_RDONLY, NULL));
+            else if (errno != ENOENT)
+                CK(13, -1);
+        }
+    }
+    CK(14, dir_beneath("tmp"));
+    CK(14, mount("tmpfs", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777"));
+    CK(15, mount(".", "/", NULL, MS_MOVE, NULL));
+    CK(16, chroot("."));
+    CK(16, chdir("/"));
+    CK(17, sethostname(c->hostname, strlen(c->hostname)));
+    if (G.netns) {
+        int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+        CK(18, s);
+        struct ifreq ifr;
+        memset(&ifr, 0, sizeof ifr);
+        strcpy(ifr.ifr_name, "lo");
+        ifr.ifr_flags = IFF_UP | IFF_RUNNING;
+        CK(18, ioctl(s, SIOCSIFFLAGS, &ifr));
+        close(s);
+    }
+    int null = open("/dev/null", O_RDWR);
+    CK(19, null);
+    for (int fd = 0; fd < 3; fd++)
+        if (fd != null) CK(19, dup2(null, fd));
+    if (null > 2) close(null);
+    CK(20, syscall(SYS_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC));
+    if (G.harden) CK(21, harden(0, 0));
+    char *argv[] = {"raw-init", NULL}, *envp[] = {NULL};
+    c->step = 22;
+    syscall(SYS_execveat, G.init_fd, "", argv, envp, AT_EMPTY_PATH);
+    c->err = errno;
+    _exit(127);
+}
+
+static int rm_cb(const char *p, const struct stat *st, int flag, struct FTW *ftw) {
+    (void)st, (void)flag, (void)ftw;
+    return remove(p) < 0 && errno != ENOENT ? -1 : 0;
+}
+
+static void rm_tree(const char *dir) { nftw(dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS); }
+
+static void cg_path(char *out, size_t n, int i, const struct sb *s, const char *file) {
+    const char *id = strrchr(s->dir, '/') + 1;
+    if (file)
+        snprintf(out, n, "%s/%s/%s", G.cg[i].base, id, file);
+    else
+        snprintf(out, n, "%s/%s", G.cg[i].base, id);
+}
+
+static void cg_remove(const struct sb *s) {
+    char p[512];
+    for (int i = 0; i < G.ncg; i++) {
+        cg_path(p, sizeof p, i, s, NULL);
+        /* A dying init keeps the cgroup busy for a moment: retry EBUSY like corral does. */
+        for (int tries = 0; rmdir(p) < 0 && errno == EBUSY && tries < 2000; tries++)
+            usleep(500);
+    }
+}
+
+static int open_cgprocs(const struct sb *s, int *fds) {
+    char p[512];
+    for (int i = 0; i < G.ncg; i++) {
+        cg_path(p, sizeof p, i, s, "cgroup.procs");
+        fds[i] = open(p, O_WRONLY | O_CLOEXEC);
+        if (fds[i] < 0) {
+            while (i--) close(fds[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static char *g_stack;
+
+/* Returns 0, or -1 after printing why (everything it made is undone). */
+static int sb_create(struct sb *s, int worker, long idx) {
+    struct spawn_ctx c;
+    memset(&c, 0, sizeof c);
+    char p[512];
+    s->pid = -1, s->pidfd = -1, s->rootfd = -1;
+    snprintf(s->dir, sizeof s->dir, "%s/raw-%d-%ld", G.state, worker, idx);
+    snprintf(c.hostname, sizeof c.hostname, "raw-%d-%ld", worker, idx);
+    snprintf(c.root, sizeof c.root, "%s/root", s->dir);
+    int made_cg = 0;
+    if (mkdir(s->dir, 0700) < 0) goto fail;
+    if (mkdir(c.root, 0755) < 0) goto fail;
+    snprintf(p, sizeof p, "%s/upper", s->dir);
+    if (mkdir(p, 0700) < 0) goto fail;
+    snprintf(p, sizeof p, "%s/work", s->dir);
+    if (mkdir(p, 0700) < 0) goto fail;
+    for (int i = 0; i < G.nov; i++) {
+        char up[300], wk[300];
+        snprintf(up, sizeof up, "%s/upper/%d", s->dir, i);
+        snprintf(wk, sizeof wk, "%s/work/%d", s->dir, i);
+        if (mkdir(up, 0755) < 0 || mkdir(wk, 0700) < 0) goto fail;
+        snprintf(c.opts[i], sizeof c.opts[i], "lowerdir=%s,upperdir=%s,workdir=%s",
+                 G.ov_lower[i], up, wk);
+    }
+    for (int i = 0; i < G.ncg; i++) {
+        cg_path(p, sizeof p, i, s, NULL);
+        if (mkdir(p, 0755) < 0) goto fail;
+        made_cg = i + 1;
+        for (int k = 0; k < G.cg[i].nlim; k++) {
+            cg_path(p, sizeof p, i, s, G.cg[i].file[k]);
+            if (write_file(p, G.cg[i].val[k]) < 0) goto fail;
+        }
+    }
+    made_cg = G.ncg;
+    if (open_cgprocs(s, c.cgfds) < 0) goto fail;
+    int flags = CLONE_VM | CLONE_VFORK | CLONE_PIDFD | CLONE_NEWNS | CLONE_NEWPID |
+                CLONE_NEWUTS | CLONE_NEWIPC | SIGCHLD;
+    if (G.netns) flags |= CLONE_NEWNET;
+    int pidfd = -1;
+    pid_t pid = clone(spawn_child, g_stack + STACK_SZ, flags, &c, &pidfd);
+    for (int i = 0; i < G.ncg; i++) close(c.cgfds[i]);
+    if (pid < 0) goto fail;
+    s->pid = pid, s->pidfd = pidfd;
+    if (c.err) {
+        waitpid(pid, NULL, 0);
+        close(pidfd);
+        s->pid = -1, s->pidfd = -1;
+        errno = c.err;
+        fprintf(stderr, "raw: create: %s: %s\n", SPAWN_STEPS[c.step], strerror(c.err));
+        goto undo;
+    }
+    return 0;
+fail:
+    fprintf(stderr, "raw: create %s: %s\n", s->dir, strerror(errno));
+undo:
+    for (int i = 0; i < made_cg; i++) {
+        cg_path(p, sizeof p, i, s, NULL);
+        rmdir(p);
+    }
+    rm_tree(s->dir);
+    return -1;
+}
+
+static void sb_destroy(struct sb *s) {
+    if (s->rootfd >= 0) close(s->rootfd);
+    if (s->pidfd >= 0) {
+        syscall(SYS_pidfd_send_signal, s->pidfd, SIGKILL, NULL, 0);
+        siginfo_t si;
+        waitid(P_PIDFD, s->pidfd, &si, WEXITED);
+        close(s->pidfd);
+    } else if (s->pid > 0) {
+        kill(s->pid, SIGKILL);
+        waitpid(s->pid, NULL, 0);
+    }
+    cg_remove(s);
+    rm_tree(s->dir);
+    s->pid = -1, s->pidfd = -1, s->rootfd = -1;
+}
+
+/* ---- exec in a live sandbox ------------------------------------------------------------- */
+struct enter_ctx {
+    const struct sb *s;
+    int cgfds[MAX_CG];
+    int out, err;
+    volatile int step, errno_;
+};
+
+static char *const ENVP[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                             "HOME=/root", "LANG=C.UTF-8", "TERM=xterm", "HOSTNAME=raw", NULL};
+static const char *const CANDIDATES[] = {"/usr/local/sbin/true", "/usr/local/bin/true",
+                                         "/usr/sbin/true", "/usr/bin/true", "/sbin/true",
+                                         "/bin/true"};
+
+#undef CK
+#define CK(st, expr)                       \
+    do {                                   \
+        if ((long)(expr) < 0) {            \
+            c->step = (st);                \
+            c->errno_ = errno;             \
+            _exit(126);                    \
+        }                                  \
+    } while (0)
+
+static int enter_child(void *arg) {
+    struct enter_ctx *c = arg;
+    for (int i = 0; i < G.ncg; i++) CK(1, write(c->cgfds[i], "0", 1));
+    CK(2, setns(c->s->pidfd, CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET |
+                                 CLONE_NEWCGROUP));
+    CK(3, fchdir(c->s->rootfd));
+    CK(3, chroot("."));
+    CK(3, chdir("/"));
+    CK(4, setsid());
+    int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+    CK(5, null);
+    CK(5, dup2(null, 0));
+    CK(5, dup2(c->out, 1));
+    CK(5, dup2(c->err, 2));
+    CK(6, syscall(SYS_close_range, 3, ~0U, 0));
+    if (G.harden) CK(7, harden(SHELL_CAPS, 1));
+    umask(022);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    char *argv[] = {"true", NULL};
+    c->step = 8;
+    for (unsigned i = 0; i < sizeof CANDIDATES / sizeof CANDIDATES[0]; i++)
+        execve(CANDIDATES[i], argv, ENVP);
+    _exit(127);
+}
+
+static int g_hostns = -1;
+
+/* Returns the exit status of `true` (0), or -1. */
+static int sb_exec_true(struct sb *s) {
+    if (s->rootfd < 0) {
+        char p[64];
+        snprintf(p, sizeof p, "/proc/%d/root", s->pid);
+        s->rootfd = open(p, O_PATH | O_DIRECTORY | O_CLOEXEC);
+        if (s->rootfd < 0) return -1;
+    }
+    struct enter_ctx c;
+    memset(&c, 0, sizeof c);
+    c.s = s;
+    int po[2], pe[2];
+    if (open_cgprocs(s, c.cgfds) < 0) return -1;
+    if (pipe2(po, O_CLOEXEC) < 0 || pipe2(pe, O_CLOEXEC) < 0) return -1;
+    c.out = po[1], c.err = pe[1];
+    if (setns(s->pidfd, CLONE_NEWPID) < 0) die("setns pid_for_children");
+    pid_t pid = clone(enter_child, g_stack + STACK_SZ, CLONE_VM | CLONE_VFORK | SIGCHLD, &c);
+    if (setns(g_hostns, CLONE_NEWPID) < 0) die("restore pid_for_children");
+    for (int i = 0; i < G.ncg; i++) close(c.cgfds[i]);
+    close(po[1]);
+    close(pe[1]);
+    int status = -1;
+    if (pid > 0) {
+        char buf[4096];
+        while (read(po[0], buf, sizeof buf) > 0) {
+        }
+        while (read(pe[0], buf, sizeof buf) > 0) {
+        }
+        waitpid(pid, &status, 0);
+    }
+    close(po[0]);
+    close(pe[0]);
+    if (c.errno_) fprintf(stderr, "raw: exec step %d: %s\n", c.step, strerror(c.errno_));
+    return pid > 0 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* ---- modes ------------------------------------------------------------------------------- */
+static void print_arr(const char *name, const double *a, long n, int last) {
+    printf("\"%s\":[", name);
+    for (long i = 0; i < n; i++) printf(i ? ",%.1f" : "%.1f", a[i]);
+    printf("]%s", last ? "" : ",");
+}
+
+struct shared {
+    volatile int errors;
+    double wall_us;
+};
+
+static void *shmem(size_t n) {
+    void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) die("mmap");
+    return p;
+}
+
+/* Fork G.conc workers running fn(worker, lo, hi); release them together; wait; wall time. */
+typedef void (*work_fn)(int worker, long i0, long step, void *arg);
+
+static double run_workers(work_fn fn, void *arg) {
+    int go[2];
+    if (pipe(go) < 0) die("pipe");
+    pid_t kids[64];
+    for (int w = 0; w < G.conc; w++) {
+        kids[w] = fork();
+        if (kids[w] < 0) die("fork");
+        if (kids[w] == 0) {
+            close(go[1]);
+            char b;
+            if (read(go[0], &b, 1) < 0) _exit(3);
+            fn(w, w, G.conc, arg);
+            fflush(stderr);
+            _exit(0);
+        }
+    }
+    close(go[0]);
+    double t0 = now_us();
+    close(go[1]);
+    int bad = 0;
+    for (int w = 0; w < G.conc; w++) {
+        int st;
+        waitpid(kids[w], &st, 0);
+        if (!WIFEXITED(st) || WEXITSTATUS(st)) bad = 1;
+    }
+    double wall = now_us() - t0;
+    if (bad) fprintf(stderr, "raw: a worker failed\n");
+    return wall;
+}
+
+struct churn_arg {
+    struct shared *sh;
+    double *create, *exec, *destroy;
+};
+
+static void churn_work(int worker, long i0, long step, void *arg) {
+    struct churn_arg *a = arg;
+    for (long i = i0; i < G.n; i += step) {
+        struct sb s;
+        double t0 = now_us();
+        if (sb_create(&s, worker, i) < 0) {
+            a->create[i] = a->exec[i] = a->destroy[i] = -1;
+            if (__sync_add_and_fetch(&a->sh->errors, 1) > MAX_ERRORS) _exit(4);
+            continue;
+        }
+        double t1 = now_us();
+        int rc = sb_exec_true(&s);
+        double t2 = now_us();
+        sb_destroy(&s);
+        double t3 = now_us();
+        if (rc != 0) __sync_add_and_fetch(&a->sh->errors, 1);
+        a->create[i] = t1 - t0, a->exec[i] = t2 - t1, a->destroy[i] = t3 - t2;
+    }
+}
+
+static void mode_churn(void) {
+    struct churn_arg a;
+    a.sh = shmem(sizeof *a.sh);
+    a.create = shmem(G.n * sizeof(double));
+    a.exec = shmem(G.n * sizeof(double));
+    a.destroy = shmem(G.n * sizeof(double));
+    double wall = run_workers(churn_work, &a);
+    printf("{\"mode\":\"churn\",\"n\":%ld,\"conc\":%d,\"netns\":%s,\"harden\":%s,"
+           "\"errors\":%d,\"wall_s\":%.6f,\"ops_per_s\":%.2f,",
+           G.n, G.conc, G.netns ? "true" : "false", G.harden ? "true" : "false", a.sh->errors,
+           wall / 1e6, G.n / (wall / 1e6));
+    print_arr("create_us", a.create, G.n, 0);
+    print_arr("exec_us", a.exec, G.n, 0);
+    print_arr("destroy_us", a.destroy, G.n, 1);
+    printf("}\n");
+}
+
+struct exec_arg {
+    struct shared *sh;
+    struct sb *s;
+    double *lat;
+};
+
+static void exec_work(int worker, long i0, long step, void *arg) {
+    (void)worker;
+    struct exec_arg *a = arg;
+    struct sb s = *a->s;
+    s.rootfd = -1; /* opened per worker, like corral opens it once per sandbox */
+    for (long i = i0; i < G.n; i += step) {
+        double t0 = now_us();
+        int rc = sb_exec_true(&s);
+        a->lat[i] = now_us() - t0;
+        if (rc != 0 && __sync_add_and_fetch(&a->sh->errors, 1) > MAX_ERRORS) _exit(4);
+    }
+}
+
+static void mode_exec(void) {
+    struct exec_arg a;
+    struct sb s;
+    a.sh = shmem(sizeof *a.sh);
+    a.lat = shmem(G.n * sizeof(double));
+    if (sb_create(&s, 0, 0) < 0) exit(2);
+    a.s = &s;
+    double wall = run_workers(exec_work, &a);
+    sb_destroy(&s);
+    printf("{\"mode\":\"exec\",\"n\":%ld,\"conc\":%d,\"errors\":%d,\"wall_s\":%.6f,"
+           "\"ops_per_s\":%.2f,",
+           G.n, G.conc, a.sh->errors, wall / 1e6, G.n / (wall / 1e6));
+    print_arr("exec_us", a.lat, G.n, 1);
+    printf("}\n");
+}
+
+/* Keep N alive: the idle floor (memory) and the create rate against the live count. */
+static void mode_idle(void) {
+    struct sb *all = calloc(G.n, sizeof *all);
+    double *lat = calloc(G.n, sizeof *lat);
+    if (!all || !lat) die("calloc");
+    long made = 0;
+    int errors = 0;
+    double t0 = now_us();
+    for (long i = 0; i < G.n; i++) {
+        double t = now_us();
+        if (sb_create(&all[made], 0, i) < 0) {
+            if (++errors > MAX_ERRORS) break;
+            continue;
+        }
+        lat[made] = now_us() - t;
+        /* Hold no fd per sandbox (the fd limit here may be far below N): destroy by pid. */
+        close(all[made].pidfd);
+        all[made++].pidfd = -1;
+    }
+    double wall = now_us() - t0;
+    printf("{\"mode\":\"idle\",\"n\":%ld,\"made\":%ld,\"netns\":%s,\"errors\":%d,"
+           "\"wall_s\":%.6f,\"pids\":[",
+           G.n, made, G.netns ? "true" : "false", errors, wall / 1e6);
+    for (long i = 0; i < made && i < 64; i++) printf(i ? ",%d" : "%d", all[i].pid);
+    printf("],");
+    print_arr("create_us", lat, made, 1);
+    printf("}\n");
+    fflush(stdout);
+    /* The caller measures memory now; a line or EOF on stdin means: destroy them all. */
+    char buf[64];
+    while (read(0, buf, sizeof buf) < 0 && errno == EINTR) {
+    }
+    double t1 = now_us();
+    for (long i = 0; i < made; i++) sb_destroy(&all[i]);
+    printf("{\"destroyed\":%ld,\"destroy_s\":%.6f}\n", made, (now_us() - t1) / 1e6);
+}
+
+static void usage(void) {
+    fprintf(stderr, "usage: raw churn|exec|idle N [--conc C] [--netns] [--no-harden] "
+                    "--state DIR --cgroup NAME --init BIN --ov TARGET=LOWER[:LOWER] ...\n");
+    exit(2);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 3) usage();
+    G.mode = argv[1];
+    G.n = atol(argv[2]);
+    G.conc = 1;
+    G.harden = 1;
+    for (int i = 3; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--netns")) G.netns = 1;
+        else if (!strcmp(a, "--no-harden")) G.harden = 0;
+        else if (!v) usage();
+        else if (!strcmp(a, "--conc")) G.conc = atoi(v), i++;
+        else if (!strcmp(a, "--state")) G.state = v, i++;
+        else if (!strcmp(a, "--cgroup")) G.cgname = v, i++;
+        else if (!strcmp(a, "--init")) G.init_path = v, i++;
+        else if (!strcmp(a, "--ov")) {
+            char *eq = strchr(argv[i + 1], '=');
+            if (!eq || G.nov == MAX_OV) usage();
+            *eq = 0;
+            G.ov_target[G.nov] = argv[i + 1];
+            G.ov_lower[G.nov++] = eq + 1;
+            i++;
+        } else usage();
+    }
+    if (G.n <= 0 || G.conc < 1 || G.conc > 64 || !G.state || !G.cgname || !G.init_path ||
+        !G.nov || strcmp(G.ov_target[0], "/"))
+        usage();
+    if (G.conc > G.n) G.conc = (int)G.n;
+    G.init_fd = open(G.init_path, O_RDONLY | O_CLOEXEC);
+    if (G.init_fd < 0) die(G.init_path);
+    g_hostns = open("/proc/self/ns/pid", O_RDONLY | O_CLOEXEC);
+    if (g_hostns < 0) die("/proc/self/ns/pid");
+    FILE *f = fopen("/proc/sys/kernel/cap_last_cap", "r");
+    if (!f || fscanf(f, "%d", &G.cap_last) != 1) G.cap_last = 40;
+    if (f) fclose(f);
+    getrlimit(RLIMIT_NOFILE, &G.nofile);
+    if (G.nofile.rlim_max > 524288) G.nofile.rlim_max = 524288;
+    G.nofile.rlim_cur = G.nofile.rlim_max < 1024 ? G.nofile.rlim_max : 1024;
+    g_stack = mmap(NULL, STACK_SZ, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK,
+                   -1, 0);
+    if (g_stack == MAP_FAILED) die("mmap stack");
+    if (mkdir(G.state, 0700) < 0 && errno != EEXIST) die(G.state);
+    seccomp_build();
+    cg_setup();
+    if (!strcmp(G.mode, "churn")) mode_churn();
+    else if (!strcmp(G.mode, "exec")) mode_exec();
+    else if (!strcmp(G.mode, "idle")) mode_idle();
+    else usage();
+    cg_teardown();
+    return 0;
+}

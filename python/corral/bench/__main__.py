@@ -1,0 +1,3 @@
+from corral.bench import main
+
+main()

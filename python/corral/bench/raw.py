@@ -1,0 +1,121 @@
+"""The raw-syscall baseline (bench/raw/raw.c): built with ``cc`` at run time, driven here.
+
+It does the kernel work of one corral container sandbox with no API around it (see the header
+of raw.c), on the same lower layers as corral's ``host`` image, so corral/raw is the price of
+corral's own layers: HTTP, the engine, Python.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from corral.bench.results import OpResult, with_total
+
+# Sources live in the repository (bench/raw), next to the python/ tree.
+REPO = Path(__file__).resolve().parents[3]
+SRC_DIR = REPO / "bench" / "raw"
+INIT_FLAGS = ["-static", "-nostdlib", "-ffreestanding", "-fno-stack-protector", "-fno-pie",
+              "-no-pie", "-Os", "-s", "-fno-asynchronous-unwind-tables", "-Wl,--build-id=none"]
+
+
+@dataclass(frozen=True)
+class RawBinaries:
+    raw: Path
+    init: Path
+
+
+def build(cache_dir: Path) -> RawBinaries:
+    """Compile raw.c and init.c into ``cache_dir`` (reused while the sources are unchanged)."""
+    if not (SRC_DIR / "raw.c").is_file():
+        raise FileNotFoundError(f"raw baseline sources not found in {SRC_DIR} (run from a "
+                                f"corral checkout)")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise FileNotFoundError("no C compiler (cc) for the raw baseline: apt-get install gcc")
+    h = hashlib.sha256()
+    for name in ("raw.c", "init.c"):
+        h.update((SRC_DIR / name).read_bytes())
+    out = cache_dir / f"raw-{h.hexdigest()[:12]}"
+    bins = RawBinaries(out / "raw", out / "raw-init")
+    if bins.raw.exists() and bins.init.exists():
+        return bins
+    out.mkdir(parents=True, exist_ok=True)
+    subprocess.run([cc, "-O2", "-Wall", "-o", str(bins.raw), str(SRC_DIR / "raw.c")],
+                   check=True, capture_output=True)
+    subprocess.run([cc, *INIT_FLAGS, "-o", str(bins.init), str(SRC_DIR / "init.c")],
+                   check=True, capture_output=True)
+    return bins
+
+
+def _ms(us: list[float]) -> list[float]:
+    """Microseconds -> milliseconds; a failed op stays -1 (dropped by the statistics)."""
+    return [x / 1000 if x >= 0 else -1.0 for x in us]
+
+
+class RawBaseline:
+    def __init__(self, bins: RawBinaries, state_dir: Path, cgroup_name: str,
+                 overlays: list[tuple[str, list[str]]]) -> None:
+        self.bins = bins
+        self.state_dir = state_dir
+        self.cgroup_name = cgroup_name
+        self.overlays = overlays
+
+    def argv(self, mode: str, n: int, conc: int = 1, netns: bool = False) -> list[str]:
+        a = [str(self.bins.raw), mode, str(n), "--conc", str(conc), "--state",
+             str(self.state_dir), "--cgroup", self.cgroup_name, "--init", str(self.bins.init)]
+        if netns:
+            a.append("--netns")
+        for target, lowers in self.overlays:
+            a += ["--ov", f"{target}={':'.join(lowers)}"]
+        return a
+
+    def _run(self, argv: list[str], timeout: float) -> dict[str, Any]:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        if r.returncode != 0 or not r.stdout.strip():
+            raise RuntimeError(f"raw baseline failed ({r.returncode}): {r.stderr[-2000:]}")
+        return json.loads(r.stdout.splitlines()[-1])
+
+    def churn(self, n: int, conc: int, netns: bool, system: str) -> OpResult:
+        d = self._run(self.argv("churn", n, conc, netns), timeout=60 + n * 0.2)
+        phases = {p: _ms(d[f"{p}_us"]) for p in ("create", "exec", "destroy")}
+        return OpResult(system=system, n=n, wall_s=d["wall_s"], errors=d["errors"],
+                        phases=with_total(phases, ("create", "exec", "destroy")),
+                        extra={"concurrency": conc, "netns": netns})
+
+    def exec(self, n: int, conc: int, system: str) -> OpResult:
+        d = self._run(self.argv("exec", n, conc), timeout=60 + n * 0.1)
+        return OpResult(system=system, n=n, wall_s=d["wall_s"], errors=d["errors"],
+                        phases={"exec": _ms(d["exec_us"])},
+                        extra={"concurrency": conc})
+
+    @contextmanager
+    def idle(self, n: int, netns: bool) -> Iterator[dict[str, Any]]:
+        """Create ``n`` idle sandboxes and keep them while the body runs; they are destroyed
+        on exit (stdin closed -> raw destroys all; killed if it does not)."""
+        p = subprocess.Popen(self.argv("idle", n, 1, netns), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        info: dict[str, Any] = {}
+        try:
+            assert p.stdout is not None and p.stdin is not None
+            line = p.stdout.readline()
+            if not line:
+                why = p.stderr.read()[-2000:] if p.stderr else ""
+                raise RuntimeError(f"raw idle failed: {why}")
+            info = json.loads(line)
+            yield info
+        finally:
+            try:
+                out, _ = p.communicate(timeout=300 + n * 0.05)  # closes stdin: destroy all
+                if out.strip():
+                    info.update(json.loads(out.strip().splitlines()[-1]))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

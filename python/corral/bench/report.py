@@ -1,0 +1,145 @@
+"""The end-of-run tables (rich), with the issue's targets next to the figures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+# Issue 3's targets, as shown next to the figures.
+CHURN_TARGETS = {"raw": ">= 0.8", "raw-netns": ">= 0.8", "bwrap": ">= 4", "crun": ">= 10"}
+LATENCY_TARGETS = {"create": "p50 <= 3 (cold), p99 <= 10", "exec": "p50 <= 1.5",
+                   "ttfr": "p50 <= 3"}
+
+
+def _f(x: Any, nd: int = 1) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:,.{nd}f}"
+    return f"{x:,}" if isinstance(x, int) else str(x)
+
+
+def _get(d: Any, *path: str) -> Any:
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return None
+        d = d[p]
+    return d
+
+
+def churn_table(sec: dict[str, Any]) -> Table:
+    t = Table(title=f"churn: create -> exec true -> destroy  (N={sec['n']}, "
+                    f"{sec['concurrency']} in flight, median of {len(sec['runs'])} runs)")
+    for c in ("system", "sandboxes/s", "p50 ms", "p99 ms", "corral / system", "target"):
+        t.add_column(c, justify="left" if c in ("system", "target") else "right")
+    med = sec["median"]
+    for name, m in med.items():
+        if m.get("skipped"):
+            t.add_row(name, "skipped", "", "", "", m["skipped"][:40])
+            continue
+        r = sec["ratios"].get(f"corral/{name}")
+        t.add_row(name, _f(m.get("ops_per_s")), _f(_get(m, "total_ms", "p50"), 2),
+                  _f(_get(m, "total_ms", "p99"), 2), _f(r, 3) if r else "",
+                  CHURN_TARGETS.get(name, ""))
+    for name, why in (sec.get("unavailable") or {}).items():
+        t.add_row(name, "unavailable", "", "", "", why[:40])
+    return t
+
+
+def latency_table(sec: dict[str, Any]) -> Table:
+    t = Table(title=f"latency: one client, no other load  (N={sec['n']}, ms, "
+                    f"median of {len(sec['runs'])} runs)")
+    for c in ("phase", "corral p50", "p90", "p99", "raw+netns p50", "raw p50", "target"):
+        t.add_column(c, justify="left" if c in ("phase", "target") else "right")
+    c, rn, r = (sec["median"].get(k, {}) for k in ("corral", "raw-netns", "raw"))
+    rows = (("create", "create", "create"), ("first exec", "first_exec", "exec"),
+            ("exec round trip", "exec", "exec"), ("time to first result", "ttfr", "ttfr"),
+            ("destroy", "destroy", "destroy"))
+    for label, ph, raw_ph in rows:
+        cm = c.get(f"{ph}_ms", {})
+        t.add_row(label, _f(cm.get("p50"), 2), _f(cm.get("p90"), 2), _f(cm.get("p99"), 2),
+                  _f(_get(rn, f"{raw_ph}_ms", "p50"), 2), _f(_get(r, f"{raw_ph}_ms", "p50"), 2),
+                  LATENCY_TARGETS.get(ph, ""))
+    return t
+
+
+def exec_table(sec: dict[str, Any]) -> Table:
+    t = Table(title=f"exec `true` on one live sandbox  (N={sec['n']}, median of "
+                    f"{len(sec['runs'])} runs)")
+    for c in ("mode", "corral exec/s", "raw exec/s", "corral / raw", "corral p50 ms",
+              "raw p50 ms"):
+        t.add_column(c, justify="left" if c == "mode" else "right")
+    m = sec["median"]
+    for label, a, b in (("sequential (sync client)", "corral-seq", "raw-seq"),
+                        (f"{sec['concurrency']} in flight (async client)", "corral-conc",
+                         "raw-conc")):
+        t.add_row(label, _f(_get(m, a, "ops_per_s")), _f(_get(m, b, "ops_per_s")),
+                  _f(sec["ratios"].get(f"{a}/{b}"), 3), _f(_get(m, a, "exec_ms", "p50"), 2),
+                  _f(_get(m, b, "exec_ms", "p50"), 2))
+    return t
+
+
+def density_table(sec: dict[str, Any]) -> Table:
+    t = Table(title=f"density: {sec['n']:,} idle sandboxes alive  (median of "
+                    f"{len(sec['runs'])} runs; KiB per sandbox from MemAvailable)")
+    for c in ("system", "alive", "KiB/sb", "slab KiB/sb", "init PSS KiB", "create/s 0",
+              "create/s N", "N/0", "destroy/s", "after destroy"):
+        t.add_column(c, justify="left" if c in ("system", "after destroy") else "right")
+    for name, m in sec["median"].items():
+        b = m.get("baseline", {})
+        base = (f"{_f(b.get('mem_available_delta_mib'))} MiB, {b.get('cgroups_left')} cg, "
+                f"{b.get('processes_left')} pids")
+        t.add_row(name, _f(m.get("made")), _f(m.get("kib_per_sandbox")), _f(m.get("slab_kib")),
+                  _f(m.get("init_pss_kib")), _f(m.get("create_rate_empty")),
+                  _f(m.get("create_rate_full")), _f(m.get("full/empty"), 2),
+                  _f(m.get("destroy_per_s")), base)
+    return t
+
+
+TABLES = {"churn": churn_table, "latency": latency_table, "exec": exec_table,
+          "density": density_table}
+
+
+def print_report(report: dict[str, Any], console: Console) -> None:
+    for name, sec in report["scenarios"].items():
+        if "error" in sec:
+            console.print(f"[red]{name}: {sec['error']}[/red]")
+            continue
+        console.print(TABLES[name](sec))
+        if sec.get("ratios"):
+            console.print("  ratios (median of per-run ratios): " + ", ".join(
+                f"{k} = {v}" for k, v in sec["ratios"].items()))
+        if name == "density":
+            d = _get(sec, "median", "corral") or {}
+            console.print(f"  corrald RSS with {_f(d.get('made'))} alive: "
+                          f"{_f(d.get('daemon_rss_mib'))} MiB "
+                          f"({_f(d.get('daemon_rss_kib_per_sandbox'), 2)} KiB per sandbox)")
+    prof = _get(report, "scenarios", "churn", "profile")
+    if prof and prof.get("top_self"):
+        t = Table(title=f"corrald during churn: py-spy, {prof['samples']:,} samples "
+                        f"(% of non-idle samples)")
+        t.add_column("self %", justify="right")
+        t.add_column("function (self)")
+        t.add_column("incl %", justify="right")
+        t.add_column("function (inclusive)")
+        for a, b in zip(prof["top_self"], prof["top_inclusive"], strict=False):
+            t.add_row(_f(a["pct"]), a["function"], _f(b["pct"]), b["function"])
+        console.print(t)
+    h = report.get("host", {})
+    p0, p1 = h.get("cpu_pressure") or {}, h.get("cpu_pressure_at_end") or {}
+    if p0 or p1:
+        console.print(f"  other load on the machine: CPU pressure (PSI some, avg60) "
+                      f"{_f(p0.get('avg60'))}% at start, {_f(p1.get('avg60'))}% at end; "
+                      f"workdir on {h.get('workdir_fs')}")
+    for n in report.get("notes", []):
+        console.print(f"  note: {n}")
+    c = report.get("cleanup", {})
+    if c.get("clean"):
+        console.print("[green]cleanup: nothing left behind (processes, cgroups, mounts, "
+                      "dirs)[/green]")
+    else:
+        console.print(f"[red]cleanup: left behind: {c.get('leaks')}[/red]")
+    for p in report.get("plots", []):
+        console.print(f"  plot: {p}")

@@ -1,0 +1,73 @@
+"""Run a benchmark session end to end: set up, run the scenarios, tear down (always), check
+for leaks, then the table, the JSON and the plots."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from corral.bench import host, plots, report, scenarios
+from corral.bench.raw import REPO
+from corral.bench.session import Options, Session
+from corral.bench.ui import UI
+
+
+def run(opts: Options, json_out: bool = False, argv: list[str] | None = None) -> dict[str, Any]:
+    ui = UI(enabled=opts.progress)
+    started = time.time()
+    rep: dict[str, Any] = {
+        "version": 1,
+        "command": "corral bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "git": host.git_rev(REPO),
+        "host": {**host.host_info(), "workdir_fs": host.fs_type(opts.workdir)},
+        "options": {k: v for k, v in vars(opts).items() if k != "progress"},
+        "scenarios": {},
+    }
+    samples: dict[str, Any] = {}
+    session = Session(opts, ui)
+    rep["state_root"] = str(session.root)
+    with ui:
+        try:
+            session.setup()
+            rep["peers"] = session.peer_versions or None
+            for name in opts.scenarios:
+                try:
+                    rep["scenarios"][name], samples[name] = _run_one(session, name)
+                except Exception as e:  # noqa: BLE001 - report it, keep the other scenarios
+                    rep["scenarios"][name] = {"error": f"{type(e).__name__}: {e}"}
+                    ui.note(f"{name} failed: {e}")
+        finally:
+            with ui.task("cleanup", None):
+                rep["cleanup"] = session.teardown()
+    rep["notes"] = session.notes + [
+        f"{k}: {v}" for k, v in (session.peers.notes.items() if session.peers else ())]
+    rep["duration_s"] = round(time.time() - started, 1)
+    rep["host"]["cpu_pressure_at_end"] = host.cpu_pressure()
+    if opts.plots_dir:
+        out = Path(opts.plots_dir)
+        try:
+            rep["plots"] = plots.make_all(rep, samples, out)
+        except ImportError as e:
+            rep["notes"].append(f"no plots: {e} (pip install matplotlib)")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(rep, indent=1) + "\n")
+    if json_out:
+        print(json.dumps(rep, indent=1))
+    else:
+        # Wide enough for the tables when stdout is a pipe or a file (rich assumes 80).
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=160)
+        report.print_report(rep, console)
+    return rep
+
+
+def _run_one(session: Session, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    return scenarios.RUNNERS[name](session)

@@ -1,0 +1,266 @@
+"""The four scenarios. Each repeats ``--runs`` times; within a run every system is measured
+back to back (so they share the machine's noise), ratios are taken within a run, and the
+report quotes the median over runs. Each returns (report section, samples for the plots)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from corral.bench import host, profile, sdk_runs
+from corral.bench.results import OpResult
+from corral.bench.session import Session
+from corral.bench.stats import median, median_tree, ratio
+
+Section = dict[str, Any]
+Samples = dict[str, Any]
+
+
+def _summarize(runs: list[dict[str, OpResult]], ratio_pairs: list[tuple[str, str]],
+               metric: Callable[[OpResult], float | None] = lambda r: r.ops_per_s) -> Section:
+    """Per-run JSON, the median of each figure over runs, and the median of the per-run
+    ratios ``a/b`` for each (a, b) in ratio_pairs."""
+    per_run = [{k: v.to_json() for k, v in res.items()} for res in runs]
+    ratios = {}
+    for a, b in ratio_pairs:
+        vals = [ratio(metric(res[a]), metric(res[b])) for res in runs if a in res and b in res]
+        m = median(vals)
+        if m is not None:
+            ratios[f"{a}/{b}"] = round(m, 3)
+    return {"median": median_tree(per_run), "ratios": ratios, "runs": per_run}
+
+
+# ---- churn ----------------------------------------------------------------------------------
+def churn(s: Session) -> tuple[Section, Samples]:
+    assert s.raw is not None
+    n, conc, R = s.opts.n("churn"), s.opts.concurrency, s.opts.runs
+    ep = s.daemon.endpoint
+    runs: list[dict[str, OpResult]] = []
+    prof: dict[str, Any] = {}
+    for r in range(R):
+        tag = f"churn {r + 1}/{R}"
+        res: dict[str, OpResult] = {}
+        with s.ui.task(f"{tag} raw", None):
+            res["raw"] = s.raw.churn(n, conc, netns=False, system="raw")
+        with s.ui.task(f"{tag} raw +netns", None):
+            res["raw-netns"] = s.raw.churn(n, conc, netns=True, system="raw-netns")
+        with s.ui.task(f"{tag} corral", n) as adv, _profiled(s, r == 0, prof):
+            res["corral"] = sdk_runs.churn(ep, n, conc, adv)
+        if s.peers is not None:
+            for peer in s.peer_names():
+                with s.ui.task(f"{tag} {peer}", s.opts.n_peers()) as adv:
+                    res[peer] = s.peers.churn(peer, s.opts.n_peers(), conc, adv)
+        runs.append(res)
+    others = [k for k in runs[0] if k != "corral"]
+    sec = _summarize(runs, [("corral", o) for o in others])
+    sec.update(n=n, concurrency=conc, peer_n=s.opts.n_peers() if s.peers else None,
+               unavailable=s.peer_errors or None)
+    if prof:
+        sec["profile"] = prof
+    samples = {k: v.phases.get("total", []) for k, v in runs[-1].items()}
+    return sec, samples
+
+
+@contextmanager
+def _profiled(s: Session, enabled: bool, into: dict[str, Any]) -> Iterator[None]:
+    """py-spy the daemon for the duration of the block (first run only, with --profile)."""
+    if not (enabled and s.opts.profile and s.daemon.pid):
+        yield
+        return
+    out = Path(s.opts.plots_dir or s.root) / "churn-daemon-pyspy.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        sampler = profile.Sampler(s.daemon.pid, out)
+    except FileNotFoundError as e:
+        into["error"] = str(e)
+        yield
+        return
+    try:
+        yield
+    finally:
+        sampler.stop()
+        into.update(profile.summarize(out) if out.exists() else {"error": "no py-spy output"})
+        into["raw_stacks"] = str(out)
+
+
+# ---- latency --------------------------------------------------------------------------------
+def latency(s: Session) -> tuple[Section, Samples]:
+    assert s.raw is not None
+    n, R = s.opts.n("latency"), s.opts.runs
+    runs: list[dict[str, OpResult]] = []
+    for r in range(R):
+        tag = f"latency {r + 1}/{R}"
+        res: dict[str, OpResult] = {}
+        with s.ui.task(f"{tag} raw +netns", None):
+            res["raw-netns"] = _raw_latency(s, n, netns=True)
+        with s.ui.task(f"{tag} raw", None):
+            res["raw"] = _raw_latency(s, n, netns=False)
+        with s.ui.task(f"{tag} corral", n) as adv:
+            res["corral"] = sdk_runs.latency(s.daemon.endpoint, n, adv)
+        runs.append(res)
+
+    def p50(phase: str) -> Callable[[OpResult], float | None]:
+        def f(r: OpResult) -> float | None:
+            return median(r.phases.get(phase, []))
+        return f
+
+    sec = _summarize(runs, [])
+    sec["ratios"] = {  # latency ratios: corral p50 / raw p50 (lower is better; 1.0 = raw)
+        f"corral/raw-netns {ph}_p50": median([ratio(p50(ph)(res["corral"]),
+                                                    p50(ph if ph != "first_exec" else "exec")(
+                                                        res["raw-netns"])) for res in runs])
+        for ph in ("create", "first_exec", "ttfr", "destroy")}
+    sec.update(n=n)
+    last = runs[-1]
+    samples = {"corral " + k: v for k, v in last["corral"].phases.items()}
+    samples.update({"raw+netns " + k: v for k, v in last["raw-netns"].phases.items()
+                    if k in ("create", "exec", "ttfr")})
+    return sec, samples
+
+
+def _raw_latency(s: Session, n: int, netns: bool) -> OpResult:
+    assert s.raw is not None
+    r = s.raw.churn(n, 1, netns=netns, system="raw-netns" if netns else "raw")
+    r.phases["ttfr"] = [c + e for c, e in zip(r.phases["create"], r.phases["exec"], strict=True)
+                        if c >= 0 and e >= 0]
+    r.phases.pop("total", None)
+    return r
+
+
+# ---- exec -----------------------------------------------------------------------------------
+def exec_(s: Session) -> tuple[Section, Samples]:
+    assert s.raw is not None
+    n, conc, R = s.opts.n("exec"), s.opts.concurrency, s.opts.runs
+    ep = s.daemon.endpoint
+    runs: list[dict[str, OpResult]] = []
+    for r in range(R):
+        tag = f"exec {r + 1}/{R}"
+        res: dict[str, OpResult] = {}
+        with s.ui.task(f"{tag} raw", None):
+            res["raw-seq"] = s.raw.exec(n, 1, system="raw-seq")
+            res["raw-conc"] = s.raw.exec(n, conc, system="raw-conc")
+        with s.ui.task(f"{tag} corral sync", n) as adv:
+            res["corral-seq"] = sdk_runs.exec_sync(ep, n, adv)
+        with s.ui.task(f"{tag} corral async x{conc}", n) as adv:
+            res["corral-conc"] = sdk_runs.exec_async(ep, n, conc, adv)
+        runs.append(res)
+    sec = _summarize(runs, [("corral-seq", "raw-seq"), ("corral-conc", "raw-conc")])
+    sec.update(n=n, concurrency=conc)
+    return sec, {k: v.phases["exec"] for k, v in runs[-1].items()}
+
+
+# ---- density --------------------------------------------------------------------------------
+def density(s: Session) -> tuple[Section, Samples]:
+    n, R = s.opts.n("density"), s.opts.runs
+    runs: list[dict[str, Any]] = []
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for r in range(R):
+        tag = f"density {r + 1}/{R}"
+        res: dict[str, Any] = {}
+        res["corral"], curves["corral"] = _density_corral(s, n, tag)
+        res["raw-netns"], curves["raw-netns"] = _density_raw(s, n, True, tag)
+        res["raw"], curves["raw"] = _density_raw(s, n, False, tag)
+        runs.append(res)
+    sec: Section = {"n": n, "median": median_tree(runs), "runs": runs, "ratios": {}}
+    for a, b in (("corral", "raw-netns"), ("corral", "raw")):
+        vals = [ratio(x[a].get("kib_per_sandbox"), x[b].get("kib_per_sandbox")) for x in runs]
+        if (m := median(vals)) is not None:
+            sec["ratios"][f"{a}/{b} memory"] = round(m, 3)
+    return sec, {"curves": curves}
+
+
+def _mem_delta(before: dict[str, int], after: dict[str, int], n: int) -> dict[str, float]:
+    """Per-sandbox KiB: what MemAvailable lost, and the kernel counters behind it."""
+    out = {"kib_per_sandbox": round((before["MemAvailable"] - after["MemAvailable"]) / n, 1)}
+    for k in ("Slab", "SUnreclaim", "KernelStack", "PageTables", "Shmem", "Percpu"):
+        if k in before and k in after:
+            out[f"{k.lower()}_kib"] = round((after[k] - before[k]) / n, 1)
+    return out
+
+
+def _rate_points(create_ms: list[float], window: int) -> list[tuple[int, float]]:
+    """Sequential create latencies -> (live count at window start, creates/s in the window)."""
+    pts = []
+    for i in range(0, len(create_ms) - window + 1, window):
+        total_s = sum(create_ms[i:i + window]) / 1000
+        if total_s > 0:
+            pts.append((i, window / total_s))
+    return pts
+
+
+def _rate_summary(pts: list[tuple[int, float]]) -> dict[str, float | None]:
+    """Create rate with few alive vs with nearly all alive (first/last 10% of the fill)."""
+    if not pts:
+        return {}
+    k = max(1, len(pts) // 10)
+    first = median([p[1] for p in pts[:k]])
+    last = median([p[1] for p in pts[-k:]])
+    return {"create_rate_empty": round(first or 0, 1), "create_rate_full": round(last or 0, 1),
+            "full/empty": ratio(last, first)}
+
+
+def _density_corral(s: Session, n: int, tag: str) -> tuple[dict[str, Any], list]:
+    ep = s.daemon.endpoint
+    host.settle()
+    before, rss0 = host.meminfo(), s.daemon.rss_kib() or 0
+    with s.ui.task(f"{tag} corral create", n) as adv:
+        ids, pts, wall, err = sdk_runs.fill(ep, n, s.opts.batch, adv)
+    try:
+        host.settle()
+        after, rss1 = host.meminfo(), s.daemon.rss_kib() or 0
+        pids = sorted(s.daemon.sandbox_pids())[:20]
+        out: dict[str, Any] = {"made": len(ids), "create_s": round(wall, 3),
+                               **_mem_delta(before, after, max(1, len(ids))),
+                               "daemon_rss_mib": round(rss1 / 1024, 1),
+                               "daemon_rss_kib_per_sandbox": round((rss1 - rss0) / max(1, len(ids)),
+                                                                   2),
+                               "init_pss_kib": median([host.pss_kib(p) for p in pids]),
+                               **_rate_summary(pts)}
+        if err:
+            out["error"] = err
+    finally:
+        with s.ui.task(f"{tag} corral destroy", len(ids)) as adv:
+            dwall = sdk_runs.destroy_all(ep, ids, s.opts.concurrency * 2, adv)
+    out["destroy_per_s"] = round(len(ids) / dwall, 1) if dwall > 0 else None
+    out["baseline"] = _back_to_baseline(s, before, s.daemon.cgroup_name)
+    return out, pts
+
+
+def _density_raw(s: Session, n: int, netns: bool, tag: str) -> tuple[dict[str, Any], list]:
+    assert s.raw is not None
+    name = "raw +netns" if netns else "raw"
+    host.settle()
+    before = host.meminfo()
+    with s.ui.task(f"{tag} {name} (create, hold)", None):
+        with s.raw.idle(n, netns) as info:
+            host.settle()
+            after = host.meminfo()
+            pss = median([host.pss_kib(p) for p in info.get("pids", [])[:20]])
+    made = info.get("made", 0)
+    create_ms = [x / 1000 for x in info.get("create_us", [])]
+    pts = _rate_points(create_ms, max(1, s.opts.batch))
+    out: dict[str, Any] = {"made": made, "create_s": info.get("wall_s"),
+                           **_mem_delta(before, after, max(1, made)), "init_pss_kib": pss,
+                           **_rate_summary(pts)}
+    if info.get("destroy_s"):
+        out["destroy_per_s"] = round(made / info["destroy_s"], 1)
+    out["baseline"] = _back_to_baseline(s, before, s.raw.cgroup_name)
+    return out, pts
+
+
+def _back_to_baseline(s: Session, before: dict[str, int], cgroup_name: str) -> dict[str, Any]:
+    """After destroying everything: memory (MemAvailable vs before), cgroups and processes
+    left under the system's cgroup name (host mounts never grow: every mount is in the
+    sandboxes' own namespaces)."""
+    host.settle()
+    now = host.meminfo()
+    return {"mem_available_delta_mib": round((now["MemAvailable"] - before["MemAvailable"]) / 1024,
+                                             1),
+            "cgroups_left": len(host.cgroup_children(cgroup_name)),
+            "processes_left": len(host.cgroup_pids(cgroup_name))}
+
+
+RUNNERS: dict[str, Callable[[Session], tuple[Section, Samples]]] = {
+    "churn": churn, "latency": latency, "exec": exec_, "density": density}

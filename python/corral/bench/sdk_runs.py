@@ -1,0 +1,223 @@
+"""corral measured end to end, the way a trainer uses it: through the SDK, over the daemon's
+unix socket, container substrate, ``host`` image, network ``none``; ``exec(["true"])`` (an argv,
+so no shell is started: the same program the raw baseline and the peers run)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from corral.bench.results import OpResult, with_total
+from corral.errors import CorralError
+from corral.sdk import AsyncSandbox, Sandbox
+
+TRUE = ["true"]
+# Long enough that nothing expires mid-measurement (density fills can take minutes).
+TTL_S = 6 * 3600.0
+Advance = Callable[[int], None]
+
+
+def _noop(_: int = 1) -> None:
+    pass
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:300]
+
+
+# ---- churn: create -> exec true -> destroy, `conc` in flight --------------------------------
+async def _churn(endpoint: str, n: int, conc: int, advance: Advance) -> OpResult:
+    create, execs, destroy = [-1.0] * n, [-1.0] * n, [-1.0] * n
+    errors: list[str] = []
+    todo = iter(range(n))
+
+    async def worker() -> None:
+        for i in todo:  # one iterator shared by the workers: each op is taken once
+            t0 = time.perf_counter()
+            sb: AsyncSandbox | None = None
+            try:
+                sb = await AsyncSandbox.create("host", endpoint=endpoint, timeout=TTL_S)
+                t1 = time.perf_counter()
+                r = await sb.exec(TRUE)
+                t2 = time.perf_counter()
+                await sb.kill()
+                sb = None
+                t3 = time.perf_counter()
+                if r.exit_code != 0:
+                    errors.append(f"exit {r.exit_code}: {r.stderr[:200]}")
+                else:
+                    create[i], execs[i], destroy[i] = ((t1 - t0) * 1e3, (t2 - t1) * 1e3,
+                                                       (t3 - t2) * 1e3)
+            except CorralError as e:
+                errors.append(_err(e))
+            finally:
+                if sb is not None:
+                    await _kill_quietly(sb)
+                advance(1)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(conc)))
+    wall = time.perf_counter() - t0
+    phases = with_total({"create": create, "exec": execs, "destroy": destroy},
+                        ("create", "exec", "destroy"))
+    return OpResult("corral", n, wall, len(errors), _ok(phases), _extra(conc, errors))
+
+
+def churn(endpoint: str, n: int, conc: int, advance: Advance = _noop) -> OpResult:
+    return asyncio.run(_churn(endpoint, n, conc, advance))
+
+
+async def _kill_quietly(sb: AsyncSandbox) -> None:
+    try:
+        await sb.kill()
+    except CorralError:
+        pass
+
+
+def _ok(phases: dict[str, list[float]]) -> dict[str, list[float]]:
+    return {k: [x for x in v if x >= 0] for k, v in phases.items()}
+
+
+def _extra(conc: int, errors: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {"concurrency": conc}
+    if errors:
+        out["first_error"] = errors[0]
+    return out
+
+
+# ---- latency: one client, nothing else running ----------------------------------------------
+def latency(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5) -> OpResult:
+    """Per op: create (cold: no warm pool asked for), the first exec, time to the first result
+    (create + exec) and destroy; then ``n`` exec round trips on one live sandbox."""
+    ph: dict[str, list[float]] = {"create": [], "first_exec": [], "ttfr": [], "destroy": []}
+    errors: list[str] = []
+    t_start = time.perf_counter()
+    for i in range(-warmup, n):
+        if i == 0:
+            t_start = time.perf_counter()
+        try:
+            t0 = time.perf_counter()
+            sb = Sandbox("host", endpoint=endpoint, timeout=TTL_S)
+            t1 = time.perf_counter()
+            try:
+                r = sb.exec(TRUE)
+                t2 = time.perf_counter()
+            finally:
+                sb.kill()
+            t3 = time.perf_counter()
+        except CorralError as e:
+            errors.append(_err(e))
+            continue
+        finally:
+            if i >= 0:
+                advance(1)
+        if i < 0:
+            continue
+        if r.exit_code != 0:
+            errors.append(f"exit {r.exit_code}")
+            continue
+        ph["create"].append((t1 - t0) * 1e3)
+        ph["first_exec"].append((t2 - t1) * 1e3)
+        ph["ttfr"].append((t2 - t0) * 1e3)
+        ph["destroy"].append((t3 - t2) * 1e3)
+    wall = time.perf_counter() - t_start  # ops_per_s: sequential create+exec+destroy
+    ph["exec"] = exec_sync(endpoint, n).phases["exec"]
+    return OpResult("corral", n, wall, len(errors), ph, _extra(1, errors))
+
+
+# ---- exec throughput on one live sandbox ----------------------------------------------------
+def exec_sync(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5) -> OpResult:
+    lat: list[float] = []
+    errors: list[str] = []
+    with Sandbox("host", endpoint=endpoint, timeout=TTL_S) as sb:
+        for _ in range(warmup):
+            sb.exec(TRUE)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            t = time.perf_counter()
+            try:
+                r = sb.exec(TRUE)
+                if r.exit_code == 0:
+                    lat.append((time.perf_counter() - t) * 1e3)
+                else:
+                    errors.append(f"exit {r.exit_code}")
+            except CorralError as e:
+                errors.append(_err(e))
+            advance(1)
+        wall = time.perf_counter() - t0
+    return OpResult("corral", n, wall, len(errors), {"exec": lat}, _extra(1, errors))
+
+
+async def _exec_async(endpoint: str, n: int, conc: int, advance: Advance) -> OpResult:
+    lat: list[float] = []
+    errors: list[str] = []
+    async with AsyncSandbox("host", endpoint=endpoint, timeout=TTL_S) as sb:
+        await asyncio.gather(*(sb.exec(TRUE) for _ in range(conc)))  # warm connections
+        todo = iter(range(n))
+
+        async def worker() -> None:
+            for _ in todo:
+                t = time.perf_counter()
+                try:
+                    r = await sb.exec(TRUE)
+                    if r.exit_code == 0:
+                        lat.append((time.perf_counter() - t) * 1e3)
+                    else:
+                        errors.append(f"exit {r.exit_code}")
+                except CorralError as e:
+                    errors.append(_err(e))
+                advance(1)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(conc)))
+        wall = time.perf_counter() - t0
+    return OpResult("corral", n, wall, len(errors), {"exec": lat}, _extra(conc, errors))
+
+
+def exec_async(endpoint: str, n: int, conc: int, advance: Advance = _noop) -> OpResult:
+    return asyncio.run(_exec_async(endpoint, n, conc, advance))
+
+
+# ---- density: fill, hold, destroy -----------------------------------------------------------
+def fill(endpoint: str, count: int, batch: int,
+         advance: Advance = _noop) -> tuple[list[str], list[tuple[int, float]], float, str | None]:
+    """Create ``count`` idle sandboxes in batches (``create_many``). Returns (ids,
+    [(live count before the batch, creates/s of the batch)], wall seconds, error or None)."""
+    ids: list[str] = []
+    rates: list[tuple[int, float]] = []
+    error = None
+    t0 = time.perf_counter()
+    while len(ids) < count:
+        b = min(batch, count - len(ids))
+        t = time.perf_counter()
+        try:
+            boxes = Sandbox.create_many(b, "host", endpoint=endpoint, timeout=TTL_S)
+        except CorralError as e:
+            error = _err(e)
+            break
+        rates.append((len(ids), b / (time.perf_counter() - t)))
+        ids.extend(sb.id for sb in boxes)
+        advance(b)
+    return ids, rates, time.perf_counter() - t0, error
+
+
+async def _destroy_all(endpoint: str, ids: list[str], conc: int, advance: Advance) -> float:
+    todo = iter(ids)
+
+    async def worker() -> None:
+        for sid in todo:
+            try:
+                await AsyncSandbox.from_id(sid, endpoint=endpoint).kill()
+            except CorralError:
+                pass
+            advance(1)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(conc)))
+    return time.perf_counter() - t0
+
+
+def destroy_all(endpoint: str, ids: list[str], conc: int = 8, advance: Advance = _noop) -> float:
+    return asyncio.run(_destroy_all(endpoint, ids, conc, advance))

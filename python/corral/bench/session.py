@@ -1,0 +1,123 @@
+"""One benchmark session: options, the private daemon, the raw baseline, the peers, and the
+cleanup check that ends every session (nothing may be left behind: processes, cgroups, mounts,
+directories)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from corral.bench import host, raw
+from corral.bench.daemon import PrivateDaemon
+from corral.bench.peers import Peers, ensure_installed
+from corral.bench.ui import UI
+
+SCENARIOS = ("churn", "latency", "exec", "density")
+DEFAULT_COUNTS = {"churn": 1000, "latency": 300, "exec": 1000, "density": 1000}
+
+
+@dataclass
+class Options:
+    scenarios: list[str] = field(default_factory=lambda: list(SCENARIOS))
+    peers: bool = False
+    runs: int = 3
+    count: int | None = None          # every scenario's N (None: DEFAULT_COUNTS)
+    concurrency: int = 4              # in flight (churn, async exec) for every system
+    peer_count: int | None = None     # peers' N (None: min(churn N, 300))
+    batch: int = 100                  # density: create_many batch size
+    plots_dir: str | None = "bench/out"
+    profile: bool = False             # py-spy the daemon during corral's churn
+    workdir: str = "/var/tmp"         # parent of the private state (its fs type matters)
+    progress: bool = True
+
+    def n(self, scenario: str) -> int:
+        return self.count or DEFAULT_COUNTS[scenario]
+
+    def n_peers(self) -> int:
+        return self.peer_count or min(self.n("churn"), 300)
+
+
+class Session:
+    def __init__(self, opts: Options, ui: UI) -> None:
+        self.opts = opts
+        self.ui = ui
+        self.prefix = f"corral-bench-{os.getpid()}-"
+        self.root = Path(tempfile.mkdtemp(prefix="corral-bench-", dir=opts.workdir))
+        live = opts.n("density") if "density" in opts.scenarios else 1000
+        self.daemon = PrivateDaemon(self.root / "daemon", self.prefix + "d",
+                                    max_sandboxes=max(20000, live + 1000))
+        self.raw: raw.RawBaseline | None = None
+        self.peers: Peers | None = None
+        self.peer_versions: dict[str, str | None] = {}
+        self.peer_errors: dict[str, str] = {}
+        self.notes: list[str] = []
+        self.mounts_before = host.mount_count()
+
+    # ---- setup ---------------------------------------------------------------------------
+    def setup(self) -> None:
+        if os.geteuid() != 0:
+            raise PermissionError("corral bench needs root (it makes namespaces and cgroups)")
+        if "density" in self.opts.scenarios:
+            for n in host.raise_limits(self.opts.n("density")):
+                self.notes.append(f"raised {n}")
+        bins = raw.build(Path("/var/tmp/corral-bench-build"))
+        self.daemon.start()
+        self._warm_up()
+        self.raw = raw.RawBaseline(bins, self.root / "raw", self.prefix + "raw",
+                                   self.daemon.host_overlays())
+        if self.opts.peers:
+            self.peer_versions = ensure_installed(self.ui.note)
+            self.peers = Peers(self.root / "peers", self.daemon.host_rootfs(),
+                               self.prefix + "peers")
+            for name, version in self.peer_versions.items():
+                err = "not installed" if version is None else self.peers.probe(name)
+                if err:
+                    self.peer_errors[name] = err
+                    self.ui.note(f"peer {name} unavailable: {err}")
+
+    def _warm_up(self) -> None:
+        """One sandbox through the SDK: builds the host image and opens the daemon's paths."""
+        from corral.sdk import Sandbox
+
+        with Sandbox("host", endpoint=self.daemon.endpoint) as sb:
+            sb.exec(["true"])
+        if not self.daemon.host_rootfs().is_dir():
+            raise RuntimeError(f"no host image skeleton at {self.daemon.host_rootfs()}")
+
+    def peer_names(self) -> list[str]:
+        if not self.peers:
+            return []
+        return [p for p, v in self.peer_versions.items() if v and p not in self.peer_errors]
+
+    # ---- teardown ------------------------------------------------------------------------
+    def teardown(self) -> dict[str, Any]:
+        """Stop everything and report what (if anything) was left behind, then sweep it."""
+        leaks: dict[str, Any] = {}
+        try:
+            self.daemon.stop()
+        except Exception as e:  # noqa: BLE001 - the cleanup check must still run
+            leaks["daemon_stop"] = str(e)
+        if self.peers is not None:
+            left = self.peers.cleanup()
+            if left:
+                leaks["peer_cgroups"] = left
+        leaks["sandbox_cgroups"] = host.cgroup_children(self.prefix)
+        leaks["processes"] = sorted(host.cgroup_pids(self.prefix))
+        leaks["mounts"] = host.host_mounts_under(str(self.root))
+        # Host-wide, so other users of the machine move it too: reported, not judged.
+        mount_delta = host.mount_count() - self.mounts_before
+        sdir = self.daemon.state_dir / "sandboxes"
+        leaks["sandbox_dirs"] = sorted(os.listdir(sdir)) if sdir.is_dir() else []
+        rdir = self.root / "raw"
+        leaks["raw_dirs"] = sorted(os.listdir(rdir)) if rdir.is_dir() else []
+        left = host.sweep_cgroups(self.prefix)  # also removes our empty top-level dirs
+        if left:
+            leaks["unremovable_cgroups"] = left
+        clean = not any(v for k, v in leaks.items())
+        shutil.rmtree(self.root, ignore_errors=True)
+        return {"clean": clean, "leaks": {k: v for k, v in leaks.items() if v},
+                "host_mount_count_delta": mount_delta}

@@ -1,0 +1,82 @@
+"""``corral bench``: corral against the raw-syscall baseline and its peers (issue 3).
+
+The work is in ``corral.bench``; this is the command line. Runs as root (namespaces, cgroups)
+against a private daemon it starts and stops itself.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from corral.cli.output import err
+
+app = typer.Typer()
+
+_SCENARIOS = ("churn", "latency", "exec", "density")
+
+
+def parse_scenarios(value: str) -> list[str]:
+    """``all`` or a comma-separated list of churn, latency, exec, density."""
+    if value.strip() == "all":
+        return list(_SCENARIOS)
+    names = [s.strip() for s in value.split(",") if s.strip()]
+    bad = [s for s in names if s not in _SCENARIOS]
+    if bad or not names:
+        raise typer.BadParameter(f"unknown scenario {', '.join(bad) or value!r}: use "
+                                 f"{', '.join(_SCENARIOS)} or all")
+    return names
+
+
+@app.command()
+def bench(
+    scenario: str = typer.Argument("all", help="churn, latency, exec, density, all, or a "
+                                               "comma-separated list."),
+    peers: bool = typer.Option(False, "--peers", help="Also run bwrap, crun and runc in the "
+                                                      "churn (installed with apt-get if "
+                                                      "missing)."),
+    runs: int = typer.Option(3, "--runs", "-r", min=1, help="Repeat each scenario; the "
+                                                            "report quotes medians."),
+    count: int | None = typer.Option(None, "--count", "-n", min=1, help="Operations (or live "
+                                     "sandboxes for density) per scenario. Default: churn "
+                                     "1000, latency 300, exec 1000, density 1000."),
+    concurrency: int = typer.Option(4, "--concurrency", "-c", min=1, max=64,
+                                    help="Operations in flight (churn, async exec), the same "
+                                         "for every system."),
+    peer_count: int | None = typer.Option(None, "--peer-count", min=1,
+                                          help="Operations per peer (default min(N, 300))."),
+    batch: int = typer.Option(100, "--batch", min=1, max=10000,
+                              help="density: sandboxes per create_many call."),
+    json_: bool = typer.Option(False, "--json", help="The report as JSON on stdout."),
+    plots_dir: str = typer.Option("bench/out", "--plots-dir",
+                                  help="Where the PNG plots and report.json go ('' for none)."),
+    profile: bool = typer.Option(False, "--profile", help="Sample the daemon with py-spy "
+                                                          "during corral's churn; report its "
+                                                          "top functions."),
+    workdir: str = typer.Option("/var/tmp", "--workdir",
+                                help="Parent of the run's private state (daemon state dir, "
+                                     "raw baseline dirs, peer bundles); its filesystem "
+                                     "matters: ext4 vs tmpfs changes create/destroy cost."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bars on "
+                                                                        "stderr."),
+) -> None:
+    """Benchmark corral against a raw-syscall baseline and (--peers) bwrap, crun, runc.
+
+    Scenarios: churn (create -> exec true -> destroy), latency (one client), exec (one live
+    sandbox), density (N idle sandboxes: memory, create rate vs live count). Every system
+    runs in the same run; ratios are taken within a run, medians over --runs. Exits 1 if a
+    scenario failed or anything was left behind."""
+    from corral.bench.runner import run
+    from corral.bench.session import Options
+
+    opts = Options(scenarios=parse_scenarios(scenario), peers=peers, runs=runs, count=count,
+                   concurrency=concurrency, peer_count=peer_count, batch=batch,
+                   plots_dir=plots_dir or None, profile=profile, workdir=workdir,
+                   progress=progress)
+    try:
+        rep = run(opts, json_out=json_)
+    except PermissionError as e:
+        err.print(f"error: {e}")
+        raise typer.Exit(1) from None
+    failed = [k for k, v in rep["scenarios"].items() if "error" in v]
+    if failed or not rep.get("cleanup", {}).get("clean"):
+        raise typer.Exit(1)

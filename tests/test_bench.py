@@ -1,0 +1,132 @@
+"""``corral bench`` at tiny sizes: the report's structure and that nothing is left behind.
+
+No timed assertion anywhere: these machines are noisy, the benchmark's numbers are for
+docs/benchmarks.md, not for pass/fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from corral.bench import host
+from corral.bench.runner import run
+from corral.bench.session import Options
+from corral.cli.bench import parse_scenarios
+from corral.cli.main import app
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("cc") is None,
+    reason="the benchmark needs root and a C compiler (the raw baseline is built at run time)")
+
+N = 20
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """One tiny run of every scenario (no peers), in process."""
+    plots = tmp_path_factory.mktemp("bench-out")
+    rep = run(Options(runs=1, count=N, concurrency=2, batch=5, plots_dir=str(plots),
+                      progress=False))
+    rep["_plots_dir"] = str(plots)
+    return rep
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def test_everything_cleaned_up(report):
+    assert report["cleanup"]["clean"], report["cleanup"]
+    prefix = f"corral-bench-{os.getpid()}-"
+    assert host.cgroup_tops(prefix) == []
+    assert host.cgroup_pids(prefix) == set()
+    assert not os.path.exists(report["state_root"])  # daemon state, raw dirs: all removed
+
+
+def test_report_header(report):
+    for key in ("version", "command", "host", "options", "scenarios", "cleanup", "duration_s"):
+        assert key in report
+    assert report["host"]["cpus"] >= 1
+    assert set(report["scenarios"]) == {"churn", "latency", "exec", "density"}
+    for name, sec in report["scenarios"].items():
+        assert "error" not in sec, (name, sec)
+        assert len(sec["runs"]) == 1
+
+
+def test_churn_section(report):
+    sec = report["scenarios"]["churn"]
+    assert sec["n"] == N
+    for system in ("corral", "raw", "raw-netns"):
+        m = sec["median"][system]
+        assert m["n"] == N and m["errors"] == 0
+        assert _is_num(m["ops_per_s"]) and m["ops_per_s"] > 0
+        for phase in ("create", "exec", "destroy", "total"):
+            s = m[f"{phase}_ms"]
+            assert s["n"] == N
+            assert s["p50"] <= s["p90"] <= s["p99"] <= s["max"]
+    assert set(sec["ratios"]) == {"corral/raw", "corral/raw-netns"}
+    assert all(_is_num(v) and v > 0 for v in sec["ratios"].values())
+
+
+def test_latency_section(report):
+    m = report["scenarios"]["latency"]["median"]
+    for phase in ("create", "first_exec", "ttfr", "destroy", "exec"):
+        assert m["corral"][f"{phase}_ms"]["n"] == N
+    for phase in ("create", "exec", "ttfr", "destroy"):
+        assert m["raw-netns"][f"{phase}_ms"]["n"] == N
+
+
+def test_exec_section(report):
+    sec = report["scenarios"]["exec"]
+    for system in ("corral-seq", "corral-conc", "raw-seq", "raw-conc"):
+        assert sec["median"][system]["errors"] == 0
+        assert sec["median"][system]["exec_ms"]["n"] == N
+    assert set(sec["ratios"]) == {"corral-seq/raw-seq", "corral-conc/raw-conc"}
+
+
+def test_density_section(report):
+    sec = report["scenarios"]["density"]
+    for system in ("corral", "raw-netns", "raw"):
+        m = sec["median"][system]
+        assert m["made"] == N
+        for key in ("kib_per_sandbox", "slab_kib", "create_rate_empty", "create_rate_full"):
+            assert _is_num(m[key]), (system, key)
+        # Destroyed everything: no cgroup, no process of that system is left.
+        assert m["baseline"]["cgroups_left"] == 0
+        assert m["baseline"]["processes_left"] == 0
+    assert _is_num(sec["median"]["corral"]["daemon_rss_mib"])
+
+
+def test_plots_and_json_written(report):
+    out = report["_plots_dir"]
+    assert {os.path.basename(p) for p in report["plots"]} == {
+        "latency_cdf.png", "churn_latency_cdf.png", "churn_rates.png", "density_rate.png"}
+    for p in report["plots"]:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(os.path.join(out, "report.json")) as f:
+        assert json.load(f)["scenarios"]["churn"]["n"] == N
+
+
+def test_cli_json(tmp_path):
+    """`corral bench churn --json`: the report on stdout, exit 0, nothing left behind."""
+    r = CliRunner().invoke(app, ["bench", "churn", "--count", "8", "--runs", "1",
+                                 "--concurrency", "2", "--json", "--no-progress",
+                                 "--plots-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert list(rep["scenarios"]) == ["churn"]
+    assert rep["scenarios"]["churn"]["median"]["corral"]["n"] == 8
+    assert rep["cleanup"]["clean"]
+
+
+def test_parse_scenarios():
+    assert parse_scenarios("all") == ["churn", "latency", "exec", "density"]
+    assert parse_scenarios("exec, churn") == ["exec", "churn"]
+    with pytest.raises(Exception, match="unknown scenario"):
+        parse_scenarios("nope")
