@@ -168,6 +168,7 @@ def test_kill9_restart_readopts_and_cleans(daemon):
         sid = survivor["id"]
         c.put(f"/v1/sandboxes/{sid}/files", params={"path": "/work/keep.txt"}, content=b"kept")
         run(c, sid, "echo upper > /root/marker; sleep 1000 >/dev/null 2>&1 &")
+        before = run(c, sid, "ps -e -o pid,ppid,stat,args")
     daemon_pid = int(open(os.path.join(STATE_DIR, "corrald.pid")).read())
 
     daemon.kill9()
@@ -192,7 +193,8 @@ def test_kill9_restart_readopts_and_cleans(daemon):
         assert c.get(f"/v1/sandboxes/{sid}/files", params={"path": "/work/keep.txt"}).content \
             == b"kept"
         r = run(c, sid, "cat /root/marker; pgrep -x sleep >/dev/null && echo running")
-        assert r["stdout"] == "upper\nrunning\n"
+        ps = "ps -e -o pid,ppid,stat,args"
+        assert r["stdout"] == "upper\nrunning\n", (before, run(c, sid, ps))
         # The victim is reported lost and fully cleaned.
         expect_error(c.get(f"/v1/sandboxes/{victim['id']}"), "sandbox_lost", 410)
         assert not cgroups_of(victim["id"])

@@ -422,6 +422,8 @@ class Engine:
                 log.exception("reaper failed")
 
     def reap(self, now: float) -> None:
+        if len(self._heap) > 2 * len(self.sandboxes) + 1024:
+            self._compact_heap()
         heap = self._heap
         while heap and heap[0][0] <= now:
             when, sid = heapq.heappop(heap)
@@ -436,6 +438,13 @@ class Engine:
             else:
                 sb.sched = 0.0
                 self._schedule(sb, now)
+
+    def _compact_heap(self) -> None:
+        """Entries of killed sandboxes stay until their deadline (up to a week away): with
+        heavy churn, rebuild the heap from the live entries only."""
+        self._heap = [(sb.sched, sid) for sid, sb in self.sandboxes.items()
+                      if sb.state == "running" and sb.sched]
+        heapq.heapify(self._heap)
 
     def _begin_stop(self, sb: Sandbox, reason: str) -> asyncio.Future[None]:
         if sb.stopping is None:
