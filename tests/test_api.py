@@ -512,6 +512,20 @@ def test_files_roundtrip(c, sb):
     assert c.get(f(sb), params={"path": "/work/bin"}).content == binary
 
 
+def test_files_read_max_bytes(c, sb):
+    c.put(f(sb), params={"path": "/work/ten"}, content=b"0123456789")
+    r = c.get(f(sb), params={"path": "/work/ten", "max_bytes": "4"})
+    assert r.content == b"0123" and r.headers["x-corral-truncated"] == "true"
+    r = c.get(f(sb), params={"path": "/work/ten", "max_bytes": "10"})
+    assert r.content == b"0123456789" and "x-corral-truncated" not in r.headers
+    expect_error(c.get(f(sb), params={"path": "/work/ten", "max_bytes": "-1"}),
+                 "invalid_request", 400)
+    big = os.urandom(3 << 20)  # past the direct-read size: the threaded path truncates too
+    c.put(f(sb), params={"path": "/work/big3"}, content=big)
+    r = c.get(f(sb), params={"path": "/work/big3", "max_bytes": str(2 << 20)})
+    assert r.content == big[: 2 << 20] and r.headers["x-corral-truncated"] == "true"
+
+
 def test_files_big(c, sb):
     data = os.urandom(5 << 20)
     assert c.put(f(sb), params={"path": "/work/big"}, content=data).status_code == 200
@@ -549,9 +563,8 @@ def test_files_errors(c, sb):
     expect_error(c.put(f(sb), params={"path": "/work/x", "mode": "abc"}), "invalid_request", 400)
     expect_error(c.put(f(sb), params={"path": "/work/x", "mode": "99999"}),
                  "invalid_request", 400)
-    r = c.get(f(sb), params={"path": "/etc"})
-    assert r.status_code in (400, 409) and r.json()["error"]["code"] in (
-        "is_a_directory", "invalid_request")
+    expect_error(c.get(f(sb), params={"path": "/etc"}), "is_a_directory", 409)
+    expect_error(c.put(f(sb), params={"path": "/etc"}, content=b"x"), "is_a_directory", 409)
     expect_error(c.get(f(sb, "/list"), params={"path": "/etc/hostname"}), "not_a_directory", 409)
     expect_error(c.post(f(sb, "/mkdir"), json={}), "invalid_request", 400)
 

@@ -243,7 +243,20 @@ def test_failed_start_keeps_sandboxes_for_the_next(daemon):
 def test_graceful_stop_destroys_everything(daemon):
     with client() as c:
         infos = [create(c, timeout=600) for _ in range(3)]
+    in_flight = {}
+
+    def long_exec():
+        with client() as c2:
+            in_flight["r"] = c2.post(f"/v1/sandboxes/{infos[0]['id']}/exec",
+                                     json={"cmd": "sleep 60"})
+
+    t = threading.Thread(target=long_exec)
+    t.start()
+    time.sleep(0.5)
     daemon.stop()
+    t.join(30)
+    # The command in flight is told the daemon went away (infra), not given a fake exit code.
+    expect_error(in_flight["r"], "daemon_restarted", 503)
     assert not os.path.exists(daemon.socket_path)
     assert not os.path.exists(os.path.join(STATE_DIR, "corrald.pid"))
     assert leaked_sandbox_cgroups() == [] and pids_in_cgroups() == set()
