@@ -484,6 +484,8 @@ def test_spawn_rejects_bad_config(state, make_box):
         lambda c: c.update(overlays=[]),
         lambda c: c["overlays"][0].update(target="/usr"),
         lambda c: c["overlays"][1].update(target="/a/../b"),
+        lambda c: c["overlays"][1].update(target="/proc/x"),
+        lambda c: c["overlays"][1].update(target="/tmp"),
         lambda c: c["overlays"][0].update(lower=["/a,b"]),
         lambda c: c["overlays"][0].update(lower=["relative"]),
         lambda c: c["overlays"][0].update(options=["upperdir=/etc"]),

@@ -336,10 +336,22 @@ fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
             )));
         }
         let t = Target::new(&o.target)?;
-        if t.path().is_none() {
+        let Some(rel) = t.path() else {
             return Err(SpawnError::Invalid(
                 "only the first overlay may target \"/\"".into(),
             ));
+        };
+        let top = rel
+            .to_bytes()
+            .split(|&b| b == b'/')
+            .next()
+            .unwrap_or_default();
+        if [&b"proc"[..], b"dev", b"tmp"].contains(&top) {
+            return Err(SpawnError::Invalid(format!(
+                "overlay target {:?} would be hidden by the sandbox's own /{}",
+                o.target,
+                String::from_utf8_lossy(top)
+            )));
         }
         subs.push((t, overlay_opts(o)?));
     }
