@@ -439,7 +439,7 @@ def test_background_stream(c, sb):
 def test_background_wait_timeout_and_kill(c, sb):
     pid = start_bg(c, sb, "sleep 100 & sleep 100")
     expect_error(c.post(f"/v1/sandboxes/{sb}/procs/{pid}/wait", json={"timeout": 0.2}),
-                 "timeout", 504)
+                 "process_running", 409)
     assert c.post(f"/v1/sandboxes/{sb}/procs/{pid}/kill", json={"signal": 15}).json() == \
         {"ok": True}
     r = c.post(f"/v1/sandboxes/{sb}/procs/{pid}/wait", json={"timeout": 30}).json()

@@ -10,6 +10,7 @@ from corral.errors import (
     InfraError,
     InvalidPath,
     InvalidRequest,
+    ProcessStillRunning,
     SandboxLost,
     SandboxNotFound,
     SandboxNotRunning,
@@ -21,7 +22,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CapacityExceeded", "CorralError", "DaemonRestarted", "DaemonUnavailable", "FileNotFound",
-    "ImageNotFound", "InfraError", "InvalidPath", "InvalidRequest", "SandboxLost",
+    "ImageNotFound", "InfraError", "InvalidPath", "InvalidRequest", "ProcessStillRunning",
+    "SandboxLost",
     "SandboxNotFound", "SandboxNotRunning", "Timeout", "Unsupported", "__version__",
 ]
 

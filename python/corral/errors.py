@@ -94,6 +94,13 @@ class DirectoryNotEmpty(Conflict):
     code, status = "directory_not_empty", 409
 
 
+class ProcessStillRunning(Conflict):
+    """A wait on a background command ran out of time; the command keeps running. This is the
+    command's own slowness, not an infrastructure failure."""
+
+    code, status = "process_running", 409
+
+
 class SandboxNotRunning(Conflict):
     """The sandbox exists (or existed) but is no longer running (killed, expired)."""
 

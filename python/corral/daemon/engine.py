@@ -45,10 +45,10 @@ from corral.errors import (
     IsADirectory,
     NotADirectory,
     ProcessNotFound,
+    ProcessStillRunning,
     SandboxLost,
     SandboxNotFound,
     SandboxNotRunning,
-    Timeout,
     Unsupported,
 )
 from corral.models import SUBSTRATES, ExecRequest, SandboxSpec
@@ -633,7 +633,7 @@ class Engine:
         try:
             await asyncio.wait_for(asyncio.shield(p.done), timeout)
         except asyncio.TimeoutError:
-            raise Timeout(f"process {p.ns_pid} still running after {timeout} s",
+            raise ProcessStillRunning(f"process {p.ns_pid} still running after {timeout} s",
                           details={"pid": p.ns_pid}) from None
         finally:
             sb.busy -= 1

@@ -216,7 +216,7 @@ class Process(ProcessBase):
         return self._saw_status(self._call(api.proc_status(self.sandbox_id, self.pid)))
 
     def wait(self, timeout: float | None = None) -> ExecResult:
-        """Its result once it exits (raises corral.Timeout if still running after
+        """Its result once it exits (raises corral.ProcessStillRunning if still running after
         ``timeout`` seconds; the process keeps running)."""
         return self._saw_result(self._call(api.proc_wait(self.sandbox_id, self.pid, timeout)))
 
