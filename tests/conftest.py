@@ -153,6 +153,7 @@ def daemon():
     _DAEMON.stop()
     leaks = {
         "cgroups": leaked_sandbox_cgroups(),
+        "cgroup_parents": [str(d) for d in cgroup_dirs()],  # a graceful stop removes them
         "pids": sorted(pids_in_cgroups()),
         "mounts": host_mounts_under(STATE_DIR),
     }

@@ -264,6 +264,14 @@ class CgroupManager:
                 except OSError:
                     pass
 
+    def remove_parents(self) -> None:
+        """Remove our (empty) top-level directories; best effort, a busy one stays."""
+        for base in self._bases:
+            try:
+                os.rmdir(base)
+            except OSError:
+                pass
+
     def list_ids(self) -> set[str]:
         ids: set[str] = set()
         for b in self._bases:

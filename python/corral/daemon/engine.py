@@ -260,6 +260,8 @@ class Engine:
         if stops:
             log.info("destroying sandboxes", extra={"count": len(stops)})
             await asyncio.gather(*stops, return_exceptions=True)
+        for substrate in self.substrates.values():
+            substrate.close(retire=not self.sandboxes)
 
     # ---- lookup --------------------------------------------------------------------------
     def _gone(self, sid: str, sb: Sandbox | None = None) -> CorralError:

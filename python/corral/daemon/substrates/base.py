@@ -100,6 +100,11 @@ class Substrate(ABC):
     @abstractmethod
     def is_alive(self, runtime: SandboxRuntime) -> bool: ...
 
+    @abstractmethod
+    def close(self, *, retire: bool = False) -> None:
+        """Release what the substrate holds (never the sandboxes). ``retire``: every sandbox is
+        gone (graceful stop), so host-level leftovers (parent cgroups ...) go too."""
+
     # ---- files: every path is absolute inside the sandbox and resolved inside its root -------
     @abstractmethod
     def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes: ...

@@ -228,10 +228,13 @@ class ContainerSubstrate(Substrate):
             netns_pool = int(os.environ.get("CORRAL_NETNS_POOL", "32"))
         self.netns = NetnsPool(netns_pool)
 
-    def close(self) -> None:
+    def close(self, *, retire: bool = False) -> None:
         """Release what the substrate holds (not the sandboxes): pooled netns, root fds, the
-        init memfd."""
+        init memfd. ``retire`` (a graceful stop, every sandbox destroyed) also removes the
+        parent cgroups, so a stopped corral leaves nothing in the host's cgroup tree."""
         self.netns.close()
+        if retire:
+            self.cgroups.remove_parents()
         for sid in list(self._roots):
             self._close_root(sid)
         if self.init_fd >= 0:
