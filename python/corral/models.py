@@ -45,7 +45,8 @@ class SandboxSpec(_Model):
     metadata: dict[str, str] = Field(default_factory=dict)
     network: NetworkMode = "none"
     hostname: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9\-.]{0,62}$")
-    cwd: str = Field("/root", min_length=1, max_length=4096)
+    cwd: str = Field("/root", min_length=1, max_length=4096, pattern=r"^/",
+                     description="absolute working directory for commands")
 
     @field_validator("env")
     @classmethod

@@ -87,6 +87,23 @@ def lock_pidfile(state_dir: str) -> int:
     return fd
 
 
+def lock_cgroup_name(name: str) -> int:
+    """One daemon per cgroup name: at start-up a daemon removes every sandbox cgroup under its
+    name that it does not know, so a second daemon on the same name would kill the first one's
+    sandboxes. The lock lives in /run (per boot, like the cgroups themselves)."""
+    d = "/run/corral/locks"
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(d, f"cgroup-{name.replace('/', '_')}.lock"),
+                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StartupError(f"another corrald uses the cgroup name {name!r}; give this one "
+                           "its own (CORRAL_CGROUP)") from None
+    return fd
+
+
 def bind_unix(path: str) -> socket.socket:
     """A root-only socket (0600) in a directory we make 0700."""
     d = os.path.dirname(path)
@@ -128,6 +145,7 @@ async def serve(cfg: config.Config) -> None:
                            "CORRAL_TOKEN)")
     os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
     lock_fd = lock_pidfile(cfg.state_dir)
+    cgroup_lock_fd = lock_cgroup_name(cfg.cgroup_name)
     sock = bind_unix(cfg.socket_path)
     # Destroys (waiting for a pid namespace to die, cgroup removal) and big file operations
     # run in threads and mostly wait in the kernel: more workers than the default few, so a
@@ -176,6 +194,7 @@ async def serve(cfg: config.Config) -> None:
             os.unlink(os.path.join(cfg.state_dir, PIDFILE))
         finally:
             os.close(lock_fd)
+            os.close(cgroup_lock_fd)
         log.info("corrald stopped")
 
 

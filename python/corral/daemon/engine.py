@@ -55,6 +55,14 @@ from corral.models import SUBSTRATES, ExecRequest, SandboxSpec
 
 log = logging.getLogger("corral.engine")
 
+
+def _effective_timeout(req: ExecRequest) -> float | None:
+    """A background command (a server, a watcher) lives until killed or until its sandbox
+    ends, unless the caller set a timeout; a foreground one gets the default."""
+    if req.background and "timeout" not in req.model_fields_set:
+        return None
+    return req.timeout
+
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 TOMBSTONES = 50_000          # remembered ended ids, so late calls get a precise error
 MAX_PROCS_KEPT = 256         # finished background processes remembered per sandbox
@@ -555,7 +563,7 @@ class Engine:
             proc = procs.start(self._loop, substrate, sb.runtime, argv, env, cwd, ident.uid,
                                ident.gid, ident.groups, cmd=req.cmd, stdin=stdin,
                                keep_stdin=req.background, cap=req.max_output_bytes,
-                               timeout=req.timeout)
+                               timeout=_effective_timeout(req))
         except CorralError:
             self._check_alive(sb)  # e.g. sandbox_not_running from a dead init -> lost
             raise

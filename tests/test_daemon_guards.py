@@ -1,0 +1,41 @@
+"""Guards at the daemon's edges: one daemon per cgroup name, validated create options,
+background commands without a default timeout."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+import corral
+from corral.daemon.engine import _effective_timeout
+from corral.models import DEFAULT_EXEC_TIMEOUT_S, ExecRequest
+
+from conftest import DaemonProcess
+
+
+def test_second_daemon_on_same_cgroup_name_refuses_to_start():
+    with corral.Sandbox() as sb:
+        state = tempfile.mkdtemp(prefix="corral-test-dup-", dir="/var/tmp")
+        other = DaemonProcess(state_dir=state, socket_path=os.path.join(state, "d.sock"))
+        try:
+            with pytest.raises(RuntimeError, match="cgroup name"):
+                other.start(timeout=30)
+        finally:
+            other.stop()
+            shutil.rmtree(state, ignore_errors=True)
+        # The first daemon's sandbox was not touched by the refused one.
+        assert sb.exec("echo still-here").stdout == "still-here\n"
+
+
+def test_relative_cwd_is_refused_at_create():
+    with pytest.raises(corral.InvalidRequest):
+        corral.Sandbox(cwd="tmp")
+
+
+def test_background_commands_have_no_default_timeout():
+    assert _effective_timeout(ExecRequest(cmd="sleep 1", background=True)) is None
+    assert _effective_timeout(ExecRequest(cmd="sleep 1", background=True, timeout=5)) == 5
+    assert _effective_timeout(ExecRequest(cmd="sleep 1")) == DEFAULT_EXEC_TIMEOUT_S
