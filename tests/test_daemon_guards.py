@@ -39,3 +39,13 @@ def test_background_commands_have_no_default_timeout():
     assert _effective_timeout(ExecRequest(cmd="sleep 1", background=True)) is None
     assert _effective_timeout(ExecRequest(cmd="sleep 1", background=True, timeout=5)) == 5
     assert _effective_timeout(ExecRequest(cmd="sleep 1")) == DEFAULT_EXEC_TIMEOUT_S
+
+
+def test_sdk_leaves_an_unchosen_timeout_to_the_daemon():
+    import json
+
+    from corral.sdk import api
+
+    assert "timeout" not in json.loads(api.exec_("sb-x", "srv", background=True).body)
+    assert json.loads(api.exec_("sb-x", "srv", background=True, timeout=5).body)["timeout"] == 5
+    assert json.loads(api.exec_("sb-x", "srv", timeout=None).body)["timeout"] is None

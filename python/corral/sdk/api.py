@@ -62,7 +62,16 @@ def validated(model: type[M], **fields: Any) -> M:
 
 
 def _body(model: BaseModel) -> bytes:
-    return model.model_dump_json().encode()
+    # Only what the caller set: the daemon fills in the rest (and tells "unset" from "default").
+    return model.model_dump_json(exclude_unset=True).encode()
+
+
+class _DefaultTimeout(float):
+    """The exec timeout nobody chose: 60 s for a foreground command, none for a background one
+    (a server lives until killed). Sent as "unset" so the daemon applies that rule."""
+
+
+DEFAULT_TIMEOUT: float = _DefaultTimeout(DEFAULT_EXEC_TIMEOUT_S)
 
 
 def _read_timeout(timeout: float | None) -> float | None:
@@ -135,7 +144,7 @@ def set_timeout(sid: str, seconds: float) -> Call[SandboxInfo]:
 
 
 # ---- exec and background processes ----------------------------------------------------------
-def exec_(sid: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
+def exec_(sid: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_TIMEOUT,
           env: Mapping[str, str] | None = None, cwd: str | None = None,
           user: str | int | None = None, stdin: str | bytes | None = None,
           background: bool = False,
@@ -144,9 +153,9 @@ def exec_(sid: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_EXE
         stdin = stdin.decode("utf-8")
     if isinstance(cmd, tuple):
         cmd = list(cmd)
-    req = validated(ExecRequest, cmd=cmd, timeout=timeout, env=dict(env or {}), cwd=cwd,
-                    user=user, stdin=stdin, background=background,
-                    max_output_bytes=max_output_bytes)
+    chosen = {} if isinstance(timeout, _DefaultTimeout) else {"timeout": timeout}
+    req = validated(ExecRequest, cmd=cmd, env=dict(env or {}), cwd=cwd, user=user, stdin=stdin,
+                    background=background, max_output_bytes=max_output_bytes, **chosen)
     if background:
         return Call("POST", sb_path(sid) + "/exec", ProcessHandle.model_validate_json,
                     body=_body(req))

@@ -10,7 +10,6 @@ from typing import Any, Literal, overload
 
 from corral.errors import CorralError, SandboxNotFound
 from corral.models import (
-    DEFAULT_EXEC_TIMEOUT_S,
     DEFAULT_MAX_OUTPUT_BYTES,
     DEFAULT_TIMEOUT_S,
     FileEntry,
@@ -111,7 +110,7 @@ class Sandbox(SandboxHandle):
              background: Literal[True], max_output_bytes: int = ...) -> Process: ...
 
     def exec(self, cmd: str | builtins.list[str], *,
-             timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
+             timeout: float | None = api.DEFAULT_TIMEOUT,
              env: Mapping[str, str] | None = None, cwd: str | None = None,
              user: str | int | None = None, stdin: str | bytes | None = None,
              background: bool = False,
