@@ -42,7 +42,7 @@ def _is_num(x) -> bool:
 
 def test_everything_cleaned_up(report):
     assert report["cleanup"]["clean"], report["cleanup"]
-    prefix = f"corral-bench-{os.getpid()}-"
+    prefix = f"corral-bench-run{os.getpid()}-"
     assert host.cgroup_tops(prefix) == []
     assert host.cgroup_pids(prefix) == set()
     assert not os.path.exists(report["state_root"])  # daemon state, raw dirs: all removed
@@ -94,7 +94,8 @@ def test_density_section(report):
     for system in ("corral", "raw-netns", "raw"):
         m = sec["median"][system]
         assert m["made"] == N
-        for key in ("kib_per_sandbox", "slab_kib", "create_rate_empty", "create_rate_full"):
+        for key in ("memcg_kib_per_sandbox", "kib_per_sandbox", "slab_kib", "create_rate_empty",
+                    "create_rate_full"):
             assert _is_num(m[key]), (system, key)
         # Destroyed everything: no cgroup, no process of that system is left.
         assert m["baseline"]["cgroups_left"] == 0

@@ -59,6 +59,7 @@
 /* ---- configuration ------------------------------------------------------------------------ */
 struct cgctl {
     char base[256];
+    int made; /* we created base (and remove it at the end); else the caller owns it */
     int nlim;
     const char *file[4];
     const char *val[4];
@@ -101,7 +102,8 @@ static int write_file(const char *path, const char *val) {
 static void cg_add(const char *ctl_dir, int nlim, const char **files, const char **vals) {
     struct cgctl *c = &G.cg[G.ncg++];
     snprintf(c->base, sizeof c->base, "%s/%s", ctl_dir, G.cgname);
-    if (mkdir(c->base, 0755) < 0 && errno != EEXIST) die(c->base);
+    c->made = mkdir(c->base, 0755) == 0;
+    if (!c->made && errno != EEXIST) die(c->base);
     c->nlim = nlim;
     for (int i = 0; i < nlim; i++) {
         c->file[i] = files[i];
@@ -135,7 +137,8 @@ static void cg_setup(void) {
 }
 
 static void cg_teardown(void) {
-    for (int i = 0; i < G.ncg; i++) rmdir(G.cg[i].base);
+    for (int i = 0; i < G.ncg; i++)
+        if (G.cg[i].made) rmdir(G.cg[i].base);
 }
 
 /* ---- seccomp: the same deny list as corral (x86_64), EPERM; namespace-making clone EPERM,

@@ -15,7 +15,7 @@ from corral.bench import host
 
 class PrivateDaemon:
     def __init__(self, root: Path, cgroup_name: str, max_sandboxes: int,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, own_memcg: str | None = None) -> None:
         self.state_dir = root / "state"
         self.socket = self.state_dir / "run" / "corrald.sock"
         self.cgroup_name = cgroup_name
@@ -23,6 +23,9 @@ class PrivateDaemon:
         self.max_sandboxes = max_sandboxes
         self.extra_env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
+        # The daemon runs in a memory cgroup of its own, so everything it allocates (its RSS,
+        # clone-time kernel objects of each init, pooled netns) is counted by name.
+        self.own_memcg = own_memcg
 
     @property
     def endpoint(self) -> str:
@@ -41,11 +44,13 @@ class PrivateDaemon:
                    CORRAL_MAX_SANDBOXES=str(self.max_sandboxes), **self.extra_env)
         env.pop("CORRAL_URL", None)
         env.pop("CORRAL_TCP", None)
+        procs = host.make_memcg(self.own_memcg) if self.own_memcg else None
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "corral.daemon", "--state-dir", str(self.state_dir),
                  "--socket", str(self.socket)],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=(lambda: host.join_cgroup(procs)) if procs else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -85,7 +90,7 @@ class PrivateDaemon:
         return ov
 
     def sandbox_pids(self) -> set[int]:
-        return host.cgroup_pids(self.cgroup_name)
+        return host.cgroup_pids(self.cgroup_name, exact=True)
 
     def tail(self, n: int = 3000) -> str:
         try:

@@ -35,6 +35,36 @@ def settle(seconds: float = 1.5) -> None:
     time.sleep(seconds)
 
 
+def memcg_usage_kib(name: str) -> int | None:
+    """Memory charged to the top-level memory cgroup ``name`` and everything under it
+    (hierarchical): the sandboxes' own pages and the kernel objects allocated on their
+    behalf once they joined it. Untouched by other users of the machine, unlike meminfo."""
+    for path in (CGROUP_ROOT / "memory" / name / "memory.usage_in_bytes",
+                 CGROUP_ROOT / name / "memory.current"):
+        try:
+            return int(path.read_text()) // 1024
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def make_memcg(name: str) -> str | None:
+    """Create the top-level memory cgroup ``name``; returns its cgroup.procs path."""
+    for d in (CGROUP_ROOT / "memory" / name, CGROUP_ROOT / name):
+        if d.parent.is_dir() and (d.parent / "cgroup.procs").exists():
+            d.mkdir(exist_ok=True)
+            return str(d / "cgroup.procs")
+    return None
+
+
+def join_cgroup(procs: str | None) -> None:
+    """preexec_fn: move the new process into a cgroup before it allocates anything we want
+    to count (writing 0 to cgroup.procs moves the writer)."""
+    if procs:
+        with open(procs, "w") as f:
+            f.write("0")
+
+
 def rss_kib(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -44,6 +74,58 @@ def rss_kib(pid: int) -> int | None:
     except OSError:
         return None
     return None
+
+
+def proc_cpu_s(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process, all threads plus its reaped children."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        rest = f.read().rsplit(b")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    ut, st, cut, cst = (int(x) for x in rest[11:15])  # fields 14-17
+    return (ut + cut) / tick, (st + cst) / tick
+
+
+def self_cpu_s(children: bool = False) -> tuple[float, float]:
+    """(user, system) CPU seconds of this process (or of its reaped children)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime
+
+
+class CpuMeter:
+    """CPU milliseconds per operation spent by the parties of one measurement: a daemon (by
+    pid), this process (the client) and/or its waited-for children (raw, peers)."""
+
+    def __init__(self, daemon_pid: int | None = None, client: bool = False,
+                 children: bool = False) -> None:
+        self.daemon_pid, self.client, self.children = daemon_pid, client, children
+
+    def __enter__(self) -> CpuMeter:
+        self._d0 = proc_cpu_s(self.daemon_pid) if self.daemon_pid else None
+        self._c0 = self_cpu_s()
+        self._k0 = self_cpu_s(children=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._d1 = proc_cpu_s(self.daemon_pid) if self.daemon_pid else None
+        self._c1 = self_cpu_s()
+        self._k1 = self_cpu_s(children=True)
+
+    def per_op_ms(self, n: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+
+        def put(name: str, a: tuple[float, float], b: tuple[float, float]) -> None:
+            out[f"{name}_user"] = round((b[0] - a[0]) * 1000 / max(1, n), 3)
+            out[f"{name}_sys"] = round((b[1] - a[1]) * 1000 / max(1, n), 3)
+
+        if self._d0 and self._d1:
+            put("daemon", self._d0, self._d1)
+        if self.client:
+            put("client", self._c0, self._c1)
+        if self.children:
+            put("proc", self._k0, self._k1)
+        return out
 
 
 def pss_kib(pid: int) -> int | None:
@@ -147,20 +229,22 @@ def raise_limits(live: int) -> list[str]:
 
 
 # ---- leaks -----------------------------------------------------------------------------------
-def cgroup_tops(prefix: str) -> list[Path]:
-    """Top-level cgroup dirs whose name starts with ``prefix``, in every hierarchy."""
+def cgroup_tops(prefix: str, exact: bool = False) -> list[Path]:
+    """Top-level cgroup dirs named ``prefix`` (exact) or starting with it, in every
+    hierarchy."""
     out = []
     roots = [CGROUP_ROOT] + [p for p in CGROUP_ROOT.iterdir() if p.is_dir()]
     for root in roots:
         try:
-            out.extend(p for p in root.iterdir() if p.is_dir() and p.name.startswith(prefix))
+            out.extend(p for p in root.iterdir() if p.is_dir() and (
+                p.name == prefix if exact else p.name.startswith(prefix)))
         except OSError:
             continue
     return out
 
 
-def cgroup_children(prefix: str) -> list[str]:
-    return [str(d) for top in cgroup_tops(prefix) for d in _walk_dirs(top)[1:]]
+def cgroup_children(prefix: str, exact: bool = False) -> list[str]:
+    return [str(d) for top in cgroup_tops(prefix, exact) for d in _walk_dirs(top)[1:]]
 
 
 def _walk_dirs(top: Path) -> list[Path]:
@@ -169,9 +253,9 @@ def _walk_dirs(top: Path) -> list[Path]:
     return [Path(d) for d, _, _ in os.walk(top)]
 
 
-def cgroup_pids(prefix: str) -> set[int]:
+def cgroup_pids(prefix: str, exact: bool = False) -> set[int]:
     pids: set[int] = set()
-    for top in cgroup_tops(prefix):
+    for top in cgroup_tops(prefix, exact):
         for d in _walk_dirs(top):
             try:
                 pids.update(int(x) for x in (d / "cgroup.procs").read_text().split())

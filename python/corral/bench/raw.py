@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from corral.bench import host
 from corral.bench.results import OpResult, with_total
 
 # Sources live in the repository (bench/raw), next to the python/ tree.
@@ -97,11 +98,16 @@ class RawBaseline:
                         extra={"concurrency": conc})
 
     @contextmanager
-    def idle(self, n: int, netns: bool) -> Iterator[dict[str, Any]]:
+    def idle(self, n: int, netns: bool, own_memcg: str | None = None) -> Iterator[dict[str, Any]]:
         """Create ``n`` idle sandboxes and keep them while the body runs; they are destroyed
-        on exit (stdin closed -> raw destroys all; killed if it does not)."""
+        on exit (stdin closed -> raw destroys all; killed if it does not). With ``own_memcg``
+        raw runs in that memory cgroup (what it allocates at clone time is counted there),
+        and the sandboxes' parent cgroup is made first so it outlives raw for the reading."""
+        host.make_memcg(self.cgroup_name)
+        procs = host.make_memcg(own_memcg) if own_memcg else None
         p = subprocess.Popen(self.argv("idle", n, 1, netns), stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=(lambda: host.join_cgroup(procs)) if procs else None)
         info: dict[str, Any] = {}
         try:
             assert p.stdout is not None and p.stdin is not None

@@ -29,20 +29,30 @@ def _get(d: Any, *path: str) -> Any:
     return d
 
 
+def _cpu(c: dict[str, float] | None) -> str:
+    """CPU ms per op summed over the parties measured (daemon + client, or the process)."""
+    if not c:
+        return "-"
+    user = sum(v for k, v in c.items() if k.endswith("_user"))
+    sys_ = sum(v for k, v in c.items() if k.endswith("_sys"))
+    return f"{user:.2f}+{sys_:.2f}"
+
+
 def churn_table(sec: dict[str, Any]) -> Table:
     t = Table(title=f"churn: create -> exec true -> destroy  (N={sec['n']}, "
                     f"{sec['concurrency']} in flight, median of {len(sec['runs'])} runs)")
-    for c in ("system", "sandboxes/s", "p50 ms", "p99 ms", "corral / system", "target"):
+    for c in ("system", "sandboxes/s", "p50 ms", "p99 ms", "CPU ms/op user+sys",
+              "corral / system", "target"):
         t.add_column(c, justify="left" if c in ("system", "target") else "right")
     med = sec["median"]
     for name, m in med.items():
         if m.get("skipped"):
-            t.add_row(name, "skipped", "", "", "", m["skipped"][:40])
+            t.add_row(name, "skipped", "", "", "", "", m["skipped"][:40])
             continue
         r = sec["ratios"].get(f"corral/{name}")
         t.add_row(name, _f(m.get("ops_per_s")), _f(_get(m, "total_ms", "p50"), 2),
-                  _f(_get(m, "total_ms", "p99"), 2), _f(r, 3) if r else "",
-                  CHURN_TARGETS.get(name, ""))
+                  _f(_get(m, "total_ms", "p99"), 2), _cpu(m.get("cpu_ms_per_op")),
+                  _f(r, 3) if r else "", CHURN_TARGETS.get(name, ""))
     for name, why in (sec.get("unavailable") or {}).items():
         t.add_row(name, "unavailable", "", "", "", why[:40])
     return t
@@ -83,18 +93,31 @@ def exec_table(sec: dict[str, Any]) -> Table:
 
 def density_table(sec: dict[str, Any]) -> Table:
     t = Table(title=f"density: {sec['n']:,} idle sandboxes alive  (median of "
-                    f"{len(sec['runs'])} runs; KiB per sandbox from MemAvailable)")
-    for c in ("system", "alive", "KiB/sb", "slab KiB/sb", "init PSS KiB", "create/s 0",
-              "create/s N", "N/0", "destroy/s", "after destroy"):
+                    f"{len(sec['runs'])} runs; KiB per sandbox)")
+    for c in ("system", "alive", "memcg", "MemAvail", "slab", "init PSS KiB",
+              "create/s 0", "create/s N", "N/0", "destroy/s", "after destroy: memcg, cg, pids"):
         t.add_column(c, justify="left" if c in ("system", "after destroy") else "right")
     for name, m in sec["median"].items():
         b = m.get("baseline", {})
-        base = (f"{_f(b.get('mem_available_delta_mib'))} MiB, {b.get('cgroups_left')} cg, "
-                f"{b.get('processes_left')} pids")
-        t.add_row(name, _f(m.get("made")), _f(m.get("kib_per_sandbox")), _f(m.get("slab_kib")),
-                  _f(m.get("init_pss_kib")), _f(m.get("create_rate_empty")),
+        base = (f"{_f(b.get('memcg_delta_mib'))} MiB, {b.get('cgroups_left')}, "
+                f"{b.get('processes_left')}")
+        t.add_row(name, _f(m.get("made")), _f(m.get("memcg_kib_per_sandbox")),
+                  _f(m.get("kib_per_sandbox")), _f(m.get("slab_kib")), _f(m.get("init_pss_kib")),
+                  _f(m.get("create_rate_empty")),
                   _f(m.get("create_rate_full")), _f(m.get("full/empty"), 2),
                   _f(m.get("destroy_per_s")), base)
+    return t
+
+
+def profile_table(scenario: str, prof: dict[str, Any]) -> Table:
+    t = Table(title=f"corrald during corral's {scenario} (run 1): py-spy, "
+                    f"{prof['samples']:,} samples, % of non-idle samples")
+    t.add_column("self %", justify="right")
+    t.add_column("frame (self, with line)")
+    t.add_column("incl %", justify="right")
+    t.add_column("corral function (inclusive)")
+    for a, b in zip(prof["top_self"], prof["top_inclusive"], strict=False):
+        t.add_row(_f(a["pct"]), a["function"], _f(b["pct"]), b["function"])
     return t
 
 
@@ -116,17 +139,10 @@ def print_report(report: dict[str, Any], console: Console) -> None:
             console.print(f"  corrald RSS with {_f(d.get('made'))} alive: "
                           f"{_f(d.get('daemon_rss_mib'))} MiB "
                           f"({_f(d.get('daemon_rss_kib_per_sandbox'), 2)} KiB per sandbox)")
-    prof = _get(report, "scenarios", "churn", "profile")
-    if prof and prof.get("top_self"):
-        t = Table(title=f"corrald during churn: py-spy, {prof['samples']:,} samples "
-                        f"(% of non-idle samples)")
-        t.add_column("self %", justify="right")
-        t.add_column("function (self)")
-        t.add_column("incl %", justify="right")
-        t.add_column("function (inclusive)")
-        for a, b in zip(prof["top_self"], prof["top_inclusive"], strict=False):
-            t.add_row(_f(a["pct"]), a["function"], _f(b["pct"]), b["function"])
-        console.print(t)
+    for scen in ("churn", "exec"):
+        prof = _get(report, "scenarios", scen, "profile")
+        if prof and prof.get("top_self"):
+            console.print(profile_table(scen, prof))
     h = report.get("host", {})
     p0, p1 = h.get("cpu_pressure") or {}, h.get("cpu_pressure_at_end") or {}
     if p0 or p1:

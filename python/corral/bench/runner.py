@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +37,7 @@ def run(opts: Options, json_out: bool = False, argv: list[str] | None = None) ->
     samples: dict[str, Any] = {}
     session = Session(opts, ui)
     rep["state_root"] = str(session.root)
-    with ui:
+    with ui, _sigterm_unwinds():
         try:
             session.setup()
             rep["peers"] = session.peer_versions or None
@@ -67,6 +71,23 @@ def run(opts: Options, json_out: bool = False, argv: list[str] | None = None) ->
             console = Console(width=160)
         report.print_report(rep, console)
     return rep
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C while the session runs, so its teardown still cleans up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _run_one(session: Session, name: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -42,16 +42,22 @@ def churn(s: Session) -> tuple[Section, Samples]:
     for r in range(R):
         tag = f"churn {r + 1}/{R}"
         res: dict[str, OpResult] = {}
-        with s.ui.task(f"{tag} raw", None):
+        with s.ui.task(f"{tag} raw", None), host.CpuMeter(children=True) as cpu:
             res["raw"] = s.raw.churn(n, conc, netns=False, system="raw")
-        with s.ui.task(f"{tag} raw +netns", None):
+        res["raw"].extra["cpu_ms_per_op"] = cpu.per_op_ms(n)
+        with s.ui.task(f"{tag} raw +netns", None), host.CpuMeter(children=True) as cpu:
             res["raw-netns"] = s.raw.churn(n, conc, netns=True, system="raw-netns")
-        with s.ui.task(f"{tag} corral", n) as adv, _profiled(s, r == 0, prof):
+        res["raw-netns"].extra["cpu_ms_per_op"] = cpu.per_op_ms(n)
+        with s.ui.task(f"{tag} corral", n) as adv, _profiled(s, r == 0, prof), \
+                host.CpuMeter(s.daemon.pid, client=True) as cpu:
             res["corral"] = sdk_runs.churn(ep, n, conc, adv)
+        res["corral"].extra["cpu_ms_per_op"] = cpu.per_op_ms(n)
         if s.peers is not None:
             for peer in s.peer_names():
-                with s.ui.task(f"{tag} {peer}", s.opts.n_peers()) as adv:
-                    res[peer] = s.peers.churn(peer, s.opts.n_peers(), conc, adv)
+                pn = s.opts.n_peers()
+                with s.ui.task(f"{tag} {peer}", pn) as adv, host.CpuMeter(children=True) as cpu:
+                    res[peer] = s.peers.churn(peer, pn, conc, adv)
+                res[peer].extra["cpu_ms_per_op"] = cpu.per_op_ms(pn)
         runs.append(res)
     others = [k for k in runs[0] if k != "corral"]
     sec = _summarize(runs, [("corral", o) for o in others])
@@ -64,12 +70,13 @@ def churn(s: Session) -> tuple[Section, Samples]:
 
 
 @contextmanager
-def _profiled(s: Session, enabled: bool, into: dict[str, Any]) -> Iterator[None]:
+def _profiled(s: Session, enabled: bool, into: dict[str, Any],
+              name: str = "churn") -> Iterator[None]:
     """py-spy the daemon for the duration of the block (first run only, with --profile)."""
     if not (enabled and s.opts.profile and s.daemon.pid):
         yield
         return
-    out = Path(s.opts.plots_dir or s.root) / "churn-daemon-pyspy.txt"
+    out = Path(s.opts.plots_dir or s.root) / f"{name}-daemon-pyspy.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         sampler = profile.Sampler(s.daemon.pid, out)
@@ -135,19 +142,27 @@ def exec_(s: Session) -> tuple[Section, Samples]:
     n, conc, R = s.opts.n("exec"), s.opts.concurrency, s.opts.runs
     ep = s.daemon.endpoint
     runs: list[dict[str, OpResult]] = []
+    prof: dict[str, Any] = {}
     for r in range(R):
         tag = f"exec {r + 1}/{R}"
         res: dict[str, OpResult] = {}
         with s.ui.task(f"{tag} raw", None):
-            res["raw-seq"] = s.raw.exec(n, 1, system="raw-seq")
+            with host.CpuMeter(children=True) as cpu:
+                res["raw-seq"] = s.raw.exec(n, 1, system="raw-seq")
+            res["raw-seq"].extra["cpu_ms_per_op"] = cpu.per_op_ms(n)
             res["raw-conc"] = s.raw.exec(n, conc, system="raw-conc")
-        with s.ui.task(f"{tag} corral sync", n) as adv:
-            res["corral-seq"] = sdk_runs.exec_sync(ep, n, adv)
-        with s.ui.task(f"{tag} corral async x{conc}", n) as adv:
-            res["corral-conc"] = sdk_runs.exec_async(ep, n, conc, adv)
+        with _profiled(s, r == 0, prof, "exec"):
+            with s.ui.task(f"{tag} corral sync", n) as adv, \
+                    host.CpuMeter(s.daemon.pid, client=True) as cpu:
+                res["corral-seq"] = sdk_runs.exec_sync(ep, n, adv)
+            res["corral-seq"].extra["cpu_ms_per_op"] = cpu.per_op_ms(n)
+            with s.ui.task(f"{tag} corral async x{conc}", n) as adv:
+                res["corral-conc"] = sdk_runs.exec_async(ep, n, conc, adv)
         runs.append(res)
     sec = _summarize(runs, [("corral-seq", "raw-seq"), ("corral-conc", "raw-conc")])
     sec.update(n=n, concurrency=conc)
+    if prof:
+        sec["profile"] = prof
     return sec, {k: v.phases["exec"] for k, v in runs[-1].items()}
 
 
@@ -165,19 +180,37 @@ def density(s: Session) -> tuple[Section, Samples]:
         runs.append(res)
     sec: Section = {"n": n, "median": median_tree(runs), "runs": runs, "ratios": {}}
     for a, b in (("corral", "raw-netns"), ("corral", "raw")):
+        vals = [ratio(x[a].get("memcg_kib_per_sandbox"), x[b].get("memcg_kib_per_sandbox"))
+                for x in runs]
+        if (m := median(vals)) is not None:
+            sec["ratios"][f"{a}/{b} memory (memcg)"] = round(m, 3)
         vals = [ratio(x[a].get("kib_per_sandbox"), x[b].get("kib_per_sandbox")) for x in runs]
         if (m := median(vals)) is not None:
-            sec["ratios"][f"{a}/{b} memory"] = round(m, 3)
+            sec["ratios"][f"{a}/{b} memory (MemAvailable)"] = round(m, 3)
     return sec, {"curves": curves}
 
 
-def _mem_delta(before: dict[str, int], after: dict[str, int], n: int) -> dict[str, float]:
-    """Per-sandbox KiB: what MemAvailable lost, and the kernel counters behind it."""
+def _mem_delta(before: dict[str, Any], after: dict[str, Any], n: int) -> dict[str, float]:
+    """Per-sandbox KiB: charged to the system's memory cgroups (the sandboxes, and the daemon
+    or raw process itself: its RSS, the clone-time kernel objects, pooled netns), what
+    MemAvailable lost (host-wide: other load on the machine shows up in it), and the
+    kernel counters behind them."""
     out = {"kib_per_sandbox": round((before["MemAvailable"] - after["MemAvailable"]) / n, 1)}
+    if before.get("memcg") is not None and after.get("memcg") is not None:
+        out["memcg_kib_per_sandbox"] = round((after["memcg"] - before["memcg"]) / n, 1)
     for k in ("Slab", "SUnreclaim", "KernelStack", "PageTables", "Shmem", "Percpu"):
         if k in before and k in after:
             out[f"{k.lower()}_kib"] = round((after[k] - before[k]) / n, 1)
     return out
+
+
+def _mem(cgroups: list[str]) -> dict[str, Any]:
+    """meminfo, plus ``memcg``: KiB charged to the system's memory cgroups (the sandboxes'
+    parent and the daemon's / raw's own), None if not readable."""
+    m: dict[str, Any] = dict(host.meminfo())
+    usage = [host.memcg_usage_kib(c) for c in cgroups]
+    m["memcg"] = None if any(u is None for u in usage) else sum(u for u in usage if u)
+    return m
 
 
 def _rate_points(create_ms: list[float], window: int) -> list[tuple[int, float]]:
@@ -203,19 +236,21 @@ def _rate_summary(pts: list[tuple[int, float]]) -> dict[str, float | None]:
 
 def _density_corral(s: Session, n: int, tag: str) -> tuple[dict[str, Any], list]:
     ep = s.daemon.endpoint
+    cg = [s.daemon.cgroup_name, s.prefix + "dproc"]
     host.settle()
-    before, rss0 = host.meminfo(), s.daemon.rss_kib() or 0
+    before, rss0 = _mem(cg), s.daemon.rss_kib() or 0
     with s.ui.task(f"{tag} corral create", n) as adv:
         ids, pts, wall, err = sdk_runs.fill(ep, n, s.opts.batch, adv)
     try:
         host.settle()
-        after, rss1 = host.meminfo(), s.daemon.rss_kib() or 0
+        after, rss1 = _mem(cg), s.daemon.rss_kib() or 0
         pids = sorted(s.daemon.sandbox_pids())[:20]
         out: dict[str, Any] = {"made": len(ids), "create_s": round(wall, 3),
                                **_mem_delta(before, after, max(1, len(ids))),
                                "daemon_rss_mib": round(rss1 / 1024, 1),
                                "daemon_rss_kib_per_sandbox": round((rss1 - rss0) / max(1, len(ids)),
                                                                    2),
+
                                "init_pss_kib": median([host.pss_kib(p) for p in pids]),
                                **_rate_summary(pts)}
         if err:
@@ -224,19 +259,22 @@ def _density_corral(s: Session, n: int, tag: str) -> tuple[dict[str, Any], list]
         with s.ui.task(f"{tag} corral destroy", len(ids)) as adv:
             dwall = sdk_runs.destroy_all(ep, ids, s.opts.concurrency * 2, adv)
     out["destroy_per_s"] = round(len(ids) / dwall, 1) if dwall > 0 else None
-    out["baseline"] = _back_to_baseline(s, before, s.daemon.cgroup_name)
+    out["baseline"] = _back_to_baseline(s, before, cg)
     return out, pts
 
 
 def _density_raw(s: Session, n: int, netns: bool, tag: str) -> tuple[dict[str, Any], list]:
     assert s.raw is not None
     name = "raw +netns" if netns else "raw"
+    cg = [s.raw.cgroup_name, s.prefix + "rawproc"]
+    for c in cg:  # both exist before the first reading
+        host.make_memcg(c)
     host.settle()
-    before = host.meminfo()
+    before = _mem(cg)
     with s.ui.task(f"{tag} {name} (create, hold)", None):
-        with s.raw.idle(n, netns) as info:
+        with s.raw.idle(n, netns, own_memcg=cg[1]) as info:
             host.settle()
-            after = host.meminfo()
+            after = _mem(cg)
             pss = median([host.pss_kib(p) for p in info.get("pids", [])[:20]])
     made = info.get("made", 0)
     create_ms = [x / 1000 for x in info.get("create_us", [])]
@@ -246,20 +284,23 @@ def _density_raw(s: Session, n: int, netns: bool, tag: str) -> tuple[dict[str, A
                            **_rate_summary(pts)}
     if info.get("destroy_s"):
         out["destroy_per_s"] = round(made / info["destroy_s"], 1)
-    out["baseline"] = _back_to_baseline(s, before, s.raw.cgroup_name)
+    out["baseline"] = _back_to_baseline(s, before, cg)
     return out, pts
 
 
-def _back_to_baseline(s: Session, before: dict[str, int], cgroup_name: str) -> dict[str, Any]:
+def _back_to_baseline(s: Session, before: dict[str, Any], cgroups: list[str]) -> dict[str, Any]:
     """After destroying everything: memory (MemAvailable vs before), cgroups and processes
     left under the system's cgroup name (host mounts never grow: every mount is in the
     sandboxes' own namespaces)."""
     host.settle()
-    now = host.meminfo()
+    now = _mem(cgroups)
+    memcg = (round((now["memcg"] - before["memcg"]) / 1024, 1)
+             if now["memcg"] is not None and before.get("memcg") is not None else None)
     return {"mem_available_delta_mib": round((now["MemAvailable"] - before["MemAvailable"]) / 1024,
                                              1),
-            "cgroups_left": len(host.cgroup_children(cgroup_name)),
-            "processes_left": len(host.cgroup_pids(cgroup_name))}
+            "memcg_delta_mib": memcg,
+            "cgroups_left": len(host.cgroup_children(cgroups[0], exact=True)),
+            "processes_left": len(host.cgroup_pids(cgroups[0], exact=True))}
 
 
 RUNNERS: dict[str, Callable[[Session], tuple[Section, Samples]]] = {

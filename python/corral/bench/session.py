@@ -45,11 +45,13 @@ class Session:
     def __init__(self, opts: Options, ui: UI) -> None:
         self.opts = opts
         self.ui = ui
-        self.prefix = f"corral-bench-{os.getpid()}-"
+        # Every cgroup of the run (daemon, raw, peers) is named <prefix>...: found by name.
+        self.prefix = f"corral-bench-run{os.getpid()}-"
         self.root = Path(tempfile.mkdtemp(prefix="corral-bench-", dir=opts.workdir))
         live = opts.n("density") if "density" in opts.scenarios else 1000
         self.daemon = PrivateDaemon(self.root / "daemon", self.prefix + "d",
-                                    max_sandboxes=max(20000, live + 1000))
+                                    max_sandboxes=max(20000, live + 1000),
+                                    own_memcg=self.prefix + "dproc")
         self.raw: raw.RawBaseline | None = None
         self.peers: Peers | None = None
         self.peer_versions: dict[str, str | None] = {}
@@ -98,6 +100,16 @@ class Session:
         """Stop everything and report what (if anything) was left behind, then sweep it."""
         leaks: dict[str, Any] = {}
         try:
+            return self._check(leaks)
+        finally:  # whatever the check hit: no process, cgroup or directory stays
+            self.daemon.stop()
+            if self.peers is not None:
+                self.peers.cleanup()
+            host.sweep_cgroups(self.prefix)
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def _check(self, leaks: dict[str, Any]) -> dict[str, Any]:
+        try:
             self.daemon.stop()
         except Exception as e:  # noqa: BLE001 - the cleanup check must still run
             leaks["daemon_stop"] = str(e)
@@ -118,6 +130,5 @@ class Session:
         if left:
             leaks["unremovable_cgroups"] = left
         clean = not any(v for k, v in leaks.items())
-        shutil.rmtree(self.root, ignore_errors=True)
         return {"clean": clean, "leaks": {k: v for k, v in leaks.items() if v},
                 "host_mount_count_delta": mount_delta}
