@@ -4,8 +4,7 @@ Layout (one job per module):
   endpoint.py          where the daemon is (unix socket or URL); what a handle pickles
   call.py              one API call as data; error bodies -> corral exceptions
   api.py               every operation as a Call: the single implementation of both facades
-  h1.py                a small HTTP/1.1 client (unix socket or TCP/TLS; why: see its docstring)
-  sync_transport.py    the blocking facade's transport: h1 pool + error mapping
+  sync_transport.py    the blocking facade's transport: http.client pool + error mapping
   async_transport.py   the asyncio facade's transport: aiohttp (see its docstring for why)
   tarball.py           directory <-> tar for files.upload / files.download
   autostart.py         the embedded default: start a local corrald on first use
