@@ -22,6 +22,9 @@ from corral.errors import (
     SandboxLost,
     SandboxNotFound,
     SandboxNotRunning,
+    SnapshotChainTooDeep,
+    SnapshotExists,
+    SnapshotNotFound,
     Timeout,
     Unauthorized,
     Unsupported,
@@ -51,6 +54,9 @@ __all__ = [
     "SandboxLost",
     "SandboxNotFound",
     "SandboxNotRunning",
+    "SnapshotChainTooDeep",
+    "SnapshotExists",
+    "SnapshotNotFound",
     "Timeout",
     "Unauthorized",
     "Unsupported",
@@ -60,12 +66,14 @@ __all__ = [
 from corral.sdk import (  # noqa: E402 - after __version__: the SDK modules import it
     AsyncProcess,
     AsyncSandbox,
+    AsyncSnapshot,
     CommandFailed,
     ExecResult,
     OutputChunk,
     Process,
     Sandbox,
+    Snapshot,
 )
 
-__all__ += ["AsyncProcess", "AsyncSandbox", "CommandFailed", "ExecResult", "OutputChunk",
-            "Process", "Sandbox"]
+__all__ += ["AsyncProcess", "AsyncSandbox", "AsyncSnapshot", "CommandFailed", "ExecResult",
+            "OutputChunk", "Process", "Sandbox", "Snapshot"]

@@ -66,6 +66,10 @@ class ImageNotFound(NotFound):
     code, status = "image_not_found", 404
 
 
+class SnapshotNotFound(NotFound):
+    code, status = "snapshot_not_found", 404
+
+
 class FileNotFound(NotFound):
     code, status = "file_not_found", 404
 
@@ -99,6 +103,19 @@ class ProcessStillRunning(Conflict):
     command's own slowness, not an infrastructure failure."""
 
     code, status = "process_running", 409
+
+
+class SnapshotExists(Conflict):
+    """A snapshot with that name already exists (names are unique)."""
+
+    code, status = "snapshot_exists", 409
+
+
+class SnapshotChainTooDeep(InvalidRequest):
+    """A snapshot chain with more layers than one overlay mount can stack (the mount options
+    are limited to one page): start a fresh sandbox, or snapshot an earlier level."""
+
+    code, status = "snapshot_chain_too_deep", 400
 
 
 class SandboxNotRunning(Conflict):

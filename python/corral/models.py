@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 SUBSTRATES = ("process", "container", "gvisor", "microvm", "vm")
 Substrate = Literal["process", "container", "gvisor", "microvm", "vm"]
 NetworkMode = Literal["none"]
-SandboxState = Literal["starting", "running", "paused", "stopping", "dead"]
+SandboxState = Literal["starting", "running", "paused", "restoring", "stopping", "dead"]
+PauseTTL = Literal["count", "stop"]
 
 DEFAULT_TIMEOUT_S = 300.0
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -47,6 +48,11 @@ class SandboxSpec(_Model):
     hostname: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9\-.]{0,62}$")
     cwd: str = Field("/root", min_length=1, max_length=4096, pattern=r"^/",
                      description="absolute working directory for commands")
+    snapshot: str | None = Field(None, min_length=1, max_length=200,
+                                 description="start on a snapshot (id or name); the image is "
+                                             "the snapshot's")
+    pause_ttl: PauseTTL = Field("count", description="while paused, the TTL and idle clocks "
+                                                     "keep counting (count) or stop (stop)")
 
     @field_validator("env")
     @classmethod
@@ -84,6 +90,9 @@ class SandboxInfo(_Model):
     idle_timeout: float | None = None
     last_active_at: float
     init_pid: int | None = None
+    snapshot: str | None = None
+    pause_ttl: PauseTTL = "count"
+    paused_at: float | None = None
 
 
 class CreateManyRequest(_Model):
@@ -93,6 +102,39 @@ class CreateManyRequest(_Model):
 
 class SetTimeoutRequest(_Model):
     timeout: float = Field(gt=0, le=MAX_TIMEOUT_S, description="new TTL in seconds from now")
+
+
+class SnapshotRequest(_Model):
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+class ForkRequest(_Model):
+    count: int = Field(ge=1, le=10_000)
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+    keep_snapshot: bool = Field(False, description="keep the fork's snapshot listed (else it "
+                                                   "is removed once the children exist; its "
+                                                   "layers live as long as they do)")
+
+
+class RestoreRequest(_Model):
+    snapshot: str = Field(min_length=1, max_length=200, description="snapshot id or name")
+
+
+class SnapshotInfo(_Model):
+    id: str
+    name: str | None = None
+    parent: str | None = Field(None, description="the snapshot the sandbox was started from")
+    image: str
+    digest: str = Field(description="content digest (blake3) of this snapshot's own layer")
+    layers: list[str] = Field(default_factory=list, description="layer digests, bottom first")
+    size: int = Field(description="bytes of file data in this snapshot's own layer")
+    created_at: float
+    sandbox_id: str | None = Field(None, description="the sandbox it was taken from")
+
+
+class ForkResult(_Model):
+    snapshot: SnapshotInfo
+    sandboxes: list[SandboxInfo]
 
 
 class ExecRequest(_Model):

@@ -37,6 +37,8 @@ from corral.models import (
     ExecRequest,
     ExecResult,
     FileEntry,
+    ForkRequest,
+    ForkResult,
     ImageInfo,
     ImportImageRequest,
     KillProcessRequest,
@@ -45,9 +47,12 @@ from corral.models import (
     ProcessStatus,
     RemoveRequest,
     RenameRequest,
+    RestoreRequest,
     SandboxInfo,
     SandboxSpec,
     SetTimeoutRequest,
+    SnapshotInfo,
+    SnapshotRequest,
     StdinRequest,
     WaitRequest,
 )
@@ -167,7 +172,7 @@ async def list_sandboxes(request: web.Request) -> web.Response:
 
 
 async def get_sandbox(request: web.Request) -> web.Response:
-    return _json(_engine(request).get(request.match_info["id"]).info())
+    return _json(_engine(request).lookup(request.match_info["id"]).info())
 
 
 async def kill_sandbox(request: web.Request) -> web.Response:
@@ -321,6 +326,51 @@ async def tar_download(request: web.Request) -> web.Response:
     return web.Response(body=data, content_type="application/x-tar")
 
 
+# ---- snapshots, fork, restore, pause (docs/snapshots.md) ----------------------------------
+def _snap(rec: dict[str, Any]) -> dict[str, Any]:
+    from corral.daemon.snapshots import info
+
+    return info(rec)
+
+
+async def snapshot_sandbox(request: web.Request) -> web.Response:
+    req = await _body(request, SnapshotRequest)
+    return _json(_snap(await _engine(request).snapshot(request.match_info["id"], req.name)), 201)
+
+
+async def fork_sandbox(request: web.Request) -> web.Response:
+    req = await _body(request, ForkRequest)
+    rec, kids = await _engine(request).fork(request.match_info["id"], req.count, req.name,
+                                            req.keep_snapshot)
+    return _json({"snapshot": _snap(rec), "sandboxes": [sb.info() for sb in kids]}, 201)
+
+
+async def restore_sandbox(request: web.Request) -> web.Response:
+    req = await _body(request, RestoreRequest)
+    return _json((await _engine(request).restore(request.match_info["id"], req.snapshot)).info())
+
+
+async def pause_sandbox(request: web.Request) -> web.Response:
+    return _json(_engine(request).pause(request.match_info["id"]).info())
+
+
+async def resume_sandbox(request: web.Request) -> web.Response:
+    return _json(_engine(request).resume(request.match_info["id"]).info())
+
+
+async def list_snapshots(request: web.Request) -> web.Response:
+    return _json({"snapshots": [_snap(r) for r in _engine(request).snapshot_list()]})
+
+
+async def get_snapshot(request: web.Request) -> web.Response:
+    return _json(_snap(_engine(request).snapshot_get(request.match_info["snap"])))
+
+
+async def delete_snapshot(request: web.Request) -> web.Response:
+    rec = _engine(request).snapshot_delete(request.match_info["snap"])
+    return _json({"id": rec["id"], "deleted": True})
+
+
 async def list_images(request: web.Request) -> web.Response:
     images = _engine(request).images.list()
     return _json({"images": [_entry(i) for i in images]})
@@ -427,6 +477,24 @@ ROUTES: tuple[Route, ...] = (
           response="ok", query=(PATH_Q,)),
     Route("GET", SB + "/files/tar", tar_download, "A tar of a directory or file",
           response="tar", query=(PATH_Q,)),
+    Route("POST", SB + "/snapshot", snapshot_sandbox, "Snapshot the sandbox's files as a "
+          "layer", body=SnapshotRequest, response=SnapshotInfo, status=201),
+    Route("POST", SB + "/fork", fork_sandbox, "Snapshot + count sandboxes on it (all or "
+          "nothing)", body=ForkRequest, response=ForkResult, status=201),
+    Route("POST", SB + "/restore", restore_sandbox, "Roll the sandbox back to a snapshot in "
+          "place (its processes are restarted)", body=RestoreRequest, response=SandboxInfo),
+    Route("POST", SB + "/pause", pause_sandbox, "Freeze every process of the sandbox",
+          response=SandboxInfo),
+    Route("POST", SB + "/resume", resume_sandbox, "Thaw a paused sandbox",
+          response=SandboxInfo),
+    Route("GET", "/v1/snapshots", list_snapshots, "List snapshots",
+          response=_list_of("snapshots", SnapshotInfo)),
+    Route("GET", "/v1/snapshots/{snap}", get_snapshot, "Snapshot info (by id or name)",
+          response=SnapshotInfo),
+    Route("DELETE", "/v1/snapshots/{snap}", delete_snapshot, "Delete a snapshot (its layers "
+          "stay while a sandbox or a child snapshot uses them)", response={
+              "type": "object", "required": ["id", "deleted"], "properties": {
+                  "id": {"type": "string"}, "deleted": {"type": "boolean"}}}),
     Route("GET", "/v1/images", list_images, "List images",
           response=_list_of("images", ImageInfo)),
     Route("POST", "/v1/images", import_image, "Import a rootfs directory or tarball",

@@ -28,7 +28,7 @@ from typing import Any
 
 from corral import __version__
 from corral.config import Config
-from corral.daemon import persist, procs, users
+from corral.daemon import persist, procs, snapshots, users
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
 from corral.errors import (
     CapacityExceeded,
@@ -49,6 +49,7 @@ from corral.errors import (
     SandboxLost,
     SandboxNotFound,
     SandboxNotRunning,
+    SnapshotExists,
     Unsupported,
 )
 from corral.models import SUBSTRATES, ExecRequest, SandboxSpec
@@ -77,6 +78,7 @@ _REASON_TEXT = {
     "idle_timeout": "its idle timeout expired",
     "lost": "its init process died",
     "shutdown": "the daemon shut down",
+    "restoring": "it is being restored to a snapshot",
 }
 
 
@@ -84,7 +86,7 @@ class Sandbox:
     """One sandbox's bookkeeping; kept small, tens of thousands live at once."""
 
     __slots__ = ("id", "spec", "runtime", "state", "reason", "created_at", "expires_at",
-                 "last_active", "sched", "busy", "threads", "procs", "stopping")
+                 "last_active", "sched", "busy", "threads", "procs", "stopping", "paused_at")
 
     def __init__(self, sid: str, spec: SandboxSpec, created_at: float, expires_at: float) -> None:
         self.id = sid
@@ -100,6 +102,7 @@ class Sandbox:
         self.threads = 0          # file operations running in worker threads
         self.procs: dict[int, procs.Process] | None = None
         self.stopping: asyncio.Future[None] | None = None
+        self.paused_at: float | None = None
 
     @property
     def hostname(self) -> str:
@@ -121,7 +124,13 @@ class Sandbox:
             "created_at": self.created_at, "expires_at": self.expires_at,
             "idle_timeout": s.idle_timeout, "last_active_at": self.last_active,
             "init_pid": self.runtime.init_pid if self.runtime else None,
+            "snapshot": s.snapshot, "pause_ttl": s.pause_ttl, "paused_at": self.paused_at,
         }
+
+    @property
+    def layers(self) -> list[str]:
+        """The snapshot layers this sandbox stands on (bottom first)."""
+        return list(self.runtime.extra.get("layers", ())) if self.runtime else []
 
     def meta(self) -> dict[str, Any]:
         return {
@@ -130,6 +139,7 @@ class Sandbox:
             "created_at": self.created_at,
             "expires_at": self.expires_at,
             "runtime": self.runtime.to_json() if self.runtime else None,
+            "paused_at": self.paused_at,
         }
 
 
@@ -175,10 +185,12 @@ class Engine:
         self.counters: dict[str, int] = {
             "created": 0, "create_failed": 0, "execs": 0, "exec_timeouts": 0, "lost": 0,
             "expired": 0, "idle_timeout": 0, "killed": 0, "adopted": 0, "orphans_removed": 0,
+            "snapshots": 0,
         }
         self._heap: list[tuple[float, str]] = []
         self._reaper: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.snaps: snapshots.SnapshotStore | None = None
 
     # ---- start / stop --------------------------------------------------------------------
     async def start(self) -> None:
@@ -186,7 +198,10 @@ class Engine:
         os.makedirs(self.sandboxes_dir, mode=0o700, exist_ok=True)
         if not self.substrates:
             await self._make_substrates()
+        self.snaps = snapshots.SnapshotStore(self.config.state_dir)
+        await asyncio.to_thread(self.snaps.load)
         self._recover()
+        self.snaps.collect()
         self._reaper = asyncio.create_task(self._reap_loop())
 
     async def _make_substrates(self) -> None:
@@ -232,6 +247,10 @@ class Engine:
             sb = Sandbox(sid, spec, float(meta["created_at"]), float(meta["expires_at"]))
             sb.runtime = runtime
             sb.state = "running"
+            if meta.get("paused_at") and self._frozen(sb):
+                sb.state, sb.paused_at = "paused", float(meta["paused_at"])
+            if self.snaps is not None:
+                self.snaps.acquire(sb.layers)
             sb.last_active = time.time()  # the idle clock restarts with the daemon
             self.sandboxes[sid] = sb
             known.add(sid)
@@ -256,7 +275,7 @@ class Engine:
         if self._reaper:
             self._reaper.cancel()
         for sb in self.sandboxes.values():
-            if sb.state == "running":
+            if sb.state in ("running", "paused"):
                 self._unwatch(sb)
 
     async def shutdown(self) -> None:
@@ -288,11 +307,20 @@ class Engine:
         return SandboxNotRunning(text, details=details)
 
     def get(self, sid: str) -> Sandbox:
-        """A running sandbox; refreshes its idle clock."""
+        """A running sandbox (a paused one is resumed); refreshes its idle clock."""
         sb = self.sandboxes.get(sid)
+        if sb is not None and sb.state == "paused":
+            self._resume(sb)
         if sb is None or sb.state != "running":
             raise self._gone(sid, sb)
         sb.last_active = time.time()
+        return sb
+
+    def lookup(self, sid: str) -> Sandbox:
+        """A running or paused sandbox, left as it is (info calls)."""
+        sb = self.sandboxes.get(sid)
+        if sb is None or sb.state not in ("running", "paused"):
+            raise self._gone(sid, sb)
         return sb
 
     def _substrate(self, name: str) -> Substrate:
@@ -333,11 +361,18 @@ class Engine:
         self.sandboxes[sid] = sb  # counts against capacity while being made
         try:
             sb.runtime = substrate.create(sid, spec, image)
+            layers = self._image_layers(image)
+            if layers:
+                sb.runtime.extra["layers"] = layers
+                if self.snaps is not None:
+                    self.snaps.acquire(layers)
             sb.state = "running"
             persist.write_json_atomic(meta_path, sb.meta())
         except BaseException as e:
             self.counters["create_failed"] += 1
             del self.sandboxes[sid]
+            if sb.state == "running" and sb.layers and self.snaps is not None:
+                self.snaps.release(sb.layers)
             if sb.runtime is not None:
                 try:
                     substrate.destroy(sb.runtime)
@@ -361,13 +396,49 @@ class Engine:
     def create(self, spec: SandboxSpec) -> Sandbox:
         substrate = self._substrate(spec.substrate)
         self._admit(1)
-        return self._create_one(substrate, spec, self._image(spec.image))
+        spec, image = self._resolve(spec)
+        return self._create_one(substrate, spec, image)
+
+    def _resolve(self, spec: SandboxSpec) -> tuple[SandboxSpec, Any]:
+        """The image to mount: the spec's, or a snapshot's image with its layers on top (the
+        spec then names the snapshot by id and its image)."""
+        if spec.snapshot is None:
+            return spec, self._image(spec.image)
+        assert self.snaps is not None
+        rec = self.snaps.get(spec.snapshot)
+        base = self._image(rec["image"])
+        spec = spec.model_copy(update={"snapshot": rec["id"], "image": rec["image"]})
+        return spec, self._layered(base, rec["layers"])
+
+    def _layered(self, base: Any, layers: list[str]) -> Any:
+        import dataclasses
+
+        assert self.snaps is not None
+        overlays = self.snaps.stack(base.overlays, layers)
+        self.snaps.check_fits(overlays, self.sandboxes_dir)
+        return dataclasses.replace(base, overlays=overlays,
+                                   meta={**base.meta, "layers": list(layers)})
 
     async def create_many(self, count: int, spec: SandboxSpec) -> list[Sandbox]:
         """All or nothing: on the first failure the ones already made are destroyed."""
         substrate = self._substrate(spec.substrate)
         self._admit(count)
-        image = self._image(spec.image)
+        spec, image = self._resolve(spec)
+        layers = self._image_layers(image)
+        if self.snaps is not None:
+            self.snaps.acquire(layers)  # held for the batch: an rm meanwhile cannot collect
+        try:
+            return await self._create_many(substrate, count, spec, image)
+        finally:
+            if self.snaps is not None:
+                self.snaps.release(layers)
+
+    @staticmethod
+    def _image_layers(image: Any) -> list[str]:
+        return list(getattr(image, "meta", None) and image.meta.get("layers") or ())
+
+    async def _create_many(self, substrate: Substrate, count: int, spec: SandboxSpec,
+                           image: Any) -> list[Sandbox]:
         made: list[Sandbox] = []
         try:
             for i in range(count):
@@ -395,7 +466,7 @@ class Engine:
 
     def _on_init_exit(self, sb: Sandbox) -> None:
         self._unwatch(sb)
-        if sb.state == "running":
+        if sb.state in ("running", "paused"):
             self._lose(sb)
 
     def _lose(self, sb: Sandbox) -> None:
@@ -438,8 +509,11 @@ class Engine:
         while heap and heap[0][0] <= now:
             when, sid = heapq.heappop(heap)
             sb = self.sandboxes.get(sid)
-            if sb is None or sb.state != "running" or when != sb.sched:
+            if sb is None or sb.state not in ("running", "paused") or when != sb.sched:
                 continue  # gone, or a stale entry
+            if sb.state == "paused" and sb.spec.pause_ttl == "stop":
+                sb.sched = 0.0  # clocks stopped: rescheduled on resume
+                continue
             idle = sb.spec.idle_timeout
             if now >= sb.expires_at:
                 self._begin_stop(sb, "expired")
@@ -453,12 +527,12 @@ class Engine:
         """Entries of killed sandboxes stay until their deadline (up to a week away): with
         heavy churn, rebuild the heap from the live entries only."""
         self._heap = [(sb.sched, sid) for sid, sb in self.sandboxes.items()
-                      if sb.state == "running" and sb.sched]
+                      if sb.state in ("running", "paused") and sb.sched]
         heapq.heapify(self._heap)
 
     def _begin_stop(self, sb: Sandbox, reason: str) -> asyncio.Future[None]:
         if sb.stopping is None:
-            if sb.state == "running":
+            if sb.state in ("running", "paused"):
                 self._unwatch(sb)
             sb.state = "stopping"
             sb.reason = reason
@@ -492,6 +566,8 @@ class Engine:
                     p.release()
                 sb.procs = None
             self.sandboxes.pop(sb.id, None)
+            if sb.layers and self.snaps is not None:
+                self.snaps.release(sb.layers)
             self._tombstone(sb.id, sb.reason or "killed")
             log.debug("sandbox destroyed", extra={"sandbox": sb.id, "reason": sb.reason})
 
@@ -521,7 +597,7 @@ class Engine:
     def list(self, labels: dict[str, str | None]) -> list[Sandbox]:
         out = []
         for sb in self.sandboxes.values():
-            if sb.state != "running":
+            if sb.state not in ("running", "paused"):
                 continue
             have = sb.spec.labels
             if all(k in have and (v is None or have[k] == v) for k, v in labels.items()):
@@ -693,6 +769,171 @@ class Engine:
         if len(data) > max_bytes:
             return data[:max_bytes], True
         return data, False
+
+    # ---- snapshots, fork, restore (corral.daemon.snapshots) ---------------------------------
+    def _snaps(self) -> snapshots.SnapshotStore:
+        if self.snaps is None:
+            raise Unsupported("snapshots are not available")
+        return self.snaps
+
+    def _uppers(self, sb: Sandbox) -> list[str]:
+        assert sb.runtime is not None
+        base = os.path.join(sb.runtime.sandbox_dir, "upper")
+        n = len(os.listdir(base))
+        return [os.path.join(base, str(i)) for i in range(n)]
+
+    async def snapshot(self, sid: str, name: str | None) -> dict[str, Any]:
+        """The sandbox's files (its overlay uppers) as a new layer on its own chain."""
+        store = self._snaps()
+        sb = self.lookup(sid)
+        if sb.spec.substrate != "container":
+            raise Unsupported("snapshots need the container substrate")
+        if name is not None and name in store.by_name:  # checked again in commit
+            raise SnapshotExists(f"a snapshot named {name!r} exists", details={"name": name})
+        base = sb.layers
+        image = self._image(sb.spec.image)
+        store.check_fits(store.stack(image.overlays, base), self.sandboxes_dir, extra_layers=1)
+        paths = sb.runtime.cgroup_paths if sb.runtime else []
+        paused = sb.state == "paused"
+
+        def freeze() -> None:
+            if not paused:
+                try:
+                    self.cgroups.freeze(paths)
+                except OSError:
+                    pass  # no freezer: a best-effort copy of a live tree
+
+        def thaw() -> None:
+            if not paused:
+                try:
+                    self.cgroups.thaw(paths)
+                except OSError:
+                    pass
+
+        layers = list(base)
+        store.acquire(layers)  # the sandbox may die meanwhile: keep its chain
+        sb.threads += 1
+        try:
+            tmp, digest, size = await asyncio.to_thread(store.capture, self._uppers(sb),
+                                                        freeze, thaw)
+        finally:
+            sb.threads -= 1
+            store.release(layers)
+        rec = store.commit(tmp, digest, size, name=name, parent=sb.spec.snapshot,
+                           image=sb.spec.image, base=base, sandbox_id=sid)
+        self.counters["snapshots"] = self.counters.get("snapshots", 0) + 1
+        return rec
+
+    async def fork(self, sid: str, count: int, name: str | None,
+                   keep: bool) -> tuple[dict[str, Any], list[Sandbox]]:
+        """Snapshot + ``count`` sandboxes on it with the parent's spec (one call)."""
+        sb = self.lookup(sid)
+        self._admit(count)
+        rec = await self.snapshot(sid, name)
+        spec = sb.spec.model_copy(update={"snapshot": rec["id"]})
+        try:
+            kids = await self.create_many(count, spec)
+        finally:
+            if not keep:
+                self._snaps().delete(rec["id"])  # the children hold its layers
+        return rec, kids
+
+    async def restore(self, sid: str, key: str) -> Sandbox:
+        """Roll a sandbox back to a snapshot in place: same id, spec and cgroup limits; its
+        processes are killed and a new init starts on a fresh upper over the snapshot."""
+        store = self._snaps()
+        sb = self.lookup(sid)
+        rec = store.get(key)
+        substrate = self.substrates[sb.spec.substrate]
+        reset = getattr(substrate, "reset", None)
+        if reset is None:
+            raise Unsupported(f"restore is not supported on substrate {substrate.name!r}")
+        image = self._layered(self._image(rec["image"]), rec["layers"])
+        old_layers = sb.layers
+        store.acquire(rec["layers"])
+        spec = sb.spec.model_copy(update={"snapshot": rec["id"], "image": rec["image"]})
+        self._unwatch(sb)
+        sb.state, sb.reason, sb.paused_at = "restoring", "restoring", None
+        try:
+            while sb.threads:
+                await asyncio.sleep(0.001)
+            runtime = await asyncio.to_thread(reset, sb.runtime, spec, image)
+        except BaseException:
+            store.release(rec["layers"])
+            sb.reason = None
+            self._lose(sb)  # the old init is gone or in an unknown state
+            raise
+        if sb.procs:
+            for p in sb.procs.values():
+                p.release()
+            sb.procs = None
+        runtime.extra["layers"] = list(rec["layers"])
+        sb.runtime, sb.spec = runtime, spec
+        sb.state, sb.reason = "running", None
+        sb.last_active = time.time()
+        persist.write_json_atomic(os.path.join(self.sandboxes_dir, sid, persist.META), sb.meta())
+        store.release(old_layers)
+        self._watch(sb)
+        self._schedule(sb, time.time())
+        return sb
+
+    def snapshot_list(self) -> list[dict[str, Any]]:
+        return self._snaps().list()
+
+    def snapshot_get(self, key: str) -> dict[str, Any]:
+        return self._snaps().get(key)
+
+    def snapshot_delete(self, key: str) -> dict[str, Any]:
+        return self._snaps().delete(key)
+
+    # ---- pause / resume --------------------------------------------------------------------
+    def _frozen(self, sb: Sandbox) -> bool:
+        try:
+            return bool(sb.runtime and self.cgroups.is_frozen(sb.runtime.cgroup_paths))
+        except OSError:
+            return False
+
+    def pause(self, sid: str) -> Sandbox:
+        """Freeze every process of the sandbox (cgroup freezer): no CPU until resumed."""
+        sb = self.lookup(sid)
+        if sb.state == "paused":
+            return sb
+        assert sb.runtime is not None
+        try:
+            self.cgroups.freeze(sb.runtime.cgroup_paths)
+        except OSError as e:
+            raise Unsupported(f"cannot pause: {e.strerror or e}") from e
+        except TimeoutError as e:
+            self.cgroups.thaw(sb.runtime.cgroup_paths, wait=False)
+            raise InternalError(f"cannot pause: {e}") from e
+        sb.state, sb.paused_at = "paused", time.time()
+        self._persist(sb)
+        return sb
+
+    def resume(self, sid: str) -> Sandbox:
+        sb = self.lookup(sid)
+        if sb.state == "paused":
+            self._resume(sb)
+        return sb
+
+    def _resume(self, sb: Sandbox) -> None:
+        assert sb.runtime is not None
+        self.cgroups.thaw(sb.runtime.cgroup_paths)
+        now = time.time()
+        if sb.spec.pause_ttl == "stop" and sb.paused_at is not None:
+            sb.expires_at += now - sb.paused_at  # the TTL clock stood still while paused
+            sb.last_active = now
+        sb.state, sb.paused_at = "running", None
+        self._persist(sb)
+        sb.sched = 0.0
+        self._schedule(sb, now)
+
+    def _persist(self, sb: Sandbox) -> None:
+        try:
+            persist.write_json_atomic(os.path.join(self.sandboxes_dir, sb.id, persist.META),
+                                      sb.meta())
+        except OSError:
+            log.exception("cannot write the sandbox record", extra={"sandbox": sb.id})
 
     # ---- status --------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -80,7 +80,7 @@ def _response(r: Route) -> dict[str, Any]:
 
 def _operation(r: Route) -> dict[str, Any]:
     params: list[dict[str, Any]] = []
-    for name in ("id", "pid"):
+    for name in ("id", "pid", "snap"):
         if "{" + name + "}" in r.path:
             params.append({"name": name, "in": "path", "required": True, "schema": {
                 "type": "integer" if name == "pid" else "string"}})

@@ -12,6 +12,7 @@ Layout (one job per module):
   results.py           ExecResult (.ok, .check()), CommandFailed, OutputChunk
   sandbox.py           Sandbox, Files, Process
   async_sandbox.py     AsyncSandbox, AsyncFiles, AsyncProcess
+  snapshot.py          Snapshot, AsyncSnapshot (list, get, delete)
   admin.py             daemon status, images
 """
 
@@ -19,8 +20,9 @@ from corral.sdk.async_sandbox import AsyncFiles, AsyncProcess, AsyncSandbox
 from corral.sdk.endpoint import Endpoint
 from corral.sdk.results import CommandFailed, ExecResult, OutputChunk
 from corral.sdk.sandbox import Files, Process, Sandbox
+from corral.sdk.snapshot import AsyncSnapshot, Snapshot
 
 __all__ = [
     "AsyncFiles", "AsyncProcess", "AsyncSandbox", "CommandFailed", "Endpoint", "ExecResult",
-    "Files", "OutputChunk", "Process", "Sandbox",
+    "Files", "OutputChunk", "Process", "Sandbox", "AsyncSnapshot", "Snapshot",
 ]

@@ -28,6 +28,8 @@ from corral.models import (
     DaemonStatus,
     ExecRequest,
     FileEntry,
+    ForkRequest,
+    ForkResult,
     ImageInfo,
     ImportImageRequest,
     KillProcessRequest,
@@ -36,9 +38,12 @@ from corral.models import (
     ProcessStatus,
     RemoveRequest,
     RenameRequest,
+    RestoreRequest,
     SandboxInfo,
     SandboxSpec,
     SetTimeoutRequest,
+    SnapshotInfo,
+    SnapshotRequest,
     StdinRequest,
     WaitRequest,
 )
@@ -80,6 +85,8 @@ def _read_timeout(timeout: float | None) -> float | None:
 
 def spec(**fields: Any) -> SandboxSpec:
     """A SandboxSpec from keyword arguments (None means the default)."""
+    if fields.get("snapshot") is not None:
+        fields["snapshot"] = _snap_key(fields["snapshot"])
     return validated(SandboxSpec, **{k: v for k, v in fields.items() if v is not None})
 
 
@@ -141,6 +148,56 @@ def kill(sid: str) -> Call[bool]:
 def set_timeout(sid: str, seconds: float) -> Call[SandboxInfo]:
     req = validated(SetTimeoutRequest, timeout=seconds)
     return Call("POST", sb_path(sid) + "/timeout", _info, body=_body(req))
+
+
+# ---- snapshots, fork, restore, pause --------------------------------------------------------
+def _snap_key(snapshot: Any) -> str:
+    key = getattr(snapshot, "id", snapshot)
+    if not isinstance(key, str) or not key:
+        raise InvalidRequest(f"bad snapshot {snapshot!r}: give a Snapshot, an id or a name")
+    return key
+
+
+def snapshot(sid: str, name: str | None = None) -> Call[SnapshotInfo]:
+    req = validated(SnapshotRequest, name=name)
+    return Call("POST", sb_path(sid) + "/snapshot", SnapshotInfo.model_validate_json,
+                body=_body(req), timeout=DEFAULT_READ_TIMEOUT * 5)
+
+
+def fork(sid: str, count: int, name: str | None = None,
+         keep_snapshot: bool = False) -> Call[ForkResult]:
+    req = validated(ForkRequest, count=count, name=name, keep_snapshot=keep_snapshot)
+    return Call("POST", sb_path(sid) + "/fork", ForkResult.model_validate_json, body=_body(req),
+                timeout=DEFAULT_READ_TIMEOUT * 5 + 0.05 * count)
+
+
+def restore(sid: str, snapshot: Any) -> Call[SandboxInfo]:
+    req = validated(RestoreRequest, snapshot=_snap_key(snapshot))
+    return Call("POST", sb_path(sid) + "/restore", _info, body=_body(req))
+
+
+def pause(sid: str) -> Call[SandboxInfo]:
+    return Call("POST", sb_path(sid) + "/pause", _info)
+
+
+def resume(sid: str) -> Call[SandboxInfo]:
+    return Call("POST", sb_path(sid) + "/resume", _info)
+
+
+def snapshots() -> Call[list[SnapshotInfo]]:
+    return Call("GET", "/v1/snapshots",
+                lambda b: [SnapshotInfo.model_validate(x) for x in json.loads(b)["snapshots"]],
+                retry_safe=True)
+
+
+def snapshot_get(key: Any) -> Call[SnapshotInfo]:
+    return Call("GET", "/v1/snapshots/" + seg(_snap_key(key)),
+                SnapshotInfo.model_validate_json, retry_safe=True)
+
+
+def snapshot_delete(key: Any) -> Call[bool]:
+    return Call("DELETE", "/v1/snapshots/" + seg(_snap_key(key)),
+                lambda b: bool(json.loads(b)["deleted"]))
 
 
 # ---- exec and background processes ----------------------------------------------------------

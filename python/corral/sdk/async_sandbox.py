@@ -28,6 +28,7 @@ from corral.sdk.call import Call, T, lost
 from corral.sdk.endpoint import Endpoint
 from corral.sdk.handle import ProcessBase, SandboxHandle
 from corral.sdk.results import ExecResult, OutputChunk
+from corral.sdk.snapshot import AsyncSnapshot, SnapshotBase
 
 Labels = Mapping[str, str | None] | builtins.list[str] | None
 
@@ -68,12 +69,14 @@ class AsyncSandbox(SandboxHandle):
                  labels: Mapping[str, str] | None = None,
                  metadata: Mapping[str, str] | None = None, network: str = "none",
                  hostname: str | None = None, cwd: str | None = None,
+                 snapshot: str | SnapshotBase | None = None, pause_ttl: str = "count",
                  endpoint: str | Endpoint | None = None) -> None:
         # Validated now, so bad input fails at the call site, not at the first await.
         self._spec = api.spec(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb,
                               pids=pids, timeout=timeout, idle_timeout=idle_timeout, env=env,
                               labels=labels, metadata=metadata, network=network,
-                              hostname=hostname, cwd=cwd)
+                              hostname=hostname, cwd=cwd, snapshot=snapshot,
+                              pause_ttl=pause_ttl)
         self._init_handle(Endpoint.parse(endpoint), None)
 
     def _init_files(self) -> None:
@@ -187,6 +190,27 @@ class AsyncSandbox(SandboxHandle):
         if self._sid is None and self._creating is None:
             return False  # never created: nothing to kill
         return await self._call(api.kill)
+
+    # ---- snapshots, fork, restore, pause (docs/snapshots.md) ------------------------------
+    async def snapshot(self, name: str | None = None) -> AsyncSnapshot:
+        """See ``Sandbox.snapshot``."""
+        return AsyncSnapshot(await self._call(api.snapshot, name), self._endpoint)
+
+    async def fork(self, n: int, *, name: str | None = None,
+                   keep_snapshot: bool = False) -> builtins.list[AsyncSandbox]:
+        """See ``Sandbox.fork``."""
+        res = await self._call(api.fork, n, name, keep_snapshot)
+        return [type(self)._bind(self._endpoint, i.id, i) for i in res.sandboxes]
+
+    async def restore(self, snapshot: str | SnapshotBase) -> SandboxInfo:
+        """See ``Sandbox.restore``."""
+        return self._remember(await self._call(api.restore, snapshot))
+
+    async def pause(self) -> SandboxInfo:
+        return self._remember(await self._call(api.pause))
+
+    async def resume(self) -> SandboxInfo:
+        return self._remember(await self._call(api.resume))
 
     async def __aenter__(self) -> AsyncSandbox:
         await self._sid_ready()

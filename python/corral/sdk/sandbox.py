@@ -21,6 +21,7 @@ from corral.sdk.call import Call, T, lost
 from corral.sdk.endpoint import Endpoint
 from corral.sdk.handle import ProcessBase, SandboxHandle
 from corral.sdk.results import ExecResult, OutputChunk
+from corral.sdk.snapshot import Snapshot, SnapshotBase
 from corral.sdk.sync_transport import transport
 
 Labels = Mapping[str, str | None] | builtins.list[str] | None
@@ -46,10 +47,12 @@ class Sandbox(SandboxHandle):
                  labels: Mapping[str, str] | None = None,
                  metadata: Mapping[str, str] | None = None, network: str = "none",
                  hostname: str | None = None, cwd: str | None = None,
+                 snapshot: str | SnapshotBase | None = None, pause_ttl: str = "count",
                  endpoint: str | Endpoint | None = None) -> None:
         s = api.spec(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb, pids=pids,
                      timeout=timeout, idle_timeout=idle_timeout, env=env, labels=labels,
-                     metadata=metadata, network=network, hostname=hostname, cwd=cwd)
+                     metadata=metadata, network=network, hostname=hostname, cwd=cwd,
+                     snapshot=snapshot, pause_ttl=pause_ttl)
         ep = Endpoint.parse(endpoint)
         info = _send(ep, api.create(s))
         self._init_handle(ep, info.id, info)
@@ -143,6 +146,31 @@ class Sandbox(SandboxHandle):
     def kill(self) -> bool:
         """Kill it; False if it had already ended."""
         return self._call(api.kill(self.id))
+
+    # ---- snapshots, fork, restore, pause (docs/snapshots.md) ------------------------------
+    def snapshot(self, name: str | None = None) -> Snapshot:
+        """Its files (not its processes) as a read-only snapshot that outlives it."""
+        return Snapshot(self._call(api.snapshot(self.id, name)), self._endpoint)
+
+    def fork(self, n: int, *, name: str | None = None,
+             keep_snapshot: bool = False) -> builtins.list[Sandbox]:
+        """Snapshot + ``n`` new sandboxes on it (same spec), in one call (all or nothing).
+        The snapshot is deleted once they exist unless ``keep_snapshot`` (its layers live as
+        long as the children)."""
+        res = self._call(api.fork(self.id, n, name, keep_snapshot))
+        return [type(self)._bind(self._endpoint, i.id, i) for i in res.sandboxes]
+
+    def restore(self, snapshot: str | SnapshotBase) -> SandboxInfo:
+        """Roll this sandbox's files back to ``snapshot`` in place (same id). Every process
+        in it is killed and its init restarted; background processes are forgotten."""
+        return self._remember(self._call(api.restore(self.id, snapshot)))
+
+    def pause(self) -> SandboxInfo:
+        """Freeze every process (no CPU) until ``resume()`` or any exec or file call."""
+        return self._remember(self._call(api.pause(self.id)))
+
+    def resume(self) -> SandboxInfo:
+        return self._remember(self._call(api.resume(self.id)))
 
     def __enter__(self) -> Sandbox:
         return self

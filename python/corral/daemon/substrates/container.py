@@ -391,6 +391,38 @@ class ContainerSubstrate(Substrate):
         sdir = os.path.join(self.sandboxes_dir, runtime.sandbox_id)
         shutil.rmtree(sdir, ignore_errors=True)
 
+    def reset(self, runtime: SandboxRuntime, spec: SandboxSpec, image: Any) -> SandboxRuntime:
+        """Restart a sandbox in place (restore to a snapshot): kill every process, set the old
+        directories aside (deleted in the background), and start a new init with a fresh upper
+        on ``image`` under the same id, cgroup and network namespace. Returns the new runtime;
+        the old one is dead either way."""
+        sid = runtime.sandbox_id
+        with self._lock:
+            self._closing.add(sid)
+        try:
+            self._close_root(sid)
+            pidfd = runtime.pidfd
+            net_fd = self._netns_of(runtime.init_pid, pidfd) if pidfd >= 0 else None
+            if pidfd >= 0:
+                self._kill_and_wait(runtime.init_pid, pidfd)
+                os.close(pidfd)
+                runtime.pidfd = -1
+            paths = runtime.cgroup_paths or self.cgroups.paths_for(sid)
+            self.cgroups.kill_all(paths)
+            self.cgroups.remove(paths)
+            sdir = os.path.join(self.sandboxes_dir, sid)
+            trash = os.path.join(self.state_dir, "trash", f"{sid}.{os.urandom(4).hex()}")
+            os.makedirs(os.path.dirname(trash), mode=0o700, exist_ok=True)
+            os.rename(sdir, trash)
+            threading.Thread(target=shutil.rmtree, args=(trash, True), daemon=True,
+                             name="corral-rm").start()
+        finally:
+            with self._lock:
+                self._closing.discard(sid)
+        if net_fd is not None:
+            self.netns.give(net_fd)  # the new init takes it (most recent first)
+        return self.create(sid, spec, image)
+
     def _netns_of(self, pid: int, pidfd: int) -> int | None:
         """An fd of a live sandbox's network namespace, to reuse once the sandbox is gone."""
         if not self.netns.size:

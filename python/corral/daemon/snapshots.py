@@ -1,0 +1,420 @@
+"""Snapshots: a sandbox's overlay upper dirs captured as a read-only, content-addressed layer.
+
+On disk (``<state_dir>``):
+  layers/<digest>/<n>/      the layer: a copy of upper dir ``n`` (one per overlay target of the
+                            image: "/" is 0, "/usr" 1 ...); absent when that upper was empty
+  snapshots/<id>.json       a snapshot record: id, name, parent, image, layers (bottom first)
+  trash/                    directories being removed in the background
+
+A snapshot is a *chain* of layers: the layers the sandbox was started on (its own snapshot's
+chain) plus the new layer on top. A sandbox started from a snapshot mounts each overlay with
+the chain's parts as extra lowerdirs above the image's. Deletions carry over because the copy
+keeps overlayfs' whiteouts (char 0/0) and opaque / redirect xattrs (``trusted.overlay.*``).
+
+Capture: freeze the sandbox's cgroup (cgroup freezer) so no process writes mid-copy, copy each
+upper with copy_file_range (in-kernel; on ext4 a data copy, on btrfs/XFS a reflink), thaw, then
+hash the copy (blake3 over a sorted manifest: paths, types, modes, owners, mtimes, xattrs, link
+targets and file contents). Cost grows with what the sandbox changed, never with the image.
+Hard-linking the upper's files would be cheaper but wrong: the sandbox keeps writing to those
+inodes in place (the upper is not copied up again), which would change the snapshot.
+
+Reference counting: each layer counts the snapshot records and the sandboxes (live, or being
+destroyed) whose chain holds it. ``rm`` drops a record at once; a layer goes when its count
+reaches zero, so a layer a sandbox or a child snapshot still stands on is never removed. The
+counts are rebuilt at start from the records and the re-adopted sandboxes' runtimes, and any
+layer nothing references (or a half-made one) is collected then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import stat
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from corral.daemon import persist
+from corral.errors import SnapshotChainTooDeep, SnapshotExists, SnapshotNotFound
+
+try:
+    import blake3 as _blake3
+
+    def _hasher() -> Any:
+        return _blake3.blake3()
+
+    def _hash_bytes(data: Any) -> bytes:
+        return _blake3.blake3(data).digest()
+except ImportError:  # pragma: no cover - blake3 is a dependency; sha256 keeps it working
+    import hashlib
+
+    def _hasher() -> Any:
+        return hashlib.sha256()
+
+    def _hash_bytes(data: Any) -> bytes:
+        return hashlib.sha256(data).digest()
+
+log = logging.getLogger("corral.snapshots")
+
+# overlayfs xattrs that describe the layer's content and must carry over; the others
+# (origin, impure, nlink, upper, uuid) describe one mount's upper and are dropped.
+_KEEP_OVL = {"trusted.overlay.opaque", "trusted.overlay.redirect", "trusted.overlay.metacopy",
+             "trusted.overlay.whiteout", "trusted.overlay.whiteouts"}
+# mount(2) takes the overlay options in one page: "lowerdir=...,upperdir=...,workdir=...".
+MOUNT_OPTIONS_MAX = 4095
+_COPY_CHUNK = 1 << 30
+
+
+def new_id() -> str:
+    return "snap-" + os.urandom(8).hex()
+
+
+def _xattrs(path: str) -> list[tuple[str, bytes]]:
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return []
+    out = []
+    for n in sorted(names):
+        if n.startswith("trusted.overlay.") and n not in _KEEP_OVL:
+            continue
+        try:
+            out.append((n, os.getxattr(path, n, follow_symlinks=False)))
+        except OSError:
+            continue
+    return out
+
+
+def _copy_data(src: str, dst: str, mode: int) -> None:
+    fi = os.open(src, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        fo = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o777)
+        try:
+            try:
+                while os.copy_file_range(fi, fo, _COPY_CHUNK):
+                    pass
+            except OSError:  # e.g. EXDEV / EOPNOTSUPP on odd filesystems: plain copy
+                os.lseek(fi, 0, os.SEEK_SET)
+                os.lseek(fo, 0, os.SEEK_SET)
+                os.ftruncate(fo, 0)
+                while chunk := os.read(fi, 1 << 20):
+                    os.write(fo, chunk)
+        finally:
+            os.close(fo)
+    finally:
+        os.close(fi)
+
+
+def copy_tree(src: str, dst: str) -> int:
+    """Copy the upper dir ``src`` to the new dir ``dst`` exactly (owners, modes, times,
+    xattrs, hard links, symlinks, whiteouts, FIFOs). Returns the bytes of file data."""
+    total = 0
+    links: dict[tuple[int, int], str] = {}
+    dirs: list[tuple[str, os.stat_result]] = []
+
+    def meta(s: str, d: str, st: os.stat_result, is_link: bool) -> None:
+        for name, value in _xattrs(s):
+            with contextlib.suppress(OSError):
+                os.setxattr(d, name, value, follow_symlinks=False)
+        os.chown(d, st.st_uid, st.st_gid, follow_symlinks=False)
+        if not is_link:
+            os.chmod(d, stat.S_IMODE(st.st_mode))
+        os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+    def walk(s: str, d: str) -> None:
+        nonlocal total
+        with os.scandir(s) as it:
+            entries = list(it)
+        for e in entries:
+            sp, dp = e.path, os.path.join(d, e.name)
+            st = e.stat(follow_symlinks=False)
+            m = st.st_mode
+            if stat.S_ISDIR(m):
+                os.mkdir(dp, 0o700)
+                walk(sp, dp)
+                dirs.append((sp, dp, st))  # type: ignore[arg-type]
+                continue
+            if stat.S_ISREG(m):
+                key = (st.st_dev, st.st_ino)
+                if st.st_nlink > 1 and key in links:
+                    os.link(links[key], dp)
+                    continue
+                _copy_data(sp, dp, m)
+                total += st.st_size
+                if st.st_nlink > 1:
+                    links[key] = dp
+            elif stat.S_ISLNK(m):
+                os.symlink(os.readlink(sp), dp)
+            elif stat.S_ISCHR(m) or stat.S_ISBLK(m) or stat.S_ISFIFO(m) or stat.S_ISSOCK(m):
+                # Whiteouts are char 0/0; a sandbox cannot make other devices (no CAP_MKNOD).
+                if (stat.S_ISCHR(m) or stat.S_ISBLK(m)) and st.st_rdev != 0:
+                    continue
+                os.mknod(dp, m, st.st_rdev)
+            else:
+                continue
+            meta(sp, dp, st, stat.S_ISLNK(m))
+
+    walk(src, dst)
+    for sp, dp, st in reversed(dirs):  # type: ignore[misc]
+        meta(sp, dp, st, False)
+    meta(src, dst, os.lstat(src), False)
+    return total
+
+
+def tree_digest(root: str, h: Any) -> None:
+    """Feed a canonical manifest of ``root`` (sorted) with file contents into hasher ``h``."""
+    def walk(d: str, rel: str) -> None:
+        with os.scandir(d) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for e in entries:
+            st = e.stat(follow_symlinks=False)
+            r = f"{rel}/{e.name}"
+            m = st.st_mode
+            x = b"".join(n.encode() + b"=" + v + b";" for n, v in _xattrs(e.path))
+            head = f"{r}\0{m:o}\0{st.st_uid}\0{st.st_gid}\0{st.st_rdev}\0".encode()
+            if stat.S_ISDIR(m):
+                h.update(b"D" + head + x + b"\n")
+                walk(e.path, r)
+            elif stat.S_ISLNK(m):
+                h.update(b"L" + head + os.fsencode(os.readlink(e.path)) + x + b"\n")
+            elif stat.S_ISREG(m):
+                h.update(b"F" + head + f"{st.st_size}\0{st.st_mtime_ns}\0".encode() + x)
+                h.update(_file_hash(e.path, st.st_size) + b"\n")
+            else:
+                h.update(b"O" + head + x + b"\n")
+
+    walk(root, "")
+
+
+def _file_hash(path: str, size: int) -> bytes:
+    if size == 0:
+        return _hash_bytes(b"")
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mm:
+            return _hash_bytes(mm)
+    finally:
+        os.close(fd)
+
+
+def _empty(path: str) -> bool:
+    try:
+        with os.scandir(path) as it:
+            return next(it, None) is None
+    except FileNotFoundError:
+        return True
+
+
+class SnapshotStore:
+    """Snapshot records, layers and their reference counts. Methods run on the event loop
+    except :meth:`capture`, which does the I/O (a worker thread)."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.state_dir = state_dir
+        self.snap_dir = os.path.join(state_dir, "snapshots")
+        self.layers_dir = os.path.join(state_dir, "layers")
+        self.trash_dir = os.path.join(state_dir, "trash")
+        self.records: dict[str, dict[str, Any]] = {}
+        self.by_name: dict[str, str] = {}
+        self.refs: Counter[str] = Counter()
+        self._parts: dict[tuple[str, int], bool] = {}  # (digest, n) -> that part has content
+        for d in (self.snap_dir, self.layers_dir, self.trash_dir):
+            os.makedirs(d, mode=0o700, exist_ok=True)
+
+    # ---- start ---------------------------------------------------------------------------
+    def load(self) -> None:
+        """Read the records and count their layers (before sandboxes are re-adopted)."""
+        for name in sorted(os.listdir(self.snap_dir)):
+            path = os.path.join(self.snap_dir, name)
+            if not name.endswith(".json"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # a .tmp of an interrupted write
+                continue
+            try:
+                rec = persist.read_json(path)
+                layers = [str(x) for x in rec["layers"]]
+                if not all(os.path.isdir(self.layer_path(d)) for d in layers):
+                    raise ValueError("missing layer")
+            except (OSError, ValueError, KeyError, TypeError):
+                log.warning("dropping unreadable snapshot record", extra={"file": name})
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                continue
+            self.records[rec["id"]] = rec
+            if rec.get("name"):
+                self.by_name[rec["name"]] = rec["id"]
+            self.refs.update(layers)
+
+    def collect(self) -> list[str]:
+        """Remove every layer dir nothing references (after re-adoption), and the trash."""
+        removed = []
+        for name in os.listdir(self.layers_dir):
+            if self.refs.get(name, 0) <= 0:
+                self._discard(os.path.join(self.layers_dir, name))
+                removed.append(name)
+        for name in os.listdir(self.trash_dir):
+            self._rm_later(os.path.join(self.trash_dir, name))
+        return removed
+
+    # ---- lookup --------------------------------------------------------------------------
+    def get(self, key: str) -> dict[str, Any]:
+        rec = self.records.get(key)
+        if rec is None and key in self.by_name:
+            rec = self.records.get(self.by_name[key])
+        if rec is None:
+            raise SnapshotNotFound(f"no snapshot {key!r}", details={"snapshot": key})
+        return rec
+
+    def list(self) -> list[dict[str, Any]]:
+        return sorted(self.records.values(), key=lambda r: r["created_at"])
+
+    def layer_path(self, digest: str, n: int | None = None) -> str:
+        p = os.path.join(self.layers_dir, digest)
+        return p if n is None else os.path.join(p, str(n))
+
+    def _has_part(self, digest: str, n: int) -> bool:
+        key = (digest, n)
+        v = self._parts.get(key)
+        if v is None:
+            v = self._parts[key] = not _empty(self.layer_path(digest, n))
+        return v
+
+    # ---- overlays ------------------------------------------------------------------------
+    def stack(self, overlays: list[tuple[str, list[str]]],
+              layers: list[str]) -> list[tuple[str, list[str]]]:
+        """The image's overlays with the chain's non-empty parts as lowerdirs on top
+        (top first; a layer twice in a chain counts once, at its top position)."""
+        out = []
+        for n, (target, lowers) in enumerate(overlays):
+            extra: list[str] = []
+            for d in reversed(layers):
+                p = self.layer_path(d, n)
+                if p not in extra and self._has_part(d, n):
+                    extra.append(p)
+            out.append((target, extra + list(lowers)))
+        return out
+
+    def check_fits(self, overlays: list[tuple[str, list[str]]], sandboxes_dir: str,
+                   extra_layers: int = 0) -> None:
+        """Refuse a chain whose overlay options would not fit in one page (mount(2))."""
+        sdir = os.path.join(sandboxes_dir, "sb-" + "0" * 16)
+        per_layer = len(self.layer_path("0" * 64, 0)) + 1
+        for n, (_, lowers) in enumerate(overlays):
+            opts = (f"lowerdir={':'.join(lowers)},upperdir={sdir}/upper/{n},"
+                    f"workdir={sdir}/work/{n},volatile,userxattr")
+            if len(opts) + extra_layers * per_layer > MOUNT_OPTIONS_MAX:
+                raise SnapshotChainTooDeep(
+                    f"the snapshot chain is too deep: {len(lowers)} lower layers do not fit "
+                    f"in one overlay mount (options are limited to {MOUNT_OPTIONS_MAX} bytes); "
+                    f"start a fresh sandbox or snapshot an earlier level",
+                    details={"lower_layers": len(lowers)})
+
+    # ---- refs ----------------------------------------------------------------------------
+    def acquire(self, layers: list[str]) -> None:
+        self.refs.update(layers)
+
+    def release(self, layers: list[str]) -> None:
+        for d in layers:
+            self.refs[d] -= 1
+            if self.refs[d] <= 0:
+                del self.refs[d]
+                self._discard(self.layer_path(d))
+
+    def _discard(self, path: str) -> None:
+        """Move a layer to the trash at once (a rename) and delete it in the background."""
+        digest = os.path.basename(path)
+        for key in [k for k in self._parts if k[0] == digest]:
+            del self._parts[key]
+        dst = os.path.join(self.trash_dir, f"{digest}.{os.urandom(4).hex()}")
+        try:
+            os.rename(path, dst)
+        except FileNotFoundError:
+            return
+        self._rm_later(dst)
+
+    @staticmethod
+    def _rm_later(path: str) -> None:
+        threading.Thread(target=shutil.rmtree, args=(path, True), daemon=True,
+                         name="corral-rm").start()
+
+    # ---- capture (worker thread) -----------------------------------------------------------
+    def capture(self, uppers: list[str], freeze: Callable[[], Any],
+                thaw: Callable[[], Any]) -> tuple[str, str, int]:
+        """Copy the uppers into a new temporary layer dir; return (tmp dir, digest, bytes)."""
+        tmp = os.path.join(self.layers_dir, f".tmp-{os.urandom(8).hex()}")
+        os.mkdir(tmp, 0o755)
+        size = 0
+        try:
+            freeze()
+            try:
+                for n, upper in enumerate(uppers):
+                    if _empty(upper):
+                        continue
+                    part = os.path.join(tmp, str(n))
+                    os.mkdir(part, 0o755)
+                    size += copy_tree(upper, part)
+            finally:
+                thaw()
+            h = _hasher()
+            for n in range(len(uppers)):
+                part = os.path.join(tmp, str(n))
+                if os.path.isdir(part):
+                    h.update(f"part {n}\n".encode())
+                    tree_digest(part, h)
+            return tmp, h.hexdigest(), size
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def commit(self, tmp: str, digest: str, size: int, *, name: str | None,
+               parent: str | None, image: str, base: list[str],
+               sandbox_id: str) -> dict[str, Any]:
+        """Put a captured layer in place (or drop it if that content is already stored) and
+        record the snapshot. Runs on the loop, so it cannot race with a collection."""
+        if name is not None and name in self.by_name:
+            self._rm_later(tmp)
+            raise SnapshotExists(f"a snapshot named {name!r} exists",
+                                 details={"name": name, "id": self.by_name[name]})
+        final = self.layer_path(digest)
+        if os.path.isdir(final):
+            self._rm_later(tmp)  # same content already stored: share it
+        else:
+            os.rename(tmp, final)
+        rec = {"id": new_id(), "name": name, "parent": parent, "image": image,
+               "digest": digest, "layers": [*base, digest], "size": size,
+               "created_at": time.time(), "sandbox_id": sandbox_id}
+        self.refs.update(rec["layers"])
+        try:
+            persist.write_json_atomic(os.path.join(self.snap_dir, rec["id"] + ".json"), rec)
+        except BaseException:
+            self.release(rec["layers"])
+            raise
+        self.records[rec["id"]] = rec
+        if name:
+            self.by_name[name] = rec["id"]
+        return rec
+
+    def delete(self, key: str) -> dict[str, Any]:
+        rec = self.get(key)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.snap_dir, rec["id"] + ".json"))
+        del self.records[rec["id"]]
+        if rec.get("name") and self.by_name.get(rec["name"]) == rec["id"]:
+            del self.by_name[rec["name"]]
+        self.release(rec["layers"])
+        return rec
+
+
+def info(rec: dict[str, Any]) -> dict[str, Any]:
+    return {k: rec.get(k) for k in ("id", "name", "parent", "image", "digest", "layers", "size",
+                                    "created_at", "sandbox_id")}
+
+
+def dumps(rec: dict[str, Any]) -> str:
+    return json.dumps(info(rec))

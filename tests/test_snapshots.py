@@ -1,0 +1,314 @@
+"""Snapshots, fork, restore and pause/resume on the container substrate (issue 4)."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import time
+from pathlib import Path
+
+import pytest
+
+import corral
+from corral import AsyncSandbox, Sandbox, Snapshot
+from corral.errors import (
+    InvalidRequest,
+    SandboxNotRunning,
+    SnapshotExists,
+    SnapshotNotFound,
+)
+
+from conftest import CGROUP_NAME, STATE_DIR
+
+LAYERS = Path(STATE_DIR, "layers")
+
+
+def layer_dirs() -> set[str]:
+    return {p.name for p in LAYERS.iterdir() if not p.name.startswith(".")}
+
+
+def wait_for(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.fixture
+def sb():
+    with Sandbox(timeout=120) as box:
+        yield box
+
+
+def prepare(sb: Sandbox) -> None:
+    """Files of every kind of change: new, modified, deleted (file and dir), renamed."""
+    sb.exec("mkdir -p /work/d /work/gone && echo one > /work/a && echo keep > /work/d/k "
+            "&& echo x > /work/gone/x && echo moved > /work/old && ln -s a /work/link "
+            "&& mkfifo /work/fifo && chmod 600 /work/a").check()
+    # Deletions of files that come from the image (host /usr, /etc of the skeleton).
+    sb.exec("rm /etc/hostname 2>/dev/null; rm -f /usr/share/common-licenses/GPL-3; "
+            "mv /work/old /work/new && rm -r /work/gone").check()
+
+
+def check_prepared(box: Sandbox) -> None:
+    assert box.files.read("/work/a") == "one\n"
+    assert box.files.stat("/work/a").mode & 0o777 == 0o600
+    assert box.files.read("/work/d/k") == "keep\n"
+    assert box.files.read("/work/new") == "moved\n"
+    assert not box.files.exists("/work/old")
+    assert not box.files.exists("/work/gone")
+    assert box.files.stat("/work/link").type == "symlink"
+    assert box.exec("test -p /work/fifo").exit_code == 0
+    assert box.exec("test -e /usr/share/common-licenses/GPL-3").exit_code == 1
+    assert box.exec("test -e /usr/share/common-licenses/GPL-2").exit_code == 0
+
+
+def test_snapshot_content_carries_over(sb):
+    prepare(sb)
+    snap = sb.snapshot(name="content-test")
+    assert snap.id.startswith("snap-") and snap.name == "content-test"
+    assert snap.image == "host" and snap.parent is None and snap.sandbox_id == sb.id
+    assert snap.size >= len("one\nkeep\nmoved\n") and len(snap.layers) == 1
+    assert (LAYERS / snap.digest).is_dir()
+    # Changes after the snapshot are not in it.
+    sb.files.write("/work/a", "changed\n")
+    with Sandbox(snapshot=snap, timeout=60) as box:
+        assert box.last_info.snapshot == snap.id and box.last_info.image == "host"
+        check_prepared(box)
+        # The new sandbox writes on its own upper; the snapshot stays read-only.
+        box.files.write("/work/a", "mine\n")
+        box.exec("rm /work/new").check()
+    with Sandbox(snapshot="content-test", timeout=60) as box:
+        check_prepared(box)
+    assert Snapshot.get("content-test") == snap
+    assert snap.delete()
+    with pytest.raises(SnapshotNotFound) as ei:
+        Sandbox(snapshot=snap.id)
+    assert ei.value.code == "snapshot_not_found"
+
+
+def test_snapshot_of_unchanged_sandboxes_share_one_layer():
+    with Sandbox(timeout=60) as a, Sandbox(timeout=60) as b:
+        sa, sb_ = a.snapshot(), b.snapshot()
+        assert sa.digest == sb_.digest and sa.id != sb_.id
+        sa.delete()
+        assert (LAYERS / sb_.digest).is_dir()  # still referenced by the other
+        sb_.delete()
+
+
+def test_chains_and_opaque_dirs(sb):
+    sb.exec("mkdir -p /work/dir && echo 1 > /work/dir/a && echo 1 > /work/level").check()
+    s1 = sb.snapshot()
+    with Sandbox(snapshot=s1, timeout=60) as child:
+        # Replace a directory from the lower layer wholesale: overlayfs marks it opaque.
+        child.exec("rm -r /work/dir && mkdir /work/dir && echo 2 > /work/dir/b "
+                   "&& echo 2 > /work/level").check()
+        s2 = child.snapshot()
+    assert s2.parent == s1.id and s2.layers[:1] == s1.layers and len(s2.layers) == 2
+    with Sandbox(snapshot=s2, timeout=60) as g:
+        assert g.files.read("/work/level") == "2\n"
+        assert g.exec("ls /work/dir").stdout.split() == ["b"]
+        g.files.write("/work/level", "3\n")
+        s3 = g.snapshot()
+    assert len(s3.layers) == 3
+    # Deleting the middle of the chain leaves its layers to the child that stands on them.
+    s2.delete()
+    s1.delete()
+    assert all((LAYERS / d).is_dir() for d in s3.layers)
+    with Sandbox(snapshot=s3, timeout=60) as g:
+        assert g.files.read("/work/level") == "3\n"
+        assert g.exec("ls /work/dir").stdout.split() == ["b"]
+    s3.delete()
+    assert wait_for(lambda: not (set(s3.layers) & layer_dirs()))
+
+
+def test_fork_children_are_isolated(sb):
+    sb.files.write("/work/state", "parent\n")
+    kids = sb.fork(4)
+    try:
+        assert len(kids) == 4 and len({k.id for k in kids}) == 4
+        assert all(k.last_info.snapshot for k in kids)
+        for i, k in enumerate(kids):
+            assert k.files.read("/work/state") == "parent\n"
+            k.files.write("/work/state", f"kid {i}\n")
+        sb.files.write("/work/state", "parent changed\n")
+        for i, k in enumerate(kids):
+            assert k.files.read("/work/state") == f"kid {i}\n"
+        assert sb.files.read("/work/state") == "parent changed\n"
+        # Not kept: the fork's snapshot is not listed, its layer lives through the kids.
+        snap_id = kids[0].last_info.snapshot
+        assert snap_id not in {s.id for s in Snapshot.list()}
+        digest_dirs = layer_dirs()
+        assert digest_dirs
+    finally:
+        for k in kids:
+            k.kill()
+    assert wait_for(lambda: not (digest_dirs & layer_dirs()))
+
+
+def test_fork_keep_snapshot_and_errors(sb):
+    kids = sb.fork(2, name="fork-kept", keep_snapshot=True)
+    try:
+        snap = Snapshot.get("fork-kept")
+        assert {k.last_info.snapshot for k in kids} == {snap.id}
+        with pytest.raises(SnapshotExists):
+            sb.snapshot(name="fork-kept")
+    finally:
+        for k in kids:
+            k.kill()
+    snap.delete()
+    with pytest.raises(SnapshotNotFound):
+        snap.delete()
+    with pytest.raises(InvalidRequest):
+        sb.fork(0)
+
+
+def test_restore_in_place(sb):
+    sb.files.write("/work/f", "v1\n")
+    snap = sb.snapshot()
+    sb.files.write("/work/f", "v2\n")
+    sb.files.write("/work/extra", "x\n")
+    proc = sb.exec("sleep 600", background=True)
+    old_pid = sb.info().init_pid
+    info = sb.restore(snap)
+    assert info.id == sb.id and info.state == "running" and info.snapshot == snap.id
+    assert info.init_pid != old_pid
+    assert sb.files.read("/work/f") == "v1\n"
+    assert not sb.files.exists("/work/extra")
+    assert sb.exec("pgrep -x sleep").exit_code == 1  # its processes were restarted
+    with pytest.raises(corral.CorralError):
+        proc.status()
+    # Restore again after more changes, and restore works on a paused sandbox too.
+    sb.files.write("/work/f", "v3\n")
+    sb.pause()
+    assert sb.restore(snap.id).state == "running"
+    assert sb.files.read("/work/f") == "v1\n"
+    snap.delete()
+    # The sandbox still holds the layer it was restored onto.
+    assert (LAYERS / snap.digest).is_dir()
+    with pytest.raises(SnapshotNotFound):
+        sb.restore("snap-0000000000000000")
+
+
+def _cpu_usage(sid: str) -> int:
+    """utime + stime (clock ticks) of every process in the sandbox, read on the host."""
+    total = 0
+    for base in Path("/sys/fs/cgroup").iterdir():
+        procs = base / CGROUP_NAME / sid / "cgroup.procs"
+        if procs.exists():
+            for pid in procs.read_text().split():
+                try:
+                    stat = Path(f"/proc/{pid}/stat").read_text()
+                except OSError:
+                    continue
+                fields = stat[stat.rindex(")") + 2:].split()
+                total += int(fields[11]) + int(fields[12])
+            return total
+    raise AssertionError("sandbox cgroup not found")
+
+
+def test_pause_stops_cpu_and_calls_resume(sb):
+    sb.exec("while :; do :; done", background=True)
+    time.sleep(0.3)
+    info = sb.pause()
+    assert info.state == "paused" and info.paused_at
+    assert sb.info().state == "paused"  # info does not resume it
+    assert sb.id in {s.id for s in Sandbox.list()}
+    time.sleep(0.1)
+    before = _cpu_usage(sb.id)
+    time.sleep(0.5)
+    assert _cpu_usage(sb.id) == before  # not one nanosecond while frozen
+    assert sb.resume().state == "running"
+    time.sleep(0.3)
+    assert _cpu_usage(sb.id) > before
+    sb.pause()
+    # Any exec or file call resumes it transparently.
+    assert sb.exec("echo hi").stdout == "hi\n"
+    assert sb.info().state == "running"
+    sb.pause()
+    sb.files.write("/work/x", "y")
+    assert sb.info().state == "running"
+
+
+def test_pause_ttl_stop_and_count():
+    with Sandbox(timeout=1.0, pause_ttl="stop") as stop, Sandbox(timeout=1.0) as count:
+        stop.pause()
+        count.pause()
+        time.sleep(1.6)
+        assert stop.info().state == "paused"
+        with pytest.raises(SandboxNotRunning) as ei:
+            count.info()
+        assert ei.value.details["reason"] == "expired"
+        exp = stop.resume().expires_at
+        assert exp > time.time() + 0.2  # the paused time was added back
+    with pytest.raises(InvalidRequest):
+        Sandbox(pause_ttl="sometimes")
+
+
+def test_snapshots_survive_daemon_restart(daemon):
+    box = Sandbox(timeout=120)
+    try:
+        box.files.write("/work/r", "before\n")
+        snap = box.snapshot(name="restart-test")
+        child = Sandbox(snapshot=snap, timeout=120)
+        child.pause()
+        snap2 = child.snapshot()
+        snap.delete()  # only the child and snap2 keep the layer now
+        daemon.restart(kill9=True)
+        assert Snapshot.get(snap2.id).layers == snap2.layers
+        assert {snap2.id} <= {s.id for s in Snapshot.list()}
+        with pytest.raises(SnapshotNotFound):
+            Snapshot.get("restart-test")
+        child = Sandbox.connect(child.id)
+        assert child.info().state == "paused"  # still frozen, still known as paused
+        assert child.files.read("/work/r") == "before\n"
+        snap2.delete()
+        # The re-adopted child still references its base layer: it must not be collected;
+        # snap2's own layer was referenced by snap2 alone.
+        assert (LAYERS / snap2.layers[0]).is_dir()
+        assert wait_for(lambda: not (LAYERS / snap2.layers[1]).exists())
+        with Sandbox(snapshot=child.snapshot(), timeout=60) as g:
+            assert g.files.read("/work/r") == "before\n"
+        child.kill()
+        assert wait_for(lambda: not (set(snap2.layers) & layer_dirs()))
+    finally:
+        box.kill()
+
+
+def test_snapshot_handles_pickle_and_async():
+    async def main() -> None:
+        async with AsyncSandbox(timeout=60) as sb:
+            await sb.files.write("/work/a", "async\n")
+            snap = await sb.snapshot()
+            kids = await sb.fork(2)
+            for k in kids:
+                assert await k.files.read("/work/a") == "async\n"
+                await k.kill()
+            await sb.files.write("/work/a", "later\n")
+            await sb.pause()
+            await sb.restore(snap)
+            assert await sb.files.read("/work/a") == "async\n"
+            ids = {s.id for s in await corral.AsyncSnapshot.list()}
+            assert snap.id in ids
+            again = pickle.loads(pickle.dumps(snap))
+            assert again == snap and await again.delete()
+
+    asyncio.run(main())
+
+
+def test_snapshot_errors_on_dead_sandbox():
+    box = Sandbox(timeout=60)
+    box.kill()
+    with pytest.raises(SandboxNotRunning):
+        box.snapshot()
+    with pytest.raises(SandboxNotRunning):
+        box.pause()
+
+
+def test_layers_dir_has_no_leftovers():
+    """Once no snapshot and no sandbox stands on a layer, it is gone."""
+    if Snapshot.list() or any(b.last_info and b.last_info.snapshot for b in Sandbox.list()):
+        pytest.skip("other snapshots or sandboxes on snapshots are still alive")
+    assert wait_for(lambda: not layer_dirs())
