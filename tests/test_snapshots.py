@@ -269,8 +269,10 @@ def test_snapshots_survive_daemon_restart(daemon):
         # snap2's own layer was referenced by snap2 alone.
         assert (LAYERS / snap2.layers[0]).is_dir()
         assert wait_for(lambda: not (LAYERS / snap2.layers[1]).exists())
-        with Sandbox(snapshot=child.snapshot(), timeout=60) as g:
+        snap3 = child.snapshot()
+        with Sandbox(snapshot=snap3, timeout=60) as g:
             assert g.files.read("/work/r") == "before\n"
+        snap3.delete()
         child.kill()
         assert wait_for(lambda: not (set(snap2.layers) & layer_dirs()))
     finally:
