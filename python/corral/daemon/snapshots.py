@@ -50,7 +50,9 @@ try:
         return _blake3.blake3()
 
     def _hash_bytes(data: Any) -> bytes:
-        return _blake3.blake3(data).digest()
+        # Big files on every core (blake3 is a tree hash; the GIL is released).
+        threads = _blake3.blake3.AUTO if len(data) >= (1 << 20) else 1
+        return _blake3.blake3(data, max_threads=threads).digest()
 except ImportError:  # pragma: no cover - blake3 is a dependency; sha256 keeps it working
     import hashlib
 

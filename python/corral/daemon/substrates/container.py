@@ -242,7 +242,9 @@ class ContainerSubstrate(Substrate):
             self.init_fd = -1
 
     # ---- lifecycle -----------------------------------------------------------------------
-    def create(self, sandbox_id: str, spec: SandboxSpec, image: Any) -> SandboxRuntime:
+    def create(self, sandbox_id: str, spec: SandboxSpec, image: Any,
+               cgroup_paths: list[str] | None = None) -> SandboxRuntime:
+        """``cgroup_paths``: reuse these (empty) cgroups instead of making new ones (reset)."""
         from corral.daemon.cgroups import check_id
 
         try:
@@ -270,7 +272,8 @@ class ContainerSubstrate(Substrate):
                 os.mkdir(work, 0o700)
                 overlays.append({"target": target, "lower": list(lowers), "upper": upper,
                                  "work": work, "options": self.overlay_options})
-            paths = self.cgroups.create(sandbox_id, spec.cpu, spec.memory_mb, spec.pids)
+            paths = cgroup_paths or self.cgroups.create(sandbox_id, spec.cpu, spec.memory_mb,
+                                                        spec.pids)
             cfg = {
                 "init_fd": self.init_fd,
                 "root": root,
@@ -378,11 +381,12 @@ class ContainerSubstrate(Substrate):
             except OSError:
                 pidfd = -1
         net_fd = self._netns_of(runtime.init_pid, pidfd) if pidfd >= 0 else None
+        paths = runtime.cgroup_paths or self.cgroups.paths_for(runtime.sandbox_id)
         if pidfd >= 0:
+            self._kill_thawed(pidfd, paths)
             self._kill_and_wait(runtime.init_pid, pidfd)
         if net_fd is not None:
             self.netns.give(net_fd)
-        paths = runtime.cgroup_paths or self.cgroups.paths_for(runtime.sandbox_id)
         self.cgroups.kill_all(paths)
         self.cgroups.remove(paths)
         if pidfd >= 0:
@@ -403,13 +407,13 @@ class ContainerSubstrate(Substrate):
             self._close_root(sid)
             pidfd = runtime.pidfd
             net_fd = self._netns_of(runtime.init_pid, pidfd) if pidfd >= 0 else None
+            paths = runtime.cgroup_paths or self.cgroups.paths_for(sid)
             if pidfd >= 0:
+                self._kill_thawed(pidfd, paths)
                 self._kill_and_wait(runtime.init_pid, pidfd)
                 os.close(pidfd)
                 runtime.pidfd = -1
-            paths = runtime.cgroup_paths or self.cgroups.paths_for(sid)
-            self.cgroups.kill_all(paths)
-            self.cgroups.remove(paths)
+            self.cgroups.kill_all(paths)  # the cgroups stay: the new init joins them
             sdir = os.path.join(self.sandboxes_dir, sid)
             trash = os.path.join(self.state_dir, "trash", f"{sid}.{os.urandom(4).hex()}")
             os.makedirs(os.path.dirname(trash), mode=0o700, exist_ok=True)
@@ -421,7 +425,20 @@ class ContainerSubstrate(Substrate):
                 self._closing.discard(sid)
         if net_fd is not None:
             self.netns.give(net_fd)  # the new init takes it (most recent first)
-        return self.create(sid, spec, image)
+        return self.create(sid, spec, image, cgroup_paths=paths)
+
+    def _kill_thawed(self, pidfd: int, paths: list[str]) -> None:
+        """SIGKILL the init, then thaw its cgroup: a frozen (paused) task does not act on a
+        signal until thawed, and thawing after the signal lets no user code run."""
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        try:
+            if self.cgroups.is_frozen(paths):
+                self.cgroups.thaw(paths, wait=False)
+        except OSError:
+            pass
 
     def _netns_of(self, pid: int, pidfd: int) -> int | None:
         """An fd of a live sandbox's network namespace, to reuse once the sandbox is gone."""
