@@ -317,10 +317,11 @@ class Engine:
         return sb
 
     def lookup(self, sid: str) -> Sandbox:
-        """A running or paused sandbox, left as it is (info calls)."""
+        """A running or paused sandbox, not resumed (info calls); refreshes its idle clock."""
         sb = self.sandboxes.get(sid)
         if sb is None or sb.state not in ("running", "paused"):
             raise self._gone(sid, sb)
+        sb.last_active = time.time()
         return sb
 
     def _substrate(self, name: str) -> Substrate:
