@@ -14,7 +14,12 @@ from typing import Any
 from corral.models import SnapshotInfo
 from corral.sdk import api
 from corral.sdk.endpoint import Endpoint
-from corral.sdk.sync_transport import transport
+
+
+def transport(endpoint: Endpoint) -> Any:
+    from corral.sdk.sync_transport import transport as sync_transport  # (import cycle)
+
+    return sync_transport(endpoint)
 
 
 class SnapshotBase:
