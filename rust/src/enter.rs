@@ -70,6 +70,7 @@ pub struct ExecConfig {
 
 const STEPS: &[&str] = &[
     "clone",
+    "fd_table",
     "join_cgroup",
     "setns",
     "chroot",
@@ -92,6 +93,7 @@ const STEPS: &[&str] = &[
 enum Step {
     #[allow(dead_code)] // index 0 of STEPS: a failed clone is reported by the parent
     Clone = 0,
+    FdTable,
     JoinCgroup,
     Setns,
     Chroot,
@@ -117,7 +119,11 @@ pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bi
 
 struct Ctx {
     report: Report,
-    cgroup_fds: Vec<OwnedFd>,
+    /// Owned here; the child writes to `cgroup_raw` (the same fds, or the slots lent them).
+    _cgroup_fds: Vec<OwnedFd>,
+    cgroup_raw: Vec<RawFd>,
+    /// close_range start of the child's private fd table, or -1 (see child::Slots).
+    hole: RawFd,
     pidfd: RawFd,
     root_fd: RawFd,
     cwd: CString,
@@ -265,9 +271,12 @@ fn prepare(cfg: &ExecConfig) -> Result<(Ctx, Option<OwnedFd>), EnterError> {
                 harden::strerror(e.raw_os_error().unwrap_or(libc::EIO))
             ),
         })?;
+    let cgroup_raw = cgroup_fds.iter().map(|f| f.as_raw_fd()).collect();
     let ctx = Ctx {
         report: Report::new(),
-        cgroup_fds,
+        _cgroup_fds: cgroup_fds,
+        cgroup_raw,
+        hole: -1,
         pidfd: cfg.pidfd,
         root_fd,
         cwd: cstring("cwd", if cfg.cwd.is_empty() { "/" } else { &cfg.cwd })?,
@@ -290,8 +299,22 @@ fn prepare(cfg: &ExecConfig) -> Result<(Ctx, Option<OwnedFd>), EnterError> {
 
 /// Start `cfg.argv` inside the sandbox; returns the child's host pid.
 pub fn exec_in(cfg: &ExecConfig) -> Result<i32, EnterError> {
-    let (ctx, _owned_root) = prepare(cfg)?;
+    let (mut ctx, _owned_root) = prepare(cfg)?;
     let host_ns = host_pidns()?;
+    let lent = match child::slots() {
+        Some(slots) => {
+            let [s0, s1, s2] = &mut ctx.stdio;
+            let mut fds: Vec<&mut RawFd> = ctx.cgroup_raw.iter_mut().collect();
+            fds.extend([&mut ctx.pidfd, &mut ctx.root_fd, s0, s1, s2]);
+            let lent = slots
+                .lend(&mut fds)
+                .map_err(|e| EnterError::io("lend_fds", e))?;
+            ctx.hole = lent.hole();
+            Some(lent)
+        }
+        None => None,
+    };
+    let flags = if lent.is_some() { libc::CLONE_FILES } else { 0 };
     let t0 = child::now_ns();
     let res = child::with_stack(|stack| {
         let _block = harden::SignalBlock::new();
@@ -301,12 +324,14 @@ pub fn exec_in(cfg: &ExecConfig) -> Result<i32, EnterError> {
         }
         // SAFETY: `enter_child` is async-signal-safe and never unwinds; `ctx` outlives the clone
         // (CLONE_VFORK); signals are blocked by `_block`.
-        let res =
-            unsafe { child::clone_vfork(enter_child, &ctx as *const Ctx as *mut c_void, 0, stack) };
+        let res = unsafe {
+            child::clone_vfork(enter_child, &ctx as *const Ctx as *mut c_void, flags, stack)
+        };
         restore_pid_ns(host_ns);
         res.map_err(|e| EnterError::io("clone", e))
     })
     .map_err(|e| EnterError::io("alloc_stack", e))??;
+    drop(lent); // the child has exec'd or exited: reset the slots (no pipe end stays open)
     let (pid, _) = res;
     let (step, errno) = (ctx.report.step(), ctx.report.errno());
     child::set_last_profile("exec_in", ctx.report.profile(t0, STEPS));
@@ -371,13 +396,16 @@ unsafe fn run_child(c: &Ctx) -> c_int {
     let at = |s: Step| r.at(s as u32);
     // SAFETY: (whole body) raw syscalls on prepared data; see enter_child.
     unsafe {
+        // Before anything else: the fd table is still the daemon's (CLONE_FILES).
+        at(Step::FdTable);
+        ck(r, child::unshare_small_table(c.hole));
         harden::reset_signal_dispositions();
 
         at(Step::JoinCgroup);
-        for fd in &c.cgroup_fds {
+        for &fd in &c.cgroup_raw {
             ck(
                 r,
-                libc::write(fd.as_raw_fd(), b"0".as_ptr() as *const c_void, 1) as c_long,
+                libc::write(fd, b"0".as_ptr() as *const c_void, 1) as c_long,
             );
         }
 

@@ -333,6 +333,8 @@ fn shell_capabilities() -> Vec<String> {
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Reserve the low fd slots children borrow while the importer holds few fds (child.rs).
+    child::slots();
     m.add_function(wrap_pyfunction!(init_memfd, m)?)?;
     m.add_function(wrap_pyfunction!(spawn_sandbox, m)?)?;
     m.add_function(wrap_pyfunction!(exec_in, m)?)?;

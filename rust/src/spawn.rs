@@ -87,6 +87,7 @@ pub struct SpawnConfig {
 // The steps, in order; the names are what an OSError says.
 const STEPS: &[&str] = &[
     "clone",
+    "fd_table",
     "join_cgroup",
     "unshare_cgroupns",
     "join_netns",
@@ -121,6 +122,7 @@ const STEPS: &[&str] = &[
 enum Step {
     #[allow(dead_code)] // index 0 of STEPS: a failed clone is reported by the parent
     Clone = 0,
+    FdTable,
     JoinCgroup,
     UnshareCgroupNs,
     JoinNetNs,
@@ -187,7 +189,11 @@ impl Target {
 /// Everything the child needs, prepared (allocated) before the clone.
 struct Ctx {
     report: Report,
-    cgroup_fds: Vec<OwnedFd>,
+    /// Owned here; the child writes to `cgroup_raw` (the same fds, or the slots lent them).
+    _cgroup_fds: Vec<OwnedFd>,
+    cgroup_raw: Vec<RawFd>,
+    /// close_range start of the child's private fd table, or -1 (see child::Slots).
+    hole: RawFd,
     netns_fd: RawFd,
     root: CString,
     root_opts: CString,
@@ -358,9 +364,12 @@ fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
     let root_opts = overlay_opts(&cfg.overlays[0])?;
     let seccomp = harden::seccomp_program()?;
     let cgroup_fds = open_cgroup_procs(&cfg.cgroup_procs)?;
+    let cgroup_raw = cgroup_fds.iter().map(|f| f.as_raw_fd()).collect();
     Ok(Ctx {
         report: Report::new(),
-        cgroup_fds,
+        _cgroup_fds: cgroup_fds,
+        cgroup_raw,
+        hole: -1,
         netns_fd: cfg.netns_fd.unwrap_or(-1),
         root: cstring(&cfg.root)?,
         root_opts,
@@ -382,7 +391,20 @@ fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
 
 /// Create a sandbox; returns (init host pid, pidfd).
 pub fn spawn_sandbox(cfg: &SpawnConfig) -> Result<(i32, OwnedFd), SpawnError> {
-    let ctx = prepare(cfg)?;
+    let mut ctx = prepare(cfg)?;
+    let lent = match child::slots() {
+        Some(slots) => {
+            let mut fds: Vec<&mut RawFd> = ctx.cgroup_raw.iter_mut().collect();
+            fds.push(&mut ctx.netns_fd);
+            fds.push(&mut ctx.init_fd);
+            let lent = slots
+                .lend(&mut fds)
+                .map_err(|e| SpawnError::os("lend_fds", e.raw_os_error().unwrap_or(libc::EIO)))?;
+            ctx.hole = lent.hole();
+            Some(lent)
+        }
+        None => None,
+    };
     let mut flags = libc::CLONE_PIDFD
         | libc::CLONE_NEWNS
         | libc::CLONE_NEWPID
@@ -390,6 +412,9 @@ pub fn spawn_sandbox(cfg: &SpawnConfig) -> Result<(i32, OwnedFd), SpawnError> {
         | libc::CLONE_NEWIPC;
     if ctx.netns_fd < 0 {
         flags |= libc::CLONE_NEWNET;
+    }
+    if lent.is_some() {
+        flags |= libc::CLONE_FILES;
     }
     let t0 = child::now_ns();
     let res = child::with_stack(|stack| {
@@ -400,6 +425,7 @@ pub fn spawn_sandbox(cfg: &SpawnConfig) -> Result<(i32, OwnedFd), SpawnError> {
         unsafe { child::clone_vfork(spawn_child, &ctx as *const Ctx as *mut c_void, flags, stack) }
     })
     .map_err(|e| SpawnError::os("alloc_stack", e.raw_os_error().unwrap_or(libc::ENOMEM)))?;
+    drop(lent); // the child has exec'd or exited: reset the slots
     let (pid, pidfd) = res.map_err(|e| SpawnError::os("clone", e.raw_os_error().unwrap_or(0)))?;
     // SAFETY: CLONE_PIDFD gave us this fd; we own it.
     let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
@@ -578,15 +604,18 @@ unsafe fn run_child(c: &Ctx) -> c_int {
     let at = |s: Step| r.at(s as u32);
     // SAFETY: (whole body) raw syscalls on prepared data; see spawn_child.
     unsafe {
+        // Before anything else: the fd table is still the daemon's (CLONE_FILES).
+        at(Step::FdTable);
+        ck(r, child::unshare_small_table(c.hole));
         harden::reset_signal_dispositions();
         // Exact modes for the device nodes and mountpoints below; the init creates no files.
         libc::umask(0);
 
         at(Step::JoinCgroup);
-        for fd in &c.cgroup_fds {
+        for &fd in &c.cgroup_raw {
             ck(
                 r,
-                libc::write(fd.as_raw_fd(), b"0".as_ptr() as *const c_void, 1) as c_long,
+                libc::write(fd, b"0".as_ptr() as *const c_void, 1) as c_long,
             );
         }
         at(Step::UnshareCgroupNs);
