@@ -7,7 +7,7 @@ agree by construction. Field limits here are the API's limits: absurd values are
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -100,6 +100,21 @@ class CreateManyRequest(_Model):
     spec: SandboxSpec = Field(default_factory=SandboxSpec)
 
 
+MAX_BATCH = 10_000
+
+
+class ErrorInfo(_Model):
+    code: str = Field(description="stable error code (corral/errors.py)")
+    message: str
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class ItemError(_Model):
+    """One item of a batch that failed (the others are unaffected)."""
+
+    error: ErrorInfo
+
+
 class SetTimeoutRequest(_Model):
     timeout: float = Field(gt=0, le=MAX_TIMEOUT_S, description="new TTL in seconds from now")
 
@@ -162,6 +177,31 @@ class ExecRequest(_Model):
         return v
 
 
+class ExecManyRequest(_Model):
+    """The same command in many sandboxes; one result per id, in order."""
+
+    ids: list[str] = Field(min_length=1, max_length=MAX_BATCH)
+    exec: ExecRequest
+    concurrency: int = Field(64, ge=1, le=1024,
+                             description="commands running at once (the rest wait)")
+
+    @field_validator("exec")
+    @classmethod
+    def _foreground(cls, v: ExecRequest) -> ExecRequest:
+        if v.background:
+            raise ValueError("background commands are not supported in a batch")
+        return v
+
+
+class KillManyRequest(_Model):
+    ids: list[str] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class KillResult(_Model):
+    id: str
+    killed: bool = Field(description="false: it had already ended")
+
+
 class ExecResult(_Model):
     stdout: str
     stderr: str
@@ -171,6 +211,14 @@ class ExecResult(_Model):
     timed_out: bool = False
     stdout_bytes: int = 0
     stderr_bytes: int = 0
+
+
+class ExecManyResponse(_Model):
+    results: list[ExecResult | ItemError]
+
+
+class KillManyResponse(_Model):
+    results: list[KillResult | ItemError]
 
 
 class ProcessHandle(_Model):

@@ -73,6 +73,47 @@ def raise_nofile() -> int:
     return soft
 
 
+# Kernel limits a host full of sandboxes runs into, raised (never lowered) at start-up. Each
+# sandbox is a process (its init) and six namespaces; a pooled netns is one more. The value is a
+# floor: a host already configured higher keeps its setting. CORRAL_SYSCTL=0 turns this off.
+def _sysctl_floors(max_sandboxes: int) -> dict[str, int]:
+    ns = 2 * max_sandboxes + 4096          # sandboxes + pooled netns + headroom
+    return {
+        "kernel/pid_max": 4 * 1024 * 1024,                 # default 32768: ~30k sandboxes
+        "kernel/threads-max": 4 * max_sandboxes + 65536,   # inits + exec'd processes
+        "fs/nr_open": 1 << 21,                             # RLIMIT_NOFILE's ceiling
+        "fs/file-max": 1 << 22,
+        "vm/max_map_count": 1 << 18,
+        "user/max_mnt_namespaces": ns,
+        "user/max_pid_namespaces": ns,
+        "user/max_net_namespaces": ns,
+        "user/max_uts_namespaces": ns,
+        "user/max_ipc_namespaces": ns,
+        "user/max_cgroup_namespaces": ns,
+    }
+
+
+def raise_kernel_limits(max_sandboxes: int) -> dict[str, tuple[int, int]]:
+    """Raise each sysctl in ``_sysctl_floors`` to at least its floor; returns what changed
+    as {name: (old, new)}. Best effort: a read-only /proc/sys (in a container) is logged."""
+    changed: dict[str, tuple[int, int]] = {}
+    if os.environ.get("CORRAL_SYSCTL", "1") in ("0", "false", "no"):
+        return changed
+    for name, floor in _sysctl_floors(max_sandboxes).items():
+        path = "/proc/sys/" + name
+        try:
+            with open(path) as f:
+                old = int(f.read().split()[0])
+            if old >= floor:
+                continue
+            with open(path, "w") as f:
+                f.write(str(floor))
+            changed[name.replace("/", ".")] = (old, floor)
+        except (OSError, ValueError, IndexError) as e:
+            log.warning("cannot raise a kernel limit", extra={"sysctl": name, "error": str(e)})
+    return changed
+
+
 def lock_pidfile(state_dir: str) -> int:
     path = os.path.join(state_dir, PIDFILE)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -206,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         log.error("corrald must run as root (it makes namespaces, mounts and cgroups)")
         return 1
+    changed = raise_kernel_limits(cfg.max_sandboxes)
+    if changed:
+        log.info("raised kernel limits", extra={k: f"{a} -> {b}" for k, (a, b) in changed.items()})
     nofile = raise_nofile()
     log.debug("fd limit", extra={"nofile": nofile})
     try:

@@ -34,6 +34,8 @@ from corral.errors import (
 from corral.models import (
     CreateManyRequest,
     DaemonStatus,
+    ExecManyRequest,
+    ExecManyResponse,
     ExecRequest,
     ExecResult,
     FileEntry,
@@ -41,6 +43,8 @@ from corral.models import (
     ForkResult,
     ImageInfo,
     ImportImageRequest,
+    KillManyRequest,
+    KillManyResponse,
     KillProcessRequest,
     MkdirRequest,
     ProcessHandle,
@@ -159,6 +163,17 @@ async def create_batch(request: web.Request) -> web.Response:
     req = await _body(request, CreateManyRequest)
     made = await _engine(request).create_many(req.count, req.spec)
     return _json({"sandboxes": [sb.info() for sb in made]}, 201)
+
+
+async def exec_batch(request: web.Request) -> web.Response:
+    req = await _body(request, ExecManyRequest)
+    results = await _engine(request).exec_many(req.ids, req.exec, req.concurrency)
+    return _json({"results": results})
+
+
+async def kill_batch(request: web.Request) -> web.Response:
+    req = await _body(request, KillManyRequest)
+    return _json({"results": await _engine(request).kill_many(req.ids)})
 
 
 async def list_sandboxes(request: web.Request) -> web.Response:
@@ -436,6 +451,12 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/sandboxes/batch", create_batch,
           "Create many sandboxes (all or nothing)", body=CreateManyRequest,
           response=_list_of("sandboxes", SandboxInfo), status=201),
+    Route("POST", "/v1/sandboxes/batch/exec", exec_batch,
+          "Run the same command in many sandboxes (one result or error per id, in order)",
+          body=ExecManyRequest, response=ExecManyResponse),
+    Route("POST", "/v1/sandboxes/batch/destroy", kill_batch,
+          "Kill many sandboxes (one result or error per id, in order)",
+          body=KillManyRequest, response=KillManyResponse),
     Route("GET", "/v1/sandboxes", list_sandboxes, "List running sandboxes", query=(
         Param("label", description="key=value (or key: present); repeat to AND them",
               repeated=True),), response=_list_of("sandboxes", SandboxInfo)),

@@ -587,6 +587,25 @@ class Engine:
         await asyncio.shield(self._begin_stop(sb, "killed"))
         return True
 
+    async def kill_many(self, ids: list[str]) -> list[dict[str, Any]]:
+        """Kill each; one result per id, in order: ``{"id", "killed"}`` or ``{"error"}``.
+        Every destroy is started before the first is awaited, so they overlap."""
+        out: list[dict[str, Any]] = []
+        stops = []
+        for sid in ids:
+            sb = self.sandboxes.get(sid)
+            if sb is not None:
+                stops.append(self._begin_stop(sb, "killed"))
+                out.append({"id": sid, "killed": True})
+            elif sid in self.tombstones:
+                out.append({"id": sid, "killed": False})
+            else:
+                out.append(SandboxNotFound(f"no sandbox {sid}", details={"id": sid})
+                           .to_payload())
+        if stops:
+            await asyncio.shield(asyncio.gather(*stops, return_exceptions=True))
+        return out
+
     def set_timeout(self, sid: str, timeout: float) -> Sandbox:
         sb = self.get(sid)
         now = time.time()
@@ -665,6 +684,22 @@ class Engine:
             sb.last_active = time.time()
         await self.after_exit(sb, proc)
         return proc.result()
+
+    async def exec_many(self, ids: list[str], req: ExecRequest,
+                        concurrency: int = 64) -> list[dict[str, Any]]:
+        """The same foreground command in each sandbox, ``concurrency`` at a time; one result
+        per id, in order: an ExecResult dict, or ``{"error"}`` for a sandbox where it could not
+        run (the others are unaffected)."""
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(sid: str) -> dict[str, Any]:
+            async with gate:
+                try:
+                    return await self.exec(sid, req)
+                except CorralError as e:
+                    return e.to_payload()
+
+        return list(await asyncio.gather(*(one(sid) for sid in ids)))
 
     async def after_exit(self, sb: Sandbox, proc: procs.Process) -> None:
         """If the sandbox ended while the command ran, report that, not an exit code that

@@ -8,7 +8,7 @@ the shared models. Nothing in this module does I/O.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -26,12 +26,14 @@ from corral.models import (
     DEFAULT_MAX_OUTPUT_BYTES,
     CreateManyRequest,
     DaemonStatus,
+    ExecManyRequest,
     ExecRequest,
     FileEntry,
     ForkRequest,
     ForkResult,
     ImageInfo,
     ImportImageRequest,
+    KillManyRequest,
     KillProcessRequest,
     MkdirRequest,
     ProcessHandle,
@@ -47,11 +49,12 @@ from corral.models import (
     StdinRequest,
     WaitRequest,
 )
-from corral.sdk.call import DEFAULT_READ_TIMEOUT, Call, seg
+from corral.sdk.call import DEFAULT_READ_TIMEOUT, Call, T, seg
 from corral.sdk.results import ExecResult, OutputChunk
 
 M = TypeVar("M", bound=BaseModel)
 
+BATCH_CONCURRENCY = 64    # exec_many: commands the daemon runs at once
 GRACE_S = 30.0            # wait this much beyond a command's own timeout before giving up
 OCTET = "application/octet-stream"
 
@@ -122,6 +125,46 @@ def create_many(count: int, s: SandboxSpec) -> Call[list[SandboxInfo]]:
     req = validated(CreateManyRequest, count=count, spec=s)
     return Call("POST", "/v1/sandboxes/batch", _infos, body=_body(req),
                 timeout=DEFAULT_READ_TIMEOUT + 0.05 * count)
+
+
+def _ids(sandboxes: Any) -> list[str]:
+    ids = [x if isinstance(x, str) else x.id for x in sandboxes]
+    if not ids:
+        raise InvalidRequest("no sandboxes given")
+    return ids
+
+
+def _items(parse: Callable[[dict[str, Any]], T]) -> Callable[[bytes], list[T | CorralError]]:
+    """A batch answer: each item parsed, or the CorralError it carries (not raised)."""
+    def run(body: bytes) -> list[T | CorralError]:
+        return [error_from_payload(x) if "error" in x else parse(x)
+                for x in json.loads(body)["results"]]
+    return run
+
+
+def exec_many(ids: list[str], cmd: str | list[str], *,
+              timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
+              env: Mapping[str, str] | None = None, cwd: str | None = None,
+              user: str | int | None = None, stdin: str | bytes | None = None,
+              max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+              concurrency: int = BATCH_CONCURRENCY) -> Call[list[ExecResult | CorralError]]:
+    if isinstance(stdin, bytes):
+        stdin = stdin.decode("utf-8")
+    if isinstance(cmd, tuple):
+        cmd = list(cmd)
+    ex = validated(ExecRequest, cmd=cmd, timeout=timeout, env=dict(env or {}), cwd=cwd,
+                   user=user, stdin=stdin, max_output_bytes=max_output_bytes)
+    req = validated(ExecManyRequest, ids=ids, exec=ex, concurrency=concurrency)
+    waves = -(-len(ids) // concurrency)
+    read = None if timeout is None else (timeout + GRACE_S) * waves
+    return Call("POST", "/v1/sandboxes/batch/exec", _items(ExecResult.model_validate),
+                body=_body(req), timeout=read)
+
+
+def kill_many(ids: list[str]) -> Call[list[bool | CorralError]]:
+    req = validated(KillManyRequest, ids=ids)
+    return Call("POST", "/v1/sandboxes/batch/destroy", _items(lambda x: bool(x["killed"])),
+                body=_body(req), timeout=DEFAULT_READ_TIMEOUT + 0.05 * len(ids))
 
 
 def get(sid: str) -> Call[SandboxInfo]:

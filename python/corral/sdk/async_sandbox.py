@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import os
-from collections.abc import AsyncIterator, Generator, Mapping
+from collections.abc import AsyncIterator, Generator, Iterable, Mapping
 from typing import Any, Literal, overload
 
 from corral.errors import CorralError, SandboxNotFound
@@ -26,7 +26,7 @@ from corral.models import (
 from corral.sdk import api, tarball
 from corral.sdk.call import Call, T, lost
 from corral.sdk.endpoint import Endpoint
-from corral.sdk.handle import ProcessBase, SandboxHandle
+from corral.sdk.handle import ProcessBase, SandboxHandle, batch_result, batch_target
 from corral.sdk.results import ExecResult, OutputChunk
 from corral.sdk.snapshot import AsyncSnapshot, SnapshotBase
 
@@ -144,6 +144,40 @@ class AsyncSandbox(SandboxHandle):
         ep = Endpoint.parse(endpoint)
         infos = await _send(ep, api.create_many(n, api.spec(image=image, **spec)))
         return [cls._bind(ep, i.id, i) for i in infos]
+
+    @classmethod
+    async def exec_many(cls, sandboxes: Iterable[AsyncSandbox | str],
+                        cmd: str | builtins.list[str], *,
+                        timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
+                        env: Mapping[str, str] | None = None, cwd: str | None = None,
+                        user: str | int | None = None, stdin: str | bytes | None = None,
+                        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+                        concurrency: int = api.BATCH_CONCURRENCY,
+                        return_exceptions: bool = False,
+                        endpoint: str | Endpoint | None = None,
+                        ) -> builtins.list[ExecResult | CorralError]:
+        """See ``Sandbox.exec_many``."""
+        items = [x if isinstance(x, str) else await x._ready_handle() for x in sandboxes]
+        ep, ids = batch_target(items, endpoint)
+        res = await _send(ep, api.exec_many(ids, cmd, timeout=timeout, env=env, cwd=cwd,
+                                            user=user, stdin=stdin,
+                                            max_output_bytes=max_output_bytes,
+                                            concurrency=concurrency))
+        return batch_result(res, return_exceptions)
+
+    @classmethod
+    async def kill_many(cls, sandboxes: Iterable[AsyncSandbox | str], *,
+                        return_exceptions: bool = False,
+                        endpoint: str | Endpoint | None = None,
+                        ) -> builtins.list[bool | CorralError]:
+        """See ``Sandbox.kill_many``."""
+        items = [x if isinstance(x, str) else await x._ready_handle() for x in sandboxes]
+        ep, ids = batch_target(items, endpoint)
+        return batch_result(await _send(ep, api.kill_many(ids)), return_exceptions)
+
+    async def _ready_handle(self) -> AsyncSandbox:
+        await self._sid_ready()
+        return self
 
     # ---- the sandbox ----------------------------------------------------------------------
     @overload

@@ -6,13 +6,16 @@ crosses process and Ray boundaries, and reconnects lazily on its first call over
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
+from corral.errors import CorralError, InvalidRequest
 from corral.models import ExecResult, ProcessHandle, ProcessStatus, SandboxInfo
 from corral.sdk.endpoint import Endpoint
 
 H = TypeVar("H", bound="SandboxHandle")
 E = TypeVar("E", bound=ExecResult)
+T = TypeVar("T")
 
 
 class SandboxHandle:
@@ -98,6 +101,28 @@ class ProcessBase:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.pid} in {self.sandbox_id} cmd={self.cmd!r}>"
+
+
+def batch_target(sandboxes: Iterable[SandboxHandle | str],
+                 endpoint: str | Endpoint | None) -> tuple[Endpoint, list[str]]:
+    """(endpoint, ids) of a batch call: handles must all live on one daemon (``endpoint`` if
+    given, else theirs); plain ids go to ``endpoint`` (or the default one)."""
+    items = list(sandboxes)
+    eps = {x.endpoint for x in items if isinstance(x, SandboxHandle)}
+    ep = Endpoint.parse(endpoint) if endpoint is not None or not eps else eps.pop()
+    if eps - {ep}:
+        raise InvalidRequest("a batch call takes sandboxes of one daemon only")
+    return ep, [x if isinstance(x, str) else x.id for x in items]
+
+
+def batch_result(results: list[T], return_exceptions: bool) -> list[T]:
+    """Like asyncio.gather: the first item that is an error is raised, unless
+    ``return_exceptions`` (then errors stand in the list at their sandbox's place)."""
+    if not return_exceptions:
+        for r in results:
+            if isinstance(r, CorralError):
+                raise r
+    return results
 
 
 def _restore(cls: type[H], sid: str, url: str) -> H:

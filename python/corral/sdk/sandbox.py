@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal, overload
 
 from corral.errors import CorralError, SandboxNotFound
@@ -19,7 +19,7 @@ from corral.models import (
 from corral.sdk import api, tarball
 from corral.sdk.call import Call, T, lost
 from corral.sdk.endpoint import Endpoint
-from corral.sdk.handle import ProcessBase, SandboxHandle
+from corral.sdk.handle import ProcessBase, SandboxHandle, batch_result, batch_target
 from corral.sdk.results import ExecResult, OutputChunk
 from corral.sdk.snapshot import Snapshot, SnapshotBase
 from corral.sdk.sync_transport import transport
@@ -98,6 +98,34 @@ class Sandbox(SandboxHandle):
         ep = Endpoint.parse(endpoint)
         infos = _send(ep, api.create_many(n, api.spec(image=image, **spec)))
         return [cls._bind(ep, i.id, i) for i in infos]
+
+    @classmethod
+    def exec_many(cls, sandboxes: Iterable[Sandbox | str], cmd: str | builtins.list[str], *,
+                  timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
+                  env: Mapping[str, str] | None = None, cwd: str | None = None,
+                  user: str | int | None = None, stdin: str | bytes | None = None,
+                  max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+                  concurrency: int = api.BATCH_CONCURRENCY, return_exceptions: bool = False,
+                  endpoint: str | Endpoint | None = None,
+                  ) -> builtins.list[ExecResult | CorralError]:
+        """Run ``cmd`` in every sandbox (handles or ids) in one request; results in order.
+        A sandbox where it could not run (gone, bad user ...) raises its error, or with
+        ``return_exceptions=True`` has the error in its place. ``concurrency``: commands the
+        daemon runs at once."""
+        ep, ids = batch_target(sandboxes, endpoint)
+        res = _send(ep, api.exec_many(ids, cmd, timeout=timeout, env=env, cwd=cwd, user=user,
+                                      stdin=stdin, max_output_bytes=max_output_bytes,
+                                      concurrency=concurrency))
+        return batch_result(res, return_exceptions)
+
+    @classmethod
+    def kill_many(cls, sandboxes: Iterable[Sandbox | str], *, return_exceptions: bool = False,
+                  endpoint: str | Endpoint | None = None) -> builtins.list[bool | CorralError]:
+        """Kill every sandbox (handles or ids) in one request; per sandbox True, or False if it
+        had already ended. An unknown id raises SandboxNotFound (or, with
+        ``return_exceptions=True``, has it in its place)."""
+        ep, ids = batch_target(sandboxes, endpoint)
+        return batch_result(_send(ep, api.kill_many(ids)), return_exceptions)
 
     # ---- the sandbox ----------------------------------------------------------------------
     @overload

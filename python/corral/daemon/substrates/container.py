@@ -323,11 +323,12 @@ class ContainerSubstrate(Substrate):
                 pass
         shutil.rmtree(sdir, ignore_errors=True)
 
-    def _kill_and_wait(self, pid: int, pidfd: int, timeout_s: float = 10.0) -> None:
+    def _kill_and_wait(self, pid: int, pidfd: int, timeout_s: float = 10.0) -> bool:
         """SIGKILL the init (the kernel then kills every process of its pid namespace) and
         wait until it is gone. The init only turns into a zombie once every process of the
         namespace has been reaped, and processes started with exec_in are the daemon's children,
-        so this needs the daemon to keep reaping them meanwhile: bounded by ``timeout_s``."""
+        so this needs the daemon to keep reaping them meanwhile: bounded by ``timeout_s``.
+        True if the init has exited (so its whole pid namespace is gone)."""
         try:
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         except ProcessLookupError:
@@ -337,11 +338,12 @@ class ContainerSubstrate(Substrate):
                 os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
             except ChildProcessError:
                 pass  # adopted after a restart: not our child, someone else reaps it
-            return
+            return True
         # Still there (children of ours in its namespace not reaped yet?): reap it whenever it
         # goes, so it never lingers as a zombie once the caller has closed the pidfd.
         threading.Thread(target=_reap_later, args=(pid,), name=f"corral-reap-{pid}",
                          daemon=True).start()
+        return False
 
     def adopt(self, runtime: SandboxRuntime) -> bool:
         pid = runtime.init_pid
@@ -382,13 +384,19 @@ class ContainerSubstrate(Substrate):
                 pidfd = -1
         net_fd = self._netns_of(runtime.init_pid, pidfd) if pidfd >= 0 else None
         paths = runtime.cgroup_paths or self.cgroups.paths_for(runtime.sandbox_id)
+        reaped = False
         if pidfd >= 0:
             self._kill_thawed(pidfd, paths)
-            self._kill_and_wait(runtime.init_pid, pidfd)
+            reaped = self._kill_and_wait(runtime.init_pid, pidfd)
         if net_fd is not None:
             self.netns.give(net_fd)
-        self.cgroups.kill_all(paths)
-        self.cgroups.remove(paths)
+        # Once the init is gone, so is every process of its pid namespace (the kernel waits for
+        # all of them before the init can be reaped), and only those ever join the cgroups: try
+        # rmdir first. Reading cgroup.procs is not free (v1 builds a pid list per read and a
+        # kworker frees it later), so kill_all runs only when something is still there.
+        if not (reaped and self.cgroups.try_remove(paths)):
+            self.cgroups.kill_all(paths)
+            self.cgroups.remove(paths)
         if pidfd >= 0:
             os.close(pidfd)
         runtime.pidfd = -1
