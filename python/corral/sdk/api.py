@@ -143,7 +143,7 @@ def _items(parse: Callable[[dict[str, Any]], T]) -> Callable[[bytes], list[T | C
 
 
 def exec_many(ids: list[str], cmd: str | list[str], *,
-              timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
+              timeout: float | None = DEFAULT_TIMEOUT,
               env: Mapping[str, str] | None = None, cwd: str | None = None,
               user: str | int | None = None, stdin: str | bytes | None = None,
               max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
@@ -152,11 +152,12 @@ def exec_many(ids: list[str], cmd: str | list[str], *,
         stdin = stdin.decode("utf-8")
     if isinstance(cmd, tuple):
         cmd = list(cmd)
-    ex = validated(ExecRequest, cmd=cmd, timeout=timeout, env=dict(env or {}), cwd=cwd,
-                   user=user, stdin=stdin, max_output_bytes=max_output_bytes)
+    chosen = {} if isinstance(timeout, _DefaultTimeout) else {"timeout": timeout}
+    ex = validated(ExecRequest, cmd=cmd, env=dict(env or {}), cwd=cwd, user=user, stdin=stdin,
+                   max_output_bytes=max_output_bytes, **chosen)
     req = validated(ExecManyRequest, ids=ids, exec=ex, concurrency=concurrency)
     waves = -(-len(ids) // concurrency)
-    read = None if timeout is None else (timeout + GRACE_S) * waves
+    read = None if ex.timeout is None else (ex.timeout + GRACE_S) * waves
     return Call("POST", "/v1/sandboxes/batch/exec", _items(ExecResult.model_validate),
                 body=_body(req), timeout=read)
 

@@ -148,7 +148,7 @@ class AsyncSandbox(SandboxHandle):
     @classmethod
     async def exec_many(cls, sandboxes: Iterable[AsyncSandbox | str],
                         cmd: str | builtins.list[str], *,
-                        timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
+                        timeout: float | None = api.DEFAULT_TIMEOUT,
                         env: Mapping[str, str] | None = None, cwd: str | None = None,
                         user: str | int | None = None, stdin: str | bytes | None = None,
                         max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,

@@ -101,7 +101,7 @@ class Sandbox(SandboxHandle):
 
     @classmethod
     def exec_many(cls, sandboxes: Iterable[Sandbox | str], cmd: str | builtins.list[str], *,
-                  timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
+                  timeout: float | None = api.DEFAULT_TIMEOUT,
                   env: Mapping[str, str] | None = None, cwd: str | None = None,
                   user: str | int | None = None, stdin: str | bytes | None = None,
                   max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
