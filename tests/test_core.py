@@ -196,8 +196,14 @@ def test_init_memfd_is_sealed_and_cloexec(init_fd):
 
 
 def test_sandbox_init_is_tiny_unprivileged_pid1(box):
-    status = open(f"/proc/{box.pid}/status").read()
-    fields = dict(line.split(":", 1) for line in status.splitlines())
+    # The init names itself as its first act (exec names it after the memfd): give it a moment.
+    deadline = time.monotonic() + 5
+    while True:
+        status = open(f"/proc/{box.pid}/status").read()
+        fields = dict(line.split(":", 1) for line in status.splitlines())
+        if fields["Name"].strip() == "corral-init" or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
         assert int(fields[cap].strip(), 16) == 0, cap
     assert fields["NoNewPrivs"].strip() == "1"
