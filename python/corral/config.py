@@ -24,6 +24,16 @@ class Config:
         default_factory=lambda: int(_env("CORRAL_MAX_SANDBOXES", "20000")))
     reaper_interval_s: float = field(
         default_factory=lambda: float(_env("CORRAL_REAPER_INTERVAL", "0.5")))
+    # Trajectory log (docs/trajectory.md): on/off, retention of ended sandboxes' logs, the
+    # cap on each logged output, durability (normal: survives a daemon crash; full: fsync).
+    trajlog: bool = field(default_factory=lambda: _env("CORRAL_TRAJLOG", "1") not in ("0", ""))
+    log_retention_s: float = field(
+        default_factory=lambda: float(_env("CORRAL_LOG_RETENTION_S", str(7 * 86400))))
+    trajlog_output_cap: int = field(
+        default_factory=lambda: int(_env("CORRAL_TRAJLOG_OUTPUT_CAP", str(1 << 20))))
+    trajlog_sync: str = field(default_factory=lambda: _env("CORRAL_TRAJLOG_SYNC", "normal"))
+    trajlog_flush_ms: float = field(
+        default_factory=lambda: float(_env("CORRAL_TRAJLOG_FLUSH_MS", "0")))
     log_level: str = field(default_factory=lambda: _env("CORRAL_LOG_LEVEL", "INFO"))
 
 

@@ -124,6 +124,13 @@ class SandboxNotRunning(Conflict):
     code, status = "sandbox_not_running", 409
 
 
+class ReplayDivergence(Conflict):
+    """An idempotency key already logged for a different request (trajectory log): the client
+    is replaying a trajectory that does not match what was recorded."""
+
+    code, status = "replay_divergence", 409
+
+
 class Unsupported(CorralError):
     """A feature or substrate that is not available (yet, or on this host)."""
 

@@ -295,3 +295,21 @@ class DaemonStatus(_Model):
     state_dir: str
     cgroup_version: Literal[1, 2]
     substrates: list[str]
+
+
+class LogEntry(_Model):
+    """One call in a sandbox's trajectory log (docs/trajectory.md)."""
+
+    index: int = Field(description="position in this sandbox's log, from 0")
+    seq: int = Field(description="global commit order across sandboxes")
+    sandbox_id: str
+    op: str = Field(description="create, exec, wait, read, write, list, stat, mkdir, remove, "
+                                "rename, upload, download, kill")
+    idempotency_key: str | None = None
+    request: dict[str, Any]
+    result: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    started_at: float
+    ended_at: float
+    duration_s: float
+    snapshot_ids: list[str] = Field(default_factory=list)

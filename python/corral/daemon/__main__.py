@@ -230,6 +230,7 @@ async def serve(cfg: config.Config) -> None:
             engine.close()
         if runner is not None:
             await runner.cleanup()
+        engine.trajlog.close()  # after the handlers: what they logged is committed
         sock.close()
         try:
             os.unlink(os.path.join(cfg.state_dir, PIDFILE))

@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from corral.daemon.engine import MAX_READ_BYTES, Engine
+from corral.daemon.trajlog import KEY_HEADER, TrajLog, body_request, data_result
 from corral.errors import (
     CorralError,
     InternalError,
@@ -145,6 +147,57 @@ def _entry(e: Any) -> Any:
     return e.model_dump() if isinstance(e, BaseModel) else e
 
 
+# ---- trajectory log hooks (corral.daemon.trajlog; docs/trajectory.md) ----------------------
+def _tl(request: web.Request) -> TrajLog:
+    return request.app[ENGINE].trajlog
+
+
+def _key(request: web.Request) -> str | None:
+    """The idempotency key of a mutating call (header ``Idempotency-Key``)."""
+    return request.headers.get(KEY_HEADER)
+
+
+_EXEC_FIELDS = frozenset(ExecResult.model_fields)
+_HANDLE_FIELDS = frozenset(ProcessHandle.model_fields)
+_LOGGED_OK = {"ok": True}
+
+
+def _exec_out(res: dict[str, Any]) -> dict[str, Any]:
+    """The response of an exec, whether it ran now or was fast-forwarded from the log (whose
+    copy carries hashes and may be cut to the log's output cap)."""
+    if "exit_code" not in res and "pid" in res:
+        return {k: v for k, v in res.items() if k in _HANDLE_FIELDS}
+    out = {k: v for k, v in res.items() if k in _EXEC_FIELDS}
+    if res.get("log_truncated"):
+        out["truncated"] = True
+    return out
+
+
+def _logged_ok(_: Any) -> dict[str, Any]:
+    return _LOGGED_OK
+
+
+async def _file_op(request: web.Request, op: str, req: dict[str, Any], *args: Any,
+                   big: bool = False) -> web.Response:
+    """A mutating file operation: logged, once per idempotency key."""
+    sid = request.match_info["id"]
+    engine = _engine(request)
+    await engine.trajlog.run(sid, op, req, _key(request),
+                             lambda: engine.files(sid, op_method(op), *args, big=big),
+                             to_log=_logged_ok)
+    return _ok()
+
+
+def op_method(op: str) -> str:
+    return {"write": "write_file", "upload": "upload_tar"}.get(op, op)
+
+
+def _listing(entries: list[Any]) -> dict[str, Any]:
+    lines = sorted(f"{e['name']}\t{e['type']}\t{e['size'] if e['type'] == 'file' else 0}"
+                   for e in entries)
+    return data_result("\n".join(lines).encode(), count=len(entries))
+
+
 # ---- handlers --------------------------------------------------------------------------
 async def health(request: web.Request) -> web.Response:
     return web.Response(body=b'{"ok":true}', content_type="application/json")
@@ -156,13 +209,29 @@ async def status(request: web.Request) -> web.Response:
 
 async def create_sandbox(request: web.Request) -> web.Response:
     spec = await _body(request, SandboxSpec)
-    return _json(_engine(request).create(spec).info(), 201)
+    engine = _engine(request)
+
+    async def make() -> dict[str, Any]:
+        return engine.create(spec).info()
+
+    info = await engine.trajlog.run("", "create", spec.model_dump(mode="json"), _key(request),
+                                    make)
+    sb = engine.sandboxes.get(info.get("id", ""))
+    if sb is not None and sb.state == "running":
+        info = sb.info()  # fast-forwarded: the sandbox as it is now
+    return _json(info, 201)
 
 
 async def create_batch(request: web.Request) -> web.Response:
     req = await _body(request, CreateManyRequest)
-    made = await _engine(request).create_many(req.count, req.spec)
-    return _json({"sandboxes": [sb.info() for sb in made]}, 201)
+    engine = _engine(request)
+    made = await engine.create_many(req.count, req.spec)
+    infos = [sb.info() for sb in made]
+    if engine.trajlog.enabled:
+        spec, now = req.spec.model_dump(mode="json"), time.time()
+        await asyncio.gather(*(engine.trajlog.record(i["id"], "create", spec, i, None, now, now)
+                               for i in infos))
+    return _json({"sandboxes": infos}, 201)
 
 
 async def exec_batch(request: web.Request) -> web.Response:
@@ -192,8 +261,12 @@ async def get_sandbox(request: web.Request) -> web.Response:
 
 async def kill_sandbox(request: web.Request) -> web.Response:
     sid = request.match_info["id"]
-    killed = await _engine(request).kill(sid)
-    return _json({"id": sid, "killed": killed})
+    engine = _engine(request)
+
+    async def kill() -> dict[str, Any]:
+        return {"id": sid, "killed": await engine.kill(sid)}
+
+    return _json(await engine.trajlog.run(sid, "kill", {}, None, kill))
 
 
 async def set_timeout(request: web.Request) -> web.Response:
@@ -203,7 +276,12 @@ async def set_timeout(request: web.Request) -> web.Response:
 
 async def exec_cmd(request: web.Request) -> web.Response:
     req = await _body(request, ExecRequest)
-    return _json(await _engine(request).exec(request.match_info["id"], req))
+    sid = request.match_info["id"]
+    engine = _engine(request)
+    res = await engine.trajlog.run(sid, "exec", req.model_dump(mode="json"), _key(request),
+                                   lambda: engine.exec(sid, req),
+                                   to_log=engine.trajlog.exec_result)
+    return _json(_exec_out(res))
 
 
 async def proc_status(request: web.Request) -> web.Response:
@@ -213,8 +291,12 @@ async def proc_status(request: web.Request) -> web.Response:
 
 async def proc_wait(request: web.Request) -> web.Response:
     req = await _body(request, WaitRequest)
-    return _json(await _engine(request).wait(request.match_info["id"], _pid(request),
-                                             req.timeout))
+    sid, pid = request.match_info["id"], _pid(request)
+    engine = _engine(request)
+    res = await engine.trajlog.run(sid, "wait", {"pid": pid, "timeout": req.timeout}, None,
+                                   lambda: engine.wait(sid, pid, req.timeout),
+                                   to_log=engine.trajlog.exec_result)
+    return _json(_exec_out(res))
 
 
 async def proc_stream(request: web.Request) -> web.StreamResponse:
@@ -281,8 +363,12 @@ async def proc_kill(request: web.Request) -> web.Response:
 async def file_read(request: web.Request) -> web.Response:
     path = _query_path(request)
     max_bytes = _query_int(request, "max_bytes", MAX_READ_BYTES, 0, MAX_READ_BYTES)
-    data, truncated = await _engine(request).read_file(request.match_info["id"], path,
-                                                       max_bytes)
+    sid = request.match_info["id"]
+    engine = _engine(request)
+    data, truncated = await engine.trajlog.run(
+        sid, "read", {"path": path, "max_bytes": max_bytes}, None,
+        lambda: engine.read_file(sid, path, max_bytes),
+        to_log=lambda v: data_result(v[0], truncated=v[1]))
     headers = {"X-Corral-Truncated": "true"} if truncated else None
     return web.Response(body=data, content_type="application/octet-stream", headers=headers)
 
@@ -291,53 +377,63 @@ async def file_write(request: web.Request) -> web.Response:
     path = _query_path(request)
     mode = _query_int(request, "mode", 0o644, 0, 0o7777)
     data = await request.read()
-    await _engine(request).files(request.match_info["id"], "write_file", path, data, mode, True,
-                                 big=len(data) > BIG_BODY)
-    return _ok()
+    req = body_request(data, _tl(request).body_cap, path=path, mode=mode)
+    return await _file_op(request, "write", req, path, data, mode, True,
+                          big=len(data) > BIG_BODY)
 
 
 async def file_list(request: web.Request) -> web.Response:
-    entries = await _engine(request).files(request.match_info["id"], "list_dir",
-                                           _query_path(request))
-    return _json({"entries": [_entry(e) for e in entries]})
+    sid, path = request.match_info["id"], _query_path(request)
+    engine = _engine(request)
+
+    async def ls() -> list[Any]:
+        return [_entry(e) for e in await engine.files(sid, "list_dir", path)]
+
+    entries = await engine.trajlog.run(sid, "list", {"path": path}, None, ls, to_log=_listing)
+    return _json({"entries": entries})
 
 
 async def file_stat(request: web.Request) -> web.Response:
-    entry = await _engine(request).files(request.match_info["id"], "stat", _query_path(request))
-    return _json(_entry(entry))
+    sid, path = request.match_info["id"], _query_path(request)
+    engine = _engine(request)
+
+    async def st() -> Any:
+        return _entry(await engine.files(sid, "stat", path))
+
+    return _json(await engine.trajlog.run(sid, "stat", {"path": path}, None, st))
 
 
 async def file_mkdir(request: web.Request) -> web.Response:
     req = await _body(request, MkdirRequest)
-    await _engine(request).files(request.match_info["id"], "mkdir", check_path(req.path),
-                                 req.parents)
-    return _ok()
+    return await _file_op(request, "mkdir", req.model_dump(), check_path(req.path), req.parents)
 
 
 async def file_remove(request: web.Request) -> web.Response:
     req = await _body(request, RemoveRequest)
-    await _engine(request).files(request.match_info["id"], "remove", check_path(req.path),
-                                 req.recursive, big=req.recursive)
-    return _ok()
+    return await _file_op(request, "remove", req.model_dump(), check_path(req.path),
+                          req.recursive, big=req.recursive)
 
 
 async def file_rename(request: web.Request) -> web.Response:
     req = await _body(request, RenameRequest)
-    await _engine(request).files(request.match_info["id"], "rename", check_path(req.src, "src"),
-                                 check_path(req.dst, "dst"))
-    return _ok()
+    return await _file_op(request, "rename", req.model_dump(), check_path(req.src, "src"),
+                          check_path(req.dst, "dst"))
 
 
 async def tar_upload(request: web.Request) -> web.Response:
     path = _query_path(request)
     data = await request.read()
-    await _engine(request).files(request.match_info["id"], "upload_tar", path, data, big=True)
-    return _ok()
+    req = body_request(data, _tl(request).body_cap, path=path)
+    return await _file_op(request, "upload", req, path, data, big=True)
 
 
 async def tar_download(request: web.Request) -> web.Response:
-    data = await _engine(request).files(request.match_info["id"], "download_tar",
-                                        _query_path(request), big=True)
+    sid, path = request.match_info["id"], _query_path(request)
+    engine = _engine(request)
+    data = await engine.trajlog.run(
+        sid, "download", {"path": path}, None,
+        lambda: engine.files(sid, "download_tar", path, big=True),
+        to_log=lambda v: data_result(v))
     return web.Response(body=data, content_type="application/x-tar")
 
 
@@ -386,6 +482,20 @@ async def delete_snapshot(request: web.Request) -> web.Response:
     return _json({"id": rec["id"], "deleted": True})
 
 
+async def sandbox_log(request: web.Request) -> web.Response:
+    """The sandbox's trajectory log (also after the sandbox is gone, until pruned)."""
+    engine = _engine(request)
+    sid = request.match_info["id"]
+    fmt = request.query.get("format", "json")
+    if fmt not in ("json", "jsonl"):
+        raise InvalidRequest("query parameter 'format' must be json or jsonl")
+    data = await engine.trajlog.entries(sid, known=sid in engine.sandboxes)
+    if fmt == "jsonl":
+        return web.Response(body=b"".join(_line(e) for e in data["entries"]),
+                            content_type="application/x-ndjson")
+    return _json(data)
+
+
 async def list_images(request: web.Request) -> web.Response:
     images = _engine(request).images.list()
     return _json({"images": [_entry(i) for i in images]})
@@ -416,6 +526,7 @@ class Param:
     required: bool = False
     description: str = ""
     repeated: bool = False
+    where: str = "query"        # or "header"
 
 
 @dataclass(frozen=True)
@@ -435,6 +546,15 @@ SCHEMA_REF = "#/components/schemas/"
 SB = "/v1/sandboxes/{id}"
 PROC = SB + "/procs/{pid}"
 PATH_Q = Param("path", required=True, description="absolute path inside the sandbox")
+KEY_H = Param(KEY_HEADER, where="header", description=(
+    "idempotency key: a key already logged returns the logged result without running the "
+    "call again; the same key with a different request is replay_divergence (409). Scope: "
+    "the sandbox (create: global). See docs/trajectory.md"))
+_LOG_RESPONSE = {"type": "object", "required": ["entries", "sandbox_id"], "properties": {
+    "entries": {"type": "array", "items": {"$ref": SCHEMA_REF + "LogEntry"}},
+    "sandbox_id": {"type": "string"},
+    "sandbox": {"type": ["object", "null"], "description": "spec, created_at, ended_at, reason"},
+}}
 
 
 def _list_of(key: str, model: type[BaseModel]) -> dict:
@@ -447,7 +567,7 @@ ROUTES: tuple[Route, ...] = (
         "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}),
     Route("GET", "/v1/status", status, "Daemon status", response=DaemonStatus),
     Route("POST", "/v1/sandboxes", create_sandbox, "Create a sandbox", body=SandboxSpec,
-          response=SandboxInfo, status=201),
+          response=SandboxInfo, status=201, query=(KEY_H,)),
     Route("POST", "/v1/sandboxes/batch", create_batch,
           "Create many sandboxes (all or nothing)", body=CreateManyRequest,
           response=_list_of("sandboxes", SandboxInfo), status=201),
@@ -467,7 +587,10 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", SB + "/timeout", set_timeout, "Set the TTL, in seconds from now",
           body=SetTimeoutRequest, response=SandboxInfo),
     Route("POST", SB + "/exec", exec_cmd, "Run a command", body=ExecRequest,
-          response=ExecResult, alt_response=ProcessHandle),
+          response=ExecResult, alt_response=ProcessHandle, query=(KEY_H,)),
+    Route("GET", SB + "/log", sandbox_log, "The sandbox's trajectory log (kept after it ends, "
+          "until pruned)", response=_LOG_RESPONSE, query=(
+              Param("format", description="json (default) or jsonl (one LogEntry a line)"),)),
     Route("GET", PROC, proc_status, "Background process status", response=ProcessStatus),
     Route("POST", PROC + "/wait", proc_wait, "Wait for a background process",
           body=WaitRequest, response=ExecResult),
@@ -483,19 +606,20 @@ ROUTES: tuple[Route, ...] = (
                             description="read at most this many bytes (default 1 GiB)"))),
     Route("PUT", SB + "/files", file_write, "Write a file (parents are created)", body="bytes",
           response="ok", query=(PATH_Q, Param("mode", "integer",
-                                               description="permission bits (default 420)"))),
+                                               description="permission bits (default 420)"),
+                                KEY_H)),
     Route("GET", SB + "/files/list", file_list, "List a directory", query=(PATH_Q,),
           response=_list_of("entries", FileEntry)),
     Route("GET", SB + "/files/stat", file_stat, "Stat a path (lstat)", query=(PATH_Q,),
           response=FileEntry),
     Route("POST", SB + "/files/mkdir", file_mkdir, "Make a directory", body=MkdirRequest,
-          response="ok"),
+          response="ok", query=(KEY_H,)),
     Route("POST", SB + "/files/remove", file_remove, "Remove a file or directory",
-          body=RemoveRequest, response="ok"),
+          body=RemoveRequest, response="ok", query=(KEY_H,)),
     Route("POST", SB + "/files/rename", file_rename, "Rename", body=RenameRequest,
-          response="ok"),
+          response="ok", query=(KEY_H,)),
     Route("PUT", SB + "/files/tar", tar_upload, "Extract a tar into a directory", body="tar",
-          response="ok", query=(PATH_Q,)),
+          response="ok", query=(PATH_Q, KEY_H)),
     Route("GET", SB + "/files/tar", tar_download, "A tar of a directory or file",
           response="tar", query=(PATH_Q,)),
     Route("POST", SB + "/snapshot", snapshot_sandbox, "Snapshot the sandbox's files as a "

@@ -30,6 +30,7 @@ from corral import __version__
 from corral.config import Config
 from corral.daemon import persist, procs, snapshots, users
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
+from corral.daemon.trajlog import TrajLog
 from corral.errors import (
     CapacityExceeded,
     Conflict,
@@ -191,6 +192,10 @@ class Engine:
         self._reaper: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.snaps: snapshots.SnapshotStore | None = None
+        self.trajlog = TrajLog(config.state_dir, enabled=config.trajlog,
+                               retention_s=config.log_retention_s,
+                               output_cap=config.trajlog_output_cap, sync=config.trajlog_sync,
+                               flush_ms=config.trajlog_flush_ms)
 
     # ---- start / stop --------------------------------------------------------------------
     async def start(self) -> None:
@@ -200,6 +205,7 @@ class Engine:
             await self._make_substrates()
         self.snaps = snapshots.SnapshotStore(self.config.state_dir)
         await asyncio.to_thread(self.snaps.load)
+        self.trajlog.open(self._loop)
         self._recover()
         self.snaps.collect()
         self._reaper = asyncio.create_task(self._reap_loop())
@@ -265,6 +271,7 @@ class Engine:
         for sid, _ in persist.iter_records(self.sandboxes_dir):
             if sid not in known:  # belt and braces: records the substrate did not know
                 shutil.rmtree(os.path.join(self.sandboxes_dir, sid), ignore_errors=True)
+        self.trajlog.recovered(known)
         self.counters["adopted"] = len(known)
         self.counters["orphans_removed"] = len(removed)
         log.info("recovered state", extra={"adopted": len(known), "lost": lost,
@@ -277,6 +284,7 @@ class Engine:
         for sb in self.sandboxes.values():
             if sb.state in ("running", "paused"):
                 self._unwatch(sb)
+        self.trajlog.close()
 
     async def shutdown(self) -> None:
         """Destroy every sandbox (graceful stop)."""
@@ -388,6 +396,7 @@ class Engine:
             log.exception("create failed", extra={"sandbox": sid})
             raise InternalError(f"could not create the sandbox: {e}") from e
         self.counters["created"] += 1
+        self.trajlog.sandbox_created(sid, sb.meta()["spec"], now)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("sandbox created", extra={"sandbox": sid, "init_pid": sb.runtime.init_pid})
         self._watch(sb)
@@ -500,6 +509,7 @@ class Engine:
             await asyncio.sleep(self.config.reaper_interval_s)
             try:
                 self.reap(time.time())
+                self.trajlog.maybe_prune(time.time())
             except Exception:  # noqa: BLE001 - the reaper must survive anything
                 log.exception("reaper failed")
 
@@ -570,6 +580,7 @@ class Engine:
             if sb.layers and self.snaps is not None:
                 self.snaps.release(sb.layers)
             self._tombstone(sb.id, sb.reason or "killed")
+            self.trajlog.sandbox_ended(sb.id, sb.reason or "killed")
             log.debug("sandbox destroyed", extra={"sandbox": sb.id, "reason": sb.reason})
 
     def _tombstone(self, sid: str, reason: str) -> None:
@@ -683,7 +694,13 @@ class Engine:
             sb.busy -= 1
             sb.last_active = time.time()
         await self.after_exit(sb, proc)
-        return proc.result()
+        return self._result(proc)
+
+    def _result(self, proc: procs.Process) -> dict[str, Any]:
+        res = proc.result()
+        if self.trajlog.enabled:  # hashes of the full outputs, for the log (popped there)
+            res["_sha"] = (proc.stdout.sha256(), proc.stderr.sha256())
+        return res
 
     async def exec_many(self, ids: list[str], req: ExecRequest,
                         concurrency: int = 64) -> list[dict[str, Any]]:
@@ -746,7 +763,7 @@ class Engine:
         if p.running:
             await self.until_exit(sb, p, timeout)
             await self.after_exit(sb, p)
-        return p.result()
+        return self._result(p)
 
     async def until_exit(self, sb: Sandbox, p: procs.Process, timeout: float | None) -> None:
         """Wait for a background process; a client waiting on it keeps the sandbox from

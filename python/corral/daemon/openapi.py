@@ -88,7 +88,7 @@ def _operation(r: Route) -> dict[str, Any]:
         schema: dict[str, Any] = {"type": q.type}
         if q.repeated:
             schema = {"type": "array", "items": schema}
-        params.append({"name": q.name, "in": "query", "required": q.required,
+        params.append({"name": q.name, "in": q.where, "required": q.required,
                        "description": q.description, "schema": schema})
     op: dict[str, Any] = {
         "operationId": r.handler.__name__,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import hashlib
 import os
 import signal
 import time
@@ -34,7 +35,7 @@ STDIN_MAX_PENDING = 64 * 1024 * 1024
 class Capture:
     """One output stream read from the loop: kept up to ``cap`` bytes, counted to the end."""
 
-    __slots__ = ("fd", "buf", "cap", "total", "listeners", "decoder", "loop", "keep")
+    __slots__ = ("fd", "buf", "cap", "total", "listeners", "decoder", "loop", "keep", "sha")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, cap: int) -> None:
         self.loop = loop
@@ -43,6 +44,7 @@ class Capture:
         self.cap = cap
         self.total = 0
         self.keep = True           # False once the command is done: read only to avoid SIGPIPE
+        self.sha: Any = None       # sha256 of the whole stream, started once it passes the cap
         self.listeners: list[Callable[[str], None]] | None = None
         self.decoder: Any = None   # incremental UTF-8 decoder, made when someone streams
         loop.add_reader(fd, self._on_readable)
@@ -65,8 +67,17 @@ class Capture:
         if self.keep:
             self.total += len(data)
             room = self.cap - len(self.buf)
-            if room > 0:
-                self.buf += data[:room] if len(data) > room else data
+            if room >= len(data):
+                self.buf += data
+            else:  # past the cap: keep hashing what is dropped (trajectory log)
+                if room > 0:
+                    self.buf += data[:room]
+                    data_rest = data[room:]
+                else:
+                    data_rest = data
+                if self.sha is None:
+                    self.sha = hashlib.sha256(self.buf)
+                self.sha.update(data_rest)
             if self.listeners:
                 text = self.decoder.decode(data)
                 if text:
@@ -100,6 +111,10 @@ class Capture:
 
     def text(self) -> str:
         return self.buf.decode("utf-8", "replace")
+
+    def sha256(self) -> str:
+        """Hex sha256 of everything the stream produced (not only the kept part)."""
+        return (self.sha or hashlib.sha256(self.buf)).hexdigest()
 
     def finish(self) -> None:
         """The command is done: stop buffering, keep draining to EOF."""

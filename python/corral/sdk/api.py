@@ -35,6 +35,7 @@ from corral.models import (
     ImportImageRequest,
     KillManyRequest,
     KillProcessRequest,
+    LogEntry,
     MkdirRequest,
     ProcessHandle,
     ProcessStatus,
@@ -110,6 +111,13 @@ def _raw(body: bytes) -> bytes:
     return body
 
 
+def _keyed(call: Call[T]) -> Call[T]:
+    """A mutating call: the facades attach an idempotency key when the handle has a
+    trajectory id (docs/trajectory.md)."""
+    call.keyed = True
+    return call
+
+
 # ---- sandboxes ----------------------------------------------------------------------------
 def sb_path(sid: str) -> str:
     if not sid or not isinstance(sid, str):
@@ -118,7 +126,7 @@ def sb_path(sid: str) -> str:
 
 
 def create(s: SandboxSpec) -> Call[SandboxInfo]:
-    return Call("POST", "/v1/sandboxes", _info, body=_body(s))
+    return _keyed(Call("POST", "/v1/sandboxes", _info, body=_body(s)))
 
 
 def create_many(count: int, s: SandboxSpec) -> Call[list[SandboxInfo]]:
@@ -258,10 +266,10 @@ def exec_(sid: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_TIM
     req = validated(ExecRequest, cmd=cmd, env=dict(env or {}), cwd=cwd, user=user, stdin=stdin,
                     background=background, max_output_bytes=max_output_bytes, **chosen)
     if background:
-        return Call("POST", sb_path(sid) + "/exec", ProcessHandle.model_validate_json,
-                    body=_body(req))
-    return Call("POST", sb_path(sid) + "/exec", ExecResult.model_validate_json, body=_body(req),
-                timeout=_read_timeout(timeout))
+        return _keyed(Call("POST", sb_path(sid) + "/exec", ProcessHandle.model_validate_json,
+                           body=_body(req)))
+    return _keyed(Call("POST", sb_path(sid) + "/exec", ExecResult.model_validate_json,
+                       body=_body(req), timeout=_read_timeout(timeout)))
 
 
 def _proc(sid: str, pid: int) -> str:
@@ -337,9 +345,9 @@ def write(sid: str, path: str, data: str | bytes, mode: int = 0o644) -> Call[Non
         data = data.encode("utf-8")
     elif not isinstance(data, (bytes, bytearray, memoryview)):
         raise InvalidRequest(f"file data must be str or bytes, not {type(data).__name__}")
-    return Call("PUT", sb_path(sid) + "/files", _ok, query=[("path", _path(path)),
-                                                            ("mode", str(int(mode)))],
-                body=bytes(data), content_type=OCTET)
+    return _keyed(Call("PUT", sb_path(sid) + "/files", _ok,
+                       query=[("path", _path(path)), ("mode", str(int(mode)))],
+                       body=bytes(data), content_type=OCTET))
 
 
 def list_dir(sid: str, path: str) -> Call[list[FileEntry]]:
@@ -367,28 +375,40 @@ def exists(sid: str, path: str) -> Call[bool]:
 
 def mkdir(sid: str, path: str, parents: bool = True) -> Call[None]:
     req = validated(MkdirRequest, path=path, parents=parents)
-    return Call("POST", sb_path(sid) + "/files/mkdir", _ok, body=_body(req))
+    return _keyed(Call("POST", sb_path(sid) + "/files/mkdir", _ok, body=_body(req)))
 
 
 def remove(sid: str, path: str, recursive: bool = False) -> Call[None]:
     req = validated(RemoveRequest, path=path, recursive=recursive)
-    return Call("POST", sb_path(sid) + "/files/remove", _ok, body=_body(req))
+    return _keyed(Call("POST", sb_path(sid) + "/files/remove", _ok, body=_body(req)))
 
 
 def rename(sid: str, src: str, dst: str) -> Call[None]:
     req = validated(RenameRequest, src=src, dst=dst)
-    return Call("POST", sb_path(sid) + "/files/rename", _ok, body=_body(req))
+    return _keyed(Call("POST", sb_path(sid) + "/files/rename", _ok, body=_body(req)))
 
 
 def put_tar(sid: str, remote_dir: str, tar_bytes: bytes) -> Call[None]:
-    return Call("PUT", sb_path(sid) + "/files/tar", _ok, query=[("path", _path(remote_dir))],
-                body=tar_bytes, content_type="application/x-tar",
-                timeout=DEFAULT_READ_TIMEOUT * 5)
+    return _keyed(Call("PUT", sb_path(sid) + "/files/tar", _ok,
+                       query=[("path", _path(remote_dir))], body=tar_bytes,
+                       content_type="application/x-tar", timeout=DEFAULT_READ_TIMEOUT * 5))
 
 
 def get_tar(sid: str, remote_path: str) -> Call[bytes]:
     return Call("GET", sb_path(sid) + "/files/tar", _raw, query=[("path", _path(remote_path))],
                 timeout=DEFAULT_READ_TIMEOUT * 5, retry_safe=True)
+
+
+# ---- trajectory log ------------------------------------------------------------------------
+def log(sid: str) -> Call[list[LogEntry]]:
+    return Call("GET", sb_path(sid) + "/log",
+                lambda b: [LogEntry.model_validate(x) for x in json.loads(b)["entries"]],
+                retry_safe=True)
+
+
+def log_raw(sid: str) -> Call[dict[str, Any]]:
+    """The whole answer: ``{"sandbox_id", "sandbox": {spec, ...} | None, "entries"}``."""
+    return Call("GET", sb_path(sid) + "/log", json.loads, retry_safe=True)
 
 
 # ---- daemon and images ----------------------------------------------------------------------

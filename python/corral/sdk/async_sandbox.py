@@ -19,6 +19,7 @@ from corral.models import (
     DEFAULT_MAX_OUTPUT_BYTES,
     DEFAULT_TIMEOUT_S,
     FileEntry,
+    LogEntry,
     ProcessStatus,
     SandboxInfo,
     SandboxSpec,
@@ -70,7 +71,8 @@ class AsyncSandbox(SandboxHandle):
                  metadata: Mapping[str, str] | None = None, network: str = "none",
                  hostname: str | None = None, cwd: str | None = None,
                  snapshot: str | SnapshotBase | None = None, pause_ttl: str = "count",
-                 endpoint: str | Endpoint | None = None) -> None:
+                 endpoint: str | Endpoint | None = None,
+                 trajectory_id: str | None = None) -> None:
         # Validated now, so bad input fails at the call site, not at the first await.
         self._spec = api.spec(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb,
                               pids=pids, timeout=timeout, idle_timeout=idle_timeout, env=env,
@@ -78,6 +80,8 @@ class AsyncSandbox(SandboxHandle):
                               hostname=hostname, cwd=cwd, snapshot=snapshot,
                               pause_ttl=pause_ttl)
         self._init_handle(Endpoint.parse(endpoint), None)
+        if trajectory_id is not None:
+            self._set_trajectory(trajectory_id)
 
     def _init_files(self) -> None:
         self.files = AsyncFiles(self)
@@ -94,7 +98,10 @@ class AsyncSandbox(SandboxHandle):
     async def _create(self) -> str:
         assert self._spec is not None
         try:
-            info = await _send(self._endpoint, api.create(self._spec))
+            call = api.create(self._spec)
+            if self._traj is not None:
+                call.key = f"{self._traj}:create"
+            info = await _send(self._endpoint, call)
         except BaseException:
             self._creating = None  # a later call may try again
             raise
@@ -104,7 +111,7 @@ class AsyncSandbox(SandboxHandle):
 
     async def _call(self, make: Any, *args: Any, **kwargs: Any) -> Any:
         sid = await self._sid_ready()
-        return await transport(self._endpoint).call(make(sid, *args, **kwargs))
+        return await transport(self._endpoint).call(self._with_key(make(sid, *args, **kwargs)))
 
     def __await__(self) -> Generator[Any, None, AsyncSandbox]:
         async def ready() -> AsyncSandbox:
@@ -119,11 +126,14 @@ class AsyncSandbox(SandboxHandle):
         return await cls(image, **kwargs)
 
     @classmethod
-    async def connect(cls, sandbox_id: str, *,
-                      endpoint: str | Endpoint | None = None) -> AsyncSandbox:
+    async def connect(cls, sandbox_id: str, *, endpoint: str | Endpoint | None = None,
+                      trajectory_id: str | None = None, step: int = 0) -> AsyncSandbox:
         ep = Endpoint.parse(endpoint)
         info = await _send(ep, api.get(sandbox_id))
-        return cls._bind(ep, info.id, info)
+        sb = cls._bind(ep, info.id, info)
+        if trajectory_id is not None:
+            sb._set_trajectory(trajectory_id, step)
+        return sb
 
     @classmethod
     def from_id(cls, sandbox_id: str, *, endpoint: str | Endpoint | None = None) -> AsyncSandbox:
@@ -245,6 +255,10 @@ class AsyncSandbox(SandboxHandle):
 
     async def resume(self) -> SandboxInfo:
         return self._remember(await self._call(api.resume))
+
+    async def log(self) -> builtins.list[LogEntry]:
+        """See ``Sandbox.log``."""
+        return await self._call(api.log)
 
     async def __aenter__(self) -> AsyncSandbox:
         await self._sid_ready()

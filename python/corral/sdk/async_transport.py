@@ -63,6 +63,8 @@ class AsyncTransport:
     async def _send(self, call: Call[Any]) -> aiohttp.ClientResponse:
         url = URL(self.base + call.target(), encoded=True)
         headers = {"Content-Type": call.content_type} if call.body is not None else None
+        if call.key is not None:
+            headers = dict(headers or {}, **{"Idempotency-Key": call.key})
         retried = False
         while True:
             try:

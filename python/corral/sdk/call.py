@@ -52,6 +52,8 @@ class Call(Generic[T]):
     timeout: float | None = DEFAULT_READ_TIMEOUT  # read timeout; None waits as long as it takes
     recover: Callable[[CorralError], T] | None = None  # turn some errors into a value
     retry_safe: bool = False                    # may be sent again if the connection dropped
+    keyed: bool = False                         # mutating: may carry an idempotency key
+    key: str | None = None                      # header Idempotency-Key (docs/trajectory.md)
 
     def target(self) -> str:
         if not self.query:

@@ -6,11 +6,13 @@ crosses process and Ray boundaries, and reconnects lazily on its first call over
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from corral.errors import CorralError, InvalidRequest
 from corral.models import ExecResult, ProcessHandle, ProcessStatus, SandboxInfo
+from corral.sdk.call import Call
 from corral.sdk.endpoint import Endpoint
 
 H = TypeVar("H", bound="SandboxHandle")
@@ -24,6 +26,9 @@ class SandboxHandle:
     #: The SandboxInfo from the latest create / connect / list / info / set_timeout call on
     #: this handle (not refreshed by itself; None after unpickling).
     last_info: SandboxInfo | None
+    _traj: str | None = None
+    _step = 0
+    _step_lock: threading.Lock | None = None
 
     @classmethod
     def _bind(cls: type[H], endpoint: Endpoint, sid: str, info: SandboxInfo | None = None) -> H:
@@ -42,6 +47,36 @@ class SandboxHandle:
     def _init_files(self) -> None:  # overridden: attaches .files
         pass
 
+    # ---- trajectory: automatic idempotency keys (docs/trajectory.md) -----------------------
+    def _set_trajectory(self, trajectory_id: str | None, step: int = 0) -> None:
+        if trajectory_id is not None and (not trajectory_id or ":" in trajectory_id):
+            from corral.errors import InvalidRequest
+
+            raise InvalidRequest(f"bad trajectory_id {trajectory_id!r}: non-empty, no ':'")
+        self._traj = trajectory_id
+        self._step = int(step)
+        self._step_lock = threading.Lock()
+
+    @property
+    def trajectory_id(self) -> str | None:
+        return self._traj
+
+    @property
+    def step(self) -> int:
+        """The step number the next mutating call will carry (``{trajectory_id}:{step}``)."""
+        return self._step
+
+    def _with_key(self, call: Call[Any]) -> Call[Any]:
+        """Give a mutating call the next key of this handle's trajectory: replaying the same
+        calls in the same order after a restart fast-forwards through the logged ones."""
+        if self._traj is not None and call.keyed and call.key is None:
+            assert self._step_lock is not None
+            with self._step_lock:
+                step = self._step
+                self._step += 1
+            call.key = f"{self._traj}:{step}"
+        return call
+
     @property
     def id(self) -> str:
         if self._sid is None:
@@ -58,7 +93,7 @@ class SandboxHandle:
         return info
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_restore, (type(self), self.id, self._endpoint.url))
+        return (_restore, (type(self), self.id, self._endpoint.url, self._traj, self._step))
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, SandboxHandle) and other._sid is not None
@@ -125,5 +160,8 @@ def batch_result(results: list[T], return_exceptions: bool) -> list[T]:
     return results
 
 
-def _restore(cls: type[H], sid: str, url: str) -> H:
-    return cls._bind(Endpoint(url), sid)
+def _restore(cls: type[H], sid: str, url: str, traj: str | None = None, step: int = 0) -> H:
+    obj = cls._bind(Endpoint(url), sid)
+    if traj is not None:
+        obj._set_trajectory(traj, step)
+    return obj

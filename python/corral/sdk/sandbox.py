@@ -13,6 +13,7 @@ from corral.models import (
     DEFAULT_MAX_OUTPUT_BYTES,
     DEFAULT_TIMEOUT_S,
     FileEntry,
+    LogEntry,
     ProcessStatus,
     SandboxInfo,
 )
@@ -48,20 +49,25 @@ class Sandbox(SandboxHandle):
                  metadata: Mapping[str, str] | None = None, network: str = "none",
                  hostname: str | None = None, cwd: str | None = None,
                  snapshot: str | SnapshotBase | None = None, pause_ttl: str = "count",
-                 endpoint: str | Endpoint | None = None) -> None:
+                 endpoint: str | Endpoint | None = None,
+                 trajectory_id: str | None = None) -> None:
         s = api.spec(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb, pids=pids,
                      timeout=timeout, idle_timeout=idle_timeout, env=env, labels=labels,
                      metadata=metadata, network=network, hostname=hostname, cwd=cwd,
                      snapshot=snapshot, pause_ttl=pause_ttl)
         ep = Endpoint.parse(endpoint)
-        info = _send(ep, api.create(s))
+        call = api.create(s)
+        if trajectory_id is not None:
+            self._set_trajectory(trajectory_id)
+            call.key = f"{trajectory_id}:create"  # a restarted client gets the same sandbox
+        info = _send(ep, call)
         self._init_handle(ep, info.id, info)
 
     def _init_files(self) -> None:
         self.files = Files(self)
 
     def _call(self, call: Call[T]) -> T:
-        return transport(self._endpoint).call(call)
+        return transport(self._endpoint).call(self._with_key(call))
 
     # ---- class-level ----------------------------------------------------------------------
     @classmethod
@@ -70,11 +76,18 @@ class Sandbox(SandboxHandle):
         return cls(image, **kwargs)
 
     @classmethod
-    def connect(cls, sandbox_id: str, *, endpoint: str | Endpoint | None = None) -> Sandbox:
-        """A handle to an existing sandbox (raises SandboxNotFound / SandboxNotRunning)."""
+    def connect(cls, sandbox_id: str, *, endpoint: str | Endpoint | None = None,
+                trajectory_id: str | None = None, step: int = 0) -> Sandbox:
+        """A handle to an existing sandbox (raises SandboxNotFound / SandboxNotRunning).
+        With ``trajectory_id``, mutating calls carry the keys ``{trajectory_id}:{step}``
+        from ``step`` on: replaying a trajectory's calls fast-forwards through the logged
+        ones (docs/trajectory.md)."""
         ep = Endpoint.parse(endpoint)
         info = _send(ep, api.get(sandbox_id))
-        return cls._bind(ep, info.id, info)
+        sb = cls._bind(ep, info.id, info)
+        if trajectory_id is not None:
+            sb._set_trajectory(trajectory_id, step)
+        return sb
 
     @classmethod
     def from_id(cls, sandbox_id: str, *, endpoint: str | Endpoint | None = None) -> Sandbox:
@@ -199,6 +212,11 @@ class Sandbox(SandboxHandle):
 
     def resume(self) -> SandboxInfo:
         return self._remember(self._call(api.resume(self.id)))
+
+    def log(self) -> builtins.list[LogEntry]:
+        """Its trajectory log: every exec and file operation with its result, in order (also
+        after the sandbox ended, until the daemon prunes it)."""
+        return self._call(api.log(self.id))
 
     def __enter__(self) -> Sandbox:
         return self

@@ -131,6 +131,8 @@ class SyncTransport:
         headers = self._headers
         if call.body is not None:
             headers = {**headers, "Content-Type": call.content_type}
+        if call.key is not None:  # idempotency key (docs/trajectory.md)
+            headers = {**headers, "Idempotency-Key": call.key}
         retried = False
         while True:
             conn = self._acquire()

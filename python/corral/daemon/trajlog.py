@@ -1,0 +1,460 @@
+"""The durable trajectory log: per sandbox, an ordered record of every exec and file operation.
+
+Storage: one SQLite database, ``<state_dir>/trajlog.db``, WAL mode. Every record is committed
+*before* the call's result is returned to the client (see ``TrajLog.run``). Commits are grouped:
+one writer thread takes every record queued since its last commit and writes them in one
+transaction, so N concurrent calls cost one commit, not N. There is no timer: while a commit
+runs, the next batch accumulates (``CORRAL_TRAJLOG_FLUSH_MS`` adds an optional wait to make
+batches bigger, at the cost of latency).
+
+Durability: ``synchronous=NORMAL`` (``CORRAL_TRAJLOG_SYNC=full`` for an fsync per batch). In WAL
+mode a commit is a ``write()`` into the WAL: once it returns, the record survives the daemon's
+death (kill -9, OOM kill, a crash) because the kernel holds the page. Only a power cut or kernel
+crash can lose the last transactions (the database stays consistent; NORMAL syncs the WAL at
+checkpoints). So a daemon crash loses nothing a client has seen: a result is only sent after
+its record is committed. Calls in flight at the crash are not logged; their callers got
+``daemon_restarted`` (their outcome is unknown), and a retry with the same idempotency key runs
+the call for real.
+
+Idempotency: a mutating call may carry the HTTP header ``Idempotency-Key``. Its scope is the
+sandbox (``create`` keys are global). A key already logged returns the logged result (or error)
+without running anything; the same key with a different request is ``replay_divergence``;
+concurrent duplicates wait for the one that runs. Infrastructure errors (``infra``) are logged
+but do not bind the key, so a retry after one runs for real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import logging
+import os
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from corral.errors import (
+    CorralError,
+    InternalError,
+    ReplayDivergence,
+    SandboxNotFound,
+    Unsupported,
+    error_from_payload,
+)
+
+log = logging.getLogger("corral.trajlog")
+
+KEY_HEADER = "Idempotency-Key"
+MAX_KEY_LEN = 256
+DB_NAME = "trajlog.db"
+PRUNE_EVERY_S = 60.0
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    sandbox_id TEXT NOT NULL,
+    op TEXT NOT NULL,
+    idem_key TEXT,
+    fingerprint TEXT,
+    request TEXT NOT NULL,
+    result TEXT,
+    error TEXT,
+    started_at REAL NOT NULL,
+    ended_at REAL NOT NULL,
+    snapshot_ids TEXT
+);
+CREATE INDEX IF NOT EXISTS entries_sandbox ON entries (sandbox_id, seq);
+CREATE INDEX IF NOT EXISTS entries_key ON entries (idem_key) WHERE idem_key IS NOT NULL;
+CREATE TABLE IF NOT EXISTS sandboxes (
+    sandbox_id TEXT PRIMARY KEY,
+    spec TEXT,
+    created_at REAL,
+    ended_at REAL,
+    reason TEXT
+);
+"""
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def fingerprint(op: str, request: dict[str, Any]) -> str:
+    return sha256(json.dumps([op, request], sort_keys=True, separators=(",", ":")).encode())
+
+
+def body_request(data: bytes, cap: int, **fields: Any) -> dict[str, Any]:
+    """A request with a raw body (file write, tar upload): its size and hash always, the bytes
+    themselves (base64) when they fit the cap, so that replay can send them again."""
+    req = dict(fields, size=len(data), sha256=sha256(data))
+    if len(data) <= cap:
+        req["data_b64"] = base64.b64encode(data).decode()
+    return req
+
+
+def data_result(data: bytes, **fields: Any) -> dict[str, Any]:
+    """What a read logs: size and hash of what the client got, not the bytes."""
+    return dict(fields, size=len(data), sha256=sha256(data))
+
+
+class _Pending:
+    """A record queued for the writer; ``fut`` resolves once it is committed."""
+
+    __slots__ = ("kind", "args", "fut")
+
+    def __init__(self, kind: str, args: tuple[Any, ...], fut: asyncio.Future[Any] | None):
+        self.kind = kind
+        self.args = args
+        self.fut = fut
+
+
+class TrajLog:
+    def __init__(self, state_dir: str, *, enabled: bool = True, retention_s: float = 7 * 86400,
+                 output_cap: int = 1 << 20, body_cap: int = 1 << 20, sync: str = "normal",
+                 flush_ms: float = 0.0) -> None:
+        self.enabled = enabled
+        self.path = os.path.join(state_dir, DB_NAME)
+        self.retention_s = retention_s
+        self.output_cap = output_cap
+        self.body_cap = body_cap
+        self.sync = "FULL" if sync.lower() == "full" else "NORMAL"
+        self.flush_s = max(0.0, flush_ms) / 1000.0
+        self._q: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: sqlite3.Connection | None = None
+        self._inflight: dict[tuple[str, str], asyncio.Future[Any]] = {}
+        self._last_prune = 0.0
+        self.stats = {"records": 0, "commits": 0}
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                               timeout=30)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={self.sync}")
+        return conn
+
+    def open(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self.enabled:
+            return
+        self._loop = loop
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        conn = self._connect()
+        conn.executescript(_SCHEMA)
+        conn.close()
+        self._reader = self._connect()
+        self._thread = threading.Thread(target=self._writer, name="trajlog-writer", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Flush what is queued and stop the writer."""
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join(30)
+            self._thread = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    # ---- the writer thread (group commit) ----------------------------------------------------
+    def _writer(self) -> None:
+        conn = self._connect()
+        stop = False
+        while not stop:
+            item = self._q.get()
+            batch: list[_Pending] = []
+            if item is None:
+                stop = True
+            else:
+                batch.append(item)
+                if self.flush_s:
+                    time.sleep(self.flush_s)
+            while True:
+                try:
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                else:
+                    batch.append(item)
+            if not batch:
+                continue
+            results: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+            try:
+                conn.execute("BEGIN")
+                out = [self._apply(conn, p) for p in batch]
+                conn.execute("COMMIT")
+                self.stats["commits"] += 1
+                self.stats["records"] += len(batch)
+                results = [(p.fut, v, None) for p, v in zip(batch, out, strict=True)
+                           if p.fut is not None]
+            except Exception as e:  # noqa: BLE001 - report it to every waiter
+                log.exception("trajectory log write failed")
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+                results = [(p.fut, None, e) for p in batch if p.fut is not None]
+            if results and self._loop is not None:
+                try:
+                    self._loop.call_soon_threadsafe(_resolve, results)
+                except RuntimeError:  # the loop is closed (daemon exiting)
+                    pass
+        conn.close()
+
+    def _apply(self, conn: sqlite3.Connection, p: _Pending) -> Any:
+        if p.kind == "entry":
+            cur = conn.execute(
+                "INSERT INTO entries (sandbox_id, op, idem_key, fingerprint, request, result, "
+                "error, started_at, ended_at, snapshot_ids) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                p.args)
+            return cur.lastrowid
+        if p.kind == "sandbox":
+            conn.execute("INSERT OR REPLACE INTO sandboxes (sandbox_id, spec, created_at) "
+                         "VALUES (?,?,?)", p.args)
+            return None
+        if p.kind == "ended":
+            conn.execute("UPDATE sandboxes SET ended_at=?, reason=? WHERE sandbox_id=? AND "
+                         "ended_at IS NULL", p.args)
+            return None
+        if p.kind == "ended_except":
+            live = set(p.args[1])
+            now = p.args[0]
+            rows = conn.execute("SELECT sandbox_id FROM sandboxes WHERE ended_at IS NULL")
+            gone = [(now, r[0]) for r in rows.fetchall() if r[0] not in live]
+            conn.executemany("UPDATE sandboxes SET ended_at=?, reason='lost' WHERE "
+                             "sandbox_id=?", gone)
+            return None
+        if p.kind == "prune":
+            cutoff = p.args[0]
+            old = [r[0] for r in conn.execute(
+                "SELECT sandbox_id FROM sandboxes WHERE ended_at IS NOT NULL AND ended_at < ?",
+                (cutoff,)).fetchall()]
+            for sid in old:
+                conn.execute("DELETE FROM entries WHERE sandbox_id=?", (sid,))
+                conn.execute("DELETE FROM sandboxes WHERE sandbox_id=?", (sid,))
+            # Entries of ids the log has no sandbox row for (a call on a sandbox of an older
+            # state dir, say): by their own age.
+            conn.execute("DELETE FROM entries WHERE ended_at < ? AND sandbox_id NOT IN "
+                         "(SELECT sandbox_id FROM sandboxes)", (cutoff,))
+            return len(old)
+        raise ValueError(p.kind)
+
+    def _submit(self, kind: str, args: tuple[Any, ...], wait: bool) -> asyncio.Future[Any] | None:
+        fut = self._loop.create_future() if (wait and self._loop is not None) else None
+        self._q.put(_Pending(kind, args, fut))
+        return fut
+
+    # ---- what the engine and the API call --------------------------------------------------------
+    def sandbox_created(self, sid: str, spec: dict[str, Any], created_at: float) -> None:
+        if self.enabled:
+            self._submit("sandbox", (sid, json.dumps(spec), created_at), False)
+
+    def sandbox_ended(self, sid: str, reason: str) -> None:
+        if self.enabled:
+            self._submit("ended", (time.time(), reason, sid), False)
+
+    def recovered(self, live: set[str]) -> None:
+        """After a restart: sandboxes the log thought alive but that are not are ended."""
+        if self.enabled:
+            self._submit("ended_except", (time.time(), sorted(live)), False)
+
+    def maybe_prune(self, now: float) -> None:
+        if self.enabled and now - self._last_prune >= PRUNE_EVERY_S:
+            self._last_prune = now
+            self._submit("prune", (now - self.retention_s,), False)
+
+    async def prune(self, now: float | None = None) -> int:
+        if not self.enabled:
+            return 0
+        fut = self._submit("prune", ((now or time.time()) - self.retention_s,), True)
+        assert fut is not None
+        return int(await fut)
+
+    async def record(self, sid: str, op: str, request: dict[str, Any],
+                     result: dict[str, Any] | None, error: dict[str, Any] | None,
+                     started_at: float, ended_at: float, key: str | None = None,
+                     fp: str | None = None, snapshot_ids: list[str] | None = None) -> int:
+        """Queue one entry and wait until it is committed."""
+        args = (sid, op, key, fp, json.dumps(request, separators=(",", ":")),
+                None if result is None else json.dumps(result, separators=(",", ":")),
+                None if error is None else json.dumps(error, separators=(",", ":")),
+                started_at, ended_at, json.dumps(snapshot_ids) if snapshot_ids else None)
+        fut = self._submit("entry", args, True)
+        assert fut is not None
+        try:
+            return int(await asyncio.shield(fut))
+        except CorralError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise InternalError(f"could not write the trajectory log: {e}") from e
+
+    def _lookup(self, scope: str, key: str) -> tuple[str, str, str | None, str | None] | None:
+        assert self._reader is not None
+        if scope:
+            sql = ("SELECT fingerprint, sandbox_id, result, error FROM entries WHERE "
+                   "idem_key=? AND sandbox_id=? ORDER BY seq LIMIT 1")
+            row = self._reader.execute(sql, (key, scope)).fetchone()
+        else:
+            sql = ("SELECT fingerprint, sandbox_id, result, error FROM entries WHERE "
+                   "idem_key=? AND op='create' ORDER BY seq LIMIT 1")
+            row = self._reader.execute(sql, (key,)).fetchone()
+        return row
+
+    async def run(self, sid: str, op: str, request: dict[str, Any], key: str | None,
+                  call: Callable[[], Awaitable[Any]],
+                  to_log: Callable[[Any], dict[str, Any]] | None = None,
+                  snapshot_ids: list[str] | None = None) -> Any:
+        """Run ``call`` once per idempotency key and log it; return what the client gets.
+
+        ``sid`` is the sandbox (``""`` for a create: its id is known only after).
+        ``to_log`` turns the call's value into the logged result dict; when the call is
+        fast-forwarded, the *logged* result dict is returned instead of the call's value, so
+        callers whose value is not that dict must pass ``to_log`` and handle both."""
+        if not self.enabled:
+            if key is not None:
+                raise Unsupported("idempotency keys need the trajectory log, which is off on "
+                                  "this daemon (CORRAL_TRAJLOG=0)")
+            return await call()
+        fp = fingerprint(op, request) if key is not None else None
+        if key is not None:
+            if not key or len(key) > MAX_KEY_LEN:
+                from corral.errors import InvalidRequest
+
+                raise InvalidRequest(f"{KEY_HEADER} must be 1 to {MAX_KEY_LEN} characters")
+            slot = (sid, key)
+            while True:
+                other = self._inflight.get(slot)
+                if other is None:
+                    break
+                try:
+                    await asyncio.shield(other)
+                except BaseException:  # noqa: BLE001 - the outcome is read from the log
+                    pass
+            row = self._lookup(sid, key)
+            if row is not None:
+                return self._replayed(op, key, fp, row)
+            self._inflight[slot] = self._loop.create_future()  # type: ignore[union-attr]
+        try:
+            return await self._run_and_log(sid, op, request, key, fp, call, to_log,
+                                           snapshot_ids)
+        finally:
+            if key is not None:
+                done = self._inflight.pop((sid, key), None)
+                if done is not None and not done.done():
+                    done.set_result(None)
+
+    def _replayed(self, op: str, key: str, fp: str | None,
+                  row: tuple[str, str, str | None, str | None]) -> Any:
+        logged_fp, logged_sid, result, error = row
+        if logged_fp != fp:
+            raise ReplayDivergence(
+                f"idempotency key {key!r} was used for a different request "
+                f"({op} now, logged in sandbox {logged_sid})",
+                details={"key": key, "sandbox_id": logged_sid})
+        if error is not None:
+            raise error_from_payload(json.loads(error))
+        return json.loads(result) if result is not None else None
+
+    async def _run_and_log(self, sid: str, op: str, request: dict[str, Any], key: str | None,
+                           fp: str | None, call: Callable[[], Awaitable[Any]],
+                           to_log: Callable[[Any], dict[str, Any]] | None,
+                           snapshot_ids: list[str] | None) -> Any:
+        started = time.time()
+        try:
+            value = await call()
+        except CorralError as e:
+            if op == "create" or isinstance(e, SandboxNotFound):
+                raise  # nothing was made, or no such sandbox: nothing to log
+            # A failure of the platform does not bind the key: a retry runs for real.
+            logged_key = None if e.infra else key
+            await self.record(sid, op, request, None,
+                              e.to_payload(), started, time.time(), logged_key,
+                              fp if logged_key else None, snapshot_ids)
+            raise
+        result = to_log(value) if to_log is not None else value
+        if op == "create" and isinstance(result, dict):
+            sid = str(result.get("id", sid))
+        await self.record(sid, op, request, result, None, started, time.time(), key, fp,
+                          snapshot_ids)
+        return value
+
+    # ---- reading -------------------------------------------------------------------------------
+    def read(self, sid: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]] | None:
+        """(sandbox row, entries) of ``sid``; None if the log never heard of it. Runs on its
+        own connection (callers use a thread: a log can be long)."""
+        if not self.enabled:
+            raise Unsupported("the trajectory log is off on this daemon (CORRAL_TRAJLOG=0)")
+        conn = self._connect()
+        try:
+            srow = conn.execute("SELECT spec, created_at, ended_at, reason FROM sandboxes "
+                                "WHERE sandbox_id=?", (sid,)).fetchone()
+            rows = conn.execute(
+                "SELECT seq, op, idem_key, request, result, error, started_at, ended_at, "
+                "snapshot_ids FROM entries WHERE sandbox_id=? ORDER BY seq", (sid,)).fetchall()
+        finally:
+            conn.close()
+        if srow is None and not rows:
+            return None
+        sandbox = None
+        if srow is not None:
+            sandbox = {"spec": json.loads(srow[0]) if srow[0] else None,
+                       "created_at": srow[1], "ended_at": srow[2], "reason": srow[3]}
+        entries = []
+        for i, r in enumerate(rows):
+            entries.append({
+                "index": i, "seq": r[0], "sandbox_id": sid, "op": r[1],
+                "idempotency_key": r[2], "request": json.loads(r[3]),
+                "result": json.loads(r[4]) if r[4] is not None else None,
+                "error": json.loads(r[5]) if r[5] is not None else None,
+                "started_at": r[6], "ended_at": r[7],
+                "duration_s": round(max(0.0, r[7] - r[6]), 6),
+                "snapshot_ids": json.loads(r[8]) if r[8] else [],
+            })
+        return sandbox, entries
+
+    async def entries(self, sid: str, known: bool) -> dict[str, Any]:
+        got = await asyncio.to_thread(self.read, sid)
+        if got is None:
+            if not known:
+                raise SandboxNotFound(f"no sandbox {sid} and no trajectory log for it",
+                                      details={"id": sid})
+            got = (None, [])
+        sandbox, entries = got
+        return {"sandbox_id": sid, "sandbox": sandbox, "entries": entries}
+
+    # ---- exec results ----------------------------------------------------------------------------
+    def exec_result(self, res: dict[str, Any]) -> dict[str, Any]:
+        """An exec's result as logged: outputs cut to the log's cap, with hashes of the full
+        output (``_sha``, added by the engine) and the sizes."""
+        sha = res.pop("_sha", None)
+        out = dict(res)
+        cap = self.output_cap
+        for name in ("stdout", "stderr"):
+            text = out.get(name)
+            if isinstance(text, str):
+                if sha is None:
+                    out[f"{name}_sha256"] = sha256(text.encode("utf-8", "surrogateescape"))
+                if len(text) > cap:
+                    out[name] = text[:cap]
+                    out["log_truncated"] = True
+        if sha is not None:
+            out["stdout_sha256"], out["stderr_sha256"] = sha
+        return out
+
+
+def _resolve(results: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for fut, value, exc in results:
+        if fut.done():
+            continue
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)

@@ -1,0 +1,197 @@
+"""Deterministic replay: run a logged session again in a fresh sandbox and compare, step by step.
+
+``replay(sandbox_id)`` reads the sandbox's trajectory log, creates a new sandbox from the same
+spec (``image=`` overrides the image), sends every logged exec and file operation again in the
+same order (file writes and uploads with the bytes the log kept), then compares the new
+sandbox's own log with the original, entry by entry: exit code, stdout/stderr hashes and
+timeouts for commands, size and hash for reads, the error code for failed calls.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from corral.errors import CorralError
+from corral.sdk import api
+from corral.sdk.endpoint import Endpoint
+from corral.sdk.sandbox import Sandbox
+from corral.sdk.sync_transport import transport
+
+# What decides "same" for each kind of entry (keys of the logged result).
+_COMPARE = {
+    "exec": ("exit_code", "timed_out", "stdout_sha256", "stderr_sha256", "pid"),
+    "wait": ("exit_code", "timed_out", "stdout_sha256", "stderr_sha256"),
+    "read": ("size", "sha256", "truncated"),
+    "list": ("count", "sha256"),
+    "stat": ("type", "size", "mode"),
+}
+SKIP_OPS = ("create", "kill")
+
+
+@dataclass
+class ReplayStep:
+    index: int
+    op: str
+    what: str
+    status: str                    # same | differs | skipped
+    diffs: dict[str, tuple[Any, Any]] = field(default_factory=dict)   # key -> (logged, replayed)
+    note: str = ""
+
+
+@dataclass
+class ReplayReport:
+    source_id: str
+    replay_id: str | None
+    image: str
+    steps: list[ReplayStep]
+
+    @property
+    def differences(self) -> list[ReplayStep]:
+        return [s for s in self.steps if s.status == "differs"]
+
+    @property
+    def identical(self) -> bool:
+        return not self.differences
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source_id": self.source_id, "replay_id": self.replay_id, "image": self.image,
+                "identical": self.identical, "steps": [asdict(s) for s in self.steps]}
+
+
+def describe(entry: dict[str, Any]) -> str:
+    req = entry.get("request") or {}
+    op = entry.get("op", "")
+    if op == "exec":
+        cmd = req.get("cmd")
+        text = cmd if isinstance(cmd, str) else " ".join(map(str, cmd or []))
+        return text + (" &" if req.get("background") else "")
+    if op == "rename":
+        return f"{req.get('src')} -> {req.get('dst')}"
+    if op == "wait":
+        return f"pid {req.get('pid')}"
+    return str(req.get("path", ""))
+
+
+def _outcome(entry: dict[str, Any]) -> dict[str, Any]:
+    if entry.get("error"):
+        return {"error": entry["error"]["error"]["code"]}
+    res = entry.get("result") or {}
+    keys = _COMPARE.get(entry["op"], ())
+    return {k: res.get(k) for k in keys}
+
+
+def _send_step(sb: Sandbox, entry: dict[str, Any], pids: dict[int, int]) -> str:
+    """Send one logged call to the replay sandbox; errors are part of the outcome (logged by
+    the daemon), so they are swallowed here. Returns a note ('' if replayed as is)."""
+    op, req = entry["op"], entry["request"]
+    sid = sb.id
+
+    def data() -> bytes | None:
+        b64 = req.get("data_b64")
+        return None if b64 is None else base64.b64decode(b64)
+
+    try:
+        if op == "exec":
+            call = api.exec_(sid, req["cmd"], timeout=req.get("timeout"), env=req.get("env"),
+                             cwd=req.get("cwd"), user=req.get("user"), stdin=req.get("stdin"),
+                             background=bool(req.get("background")),
+                             max_output_bytes=req.get("max_output_bytes",
+                                                      api.DEFAULT_MAX_OUTPUT_BYTES))
+            res = sb._call(call)
+            old = (entry.get("result") or {}).get("pid")
+            if req.get("background") and old is not None:
+                pids[old] = res.pid
+        elif op == "wait":
+            pid = pids.get(req["pid"], req["pid"])
+            sb._call(api.proc_wait(sid, pid, req.get("timeout")))
+        elif op == "write":
+            body = data()
+            if body is None:
+                return "content not in the log (over its size cap): not replayed"
+            sb._call(api.write(sid, req["path"], body, req.get("mode", 0o644)))
+        elif op == "upload":
+            body = data()
+            if body is None:
+                return "content not in the log (over its size cap): not replayed"
+            sb._call(api.put_tar(sid, req["path"], body))
+        elif op == "mkdir":
+            sb._call(api.mkdir(sid, req["path"], req.get("parents", True)))
+        elif op == "remove":
+            sb._call(api.remove(sid, req["path"], req.get("recursive", False)))
+        elif op == "rename":
+            sb._call(api.rename(sid, req["src"], req["dst"]))
+        elif op == "read":
+            sb._call(api.read(sid, req["path"], req.get("max_bytes")))
+        elif op == "list":
+            sb._call(api.list_dir(sid, req["path"]))
+        elif op == "stat":
+            sb._call(api.stat(sid, req["path"]))
+        elif op == "download":
+            sb._call(api.get_tar(sid, req["path"]))
+        else:
+            return f"op {op!r} is not replayed"
+    except CorralError as e:
+        if e.infra:
+            raise
+    return ""
+
+
+def replay(sandbox_id: str, *, image: str | None = None,
+           endpoint: str | Endpoint | None = None, keep: bool = False) -> ReplayReport:
+    """Replay sandbox ``sandbox_id``'s logged session in a fresh sandbox (from the same spec;
+    ``image`` overrides its image) and report where the outcomes differ. The replay sandbox
+    is killed at the end unless ``keep``."""
+    ep = Endpoint.parse(endpoint)
+    t = transport(ep)
+    src = t.call(api.log_raw(sandbox_id))
+    entries = src["entries"]
+    spec_fields = dict(((src.get("sandbox") or {}).get("spec")) or {})
+    if not spec_fields:
+        creates = [e for e in entries if e["op"] == "create"]
+        spec_fields = dict(creates[0]["request"]) if creates else {}
+    if image is not None:
+        spec_fields["image"] = image
+    spec = api.spec(**spec_fields)
+    info = t.call(api.create(spec))
+    sb = Sandbox._bind(ep, info.id, info)
+    pids: dict[int, int] = {}
+    notes: dict[int, str] = {}
+    try:
+        sent: list[dict[str, Any]] = []
+        for e in entries:
+            if e["op"] in SKIP_OPS:
+                continue
+            notes[e["index"]] = _send_step(sb, e, pids)
+            sent.append(e)
+        mine = [e for e in t.call(api.log_raw(sb.id))["entries"] if e["op"] not in SKIP_OPS]
+    finally:
+        if not keep:
+            try:
+                sb.kill()
+            except CorralError:
+                pass
+    steps: list[ReplayStep] = []
+    got = iter(mine)
+    for e in entries:
+        if e["op"] in SKIP_OPS:
+            steps.append(ReplayStep(e["index"], e["op"], describe(e), "skipped"))
+            continue
+        note = notes.get(e["index"], "")
+        if note:
+            steps.append(ReplayStep(e["index"], e["op"], describe(e), "skipped", note=note))
+            continue
+        mine_e = next(got, None)
+        if mine_e is None or mine_e["op"] != e["op"]:
+            steps.append(ReplayStep(e["index"], e["op"], describe(e), "differs",
+                                    note="the replay did not log this call"))
+            continue
+        a, b = _outcome(e), _outcome(mine_e)
+        if e["op"] == "exec" and "pid" in a:  # pids of background commands differ by nature
+            a.pop("pid")
+            b.pop("pid", None)
+        diffs = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+        steps.append(ReplayStep(e["index"], e["op"], describe(e),
+                                "differs" if diffs else "same", diffs))
+    return ReplayReport(sandbox_id, info.id, spec.image, steps)
