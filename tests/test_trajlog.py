@@ -287,3 +287,29 @@ def test_retention_prunes_ended_sandboxes(daemon):
     assert asyncio.run(prune()) >= 1
     with client() as c:
         expect_error(c.get(f"/v1/sandboxes/{sid}/log"), "sandbox_not_found", 404)
+
+
+def test_cli_log_and_replay():
+    from test_cli import corral_cli, ok
+
+    sb = Sandbox()
+    try:
+        sb.exec("echo hello-cli")
+        sb.files.write("/root/f", "x")
+        sb.exec("cat /proc/sys/kernel/random/uuid")
+    finally:
+        sb.kill()
+    table = ok("log", sb.id)
+    assert "echo hello-cli" in table and "exit 0" in table and "write" in table
+    lines = ok("log", sb.id, "--jsonl").splitlines()
+    assert [json.loads(x)["op"] for x in lines] == ["create", "exec", "write", "exec", "kill"]
+    assert [e["op"] for e in json.loads(ok("log", sb.id, "--json"))][:2] == ["create", "exec"]
+    r = corral_cli("replay", sb.id, "--json")
+    assert r.returncode == 1, r.stderr  # the uuid differs
+    rep = json.loads(r.stdout)
+    assert [s["status"] for s in rep["steps"]] == ["skipped", "same", "same", "differs",
+                                                  "skipped"]
+    r = corral_cli("replay", sb.id)
+    assert "DIFFERS" in r.stdout and "1 step(s) differ" in r.stderr
+    r = corral_cli("log", "sb-0000000000000000")
+    assert r.returncode == 1 and "sandbox_not_found" in r.stderr
