@@ -56,7 +56,7 @@ PRUNE_EVERY_S = 60.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq INTEGER PRIMARY KEY,
     sandbox_id TEXT NOT NULL,
     op TEXT NOT NULL,
     idem_key TEXT,
@@ -138,6 +138,7 @@ class TrajLog:
                                timeout=30)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self.sync}")
+        conn.execute("PRAGMA wal_autocheckpoint=4000")  # fewer, bigger checkpoints (writer)
         return conn
 
     def open(self, loop: asyncio.AbstractEventLoop) -> None:
