@@ -313,3 +313,20 @@ def test_cli_log_and_replay():
     assert "DIFFERS" in r.stdout and "1 step(s) differ" in r.stderr
     r = corral_cli("log", "sb-0000000000000000")
     assert r.returncode == 1 and "sandbox_not_found" in r.stderr
+
+
+def test_batch_exec_is_logged_per_sandbox():
+    with client() as c:
+        ids = [create(c)["id"] for _ in range(2)]
+        try:
+            r = c.post("/v1/sandboxes/batch/exec", json={"ids": ids, "exec": {"cmd": "hostname"}})
+            assert r.status_code == 200, r.text
+            for sid, item in zip(ids, r.json()["results"], strict=True):
+                assert "_sha" not in item and item["stdout"].strip() == sid
+                last = log_of(c, sid)[-1]
+                assert last["op"] == "exec" and last["result"]["stdout"].strip() == sid
+                assert last["result"]["stdout_sha256"] == \
+                    hashlib.sha256(item["stdout"].encode()).hexdigest()
+        finally:
+            for sid in ids:
+                kill(c, sid)

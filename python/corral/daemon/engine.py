@@ -708,11 +708,14 @@ class Engine:
         per id, in order: an ExecResult dict, or ``{"error"}`` for a sandbox where it could not
         run (the others are unaffected)."""
         gate = asyncio.Semaphore(concurrency)
+        logged = req.model_dump(mode="json") if self.trajlog.enabled else {}
 
         async def one(sid: str) -> dict[str, Any]:
             async with gate:
-                try:
-                    return await self.exec(sid, req)
+                try:  # each one logged in its sandbox's trajectory log, like a single exec
+                    return await self.trajlog.run(sid, "exec", logged, None,
+                                                  lambda: self.exec(sid, req),
+                                                  to_log=self.trajlog.exec_result)
                 except CorralError as e:
                     return e.to_payload()
 
