@@ -25,6 +25,10 @@ CGROUP_NAME = f"corral-test-{os.getpid()}"
 os.environ["CORRAL_STATE_DIR"] = STATE_DIR
 os.environ["CORRAL_SOCKET"] = SOCKET
 os.environ["CORRAL_CGROUP"] = CGROUP_NAME
+# No warm pools in the session daemon (tests see exactly the sandboxes they made);
+# tests/test_pools.py runs its own daemons with pools. CORRAL_TEST_POOL=auto runs the whole
+# suite against pooled sandboxes instead.
+os.environ["CORRAL_POOL"] = os.environ.get("CORRAL_TEST_POOL", "off")
 os.environ.pop("CORRAL_URL", None)
 os.environ.pop("CORRAL_TCP", None)
 

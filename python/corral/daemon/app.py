@@ -513,8 +513,11 @@ async def metrics(request: web.Request) -> web.Response:
         "# TYPE corral_sandboxes gauge", f"corral_sandboxes {len(engine.sandboxes)}",
         "# TYPE corral_capacity gauge", f"corral_capacity {engine.config.max_sandboxes}",
     ]
-    for name, value in engine.counters.items():
-        lines += [f"# TYPE corral_{name}_total counter", f"corral_{name}_total {value}"]
+    for name, value in engine.metrics().items():
+        if name == "pool_ready":
+            lines += ["# TYPE corral_pool_ready gauge", f"corral_pool_ready {value}"]
+        else:
+            lines += [f"# TYPE corral_{name}_total counter", f"corral_{name}_total {value}"]
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 

@@ -189,6 +189,7 @@ class Engine:
             "snapshots": 0,
         }
         self._heap: list[tuple[float, str]] = []
+        self.pools: Any = None  # corral.daemon.pools.WarmPools, made at start
         self._reaper: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.snaps: snapshots.SnapshotStore | None = None
@@ -209,6 +210,12 @@ class Engine:
         self._recover()
         self.snaps.collect()
         self._reaper = asyncio.create_task(self._reap_loop())
+        from corral.daemon.pools import PoolConfig, WarmPools
+
+        self.pools = WarmPools(PoolConfig.from_env(), self.substrates, self.images,
+                               self.sandboxes_dir, new_id=new_id,
+                               room=lambda: self.config.max_sandboxes - len(self.sandboxes))
+        self.pools.start()
 
     async def _make_substrates(self) -> None:
         # Imported here so the HTTP layer (and the OpenAPI generator) load without the core.
@@ -281,6 +288,8 @@ class Engine:
         """Stop the reaper and watchers, leave every sandbox running (re-adopted next start)."""
         if self._reaper:
             self._reaper.cancel()
+        if self.pools is not None:
+            self.pools.close_now()
         for sb in self.sandboxes.values():
             if sb.state in ("running", "paused"):
                 self._unwatch(sb)
@@ -291,6 +300,8 @@ class Engine:
         self.shutting_down = True
         if self._reaper:
             self._reaper.cancel()
+        if self.pools is not None:
+            await self.pools.close()
         stops = [self._begin_stop(sb, "shutdown") for sb in list(self.sandboxes.values())]
         if stops:
             log.info("destroying sandboxes", extra={"count": len(stops)})
@@ -358,18 +369,22 @@ class Engine:
                 f"{n} requested", details={"in_use": len(self.sandboxes), "capacity": cap})
 
     # ---- create --------------------------------------------------------------------------
-    def _create_one(self, substrate: Substrate, spec: SandboxSpec, image: Any) -> Sandbox:
-        sid = new_id()
+    def _create_one(self, substrate: Substrate, spec: SandboxSpec, image: Any,
+                    demand: int = 1) -> Sandbox:
+        # A warm one if a pool has it (corral.daemon.pools): its id was drawn when it was made.
+        pooled = self.pools.take(spec, demand) if self.pools is not None else None
+        sid = pooled.sandbox_id if pooled is not None else new_id()
         now = time.time()
         sb = Sandbox(sid, spec, now, now + spec.timeout)
         sdir = os.path.join(self.sandboxes_dir, sid)
         meta_path = os.path.join(sdir, persist.META)
         # The directory is the record until meta.json exists: a crash mid-create leaves a
         # dir without a runtime, which recovery hands to cleanup_orphans with everything else.
-        os.mkdir(sdir, 0o700)
+        if pooled is None:
+            os.mkdir(sdir, 0o700)
         self.sandboxes[sid] = sb  # counts against capacity while being made
         try:
-            sb.runtime = substrate.create(sid, spec, image)
+            sb.runtime = pooled or substrate.create(sid, spec, image)
             layers = self._image_layers(image)
             if layers:
                 sb.runtime.extra["layers"] = layers
@@ -453,7 +468,8 @@ class Engine:
         try:
             for i in range(count):
                 self._admit(1)
-                made.append(self._create_one(substrate, spec, image))
+                # The batch counts as demand once, with its size.
+                made.append(self._create_one(substrate, spec, image, count if i == 0 else 0))
                 if i % 16 == 15:
                     await asyncio.sleep(0)  # let other clients in during a big batch
         except BaseException:
@@ -1001,3 +1017,10 @@ class Engine:
             "cgroup_version": version if version in (1, 2) else 1,
             "substrates": sorted(self.substrates),
         }
+
+    def metrics(self) -> dict[str, int]:
+        """Counters and gauges for /metrics (besides the sandbox count)."""
+        out = dict(self.counters)
+        if self.pools is not None:
+            out.update(self.pools.stats())
+        return out

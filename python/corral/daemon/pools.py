@@ -1,0 +1,347 @@
+"""Warm pools: sandboxes made ahead of demand, so a create that matches takes a ready one.
+
+A pool is keyed by what is fixed when a sandbox is made: (substrate, image, cpu, memory_mb,
+pids, network). Everything else in a spec is applied when a sandbox is taken, so a pooled
+sandbox is indistinguishable from a fresh one:
+
+* its id is drawn at random when it is made and nobody sees it before the take; the hostname
+  defaults to the id, as for a fresh one (specs with an explicit ``hostname``, and sandboxes
+  started from a snapshot, are not pooled);
+* ``created_at``, the TTL and the idle clock start at the take; labels, metadata, env and cwd
+  live in the engine's record, written at the take;
+* nothing has ever run in it (only its init), its upper dir is empty.
+
+Sizing: every create that could use a pool counts as demand for its key; each tick the pool's
+target is about ``CORRAL_POOL_LEAD_S`` seconds of the recent create rate (EWMA), at least the
+static size configured for its image, at most ``CORRAL_POOL_MAX_PER_KEY``; all pools together
+hold at most ``CORRAL_POOL_MAX`` and never take the daemon past its capacity. A pool nobody
+asked for in ``CORRAL_POOL_IDLE_S`` shrinks to its static size. Refills run in worker threads
+(the Rust core releases the GIL), off the event loop.
+
+Never leaked: pooled sandboxes have a directory and cgroups but no ``meta.json``, so after a
+crash recovery treats them as half-made and ``cleanup_orphans`` removes them; a graceful stop
+destroys them; a pooled sandbox whose init died is destroyed when found, never handed out.
+
+Configuration (environment; see docs/architecture.md "Warm pools"):
+  CORRAL_POOL            "auto" (default: demand-sized pools for every key asked for),
+                         "off" (no pools), or "static" (only the sizes below)
+  CORRAL_POOL_SIZES      static sizes for the default limits of an image: "host:8,myimg:4"
+  CORRAL_POOL_MAX        all pooled sandboxes together (default 256)
+  CORRAL_POOL_MAX_PER_KEY  one pool (default 128)
+  CORRAL_POOL_LEAD_S     seconds of demand kept ready (default 0.5)
+  CORRAL_POOL_IDLE_S     an unused auto pool empties after this (default 60)
+  CORRAL_POOL_WORKERS    refills in flight (default: CPU count, at most 4)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from corral.daemon.substrates.base import SandboxRuntime, Substrate
+from corral.models import SandboxSpec
+
+log = logging.getLogger("corral.pools")
+
+Key = tuple[str, str, float, int, int, str]
+TICK_S = 0.25
+EWMA = 0.3
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+@dataclass
+class PoolConfig:
+    mode: str = "auto"                       # auto | static | off
+    sizes: dict[str, int] = field(default_factory=dict)
+    max_total: int = 256
+    max_per_key: int = 128
+    lead_s: float = 0.5
+    idle_s: float = 60.0
+    workers: int = 2
+
+    @classmethod
+    def from_env(cls) -> PoolConfig:
+        mode = os.environ.get("CORRAL_POOL", "auto").strip().lower() or "auto"
+        if mode in ("0", "false", "no", "none", "disabled"):
+            mode = "off"
+        if mode not in ("auto", "static", "off"):
+            log.warning("unknown CORRAL_POOL, using auto", extra={"value": mode})
+            mode = "auto"
+        sizes: dict[str, int] = {}
+        for item in os.environ.get("CORRAL_POOL_SIZES", "").replace(" ", "").split(","):
+            if not item:
+                continue
+            name, _, n = item.rpartition(":")
+            try:
+                sizes[name or item] = max(0, int(n)) if name else 1
+            except ValueError:
+                log.warning("bad CORRAL_POOL_SIZES item", extra={"item": item})
+        return cls(mode=mode, sizes=sizes,
+                   max_total=max(0, _env_int("CORRAL_POOL_MAX", 256)),
+                   max_per_key=max(0, _env_int("CORRAL_POOL_MAX_PER_KEY", 128)),
+                   lead_s=max(0.0, _env_float("CORRAL_POOL_LEAD_S", 0.5)),
+                   idle_s=max(0.0, _env_float("CORRAL_POOL_IDLE_S", 60.0)),
+                   workers=max(1, _env_int("CORRAL_POOL_WORKERS",
+                                           min(4, os.cpu_count() or 2))))
+
+
+class _Pool:
+    __slots__ = ("key", "spec", "image", "ready", "making", "static", "demand", "requests",
+                 "last_use")
+
+    def __init__(self, key: Key, spec: SandboxSpec, image: Any, static: int) -> None:
+        self.key = key
+        self.spec = spec
+        self.image = image
+        self.ready: collections.deque[SandboxRuntime] = collections.deque()
+        self.making = 0
+        self.static = static
+        self.demand = 0.0          # creates per second (EWMA)
+        self.requests = 0          # creates since the last tick
+        self.last_use = time.monotonic()
+
+
+class WarmPools:
+    def __init__(self, config: PoolConfig, substrates: dict[str, Substrate], images: Any,
+                 sandboxes_dir: str, room: Callable[[], int],
+                 new_id: Callable[[], str]) -> None:
+        self.config = config
+        self.substrates = substrates
+        self.images = images
+        self.sandboxes_dir = sandboxes_dir
+        self.room = room                 # how many more sandboxes the daemon may hold
+        self.new_id = new_id
+        self.pools: dict[Key, _Pool] = {}
+        self.hits = 0
+        self.misses = 0
+        self.failures = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._inflight: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        if config.mode != "off":
+            for name, n in config.sizes.items():
+                if n > 0:
+                    self._pool_for(SandboxSpec(image=name), static=n)
+
+    # ---- keys -------------------------------------------------------------------------------
+    def key(self, spec: SandboxSpec) -> Key | None:
+        if self.config.mode == "off" or spec.hostname is not None:
+            return None
+        if getattr(spec, "snapshot", None) is not None:  # made from a snapshot's layers
+            return None
+        if spec.substrate not in self.substrates:
+            return None
+        return (spec.substrate, spec.image, float(spec.cpu), int(spec.memory_mb),
+                int(spec.pids), spec.network)
+
+    def _pool_for(self, spec: SandboxSpec, static: int = 0) -> _Pool | None:
+        key = self.key(spec)
+        if key is None:
+            return None
+        pool = self.pools.get(key)
+        if pool is None:
+            image = self.images.get(spec.image) if self.images is not None else None
+            if image is None:
+                return None
+            base = SandboxSpec(image=spec.image, substrate=spec.substrate, cpu=spec.cpu,
+                               memory_mb=spec.memory_mb, pids=spec.pids, network=spec.network)
+            pool = self.pools[key] = _Pool(key, base, image, static)
+        return pool
+
+    @property
+    def ready_total(self) -> int:
+        return sum(len(p.ready) for p in self.pools.values())
+
+    @property
+    def held_total(self) -> int:
+        return sum(len(p.ready) + p.making for p in self.pools.values())
+
+    # ---- take -------------------------------------------------------------------------------
+    def take(self, spec: SandboxSpec, count: int = 1) -> SandboxRuntime | None:
+        """A ready sandbox for ``spec`` (its id is ``runtime.sandbox_id``), or None. ``count``:
+        how many creates this stands for (demand accounting of a batch, counted once)."""
+        if self._closed or self.config.mode == "off":
+            return None
+        key = self.key(spec)
+        if key is None:
+            return None
+        pool = self.pools.get(key)
+        if pool is None:
+            if self.config.mode != "auto":
+                return None
+            pool = self._pool_for(spec)
+            if pool is None:
+                return None
+        pool.requests += count
+        pool.last_use = time.monotonic()
+        substrate = self.substrates[key[0]]
+        while pool.ready:
+            rt = pool.ready.popleft()  # oldest first: every pooled sandbox gets used
+            if substrate.is_alive(rt):
+                self.hits += 1
+                self._wake.set()
+                return rt
+            log.warning("pooled sandbox died; discarded", extra={"sandbox": rt.sandbox_id})
+            self._spawn(self._discard(substrate, rt))
+        self.misses += 1
+        self._wake.set()
+        return None
+
+    # ---- refill -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.config.mode != "off" and self._task is None:
+            self._task = asyncio.create_task(self._run())
+
+    def _target(self, pool: _Pool, now: float) -> int:
+        if self.config.mode == "auto" and now - pool.last_use <= self.config.idle_s:
+            want = math.ceil(pool.demand * self.config.lead_s)
+            if pool.demand > 0:
+                want = max(want, 2)
+        else:
+            want = 0
+        return min(self.config.max_per_key, max(pool.static, want))
+
+    async def _run(self) -> None:
+        last = time.monotonic()
+        while not self._closed:
+            try:
+                await asyncio.wait_for(self._wake.wait(), TICK_S)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            now = time.monotonic()
+            if now - last >= TICK_S:
+                dt, last = now - last, now
+                for pool in self.pools.values():
+                    pool.demand = (1 - EWMA) * pool.demand + EWMA * pool.requests / dt
+                    pool.requests = 0
+            try:
+                self._plan(now)
+            except Exception:  # noqa: BLE001 - the pool must survive anything
+                log.exception("warm pool planning failed")
+
+    def _plan(self, now: float) -> None:
+        budget = min(self.config.max_total - self.held_total, self.room() - self.held_total)
+        for key, pool in list(self.pools.items()):
+            target = self._target(pool, now)
+            have = len(pool.ready) + pool.making
+            while have < target and budget > 0 and len(self._inflight) < self.config.workers:
+                self._spawn(self._make(pool))
+                have += 1
+                budget -= 1
+            # Shrink slowly (a few per tick): demand often comes back.
+            extra = len(pool.ready) - target
+            for _ in range(min(extra, 4)):
+                rt = pool.ready.pop()
+                self._spawn(self._discard(self.substrates[key[0]], rt))
+            if target == 0 and not pool.ready and not pool.making and pool.static == 0:
+                del self.pools[key]
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+
+    async def _make(self, pool: _Pool) -> None:
+        substrate = self.substrates[pool.key[0]]
+        sid = self.new_id()
+        sdir = os.path.join(self.sandboxes_dir, sid)
+        pool.making += 1
+
+        def work() -> SandboxRuntime:
+            os.mkdir(sdir, 0o700)
+            try:
+                return substrate.create(sid, pool.spec, pool.image)
+            except BaseException:
+                shutil.rmtree(sdir, ignore_errors=True)
+                raise
+
+        try:
+            rt = await asyncio.to_thread(work)
+        except Exception as e:  # noqa: BLE001 - out of resources, image gone ...: back off
+            self.failures += 1
+            log.warning("warm pool refill failed", extra={"image": pool.spec.image,
+                                                          "error": str(e)[:300]})
+            await asyncio.sleep(1.0)
+            return
+        finally:
+            pool.making -= 1
+            self._wake.set()
+        if self._closed or self.pools.get(pool.key) is not pool:
+            await self._discard(substrate, rt)
+            return
+        pool.ready.append(rt)
+
+    async def _discard(self, substrate: Substrate, rt: SandboxRuntime) -> None:
+        sdir = os.path.join(self.sandboxes_dir, rt.sandbox_id)
+
+        def work() -> None:
+            try:
+                substrate.destroy(rt)
+            finally:
+                shutil.rmtree(sdir, ignore_errors=True)
+
+        try:
+            await asyncio.to_thread(work)
+        except Exception:  # noqa: BLE001
+            log.exception("destroy of a pooled sandbox failed", extra={"sandbox": rt.sandbox_id})
+
+    # ---- stop -------------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Stop refilling and destroy every pooled sandbox (graceful stop)."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        if self._inflight:
+            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+        rts = [(p.key[0], rt) for p in self.pools.values() for rt in p.ready]
+        for p in self.pools.values():
+            p.ready.clear()
+        if rts:
+            await asyncio.gather(*(self._discard(self.substrates[s], rt) for s, rt in rts),
+                                 return_exceptions=True)
+
+    def close_now(self) -> None:
+        """Synchronous close (the daemon stops without destroying its sandboxes): pooled ones
+        have no record, so the next start would clean them anyway; destroy them now so
+        nothing lingers if there is no next start."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        for p in self.pools.values():
+            while p.ready:
+                rt = p.ready.popleft()
+                try:
+                    self.substrates[p.key[0]].destroy(rt)
+                except Exception:  # noqa: BLE001
+                    log.exception("destroy of a pooled sandbox failed")
+                shutil.rmtree(os.path.join(self.sandboxes_dir, rt.sandbox_id),
+                              ignore_errors=True)
+
+    def stats(self) -> dict[str, int]:
+        return {"pool_ready": self.ready_total, "pool_hits": self.hits,
+                "pool_misses": self.misses, "pool_failures": self.failures}

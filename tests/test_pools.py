@@ -1,0 +1,211 @@
+"""Warm pools (corral.daemon.pools): a create that matches takes a ready sandbox.
+
+Each test runs a private corrald with its own pool settings (the session daemon runs without
+pools so that other tests see exactly the sandboxes they made). What must hold: a pooled
+sandbox is indistinguishable from a fresh one, a dead pooled sandbox is never handed out, and
+pooled sandboxes never leak (graceful stop, kill -9 + restart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral import Sandbox
+
+from conftest import (
+    CGROUP_NAME,
+    DaemonProcess,
+    cgroup_dirs,
+    leaked_sandbox_cgroups,
+    pids_in_cgroups,
+)
+
+
+@contextlib.contextmanager
+def pooled_daemon(**env: str) -> Iterator[DaemonProcess]:
+    state = tempfile.mkdtemp(prefix="corral-pool-", dir="/var/tmp")
+    cg = f"{CGROUP_NAME}-pool"
+    d = DaemonProcess(state, os.path.join(state, "run", "corrald.sock"))
+    d.cgroup = cg  # type: ignore[attr-defined]
+    # The environment stays set for the whole test: a restart must get the same settings (and
+    # above all the same cgroup name, or it would clean up the session daemon's sandboxes).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CORRAL_CGROUP", cg)
+        mp.setenv("CORRAL_POOL_IDLE_S", "600")
+        for k, v in env.items():
+            mp.setenv(k, v)
+        d.start()
+        try:
+            yield d
+        finally:
+            d.stop()
+        left = {"cgroups": leaked_sandbox_cgroups(cg), "parents": [str(p) for p in cgroup_dirs(cg)],
+                "pids": sorted(pids_in_cgroups(cg)),
+                "dirs": os.listdir(os.path.join(state, "sandboxes"))}
+        shutil.rmtree(state, ignore_errors=True)
+        assert not any(left.values()), f"pooled daemon left {left}\n{d.tail()}"
+
+
+def ep(d: DaemonProcess) -> str:
+    return f"unix://{d.socket_path}"
+
+
+def metrics(d: DaemonProcess) -> dict[str, float]:
+    import httpx
+
+    t = httpx.HTTPTransport(uds=d.socket_path)
+    with httpx.Client(transport=t, base_url="http://corral", timeout=10) as c:
+        text = c.get("/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^(corral_\w+) ([0-9.e+-]+)$", text, re.M)}
+
+
+def wait_ready(d: DaemonProcess, n: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics(d).get("corral_pool_ready", 0) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"pool never reached {n} ready: {metrics(d)}")
+
+
+def sandbox_dirs(d: DaemonProcess) -> set[str]:
+    return set(os.listdir(os.path.join(d.state_dir, "sandboxes")))
+
+
+def observe(sb: Sandbox) -> dict[str, str]:
+    """What a program inside can see that a pool could give away."""
+    r = sb.exec("echo $X $HOSTNAME; hostname; cat /etc/hostname 2>/dev/null; ls -A /tmp /root; "
+                "ls /proc > /root/p; grep -c '^[0-9]' /root/p; rm /root/p; id -u; "
+                "grep Cap /proc/self/status; ls -A /dev | tr '\\n' ' '; pwd")
+    assert r.exit_code == 0, r.stderr
+    return {"out": r.stdout.replace(sb.id, "<id>"), "err": r.stderr}
+
+
+def test_pooled_sandbox_is_indistinguishable_from_a_fresh_one():
+    with pooled_daemon(CORRAL_POOL="static", CORRAL_POOL_SIZES="host:2") as d:
+        wait_ready(d, 2)
+        pooled_dirs = sandbox_dirs(d)
+        assert len(pooled_dirs) == 2  # made ahead: a dir each, no record yet
+        assert all(not os.path.exists(os.path.join(d.state_dir, "sandboxes", s, "meta.json"))
+                   for s in pooled_dirs)
+        time.sleep(1.0)  # the pooled ones are older than the take: their clocks must not show
+        t0 = time.time()
+        warm = Sandbox(endpoint=ep(d), timeout=100, labels={"k": "v"}, metadata={"m": "1"},
+                       env={"X": "y"})
+        m = metrics(d)
+        assert m["corral_pool_hits_total"] == 1
+        assert warm.id in pooled_dirs  # it was one of the pool's
+        info = warm.last_info
+        assert info is not None
+        assert t0 - 0.5 <= info.created_at <= time.time()
+        assert info.expires_at - info.created_at == pytest.approx(100)
+        assert info.last_active_at >= info.created_at
+        assert (info.labels, info.metadata, info.hostname) == ({"k": "v"}, {"m": "1"}, warm.id)
+        assert os.path.exists(os.path.join(d.state_dir, "sandboxes", warm.id, "meta.json"))
+        assert [s.id for s in Sandbox.list(labels={"k": "v"}, endpoint=ep(d))] == [warm.id]
+        # A fresh one of the same spec, bypassing the pool: the pool has one more ready, so
+        # make it cold by asking for other limits (a different pool key that is not pooled).
+        cold = Sandbox(endpoint=ep(d), timeout=100, labels={"k": "v"}, env={"X": "y"},
+                       memory_mb=511)
+        assert metrics(d)["corral_pool_misses_total"] == 0  # static mode: not a pool key
+        assert observe(warm) == observe(cold)
+        assert warm.exec("hostname").stdout.strip() == warm.id
+        warm.files.write("/tmp/a", "x")
+        assert warm.files.read("/tmp/a") == "x"
+        assert warm.kill() and cold.kill()
+        wait_ready(d, 2)  # refilled
+
+
+def test_batch_create_takes_from_the_pool_then_makes_the_rest():
+    with pooled_daemon(CORRAL_POOL="static", CORRAL_POOL_SIZES="host:3") as d:
+        wait_ready(d, 3)
+        boxes = Sandbox.create_many(5, endpoint=ep(d), timeout=100)
+        try:
+            m = metrics(d)
+            assert (m["corral_pool_hits_total"], m["corral_pool_misses_total"]) == (3, 2)
+            res = Sandbox.exec_many(boxes, "hostname")
+            assert [r.stdout.strip() for r in res] == [b.id for b in boxes]
+        finally:
+            Sandbox.kill_many(boxes)
+
+
+def test_explicit_hostname_is_never_pooled():
+    with pooled_daemon(CORRAL_POOL="static", CORRAL_POOL_SIZES="host:1") as d:
+        wait_ready(d, 1)
+        with Sandbox(endpoint=ep(d), hostname="box1") as sb:
+            assert sb.exec("hostname").stdout == "box1\n"
+            m = metrics(d)
+            assert m["corral_pool_hits_total"] == 0 and m["corral_pool_ready"] == 1
+
+
+def test_pool_off():
+    with pooled_daemon(CORRAL_POOL="off", CORRAL_POOL_SIZES="host:4") as d:
+        for _ in range(3):
+            with Sandbox(endpoint=ep(d)) as sb:
+                assert sb.exec("true").exit_code == 0
+        time.sleep(0.6)
+        m = metrics(d)
+        assert m["corral_pool_ready"] == 0 and m["corral_pool_hits_total"] == 0
+        assert sandbox_dirs(d) == set()
+
+
+def test_auto_pool_follows_demand():
+    with pooled_daemon(CORRAL_POOL="auto", CORRAL_POOL_LEAD_S="1") as d:
+        assert metrics(d)["corral_pool_ready"] == 0  # nothing asked for yet
+        hits = 0
+        deadline = time.monotonic() + 60
+        while hits == 0 and time.monotonic() < deadline:
+            for _ in range(10):
+                with Sandbox(endpoint=ep(d), memory_mb=256) as sb:
+                    assert sb.exec("true").exit_code == 0
+            hits = metrics(d)["corral_pool_hits_total"]
+        assert hits > 0, metrics(d)
+
+
+def test_dead_pooled_sandbox_is_never_handed_out():
+    with pooled_daemon(CORRAL_POOL="static", CORRAL_POOL_SIZES="host:1") as d:
+        wait_ready(d, 1)
+        (pooled,) = sandbox_dirs(d)
+        pids = set()
+        for top in cgroup_dirs(d.cgroup):  # type: ignore[attr-defined]
+            procs = top / pooled / "cgroup.procs"
+            if procs.exists():
+                pids.update(int(x) for x in procs.read_text().split())
+        assert len(pids) == 1  # just its init
+        os.kill(pids.pop(), signal.SIGKILL)
+        time.sleep(0.2)
+        with Sandbox(endpoint=ep(d)) as sb:
+            assert sb.id != pooled
+            assert sb.exec("echo ok").stdout == "ok\n"
+        wait_ready(d, 1)
+        assert pooled not in sandbox_dirs(d)  # destroyed, not kept
+
+
+def test_pooled_sandboxes_never_leak_across_kill9():
+    with pooled_daemon(CORRAL_POOL="static", CORRAL_POOL_SIZES="host:3") as d:
+        wait_ready(d, 3)
+        keep = Sandbox(endpoint=ep(d), timeout=300)
+        wait_ready(d, 3)
+        pooled = sandbox_dirs(d) - {keep.id}
+        assert len(pooled) == 3
+        d.kill9()
+        d.start()
+        m = metrics(d)
+        assert m["corral_adopted_total"] == 1  # the one handed out survives ...
+        assert m["corral_orphans_removed_total"] >= 3  # ... the pooled ones are cleaned
+        assert keep.exec("echo still").stdout == "still\n"
+        wait_ready(d, 3)
+        assert not (pooled & sandbox_dirs(d))
+        cg_ids = {Path(p).name for p in leaked_sandbox_cgroups(d.cgroup)}  # type: ignore[attr-defined]
+        assert not (pooled & cg_ids)
+        keep.kill()
