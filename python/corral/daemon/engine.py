@@ -209,6 +209,7 @@ class Engine:
         self.trajlog.open(self._loop)
         self._recover()
         self.snaps.collect()
+        self._catch_init_exits()
         self._reaper = asyncio.create_task(self._reap_loop())
         from corral.daemon.pools import PoolConfig, WarmPools
 
@@ -216,6 +217,22 @@ class Engine:
                                self.sandboxes_dir, new_id=new_id,
                                room=lambda: self.config.max_sandboxes - len(self.sandboxes))
         self.pools.start()
+
+    def _catch_init_exits(self) -> None:
+        """Substrates that can learn about dead inits without an fd per sandbox do so (the
+        daemon's fd table then does not grow with the sandboxes; see
+        ContainerSubstrate.watch_exits); sandboxes made before (re-adopted) keep their pidfd."""
+        assert self._loop is not None
+        for sub in self.substrates.values():
+            watch = getattr(sub, "watch_exits", None)
+            if watch is not None and os.environ.get("CORRAL_PIDFD_PER_SANDBOX") != "1":
+                watch(self._loop, self._inits_died)
+
+    def _inits_died(self, ids: list[str]) -> None:
+        for sid in ids:
+            sb = self.sandboxes.get(sid)
+            if sb is not None and sb.state in ("running", "paused"):
+                self._lose(sb)
 
     async def _make_substrates(self) -> None:
         # Imported here so the HTTP layer (and the OpenAPI generator) load without the core.

@@ -95,6 +95,99 @@ def proc_starttime(pid: int) -> int | None:
     return int(rest[19])  # fields 3.. -> field 22 is index 19
 
 
+def proc_alive(pid: int, starttime: int) -> bool:
+    """Is PID still the process that started at ``starttime`` and not a zombie?"""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    rest = data[data.rindex(b")") + 2:].split()
+    return rest[0] not in (b"Z", b"X") and int(rest[19]) == starttime
+
+
+# Open root fds kept for sandboxes used recently (exec and file operations reuse them); the rest
+# are opened on demand: the daemon's fd table must not grow with the number of sandboxes (its
+# RLIMIT_NOFILE may be as low as 20,000 where it cannot raise its hard limit).
+ROOT_CACHE = int(os.environ.get("CORRAL_ROOT_FD_CACHE", "1024"))
+
+
+class ExitWatch:
+    """Process exits from the kernel's proc connector (netlink, PROC_EVENT_EXIT), so the
+    daemon learns that an init died without holding a pidfd per sandbox. Needs CAP_NET_ADMIN
+    in the host's network namespace; ``open`` returns None where that is not available, and
+    the substrate keeps a pidfd per sandbox instead. Events can be dropped when the socket
+    overflows (ENOBUFS): ``read`` then reports ``overflow`` and the caller rescans."""
+
+    NETLINK_CONNECTOR = 11
+    CN_IDX_PROC = 1
+    CN_VAL_PROC = 1
+    PROC_CN_MCAST_LISTEN = 1
+    PROC_EVENT_EXIT = 0x80000000
+    _HDR = 16 + 20  # nlmsghdr + cn_msg
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+
+    @classmethod
+    def open(cls) -> ExitWatch | None:
+        import socket
+        import struct
+
+        try:
+            s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC,
+                              cls.NETLINK_CONNECTOR)
+        except OSError:
+            return None
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+            s.bind((0, cls.CN_IDX_PROC))
+            # struct proc_input {mcast_op, event_type}: kernels >= 6.6 send only exits.
+            op = struct.pack("=II", cls.PROC_CN_MCAST_LISTEN, cls.PROC_EVENT_EXIT)
+            cn = struct.pack("=IIIIHH", cls.CN_IDX_PROC, cls.CN_VAL_PROC, 0, 0, len(op), 0) + op
+            s.send(struct.pack("=IHHII", 16 + len(cn), 3, 0, 0, 0) + cn)  # NLMSG_DONE
+            s.setblocking(False)
+        except OSError:
+            s.close()
+            return None
+        return cls(s)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def read(self) -> tuple[list[int], bool]:
+        """(pids of processes that exited, overflow) from everything queued now."""
+        import struct
+
+        pids: list[int] = []
+        overflow = False
+        for _ in range(4096):
+            try:
+                data = self.sock.recv(65536)
+            except BlockingIOError:
+                break
+            except OSError as e:
+                if e.errno == errno.ENOBUFS:
+                    overflow = True
+                    continue
+                raise
+            off = 0
+            while off + self._HDR + 16 <= len(data):
+                (length,) = struct.unpack_from("=I", data, off)
+                what = struct.unpack_from("=I", data, off + self._HDR)[0]
+                if what == self.PROC_EVENT_EXIT and off + self._HDR + 24 <= len(data):
+                    pid, tgid = struct.unpack_from("=ii", data, off + self._HDR + 16)
+                    if pid == tgid:  # the process, not one of its threads
+                        pids.append(pid)
+                if length < 16:
+                    break
+                off += (length + 3) & ~3
+        return pids, overflow
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def _pidfd_exited(pidfd: int, timeout_s: float) -> bool:
     """Wait up to ``timeout_s`` for a pidfd to become readable (its process has exited)."""
     p = select.poll()
@@ -221,17 +314,69 @@ class ContainerSubstrate(Substrate):
         # O_PATH fds of sandbox roots, opened on first use, reference-counted so destroy never
         # closes one under a concurrent file operation (a reused fd number would point that
         # operation at another file); never persisted.
-        self._roots: dict[str, _RootRef] = {}
+        self._roots: collections.OrderedDict[str, _RootRef] = collections.OrderedDict()
         self._closing: set[str] = set()
         self._lock = threading.Lock()
         if netns_pool is None:
             netns_pool = int(os.environ.get("CORRAL_NETNS_POOL", "32"))
         self.netns = NetnsPool(netns_pool)
+        # A pidfd per sandbox (runtime.pidfd) unless watch_exits() found the proc connector:
+        # then the daemon keeps no fd per sandbox. An init is our child and nobody but destroy
+        # reaps it, so until then its pid cannot be reused: a pidfd opened from the pid on
+        # demand (_open_pidfd) is always the right process.
+        self.keep_pidfds = True
+        self._kids: dict[int, str] = {}       # init pid -> sandbox id, until destroy reaps it
+        self._kid_lock = threading.Lock()
+        self._exits: ExitWatch | None = None
+        self._exit_loop: Any = None
+        self._on_lost: Any = None
+
+    def watch_exits(self, loop: Any, on_lost: Any) -> bool:
+        """Learn about dead inits from the proc connector instead of a pidfd each: ``on_lost``
+        gets the ids of sandboxes whose init died. False (pidfds stay) where unavailable."""
+        watch = ExitWatch.open()
+        if watch is None:
+            return False
+        self._exits = watch
+        self._exit_loop = loop
+        self._on_lost = on_lost
+        self.keep_pidfds = False
+        loop.add_reader(watch.fileno(), self._exit_events, loop)
+        return True
+
+    def _exit_events(self, loop: Any) -> None:
+        assert self._exits is not None
+        pids, overflow = self._exits.read()
+        with self._kid_lock:
+            if overflow:  # events were dropped: look at every init
+                pids = list(self._kids)
+            maybe = [(pid, self._kids[pid]) for pid in pids if pid in self._kids]
+        lost = []
+        for pid, sid in maybe:
+            # The pid is pinned while it is in _kids (our unreaped child), so this is the init
+            # (an event of an earlier process with the same pid can come late: check it).
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    data = f.read()
+                state = data[data.rindex(b")") + 2:data.rindex(b")") + 3]
+            except OSError:
+                state = b"X"
+            if state in (b"Z", b"X"):
+                lost.append(sid)
+        if lost and self._on_lost is not None:
+            self._on_lost(lost)
 
     def close(self, *, retire: bool = False) -> None:
         """Release what the substrate holds (not the sandboxes): pooled netns, root fds, the
         init memfd. ``retire`` (a graceful stop, every sandbox destroyed) also removes the
         parent cgroups, so a stopped corral leaves nothing in the host's cgroup tree."""
+        if self._exits is not None:
+            try:
+                self._exit_loop.remove_reader(self._exits.fileno())
+            except Exception:  # noqa: BLE001 - the loop may be closed already
+                pass
+            self._exits.close()
+            self._exits = None
         self.netns.close()
         if retire:
             self.cgroups.remove_parents()
@@ -284,12 +429,19 @@ class ContainerSubstrate(Substrate):
                 "netns_fd": net_fd,
             }
             pid, pidfd = _core.spawn_sandbox(cfg)
+            if not self.keep_pidfds:
+                with self._kid_lock:
+                    self._kids[pid] = sandbox_id
             if net_fd is not None:
                 os.close(net_fd)  # the sandbox holds it now
                 net_fd = None
             starttime = proc_starttime(pid)
-            if starttime is None:
+            # Registered first, checked after: a death after this check is an exit event.
+            if starttime is None or not proc_alive(pid, starttime):
                 raise OSError(errno.ESRCH, "spawn_sandbox: the init died right after exec")
+            if not self.keep_pidfds:
+                os.close(pidfd)  # opened again when needed (see keep_pidfds)
+                pidfd = -1
             return SandboxRuntime(sandbox_id=sandbox_id, init_pid=pid, init_starttime=starttime,
                                   sandbox_dir=sdir, cgroup_paths=paths, pidfd=pidfd,
                                   extra={"image": img.name})
@@ -315,6 +467,8 @@ class ContainerSubstrate(Substrate):
         if pidfd >= 0:
             self._kill_and_wait(pid, pidfd)
             os.close(pidfd)
+        if pid > 0:
+            self._forget(pid, sandbox_id)
         if paths:
             try:
                 self.cgroups.kill_all(paths)
@@ -373,15 +527,11 @@ class ContainerSubstrate(Substrate):
     def _destroy(self, runtime: SandboxRuntime) -> None:
         self._close_root(runtime.sandbox_id)
         pidfd = runtime.pidfd
-        if pidfd < 0 and runtime.init_pid > 0 and \
-                proc_starttime(runtime.init_pid) == runtime.init_starttime:
-            try:
-                pidfd = os.pidfd_open(runtime.init_pid)
-                if proc_starttime(runtime.init_pid) != runtime.init_starttime:
-                    os.close(pidfd)
-                    pidfd = -1
-            except OSError:
-                pidfd = -1
+        if pidfd < 0:
+            pidfd = self._open_pidfd(runtime)
+        # Out of _kids before the reap below frees the pid: from now on a pidfd is only opened
+        # with the start-time checks of an adopted init.
+        self._forget(runtime.init_pid, runtime.sandbox_id)
         net_fd = self._netns_of(runtime.init_pid, pidfd) if pidfd >= 0 else None
         paths = runtime.cgroup_paths or self.cgroups.paths_for(runtime.sandbox_id)
         reaped = False
@@ -403,6 +553,35 @@ class ContainerSubstrate(Substrate):
         sdir = os.path.join(self.sandboxes_dir, runtime.sandbox_id)
         shutil.rmtree(sdir, ignore_errors=True)
 
+    # ---- inits without a pidfd each (see keep_pidfds) -------------------------------------
+    def _open_pidfd(self, runtime: SandboxRuntime) -> int:
+        """A new pidfd of the sandbox's init (the caller closes it), or -1 if it is gone."""
+        pid = runtime.init_pid
+        if pid <= 0:
+            return -1
+        with self._kid_lock:
+            if self._kids.get(pid) == runtime.sandbox_id:
+                try:  # our unreaped child: the pid is pinned
+                    return os.pidfd_open(pid)
+                except OSError:
+                    return -1
+        # Not our child (adopted after a restart): the pid could be reused; check after.
+        if proc_starttime(pid) != runtime.init_starttime:
+            return -1
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return -1
+        if proc_starttime(pid) != runtime.init_starttime:
+            os.close(fd)
+            return -1
+        return fd
+
+    def _forget(self, pid: int, sandbox_id: str) -> None:
+        with self._kid_lock:
+            if self._kids.get(pid) == sandbox_id:
+                del self._kids[pid]
+
     def reset(self, runtime: SandboxRuntime, spec: SandboxSpec, image: Any) -> SandboxRuntime:
         """Restart a sandbox in place (restore to a snapshot): kill every process, set the old
         directories aside (deleted in the background), and start a new init with a fresh upper
@@ -413,7 +592,8 @@ class ContainerSubstrate(Substrate):
             self._closing.add(sid)
         try:
             self._close_root(sid)
-            pidfd = runtime.pidfd
+            pidfd = runtime.pidfd if runtime.pidfd >= 0 else self._open_pidfd(runtime)
+            self._forget(runtime.init_pid, sid)  # before the reap frees the pid
             net_fd = self._netns_of(runtime.init_pid, pidfd) if pidfd >= 0 else None
             paths = runtime.cgroup_paths or self.cgroups.paths_for(sid)
             if pidfd >= 0:
@@ -487,17 +667,25 @@ class ContainerSubstrate(Substrate):
     def is_alive(self, runtime: SandboxRuntime) -> bool:
         if runtime.pidfd >= 0:
             return not _pidfd_exited(runtime.pidfd, 0)
-        return proc_starttime(runtime.init_pid) == runtime.init_starttime
+        return proc_alive(runtime.init_pid, runtime.init_starttime)
 
     # ---- exec ----------------------------------------------------------------------------
     def spawn(self, runtime: SandboxRuntime, spec: ExecSpec) -> int:
         with self._rooted(runtime) as root:
-            return self._spawn(runtime, spec, root)
+            if runtime.pidfd >= 0:
+                return self._spawn(runtime, spec, root, runtime.pidfd)
+            pidfd = self._open_pidfd(runtime)
+            if pidfd < 0:
+                raise SandboxNotRunning("the sandbox's init is gone")
+            try:
+                return self._spawn(runtime, spec, root, pidfd)
+            finally:
+                os.close(pidfd)
 
-    def _spawn(self, runtime: SandboxRuntime, spec: ExecSpec, root: int) -> int:
+    def _spawn(self, runtime: SandboxRuntime, spec: ExecSpec, root: int, pidfd: int) -> int:
         cfg = {
             "init_pid": runtime.init_pid,
-            "pidfd": runtime.pidfd,
+            "pidfd": pidfd,
             "root_fd": root,
             "argv": list(spec.argv),
             "env": [f"{k}={v}" for k, v in spec.env.items()],
@@ -544,17 +732,20 @@ class ContainerSubstrate(Substrate):
             ref = self._roots.get(sid)
             if ref is not None:
                 ref.users += 1
+                self._roots.move_to_end(sid)
                 return ref
-        if runtime.pidfd < 0 or sid in self._closing:
+        if sid in self._closing or (runtime.pidfd < 0 and runtime.init_pid <= 0):
             raise SandboxNotRunning("the sandbox is not running")
         try:
             fd = _core.root_fd(runtime.init_pid)
         except OSError as e:
             raise SandboxNotRunning(f"the sandbox's root is gone: {e.strerror}") from e
-        # Same pid-reuse argument as in exec_in: the pidfd's process still runs after the open.
-        if _pidfd_exited(runtime.pidfd, 0):
+        # Same pid-reuse argument as in exec_in: the init still runs after the open, so the
+        # pid was its pid then (an unreaped child's pid is never reused: see keep_pidfds).
+        if not self.is_alive(runtime):
             os.close(fd)
             raise SandboxNotRunning("the sandbox's init is gone")
+        evict: list[int] = []
         with self._lock:
             if sid in self._closing:
                 os.close(fd)
@@ -564,8 +755,23 @@ class ContainerSubstrate(Substrate):
                 os.close(fd)
             else:
                 ref = self._roots[sid] = _RootRef(fd)
+                if len(self._roots) > ROOT_CACHE:
+                    evict = self._evict_roots()
             ref.users += 1
-            return ref
+        for old in evict:
+            os.close(old)
+        return ref
+
+    def _evict_roots(self) -> list[int]:
+        """Drop the least recently used root fds beyond ROOT_CACHE (under _lock); fds in use
+        close when their last user is done. Returns the fds to close now."""
+        out = []
+        for sid in list(self._roots)[:len(self._roots) - ROOT_CACHE]:
+            ref = self._roots.pop(sid)
+            ref.closing = True
+            if ref.users == 0:
+                out.append(ref.fd)
+        return out
 
     def _close_root(self, sandbox_id: str) -> None:
         with self._lock:
