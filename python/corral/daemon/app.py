@@ -96,7 +96,10 @@ def validation_message(e: ValidationError) -> tuple[str, list[dict[str, Any]]]:
 
 
 async def _body(request: web.Request, model: type[BaseModel]) -> Any:
-    raw = await request.read()
+    return _parse(await request.read(), model)
+
+
+def _parse(raw: bytes, model: type[BaseModel]) -> Any:
     try:
         return model.model_validate_json(raw or b"{}")
     except ValidationError as e:
@@ -207,8 +210,19 @@ async def status(request: web.Request) -> web.Response:
     return _json(_engine(request).status())
 
 
+# Parsed specs by request body: a trainer sends the same spec again and again, and the
+# sandboxes share one (immutable by convention) SandboxSpec instead of ~1 KiB each.
+_SPECS: dict[bytes, SandboxSpec] = {}
+
+
 async def create_sandbox(request: web.Request) -> web.Response:
-    spec = await _body(request, SandboxSpec)
+    raw = await request.read()
+    spec = _SPECS.get(raw)
+    if spec is None:
+        spec = _parse(raw, SandboxSpec)
+        if len(_SPECS) >= 256:
+            _SPECS.clear()
+        _SPECS[raw] = spec
     engine = _engine(request)
 
     async def make() -> dict[str, Any]:

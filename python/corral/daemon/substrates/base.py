@@ -16,7 +16,7 @@ from typing import Any
 from corral.models import FileEntry, SandboxSpec
 
 
-@dataclass
+@dataclass(slots=True)  # tens of thousands live at once
 class SandboxRuntime:
     """What a substrate needs to find one live sandbox again; persisted as JSON by the engine.
 
