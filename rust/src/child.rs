@@ -272,25 +272,31 @@ pub const MAX_LENT: usize = 12;
 /// Low fd numbers reserved once, early, each holding /dev/null until a clone lends it a fd the
 /// child needs.
 ///
-/// Without this a child inherits a *copy* of the daemon's fd table (two fds per live sandbox:
-/// pidfd + root) — the clone copies every entry and the execve (or close_range) closes them
-/// all again, so creating a sandbox and exec'ing in one got slower with every sandbox alive
-/// (~1 ms each at 2,000). Instead the child is cloned with CLONE_FILES (nothing copied) and
-/// its first syscall is `close_range(hole, ~0, CLOSE_RANGE_UNSHARE)`: the kernel gives it a
+/// Without this a child inherits a *copy* of the daemon's fd table (in the worst case an fd or
+/// two per live sandbox) — the clone copies every entry and the execve (or close_range) closes
+/// them all again, so creating a sandbox and exec'ing in one got slower with every sandbox
+/// alive (~1 ms each at 2,000). Instead the child is cloned with CLONE_FILES (nothing copied)
+/// and its first syscall is `close_range(hole, ~0, CLOSE_RANGE_UNSHARE)`: the kernel gives it a
 /// private table holding only fds `0..hole` (the daemon's first few: stdio, epoll, the slots),
 /// whatever the daemon holds above. The fds the child needs are dup3'ed onto the slots first,
 /// and the slots are reset to /dev/null once the clone returns (the child has exec'd or
 /// exited: CLONE_VFORK), so no pipe end stays open in the daemon.
 ///
-/// The slots are process-wide; one mutex serializes lending (clones are ~1 ms and the daemon
-/// makes them from one thread anyway).
+/// There are `SETS` independent sets of slots, each behind its own mutex, so clones from
+/// different threads (a warm-pool refill, creates in worker threads) run in parallel.
 pub struct Slots {
-    slots: [RawFd; MAX_LENT],
+    sets: Vec<SlotSet>,
     null: RawFd,
     /// First fd number the child's private table leaves out.
     pub hole: RawFd,
+}
+
+struct SlotSet {
+    slots: [RawFd; MAX_LENT],
     lock: std::sync::Mutex<()>,
 }
+
+const SETS: usize = 4;
 
 use std::os::fd::RawFd;
 
@@ -317,37 +323,43 @@ impl Slots {
             if null < 0 {
                 return None;
             }
-            let mut slots = [-1; MAX_LENT];
-            for s in slots.iter_mut() {
-                *s = libc::fcntl(null, libc::F_DUPFD_CLOEXEC, 3);
-                if *s < 0 {
-                    for &t in slots.iter().filter(|&&t| t >= 0) {
-                        libc::close(t);
+            let mut sets = Vec::with_capacity(SETS);
+            let mut hole = null + 1;
+            for _ in 0..SETS {
+                let mut slots = [-1; MAX_LENT];
+                for s in slots.iter_mut() {
+                    *s = libc::fcntl(null, libc::F_DUPFD_CLOEXEC, 3);
+                    if *s < 0 {
+                        let all = sets.iter().flat_map(|x: &SlotSet| x.slots.iter());
+                        for &t in all.chain(slots.iter()).filter(|&&t| t >= 0) {
+                            libc::close(t);
+                        }
+                        libc::close(null);
+                        return None;
                     }
-                    libc::close(null);
-                    return None;
+                    hole = hole.max(*s + 1);
                 }
+                sets.push(SlotSet {
+                    slots,
+                    lock: std::sync::Mutex::new(()),
+                });
             }
-            let hole = slots.iter().copied().max().unwrap_or(null).max(null) + 1;
-            Some(Slots {
-                slots,
-                null,
-                hole,
-                lock: std::sync::Mutex::new(()),
-            })
+            Some(Slots { sets, null, hole })
         }
     }
 
     /// Lend `fds` to the next child: each one (>= 0) is dup'ed onto a slot and replaced by the
     /// slot's number, in place. Negative entries stay as they are. The returned guard holds
-    /// the lock and resets the slots when dropped (after the clone returned).
+    /// one set's lock and resets its slots when dropped (after the clone returned).
     pub fn lend(&'static self, fds: &mut [&mut RawFd]) -> std::io::Result<Lent> {
         if fds.len() > MAX_LENT {
             return Err(std::io::Error::from_raw_os_error(libc::EMFILE));
         }
-        let guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let (set, guard) = self.acquire();
         let mut lent = Lent {
-            slots: self,
+            null: self.null,
+            hole: self.hole,
+            slots: &set.slots,
             used: 0,
             _guard: guard,
         };
@@ -355,9 +367,9 @@ impl Slots {
             if **fd < 0 {
                 continue;
             }
-            let slot = self.slots[lent.used];
-            // SAFETY: dup3 onto a slot we own (our lock is held); both fds are valid or the
-            // call fails with EBADF, which is returned.
+            let slot = set.slots[lent.used];
+            // SAFETY: dup3 onto a slot we own (its set's lock is held); both fds are valid or
+            // the call fails with EBADF, which is returned.
             if unsafe { libc::dup3(**fd, slot, libc::O_CLOEXEC) } < 0 {
                 return Err(std::io::Error::last_os_error());
             }
@@ -366,11 +378,26 @@ impl Slots {
         }
         Ok(lent)
     }
+
+    /// A free set if there is one, else wait for this thread's.
+    fn acquire(&'static self) -> (&'static SlotSet, std::sync::MutexGuard<'static, ()>) {
+        for set in &self.sets {
+            if let Ok(g) = set.lock.try_lock() {
+                return (set, g);
+            }
+        }
+        // SAFETY: gettid has no arguments and cannot fail.
+        let tid = unsafe { libc::gettid() } as usize;
+        let set = &self.sets[tid % self.sets.len()];
+        (set, set.lock.lock().unwrap_or_else(|p| p.into_inner()))
+    }
 }
 
 /// Slots lent to one child; reset to /dev/null on drop.
 pub struct Lent {
-    slots: &'static Slots,
+    null: RawFd,
+    hole: RawFd,
+    slots: &'static [RawFd; MAX_LENT],
     used: usize,
     _guard: std::sync::MutexGuard<'static, ()>,
 }
@@ -378,15 +405,15 @@ pub struct Lent {
 impl Lent {
     /// The `close_range` start for the child's CLOSE_RANGE_UNSHARE.
     pub fn hole(&self) -> RawFd {
-        self.slots.hole
+        self.hole
     }
 }
 
 impl Drop for Lent {
     fn drop(&mut self) {
-        for &slot in &self.slots.slots[..self.used] {
+        for &slot in &self.slots[..self.used] {
             // SAFETY: dup3 of our /dev/null fd onto our own slot.
-            unsafe { libc::dup3(self.slots.null, slot, libc::O_CLOEXEC) };
+            unsafe { libc::dup3(self.null, slot, libc::O_CLOEXEC) };
         }
     }
 }

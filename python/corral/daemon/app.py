@@ -226,7 +226,7 @@ async def create_sandbox(request: web.Request) -> web.Response:
     engine = _engine(request)
 
     async def make() -> dict[str, Any]:
-        return engine.create(spec).info()
+        return (await engine.create(spec)).info()
 
     info = await engine.trajlog.run("", "create", spec.model_dump(mode="json"), _key(request),
                                     make)

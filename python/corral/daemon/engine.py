@@ -144,6 +144,23 @@ class Sandbox:
         }
 
 
+CREATE_WORKERS = max(2, min(8, 2 * (os.cpu_count() or 2)))
+
+
+async def _settle(fut: asyncio.Future[Any]) -> bool:
+    """Wait until ``fut`` is done even if this task is cancelled meanwhile (what it makes must
+    be undone, not leaked); True if a cancel came in while waiting."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            cancelled = True
+        except BaseException:  # noqa: BLE001 - the caller reads fut.result()
+            break
+    return cancelled
+
+
 def new_id() -> str:
     return "sb-" + os.urandom(8).hex()
 
@@ -386,8 +403,8 @@ class Engine:
                 f"{n} requested", details={"in_use": len(self.sandboxes), "capacity": cap})
 
     # ---- create --------------------------------------------------------------------------
-    def _create_one(self, substrate: Substrate, spec: SandboxSpec, image: Any,
-                    demand: int = 1) -> Sandbox:
+    async def _create_one(self, substrate: Substrate, spec: SandboxSpec, image: Any,
+                          demand: int = 1) -> Sandbox:
         # A warm one if a pool has it (corral.daemon.pools): its id was drawn when it was made.
         pooled = self.pools.take(spec, demand) if self.pools is not None else None
         sid = pooled.sandbox_id if pooled is not None else new_id()
@@ -401,7 +418,23 @@ class Engine:
             os.mkdir(sdir, 0o700)
         self.sandboxes[sid] = sb  # counts against capacity while being made
         try:
-            sb.runtime = pooled or substrate.create(sid, spec, image)
+            if pooled is not None:
+                sb.runtime = pooled
+            else:
+                # In a worker thread (the Rust core releases the GIL): creates of concurrent
+                # clients, and of a batch, use every core; the loop stays free meanwhile.
+                sb.threads += 1  # a stop meanwhile (shutdown) waits for the runtime, then kills it
+                try:
+                    fut = asyncio.ensure_future(asyncio.to_thread(substrate.create, sid, spec,
+                                                                  image))
+                    cancelled = await _settle(fut)
+                    sb.runtime = fut.result()
+                finally:
+                    sb.threads -= 1
+                if cancelled:
+                    raise asyncio.CancelledError
+                if sb.stopping is not None:  # the daemon is stopping: it destroys this one
+                    raise self._gone(sid, sb)
             layers = self._image_layers(image)
             if layers:
                 sb.runtime.extra["layers"] = layers
@@ -411,6 +444,8 @@ class Engine:
             persist.write_json_atomic(meta_path, sb.meta())
         except BaseException as e:
             self.counters["create_failed"] += 1
+            if sb.stopping is not None:
+                raise  # being destroyed by the stop that caught it half-made
             del self.sandboxes[sid]
             if sb.state == "running" and sb.layers and self.snaps is not None:
                 self.snaps.release(sb.layers)
@@ -435,11 +470,11 @@ class Engine:
         self._schedule(sb, now)
         return sb
 
-    def create(self, spec: SandboxSpec) -> Sandbox:
+    async def create(self, spec: SandboxSpec) -> Sandbox:
         substrate = self._substrate(spec.substrate)
         self._admit(1)
         spec, image = self._resolve(spec)
-        return self._create_one(substrate, spec, image)
+        return await self._create_one(substrate, spec, image)
 
     def _resolve(self, spec: SandboxSpec) -> tuple[SandboxSpec, Any]:
         """The image to mount: the spec's, or a snapshot's image with its layers on top (the
@@ -481,19 +516,31 @@ class Engine:
 
     async def _create_many(self, substrate: Substrate, count: int, spec: SandboxSpec,
                            image: Any) -> list[Sandbox]:
-        made: list[Sandbox] = []
+        made: list[Sandbox | None] = [None] * count
+        gate = asyncio.Semaphore(CREATE_WORKERS)  # creates of one batch in flight at once
+        failed: list[BaseException] = []
+
+        async def one(i: int) -> None:
+            async with gate:
+                if failed:
+                    return
+                try:
+                    self._admit(1)
+                    # The batch counts as demand once, with its size.
+                    made[i] = await self._create_one(substrate, spec, image,
+                                                     count if i == 0 else 0)
+                except BaseException as e:
+                    failed.append(e)
+
         try:
-            for i in range(count):
-                self._admit(1)
-                # The batch counts as demand once, with its size.
-                made.append(self._create_one(substrate, spec, image, count if i == 0 else 0))
-                if i % 16 == 15:
-                    await asyncio.sleep(0)  # let other clients in during a big batch
-        except BaseException:
-            await asyncio.gather(*(self._begin_stop(sb, "killed") for sb in made),
+            await asyncio.gather(*(one(i) for i in range(count)))
+        except BaseException as e:  # cancelled: the tasks finish their creates, then undo
+            failed.append(e)
+        if failed:
+            await asyncio.gather(*(self._begin_stop(sb, "killed") for sb in made if sb),
                                  return_exceptions=True)
-            raise
-        return made
+            raise failed[0]
+        return [sb for sb in made if sb is not None]
 
     # ---- liveness, reaper, destroy --------------------------------------------------------
     def _watch(self, sb: Sandbox) -> None:
