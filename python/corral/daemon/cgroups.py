@@ -158,14 +158,28 @@ class CgroupManager:
         check_id(sandbox_id)
         return [os.path.join(b, sandbox_id) for b in self._bases]
 
-    def create(self, sandbox_id: str, cpu: float, memory_mb: int, pids: int) -> list[str]:
-        """Make the sandbox's cgroup dirs with limits written; all or nothing."""
+    @property
+    def lazy_memory_ok(self) -> bool:
+        """v1 keeps memory in its own hierarchy, so its cgroup can come later (memory_later)."""
+        return self.version == 1
+
+    def memory_path(self, sandbox_id: str) -> str | None:
+        return os.path.join(self._mem, sandbox_id) if self.version == 1 else None
+
+    def create(self, sandbox_id: str, cpu: float, memory_mb: int, pids: int,
+               memory_later: bool = False) -> list[str]:
+        """Make the sandbox's cgroup dirs with limits written; all or nothing. All its paths
+        are returned; with ``memory_later`` (v1 only) the memory cgroup is not made now but by
+        ``ensure_memory`` (see ContainerSubstrate.lazy_memcg)."""
         paths = self.paths_for(sandbox_id)
         made: list[str] = []
         mem = int(memory_mb) * 1024 * 1024
         quota = max(1000, int(round(cpu * CFS_PERIOD_US)))
+        skip = self.memory_path(sandbox_id) if memory_later and self.version == 1 else None
         try:
             for p in paths:
+                if p == skip:
+                    continue
                 os.mkdir(p, 0o755)
                 made.append(p)
             if self.version == 2:
@@ -178,10 +192,8 @@ class CgroupManager:
                 _write(p + "/pids.max", str(int(pids)))
                 _write(p + "/cpu.max", f"{quota} {CFS_PERIOD_US}")
             else:
-                m = os.path.join(self._mem, sandbox_id)
-                _write(m + "/memory.limit_in_bytes", str(mem))
-                if self._memsw:  # memsw must be >= limit, so it comes second
-                    _write(m + "/memory.memsw.limit_in_bytes", str(mem))
+                if skip is None:
+                    self._memory_limits(os.path.join(self._mem, sandbox_id), mem)
                 _write(os.path.join(self._pids, sandbox_id) + "/pids.max", str(int(pids)))
                 c = os.path.join(self._cpu, sandbox_id)
                 _write(c + "/cpu.cfs_period_us", str(CFS_PERIOD_US))
@@ -194,6 +206,34 @@ class CgroupManager:
                     pass
             raise
         return paths
+
+    def _memory_limits(self, m: str, mem: int) -> None:
+        _write(m + "/memory.limit_in_bytes", str(mem))
+        if self._memsw:  # memsw must be >= limit, so it comes second
+            _write(m + "/memory.memsw.limit_in_bytes", str(mem))
+
+    def ensure_memory(self, sandbox_id: str, memory_mb: int, pids: list[int]) -> bool:
+        """Make the v1 memory cgroup of a sandbox created with ``memory_later`` (limits first,
+        then ``pids`` moved in); a no-op if it exists. True if this call made it."""
+        m = os.path.join(self._mem, check_id(sandbox_id))
+        try:
+            os.mkdir(m, 0o755)
+        except FileExistsError:
+            return False
+        try:
+            self._memory_limits(m, int(memory_mb) * 1024 * 1024)
+            for pid in pids:
+                try:
+                    _write(m + "/cgroup.procs", str(pid))
+                except ProcessLookupError:
+                    pass
+        except BaseException:
+            try:
+                os.rmdir(m)
+            except OSError:
+                pass
+            raise
+        return True
 
     def procs_files(self, paths: list[str]) -> list[str]:
         return [os.path.join(p, "cgroup.procs") for p in paths]

@@ -112,82 +112,6 @@ def proc_alive(pid: int, starttime: int) -> bool:
 ROOT_CACHE = int(os.environ.get("CORRAL_ROOT_FD_CACHE", "1024"))
 
 
-class ExitWatch:
-    """Process exits from the kernel's proc connector (netlink, PROC_EVENT_EXIT), so the
-    daemon learns that an init died without holding a pidfd per sandbox. Needs CAP_NET_ADMIN
-    in the host's network namespace; ``open`` returns None where that is not available, and
-    the substrate keeps a pidfd per sandbox instead. Events can be dropped when the socket
-    overflows (ENOBUFS): ``read`` then reports ``overflow`` and the caller rescans."""
-
-    NETLINK_CONNECTOR = 11
-    CN_IDX_PROC = 1
-    CN_VAL_PROC = 1
-    PROC_CN_MCAST_LISTEN = 1
-    PROC_EVENT_EXIT = 0x80000000
-    _HDR = 16 + 20  # nlmsghdr + cn_msg
-
-    def __init__(self, sock: Any) -> None:
-        self.sock = sock
-
-    @classmethod
-    def open(cls) -> ExitWatch | None:
-        import socket
-        import struct
-
-        try:
-            s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC,
-                              cls.NETLINK_CONNECTOR)
-        except OSError:
-            return None
-        try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-            s.bind((0, cls.CN_IDX_PROC))
-            # struct proc_input {mcast_op, event_type}: kernels >= 6.6 send only exits.
-            op = struct.pack("=II", cls.PROC_CN_MCAST_LISTEN, cls.PROC_EVENT_EXIT)
-            cn = struct.pack("=IIIIHH", cls.CN_IDX_PROC, cls.CN_VAL_PROC, 0, 0, len(op), 0) + op
-            s.send(struct.pack("=IHHII", 16 + len(cn), 3, 0, 0, 0) + cn)  # NLMSG_DONE
-            s.setblocking(False)
-        except OSError:
-            s.close()
-            return None
-        return cls(s)
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def read(self) -> tuple[list[int], bool]:
-        """(pids of processes that exited, overflow) from everything queued now."""
-        import struct
-
-        pids: list[int] = []
-        overflow = False
-        for _ in range(4096):
-            try:
-                data = self.sock.recv(65536)
-            except BlockingIOError:
-                break
-            except OSError as e:
-                if e.errno == errno.ENOBUFS:
-                    overflow = True
-                    continue
-                raise
-            off = 0
-            while off + self._HDR + 16 <= len(data):
-                (length,) = struct.unpack_from("=I", data, off)
-                what = struct.unpack_from("=I", data, off + self._HDR)[0]
-                if what == self.PROC_EVENT_EXIT and off + self._HDR + 24 <= len(data):
-                    pid, tgid = struct.unpack_from("=ii", data, off + self._HDR + 16)
-                    if pid == tgid:  # the process, not one of its threads
-                        pids.append(pid)
-                if length < 16:
-                    break
-                off += (length + 3) & ~3
-        return pids, overflow
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def _pidfd_exited(pidfd: int, timeout_s: float) -> bool:
     """Wait up to ``timeout_s`` for a pidfd to become readable (its process has exited)."""
     p = select.poll()
@@ -320,63 +244,51 @@ class ContainerSubstrate(Substrate):
         if netns_pool is None:
             netns_pool = int(os.environ.get("CORRAL_NETNS_POOL", "32"))
         self.netns = NetnsPool(netns_pool)
-        # A pidfd per sandbox (runtime.pidfd) unless watch_exits() found the proc connector:
-        # then the daemon keeps no fd per sandbox. An init is our child and nobody but destroy
-        # reaps it, so until then its pid cannot be reused: a pidfd opened from the pid on
-        # demand (_open_pidfd) is always the right process.
+        # A pidfd per sandbox (runtime.pidfd) unless watch_exits() was called: then the
+        # daemon's own fd table holds none (corral.daemon.initwatch keeps them elsewhere). An
+        # init is our child and nobody but destroy reaps it, so until then its pid cannot be
+        # reused: a pidfd opened from the pid on demand (_open_pidfd) is the right process.
         self.keep_pidfds = True
+        # cgroup v1: a sandbox's memory cgroup is made at its first exec, not at create. Each
+        # memory cgroup carries kernel bookkeeping that grows with the number of superblocks
+        # on the host (shrinker_info: ~1 KiB per 64 mounted filesystems, and each sandbox
+        # mounts ~10), so a memcg per idle sandbox made memory quadratic in the sandbox count
+        # (~0.8 MiB each at 5,000, ~8 MiB at 50,000). Nothing runs in an idle sandbox but its
+        # init (which never allocates), so no limit is lost: every process enters through
+        # exec, which makes the cgroup (limits first) and moves the init in before it starts.
+        self.lazy_memcg = (getattr(cgroups, "lazy_memory_ok", False)
+                           and os.environ.get("CORRAL_LAZY_MEMCG", "1") != "0")
         self._kids: dict[int, str] = {}       # init pid -> sandbox id, until destroy reaps it
         self._kid_lock = threading.Lock()
-        self._exits: ExitWatch | None = None
-        self._exit_loop: Any = None
+        self._watcher: Any = None             # corral.daemon.initwatch.InitWatcher
         self._on_lost: Any = None
 
     def watch_exits(self, loop: Any, on_lost: Any) -> bool:
-        """Learn about dead inits from the proc connector instead of a pidfd each: ``on_lost``
-        gets the ids of sandboxes whose init died. False (pidfds stay) where unavailable."""
-        watch = ExitWatch.open()
-        if watch is None:
+        """Watch inits without an fd per sandbox in this process's fd table (see
+        corral.daemon.initwatch); ``on_lost`` gets the ids of sandboxes whose init died."""
+        from corral.daemon.initwatch import InitWatcher
+
+        try:
+            self._watcher = InitWatcher(loop, self._inits_dead)
+        except OSError:
             return False
-        self._exits = watch
-        self._exit_loop = loop
         self._on_lost = on_lost
         self.keep_pidfds = False
-        loop.add_reader(watch.fileno(), self._exit_events, loop)
         return True
 
-    def _exit_events(self, loop: Any) -> None:
-        assert self._exits is not None
-        pids, overflow = self._exits.read()
+    def _inits_dead(self, pids: list[int]) -> None:
         with self._kid_lock:
-            if overflow:  # events were dropped: look at every init
-                pids = list(self._kids)
-            maybe = [(pid, self._kids[pid]) for pid in pids if pid in self._kids]
-        lost = []
-        for pid, sid in maybe:
-            # The pid is pinned while it is in _kids (our unreaped child), so this is the init
-            # (an event of an earlier process with the same pid can come late: check it).
-            try:
-                with open(f"/proc/{pid}/stat", "rb") as f:
-                    data = f.read()
-                state = data[data.rindex(b")") + 2:data.rindex(b")") + 3]
-            except OSError:
-                state = b"X"
-            if state in (b"Z", b"X"):
-                lost.append(sid)
-        if lost and self._on_lost is not None:
-            self._on_lost(lost)
+            ids = [self._kids[p] for p in pids if p in self._kids]
+        if ids and self._on_lost is not None:
+            self._on_lost(ids)
 
     def close(self, *, retire: bool = False) -> None:
         """Release what the substrate holds (not the sandboxes): pooled netns, root fds, the
         init memfd. ``retire`` (a graceful stop, every sandbox destroyed) also removes the
         parent cgroups, so a stopped corral leaves nothing in the host's cgroup tree."""
-        if self._exits is not None:
-            try:
-                self._exit_loop.remove_reader(self._exits.fileno())
-            except Exception:  # noqa: BLE001 - the loop may be closed already
-                pass
-            self._exits.close()
-            self._exits = None
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
         self.netns.close()
         if retire:
             self.cgroups.remove_parents()
@@ -417,14 +329,20 @@ class ContainerSubstrate(Substrate):
                 os.mkdir(work, 0o700)
                 overlays.append({"target": target, "lower": list(lowers), "upper": upper,
                                  "work": work, "options": self.overlay_options})
+            lazy = self.lazy_memcg
+            later = {"memory_later": True} if lazy else {}
             paths = cgroup_paths or self.cgroups.create(sandbox_id, spec.cpu, spec.memory_mb,
-                                                        spec.pids)
+                                                        spec.pids, **later)
+            join = paths
+            if lazy:
+                mem = self.cgroups.memory_path(sandbox_id)
+                join = [p for p in paths if p != mem or os.path.isdir(p)]
             cfg = {
                 "init_fd": self.init_fd,
                 "root": root,
                 "overlays": overlays,
                 "hostname": spec.hostname or sandbox_id[:63],
-                "cgroup_procs": self.cgroups.procs_files(paths),
+                "cgroup_procs": self.cgroups.procs_files(join),
                 "rlimits": self.rlimits,
                 "netns_fd": net_fd,
             }
@@ -432,6 +350,7 @@ class ContainerSubstrate(Substrate):
             if not self.keep_pidfds:
                 with self._kid_lock:
                     self._kids[pid] = sandbox_id
+                self._watcher.add(pid)
             if net_fd is not None:
                 os.close(net_fd)  # the sandbox holds it now
                 net_fd = None
@@ -442,9 +361,12 @@ class ContainerSubstrate(Substrate):
             if not self.keep_pidfds:
                 os.close(pidfd)  # opened again when needed (see keep_pidfds)
                 pidfd = -1
+            extra: dict[str, Any] = {"image": img.name}
+            if lazy:
+                extra["memory_mb"] = spec.memory_mb
             return SandboxRuntime(sandbox_id=sandbox_id, init_pid=pid, init_starttime=starttime,
                                   sandbox_dir=sdir, cgroup_paths=paths, pidfd=pidfd,
-                                  extra={"image": img.name})
+                                  extra=extra)
         except BaseException as e:
             if net_fd is not None:
                 self.netns.give(net_fd)
@@ -578,9 +500,13 @@ class ContainerSubstrate(Substrate):
         return fd
 
     def _forget(self, pid: int, sandbox_id: str) -> None:
+        """Before the init is reaped (which frees its pid): no more pidfds from its pid."""
         with self._kid_lock:
-            if self._kids.get(pid) == sandbox_id:
+            mine = self._kids.get(pid) == sandbox_id
+            if mine:
                 del self._kids[pid]
+        if mine and self._watcher is not None:
+            self._watcher.remove(pid)
 
     def reset(self, runtime: SandboxRuntime, spec: SandboxSpec, image: Any) -> SandboxRuntime:
         """Restart a sandbox in place (restore to a snapshot): kill every process, set the old
@@ -682,7 +608,18 @@ class ContainerSubstrate(Substrate):
             finally:
                 os.close(pidfd)
 
+    def _ensure_memcg(self, runtime: SandboxRuntime) -> None:
+        """The sandbox's memory cgroup, made at its first exec (see lazy_memcg)."""
+        mb = runtime.extra.get("memory_mb")
+        if mb is None:
+            return
+        mem = self.cgroups.memory_path(runtime.sandbox_id)
+        if mem is None or os.path.isdir(mem):
+            return
+        self.cgroups.ensure_memory(runtime.sandbox_id, int(mb), [runtime.init_pid])
+
     def _spawn(self, runtime: SandboxRuntime, spec: ExecSpec, root: int, pidfd: int) -> int:
+        self._ensure_memcg(runtime)
         cfg = {
             "init_pid": runtime.init_pid,
             "pidfd": pidfd,

@@ -1,0 +1,222 @@
+"""Watch many sandbox inits for their death without an fd per sandbox in the daemon's fd table.
+
+A pidfd turns readable when its process exits: the exact, race-free way to learn that an init
+died. But one pidfd per sandbox makes the daemon's fd table as big as its sandbox count, and
+RLIMIT_NOFILE caps it (at 20,000 on hosts where the daemon may not raise its hard limit), and
+every fd in that table was copied and closed by each fork (see rust/src/child.rs).
+
+So the pidfds live elsewhere: in *shard threads*, each with a private fd table
+(``unshare(CLONE_FILES)`` affects only the calling thread) holding up to ``PER_SHARD`` pidfds
+in its own epoll set. RLIMIT_NOFILE bounds each table, not their sum. A shard opens the pidfd
+itself from the pid: safe because an init is the daemon's child and nobody reaps it before its
+sandbox is destroyed, so its pid cannot be reused meanwhile (``remove`` is synchronous and
+comes before any reap). Deaths come back to the event loop through one eventfd.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import select
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("corral.initwatch")
+
+CLONE_FILES = 0x400
+PER_SHARD = int(os.environ.get("CORRAL_INITWATCH_PER_SHARD", "15000"))
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Shard:
+    def __init__(self, watcher: InitWatcher, index: int) -> None:
+        self.watcher = watcher
+        self.index = index
+        self.lock = threading.Lock()
+        self.cmds: list[tuple[str, int, Any]] = []  # (op, pid, token or Event)
+        self.count = 0                   # pids registered (or queued)
+        self.wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)  # in both tables
+        self.ready = threading.Event()
+        self.failed: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"corral-initwatch-{index}",
+                                       daemon=True)
+        self.thread.start()
+        self.ready.wait()
+        if self.failed is not None:
+            os.close(self.wake)
+            raise self.failed
+
+    def send(self, op: str, pid: int, arg: Any = None) -> None:
+        with self.lock:
+            self.cmds.append((op, pid, arg))
+        os.eventfd_write(self.wake, 1)
+
+    # ---- the shard thread (its own fd table) -------------------------------------------------
+    def _run(self) -> None:
+        try:
+            if _libc.unshare(CLONE_FILES) != 0:
+                raise OSError(ctypes.get_errno(), "unshare(CLONE_FILES)")
+            # Our copy of the daemon's table: keep only what this thread uses.
+            keep = {self.wake, self.watcher.notify}
+            for fd in _open_fds():
+                if fd > 2 and fd not in keep:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            ep = select.epoll()
+            ep.register(self.wake, select.EPOLLIN)
+        except BaseException as e:  # noqa: BLE001 - reported to the creator
+            self.failed = e
+            self.ready.set()
+            return
+        self.ready.set()
+        fds: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, token)
+        by_pid: dict[int, int] = {}      # pid -> pidfd
+        while True:
+            try:
+                events = ep.poll()
+            except InterruptedError:
+                continue
+            for fd, _ in events:
+                if fd == self.wake:
+                    try:
+                        os.eventfd_read(self.wake)
+                    except BlockingIOError:
+                        pass
+                    with self.lock:
+                        cmds, self.cmds = self.cmds, []
+                    for op, pid, arg in cmds:
+                        if op == "add":
+                            try:
+                                pfd = os.pidfd_open(pid)
+                            except OSError:
+                                self.watcher._died(pid, arg)  # already gone
+                                continue
+                            fds[pfd] = (pid, arg)
+                            by_pid[pid] = pfd
+                            ep.register(pfd, select.EPOLLIN)
+                        elif op == "remove":
+                            pfd = by_pid.pop(pid, -1)
+                            if pfd >= 0:
+                                del fds[pfd]
+                                ep.unregister(pfd)
+                                os.close(pfd)
+                            arg.set()  # the caller may reap now
+                        elif op == "stop":
+                            for pfd in fds:
+                                os.close(pfd)
+                            ep.close()
+                            os.close(self.wake)
+                            arg.set()
+                            return
+                    continue
+                entry = fds.pop(fd, None)
+                if entry is None:
+                    continue
+                ep.unregister(fd)
+                os.close(fd)
+                by_pid.pop(entry[0], None)
+                self.watcher._died(*entry)
+
+
+def _open_fds() -> list[int]:
+    try:
+        return [int(x) for x in os.listdir("/proc/thread-self/fd")]
+    except OSError:
+        return []
+
+
+class InitWatcher:
+    """``add(pid)`` after a sandbox's init is made; ``remove(pid)`` (blocking, in a worker
+    thread) before destroy reaps it; ``on_dead(pids)`` runs on the event loop."""
+
+    def __init__(self, loop: Any, on_dead: Callable[[list[int]], None]) -> None:
+        self.loop = loop
+        self.on_dead = on_dead
+        self.notify = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._dead: list[tuple[int, int]] = []
+        self._dead_lock = threading.Lock()
+        self._shards: list[_Shard] = []
+        # pid -> (shard, token): a death report counts only with the token of the current
+        # registration (a late report about an earlier process with the same pid does not).
+        self._where: dict[int, tuple[_Shard, int]] = {}
+        self._token = 0
+        self._lock = threading.Lock()
+        loop.add_reader(self.notify, self._drain)
+
+    def add(self, pid: int) -> None:
+        with self._lock:
+            shard = next((s for s in self._shards if s.count < PER_SHARD), None)
+            if shard is None:
+                shard = _Shard(self, len(self._shards))
+                self._shards.append(shard)
+            shard.count += 1
+            self._token += 1
+            token = self._token
+            self._where[pid] = (shard, token)
+        shard.send("add", pid, token)
+
+    def remove(self, pid: int, timeout: float = 10.0) -> None:
+        """Stop watching ``pid``; returns once its shard has closed the pidfd."""
+        with self._lock:
+            entry = self._where.pop(pid, None)
+            if entry is None:
+                return
+            shard = entry[0]
+            shard.count -= 1
+        done = threading.Event()
+        shard.send("remove", pid, done)
+        if not done.wait(timeout):
+            log.warning("init watcher did not confirm a removal", extra={"pid": pid})
+
+    def watching(self, pid: int) -> bool:
+        return pid in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    # called from shard threads
+    def _died(self, pid: int, token: int) -> None:
+        with self._dead_lock:
+            self._dead.append((pid, token))
+        try:
+            os.eventfd_write(self.notify, 1)
+        except OSError as e:  # closed at shutdown
+            if e.errno != errno.EBADF:
+                raise
+
+    def _drain(self) -> None:
+        try:
+            os.eventfd_read(self.notify)
+        except BlockingIOError:
+            pass
+        with self._dead_lock:
+            dead, self._dead = self._dead, []
+        pids = []
+        with self._lock:
+            for pid, token in dead:
+                entry = self._where.get(pid)
+                if entry is not None and entry[1] == token:
+                    del self._where[pid]
+                    entry[0].count -= 1
+                    pids.append(pid)
+        if pids:
+            self.on_dead(pids)
+
+    def close(self) -> None:
+        try:
+            self.loop.remove_reader(self.notify)
+        except Exception:  # noqa: BLE001 - the loop may be closed
+            pass
+        for shard in self._shards:
+            done = threading.Event()
+            shard.send("stop", 0, done)
+            done.wait(5)
+            os.close(shard.wake)  # the daemon's copy
+        self._shards.clear()
+        self._where.clear()
+        os.close(self.notify)
