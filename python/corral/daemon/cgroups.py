@@ -160,25 +160,30 @@ class CgroupManager:
 
     @property
     def lazy_memory_ok(self) -> bool:
-        """v1 keeps memory in its own hierarchy, so its cgroup can come later (memory_later)."""
+        """v1 keeps memory and cpu in their own hierarchies, so their cgroups can come later
+        (``later``)."""
         return self.version == 1
 
-    def memory_path(self, sandbox_id: str) -> str | None:
-        return os.path.join(self._mem, sandbox_id) if self.version == 1 else None
+    def later_paths(self, sandbox_id: str) -> list[str]:
+        """The cgroups ``create(..., later=True)`` leaves for ``ensure_later`` (v1: memory,
+        cpu)."""
+        if self.version != 1:
+            return []
+        return [os.path.join(self._mem, sandbox_id), os.path.join(self._cpu, sandbox_id)]
 
     def create(self, sandbox_id: str, cpu: float, memory_mb: int, pids: int,
-               memory_later: bool = False) -> list[str]:
+               later: bool = False) -> list[str]:
         """Make the sandbox's cgroup dirs with limits written; all or nothing. All its paths
-        are returned; with ``memory_later`` (v1 only) the memory cgroup is not made now but by
-        ``ensure_memory`` (see ContainerSubstrate.lazy_memcg)."""
+        are returned; with ``later`` (v1 only) the memory and cpu cgroups are not made now but
+        by ``ensure_later`` (see ContainerSubstrate.lazy_memcg)."""
         paths = self.paths_for(sandbox_id)
         made: list[str] = []
         mem = int(memory_mb) * 1024 * 1024
         quota = max(1000, int(round(cpu * CFS_PERIOD_US)))
-        skip = self.memory_path(sandbox_id) if memory_later and self.version == 1 else None
+        skip = set(self.later_paths(sandbox_id)) if later else set()
         try:
             for p in paths:
-                if p == skip:
+                if p in skip:
                     continue
                 os.mkdir(p, 0o755)
                 made.append(p)
@@ -192,12 +197,10 @@ class CgroupManager:
                 _write(p + "/pids.max", str(int(pids)))
                 _write(p + "/cpu.max", f"{quota} {CFS_PERIOD_US}")
             else:
-                if skip is None:
-                    self._memory_limits(os.path.join(self._mem, sandbox_id), mem)
                 _write(os.path.join(self._pids, sandbox_id) + "/pids.max", str(int(pids)))
-                c = os.path.join(self._cpu, sandbox_id)
-                _write(c + "/cpu.cfs_period_us", str(CFS_PERIOD_US))
-                _write(c + "/cpu.cfs_quota_us", str(quota))
+                if not skip:
+                    self._memory_limits(os.path.join(self._mem, sandbox_id), mem)
+                    self._cpu_limits(os.path.join(self._cpu, sandbox_id), quota)
         except BaseException:
             for p in reversed(made):
                 try:
@@ -212,28 +215,39 @@ class CgroupManager:
         if self._memsw:  # memsw must be >= limit, so it comes second
             _write(m + "/memory.memsw.limit_in_bytes", str(mem))
 
-    def ensure_memory(self, sandbox_id: str, memory_mb: int, pids: list[int]) -> bool:
-        """Make the v1 memory cgroup of a sandbox created with ``memory_later`` (limits first,
-        then ``pids`` moved in); a no-op if it exists. True if this call made it."""
-        m = os.path.join(self._mem, check_id(sandbox_id))
-        try:
-            os.mkdir(m, 0o755)
-        except FileExistsError:
-            return False
-        try:
-            self._memory_limits(m, int(memory_mb) * 1024 * 1024)
-            for pid in pids:
-                try:
-                    _write(m + "/cgroup.procs", str(pid))
-                except ProcessLookupError:
-                    pass
-        except BaseException:
+    @staticmethod
+    def _cpu_limits(c: str, quota: int) -> None:
+        # Setting a CFS quota walks every cpu cgroup of the host (tg_set_cfs_bandwidth ->
+        # walk_tg_tree): O(number of sandboxes), one more reason to make it at first exec.
+        _write(c + "/cpu.cfs_period_us", str(CFS_PERIOD_US))
+        _write(c + "/cpu.cfs_quota_us", str(quota))
+
+    def ensure_later(self, sandbox_id: str, cpu: float, memory_mb: int,
+                     pids: list[int]) -> None:
+        """Make the v1 memory and cpu cgroups of a sandbox created with ``later`` (limits
+        first, then ``pids`` moved in). Each one that exists already is left as it is."""
+        check_id(sandbox_id)
+        mem, cpu_dir = self.later_paths(sandbox_id)
+        quota = max(1000, int(round(cpu * CFS_PERIOD_US)))
+        for path, limits in ((mem, lambda p: self._memory_limits(p, int(memory_mb) << 20)),
+                             (cpu_dir, lambda p: self._cpu_limits(p, quota))):
             try:
-                os.rmdir(m)
-            except OSError:
-                pass
-            raise
-        return True
+                os.mkdir(path, 0o755)
+            except FileExistsError:
+                continue
+            try:
+                limits(path)
+                for pid in pids:
+                    try:
+                        _write(path + "/cgroup.procs", str(pid))
+                    except ProcessLookupError:
+                        pass
+            except BaseException:
+                try:
+                    os.rmdir(path)
+                except OSError:
+                    pass
+                raise
 
     def procs_files(self, paths: list[str]) -> list[str]:
         return [os.path.join(p, "cgroup.procs") for p in paths]

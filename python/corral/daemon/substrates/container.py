@@ -249,13 +249,14 @@ class ContainerSubstrate(Substrate):
         # init is our child and nobody but destroy reaps it, so until then its pid cannot be
         # reused: a pidfd opened from the pid on demand (_open_pidfd) is the right process.
         self.keep_pidfds = True
-        # cgroup v1: a sandbox's memory cgroup is made at its first exec, not at create. Each
+        # cgroup v1: a sandbox's memory (and cpu) cgroup is made at its first exec. Each
         # memory cgroup carries kernel bookkeeping that grows with the number of superblocks
         # on the host (shrinker_info: ~1 KiB per 64 mounted filesystems, and each sandbox
         # mounts ~10), so a memcg per idle sandbox made memory quadratic in the sandbox count
         # (~0.8 MiB each at 5,000, ~8 MiB at 50,000). Nothing runs in an idle sandbox but its
         # init (which never allocates), so no limit is lost: every process enters through
         # exec, which makes the cgroup (limits first) and moves the init in before it starts.
+        # The cpu cgroup likewise: setting a CFS quota walks every cpu cgroup on the host.
         self.lazy_memcg = (getattr(cgroups, "lazy_memory_ok", False)
                            and os.environ.get("CORRAL_LAZY_MEMCG", "1") != "0")
         self._kids: dict[int, str] = {}       # init pid -> sandbox id, until destroy reaps it
@@ -330,13 +331,13 @@ class ContainerSubstrate(Substrate):
                 overlays.append({"target": target, "lower": list(lowers), "upper": upper,
                                  "work": work, "options": self.overlay_options})
             lazy = self.lazy_memcg
-            later = {"memory_later": True} if lazy else {}
+            later = {"later": True} if lazy else {}
             paths = cgroup_paths or self.cgroups.create(sandbox_id, spec.cpu, spec.memory_mb,
                                                         spec.pids, **later)
             join = paths
             if lazy:
-                mem = self.cgroups.memory_path(sandbox_id)
-                join = [p for p in paths if p != mem or os.path.isdir(p)]
+                skip = self.cgroups.later_paths(sandbox_id)
+                join = [p for p in paths if p not in skip or os.path.isdir(p)]
             cfg = {
                 "init_fd": self.init_fd,
                 "root": root,
@@ -364,6 +365,7 @@ class ContainerSubstrate(Substrate):
             extra: dict[str, Any] = {"image": img.name}
             if lazy:
                 extra["memory_mb"] = spec.memory_mb
+                extra["cpu"] = spec.cpu
             return SandboxRuntime(sandbox_id=sandbox_id, init_pid=pid, init_starttime=starttime,
                                   sandbox_dir=sdir, cgroup_paths=paths, pidfd=pidfd,
                                   extra=extra)
@@ -609,14 +611,15 @@ class ContainerSubstrate(Substrate):
                 os.close(pidfd)
 
     def _ensure_memcg(self, runtime: SandboxRuntime) -> None:
-        """The sandbox's memory cgroup, made at its first exec (see lazy_memcg)."""
+        """The sandbox's memory and cpu cgroups, made at its first exec (see lazy_memcg)."""
         mb = runtime.extra.get("memory_mb")
         if mb is None:
             return
-        mem = self.cgroups.memory_path(runtime.sandbox_id)
-        if mem is None or os.path.isdir(mem):
+        later = self.cgroups.later_paths(runtime.sandbox_id)
+        if all(os.path.isdir(p) for p in later):
             return
-        self.cgroups.ensure_memory(runtime.sandbox_id, int(mb), [runtime.init_pid])
+        self.cgroups.ensure_later(runtime.sandbox_id, float(runtime.extra.get("cpu", 1.0)),
+                                  int(mb), [runtime.init_pid])
 
     def _spawn(self, runtime: SandboxRuntime, spec: ExecSpec, root: int, pidfd: int) -> int:
         self._ensure_memcg(runtime)
