@@ -209,3 +209,15 @@ def test_pooled_sandboxes_never_leak_across_kill9():
         cg_ids = {Path(p).name for p in leaked_sandbox_cgroups(d.cgroup)}  # type: ignore[attr-defined]
         assert not (pooled & cg_ids)
         keep.kill()
+
+
+def test_pooled_sandboxes_have_what_a_first_exec_needs():
+    """Pooled sandboxes get the cgroups a cold one makes at its first exec (v1 memory, cpu),
+    so the first command in a warm sandbox does not pay for them."""
+    with pooled_daemon(CORRAL_POOL="static", CORRAL_POOL_SIZES="host:1") as d:
+        wait_ready(d, 1)
+        (pooled,) = sandbox_dirs(d)
+        tops = cgroup_dirs(d.cgroup)  # type: ignore[attr-defined]
+        assert tops and all((top / pooled).is_dir() for top in tops)
+        with Sandbox(endpoint=ep(d)) as sb:
+            assert sb.id == pooled and sb.exec("true").exit_code == 0

@@ -273,10 +273,19 @@ class WarmPools:
         def work() -> SandboxRuntime:
             os.mkdir(sdir, 0o700)
             try:
-                return substrate.create(sid, pool.spec, pool.image)
+                rt = substrate.create(sid, pool.spec, pool.image)
             except BaseException:
                 shutil.rmtree(sdir, ignore_errors=True)
                 raise
+            warm = getattr(substrate, "warm", None)
+            if warm is not None:
+                try:
+                    warm(rt)  # e.g. cgroups a cold sandbox makes at its first exec
+                except BaseException:
+                    substrate.destroy(rt)
+                    shutil.rmtree(sdir, ignore_errors=True)
+                    raise
+            return rt
 
         try:
             rt = await asyncio.to_thread(work)

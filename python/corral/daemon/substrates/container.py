@@ -610,6 +610,11 @@ class ContainerSubstrate(Substrate):
             finally:
                 os.close(pidfd)
 
+    def warm(self, runtime: SandboxRuntime) -> None:
+        """Make what a first exec would (a warm pool's sandboxes are few: their exec should
+        not pay for their cgroups)."""
+        self._ensure_memcg(runtime)
+
     def _ensure_memcg(self, runtime: SandboxRuntime) -> None:
         """The sandbox's memory and cpu cgroups, made at its first exec (see lazy_memcg)."""
         mb = runtime.extra.get("memory_mb")
