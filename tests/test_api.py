@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -625,6 +626,7 @@ def test_images(c):
         assert c.get(f(info["id"]), params={"path": "/etc/hello.txt"}).text == "from the image\n"
     finally:
         kill(c, info["id"])
+        shutil.rmtree(src, ignore_errors=True)  # the image holds its own copy
 
 
 # ---- a second daemon: capacity, TCP with a token -----------------------------------------
