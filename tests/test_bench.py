@@ -75,8 +75,11 @@ def test_churn_section(report):
 
 def test_latency_section(report):
     m = report["scenarios"]["latency"]["median"]
-    for phase in ("create", "first_exec", "ttfr", "destroy", "exec"):
+    for phase in ("create", "first_exec", "ttfr", "destroy"):
         assert m["corral"][f"{phase}_ms"]["n"] == N
+        assert m["corral-cold"][f"{phase}_ms"]["n"] == N
+    assert m["corral"]["exec_ms"]["n"] == N
+    assert m["corral-cold"]["pool_hit_ratio"] in (None, 0)  # cold means never from a pool
     for phase in ("create", "exec", "ttfr", "destroy"):
         assert m["raw-netns"][f"{phase}_ms"]["n"] == N
 

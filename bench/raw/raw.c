@@ -14,8 +14,10 @@
  *            setsid, stdout/stderr on pipes, hardening, execve `true` by PATH; wait; drain pipes.
  *   destroy: pidfd_send_signal(SIGKILL), waitid(P_PIDFD), rmdir the cgroups, rm -rf the dirs.
  *
- * Usage: raw MODE N [--conc C] [--netns] [--no-harden] --state DIR --cgroup NAME --init BIN
- *            --ov TARGET=LOWER[:LOWER...] ...
+ * Usage: raw MODE N [--conc C] [--netns] [--no-harden] [--cg memory,pids,cpu,freezer]
+ *            --state DIR --cgroup NAME --init BIN --ov TARGET=LOWER[:LOWER...] ...
+ *   --cg: the v1 controllers a sandbox gets (default all four; density passes the ones
+ *   corral's idle sandboxes actually have, e.g. no memory/cpu when corral makes those lazily)
  *   churn N : create -> exec true -> destroy, N times over C worker processes
  *   exec N  : one sandbox, N execs of `true` over C workers
  *   idle N  : create N and keep them; print a JSON line; destroy all when stdin closes
@@ -69,6 +71,7 @@ static struct {
     int netns, conc, harden;
     long n;
     const char *mode, *state, *cgname, *init_path;
+    const char *controllers; /* v1 controllers to use (comma list), default all four */
     int nov;
     const char *ov_target[MAX_OV], *ov_lower[MAX_OV];
     int init_fd, ncg, cap_last;
@@ -111,6 +114,14 @@ static void cg_add(const char *ctl_dir, int nlim, const char **files, const char
     }
 }
 
+static int want(const char *ctl) {
+    if (!G.controllers) return 1;
+    size_t n = strlen(ctl);
+    for (const char *p = G.controllers; (p = strstr(p, ctl)); p += n)
+        if ((p == G.controllers || p[-1] == ',') && (p[n] == ',' || p[n] == 0)) return 1;
+    return 0;
+}
+
 static void cg_setup(void) {
     if (access("/sys/fs/cgroup/memory/cgroup.procs", F_OK) == 0) {
         char p[300];
@@ -118,13 +129,13 @@ static void cg_setup(void) {
         const char *mf[2] = {"memory.limit_in_bytes", "memory.memsw.limit_in_bytes"};
         const char *mv[2] = {"536870912", "536870912"};
         int memsw = access("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes", F_OK) == 0;
-        cg_add("/sys/fs/cgroup/memory", memsw ? 2 : 1, mf, mv);
+        if (want("memory")) cg_add("/sys/fs/cgroup/memory", memsw ? 2 : 1, mf, mv);
         const char *pf[1] = {"pids.max"}, *pv[1] = {"512"};
-        cg_add("/sys/fs/cgroup/pids", 1, pf, pv);
+        if (want("pids")) cg_add("/sys/fs/cgroup/pids", 1, pf, pv);
         const char *cf[2] = {"cpu.cfs_period_us", "cpu.cfs_quota_us"};
         const char *cv[2] = {"100000", "100000"};
-        cg_add("/sys/fs/cgroup/cpu", 2, cf, cv);
-        if (access("/sys/fs/cgroup/freezer/cgroup.procs", F_OK) == 0)
+        if (want("cpu")) cg_add("/sys/fs/cgroup/cpu", 2, cf, cv);
+        if (want("freezer") && access("/sys/fs/cgroup/freezer/cgroup.procs", F_OK) == 0)
             cg_add("/sys/fs/cgroup/freezer", 0, NULL, NULL);
     } else {
         const char *f[4] = {"memory.max", "memory.swap.max", "pids.max", "cpu.max"};
@@ -719,7 +730,8 @@ static void mode_idle(void) {
 
 static void usage(void) {
     fprintf(stderr, "usage: raw churn|exec|idle N [--conc C] [--netns] [--no-harden] "
-                    "--state DIR --cgroup NAME --init BIN --ov TARGET=LOWER[:LOWER] ...\n");
+                    "[--cg CTL,CTL] --state DIR --cgroup NAME --init BIN "
+                    "--ov TARGET=LOWER[:LOWER] ...\n");
     exit(2);
 }
 
@@ -738,6 +750,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--state")) G.state = v, i++;
         else if (!strcmp(a, "--cgroup")) G.cgname = v, i++;
         else if (!strcmp(a, "--init")) G.init_path = v, i++;
+        else if (!strcmp(a, "--cg")) G.controllers = v, i++;
         else if (!strcmp(a, "--ov")) {
             char *eq = strchr(argv[i + 1], '=');
             if (!eq || G.nov == MAX_OV) usage();

@@ -73,6 +73,33 @@ class PrivateDaemon:
                 self.proc.wait()
         self.proc = None
 
+    def metrics(self) -> dict[str, float]:
+        """GET /metrics, Prometheus text -> {name: value} (labels summed)."""
+        import httpx
+
+        try:
+            with httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)),
+                              base_url="http://corral", timeout=10) as c:
+                text = c.get("/metrics").text
+        except httpx.HTTPError:
+            return {}
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name, _, value = line.rpartition(" ")
+            name = name.split("{", 1)[0]
+            try:
+                out[name] = out.get(name, 0.0) + float(value)
+            except ValueError:
+                continue
+        return out
+
+    def pool_counts(self) -> tuple[float, float]:
+        """(hits, misses) of the warm pools so far."""
+        m = self.metrics()
+        return m.get("corral_pool_hits_total", 0.0), m.get("corral_pool_misses_total", 0.0)
+
     def rss_kib(self) -> int | None:
         return host.rss_kib(self.pid) if self.pid else None
 

@@ -69,11 +69,14 @@ class RawBaseline:
         self.cgroup_name = cgroup_name
         self.overlays = overlays
 
-    def argv(self, mode: str, n: int, conc: int = 1, netns: bool = False) -> list[str]:
+    def argv(self, mode: str, n: int, conc: int = 1, netns: bool = False,
+             controllers: list[str] | None = None) -> list[str]:
         a = [str(self.bins.raw), mode, str(n), "--conc", str(conc), "--state",
              str(self.state_dir), "--cgroup", self.cgroup_name, "--init", str(self.bins.init)]
         if netns:
             a.append("--netns")
+        if controllers is not None:
+            a += ["--cg", ",".join(controllers) or "none"]
         for target, lowers in self.overlays:
             a += ["--ov", f"{target}={':'.join(lowers)}"]
         return a
@@ -98,14 +101,16 @@ class RawBaseline:
                         extra={"concurrency": conc})
 
     @contextmanager
-    def idle(self, n: int, netns: bool, own_memcg: str | None = None) -> Iterator[dict[str, Any]]:
+    def idle(self, n: int, netns: bool, own_memcg: str | None = None,
+             controllers: list[str] | None = None) -> Iterator[dict[str, Any]]:
         """Create ``n`` idle sandboxes and keep them while the body runs; they are destroyed
         on exit (stdin closed -> raw destroys all; killed if it does not). With ``own_memcg``
         raw runs in that memory cgroup (what it allocates at clone time is counted there),
-        and the sandboxes' parent cgroup is made first so it outlives raw for the reading."""
+        and the sandboxes' parent cgroup is made first so it outlives raw for the reading.
+        ``controllers``: the v1 cgroups each sandbox gets (None: all four)."""
         host.make_memcg(self.cgroup_name)
         procs = host.make_memcg(own_memcg) if own_memcg else None
-        p = subprocess.Popen(self.argv("idle", n, 1, netns), stdin=subprocess.PIPE,
+        p = subprocess.Popen(self.argv("idle", n, 1, netns, controllers), stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              preexec_fn=(lambda: host.join_cgroup(procs)) if procs else None)
         info: dict[str, Any] = {}

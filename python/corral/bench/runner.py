@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shlex
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,12 +21,12 @@ from corral.bench.session import Options, Session
 from corral.bench.ui import UI
 
 
-def run(opts: Options, json_out: bool = False, argv: list[str] | None = None) -> dict[str, Any]:
+def run(opts: Options, json_out: bool = False) -> dict[str, Any]:
     ui = UI(enabled=opts.progress)
     started = time.time()
     rep: dict[str, Any] = {
         "version": 1,
-        "command": "corral bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": _command(opts),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "git": host.git_rev(REPO),
         "host": {**host.host_info(), "workdir_fs": host.fs_type(opts.workdir)},
@@ -71,6 +70,24 @@ def run(opts: Options, json_out: bool = False, argv: list[str] | None = None) ->
             console = Console(width=160)
         report.print_report(rep, console)
     return rep
+
+
+def _command(opts: Options) -> str:
+    """The command line that reproduces this run (built from the options, so it is the same
+    whether the run came from `corral bench`, `python -m corral.bench` or a test)."""
+    d = Options()
+    a = [",".join(opts.scenarios) if opts.scenarios != d.scenarios else "all"]
+    a += ["--peers"] if opts.peers else []
+    a += ["--runs", str(opts.runs)]
+    for flag, v, default in (("--count", opts.count, d.count),
+                             ("--concurrency", opts.concurrency, d.concurrency),
+                             ("--peer-count", opts.peer_count, d.peer_count),
+                             ("--batch", opts.batch, d.batch),
+                             ("--workdir", opts.workdir, d.workdir)):
+        if v != default:
+            a += [flag, str(v)]
+    a += ["--profile"] if opts.profile else []
+    return "corral bench " + shlex.join(a)
 
 
 @contextmanager

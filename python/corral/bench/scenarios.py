@@ -4,6 +4,7 @@ report quotes the median over runs. Each returns (report section, samples for th
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,10 +49,12 @@ def churn(s: Session) -> tuple[Section, Samples]:
         with s.ui.task(f"{tag} raw +netns", None), host.CpuMeter(children=True) as cpu:
             res["raw-netns"] = s.raw.churn(n, conc, netns=True, system="raw-netns")
         res["raw-netns"].extra["cpu_ms_per_op"] = cpu.per_op_ms(n)
+        pool0 = s.daemon.pool_counts()
         with s.ui.task(f"{tag} corral", n) as adv, _profiled(s, r == 0, prof), \
                 host.CpuMeter(s.daemon.pid, client=True) as cpu:
             res["corral"] = sdk_runs.churn(ep, n, conc, adv)
         res["corral"].extra["cpu_ms_per_op"] = cpu.per_op_ms(n)
+        res["corral"].extra["pool_hit_ratio"] = _hit_ratio(pool0, s.daemon.pool_counts())
         if s.peers is not None:
             for peer in s.peer_names():
                 pn = s.opts.n_peers()
@@ -67,6 +70,12 @@ def churn(s: Session) -> tuple[Section, Samples]:
         sec["profile"] = prof
     samples = {k: v.phases.get("total", []) for k, v in runs[-1].items()}
     return sec, samples
+
+
+def _hit_ratio(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """Share of creates served by a warm pool between two /metrics readings."""
+    hits, misses = after[0] - before[0], after[1] - before[1]
+    return round(hits / (hits + misses), 3) if hits + misses > 0 else None
 
 
 @contextmanager
@@ -104,8 +113,20 @@ def latency(s: Session) -> tuple[Section, Samples]:
             res["raw-netns"] = _raw_latency(s, n, netns=True)
         with s.ui.task(f"{tag} raw", None):
             res["raw"] = _raw_latency(s, n, netns=False)
-        with s.ui.task(f"{tag} corral", n) as adv:
+        # Cold: a spec with an explicit hostname is never served from a warm pool (daemon.md);
+        # the hit ratio below checks that it stays so. Warm: the default spec, pools on.
+        pool0 = s.daemon.pool_counts()
+        with s.ui.task(f"{tag} corral cold", n) as adv:
+            res["corral-cold"] = sdk_runs.latency(s.daemon.endpoint, n, adv,
+                                                  hostname="bench-cold")
+        pool1 = s.daemon.pool_counts()
+        with s.ui.task(f"{tag} corral warm pool", n) as adv:
             res["corral"] = sdk_runs.latency(s.daemon.endpoint, n, adv)
+        res["corral-cold"].extra["pool_hit_ratio"] = _hit_ratio(pool0, pool1)
+        res["corral"].extra["pool_hit_ratio"] = _hit_ratio(pool1, s.daemon.pool_counts())
+        with s.ui.task(f"{tag} corral exec round trip", n) as adv:
+            res["corral"].phases["exec"] = sdk_runs.exec_sync(s.daemon.endpoint, n,
+                                                              adv).phases["exec"]
         runs.append(res)
 
     def p50(phase: str) -> Callable[[OpResult], float | None]:
@@ -115,13 +136,14 @@ def latency(s: Session) -> tuple[Section, Samples]:
 
     sec = _summarize(runs, [])
     sec["ratios"] = {  # latency ratios: corral p50 / raw p50 (lower is better; 1.0 = raw)
-        f"corral/raw-netns {ph}_p50": median([ratio(p50(ph)(res["corral"]),
-                                                    p50(ph if ph != "first_exec" else "exec")(
-                                                        res["raw-netns"])) for res in runs])
-        for ph in ("create", "first_exec", "ttfr", "destroy")}
+        f"{c}/raw-netns {ph}_p50": median([ratio(p50(ph)(res[c]),
+                                                 p50(ph if ph != "first_exec" else "exec")(
+                                                     res["raw-netns"])) for res in runs])
+        for c in ("corral", "corral-cold") for ph in ("create", "first_exec", "ttfr", "destroy")}
     sec.update(n=n)
     last = runs[-1]
     samples = {"corral " + k: v for k, v in last["corral"].phases.items()}
+    samples["corral-cold create"] = last["corral-cold"].phases["create"]
     samples.update({"raw+netns " + k: v for k, v in last["raw-netns"].phases.items()
                     if k in ("create", "exec", "ttfr")})
     return sec, samples
@@ -175,8 +197,11 @@ def density(s: Session) -> tuple[Section, Samples]:
         tag = f"density {r + 1}/{R}"
         res: dict[str, Any] = {}
         res["corral"], curves["corral"] = _density_corral(s, n, tag)
-        res["raw-netns"], curves["raw-netns"] = _density_raw(s, n, True, tag)
-        res["raw"], curves["raw"] = _density_raw(s, n, False, tag)
+        # The raw floor gets the cgroups corral's idle sandboxes have (corral may make some
+        # only at a sandbox's first exec); v2 (one dir) and unknown: all of them.
+        ctls = res["corral"].get("controllers") or None
+        res["raw-netns"], curves["raw-netns"] = _density_raw(s, n, True, tag, ctls)
+        res["raw"], curves["raw"] = _density_raw(s, n, False, tag, ctls)
         runs.append(res)
     sec: Section = {"n": n, "median": median_tree(runs), "runs": runs, "ratios": {}}
     for a, b in (("corral", "raw-netns"), ("corral", "raw")):
@@ -239,31 +264,40 @@ def _density_corral(s: Session, n: int, tag: str) -> tuple[dict[str, Any], list]
     cg = [s.daemon.cgroup_name, s.prefix + "dproc"]
     host.settle()
     before, rss0 = _mem(cg), s.daemon.rss_kib() or 0
+    inits0 = len(s.daemon.sandbox_pids())  # warm-pool sandboxes already there
     with s.ui.task(f"{tag} corral create", n) as adv:
         ids, pts, wall, err = sdk_runs.fill(ep, n, s.opts.batch, adv)
     try:
         host.settle()
         after, rss1 = _mem(cg), s.daemon.rss_kib() or 0
-        pids = sorted(s.daemon.sandbox_pids())[:20]
-        out: dict[str, Any] = {"made": len(ids), "create_s": round(wall, 3),
-                               **_mem_delta(before, after, max(1, len(ids))),
+        pids = sorted(s.daemon.sandbox_pids())
+        controllers = host.sandbox_controllers(s.daemon.cgroup_name)
+        # Per sandbox = per init added: live ones plus whatever the warm pool added meanwhile.
+        added = max(1, len(pids) - inits0)
+        out: dict[str, Any] = {"made": len(ids), "pooled_extra": added - len(ids),
+                               "controllers": controllers,
+                               "create_s": round(wall, 3),
+                               **_mem_delta(before, after, added),
                                "daemon_rss_mib": round(rss1 / 1024, 1),
                                "daemon_rss_kib_per_sandbox": round((rss1 - rss0) / max(1, len(ids)),
                                                                    2),
 
-                               "init_pss_kib": median([host.pss_kib(p) for p in pids]),
+                               "init_pss_kib": median([host.pss_kib(p) for p in pids[:20]]),
                                **_rate_summary(pts)}
         if err:
             out["error"] = err
     finally:
         with s.ui.task(f"{tag} corral destroy", len(ids)) as adv:
-            dwall = sdk_runs.destroy_all(ep, ids, s.opts.concurrency * 2, adv)
+            dwall = sdk_runs.destroy_all(ep, ids, s.opts.batch, adv)
     out["destroy_per_s"] = round(len(ids) / dwall, 1) if dwall > 0 else None
-    out["baseline"] = _back_to_baseline(s, before, cg)
+    host.settle()
+    out["baseline"] = _back_to_baseline(
+        s, before, cg, int(s.daemon.metrics().get("corral_pool_ready", 0)))
     return out, pts
 
 
-def _density_raw(s: Session, n: int, netns: bool, tag: str) -> tuple[dict[str, Any], list]:
+def _density_raw(s: Session, n: int, netns: bool, tag: str,
+                 controllers: list[str] | None) -> tuple[dict[str, Any], list]:
     assert s.raw is not None
     name = "raw +netns" if netns else "raw"
     cg = [s.raw.cgroup_name, s.prefix + "rawproc"]
@@ -272,14 +306,15 @@ def _density_raw(s: Session, n: int, netns: bool, tag: str) -> tuple[dict[str, A
     host.settle()
     before = _mem(cg)
     with s.ui.task(f"{tag} {name} (create, hold)", None):
-        with s.raw.idle(n, netns, own_memcg=cg[1]) as info:
+        with s.raw.idle(n, netns, own_memcg=cg[1], controllers=controllers) as info:
             host.settle()
             after = _mem(cg)
             pss = median([host.pss_kib(p) for p in info.get("pids", [])[:20]])
     made = info.get("made", 0)
     create_ms = [x / 1000 for x in info.get("create_us", [])]
     pts = _rate_points(create_ms, max(1, s.opts.batch))
-    out: dict[str, Any] = {"made": made, "create_s": info.get("wall_s"),
+    out: dict[str, Any] = {"made": made, "controllers": controllers or "all",
+                           "create_s": info.get("wall_s"),
                            **_mem_delta(before, after, max(1, made)), "init_pss_kib": pss,
                            **_rate_summary(pts)}
     if info.get("destroy_s"):
@@ -288,19 +323,22 @@ def _density_raw(s: Session, n: int, netns: bool, tag: str) -> tuple[dict[str, A
     return out, pts
 
 
-def _back_to_baseline(s: Session, before: dict[str, Any], cgroups: list[str]) -> dict[str, Any]:
-    """After destroying everything: memory (MemAvailable vs before), cgroups and processes
-    left under the system's cgroup name (host mounts never grow: every mount is in the
-    sandboxes' own namespaces)."""
+def _back_to_baseline(s: Session, before: dict[str, Any], cgroups: list[str],
+                      pooled: int = 0) -> dict[str, Any]:
+    """After destroying everything: memory (vs before), sandbox cgroups and processes left
+    under the system's cgroup name beyond ``pooled`` warm-pool sandboxes (host mounts never
+    grow: every mount is in the sandboxes' own namespaces)."""
     host.settle()
     now = _mem(cgroups)
+    ids = {os.path.basename(d) for d in host.cgroup_children(cgroups[0], exact=True)}
     memcg = (round((now["memcg"] - before["memcg"]) / 1024, 1)
              if now["memcg"] is not None and before.get("memcg") is not None else None)
     return {"mem_available_delta_mib": round((now["MemAvailable"] - before["MemAvailable"]) / 1024,
                                              1),
             "memcg_delta_mib": memcg,
-            "cgroups_left": len(host.cgroup_children(cgroups[0], exact=True)),
-            "processes_left": len(host.cgroup_pids(cgroups[0], exact=True))}
+            "pooled": pooled,
+            "cgroups_left": max(0, len(ids) - pooled),
+            "processes_left": max(0, len(host.cgroup_pids(cgroups[0], exact=True)) - pooled)}
 
 
 RUNNERS: dict[str, Callable[[Session], tuple[Section, Samples]]] = {

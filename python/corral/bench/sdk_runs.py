@@ -88,9 +88,10 @@ def _extra(conc: int, errors: list[str]) -> dict[str, Any]:
 
 
 # ---- latency: one client, nothing else running ----------------------------------------------
-def latency(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5) -> OpResult:
-    """Per op: create (cold: no warm pool asked for), the first exec, time to the first result
-    (create + exec) and destroy; then ``n`` exec round trips on one live sandbox."""
+def latency(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5,
+            hostname: str | None = None) -> OpResult:
+    """Per op: create, the first exec, time to the first result (create + exec) and destroy.
+    ``hostname`` (a spec the warm pools never serve) makes every create cold."""
     ph: dict[str, list[float]] = {"create": [], "first_exec": [], "ttfr": [], "destroy": []}
     errors: list[str] = []
     t_start = time.perf_counter()
@@ -99,7 +100,7 @@ def latency(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5) ->
             t_start = time.perf_counter()
         try:
             t0 = time.perf_counter()
-            sb = Sandbox("host", endpoint=endpoint, timeout=TTL_S)
+            sb = Sandbox("host", endpoint=endpoint, timeout=TTL_S, hostname=hostname)
             t1 = time.perf_counter()
             try:
                 r = sb.exec(TRUE)
@@ -123,8 +124,8 @@ def latency(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5) ->
         ph["ttfr"].append((t2 - t0) * 1e3)
         ph["destroy"].append((t3 - t2) * 1e3)
     wall = time.perf_counter() - t_start  # ops_per_s: sequential create+exec+destroy
-    ph["exec"] = exec_sync(endpoint, n).phases["exec"]
-    return OpResult("corral", n, wall, len(errors), ph, _extra(1, errors))
+    return OpResult("corral-cold" if hostname else "corral", n, wall, len(errors), ph,
+                    _extra(1, errors))
 
 
 # ---- exec throughput on one live sandbox ----------------------------------------------------
@@ -203,21 +204,11 @@ def fill(endpoint: str, count: int, batch: int,
     return ids, rates, time.perf_counter() - t0, error
 
 
-async def _destroy_all(endpoint: str, ids: list[str], conc: int, advance: Advance) -> float:
-    todo = iter(ids)
-
-    async def worker() -> None:
-        for sid in todo:
-            try:
-                await AsyncSandbox.from_id(sid, endpoint=endpoint).kill()
-            except CorralError:
-                pass
-            advance(1)
-
+def destroy_all(endpoint: str, ids: list[str], batch: int, advance: Advance = _noop) -> float:
+    """Kill ``ids`` with the batch endpoint, ``batch`` per request; returns seconds."""
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(conc)))
+    for i in range(0, len(ids), batch):
+        chunk = ids[i:i + batch]
+        Sandbox.kill_many(chunk, return_exceptions=True, endpoint=endpoint)
+        advance(len(chunk))
     return time.perf_counter() - t0
-
-
-def destroy_all(endpoint: str, ids: list[str], conc: int = 8, advance: Advance = _noop) -> float:
-    return asyncio.run(_destroy_all(endpoint, ids, conc, advance))
