@@ -170,7 +170,7 @@ def test_sdk_keys_and_divergence():
         with pytest.raises(ReplayDivergence):
             other.exec("echo DIFFERENT >> /root/t")
     finally:
-        sb.kill()
+        Sandbox.from_id(sb.id).kill()  # sb's next key (its step 2) is taken by "echo b"
 
 
 def test_async_sdk_keys():

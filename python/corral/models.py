@@ -304,12 +304,18 @@ class LogEntry(_Model):
     seq: int = Field(description="global commit order across sandboxes")
     sandbox_id: str
     op: str = Field(description="create, exec, wait, read, write, list, stat, mkdir, remove, "
-                                "rename, upload, download, kill")
+                                "rename, upload, download, snapshot, fork, restore, pause, "
+                                "resume, kill")
+    status: Literal["done", "started", "interrupted"] = Field(
+        "done", description="done: finished (result or error); started: in flight; "
+                            "interrupted: in flight when the daemon died, outcome unknown")
     idempotency_key: str | None = None
     request: dict[str, Any]
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     started_at: float
-    ended_at: float
-    duration_s: float
-    snapshot_ids: list[str] = Field(default_factory=list)
+    ended_at: float | None = Field(None, description="null unless done")
+    duration_s: float | None = Field(None, description="null unless done")
+    snapshot_ids: list[str] = Field(default_factory=list, description=(
+        "snapshots the call made or used: snapshot (the new one), fork (the one the children "
+        "start from), restore (the one restored), create (the one it starts on)"))

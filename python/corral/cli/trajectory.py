@@ -29,6 +29,10 @@ def summary(e: LogEntry) -> tuple[str, str]:
     from corral.sdk.replay import describe
 
     what = describe(e.model_dump())
+    if e.status == "interrupted":
+        return what, "INTERRUPTED by a daemon crash (outcome unknown)"
+    if e.status == "started":
+        return what, "in flight"
     if e.error:
         return what, f"error {e.error.get('error', {}).get('code', '?')}"
     r = e.result or {}
@@ -40,7 +44,19 @@ def summary(e: LogEntry) -> tuple[str, str]:
     if e.op == "exec" and "pid" in r:
         return what, f"pid {r['pid']}"
     if e.op == "create":
-        return e.request.get("image", ""), str(r.get("id", ""))
+        snap = f" on {e.snapshot_ids[0]}" if e.snapshot_ids else ""
+        if e.request.get("parent"):
+            return what, str(r.get("id", "")) + snap
+        return e.request.get("image", ""), str(r.get("id", "")) + snap
+    if e.op == "snapshot":
+        return what, f"{r.get('id', '')} ({r.get('size', 0)} bytes)"
+    if e.op == "fork":
+        kids = r.get("sandboxes") or []
+        return what, f"{(r.get('snapshot') or {}).get('id', '')} -> {' '.join(kids)}"
+    if e.op == "restore":
+        return what, f"restored {e.snapshot_ids[0] if e.snapshot_ids else ''}"
+    if e.op in ("pause", "resume"):
+        return what, str(r.get("state", "ok"))
     if "size" in r:
         return what, f"{r['size']} bytes sha256:{str(r.get('sha256', ''))[:12]}"
     if "count" in r:
@@ -75,7 +91,8 @@ def log(
         style = "red" if e.error else None
         t.add_row(str(e.index), time.strftime("%H:%M:%S", time.localtime(e.started_at)), e.op,
                   Text(_clip(what)), Text(outcome, style=style or ""),
-                  f"{e.duration_s * 1000:.1f} ms", e.idempotency_key or "")
+                  "-" if e.duration_s is None else f"{e.duration_s * 1000:.1f} ms",
+                  e.idempotency_key or "")
     out.print(t)
     if not entries:
         err.print("no entries")
@@ -107,6 +124,8 @@ def replay(
                                    for k, (a, b) in s.diffs.items()) or s.note
             t.add_row(str(s.index), s.op, Text(_clip(s.what)), marks[s.status], Text(diffs))
         out.print(t)
+        if rep.base.startswith("sb-"):
+            err.print(f"started from {rep.base}: those parent steps were replayed first")
         n = len(rep.differences)
         err.print(f"replayed {sandbox_id} in {rep.replay_id} (image {rep.image}): "
                   + ("identical" if not n else f"{n} step(s) differ"))

@@ -31,6 +31,7 @@ from corral.errors import (
     InvalidPath,
     InvalidRequest,
     NotFound,
+    SandboxNotFound,
     Unauthorized,
 )
 from corral.models import (
@@ -180,6 +181,21 @@ def _logged_ok(_: Any) -> dict[str, Any]:
     return _LOGGED_OK
 
 
+def _snap_of(info: Any) -> list[str]:
+    """The snapshot a sandbox (its logged SandboxInfo) stands on, for ``snapshot_ids``."""
+    snap = info.get("snapshot") if isinstance(info, dict) else None
+    return [snap] if snap else []
+
+
+def _as_now(engine: Engine, info: dict[str, Any]) -> dict[str, Any]:
+    """A logged SandboxInfo, as the sandbox is now if it is still there (a fast-forwarded
+    call returns the sandbox's current state, not the one it had then)."""
+    sb = engine.sandboxes.get(info.get("id", ""))
+    if sb is not None and sb.state in ("running", "paused"):
+        return sb.info()
+    return info
+
+
 async def _file_op(request: web.Request, op: str, req: dict[str, Any], *args: Any,
                    big: bool = False) -> web.Response:
     """A mutating file operation: logged, once per idempotency key."""
@@ -229,11 +245,8 @@ async def create_sandbox(request: web.Request) -> web.Response:
         return (await engine.create(spec)).info()
 
     info = await engine.trajlog.run("", "create", spec.model_dump(mode="json"), _key(request),
-                                    make)
-    sb = engine.sandboxes.get(info.get("id", ""))
-    if sb is not None and sb.state == "running":
-        info = sb.info()  # fast-forwarded: the sandbox as it is now
-    return _json(info, 201)
+                                    make, snapshot_ids=_snap_of)
+    return _json(_as_now(engine, info), 201)
 
 
 async def create_batch(request: web.Request) -> web.Response:
@@ -243,7 +256,8 @@ async def create_batch(request: web.Request) -> web.Response:
     infos = [sb.info() for sb in made]
     if engine.trajlog.enabled:
         spec, now = req.spec.model_dump(mode="json"), time.time()
-        await asyncio.gather(*(engine.trajlog.record(i["id"], "create", spec, i, None, now, now)
+        await asyncio.gather(*(engine.trajlog.record(i["id"], "create", spec, i, None, now, now,
+                                                     snapshot_ids=_snap_of(i))
                                for i in infos))
     return _json({"sandboxes": infos}, 201)
 
@@ -280,7 +294,7 @@ async def kill_sandbox(request: web.Request) -> web.Response:
     async def kill() -> dict[str, Any]:
         return {"id": sid, "killed": await engine.kill(sid)}
 
-    return _json(await engine.trajlog.run(sid, "kill", {}, None, kill))
+    return _json(await engine.trajlog.run(sid, "kill", {}, _key(request), kill))
 
 
 async def set_timeout(request: web.Request) -> web.Response:
@@ -460,27 +474,81 @@ def _snap(rec: dict[str, Any]) -> dict[str, Any]:
 
 async def snapshot_sandbox(request: web.Request) -> web.Response:
     req = await _body(request, SnapshotRequest)
-    return _json(_snap(await _engine(request).snapshot(request.match_info["id"], req.name)), 201)
+    sid, engine = request.match_info["id"], _engine(request)
+
+    async def snap() -> dict[str, Any]:
+        return _snap(await engine.snapshot(sid, req.name))
+
+    # Fast-forwarded: the snapshot as logged (also if it was deleted since).
+    return _json(await engine.trajlog.run(sid, "snapshot", req.model_dump(), _key(request),
+                                          snap, snapshot_ids=lambda r: [r["id"]]), 201)
 
 
 async def fork_sandbox(request: web.Request) -> web.Response:
+    """Logged as one ``fork`` entry in the parent's log (the children's ids) and one ``create``
+    entry in each child's log (``parent`` in its request). Fast-forwarded, it returns the
+    same children: see _fork_child."""
     req = await _body(request, ForkRequest)
-    rec, kids = await _engine(request).fork(request.match_info["id"], req.count, req.name,
-                                            req.keep_snapshot)
-    return _json({"snapshot": _snap(rec), "sandboxes": [sb.info() for sb in kids]}, 201)
+    sid, engine = request.match_info["id"], _engine(request)
+    tl = engine.trajlog
+
+    async def fork() -> dict[str, Any]:
+        started = time.time()
+        rec, kids = await engine.fork(sid, req.count, req.name, req.keep_snapshot)
+        if kids and tl.enabled:
+            spec = dict(kids[0].spec.model_dump(mode="json"), parent=sid)
+            for kid in kids:  # committed with (before) the fork entry awaited below
+                tl.logged(kid.id, "create", spec, kid.info(), started, [rec["id"]])
+        return {"snapshot": _snap(rec), "sandboxes": [kid.id for kid in kids]}
+
+    res = await tl.run(sid, "fork", req.model_dump(), _key(request), fork,
+                       snapshot_ids=lambda r: [r["snapshot"]["id"]])
+    return _json({"snapshot": res["snapshot"],
+                  "sandboxes": [_fork_child(engine, cid) for cid in res["sandboxes"]]}, 201)
+
+
+def _fork_child(engine: Engine, cid: str) -> dict[str, Any]:
+    """A child of a (maybe fast-forwarded) fork: as it is now, or, if it has ended since, as
+    its create entry logged it with state ``dead``: a replayed fork never forks again, and the
+    first call on a gone child that is not in its log fails with sandbox_not_running (or
+    sandbox_lost)."""
+    sb = engine.sandboxes.get(cid)
+    if sb is not None:
+        return sb.info()
+    info = engine.trajlog.logged_result(cid, "create")
+    if info is None:
+        raise SandboxNotFound(f"sandbox {cid}, a child of a logged fork, is gone and its log "
+                              "was pruned", details={"id": cid})
+    return dict(info, state="dead")
 
 
 async def restore_sandbox(request: web.Request) -> web.Response:
     req = await _body(request, RestoreRequest)
-    return _json((await _engine(request).restore(request.match_info["id"], req.snapshot)).info())
+    sid, engine = request.match_info["id"], _engine(request)
+
+    async def restore() -> dict[str, Any]:
+        return (await engine.restore(sid, req.snapshot)).info()
+
+    info = await engine.trajlog.run(sid, "restore", req.model_dump(), _key(request), restore,
+                                    snapshot_ids=_snap_of)
+    return _json(_as_now(engine, info))
 
 
 async def pause_sandbox(request: web.Request) -> web.Response:
-    return _json(_engine(request).pause(request.match_info["id"]).info())
+    return await _state_op(request, "pause")
 
 
 async def resume_sandbox(request: web.Request) -> web.Response:
-    return _json(_engine(request).resume(request.match_info["id"]).info())
+    return await _state_op(request, "resume")
+
+
+async def _state_op(request: web.Request, op: str) -> web.Response:
+    sid, engine = request.match_info["id"], _engine(request)
+
+    async def call() -> dict[str, Any]:
+        return getattr(engine, op)(sid).info()
+
+    return _json(_as_now(engine, await engine.trajlog.run(sid, op, {}, _key(request), call)))
 
 
 async def list_snapshots(request: web.Request) -> web.Response:
@@ -599,7 +667,7 @@ ROUTES: tuple[Route, ...] = (
               repeated=True),), response=_list_of("sandboxes", SandboxInfo)),
     Route("GET", SB, get_sandbox, "Sandbox info", response=SandboxInfo),
     Route("DELETE", SB, kill_sandbox, "Kill a sandbox (killed=false: it had already ended)",
-          response={"type": "object", "required": ["id", "killed"], "properties": {
+          query=(KEY_H,), response={"type": "object", "required": ["id", "killed"], "properties": {
               "id": {"type": "string"}, "killed": {"type": "boolean"}}}),
     Route("POST", SB + "/timeout", set_timeout, "Set the TTL, in seconds from now",
           body=SetTimeoutRequest, response=SandboxInfo),
@@ -640,15 +708,16 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", SB + "/files/tar", tar_download, "A tar of a directory or file",
           response="tar", query=(PATH_Q,)),
     Route("POST", SB + "/snapshot", snapshot_sandbox, "Snapshot the sandbox's files as a "
-          "layer", body=SnapshotRequest, response=SnapshotInfo, status=201),
+          "layer", body=SnapshotRequest, response=SnapshotInfo, status=201, query=(KEY_H,)),
     Route("POST", SB + "/fork", fork_sandbox, "Snapshot + count sandboxes on it (all or "
-          "nothing)", body=ForkRequest, response=ForkResult, status=201),
+          "nothing)", body=ForkRequest, response=ForkResult, status=201, query=(KEY_H,)),
     Route("POST", SB + "/restore", restore_sandbox, "Roll the sandbox back to a snapshot in "
-          "place (its processes are restarted)", body=RestoreRequest, response=SandboxInfo),
+          "place (its processes are restarted)", body=RestoreRequest, response=SandboxInfo,
+          query=(KEY_H,)),
     Route("POST", SB + "/pause", pause_sandbox, "Freeze every process of the sandbox",
-          response=SandboxInfo),
+          response=SandboxInfo, query=(KEY_H,)),
     Route("POST", SB + "/resume", resume_sandbox, "Thaw a paused sandbox",
-          response=SandboxInfo),
+          response=SandboxInfo, query=(KEY_H,)),
     Route("GET", "/v1/snapshots", list_snapshots, "List snapshots",
           response=_list_of("snapshots", SnapshotInfo)),
     Route("GET", "/v1/snapshots/{snap}", get_snapshot, "Snapshot info (by id or name)",

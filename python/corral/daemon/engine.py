@@ -213,7 +213,8 @@ class Engine:
         self.trajlog = TrajLog(config.state_dir, enabled=config.trajlog,
                                retention_s=config.log_retention_s,
                                output_cap=config.trajlog_output_cap, sync=config.trajlog_sync,
-                               flush_ms=config.trajlog_flush_ms)
+                               flush_ms=config.trajlog_flush_ms,
+                               start_ms=config.trajlog_start_ms)
 
     # ---- start / stop --------------------------------------------------------------------
     async def start(self) -> None:

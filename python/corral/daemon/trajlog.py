@@ -12,21 +12,31 @@ mode a commit is a ``write()`` into the WAL: once it returns, the record survive
 death (kill -9, OOM kill, a crash) because the kernel holds the page. Only a power cut or kernel
 crash can lose the last transactions (the database stays consistent; NORMAL syncs the WAL at
 checkpoints). So a daemon crash loses nothing a client has seen: a result is only sent after
-its record is committed. Calls in flight at the crash are not logged; their callers got
-``daemon_restarted`` (their outcome is unknown), and a retry with the same idempotency key runs
-the call for real.
+its record is committed.
+
+Calls in flight: a mutating call (every op in ``STARTED_OPS``) also queues a *started* row when
+it begins, and does not wait for it (no second commit on the call's path). The writer holds a
+batch made only of started rows for up to ``CORRAL_TRAJLOG_START_MS`` (default 20 ms): a call
+that ends within that time is written once, as a finished row; a longer one has its started
+row committed, then updated in place when it ends. At the next start of the daemon, started
+rows still open are marked ``interrupted`` (their outcome is unknown: the command may or may
+not have run; their callers got ``daemon_restarted``). A call in flight for less than the hold
+time at a crash can be missing from the log (its caller saw no result either).
 
 Idempotency: a mutating call may carry the HTTP header ``Idempotency-Key``. Its scope is the
 sandbox (``create`` keys are global). A key already logged returns the logged result (or error)
 without running anything; the same key with a different request is ``replay_divergence``;
 concurrent duplicates wait for the one that runs. Infrastructure errors (``infra``) are logged
-but do not bind the key, so a retry after one runs for real.
+but do not bind the key, so a retry after one runs for real; neither do interrupted rows: a
+retry after a crash runs the call for real, and the log keeps both rows (the interrupted one
+and the retry), so a reader can see the call may have run twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import hashlib
 import json
 import logging
@@ -53,6 +63,17 @@ KEY_HEADER = "Idempotency-Key"
 MAX_KEY_LEN = 256
 DB_NAME = "trajlog.db"
 PRUNE_EVERY_S = 60.0
+# Ops that change a sandbox: they get a started row (create does not: its id is not known
+# before it ends, and a half-made sandbox is removed at restart anyway).
+STARTED_OPS = frozenset({"exec", "write", "upload", "mkdir", "remove", "rename", "snapshot",
+                         "fork", "restore", "pause", "resume", "kill"})
+# entries.status: NULL for a finished call (every row of older logs), else one of these.
+STARTED, INTERRUPTED = "started", "interrupted"
+INTERRUPTED_ERROR = {"error": {
+    "code": "daemon_restarted",
+    "message": "the daemon died while this call was in flight: its outcome is unknown (it may "
+               "or may not have run)",
+    "details": {"interrupted": True}}}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -66,7 +87,8 @@ CREATE TABLE IF NOT EXISTS entries (
     error TEXT,
     started_at REAL NOT NULL,
     ended_at REAL NOT NULL,
-    snapshot_ids TEXT
+    snapshot_ids TEXT,
+    status TEXT
 );
 CREATE INDEX IF NOT EXISTS entries_sandbox ON entries (sandbox_id, seq);
 CREATE INDEX IF NOT EXISTS entries_key ON entries (idem_key) WHERE idem_key IS NOT NULL;
@@ -78,6 +100,11 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     reason TEXT
 );
 """
+# After the status column exists (logs written before it had none: added by _migrate).
+_STARTED_INDEX = ("CREATE INDEX IF NOT EXISTS entries_started ON entries (seq) "
+                  "WHERE status = 'started'")
+_INSERT = ("INSERT INTO entries (sandbox_id, op, idem_key, fingerprint, request, result, "
+           "error, started_at, ended_at, snapshot_ids, status) VALUES (?,?,?,?,?,?,?,?,?,?,?)")
 
 
 def sha256(data: bytes) -> str:
@@ -102,6 +129,10 @@ def data_result(data: bytes, **fields: Any) -> dict[str, Any]:
     return dict(fields, size=len(data), sha256=sha256(data))
 
 
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
 class _Pending:
     """A record queued for the writer; ``fut`` resolves once it is committed."""
 
@@ -113,10 +144,30 @@ class _Pending:
         self.fut = fut
 
 
+class _Start:
+    """The started row of a call in flight. ``closed`` is set (on the loop) before the call's
+    end or cancel is queued: a start still held by the writer then is not written at all.
+    ``rowid`` is set by the writer once the row is in the database."""
+
+    __slots__ = ("args", "t", "closed", "rowid")
+
+    kind = "start"
+    fut = None
+
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        self.args = args
+        self.t = time.monotonic()
+        self.closed = False
+        self.rowid: int | None = None
+
+
+SnapIds = list[str] | Callable[[Any], list[str]] | None
+
+
 class TrajLog:
     def __init__(self, state_dir: str, *, enabled: bool = True, retention_s: float = 7 * 86400,
                  output_cap: int = 1 << 20, body_cap: int = 1 << 20, sync: str = "normal",
-                 flush_ms: float = 0.0) -> None:
+                 flush_ms: float = 0.0, start_ms: float = 20.0) -> None:
         self.enabled = enabled
         self.path = os.path.join(state_dir, DB_NAME)
         self.retention_s = retention_s
@@ -124,13 +175,15 @@ class TrajLog:
         self.body_cap = body_cap
         self.sync = "FULL" if sync.lower() == "full" else "NORMAL"
         self.flush_s = max(0.0, flush_ms) / 1000.0
-        self._q: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self.start_hold_s = max(0.0, start_ms) / 1000.0
+        self._q: queue.SimpleQueue[_Pending | _Start | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: sqlite3.Connection | None = None
         self._inflight: dict[tuple[str, str], asyncio.Future[Any]] = {}
         self._last_prune = 0.0
-        self.stats = {"records": 0, "commits": 0}
+        self.interrupted = 0  # started rows found open (and marked interrupted) at open()
+        self.stats = {"records": 0, "commits": 0, "started_rows": 0}
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def _connect(self) -> sqlite3.Connection:
@@ -147,8 +200,19 @@ class TrajLog:
         self._loop = loop
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
         conn = self._connect()
-        conn.executescript(_SCHEMA)
-        conn.close()
+        try:
+            conn.executescript(_SCHEMA)
+            _migrate(conn)
+            conn.execute(_STARTED_INDEX)
+            # Before any new call can start: what was in flight when the last daemon died.
+            cur = conn.execute("UPDATE entries SET status=?, error=? WHERE status=?",
+                               (INTERRUPTED, _dumps(INTERRUPTED_ERROR), STARTED))
+            self.interrupted = cur.rowcount
+            if self.interrupted:
+                log.warning("calls interrupted by the last daemon's death",
+                            extra={"count": self.interrupted})
+        finally:
+            conn.close()
         self._reader = self._connect()
         self._thread = threading.Thread(target=self._writer, name="trajlog-writer", daemon=True)
         self._thread.start()
@@ -166,15 +230,22 @@ class TrajLog:
     # ---- the writer thread (group commit) ----------------------------------------------------
     def _writer(self) -> None:
         conn = self._connect()
+        held: collections.deque[_Start] = collections.deque()  # started rows not written yet
         stop = False
         while not stop:
-            item = self._q.get()
-            batch: list[_Pending] = []
+            timeout = None
+            if held:
+                timeout = max(0.0, held[0].t + self.start_hold_s - time.monotonic())
+            try:
+                item = self._q.get(timeout=timeout)
+            except queue.Empty:
+                item = False  # a held start is due
+            batch: list[Any] = []
             if item is None:
                 stop = True
-            else:
+            elif item is not False:
                 batch.append(item)
-                if self.flush_s:
+                if self.flush_s and item.kind != "start":
                     time.sleep(self.flush_s)
             while True:
                 try:
@@ -185,38 +256,70 @@ class TrajLog:
                     stop = True
                 else:
                     batch.append(item)
-            if not batch:
-                continue
-            results: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
-            try:
-                conn.execute("BEGIN")
-                out = [self._apply(conn, p) for p in batch]
-                conn.execute("COMMIT")
-                self.stats["commits"] += 1
-                self.stats["records"] += len(batch)
-                results = [(p.fut, v, None) for p, v in zip(batch, out, strict=True)
-                           if p.fut is not None]
-            except Exception as e:  # noqa: BLE001 - report it to every waiter
-                log.exception("trajectory log write failed")
-                try:
-                    conn.execute("ROLLBACK")
-                except sqlite3.Error:
-                    pass
-                results = [(p.fut, None, e) for p in batch if p.fut is not None]
-            if results and self._loop is not None:
-                try:
-                    self._loop.call_soon_threadsafe(_resolve, results)
-                except RuntimeError:  # the loop is closed (daemon exiting)
-                    pass
+            ends = []
+            for p in batch:
+                if p.kind == "start":
+                    held.append(p)
+                else:
+                    ends.append(p)
+            # Starts held long enough (or all, when stopping) whose call has not ended: write
+            # them, ahead of the rest (an end in this batch may update one of them).
+            due: list[Any] = []
+            now = time.monotonic()
+            while held and (stop or held[0].closed or held[0].t + self.start_hold_s <= now):
+                s = held.popleft()
+                if not s.closed:
+                    due.append(s)
+            if due or ends:
+                self._commit(conn, due + ends)
         conn.close()
 
-    def _apply(self, conn: sqlite3.Connection, p: _Pending) -> Any:
+    def _commit(self, conn: sqlite3.Connection, batch: list[Any]) -> None:
+        results: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        try:
+            conn.execute("BEGIN")
+            out = [self._apply(conn, p) for p in batch]
+            conn.execute("COMMIT")
+            self.stats["commits"] += 1
+            self.stats["records"] += len(batch)
+            results = [(p.fut, v, None) for p, v in zip(batch, out, strict=True)
+                       if p.fut is not None]
+        except Exception as e:  # noqa: BLE001 - report it to every waiter
+            log.exception("trajectory log write failed")
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            for p in batch:
+                if p.kind == "start":
+                    p.rowid = None  # not in the database: its end inserts a whole row
+            results = [(p.fut, None, e) for p in batch if p.fut is not None]
+        if results and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(_resolve, results)
+            except RuntimeError:  # the loop is closed (daemon exiting)
+                pass
+
+    def _apply(self, conn: sqlite3.Connection, p: Any) -> Any:
+        if p.kind == "start":
+            p.rowid = conn.execute(_INSERT, p.args).lastrowid
+            self.stats["started_rows"] += 1
+            return p.rowid
         if p.kind == "entry":
-            cur = conn.execute(
-                "INSERT INTO entries (sandbox_id, op, idem_key, fingerprint, request, result, "
-                "error, started_at, ended_at, snapshot_ids) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                p.args)
-            return cur.lastrowid
+            start: _Start | None = p.args[-1]
+            row = p.args[:-1]
+            if start is not None and start.rowid is not None:
+                # The started row is in: finish it in place (it keeps its place in the log).
+                conn.execute("UPDATE entries SET idem_key=?, fingerprint=?, result=?, error=?, "
+                             "ended_at=?, snapshot_ids=?, status=NULL WHERE seq=?",
+                             (row[2], row[3], row[5], row[6], row[8], row[9], start.rowid))
+                return start.rowid
+            return conn.execute(_INSERT, (*row, None)).lastrowid
+        if p.kind == "drop":
+            start = p.args[0]
+            if start.rowid is not None:
+                conn.execute("DELETE FROM entries WHERE seq=?", (start.rowid,))
+            return None
         if p.kind == "sandbox":
             conn.execute("INSERT OR REPLACE INTO sandboxes (sandbox_id, spec, created_at) "
                          "VALUES (?,?,?)", p.args)
@@ -279,15 +382,51 @@ class TrajLog:
         assert fut is not None
         return int(await fut)
 
+    def started(self, sid: str, op: str, request: dict[str, Any], started_at: float,
+                key: str | None = None, fp: str | None = None) -> _Start:
+        """Queue the started row of a call (not waited for: see the module docstring)."""
+        s = _Start((sid, op, key, fp, _dumps(request), None, None, started_at, started_at,
+                    None, STARTED))
+        self._q.put(s)
+        return s
+
+    def drop(self, start: _Start) -> None:
+        """The call will not be logged after all (no such sandbox, a daemon bug)."""
+        start.closed = True
+        self._q.put(_Pending("drop", (start,), None))
+
+    def logged(self, sid: str, op: str, request: dict[str, Any],
+               result: dict[str, Any] | None, started_at: float,
+               snapshot_ids: list[str] | None = None) -> None:
+        """Queue a finished entry without waiting (a caller awaiting a later record of the
+        same batch, or of a later one, knows this one is committed too: FIFO, one writer)."""
+        if not self.enabled:
+            return
+        self._q.put(_Pending("entry", self._row(sid, op, request, result, None, started_at,
+                                                time.time(), None, None, snapshot_ids, None),
+                             None))
+
+    @staticmethod
+    def _row(sid: str, op: str, request: dict[str, Any], result: dict[str, Any] | None,
+             error: dict[str, Any] | None, started_at: float, ended_at: float,
+             key: str | None, fp: str | None, snapshot_ids: list[str] | None,
+             start: _Start | None) -> tuple[Any, ...]:
+        return (sid, op, key, fp, _dumps(request),
+                None if result is None else _dumps(result),
+                None if error is None else _dumps(error),
+                started_at, ended_at, json.dumps(snapshot_ids) if snapshot_ids else None, start)
+
     async def record(self, sid: str, op: str, request: dict[str, Any],
                      result: dict[str, Any] | None, error: dict[str, Any] | None,
                      started_at: float, ended_at: float, key: str | None = None,
-                     fp: str | None = None, snapshot_ids: list[str] | None = None) -> int:
-        """Queue one entry and wait until it is committed."""
-        args = (sid, op, key, fp, json.dumps(request, separators=(",", ":")),
-                None if result is None else json.dumps(result, separators=(",", ":")),
-                None if error is None else json.dumps(error, separators=(",", ":")),
-                started_at, ended_at, json.dumps(snapshot_ids) if snapshot_ids else None)
+                     fp: str | None = None, snapshot_ids: list[str] | None = None,
+                     start: _Start | None = None) -> int:
+        """Queue one entry (finishing ``start``'s row if given) and wait until it is
+        committed."""
+        if start is not None:
+            start.closed = True
+        args = self._row(sid, op, request, result, error, started_at, ended_at, key, fp,
+                         snapshot_ids, start)
         fut = self._submit("entry", args, True)
         assert fut is not None
         try:
@@ -298,27 +437,38 @@ class TrajLog:
             raise InternalError(f"could not write the trajectory log: {e}") from e
 
     def _lookup(self, scope: str, key: str) -> tuple[str, str, str | None, str | None] | None:
+        """The finished entry that binds ``key`` (started and interrupted rows do not)."""
         assert self._reader is not None
         if scope:
             sql = ("SELECT fingerprint, sandbox_id, result, error FROM entries WHERE "
-                   "idem_key=? AND sandbox_id=? ORDER BY seq LIMIT 1")
+                   "idem_key=? AND sandbox_id=? AND status IS NULL ORDER BY seq LIMIT 1")
             row = self._reader.execute(sql, (key, scope)).fetchone()
         else:
             sql = ("SELECT fingerprint, sandbox_id, result, error FROM entries WHERE "
-                   "idem_key=? AND op='create' ORDER BY seq LIMIT 1")
+                   "idem_key=? AND op='create' AND status IS NULL ORDER BY seq LIMIT 1")
             row = self._reader.execute(sql, (key,)).fetchone()
         return row
+
+    def logged_result(self, sid: str, op: str) -> dict[str, Any] | None:
+        """The result of ``sid``'s first finished ``op`` entry (a fork child's create)."""
+        assert self._reader is not None
+        row = self._reader.execute(
+            "SELECT result FROM entries WHERE sandbox_id=? AND op=? AND status IS NULL AND "
+            "result IS NOT NULL ORDER BY seq LIMIT 1", (sid, op)).fetchone()
+        return json.loads(row[0]) if row else None
 
     async def run(self, sid: str, op: str, request: dict[str, Any], key: str | None,
                   call: Callable[[], Awaitable[Any]],
                   to_log: Callable[[Any], dict[str, Any]] | None = None,
-                  snapshot_ids: list[str] | None = None) -> Any:
+                  snapshot_ids: SnapIds = None) -> Any:
         """Run ``call`` once per idempotency key and log it; return what the client gets.
 
         ``sid`` is the sandbox (``""`` for a create: its id is known only after).
         ``to_log`` turns the call's value into the logged result dict; when the call is
         fast-forwarded, the *logged* result dict is returned instead of the call's value, so
-        callers whose value is not that dict must pass ``to_log`` and handle both."""
+        callers whose value is not that dict must pass ``to_log`` and handle both.
+        ``snapshot_ids``: the snapshots the entry names, or a function of the logged result
+        giving them (a snapshot's id is known only once it exists)."""
         if not self.enabled:
             if key is not None:
                 raise Unsupported("idempotency keys need the trajectory log, which is off on "
@@ -367,24 +517,34 @@ class TrajLog:
     async def _run_and_log(self, sid: str, op: str, request: dict[str, Any], key: str | None,
                            fp: str | None, call: Callable[[], Awaitable[Any]],
                            to_log: Callable[[Any], dict[str, Any]] | None,
-                           snapshot_ids: list[str] | None) -> Any:
+                           snapshot_ids: SnapIds) -> Any:
         started = time.time()
+        start = self.started(sid, op, request, started, key, fp) if op in STARTED_OPS else None
+        ids = snapshot_ids if not callable(snapshot_ids) else None
         try:
             value = await call()
         except CorralError as e:
             if op == "create" or isinstance(e, SandboxNotFound):
+                if start is not None:
+                    self.drop(start)
                 raise  # nothing was made, or no such sandbox: nothing to log
             # A failure of the platform does not bind the key: a retry runs for real.
             logged_key = None if e.infra else key
             await self.record(sid, op, request, None,
                               e.to_payload(), started, time.time(), logged_key,
-                              fp if logged_key else None, snapshot_ids)
+                              fp if logged_key else None, ids, start)
+            raise
+        except BaseException:
+            if start is not None:  # a daemon bug (the client gets internal): not a call
+                self.drop(start)
             raise
         result = to_log(value) if to_log is not None else value
         if op == "create" and isinstance(result, dict):
             sid = str(result.get("id", sid))
+        if callable(snapshot_ids):
+            ids = snapshot_ids(result)
         await self.record(sid, op, request, result, None, started, time.time(), key, fp,
-                          snapshot_ids)
+                          ids, start)
         return value
 
     # ---- reading -------------------------------------------------------------------------------
@@ -399,7 +559,8 @@ class TrajLog:
                                 "WHERE sandbox_id=?", (sid,)).fetchone()
             rows = conn.execute(
                 "SELECT seq, op, idem_key, request, result, error, started_at, ended_at, "
-                "snapshot_ids FROM entries WHERE sandbox_id=? ORDER BY seq", (sid,)).fetchall()
+                "snapshot_ids, status FROM entries WHERE sandbox_id=? ORDER BY seq",
+                (sid,)).fetchall()
         finally:
             conn.close()
         if srow is None and not rows:
@@ -410,13 +571,15 @@ class TrajLog:
                        "created_at": srow[1], "ended_at": srow[2], "reason": srow[3]}
         entries = []
         for i, r in enumerate(rows):
+            done = r[9] is None
             entries.append({
                 "index": i, "seq": r[0], "sandbox_id": sid, "op": r[1],
+                "status": r[9] or "done",
                 "idempotency_key": r[2], "request": json.loads(r[3]),
                 "result": json.loads(r[4]) if r[4] is not None else None,
                 "error": json.loads(r[5]) if r[5] is not None else None,
-                "started_at": r[6], "ended_at": r[7],
-                "duration_s": round(max(0.0, r[7] - r[6]), 6),
+                "started_at": r[6], "ended_at": r[7] if done else None,
+                "duration_s": round(max(0.0, r[7] - r[6]), 6) if done else None,
                 "snapshot_ids": json.loads(r[8]) if r[8] else [],
             })
         return sandbox, entries
@@ -449,6 +612,13 @@ class TrajLog:
         if sha is not None:
             out["stdout_sha256"], out["stderr_sha256"] = sha
         return out
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    """Bring a log written by an older daemon up to this schema."""
+    cols = {r[1] for r in conn.execute("PRAGMA table_info(entries)")}
+    if "status" not in cols:
+        conn.execute("ALTER TABLE entries ADD COLUMN status TEXT")
 
 
 def _resolve(results: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:

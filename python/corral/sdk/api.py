@@ -194,7 +194,7 @@ def list_(labels: Mapping[str, str | None] | list[str] | None = None) -> Call[li
 
 
 def kill(sid: str) -> Call[bool]:
-    return Call("DELETE", sb_path(sid), lambda b: bool(json.loads(b)["killed"]))
+    return _keyed(Call("DELETE", sb_path(sid), lambda b: bool(json.loads(b)["killed"])))
 
 
 def set_timeout(sid: str, seconds: float) -> Call[SandboxInfo]:
@@ -212,28 +212,28 @@ def _snap_key(snapshot: Any) -> str:
 
 def snapshot(sid: str, name: str | None = None) -> Call[SnapshotInfo]:
     req = validated(SnapshotRequest, name=name)
-    return Call("POST", sb_path(sid) + "/snapshot", SnapshotInfo.model_validate_json,
-                body=_body(req), timeout=DEFAULT_READ_TIMEOUT * 5)
+    return _keyed(Call("POST", sb_path(sid) + "/snapshot", SnapshotInfo.model_validate_json,
+                       body=_body(req), timeout=DEFAULT_READ_TIMEOUT * 5))
 
 
 def fork(sid: str, count: int, name: str | None = None,
          keep_snapshot: bool = False) -> Call[ForkResult]:
     req = validated(ForkRequest, count=count, name=name, keep_snapshot=keep_snapshot)
-    return Call("POST", sb_path(sid) + "/fork", ForkResult.model_validate_json, body=_body(req),
-                timeout=DEFAULT_READ_TIMEOUT * 5 + 0.05 * count)
+    return _keyed(Call("POST", sb_path(sid) + "/fork", ForkResult.model_validate_json,
+                       body=_body(req), timeout=DEFAULT_READ_TIMEOUT * 5 + 0.05 * count))
 
 
 def restore(sid: str, snapshot: Any) -> Call[SandboxInfo]:
     req = validated(RestoreRequest, snapshot=_snap_key(snapshot))
-    return Call("POST", sb_path(sid) + "/restore", _info, body=_body(req))
+    return _keyed(Call("POST", sb_path(sid) + "/restore", _info, body=_body(req)))
 
 
 def pause(sid: str) -> Call[SandboxInfo]:
-    return Call("POST", sb_path(sid) + "/pause", _info)
+    return _keyed(Call("POST", sb_path(sid) + "/pause", _info))
 
 
 def resume(sid: str) -> Call[SandboxInfo]:
-    return Call("POST", sb_path(sid) + "/resume", _info)
+    return _keyed(Call("POST", sb_path(sid) + "/resume", _info))
 
 
 def snapshots() -> Call[list[SnapshotInfo]]:

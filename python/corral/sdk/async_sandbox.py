@@ -243,8 +243,9 @@ class AsyncSandbox(SandboxHandle):
     async def fork(self, n: int, *, name: str | None = None,
                    keep_snapshot: bool = False) -> builtins.list[AsyncSandbox]:
         """See ``Sandbox.fork``."""
-        res = await self._call(api.fork, n, name, keep_snapshot)
-        return [type(self)._bind(self._endpoint, i.id, i) for i in res.sandboxes]
+        call = self._with_key(api.fork(await self._sid_ready(), n, name, keep_snapshot))
+        res = await transport(self._endpoint).call(call)
+        return self._fork_children(call, res.sandboxes)
 
     async def restore(self, snapshot: str | SnapshotBase) -> SandboxInfo:
         """See ``Sandbox.restore``."""

@@ -77,6 +77,18 @@ class SandboxHandle:
             call.key = f"{self._traj}:{step}"
         return call
 
+    def _fork_children(self: H, call: Call[Any], infos: list[SandboxInfo]) -> list[H]:
+        """Handles for the children of a fork. With a trajectory, child ``i`` of the fork
+        keyed ``T:S`` gets the trajectory ``T/forkS/i`` (from step 0): a restarted client that
+        replays the fork gets the same children back and fast-forwards through their calls
+        too."""
+        kids = [type(self)._bind(self._endpoint, i.id, i) for i in infos]
+        if call.key is not None and self._traj is not None:
+            step = call.key.rpartition(":")[2]
+            for i, kid in enumerate(kids):
+                kid._set_trajectory(f"{self._traj}/fork{step}/{i}")
+        return kids
+
     @property
     def id(self) -> str:
         if self._sid is None:

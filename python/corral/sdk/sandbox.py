@@ -197,9 +197,11 @@ class Sandbox(SandboxHandle):
              keep_snapshot: bool = False) -> builtins.list[Sandbox]:
         """Snapshot + ``n`` new sandboxes on it (same spec), in one call (all or nothing).
         The snapshot is deleted once they exist unless ``keep_snapshot`` (its layers live as
-        long as the children)."""
-        res = self._call(api.fork(self.id, n, name, keep_snapshot))
-        return [type(self)._bind(self._endpoint, i.id, i) for i in res.sandboxes]
+        long as the children). With a trajectory id, the children get trajectory ids of
+        their own (``{trajectory_id}/fork{step}/{i}``) and a replayed fork returns the same
+        children (those that ended since come back with state ``dead``)."""
+        call = self._with_key(api.fork(self.id, n, name, keep_snapshot))
+        return self._fork_children(call, transport(self._endpoint).call(call).sandboxes)
 
     def restore(self, snapshot: str | SnapshotBase) -> SandboxInfo:
         """Roll this sandbox's files back to ``snapshot`` in place (same id). Every process
