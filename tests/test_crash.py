@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 
 from corral import AsyncSandbox, Sandbox
 from corral.errors import CorralError, DaemonRestarted, DaemonUnavailable
@@ -103,6 +104,14 @@ def test_kill9_under_load(daemon):
                 assert (res["stdout"], res["exit_code"]) == (stdout, code)
             # no call was logged as a command failure caused by the crash
             assert all(r["exit_code"] == 0 for rs in logged.values() for r in rs)
+            # the calls in flight are in the log, as interrupted (outcome unknown)
+            cut = [e for e in again.log() if e.status == "interrupted"]
+            for e in cut:
+                assert e.result is None and e.error["error"]["code"] == "daemon_restarted"
+                assert e.ended_at is None
+                assert all(cmd != e.request["cmd"] for cmd, _, _ in seen[b.id])
+            if b is boxes[0]:
+                assert "sleep 30; echo late" in [e.request["cmd"] for e in cut]
     finally:
         if daemon.proc is None:
             daemon.start()
@@ -111,3 +120,57 @@ def test_kill9_under_load(daemon):
                 b.kill()
             except CorralError:
                 pass
+
+
+def test_interrupted_calls_are_logged_and_a_retry_runs(daemon):
+    """A keyed exec in flight at kill -9: after the restart its row is interrupted, its key is
+    not bound (a retry runs for real), and the log keeps both rows."""
+    tid = uuid.uuid4().hex
+    sb = Sandbox(timeout=600, trajectory_id=tid)
+    cmd = "test -f /root/fast || sleep 30; echo ran >> /root/ran"
+    failed: list[BaseException] = []
+
+    def slow() -> None:
+        try:
+            sb.exec(cmd)
+        except CorralError as e:
+            failed.append(e)
+
+    try:
+        sb.exec("echo before")
+        t = threading.Thread(target=slow)
+        t.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # until its started row is committed
+            if any(e.status == "started" for e in Sandbox.from_id(sb.id).log()):
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("no started row")
+        handle = Sandbox.from_id(sb.id)
+        daemon.kill9()
+        t.join(60)
+        assert len(failed) == 1 and isinstance(failed[0], DaemonRestarted)
+        daemon.start()
+        entries = handle.log()
+        assert [(e.op, e.status) for e in entries] == [("create", "done"), ("exec", "done"),
+                                                      ("exec", "interrupted")]
+        cut = entries[2]
+        assert cut.request["cmd"] == cmd and cut.idempotency_key == f"{tid}:1"
+        assert cut.error["error"]["code"] == "daemon_restarted"
+        assert cut.error["error"]["details"]["interrupted"] is True
+        # the restarted client replays: step 0 fast-forwards, step 1 runs for real
+        again = Sandbox.connect(sb.id, trajectory_id=tid)
+        assert again.exec("echo before").stdout == "before\n"
+        Sandbox.from_id(sb.id).files.write("/root/fast", "")  # so the retry does not sleep
+        assert again.exec(cmd).exit_code == 0
+        rows = [e for e in handle.log() if e.idempotency_key == f"{tid}:1"]
+        assert [e.status for e in rows] == ["interrupted", "done"]
+        assert rows[1].seq > rows[0].seq
+        # now the key is bound: the same step fast-forwards
+        assert Sandbox.connect(sb.id, trajectory_id=tid, step=1).exec(cmd).exit_code == 0
+        assert len([e for e in handle.log() if e.idempotency_key == f"{tid}:1"]) == 2
+    finally:
+        if daemon.proc is None:
+            daemon.start()
+        Sandbox.from_id(sb.id).kill()
