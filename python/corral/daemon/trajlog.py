@@ -14,13 +14,14 @@ crash can lose the last transactions (the database stays consistent; NORMAL sync
 checkpoints). So a daemon crash loses nothing a client has seen: a result is only sent after
 its record is committed.
 
-Calls in flight: a mutating call (every op in ``STARTED_OPS``) also queues a *started* row when
-it begins, and does not wait for it (no second commit on the call's path). The writer holds a
-batch made only of started rows for up to ``CORRAL_TRAJLOG_START_MS`` (default 20 ms): a call
-that ends within that time is written once, as a finished row; a longer one has its started
-row committed, then updated in place when it ends. At the next start of the daemon, started
-rows still open are marked ``interrupted`` (their outcome is unknown: the command may or may
-not have run; their callers got ``daemon_restarted``). A call in flight for less than the hold
+Calls in flight: a mutating call (every op in ``STARTED_OPS``) also gets a *started* row, and
+never waits for it (no second commit on the call's path). A timer on the event loop queues that
+row for the writer once the call has run ``CORRAL_TRAJLOG_START_MS`` (default 20 ms); a call
+that ends sooner cancels the timer and is written once, finished (no extra row, thread wake-up
+or commit: the common case). A longer call has its started row committed by the next group
+commit, and finished in place when it ends. At the next start of the daemon, started rows
+still open are marked ``interrupted``: their outcome is unknown (the command may or may not
+have run; their callers got ``daemon_restarted``). A call in flight for less than the hold
 time at a crash can be missing from the log (its caller saw no result either).
 
 Idempotency: a mutating call may carry the HTTP header ``Idempotency-Key``. Its scope is the
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import collections
 import hashlib
 import json
 import logging
@@ -45,6 +45,7 @@ import queue
 import sqlite3
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -145,20 +146,28 @@ class _Pending:
 
 
 class _Start:
-    """The started row of a call in flight. ``closed`` is set (on the loop) before the call's
-    end or cancel is queued: a start still held by the writer then is not written at all.
-    ``rowid`` is set by the writer once the row is in the database."""
+    """The started row of a call in flight. Lives on the loop (``TrajLog._held``) until the
+    call has run ``start_ms``; then it is queued for the writer (``queued``). A call that ends
+    sooner is written once, finished. ``rowid`` is set by the writer once the row is in the
+    database (its end then updates it in place)."""
 
-    __slots__ = ("args", "t", "closed", "rowid")
+    __slots__ = ("sid", "op", "request", "key", "fp", "started_at", "t", "queued", "rowid")
 
     kind = "start"
     fut = None
 
-    def __init__(self, args: tuple[Any, ...]) -> None:
-        self.args = args
+    def __init__(self, sid: str, op: str, request: dict[str, Any], started_at: float,
+                 key: str | None, fp: str | None) -> None:
+        self.sid, self.op, self.request, self.started_at = sid, op, request, started_at
+        self.key, self.fp = key, fp
         self.t = time.monotonic()
-        self.closed = False
+        self.queued = False
         self.rowid: int | None = None
+
+    @property
+    def args(self) -> tuple[Any, ...]:
+        return (self.sid, self.op, self.key, self.fp, _dumps(self.request), None, None,
+                self.started_at, self.started_at, None, STARTED)
 
 
 SnapIds = list[str] | Callable[[Any], list[str]] | None
@@ -177,6 +186,10 @@ class TrajLog:
         self.flush_s = max(0.0, flush_ms) / 1000.0
         self.start_hold_s = max(0.0, start_ms) / 1000.0
         self._q: queue.SimpleQueue[_Pending | _Start | None] = queue.SimpleQueue()
+        # Started rows held on the loop, oldest first (O(1) removal anywhere, O(1) oldest),
+        # and the one timer that queues the due ones (armed while any is held; not per call).
+        self._held: OrderedDict[_Start, None] = OrderedDict()
+        self._tick: asyncio.TimerHandle | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: sqlite3.Connection | None = None
@@ -230,22 +243,15 @@ class TrajLog:
     # ---- the writer thread (group commit) ----------------------------------------------------
     def _writer(self) -> None:
         conn = self._connect()
-        held: collections.deque[_Start] = collections.deque()  # started rows not written yet
         stop = False
         while not stop:
-            timeout = None
-            if held:
-                timeout = max(0.0, held[0].t + self.start_hold_s - time.monotonic())
-            try:
-                item = self._q.get(timeout=timeout)
-            except queue.Empty:
-                item = False  # a held start is due
+            item = self._q.get()
             batch: list[Any] = []
             if item is None:
                 stop = True
-            elif item is not False:
+            else:
                 batch.append(item)
-                if self.flush_s and item.kind != "start":
+                if self.flush_s:
                     time.sleep(self.flush_s)
             while True:
                 try:
@@ -256,22 +262,8 @@ class TrajLog:
                     stop = True
                 else:
                     batch.append(item)
-            ends = []
-            for p in batch:
-                if p.kind == "start":
-                    held.append(p)
-                else:
-                    ends.append(p)
-            # Starts held long enough (or all, when stopping) whose call has not ended: write
-            # them, ahead of the rest (an end in this batch may update one of them).
-            due: list[Any] = []
-            now = time.monotonic()
-            while held and (stop or held[0].closed or held[0].t + self.start_hold_s <= now):
-                s = held.popleft()
-                if not s.closed:
-                    due.append(s)
-            if due or ends:
-                self._commit(conn, due + ends)
+            if batch:
+                self._commit(conn, batch)
         conn.close()
 
     def _commit(self, conn: sqlite3.Connection, batch: list[Any]) -> None:
@@ -384,16 +376,37 @@ class TrajLog:
 
     def started(self, sid: str, op: str, request: dict[str, Any], started_at: float,
                 key: str | None = None, fp: str | None = None) -> _Start:
-        """Queue the started row of a call (not waited for: see the module docstring)."""
-        s = _Start((sid, op, key, fp, _dumps(request), None, None, started_at, started_at,
-                    None, STARTED))
-        self._q.put(s)
+        """The started row of a call: queued (never waited for) if the call is still running
+        ``start_ms`` from now. Held on the loop, not by the writer: a call that ends sooner
+        costs no extra row, thread wake-up or commit."""
+        s = _Start(sid, op, request, started_at, key, fp)
+        self._held[s] = None
+        if self._tick is None and self._loop is not None:
+            self._tick = self._loop.call_later(self.start_hold_s, self._queue_due)
         return s
+
+    def _queue_due(self) -> None:
+        self._tick = None
+        due = time.monotonic() - self.start_hold_s
+        while self._held:
+            s = next(iter(self._held))
+            if s.t > due:  # the rest are younger (oldest first)
+                assert self._loop is not None
+                self._tick = self._loop.call_later(s.t - due, self._queue_due)
+                return
+            del self._held[s]
+            s.queued = True
+            self._q.put(s)
+
+    def _close_start(self, s: _Start) -> _Start | None:
+        """The call ended: the start its end must finish in place, or None (never queued)."""
+        self._held.pop(s, None)
+        return s if s.queued else None
 
     def drop(self, start: _Start) -> None:
         """The call will not be logged after all (no such sandbox, a daemon bug)."""
-        start.closed = True
-        self._q.put(_Pending("drop", (start,), None))
+        if self._close_start(start) is not None:
+            self._q.put(_Pending("drop", (start,), None))
 
     def logged(self, sid: str, op: str, request: dict[str, Any],
                result: dict[str, Any] | None, started_at: float,
@@ -424,7 +437,7 @@ class TrajLog:
         """Queue one entry (finishing ``start``'s row if given) and wait until it is
         committed."""
         if start is not None:
-            start.closed = True
+            start = self._close_start(start)
         args = self._row(sid, op, request, result, error, started_at, ended_at, key, fp,
                          snapshot_ids, start)
         fut = self._submit("entry", args, True)
