@@ -157,6 +157,9 @@ def test_interrupted_calls_are_logged_and_a_retry_runs(daemon):
                                                       ("exec", "interrupted")]
         cut = entries[2]
         assert cut.request["cmd"] == cmd and cut.idempotency_key == f"{tid}:1"
+        from test_cli import ok
+
+        assert "INTERRUPTED" in ok("log", sb.id)
         assert cut.error["error"]["code"] == "daemon_restarted"
         assert cut.error["error"]["details"]["interrupted"] is True
         # the restarted client replays: step 0 fast-forwards, step 1 runs for real

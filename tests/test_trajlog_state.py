@@ -285,3 +285,62 @@ def test_cli_log_shows_state_calls():
         assert word in table, (word, table)
     assert f"fork of {sb.id}" in ok("log", kid.id)
     snap.delete()
+
+
+OLD_SCHEMA = """
+CREATE TABLE entries (seq INTEGER PRIMARY KEY, sandbox_id TEXT NOT NULL, op TEXT NOT NULL,
+    idem_key TEXT, fingerprint TEXT, request TEXT NOT NULL, result TEXT, error TEXT,
+    started_at REAL NOT NULL, ended_at REAL NOT NULL, snapshot_ids TEXT);
+CREATE TABLE sandboxes (sandbox_id TEXT PRIMARY KEY, spec TEXT, created_at REAL,
+    ended_at REAL, reason TEXT);
+INSERT INTO entries (sandbox_id, op, request, result, started_at, ended_at)
+    VALUES ('sb-old', 'exec', '{"cmd":"true"}', '{"exit_code":0}', 1.0, 2.0);
+"""
+
+
+def test_a_log_from_before_started_rows_is_migrated(tmp_path):
+    """A trajlog.db written before the status column existed opens, reads and takes started
+    rows (through the daemon's own TrajLog code, on a private state dir)."""
+    import sqlite3
+
+    from corral.daemon.trajlog import TrajLog
+
+    conn = sqlite3.connect(tmp_path / "trajlog.db")
+    conn.executescript(OLD_SCHEMA)
+    conn.close()
+
+    async def main() -> None:
+        tl = TrajLog(str(tmp_path), start_ms=0)
+        tl.open(asyncio.get_running_loop())
+        try:
+            _, entries = tl.read("sb-old")
+            assert [(e["op"], e["status"], e["duration_s"]) for e in entries] == \
+                [("exec", "done", 1.0)]
+
+            async def slow() -> dict:
+                await asyncio.sleep(0.3)
+                return {"ok": True}
+
+            task = asyncio.ensure_future(tl.run("sb-old", "mkdir", {"path": "/x"}, "k1", slow))
+            await asyncio.sleep(0.15)
+            assert [e["status"] for e in tl.read("sb-old")[1]] == ["done", "started"]
+            await task
+            assert [e["status"] for e in tl.read("sb-old")[1]] == ["done", "done"]
+            # a started row left open (a crash) is interrupted at the next open
+            task = asyncio.ensure_future(tl.run("sb-old", "mkdir", {"path": "/y"}, "k2", slow))
+            await asyncio.sleep(0.15)
+        finally:
+            tl.close()
+        task.cancel()
+        tl2 = TrajLog(str(tmp_path))
+        tl2.open(asyncio.get_running_loop())
+        try:
+            assert tl2.interrupted == 1
+            last = tl2.read("sb-old")[1][-1]
+            assert last["status"] == "interrupted" and last["idempotency_key"] == "k2"
+            assert tl2._lookup("sb-old", "k2") is None  # does not bind its key
+            assert tl2._lookup("sb-old", "k1") is not None
+        finally:
+            tl2.close()
+
+    asyncio.run(main())
