@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -109,6 +110,7 @@ def main() -> None:
             except Exception:  # noqa: BLE001
                 pass
             d.stop()
+        shutil.rmtree(root, ignore_errors=True)  # the daemons' state dirs (and trajlog.db)
 
 
 if __name__ == "__main__":
