@@ -18,6 +18,9 @@ from corral.errors import (
     SnapshotNotFound,
 )
 
+from corral import _core
+from corral.daemon.snapshots import layer_digest
+
 from conftest import CGROUP_NAME, STATE_DIR
 
 LAYERS = Path(STATE_DIR, "layers")
@@ -72,6 +75,8 @@ def test_snapshot_content_carries_over(sb):
     assert snap.image == "host" and snap.parent is None and snap.sandbox_id == sb.id
     assert snap.size >= len("one\nkeep\nmoved\n") and len(snap.layers) == 1
     assert (LAYERS / snap.digest).is_dir()
+    # The digest the Rust core computed while copying is the one the stored files give.
+    assert layer_digest(str(LAYERS / snap.digest)) == snap.digest
     # Changes after the snapshot are not in it.
     sb.files.write("/work/a", "changed\n")
     with Sandbox(snapshot=snap, timeout=60) as box:
@@ -87,6 +92,66 @@ def test_snapshot_content_carries_over(sb):
     with pytest.raises(SnapshotNotFound) as ei:
         Sandbox(snapshot=snap.id)
     assert ei.value.code == "snapshot_not_found"
+
+
+def test_capture_layer_copies_exactly_and_hashes_what_it_wrote(tmp_path):
+    """The one-pass copy + hash (rust/src/layer.rs) on every kind of entry an upper holds:
+    big (copied in the kernel, hashed on a second thread) and small files, hard links,
+    symlinks (never followed), whiteouts, FIFOs, kept and dropped overlay xattrs, set-id bits
+    with foreign owners, dir mtimes; an empty or missing upper makes no part."""
+    import os
+
+    src, empty = tmp_path / "src", tmp_path / "empty"
+    (src / "d" / "e").mkdir(parents=True)
+    empty.mkdir()
+    big = os.urandom(3 << 20)
+    (src / "big").write_bytes(big)
+    (src / "small").write_text("hi")
+    os.link(src / "big", src / "d" / "big2")
+    os.link(src / "small", src / "d" / "small2")
+    os.symlink("/etc", src / "d" / "etc-link")  # a link to a host dir: copied as a link
+    os.mknod(src / "wh", 0o20000 | 0o600, 0)  # an overlayfs whiteout
+    os.mkfifo(src / "d" / "fifo")
+    os.setxattr(src / "d", "trusted.overlay.opaque", b"y")
+    os.setxattr(src / "d", "trusted.overlay.origin", b"mount-specific")
+    os.setxattr(src / "small", "user.k", b"v")
+    suid = src / "d" / "e" / "suid"
+    suid.write_text("x")
+    os.chown(suid, 1000, 1000)
+    os.chmod(suid, 0o4755)
+    os.utime(src / "d", ns=(1, 123_456_789_123))
+    out = tmp_path / "layer"
+    out.mkdir()
+    digest, size = _core.capture_layer([(0, str(src), str(out / "0")),
+                                        (1, str(empty), str(out / "1")),
+                                        (2, str(tmp_path / "missing"), str(out / "2"))])
+    assert sorted(os.listdir(out)) == ["0"]
+    assert size == len(big) + len("hi") + len("x")  # hard links count once
+    assert layer_digest(str(out)) == digest and len(digest) == 64
+    c = out / "0"
+    assert (c / "big").read_bytes() == big and (c / "d" / "small2").read_text() == "hi"
+    assert os.stat(c / "big").st_ino == os.stat(c / "d" / "big2").st_ino
+    assert os.readlink(c / "d" / "etc-link") == "/etc"
+    assert os.stat(c / "wh", follow_symlinks=False).st_rdev == 0
+    assert Path(c / "d" / "fifo").is_fifo()
+    assert os.getxattr(c / "d", "trusted.overlay.opaque") == b"y"
+    assert "trusted.overlay.origin" not in os.listxattr(c / "d")
+    assert os.getxattr(c / "small", "user.k") == b"v"
+    st = os.stat(c / "d" / "e" / "suid")
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1000, 1000, 0o4755)
+    assert os.stat(c / "d").st_mtime_ns == 123_456_789_123
+    # Same content elsewhere: same digest (content addressing); one byte more: another.
+    out2 = tmp_path / "layer2"
+    out2.mkdir()
+    assert _core.capture_layer([(0, str(src), str(out2 / "0"))])[0] == digest
+    with open(src / "big", "r+b") as f:
+        f.seek(1 << 20)
+        f.write(b"!")
+    os.utime(src / "big", ns=(1, 1))
+    os.utime(src / "d" / "big2", ns=(1, 1))
+    out3 = tmp_path / "layer3"
+    out3.mkdir()
+    assert _core.capture_layer([(0, str(src), str(out3 / "0"))])[0] != digest
 
 
 def test_snapshot_of_unchanged_sandboxes_share_one_layer():

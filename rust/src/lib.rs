@@ -9,6 +9,7 @@ mod child;
 mod enter;
 mod fs;
 mod harden;
+mod layer;
 mod spawn;
 
 use std::ffi::OsString;
@@ -21,6 +22,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use enter::{EnterError, ExecConfig};
 use fs::FsError;
 use harden::{HardenError, Rlimit};
+use layer::LayerError;
 use spawn::{Overlay, SpawnConfig, SpawnError};
 
 // ---- errors -----------------------------------------------------------------------------------
@@ -73,6 +75,12 @@ impl From<FsError> for PyErr {
                 msg,
             } => PyOSError::new_err((errno, format!("{op}: {msg}"), path)),
         }
+    }
+}
+
+impl From<LayerError> for PyErr {
+    fn from(e: LayerError) -> PyErr {
+        os_error(e.errno(), format!("capture_layer: {e}"))
     }
 }
 
@@ -310,6 +318,28 @@ fn fs_chmod(py: Python<'_>, root_fd: RawFd, path: OsString, mode: u32) -> PyResu
     Ok(py.detach(|| fs::chmod(root_fd, &path, mode))?)
 }
 
+/// Copy a frozen sandbox's overlay upper dirs to a new snapshot layer and hash it in one pass:
+/// `parts` is [(n, upper dir, new dir)], a dir is made only for a non-empty upper. Returns
+/// (blake3 digest hex of the layer's manifest, bytes of file data). See layer.rs.
+#[pyfunction]
+fn capture_layer(py: Python<'_>, parts: Vec<(u32, OsString, OsString)>) -> PyResult<(String, u64)> {
+    let parts = parts
+        .into_iter()
+        .map(|(n, src, dst)| {
+            let c = |p: OsString| {
+                std::ffi::CString::new(p.into_encoded_bytes())
+                    .map_err(|_| PyValueError::new_err("a path holds a NUL byte"))
+            };
+            Ok(layer::Part {
+                n,
+                src: c(src)?,
+                dst: c(dst)?,
+            })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(py.detach(|| layer::capture(&parts))?)
+}
+
 /// Step timings (name, ns) of the calling thread's last spawn_sandbox or exec_in ("exec_in").
 #[pyfunction]
 #[pyo3(signature = (what = "spawn_sandbox"))]
@@ -351,6 +381,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fs_readlink, m)?)?;
     m.add_function(wrap_pyfunction!(fs_chmod, m)?)?;
     m.add_function(wrap_pyfunction!(pty_open, m)?)?;
+    m.add_function(wrap_pyfunction!(capture_layer, m)?)?;
     m.add_function(wrap_pyfunction!(shell_capabilities, m)?)?;
     m.add_function(wrap_pyfunction!(last_profile, m)?)?;
     m.add("DEFAULT_PATH", enter::DEFAULT_PATH)?;

@@ -11,10 +11,15 @@ chain) plus the new layer on top. A sandbox started from a snapshot mounts each 
 the chain's parts as extra lowerdirs above the image's. Deletions carry over because the copy
 keeps overlayfs' whiteouts (char 0/0) and opaque / redirect xattrs (``trusted.overlay.*``).
 
-Capture: freeze the sandbox's cgroup (cgroup freezer) so no process writes mid-copy, copy each
-upper with copy_file_range (in-kernel; on ext4 a data copy, on btrfs/XFS a reflink), thaw, then
-hash the copy (blake3 over a sorted manifest: paths, types, modes, owners, mtimes, xattrs, link
-targets and file contents). Cost grows with what the sandbox changed, never with the image.
+Capture: freeze the sandbox's cgroup (cgroup freezer) so no process writes mid-copy, then the
+Rust core (``_core.capture_layer``, rust/src/layer.rs, GIL released) copies each upper and
+hashes it in one pass: big files with copy_file_range (in-kernel; on ext4 a data copy, on
+btrfs/XFS a reflink) while a second thread hashes the same source file, small ones read once,
+hashed and written; then thaw. The digest is blake3 over a sorted manifest (paths, types,
+modes, owners, mtimes, xattrs, link targets and file contents) of what was written; the source
+cannot change while frozen, so hashing it is hashing the copy, without reading the copy back.
+:func:`layer_digest` recomputes it from a stored layer (the tests check that the two agree).
+Cost grows with what the sandbox changed, never with the image.
 Hard-linking the upper's files would be cheaper but wrong: the sandbox keeps writing to those
 inodes in place (the upper is not copied up again), which would change the snapshot.
 
@@ -40,26 +45,11 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import blake3
+
+from corral import _core
 from corral.daemon import persist
 from corral.errors import SnapshotChainTooDeep, SnapshotExists, SnapshotNotFound
-
-try:
-    import blake3 as _blake3
-
-    def _hasher() -> Any:
-        return _blake3.blake3()
-
-    def _hash_bytes(data: Any) -> bytes:
-        # One thread: on a busy 2-core host, blake3's multi-threaded mode measured slower.
-        return _blake3.blake3(data).digest()
-except ImportError:  # pragma: no cover - blake3 is a dependency; sha256 keeps it working
-    import hashlib
-
-    def _hasher() -> Any:
-        return hashlib.sha256()
-
-    def _hash_bytes(data: Any) -> bytes:
-        return hashlib.sha256(data).digest()
 
 log = logging.getLogger("corral.snapshots")
 
@@ -69,7 +59,6 @@ _KEEP_OVL = {"trusted.overlay.opaque", "trusted.overlay.redirect", "trusted.over
              "trusted.overlay.whiteout", "trusted.overlay.whiteouts"}
 # mount(2) takes the overlay options in one page: "lowerdir=...,upperdir=...,workdir=...".
 MOUNT_OPTIONS_MAX = 4095
-_COPY_CHUNK = 1 << 30
 
 
 def new_id() -> str:
@@ -92,80 +81,14 @@ def _xattrs(path: str) -> list[tuple[str, bytes]]:
     return out
 
 
-def _copy_data(src: str, dst: str, mode: int) -> None:
-    fi = os.open(src, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        fo = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o777)
-        try:
-            try:
-                while os.copy_file_range(fi, fo, _COPY_CHUNK):
-                    pass
-            except OSError:  # e.g. EXDEV / EOPNOTSUPP on odd filesystems: plain copy
-                os.lseek(fi, 0, os.SEEK_SET)
-                os.lseek(fo, 0, os.SEEK_SET)
-                os.ftruncate(fo, 0)
-                while chunk := os.read(fi, 1 << 20):
-                    os.write(fo, chunk)
-        finally:
-            os.close(fo)
-    finally:
-        os.close(fi)
-
-
-def copy_tree(src: str, dst: str) -> int:
-    """Copy the upper dir ``src`` to the new dir ``dst`` exactly (owners, modes, times,
-    xattrs, hard links, symlinks, whiteouts, FIFOs). Returns the bytes of file data."""
-    total = 0
-    links: dict[tuple[int, int], str] = {}
-    dirs: list[tuple[str, os.stat_result]] = []
-
-    def meta(s: str, d: str, st: os.stat_result, is_link: bool) -> None:
-        for name, value in _xattrs(s):
-            with contextlib.suppress(OSError):
-                os.setxattr(d, name, value, follow_symlinks=False)
-        os.chown(d, st.st_uid, st.st_gid, follow_symlinks=False)
-        if not is_link:
-            os.chmod(d, stat.S_IMODE(st.st_mode))
-        os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
-
-    def walk(s: str, d: str) -> None:
-        nonlocal total
-        with os.scandir(s) as it:
-            entries = list(it)
-        for e in entries:
-            sp, dp = e.path, os.path.join(d, e.name)
-            st = e.stat(follow_symlinks=False)
-            m = st.st_mode
-            if stat.S_ISDIR(m):
-                os.mkdir(dp, 0o700)
-                walk(sp, dp)
-                dirs.append((sp, dp, st))  # type: ignore[arg-type]
-                continue
-            if stat.S_ISREG(m):
-                key = (st.st_dev, st.st_ino)
-                if st.st_nlink > 1 and key in links:
-                    os.link(links[key], dp)
-                    continue
-                _copy_data(sp, dp, m)
-                total += st.st_size
-                if st.st_nlink > 1:
-                    links[key] = dp
-            elif stat.S_ISLNK(m):
-                os.symlink(os.readlink(sp), dp)
-            elif stat.S_ISCHR(m) or stat.S_ISBLK(m) or stat.S_ISFIFO(m) or stat.S_ISSOCK(m):
-                # Whiteouts are char 0/0; a sandbox cannot make other devices (no CAP_MKNOD).
-                if (stat.S_ISCHR(m) or stat.S_ISBLK(m)) and st.st_rdev != 0:
-                    continue
-                os.mknod(dp, m, st.st_rdev)
-            else:
-                continue
-            meta(sp, dp, st, stat.S_ISLNK(m))
-
-    walk(src, dst)
-    for sp, dp, st in reversed(dirs):  # type: ignore[misc]
-        meta(sp, dp, st, False)
-    meta(src, dst, os.lstat(src), False)
-    return total
+def layer_digest(layer: str) -> str:
+    """The digest of a stored layer dir, recomputed from its files: the same manifest
+    ``_core.capture_layer`` hashes while it copies (an independent check; not on a hot path)."""
+    h = blake3.blake3()
+    for n in sorted(int(x) for x in os.listdir(layer) if x.isdigit()):
+        h.update(f"part {n}\n".encode())
+        tree_digest(os.path.join(layer, str(n)), h)
+    return h.hexdigest()
 
 
 def tree_digest(root: str, h: Any) -> None:
@@ -195,11 +118,11 @@ def tree_digest(root: str, h: Any) -> None:
 
 def _file_hash(path: str, size: int) -> bytes:
     if size == 0:
-        return _hash_bytes(b"")
+        return blake3.blake3(b"").digest()
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mm:
-            return _hash_bytes(mm)
+            return blake3.blake3(mm).digest()
     finally:
         os.close(fd)
 
@@ -350,25 +273,16 @@ class SnapshotStore:
         """Copy the uppers into a new temporary layer dir; return (tmp dir, digest, bytes)."""
         tmp = os.path.join(self.layers_dir, f".tmp-{os.urandom(8).hex()}")
         os.mkdir(tmp, 0o755)
-        size = 0
+        parts = [(n, upper, os.path.join(tmp, str(n))) for n, upper in enumerate(uppers)]
         try:
             freeze()
             try:
-                for n, upper in enumerate(uppers):
-                    if _empty(upper):
-                        continue
-                    part = os.path.join(tmp, str(n))
-                    os.mkdir(part, 0o755)
-                    size += copy_tree(upper, part)
+                # One pass in the Rust core, GIL released: copy and hash side by side (the
+                # source cannot change while frozen, so its hash is the copy's).
+                digest, size = _core.capture_layer(parts)
             finally:
                 thaw()
-            h = _hasher()
-            for n in range(len(uppers)):
-                part = os.path.join(tmp, str(n))
-                if os.path.isdir(part):
-                    h.update(f"part {n}\n".encode())
-                    tree_digest(part, h)
-            return tmp, h.hexdigest(), size
+            return tmp, digest, size
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

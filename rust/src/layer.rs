@@ -1,0 +1,612 @@
+//! Snapshot layers: copy a sandbox's overlay upper dirs to a new layer and hash them in one
+//! pass (see corral/daemon/snapshots.py and docs/snapshots.md).
+//!
+//! The caller freezes the sandbox first, so the source does not change while we read it: the
+//! content hash is then taken from the *source* while the copy is being made (no re-read of
+//! the copy afterwards), and the manifest records exactly what was written to the copy. Big
+//! files are copied in the kernel (copy_file_range) on this thread while a second thread
+//! hashes them with pread, so the two run side by side on two cores; small files are read
+//! once, hashed and written.
+//!
+//! The source is walked with *at syscalls from directory fds, never following a symlink
+//! (O_NOFOLLOW, AT_SYMLINK_NOFOLLOW): even without a freezer (a best-effort copy of a live
+//! tree), a directory swapped for a symlink by the sandbox cannot make the daemon copy a host
+//! file into the layer.
+//!
+//! The digest is blake3 over a sorted manifest, byte for byte the one
+//! `corral.daemon.snapshots.tree_digest` computes over the stored layer (the tests check that):
+//! per part `part N\n`, then per entry, depth first, names sorted bytewise,
+//!   D<head><xattrs>\n | L<head><target><xattrs>\n | O<head><xattrs>\n |
+//!   F<head><size>\0<mtime_ns>\0<xattrs><blake3(content), 32 bytes>\n
+//! with head = `<rel path>\0<st_mode octal>\0<uid>\0<gid>\0<rdev>\0` and xattrs =
+//! `name=value;` for each kept xattr, sorted by name.
+
+use std::collections::HashMap;
+use std::ffi::{CStr, CString};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::mpsc;
+use std::sync::Arc;
+
+use rustix::fs::{self as rfs, AtFlags, Dir, FileType, Mode, OFlags, Timespec, Timestamps};
+use rustix::io::Errno;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LayerError {
+    #[error("{op} {path}: {msg}")]
+    Os {
+        op: &'static str,
+        errno: i32,
+        path: String,
+        msg: String,
+    },
+}
+
+impl LayerError {
+    pub fn errno(&self) -> i32 {
+        match self {
+            LayerError::Os { errno, .. } => *errno,
+        }
+    }
+}
+
+type Result<T> = std::result::Result<T, LayerError>;
+
+fn os_err(op: &'static str, path: &[u8], e: Errno) -> LayerError {
+    LayerError::Os {
+        op,
+        errno: e.raw_os_error(),
+        path: String::from_utf8_lossy(path).into_owned(),
+        msg: std::io::Error::from_raw_os_error(e.raw_os_error()).to_string(),
+    }
+}
+
+/// Files up to this size are read, hashed and written on the walking thread; bigger ones are
+/// copied in the kernel while the hasher thread reads them.
+const SMALL: u64 = 256 * 1024;
+const CHUNK: usize = 256 * 1024;
+/// overlayfs xattrs that describe a layer's content (the others describe one mount's upper).
+const KEEP_OVL: [&[u8]; 5] = [
+    b"trusted.overlay.opaque",
+    b"trusted.overlay.redirect",
+    b"trusted.overlay.metacopy",
+    b"trusted.overlay.whiteout",
+    b"trusted.overlay.whiteouts",
+];
+
+/// One upper dir to capture: manifest part `n`, copied from `src` to the new dir `dst`
+/// (made here; nothing is made when `src` is empty or missing).
+pub struct Part {
+    pub n: u32,
+    pub src: CString,
+    pub dst: CString,
+}
+
+/// The digest (hex) of the captured parts and the bytes of file data copied.
+pub fn capture(parts: &[Part]) -> Result<(String, u64)> {
+    let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
+    let (res_tx, res_rx) = mpsc::channel::<(usize, std::result::Result<[u8; 32], Errno>)>();
+    let mut w = Walker {
+        manifest: Vec::with_capacity(4096),
+        slots: Vec::new(),
+        hashes: Vec::new(),
+        links: HashMap::new(),
+        jobs: jobs_tx,
+        bytes: 0,
+        buf: vec![0u8; CHUNK],
+        xbuf: vec![0u8; 65536],
+        vbuf: vec![0u8; 65536],
+    };
+    let walked = std::thread::scope(|s| {
+        s.spawn(move || hasher(jobs_rx, res_tx));
+        let r = parts.iter().try_for_each(|p| w.part(p));
+        drop(std::mem::replace(&mut w.jobs, mpsc::channel().0)); // ends the hasher's loop
+        r
+    });
+    walked?;
+    for (idx, r) in res_rx.iter() {
+        w.hashes[idx] = Some(r.map_err(|e| os_err("read", b"(layer file)", e))?);
+    }
+    let mut h = blake3::Hasher::new();
+    let mut at = 0;
+    for &(pos, idx) in &w.slots {
+        h.update(&w.manifest[at..pos]);
+        let digest = w.hashes[idx].ok_or_else(|| os_err("hash", b"(layer file)", Errno::IO))?;
+        h.update(&digest);
+        at = pos;
+    }
+    h.update(&w.manifest[at..]);
+    Ok((h.finalize().to_hex().to_string(), w.bytes))
+}
+
+/// A big file for the hasher thread: the source fd (shared with the copy, which uses its own
+/// offsets) and the index of its hash slot.
+struct Job {
+    idx: usize,
+    file: Arc<OwnedFd>,
+}
+
+fn hasher(
+    jobs: mpsc::Receiver<Job>,
+    out: mpsc::Sender<(usize, std::result::Result<[u8; 32], Errno>)>,
+) {
+    let mut buf = vec![0u8; CHUNK];
+    for job in jobs {
+        let r = hash_fd(job.file.as_fd(), &mut buf);
+        if out.send((job.idx, r)).is_err() {
+            return;
+        }
+    }
+}
+
+fn hash_fd(fd: BorrowedFd<'_>, buf: &mut [u8]) -> std::result::Result<[u8; 32], Errno> {
+    let mut h = blake3::Hasher::new();
+    let mut off = 0u64;
+    loop {
+        let n = match rustix::io::pread(fd, &mut *buf, off) {
+            Ok(n) => n,
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(e),
+        };
+        if n == 0 {
+            return Ok(*h.finalize().as_bytes());
+        }
+        h.update(&buf[..n]);
+        off += n as u64;
+    }
+}
+
+struct Walker {
+    manifest: Vec<u8>,
+    /// (position in the manifest, hash index): where each file's content hash goes.
+    slots: Vec<(usize, usize)>,
+    hashes: Vec<Option<[u8; 32]>>,
+    /// Hard links: (dev, ino) of the source -> (dst dir fd, name) of the first copy, hash index.
+    links: HashMap<(u64, u64), (Arc<OwnedFd>, CString, usize)>,
+    jobs: mpsc::Sender<Job>,
+    bytes: u64,
+    buf: Vec<u8>,
+    xbuf: Vec<u8>,
+    vbuf: Vec<u8>,
+}
+
+const NOFOLLOW: AtFlags = AtFlags::SYMLINK_NOFOLLOW;
+
+fn dir_flags() -> OFlags {
+    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC
+}
+
+/// /proc/self/fd/N/name: a path for the l*xattr calls on an entry that cannot be opened (a
+/// symlink, a whiteout); the directory is the fd's, the last component is not followed.
+fn fd_path(dir: BorrowedFd<'_>, name: &CStr) -> CString {
+    use std::os::fd::AsRawFd;
+    let mut p = format!("/proc/self/fd/{}/", dir.as_raw_fd()).into_bytes();
+    p.extend_from_slice(name.to_bytes());
+    CString::new(p).expect("no NUL in a dir entry name")
+}
+
+impl Walker {
+    fn part(&mut self, p: &Part) -> Result<()> {
+        let src = match rfs::open(p.src.as_c_str(), dir_flags(), Mode::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::NOENT) => return Ok(()),
+            Err(e) => return Err(os_err("open", p.src.to_bytes(), e)),
+        };
+        let names = list(src.as_fd(), p.src.to_bytes())?;
+        if names.is_empty() {
+            return Ok(());
+        }
+        self.manifest
+            .extend_from_slice(format!("part {}\n", p.n).as_bytes());
+        rfs::mkdir(p.dst.as_c_str(), Mode::from_raw_mode(0o700))
+            .map_err(|e| os_err("mkdir", p.dst.to_bytes(), e))?;
+        let dst = rfs::open(p.dst.as_c_str(), dir_flags(), Mode::empty())
+            .map_err(|e| os_err("open", p.dst.to_bytes(), e))?;
+        let dst = Arc::new(dst);
+        self.dir(src.as_fd(), &dst, b"", names)?;
+        // The root's own metadata (not in the manifest, as in tree_digest).
+        let st = rfs::fstat(&src).map_err(|e| os_err("stat", p.src.to_bytes(), e))?;
+        self.copy_xattrs_fd(src.as_fd(), dst.as_fd());
+        self.meta_fd(dst.as_fd(), &st, p.dst.to_bytes())
+    }
+
+    /// Copy the entries `names` of the source dir `src` into `dst` (rel: the dir's manifest path).
+    fn dir(
+        &mut self,
+        src: BorrowedFd<'_>,
+        dst: &Arc<OwnedFd>,
+        rel: &[u8],
+        names: Vec<CString>,
+    ) -> Result<()> {
+        for name in names {
+            let mut r = Vec::with_capacity(rel.len() + 1 + name.as_bytes().len());
+            r.extend_from_slice(rel);
+            r.push(b'/');
+            r.extend_from_slice(name.as_bytes());
+            self.entry(src, dst, &name, &r)?;
+        }
+        Ok(())
+    }
+
+    fn entry(
+        &mut self,
+        src: BorrowedFd<'_>,
+        dst: &Arc<OwnedFd>,
+        name: &CStr,
+        r: &[u8],
+    ) -> Result<()> {
+        let st = rfs::statat(src, name, NOFOLLOW).map_err(|e| os_err("stat", r, e))?;
+        let ft = FileType::from_raw_mode(st.st_mode);
+        match ft {
+            FileType::Directory => {
+                let sfd = rfs::openat(src, name, dir_flags(), Mode::empty())
+                    .map_err(|e| os_err("open", r, e))?;
+                let st = rfs::fstat(&sfd).map_err(|e| os_err("stat", r, e))?;
+                rfs::mkdirat(dst, name, Mode::from_raw_mode(0o700))
+                    .map_err(|e| os_err("mkdir", r, e))?;
+                let dfd = rfs::openat(dst, name, dir_flags(), Mode::empty())
+                    .map_err(|e| os_err("open", r, e))?;
+                let dfd = Arc::new(dfd);
+                // xattrs first (they go in the manifest before the children); owner, mode and
+                // times after the children, so the dir's mtime is the source's.
+                let x = self.copy_xattrs_fd(sfd.as_fd(), dfd.as_fd());
+                self.head(b'D', r, &st);
+                self.manifest.extend_from_slice(&x);
+                self.manifest.push(b'\n');
+                let names = list(sfd.as_fd(), r)?;
+                self.dir(sfd.as_fd(), &dfd, r, names)?;
+                self.meta_fd(dfd.as_fd(), &st, r)
+            }
+            FileType::RegularFile => self.file(src, dst, name, r, &st),
+            FileType::Symlink => {
+                let target =
+                    rfs::readlinkat(src, name, Vec::new()).map_err(|e| os_err("readlink", r, e))?;
+                rfs::symlinkat(target.as_c_str(), dst, name)
+                    .map_err(|e| os_err("symlink", r, e))?;
+                let x = self.copy_xattrs_path(src, dst.as_fd(), name);
+                self.meta_at(dst.as_fd(), name, &st, false, r)?;
+                self.head(b'L', r, &st);
+                self.manifest.extend_from_slice(target.as_bytes());
+                self.manifest.extend_from_slice(&x);
+                self.manifest.push(b'\n');
+                Ok(())
+            }
+            FileType::CharacterDevice
+            | FileType::BlockDevice
+            | FileType::Fifo
+            | FileType::Socket => {
+                // Whiteouts are char 0/0; a sandbox cannot make other devices (no CAP_MKNOD).
+                let dev = matches!(ft, FileType::CharacterDevice | FileType::BlockDevice);
+                if dev && st.st_rdev != 0 {
+                    return Ok(());
+                }
+                rfs::mknodat(
+                    dst,
+                    name,
+                    ft,
+                    Mode::from_raw_mode(st.st_mode & 0o7777),
+                    st.st_rdev,
+                )
+                .map_err(|e| os_err("mknod", r, e))?;
+                let x = self.copy_xattrs_path(src, dst.as_fd(), name);
+                self.meta_at(dst.as_fd(), name, &st, true, r)?;
+                self.head(b'O', r, &st);
+                self.manifest.extend_from_slice(&x);
+                self.manifest.push(b'\n');
+                Ok(())
+            }
+            FileType::Unknown => Ok(()),
+        }
+    }
+
+    fn file(
+        &mut self,
+        src: BorrowedFd<'_>,
+        dst: &Arc<OwnedFd>,
+        name: &CStr,
+        r: &[u8],
+        st0: &rfs::Stat,
+    ) -> Result<()> {
+        let key = (st0.st_dev, st0.st_ino);
+        if st0.st_nlink > 1 {
+            if let Some((ldir, lname, idx)) = self.links.get(&key).cloned() {
+                rfs::linkat(ldir.as_fd(), lname.as_c_str(), dst, name, AtFlags::empty())
+                    .map_err(|e| os_err("link", r, e))?;
+                // Same inode as the first copy: same metadata, same content hash.
+                let x = self.read_xattrs_at(dst.as_fd(), name);
+                self.file_line(r, st0, &x, idx);
+                return Ok(());
+            }
+        }
+        // NONBLOCK: a FIFO swapped in (no freezer) must not block the open; the fstat below
+        // checks what was opened.
+        let sfd = rfs::openat(
+            src,
+            name,
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK,
+            Mode::empty(),
+        )
+        .map_err(|e| os_err("open", r, e))?;
+        let st = rfs::fstat(&sfd).map_err(|e| os_err("stat", r, e))?;
+        if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+            return Ok(()); // changed under us (no freezer): skip it
+        }
+        let dfd = rfs::openat(
+            dst,
+            name,
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC,
+            Mode::from_raw_mode(st.st_mode & 0o777),
+        )
+        .map_err(|e| os_err("create", r, e))?;
+        let idx = self.hashes.len();
+        self.hashes.push(None);
+        let sfd = Arc::new(sfd);
+        if st.st_size as u64 <= SMALL {
+            self.hashes[idx] = Some(self.copy_small(sfd.as_fd(), dfd.as_fd(), r)?);
+        } else {
+            // The hasher reads while the kernel copies: two cores, one pass each.
+            let _ = self.jobs.send(Job {
+                idx,
+                file: sfd.clone(),
+            });
+            copy_big(sfd.as_fd(), dfd.as_fd(), &mut self.buf).map_err(|e| os_err("copy", r, e))?;
+        }
+        self.bytes += st.st_size as u64;
+        let x = self.copy_xattrs_fd(sfd.as_fd(), dfd.as_fd());
+        self.meta_fd(dfd.as_fd(), &st, r)?;
+        self.file_line(r, &st, &x, idx);
+        if st.st_nlink > 1 {
+            self.links.insert(key, (dst.clone(), name.to_owned(), idx));
+        }
+        Ok(())
+    }
+
+    fn file_line(&mut self, r: &[u8], st: &rfs::Stat, x: &[u8], idx: usize) {
+        self.head(b'F', r, st);
+        let mtime_ns = st.st_mtime as i128 * 1_000_000_000 + st.st_mtime_nsec as i128;
+        self.manifest
+            .extend_from_slice(format!("{}\0{}\0", st.st_size, mtime_ns).as_bytes());
+        self.manifest.extend_from_slice(x);
+        self.slots.push((self.manifest.len(), idx));
+        self.manifest.push(b'\n');
+    }
+
+    /// Read the whole (small) file once: hash it and write it.
+    fn copy_small(
+        &mut self,
+        src: BorrowedFd<'_>,
+        dst: BorrowedFd<'_>,
+        r: &[u8],
+    ) -> Result<[u8; 32]> {
+        let mut h = blake3::Hasher::new();
+        let mut off = 0u64;
+        loop {
+            let n = match rustix::io::pread(src, &mut self.buf[..], off) {
+                Ok(n) => n,
+                Err(Errno::INTR) => continue,
+                Err(e) => return Err(os_err("read", r, e)),
+            };
+            if n == 0 {
+                return Ok(*h.finalize().as_bytes());
+            }
+            h.update(&self.buf[..n]);
+            write_all(dst, &self.buf[..n], off).map_err(|e| os_err("write", r, e))?;
+            off += n as u64;
+        }
+    }
+
+    fn head(&mut self, kind: u8, r: &[u8], st: &rfs::Stat) {
+        self.manifest.push(kind);
+        self.manifest.extend_from_slice(r);
+        self.manifest.extend_from_slice(
+            format!(
+                "\0{:o}\0{}\0{}\0{}\0",
+                st.st_mode, st.st_uid, st.st_gid, st.st_rdev
+            )
+            .as_bytes(),
+        );
+    }
+
+    /// Owner, mode, times of an opened copy (the order matters: chown clears set-id bits).
+    fn meta_fd(&self, fd: BorrowedFd<'_>, st: &rfs::Stat, r: &[u8]) -> Result<()> {
+        rfs::fchown(
+            fd,
+            Some(rfs::Uid::from_raw(st.st_uid)),
+            Some(rfs::Gid::from_raw(st.st_gid)),
+        )
+        .map_err(|e| os_err("chown", r, e))?;
+        rfs::fchmod(fd, Mode::from_raw_mode(st.st_mode & 0o7777))
+            .map_err(|e| os_err("chmod", r, e))?;
+        rfs::futimens(fd, &times(st)).map_err(|e| os_err("utimes", r, e))
+    }
+
+    /// The same for an entry that is not opened (symlink, whiteout, FIFO).
+    fn meta_at(
+        &self,
+        dir: BorrowedFd<'_>,
+        name: &CStr,
+        st: &rfs::Stat,
+        chmod: bool,
+        r: &[u8],
+    ) -> Result<()> {
+        rfs::chownat(
+            dir,
+            name,
+            Some(rfs::Uid::from_raw(st.st_uid)),
+            Some(rfs::Gid::from_raw(st.st_gid)),
+            NOFOLLOW,
+        )
+        .map_err(|e| os_err("chown", r, e))?;
+        if chmod {
+            rfs::chmodat(
+                dir,
+                name,
+                Mode::from_raw_mode(st.st_mode & 0o7777),
+                AtFlags::empty(),
+            )
+            .map_err(|e| os_err("chmod", r, e))?;
+        }
+        rfs::utimensat(dir, name, &times(st), NOFOLLOW).map_err(|e| os_err("utimes", r, e))
+    }
+
+    /// Copy the kept xattrs of an opened source to an opened copy; returns the manifest bytes
+    /// of those that were set.
+    fn copy_xattrs_fd(&mut self, src: BorrowedFd<'_>, dst: BorrowedFd<'_>) -> Vec<u8> {
+        let names = match rfs::flistxattr(src, &mut self.xbuf[..]) {
+            Ok(n) => split_names(&self.xbuf[..n]),
+            Err(_) => return Vec::new(),
+        };
+        let mut out = Vec::new();
+        for n in names {
+            let Ok(len) = rfs::fgetxattr(src, n.as_c_str(), &mut self.vbuf[..]) else {
+                continue;
+            };
+            let v = &self.vbuf[..len];
+            if rfs::fsetxattr(dst, n.as_c_str(), v, rfs::XattrFlags::empty()).is_ok() {
+                push_xattr(&mut out, &n, v);
+            }
+        }
+        out
+    }
+
+    /// The same for entries that cannot be opened: through /proc/self/fd/N/name, not following.
+    fn copy_xattrs_path(
+        &mut self,
+        src: BorrowedFd<'_>,
+        dst: BorrowedFd<'_>,
+        name: &CStr,
+    ) -> Vec<u8> {
+        let sp = fd_path(src, name);
+        let names = match rfs::llistxattr(sp.as_c_str(), &mut self.xbuf[..]) {
+            Ok(n) => split_names(&self.xbuf[..n]),
+            Err(_) => return Vec::new(),
+        };
+        if names.is_empty() {
+            return Vec::new();
+        }
+        let dp = fd_path(dst, name);
+        let mut out = Vec::new();
+        for n in names {
+            let Ok(len) = rfs::lgetxattr(sp.as_c_str(), n.as_c_str(), &mut self.vbuf[..]) else {
+                continue;
+            };
+            let v = &self.vbuf[..len];
+            if rfs::lsetxattr(dp.as_c_str(), n.as_c_str(), v, rfs::XattrFlags::empty()).is_ok() {
+                push_xattr(&mut out, &n, v);
+            }
+        }
+        out
+    }
+
+    /// The kept xattrs of a copy already made (a second hard link to it).
+    fn read_xattrs_at(&mut self, dir: BorrowedFd<'_>, name: &CStr) -> Vec<u8> {
+        let p = fd_path(dir, name);
+        let names = match rfs::llistxattr(p.as_c_str(), &mut self.xbuf[..]) {
+            Ok(n) => split_names(&self.xbuf[..n]),
+            Err(_) => return Vec::new(),
+        };
+        let mut out = Vec::new();
+        for n in names {
+            if let Ok(len) = rfs::lgetxattr(p.as_c_str(), n.as_c_str(), &mut self.vbuf[..]) {
+                let v = self.vbuf[..len].to_vec();
+                push_xattr(&mut out, &n, &v);
+            }
+        }
+        out
+    }
+}
+
+fn times(st: &rfs::Stat) -> Timestamps {
+    Timestamps {
+        last_access: Timespec {
+            tv_sec: st.st_atime as _,
+            tv_nsec: st.st_atime_nsec as _,
+        },
+        last_modification: Timespec {
+            tv_sec: st.st_mtime as _,
+            tv_nsec: st.st_mtime_nsec as _,
+        },
+    }
+}
+
+/// The NUL-separated xattr name list, kept names only, sorted.
+fn split_names(list: &[u8]) -> Vec<CString> {
+    let mut out: Vec<CString> = list
+        .split(|&b| b == 0)
+        .filter(|n| !n.is_empty())
+        .filter(|n| !n.starts_with(b"trusted.overlay.") || KEEP_OVL.contains(n))
+        .filter_map(|n| CString::new(n).ok())
+        .collect();
+    out.sort();
+    out
+}
+
+fn push_xattr(out: &mut Vec<u8>, name: &CStr, value: &[u8]) {
+    out.extend_from_slice(name.to_bytes());
+    out.push(b'=');
+    out.extend_from_slice(value);
+    out.push(b';');
+}
+
+/// The entry names of an opened dir (without . and ..), sorted bytewise.
+fn list(dir: BorrowedFd<'_>, r: &[u8]) -> Result<Vec<CString>> {
+    let mut d = Dir::read_from(dir).map_err(|e| os_err("opendir", r, e))?;
+    let mut names = Vec::new();
+    while let Some(ent) = d.read() {
+        let ent = ent.map_err(|e| os_err("readdir", r, e))?;
+        let n = ent.file_name();
+        if n == c"." || n == c".." {
+            continue;
+        }
+        names.push(n.to_owned());
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// In-kernel copy to EOF; a plain read/write copy where copy_file_range is refused.
+fn copy_big(
+    src: BorrowedFd<'_>,
+    dst: BorrowedFd<'_>,
+    buf: &mut [u8],
+) -> std::result::Result<(), Errno> {
+    let (mut off_in, mut off_out) = (0u64, 0u64);
+    loop {
+        match rfs::copy_file_range(src, Some(&mut off_in), dst, Some(&mut off_out), 1 << 30) {
+            Ok(0) => return Ok(()),
+            Ok(_) => continue,
+            Err(Errno::INTR) => continue,
+            Err(Errno::XDEV | Errno::OPNOTSUPP | Errno::NOSYS | Errno::INVAL) if off_in == 0 => {
+                break
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let mut off = 0u64;
+    loop {
+        let n = match rustix::io::pread(src, &mut *buf, off) {
+            Ok(n) => n,
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(e),
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        write_all(dst, &buf[..n], off)?;
+        off += n as u64;
+    }
+}
+
+fn write_all(fd: BorrowedFd<'_>, mut data: &[u8], mut off: u64) -> std::result::Result<(), Errno> {
+    while !data.is_empty() {
+        match rustix::io::pwrite(fd, data, off) {
+            Ok(0) => return Err(Errno::IO),
+            Ok(n) => {
+                data = &data[n..];
+                off += n as u64;
+            }
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
