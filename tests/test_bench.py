@@ -31,7 +31,7 @@ def report(tmp_path_factory):
     """One tiny run of every scenario (no peers), in process."""
     plots = tmp_path_factory.mktemp("bench-out")
     rep = run(Options(runs=1, count=N, concurrency=2, batch=5, plots_dir=str(plots),
-                      progress=False))
+                      snapshot_mb=1, fork=4, progress=False))
     rep["_plots_dir"] = str(plots)
     return rep
 
@@ -52,7 +52,7 @@ def test_report_header(report):
     for key in ("version", "command", "host", "options", "scenarios", "cleanup", "duration_s"):
         assert key in report
     assert report["host"]["cpus"] >= 1
-    assert set(report["scenarios"]) == {"churn", "latency", "exec", "density"}
+    assert set(report["scenarios"]) == {"churn", "latency", "exec", "density", "snapshot"}
     for name, sec in report["scenarios"].items():
         assert "error" not in sec, (name, sec)
         assert len(sec["runs"]) == 1
@@ -106,10 +106,27 @@ def test_density_section(report):
     assert _is_num(sec["median"]["corral"]["daemon_rss_mib"])
 
 
+def test_snapshot_section(report):
+    """Snapshot / restore / fork latencies with their targets; everything it made is gone."""
+    sec = report["scenarios"]["snapshot"]
+    assert (sec["n"], sec["mb"], sec["fork_n"]) == (N, 1, 4)
+    m = sec["median"]["corral"]
+    assert m["errors"] == 0
+    for key, n in (("snapshot", N), ("restore", N), ("fork4", sec["fork_reps"])):
+        s = m[f"{key}_ms"]
+        assert s["n"] == n
+        assert 0 < s["p50"] <= s["p90"] <= s["p99"] <= s["max"]
+        assert sec["targets_ms"][key] > 0 and isinstance(sec["met"][key], bool)
+    assert sec["left"] == {"snapshots": 0, "layers": 0}
+    assert "snapshot_records" not in report["cleanup"]["leaks"]
+    assert "layers" not in report["cleanup"]["leaks"]
+
+
 def test_plots_and_json_written(report):
     out = report["_plots_dir"]
     assert {os.path.basename(p) for p in report["plots"]} == {
-        "latency_cdf.png", "churn_latency_cdf.png", "churn_rates.png", "density_rate.png"}
+        "latency_cdf.png", "churn_latency_cdf.png", "churn_rates.png", "density_rate.png",
+        "snapshot_cdf.png"}
     for p in report["plots"]:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -130,7 +147,8 @@ def test_cli_json(tmp_path):
 
 
 def test_parse_scenarios():
-    assert parse_scenarios("all") == ["churn", "latency", "exec", "density"]
+    assert parse_scenarios("all") == ["churn", "latency", "exec", "density", "snapshot"]
+    assert parse_scenarios("snapshot") == ["snapshot"]
     assert parse_scenarios("exec, churn") == ["exec", "churn"]
     with pytest.raises(Exception, match="unknown scenario"):
         parse_scenarios("nope")

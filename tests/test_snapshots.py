@@ -10,16 +10,14 @@ from pathlib import Path
 import pytest
 
 import corral
-from corral import AsyncSandbox, Sandbox, Snapshot
+from corral import AsyncSandbox, Sandbox, Snapshot, _core
+from corral.daemon.snapshots import layer_digest
 from corral.errors import (
     InvalidRequest,
     SandboxNotRunning,
     SnapshotExists,
     SnapshotNotFound,
 )
-
-from corral import _core
-from corral.daemon.snapshots import layer_digest
 
 from conftest import CGROUP_NAME, STATE_DIR
 

@@ -1,12 +1,14 @@
-"""``corral bench`` (issue 3): corral end to end against a raw-syscall baseline and peers.
+"""``corral bench`` (issue 3): corral end to end against a raw-syscall baseline and peers; the
+snapshot scenario measures issue 4's snapshot / restore / fork targets.
 
 Layout (one job per module):
   session.py    options, the private daemon + raw baseline + peers of one run, the leak check
   daemon.py     a private corrald (own state dir, socket, cgroup name)
   raw.py        builds and drives bench/raw (the same kernel work as corral, no API)
   peers.py      bwrap, crun, runc (installed from Debian if missing), OCI bundle generation
-  sdk_runs.py   corral measured through the SDK: churn, latency, exec, density fill/destroy
-  scenarios.py  churn, latency, exec, density: runs, medians, ratios within a run
+  sdk_runs.py   corral measured through the SDK: churn, latency, exec, density fill/destroy,
+                snapshot / restore / fork cycles
+  scenarios.py  churn, latency, exec, density, snapshot: runs, medians, ratios within a run
   host.py       /proc/meminfo, kernel limits, cgroup/mount/process leak checks
   profile.py    py-spy sampling of the daemon (--profile)
   report.py     rich tables with the issue's targets; plots.py: PNGs; runner.py: the session

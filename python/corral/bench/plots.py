@@ -1,4 +1,5 @@
-"""PNG plots (matplotlib, headless): latency CDFs, churn rates, create rate vs live count."""
+"""PNG plots (matplotlib, headless): latency CDFs (latency, churn, snapshot), churn rates,
+create rate vs live count."""
 
 from __future__ import annotations
 
@@ -100,6 +101,10 @@ def make_all(report: dict[str, Any], samples: dict[str, Any], out_dir: Path) -> 
         made.append(latency_cdf(samples["churn"], out_dir / "churn_latency_cdf.png",
                                 "churn: per-sandbox create+exec+destroy latency"))
         made.append(churn_rates(sc["churn"], out_dir / "churn_rates.png"))
+    if "snapshot" in samples:
+        made.append(latency_cdf(samples["snapshot"], out_dir / "snapshot_cdf.png",
+                                f"snapshot ({sc['snapshot']['mb']} MB changed), restore, fork of "
+                                f"{sc['snapshot']['fork_n']} (corral via SDK)"))
     if "density" in samples:
         made.append(density_rate(samples["density"]["curves"], out_dir / "density_rate.png",
                                  sc["density"]["n"]))

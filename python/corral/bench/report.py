@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-# Issue 3's targets, as shown next to the figures.
+# Issue 3's targets, as shown next to the figures (issue 4's: scenarios.SNAPSHOT_TARGETS_MS).
 CHURN_TARGETS = {"raw": ">= 0.8", "raw-netns": ">= 0.8", "bwrap": ">= 4", "crun": ">= 10"}
 LATENCY_TARGETS = {"create": "p50 <= 1 (warm), <= 3 (cold); p99 <= 10",
                    "exec": "p50 <= 1.5", "ttfr": "p50 <= 3"}
@@ -118,6 +118,24 @@ def density_table(sec: dict[str, Any]) -> Table:
     return t
 
 
+def snapshot_table(sec: dict[str, Any]) -> Table:
+    t = Table(title=f"snapshot / restore / fork through the SDK  ({sec['n']} cycles, "
+                    f"{sec['fork_reps']} forks per run, ms, median of {len(sec['runs'])} runs)")
+    for c in ("operation", "p50", "p90", "p99", "max", "target (p50)", "met"):
+        t.add_column(c, justify="left" if c in ("operation", "target (p50)") else "right")
+    m = _get(sec, "median", "corral") or {}
+    labels = {"snapshot": f"snapshot, {sec['mb']} MB changed",
+              "restore": f"restore in place ({sec['mb']} MB rolled back)",
+              f"fork{sec['fork_n']}": f"fork of {sec['fork_n']} children (one call)"}
+    for key, label in labels.items():
+        s = m.get(f"{key}_ms", {})
+        met = sec.get("met", {}).get(key)
+        t.add_row(label, _f(s.get("p50"), 2), _f(s.get("p90"), 2), _f(s.get("p99"), 2),
+                  _f(s.get("max"), 2), f"<= {sec['targets_ms'][key]:.0f}",
+                  "-" if met is None else ("[green]yes[/green]" if met else "[red]NO[/red]"))
+    return t
+
+
 def profile_table(scenario: str, prof: dict[str, Any]) -> Table:
     t = Table(title=f"corrald during corral's {scenario} (run 1): py-spy, "
                     f"{prof['samples']:,} samples, % of non-idle samples")
@@ -131,7 +149,7 @@ def profile_table(scenario: str, prof: dict[str, Any]) -> Table:
 
 
 TABLES = {"churn": churn_table, "latency": latency_table, "exec": exec_table,
-          "density": density_table}
+          "density": density_table, "snapshot": snapshot_table}
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:
@@ -146,6 +164,8 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         if name == "churn" and _get(sec, "median", "corral", "pool_hit_ratio") is not None:
             console.print(f"  corral creates served by a warm pool: "
                           f"{sec['median']['corral']['pool_hit_ratio'] * 100:.0f}%")
+        if name == "snapshot" and any(sec.get("left", {}).values()):
+            console.print(f"[red]  snapshot scenario left behind: {sec['left']}[/red]")
         if name == "density":
             d = _get(sec, "median", "corral") or {}
             console.print(f"  corrald RSS with {_f(d.get('made'))} alive: "

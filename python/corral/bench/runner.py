@@ -83,6 +83,8 @@ def _command(opts: Options) -> str:
                              ("--concurrency", opts.concurrency, d.concurrency),
                              ("--peer-count", opts.peer_count, d.peer_count),
                              ("--batch", opts.batch, d.batch),
+                             ("--snapshot-mb", opts.snapshot_mb, d.snapshot_mb),
+                             ("--fork", opts.fork, d.fork),
                              ("--workdir", opts.workdir, d.workdir)):
         if v != default:
             a += [flag, str(v)]

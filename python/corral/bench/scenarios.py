@@ -1,10 +1,12 @@
-"""The four scenarios. Each repeats ``--runs`` times; within a run every system is measured
-back to back (so they share the machine's noise), ratios are taken within a run, and the
-report quotes the median over runs. Each returns (report section, samples for the plots)."""
+"""The scenarios (churn, latency, exec, density: issue 3; snapshot: issue 4). Each repeats
+``--runs`` times; within a run every system is measured back to back (so they share the
+machine's noise), ratios are taken within a run, and the report quotes the median over runs.
+Each returns (report section, samples for the plots)."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -341,5 +343,47 @@ def _back_to_baseline(s: Session, before: dict[str, Any], cgroups: list[str],
             "processes_left": max(0, len(host.cgroup_pids(cgroups[0], exact=True)) - pooled)}
 
 
+# ---- snapshot / restore / fork (issue 4) ----------------------------------------------------
+SNAPSHOT_TARGETS_MS = {"snapshot": 10.0, "restore": 5.0, "fork": 100.0}
+
+
+def snapshot(s: Session) -> tuple[Section, Samples]:
+    """Snapshot with ``--snapshot-mb`` MB changed, restore in place, fork of ``--fork``
+    children, all through the SDK on the private daemon (sdk_runs.snapshots)."""
+    n, R, mb, fork_n = s.opts.n("snapshot"), s.opts.runs, s.opts.snapshot_mb, s.opts.fork
+    fork_reps = max(3, n // 3)
+    fork_key = f"fork{fork_n}"
+    runs: list[dict[str, OpResult]] = []
+    for r in range(R):
+        with s.ui.task(f"snapshot {r + 1}/{R} ({mb} MB, fork {fork_n})", n + fork_reps) as adv:
+            runs.append({"corral": sdk_runs.snapshots(s.daemon.endpoint, n, mb, fork_n,
+                                                      fork_reps, adv)})
+    sec = _summarize(runs, [])
+    m = sec["median"]["corral"]
+    targets = {"snapshot": SNAPSHOT_TARGETS_MS["snapshot"],
+               "restore": SNAPSHOT_TARGETS_MS["restore"], fork_key: SNAPSHOT_TARGETS_MS["fork"]}
+    sec.update(n=n, fork_reps=fork_reps, mb=mb, fork_n=fork_n, targets_ms=targets,
+               met={k: (m.get(f"{k}_ms", {}).get("p50") is not None
+                        and m[f"{k}_ms"]["p50"] <= t) for k, t in targets.items()},
+               left=_snapshot_leftovers(s))
+    return sec, {f"corral {k}": v for k, v in runs[-1]["corral"].phases.items()}
+
+
+def _snapshot_leftovers(s: Session, timeout: float = 10.0) -> dict[str, int]:
+    """What the scenario left on the daemon: snapshot records, and layer dirs once the
+    background deletes of their last references are done (the scenario deletes everything)."""
+    left = sdk_runs.leftovers(s.daemon.endpoint)
+    layers = s.daemon.state_dir / "layers"
+    deadline = time.monotonic() + timeout
+    while True:
+        n = len(os.listdir(layers)) if layers.is_dir() else 0
+        if n == 0 or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    left["layers"] = n
+    return left
+
+
 RUNNERS: dict[str, Callable[[Session], tuple[Section, Samples]]] = {
-    "churn": churn, "latency": latency, "exec": exec_, "density": density}
+    "churn": churn, "latency": latency, "exec": exec_, "density": density,
+    "snapshot": snapshot}

@@ -212,3 +212,61 @@ def destroy_all(endpoint: str, ids: list[str], batch: int, advance: Advance = _n
         Sandbox.kill_many(chunk, return_exceptions=True, endpoint=endpoint)
         advance(len(chunk))
     return time.perf_counter() - t0
+
+
+# ---- snapshot / restore / fork (issue 4) ----------------------------------------------------
+def snapshots(endpoint: str, n: int, mb: int, fork_n: int, fork_reps: int,
+              advance: Advance = _noop) -> OpResult:
+    """On one sandbox, ``n`` cycles of: write ``mb`` MB (a new file, flushed) -> snapshot
+    (timed) -> restore in place to the sandbox's starting snapshot (timed: the ``mb`` MB of
+    changes are rolled back) -> delete the snapshot; then ``fork_reps`` forks of ``fork_n``
+    children (timed: snapshot + ``fork_n`` creates, one call), each batch killed after. The
+    sandbox stays on its one-level base, so the chain never grows (a restore to the snapshot
+    just taken would add a level per cycle)."""
+    fork_key = f"fork{fork_n}"
+    ph: dict[str, list[float]] = {"snapshot": [], "restore": [], fork_key: []}
+    errors: list[str] = []
+    write = (f"dd if=/dev/urandom of=/root/blob bs=1M count={mb} status=none && "
+             "sync -f /root/blob")
+    t_start = time.perf_counter()
+    with Sandbox("host", endpoint=endpoint, timeout=TTL_S, memory_mb=1024) as sb:
+        sb.exec(TRUE)
+        base = sb.snapshot()
+        try:
+            sb.restore(base)  # stand on it, so every restore below is the same operation
+            for _ in range(n):
+                try:
+                    sb.exec(write).check()
+                    t0 = time.perf_counter()
+                    snap = sb.snapshot()
+                    t1 = time.perf_counter()
+                    sb.restore(base)
+                    t2 = time.perf_counter()
+                    snap.delete()
+                    ph["snapshot"].append((t1 - t0) * 1e3)
+                    ph["restore"].append((t2 - t1) * 1e3)
+                except CorralError as e:
+                    errors.append(_err(e))
+                advance(1)
+            for _ in range(fork_reps):
+                try:
+                    t0 = time.perf_counter()
+                    kids = sb.fork(fork_n)
+                    ph[fork_key].append((time.perf_counter() - t0) * 1e3)
+                    Sandbox.kill_many(kids, return_exceptions=True, endpoint=endpoint)
+                except CorralError as e:
+                    errors.append(_err(e))
+                advance(1)
+        finally:
+            base.delete()
+    wall = time.perf_counter() - t_start
+    res = OpResult("corral", n + fork_reps, wall, len(errors), ph, _extra(1, errors))
+    res.extra.update(mb=mb, fork_n=fork_n)
+    return res
+
+
+def leftovers(endpoint: str) -> dict[str, int]:
+    """Snapshot records still listed by the daemon (the scenario deletes all it makes)."""
+    from corral.sdk import Snapshot
+
+    return {"snapshots": len(Snapshot.list(endpoint=endpoint))}

@@ -16,8 +16,9 @@ from corral.bench.daemon import PrivateDaemon
 from corral.bench.peers import Peers, ensure_installed
 from corral.bench.ui import UI
 
-SCENARIOS = ("churn", "latency", "exec", "density")
-DEFAULT_COUNTS = {"churn": 1000, "latency": 300, "exec": 1000, "density": 1000}
+SCENARIOS = ("churn", "latency", "exec", "density", "snapshot")
+# snapshot: snapshot/restore cycles per run (and N/3, at least 3, forks).
+DEFAULT_COUNTS = {"churn": 1000, "latency": 300, "exec": 1000, "density": 1000, "snapshot": 30}
 
 
 @dataclass
@@ -32,6 +33,8 @@ class Options:
     plots_dir: str | None = "bench/out"
     profile: bool = False             # py-spy the daemon during corral's churn
     workdir: str = "/var/tmp"         # parent of the private state (its fs type matters)
+    snapshot_mb: int = 10             # snapshot: MB changed before each snapshot
+    fork: int = 64                    # snapshot: children per fork
     progress: bool = True
 
     def n(self, scenario: str) -> int:
@@ -124,6 +127,12 @@ class Session:
         mount_delta = host.mount_count() - self.mounts_before
         sdir = self.daemon.state_dir / "sandboxes"
         leaks["sandbox_dirs"] = sorted(os.listdir(sdir)) if sdir.is_dir() else []
+        # Snapshots: every record and layer the run made is deleted (layers once unused).
+        state = self.daemon.state_dir
+        leaks["snapshot_records"] = (sorted(os.listdir(state / "snapshots"))
+                                     if (state / "snapshots").is_dir() else [])
+        leaks["layers"] = sorted(os.listdir(state / "layers")) if (state / "layers").is_dir() \
+            else []
         rdir = self.root / "raw"
         leaks["raw_dirs"] = sorted(os.listdir(rdir)) if rdir.is_dir() else []
         left = host.sweep_cgroups(self.prefix)  # also removes our empty top-level dirs

@@ -12,11 +12,11 @@ from corral.cli.output import err
 
 app = typer.Typer()
 
-_SCENARIOS = ("churn", "latency", "exec", "density")
+_SCENARIOS = ("churn", "latency", "exec", "density", "snapshot")
 
 
 def parse_scenarios(value: str) -> list[str]:
-    """``all`` or a comma-separated list of churn, latency, exec, density."""
+    """``all`` or a comma-separated list of churn, latency, exec, density, snapshot."""
     if value.strip() == "all":
         return list(_SCENARIOS)
     names = [s.strip() for s in value.split(",") if s.strip()]
@@ -29,16 +29,17 @@ def parse_scenarios(value: str) -> list[str]:
 
 @app.command()
 def bench(
-    scenario: str = typer.Argument("all", help="churn, latency, exec, density, all, or a "
-                                               "comma-separated list."),
+    scenario: str = typer.Argument("all", help="churn, latency, exec, density, snapshot, all, "
+                                               "or a comma-separated list."),
     peers: bool = typer.Option(False, "--peers", help="Also run bwrap, crun and runc in the "
                                                       "churn (installed with apt-get if "
                                                       "missing)."),
     runs: int = typer.Option(3, "--runs", "-r", min=1, help="Repeat each scenario; the "
                                                             "report quotes medians."),
     count: int | None = typer.Option(None, "--count", "-n", min=1, help="Operations (or live "
-                                     "sandboxes for density) per scenario. Default: churn "
-                                     "1000, latency 300, exec 1000, density 1000."),
+                                     "sandboxes for density, snapshot/restore cycles for "
+                                     "snapshot) per scenario. Default: churn 1000, latency "
+                                     "300, exec 1000, density 1000, snapshot 30."),
     concurrency: int = typer.Option(4, "--concurrency", "-c", min=1, max=64,
                                     help="Operations in flight (churn, async exec), the same "
                                          "for every system."),
@@ -46,6 +47,11 @@ def bench(
                                           help="Operations per peer (default min(N, 300))."),
     batch: int = typer.Option(100, "--batch", min=1, max=10000,
                               help="density: sandboxes per create_many call."),
+    snapshot_mb: int = typer.Option(10, "--snapshot-mb", min=1, max=4096,
+                                    help="snapshot: MB the sandbox changes before each "
+                                         "snapshot."),
+    fork: int = typer.Option(64, "--fork", min=1, max=1024,
+                             help="snapshot: children per fork (one call)."),
     json_: bool = typer.Option(False, "--json", help="The report as JSON on stdout."),
     plots_dir: str = typer.Option("bench/out", "--plots-dir",
                                   help="Where the PNG plots and report.json go ('' for none)."),
@@ -62,7 +68,9 @@ def bench(
     """Benchmark corral against a raw-syscall baseline and (--peers) bwrap, crun, runc.
 
     Scenarios: churn (create -> exec true -> destroy), latency (one client), exec (one live
-    sandbox), density (N idle sandboxes: memory, create rate vs live count). Every system
+    sandbox), density (N idle sandboxes: memory, create rate vs live count), snapshot
+    (snapshot with --snapshot-mb MB changed, restore in place, fork of --fork children; issue
+    4's targets). Every system
     runs in the same run; ratios are taken within a run, medians over --runs. Exits 1 if a
     scenario failed or anything was left behind."""
     from corral.bench.runner import run
@@ -71,7 +79,7 @@ def bench(
     opts = Options(scenarios=parse_scenarios(scenario), peers=peers, runs=runs, count=count,
                    concurrency=concurrency, peer_count=peer_count, batch=batch,
                    plots_dir=plots_dir or None, profile=profile, workdir=workdir,
-                   progress=progress)
+                   snapshot_mb=snapshot_mb, fork=fork, progress=progress)
     try:
         rep = run(opts, json_out=json_)
     except PermissionError as e:
