@@ -356,8 +356,9 @@ def snapshot(s: Session) -> tuple[Section, Samples]:
     runs: list[dict[str, OpResult]] = []
     for r in range(R):
         with s.ui.task(f"snapshot {r + 1}/{R} ({mb} MB, fork {fork_n})", n + fork_reps) as adv:
-            runs.append({"corral": sdk_runs.snapshots(s.daemon.endpoint, n, mb, fork_n,
-                                                      fork_reps, adv)})
+            runs.append({"corral": sdk_runs.snapshots(
+                s.daemon.endpoint, n, mb, fork_n, fork_reps, adv,
+                sandboxes_dir=s.daemon.state_dir / "sandboxes")})
     sec = _summarize(runs, [])
     m = sec["median"]["corral"]
     targets = {"snapshot": SNAPSHOT_TARGETS_MS["snapshot"],

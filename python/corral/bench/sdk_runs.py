@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from corral.bench.results import OpResult, with_total
@@ -216,13 +217,15 @@ def destroy_all(endpoint: str, ids: list[str], batch: int, advance: Advance = _n
 
 # ---- snapshot / restore / fork (issue 4) ----------------------------------------------------
 def snapshots(endpoint: str, n: int, mb: int, fork_n: int, fork_reps: int,
-              advance: Advance = _noop) -> OpResult:
+              advance: Advance = _noop, sandboxes_dir: Path | None = None) -> OpResult:
     """On one sandbox, ``n`` cycles of: write ``mb`` MB (a new file, flushed) -> snapshot
     (timed) -> restore in place to the sandbox's starting snapshot (timed: the ``mb`` MB of
     changes are rolled back) -> delete the snapshot; then ``fork_reps`` forks of ``fork_n``
-    children (timed: snapshot + ``fork_n`` creates, one call), each batch killed after. The
-    sandbox stays on its one-level base, so the chain never grows (a restore to the snapshot
-    just taken would add a level per cycle)."""
+    children (timed: snapshot + ``fork_n`` creates, one call), each batch killed after and,
+    given the daemon's ``sandboxes_dir``, its teardown (in the daemon's background) waited
+    for, so a fork is not timed against the previous batch's destroys. The sandbox stays on
+    its one-level base, so the chain never grows (a restore to the snapshot just taken would
+    add a level per cycle)."""
     fork_key = f"fork{fork_n}"
     ph: dict[str, list[float]] = {"snapshot": [], "restore": [], fork_key: []}
     errors: list[str] = []
@@ -254,6 +257,8 @@ def snapshots(endpoint: str, n: int, mb: int, fork_n: int, fork_reps: int,
                     kids = sb.fork(fork_n)
                     ph[fork_key].append((time.perf_counter() - t0) * 1e3)
                     Sandbox.kill_many(kids, return_exceptions=True, endpoint=endpoint)
+                    if sandboxes_dir is not None:
+                        _wait_gone([sandboxes_dir / k.id for k in kids])
                 except CorralError as e:
                     errors.append(_err(e))
                 advance(1)
@@ -263,6 +268,12 @@ def snapshots(endpoint: str, n: int, mb: int, fork_n: int, fork_reps: int,
     res = OpResult("corral", n + fork_reps, wall, len(errors), ph, _extra(1, errors))
     res.extra.update(mb=mb, fork_n=fork_n)
     return res
+
+
+def _wait_gone(paths: list[Path], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(p.exists() for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def leftovers(endpoint: str) -> dict[str, int]:
