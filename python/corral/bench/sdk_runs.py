@@ -221,11 +221,12 @@ def snapshots(endpoint: str, n: int, mb: int, fork_n: int, fork_reps: int,
     """On one sandbox, ``n`` cycles of: write ``mb`` MB (a new file, flushed) -> snapshot
     (timed) -> restore in place to the sandbox's starting snapshot (timed: the ``mb`` MB of
     changes are rolled back) -> delete the snapshot; then ``fork_reps`` forks of ``fork_n``
-    children (timed: snapshot + ``fork_n`` creates, one call), each batch killed after and,
-    given the daemon's ``sandboxes_dir``, its teardown (in the daemon's background) waited
-    for, so a fork is not timed against the previous batch's destroys. The sandbox stays on
-    its one-level base, so the chain never grows (a restore to the snapshot just taken would
-    add a level per cycle)."""
+    children (timed: snapshot + ``fork_n`` creates, one call), each batch killed after. Given
+    the daemon's ``sandboxes_dir``, the background work of what came before (the deletes of
+    the cycles' uppers and layers in the daemon's trash, each batch's teardown) is waited for
+    before each fork, so a fork is not timed against it. The sandbox stays on its one-level
+    base, so the chain never grows (a restore to the snapshot just taken would add a level per
+    cycle)."""
     fork_key = f"fork{fork_n}"
     ph: dict[str, list[float]] = {"snapshot": [], "restore": [], fork_key: []}
     errors: list[str] = []
@@ -251,8 +252,11 @@ def snapshots(endpoint: str, n: int, mb: int, fork_n: int, fork_reps: int,
                 except CorralError as e:
                     errors.append(_err(e))
                 advance(1)
+            trash = sandboxes_dir.parent / "trash" if sandboxes_dir is not None else None
             for _ in range(fork_reps):
                 try:
+                    if trash is not None:  # the background deletes before (100s of MB) end first
+                        _wait_gone(_children(trash))
                     t0 = time.perf_counter()
                     kids = sb.fork(fork_n)
                     ph[fork_key].append((time.perf_counter() - t0) * 1e3)
@@ -268,6 +272,13 @@ def snapshots(endpoint: str, n: int, mb: int, fork_n: int, fork_reps: int,
     res = OpResult("corral", n + fork_reps, wall, len(errors), ph, _extra(1, errors))
     res.extra.update(mb=mb, fork_n=fork_n)
     return res
+
+
+def _children(d: Path) -> list[Path]:
+    try:
+        return list(d.iterdir())
+    except FileNotFoundError:
+        return []
 
 
 def _wait_gone(paths: list[Path], timeout: float = 30.0) -> None:
