@@ -90,6 +90,7 @@ pub fn capture(parts: &[Part]) -> Result<(String, u64)> {
         slots: Vec::new(),
         hashes: Vec::new(),
         links: HashMap::new(),
+        root: None,
         jobs: jobs_tx,
         bytes: 0,
         buf: vec![0u8; CHUNK],
@@ -160,8 +161,12 @@ struct Walker {
     /// (position in the manifest, hash index): where each file's content hash goes.
     slots: Vec<(usize, usize)>,
     hashes: Vec<Option<[u8; 32]>>,
-    /// Hard links: (dev, ino) of the source -> (dst dir fd, name) of the first copy, hash index.
+    /// Hard links: (dev, ino) of the source -> the first copy (its part's root fd and its path
+    /// under it: directories only, made by us, so nothing in it is a symlink) and hash index.
+    /// One fd per part, not per directory: a tree of many dirs with linked files costs no fds.
     links: HashMap<(u64, u64), (Arc<OwnedFd>, CString, usize)>,
+    /// The dst root fd of the part being copied.
+    root: Option<Arc<OwnedFd>>,
     jobs: mpsc::Sender<Job>,
     bytes: u64,
     buf: Vec<u8>,
@@ -202,6 +207,7 @@ impl Walker {
         let dst = rfs::open(p.dst.as_c_str(), dir_flags(), Mode::empty())
             .map_err(|e| os_err("open", p.dst.to_bytes(), e))?;
         let dst = Arc::new(dst);
+        self.root = Some(dst.clone());
         self.dir(src.as_fd(), &dst, b"", names)?;
         // The root's own metadata (not in the manifest, as in tree_digest).
         let st = rfs::fstat(&src).map_err(|e| os_err("stat", p.src.to_bytes(), e))?;
@@ -308,8 +314,8 @@ impl Walker {
     ) -> Result<()> {
         let key = (st0.st_dev, st0.st_ino);
         if st0.st_nlink > 1 {
-            if let Some((ldir, lname, idx)) = self.links.get(&key).cloned() {
-                rfs::linkat(ldir.as_fd(), lname.as_c_str(), dst, name, AtFlags::empty())
+            if let Some((lroot, lpath, idx)) = self.links.get(&key).cloned() {
+                rfs::linkat(lroot.as_fd(), lpath.as_c_str(), dst, name, AtFlags::empty())
                     .map_err(|e| os_err("link", r, e))?;
                 // Same inode as the first copy: same metadata, same content hash.
                 let x = self.read_xattrs_at(dst.as_fd(), name);
@@ -355,7 +361,9 @@ impl Walker {
         self.meta_fd(dfd.as_fd(), &st, r)?;
         self.file_line(r, &st, &x, idx);
         if st.st_nlink > 1 {
-            self.links.insert(key, (dst.clone(), name.to_owned(), idx));
+            if let (Some(root), Ok(rel)) = (&self.root, CString::new(&r[1..])) {
+                self.links.insert(key, (root.clone(), rel, idx));
+            }
         }
         Ok(())
     }
