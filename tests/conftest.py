@@ -45,7 +45,15 @@ def cgroup_dirs(name: str = CGROUP_NAME) -> list[Path]:
 
 
 def leaked_sandbox_cgroups(name: str = CGROUP_NAME) -> list[str]:
-    return [str(d) for top in cgroup_dirs(name) for d in top.iterdir() if d.is_dir()]
+    """Sandbox cgroups (not the daemon's recycled memory cgroups, ``.spare-*``/``.cooling-*``,
+    a bounded cache it removes at a graceful stop: see spare_cgroups)."""
+    return [str(d) for top in cgroup_dirs(name) for d in top.iterdir()
+            if d.is_dir() and not d.name.startswith(".")]
+
+
+def spare_cgroups(name: str = CGROUP_NAME) -> list[str]:
+    return [str(d) for top in cgroup_dirs(name) for d in top.iterdir()
+            if d.is_dir() and d.name.startswith(".")]
 
 
 def pids_in_cgroups(name: str = CGROUP_NAME) -> set[int]:
@@ -157,6 +165,7 @@ def daemon():
     _DAEMON.stop()
     leaks = {
         "cgroups": leaked_sandbox_cgroups(),
+        "spare_cgroups": spare_cgroups(),
         "cgroup_parents": [str(d) for d in cgroup_dirs()],  # a graceful stop removes them
         "pids": sorted(pids_in_cgroups()),
         "mounts": host_mounts_under(STATE_DIR),

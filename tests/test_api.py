@@ -40,6 +40,7 @@ from conftest import (
     STATE_DIR,
     DaemonProcess,
     leaked_sandbox_cgroups,
+    spare_cgroups,
 )
 
 
@@ -652,7 +653,7 @@ def small():
     d.port = port
     yield d
     d.stop()
-    assert leaked_sandbox_cgroups(cg) == []
+    assert leaked_sandbox_cgroups(cg) == [] and spare_cgroups(cg) == []
     assert os.listdir(os.path.join(state, "sandboxes")) == []
     subprocess.run(["rm", "-rf", state], check=False)
 

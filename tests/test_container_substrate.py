@@ -60,7 +60,7 @@ def env():
             if os.path.isdir(os.path.join(state, "sandboxes")) else []
         if sub is not None:
             sub.cleanup_orphans(set())
-            sub.close()
+            sub.close(retire=True)  # every sandbox gone: spare cgroups and the scratch tmpfs too
         for base in {os.path.dirname(p) for p in cg.paths_for("x")}:
             try:
                 os.rmdir(base)
@@ -191,24 +191,28 @@ def test_adopt_after_restart(env, make):
         sub2.close()
 
 
-def test_netns_pool_reuses_namespaces(env, make):
+def test_netns_pool_never_hands_out_a_used_namespace(env, make):
+    """Pooled namespaces are fresh: a destroyed sandbox's one is never given to another (what
+    it did there, counters and TIME_WAIT sockets, would show: see test_isolation)."""
     state, cg, images, sub = env
     deadline = time.monotonic() + 10
     while len(sub.netns) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     a = make()
-    net_a = os.stat(f"/proc/{a.init_pid}/ns/net").st_ino
-    code, out = run(sub, a, "cat /sys/class/net/lo/operstate 2>/dev/null || ip -o link")
-    assert code == 0
-    sub.destroy(a)
-    # the freed namespace is handed out again, before fresh ones
-    seen = set()
-    for _ in range(3):
-        b = make()
-        seen.add(os.stat(f"/proc/{b.init_pid}/ns/net").st_ino)
-        if net_a in seen:
-            break
-    assert net_a in seen
+    # Held open so the namespace (and its inode number) outlives the sandbox: a later
+    # namespace with the same number could only be this one.
+    held = os.open(f"/proc/{a.init_pid}/ns/net", os.O_RDONLY)
+    try:
+        net_a = os.fstat(held).st_ino
+        code, out = run(sub, a, "cat /sys/class/net/lo/operstate 2>/dev/null || ip -o link")
+        assert code == 0
+        sub.destroy(a)
+        for _ in range(4):
+            b = make()
+            assert os.stat(f"/proc/{b.init_pid}/ns/net").st_ino != net_a
+            sub.destroy(b)
+    finally:
+        os.close(held)
 
 
 def test_destroy_half_made_runtime(sub, env):

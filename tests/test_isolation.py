@@ -15,7 +15,7 @@ import pytest
 
 import corral
 
-from conftest import SOCKET, STATE_DIR
+from conftest import CGROUP_NAME, SOCKET, STATE_DIR
 
 # Python run inside the sandbox; syscalls by number (x86_64) so no helper binary is needed.
 SYSCALL_PROBE = r"""
@@ -269,3 +269,87 @@ def test_pids_limit_contains_a_fork_bomb():
         # The host is unaffected and the sandbox can be killed cleanly (the fixture checks
         # that no process or cgroup is left).
         assert os.path.exists("/proc/self")
+
+
+# --- recycled kernel objects: nothing of a previous sandbox is visible to the next one ---------
+def _daemon_metrics() -> dict[str, float]:
+    import re
+
+    import httpx
+
+    t = httpx.HTTPTransport(uds=SOCKET)
+    with httpx.Client(transport=t, base_url="http://corral", timeout=10) as c:
+        text = c.get("/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^(corral_\w+) ([0-9.e+-]+)$", text, re.M)}
+
+
+# Traffic on the sandbox's loopback that a later tenant of the same network namespace could
+# see: lo's byte counters, the TCP MIB counters, and a socket left in TIME_WAIT (the side
+# that closes first keeps it for 60 s after its process is gone).
+NET_TRACE = r"""
+import socket
+srv = socket.socket(); srv.bind(("127.0.0.1", 47123)); srv.listen(4)
+for _ in range(3):
+    c = socket.create_connection(("127.0.0.1", 47123)); a, _ = srv.accept()
+    for _ in range(64):  # 4 MiB in 64 KiB steps (a bigger send would wait for the reader)
+        c.sendall(b"x" * 65536); got = 0
+        while got < 65536:
+            got += len(a.recv(65536))
+    c.close(); a.close()
+print("traced")
+"""
+
+NET_LOOK = r"""
+lo = [l.split() for l in open("/proc/net/dev") if l.strip().startswith("lo:")][0]
+tcp = [l.split() for l in open("/proc/net/tcp").read().splitlines()[1:]]
+snmp = [l.split() for l in open("/proc/net/snmp") if l.startswith("Tcp:")]
+opens = int(snmp[1][snmp[0].index("ActiveOpens")])
+print("rx", int(lo[1]), "sockets", len(tcp), "opens", opens)
+"""
+
+
+def test_network_namespace_never_shows_a_previous_sandbox():
+    """Nothing of a dead sandbox's network namespace reaches a later sandbox: no loopback
+    counters, no TCP counters, no sockets left in TIME_WAIT (network namespaces are pooled
+    fresh, never recycled from a dead sandbox: these counters cannot be reset)."""
+    spec = {"image": "host", "memory_mb": 384, "pids": 96}  # served cold: a pool-free spec
+    for _ in range(3):
+        with corral.Sandbox(**spec) as a:
+            a.files.write("/opt/trace.py", NET_TRACE)
+            assert "traced" in a.exec("python3 /opt/trace.py", timeout=60).stdout
+        for _ in range(3):
+            with corral.Sandbox(**spec) as b:
+                b.files.write("/opt/look.py", NET_LOOK)
+                r = b.exec("python3 /opt/look.py", timeout=30)
+                _, rx, _, sockets, _, opens = r.stdout.split()
+                assert int(rx) < (1 << 20), r.stdout  # 12 MiB went through A's loopback
+                assert int(sockets) == 0, r.stdout
+                assert int(opens) == 0, r.stdout
+
+
+def test_recycled_memory_cgroup_gets_the_new_limits():
+    """A memory cgroup handed from one sandbox to the next (corral recycles them: creating one
+    is costly) carries the new sandbox's limit both ways, and no charge or peak of the old."""
+    before = _daemon_metrics().get("corral_memcg_spares_reused_total", 0)
+    for _ in range(6):
+        with corral.Sandbox(image="host", memory_mb=700) as big:
+            r = big.exec("python3 -c \"b = bytearray(300 << 20); print('big-ok')\"", timeout=60)
+            assert "big-ok" in r.stdout, r.stdout + r.stderr
+        with corral.Sandbox(image="host", memory_mb=64) as small:
+            r = small.exec("python3 -c \"b = bytearray(300 << 20); print('survived')\"",
+                           timeout=60)
+            assert "survived" not in r.stdout and r.exit_code != 0
+            mem = Path(f"/sys/fs/cgroup/memory/{CGROUP_NAME}/{small.id}")
+            if mem.is_dir():  # cgroup v1 (the host this recycling exists for)
+                assert int((mem / "memory.limit_in_bytes").read_text()) == 64 << 20
+        with corral.Sandbox(image="host", memory_mb=700) as big:
+            r = big.exec("python3 -c \"b = bytearray(300 << 20); print('big-ok')\"", timeout=60)
+            assert "big-ok" in r.stdout, r.stdout + r.stderr
+            mem = Path(f"/sys/fs/cgroup/memory/{CGROUP_NAME}/{big.id}")
+            if mem.is_dir():
+                assert int((mem / "memory.failcnt").read_text()) == 0
+                assert int((mem / "memory.max_usage_in_bytes").read_text()) < 400 << 20
+        if _daemon_metrics().get("corral_memcg_spares_reused_total", 0) > before + 2:
+            break
+    if Path("/sys/fs/cgroup/memory").is_dir():
+        assert _daemon_metrics().get("corral_memcg_spares_reused_total", 0) > before

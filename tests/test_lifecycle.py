@@ -14,7 +14,13 @@ import uuid
 import pytest
 
 from apiclient import async_client, client, create, expect_error, kill, run
-from conftest import STATE_DIR, host_mounts_under, leaked_sandbox_cgroups, pids_in_cgroups
+from conftest import (
+    STATE_DIR,
+    host_mounts_under,
+    leaked_sandbox_cgroups,
+    pids_in_cgroups,
+    spare_cgroups,
+)
 
 SANDBOXES = os.path.join(STATE_DIR, "sandboxes")
 
@@ -260,6 +266,7 @@ def test_graceful_stop_destroys_everything(daemon):
     assert not os.path.exists(daemon.socket_path)
     assert not os.path.exists(os.path.join(STATE_DIR, "corrald.pid"))
     assert leaked_sandbox_cgroups() == [] and pids_in_cgroups() == set()
+    assert spare_cgroups() == []  # recycled memory cgroups go with a graceful stop
     assert os.listdir(SANDBOXES) == []
     assert host_mounts_under(STATE_DIR) == []
     for info in infos:

@@ -12,7 +12,12 @@
  *   exec   : setns(pidfd, NEWPID) on this thread, clone(CLONE_VM|CLONE_VFORK) a child that joins
  *            the cgroups, setns(pidfd, NS|UTS|IPC|NET|CGROUP), fchdir+chroot to /proc/PID/root,
  *            setsid, stdout/stderr on pipes, hardening, execve `true` by PATH; wait; drain pipes.
- *   destroy: pidfd_send_signal(SIGKILL), waitid(P_PIDFD), rmdir the cgroups, rm -rf the dirs.
+ *   destroy: pidfd_send_signal(SIGKILL), waitid(P_PIDFD), rm -rf the dirs, rmdir the cgroups.
+ *   --tmpfs: the dirs live on one tmpfs mounted on --state for the run (corral's scratch tmpfs).
+ *   --memcg-spares K: v1 memory cgroups are recycled as corral recycles them (cgroups.py
+ *            recycle_memory): at destroy renamed aside, reused (limits written again, peaks
+ *            reset) by a later create once nothing is charged to them, removed if still
+ *            charged after 1 s; up to 2K per worker.
  *
  * Usage: raw MODE N [--conc C] [--netns] [--no-harden] [--cg memory,pids,cpu,freezer]
  *            --state DIR --cgroup NAME --init BIN --ov TARGET=LOWER[:LOWER...] ...
@@ -61,6 +66,7 @@
 /* ---- configuration ------------------------------------------------------------------------ */
 struct cgctl {
     char base[256];
+    int is_mem; /* v1 memory: recycled with --memcg-spares */
     int made; /* we created base (and remove it at the end); else the caller owns it */
     int nlim;
     const char *file[4];
@@ -68,13 +74,14 @@ struct cgctl {
 };
 
 static struct {
-    int netns, conc, harden;
+    int netns, conc, harden, tmpfs, spares;
+    pid_t main_pid;
     long n;
     const char *mode, *state, *cgname, *init_path;
     const char *controllers; /* v1 controllers to use (comma list), default all four */
     int nov;
     const char *ov_target[MAX_OV], *ov_lower[MAX_OV];
-    int init_fd, ncg, cap_last;
+    int init_fd, ncg, cap_last, memsw;
     struct rlimit nofile; /* 1024/524288 clamped to our hard limit, as corral does */
     struct cgctl cg[MAX_CG];
     struct sock_fprog seccomp;
@@ -129,7 +136,11 @@ static void cg_setup(void) {
         const char *mf[2] = {"memory.limit_in_bytes", "memory.memsw.limit_in_bytes"};
         const char *mv[2] = {"536870912", "536870912"};
         int memsw = access("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes", F_OK) == 0;
-        if (want("memory")) cg_add("/sys/fs/cgroup/memory", memsw ? 2 : 1, mf, mv);
+        if (want("memory")) {
+            cg_add("/sys/fs/cgroup/memory", memsw ? 2 : 1, mf, mv);
+            G.cg[G.ncg - 1].is_mem = 1;
+            G.memsw = memsw;
+        }
         const char *pf[1] = {"pids.max"}, *pv[1] = {"512"};
         if (want("pids")) cg_add("/sys/fs/cgroup/pids", 1, pf, pv);
         const char *cf[2] = {"cpu.cfs_period_us", "cpu.cfs_quota_us"};
@@ -370,10 +381,97 @@ static void cg_path(char *out, size_t n, int i, const struct sb *s, const char *
         snprintf(out, n, "%s/%s", G.cg[i].base, id);
 }
 
+/* ---- recycled memory cgroups (--memcg-spares), per worker process ---------------------- */
+#define MAX_SPARES 128
+static struct { char path[300]; double since; } g_cool[MAX_SPARES];
+static char g_ready[MAX_SPARES][300];
+static int g_ncool, g_nready;
+static long g_spare_seq;
+
+static int read_is(const char *dir, const char *file, const char *want_val) {
+    char p[400], buf[64];
+    snprintf(p, sizeof p, "%s/%s", dir, file);
+    int fd = open(p, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n < 0) return 0;
+    buf[n] = 0;
+    while (n > 0 && buf[n - 1] == '\n') buf[--n] = 0;
+    return !strcmp(buf, want_val);
+}
+
+static void spare_name(char *out, size_t n, const struct cgctl *c) {
+    snprintf(out, n, "%s/.spare-%d-%ld", c->base, (int)getpid(), g_spare_seq++);
+}
+
+/* Cooling memcgs with nothing charged become ready; those charged for over 1 s are removed. */
+static void spares_settle(const struct cgctl *c) {
+    static const char *resets[] = {"memory.max_usage_in_bytes", "memory.failcnt",
+                                   "memory.memsw.max_usage_in_bytes", "memory.memsw.failcnt",
+                                   "memory.kmem.max_usage_in_bytes", "memory.kmem.failcnt"};
+    double t = now_us();
+    int k = 0;
+    for (int i = 0; i < g_ncool; i++) {
+        const char *p = g_cool[i].path;
+        if (read_is(p, "memory.usage_in_bytes", "0") &&
+            (!G.memsw || read_is(p, "memory.memsw.usage_in_bytes", "0")) &&
+            read_is(p, "tasks", "") && g_nready < MAX_SPARES) {
+            char f[400];
+            for (size_t r = 0; r < sizeof resets / sizeof *resets; r++) {
+                snprintf(f, sizeof f, "%s/%s", p, resets[r]);
+                write_file(f, "0");
+            }
+            spare_name(g_ready[g_nready], sizeof g_ready[0], c);
+            if (rename(p, g_ready[g_nready]) == 0) {
+                g_nready++;
+                continue;
+            }
+        } else if (t - g_cool[i].since < 1e6) {
+            g_cool[k++] = g_cool[i];
+            continue;
+        }
+        rmdir(p);
+    }
+    g_ncool = k;
+}
+
+/* Rename a ready spare to `path`: 1 if done (memsw lifted so any new limit fits), else 0. */
+static int spare_take(const struct cgctl *c, const char *path) {
+    if (!G.spares) return 0;
+    if (!g_nready && g_ncool) spares_settle(c);
+    if (!g_nready) return 0;
+    if (rename(g_ready[--g_nready], path) < 0) return 0;
+    if (G.memsw) {
+        char f[400];
+        snprintf(f, sizeof f, "%s/memory.memsw.limit_in_bytes", path);
+        write_file(f, "-1");
+    }
+    return 1;
+}
+
+/* At destroy (no task left, files removed): rename the memcg aside to cool; 1 if done. */
+static int spare_give(const struct cgctl *c, const char *path) {
+    if (!G.spares || g_ncool + g_nready >= 2 * G.spares || g_ncool >= MAX_SPARES) return 0;
+    if (!read_is(path, "tasks", "")) return 0;
+    spare_name(g_cool[g_ncool].path, sizeof g_cool[0].path, c);
+    if (rename(path, g_cool[g_ncool].path) < 0) return 0;
+    g_cool[g_ncool++].since = now_us();
+    spares_settle(c);
+    return 1;
+}
+
+static void spares_drop(void) {
+    for (int i = 0; i < g_ncool; i++) rmdir(g_cool[i].path);
+    for (int i = 0; i < g_nready; i++) rmdir(g_ready[i]);
+    g_ncool = g_nready = 0;
+}
+
 static void cg_remove(const struct sb *s) {
     char p[512];
     for (int i = 0; i < G.ncg; i++) {
         cg_path(p, sizeof p, i, s, NULL);
+        if (G.cg[i].is_mem && spare_give(&G.cg[i], p)) continue;
         /* A dying init keeps the cgroup busy for a moment: retry EBUSY like corral does. */
         for (int tries = 0; rmdir(p) < 0 && errno == EBUSY && tries < 2000; tries++)
             usleep(500);
@@ -421,7 +519,7 @@ static int sb_create(struct sb *s, int worker, long idx) {
     }
     for (int i = 0; i < G.ncg; i++) {
         cg_path(p, sizeof p, i, s, NULL);
-        if (mkdir(p, 0755) < 0) goto fail;
+        if (!(G.cg[i].is_mem && spare_take(&G.cg[i], p)) && mkdir(p, 0755) < 0) goto fail;
         made_cg = i + 1;
         for (int k = 0; k < G.cg[i].nlim; k++) {
             cg_path(p, sizeof p, i, s, G.cg[i].file[k]);
@@ -469,8 +567,8 @@ static void sb_destroy(struct sb *s) {
         kill(s->pid, SIGKILL);
         waitpid(s->pid, NULL, 0);
     }
+    rm_tree(s->dir); /* first, as corral: files on a tmpfs are charged to the memcg */
     cg_remove(s);
-    rm_tree(s->dir);
     s->pid = -1, s->pidfd = -1, s->rootfd = -1;
 }
 
@@ -637,6 +735,7 @@ static void churn_work(int worker, long i0, long step, void *arg) {
         if (rc != 0) __sync_add_and_fetch(&a->sh->errors, 1);
         a->create[i] = t1 - t0, a->exec[i] = t2 - t1, a->destroy[i] = t3 - t2;
     }
+    spares_drop();
 }
 
 static void mode_churn(void) {
@@ -729,10 +828,14 @@ static void mode_idle(void) {
 }
 
 static void usage(void) {
-    fprintf(stderr, "usage: raw churn|exec|idle N [--conc C] [--netns] [--no-harden] "
+    fprintf(stderr, "usage: raw churn|exec|idle N [--conc C] [--netns] [--no-harden] [--tmpfs] [--memcg-spares K] "
                     "[--cg CTL,CTL] --state DIR --cgroup NAME --init BIN "
                     "--ov TARGET=LOWER[:LOWER] ...\n");
     exit(2);
+}
+
+static void scratch_umount(void) {
+    if (getpid() == G.main_pid) umount2(G.state, 0);
 }
 
 int main(int argc, char **argv) {
@@ -744,6 +847,7 @@ int main(int argc, char **argv) {
     for (int i = 3; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--netns")) G.netns = 1;
+        else if (!strcmp(a, "--tmpfs")) G.tmpfs = 1;
         else if (!strcmp(a, "--no-harden")) G.harden = 0;
         else if (!v) usage();
         else if (!strcmp(a, "--conc")) G.conc = atoi(v), i++;
@@ -751,6 +855,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--cgroup")) G.cgname = v, i++;
         else if (!strcmp(a, "--init")) G.init_path = v, i++;
         else if (!strcmp(a, "--cg")) G.controllers = v, i++;
+        else if (!strcmp(a, "--memcg-spares")) G.spares = atoi(v), i++;
         else if (!strcmp(a, "--ov")) {
             char *eq = strchr(argv[i + 1], '=');
             if (!eq || G.nov == MAX_OV) usage();
@@ -778,12 +883,20 @@ int main(int argc, char **argv) {
                    -1, 0);
     if (g_stack == MAP_FAILED) die("mmap stack");
     if (mkdir(G.state, 0700) < 0 && errno != EEXIST) die(G.state);
+    G.main_pid = getpid();
+    if (G.tmpfs) {
+        if (mount("raw-scratch", G.state, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                  "size=50%,mode=0700") < 0)
+            die("mount tmpfs on --state");
+        atexit(scratch_umount);
+    }
     seccomp_build();
     cg_setup();
     if (!strcmp(G.mode, "churn")) mode_churn();
     else if (!strcmp(G.mode, "exec")) mode_exec();
     else if (!strcmp(G.mode, "idle")) mode_idle();
     else usage();
+    spares_drop();
     cg_teardown();
     return 0;
 }

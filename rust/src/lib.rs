@@ -9,6 +9,7 @@ mod child;
 mod enter;
 mod fs;
 mod harden;
+mod hostmount;
 mod layer;
 mod spawn;
 
@@ -22,6 +23,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use enter::{EnterError, ExecConfig};
 use fs::FsError;
 use harden::{HardenError, Rlimit};
+use hostmount::HostMountError;
 use layer::LayerError;
 use spawn::{Overlay, SpawnConfig, SpawnError};
 
@@ -36,6 +38,15 @@ impl From<HardenError> for PyErr {
         match e {
             HardenError::Seccomp(_) => os_error(libc::EINVAL, e.to_string()),
             _ => PyValueError::new_err(e.to_string()),
+        }
+    }
+}
+
+impl From<HostMountError> for PyErr {
+    fn from(e: HostMountError) -> PyErr {
+        match e {
+            HostMountError::Invalid(m) => PyValueError::new_err(m),
+            HostMountError::Os(e) => io_err("mount", e),
         }
     }
 }
@@ -211,6 +222,19 @@ fn netns_new(py: Python<'_>) -> PyResult<RawFd> {
         .map_err(|e| io_err("netns_new", e))
 }
 
+/// Mount a tmpfs (nosuid, nodev, noexec) on `target` in the caller's mount namespace, for the
+/// sandboxes' scratch dirs; `options` as for mount(8) -o ("size=50%,mode=0700").
+#[pyfunction]
+fn mount_tmpfs(py: Python<'_>, target: OsString, options: String) -> PyResult<()> {
+    Ok(py.detach(|| hostmount::mount_tmpfs(&target, &options))?)
+}
+
+/// Unmount `target` (EBUSY if in use; never lazy).
+#[pyfunction]
+fn umount(py: Python<'_>, target: OsString) -> PyResult<()> {
+    Ok(py.detach(|| hostmount::umount(&target))?)
+}
+
 /// Create a sandbox; returns (init host pid, pidfd). See docs/architecture.md for `cfg`.
 #[pyfunction]
 fn spawn_sandbox(py: Python<'_>, cfg: &Bound<'_, PyDict>) -> PyResult<(i32, RawFd)> {
@@ -369,6 +393,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(spawn_sandbox, m)?)?;
     m.add_function(wrap_pyfunction!(exec_in, m)?)?;
     m.add_function(wrap_pyfunction!(netns_new, m)?)?;
+    m.add_function(wrap_pyfunction!(mount_tmpfs, m)?)?;
+    m.add_function(wrap_pyfunction!(umount, m)?)?;
     m.add_function(wrap_pyfunction!(root_fd, m)?)?;
     m.add_function(wrap_pyfunction!(fs_read, m)?)?;
     m.add_function(wrap_pyfunction!(fs_write, m)?)?;

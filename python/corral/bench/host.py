@@ -256,7 +256,8 @@ def _walk_dirs(top: Path) -> list[Path]:
 def sandbox_controllers(name: str) -> list[str]:
     """v1 controllers in which most of the sandboxes under ``name`` have a cgroup (which
     cgroups a daemon's idle sandboxes actually have: some may be made only at first use)."""
-    counts = {top.parent.name: sum(1 for d in top.iterdir() if d.is_dir())
+    counts = {top.parent.name: sum(1 for d in top.iterdir()
+                                   if d.is_dir() and not d.name.startswith("."))  # not spares
               for top in cgroup_tops(name, exact=True) if top.parent != CGROUP_ROOT}
     most = max(counts.values(), default=0)
     return sorted(c for c, k in counts.items() if most and k * 2 > most)

@@ -63,11 +63,16 @@ def _ms(us: list[float]) -> list[float]:
 
 class RawBaseline:
     def __init__(self, bins: RawBinaries, state_dir: Path, cgroup_name: str,
-                 overlays: list[tuple[str, list[str]]]) -> None:
+                 overlays: list[tuple[str, list[str]]], tmpfs: bool = False,
+                 memcg_spares: int = 0) -> None:
+        """``tmpfs`` and ``memcg_spares``: what the daemon of the same run does (its scratch
+        tmpfs, its recycled memory cgroups), so raw keeps doing corral's kernel work."""
         self.bins = bins
         self.state_dir = state_dir
         self.cgroup_name = cgroup_name
         self.overlays = overlays
+        self.tmpfs = tmpfs
+        self.memcg_spares = memcg_spares
 
     def argv(self, mode: str, n: int, conc: int = 1, netns: bool = False,
              controllers: list[str] | None = None) -> list[str]:
@@ -75,6 +80,10 @@ class RawBaseline:
              str(self.state_dir), "--cgroup", self.cgroup_name, "--init", str(self.bins.init)]
         if netns:
             a.append("--netns")
+        if self.tmpfs:
+            a.append("--tmpfs")
+        if self.memcg_spares:
+            a += ["--memcg-spares", str(self.memcg_spares)]
         if controllers is not None:
             a += ["--cg", ",".join(controllers) or "none"]
         for target, lowers in self.overlays:

@@ -332,13 +332,17 @@ def _back_to_baseline(s: Session, before: dict[str, Any], cgroups: list[str],
     grow: every mount is in the sandboxes' own namespaces)."""
     host.settle()
     now = _mem(cgroups)
-    ids = {os.path.basename(d) for d in host.cgroup_children(cgroups[0], exact=True)}
+    names = {os.path.basename(d) for d in host.cgroup_children(cgroups[0], exact=True)}
+    # ".spare-*"/".cooling-*": emptied memory cgroups kept for the next sandbox (a bounded
+    # cache, removed at a graceful stop), not sandboxes: counted apart.
+    ids = {n for n in names if not n.startswith(".")}
     memcg = (round((now["memcg"] - before["memcg"]) / 1024, 1)
              if now["memcg"] is not None and before.get("memcg") is not None else None)
     return {"mem_available_delta_mib": round((now["MemAvailable"] - before["MemAvailable"]) / 1024,
                                              1),
             "memcg_delta_mib": memcg,
             "pooled": pooled,
+            "memcg_spares": len(names) - len(ids),
             "cgroups_left": max(0, len(ids) - pooled),
             "processes_left": max(0, len(host.cgroup_pids(cgroups[0], exact=True)) - pooled)}
 

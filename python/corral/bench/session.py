@@ -72,8 +72,18 @@ class Session:
         bins = raw.build(Path("/var/tmp/corral-bench-build"))
         self.daemon.start()
         self._warm_up()
+        # raw does what this daemon does: scratch dirs on a tmpfs of their own if the daemon's
+        # are, memory cgroups recycled if the daemon recycles them.
+        from corral.daemon import cgroups
+        from corral.daemon.substrates.container import SCRATCH_SOURCE, _mount_of
+
+        tmpfs = _mount_of(str(self.daemon.state_dir / "sandboxes")) == ("tmpfs", SCRATCH_SOURCE)
+        spares = cgroups.MEMCG_SPARES if os.path.isdir("/sys/fs/cgroup/memory") else 0
+        self.notes.append(f"scratch dirs on {'tmpfs' if tmpfs else 'the workdir'}, "
+                          f"memory cgroups recycled: {spares or 'no'} (corral and raw alike)")
         self.raw = raw.RawBaseline(bins, self.root / "raw", self.prefix + "raw",
-                                   self.daemon.host_overlays())
+                                   self.daemon.host_overlays(), tmpfs=tmpfs,
+                                   memcg_spares=spares)
         if self.opts.peers:
             self.peer_versions = ensure_installed(self.ui.note)
             self.peers = Peers(self.root / "peers", self.daemon.host_rootfs(),

@@ -9,9 +9,11 @@ hierarchy paths are found once at init and every call is plain ``os`` syscalls, 
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import re
 import signal
+import threading
 import time
 
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,127}$")
@@ -19,6 +21,16 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 _V1_REQUIRED = ("memory", "pids", "cpu")
 _V2_REQUIRED = {"memory", "pids", "cpu"}
 CFS_PERIOD_US = 100_000
+# Emptied v1 memory cgroups kept for the next sandbox (see CgroupManager.recycle_memory). A
+# memcg's mkdir + rmdir costs ~4 ms of CPU on a host that has ever mounted many superblocks
+# (its shrinker_info is sized by that), against ~0.1 ms for the rename + limit writes of reuse.
+MEMCG_SPARES = int(os.environ.get("CORRAL_MEMCG_SPARES", "16"))
+_SPARE = ".spare-"  # never matches _ID_RE: list_ids and cleanup_orphans do not see spares
+_COOLING = ".cooling-"
+COOL_S = 1.0
+# Usage counters that start again at 0 for the next tenant (limits are set at every reuse).
+_MEM_RESETS = ("memory.max_usage_in_bytes", "memory.failcnt", "memory.memsw.max_usage_in_bytes",
+               "memory.memsw.failcnt", "memory.kmem.max_usage_in_bytes", "memory.kmem.failcnt")
 
 
 def _write(path: str, data: str) -> None:
@@ -119,6 +131,17 @@ class CgroupManager:
                 os.makedirs(b, exist_ok=True)
             # Whether memory+swap can be limited (swap accounting on) is fixed per host.
             self._memsw = os.path.exists(os.path.join(self._mem, "memory.memsw.limit_in_bytes"))
+            self._usages = ["memory.usage_in_bytes"] + (
+                ["memory.memsw.usage_in_bytes"] if self._memsw else [])
+            self._resets = [f for f in _MEM_RESETS
+                            if os.path.exists(os.path.join(self._mem, f))]
+        self._spares: list[str] = []
+        self._cooling: list[tuple[float, str]] = []  # (since, path): not yet known uncharged
+        self._spare_lock = threading.Lock()
+        self._spare_seq = itertools.count()
+        self.spares_max = MEMCG_SPARES if self.version == 1 else 0
+        self.spare_stats = {"reused": 0, "kept": 0, "discarded": 0}
+        self._drop_spares(all_on_disk=True)  # a previous daemon's: not ours to trust
 
     # ---- setup -----------------------------------------------------------------------------
     def _setup_v2(self) -> None:
@@ -210,10 +233,114 @@ class CgroupManager:
             raise
         return paths
 
-    def _memory_limits(self, m: str, mem: int) -> None:
+    def _memory_limits(self, m: str, mem: int, reused: bool = False) -> None:
+        if reused and self._memsw:  # memsw must stay >= limit: lift it before a new limit
+            _write(m + "/memory.memsw.limit_in_bytes", "-1")
         _write(m + "/memory.limit_in_bytes", str(mem))
         if self._memsw:  # memsw must be >= limit, so it comes second
             _write(m + "/memory.memsw.limit_in_bytes", str(mem))
+
+    # ---- recycled memory cgroups (v1) --------------------------------------------------------
+    def recycle_memory(self, sandbox_id: str) -> bool:
+        """Keep the sandbox's v1 memory cgroup for a later sandbox instead of removing it.
+        Call once the sandbox's processes are gone and its files deleted. The cgroup is renamed
+        out of the sandbox's name at once and becomes a spare only once nothing at all is
+        charged to it (usage 0, checked again on later calls: right after the exit the kernel
+        still holds per-cpu charge caches and RCU-deferred frees; see _settle), so nothing of
+        this tenant counts against the next one; one still charged after COOL_S (e.g. page
+        cache its processes brought in) is removed as before, and the kernel moves what it
+        holds to the parent. Usage peaks and fail counts are reset; limits are written at reuse.
+        True if kept for now (or already gone), False if the caller should remove it."""
+        if not self.spares_max:
+            return False
+        path = os.path.join(self._mem, check_id(sandbox_id))
+        with self._spare_lock:
+            full = len(self._spares) + len(self._cooling) >= 2 * self.spares_max
+        try:
+            if full or _read(path + "/tasks").strip():
+                self.spare_stats["discarded"] += 1
+                return False
+            dest = os.path.join(self._mem, f"{_COOLING}{next(self._spare_seq)}")
+            os.rename(path, dest)  # cgroup v1 renames within a parent
+        except FileNotFoundError:
+            return True  # never made (no exec) or already removed
+        except OSError:
+            self.spare_stats["discarded"] += 1
+            return False
+        with self._spare_lock:
+            self._cooling.append((time.monotonic(), dest))
+        self._settle()
+        return True
+
+    def _settle(self) -> None:
+        """Cooling cgroups with nothing charged become spares; those still charged after
+        COOL_S are removed."""
+        now = time.monotonic()
+        with self._spare_lock:
+            cooling, self._cooling = self._cooling, []
+        keep: list[tuple[float, str]] = []
+        for t, path in cooling:
+            try:
+                if all(_read(f"{path}/{f}").strip() == "0" for f in self._usages) and \
+                        not _read(path + "/tasks").strip():
+                    for f in self._resets:
+                        _write(f"{path}/{f}", "0")
+                    spare = os.path.join(self._mem, f"{_SPARE}{next(self._spare_seq)}")
+                    os.rename(path, spare)
+                    with self._spare_lock:
+                        self._spares.append(spare)
+                    self.spare_stats["kept"] += 1
+                    continue
+                if now - t < COOL_S:
+                    keep.append((t, path))
+                    continue
+            except OSError:
+                pass
+            self.spare_stats["discarded"] += 1
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+        with self._spare_lock:
+            self._cooling[:0] = keep
+
+    def _take_spare(self, path: str) -> bool:
+        """Rename a spare memory cgroup to ``path`` (True), or False if there is none."""
+        if self.spares_max and not self._spares and self._cooling:
+            self._settle()
+        while True:
+            with self._spare_lock:
+                if not self._spares:
+                    return False
+                spare = self._spares.pop()
+            try:
+                os.rename(spare, path)
+            except FileExistsError:
+                with self._spare_lock:
+                    self._spares.append(spare)
+                raise
+            except OSError:
+                continue  # removed behind our back: try the next one
+            self.spare_stats["reused"] += 1
+            return True
+
+    def _drop_spares(self, all_on_disk: bool = False) -> None:
+        """rmdir the spares (at stop; ``all_on_disk`` at start: those a crashed daemon left)."""
+        with self._spare_lock:
+            spares = self._spares + [p for _, p in self._cooling]
+            self._spares, self._cooling = [], []
+        if all_on_disk and self.version == 1:
+            try:
+                spares += [e.path for e in os.scandir(self._mem)
+                           if e.name.startswith((_SPARE, _COOLING))
+                           and e.is_dir(follow_symlinks=False)]
+            except FileNotFoundError:
+                pass
+        for p in spares:
+            try:
+                os.rmdir(p)
+            except OSError:
+                pass
 
     @staticmethod
     def _cpu_limits(c: str, quota: int) -> None:
@@ -229,14 +356,18 @@ class CgroupManager:
         check_id(sandbox_id)
         mem, cpu_dir = self.later_paths(sandbox_id)
         quota = max(1000, int(round(cpu * CFS_PERIOD_US)))
-        for path, limits in ((mem, lambda p: self._memory_limits(p, int(memory_mb) << 20)),
-                             (cpu_dir, lambda p: self._cpu_limits(p, quota))):
+        for path in (mem, cpu_dir):
             try:
-                os.mkdir(path, 0o755)
+                reused = path == mem and self._take_spare(path)
+                if not reused:
+                    os.mkdir(path, 0o755)
             except FileExistsError:
                 continue
             try:
-                limits(path)
+                if path == mem:
+                    self._memory_limits(path, int(memory_mb) << 20, reused=reused)
+                else:
+                    self._cpu_limits(path, quota)
                 for pid in pids:
                     try:
                         _write(path + "/cgroup.procs", str(pid))
@@ -334,6 +465,7 @@ class CgroupManager:
 
     def remove_parents(self) -> None:
         """Remove our (empty) top-level directories; best effort, a busy one stays."""
+        self._drop_spares()
         for base in self._bases:
             try:
                 os.rmdir(base)

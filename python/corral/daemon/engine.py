@@ -1088,4 +1088,6 @@ class Engine:
         out = dict(self.counters)
         if self.pools is not None:
             out.update(self.pools.stats())
+        for k, v in getattr(self.cgroups, "spare_stats", {}).items():
+            out[f"memcg_spares_{k}"] = v  # recycled memory cgroups (cgroups.recycle_memory)
         return out

@@ -6,7 +6,8 @@ namespace (the host mount table never sees it). Commands are forked straight fro
 into the namespaces (``_core.exec_in``); files are read and written from the daemon through an
 O_PATH fd of the init's root with openat2(RESOLVE_IN_ROOT) (``_core.fs_*``).
 
-On disk: ``<state_dir>/sandboxes/<id>/{root, upper/<n>, work/<n>}``; cgroups from
+On disk: ``<state_dir>/sandboxes/<id>/{root, upper/<n>, work/<n>}`` (``sandboxes`` is a tmpfs the
+substrate mounts, see :func:`mount_scratch`); cgroups from
 :class:`~corral.daemon.cgroups.CgroupManager`. Everything a sandbox owns can be found again from
 its id alone, which is what :meth:`cleanup_orphans` relies on after a crash.
 """
@@ -17,6 +18,7 @@ import collections
 import contextlib
 import errno
 import io
+import logging
 import os
 import select
 import shutil
@@ -48,6 +50,8 @@ from .base import ExecSpec, SandboxRuntime, Substrate
 if TYPE_CHECKING:  # pragma: no cover
     from corral.daemon.cgroups import CgroupManager
     from corral.daemon.images import Image, ImageStore
+
+log = logging.getLogger("corral.container")
 
 # Limits every process of a sandbox starts with. No core dumps (a crash must not reach the
 # host's core_pattern helper with a sandbox's memory); a generous but finite fd limit.
@@ -121,11 +125,15 @@ def _pidfd_exited(pidfd: int, timeout_s: float) -> bool:
 
 class NetnsPool:
     """Ready network namespaces (fds with loopback up), so creating a sandbox does not pay the
-    ~0.8 ms a new netns costs. Refilled by a background thread and by reusing the namespace of
-    each destroyed sandbox, which also saves its teardown. Reuse is safe because nothing a
-    sandbox does to its netns outlives its processes: it has no CAP_NET_ADMIN (addresses,
-    routes, filters and the netns' sysctls are out of reach; /proc/sys is read-only) and its
-    sockets close when its processes die."""
+    ~0.8 ms a new netns costs. Refilled by a background thread with fresh namespaces only.
+
+    A destroyed sandbox's namespace is never handed to another sandbox: part of what a
+    sandbox does to it outlives its processes and cannot be reset without CAP_NET_ADMIN games
+    that do not exist for counters: lo's packet and byte counters (/proc/net/dev, netlink),
+    the TCP/IP MIB counters (/proc/net/snmp, netstat), and sockets left in TIME_WAIT by the
+    side that closed first (60 s, visible in /proc/net/tcp and sock_diag, and holding their
+    ports). tests/test_isolation.py::test_network_namespace_never_shows_a_previous_sandbox
+    checks all three. The only reuse is a restore (``reset``), where the tenant is the same."""
 
     def __init__(self, size: int) -> None:
         self.size = max(0, size)
@@ -139,15 +147,15 @@ class NetnsPool:
             self._thread.start()
 
     def take(self) -> int | None:
-        """The most recently added namespace (a reused one first), or None if empty."""
+        """A ready namespace, or None if empty."""
         with self._cv:
             fd = self._fds.pop() if self._fds else None
             self._cv.notify()
         return fd
 
     def give(self, fd: int) -> None:
-        """Keep a namespace for later. The refill thread fills up to ``size``; freed ones are
-        kept up to twice that, so churn reuses namespaces instead of making new ones."""
+        """Keep a namespace for later: only one no sandbox code has used (that of a create that
+        failed before its init ran anything of the sandbox's). Kept up to twice ``size``."""
         with self._cv:
             if not self._closed and len(self._fds) < 2 * self.size:
                 self._fds.append(fd)
@@ -171,7 +179,7 @@ class NetnsPool:
                 continue
             with self._cv:
                 if not self._closed and len(self._fds) < self.size:
-                    self._fds.appendleft(fd)  # fresh ones go last: reused ones first
+                    self._fds.appendleft(fd)
                     continue
             os.close(fd)
 
@@ -185,6 +193,69 @@ class NetnsPool:
             os.close(fd)
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+# Where sandboxes' scratch dirs (overlay upper/work, meta.json) live: "tmpfs" (default) mounts
+# one tmpfs on <state_dir>/sandboxes for all of them; "disk" keeps them on the state dir's
+# filesystem. On ext4 every sandbox paid inode allocation for ~8 dirs (ext4's search for an
+# inode not recently deleted grows with churn), the overlay mount's workdir checks and an
+# rmtree: ~35 % of the daemon's CPU in churn. Sandboxes do not survive a reboot, so neither
+# need their dirs. The price: sandbox files live in RAM (their pages are charged to the memory
+# cgroup of the process that writes them, so a sandbox's writes count against its memory
+# limit; files the daemon writes for it, uploads, count against the daemon's), bounded in all
+# by CORRAL_SCRATCH_SIZE (tmpfs size=, default half of RAM).
+SCRATCH_SOURCE = "corral-scratch"
+
+
+def _mount_of(path: str) -> tuple[str, str] | None:
+    """(fstype, source) of the mount whose mount point is ``path``, or None."""
+    real = os.path.realpath(path)
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rfields = left.split(), right.split()
+            if len(fields) >= 5 and len(rfields) >= 2 and \
+                    fields[4].replace("\\040", " ") == real:
+                found = (rfields[0], rfields[1])  # the last one is the one on top
+    return found
+
+
+def mount_scratch(sandboxes_dir: str) -> bool:
+    """Mount corral's scratch tmpfs on ``sandboxes_dir`` (or keep the one a previous daemon
+    left, with its sandboxes). True if sandboxes_dir is our tmpfs afterwards. Never hides
+    files: a non-empty directory that is not our tmpfs (sandboxes of a disk-mode daemon) stays
+    on disk for this run."""
+    mode = os.environ.get("CORRAL_SCRATCH", "tmpfs")
+    if mode == "disk":
+        return False
+    if mode != "tmpfs":
+        raise ValueError(f"CORRAL_SCRATCH must be 'tmpfs' or 'disk', not {mode!r}")
+    if _mount_of(sandboxes_dir) == ("tmpfs", SCRATCH_SOURCE):
+        return True
+    if os.listdir(sandboxes_dir):
+        log.warning("sandbox dir not empty: scratch stays on disk for this run",
+                    extra={"dir": sandboxes_dir})
+        return False
+    size = os.environ.get("CORRAL_SCRATCH_SIZE", "50%")
+    try:
+        _core.mount_tmpfs(sandboxes_dir, f"size={size},mode=0700")
+    except (OSError, ValueError) as e:
+        log.warning("cannot mount the scratch tmpfs: sandboxes' dirs stay on disk",
+                    extra={"dir": sandboxes_dir, "error": str(e)})
+        return False
+    return True
+
+
+def unmount_scratch(sandboxes_dir: str) -> None:
+    """Unmount our scratch tmpfs (graceful stop, no sandbox left); a busy one stays."""
+    if _mount_of(sandboxes_dir) != ("tmpfs", SCRATCH_SOURCE):
+        return
+    try:
+        _core.umount(sandboxes_dir)
+    except OSError as e:
+        log.warning("cannot unmount the scratch tmpfs", extra={"dir": sandboxes_dir,
+                                                                "error": str(e)})
 
 
 def _reap_later(pid: int) -> None:
@@ -229,6 +300,7 @@ class ContainerSubstrate(Substrate):
         self.state_dir = state_dir
         self.sandboxes_dir = os.path.join(state_dir, "sandboxes")
         os.makedirs(self.sandboxes_dir, mode=0o700, exist_ok=True)
+        self.scratch_tmpfs = mount_scratch(self.sandboxes_dir)
         self.cgroups = cgroups
         self.images = images
         self.init_fd = _core.init_memfd()
@@ -293,6 +365,8 @@ class ContainerSubstrate(Substrate):
         self.netns.close()
         if retire:
             self.cgroups.remove_parents()
+            if self.scratch_tmpfs:
+                unmount_scratch(self.sandboxes_dir)
         for sid in list(self._roots):
             self._close_root(sid)
         if self.init_fd >= 0:
@@ -301,8 +375,11 @@ class ContainerSubstrate(Substrate):
 
     # ---- lifecycle -----------------------------------------------------------------------
     def create(self, sandbox_id: str, spec: SandboxSpec, image: Any,
-               cgroup_paths: list[str] | None = None) -> SandboxRuntime:
-        """``cgroup_paths``: reuse these (empty) cgroups instead of making new ones (reset)."""
+               cgroup_paths: list[str] | None = None,
+               net_fd: int | None = None) -> SandboxRuntime:
+        """``cgroup_paths``: reuse these (empty) cgroups instead of making new ones (reset);
+        ``net_fd``: the network namespace to use (reset: the sandbox's own; this call owns
+        the fd), else one from the pool."""
         from corral.daemon.cgroups import check_id
 
         try:
@@ -316,7 +393,9 @@ class ContainerSubstrate(Substrate):
         root = os.path.join(sdir, "root")
         paths: list[str] = []
         pid, pidfd = -1, -1
-        net_fd = self.netns.take()
+        own_net = net_fd is not None  # the sandbox's own (reset): never into the pool
+        if net_fd is None:
+            net_fd = self.netns.take()
         try:
             os.makedirs(sdir, mode=0o700, exist_ok=True)
             os.mkdir(root, 0o755)
@@ -371,7 +450,12 @@ class ContainerSubstrate(Substrate):
                                   extra=extra)
         except BaseException as e:
             if net_fd is not None:
-                self.netns.give(net_fd)
+                # Unused by any sandbox code yet (the init never ran user code), unless it is
+                # the restored sandbox's own: that one is closed, never pooled.
+                if own_net:
+                    os.close(net_fd)
+                else:
+                    self.netns.give(net_fd)
             self._undo_create(sandbox_id, sdir, paths, pid, pidfd)
             if isinstance(e, CorralError) or not isinstance(e, Exception):
                 raise
@@ -456,25 +540,27 @@ class ContainerSubstrate(Substrate):
         # Out of _kids before the reap below frees the pid: from now on a pidfd is only opened
         # with the start-time checks of an adopted init.
         self._forget(runtime.init_pid, runtime.sandbox_id)
-        net_fd = self._netns_of(runtime.init_pid, pidfd) if pidfd >= 0 else None
         paths = runtime.cgroup_paths or self.cgroups.paths_for(runtime.sandbox_id)
         reaped = False
         if pidfd >= 0:
             self._kill_thawed(pidfd, paths)
             reaped = self._kill_and_wait(runtime.init_pid, pidfd)
-        if net_fd is not None:
-            self.netns.give(net_fd)
         # Once the init is gone, so is every process of its pid namespace (the kernel waits for
         # all of them before the init can be reaped), and only those ever join the cgroups: try
         # rmdir first. Reading cgroup.procs is not free (v1 builds a pid list per read and a
         # kworker frees it later), so kill_all runs only when something is still there.
+        sdir = os.path.join(self.sandboxes_dir, runtime.sandbox_id)
+        if reaped:
+            # Files first: on the scratch tmpfs they are charged to the sandbox's memory
+            # cgroup, which is kept for the next sandbox only if nothing is charged to it.
+            shutil.rmtree(sdir, ignore_errors=True)
+            self.cgroups.recycle_memory(runtime.sandbox_id)
         if not (reaped and self.cgroups.try_remove(paths)):
             self.cgroups.kill_all(paths)
             self.cgroups.remove(paths)
         if pidfd >= 0:
             os.close(pidfd)
         runtime.pidfd = -1
-        sdir = os.path.join(self.sandboxes_dir, runtime.sandbox_id)
         shutil.rmtree(sdir, ignore_errors=True)
 
     # ---- inits without a pidfd each (see keep_pidfds) -------------------------------------
@@ -531,7 +617,10 @@ class ContainerSubstrate(Substrate):
                 runtime.pidfd = -1
             self.cgroups.kill_all(paths)  # the cgroups stay: the new init joins them
             sdir = os.path.join(self.sandboxes_dir, sid)
-            trash = os.path.join(self.state_dir, "trash", f"{sid}.{os.urandom(4).hex()}")
+            # In the sandboxes dir, so the rename stays on one filesystem (the scratch tmpfs);
+            # a crash before the rmtree leaves it to the engine's recovery, which removes
+            # every entry there that is not a sandbox it re-adopts.
+            trash = os.path.join(self.sandboxes_dir, ".trash", f"{sid}.{os.urandom(4).hex()}")
             os.makedirs(os.path.dirname(trash), mode=0o700, exist_ok=True)
             os.rename(sdir, trash)
             threading.Thread(target=shutil.rmtree, args=(trash, True), daemon=True,
@@ -539,9 +628,9 @@ class ContainerSubstrate(Substrate):
         finally:
             with self._lock:
                 self._closing.discard(sid)
-        if net_fd is not None:
-            self.netns.give(net_fd)  # the new init takes it (most recent first)
-        return self.create(sid, spec, image, cgroup_paths=paths)
+        # The new init joins the same network namespace (the same tenant): handed over
+        # directly, never through the pool, where a concurrent create could take it.
+        return self.create(sid, spec, image, cgroup_paths=paths, net_fd=net_fd)
 
     def _kill_thawed(self, pidfd: int, paths: list[str]) -> None:
         """SIGKILL the init, then thaw its cgroup: a frozen (paused) task does not act on a
@@ -557,9 +646,7 @@ class ContainerSubstrate(Substrate):
             pass
 
     def _netns_of(self, pid: int, pidfd: int) -> int | None:
-        """An fd of a live sandbox's network namespace, to reuse once the sandbox is gone."""
-        if not self.netns.size:
-            return None
+        """An fd of a live sandbox's network namespace, for its restart in place (reset)."""
         try:
             fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
