@@ -705,13 +705,13 @@ class ContainerSubstrate(Substrate):
     def _ensure_memcg(self, runtime: SandboxRuntime) -> None:
         """The sandbox's memory and cpu cgroups, made at its first exec (see lazy_memcg)."""
         mb = runtime.extra.get("memory_mb")
-        if mb is None:
+        if mb is None or runtime.extra.get("memcg"):
             return
         later = self.cgroups.later_paths(runtime.sandbox_id)
-        if all(os.path.isdir(p) for p in later):
-            return
-        self.cgroups.ensure_later(runtime.sandbox_id, float(runtime.extra.get("cpu", 1.0)),
-                                  int(mb), [runtime.init_pid])
+        if not all(os.path.isdir(p) for p in later):
+            self.cgroups.ensure_later(runtime.sandbox_id, float(runtime.extra.get("cpu", 1.0)),
+                                      int(mb), [runtime.init_pid])
+        runtime.extra["memcg"] = True  # made: later execs skip the two cgroupfs lookups
 
     def _spawn(self, runtime: SandboxRuntime, spec: ExecSpec, root: int, pidfd: int) -> int:
         self._ensure_memcg(runtime)
