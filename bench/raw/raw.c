@@ -82,6 +82,9 @@ static struct {
     int nov;
     const char *ov_target[MAX_OV], *ov_lower[MAX_OV];
     int init_fd, ncg, cap_last, memsw;
+    /* v1: "tasks" (a one-thread child writes "0": no global threadgroup rwsem, as corral's
+     * cgroups.procs_files); v2: "cgroup.procs" */
+    const char *join_file;
     struct rlimit nofile; /* 1024/524288 clamped to our hard limit, as corral does */
     struct cgctl cg[MAX_CG];
     struct sock_fprog seccomp;
@@ -130,7 +133,9 @@ static int want(const char *ctl) {
 }
 
 static void cg_setup(void) {
+    G.join_file = "cgroup.procs";
     if (access("/sys/fs/cgroup/memory/cgroup.procs", F_OK) == 0) {
+        G.join_file = "tasks";
         char p[300];
         snprintf(p, sizeof p, "/sys/fs/cgroup/memory/%s", G.cgname);
         const char *mf[2] = {"memory.limit_in_bytes", "memory.memsw.limit_in_bytes"};
@@ -417,9 +422,9 @@ static void spares_settle(const struct cgctl *c) {
         if (read_is(p, "memory.usage_in_bytes", "0") &&
             (!G.memsw || read_is(p, "memory.memsw.usage_in_bytes", "0")) &&
             read_is(p, "tasks", "") && g_nready < MAX_SPARES) {
-            char f[400];
+            char f[700];
             for (size_t r = 0; r < sizeof resets / sizeof *resets; r++) {
-                snprintf(f, sizeof f, "%s/%s", p, resets[r]);
+                snprintf(f, sizeof f, "%.300s/%s", p, resets[r]);
                 write_file(f, "0");
             }
             spare_name(g_ready[g_nready], sizeof g_ready[0], c);
@@ -443,7 +448,7 @@ static int spare_take(const struct cgctl *c, const char *path) {
     if (!g_nready) return 0;
     if (rename(g_ready[--g_nready], path) < 0) return 0;
     if (G.memsw) {
-        char f[400];
+        char f[700];
         snprintf(f, sizeof f, "%s/memory.memsw.limit_in_bytes", path);
         write_file(f, "-1");
     }
@@ -481,7 +486,7 @@ static void cg_remove(const struct sb *s) {
 static int open_cgprocs(const struct sb *s, int *fds) {
     char p[512];
     for (int i = 0; i < G.ncg; i++) {
-        cg_path(p, sizeof p, i, s, "cgroup.procs");
+        cg_path(p, sizeof p, i, s, G.join_file);
         fds[i] = open(p, O_WRONLY | O_CLOEXEC);
         if (fds[i] < 0) {
             while (i--) close(fds[i]);
