@@ -204,11 +204,16 @@ class CgroupManager:
         mem = int(memory_mb) * 1024 * 1024
         quota = max(1000, int(round(cpu * CFS_PERIOD_US)))
         skip = set(self.later_paths(sandbox_id)) if later else set()
+        reused = False
         try:
             for p in paths:
                 if p in skip:
                     continue
-                os.mkdir(p, 0o755)
+                if self.version == 1 and os.path.dirname(p) == self._mem and \
+                        self._take_spare(p):
+                    reused = True  # a recycled memory cgroup (recycle_memory)
+                else:
+                    os.mkdir(p, 0o755)
                 made.append(p)
             if self.version == 2:
                 p = paths[0]
@@ -222,7 +227,7 @@ class CgroupManager:
             else:
                 _write(os.path.join(self._pids, sandbox_id) + "/pids.max", str(int(pids)))
                 if not skip:
-                    self._memory_limits(os.path.join(self._mem, sandbox_id), mem)
+                    self._memory_limits(os.path.join(self._mem, sandbox_id), mem, reused)
                     self._cpu_limits(os.path.join(self._cpu, sandbox_id), quota)
         except BaseException:
             for p in reversed(made):
@@ -303,6 +308,12 @@ class CgroupManager:
                 pass
         with self._spare_lock:
             self._cooling[:0] = keep
+
+    def spare_ready(self) -> bool:
+        """Is a recycled memory cgroup ready (making one costs ~nothing then)?"""
+        if self.spares_max and not self._spares and self._cooling:
+            self._settle()
+        return bool(self._spares)
 
     def _take_spare(self, path: str) -> bool:
         """Rename a spare memory cgroup to ``path`` (True), or False if there is none."""

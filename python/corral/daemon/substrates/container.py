@@ -409,7 +409,13 @@ class ContainerSubstrate(Substrate):
                 os.mkdir(work, 0o700)
                 overlays.append({"target": target, "lower": list(lowers), "upper": upper,
                                  "work": work, "options": self.overlay_options})
-            lazy = self.lazy_memcg
+            # Lazy unless a recycled memory cgroup is at hand: then the init joins every
+            # cgroup itself at spawn (through `tasks`, cheap), and neither the first exec nor
+            # a warm pool has to move it in by pid later, which takes the global threadgroup
+            # rwsem (an RCU grace period, with cgroup_mutex held: every cgroup operation on
+            # the host waits). Spares are few, so idle sandboxes rarely get a memcg this way.
+            lazy = self.lazy_memcg and not (cgroup_paths is None and
+                                            self.cgroups.spare_ready())
             later = {"later": True} if lazy else {}
             paths = cgroup_paths or self.cgroups.create(sandbox_id, spec.cpu, spec.memory_mb,
                                                         spec.pids, **later)
