@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from corral.daemon.cgroups import CgroupManager
+from corral.daemon.cgroups import COOL_S, CgroupManager
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="cgroups need root")
 MiB = 1024 * 1024
@@ -205,3 +205,79 @@ def test_list_ids_ignores_foreign_entries(cg):
         assert cg.list_ids() == {"one", "two"}
     finally:
         os.rmdir(os.path.join(cg._bases[0], "Not_An_Id"))
+
+
+def _alloc_in(cg: CgroupManager, paths: list[str], mib: int) -> int:
+    """Run a process in the cgroups that allocates (and touches) ``mib`` MiB; its exit code."""
+    files = " ".join(cg.procs_files(paths))
+    return subprocess.run(
+        ["/bin/sh", "-c", f"for f in {files}; do echo 0 > $f || exit 3; done; "
+         f"exec python3 -c 'b = bytearray({mib} << 20); print(len(b))'"],
+        capture_output=True, timeout=60).returncode
+
+
+def _settle(cg: CgroupManager, timeout: float = 5.0) -> bool:
+    """Wait until a cooling memory cgroup became a spare."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        cg._settle()
+        if cg._spares:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_recycled_memory_cgroup_gets_new_limits(cg):
+    """A recycled v1 memory cgroup gets the new sandbox's limit, lower or higher than the old
+    one, and starts with no usage and no failure count."""
+    if cg.version != 1:
+        pytest.skip("memory cgroups are recycled on cgroup v1 only")
+    try:
+        a = cg.create("rec-a", cpu=1, memory_mb=700, pids=64)
+        assert cg.recycle_memory("rec-a")
+        cg.remove(a)
+        assert not os.path.exists(a[0])  # renamed aside at once: the id is free again
+        assert _settle(cg), "an uncharged cgroup did not become a spare"
+        b = cg.create("rec-b", cpu=1, memory_mb=64, pids=64)
+        assert cg.spare_stats["reused"] == 1
+        m = os.path.join(cg._mem, "rec-b")
+        assert int(_read(m + "/memory.limit_in_bytes")) == 64 * MiB
+        assert _read(m + "/memory.usage_in_bytes") == "0"
+        assert _read(m + "/memory.failcnt") == "0"
+        assert _alloc_in(cg, b, 200) != 0  # the lower limit holds: killed
+        cg.remove(b)
+
+        c0 = cg.create("rec-c0", cpu=1, memory_mb=64, pids=64)
+        assert cg.recycle_memory("rec-c0")
+        cg.remove(c0)
+        assert _settle(cg)
+        c = cg.create("rec-c", cpu=1, memory_mb=700, pids=64)
+        assert cg.spare_stats["reused"] == 2
+        m = os.path.join(cg._mem, "rec-c")
+        assert int(_read(m + "/memory.limit_in_bytes")) == 700 * MiB
+        assert _alloc_in(cg, c, 200) == 0  # the higher limit holds too
+        cg.remove(c)
+    finally:
+        cg._drop_spares()
+
+
+def test_charged_memory_cgroup_is_never_a_spare(cg):
+    """A dead sandbox's memory cgroup that still has charges (here: kernel objects of host
+    files its process touched) is not handed on; it is removed after the cooling time."""
+    if cg.version != 1:
+        pytest.skip("memory cgroups are recycled on cgroup v1 only")
+    try:
+        a = cg.create("rec-a", cpu=1, memory_mb=700, pids=64)
+        assert _alloc_in(cg, a, 50) == 0
+        assert cg.recycle_memory("rec-a")
+        cg.remove(a)
+        deadline = time.monotonic() + 3 * COOL_S
+        while time.monotonic() < deadline and cg._cooling:
+            cg._settle()
+            time.sleep(0.05)
+        assert not cg._cooling
+        for spare in cg._spares:  # kept only if it drained to exactly 0 meanwhile
+            assert _read(spare + "/memory.usage_in_bytes") == "0"
+        assert cg.spare_stats["kept"] + cg.spare_stats["discarded"] == 1
+    finally:
+        cg._drop_spares()
