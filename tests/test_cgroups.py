@@ -258,7 +258,7 @@ def test_recycled_memory_cgroup_gets_new_limits(cg):
         assert _alloc_in(cg, c, 200) == 0  # the higher limit holds too
         cg.remove(c)
     finally:
-        cg._drop_spares()
+        cg.drop_spares()
 
 
 def test_charged_memory_cgroup_is_never_a_spare(cg):
@@ -280,4 +280,4 @@ def test_charged_memory_cgroup_is_never_a_spare(cg):
             assert _read(spare + "/memory.usage_in_bytes") == "0"
         assert cg.spare_stats["kept"] + cg.spare_stats["discarded"] == 1
     finally:
-        cg._drop_spares()
+        cg.drop_spares()

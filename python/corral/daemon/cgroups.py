@@ -141,7 +141,7 @@ class CgroupManager:
         self._spare_seq = itertools.count()
         self.spares_max = MEMCG_SPARES if self.version == 1 else 0
         self.spare_stats = {"reused": 0, "kept": 0, "discarded": 0}
-        self._drop_spares(all_on_disk=True)  # a previous daemon's: not ours to trust
+        self.drop_spares(all_on_disk=True)  # a previous daemon's: not ours to trust
 
     # ---- setup -----------------------------------------------------------------------------
     def _setup_v2(self) -> None:
@@ -335,7 +335,7 @@ class CgroupManager:
             self.spare_stats["reused"] += 1
             return True
 
-    def _drop_spares(self, all_on_disk: bool = False) -> None:
+    def drop_spares(self, all_on_disk: bool = False) -> None:
         """rmdir the spares (at stop; ``all_on_disk`` at start: those a crashed daemon left)."""
         with self._spare_lock:
             spares = self._spares + [p for _, p in self._cooling]
@@ -483,7 +483,7 @@ class CgroupManager:
 
     def remove_parents(self) -> None:
         """Remove our (empty) top-level directories; best effort, a busy one stays."""
-        self._drop_spares()
+        self.drop_spares()
         for base in self._bases:
             try:
                 os.rmdir(base)

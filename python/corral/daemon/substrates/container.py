@@ -363,6 +363,9 @@ class ContainerSubstrate(Substrate):
             self._watcher.close()
             self._watcher = None
         self.netns.close()
+        drop = getattr(self.cgroups, "drop_spares", None)
+        if drop is not None:
+            drop()  # recycled memory cgroups are this daemon's cache only
         if retire:
             self.cgroups.remove_parents()
             if self.scratch_tmpfs:
