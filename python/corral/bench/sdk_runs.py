@@ -255,8 +255,10 @@ def snapshots(endpoint: str, n: int, mb: int, fork_n: int, fork_reps: int,
             trash = sandboxes_dir.parent / "trash" if sandboxes_dir is not None else None
             for _ in range(fork_reps):
                 try:
-                    if trash is not None:  # the background deletes before (100s of MB) end first
-                        _wait_gone(_children(trash))
+                    if trash is not None and sandboxes_dir is not None:
+                        # The background deletes before (100s of MB) end first: layers in the
+                        # state dir's trash, restored sandboxes' old uppers in sandboxes/.trash.
+                        _wait_gone(_children(trash) + _children(sandboxes_dir / ".trash"))
                     t0 = time.perf_counter()
                     kids = sb.fork(fork_n)
                     ph[fork_key].append((time.perf_counter() - t0) * 1e3)
