@@ -52,7 +52,8 @@ def test_report_header(report):
     for key in ("version", "command", "host", "options", "scenarios", "cleanup", "duration_s"):
         assert key in report
     assert report["host"]["cpus"] >= 1
-    assert set(report["scenarios"]) == {"churn", "latency", "exec", "density", "snapshot"}
+    assert set(report["scenarios"]) == {"churn", "latency", "exec", "density", "snapshot",
+                                        "trajlog"}
     for name, sec in report["scenarios"].items():
         assert "error" not in sec, (name, sec)
         assert len(sec["runs"]) == 1
@@ -122,6 +123,49 @@ def test_snapshot_section(report):
     assert "layers" not in report["cleanup"]["leaks"]
 
 
+def test_trajlog_section(report):
+    """Log on vs off: both daemons measured in both modes, the ratios and the target in the
+    section, the log's own counters, and both daemons gone without a trace."""
+    sec = report["scenarios"]["trajlog"]
+    assert sec["n"] == N and sec["target"] == "on/off >= 0.95"
+    for daemon in ("on", "off"):
+        for mode in ("seq", "conc"):
+            m = sec["median"][daemon][mode]
+            assert m["n"] == 2 * N and m["errors"] == 0  # two rounds per run (ABBA)
+            assert _is_num(m["ops_per_s"]) and m["ops_per_s"] > 0
+    assert set(sec["ratios"]) == {"on/off seq", "on/off conc"}
+    assert isinstance(sec["met"], bool)
+    st = sec["log_stats"]["on"]
+    assert st["records"] >= 4 * N and 0 <= st["inline_share"] <= 1
+    assert sec["cleanup"] == {"clean": True, "leaks": {}}
+    assert not any(os.path.exists(report["state_root"] + f"/trajlog-{k}") for k in ("on", "off"))
+
+
+def test_trajlog_table_renders():
+    """The table, with and without a baseline tree (no daemon needed)."""
+    import io
+
+    from rich.console import Console
+
+    from corral.bench.report import print_report
+
+    fig = {"ops_per_s": 500.0}
+    sec = {"n": 10, "concurrency": 2, "runs": [{}], "median": {
+        k: {"seq": fig, "conc": fig} for k in ("on", "off", "baseline")},
+        "ratios": {"on/off seq": 0.97, "on/off conc": 0.96, "baseline/off seq": 0.9,
+                   "baseline/off conc": 0.8, "on/baseline seq": 1.1, "on/baseline conc": 1.2},
+        "log_stats": {"on": {"records": 40, "inline_share": 0.9, "records_per_commit": 1.1,
+                             "inline_slow": 0, "checkpoints": 0}, "baseline": {}},
+        "met": True, "cleanup": {"clean": True, "leaks": {}}}
+    out = io.StringIO()
+    print_report({"scenarios": {"trajlog": sec}, "cleanup": {"clean": True}},
+                 Console(file=out, width=200))
+    text = out.getvalue()
+    for s in ("log on exec/s", "baseline/off", "0.970", ">= 0.95", "90% committed inline",
+              "target met"):
+        assert s in text, s
+
+
 def test_plots_and_json_written(report):
     out = report["_plots_dir"]
     assert {os.path.basename(p) for p in report["plots"]} == {
@@ -147,8 +191,10 @@ def test_cli_json(tmp_path):
 
 
 def test_parse_scenarios():
-    assert parse_scenarios("all") == ["churn", "latency", "exec", "density", "snapshot"]
+    assert parse_scenarios("all") == ["churn", "latency", "exec", "density", "snapshot",
+                                      "trajlog"]
     assert parse_scenarios("snapshot") == ["snapshot"]
+    assert parse_scenarios("trajlog") == ["trajlog"]
     assert parse_scenarios("exec, churn") == ["exec", "churn"]
     with pytest.raises(Exception, match="unknown scenario"):
         parse_scenarios("nope")

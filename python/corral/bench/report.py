@@ -136,6 +136,31 @@ def snapshot_table(sec: dict[str, Any]) -> Table:
     return t
 
 
+def trajlog_table(sec: dict[str, Any]) -> Table:
+    m, rt = sec["median"], sec["ratios"]
+    base = "baseline" in m
+    t = Table(title=f"trajlog: exec `true`, trajectory log on vs off  (N={sec['n']} per round, "
+                    f"ABBA, median of {len(sec['runs'])} runs)")
+    cols = ["mode", "log on exec/s", "log off exec/s", "on/off", "target",
+            "daemon CPU us/exec on", "off"]
+    if base:
+        cols[3:3] = ["baseline exec/s", "baseline/off", "on/baseline"]
+        cols.append("baseline")
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("mode", "target") else "right")
+    for mode, label in (("seq", "sequential (sync client)"),
+                        ("conc", f"{sec['concurrency']} in flight (async client)")):
+        row = [label, _f(_get(m, "on", mode, "ops_per_s")), _f(_get(m, "off", mode, "ops_per_s"))]
+        if base:
+            row += [_f(_get(m, "baseline", mode, "ops_per_s")),
+                    _f(rt.get(f"baseline/off {mode}"), 3), _f(rt.get(f"on/baseline {mode}"), 3)]
+        row += [_f(rt.get(f"on/off {mode}"), 3), ">= 0.95"]
+        row += [_f(_get(m, k, mode, "daemon_cpu_us_per_exec"), 0)
+                for k in ("on", "off", "baseline") if k != "baseline" or base]
+        t.add_row(*row)
+    return t
+
+
 def profile_table(scenario: str, prof: dict[str, Any]) -> Table:
     t = Table(title=f"corrald during corral's {scenario} (run 1): py-spy, "
                     f"{prof['samples']:,} samples, % of non-idle samples")
@@ -149,7 +174,7 @@ def profile_table(scenario: str, prof: dict[str, Any]) -> Table:
 
 
 TABLES = {"churn": churn_table, "latency": latency_table, "exec": exec_table,
-          "density": density_table, "snapshot": snapshot_table}
+          "density": density_table, "snapshot": snapshot_table, "trajlog": trajlog_table}
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:
@@ -166,6 +191,21 @@ def print_report(report: dict[str, Any], console: Console) -> None:
                           f"{sec['median']['corral']['pool_hit_ratio'] * 100:.0f}%")
         if name == "snapshot" and any(sec.get("left", {}).values()):
             console.print(f"[red]  snapshot scenario left behind: {sec['left']}[/red]")
+        if name == "trajlog":
+            for k, st in (sec.get("log_stats") or {}).items():
+                if st:
+                    console.print(f"  log {k}: {st['records']:,} entries, "
+                                  f"{st['inline_share'] * 100:.0f}% committed inline on the "
+                                  f"loop, {st['records_per_commit']} per commit, "
+                                  f"{st['inline_slow']} slow inline commits, "
+                                  f"{st['checkpoints']} checkpoints")
+            cpu = sec.get("log_cpu_us_per_exec") or {}
+            if cpu:
+                console.print("  the log's daemon CPU per exec (vs off, median of per-run "
+                              "differences): " + ", ".join(f"{k} {v:+.0f} us"
+                                                           for k, v in cpu.items()))
+            console.print(f"  target {'met' if sec.get('met') else 'NOT met'}; daemons "
+                          f"cleaned up: {sec.get('cleanup', {}).get('clean')}")
         if name == "density":
             d = _get(sec, "median", "corral") or {}
             console.print(f"  corrald RSS with {_f(d.get('made'))} alive: "

@@ -89,6 +89,7 @@ def _command(opts: Options) -> str:
         if v != default:
             a += [flag, str(v)]
     a += ["--profile"] if opts.profile else []
+    a += ["--trajlog-baseline", opts.trajlog_baseline] if opts.trajlog_baseline else []
     return "corral bench " + shlex.join(a)
 
 

@@ -1,7 +1,8 @@
-"""The scenarios (churn, latency, exec, density: issue 3; snapshot: issue 4). Each repeats
-``--runs`` times; within a run every system is measured back to back (so they share the
-machine's noise), ratios are taken within a run, and the report quotes the median over runs.
-Each returns (report section, samples for the plots)."""
+"""The scenarios (churn, latency, exec, density: issue 3; snapshot: issue 4; trajlog, issue 4's
+log overhead, is in corral.bench.trajlog). Each repeats ``--runs`` times; within a run every
+system is measured back to back (so they share the machine's noise), ratios are taken within
+a run, and the report quotes the median over runs. Each returns (report section, samples for
+the plots)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from corral.bench import host, profile, sdk_runs
 from corral.bench.results import OpResult
 from corral.bench.session import Session
 from corral.bench.stats import median, median_tree, ratio
+from corral.bench.trajlog import trajlog
 
 Section = dict[str, Any]
 Samples = dict[str, Any]
@@ -391,4 +393,4 @@ def _snapshot_leftovers(s: Session, timeout: float = 10.0) -> dict[str, int]:
 
 RUNNERS: dict[str, Callable[[Session], tuple[Section, Samples]]] = {
     "churn": churn, "latency": latency, "exec": exec_, "density": density,
-    "snapshot": snapshot}
+    "snapshot": snapshot, "trajlog": trajlog}

@@ -16,9 +16,11 @@ from corral.bench.daemon import PrivateDaemon
 from corral.bench.peers import Peers, ensure_installed
 from corral.bench.ui import UI
 
-SCENARIOS = ("churn", "latency", "exec", "density", "snapshot")
-# snapshot: snapshot/restore cycles per run (and N/3, at least 3, forks).
-DEFAULT_COUNTS = {"churn": 1000, "latency": 300, "exec": 1000, "density": 1000, "snapshot": 30}
+SCENARIOS = ("churn", "latency", "exec", "density", "snapshot", "trajlog")
+# snapshot: snapshot/restore cycles per run (and N/3, at least 3, forks); trajlog: execs per
+# round and mode.
+DEFAULT_COUNTS = {"churn": 1000, "latency": 300, "exec": 1000, "density": 1000, "snapshot": 30,
+                  "trajlog": 500}
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Options:
     workdir: str = "/var/tmp"         # parent of the private state (its fs type matters)
     snapshot_mb: int = 10             # snapshot: MB changed before each snapshot
     fork: int = 64                    # snapshot: children per fork
+    trajlog_baseline: str | None = None  # trajlog: PYTHONPATH of another corral tree
     progress: bool = True
 
     def n(self, scenario: str) -> int:

@@ -12,11 +12,12 @@ from corral.cli.output import err
 
 app = typer.Typer()
 
-_SCENARIOS = ("churn", "latency", "exec", "density", "snapshot")
+_SCENARIOS = ("churn", "latency", "exec", "density", "snapshot", "trajlog")
 
 
 def parse_scenarios(value: str) -> list[str]:
-    """``all`` or a comma-separated list of churn, latency, exec, density, snapshot."""
+    """``all`` or a comma-separated list of churn, latency, exec, density, snapshot,
+    trajlog."""
     if value.strip() == "all":
         return list(_SCENARIOS)
     names = [s.strip() for s in value.split(",") if s.strip()]
@@ -29,8 +30,8 @@ def parse_scenarios(value: str) -> list[str]:
 
 @app.command()
 def bench(
-    scenario: str = typer.Argument("all", help="churn, latency, exec, density, snapshot, all, "
-                                               "or a comma-separated list."),
+    scenario: str = typer.Argument("all", help="churn, latency, exec, density, snapshot, "
+                                               "trajlog, all, or a comma-separated list."),
     peers: bool = typer.Option(False, "--peers", help="Also run bwrap, crun and runc in the "
                                                       "churn (installed with apt-get if "
                                                       "missing)."),
@@ -38,8 +39,9 @@ def bench(
                                                             "report quotes medians."),
     count: int | None = typer.Option(None, "--count", "-n", min=1, help="Operations (or live "
                                      "sandboxes for density, snapshot/restore cycles for "
-                                     "snapshot) per scenario. Default: churn 1000, latency "
-                                     "300, exec 1000, density 1000, snapshot 30."),
+                                     "snapshot, execs per round for trajlog) per scenario. "
+                                     "Default: churn 1000, latency 300, exec 1000, density "
+                                     "1000, snapshot 30, trajlog 500."),
     concurrency: int = typer.Option(4, "--concurrency", "-c", min=1, max=64,
                                     help="Operations in flight (churn, async exec), the same "
                                          "for every system."),
@@ -64,13 +66,19 @@ def bench(
                                      "matters: ext4 vs tmpfs changes create/destroy cost."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bars on "
                                                                         "stderr."),
+    trajlog_baseline: str | None = typer.Option(
+        None, "--trajlog-baseline", help="trajlog: also a log-on daemon running the corral "
+                                         "package in this dir (the python/ dir of another "
+                                         "checkout, with its _core module), in the same "
+                                         "rotation."),
 ) -> None:
     """Benchmark corral against a raw-syscall baseline and (--peers) bwrap, crun, runc.
 
     Scenarios: churn (create -> exec true -> destroy), latency (one client), exec (one live
     sandbox), density (N idle sandboxes: memory, create rate vs live count), snapshot
     (snapshot with --snapshot-mb MB changed, restore in place, fork of --fork children; issue
-    4's targets). Every system
+    4's targets), trajlog (exec throughput with the trajectory log on vs off, two private
+    daemons; issue 4's overhead target). Every system
     runs in the same run; ratios are taken within a run, medians over --runs. Exits 1 if a
     scenario failed or anything was left behind."""
     from corral.bench.runner import run
@@ -79,7 +87,8 @@ def bench(
     opts = Options(scenarios=parse_scenarios(scenario), peers=peers, runs=runs, count=count,
                    concurrency=concurrency, peer_count=peer_count, batch=batch,
                    plots_dir=plots_dir or None, profile=profile, workdir=workdir,
-                   snapshot_mb=snapshot_mb, fork=fork, progress=progress)
+                   snapshot_mb=snapshot_mb, fork=fork, progress=progress,
+                   trajlog_baseline=trajlog_baseline)
     try:
         rep = run(opts, json_out=json_)
     except PermissionError as e:

@@ -306,7 +306,8 @@ async def exec_cmd(request: web.Request) -> web.Response:
     req = await _body(request, ExecRequest)
     sid = request.match_info["id"]
     engine = _engine(request)
-    res = await engine.trajlog.run(sid, "exec", req.model_dump(mode="json"), _key(request),
+    logged = req.model_dump(mode="json") if engine.trajlog.enabled else {}  # the log's cost
+    res = await engine.trajlog.run(sid, "exec", logged, _key(request),
                                    lambda: engine.exec(sid, req),
                                    to_log=engine.trajlog.exec_result)
     return _json(_exec_out(res))

@@ -1090,4 +1090,6 @@ class Engine:
             out.update(self.pools.stats())
         for k, v in getattr(self.cgroups, "spare_stats", {}).items():
             out[f"memcg_spares_{k}"] = v  # recycled memory cgroups (cgroups.recycle_memory)
+        if self.trajlog.enabled:  # trajlog_{records,commits,inline,...}_total
+            out.update({f"trajlog_{k}": v for k, v in self.trajlog.stats.items()})
         return out

@@ -1,11 +1,27 @@
 """The durable trajectory log: per sandbox, an ordered record of every exec and file operation.
 
 Storage: one SQLite database, ``<state_dir>/trajlog.db``, WAL mode. Every record is committed
-*before* the call's result is returned to the client (see ``TrajLog.run``). Commits are grouped:
-one writer thread takes every record queued since its last commit and writes them in one
-transaction, so N concurrent calls cost one commit, not N. There is no timer: while a commit
-runs, the next batch accumulates (``CORRAL_TRAJLOG_FLUSH_MS`` adds an optional wait to make
-batches bigger, at the cost of latency).
+*before* the call's result is returned to the client (see ``TrajLog.run``). Two ways in:
+
+* inline, on the event loop (the common case): when nothing is queued for the writer thread
+  and it is idle, a call's entry is written and committed right there, one statement in
+  autocommit (~20 us: a ``write()`` into the WAL). No thread hand-off, no future, no
+  ``call_soon_threadsafe`` wake-up back: those cost several times the commit itself.
+* the writer thread (group commit): when it is busy (or has a backlog), a record is queued
+  and the call waits; the thread takes every record queued since its last commit and writes
+  them in one transaction, so N concurrent calls cost one commit, not N. There is no timer:
+  while a commit runs, the next batch accumulates (``CORRAL_TRAJLOG_FLUSH_MS`` adds an
+  optional wait to make batches bigger, at the cost of latency).
+
+Both use one connection, never at once: the loop commits inline only while the writer's
+backlog (records handed to it, not yet committed) is zero, and only the loop adds to it, so
+records reach the database in the order they were submitted either way. A commit on the loop
+stalls every call, so it is bounded: one that takes longer than ``INLINE_SLOW_S`` (disk
+pressure: a ``write()`` blocked by dirty-page throttling) sends the next ``INLINE_BACKOFF_S``
+of commits to the writer thread. Checkpoints never run inline (``wal_autocheckpoint=0`` on the
+writing connection): a checkpointer thread copies the WAL into the database every
+``CHECKPOINT_EVERY`` records, on its own connection (a passive checkpoint does not block
+writers). ``CORRAL_TRAJLOG_SYNC=full`` (an fsync per commit) never commits inline.
 
 Durability: ``synchronous=NORMAL`` (``CORRAL_TRAJLOG_SYNC=full`` for an fsync per batch). In WAL
 mode a commit is a ``write()`` into the WAL: once it returns, the record survives the daemon's
@@ -64,6 +80,17 @@ KEY_HEADER = "Idempotency-Key"
 MAX_KEY_LEN = 256
 DB_NAME = "trajlog.db"
 PRUNE_EVERY_S = 60.0
+# An inline commit (on the event loop) slower than this sends the next commits to the writer
+# thread for a while: INLINE_BACKOFF_S, doubled for every slow inline commit in a row (up to
+# INLINE_BACKOFF_MAX_S), back to the minimum after a fast one. A slow disk then stalls the
+# loop a few times, then rarely; a one-off (this process preempted on a busy machine) costs
+# only a short spell of thread hand-offs.
+INLINE_SLOW_S = 0.002
+INLINE_BACKOFF_S = 0.05
+INLINE_BACKOFF_MAX_S = 5.0
+# Records between two WAL checkpoints (run by the checkpointer thread, never inline): about
+# 3-4 pages each, so the WAL stays around 10-15 MB.
+CHECKPOINT_EVERY = 1000
 # Ops that change a sandbox: they get a started row (create does not: its id is not known
 # before it ends, and a half-made sandbox is removed at restart anyway).
 STARTED_OPS = frozenset({"exec", "write", "upload", "mkdir", "remove", "rename", "snapshot",
@@ -130,8 +157,17 @@ def data_result(data: bytes, **fields: Any) -> dict[str, Any]:
     return dict(fields, size=len(data), sha256=sha256(data))
 
 
+# json.dumps(obj, separators=...) builds a JSONEncoder and a C encoder per call: build the C
+# encoder once (compact, no circular-reference check: requests and results are trees).
+_ENCODE = (json.encoder.c_make_encoder(  # type: ignore[attr-defined]
+    None, json.JSONEncoder().default, json.encoder.encode_basestring_ascii, None, ":", ",",
+    False, False, True) if json.encoder.c_make_encoder is not None else None)  # type: ignore[attr-defined]
+
+
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
+    if _ENCODE is None:  # no C accelerator
+        return json.dumps(obj, separators=(",", ":"))
+    return "".join(_ENCODE(obj, 0))
 
 
 class _Pending:
@@ -186,6 +222,22 @@ class TrajLog:
         self.flush_s = max(0.0, flush_ms) / 1000.0
         self.start_hold_s = max(0.0, start_ms) / 1000.0
         self._q: queue.SimpleQueue[_Pending | _Start | None] = queue.SimpleQueue()
+        # Records handed to the writer and not yet committed. Only the loop adds (under _mu),
+        # only the writer subtracts (after its commit): zero means the writer is not using
+        # the connection and will not until the loop queues something.
+        self._mu = threading.Lock()
+        self._backlog = 0
+        self._inline = self.sync == "NORMAL"  # FULL: an fsync per commit, never on the loop
+        self._inline_after = 0.0  # monotonic: no inline commit before (after a slow one)
+        self._backoff = INLINE_BACKOFF_S  # the next slow inline commit's spell
+        self._conn: sqlite3.Connection | None = None  # the writing connection (loop + writer)
+        self._ckpt = threading.Event()
+        self._ckpt_thread: threading.Thread | None = None
+        self._since_ckpt = 0
+        self._closing = False
+        # Entries of this turn of the loop, committed together at its end, and their future.
+        self._turn: tuple[list[tuple[Any, ...]], asyncio.Future[Any]] | None = None
+        self._active = 0  # calls in _run_and_log between their start and their entry
         # Started rows held on the loop, oldest first (O(1) removal anywhere, O(1) oldest),
         # and the one timer that queues the due ones (armed while any is held; not per call).
         self._held: OrderedDict[_Start, None] = OrderedDict()
@@ -196,15 +248,16 @@ class TrajLog:
         self._inflight: dict[tuple[str, str], asyncio.Future[Any]] = {}
         self._last_prune = 0.0
         self.interrupted = 0  # started rows found open (and marked interrupted) at open()
-        self.stats = {"records": 0, "commits": 0, "started_rows": 0}
+        self.stats = {"records": 0, "commits": 0, "started_rows": 0, "inline": 0,
+                      "inline_slow": 0, "inline_us": 0, "checkpoints": 0}
 
     # ---- lifecycle ---------------------------------------------------------------------------
-    def _connect(self) -> sqlite3.Connection:
+    def _connect(self, autocheckpoint: int = 4000) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                timeout=30)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self.sync}")
-        conn.execute("PRAGMA wal_autocheckpoint=4000")  # fewer, bigger checkpoints (writer)
+        conn.execute(f"PRAGMA wal_autocheckpoint={autocheckpoint}")
         return conn
 
     def open(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -227,22 +280,37 @@ class TrajLog:
         finally:
             conn.close()
         self._reader = self._connect()
+        # Commits on the loop must never run a checkpoint (ms of I/O): the checkpointer does.
+        self._conn = self._connect(autocheckpoint=0)
+        self._closing = False
         self._thread = threading.Thread(target=self._writer, name="trajlog-writer", daemon=True)
         self._thread.start()
+        self._ckpt_thread = threading.Thread(target=self._checkpointer,
+                                             name="trajlog-checkpoint", daemon=True)
+        self._ckpt_thread.start()
 
     def close(self) -> None:
-        """Flush what is queued and stop the writer."""
+        """Flush what is queued and stop the writer and the checkpointer."""
         if self._thread is not None:
             self._q.put(None)
             self._thread.join(30)
             self._thread = None
+        if self._ckpt_thread is not None:
+            self._closing = True
+            self._ckpt.set()
+            self._ckpt_thread.join(30)
+            self._ckpt_thread = None
+        if self._conn is not None:
+            self._conn.close()  # the last writer: SQLite checkpoints the WAL on close
+            self._conn = None
         if self._reader is not None:
             self._reader.close()
             self._reader = None
 
     # ---- the writer thread (group commit) ----------------------------------------------------
     def _writer(self) -> None:
-        conn = self._connect()
+        conn = self._conn
+        assert conn is not None
         stop = False
         while not stop:
             item = self._q.get()
@@ -264,7 +332,31 @@ class TrajLog:
                     batch.append(item)
             if batch:
                 self._commit(conn, batch)
-        conn.close()
+                self._committed(len(batch))
+
+    def _checkpointer(self) -> None:
+        """Copy the WAL into the database when CHECKPOINT_EVERY records have been committed
+        (passive: never waits for, nor blocks, the writing connection)."""
+        conn = self._connect(autocheckpoint=0)
+        try:
+            while True:
+                self._ckpt.wait()
+                self._ckpt.clear()
+                if self._closing:
+                    return
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                    self.stats["checkpoints"] += 1
+                except sqlite3.Error:
+                    log.exception("trajectory log checkpoint failed")
+        finally:
+            conn.close()
+
+    def _committed(self, n: int) -> None:
+        self._since_ckpt += n  # both threads add: a lost update only delays a checkpoint
+        if self._since_ckpt >= CHECKPOINT_EVERY:
+            self._since_ckpt = 0
+            self._ckpt.set()
 
     def _commit(self, conn: sqlite3.Connection, batch: list[Any]) -> None:
         results: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
@@ -286,6 +378,10 @@ class TrajLog:
                 if p.kind == "start":
                     p.rowid = None  # not in the database: its end inserts a whole row
             results = [(p.fut, None, e) for p in batch if p.fut is not None]
+        # Done with the connection: the loop may commit inline again, and does so as soon as
+        # the callers it wakes below resume (not one call later).
+        with self._mu:
+            self._backlog -= len(batch)
         if results and self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(_resolve, results)
@@ -298,15 +394,7 @@ class TrajLog:
             self.stats["started_rows"] += 1
             return p.rowid
         if p.kind == "entry":
-            start: _Start | None = p.args[-1]
-            row = p.args[:-1]
-            if start is not None and start.rowid is not None:
-                # The started row is in: finish it in place (it keeps its place in the log).
-                conn.execute("UPDATE entries SET idem_key=?, fingerprint=?, result=?, error=?, "
-                             "ended_at=?, snapshot_ids=?, status=NULL WHERE seq=?",
-                             (row[2], row[3], row[5], row[6], row[8], row[9], start.rowid))
-                return start.rowid
-            return conn.execute(_INSERT, (*row, None)).lastrowid
+            return _apply_entry(conn, p.args)
         if p.kind == "drop":
             start = p.args[0]
             if start.rowid is not None:
@@ -345,10 +433,96 @@ class TrajLog:
             return len(old)
         raise ValueError(p.kind)
 
+    def _enqueue(self, item: _Pending | _Start) -> None:
+        """Hand a record to the writer thread (on the loop only: see ``_backlog``)."""
+        with self._mu:
+            self._backlog += 1
+            self._q.put(item)
+
     def _submit(self, kind: str, args: tuple[Any, ...], wait: bool) -> asyncio.Future[Any] | None:
         fut = self._loop.create_future() if (wait and self._loop is not None) else None
-        self._q.put(_Pending(kind, args, fut))
+        self._enqueue(_Pending(kind, args, fut))
         return fut
+
+    def _can_inline(self) -> bool:
+        # _backlog == 0: the writer has committed everything it was given and gets nothing
+        # new while the loop commits (only the loop queues): the connection is the loop's.
+        return (self._conn is not None and self._inline and self._backlog == 0
+                and time.monotonic() >= self._inline_after)
+
+    def _commit_inline(self, rows: list[tuple[Any, ...]]) -> list[int]:
+        """Write ``rows`` on the loop, in one transaction (one statement alone: autocommit);
+        their seqs. Times the commit: a slow one sends the next ones to the writer."""
+        conn = self._conn
+        assert conn is not None
+        t0 = time.monotonic()
+        try:
+            if len(rows) == 1:
+                seqs = [_apply_entry(conn, rows[0])]
+            else:
+                conn.execute("BEGIN")
+                seqs = [_apply_entry(conn, r) for r in rows]
+                conn.execute("COMMIT")
+        except Exception as e:  # noqa: BLE001
+            log.exception("trajectory log write failed")
+            if conn.in_transaction:
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+            raise InternalError(f"could not write the trajectory log: {e}") from e
+        dt = time.monotonic() - t0
+        st = self.stats
+        st["inline"] += len(rows)
+        st["inline_us"] += int(dt * 1e6)
+        st["commits"] += 1
+        st["records"] += len(rows)
+        if dt > INLINE_SLOW_S:  # the disk may be slow: spare the loop for a while
+            st["inline_slow"] += 1
+            self._inline_after = time.monotonic() + self._backoff
+            log.info("slow trajectory log commit on the loop: writer thread for a while",
+                     extra={"ms": round(dt * 1000, 1), "for_s": self._backoff})
+            self._backoff = min(self._backoff * 2, INLINE_BACKOFF_MAX_S)
+        else:
+            self._backoff = INLINE_BACKOFF_S
+        self._committed(len(rows))
+        return seqs
+
+    def _write_entry(self, args: tuple[Any, ...], wait: bool = True, coalesce: bool = False
+                     ) -> int | asyncio.Future[Any]:
+        """Commit one entry inline (its seq) if the writer is idle, else queue it for the
+        writer (a future of its seq; with ``wait`` false, no future: 0, and it commits with
+        the writer's next batch, before anything queued after it). ``coalesce`` (other calls
+        are in flight, and may end in this same turn of the loop): join the entries of this
+        turn, committed together at its end (a future of None) - one commit for several."""
+        if not self._can_inline():
+            fut = self._loop.create_future() if wait else None  # type: ignore[union-attr]
+            self._enqueue(_Pending("entry", args, fut))
+            return fut if fut is not None else 0
+        if not coalesce:
+            return self._commit_inline([args])[0]
+        if self._turn is None:
+            self._turn = ([], self._loop.create_future())  # type: ignore[union-attr]
+            self._loop.call_soon(self._flush_turn)  # type: ignore[union-attr]
+        self._turn[0].append(args)
+        return self._turn[1]
+
+    def _flush_turn(self) -> None:
+        assert self._turn is not None
+        rows, fut = self._turn
+        self._turn = None
+        if not self._can_inline():  # the writer got work meanwhile: queue behind it (FIFO)
+            for r in rows[:-1]:
+                self._enqueue(_Pending("entry", r, None))
+            self._enqueue(_Pending("entry", rows[-1], fut))
+            return
+        try:
+            self._commit_inline(rows)
+        except InternalError as e:
+            fut.set_exception(e)
+            fut.exception()  # retrieved: its waiters (shielded) get it
+            return
+        fut.set_result(None)
 
     # ---- what the engine and the API call --------------------------------------------------------
     def sandbox_created(self, sid: str, spec: dict[str, Any], created_at: float) -> None:
@@ -398,7 +572,7 @@ class TrajLog:
                 return
             del self._held[s]
             s.queued = True
-            self._q.put(s)
+            self._enqueue(s)
 
     def _close_start(self, s: _Start) -> _Start | None:
         """The call ended: the start its end must finish in place, or None (never queued)."""
@@ -408,7 +582,7 @@ class TrajLog:
     def drop(self, start: _Start) -> None:
         """The call will not be logged after all (no such sandbox, a daemon bug)."""
         if self._close_start(start) is not None:
-            self._q.put(_Pending("drop", (start,), None))
+            self._enqueue(_Pending("drop", (start,), None))
 
     def logged(self, sid: str, op: str, request: dict[str, Any],
                result: dict[str, Any] | None, started_at: float,
@@ -417,9 +591,9 @@ class TrajLog:
         same batch, or of a later one, knows this one is committed too: FIFO, one writer)."""
         if not self.enabled:
             return
-        self._q.put(_Pending("entry", self._row(sid, op, request, result, None, started_at,
-                                                time.time(), None, None, snapshot_ids, None),
-                             None))
+        self._enqueue(_Pending("entry", self._row(sid, op, request, result, None, started_at,
+                                                  time.time(), None, None, snapshot_ids,
+                                                  None), None))
 
     @staticmethod
     def _row(sid: str, op: str, request: dict[str, Any], result: dict[str, Any] | None,
@@ -441,17 +615,11 @@ class TrajLog:
         before anything queued after it)."""
         if start is not None:
             start = self._close_start(start)
-        args = self._row(sid, op, request, result, error, started_at, ended_at, key, fp,
-                         snapshot_ids, start)
-        fut = self._submit("entry", args, wait)
-        if fut is None:
-            return 0
-        try:
-            return int(await asyncio.shield(fut))
-        except CorralError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise InternalError(f"could not write the trajectory log: {e}") from e
+        got = self._write_entry(self._row(sid, op, request, result, error, started_at,
+                                          ended_at, key, fp, snapshot_ids, start), wait=wait)
+        if isinstance(got, int):
+            return got
+        return int(await _committed(got))
 
     def _lookup(self, scope: str, key: str) -> tuple[str, str, str | None, str | None] | None:
         """The finished entry that binds ``key`` (started and interrupted rows do not)."""
@@ -538,8 +706,12 @@ class TrajLog:
         started = time.time()
         start = self.started(sid, op, request, started, key, fp) if op in STARTED_OPS else None
         ids = snapshot_ids if not callable(snapshot_ids) else None
+        self._active += 1
         try:
-            value = await call()
+            try:
+                value = await call()
+            finally:
+                self._active -= 1
         except CorralError as e:
             if op == "create" or isinstance(e, SandboxNotFound):
                 if start is not None:
@@ -556,18 +728,26 @@ class TrajLog:
                 self.drop(start)
             raise
         result = to_log(value) if to_log is not None else value
-        # A create without an idempotency key does not wait for its commit (the one wait on a
-        # warm create's path, ~half its latency): no retry depends on it, the sandbox's own
-        # record (meta.json) is written before the answer, and the entry commits with the
-        # writer's next batch, before any later call on the sandbox is answered (one FIFO
-        # queue, one writer). A daemon crash in that window (~1 ms) loses the entry only.
+        # A create without an idempotency key does not wait for a queued commit (that wait
+        # was ~half a warm create's latency): no retry depends on it, the sandbox's own record
+        # (meta.json) is written before the answer, and the entry commits with the writer's
+        # next batch, before any later call on the sandbox is answered (one FIFO queue, one
+        # writer; later entries queue behind it). A daemon crash in that window (~1 ms) loses
+        # the entry only. When the writer is idle it is simply committed inline (no window).
         wait = not (op == "create" and key is None)
         if op == "create" and isinstance(result, dict):
             sid = str(result.get("id", sid))
         if callable(snapshot_ids):
             ids = snapshot_ids(result)
-        await self.record(sid, op, request, result, None, started, time.time(), key, fp,
-                          ids, start, wait=wait)
+        if start is not None:
+            start = self._close_start(start)
+        # Other calls still running: they may end in this same turn of the loop, and then one
+        # commit covers them all (alone, commit now: no extra turn of the loop).
+        got = self._write_entry(self._row(sid, op, request, result, None, started, time.time(),
+                                          key, fp, ids, start), wait=wait,
+                                coalesce=wait and (self._active > 0 or self._turn is not None))
+        if not isinstance(got, int):  # wait for the commit (end of the turn, or the writer)
+            await _committed(got)
         return value
 
     # ---- reading -------------------------------------------------------------------------------
@@ -644,6 +824,29 @@ class TrajLog:
         if sha is not None:
             out["stdout_sha256"], out["stderr_sha256"] = sha
         return out
+
+
+def _apply_entry(conn: sqlite3.Connection, args: tuple[Any, ...]) -> int:
+    """Write one entry (``TrajLog._row``): its seq. One statement: inline, it commits on its
+    own (autocommit); in the writer's batch, inside the batch's transaction."""
+    start: _Start | None = args[-1]
+    if start is not None and start.rowid is not None:
+        # The started row is in: finish it in place (it keeps its place in the log).
+        conn.execute("UPDATE entries SET idem_key=?, fingerprint=?, result=?, error=?, "
+                     "ended_at=?, snapshot_ids=?, status=NULL WHERE seq=?",
+                     (args[2], args[3], args[5], args[6], args[8], args[9], start.rowid))
+        return start.rowid
+    return int(conn.execute(_INSERT, (*args[:-1], None)).lastrowid)  # type: ignore[arg-type]
+
+
+async def _committed(fut: asyncio.Future[Any]) -> Any:
+    """Wait for the commit of a queued (or coalesced) entry; its seq (None if coalesced)."""
+    try:
+        return await asyncio.shield(fut)
+    except CorralError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise InternalError(f"could not write the trajectory log: {e}") from e
 
 
 def _migrate(conn: sqlite3.Connection) -> None:

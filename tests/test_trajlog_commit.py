@@ -1,0 +1,184 @@
+"""The trajectory log's write path (corral.daemon.trajlog, docs/trajectory.md "Overhead"):
+entries committed inline on the event loop when the writer thread is idle, queued for it
+otherwise, in submission order either way, and durable before a call returns. In process,
+on a private state dir (no daemon)."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+from typing import Any
+
+import pytest
+
+from corral.daemon import trajlog
+from corral.daemon.trajlog import TrajLog
+from corral.errors import InternalError
+
+
+def _rows(path: str, sid: str = "sb") -> list[tuple[Any, ...]]:
+    """What another process would read: a fresh connection, only committed rows."""
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute("SELECT op, request, status FROM entries WHERE sandbox_id=? "
+                            "ORDER BY seq", (sid,)).fetchall()
+    finally:
+        conn.close()
+
+
+async def _ok() -> dict[str, Any]:
+    await asyncio.sleep(0)
+    return {"exit_code": 0, "stdout": "", "stderr": ""}
+
+
+@pytest.fixture(autouse=True)
+def _never_slow(monkeypatch):
+    """No inline commit counts as slow (a loaded test machine preempts the process in the
+    middle of one), unless a test says otherwise."""
+    monkeypatch.setattr(trajlog, "INLINE_SLOW_S", 1e9)
+
+
+def _run(tmp_path, body, **kw: Any) -> TrajLog:
+    tl = TrajLog(str(tmp_path), **kw)
+
+    async def main() -> None:
+        tl.open(asyncio.get_running_loop())
+        try:
+            await body(tl)
+        finally:
+            tl.close()
+
+    asyncio.run(main())
+    return tl
+
+
+def test_idle_writer_means_inline_commits_visible_at_return(tmp_path):
+    async def body(tl: TrajLog) -> None:
+        for i in range(20):
+            await tl.run("sb", "exec", {"i": i}, None, _ok)
+            # Committed before the call returned: another connection sees it.
+            assert len(_rows(tl.path)) == i + 1
+
+    tl = _run(tmp_path, body)
+    assert tl.stats["inline"] == 20 and tl.stats["records"] == 20
+
+
+def test_a_backlog_sends_entries_to_the_writer_in_order(tmp_path):
+    """While the writer has records it has not committed, an entry is queued behind them,
+    never committed inline ahead of them."""
+    async def body(tl: TrajLog) -> None:
+        gate = threading.Event()
+        real = tl._commit
+
+        def held(conn: sqlite3.Connection, batch: list[Any]) -> None:
+            gate.wait(10)  # the writer is stuck in a slow commit
+            real(conn, batch)
+
+        tl._commit = held  # type: ignore[method-assign]
+        tl.logged("sb", "read", {"i": 0}, {"size": 0}, 0.0)  # queued, never waited for
+        task = asyncio.ensure_future(tl.run("sb", "exec", {"i": 1}, None, _ok))
+        await asyncio.sleep(0.1)
+        assert not task.done()  # waits for the writer: its entry is behind the queued one
+        assert tl.stats["inline"] == 0
+        gate.set()
+        await task
+        assert [r[1] for r in _rows(tl.path)] == ['{"i":0}', '{"i":1}']
+        # Backlog drained: the next one is inline again.
+        await tl.run("sb", "exec", {"i": 2}, None, _ok)
+        assert tl.stats["inline"] == 1
+
+    _run(tmp_path, body)
+
+
+def test_a_slow_inline_commit_backs_off_to_the_writer(tmp_path, monkeypatch):
+    monkeypatch.setattr(trajlog, "INLINE_SLOW_S", 0.0)  # every inline commit is "slow"
+    monkeypatch.setattr(trajlog, "INLINE_BACKOFF_S", 30.0)
+    monkeypatch.setattr(trajlog, "INLINE_BACKOFF_MAX_S", 300.0)
+
+    async def body(tl: TrajLog) -> None:
+        for i in range(5):
+            await tl.run("sb", "exec", {"i": i}, None, _ok)
+        assert tl.stats["inline"] == 1 and tl.stats["inline_slow"] == 1
+        assert tl._backoff == 60.0  # doubled for the next slow one
+        assert len(_rows(tl.path)) == 5  # the other four: through the writer thread
+
+    _run(tmp_path, body)
+
+
+def test_sync_full_never_commits_on_the_loop(tmp_path):
+    async def body(tl: TrajLog) -> None:
+        await asyncio.gather(*(tl.run("sb", "exec", {"i": i}, None, _ok) for i in range(10)))
+        assert len(_rows(tl.path)) == 10
+
+    tl = _run(tmp_path, body, sync="full")
+    assert tl.stats["inline"] == 0 and tl.stats["records"] == 10
+
+
+def test_checkpoints_run_off_the_loop(tmp_path, monkeypatch):
+    monkeypatch.setattr(trajlog, "CHECKPOINT_EVERY", 10)
+
+    async def body(tl: TrajLog) -> None:
+        for i in range(35):
+            await tl.run("sb", "exec", {"i": i}, None, _ok)
+        for _ in range(100):
+            if tl.stats["checkpoints"]:
+                break
+            await asyncio.sleep(0.02)
+        # The loop's connection never checkpoints by itself.
+        assert tl._conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+
+    tl = _run(tmp_path, body)
+    assert tl.stats["checkpoints"] >= 1  # (requests made while one runs are merged)
+    assert len(_rows(tl.path)) == 35
+
+
+def test_started_rows_then_inline_finish_in_place(tmp_path):
+    """A call that outlives the hold gets a started row (via the writer); its end, inline,
+    finishes that row in place."""
+    async def body(tl: TrajLog) -> None:
+        async def slow() -> dict[str, Any]:
+            await asyncio.sleep(0.2)
+            return {"ok": True}
+
+        task = asyncio.ensure_future(tl.run("sb", "mkdir", {"path": "/x"}, None, slow))
+        await asyncio.sleep(0.1)
+        assert [r[2] for r in _rows(tl.path)] == ["started"]
+        await task
+        assert [r[2] for r in _rows(tl.path)] == [None]
+
+    tl = _run(tmp_path, body, start_ms=10)
+    assert tl.stats["started_rows"] == 1
+
+
+def test_an_inline_write_failure_is_internal(tmp_path):
+    async def body(tl: TrajLog) -> None:
+        tl._conn.execute("DROP TABLE entries")
+        with pytest.raises(InternalError, match="trajectory log"):
+            await tl.run("sb", "exec", {}, None, _ok)
+
+    _run(tmp_path, body)
+
+
+def test_calls_ending_in_the_same_turn_share_a_commit(tmp_path):
+    """Calls in flight together that end in the same turn of the loop: one commit for all,
+    and none of them returns before it."""
+    async def body(tl: TrajLog) -> None:
+        gate = asyncio.Event()
+
+        async def held() -> dict[str, Any]:
+            await gate.wait()
+            return {"exit_code": 0}
+
+        tasks = [asyncio.ensure_future(tl.run("sb", "exec", {"i": i}, None, held))
+                 for i in range(4)]
+        await asyncio.sleep(0.01)
+        gate.set()  # all four wake in the same turn
+        commits = tl.stats["commits"]
+        for t in asyncio.as_completed(tasks):
+            await t
+            assert len(_rows(tl.path)) == 4  # the first to return already sees all four
+        assert tl.stats["commits"] - commits < 4
+
+    tl = _run(tmp_path, body)
+    assert tl.stats["inline"] == 4
