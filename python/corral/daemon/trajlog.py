@@ -6,7 +6,9 @@ Storage: one SQLite database, ``<state_dir>/trajlog.db``, WAL mode. Every record
 * inline, on the event loop (the common case): when nothing is queued for the writer thread
   and it is idle, a call's entry is written and committed right there, one statement in
   autocommit (~20 us: a ``write()`` into the WAL). No thread hand-off, no future, no
-  ``call_soon_threadsafe`` wake-up back: those cost several times the commit itself.
+  ``call_soon_threadsafe`` wake-up back: those cost several times the commit itself. A call
+  that ends while other calls are in flight joins the entries of the same turn of the loop,
+  committed together at its end (one commit for the calls that end together).
 * the writer thread (group commit): when it is busy (or has a backlog), a record is queued
   and the call waits; the thread takes every record queued since its last commit and writes
   them in one transaction, so N concurrent calls cost one commit, not N. There is no timer:
@@ -17,11 +19,12 @@ Both use one connection, never at once: the loop commits inline only while the w
 backlog (records handed to it, not yet committed) is zero, and only the loop adds to it, so
 records reach the database in the order they were submitted either way. A commit on the loop
 stalls every call, so it is bounded: one that takes longer than ``INLINE_SLOW_S`` (disk
-pressure: a ``write()`` blocked by dirty-page throttling) sends the next ``INLINE_BACKOFF_S``
-of commits to the writer thread. Checkpoints never run inline (``wal_autocheckpoint=0`` on the
-writing connection): a checkpointer thread copies the WAL into the database every
-``CHECKPOINT_EVERY`` records, on its own connection (a passive checkpoint does not block
-writers). ``CORRAL_TRAJLOG_SYNC=full`` (an fsync per commit) never commits inline.
+pressure: a ``write()`` blocked by dirty-page throttling) sends the commits of the next
+``INLINE_BACKOFF_S`` (doubled while it happens again) to the writer thread. Checkpoints
+never run inline (``wal_autocheckpoint=0`` on the writing connection): a checkpointer thread
+copies the WAL into the database every ``CHECKPOINT_EVERY`` records, on its own connection (a
+passive checkpoint does not block writers). ``CORRAL_TRAJLOG_SYNC=full`` (an fsync per
+commit) never commits inline.
 
 Durability: ``synchronous=NORMAL`` (``CORRAL_TRAJLOG_SYNC=full`` for an fsync per batch). In WAL
 mode a commit is a ``write()`` into the WAL: once it returns, the record survives the daemon's
@@ -88,8 +91,8 @@ PRUNE_EVERY_S = 60.0
 INLINE_SLOW_S = 0.002
 INLINE_BACKOFF_S = 0.05
 INLINE_BACKOFF_MAX_S = 5.0
-# Records between two WAL checkpoints (run by the checkpointer thread, never inline): about
-# 3-4 pages each, so the WAL stays around 10-15 MB.
+# Records between two WAL checkpoints (run by the checkpointer thread, never inline): two
+# pages each (the row and its index entry), so the WAL stays under ~10 MB.
 CHECKPOINT_EVERY = 1000
 # Ops that change a sandbox: they get a started row (create does not: its id is not known
 # before it ends, and a half-made sandbox is removed at restart anyway).
