@@ -182,3 +182,32 @@ def test_calls_ending_in_the_same_turn_share_a_commit(tmp_path):
 
     tl = _run(tmp_path, body)
     assert tl.stats["inline"] == 4
+
+
+def test_a_create_without_key_does_not_wait_for_a_busy_writer(tmp_path):
+    """Writer idle: a keyless create is committed inline before it returns. Writer busy: it
+    returns at once, and the sandbox's next call is queued behind its entry (log order)."""
+    async def body(tl: TrajLog) -> None:
+        async def made() -> dict[str, Any]:
+            return {"id": "sb"}
+
+        await tl.run("", "create", {"n": 0}, None, made)
+        assert [r[0] for r in _rows(tl.path)] == ["create"]  # inline, already durable
+        gate = threading.Event()
+        real = tl._commit
+
+        def held(conn: sqlite3.Connection, batch: list[Any]) -> None:
+            gate.wait(10)
+            real(conn, batch)
+
+        tl._commit = held  # type: ignore[method-assign]
+        tl.logged("other", "read", {}, {}, 0.0)  # the writer is busy with this one
+        await asyncio.wait_for(tl.run("", "create", {"n": 1}, None, made), 5)  # no wait
+        task = asyncio.ensure_future(tl.run("sb", "exec", {"i": 0}, None, _ok))
+        await asyncio.sleep(0.05)
+        assert not task.done()  # behind the create's entry
+        gate.set()
+        await task
+        assert [r[0] for r in _rows(tl.path)] == ["create", "create", "exec"]
+
+    _run(tmp_path, body)
