@@ -27,6 +27,14 @@ def _rows(path: str, sid: str = "sb") -> list[tuple[Any, ...]]:
         conn.close()
 
 
+def _sandboxes(path: str) -> list[str]:
+    conn = sqlite3.connect(path)
+    try:
+        return [r[0] for r in conn.execute("SELECT sandbox_id FROM sandboxes ORDER BY 1")]
+    finally:
+        conn.close()
+
+
 async def _ok() -> dict[str, Any]:
     await asyncio.sleep(0)
     return {"exit_code": 0, "stdout": "", "stderr": ""}
@@ -184,15 +192,20 @@ def test_calls_ending_in_the_same_turn_share_a_commit(tmp_path):
     assert tl.stats["inline"] == 4
 
 
-def test_a_create_without_key_does_not_wait_for_a_busy_writer(tmp_path):
-    """Writer idle: a keyless create is committed inline before it returns. Writer busy: it
-    returns at once, and the sandbox's next call is queued behind its entry (log order)."""
+def test_a_create_is_durable_before_it_returns_even_with_a_busy_writer(tmp_path):
+    """Writer idle: a create's sandbox row and entry are committed inline, in one commit,
+    before it returns. Writer busy: the create (with or without a key) does not return until
+    its entry is committed (a crash can lose nothing its client has seen)."""
     async def body(tl: TrajLog) -> None:
         async def made() -> dict[str, Any]:
+            tl.sandbox_created("sb", {"image": "host"}, 1.0)  # what engine.create does
             return {"id": "sb"}
 
+        commits = tl.stats["commits"]
         await tl.run("", "create", {"n": 0}, None, made)
         assert [r[0] for r in _rows(tl.path)] == ["create"]  # inline, already durable
+        assert tl.stats["commits"] == commits + 1  # the sandbox row rode along
+        assert _sandboxes(tl.path) == ["sb"]
         gate = threading.Event()
         real = tl._commit
 
@@ -202,12 +215,34 @@ def test_a_create_without_key_does_not_wait_for_a_busy_writer(tmp_path):
 
         tl._commit = held  # type: ignore[method-assign]
         tl.logged("other", "read", {}, {}, 0.0)  # the writer is busy with this one
-        await asyncio.wait_for(tl.run("", "create", {"n": 1}, None, made), 5)  # no wait
-        task = asyncio.ensure_future(tl.run("sb", "exec", {"i": 0}, None, _ok))
-        await asyncio.sleep(0.05)
-        assert not task.done()  # behind the create's entry
+        task = asyncio.ensure_future(tl.run("", "create", {"n": 1}, None, made))
+        await asyncio.sleep(0.1)
+        assert not task.done()  # no answer before the entry is committed
+        assert [r[0] for r in _rows(tl.path)] == ["create"]
         gate.set()
-        await task
-        assert [r[0] for r in _rows(tl.path)] == ["create", "create", "exec"]
+        await asyncio.wait_for(task, 5)
+        assert [r[0] for r in _rows(tl.path)] == ["create", "create"]
+
+    _run(tmp_path, body)
+
+
+def test_a_sandbox_row_alone_is_written_at_the_end_of_its_turn(tmp_path):
+    """A sandbox made without a logged call (batch create path) still gets its row, and a
+    later end of it is applied after it (FIFO behind the row)."""
+    async def body(tl: TrajLog) -> None:
+        tl.sandbox_created("a", {}, 1.0)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert _sandboxes(tl.path) == ["a"]  # inline at the end of the turn
+        tl.sandbox_created("b", {}, 2.0)
+        tl.sandbox_ended("b", "killed")  # queued: the row goes to the writer first
+        await tl.flushed()
+        conn = sqlite3.connect(tl.path)
+        try:
+            got = conn.execute("SELECT sandbox_id, reason FROM sandboxes ORDER BY sandbox_id"
+                               ).fetchall()
+        finally:
+            conn.close()
+        assert got == [("a", None), ("b", "killed")]
 
     _run(tmp_path, body)

@@ -91,9 +91,14 @@ PRUNE_EVERY_S = 60.0
 INLINE_SLOW_S = 0.002
 INLINE_BACKOFF_S = 0.05
 INLINE_BACKOFF_MAX_S = 5.0
-# Records between two WAL checkpoints (run by the checkpointer thread, never inline): two
-# pages each (the row and its index entry), so the WAL stays under ~10 MB.
+# Records between two WAL checkpoints (run by the checkpointer thread, never inline): one or
+# two pages each, so the WAL stays under ~10 MB.
 CHECKPOINT_EVERY = 1000
+# Entries between two updates of the per-sandbox index (``entries_by_sandbox``): a commit
+# writes one b-tree (the row) instead of two; every INDEX_EVERY entries one commit also
+# indexes the ones since the last time (a handful of index pages for all of them). Readers
+# find the rest, the unindexed tail, by a short rowid range scan.
+INDEX_EVERY = 64
 # Ops that change a sandbox: they get a started row (create does not: its id is not known
 # before it ends, and a half-made sandbox is removed at restart anyway).
 STARTED_OPS = frozenset({"exec", "write", "upload", "mkdir", "remove", "rename", "snapshot",
@@ -121,8 +126,15 @@ CREATE TABLE IF NOT EXISTS entries (
     snapshot_ids TEXT,
     status TEXT
 );
-CREATE INDEX IF NOT EXISTS entries_sandbox ON entries (sandbox_id, seq);
 CREATE INDEX IF NOT EXISTS entries_key ON entries (idem_key) WHERE idem_key IS NOT NULL;
+-- A sandbox's entries, filled in batches (INDEX_EVERY) up to log_meta 'indexed' (a seq):
+-- the entries after it (the tail) are found by scanning seq > indexed.
+CREATE TABLE IF NOT EXISTS entries_by_sandbox (
+    sandbox_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    PRIMARY KEY (sandbox_id, seq)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS log_meta (k TEXT PRIMARY KEY, v INTEGER) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id TEXT PRIMARY KEY,
     spec TEXT,
@@ -134,6 +146,12 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 # After the status column exists (logs written before it had none: added by _migrate).
 _STARTED_INDEX = ("CREATE INDEX IF NOT EXISTS entries_started ON entries (seq) "
                   "WHERE status = 'started'")
+# A sandbox's entries (seqs): the indexed ones and the tail (one statement: one snapshot).
+_SANDBOX_SEQS = ("SELECT seq FROM entries_by_sandbox WHERE sandbox_id=:sid UNION ALL "
+                 "SELECT seq FROM entries WHERE seq > (SELECT v FROM log_meta WHERE "
+                 "k='indexed') AND sandbox_id=:sid")
+_INSERT_SANDBOX = ("INSERT OR REPLACE INTO sandboxes (sandbox_id, spec, created_at) "
+                   "VALUES (?,?,?)")
 _INSERT = ("INSERT INTO entries (sandbox_id, op, idem_key, fingerprint, request, result, "
            "error, started_at, ended_at, snapshot_ids, status) VALUES (?,?,?,?,?,?,?,?,?,?,?)")
 
@@ -237,7 +255,13 @@ class TrajLog:
         self._ckpt = threading.Event()
         self._ckpt_thread: threading.Thread | None = None
         self._since_ckpt = 0
+        self._indexed = 0  # entries_by_sandbox holds every entry up to this seq
+        self._unindexed = 0  # entries inserted since (both threads, never at once)
         self._closing = False
+        # Sandbox rows of creates that ended on the loop, not yet written: they join the next
+        # inline commit (one commit for a create's sandbox row and its entry) or go to the
+        # writer ahead of whatever is queued next (``_enqueue``), or at the end of the turn.
+        self._sb_rows: list[tuple[Any, ...]] = []
         # Entries of this turn of the loop, committed together at its end, and their future.
         self._turn: tuple[list[tuple[Any, ...]], asyncio.Future[Any]] | None = None
         self._active = 0  # calls in _run_and_log between their start and their entry
@@ -273,6 +297,9 @@ class TrajLog:
             conn.executescript(_SCHEMA)
             _migrate(conn)
             conn.execute(_STARTED_INDEX)
+            # Entries committed since the last index update (all of them in a log written
+            # before entries_by_sandbox existed).
+            self._indexed = _index_tail(conn)
             # Before any new call can start: what was in flight when the last daemon died.
             cur = conn.execute("UPDATE entries SET status=?, error=? WHERE status=?",
                                (INTERRUPTED, _dumps(INTERRUPTED_ERROR), STARTED))
@@ -295,6 +322,8 @@ class TrajLog:
     def close(self) -> None:
         """Flush what is queued and stop the writer and the checkpointer."""
         if self._thread is not None:
+            if self._sb_rows:
+                self._enqueue(_Pending("barrier", (), None))
             self._q.put(None)
             self._thread.join(30)
             self._thread = None
@@ -366,6 +395,8 @@ class TrajLog:
         try:
             conn.execute("BEGIN")
             out = [self._apply(conn, p) for p in batch]
+            self._unindexed += len(batch)
+            self._maybe_index(conn)
             conn.execute("COMMIT")
             self.stats["commits"] += 1
             self.stats["records"] += len(batch)
@@ -377,6 +408,7 @@ class TrajLog:
                 conn.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
+            self._indexed_rolled_back(conn)
             for p in batch:
                 if p.kind == "start":
                     p.rowid = None  # not in the database: its end inserts a whole row
@@ -402,10 +434,12 @@ class TrajLog:
             start = p.args[0]
             if start.rowid is not None:
                 conn.execute("DELETE FROM entries WHERE seq=?", (start.rowid,))
+                conn.execute("DELETE FROM entries_by_sandbox WHERE sandbox_id=? AND seq=?",
+                             (start.sid, start.rowid))
+                self._lower_watermark(conn)
             return None
         if p.kind == "sandbox":
-            conn.execute("INSERT OR REPLACE INTO sandboxes (sandbox_id, spec, created_at) "
-                         "VALUES (?,?,?)", p.args)
+            conn.execute(_INSERT_SANDBOX, p.args)
             return None
         if p.kind == "ended":
             conn.execute("UPDATE sandboxes SET ended_at=?, reason=? WHERE sandbox_id=? AND "
@@ -427,25 +461,73 @@ class TrajLog:
                 "SELECT sandbox_id FROM sandboxes WHERE ended_at IS NOT NULL AND ended_at < ?",
                 (cutoff,)).fetchall()]
             for sid in old:
-                conn.execute("DELETE FROM entries WHERE sandbox_id=?", (sid,))
+                conn.execute(f"DELETE FROM entries WHERE seq IN ({_SANDBOX_SEQS})",
+                             {"sid": sid})
+                conn.execute("DELETE FROM entries_by_sandbox WHERE sandbox_id=?", (sid,))
                 conn.execute("DELETE FROM sandboxes WHERE sandbox_id=?", (sid,))
             # Entries of ids the log has no sandbox row for (a call on a sandbox of an older
             # state dir, say): by their own age.
-            conn.execute("DELETE FROM entries WHERE ended_at < ? AND sandbox_id NOT IN "
-                         "(SELECT sandbox_id FROM sandboxes)", (cutoff,))
+            gone = conn.execute("SELECT sandbox_id, seq FROM entries WHERE ended_at < ? AND "
+                                "sandbox_id NOT IN (SELECT sandbox_id FROM sandboxes)",
+                                (cutoff,)).fetchall()
+            conn.executemany("DELETE FROM entries WHERE seq=?", [(r[1],) for r in gone])
+            conn.executemany("DELETE FROM entries_by_sandbox WHERE sandbox_id=? AND seq=?",
+                             gone)
+            self._lower_watermark(conn)
             return len(old)
         raise ValueError(p.kind)
 
     def _enqueue(self, item: _Pending | _Start) -> None:
-        """Hand a record to the writer thread (on the loop only: see ``_backlog``)."""
+        """Hand a record to the writer thread (on the loop only: see ``_backlog``), behind
+        the sandbox rows not yet written (a sandbox's end must follow its creation)."""
         with self._mu:
+            if self._sb_rows:
+                self._backlog += len(self._sb_rows)
+                for r in self._sb_rows:
+                    self._q.put(_Pending("sandbox", r, None))
+                self._sb_rows = []
             self._backlog += 1
             self._q.put(item)
+
+    def _flush_sandboxes(self) -> None:
+        """End of the turn a sandbox row was made in: write it if no entry took it along."""
+        if not self._sb_rows:
+            return
+        if self._can_inline():
+            try:
+                self._commit_inline([])
+                return
+            except InternalError:
+                pass  # logged; the writer tries again (and reports to nobody: no waiter)
+        self._enqueue(_Pending("barrier", (), None))
 
     def _submit(self, kind: str, args: tuple[Any, ...], wait: bool) -> asyncio.Future[Any] | None:
         fut = self._loop.create_future() if (wait and self._loop is not None) else None
         self._enqueue(_Pending(kind, args, fut))
         return fut
+
+    def _maybe_index(self, conn: sqlite3.Connection) -> None:
+        """In the current transaction: index the entries since the last time, once there
+        are INDEX_EVERY of them (an amortised cost: one page or a few for all of them)."""
+        if self._unindexed < INDEX_EVERY:
+            return
+        self._indexed = _index_tail(conn, self._indexed)
+        self._unindexed = 0
+
+    def _lower_watermark(self, conn: sqlite3.Connection) -> None:
+        """After a delete: seqs are rowids (no AUTOINCREMENT), so deleting the last entries
+        gives their seqs to the next ones; the watermark must stay below them."""
+        top = conn.execute("SELECT max(seq) FROM entries").fetchone()[0] or 0
+        if top < self._indexed:
+            self._indexed = top
+            conn.execute("UPDATE log_meta SET v=? WHERE k='indexed'", (top,))
+
+    def _indexed_rolled_back(self, conn: sqlite3.Connection) -> None:
+        """A failed transaction may have held an index update: read the watermark back."""
+        try:
+            self._indexed = _watermark(conn)
+        except sqlite3.Error:
+            pass
 
     def _can_inline(self) -> bool:
         # _backlog == 0: the writer has committed everything it was given and gets nothing
@@ -458,13 +540,18 @@ class TrajLog:
         their seqs. Times the commit: a slow one sends the next ones to the writer."""
         conn = self._conn
         assert conn is not None
+        sbs, self._sb_rows = self._sb_rows, []
+        self._unindexed += len(rows)
         t0 = time.monotonic()
         try:
-            if len(rows) == 1:
-                seqs = [_apply_entry(conn, rows[0])]
+            if len(rows) == 1 and not sbs and self._unindexed < INDEX_EVERY:
+                seqs = [_apply_entry(conn, rows[0])]  # one statement: autocommit
             else:
                 conn.execute("BEGIN")
+                if sbs:
+                    conn.executemany(_INSERT_SANDBOX, sbs)
                 seqs = [_apply_entry(conn, r) for r in rows]
+                self._maybe_index(conn)
                 conn.execute("COMMIT")
         except Exception as e:  # noqa: BLE001
             log.exception("trajectory log write failed")
@@ -473,6 +560,8 @@ class TrajLog:
                     conn.execute("ROLLBACK")
                 except sqlite3.Error:
                     pass
+            self._indexed_rolled_back(conn)
+            self._sb_rows = sbs + self._sb_rows
             raise InternalError(f"could not write the trajectory log: {e}") from e
         dt = time.monotonic() - t0
         st = self.stats
@@ -529,8 +618,12 @@ class TrajLog:
 
     # ---- what the engine and the API call --------------------------------------------------------
     def sandbox_created(self, sid: str, spec: dict[str, Any], created_at: float) -> None:
-        if self.enabled:
-            self._submit("sandbox", (sid, json.dumps(spec), created_at), False)
+        """Not a commit of its own: the row goes with the create's entry (same turn)."""
+        if not self.enabled:
+            return
+        if not self._sb_rows and self._loop is not None:
+            self._loop.call_soon(self._flush_sandboxes)
+        self._sb_rows.append((sid, _dumps(spec), created_at))
 
     def sandbox_ended(self, sid: str, reason: str) -> None:
         if self.enabled:
@@ -641,8 +734,9 @@ class TrajLog:
         """The result of ``sid``'s first finished ``op`` entry (a fork child's create)."""
         assert self._reader is not None
         row = self._reader.execute(
-            "SELECT result FROM entries WHERE sandbox_id=? AND op=? AND status IS NULL AND "
-            "result IS NOT NULL ORDER BY seq LIMIT 1", (sid, op)).fetchone()
+            f"SELECT result FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND op=:op AND "
+            "status IS NULL AND result IS NOT NULL ORDER BY seq LIMIT 1",
+            {"sid": sid, "op": op}).fetchone()
         return json.loads(row[0]) if row else None
 
     async def run(self, sid: str, op: str, request: dict[str, Any], key: str | None,
@@ -731,13 +825,6 @@ class TrajLog:
                 self.drop(start)
             raise
         result = to_log(value) if to_log is not None else value
-        # A create without an idempotency key does not wait for a queued commit (that wait
-        # was ~half a warm create's latency): no retry depends on it, the sandbox's own record
-        # (meta.json) is written before the answer, and the entry commits with the writer's
-        # next batch, before any later call on the sandbox is answered (one FIFO queue, one
-        # writer; later entries queue behind it). A daemon crash in that window (~1 ms) loses
-        # the entry only. When the writer is idle it is simply committed inline (no window).
-        wait = not (op == "create" and key is None)
         if op == "create" and isinstance(result, dict):
             sid = str(result.get("id", sid))
         if callable(snapshot_ids):
@@ -747,8 +834,8 @@ class TrajLog:
         # Other calls still running: they may end in this same turn of the loop, and then one
         # commit covers them all (alone, commit now: no extra turn of the loop).
         got = self._write_entry(self._row(sid, op, request, result, None, started, time.time(),
-                                          key, fp, ids, start), wait=wait,
-                                coalesce=wait and (self._active > 0 or self._turn is not None))
+                                          key, fp, ids, start),
+                                coalesce=self._active > 0 or self._turn is not None)
         if not isinstance(got, int):  # wait for the commit (end of the turn, or the writer)
             await _committed(got)
         return value
@@ -765,8 +852,8 @@ class TrajLog:
                                 "WHERE sandbox_id=?", (sid,)).fetchone()
             rows = conn.execute(
                 "SELECT seq, op, idem_key, request, result, error, started_at, ended_at, "
-                "snapshot_ids, status FROM entries WHERE sandbox_id=? ORDER BY seq",
-                (sid,)).fetchall()
+                f"snapshot_ids, status FROM entries WHERE seq IN ({_SANDBOX_SEQS}) "
+                "ORDER BY seq", {"sid": sid}).fetchall()
         finally:
             conn.close()
         if srow is None and not rows:
@@ -857,6 +944,29 @@ def _migrate(conn: sqlite3.Connection) -> None:
     cols = {r[1] for r in conn.execute("PRAGMA table_info(entries)")}
     if "status" not in cols:
         conn.execute("ALTER TABLE entries ADD COLUMN status TEXT")
+    # The per-row (sandbox_id, seq) index became entries_by_sandbox (filled in batches): the
+    # open that follows indexes every entry past the watermark, i.e. all of them.
+    conn.execute("INSERT OR IGNORE INTO log_meta (k, v) VALUES ('indexed', 0)")
+    conn.execute("DROP INDEX IF EXISTS entries_sandbox")
+
+
+def _watermark(conn: sqlite3.Connection) -> int:
+    row = conn.execute("SELECT v FROM log_meta WHERE k='indexed'").fetchone()
+    return int(row[0]) if row else 0
+
+
+def _index_tail(conn: sqlite3.Connection, since: int | None = None) -> int:
+    """Add the entries after ``since`` (the watermark) to entries_by_sandbox and move the
+    watermark to the last entry; the new watermark. Inside the caller's transaction, if any
+    (then the index update commits with the entries, or not at all)."""
+    if since is None:
+        since = _watermark(conn)
+    top = conn.execute("SELECT max(seq) FROM entries").fetchone()[0] or 0
+    if top > since:
+        conn.execute("INSERT OR IGNORE INTO entries_by_sandbox (sandbox_id, seq) SELECT "
+                     "sandbox_id, seq FROM entries WHERE seq > ? AND seq <= ?", (since, top))
+        conn.execute("UPDATE log_meta SET v=? WHERE k='indexed'", (top,))
+    return max(top, since)
 
 
 def _resolve(results: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
