@@ -177,3 +177,58 @@ def test_interrupted_calls_are_logged_and_a_retry_runs(daemon):
         if daemon.proc is None:
             daemon.start()
         Sandbox.from_id(sb.id).kill()
+
+
+def test_a_create_is_logged_before_its_client_sees_it(daemon, tmp_path):
+    """kill -9 with a create's entry queued but not committed (the writer thread held by a
+    test hook, CORRAL_TRAJLOG_TEST_HOLD_FILE, behind an exec's started row): the create has
+    not answered, its client gets an infra error, never a sandbox missing from the log."""
+    import os
+
+    from corral.errors import DaemonRestarted, DaemonUnavailable
+
+    hold = tmp_path / "hold"
+    daemon.stop()
+    os.environ["CORRAL_TRAJLOG_TEST_HOLD_FILE"] = str(hold)
+    made: list[object] = []
+    try:
+        daemon.start()
+        sb = Sandbox(timeout=600)  # writer idle: committed inline
+        hold.touch()
+
+        def long_one() -> None:
+            try:
+                sb.exec("sleep 30")
+            except CorralError as e:
+                made.append(e)
+
+        def create() -> None:
+            try:
+                made.append(Sandbox(timeout=600))
+            except CorralError as e:
+                made.append(e)
+
+        t1 = threading.Thread(target=long_one)
+        t1.start()
+        time.sleep(0.5)  # its started row (20 ms) is with the held writer
+        t2 = threading.Thread(target=create)
+        t2.start()
+        sdir = os.path.join(daemon.state_dir, "sandboxes")
+        deadline = time.monotonic() + 30
+        while len(os.listdir(sdir)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # the new sandbox runs (meta.json written); its entry is queued
+        assert t2.is_alive() and not any(isinstance(m, Sandbox) for m in made)
+        daemon.kill9()
+        t1.join(60)
+        t2.join(60)
+        assert len(made) == 2
+        assert all(isinstance(m, (DaemonRestarted, DaemonUnavailable)) for m in made), made
+    finally:
+        del os.environ["CORRAL_TRAJLOG_TEST_HOLD_FILE"]
+        hold.unlink(missing_ok=True)
+        if daemon.proc is not None:
+            daemon.stop()
+        daemon.start()
+    for sid in os.listdir(os.path.join(daemon.state_dir, "sandboxes")):
+        Sandbox.from_id(sid).kill()

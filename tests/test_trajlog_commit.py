@@ -246,3 +246,84 @@ def test_a_sandbox_row_alone_is_written_at_the_end_of_its_turn(tmp_path):
         assert got == [("a", None), ("b", "killed")]
 
     _run(tmp_path, body)
+
+
+def _by_sandbox(path: str) -> set[tuple[str, int]]:
+    conn = sqlite3.connect(path)
+    try:
+        return set(conn.execute("SELECT sandbox_id, seq FROM entries_by_sandbox"))
+    finally:
+        conn.close()
+
+
+def test_the_per_sandbox_index_is_filled_in_batches_and_reads_see_the_tail(tmp_path,
+                                                                           monkeypatch):
+    """Commits write the row only; every INDEX_EVERY entries one commit indexes them all.
+    A sandbox's log reads the indexed part and the tail alike, in order, and what a reopen
+    finds unindexed (a crash) is indexed then."""
+    monkeypatch.setattr(trajlog, "INDEX_EVERY", 8)
+
+    async def body(tl: TrajLog) -> None:
+        for i in range(21):
+            await tl.run(f"sb{i % 3}", "exec", {"i": i}, None, _ok)
+        assert len(_by_sandbox(tl.path)) == 16  # two batches of 8; 5 in the tail
+        for k in range(3):
+            assert [e["request"]["i"] for e in tl.read(f"sb{k}")[1]] == list(range(k, 21, 3))
+        assert tl.logged_result("sb2", "exec") == {"exit_code": 0, "stdout": "",
+                                                   "stderr": ""}
+
+    tl = _run(tmp_path, body)
+    assert len(_by_sandbox(tl.path)) == 16  # closed with a tail: as after a crash
+
+    async def reopen(tl: TrajLog) -> None:
+        assert len(_by_sandbox(tl.path)) == 21  # open indexed the tail
+        assert [e["request"]["i"] for e in tl.read("sb1")[1]] == list(range(1, 21, 3))
+
+    _run(tmp_path, reopen)
+
+
+def test_deleting_the_last_entries_keeps_new_ones_findable(tmp_path, monkeypatch):
+    """Seqs are rowids: deleting the newest entries (a dropped started row, a prune) hands
+    their seqs to the next entries, which must still be indexed and read."""
+    monkeypatch.setattr(trajlog, "INDEX_EVERY", 2)
+
+    async def body(tl: TrajLog) -> None:
+        for i in range(4):
+            await tl.run("old", "exec", {"i": i}, None, _ok)
+        tl.sandbox_created("old", {}, 1.0)
+        tl.sandbox_ended("old", "killed")
+        assert await tl.prune(now=4e9) == 1  # every entry gone: seqs start again at 1
+        assert _rows(tl.path, "old") == [] and _by_sandbox(tl.path) == set()
+        for i in range(3):
+            await tl.run("new", "exec", {"i": i}, None, _ok)
+        assert [e["request"]["i"] for e in tl.read("new")[1]] == [0, 1, 2]
+        assert {s for s, _ in _by_sandbox(tl.path)} == {"new"}
+
+    _run(tmp_path, body)
+
+
+def test_a_log_with_the_old_per_row_index_is_migrated(tmp_path):
+    """A log written with the entries_sandbox index (one index entry per commit) opens with
+    that index dropped and every entry in entries_by_sandbox."""
+    conn = sqlite3.connect(tmp_path / "trajlog.db")
+    conn.executescript(trajlog._SCHEMA.split("-- A sandbox")[0] + """
+        CREATE INDEX entries_sandbox ON entries (sandbox_id, seq);""")
+    conn.executemany("INSERT INTO entries (sandbox_id, op, request, started_at, ended_at) "
+                     "VALUES (?, 'exec', ?, 1.0, 2.0)",
+                     [(f"sb{i % 2}", f'{{"i":{i}}}') for i in range(5)])
+    conn.commit()
+    conn.close()
+
+    async def body(tl: TrajLog) -> None:
+        assert len(_by_sandbox(tl.path)) == 5
+        assert [e["request"]["i"] for e in tl.read("sb0")[1]] == [0, 2, 4]
+        await tl.run("sb0", "exec", {"i": 5}, None, _ok)
+        assert [e["request"]["i"] for e in tl.read("sb0")[1]] == [0, 2, 4, 5]
+        conn = sqlite3.connect(tl.path)
+        try:
+            names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+        finally:
+            conn.close()
+        assert "entries_sandbox" not in names
+
+    _run(tmp_path, body)

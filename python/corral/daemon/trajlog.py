@@ -242,6 +242,9 @@ class TrajLog:
         self.sync = "FULL" if sync.lower() == "full" else "NORMAL"
         self.flush_s = max(0.0, flush_ms) / 1000.0
         self.start_hold_s = max(0.0, start_ms) / 1000.0
+        # Tests only (tests/test_crash.py): while this file exists the writer thread holds
+        # its batches uncommitted, so a test can kill -9 the daemon with entries queued.
+        self._hold_file = os.environ.get("CORRAL_TRAJLOG_TEST_HOLD_FILE") or None
         self._q: queue.SimpleQueue[_Pending | _Start | None] = queue.SimpleQueue()
         # Records handed to the writer and not yet committed. Only the loop adds (under _mu),
         # only the writer subtracts (after its commit): zero means the writer is not using
@@ -363,6 +366,8 @@ class TrajLog:
                 else:
                     batch.append(item)
             if batch:
+                while self._hold_file and os.path.exists(self._hold_file):
+                    time.sleep(0.01)  # tests only: hold the writer to widen a crash window
                 self._commit(conn, batch)
                 self._committed(len(batch))
 
