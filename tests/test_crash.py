@@ -219,16 +219,26 @@ def test_a_create_is_logged_before_its_client_sees_it(daemon, tmp_path):
             time.sleep(0.05)
         time.sleep(1.0)  # the new sandbox runs (meta.json written); its entry is queued
         assert t2.is_alive() and not any(isinstance(m, Sandbox) for m in made)
+        (new,) = set(os.listdir(sdir)) - {sb.id}
         daemon.kill9()
         t1.join(60)
         t2.join(60)
         assert len(made) == 2
         assert all(isinstance(m, (DaemonRestarted, DaemonUnavailable)) for m in made), made
+        hold.unlink()
+        daemon.start()
+        # Re-adopted (its record was written): its log gets the create it lacked, from the
+        # record, marked recovered.
+        entries = Sandbox.from_id(new).log()
+        assert [(e.op, e.status) for e in entries] == [("create", "done")]
+        assert entries[0].result["id"] == new and entries[0].result["recovered"] is True
+        # (the exec's started row was in the held batch: lost, as its caller saw no result)
+        assert [e.op for e in Sandbox.from_id(sb.id).log()] == ["create"]
     finally:
         del os.environ["CORRAL_TRAJLOG_TEST_HOLD_FILE"]
         hold.unlink(missing_ok=True)
         if daemon.proc is not None:
             daemon.stop()
-        daemon.start()
+        daemon.start()  # without the hook
     for sid in os.listdir(os.path.join(daemon.state_dir, "sandboxes")):
         Sandbox.from_id(sid).kill()

@@ -327,3 +327,26 @@ def test_a_log_with_the_old_per_row_index_is_migrated(tmp_path):
         assert "entries_sandbox" not in names
 
     _run(tmp_path, body)
+
+
+def test_readopted_sandboxes_without_a_create_get_one_from_their_record(tmp_path):
+    """At a restart: a re-adopted sandbox whose create never committed (its client saw no
+    answer) gets its sandbox row and a create entry marked recovered; others are left be."""
+    async def body(tl: TrajLog) -> None:
+        async def made() -> dict[str, Any]:
+            tl.sandbox_created("a", {"image": "host"}, 1.0)
+            return {"id": "a"}
+
+        await tl.run("", "create", {"image": "host"}, None, made)
+        tl.readopted([("a", {"image": "host"}, 1.0, {"id": "a"}),
+                      ("b", {"image": "host"}, 2.0, {"id": "b", "snapshot": "snap-1"})])
+        tl.readopted([("b", {"image": "host"}, 2.0, {"id": "b"})])  # a second restart
+        await tl.flushed()
+        assert [r[0] for r in _rows(tl.path, "a")] == ["create"]
+        (b,) = tl.read("b")[1]
+        assert b["op"] == "create" and b["request"] == {"image": "host"}
+        assert b["result"] == {"id": "b", "snapshot": "snap-1", "recovered": True}
+        assert b["snapshot_ids"] == ["snap-1"]
+        assert _sandboxes(tl.path) == ["a", "b"]
+
+    _run(tmp_path, body)

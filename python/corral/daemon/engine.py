@@ -313,6 +313,8 @@ class Engine:
         for sid, _ in persist.iter_records(self.sandboxes_dir):
             if sid not in known:  # belt and braces: records the substrate did not know
                 shutil.rmtree(os.path.join(self.sandboxes_dir, sid), ignore_errors=True)
+        self.trajlog.readopted([(sid, sb.spec.model_dump(mode="json"), sb.created_at, sb.info())
+                                for sid, sb in self.sandboxes.items() if sid in known])
         self.trajlog.recovered(known)
         self.counters["adopted"] = len(known)
         self.counters["orphans_removed"] = len(removed)

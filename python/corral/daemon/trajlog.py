@@ -460,6 +460,8 @@ class TrajLog:
             return None
         if p.kind == "barrier":
             return None
+        if p.kind == "readopted":
+            return self._backfill(conn, p.args[0])
         if p.kind == "prune":
             cutoff = p.args[0]
             old = [r[0] for r in conn.execute(
@@ -481,6 +483,29 @@ class TrajLog:
             self._lower_watermark(conn)
             return len(old)
         raise ValueError(p.kind)
+
+    def _backfill(self, conn: sqlite3.Connection,
+                  boxes: list[tuple[str, dict[str, Any], float, dict[str, Any]]]) -> int:
+        """Re-adopted sandboxes the log has no create for (their daemon died between the
+        sandbox's record and the create's commit, so no client saw it): their sandbox row and
+        create entry, from the record; the count written."""
+        n = 0
+        for sid, spec, created_at, info in boxes:
+            if conn.execute("SELECT 1 FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone() \
+                    is None:
+                conn.execute(_INSERT_SANDBOX, (sid, _dumps(spec), created_at))
+            if conn.execute(f"SELECT 1 FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND "
+                            "op='create' LIMIT 1", {"sid": sid}).fetchone() is not None:
+                continue
+            snap = info.get("snapshot")
+            conn.execute(_INSERT, (sid, "create", None, None, _dumps(spec),
+                                   _dumps(dict(info, recovered=True)), None, created_at,
+                                   time.time(), json.dumps([snap]) if snap else None, None))
+            n += 1
+        if n:
+            log.warning("re-adopted sandboxes without a create entry: written from their "
+                        "records", extra={"count": n})
+        return n
 
     def _enqueue(self, item: _Pending | _Start) -> None:
         """Hand a record to the writer thread (on the loop only: see ``_backlog``), behind
@@ -633,6 +658,13 @@ class TrajLog:
     def sandbox_ended(self, sid: str, reason: str) -> None:
         if self.enabled:
             self._submit("ended", (time.time(), reason, sid), False)
+
+    def readopted(self, boxes: list[tuple[str, dict[str, Any], float, dict[str, Any]]]
+                  ) -> None:
+        """At a restart: (id, spec, created_at, SandboxInfo) of each re-adopted sandbox; those
+        whose create the log lacks get it (see ``_backfill``)."""
+        if self.enabled and boxes:
+            self._submit("readopted", (boxes,), False)
 
     def recovered(self, live: set[str]) -> None:
         """After a restart: sandboxes the log thought alive but that are not are ended."""
