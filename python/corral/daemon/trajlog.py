@@ -5,7 +5,7 @@ Storage: one SQLite database, ``<state_dir>/trajlog.db``, WAL mode. Every record
 
 * inline, on the event loop (the common case): when nothing is queued for the writer thread
   and it is idle, a call's entry is written and committed right there, one statement in
-  autocommit (~20 us: a ``write()`` into the WAL). No thread hand-off, no future, no
+  autocommit (~16 us: one WAL frame ``pwrite()``, no fsync). No thread hand-off, no future, no
   ``call_soon_threadsafe`` wake-up back: those cost several times the commit itself. A call
   that ends while other calls are in flight joins the entries of the same turn of the loop,
   committed together at its end (one commit for the calls that end together).
@@ -25,6 +25,15 @@ never run inline (``wal_autocheckpoint=0`` on the writing connection): a checkpo
 copies the WAL into the database every ``CHECKPOINT_EVERY`` records, on its own connection (a
 passive checkpoint does not block writers). ``CORRAL_TRAJLOG_SYNC=full`` (an fsync per
 commit) never commits inline.
+
+One b-tree per commit: the per-sandbox index is a table (``entries_by_sandbox``) filled every
+``INDEX_EVERY`` entries by one statement in that commit's transaction, not a SQL index
+updated on every insert (a second WAL page per commit); readers add the unindexed tail
+(``seq`` past the ``log_meta`` watermark) with a rowid range scan.
+
+A create's sandbox row (``sandboxes``) is not a commit of its own: it joins the next inline
+commit (the create's entry, same turn of the loop) or goes to the writer just ahead of what
+is queued next. So a create, like any call, answers only once its entry is committed.
 
 Durability: ``synchronous=NORMAL`` (``CORRAL_TRAJLOG_SYNC=full`` for an fsync per batch). In WAL
 mode a commit is a ``write()`` into the WAL: once it returns, the record survives the daemon's
@@ -152,6 +161,7 @@ _SANDBOX_SEQS = ("SELECT seq FROM entries_by_sandbox WHERE sandbox_id=:sid UNION
                  "k='indexed') AND sandbox_id=:sid")
 _INSERT_SANDBOX = ("INSERT OR REPLACE INTO sandboxes (sandbox_id, spec, created_at) "
                    "VALUES (?,?,?)")
+_ENDED = "UPDATE sandboxes SET ended_at=?, reason=? WHERE sandbox_id=? AND ended_at IS NULL"
 _INSERT = ("INSERT INTO entries (sandbox_id, op, idem_key, fingerprint, request, result, "
            "error, started_at, ended_at, snapshot_ids, status) VALUES (?,?,?,?,?,?,?,?,?,?,?)")
 
@@ -261,10 +271,11 @@ class TrajLog:
         self._indexed = 0  # entries_by_sandbox holds every entry up to this seq
         self._unindexed = 0  # entries inserted since (both threads, never at once)
         self._closing = False
-        # Sandbox rows of creates that ended on the loop, not yet written: they join the next
-        # inline commit (one commit for a create's sandbox row and its entry) or go to the
-        # writer ahead of whatever is queued next (``_enqueue``), or at the end of the turn.
-        self._sb_rows: list[tuple[Any, ...]] = []
+        # Writes to the sandboxes table (a create's row, an end) made on the loop, not yet
+        # written: they join the next inline commit (one commit for a create's sandbox row
+        # and its entry, a kill's entry and the end) or go to the writer ahead of whatever
+        # is queued next (``_enqueue``), or are written at the end of the turn.
+        self._sb_rows: list[tuple[str, tuple[Any, ...]]] = []  # (statement, args)
         # Entries of this turn of the loop, committed together at its end, and their future.
         self._turn: tuple[list[tuple[Any, ...]], asyncio.Future[Any]] | None = None
         self._active = 0  # calls in _run_and_log between their start and their entry
@@ -443,12 +454,8 @@ class TrajLog:
                              (start.sid, start.rowid))
                 self._lower_watermark(conn)
             return None
-        if p.kind == "sandbox":
-            conn.execute(_INSERT_SANDBOX, p.args)
-            return None
-        if p.kind == "ended":
-            conn.execute("UPDATE sandboxes SET ended_at=?, reason=? WHERE sandbox_id=? AND "
-                         "ended_at IS NULL", p.args)
+        if p.kind == "sql":  # a sandboxes-table write made on the loop (``_sb_rows``)
+            conn.execute(*p.args)
             return None
         if p.kind == "ended_except":
             live = set(p.args[1])
@@ -514,7 +521,7 @@ class TrajLog:
             if self._sb_rows:
                 self._backlog += len(self._sb_rows)
                 for r in self._sb_rows:
-                    self._q.put(_Pending("sandbox", r, None))
+                    self._q.put(_Pending("sql", r, None))
                 self._sb_rows = []
             self._backlog += 1
             self._q.put(item)
@@ -578,8 +585,8 @@ class TrajLog:
                 seqs = [_apply_entry(conn, rows[0])]  # one statement: autocommit
             else:
                 conn.execute("BEGIN")
-                if sbs:
-                    conn.executemany(_INSERT_SANDBOX, sbs)
+                for sql, args in sbs:
+                    conn.execute(sql, args)
                 seqs = [_apply_entry(conn, r) for r in rows]
                 self._maybe_index(conn)
                 conn.execute("COMMIT")
@@ -648,16 +655,19 @@ class TrajLog:
 
     # ---- what the engine and the API call --------------------------------------------------------
     def sandbox_created(self, sid: str, spec: dict[str, Any], created_at: float) -> None:
-        """Not a commit of its own: the row goes with the create's entry (same turn)."""
-        if not self.enabled:
-            return
-        if not self._sb_rows and self._loop is not None:
-            self._loop.call_soon(self._flush_sandboxes)
-        self._sb_rows.append((sid, _dumps(spec), created_at))
+        if self.enabled:
+            self._sandbox_write(_INSERT_SANDBOX, (sid, _dumps(spec), created_at))
 
     def sandbox_ended(self, sid: str, reason: str) -> None:
         if self.enabled:
-            self._submit("ended", (time.time(), reason, sid), False)
+            self._sandbox_write(_ENDED, (time.time(), reason, sid))
+
+    def _sandbox_write(self, sql: str, args: tuple[Any, ...]) -> None:
+        """Not a commit of its own (on the loop only): it goes with the next entry's commit
+        (a create's, a kill's: same turn), else at the end of this turn (``_sb_rows``)."""
+        if not self._sb_rows and self._loop is not None:
+            self._loop.call_soon(self._flush_sandboxes)
+        self._sb_rows.append((sql, args))
 
     def readopted(self, boxes: list[tuple[str, dict[str, Any], float, dict[str, Any]]]
                   ) -> None:
