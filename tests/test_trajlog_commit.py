@@ -350,3 +350,29 @@ def test_readopted_sandboxes_without_a_create_get_one_from_their_record(tmp_path
         assert _sandboxes(tl.path) == ["a", "b"]
 
     _run(tmp_path, body)
+
+
+def test_a_kill_and_the_sandbox_end_share_one_inline_commit(tmp_path):
+    """The end of a sandbox (sandboxes.ended_at) joins the kill's entry: no writer-thread
+    hand-off, so the next create does not find the writer busy."""
+    async def body(tl: TrajLog) -> None:
+        async def made() -> dict[str, Any]:
+            tl.sandbox_created("sb", {}, 1.0)
+            return {"id": "sb"}
+
+        async def kill() -> dict[str, Any]:
+            tl.sandbox_ended("sb", "killed")  # what engine._destroy does
+            return {"id": "sb", "killed": True}
+
+        await tl.run("", "create", {}, None, made)
+        commits = tl.stats["commits"]
+        await tl.run("sb", "kill", {}, None, kill)
+        assert tl.stats["commits"] == commits + 1 and tl._backlog == 0
+        conn = sqlite3.connect(tl.path)
+        try:
+            assert conn.execute("SELECT reason FROM sandboxes").fetchall() == [("killed",)]
+        finally:
+            conn.close()
+        assert [r[0] for r in _rows(tl.path)] == ["create", "kill"]
+
+    _run(tmp_path, body)
