@@ -161,7 +161,7 @@ BAD_SPECS = [
     {"memory_mb": -1}, {"memory_mb": 10**12}, {"cpu": 0}, {"cpu": 100000}, {"pids": 1},
     {"pids": -5}, {"timeout": -5}, {"timeout": 0}, {"timeout": 1e12}, {"idle_timeout": 0},
     {"env": {"A=B": "x"}}, {"env": {"A": "x\u0000"}}, {"labels": {"bad key!": "x"}},
-    {"hostname": "bad host!"}, {"no_such_field": 1}, {"network": "host"},
+    {"hostname": "bad host!"}, {"no_such_field": 1},
     {"substrate": "docker"}, {"image": ""}, {"cwd": ""},
 ]
 
@@ -172,6 +172,26 @@ def test_create_rejects_bad_spec(c, spec):
     err = expect_error(c.post("/v1/sandboxes", json=spec), "invalid_request", 400)
     assert "SandboxSpec" in err["message"] and err["details"]["errors"]
     assert set(leaked_sandbox_cgroups()) == before
+
+
+@pytest.mark.parametrize("network", ["host", "bridge", "", "NONE", 1, None])
+def test_create_rejects_unknown_network(c, network):
+    before = set(leaked_sandbox_cgroups())
+    for path, body in (("/v1/sandboxes", {"network": network}),
+                       ("/v1/sandboxes/batch", {"count": 2, "spec": {"network": network}})):
+        err = expect_error(c.post(path, json=body), "invalid_network", 400)
+        assert err["details"]["modes"] == ["none", "disabled"], err
+    assert set(leaked_sandbox_cgroups()) == before
+
+
+def test_create_network_disabled(c):
+    sb = create(c, network="disabled")
+    try:
+        assert sb["network"] == "disabled"
+        r = run(c, sb["id"], "echo ok")
+        assert r["stdout"] == "ok\n"
+    finally:
+        kill(c, sb["id"])
 
 
 @pytest.mark.parametrize("body", [b"{", b"[]", b"null", b"\xff\xfe", b'{"memory_mb": "lots"}'])

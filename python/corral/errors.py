@@ -50,6 +50,12 @@ class InvalidPath(InvalidRequest):
     code, status = "invalid_path", 400
 
 
+class InvalidNetwork(InvalidRequest):
+    """An unknown ``network`` mode in a sandbox spec (known: ``none``, ``disabled``)."""
+
+    code, status = "invalid_network", 400
+
+
 class Unauthorized(CorralError):
     code, status = "unauthorized", 401
 

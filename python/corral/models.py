@@ -13,7 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 SUBSTRATES = ("process", "container", "gvisor", "microvm", "vm")
 Substrate = Literal["process", "container", "gvisor", "microvm", "vm"]
-NetworkMode = Literal["none"]
+NetworkMode = Literal["none", "disabled"]
+# "none": a network namespace of the sandbox's own with only loopback. "disabled": no socket
+# but AF_UNIX (seccomp), in one empty namespace shared by all such sandboxes (docs/isolation.md).
+NETWORK_MODES = ("none", "disabled")
 SandboxState = Literal["starting", "running", "paused", "restoring", "stopping", "dead"]
 PauseTTL = Literal["count", "stop"]
 

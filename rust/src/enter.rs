@@ -66,6 +66,8 @@ pub struct ExecConfig {
     pub rlimits: Vec<Rlimit>,
     /// Make stdin the controlling terminal (PTY sessions).
     pub tty: bool,
+    /// The sandbox's network is "disabled" (see SpawnConfig::unix_only).
+    pub unix_only: bool,
 }
 
 const STEPS: &[&str] = &[
@@ -84,6 +86,7 @@ const STEPS: &[&str] = &[
     "set_caps",
     "chdir",
     "no_new_privs",
+    "landlock",
     "seccomp",
     "exec",
 ];
@@ -107,6 +110,7 @@ enum Step {
     SetCaps,
     Chdir,
     NoNewPrivs,
+    Landlock,
     Seccomp,
     Exec,
 }
@@ -140,6 +144,7 @@ struct Ctx {
     caps: CapPlan,
     rlimits: Vec<Rlimit>,
     seccomp: &'static [libc::sock_filter],
+    unix_only: bool,
 }
 
 fn cstring(what: &str, s: &str) -> Result<CString, EnterError> {
@@ -292,7 +297,8 @@ fn prepare(cfg: &ExecConfig) -> Result<(Ctx, Option<OwnedFd>), EnterError> {
         gid: cfg.gid,
         caps: CapPlan::shell(cfg.uid),
         rlimits: harden::clamp_rlimits(&cfg.rlimits),
-        seccomp: harden::seccomp_program()?,
+        seccomp: harden::seccomp_program(cfg.unix_only)?,
+        unix_only: cfg.unix_only,
     };
     Ok((ctx, owned_root))
 }
@@ -483,6 +489,12 @@ unsafe fn run_child(c: &Ctx) -> c_int {
         }
         at(Step::NoNewPrivs);
         ck_res(r, harden::no_new_privs());
+        if c.unix_only {
+            // A domain of its own per exec'd process tree (a process cannot join the init's):
+            // abstract sockets connect within one exec's processes, never across sandboxes.
+            at(Step::Landlock);
+            ck_res(r, harden::landlock_scope_unix());
+        }
         at(Step::Seccomp);
         ck_res(r, harden::apply_seccomp(c.seccomp));
 

@@ -480,8 +480,9 @@ fn emit_tree(out: &mut Vec<Ins>, nrs: &[u32]) {
 /// The filter (see docs/architecture.md): foreign arch -> kill; x32 ABI numbers and clone3 ->
 /// ENOSYS (libcs then fall back to clone, whose flags a filter can read); clone with any
 /// CLONE_NEW* flag -> EPERM; socket(AF_VSOCK) -> EAFNOSUPPORT; the denied list -> EPERM;
-/// everything else allowed.
-fn build_filter() -> Result<Vec<libc::sock_filter>, HardenError> {
+/// everything else allowed. `unix_only` (network "disabled"): socket() and socketpair() with
+/// any family but AF_UNIX -> EAFNOSUPPORT (the family is args[0]: a filter can read it).
+fn build_filter(unix_only: bool) -> Result<Vec<libc::sock_filter>, HardenError> {
     let mut nrs: Vec<u32> = denied_syscalls().into_iter().map(|n| n as u32).collect();
     nrs.sort_unstable();
     nrs.dedup();
@@ -513,6 +514,14 @@ fn build_filter() -> Result<Vec<libc::sock_filter>, HardenError> {
         Tgt::SocketCheck,
         Tgt::Next,
     ));
+    if unix_only {
+        p.push(ins(
+            BPF_JEQ_K,
+            libc::SYS_socketpair as u32,
+            Tgt::SocketCheck,
+            Tgt::Next,
+        ));
+    }
     emit_tree(&mut p, &nrs);
     let clone_check = p.len();
     p.push(ins(BPF_LD_W_ABS, OFF_ARG0_LO, Tgt::Next, Tgt::Next));
@@ -521,12 +530,22 @@ fn build_filter() -> Result<Vec<libc::sock_filter>, HardenError> {
     // the hypervisor's services. Refused as if the family did not exist.
     let socket_check = p.len();
     p.push(ins(BPF_LD_W_ABS, OFF_ARG0_LO, Tgt::Next, Tgt::Next));
-    p.push(ins(
-        BPF_JEQ_K,
-        libc::AF_VSOCK as u32,
-        Tgt::Eafnosupport,
-        Tgt::Allow,
-    ));
+    if unix_only {
+        // Only AF_UNIX: no IP, netlink, packet, vsock... socket of any kind can be made.
+        p.push(ins(
+            BPF_JEQ_K,
+            libc::AF_UNIX as u32,
+            Tgt::Allow,
+            Tgt::Eafnosupport,
+        ));
+    } else {
+        p.push(ins(
+            BPF_JEQ_K,
+            libc::AF_VSOCK as u32,
+            Tgt::Eafnosupport,
+            Tgt::Allow,
+        ));
+    }
     let (allow, eperm, enosys, kill) = (p.len(), p.len() + 1, p.len() + 2, p.len() + 3);
     let eafnosupport = p.len() + 4;
     let errno_ret = |e: i32| libc::SECCOMP_RET_ERRNO | (e as u32 & libc::SECCOMP_RET_DATA);
@@ -596,13 +615,86 @@ fn build_filter() -> Result<Vec<libc::sock_filter>, HardenError> {
     Ok(prog)
 }
 
-/// The compiled filter, built once per daemon.
-pub fn seccomp_program() -> Result<&'static [libc::sock_filter], HardenError> {
-    static PROG: OnceLock<Result<Vec<libc::sock_filter>, String>> = OnceLock::new();
-    match PROG.get_or_init(|| build_filter().map_err(|e| e.to_string())) {
+/// The compiled filter, built once per daemon (one for each value of `unix_only`).
+pub fn seccomp_program(unix_only: bool) -> Result<&'static [libc::sock_filter], HardenError> {
+    type Prog = OnceLock<Result<Vec<libc::sock_filter>, String>>;
+    static PROG: Prog = OnceLock::new();
+    static UNIX_ONLY: Prog = OnceLock::new();
+    let cell = if unix_only { &UNIX_ONLY } else { &PROG };
+    match cell.get_or_init(|| build_filter(unix_only).map_err(|e| e.to_string())) {
         Ok(p) => Ok(p.as_slice()),
         Err(e) => Err(HardenError::Seccomp(e.clone())),
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Landlock scoping (network "disabled")
+
+/// `LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET` (uapi linux/landlock.h, Landlock ABI 6).
+const LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET: u64 = 1;
+/// `LANDLOCK_CREATE_RULESET_VERSION`.
+const LANDLOCK_CREATE_RULESET_VERSION: c_long = 1;
+
+/// `struct landlock_ruleset_attr` as of ABI 6.
+#[repr(C)]
+struct LandlockRulesetAttr {
+    handled_access_fs: u64,
+    handled_access_net: u64,
+    scoped: u64,
+}
+
+/// Parent half: the kernel's Landlock ABI version, or -errno (EOPNOTSUPP: built in but not
+/// enabled at boot; ENOSYS: not built).
+pub fn landlock_abi() -> i64 {
+    // SAFETY: landlock_create_ruleset(NULL, 0, VERSION) only returns a number.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            std::ptr::null::<LandlockRulesetAttr>(),
+            0 as c_long,
+            LANDLOCK_CREATE_RULESET_VERSION,
+        )
+    };
+    if rc < 0 {
+        -(errno() as i64)
+    } else {
+        rc as i64
+    }
+}
+
+/// Child half: put the calling thread in a new Landlock domain that may not connect to an
+/// abstract unix socket made outside it. Sandboxes with network "disabled" share one network
+/// namespace, which is what scopes abstract socket names: without this, one sandbox could
+/// connect to another's `@name`. No filesystem or network access is handled, so nothing else
+/// changes. no_new_privs must already be set.
+///
+/// # Safety
+/// Async-signal-safe: three raw syscalls on a struct on our stack.
+pub unsafe fn landlock_scope_unix() -> Result<(), c_int> {
+    let attr = LandlockRulesetAttr {
+        handled_access_fs: 0,
+        handled_access_net: 0,
+        scoped: LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET,
+    };
+    // SAFETY: landlock_create_ruleset(&attr, sizeof attr, 0): `attr` outlives the call.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            &attr as *const LandlockRulesetAttr,
+            std::mem::size_of::<LandlockRulesetAttr>() as c_long,
+            0 as c_long,
+        )
+    };
+    check(fd)?;
+    // SAFETY: landlock_restrict_self(fd, 0) on the ruleset fd just made.
+    let rc = unsafe { libc::syscall(libc::SYS_landlock_restrict_self, fd, 0 as c_long) };
+    let err = errno();
+    // SAFETY: closing the ruleset fd we own.
+    unsafe { libc::close(fd as c_int) };
+    if rc < 0 {
+        return Err(err);
+    }
+    Ok(())
 }
 
 /// Child half: install the filter (no_new_privs must already be set).
@@ -749,8 +841,44 @@ mod tests {
     }
 
     #[test]
+    fn unix_only_policy() {
+        let p = seccomp_program(true).unwrap();
+        let eaf = libc::SECCOMP_RET_ERRNO | libc::EAFNOSUPPORT as u32;
+        for nr in [libc::SYS_socket as u32, libc::SYS_socketpair as u32] {
+            assert_eq!(
+                run(p, nr, AUDIT_ARCH, libc::AF_UNIX as u64),
+                libc::SECCOMP_RET_ALLOW
+            );
+            for fam in [
+                libc::AF_INET,
+                libc::AF_INET6,
+                libc::AF_NETLINK,
+                libc::AF_PACKET,
+                libc::AF_VSOCK,
+                0,
+                255,
+            ] {
+                assert_eq!(run(p, nr, AUDIT_ARCH, fam as u64), eaf, "{nr} family {fam}");
+            }
+        }
+        let full = seccomp_program(false).unwrap();
+        let inet = libc::AF_INET as u64;
+        assert_eq!(
+            run(full, libc::SYS_socket as u32, AUDIT_ARCH, inet),
+            libc::SECCOMP_RET_ALLOW
+        );
+        let vsock = libc::AF_VSOCK as u64;
+        assert_eq!(run(full, libc::SYS_socket as u32, AUDIT_ARCH, vsock), eaf);
+        let mount = libc::SYS_mount as u32;
+        assert_eq!(
+            run(p, mount, AUDIT_ARCH, 0),
+            libc::SECCOMP_RET_ERRNO | libc::EPERM as u32
+        );
+    }
+
+    #[test]
     fn filter_policy() {
-        let p = seccomp_program().unwrap();
+        let p = seccomp_program(false).unwrap();
         assert!(p.len() < 200, "{} insns", p.len());
         let eperm = libc::SECCOMP_RET_ERRNO | libc::EPERM as u32;
         let enosys = libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32;

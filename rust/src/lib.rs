@@ -180,6 +180,7 @@ fn spawn_config(cfg: &Bound<'_, PyDict>) -> PyResult<SpawnConfig> {
         cgroup_procs: opt(cfg, "cgroup_procs", Vec::new())?,
         rlimits: rlimits(cfg)?,
         netns_fd: opt(cfg, "netns_fd", None)?,
+        unix_only: opt(cfg, "unix_only", false)?,
     })
 }
 
@@ -200,6 +201,7 @@ fn exec_config(cfg: &Bound<'_, PyDict>) -> PyResult<ExecConfig> {
         cgroup_procs: opt(cfg, "cgroup_procs", Vec::new())?,
         rlimits: rlimits(cfg)?,
         tty: opt(cfg, "tty", false)?,
+        unix_only: opt(cfg, "unix_only", false)?,
     })
 }
 
@@ -211,6 +213,13 @@ fn init_memfd(py: Python<'_>) -> PyResult<RawFd> {
     py.detach(spawn::init_memfd)
         .map(IntoRawFd::into_raw_fd)
         .map_err(|e| io_err("init_memfd", e))
+}
+
+/// The kernel's Landlock ABI version, or -errno if Landlock is unavailable (network
+/// "disabled" needs >= 6 for abstract unix socket scoping).
+#[pyfunction]
+fn landlock_abi() -> i64 {
+    harden::landlock_abi()
 }
 
 /// A new network namespace (loopback up) as an fd, for `netns_fd` of spawn_sandbox: pools of
@@ -395,6 +404,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(netns_new, m)?)?;
     m.add_function(wrap_pyfunction!(mount_tmpfs, m)?)?;
     m.add_function(wrap_pyfunction!(umount, m)?)?;
+    m.add_function(wrap_pyfunction!(landlock_abi, m)?)?;
     m.add_function(wrap_pyfunction!(root_fd, m)?)?;
     m.add_function(wrap_pyfunction!(fs_read, m)?)?;
     m.add_function(wrap_pyfunction!(fs_write, m)?)?;

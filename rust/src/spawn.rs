@@ -82,6 +82,9 @@ pub struct SpawnConfig {
     pub rlimits: Vec<Rlimit>,
     /// Join this network namespace (e.g. from a pool) instead of making a new one.
     pub netns_fd: Option<RawFd>,
+    /// Network "disabled": only AF_UNIX sockets (seccomp), abstract unix sockets scoped to
+    /// the sandbox (Landlock), loopback left alone (the namespace is shared and unused).
+    pub unix_only: bool,
 }
 
 // The steps, in order; the names are what an OSError says.
@@ -113,6 +116,7 @@ const STEPS: &[&str] = &[
     "rlimits",
     "drop_caps",
     "no_new_privs",
+    "landlock",
     "seccomp",
     "exec_init",
 ];
@@ -148,6 +152,7 @@ enum Step {
     Rlimits,
     DropCaps,
     NoNewPrivs,
+    Landlock,
     Seccomp,
     ExecInit,
 }
@@ -203,6 +208,7 @@ struct Ctx {
     rlimits: Vec<Rlimit>,
     caps: CapPlan,
     seccomp: &'static [libc::sock_filter],
+    unix_only: bool,
     init_fd: RawFd,
     argv: [*const c_char; 2],
     envp: [*const c_char; 1],
@@ -362,7 +368,7 @@ fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
         subs.push((t, overlay_opts(o)?));
     }
     let root_opts = overlay_opts(&cfg.overlays[0])?;
-    let seccomp = harden::seccomp_program()?;
+    let seccomp = harden::seccomp_program(cfg.unix_only)?;
     let cgroup_fds = open_cgroup_procs(&cfg.cgroup_procs)?;
     let cgroup_raw = cgroup_fds.iter().map(|f| f.as_raw_fd()).collect();
     Ok(Ctx {
@@ -383,6 +389,7 @@ fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
         rlimits: harden::clamp_rlimits(&cfg.rlimits),
         caps: CapPlan::none(),
         seccomp,
+        unix_only: cfg.unix_only,
         init_fd: cfg.init_fd,
         argv: [INIT_ARGV0.as_ptr() as *const c_char, std::ptr::null()],
         envp: [std::ptr::null()],
@@ -783,8 +790,10 @@ unsafe fn run_child(c: &Ctx) -> c_int {
             libc::sethostname(c.hostname.as_ptr() as *const c_char, c.hostname.len()) as c_long,
         );
 
-        at(Step::LoopbackUp);
-        ck_res(r, set_lo_up());
+        if !c.unix_only {
+            at(Step::LoopbackUp);
+            ck_res(r, set_lo_up());
+        }
 
         at(Step::StdioDevnull);
         let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
@@ -818,6 +827,10 @@ unsafe fn run_child(c: &Ctx) -> c_int {
         ck_res(r, harden::apply_caps(&c.caps));
         at(Step::NoNewPrivs);
         ck_res(r, harden::no_new_privs());
+        if c.unix_only {
+            at(Step::Landlock);
+            ck_res(r, harden::landlock_scope_unix());
+        }
         at(Step::Seccomp);
         ck_res(r, harden::apply_seccomp(c.seccomp));
 

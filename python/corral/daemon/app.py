@@ -28,6 +28,7 @@ from corral.daemon.trajlog import KEY_HEADER, TrajLog, body_request, data_result
 from corral.errors import (
     CorralError,
     InternalError,
+    InvalidNetwork,
     InvalidPath,
     InvalidRequest,
     NotFound,
@@ -35,6 +36,7 @@ from corral.errors import (
     Unauthorized,
 )
 from corral.models import (
+    NETWORK_MODES,
     CreateManyRequest,
     DaemonStatus,
     ExecManyRequest,
@@ -105,6 +107,12 @@ def _parse(raw: bytes, model: type[BaseModel]) -> Any:
         return model.model_validate_json(raw or b"{}")
     except ValidationError as e:
         text, errs = validation_message(e)
+        # A bad network mode gets its own code: clients branch on it (an older daemon may lack
+        # a newer mode), and the message lists the modes this daemon knows.
+        if any(d["loc"] and d["loc"][-1] == "network" for d in errs):
+            raise InvalidNetwork(f"invalid {model.__name__}: {text} (network modes: "
+                                 f"{', '.join(NETWORK_MODES)})",
+                                 details={"errors": errs, "modes": list(NETWORK_MODES)}) from None
         raise InvalidRequest(f"invalid {model.__name__}: {text}",
                              details={"errors": errs}) from None
 

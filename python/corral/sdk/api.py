@@ -17,6 +17,7 @@ from corral.errors import (
     Conflict,
     CorralError,
     FileNotFound,
+    InvalidNetwork,
     InvalidRequest,
     NotADirectory,
     error_from_payload,
@@ -24,6 +25,7 @@ from corral.errors import (
 from corral.models import (
     DEFAULT_EXEC_TIMEOUT_S,
     DEFAULT_MAX_OUTPUT_BYTES,
+    NETWORK_MODES,
     CreateManyRequest,
     DaemonStatus,
     ExecManyRequest,
@@ -65,9 +67,14 @@ def validated(model: type[M], **fields: Any) -> M:
     try:
         return model(**fields)
     except ValidationError as e:
+        errs = e.errors(include_url=False)
         msgs = [f"{'.'.join(str(x) for x in d['loc']) or 'value'}: {d['msg']}"
-                for d in e.errors(include_url=False)[:5]]
-        raise InvalidRequest(f"invalid {model.__name__}: {'; '.join(msgs)}") from None
+                for d in errs[:5]]
+        text = f"invalid {model.__name__}: {'; '.join(msgs)}"
+        if any(d["loc"] and d["loc"][-1] == "network" for d in errs):  # same code as the daemon
+            raise InvalidNetwork(f"{text} (network modes: {', '.join(NETWORK_MODES)})",
+                                 details={"modes": list(NETWORK_MODES)}) from None
+        raise InvalidRequest(text) from None
 
 
 def _body(model: BaseModel) -> bytes:

@@ -14,6 +14,7 @@ from corral.models import (
     DEFAULT_TIMEOUT_S,
     FileEntry,
     LogEntry,
+    NetworkMode,
     ProcessStatus,
     SandboxInfo,
 )
@@ -46,7 +47,7 @@ class Sandbox(SandboxHandle):
                  memory_mb: int = 512, pids: int = 512, timeout: float = DEFAULT_TIMEOUT_S,
                  idle_timeout: float | None = None, env: Mapping[str, str] | None = None,
                  labels: Mapping[str, str] | None = None,
-                 metadata: Mapping[str, str] | None = None, network: str = "none",
+                 metadata: Mapping[str, str] | None = None, network: NetworkMode = "none",
                  hostname: str | None = None, cwd: str | None = None,
                  snapshot: str | SnapshotBase | None = None, pause_ttl: str = "count",
                  endpoint: str | Endpoint | None = None,
