@@ -242,3 +242,41 @@ def test_a_create_is_logged_before_its_client_sees_it(daemon, tmp_path):
         daemon.start()  # without the hook
     for sid in os.listdir(os.path.join(daemon.state_dir, "sandboxes")):
         Sandbox.from_id(sid).kill()
+
+
+def test_kill9_readopts_network_disabled(daemon):
+    """A re-adopted sandbox with network "disabled" keeps its walls: commands started by the
+    new daemon get the unix-only filter and the Landlock scope too, and its namespace (the old
+    daemon's shared one) is never handed to a sandbox with network "none"."""
+    probe = ("import socket\n"
+             "try: socket.socket(socket.AF_INET); print('inet OK')\n"
+             "except OSError as e: print('inet', e.errno)\n"
+             "s=socket.socket(socket.AF_UNIX); s.bind('\\0readopt-probe'); print('unix OK')\n")
+    b = Sandbox(network="disabled", timeout=600)
+    try:
+        b.files.write("/opt/p.py", probe)
+        before = b.exec("python3 /opt/p.py; readlink /proc/self/ns/net")
+        assert "inet 97" in before.stdout and "unix OK" in before.stdout, before.stdout
+        old_ns = before.stdout.split()[-1]
+        daemon.kill9()
+        daemon.start()
+        again = Sandbox.connect(b.id)
+        assert again.info().network == "disabled"
+        after = again.exec("python3 /opt/p.py; readlink /proc/self/ns/net")
+        assert after.stdout == before.stdout, (before.stdout, after.stdout)
+        with Sandbox(network="disabled") as fresh:
+            assert "inet 97" in fresh.exec("python3 -c \"import socket\n"
+                                           "try: socket.socket(); print('inet OK')\n"
+                                           "except OSError as e: print('inet', e.errno)\"").stdout
+        again.kill()
+        for _ in range(3):
+            with Sandbox() as other:
+                ns = other.exec("readlink /proc/self/ns/net").stdout.strip()
+                assert ns != old_ns
+    finally:
+        if daemon.proc is None:
+            daemon.start()
+        try:
+            b.kill()
+        except CorralError:
+            pass

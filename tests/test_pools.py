@@ -172,6 +172,33 @@ def test_auto_pool_follows_demand():
         assert hits > 0, metrics(d)
 
 
+INET_PROBE = ("python3 -c \"import socket\n"
+              "try: socket.socket(); print('inet OK')\n"
+              "except OSError as e: print('inet', e.errno)\"; readlink /proc/self/ns/net")
+
+
+def test_pools_are_keyed_by_network():
+    """A pooled sandbox has the walls of the network mode asked for: "disabled" ones join the
+    shared namespace with the unix-only filter, "none" ones get their own namespace."""
+    with pooled_daemon(CORRAL_POOL="auto", CORRAL_POOL_LEAD_S="1") as d:
+        hits = 0
+        deadline = time.monotonic() + 60
+        seen: set[str] = set()
+        while hits == 0 and time.monotonic() < deadline:
+            for _ in range(10):
+                with Sandbox(endpoint=ep(d), memory_mb=256, network="disabled") as sb:
+                    out = sb.exec(INET_PROBE).stdout.split()
+                    assert out[:2] == ["inet", "97"], out  # EAFNOSUPPORT
+                    seen.add(out[-1])
+            hits = metrics(d)["corral_pool_hits_total"]
+        assert hits > 0, metrics(d)
+        assert len(seen) == 1  # pooled or not: the one shared namespace
+        for _ in range(10):
+            with Sandbox(endpoint=ep(d), memory_mb=256) as sb:
+                out = sb.exec(INET_PROBE).stdout.split()
+                assert out[:2] == ["inet", "OK"] and out[-1] not in seen, out
+
+
 def test_dead_pooled_sandbox_is_never_handed_out():
     with pooled_daemon(CORRAL_POOL="static", CORRAL_POOL_SIZES="host:1") as d:
         wait_ready(d, 1)

@@ -28,6 +28,7 @@ from corral.errors import (
     FileNotFound,
     ImageNotFound,
     InfraError,
+    InvalidNetwork,
     InvalidPath,
     InvalidRequest,
     SandboxNotFound,
@@ -334,6 +335,26 @@ def test_error_classes_for_bad_input():
         Sandbox.create_many(0)
     with pytest.raises(InvalidRequest):
         Sandbox(endpoint="ftp://nowhere")
+    with pytest.raises(InvalidNetwork) as en:
+        Sandbox(network="host")  # type: ignore[arg-type]
+    assert en.value.code == "invalid_network" and isinstance(en.value, InvalidRequest)
+
+
+def test_network_disabled_sync_and_async():
+    probe = ("python3 -c \"import socket\ntry: socket.socket(); print('inet')\n"
+             "except OSError: print('refused')\"")
+    with Sandbox(network="disabled") as sb:
+        assert sb.last_info is not None and sb.last_info.network == "disabled"
+        assert sb.exec(probe).stdout == "refused\n"
+
+    async def go() -> None:
+        async with AsyncSandbox(network="disabled") as box:
+            assert (await box.info()).network == "disabled"
+            assert (await box.exec(probe)).stdout == "refused\n"
+        with pytest.raises(InvalidNetwork):
+            await AsyncSandbox.create(network="bogus")  # type: ignore[arg-type]
+
+    asyncio.run(go())
 
 
 def test_daemon_unavailable_is_infra(monkeypatch, tmp_path):
