@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from corral.bench import host
 from corral.bench.runner import run
 from corral.bench.session import Options
-from corral.cli.bench import parse_scenarios
+from corral.cli.bench import parse_networks, parse_scenarios
 from corral.cli.main import app
 
 pytestmark = pytest.mark.skipif(
@@ -198,3 +198,27 @@ def test_parse_scenarios():
     assert parse_scenarios("exec, churn") == ["exec", "churn"]
     with pytest.raises(Exception, match="unknown scenario"):
         parse_scenarios("nope")
+
+
+def test_network_modes_churn_and_density(tmp_path):
+    """`--network none,disabled`: both of corral's modes, each against its matching raw
+    baseline (own netns -> raw-netns, shared netns -> raw), nothing left behind."""
+    r = CliRunner().invoke(app, ["bench", "churn,density", "--count", "6", "--runs", "1",
+                                 "--concurrency", "2", "--batch", "3", "--json",
+                                 "--no-progress", "--network", "none,disabled",
+                                 "--plots-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert "--network none,disabled" in rep["command"]
+    for name in ("churn", "density"):
+        sec = rep["scenarios"][name]
+        assert sec["matching"] == {"corral": "raw-netns", "corral-disabled": "raw"}
+        assert sec["median"]["corral-disabled"].get("errors", 0) == 0
+    assert "corral-disabled/raw" in rep["scenarios"]["churn"]["ratios"]
+    dens = rep["scenarios"]["density"]
+    assert dens["median"]["corral-disabled"]["made"] == 6
+    assert dens["median"]["corral-disabled"]["baseline"]["cgroups_left"] == 0
+    assert "corral-disabled/raw memory (memcg)" in dens["ratios"]
+    assert rep["cleanup"]["clean"]
+    with pytest.raises(Exception, match="unknown network mode"):
+        parse_networks("host")

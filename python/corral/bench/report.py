@@ -45,14 +45,20 @@ def churn_table(sec: dict[str, Any]) -> Table:
               "corral / system", "target"):
         t.add_column(c, justify="left" if c in ("system", "target") else "right")
     med = sec["median"]
+    matching = sec.get("matching") or {"corral": "raw-netns"}
+    first = next(iter(matching))
     for name, m in med.items():
         if m.get("skipped"):
             t.add_row(name, "skipped", "", "", "", "", m["skipped"][:40])
             continue
-        r = sec["ratios"].get(f"corral/{name}")
+        # a corral row: against the raw baseline doing its kernel work; others: first corral
+        r = (sec["ratios"].get(f"{name}/{matching[name]}") if name in matching
+             else sec["ratios"].get(f"{first}/{name}"))
+        target = (f"{CHURN_TARGETS['raw']} x {matching[name]}" if name in matching
+                  else CHURN_TARGETS.get(name, ""))
         t.add_row(name, _f(m.get("ops_per_s")), _f(_get(m, "total_ms", "p50"), 2),
                   _f(_get(m, "total_ms", "p99"), 2), _cpu(m.get("cpu_ms_per_op")),
-                  _f(r, 3) if r else "", CHURN_TARGETS.get(name, ""))
+                  _f(r, 3) if r else "", target)
     for name, why in (sec.get("unavailable") or {}).items():
         t.add_row(name, "unavailable", "", "", "", why[:40])
     return t
@@ -186,9 +192,6 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         if sec.get("ratios"):
             console.print("  ratios (median of per-run ratios): " + ", ".join(
                 f"{k} = {v}" for k, v in sec["ratios"].items()))
-        if name == "churn" and _get(sec, "median", "corral", "pool_hit_ratio") is not None:
-            console.print(f"  corral creates served by a warm pool: "
-                          f"{sec['median']['corral']['pool_hit_ratio'] * 100:.0f}%")
         if name == "snapshot" and any(sec.get("left", {}).values()):
             console.print(f"[red]  snapshot scenario left behind: {sec['left']}[/red]")
         if name == "trajlog":
@@ -206,11 +209,16 @@ def print_report(report: dict[str, Any], console: Console) -> None:
                                                            for k, v in cpu.items()))
             console.print(f"  target {'met' if sec.get('met') else 'NOT met'}; daemons "
                           f"cleaned up: {sec.get('cleanup', {}).get('clean')}")
-        if name == "density":
-            d = _get(sec, "median", "corral") or {}
-            console.print(f"  corrald RSS with {_f(d.get('made'))} alive: "
-                          f"{_f(d.get('daemon_rss_mib'))} MiB "
-                          f"({_f(d.get('daemon_rss_kib_per_sandbox'), 2)} KiB per sandbox)")
+        systems = list(sec.get("matching") or {"corral": "raw-netns"})
+        for c in systems:
+            hit = _get(sec, "median", c, "pool_hit_ratio")
+            if name == "churn" and hit is not None:
+                console.print(f"  {c} creates served by a warm pool: {hit * 100:.0f}%")
+            if name == "density":
+                d = _get(sec, "median", c) or {}
+                console.print(f"  corrald RSS with {_f(d.get('made'))} alive ({c}): "
+                              f"{_f(d.get('daemon_rss_mib'))} MiB "
+                              f"({_f(d.get('daemon_rss_kib_per_sandbox'), 2)} KiB per sandbox)")
     for scen in ("churn", "exec"):
         prof = _get(report, "scenarios", scen, "profile")
         if prof and prof.get("top_self"):

@@ -88,6 +88,8 @@ def _command(opts: Options) -> str:
                              ("--workdir", opts.workdir, d.workdir)):
         if v != default:
             a += [flag, str(v)]
+    if opts.networks != d.networks:
+        a += ["--network", ",".join(opts.networks)]
     a += ["--profile"] if opts.profile else []
     a += ["--trajlog-baseline", opts.trajlog_baseline] if opts.trajlog_baseline else []
     return "corral bench " + shlex.join(a)

@@ -53,12 +53,15 @@ def churn(s: Session) -> tuple[Section, Samples]:
         with s.ui.task(f"{tag} raw +netns", None), host.CpuMeter(children=True) as cpu:
             res["raw-netns"] = s.raw.churn(n, conc, netns=True, system="raw-netns")
         res["raw-netns"].extra["cpu_ms_per_op"] = cpu.per_op_ms(n)
-        pool0 = s.daemon.pool_counts()
-        with s.ui.task(f"{tag} corral", n) as adv, _profiled(s, r == 0, prof), \
-                host.CpuMeter(s.daemon.pid, client=True) as cpu:
-            res["corral"] = sdk_runs.churn(ep, n, conc, adv)
-        res["corral"].extra["cpu_ms_per_op"] = cpu.per_op_ms(n)
-        res["corral"].extra["pool_hit_ratio"] = _hit_ratio(pool0, s.daemon.pool_counts())
+        for net in s.opts.networks:
+            name = sdk_runs.system_name(net)
+            pool0 = s.daemon.pool_counts()
+            with s.ui.task(f"{tag} {name}", n) as adv, \
+                    _profiled(s, r == 0 and net == s.opts.networks[0], prof), \
+                    host.CpuMeter(s.daemon.pid, client=True) as cpu:
+                res[name] = sdk_runs.churn(ep, n, conc, adv, net)  # type: ignore[arg-type]
+            res[name].extra["cpu_ms_per_op"] = cpu.per_op_ms(n)
+            res[name].extra["pool_hit_ratio"] = _hit_ratio(pool0, s.daemon.pool_counts())
         if s.peers is not None:
             for peer in s.peer_names():
                 pn = s.opts.n_peers()
@@ -66,14 +69,21 @@ def churn(s: Session) -> tuple[Section, Samples]:
                     res[peer] = s.peers.churn(peer, pn, conc, adv)
                 res[peer].extra["cpu_ms_per_op"] = cpu.per_op_ms(pn)
         runs.append(res)
-    others = [k for k in runs[0] if k != "corral"]
-    sec = _summarize(runs, [("corral", o) for o in others])
+    mine = [sdk_runs.system_name(net) for net in s.opts.networks]
+    others = [k for k in runs[0] if k not in mine]
+    sec = _summarize(runs, [(c, o) for c in mine for o in others])
     sec.update(n=n, concurrency=conc, peer_n=s.opts.n_peers() if s.peers else None,
-               unavailable=s.peer_errors or None)
+               unavailable=s.peer_errors or None, networks=s.opts.networks,
+               matching=_matching(s.opts.networks))
     if prof:
         sec["profile"] = prof
     samples = {k: v.phases.get("total", []) for k, v in runs[-1].items()}
     return sec, samples
+
+
+def _matching(networks: list[str]) -> dict[str, str]:
+    """corral's system for each network mode -> the raw baseline doing the same kernel work."""
+    return {sdk_runs.system_name(n): "raw-netns" if n == "none" else "raw" for n in networks}
 
 
 def _hit_ratio(before: tuple[float, float], after: tuple[float, float]) -> float | None:
@@ -200,15 +210,25 @@ def density(s: Session) -> tuple[Section, Samples]:
     for r in range(R):
         tag = f"density {r + 1}/{R}"
         res: dict[str, Any] = {}
-        res["corral"], curves["corral"] = _density_corral(s, n, tag)
+        for net in s.opts.networks:
+            name = sdk_runs.system_name(net)
+            res[name], curves[name] = _density_corral(s, n, tag, net)
         # The raw floor gets the cgroups corral's idle sandboxes have (corral may make some
         # only at a sandbox's first exec); v2 (one dir) and unknown: all of them.
-        ctls = res["corral"].get("controllers") or None
-        res["raw-netns"], curves["raw-netns"] = _density_raw(s, n, True, tag, ctls)
+        ctls = next(iter(res.values())).get("controllers") or None
+        # raw+netns (own netns each) only where corral's mode makes one: at 50,000 it alone
+        # costs ~9 GiB and minutes of reclaim.
+        if "none" in s.opts.networks:
+            res["raw-netns"], curves["raw-netns"] = _density_raw(s, n, True, tag, ctls)
         res["raw"], curves["raw"] = _density_raw(s, n, False, tag, ctls)
         runs.append(res)
-    sec: Section = {"n": n, "median": median_tree(runs), "runs": runs, "ratios": {}}
-    for a, b in (("corral", "raw-netns"), ("corral", "raw")):
+    matching = _matching(s.opts.networks)
+    sec: Section = {"n": n, "median": median_tree(runs), "runs": runs, "ratios": {},
+                    "networks": s.opts.networks, "matching": matching}
+    pairs = list(matching.items())
+    if "corral" in matching:
+        pairs.append(("corral", "raw"))
+    for a, b in pairs:
         vals = [ratio(x[a].get("memcg_kib_per_sandbox"), x[b].get("memcg_kib_per_sandbox"))
                 for x in runs]
         if (m := median(vals)) is not None:
@@ -263,14 +283,17 @@ def _rate_summary(pts: list[tuple[int, float]]) -> dict[str, float | None]:
             "full/empty": ratio(last, first)}
 
 
-def _density_corral(s: Session, n: int, tag: str) -> tuple[dict[str, Any], list]:
+def _density_corral(s: Session, n: int, tag: str,
+                    network: str = "none") -> tuple[dict[str, Any], list]:
     ep = s.daemon.endpoint
     cg = [s.daemon.cgroup_name, s.prefix + "dproc"]
     host.settle()
     before, rss0 = _mem(cg), s.daemon.rss_kib() or 0
     inits0 = len(s.daemon.sandbox_pids())  # warm-pool sandboxes already there
-    with s.ui.task(f"{tag} corral create", n) as adv:
-        ids, pts, wall, err = sdk_runs.fill(ep, n, s.opts.batch, adv)
+    name = sdk_runs.system_name(network)
+    with s.ui.task(f"{tag} {name} create", n) as adv:
+        ids, pts, wall, err = sdk_runs.fill(ep, n, s.opts.batch, adv,
+                                            network)  # type: ignore[arg-type]
     try:
         host.settle()
         after, rss1 = _mem(cg), s.daemon.rss_kib() or 0
@@ -291,7 +314,7 @@ def _density_corral(s: Session, n: int, tag: str) -> tuple[dict[str, Any], list]
         if err:
             out["error"] = err
     finally:
-        with s.ui.task(f"{tag} corral destroy", len(ids)) as adv:
+        with s.ui.task(f"{tag} {name} destroy", len(ids)) as adv:
             dwall = sdk_runs.destroy_all(ep, ids, s.opts.batch, adv)
     out["destroy_per_s"] = round(len(ids) / dwall, 1) if dwall > 0 else None
     host.settle()

@@ -1,6 +1,7 @@
 """corral measured end to end, the way a trainer uses it: through the SDK, over the daemon's
-unix socket, container substrate, ``host`` image, network ``none``; ``exec(["true"])`` (an argv,
-so no shell is started: the same program the raw baseline and the peers run)."""
+unix socket, container substrate, ``host`` image, network ``none`` (churn and density also
+``disabled``, with ``--network``); ``exec(["true"])`` (an argv, so no shell is started: the same
+program the raw baseline and the peers run)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from corral.bench.results import OpResult, with_total
 from corral.errors import CorralError
+from corral.models import NetworkMode
 from corral.sdk import AsyncSandbox, Sandbox
 
 TRUE = ["true"]
@@ -29,7 +31,8 @@ def _err(e: BaseException) -> str:
 
 
 # ---- churn: create -> exec true -> destroy, `conc` in flight --------------------------------
-async def _churn(endpoint: str, n: int, conc: int, advance: Advance) -> OpResult:
+async def _churn(endpoint: str, n: int, conc: int, advance: Advance,
+                 network: NetworkMode = "none") -> OpResult:
     create, execs, destroy = [-1.0] * n, [-1.0] * n, [-1.0] * n
     errors: list[str] = []
     todo = iter(range(n))
@@ -39,7 +42,8 @@ async def _churn(endpoint: str, n: int, conc: int, advance: Advance) -> OpResult
             t0 = time.perf_counter()
             sb: AsyncSandbox | None = None
             try:
-                sb = await AsyncSandbox.create("host", endpoint=endpoint, timeout=TTL_S)
+                sb = await AsyncSandbox.create("host", endpoint=endpoint, timeout=TTL_S,
+                                               network=network)
                 t1 = time.perf_counter()
                 r = await sb.exec(TRUE)
                 t2 = time.perf_counter()
@@ -63,11 +67,18 @@ async def _churn(endpoint: str, n: int, conc: int, advance: Advance) -> OpResult
     wall = time.perf_counter() - t0
     phases = with_total({"create": create, "exec": execs, "destroy": destroy},
                         ("create", "exec", "destroy"))
-    return OpResult("corral", n, wall, len(errors), _ok(phases), _extra(conc, errors))
+    return OpResult(system_name(network), n, wall, len(errors), _ok(phases),
+                    _extra(conc, errors))
 
 
-def churn(endpoint: str, n: int, conc: int, advance: Advance = _noop) -> OpResult:
-    return asyncio.run(_churn(endpoint, n, conc, advance))
+def system_name(network: str) -> str:
+    """corral's name in the reports: ``corral`` (network none) or ``corral-disabled``."""
+    return "corral" if network == "none" else f"corral-{network}"
+
+
+def churn(endpoint: str, n: int, conc: int, advance: Advance = _noop,
+          network: NetworkMode = "none") -> OpResult:
+    return asyncio.run(_churn(endpoint, n, conc, advance, network))
 
 
 async def _kill_quietly(sb: AsyncSandbox) -> None:
@@ -183,8 +194,9 @@ def exec_async(endpoint: str, n: int, conc: int, advance: Advance = _noop) -> Op
 
 
 # ---- density: fill, hold, destroy -----------------------------------------------------------
-def fill(endpoint: str, count: int, batch: int,
-         advance: Advance = _noop) -> tuple[list[str], list[tuple[int, float]], float, str | None]:
+def fill(endpoint: str, count: int, batch: int, advance: Advance = _noop,
+         network: NetworkMode = "none",
+         ) -> tuple[list[str], list[tuple[int, float]], float, str | None]:
     """Create ``count`` idle sandboxes in batches (``create_many``). Returns (ids,
     [(live count before the batch, creates/s of the batch)], wall seconds, error or None)."""
     ids: list[str] = []
@@ -195,7 +207,8 @@ def fill(endpoint: str, count: int, batch: int,
         b = min(batch, count - len(ids))
         t = time.perf_counter()
         try:
-            boxes = Sandbox.create_many(b, "host", endpoint=endpoint, timeout=TTL_S)
+            boxes = Sandbox.create_many(b, "host", endpoint=endpoint, timeout=TTL_S,
+                                        network=network)
         except CorralError as e:
             error = _err(e)
             break

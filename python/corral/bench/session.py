@@ -32,6 +32,9 @@ class Options:
     concurrency: int = 4              # in flight (churn, async exec) for every system
     peer_count: int | None = None     # peers' N (None: min(churn N, 300))
     batch: int = 100                  # density: create_many batch size
+    # churn and density: corral's network modes, each measured against the raw baseline doing
+    # the same kernel work: "none" (own netns) vs raw-netns, "disabled" (shared) vs raw
+    networks: list[str] = field(default_factory=lambda: ["none"])
     plots_dir: str | None = "bench/out"
     profile: bool = False             # py-spy the daemon during corral's churn
     workdir: str = "/var/tmp"         # parent of the private state (its fs type matters)

@@ -28,6 +28,18 @@ def parse_scenarios(value: str) -> list[str]:
     return names
 
 
+def parse_networks(value: str) -> list[str]:
+    """``none``, ``disabled`` or both, comma-separated."""
+    from corral.models import NETWORK_MODES
+
+    names = list(dict.fromkeys(s.strip() for s in value.split(",") if s.strip()))
+    bad = [s for s in names if s not in NETWORK_MODES]
+    if bad or not names:
+        raise typer.BadParameter(f"unknown network mode {', '.join(bad) or value!r}: use "
+                                 f"{', '.join(NETWORK_MODES)} (comma-separated for several)")
+    return names
+
+
 @app.command()
 def bench(
     scenario: str = typer.Argument("all", help="churn, latency, exec, density, snapshot, "
@@ -54,6 +66,10 @@ def bench(
                                          "snapshot."),
     fork: int = typer.Option(64, "--fork", min=1, max=1024,
                              help="snapshot: children per fork (one call)."),
+    network: str = typer.Option("none", "--network",
+                                help="churn, density: corral's network mode(s): none (own "
+                                     "netns, vs raw+netns), disabled (shared netns, unix "
+                                     "sockets only, vs raw), or none,disabled."),
     json_: bool = typer.Option(False, "--json", help="The report as JSON on stdout."),
     plots_dir: str = typer.Option("bench/out", "--plots-dir",
                                   help="Where the PNG plots and report.json go ('' for none)."),
@@ -88,7 +104,8 @@ def bench(
                    concurrency=concurrency, peer_count=peer_count, batch=batch,
                    plots_dir=plots_dir or None, profile=profile, workdir=workdir,
                    snapshot_mb=snapshot_mb, fork=fork, progress=progress,
-                   trajlog_baseline=trajlog_baseline)
+                   trajlog_baseline=trajlog_baseline,
+                   networks=parse_networks(network))
     try:
         rep = run(opts, json_out=json_)
     except PermissionError as e:
