@@ -212,13 +212,15 @@ def test_network_modes_churn_and_density(tmp_path):
     assert "--network none,disabled" in rep["command"]
     for name in ("churn", "density"):
         sec = rep["scenarios"][name]
-        assert sec["matching"] == {"corral": "raw-netns", "corral-disabled": "raw"}
+        assert sec["matching"] == {"corral": "raw-netns", "corral-disabled": "raw-disabled"}
+        assert sec["median"]["raw-disabled"].get("errors", 0) == 0
         assert sec["median"]["corral-disabled"].get("errors", 0) == 0
-    assert "corral-disabled/raw" in rep["scenarios"]["churn"]["ratios"]
+    assert "corral-disabled/raw-disabled" in rep["scenarios"]["churn"]["ratios"]
     dens = rep["scenarios"]["density"]
     assert dens["median"]["corral-disabled"]["made"] == 6
     assert dens["median"]["corral-disabled"]["baseline"]["cgroups_left"] == 0
-    assert "corral-disabled/raw memory (memcg)" in dens["ratios"]
+    assert dens["median"]["raw-disabled"]["made"] == 6
+    assert "corral-disabled/raw-disabled memory (memcg)" in dens["ratios"]
     assert rep["cleanup"]["clean"]
     with pytest.raises(Exception, match="unknown network mode"):
         parse_networks("host")

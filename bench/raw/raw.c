@@ -19,7 +19,10 @@
  *            reset) by a later create once nothing is charged to them, removed if still
  *            charged after 1 s; up to 2K per worker.
  *
- * Usage: raw MODE N [--conc C] [--netns] [--no-harden] [--cg memory,pids,cpu,freezer]
+ *   --disabled: corral's network "disabled": every sandbox joins one network namespace made at
+ *   start (no --netns), and each process also enters a Landlock domain scoped for abstract
+ *   unix sockets (after no_new_privs), as rust/src/harden.rs does
+ * Usage: raw MODE N [--conc C] [--netns|--disabled] [--no-harden] [--cg memory,pids,cpu,freezer]
  *            --state DIR --cgroup NAME --init BIN --ov TARGET=LOWER[:LOWER...] ...
  *   --cg: the v1 controllers a sandbox gets (default all four; density passes the ones
  *   corral's idle sandboxes actually have, e.g. no memory/cpu when corral makes those lazily)
@@ -74,7 +77,7 @@ struct cgctl {
 };
 
 static struct {
-    int netns, conc, harden, tmpfs, spares;
+    int netns, conc, harden, tmpfs, spares, disabled;
     pid_t main_pid;
     long n;
     const char *mode, *state, *cgname, *init_path;
@@ -237,6 +240,18 @@ static int harden(uint64_t keep, int set_ids) {
     }
     if (syscall(SYS_capset, &hdr, data) < 0) return -1;
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) return -1;
+    if (G.disabled) {
+        /* struct landlock_ruleset_attr (ABI 6): no fs/net access handled, scoped = abstract
+         * unix sockets */
+        uint64_t attr[3] = {0, 0, 1};
+        long fd = syscall(444 /* landlock_create_ruleset */, attr, sizeof attr, 0);
+        if (fd < 0) return -1;
+        long rc = syscall(446 /* landlock_restrict_self */, fd, 0);
+        int e = errno;
+        close((int)fd);
+        errno = e;
+        if (rc < 0) return -1;
+    }
     if (G.seccomp.len && syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &G.seccomp) < 0)
         return -1;
     return 0;
@@ -833,7 +848,7 @@ static void mode_idle(void) {
 }
 
 static void usage(void) {
-    fprintf(stderr, "usage: raw churn|exec|idle N [--conc C] [--netns] [--no-harden] [--tmpfs] [--memcg-spares K] "
+    fprintf(stderr, "usage: raw churn|exec|idle N [--conc C] [--netns|--disabled] [--no-harden] [--tmpfs] [--memcg-spares K] "
                     "[--cg CTL,CTL] --state DIR --cgroup NAME --init BIN "
                     "--ov TARGET=LOWER[:LOWER] ...\n");
     exit(2);
@@ -853,6 +868,7 @@ int main(int argc, char **argv) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--netns")) G.netns = 1;
         else if (!strcmp(a, "--tmpfs")) G.tmpfs = 1;
+        else if (!strcmp(a, "--disabled")) G.disabled = 1;
         else if (!strcmp(a, "--no-harden")) G.harden = 0;
         else if (!v) usage();
         else if (!strcmp(a, "--conc")) G.conc = atoi(v), i++;
@@ -871,8 +887,10 @@ int main(int argc, char **argv) {
         } else usage();
     }
     if (G.n <= 0 || G.conc < 1 || G.conc > 64 || !G.state || !G.cgname || !G.init_path ||
-        !G.nov || strcmp(G.ov_target[0], "/"))
+        !G.nov || strcmp(G.ov_target[0], "/") || (G.netns && G.disabled))
         usage();
+    /* The one shared namespace: ours, so every sandbox (and churn worker) inherits it. */
+    if (G.disabled && unshare(CLONE_NEWNET) < 0) die("unshare(CLONE_NEWNET)");
     if (G.conc > G.n) G.conc = (int)G.n;
     G.init_fd = open(G.init_path, O_RDONLY | O_CLOEXEC);
     if (G.init_fd < 0) die(G.init_path);

@@ -75,7 +75,8 @@ class RawBaseline:
         self.memcg_spares = memcg_spares
 
     def argv(self, mode: str, n: int, conc: int = 1, netns: bool = False,
-             controllers: list[str] | None = None) -> list[str]:
+             controllers: list[str] | None = None, disabled: bool = False) -> list[str]:
+        """``disabled``: corral's network "disabled" (one shared netns, Landlock scope)."""
         a = [str(self.bins.raw), mode, str(n), "--conc", str(conc), "--state",
              str(self.state_dir), "--cgroup", self.cgroup_name, "--init", str(self.bins.init)]
         if netns:
@@ -84,6 +85,8 @@ class RawBaseline:
             a.append("--tmpfs")
         if self.memcg_spares:
             a += ["--memcg-spares", str(self.memcg_spares)]
+        if disabled:
+            a.append("--disabled")
         if controllers is not None:
             a += ["--cg", ",".join(controllers) or "none"]
         for target, lowers in self.overlays:
@@ -96,12 +99,14 @@ class RawBaseline:
             raise RuntimeError(f"raw baseline failed ({r.returncode}): {r.stderr[-2000:]}")
         return json.loads(r.stdout.splitlines()[-1])
 
-    def churn(self, n: int, conc: int, netns: bool, system: str) -> OpResult:
-        d = self._run(self.argv("churn", n, conc, netns), timeout=60 + n * 0.2)
+    def churn(self, n: int, conc: int, netns: bool, system: str,
+              disabled: bool = False) -> OpResult:
+        d = self._run(self.argv("churn", n, conc, netns, disabled=disabled),
+                      timeout=60 + n * 0.2)
         phases = {p: _ms(d[f"{p}_us"]) for p in ("create", "exec", "destroy")}
         return OpResult(system=system, n=n, wall_s=d["wall_s"], errors=d["errors"],
                         phases=with_total(phases, ("create", "exec", "destroy")),
-                        extra={"concurrency": conc, "netns": netns})
+                        extra={"concurrency": conc, "netns": netns, "disabled": disabled})
 
     def exec(self, n: int, conc: int, system: str) -> OpResult:
         d = self._run(self.argv("exec", n, conc), timeout=60 + n * 0.1)
@@ -111,7 +116,8 @@ class RawBaseline:
 
     @contextmanager
     def idle(self, n: int, netns: bool, own_memcg: str | None = None,
-             controllers: list[str] | None = None) -> Iterator[dict[str, Any]]:
+             controllers: list[str] | None = None,
+             disabled: bool = False) -> Iterator[dict[str, Any]]:
         """Create ``n`` idle sandboxes and keep them while the body runs; they are destroyed
         on exit (stdin closed -> raw destroys all; killed if it does not). With ``own_memcg``
         raw runs in that memory cgroup (what it allocates at clone time is counted there),
@@ -119,7 +125,8 @@ class RawBaseline:
         ``controllers``: the v1 cgroups each sandbox gets (None: all four)."""
         host.make_memcg(self.cgroup_name)
         procs = host.make_memcg(own_memcg) if own_memcg else None
-        p = subprocess.Popen(self.argv("idle", n, 1, netns, controllers), stdin=subprocess.PIPE,
+        p = subprocess.Popen(self.argv("idle", n, 1, netns, controllers, disabled),
+                             stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              preexec_fn=(lambda: host.join_cgroup(procs)) if procs else None)
         info: dict[str, Any] = {}

@@ -53,6 +53,12 @@ def churn(s: Session) -> tuple[Section, Samples]:
         with s.ui.task(f"{tag} raw +netns", None), host.CpuMeter(children=True) as cpu:
             res["raw-netns"] = s.raw.churn(n, conc, netns=True, system="raw-netns")
         res["raw-netns"].extra["cpu_ms_per_op"] = cpu.per_op_ms(n)
+        if "disabled" in s.opts.networks:
+            with s.ui.task(f"{tag} raw disabled", None), \
+                    host.CpuMeter(children=True) as cpu:
+                res["raw-disabled"] = s.raw.churn(n, conc, netns=False, system="raw-disabled",
+                                                  disabled=True)
+            res["raw-disabled"].extra["cpu_ms_per_op"] = cpu.per_op_ms(n)
         for net in s.opts.networks:
             name = sdk_runs.system_name(net)
             pool0 = s.daemon.pool_counts()
@@ -82,8 +88,10 @@ def churn(s: Session) -> tuple[Section, Samples]:
 
 
 def _matching(networks: list[str]) -> dict[str, str]:
-    """corral's system for each network mode -> the raw baseline doing the same kernel work."""
-    return {sdk_runs.system_name(n): "raw-netns" if n == "none" else "raw" for n in networks}
+    """corral's system for each network mode -> the raw baseline doing the same kernel work
+    (raw-disabled: one shared netns and the Landlock scope, like corral's "disabled")."""
+    return {sdk_runs.system_name(n): "raw-netns" if n == "none" else "raw-disabled"
+            for n in networks}
 
 
 def _hit_ratio(before: tuple[float, float], after: tuple[float, float]) -> float | None:
@@ -216,11 +224,14 @@ def density(s: Session) -> tuple[Section, Samples]:
         # The raw floor gets the cgroups corral's idle sandboxes have (corral may make some
         # only at a sandbox's first exec); v2 (one dir) and unknown: all of them.
         ctls = next(iter(res.values())).get("controllers") or None
-        # raw+netns (own netns each) only where corral's mode makes one: at 50,000 it alone
-        # costs ~9 GiB and minutes of reclaim.
+        # Each mode's matching baseline only (at 50,000 one raw fill takes minutes and raw+netns
+        # alone ~12 GiB); plain raw (no netns, no Landlock) as a reference with "none".
         if "none" in s.opts.networks:
             res["raw-netns"], curves["raw-netns"] = _density_raw(s, n, True, tag, ctls)
-        res["raw"], curves["raw"] = _density_raw(s, n, False, tag, ctls)
+            res["raw"], curves["raw"] = _density_raw(s, n, False, tag, ctls)
+        if "disabled" in s.opts.networks:
+            res["raw-disabled"], curves["raw-disabled"] = _density_raw(s, n, False, tag, ctls,
+                                                                       disabled=True)
         runs.append(res)
     matching = _matching(s.opts.networks)
     sec: Section = {"n": n, "median": median_tree(runs), "runs": runs, "ratios": {},
@@ -324,16 +335,18 @@ def _density_corral(s: Session, n: int, tag: str,
 
 
 def _density_raw(s: Session, n: int, netns: bool, tag: str,
-                 controllers: list[str] | None) -> tuple[dict[str, Any], list]:
+                 controllers: list[str] | None,
+                 disabled: bool = False) -> tuple[dict[str, Any], list]:
     assert s.raw is not None
-    name = "raw +netns" if netns else "raw"
+    name = "raw +netns" if netns else "raw disabled" if disabled else "raw"
     cg = [s.raw.cgroup_name, s.prefix + "rawproc"]
     for c in cg:  # both exist before the first reading
         host.make_memcg(c)
     host.settle()
     before = _mem(cg)
     with s.ui.task(f"{tag} {name} (create, hold)", None):
-        with s.raw.idle(n, netns, own_memcg=cg[1], controllers=controllers) as info:
+        with s.raw.idle(n, netns, own_memcg=cg[1], controllers=controllers,
+                        disabled=disabled) as info:
             host.settle()
             after = _mem(cg)
             pss = median([host.pss_kib(p) for p in info.get("pids", [])[:20]])

@@ -69,7 +69,7 @@ def bench(
     network: str = typer.Option("none", "--network",
                                 help="churn, density: corral's network mode(s): none (own "
                                      "netns, vs raw+netns), disabled (shared netns, unix "
-                                     "sockets only, vs raw), or none,disabled."),
+                                     "sockets only, vs raw --disabled), or none,disabled."),
     json_: bool = typer.Option(False, "--json", help="The report as JSON on stdout."),
     plots_dir: str = typer.Option("bench/out", "--plots-dir",
                                   help="Where the PNG plots and report.json go ('' for none)."),
