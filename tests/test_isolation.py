@@ -389,6 +389,29 @@ def test_disabled_abstract_socket_of_a_host_process_in_the_namespace(dis):
     assert "CONNECTED" not in r.stdout and not out, r.stdout
 
 
+def test_disabled_walls_survive_fork_and_restore():
+    """Forked children and a sandbox restarted by restore keep network "disabled"."""
+    probe = ("python3 -c \"import socket\ntry: socket.socket(); print('inet')\n"
+             "except OSError: print('refused')\"; readlink /proc/self/ns/net")
+    with corral.Sandbox(image="host", network="disabled") as box:
+        shared = box.exec(probe, timeout=30).stdout.split()
+        assert shared[0] == "refused", shared
+        snap = box.snapshot()
+        try:
+            box.exec("touch /root/after", timeout=10)
+            assert box.restore(snap).network == "disabled"
+            assert box.exec(probe, timeout=30).stdout.split() == shared
+            kids = box.fork(2)
+            try:
+                for k in kids:
+                    assert k.info().network == "disabled"
+                    assert k.exec(probe, timeout=30).stdout.split() == shared
+            finally:
+                corral.Sandbox.kill_many(kids)
+        finally:
+            snap.delete()
+
+
 def test_disabled_unix_sockets_work_inside_a_sandbox(dis):
     # pathname sockets between two commands of the same sandbox; abstract ones within one
     # command (each exec is its own Landlock domain, docs/isolation.md)
