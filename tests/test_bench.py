@@ -98,8 +98,8 @@ def test_density_section(report):
     for system in ("corral", "raw-netns", "raw"):
         m = sec["median"][system]
         assert m["made"] == N
-        for key in ("memcg_kib_per_sandbox", "kib_per_sandbox", "slab_kib", "create_rate_empty",
-                    "create_rate_full"):
+        for key in ("memcg_kib_per_sandbox", "memcg_nocache_kib_per_sandbox", "kib_per_sandbox",
+                    "slab_kib", "create_rate_empty", "create_rate_full"):
             assert _is_num(m[key]), (system, key)
         # Destroyed everything: no cgroup, no process of that system is left.
         assert m["baseline"]["cgroups_left"] == 0

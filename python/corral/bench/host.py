@@ -48,6 +48,20 @@ def memcg_usage_kib(name: str) -> int | None:
     return None
 
 
+def memcg_file_kib(name: str) -> int | None:
+    """Page cache (file pages: reclaimable) in the memory cgroup ``name``, hierarchical."""
+    for path, key in ((CGROUP_ROOT / "memory" / name / "memory.stat", "total_cache"),
+                      (CGROUP_ROOT / name / "memory.stat", "file")):
+        try:
+            for line in path.read_text().splitlines():
+                k, _, v = line.partition(" ")
+                if k == key:
+                    return int(v) // 1024
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def make_memcg(name: str) -> str | None:
     """Create the top-level memory cgroup ``name``; returns its cgroup.procs path."""
     for d in (CGROUP_ROOT / "memory" / name, CGROUP_ROOT / name):

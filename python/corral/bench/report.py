@@ -106,7 +106,7 @@ def exec_table(sec: dict[str, Any]) -> Table:
 def density_table(sec: dict[str, Any]) -> Table:
     t = Table(title=f"density: {sec['n']:,} idle sandboxes alive  (median of "
                     f"{len(sec['runs'])} runs; KiB per sandbox)")
-    for c in ("system", "alive", "memcg", "MemAvail", "slab", "init PSS KiB",
+    for c in ("system", "alive", "memcg", "memcg -cache", "MemAvail", "slab", "init PSS KiB",
               "create/s 0", "create/s N", "N/0", "destroy/s", "after destroy: memcg, cg, pids"):
         t.add_column(c, justify="left" if c in ("system", "after destroy") else "right")
     for name, m in sec["median"].items():
@@ -117,6 +117,7 @@ def density_table(sec: dict[str, Any]) -> Table:
         alive = _f(m.get("made")) + (f" +{m['pooled_extra']} pooled"
                                      if m.get("pooled_extra") else "")
         t.add_row(name, alive, _f(m.get("memcg_kib_per_sandbox")),
+                  _f(m.get("memcg_nocache_kib_per_sandbox")),
                   _f(m.get("kib_per_sandbox")), _f(m.get("slab_kib")), _f(m.get("init_pss_kib")),
                   _f(m.get("create_rate_empty")),
                   _f(m.get("create_rate_full")), _f(m.get("full/empty"), 2),

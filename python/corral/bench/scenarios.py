@@ -244,6 +244,10 @@ def density(s: Session) -> tuple[Section, Samples]:
                 for x in runs]
         if (m := median(vals)) is not None:
             sec["ratios"][f"{a}/{b} memory (memcg)"] = round(m, 3)
+        vals = [ratio(x[a].get("memcg_nocache_kib_per_sandbox"),
+                      x[b].get("memcg_nocache_kib_per_sandbox")) for x in runs]
+        if (m := median(vals)) is not None:
+            sec["ratios"][f"{a}/{b} memory (memcg without page cache)"] = round(m, 3)
         vals = [ratio(x[a].get("kib_per_sandbox"), x[b].get("kib_per_sandbox")) for x in runs]
         if (m := median(vals)) is not None:
             sec["ratios"][f"{a}/{b} memory (MemAvailable)"] = round(m, 3)
@@ -258,6 +262,11 @@ def _mem_delta(before: dict[str, Any], after: dict[str, Any], n: int) -> dict[st
     out = {"kib_per_sandbox": round((before["MemAvailable"] - after["MemAvailable"]) / n, 1)}
     if before.get("memcg") is not None and after.get("memcg") is not None:
         out["memcg_kib_per_sandbox"] = round((after["memcg"] - before["memcg"]) / n, 1)
+        if before.get("memcg_file") is not None and after.get("memcg_file") is not None:
+            # without page cache (reclaimable: state files, the trajectory log, dir blocks)
+            out["memcg_nocache_kib_per_sandbox"] = round(
+                ((after["memcg"] - after["memcg_file"]) - (before["memcg"] - before["memcg_file"]))
+                / n, 1)
     for k in ("Slab", "SUnreclaim", "KernelStack", "PageTables", "Shmem", "Percpu"):
         if k in before and k in after:
             out[f"{k.lower()}_kib"] = round((after[k] - before[k]) / n, 1)
@@ -270,6 +279,8 @@ def _mem(cgroups: list[str]) -> dict[str, Any]:
     m: dict[str, Any] = dict(host.meminfo())
     usage = [host.memcg_usage_kib(c) for c in cgroups]
     m["memcg"] = None if any(u is None for u in usage) else sum(u for u in usage if u)
+    files = [host.memcg_file_kib(c) for c in cgroups]
+    m["memcg_file"] = None if any(f is None for f in files) else sum(f for f in files if f)
     return m
 
 
