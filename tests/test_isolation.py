@@ -586,3 +586,17 @@ def test_recycled_memory_cgroup_gets_the_new_limits():
             break
     if v1.is_dir():  # the recycling this test is about happened
         assert _daemon_metrics().get("corral_memcg_spares_reused_total", 0) > before
+
+
+@pytest.mark.parametrize("abi", [5, 0, -95, -38])  # old ABI, none, EOPNOTSUPP, ENOSYS
+def test_disabled_refused_without_landlock_scopes(monkeypatch, abi):
+    """Without Landlock's abstract-socket scope the shared namespace would be a hole: the mode
+    is refused with `unsupported`, never run with a weaker wall."""
+    from corral.daemon.substrates import container
+
+    monkeypatch.setattr(container._core, "landlock_abi", lambda: abi)
+    shared = container.SharedNetns()
+    with pytest.raises(corral.Unsupported) as ei:
+        shared.fd()
+    assert "Landlock" in ei.value.message and ei.value.details["landlock_abi"] == abi
+    assert shared._fd == -1  # no namespace made
