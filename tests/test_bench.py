@@ -30,7 +30,7 @@ N = 20
 def report(tmp_path_factory):
     """One tiny run of every scenario (no peers), in process."""
     plots = tmp_path_factory.mktemp("bench-out")
-    rep = run(Options(runs=1, count=N, concurrency=2, batch=5, plots_dir=str(plots),
+    rep = run(Options(runs=1, count=N, concurrency=2, batch=5, churn_batch=8, plots_dir=str(plots),
                       snapshot_mb=1, fork=4, progress=False))
     rep["_plots_dir"] = str(plots)
     return rep
@@ -70,8 +70,14 @@ def test_churn_section(report):
             s = m[f"{phase}_ms"]
             assert s["n"] == N
             assert s["p50"] <= s["p90"] <= s["p99"] <= s["max"]
-    assert set(sec["ratios"]) == {"corral/raw", "corral/raw-netns"}
+    assert set(sec["ratios"]) == {"corral/raw", "corral/raw-netns", "corral-batch/raw",
+                                  "corral-batch/raw-netns"}
     assert all(_is_num(v) and v > 0 for v in sec["ratios"].values())
+    # The batched row: the same N sandboxes in batches of 8 (8, 8, 4): phases are per batch.
+    b = sec["median"]["corral-batch"]
+    assert b["n"] == N and b["errors"] == 0 and b["batch"] == 8 and _is_num(b["ops_per_s"])
+    assert b["total_ms"]["n"] == 3
+    assert sec["batch"] == 8
 
 
 def test_latency_section(report):

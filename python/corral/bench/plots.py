@@ -8,8 +8,8 @@ from typing import Any
 
 PHASE_COLORS = {"create": "#1f77b4", "first_exec": "#ff7f0e", "exec": "#d62728",
                 "ttfr": "#2ca02c", "destroy": "#9467bd"}
-COLORS = {"corral": "#1f77b4", "corral-disabled": "#17becf", "raw": "#2ca02c",
-          "raw-netns": "#98df8a", "raw-disabled": "#bcbd22", "bwrap": "#ff7f0e",
+COLORS = {"corral": "#1f77b4", "corral-disabled": "#17becf", "corral-batch": "#aec7e8",
+          "raw": "#2ca02c", "raw-netns": "#98df8a", "raw-disabled": "#bcbd22", "bwrap": "#ff7f0e",
           "crun": "#9467bd", "runc": "#d62728"}
 
 

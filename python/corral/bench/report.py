@@ -41,26 +41,34 @@ def _cpu(c: dict[str, float] | None) -> str:
 def churn_table(sec: dict[str, Any]) -> Table:
     t = Table(title=f"churn: create -> exec true -> destroy  (N={sec['n']}, "
                     f"{sec['concurrency']} in flight, median of {len(sec['runs'])} runs)")
+    if sec.get("batch"):
+        t.caption = (f"corral-batch: create_many({sec['batch']}) -> exec_many -> kill_many, "
+                     f"{sec.get('batches_in_flight')} batches in flight; its p50/p99 are per "
+                     "batch")
     for c in ("system", "sandboxes/s", "p50 ms", "p99 ms", "CPU ms/op user+sys",
-              "corral / system", "target"):
+              "corral / system", "corral-batch / system", "target"):
         t.add_column(c, justify="left" if c in ("system", "target") else "right")
     med = sec["median"]
     matching = sec.get("matching") or {"corral": "raw-netns"}
     first = next(iter(matching))
     for name, m in med.items():
         if m.get("skipped"):
-            t.add_row(name, "skipped", "", "", "", "", m["skipped"][:40])
+            t.add_row(name, "skipped", "", "", "", "", "", m["skipped"][:40])
             continue
         # a corral row: against the raw baseline doing its kernel work; others: first corral
         r = (sec["ratios"].get(f"{name}/{matching[name]}") if name in matching
              else sec["ratios"].get(f"{first}/{name}"))
+        rb = sec["ratios"].get(f"corral-batch/{name}")  # the batch row (network none)
         target = (f"{CHURN_TARGETS['raw']} x {matching[name]}" if name in matching
                   else CHURN_TARGETS.get(name, ""))
+        if name == "corral-batch":  # network none, like "corral": against raw-netns
+            r = sec["ratios"].get("corral-batch/raw-netns")
+            target = f"{CHURN_TARGETS['raw']} x raw-netns"
         t.add_row(name, _f(m.get("ops_per_s")), _f(_get(m, "total_ms", "p50"), 2),
                   _f(_get(m, "total_ms", "p99"), 2), _cpu(m.get("cpu_ms_per_op")),
-                  _f(r, 3) if r else "", target)
+                  _f(r, 3) if r else "", _f(rb, 3) if rb else "", target)
     for name, why in (sec.get("unavailable") or {}).items():
-        t.add_row(name, "unavailable", "", "", "", why[:40])
+        t.add_row(name, "unavailable", "", "", "", "", why[:40])
     return t
 
 

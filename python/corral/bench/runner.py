@@ -83,6 +83,9 @@ def _command(opts: Options) -> str:
                              ("--concurrency", opts.concurrency, d.concurrency),
                              ("--peer-count", opts.peer_count, d.peer_count),
                              ("--batch", opts.batch, d.batch),
+                             ("--churn-batch", opts.churn_batch, d.churn_batch),
+                             ("--batches-in-flight", opts.batches_in_flight,
+                              d.batches_in_flight),
                              ("--snapshot-mb", opts.snapshot_mb, d.snapshot_mb),
                              ("--fork", opts.fork, d.fork),
                              ("--workdir", opts.workdir, d.workdir)):

@@ -44,6 +44,7 @@ def churn(s: Session) -> tuple[Section, Samples]:
     ep = s.daemon.endpoint
     runs: list[dict[str, OpResult]] = []
     prof: dict[str, Any] = {}
+    prof_b: dict[str, Any] = {}
     for r in range(R):
         tag = f"churn {r + 1}/{R}"
         res: dict[str, OpResult] = {}
@@ -68,6 +69,16 @@ def churn(s: Session) -> tuple[Section, Samples]:
                 res[name] = sdk_runs.churn(ep, n, conc, adv, net)  # type: ignore[arg-type]
             res[name].extra["cpu_ms_per_op"] = cpu.per_op_ms(n)
             res[name].extra["pool_hit_ratio"] = _hit_ratio(pool0, s.daemon.pool_counts())
+        if s.opts.churn_batch > 0:  # the same ops (network none) through the batch calls
+            b, fl = s.opts.churn_batch, s.opts.batches_in_flight
+            pool0 = s.daemon.pool_counts()
+            with s.ui.task(f"{tag} corral batch {b} x{fl}", n) as adv, \
+                    _profiled(s, r == 0, prof_b, "churn-batch"), \
+                    host.CpuMeter(s.daemon.pid, client=True) as cpu:
+                res["corral-batch"] = sdk_runs.churn_batch(ep, n, b, fl, adv)
+            res["corral-batch"].extra["cpu_ms_per_op"] = cpu.per_op_ms(n)
+            res["corral-batch"].extra["pool_hit_ratio"] = _hit_ratio(pool0,
+                                                                     s.daemon.pool_counts())
         if s.peers is not None:
             for peer in s.peer_names():
                 pn = s.opts.n_peers()
@@ -76,14 +87,20 @@ def churn(s: Session) -> tuple[Section, Samples]:
                 res[peer].extra["cpu_ms_per_op"] = cpu.per_op_ms(pn)
         runs.append(res)
     mine = [sdk_runs.system_name(net) for net in s.opts.networks]
+    if s.opts.churn_batch > 0:
+        mine.append("corral-batch")
     others = [k for k in runs[0] if k not in mine]
     sec = _summarize(runs, [(c, o) for c in mine for o in others])
     sec.update(n=n, concurrency=conc, peer_n=s.opts.n_peers() if s.peers else None,
                unavailable=s.peer_errors or None, networks=s.opts.networks,
-               matching=_matching(s.opts.networks))
+               matching=_matching(s.opts.networks), batch=s.opts.churn_batch or None,
+               batches_in_flight=s.opts.batches_in_flight if s.opts.churn_batch else None)
     if prof:
         sec["profile"] = prof
-    samples = {k: v.phases.get("total", []) for k, v in runs[-1].items()}
+    if prof_b:
+        sec["profile_batch"] = prof_b
+    # Per-op latencies only (corral-batch's phases are per batch of sandboxes).
+    samples = {k: v.phases.get("total", []) for k, v in runs[-1].items() if k != "corral-batch"}
     return sec, samples
 
 

@@ -81,6 +81,68 @@ def churn(endpoint: str, n: int, conc: int, advance: Advance = _noop,
     return asyncio.run(_churn(endpoint, n, conc, advance, network))
 
 
+# ---- batched churn: create_many(B) -> exec_many(true) -> kill_many, `inflight` batches ----
+async def _churn_batch(endpoint: str, n: int, batch: int, inflight: int,
+                       advance: Advance) -> OpResult:
+    """The same sandbox lifecycle as `churn`, three calls per batch of ``batch`` sandboxes
+    instead of three per sandbox: what a trainer running many episodes at once does. Phases
+    are per batch (ms for the whole batch); the rate counts sandboxes."""
+    sizes = [min(batch, n - i) for i in range(0, n, batch)]
+    create: list[float] = [-1.0] * len(sizes)
+    execs, destroy = list(create), list(create)
+    errors: list[str] = []
+    failed = 0
+    todo = iter(range(len(sizes)))
+
+    async def worker() -> None:
+        nonlocal failed
+        for i in todo:
+            t0 = time.perf_counter()
+            sbs: list[AsyncSandbox] = []
+            try:
+                sbs = await AsyncSandbox.create_many(sizes[i], "host", endpoint=endpoint,
+                                                     timeout=TTL_S)
+                t1 = time.perf_counter()
+                rs = await AsyncSandbox.exec_many(sbs, TRUE, return_exceptions=True,
+                                                  endpoint=endpoint)
+                t2 = time.perf_counter()
+                await AsyncSandbox.kill_many(sbs, endpoint=endpoint)
+                sbs = []
+                t3 = time.perf_counter()
+                bad = [r for r in rs if isinstance(r, CorralError) or r.exit_code != 0]
+                if bad:
+                    failed += len(bad)
+                    errors.append(str(bad[0])[:300])
+                else:
+                    create[i], execs[i], destroy[i] = ((t1 - t0) * 1e3, (t2 - t1) * 1e3,
+                                                       (t3 - t2) * 1e3)
+            except CorralError as e:
+                failed += sizes[i]
+                errors.append(_err(e))
+            finally:
+                if sbs:
+                    try:
+                        await AsyncSandbox.kill_many(sbs, endpoint=endpoint,
+                                                     return_exceptions=True)
+                    except CorralError:
+                        pass
+                advance(sizes[i])
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(inflight)))
+    wall = time.perf_counter() - t0
+    phases = with_total({"create": create, "exec": execs, "destroy": destroy},
+                        ("create", "exec", "destroy"))
+    res = OpResult("corral-batch", n, wall, failed, _ok(phases), _extra(inflight, errors))
+    res.extra.update(batch=batch, batches_in_flight=inflight, phases_per="batch")
+    return res
+
+
+def churn_batch(endpoint: str, n: int, batch: int, inflight: int,
+                advance: Advance = _noop) -> OpResult:
+    return asyncio.run(_churn_batch(endpoint, n, batch, inflight, advance))
+
+
 async def _kill_quietly(sb: AsyncSandbox) -> None:
     try:
         await sb.kill()

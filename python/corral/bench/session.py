@@ -35,6 +35,8 @@ class Options:
     # churn and density: corral's network modes, each measured against the raw baseline doing
     # the same kernel work: "none" (own netns) vs raw-netns, "disabled" (shared) vs raw
     networks: list[str] = field(default_factory=lambda: ["none"])
+    churn_batch: int = 32             # churn's corral-batch row: sandboxes per batch (0: off)
+    batches_in_flight: int = 2        # churn's corral-batch row: batches in flight
     plots_dir: str | None = "bench/out"
     profile: bool = False             # py-spy the daemon during corral's churn
     workdir: str = "/var/tmp"         # parent of the private state (its fs type matters)

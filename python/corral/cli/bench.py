@@ -61,6 +61,13 @@ def bench(
                                           help="Operations per peer (default min(N, 300))."),
     batch: int = typer.Option(100, "--batch", min=1, max=10000,
                               help="density: sandboxes per create_many call."),
+    churn_batch: int = typer.Option(32, "--churn-batch", min=0, max=10000,
+                                    help="churn: sandboxes per batch in the corral-batch row "
+                                         "(create_many -> exec_many -> kill_many); 0: no "
+                                         "such row."),
+    batches_in_flight: int = typer.Option(2, "--batches-in-flight", min=1, max=64,
+                                          help="churn: batches in flight in the corral-batch "
+                                               "row."),
     snapshot_mb: int = typer.Option(10, "--snapshot-mb", min=1, max=4096,
                                     help="snapshot: MB the sandbox changes before each "
                                          "snapshot."),
@@ -102,6 +109,7 @@ def bench(
 
     opts = Options(scenarios=parse_scenarios(scenario), peers=peers, runs=runs, count=count,
                    concurrency=concurrency, peer_count=peer_count, batch=batch,
+                   churn_batch=churn_batch, batches_in_flight=batches_in_flight,
                    plots_dir=plots_dir or None, profile=profile, workdir=workdir,
                    snapshot_mb=snapshot_mb, fork=fork, progress=progress,
                    trajlog_baseline=trajlog_baseline,

@@ -141,7 +141,9 @@ class CgroupManager:
         self._spare_seq = itertools.count()
         self.spares_max = MEMCG_SPARES if self.version == 1 else 0
         self.spare_stats = {"reused": 0, "kept": 0, "discarded": 0}
+        self._closed = False  # drop_spares ran (stop): nothing is kept any more
         self.drop_spares(all_on_disk=True)  # a previous daemon's: not ours to trust
+        self._closed = False
 
     # ---- setup -----------------------------------------------------------------------------
     def _setup_v2(self) -> None:
@@ -256,7 +258,7 @@ class CgroupManager:
         cache its processes brought in) is removed as before, and the kernel moves what it
         holds to the parent. Usage peaks and fail counts are reset; limits are written at reuse.
         True if kept for now (or already gone), False if the caller should remove it."""
-        if not self.spares_max:
+        if not self.spares_max or self._closed:
             return False
         path = os.path.join(self._mem, check_id(sandbox_id))
         with self._spare_lock:
@@ -293,9 +295,13 @@ class CgroupManager:
                     spare = os.path.join(self._mem, f"{_SPARE}{next(self._spare_seq)}")
                     os.rename(path, spare)
                     with self._spare_lock:
-                        self._spares.append(spare)
-                    self.spare_stats["kept"] += 1
-                    continue
+                        kept = not self._closed
+                        if kept:
+                            self._spares.append(spare)
+                    if kept:
+                        self.spare_stats["kept"] += 1
+                        continue
+                    path = spare  # closed meanwhile: removed below
                 if now - t < COOL_S:
                     keep.append((t, path))
                     continue
@@ -307,7 +313,16 @@ class CgroupManager:
             except OSError:
                 pass
         with self._spare_lock:
-            self._cooling[:0] = keep
+            if not self._closed:
+                self._cooling[:0] = keep
+                keep = []
+        # drop_spares ran while this settle held some (a worker thread still running at
+        # stop): they are removed here, or they would outlive the daemon.
+        for _, path in keep:
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
 
     def spare_ready(self) -> bool:
         """Is a recycled memory cgroup ready (making one costs ~nothing then)?"""
@@ -340,6 +355,7 @@ class CgroupManager:
         with self._spare_lock:
             spares = self._spares + [p for _, p in self._cooling]
             self._spares, self._cooling = [], []
+            self._closed = True
         if all_on_disk and self.version == 1:
             try:
                 spares += [e.path for e in os.scandir(self._mem)
