@@ -145,6 +145,8 @@ class Sandbox:
 
 
 CREATE_WORKERS = max(2, min(8, 2 * (os.cpu_count() or 2)))
+# Worker threads a batch destroy (kill_many) is split over: one per core at most.
+DESTROY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 async def _settle(fut: asyncio.Future[Any]) -> bool:
@@ -206,6 +208,7 @@ class Engine:
             "snapshots": 0,
         }
         self._heap: list[tuple[float, str]] = []
+        self._batch_tasks: set[asyncio.Future[None]] = set()  # batch destroys (kept referenced)
         self.pools: Any = None  # corral.daemon.pools.WarmPools, made at start
         self._reaper: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -644,7 +647,8 @@ class Engine:
         def work() -> None:
             if sb.runtime is not None and substrate is not None:
                 substrate.destroy(sb.runtime)
-            shutil.rmtree(sdir, ignore_errors=True)
+            if os.path.lexists(sdir):  # the substrate's destroy removes it; a failed one may not
+                shutil.rmtree(sdir, ignore_errors=True)
 
         try:
             # destroy closes the root fd that file operations in worker threads use.
@@ -654,17 +658,74 @@ class Engine:
         except Exception:  # noqa: BLE001
             log.exception("destroy failed", extra={"sandbox": sb.id})
         finally:
-            sb.state = "dead"
-            if sb.procs:
-                for p in sb.procs.values():
-                    p.release()
-                sb.procs = None
-            self.sandboxes.pop(sb.id, None)
-            if sb.layers and self.snaps is not None:
-                self.snaps.release(sb.layers)
-            self._tombstone(sb.id, sb.reason or "killed")
-            self.trajlog.sandbox_ended(sb.id, sb.reason or "killed")
-            log.debug("sandbox destroyed", extra={"sandbox": sb.id, "reason": sb.reason})
+            self._destroyed(sb)
+
+    def _begin_stop_many(self, sbs: list[Sandbox], reason: str) -> list[asyncio.Future[None]]:
+        """``_begin_stop`` for a batch: the ones not already stopping are destroyed together,
+        a few worker-thread hops per batch (DESTROY_THREADS) instead of one per sandbox, each
+        hop destroying its share in one go (substrate.destroy_many)."""
+        fresh = [sb for sb in sbs if sb.stopping is None]
+        if len(fresh) < 2:
+            return [self._begin_stop(sb, reason) for sb in sbs]
+        loop = asyncio.get_running_loop()
+        for sb in fresh:
+            if sb.state in ("running", "paused"):
+                self._unwatch(sb)
+            sb.state = "stopping"
+            sb.reason = reason
+            sb.stopping = loop.create_future()
+        if reason in self.counters:
+            self.counters[reason] += len(fresh)
+        task = asyncio.ensure_future(self._destroy_batch(fresh))
+        self._batch_tasks.add(task)
+        task.add_done_callback(self._batch_tasks.discard)
+        return [sb.stopping for sb in sbs if sb.stopping is not None]
+
+    async def _destroy_batch(self, sbs: list[Sandbox]) -> None:
+        by_sub: dict[str, list[Sandbox]] = {}
+        for sb in sbs:
+            by_sub.setdefault(sb.spec.substrate, []).append(sb)
+
+        def work(part: list[Sandbox]) -> None:
+            substrate = self.substrates.get(part[0].spec.substrate)
+            have = [sb for sb in part if sb.runtime is not None]
+            outcomes = substrate.destroy_many([sb.runtime for sb in have]) if substrate else []
+            for sb, err in zip(have, outcomes, strict=False):
+                if err is not None:
+                    log.error("destroy failed: %s", err, extra={"sandbox": sb.id})
+            for sb in part:  # the substrate's destroy removes it; a failed one may not have
+                d = os.path.join(self.sandboxes_dir, sb.id)
+                if os.path.lexists(d):
+                    shutil.rmtree(d, ignore_errors=True)
+
+        try:
+            while any(sb.threads for sb in sbs):  # see _destroy
+                await asyncio.sleep(0.005)
+            parts = [group[i::DESTROY_THREADS] for group in by_sub.values()
+                     for i in range(min(DESTROY_THREADS, len(group)))]
+            await asyncio.gather(*(asyncio.to_thread(work, part) for part in parts))
+        except Exception:  # noqa: BLE001
+            log.exception("batch destroy failed", extra={"count": len(sbs)})
+        finally:
+            for sb in sbs:
+                self._destroyed(sb)
+                fut = sb.stopping
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+
+    def _destroyed(self, sb: Sandbox) -> None:
+        """The bookkeeping once a sandbox's destroy has run (or failed)."""
+        sb.state = "dead"
+        if sb.procs:
+            for p in sb.procs.values():
+                p.release()
+            sb.procs = None
+        self.sandboxes.pop(sb.id, None)
+        if sb.layers and self.snaps is not None:
+            self.snaps.release(sb.layers)
+        self._tombstone(sb.id, sb.reason or "killed")
+        self.trajlog.sandbox_ended(sb.id, sb.reason or "killed")
+        log.debug("sandbox destroyed", extra={"sandbox": sb.id, "reason": sb.reason})
 
     def _tombstone(self, sid: str, reason: str) -> None:
         self.tombstones[sid] = reason
@@ -685,18 +746,19 @@ class Engine:
         """Kill each; one result per id, in order: ``{"id", "killed"}`` or ``{"error"}``.
         Every destroy is started before the first is awaited, so they overlap."""
         out: list[dict[str, Any]] = []
-        stops = []
+        found: list[Sandbox] = []
         for sid in ids:
             sb = self.sandboxes.get(sid)
             if sb is not None:
-                stops.append(self._begin_stop(sb, "killed"))
+                found.append(sb)
                 out.append({"id": sid, "killed": True})
             elif sid in self.tombstones:
                 out.append({"id": sid, "killed": False})
             else:
                 out.append(SandboxNotFound(f"no sandbox {sid}", details={"id": sid})
                            .to_payload())
-        if stops:
+        if found:
+            stops = self._begin_stop_many(list(dict.fromkeys(found)), "killed")
             await asyncio.shield(asyncio.gather(*stops, return_exceptions=True))
         return out
 

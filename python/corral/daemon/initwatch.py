@@ -162,16 +162,25 @@ class InitWatcher:
 
     def remove(self, pid: int, timeout: float = 10.0) -> None:
         """Stop watching ``pid``; returns once its shard has closed the pidfd."""
-        with self._lock:
-            entry = self._where.pop(pid, None)
-            if entry is None:
-                return
-            shard = entry[0]
-            shard.count -= 1
-        done = threading.Event()
-        shard.send("remove", pid, done)
-        if not done.wait(timeout):
-            log.warning("init watcher did not confirm a removal", extra={"pid": pid})
+        self.remove_many([pid], timeout)
+
+    def remove_many(self, pids: list[int], timeout: float = 10.0) -> None:
+        """``remove`` for a batch: every removal sent, then all waited for (one round trip
+        to the shards, not one per pid)."""
+        waits: list[tuple[int, threading.Event]] = []
+        for pid in pids:
+            with self._lock:
+                entry = self._where.pop(pid, None)
+                if entry is None:
+                    continue
+                shard = entry[0]
+                shard.count -= 1
+            done = threading.Event()
+            shard.send("remove", pid, done)
+            waits.append((pid, done))
+        for pid, done in waits:
+            if not done.wait(timeout):
+                log.warning("init watcher did not confirm a removal", extra={"pid": pid})
 
     def watching(self, pid: int) -> bool:
         return pid in self._where

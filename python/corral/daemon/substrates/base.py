@@ -87,6 +87,17 @@ class Substrate(ABC):
         """Kill every process of the sandbox and remove its cgroups and directories. Idempotent,
         works on half-made or already-dead sandboxes, never raises for 'already gone'."""
 
+    def destroy_many(self, runtimes: list[SandboxRuntime]) -> list[BaseException | None]:
+        """``destroy`` each (one worker-thread hop for a batch); one outcome per runtime."""
+        out: list[BaseException | None] = []
+        for rt in runtimes:
+            try:
+                self.destroy(rt)
+                out.append(None)
+            except Exception as e:  # noqa: BLE001 - reported per sandbox by the caller
+                out.append(e)
+        return out
+
     @abstractmethod
     def cleanup_orphans(self, known_ids: set[str]) -> list[str]:
         """Remove every trace (processes, cgroups, dirs) of sandboxes not in ``known_ids``;

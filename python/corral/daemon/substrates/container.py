@@ -120,6 +120,10 @@ def proc_alive(pid: int, starttime: int) -> bool:
 ROOT_CACHE = int(os.environ.get("CORRAL_ROOT_FD_CACHE", "1024"))
 
 
+# destroy_many: inits signalled ahead of their destroy (each holds a pidfd until destroyed).
+KILL_AHEAD = 64
+
+
 def _pidfd_exited(pidfd: int, timeout_s: float) -> bool:
     """Wait up to ``timeout_s`` for a pidfd to become readable (its process has exited)."""
     p = select.poll()
@@ -603,6 +607,31 @@ class ContainerSubstrate(Substrate):
         runtime.pidfd = fd
         return True
 
+    def destroy_many(self, runtimes: list[SandboxRuntime]) -> list[BaseException | None]:
+        """SIGKILL every init first, so the kernel tears the namespaces down (in the dying
+        inits' own contexts, on any core) while the first destroys wait and clean up."""
+        out: list[BaseException | None] = []
+        for i in range(0, len(runtimes), KILL_AHEAD):  # bounded: a pidfd each meanwhile
+            chunk = runtimes[i:i + KILL_AHEAD]
+            for rt in chunk:
+                # The cached root fd goes first, as in destroy: closed after the init's death
+                # it would be the last reference to the sandbox's mounts, and their teardown
+                # (an RCU grace period) would run here instead of in the dying init.
+                self._close_root(rt.sandbox_id)
+                if rt.pidfd < 0:
+                    rt.pidfd = self._open_pidfd(rt)  # destroy uses and closes it
+            # Unwatched before they die, as destroy does: a death report must never be
+            # matched (by pid) to a later sandbox that reuses the pid once it is reaped.
+            self._forget_many([(rt.init_pid, rt.sandbox_id) for rt in chunk])
+            for rt in chunk:
+                if rt.pidfd >= 0:
+                    try:
+                        signal.pidfd_send_signal(rt.pidfd, signal.SIGKILL)
+                    except OSError:
+                        pass  # gone already; destroy handles it (a frozen one: thawed there)
+            out += super().destroy_many(chunk)
+        return out
+
     def destroy(self, runtime: SandboxRuntime) -> None:
         with self._lock:
             self._closing.add(runtime.sandbox_id)
@@ -633,7 +662,7 @@ class ContainerSubstrate(Substrate):
         if reaped:
             # Files first: on the scratch tmpfs they are charged to the sandbox's memory
             # cgroup, which is kept for the next sandbox only if nothing is charged to it.
-            shutil.rmtree(sdir, ignore_errors=True)
+            self._remove_dir(runtime.sandbox_id)
             self.cgroups.recycle_memory(runtime.sandbox_id)
         if not (reaped and self.cgroups.try_remove(paths)):
             self.cgroups.kill_all(paths)
@@ -641,7 +670,26 @@ class ContainerSubstrate(Substrate):
         if pidfd >= 0:
             os.close(pidfd)
         runtime.pidfd = -1
+        if reaped:
+            return  # removed above; nothing of the sandbox can write there any more
         shutil.rmtree(sdir, ignore_errors=True)
+
+    def _remove_dir(self, sandbox_id: str) -> None:
+        """rm -rf the sandbox's directory in the Rust core (GIL released, never following a
+        symlink: the upper dir holds what the tenant wrote); shutil's walk as the fallback.
+        shutil.rmtree was ~9 % of the daemon's CPU in churn (Python per entry)."""
+        try:
+            fd = os.open(self.sandboxes_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            _core.fs_remove(fd, "/" + sandbox_id, True)
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError):
+            shutil.rmtree(os.path.join(self.sandboxes_dir, sandbox_id), ignore_errors=True)
+        finally:
+            os.close(fd)
 
     # ---- inits without a pidfd each (see keep_pidfds) -------------------------------------
     def _open_pidfd(self, runtime: SandboxRuntime) -> int:
@@ -669,12 +717,15 @@ class ContainerSubstrate(Substrate):
 
     def _forget(self, pid: int, sandbox_id: str) -> None:
         """Before the init is reaped (which frees its pid): no more pidfds from its pid."""
+        self._forget_many([(pid, sandbox_id)])
+
+    def _forget_many(self, kids: list[tuple[int, str]]) -> None:
         with self._kid_lock:
-            mine = self._kids.get(pid) == sandbox_id
-            if mine:
+            mine = [pid for pid, sid in kids if self._kids.get(pid) == sid]
+            for pid in mine:
                 del self._kids[pid]
         if mine and self._watcher is not None:
-            self._watcher.remove(pid)
+            self._watcher.remove_many(mine)
 
     def reset(self, runtime: SandboxRuntime, spec: SandboxSpec, image: Any) -> SandboxRuntime:
         """Restart a sandbox in place (restore to a snapshot): kill every process, set the old
