@@ -18,6 +18,10 @@
  *            recycle_memory): at destroy renamed aside, reused (limits written again, peaks
  *            reset) by a later create once nothing is charged to them, removed if still
  *            charged after 1 s; up to 2K per worker.
+ *   --cgroup-spares K: v1 pids, cpu and freezer cgroups recycled as corral recycles them
+ *            (cgroups.py recycle_rest): renamed aside at destroy when no task is left (freezer
+ *            thawed, cpuacct usage reset), reused by a later create (limits written again);
+ *            up to K per controller per worker.
  *
  *   --disabled: corral's network "disabled": every sandbox joins one network namespace made at
  *   start (no --netns), and each process also enters a Landlock domain scoped for abstract
@@ -67,9 +71,11 @@
 #define MAX_ERRORS 20
 
 /* ---- configuration ------------------------------------------------------------------------ */
+enum { CG_OTHER, CG_PIDS, CG_CPU, CG_FREEZER };
 struct cgctl {
     char base[256];
     int is_mem; /* v1 memory: recycled with --memcg-spares */
+    int kind; /* v1 pids/cpu/freezer (CG_*): recycled with --cgroup-spares */
     int made; /* we created base (and remove it at the end); else the caller owns it */
     int nlim;
     const char *file[4];
@@ -77,7 +83,7 @@ struct cgctl {
 };
 
 static struct {
-    int netns, conc, harden, tmpfs, spares, disabled;
+    int netns, conc, harden, tmpfs, spares, set_spares, disabled;
     pid_t main_pid;
     long n;
     const char *mode, *state, *cgname, *init_path;
@@ -150,12 +156,12 @@ static void cg_setup(void) {
             G.memsw = memsw;
         }
         const char *pf[1] = {"pids.max"}, *pv[1] = {"512"};
-        if (want("pids")) cg_add("/sys/fs/cgroup/pids", 1, pf, pv);
+        if (want("pids")) cg_add("/sys/fs/cgroup/pids", 1, pf, pv), G.cg[G.ncg - 1].kind = CG_PIDS;
         const char *cf[2] = {"cpu.cfs_period_us", "cpu.cfs_quota_us"};
         const char *cv[2] = {"100000", "100000"};
-        if (want("cpu")) cg_add("/sys/fs/cgroup/cpu", 2, cf, cv);
+        if (want("cpu")) cg_add("/sys/fs/cgroup/cpu", 2, cf, cv), G.cg[G.ncg - 1].kind = CG_CPU;
         if (want("freezer") && access("/sys/fs/cgroup/freezer/cgroup.procs", F_OK) == 0)
-            cg_add("/sys/fs/cgroup/freezer", 0, NULL, NULL);
+            cg_add("/sys/fs/cgroup/freezer", 0, NULL, NULL), G.cg[G.ncg - 1].kind = CG_FREEZER;
     } else {
         const char *f[4] = {"memory.max", "memory.swap.max", "pids.max", "cpu.max"};
         const char *v[4] = {"536870912", "0", "512", "100000 100000"};
@@ -481,10 +487,40 @@ static int spare_give(const struct cgctl *c, const char *path) {
     return 1;
 }
 
+/* ---- recycled pids/cpu/freezer cgroups (--cgroup-spares), as cgroups.py recycle_rest ------ */
+static char g_set[MAX_CG][MAX_SPARES][300];
+static int g_nset[MAX_CG];
+
+/* At destroy: no task left (freezer: thawed; cpu: cpuacct usage reset) -> renamed aside. */
+static int set_give(int i, const char *path) {
+    const struct cgctl *c = &G.cg[i];
+    if (!G.set_spares || !c->kind || g_nset[i] >= G.set_spares || g_nset[i] >= MAX_SPARES) return 0;
+    if (!read_is(path, "tasks", "")) return 0;
+    if (c->kind == CG_FREEZER && !read_is(path, "freezer.state", "THAWED")) return 0;
+    if (c->kind == CG_CPU) {
+        char f[600];
+        snprintf(f, sizeof f, "%s/cpuacct.usage", path);
+        if (access(f, F_OK) == 0) write_file(f, "0");
+    }
+    spare_name(g_set[i][g_nset[i]], sizeof g_set[0][0], c);
+    if (rename(path, g_set[i][g_nset[i]]) < 0) return 0;
+    g_nset[i]++;
+    return 1;
+}
+
+static int set_take(int i, const char *path) {
+    if (!G.set_spares || !G.cg[i].kind || !g_nset[i]) return 0;
+    return rename(g_set[i][--g_nset[i]], path) == 0;
+}
+
 static void spares_drop(void) {
     for (int i = 0; i < g_ncool; i++) rmdir(g_cool[i].path);
     for (int i = 0; i < g_nready; i++) rmdir(g_ready[i]);
     g_ncool = g_nready = 0;
+    for (int i = 0; i < G.ncg; i++) {
+        for (int k = 0; k < g_nset[i]; k++) rmdir(g_set[i][k]);
+        g_nset[i] = 0;
+    }
 }
 
 static void cg_remove(const struct sb *s) {
@@ -492,6 +528,7 @@ static void cg_remove(const struct sb *s) {
     for (int i = 0; i < G.ncg; i++) {
         cg_path(p, sizeof p, i, s, NULL);
         if (G.cg[i].is_mem && spare_give(&G.cg[i], p)) continue;
+        if (set_give(i, p)) continue;
         /* A dying init keeps the cgroup busy for a moment: retry EBUSY like corral does. */
         for (int tries = 0; rmdir(p) < 0 && errno == EBUSY && tries < 2000; tries++)
             usleep(500);
@@ -539,7 +576,9 @@ static int sb_create(struct sb *s, int worker, long idx) {
     }
     for (int i = 0; i < G.ncg; i++) {
         cg_path(p, sizeof p, i, s, NULL);
-        if (!(G.cg[i].is_mem && spare_take(&G.cg[i], p)) && mkdir(p, 0755) < 0) goto fail;
+        if (!(G.cg[i].is_mem && spare_take(&G.cg[i], p)) && !set_take(i, p) &&
+            mkdir(p, 0755) < 0)
+            goto fail;
         made_cg = i + 1;
         for (int k = 0; k < G.cg[i].nlim; k++) {
             cg_path(p, sizeof p, i, s, G.cg[i].file[k]);
@@ -848,7 +887,7 @@ static void mode_idle(void) {
 }
 
 static void usage(void) {
-    fprintf(stderr, "usage: raw churn|exec|idle N [--conc C] [--netns|--disabled] [--no-harden] [--tmpfs] [--memcg-spares K] "
+    fprintf(stderr, "usage: raw churn|exec|idle N [--conc C] [--netns|--disabled] [--no-harden] [--tmpfs] [--memcg-spares K] [--cgroup-spares K] "
                     "[--cg CTL,CTL] --state DIR --cgroup NAME --init BIN "
                     "--ov TARGET=LOWER[:LOWER] ...\n");
     exit(2);
@@ -877,6 +916,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--init")) G.init_path = v, i++;
         else if (!strcmp(a, "--cg")) G.controllers = v, i++;
         else if (!strcmp(a, "--memcg-spares")) G.spares = atoi(v), i++;
+        else if (!strcmp(a, "--cgroup-spares")) G.set_spares = atoi(v), i++;
         else if (!strcmp(a, "--ov")) {
             char *eq = strchr(argv[i + 1], '=');
             if (!eq || G.nov == MAX_OV) usage();

@@ -64,15 +64,17 @@ def _ms(us: list[float]) -> list[float]:
 class RawBaseline:
     def __init__(self, bins: RawBinaries, state_dir: Path, cgroup_name: str,
                  overlays: list[tuple[str, list[str]]], tmpfs: bool = False,
-                 memcg_spares: int = 0) -> None:
-        """``tmpfs`` and ``memcg_spares``: what the daemon of the same run does (its scratch
-        tmpfs, its recycled memory cgroups), so raw keeps doing corral's kernel work."""
+                 memcg_spares: int = 0, cgroup_spares: int = 0) -> None:
+        """``tmpfs``, ``memcg_spares`` and ``cgroup_spares``: what the daemon of the same run
+        does (its scratch tmpfs, its recycled memory and pids/cpu/freezer cgroups), so raw keeps
+        doing corral's kernel work."""
         self.bins = bins
         self.state_dir = state_dir
         self.cgroup_name = cgroup_name
         self.overlays = overlays
         self.tmpfs = tmpfs
         self.memcg_spares = memcg_spares
+        self.cgroup_spares = cgroup_spares
 
     def argv(self, mode: str, n: int, conc: int = 1, netns: bool = False,
              controllers: list[str] | None = None, disabled: bool = False) -> list[str]:
@@ -87,6 +89,8 @@ class RawBaseline:
             a += ["--memcg-spares", str(self.memcg_spares)]
         if disabled:
             a.append("--disabled")
+        if self.cgroup_spares:
+            a += ["--cgroup-spares", str(self.cgroup_spares)]
         if controllers is not None:
             a += ["--cg", ",".join(controllers) or "none"]
         for target, lowers in self.overlays:

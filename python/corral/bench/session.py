@@ -86,12 +86,15 @@ class Session:
         from corral.daemon.substrates.container import SCRATCH_SOURCE, _mount_of
 
         tmpfs = _mount_of(str(self.daemon.state_dir / "sandboxes")) == ("tmpfs", SCRATCH_SOURCE)
-        spares = cgroups.MEMCG_SPARES if os.path.isdir("/sys/fs/cgroup/memory") else 0
+        v1 = os.path.isdir("/sys/fs/cgroup/memory")
+        spares = cgroups.MEMCG_SPARES if v1 else 0
+        set_spares = cgroups.CGROUP_SPARES if v1 else 0
         self.notes.append(f"scratch dirs on {'tmpfs' if tmpfs else 'the workdir'}, "
-                          f"memory cgroups recycled: {spares or 'no'} (corral and raw alike)")
+                          f"memory cgroups recycled: {spares or 'no'}, pids/cpu/freezer "
+                          f"cgroups recycled: {set_spares or 'no'} (corral and raw alike)")
         self.raw = raw.RawBaseline(bins, self.root / "raw", self.prefix + "raw",
                                    self.daemon.host_overlays(), tmpfs=tmpfs,
-                                   memcg_spares=spares)
+                                   memcg_spares=spares, cgroup_spares=set_spares)
         if self.opts.peers:
             self.peer_versions = ensure_installed(self.ui.note)
             self.peers = Peers(self.root / "peers", self.daemon.host_rootfs(),

@@ -1156,4 +1156,6 @@ class Engine:
             out[f"memcg_spares_{k}"] = v  # recycled memory cgroups (cgroups.recycle_memory)
         if self.trajlog.enabled:  # trajlog_{records,commits,inline,...}_total
             out.update({f"trajlog_{k}": v for k, v in self.trajlog.stats.items()})
+        for k, v in getattr(self.cgroups, "set_spare_stats", {}).items():
+            out[f"cgroup_spares_{k}"] = v  # recycled pids/cpu/freezer cgroups (recycle_rest)
         return out

@@ -664,6 +664,9 @@ class ContainerSubstrate(Substrate):
             # cgroup, which is kept for the next sandbox only if nothing is charged to it.
             self._remove_dir(runtime.sandbox_id)
             self.cgroups.recycle_memory(runtime.sandbox_id)
+            recycle_rest = getattr(self.cgroups, "recycle_rest", None)
+            if recycle_rest is not None:
+                recycle_rest(runtime.sandbox_id)
         if not (reaped and self.cgroups.try_remove(paths)):
             self.cgroups.kill_all(paths)
             self.cgroups.remove(paths)
