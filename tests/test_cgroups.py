@@ -290,3 +290,59 @@ def test_charged_memory_cgroup_is_never_a_spare(cg):
         assert cg.spare_stats["kept"] + cg.spare_stats["discarded"] == 1
     finally:
         cg.drop_spares()
+
+
+def test_recycled_pids_cpu_freezer_cgroups_get_new_limits(cg):
+    """A destroyed sandbox's pids, cpu and freezer cgroups are handed to the next sandbox
+    (v1): renamed aside at once, with the next sandbox's limits written, no task, thawed."""
+    if cg.version != 1:
+        pytest.skip("pids/cpu/freezer cgroups are recycled on cgroup v1 only")
+    try:
+        a = cg.create("set-a", cpu=0.5, memory_mb=64, pids=8)
+        assert _alloc_in(cg, a, 1) == 0
+        cg.recycle_rest("set-a")
+        kept = cg.set_spare_stats["kept"]
+        assert kept == len(cg._set_spares)  # one per pids/cpu/freezer hierarchy
+        assert all(not os.path.exists(p) for p in a if not p.startswith(cg._mem))
+        cg.remove(a)  # the memory cgroup (not recycled here) and nothing else
+        b = cg.create("set-b", cpu=1.5, memory_mb=64, pids=16)
+        assert cg.set_spare_stats["reused"] == kept
+        assert _read(os.path.join(cg._pids, "set-b", "pids.max")) == "16"
+        assert _read(os.path.join(cg._cpu, "set-b", "cpu.cfs_quota_us")) == "150000"
+        for p in b:
+            assert _read(p + "/tasks") == ""
+        if cg._freezer is not None:
+            assert _read(os.path.join(cg._freezer, "set-b", "freezer.state")) == "THAWED"
+        assert _alloc_in(cg, b, 1) == 0
+        cg.remove(b)
+    finally:
+        cg.drop_spares()
+    assert not any(n.startswith(".") for base in cg._bases for n in os.listdir(base))
+
+
+def test_busy_or_frozen_cgroups_are_never_spares(cg):
+    """A cgroup with a task in it, or a frozen freezer cgroup, is not recycled (the caller
+    then removes it as before)."""
+    if cg.version != 1 or cg._freezer is None:
+        pytest.skip("needs cgroup v1 with a freezer")
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        a = cg.create("set-busy", cpu=1, memory_mb=64, pids=8)
+        for path in a:
+            with open(path + "/cgroup.procs", "w") as f:
+                f.write(str(p.pid))
+        cg.freeze(a)
+        cg.recycle_rest("set-busy")
+        assert cg.set_spare_stats["kept"] == 0
+        cg.thaw(a)
+        p.kill()
+        p.wait()
+        cg.freeze(a)  # empty but frozen: the next tenant would start frozen
+        cg.recycle_rest("set-busy")
+        assert os.path.exists(os.path.join(cg._freezer, "set-busy"))
+        cg.thaw(a)
+        cg.remove(a)
+    finally:
+        p.kill()
+        p.wait()
+        cg.drop_spares()
