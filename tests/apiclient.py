@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import httpx
@@ -43,3 +44,15 @@ def expect_error(r: httpx.Response, code: str, status: int) -> dict[str, Any]:
     assert body["error"]["code"] == code, body
     assert body["error"]["message"], body
     return body["error"]
+
+
+def key() -> str:
+    """A fresh idempotency key."""
+    return uuid.uuid4().hex
+
+
+def log_of(c: httpx.Client, sid: str) -> list[dict[str, Any]]:
+    """The sandbox's trajectory-log entries (GET /v1/sandboxes/{id}/log)."""
+    r = c.get(f"/v1/sandboxes/{sid}/log")
+    assert r.status_code == 200, r.text
+    return r.json()["entries"]

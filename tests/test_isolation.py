@@ -436,16 +436,19 @@ def test_disabled_commands_see_and_signal_each_other(dis):
     assert "environ=1" in r.stdout, r.stdout  # another command's domain: no ptrace-mode read
 
 
+def _listen_abstract(box: corral.Sandbox, name: str) -> None:
+    """A process in ``box`` listening on the abstract unix socket ``@name`` (for 60 s)."""
+    box.exec("python3 -c \"import socket,time\n"
+             f"s=socket.socket(socket.AF_UNIX); s.bind('\\0{name}'); s.listen(1)\n"
+             "open('/tmp/ready','w').close(); time.sleep(60)\" >/dev/null 2>&1 &", timeout=10)
+    box.exec("for i in $(seq 100); do [ -e /tmp/ready ] && break; sleep 0.1; done", timeout=20)
+
+
 @pytest.mark.xfail(strict=True, reason="residual, documented in docs/isolation.md: abstract "
                    "names are one namespace in the shared netns (first come, first served)")
 def test_disabled_abstract_names_are_private(dis):
     with corral.Sandbox(image="host", network="disabled") as other:
-        other.exec("python3 -c \"import socket,time\n"
-                   "s=socket.socket(socket.AF_UNIX); s.bind('\\0squatted-4711'); s.listen(1)\n"
-                   "open('/tmp/ready','w').close(); time.sleep(60)\" >/dev/null 2>&1 &",
-                   timeout=10)
-        other.exec("for i in $(seq 100); do [ -e /tmp/ready ] && break; sleep 0.1; done",
-                   timeout=20)
+        _listen_abstract(other, "squatted-4711")
         r = sh(dis, "python3 -c \"import socket\n"
                     "s=socket.socket(socket.AF_UNIX); s.bind('\\0squatted-4711'); print('bound')\"")
         assert "bound" in r.stdout, r.stdout + r.stderr
@@ -455,12 +458,7 @@ def test_disabled_abstract_names_are_private(dis):
                    "/proc/net/unix lists every unix socket of the shared namespace")
 def test_disabled_proc_net_unix_hides_other_sandboxes(dis):
     with corral.Sandbox(image="host", network="disabled") as other:
-        other.exec("python3 -c \"import socket,time\n"
-                   "s=socket.socket(socket.AF_UNIX); s.bind('\\0secret-name-4711'); s.listen(1)\n"
-                   "open('/tmp/ready','w').close(); time.sleep(60)\" >/dev/null 2>&1 &",
-                   timeout=10)
-        other.exec("for i in $(seq 100); do [ -e /tmp/ready ] && break; sleep 0.1; done",
-                   timeout=20)
+        _listen_abstract(other, "secret-name-4711")
         r = sh(dis, "cat /proc/net/unix /proc/self/net/unix")
         assert "secret-name-4711" not in r.stdout
 

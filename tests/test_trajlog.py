@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 
 import pytest
 
@@ -20,17 +19,7 @@ from corral import AsyncSandbox, Sandbox
 from corral.errors import FileNotFound, ReplayDivergence, SandboxNotRunning
 from corral.sdk.replay import replay
 
-from apiclient import async_client, client, create, expect_error, kill, run
-
-
-def key() -> str:
-    return uuid.uuid4().hex
-
-
-def log_of(c, sid: str) -> list[dict]:
-    r = c.get(f"/v1/sandboxes/{sid}/log")
-    assert r.status_code == 200, r.text
-    return r.json()["entries"]
+from apiclient import async_client, client, create, expect_error, key, kill, log_of, run
 
 
 def test_same_key_appends_once():

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import uuid
 
 import pytest
 
@@ -16,17 +15,7 @@ from corral import AsyncSandbox, Sandbox, Snapshot
 from corral.errors import ReplayDivergence, SandboxNotRunning
 from corral.sdk.replay import replay
 
-from apiclient import client, create, expect_error, kill
-
-
-def key() -> str:
-    return uuid.uuid4().hex
-
-
-def log_of(c, sid: str) -> list[dict]:
-    r = c.get(f"/v1/sandboxes/{sid}/log")
-    assert r.status_code == 200, r.text
-    return r.json()["entries"]
+from apiclient import client, create, expect_error, key, kill, log_of
 
 
 def live_ids() -> set[str]:
