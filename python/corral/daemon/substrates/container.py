@@ -91,27 +91,27 @@ TAR_MAX_BYTES = int(os.environ.get("CORRAL_TAR_MAX_BYTES", str(2 << 30)))
 _NO_DESCEND = {"/proc", "/sys", "/dev"}
 
 
-def proc_starttime(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (start time in clock ticks since boot); None if gone."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat from field 3 (state) on; None if the process is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return None
     # comm (field 2) may hold spaces and parentheses: split after the last ')'.
-    rest = data[data.rindex(b")") + 2:].split()
-    return int(rest[19])  # fields 3.. -> field 22 is index 19
+    return data[data.rindex(b")") + 2:].split()
+
+
+def proc_starttime(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat (start time in clock ticks since boot); None if gone."""
+    rest = _stat_fields(pid)
+    return None if rest is None else int(rest[19])  # fields 3.. -> field 22 is index 19
 
 
 def proc_alive(pid: int, starttime: int) -> bool:
     """Is PID still the process that started at ``starttime`` and not a zombie?"""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    rest = data[data.rindex(b")") + 2:].split()
-    return rest[0] not in (b"Z", b"X") and int(rest[19]) == starttime
+    rest = _stat_fields(pid)
+    return rest is not None and rest[0] not in (b"Z", b"X") and int(rest[19]) == starttime
 
 
 # Open root fds kept for sandboxes used recently (exec and file operations reuse them); the rest
