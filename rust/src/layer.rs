@@ -141,6 +141,19 @@ fn hasher(
 
 fn hash_fd(fd: BorrowedFd<'_>, buf: &mut [u8]) -> std::result::Result<[u8; 32], Errno> {
     let mut h = blake3::Hasher::new();
+    each_chunk(fd, buf, |chunk, _| {
+        h.update(chunk);
+        Ok(())
+    })?;
+    Ok(*h.finalize().as_bytes())
+}
+
+/// Read `fd` from offset 0 to EOF through `buf`, handing each chunk and its offset to `f`.
+fn each_chunk(
+    fd: BorrowedFd<'_>,
+    buf: &mut [u8],
+    mut f: impl FnMut(&[u8], u64) -> std::result::Result<(), Errno>,
+) -> std::result::Result<(), Errno> {
     let mut off = 0u64;
     loop {
         let n = match rustix::io::pread(fd, &mut *buf, off) {
@@ -149,9 +162,9 @@ fn hash_fd(fd: BorrowedFd<'_>, buf: &mut [u8]) -> std::result::Result<[u8; 32], 
             Err(e) => return Err(e),
         };
         if n == 0 {
-            return Ok(*h.finalize().as_bytes());
+            return Ok(());
         }
-        h.update(&buf[..n]);
+        f(&buf[..n], off)?;
         off += n as u64;
     }
 }
@@ -589,19 +602,7 @@ fn copy_big(
             Err(e) => return Err(e),
         }
     }
-    let mut off = 0u64;
-    loop {
-        let n = match rustix::io::pread(src, &mut *buf, off) {
-            Ok(n) => n,
-            Err(Errno::INTR) => continue,
-            Err(e) => return Err(e),
-        };
-        if n == 0 {
-            return Ok(());
-        }
-        write_all(dst, &buf[..n], off)?;
-        off += n as u64;
-    }
+    each_chunk(src, buf, |chunk, off| write_all(dst, chunk, off))
 }
 
 fn write_all(fd: BorrowedFd<'_>, mut data: &[u8], mut off: u64) -> std::result::Result<(), Errno> {
