@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import pickle
 import time
 from pathlib import Path
@@ -377,3 +378,49 @@ def test_layers_dir_has_no_leftovers():
     if Snapshot.list() or any(b.last_info and b.last_info.snapshot for b in Sandbox.list()):
         pytest.skip("other snapshots or sandboxes on snapshots are still alive")
     assert wait_for(lambda: not layer_dirs())
+
+
+def test_spare_layer_dirs_are_made_ahead_and_gone_after_restart(daemon):
+    """A capture takes a layer dir made ahead (state/spares) and the store makes the next one
+    off the request path; a restart (even kill -9) leaves no spare dir behind."""
+    spares = Path(STATE_DIR, "spares")
+    with Sandbox(timeout=60) as box:
+        box.files.write("/work/a", "1")
+        box.snapshot().delete()
+        assert wait_for(lambda: len(list(spares.iterdir())) == 2)
+        before = set(spares.iterdir())
+        box.files.write("/work/b", "2")
+        snap = box.snapshot()
+        assert len(before - set(spares.iterdir())) == 1  # one of those became the layer
+        assert (LAYERS / snap.layers[-1] / "0" / "work" / "b").is_file()
+        assert layer_digest(str(LAYERS / snap.layers[-1])) == snap.layers[-1]
+        empty = Sandbox(timeout=60)
+        try:  # nothing changed: the spare's part dir does not make a part
+            nothing = empty.snapshot()
+            assert not (LAYERS / nothing.layers[-1] / "0").exists()
+            nothing.delete()
+        finally:
+            empty.kill()
+        snap.delete()
+        daemon.restart(kill9=True)
+        assert wait_for(lambda: not list(spares.iterdir()))
+
+
+def test_legacy_json_records_are_imported(tmp_path):
+    """Records of older versions (snapshots/<id>.json) move into snapshots.db once."""
+    from corral.daemon.snapdb import SnapshotDB
+
+    legacy = tmp_path / "snapshots"
+    legacy.mkdir()
+    rec = {"id": "snap-0123456789abcdef", "name": "old", "layers": ["d" * 64],
+           "created_at": 1.0, "image": "host"}
+    (legacy / f"{rec['id']}.json").write_text(json.dumps(rec))
+    (legacy / "snap-x.json.tmp").write_text("{")  # an interrupted write of the old format
+    db = SnapshotDB(str(tmp_path))
+    try:
+        assert list(db.records()) == [(rec["id"], rec)]
+        assert not legacy.exists()
+        db.delete(rec["id"])
+        assert db.count() == 0
+    finally:
+        db.close()

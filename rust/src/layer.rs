@@ -215,8 +215,12 @@ impl Walker {
         }
         self.manifest
             .extend_from_slice(format!("part {}\n", p.n).as_bytes());
-        rfs::mkdir(p.dst.as_c_str(), Mode::from_raw_mode(0o700))
-            .map_err(|e| os_err("mkdir", p.dst.to_bytes(), e))?;
+        // The daemon may have made the part dir ahead (a spare layer dir, off the request
+        // path); it is under the daemon's own new dir, so an existing one is ours and empty.
+        match rfs::mkdir(p.dst.as_c_str(), Mode::from_raw_mode(0o700)) {
+            Ok(()) | Err(Errno::EXIST) => {}
+            Err(e) => return Err(os_err("mkdir", p.dst.to_bytes(), e)),
+        }
         let dst = rfs::open(p.dst.as_c_str(), dir_flags(), Mode::empty())
             .map_err(|e| os_err("open", p.dst.to_bytes(), e))?;
         let dst = Arc::new(dst);

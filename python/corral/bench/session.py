@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sqlite3
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,8 +151,9 @@ class Session:
         leaks["sandbox_dirs"] = sorted(os.listdir(sdir)) if sdir.is_dir() else []
         # Snapshots: every record and layer the run made is deleted (layers once unused).
         state = self.daemon.state_dir
-        leaks["snapshot_records"] = (sorted(os.listdir(state / "snapshots"))
-                                     if (state / "snapshots").is_dir() else [])
+        leaks["snapshot_records"] = _snapshot_records(state / "snapshots.db")
+        leaks["spare_layer_dirs"] = (sorted(os.listdir(state / "spares"))
+                                     if (state / "spares").is_dir() else [])
         leaks["layers"] = sorted(os.listdir(state / "layers")) if (state / "layers").is_dir() \
             else []
         rdir = self.root / "raw"
@@ -162,3 +164,16 @@ class Session:
         clean = not any(v for k, v in leaks.items())
         return {"clean": clean, "leaks": {k: v for k, v in leaks.items() if v},
                 "host_mount_count_delta": mount_delta}
+
+
+def _snapshot_records(db: Path) -> list[str]:
+    """Snapshot ids still recorded in a stopped daemon's records file."""
+    if not db.exists():
+        return []
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return [r[0] for r in conn.execute("SELECT id FROM snapshots")]
+    except sqlite3.OperationalError:  # no table: nothing was ever recorded
+        return []
+    finally:
+        conn.close()

@@ -231,6 +231,8 @@ async def serve(cfg: config.Config) -> None:
         if runner is not None:
             await runner.cleanup()
         engine.trajlog.close()  # after the handlers: what they logged is committed
+        if engine.snaps is not None:
+            engine.snaps.close()  # likewise; and its spare layer dirs go
         sock.close()
         try:
             os.unlink(os.path.join(cfg.state_dir, PIDFILE))

@@ -208,7 +208,8 @@ class Engine:
             "snapshots": 0,
         }
         self._heap: list[tuple[float, str]] = []
-        self._batch_tasks: set[asyncio.Future[None]] = set()  # batch destroys (kept referenced)
+        # Background work kept referenced: batch destroys, spare layer dirs.
+        self._batch_tasks: set[asyncio.Future[None]] = set()
         self.pools: Any = None  # corral.daemon.pools.WarmPools, made at start
         self._reaper: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -334,6 +335,8 @@ class Engine:
             if sb.state in ("running", "paused"):
                 self._unwatch(sb)
         self.trajlog.close()
+        if self.snaps is not None:
+            self.snaps.close()
 
     async def shutdown(self) -> None:
         """Destroy every sandbox (graceful stop)."""
@@ -1022,6 +1025,10 @@ class Engine:
             store.release(layers)
         rec = store.commit(tmp, digest, size, name=name, parent=sb.spec.snapshot,
                            image=sb.spec.image, base=base, sandbox_id=sid)
+        if store.wants_spares():  # the next capture's dir, made while this one answers
+            task = asyncio.ensure_future(asyncio.to_thread(store.refill_spares))
+            self._batch_tasks.add(task)
+            task.add_done_callback(self._batch_tasks.discard)
         self.counters["snapshots"] = self.counters.get("snapshots", 0) + 1
         return rec
 

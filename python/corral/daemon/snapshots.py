@@ -3,7 +3,10 @@
 On disk (``<state_dir>``):
   layers/<digest>/<n>/      the layer: a copy of upper dir ``n`` (one per overlay target of the
                             image: "/" is 0, "/usr" 1 ...); absent when that upper was empty
-  snapshots/<id>.json       a snapshot record: id, name, parent, image, layers (bottom first)
+  snapshots.db              the snapshot records (SQLite, corral.daemon.snapdb): id, name,
+                            parent, image, layers (bottom first)
+  spares/<random>/0/        empty layer dirs made ahead, off the request path (a capture
+                            takes one; a new inode on ext4 can cost most of a millisecond)
   trash/                    directories being removed in the background
 
 A snapshot is a *chain* of layers: the layers the sandbox was started on (its own snapshot's
@@ -48,7 +51,7 @@ from typing import Any
 import blake3
 
 from corral import _core
-from corral.daemon import persist
+from corral.daemon.snapdb import SnapshotDB
 from corral.errors import SnapshotChainTooDeep, SnapshotExists, SnapshotNotFound
 
 log = logging.getLogger("corral.snapshots")
@@ -141,34 +144,34 @@ class SnapshotStore:
 
     def __init__(self, state_dir: str) -> None:
         self.state_dir = state_dir
-        self.snap_dir = os.path.join(state_dir, "snapshots")
         self.layers_dir = os.path.join(state_dir, "layers")
+        self.spares_dir = os.path.join(state_dir, "spares")
         self.trash_dir = os.path.join(state_dir, "trash")
         self.records: dict[str, dict[str, Any]] = {}
         self.by_name: dict[str, str] = {}
         self.refs: Counter[str] = Counter()
         self._parts: dict[tuple[str, int], bool] = {}  # (digest, n) -> that part has content
-        for d in (self.snap_dir, self.layers_dir, self.trash_dir):
+        for d in (self.layers_dir, self.spares_dir, self.trash_dir):
             os.makedirs(d, mode=0o700, exist_ok=True)
+        self.db = SnapshotDB(state_dir)
+        self._spares: list[str] = []  # empty layer dirs ready for a capture
+        self._spares_lock = threading.Lock()
+        self._refilling = False
+        self._closed = False
 
     # ---- start ---------------------------------------------------------------------------
     def load(self) -> None:
         """Read the records and count their layers (before sandboxes are re-adopted)."""
-        for name in sorted(os.listdir(self.snap_dir)):
-            path = os.path.join(self.snap_dir, name)
-            if not name.endswith(".json"):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)  # a .tmp of an interrupted write
-                continue
+        for sid, rec in list(self.db.records()):
             try:
-                rec = persist.read_json(path)
+                if rec is None:
+                    raise ValueError("unreadable")
                 layers = [str(x) for x in rec["layers"]]
                 if not all(os.path.isdir(self.layer_path(d)) for d in layers):
                     raise ValueError("missing layer")
-            except (OSError, ValueError, KeyError, TypeError):
-                log.warning("dropping unreadable snapshot record", extra={"file": name})
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+            except (ValueError, KeyError, TypeError):
+                log.warning("dropping unreadable snapshot record", extra={"snapshot": sid})
+                self.db.delete(sid)
                 continue
             self.records[rec["id"]] = rec
             if rec.get("name"):
@@ -184,7 +187,58 @@ class SnapshotStore:
                 removed.append(name)
         for name in os.listdir(self.trash_dir):
             self._rm_later(os.path.join(self.trash_dir, name))
+        for name in os.listdir(self.spares_dir):  # a crash may have left one half-filled
+            self._discard(os.path.join(self.spares_dir, name))
         return removed
+
+    def close(self) -> None:
+        """At shutdown: the spare dirs go (they are remade on demand), the records file closes."""
+        with self._spares_lock:
+            spares, self._spares, self._closed = self._spares, [], True
+        for path in spares:
+            shutil.rmtree(path, ignore_errors=True)
+        self.db.close()
+
+    # ---- spare layer dirs ----------------------------------------------------------------
+    SPARES = 2  # one capture at a time is the common case; two cover a snapshot + fork
+
+    def _take_spare(self) -> str:
+        """An empty layer dir (with part 0 made) for a capture: a spare, else a new one."""
+        with self._spares_lock:
+            if self._spares:
+                return self._spares.pop()
+        return self._make_spare()
+
+    def _make_spare(self) -> str:
+        path = os.path.join(self.spares_dir, os.urandom(8).hex())
+        os.mkdir(path, 0o755)
+        os.mkdir(os.path.join(path, "0"), 0o700)
+        return path
+
+    def refill_spares(self) -> None:
+        """Top the spares up (a worker thread, after a capture answered)."""
+        try:
+            while True:
+                with self._spares_lock:
+                    if len(self._spares) >= self.SPARES:
+                        return
+                path = self._make_spare()
+                with self._spares_lock:
+                    if self._closed:  # the daemon stopped meanwhile: leave nothing behind
+                        shutil.rmtree(path, ignore_errors=True)
+                        return
+                    self._spares.append(path)
+        except OSError as e:
+            log.warning("could not make a spare layer dir", extra={"error": str(e)})
+        finally:
+            self._refilling = False
+
+    def wants_spares(self) -> bool:
+        """True once per needed refill (the caller then runs refill_spares off the loop)."""
+        if self._refilling or len(self._spares) >= self.SPARES:
+            return False
+        self._refilling = True
+        return True
 
     # ---- lookup --------------------------------------------------------------------------
     def get(self, key: str) -> dict[str, Any]:
@@ -271,8 +325,7 @@ class SnapshotStore:
     def capture(self, uppers: list[str], freeze: Callable[[], Any],
                 thaw: Callable[[], Any]) -> tuple[str, str, int]:
         """Copy the uppers into a new temporary layer dir; return (tmp dir, digest, bytes)."""
-        tmp = os.path.join(self.layers_dir, f".tmp-{os.urandom(8).hex()}")
-        os.mkdir(tmp, 0o755)
+        tmp = self._take_spare()
         parts = [(n, upper, os.path.join(tmp, str(n))) for n, upper in enumerate(uppers)]
         try:
             freeze()
@@ -282,6 +335,8 @@ class SnapshotStore:
                 digest, size = _core.capture_layer(parts)
             finally:
                 thaw()
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(tmp, "0"))  # the spare's part 0, if its upper was empty
             return tmp, digest, size
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -306,7 +361,7 @@ class SnapshotStore:
                "created_at": time.time(), "sandbox_id": sandbox_id}
         self.refs.update(rec["layers"])
         try:
-            persist.write_json_atomic(os.path.join(self.snap_dir, rec["id"] + ".json"), rec)
+            self.db.put(rec)
         except BaseException:
             self.release(rec["layers"])
             raise
@@ -317,8 +372,7 @@ class SnapshotStore:
 
     def delete(self, key: str) -> dict[str, Any]:
         rec = self.get(key)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(self.snap_dir, rec["id"] + ".json"))
+        self.db.delete(rec["id"])
         del self.records[rec["id"]]
         if rec.get("name") and self.by_name.get(rec["name"]) == rec["id"]:
             del self.by_name[rec["name"]]
