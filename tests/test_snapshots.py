@@ -256,6 +256,37 @@ def test_restore_in_place(sb):
         sb.restore("snap-0000000000000000")
 
 
+def test_restore_of_a_sandbox_at_its_pids_limit():
+    """A fork bomb fills the pids limit; restore still starts the new init (joining a cgroup
+    is not limited by pids.max) and none of the old processes survives it."""
+    with Sandbox(timeout=60, pids=40) as box:
+        snap = box.snapshot()
+        box.exec("while true; do sleep 600 & done", background=True)
+        current = [p for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
+                   if (p := Path(base, CGROUP_NAME, box.id, "pids.current")).exists()]
+        assert current, "the sandbox's pids cgroup"
+        assert wait_for(lambda: int(current[0].read_text()) >= 38, timeout=10)
+        info = box.restore(snap)
+        assert info.state == "running"
+        assert box.exec("pgrep -c -x sleep").stdout.strip() == "0"
+        assert box.exec("echo ok").stdout == "ok\n"
+        assert int(current[0].read_text()) < 10
+        snap.delete()
+
+
+def test_restore_of_a_sandbox_near_its_memory_limit():
+    """The old processes hold most of memory_mb while the new init starts beside them."""
+    with Sandbox(timeout=60, memory_mb=64) as box:
+        snap = box.snapshot()
+        for _ in range(3):
+            box.exec("head -c 50M /dev/zero | tail > /dev/null", background=True)
+            assert wait_for(lambda: box.exec("pgrep -x tail").exit_code == 0, timeout=5)
+            time.sleep(0.5)  # tail's buffer grows to ~50 MB
+            assert box.restore(snap).state == "running"
+            assert box.exec("echo ok").stdout == "ok\n"
+        snap.delete()
+
+
 def _cpu_usage(sid: str) -> int:
     """utime + stime (clock ticks) of every process in the sandbox, read on the host."""
     total = 0

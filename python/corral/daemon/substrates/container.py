@@ -734,7 +734,12 @@ class ContainerSubstrate(Substrate):
         """Restart a sandbox in place (restore to a snapshot): kill every process, set the old
         directories aside (deleted in the background), and start a new init with a fresh upper
         on ``image`` under the same id, cgroup and network namespace. Returns the new runtime;
-        the old one is dead either way."""
+        the old one is dead either way.
+
+        The new init starts while the old processes are still dying (their pid namespace goes
+        with its init: ~1.5 ms of teardown, on another core). Joining a cgroup is not limited
+        by pids.max, so a fork bomb that filled it does not stop the new init; the call still
+        returns only once the old init, and with it every old process, is gone."""
         sid = runtime.sandbox_id
         with self._lock:
             self._closing.add(sid)
@@ -745,11 +750,12 @@ class ContainerSubstrate(Substrate):
             net_fd = self._netns_of(runtime, pidfd) if pidfd >= 0 else None
             paths = runtime.cgroup_paths or self.cgroups.paths_for(sid)
             if pidfd >= 0:
-                self._kill_thawed(pidfd, paths)
-                self._kill_and_wait(runtime.init_pid, pidfd)
-                os.close(pidfd)
-                runtime.pidfd = -1
-            self.cgroups.kill_all(paths)  # the cgroups stay: the new init joins them
+                self._kill_thawed(pidfd, paths)  # the kernel kills its whole pid namespace
+                # Anything in the cgroup but not in that namespace gets one SIGKILL now; the
+                # wait for the cgroup to empty would be a wait for the new init too.
+                self.cgroups.kill_all(paths, timeout=0)
+            else:  # no handle on the old init: wait for the cgroup to be empty
+                self.cgroups.kill_all(paths)
             sdir = os.path.join(self.sandboxes_dir, sid)
             # In the sandboxes dir, so the rename stays on one filesystem (the scratch tmpfs);
             # a crash before the rmtree leaves it to the engine's recovery, which removes
@@ -757,14 +763,22 @@ class ContainerSubstrate(Substrate):
             trash = os.path.join(self.sandboxes_dir, ".trash", f"{sid}.{os.urandom(4).hex()}")
             os.makedirs(os.path.dirname(trash), mode=0o700, exist_ok=True)
             os.rename(sdir, trash)
-            threading.Thread(target=shutil.rmtree, args=(trash, True), daemon=True,
-                             name="corral-rm").start()
         finally:
             with self._lock:
                 self._closing.discard(sid)
-        # The new init joins the same network namespace (the same tenant): handed over
-        # directly, never through the pool, where a concurrent create could take it.
-        return self.create(sid, spec, image, cgroup_paths=paths, net_fd=net_fd)
+        try:
+            # The new init joins the same network namespace (the same tenant): handed over
+            # directly, never through the pool, where a concurrent create could take it.
+            return self.create(sid, spec, image, cgroup_paths=paths, net_fd=net_fd)
+        finally:
+            if pidfd >= 0:  # by now the old init is gone, or nearly: reap it
+                self._kill_and_wait(runtime.init_pid, pidfd)
+                os.close(pidfd)
+            runtime.pidfd = -1
+            # Only once the old mounts are gone with their namespace: no file is deleted
+            # under a live overlay.
+            threading.Thread(target=shutil.rmtree, args=(trash, True), daemon=True,
+                             name="corral-rm").start()
 
     def _kill_thawed(self, pidfd: int, paths: list[str]) -> None:
         """SIGKILL the init, then thaw its cgroup: a frozen (paused) task does not act on a
