@@ -412,3 +412,35 @@ def test_download_tar_is_capped(sub, rt, monkeypatch):
     sub.remove(rt, "/work/big/sparse")
     assert tarfile.open(fileobj=io.BytesIO(sub.download_tar(rt, "/work/big"))).getnames() == \
         [".", "a"]
+
+
+def test_netns_pool_grows_for_a_batch_and_decays():
+    """expect(n) (a create_many or fork of n) raises the ready count to n, capped; with no
+    batch for window_s it falls back to the base size and the extra namespaces are closed."""
+    from corral.daemon.substrates.container import NetnsPool
+
+    def wait_len(pool: NetnsPool, n: int, timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(pool) == n:
+                return True
+            time.sleep(0.01)
+        return False
+
+    fds_before = len(os.listdir("/proc/self/fd"))
+    pool = NetnsPool(2, most=5, window_s=0.5)
+    try:
+        assert wait_len(pool, 2)
+        pool.expect(50)
+        assert pool.size == 5 and wait_len(pool, 5)  # capped at `most`
+        fd = pool.take()
+        assert fd is not None
+        os.close(fd)
+        assert wait_len(pool, 2, timeout=5)  # the window passed: back to the base
+        off = NetnsPool(0)
+        off.expect(10)  # pooling off stays off
+        assert off.size == 0 and off.take() is None
+        off.close()
+    finally:
+        pool.close()
+    assert len(os.listdir("/proc/self/fd")) == fds_before

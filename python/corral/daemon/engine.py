@@ -510,6 +510,8 @@ class Engine:
         substrate = self._substrate(spec.substrate)
         self._admit(count)
         spec, image = self._resolve(spec)
+        if count > 1:
+            substrate.expect(count, spec)
         layers = self._image_layers(image)
         if self.snaps is not None:
             self.snaps.acquire(layers)  # held for the batch: an rm meanwhile cannot collect

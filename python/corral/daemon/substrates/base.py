@@ -111,6 +111,10 @@ class Substrate(ABC):
     @abstractmethod
     def is_alive(self, runtime: SandboxRuntime) -> bool: ...
 
+    def expect(self, count: int, spec: SandboxSpec) -> None:  # noqa: B027 (optional hook)
+        """A batch of ``count`` creates of ``spec`` is starting (create_many, fork): a hint
+        for whatever the substrate keeps ready. Default: nothing."""
+
     @abstractmethod
     def close(self, *, retire: bool = False) -> None:
         """Release what the substrate holds (never the sandboxes). ``retire``: every sandbox is

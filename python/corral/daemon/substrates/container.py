@@ -131,6 +131,14 @@ def _pidfd_exited(pidfd: int, timeout_s: float) -> bool:
     return bool(p.poll(max(0, int(timeout_s * 1000))))
 
 
+def background_priority() -> None:
+    """Lowest CPU priority (nice 19) for the calling thread: a refill that runs while a batch
+    of creates is in flight would take CPU from those creates, on the path, for work meant
+    to be off it. On Linux, setpriority on a thread id changes that thread alone."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
 class NetnsPool:
     """Ready network namespaces (fds with loopback up), so creating a sandbox does not pay the
     ~0.8 ms a new netns costs. Refilled by a background thread with fresh namespaces only.
@@ -143,8 +151,15 @@ class NetnsPool:
     ports). tests/test_isolation.py::test_network_namespace_never_shows_a_previous_sandbox
     checks all three. The only reuse is a restore (``reset``), where the tenant is the same."""
 
-    def __init__(self, size: int) -> None:
-        self.size = max(0, size)
+    def __init__(self, size: int, most: int | None = None, window_s: float = 30.0) -> None:
+        self.base = self.size = max(0, size)
+        # A batch of creates (create_many, fork) raises the target to its size, up to
+        # ``most``, for ``window_s`` after the last such batch: a GRPO trainer forks groups
+        # of the same size again and again, and each netns made on the request path costs
+        # ~0.8 ms of CPU. Each idle one costs ~180 KiB, hence the cap and the decay.
+        self.most = max(self.base, most if most is not None else 2 * self.base)
+        self.window_s = window_s
+        self._raised_until = 0.0
         self._fds: collections.deque[int] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -161,6 +176,24 @@ class NetnsPool:
             self._cv.notify()
         return fd
 
+    def expect(self, n: int) -> None:
+        """A batch of ``n`` creates is starting: keep up to ``n`` ready for the next one."""
+        if not self.base:
+            return  # pooling is off
+        with self._cv:
+            self._raised_until = time.monotonic() + self.window_s
+            want = min(self.most, max(self.base, n))
+            if want > self.size:
+                self.size = want
+                self._cv.notify()
+
+    def _decay(self) -> None:
+        """Back to the base size once no batch came for a while (the lock is held)."""
+        if self.size > self.base and time.monotonic() >= self._raised_until:
+            self.size = self.base
+            while len(self._fds) > self.size:
+                os.close(self._fds.popleft())
+
     def give(self, fd: int) -> None:
         """Keep a namespace for later: only one no sandbox code has used (that of a create that
         failed before its init ran anything of the sandbox's). Kept up to twice ``size``."""
@@ -174,10 +207,13 @@ class NetnsPool:
         return len(self._fds)
 
     def _run(self) -> None:
+        background_priority()
         while True:
             with self._cv:
                 while not self._closed and len(self._fds) >= self.size:
-                    self._cv.wait()
+                    # Woken by takes and raises; the timeout lets a raised size decay.
+                    self._cv.wait(timeout=self.window_s if self.size > self.base else None)
+                    self._decay()
                 if self._closed:
                     return
             try:
@@ -378,7 +414,8 @@ class ContainerSubstrate(Substrate):
         self._lock = threading.Lock()
         if netns_pool is None:
             netns_pool = int(os.environ.get("CORRAL_NETNS_POOL", "32"))
-        self.netns = NetnsPool(netns_pool)
+        self.netns = NetnsPool(netns_pool, most=int(os.environ.get("CORRAL_NETNS_POOL_MAX",
+                                                                  str(2 * netns_pool))))
         self.shared_netns = SharedNetns()
         # A pidfd per sandbox (runtime.pidfd) unless watch_exits() was called: then the
         # daemon's own fd table holds none (corral.daemon.initwatch keeps them elsewhere). An
@@ -418,6 +455,10 @@ class ContainerSubstrate(Substrate):
             ids = [self._kids[p] for p in pids if p in self._kids]
         if ids and self._on_lost is not None:
             self._on_lost(ids)
+
+    def expect(self, count: int, spec: SandboxSpec) -> None:
+        if spec.network != "disabled":  # "disabled" shares one namespace: nothing to pool
+            self.netns.expect(count)
 
     def close(self, *, retire: bool = False) -> None:
         """Release what the substrate holds (not the sandboxes): pooled netns, root fds, the
