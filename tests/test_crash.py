@@ -244,47 +244,6 @@ def test_a_create_is_logged_before_its_client_sees_it(daemon, tmp_path):
         Sandbox.from_id(sid).kill()
 
 
-def test_journaled_execs_survive_kill9_before_they_reach_the_database(daemon, tmp_path):
-    """Execs answer once their entry is in the trajectory log's journal. With the writer
-    thread held (test hook) none of them is in SQLite yet; kill -9, restart: all of them are
-    in the log, in order, and a keyed `echo x >> f` replayed with its key does not run again."""
-    import os
-
-    hold = tmp_path / "hold"
-    daemon.stop()
-    os.environ["CORRAL_TRAJLOG_TEST_HOLD_FILE"] = str(hold)
-    tid = uuid.uuid4().hex
-    try:
-        daemon.start()
-        sb = Sandbox(timeout=600, trajectory_id=tid)  # step 0 is the create
-        hold.touch()
-        for i in range(5):
-            assert sb.exec(f"echo {i} >> /root/f").exit_code == 0
-        handle = Sandbox.from_id(sb.id)
-        daemon.kill9()
-        hold.unlink()
-        daemon.start()
-        from test_batch import _metrics
-
-        # From the journal: none of them had reached the database (the writer was held).
-        assert _metrics()["corral_trajlog_journal_recovered_total"] == 5
-        entries = handle.log()
-        assert [e.op for e in entries] == ["create"] + ["exec"] * 5
-        assert [e.request["cmd"] for e in entries[1:]] == [f"echo {i} >> /root/f"
-                                                             for i in range(5)]
-        # The restarted client replays its steps: fast-forwarded, not run again.
-        again = Sandbox.connect(sb.id, trajectory_id=tid)
-        for i in range(5):
-            assert again.exec(f"echo {i} >> /root/f").exit_code == 0
-        assert handle.files.read("/root/f") == "".join(f"{i}\n" for i in range(5))
-    finally:
-        del os.environ["CORRAL_TRAJLOG_TEST_HOLD_FILE"]
-        hold.unlink(missing_ok=True)
-        if daemon.proc is not None:
-            daemon.stop()  # a graceful stop destroys the sandbox
-        daemon.start()  # without the hook
-
-
 def test_kill9_readopts_network_disabled(daemon):
     """A re-adopted sandbox with network "disabled" keeps its walls: commands started by the
     new daemon get the unix-only filter and the Landlock scope too, and its namespace (the old

@@ -1,14 +1,11 @@
 """The trajectory log's write path (corral.daemon.trajlog, docs/trajectory.md "Overhead"):
 entries committed inline on the event loop when the writer thread is idle, queued for it
-otherwise, in submission order either way, and durable before a call returns; with the
-journal, appended to it before a call returns and ingested by the writer. In process, on a
-private state dir (no daemon)."""
+otherwise, in submission order either way, and durable before a call returns. In process,
+on a private state dir (no daemon)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 import sqlite3
 import threading
 from typing import Any
@@ -17,7 +14,7 @@ import pytest
 
 from corral.daemon import trajlog
 from corral.daemon.trajlog import TrajLog
-from corral.errors import InternalError, ReplayDivergence
+from corral.errors import InternalError
 
 
 def _rows(path: str, sid: str = "sb") -> list[tuple[Any, ...]]:
@@ -51,9 +48,6 @@ def _never_slow(monkeypatch):
 
 
 def _run(tmp_path, body, **kw: Any) -> TrajLog:
-    # These tests are about the SQLite commit paths (inline and the writer): without the
-    # journal, every entry takes them. The journal's own tests say journal=True.
-    kw.setdefault("journal", False)
     tl = TrajLog(str(tmp_path), **kw)
 
     async def main() -> None:
@@ -382,134 +376,3 @@ def test_a_kill_and_the_sandbox_end_share_one_inline_commit(tmp_path):
         assert [r[0] for r in _rows(tl.path)] == ["create", "kill"]
 
     _run(tmp_path, body)
-
-
-# ---- the journal --------------------------------------------------------------------------------
-def _journal_lines(tmp_path) -> list[list[Any]]:
-    data = (tmp_path / trajlog.JOURNAL_NAME).read_bytes()
-    return [json.loads(x) for x in data.split(b"\n") if x]
-
-
-def test_journaled_entries_are_durable_at_return_then_in_the_db_in_order(tmp_path):
-    async def body(tl: TrajLog) -> None:
-        for i in range(10):
-            await tl.run("sb", "exec", {"i": i}, None, _ok)
-            # In the journal when the call returns (the write() is done).
-            assert [json.loads(x[1][4])["i"] for x in _journal_lines(tmp_path)] == \
-                list(range(i + 1))
-        await tl.flushed()
-        assert [json.loads(r[1])["i"] for r in _rows(tl.path)] == list(range(10))
-        assert tl.stats["journaled"] == 10 and tl.stats["inline"] == 0
-
-    _run(tmp_path, body, journal=True)
-    # A clean close leaves the journal empty: all of it is in the database.
-    assert (tmp_path / trajlog.JOURNAL_NAME).read_bytes() == b""
-
-
-def test_journaled_entries_survive_a_crash_before_the_writer_ingests_them(tmp_path,
-                                                                         monkeypatch):
-    """The writer is held (test hook) while calls return; the state dir is copied as it is
-    on disk at that moment (what a kill -9 leaves); a new log opened on the copy has them."""
-    hold = tmp_path / "hold"
-    state, crashed = tmp_path / "state", tmp_path / "crashed"
-    state.mkdir()
-    monkeypatch.setenv("CORRAL_TRAJLOG_TEST_HOLD_FILE", str(hold))
-
-    async def body(tl: TrajLog) -> None:
-        await tl.run("sb", "exec", {"i": -1}, None, _ok)
-        await tl.flushed()  # one in the database already
-        hold.touch()
-        for i in range(5):
-            await tl.run("sb", "exec", {"i": i}, None, _ok)
-        await asyncio.sleep(0.05)
-        assert [json.loads(r[1])["i"] for r in _rows(tl.path)] == [-1]  # held: not in yet
-        shutil.copytree(state, crashed)
-        hold.unlink()
-
-    _run(state, body, journal=True)
-    monkeypatch.delenv("CORRAL_TRAJLOG_TEST_HOLD_FILE")
-    tl = TrajLog(str(crashed), journal=True)
-
-    async def reopen() -> None:
-        tl.open(asyncio.get_running_loop())
-        try:
-            assert tl.stats["journal_recovered"] == 5
-            assert [json.loads(r[1])["i"] for r in _rows(tl.path)] == [-1, 0, 1, 2, 3, 4]
-            await tl.run("sb", "exec", {"i": 5}, None, _ok)  # goes on after them
-            await tl.flushed()
-            assert [json.loads(r[1])["i"] for r in _rows(tl.path)][-1] == 5
-        finally:
-            tl.close()
-
-    asyncio.run(reopen())
-
-
-def test_a_journaled_key_replays_before_it_reaches_the_db(tmp_path, monkeypatch):
-    """Idempotency keys see journaled entries the writer has not ingested yet."""
-    hold = tmp_path / "hold"
-    monkeypatch.setenv("CORRAL_TRAJLOG_TEST_HOLD_FILE", str(hold))
-    calls: list[int] = []
-
-    async def once() -> dict[str, Any]:
-        calls.append(1)
-        return await _ok()
-
-    async def body(tl: TrajLog) -> None:
-        hold.touch()
-        first = await tl.run("sb", "exec", {"cmd": "echo x >> f"}, "k1", once)
-        again = await tl.run("sb", "exec", {"cmd": "echo x >> f"}, "k1", once)
-        assert calls == [1] and again == first
-        with pytest.raises(ReplayDivergence):
-            await tl.run("sb", "exec", {"cmd": "rm f"}, "k1", once)
-        assert _rows(tl.path) == []  # all of that from the journal's keys
-        hold.unlink()
-        await tl.flushed()
-        assert len(_rows(tl.path)) == 1
-        assert await tl.run("sb", "exec", {"cmd": "echo x >> f"}, "k1", once) == first
-        assert calls == [1]
-
-    _run(tmp_path, body, journal=True)
-
-
-def test_a_torn_journal_line_is_not_recovered(tmp_path):
-    """A write cut short by the crash (its call never answered) ends the recovery."""
-    good = [1, ["sb", "exec", None, None, json.dumps({"i": 1}), "{}", None, 1.0, 2.0, None]]
-    (tmp_path / trajlog.JOURNAL_NAME).write_bytes(
-        json.dumps(good).encode() + b"\n" + b'[2, ["sb", "exec", nu')
-
-    async def body(tl: TrajLog) -> None:
-        assert tl.stats["journal_recovered"] == 1
-        assert [json.loads(r[1])["i"] for r in _rows(tl.path)] == [1]
-
-    _run(tmp_path, body, journal=True)
-
-
-def test_a_big_journal_is_set_aside_and_both_parts_are_recovered(tmp_path, monkeypatch):
-    """Past JOURNAL_TRUNCATE_BYTES with entries not yet in the database, the journal is
-    renamed aside and a new one begun; a crash then recovers both, in order."""
-    monkeypatch.setattr(trajlog, "JOURNAL_TRUNCATE_BYTES", 600)
-    hold = tmp_path / "hold"
-    state, crashed = tmp_path / "state", tmp_path / "crashed"
-    state.mkdir()
-    monkeypatch.setenv("CORRAL_TRAJLOG_TEST_HOLD_FILE", str(hold))
-
-    async def body(tl: TrajLog) -> None:
-        hold.touch()
-        for i in range(12):
-            await tl.run("sb", "exec", {"i": i}, None, _ok)
-        assert (state / trajlog.JOURNAL_OLD_NAME).exists()
-        shutil.copytree(state, crashed)
-        hold.unlink()
-        await tl.flushed()
-        await tl.run("sb", "exec", {"i": 12}, None, _ok)  # the old part is in: it goes
-        assert not (state / trajlog.JOURNAL_OLD_NAME).exists()
-
-    _run(state, body, journal=True)
-    monkeypatch.delenv("CORRAL_TRAJLOG_TEST_HOLD_FILE")
-
-    async def reopen(tl: TrajLog) -> None:
-        assert tl.stats["journal_recovered"] == 12
-        assert [json.loads(r[1])["i"] for r in _rows(tl.path)] == list(range(12))
-        assert not (crashed / trajlog.JOURNAL_OLD_NAME).exists()
-
-    _run(crashed, reopen, journal=True)

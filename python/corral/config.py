@@ -37,10 +37,6 @@ class Config:
     # How long a mutating call's "started" row is held back: a call ending sooner is one row.
     trajlog_start_ms: float = field(
         default_factory=lambda: float(_env("CORRAL_TRAJLOG_START_MS", "20")))
-    # Finished calls' entries are appended to a journal and ingested into SQLite off the loop
-    # (docs/trajectory.md, "Journal"); 0 commits each entry to SQLite before answering.
-    trajlog_journal: bool = field(
-        default_factory=lambda: _env("CORRAL_TRAJLOG_JOURNAL", "1") not in ("0", ""))
     log_level: str = field(default_factory=lambda: _env("CORRAL_LOG_LEVEL", "INFO"))
 
 

@@ -218,8 +218,7 @@ class Engine:
                                retention_s=config.log_retention_s,
                                output_cap=config.trajlog_output_cap, sync=config.trajlog_sync,
                                flush_ms=config.trajlog_flush_ms,
-                               start_ms=config.trajlog_start_ms,
-                               journal=config.trajlog_journal)
+                               start_ms=config.trajlog_start_ms)
 
     # ---- start / stop --------------------------------------------------------------------
     async def start(self) -> None:

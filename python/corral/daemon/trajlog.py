@@ -1,18 +1,7 @@
 """The durable trajectory log: per sandbox, an ordered record of every exec and file operation.
 
-Storage: one SQLite database, ``<state_dir>/trajlog.db``, WAL mode, with a journal in front of
-it for the common entries. Every record is durable *before* the call's result is returned to
-the client (see ``TrajLog.run``). Three ways in:
-
-* the journal (the common case: a finished exec, file call, pause ...; not ``UNJOURNALED_OPS``
-  nor the end of a started row): the entry is appended to ``<state_dir>/trajlog.journal`` on
-  the loop, one ``write()``, and the call answers. Entries go to the writer thread in bulk
-  (every ``JOURNAL_HAND_S`` or ``JOURNAL_HAND_MAX`` entries, and before anything else queued
-  for it), which puts them in the database in one transaction and records the last journal
-  number it holds (``log_meta`` 'journal'). At start, journal entries past that number are
-  put in first. Idempotency keys of entries not in the database yet are found in memory.
-  The commit on the loop that this replaces was the log's whole remaining cost per exec
-  (docs/trajectory.md, "Overhead").
+Storage: one SQLite database, ``<state_dir>/trajlog.db``, WAL mode. Every record is committed
+*before* the call's result is returned to the client (see ``TrajLog.run``). Two ways in:
 
 * inline, on the event loop (the common case): when nothing is queued for the writer thread
   and it is idle, a call's entry is written and committed right there, one statement in
@@ -46,10 +35,9 @@ A create's sandbox row (``sandboxes``) is not a commit of its own: it joins the 
 commit (the create's entry, same turn of the loop) or goes to the writer just ahead of what
 is queued next. So a create, like any call, answers only once its entry is committed.
 
-Durability: ``synchronous=NORMAL`` (``CORRAL_TRAJLOG_SYNC=full`` for an fsync per batch, and no
-journal). In WAL mode a commit is a ``write()`` into the WAL, and a journal append a
-``write()`` into the journal: once it returns, the record survives the daemon's death
-(kill -9, OOM kill, a crash) because the kernel holds the page. Only a power cut or kernel
+Durability: ``synchronous=NORMAL`` (``CORRAL_TRAJLOG_SYNC=full`` for an fsync per batch). In WAL
+mode a commit is a ``write()`` into the WAL: once it returns, the record survives the daemon's
+death (kill -9, OOM kill, a crash) because the kernel holds the page. Only a power cut or kernel
 crash can lose the last transactions (the database stays consistent; NORMAL syncs the WAL at
 checkpoints). So a daemon crash loses nothing a client has seen: a result is only sent after
 its record is committed.
@@ -77,7 +65,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import hashlib
 import json
 import logging
@@ -104,23 +91,6 @@ log = logging.getLogger("corral.trajlog")
 KEY_HEADER = "Idempotency-Key"
 MAX_KEY_LEN = 256
 DB_NAME = "trajlog.db"
-# The journal: finished calls' entries, appended on the loop (one write()), ingested into the
-# database by the writer thread in its batches. Once it is this big it is set aside (renamed
-# to JOURNAL_OLD_NAME, deleted as soon as all of it is in the database) and a new one begun;
-# when the writer is idle it is simply truncated. At most about twice this on disk.
-JOURNAL_NAME = "trajlog.journal"
-JOURNAL_OLD_NAME = "trajlog.journal.old"
-JOURNAL_TRUNCATE_BYTES = 8 << 20
-# Journaled entries go to the writer in bulk: every JOURNAL_HAND_S, or once JOURNAL_HAND_MAX
-# are waiting (one wake-up of the writer and one transaction for all of them; a hand-off per
-# entry cost more CPU than the commit it moved off the loop). Anything else queued for the
-# writer, and every reader (``flushed``), hands them over first.
-JOURNAL_HAND_S = 0.02
-JOURNAL_HAND_MAX = 256
-# Ops whose entry is never journaled: their call also writes other rows (a sandbox's row or
-# its end, fork children's create entries) that must be in the database when it answers,
-# so their entry commits with them (inline or by the writer, in order).
-UNJOURNALED_OPS = frozenset({"create", "fork", "snapshot", "restore", "kill"})
 PRUNE_EVERY_S = 60.0
 # An inline commit (on the event loop) slower than this sends the next commits to the writer
 # thread for a while: INLINE_BACKOFF_S, doubled for every slow inline commit in a row (up to
@@ -273,11 +243,9 @@ SnapIds = list[str] | Callable[[Any], list[str]] | None
 class TrajLog:
     def __init__(self, state_dir: str, *, enabled: bool = True, retention_s: float = 7 * 86400,
                  output_cap: int = 1 << 20, body_cap: int = 1 << 20, sync: str = "normal",
-                 flush_ms: float = 0.0, start_ms: float = 20.0, journal: bool = True) -> None:
+                 flush_ms: float = 0.0, start_ms: float = 20.0) -> None:
         self.enabled = enabled
         self.path = os.path.join(state_dir, DB_NAME)
-        self.journal_path = os.path.join(state_dir, JOURNAL_NAME)
-        self.journal_old_path = os.path.join(state_dir, JOURNAL_OLD_NAME)
         self.retention_s = retention_s
         self.output_cap = output_cap
         self.body_cap = body_cap
@@ -294,21 +262,6 @@ class TrajLog:
         self._mu = threading.Lock()
         self._backlog = 0
         self._inline = self.sync == "NORMAL"  # FULL: an fsync per commit, never on the loop
-        # The journal (NORMAL only: FULL means an fsync before answering, which the journal's
-        # write() is not). Loop only, except _jdone and _jretry (the writer's).
-        self._journal = journal and self.sync == "NORMAL"
-        self._jfd: int | None = None
-        self._jseq = 0        # the last journal sequence number given out
-        self._jsize = 0       # bytes in the journal file
-        self._jdone = 0       # every journaled entry up to this one is in the database
-        self._jretry: list[_Pending] = []  # journaled entries whose commit failed: retried
-        self._jbuf: list[_Pending] = []  # journaled, counted in _backlog, not yet handed over
-        self._jold_max: int | None = None  # the last jseq in the set-aside journal, if any
-        self._jtimer: asyncio.TimerHandle | None = None
-        self._jtorn = False  # the last append failed, maybe halfway
-        # Keyed entries journaled and maybe not yet in the database, for _lookup:
-        # (scope, key) -> (jseq, (fingerprint, sandbox_id, result, error)).
-        self._jkeys: dict[tuple[str, str], tuple[int, tuple[Any, ...]]] = {}
         self._inline_after = 0.0  # monotonic: no inline commit before (after a slow one)
         self._backoff = INLINE_BACKOFF_S  # the next slow inline commit's spell
         self._conn: sqlite3.Connection | None = None  # the writing connection (loop + writer)
@@ -337,8 +290,7 @@ class TrajLog:
         self._last_prune = 0.0
         self.interrupted = 0  # started rows found open (and marked interrupted) at open()
         self.stats = {"records": 0, "commits": 0, "started_rows": 0, "inline": 0,
-                      "inline_slow": 0, "inline_us": 0, "checkpoints": 0, "journaled": 0,
-                      "journal_recovered": 0}
+                      "inline_slow": 0, "inline_us": 0, "checkpoints": 0}
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def _connect(self, autocheckpoint: int = 4000) -> sqlite3.Connection:
@@ -369,14 +321,8 @@ class TrajLog:
             if self.interrupted:
                 log.warning("calls interrupted by the last daemon's death",
                             extra={"count": self.interrupted})
-            self._recover_journal(conn)
         finally:
             conn.close()
-        if self._journal:
-            self._jfd = os.open(self.journal_path,
-                                os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            os.ftruncate(self._jfd, 0)  # all of it is in the database now
-            self._jsize = 0
         self._reader = self._connect()
         # Commits on the loop must never run a checkpoint (ms of I/O): the checkpointer does.
         self._conn = self._connect(autocheckpoint=0)
@@ -389,27 +335,17 @@ class TrajLog:
 
     def close(self) -> None:
         """Flush what is queued and stop the writer and the checkpointer."""
-        drained = True
         if self._thread is not None:
-            if self._sb_rows or self._jbuf:
+            if self._sb_rows:
                 self._enqueue(_Pending("barrier", (), None))
             self._q.put(None)
             self._thread.join(30)
-            drained = not self._thread.is_alive()
             self._thread = None
         if self._ckpt_thread is not None:
             self._closing = True
             self._ckpt.set()
             self._ckpt_thread.join(30)
             self._ckpt_thread = None
-        if self._jfd is not None:
-            if drained and not self._jretry:  # all of it is in the database
-                with contextlib.suppress(OSError):
-                    os.ftruncate(self._jfd, 0)
-                with contextlib.suppress(OSError):
-                    os.unlink(self.journal_old_path)
-            os.close(self._jfd)
-            self._jfd = None
         if self._conn is not None:
             self._conn.close()  # the last writer: SQLite checkpoints the WAL on close
             self._conn = None
@@ -472,21 +408,12 @@ class TrajLog:
 
     def _commit(self, conn: sqlite3.Connection, batch: list[Any]) -> None:
         results: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
-        retry, self._jretry = self._jretry, []
-        handed = len(batch)  # what the loop counted in _backlog
-        batch = retry + batch  # journaled entries a failed commit left: first, in order
-        jmax = max((p.args[1] for p in batch if p.kind == "jentry"), default=0)
         try:
             conn.execute("BEGIN")
             out = [self._apply(conn, p) for p in batch]
             self._unindexed += len(batch)
             self._maybe_index(conn)
-            if jmax:
-                conn.execute("INSERT OR REPLACE INTO log_meta (k, v) VALUES ('journal', ?)",
-                             (jmax,))
             conn.execute("COMMIT")
-            if jmax:
-                self._jdone = jmax
             self.stats["commits"] += 1
             self.stats["records"] += len(batch)
             results = [(p.fut, v, None) for p, v in zip(batch, out, strict=True)
@@ -502,13 +429,10 @@ class TrajLog:
                 if p.kind == "start":
                     p.rowid = None  # not in the database: its end inserts a whole row
             results = [(p.fut, None, e) for p in batch if p.fut is not None]
-            # Their callers have their results (the journal holds them): try again with the
-            # next batch; meanwhile the journal is not truncated.
-            self._jretry = [p for p in batch if p.kind == "jentry"]
         # Done with the connection: the loop may commit inline again, and does so as soon as
         # the callers it wakes below resume (not one call later).
         with self._mu:
-            self._backlog -= handed
+            self._backlog -= len(batch)
         if results and self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(_resolve, results)
@@ -522,8 +446,6 @@ class TrajLog:
             return p.rowid
         if p.kind == "entry":
             return _apply_entry(conn, p.args)
-        if p.kind == "jentry":
-            return _apply_entry(conn, p.args[0])
         if p.kind == "drop":
             start = p.args[0]
             if start.rowid is not None:
@@ -595,8 +517,6 @@ class TrajLog:
     def _enqueue(self, item: _Pending | _Start) -> None:
         """Hand a record to the writer thread (on the loop only: see ``_backlog``), behind
         the sandbox rows not yet written (a sandbox's end must follow its creation)."""
-        if self._jbuf:
-            self._hand_journal()  # before it: the order of the log is the order of submission
         with self._mu:
             if self._sb_rows:
                 self._backlog += len(self._sb_rows)
@@ -704,8 +624,6 @@ class TrajLog:
         the writer's next batch, before anything queued after it). ``coalesce`` (other calls
         are in flight, and may end in this same turn of the loop): join the entries of this
         turn, committed together at its end (a future of None) - one commit for several."""
-        if self._jfd is not None and args[-1] is None and args[1] not in UNJOURNALED_OPS:
-            return self._journal_entry(args)
         if not self._can_inline():
             fut = self._loop.create_future() if wait else None  # type: ignore[union-attr]
             self._enqueue(_Pending("entry", args, fut))
@@ -717,112 +635,6 @@ class TrajLog:
             self._loop.call_soon(self._flush_turn)  # type: ignore[union-attr]
         self._turn[0].append(args)
         return self._turn[1]
-
-    def _journal_entry(self, args: tuple[Any, ...]) -> int:
-        """Append a finished entry to the journal (durable once write() returns: the kernel
-        holds the page, as for a WAL commit) and hand it to the writer, which puts it in the
-        database with its next batch. Not for UNJOURNALED_OPS nor for the end of a started
-        row (an update in place). 0: the seq is not known yet."""
-        assert self._jfd is not None
-        if self._jold_max is not None and self._jdone >= self._jold_max:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.journal_old_path)  # all of it is in the database
-            self._jold_max = None
-        if self._jsize >= JOURNAL_TRUNCATE_BYTES:
-            self._rotate_journal()
-        jseq = self._jseq + 1
-        data = (_dumps([jseq, args[:-1]]) + "\n").encode("utf-8", "surrogateescape")
-        if self._jtorn:  # a failed write may have left part of a line: end it first
-            data = b"\n" + data
-        try:
-            _write_all(self._jfd, data)
-        except OSError as e:
-            self._jtorn = True
-            log.exception("trajectory log journal write failed")
-            raise InternalError(f"could not write the trajectory log: {e}") from e
-        self._jtorn = False
-        self._jseq = jseq
-        self._jsize += len(data)
-        self.stats["journaled"] += 1
-        key = args[2]
-        if key is not None:
-            if len(self._jkeys) >= 4096:  # forget the ones the database has by now
-                done = self._jdone
-                self._jkeys = {k: v for k, v in self._jkeys.items() if v[0] > done}
-            self._jkeys.setdefault((args[0], key), (jseq, (args[3], args[0], args[5],
-                                                           args[6])))
-        with self._mu:
-            self._backlog += 1  # no inline commit may go ahead of it (seq order)
-        self._jbuf.append(_Pending("jentry", (args, jseq), None))
-        if len(self._jbuf) >= JOURNAL_HAND_MAX:
-            self._hand_journal()
-        elif self._jtimer is None and self._loop is not None:
-            self._jtimer = self._loop.call_later(JOURNAL_HAND_S, self._hand_journal)
-        return 0
-
-    def _rotate_journal(self) -> None:
-        """The journal is big: truncate it if all of it is in the database, else set it aside
-        (unless one is set aside already: then it grows until that one is gone)."""
-        assert self._jfd is not None
-        if self._backlog == 0 and not self._jretry:
-            os.ftruncate(self._jfd, 0)  # everything handed to the writer is in the database
-            self._jsize = 0
-        elif self._jold_max is None:
-            os.rename(self.journal_path, self.journal_old_path)
-            fd = os.open(self.journal_path,
-                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            os.close(self._jfd)
-            self._jfd, self._jsize, self._jold_max = fd, 0, self._jseq
-
-    def _hand_journal(self) -> None:
-        """Give the journaled entries waiting on the loop to the writer (they are counted in
-        ``_backlog`` already)."""
-        if self._jtimer is not None:
-            self._jtimer.cancel()
-            self._jtimer = None
-        buf, self._jbuf = self._jbuf, []
-        for p in buf:
-            self._q.put(p)
-
-    def _recover_journal(self, conn: sqlite3.Connection) -> None:
-        """At open: put the journal's entries the database does not have yet (the daemon
-        died before the writer ingested them) into it, in order."""
-        row = conn.execute("SELECT v FROM log_meta WHERE k='journal'").fetchone()
-        done = int(row[0]) if row else 0
-        data = b""
-        for path in (self.journal_old_path, self.journal_path):  # oldest first
-            try:
-                with open(path, "rb") as f:
-                    part = f.read()
-            except FileNotFoundError:
-                continue
-            if part and not part.endswith(b"\n"):
-                part += b"\n"  # a torn last line: kept apart from the next file's first
-            data += part
-        rows, last = [], done
-        for line in data.split(b"\n"):
-            if not line:
-                continue
-            try:
-                jseq, args = json.loads(line)
-                jseq = int(jseq)
-            except (ValueError, TypeError):
-                continue  # a torn last write (the daemon died in it): its call never answered
-            if jseq > done:
-                rows.append(tuple(args) + (None,))
-            last = max(last, jseq)
-        if rows:
-            conn.execute("BEGIN")
-            for r in rows:
-                _apply_entry(conn, r)
-            conn.execute("INSERT OR REPLACE INTO log_meta (k, v) VALUES ('journal', ?)", (last,))
-            conn.execute("COMMIT")
-            self.stats["journal_recovered"] += len(rows)
-            log.warning("trajectory log: entries recovered from the journal",
-                        extra={"count": len(rows)})
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.journal_old_path)  # all of it is in the database now
-        self._jseq = self._jdone = last
 
     def _flush_turn(self) -> None:
         assert self._turn is not None
@@ -963,10 +775,6 @@ class TrajLog:
             sql = ("SELECT fingerprint, sandbox_id, result, error FROM entries WHERE "
                    "idem_key=? AND op='create' AND status IS NULL ORDER BY seq LIMIT 1")
             row = self._reader.execute(sql, (key,)).fetchone()
-        if row is None and scope:  # journaled, maybe not in the database yet
-            got = self._jkeys.get((scope, key))
-            if got is not None:
-                return got[1]  # type: ignore[return-value]
         return row
 
     def logged_result(self, sid: str, op: str) -> dict[str, Any] | None:
@@ -1153,12 +961,6 @@ class TrajLog:
         if sha is not None:
             out["stdout_sha256"], out["stderr_sha256"] = sha
         return out
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    while data:
-        n = os.write(fd, data)
-        data = data[n:]
 
 
 def _apply_entry(conn: sqlite3.Connection, args: tuple[Any, ...]) -> int:
