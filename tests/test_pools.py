@@ -248,3 +248,55 @@ def test_pooled_sandboxes_have_what_a_first_exec_needs():
         assert tops and all((top / pooled).is_dir() for top in tops)
         with Sandbox(endpoint=ep(d)) as sb:
             assert sb.id == pooled and sb.exec("true").exit_code == 0
+
+
+def test_refill_waits_for_the_first_exec():
+    """A take holds new refills back until the taken sandbox's first exec has ended (the call
+    its user waits on; a refill would run over it), or the sandbox is gone; not while the
+    pool is low (at most a quarter of its target ready)."""
+    with pooled_daemon(CORRAL_POOL="static", CORRAL_POOL_SIZES="host:4",
+                       CORRAL_POOL_DEFER_MS="60000") as d:
+        wait_ready(d, 4)
+        a = Sandbox(endpoint=ep(d), timeout=100)
+        time.sleep(1.0)
+        assert metrics(d)["corral_pool_ready"] == 3  # held back: 3 > 4 // 4
+        assert a.exec("true").exit_code == 0
+        wait_ready(d, 4, timeout=30)  # its first exec is over: refilled
+        b = Sandbox(endpoint=ep(d), timeout=100)
+        time.sleep(0.5)
+        assert metrics(d)["corral_pool_ready"] == 3
+        b.kill()  # gone before any exec: the hold ends too
+        wait_ready(d, 4, timeout=30)
+        boxes = [Sandbox(endpoint=ep(d), timeout=100) for _ in range(3)]
+        try:
+            # 1 ready = 4 // 4: low, so refilled at once (above a quarter) although three
+            # first execs are pending; the rest once they have run.
+            wait_ready(d, 2, timeout=30)
+            assert [r.exit_code for r in Sandbox.exec_many(boxes, "true")] == [0, 0, 0]
+            wait_ready(d, 4, timeout=30)
+        finally:
+            Sandbox.kill_many(boxes)
+        a.kill()
+
+
+def test_refill_hold_ends_after_the_defer_time():
+    with pooled_daemon(CORRAL_POOL="static", CORRAL_POOL_SIZES="host:2",
+                       CORRAL_POOL_DEFER_MS="1500") as d:
+        wait_ready(d, 2)
+        with Sandbox(endpoint=ep(d), timeout=100):  # never runs anything
+            t0 = time.monotonic()
+            time.sleep(0.5)
+            assert metrics(d)["corral_pool_ready"] == 1
+            wait_ready(d, 2, timeout=30)
+            assert time.monotonic() - t0 >= 1.4
+
+
+def test_takes_are_newest_first():
+    """The sandbox made last is handed out first (its kernel state is the warmest)."""
+    with pooled_daemon(CORRAL_POOL="static", CORRAL_POOL_SIZES="host:3") as d:
+        wait_ready(d, 3)
+        base = os.path.join(d.state_dir, "sandboxes")
+        # A pooled sandbox's dir is not touched after it is made: its ctime is its making.
+        made = sorted(sandbox_dirs(d), key=lambda s: os.stat(os.path.join(base, s)).st_ctime_ns)
+        with Sandbox(endpoint=ep(d), timeout=100) as sb:
+            assert sb.id == made[-1]

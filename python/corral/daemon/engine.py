@@ -726,6 +726,8 @@ class Engine:
                 p.release()
             sb.procs = None
         self.sandboxes.pop(sb.id, None)
+        if self.pools is not None:
+            self.pools.settled(sb.id)
         if sb.layers and self.snaps is not None:
             self.snaps.release(sb.layers)
         self._tombstone(sb.id, sb.reason or "killed")
@@ -832,6 +834,8 @@ class Engine:
         if req.background:
             proc.ns_pid = procs.ns_pid(proc.pid)
             self._keep_proc(sb, proc)
+            if self.pools is not None:
+                self.pools.settled(sid)
             return {"sandbox_id": sid, "pid": proc.ns_pid, "cmd": req.cmd,
                     "started_at": proc.started_at}
         sb.busy += 1
@@ -843,6 +847,8 @@ class Engine:
         finally:
             sb.busy -= 1
             sb.last_active = time.time()
+            if self.pools is not None:  # its first exec is over: refills may start
+                self.pools.settled(sid)
         await self.after_exit(sb, proc)
         return self._result(proc)
 

@@ -18,6 +18,16 @@ hold at most ``CORRAL_POOL_MAX`` and never take the daemon past its capacity. A 
 asked for in ``CORRAL_POOL_IDLE_S`` shrinks to its static size. Refills run in worker threads
 (the Rust core releases the GIL), off the event loop.
 
+Refills wait for the first command: a sandbox just taken from a pool is about to run its
+first exec, the call a user waits on most. A refill is seconds of nothing to the pool but
+milliseconds of kernel work (namespaces, mounts, cgroups) that this kernel does not preempt
+(PREEMPT_NONE: a woken task waits for a busy core's syscall to end), so a refill started by
+the take runs over that exec and slows it (measured: 2.5 vs 1.4 ms at the daemon). New refills
+therefore start once every sandbox taken in the last ``CORRAL_POOL_DEFER_MS`` has finished
+its first exec (or been killed, or the time has passed), unless the pool is low (at most a
+quarter of its target ready): then at once, so a burst never finds it empty. Takes are
+newest first: the sandbox made last is the one whose kernel state is still in the caches.
+
 Never leaked: pooled sandboxes have a directory and cgroups but no ``meta.json``, so after a
 crash recovery treats them as half-made and ``cleanup_orphans`` removes them; a graceful stop
 destroys them; a pooled sandbox whose init died is destroyed when found, never handed out.
@@ -31,6 +41,8 @@ Configuration (environment; see docs/architecture.md "Warm pools"):
   CORRAL_POOL_LEAD_S     seconds of demand kept ready (default 0.5)
   CORRAL_POOL_IDLE_S     an unused auto pool empties after this (default 60)
   CORRAL_POOL_WORKERS    refills in flight (default: CPU count, at most 4)
+  CORRAL_POOL_DEFER_MS   how long a take holds back new refills waiting for the sandbox's
+                         first exec (default 10; 0: refill at once)
 """
 
 from __future__ import annotations
@@ -79,6 +91,7 @@ class PoolConfig:
     lead_s: float = 0.5
     idle_s: float = 60.0
     workers: int = 2
+    defer_s: float = 0.01
 
     @classmethod
     def from_env(cls) -> PoolConfig:
@@ -103,7 +116,8 @@ class PoolConfig:
                    lead_s=max(0.0, _env_float("CORRAL_POOL_LEAD_S", 0.5)),
                    idle_s=max(0.0, _env_float("CORRAL_POOL_IDLE_S", 60.0)),
                    workers=max(1, _env_int("CORRAL_POOL_WORKERS",
-                                           min(4, os.cpu_count() or 2))))
+                                           min(4, os.cpu_count() or 2))),
+                   defer_s=max(0.0, _env_float("CORRAL_POOL_DEFER_MS", 10.0)) / 1000.0)
 
 
 class _Pool:
@@ -139,6 +153,8 @@ class WarmPools:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._inflight: set[asyncio.Task[Any]] = set()
+        # Sandboxes taken and not yet through their first exec: id -> monotonic deadline.
+        self._fresh: dict[str, float] = {}
         self._closed = False
         if config.mode != "off":
             for name, n in config.sizes.items():
@@ -198,9 +214,11 @@ class WarmPools:
         pool.last_use = time.monotonic()
         substrate = self.substrates[key[0]]
         while pool.ready:
-            rt = pool.ready.popleft()  # oldest first: every pooled sandbox gets used
+            rt = pool.ready.pop()  # newest first: its kernel state is the warmest
             if substrate.is_alive(rt):
                 self.hits += 1
+                if self.config.defer_s:
+                    self._fresh[rt.sandbox_id] = time.monotonic() + self.config.defer_s
                 self._wake.set()
                 return rt
             log.warning("pooled sandbox died; discarded", extra={"sandbox": rt.sandbox_id})
@@ -208,6 +226,19 @@ class WarmPools:
         self.misses += 1
         self._wake.set()
         return None
+
+    def settled(self, sandbox_id: str) -> None:
+        """A taken sandbox's first exec ended (or it is gone): refills need not wait for it."""
+        if self._fresh.pop(sandbox_id, None) is not None and not self._fresh:
+            self._wake.set()
+
+    def _deferred_until(self, now: float) -> float | None:
+        """The latest deadline of the takes still waiting for their first exec, or None."""
+        if not self._fresh:
+            return None
+        for sid in [s for s, d in self._fresh.items() if d <= now]:
+            del self._fresh[sid]
+        return max(self._fresh.values(), default=None)
 
     # ---- refill -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -225,9 +256,10 @@ class WarmPools:
 
     async def _run(self) -> None:
         last = time.monotonic()
+        wait = TICK_S
         while not self._closed:
             try:
-                await asyncio.wait_for(self._wake.wait(), TICK_S)
+                await asyncio.wait_for(self._wake.wait(), wait)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
@@ -237,27 +269,39 @@ class WarmPools:
                 for pool in self.pools.values():
                     pool.demand = (1 - EWMA) * pool.demand + EWMA * pool.requests / dt
                     pool.requests = 0
+            wait = TICK_S
             try:
-                self._plan(now)
+                until = self._plan(now)
+                if until is not None:  # refills held back: look again when the hold ends
+                    wait = min(TICK_S, max(0.0005, until - now))
             except Exception:  # noqa: BLE001 - the pool must survive anything
                 log.exception("warm pool planning failed")
 
-    def _plan(self, now: float) -> None:
+    def _plan(self, now: float) -> float | None:
+        """Start the refills and shrinks due; the time refills held back (see the module
+        doc: first execs) may start, if any were."""
         budget = min(self.config.max_total - self.held_total, self.room() - self.held_total)
+        until = self._deferred_until(now)
+        held = None
         for key, pool in list(self.pools.items()):
             target = self._target(pool, now)
             have = len(pool.ready) + pool.making
+            if until is not None and have < target and len(pool.ready) > target // 4:
+                held = until  # not low: wait for the first execs
+                have = target
             while have < target and budget > 0 and len(self._inflight) < self.config.workers:
                 self._spawn(self._make(pool))
                 have += 1
                 budget -= 1
-            # Shrink slowly (a few per tick): demand often comes back.
+            # Shrink slowly (a few per tick): demand often comes back. Oldest first (takes
+            # are newest first).
             extra = len(pool.ready) - target
             for _ in range(min(extra, 4)):
-                rt = pool.ready.pop()
+                rt = pool.ready.popleft()
                 self._spawn(self._discard(self.substrates[key[0]], rt))
             if target == 0 and not pool.ready and not pool.making and pool.static == 0:
                 del self.pools[key]
+        return held
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
