@@ -157,6 +157,24 @@ def _force_cleanup() -> None:
         time.sleep(0.05)
 
 
+# Private state dirs tests make under /var/tmp (tempfile prefixes). Each test removes its own;
+# one whose test failed at a bad moment may stay, so the session's end sweeps what this
+# session made (every daemon is stopped by then; sandbox mounts live in their own namespaces).
+_PRIVATE_PREFIXES = ("corral-test-", "corral-img-", "corral-launch-", "corral-pool-",
+                     "corral-core-test-", "corral-cs-test-", "corral-small-", "corral-notoken-")
+_SESSION_T0 = time.time()
+
+
+def _sweep_private_state_dirs() -> None:
+    for p in Path("/var/tmp").iterdir():
+        try:
+            if (p.name.startswith(_PRIVATE_PREFIXES) and p.is_dir() and not p.is_symlink()
+                    and p.stat().st_ctime >= _SESSION_T0 - 1):
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
+
+
 @pytest.fixture(scope="session", autouse=True)
 def daemon():
     """The session's corrald. Tests may call .restart(kill9=True); it is running again after."""
@@ -175,6 +193,7 @@ def daemon():
     _force_cleanup()
     log = _DAEMON.tail()
     shutil.rmtree(STATE_DIR, ignore_errors=True)
+    _sweep_private_state_dirs()
     if any(leaks.values()):
         pytest.fail(f"corral leaked resources after the session: {leaks}\n{log}")
 

@@ -44,16 +44,19 @@ def pooled_daemon(**env: str) -> Iterator[DaemonProcess]:
         mp.setenv("CORRAL_POOL_IDLE_S", "600")
         for k, v in env.items():
             mp.setenv(k, v)
-        d.start()
         try:
-            yield d
-        finally:
-            d.stop()
-        left = {"cgroups": leaked_sandbox_cgroups(cg), "parents": [str(p) for p in cgroup_dirs(cg)],
-                "pids": sorted(pids_in_cgroups(cg)),
-                "dirs": os.listdir(os.path.join(state, "sandboxes"))}
-        shutil.rmtree(state, ignore_errors=True)
-        assert not any(left.values()), f"pooled daemon left {left}\n{d.tail()}"
+            d.start()
+            try:
+                yield d
+            finally:
+                d.stop()
+            left = {"cgroups": leaked_sandbox_cgroups(cg),
+                    "parents": [str(p) for p in cgroup_dirs(cg)],
+                    "pids": sorted(pids_in_cgroups(cg)),
+                    "dirs": os.listdir(os.path.join(state, "sandboxes"))}
+            assert not any(left.values()), f"pooled daemon left {left}\n{d.tail()}"
+        finally:  # a failed test too: its state dir goes
+            shutil.rmtree(state, ignore_errors=True)
 
 
 def ep(d: DaemonProcess) -> str:
