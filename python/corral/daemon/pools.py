@@ -32,7 +32,7 @@ Never leaked: pooled sandboxes have a directory and cgroups but no ``meta.json``
 crash recovery treats them as half-made and ``cleanup_orphans`` removes them; a graceful stop
 destroys them; a pooled sandbox whose init died is destroyed when found, never handed out.
 
-Configuration (environment; see docs/architecture.md "Warm pools"):
+Configuration (environment; see docs/daemon.md "Warm pools"):
   CORRAL_POOL            "auto" (default: demand-sized pools for every key asked for),
                          "off" (no pools), or "static" (only the sizes below)
   CORRAL_POOL_SIZES      static sizes for the default limits of an image: "host:8,myimg:4"
