@@ -296,7 +296,9 @@ def test_refill_hold_ends_after_the_defer_time():
 
 def test_takes_are_newest_first():
     """The sandbox made last is handed out first (its kernel state is the warmest)."""
-    with pooled_daemon(CORRAL_POOL="static", CORRAL_POOL_SIZES="host:3") as d:
+    # One refill at a time: the pool's order (made last = ready last) is the dirs' order.
+    with pooled_daemon(CORRAL_POOL="static", CORRAL_POOL_SIZES="host:3",
+                       CORRAL_POOL_WORKERS="1") as d:
         wait_ready(d, 3)
         base = os.path.join(d.state_dir, "sandboxes")
         # A pooled sandbox's dir is not touched after it is made: its ctime is its making.
