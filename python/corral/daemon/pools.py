@@ -22,11 +22,12 @@ Refills wait for the first command: a sandbox just taken from a pool is about to
 first exec, the call a user waits on most. A refill is seconds of nothing to the pool but
 milliseconds of kernel work (namespaces, mounts, cgroups) that this kernel does not preempt
 (PREEMPT_NONE: a woken task waits for a busy core's syscall to end), so a refill started by
-the take runs over that exec and slows it (measured: 2.5 vs 1.4 ms at the daemon). New refills
-therefore start once every sandbox taken in the last ``CORRAL_POOL_DEFER_MS`` has finished
-its first exec (or been killed, or the time has passed), unless the pool is low (at most a
-quarter of its target ready): then at once, so a burst never finds it empty. Takes are
-newest first: the sandbox made last is the one whose kernel state is still in the caches.
+the take runs over that exec and slows it (measured at the daemon: 2.46 ms, against 1.25
+with no refill running). New refills therefore start once every sandbox taken in the last
+``CORRAL_POOL_DEFER_MS`` has finished its first exec (or been killed, or the time has
+passed), unless the pool is low (at most a quarter of its target ready): then at once, so a
+burst never finds it empty. Takes are newest first: the sandbox made last is the one whose
+kernel state is still in the caches.
 
 Never leaked: pooled sandboxes have a directory and cgroups but no ``meta.json``, so after a
 crash recovery treats them as half-made and ``cleanup_orphans`` removes them; a graceful stop
