@@ -137,12 +137,13 @@ def test_trajlog_section(report):
     for daemon in ("on", "off"):
         for mode in ("seq", "conc"):
             m = sec["median"][daemon][mode]
-            assert m["n"] == 2 * N and m["errors"] == 0  # two rounds per run (ABBA)
+            assert m["n"] == N and m["errors"] == 0  # N per daemon per run, interleaved
             assert _is_num(m["ops_per_s"]) and m["ops_per_s"] > 0
     assert set(sec["ratios"]) == {"on/off seq", "on/off conc"}
+    assert sec["block"] > 0 and set(sec["log_cpu_us_per_exec"]) == {"on seq", "on conc"}
     assert isinstance(sec["met"], bool)
     st = sec["log_stats"]["on"]
-    assert st["records"] >= 4 * N and 0 <= st["inline_share"] <= 1
+    assert st["records"] >= 2 * N and 0 <= st["inline_share"] <= 1
     assert sec["cleanup"] == {"clean": True, "leaks": {}}
     assert not any(os.path.exists(report["state_root"] + f"/trajlog-{k}") for k in ("on", "off"))
 

@@ -154,8 +154,9 @@ def snapshot_table(sec: dict[str, Any]) -> Table:
 def trajlog_table(sec: dict[str, Any]) -> Table:
     m, rt = sec["median"], sec["ratios"]
     base = "baseline" in m
-    t = Table(title=f"trajlog: exec `true`, trajectory log on vs off  (N={sec['n']} per round, "
-                    f"ABBA, median of {len(sec['runs'])} runs)")
+    t = Table(title=f"trajlog: exec `true`, trajectory log on vs off  (N={sec['n']} per daemon, "
+                    f"blocks of {sec.get('block', '?')} interleaved ABBA, median of "
+                    f"{len(sec['runs'])} runs)")
     cols = ["mode", "log on exec/s", "log off exec/s", "on/off", "target",
             "daemon CPU us/exec on", "off"]
     if base:

@@ -3,17 +3,21 @@ target: logging costs <= 5% of it).
 
 Two private daemons, identical but for ``CORRAL_TRAJLOG=1`` / ``=0`` (and, with
 ``--trajlog-baseline DIR``, a third one, log on, running the corral package found in DIR: a
-change to the log measured against the code before it, under the same load). Within a run,
-rounds go on, off, off, on (ABBA; the baseline takes its turn in the same rotation), so load
-from anything else on the machine hits every daemon alike and a linear drift cancels; each
-round is N execs of ``true`` sequentially (sync client) and N with C in flight (async client),
-each on a fresh sandbox. The per-run figure of a daemon is the mean of its rounds; the report
-quotes medians over ``--runs`` and the median of the per-run on/off ratios.
+change to the log measured against the code before it, under the same load). One client, one
+sandbox per daemon; a run is N execs of ``true`` per daemon sequentially (sync client), then N
+with C in flight (async client), in blocks of ``BLOCK`` execs (times C) that take turns across
+the daemons, in ABBA order. This machine's speed swings by +-20 % over seconds: interleaving
+at the block's scale (tens of milliseconds) makes every swing hit each daemon alike, where
+rounds of a second each left per-run ratios scattered over 0.83-1.01. A daemon's figure for a
+run is its execs over the wall time of its blocks; the report quotes medians over ``--runs``
+and the median of the per-run on/off ratios.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +26,15 @@ from corral.bench.daemon import PrivateDaemon
 from corral.bench.results import OpResult
 from corral.bench.session import Session
 from corral.bench.stats import median, median_tree, ratio
+from corral.errors import CorralError
+from corral.sdk import AsyncSandbox, Sandbox
 
 TARGET = 0.95  # on/off exec throughput: logging costs <= 5%
 MODES = ("seq", "conc")
+# Execs per block (times the concurrency in the concurrent mode): the daemons take turns every
+# block, so the machine's drift (seconds-long swings of +-20 % here) hits each alike.
+BLOCK = 20
+WARMUP = 5
 
 
 def _daemons(s: Session) -> dict[str, PrivateDaemon]:
@@ -38,30 +48,136 @@ def _daemons(s: Session) -> dict[str, PrivateDaemon]:
             for k, env in envs.items()}
 
 
-def _round(d: PrivateDaemon, n: int, conc: int, adv: Any) -> dict[str, OpResult]:
-    """Both modes, each with the daemon's CPU time (all its threads: the writer's too)."""
-    out = {}
-    for mode in MODES:
-        t0 = host.proc_cpu_s(d.pid) if d.pid else None
-        out[mode] = (sdk_runs.exec_sync(d.endpoint, n, adv) if mode == "seq" else
-                     sdk_runs.exec_async(d.endpoint, n, conc, adv))
-        t1 = host.proc_cpu_s(d.pid) if d.pid else None
-        if t0 and t1:
-            out[mode].extra["daemon_cpu_s"] = (t1[0] + t1[1]) - (t0[0] + t0[1])
-    return out
+class _Tally:
+    """One daemon's share of one run in one mode: its blocks' execs, wall time, latencies,
+    errors and CPU time (all its threads, plus the commands it reaped)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.wall = 0.0
+        self.cpu = 0.0
+        self.cpu_ok = True
+        self.lat: list[float] = []
+        self.errors: list[str] = []
+
+    def to_json(self, mode: str) -> dict[str, Any]:
+        out = OpResult(mode, self.n, self.wall, len(self.errors), {"exec": self.lat}).to_json()
+        if self.n and self.cpu_ok:
+            out["daemon_cpu_us_per_exec"] = round(self.cpu * 1e6 / self.n, 1)
+        if self.errors:
+            out["first_errors"] = self.errors[:3]
+        return out
 
 
-def _mean(rounds: list[dict[str, OpResult]], mode: str) -> dict[str, Any]:
-    """One daemon's figure for one run: its rounds pooled (ops / total wall time)."""
-    rs = [r[mode] for r in rounds]
-    n, wall = sum(r.n for r in rs), sum(r.wall_s for r in rs)
-    errors = sum(r.errors for r in rs)
-    lat = [x for r in rs for x in r.phases.get("exec", [])]
-    out = OpResult(mode, n, wall, errors, {"exec": lat}).to_json()
-    cpu = [r.extra.get("daemon_cpu_s") for r in rs]
-    if n and all(c is not None for c in cpu):
-        out["daemon_cpu_us_per_exec"] = round(sum(cpu) * 1e6 / n, 1)  # type: ignore[arg-type]
-    return out
+def _cpu(d: PrivateDaemon) -> float | None:
+    if not d.pid:
+        return None
+    try:
+        u, st = host.proc_cpu_s(d.pid)
+    except OSError:
+        return None
+    return u + st
+
+
+def _order(names: list[str], b: int) -> list[str]:
+    """The daemons' order in block ``b``: rotated each block, reversed every other one (ABBA:
+    each daemon is as often first as last, so a drift within a pair of blocks cancels)."""
+    k = (b // 2) % len(names)
+    order = names[k:] + names[:k]
+    return order[::-1] if b % 2 else order
+
+
+def _one(sb: Sandbox, tally: _Tally) -> None:
+    t = time.perf_counter()
+    try:
+        r = sb.exec(sdk_runs.TRUE)
+    except CorralError as e:
+        tally.errors.append(sdk_runs._err(e))
+        return
+    if r.exit_code == 0:
+        tally.lat.append((time.perf_counter() - t) * 1e3)
+    else:
+        tally.errors.append(f"exit {r.exit_code}")
+
+
+def _seq(daemons: dict[str, PrivateDaemon], n: int, adv: Any) -> dict[str, _Tally]:
+    """``n`` sequential execs per daemon, in blocks of BLOCK interleaved across the daemons
+    (one sync client, one sandbox per daemon)."""
+    names = list(daemons)
+    tallies = {k: _Tally() for k in names}
+    boxes = {k: Sandbox("host", endpoint=d.endpoint, timeout=sdk_runs.TTL_S)
+             for k, d in daemons.items()}
+    try:
+        for sb in boxes.values():
+            for _ in range(WARMUP):
+                sb.exec(sdk_runs.TRUE)
+        for b in range(-(-n // BLOCK)):
+            m = min(BLOCK, n - b * BLOCK)
+            for k in _order(names, b):
+                tally, sb = tallies[k], boxes[k]
+                c0 = _cpu(daemons[k])
+                t0 = time.perf_counter()
+                for _ in range(m):
+                    _one(sb, tally)
+                tally.wall += time.perf_counter() - t0
+                c1 = _cpu(daemons[k])
+                if c0 is None or c1 is None:
+                    tally.cpu_ok = False
+                else:
+                    tally.cpu += c1 - c0
+                tally.n += m
+                adv(m)
+    finally:
+        for sb in boxes.values():
+            sb.kill()
+    return tallies
+
+
+async def _conc_async(daemons: dict[str, PrivateDaemon], n: int, conc: int,
+                      adv: Any) -> dict[str, _Tally]:
+    names = list(daemons)
+    tallies = {k: _Tally() for k in names}
+    boxes = {k: AsyncSandbox("host", endpoint=d.endpoint, timeout=sdk_runs.TTL_S)
+             for k, d in daemons.items()}
+    try:
+        for sb in boxes.values():
+            await sb.__aenter__()
+            await asyncio.gather(*(sb.exec(sdk_runs.TRUE) for _ in range(conc)))
+
+        async def worker(sb: AsyncSandbox, tally: _Tally, todo: Any) -> None:
+            for _ in todo:
+                t = time.perf_counter()
+                try:
+                    r = await sb.exec(sdk_runs.TRUE)
+                except CorralError as e:
+                    tally.errors.append(sdk_runs._err(e))
+                    continue
+                if r.exit_code == 0:
+                    tally.lat.append((time.perf_counter() - t) * 1e3)
+                else:
+                    tally.errors.append(f"exit {r.exit_code}")
+
+        per = BLOCK * conc
+        for b in range(-(-n // per)):
+            m = min(per, n - b * per)
+            for k in _order(names, b):
+                tally, sb = tallies[k], boxes[k]
+                todo = iter(range(m))  # shared: each exec taken once
+                c0 = _cpu(daemons[k])
+                t0 = time.perf_counter()
+                await asyncio.gather(*(worker(sb, tally, todo) for _ in range(conc)))
+                tally.wall += time.perf_counter() - t0
+                c1 = _cpu(daemons[k])
+                if c0 is None or c1 is None:
+                    tally.cpu_ok = False
+                else:
+                    tally.cpu += c1 - c0
+                tally.n += m
+                adv(m)
+    finally:
+        for sb in boxes.values():
+            await sb.__aexit__(None, None, None)
+    return tallies
 
 
 def trajlog(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -74,21 +190,22 @@ def trajlog(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
         for d in daemons.values():
             d.start()
         for k, d in daemons.items():  # warm-up: image skeleton, pools, first connections
-            _round(d, 20, conc, sdk_runs._noop)
+            sdk_runs.exec_sync(d.endpoint, 20)
+            sdk_runs.exec_async(d.endpoint, 20, conc)
             metrics[k] = d.metrics()
         for r in range(R):
-            # ABBA: every daemon at both ends of the run; the rotation shifts per run.
-            order = names[r % len(names):] + names[:r % len(names)]
-            rounds: dict[str, list[dict[str, OpResult]]] = {k: [] for k in names}
-            for k in order + order[::-1]:
-                with s.ui.task(f"trajlog {r + 1}/{R} log {k}", 2 * n) as adv:
-                    rounds[k].append(_round(daemons[k], n, conc, adv))
-            runs.append({k: {m: _mean(v, m) for m in MODES} for k, v in rounds.items()})
+            with s.ui.task(f"trajlog {r + 1}/{R} sequential", n * len(names)) as adv:
+                seq = _seq(daemons, n, adv)
+            with s.ui.task(f"trajlog {r + 1}/{R} {conc} in flight", n * len(names)) as adv:
+                cc = asyncio.run(_conc_async(daemons, n, conc, adv))
+            runs.append({k: {"seq": seq[k].to_json("seq"), "conc": cc[k].to_json("conc")}
+                         for k in names})
         stats = {k: _trajlog_stats(metrics.get(k, {}), d.metrics()) for k, d in daemons.items()
                  if k != "off"}
     finally:
         cleanup = _stop(daemons)
-    sec: dict[str, Any] = {"n": n, "concurrency": conc, "target": f"on/off >= {TARGET}",
+    sec: dict[str, Any] = {"n": n, "concurrency": conc, "block": BLOCK,
+                           "target": f"on/off >= {TARGET}",
                            "median": median_tree(runs), "runs": runs, "ratios": {},
                            "log_stats": stats, "cleanup": cleanup}
     pairs = [("on", "off")]
