@@ -254,17 +254,28 @@ def test_replay_reports_where_outputs_differ():
         Sandbox.connect(rep.replay_id)  # killed after the replay
 
 
-def test_retention_prunes_ended_sandboxes(daemon):
+def test_retention_prunes_ended_sandboxes(daemon, tmp_path):
     with client() as c:
         sid = create(c)["id"]
         run(c, sid, "true")
         kill(c, sid)
-        assert log_of(c, sid)
-    # prune through the daemon's own code path, as the reaper does, on a copy of the db
-    from corral.daemon.trajlog import TrajLog
+        assert log_of(c, sid)  # a read of the log waits for every queued commit
+    # Prune through the daemon's own code path, as the reaper does, on a *copy* of the db: a
+    # second writer on the live log would lower its index watermark behind the daemon's back
+    # (the daemon keeps it in memory), hiding the entries written next from every reader.
+    import sqlite3
 
-    db_dir = daemon.state_dir
-    tl = TrajLog(db_dir, retention_s=0)
+    from corral.daemon.trajlog import DB_NAME, TrajLog
+
+    live = sqlite3.connect(os.path.join(daemon.state_dir, DB_NAME))
+    copy = sqlite3.connect(tmp_path / DB_NAME)
+    try:
+        live.backup(copy)
+    finally:
+        live.close()
+        copy.close()
+    tl = TrajLog(str(tmp_path), retention_s=0)
+    assert tl.read(sid) is not None  # read() uses a connection of its own
 
     async def prune() -> int:
         tl.open(asyncio.get_running_loop())
@@ -274,8 +285,9 @@ def test_retention_prunes_ended_sandboxes(daemon):
             tl.close()
 
     assert asyncio.run(prune()) >= 1
-    with client() as c:
-        expect_error(c.get(f"/v1/sandboxes/{sid}/log"), "sandbox_not_found", 404)
+    assert tl.read(sid) is None  # its sandbox row and entries are gone from the copy
+    with client() as c:  # the live log is untouched
+        assert log_of(c, sid)
 
 
 def test_cli_log_and_replay():
