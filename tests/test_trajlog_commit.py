@@ -302,6 +302,42 @@ def test_deleting_the_last_entries_keeps_new_ones_findable(tmp_path, monkeypatch
     _run(tmp_path, body)
 
 
+def test_a_prune_by_another_writer_does_not_hide_later_entries(tmp_path, monkeypatch):
+    """The index watermark is read from the database, not cached: when another connection
+    deletes the newest entries (an offline prune; not supported while the daemon runs, but
+    cheap to survive), the entries written next are still indexed and read."""
+    monkeypatch.setattr(trajlog, "INDEX_EVERY", 4)
+
+    async def body(tl: TrajLog) -> None:
+        for i in range(9):
+            await tl.run("old", "exec", {"i": i}, None, _ok)
+        tl.sandbox_created("old", {}, 1.0)
+        tl.sandbox_ended("old", "killed")
+        await tl.flushed()
+        other = TrajLog(str(tmp_path), retention_s=0)  # a second writer, own loop thread
+        pruned: list[int] = []
+
+        def offline() -> None:
+            async def go() -> None:
+                other.open(asyncio.get_running_loop())
+                try:
+                    pruned.append(await other.prune(now=4e9))
+                finally:
+                    other.close()
+            asyncio.run(go())
+
+        t = threading.Thread(target=offline)
+        t.start()
+        t.join(30)
+        assert pruned == [1] and _by_sandbox(tl.path) == set()
+        for i in range(10):  # past INDEX_EVERY twice: two index updates
+            await tl.run("new", "exec", {"i": i}, None, _ok)
+        assert [e["request"]["i"] for e in tl.read("new")[1]] == list(range(10))
+        assert len(_by_sandbox(tl.path)) >= 8
+
+    _run(tmp_path, body)
+
+
 def test_a_log_with_the_old_per_row_index_is_migrated(tmp_path):
     """A log written with the entries_sandbox index (one index entry per commit) opens with
     that index dropped and every entry in entries_by_sandbox."""

@@ -30,6 +30,7 @@ READ_CHUNK = 256 * 1024
 # not pin the loop.
 DRAIN_CHUNKS = 64
 STDIN_MAX_PENDING = 64 * 1024 * 1024
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
 class Capture:
@@ -114,6 +115,8 @@ class Capture:
 
     def sha256(self) -> str:
         """Hex sha256 of everything the stream produced (not only the kept part)."""
+        if self.sha is None and not self.buf:
+            return EMPTY_SHA256  # most streams of most commands: no hashing per exec
         return (self.sha or hashlib.sha256(self.buf)).hexdigest()
 
     def finish(self) -> None:

@@ -265,10 +265,10 @@ class TrajLog:
         self._inline_after = 0.0  # monotonic: no inline commit before (after a slow one)
         self._backoff = INLINE_BACKOFF_S  # the next slow inline commit's spell
         self._conn: sqlite3.Connection | None = None  # the writing connection (loop + writer)
+        self._cur: sqlite3.Cursor | None = None  # its cursor for entries
         self._ckpt = threading.Event()
         self._ckpt_thread: threading.Thread | None = None
         self._since_ckpt = 0
-        self._indexed = 0  # entries_by_sandbox holds every entry up to this seq
         self._unindexed = 0  # entries inserted since (both threads, never at once)
         self._closing = False
         # Writes to the sandboxes table (a create's row, an end) made on the loop, not yet
@@ -313,7 +313,7 @@ class TrajLog:
             conn.execute(_STARTED_INDEX)
             # Entries committed since the last index update (all of them in a log written
             # before entries_by_sandbox existed).
-            self._indexed = _index_tail(conn)
+            _index_tail(conn)
             # Before any new call can start: what was in flight when the last daemon died.
             cur = conn.execute("UPDATE entries SET status=?, error=? WHERE status=?",
                                (INTERRUPTED, _dumps(INTERRUPTED_ERROR), STARTED))
@@ -326,6 +326,9 @@ class TrajLog:
         self._reader = self._connect()
         # Commits on the loop must never run a checkpoint (ms of I/O): the checkpointer does.
         self._conn = self._connect(autocheckpoint=0)
+        # One cursor for every entry written (on the loop or by the writer, never at once):
+        # ``Connection.execute`` makes and frees a cursor per call.
+        self._cur = self._conn.cursor()
         self._closing = False
         self._thread = threading.Thread(target=self._writer, name="trajlog-writer", daemon=True)
         self._thread.start()
@@ -424,7 +427,6 @@ class TrajLog:
                 conn.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
-            self._indexed_rolled_back(conn)
             for p in batch:
                 if p.kind == "start":
                     p.rowid = None  # not in the database: its end inserts a whole row
@@ -445,7 +447,8 @@ class TrajLog:
             self.stats["started_rows"] += 1
             return p.rowid
         if p.kind == "entry":
-            return _apply_entry(conn, p.args)
+            assert self._cur is not None
+            return _apply_entry(self._cur, p.args)
         if p.kind == "drop":
             start = p.args[0]
             if start.rowid is not None:
@@ -548,23 +551,17 @@ class TrajLog:
         are INDEX_EVERY of them (an amortised cost: one page or a few for all of them)."""
         if self._unindexed < INDEX_EVERY:
             return
-        self._indexed = _index_tail(conn, self._indexed)
+        # The watermark is read from the database, in this transaction (one small read every
+        # INDEX_EVERY entries), never cached: whatever moved it is taken into account.
+        _index_tail(conn)
         self._unindexed = 0
 
     def _lower_watermark(self, conn: sqlite3.Connection) -> None:
         """After a delete: seqs are rowids (no AUTOINCREMENT), so deleting the last entries
         gives their seqs to the next ones; the watermark must stay below them."""
         top = conn.execute("SELECT max(seq) FROM entries").fetchone()[0] or 0
-        if top < self._indexed:
-            self._indexed = top
+        if top < _watermark(conn):
             conn.execute("UPDATE log_meta SET v=? WHERE k='indexed'", (top,))
-
-    def _indexed_rolled_back(self, conn: sqlite3.Connection) -> None:
-        """A failed transaction may have held an index update: read the watermark back."""
-        try:
-            self._indexed = _watermark(conn)
-        except sqlite3.Error:
-            pass
 
     def _can_inline(self) -> bool:
         # _backlog == 0: the writer has committed everything it was given and gets nothing
@@ -575,19 +572,19 @@ class TrajLog:
     def _commit_inline(self, rows: list[tuple[Any, ...]]) -> list[int]:
         """Write ``rows`` on the loop, in one transaction (one statement alone: autocommit);
         their seqs. Times the commit: a slow one sends the next ones to the writer."""
-        conn = self._conn
-        assert conn is not None
+        conn, cur = self._conn, self._cur
+        assert conn is not None and cur is not None
         sbs, self._sb_rows = self._sb_rows, []
         self._unindexed += len(rows)
         t0 = time.monotonic()
         try:
             if len(rows) == 1 and not sbs and self._unindexed < INDEX_EVERY:
-                seqs = [_apply_entry(conn, rows[0])]  # one statement: autocommit
+                seqs = [_apply_entry(cur, rows[0])]  # one statement: autocommit
             else:
                 conn.execute("BEGIN")
                 for sql, args in sbs:
                     conn.execute(sql, args)
-                seqs = [_apply_entry(conn, r) for r in rows]
+                seqs = [_apply_entry(cur, r) for r in rows]
                 self._maybe_index(conn)
                 conn.execute("COMMIT")
         except Exception as e:  # noqa: BLE001
@@ -597,7 +594,6 @@ class TrajLog:
                     conn.execute("ROLLBACK")
                 except sqlite3.Error:
                     pass
-            self._indexed_rolled_back(conn)
             self._sb_rows = sbs + self._sb_rows
             raise InternalError(f"could not write the trajectory log: {e}") from e
         dt = time.monotonic() - t0
@@ -949,31 +945,32 @@ class TrajLog:
         output (``_sha``, added by the engine) and the sizes."""
         sha = res.pop("_sha", None)
         out = dict(res)
+        if sha is not None:
+            out["stdout_sha256"], out["stderr_sha256"] = sha
         cap = self.output_cap
         for name in ("stdout", "stderr"):
             text = out.get(name)
-            if isinstance(text, str):
+            if isinstance(text, str) and (sha is None or len(text) > cap):
                 if sha is None:
                     out[f"{name}_sha256"] = sha256(text.encode("utf-8", "surrogateescape"))
                 if len(text) > cap:
                     out[name] = text[:cap]
                     out["log_truncated"] = True
-        if sha is not None:
-            out["stdout_sha256"], out["stderr_sha256"] = sha
         return out
 
 
-def _apply_entry(conn: sqlite3.Connection, args: tuple[Any, ...]) -> int:
+def _apply_entry(cur: sqlite3.Cursor, args: tuple[Any, ...]) -> int:
     """Write one entry (``TrajLog._row``): its seq. One statement: inline, it commits on its
     own (autocommit); in the writer's batch, inside the batch's transaction."""
     start: _Start | None = args[-1]
     if start is not None and start.rowid is not None:
         # The started row is in: finish it in place (it keeps its place in the log).
-        conn.execute("UPDATE entries SET idem_key=?, fingerprint=?, result=?, error=?, "
-                     "ended_at=?, snapshot_ids=?, status=NULL WHERE seq=?",
-                     (args[2], args[3], args[5], args[6], args[8], args[9], start.rowid))
+        cur.execute("UPDATE entries SET idem_key=?, fingerprint=?, result=?, error=?, "
+                    "ended_at=?, snapshot_ids=?, status=NULL WHERE seq=?",
+                    (args[2], args[3], args[5], args[6], args[8], args[9], start.rowid))
         return start.rowid
-    return int(conn.execute(_INSERT, (*args[:-1], None)).lastrowid)  # type: ignore[arg-type]
+    cur.execute(_INSERT, (*args[:-1], None))
+    return int(cur.lastrowid)  # type: ignore[arg-type]
 
 
 async def _committed(fut: asyncio.Future[Any]) -> Any:
