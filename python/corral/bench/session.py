@@ -21,7 +21,7 @@ SCENARIOS = ("churn", "latency", "exec", "density", "snapshot", "trajlog")
 # snapshot: snapshot/restore cycles per run (and N/3, at least 3, forks); trajlog: execs per
 # round and mode.
 DEFAULT_COUNTS = {"churn": 1000, "latency": 300, "exec": 1000, "density": 1000, "snapshot": 30,
-                  "trajlog": 500}
+                  "trajlog": 1000}
 
 
 @dataclass

@@ -51,9 +51,9 @@ def bench(
                                                             "report quotes medians."),
     count: int | None = typer.Option(None, "--count", "-n", min=1, help="Operations (or live "
                                      "sandboxes for density, snapshot/restore cycles for "
-                                     "snapshot, execs per round for trajlog) per scenario. "
-                                     "Default: churn 1000, latency 300, exec 1000, density "
-                                     "1000, snapshot 30, trajlog 500."),
+                                     "snapshot, execs per daemon and mode for trajlog) per "
+                                     "scenario. Default: churn 1000, latency 300, exec 1000, "
+                                     "density 1000, snapshot 30, trajlog 1000."),
     concurrency: int = typer.Option(4, "--concurrency", "-c", min=1, max=64,
                                     help="Operations in flight (churn, async exec), the same "
                                          "for every system."),
