@@ -59,7 +59,11 @@ def spare_cgroups(name: str = CGROUP_NAME) -> list[str]:
 def pids_in_cgroups(name: str = CGROUP_NAME) -> set[int]:
     pids: set[int] = set()
     for top in cgroup_dirs(name):
-        for procs in top.rglob("cgroup.procs"):
+        try:
+            files = list(top.rglob("cgroup.procs"))
+        except OSError:  # a cgroup removed while walking: walk again
+            return pids_in_cgroups(name)
+        for procs in files:
             try:
                 pids.update(int(x) for x in procs.read_text().split())
             except OSError:
@@ -133,16 +137,44 @@ class DaemonProcess:
 _DAEMON = DaemonProcess()
 
 
-def _force_cleanup() -> None:
-    for pid in pids_in_cgroups():
+def _thaw_all(name: str = CGROUP_NAME) -> None:
+    """A daemon that died mid-snapshot (or a test) may leave cgroups frozen: frozen processes
+    ignore SIGKILL until thawed (v1 freezer)."""
+    for top in cgroup_dirs(name):
+        try:
+            files = list(top.rglob("freezer.state")) + list(top.rglob("cgroup.freeze"))
+        except OSError:
+            continue
+        for f in files:
+            try:
+                f.write_text("THAWED" if f.name == "freezer.state" else "0")
+            except OSError:
+                pass
+
+
+def _unmount_under(path: str) -> None:
+    """A daemon killed (not stopped) keeps its scratch tmpfs for the next start: a test that
+    will not start it again takes it down (deepest first)."""
+    for m in sorted(host_mounts_under(path), key=len, reverse=True):
+        subprocess.run(["umount", "-l", m], check=False, capture_output=True)
+
+
+def _force_cleanup(name: str = CGROUP_NAME) -> None:
+    _thaw_all(name)
+    for pid in pids_in_cgroups(name):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     for _ in range(100):
         left = []
-        for top in cgroup_dirs():
-            for d in sorted(top.rglob("*"), key=lambda p: -len(p.parts)):
+        for top in cgroup_dirs(name):
+            try:
+                found = sorted(top.rglob("*"), key=lambda p: -len(p.parts))
+            except OSError:  # removed while walking: again
+                left.append(top)
+                continue
+            for d in found:
                 if d.is_dir():
                     try:
                         d.rmdir()

@@ -49,3 +49,26 @@ def test_sdk_leaves_an_unchosen_timeout_to_the_daemon():
     assert "timeout" not in json.loads(api.exec_("sb-x", "srv", background=True).body)
     assert json.loads(api.exec_("sb-x", "srv", background=True, timeout=5).body)["timeout"] == 5
     assert json.loads(api.exec_("sb-x", "srv", timeout=None).body)["timeout"] is None
+
+
+def test_a_failed_start_with_nothing_to_keep_leaves_nothing(monkeypatch):
+    """A daemon that fails to start (here: its trajectory log is not a database) after it
+    mounted its scratch tmpfs and made its parent cgroups, with no sandbox to keep, takes
+    them down again: no mount, no cgroup left on the host."""
+    from conftest import CGROUP_NAME, cgroup_dirs, host_mounts_under
+
+    state = tempfile.mkdtemp(prefix="corral-test-fail-", dir="/var/tmp")
+    name = f"{CGROUP_NAME}-fail"
+    monkeypatch.setenv("CORRAL_CGROUP", name)
+    with open(os.path.join(state, "trajlog.db"), "wb") as f:
+        f.write(b"this is not an SQLite database" * 100)
+    d = DaemonProcess(state_dir=state, socket_path=os.path.join(state, "d.sock"))
+    try:
+        with pytest.raises(RuntimeError, match="corrald exited"):
+            d.start(timeout=60)
+        assert "corrald failed" in d.tail()
+        assert host_mounts_under(state) == []
+        assert cgroup_dirs(name) == []
+    finally:
+        d.stop()
+        shutil.rmtree(state, ignore_errors=True)

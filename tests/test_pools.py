@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -25,6 +26,8 @@ from corral import Sandbox
 from conftest import (
     CGROUP_NAME,
     DaemonProcess,
+    _force_cleanup,
+    _unmount_under,
     cgroup_dirs,
     leaked_sandbox_cgroups,
     pids_in_cgroups,
@@ -49,7 +52,13 @@ def pooled_daemon(**env: str) -> Iterator[DaemonProcess]:
             try:
                 yield d
             finally:
-                d.stop()
+                try:
+                    d.stop()
+                finally:
+                    if sys.exc_info()[0] is not None:  # a failed test: leave nothing behind
+                        d.kill9()
+                        _force_cleanup(cg)
+                        _unmount_under(state)
             left = {"cgroups": leaked_sandbox_cgroups(cg),
                     "parents": [str(p) for p in cgroup_dirs(cg)],
                     "pids": sorted(pids_in_cgroups(cg)),

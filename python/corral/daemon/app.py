@@ -555,6 +555,7 @@ async def _state_op(request: web.Request, op: str) -> web.Response:
     sid, engine = request.match_info["id"], _engine(request)
 
     async def call() -> dict[str, Any]:
+        await engine.wait_capture(sid)  # a snapshot's freeze is not a pause
         return getattr(engine, op)(sid).info()
 
     return _json(_as_now(engine, await engine.trajlog.run(sid, op, {}, _key(request), call)))

@@ -615,6 +615,14 @@ class CgroupManager:
             return "frozen 1" in _read(p + "/cgroup.events")
         return _read(p + "/freezer.state").strip() == "FROZEN"
 
+    def freeze_requested(self, paths: list[str]) -> bool:
+        """Frozen, or on the way (v1 FREEZING; v2 cgroup.freeze set): either way a process
+        that joins it now freezes."""
+        p = self._freezer_path(paths)
+        if self.version == 2:
+            return _read(p + "/cgroup.freeze").strip() == "1"
+        return _read(p + "/freezer.state").strip() != "THAWED"
+
     def freeze(self, paths: list[str], timeout: float = 5.0) -> None:
         """Stop every process in the sandbox; returns once the kernel reports it frozen."""
         p = self._freezer_path(paths)

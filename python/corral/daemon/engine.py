@@ -83,11 +83,19 @@ _REASON_TEXT = {
 }
 
 
+def _any_record(sandboxes_dir: str) -> bool:
+    try:
+        return any(not n.startswith(".") for n in os.listdir(sandboxes_dir))
+    except FileNotFoundError:
+        return False
+
+
 class Sandbox:
     """One sandbox's bookkeeping; kept small, tens of thousands live at once."""
 
     __slots__ = ("id", "spec", "runtime", "state", "reason", "created_at", "expires_at",
-                 "last_active", "sched", "busy", "threads", "procs", "stopping", "paused_at")
+                 "last_active", "sched", "busy", "threads", "procs", "stopping", "paused_at",
+                 "capturing")
 
     def __init__(self, sid: str, spec: SandboxSpec, created_at: float, expires_at: float) -> None:
         self.id = sid
@@ -104,6 +112,8 @@ class Sandbox:
         self.procs: dict[int, procs.Process] | None = None
         self.stopping: asyncio.Future[None] | None = None
         self.paused_at: float | None = None
+        # Set while a snapshot's capture holds the sandbox frozen (Engine.wait_capture).
+        self.capturing: asyncio.Future[None] | None = None
 
     @property
     def hostname(self) -> str:
@@ -299,8 +309,14 @@ class Engine:
             sb = Sandbox(sid, spec, float(meta["created_at"]), float(meta["expires_at"]))
             sb.runtime = runtime
             sb.state = "running"
-            if meta.get("paused_at") and self._frozen(sb):
-                sb.state, sb.paused_at = "paused", float(meta["paused_at"])
+            if self._freeze_held(sb):
+                if meta.get("paused_at"):
+                    sb.state, sb.paused_at = "paused", float(meta["paused_at"])
+                else:
+                    # Frozen but not paused: the last daemon died in a snapshot's capture (or
+                    # between a pause's freeze and its record, or a resume's thaw and its
+                    # record). Left so, its next exec would freeze with the loop waiting.
+                    self._thaw_adopted(sb)
             if self.snaps is not None:
                 self.snaps.acquire(sb.layers)
             sb.last_active = time.time()  # the idle clock restarts with the daemon
@@ -334,6 +350,15 @@ class Engine:
         for sb in self.sandboxes.values():
             if sb.state in ("running", "paused"):
                 self._unwatch(sb)
+        # A start that failed with no sandbox to keep (none re-adopted, no record on disk not
+        # yet looked at) leaves nothing on the host: no scratch tmpfs, no parent cgroups. With
+        # sandboxes to keep, everything stays for the next start.
+        retire = not self.sandboxes and not _any_record(self.sandboxes_dir)
+        for substrate in self.substrates.values():
+            try:
+                substrate.close(retire=retire)
+            except Exception:  # noqa: BLE001
+                log.exception("substrate close failed", extra={"substrate": substrate.name})
         self.trajlog.close()
         if self.snaps is not None:
             self.snaps.close()
@@ -802,6 +827,7 @@ class Engine:
         return users.resolve(user, read("/etc/passwd"), read("/etc/group"))
 
     async def exec(self, sid: str, req: ExecRequest) -> dict[str, Any]:
+        await self.wait_capture(sid)
         sb = self.get(sid)
         for k, v in req.env.items():
             if not k or "=" in k or "\0" in k or "\0" in v:
@@ -952,6 +978,7 @@ class Engine:
     # ---- files ---------------------------------------------------------------------------
     async def files(self, sid: str, op: str, *args: Any, big: bool = False) -> Any:
         """Run a substrate file method; ``big`` ones in a thread."""
+        await self.wait_capture(sid)
         sb = self.get(sid)
         sub = self.substrates[sb.spec.substrate]
         fn = getattr(sub, op)
@@ -1002,6 +1029,12 @@ class Engine:
             raise Unsupported("snapshots need the container substrate")
         if name is not None and name in store.by_name:  # checked again in commit
             raise SnapshotExists(f"a snapshot named {name!r} exists", details={"name": name})
+        while True:  # one capture at a time (the freezer is shared), after file ops in flight
+            await self.wait_capture(sid)
+            sb = self.lookup(sid)
+            if not sb.threads:
+                break
+            await asyncio.sleep(0.001)
         base = sb.layers
         image = self._image(sb.spec.image)
         store.check_fits(store.stack(image.overlays, base), self.sandboxes_dir, extra_layers=1)
@@ -1014,6 +1047,11 @@ class Engine:
                     self.cgroups.freeze(paths)
                 except OSError:
                     pass  # no freezer: a best-effort copy of a live tree
+            # Tests only (tests/test_chaos.py): while this file exists the capture holds the
+            # sandbox frozen, so a test can act during it.
+            hold = os.environ.get("CORRAL_SNAPSHOT_TEST_HOLD_FILE")
+            while hold and os.path.exists(hold):
+                time.sleep(0.01)
 
         def thaw() -> None:
             if not paused:
@@ -1025,12 +1063,15 @@ class Engine:
         layers = list(base)
         store.acquire(layers)  # the sandbox may die meanwhile: keep its chain
         sb.threads += 1
+        sb.capturing = asyncio.get_running_loop().create_future()
         try:
             tmp, digest, size = await asyncio.to_thread(store.capture, self._uppers(sb),
                                                         freeze, thaw)
         finally:
             sb.threads -= 1
             store.release(layers)
+            done, sb.capturing = sb.capturing, None
+            done.set_result(None)
         rec = store.commit(tmp, digest, size, name=name, parent=sb.spec.snapshot,
                            image=sb.spec.image, base=base, sandbox_id=sid)
         if store.wants_spares():  # the next capture's dir, made while this one answers
@@ -1103,9 +1144,29 @@ class Engine:
         return self._snaps().delete(key)
 
     # ---- pause / resume --------------------------------------------------------------------
+    async def wait_capture(self, sid: str) -> None:
+        """Return once no snapshot capture holds the sandbox frozen. Anything that starts a
+        process in it waits here first: a process joining a frozen cgroup freezes at once,
+        and the daemon's spawn (a vfork) would wait for it with the event loop blocked until
+        the capture thaws. Pause and resume wait too (a resume would thaw the capture's
+        freeze mid-copy; a capture's thaw would undo a pause made during it), and so do file
+        operations (so a snapshot never holds half of a write made during it)."""
+        sb = self.sandboxes.get(sid)
+        while sb is not None and sb.capturing is not None:
+            await asyncio.shield(sb.capturing)
+            sb = self.sandboxes.get(sid)
+
     def _frozen(self, sb: Sandbox) -> bool:
         try:
             return bool(sb.runtime and self.cgroups.is_frozen(sb.runtime.cgroup_paths))
+        except OSError:
+            return False
+
+    def _freeze_held(self, sb: Sandbox) -> bool:
+        """Frozen or freezing (v1 FREEZING, v2 cgroup.freeze=1): a process started in it
+        would freeze."""
+        try:
+            return bool(sb.runtime and self.cgroups.freeze_requested(sb.runtime.cgroup_paths))
         except OSError:
             return False
 
@@ -1143,6 +1204,15 @@ class Engine:
         self._persist(sb)
         sb.sched = 0.0
         self._schedule(sb, now)
+
+    def _thaw_adopted(self, sb: Sandbox) -> None:
+        assert sb.runtime is not None
+        log.warning("re-adopted sandbox was frozen but not paused: thawed",
+                    extra={"sandbox": sb.id})
+        try:
+            self.cgroups.thaw(sb.runtime.cgroup_paths)
+        except (OSError, TimeoutError):
+            log.exception("thaw of a re-adopted sandbox failed", extra={"sandbox": sb.id})
 
     def _persist(self, sb: Sandbox) -> None:
         try:
