@@ -37,6 +37,7 @@ class Workload:
         self.done = 0
         self.seed = seed
         self.home_seen: list[int] = []
+        self.churn_seen: list[tuple[str, int]] = []
         self._lock = threading.Lock()
 
     def _ok(self) -> None:
@@ -66,6 +67,8 @@ class Workload:
         sb = Sandbox(endpoint=self.ep, timeout=600)
         r = sb.exec(f"echo c{n} > /root/f && cat /root/f")
         assert (r.exit_code, r.stdout) == (0, f"c{n}\n"), r
+        with self._lock:
+            self.churn_seen.append((sb.id, n))  # a client saw it: the log must have it
         if rng.random() < 0.8:
             sb.kill()  # else left for the restart to re-adopt (and the end to kill)
 
@@ -105,9 +108,41 @@ class Workload:
         if rng.random() < 0.2:
             sb.exec("sleep 30 >/dev/null 2>&1 &")  # a background process across restarts
 
+    def pauses(self, rng: random.Random, n: int) -> None:
+        sb = Sandbox(endpoint=self.ep, timeout=600)
+        try:
+            sb.exec("sleep 30 >/dev/null 2>&1 &")
+            assert sb.pause().state == "paused"
+            if rng.random() < 0.5:
+                assert sb.resume().state == "running"
+            assert sb.exec("echo p").stdout == "p\n"  # resumes a paused one transparently
+        finally:
+            try:
+                sb.kill()
+            except CorralError:
+                pass
+
+    def restores(self, rng: random.Random, n: int) -> None:
+        sb = Sandbox(endpoint=self.ep, timeout=600)
+        try:
+            sb.files.write("/root/r", "before")
+            snap = sb.snapshot()
+            sb.files.write("/root/r", "after")
+            sb.files.write("/root/big", os.urandom(rng.randint(1, 4) << 20))  # a thread op
+            sb.restore(snap)
+            assert sb.files.read("/root/r") == "before"
+            assert sb.exec("test -e /root/big || echo gone").stdout == "gone\n"
+            snap.delete()
+        finally:
+            try:
+                sb.kill()
+            except CorralError:
+                pass
+
     def start(self) -> list[threading.Thread]:
         steps = {"churn": self.churn, "batch": self.batch, "snapshots": self.snapshots,
-                 "long_lived": self.long_lived}
+                 "long_lived": self.long_lived, "pauses": self.pauses,
+                 "restores": self.restores}
         threads = [threading.Thread(target=self._loop, args=(k, v), daemon=True)
                    for k, v in steps.items()]
         for t in threads:
@@ -187,6 +222,12 @@ def test_kill9_at_random_moments_loses_and_leaks_nothing(monkeypatch):
                     (work.home_seen, lines)
             except CorralError as e:
                 assert e.code == "sandbox_lost", e
+        # Every exec a client saw is in its sandbox's trajectory log, with its output (the
+        # sandboxes ended, killed or lost, but their logs outlive them).
+        for sid, n in random.Random(seed).sample(work.churn_seen, min(40, len(work.churn_seen))):
+            entries = Sandbox.from_id(sid, endpoint=url).log()
+            got = [e.result["stdout"] for e in entries if e.op == "exec" and e.result]
+            assert f"c{n}\n" in got, (sid, n, entries)
         # Kill everything, delete every snapshot: nothing may be left.
         live = Sandbox.list(endpoint=url)
         Sandbox.kill_many(live, return_exceptions=True, endpoint=url)
