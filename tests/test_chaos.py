@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import threading
 import time
 from typing import Any
@@ -49,7 +50,11 @@ class Workload:
             if isinstance(e, CorralError) and e.infra:
                 self.infra += 1
             else:
-                self.findings.append(f"{who}: {type(e).__name__}: {e}")
+                import traceback
+
+                at = [f"line {f.lineno}" for f in traceback.extract_tb(e.__traceback__)
+                      if f.filename == __file__]
+                self.findings.append(f"{who} ({', '.join(at)}): {type(e).__name__}: {e}")
 
     def _loop(self, who: str, step: Any) -> None:
         rng = random.Random(f"{self.seed}-{who}")
@@ -109,7 +114,9 @@ class Workload:
             sb.exec("sleep 30 >/dev/null 2>&1 &")  # a background process across restarts
 
     def pauses(self, rng: random.Random, n: int) -> None:
-        sb = Sandbox(endpoint=self.ep, timeout=600)
+        # Labeled: the check after each restart leaves these alone (an exec there would
+        # resume one this worker just paused).
+        sb = Sandbox(endpoint=self.ep, timeout=600, labels={"chaos": "pauses"})
         try:
             sb.exec("sleep 30 >/dev/null 2>&1 &")
             assert sb.pause().state == "paused"
@@ -194,12 +201,18 @@ def test_kill9_at_random_moments_loses_and_leaks_nothing(monkeypatch):
         try:
             for _ in range(ROUNDS):
                 time.sleep(rng.uniform(0.5, 2.0))  # everything in flight, at some point
+                if rng.random() < 0.35 and d.proc is not None:
+                    # A graceful stop cut short: sandboxes half destroyed.
+                    d.proc.send_signal(signal.SIGTERM)
+                    time.sleep(rng.uniform(0.0, 0.2))
                 d.kill9()
                 time.sleep(rng.uniform(0.0, 0.3))
                 d.start()
                 time.sleep(0.3)
                 # Every sandbox the new daemon lists works, with its files.
                 for sb in Sandbox.list(endpoint=url):
+                    if sb.last_info is not None and sb.last_info.labels.get("chaos"):
+                        continue
                     try:
                         assert sb.exec("test -d /root && echo up").stdout == "up\n"
                     except CorralError as e:  # ended meanwhile (a worker's kill): fine
@@ -220,8 +233,8 @@ def test_kill9_at_random_moments_loses_and_leaks_nothing(monkeypatch):
                 lines = [int(x) for x in home.files.read("/root/count").split()]
                 assert lines == sorted(lines) and set(work.home_seen) <= set(lines), \
                     (work.home_seen, lines)
-            except CorralError as e:
-                assert e.code == "sandbox_lost", e
+            except CorralError as e:  # lost, or destroyed by a graceful stop: infra
+                assert e.infra, e
         # Every exec a client saw is in its sandbox's trajectory log, with its output (the
         # sandboxes ended, killed or lost, but their logs outlive them).
         for sid, n in random.Random(seed).sample(work.churn_seen, min(40, len(work.churn_seen))):

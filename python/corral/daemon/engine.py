@@ -67,6 +67,7 @@ def _effective_timeout(req: ExecRequest) -> float | None:
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 TOMBSTONES = 50_000          # remembered ended ids, so late calls get a precise error
+SHUTDOWN_ENDED = "ended-by-shutdown.json"  # in the state dir: ids a graceful stop destroyed
 MAX_PROCS_KEPT = 256         # finished background processes remembered per sandbox
 DIRECT_IO_BYTES = 1 << 20    # file reads/writes up to this size skip the thread hop
 MAX_READ_BYTES = 1 << 30
@@ -212,6 +213,7 @@ class Engine:
         self.sandboxes_dir = os.path.join(config.state_dir, "sandboxes")
         self.started_at = time.time()
         self.shutting_down = False
+        self._shutdown_ended: list[str] = []  # see _save_shutdown_tombstones
         self.counters: dict[str, int] = {
             "created": 0, "create_failed": 0, "execs": 0, "exec_timeouts": 0, "lost": 0,
             "expired": 0, "idle_timeout": 0, "killed": 0, "adopted": 0, "orphans_removed": 0,
@@ -239,6 +241,7 @@ class Engine:
         self.snaps = snapshots.SnapshotStore(self.config.state_dir)
         await asyncio.to_thread(self.snaps.load)
         self.trajlog.open(self._loop)
+        self._load_shutdown_tombstones()
         self._recover()
         self.snaps.collect()
         self._catch_init_exits()
@@ -370,12 +373,38 @@ class Engine:
             self._reaper.cancel()
         if self.pools is not None:
             await self.pools.close()
+        self._save_shutdown_tombstones()
         stops = [self._begin_stop(sb, "shutdown") for sb in list(self.sandboxes.values())]
         if stops:
             log.info("destroying sandboxes", extra={"count": len(stops)})
             await asyncio.gather(*stops, return_exceptions=True)
         for substrate in self.substrates.values():
             substrate.close(retire=not self.sandboxes)
+
+    # Ids of sandboxes that a graceful stop destroyed, kept across restarts: a client coming
+    # back after `corral down; corral up` (or a restart by its supervisor) gets
+    # daemon_restarted, an infra error a trainer masks, not sandbox_not_found.
+    def _save_shutdown_tombstones(self) -> None:
+        ids = [*self._shutdown_ended, *self.sandboxes][-TOMBSTONES:]
+        try:
+            persist.write_json_atomic(os.path.join(self.config.state_dir, SHUTDOWN_ENDED),
+                                      {"ids": ids})
+        except OSError as e:
+            log.warning("cannot record the sandboxes this stop ends", extra={"error": str(e)})
+
+    def _load_shutdown_tombstones(self) -> None:
+        path = os.path.join(self.config.state_dir, SHUTDOWN_ENDED)
+        try:
+            ids = persist.read_json(path)["ids"]
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("unreadable record of the last stop's sandboxes",
+                        extra={"error": str(e)})
+            return
+        self._shutdown_ended = [str(i) for i in ids][-TOMBSTONES:]
+        for sid in self._shutdown_ended:
+            self._tombstone(sid, "shutdown")
 
     # ---- lookup --------------------------------------------------------------------------
     def _gone(self, sid: str, sb: Sandbox | None = None) -> CorralError:
@@ -990,9 +1019,11 @@ class Engine:
                 finally:
                     sb.threads -= 1
             return fn(sb.runtime, *args)
-        except CorralError:
+        except CorralError as e:
             if sb.state == "running":
                 self._check_alive(sb)
+            elif sb.reason is not None:  # it ended (or is ending) meanwhile: say why, as exec
+                raise self._gone(sb.id, sb) from e  # does (a shutdown: daemon_restarted)
             raise
         except OSError as e:
             self._check_alive(sb)

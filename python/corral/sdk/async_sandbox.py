@@ -170,6 +170,8 @@ class AsyncSandbox(SandboxHandle):
         """See ``Sandbox.exec_many``."""
         items = [x if isinstance(x, str) else await x._ready_handle() for x in sandboxes]
         ep, ids = batch_target(items, endpoint)
+        if not ids:
+            return []  # nothing to run: no request (the API takes one id at least)
         res = await _send(ep, api.exec_many(ids, cmd, timeout=timeout, env=env, cwd=cwd,
                                             user=user, stdin=stdin,
                                             max_output_bytes=max_output_bytes,
@@ -184,6 +186,8 @@ class AsyncSandbox(SandboxHandle):
         """See ``Sandbox.kill_many``."""
         items = [x if isinstance(x, str) else await x._ready_handle() for x in sandboxes]
         ep, ids = batch_target(items, endpoint)
+        if not ids:
+            return []
         return batch_result(await _send(ep, api.kill_many(ids)), return_exceptions)
 
     async def _ready_handle(self) -> AsyncSandbox:

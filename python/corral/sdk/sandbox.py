@@ -127,6 +127,8 @@ class Sandbox(SandboxHandle):
         ``return_exceptions=True`` has the error in its place. ``concurrency``: commands the
         daemon runs at once."""
         ep, ids = batch_target(sandboxes, endpoint)
+        if not ids:
+            return []  # nothing to run: no request (the API takes one id at least)
         res = _send(ep, api.exec_many(ids, cmd, timeout=timeout, env=env, cwd=cwd, user=user,
                                       stdin=stdin, max_output_bytes=max_output_bytes,
                                       concurrency=concurrency))
@@ -139,6 +141,8 @@ class Sandbox(SandboxHandle):
         had already ended. An unknown id raises SandboxNotFound (or, with
         ``return_exceptions=True``, has it in its place)."""
         ep, ids = batch_target(sandboxes, endpoint)
+        if not ids:
+            return []
         return batch_result(_send(ep, api.kill_many(ids)), return_exceptions)
 
     # ---- the sandbox ----------------------------------------------------------------------
