@@ -338,5 +338,36 @@ def test_an_exec_during_a_snapshot_waits_without_blocking_the_daemon(monkeypatch
         out["snap"].delete()
 
 
+def test_an_init_dying_while_the_daemon_is_down_is_lost_not_running(monkeypatch):
+    """The daemon dies with a command running in a sandbox (the command is the daemon's
+    child), then the sandbox's init is killed. Its exit waits until that command is reaped,
+    which only the host's init now does, and some never do promptly: the init sits in exit,
+    its pid and start time unchanged, its root gone. Such a sandbox is lost (an infra error),
+    never `running` with every call failing `sandbox_not_running` (found by the chaos test)."""
+    monkeypatch.setenv("CORRAL_AUTOSTART", "0")
+    with pooled_daemon(CORRAL_POOL="off") as d:
+        url = ep(d)
+        sb = Sandbox(endpoint=url)
+        init = sb.info().init_pid
+        t = threading.Thread(target=lambda: _swallow(lambda: sb.exec("sleep 30", timeout=60)))
+        t.start()
+        time.sleep(0.5)  # the command runs, a child of the daemon
+        d.kill9()
+        t.join(30)
+        os.kill(init, signal.SIGKILL)
+        time.sleep(0.3)
+        d.start()
+        with pytest.raises(CorralError) as e:
+            Sandbox.connect(sb.id, endpoint=url).exec("true", timeout=10)
+        assert e.value.code == "sandbox_lost" and e.value.infra, e.value
+
+
+def _swallow(fn: Any) -> None:
+    try:
+        fn()
+    except CorralError:
+        pass
+
+
 if __name__ == "__main__":
     pytest.main([__file__, "-q", "-s"])

@@ -108,10 +108,17 @@ def proc_starttime(pid: int) -> int | None:
     return None if rest is None else int(rest[19])  # fields 3.. -> field 22 is index 19
 
 
+PF_EXITING = 0x4  # task flags (/proc/PID/stat field 9): in do_exit
+
+
 def proc_alive(pid: int, starttime: int) -> bool:
-    """Is PID still the process that started at ``starttime`` and not a zombie?"""
+    """Is PID still the process that started at ``starttime``, and neither a zombie nor on its
+    way out? A pid namespace's init that is exiting waits (state D, for ever if need be) until
+    every process of its namespace is reaped, and a command whose parent died with the daemon
+    is reaped only when the host's init gets to it: such a sandbox is dead, not running."""
     rest = _stat_fields(pid)
-    return rest is not None and rest[0] not in (b"Z", b"X") and int(rest[19]) == starttime
+    return (rest is not None and rest[0] not in (b"Z", b"X") and int(rest[19]) == starttime
+            and not int(rest[6]) & PF_EXITING)
 
 
 # Open root fds kept for sandboxes used recently (exec and file operations reuse them); the rest
@@ -634,7 +641,7 @@ class ContainerSubstrate(Substrate):
 
     def adopt(self, runtime: SandboxRuntime) -> bool:
         pid = runtime.init_pid
-        if pid <= 0 or proc_starttime(pid) != runtime.init_starttime:
+        if pid <= 0 or not proc_alive(pid, runtime.init_starttime):
             return False
         try:
             fd = os.pidfd_open(pid)
