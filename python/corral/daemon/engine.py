@@ -1145,11 +1145,18 @@ class Engine:
         try:
             while sb.threads:
                 await asyncio.sleep(0.001)
-            runtime = await asyncio.to_thread(reset, sb.runtime, spec, image)
+            # Counted as a thread: a kill or a shutdown that comes meanwhile waits for the
+            # reset, then destroys what it made (not the runtime being replaced under it).
+            sb.threads += 1
+            try:
+                runtime = await asyncio.to_thread(reset, sb.runtime, spec, image)
+            finally:
+                sb.threads -= 1
         except BaseException:
             store.release(rec["layers"])
-            sb.reason = None
-            self._lose(sb)  # the old init is gone or in an unknown state
+            if sb.stopping is None:
+                sb.reason = None
+                self._lose(sb)  # the old init is gone or in an unknown state
             raise
         if sb.procs:
             for p in sb.procs.values():
@@ -1157,6 +1164,9 @@ class Engine:
             sb.procs = None
         runtime.extra["layers"] = list(rec["layers"])
         sb.runtime, sb.spec = runtime, spec
+        if sb.stopping is not None:  # killed or shut down while restoring: it stays so
+            store.release(old_layers)  # (the destroy in flight releases the new ones)
+            raise self._gone(sid, sb)
         sb.state, sb.reason = "running", None
         sb.last_active = time.time()
         persist.write_json_atomic(os.path.join(self.sandboxes_dir, sid, persist.META), sb.meta())
