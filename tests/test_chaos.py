@@ -97,10 +97,7 @@ class Workload:
                 assert child.exec("cat /root/s").stdout == f"s{n}"
                 child.kill()
         finally:
-            try:
-                sb.kill()
-            except CorralError:
-                pass
+            _swallow(sb.kill)
 
     def long_lived(self, rng: random.Random, n: int) -> None:
         if not hasattr(self, "_home"):
@@ -124,10 +121,7 @@ class Workload:
                 assert sb.resume().state == "running"
             assert sb.exec("echo p").stdout == "p\n"  # resumes a paused one transparently
         finally:
-            try:
-                sb.kill()
-            except CorralError:
-                pass
+            _swallow(sb.kill)
 
     def restores(self, rng: random.Random, n: int) -> None:
         sb = Sandbox(endpoint=self.ep, timeout=600)
@@ -141,10 +135,7 @@ class Workload:
             assert sb.exec("test -e /root/big || echo gone").stdout == "gone\n"
             snap.delete()
         finally:
-            try:
-                sb.kill()
-            except CorralError:
-                pass
+            _swallow(sb.kill)
 
     def start(self) -> list[threading.Thread]:
         steps = {"churn": self.churn, "batch": self.batch, "snapshots": self.snapshots,

@@ -16,8 +16,10 @@ and the median of the per-run on/off ratios.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,27 @@ class _Tally:
         self.lat: list[float] = []
         self.errors: list[str] = []
 
+    def note(self, r: Any, t0: float) -> None:
+        """One exec's outcome (started at ``t0``)."""
+        if r.exit_code == 0:
+            self.lat.append((time.perf_counter() - t0) * 1e3)
+        else:
+            self.errors.append(f"exit {r.exit_code}")
+
+    @contextlib.contextmanager
+    def block(self, d: PrivateDaemon, m: int) -> Iterator[None]:
+        """Account one block of ``m`` execs on daemon ``d``: its wall time and CPU."""
+        c0 = _cpu(d)
+        t0 = time.perf_counter()
+        yield
+        self.wall += time.perf_counter() - t0
+        c1 = _cpu(d)
+        if c0 is None or c1 is None:
+            self.cpu_ok = False
+        else:
+            self.cpu += c1 - c0
+        self.n += m
+
     def to_json(self, mode: str) -> dict[str, Any]:
         out = OpResult(mode, self.n, self.wall, len(self.errors), {"exec": self.lat}).to_json()
         if self.n and self.cpu_ok:
@@ -94,10 +117,7 @@ def _one(sb: Sandbox, tally: _Tally) -> None:
     except CorralError as e:
         tally.errors.append(sdk_runs._err(e))
         return
-    if r.exit_code == 0:
-        tally.lat.append((time.perf_counter() - t) * 1e3)
-    else:
-        tally.errors.append(f"exit {r.exit_code}")
+    tally.note(r, t)
 
 
 def _seq(daemons: dict[str, PrivateDaemon], n: int, adv: Any) -> dict[str, _Tally]:
@@ -115,17 +135,9 @@ def _seq(daemons: dict[str, PrivateDaemon], n: int, adv: Any) -> dict[str, _Tall
             m = min(BLOCK, n - b * BLOCK)
             for k in _order(names, b):
                 tally, sb = tallies[k], boxes[k]
-                c0 = _cpu(daemons[k])
-                t0 = time.perf_counter()
-                for _ in range(m):
-                    _one(sb, tally)
-                tally.wall += time.perf_counter() - t0
-                c1 = _cpu(daemons[k])
-                if c0 is None or c1 is None:
-                    tally.cpu_ok = False
-                else:
-                    tally.cpu += c1 - c0
-                tally.n += m
+                with tally.block(daemons[k], m):
+                    for _ in range(m):
+                        _one(sb, tally)
                 adv(m)
     finally:
         for sb in boxes.values():
@@ -152,10 +164,7 @@ async def _conc_async(daemons: dict[str, PrivateDaemon], n: int, conc: int,
                 except CorralError as e:
                     tally.errors.append(sdk_runs._err(e))
                     continue
-                if r.exit_code == 0:
-                    tally.lat.append((time.perf_counter() - t) * 1e3)
-                else:
-                    tally.errors.append(f"exit {r.exit_code}")
+                tally.note(r, t)
 
         per = BLOCK * conc
         for b in range(-(-n // per)):
@@ -163,16 +172,8 @@ async def _conc_async(daemons: dict[str, PrivateDaemon], n: int, conc: int,
             for k in _order(names, b):
                 tally, sb = tallies[k], boxes[k]
                 todo = iter(range(m))  # shared: each exec taken once
-                c0 = _cpu(daemons[k])
-                t0 = time.perf_counter()
-                await asyncio.gather(*(worker(sb, tally, todo) for _ in range(conc)))
-                tally.wall += time.perf_counter() - t0
-                c1 = _cpu(daemons[k])
-                if c0 is None or c1 is None:
-                    tally.cpu_ok = False
-                else:
-                    tally.cpu += c1 - c0
-                tally.n += m
+                with tally.block(daemons[k], m):
+                    await asyncio.gather(*(worker(sb, tally, todo) for _ in range(conc)))
                 adv(m)
     finally:
         for sb in boxes.values():

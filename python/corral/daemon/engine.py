@@ -856,7 +856,8 @@ class Engine:
         return users.resolve(user, read("/etc/passwd"), read("/etc/group"))
 
     async def exec(self, sid: str, req: ExecRequest) -> dict[str, Any]:
-        await self.wait_capture(sid)
+        if self._capturing(sid):
+            await self.wait_capture(sid)
         sb = self.get(sid)
         for k, v in req.env.items():
             if not k or "=" in k or "\0" in k or "\0" in v:
@@ -1007,7 +1008,8 @@ class Engine:
     # ---- files ---------------------------------------------------------------------------
     async def files(self, sid: str, op: str, *args: Any, big: bool = False) -> Any:
         """Run a substrate file method; ``big`` ones in a thread."""
-        await self.wait_capture(sid)
+        if self._capturing(sid):
+            await self.wait_capture(sid)
         sb = self.get(sid)
         sub = self.substrates[sb.spec.substrate]
         fn = getattr(sub, op)
@@ -1185,6 +1187,11 @@ class Engine:
         return self._snaps().delete(key)
 
     # ---- pause / resume --------------------------------------------------------------------
+    def _capturing(self, sid: str) -> bool:
+        """A snapshot's capture holds the sandbox frozen (cheap: the exec path asks first)."""
+        sb = self.sandboxes.get(sid)
+        return sb is not None and sb.capturing is not None
+
     async def wait_capture(self, sid: str) -> None:
         """Return once no snapshot capture holds the sandbox frozen. Anything that starts a
         process in it waits here first: a process joining a frozen cgroup freezes at once,
