@@ -1204,12 +1204,6 @@ class Engine:
             await asyncio.shield(sb.capturing)
             sb = self.sandboxes.get(sid)
 
-    def _frozen(self, sb: Sandbox) -> bool:
-        try:
-            return bool(sb.runtime and self.cgroups.is_frozen(sb.runtime.cgroup_paths))
-        except OSError:
-            return False
-
     def _freeze_held(self, sb: Sandbox) -> bool:
         """Frozen or freezing (v1 FREEZING, v2 cgroup.freeze=1): a process started in it
         would freeze."""

@@ -551,9 +551,7 @@ class TrajLog:
         are INDEX_EVERY of them (an amortised cost: one page or a few for all of them)."""
         if self._unindexed < INDEX_EVERY:
             return
-        # The watermark is read from the database, in this transaction (one small read every
-        # INDEX_EVERY entries), never cached: whatever moved it is taken into account.
-        _index_tail(conn)
+        _index_tail(conn)  # reads the watermark: one small read every INDEX_EVERY entries
         self._unindexed = 0
 
     def _lower_watermark(self, conn: sqlite3.Connection) -> None:
@@ -999,18 +997,16 @@ def _watermark(conn: sqlite3.Connection) -> int:
     return int(row[0]) if row else 0
 
 
-def _index_tail(conn: sqlite3.Connection, since: int | None = None) -> int:
-    """Add the entries after ``since`` (the watermark) to entries_by_sandbox and move the
-    watermark to the last entry; the new watermark. Inside the caller's transaction, if any
-    (then the index update commits with the entries, or not at all)."""
-    if since is None:
-        since = _watermark(conn)
+def _index_tail(conn: sqlite3.Connection) -> None:
+    """Add the entries after the watermark (read from the database, never cached) to
+    entries_by_sandbox and move the watermark to the last entry. Inside the caller's
+    transaction, if any (then the index update commits with the entries, or not at all)."""
+    since = _watermark(conn)
     top = conn.execute("SELECT max(seq) FROM entries").fetchone()[0] or 0
     if top > since:
         conn.execute("INSERT OR IGNORE INTO entries_by_sandbox (sandbox_id, seq) SELECT "
                      "sandbox_id, seq FROM entries WHERE seq > ? AND seq <= ?", (since, top))
         conn.execute("UPDATE log_meta SET v=? WHERE k='indexed'", (top,))
-    return max(top, since)
 
 
 def _resolve(results: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
