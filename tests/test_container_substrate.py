@@ -7,10 +7,13 @@ cgroup, mount or directory is left.
 
 from __future__ import annotations
 
+import array
 import io
 import os
+import select
 import shutil
 import signal
+import socket
 import tarfile
 import tempfile
 import time
@@ -19,6 +22,7 @@ import pytest
 
 pytest.importorskip("corral._core")
 
+from corral.daemon import initexec  # noqa: E402
 from corral.daemon.cgroups import CgroupManager  # noqa: E402
 from corral.daemon.images import ImageStore  # noqa: E402
 from corral.daemon.substrates.base import ExecSpec, SandboxRuntime  # noqa: E402
@@ -121,8 +125,22 @@ def run(sub, rt, cmd, *, uid=0, gid=0, cwd="/root", env=None, timeout=30):
             out += b
     finally:
         os.close(r)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), out.decode(errors="replace")
+    return os.waitstatus_to_exitcode(wait_child(pid)), out.decode(errors="replace")
+
+
+def wait_child(child):
+    """The wait status of what spawn started: our child (a pid) or the init's (Spawned)."""
+    if not isinstance(child, initexec.Spawned):
+        return os.waitpid(child, 0)[1]
+    try:
+        p = select.poll()
+        p.register(child.pidfd, select.POLLHUP)  # the init reaped it
+        assert p.poll(30_000), "the init did not reap the command"
+        status = initexec.wait_status(child.pidfd)
+        assert status is not None
+        return status
+    finally:
+        os.close(child.pidfd)
 
 
 # ---- lifecycle ----------------------------------------------------------------------------
@@ -444,3 +462,97 @@ def test_netns_pool_grows_for_a_batch_and_decays():
     finally:
         pool.close()
     assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+# ---- exec through the init (corral.daemon.initexec) -----------------------------------------
+# What a command sees of its walls; the first line differs by design (the daemon's own path
+# starts it as the daemon's child, from outside the pid namespace: PPid 0).
+WALLS_PROBE = r"""
+echo "ppid=$(awk '/^PPid/{print $2}' /proc/$$/status)"
+grep -E '^(Uid|Gid|Groups|Cap[A-Za-z]+|NoNewPrivs|Seccomp|Seccomp_filters|Umask):' /proc/self/status
+cat /proc/self/cgroup /proc/self/limits
+for n in mnt pid net uts ipc cgroup; do readlink /proc/self/ns/$n; done
+[ "$(cut -d' ' -f6 /proc/$$/stat)" = "$$" ] && echo session-leader
+ls -di / ; pwd ; hostname
+"""
+
+
+@pytest.mark.parametrize("uid", [0, 1000])
+def test_exec_through_the_init_matches_the_daemons_own_path(sub, rt, uid):
+    assert sub.init_exec, "this kernel should support exec through the init (6.15+)"
+    outs = {}
+    try:
+        for via_init in (True, False):
+            sub.init_exec = via_init
+            code, out = run(sub, rt, WALLS_PROBE, uid=uid, gid=uid, cwd="/tmp")
+            assert code == 0, out
+            outs[via_init] = out.splitlines()
+    finally:
+        sub.init_exec = True
+    assert (outs[True][0], outs[False][0]) == ("ppid=1", "ppid=0")
+    assert outs[True][1:] == outs[False][1:]
+    assert "session-leader" in outs[True]
+
+
+def test_exit_codes_through_the_init(sub, rt):
+    assert run(sub, rt, "exit 7")[0] == 7
+    assert run(sub, rt, "kill -9 $$")[0] == -9
+    assert run(sub, rt, ["no-such-command"])[0] == 127
+    assert run(sub, rt, ["/etc/passwd"])[0] == 126  # not executable
+    assert run(sub, rt, "echo $0 $1", env={"PATH": "/nowhere:/bin"})[1] == "/bin/sh\n"
+
+
+def test_big_commands_take_the_daemons_own_path(sub, rt):
+    """A request beyond the init's 64 KiB buffer runs anyway, through exec_in."""
+    probe = "echo \"${#0}:$(awk '/^PPid/{print $2}' /proc/$$/status)\""
+    code, out = run(sub, rt, ["/bin/sh", "-c", probe, "x" * 70_000])
+    assert (code, out) == (0, "70000:0\n")
+
+
+def test_the_init_refuses_malformed_requests_and_keeps_serving(sub, rt):
+    assert run(sub, rt, "true")[0] == 0
+    chan = sub._channel(rt, rt.pidfd)
+    good = initexec.encode(77, ["true"], {}, "/", 0, 0, [], ["/bin/true"], False)
+    head = initexec._REQ
+    r, w = os.pipe()
+    cases = [
+        (b"xx", [w, w, w]),                                          # short
+        (b"\0" * head.size, [w, w, w]),                              # bad magic
+        (good, [w, w]),                                              # fds do not match flags
+        (good, []),                                                  # no fds at all
+        (good[:-1], [w, w, w]),                                      # last string unterminated
+        (head.pack(initexec.REQ_MAGIC, 1, 0, 0, 0, 0, 5000, 0, 1) + b"a\0" * 10, [w, w, w]),
+        (head.pack(initexec.REQ_MAGIC, 1, 0, 0, 0, 10_000, 1, 0, 1) + b"a\0a\0/\0", [w, w, w]),
+        (good + b"x" * 70_000, [w, w, w]),                           # beyond the init's buffer
+    ]
+    try:
+        for msg, fds in cases:
+            chan.sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                       array.array("i", fds))] if fds else [])
+            data, got = chan._recv()
+            assert data is not None and not got, msg[:40]
+            magic, _rid, value, _step = initexec._REPLY.unpack(data)
+            assert magic == initexec.REPLY_MAGIC and value < 0, (msg[:40], value)
+    finally:
+        os.close(r)
+        os.close(w)
+    # Still serving, and no received fd stayed open in the init: 0-2 (/dev/null), 3-4 (channel).
+    assert run(sub, rt, "echo alive")[1] == "alive\n"
+    assert sorted(int(f) for f in os.listdir(f"/proc/{rt.init_pid}/fd")) == [0, 1, 2, 3, 4]
+
+
+def test_stale_answers_in_the_channel_are_dropped(sub, rt):
+    """An answer nobody read (a daemon killed mid-request) does not answer the next call."""
+    assert run(sub, rt, "true")[0] == 0
+    chan = sub._channel(rt, rt.pidfd)
+    r, w = os.pipe()
+    try:
+        msg = initexec.encode(12345, ["/bin/sh", "-c", "exit 5"], {}, "/", 0, 0, [],
+                              ["/bin/sh"], True)
+        chan.sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                   array.array("i", [w, w]))])
+    finally:
+        os.close(r)
+        os.close(w)
+    time.sleep(0.2)  # its answer (with a pidfd) now waits in the channel
+    assert run(sub, rt, "exit 4")[0] == 4

@@ -280,3 +280,27 @@ def test_kill9_readopts_network_disabled(daemon):
             b.kill()
         except CorralError:
             pass
+
+
+def test_kill9_keeps_exec_through_the_init(daemon):
+    """The init holds both ends of its exec channel, so a re-adopted sandbox's commands still
+    start through it (their parent is the init, pid 1) and a restarted daemon drops whatever
+    its predecessor left unread in the channel."""
+    ppid = "awk '/^PPid/{print $2}' /proc/$$/status"
+    b = Sandbox(timeout=600)
+    try:
+        assert b.exec(ppid).stdout == "1\n"
+        bg = b.exec("sleep 0.2; echo done >/tmp/bg", background=True)
+        daemon.kill9()
+        daemon.start()
+        again = Sandbox.connect(b.id)
+        r = again.exec(f"{ppid}; sleep 0.3; cat /tmp/bg; exit 3")
+        assert (r.exit_code, r.stdout) == (3, "1\ndone\n"), (r.exit_code, r.stdout, r.stderr)
+        assert bg.pid > 0
+    finally:
+        if daemon.proc is None:
+            daemon.start()
+        try:
+            b.kill()
+        except CorralError:
+            pass

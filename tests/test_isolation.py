@@ -122,6 +122,49 @@ def test_privileges_dropped(sb):
     assert fields["Seccomp"].strip() == "2"
 
 
+INIT_PROBE = r"""
+import ctypes, errno, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+def sys(nr, *a):
+    r = libc.syscall(nr, *[ctypes.c_long(x) for x in a])
+    return "OK" if r >= 0 else errno.errorcode[ctypes.get_errno()]
+for what in ("/proc/1/fd/3", "/proc/1/fd/4", "/proc/1/environ", "/proc/1/mem", "/proc/1/maps"):
+    try:
+        os.readlink(what) if "/fd/" in what else open(what, "rb").read(1)
+        print(what, "OK")
+    except OSError as e:
+        print(what, errno.errorcode[e.errno])
+pidfd = libc.syscall(434, 1, 0)                          # pidfd_open(1)
+print("pidfd_open", "OK" if pidfd >= 0 else "denied")
+for fd in (3, 4):                                         # the exec channel's two ends
+    print("pidfd_getfd", fd, sys(438, pidfd, fd, 0))
+buf = ctypes.create_string_buffer(64)
+local = (ctypes.c_size_t * 2)(ctypes.addressof(buf), 64)
+remote = (ctypes.c_size_t * 2)(0x401000, 64)            # the init's text (static, not PIE)
+print("process_vm_readv", sys(310, 1, ctypes.addressof(local), 1, ctypes.addressof(remote), 1, 0))
+print("ptrace", sys(101, 16, 1, 0, 0))                  # PTRACE_ATTACH
+os.kill(1, 40); os.kill(1, signal.SIGIO)                 # the channel's wake-up signals
+"""
+
+
+def test_the_init_and_its_exec_channel_are_out_of_reach(sb):
+    """The init starts commands from a socket on its fds 3 and 4 and holds the shell's
+    capabilities: root in the sandbox (same uid) must not trace it, read its memory or fds, take
+    the channel to forge requests, or disturb it with the channel's wake-up signals."""
+    sb.files.write("/opt/init_probe.py", INIT_PROBE)
+    r = sh(sb, "python3 /opt/init_probe.py")
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert [x for x in lines if x.startswith("/proc/1/")] == [
+        "/proc/1/fd/3 EACCES", "/proc/1/fd/4 EACCES", "/proc/1/environ EACCES",
+        "/proc/1/mem EACCES", "/proc/1/maps EACCES"], r.stdout
+    assert "pidfd_getfd 3 EPERM" in lines and "pidfd_getfd 4 EPERM" in lines, r.stdout
+    assert "process_vm_readv EPERM" in lines, r.stdout
+    assert "ptrace OK" not in lines, r.stdout
+    after = sh(sb, "echo still; awk '/^PPid/{print $2}' /proc/$$/status; cat /proc/1/comm")
+    assert after.stdout == "still\n1\ncorral-init\n"
+
+
 def test_mount_and_new_namespaces_denied(sb):
     r = sh(sb, "mount -t tmpfs none /mnt; echo mount=$?; unshare -m true; echo unshare_m=$?; "
                "unshare -U true; echo unshare_u=$?; unshare -n true; echo unshare_n=$?")

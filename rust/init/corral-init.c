@@ -1,12 +1,26 @@
 /* corral-init: PID 1 of every corral sandbox.
  *
- * It only reaps orphans and waits to be told to stop. Every signal stays blocked and is taken
- * synchronously with sigwaitinfo (rt_sigtimedwait): SIGCHLD reaps every exited child;
- * SIGTERM/SIGINT sent from outside the sandbox's pid namespace (si_pid reads 0 there) exit 0.
- * The same signals sent from inside the sandbox are ignored, so code in the sandbox cannot end
- * its own sandbox and turn a scored rollout into an "infrastructure" failure. SIGKILL from the
- * host always works. The spawner execs this with every signal already blocked, so nothing can
- * arrive before the mask below is in place.
+ * It reaps orphans, waits to be told to stop, and starts the daemon's commands. Every signal
+ * stays blocked and is taken synchronously with sigwaitinfo (rt_sigtimedwait): SIGCHLD reaps
+ * every exited child; SIGTERM/SIGINT sent from outside the sandbox's pid namespace (si_pid
+ * reads 0 there) exit 0. The same signals sent from inside the sandbox are ignored, so code in
+ * the sandbox cannot end its own sandbox and turn a scored rollout into an "infrastructure"
+ * failure. SIGKILL from the host always works. The spawner execs this with every signal already
+ * blocked, so nothing can arrive before the mask below is in place.
+ *
+ * Exec server (docs/isolation.md, "Exec through the init"). The spawner leaves both ends of a
+ * SOCK_SEQPACKET pair on fds 3 and 4; the daemon takes its own copy of fd 4 with pidfd_getfd
+ * when it first runs a command here (so the channel survives a daemon restart). A request is
+ * one message: a header, groups, cwd, argv, env and the exec candidates (the daemon resolves
+ * PATH), with the stdio fds attached. The init forks a child (CLONE_VFORK: the init waits until
+ * it has exec'd or exited, which orders the messages), and answers with the child's pid in the
+ * sandbox and a pidfd attached (CLONE_PIDFD), through which the daemon signals the child and
+ * reads its exit status once this init has reaped it (PIDFD_GET_INFO). The child inherits the
+ * init's walls (cgroups, namespaces, root, rlimits, no_new_privs, seccomp); it only switches
+ * to the command's user, which the init's capabilities (the shell set a root command gets)
+ * allow. Socket readiness arrives as a signal (O_ASYNC + F_SETSIG), so the loop stays one
+ * sigwaitinfo. The init is not dumpable: code in the sandbox, even as root, cannot ptrace it,
+ * read its memory or take its fds.
  *
  * Freestanding (no libc, raw syscalls, static, no relocations): a static glibc binary faults in
  * ~680 KiB of RSS at start-up, this one a few pages, and density is the point.
@@ -15,45 +29,127 @@
 #define SIGINT 2
 #define SIGTERM 15
 #define SIGCHLD 17
+#define SIGIO 29
+#define SIG_CTL 40 /* realtime: the channel's readiness */
 #define SIG_BLOCK 0
+#define SIG_SETMASK 2
 #define WNOHANG 1
 #define PR_SET_NAME 15
+#define PR_SET_DUMPABLE 4
+#define F_SETFD 2
+#define F_GETFL 3
+#define F_SETFL 4
+#define F_SETOWN 8
+#define F_SETSIG 10
+#define FD_CLOEXEC 1
+#define O_RDONLY 0
+#define O_NONBLOCK 04000
+#define O_ASYNC 020000
+#define O_CLOEXEC 02000000
+#define AT_FDCWD (-100)
+#define MSG_DONTWAIT 0x40
+#define MSG_TRUNC 0x20
+#define MSG_CTRUNC 0x08
+#define MSG_NOSIGNAL 0x4000
+#define MSG_CMSG_CLOEXEC 0x40000000
+#define SOL_SOCKET 1
+#define SCM_RIGHTS 1
+#define CLONE_PIDFD 0x1000
+#define CLONE_VFORK 0x4000
+#define EAGAIN 11
+#define EINTR 4
+#define EINVAL 22
+#define EMSGSIZE 90
+#define ENOENT 2
+#define ENOTDIR 20
+#define ESTALE 116
+#define ELOOP 40
+#define ENAMETOOLONG 36
+#define EACCES 13
 
 #if defined(__x86_64__)
+#define NR_read 0
+#define NR_close 3
 #define NR_rt_sigprocmask 14
-#define NR_prctl 157
+#define NR_sendmsg 46
+#define NR_recvmsg 47
+#define NR_clone 56
+#define NR_execve 59
+#define NR_exit 60
 #define NR_wait4 61
+#define NR_fcntl 72
+#define NR_chdir 80
+#define NR_umask 95
+#define NR_setsid 112
+#define NR_setresuid 117
+#define NR_setresgid 119
+#define NR_setgroups 116
+#define NR_capset 126
 #define NR_rt_sigtimedwait 128
+#define NR_prctl 157
 #define NR_exit_group 231
+#define NR_openat 257
+#define NR_dup3 292
+#define NR_close_range 436
 
-static long sys4(long n, long a, long b, long c, long d) {
+static long sys6(long n, long a, long b, long c, long d, long e, long f) {
     long ret;
     register long r10 __asm__("r10") = d;
+    register long r8 __asm__("r8") = e;
+    register long r9 __asm__("r9") = f;
     __asm__ volatile("syscall"
                      : "=a"(ret)
-                     : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10)
+                     : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10), "r"(r8), "r"(r9)
                      : "rcx", "r11", "memory");
     return ret;
 }
 #elif defined(__aarch64__)
+#define NR_read 63
+#define NR_close 57
 #define NR_rt_sigprocmask 135
-#define NR_prctl 167
+#define NR_sendmsg 211
+#define NR_recvmsg 212
+#define NR_clone 220
+#define NR_execve 221
+#define NR_exit 93
 #define NR_wait4 260
+#define NR_fcntl 25
+#define NR_chdir 49
+#define NR_umask 166
+#define NR_setsid 157
+#define NR_setresuid 147
+#define NR_setresgid 149
+#define NR_setgroups 159
+#define NR_capset 91
 #define NR_rt_sigtimedwait 137
+#define NR_prctl 167
 #define NR_exit_group 94
+#define NR_openat 56
+#define NR_dup3 24
+#define NR_close_range 436
 
-static long sys4(long n, long a, long b, long c, long d) {
+static long sys6(long n, long a, long b, long c, long d, long e, long f) {
     register long x8 __asm__("x8") = n;
     register long x0 __asm__("x0") = a;
     register long x1 __asm__("x1") = b;
     register long x2 __asm__("x2") = c;
     register long x3 __asm__("x3") = d;
-    __asm__ volatile("svc 0" : "+r"(x0) : "r"(x8), "r"(x1), "r"(x2), "r"(x3) : "memory");
+    register long x4 __asm__("x4") = e;
+    register long x5 __asm__("x5") = f;
+    __asm__ volatile("svc 0"
+                     : "+r"(x0)
+                     : "r"(x8), "r"(x1), "r"(x2), "r"(x3), "r"(x4), "r"(x5)
+                     : "memory");
     return x0;
 }
 #else
 #error "corral-init: unsupported architecture"
 #endif
+
+#define sys4(n, a, b, c, d) sys6((n), (long)(a), (long)(b), (long)(c), (long)(d), 0, 0)
+#define sys3(n, a, b, c) sys4((n), (a), (b), (c), 0)
+
+typedef unsigned int u32;
 
 /* The kernel's siginfo: 128 bytes; si_pid sits after signo, errno, code (+pad) on 64-bit. */
 struct ksiginfo {
@@ -65,20 +161,276 @@ struct ksiginfo {
     int rest[27];
 };
 
+struct iovec {
+    void *base;
+    unsigned long len;
+};
+
+struct msghdr {
+    void *name;
+    int namelen;
+    struct iovec *iov;
+    unsigned long iovlen;
+    void *control;
+    unsigned long controllen;
+    int flags;
+};
+
+struct cmsghdr {
+    unsigned long len;
+    int level;
+    int type;
+};
+
+/* ---- the channel's wire format (python/corral/daemon/initexec.py has the other half) ---- */
+#define CTL_FD 3
+#define REQ_MAGIC 0x31585243u   /* "CRX1" */
+#define REPLY_MAGIC 0x31525243u /* "CRR1": the init's answer */
+#define FAIL_MAGIC 0x31465243u  /* "CRF1": the child failed before exec */
+#define REQ_NULL_STDIN 1u       /* two fds attached (stdout, stderr); stdin is /dev/null */
+#define MAX_MSG 65536
+#define MAX_STRINGS 1024
+#define MAX_GROUPS 64
+
+struct req {
+    u32 magic, id, uid, gid, flags, ngroups, nargv, nenv, ncand;
+};
+
+struct reply {
+    u32 magic, id;
+    int value; /* REPLY: the child's pid in the sandbox, or -errno; FAIL: errno */
+    int step;  /* FAIL: which step (see initexec.py) */
+};
+
+enum { STEP_SIGNALS = 1, STEP_SETSID, STEP_STDIO, STEP_FDS, STEP_IDS, STEP_CAPS };
+
+static unsigned long long buf[MAX_MSG / 8];        /* the request; pages touched on use */
+static unsigned long long control[8];              /* room for 4 fds */
+static const char *strs[MAX_STRINGS + 3];          /* argv, NULL, envp, NULL, candidates */
+
+static void send_reply(u32 magic, u32 id, int value, int step, int fd) {
+    struct reply r;
+    struct iovec io;
+    struct msghdr m;
+    unsigned long long cbuf[3];
+    struct cmsghdr *c = (struct cmsghdr *)cbuf;
+    r.magic = magic;
+    r.id = id;
+    r.value = value;
+    r.step = step;
+    io.base = &r;
+    io.len = sizeof(r);
+    m.name = 0;
+    m.namelen = 0;
+    m.iov = &io;
+    m.iovlen = 1;
+    m.control = 0;
+    m.controllen = 0;
+    m.flags = 0;
+    if (fd >= 0) {
+        c->len = sizeof(struct cmsghdr) + sizeof(int);
+        c->level = SOL_SOCKET;
+        c->type = SCM_RIGHTS;
+        *(int *)(c + 1) = fd;
+        m.control = cbuf;
+        m.controllen = sizeof(cbuf);
+    }
+    /* Never blocks: with the daemon gone and its queue full the answer is dropped, and so
+     * is the command's (the daemon reports in-flight commands of a crash as infra errors). */
+    sys3(NR_sendmsg, CTL_FD, (long)&m, MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+/* The child, between fork and exec: it runs on its own copy of our memory. */
+static __attribute__((noreturn)) void child(const struct req *q, const u32 *groups,
+                                            const int *fds, int nfds) {
+    unsigned long none = 0;
+    int step = STEP_SIGNALS;
+    long rc = sys4(NR_rt_sigprocmask, SIG_SETMASK, (long)&none, 0, sizeof(none));
+    if (rc >= 0) {
+        step = STEP_SETSID;
+        rc = sys3(NR_setsid, 0, 0, 0);
+    }
+    if (rc >= 0) {
+        step = STEP_STDIO;
+        int first = 0;
+        if (nfds == 2) { /* REQ_NULL_STDIN */
+            long null = sys4(NR_openat, AT_FDCWD, (long)"/dev/null", O_RDONLY | O_CLOEXEC, 0);
+            rc = null < 0 ? null : sys3(NR_dup3, null, 0, 0);
+            first = 1;
+        }
+        /* The received fds are >= 5 (0-4 are taken), so no dup3 clobbers another's source. */
+        for (int i = 0; rc >= 0 && i < nfds; i++)
+            rc = sys3(NR_dup3, fds[i], first + i, 0);
+    }
+    if (rc >= 0) {
+        step = STEP_FDS; /* our fds above 2 are all close-on-exec already; make sure */
+        rc = sys3(NR_close_range, 3, ~0U, 4 /* CLOSE_RANGE_CLOEXEC */);
+    }
+    if (rc >= 0) {
+        step = STEP_IDS;
+        rc = sys3(NR_setgroups, q->ngroups, (long)groups, 0);
+        if (rc >= 0)
+            rc = sys3(NR_setresgid, q->gid, q->gid, q->gid);
+        if (rc >= 0)
+            rc = sys3(NR_setresuid, q->uid, q->uid, q->uid);
+    }
+    if (rc >= 0 && q->uid != 0) {
+        /* setresuid cleared the permitted and effective sets; clear the inheritable one too,
+         * as the daemon's own exec path leaves a non-root command with none. */
+        u32 hdr[2] = {0x20080522u, 0};
+        u32 data[6] = {0, 0, 0, 0, 0, 0};
+        step = STEP_CAPS;
+        rc = sys3(NR_capset, (long)hdr, (long)data, 0);
+    }
+    if (rc < 0) {
+        send_reply(FAIL_MAGIC, q->id, (int)-rc, step, -1);
+        sys3(NR_exit_group, 127, 0, 0);
+    }
+    /* As the final user, so a directory it may not enter falls back to / like a login. */
+    if (sys3(NR_chdir, (long)strs[q->nargv + 1 + q->nenv + 1 + q->ncand], 0, 0) < 0)
+        sys3(NR_chdir, (long)"/", 0, 0);
+    sys3(NR_umask, 022, 0, 0);
+    const char **argv = strs;
+    const char **envp = strs + q->nargv + 1;
+    const char **cand = envp + q->nenv + 1;
+    int denied = 0;
+    for (u32 i = 0; i < q->ncand; i++) {
+        long e = -sys3(NR_execve, (long)cand[i], (long)argv, (long)envp);
+        if (e == EACCES)
+            denied = 1;
+        else if (e != ENOENT && e != ENOTDIR && e != ESTALE && e != ELOOP && e != ENAMETOOLONG)
+            sys3(NR_exit_group, 126, 0, 0);
+    }
+    sys3(NR_exit_group, denied ? 126 : 127, 0, 0);
+    for (;;) {
+    }
+}
+
+/* Split n NUL-terminated strings starting at p (< end) into strs[at..]; the end or 0. */
+static const char *take_strings(const char *p, const char *end, u32 n, u32 at) {
+    for (u32 i = 0; i < n; i++) {
+        strs[at + i] = p;
+        while (p < end && *p)
+            p++;
+        if (p >= end)
+            return 0;
+        p++;
+    }
+    return p;
+}
+
+/* One request: validate, fork, answer. Returns 0 when the queue is empty. */
+static int serve_one(void) {
+    struct iovec io;
+    struct msghdr m;
+    int fds[4];
+    int nfds = 0;
+    io.base = buf;
+    io.len = sizeof(buf);
+    m.name = 0;
+    m.namelen = 0;
+    m.iov = &io;
+    m.iovlen = 1;
+    m.control = control;
+    m.controllen = sizeof(control);
+    m.flags = 0;
+    long n = sys3(NR_recvmsg, CTL_FD, (long)&m, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (n == -EINTR)
+        return 1;
+    if (n <= 0)
+        return 0; /* EAGAIN: drained; 0: cannot happen (fd 4 is ours too) */
+    if (m.controllen >= sizeof(struct cmsghdr)) {
+        struct cmsghdr *c = (struct cmsghdr *)control;
+        if (c->level == SOL_SOCKET && c->type == SCM_RIGHTS && c->len > sizeof(*c)) {
+            nfds = (int)((c->len - sizeof(*c)) / sizeof(int));
+            if (nfds > 4)
+                nfds = 4;
+            for (int i = 0; i < nfds; i++)
+                fds[i] = ((int *)(c + 1))[i];
+        }
+    }
+    const struct req *q = (const struct req *)buf;
+    u32 id = (unsigned long)n >= sizeof(*q) ? q->id : 0;
+    int err = 0;
+    if ((unsigned long)n < sizeof(*q) || q->magic != REQ_MAGIC)
+        err = EINVAL;
+    else if (m.flags & (MSG_TRUNC | MSG_CTRUNC))
+        err = EMSGSIZE;
+    else if (nfds != ((q->flags & REQ_NULL_STDIN) ? 2 : 3) || q->ngroups > MAX_GROUPS ||
+             q->nargv == 0 || q->ncand == 0 ||
+             (unsigned long)q->nargv + q->nenv + q->ncand > MAX_STRINGS)
+        err = EINVAL;
+    const u32 *groups = (const u32 *)(q + 1);
+    if (!err) {
+        const char *end = (const char *)buf + n;
+        const char *p = (const char *)(groups + q->ngroups);
+        if (p > end) {
+            err = EINVAL;
+        } else {
+            /* argv, NULL, envp, NULL, candidates, then cwd in the slot after them */
+            p = take_strings(p, end, q->nargv, 0);
+            strs[q->nargv] = 0;
+            if (p)
+                p = take_strings(p, end, q->nenv, q->nargv + 1);
+            if (p) {
+                strs[q->nargv + 1 + q->nenv] = 0;
+                p = take_strings(p, end, q->ncand + 1, q->nargv + q->nenv + 2);
+            }
+            if (!p)
+                err = EINVAL;
+        }
+    }
+    if (!err) {
+        int pidfd = -1;
+        long pid = sys6(NR_clone, CLONE_VFORK | CLONE_PIDFD | SIGCHLD, 0, (long)&pidfd, 0, 0, 0);
+        if (pid == 0)
+            child(q, groups, fds, nfds);
+        if (pid < 0) {
+            err = (int)-pid;
+        } else {
+            send_reply(REPLY_MAGIC, id, (int)pid, 0, pidfd);
+            sys3(NR_close, pidfd, 0, 0);
+        }
+    }
+    if (err)
+        send_reply(REPLY_MAGIC, id, -err, 0, -1);
+    for (int i = 0; i < nfds; i++)
+        sys3(NR_close, fds[i], 0, 0);
+    return 1;
+}
+
+static void serve(void) {
+    while (serve_one()) {
+    }
+}
+
 __attribute__((noreturn, used)) void corral_init_main(void) {
     unsigned long all = ~0UL; /* kernel sigset_t: 64 bits */
     struct ksiginfo info;
 
     /* exec'd from a memfd, the name would read "memfd:corral-init" in ps. */
     sys4(NR_prctl, PR_SET_NAME, (long)"corral-init", 0, 0);
+    sys4(NR_prctl, PR_SET_DUMPABLE, 0, 0, 0);
     sys4(NR_rt_sigprocmask, SIG_BLOCK, (long)&all, 0, sizeof(all));
+    /* The channel, if the spawner left one: close-on-exec for our children, readiness as
+     * SIG_CTL. A sandbox without it (EBADF) still reaps and stops as before. */
+    if (sys3(NR_fcntl, CTL_FD, F_SETFD, FD_CLOEXEC) >= 0) {
+        sys3(NR_fcntl, CTL_FD + 1, F_SETFD, FD_CLOEXEC);
+        sys3(NR_fcntl, CTL_FD, F_SETOWN, 1);
+        sys3(NR_fcntl, CTL_FD, F_SETSIG, SIG_CTL);
+        long fl = sys3(NR_fcntl, CTL_FD, F_GETFL, 0);
+        sys3(NR_fcntl, CTL_FD, F_SETFL, fl | O_NONBLOCK | O_ASYNC);
+        serve(); /* a request sent before O_ASYNC was set raised no signal */
+    }
     for (;;) {
         long sig = sys4(NR_rt_sigtimedwait, (long)&all, (long)&info, 0, sizeof(all));
         if (sig == SIGCHLD) {
             while (sys4(NR_wait4, -1, 0, WNOHANG, 0) > 0) {
             }
+        } else if (sig == SIG_CTL || sig == SIGIO) {
+            serve();
         } else if ((sig == SIGTERM || sig == SIGINT) && info.si_pid == 0) {
-            sys4(NR_exit_group, 0, 0, 0, 0);
+            sys3(NR_exit_group, 0, 0, 0);
         }
     }
 }

@@ -192,6 +192,21 @@ pub fn open_proc_root(pid: i32) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// The init's fd the spawner left for the daemon's end of its exec channel (corral-init.c).
+pub const INIT_CHANNEL_FD: RawFd = 4;
+
+/// The daemon's copy of a sandbox init's exec channel (pidfd_getfd of its fd 4), close-on-exec.
+pub fn init_channel(pidfd: RawFd) -> Result<OwnedFd, EnterError> {
+    // SAFETY: the caller passes an open pidfd it keeps open for the duration of the call.
+    let pidfd = unsafe { std::os::fd::BorrowedFd::borrow_raw(pidfd) };
+    rustix::process::pidfd_getfd(
+        pidfd,
+        INIT_CHANNEL_FD,
+        rustix::process::PidfdGetfdFlags::empty(),
+    )
+    .map_err(|e| EnterError::os("pidfd_getfd", e.raw_os_error()))
+}
+
 /// pidfd_send_signal(pidfd, 0): is the process still there?
 pub fn pidfd_alive(pidfd: RawFd) -> Result<(), i32> {
     // SAFETY: integer arguments only.

@@ -205,15 +205,6 @@ pub struct CapPlan {
 }
 
 impl CapPlan {
-    /// No capabilities at all (the init).
-    pub fn none() -> Self {
-        CapPlan {
-            bounding: 0,
-            sets: 0,
-            last_cap: last_cap(),
-        }
-    }
-
     /// The normal-shell set for uid 0; nothing but the bounding set for other users.
     pub fn shell(uid: u32) -> Self {
         let mask = shell_caps_mask();

@@ -259,6 +259,12 @@ fn exec_in(py: Python<'_>, cfg: &Bound<'_, PyDict>) -> PyResult<i32> {
     Ok(py.detach(|| enter::exec_in(&c))?)
 }
 
+/// The daemon's end of a sandbox init's exec channel (see corral-init.c), from its pidfd.
+#[pyfunction]
+fn init_channel(pidfd: RawFd) -> PyResult<RawFd> {
+    Ok(enter::init_channel(pidfd)?.into_raw_fd())
+}
+
 /// O_PATH fd of /proc/PID/root (the sandbox's root).
 #[pyfunction]
 fn root_fd(py: Python<'_>, pid: i32) -> PyResult<RawFd> {
@@ -406,6 +412,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(umount, m)?)?;
     m.add_function(wrap_pyfunction!(landlock_abi, m)?)?;
     m.add_function(wrap_pyfunction!(root_fd, m)?)?;
+    m.add_function(wrap_pyfunction!(init_channel, m)?)?;
     m.add_function(wrap_pyfunction!(fs_read, m)?)?;
     m.add_function(wrap_pyfunction!(fs_write, m)?)?;
     m.add_function(wrap_pyfunction!(fs_list, m)?)?;

@@ -112,6 +112,7 @@ const STEPS: &[&str] = &[
     "sethostname",
     "loopback_up",
     "stdio_devnull",
+    "init_channel",
     "close_fds",
     "rlimits",
     "drop_caps",
@@ -148,6 +149,7 @@ enum Step {
     Sethostname,
     LoopbackUp,
     StdioDevnull,
+    InitChannel,
     CloseFds,
     Rlimits,
     DropCaps,
@@ -210,6 +212,9 @@ struct Ctx {
     seccomp: &'static [libc::sock_filter],
     unix_only: bool,
     init_fd: RawFd,
+    /// Both ends of the init's exec channel; the child puts them on fds 3 and 4
+    /// (corral-init.c, "Exec server").
+    channel: [RawFd; 2],
     argv: [*const c_char; 2],
     envp: [*const c_char; 1],
 }
@@ -387,10 +392,13 @@ fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
         ],
         hostname: cfg.hostname.as_bytes().to_vec(),
         rlimits: harden::clamp_rlimits(&cfg.rlimits),
-        caps: CapPlan::none(),
+        // The shell set a root command gets: the init's children (exec through the init)
+        // start with it, and a non-root command's child drops it when it switches users.
+        caps: CapPlan::shell(0),
         seccomp,
         unix_only: cfg.unix_only,
         init_fd: cfg.init_fd,
+        channel: [-1, -1],
         argv: [INIT_ARGV0.as_ptr() as *const c_char, std::ptr::null()],
         envp: [std::ptr::null()],
     })
@@ -399,11 +407,23 @@ fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
 /// Create a sandbox; returns (init host pid, pidfd).
 pub fn spawn_sandbox(cfg: &SpawnConfig) -> Result<(i32, OwnedFd), SpawnError> {
     let mut ctx = prepare(cfg)?;
+    // Both ends go to the init, none stays here: the daemon takes its end with pidfd_getfd
+    // when it needs it, so the channel outlives a daemon restart.
+    let (end_a, end_b) = rustix::net::socketpair(
+        rustix::net::AddressFamily::UNIX,
+        rustix::net::SocketType::SEQPACKET,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(|e| SpawnError::os("socketpair", e.raw_os_error()))?;
+    ctx.channel = [end_a.as_raw_fd(), end_b.as_raw_fd()];
     let lent = match child::slots() {
         Some(slots) => {
             let mut fds: Vec<&mut RawFd> = ctx.cgroup_raw.iter_mut().collect();
             fds.push(&mut ctx.netns_fd);
             fds.push(&mut ctx.init_fd);
+            let [a, b] = &mut ctx.channel;
+            fds.extend([a, b]);
             let lent = slots
                 .lend(&mut fds)
                 .map_err(|e| SpawnError::os("lend_fds", e.raw_os_error().unwrap_or(libc::EIO)))?;
@@ -807,14 +827,26 @@ unsafe fn run_child(c: &Ctx) -> c_int {
             libc::close(null);
         }
 
+        at(Step::InitChannel);
+        // Move both ends above 4 first so neither dup2 clobbers the other's source, then onto
+        // 3 and 4 (dup2 clears close-on-exec on the copy; the init sets it again itself).
+        let mut ends = c.channel;
+        for e in ends.iter_mut() {
+            let moved = libc::fcntl(*e, libc::F_DUPFD_CLOEXEC, 5);
+            ck(r, moved as c_long);
+            *e = moved;
+        }
+        ck(r, libc::dup2(ends[0], 3) as c_long);
+        ck(r, libc::dup2(ends[1], 4) as c_long);
+
         at(Step::CloseFds);
-        // Every inherited fd (the daemon's, the cgroup files, the pidfd...) closes at exec; the
-        // init memfd too, which execveat tolerates for an ELF binary.
+        // Every other inherited fd (the daemon's, the cgroup files, the pidfd...) closes at
+        // exec; the init memfd too, which execveat tolerates for an ELF binary.
         ck(
             r,
             libc::syscall(
                 libc::SYS_close_range,
-                3 as c_long,
+                5 as c_long,
                 !0u32 as c_long,
                 libc::CLOSE_RANGE_CLOEXEC as c_long,
             ),

@@ -6,6 +6,10 @@ child through a pidfd registered with the event loop and reap it with
 in the daemon: they reap with waitpid(-1)-style calls and would steal other children (sandbox
 inits, other execs).
 
+A command started through the sandbox's init (``initexec``) is the init's child, not ours: the
+init reaps it, and we learn of that through its pidfd's EPOLLHUP (``ReapWatch``) and read the
+exit status from the pidfd.
+
 A command is done when its process exits, not when its pipes close: a background grandchild
 (``server &``) may keep stdout open forever. At exit we drain what is already in the pipes, then
 keep reading (and discarding) until EOF so that such a grandchild never gets SIGPIPE.
@@ -17,11 +21,14 @@ import asyncio
 import codecs
 import hashlib
 import os
+import select
 import signal
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
+from corral.daemon import initexec
 from corral.daemon.substrates.base import ExecSpec, SandboxRuntime, Substrate
 from corral.errors import Conflict
 
@@ -181,19 +188,62 @@ class Stdin:
             self.pending = bytearray()
 
 
+class ReapWatch:
+    """Wakes a callback when a pidfd's process has been reaped by someone else (EPOLLHUP).
+
+    One epoll set per event loop, itself registered with the loop. Its pidfds are registered
+    for no event at all: epoll always reports EPOLLHUP, and EPOLLIN (the process exited, a
+    zombie whose status cannot be read yet) would wake us before the init's reap, and again
+    and again while a paused sandbox's init sits frozen with it unreaped.
+    """
+
+    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ReapWatch] = \
+        weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.ep = select.epoll()
+        self.callbacks: dict[int, Callable[[], None]] = {}
+        loop.add_reader(self.ep.fileno(), self._ready)
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> ReapWatch:
+        watch = cls._by_loop.get(loop)
+        if watch is None:
+            watch = cls._by_loop[loop] = cls(loop)
+        return watch
+
+    def add(self, pidfd: int, cb: Callable[[], None]) -> None:
+        self.ep.register(pidfd, 0)
+        self.callbacks[pidfd] = cb
+
+    def remove(self, pidfd: int) -> None:
+        if self.callbacks.pop(pidfd, None) is not None:
+            self.ep.unregister(pidfd)
+
+    def _ready(self) -> None:
+        for fd, _events in self.ep.poll(0):
+            cb = self.callbacks.get(fd)
+            if cb is None:
+                continue
+            cb()
+
+
 class Process:
     """One command running (or run) in a sandbox."""
 
     __slots__ = ("pid", "ns_pid", "pidfd", "cmd", "started_at", "t0", "stdout", "stderr",
                  "stdin", "exit_code", "timed_out", "duration", "done", "_timer", "loop",
-                 "_waiters")
+                 "_waiters", "init_child")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, pid: int, cmd: str | list[str],
-                 stdout_fd: int, stderr_fd: int, stdin_fd: int, cap: int,
+    def __init__(self, loop: asyncio.AbstractEventLoop, child: int | initexec.Spawned,
+                 cmd: str | list[str], stdout_fd: int, stderr_fd: int, stdin_fd: int, cap: int,
                  timeout: float | None) -> None:
         self.loop = loop
+        # A host pid (our child) or the init's child, whose pidfd we are handed.
+        self.init_child = isinstance(child, initexec.Spawned)
+        pid = child.pid if isinstance(child, initexec.Spawned) else child
         self.pid = pid
-        self.ns_pid = pid
+        self.ns_pid = child.ns_pid if isinstance(child, initexec.Spawned) else pid
         self.cmd = cmd
         self.started_at = time.time()
         self.t0 = time.monotonic()
@@ -205,9 +255,13 @@ class Process:
         self.duration = 0.0
         self._waiters: list[Callable[[], None]] | None = None
         self.done: asyncio.Future[None] = loop.create_future()
-        # The child is ours and unreaped, so the pid cannot have been reused yet.
-        self.pidfd = os.pidfd_open(pid)
-        loop.add_reader(self.pidfd, self._on_exit)
+        if isinstance(child, initexec.Spawned):
+            self.pidfd = child.pidfd
+            ReapWatch.of(loop).add(self.pidfd, self._on_exit)
+        else:
+            # The child is ours and unreaped, so the pid cannot have been reused yet.
+            self.pidfd = os.pidfd_open(pid)
+            loop.add_reader(self.pidfd, self._on_exit)
         self._timer = loop.call_later(timeout, self._on_timeout) if timeout else None
 
     @property
@@ -222,8 +276,12 @@ class Process:
 
     def killpg(self, sig: int) -> None:
         """Signal the whole process group (the child called setsid, so pgid == pid). Safe
-        while the child is unreaped: its pid (and so its group id) cannot be reused."""
-        if self.exit_code is not None:
+        while the child is unreaped: its pid (and so its group id) cannot be reused. An init
+        child is reaped by the init, so the exit is only seen a moment later: its group id is
+        still safe while any member of the group lives (the kernel keeps a pid number that
+        is some process's group id allocated); once none does, it is free only after the
+        sandbox's pid space wraps around."""
+        if self.exit_code is not None or self.pid <= 0:
             return
         try:
             os.killpg(self.pid, sig)
@@ -231,16 +289,22 @@ class Process:
             pass
 
     def _on_exit(self) -> None:
-        try:
-            res = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)
-        except ChildProcessError:
-            res = None
-            code = 255  # reaped elsewhere: should never happen, don't spin on the fd
+        if self.init_child:
+            code = initexec.exit_code(self.pidfd)
+            if code is None:  # EPOLLHUP without a status: not seen; never spin on it
+                code = 255
+            ReapWatch.of(self.loop).remove(self.pidfd)
         else:
-            if res is None:
-                return  # spurious wake-up
-            code = res.si_status if res.si_code == os.CLD_EXITED else 128 + res.si_status
-        self.loop.remove_reader(self.pidfd)
+            try:
+                res = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)
+            except ChildProcessError:
+                res = None
+                code = 255  # reaped elsewhere: should never happen, don't spin on the fd
+            else:
+                if res is None:
+                    return  # spurious wake-up
+                code = res.si_status if res.si_code == os.CLD_EXITED else 128 + res.si_status
+            self.loop.remove_reader(self.pidfd)
         os.close(self.pidfd)
         self.pidfd = -1
         if self._timer is not None:
@@ -320,7 +384,7 @@ def start(loop: asyncio.AbstractEventLoop, substrate: Substrate, runtime: Sandbo
             os.set_blocking(fd, False)
         spec = ExecSpec(argv=argv, env=env, cwd=cwd, uid=uid, gid=gid, groups=groups,
                         stdin_fd=in_r, stdout_fd=out_w, stderr_fd=err_w)
-        pid = substrate.spawn(runtime, spec)
+        child = substrate.spawn(runtime, spec)
     except BaseException:
         for fd in parent_fds:
             os.close(fd)
@@ -329,13 +393,20 @@ def start(loop: asyncio.AbstractEventLoop, substrate: Substrate, runtime: Sandbo
         for fd in child_fds:
             os.close(fd)
     try:
-        proc = Process(loop, pid, cmd, out_r, err_r, in_w, cap, timeout)
+        proc = Process(loop, child, cmd, out_r, err_r, in_w, cap, timeout)
     except BaseException:  # e.g. EMFILE on pidfd_open: don't leave an unreaped child behind
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
-        os.waitpid(pid, 0)
+        if isinstance(child, initexec.Spawned):  # the init reaps it
+            try:
+                signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
+            except OSError:
+                pass
+            os.close(child.pidfd)
+        else:
+            try:
+                os.killpg(child, signal.SIGKILL)
+            except OSError:
+                pass
+            os.waitpid(child, 0)
         for fd in parent_fds:
             try:
                 loop.remove_reader(fd)

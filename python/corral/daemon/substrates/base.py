@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral.daemon.initexec import Spawned
 from corral.models import FileEntry, SandboxSpec
 
 
@@ -104,9 +105,10 @@ class Substrate(ABC):
         return the ids removed."""
 
     @abstractmethod
-    def spawn(self, runtime: SandboxRuntime, spec: ExecSpec) -> int:
-        """Start a process inside the sandbox as a direct child of the daemon, in its own
-        session/process group; return its host pid."""
+    def spawn(self, runtime: SandboxRuntime, spec: ExecSpec) -> int | Spawned:
+        """Start a process inside the sandbox in its own session/process group: a direct
+        child of the daemon (its host pid is returned), or a child of the sandbox's init
+        (``Spawned``: its pidfd, through which the daemon reads its exit status)."""
 
     @abstractmethod
     def is_alive(self, runtime: SandboxRuntime) -> bool: ...

@@ -30,6 +30,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from corral import _core
+from corral.daemon import initexec
 from corral.errors import (
     CapacityExceeded,
     CorralError,
@@ -419,6 +420,15 @@ class ContainerSubstrate(Substrate):
         self._roots: collections.OrderedDict[str, _RootRef] = collections.OrderedDict()
         self._closing: set[str] = set()
         self._lock = threading.Lock()
+        # Exec through the sandbox's init (corral.daemon.initexec): the daemon's end of each
+        # init's channel, taken at the first exec and closed with the root fd; None for an
+        # init without one (started by an older corral, re-adopted). CORRAL_INIT_EXEC=0 (or
+        # a kernel before 6.15, which cannot give us the status of a process the init reaps)
+        # keeps every exec on the daemon's own path (_core.exec_in).
+        self.init_exec = (os.environ.get("CORRAL_INIT_EXEC", "1") != "0"
+                          and initexec.supported())
+        self._chans: collections.OrderedDict[str, initexec.Channel | None] = \
+            collections.OrderedDict()
         if netns_pool is None:
             netns_pool = int(os.environ.get("CORRAL_NETNS_POOL", "32"))
         self.netns = NetnsPool(netns_pool, most=int(os.environ.get("CORRAL_NETNS_POOL_MAX",
@@ -885,7 +895,7 @@ class ContainerSubstrate(Substrate):
         return proc_alive(runtime.init_pid, runtime.init_starttime)
 
     # ---- exec ----------------------------------------------------------------------------
-    def spawn(self, runtime: SandboxRuntime, spec: ExecSpec) -> int:
+    def spawn(self, runtime: SandboxRuntime, spec: ExecSpec) -> int | initexec.Spawned:
         with self._rooted(runtime) as root:
             if runtime.pidfd >= 0:
                 return self._spawn(runtime, spec, root, runtime.pidfd)
@@ -896,6 +906,75 @@ class ContainerSubstrate(Substrate):
                 return self._spawn(runtime, spec, root, pidfd)
             finally:
                 os.close(pidfd)
+
+    def _channel(self, runtime: SandboxRuntime, pidfd: int) -> initexec.Channel | None:
+        """The init's exec channel (call inside ``_rooted``: destroy closes it with the root).
+        At most ROOT_CACHE are held open, least recently used first out, as root fds are."""
+        sid = runtime.sandbox_id
+        with self._lock:
+            if sid in self._chans:
+                self._chans.move_to_end(sid)
+                return self._chans[sid]
+        try:
+            chan: initexec.Channel | None = initexec.Channel(_core.init_channel(pidfd))
+        except OSError:  # EBADF: an init without a channel (an older corral's)
+            chan = None
+        evicted: list[initexec.Channel | None] = []
+        with self._lock:
+            if sid in self._closing:
+                evicted.append(chan)
+                chan = None
+            elif sid in self._chans:  # another thread won the race
+                evicted.append(chan)
+                chan = self._chans[sid]
+            else:
+                self._chans[sid] = chan
+                while len(self._chans) > ROOT_CACHE:
+                    evicted.append(self._chans.popitem(last=False)[1])
+            closing = sid in self._closing
+        for old in evicted:
+            if old is not None:
+                with old.lock:  # not under a spawn waiting for its answer
+                    old.close()
+        if closing:
+            raise SandboxNotRunning("the sandbox is being destroyed")
+        return chan
+
+    def _close_channel(self, sandbox_id: str) -> None:
+        with self._lock:
+            chan = self._chans.pop(sandbox_id, None)
+        if chan is not None:
+            with chan.lock:  # not under a spawn waiting for its answer
+                chan.close()
+
+    def _spawn_via_init(self, runtime: SandboxRuntime, spec: ExecSpec,
+                        pidfd: int) -> initexec.Spawned | None:
+        """Start the command through the init; None when it must take the daemon's own path
+        (no channel, a network-"disabled" sandbox, a command beyond the init's limits, the
+        init's queue full)."""
+        if not self.init_exec or _unix_only(runtime) or spec.stdout_fd < 0 or spec.stderr_fd < 0:
+            return None
+        chan = self._channel(runtime, pidfd)
+        if chan is None:
+            return None
+        cands = initexec.candidates(spec.argv[0], spec.env, _core.DEFAULT_PATH) \
+            if spec.argv else []
+        try:
+            return chan.spawn(list(spec.argv), spec.env, spec.cwd or "/", spec.uid, spec.gid,
+                              list(spec.groups), cands,
+                              (spec.stdin_fd, spec.stdout_fd, spec.stderr_fd))
+        except initexec.Busy:
+            return None
+        except initexec.Gone:
+            raise SandboxNotRunning("the sandbox's init is gone") from None
+        except OSError as e:
+            if not self.is_alive(runtime):
+                raise SandboxNotRunning("the sandbox's init is gone") from e
+            if e.errno in _OUT_OF_RESOURCES:
+                raise CapacityExceeded(f"cannot start the process: {e.strerror or e}",
+                                       details={"errno": e.errno}) from e
+            raise InternalError(f"cannot start the process: {e.strerror or e}",
+                                details={"errno": e.errno}) from e
 
     def warm(self, runtime: SandboxRuntime) -> None:
         """Make what a first exec would (a warm pool's sandboxes are few: their exec should
@@ -913,8 +992,12 @@ class ContainerSubstrate(Substrate):
                                       int(mb), [runtime.init_pid])
         runtime.extra["memcg"] = True  # made: later execs skip the two cgroupfs lookups
 
-    def _spawn(self, runtime: SandboxRuntime, spec: ExecSpec, root: int, pidfd: int) -> int:
-        self._ensure_memcg(runtime)
+    def _spawn(self, runtime: SandboxRuntime, spec: ExecSpec, root: int,
+               pidfd: int) -> int | initexec.Spawned:
+        self._ensure_memcg(runtime)  # the init joins them: its children start there
+        via_init = self._spawn_via_init(runtime, spec, pidfd)
+        if via_init is not None:
+            return via_init
         cfg = {
             "init_pid": runtime.init_pid,
             "pidfd": pidfd,
@@ -1007,6 +1090,8 @@ class ContainerSubstrate(Substrate):
         return out
 
     def _close_root(self, sandbox_id: str) -> None:
+        """Close the sandbox's root fd (once no file operation uses it) and its exec channel."""
+        self._close_channel(sandbox_id)
         with self._lock:
             ref = self._roots.pop(sandbox_id, None)
             if ref is None:

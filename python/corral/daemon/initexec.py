@@ -1,0 +1,262 @@
+"""Exec through the sandbox's init: the daemon's half of corral-init's exec channel.
+
+A sandbox's init (rust/init/corral-init.c) holds both ends of a SOCK_SEQPACKET pair on its fds
+3 and 4. The daemon takes a copy of fd 4 (``_core.init_channel``, pidfd_getfd) and sends one
+message per command; the init forks it (already inside every wall of the sandbox) and answers
+with the child's pid in the sandbox and a pidfd. The child is the init's, not the daemon's: the
+init reaps it, and the daemon reads its exit status from the pidfd (``PIDFD_GET_INFO``,
+Linux 6.15+) once the pidfd reports the reap (EPOLLHUP). That skips what the daemon's own path
+(``_core.exec_in``) does per command: joining the cgroups, setns into five namespaces, chroot,
+the capability drop and a fresh seccomp filter (docs/isolation.md, "Exec through the init").
+
+Wire format (native endianness, both sides on one host):
+
+- request: ``struct req {u32 magic, id, uid, gid, flags, ngroups, nargv, nenv, ncand}``, then
+  ``u32 groups[ngroups]``, then NUL-terminated strings: argv, env, the exec candidates (PATH
+  already resolved here, as ``exec_in`` does) and the cwd last; SCM_RIGHTS: stdin, stdout,
+  stderr (or only stdout, stderr with ``NULL_STDIN``);
+- answer: ``struct reply {u32 magic, id; i32 value, step}``: ``REPLY`` (value = the pid in the
+  sandbox with a pidfd attached, or -errno) or ``FAIL`` (the child failed at ``step`` with
+  errno = value before exec; a ``REPLY`` follows).
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import fcntl
+import itertools
+import os
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+REQ_MAGIC = 0x31585243
+REPLY_MAGIC = 0x31525243
+FAIL_MAGIC = 0x31465243
+NULL_STDIN = 1
+MAX_MSG = 65536            # the init's receive buffer
+MAX_STRINGS = 1024
+MAX_GROUPS = 64
+ANSWER_TIMEOUT_S = 5.0     # a healthy init answers in well under a millisecond
+_REQ = struct.Struct("=9I")
+_REPLY = struct.Struct("=IIii")
+FAIL_STEPS = {1: "signals", 2: "setsid", 3: "stdio", 4: "close_fds", 5: "set_ids", 6: "set_caps"}
+
+# ioctl(pidfd, PIDFD_GET_INFO, struct pidfd_info) = _IOWR(0xFF, 11, 64 bytes)
+PIDFD_GET_INFO = (3 << 30) | (64 << 16) | (0xFF << 8) | 11
+PIDFD_INFO_PID = 1
+PIDFD_INFO_EXIT = 8
+_INFO_PID_OFF = 16        # after u64 mask, u64 cgroupid
+_INFO_EXIT_OFF = 60       # s32 exit_code, a wait(2) status
+
+
+class Busy(Exception):
+    """The init's queue is full (nothing was sent): use the daemon's own exec path."""
+
+
+class Gone(Exception):
+    """The init is gone (its end of the channel closed)."""
+
+
+class ChildFailed(OSError):
+    """The child failed before exec (``step`` names where)."""
+
+    def __init__(self, err: int, step: str) -> None:
+        super().__init__(err, f"exec through the init: {step}: {os.strerror(err)}")
+        self.step = step
+
+
+@dataclass(slots=True)
+class Spawned:
+    """A command the init started: its pidfd (ours to close), host pid (0 if it already
+    exited and was reaped before we asked) and pid inside the sandbox."""
+
+    pidfd: int
+    pid: int
+    ns_pid: int
+
+
+def candidates(argv0: str, env: dict[str, str], default_path: str) -> list[str]:
+    """The paths execve tries, in order (the same rule as ``exec_in``)."""
+    if "/" in argv0:
+        return [argv0]
+    path = env.get("PATH", default_path)
+    return [f"{'.' if not d else d.rstrip('/')}/{argv0}" for d in path.split(":")]
+
+
+def encode(req_id: int, argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int,
+           groups: list[int], cands: list[str], null_stdin: bool) -> bytes | None:
+    """One request, or None if this command does not fit the init's limits (the caller then
+    uses the daemon's own path, which reports bad input with the usual errors)."""
+    strings = [*argv, *(f"{k}={v}" for k, v in env.items()), *cands, cwd or "/"]
+    if (not argv or not argv[0] or len(groups) > MAX_GROUPS
+            or len(strings) - 1 > MAX_STRINGS or any("\0" in s for s in strings)):
+        return None
+    try:
+        body = b"".join(s.encode() + b"\0" for s in strings)
+        gids = struct.pack(f"={len(groups)}I", *groups)
+        head = _REQ.pack(REQ_MAGIC, req_id, uid, gid, NULL_STDIN if null_stdin else 0,
+                         len(groups), len(argv), len(env), len(cands))
+    except (UnicodeEncodeError, struct.error):
+        return None
+    msg = head + gids + body
+    return msg if len(msg) <= MAX_MSG else None
+
+
+class Channel:
+    """The daemon's end of one sandbox init's exec channel. Calls are serialized: one request
+    in flight per sandbox (the init serves them one at a time anyway)."""
+
+    __slots__ = ("sock", "lock", "ids")
+
+    def __init__(self, fd: int) -> None:
+        self.sock = socket.socket(fileno=fd)
+        self.sock.settimeout(ANSWER_TIMEOUT_S)
+        self.lock = threading.Lock()
+        self.ids = itertools.count(1)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int,
+              groups: list[int], cands: list[str], stdio: tuple[int, int, int]) -> Spawned:
+        """Start one command; raises Busy (nothing sent), Gone, ChildFailed or OSError."""
+        with self.lock:
+            if self.sock.fileno() < 0:  # closed under us (evicted from the cache, destroyed)
+                raise Busy("the channel is closed")
+            self._drain()
+            req_id = next(self.ids) & 0xFFFFFFFF
+            stdin, stdout, stderr = stdio
+            msg = encode(req_id, argv, env, cwd, uid, gid, groups, cands, stdin < 0)
+            if msg is None:
+                raise Busy("the command does not fit the init's limits")
+            fds = [stdout, stderr] if stdin < 0 else [stdin, stdout, stderr]
+            try:
+                self.sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                           array.array("i", fds))], socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                raise Busy("the init's queue is full") from None
+            except (BrokenPipeError, ConnectionError):
+                raise Gone("the sandbox's init is gone") from None
+            return self._answer(req_id)
+
+    def _answer(self, req_id: int) -> Spawned:
+        failed: ChildFailed | None = None
+        deadline = time.monotonic() + ANSWER_TIMEOUT_S
+        while True:
+            self.sock.settimeout(max(0.0, deadline - time.monotonic()))
+            try:
+                data, fds = self._recv()
+            except TimeoutError:
+                raise OSError(errno.ETIMEDOUT, "the sandbox's init did not answer") from None
+            if data is None:
+                raise Gone("the sandbox's init is gone")
+            if len(data) != _REPLY.size:
+                _close_all(fds)
+                continue
+            magic, rid, value, step = _REPLY.unpack(data)
+            if rid != req_id:  # left over from a request a restarted daemon never read
+                _close_all(fds)
+                continue
+            if magic == FAIL_MAGIC:
+                _close_all(fds)
+                failed = ChildFailed(value if value > 0 else errno.EIO,
+                                     FAIL_STEPS.get(step, "unknown"))
+                continue
+            if magic != REPLY_MAGIC:
+                _close_all(fds)
+                continue
+            if value < 0 or not fds:
+                _close_all(fds)
+                err = -value if value < 0 else errno.EPROTO
+                raise OSError(err, f"exec through the init: {os.strerror(err)}")
+            pidfd, rest = fds[0], fds[1:]
+            _close_all(rest)
+            if failed is not None:  # the child exited 127 before exec; the init reaps it
+                os.close(pidfd)
+                raise failed
+            return Spawned(pidfd=pidfd, pid=host_pid(pidfd), ns_pid=value)
+
+    def _recv(self) -> tuple[bytes | None, list[int]]:
+        """One message and the fds it carried; (None, []) at EOF."""
+        fds = array.array("i")
+        data, anc, _flags, _addr = self.sock.recvmsg(
+            _REPLY.size + 1, socket.CMSG_SPACE(4 * fds.itemsize), socket.MSG_CMSG_CLOEXEC)
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+        if not data and not anc:
+            return None, []
+        return data, list(fds)
+
+    def _drain(self) -> None:
+        """Drop answers nobody waits for any more (a restarted daemon's predecessor's)."""
+        self.sock.settimeout(0.0)
+        try:
+            while True:
+                data, fds = self._recv()
+                _close_all(fds)
+                if data is None:
+                    return
+        except (BlockingIOError, InterruptedError):
+            pass
+        finally:
+            self.sock.settimeout(ANSWER_TIMEOUT_S)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _info(pidfd: int, mask: int) -> bytearray | None:
+    buf = bytearray(64)
+    struct.pack_into("=Q", buf, 0, mask)
+    try:
+        fcntl.ioctl(pidfd, PIDFD_GET_INFO, buf)
+    except OSError:  # ESRCH: reaped, and no exit status was asked for
+        return None
+    return buf
+
+
+def host_pid(pidfd: int) -> int:
+    """The pidfd's process's pid in the daemon's pid namespace; 0 once it is reaped."""
+    buf = _info(pidfd, PIDFD_INFO_PID)
+    if buf is None or not struct.unpack_from("=Q", buf, 0)[0] & PIDFD_INFO_PID:
+        return 0
+    return struct.unpack_from("=I", buf, _INFO_PID_OFF)[0]
+
+
+def wait_status(pidfd: int) -> int | None:
+    """The reaped process's wait(2) status; None if it is not reaped yet."""
+    buf = _info(pidfd, PIDFD_INFO_EXIT)
+    if buf is None or not struct.unpack_from("=Q", buf, 0)[0] & PIDFD_INFO_EXIT:
+        return None
+    return struct.unpack_from("=i", buf, _INFO_EXIT_OFF)[0]
+
+
+def exit_code(pidfd: int) -> int | None:
+    """The reaped process's exit code (128 + signal if killed); None if not reaped yet."""
+    status = wait_status(pidfd)
+    if status is None:
+        return None
+    if status & 0x7F == 0:
+        return (status >> 8) & 0xFF
+    return 128 + (status & 0x7F)
+
+
+def supported() -> bool:
+    """Does this kernel give a non-parent a reaped process's exit status (6.15+)?"""
+    try:
+        pid = os.posix_spawn("/bin/true", ["true"], {})
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        os.waitpid(pid, 0)
+        return exit_code(fd) == 0
+    finally:
+        os.close(fd)
