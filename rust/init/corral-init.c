@@ -11,9 +11,9 @@
  * Exec server (docs/isolation.md, "Exec through the init"). The spawner leaves both ends of a
  * SOCK_SEQPACKET pair on fds 3 and 4; the daemon takes its own copy of fd 4 with pidfd_getfd
  * when it first runs a command here (so the channel survives a daemon restart). A request is
- * one message: a header, groups, cwd, argv, env and the exec candidates (the daemon resolves
- * PATH), with the stdio fds attached. The init forks a child (CLONE_VFORK: the init waits until
- * it has exec'd or exited, which orders the messages), and answers with the child's pid in the
+ * one message: a header, groups, argv, env, the exec candidates (the daemon resolves PATH)
+ * and the cwd, with the stdio fds attached. The init starts a child (CLONE_VM | CLONE_VFORK:
+ * the init waits until it has exec'd or exited, which orders the messages), and answers with the child's pid in the
  * sandbox and a pidfd attached (CLONE_PIDFD), through which the daemon signals the child and
  * reads its exit status once this init has reaped it (PIDFD_GET_INFO). The child inherits the
  * init's walls (cgroups, namespaces, root, rlimits, no_new_privs, seccomp); it only switches
@@ -29,12 +29,14 @@
 #define SIGINT 2
 #define SIGTERM 15
 #define SIGCHLD 17
+#define SIGKILL 9
 #define SIGIO 29
 #define SIG_CTL 40 /* realtime: the channel's readiness */
 #define SIG_BLOCK 0
 #define SIG_SETMASK 2
 #define WNOHANG 1
 #define PR_SET_NAME 15
+#define RLIMIT_NOFILE 7
 #define PR_SET_DUMPABLE 4
 #define F_SETFD 2
 #define F_GETFL 3
@@ -54,6 +56,7 @@
 #define MSG_CMSG_CLOEXEC 0x40000000
 #define SOL_SOCKET 1
 #define SCM_RIGHTS 1
+#define CLONE_VM 0x100
 #define CLONE_PIDFD 0x1000
 #define CLONE_VFORK 0x4000
 #define EAGAIN 11
@@ -91,6 +94,8 @@
 #define NR_openat 257
 #define NR_dup3 292
 #define NR_close_range 436
+#define NR_prlimit64 302
+#define NR_pidfd_send_signal 424
 
 static long sys6(long n, long a, long b, long c, long d, long e, long f) {
     long ret;
@@ -127,6 +132,8 @@ static long sys6(long n, long a, long b, long c, long d, long e, long f) {
 #define NR_openat 56
 #define NR_dup3 24
 #define NR_close_range 436
+#define NR_prlimit64 261
+#define NR_pidfd_send_signal 424
 
 static long sys6(long n, long a, long b, long c, long d, long e, long f) {
     register long x8 __asm__("x8") = n;
@@ -148,6 +155,35 @@ static long sys6(long n, long a, long b, long c, long d, long e, long f) {
 
 #define sys4(n, a, b, c, d) sys6((n), (long)(a), (long)(b), (long)(c), (long)(d), 0, 0)
 #define sys3(n, a, b, c) sys4((n), (a), (b), (c), 0)
+
+/* clone(flags | CLONE_VM, stack) running fn(arg) on `stack` in the child (which must exec or
+ * exit, never return); the parent gets the pid or -errno. CLONE_VM | CLONE_VFORK is what
+ * posix_spawn does: no copy of our memory to make and then tear down again at the exec, and
+ * the child's writes (its failure report) need no pipe. Written in assembly because the child
+ * must not touch the parent's stack frame after the switch. */
+long vfork_call(void (*fn)(void *), void *arg, void *stack_top, long flags, int *pidfd);
+#if defined(__x86_64__)
+__asm__(".text\n.global vfork_call\nvfork_call:\n"
+        " and $-16, %rdx\n sub $8, %rdx\n mov %rsi, (%rdx)\n" /* arg, popped by the child */
+        " mov %rdi, %r9\n"                                       /* fn: survives syscall */
+        " mov %rcx, %rdi\n mov %rdx, %rsi\n mov %r8, %rdx\n"   /* flags, stack, &pidfd */
+        " xor %r10d, %r10d\n xor %r8d, %r8d\n"                  /* child_tid, tls */
+        " mov $56, %eax\n syscall\n"
+        " test %rax, %rax\n jnz 1f\n"
+        " xor %ebp, %ebp\n pop %rdi\n call *%r9\n"
+        " mov $127, %edi\n mov $231, %eax\n syscall\n hlt\n"
+        "1: ret\n");
+#elif defined(__aarch64__)
+__asm__(".text\n.global vfork_call\nvfork_call:\n"
+        " and x2, x2, #0xfffffffffffffff0\n stp x0, x1, [x2, #-16]!\n" /* fn, arg */
+        " mov x0, x3\n mov x1, x2\n mov x2, x4\n"              /* flags, stack, &pidfd */
+        " mov x3, #0\n mov x4, #0\n"                            /* tls, child_tid */
+        " mov x8, #220\n svc #0\n"
+        " cbnz x0, 1f\n"
+        " ldp x1, x0, [sp], #16\n blr x1\n"
+        " mov x0, #127\n mov x8, #94\n svc #0\n"
+        "1: ret\n");
+#endif
 
 typedef unsigned int u32;
 
@@ -202,13 +238,20 @@ struct reply {
     int step;  /* FAIL: which step (see initexec.py) */
 };
 
-enum { STEP_SIGNALS = 1, STEP_SETSID, STEP_STDIO, STEP_FDS, STEP_IDS, STEP_CAPS };
+enum { STEP_SIGNALS = 1, STEP_SETSID, STEP_STDIO, STEP_FDS, STEP_IDS, STEP_CAPS, STEP_RLIMIT };
+
+/* The sandbox's fd limit, which the init raises for itself (soft to hard) and its children
+ * get back. Sending a pidfd fails with ETOOMANYREFS once the fds in flight in unix sockets of
+ * the same user (every sandbox is uid 0) pass the sender's soft limit; 1,024 is within reach
+ * of a burst of commands across many sandboxes, the hard limit is not. */
+static unsigned long nofile[2];
 
 static unsigned long long buf[MAX_MSG / 8];        /* the request; pages touched on use */
+static unsigned long long child_stack[2048];       /* 16 KiB, the vfork child's */
 static unsigned long long control[8];              /* room for 4 fds */
 static const char *strs[MAX_STRINGS + 3];          /* argv, NULL, envp, NULL, candidates */
 
-static void send_reply(u32 magic, u32 id, int value, int step, int fd) {
+static long send_reply(u32 magic, u32 id, int value, int step, int fd) {
     struct reply r;
     struct iovec io;
     struct msghdr m;
@@ -235,14 +278,28 @@ static void send_reply(u32 magic, u32 id, int value, int step, int fd) {
         m.control = cbuf;
         m.controllen = sizeof(cbuf);
     }
-    /* Never blocks: with the daemon gone and its queue full the answer is dropped, and so
-     * is the command's (the daemon reports in-flight commands of a crash as infra errors). */
-    sys3(NR_sendmsg, CTL_FD, (long)&m, MSG_DONTWAIT | MSG_NOSIGNAL);
+    /* Never blocks. The daemon keeps at most 16 requests in flight per sandbox, so answers
+     * always fit the socket's buffer while it reads them; with the daemon gone they may not,
+     * and are dropped (the daemon reports a crash's in-flight commands as infra errors). */
+    return sys3(NR_sendmsg, CTL_FD, (long)&m, MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
-/* The child, between fork and exec: it runs on its own copy of our memory. */
-static __attribute__((noreturn)) void child(const struct req *q, const u32 *groups,
-                                            const int *fds, int nfds) {
+/* What the child is to run: in our memory, which it shares (CLONE_VM) while we wait. */
+struct job {
+    const struct req *q;
+    const u32 *groups;
+    const int *fds;
+    int nfds;
+};
+
+/* The child, between clone and exec, on child_stack in our memory: it writes nothing of
+ * ours (the parent resumes with everything as it left it). */
+static void child(void *arg) {
+    const struct job *j = (const struct job *)arg;
+    const struct req *q = j->q;
+    const u32 *groups = j->groups;
+    const int *fds = j->fds;
+    int nfds = j->nfds;
     unsigned long none = 0;
     int step = STEP_SIGNALS;
     long rc = sys4(NR_rt_sigprocmask, SIG_SETMASK, (long)&none, 0, sizeof(none));
@@ -274,6 +331,10 @@ static __attribute__((noreturn)) void child(const struct req *q, const u32 *grou
         if (rc >= 0)
             rc = sys3(NR_setresuid, q->uid, q->uid, q->uid);
     }
+    if (rc >= 0 && nofile[1]) {
+        step = STEP_RLIMIT;
+        rc = sys4(NR_prlimit64, 0, RLIMIT_NOFILE, (long)nofile, 0);
+    }
     if (rc >= 0 && q->uid != 0) {
         /* setresuid cleared the permitted and effective sets; clear the inheritable one too,
          * as the daemon's own exec path leaves a non-root command with none. */
@@ -302,8 +363,6 @@ static __attribute__((noreturn)) void child(const struct req *q, const u32 *grou
             sys3(NR_exit_group, 126, 0, 0);
     }
     sys3(NR_exit_group, denied ? 126 : 127, 0, 0);
-    for (;;) {
-    }
 }
 
 /* Split n NUL-terminated strings starting at p (< end) into strs[at..]; the end or 0. */
@@ -382,13 +441,22 @@ static int serve_one(void) {
     }
     if (!err) {
         int pidfd = -1;
-        long pid = sys6(NR_clone, CLONE_VFORK | CLONE_PIDFD | SIGCHLD, 0, (long)&pidfd, 0, 0, 0);
-        if (pid == 0)
-            child(q, groups, fds, nfds);
+        struct job j;
+        j.q = q;
+        j.groups = groups;
+        j.fds = fds;
+        j.nfds = nfds;
+        long pid = vfork_call(child, &j, child_stack + sizeof(child_stack) / 8,
+                              CLONE_VM | CLONE_VFORK | CLONE_PIDFD | SIGCHLD, &pidfd);
         if (pid < 0) {
             err = (int)-pid;
         } else {
-            send_reply(REPLY_MAGIC, id, (int)pid, 0, pidfd);
+            long sent = send_reply(REPLY_MAGIC, id, (int)pid, 0, pidfd);
+            if (sent < 0) {
+                /* The daemon cannot watch a command it has no pidfd of: stop it, say why. */
+                sys4(NR_pidfd_send_signal, pidfd, SIGKILL, 0, 0);
+                err = (int)-sent;
+            }
             sys3(NR_close, pidfd, 0, 0);
         }
     }
@@ -412,6 +480,13 @@ __attribute__((noreturn, used)) void corral_init_main(void) {
     sys4(NR_prctl, PR_SET_NAME, (long)"corral-init", 0, 0);
     sys4(NR_prctl, PR_SET_DUMPABLE, 0, 0, 0);
     sys4(NR_rt_sigprocmask, SIG_BLOCK, (long)&all, 0, sizeof(all));
+    if (sys4(NR_prlimit64, 0, RLIMIT_NOFILE, 0, (long)nofile) >= 0 && nofile[0] < nofile[1]) {
+        unsigned long raised[2] = {nofile[1], nofile[1]};
+        if (sys4(NR_prlimit64, 0, RLIMIT_NOFILE, (long)raised, 0) < 0)
+            nofile[1] = 0; /* unchanged: nothing for the children to restore */
+    } else {
+        nofile[1] = 0;
+    }
     /* The channel, if the spawner left one: close-on-exec for our children, readiness as
      * SIG_CTL. A sandbox without it (EBADF) still reaps and stops as before. */
     if (sys3(NR_fcntl, CTL_FD, F_SETFD, FD_CLOEXEC) >= 0) {

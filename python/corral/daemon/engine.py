@@ -875,10 +875,11 @@ class Engine:
         substrate = self.substrates[sb.spec.substrate]
         assert self._loop is not None and sb.runtime is not None
         try:
-            proc = procs.start(self._loop, substrate, sb.runtime, argv, env, cwd, ident.uid,
-                               ident.gid, ident.groups, cmd=req.cmd, stdin=stdin,
-                               keep_stdin=req.background, cap=req.max_output_bytes,
-                               timeout=_effective_timeout(req))
+            proc = await procs.start(self._loop, substrate, sb.runtime, argv, env, cwd,
+                                     ident.uid, ident.gid, ident.groups, cmd=req.cmd,
+                                     stdin=stdin, keep_stdin=req.background,
+                                     cap=req.max_output_bytes,
+                                     timeout=_effective_timeout(req))
         except CorralError:
             self._check_alive(sb)  # e.g. sandbox_not_running from a dead init -> lost
             raise
@@ -888,7 +889,8 @@ class Engine:
             raise InternalError(f"could not start the command: {e}") from e
         self.counters["execs"] += 1
         if req.background:
-            proc.ns_pid = procs.ns_pid(proc.pid)
+            if not proc.init_child:  # the init told us the pid it sees
+                proc.ns_pid = procs.ns_pid(proc.pid)
             self._keep_proc(sb, proc)
             if self.pools is not None:
                 self.pools.settled(sid)

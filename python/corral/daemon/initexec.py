@@ -23,10 +23,13 @@ Wire format (native endianness, both sides on one host):
 from __future__ import annotations
 
 import array
+import asyncio
 import errno
 import fcntl
 import itertools
 import os
+import select
+import signal
 import socket
 import struct
 import threading
@@ -41,9 +44,13 @@ MAX_MSG = 65536            # the init's receive buffer
 MAX_STRINGS = 1024
 MAX_GROUPS = 64
 ANSWER_TIMEOUT_S = 5.0     # a healthy init answers in well under a millisecond
+# Requests awaiting their answer per sandbox; more take the daemon's own path. It bounds what
+# the init may have to queue towards us, so an answer always fits the socket's buffer.
+MAX_IN_FLIGHT = 16
 _REQ = struct.Struct("=9I")
 _REPLY = struct.Struct("=IIii")
-FAIL_STEPS = {1: "signals", 2: "setsid", 3: "stdio", 4: "close_fds", 5: "set_ids", 6: "set_caps"}
+FAIL_STEPS = {1: "signals", 2: "setsid", 3: "stdio", 4: "close_fds", 5: "set_ids", 6: "set_caps",
+              7: "rlimit_nofile"}
 
 # ioctl(pidfd, PIDFD_GET_INFO, struct pidfd_info) = _IOWR(0xFF, 11, 64 bytes)
 PIDFD_GET_INFO = (3 << 30) | (64 << 16) | (0xFF << 8) | 11
@@ -107,84 +114,182 @@ def encode(req_id: int, argv: list[str], env: dict[str, str], cwd: str, uid: int
 
 
 class Channel:
-    """The daemon's end of one sandbox init's exec channel. Calls are serialized: one request
-    in flight per sandbox (the init serves them one at a time anyway)."""
+    """The daemon's end of one sandbox init's exec channel.
 
-    __slots__ = ("sock", "lock", "ids")
+    ``submit`` is the daemon's way: it sends the request and returns a future that the event
+    loop resolves when the answer arrives, so the loop never waits for the init (which, on a
+    busy core, may only get to answer once the command it started has run). ``spawn`` is the
+    blocking form, for callers without a loop (tests, tools). The socket is non-blocking."""
+
+    __slots__ = ("sock", "lock", "ids", "loop", "waiting", "failed")
 
     def __init__(self, fd: int) -> None:
         self.sock = socket.socket(fileno=fd)
-        self.sock.settimeout(ANSWER_TIMEOUT_S)
-        self.lock = threading.Lock()
+        self.sock.setblocking(False)
+        self.lock = threading.Lock()       # one sender at a time
         self.ids = itertools.count(1)
+        self.loop: asyncio.AbstractEventLoop | None = None  # set while answers are awaited
+        self.waiting: dict[int, asyncio.Future[Spawned]] = {}
+        self.failed: dict[int, ChildFailed] = {}
 
     def close(self) -> None:
+        """Close the channel; every answer still awaited fails with Gone. From another thread
+        the loop's thread does it (the loop watches the socket and owns the futures)."""
+        loop = self.loop
+        if loop is not None and not _in_loop(loop):
+            try:
+                loop.call_soon_threadsafe(self.close)
+                return
+            except RuntimeError:  # the loop is closed: nobody awaits anything any more
+                self.loop = None
+        self._unwatch()
+        waiting, self.waiting = self.waiting, {}
+        for fut in waiting.values():
+            if not fut.done():
+                fut.set_exception(Gone("the sandbox is being destroyed"))
         self.sock.close()
+
+    # ---- sending ------------------------------------------------------------------------
+    def _send(self, argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int,
+              groups: list[int], cands: list[str], stdio: tuple[int, int, int]) -> int:
+        """Send one request (under ``lock``); its id. Busy (nothing sent) or Gone."""
+        if self.sock.fileno() < 0:  # closed under us (evicted from the cache, destroyed)
+            raise Busy("the channel is closed")
+        req_id = next(self.ids) & 0xFFFFFFFF
+        stdin, stdout, stderr = stdio
+        msg = encode(req_id, argv, env, cwd, uid, gid, groups, cands, stdin < 0)
+        if msg is None:
+            raise Busy("the command does not fit the init's limits")
+        fds = [stdout, stderr] if stdin < 0 else [stdin, stdout, stderr]
+        try:
+            self.sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                       array.array("i", fds))])
+        except BlockingIOError:
+            raise Busy("the init's queue is full") from None
+        except (BrokenPipeError, ConnectionError):
+            raise Gone("the sandbox's init is gone") from None
+        return req_id
+
+    def submit(self, loop: asyncio.AbstractEventLoop, argv: list[str], env: dict[str, str],
+               cwd: str, uid: int, gid: int, groups: list[int], cands: list[str],
+               stdio: tuple[int, int, int]) -> asyncio.Future[Spawned]:
+        """Send the request now (the stdio fds travel with it: the caller may close its
+        copies); the future gets the Spawned, or Gone / ChildFailed / OSError. Raises Busy if
+        nothing was sent. Loop thread only."""
+        if len(self.waiting) >= MAX_IN_FLIGHT:
+            raise Busy("enough requests in flight in this sandbox")
+        with self.lock:
+            if not self.waiting:
+                self._drain()
+            req_id = self._send(argv, env, cwd, uid, gid, groups, cands, stdio)
+        fut: asyncio.Future[Spawned] = loop.create_future()
+        self.waiting[req_id] = fut
+        if self.loop is None:
+            loop.add_reader(self.sock.fileno(), self._on_readable)
+            self.loop = loop
+        return fut
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int,
               groups: list[int], cands: list[str], stdio: tuple[int, int, int]) -> Spawned:
-        """Start one command; raises Busy (nothing sent), Gone, ChildFailed or OSError."""
+        """The blocking form of ``submit``: Busy, Gone, ChildFailed or OSError."""
         with self.lock:
-            if self.sock.fileno() < 0:  # closed under us (evicted from the cache, destroyed)
-                raise Busy("the channel is closed")
+            if self.waiting:
+                raise Busy("answers are awaited on the event loop")
             self._drain()
-            req_id = next(self.ids) & 0xFFFFFFFF
-            stdin, stdout, stderr = stdio
-            msg = encode(req_id, argv, env, cwd, uid, gid, groups, cands, stdin < 0)
-            if msg is None:
-                raise Busy("the command does not fit the init's limits")
-            fds = [stdout, stderr] if stdin < 0 else [stdin, stdout, stderr]
-            try:
-                self.sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                           array.array("i", fds))], socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                raise Busy("the init's queue is full") from None
-            except (BrokenPipeError, ConnectionError):
-                raise Gone("the sandbox's init is gone") from None
-            return self._answer(req_id)
+            req_id = self._send(argv, env, cwd, uid, gid, groups, cands, stdio)
+            deadline = time.monotonic() + ANSWER_TIMEOUT_S
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+                    raise OSError(errno.ETIMEDOUT, "the sandbox's init did not answer")
+                try:
+                    data, fds = self._recv()
+                except BlockingIOError:
+                    continue
+                if data is None:
+                    raise Gone("the sandbox's init is gone")
+                done = self._answer(req_id, data, fds)
+                if done is not None:
+                    return done.result()
 
-    def _answer(self, req_id: int) -> Spawned:
-        failed: ChildFailed | None = None
-        deadline = time.monotonic() + ANSWER_TIMEOUT_S
+    # ---- answers --------------------------------------------------------------------------
+    def _on_readable(self) -> None:
         while True:
-            self.sock.settimeout(max(0.0, deadline - time.monotonic()))
             try:
                 data, fds = self._recv()
-            except TimeoutError:
-                raise OSError(errno.ETIMEDOUT, "the sandbox's init did not answer") from None
-            if data is None:
-                raise Gone("the sandbox's init is gone")
-            if len(data) != _REPLY.size:
+            except BlockingIOError:
+                break
+            if data is None:  # the init is gone
+                waiting, self.waiting = self.waiting, {}
+                for fut in waiting.values():
+                    if not fut.done():
+                        fut.set_exception(Gone("the sandbox's init is gone"))
+                break
+            req_id = _REPLY.unpack(data)[1] if len(data) == _REPLY.size else 0
+            fut = self.waiting.get(req_id)
+            if fut is None:  # left over from a request a restarted daemon never read
                 _close_all(fds)
                 continue
-            magic, rid, value, step = _REPLY.unpack(data)
-            if rid != req_id:  # left over from a request a restarted daemon never read
-                _close_all(fds)
+            done = self._answer(req_id, data, fds)
+            if done is None:
                 continue
-            if magic == FAIL_MAGIC:
-                _close_all(fds)
-                failed = ChildFailed(value if value > 0 else errno.EIO,
-                                     FAIL_STEPS.get(step, "unknown"))
-                continue
-            if magic != REPLY_MAGIC:
-                _close_all(fds)
-                continue
-            if value < 0 or not fds:
-                _close_all(fds)
-                err = -value if value < 0 else errno.EPROTO
-                raise OSError(err, f"exec through the init: {os.strerror(err)}")
-            pidfd, rest = fds[0], fds[1:]
-            _close_all(rest)
-            if failed is not None:  # the child exited 127 before exec; the init reaps it
-                os.close(pidfd)
-                raise failed
-            return Spawned(pidfd=pidfd, pid=host_pid(pidfd), ns_pid=value)
+            del self.waiting[req_id]
+            if fut.cancelled():  # the caller gave up: the command must not run unobserved
+                try:
+                    _kill(done.result())
+                except (OSError, Gone):
+                    pass
+            elif not fut.done():
+                try:
+                    fut.set_result(done.result())
+                except (OSError, Gone) as e:
+                    fut.set_exception(e)
+        if not self.waiting:
+            self._unwatch()
+
+    def _answer(self, req_id: int, data: bytes, fds: list[int]) -> _Answer | None:
+        """Read one message for ``req_id``: its final answer, or None (a failure report,
+        which a REPLY follows, or a message that is not ours)."""
+        if len(data) != _REPLY.size:
+            _close_all(fds)
+            return None
+        magic, rid, value, step = _REPLY.unpack(data)
+        if rid != req_id or magic not in (FAIL_MAGIC, REPLY_MAGIC):
+            _close_all(fds)
+            return None
+        if magic == FAIL_MAGIC:
+            _close_all(fds)
+            self.failed[rid] = ChildFailed(value if value > 0 else errno.EIO,
+                                           FAIL_STEPS.get(step, "unknown"))
+            return None
+        failed = self.failed.pop(rid, None)
+        if value < 0 or not fds:
+            _close_all(fds)
+            err = -value if value < 0 else errno.EPROTO
+            return _Answer(error=OSError(err, f"exec through the init: {os.strerror(err)}"))
+        pidfd, rest = fds[0], fds[1:]
+        _close_all(rest)
+        if failed is not None:  # the child exited 127 before exec; the init reaps it
+            os.close(pidfd)
+            return _Answer(error=failed)
+        return _Answer(spawned=Spawned(pidfd=pidfd, pid=host_pid(pidfd), ns_pid=value))
+
+    def _unwatch(self) -> None:
+        if self.loop is not None:
+            if self.sock.fileno() >= 0:
+                self.loop.remove_reader(self.sock.fileno())
+            self.loop = None
 
     def _recv(self) -> tuple[bytes | None, list[int]]:
-        """One message and the fds it carried; (None, []) at EOF."""
+        """One message and the fds it carried; (None, []) at EOF; BlockingIOError if none."""
         fds = array.array("i")
-        data, anc, _flags, _addr = self.sock.recvmsg(
-            _REPLY.size + 1, socket.CMSG_SPACE(4 * fds.itemsize), socket.MSG_CMSG_CLOEXEC)
+        try:
+            data, anc, _flags, _addr = self.sock.recvmsg(
+                _REPLY.size + 1, socket.CMSG_SPACE(4 * fds.itemsize), socket.MSG_CMSG_CLOEXEC)
+        except (ConnectionError, OSError) as e:
+            if isinstance(e, BlockingIOError):
+                raise
+            return None, []
         for level, kind, payload in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
@@ -193,18 +298,45 @@ class Channel:
         return data, list(fds)
 
     def _drain(self) -> None:
-        """Drop answers nobody waits for any more (a restarted daemon's predecessor's)."""
-        self.sock.settimeout(0.0)
-        try:
-            while True:
+        """Drop answers nobody waits for (a restarted daemon's predecessor's)."""
+        while True:
+            try:
                 data, fds = self._recv()
-                _close_all(fds)
-                if data is None:
-                    return
-        except (BlockingIOError, InterruptedError):
-            pass
-        finally:
-            self.sock.settimeout(ANSWER_TIMEOUT_S)
+            except BlockingIOError:
+                return
+            _close_all(fds)
+            if data is None:
+                return
+
+
+@dataclass(slots=True)
+class _Answer:
+    spawned: Spawned | None = None
+    error: BaseException | None = None
+
+    def result(self) -> Spawned:
+        if self.error is not None:
+            raise self.error
+        assert self.spawned is not None
+        return self.spawned
+
+
+def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+def _kill(sp: Spawned) -> None:
+    """SIGKILL a command nobody waits for (its process group), and let go of its pidfd."""
+    try:
+        if sp.pid > 0:
+            os.killpg(sp.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    finally:
+        os.close(sp.pidfd)
 
 
 def _close_all(fds: list[int]) -> None:

@@ -360,10 +360,10 @@ def _pipe() -> tuple[int, int]:
     return os.pipe2(os.O_CLOEXEC)
 
 
-def start(loop: asyncio.AbstractEventLoop, substrate: Substrate, runtime: SandboxRuntime,
-          argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int,
-          groups: list[int], *, cmd: str | list[str], stdin: bytes | None, keep_stdin: bool,
-          cap: int, timeout: float | None) -> Process:
+async def start(loop: asyncio.AbstractEventLoop, substrate: Substrate, runtime: SandboxRuntime,
+                argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int,
+                groups: list[int], *, cmd: str | list[str], stdin: bytes | None,
+                keep_stdin: bool, cap: int, timeout: float | None) -> Process:
     """Spawn ``argv`` in the sandbox with fresh pipes. ``stdin`` is written then closed unless
     ``keep_stdin`` (background commands keep it open for the stdin route)."""
     child_fds: list[int] = []
@@ -384,14 +384,21 @@ def start(loop: asyncio.AbstractEventLoop, substrate: Substrate, runtime: Sandbo
             os.set_blocking(fd, False)
         spec = ExecSpec(argv=argv, env=env, cwd=cwd, uid=uid, gid=gid, groups=groups,
                         stdin_fd=in_r, stdout_fd=out_w, stderr_fd=err_w)
-        child = substrate.spawn(runtime, spec)
+        child = substrate.spawn(runtime, spec, loop)
     except BaseException:
         for fd in parent_fds:
             os.close(fd)
         raise
     finally:
-        for fd in child_fds:
+        for fd in child_fds:  # sent with a request to the init, or given to our child
             os.close(fd)
+    if not isinstance(child, int | initexec.Spawned):
+        try:  # the init's answer; the loop is free meanwhile
+            child = await child
+        except BaseException:
+            for fd in parent_fds:
+                os.close(fd)
+            raise
     try:
         proc = Process(loop, child, cmd, out_r, err_r, in_w, cap, timeout)
     except BaseException:  # e.g. EMFILE on pidfd_open: don't leave an unreaped child behind

@@ -9,12 +9,17 @@ rmtree) through ``asyncio.to_thread``.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from corral.daemon.initexec import Spawned
 from corral.models import FileEntry, SandboxSpec
+
+# What spawn gives: our child's pid, the init's child, or (with a loop) the init's answer to come.
+Spawn = int | Spawned | Coroutine[Any, Any, Spawned]
 
 
 @dataclass(slots=True)  # tens of thousands live at once
@@ -105,10 +110,13 @@ class Substrate(ABC):
         return the ids removed."""
 
     @abstractmethod
-    def spawn(self, runtime: SandboxRuntime, spec: ExecSpec) -> int | Spawned:
+    def spawn(self, runtime: SandboxRuntime, spec: ExecSpec,
+              loop: asyncio.AbstractEventLoop | None = None) -> Spawn:
         """Start a process inside the sandbox in its own session/process group: a direct
         child of the daemon (its host pid is returned), or a child of the sandbox's init
-        (``Spawned``: its pidfd, through which the daemon reads its exit status)."""
+        (``Spawned``: its pidfd, through which the daemon reads its exit status). Given the
+        event loop, it may return a coroutine that gives the Spawned (await it at once: the
+        request is already sent)."""
 
     @abstractmethod
     def is_alive(self, runtime: SandboxRuntime) -> bool: ...

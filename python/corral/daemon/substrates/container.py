@@ -14,6 +14,7 @@ its id alone, which is what :meth:`cleanup_orphans` relies on after a crash.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import errno
@@ -47,7 +48,7 @@ from corral.errors import (
 )
 from corral.models import FileEntry, SandboxSpec
 
-from .base import ExecSpec, SandboxRuntime, Substrate
+from .base import ExecSpec, SandboxRuntime, Spawn, Substrate
 
 if TYPE_CHECKING:  # pragma: no cover
     from corral.daemon.cgroups import CgroupManager
@@ -895,7 +896,11 @@ class ContainerSubstrate(Substrate):
         return proc_alive(runtime.init_pid, runtime.init_starttime)
 
     # ---- exec ----------------------------------------------------------------------------
-    def spawn(self, runtime: SandboxRuntime, spec: ExecSpec) -> int | initexec.Spawned:
+    def spawn(self, runtime: SandboxRuntime, spec: ExecSpec,
+              loop: asyncio.AbstractEventLoop | None = None) -> Spawn:
+        via_init = self._spawn_via_init(runtime, spec, loop)
+        if via_init is not None:
+            return via_init
         with self._rooted(runtime) as root:
             if runtime.pidfd >= 0:
                 return self._spawn(runtime, spec, root, runtime.pidfd)
@@ -907,18 +912,26 @@ class ContainerSubstrate(Substrate):
             finally:
                 os.close(pidfd)
 
-    def _channel(self, runtime: SandboxRuntime, pidfd: int) -> initexec.Channel | None:
-        """The init's exec channel (call inside ``_rooted``: destroy closes it with the root).
-        At most ROOT_CACHE are held open, least recently used first out, as root fds are."""
+    def _channel(self, runtime: SandboxRuntime) -> initexec.Channel | None:
+        """The init's exec channel (destroy and reset close it with the root fd). At most
+        ROOT_CACHE are held open, least recently used first out, as root fds are."""
         sid = runtime.sandbox_id
         with self._lock:
+            if sid in self._closing:
+                raise SandboxNotRunning("the sandbox is being destroyed")
             if sid in self._chans:
                 self._chans.move_to_end(sid)
                 return self._chans[sid]
+        pidfd = runtime.pidfd if runtime.pidfd >= 0 else self._open_pidfd(runtime)
+        if pidfd < 0:
+            raise SandboxNotRunning("the sandbox's init is gone")
         try:
             chan: initexec.Channel | None = initexec.Channel(_core.init_channel(pidfd))
         except OSError:  # EBADF: an init without a channel (an older corral's)
             chan = None
+        finally:
+            if pidfd != runtime.pidfd:
+                os.close(pidfd)
         evicted: list[initexec.Channel | None] = []
         with self._lock:
             if sid in self._closing:
@@ -948,33 +961,45 @@ class ContainerSubstrate(Substrate):
                 chan.close()
 
     def _spawn_via_init(self, runtime: SandboxRuntime, spec: ExecSpec,
-                        pidfd: int) -> initexec.Spawned | None:
-        """Start the command through the init; None when it must take the daemon's own path
-        (no channel, a network-"disabled" sandbox, a command beyond the init's limits, the
-        init's queue full)."""
+                        loop: asyncio.AbstractEventLoop | None) -> Spawn | None:
+        """Start the command through the init (with a loop: a coroutine that gives the
+        Spawned); None when it must take the daemon's own path (no channel, a
+        network-"disabled" sandbox, a command beyond the init's limits, its queue full)."""
         if not self.init_exec or _unix_only(runtime) or spec.stdout_fd < 0 or spec.stderr_fd < 0:
             return None
-        chan = self._channel(runtime, pidfd)
+        chan = self._channel(runtime)
         if chan is None:
             return None
+        self._ensure_memcg(runtime)  # the init joins them: its children start there
         cands = initexec.candidates(spec.argv[0], spec.env, _core.DEFAULT_PATH) \
             if spec.argv else []
+        args = (list(spec.argv), spec.env, spec.cwd or "/", spec.uid, spec.gid,
+                list(spec.groups), cands, (spec.stdin_fd, spec.stdout_fd, spec.stderr_fd))
         try:
-            return chan.spawn(list(spec.argv), spec.env, spec.cwd or "/", spec.uid, spec.gid,
-                              list(spec.groups), cands,
-                              (spec.stdin_fd, spec.stdout_fd, spec.stderr_fd))
+            if loop is None:
+                return chan.spawn(*args)
+            return self._answer(runtime, chan.submit(loop, *args))
         except initexec.Busy:
             return None
-        except initexec.Gone:
-            raise SandboxNotRunning("the sandbox's init is gone") from None
-        except OSError as e:
-            if not self.is_alive(runtime):
-                raise SandboxNotRunning("the sandbox's init is gone") from e
-            if e.errno in _OUT_OF_RESOURCES:
-                raise CapacityExceeded(f"cannot start the process: {e.strerror or e}",
-                                       details={"errno": e.errno}) from e
-            raise InternalError(f"cannot start the process: {e.strerror or e}",
-                                details={"errno": e.errno}) from e
+        except (initexec.Gone, OSError) as e:
+            raise self._spawn_error(runtime, e) from e
+
+    async def _answer(self, runtime: SandboxRuntime,
+                      fut: asyncio.Future[initexec.Spawned]) -> initexec.Spawned:
+        try:
+            return await fut
+        except (initexec.Gone, OSError) as e:
+            raise self._spawn_error(runtime, e) from e
+
+    def _spawn_error(self, runtime: SandboxRuntime, e: BaseException) -> CorralError:
+        """The API's error for a command that could not be started."""
+        if isinstance(e, initexec.Gone) or not self.is_alive(runtime):
+            return SandboxNotRunning("the sandbox's init is gone")
+        err = getattr(e, "errno", None)
+        msg = getattr(e, "strerror", None) or str(e)
+        if err in _OUT_OF_RESOURCES:
+            return CapacityExceeded(f"cannot start the process: {msg}", details={"errno": err})
+        return InternalError(f"cannot start the process: {msg}", details={"errno": err})
 
     def warm(self, runtime: SandboxRuntime) -> None:
         """Make what a first exec would (a warm pool's sandboxes are few: their exec should
@@ -994,10 +1019,7 @@ class ContainerSubstrate(Substrate):
 
     def _spawn(self, runtime: SandboxRuntime, spec: ExecSpec, root: int,
                pidfd: int) -> int | initexec.Spawned:
-        self._ensure_memcg(runtime)  # the init joins them: its children start there
-        via_init = self._spawn_via_init(runtime, spec, pidfd)
-        if via_init is not None:
-            return via_init
+        self._ensure_memcg(runtime)
         cfg = {
             "init_pid": runtime.init_pid,
             "pidfd": pidfd,
@@ -1020,13 +1042,7 @@ class ContainerSubstrate(Substrate):
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         except OSError as e:
-            if not self.is_alive(runtime):
-                raise SandboxNotRunning("the sandbox's init is gone") from e
-            if e.errno in _OUT_OF_RESOURCES:
-                raise CapacityExceeded(f"cannot start the process: {e.strerror or e}",
-                                       details={"errno": e.errno}) from e
-            raise InternalError(f"cannot start the process: {e.strerror or e}",
-                                details={"errno": e.errno}) from e
+            raise self._spawn_error(runtime, e) from e
 
     # ---- files ---------------------------------------------------------------------------
     @contextlib.contextmanager
