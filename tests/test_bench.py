@@ -53,7 +53,7 @@ def test_report_header(report):
         assert key in report
     assert report["host"]["cpus"] >= 1
     assert set(report["scenarios"]) == {"churn", "latency", "exec", "density", "snapshot",
-                                        "trajlog"}
+                                        "trajlog", "execpath"}
     for name, sec in report["scenarios"].items():
         assert "error" not in sec, (name, sec)
         assert len(sec["runs"]) == 1
@@ -148,6 +148,27 @@ def test_trajlog_section(report):
     assert not any(os.path.exists(report["state_root"] + f"/trajlog-{k}") for k in ("on", "off"))
 
 
+def test_execpath_section(report):
+    """The init's exec path vs the daemon's: both daemons measured in every mode, with the
+    ratios, and both gone without a trace."""
+    sec = report["scenarios"]["execpath"]
+    assert sec["n"] == N and sec["n_first"] == 10
+    for daemon in ("init", "daemon"):
+        for mode in ("seq", "conc", "first"):
+            m = sec["median"][daemon][mode]
+            assert m["n"] == (10 if mode == "first" else N) and m["errors"] == 0
+            assert _is_num(m["ops_per_s"]) and m["ops_per_s"] > 0
+            assert _is_num(m["exec_ms"]["p50"]) and m["exec_ms"]["p50"] > 0
+    assert set(sec["ratios"]) == {f"{k} {m}" for k in ("throughput", "p50")
+                                  for m in ("seq", "conc", "first")}
+    # Each daemon's commands took the path it stands for (network "none": the init's path).
+    assert sec["paths"]["init"]["init"] >= 2 * N + 10 and sec["paths"]["init"]["daemon"] == 0
+    assert sec["paths"]["daemon"]["init"] == 0 and sec["paths"]["daemon"]["daemon"] >= 2 * N
+    assert sec["cleanup"] == {"clean": True, "leaks": {}}
+    assert not any(os.path.exists(report["state_root"] + f"/execpath-{k}")
+                   for k in ("init", "daemon"))
+
+
 def test_trajlog_table_renders():
     """The table, with and without a baseline tree (no daemon needed)."""
     import io
@@ -199,7 +220,7 @@ def test_cli_json(tmp_path):
 
 def test_parse_scenarios():
     assert parse_scenarios("all") == ["churn", "latency", "exec", "density", "snapshot",
-                                      "trajlog"]
+                                      "trajlog", "execpath"]
     assert parse_scenarios("snapshot") == ["snapshot"]
     assert parse_scenarios("trajlog") == ["trajlog"]
     assert parse_scenarios("exec, churn") == ["exec", "churn"]

@@ -177,6 +177,24 @@ def trajlog_table(sec: dict[str, Any]) -> Table:
     return t
 
 
+def execpath_table(sec: dict[str, Any]) -> Table:
+    m, rt = sec["median"], sec["ratios"]
+    t = Table(title=f"execpath: commands started by the sandbox's init vs by the daemon "
+                    f"(N={sec['n']} per daemon and mode, {sec['n_first']} first results; "
+                    f"median of {len(sec['runs'])} runs)")
+    for c in ("mode", "init ops/s", "daemon ops/s", "init/daemon", "init p50 ms",
+              "daemon p50 ms", "init/daemon p50"):
+        t.add_column(c, justify="left" if c == "mode" else "right")
+    for mode, label in (("seq", "exec round trip (sync client)"),
+                        ("conc", f"exec, {sec['concurrency']} in flight (async client)"),
+                        ("first", "create -> exec (first result)")):
+        t.add_row(label, _f(_get(m, "init", mode, "ops_per_s")),
+                  _f(_get(m, "daemon", mode, "ops_per_s")), _f(rt.get(f"throughput {mode}"), 3),
+                  _f(_get(m, "init", mode, "exec_ms", "p50"), 3),
+                  _f(_get(m, "daemon", mode, "exec_ms", "p50"), 3), _f(rt.get(f"p50 {mode}"), 3))
+    return t
+
+
 def profile_table(scenario: str, prof: dict[str, Any]) -> Table:
     t = Table(title=f"corrald during corral's {scenario} (run 1): py-spy, "
                     f"{prof['samples']:,} samples, % of non-idle samples")
@@ -190,7 +208,8 @@ def profile_table(scenario: str, prof: dict[str, Any]) -> Table:
 
 
 TABLES = {"churn": churn_table, "latency": latency_table, "exec": exec_table,
-          "density": density_table, "snapshot": snapshot_table, "trajlog": trajlog_table}
+          "density": density_table, "snapshot": snapshot_table, "trajlog": trajlog_table,
+          "execpath": execpath_table}
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:
@@ -204,6 +223,10 @@ def print_report(report: dict[str, Any], console: Console) -> None:
                 f"{k} = {v}" for k, v in sec["ratios"].items()))
         if name == "snapshot" and any(sec.get("left", {}).values()):
             console.print(f"[red]  snapshot scenario left behind: {sec['left']}[/red]")
+        if name == "execpath" and sec.get("paths"):
+            console.print("  commands started (all runs): " + "; ".join(
+                f"{k} daemon: {v['init']:,} by the init, {v['daemon']:,} by the daemon"
+                for k, v in sec["paths"].items()))
         if name == "trajlog":
             for k, st in (sec.get("log_stats") or {}).items():
                 if st:

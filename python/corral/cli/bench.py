@@ -12,12 +12,12 @@ from corral.cli.output import err
 
 app = typer.Typer()
 
-_SCENARIOS = ("churn", "latency", "exec", "density", "snapshot", "trajlog")
+_SCENARIOS = ("churn", "latency", "exec", "density", "snapshot", "trajlog", "execpath")
 
 
 def parse_scenarios(value: str) -> list[str]:
     """``all`` or a comma-separated list of churn, latency, exec, density, snapshot,
-    trajlog."""
+    trajlog, execpath."""
     if value.strip() == "all":
         return list(_SCENARIOS)
     names = [s.strip() for s in value.split(",") if s.strip()]
@@ -43,7 +43,8 @@ def parse_networks(value: str) -> list[str]:
 @app.command()
 def bench(
     scenario: str = typer.Argument("all", help="churn, latency, exec, density, snapshot, "
-                                               "trajlog, all, or a comma-separated list."),
+                                               "trajlog, execpath, all, or a "
+                                               "comma-separated list."),
     peers: bool = typer.Option(False, "--peers", help="Also run bwrap, crun and runc in the "
                                                       "churn (installed with apt-get if "
                                                       "missing)."),
@@ -51,9 +52,10 @@ def bench(
                                                             "report quotes medians."),
     count: int | None = typer.Option(None, "--count", "-n", min=1, help="Operations (or live "
                                      "sandboxes for density, snapshot/restore cycles for "
-                                     "snapshot, execs per daemon and mode for trajlog) per "
-                                     "scenario. Default: churn 1000, latency 300, exec 1000, "
-                                     "density 1000, snapshot 30, trajlog 1000."),
+                                     "snapshot, execs per daemon and mode for trajlog and "
+                                     "execpath) per scenario. Default: churn 1000, latency "
+                                     "300, exec 1000, density 1000, snapshot 30, trajlog 1000, "
+                                     "execpath 1000."),
     concurrency: int = typer.Option(4, "--concurrency", "-c", min=1, max=64,
                                     help="Operations in flight (churn, async exec), the same "
                                          "for every system."),
@@ -101,7 +103,8 @@ def bench(
     sandbox), density (N idle sandboxes: memory, create rate vs live count), snapshot
     (snapshot with --snapshot-mb MB changed, restore in place, fork of --fork children; issue
     4's targets), trajlog (exec throughput with the trajectory log on vs off, two private
-    daemons; issue 4's overhead target). Every system
+    daemons; issue 4's overhead target), execpath (commands started by the sandbox's init vs
+    by the daemon: exec round trip, throughput, first result; two private daemons). Every system
     runs in the same run; ratios are taken within a run, medians over --runs. Exits 1 if a
     scenario failed or anything was left behind."""
     from corral.bench.runner import run

@@ -1287,4 +1287,7 @@ class Engine:
             out.update({f"trajlog_{k}": v for k, v in self.trajlog.stats.items()})
         for k, v in getattr(self.cgroups, "set_spare_stats", {}).items():
             out[f"cgroup_spares_{k}"] = v  # recycled pids/cpu/freezer cgroups (recycle_rest)
+        for sub in self.substrates.values():  # execs_via_{init,daemon}: who started commands
+            for k, v in getattr(sub, "exec_paths", {}).items():
+                out[f"execs_via_{k}"] = out.get(f"execs_via_{k}", 0) + v
         return out

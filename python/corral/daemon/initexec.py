@@ -128,7 +128,9 @@ class Channel:
         self.sock.setblocking(False)
         self.lock = threading.Lock()       # one sender at a time
         self.ids = itertools.count(1)
-        self.loop: asyncio.AbstractEventLoop | None = None  # set while answers are awaited
+        # The loop watching the socket: from the first submit until close (one epoll entry per
+        # cached channel is cheaper than adding and removing it around every command).
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.waiting: dict[int, asyncio.Future[Spawned]] = {}
         self.failed: dict[int, ChildFailed] = {}
 
@@ -193,8 +195,8 @@ class Channel:
               groups: list[int], cands: list[str], stdio: tuple[int, int, int]) -> Spawned:
         """The blocking form of ``submit``: Busy, Gone, ChildFailed or OSError."""
         with self.lock:
-            if self.waiting:
-                raise Busy("answers are awaited on the event loop")
+            if self.loop is not None:  # the loop reads this socket's answers
+                raise Busy("the channel is watched by an event loop")
             self._drain()
             req_id = self._send(argv, env, cwd, uid, gid, groups, cands, stdio)
             deadline = time.monotonic() + ANSWER_TIMEOUT_S
@@ -244,8 +246,6 @@ class Channel:
                     fut.set_result(done.result())
                 except (OSError, Gone) as e:
                     fut.set_exception(e)
-        if not self.waiting:
-            self._unwatch()
 
     def _answer(self, req_id: int, data: bytes, fds: list[int]) -> _Answer | None:
         """Read one message for ``req_id``: its final answer, or None (a failure report,

@@ -430,6 +430,7 @@ class ContainerSubstrate(Substrate):
                           and initexec.supported())
         self._chans: collections.OrderedDict[str, initexec.Channel | None] = \
             collections.OrderedDict()
+        self.exec_paths = {"init": 0, "daemon": 0}  # commands started each way (/metrics)
         if netns_pool is None:
             netns_pool = int(os.environ.get("CORRAL_NETNS_POOL", "32"))
         self.netns = NetnsPool(netns_pool, most=int(os.environ.get("CORRAL_NETNS_POOL_MAX",
@@ -900,7 +901,9 @@ class ContainerSubstrate(Substrate):
               loop: asyncio.AbstractEventLoop | None = None) -> Spawn:
         via_init = self._spawn_via_init(runtime, spec, loop)
         if via_init is not None:
+            self.exec_paths["init"] += 1
             return via_init
+        self.exec_paths["daemon"] += 1
         with self._rooted(runtime) as root:
             if runtime.pidfd >= 0:
                 return self._spawn(runtime, spec, root, runtime.pidfd)
