@@ -1006,8 +1006,13 @@ class ContainerSubstrate(Substrate):
 
     def warm(self, runtime: SandboxRuntime) -> None:
         """Make what a first exec would (a warm pool's sandboxes are few: their exec should
-        not pay for their cgroups)."""
+        not pay for their cgroups or their init's channel)."""
         self._ensure_memcg(runtime)
+        if self.init_exec and not _unix_only(runtime):
+            try:
+                self._channel(runtime)
+            except SandboxNotRunning:
+                pass  # its first exec will say so
 
     def _ensure_memcg(self, runtime: SandboxRuntime) -> None:
         """The sandbox's memory and cpu cgroups, made at its first exec (see lazy_memcg)."""
