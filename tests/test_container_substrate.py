@@ -8,6 +8,7 @@ cgroup, mount or directory is left.
 from __future__ import annotations
 
 import array
+import asyncio
 import io
 import os
 import select
@@ -557,3 +558,73 @@ def test_stale_answers_in_the_channel_are_dropped(sub, rt):
         os.close(w)
     time.sleep(0.2)  # its answer (with a pidfd) now waits in the channel
     assert run(sub, rt, "exit 4")[0] == 4
+
+
+def test_beyond_sixteen_awaited_answers_commands_take_the_daemons_path(sub, rt):
+    """With 16 answers awaited in one sandbox, further commands start through exec_in; every
+    command runs either way, and the awaited ones are answered."""
+    loop = asyncio.new_event_loop()
+    pipes, started = [], []
+    try:
+        for _ in range(initexec.MAX_IN_FLIGHT + 4):
+            r, w = os.pipe()
+            pipes.append(r)
+            try:
+                started.append(sub.spawn(rt, ExecSpec(
+                    argv=["/bin/sh", "-c", "awk '/^PPid/{print $2}' /proc/$$/status"],
+                    env={"PATH": "/usr/bin:/bin"}, cwd="/", stdout_fd=w, stderr_fd=w), loop))
+            finally:
+                os.close(w)
+        pending = [c for c in started if asyncio.iscoroutine(c)]
+        assert len(pending) == initexec.MAX_IN_FLIGHT
+        assert all(isinstance(c, int) for c in started[initexec.MAX_IN_FLIGHT:])
+        async def answers():
+            return await asyncio.gather(*pending)
+
+        answered = loop.run_until_complete(answers())
+        outs = []
+        for child, r in zip([*answered, *started[initexec.MAX_IN_FLIGHT:]], pipes, strict=True):
+            out = b""
+            while chunk := os.read(r, 4096):
+                out += chunk
+            assert os.waitstatus_to_exitcode(wait_child(child)) == 0
+            outs.append(out.decode().strip())
+        assert outs == ["1"] * initexec.MAX_IN_FLIGHT + ["0"] * 4
+    finally:
+        for r in pipes:
+            os.close(r)
+        sub._close_channel(rt.sandbox_id)  # its reader is on this loop: close it there
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+
+
+def test_a_command_whose_caller_gave_up_is_killed(sub, rt):
+    """An exec cancelled before the init's answer arrives (the client went away) must not
+    leave its command running unobserved."""
+    loop = asyncio.new_event_loop()
+    try:
+        r, w = os.pipe()
+        try:
+            coro = sub.spawn(rt, ExecSpec(argv=["sleep", "60"], env={"PATH": "/usr/bin:/bin"},
+                                          cwd="/", stdout_fd=w, stderr_fd=w), loop)
+        finally:
+            os.close(w)
+        task = loop.create_task(coro)
+        loop.call_soon(task.cancel)
+        with pytest.raises(asyncio.CancelledError):
+            loop.run_until_complete(task)
+        # The answer arrives later; the loop reads it and kills the command's group.
+        deadline = time.monotonic() + 10
+        eof = False  # the pipe's only writer is the command
+        while not eof and time.monotonic() < deadline:
+            loop.run_until_complete(asyncio.sleep(0.05))
+            if select.select([r], [], [], 0)[0]:
+                eof = os.read(r, 1) == b""
+        os.close(r)
+        assert eof, "the abandoned command still runs"
+    finally:
+        sub._close_channel(rt.sandbox_id)
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+    code, out = run(sub, rt, "pgrep -x sleep || echo none")
+    assert out.strip() == "none"
