@@ -478,9 +478,10 @@ ls -di / ; pwd ; hostname
 """
 
 
-@pytest.mark.parametrize("uid", [0, 1000])
-def test_exec_through_the_init_matches_the_daemons_own_path(sub, rt, uid):
+@pytest.mark.parametrize("uid,network", [(0, "none"), (1000, "none"), (0, "disabled")])
+def test_exec_through_the_init_matches_the_daemons_own_path(sub, make, uid, network):
     assert sub.init_exec, "this kernel should support exec through the init (6.15+)"
+    rt = make(SandboxSpec(network=network))
     outs = {}
     try:
         for via_init in (True, False):

@@ -473,8 +473,8 @@ def test_disabled_commands_see_and_signal_each_other(dis):
     """The Landlock domain per command confines sockets and ptrace-mode /proc reads, not the
     usual process tools: ps, pgrep and kill across commands work (docs/isolation.md)."""
     dis.exec("sleep 300 >/dev/null 2>&1 &", timeout=10)
-    r = sh(dis, "p=$(pgrep -x sleep | head -1); ps -o comm= -p $p; kill $p; echo kill=$?; "
-                "cat /proc/$p/environ >/dev/null 2>&1; echo environ=$?")
+    r = sh(dis, "p=$(pgrep -x sleep | head -1); ps -o comm= -p $p; "
+                "cat /proc/$p/environ >/dev/null 2>&1; echo environ=$?; kill $p; echo kill=$?")
     assert "sleep" in r.stdout and "kill=0" in r.stdout, r.stdout + r.stderr
     assert "environ=1" in r.stdout, r.stdout  # another command's domain: no ptrace-mode read
 

@@ -96,6 +96,8 @@
 #define NR_close_range 436
 #define NR_prlimit64 302
 #define NR_pidfd_send_signal 424
+#define NR_landlock_create_ruleset 444
+#define NR_landlock_restrict_self 446
 
 static long sys6(long n, long a, long b, long c, long d, long e, long f) {
     long ret;
@@ -134,6 +136,8 @@ static long sys6(long n, long a, long b, long c, long d, long e, long f) {
 #define NR_close_range 436
 #define NR_prlimit64 261
 #define NR_pidfd_send_signal 424
+#define NR_landlock_create_ruleset 444
+#define NR_landlock_restrict_self 446
 
 static long sys6(long n, long a, long b, long c, long d, long e, long f) {
     register long x8 __asm__("x8") = n;
@@ -224,6 +228,7 @@ struct cmsghdr {
 #define REPLY_MAGIC 0x31525243u /* "CRR1": the init's answer */
 #define FAIL_MAGIC 0x31465243u  /* "CRF1": the child failed before exec */
 #define REQ_NULL_STDIN 1u       /* two fds attached (stdout, stderr); stdin is /dev/null */
+#define REQ_SCOPE_UNIX 2u       /* network "disabled": a Landlock domain of the command's own */
 #define MAX_MSG 65536
 #define MAX_STRINGS 1024
 #define MAX_GROUPS 64
@@ -238,7 +243,16 @@ struct reply {
     int step;  /* FAIL: which step (see initexec.py) */
 };
 
-enum { STEP_SIGNALS = 1, STEP_SETSID, STEP_STDIO, STEP_FDS, STEP_IDS, STEP_CAPS, STEP_RLIMIT };
+enum {
+    STEP_SIGNALS = 1,
+    STEP_SETSID,
+    STEP_STDIO,
+    STEP_FDS,
+    STEP_IDS,
+    STEP_CAPS,
+    STEP_RLIMIT,
+    STEP_LANDLOCK
+};
 
 /* The sandbox's fd limit, which the init raises for itself (soft to hard) and its children
  * get back. Sending a pidfd fails with ETOOMANYREFS once the fds in flight in unix sockets of
@@ -342,6 +356,19 @@ static void child(void *arg) {
         u32 data[6] = {0, 0, 0, 0, 0, 0};
         step = STEP_CAPS;
         rc = sys3(NR_capset, (long)hdr, (long)data, 0);
+    }
+    if (rc >= 0 && (q->flags & REQ_SCOPE_UNIX)) {
+        /* Nested in the init's domain, scoped to abstract unix sockets only: the command's
+         * process tree connects to its own @names, never to another command's or sandbox's
+         * (no_new_privs is the init's already). */
+        unsigned long long attr[3] = {0, 0, 1 /* LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET */};
+        step = STEP_LANDLOCK;
+        rc = sys3(NR_landlock_create_ruleset, (long)attr, sizeof(attr), 0);
+        if (rc >= 0) {
+            long ruleset = rc;
+            rc = sys3(NR_landlock_restrict_self, ruleset, 0, 0);
+            sys3(NR_close, ruleset, 0, 0);
+        }
     }
     if (rc < 0) {
         send_reply(FAIL_MAGIC, q->id, (int)-rc, step, -1);

@@ -40,6 +40,7 @@ REQ_MAGIC = 0x31585243
 REPLY_MAGIC = 0x31525243
 FAIL_MAGIC = 0x31465243
 NULL_STDIN = 1
+SCOPE_UNIX = 2             # network "disabled": the command gets a Landlock domain of its own
 MAX_MSG = 65536            # the init's receive buffer
 MAX_STRINGS = 1024
 MAX_GROUPS = 64
@@ -50,7 +51,7 @@ MAX_IN_FLIGHT = 16
 _REQ = struct.Struct("=9I")
 _REPLY = struct.Struct("=IIii")
 FAIL_STEPS = {1: "signals", 2: "setsid", 3: "stdio", 4: "close_fds", 5: "set_ids", 6: "set_caps",
-              7: "rlimit_nofile"}
+              7: "rlimit_nofile", 8: "landlock"}
 
 # ioctl(pidfd, PIDFD_GET_INFO, struct pidfd_info) = _IOWR(0xFF, 11, 64 bytes)
 PIDFD_GET_INFO = (3 << 30) | (64 << 16) | (0xFF << 8) | 11
@@ -95,7 +96,8 @@ def candidates(argv0: str, env: dict[str, str], default_path: str) -> list[str]:
 
 
 def encode(req_id: int, argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int,
-           groups: list[int], cands: list[str], null_stdin: bool) -> bytes | None:
+           groups: list[int], cands: list[str], null_stdin: bool,
+           scope_unix: bool = False) -> bytes | None:
     """One request, or None if this command does not fit the init's limits (the caller then
     uses the daemon's own path, which reports bad input with the usual errors)."""
     strings = [*argv, *(f"{k}={v}" for k, v in env.items()), *cands, cwd or "/"]
@@ -105,8 +107,9 @@ def encode(req_id: int, argv: list[str], env: dict[str, str], cwd: str, uid: int
     try:
         body = b"".join(s.encode() + b"\0" for s in strings)
         gids = struct.pack(f"={len(groups)}I", *groups)
-        head = _REQ.pack(REQ_MAGIC, req_id, uid, gid, NULL_STDIN if null_stdin else 0,
-                         len(groups), len(argv), len(env), len(cands))
+        flags = (NULL_STDIN if null_stdin else 0) | (SCOPE_UNIX if scope_unix else 0)
+        head = _REQ.pack(REQ_MAGIC, req_id, uid, gid, flags, len(groups), len(argv), len(env),
+                         len(cands))
     except (UnicodeEncodeError, struct.error):
         return None
     msg = head + gids + body
@@ -153,13 +156,14 @@ class Channel:
 
     # ---- sending ------------------------------------------------------------------------
     def _send(self, argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int,
-              groups: list[int], cands: list[str], stdio: tuple[int, int, int]) -> int:
+              groups: list[int], cands: list[str], stdio: tuple[int, int, int],
+              scope_unix: bool = False) -> int:
         """Send one request (under ``lock``); its id. Busy (nothing sent) or Gone."""
         if self.sock.fileno() < 0:  # closed under us (evicted from the cache, destroyed)
             raise Busy("the channel is closed")
         req_id = next(self.ids) & 0xFFFFFFFF
         stdin, stdout, stderr = stdio
-        msg = encode(req_id, argv, env, cwd, uid, gid, groups, cands, stdin < 0)
+        msg = encode(req_id, argv, env, cwd, uid, gid, groups, cands, stdin < 0, scope_unix)
         if msg is None:
             raise Busy("the command does not fit the init's limits")
         fds = [stdout, stderr] if stdin < 0 else [stdin, stdout, stderr]
@@ -174,7 +178,7 @@ class Channel:
 
     def submit(self, loop: asyncio.AbstractEventLoop, argv: list[str], env: dict[str, str],
                cwd: str, uid: int, gid: int, groups: list[int], cands: list[str],
-               stdio: tuple[int, int, int]) -> asyncio.Future[Spawned]:
+               stdio: tuple[int, int, int], scope_unix: bool = False) -> asyncio.Future[Spawned]:
         """Send the request now (the stdio fds travel with it: the caller may close its
         copies); the future gets the Spawned, or Gone / ChildFailed / OSError. Raises Busy if
         nothing was sent. Loop thread only."""
@@ -183,7 +187,7 @@ class Channel:
         with self.lock:
             if not self.waiting:
                 self._drain()
-            req_id = self._send(argv, env, cwd, uid, gid, groups, cands, stdio)
+            req_id = self._send(argv, env, cwd, uid, gid, groups, cands, stdio, scope_unix)
         fut: asyncio.Future[Spawned] = loop.create_future()
         self.waiting[req_id] = fut
         if self.loop is None:
@@ -192,13 +196,14 @@ class Channel:
         return fut
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int,
-              groups: list[int], cands: list[str], stdio: tuple[int, int, int]) -> Spawned:
+              groups: list[int], cands: list[str], stdio: tuple[int, int, int],
+              scope_unix: bool = False) -> Spawned:
         """The blocking form of ``submit``: Busy, Gone, ChildFailed or OSError."""
         with self.lock:
             if self.loop is not None:  # the loop reads this socket's answers
                 raise Busy("the channel is watched by an event loop")
             self._drain()
-            req_id = self._send(argv, env, cwd, uid, gid, groups, cands, stdio)
+            req_id = self._send(argv, env, cwd, uid, gid, groups, cands, stdio, scope_unix)
             deadline = time.monotonic() + ANSWER_TIMEOUT_S
             while True:
                 left = deadline - time.monotonic()

@@ -966,9 +966,9 @@ class ContainerSubstrate(Substrate):
     def _spawn_via_init(self, runtime: SandboxRuntime, spec: ExecSpec,
                         loop: asyncio.AbstractEventLoop | None) -> Spawn | None:
         """Start the command through the init (with a loop: a coroutine that gives the
-        Spawned); None when it must take the daemon's own path (no channel, a
-        network-"disabled" sandbox, a command beyond the init's limits, its queue full)."""
-        if not self.init_exec or _unix_only(runtime) or spec.stdout_fd < 0 or spec.stderr_fd < 0:
+        Spawned); None when it must take the daemon's own path (no channel, a command beyond
+        the init's limits, 16 answers awaited)."""
+        if not self.init_exec or spec.stdout_fd < 0 or spec.stderr_fd < 0:
             return None
         chan = self._channel(runtime)
         if chan is None:
@@ -977,7 +977,8 @@ class ContainerSubstrate(Substrate):
         cands = initexec.candidates(spec.argv[0], spec.env, _core.DEFAULT_PATH) \
             if spec.argv else []
         args = (list(spec.argv), spec.env, spec.cwd or "/", spec.uid, spec.gid,
-                list(spec.groups), cands, (spec.stdin_fd, spec.stdout_fd, spec.stderr_fd))
+                list(spec.groups), cands, (spec.stdin_fd, spec.stdout_fd, spec.stderr_fd),
+                _unix_only(runtime))
         try:
             if loop is None:
                 return chan.spawn(*args)
@@ -1008,7 +1009,7 @@ class ContainerSubstrate(Substrate):
         """Make what a first exec would (a warm pool's sandboxes are few: their exec should
         not pay for their cgroups or their init's channel)."""
         self._ensure_memcg(runtime)
-        if self.init_exec and not _unix_only(runtime):
+        if self.init_exec:
             try:
                 self._channel(runtime)
             except SandboxNotRunning:
