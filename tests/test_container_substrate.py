@@ -576,15 +576,19 @@ def test_beyond_sixteen_awaited_answers_commands_take_the_daemons_path(sub, rt):
                     env={"PATH": "/usr/bin:/bin"}, cwd="/", stdout_fd=w, stderr_fd=w), loop))
             finally:
                 os.close(w)
-        pending = [c for c in started if asyncio.iscoroutine(c)]
-        assert len(pending) == initexec.MAX_IN_FLIGHT
-        assert all(isinstance(c, int) for c in started[initexec.MAX_IN_FLIGHT:])
+        # All coroutines (with a loop nothing blocks it): the init's answers to come, then the
+        # daemon's own path in a worker thread.
+        names = [c.cr_code.co_name for c in started]
+        assert names == ["_answer"] * initexec.MAX_IN_FLIGHT + ["_spawn_off_loop"] * 4
+
         async def answers():
-            return await asyncio.gather(*pending)
+            return await asyncio.gather(*started)
 
         answered = loop.run_until_complete(answers())
+        assert [type(c) for c in answered] == \
+            [initexec.Spawned] * initexec.MAX_IN_FLIGHT + [int] * 4
         outs = []
-        for child, r in zip([*answered, *started[initexec.MAX_IN_FLIGHT:]], pipes, strict=True):
+        for child, r in zip(answered, pipes, strict=True):
             out = b""
             while chunk := os.read(r, 4096):
                 out += chunk

@@ -6,9 +6,11 @@ fails AND, where it could have had an effect, that the host is unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -641,3 +643,36 @@ def test_disabled_refused_without_landlock_scopes(monkeypatch, abi):
         shared.fd()
     assert "Landlock" in ei.value.message and ei.value.details["landlock_abi"] == abi
     assert shared._fd == -1  # no namespace made
+
+
+def test_a_sandbox_that_stops_new_processes_cannot_stall_the_daemon():
+    """Code in a sandbox can stop (SIGSTOP, same uid) a command's child before it execs, and
+    whoever waits for that exec waits until the sandbox is destroyed. Through the init that is
+    the sandbox's own init; past 16 unanswered requests the daemon's own path takes over, in a
+    worker thread, never on the event loop. The daemon keeps serving other sandboxes, and
+    killing the attacker's sandbox ends every call still held in it."""
+    async def go() -> None:
+        bad = await corral.AsyncSandbox.create(timeout=300)
+        good = await corral.AsyncSandbox.create(timeout=300)
+        try:
+            await bad.exec("while :; do kill -STOP -1; done >/dev/null 2>&1 &", timeout=10)
+            held = [asyncio.create_task(bad.exec(["true"], timeout=120)) for _ in range(24)]
+            await asyncio.sleep(2)
+            assert not all(t.done() for t in held), "the attack never landed"
+            t0 = time.monotonic()
+            for i in range(10):
+                r = await good.exec(f"echo {i}", timeout=10)
+                assert r.stdout == f"{i}\n"
+            assert time.monotonic() - t0 < 10
+            await bad.kill()
+            outcomes = await asyncio.wait_for(asyncio.gather(*held, return_exceptions=True), 60)
+            for o in outcomes:  # ran before the attack landed, or ended with the sandbox
+                assert not isinstance(o, BaseException) or isinstance(o, corral.CorralError), o
+        finally:
+            for box in (bad, good):
+                try:
+                    await box.kill()
+                except corral.CorralError:
+                    pass
+
+    asyncio.run(go())

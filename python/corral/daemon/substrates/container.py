@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
+import dataclasses
 import errno
 import io
 import logging
@@ -366,6 +368,23 @@ def _unix_only(runtime: SandboxRuntime) -> bool:
     return runtime.extra.get("network") == "disabled"
 
 
+def _dup(fd: int) -> int:
+    """A close-on-exec copy of ``fd`` (-1 stays -1)."""
+    return os.dup(fd) if fd >= 0 else -1
+
+
+def _kill_abandoned(job: asyncio.Future[int]) -> None:
+    """A command the daemon started for a caller that is gone: kill its group, reap it."""
+    if job.cancelled() or job.exception() is not None:
+        return
+    pid = job.result()
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    threading.Thread(target=_reap_later, args=(pid,), daemon=True).start()
+
+
 def _reap_later(pid: int) -> None:
     try:
         os.waitpid(pid, 0)
@@ -431,6 +450,10 @@ class ContainerSubstrate(Substrate):
         self._chans: collections.OrderedDict[str, initexec.Channel | None] = \
             collections.OrderedDict()
         self.exec_paths = {"init": 0, "daemon": 0}  # commands started each way (/metrics)
+        # The daemon's own path when an event loop waits for it (see _spawn_off_loop).
+        self._fallback_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=16, thread_name_prefix="corral-exec")
+        self._fallback_gates: dict[str, asyncio.Lock] = {}
         if netns_pool is None:
             netns_pool = int(os.environ.get("CORRAL_NETNS_POOL", "32"))
         self.netns = NetnsPool(netns_pool, most=int(os.environ.get("CORRAL_NETNS_POOL_MAX",
@@ -486,6 +509,8 @@ class ContainerSubstrate(Substrate):
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
+        # A worker still held by a stopped child is freed when its sandbox goes; don't wait.
+        self._fallback_pool.shutdown(wait=False, cancel_futures=True)
         self.netns.close()
         drop = getattr(self.cgroups, "drop_spares", None)
         if drop is not None:
@@ -904,6 +929,52 @@ class ContainerSubstrate(Substrate):
             self.exec_paths["init"] += 1
             return via_init
         self.exec_paths["daemon"] += 1
+        if loop is not None:
+            # The caller closes its stdio fds once we return: the worker gets copies.
+            own = dataclasses.replace(spec, stdin_fd=_dup(spec.stdin_fd),
+                                      stdout_fd=_dup(spec.stdout_fd),
+                                      stderr_fd=_dup(spec.stderr_fd))
+            return self._spawn_off_loop(runtime, own, loop)
+        return self._spawn_here(runtime, spec)
+
+    async def _spawn_off_loop(self, runtime: SandboxRuntime, spec: ExecSpec,
+                              loop: asyncio.AbstractEventLoop) -> int:
+        """The daemon's own path, in a worker thread, one at a time per sandbox. Its child is
+        in the sandbox's pid namespace before it execs, and the calling thread waits for that
+        exec (vfork): code in the sandbox that stops the child (SIGSTOP, same uid) holds the
+        thread until the sandbox is destroyed. On the loop's thread that would stop the whole
+        daemon; here it holds one worker, and only one per sandbox."""
+        sid = runtime.sandbox_id
+        with self._lock:
+            gate = self._fallback_gates.get(sid)
+            if gate is None:
+                gate = self._fallback_gates[sid] = asyncio.Lock()
+        fds = [fd for fd in (spec.stdin_fd, spec.stdout_fd, spec.stderr_fd) if fd >= 0]
+
+        def done_with(job: asyncio.Future[int] | None, abandoned: bool) -> None:
+            for fd in fds:  # our copies: only once the worker is done with them
+                os.close(fd)
+            if abandoned and job is not None:
+                _kill_abandoned(job)
+
+        job: asyncio.Future[int] | None = None
+        try:
+            async with gate:
+                job = loop.run_in_executor(self._fallback_pool, self._spawn_here, runtime, spec)
+                pid = await asyncio.shield(job)
+        except asyncio.CancelledError:  # the caller gave up: no unobserved command
+            if job is not None and not job.done():
+                job.add_done_callback(lambda j: done_with(j, True))
+            else:
+                done_with(job, True)
+            raise
+        except BaseException:
+            done_with(job, False)
+            raise
+        done_with(job, False)
+        return pid
+
+    def _spawn_here(self, runtime: SandboxRuntime, spec: ExecSpec) -> int:
         with self._rooted(runtime) as root:
             if runtime.pidfd >= 0:
                 return self._spawn(runtime, spec, root, runtime.pidfd)
@@ -959,6 +1030,7 @@ class ContainerSubstrate(Substrate):
     def _close_channel(self, sandbox_id: str) -> None:
         with self._lock:
             chan = self._chans.pop(sandbox_id, None)
+            self._fallback_gates.pop(sandbox_id, None)
         if chan is not None:
             with chan.lock:  # not under a spawn waiting for its answer
                 chan.close()
