@@ -254,11 +254,12 @@ enum {
     STEP_LANDLOCK
 };
 
-/* The sandbox's fd limit, which the init raises for itself (soft to hard) and its children
- * get back. Sending a pidfd fails with ETOOMANYREFS once the fds in flight in unix sockets of
- * the same user (every sandbox is uid 0) pass the sender's soft limit; 1,024 is within reach
- * of a burst of commands across many sandboxes, the hard limit is not. */
-static unsigned long nofile[2];
+/* The sandbox's fd limit (soft, hard), which the init raises for itself (soft to hard) and its
+ * children get back; hard is 0 when nothing was raised. Sending a pidfd fails with ETOOMANYREFS
+ * once the fds in flight in unix sockets of the same user (every sandbox is uid 0) pass the
+ * sender's soft limit; 1,024 is within reach of a burst of commands across many sandboxes, the
+ * hard limit is not. It lives on main's stack, not in .bss: an idle init dirties no page of
+ * its data (density), and the children reach it through `struct job`. */
 
 static unsigned long long buf[MAX_MSG / 8];        /* the request; pages touched on use */
 static unsigned long long child_stack[2048];       /* 16 KiB, the vfork child's */
@@ -304,6 +305,7 @@ struct job {
     const u32 *groups;
     const int *fds;
     int nfds;
+    const unsigned long *nofile;
 };
 
 /* The child, between clone and exec, on child_stack in our memory: it writes nothing of
@@ -314,6 +316,7 @@ static void child(void *arg) {
     const u32 *groups = j->groups;
     const int *fds = j->fds;
     int nfds = j->nfds;
+    const unsigned long *nofile = j->nofile;
     unsigned long none = 0;
     int step = STEP_SIGNALS;
     long rc = sys4(NR_rt_sigprocmask, SIG_SETMASK, (long)&none, 0, sizeof(none));
@@ -406,7 +409,7 @@ static const char *take_strings(const char *p, const char *end, u32 n, u32 at) {
 }
 
 /* One request: validate, fork, answer. Returns 0 when the queue is empty. */
-static int serve_one(void) {
+static int serve_one(const unsigned long *nofile) {
     struct iovec io;
     struct msghdr m;
     int fds[4];
@@ -473,6 +476,7 @@ static int serve_one(void) {
         j.groups = groups;
         j.fds = fds;
         j.nfds = nfds;
+        j.nofile = nofile;
         long pid = vfork_call(child, &j, child_stack + sizeof(child_stack) / 8,
                               CLONE_VM | CLONE_VFORK | CLONE_PIDFD | SIGCHLD, &pidfd);
         if (pid < 0) {
@@ -494,14 +498,15 @@ static int serve_one(void) {
     return 1;
 }
 
-static void serve(void) {
-    while (serve_one()) {
+static void serve(const unsigned long *nofile) {
+    while (serve_one(nofile)) {
     }
 }
 
 __attribute__((noreturn, used)) void corral_init_main(void) {
     unsigned long all = ~0UL; /* kernel sigset_t: 64 bits */
     struct ksiginfo info;
+    unsigned long nofile[2] = {0, 0};
 
     /* exec'd from a memfd, the name would read "memfd:corral-init" in ps. */
     sys4(NR_prctl, PR_SET_NAME, (long)"corral-init", 0, 0);
@@ -522,7 +527,7 @@ __attribute__((noreturn, used)) void corral_init_main(void) {
         sys3(NR_fcntl, CTL_FD, F_SETSIG, SIG_CTL);
         long fl = sys3(NR_fcntl, CTL_FD, F_GETFL, 0);
         sys3(NR_fcntl, CTL_FD, F_SETFL, fl | O_NONBLOCK | O_ASYNC);
-        serve(); /* a request sent before O_ASYNC was set raised no signal */
+        serve(nofile); /* a request sent before O_ASYNC was set raised no signal */
     }
     for (;;) {
         long sig = sys4(NR_rt_sigtimedwait, (long)&all, (long)&info, 0, sizeof(all));
@@ -530,7 +535,7 @@ __attribute__((noreturn, used)) void corral_init_main(void) {
             while (sys4(NR_wait4, -1, 0, WNOHANG, 0) > 0) {
             }
         } else if (sig == SIG_CTL || sig == SIGIO) {
-            serve();
+            serve(nofile);
         } else if ((sig == SIGTERM || sig == SIGINT) && info.si_pid == 0) {
             sys3(NR_exit_group, 0, 0, 0);
         }
