@@ -633,3 +633,33 @@ def test_a_command_whose_caller_gave_up_is_killed(sub, rt):
         loop.close()
     code, out = run(sub, rt, "pgrep -x sleep || echo none")
     assert out.strip() == "none"
+
+
+def test_an_init_that_dies_stops_being_watched(sub, make):
+    """EOF on a dead init's channel stays readable: the loop must stop watching it rather than
+    spin on it until the sandbox is destroyed."""
+    rt = make()
+    loop = asyncio.new_event_loop()
+    try:
+        r, w = os.pipe()
+        try:
+            coro = sub.spawn(rt, ExecSpec(argv=["true"], env={"PATH": "/usr/bin:/bin"}, cwd="/",
+                                          stdout_fd=w, stderr_fd=w), loop)
+        finally:
+            os.close(w)
+        child = loop.run_until_complete(coro)
+        os.close(r)
+        assert os.waitstatus_to_exitcode(wait_child(child)) == 0
+        chan = sub._channel(rt)
+        calls = []
+        real = chan._on_readable
+        loop.remove_reader(chan.sock.fileno())
+        loop.add_reader(chan.sock.fileno(), lambda: (calls.append(1), real()))
+        signal.pidfd_send_signal(rt.pidfd, signal.SIGKILL)
+        loop.run_until_complete(asyncio.sleep(0.5))
+        assert 1 <= len(calls) <= 3, len(calls)
+        assert chan.loop is None
+    finally:
+        sub._close_channel(rt.sandbox_id)
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()

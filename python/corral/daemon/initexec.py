@@ -205,9 +205,11 @@ class Channel:
             self._drain()
             req_id = self._send(argv, env, cwd, uid, gid, groups, cands, stdio, scope_unix)
             deadline = time.monotonic() + ANSWER_TIMEOUT_S
+            poll = select.poll()  # not select(): the daemon's fds may pass FD_SETSIZE
+            poll.register(self.sock, select.POLLIN)
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+                if left <= 0 or not poll.poll(left * 1000):
                     raise OSError(errno.ETIMEDOUT, "the sandbox's init did not answer")
                 try:
                     data, fds = self._recv()
@@ -226,7 +228,9 @@ class Channel:
                 data, fds = self._recv()
             except BlockingIOError:
                 break
-            if data is None:  # the init is gone
+            if data is None:  # the init is gone: stop watching (EOF stays readable)
+                self._unwatch()
+                self.failed.clear()
                 waiting, self.waiting = self.waiting, {}
                 for fut in waiting.values():
                     if not fut.done():
