@@ -397,7 +397,12 @@ def supported() -> bool:
     except OSError:
         return False
     try:
-        os.waitpid(pid, 0)
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:  # reaped by someone else: the pidfd still tells
+            poll = select.poll()
+            poll.register(fd, select.POLLHUP)
+            poll.poll(1000)
         return exit_code(fd) == 0
     finally:
         os.close(fd)

@@ -279,8 +279,8 @@ class Process:
         while the child is unreaped: its pid (and so its group id) cannot be reused. An init
         child is reaped by the init, so the exit is only seen a moment later: its group id is
         still safe while any member of the group lives (the kernel keeps a pid number that
-        is some process's group id allocated); once none does, it is free only after the
-        sandbox's pid space wraps around."""
+        is some process's group id allocated); once none does, the number comes back only
+        after the host's pid space (pid_max, raised by the daemon) wraps around."""
         if self.exit_code is not None or self.pid <= 0:
             return
         try:
