@@ -663,3 +663,36 @@ def test_an_init_that_dies_stops_being_watched(sub, make):
         sub._close_channel(rt.sandbox_id)
         loop.run_until_complete(asyncio.sleep(0))
         loop.close()
+
+
+def test_the_channel_cache_never_closes_a_channel_with_answers_to_come(sub, make, monkeypatch):
+    """Past the cache's bound the least recently used channel closes, unless commands in its
+    sandbox still await their answers: closing it would fail them as if the sandbox died."""
+    from corral.daemon.substrates import container
+
+    monkeypatch.setattr(container, "ROOT_CACHE", 1)
+    a, b = make(), make()
+    loop = asyncio.new_event_loop()
+    try:
+        r, w = os.pipe()
+        try:
+            coro = sub.spawn(a, ExecSpec(argv=["true"], env={"PATH": "/usr/bin:/bin"}, cwd="/",
+                                         stdout_fd=w, stderr_fd=w), loop)
+        finally:
+            os.close(w)
+        busy = sub._channel(a)
+        assert busy.waiting  # its answer is not read yet (the loop has not run)
+        assert run(sub, b, "echo b")[1] == "b\n"  # b's channel: over the bound of 1
+        assert sub._channel(a) is busy and busy.sock.fileno() >= 0
+        child = loop.run_until_complete(coro)
+        assert os.waitstatus_to_exitcode(wait_child(child)) == 0
+        os.close(r)
+        c = make()
+        run(sub, c, "true")  # a third channel: a's and b's, idle now, go
+        loop.run_until_complete(asyncio.sleep(0))  # a's closes on the loop that watches it
+        assert busy.sock.fileno() < 0
+    finally:
+        for rt in (a, b):
+            sub._close_channel(rt.sandbox_id)
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()

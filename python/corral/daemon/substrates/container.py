@@ -1016,8 +1016,13 @@ class ContainerSubstrate(Substrate):
                 chan = self._chans[sid]
             else:
                 self._chans[sid] = chan
-                while len(self._chans) > ROOT_CACHE:
-                    evicted.append(self._chans.popitem(last=False)[1])
+                # Least recently used first; never one with answers still to come (closing
+                # it would fail commands that are running): the bound may pass for a while.
+                extra = len(self._chans) - ROOT_CACHE
+                for old_sid in list(self._chans)[:extra] if extra > 0 else []:
+                    old = self._chans[old_sid]
+                    if old_sid != sid and (old is None or not old.waiting):
+                        evicted.append(self._chans.pop(old_sid))
             closing = sid in self._closing
         for old in evicted:
             if old is not None:
