@@ -129,6 +129,20 @@ def run(sub, rt, cmd, *, uid=0, gid=0, cwd="/root", env=None, timeout=30):
     return os.waitstatus_to_exitcode(wait_child(pid)), out.decode(errors="replace")
 
 
+def spawn_piped(sub, rt, argv, loop):
+    """Start ``argv`` with stdout and stderr on a fresh pipe, answers awaited on ``loop``:
+    (what spawn returned, the pipe's read end)."""
+    r, w = os.pipe()
+    try:
+        return sub.spawn(rt, ExecSpec(argv=argv, env={"PATH": "/usr/bin:/bin"}, cwd="/",
+                                      stdout_fd=w, stderr_fd=w), loop), r
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+
+
 def wait_child(child):
     """The wait status of what spawn started: our child (a pid) or the init's (Spawned)."""
     if not isinstance(child, initexec.Spawned):
@@ -568,14 +582,10 @@ def test_beyond_sixteen_awaited_answers_commands_take_the_daemons_path(sub, rt):
     pipes, started = [], []
     try:
         for _ in range(initexec.MAX_IN_FLIGHT + 4):
-            r, w = os.pipe()
+            coro, r = spawn_piped(
+                sub, rt, ["/bin/sh", "-c", "awk '/^PPid/{print $2}' /proc/$$/status"], loop)
+            started.append(coro)
             pipes.append(r)
-            try:
-                started.append(sub.spawn(rt, ExecSpec(
-                    argv=["/bin/sh", "-c", "awk '/^PPid/{print $2}' /proc/$$/status"],
-                    env={"PATH": "/usr/bin:/bin"}, cwd="/", stdout_fd=w, stderr_fd=w), loop))
-            finally:
-                os.close(w)
         # All coroutines (with a loop nothing blocks it): the init's answers to come, then the
         # daemon's own path in a worker thread.
         names = [c.cr_code.co_name for c in started]
@@ -608,12 +618,7 @@ def test_a_command_whose_caller_gave_up_is_killed(sub, rt):
     leave its command running unobserved."""
     loop = asyncio.new_event_loop()
     try:
-        r, w = os.pipe()
-        try:
-            coro = sub.spawn(rt, ExecSpec(argv=["sleep", "60"], env={"PATH": "/usr/bin:/bin"},
-                                          cwd="/", stdout_fd=w, stderr_fd=w), loop)
-        finally:
-            os.close(w)
+        coro, r = spawn_piped(sub, rt, ["sleep", "60"], loop)
         task = loop.create_task(coro)
         loop.call_soon(task.cancel)
         with pytest.raises(asyncio.CancelledError):
@@ -641,12 +646,7 @@ def test_an_init_that_dies_stops_being_watched(sub, make):
     rt = make()
     loop = asyncio.new_event_loop()
     try:
-        r, w = os.pipe()
-        try:
-            coro = sub.spawn(rt, ExecSpec(argv=["true"], env={"PATH": "/usr/bin:/bin"}, cwd="/",
-                                          stdout_fd=w, stderr_fd=w), loop)
-        finally:
-            os.close(w)
+        coro, r = spawn_piped(sub, rt, ["true"], loop)
         child = loop.run_until_complete(coro)
         os.close(r)
         assert os.waitstatus_to_exitcode(wait_child(child)) == 0
@@ -674,12 +674,7 @@ def test_the_channel_cache_never_closes_a_channel_with_answers_to_come(sub, make
     a, b = make(), make()
     loop = asyncio.new_event_loop()
     try:
-        r, w = os.pipe()
-        try:
-            coro = sub.spawn(a, ExecSpec(argv=["true"], env={"PATH": "/usr/bin:/bin"}, cwd="/",
-                                         stdout_fd=w, stderr_fd=w), loop)
-        finally:
-            os.close(w)
+        coro, r = spawn_piped(sub, a, ["true"], loop)
         busy = sub._channel(a)
         assert busy.waiting  # its answer is not read yet (the loop has not run)
         assert run(sub, b, "echo b")[1] == "b\n"  # b's channel: over the bound of 1
