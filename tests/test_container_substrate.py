@@ -691,3 +691,20 @@ def test_the_channel_cache_never_closes_a_channel_with_answers_to_come(sub, make
             sub._close_channel(rt.sandbox_id)
         loop.run_until_complete(asyncio.sleep(0))
         loop.close()
+
+
+@pytest.mark.parametrize("via_init", [True, False])
+def test_disabled_commands_are_landlock_domains_of_their_own(sub, make, via_init):
+    """Network "disabled": each command is a Landlock domain of its own on both paths (nested
+    in the init's, or a fresh one), so one cannot read another's /proc/<pid>/environ; the
+    usual process tools still see it."""
+    rt = make(SandboxSpec(network="disabled"))
+    try:
+        sub.init_exec = via_init
+        assert run(sub, rt, "sleep 60 >/dev/null 2>&1 &")[0] == 0
+        code, out = run(sub, rt, "p=$(pgrep -x sleep); cat /proc/$p/environ >/dev/null 2>&1; "
+                                 "echo environ=$?; grep -q State /proc/$p/status && echo seen; "
+                                 "kill $p")
+        assert code == 0 and "environ=1" in out and "seen" in out, out
+    finally:
+        sub.init_exec = True
