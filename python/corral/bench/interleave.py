@@ -125,7 +125,7 @@ def run_seq(daemons: dict[str, PrivateDaemon], n: int, adv: Any) -> dict[str, Ta
 
 
 async def run_conc(daemons: dict[str, PrivateDaemon], n: int, conc: int,
-                      adv: Any) -> dict[str, Tally]:
+                   adv: Any) -> dict[str, Tally]:
     names = list(daemons)
     tallies = {k: Tally() for k in names}
     boxes = {k: AsyncSandbox("host", endpoint=d.endpoint, timeout=sdk_runs.TTL_S)

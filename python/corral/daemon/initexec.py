@@ -148,11 +148,16 @@ class Channel:
             except RuntimeError:  # the loop is closed: nobody awaits anything any more
                 self.loop = None
         self._unwatch()
+        self._fail_waiting("the sandbox is being destroyed")
+        self.sock.close()
+
+    def _fail_waiting(self, why: str) -> None:
+        """Every answer still awaited fails with Gone(why)."""
+        self.failed.clear()
         waiting, self.waiting = self.waiting, {}
         for fut in waiting.values():
             if not fut.done():
-                fut.set_exception(Gone("the sandbox is being destroyed"))
-        self.sock.close()
+                fut.set_exception(Gone(why))
 
     # ---- sending ------------------------------------------------------------------------
     def _send(self, argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int,
@@ -230,11 +235,7 @@ class Channel:
                 break
             if data is None:  # the init is gone: stop watching (EOF stays readable)
                 self._unwatch()
-                self.failed.clear()
-                waiting, self.waiting = self.waiting, {}
-                for fut in waiting.values():
-                    if not fut.done():
-                        fut.set_exception(Gone("the sandbox's init is gone"))
+                self._fail_waiting("the sandbox's init is gone")
                 break
             req_id = _REPLY.unpack(data)[1] if len(data) == _REPLY.size else 0
             fut = self.waiting.get(req_id)
@@ -295,9 +296,9 @@ class Channel:
         try:
             data, anc, _flags, _addr = self.sock.recvmsg(
                 _REPLY.size + 1, socket.CMSG_SPACE(4 * fds.itemsize), socket.MSG_CMSG_CLOEXEC)
-        except (ConnectionError, OSError) as e:
-            if isinstance(e, BlockingIOError):
-                raise
+        except BlockingIOError:
+            raise
+        except OSError:  # ECONNRESET and the like: as good as EOF
             return None, []
         for level, kind, payload in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
