@@ -270,26 +270,105 @@ def test_recycled_memory_cgroup_gets_new_limits(cg):
         cg.drop_spares()
 
 
-def test_charged_memory_cgroup_is_never_a_spare(cg):
-    """A dead sandbox's memory cgroup that still has charges (here: kernel objects of host
-    files its process touched) is not handed on; it is removed after the cooling time."""
+def _uncached_file(path: str, mib: int) -> None:
+    """A file of ``mib`` MiB that is not in the page cache: the next reader brings it in and
+    is charged for it."""
+    with open(path, "wb") as f:
+        f.write(os.urandom(mib * MiB))
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _memcg_count() -> int:
+    """The memory hierarchy's cgroups as the kernel counts them: live and dying."""
+    with open("/proc/cgroups") as f:
+        for line in f:
+            fields = line.split()
+            if fields and fields[0] == "memory":
+                return int(fields[2])
+    raise AssertionError("no memory controller in /proc/cgroups")
+
+
+def _run_in(cg: CgroupManager, paths: list[str], script: str) -> int:
+    files = " ".join(cg.procs_files(paths))
+    return subprocess.run(["/bin/sh", "-c", f"for f in {files}; do echo 0 > $f || exit 3; "
+                           f"done; {script}"], capture_output=True, timeout=60).returncode
+
+
+def _cooled(cg: CgroupManager) -> None:
+    deadline = time.monotonic() + 3 * COOL_S
+    while time.monotonic() < deadline and cg._cooling:
+        cg._settle()
+        time.sleep(0.05)
+    assert not cg._cooling
+
+
+def test_memory_cgroup_charged_with_page_cache_is_recycled_then_drained(cg, tmp_path):
+    """A dead sandbox's memory cgroup still charged with page cache it brought in (a file no
+    one had read) is handed on, not removed: removed, it would stay dying until the kernel
+    evicts those pages. The next tenant's lower limit reclaims the charge; at the end the
+    spare is drained, so its pages leave the cache with it."""
     if cg.version != 1:
         pytest.skip("memory cgroups are recycled on cgroup v1 only")
+    f = str(tmp_path / "data")
+    _uncached_file(f, 48)
     try:
+        before = _memcg_count()
         a = cg.create("rec-a", cpu=1, memory_mb=700, pids=64)
-        assert _alloc_in(cg, a, 50) == 0
+        assert _run_in(cg, a, f"cat {f} > /dev/null") == 0
+        charged = int(_read(os.path.join(cg._mem, "rec-a", "memory.usage_in_bytes")))
+        assert charged >= 40 * MiB  # the file's pages are charged to the sandbox
         assert cg.recycle_memory("rec-a")
         cg.remove(a)
-        deadline = time.monotonic() + 3 * COOL_S
-        while time.monotonic() < deadline and cg._cooling:
-            cg._settle()
+        _cooled(cg)
+        assert len(cg._spares) == 1 and cg.spare_stats["kept_charged"] == 1
+        assert int(_read(cg._spares[0] + "/memory.usage_in_bytes")) >= 40 * MiB
+        b = cg.create("rec-b", cpu=1, memory_mb=16, pids=64)  # under what is charged
+        assert cg.spare_stats["reused"] == 1
+        m = os.path.join(cg._mem, "rec-b")
+        assert int(_read(m + "/memory.limit_in_bytes")) == 16 * MiB
+        assert int(_read(m + "/memory.usage_in_bytes")) <= 16 * MiB  # reclaimed
+        assert _alloc_in(cg, b, 4) == 0  # and usable
+        assert cg.recycle_memory("rec-b")
+        cg.remove(b)
+        _cooled(cg)
+        _uncached_file(f, 48)  # charged anew, to the next tenant (a higher limit this time)
+        c = cg.create("rec-c", cpu=1, memory_mb=700, pids=64)
+        assert _run_in(cg, c, f"cat {f} > /dev/null") == 0
+        assert cg.recycle_memory("rec-c")
+        cg.remove(c)
+        _cooled(cg)
+        spare = cg._spares[0]
+        assert int(_read(spare + "/memory.usage_in_bytes")) >= 40 * MiB
+        cg.drop_spares()
+        assert not os.path.exists(spare)
+        # Not dying either: the kernel's count of memory cgroups (live and dying) is back.
+        deadline = time.monotonic() + 5
+        while _memcg_count() > before and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not cg._cooling
-        for spare in cg._spares:  # kept only if it drained to exactly 0 meanwhile
-            assert _read(spare + "/memory.usage_in_bytes") == "0"
-        assert cg.spare_stats["kept"] + cg.spare_stats["discarded"] == 1
+        assert _memcg_count() <= before
     finally:
         cg.drop_spares()
+
+
+def test_memory_cgroup_with_tmpfs_charge_is_never_a_spare(cg):
+    """tmpfs pages (a file a sandbox left on a host tmpfs) cannot be reclaimed without swap:
+    a cgroup charged with them is not handed on; it is removed after the cooling time."""
+    if cg.version != 1:
+        pytest.skip("memory cgroups are recycled on cgroup v1 only")
+    f = f"/dev/shm/corral-unit-{os.getpid()}"
+    try:
+        a = cg.create("rec-a", cpu=1, memory_mb=700, pids=64)
+        assert _run_in(cg, a, f"head -c {8 * MiB} /dev/zero > {f}") == 0
+        assert cg.recycle_memory("rec-a")
+        cg.remove(a)
+        _cooled(cg)
+        assert cg._spares == [] and cg.spare_stats["discarded"] == 1
+    finally:
+        cg.drop_spares()
+        if os.path.exists(f):
+            os.unlink(f)
 
 
 def test_recycled_pids_cpu_freezer_cgroups_get_new_limits(cg):

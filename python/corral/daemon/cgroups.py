@@ -23,7 +23,9 @@ _V2_REQUIRED = {"memory", "pids", "cpu"}
 CFS_PERIOD_US = 100_000
 # Emptied v1 memory cgroups kept for the next sandbox (see CgroupManager.recycle_memory). A
 # memcg's mkdir + rmdir costs ~4 ms of CPU on a host that has ever mounted many superblocks
-# (its shrinker_info is sized by that), against ~0.1 ms for the rename + limit writes of reuse.
+# (its shrinker_info is sized by the most memcg-aware shrinkers, i.e. superblocks, ever alive
+# at once: ~7 MB of 1 KiB allocations per memcg after 50,000 sandboxes of 8 mounts each),
+# against ~0.1 ms for the rename + limit writes of reuse.
 MEMCG_SPARES = int(os.environ.get("CORRAL_MEMCG_SPARES", "16"))
 # The pids, cpu and freezer cgroups of a destroyed sandbox are recycled too (v1, one spare list
 # per hierarchy, see CgroupManager.recycle_rest): ~0.3-0.5 ms of mkdir + rmdir (and the kworker
@@ -32,6 +34,10 @@ CGROUP_SPARES = int(os.environ.get("CORRAL_CGROUP_SPARES", "32"))
 _SPARE = ".spare-"  # never matches _ID_RE: list_ids and cleanup_orphans do not see spares
 _COOLING = ".cooling-"
 COOL_S = 1.0
+# memory.stat fields (this cgroup's own) of charges that reclaim cannot drop while no task is
+# left: tmpfs/shm pages (no swap here) and locked pages. A cgroup with any of these is never
+# handed on; page cache and slab are (see _settle).
+_UNRECLAIMABLE = ("rss", "shmem", "unevictable", "swap")
 # Usage counters that start again at 0 for the next tenant (limits are set at every reuse).
 _MEM_RESETS = ("memory.max_usage_in_bytes", "memory.failcnt", "memory.memsw.max_usage_in_bytes",
                "memory.memsw.failcnt", "memory.kmem.max_usage_in_bytes", "memory.kmem.failcnt")
@@ -145,7 +151,8 @@ class CgroupManager:
         self._spare_lock = threading.Lock()
         self._spare_seq = itertools.count()
         self.spares_max = MEMCG_SPARES if self.version == 1 else 0
-        self.spare_stats = {"reused": 0, "kept": 0, "discarded": 0}
+        self.spare_stats = {"reused": 0, "kept": 0, "kept_charged": 0, "discarded": 0,
+                            "drained": 0}
         # v1 pids/cpu/freezer spares: hierarchy dir -> ready cgroups (no task, thawed).
         self._set_spares: dict[str, list[str]] = (
             {b: [] for b in self._bases if b != self._mem} if self.version == 1 else {})
@@ -253,7 +260,15 @@ class CgroupManager:
     def _memory_limits(self, m: str, mem: int, reused: bool = False) -> None:
         if reused and self._memsw:  # memsw must stay >= limit: lift it before a new limit
             _write(m + "/memory.memsw.limit_in_bytes", "-1")
-        _write(m + "/memory.limit_in_bytes", str(mem))
+        try:
+            _write(m + "/memory.limit_in_bytes", str(mem))
+        except OSError as e:
+            # A recycled cgroup charged with page cache over the new limit: the kernel
+            # reclaims on the write, and says EBUSY if it could not get under; drain it all.
+            if not reused or e.errno != errno.EBUSY:
+                raise
+            self._drain(m)
+            _write(m + "/memory.limit_in_bytes", str(mem))
         if self._memsw:  # memsw must be >= limit, so it comes second
             _write(m + "/memory.memsw.limit_in_bytes", str(mem))
 
@@ -261,22 +276,30 @@ class CgroupManager:
     def recycle_memory(self, sandbox_id: str) -> bool:
         """Keep the sandbox's v1 memory cgroup for a later sandbox instead of removing it.
         Call once the sandbox's processes are gone and its files deleted. The cgroup is renamed
-        out of the sandbox's name at once and becomes a spare only once nothing at all is
-        charged to it (usage 0, checked again on later calls: right after the exit the kernel
-        still holds per-cpu charge caches and RCU-deferred frees; see _settle), so nothing of
-        this tenant counts against the next one; one still charged after COOL_S (e.g. page
-        cache its processes brought in) is removed as before, and the kernel moves what it
-        holds to the parent. Usage peaks and fail counts are reset; limits are written at reuse.
-        True if kept for now (or already gone), False if the caller should remove it."""
+        out of the sandbox's name at once and becomes a spare as soon as what is still charged
+        to it is only reclaimable (see _settle): page cache of files its processes read first
+        (host image, volumes), slab, per-cpu charge caches. Right after the exit, the tmpfs
+        pages of its mounts may still be on their way out: it cools for up to COOL_S. Such a
+        charge is not the tenant's data, and the next tenant's limit reclaims it. Removed, the
+        cgroup would stay *dying* (the kernel keeps it, with its shrinker_info, until those
+        pages are evicted: ~7 MB each on this host) for every sandbox that read a file no one
+        had read before. A cgroup with unreclaimable charges (tmpfs pages of a host volume)
+        is drained and removed. Usage peaks and fail counts are reset; limits are written at
+        reuse. True if kept for now (or already gone, or removed here), False if the caller
+        should remove it (a task is still in it)."""
         if not self.spares_max or self._closed:
             return False
         path = os.path.join(self._mem, check_id(sandbox_id))
         with self._spare_lock:
             full = len(self._spares) + len(self._cooling) >= 2 * self.spares_max
         try:
-            if full or _read(path + "/tasks").strip():
+            if _read(path + "/tasks").strip():
                 self.spare_stats["discarded"] += 1
                 return False
+            if full:
+                self.spare_stats["discarded"] += 1
+                self._remove_memcg(path)
+                return True
             dest = os.path.join(self._mem, f"{_COOLING}{next(self._spare_seq)}")
             os.rename(path, dest)  # cgroup v1 renames within a parent
         except FileNotFoundError:
@@ -289,17 +312,61 @@ class CgroupManager:
         self._settle()
         return True
 
+    def _uncharged(self, path: str) -> bool:
+        return all(_read(f"{path}/{f}").strip() == "0" for f in self._usages)
+
+    @staticmethod
+    def _own_stat(path: str) -> dict[str, str]:
+        """This v1 memory cgroup's own ``memory.stat`` fields (not the ``total_`` ones)."""
+        out = {}
+        for line in _read(path + "/memory.stat").splitlines():
+            k, _, v = line.partition(" ")
+            out[k] = v
+        return out
+
+    def _reclaimable_only(self, path: str) -> bool:
+        """Is everything charged to this (task-less) v1 memory cgroup reclaimable?"""
+        own = self._own_stat(path)
+        return all(own.get(k, "0") == "0" for k in _UNRECLAIMABLE)
+
+    def _drain(self, path: str) -> None:
+        """Reclaim the page cache charged to a task-less v1 memory cgroup
+        (``memory.force_empty``), so that its rmdir frees it instead of leaving it dying
+        until the kernel evicts those pages (slab charges do not keep it: they move to the
+        parent). Best effort, and only when there is page cache: force_empty walks the
+        cgroup's shrinkers, ~50 ms of CPU on this host (see MEMCG_SPARES); tmpfs pages
+        cannot be reclaimed without swap."""
+        if self.version != 1:
+            return
+        try:
+            own = self._own_stat(path)
+            if int(own.get("cache", "0")) - int(own.get("shmem", "0")) > 0:
+                _write(path + "/memory.force_empty", "0")
+                self.spare_stats["drained"] += 1
+        except (OSError, ValueError):
+            pass
+
+    def _remove_memcg(self, path: str) -> None:
+        self._drain(path)
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+
     def _settle(self) -> None:
-        """Cooling cgroups with nothing charged become spares; those still charged after
-        COOL_S are removed."""
+        """Cooling cgroups with nothing charged, or only reclaimable charges (page cache,
+        slab), become spares; those with others (tmpfs pages) still after COOL_S are drained
+        and removed."""
         now = time.monotonic()
         with self._spare_lock:
             cooling, self._cooling = self._cooling, []
         keep: list[tuple[float, str]] = []
         for t, path in cooling:
             try:
-                if all(_read(f"{path}/{f}").strip() == "0" for f in self._usages) and \
-                        not _read(path + "/tasks").strip():
+                if _read(path + "/tasks").strip():
+                    raise OSError(errno.EBUSY, "a task joined a cooling cgroup")
+                clean = self._uncharged(path)
+                if clean or self._reclaimable_only(path):
                     for f in self._resets:
                         _write(f"{path}/{f}", "0")
                     spare = os.path.join(self._mem, f"{_SPARE}{next(self._spare_seq)}")
@@ -310,18 +377,17 @@ class CgroupManager:
                             self._spares.append(spare)
                     if kept:
                         self.spare_stats["kept"] += 1
+                        if not clean:
+                            self.spare_stats["kept_charged"] += 1
                         continue
                     path = spare  # closed meanwhile: removed below
-                if now - t < COOL_S:
+                elif now - t < COOL_S:  # tmpfs pages of the sandbox's mounts, still freeing
                     keep.append((t, path))
                     continue
             except OSError:
                 pass
             self.spare_stats["discarded"] += 1
-            try:
-                os.rmdir(path)
-            except OSError:
-                pass
+            self._remove_memcg(path)
         with self._spare_lock:
             if not self._closed:
                 self._cooling[:0] = keep
@@ -329,10 +395,7 @@ class CgroupManager:
         # drop_spares ran while this settle held some (a worker thread still running at
         # stop): they are removed here, or they would outlive the daemon.
         for _, path in keep:
-            try:
-                os.rmdir(path)
-            except OSError:
-                pass
+            self._remove_memcg(path)
 
     def spare_ready(self) -> bool:
         """Is a recycled memory cgroup ready (making one costs ~nothing then)?"""
@@ -435,6 +498,9 @@ class CgroupManager:
                 except FileNotFoundError:
                     pass
         for p in spares:
+            if self.version == 1 and os.path.dirname(p) == self._mem:
+                self._remove_memcg(p)  # drained first: no dying memcg left behind
+                continue
             try:
                 os.rmdir(p)
             except OSError:
@@ -525,6 +591,7 @@ class CgroupManager:
         ms, so EBUSY is retried; missing dirs are fine. Raises OSError if one stays busy."""
         deadline = time.monotonic() + timeout
         for p in paths:
+            self._drain_if_memcg(p)
             delay = 0.0005
             while True:
                 try:
@@ -548,12 +615,19 @@ class CgroupManager:
         ok = True
         for p in paths:
             try:
+                self._drain_if_memcg(p)
                 os.rmdir(p)
             except FileNotFoundError:
                 pass
             except OSError:
                 ok = False
         return ok
+
+    def _drain_if_memcg(self, path: str) -> None:
+        """Before the rmdir of a sandbox's v1 memory cgroup that was not recycled: drain it,
+        or the page cache its processes read first keeps it dying (see recycle_memory)."""
+        if self.version == 1 and os.path.dirname(path) == self._mem:
+            self._drain(path)
 
     def _remove_children(self, path: str) -> None:
         try:
