@@ -182,6 +182,54 @@ def host_info() -> dict[str, object]:
     }
 
 
+def _slab_objects(cache: str) -> int | None:
+    for line in _read("/proc/slabinfo").splitlines():
+        f = line.split()
+        if f and f[0] == cache:
+            return int(f[1])
+    return None
+
+
+def memcg_health(name: str, tries: int = 5) -> dict[str, object] | None:
+    """What a memory cgroup costs on this host now, and how many the kernel still holds dead
+    (v1). Both grow with the host's history, not with corral: a memcg's shrinker table is
+    sized by the most superblocks (mounts) ever alive at once since boot (8 per sandbox: a
+    50,000-sandbox run makes every later memcg ~7 MB of kmalloc-1k and ~1.5 ms to mkdir), and
+    a removed memcg still charged with page cache stays *dying* until the pages are evicted.
+    Quoted with every report so that runs on a degraded host can be told apart.
+    ``name`` is a cgroup name of the bench's (swept by its cleanup)."""
+    base = CGROUP_ROOT / "memory"
+    if not (base / "cgroup.procs").exists():
+        return None
+    probe = base / name
+    ms, objs = [], []
+    try:
+        for _ in range(tries):
+            before = _slab_objects("kmalloc-1k")
+            t = time.perf_counter()
+            probe.mkdir()
+            ms.append((time.perf_counter() - t) * 1000)
+            after = _slab_objects("kmalloc-1k")
+            probe.rmdir()
+            if before is not None and after is not None:
+                objs.append(after - before)
+    except OSError:
+        try:
+            probe.rmdir()
+        except OSError:
+            pass
+        return None
+    with open("/proc/cgroups") as f:
+        total = next((int(line.split()[2]) for line in f if line.split()[:1] == ["memory"]), 0)
+    live = sum(1 for _ in os.walk(base))
+    ms.sort()
+    objs.sort()
+    return {"mkdir_ms_p50": round(ms[len(ms) // 2], 3),
+            "kmalloc_1k_per_memcg": objs[len(objs) // 2] if objs else None,
+            "dying": max(0, total - live),
+            "sunreclaim_mib": meminfo().get("SUnreclaim", 0) // 1024}
+
+
 def cpu_pressure() -> dict[str, float] | None:
     """PSI "some" averages: the share of time runnable tasks waited for a CPU (other load on
     the machine while the bench ran)."""

@@ -262,6 +262,12 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         console.print(f"  CPU pressure (PSI some, avg60): {_f(p0.get('avg60'))}% before the run "
                       f"(other load on the machine), {_f(p1.get('avg60'))}% at its end (the "
                       f"bench's own load included); workdir on {h.get('workdir_fs')}")
+    mc = h.get("memcg")
+    if mc:
+        console.print(f"  host memory cgroups: mkdir {_f(mc.get('mkdir_ms_p50'), 2)} ms and "
+                      f"{_f(mc.get('kmalloc_1k_per_memcg'))} KiB of kmalloc-1k each, "
+                      f"{_f(mc.get('dying'))} dying, SUnreclaim {_f(mc.get('sunreclaim_mib'))} "
+                      "MiB (the host's history: docs/benchmarks.md, Session 7)")
     for n in report.get("notes", []):
         console.print(f"  note: {n}")
     c = report.get("cleanup", {})

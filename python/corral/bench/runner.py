@@ -36,6 +36,7 @@ def run(opts: Options, json_out: bool = False) -> dict[str, Any]:
     samples: dict[str, Any] = {}
     session = Session(opts, ui)
     rep["state_root"] = str(session.root)
+    rep["host"]["memcg"] = host.memcg_health(session.prefix + "probe")
     with ui, _sigterm_unwinds():
         try:
             session.setup()
