@@ -112,6 +112,47 @@ def test_sys_and_devices_minimal(sb):
     assert "mknod=0" not in r.stdout
 
 
+def test_masked_proc_dirs_are_empty_and_read_only(sb):
+    """/proc/acpi (writable by uid 0 without a capability) is masked by one empty host
+    directory, bound read-only into every sandbox: nothing can be written through it, and
+    nothing one sandbox tries lands in the directory the others see."""
+    if not os.path.isdir("/proc/acpi"):
+        pytest.skip("no /proc/acpi on this kernel: nothing to mask")
+    r = sh(sb, "ls -A /proc/acpi | wc -l; touch /proc/acpi/x; echo touch=$?; "
+               "mkdir /proc/acpi/d; echo mkdir=$?; mount -o remount,rw /proc/acpi; "
+               "echo remount=$?; chmod 777 /proc/acpi; echo chmod=$?")
+    lines = r.stdout.split()
+    assert lines[0] == "0", r.stdout
+    for step in ("touch", "mkdir", "remount", "chmod"):
+        assert f"{step}=0" not in lines, r.stdout
+    mask = Path(STATE_DIR, "mask")
+    assert mask.is_dir() and list(mask.iterdir()) == [] and mask.stat().st_mode & 0o777 == 0o555
+
+
+def test_dev_shm_is_shared_memory_of_bounded_size(sb):
+    """/dev/shm is a directory of the sandbox's own /dev tmpfs (no tmpfs of its own): every
+    user may create files there (sticky), no more than 64 MiB in all, and not another
+    sandbox's."""
+    with corral.Sandbox(image="host") as other:
+        other.exec("echo other > /dev/shm/mine", timeout=10)
+        r = sh(sb, "stat -c %a /dev/shm; ls -A /dev/shm; head -c 80M /dev/zero > /dev/shm/big;"
+                   " echo big=$?; du -m /dev/shm/big | cut -f1; rm -f /dev/shm/big")
+        lines = r.stdout.split()
+        assert lines[0] == "1777" and "mine" not in lines, r.stdout
+        assert "big=0" not in lines and int(lines[-1]) <= 64, r.stdout
+
+
+def test_each_sandbox_mounts_few_superblocks(sb):
+    """Superblocks per sandbox: each one costs every memory cgroup on the host a shrinker
+    slot for as long as the host runs (docs/daemon.md, "Recycled memory cgroups"): overlay
+    root, overlay /usr (host image), /dev, devpts, proc, /tmp; masks are binds."""
+    r = sh(sb, "cut -d' ' -f3,9 /proc/self/mountinfo")
+    devs = {line.split()[0]: line.split()[1] for line in r.stdout.splitlines()}
+    st = os.stat(Path(STATE_DIR, "mask"))  # the masks' host directory: not the sandbox's
+    devs.pop(f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}", None)
+    assert len(devs) <= 6, r.stdout
+
+
 # --- privileges ----------------------------------------------------------------------------------
 def test_privileges_dropped(sb):
     r = sh(sb, "grep -E '^(CapEff|CapBnd|NoNewPrivs|Seccomp):' /proc/self/status")

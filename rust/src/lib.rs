@@ -181,6 +181,7 @@ fn spawn_config(cfg: &Bound<'_, PyDict>) -> PyResult<SpawnConfig> {
         rlimits: rlimits(cfg)?,
         netns_fd: opt(cfg, "netns_fd", None)?,
         unix_only: opt(cfg, "unix_only", false)?,
+        mask_dir: opt(cfg, "mask_dir", None)?,
     })
 }
 

@@ -85,6 +85,11 @@ pub struct SpawnConfig {
     /// Network "disabled": only AF_UNIX sockets (seccomp), abstract unix sockets scoped to
     /// the sandbox (Landlock), loopback left alone (the namespace is shared and unused).
     pub unix_only: bool,
+    /// An empty host directory, bound read-only over the /proc directories to mask
+    /// (`PROC_MASKED`), so that no sandbox mounts a tmpfs of its own for them: every
+    /// superblock costs each memory cgroup of the host a slot in its shrinker table, for as
+    /// long as the host runs (docs/daemon.md, "Recycled memory cgroups"). None: a tmpfs.
+    pub mask_dir: Option<String>,
 }
 
 // The steps, in order; the names are what an OSError says.
@@ -211,6 +216,7 @@ struct Ctx {
     caps: CapPlan,
     seccomp: &'static [libc::sock_filter],
     unix_only: bool,
+    mask_dir: Option<CString>,
     init_fd: RawFd,
     /// Both ends of the init's exec channel; the child puts them on fds 3 and 4
     /// (corral-init.c, "Exec server").
@@ -397,6 +403,15 @@ fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
         caps: CapPlan::shell(0),
         seccomp,
         unix_only: cfg.unix_only,
+        mask_dir: match &cfg.mask_dir {
+            Some(m) if !m.starts_with('/') => {
+                return Err(SpawnError::Invalid(format!(
+                    "mask_dir {m:?} must be an absolute path"
+                )))
+            }
+            Some(m) => Some(cstring(m)?),
+            None => None,
+        },
         init_fd: cfg.init_fd,
         channel: [-1, -1],
         argv: [INIT_ARGV0.as_ptr() as *const c_char, std::ptr::null()],
@@ -698,7 +713,9 @@ unsafe fn run_child(c: &Ctx) -> c_int {
                 c"dev",
                 Some(c"tmpfs"),
                 libc::MS_NOSUID | libc::MS_NOEXEC,
-                Some(c"mode=755,size=64k,nr_inodes=64"),
+                // /dev/shm is a directory of this tmpfs, not a tmpfs of its own (one
+                // superblock per sandbox fewer, see `mask_dir`): its size is shm's.
+                Some(c"mode=755,size=65536k,nr_inodes=16384"),
             ),
         );
         at(Step::MknodDev);
@@ -729,16 +746,6 @@ unsafe fn run_child(c: &Ctx) -> c_int {
             r,
             libc::mkdirat(libc::AT_FDCWD, c"dev/shm".as_ptr(), 0o1777) as c_long,
         );
-        ck(
-            r,
-            mount(
-                Some(c"shm"),
-                c"dev/shm",
-                Some(c"tmpfs"),
-                nse,
-                Some(c"mode=1777,size=65536k"),
-            ),
-        );
         at(Step::DevSymlinks);
         for (target, link) in DEV_LINKS {
             ck(
@@ -766,18 +773,25 @@ unsafe fn run_child(c: &Ctx) -> c_int {
         for p in PROC_MASKED {
             if mount(Some(c"dev/null"), p, None, libc::MS_BIND, None) < 0 {
                 let e = harden::errno();
-                // ENOENT: not on this kernel; ENOTDIR: a directory (acpi): mask with tmpfs.
+                // ENOENT: not on this kernel; ENOTDIR: a directory (acpi): the empty mask
+                // directory, bound read-only (else a read-only tmpfs).
                 if e == libc::ENOTDIR {
-                    ck(
-                        r,
-                        mount(
-                            Some(c"tmpfs"),
-                            p,
-                            Some(c"tmpfs"),
-                            nse | libc::MS_RDONLY,
-                            None,
-                        ),
-                    );
+                    if let Some(m) = &c.mask_dir {
+                        ck(r, mount(Some(m), p, None, libc::MS_BIND, None));
+                        let ro = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nse;
+                        ck(r, mount(None, p, None, ro, None));
+                    } else {
+                        ck(
+                            r,
+                            mount(
+                                Some(c"tmpfs"),
+                                p,
+                                Some(c"tmpfs"),
+                                nse | libc::MS_RDONLY,
+                                None,
+                            ),
+                        );
+                    }
                 } else if e != libc::ENOENT {
                     r.fail(e);
                 }

@@ -410,6 +410,27 @@ def _check_path(path: str) -> str:
     return path
 
 
+def make_mask_dir(path: str) -> str:
+    """The empty directory every sandbox binds (read-only) over the /proc directories it
+    masks, instead of mounting a tmpfs of its own there: one superblock fewer per sandbox, and
+    each superblock alive costs every memory cgroup of the host a slot in its shrinker table
+    until the host reboots (docs/daemon.md, "Recycled memory cgroups"). Root-owned, mode 0555,
+    emptied if anything is found in it."""
+    try:
+        os.mkdir(path, 0o555)
+    except FileExistsError:
+        st = os.lstat(path)
+        if not stat_mod.S_ISDIR(st.st_mode):
+            os.unlink(path)
+            os.mkdir(path, 0o555)
+        elif os.listdir(path):
+            shutil.rmtree(path)
+            os.mkdir(path, 0o555)
+    os.chown(path, 0, 0)
+    os.chmod(path, 0o555)
+    return path
+
+
 class _RootRef:
     __slots__ = ("fd", "users", "closing")
 
@@ -431,6 +452,7 @@ class ContainerSubstrate(Substrate):
         self.cgroups = cgroups
         self.images = images
         self.init_fd = _core.init_memfd()
+        self.mask_dir = make_mask_dir(os.path.join(state_dir, "mask"))
         self.rlimits = dict(DEFAULT_RLIMITS)
         self.overlay_options = [o for o in os.environ.get(
             "CORRAL_OVERLAY_OPTIONS", "volatile").replace(",", " ").split() if o]
@@ -592,6 +614,7 @@ class ContainerSubstrate(Substrate):
                 "rlimits": self.rlimits,
                 "netns_fd": join_fd,
                 "unix_only": unix_only,
+                "mask_dir": self.mask_dir,
             }
             pid, pidfd = _core.spawn_sandbox(cfg)
             if not self.keep_pidfds:
