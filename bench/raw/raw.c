@@ -6,8 +6,9 @@
  *            controller (v1: memory pids cpu freezer; v2: one dir); clone(CLONE_VFORK|CLONE_VM|
  *            CLONE_PIDFD|NEWNS|NEWPID|NEWUTS|NEWIPC[|NEWNET]); in the child: join the cgroups,
  *            unshare(NEWCGROUP), / rprivate, overlay root + /usr overlay inside the new mount ns,
- *            tmpfs /dev + mknods + devpts + /dev/shm + links, /proc (+ the same read-only binds
- *            and masks), tmpfs /tmp, MS_MOVE root onto / + chroot, hostname, lo up (netns),
+ *            tmpfs /dev + mknods + devpts + /dev/shm (a directory) + links, /proc (+ the same
+ *            read-only binds and masks; /proc/acpi: <state>/mask bound), tmpfs /tmp, MS_MOVE
+ *            root onto / + chroot, hostname, lo up (netns),
  *            stdio on /dev/null, rlimits, drop caps, no_new_privs, seccomp, execveat(tiny init).
  *   exec   : setns(pidfd, NEWPID) on this thread, clone(CLONE_VM|CLONE_VFORK) a child that joins
  *            the cgroups, setns(pidfd, NS|UTS|IPC|NET|CGROUP), fchdir+chroot to /proc/PID/root,
@@ -16,8 +17,8 @@
  *   --tmpfs: the dirs live on one tmpfs mounted on --state for the run (corral's scratch tmpfs).
  *   --memcg-spares K: v1 memory cgroups are recycled as corral recycles them (cgroups.py
  *            recycle_memory): at destroy renamed aside, reused (limits written again, peaks
- *            reset) by a later create once nothing is charged to them, removed if still
- *            charged after 1 s; up to 2K per worker.
+ *            reset) by a later create once nothing but page cache and slab is charged to
+ *            them, removed if other charges stay after 1 s; up to 2K per worker.
  *   --cgroup-spares K: v1 pids, cpu and freezer cgroups recycled as corral recycles them
  *            (cgroups.py recycle_rest): renamed aside at destroy when no task is left (freezer
  *            thawed, cpuacct usage reset), reused by a later create (limits written again);
@@ -87,6 +88,7 @@ static struct {
     pid_t main_pid;
     long n;
     const char *mode, *state, *cgname, *init_path;
+    char mask_dir[4096]; /* <state>/mask: empty, bound over masked /proc dirs */
     const char *controllers; /* v1 controllers to use (comma list), default all four */
     int nov;
     const char *ov_target[MAX_OV], *ov_lower[MAX_OV];
@@ -324,7 +326,9 @@ static int spawn_child(void *arg) {
         CK(6, mount("overlay", rel, "overlay", MS_NODEV | MS_NOSUID, c->opts[i]));
     }
     CK(7, dir_beneath("dev"));
-    CK(7, mount("tmpfs", "dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=64k,nr_inodes=64"));
+    /* /dev/shm is a directory of this tmpfs, as corral's (six superblocks per sandbox) */
+    CK(7, mount("tmpfs", "dev", "tmpfs", MS_NOSUID | MS_NOEXEC,
+                "mode=755,size=65536k,nr_inodes=16384"));
     static const struct { const char *p; int maj, min; } devs[] = {
         {"dev/null", 1, 3}, {"dev/zero", 1, 5}, {"dev/full", 1, 7},
         {"dev/random", 1, 8}, {"dev/urandom", 1, 9}, {"dev/tty", 5, 0},
@@ -335,7 +339,6 @@ static int spawn_child(void *arg) {
     CK(9, mount("devpts", "dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
                 "newinstance,ptmxmode=0666,mode=0620,gid=5"));
     CK(10, mkdir("dev/shm", 01777));
-    CK(10, mount("shm", "dev/shm", "tmpfs", nse, "mode=1777,size=65536k"));
     CK(11, symlink("pts/ptmx", "dev/ptmx"));
     CK(11, symlink("/proc/self/fd", "dev/fd"));
     CK(11, symlink("/proc/self/fd/0", "dev/stdin"));
@@ -356,8 +359,11 @@ static int spawn_child(void *arg) {
                                    "proc/acpi"};
     for (unsigned i = 0; i < sizeof masked / sizeof masked[0]; i++) {
         if (mount("dev/null", masked[i], NULL, MS_BIND, NULL) < 0) {
-            if (errno == ENOTDIR)
-                CK(13, mount("tmpfs", masked[i], "tmpfs", nse | MS_RDONLY, NULL));
+            if (errno == ENOTDIR) { /* a directory: corral's one empty mask dir, read-only */
+                CK(13, mount(G.mask_dir, masked[i], NULL, MS_BIND, NULL));
+                CK(13, mount(NULL, masked[i], NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | nse,
+                             NULL));
+            }
             else if (errno != ENOENT)
                 CK(13, -1);
         }
@@ -431,7 +437,26 @@ static void spare_name(char *out, size_t n, const struct cgctl *c) {
     snprintf(out, n, "%s/.spare-%d-%ld", c->base, (int)getpid(), g_spare_seq++);
 }
 
-/* Cooling memcgs with nothing charged become ready; those charged for over 1 s are removed. */
+/* Nothing but reclaimable charges (page cache, slab) in this memcg's own memory.stat. */
+static int reclaimable_only(const char *dir) {
+    char p[400], buf[8192];
+    snprintf(p, sizeof p, "%s/memory.stat", dir);
+    int fd = open(p, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    static const char *keys[] = {"rss ", "shmem ", "unevictable ", "swap "};
+    for (char *line = buf; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL)
+        for (size_t k = 0; k < sizeof keys / sizeof *keys; k++)
+            if (!strncmp(line, keys[k], strlen(keys[k])) && atoll(line + strlen(keys[k])) != 0)
+                return 0;
+    return 1;
+}
+
+/* Cooling memcgs with nothing charged, or only reclaimable charges, become ready (as corral's
+ * cgroups.py _settle); those with others still after 1 s are removed. */
 static void spares_settle(const struct cgctl *c) {
     static const char *resets[] = {"memory.max_usage_in_bytes", "memory.failcnt",
                                    "memory.memsw.max_usage_in_bytes", "memory.memsw.failcnt",
@@ -440,9 +465,9 @@ static void spares_settle(const struct cgctl *c) {
     int k = 0;
     for (int i = 0; i < g_ncool; i++) {
         const char *p = g_cool[i].path;
-        if (read_is(p, "memory.usage_in_bytes", "0") &&
-            (!G.memsw || read_is(p, "memory.memsw.usage_in_bytes", "0")) &&
-            read_is(p, "tasks", "") && g_nready < MAX_SPARES) {
+        int clean = read_is(p, "memory.usage_in_bytes", "0") &&
+                    (!G.memsw || read_is(p, "memory.memsw.usage_in_bytes", "0"));
+        if ((clean || reclaimable_only(p)) && read_is(p, "tasks", "") && g_nready < MAX_SPARES) {
             char f[700];
             for (size_t r = 0; r < sizeof resets / sizeof *resets; r++) {
                 snprintf(f, sizeof f, "%.300s/%s", p, resets[r]);
@@ -953,6 +978,8 @@ int main(int argc, char **argv) {
             die("mount tmpfs on --state");
         atexit(scratch_umount);
     }
+    snprintf(G.mask_dir, sizeof G.mask_dir, "%s/mask", G.state);
+    if (mkdir(G.mask_dir, 0555) < 0 && errno != EEXIST) die(G.mask_dir);
     seccomp_build();
     cg_setup();
     if (!strcmp(G.mode, "churn")) mode_churn();
