@@ -20,6 +20,7 @@ def _cleanup(m: CgroupManager) -> None:
         paths = m.paths_for(sid)
         m.kill_all(paths)
         m.remove(paths)
+    m.drop_spares()  # and the drains queued by remove (as the daemon's remove_parents does)
     for b in m._bases:
         try:
             os.rmdir(b)
@@ -350,6 +351,40 @@ def test_memory_cgroup_charged_with_page_cache_is_recycled_then_drained(cg, tmp_
         assert _memcg_count() <= before
     finally:
         cg.drop_spares()
+
+
+def test_removed_memory_cgroup_with_page_cache_is_drained_off_the_callers_path(cg, tmp_path):
+    """A sandbox's memory cgroup removed with page cache charged (spares full, or off) is
+    renamed aside at once (its id is free again) and drained, then removed, by the drainer
+    thread: not left dying, and no caller waits for the drain. A stop finishes the queue."""
+    if cg.version != 1:
+        pytest.skip("memory cgroups are drained on cgroup v1 only")
+    files = [str(tmp_path / f"f{i}") for i in range(3)]
+    for f in files:
+        _uncached_file(f, 8)
+    before = _memcg_count()
+    made = []
+    for i, f in enumerate(files):
+        paths = cg.create(f"drain-{i}", cpu=1, memory_mb=700, pids=64)
+        assert _run_in(cg, paths, f"cat {f} > /dev/null") == 0
+        made.append(paths)
+    for paths in made:  # not recycled (as with the spares full): removed
+        assert cg.try_remove(paths)
+        assert not any(os.path.exists(p) for p in paths)  # the ids are free at once
+    deadline = time.monotonic() + 10
+    while cg.spare_stats["drained"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cg.spare_stats["drained"] == 3
+    while _memcg_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _memcg_count() <= before  # freed, not dying
+    # Queued at a stop: drop_spares finishes them; nothing is left under our name.
+    paths = cg.create("drain-last", cpu=1, memory_mb=700, pids=64)
+    _uncached_file(files[0], 8)
+    assert _run_in(cg, paths, f"cat {files[0]} > /dev/null") == 0
+    assert cg.try_remove(paths)
+    cg.drop_spares()
+    assert not [e for e in os.listdir(cg._mem) if e.startswith(".")]
 
 
 def test_memory_cgroup_with_tmpfs_charge_is_never_a_spare(cg):

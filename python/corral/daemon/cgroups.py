@@ -8,6 +8,8 @@ hierarchy paths are found once at init and every call is plain ``os`` syscalls, 
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import errno
 import itertools
 import os
@@ -33,7 +35,11 @@ MEMCG_SPARES = int(os.environ.get("CORRAL_MEMCG_SPARES", "16"))
 CGROUP_SPARES = int(os.environ.get("CORRAL_CGROUP_SPARES", "32"))
 _SPARE = ".spare-"  # never matches _ID_RE: list_ids and cleanup_orphans do not see spares
 _COOLING = ".cooling-"
+_DRAINING = ".drain-"  # removed memory cgroups with page cache, waiting for the drainer
 COOL_S = 1.0
+# At a stop, queued drains run for at most this long; the rest are removed undrained (they
+# stay dying until the kernel evicts their pages, as before there was a drainer).
+DRAIN_AT_STOP_S = 10.0
 # memory.stat fields (this cgroup's own) of charges that reclaim cannot drop while no task is
 # left: tmpfs/shm pages (no swap here) and locked pages. A cgroup with any of these is never
 # handed on; page cache and slab are (see _settle).
@@ -153,6 +159,10 @@ class CgroupManager:
         self.spares_max = MEMCG_SPARES if self.version == 1 else 0
         self.spare_stats = {"reused": 0, "kept": 0, "kept_charged": 0, "discarded": 0,
                             "drained": 0}
+        # Memory cgroups to drain and remove, off every caller's path (see _remove_memcg).
+        self._drain_q: collections.deque[str] = collections.deque()
+        self._drain_cv = threading.Condition()
+        self._drainer: threading.Thread | None = None
         # v1 pids/cpu/freezer spares: hierarchy dir -> ready cgroups (no task, thawed).
         self._set_spares: dict[str, list[str]] = (
             {b: [] for b in self._bases if b != self._mem} if self.version == 1 else {})
@@ -298,8 +308,7 @@ class CgroupManager:
                 return False
             if full:
                 self.spare_stats["discarded"] += 1
-                self._remove_memcg(path)
-                return True
+                return self._remove_memcg(path)
             dest = os.path.join(self._mem, f"{_COOLING}{next(self._spare_seq)}")
             os.rename(path, dest)  # cgroup v1 renames within a parent
         except FileNotFoundError:
@@ -329,29 +338,95 @@ class CgroupManager:
         own = self._own_stat(path)
         return all(own.get(k, "0") == "0" for k in _UNRECLAIMABLE)
 
+    def _page_cache(self, path: str) -> int:
+        """Bytes of page cache (tmpfs pages excepted) charged to this v1 memory cgroup."""
+        own = self._own_stat(path)
+        return int(own.get("cache", "0")) - int(own.get("shmem", "0"))
+
     def _drain(self, path: str) -> None:
         """Reclaim the page cache charged to a task-less v1 memory cgroup
         (``memory.force_empty``), so that its rmdir frees it instead of leaving it dying
         until the kernel evicts those pages (slab charges do not keep it: they move to the
-        parent). Best effort, and only when there is page cache: force_empty walks the
-        cgroup's shrinkers, ~50 ms of CPU on this host (see MEMCG_SPARES); tmpfs pages
-        cannot be reclaimed without swap."""
-        if self.version != 1:
-            return
+        parent). Best effort: force_empty walks the cgroup's shrinkers, ~50 ms of CPU on this
+        host (see MEMCG_SPARES); tmpfs pages cannot be reclaimed without swap."""
         try:
-            own = self._own_stat(path)
-            if int(own.get("cache", "0")) - int(own.get("shmem", "0")) > 0:
+            if self._page_cache(path) > 0:
                 _write(path + "/memory.force_empty", "0")
                 self.spare_stats["drained"] += 1
         except (OSError, ValueError):
             pass
 
-    def _remove_memcg(self, path: str) -> None:
-        self._drain(path)
+    def _remove_memcg(self, path: str) -> bool:
+        """Remove a v1 memory cgroup: at once if no page cache is charged to it, else renamed
+        out of the way (``.drain-N``: its name, a sandbox's id, is free again) and left to the
+        drainer thread, which drains then removes it. A drain is ~50 ms of CPU here: a burst
+        of destroys must not wait for them. False if a task is still in it (the caller kills
+        it and removes the cgroup)."""
+        try:
+            if _read(path + "/tasks").strip():
+                return False
+            cached = self._page_cache(path) > 0
+        except FileNotFoundError:
+            return True
+        except (OSError, ValueError):
+            cached = False
+        if cached:
+            dest = os.path.join(self._mem, f"{_DRAINING}{next(self._spare_seq)}")
+            with self._drain_cv:
+                if not self._closed:
+                    try:
+                        os.rename(path, dest)
+                    except OSError:
+                        pass
+                    else:
+                        self._drain_q.append(dest)
+                        self._start_drainer()
+                        self._drain_cv.notify()
+                        return True
         try:
             os.rmdir(path)
-        except OSError:
+        except FileNotFoundError:
             pass
+        except OSError:
+            return False
+        return True
+
+    def _start_drainer(self) -> None:
+        """(under _drain_cv)"""
+        if self._drainer is None or not self._drainer.is_alive():
+            self._drainer = threading.Thread(target=self._drain_loop, daemon=True,
+                                             name="corral-memcg-drain")
+            self._drainer.start()
+
+    def _drain_loop(self) -> None:
+        with contextlib.suppress(OSError):  # lowest CPU priority: work nobody waits for
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        while True:
+            with self._drain_cv:
+                while not self._drain_q and not self._closed:
+                    self._drain_cv.wait()
+                if not self._drain_q:
+                    return
+                path = self._drain_q.popleft()
+            self._drain(path)
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+
+    def _finish_drains(self, deadline: float) -> None:
+        """At a stop (``_closed`` set): the queued drains, until ``deadline``; then the rest
+        are removed undrained."""
+        with self._drain_cv:
+            self._drain_cv.notify_all()
+            drainer = self._drainer
+        if drainer is not None:
+            drainer.join(max(0.0, deadline - time.monotonic()))
+        with self._drain_cv:
+            rest, self._drain_q = list(self._drain_q), collections.deque()
+        for path in rest:  # out of time: removed undrained
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+        if drainer is not None:
+            drainer.join(1.0)  # its last one (one drain): it then finds the queue empty
 
     def _settle(self) -> None:
         """Cooling cgroups with nothing charged, or only reclaimable charges (page cache,
@@ -482,25 +557,29 @@ class CgroupManager:
 
     def drop_spares(self, all_on_disk: bool = False) -> None:
         """rmdir the spares (at stop; ``all_on_disk`` at start: those a crashed daemon left)."""
-        with self._spare_lock:
+        with self._drain_cv, self._spare_lock:  # _drain_cv: nothing is queued after this
             spares = self._spares + [p for _, p in self._cooling]
             self._spares, self._cooling = [], []
             for lst in self._set_spares.values():
                 spares += lst
                 lst.clear()
             self._closed = True
+        deadline = time.monotonic() + DRAIN_AT_STOP_S
+        self._finish_drains(deadline)
         if all_on_disk and self.version == 1:
             for base in self._bases:
                 try:
                     spares += [e.path for e in os.scandir(base)
-                               if e.name.startswith((_SPARE, _COOLING))
+                               if e.name.startswith((_SPARE, _COOLING, _DRAINING))
                                and e.is_dir(follow_symlinks=False)]
                 except FileNotFoundError:
                     pass
         for p in spares:
-            if self.version == 1 and os.path.dirname(p) == self._mem:
-                self._remove_memcg(p)  # drained first: no dying memcg left behind
-                continue
+            # Memory spares may hold page cache: drained first (while time is left), so they
+            # do not stay dying.
+            if self.version == 1 and os.path.dirname(p) == self._mem and \
+                    time.monotonic() < deadline:
+                self._drain(p)
             try:
                 os.rmdir(p)
             except OSError:
@@ -591,11 +670,14 @@ class CgroupManager:
         ms, so EBUSY is retried; missing dirs are fine. Raises OSError if one stays busy."""
         deadline = time.monotonic() + timeout
         for p in paths:
-            self._drain_if_memcg(p)
+            memcg = self._is_memcg(p)
             delay = 0.0005
             while True:
                 try:
-                    os.rmdir(p)
+                    if not memcg:
+                        os.rmdir(p)
+                    elif not self._remove_memcg(p):
+                        raise OSError(errno.EBUSY, "a task is still in the memory cgroup")
                     break
                 except FileNotFoundError:
                     break
@@ -614,8 +696,10 @@ class CgroupManager:
         remove on False."""
         ok = True
         for p in paths:
+            if self._is_memcg(p):  # drained if need be (see _remove_memcg)
+                ok = self._remove_memcg(p) and ok
+                continue
             try:
-                self._drain_if_memcg(p)
                 os.rmdir(p)
             except FileNotFoundError:
                 pass
@@ -623,11 +707,9 @@ class CgroupManager:
                 ok = False
         return ok
 
-    def _drain_if_memcg(self, path: str) -> None:
-        """Before the rmdir of a sandbox's v1 memory cgroup that was not recycled: drain it,
-        or the page cache its processes read first keeps it dying (see recycle_memory)."""
-        if self.version == 1 and os.path.dirname(path) == self._mem:
-            self._drain(path)
+    def _is_memcg(self, path: str) -> bool:
+        """A sandbox's v1 memory cgroup (removed through _remove_memcg: not left dying)."""
+        return self.version == 1 and os.path.dirname(path) == self._mem
 
     def _remove_children(self, path: str) -> None:
         try:
