@@ -180,9 +180,9 @@ def test_interrupted_calls_are_logged_and_a_retry_runs(daemon):
 
 
 def test_a_create_is_logged_before_its_client_sees_it(daemon, tmp_path):
-    """kill -9 with a create's entry queued but not committed (the writer thread held by a
-    test hook, CORRAL_TRAJLOG_TEST_HOLD_FILE, behind an exec's started row): the create has
-    not answered, its client gets an infra error, never a sandbox missing from the log."""
+    """kill -9 with a create's entry not yet journaled (held by a test hook,
+    CORRAL_TRAJLOG_TEST_HOLD_FILE): the create has not answered, its client gets an infra
+    error, never a sandbox missing from the log."""
     import os
 
     from corral.errors import DaemonRestarted, DaemonUnavailable
@@ -193,7 +193,7 @@ def test_a_create_is_logged_before_its_client_sees_it(daemon, tmp_path):
     made: list[object] = []
     try:
         daemon.start()
-        sb = Sandbox(timeout=600)  # writer idle: committed inline
+        sb = Sandbox(timeout=600)
         hold.touch()
 
         def long_one() -> None:
@@ -210,7 +210,7 @@ def test_a_create_is_logged_before_its_client_sees_it(daemon, tmp_path):
 
         t1 = threading.Thread(target=long_one)
         t1.start()
-        time.sleep(0.5)  # its started row (20 ms) is with the held writer
+        time.sleep(0.5)  # its started row (20 ms) is journaled
         t2 = threading.Thread(target=create)
         t2.start()
         sdir = os.path.join(daemon.state_dir, "sandboxes")
@@ -232,10 +232,62 @@ def test_a_create_is_logged_before_its_client_sees_it(daemon, tmp_path):
         entries = Sandbox.from_id(new).log()
         assert [(e.op, e.status) for e in entries] == [("create", "done")]
         assert entries[0].result["id"] == new and entries[0].result["recovered"] is True
-        # (the exec's started row was in the held batch: lost, as its caller saw no result)
-        assert [e.op for e in Sandbox.from_id(sb.id).log()] == ["create"]
+        # The exec's started row was journaled: in the log, its outcome unknown.
+        assert [(e.op, e.status) for e in Sandbox.from_id(sb.id).log()] == \
+            [("create", "done"), ("exec", "interrupted")]
     finally:
         del os.environ["CORRAL_TRAJLOG_TEST_HOLD_FILE"]
+        hold.unlink(missing_ok=True)
+        if daemon.proc is not None:
+            daemon.stop()
+        daemon.start()  # without the hook
+    for sid in os.listdir(os.path.join(daemon.state_dir, "sandboxes")):
+        Sandbox.from_id(sid).kill()
+
+
+def test_journaled_calls_survive_kill9_before_they_reach_the_database(daemon, tmp_path):
+    """The journal is the log's commit point: with the ingester held (test hook
+    CORRAL_TRAJLOG_TEST_HOLD_INGEST_FILE), calls answer once journaled, none of them in the
+    database yet; kill -9; the next daemon ingests them before serving, every one the client
+    saw, in order, and an idempotency key bound by one of them still fast-forwards."""
+    import os
+    import sqlite3
+
+    from corral.daemon.trajlog import DB_NAME
+
+    hold = tmp_path / "hold-ingest"
+    daemon.stop()
+    os.environ["CORRAL_TRAJLOG_TEST_HOLD_INGEST_FILE"] = str(hold)
+    try:
+        daemon.start()
+        sb = Sandbox(timeout=600, trajectory_id=f"t-{uuid.uuid4().hex[:8]}")
+        sb.log()  # the create is in the database; everything after stays in the journal
+        hold.touch()
+        seen = [sb.exec(f"echo {i} >> /root/trail; echo {i}").stdout for i in range(20)]
+        assert seen == [f"{i}\n" for i in range(20)]
+        time.sleep(0.3)  # several ingest intervals: held, not ingested
+        db = sqlite3.connect(os.path.join(daemon.state_dir, DB_NAME))
+        try:
+            in_db = db.execute("SELECT count(*) FROM entries WHERE sandbox_id=?",
+                               (sb.id,)).fetchone()[0]
+        finally:
+            db.close()
+        assert in_db == 1  # only the create
+        daemon.kill9()
+        hold.unlink()
+        daemon.start()
+        entries = Sandbox.from_id(sb.id).log()
+        execs = [e for e in entries if e.op == "exec"]
+        assert [e.result["stdout"] for e in execs] == seen
+        assert all(e.status == "done" for e in entries)
+        assert [e.seq for e in entries] == sorted(e.seq for e in entries)
+        # Fast-forward after the crash: the same trajectory's first 20 steps are logged.
+        again = Sandbox.connect(sb.id, trajectory_id=sb.trajectory_id)
+        r = again.exec("echo 0 >> /root/trail; echo 0")
+        assert r.stdout == "0\n"
+        assert again.files.read("/root/trail").split() == [str(i) for i in range(20)]
+    finally:
+        del os.environ["CORRAL_TRAJLOG_TEST_HOLD_INGEST_FILE"]
         hold.unlink(missing_ok=True)
         if daemon.proc is not None:
             daemon.stop()

@@ -229,12 +229,12 @@ def print_report(report: dict[str, Any], console: Console) -> None:
                 for k, v in sec["paths"].items()))
         if name == "trajlog":
             for k, st in (sec.get("log_stats") or {}).items():
-                if st:
-                    console.print(f"  log {k}: {st['records']:,} entries, "
-                                  f"{st['inline_share'] * 100:.0f}% committed inline on the "
-                                  f"loop, {st['records_per_commit']} per commit, "
-                                  f"{st['inline_slow']} slow inline commits, "
-                                  f"{st['checkpoints']} checkpoints")
+                if st and "ingest_cpu_us_per_record" in st:
+                    console.print(f"  log {k}: {st['records']:,} entries, journaled on the "
+                                  f"loop ({st['journal_bytes_per_record']} bytes each), "
+                                  f"ingested {st['records_per_commit']} per transaction at "
+                                  f"{st['ingest_cpu_us_per_record']} us of the ingester's "
+                                  f"CPU each, {st['checkpoints']} checkpoints")
             cpu = sec.get("log_cpu_us_per_exec") or {}
             if cpu:
                 console.print("  the log's daemon CPU per exec (vs off, median of per-run "

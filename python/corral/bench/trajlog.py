@@ -89,13 +89,16 @@ def trajlog(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _trajlog_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    """How the log wrote during the measured rounds (/metrics deltas): share committed
-    inline on the event loop, records per transaction, slow inline commits, checkpoints."""
+    """How the log wrote during the measured rounds (/metrics deltas): entries, entries per
+    ingest transaction, the ingester thread's CPU per entry, journal bytes per entry,
+    checkpoints."""
     d = {k: after.get(f"corral_trajlog_{k}_total", 0.0) - before.get(f"corral_trajlog_{k}_total",
                                                                       0.0)
-         for k in ("records", "commits", "inline", "inline_slow", "checkpoints")}
+         for k in ("records", "commits", "ingest_cpu_us", "journal_bytes", "checkpoints")}
     if not d["records"]:
         return {}  # an older daemon (baseline) without these counters
-    return {"records": int(d["records"]), "inline_share": round(d["inline"] / d["records"], 3),
-            "records_per_commit": round(d["records"] / max(1.0, d["commits"]), 2),
-            "inline_slow": int(d["inline_slow"]), "checkpoints": int(d["checkpoints"])}
+    n = d["records"]
+    return {"records": int(n), "records_per_commit": round(n / max(1.0, d["commits"]), 2),
+            "ingest_cpu_us_per_record": round(d["ingest_cpu_us"] / n, 1),
+            "journal_bytes_per_record": int(d["journal_bytes"] / n),
+            "checkpoints": int(d["checkpoints"])}

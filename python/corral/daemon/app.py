@@ -513,10 +513,11 @@ async def fork_sandbox(request: web.Request) -> web.Response:
     res = await tl.run(sid, "fork", req.model_dump(), _key(request), fork,
                        snapshot_ids=lambda r: [r["snapshot"]["id"]])
     return _json({"snapshot": res["snapshot"],
-                  "sandboxes": [_fork_child(engine, cid) for cid in res["sandboxes"]]}, 201)
+                  "sandboxes": [await _fork_child(engine, cid) for cid in res["sandboxes"]]},
+                 201)
 
 
-def _fork_child(engine: Engine, cid: str) -> dict[str, Any]:
+async def _fork_child(engine: Engine, cid: str) -> dict[str, Any]:
     """A child of a (maybe fast-forwarded) fork: as it is now, or, if it has ended since, as
     its create entry logged it with state ``dead``: a replayed fork never forks again, and the
     first call on a gone child that is not in its log fails with sandbox_not_running (or
@@ -524,6 +525,7 @@ def _fork_child(engine: Engine, cid: str) -> dict[str, Any]:
     sb = engine.sandboxes.get(cid)
     if sb is not None:
         return sb.info()
+    await engine.trajlog.flushed()  # its create entry may be journaled, not yet ingested
     info = engine.trajlog.logged_result(cid, "create")
     if info is None:
         raise SandboxNotFound(f"sandbox {cid}, a child of a logged fork, is gone and its log "

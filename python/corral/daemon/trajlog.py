@@ -1,56 +1,42 @@
 """The durable trajectory log: per sandbox, an ordered record of every exec and file operation.
 
-Storage: one SQLite database, ``<state_dir>/trajlog.db``, WAL mode. Every record is committed
-*before* the call's result is returned to the client (see ``TrajLog.run``). Two ways in:
+Two tiers, one contract: a call's record is durable *before* the call's result is returned.
 
-* inline, on the event loop (the common case): when nothing is queued for the writer thread
-  and it is idle, a call's entry is written and committed right there, one statement in
-  autocommit (~16 us: one WAL frame ``pwrite()``, no fsync). No thread hand-off, no future, no
-  ``call_soon_threadsafe`` wake-up back: those cost several times the commit itself. A call
-  that ends while other calls are in flight joins the entries of the same turn of the loop,
-  committed together at its end (one commit for the calls that end together).
-* the writer thread (group commit): when it is busy (or has a backlog), a record is queued
-  and the call waits; the thread takes every record queued since its last commit and writes
-  them in one transaction, so N concurrent calls cost one commit, not N. There is no timer:
-  while a commit runs, the next batch accumulates (``CORRAL_TRAJLOG_FLUSH_MS`` adds an
-  optional wait to make batches bigger, at the cost of latency).
+* The journal (``corral.daemon.journal``) is the commit point. A finished call's entry is one
+  JSON line, appended on the event loop with one ``write()`` (~5 us) before the call answers.
+  Once ``write()`` returns, the kernel holds it: it survives the daemon's death (kill -9, a
+  crash, the OOM killer), the same durability as a SQLite WAL frame under
+  ``synchronous=NORMAL``. No SQLite, no thread hand-off, no wake-up on the call's path.
+* The database, ``<state_dir>/trajlog.db`` (SQLite, WAL mode), is what readers query. An
+  ingester thread takes the journal's new lines every ``CORRAL_TRAJLOG_FLUSH_MS`` (20 ms)
+  and inserts them in one transaction, with one statement per kind of record: SQLite parses
+  the batch's JSON itself (``json_each``), so the thread holds the GIL for a few
+  microseconds per batch, not per record. It checkpoints the WAL every ``CHECKPOINT_EVERY``
+  records. The journal's files are deleted once what they hold is in the database.
 
-Both use one connection, never at once: the loop commits inline only while the writer's
-backlog (records handed to it, not yet committed) is zero, and only the loop adds to it, so
-records reach the database in the order they were submitted either way. A commit on the loop
-stalls every call, so it is bounded: one that takes longer than ``INLINE_SLOW_S`` (disk
-pressure: a ``write()`` blocked by dirty-page throttling) sends the commits of the next
-``INLINE_BACKOFF_S`` (doubled while it happens again) to the writer thread. Checkpoints
-never run inline (``wal_autocheckpoint=0`` on the writing connection): a checkpointer thread
-copies the WAL into the database every ``CHECKPOINT_EVERY`` records, on its own connection (a
-passive checkpoint does not block writers). ``CORRAL_TRAJLOG_SYNC=full`` (an fsync per
-commit) never commits inline.
+Reads see both tiers: an idempotency key is looked up among the entries not yet ingested
+(``_unbound``, in memory) before the database, and a read of a log (``entries``) first waits
+for the ingester to catch up (a barrier). At a start, the records of the journal that the
+database lacks (``log_meta`` ``journal``: the number of the last one ingested, committed with
+them) are ingested before anything else, then the journal is removed: a daemon that died
+loses nothing a client has seen. Only a power cut or kernel crash can lose the last records
+(nothing is fsynced on the call's path); ``CORRAL_TRAJLOG_SYNC=full`` makes every call wait
+until its record is in the database with an fsync.
 
-One b-tree per commit: the per-sandbox index is a table (``entries_by_sandbox``) filled every
-``INDEX_EVERY`` entries by one statement in that commit's transaction, not a SQL index
-updated on every insert (a second WAL page per commit); readers add the unindexed tail
-(``seq`` past the ``log_meta`` watermark) with a rowid range scan.
-
-A create's sandbox row (``sandboxes``) is not a commit of its own: it joins the next inline
-commit (the create's entry, same turn of the loop) or goes to the writer just ahead of what
-is queued next. So a create, like any call, answers only once its entry is committed.
-
-Durability: ``synchronous=NORMAL`` (``CORRAL_TRAJLOG_SYNC=full`` for an fsync per batch). In WAL
-mode a commit is a ``write()`` into the WAL: once it returns, the record survives the daemon's
-death (kill -9, OOM kill, a crash) because the kernel holds the page. Only a power cut or kernel
-crash can lose the last transactions (the database stays consistent; NORMAL syncs the WAL at
-checkpoints). So a daemon crash loses nothing a client has seen: a result is only sent after
-its record is committed.
+One b-tree per entry: the per-sandbox index is a table (``entries_by_sandbox``) filled every
+``INDEX_EVERY`` entries by one statement in a batch's transaction, not a SQL index updated on
+every insert; readers add the unindexed tail (``seq`` past the ``log_meta`` watermark) with a
+rowid range scan. Entry numbers (``seq``) are given on the loop, in journal order, so the
+ingester writes them in increasing order.
 
 Calls in flight: a mutating call (every op in ``STARTED_OPS``) also gets a *started* row, and
-never waits for it (no second commit on the call's path). A timer on the event loop queues that
-row for the writer once the call has run ``CORRAL_TRAJLOG_START_MS`` (default 20 ms); a call
-that ends sooner cancels the timer and is written once, finished (no extra row, thread wake-up
-or commit: the common case). A longer call has its started row committed by the next group
-commit, and finished in place when it ends. At the next start of the daemon, started rows
-still open are marked ``interrupted``: their outcome is unknown (the command may or may not
-have run; their callers got ``daemon_restarted``). A call in flight for less than the hold
-time at a crash can be missing from the log (its caller saw no result either).
+never waits for it. A timer on the event loop journals that row once the call has run
+``CORRAL_TRAJLOG_START_MS`` (default 20 ms); a call that ends sooner cancels the timer and is
+written once, finished (the common case). A longer call's finished entry replaces its started
+row (same ``seq``: it keeps its place in the log). At the next start of the daemon, started
+rows still open are marked ``interrupted``: their outcome is unknown (the command may or may
+not have run; their callers got ``daemon_restarted``). A call in flight for less than the
+hold time at a crash can be missing from the log (its caller saw no result either).
 
 Idempotency: a mutating call may carry the HTTP header ``Idempotency-Key``. Its scope is the
 sandbox (``create`` keys are global). A key already logged returns the logged result (or error)
@@ -65,21 +51,23 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
-import queue
 import sqlite3
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from corral.daemon.journal import Journal
 from corral.errors import (
     CorralError,
     InternalError,
+    InvalidRequest,
     ReplayDivergence,
     SandboxNotFound,
     Unsupported,
@@ -91,22 +79,22 @@ log = logging.getLogger("corral.trajlog")
 KEY_HEADER = "Idempotency-Key"
 MAX_KEY_LEN = 256
 DB_NAME = "trajlog.db"
+LOCK_NAME = "trajlog.lock"
 PRUNE_EVERY_S = 60.0
-# An inline commit (on the event loop) slower than this sends the next commits to the writer
-# thread for a while: INLINE_BACKOFF_S, doubled for every slow inline commit in a row (up to
-# INLINE_BACKOFF_MAX_S), back to the minimum after a fast one. A slow disk then stalls the
-# loop a few times, then rarely; a one-off (this process preempted on a busy machine) costs
-# only a short spell of thread hand-offs.
-INLINE_SLOW_S = 0.002
-INLINE_BACKOFF_S = 0.05
-INLINE_BACKOFF_MAX_S = 5.0
-# Records between two WAL checkpoints (run by the checkpointer thread, never inline): one or
-# two pages each, so the WAL stays under ~10 MB.
+# Records journaled and not yet in the database beyond which calls wait for the ingester (a
+# disk slower than the calls): memory stays bounded, the journal does not outrun SQLite.
+MAX_PENDING = 50_000
+# After a failed ingest (the records stay in the journal and in memory), the next try.
+INGEST_RETRY_S = 1.0
+# Entries per statement when a start ingests what a dead daemon left in the journal.
+RECOVER_CHUNK = 10_000
+# Records between two WAL checkpoints (by the ingester: one or two pages each, so the WAL
+# stays under ~10 MB).
 CHECKPOINT_EVERY = 1000
-# Entries between two updates of the per-sandbox index (``entries_by_sandbox``): a commit
-# writes one b-tree (the row) instead of two; every INDEX_EVERY entries one commit also
-# indexes the ones since the last time (a handful of index pages for all of them). Readers
-# find the rest, the unindexed tail, by a short rowid range scan.
+# Entries between two updates of the per-sandbox index (``entries_by_sandbox``): an insert
+# writes one b-tree (the row) instead of two; every INDEX_EVERY entries one batch also
+# indexes the ones since the last time. Readers find the rest, the unindexed tail, by a short
+# rowid range scan.
 INDEX_EVERY = 64
 # Ops that change a sandbox: they get a started row (create does not: its id is not known
 # before it ends, and a half-made sandbox is removed at restart anyway).
@@ -159,11 +147,25 @@ _STARTED_INDEX = ("CREATE INDEX IF NOT EXISTS entries_started ON entries (seq) "
 _SANDBOX_SEQS = ("SELECT seq FROM entries_by_sandbox WHERE sandbox_id=:sid UNION ALL "
                  "SELECT seq FROM entries WHERE seq > (SELECT v FROM log_meta WHERE "
                  "k='indexed') AND sandbox_id=:sid")
-_INSERT_SANDBOX = ("INSERT OR REPLACE INTO sandboxes (sandbox_id, spec, created_at) "
-                   "VALUES (?,?,?)")
-_ENDED = "UPDATE sandboxes SET ended_at=?, reason=? WHERE sandbox_id=? AND ended_at IS NULL"
-_INSERT = ("INSERT INTO entries (sandbox_id, op, idem_key, fingerprint, request, result, "
-           "error, started_at, ended_at, snapshot_ids, status) VALUES (?,?,?,?,?,?,?,?,?,?,?)")
+
+# Journal records (JSON arrays; ``corral.daemon.journal``): [number, kind, *fields], the fields
+# being the parameters of the kind's statement below. Objects (request, result, error,
+# snapshot ids) are fields as JSON text, exactly what the database stores.
+#   e   an entry (a finished call, or a started row; a call's end replaces its start)
+#   d   a started row dropped (the call was not logged after all)
+#   sc  a sandbox created;  se  a sandbox ended
+# The ingester writes the records of a batch in journal order, a run of one kind at a time
+# (``executemany``: bound and stepped in C, no JSON parsing in SQLite or Python).
+_J_SQL: dict[str, tuple[str, ...]] = {
+    "e": ("INSERT OR REPLACE INTO entries (seq, sandbox_id, op, idem_key, fingerprint, "
+          "request, result, error, started_at, ended_at, snapshot_ids, status) "
+          "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",),
+    "d": ("DELETE FROM entries WHERE seq=?1 AND sandbox_id=?2",
+          "DELETE FROM entries_by_sandbox WHERE seq=?1 AND sandbox_id=?2"),
+    "sc": ("INSERT OR REPLACE INTO sandboxes (sandbox_id, spec, created_at) VALUES (?,?,?)",),
+    "se": ("UPDATE sandboxes SET ended_at=?2, reason=?3 WHERE sandbox_id=?1 AND "
+           "ended_at IS NULL",),
+}
 
 
 def sha256(data: bytes) -> str:
@@ -189,20 +191,36 @@ def data_result(data: bytes, **fields: Any) -> dict[str, Any]:
 
 
 # json.dumps(obj, separators=...) builds a JSONEncoder and a C encoder per call: build the C
-# encoder once (compact, no circular-reference check: requests and results are trees).
+# encoder once (compact, ASCII, no circular-reference check: requests and results are trees).
+# No NaN or Infinity: they are not JSON, and SQLite's JSON functions would refuse the batch
+# (such a float is written as its repr string instead: ``_finite``).
 _ENCODE = (json.encoder.c_make_encoder(  # type: ignore[attr-defined]
     None, json.JSONEncoder().default, json.encoder.encode_basestring_ascii, None, ":", ",",
-    False, False, True) if json.encoder.c_make_encoder is not None else None)  # type: ignore[attr-defined]
+    False, False, False) if json.encoder.c_make_encoder is not None else None)  # type: ignore[attr-defined]
 
 
 def _dumps(obj: Any) -> str:
-    if _ENCODE is None:  # no C accelerator
-        return json.dumps(obj, separators=(",", ":"))
-    return "".join(_ENCODE(obj, 0))
+    try:
+        if _ENCODE is None:  # no C accelerator
+            return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+        return "".join(_ENCODE(obj, 0))
+    except ValueError:
+        return json.dumps(_finite(obj), separators=(",", ":"), allow_nan=False)
 
 
-class _Pending:
-    """A record queued for the writer; ``fut`` resolves once it is committed."""
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else repr(obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+class _Control:
+    """Work for the ingester besides journal lines (not journaled: nothing to redo after a
+    crash), taken in order with them; ``fut`` resolves once its batch is committed."""
 
     __slots__ = ("kind", "args", "fut")
 
@@ -212,29 +230,23 @@ class _Pending:
         self.fut = fut
 
 
+# A journal record waiting for the ingester: (number, kind, fields, key slot or None).
+_Line = tuple[int, str, tuple[Any, ...], "tuple[str, str] | None"]
+
+
 class _Start:
     """The started row of a call in flight. Lives on the loop (``TrajLog._held``) until the
-    call has run ``start_ms``; then it is queued for the writer (``queued``). A call that ends
-    sooner is written once, finished. ``rowid`` is set by the writer once the row is in the
-    database (its end then updates it in place)."""
+    call has run ``start_ms``; then it is journaled and gets its ``rowid`` (its seq), which the
+    call's finished entry replaces. A call that ends sooner is written once, finished."""
 
-    __slots__ = ("sid", "op", "request", "key", "fp", "started_at", "t", "queued", "rowid")
-
-    kind = "start"
-    fut = None
+    __slots__ = ("sid", "op", "request", "key", "fp", "started_at", "t", "rowid")
 
     def __init__(self, sid: str, op: str, request: dict[str, Any], started_at: float,
                  key: str | None, fp: str | None) -> None:
         self.sid, self.op, self.request, self.started_at = sid, op, request, started_at
         self.key, self.fp = key, fp
         self.t = time.monotonic()
-        self.queued = False
         self.rowid: int | None = None
-
-    @property
-    def args(self) -> tuple[Any, ...]:
-        return (self.sid, self.op, self.key, self.fp, _dumps(self.request), None, None,
-                self.started_at, self.started_at, None, STARTED)
 
 
 SnapIds = list[str] | Callable[[Any], list[str]] | None
@@ -243,54 +255,56 @@ SnapIds = list[str] | Callable[[Any], list[str]] | None
 class TrajLog:
     def __init__(self, state_dir: str, *, enabled: bool = True, retention_s: float = 7 * 86400,
                  output_cap: int = 1 << 20, body_cap: int = 1 << 20, sync: str = "normal",
-                 flush_ms: float = 0.0, start_ms: float = 20.0) -> None:
+                 flush_ms: float = 20.0, start_ms: float = 20.0) -> None:
         self.enabled = enabled
+        self.state_dir = state_dir
         self.path = os.path.join(state_dir, DB_NAME)
         self.retention_s = retention_s
         self.output_cap = output_cap
         self.body_cap = body_cap
         self.sync = "FULL" if sync.lower() == "full" else "NORMAL"
+        self._full = self.sync == "FULL"  # every call waits for its record's ingest (fsync)
         self.flush_s = max(0.0, flush_ms) / 1000.0
         self.start_hold_s = max(0.0, start_ms) / 1000.0
-        # Tests only (tests/test_crash.py): while this file exists the writer thread holds
-        # its batches uncommitted, so a test can kill -9 the daemon with entries queued.
+        # Tests only (tests/test_crash.py): while the first file exists, a finished call's
+        # entry waits before it is journaled (the call does not answer); while the second
+        # does, the ingester holds its batches (journaled, not in the database).
         self._hold_file = os.environ.get("CORRAL_TRAJLOG_TEST_HOLD_FILE") or None
-        self._q: queue.SimpleQueue[_Pending | _Start | None] = queue.SimpleQueue()
-        # Records handed to the writer and not yet committed. Only the loop adds (under _mu),
-        # only the writer subtracts (after its commit): zero means the writer is not using
-        # the connection and will not until the loop queues something.
+        self._hold_ingest = os.environ.get("CORRAL_TRAJLOG_TEST_HOLD_INGEST_FILE") or None
+        self._journal: Journal | None = None
+        self._lock = -1  # flock on LOCK_NAME while open
+        self._jn = 0  # number of the last journal record (the loop's)
+        self._ingested = 0  # number of the last record in the database (the ingester's)
+        self._seq = 0  # the last entry seq given (the loop's)
+        # Lines and control items for the ingester, in order; the loop appends, the ingester
+        # takes the whole list (both under _mu). _wake: the list went from empty to not;
+        # _now: someone waits (a barrier), do not gather for flush_s.
         self._mu = threading.Lock()
-        self._backlog = 0
-        self._inline = self.sync == "NORMAL"  # FULL: an fsync per commit, never on the loop
-        self._inline_after = 0.0  # monotonic: no inline commit before (after a slow one)
-        self._backoff = INLINE_BACKOFF_S  # the next slow inline commit's spell
-        self._conn: sqlite3.Connection | None = None  # the writing connection (loop + writer)
-        self._cur: sqlite3.Cursor | None = None  # its cursor for entries
-        self._ckpt = threading.Event()
-        self._ckpt_thread: threading.Thread | None = None
+        self._pending: list[_Line | _Control] = []
+        self._wake = threading.Event()
+        self._now = threading.Event()
+        # Entries that bind an idempotency key, journaled and not yet ingested: (scope, key)
+        # -> (fingerprint, sandbox id, result, error). The loop adds before journaling, the
+        # ingester removes after its commit; a lookup reads this first, then the database.
+        self._unbound: dict[tuple[str, str], tuple[str | None, str, Any, Any]] = {}
         self._since_ckpt = 0
-        self._unindexed = 0  # entries inserted since (both threads, never at once)
+        self._unindexed = 0  # entries ingested since the index was last updated
         self._closing = False
-        # Writes to the sandboxes table (a create's row, an end) made on the loop, not yet
-        # written: they join the next inline commit (one commit for a create's sandbox row
-        # and its entry, a kill's entry and the end) or go to the writer ahead of whatever
-        # is queued next (``_enqueue``), or are written at the end of the turn.
-        self._sb_rows: list[tuple[str, tuple[Any, ...]]] = []  # (statement, args)
-        # Entries of this turn of the loop, committed together at its end, and their future.
-        self._turn: tuple[list[tuple[Any, ...]], asyncio.Future[Any]] | None = None
-        self._active = 0  # calls in _run_and_log between their start and their entry
-        # Started rows held on the loop, oldest first (O(1) removal anywhere, O(1) oldest),
-        # and the one timer that queues the due ones (armed while any is held; not per call).
-        self._held: OrderedDict[_Start, None] = OrderedDict()
+        # Started rows held on the loop, oldest first (a dict: O(1) removal anywhere, O(1)
+        # oldest), and the one timer that journals the due ones (armed while any is held).
+        self._held: dict[_Start, None] = {}
         self._tick: asyncio.TimerHandle | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._reader: sqlite3.Connection | None = None
+        self._conn: sqlite3.Connection | None = None  # the ingester's
+        self._reader: sqlite3.Connection | None = None  # the loop's (key lookups)
         self._inflight: dict[tuple[str, str], asyncio.Future[Any]] = {}
         self._last_prune = 0.0
         self.interrupted = 0  # started rows found open (and marked interrupted) at open()
-        self.stats = {"records": 0, "commits": 0, "started_rows": 0, "inline": 0,
-                      "inline_slow": 0, "inline_us": 0, "checkpoints": 0}
+        self.recovered_records = 0  # journal records a dead daemon left, ingested at open()
+        self.stats = {"records": 0, "commits": 0, "started_rows": 0, "checkpoints": 0,
+                      "journal_bytes": 0, "ingest_us": 0, "ingest_cpu_us": 0,
+                      "ingest_errors": 0}
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def _connect(self, autocheckpoint: int = 4000) -> sqlite3.Connection:
@@ -302,18 +316,46 @@ class TrajLog:
         return conn
 
     def open(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Open the database, ingest what a dead daemon left in the journal, mark its calls
+        in flight interrupted, start a new journal and the ingester."""
         if not self.enabled:
             return
         self._loop = loop
-        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-        conn = self._connect()
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        # One writer per state dir: a second one would take the first's journal for a dead
+        # daemon's and remove it under its feet.
+        lock = os.open(os.path.join(self.state_dir, LOCK_NAME),
+                       os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock)
+            raise InternalError(f"the trajectory log in {self.state_dir} is open in another "
+                                "process") from None
+        self._lock = lock
+        journal = Journal(self.state_dir)
+        # The ingester's connection; it checkpoints by itself every CHECKPOINT_EVERY records.
+        conn = self._connect(autocheckpoint=0)
         try:
             conn.executescript(_SCHEMA)
             _migrate(conn)
             conn.execute(_STARTED_INDEX)
+            done = _meta(conn, "journal")
+            records, top, torn = journal.read(after=done)
+            if records:
+                conn.execute("BEGIN")
+                for i in range(0, len(records), RECOVER_CHUNK):
+                    chunk = records[i:i + RECOVER_CHUNK]
+                    self._ingest_lines(conn, [(n, k, line, None) for n, k, line in chunk])
+                conn.execute("UPDATE log_meta SET v=? WHERE k='journal'", (records[-1][0],))
+                conn.execute("COMMIT")
+                self.recovered_records = len(records)
+                log.warning("journal records of the last daemon ingested",
+                            extra={"count": len(records), "torn": torn})
             # Entries committed since the last index update (all of them in a log written
             # before entries_by_sandbox existed).
             _index_tail(conn)
+            self._unindexed = 0
             # Before any new call can start: what was in flight when the last daemon died.
             cur = conn.execute("UPDATE entries SET status=?, error=? WHERE status=?",
                                (INTERRUPTED, _dumps(INTERRUPTED_ERROR), STARTED))
@@ -321,144 +363,224 @@ class TrajLog:
             if self.interrupted:
                 log.warning("calls interrupted by the last daemon's death",
                             extra={"count": self.interrupted})
-        finally:
+            self._seq = conn.execute("SELECT max(seq) FROM entries").fetchone()[0] or 0
+        except BaseException:
             conn.close()
+            os.close(lock)
+            self._lock = -1
+            raise
+        journal.remove_all()  # everything in it is in the database now
+        self._jn = self._ingested = max(done, top)
+        journal.start(self._jn + 1)
+        self._journal = journal
+        self._conn = conn
         self._reader = self._connect()
-        # Commits on the loop must never run a checkpoint (ms of I/O): the checkpointer does.
-        self._conn = self._connect(autocheckpoint=0)
-        # One cursor for every entry written (on the loop or by the writer, never at once):
-        # ``Connection.execute`` makes and frees a cursor per call.
-        self._cur = self._conn.cursor()
         self._closing = False
-        self._thread = threading.Thread(target=self._writer, name="trajlog-writer", daemon=True)
+        self._thread = threading.Thread(target=self._ingester, name="trajlog-ingest",
+                                        daemon=True)
         self._thread.start()
-        self._ckpt_thread = threading.Thread(target=self._checkpointer,
-                                             name="trajlog-checkpoint", daemon=True)
-        self._ckpt_thread.start()
 
     def close(self) -> None:
-        """Flush what is queued and stop the writer and the checkpointer."""
+        """Ingest what is journaled, stop the ingester; remove the journal if all of it is in
+        the database (else the next start ingests the rest)."""
         if self._thread is not None:
-            if self._sb_rows:
-                self._enqueue(_Pending("barrier", (), None))
-            self._q.put(None)
+            self._closing = True
+            self._wake.set()
+            self._now.set()
             self._thread.join(30)
             self._thread = None
-        if self._ckpt_thread is not None:
-            self._closing = True
-            self._ckpt.set()
-            self._ckpt_thread.join(30)
-            self._ckpt_thread = None
+        if self._journal is not None:
+            self._journal.close(remove=self._ingested >= self._jn)
+            self._journal = None
         if self._conn is not None:
             self._conn.close()  # the last writer: SQLite checkpoints the WAL on close
             self._conn = None
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+        if self._lock >= 0:
+            os.close(self._lock)  # releases the flock
+            self._lock = -1
 
-    # ---- the writer thread (group commit) ----------------------------------------------------
-    def _writer(self) -> None:
+    # ---- the journal (the loop) ----------------------------------------------------------------
+    def _append(self, kind: str, fields: tuple[Any, ...],
+                slot: tuple[str, str] | None = None) -> int:
+        """Journal one record: durable when this returns; its number. Then hand it to the
+        ingester. Raises InternalError if it could not be written."""
+        journal = self._journal
+        if journal is None:
+            raise InternalError("the trajectory log is closed")
+        self._jn += 1
+        n = self._jn
+        data = (_dumps((n, kind, *fields)) + "\n").encode()
+        try:
+            journal.append(data, n)
+        except OSError as e:
+            log.error("trajectory log journal write failed", extra={"error": str(e)})
+            journal.set_aside()  # a torn line stays the last of its file
+            raise InternalError(f"could not write the trajectory log: {e}") from e
+        self.stats["journal_bytes"] += len(data)
+        with self._mu:
+            first = not self._pending
+            self._pending.append((n, kind, fields, slot))
+        if first:
+            self._wake.set()
+        return n
+
+    def _control(self, item: _Control, now: bool = False) -> None:
+        with self._mu:
+            self._pending.append(item)
+        self._wake.set()
+        if now:
+            self._now.set()
+
+    def _write_entry(self, sid: str, op: str, request: dict[str, Any],
+                     result: dict[str, Any] | None, error: dict[str, Any] | None,
+                     started_at: float, ended_at: float, key: str | None, fp: str | None,
+                     snapshot_ids: list[str] | None, start: _Start | None,
+                     scope: str | None = None) -> int:
+        """Journal a finished call (replacing its started row if it had one); its seq."""
+        if start is not None and start.rowid is not None:
+            seq = start.rowid
+        else:
+            self._seq += 1
+            seq = self._seq
+        slot = None
+        if key is not None:
+            slot = (sid if scope is None else scope, key)
+            self._unbound[slot] = (fp, sid, result, error)
+        try:
+            self._append("e", (seq, sid, op, key, fp, _dumps(request),
+                               None if result is None else _dumps(result),
+                               None if error is None else _dumps(error), started_at, ended_at,
+                               _dumps(snapshot_ids) if snapshot_ids else None, None), slot)
+        except InternalError:
+            if slot is not None:
+                self._unbound.pop(slot, None)
+            raise
+        return seq
+
+    async def _settled(self) -> None:
+        """After journaling on a call's path: wait for the ingester only when asked to
+        (``sync=full``) or when it is far behind (MAX_PENDING)."""
+        if self._full or len(self._pending) > MAX_PENDING:
+            await self.flushed()
+
+    # ---- the ingester thread --------------------------------------------------------------------
+    def _ingester(self) -> None:
         conn = self._conn
         assert conn is not None
-        stop = False
-        while not stop:
-            item = self._q.get()
-            batch: list[Any] = []
-            if item is None:
-                stop = True
-            else:
-                batch.append(item)
-                if self.flush_s:
-                    time.sleep(self.flush_s)
-            while True:
-                try:
-                    item = self._q.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                else:
-                    batch.append(item)
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if not self._closing:
+                self._now.wait(self.flush_s)  # gather a batch, unless someone waits
+            self._now.clear()
+            while (self._hold_ingest and os.path.exists(self._hold_ingest)
+                   and not self._closing):
+                time.sleep(0.01)  # tests only: journaled, not ingested
+            with self._mu:
+                batch, self._pending = self._pending, []
             if batch:
-                while self._hold_file and os.path.exists(self._hold_file):
-                    time.sleep(0.01)  # tests only: hold the writer to widen a crash window
-                self._commit(conn, batch)
-                self._committed(len(batch))
+                if not self._ingest(conn, batch):
+                    lines = [it for it in batch if type(it) is tuple]
+                    with self._mu:  # again, ahead of anything newer (the journal has them)
+                        self._pending[:0] = lines
+                    if self._closing:
+                        return  # the next start ingests them from the journal
+                    self._now.wait(INGEST_RETRY_S)
+                    self._wake.set()
+                    continue
+            if self._closing:
+                with self._mu:
+                    if not self._pending:
+                        return
+                self._wake.set()
 
-    def _checkpointer(self) -> None:
-        """Copy the WAL into the database when CHECKPOINT_EVERY records have been committed
-        (passive: never waits for, nor blocks, the writing connection)."""
-        conn = self._connect(autocheckpoint=0)
-        try:
-            while True:
-                self._ckpt.wait()
-                self._ckpt.clear()
-                if self._closing:
-                    return
-                try:
-                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                    self.stats["checkpoints"] += 1
-                except sqlite3.Error:
-                    log.exception("trajectory log checkpoint failed")
-        finally:
-            conn.close()
-
-    def _committed(self, n: int) -> None:
-        self._since_ckpt += n  # both threads add: a lost update only delays a checkpoint
-        if self._since_ckpt >= CHECKPOINT_EVERY:
-            self._since_ckpt = 0
-            self._ckpt.set()
-
-    def _commit(self, conn: sqlite3.Connection, batch: list[Any]) -> None:
+    def _ingest(self, conn: sqlite3.Connection, batch: list[_Line | _Control]) -> bool:
+        """One transaction for the batch: its lines (by kind, ``_ingest_lines``) and control
+        items in order, and the journal watermark. Resolves the waiters; False if it failed
+        (nothing of it is in the database)."""
+        t0, c0 = time.perf_counter(), time.thread_time()
         results: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        top = 0
         try:
             conn.execute("BEGIN")
-            out = [self._apply(conn, p) for p in batch]
-            self._unindexed += len(batch)
+            seg: list[_Line] = []
+            for it in batch:
+                if type(it) is tuple:
+                    seg.append(it)  # type: ignore[arg-type]
+                    continue
+                if seg:
+                    top = seg[-1][0]
+                    self._ingest_lines(conn, seg)
+                    seg = []
+                value = self._apply(conn, it)  # type: ignore[arg-type]
+                if it.fut is not None:  # type: ignore[union-attr]
+                    results.append((it.fut, value, None))  # type: ignore[union-attr]
+            if seg:
+                top = seg[-1][0]
+                self._ingest_lines(conn, seg)
+            if top:
+                conn.execute("UPDATE log_meta SET v=? WHERE k='journal'", (top,))
             self._maybe_index(conn)
             conn.execute("COMMIT")
-            self.stats["commits"] += 1
-            self.stats["records"] += len(batch)
-            results = [(p.fut, v, None) for p, v in zip(batch, out, strict=True)
-                       if p.fut is not None]
-        except Exception as e:  # noqa: BLE001 - report it to every waiter
-            log.exception("trajectory log write failed")
+        except Exception as e:  # noqa: BLE001 - reported to every waiter; the journal keeps all
+            log.exception("trajectory log ingest failed (its records stay in the journal)")
             try:
                 conn.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
-            for p in batch:
-                if p.kind == "start":
-                    p.rowid = None  # not in the database: its end inserts a whole row
-            results = [(p.fut, None, e) for p in batch if p.fut is not None]
-        # Done with the connection: the loop may commit inline again, and does so as soon as
-        # the callers it wakes below resume (not one call later).
-        with self._mu:
-            self._backlog -= len(batch)
-        if results and self._loop is not None:
+            self.stats["ingest_errors"] += 1
+            err = InternalError(f"could not write the trajectory log: {e}")
+            self._resolve_soon([(it.fut, None, err) for it in batch
+                                if type(it) is not tuple and it.fut is not None])  # type: ignore[union-attr]
+            return False
+        if top:
+            self._ingested = top
+            for it in batch:
+                if type(it) is tuple and it[3] is not None:  # type: ignore[index]
+                    self._unbound.pop(it[3], None)  # type: ignore[index]
+            assert self._journal is not None or self._closing
+            if self._journal is not None:
+                self._journal.release(top)
+        st = self.stats
+        st["commits"] += 1
+        st["ingest_us"] += int((time.perf_counter() - t0) * 1e6)
+        st["ingest_cpu_us"] += int((time.thread_time() - c0) * 1e6)
+        n = sum(1 for it in batch if type(it) is tuple)
+        self._since_ckpt += n
+        if self._since_ckpt >= CHECKPOINT_EVERY:
+            self._since_ckpt = 0
             try:
-                self._loop.call_soon_threadsafe(_resolve, results)
-            except RuntimeError:  # the loop is closed (daemon exiting)
-                pass
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                st["checkpoints"] += 1
+            except sqlite3.Error:
+                log.exception("trajectory log checkpoint failed")
+        self._resolve_soon(results)
+        return True
 
-    def _apply(self, conn: sqlite3.Connection, p: Any) -> Any:
-        if p.kind == "start":
-            p.rowid = conn.execute(_INSERT, p.args).lastrowid
-            self.stats["started_rows"] += 1
-            return p.rowid
-        if p.kind == "entry":
-            assert self._cur is not None
-            return _apply_entry(self._cur, p.args)
-        if p.kind == "drop":
-            start = p.args[0]
-            if start.rowid is not None:
-                conn.execute("DELETE FROM entries WHERE seq=?", (start.rowid,))
-                conn.execute("DELETE FROM entries_by_sandbox WHERE sandbox_id=? AND seq=?",
-                             (start.sid, start.rowid))
+    def _ingest_lines(self, conn: sqlite3.Connection, seg: list[_Line]) -> None:
+        """Journal records into the database, in order: each run of one kind by one
+        ``executemany`` per statement of that kind."""
+        i, end = 0, len(seg)
+        while i < end:
+            kind = seg[i][1]
+            j = i + 1
+            while j < end and seg[j][1] == kind:
+                j += 1
+            rows = [it[2] for it in seg[i:j]]
+            for sql in _J_SQL[kind]:
+                conn.executemany(sql, rows)
+            if kind == "e":
+                self._unindexed += j - i
+                self.stats["records"] += j - i
+            elif kind == "d":
                 self._lower_watermark(conn)
-            return None
-        if p.kind == "sql":  # a sandboxes-table write made on the loop (``_sb_rows``)
-            conn.execute(*p.args)
+            i = j
+
+    def _apply(self, conn: sqlite3.Connection, p: _Control) -> Any:
+        if p.kind == "barrier":
             return None
         if p.kind == "ended_except":
             live = set(p.args[1])
@@ -468,10 +590,6 @@ class TrajLog:
             conn.executemany("UPDATE sandboxes SET ended_at=?, reason='lost' WHERE "
                              "sandbox_id=?", gone)
             return None
-        if p.kind == "barrier":
-            return None
-        if p.kind == "readopted":
-            return self._backfill(conn, p.args[0])
         if p.kind == "prune":
             cutoff = p.args[0]
             old = [r[0] for r in conn.execute(
@@ -494,57 +612,13 @@ class TrajLog:
             return len(old)
         raise ValueError(p.kind)
 
-    def _backfill(self, conn: sqlite3.Connection,
-                  boxes: list[tuple[str, dict[str, Any], float, dict[str, Any]]]) -> int:
-        """Re-adopted sandboxes the log has no create for (their daemon died between the
-        sandbox's record and the create's commit, so no client saw it): their sandbox row and
-        create entry, from the record; the count written."""
-        n = 0
-        for sid, spec, created_at, info in boxes:
-            if conn.execute("SELECT 1 FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone() \
-                    is None:
-                conn.execute(_INSERT_SANDBOX, (sid, _dumps(spec), created_at))
-            if conn.execute(f"SELECT 1 FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND "
-                            "op='create' LIMIT 1", {"sid": sid}).fetchone() is not None:
-                continue
-            snap = info.get("snapshot")
-            conn.execute(_INSERT, (sid, "create", None, None, _dumps(spec),
-                                   _dumps(dict(info, recovered=True)), None, created_at,
-                                   time.time(), json.dumps([snap]) if snap else None, None))
-            n += 1
-        if n:
-            log.warning("re-adopted sandboxes without a create entry: written from their "
-                        "records", extra={"count": n})
-        return n
-
-    def _enqueue(self, item: _Pending | _Start) -> None:
-        """Hand a record to the writer thread (on the loop only: see ``_backlog``), behind
-        the sandbox rows not yet written (a sandbox's end must follow its creation)."""
-        with self._mu:
-            if self._sb_rows:
-                self._backlog += len(self._sb_rows)
-                for r in self._sb_rows:
-                    self._q.put(_Pending("sql", r, None))
-                self._sb_rows = []
-            self._backlog += 1
-            self._q.put(item)
-
-    def _flush_sandboxes(self) -> None:
-        """End of the turn a sandbox row was made in: write it if no entry took it along."""
-        if not self._sb_rows:
-            return
-        if self._can_inline():
+    def _resolve_soon(self, results: list[tuple[asyncio.Future[Any], Any,
+                                                BaseException | None]]) -> None:
+        if results and self._loop is not None:
             try:
-                self._commit_inline([])
-                return
-            except InternalError:
-                pass  # logged; the writer tries again (and reports to nobody: no waiter)
-        self._enqueue(_Pending("barrier", (), None))
-
-    def _submit(self, kind: str, args: tuple[Any, ...], wait: bool) -> asyncio.Future[Any] | None:
-        fut = self._loop.create_future() if (wait and self._loop is not None) else None
-        self._enqueue(_Pending(kind, args, fut))
-        return fut
+                self._loop.call_soon_threadsafe(_resolve, results)
+            except RuntimeError:  # the loop is closed (daemon exiting)
+                pass
 
     def _maybe_index(self, conn: sqlite3.Connection) -> None:
         """In the current transaction: index the entries since the last time, once there
@@ -555,143 +629,82 @@ class TrajLog:
         self._unindexed = 0
 
     def _lower_watermark(self, conn: sqlite3.Connection) -> None:
-        """After a delete: seqs are rowids (no AUTOINCREMENT), so deleting the last entries
-        gives their seqs to the next ones; the watermark must stay below them."""
+        """After a delete: the watermark must stay below entries not indexed yet (seqs of
+        deleted last entries can be given again by a later daemon: ``max(seq)`` at open)."""
         top = conn.execute("SELECT max(seq) FROM entries").fetchone()[0] or 0
         if top < _watermark(conn):
             conn.execute("UPDATE log_meta SET v=? WHERE k='indexed'", (top,))
 
-    def _can_inline(self) -> bool:
-        # _backlog == 0: the writer has committed everything it was given and gets nothing
-        # new while the loop commits (only the loop queues): the connection is the loop's.
-        return (self._conn is not None and self._inline and self._backlog == 0
-                and time.monotonic() >= self._inline_after)
-
-    def _commit_inline(self, rows: list[tuple[Any, ...]]) -> list[int]:
-        """Write ``rows`` on the loop, in one transaction (one statement alone: autocommit);
-        their seqs. Times the commit: a slow one sends the next ones to the writer."""
-        conn, cur = self._conn, self._cur
-        assert conn is not None and cur is not None
-        sbs, self._sb_rows = self._sb_rows, []
-        self._unindexed += len(rows)
-        t0 = time.monotonic()
-        try:
-            if len(rows) == 1 and not sbs and self._unindexed < INDEX_EVERY:
-                seqs = [_apply_entry(cur, rows[0])]  # one statement: autocommit
-            else:
-                conn.execute("BEGIN")
-                for sql, args in sbs:
-                    conn.execute(sql, args)
-                seqs = [_apply_entry(cur, r) for r in rows]
-                self._maybe_index(conn)
-                conn.execute("COMMIT")
-        except Exception as e:  # noqa: BLE001
-            log.exception("trajectory log write failed")
-            if conn.in_transaction:
-                try:
-                    conn.execute("ROLLBACK")
-                except sqlite3.Error:
-                    pass
-            self._sb_rows = sbs + self._sb_rows
-            raise InternalError(f"could not write the trajectory log: {e}") from e
-        dt = time.monotonic() - t0
-        st = self.stats
-        st["inline"] += len(rows)
-        st["inline_us"] += int(dt * 1e6)
-        st["commits"] += 1
-        st["records"] += len(rows)
-        if dt > INLINE_SLOW_S:  # the disk may be slow: spare the loop for a while
-            st["inline_slow"] += 1
-            self._inline_after = time.monotonic() + self._backoff
-            log.info("slow trajectory log commit on the loop: writer thread for a while",
-                     extra={"ms": round(dt * 1000, 1), "for_s": self._backoff})
-            self._backoff = min(self._backoff * 2, INLINE_BACKOFF_MAX_S)
-        else:
-            self._backoff = INLINE_BACKOFF_S
-        self._committed(len(rows))
-        return seqs
-
-    def _write_entry(self, args: tuple[Any, ...], wait: bool = True, coalesce: bool = False
-                     ) -> int | asyncio.Future[Any]:
-        """Commit one entry inline (its seq) if the writer is idle, else queue it for the
-        writer (a future of its seq; with ``wait`` false, no future: 0, and it commits with
-        the writer's next batch, before anything queued after it). ``coalesce`` (other calls
-        are in flight, and may end in this same turn of the loop): join the entries of this
-        turn, committed together at its end (a future of None) - one commit for several."""
-        if not self._can_inline():
-            fut = self._loop.create_future() if wait else None  # type: ignore[union-attr]
-            self._enqueue(_Pending("entry", args, fut))
-            return fut if fut is not None else 0
-        if not coalesce:
-            return self._commit_inline([args])[0]
-        if self._turn is None:
-            self._turn = ([], self._loop.create_future())  # type: ignore[union-attr]
-            self._loop.call_soon(self._flush_turn)  # type: ignore[union-attr]
-        self._turn[0].append(args)
-        return self._turn[1]
-
-    def _flush_turn(self) -> None:
-        assert self._turn is not None
-        rows, fut = self._turn
-        self._turn = None
-        if not self._can_inline():  # the writer got work meanwhile: queue behind it (FIFO)
-            for r in rows[:-1]:
-                self._enqueue(_Pending("entry", r, None))
-            self._enqueue(_Pending("entry", rows[-1], fut))
-            return
-        try:
-            self._commit_inline(rows)
-        except InternalError as e:
-            fut.set_exception(e)
-            fut.exception()  # retrieved: its waiters (shielded) get it
-            return
-        fut.set_result(None)
-
     # ---- what the engine and the API call --------------------------------------------------------
     def sandbox_created(self, sid: str, spec: dict[str, Any], created_at: float) -> None:
         if self.enabled:
-            self._sandbox_write(_INSERT_SANDBOX, (sid, _dumps(spec), created_at))
+            self._sandbox_write("sc", (sid, _dumps(spec), created_at))
 
     def sandbox_ended(self, sid: str, reason: str) -> None:
         if self.enabled:
-            self._sandbox_write(_ENDED, (time.time(), reason, sid))
+            self._sandbox_write("se", (sid, time.time(), reason))
 
-    def _sandbox_write(self, sql: str, args: tuple[Any, ...]) -> None:
-        """Not a commit of its own (on the loop only): it goes with the next entry's commit
-        (a create's, a kill's: same turn), else at the end of this turn (``_sb_rows``)."""
-        if not self._sb_rows and self._loop is not None:
-            self._loop.call_soon(self._flush_sandboxes)
-        self._sb_rows.append((sql, args))
+    def _sandbox_write(self, kind: str, fields: tuple[Any, ...]) -> None:
+        """A sandbox row: journaled like an entry (a create's row before the create's entry),
+        never failing the create or kill that made it (the error is logged)."""
+        try:
+            self._append(kind, fields)
+        except InternalError:
+            pass
 
     def readopted(self, boxes: list[tuple[str, dict[str, Any], float, dict[str, Any]]]
                   ) -> None:
-        """At a restart: (id, spec, created_at, SandboxInfo) of each re-adopted sandbox; those
-        whose create the log lacks get it (see ``_backfill``)."""
-        if self.enabled and boxes:
-            self._submit("readopted", (boxes,), False)
+        """At a restart: (id, spec, created_at, SandboxInfo) of each re-adopted sandbox. Those
+        whose create the log lacks (their daemon died between the sandbox's record and the
+        create's entry, so no client saw it) get their sandbox row and a create entry from
+        the record, marked ``recovered``. Runs after open(): the database has every record."""
+        if not self.enabled or not boxes:
+            return
+        assert self._reader is not None
+        n = 0
+        for sid, spec, created_at, info in boxes:
+            if self._reader.execute("SELECT 1 FROM sandboxes WHERE sandbox_id=?",
+                                    (sid,)).fetchone() is None:
+                self._sandbox_write("sc", (sid, _dumps(spec), created_at))
+            if self._reader.execute(f"SELECT 1 FROM entries WHERE seq IN ({_SANDBOX_SEQS}) "
+                                    "AND op='create' LIMIT 1", {"sid": sid}).fetchone():
+                continue
+            snap = info.get("snapshot")
+            try:
+                self._write_entry(sid, "create", spec, dict(info, recovered=True), None,
+                                  created_at, time.time(), None, None,
+                                  [snap] if snap else None, None)
+            except InternalError:
+                continue
+            n += 1
+        if n:
+            log.warning("re-adopted sandboxes without a create entry: written from their "
+                        "records", extra={"count": n})
 
     def recovered(self, live: set[str]) -> None:
         """After a restart: sandboxes the log thought alive but that are not are ended."""
-        if self.enabled:
-            self._submit("ended_except", (time.time(), sorted(live)), False)
+        if self.enabled and self._thread is not None:
+            self._control(_Control("ended_except", (time.time(), sorted(live)), None))
 
     def maybe_prune(self, now: float) -> None:
         if self.enabled and now - self._last_prune >= PRUNE_EVERY_S:
             self._last_prune = now
-            self._submit("prune", (now - self.retention_s,), False)
+            self._control(_Control("prune", (now - self.retention_s,), None))
 
     async def prune(self, now: float | None = None) -> int:
         if not self.enabled:
             return 0
-        fut = self._submit("prune", ((now or time.time()) - self.retention_s,), True)
-        assert fut is not None
-        return int(await fut)
+        assert self._loop is not None
+        fut = self._loop.create_future()
+        self._control(_Control("prune", ((now or time.time()) - self.retention_s,), fut),
+                      now=True)
+        return int(await _committed(fut))
 
     def started(self, sid: str, op: str, request: dict[str, Any], started_at: float,
                 key: str | None = None, fp: str | None = None) -> _Start:
-        """The started row of a call: queued (never waited for) if the call is still running
-        ``start_ms`` from now. Held on the loop, not by the writer: a call that ends sooner
-        costs no extra row, thread wake-up or commit."""
+        """The started row of a call: journaled (never waited for) if the call is still
+        running ``start_ms`` from now. Held on the loop: a call that ends sooner costs no
+        extra record."""
         s = _Start(sid, op, request, started_at, key, fp)
         self._held[s] = None
         if self._tick is None and self._loop is not None:
@@ -708,58 +721,57 @@ class TrajLog:
                 self._tick = self._loop.call_later(s.t - due, self._queue_due)
                 return
             del self._held[s]
-            s.queued = True
-            self._enqueue(s)
+            self._seq += 1
+            try:
+                self._append("e", (self._seq, s.sid, s.op, s.key, s.fp, _dumps(s.request),
+                                   None, None, s.started_at, s.started_at, None, STARTED))
+            except InternalError:
+                continue  # logged; its end writes a whole entry
+            s.rowid = self._seq
+            self.stats["started_rows"] += 1
 
     def _close_start(self, s: _Start) -> _Start | None:
-        """The call ended: the start its end must finish in place, or None (never queued)."""
+        """The call ended: the start its end must replace, or None (never journaled)."""
         self._held.pop(s, None)
-        return s if s.queued else None
+        return s if s.rowid is not None else None
 
     def drop(self, start: _Start) -> None:
         """The call will not be logged after all (no such sandbox, a daemon bug)."""
-        if self._close_start(start) is not None:
-            self._enqueue(_Pending("drop", (start,), None))
+        s = self._close_start(start)
+        if s is not None:
+            try:
+                self._append("d", (s.rowid, s.sid))
+            except InternalError:
+                pass  # logged; the row stays, marked interrupted at the next start
 
     def logged(self, sid: str, op: str, request: dict[str, Any],
                result: dict[str, Any] | None, started_at: float,
                snapshot_ids: list[str] | None = None) -> None:
-        """Queue a finished entry without waiting (a caller awaiting a later record of the
-        same batch, or of a later one, knows this one is committed too: FIFO, one writer)."""
-        if not self.enabled:
-            return
-        self._enqueue(_Pending("entry", self._row(sid, op, request, result, None, started_at,
-                                                  time.time(), None, None, snapshot_ids,
-                                                  None), None))
-
-    @staticmethod
-    def _row(sid: str, op: str, request: dict[str, Any], result: dict[str, Any] | None,
-             error: dict[str, Any] | None, started_at: float, ended_at: float,
-             key: str | None, fp: str | None, snapshot_ids: list[str] | None,
-             start: _Start | None) -> tuple[Any, ...]:
-        return (sid, op, key, fp, _dumps(request),
-                None if result is None else _dumps(result),
-                None if error is None else _dumps(error),
-                started_at, ended_at, json.dumps(snapshot_ids) if snapshot_ids else None, start)
+        """Journal a finished entry of a call that was not made through ``run`` (a fork's
+        children): durable when this returns."""
+        if self.enabled:
+            self._write_entry(sid, op, request, result, None, started_at, time.time(), None,
+                              None, snapshot_ids, None)
 
     async def record(self, sid: str, op: str, request: dict[str, Any],
                      result: dict[str, Any] | None, error: dict[str, Any] | None,
                      started_at: float, ended_at: float, key: str | None = None,
                      fp: str | None = None, snapshot_ids: list[str] | None = None,
-                     start: _Start | None = None, wait: bool = True) -> int:
-        """Queue one entry (finishing ``start``'s row if given) and wait until it is
-        committed (``wait``; else 0 at once: it is committed with the writer's next batch,
-        before anything queued after it)."""
+                     start: _Start | None = None) -> int:
+        """Journal one entry (replacing ``start``'s row if it was journaled); its seq."""
         if start is not None:
             start = self._close_start(start)
-        got = self._write_entry(self._row(sid, op, request, result, error, started_at,
-                                          ended_at, key, fp, snapshot_ids, start), wait=wait)
-        if isinstance(got, int):
-            return got
-        return int(await _committed(got))
+        seq = self._write_entry(sid, op, request, result, error, started_at, ended_at, key,
+                                fp, snapshot_ids, start)
+        await self._settled()
+        return seq
 
-    def _lookup(self, scope: str, key: str) -> tuple[str, str, str | None, str | None] | None:
-        """The finished entry that binds ``key`` (started and interrupted rows do not)."""
+    def _lookup(self, scope: str, key: str) -> tuple[str | None, str, Any, Any] | None:
+        """The finished entry that binds ``key`` (started and interrupted rows do not):
+        (fingerprint, sandbox id, result, error), journaled or in the database."""
+        got = self._unbound.get((scope, key))
+        if got is not None:  # checked first: the ingester removes it only once it is in
+            return got
         assert self._reader is not None
         if scope:
             sql = ("SELECT fingerprint, sandbox_id, result, error FROM entries WHERE "
@@ -769,10 +781,14 @@ class TrajLog:
             sql = ("SELECT fingerprint, sandbox_id, result, error FROM entries WHERE "
                    "idem_key=? AND op='create' AND status IS NULL ORDER BY seq LIMIT 1")
             row = self._reader.execute(sql, (key,)).fetchone()
-        return row
+        if row is None:
+            return None
+        return (row[0], row[1], json.loads(row[2]) if row[2] is not None else None,
+                json.loads(row[3]) if row[3] is not None else None)
 
     def logged_result(self, sid: str, op: str) -> dict[str, Any] | None:
-        """The result of ``sid``'s first finished ``op`` entry (a fork child's create)."""
+        """The result of ``sid``'s first finished ``op`` entry in the database (a fork
+        child's create; callers wait for ``flushed`` first)."""
         assert self._reader is not None
         row = self._reader.execute(
             f"SELECT result FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND op=:op AND "
@@ -797,36 +813,36 @@ class TrajLog:
                 raise Unsupported("idempotency keys need the trajectory log, which is off on "
                                   "this daemon (CORRAL_TRAJLOG=0)")
             return await call()
-        fp = fingerprint(op, request) if key is not None else None
-        if key is not None:
-            if not key or len(key) > MAX_KEY_LEN:
-                from corral.errors import InvalidRequest
-
-                raise InvalidRequest(f"{KEY_HEADER} must be 1 to {MAX_KEY_LEN} characters")
-            slot = (sid, key)
-            while True:
-                other = self._inflight.get(slot)
-                if other is None:
-                    break
-                try:
-                    await asyncio.shield(other)
-                except BaseException:  # noqa: BLE001 - the outcome is read from the log
-                    pass
-            row = self._lookup(sid, key)
-            if row is not None:
-                return self._replayed(op, key, fp, row)
-            self._inflight[slot] = self._loop.create_future()  # type: ignore[union-attr]
+        if key is None:
+            return await self._run_and_log(sid, op, request, None, None, call, to_log,
+                                           snapshot_ids)
+        if not key or len(key) > MAX_KEY_LEN or not _utf8(key):
+            raise InvalidRequest(f"{KEY_HEADER} must be 1 to {MAX_KEY_LEN} characters of "
+                                 "UTF-8 text")
+        fp = fingerprint(op, request)
+        slot = (sid, key)
+        while True:
+            other = self._inflight.get(slot)
+            if other is None:
+                break
+            try:
+                await asyncio.shield(other)
+            except BaseException:  # noqa: BLE001 - the outcome is read from the log
+                pass
+        row = self._lookup(sid, key)
+        if row is not None:
+            return self._replayed(op, key, fp, row)
+        self._inflight[slot] = self._loop.create_future()  # type: ignore[union-attr]
         try:
             return await self._run_and_log(sid, op, request, key, fp, call, to_log,
                                            snapshot_ids)
         finally:
-            if key is not None:
-                done = self._inflight.pop((sid, key), None)
-                if done is not None and not done.done():
-                    done.set_result(None)
+            done = self._inflight.pop(slot, None)
+            if done is not None and not done.done():
+                done.set_result(None)
 
     def _replayed(self, op: str, key: str, fp: str | None,
-                  row: tuple[str, str, str | None, str | None]) -> Any:
+                  row: tuple[str | None, str, Any, Any]) -> Any:
         logged_fp, logged_sid, result, error = row
         if logged_fp != fp:
             raise ReplayDivergence(
@@ -834,8 +850,8 @@ class TrajLog:
                 f"({op} now, logged in sandbox {logged_sid})",
                 details={"key": key, "sandbox_id": logged_sid})
         if error is not None:
-            raise error_from_payload(json.loads(error))
-        return json.loads(result) if result is not None else None
+            raise error_from_payload(error)
+        return result
 
     async def _run_and_log(self, sid: str, op: str, request: dict[str, Any], key: str | None,
                            fp: str | None, call: Callable[[], Awaitable[Any]],
@@ -844,12 +860,8 @@ class TrajLog:
         started = time.time()
         start = self.started(sid, op, request, started, key, fp) if op in STARTED_OPS else None
         ids = snapshot_ids if not callable(snapshot_ids) else None
-        self._active += 1
         try:
-            try:
-                value = await call()
-            finally:
-                self._active -= 1
+            value = await call()
         except CorralError as e:
             if op == "create" or isinstance(e, SandboxNotFound):
                 if start is not None:
@@ -857,29 +869,35 @@ class TrajLog:
                 raise  # nothing was made, or no such sandbox: nothing to log
             # A failure of the platform does not bind the key: a retry runs for real.
             logged_key = None if e.infra else key
-            await self.record(sid, op, request, None,
-                              e.to_payload(), started, time.time(), logged_key,
-                              fp if logged_key else None, ids, start)
+            if self._hold_file:
+                await self._wait_hold_file()
+            await self.record(sid, op, request, None, e.to_payload(), started, time.time(),
+                              logged_key, fp if logged_key else None, ids, start)
             raise
         except BaseException:
             if start is not None:  # a daemon bug (the client gets internal): not a call
                 self.drop(start)
             raise
         result = to_log(value) if to_log is not None else value
+        scope = sid  # a create's key is bound globally (scope ""), its entry is the new id's
         if op == "create" and isinstance(result, dict):
             sid = str(result.get("id", sid))
         if callable(snapshot_ids):
             ids = snapshot_ids(result)
         if start is not None:
             start = self._close_start(start)
-        # Other calls still running: they may end in this same turn of the loop, and then one
-        # commit covers them all (alone, commit now: no extra turn of the loop).
-        got = self._write_entry(self._row(sid, op, request, result, None, started, time.time(),
-                                          key, fp, ids, start),
-                                coalesce=self._active > 0 or self._turn is not None)
-        if not isinstance(got, int):  # wait for the commit (end of the turn, or the writer)
-            await _committed(got)
+        if self._hold_file:
+            await self._wait_hold_file()
+        self._write_entry(sid, op, request, result, None, started, time.time(), key, fp, ids,
+                          start, scope)
+        if self._full or len(self._pending) > MAX_PENDING:
+            await self.flushed()
         return value
+
+    async def _wait_hold_file(self) -> None:
+        """Tests only: a finished call waits here, unjournaled, while the hold file exists."""
+        while self._hold_file and os.path.exists(self._hold_file):
+            await asyncio.sleep(0.01)
 
     # ---- reading -------------------------------------------------------------------------------
     def read(self, sid: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]] | None:
@@ -919,12 +937,12 @@ class TrajLog:
         return sandbox, entries
 
     async def flushed(self) -> None:
-        """Return once everything queued so far is committed (creates do not wait for theirs:
-        a reader of the log must see them)."""
-        if self.enabled:
-            fut = self._submit("barrier", (), True)
-            if fut is not None:
-                await asyncio.shield(fut)
+        """Return once everything journaled so far is in the database (a reader of the log
+        must see every call that answered)."""
+        if self.enabled and self._thread is not None and self._loop is not None:
+            fut = self._loop.create_future()
+            self._control(_Control("barrier", (), fut), now=True)
+            await _committed(fut)
 
     async def entries(self, sid: str, known: bool) -> dict[str, Any]:
         await self.flushed()
@@ -957,19 +975,6 @@ class TrajLog:
         return out
 
 
-def _apply_entry(cur: sqlite3.Cursor, args: tuple[Any, ...]) -> int:
-    """Write one entry (``TrajLog._row``): its seq. One statement: inline, it commits on its
-    own (autocommit); in the writer's batch, inside the batch's transaction."""
-    start: _Start | None = args[-1]
-    if start is not None and start.rowid is not None:
-        # The started row is in: finish it in place (it keeps its place in the log).
-        cur.execute("UPDATE entries SET idem_key=?, fingerprint=?, result=?, error=?, "
-                    "ended_at=?, snapshot_ids=?, status=NULL WHERE seq=?",
-                    (args[2], args[3], args[5], args[6], args[8], args[9], start.rowid))
-        return start.rowid
-    cur.execute(_INSERT, (*args[:-1], None))
-    return int(cur.lastrowid)  # type: ignore[arg-type]
-
 
 async def _committed(fut: asyncio.Future[Any]) -> Any:
     """Wait for the commit of a queued (or coalesced) entry; its seq (None if coalesced)."""
@@ -989,12 +994,27 @@ def _migrate(conn: sqlite3.Connection) -> None:
     # The per-row (sandbox_id, seq) index became entries_by_sandbox (filled in batches): the
     # open that follows indexes every entry past the watermark, i.e. all of them.
     conn.execute("INSERT OR IGNORE INTO log_meta (k, v) VALUES ('indexed', 0)")
+    # The number of the last journal record in the database (corral.daemon.journal).
+    conn.execute("INSERT OR IGNORE INTO log_meta (k, v) VALUES ('journal', 0)")
     conn.execute("DROP INDEX IF EXISTS entries_sandbox")
 
 
+def _meta(conn: sqlite3.Connection, k: str) -> int:
+    row = conn.execute("SELECT v FROM log_meta WHERE k=?", (k,)).fetchone()
+    return int(row[0]) if row and row[0] is not None else 0
+
+
 def _watermark(conn: sqlite3.Connection) -> int:
-    row = conn.execute("SELECT v FROM log_meta WHERE k='indexed'").fetchone()
-    return int(row[0]) if row else 0
+    return _meta(conn, "indexed")
+
+
+def _utf8(text: str) -> bool:
+    """No lone surrogates (a header can carry them; SQLite's JSON could not store them)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _index_tail(conn: sqlite3.Connection) -> None:
