@@ -180,16 +180,35 @@ def test_a_torn_last_line_is_skipped(tmp_path):
     _run(state, body)
 
 
-def test_a_journal_write_failure_is_internal_and_the_next_call_writes_again(tmp_path):
+def test_a_journal_that_cannot_grow_fails_the_call_as_infra_and_recovers(tmp_path,
+                                                                          monkeypatch):
+    """A full disk shows when a new journal file is allocated (posix_fallocate: never a
+    SIGBUS on a write to an unallocated page): that call gets internal, the next one writes
+    to a new file."""
+    monkeypatch.setattr(journal, "FILE_BYTES", 1024)  # a new file every few records
+    real = os.posix_fallocate
+    full = {"on": False}
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        if full["on"]:
+            raise OSError(28, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(journal.os, "posix_fallocate", fallocate)
+
     async def body(tl: TrajLog) -> None:
-        await tl.run("sb", "exec", {"i": 0}, None, _ok)
-        assert tl._journal is not None
-        os.close(tl._journal.fd)  # the next write() fails (EBADF)
+        for i in range(4):
+            await tl.run("sb", "exec", {"i": i}, None, _ok)
+        full["on"] = True
         with pytest.raises(InternalError, match="trajectory log"):
-            await tl.run("sb", "exec", {"i": 1}, None, _ok)
-        await tl.run("sb", "exec", {"i": 2}, None, _ok)  # a new journal file
+            for i in range(4, 40):  # until the file is full and a new one is needed
+                await tl.run("sb", "exec", {"i": i}, None, _ok)
+        failed = i
+        full["on"] = False
+        await tl.run("sb", "exec", {"i": 99}, None, _ok)
         await tl.flushed()
-        assert [r[1] for r in _rows(tl.path)] == ['{"i":0}', '{"i":2}']
+        got = [r[1] for r in _rows(tl.path)]
+        assert got == [f'{{"i":{k}}}' for k in [*range(failed), 99]]
 
     _run(tmp_path, body)
 
@@ -335,7 +354,7 @@ def test_a_key_with_a_lone_surrogate_is_refused(tmp_path):
 
 
 def test_rotated_journal_files_are_removed_once_ingested(tmp_path, monkeypatch):
-    monkeypatch.setattr(journal, "ROTATE_BYTES", 2000)
+    monkeypatch.setattr(journal, "FILE_BYTES", 2000)
 
     async def body(tl: TrajLog) -> None:
         for i in range(60):

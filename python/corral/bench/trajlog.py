@@ -95,7 +95,7 @@ def _trajlog_stats(before: dict[str, float], after: dict[str, float]) -> dict[st
     d = {k: after.get(f"corral_trajlog_{k}_total", 0.0) - before.get(f"corral_trajlog_{k}_total",
                                                                       0.0)
          for k in ("records", "commits", "ingest_cpu_us", "journal_bytes", "checkpoints")}
-    if not d["records"]:
+    if not d["records"] or "corral_trajlog_journal_bytes_total" not in after:
         return {}  # an older daemon (baseline) without these counters
     n = d["records"]
     return {"records": int(n), "records_per_commit": round(n / max(1.0, d["commits"]), 2),

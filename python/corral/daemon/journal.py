@@ -1,18 +1,25 @@
 """The trajectory log's journal: append-only files of JSON lines, the log's commit point.
 
-A finished call's record is one ``write()`` of one line to the current journal file, on the
-event loop, before the call answers. Once ``write()`` returns, the kernel holds the bytes:
-they survive the daemon's death (kill -9, a crash, the OOM killer), exactly like a SQLite WAL
-frame written with ``synchronous=NORMAL``. The trajectory log (``corral.daemon.trajlog``)
-ingests the lines into SQLite in batches behind the calls and, at the next start, whatever a
-dead daemon had not ingested yet.
+A finished call's record is one line copied into the current journal file, on the event
+loop, before the call answers. The file is mapped shared (``mmap``): the copy lands in the
+file's pages in the kernel's page cache, with no system call, and those pages outlive the
+daemon (kill -9, a crash, the OOM killer) and are written back like any dirty page. That is
+the durability of a ``write()``, and of a SQLite WAL frame under ``synchronous=NORMAL``. The
+trajectory log (``corral.daemon.trajlog``) ingests the lines into SQLite in batches behind the
+calls and, at the next start, whatever a dead daemon had not ingested yet.
+
+A line's newline is stored after the rest of it: a daemon killed in the middle of a copy
+leaves a line without its newline (the call never answered), which a start skips. A file is
+``FILE_BYTES``, allocated on disk when it is made (``posix_fallocate``): a full disk is an
+error of the append that needs a new file (the call fails, infra), never a SIGBUS on a write
+to an unallocated page.
 
 Files: ``<state>/trajlog.journal.<first record number, 20 digits>``. The current file is set
-aside for a new one once it holds ``ROTATE_BYTES`` (or after a failed write, so that a torn
-line can only ever be a file's last); a set-aside file is deleted once every record in it is
-in the database. A line is ``[number, kind, ...fields]`` (the fields: the parameters of the
-kind's SQL statement): the number orders records across files and tells which ones the
-database already has (``log_meta`` ``journal``).
+aside for a new one when a line does not fit (it is then cut to what it holds); a set-aside
+file is deleted once every record in it is in the database. A line is
+``[number, kind, ...fields]`` (the fields: the parameters of the kind's SQL statement): the
+number orders records across files and tells which ones the database already has
+(``log_meta`` ``journal``).
 
 Only the event loop appends and sets files aside; the ingester thread deletes the set-aside
 files it has finished with (``release``), hence the lock around that list.
@@ -20,9 +27,9 @@ files it has finished with (``release``), hence the lock around that list.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
+import mmap
 import os
 import threading
 from typing import Any
@@ -30,7 +37,7 @@ from typing import Any
 log = logging.getLogger("corral.trajlog")
 
 PREFIX = "trajlog.journal."
-ROTATE_BYTES = 16 << 20
+FILE_BYTES = 16 << 20
 # Fields of each kind of record (corral.daemon.trajlog, _J_SQL): entry, dropped entry,
 # sandbox created, sandbox ended.
 FIELDS = {"e": 12, "d": 2, "sc": 3, "se": 3}
@@ -40,8 +47,10 @@ class Journal:
     def __init__(self, state_dir: str) -> None:
         self.dir = state_dir
         self.fd = -1
+        self.map: mmap.mmap | None = None
         self.path = ""
-        self.size = 0
+        self.pos = 0  # bytes used in the current file
+        self.cap = 0  # its size
         self.last = 0  # number of the last record appended to the current file
         self._mu = threading.Lock()
         self._aside: list[tuple[int, str]] = []  # (last record number, path), oldest first
@@ -63,9 +72,10 @@ class Journal:
         for path in self.files():
             with open(path, "rb") as f:
                 data = f.read()
-            lines = data.split(b"\n")
-            if lines[-1]:
-                bad += 1  # no newline: torn by a crash mid-write
+            end = data.rfind(b"\n") + 1
+            if data[end:].strip(b"\0"):
+                bad += 1  # a line without its newline: torn by a crash mid-copy
+            lines = data[:end].split(b"\n")
             for raw in lines[:-1]:
                 rec = _parse(raw)
                 if rec is None:
@@ -78,36 +88,54 @@ class Journal:
         out.sort(key=lambda r: r[0])  # already in order unless files were renamed by hand
         return out, top, bad
 
-    def start(self, first: int) -> None:
-        """Open a new current file, named after the number of its first record."""
+    def start(self, first: int, size: int = 0) -> None:
+        """Make and map a new current file (FILE_BYTES, or ``size`` if larger), named after
+        the number of its first record."""
         path = os.path.join(self.dir, f"{PREFIX}{first:020d}")
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        self.path, self.size, self.last = path, 0, first - 1
+        cap = max(FILE_BYTES, size)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, cap)
+            self.map = mmap.mmap(fd, cap, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            raise
+        self.fd, self.path, self.pos, self.cap, self.last = fd, path, 0, cap, first - 1
 
-    def append(self, data: bytes, number: int) -> None:
-        """One line (``data`` ends with a newline), in one ``write()``."""
-        if self.fd < 0:
-            self.start(number)
-        n = os.write(self.fd, data)
-        if n != len(data):  # a regular file writes short only when it cannot write more
-            raise OSError(errno.ENOSPC, f"short write to {self.path} ({n} of {len(data)} bytes)")
-        self.size += n
-        self.last = number
-        if self.size >= ROTATE_BYTES:
+    def append(self, line: bytes, number: int) -> None:
+        """One line (``line`` without its newline): copied in, then its newline."""
+        n = len(line)
+        if self.pos + n + 1 > self.cap:
             self.set_aside()
+        if self.map is None:
+            self.start(number, n + 1)
+        m, pos = self.map, self.pos
+        assert m is not None
+        m[pos:pos + n] = line
+        m[pos + n] = 10  # b"\n", stored after the line
+        self.pos = pos + n + 1
+        self.last = number
 
     def set_aside(self) -> None:
-        """Close the current file (the next append opens a new one). After a failed write
-        too: whatever part of a line it wrote stays the last bytes of this file."""
+        """Close the current file, cut to what it holds (the next append makes a new one)."""
         if self.fd < 0:
             return
         try:
+            if self.map is not None:
+                self.map.close()
+            os.ftruncate(self.fd, self.pos)
+        except OSError as e:  # its zeroed tail is skipped when read
+            log.warning("could not close a journal file", extra={"path": self.path,
+                                                                 "error": str(e)})
+        finally:
             os.close(self.fd)
-        except OSError:
-            pass
         with self._mu:
             self._aside.append((self.last, self.path))
-        self.fd, self.path, self.size = -1, "", 0
+        self.fd, self.map, self.path, self.pos, self.cap = -1, None, "", 0, 0
 
     def release(self, ingested: int) -> int:
         """(The ingester) delete the set-aside files whose records are all in the database
