@@ -33,7 +33,7 @@ class Config:
         default_factory=lambda: int(_env("CORRAL_TRAJLOG_OUTPUT_CAP", str(1 << 20))))
     trajlog_sync: str = field(default_factory=lambda: _env("CORRAL_TRAJLOG_SYNC", "normal"))
     trajlog_flush_ms: float = field(
-        default_factory=lambda: float(_env("CORRAL_TRAJLOG_FLUSH_MS", "20")))
+        default_factory=lambda: float(_env("CORRAL_TRAJLOG_FLUSH_MS", "100")))
     # How long a mutating call's "started" row is held back: a call ending sooner is one row.
     trajlog_start_ms: float = field(
         default_factory=lambda: float(_env("CORRAL_TRAJLOG_START_MS", "20")))

@@ -314,8 +314,8 @@ async def exec_cmd(request: web.Request) -> web.Response:
     req = await _body(request, ExecRequest)
     sid = request.match_info["id"]
     engine = _engine(request)
-    logged = req.model_dump(mode="json") if engine.trajlog.enabled else {}  # the log's cost
-    res = await engine.trajlog.run(sid, "exec", logged, _key(request),
+    # The model, not its dump: the log dumps it while the command runs (trajlog._plain).
+    res = await engine.trajlog.run(sid, "exec", req, _key(request),
                                    lambda: engine.exec(sid, req),
                                    to_log=engine.trajlog.exec_result)
     return _json(_exec_out(res))

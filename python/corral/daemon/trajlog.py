@@ -9,7 +9,7 @@ Two tiers, one contract: a call's record is durable *before* the call's result i
   ``write()`` or a SQLite WAL frame under ``synchronous=NORMAL``. No SQLite, no thread
   hand-off, no wake-up on the call's path. The request is encoded while the call runs.
 * The database, ``<state_dir>/trajlog.db`` (SQLite, WAL mode), is what readers query. An
-  ingester thread takes the journal's new lines every ``CORRAL_TRAJLOG_FLUSH_MS`` (20 ms)
+  ingester thread takes the journal's new lines every ``CORRAL_TRAJLOG_FLUSH_MS`` (100 ms)
   and inserts them in one transaction: the entries by one multi-row ``INSERT`` (one
   ``sqlite3_step``, so the thread takes the GIL back once per batch, not per row), at nice
   ``INGEST_NICE``. It checkpoints the WAL every ``CHECKPOINT_EVERY`` records. The journal's
@@ -227,6 +227,13 @@ def _dumps(obj: Any) -> str:
         return json.dumps(_finite(obj), separators=(",", ":"), allow_nan=False)
 
 
+def _plain(request: Any) -> Any:
+    """A request as logged: a dict, or a pydantic model dumped to one (the exec handler
+    passes its model, so that the dump happens while the command runs, not before)."""
+    dump = getattr(request, "model_dump", None)
+    return request if dump is None else dump(mode="json")
+
+
 def _finite(obj: Any) -> Any:
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else repr(obj)
@@ -279,7 +286,7 @@ SnapIds = list[str] | Callable[[Any], list[str]] | None
 class TrajLog:
     def __init__(self, state_dir: str, *, enabled: bool = True, retention_s: float = 7 * 86400,
                  output_cap: int = 1 << 20, body_cap: int = 1 << 20, sync: str = "normal",
-                 flush_ms: float = 20.0, start_ms: float = 20.0) -> None:
+                 flush_ms: float = 100.0, start_ms: float = 20.0) -> None:
         self.enabled = enabled
         self.state_dir = state_dir
         self.path = os.path.join(state_dir, DB_NAME)
@@ -475,7 +482,7 @@ class TrajLog:
             self._unbound[slot] = (fp, sid, result, error)
         try:
             self._append("e", (seq, sid, op, key, fp,
-                               _dumps(request) if req_text is None else req_text,
+                               _dumps(_plain(request)) if req_text is None else req_text,
                                None if result is None else _dumps(result),
                                None if error is None else _dumps(error), started_at, ended_at,
                                _dumps(snapshot_ids) if snapshot_ids else None, None), slot)
@@ -741,7 +748,7 @@ class TrajLog:
         ``start_ms`` from its start. A call that ends sooner costs no extra record."""
         if c.over:
             return  # it ended first: its end encoded the request itself
-        c.req_text = _dumps(c.request)
+        c.req_text = _dumps(_plain(c.request))
         if held:
             self._held[c] = None
             if self._tick is None and self._loop is not None:
@@ -836,13 +843,14 @@ class TrajLog:
             {"sid": sid, "op": op}).fetchone()
         return json.loads(row[0]) if row else None
 
-    async def run(self, sid: str, op: str, request: dict[str, Any], key: str | None,
+    async def run(self, sid: str, op: str, request: Any, key: str | None,
                   call: Callable[[], Awaitable[Any]],
                   to_log: Callable[[Any], dict[str, Any]] | None = None,
                   snapshot_ids: SnapIds = None) -> Any:
         """Run ``call`` once per idempotency key and log it; return what the client gets.
 
         ``sid`` is the sandbox (``""`` for a create: its id is known only after).
+        ``request``: a dict, or a pydantic model (dumped while the call runs: ``_plain``).
         ``to_log`` turns the call's value into the logged result dict; when the call is
         fast-forwarded, the *logged* result dict is returned instead of the call's value, so
         callers whose value is not that dict must pass ``to_log`` and handle both.
@@ -859,7 +867,7 @@ class TrajLog:
         if not key or len(key) > MAX_KEY_LEN or not _utf8(key):
             raise InvalidRequest(f"{KEY_HEADER} must be 1 to {MAX_KEY_LEN} characters of "
                                  "UTF-8 text")
-        fp = fingerprint(op, request)
+        fp = fingerprint(op, _plain(request))
         slot = (sid, key)
         while True:
             other = self._inflight.get(slot)
@@ -893,7 +901,7 @@ class TrajLog:
             raise error_from_payload(error)
         return result
 
-    async def _run_and_log(self, sid: str, op: str, request: dict[str, Any], key: str | None,
+    async def _run_and_log(self, sid: str, op: str, request: Any, key: str | None,
                            fp: str | None, call: Callable[[], Awaitable[Any]],
                            to_log: Callable[[Any], dict[str, Any]] | None,
                            snapshot_ids: SnapIds) -> Any:
