@@ -180,6 +180,27 @@ def test_a_torn_last_line_is_skipped(tmp_path):
     _run(state, body)
 
 
+def test_a_damaged_record_does_not_keep_the_log_from_opening(tmp_path):
+    """A record of the right shape that the database refuses (a damaged file: an object
+    where a text belongs) is skipped at recovery; the records around it are ingested."""
+    state = tmp_path / "s"
+    state.mkdir()
+
+    def line(n: int, request: Any) -> str:
+        return trajlog._dumps((n, "e", n, "sb", "exec", None, None, request, None, None, 1.0,
+                               2.0, None, None))
+
+    (state / f"{journal.PREFIX}{1:020d}").write_text(
+        "\n".join([line(1, '{"i":1}'), line(2, {"not": "text"}), line(3, '{"i":3}')]) + "\n")
+
+    async def body(tl: TrajLog) -> None:
+        assert tl.recovered_records == 2
+        assert [e["request"] for e in tl.read("sb")[1]] == [{"i": 1}, {"i": 3}]
+
+    _run(state, body)
+    assert len(Journal(str(state)).files()) == 0
+
+
 def test_a_journal_that_cannot_grow_fails_the_call_as_infra_and_recovers(tmp_path,
                                                                           monkeypatch):
     """A full disk shows when a new journal file is allocated (posix_fallocate: never a

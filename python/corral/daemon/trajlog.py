@@ -374,15 +374,10 @@ class TrajLog:
             done = _meta(conn, "journal")
             records, top, torn = journal.read(after=done)
             if records:
-                conn.execute("BEGIN")
-                for i in range(0, len(records), RECOVER_CHUNK):
-                    chunk = records[i:i + RECOVER_CHUNK]
-                    self._ingest_lines(conn, [(n, k, line, None) for n, k, line in chunk])
-                conn.execute("UPDATE log_meta SET v=? WHERE k='journal'", (records[-1][0],))
-                conn.execute("COMMIT")
-                self.recovered_records = len(records)
+                self.recovered_records, bad = self._recover(conn, records)
                 log.warning("journal records of the last daemon ingested",
-                            extra={"count": len(records), "torn": torn})
+                            extra={"count": self.recovered_records, "torn": torn,
+                                   "unusable": bad})
             # Entries committed since the last index update (all of them in a log written
             # before entries_by_sandbox existed).
             _index_tail(conn)
@@ -402,7 +397,10 @@ class TrajLog:
             raise
         journal.remove_all()  # everything in it is in the database now
         self._jn = self._ingested = max(done, top)
-        journal.start(self._jn + 1)
+        try:
+            journal.start(self._jn + 1)
+        except OSError as e:  # a full disk: the first append tries again (and fails, infra)
+            log.error("could not make a trajectory log journal file", extra={"error": str(e)})
         self._journal = journal
         self._conn = conn
         self._reader = self._connect()
@@ -410,6 +408,38 @@ class TrajLog:
         self._thread = threading.Thread(target=self._ingester, name="trajlog-ingest",
                                         daemon=True)
         self._thread.start()
+
+    def _recover(self, conn: sqlite3.Connection,
+                 records: list[tuple[int, str, tuple[Any, ...]]]) -> tuple[int, int]:
+        """Ingest a dead writer's journal records in one transaction; (ingested, unusable).
+        Records are the daemon's own, but a damaged file must not keep the daemon from
+        starting: if the batch fails, each record is tried alone and the ones the database
+        refuses are skipped (and counted)."""
+        lines: list[_Line] = [(n, k, fields, None) for n, k, fields in records]
+        try:
+            conn.execute("BEGIN")
+            for i in range(0, len(lines), RECOVER_CHUNK):
+                self._ingest_lines(conn, lines[i:i + RECOVER_CHUNK])
+            conn.execute("UPDATE log_meta SET v=? WHERE k='journal'", (lines[-1][0],))
+            conn.execute("COMMIT")
+            return len(lines), 0
+        except (sqlite3.Error, ValueError, TypeError, OverflowError):
+            log.exception("journal records refused as a batch: one by one")
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+        done = bad = 0
+        for line in lines:
+            try:
+                conn.execute("BEGIN")
+                self._ingest_lines(conn, [line])
+                conn.execute("COMMIT")
+                done += 1
+            except (sqlite3.Error, ValueError, TypeError, OverflowError):
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                bad += 1
+        conn.execute("UPDATE log_meta SET v=? WHERE k='journal'", (lines[-1][0],))
+        return done, bad
 
     def close(self) -> None:
         """Ingest what is journaled, stop the ingester; remove the journal if all of it is in
@@ -597,8 +627,8 @@ class TrajLog:
         return True
 
     def _ingest_lines(self, conn: sqlite3.Connection, seg: list[_Line]) -> None:
-        """Journal records into the database, in order: each run of one kind by one
-        ``executemany`` per statement of that kind."""
+        """Journal records into the database, in order, a run of one kind at a time: entries
+        by multi-row INSERTs, the other kinds by ``executemany`` per statement."""
         i, end = 0, len(seg)
         while i < end:
             kind = seg[i][1]
