@@ -89,16 +89,18 @@ def trajlog(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _trajlog_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    """How the log wrote during the measured rounds (/metrics deltas): entries, entries per
-    ingest transaction, the ingester thread's CPU per entry, journal bytes per entry,
-    checkpoints."""
+    """How the log wrote during the measured rounds (/metrics deltas): entries journaled,
+    journal bytes per entry, entries per ingest transaction and the ingester thread's CPU per
+    entry (of those ingested by the time of the read: the ingester trails by up to
+    CORRAL_TRAJLOG_FLUSH_MS), checkpoints."""
     d = {k: after.get(f"corral_trajlog_{k}_total", 0.0) - before.get(f"corral_trajlog_{k}_total",
                                                                       0.0)
-         for k in ("records", "commits", "ingest_cpu_us", "journal_bytes", "checkpoints")}
-    if not d["records"] or "corral_trajlog_journal_bytes_total" not in after:
+         for k in ("journaled", "records", "commits", "ingest_cpu_us", "journal_bytes",
+                   "checkpoints")}
+    if not d["journaled"] or "corral_trajlog_journal_bytes_total" not in after:
         return {}  # an older daemon (baseline) without these counters
-    n = d["records"]
-    return {"records": int(n), "records_per_commit": round(n / max(1.0, d["commits"]), 2),
-            "ingest_cpu_us_per_record": round(d["ingest_cpu_us"] / n, 1),
+    n, ingested = d["journaled"], max(1.0, d["records"])
+    return {"records": int(n), "records_per_commit": round(ingested / max(1.0, d["commits"]), 2),
+            "ingest_cpu_us_per_record": round(d["ingest_cpu_us"] / ingested, 1),
             "journal_bytes_per_record": int(d["journal_bytes"] / n),
             "checkpoints": int(d["checkpoints"])}

@@ -333,7 +333,9 @@ class TrajLog:
         self._last_prune = 0.0
         self.interrupted = 0  # started rows found open (and marked interrupted) at open()
         self.recovered_records = 0  # journal records a dead daemon left, ingested at open()
-        self.stats = {"records": 0, "commits": 0, "started_rows": 0, "checkpoints": 0,
+        # records: entries ingested into SQLite; journaled: entries journaled (the loop's).
+        self.stats = {"records": 0, "journaled": 0, "commits": 0, "started_rows": 0,
+                      "checkpoints": 0,
                       "journal_bytes": 0, "ingest_us": 0, "ingest_cpu_us": 0,
                       "ingest_errors": 0}
 
@@ -480,7 +482,10 @@ class TrajLog:
             log.error("trajectory log journal write failed", extra={"error": str(e)})
             journal.set_aside()
             raise InternalError(f"could not write the trajectory log: {e}") from e
-        self.stats["journal_bytes"] += len(data)
+        st = self.stats
+        st["journal_bytes"] += len(data)
+        if kind == "e":
+            st["journaled"] += 1
         with self._mu:
             first = not self._pending
             self._pending.append((n, kind, fields, slot))
