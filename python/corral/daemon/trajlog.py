@@ -10,9 +10,9 @@ Two tiers, one contract: a call's record is durable *before* the call's result i
   hand-off, no wake-up on the call's path. The request is encoded while the call runs.
 * The database, ``<state_dir>/trajlog.db`` (SQLite, WAL mode), is what readers query. An
   ingester thread takes the journal's new lines every ``CORRAL_TRAJLOG_FLUSH_MS`` (100 ms)
-  and inserts them in one transaction: the entries by one multi-row ``INSERT`` (one
-  ``sqlite3_step``, so the thread takes the GIL back once per batch, not per row), at nice
-  ``INGEST_NICE``. It checkpoints the WAL every ``CHECKPOINT_EVERY`` records. The journal's
+  and inserts them in one transaction: the entries by multi-row ``INSERT``s (one
+  ``sqlite3_step`` each, so the thread takes the GIL back once per statement, not per row),
+  at nice ``INGEST_NICE``. It checkpoints the WAL every ``CHECKPOINT_EVERY`` records. The journal's
   files are deleted once what they hold is in the database.
 
 Reads see both tiers: an idempotency key is looked up among the entries not yet ingested
@@ -159,13 +159,14 @@ _SANDBOX_SEQS = ("SELECT seq FROM entries_by_sandbox WHERE sandbox_id=:sid UNION
 #   d   a started row dropped (the call was not logged after all)
 #   sc  a sandbox created;  se  a sandbox ended
 # The ingester writes the records of a batch in journal order, a run of one kind at a time:
-# entries by one multi-row INSERT per ENTRIES_PER_STATEMENT (one sqlite3_step, so the thread
-# gives up and takes back the GIL once per statement, not once per row), the other kinds by
-# ``executemany``. Bound and stepped in C: no JSON parsing in SQLite or Python.
+# entries by multi-row INSERTs of a power of two each, up to ENTRIES_PER_STATEMENT (one
+# sqlite3_step, so the thread gives up and takes back the GIL once per statement, not once
+# per row), the other kinds by ``executemany``. Bound and stepped in C: no JSON parsing in
+# SQLite or Python.
 _J_ENTRIES = ("INSERT OR REPLACE INTO entries (seq, sandbox_id, op, idem_key, fingerprint, "
               "request, result, error, started_at, ended_at, snapshot_ids, status) VALUES ")
 _J_ROW = "(?,?,?,?,?,?,?,?,?,?,?,?)"
-ENTRIES_PER_STATEMENT = 500  # 6,000 parameters (SQLite allows 32,766)
+ENTRIES_PER_STATEMENT = 512  # 6,144 parameters (SQLite allows 32,766); a power of two
 _J_SQL: dict[str, tuple[str, ...]] = {
     "e": (_J_ENTRIES + _J_ROW,),
     "d": ("DELETE FROM entries WHERE seq=?1 AND sandbox_id=?2",
@@ -180,7 +181,8 @@ _ENTRIES_SQL: dict[int, str] = {}
 
 
 def _entries_sql(n: int) -> str:
-    """The INSERT of ``n`` entries (texts kept: SQLite's statement cache is keyed by them)."""
+    """The INSERT of ``n`` entries, ``n`` a power of two (a batch is cut into such chunks:
+    ten statement texts in all, each prepared once and kept in the statement cache)."""
     sql = _ENTRIES_SQL.get(n)
     if sql is None:
         sql = _ENTRIES_SQL[n] = _J_ENTRIES + ",".join([_J_ROW] * n)
@@ -642,9 +644,12 @@ class TrajLog:
                 j += 1
             rows = [it[2] for it in seg[i:j]]
             if kind == "e":
-                for k in range(0, len(rows), ENTRIES_PER_STATEMENT):
-                    chunk = rows[k:k + ENTRIES_PER_STATEMENT]
-                    conn.execute(_entries_sql(len(chunk)), [v for r in chunk for v in r])
+                k = 0
+                while k < len(rows):
+                    size = min(ENTRIES_PER_STATEMENT, 1 << ((len(rows) - k).bit_length() - 1))
+                    chunk = rows[k:k + size]
+                    conn.execute(_entries_sql(size), [v for r in chunk for v in r])
+                    k += size
                 self._unindexed += j - i
                 self.stats["records"] += j - i
                 i = j
