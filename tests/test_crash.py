@@ -5,9 +5,13 @@ command's own failure), and the trajectory log holds every call a client saw com
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 from corral import AsyncSandbox, Sandbox
 from corral.errors import CorralError, DaemonRestarted, DaemonUnavailable
@@ -179,20 +183,32 @@ def test_interrupted_calls_are_logged_and_a_retry_runs(daemon):
         Sandbox.from_id(sb.id).kill()
 
 
+@contextlib.contextmanager
+def _with_hook(daemon, var: str, hold: Path) -> Iterator[None]:
+    """The daemon restarted with test hook ``var`` (a hold file); afterwards restarted without
+    it, and (if the test passed) every sandbox it left killed."""
+    daemon.stop()
+    os.environ[var] = str(hold)
+    try:
+        daemon.start()
+        yield
+    finally:
+        del os.environ[var]
+        hold.unlink(missing_ok=True)
+        if daemon.proc is not None:
+            daemon.stop()
+        daemon.start()
+    for sid in os.listdir(os.path.join(daemon.state_dir, "sandboxes")):
+        Sandbox.from_id(sid).kill()
+
+
 def test_a_create_is_logged_before_its_client_sees_it(daemon, tmp_path):
     """kill -9 with a create's entry not yet journaled (held by a test hook,
     CORRAL_TRAJLOG_TEST_HOLD_FILE): the create has not answered, its client gets an infra
     error, never a sandbox missing from the log."""
-    import os
-
-    from corral.errors import DaemonRestarted, DaemonUnavailable
-
     hold = tmp_path / "hold"
-    daemon.stop()
-    os.environ["CORRAL_TRAJLOG_TEST_HOLD_FILE"] = str(hold)
     made: list[object] = []
-    try:
-        daemon.start()
+    with _with_hook(daemon, "CORRAL_TRAJLOG_TEST_HOLD_FILE", hold):
         sb = Sandbox(timeout=600)
         hold.touch()
 
@@ -217,7 +233,7 @@ def test_a_create_is_logged_before_its_client_sees_it(daemon, tmp_path):
         deadline = time.monotonic() + 30
         while len(os.listdir(sdir)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(1.0)  # the new sandbox runs (meta.json written); its entry is queued
+        time.sleep(1.0)  # the new sandbox runs (meta.json written); its entry waits (hook)
         assert t2.is_alive() and not any(isinstance(m, Sandbox) for m in made)
         (new,) = set(os.listdir(sdir)) - {sb.id}
         daemon.kill9()
@@ -235,14 +251,6 @@ def test_a_create_is_logged_before_its_client_sees_it(daemon, tmp_path):
         # The exec's started row was journaled: in the log, its outcome unknown.
         assert [(e.op, e.status) for e in Sandbox.from_id(sb.id).log()] == \
             [("create", "done"), ("exec", "interrupted")]
-    finally:
-        del os.environ["CORRAL_TRAJLOG_TEST_HOLD_FILE"]
-        hold.unlink(missing_ok=True)
-        if daemon.proc is not None:
-            daemon.stop()
-        daemon.start()  # without the hook
-    for sid in os.listdir(os.path.join(daemon.state_dir, "sandboxes")):
-        Sandbox.from_id(sid).kill()
 
 
 def test_journaled_calls_survive_kill9_before_they_reach_the_database(daemon, tmp_path):
@@ -250,16 +258,12 @@ def test_journaled_calls_survive_kill9_before_they_reach_the_database(daemon, tm
     CORRAL_TRAJLOG_TEST_HOLD_INGEST_FILE), calls answer once journaled, none of them in the
     database yet; kill -9; the next daemon ingests them before serving, every one the client
     saw, in order, and an idempotency key bound by one of them still fast-forwards."""
-    import os
     import sqlite3
 
     from corral.daemon.trajlog import DB_NAME
 
     hold = tmp_path / "hold-ingest"
-    daemon.stop()
-    os.environ["CORRAL_TRAJLOG_TEST_HOLD_INGEST_FILE"] = str(hold)
-    try:
-        daemon.start()
+    with _with_hook(daemon, "CORRAL_TRAJLOG_TEST_HOLD_INGEST_FILE", hold):
         sb = Sandbox(timeout=600, trajectory_id=f"t-{uuid.uuid4().hex[:8]}")
         sb.log()  # the create is in the database; everything after stays in the journal
         hold.touch()
@@ -286,14 +290,6 @@ def test_journaled_calls_survive_kill9_before_they_reach_the_database(daemon, tm
         r = again.exec("echo 0 >> /root/trail; echo 0")
         assert r.stdout == "0\n"
         assert again.files.read("/root/trail").split() == [str(i) for i in range(20)]
-    finally:
-        del os.environ["CORRAL_TRAJLOG_TEST_HOLD_INGEST_FILE"]
-        hold.unlink(missing_ok=True)
-        if daemon.proc is not None:
-            daemon.stop()
-        daemon.start()  # without the hook
-    for sid in os.listdir(os.path.join(daemon.state_dir, "sandboxes")):
-        Sandbox.from_id(sid).kill()
 
 
 def test_kill9_readopts_network_disabled(daemon):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import fcntl
 import logging
 import os
 import resource
@@ -25,6 +24,7 @@ from corral import __version__, config
 from corral.daemon import logs
 from corral.daemon.app import create_app
 from corral.daemon.engine import Engine
+from corral.daemon.locks import try_lock
 
 log = logging.getLogger("corral.daemon")
 PIDFILE = "corrald.pid"
@@ -116,13 +116,14 @@ def raise_kernel_limits(max_sandboxes: int) -> dict[str, tuple[int, int]]:
 
 def lock_pidfile(state_dir: str) -> int:
     path = os.path.join(state_dir, PIDFILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        other = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        os.close(fd)
-        raise StartupError(f"another corrald (pid {other or '?'}) runs on {state_dir}") from None
+    fd = try_lock(path, 0o644)
+    if fd is None:
+        try:
+            with open(path, "rb") as f:
+                other = f.read(32).decode(errors="replace").strip()
+        except OSError:
+            other = ""
+        raise StartupError(f"another corrald (pid {other or '?'}) runs on {state_dir}")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
@@ -134,14 +135,10 @@ def lock_cgroup_name(name: str) -> int:
     sandboxes. The lock lives in /run (per boot, like the cgroups themselves)."""
     d = "/run/corral/locks"
     os.makedirs(d, mode=0o700, exist_ok=True)
-    fd = os.open(os.path.join(d, f"cgroup-{name.replace('/', '_')}.lock"),
-                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+    fd = try_lock(os.path.join(d, f"cgroup-{name.replace('/', '_')}.lock"))
+    if fd is None:
         raise StartupError(f"another corrald uses the cgroup name {name!r}; give this one "
-                           "its own (CORRAL_CGROUP)") from None
+                           "its own (CORRAL_CGROUP)")
     return fd
 
 

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import fcntl
 import hashlib
 import json
 import logging
@@ -65,6 +64,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from corral.daemon.journal import Journal
+from corral.daemon.locks import try_lock
 from corral.errors import (
     CorralError,
     InternalError,
@@ -359,14 +359,10 @@ class TrajLog:
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         # One writer per state dir: a second one would take the first's journal for a dead
         # daemon's and remove it under its feet.
-        lock = os.open(os.path.join(self.state_dir, LOCK_NAME),
-                       os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(lock)
+        lock = try_lock(os.path.join(self.state_dir, LOCK_NAME))
+        if lock is None:
             raise InternalError(f"the trajectory log in {self.state_dir} is open in another "
-                                "process") from None
+                                "process")
         self._lock = lock
         journal = Journal(self.state_dir)
         # The ingester's connection; it checkpoints by itself every CHECKPOINT_EVERY records.
