@@ -66,7 +66,7 @@ class Journal:
     def read(self, after: int) -> tuple[list[tuple[int, str, tuple[Any, ...]]], int, int]:
         """Every record numbered past ``after``, in order: ``(number, kind, fields)``; the
         highest number seen; how many lines were unreadable (a torn last line: the daemon
-        died in the middle of its ``write()``, before the call could answer)."""
+        died in the middle of its copy, before the call could answer)."""
         out: list[tuple[int, str, tuple[Any, ...]]] = []
         top, bad = after, 0
         for path in self.files():
