@@ -18,7 +18,12 @@ from corral.daemon.logs import JsonFormatter
 
 
 def test_unexpected_exception_is_internal_and_logged(caplog):
-    path = os.path.join(tempfile.mkdtemp(prefix="corral-app-"), "s.sock")
+    # A short path (a unix socket's is limited to 107 bytes), removed with its socket.
+    with tempfile.TemporaryDirectory(prefix="corral-app-") as d:
+        _unexpected_exception_is_internal_and_logged(caplog, os.path.join(d, "s.sock"))
+
+
+def _unexpected_exception_is_internal_and_logged(caplog, path: str) -> None:
 
     async def main() -> list[httpx.Response]:
         runner = web.AppRunner(create_app(None), access_log=None)
