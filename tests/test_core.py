@@ -20,6 +20,7 @@ import time
 import pytest
 
 _core = pytest.importorskip("corral._core")
+from corral.daemon import procpolicy  # noqa: E402 - after the skip
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
@@ -30,6 +31,9 @@ F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE = 1, 2, 4, 8
 def _host_mounts() -> list[str]:
     with open("/proc/self/mountinfo") as f:
         return f.read().splitlines()
+
+
+PROC_POLICY = procpolicy.compute().spawn_config()
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +83,7 @@ class Box:
             ],
             "cgroup_procs": [],
             "rlimits": {"nofile": 1024, "core": 0},
+            **PROC_POLICY,
         }
         self.cfg.update(extra)
         self.pid = -1

@@ -130,6 +130,16 @@ class SandboxNotRunning(Conflict):
     code, status = "sandbox_not_running", 409
 
 
+class SandboxCrashed(SandboxNotRunning):
+    """The sandbox ended because of what ran in it: its memory cgroup ran out of memory
+    (``details["cause"] == "oom"``) or its init ended in a way nothing outside asked for
+    (``"init_exited"``, with ``"status"``). Not an infrastructure failure: the rollout's own
+    outcome. 409, like every "not running" error, so a client that does not know the code
+    still sees a non-infra conflict (410 is ``sandbox_lost``'s)."""
+
+    code, status = "sandbox_crashed", 409
+
+
 class ReplayDivergence(Conflict):
     """An idempotency key already logged for a different request (trajectory log): the client
     is replaying a trajectory that does not match what was recorded."""
@@ -153,7 +163,9 @@ class CapacityExceeded(InfraError):
 
 
 class SandboxLost(InfraError):
-    """The sandbox died for a reason that is not the user's (init killed, node lost)."""
+    """The sandbox died for a reason outside it (its init killed by the host with no
+    out-of-memory kill recorded in it, node or daemon lost); see SandboxCrashed for the
+    sandbox's own failures."""
 
     code, status = "sandbox_lost", 410
 

@@ -2,10 +2,10 @@
  *
  * It reaps orphans, waits to be told to stop, and starts the daemon's commands. Every signal
  * stays blocked and is taken synchronously with sigwaitinfo (rt_sigtimedwait): SIGCHLD reaps
- * every exited child; SIGTERM/SIGINT sent from outside the sandbox's pid namespace (si_pid
- * reads 0 there) exit 0. The same signals sent from inside the sandbox are ignored, so code in
- * the sandbox cannot end its own sandbox and turn a scored rollout into an "infrastructure"
- * failure. SIGKILL from the host always works. The spawner execs this with every signal already
+ * every exited child; SIGTERM/SIGINT sent from outside the sandbox's pid namespace (si_code
+ * SI_USER with si_pid 0, see stop_from_outside) exit 0. The same signals sent from inside the
+ * sandbox, or queued with a forged siginfo, are ignored, so code in the sandbox cannot end its
+ * own sandbox and turn a scored rollout into an "infrastructure" failure. SIGKILL from the host always works. The spawner execs this with every signal already
  * blocked, so nothing can arrive before the mask below is in place.
  *
  * Exec server (docs/isolation.md, "Exec through the init"). The spawner leaves both ends of a
@@ -33,6 +33,8 @@
 #define SIGIO 29
 #define SIG_CTL 40 /* realtime: the channel's readiness */
 #define SIG_BLOCK 0
+#define SI_USER 0
+#define SI_KERNEL 0x80
 #define SIG_SETMASK 2
 #define WNOHANG 1
 #define PR_SET_NAME 15
@@ -498,6 +500,16 @@ static int serve_one(const unsigned long *nofile) {
     return 1;
 }
 
+/* A stop request counts only when the kernel, not the sender, filled in where it came from:
+ * kill()/pidfd_send_signal() without a siginfo from an ancestor pid namespace (SI_USER, the
+ * sender's pid unmappable here, so 0) or the kernel itself (SI_KERNEL). A siginfo a process
+ * supplies (rt_sigqueueinfo, pidfd_send_signal with one) always has si_code < 0 (the kernel
+ * refuses anything else from another process), whatever si_pid it claims; a signal from
+ * inside the sandbox has its sender's pid. */
+static int stop_from_outside(const struct ksiginfo *info) {
+    return info->si_pid == 0 && (info->si_code == SI_USER || info->si_code == SI_KERNEL);
+}
+
 static void serve(const unsigned long *nofile) {
     while (serve_one(nofile)) {
     }
@@ -536,7 +548,7 @@ __attribute__((noreturn, used)) void corral_init_main(void) {
             }
         } else if (sig == SIG_CTL || sig == SIGIO) {
             serve(nofile);
-        } else if ((sig == SIGTERM || sig == SIGINT) && info.si_pid == 0) {
+        } else if ((sig == SIGTERM || sig == SIGINT) && stop_from_outside(&info)) {
             sys3(NR_exit_group, 0, 0, 0);
         }
     }

@@ -334,64 +334,155 @@ const CLONE_NEW_FLAGS: &[u64] = &[
     libc::CLONE_NEWNET as u64,
 ];
 
-/// Syscalls refused with EPERM (docs/architecture.md has the list and the reasons).
-fn denied_syscalls() -> Vec<c_long> {
+/// When a syscall of `syscall_policy` is refused (with EPERM).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum When {
+    Always,
+    /// Only when its first argument, a pid in the caller's pid namespace, is this one (the
+    /// low 32 bits: the kernel reads a `pid_t`). Pid 1 is the sandbox's init: nothing in the
+    /// sandbox may queue it a signal with a siginfo of its own making or change its rlimits.
+    Pid(u32),
+}
+
+/// One refused syscall. Numbers the `libc` crate lacks are spelled out (they are the same on
+/// x86_64 and aarch64: every syscall from 424 on has one number on every arch).
+#[derive(Clone, Copy, Debug)]
+struct Deny {
+    name: &'static str,
+    nr: c_long,
+    when: When,
+}
+
+const fn deny(name: &'static str, nr: c_long) -> Deny {
+    Deny {
+        name,
+        nr,
+        when: When::Always,
+    }
+}
+
+const SYS_STATMOUNT: c_long = 457;
+const SYS_LISTMOUNT: c_long = 458;
+const SYS_OPEN_TREE_ATTR: c_long = 467;
+
+/// The syscall policy, as data (docs/architecture.md has the list and the reasons): every
+/// syscall not here, and not `clone`/`clone3`/`socket` (see `build_filter`), is allowed.
+fn syscall_policy() -> Vec<Deny> {
     let mut v = vec![
-        libc::SYS_mount,
-        libc::SYS_umount2,
-        libc::SYS_pivot_root,
-        libc::SYS_chroot,
-        libc::SYS_move_mount,
-        libc::SYS_open_tree,
-        libc::SYS_fsopen,
-        libc::SYS_fsconfig,
-        libc::SYS_fsmount,
-        libc::SYS_fspick,
-        libc::SYS_mount_setattr,
-        libc::SYS_unshare,
-        libc::SYS_setns,
-        libc::SYS_kexec_load,
-        libc::SYS_kexec_file_load,
-        libc::SYS_init_module,
-        libc::SYS_finit_module,
-        libc::SYS_delete_module,
-        libc::SYS_bpf,
-        libc::SYS_keyctl,
-        libc::SYS_add_key,
-        libc::SYS_request_key,
-        libc::SYS_perf_event_open,
-        libc::SYS_userfaultfd,
-        libc::SYS_open_by_handle_at,
-        libc::SYS_name_to_handle_at,
-        libc::SYS_swapon,
-        libc::SYS_swapoff,
-        libc::SYS_reboot,
-        libc::SYS_settimeofday,
-        libc::SYS_clock_settime,
-        libc::SYS_clock_adjtime,
-        libc::SYS_adjtimex,
-        libc::SYS_syslog,
-        libc::SYS_acct,
-        libc::SYS_quotactl,
-        libc::SYS_quotactl_fd,
-        libc::SYS_vhangup,
-        libc::SYS_io_uring_setup,
-        libc::SYS_io_uring_enter,
-        libc::SYS_io_uring_register,
-        libc::SYS_ptrace,
+        // mounts and the root switch
+        deny("mount", libc::SYS_mount),
+        deny("umount2", libc::SYS_umount2),
+        deny("pivot_root", libc::SYS_pivot_root),
+        deny("chroot", libc::SYS_chroot),
+        deny("move_mount", libc::SYS_move_mount),
+        deny("open_tree", libc::SYS_open_tree),
+        deny("open_tree_attr", SYS_OPEN_TREE_ATTR),
+        deny("fsopen", libc::SYS_fsopen),
+        deny("fsconfig", libc::SYS_fsconfig),
+        deny("fsmount", libc::SYS_fsmount),
+        deny("fspick", libc::SYS_fspick),
+        deny("mount_setattr", libc::SYS_mount_setattr),
+        // the host's mount table (mount ids of every namespace)
+        deny("statmount", SYS_STATMOUNT),
+        deny("listmount", SYS_LISTMOUNT),
+        // namespaces
+        deny("unshare", libc::SYS_unshare),
+        deny("setns", libc::SYS_setns),
+        // the kernel itself
+        deny("kexec_load", libc::SYS_kexec_load),
+        deny("kexec_file_load", libc::SYS_kexec_file_load),
+        deny("init_module", libc::SYS_init_module),
+        deny("finit_module", libc::SYS_finit_module),
+        deny("delete_module", libc::SYS_delete_module),
+        deny("bpf", libc::SYS_bpf),
+        deny("keyctl", libc::SYS_keyctl),
+        deny("add_key", libc::SYS_add_key),
+        deny("request_key", libc::SYS_request_key),
+        deny("perf_event_open", libc::SYS_perf_event_open),
+        deny("userfaultfd", libc::SYS_userfaultfd),
+        deny("open_by_handle_at", libc::SYS_open_by_handle_at),
+        deny("name_to_handle_at", libc::SYS_name_to_handle_at),
+        deny("swapon", libc::SYS_swapon),
+        deny("swapoff", libc::SYS_swapoff),
+        deny("reboot", libc::SYS_reboot),
+        deny("settimeofday", libc::SYS_settimeofday),
+        deny("clock_settime", libc::SYS_clock_settime),
+        deny("clock_adjtime", libc::SYS_clock_adjtime),
+        deny("adjtimex", libc::SYS_adjtimex),
+        deny("syslog", libc::SYS_syslog),
+        deny("acct", libc::SYS_acct),
+        deny("quotactl", libc::SYS_quotactl),
+        deny("quotactl_fd", libc::SYS_quotactl_fd),
+        deny("vhangup", libc::SYS_vhangup),
+        deny("io_uring_setup", libc::SYS_io_uring_setup),
+        deny("io_uring_enter", libc::SYS_io_uring_enter),
+        deny("io_uring_register", libc::SYS_io_uring_register),
+        // other processes' memory, fds and kernel objects
+        deny("ptrace", libc::SYS_ptrace),
+        deny("process_vm_readv", libc::SYS_process_vm_readv),
+        deny("process_vm_writev", libc::SYS_process_vm_writev),
+        deny("process_madvise", libc::SYS_process_madvise),
+        deny("pidfd_getfd", libc::SYS_pidfd_getfd),
+        deny("kcmp", libc::SYS_kcmp),
+        // the sandbox's init
+        Deny {
+            name: "rt_sigqueueinfo",
+            nr: libc::SYS_rt_sigqueueinfo,
+            when: When::Pid(1),
+        },
+        Deny {
+            name: "rt_tgsigqueueinfo",
+            nr: libc::SYS_rt_tgsigqueueinfo,
+            when: When::Pid(1),
+        },
+        Deny {
+            name: "prlimit64",
+            nr: libc::SYS_prlimit64,
+            when: When::Pid(1),
+        },
     ];
     #[cfg(target_arch = "x86_64")]
     v.extend([
-        libc::SYS_iopl,
-        libc::SYS_ioperm,
-        libc::SYS_lookup_dcookie,
-        libc::SYS_nfsservctl,
-        libc::SYS_uselib,
+        deny("iopl", libc::SYS_iopl),
+        deny("ioperm", libc::SYS_ioperm),
+        deny("lookup_dcookie", libc::SYS_lookup_dcookie),
+        deny("nfsservctl", libc::SYS_nfsservctl),
+        deny("uselib", libc::SYS_uselib),
     ]);
     #[cfg(target_arch = "aarch64")]
-    v.extend([libc::SYS_lookup_dcookie, libc::SYS_nfsservctl]);
+    v.extend([
+        deny("lookup_dcookie", libc::SYS_lookup_dcookie),
+        deny("nfsservctl", libc::SYS_nfsservctl),
+    ]);
     v
 }
+
+/// What `socket(family, type, protocol)` may make, by family (network modes other than
+/// "disabled", which allows AF_UNIX only); a family not here is allowed.
+#[derive(Clone, Copy, Debug)]
+enum FamilyRule {
+    /// EAFNOSUPPORT, as if the kernel did not have it.
+    Refuse,
+    /// Only these protocols (args[2]); any other: EPROTONOSUPPORT.
+    Only(&'static [u32]),
+}
+
+const NETLINK_ROUTE: u32 = 0;
+const NETLINK_SOCK_DIAG: u32 = 4;
+
+const SOCKET_POLICY: &[(c_int, FamilyRule)] = &[
+    // Not confined by network namespaces: on a VM it reaches the hypervisor's services.
+    (libc::AF_VSOCK, FamilyRule::Refuse),
+    // The kernel's crypto API: a large attack surface no normal program needs.
+    (libc::AF_ALG, FamilyRule::Refuse),
+    // ROUTE (ip, getifaddrs, getaddrinfo's AI_ADDRCONFIG) and SOCK_DIAG (ss) only: the others
+    // (generic netlink families, audit, uevents, netfilter, xfrm...) reach host-wide kernel
+    // subsystems a sandbox has no use for.
+    (
+        libc::AF_NETLINK,
+        FamilyRule::Only(&[NETLINK_ROUTE, NETLINK_SOCK_DIAG]),
+    ),
+];
 
 #[cfg(target_arch = "x86_64")]
 const AUDIT_ARCH: u32 = 62 | 0x8000_0000 | 0x4000_0000;
@@ -419,6 +510,12 @@ const OFF_ARG0_LO: u32 = 16;
 #[cfg(target_endian = "big")]
 const OFF_ARG0_LO: u32 = 20;
 
+/// Low 32 bits of args[2] (socket's protocol).
+#[cfg(target_endian = "little")]
+const OFF_ARG2_LO: u32 = 32;
+#[cfg(target_endian = "big")]
+const OFF_ARG2_LO: u32 = 36;
+
 /// Where a jump goes, resolved after layout.
 #[derive(Clone, Copy, Debug)]
 enum Tgt {
@@ -429,8 +526,11 @@ enum Tgt {
     Enosys,
     Kill,
     Eafnosupport,
+    Eprotonosupport,
     CloneCheck,
     SocketCheck,
+    /// The check "args[0] == pid" (`When::Pid`).
+    PidCheck(u32),
 }
 
 struct Ins {
@@ -444,25 +544,26 @@ fn ins(code: u16, k: u32, jt: Tgt, jf: Tgt) -> Ins {
     Ins { code, jt, jf, k }
 }
 
-/// Balanced comparison tree over the sorted denied syscall numbers: ~log2(n) comparisons per
-/// syscall instead of a linear chain. Besides the per-call cost, this is what makes installing
-/// the filter cheap: the kernel emulates the filter for every syscall number at attach time
-/// (the seccomp action cache), so the cost of attaching grows with the path length.
-fn emit_tree(out: &mut Vec<Ins>, nrs: &[u32]) {
+/// Balanced comparison tree over the sorted syscall numbers of the policy, each with where a
+/// match goes: ~log2(n) comparisons per syscall instead of a linear chain. Besides the
+/// per-call cost, this is what makes installing the filter cheap: the kernel emulates the
+/// filter for every syscall number at attach time (the seccomp action cache), so the cost of
+/// attaching grows with the path length.
+fn emit_tree(out: &mut Vec<Ins>, nrs: &[(u32, Tgt)]) {
     if nrs.len() <= 3 {
-        for (i, &nr) in nrs.iter().enumerate() {
+        for (i, &(nr, hit)) in nrs.iter().enumerate() {
             let miss = if i + 1 == nrs.len() {
                 Tgt::Allow
             } else {
                 Tgt::Next
             };
-            out.push(ins(BPF_JEQ_K, nr, Tgt::Eperm, miss));
+            out.push(ins(BPF_JEQ_K, nr, hit, miss));
         }
         return;
     }
     let mid = nrs.len() / 2;
     let node = out.len();
-    out.push(ins(BPF_JGE_K, nrs[mid], Tgt::Next, Tgt::Next));
+    out.push(ins(BPF_JGE_K, nrs[mid].0, Tgt::Next, Tgt::Next));
     emit_tree(out, &nrs[..mid]);
     out[node].jt = Tgt::At(out.len());
     emit_tree(out, &nrs[mid..]);
@@ -470,13 +571,28 @@ fn emit_tree(out: &mut Vec<Ins>, nrs: &[u32]) {
 
 /// The filter (see docs/architecture.md): foreign arch -> kill; x32 ABI numbers and clone3 ->
 /// ENOSYS (libcs then fall back to clone, whose flags a filter can read); clone with any
-/// CLONE_NEW* flag -> EPERM; socket(AF_VSOCK) -> EAFNOSUPPORT; the denied list -> EPERM;
+/// CLONE_NEW* flag -> EPERM; socket() by `SOCKET_POLICY`; `syscall_policy` -> EPERM;
 /// everything else allowed. `unix_only` (network "disabled"): socket() and socketpair() with
 /// any family but AF_UNIX -> EAFNOSUPPORT (the family is args[0]: a filter can read it).
 fn build_filter(unix_only: bool) -> Result<Vec<libc::sock_filter>, HardenError> {
-    let mut nrs: Vec<u32> = denied_syscalls().into_iter().map(|n| n as u32).collect();
-    nrs.sort_unstable();
-    nrs.dedup();
+    let mut policy = syscall_policy();
+    policy.sort_unstable_by_key(|d| d.nr);
+    if let Some(w) = policy.windows(2).find(|w| w[0].nr == w[1].nr) {
+        let (a, b) = (w[0].name, w[1].name);
+        return Err(HardenError::Seccomp(format!(
+            "{a} and {b}: one syscall number twice in the policy"
+        )));
+    }
+    let nrs: Vec<(u32, Tgt)> = policy
+        .iter()
+        .map(|d| {
+            let hit = match d.when {
+                When::Always => Tgt::Eperm,
+                When::Pid(pid) => Tgt::PidCheck(pid),
+            };
+            (d.nr as u32, hit)
+        })
+        .collect();
     let new_mask = CLONE_NEW_FLAGS.iter().fold(0u64, |m, f| m | f) as u32;
 
     let mut p = vec![
@@ -517,8 +633,6 @@ fn build_filter(unix_only: bool) -> Result<Vec<libc::sock_filter>, HardenError> 
     let clone_check = p.len();
     p.push(ins(BPF_LD_W_ABS, OFF_ARG0_LO, Tgt::Next, Tgt::Next));
     p.push(ins(BPF_JSET_K, new_mask, Tgt::Eperm, Tgt::Allow));
-    // socket(AF_VSOCK, ...): vsock is not confined by network namespaces; on a VM it reaches
-    // the hypervisor's services. Refused as if the family did not exist.
     let socket_check = p.len();
     p.push(ins(BPF_LD_W_ABS, OFF_ARG0_LO, Tgt::Next, Tgt::Next));
     if unix_only {
@@ -530,41 +644,59 @@ fn build_filter(unix_only: bool) -> Result<Vec<libc::sock_filter>, HardenError> 
             Tgt::Eafnosupport,
         ));
     } else {
-        p.push(ins(
-            BPF_JEQ_K,
-            libc::AF_VSOCK as u32,
-            Tgt::Eafnosupport,
-            Tgt::Allow,
-        ));
+        // One comparison per family of the policy; a family's own protocol checks follow
+        // the chain (forward jumps only).
+        let chain = p.len();
+        for (i, &(fam, _)) in SOCKET_POLICY.iter().enumerate() {
+            let miss = if i + 1 == SOCKET_POLICY.len() {
+                Tgt::Allow
+            } else {
+                Tgt::Next
+            };
+            p.push(ins(BPF_JEQ_K, fam as u32, Tgt::Next, miss));
+        }
+        for (i, &(_, rule)) in SOCKET_POLICY.iter().enumerate() {
+            match rule {
+                FamilyRule::Refuse => p[chain + i].jt = Tgt::Eafnosupport,
+                FamilyRule::Only(protos) => {
+                    p[chain + i].jt = Tgt::At(p.len());
+                    p.push(ins(BPF_LD_W_ABS, OFF_ARG2_LO, Tgt::Next, Tgt::Next));
+                    for (j, &proto) in protos.iter().enumerate() {
+                        let miss = if j + 1 == protos.len() {
+                            Tgt::Eprotonosupport
+                        } else {
+                            Tgt::Next
+                        };
+                        p.push(ins(BPF_JEQ_K, proto, Tgt::Allow, miss));
+                    }
+                }
+            }
+        }
+    }
+    // One "args[0] == pid" check per distinct pid of the policy.
+    let mut pid_checks: Vec<(u32, usize)> = Vec::new();
+    for &(_, hit) in &nrs {
+        if let Tgt::PidCheck(pid) = hit {
+            if pid_checks.iter().all(|&(q, _)| q != pid) {
+                pid_checks.push((pid, p.len()));
+                p.push(ins(BPF_LD_W_ABS, OFF_ARG0_LO, Tgt::Next, Tgt::Next));
+                p.push(ins(BPF_JEQ_K, pid, Tgt::Eperm, Tgt::Allow));
+            }
+        }
     }
     let (allow, eperm, enosys, kill) = (p.len(), p.len() + 1, p.len() + 2, p.len() + 3);
-    let eafnosupport = p.len() + 4;
+    let (eafnosupport, eprotonosupport) = (p.len() + 4, p.len() + 5);
     let errno_ret = |e: i32| libc::SECCOMP_RET_ERRNO | (e as u32 & libc::SECCOMP_RET_DATA);
-    p.push(ins(
-        BPF_RET_K,
+    for k in [
         libc::SECCOMP_RET_ALLOW,
-        Tgt::Next,
-        Tgt::Next,
-    ));
-    p.push(ins(BPF_RET_K, errno_ret(libc::EPERM), Tgt::Next, Tgt::Next));
-    p.push(ins(
-        BPF_RET_K,
+        errno_ret(libc::EPERM),
         errno_ret(libc::ENOSYS),
-        Tgt::Next,
-        Tgt::Next,
-    ));
-    p.push(ins(
-        BPF_RET_K,
         libc::SECCOMP_RET_KILL_PROCESS,
-        Tgt::Next,
-        Tgt::Next,
-    ));
-    p.push(ins(
-        BPF_RET_K,
         errno_ret(libc::EAFNOSUPPORT),
-        Tgt::Next,
-        Tgt::Next,
-    ));
+        errno_ret(libc::EPROTONOSUPPORT),
+    ] {
+        p.push(ins(BPF_RET_K, k, Tgt::Next, Tgt::Next));
+    }
 
     let resolve = |i: usize, t: Tgt| -> Result<u8, HardenError> {
         let dest = match t {
@@ -577,6 +709,12 @@ fn build_filter(unix_only: bool) -> Result<Vec<libc::sock_filter>, HardenError> 
             Tgt::CloneCheck => clone_check,
             Tgt::SocketCheck => socket_check,
             Tgt::Eafnosupport => eafnosupport,
+            Tgt::Eprotonosupport => eprotonosupport,
+            Tgt::PidCheck(pid) => pid_checks
+                .iter()
+                .find(|&&(q, _)| q == pid)
+                .map(|&(_, at)| at)
+                .ok_or_else(|| HardenError::Seccomp(format!("no check for pid {pid}")))?,
         };
         let off = dest
             .checked_sub(i + 1)
@@ -809,10 +947,16 @@ mod tests {
 
     /// A BPF interpreter for the instructions the filter uses.
     fn run(prog: &[libc::sock_filter], nr: u32, arch: u32, arg0: u64) -> u32 {
+        run_args(prog, nr, arch, &[arg0])
+    }
+
+    fn run_args(prog: &[libc::sock_filter], nr: u32, arch: u32, args: &[u64]) -> u32 {
         let mut data = [0u8; 64];
         data[0..4].copy_from_slice(&nr.to_ne_bytes());
         data[4..8].copy_from_slice(&arch.to_ne_bytes());
-        data[16..24].copy_from_slice(&arg0.to_ne_bytes());
+        for (i, a) in args.iter().enumerate() {
+            data[16 + 8 * i..24 + 8 * i].copy_from_slice(&a.to_ne_bytes());
+        }
         let (mut pc, mut a) = (0usize, 0u32);
         loop {
             let i = prog[pc];
@@ -858,8 +1002,26 @@ mod tests {
             run(full, libc::SYS_socket as u32, AUDIT_ARCH, inet),
             libc::SECCOMP_RET_ALLOW
         );
-        let vsock = libc::AF_VSOCK as u64;
-        assert_eq!(run(full, libc::SYS_socket as u32, AUDIT_ARCH, vsock), eaf);
+        let sock = libc::SYS_socket as u32;
+        for fam in [libc::AF_VSOCK, libc::AF_ALG] {
+            assert_eq!(run(full, sock, AUDIT_ARCH, fam as u64), eaf, "family {fam}");
+        }
+        let eproto = libc::SECCOMP_RET_ERRNO | libc::EPROTONOSUPPORT as u32;
+        let nl = libc::AF_NETLINK as u64;
+        let raw = libc::SOCK_RAW as u64;
+        for proto in 0..32u64 {
+            let want = if proto == 0 || proto == 4 {
+                libc::SECCOMP_RET_ALLOW
+            } else {
+                eproto
+            };
+            let got = run_args(full, sock, AUDIT_ARCH, &[nl, raw, proto]);
+            assert_eq!(got, want, "netlink protocol {proto}");
+        }
+        for fam in [libc::AF_INET6, libc::AF_UNIX, libc::AF_PACKET, 0, 255] {
+            let got = run_args(full, sock, AUDIT_ARCH, &[fam as u64, raw, 9]);
+            assert_eq!(got, libc::SECCOMP_RET_ALLOW, "family {fam}");
+        }
         let mount = libc::SYS_mount as u32;
         assert_eq!(
             run(p, mount, AUDIT_ARCH, 0),
@@ -873,17 +1035,45 @@ mod tests {
         assert!(p.len() < 200, "{} insns", p.len());
         let eperm = libc::SECCOMP_RET_ERRNO | libc::EPERM as u32;
         let enosys = libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32;
-        let denied: Vec<u32> = denied_syscalls().into_iter().map(|n| n as u32).collect();
+        let policy = syscall_policy();
         for nr in 0..1000u32 {
-            let r = run(p, nr, AUDIT_ARCH, 0);
-            let want = if denied.contains(&nr) {
-                eperm
-            } else if nr == libc::SYS_clone3 as u32 {
-                enosys
-            } else {
-                libc::SECCOMP_RET_ALLOW
-            };
-            assert_eq!(r, want, "syscall {nr}");
+            let rule = policy.iter().find(|d| d.nr as u32 == nr);
+            for arg0 in [0u64, 1, 2, 0xffff_ffff_0000_0001] {
+                let r = run(p, nr, AUDIT_ARCH, arg0);
+                let want = match rule.map(|d| d.when) {
+                    Some(When::Always) => eperm,
+                    // the kernel reads a pid_t: the high half does not matter
+                    Some(When::Pid(pid)) if arg0 as u32 == pid => eperm,
+                    _ if nr == libc::SYS_clone3 as u32 => enosys,
+                    _ if nr == libc::SYS_clone as u32 || nr == libc::SYS_socket as u32 => r,
+                    _ => libc::SECCOMP_RET_ALLOW,
+                };
+                assert_eq!(r, want, "syscall {nr} arg0 {arg0:#x}");
+            }
+        }
+        // Named in the policy, by the numbers the kernel gives them.
+        for (name, nr) in [
+            ("process_vm_readv", libc::SYS_process_vm_readv),
+            ("process_vm_writev", libc::SYS_process_vm_writev),
+            ("pidfd_getfd", libc::SYS_pidfd_getfd),
+            ("kcmp", libc::SYS_kcmp),
+            ("statmount", 457),
+            ("listmount", 458),
+            ("open_tree_attr", 467),
+        ] {
+            assert_eq!(run(p, nr as u32, AUDIT_ARCH, 0), eperm, "{name}");
+        }
+        for nr in [
+            libc::SYS_rt_sigqueueinfo,
+            libc::SYS_rt_tgsigqueueinfo,
+            libc::SYS_prlimit64,
+        ] {
+            assert_eq!(run(p, nr as u32, AUDIT_ARCH, 1), eperm, "{nr} to pid 1");
+            assert_eq!(
+                run(p, nr as u32, AUDIT_ARCH, 7),
+                libc::SECCOMP_RET_ALLOW,
+                "{nr} to another pid"
+            );
         }
         let clone = libc::SYS_clone as u32;
         let fork_flags = (libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD) as u64;

@@ -182,6 +182,9 @@ fn spawn_config(cfg: &Bound<'_, PyDict>) -> PyResult<SpawnConfig> {
         netns_fd: opt(cfg, "netns_fd", None)?,
         unix_only: opt(cfg, "unix_only", false)?,
         mask_dir: opt(cfg, "mask_dir", None)?,
+        proc_readonly: opt(cfg, "proc_readonly", Vec::new())?,
+        proc_mask_files: opt(cfg, "proc_mask_files", Vec::new())?,
+        proc_mask_dirs: opt(cfg, "proc_mask_dirs", Vec::new())?,
     })
 }
 

@@ -86,10 +86,17 @@ pub struct SpawnConfig {
     /// the sandbox (Landlock), loopback left alone (the namespace is shared and unused).
     pub unix_only: bool,
     /// An empty host directory, bound read-only over the /proc directories to mask
-    /// (`PROC_MASKED`), so that no sandbox mounts a tmpfs of its own for them: every
+    /// (`proc_mask_dirs`), so that no sandbox mounts a tmpfs of its own for them: every
     /// superblock costs each memory cgroup of the host a slot in its shrinker table, for as
     /// long as the host runs (docs/daemon.md, "Recycled memory cgroups"). None: a tmpfs.
     pub mask_dir: Option<String>,
+    /// The /proc policy, decided by the caller (paths relative to /proc; one this kernel
+    /// lacks is skipped): entries bound read-only onto themselves,
+    pub proc_readonly: Vec<String>,
+    /// files covered by the sandbox's /dev/null,
+    pub proc_mask_files: Vec<String>,
+    /// and directories covered by `mask_dir` (read-only).
+    pub proc_mask_dirs: Vec<String>,
 }
 
 // The steps, in order; the names are what an OSError says.
@@ -217,6 +224,9 @@ struct Ctx {
     seccomp: &'static [libc::sock_filter],
     unix_only: bool,
     mask_dir: Option<CString>,
+    proc_readonly: Vec<CString>,
+    proc_mask_files: Vec<CString>,
+    proc_mask_dirs: Vec<CString>,
     init_fd: RawFd,
     /// Both ends of the init's exec channel; the child puts them on fds 3 and 4
     /// (corral-init.c, "Exec server").
@@ -227,6 +237,25 @@ struct Ctx {
 
 fn cstring(s: &str) -> Result<CString, SpawnError> {
     CString::new(s).map_err(|_| SpawnError::Invalid(format!("NUL byte in {s:?}")))
+}
+
+/// "proc/<rel>" for an entry of the /proc policy: relative, no "..", nothing empty.
+fn proc_paths(rels: &[String]) -> Result<Vec<CString>, SpawnError> {
+    rels.iter()
+        .map(|rel| {
+            let ok = !rel.is_empty()
+                && !rel.starts_with('/')
+                && rel
+                    .split('/')
+                    .all(|c| !c.is_empty() && c != "." && c != "..");
+            if !ok {
+                return Err(SpawnError::Invalid(format!(
+                    "/proc entry {rel:?} must be a plain relative path"
+                )));
+            }
+            cstring(&format!("proc/{rel}"))
+        })
+        .collect()
 }
 
 fn check_overlay_path(what: &str, p: &str, extra_forbidden: &[char]) -> Result<(), SpawnError> {
@@ -412,6 +441,9 @@ fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
             Some(m) => Some(cstring(m)?),
             None => None,
         },
+        proc_readonly: proc_paths(&cfg.proc_readonly)?,
+        proc_mask_files: proc_paths(&cfg.proc_mask_files)?,
+        proc_mask_dirs: proc_paths(&cfg.proc_mask_dirs)?,
         init_fd: cfg.init_fd,
         channel: [-1, -1],
         argv: [INIT_ARGV0.as_ptr() as *const c_char, std::ptr::null()],
@@ -612,27 +644,6 @@ const DEV_LINKS: &[(&std::ffi::CStr, &std::ffi::CStr)] = &[
     (c"/proc/self/fd/2", c"dev/stderr"),
 ];
 
-/// /proc entries that write to kernel-wide state (root in the sandbox would pass their DAC
-/// checks: /proc/sys/kernel/core_pattern is a host-root escape, sysrq-trigger reboots the
-/// host): bound read-only onto themselves.
-const PROC_READONLY: &[&std::ffi::CStr] = &[
-    c"proc/sys",
-    c"proc/sysrq-trigger",
-    c"proc/irq",
-    c"proc/bus",
-    c"proc/fs",
-];
-
-/// /proc files that leak host information (host task names and pids) or accept writes from
-/// uid 0 without a capability check (acpi/wakeup): /dev/null (a tmpfs for a directory) is
-/// bound over them. kcore and kmsg need capabilities the sandbox never has.
-const PROC_MASKED: &[&std::ffi::CStr] = &[
-    c"proc/timer_list",
-    c"proc/sched_debug",
-    c"proc/latency_stats",
-    c"proc/acpi",
-];
-
 extern "C" fn spawn_child(arg: *mut c_void) -> c_int {
     // SAFETY: `arg` is the parent's `Ctx`, alive and untouched until we exec or exit.
     let c = unsafe { &*(arg as *const Ctx) };
@@ -759,42 +770,50 @@ unsafe fn run_child(c: &Ctx) -> c_int {
         at(Step::MountProc);
         ck(r, mount(Some(c"proc"), c"proc", Some(c"proc"), nse, None));
         at(Step::MaskProc);
-        for p in PROC_READONLY {
+        let ro = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nse;
+        for p in &c.proc_readonly {
             if mount(Some(p), p, None, libc::MS_BIND, None) < 0 {
+                let e = harden::errno();
+                if e == libc::ENOENT {
+                    continue; // not on this kernel
+                }
+                r.fail(e);
+            }
+            ck(r, mount(None, p, None, ro, None));
+        }
+        for p in &c.proc_mask_files {
+            if mount(Some(c"dev/null"), p, None, libc::MS_BIND, None) < 0 {
+                let e = harden::errno();
+                if e != libc::ENOENT {
+                    r.fail(e);
+                }
+            }
+        }
+        // The first directory gets the mask dir, made read-only; the others a bind of that
+        // first one, which copies its read-only flag: one mount call each, not two.
+        let mut ro_mask: Option<&CString> = None;
+        for p in &c.proc_mask_dirs {
+            let src = ro_mask.or(c.mask_dir.as_ref());
+            let rc = match src {
+                Some(src) => mount(Some(src), p, None, libc::MS_BIND, None),
+                None => mount(
+                    Some(c"tmpfs"),
+                    p,
+                    Some(c"tmpfs"),
+                    nse | libc::MS_RDONLY,
+                    None,
+                ),
+            };
+            if rc < 0 {
                 let e = harden::errno();
                 if e == libc::ENOENT {
                     continue;
                 }
                 r.fail(e);
             }
-            let ro = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nse;
-            ck(r, mount(None, p, None, ro, None));
-        }
-        for p in PROC_MASKED {
-            if mount(Some(c"dev/null"), p, None, libc::MS_BIND, None) < 0 {
-                let e = harden::errno();
-                // ENOENT: not on this kernel; ENOTDIR: a directory (acpi): the empty mask
-                // directory, bound read-only (else a read-only tmpfs).
-                if e == libc::ENOTDIR {
-                    if let Some(m) = &c.mask_dir {
-                        ck(r, mount(Some(m), p, None, libc::MS_BIND, None));
-                        let ro = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nse;
-                        ck(r, mount(None, p, None, ro, None));
-                    } else {
-                        ck(
-                            r,
-                            mount(
-                                Some(c"tmpfs"),
-                                p,
-                                Some(c"tmpfs"),
-                                nse | libc::MS_RDONLY,
-                                None,
-                            ),
-                        );
-                    }
-                } else if e != libc::ENOENT {
-                    r.fail(e);
-                }
+            if ro_mask.is_none() && src.is_some() {
+                ck(r, mount(None, p, None, ro, None));
+                ro_mask = Some(p);
             }
         }
 

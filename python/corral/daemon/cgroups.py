@@ -754,6 +754,25 @@ class CgroupManager:
                 continue
         return 0
 
+    def oom_kills(self, sandbox_id: str) -> int | None:
+        """How many processes the kernel's OOM killer has killed in the sandbox's memory
+        cgroup since the cgroup was made (v2 ``memory.events``; v1 ``memory.oom_control``,
+        which a recycled cgroup carries over from earlier tenants: callers keep a baseline).
+        None when the sandbox has no memory cgroup (yet) or the kernel does not count."""
+        if self.version == 2:
+            path, fname = os.path.join(self._bases[0], check_id(sandbox_id)), "memory.events"
+        else:
+            path, fname = os.path.join(self._mem, check_id(sandbox_id)), "memory.oom_control"
+        try:
+            text = _read(os.path.join(path, fname))
+        except OSError:
+            return None
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return None
+
     # ---- freezer ---------------------------------------------------------------------------
     def _freezer_path(self, paths: list[str]) -> str:
         if self.version == 2:

@@ -10,7 +10,11 @@ Ending states, as reported to callers (``reason`` in the error details):
   killed, expired, idle_timeout -> ``sandbox_not_running`` (409): the client's own doing (a
       DELETE, or the TTL / idle timeout it chose). An exec in flight when that happens gets the
       same error, not a fake exit code.
-  lost -> ``sandbox_lost`` (410, infra): the init died and the daemon did not kill it.
+  crashed -> ``sandbox_crashed`` (409, not infra): the init died because of what ran in the
+      sandbox: an OOM kill in its memory cgroup, or the init ending in a way nothing outside
+      does (``details["cause"]``, see Substrate.end_cause). The rollout's own outcome.
+  lost -> ``sandbox_lost`` (410, infra): the init died, the daemon did not kill it, and
+      nothing in the sandbox explains it (the host killed it, the node or daemon failed).
   shutdown -> ``daemon_restarted`` (503, infra): the daemon stopped while the call was running.
 """
 
@@ -47,6 +51,7 @@ from corral.errors import (
     NotADirectory,
     ProcessNotFound,
     ProcessStillRunning,
+    SandboxCrashed,
     SandboxLost,
     SandboxNotFound,
     SandboxNotRunning,
@@ -74,11 +79,17 @@ MAX_READ_BYTES = 1 << 30
 PASSWD_MAX = 4 << 20
 INIT_EXIT_GRACE_STEPS = 40   # x 5 ms: how long an unexplained SIGKILL waits for the init's exit
 
+_CAUSE_TEXT = {
+    "oom": "it ran out of memory (the kernel's OOM killer killed in it)",
+    "init_exited": "its init process ended",
+}
+
 _REASON_TEXT = {
     "killed": "it was killed",
     "expired": "its timeout (TTL) expired",
     "idle_timeout": "its idle timeout expired",
     "lost": "its init process died",
+    "crashed": "it crashed",
     "shutdown": "the daemon shut down",
     "restoring": "it is being restored to a snapshot",
 }
@@ -96,7 +107,7 @@ class Sandbox:
 
     __slots__ = ("id", "spec", "runtime", "state", "reason", "created_at", "expires_at",
                  "last_active", "sched", "busy", "threads", "procs", "stopping", "paused_at",
-                 "capturing")
+                 "capturing", "cause")
 
     def __init__(self, sid: str, spec: SandboxSpec, created_at: float, expires_at: float) -> None:
         self.id = sid
@@ -115,6 +126,7 @@ class Sandbox:
         self.paused_at: float | None = None
         # Set while a snapshot's capture holds the sandbox frozen (Engine.wait_capture).
         self.capturing: asyncio.Future[None] | None = None
+        self.cause: dict[str, Any] | None = None  # reason "crashed": why (end_cause)
 
     @property
     def hostname(self) -> str:
@@ -207,6 +219,7 @@ class Engine:
         self.config = config
         self.sandboxes: dict[str, Sandbox] = {}
         self.tombstones: OrderedDict[str, str] = OrderedDict()
+        self.causes: dict[str, dict[str, Any]] = {}  # tombstoned "crashed" ids: the cause
         self.substrates: dict[str, Substrate] = substrates or {}
         self.images = images
         self.cgroups = cgroups
@@ -216,6 +229,7 @@ class Engine:
         self._shutdown_ended: list[str] = []  # see _save_shutdown_tombstones
         self.counters: dict[str, int] = {
             "created": 0, "create_failed": 0, "execs": 0, "exec_timeouts": 0, "lost": 0,
+            "crashed": 0,
             "expired": 0, "idle_timeout": 0, "killed": 0, "adopted": 0, "orphans_removed": 0,
             "snapshots": 0,
         }
@@ -303,11 +317,16 @@ class Engine:
             if not alive:
                 lost += 1
                 try:
+                    cause = substrate.end_cause(runtime)
+                except Exception:  # noqa: BLE001 - no cause found: lost
+                    log.exception("end_cause failed", extra={"sandbox": sid})
+                    cause = None
+                try:
                     substrate.destroy(runtime)
                 except Exception:  # noqa: BLE001
                     log.exception("destroy of a dead sandbox failed", extra={"sandbox": sid})
                 shutil.rmtree(os.path.join(self.sandboxes_dir, sid), ignore_errors=True)
-                self._tombstone(sid, "lost")
+                self._tombstone(sid, "crashed" if cause else "lost", cause)
                 continue
             sb = Sandbox(sid, spec, float(meta["created_at"]), float(meta["expires_at"]))
             sb.runtime = runtime
@@ -415,7 +434,14 @@ class Engine:
                                          details={"reason": "starting"})
             return SandboxNotFound(f"no sandbox {sid}", details={"id": sid})
         text = f"sandbox {sid} is not running: {_REASON_TEXT.get(reason, reason)}"
-        details = {"id": sid, "reason": reason}
+        details: dict[str, Any] = {"id": sid, "reason": reason}
+        if reason == "crashed":
+            cause = (sb.cause if sb is not None else None) or self.causes.get(sid) or {}
+            details.update(cause)
+            what = _CAUSE_TEXT.get(str(cause.get("cause")), "it crashed")
+            status = f" ({cause['status']})" if cause.get("status") else ""
+            text = f"sandbox {sid} is not running: {what}{status}"
+            return SandboxCrashed(text, details=details)
         if reason == "lost":
             return SandboxLost(text, details=details)
         if reason == "shutdown":
@@ -625,6 +651,20 @@ class Engine:
             self._lose(sb)
 
     def _lose(self, sb: Sandbox) -> None:
+        """Its init died and the daemon did not kill it: crashed if the sandbox explains it
+        (read now, before destroy removes its cgroup and reaps the init), else lost."""
+        cause = None
+        substrate = self.substrates.get(sb.spec.substrate)
+        if substrate is not None and sb.runtime is not None:
+            try:
+                cause = substrate.end_cause(sb.runtime)
+            except Exception:  # noqa: BLE001 - no cause found: lost
+                log.exception("end_cause failed", extra={"sandbox": sb.id})
+        if cause is not None:
+            log.info("sandbox crashed", extra={"sandbox": sb.id, "cause": cause})
+            sb.cause = cause
+            self._begin_stop(sb, "crashed")  # counted there
+            return
         log.warning("sandbox lost: its init died", extra={"sandbox": sb.id})
         self.counters["lost"] += 1
         self._begin_stop(sb, "lost")
@@ -784,14 +824,19 @@ class Engine:
             self.pools.settled(sb.id)
         if sb.layers and self.snaps is not None:
             self.snaps.release(sb.layers)
-        self._tombstone(sb.id, sb.reason or "killed")
+        self._tombstone(sb.id, sb.reason or "killed", sb.cause)
         self.trajlog.sandbox_ended(sb.id, sb.reason or "killed")
         log.debug("sandbox destroyed", extra={"sandbox": sb.id, "reason": sb.reason})
 
-    def _tombstone(self, sid: str, reason: str) -> None:
+    def _tombstone(self, sid: str, reason: str, cause: dict[str, Any] | None = None) -> None:
         self.tombstones[sid] = reason
+        if reason == "crashed" and cause:
+            self.causes[sid] = cause
+        else:
+            self.causes.pop(sid, None)
         while len(self.tombstones) > TOMBSTONES:
-            self.tombstones.popitem(last=False)
+            old, _ = self.tombstones.popitem(last=False)
+            self.causes.pop(old, None)
 
     async def kill(self, sid: str) -> bool:
         """True if this call (or one in flight) destroyed it; False if it had already ended."""

@@ -121,6 +121,13 @@ class Substrate(ABC):
     @abstractmethod
     def is_alive(self, runtime: SandboxRuntime) -> bool: ...
 
+    def end_cause(self, runtime: SandboxRuntime) -> dict[str, Any] | None:
+        """Why a sandbox whose init died ended, when what ran in it is the cause (its own
+        out-of-memory kill, its init crashing): ``{"cause": ...}``, reported as
+        ``sandbox_crashed``. None: the cause is outside the sandbox (``sandbox_lost``).
+        Called before destroy. Default: None."""
+        return None
+
     def expect(self, count: int, spec: SandboxSpec) -> None:  # noqa: B027 (optional hook)
         """A batch of ``count`` creates of ``spec`` is starting (create_many, fork): a hint
         for whatever the substrate keeps ready. Default: nothing."""

@@ -33,7 +33,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from corral import _core
-from corral.daemon import initexec
+from corral.daemon import initexec, procpolicy
 from corral.errors import (
     CapacityExceeded,
     CorralError,
@@ -453,6 +453,7 @@ class ContainerSubstrate(Substrate):
         self.images = images
         self.init_fd = _core.init_memfd()
         self.mask_dir = make_mask_dir(os.path.join(state_dir, "mask"))
+        self.proc_policy = procpolicy.compute().spawn_config()  # what sandboxes see of /proc
         self.rlimits = dict(DEFAULT_RLIMITS)
         self.overlay_options = [o for o in os.environ.get(
             "CORRAL_OVERLAY_OPTIONS", "volatile").replace(",", " ").split() if o]
@@ -615,6 +616,7 @@ class ContainerSubstrate(Substrate):
                 "netns_fd": join_fd,
                 "unix_only": unix_only,
                 "mask_dir": self.mask_dir,
+                **self.proc_policy,
             }
             pid, pidfd = _core.spawn_sandbox(cfg)
             if not self.keep_pidfds:
@@ -637,6 +639,7 @@ class ContainerSubstrate(Substrate):
             if lazy:
                 extra["memory_mb"] = spec.memory_mb
                 extra["cpu"] = spec.cpu
+            self._oom_baseline(sandbox_id, extra)
             return SandboxRuntime(sandbox_id=sandbox_id, init_pid=pid, init_starttime=starttime,
                                   sandbox_dir=sdir, cgroup_paths=paths, pidfd=pidfd,
                                   extra=extra)
@@ -939,6 +942,50 @@ class ContainerSubstrate(Substrate):
             removed.append(sid)
         return removed
 
+    # ---- why an init died (corral.daemon.engine: sandbox_crashed or sandbox_lost) ----------
+    def _oom_baseline(self, sandbox_id: str, extra: dict[str, Any]) -> None:
+        """Remember the OOM kills a (recycled, or restored-in-place) memory cgroup already
+        counts: only later ones are this sandbox's."""
+        kills = getattr(self.cgroups, "oom_kills", lambda _sid: None)(sandbox_id)
+        if kills:
+            extra["oom_base"] = kills
+        else:
+            extra.pop("oom_base", None)
+
+    def end_cause(self, runtime: SandboxRuntime) -> dict[str, Any] | None:
+        """Why the sandbox's (dead) init died, when the sandbox itself is the cause; None when
+        the cause is outside it. Call before destroy: it reads the memory cgroup and peeks at
+        the init's exit status without reaping it.
+
+        - an OOM kill recorded in its memory cgroup: ``{"cause": "oom"}``, whatever killed
+          the init (the OOM killer itself, or the pid namespace going with it);
+        - the init ended by a signal other than SIGKILL, or exited non-zero: ``{"cause":
+          "init_exited", "status": ...}`` (nothing outside does that: the host stops an init
+          with SIGKILL, or SIGTERM, on which it exits 0);
+        - SIGKILL or exit 0 with no OOM kill: the host's doing, None."""
+        kills = getattr(self.cgroups, "oom_kills", lambda _sid: None)(runtime.sandbox_id)
+        if kills is not None and kills > int(runtime.extra.get("oom_base", 0)):
+            return {"cause": "oom", "oom_kills": kills - int(runtime.extra.get("oom_base", 0))}
+        try:  # WNOWAIT: destroy still reaps it
+            st = os.waitid(os.P_PID, runtime.init_pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except (ChildProcessError, OSError):
+            return None  # not our child (adopted after a restart): no status to read
+        if st is None or st.si_pid != runtime.init_pid:
+            return None  # still running
+        if st.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+            if st.si_status == signal.SIGKILL:
+                return None
+            try:
+                name = signal.Signals(st.si_status).name
+            except ValueError:
+                name = f"signal {st.si_status}"
+            return {"cause": "init_exited", "status": f"killed by {name}",
+                    "signal": st.si_status}
+        if st.si_code == os.CLD_EXITED and st.si_status != 0:
+            return {"cause": "init_exited", "status": f"exit code {st.si_status}",
+                    "exit_code": st.si_status}
+        return None
+
     def is_alive(self, runtime: SandboxRuntime) -> bool:
         if runtime.pidfd >= 0:
             return not _pidfd_exited(runtime.pidfd, 0)
@@ -1124,6 +1171,7 @@ class ContainerSubstrate(Substrate):
         if not all(os.path.isdir(p) for p in later):
             self.cgroups.ensure_later(runtime.sandbox_id, float(runtime.extra.get("cpu", 1.0)),
                                       int(mb), [runtime.init_pid])
+            self._oom_baseline(runtime.sandbox_id, runtime.extra)
         runtime.extra["memcg"] = True  # made: later execs skip the two cgroupfs lookups
 
     def _spawn(self, runtime: SandboxRuntime, spec: ExecSpec, root: int,

@@ -1,0 +1,68 @@
+"""What a sandbox sees of /proc: an allow list of top-level entries; everything else is masked.
+
+A sandbox mounts a fresh procfs of its own pid namespace. Its process directories are its own,
+but most other top-level entries are host-wide kernel state: physical page data (kpageflags,
+kpagecount, kpagecgroup), the slab allocator (slabinfo), interrupts, timers, keys, kernel
+symbols, the host's disks and devices. Only what a normal program reads is left (ps, top, free,
+uptime, df, ip, ss, nproc, Python's os/platform/multiprocessing, psutil); every other entry is
+covered when the sandbox starts (rust/src/spawn.rs, step "mask_proc"): a file by /dev/null, a
+directory by one empty, read-only host directory (no superblock of its own). /proc/sys stays
+readable but read-only. The policy is computed once per daemon from the host's /proc (one
+kernel, the same entries) and handed to every spawn.
+
+Pid 1's OOM score is read-only too: raised to 1000, it would make the init the OOM killer's
+first choice, so the sandbox could end itself by exhausting its own memory.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+
+# Top-level /proc entries a sandbox may read.
+PROC_ALLOWED = frozenset({
+    "self", "thread-self", "mounts", "net",   # symlinks into the caller's own pid directory
+    "sys",                                     # sysctl values (read-only, below)
+    "cpuinfo", "meminfo", "stat", "uptime", "loadavg", "version", "vmstat", "swaps",
+    "filesystems", "cmdline", "cgroups", "sysvipc",
+})
+
+# Bound read-only onto themselves: writable kernel-wide state below an allowed entry, and the
+# init's OOM score (both spellings, through /proc/1 and its one thread).
+PROC_READONLY = ("sys", "1/oom_score_adj", "1/oom_adj", "1/task/1/oom_score_adj",
+                 "1/task/1/oom_adj")
+
+
+@dataclass(frozen=True)
+class ProcPolicy:
+    readonly: tuple[str, ...]
+    mask_files: tuple[str, ...]
+    mask_dirs: tuple[str, ...]
+
+    def spawn_config(self) -> dict[str, list[str]]:
+        """The keys of ``_core.spawn_sandbox``'s config."""
+        return {"proc_readonly": list(self.readonly), "proc_mask_files": list(self.mask_files),
+                "proc_mask_dirs": list(self.mask_dirs)}
+
+
+def compute(proc: str = "/proc") -> ProcPolicy:
+    """The policy for this kernel: every top-level entry of ``proc`` that is neither a process
+    directory nor allowed is masked, by its type. Symlinks cannot be covered (a bind mount
+    follows them): any not allowed is an error, so a new kernel's cannot slip through."""
+    files: list[str] = []
+    dirs: list[str] = []
+    for name in sorted(os.listdir(proc)):
+        if name.isdigit() or name in PROC_ALLOWED:
+            continue
+        try:
+            mode = os.lstat(os.path.join(proc, name)).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(mode):
+            dirs.append(name)
+        elif stat.S_ISLNK(mode):
+            raise RuntimeError(f"/proc/{name} is a symlink the /proc policy does not know")
+        else:
+            files.append(name)
+    return ProcPolicy(PROC_READONLY, tuple(files), tuple(dirs))
