@@ -530,17 +530,30 @@ def test_exit_codes_through_the_init(sub, rt):
     assert run(sub, rt, "echo $0 $1", env={"PATH": "/nowhere:/bin"})[1] == "/bin/sh\n"
 
 
-def test_big_commands_take_the_daemons_own_path(sub, rt):
-    """A request beyond the init's 64 KiB buffer runs anyway, through exec_in."""
-    probe = "echo \"${#0}:$(awk '/^PPid/{print $2}' /proc/$$/status)\""
+def test_big_commands_go_through_the_init_in_a_sealed_memfd(sub, rt):
+    """A request beyond the init's 64 KiB buffer (or 1,024 strings, or 64 groups) goes through
+    the init too (its body in a sealed memfd); one beyond what execve takes is refused."""
+    probe = "echo \"${#0}:$#:$(awk '/^PPid/{print $2}' /proc/$$/status)\""
     code, out = run(sub, rt, ["/bin/sh", "-c", probe, "x" * 70_000])
-    assert (code, out) == (0, "70000:0\n")
+    assert (code, out) == (0, "70000:0:1\n")
+    code, out = run(sub, rt, ["/bin/sh", "-c", probe, "a", *["b"] * 3000])
+    assert (code, out) == (0, "1:3000:1\n")
+    with pytest.raises(InvalidRequest):
+        run(sub, rt, ["/bin/sh", "-c", "true", "x" * 200_000])
+    with pytest.raises(InvalidRequest):
+        run(sub, rt, ["/bin/sh", "-c", "true", *["y" * 100_000] * 30])
 
 
 def test_the_init_refuses_malformed_requests_and_keeps_serving(sub, rt):
     assert run(sub, rt, "true")[0] == 0
     chan = sub._channel(rt)
-    good = initexec.encode(77, ["true"], {}, "/", 0, 0, [], ["/bin/true"], False)
+    good, _ = initexec.encode(77, ["true"], {}, "/", 0, 0, [], ["/bin/true"], False)
+    big_head, big_body = initexec.encode(78, ["true", "x" * 70_000], {}, "/", 0, 0, [],
+                                         ["/bin/true"], False)
+    assert big_body is not None
+    unsealed = os.memfd_create("x", os.MFD_CLOEXEC)
+    os.write(unsealed, big_body)
+    sealed_extra = initexec.sealed_memfd(big_body + b"junk\0")
     head = initexec._REQ
     r, w = os.pipe()
     cases = [
@@ -552,6 +565,12 @@ def test_the_init_refuses_malformed_requests_and_keeps_serving(sub, rt):
         (head.pack(initexec.REQ_MAGIC, 1, 0, 0, 0, 0, 5000, 0, 1) + b"a\0" * 10, [w, w, w]),
         (head.pack(initexec.REQ_MAGIC, 1, 0, 0, 0, 10_000, 1, 0, 1) + b"a\0a\0/\0", [w, w, w]),
         (good + b"x" * 70_000, [w, w, w]),                           # beyond the init's buffer
+        (good + b"x\0", [w, w, w]),                                  # after the cwd
+        (big_head, [w, w, w]),                                       # no memfd
+        (big_head, [w, w, w, unsealed]),                             # not sealed
+        (big_head, [w, w, w, sealed_extra]),                         # after the cwd
+        (big_head + b"x", [w, w, w, sealed_extra]),                  # more than the header
+        (good, [w, w, w, w]),                                        # an fd too many
     ]
     try:
         for msg, fds in cases:
@@ -565,6 +584,8 @@ def test_the_init_refuses_malformed_requests_and_keeps_serving(sub, rt):
     finally:
         os.close(r)
         os.close(w)
+        os.close(unsealed)
+        os.close(sealed_extra)
     # Still serving, and no received fd stayed open in the init: 0-2 (/dev/null), 3-4 (channel).
     assert run(sub, rt, "echo alive")[1] == "alive\n"
     assert sorted(int(f) for f in os.listdir(f"/proc/{rt.init_pid}/fd")) == [0, 1, 2, 3, 4]
@@ -576,8 +597,8 @@ def test_stale_answers_in_the_channel_are_dropped(sub, rt):
     chan = sub._channel(rt)
     r, w = os.pipe()
     try:
-        msg = initexec.encode(12345, ["/bin/sh", "-c", "exit 5"], {}, "/", 0, 0, [],
-                              ["/bin/sh"], True)
+        msg, _ = initexec.encode(12345, ["/bin/sh", "-c", "exit 5"], {}, "/", 0, 0, [],
+                                 ["/bin/sh"], True)
         chan.sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                    array.array("i", [w, w]))])
     finally:
@@ -587,9 +608,9 @@ def test_stale_answers_in_the_channel_are_dropped(sub, rt):
     assert run(sub, rt, "exit 4")[0] == 4
 
 
-def test_beyond_sixteen_awaited_answers_commands_take_the_daemons_path(sub, rt):
-    """With 16 answers awaited in one sandbox, further commands start through exec_in; every
-    command runs either way, and the awaited ones are answered."""
+def test_beyond_sixteen_awaited_answers_commands_wait_for_room(sub, rt):
+    """With 16 answers awaited in one sandbox, further commands wait for an answer and go
+    through the init too; every command runs, every one is answered."""
     loop = asyncio.new_event_loop()
     pipes, started = [], []
     try:
@@ -601,14 +622,13 @@ def test_beyond_sixteen_awaited_answers_commands_take_the_daemons_path(sub, rt):
         # All coroutines (with a loop nothing blocks it): the init's answers to come, then the
         # daemon's own path in a worker thread.
         names = [c.cr_code.co_name for c in started]
-        assert names == ["_answer"] * initexec.MAX_IN_FLIGHT + ["_spawn_off_loop"] * 4
+        assert names == ["_answer"] * initexec.MAX_IN_FLIGHT + ["later"] * 4
 
         async def answers():
             return await asyncio.gather(*started)
 
         answered = loop.run_until_complete(answers())
-        assert [type(c) for c in answered] == \
-            [initexec.Spawned] * initexec.MAX_IN_FLIGHT + [int] * 4
+        assert [type(c) for c in answered] == [initexec.Spawned] * (initexec.MAX_IN_FLIGHT + 4)
         outs = []
         for child, r in zip(answered, pipes, strict=True):
             out = b""
@@ -616,7 +636,7 @@ def test_beyond_sixteen_awaited_answers_commands_take_the_daemons_path(sub, rt):
                 out += chunk
             assert os.waitstatus_to_exitcode(wait_child(child)) == 0
             outs.append(out.decode().strip())
-        assert outs == ["1"] * initexec.MAX_IN_FLIGHT + ["0"] * 4
+        assert outs == ["1"] * (initexec.MAX_IN_FLIGHT + 4)
     finally:
         for r in pipes:
             os.close(r)

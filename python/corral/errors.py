@@ -111,6 +111,14 @@ class ProcessStillRunning(Conflict):
     code, status = "process_running", 409
 
 
+class ExecStalled(Conflict):
+    """The sandbox's init did not start the command in time: something in the sandbox holds
+    it (a stopped child of the init, say). The sandbox's own doing, not an infrastructure
+    failure."""
+
+    code, status = "exec_stalled", 409
+
+
 class SnapshotExists(Conflict):
     """A snapshot with that name already exists (names are unique)."""
 

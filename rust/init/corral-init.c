@@ -12,7 +12,9 @@
  * SOCK_SEQPACKET pair on fds 3 and 4; the daemon takes its own copy of fd 4 with pidfd_getfd
  * when it first runs a command here (so the channel survives a daemon restart). A request is
  * one message: a header, groups, argv, env, the exec candidates (the daemon resolves PATH)
- * and the cwd, with the stdio fds attached. The init starts a child (CLONE_VM | CLONE_VFORK:
+ * and the cwd, with the stdio fds attached. A request larger than a message (64 KiB) sends
+ * the header alone and the rest in a sealed memfd attached after the stdio fds (at most
+ * 4 MiB), which the init maps read-only for the time of the request: its memory stays flat. The init starts a child (CLONE_VM | CLONE_VFORK:
  * the init waits until it has exec'd or exited, which orders the messages), and answers with the child's pid in the
  * sandbox and a pidfd attached (CLONE_PIDFD), through which the daemon signals the child and
  * reads its exit status once this init has reaped it (PIDFD_GET_INFO). The child inherits the
@@ -71,10 +73,21 @@
 #define ELOOP 40
 #define ENAMETOOLONG 36
 #define EACCES 13
+#define E2BIG 7
+#define F_GET_SEALS 1034
+#define F_SEAL_ALL 15 /* SEAL | SHRINK | GROW | WRITE */
+#define SEEK_END 2
+#define PROT_READ 1
+#define PROT_WRITE 2
+#define MAP_PRIVATE 2
+#define MAP_ANONYMOUS 0x20
 
 #if defined(__x86_64__)
 #define NR_read 0
 #define NR_close 3
+#define NR_lseek 8
+#define NR_mmap 9
+#define NR_munmap 11
 #define NR_rt_sigprocmask 14
 #define NR_sendmsg 46
 #define NR_recvmsg 47
@@ -115,6 +128,9 @@ static long sys6(long n, long a, long b, long c, long d, long e, long f) {
 #elif defined(__aarch64__)
 #define NR_read 63
 #define NR_close 57
+#define NR_lseek 62
+#define NR_mmap 222
+#define NR_munmap 215
 #define NR_rt_sigprocmask 135
 #define NR_sendmsg 211
 #define NR_recvmsg 212
@@ -231,9 +247,14 @@ struct cmsghdr {
 #define FAIL_MAGIC 0x31465243u  /* "CRF1": the child failed before exec */
 #define REQ_NULL_STDIN 1u       /* two fds attached (stdout, stderr); stdin is /dev/null */
 #define REQ_SCOPE_UNIX 2u       /* network "disabled": a Landlock domain of the command's own */
+#define REQ_MEMFD 4u            /* groups and strings in a sealed memfd, attached last */
 #define MAX_MSG 65536
 #define MAX_STRINGS 1024
 #define MAX_GROUPS 64
+#define MAX_BIG (4u << 20)       /* a memfd request's body */
+#define MAX_BIG_STRINGS (1u << 18)
+#define MAX_BIG_GROUPS 65536     /* NGROUPS_MAX */
+#define MAX_FDS 12               /* what `control` holds; more is MSG_CTRUNC */
 
 struct req {
     u32 magic, id, uid, gid, flags, ngroups, nargv, nenv, ncand;
@@ -265,8 +286,8 @@ enum {
 
 static unsigned long long buf[MAX_MSG / 8];        /* the request; pages touched on use */
 static unsigned long long child_stack[2048];       /* 16 KiB, the vfork child's */
-static unsigned long long control[8];              /* room for 4 fds */
-static const char *strs[MAX_STRINGS + 3];          /* argv, NULL, envp, NULL, candidates */
+static unsigned long long control[8];              /* room for 12 fds */
+static const char *small_strs[MAX_STRINGS + 3];    /* argv, NULL, envp, NULL, candidates */
 
 static long send_reply(u32 magic, u32 id, int value, int step, int fd) {
     struct reply r;
@@ -306,8 +327,9 @@ struct job {
     const struct req *q;
     const u32 *groups;
     const int *fds;
-    int nfds;
+    int nfds; /* stdio only */
     const unsigned long *nofile;
+    const char **strs; /* argv, NULL, envp, NULL, candidates, cwd */
 };
 
 /* The child, between clone and exec, on child_stack in our memory: it writes nothing of
@@ -319,6 +341,7 @@ static void child(void *arg) {
     const int *fds = j->fds;
     int nfds = j->nfds;
     const unsigned long *nofile = j->nofile;
+    const char **strs = j->strs;
     unsigned long none = 0;
     int step = STEP_SIGNALS;
     long rc = sys4(NR_rt_sigprocmask, SIG_SETMASK, (long)&none, 0, sizeof(none));
@@ -397,8 +420,13 @@ static void child(void *arg) {
     sys3(NR_exit_group, denied ? 126 : 127, 0, 0);
 }
 
+static long sys_mmap(unsigned long len, long prot, long flags, long fd) {
+    return sys6(NR_mmap, 0, (long)len, prot, flags, fd, 0);
+}
+
 /* Split n NUL-terminated strings starting at p (< end) into strs[at..]; the end or 0. */
-static const char *take_strings(const char *p, const char *end, u32 n, u32 at) {
+static const char *take_strings(const char **strs, const char *p, const char *end, u32 n,
+                                u32 at) {
     for (u32 i = 0; i < n; i++) {
         strs[at + i] = p;
         while (p < end && *p)
@@ -414,8 +442,12 @@ static const char *take_strings(const char *p, const char *end, u32 n, u32 at) {
 static int serve_one(const unsigned long *nofile) {
     struct iovec io;
     struct msghdr m;
-    int fds[4];
+    int fds[MAX_FDS];
     int nfds = 0;
+    const char *map = 0;        /* a memfd request's body, mapped read-only */
+    unsigned long map_len = 0;
+    const char **strs = small_strs;
+    unsigned long table_len = 0; /* or a table mapped for a memfd request */
     io.base = buf;
     io.len = sizeof(buf);
     m.name = 0;
@@ -434,8 +466,8 @@ static int serve_one(const unsigned long *nofile) {
         struct cmsghdr *c = (struct cmsghdr *)control;
         if (c->level == SOL_SOCKET && c->type == SCM_RIGHTS && c->len > sizeof(*c)) {
             nfds = (int)((c->len - sizeof(*c)) / sizeof(int));
-            if (nfds > 4)
-                nfds = 4;
+            if (nfds > MAX_FDS)
+                nfds = MAX_FDS;
             for (int i = 0; i < nfds; i++)
                 fds[i] = ((int *)(c + 1))[i];
         }
@@ -447,27 +479,59 @@ static int serve_one(const unsigned long *nofile) {
         err = EINVAL;
     else if (m.flags & (MSG_TRUNC | MSG_CTRUNC))
         err = EMSGSIZE;
-    else if (nfds != ((q->flags & REQ_NULL_STDIN) ? 2 : 3) || q->ngroups > MAX_GROUPS ||
+    else if ((q->flags & ~(REQ_NULL_STDIN | REQ_SCOPE_UNIX | REQ_MEMFD)) ||
+             nfds != ((q->flags & REQ_NULL_STDIN) ? 2 : 3) + ((q->flags & REQ_MEMFD) ? 1 : 0) ||
+             q->ngroups > ((q->flags & REQ_MEMFD) ? MAX_BIG_GROUPS : MAX_GROUPS) ||
              q->nargv == 0 || q->ncand == 0 ||
-             (unsigned long)q->nargv + q->nenv + q->ncand > MAX_STRINGS)
+             (unsigned long)q->nargv + q->nenv + q->ncand >
+                 ((q->flags & REQ_MEMFD) ? MAX_BIG_STRINGS : MAX_STRINGS))
         err = EINVAL;
     const u32 *groups = (const u32 *)(q + 1);
+    const char *end = (const char *)buf + n;
+    if (!err && (q->flags & REQ_MEMFD)) {
+        /* Only the header travels in the message; the rest is in a memfd nobody can change
+         * any more (every seal set), mapped for the time of this request. */
+        int mfd = fds[nfds - 1];
+        long size = sys3(NR_lseek, mfd, 0, SEEK_END);
+        if ((unsigned long)n != sizeof(*q) ||
+            sys3(NR_fcntl, mfd, F_GET_SEALS, 0) != F_SEAL_ALL || size <= 0)
+            err = EINVAL;
+        else if ((unsigned long)size > MAX_BIG)
+            err = E2BIG;
+        if (!err) {
+            long m = sys_mmap((unsigned long)size, PROT_READ, MAP_PRIVATE, mfd);
+            table_len = ((unsigned long)q->nargv + q->nenv + q->ncand + 3) * sizeof(char *);
+            long t = m < 0 ? m : sys_mmap(table_len, PROT_READ | PROT_WRITE,
+                                         MAP_PRIVATE | MAP_ANONYMOUS, -1);
+            if (m < 0 || t < 0) {
+                err = (int)-(m < 0 ? m : t);
+                if (m >= 0)
+                    sys3(NR_munmap, m, size, 0);
+                table_len = 0;
+            } else {
+                map = (const char *)m;
+                map_len = (unsigned long)size;
+                strs = (const char **)t;
+                groups = (const u32 *)map;
+                end = map + map_len;
+            }
+        }
+    }
     if (!err) {
-        const char *end = (const char *)buf + n;
         const char *p = (const char *)(groups + q->ngroups);
         if (p > end) {
             err = EINVAL;
         } else {
             /* argv, NULL, envp, NULL, candidates, then cwd in the slot after them */
-            p = take_strings(p, end, q->nargv, 0);
+            p = take_strings(strs, p, end, q->nargv, 0);
             strs[q->nargv] = 0;
             if (p)
-                p = take_strings(p, end, q->nenv, q->nargv + 1);
+                p = take_strings(strs, p, end, q->nenv, q->nargv + 1);
             if (p) {
                 strs[q->nargv + 1 + q->nenv] = 0;
-                p = take_strings(p, end, q->ncand + 1, q->nargv + q->nenv + 2);
+                p = take_strings(strs, p, end, q->ncand + 1, q->nargv + q->nenv + 2);
             }
-            if (!p)
+            if (!p || p != end) /* nothing may follow the cwd */
                 err = EINVAL;
         }
     }
@@ -477,8 +541,9 @@ static int serve_one(const unsigned long *nofile) {
         j.q = q;
         j.groups = groups;
         j.fds = fds;
-        j.nfds = nfds;
+        j.nfds = nfds - ((q->flags & REQ_MEMFD) ? 1 : 0);
         j.nofile = nofile;
+        j.strs = strs;
         long pid = vfork_call(child, &j, child_stack + sizeof(child_stack) / 8,
                               CLONE_VM | CLONE_VFORK | CLONE_PIDFD | SIGCHLD, &pidfd);
         if (pid < 0) {
@@ -497,6 +562,10 @@ static int serve_one(const unsigned long *nofile) {
         send_reply(REPLY_MAGIC, id, -err, 0, -1);
     for (int i = 0; i < nfds; i++)
         sys3(NR_close, fds[i], 0, 0);
+    if (map) { /* the child has exec'd or exited: its strings are copied */
+        sys3(NR_munmap, (long)map, (long)map_len, 0);
+        sys3(NR_munmap, (long)strs, (long)table_len, 0);
+    }
     return 1;
 }
 

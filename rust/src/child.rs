@@ -356,6 +356,30 @@ impl Slots {
             return Err(std::io::Error::from_raw_os_error(libc::EMFILE));
         }
         let (set, guard) = self.acquire();
+        self.fill(set, guard, fds)
+    }
+
+    /// Like `lend`, but only with a set that is free now: None if every set is busy (the
+    /// caller then clones without CLONE_FILES). For `exec_in`, which must never wait for
+    /// another sandbox's clone.
+    pub fn try_lend(&'static self, fds: &mut [&mut RawFd]) -> std::io::Result<Option<Lent>> {
+        if fds.len() > MAX_LENT {
+            return Err(std::io::Error::from_raw_os_error(libc::EMFILE));
+        }
+        for set in &self.sets {
+            if let Ok(guard) = set.lock.try_lock() {
+                return self.fill(set, guard, fds).map(Some);
+            }
+        }
+        Ok(None)
+    }
+
+    fn fill(
+        &'static self,
+        set: &'static SlotSet,
+        guard: std::sync::MutexGuard<'static, ()>,
+        fds: &mut [&mut RawFd],
+    ) -> std::io::Result<Lent> {
         let mut lent = Lent {
             null: self.null,
             hole: self.hole,

@@ -1,18 +1,26 @@
 //! A new process in a live sandbox, as a direct child of the daemon.
 //!
-//! Technique: the calling thread does `setns(pidfd, CLONE_NEWPID)`, which changes only *its*
-//! pid_for_children (nsproxy is per thread, so other daemon threads are unaffected), clones the
-//! child (CLONE_VM | CLONE_VFORK, see child.rs), then switches its pid_for_children back to the
-//! daemon's own pid namespace. The child is therefore in the sandbox's pid namespace *and* a
-//! direct child of the daemon (waitable, SIGCHLD to the daemon, no intermediate process): one
-//! clone instead of the two a CLONE_PARENT-from-an-intermediate scheme needs. The child then
-//! joins the sandbox's cgroups, enters its other namespaces with one `setns(pidfd, ...)`,
-//! chroots into the init's root (an O_PATH fd of /proc/<init>/root opened before the clone),
-//! and hardens itself before execve.
+//! Two clones, so that no process sharing anything with the daemon is ever in the sandbox:
+//!
+//! 1. The calling thread clones a helper (`CLONE_VM | CLONE_VFORK`, see child.rs) that stays in
+//!    the daemon's pid namespace, where no process of the sandbox can see, signal or trace it.
+//!    It joins the sandbox's cgroups, enters its other namespaces with one `setns(pidfd, ...)`
+//!    that also sets its pid_for_children to the sandbox's pid namespace, chroots into the
+//!    init's root, sets up stdio, closes every other fd and hardens itself (rlimits,
+//!    capabilities, user, no_new_privs, Landlock, seccomp).
+//! 2. The helper forks the command process: `clone(CLONE_PARENT | SIGCHLD)`, no `CLONE_VM`, no
+//!    `CLONE_FILES`, so it is born in the sandbox's pid namespace and cgroups with its own copy
+//!    of the memory (not dumpable: the daemon is not, and the flag is copied), its own fd table
+//!    (stdio only) and the dropped credentials; its parent is the daemon (waitable, SIGCHLD).
+//!    It calls setsid (and takes its controlling tty) and execs. The helper stores its pid,
+//!    `_exit`s, and the calling thread reaps it.
+//!
+//! The calling thread never waits for anything a sandbox controls: the command may be stopped
+//! before it execs, the helper returns as soon as it has forked it.
 
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicI32, Ordering};
 
 use libc::{c_char, c_int, c_long, c_void};
 
@@ -76,9 +84,7 @@ const STEPS: &[&str] = &[
     "join_cgroup",
     "setns",
     "chroot",
-    "setsid",
     "stdio",
-    "controlling_tty",
     "close_fds",
     "rlimits",
     "drop_caps",
@@ -88,7 +94,7 @@ const STEPS: &[&str] = &[
     "no_new_privs",
     "landlock",
     "seccomp",
-    "exec",
+    "fork",
 ];
 
 #[derive(Clone, Copy)]
@@ -100,9 +106,7 @@ enum Step {
     JoinCgroup,
     Setns,
     Chroot,
-    Setsid,
     Stdio,
-    ControllingTty,
     CloseFds,
     Rlimits,
     DropCaps,
@@ -112,7 +116,7 @@ enum Step {
     NoNewPrivs,
     Landlock,
     Seccomp,
-    Exec,
+    Fork,
 }
 
 fn step_name(step: u32) -> &'static str {
@@ -123,6 +127,8 @@ pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bi
 
 struct Ctx {
     report: Report,
+    /// The command's pid (in the daemon's pid namespace), stored by the helper after its fork.
+    command_pid: AtomicI32,
     /// Owned here; the child writes to `cgroup_raw` (the same fds, or the slots lent them).
     _cgroup_fds: Vec<OwnedFd>,
     cgroup_raw: Vec<RawFd>,
@@ -151,28 +157,59 @@ fn cstring(what: &str, s: &str) -> Result<CString, EnterError> {
     CString::new(s).map_err(|_| EnterError::Invalid(format!("NUL byte in {what} {s:?}")))
 }
 
-/// An fd of the daemon's own pid namespace, to switch pid_for_children back after the clone.
-fn host_pidns() -> Result<RawFd, EnterError> {
-    static FD: OnceLock<Result<OwnedFd, i32>> = OnceLock::new();
-    let r = FD.get_or_init(|| {
-        // SAFETY: open with a valid C string; checked below.
-        let fd = unsafe {
-            libc::open(
-                c"/proc/self/ns/pid".as_ptr(),
-                libc::O_RDONLY | libc::O_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            Err(harden::errno())
-        } else {
-            // SAFETY: fresh fd we own forever (a static).
-            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-        }
-    });
-    match r {
-        Ok(fd) => Ok(fd.as_raw_fd()),
-        Err(e) => Err(EnterError::os("open_host_pidns", *e)),
+/// The daemon's own process, at start: not dumpable (no one without CAP_SYS_PTRACE may
+/// ptrace it, read its memory, environment or fds through /proc, or use process_vm_*; the flag
+/// is copied to every process it forks), and the values of `secret_flags` (say `--token`)
+/// blanked in its command line, which /proc/PID/cmdline shows to anyone.
+pub fn harden_daemon(secret_flags: &[String]) -> Result<(), EnterError> {
+    // SAFETY: prctl with integer arguments only.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } < 0 {
+        return Err(EnterError::os("set_dumpable", harden::errno()));
     }
+    let stat = std::fs::read_to_string("/proc/self/stat").map_err(|e| EnterError::io("stat", e))?;
+    // Fields after the command name (which may hold spaces): arg_start and arg_end are the
+    // 48th and 49th fields, the 46th and 47th after ")".
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let (start, end) = match (f.get(45), f.get(46)) {
+        (Some(a), Some(b)) => (
+            a.parse::<usize>().unwrap_or(0),
+            b.parse::<usize>().unwrap_or(0),
+        ),
+        _ => (0, 0),
+    };
+    if start == 0 || end <= start {
+        return Ok(());
+    }
+    // SAFETY: [arg_start, arg_end) is this process's own argument block (on its initial
+    // stack, writable); Python has copied what it needs from it at start-up.
+    let args = unsafe { std::slice::from_raw_parts_mut(start as *mut u8, end - start) };
+    let mut blank_next = false;
+    let mut i = 0;
+    while i < args.len() {
+        let len = args[i..].iter().position(|&b| b == 0).unwrap_or(args.len() - i);
+        let arg = &mut args[i..i + len];
+        let mut from = None;
+        if blank_next {
+            from = Some(0);
+            blank_next = false;
+        } else {
+            for flag in secret_flags {
+                let flag = flag.as_bytes();
+                if arg == flag {
+                    blank_next = true;
+                } else if arg.len() > flag.len() && arg.starts_with(flag) && arg[flag.len()] == b'='
+                {
+                    from = Some(flag.len() + 1);
+                }
+            }
+        }
+        if let Some(k) = from {
+            arg[k..].fill(b'*');
+        }
+        i += len + 1;
+    }
+    Ok(())
 }
 
 /// O_PATH fd of /proc/PID/root.
@@ -294,6 +331,7 @@ fn prepare(cfg: &ExecConfig) -> Result<(Ctx, Option<OwnedFd>), EnterError> {
     let cgroup_raw = cgroup_fds.iter().map(|f| f.as_raw_fd()).collect();
     let ctx = Ctx {
         report: Report::new(),
+        command_pid: AtomicI32::new(0),
         _cgroup_fds: cgroup_fds,
         cgroup_raw,
         hole: -1,
@@ -318,20 +356,24 @@ fn prepare(cfg: &ExecConfig) -> Result<(Ctx, Option<OwnedFd>), EnterError> {
     Ok((ctx, owned_root))
 }
 
-/// Start `cfg.argv` inside the sandbox; returns the child's host pid.
+/// Start `cfg.argv` inside the sandbox; returns the command's host pid (a child of the
+/// caller's process). See the module comment for the two clones.
 pub fn exec_in(cfg: &ExecConfig) -> Result<i32, EnterError> {
     let (mut ctx, _owned_root) = prepare(cfg)?;
-    let host_ns = host_pidns()?;
+    // Lend the fds to a set of slots only if one is free now: never wait for another exec's
+    // or create's set (a full copy of the fd table is slower, not blocked).
     let lent = match child::slots() {
         Some(slots) => {
             let [s0, s1, s2] = &mut ctx.stdio;
             let mut fds: Vec<&mut RawFd> = ctx.cgroup_raw.iter_mut().collect();
             fds.extend([&mut ctx.pidfd, &mut ctx.root_fd, s0, s1, s2]);
             let lent = slots
-                .lend(&mut fds)
+                .try_lend(&mut fds)
                 .map_err(|e| EnterError::io("lend_fds", e))?;
-            ctx.hole = lent.hole();
-            Some(lent)
+            if let Some(l) = &lent {
+                ctx.hole = l.hole();
+            }
+            lent
         }
         None => None,
     };
@@ -339,57 +381,33 @@ pub fn exec_in(cfg: &ExecConfig) -> Result<i32, EnterError> {
     let t0 = child::now_ns();
     let res = child::with_stack(|stack| {
         let _block = harden::SignalBlock::new();
-        // SAFETY: setns on the calling thread with a pidfd we were given.
-        if unsafe { libc::setns(cfg.pidfd, libc::CLONE_NEWPID) } < 0 {
-            return Err(EnterError::os("setns_pid_for_children", harden::errno()));
-        }
-        // SAFETY: `enter_child` is async-signal-safe and never unwinds; `ctx` outlives the clone
+        // SAFETY: `helper` is async-signal-safe and never unwinds; `ctx` outlives the clone
         // (CLONE_VFORK); signals are blocked by `_block`.
-        let res = unsafe {
-            child::clone_vfork(enter_child, &ctx as *const Ctx as *mut c_void, flags, stack)
-        };
-        restore_pid_ns(host_ns);
-        res.map_err(|e| EnterError::io("clone", e))
+        unsafe { child::clone_vfork(helper, &ctx as *const Ctx as *mut c_void, flags, stack) }
+            .map_err(|e| EnterError::io("clone", e))
     })
     .map_err(|e| EnterError::io("alloc_stack", e))??;
-    drop(lent); // the child has exec'd or exited: reset the slots (no pipe end stays open)
-    let (pid, _) = res;
+    drop(lent); // the helper has exited: reset the slots (no pipe end stays open)
+    let (helper_pid, _) = res;
+    child::reap(helper_pid); // it always exits: after its fork, or on a failure
     let (step, errno) = (ctx.report.step(), ctx.report.errno());
+    let pid = ctx.command_pid.load(Ordering::SeqCst);
     child::set_last_profile("exec_in", ctx.report.profile(t0, STEPS));
-    if errno != 0 || step != Step::Exec as u32 {
-        child::reap(pid);
-        if errno != 0 {
-            return Err(EnterError::os(step_name(step), errno));
-        }
+    if errno != 0 {
+        return Err(EnterError::os(step_name(step), errno));
+    }
+    if step != Step::Fork as u32 || pid <= 0 {
         return Err(EnterError::Os {
             step: step_name(step),
             errno: libc::ECHILD,
-            msg: "the child died before exec (killed?)".into(),
+            msg: "the helper died before it started the command (killed?)".into(),
         });
     }
     Ok(pid)
 }
 
-/// Switch the calling thread's pid_for_children back to the daemon's pid namespace. Entering
-/// one's own active pid namespace cannot fail short of a kernel bug; if it ever did, every
-/// later fork on this thread would land in a sandbox, so abort instead of going on.
-fn restore_pid_ns(host_ns: RawFd) {
-    for _ in 0..3 {
-        // SAFETY: setns on the calling thread with our own pid-namespace fd.
-        if unsafe { libc::setns(host_ns, libc::CLONE_NEWPID) } == 0 {
-            return;
-        }
-    }
-    let msg = b"corral._core: cannot restore the daemon's pid namespace; aborting\n";
-    // SAFETY: write to stderr from a static buffer, then abort.
-    unsafe {
-        libc::write(2, msg.as_ptr() as *const c_void, msg.len());
-        libc::abort();
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
-// child side: async-signal-safe only (see child.rs)
+// helper side: async-signal-safe only (see child.rs)
 
 #[inline]
 fn ck(r: &Report, rc: c_long) {
@@ -405,17 +423,17 @@ fn ck_res(r: &Report, res: Result<(), c_int>) {
     }
 }
 
-extern "C" fn enter_child(arg: *mut c_void) -> c_int {
-    // SAFETY: `arg` is the parent's `Ctx`, alive and untouched until we exec or exit.
+extern "C" fn helper(arg: *mut c_void) -> c_int {
+    // SAFETY: `arg` is the parent's `Ctx`, alive and untouched until we exit.
     let c = unsafe { &*(arg as *const Ctx) };
     // SAFETY: raw syscalls / async-signal-safe wrappers on prepared data only.
-    unsafe { run_child(c) }
+    unsafe { run_helper(c) }
 }
 
-unsafe fn run_child(c: &Ctx) -> c_int {
+unsafe fn run_helper(c: &Ctx) -> c_int {
     let r = &c.report;
     let at = |s: Step| r.at(s as u32);
-    // SAFETY: (whole body) raw syscalls on prepared data; see enter_child.
+    // SAFETY: (whole body) raw syscalls on prepared data; see helper.
     unsafe {
         // Before anything else: the fd table is still the daemon's (CLONE_FILES).
         at(Step::FdTable);
@@ -430,21 +448,20 @@ unsafe fn run_child(c: &Ctx) -> c_int {
             );
         }
 
+        // CLONE_NEWPID: our pid_for_children only; we stay in the daemon's pid namespace.
         at(Step::Setns);
         let ns = libc::CLONE_NEWNS
             | libc::CLONE_NEWUTS
             | libc::CLONE_NEWIPC
             | libc::CLONE_NEWNET
-            | libc::CLONE_NEWCGROUP;
+            | libc::CLONE_NEWCGROUP
+            | libc::CLONE_NEWPID;
         ck(r, libc::setns(c.pidfd, ns) as c_long);
 
         at(Step::Chroot);
         ck(r, libc::fchdir(c.root_fd) as c_long);
         ck(r, libc::chroot(c".".as_ptr()) as c_long);
         ck(r, libc::chdir(c"/".as_ptr()) as c_long);
-
-        at(Step::Setsid);
-        ck(r, libc::setsid() as c_long);
 
         at(Step::Stdio);
         let mut src = c.stdio;
@@ -473,11 +490,8 @@ unsafe fn run_child(c: &Ctx) -> c_int {
                 ck(r, libc::dup2(s, i) as c_long);
             }
         }
-        if c.tty {
-            at(Step::ControllingTty);
-            ck(r, libc::ioctl(0, libc::TIOCSCTTY as _, 0) as c_long);
-        }
 
+        // The command inherits a copy of this table: stdio only.
         at(Step::CloseFds);
         ck(
             r,
@@ -510,12 +524,42 @@ unsafe fn run_child(c: &Ctx) -> c_int {
             at(Step::Landlock);
             ck_res(r, harden::landlock_scope_unix());
         }
+        // The memory the command starts with is a copy of ours: never dumpable, whatever
+        // fs.suid_dumpable made of the flag at set_ids (the daemon itself is not dumpable).
+        libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
         at(Step::Seccomp);
         ck_res(r, harden::apply_seccomp(c.seccomp));
 
+        at(Step::Fork);
+        // Not clone3 (the filter just installed answers ENOSYS); no CLONE_NEW* flag either.
+        let pid = libc::syscall(
+            libc::SYS_clone,
+            (libc::CLONE_PARENT | libc::SIGCHLD) as c_long,
+            0 as c_long,
+            0 as c_long,
+            0 as c_long,
+            0 as c_long,
+        );
+        if pid == 0 {
+            command(c);
+        }
+        ck(r, pid);
+        c.command_pid.store(pid as i32, Ordering::SeqCst);
+        libc::_exit(0)
+    }
+}
+
+/// The command process, in its own copy of the helper's memory (nothing it writes reaches
+/// the daemon): a session of its own, then exec.
+unsafe fn command(c: &Ctx) -> ! {
+    // SAFETY: raw syscalls on prepared data in our own copy of the memory.
+    unsafe {
+        libc::setsid();
+        if c.tty && libc::ioctl(0, libc::TIOCSCTTY as _, 0) < 0 {
+            libc::_exit(125);
+        }
         libc::umask(0o022);
         harden::unblock_all_signals();
-        at(Step::Exec);
         let mut denied = false;
         for cand in &c.candidates {
             libc::execve(cand.as_ptr(), c.argv_ptrs.as_ptr(), c.envp_ptrs.as_ptr());

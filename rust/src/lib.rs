@@ -263,6 +263,12 @@ fn exec_in(py: Python<'_>, cfg: &Bound<'_, PyDict>) -> PyResult<i32> {
     Ok(py.detach(|| enter::exec_in(&c))?)
 }
 
+/// At the daemon's start: not dumpable, `secret_flags`' values blanked in its command line.
+#[pyfunction]
+fn harden_daemon(secret_flags: Vec<String>) -> PyResult<()> {
+    Ok(enter::harden_daemon(&secret_flags)?)
+}
+
 /// The daemon's end of a sandbox init's exec channel (see corral-init.c), from its pidfd.
 #[pyfunction]
 fn init_channel(pidfd: RawFd) -> PyResult<RawFd> {
@@ -411,6 +417,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(init_memfd, m)?)?;
     m.add_function(wrap_pyfunction!(spawn_sandbox, m)?)?;
     m.add_function(wrap_pyfunction!(exec_in, m)?)?;
+    m.add_function(wrap_pyfunction!(harden_daemon, m)?)?;
     m.add_function(wrap_pyfunction!(netns_new, m)?)?;
     m.add_function(wrap_pyfunction!(mount_tmpfs, m)?)?;
     m.add_function(wrap_pyfunction!(umount, m)?)?;

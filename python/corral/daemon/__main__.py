@@ -239,6 +239,16 @@ async def serve(cfg: config.Config) -> None:
         log.info("corrald stopped")
 
 
+def harden_self() -> None:
+    """Before anything else: not dumpable, so code in a sandbox (root there, never with
+    CAP_SYS_PTRACE) cannot ptrace corrald or read its memory, environment (the TCP token) or
+    fds through /proc or process_vm_readv, nor those of anything it forks; and the token's
+    value blanked in the command line, which /proc/PID/cmdline shows to anyone."""
+    from corral import _core
+
+    _core.harden_daemon(["--token"])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = build_config(args)
@@ -247,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         log.error("corrald must run as root (it makes namespaces, mounts and cgroups)")
         return 1
+    harden_self()
     changed = raise_kernel_limits(cfg.max_sandboxes)
     if changed:
         log.info("raised kernel limits", extra={k: f"{a} -> {b}" for k, (a, b) in changed.items()})

@@ -13,8 +13,11 @@ Wire format (native endianness, both sides on one host):
 
 - request: ``struct req {u32 magic, id, uid, gid, flags, ngroups, nargv, nenv, ncand}``, then
   ``u32 groups[ngroups]``, then NUL-terminated strings: argv, env, the exec candidates (PATH
-  already resolved here, as ``exec_in`` does) and the cwd last; SCM_RIGHTS: stdin, stdout,
-  stderr (or only stdout, stderr with ``NULL_STDIN``);
+  already resolved here, as ``exec_in`` does) and the cwd last, nothing after it; SCM_RIGHTS:
+  stdin, stdout, stderr (or only stdout, stderr with ``NULL_STDIN``). A request beyond one
+  message (``MAX_MSG``, ``MAX_STRINGS``, ``MAX_GROUPS``) sends the header alone with
+  ``MEMFD`` and everything after it in a memfd with every seal set, attached last (at most
+  ``MAX_BIG`` bytes); the init maps it read-only for the time of the request;
 - answer: ``struct reply {u32 magic, id; i32 value, step}``: ``REPLY`` (value = the pid in the
   sandbox with a pidfd attached, or -errno) or ``FAIL`` (the child failed at ``step`` with
   errno = value before exec; a ``REPLY`` follows).
@@ -41,11 +44,23 @@ REPLY_MAGIC = 0x31525243
 FAIL_MAGIC = 0x31465243
 NULL_STDIN = 1
 SCOPE_UNIX = 2             # network "disabled": the command gets a Landlock domain of its own
+MEMFD = 4                  # the body is in a sealed memfd
 MAX_MSG = 65536            # the init's receive buffer
 MAX_STRINGS = 1024
 MAX_GROUPS = 64
+MAX_BIG = 4 << 20          # a memfd body (corral-init.c)
+MAX_BIG_STRINGS = 1 << 18
+MAX_BIG_GROUPS = 65536     # NGROUPS_MAX
+# What execve accepts by default (ARG_MAX with an 8 MiB stack: argv and env strings with their
+# NULs and pointers) and per string (MAX_ARG_STRLEN); beyond, the command is refused up front.
+MAX_ARG_BYTES = 2 << 20
+MAX_ARG_STRLEN = 128 << 10
 ANSWER_TIMEOUT_S = 5.0     # a healthy init answers in well under a millisecond
-# Requests awaiting their answer per sandbox; more take the daemon's own path. It bounds what
+# Waiting for room to send, then for the answer, on the daemon's loop: generous, as a loaded
+# host may schedule an init late; an init that still has not answered is held by something in
+# its own sandbox (a stopped child), and the command fails with ExecStalled.
+WAIT_TIMEOUT_S = 30.0
+# Requests awaiting their answer per sandbox; more wait for one to be answered. It bounds what
 # the init may have to queue towards us, so an answer always fits the socket's buffer.
 MAX_IN_FLIGHT = 16
 _REQ = struct.Struct("=9I")
@@ -62,7 +77,21 @@ _INFO_EXIT_OFF = 60       # s32 exit_code, a wait(2) status
 
 
 class Busy(Exception):
-    """The init's queue is full (nothing was sent): use the daemon's own exec path."""
+    """Nothing was sent (the channel is closed, or watched by a loop): use the daemon's own
+    exec path."""
+
+
+class Full(Busy):
+    """No room now (MAX_IN_FLIGHT answers awaited, or the socket's buffer is full): nothing
+    was sent. ``submit_when_ready`` waits for room instead."""
+
+
+class Invalid(ValueError):
+    """A command no exec path can start (too large, NUL bytes): bad input."""
+
+
+class Stalled(Exception):
+    """The init did not take the command, or did not answer, within WAIT_TIMEOUT_S."""
 
 
 class Gone(Exception):
@@ -95,25 +124,64 @@ def candidates(argv0: str, env: dict[str, str], default_path: str) -> list[str]:
     return [f"{'.' if not d else d.rstrip('/')}/{argv0}" for d in path.split(":")]
 
 
+def check_size(argv: list[str], env: dict[str, str]) -> None:
+    """Invalid unless execve could take this argv and env (the same rule for every path)."""
+    if not argv or not argv[0]:
+        raise Invalid("argv must not be empty")
+    total = 0
+    for x in (*argv, *(f"{k}={v}" for k, v in env.items())):
+        n = len(x.encode(errors="surrogateescape")) + 1
+        if n > MAX_ARG_STRLEN:
+            raise Invalid(f"an argument or environment string is longer than {MAX_ARG_STRLEN}"
+                          " bytes")
+        total += n + 8
+    if total > MAX_ARG_BYTES:
+        raise Invalid(f"argv and env take more than {MAX_ARG_BYTES} bytes")
+
+
 def encode(req_id: int, argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int,
            groups: list[int], cands: list[str], null_stdin: bool,
-           scope_unix: bool = False) -> bytes | None:
-    """One request, or None if this command does not fit the init's limits (the caller then
-    uses the daemon's own path, which reports bad input with the usual errors)."""
+           scope_unix: bool = False) -> tuple[bytes, bytes | None]:
+    """One request: (message, None), or (header, body) for a memfd. Invalid if no init can
+    take it."""
+    check_size(argv, env)
     strings = [*argv, *(f"{k}={v}" for k, v in env.items()), *cands, cwd or "/"]
-    if (not argv or not argv[0] or len(groups) > MAX_GROUPS
-            or len(strings) - 1 > MAX_STRINGS or any("\0" in s for s in strings)):
-        return None
+    if any("\0" in s for s in strings):
+        raise Invalid("NUL byte in argv, env or cwd")
+    if len(groups) > MAX_BIG_GROUPS:
+        raise Invalid(f"more than {MAX_BIG_GROUPS} supplementary groups")
+    if len(strings) - 1 > MAX_BIG_STRINGS:
+        raise Invalid("too many arguments, environment variables and PATH entries")
     try:
         body = b"".join(s.encode() + b"\0" for s in strings)
         gids = struct.pack(f"={len(groups)}I", *groups)
-        flags = (NULL_STDIN if null_stdin else 0) | (SCOPE_UNIX if scope_unix else 0)
-        head = _REQ.pack(REQ_MAGIC, req_id, uid, gid, flags, len(groups), len(argv), len(env),
-                         len(cands))
-    except (UnicodeEncodeError, struct.error):
-        return None
-    msg = head + gids + body
-    return msg if len(msg) <= MAX_MSG else None
+    except (UnicodeEncodeError, struct.error) as e:
+        raise Invalid(f"cannot encode the command: {e}") from None
+    inline = (len(groups) <= MAX_GROUPS and len(strings) - 1 <= MAX_STRINGS
+              and _REQ.size + len(gids) + len(body) <= MAX_MSG)
+    if not inline and len(gids) + len(body) > MAX_BIG:
+        raise Invalid(f"the command with its environment and PATH takes more than {MAX_BIG}"
+                      " bytes")
+    flags = ((NULL_STDIN if null_stdin else 0) | (SCOPE_UNIX if scope_unix else 0)
+             | (0 if inline else MEMFD))
+    head = _REQ.pack(REQ_MAGIC, req_id, uid & 0xFFFFFFFF, gid & 0xFFFFFFFF, flags,
+                     len(groups), len(argv), len(env), len(cands))
+    return (head + gids + body, None) if inline else (head, gids + body)
+
+
+def sealed_memfd(data: bytes) -> int:
+    """A memfd holding ``data`` that nobody can change any more (every seal set)."""
+    fd = os.memfd_create("corral-exec", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK
+                    | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class Channel:
@@ -124,7 +192,7 @@ class Channel:
     busy core, may only get to answer once the command it started has run). ``spawn`` is the
     blocking form, for callers without a loop (tests, tools). The socket is non-blocking."""
 
-    __slots__ = ("sock", "lock", "ids", "loop", "waiting", "failed")
+    __slots__ = ("sock", "lock", "ids", "loop", "waiting", "failed", "room")
 
     def __init__(self, fd: int) -> None:
         self.sock = socket.socket(fileno=fd)
@@ -136,6 +204,8 @@ class Channel:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.waiting: dict[int, asyncio.Future[Spawned]] = {}
         self.failed: dict[int, ChildFailed] = {}
+        # submit_when_ready's waiters: woken whenever an answer arrives (room was made).
+        self.room: list[asyncio.Future[None]] = []
 
     def close(self) -> None:
         """Close the channel; every answer still awaited fails with Gone. From another thread
@@ -150,6 +220,7 @@ class Channel:
         self._unwatch()
         self._fail_waiting("the sandbox is being destroyed")
         self.sock.close()
+        self._wake()
 
     def _fail_waiting(self, why: str) -> None:
         """Every answer still awaited fails with Gone(why)."""
@@ -168,17 +239,22 @@ class Channel:
             raise Busy("the channel is closed")
         req_id = next(self.ids) & 0xFFFFFFFF
         stdin, stdout, stderr = stdio
-        msg = encode(req_id, argv, env, cwd, uid, gid, groups, cands, stdin < 0, scope_unix)
-        if msg is None:
-            raise Busy("the command does not fit the init's limits")
+        msg, body = encode(req_id, argv, env, cwd, uid, gid, groups, cands, stdin < 0,
+                           scope_unix)
         fds = [stdout, stderr] if stdin < 0 else [stdin, stdout, stderr]
+        memfd = sealed_memfd(body) if body is not None else -1
+        if memfd >= 0:
+            fds.append(memfd)
         try:
             self.sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                        array.array("i", fds))])
         except BlockingIOError:
-            raise Busy("the init's queue is full") from None
+            raise Full("the init's queue is full") from None
         except (BrokenPipeError, ConnectionError):
             raise Gone("the sandbox's init is gone") from None
+        finally:
+            if memfd >= 0:
+                os.close(memfd)
         return req_id
 
     def submit(self, loop: asyncio.AbstractEventLoop, argv: list[str], env: dict[str, str],
@@ -188,7 +264,7 @@ class Channel:
         copies); the future gets the Spawned, or Gone / ChildFailed / OSError. Raises Busy if
         nothing was sent. Loop thread only."""
         if len(self.waiting) >= MAX_IN_FLIGHT:
-            raise Busy("enough requests in flight in this sandbox")
+            raise Full("enough requests in flight in this sandbox")
         with self.lock:
             if not self.waiting:
                 self._drain()
@@ -199,6 +275,40 @@ class Channel:
             loop.add_reader(self.sock.fileno(), self._on_readable)
             self.loop = loop
         return fut
+
+    async def submit_when_ready(self, loop: asyncio.AbstractEventLoop, deadline: float,
+                                *args: object) -> asyncio.Future[Spawned]:
+        """``submit`` once there is room (an answer arrived), until ``deadline`` (loop time):
+        then Stalled. The stdio fds in ``args`` must stay open until this returns."""
+        while True:
+            try:
+                return self.submit(loop, *args)  # type: ignore[arg-type]
+            except Full:
+                pass
+            if self.sock.fileno() < 0:
+                raise Gone("the sandbox is being destroyed")
+            left = deadline - loop.time()
+            if left <= 0:
+                raise Stalled("the sandbox's init has taken no command for "
+                              f"{WAIT_TIMEOUT_S:.0f}s")
+            if self.loop is None:  # nothing in flight is ours: the socket is full of a
+                loop.add_reader(self.sock.fileno(), self._on_readable)  # predecessor's
+                self.loop = loop
+            room: asyncio.Future[None] = loop.create_future()
+            self.room.append(room)
+            try:
+                await asyncio.wait_for(room, left)
+            except TimeoutError:
+                pass
+            finally:
+                if room in self.room:
+                    self.room.remove(room)
+
+    def _wake(self) -> None:
+        room, self.room = self.room, []
+        for f in room:
+            if not f.done():
+                f.set_result(None)
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int,
               groups: list[int], cands: list[str], stdio: tuple[int, int, int],
@@ -228,6 +338,12 @@ class Channel:
 
     # ---- answers --------------------------------------------------------------------------
     def _on_readable(self) -> None:
+        try:
+            self._read_answers()
+        finally:
+            self._wake()
+
+    def _read_answers(self) -> None:
         while True:
             try:
                 data, fds = self._recv()

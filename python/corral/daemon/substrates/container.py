@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -30,6 +29,7 @@ import stat as stat_mod
 import tarfile
 import threading
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from corral import _core
@@ -38,6 +38,7 @@ from corral.errors import (
     CapacityExceeded,
     CorralError,
     DirectoryNotEmpty,
+    ExecStalled,
     FileExists,
     FileNotFound,
     InternalError,
@@ -129,6 +130,9 @@ def proc_alive(pid: int, starttime: int) -> bool:
 # are opened on demand: the daemon's fd table must not grow with the number of sandboxes (its
 # RLIMIT_NOFILE may be as low as 20,000 where it cannot raise its hard limit).
 ROOT_CACHE = int(os.environ.get("CORRAL_ROOT_FD_CACHE", "1024"))
+# The daemon's own exec path takes well under a millisecond; a command not started after this
+# fails with ExecStalled (and is killed if it appears later).
+SPAWN_TIMEOUT_S = 30.0
 
 
 # destroy_many: inits signalled ahead of their destroy (each holds a pidfd until destroyed).
@@ -385,6 +389,59 @@ def _kill_abandoned(job: asyncio.Future[int]) -> None:
     threading.Thread(target=_reap_later, args=(pid,), daemon=True).start()
 
 
+async def _within(fut: asyncio.Future[Any], timeout: float, what: str) -> Any:
+    """Await ``fut``; after ``timeout`` cancel it and raise ExecStalled(what). Unlike
+    wait_for, a cancelled caller always gets CancelledError, even if ``fut`` just finished."""
+    expired = False
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        fut.cancel()
+
+    timer = asyncio.get_running_loop().call_later(timeout, expire)
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        if expired:
+            raise ExecStalled(what) from None
+        raise
+    finally:
+        timer.cancel()
+
+
+def _in_thread(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> asyncio.Future[Any]:
+    """Run ``fn(*args)`` in a new thread (no pool shared across sandboxes); a future of the
+    loop's. A pid it returns after the loop closed is killed and reaped."""
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if fut.done():
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def run() -> None:
+        try:
+            out: tuple[bool, Any] = (True, fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            out = (False, e)
+        try:
+            loop.call_soon_threadsafe(settle, *out)
+        except RuntimeError:  # the loop is closed: nobody will watch the command
+            if out[0] and isinstance(out[1], int):
+                try:
+                    os.killpg(out[1], signal.SIGKILL)
+                except OSError:
+                    pass
+                _reap_later(out[1])
+
+    threading.Thread(target=run, name="corral-exec", daemon=True).start()
+    return fut
+
+
 def _reap_later(pid: int) -> None:
     try:
         os.waitpid(pid, 0)
@@ -473,9 +530,8 @@ class ContainerSubstrate(Substrate):
         self._chans: collections.OrderedDict[str, initexec.Channel | None] = \
             collections.OrderedDict()
         self.exec_paths = {"init": 0, "daemon": 0}  # commands started each way (/metrics)
-        # The daemon's own path when an event loop waits for it (see _spawn_off_loop).
-        self._fallback_pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=16, thread_name_prefix="corral-exec")
+        # The daemon's own path when an event loop waits for it (see _spawn_off_loop): a
+        # thread per command, one command at a time per sandbox; nothing shared across them.
         self._fallback_gates: dict[str, asyncio.Lock] = {}
         if netns_pool is None:
             netns_pool = int(os.environ.get("CORRAL_NETNS_POOL", "32"))
@@ -532,8 +588,6 @@ class ContainerSubstrate(Substrate):
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
-        # A worker still held by a stopped child is freed when its sandbox goes; don't wait.
-        self._fallback_pool.shutdown(wait=False, cancel_futures=True)
         self.netns.close()
         drop = getattr(self.cgroups, "drop_spares", None)
         if drop is not None:
@@ -994,6 +1048,10 @@ class ContainerSubstrate(Substrate):
     # ---- exec ----------------------------------------------------------------------------
     def spawn(self, runtime: SandboxRuntime, spec: ExecSpec,
               loop: asyncio.AbstractEventLoop | None = None) -> Spawn:
+        try:  # the same limits on every path: what execve would take
+            initexec.check_size(list(spec.argv), spec.env)
+        except initexec.Invalid as e:
+            raise InvalidRequest(str(e)) from None
         via_init = self._spawn_via_init(runtime, spec, loop)
         if via_init is not None:
             self.exec_paths["init"] += 1
@@ -1009,40 +1067,41 @@ class ContainerSubstrate(Substrate):
 
     async def _spawn_off_loop(self, runtime: SandboxRuntime, spec: ExecSpec,
                               loop: asyncio.AbstractEventLoop) -> int:
-        """The daemon's own path, in a worker thread, one at a time per sandbox. Its child is
-        in the sandbox's pid namespace before it execs, and the calling thread waits for that
-        exec (vfork): code in the sandbox that stops the child (SIGSTOP, same uid) holds the
-        thread until the sandbox is destroyed. On the loop's thread that would stop the whole
-        daemon; here it holds one worker, and only one per sandbox."""
+        """The daemon's own path, in a thread of its own, one command at a time per sandbox.
+        Nothing a sandbox does can hold the thread (exec_in's helper is outside its pid
+        namespace and returns once the command is forked); should the kernel hold it anyway,
+        the caller gets ExecStalled after SPAWN_TIMEOUT_S, only this sandbox's next command
+        waits for the thread, and the command is killed once it appears."""
         sid = runtime.sandbox_id
         with self._lock:
             gate = self._fallback_gates.get(sid)
             if gate is None:
                 gate = self._fallback_gates[sid] = asyncio.Lock()
         fds = [fd for fd in (spec.stdin_fd, spec.stdout_fd, spec.stderr_fd) if fd >= 0]
+        abandoned = False
 
-        def done_with(job: asyncio.Future[int] | None, abandoned: bool) -> None:
-            for fd in fds:  # our copies: only once the worker is done with them
+        def done(job: asyncio.Future[int]) -> None:
+            gate.release()
+            for fd in fds:  # our copies: only once the thread is done with them
                 os.close(fd)
-            if abandoned and job is not None:
+            if abandoned:
                 _kill_abandoned(job)
 
-        job: asyncio.Future[int] | None = None
         try:
-            async with gate:
-                job = loop.run_in_executor(self._fallback_pool, self._spawn_here, runtime, spec)
-                pid = await asyncio.shield(job)
-        except asyncio.CancelledError:  # the caller gave up: no unobserved command
-            if job is not None and not job.done():
-                job.add_done_callback(lambda j: done_with(j, True))
-            else:
-                done_with(job, True)
-            raise
+            await _within(loop.create_task(gate.acquire()), SPAWN_TIMEOUT_S,
+                          "this sandbox's previous command has not started yet")
         except BaseException:
-            done_with(job, False)
+            for fd in fds:
+                os.close(fd)
             raise
-        done_with(job, False)
-        return pid
+        job = _in_thread(loop, self._spawn_here, runtime, spec)
+        job.add_done_callback(done)
+        try:
+            return await _within(asyncio.shield(job), SPAWN_TIMEOUT_S,
+                                 f"the command did not start within {SPAWN_TIMEOUT_S:.0f}s")
+        except (ExecStalled, asyncio.CancelledError):  # no unobserved command
+            abandoned = True
+            raise
 
     def _spawn_here(self, runtime: SandboxRuntime, spec: ExecSpec) -> int:
         with self._rooted(runtime) as root:
@@ -1129,16 +1188,46 @@ class ContainerSubstrate(Substrate):
         try:
             if loop is None:
                 return chan.spawn(*args)
-            return self._answer(runtime, chan.submit(loop, *args))
+            try:
+                return self._answer(runtime, chan.submit(loop, *args))
+            except initexec.Full:  # wait for room: never the daemon's path because of load
+                return self._submit_later(runtime, chan, loop, args)
+        except initexec.Invalid as e:
+            raise InvalidRequest(str(e)) from None
         except initexec.Busy:
             return None
         except (initexec.Gone, OSError) as e:
             raise self._spawn_error(runtime, e) from e
 
+    def _submit_later(self, runtime: SandboxRuntime, chan: initexec.Channel,
+                      loop: asyncio.AbstractEventLoop,
+                      args: tuple[Any, ...]) -> Awaitable[initexec.Spawned]:
+        """Send once the init has room (copies of the stdio fds: the caller closes its own
+        when we return), then await the answer; ExecStalled after WAIT_TIMEOUT_S."""
+        stdio = tuple(_dup(fd) for fd in args[7])
+        own = (*args[:7], stdio, *args[8:])
+
+        async def later() -> initexec.Spawned:
+            try:
+                deadline = loop.time() + initexec.WAIT_TIMEOUT_S
+                fut = await chan.submit_when_ready(loop, deadline, *own)
+            except initexec.Stalled as e:
+                raise ExecStalled(str(e)) from None
+            except (initexec.Gone, OSError) as e:
+                raise self._spawn_error(runtime, e) from e
+            finally:
+                for fd in stdio:
+                    if fd >= 0:
+                        os.close(fd)
+            return await self._answer(runtime, fut)
+
+        return later()
+
     async def _answer(self, runtime: SandboxRuntime,
                       fut: asyncio.Future[initexec.Spawned]) -> initexec.Spawned:
-        try:
-            return await fut
+        try:  # on timeout fut is cancelled: the command is killed when its answer comes
+            return await _within(fut, initexec.WAIT_TIMEOUT_S, "the sandbox's init did not "
+                                 f"answer within {initexec.WAIT_TIMEOUT_S:.0f}s")
         except (initexec.Gone, OSError) as e:
             raise self._spawn_error(runtime, e) from e
 
