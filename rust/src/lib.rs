@@ -12,6 +12,7 @@ mod harden;
 mod hostmount;
 mod layer;
 mod spawn;
+mod tree;
 
 use std::ffi::OsString;
 use std::os::fd::{IntoRawFd, RawFd};
@@ -79,6 +80,9 @@ impl From<FsError> for PyErr {
     fn from(e: FsError) -> PyErr {
         match e {
             FsError::Invalid(m) => PyValueError::new_err(m),
+            FsError::Forbidden { op, path, msg } => {
+                ForbiddenPath::new_err((libc::EACCES, format!("{op}: {msg}"), path))
+            }
             FsError::Os {
                 op,
                 errno,
@@ -94,6 +98,13 @@ impl From<LayerError> for PyErr {
         os_error(e.errno(), format!("capture_layer: {e}"))
     }
 }
+
+pyo3::create_exception!(
+    _core,
+    ForbiddenPath,
+    PyOSError,
+    "A path the files API never serves (kernel pseudo-filesystem, device, FIFO, socket)."
+);
 
 fn io_err(what: &str, e: std::io::Error) -> PyErr {
     let errno = e.raw_os_error().unwrap_or(libc::EIO);
@@ -286,6 +297,24 @@ fn fs_read<'py>(
     Ok(PyBytes::new(py, &data))
 }
 
+/// (fd, size): a readable fd of the regular file at `path`, checked as fs_read checks it
+/// (the caller reads it in bounded chunks and closes it).
+#[pyfunction]
+fn fs_open_read(py: Python<'_>, root_fd: RawFd, path: OsString) -> PyResult<(RawFd, u64)> {
+    let (fd, size) = py.detach(|| fs::open_read(root_fd, &path))?;
+    Ok((fd.into_raw_fd(), size))
+}
+
+/// rm -rf of a host path a sandbox controlled: iterative at any depth, bounded fds, never
+/// following a symlink, never crossing a mount (see tree.rs).
+#[pyfunction]
+fn remove_tree(py: Python<'_>, path: OsString) -> PyResult<()> {
+    let c = std::ffi::CString::new(path.into_encoded_bytes())
+        .map_err(|_| PyValueError::new_err("a path holds a NUL byte"))?;
+    py.detach(|| tree::remove_path(&c))
+        .map_err(|e| os_error(e.raw_os_error(), format!("remove_tree: {}", harden::strerror(e.raw_os_error()))))
+}
+
 #[pyfunction]
 #[pyo3(signature = (root_fd, path, data, mode = 0o644, make_parents = true))]
 fn fs_write(
@@ -415,6 +444,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(root_fd, m)?)?;
     m.add_function(wrap_pyfunction!(init_channel, m)?)?;
     m.add_function(wrap_pyfunction!(fs_read, m)?)?;
+    m.add_function(wrap_pyfunction!(fs_open_read, m)?)?;
+    m.add_function(wrap_pyfunction!(remove_tree, m)?)?;
+    m.add("ForbiddenPath", m.py().get_type::<ForbiddenPath>())?;
     m.add_function(wrap_pyfunction!(fs_write, m)?)?;
     m.add_function(wrap_pyfunction!(fs_list, m)?)?;
     m.add_function(wrap_pyfunction!(fs_stat, m)?)?;
