@@ -344,9 +344,7 @@ pub fn read(root: RawFd, path: &OsStr, max_bytes: u64) -> Result<Vec<u8>> {
     let st_size = size;
     // At most `max_bytes`: the caller compares the length with its limit to spot truncation.
     let max = usize::try_from(max_bytes).unwrap_or(usize::MAX);
-    let want = usize::try_from(st_size)
-        .unwrap_or(usize::MAX)
-        .min(max);
+    let want = usize::try_from(st_size).unwrap_or(usize::MAX).min(max);
     let mut buf = vec![0u8; want];
     let mut len = 0;
     loop {
@@ -593,7 +591,7 @@ pub fn chmod(root: RawFd, path: &OsStr, mode: u32) -> Result<()> {
     }
     check_fs_type(fd.as_fd(), OP, &p)?;
     check_kind(&st, OP, &p)?; // a bind-mounted host device node is the host's inode
-    // fchmod refuses O_PATH fds; the fd's /proc/self/fd magic link reaches the same inode.
+                              // fchmod refuses O_PATH fds; the fd's /proc/self/fd magic link reaches the same inode.
     let proc_path = format!("/proc/self/fd/{}", fd.as_raw_fd());
     rfs::chmod(proc_path.as_str(), Mode::from_raw_mode(mode & 0o7777))
         .map_err(|e| FsError::os(OP, &p, e))

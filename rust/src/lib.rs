@@ -95,9 +95,19 @@ impl From<FsError> for PyErr {
 
 impl From<LayerError> for PyErr {
     fn from(e: LayerError) -> PyErr {
-        os_error(e.errno(), format!("capture_layer: {e}"))
+        match e {
+            LayerError::Limit { what, limit } => LayerLimit::new_err((what, limit)),
+            e => os_error(e.errno(), format!("capture_layer: {e}")),
+        }
     }
 }
+
+pyo3::create_exception!(
+    _core,
+    LayerLimit,
+    pyo3::exceptions::PyException,
+    "A capture passed one of its limits: args (what, limit), what in bytes, entries, depth."
+);
 
 pyo3::create_exception!(
     _core,
@@ -311,8 +321,12 @@ fn fs_open_read(py: Python<'_>, root_fd: RawFd, path: OsString) -> PyResult<(Raw
 fn remove_tree(py: Python<'_>, path: OsString) -> PyResult<()> {
     let c = std::ffi::CString::new(path.into_encoded_bytes())
         .map_err(|_| PyValueError::new_err("a path holds a NUL byte"))?;
-    py.detach(|| tree::remove_path(&c))
-        .map_err(|e| os_error(e.raw_os_error(), format!("remove_tree: {}", harden::strerror(e.raw_os_error()))))
+    py.detach(|| tree::remove_path(&c)).map_err(|e| {
+        os_error(
+            e.raw_os_error(),
+            format!("remove_tree: {}", harden::strerror(e.raw_os_error())),
+        )
+    })
 }
 
 #[pyfunction]
@@ -390,8 +404,17 @@ fn fs_chmod(py: Python<'_>, root_fd: RawFd, path: OsString, mode: u32) -> PyResu
 /// Copy a frozen sandbox's overlay upper dirs to a new snapshot layer and hash it in one pass:
 /// `parts` is [(n, upper dir, new dir)], a dir is made only for a non-empty upper. Returns
 /// (blake3 digest hex of the layer's manifest, bytes of file data). See layer.rs.
+/// Bounds: `max_bytes` of file content (apparent size), `max_entries`, `max_depth` levels;
+/// passing one raises LayerLimit(what, limit).
 #[pyfunction]
-fn capture_layer(py: Python<'_>, parts: Vec<(u32, OsString, OsString)>) -> PyResult<(String, u64)> {
+#[pyo3(signature = (parts, max_bytes = u64::MAX, max_entries = 1_000_000, max_depth = 512))]
+fn capture_layer(
+    py: Python<'_>,
+    parts: Vec<(u32, OsString, OsString)>,
+    max_bytes: u64,
+    max_entries: u64,
+    max_depth: usize,
+) -> PyResult<(String, u64)> {
     let parts = parts
         .into_iter()
         .map(|(n, src, dst)| {
@@ -406,7 +429,12 @@ fn capture_layer(py: Python<'_>, parts: Vec<(u32, OsString, OsString)>) -> PyRes
             })
         })
         .collect::<PyResult<Vec<_>>>()?;
-    Ok(py.detach(|| layer::capture(&parts))?)
+    let limits = layer::Limits {
+        max_bytes,
+        max_entries,
+        max_depth: max_depth.max(1),
+    };
+    Ok(py.detach(|| layer::capture(&parts, limits))?)
 }
 
 /// Step timings (name, ns) of the calling thread's last spawn_sandbox or exec_in ("exec_in").
@@ -447,6 +475,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fs_open_read, m)?)?;
     m.add_function(wrap_pyfunction!(remove_tree, m)?)?;
     m.add("ForbiddenPath", m.py().get_type::<ForbiddenPath>())?;
+    m.add("LayerLimit", m.py().get_type::<LayerLimit>())?;
     m.add_function(wrap_pyfunction!(fs_write, m)?)?;
     m.add_function(wrap_pyfunction!(fs_list, m)?)?;
     m.add_function(wrap_pyfunction!(fs_stat, m)?)?;
