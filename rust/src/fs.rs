@@ -368,6 +368,23 @@ pub fn read(root: RawFd, path: &OsStr, max_bytes: u64) -> Result<Vec<u8>> {
 
 pub fn write(root: RawFd, path: &OsStr, data: &[u8], mode: u32, make_parents: bool) -> Result<()> {
     const OP: &str = "write";
+    let fd = open_write(root, path, mode, make_parents)?;
+    let p = Norm::new(path)?;
+    let mut off = 0;
+    while off < data.len() {
+        match rustix::io::write(&fd, &data[off..]) {
+            Ok(n) => off += n,
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(FsError::os(OP, &p, e)),
+        }
+    }
+    Ok(())
+}
+
+/// Create or truncate the regular file at `path` (a new one gets exactly `mode`); returns an
+/// fd to write it through (the caller writes in chunks and closes it).
+pub fn open_write(root: RawFd, path: &OsStr, mode: u32, make_parents: bool) -> Result<OwnedFd> {
+    const OP: &str = "write";
     let root = borrow(root)?;
     let p = Norm::new(path)?;
     let Some(base) = p.base() else {
@@ -414,15 +431,7 @@ pub fn write(root: RawFd, path: &OsStr, data: &[u8], mode: u32, make_parents: bo
     } else {
         rfs::ftruncate(&fd, 0).map_err(|e| FsError::os(OP, &p, e))?;
     }
-    let mut off = 0;
-    while off < data.len() {
-        match rustix::io::write(&fd, &data[off..]) {
-            Ok(n) => off += n,
-            Err(Errno::INTR) => continue,
-            Err(e) => return Err(FsError::os(OP, &p, e)),
-        }
-    }
-    Ok(())
+    Ok(fd)
 }
 
 /// Entries of a directory: (name, kind, size, mode, mtime), sorted by name; symlinks are not

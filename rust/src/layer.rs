@@ -297,10 +297,11 @@ impl Walker {
             Err(Errno::NOENT) => return Ok(()),
             Err(e) => return Err(os_err("open", p.src.to_bytes(), e)),
         };
-        let names = self.list(src.as_fd(), p.src.to_bytes())?;
+        let mut names = self.list(src.as_fd(), p.src.to_bytes())?;
         if names.is_empty() {
             return Ok(());
         }
+        names.reverse(); // popped from the end: smallest first
         self.manifest
             .extend_from_slice(format!("part {}\n", p.n).as_bytes());
         // The daemon may have made the part dir ahead (a spare layer dir, off the request

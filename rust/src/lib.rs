@@ -203,6 +203,7 @@ fn spawn_config(cfg: &Bound<'_, PyDict>) -> PyResult<SpawnConfig> {
         netns_fd: opt(cfg, "netns_fd", None)?,
         unix_only: opt(cfg, "unix_only", false)?,
         mask_dir: opt(cfg, "mask_dir", None)?,
+        tmp_size_mb: opt(cfg, "tmp_size_mb", None)?,
     })
 }
 
@@ -313,6 +314,21 @@ fn fs_read<'py>(
 fn fs_open_read(py: Python<'_>, root_fd: RawFd, path: OsString) -> PyResult<(RawFd, u64)> {
     let (fd, size) = py.detach(|| fs::open_read(root_fd, &path))?;
     Ok((fd.into_raw_fd(), size))
+}
+
+/// An fd to write the regular file at `path` through (made with `mode`, or truncated),
+/// checked as fs_write checks it; the caller writes in chunks and closes it.
+#[pyfunction]
+#[pyo3(signature = (root_fd, path, mode = 0o644, make_parents = true))]
+fn fs_open_write(
+    py: Python<'_>,
+    root_fd: RawFd,
+    path: OsString,
+    mode: u32,
+    make_parents: bool,
+) -> PyResult<RawFd> {
+    let fd = py.detach(|| fs::open_write(root_fd, &path, mode, make_parents))?;
+    Ok(fd.into_raw_fd())
 }
 
 /// rm -rf of a host path a sandbox controlled: iterative at any depth, bounded fds, never
@@ -473,6 +489,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(init_channel, m)?)?;
     m.add_function(wrap_pyfunction!(fs_read, m)?)?;
     m.add_function(wrap_pyfunction!(fs_open_read, m)?)?;
+    m.add_function(wrap_pyfunction!(fs_open_write, m)?)?;
     m.add_function(wrap_pyfunction!(remove_tree, m)?)?;
     m.add("ForbiddenPath", m.py().get_type::<ForbiddenPath>())?;
     m.add("LayerLimit", m.py().get_type::<LayerLimit>())?;

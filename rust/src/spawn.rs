@@ -90,6 +90,8 @@ pub struct SpawnConfig {
     /// superblock costs each memory cgroup of the host a slot in its shrinker table, for as
     /// long as the host runs (docs/daemon.md, "Recycled memory cgroups"). None: a tmpfs.
     pub mask_dir: Option<String>,
+    /// size= of the sandbox's /tmp tmpfs, in MiB (its `disk_mb`); None: unbounded.
+    pub tmp_size_mb: Option<u64>,
 }
 
 // The steps, in order; the names are what an OSError says.
@@ -217,6 +219,7 @@ struct Ctx {
     seccomp: &'static [libc::sock_filter],
     unix_only: bool,
     mask_dir: Option<CString>,
+    tmp_opts: CString,
     init_fd: RawFd,
     /// Both ends of the init's exec channel; the child puts them on fds 3 and 4
     /// (corral-init.c, "Exec server").
@@ -412,6 +415,10 @@ fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
             Some(m) => Some(cstring(m)?),
             None => None,
         },
+        tmp_opts: cstring(&match cfg.tmp_size_mb {
+            Some(mb) => format!("mode=1777,size={mb}m"),
+            None => "mode=1777".to_string(),
+        })?,
         init_fd: cfg.init_fd,
         channel: [-1, -1],
         argv: [INIT_ARGV0.as_ptr() as *const c_char, std::ptr::null()],
@@ -808,7 +815,7 @@ unsafe fn run_child(c: &Ctx) -> c_int {
                 c"tmp",
                 Some(c"tmpfs"),
                 libc::MS_NOSUID | libc::MS_NODEV,
-                Some(c"mode=1777"),
+                Some(c.tmp_opts.as_c_str()),
             ),
         );
 
