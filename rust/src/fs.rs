@@ -92,6 +92,16 @@ const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
 const DEBUGFS_MAGIC: i64 = 0x6462_6720;
 const SECURITYFS_MAGIC: i64 = 0x7365_6373;
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+const TRACEFS_MAGIC: i64 = 0x7472_6163;
+const CONFIGFS_MAGIC: i64 = 0x6265_6570;
+const PSTOREFS_MAGIC: i64 = 0x6165_676c;
+const EFIVARFS_MAGIC: i64 = 0xde5e_81e4;
+const BINFMTFS_MAGIC: i64 = 0x4249_4e4d;
+const FUSECTL_MAGIC: i64 = 0x6573_5543;
+const NSFS_MAGIC: i64 = 0x6e73_6673;
+const SELINUX_MAGIC: i64 = 0xf97c_ff8c;
+const SMACK_MAGIC: i64 = 0x4341_5d53;
+const MQUEUE_MAGIC: i64 = 0x1980_0202;
 
 /// A normalized path: its components, never "", "." or "..". Empty means the root.
 struct Norm {
@@ -185,7 +195,8 @@ fn open_dir_path(root: BorrowedFd<'_>, rel: &CStr) -> rustix::io::Result<OwnedFd
     open_in(root, rel, OFlags::PATH | OFlags::DIRECTORY, Mode::empty())
 }
 
-/// Refuse procfs/sysfs and friends (see the module doc).
+/// Refuse procfs, sysfs, cgroupfs, devpts and the other kernel pseudo-filesystems (see the
+/// module doc): a deny list of filesystem types, checked on the opened fd.
 fn check_fs_type(fd: BorrowedFd<'_>, op: &'static str, path: &Norm) -> Result<()> {
     let st = rfs::fstatfs(fd).map_err(|e| FsError::os(op, path, e))?;
     let t = st.f_type as i64;
@@ -197,6 +208,17 @@ fn check_fs_type(fd: BorrowedFd<'_>, op: &'static str, path: &Norm) -> Result<()
         DEBUGFS_MAGIC,
         SECURITYFS_MAGIC,
         BPF_FS_MAGIC,
+        DEVPTS_SUPER_MAGIC,
+        TRACEFS_MAGIC,
+        CONFIGFS_MAGIC,
+        PSTOREFS_MAGIC,
+        EFIVARFS_MAGIC,
+        BINFMTFS_MAGIC,
+        FUSECTL_MAGIC,
+        NSFS_MAGIC,
+        SELINUX_MAGIC,
+        SMACK_MAGIC,
+        MQUEUE_MAGIC,
     ]
     .contains(&t)
     {
@@ -244,13 +266,29 @@ fn reopen(fd: BorrowedFd<'_>, flags: OFlags) -> rustix::io::Result<OwnedFd> {
     )
 }
 
+/// The error for a failed resolution of `path`: ForbiddenPath when its nearest ancestor is on
+/// a pseudo-filesystem (a dangling /proc/self, a pid that is gone: the answer is the same as
+/// for what exists there), else the syscall's own.
+fn failed(root: BorrowedFd<'_>, op: &'static str, path: &Norm, e: Errno) -> FsError {
+    // The nearest ancestor that resolves decides.
+    for n in (0..path.comps.len()).rev() {
+        if let Ok(dir) = open_dir_path(root, &path.rel(n)) {
+            if let Err(forbidden) = check_fs_type(dir.as_fd(), op, path) {
+                return forbidden;
+            }
+            break;
+        }
+    }
+    FsError::os(op, path, e)
+}
+
 /// A checked, readable fd of the regular file at `path` and its size.
 pub fn open_read(root: RawFd, path: &OsStr) -> Result<(OwnedFd, u64)> {
     const OP: &str = "read";
     let root = borrow(root)?;
     let p = Norm::new(path)?;
     let pfd = open_in(root, &p.full(), OFlags::PATH, Mode::empty())
-        .map_err(|e| FsError::os(OP, &p, e))?;
+        .map_err(|e| failed(root, OP, &p, e))?;
     check_fs_type(pfd.as_fd(), OP, &p)?;
     let st = rfs::fstat(&pfd).map_err(|e| FsError::os(OP, &p, e))?;
     if check_kind(&st, OP, &p)? == FileType::Directory {
@@ -446,7 +484,7 @@ pub fn list(root: RawFd, path: &OsStr) -> Result<Vec<ListEntry>> {
         OFlags::RDONLY | OFlags::DIRECTORY,
         Mode::empty(),
     )
-    .map_err(|e| FsError::os(OP, &p, e))?;
+    .map_err(|e| failed(root, OP, &p, e))?;
     check_fs_type(fd.as_fd(), OP, &p)?;
     let mut dir = Dir::new(fd).map_err(|e| FsError::os(OP, &p, e))?;
     let mut names = Vec::new();
