@@ -19,6 +19,19 @@ from pathlib import Path
 
 import pytest
 
+# Every private dir this session makes is recorded: the end-of-session sweep removes only
+# those, never another concurrent session's (same prefixes, same /var/tmp).
+_MADE: list[str] = []
+_mkdtemp = tempfile.mkdtemp
+
+
+def _recording_mkdtemp(*args, **kwargs):  # type: ignore[no-untyped-def]
+    d = _mkdtemp(*args, **kwargs)
+    _MADE.append(os.path.realpath(d))
+    return d
+
+
+tempfile.mkdtemp = _recording_mkdtemp
 STATE_DIR = tempfile.mkdtemp(prefix="corral-test-", dir="/var/tmp")
 SOCKET = os.path.join(STATE_DIR, "run", "corrald.sock")
 CGROUP_NAME = f"corral-test-{os.getpid()}"
@@ -194,14 +207,14 @@ def _force_cleanup(name: str = CGROUP_NAME) -> None:
 # session made (every daemon is stopped by then; sandbox mounts live in their own namespaces).
 _PRIVATE_PREFIXES = ("corral-test-", "corral-img-", "corral-launch-", "corral-pool-",
                      "corral-core-test-", "corral-cs-test-", "corral-small-", "corral-notoken-")
-_SESSION_T0 = time.time()
 
 
 def _sweep_private_state_dirs() -> None:
-    for p in Path("/var/tmp").iterdir():
+    for d in _MADE:
+        p = Path(d)
         try:
-            if (p.name.startswith(_PRIVATE_PREFIXES) and p.is_dir() and not p.is_symlink()
-                    and p.stat().st_ctime >= _SESSION_T0 - 1):
+            if (p.parent == Path("/var/tmp") and p.name.startswith(_PRIVATE_PREFIXES)
+                    and p.is_dir() and not p.is_symlink()):
                 shutil.rmtree(p, ignore_errors=True)
         except OSError:
             pass

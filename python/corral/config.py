@@ -37,6 +37,15 @@ class Config:
     # How long a mutating call's "started" row is held back: a call ending sooner is one row.
     trajlog_start_ms: float = field(
         default_factory=lambda: float(_env("CORRAL_TRAJLOG_START_MS", "20")))
+    # Bounds on what a sandbox's files can make the daemon store or stream (docs/daemon.md):
+    # a snapshot's file content (apparent size, holes are kept as holes), its entries and
+    # depth; an upload's decompressed bytes and members.
+    snapshot_max_bytes: int = field(
+        default_factory=lambda: int(_env("CORRAL_SNAPSHOT_MAX_BYTES", str(16 << 30))))
+    snapshot_max_entries: int = field(
+        default_factory=lambda: int(_env("CORRAL_SNAPSHOT_MAX_ENTRIES", "1000000")))
+    upload_max_bytes: int = field(
+        default_factory=lambda: int(_env("CORRAL_UPLOAD_MAX_BYTES", str(4 << 30))))
     log_level: str = field(default_factory=lambda: _env("CORRAL_LOG_LEVEL", "INFO"))
 
 

@@ -50,6 +50,22 @@ class InvalidPath(InvalidRequest):
     code, status = "invalid_path", 400
 
 
+class ForbiddenPath(InvalidPath):
+    """A path the files API never serves: anything on a kernel pseudo-filesystem (/proc, /sys,
+    cgroupfs, devpts, debugfs, ...) and device nodes, FIFOs and sockets, however reached
+    (symlinks, bind mounts, ``..``)."""
+
+    code, status = "forbidden_path", 400
+
+
+class TooLarge(InvalidRequest):
+    """A bound on what one request may make the daemon read, write or keep: a snapshot past
+    its size, entry or depth limit, an upload past its decompressed size or member count, a
+    write past the sandbox's ``disk_mb``. ``details`` names the limit."""
+
+    code, status = "too_large", 400
+
+
 class InvalidNetwork(InvalidRequest):
     """An unknown ``network`` mode in a sandbox spec (known: ``none``, ``disabled``)."""
 

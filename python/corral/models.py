@@ -32,6 +32,9 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+DEFAULT_DISK_MB = 10240
+
+
 class SandboxSpec(_Model):
     """What a client asks for when it creates a sandbox."""
 
@@ -39,6 +42,10 @@ class SandboxSpec(_Model):
     substrate: Substrate = "container"
     cpu: float = Field(1.0, gt=0, le=256, description="CPU cores (CFS quota)")
     memory_mb: int = Field(512, ge=16, le=1024 * 1024)
+    disk_mb: int = Field(DEFAULT_DISK_MB, ge=1, le=16 * 1024 * 1024,
+                         description="bound on the sandbox's disk use: the size of its /tmp "
+                                     "and the bytes the daemon writes into it (uploads, "
+                                     "files.write, tar extraction); see docs/daemon.md")
     pids: int = Field(512, ge=8, le=1_000_000, description="max processes/threads")
     timeout: float = Field(DEFAULT_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S,
                            description="TTL in seconds from creation")

@@ -187,7 +187,10 @@ pub fn harden_daemon(secret_flags: &[String]) -> Result<(), EnterError> {
     let mut blank_next = false;
     let mut i = 0;
     while i < args.len() {
-        let len = args[i..].iter().position(|&b| b == 0).unwrap_or(args.len() - i);
+        let len = args[i..]
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(args.len() - i);
         let arg = &mut args[i..i + len];
         let mut from = None;
         if blank_next {

@@ -23,6 +23,13 @@ use rustix::io::Errno;
 pub enum FsError {
     #[error("{0}")]
     Invalid(String),
+    /// A path the files API never serves: a kernel pseudo-filesystem or a special file.
+    #[error("{op} {path:?}: {msg}")]
+    Forbidden {
+        op: &'static str,
+        path: String,
+        msg: &'static str,
+    },
     #[error("{op} {path:?}: {msg}")]
     Os {
         op: &'static str,
@@ -50,6 +57,14 @@ impl FsError {
         }
     }
 
+    fn forbidden(op: &'static str, path: &Norm, msg: &'static str) -> Self {
+        FsError::Forbidden {
+            op,
+            path: path.display(),
+            msg,
+        }
+    }
+
     fn custom(op: &'static str, path: &Norm, errno: i32, msg: &str) -> Self {
         FsError::Os {
             op,
@@ -63,6 +78,7 @@ impl FsError {
         match self {
             FsError::Os { errno, .. } => Some(*errno),
             FsError::Invalid(_) => None,
+            FsError::Forbidden { .. } => Some(libc::EACCES),
         }
     }
 }
@@ -76,6 +92,16 @@ const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
 const DEBUGFS_MAGIC: i64 = 0x6462_6720;
 const SECURITYFS_MAGIC: i64 = 0x7365_6373;
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+const TRACEFS_MAGIC: i64 = 0x7472_6163;
+const CONFIGFS_MAGIC: i64 = 0x6265_6570;
+const PSTOREFS_MAGIC: i64 = 0x6165_676c;
+const EFIVARFS_MAGIC: i64 = 0xde5e_81e4;
+const BINFMTFS_MAGIC: i64 = 0x4249_4e4d;
+const FUSECTL_MAGIC: i64 = 0x6573_5543;
+const NSFS_MAGIC: i64 = 0x6e73_6673;
+const SELINUX_MAGIC: i64 = 0xf97c_ff8c;
+const SMACK_MAGIC: i64 = 0x4341_5d53;
+const MQUEUE_MAGIC: i64 = 0x1980_0202;
 
 /// A normalized path: its components, never "", "." or "..". Empty means the root.
 struct Norm {
@@ -169,7 +195,8 @@ fn open_dir_path(root: BorrowedFd<'_>, rel: &CStr) -> rustix::io::Result<OwnedFd
     open_in(root, rel, OFlags::PATH | OFlags::DIRECTORY, Mode::empty())
 }
 
-/// Refuse procfs/sysfs and friends (see the module doc).
+/// Refuse procfs, sysfs, cgroupfs, devpts and the other kernel pseudo-filesystems (see the
+/// module doc): a deny list of filesystem types, checked on the opened fd.
 fn check_fs_type(fd: BorrowedFd<'_>, op: &'static str, path: &Norm) -> Result<()> {
     let st = rfs::fstatfs(fd).map_err(|e| FsError::os(op, path, e))?;
     let t = st.f_type as i64;
@@ -181,17 +208,94 @@ fn check_fs_type(fd: BorrowedFd<'_>, op: &'static str, path: &Norm) -> Result<()
         DEBUGFS_MAGIC,
         SECURITYFS_MAGIC,
         BPF_FS_MAGIC,
+        DEVPTS_SUPER_MAGIC,
+        TRACEFS_MAGIC,
+        CONFIGFS_MAGIC,
+        PSTOREFS_MAGIC,
+        EFIVARFS_MAGIC,
+        BINFMTFS_MAGIC,
+        FUSECTL_MAGIC,
+        NSFS_MAGIC,
+        SELINUX_MAGIC,
+        SMACK_MAGIC,
+        MQUEUE_MAGIC,
     ]
     .contains(&t)
     {
-        return Err(FsError::custom(
+        return Err(FsError::forbidden(
             op,
             path,
-            libc::EACCES,
-            "kernel pseudo-filesystems are not reachable through the files API",
+            "kernel pseudo-filesystems (/proc, /sys, cgroupfs, ...) are not reachable through \
+             the files API",
         ));
     }
     Ok(())
+}
+
+/// Refuse everything but regular files and directories (devices, FIFOs, sockets: opening one
+/// can block a daemon thread or act on a device).
+fn check_kind(st: &rfs::Stat, op: &'static str, path: &Norm) -> Result<FileType> {
+    match FileType::from_raw_mode(mode_of(st)) {
+        t @ (FileType::RegularFile | FileType::Directory) => Ok(t),
+        _ => Err(FsError::forbidden(
+            op,
+            path,
+            "device nodes, FIFOs and sockets are not reachable through the files API",
+        )),
+    }
+}
+
+/// An O_PATH fd of `base` in `dir`, the last component not followed (a symlink is itself).
+fn open_entry(dir: BorrowedFd<'_>, base: &CStr) -> rustix::io::Result<OwnedFd> {
+    rfs::openat(
+        dir,
+        base,
+        OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+}
+
+/// Open the inode behind an O_PATH fd for real I/O, through the daemon's own /proc/self/fd
+/// (the inode was checked on the O_PATH fd first, so nothing is opened before it is known).
+fn reopen(fd: BorrowedFd<'_>, flags: OFlags) -> rustix::io::Result<OwnedFd> {
+    let p = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    rfs::open(
+        p.as_str(),
+        flags | OFlags::CLOEXEC | OFlags::NOCTTY,
+        Mode::empty(),
+    )
+}
+
+/// The error for a failed resolution of `path`: ForbiddenPath when its nearest ancestor is on
+/// a pseudo-filesystem (a dangling /proc/self, a pid that is gone: the answer is the same as
+/// for what exists there), else the syscall's own.
+fn failed(root: BorrowedFd<'_>, op: &'static str, path: &Norm, e: Errno) -> FsError {
+    // The nearest ancestor that resolves decides.
+    for n in (0..path.comps.len()).rev() {
+        if let Ok(dir) = open_dir_path(root, &path.rel(n)) {
+            if let Err(forbidden) = check_fs_type(dir.as_fd(), op, path) {
+                return forbidden;
+            }
+            break;
+        }
+    }
+    FsError::os(op, path, e)
+}
+
+/// A checked, readable fd of the regular file at `path` and its size.
+pub fn open_read(root: RawFd, path: &OsStr) -> Result<(OwnedFd, u64)> {
+    const OP: &str = "read";
+    let root = borrow(root)?;
+    let p = Norm::new(path)?;
+    let pfd = open_in(root, &p.full(), OFlags::PATH, Mode::empty())
+        .map_err(|e| failed(root, OP, &p, e))?;
+    check_fs_type(pfd.as_fd(), OP, &p)?;
+    let st = rfs::fstat(&pfd).map_err(|e| FsError::os(OP, &p, e))?;
+    if check_kind(&st, OP, &p)? == FileType::Directory {
+        return Err(FsError::os(OP, &p, Errno::ISDIR));
+    }
+    let fd = reopen(pfd.as_fd(), OFlags::RDONLY).map_err(|e| FsError::os(OP, &p, e))?;
+    Ok((fd, st.st_size.max(0) as u64))
 }
 
 /// Create every missing directory of `path[..n]`; returns an O_PATH fd of it.
@@ -203,6 +307,7 @@ fn mkdir_p(
     op: &'static str,
 ) -> Result<OwnedFd> {
     if let Ok(fd) = open_dir_path(root, &path.rel(n)) {
+        check_fs_type(fd.as_fd(), op, path)?;
         return Ok(fd);
     }
     let mut cur = open_dir_path(root, c".").map_err(|e| FsError::os(op, path, e))?;
@@ -211,6 +316,7 @@ fn mkdir_p(
         match open_dir_path(root, &rel) {
             Ok(fd) => cur = fd,
             Err(Errno::NOENT) => {
+                check_fs_type(cur.as_fd(), op, path)?;
                 let name = CString::new(path.comps[i - 1].clone()).expect("checked for NUL");
                 match rfs::mkdirat(&cur, &name, Mode::from_raw_mode(mode)) {
                     Ok(()) | Err(Errno::EXIST) => {}
@@ -224,8 +330,11 @@ fn mkdir_p(
     Ok(cur)
 }
 
+/// An O_PATH fd of the parent directory, refused on a pseudo-filesystem.
 fn parent_fd(root: BorrowedFd<'_>, path: &Norm, op: &'static str) -> Result<OwnedFd> {
-    open_dir_path(root, &path.parent()).map_err(|e| FsError::os(op, path, e))
+    let fd = open_dir_path(root, &path.parent()).map_err(|e| FsError::os(op, path, e))?;
+    check_fs_type(fd.as_fd(), op, path)?;
+    Ok(fd)
 }
 
 #[allow(clippy::unnecessary_cast)] // st_mode's type differs between architectures
@@ -268,22 +377,12 @@ pub fn root_fd(pid: i32) -> std::io::Result<OwnedFd> {
 
 pub fn read(root: RawFd, path: &OsStr, max_bytes: u64) -> Result<Vec<u8>> {
     const OP: &str = "read";
-    let root = borrow(root)?;
+    let (fd, size) = open_read(root, path)?;
     let p = Norm::new(path)?;
-    let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY;
-    let fd = open_in(root, &p.full(), flags, Mode::empty()).map_err(|e| FsError::os(OP, &p, e))?;
-    check_fs_type(fd.as_fd(), OP, &p)?;
-    let st = rfs::fstat(&fd).map_err(|e| FsError::os(OP, &p, e))?;
-    match FileType::from_raw_mode(mode_of(&st)) {
-        FileType::RegularFile => {}
-        FileType::Directory => return Err(FsError::os(OP, &p, Errno::ISDIR)),
-        _ => return Err(FsError::custom(OP, &p, libc::EINVAL, "not a regular file")),
-    }
+    let st_size = size;
     // At most `max_bytes`: the caller compares the length with its limit to spot truncation.
     let max = usize::try_from(max_bytes).unwrap_or(usize::MAX);
-    let want = usize::try_from(st.st_size.max(0))
-        .unwrap_or(usize::MAX)
-        .min(max);
+    let want = usize::try_from(st_size).unwrap_or(usize::MAX).min(max);
     let mut buf = vec![0u8; want];
     let mut len = 0;
     loop {
@@ -306,6 +405,23 @@ pub fn read(root: RawFd, path: &OsStr, max_bytes: u64) -> Result<Vec<u8>> {
 }
 
 pub fn write(root: RawFd, path: &OsStr, data: &[u8], mode: u32, make_parents: bool) -> Result<()> {
+    const OP: &str = "write";
+    let fd = open_write(root, path, mode, make_parents)?;
+    let p = Norm::new(path)?;
+    let mut off = 0;
+    while off < data.len() {
+        match rustix::io::write(&fd, &data[off..]) {
+            Ok(n) => off += n,
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(FsError::os(OP, &p, e)),
+        }
+    }
+    Ok(())
+}
+
+/// Create or truncate the regular file at `path` (a new one gets exactly `mode`); returns an
+/// fd to write it through (the caller writes in chunks and closes it).
+pub fn open_write(root: RawFd, path: &OsStr, mode: u32, make_parents: bool) -> Result<OwnedFd> {
     const OP: &str = "write";
     let root = borrow(root)?;
     let p = Norm::new(path)?;
@@ -331,9 +447,16 @@ pub fn write(root: RawFd, path: &OsStr, data: &[u8], mode: u32, make_parents: bo
     ) {
         Ok(fd) => (fd, true),
         Err(Errno::EXIST) => {
-            let fd = rfs::openat(&dir, &base, base_flags, Mode::empty())
-                .map_err(|e| FsError::os(OP, &p, e))?;
-            (fd, false)
+            let pfd = open_entry(dir.as_fd(), &base).map_err(|e| FsError::os(OP, &p, e))?;
+            let st = rfs::fstat(&pfd).map_err(|e| FsError::os(OP, &p, e))?;
+            match check_kind(&st, OP, &p)? {
+                FileType::Directory => return Err(FsError::os(OP, &p, Errno::ISDIR)),
+                _ => {
+                    let fd = reopen(pfd.as_fd(), OFlags::WRONLY | OFlags::NONBLOCK)
+                        .map_err(|e| FsError::os(OP, &p, e))?;
+                    (fd, false)
+                }
+            }
         }
         Err(e) => return Err(FsError::os(OP, &p, e)),
     };
@@ -346,15 +469,7 @@ pub fn write(root: RawFd, path: &OsStr, data: &[u8], mode: u32, make_parents: bo
     } else {
         rfs::ftruncate(&fd, 0).map_err(|e| FsError::os(OP, &p, e))?;
     }
-    let mut off = 0;
-    while off < data.len() {
-        match rustix::io::write(&fd, &data[off..]) {
-            Ok(n) => off += n,
-            Err(Errno::INTR) => continue,
-            Err(e) => return Err(FsError::os(OP, &p, e)),
-        }
-    }
-    Ok(())
+    Ok(fd)
 }
 
 /// Entries of a directory: (name, kind, size, mode, mtime), sorted by name; symlinks are not
@@ -369,7 +484,8 @@ pub fn list(root: RawFd, path: &OsStr) -> Result<Vec<ListEntry>> {
         OFlags::RDONLY | OFlags::DIRECTORY,
         Mode::empty(),
     )
-    .map_err(|e| FsError::os(OP, &p, e))?;
+    .map_err(|e| failed(root, OP, &p, e))?;
+    check_fs_type(fd.as_fd(), OP, &p)?;
     let mut dir = Dir::new(fd).map_err(|e| FsError::os(OP, &p, e))?;
     let mut names = Vec::new();
     while let Some(ent) = dir.read() {
@@ -404,11 +520,15 @@ pub fn stat(root: RawFd, path: &OsStr) -> Result<StatInfo> {
     let st = match p.base() {
         None => {
             let fd = open_dir_path(root, c".").map_err(|e| FsError::os(OP, &p, e))?;
+            check_fs_type(fd.as_fd(), OP, &p)?;
             rfs::fstat(&fd)
         }
         Some(base) => {
             let dir = parent_fd(root, &p, OP)?;
-            rfs::statat(&dir, &base, AtFlags::SYMLINK_NOFOLLOW)
+            check_fs_type(dir.as_fd(), OP, &p)?;
+            let fd = open_entry(dir.as_fd(), &base).map_err(|e| FsError::os(OP, &p, e))?;
+            check_fs_type(fd.as_fd(), OP, &p)?; // a pseudo-filesystem mounted there
+            rfs::fstat(&fd)
         }
     }
     .map_err(|e| FsError::os(OP, &p, e))?;
@@ -447,73 +567,9 @@ pub fn remove(root: RawFd, path: &OsStr, recursive: bool) -> Result<()> {
         return rfs::unlinkat(&dir, &base, AtFlags::empty()).map_err(|e| FsError::os(OP, &p, e));
     }
     if recursive {
-        remove_tree(dir.as_fd(), &base, 0).map_err(|e| FsError::os(OP, &p, e))
+        crate::tree::remove_at(dir.as_fd(), &base).map_err(|e| FsError::os(OP, &p, e))
     } else {
         rfs::unlinkat(&dir, &base, AtFlags::REMOVEDIR).map_err(|e| FsError::os(OP, &p, e))
-    }
-}
-
-const MAX_DEPTH: usize = 2048;
-
-/// rm -rf `name` in `parent`, never following a symlink (every step is relative to an fd
-/// opened with O_NOFOLLOW).
-fn remove_tree(parent: BorrowedFd<'_>, name: &CStr, depth: usize) -> rustix::io::Result<()> {
-    if depth > MAX_DEPTH {
-        return Err(Errno::LOOP);
-    }
-    let fd = match rfs::openat(
-        parent,
-        name,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    ) {
-        Ok(fd) => fd,
-        // Replaced by a symlink or a file meanwhile: just unlink what is there now.
-        Err(Errno::NOTDIR) | Err(Errno::LOOP) => {
-            return match rfs::unlinkat(parent, name, AtFlags::empty()) {
-                Err(Errno::NOENT) => Ok(()),
-                r => r,
-            }
-        }
-        Err(Errno::NOENT) => return Ok(()),
-        Err(e) => return Err(e),
-    };
-    let mut dir = Dir::new(fd)?;
-    let mut entries = Vec::new();
-    while let Some(ent) = dir.read() {
-        let ent = ent?;
-        let n = ent.file_name();
-        if n == c"." || n == c".." {
-            continue;
-        }
-        entries.push((n.to_owned(), ent.file_type()));
-    }
-    let dfd = dir.fd()?;
-    for (n, ft) in entries {
-        let is_dir = match ft {
-            FileType::Directory => true,
-            FileType::Unknown => matches!(
-                rfs::statat(dfd, &n, AtFlags::SYMLINK_NOFOLLOW)
-                    .map(|s| FileType::from_raw_mode(mode_of(&s))),
-                Ok(FileType::Directory)
-            ),
-            _ => false,
-        };
-        let r = if is_dir {
-            remove_tree(dfd, &n, depth + 1)
-        } else {
-            rfs::unlinkat(dfd, &n, AtFlags::empty())
-        };
-        match r {
-            Ok(()) | Err(Errno::NOENT) => {}
-            Err(Errno::ISDIR) => remove_tree(dfd, &n, depth + 1)?,
-            Err(e) => return Err(e),
-        }
-    }
-    drop(dir);
-    match rfs::unlinkat(parent, name, AtFlags::REMOVEDIR) {
-        Err(Errno::NOENT) => Ok(()),
-        r => r,
     }
 }
 
@@ -581,7 +637,8 @@ pub fn chmod(root: RawFd, path: &OsStr, mode: u32) -> Result<()> {
         return Err(FsError::os(OP, &p, Errno::OPNOTSUPP));
     }
     check_fs_type(fd.as_fd(), OP, &p)?;
-    // fchmod refuses O_PATH fds; the fd's /proc/self/fd magic link reaches the same inode.
+    check_kind(&st, OP, &p)?; // a bind-mounted host device node is the host's inode
+                              // fchmod refuses O_PATH fds; the fd's /proc/self/fd magic link reaches the same inode.
     let proc_path = format!("/proc/self/fd/{}", fd.as_raw_fd());
     rfs::chmod(proc_path.as_str(), Mode::from_raw_mode(mode & 0o7777))
         .map_err(|e| FsError::os(OP, &p, e))

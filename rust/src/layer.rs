@@ -13,6 +13,16 @@
 //! tree), a directory swapped for a symlink by the sandbox cannot make the daemon copy a host
 //! file into the layer.
 //!
+//! The walk is a loop over an explicit stack of directories, never a recursion, and it is
+//! bounded: at most `Limits::max_depth` levels (two fds each), `max_entries` entries and
+//! `max_bytes` of file content (apparent size; holes are kept as holes, found with
+//! SEEK_DATA/SEEK_HOLE, so only data is written). A tree past a bound fails the capture with
+//! `LayerError::Limit`, never a crash.
+//!
+//! A stored layer must never hold anything that could run with privilege on the host: set-user
+//! and set-group-ID bits are cleared on every non-directory and `security.capability` xattrs
+//! (file capabilities) are not copied; the manifest records what was written.
+//!
 //! The digest is blake3 over a sorted manifest, byte for byte the one
 //! `corral.daemon.snapshots.tree_digest` computes over the stored layer (the tests check that):
 //! per part `part N\n`, then per entry, depth first, names sorted bytewise,
@@ -39,14 +49,27 @@ pub enum LayerError {
         path: String,
         msg: String,
     },
+    /// A bound of `Limits` was passed: `what` is "bytes", "entries" or "depth".
+    #[error("the sandbox's files exceed the snapshot limit of {limit} {what}")]
+    Limit { what: &'static str, limit: u64 },
 }
 
 impl LayerError {
     pub fn errno(&self) -> i32 {
         match self {
             LayerError::Os { errno, .. } => *errno,
+            LayerError::Limit { .. } => libc::EFBIG,
         }
     }
+}
+
+/// Bounds of one capture (all parts together).
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Apparent size of all regular files (what is hashed, holes included).
+    pub max_bytes: u64,
+    pub max_entries: u64,
+    pub max_depth: usize,
 }
 
 type Result<T> = std::result::Result<T, LayerError>;
@@ -82,7 +105,7 @@ pub struct Part {
 }
 
 /// The digest (hex) of the captured parts and the bytes of file data copied.
-pub fn capture(parts: &[Part]) -> Result<(String, u64)> {
+pub fn capture(parts: &[Part], limits: Limits) -> Result<(String, u64)> {
     let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
     let (res_tx, res_rx) = mpsc::channel::<(usize, std::result::Result<[u8; 32], Errno>)>();
     let mut w = Walker {
@@ -93,6 +116,8 @@ pub fn capture(parts: &[Part]) -> Result<(String, u64)> {
         root: None,
         jobs: jobs_tx,
         bytes: 0,
+        entries: 0,
+        limits,
         buf: vec![0u8; CHUNK],
         xbuf: vec![0u8; 65536],
         vbuf: vec![0u8; 65536],
@@ -123,6 +148,7 @@ pub fn capture(parts: &[Part]) -> Result<(String, u64)> {
 /// offsets) and the index of its hash slot.
 struct Job {
     idx: usize,
+    size: u64,
     file: Arc<OwnedFd>,
 }
 
@@ -132,41 +158,101 @@ fn hasher(
 ) {
     let mut buf = vec![0u8; CHUNK];
     for job in jobs {
-        let r = hash_fd(job.file.as_fd(), &mut buf);
+        let r = hash_fd(job.file.as_fd(), job.size, &mut buf);
         if out.send((job.idx, r)).is_err() {
             return;
         }
     }
 }
 
-fn hash_fd(fd: BorrowedFd<'_>, buf: &mut [u8]) -> std::result::Result<[u8; 32], Errno> {
+/// blake3 of `[0, size)` of `fd` (what the copy copies).
+fn hash_fd(fd: BorrowedFd<'_>, size: u64, buf: &mut [u8]) -> std::result::Result<[u8; 32], Errno> {
+    static ZEROS: [u8; 65536] = [0u8; 65536];
     let mut h = blake3::Hasher::new();
-    each_chunk(fd, buf, |chunk, _| {
-        h.update(chunk);
-        Ok(())
+    // Holes hash as the zeros they read as, without reading them.
+    for_segments(fd, size, |start, end, data| {
+        if !data {
+            let mut left = end - start;
+            while left > 0 {
+                let n = left.min(ZEROS.len() as u64) as usize;
+                h.update(&ZEROS[..n]);
+                left -= n as u64;
+            }
+            return Ok(());
+        }
+        read_range(fd, buf, start, end, |chunk, _| {
+            h.update(chunk);
+            Ok(())
+        })
     })?;
     Ok(*h.finalize().as_bytes())
 }
 
-/// Read `fd` from offset 0 to EOF through `buf`, handing each chunk and its offset to `f`.
-fn each_chunk(
+/// Split `[0, size)` of `fd` into data and hole segments (SEEK_DATA/SEEK_HOLE), in order;
+/// `f(start, end, is_data)`. Where the filesystem cannot tell, all of it is data.
+fn for_segments(
     fd: BorrowedFd<'_>,
-    buf: &mut [u8],
-    mut f: impl FnMut(&[u8], u64) -> std::result::Result<(), Errno>,
+    size: u64,
+    mut f: impl FnMut(u64, u64, bool) -> std::result::Result<(), Errno>,
 ) -> std::result::Result<(), Errno> {
     let mut off = 0u64;
-    loop {
-        let n = match rustix::io::pread(fd, &mut *buf, off) {
+    while off < size {
+        let start = match rfs::seek(fd, rfs::SeekFrom::Data(off)) {
+            Ok(p) => p.min(size),
+            Err(Errno::NXIO) => size, // only a hole from here on
+            Err(_) => return f(off, size, true),
+        };
+        if start > off {
+            f(off, start, false)?;
+        }
+        if start >= size {
+            break;
+        }
+        let end = match rfs::seek(fd, rfs::SeekFrom::Hole(start)) {
+            Ok(p) => p.min(size),
+            Err(_) => size,
+        };
+        let end = end.max(start + 1).min(size);
+        f(start, end, true)?;
+        off = end;
+    }
+    Ok(())
+}
+
+/// pread `[start, end)` through `buf` (stops early at EOF).
+fn read_range(
+    fd: BorrowedFd<'_>,
+    buf: &mut [u8],
+    start: u64,
+    end: u64,
+    mut f: impl FnMut(&[u8], u64) -> std::result::Result<(), Errno>,
+) -> std::result::Result<(), Errno> {
+    let mut off = start;
+    while off < end {
+        let want = (end - off).min(buf.len() as u64) as usize;
+        let n = match rustix::io::pread(fd, &mut buf[..want], off) {
+            Ok(0) => return Ok(()),
             Ok(n) => n,
             Err(Errno::INTR) => continue,
             Err(e) => return Err(e),
         };
-        if n == 0 {
-            return Ok(());
-        }
         f(&buf[..n], off)?;
         off += n as u64;
     }
+    Ok(())
+}
+
+/// Set-user-ID and set-group-ID bits.
+const SETID: u32 = 0o6000;
+
+/// A directory being copied: its open source and copy, its manifest path, the names still to
+/// copy (last = next) and its metadata, applied once its children are done (None: a root).
+struct Frame {
+    src: OwnedFd,
+    dst: Arc<OwnedFd>,
+    rel: Vec<u8>,
+    names: Vec<CString>,
+    st: Option<rfs::Stat>,
 }
 
 struct Walker {
@@ -182,6 +268,8 @@ struct Walker {
     root: Option<Arc<OwnedFd>>,
     jobs: mpsc::Sender<Job>,
     bytes: u64,
+    entries: u64,
+    limits: Limits,
     buf: Vec<u8>,
     xbuf: Vec<u8>,
     vbuf: Vec<u8>,
@@ -209,10 +297,11 @@ impl Walker {
             Err(Errno::NOENT) => return Ok(()),
             Err(e) => return Err(os_err("open", p.src.to_bytes(), e)),
         };
-        let names = list(src.as_fd(), p.src.to_bytes())?;
+        let mut names = self.list(src.as_fd(), p.src.to_bytes())?;
         if names.is_empty() {
             return Ok(());
         }
+        names.reverse(); // popped from the end: smallest first
         self.manifest
             .extend_from_slice(format!("part {}\n", p.n).as_bytes());
         // The daemon may have made the part dir ahead (a spare layer dir, off the request
@@ -225,73 +314,111 @@ impl Walker {
             .map_err(|e| os_err("open", p.dst.to_bytes(), e))?;
         let dst = Arc::new(dst);
         self.root = Some(dst.clone());
-        self.dir(src.as_fd(), &dst, b"", names)?;
+        // Depth first, names sorted, one frame per open directory: a loop, never a recursion.
+        let mut stack = vec![Frame {
+            src,
+            dst,
+            rel: Vec::new(),
+            names,
+            st: None,
+        }];
+        while let Some(top) = stack.last_mut() {
+            let Some(name) = top.names.pop() else {
+                let done = stack.pop().expect("not empty");
+                if let Some(st) = done.st {
+                    // Owner, mode and times after the children: the dir's mtime is the source's.
+                    self.meta_fd(done.dst.as_fd(), &st, &done.rel)?;
+                }
+                continue;
+            };
+            let mut r = Vec::with_capacity(top.rel.len() + 1 + name.as_bytes().len());
+            r.extend_from_slice(&top.rel);
+            r.push(b'/');
+            r.extend_from_slice(name.as_bytes());
+            let (src, dst) = (top.src.as_fd(), top.dst.clone());
+            if let Some(frame) = self.entry(src, &dst, &name, r)? {
+                if stack.len() >= self.limits.max_depth {
+                    return Err(LayerError::Limit {
+                        what: "depth",
+                        limit: self.limits.max_depth as u64,
+                    });
+                }
+                stack.push(frame);
+            }
+        }
         // The root's own metadata (not in the manifest, as in tree_digest).
+        let src = rfs::open(p.src.as_c_str(), dir_flags(), Mode::empty())
+            .map_err(|e| os_err("open", p.src.to_bytes(), e))?;
         let st = rfs::fstat(&src).map_err(|e| os_err("stat", p.src.to_bytes(), e))?;
+        let dst = self.root.clone().expect("set above");
         self.copy_xattrs_fd(src.as_fd(), dst.as_fd());
         self.meta_fd(dst.as_fd(), &st, p.dst.to_bytes())
     }
 
-    /// Copy the entries `names` of the source dir `src` into `dst` (rel: the dir's manifest path).
-    fn dir(
-        &mut self,
-        src: BorrowedFd<'_>,
-        dst: &Arc<OwnedFd>,
-        rel: &[u8],
-        names: Vec<CString>,
-    ) -> Result<()> {
-        for name in names {
-            let mut r = Vec::with_capacity(rel.len() + 1 + name.as_bytes().len());
-            r.extend_from_slice(rel);
-            r.push(b'/');
-            r.extend_from_slice(name.as_bytes());
-            self.entry(src, dst, &name, &r)?;
-        }
-        Ok(())
+    /// The entry names of an opened dir, counted against the entry limit.
+    fn list(&mut self, dir: BorrowedFd<'_>, r: &[u8]) -> Result<Vec<CString>> {
+        let left = self.limits.max_entries.saturating_sub(self.entries);
+        let names = list(dir, r, left).map_err(|e| match e {
+            LayerError::Limit { what, .. } => LayerError::Limit {
+                what,
+                limit: self.limits.max_entries,
+            },
+            e => e,
+        })?;
+        self.entries += names.len() as u64;
+        Ok(names)
     }
 
+    /// Copy one entry; a directory is made and returned as a frame whose children come next.
     fn entry(
         &mut self,
         src: BorrowedFd<'_>,
         dst: &Arc<OwnedFd>,
         name: &CStr,
-        r: &[u8],
-    ) -> Result<()> {
-        let st = rfs::statat(src, name, NOFOLLOW).map_err(|e| os_err("stat", r, e))?;
+        r: Vec<u8>,
+    ) -> Result<Option<Frame>> {
+        let mut st = rfs::statat(src, name, NOFOLLOW).map_err(|e| os_err("stat", &r, e))?;
         let ft = FileType::from_raw_mode(st.st_mode);
+        if ft != FileType::Directory {
+            st.st_mode &= !SETID; // nothing in a stored layer runs with privilege
+        }
         match ft {
             FileType::Directory => {
                 let sfd = rfs::openat(src, name, dir_flags(), Mode::empty())
-                    .map_err(|e| os_err("open", r, e))?;
-                let st = rfs::fstat(&sfd).map_err(|e| os_err("stat", r, e))?;
+                    .map_err(|e| os_err("open", &r, e))?;
+                let st = rfs::fstat(&sfd).map_err(|e| os_err("stat", &r, e))?;
                 rfs::mkdirat(dst, name, Mode::from_raw_mode(0o700))
-                    .map_err(|e| os_err("mkdir", r, e))?;
+                    .map_err(|e| os_err("mkdir", &r, e))?;
                 let dfd = rfs::openat(dst, name, dir_flags(), Mode::empty())
-                    .map_err(|e| os_err("open", r, e))?;
+                    .map_err(|e| os_err("open", &r, e))?;
                 let dfd = Arc::new(dfd);
-                // xattrs first (they go in the manifest before the children); owner, mode and
-                // times after the children, so the dir's mtime is the source's.
+                // xattrs first (they go in the manifest before the children).
                 let x = self.copy_xattrs_fd(sfd.as_fd(), dfd.as_fd());
-                self.head(b'D', r, &st);
+                self.head(b'D', &r, &st);
                 self.manifest.extend_from_slice(&x);
                 self.manifest.push(b'\n');
-                let names = list(sfd.as_fd(), r)?;
-                self.dir(sfd.as_fd(), &dfd, r, names)?;
-                self.meta_fd(dfd.as_fd(), &st, r)
+                let mut names = self.list(sfd.as_fd(), &r)?;
+                names.reverse(); // popped from the end: smallest first
+                return Ok(Some(Frame {
+                    src: sfd,
+                    dst: dfd,
+                    rel: r,
+                    names,
+                    st: Some(st),
+                }));
             }
-            FileType::RegularFile => self.file(src, dst, name, r, &st),
+            FileType::RegularFile => self.file(src, dst, name, &r, &st)?,
             FileType::Symlink => {
-                let target =
-                    rfs::readlinkat(src, name, Vec::new()).map_err(|e| os_err("readlink", r, e))?;
+                let target = rfs::readlinkat(src, name, Vec::new())
+                    .map_err(|e| os_err("readlink", &r, e))?;
                 rfs::symlinkat(target.as_c_str(), dst, name)
-                    .map_err(|e| os_err("symlink", r, e))?;
+                    .map_err(|e| os_err("symlink", &r, e))?;
                 let x = self.copy_xattrs_path(src, dst.as_fd(), name);
-                self.meta_at(dst.as_fd(), name, &st, false, r)?;
-                self.head(b'L', r, &st);
+                self.meta_at(dst.as_fd(), name, &st, false, &r)?;
+                self.head(b'L', &r, &st);
                 self.manifest.extend_from_slice(target.as_bytes());
                 self.manifest.extend_from_slice(&x);
                 self.manifest.push(b'\n');
-                Ok(())
             }
             FileType::CharacterDevice
             | FileType::BlockDevice
@@ -300,7 +427,7 @@ impl Walker {
                 // Whiteouts are char 0/0; a sandbox cannot make other devices (no CAP_MKNOD).
                 let dev = matches!(ft, FileType::CharacterDevice | FileType::BlockDevice);
                 if dev && st.st_rdev != 0 {
-                    return Ok(());
+                    return Ok(None);
                 }
                 rfs::mknodat(
                     dst,
@@ -309,16 +436,16 @@ impl Walker {
                     Mode::from_raw_mode(st.st_mode & 0o7777),
                     st.st_rdev,
                 )
-                .map_err(|e| os_err("mknod", r, e))?;
+                .map_err(|e| os_err("mknod", &r, e))?;
                 let x = self.copy_xattrs_path(src, dst.as_fd(), name);
-                self.meta_at(dst.as_fd(), name, &st, true, r)?;
-                self.head(b'O', r, &st);
+                self.meta_at(dst.as_fd(), name, &st, true, &r)?;
+                self.head(b'O', &r, &st);
                 self.manifest.extend_from_slice(&x);
                 self.manifest.push(b'\n');
-                Ok(())
             }
-            FileType::Unknown => Ok(()),
+            FileType::Unknown => {}
         }
+        Ok(None)
     }
 
     fn file(
@@ -349,9 +476,17 @@ impl Walker {
             Mode::empty(),
         )
         .map_err(|e| os_err("open", r, e))?;
-        let st = rfs::fstat(&sfd).map_err(|e| os_err("stat", r, e))?;
+        let mut st = rfs::fstat(&sfd).map_err(|e| os_err("stat", r, e))?;
         if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
             return Ok(()); // changed under us (no freezer): skip it
+        }
+        st.st_mode &= !SETID;
+        let size = st.st_size.max(0) as u64;
+        if self.bytes.saturating_add(size) > self.limits.max_bytes {
+            return Err(LayerError::Limit {
+                what: "bytes",
+                limit: self.limits.max_bytes,
+            });
         }
         let dfd = rfs::openat(
             dst,
@@ -363,17 +498,19 @@ impl Walker {
         let idx = self.hashes.len();
         self.hashes.push(None);
         let sfd = Arc::new(sfd);
-        if st.st_size as u64 <= SMALL {
-            self.hashes[idx] = Some(self.copy_small(sfd.as_fd(), dfd.as_fd(), r)?);
+        if size <= SMALL {
+            self.hashes[idx] = Some(self.copy_small(sfd.as_fd(), dfd.as_fd(), size, r)?);
         } else {
             // The hasher reads while the kernel copies: two cores, one pass each.
             let _ = self.jobs.send(Job {
                 idx,
+                size,
                 file: sfd.clone(),
             });
-            copy_big(sfd.as_fd(), dfd.as_fd(), &mut self.buf).map_err(|e| os_err("copy", r, e))?;
+            copy_big(sfd.as_fd(), dfd.as_fd(), size, &mut self.buf)
+                .map_err(|e| os_err("copy", r, e))?;
         }
-        self.bytes += st.st_size as u64;
+        self.bytes += size;
         let x = self.copy_xattrs_fd(sfd.as_fd(), dfd.as_fd());
         self.meta_fd(dfd.as_fd(), &st, r)?;
         self.file_line(r, &st, &x, idx);
@@ -400,12 +537,18 @@ impl Walker {
         &mut self,
         src: BorrowedFd<'_>,
         dst: BorrowedFd<'_>,
+        size: u64,
         r: &[u8],
     ) -> Result<[u8; 32]> {
         let mut h = blake3::Hasher::new();
         let mut off = 0u64;
         loop {
-            let n = match rustix::io::pread(src, &mut self.buf[..], off) {
+            let want = (size - off.min(size)) as usize;
+            if want == 0 {
+                return Ok(*h.finalize().as_bytes());
+            }
+            let want = want.min(self.buf.len());
+            let n = match rustix::io::pread(src, &mut self.buf[..want], off) {
                 Ok(n) => n,
                 Err(Errno::INTR) => continue,
                 Err(e) => return Err(os_err("read", r, e)),
@@ -559,6 +702,7 @@ fn split_names(list: &[u8]) -> Vec<CString> {
         .split(|&b| b == 0)
         .filter(|n| !n.is_empty())
         .filter(|n| !n.starts_with(b"trusted.overlay.") || KEEP_OVL.contains(n))
+        .filter(|n| *n != b"security.capability")
         .filter_map(|n| CString::new(n).ok())
         .collect();
     out.sort();
@@ -573,7 +717,7 @@ fn push_xattr(out: &mut Vec<u8>, name: &CStr, value: &[u8]) {
 }
 
 /// The entry names of an opened dir (without . and ..), sorted bytewise.
-fn list(dir: BorrowedFd<'_>, r: &[u8]) -> Result<Vec<CString>> {
+fn list(dir: BorrowedFd<'_>, r: &[u8], max: u64) -> Result<Vec<CString>> {
     let mut d = Dir::read_from(dir).map_err(|e| os_err("opendir", r, e))?;
     let mut names = Vec::new();
     while let Some(ent) = d.read() {
@@ -582,31 +726,48 @@ fn list(dir: BorrowedFd<'_>, r: &[u8]) -> Result<Vec<CString>> {
         if n == c"." || n == c".." {
             continue;
         }
+        if names.len() as u64 >= max {
+            return Err(LayerError::Limit {
+                what: "entries",
+                limit: max,
+            });
+        }
         names.push(n.to_owned());
     }
     names.sort();
     Ok(names)
 }
 
-/// In-kernel copy to EOF; a plain read/write copy where copy_file_range is refused.
+/// Copy `[0, size)`: data segments in the kernel (copy_file_range; a plain read/write where
+/// that is refused), holes left as holes (the copy is truncated to `size`).
 fn copy_big(
     src: BorrowedFd<'_>,
     dst: BorrowedFd<'_>,
+    size: u64,
     buf: &mut [u8],
 ) -> std::result::Result<(), Errno> {
-    let (mut off_in, mut off_out) = (0u64, 0u64);
-    loop {
-        match rfs::copy_file_range(src, Some(&mut off_in), dst, Some(&mut off_out), 1 << 30) {
-            Ok(0) => return Ok(()),
-            Ok(_) => continue,
-            Err(Errno::INTR) => continue,
-            Err(Errno::XDEV | Errno::OPNOTSUPP | Errno::NOSYS | Errno::INVAL) if off_in == 0 => {
-                break
-            }
-            Err(e) => return Err(e),
+    let mut in_kernel = true;
+    for_segments(src, size, |start, end, data| {
+        if !data {
+            return Ok(());
         }
-    }
-    each_chunk(src, buf, |chunk, off| write_all(dst, chunk, off))
+        let (mut off_in, mut off_out) = (start, start);
+        while in_kernel && off_in < end {
+            let len = (end - off_in).min(1 << 30) as usize;
+            match rfs::copy_file_range(src, Some(&mut off_in), dst, Some(&mut off_out), len) {
+                Ok(0) => return Ok(()), // EOF: the file shrank
+                Ok(_) | Err(Errno::INTR) => {}
+                Err(Errno::XDEV | Errno::OPNOTSUPP | Errno::NOSYS | Errno::INVAL) => {
+                    in_kernel = false
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        read_range(src, buf, off_in, end, |chunk, off| {
+            write_all(dst, chunk, off)
+        })
+    })?;
+    rfs::ftruncate(dst, size)
 }
 
 fn write_all(fd: BorrowedFd<'_>, mut data: &[u8], mut off: u64) -> std::result::Result<(), Errno> {

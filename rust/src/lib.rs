@@ -12,6 +12,7 @@ mod harden;
 mod hostmount;
 mod layer;
 mod spawn;
+mod tree;
 
 use std::ffi::OsString;
 use std::os::fd::{IntoRawFd, RawFd};
@@ -79,6 +80,9 @@ impl From<FsError> for PyErr {
     fn from(e: FsError) -> PyErr {
         match e {
             FsError::Invalid(m) => PyValueError::new_err(m),
+            FsError::Forbidden { op, path, msg } => {
+                ForbiddenPath::new_err((libc::EACCES, format!("{op}: {msg}"), path))
+            }
             FsError::Os {
                 op,
                 errno,
@@ -91,9 +95,26 @@ impl From<FsError> for PyErr {
 
 impl From<LayerError> for PyErr {
     fn from(e: LayerError) -> PyErr {
-        os_error(e.errno(), format!("capture_layer: {e}"))
+        match e {
+            LayerError::Limit { what, limit } => LayerLimit::new_err((what, limit)),
+            e => os_error(e.errno(), format!("capture_layer: {e}")),
+        }
     }
 }
+
+pyo3::create_exception!(
+    _core,
+    LayerLimit,
+    pyo3::exceptions::PyException,
+    "A capture passed one of its limits: args (what, limit), what in bytes, entries, depth."
+);
+
+pyo3::create_exception!(
+    _core,
+    ForbiddenPath,
+    PyOSError,
+    "A path the files API never serves (kernel pseudo-filesystem, device, FIFO, socket)."
+);
 
 fn io_err(what: &str, e: std::io::Error) -> PyErr {
     let errno = e.raw_os_error().unwrap_or(libc::EIO);
@@ -185,6 +206,7 @@ fn spawn_config(cfg: &Bound<'_, PyDict>) -> PyResult<SpawnConfig> {
         proc_readonly: opt(cfg, "proc_readonly", Vec::new())?,
         proc_mask_files: opt(cfg, "proc_mask_files", Vec::new())?,
         proc_mask_dirs: opt(cfg, "proc_mask_dirs", Vec::new())?,
+        tmp_size_mb: opt(cfg, "tmp_size_mb", None)?,
     })
 }
 
@@ -295,6 +317,43 @@ fn fs_read<'py>(
     Ok(PyBytes::new(py, &data))
 }
 
+/// (fd, size): a readable fd of the regular file at `path`, checked as fs_read checks it
+/// (the caller reads it in bounded chunks and closes it).
+#[pyfunction]
+fn fs_open_read(py: Python<'_>, root_fd: RawFd, path: OsString) -> PyResult<(RawFd, u64)> {
+    let (fd, size) = py.detach(|| fs::open_read(root_fd, &path))?;
+    Ok((fd.into_raw_fd(), size))
+}
+
+/// An fd to write the regular file at `path` through (made with `mode`, or truncated),
+/// checked as fs_write checks it; the caller writes in chunks and closes it.
+#[pyfunction]
+#[pyo3(signature = (root_fd, path, mode = 0o644, make_parents = true))]
+fn fs_open_write(
+    py: Python<'_>,
+    root_fd: RawFd,
+    path: OsString,
+    mode: u32,
+    make_parents: bool,
+) -> PyResult<RawFd> {
+    let fd = py.detach(|| fs::open_write(root_fd, &path, mode, make_parents))?;
+    Ok(fd.into_raw_fd())
+}
+
+/// rm -rf of a host path a sandbox controlled: iterative at any depth, bounded fds, never
+/// following a symlink, never crossing a mount (see tree.rs).
+#[pyfunction]
+fn remove_tree(py: Python<'_>, path: OsString) -> PyResult<()> {
+    let c = std::ffi::CString::new(path.into_encoded_bytes())
+        .map_err(|_| PyValueError::new_err("a path holds a NUL byte"))?;
+    py.detach(|| tree::remove_path(&c)).map_err(|e| {
+        os_error(
+            e.raw_os_error(),
+            format!("remove_tree: {}", harden::strerror(e.raw_os_error())),
+        )
+    })
+}
+
 #[pyfunction]
 #[pyo3(signature = (root_fd, path, data, mode = 0o644, make_parents = true))]
 fn fs_write(
@@ -370,8 +429,17 @@ fn fs_chmod(py: Python<'_>, root_fd: RawFd, path: OsString, mode: u32) -> PyResu
 /// Copy a frozen sandbox's overlay upper dirs to a new snapshot layer and hash it in one pass:
 /// `parts` is [(n, upper dir, new dir)], a dir is made only for a non-empty upper. Returns
 /// (blake3 digest hex of the layer's manifest, bytes of file data). See layer.rs.
+/// Bounds: `max_bytes` of file content (apparent size), `max_entries`, `max_depth` levels;
+/// passing one raises LayerLimit(what, limit).
 #[pyfunction]
-fn capture_layer(py: Python<'_>, parts: Vec<(u32, OsString, OsString)>) -> PyResult<(String, u64)> {
+#[pyo3(signature = (parts, max_bytes = u64::MAX, max_entries = 1_000_000, max_depth = 512))]
+fn capture_layer(
+    py: Python<'_>,
+    parts: Vec<(u32, OsString, OsString)>,
+    max_bytes: u64,
+    max_entries: u64,
+    max_depth: usize,
+) -> PyResult<(String, u64)> {
     let parts = parts
         .into_iter()
         .map(|(n, src, dst)| {
@@ -386,7 +454,12 @@ fn capture_layer(py: Python<'_>, parts: Vec<(u32, OsString, OsString)>) -> PyRes
             })
         })
         .collect::<PyResult<Vec<_>>>()?;
-    Ok(py.detach(|| layer::capture(&parts))?)
+    let limits = layer::Limits {
+        max_bytes,
+        max_entries,
+        max_depth: max_depth.max(1),
+    };
+    Ok(py.detach(|| layer::capture(&parts, limits))?)
 }
 
 /// Step timings (name, ns) of the calling thread's last spawn_sandbox or exec_in ("exec_in").
@@ -425,6 +498,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(root_fd, m)?)?;
     m.add_function(wrap_pyfunction!(init_channel, m)?)?;
     m.add_function(wrap_pyfunction!(fs_read, m)?)?;
+    m.add_function(wrap_pyfunction!(fs_open_read, m)?)?;
+    m.add_function(wrap_pyfunction!(fs_open_write, m)?)?;
+    m.add_function(wrap_pyfunction!(remove_tree, m)?)?;
+    m.add("ForbiddenPath", m.py().get_type::<ForbiddenPath>())?;
+    m.add("LayerLimit", m.py().get_type::<LayerLimit>())?;
     m.add_function(wrap_pyfunction!(fs_write, m)?)?;
     m.add_function(wrap_pyfunction!(fs_list, m)?)?;
     m.add_function(wrap_pyfunction!(fs_stat, m)?)?;

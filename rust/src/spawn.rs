@@ -97,6 +97,8 @@ pub struct SpawnConfig {
     pub proc_mask_files: Vec<String>,
     /// and directories covered by `mask_dir` (read-only).
     pub proc_mask_dirs: Vec<String>,
+    /// size= of the sandbox's /tmp tmpfs, in MiB (its `disk_mb`); None: unbounded.
+    pub tmp_size_mb: Option<u64>,
 }
 
 // The steps, in order; the names are what an OSError says.
@@ -227,6 +229,7 @@ struct Ctx {
     proc_readonly: Vec<CString>,
     proc_mask_files: Vec<CString>,
     proc_mask_dirs: Vec<CString>,
+    tmp_opts: CString,
     init_fd: RawFd,
     /// Both ends of the init's exec channel; the child puts them on fds 3 and 4
     /// (corral-init.c, "Exec server").
@@ -444,6 +447,10 @@ fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
         proc_readonly: proc_paths(&cfg.proc_readonly)?,
         proc_mask_files: proc_paths(&cfg.proc_mask_files)?,
         proc_mask_dirs: proc_paths(&cfg.proc_mask_dirs)?,
+        tmp_opts: cstring(&match cfg.tmp_size_mb {
+            Some(mb) => format!("mode=1777,size={mb}m"),
+            None => "mode=1777".to_string(),
+        })?,
         init_fd: cfg.init_fd,
         channel: [-1, -1],
         argv: [INIT_ARGV0.as_ptr() as *const c_char, std::ptr::null()],
@@ -827,7 +834,7 @@ unsafe fn run_child(c: &Ctx) -> c_int {
                 c"tmp",
                 Some(c"tmpfs"),
                 libc::MS_NOSUID | libc::MS_NODEV,
-                Some(c"mode=1777"),
+                Some(c.tmp_opts.as_c_str()),
             ),
         );
 

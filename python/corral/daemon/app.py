@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from corral.daemon import streams
 from corral.daemon.engine import MAX_READ_BYTES, Engine
 from corral.daemon.trajlog import KEY_HEADER, TrajLog, body_request, data_result
 from corral.errors import (
@@ -397,17 +399,50 @@ async def proc_kill(request: web.Request) -> web.Response:
     return _ok()
 
 
-async def file_read(request: web.Request) -> web.Response:
+async def file_read(request: web.Request) -> web.StreamResponse:
+    """Small files in one response; bigger ones streamed in bounded chunks (streams.py)."""
     path = _query_path(request)
     max_bytes = _query_int(request, "max_bytes", MAX_READ_BYTES, 0, MAX_READ_BYTES)
     sid = request.match_info["id"]
     engine = _engine(request)
-    data, truncated = await engine.trajlog.run(
-        sid, "read", {"path": path, "max_bytes": max_bytes}, None,
-        lambda: engine.read_file(sid, path, max_bytes),
-        to_log=lambda v: data_result(v[0], truncated=v[1]))
-    headers = {"X-Corral-Truncated": "true"} if truncated else None
-    return web.Response(body=data, content_type="application/octet-stream", headers=headers)
+    streamed: list[web.StreamResponse] = []
+
+    async def read() -> Any:
+        data, truncated, fd = await engine.read_file(sid, path, max_bytes)
+        if fd is None:
+            return data, truncated
+        try:
+            resp = web.StreamResponse(headers=_truncated(truncated))
+            resp.content_type = "application/octet-stream"
+            await resp.prepare(request)
+        except BaseException:
+            os.close(fd)
+            raise
+        streamed.append(resp)
+        try:
+            sent = await streams.send_file(resp, fd, max_bytes, engine.trajlog.enabled)
+        except BaseException:
+            _cut(request)  # headers are out: the client must see a broken transfer
+            raise
+        return {"size": sent.size, "sha256": sent.sha256, "truncated": truncated}
+
+    v = await engine.trajlog.run(
+        sid, "read", {"path": path, "max_bytes": max_bytes}, None, read,
+        to_log=lambda v: v if isinstance(v, dict) else data_result(v[0], truncated=v[1]))
+    if streamed:
+        await streamed[0].write_eof()
+        return streamed[0]
+    return web.Response(body=v[0], content_type="application/octet-stream",
+                        headers=_truncated(v[1]) or None)
+
+
+def _cut(request: web.Request) -> None:
+    if request.transport is not None:
+        request.transport.close()
+
+
+def _truncated(truncated: bool) -> dict[str, str]:
+    return {"X-Corral-Truncated": "true"} if truncated else {}
 
 
 async def file_write(request: web.Request) -> web.Response:
@@ -464,14 +499,30 @@ async def tar_upload(request: web.Request) -> web.Response:
     return await _file_op(request, "upload", req, path, data, big=True)
 
 
-async def tar_download(request: web.Request) -> web.Response:
+async def tar_download(request: web.Request) -> web.StreamResponse:
+    """Planned first (caps checked, clear errors), then streamed in bounded chunks."""
     sid, path = request.match_info["id"], _query_path(request)
     engine = _engine(request)
-    data = await engine.trajlog.run(
-        sid, "download", {"path": path}, None,
-        lambda: engine.files(sid, "download_tar", path, big=True),
-        to_log=lambda v: data_result(v))
-    return web.Response(body=data, content_type="application/x-tar")
+    from corral.daemon.substrates.container import TAR_MAX_BYTES, TAR_MAX_MEMBERS
+
+    async def download() -> dict[str, Any]:
+        ops = await engine.plan_tar(sid, path, TAR_MAX_BYTES, TAR_MAX_MEMBERS)
+        resp = web.StreamResponse()
+        resp.content_type = "application/x-tar"
+        await resp.prepare(request)
+        try:
+            sent = await streams.send_chunks(
+                resp, streams.chunks(ops, path.rstrip("/") or "/", TAR_MAX_BYTES),
+                engine.trajlog.enabled)
+        except BaseException:
+            _cut(request)  # headers are out: the client must see a broken transfer
+            raise
+        await resp.write_eof()
+        return {"size": sent.size, "sha256": sent.sha256, "response": resp}
+
+    res = await engine.trajlog.run(sid, "download", {"path": path}, None, download,
+                                   to_log=lambda v: {"size": v["size"], "sha256": v["sha256"]})
+    return res["response"]
 
 
 # ---- snapshots, fork, restore, pause (docs/snapshots.md) ----------------------------------

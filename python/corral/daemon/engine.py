@@ -21,18 +21,18 @@ Ending states, as reported to callers (``reason`` in the error details):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import heapq
 import logging
 import os
-import shutil
 import time
 from collections import OrderedDict
 from typing import Any
 
 from corral import __version__
 from corral.config import Config
-from corral.daemon import persist, procs, snapshots, users
+from corral.daemon import persist, procs, removal, snapshots, streams, users
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
 from corral.daemon.trajlog import TrajLog
 from corral.errors import (
@@ -252,7 +252,9 @@ class Engine:
         os.makedirs(self.sandboxes_dir, mode=0o700, exist_ok=True)
         if not self.substrates:
             await self._make_substrates()
-        self.snaps = snapshots.SnapshotStore(self.config.state_dir)
+        self.snaps = snapshots.SnapshotStore(self.config.state_dir,
+                                             self.config.snapshot_max_bytes,
+                                             self.config.snapshot_max_entries)
         await asyncio.to_thread(self.snaps.load)
         self.trajlog.open(self._loop)
         self._load_shutdown_tombstones()
@@ -294,6 +296,7 @@ class Engine:
         await asyncio.to_thread(self.images.ensure_host)
         self.substrates["container"] = ContainerSubstrate(self.config.state_dir, self.cgroups,
                                                           self.images)
+        self.substrates["container"].upload_max_bytes = self.config.upload_max_bytes
 
     def _recover(self) -> None:
         """Re-adopt every sandbox a previous daemon left running; clean up everything else."""
@@ -325,7 +328,7 @@ class Engine:
                     substrate.destroy(runtime)
                 except Exception:  # noqa: BLE001
                     log.exception("destroy of a dead sandbox failed", extra={"sandbox": sid})
-                shutil.rmtree(os.path.join(self.sandboxes_dir, sid), ignore_errors=True)
+                removal.remove_or_quarantine(os.path.join(self.sandboxes_dir, sid))
                 self._tombstone(sid, "crashed" if cause else "lost", cause)
                 continue
             sb = Sandbox(sid, spec, float(meta["created_at"]), float(meta["expires_at"]))
@@ -354,7 +357,18 @@ class Engine:
                 log.exception("cleanup_orphans failed", extra={"substrate": substrate.name})
         for sid, _ in persist.iter_records(self.sandboxes_dir):
             if sid not in known:  # belt and braces: records the substrate did not know
-                shutil.rmtree(os.path.join(self.sandboxes_dir, sid), ignore_errors=True)
+                removal.remove_or_quarantine(os.path.join(self.sandboxes_dir, sid))
+        trash = os.path.join(self.sandboxes_dir, ".trash")  # restores a crash interrupted
+        with contextlib.suppress(OSError):
+            for name in os.listdir(trash):
+                removal.remove_or_quarantine(os.path.join(trash, name), self.sandboxes_dir)
+        qdir = os.path.join(self.sandboxes_dir, removal.QUARANTINE)
+        with contextlib.suppress(OSError):  # left by an earlier run: one more try each
+            for name in os.listdir(qdir):
+                try:
+                    removal.remove_tree(os.path.join(qdir, name))
+                except OSError:
+                    removal.quarantined.append(os.path.join(qdir, name))
         self.trajlog.readopted([(sid, sb.spec.model_dump(mode="json"), sb.created_at, sb.info())
                                 for sid, sb in self.sandboxes.items() if sid in known])
         self.trajlog.recovered(known)
@@ -543,7 +557,7 @@ class Engine:
                     substrate.destroy(sb.runtime)
                 except Exception:  # noqa: BLE001
                     log.exception("destroy after a failed create", extra={"sandbox": sid})
-            shutil.rmtree(sdir, ignore_errors=True)
+            removal.remove_or_quarantine(sdir)
             if isinstance(e, CorralError) or not isinstance(e, Exception):
                 raise
             if isinstance(e, OSError) and e.errno in (errno.EAGAIN, errno.ENOMEM,
@@ -747,7 +761,7 @@ class Engine:
             if sb.runtime is not None and substrate is not None:
                 substrate.destroy(sb.runtime)
             if os.path.lexists(sdir):  # the substrate's destroy removes it; a failed one may not
-                shutil.rmtree(sdir, ignore_errors=True)
+                removal.remove_or_quarantine(sdir)
 
         try:
             # destroy closes the root fd that file operations in worker threads use.
@@ -795,7 +809,7 @@ class Engine:
             for sb in part:  # the substrate's destroy removes it; a failed one may not have
                 d = os.path.join(self.sandboxes_dir, sb.id)
                 if os.path.lexists(d):
-                    shutil.rmtree(d, ignore_errors=True)
+                    removal.remove_or_quarantine(d)
 
         try:
             while any(sb.threads for sb in sbs):  # see _destroy
@@ -1078,16 +1092,35 @@ class Engine:
             self._check_alive(sb)
             raise os_error(e, args[0] if args and isinstance(args[0], str) else "") from e
 
-    async def read_file(self, sid: str, path: str, max_bytes: int) -> tuple[bytes, bool]:
-        """(data, truncated): at most ``max_bytes``. Most reads are small: try on the loop,
-        and go to a thread only when the file turns out big."""
+    async def read_file(self, sid: str, path: str,
+                        max_bytes: int) -> tuple[bytes, bool, int | None]:
+        """(data, truncated, fd): at most ``max_bytes``. Most reads are small: tried on the
+        loop and returned whole. A bigger file is not read here: ``fd`` is an open, checked fd
+        of it (data empty) for the caller to stream in bounded chunks and close
+        (corral.daemon.streams), so the daemon's memory does not grow with the file."""
         first = min(max_bytes, DIRECT_IO_BYTES)
         data = await self.files(sid, "read_file", path, first + 1)
         if len(data) > first and first < max_bytes:
-            data = await self.files(sid, "read_file", path, max_bytes + 1, big=True)
+            fd, size = await self.files(sid, "open_read", path, big=True)
+            return b"", size > max_bytes, fd
         if len(data) > max_bytes:
-            return data[:max_bytes], True
-        return data, False
+            return data[:max_bytes], True, None
+        return data, False, None
+
+    async def plan_tar(self, sid: str, path: str, max_bytes: int,
+                       max_members: int) -> streams.TreeOps:
+        """Check that a tar of ``path`` stays within the caps (a walk that only stats, in a
+        thread); returns the primitives to stream it with (streams.chunks)."""
+        ops: streams.TreeOps = await self.files(sid, "tree_ops", path)
+        await self.files(sid, "stat", path)  # a missing path fails here, with its error
+        sb = self.get(sid)
+        sb.threads += 1
+        try:
+            await asyncio.to_thread(streams.plan, ops, path.rstrip("/") or "/", max_bytes,
+                                    max_members)
+        finally:
+            sb.threads -= 1
+        return ops
 
     # ---- snapshots, fork, restore (corral.daemon.snapshots) ---------------------------------
     def _snaps(self) -> snapshots.SnapshotStore:
@@ -1324,6 +1357,7 @@ class Engine:
     def metrics(self) -> dict[str, int]:
         """Counters and gauges for /metrics (besides the sandbox count)."""
         out = dict(self.counters)
+        out["quarantined_trees"] = len(removal.quarantined)  # see corral.daemon.removal
         if self.pools is not None:
             out.update(self.pools.stats())
         for k, v in getattr(self.cgroups, "spare_stats", {}).items():

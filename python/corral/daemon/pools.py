@@ -1,7 +1,7 @@
 """Warm pools: sandboxes made ahead of demand, so a create that matches takes a ready one.
 
 A pool is keyed by what is fixed when a sandbox is made: (substrate, image, cpu, memory_mb,
-pids, network). Everything else in a spec is applied when a sandbox is taken, so a pooled
+pids, network, disk_mb). Everything else in a spec is applied when a sandbox is taken, so a pooled
 sandbox is indistinguishable from a fresh one:
 
 * its id is drawn at random when it is made and nobody sees it before the take; the hostname
@@ -53,18 +53,18 @@ import collections
 import logging
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral.daemon import removal
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
 from corral.models import SandboxSpec
 
 log = logging.getLogger("corral.pools")
 
-Key = tuple[str, str, float, int, int, str]
+Key = tuple[str, str, float, int, int, str, int]
 TICK_S = 0.25
 EWMA = 0.3
 
@@ -171,7 +171,7 @@ class WarmPools:
         if spec.substrate not in self.substrates:
             return None
         return (spec.substrate, spec.image, float(spec.cpu), int(spec.memory_mb),
-                int(spec.pids), spec.network)
+                int(spec.pids), spec.network, int(spec.disk_mb))
 
     def _pool_for(self, spec: SandboxSpec, static: int = 0) -> _Pool | None:
         key = self.key(spec)
@@ -183,7 +183,8 @@ class WarmPools:
             if image is None:
                 return None
             base = SandboxSpec(image=spec.image, substrate=spec.substrate, cpu=spec.cpu,
-                               memory_mb=spec.memory_mb, pids=spec.pids, network=spec.network)
+                               memory_mb=spec.memory_mb, pids=spec.pids, network=spec.network,
+                               disk_mb=spec.disk_mb)
             pool = self.pools[key] = _Pool(key, base, image, static)
         return pool
 
@@ -320,7 +321,7 @@ class WarmPools:
             try:
                 rt = substrate.create(sid, pool.spec, pool.image)
             except BaseException:
-                shutil.rmtree(sdir, ignore_errors=True)
+                removal.remove_or_quarantine(sdir)
                 raise
             warm = getattr(substrate, "warm", None)
             if warm is not None:
@@ -328,7 +329,7 @@ class WarmPools:
                     warm(rt)  # e.g. cgroups a cold sandbox makes at its first exec
                 except BaseException:
                     substrate.destroy(rt)
-                    shutil.rmtree(sdir, ignore_errors=True)
+                    removal.remove_or_quarantine(sdir)
                     raise
             return rt
 
@@ -355,7 +356,7 @@ class WarmPools:
             try:
                 substrate.destroy(rt)
             finally:
-                shutil.rmtree(sdir, ignore_errors=True)
+                removal.remove_or_quarantine(sdir)
 
         try:
             await asyncio.to_thread(work)
@@ -393,8 +394,7 @@ class WarmPools:
                     self.substrates[p.key[0]].destroy(rt)
                 except Exception:  # noqa: BLE001
                     log.exception("destroy of a pooled sandbox failed")
-                shutil.rmtree(os.path.join(self.sandboxes_dir, rt.sandbox_id),
-                              ignore_errors=True)
+                removal.remove_or_quarantine(os.path.join(self.sandboxes_dir, rt.sandbox_id))
 
     def stats(self) -> dict[str, int]:
         return {"pool_ready": self.ready_total, "pool_hits": self.hits,

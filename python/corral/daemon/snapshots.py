@@ -40,7 +40,6 @@ import json
 import logging
 import mmap
 import os
-import shutil
 import stat
 import threading
 import time
@@ -51,8 +50,9 @@ from typing import Any
 import blake3
 
 from corral import _core
+from corral.daemon import removal
 from corral.daemon.snapdb import SnapshotDB
-from corral.errors import SnapshotChainTooDeep, SnapshotExists, SnapshotNotFound
+from corral.errors import SnapshotChainTooDeep, SnapshotExists, SnapshotNotFound, TooLarge
 
 log = logging.getLogger("corral.snapshots")
 
@@ -75,7 +75,8 @@ def _xattrs(path: str) -> list[tuple[str, bytes]]:
         return []
     out = []
     for n in sorted(names):
-        if n.startswith("trusted.overlay.") and n not in _KEEP_OVL:
+        if (n.startswith("trusted.overlay.") and n not in _KEEP_OVL) or \
+                n == "security.capability":
             continue
         try:
             out.append((n, os.getxattr(path, n, follow_symlinks=False)))
@@ -96,27 +97,31 @@ def layer_digest(layer: str) -> str:
 
 def tree_digest(root: str, h: Any) -> None:
     """Feed a canonical manifest of ``root`` (sorted) with file contents into hasher ``h``."""
-    def walk(d: str, rel: str) -> None:
-        with os.scandir(d) as it:
-            entries = sorted(it, key=lambda e: e.name)
-        for e in entries:
-            st = e.stat(follow_symlinks=False)
-            r = f"{rel}/{e.name}"
-            m = st.st_mode
-            x = b"".join(n.encode() + b"=" + v + b";" for n, v in _xattrs(e.path))
-            head = f"{r}\0{m:o}\0{st.st_uid}\0{st.st_gid}\0{st.st_rdev}\0".encode()
-            if stat.S_ISDIR(m):
-                h.update(b"D" + head + x + b"\n")
-                walk(e.path, r)
-            elif stat.S_ISLNK(m):
-                h.update(b"L" + head + os.fsencode(os.readlink(e.path)) + x + b"\n")
-            elif stat.S_ISREG(m):
-                h.update(b"F" + head + f"{st.st_size}\0{st.st_mtime_ns}\0".encode() + x)
-                h.update(_file_hash(e.path, st.st_size) + b"\n")
-            else:
-                h.update(b"O" + head + x + b"\n")
+    def listing(d: str, rel: str) -> list[tuple[str, str]]:
+        with os.scandir(d) as it:  # reversed: popped from the end, smallest name first
+            return [(e.path, f"{rel}/{e.name}") for e in sorted(it, key=lambda e: e.name,
+                                                                reverse=True)]
 
-    walk(root, "")
+    stack = [listing(root, "")]  # a loop, not a recursion: trees may be deep
+    while stack:
+        if not stack[-1]:
+            stack.pop()
+            continue
+        path, r = stack[-1].pop()
+        st = os.lstat(path)
+        m = st.st_mode
+        x = b"".join(n.encode() + b"=" + v + b";" for n, v in _xattrs(path))
+        head = f"{r}\0{m:o}\0{st.st_uid}\0{st.st_gid}\0{st.st_rdev}\0".encode()
+        if stat.S_ISDIR(m):
+            h.update(b"D" + head + x + b"\n")
+            stack.append(listing(path, r))
+        elif stat.S_ISLNK(m):
+            h.update(b"L" + head + os.fsencode(os.readlink(path)) + x + b"\n")
+        elif stat.S_ISREG(m):
+            h.update(b"F" + head + f"{st.st_size}\0{st.st_mtime_ns}\0".encode() + x)
+            h.update(_file_hash(path, st.st_size) + b"\n")
+        else:
+            h.update(b"O" + head + x + b"\n")
 
 
 def _file_hash(path: str, size: int) -> bytes:
@@ -142,8 +147,15 @@ class SnapshotStore:
     """Snapshot records, layers and their reference counts. Methods run on the event loop
     except :meth:`capture`, which does the I/O (a worker thread)."""
 
-    def __init__(self, state_dir: str) -> None:
+    # Levels of directories a capture follows (two fds each while it walks); deeper trees
+    # cannot be snapshotted (a path that deep is past PATH_MAX for most tools anyway).
+    MAX_DEPTH = 512
+
+    def __init__(self, state_dir: str, max_bytes: int = 16 << 30,
+                 max_entries: int = 1_000_000) -> None:
         self.state_dir = state_dir
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
         self.layers_dir = os.path.join(state_dir, "layers")
         self.spares_dir = os.path.join(state_dir, "spares")
         self.trash_dir = os.path.join(state_dir, "trash")
@@ -196,7 +208,7 @@ class SnapshotStore:
         with self._spares_lock:
             spares, self._spares, self._closed = self._spares, [], True
         for path in spares:
-            shutil.rmtree(path, ignore_errors=True)
+            removal.quiet_remove(path)
         self.db.close()
 
     # ---- spare layer dirs ----------------------------------------------------------------
@@ -225,7 +237,7 @@ class SnapshotStore:
                 path = self._make_spare()
                 with self._spares_lock:
                     if self._closed:  # the daemon stopped meanwhile: leave nothing behind
-                        shutil.rmtree(path, ignore_errors=True)
+                        removal.quiet_remove(path)
                         return
                     self._spares.append(path)
         except OSError as e:
@@ -318,8 +330,7 @@ class SnapshotStore:
 
     @staticmethod
     def _rm_later(path: str) -> None:
-        threading.Thread(target=shutil.rmtree, args=(path, True), daemon=True,
-                         name="corral-rm").start()
+        removal.remove_later(path)
 
     # ---- capture (worker thread) -----------------------------------------------------------
     def capture(self, uppers: list[str], freeze: Callable[[], Any],
@@ -332,14 +343,20 @@ class SnapshotStore:
             try:
                 # One pass in the Rust core, GIL released: copy and hash side by side (the
                 # source cannot change while frozen, so its hash is the copy's).
-                digest, size = _core.capture_layer(parts)
+                digest, size = _core.capture_layer(parts, self.max_bytes, self.max_entries,
+                                                   self.MAX_DEPTH)
             finally:
                 thaw()
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.join(tmp, "0"))  # the spare's part 0, if its upper was empty
             return tmp, digest, size
+        except _core.LayerLimit as e:
+            removal.quiet_remove(tmp)
+            what, limit = e.args
+            raise TooLarge(f"cannot snapshot: the sandbox's files exceed the limit of {limit} "
+                           f"{what}", details={"limit": what, "max": limit}) from None
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            removal.quiet_remove(tmp)
             raise
 
     def commit(self, tmp: str, digest: str, size: int, *, name: str | None,

@@ -67,6 +67,7 @@ class AsyncSandbox(SandboxHandle):
 
     def __init__(self, image: str = "host", *, substrate: str = "container", cpu: float = 1.0,
                  memory_mb: int = 512, pids: int = 512, timeout: float = DEFAULT_TIMEOUT_S,
+                 disk_mb: int | None = None,
                  idle_timeout: float | None = None, env: Mapping[str, str] | None = None,
                  labels: Mapping[str, str] | None = None,
                  metadata: Mapping[str, str] | None = None, network: NetworkMode = "none",
@@ -76,6 +77,7 @@ class AsyncSandbox(SandboxHandle):
                  trajectory_id: str | None = None) -> None:
         # Validated now, so bad input fails at the call site, not at the first await.
         self._spec = api.spec(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb,
+                              disk_mb=disk_mb,
                               pids=pids, timeout=timeout, idle_timeout=idle_timeout, env=env,
                               labels=labels, metadata=metadata, network=network,
                               hostname=hostname, cwd=cwd, snapshot=snapshot,

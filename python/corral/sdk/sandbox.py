@@ -45,6 +45,7 @@ class Sandbox(SandboxHandle):
 
     def __init__(self, image: str = "host", *, substrate: str = "container", cpu: float = 1.0,
                  memory_mb: int = 512, pids: int = 512, timeout: float = DEFAULT_TIMEOUT_S,
+                 disk_mb: int | None = None,
                  idle_timeout: float | None = None, env: Mapping[str, str] | None = None,
                  labels: Mapping[str, str] | None = None,
                  metadata: Mapping[str, str] | None = None, network: NetworkMode = "none",
@@ -52,7 +53,8 @@ class Sandbox(SandboxHandle):
                  snapshot: str | SnapshotBase | None = None, pause_ttl: str = "count",
                  endpoint: str | Endpoint | None = None,
                  trajectory_id: str | None = None) -> None:
-        s = api.spec(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb, pids=pids,
+        s = api.spec(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb,
+                     disk_mb=disk_mb, pids=pids,
                      timeout=timeout, idle_timeout=idle_timeout, env=env, labels=labels,
                      metadata=metadata, network=network, hostname=hostname, cwd=cwd,
                      snapshot=snapshot, pause_ttl=pause_ttl)

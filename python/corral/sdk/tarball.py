@@ -31,6 +31,11 @@ def unpack(data: bytes, local_dir: str | os.PathLike[str]) -> list[str]:
         members = tar.getmembers()
         if hasattr(tarfile, "data_filter"):  # 3.10.12+/3.11.4+: the stdlib's safe filter
             try:
+                # Every member is checked before the first is written: a bad one late in the
+                # tar must not leave the earlier ones extracted. Extraction checks again (on
+                # disk, with the links made so far).
+                for m in members:
+                    tarfile.data_filter(m, root)
                 tar.extractall(root, members=members, filter="data")
             except tarfile.FilterError as e:
                 raise InvalidRequest(f"refusing unsafe tar member: {e}") from None

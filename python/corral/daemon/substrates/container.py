@@ -21,6 +21,7 @@ import dataclasses
 import errno
 import io
 import logging
+import lzma
 import os
 import select
 import shutil
@@ -29,11 +30,12 @@ import stat as stat_mod
 import tarfile
 import threading
 import time
+import zlib
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from corral import _core
-from corral.daemon import initexec, procpolicy
+from corral.daemon import initexec, procpolicy, removal, streams, uploads
 from corral.errors import (
     CapacityExceeded,
     CorralError,
@@ -41,15 +43,17 @@ from corral.errors import (
     ExecStalled,
     FileExists,
     FileNotFound,
+    ForbiddenPath,
     InternalError,
     InvalidPath,
     InvalidRequest,
     IsADirectory,
     NotADirectory,
     SandboxNotRunning,
+    TooLarge,
     Unsupported,
 )
-from corral.models import FileEntry, SandboxSpec
+from corral.models import DEFAULT_DISK_MB, FileEntry, SandboxSpec
 
 from .base import ExecSpec, SandboxRuntime, Spawn, Substrate
 
@@ -90,10 +94,8 @@ _OUT_OF_RESOURCES = {errno.EAGAIN, errno.ENOMEM, errno.ENOSPC, errno.EMFILE, err
                      errno.EUSERS}
 
 TAR_MAX_MEMBERS = 1_000_000
-# A download is built in memory: cap it (a sparse file claims any size it likes).
+# A download is streamed; this caps the bytes sent (a sparse file claims any size it likes).
 TAR_MAX_BYTES = int(os.environ.get("CORRAL_TAR_MAX_BYTES", str(2 << 30)))
-# Kernel-made trees a download of "/" records as empty directories.
-_NO_DESCEND = {"/proc", "/sys", "/dev"}
 
 
 def _stat_fields(pid: int) -> list[bytes] | None:
@@ -450,6 +452,8 @@ def _reap_later(pid: int) -> None:
 
 
 def _file_error(e: OSError, path: str) -> CorralError:
+    if isinstance(e, _core.ForbiddenPath):
+        return ForbiddenPath(f"{e.strerror}: {path}", details={"path": path})
     cls = _FILE_ERRORS.get(e.errno or 0, InternalError)
     reason = e.strerror or str(e)
     msg = f"{reason}: {path}" if path else reason
@@ -506,6 +510,10 @@ class ContainerSubstrate(Substrate):
         self.sandboxes_dir = os.path.join(state_dir, "sandboxes")
         os.makedirs(self.sandboxes_dir, mode=0o700, exist_ok=True)
         self.scratch_tmpfs = mount_scratch(self.sandboxes_dir)
+        # What one upload may decompress to, and the bytes the daemon wrote into each
+        # sandbox against its disk_mb (corral.daemon.uploads).
+        self.upload_max_bytes = 4 << 30
+        self.disk = uploads.DiskBudget()
         self.cgroups = cgroups
         self.images = images
         self.init_fd = _core.init_memfd()
@@ -671,6 +679,7 @@ class ContainerSubstrate(Substrate):
                 "unix_only": unix_only,
                 "mask_dir": self.mask_dir,
                 **self.proc_policy,
+                "tmp_size_mb": spec.disk_mb,
             }
             pid, pidfd = _core.spawn_sandbox(cfg)
             if not self.keep_pidfds:
@@ -687,7 +696,7 @@ class ContainerSubstrate(Substrate):
             if not self.keep_pidfds:
                 os.close(pidfd)  # opened again when needed (see keep_pidfds)
                 pidfd = -1
-            extra: dict[str, Any] = {"image": img.name}
+            extra: dict[str, Any] = {"image": img.name, "disk_mb": spec.disk_mb}
             if unix_only:
                 extra["network"] = "disabled"  # exec applies the same walls; never pooled
             if lazy:
@@ -732,7 +741,7 @@ class ContainerSubstrate(Substrate):
                 self.cgroups.remove(paths)
             except OSError:
                 pass
-        shutil.rmtree(sdir, ignore_errors=True)
+        removal.quiet_remove(sdir)
 
     def _kill_and_wait(self, pid: int, pidfd: int, timeout_s: float = 10.0) -> bool:
         """SIGKILL the init (the kernel then kills every process of its pid namespace) and
@@ -808,6 +817,7 @@ class ContainerSubstrate(Substrate):
 
     def _destroy(self, runtime: SandboxRuntime) -> None:
         self._close_root(runtime.sandbox_id)
+        self.disk.forget(runtime.sandbox_id)
         pidfd = runtime.pidfd
         if pidfd < 0:
             pidfd = self._open_pidfd(runtime)
@@ -840,12 +850,12 @@ class ContainerSubstrate(Substrate):
         runtime.pidfd = -1
         if reaped:
             return  # removed above; nothing of the sandbox can write there any more
-        shutil.rmtree(sdir, ignore_errors=True)
+        removal.remove_or_quarantine(sdir)
 
     def _remove_dir(self, sandbox_id: str) -> None:
-        """rm -rf the sandbox's directory in the Rust core (GIL released, never following a
-        symlink: the upper dir holds what the tenant wrote); shutil's walk as the fallback.
-        shutil.rmtree was ~9 % of the daemon's CPU in churn (Python per entry)."""
+        """rm -rf the sandbox's directory in the Rust core (GIL released, iterative at any
+        depth, never following a symlink: the upper dir holds what the tenant wrote); what
+        cannot go is quarantined (corral.daemon.removal)."""
         try:
             fd = os.open(self.sandboxes_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
@@ -855,7 +865,7 @@ class ContainerSubstrate(Substrate):
         except FileNotFoundError:
             pass
         except (OSError, ValueError):
-            shutil.rmtree(os.path.join(self.sandboxes_dir, sandbox_id), ignore_errors=True)
+            removal.remove_or_quarantine(os.path.join(self.sandboxes_dir, sandbox_id))
         finally:
             os.close(fd)
 
@@ -942,8 +952,7 @@ class ContainerSubstrate(Substrate):
             runtime.pidfd = -1
             # Only once the old mounts are gone with their namespace: no file is deleted
             # under a live overlay.
-            threading.Thread(target=shutil.rmtree, args=(trash, True), daemon=True,
-                             name="corral-rm").start()
+            removal.remove_later(trash)
 
     def _kill_thawed(self, pidfd: int, paths: list[str]) -> None:
         """SIGKILL the init, then thaw its cgroup: a frozen (paused) task does not act on a
@@ -992,7 +1001,7 @@ class ContainerSubstrate(Substrate):
                 self.cgroups.remove(paths)
             except OSError:
                 pass
-            shutil.rmtree(os.path.join(self.sandboxes_dir, sid), ignore_errors=True)
+            removal.remove_or_quarantine(os.path.join(self.sandboxes_dir, sid))
             removed.append(sid)
         return removed
 
@@ -1379,7 +1388,18 @@ class ContainerSubstrate(Substrate):
     def write_file(self, runtime: SandboxRuntime, path: str, data: bytes, mode: int = 0o644,
                    make_parents: bool = True) -> None:
         _check_path(path)
-        self._fs(runtime, _core.fs_write, path, path, bytes(data), mode & 0o7777, make_parents)
+        try:  # what the write replaces is freed (lstat: a symlink is replaced, not followed)
+            kind, old, *_ = self._fs(runtime, _core.fs_stat, path, path)
+            old = old if kind == "file" else 0
+        except CorralError:
+            old = 0
+        self._charge(runtime, len(data) - old)
+        try:
+            self._fs(runtime, _core.fs_write, path, path, bytes(data), mode & 0o7777,
+                     make_parents)
+        except BaseException:
+            self._charge(runtime, old - len(data))
+            raise
 
     def list_dir(self, runtime: SandboxRuntime, path: str) -> list[FileEntry]:
         _check_path(path)
@@ -1419,46 +1439,77 @@ class ContainerSubstrate(Substrate):
         _check_path(path)
         base = path.rstrip("/")
         self._fs(runtime, _core.fs_mkdir, path, path, True)
+        # Streamed (r|: no seek, so nothing is decompressed twice), decompressed lazily and
+        # bounded (uploads.Bounded): the daemon never holds more than a chunk of a member.
+        src = uploads.open_bounded(tar_bytes, self.upload_max_bytes)
         try:
-            tf = tarfile.open(fileobj=io.BytesIO(tar_bytes), mode="r:*")
-        except tarfile.TarError as e:
+            tf = tarfile.open(fileobj=src, mode="r|")
+        except (tarfile.TarError, OSError, EOFError) as e:
             raise InvalidRequest(f"not a tar archive: {e}") from None
         dirs: list[tuple[str, int]] = []
-        with tf:
-            for count, m in enumerate(tf):
-                if count >= TAR_MAX_MEMBERS:
-                    raise InvalidRequest(f"tar has more than {TAR_MAX_MEMBERS} members")
-                rel = self._tar_rel(m.name)
-                if rel is None:
-                    continue
-                dest = f"{base}/{rel}"
-                mode = m.mode & 0o7777 & ~(stat_mod.S_ISUID | stat_mod.S_ISGID)
-                if m.isdir():
-                    self._fs(runtime, _core.fs_mkdir, dest, dest, True, 0o755)
-                    dirs.append((dest, mode or 0o755))
-                elif m.isreg():
-                    f = tf.extractfile(m)
-                    data = f.read() if f is not None else b""
-                    self._replace(runtime, dest)
-                    self._fs(runtime, _core.fs_write, dest, dest, data, mode, True)
-                elif m.issym():
-                    self._parent(runtime, dest)
-                    self._replace(runtime, dest)
-                    self._fs(runtime, _core.fs_symlink, dest, m.linkname, dest)
-                elif m.islnk():
-                    target_rel = self._tar_rel(m.linkname)
-                    if target_rel is None:
-                        raise InvalidRequest(f"tar hard link {m.name!r} points at the root")
-                    src = f"{base}/{target_rel}"
-                    data = self._fs(runtime, _core.fs_read, src, src, TAR_MAX_BYTES)
-                    self._replace(runtime, dest)
-                    self._fs(runtime, _core.fs_write, dest, dest, data, mode, True)
-                else:
-                    raise InvalidRequest(
-                        f"tar member {m.name!r} is a device, FIFO or other special file")
+        try:
+            with tf:
+                for count, m in enumerate(tf):
+                    if count >= TAR_MAX_MEMBERS:
+                        raise TooLarge(f"tar has more than {TAR_MAX_MEMBERS} members",
+                                       details={"limit": "members", "max": TAR_MAX_MEMBERS})
+                    self._extract(runtime, tf, m, base, dirs)
+        except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError) as e:
+            raise InvalidRequest(f"bad tar archive: {e}") from None
+        except OSError as e:  # a corrupt bzip2 stream, and the like
+            raise InvalidRequest(f"bad tar archive: {e}") from None
         # Directory modes last, deepest first, so a read-only dir does not block its contents.
         for dest, mode in reversed(dirs):
             self._fs(runtime, _core.fs_chmod, dest, dest, mode)
+
+    def _extract(self, runtime: SandboxRuntime, tf: tarfile.TarFile, m: tarfile.TarInfo,
+                 base: str, dirs: list[tuple[str, int]]) -> None:
+        rel = self._tar_rel(m.name)
+        if rel is None:
+            return
+        dest = f"{base}/{rel}"
+        mode = m.mode & 0o7777 & ~(stat_mod.S_ISUID | stat_mod.S_ISGID)
+        if m.isdir():
+            self._fs(runtime, _core.fs_mkdir, dest, dest, True, 0o755)
+            dirs.append((dest, mode or 0o755))
+        elif m.isreg():
+            f = tf.extractfile(m)
+            self._replace(runtime, dest)
+            self._write_from(runtime, dest, mode, f if f is not None else io.BytesIO())
+        elif m.issym():
+            self._parent(runtime, dest)
+            self._replace(runtime, dest)
+            self._fs(runtime, _core.fs_symlink, dest, m.linkname, dest)
+        elif m.islnk():
+            target_rel = self._tar_rel(m.linkname)
+            if target_rel is None:
+                raise InvalidRequest(f"tar hard link {m.name!r} points at the root")
+            src = f"{base}/{target_rel}"
+            fd, _ = self._fs(runtime, _core.fs_open_read, src, src)
+            with open(fd, "rb", buffering=0) as f:  # a copy of the member extracted before
+                self._replace(runtime, dest)
+                self._write_from(runtime, dest, mode, f)
+        else:
+            raise InvalidRequest(
+                f"tar member {m.name!r} is a device, FIFO or other special file")
+
+    def _write_from(self, runtime: SandboxRuntime, dest: str, mode: int, src: Any) -> None:
+        """Write ``src`` to ``dest`` in chunks, each charged to the sandbox's disk budget."""
+        fd = self._fs(runtime, _core.fs_open_write, dest, dest, mode, True)
+        try:
+            while chunk := src.read(uploads.CHUNK):
+                self._charge(runtime, len(chunk))
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view):]
+        except OSError as e:
+            raise _file_error(e, dest) from None
+        finally:
+            os.close(fd)
+
+    def _charge(self, runtime: SandboxRuntime, delta: int) -> None:
+        limit = int(runtime.extra.get("disk_mb", DEFAULT_DISK_MB)) << 20
+        self.disk.charge(runtime.sandbox_id, delta, limit)
 
     @staticmethod
     def _tar_rel(name: str) -> str | None:
@@ -1483,62 +1534,33 @@ class ContainerSubstrate(Substrate):
         if kind != "dir":
             self._fs(runtime, _core.fs_remove, dest, dest, False)
 
-    def download_tar(self, runtime: SandboxRuntime, path: str) -> bytes:
+    def open_read(self, runtime: SandboxRuntime, path: str) -> tuple[int, int]:
+        """(fd, size) of a regular file, checked as read_file checks it, to stream from (the
+        caller closes the fd)."""
         _check_path(path)
-        root = path.rstrip("/") or "/"
-        kind, *_ = self._fs(runtime, _core.fs_stat, path, root)
-        buf = io.BytesIO()
-        budget = [TAR_MAX_BYTES]
-        arc_base = os.path.basename(root) if kind != "dir" else "."
-        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-            if kind != "dir":
-                self._tar_add(runtime, tf, root, arc_base, budget)
-            else:
-                stack = [(root, ".")]
-                while stack:
-                    d, arc = stack.pop()
-                    self._tar_add(runtime, tf, d, arc, budget)
-                    entries = self._fs(runtime, _core.fs_list, d, d)
-                    for name, ekind, *_ in sorted(entries, reverse=True):
-                        p = f"{d.rstrip('/')}/{name}"
-                        a = f"{arc}/{name}" if arc != "." else name
-                        if ekind == "dir":
-                            if p in _NO_DESCEND:
-                                self._tar_add(runtime, tf, p, a, budget)
-                            else:
-                                stack.append((p, a))
-                        else:
-                            self._tar_add(runtime, tf, p, a, budget)
-        return buf.getvalue()
+        return self._fs(runtime, _core.fs_open_read, path, path)
 
-    def _tar_add(self, runtime: SandboxRuntime, tf: tarfile.TarFile, path: str,
-                 arcname: str, budget: list[int]) -> None:
-        try:
-            kind, size, mode, mtime = self._fs(runtime, _core.fs_stat, path, path)
-        except FileNotFound:
-            return  # removed meanwhile
-        ti = tarfile.TarInfo(arcname)
-        ti.mode = mode
-        ti.mtime = int(mtime)
-        if kind == "dir":
-            ti.type = tarfile.DIRTYPE
-            tf.addfile(ti)
-        elif kind == "symlink":
-            ti.type = tarfile.SYMTYPE
-            ti.linkname = self._fs(runtime, _core.fs_readlink, path, path)
-            tf.addfile(ti)
-        elif kind == "file":
-            if size > budget[0]:
-                raise InvalidRequest(f"tar would exceed {TAR_MAX_BYTES} bytes at {path}",
-                                     details={"path": path, "limit": TAR_MAX_BYTES})
-            try:
-                data = self._fs(runtime, _core.fs_read, path, path, budget[0])
-            except InvalidRequest as e:
-                if e.details.get("errno") == errno.EACCES:  # /proc and friends: skipped
-                    return
-                raise
-            budget[0] -= len(data)
-            ti.size = len(data)
-            tf.addfile(ti, io.BytesIO(data))
-        # sockets, FIFOs, devices: skipped
+    def download_tar(self, runtime: SandboxRuntime, path: str) -> bytes:
+        """The whole tar in memory, for in-process callers (the API streams it instead)."""
+        ops = self.tree_ops(runtime, path)
+        root = path.rstrip("/") or "/"
+        streams.plan(ops, root, TAR_MAX_BYTES, TAR_MAX_MEMBERS)
+        return b"".join(streams.chunks(ops, root, TAR_MAX_BYTES))
+
+    def tree_ops(self, runtime: SandboxRuntime, path: str) -> streams.TreeOps:
+        """The primitives a streamed tar download of ``path`` walks the sandbox's files with."""
+        _check_path(path)
+        def stat(p: str) -> tuple[str, int, int, float]:
+            return self._fs(runtime, _core.fs_stat, p, p)
+
+        def ls(p: str) -> list[tuple[str, str]]:
+            return [(e[0], e[1]) for e in self._fs(runtime, _core.fs_list, p, p)]
+
+        def readlink(p: str) -> str:
+            return self._fs(runtime, _core.fs_readlink, p, p)
+
+        def open_read(p: str) -> tuple[int, int]:
+            return self._fs(runtime, _core.fs_open_read, p, p)
+
+        return streams.TreeOps(stat=stat, list=ls, readlink=readlink, open_read=open_read)
 

@@ -1,0 +1,71 @@
+"""Removing trees a sandbox controlled (its scratch dir, a stored layer, the trash).
+
+Never ``shutil.rmtree``: its walk recurses once per directory level, so a tree a sandbox made
+deep enough raises RecursionError (and, with ``ignore_errors``, leaves it all behind). The Rust
+core's ``remove_tree`` is a loop with bounded fds, never follows a symlink and never crosses a
+mount. What it still cannot remove is moved aside to a quarantine dir on the same filesystem
+and counted, so one sandbox's leftovers never stop the daemon from starting or cleaning up
+the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from corral import _core
+
+log = logging.getLogger("corral.removal")
+
+QUARANTINE = ".quarantine"
+
+# Trees moved aside since the daemon started (reported in metrics and /v1/status).
+quarantined: list[str] = []
+_lock = threading.Lock()
+
+
+def remove_tree(path: str) -> None:
+    """rm -rf ``path`` (missing is fine); raises OSError if something could not go."""
+    _core.remove_tree(path)
+
+
+def remove_or_quarantine(path: str, quarantine_root: str | None = None) -> bool:
+    """Remove ``path``; if that fails, move it under ``<quarantine_root>/.quarantine`` (the
+    default root: the directory holding ``path``, so the rename stays on its filesystem) and
+    log it. True if it is gone from ``path``. Never raises."""
+    try:
+        remove_tree(path)
+        return True
+    except (OSError, ValueError) as e:
+        err = e
+    qdir = os.path.join(quarantine_root or os.path.dirname(path), QUARANTINE)
+    dst = os.path.join(qdir, f"{os.path.basename(path)}.{os.urandom(4).hex()}")
+    try:
+        os.makedirs(qdir, mode=0o700, exist_ok=True)
+        os.rename(path, dst)
+    except FileNotFoundError:
+        return True
+    except OSError as e:
+        log.error("cannot remove or quarantine a sandbox tree",
+                  extra={"path": path, "error": str(err), "rename_error": str(e)})
+        return False
+    with _lock:
+        quarantined.append(dst)
+    log.error("tree quarantined: could not remove it", extra={"path": path, "moved_to": dst,
+                                                              "error": str(err)})
+    return True
+
+
+def remove_later(path: str) -> None:
+    """Remove in a background thread (quarantining what cannot go)."""
+    threading.Thread(target=remove_or_quarantine, args=(path,), daemon=True,
+                     name="corral-rm").start()
+
+
+def quiet_remove(path: str) -> None:
+    """For error paths: remove what can go, never raise."""
+    try:
+        remove_tree(path)
+    except (OSError, ValueError) as e:
+        log.warning("cannot remove a tree", extra={"path": path, "error": str(e)})

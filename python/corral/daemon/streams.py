@@ -1,0 +1,202 @@
+"""File reads and tar downloads streamed with bounded buffers.
+
+The daemon's memory must not depend on what a sandbox holds: a 1 GiB file (sparse, so it costs
+the sandbox nothing) used to be read whole into memory, twice over. Here a file is sent in
+``CHUNK`` pieces read in a worker thread from an fd the Rust core opened and checked
+(``_core.fs_open_read``: resolved in the sandbox's root, regular files only, never on a kernel
+pseudo-filesystem); a tar is made one header or chunk at a time. Caps count the bytes actually
+sent, not the sizes files claim. A tar is planned first (a walk that only stats), so a tree past
+a cap is refused with a clear error before the first byte; if files grow between the plan and
+the send, the send stops at the cap and the connection is cut (the client sees a broken
+transfer, never a short tar that looks complete).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import tarfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from corral.errors import CorralError, ForbiddenPath, InvalidPath, TooLarge
+
+CHUNK = 1 << 20
+# Directory levels a download follows (paths are limited to 4096 bytes anyway).
+TAR_MAX_DEPTH = 512
+# Kernel-made trees a download of "/" records as empty directories.
+NO_DESCEND = {"/proc", "/sys", "/dev"}
+
+
+@dataclass
+class Sent:
+    """What a stream sent: bytes, their sha256 (hex, when asked for), cut short at a cap."""
+
+    size: int
+    sha256: str | None
+    truncated: bool = False
+
+
+def _pread(fd: int, off: int, n: int, h: Any) -> bytes:
+    data = os.pread(fd, n, off)
+    if h is not None:
+        h.update(data)
+    return data
+
+
+async def send_file(resp: Any, fd: int, limit: int, digest: bool) -> Sent:
+    """Write at most ``limit`` bytes of ``fd`` to the prepared response ``resp``; closes fd."""
+    h = hashlib.sha256() if digest else None
+    off = 0
+    try:
+        while off < limit:
+            chunk = await asyncio.to_thread(_pread, fd, off, min(CHUNK, limit - off), h)
+            if not chunk:
+                break
+            await resp.write(chunk)  # waits while the client is slower than us
+            off += len(chunk)
+    finally:
+        os.close(fd)
+    return Sent(off, h.hexdigest() if h is not None else None)
+
+
+async def send_chunks(resp: Any, chunks: Iterator[bytes], digest: bool) -> Sent:
+    """Write every chunk of a (blocking) iterator, each pulled in a worker thread."""
+    h = hashlib.sha256() if digest else None
+    size = 0
+    try:
+        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            if h is not None:
+                h.update(chunk)
+            await resp.write(chunk)
+            size += len(chunk)
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
+    return Sent(size, h.hexdigest() if h is not None else None)
+
+
+@dataclass
+class TreeOps:
+    """The file primitives a tar walk uses (a substrate's, bound to one sandbox)."""
+
+    stat: Callable[[str], tuple[str, int, int, float]]        # kind, size, mode, mtime
+    list: Callable[[str], list[tuple[str, str]]]              # (name, kind), sorted
+    readlink: Callable[[str], str]
+    open_read: Callable[[str], tuple[int, int]]               # (fd, size)
+
+
+def _join(d: str, name: str) -> str:
+    return f"{d.rstrip('/')}/{name}"
+
+
+def _walk(ops: TreeOps, root: str) -> Iterator[tuple[str, str, str]]:
+    """(path, arcname, kind) depth first, names sorted; a loop, never a recursion."""
+    kind = ops.stat(root)[0]
+    if kind != "dir":
+        yield root, os.path.basename(root), kind
+        return
+    stack: list[tuple[str, str, int]] = [(root, ".", 0)]
+    while stack:
+        d, arc, depth = stack.pop()
+        yield d, arc, "dir"
+        if d in NO_DESCEND:
+            continue
+        if depth >= TAR_MAX_DEPTH:
+            raise TooLarge(f"{d} is more than {TAR_MAX_DEPTH} directories deep",
+                           details={"limit": "depth", "max": TAR_MAX_DEPTH})
+        try:
+            entries = ops.list(d)
+        except ForbiddenPath:
+            continue  # a pseudo-filesystem mounted there: recorded as an empty dir
+        subdirs = []
+        for name, ekind in entries:
+            p, a = _join(d, name), (f"{arc}/{name}" if arc != "." else name)
+            if ekind == "dir":
+                subdirs.append((p, a, depth + 1))
+            else:
+                yield p, a, ekind
+        stack.extend(reversed(subdirs))
+
+
+def _header(ti: tarfile.TarInfo) -> bytes:
+    return ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+
+
+def plan(ops: TreeOps, root: str, max_bytes: int, max_members: int) -> int:
+    """Walk once, stats only: the tar's size, or TooLarge before anything is sent."""
+    total, members = 1024, 0
+    for path, arc, kind in _walk(ops, root):
+        members += 1
+        if members > max_members:
+            raise TooLarge(f"the tar would have more than {max_members} members",
+                           details={"limit": "members", "max": max_members})
+        if len(path) > 4096:
+            raise InvalidPath(f"a path under {root} is longer than 4096 bytes")
+        size = 0
+        if kind == "file":
+            try:
+                size = ops.stat(path)[1]
+            except CorralError:
+                size = 0
+        total += 512 * 3 + size + (-size % 512) + len(arc)  # pax header + data (bounded)
+        if total > max_bytes:
+            raise TooLarge(f"the tar would exceed {max_bytes} bytes (at {path})",
+                           details={"limit": "bytes", "max": max_bytes, "path": path})
+    return total
+
+
+def chunks(ops: TreeOps, root: str, max_bytes: int) -> Iterator[bytes]:
+    """The tar, in pieces of at most CHUNK bytes (blocking: run each step in a thread).
+    Raises TooLarge if the bytes sent would pass ``max_bytes`` (files grew since the plan)."""
+    budget = max_bytes
+
+    def take(b: bytes) -> bytes:
+        nonlocal budget
+        budget -= len(b)
+        if budget < 0:
+            raise TooLarge(f"the tar passed {max_bytes} bytes while being sent",
+                           details={"limit": "bytes", "max": max_bytes})
+        return b
+
+    for path, arc, kind in _walk(ops, root):
+        try:
+            _, _, mode, mtime = ops.stat(path)
+        except CorralError:
+            continue  # removed meanwhile
+        ti = tarfile.TarInfo(arc)
+        ti.mode, ti.mtime = mode, int(mtime)
+        if kind == "dir":
+            ti.type = tarfile.DIRTYPE
+            yield take(_header(ti))
+        elif kind == "symlink":
+            ti.type = tarfile.SYMTYPE
+            try:
+                ti.linkname = ops.readlink(path)
+            except CorralError:
+                continue
+            yield take(_header(ti))
+        elif kind == "file":
+            try:
+                fd, size = ops.open_read(path)
+            except CorralError:  # gone, or refused (pseudo-fs, special file)
+                continue
+            try:
+                ti.size = size
+                yield take(_header(ti))
+                off = 0
+                while off < size:  # exactly `size` bytes: zeros if the file shrank
+                    n = min(CHUNK, size - off)
+                    data = os.pread(fd, n, off) or b""
+                    data += bytes(n - len(data))
+                    yield take(data)
+                    off += n
+                if size % 512:
+                    yield take(bytes(512 - size % 512))
+            finally:
+                os.close(fd)
+        # sockets, FIFOs, devices: skipped
+    yield take(bytes(1024))

@@ -1,0 +1,295 @@
+"""Attacks on the daemon through what a sandbox's files hold: deep trees, sparse files,
+decompression bombs, pseudo-filesystems and special files, set-id bits, disk use, and tars
+that would write outside the client's directory. The daemon must stay up, keep its memory
+and the host's disk independent of what a sandbox holds, and answer with clear error codes."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import signal
+import stat
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from corral import Sandbox
+from corral.errors import CorralError, ForbiddenPath, InvalidRequest, TooLarge
+from corral.sdk import tarball
+
+import apiclient
+from conftest import STATE_DIR
+
+LAYERS = Path(STATE_DIR, "layers")
+SANDBOXES = Path(STATE_DIR, "sandboxes")
+MiB = 1 << 20
+
+
+def wait_for(cond, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def sh(sb: Sandbox, cmd: str, timeout: float = 120) -> str:
+    r = sb.exec("mkdir -p /work && " + cmd, timeout=timeout)
+    assert r.exit_code == 0, (cmd, r.stdout, r.stderr)
+    return r.stdout
+
+
+DEEP = """python3 - <<'EOF'
+import os
+os.makedirs('/work/deep', exist_ok=True)
+d = os.open('/work/deep', os.O_RDONLY)
+for i in range({n}):
+    os.mkdir('d', dir_fd=d)
+    if i % 1000 == 0:
+        os.close(os.open('f', os.O_CREAT | os.O_WRONLY, dir_fd=d))
+    nd = os.open('d', os.O_RDONLY, dir_fd=d)
+    os.close(d)
+    d = nd
+print('ok')
+EOF"""
+
+
+# ---- deep trees ------------------------------------------------------------------------------
+def test_deep_tree_snapshot_fork_destroy_and_restart(daemon):
+    """A 9,000-deep tree: snapshot and fork fail with a clear code, the daemon stays up, and
+    destroying the sandbox (and recovering after kill -9) removes it all."""
+    sb = Sandbox(memory_mb=256)
+    try:
+        assert "ok" in sh(sb, DEEP.format(n=9000))
+        layers_before = set(os.listdir(LAYERS))
+        for attempt in (sb.snapshot, lambda: sb.fork(1)):
+            with pytest.raises(TooLarge) as e:
+                attempt()
+            assert e.value.code == "too_large" and e.value.details["limit"] == "depth"
+        assert set(os.listdir(LAYERS)) == layers_before  # nothing half-made kept
+        assert sh(sb, "echo alive").strip() == "alive"  # thawed after the failed capture
+        # kill -9 the daemon and the sandbox's init: recovery finds a dead sandbox whose
+        # upper holds the deep tree, and must remove it and start.
+        init_pid = sb.info().init_pid
+        sid = sb.id
+        daemon.kill9()
+        os.kill(init_pid, signal.SIGKILL)
+        daemon.start()
+        assert wait_for(lambda: not (SANDBOXES / sid).exists())
+        assert not (SANDBOXES / ".quarantine").exists()
+        with apiclient.client() as c:
+            metrics = c.get("/metrics").text
+        assert "quarantined_trees 0" in metrics or "quarantined_trees" not in metrics
+    finally:
+        try:
+            sb.kill()
+        except CorralError:
+            pass
+
+
+def test_deep_tree_destroy_frees_everything(daemon):
+    with Sandbox(memory_mb=256) as sb:
+        assert "ok" in sh(sb, DEEP.format(n=9000))
+        sid = sb.id
+        # A files-API recursive remove walks it too (iteratively).
+        sb.files.remove("/work/deep", recursive=True)
+        assert not sb.files.exists("/work/deep")
+        assert "ok" in sh(sb, DEEP.format(n=9000))
+    assert wait_for(lambda: not (SANDBOXES / sid).exists())
+    assert daemon.proc.poll() is None
+
+
+# ---- sparse files: daemon memory and host disk -------------------------------------------------
+def test_sparse_file_read_and_tar_keep_daemon_memory_flat(daemon):
+    pid = daemon.proc.pid
+    with Sandbox() as sb:
+        sh(sb, "mkdir -p /work/sp && truncate -s 1G /work/one && "
+               "truncate -s 900M /work/sp/a /work/sp/b")
+        sid = sb.id
+        with apiclient.client(timeout=300) as c:
+            before = rss_kib(pid)
+            peak, got = before, 0
+            with c.stream("GET", f"/v1/sandboxes/{sid}/files",
+                          params={"path": "/work/one"}) as r:
+                assert r.status_code == 200
+                for chunk in r.iter_bytes(1 << 20):
+                    got += len(chunk)
+                    if got % (64 * MiB) < len(chunk):
+                        peak = max(peak, rss_kib(pid))
+            assert got == 1 << 30
+            after_read = rss_kib(pid)
+            tar_bytes = 0
+            with c.stream("GET", f"/v1/sandboxes/{sid}/files/tar",
+                          params={"path": "/work/sp"}) as r:
+                assert r.status_code == 200
+                for chunk in r.iter_bytes(1 << 20):
+                    tar_bytes += len(chunk)
+                    if tar_bytes % (64 * MiB) < len(chunk):
+                        peak = max(peak, rss_kib(pid))
+            assert tar_bytes >= 1800 * MiB
+            after_tar = rss_kib(pid)
+        growth = max(peak, after_read, after_tar) - before
+        print(f"corrald RSS KiB: before {before}, after 1 GiB read {after_read}, "
+              f"after 2x900 MiB tar {after_tar}, peak seen {peak}")
+        assert growth < 200 * 1024, f"daemon grew by {growth} KiB"
+
+
+def test_tar_download_over_the_cap_is_refused_before_streaming(daemon):
+    with Sandbox() as sb:
+        sh(sb, "mkdir -p /work/big && truncate -s 100G /work/big/sparse")
+        with apiclient.client() as c:
+            r = c.get(f"/v1/sandboxes/{sb.id}/files/tar", params={"path": "/work/big"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_large"
+
+
+def test_snapshot_of_a_sparse_file_writes_little_to_disk(daemon):
+    with Sandbox() as sb:
+        sh(sb, "truncate -s 2G /work/sparse && echo tail >> /work/sparse && "
+               "chmod 4755 /work/sparse")
+        snap = sb.snapshot()
+        f = LAYERS / snap.digest / "0" / "work" / "sparse"
+        st = f.stat()
+        assert st.st_size == (2 << 30) + 5
+        assert st.st_blocks * 512 < 4 * MiB, f"{st.st_blocks * 512} bytes on disk"
+        print(f"2 GiB sparse file snapshot: {st.st_blocks * 512} bytes on the host disk")
+        with Sandbox(snapshot=snap) as kid:
+            assert sh(kid, "tail -c 5 /work/sparse").strip() == "tail"
+        snap.delete()
+
+
+# ---- set-id bits and file capabilities -----------------------------------------------------------
+def test_setid_bits_and_file_caps_never_reach_a_stored_layer(daemon):
+    with Sandbox() as sb:
+        sh(sb, "mkdir -p /work/s && cp /bin/true /work/s/suid && chmod 4755 /work/s/suid && "
+               "cp /bin/true /work/s/sgid && chmod 2755 /work/s/sgid && "
+               "mkdir /work/s/gdir && chmod 2775 /work/s/gdir")
+        # A file capability from inside (root of the user namespace may set one).
+        capped = sb.exec("python3 -c \"import os; os.system('cp /bin/true /work/s/cap'); "
+                         "os.setxattr('/work/s/cap', 'security.capability', "
+                         "bytes.fromhex('0100000200200000000000000000000000000000'))\"")
+        snap = sb.snapshot()
+        layer = LAYERS / snap.digest / "0" / "work" / "s"
+        for name in ("suid", "sgid"):
+            mode = (layer / name).stat().st_mode
+            assert not mode & (stat.S_ISUID | stat.S_ISGID), (name, oct(mode))
+            assert mode & 0o777 == 0o755
+        if capped.exit_code == 0:
+            assert "security.capability" not in os.listxattr(layer / "cap")
+        with Sandbox(snapshot=snap) as kid:
+            out = sh(kid, "stat -c %a /work/s/suid /work/s/sgid").split()
+            assert out == ["755", "755"]
+        snap.delete()
+
+
+# ---- uploads ---------------------------------------------------------------------------------
+def _gzip_bomb(member_size: int) -> bytes:
+    """A gzip'd tar of one member of ``member_size`` zeros, a few hundred KiB big: gzip
+    members concatenated decompress as one stream."""
+    ti = tarfile.TarInfo("bomb")
+    ti.size = member_size
+    block = gzip.compress(bytes(64 * MiB), compresslevel=1)
+    return gzip.compress(ti.tobuf(tarfile.GNU_FORMAT)) + block * (member_size // (64 * MiB))
+
+
+def test_gzip_bomb_upload_is_bounded(daemon):
+    pid = daemon.proc.pid
+    with Sandbox(disk_mb=64) as sb:
+        bomb = _gzip_bomb(8 << 30)
+        assert len(bomb) < 16 * MiB
+        before = rss_kib(pid)
+        with apiclient.client() as c:
+            r = c.put(f"/v1/sandboxes/{sb.id}/files/tar", params={"path": "/work/up"},
+                      content=bomb)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "too_large" and err["details"]["limit"] == "disk_mb"
+        assert rss_kib(pid) - before < 200 * 1024
+        size = int(sh(sb, "stat -c %s /work/up/bomb").strip())
+        assert size <= 64 * MiB
+
+
+def test_upload_decompression_is_bounded():
+    """The decompressed-size bound itself, without a sandbox: a stream of zeros past it."""
+    from corral.daemon import uploads
+
+    reader = uploads.open_bounded(gzip.compress(bytes(8 * MiB)), 4 * MiB)
+    with pytest.raises(TooLarge):
+        while reader.read(MiB):
+            pass
+
+
+# ---- files API: pseudo-filesystems and special files --------------------------------------------
+def test_files_api_refuses_proc_sys_and_special_files(daemon):
+    with Sandbox() as sb:
+        sh(sb, "ln -s /proc/1/environ /work/env && ln -s /proc /work/p && "
+               "ln -s /dev/pts /work/k && mkfifo /work/fifo")
+        for path in ("/work/env", "/proc/1/environ", "/proc/self/status", "/work/p/1/environ",
+                     "/proc/kpageflags", "/proc/99999/environ", "/dev/pts/ptmx", "/work/k/0",
+                     "/dev/zero", "/dev/null", "/work/fifo"):
+            with pytest.raises(ForbiddenPath) as e:
+                sb.files.read_bytes(path)
+            assert e.value.code == "forbidden_path", path
+        for path in ("/proc/1/fd", "/work/p/1/fd", "/proc", "/proc/self/fd", "/dev/pts",
+                     "/work/k"):
+            with pytest.raises(ForbiddenPath):
+                sb.files.list(path)
+        for path in ("/proc/1/environ", "/proc/1"):
+            with pytest.raises(ForbiddenPath):
+                sb.files.stat(path)
+        with pytest.raises(ForbiddenPath):
+            sb.files.write("/dev/null", b"x")
+        with pytest.raises(ForbiddenPath):
+            sb.files.write("/proc/1/oom_score_adj", b"1000")
+        with pytest.raises(ForbiddenPath):
+            sb.files.mkdir("/proc/1/evil")
+        with pytest.raises(ForbiddenPath):
+            sb.files.remove("/proc/1/environ")
+        assert sb.files.stat("/work/env").type == "symlink"  # the link itself is fine
+        assert [e.name for e in sb.files.list("/work")] == ["env", "fifo", "k", "p"]
+
+
+# ---- disk_mb -------------------------------------------------------------------------------------
+def test_disk_mb_bounds_tmp_and_daemon_writes(daemon):
+    with Sandbox(disk_mb=16) as sb:
+        r = sb.exec("dd if=/dev/zero of=/tmp/fill bs=1M count=32")
+        assert r.exit_code != 0 and "No space left" in r.stderr
+        with pytest.raises(TooLarge) as e:
+            sb.files.write("/work/big", bytes(20 * MiB))
+        assert e.value.details["limit"] == "disk_mb"
+        sb.files.write("/work/ok", bytes(8 * MiB))
+        sb.files.write("/work/ok", bytes(8 * MiB))  # a rewrite frees what it replaces
+        with pytest.raises(TooLarge):
+            sb.files.write("/work/more", bytes(9 * MiB))
+
+
+# ---- SDK download: validate every member first -----------------------------------------------
+def test_sdk_download_validates_before_extracting(tmp_path):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, data in (("good.txt", b"ok"), ("../evil.txt", b"bad")):
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+    with pytest.raises(InvalidRequest):
+        tarball.unpack(buf.getvalue(), tmp_path / "out")
+    assert not (tmp_path / "out" / "good.txt").exists()
+    assert not (tmp_path / "evil.txt").exists()
+
+
+def test_sdk_download_of_a_hostile_sandbox_tree_extracts_nothing(daemon, tmp_path):
+    with Sandbox() as sb:
+        sh(sb, "mkdir -p /work/d && echo a > /work/d/a && ln -s /etc/passwd /work/d/z")
+        with pytest.raises(InvalidRequest):
+            sb.files.download("/work/d", tmp_path / "out")
+        assert not (tmp_path / "out" / "a").exists()
