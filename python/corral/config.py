@@ -37,6 +37,9 @@ class Config:
     # How long a mutating call's "started" row is held back: a call ending sooner is one row.
     trajlog_start_ms: float = field(
         default_factory=lambda: float(_env("CORRAL_TRAJLOG_START_MS", "20")))
+    # Memory reserved for the daemon's own cgroup (cgroup v2 memory.min; see docs/daemon.md).
+    daemon_memory_mb: int = field(
+        default_factory=lambda: int(_env("CORRAL_DAEMON_MEMORY_MB", "256")))
     log_level: str = field(default_factory=lambda: _env("CORRAL_LOG_LEVEL", "INFO"))
 
 
