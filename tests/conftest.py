@@ -8,6 +8,7 @@ cgroup, a mount or a directory.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-STATE_DIR = tempfile.mkdtemp(prefix="corral-test-", dir="/var/tmp")
+# Not one of _PRIVATE_PREFIXES: the session removes its own state dir at the end.
+STATE_DIR = tempfile.mkdtemp(prefix="corral-session-", dir="/var/tmp")
 SOCKET = os.path.join(STATE_DIR, "run", "corrald.sock")
 CGROUP_NAME = f"corral-test-{os.getpid()}"
 os.environ["CORRAL_STATE_DIR"] = STATE_DIR
@@ -198,9 +200,19 @@ def _force_cleanup(name: str = CGROUP_NAME) -> None:
 _PRIVATE_PREFIXES = ("corral-test-", "corral-img-", "corral-launch-", "corral-pool-",
                      "corral-core-test-", "corral-cs-test-", "corral-small-", "corral-notoken-")
 _SESSION_T0 = time.time()
+# Every session holds a shared flock on this file while it runs; the sweep needs it exclusive,
+# so a session never removes the dirs of another one running at the same time (whose ctimes
+# are as recent as its own).
+_SESSIONS = os.open("/var/tmp/.corral-test-sessions.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                    0o600)
+fcntl.flock(_SESSIONS, fcntl.LOCK_SH)
 
 
 def _sweep_private_state_dirs() -> None:
+    try:
+        fcntl.flock(_SESSIONS, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # another session runs: its dirs are not ours to judge
     for p in Path("/var/tmp").iterdir():
         try:
             if (p.name.startswith(_PRIVATE_PREFIXES) and p.is_dir() and not p.is_symlink()
