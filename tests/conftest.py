@@ -43,6 +43,9 @@ os.environ["CORRAL_CGROUP"] = CGROUP_NAME
 # suite against pooled sandboxes instead.
 os.environ["CORRAL_POOL"] = os.environ.get("CORRAL_TEST_POOL", "off")
 os.environ.pop("CORRAL_URL", None)
+# The session's daemon is this harness's to start and restart (tests kill it on purpose);
+# tests of the SDK's autostart run their clients with it on, against daemons of their own.
+os.environ["CORRAL_AUTOSTART"] = "0"
 os.environ.pop("CORRAL_TCP", None)
 
 

@@ -385,7 +385,7 @@ def test_daemon_dying_mid_call_is_daemon_restarted(daemon):
         killer.join()
         assert ei.value.infra
         with pytest.raises(DaemonUnavailable):
-            box.exec("true")  # nothing answers now (and no autostart: not the first use)
+            box.exec("true")  # nothing answers now (autostart is off in this session)
         daemon.start()
         assert box.exec("echo back").stdout == "back\n"  # re-adopted by the new daemon
     finally:

@@ -46,6 +46,9 @@ class Config:
         default_factory=lambda: int(_env("CORRAL_SNAPSHOT_MAX_ENTRIES", "1000000")))
     upload_max_bytes: int = field(
         default_factory=lambda: int(_env("CORRAL_UPLOAD_MAX_BYTES", str(4 << 30))))
+    # Memory reserved for the daemon's own cgroup (cgroup v2 memory.min; see docs/daemon.md).
+    daemon_memory_mb: int = field(
+        default_factory=lambda: int(_env("CORRAL_DAEMON_MEMORY_MB", "256")))
     log_level: str = field(default_factory=lambda: _env("CORRAL_LOG_LEVEL", "INFO"))
 
 

@@ -460,22 +460,34 @@ static int serve_one(const unsigned long *nofile) {
     long n = sys3(NR_recvmsg, CTL_FD, (long)&m, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
     if (n == -EINTR)
         return 1;
-    if (n <= 0)
-        return 0; /* EAGAIN: drained; 0: cannot happen (fd 4 is ours too) */
-    if (m.controllen >= sizeof(struct cmsghdr)) {
-        struct cmsghdr *c = (struct cmsghdr *)control;
-        if (c->level == SOL_SOCKET && c->type == SCM_RIGHTS && c->len > sizeof(*c)) {
-            nfds = (int)((c->len - sizeof(*c)) / sizeof(int));
-            if (nfds > MAX_FDS)
-                nfds = MAX_FDS;
-            for (int i = 0; i < nfds; i++)
-                fds[i] = ((int *)(c + 1))[i];
+    if (n < 0)
+        return 0; /* EAGAIN: drained (EOF cannot happen: fd 4 is ours too) */
+    /* Every fd that came with the message is ours to close, whatever its shape: at most one
+     * SCM_RIGHTS group of at most MAX_FDS fds is a request's; anything else is refused. */
+    int bad_fds = 0;
+    unsigned long off = 0;
+    while (off + sizeof(struct cmsghdr) <= m.controllen) {
+        struct cmsghdr *c = (struct cmsghdr *)((char *)control + off);
+        if (c->len < sizeof(*c) || c->len > m.controllen - off)
+            break;
+        if (c->level == SOL_SOCKET && c->type == SCM_RIGHTS) {
+            int k = (int)((c->len - sizeof(*c)) / sizeof(int));
+            for (int i = 0; i < k; i++) {
+                int fd = ((int *)(c + 1))[i];
+                if (nfds < MAX_FDS && !bad_fds)
+                    fds[nfds++] = fd;
+                else
+                    sys3(NR_close, fd, 0, 0);
+            }
+            if (off > 0 || k > MAX_FDS)
+                bad_fds = 1;
         }
+        off += (c->len + 7) & ~7UL;
     }
     const struct req *q = (const struct req *)buf;
     u32 id = (unsigned long)n >= sizeof(*q) ? q->id : 0;
     int err = 0;
-    if ((unsigned long)n < sizeof(*q) || q->magic != REQ_MAGIC)
+    if ((unsigned long)n < sizeof(*q) || q->magic != REQ_MAGIC || bad_fds)
         err = EINVAL;
     else if (m.flags & (MSG_TRUNC | MSG_CTRUNC))
         err = EMSGSIZE;

@@ -450,6 +450,8 @@ unsafe fn run_helper(c: &Ctx) -> c_int {
                 libc::write(fd, b"0".as_ptr() as *const c_void, 1) as c_long,
             );
         }
+        // Still with every capability and the host's /proc: the OOM killer's preference.
+        ck_res(r, harden::set_sandbox_oom_score_adj());
 
         // CLONE_NEWPID: our pid_for_children only; we stay in the daemon's pid namespace.
         at(Step::Setns);

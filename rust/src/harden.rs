@@ -319,6 +319,37 @@ pub unsafe fn no_new_privs() -> Result<(), c_int> {
     check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } as c_long)
 }
 
+/// `oom_score_adj` of every sandbox process (its init and every command): the OOM killer picks
+/// sandboxes long before the daemon, which runs at a strongly negative value of its own.
+pub const SANDBOX_OOM_SCORE_ADJ: &[u8] = b"500";
+
+/// Child half, while it still holds CAP_SYS_RESOURCE and sees the host's /proc: set the
+/// process's `oom_score_adj`. Written with CAP_SYS_RESOURCE, the value also becomes its
+/// `oom_score_adj_min`, inherited by every descendant, so sandbox code (which holds no
+/// CAP_SYS_RESOURCE) can raise its score but never lower it below this one. The child is a
+/// CLONE_VFORK child: the kernel changes its own value only, not the daemon's it shares memory
+/// with.
+///
+/// # Safety
+/// Async-signal-safe: raw open/write/close.
+pub unsafe fn set_sandbox_oom_score_adj() -> Result<(), c_int> {
+    // SAFETY: a NUL-terminated literal path; flags only.
+    let fd = unsafe {
+        libc::open(
+            c"/proc/self/oom_score_adj".as_ptr(),
+            libc::O_WRONLY | libc::O_CLOEXEC,
+        )
+    };
+    check(fd as c_long)?;
+    let v = SANDBOX_OOM_SCORE_ADJ;
+    // SAFETY: `v` is a valid buffer of `v.len()` bytes; `fd` is ours.
+    let rc = unsafe { libc::write(fd, v.as_ptr() as *const libc::c_void, v.len()) } as c_long;
+    let res = check(rc);
+    // SAFETY: closing the fd opened above.
+    unsafe { libc::close(fd) };
+    res
+}
+
 // ---------------------------------------------------------------------------------------------
 // seccomp
 

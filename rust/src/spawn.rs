@@ -678,6 +678,8 @@ unsafe fn run_child(c: &Ctx) -> c_int {
                 libc::write(fd, b"0".as_ptr() as *const c_void, 1) as c_long,
             );
         }
+        // Still with every capability and the host's /proc: the OOM killer's preference.
+        ck_res(r, harden::set_sandbox_oom_score_adj());
         at(Step::UnshareCgroupNs);
         ck(r, libc::unshare(libc::CLONE_NEWCGROUP) as c_long);
         if c.netns_fd >= 0 {

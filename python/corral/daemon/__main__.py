@@ -25,6 +25,7 @@ from corral.daemon import logs
 from corral.daemon.app import create_app
 from corral.daemon.engine import Engine
 from corral.daemon.locks import try_lock
+from corral.daemon.protect import protect_daemon
 
 log = logging.getLogger("corral.daemon")
 PIDFILE = "corrald.pid"
@@ -195,6 +196,8 @@ async def serve(cfg: config.Config) -> None:
     serving = False
     try:
         await engine.start()
+        protected = protect_daemon(engine.cgroups, cfg.daemon_memory_mb) \
+            if engine.cgroups is not None else {}
         app = create_app(engine, cfg.token or None)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
         await runner.setup()
@@ -210,7 +213,8 @@ async def serve(cfg: config.Config) -> None:
         log.info("corrald started", extra={"version": __version__, "pid": os.getpid(),
                                            "socket": cfg.socket_path, "tcp": cfg.tcp_listen,
                                            "state_dir": cfg.state_dir,
-                                           "sandboxes": len(engine.sandboxes)})
+                                           "sandboxes": len(engine.sandboxes),
+                                           **protected})
         await stop.wait()
         log.info("stopping")
     finally:

@@ -33,6 +33,7 @@ MEMCG_SPARES = int(os.environ.get("CORRAL_MEMCG_SPARES", "16"))
 # per hierarchy, see CgroupManager.recycle_rest): ~0.3-0.5 ms of mkdir + rmdir (and the kworker
 # offline work) per sandbox saved. They charge nothing, so no cooling: usable at once.
 CGROUP_SPARES = int(os.environ.get("CORRAL_CGROUP_SPARES", "32"))
+DAEMON_CGROUP = ".daemon"  # the daemon's own cgroup under <name> (never matches _ID_RE)
 _SPARE = ".spare-"  # never matches _ID_RE: list_ids and cleanup_orphans do not see spares
 _COOLING = ".cooling-"
 _DRAINING = ".drain-"  # removed memory cgroups with page cache, waiting for the drainer
@@ -76,6 +77,24 @@ def _read_pids(path: str) -> list[int]:
         return [int(x) for x in _read(os.path.join(path, "cgroup.procs")).split()]
     except FileNotFoundError:
         return []
+
+
+def _own_cgroup(version: int, pid: int) -> tuple[str, str]:
+    """(directory of ``pid``'s cgroup, the hierarchy's mount point) in the memory hierarchy
+    (v1) or the unified one (v2); the directory is the mount point if it cannot be told."""
+    v1, v2 = _mounts()
+    mount = (v1.get("memory") if version == 1 else v2) or "/sys/fs/cgroup"
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            for line in f:
+                _, ctrls, path = line.rstrip("\n").split(":", 2)
+                if (ctrls == "") if version == 2 else ("memory" in ctrls.split(",")):
+                    d = os.path.join(mount, path.lstrip("/"))
+                    if os.path.isdir(d):
+                        return d, mount
+    except (OSError, ValueError):
+        pass
+    return mount, mount
 
 
 def check_id(sandbox_id: str) -> str:
@@ -169,6 +188,8 @@ class CgroupManager:
         self.set_spares_max = CGROUP_SPARES if self._set_spares else 0
         self.set_spare_stats = {"reused": 0, "kept": 0}
         self._closed = False  # drop_spares ran (stop): nothing is kept any more
+        # Where the daemon's process was before enter_daemon_cgroup: (cgroup, hierarchy root).
+        self._daemon_home: tuple[str, str] | None = None
         self.drop_spares(all_on_disk=True)  # a previous daemon's: not ours to trust
         self._closed = False
 
@@ -724,8 +745,60 @@ class CgroupManager:
                 except OSError:
                     pass
 
+    # ---- the daemon's own cgroup --------------------------------------------------------------
+    def daemon_cgroup(self) -> str:
+        """``<memory hierarchy>/<name>/.daemon`` (v2: the one hierarchy). The dot keeps it out
+        of list_ids, orphan cleanup and the spare lists."""
+        return os.path.join(self._mem if self.version == 1 else self._bases[0], DAEMON_CGROUP)
+
+    def enter_daemon_cgroup(self, pid: int, reserve_bytes: int) -> str:
+        """Move process ``pid`` (the daemon: every thread) into the daemon's cgroup, with
+        ``reserve_bytes`` of memory protected on v2 (memory.min, and memory.low at twice that,
+        on the cgroup and on each of our directories above it: protection only reaches a cgroup
+        through ancestors that have it). v1's memory controller has no reservation; there the
+        cgroup keeps the daemon's memory apart from the sandboxes' limits and the OOM killer's
+        choice rests on oom_score_adj. Returns the cgroup's path."""
+        d = self.daemon_cgroup()
+        self._daemon_home = _own_cgroup(self.version, pid)
+        os.makedirs(d, exist_ok=True)
+        if self.version == 2:
+            chain = [self._root]
+            for part in [*self.name.split("/"), DAEMON_CGROUP]:
+                chain.append(os.path.join(chain[-1], part))
+            for c in chain[1:]:  # top down: a child's protection is capped by its parent's
+                for f, want in (("memory.min", reserve_bytes),
+                                ("memory.low", 2 * reserve_bytes)):
+                    try:
+                        have = _read(os.path.join(c, f)).strip()
+                        if have != "max" and int(have) < want:
+                            _write(os.path.join(c, f), str(want))
+                    except (OSError, ValueError):
+                        pass  # an ancestor we do not control: protection stops there
+        _write(os.path.join(d, "cgroup.procs"), str(pid))
+        return d
+
+    def leave_daemon_cgroup(self, pid: int) -> None:
+        """Move ``pid`` back where it came from and remove the daemon's cgroup (at stop)."""
+        home = self._daemon_home
+        if home is None:
+            return
+        for target in home:  # where it came from; if that is gone, the hierarchy's root
+            try:
+                _write(os.path.join(target, "cgroup.procs"), str(pid))
+                break
+            except OSError:
+                continue
+        else:
+            return
+        self._daemon_home = None
+        try:
+            os.rmdir(self.daemon_cgroup())
+        except OSError:
+            pass  # a helper process still in it: it goes with the next stop
+
     def remove_parents(self) -> None:
         """Remove our (empty) top-level directories; best effort, a busy one stays."""
+        self.leave_daemon_cgroup(os.getpid())
         self.drop_spares()
         for base in self._bases:
             try:

@@ -13,6 +13,7 @@ import sys
 import time
 
 from corral import config
+from corral.daemon.locks import try_lock
 from corral.errors import DaemonUnavailable, Timeout
 
 PIDFILE = "corrald.pid"
@@ -58,8 +59,9 @@ def _tail(path: str, n: int = 2000) -> str:
 def ensure_daemon(socket_path: str | None = None, state_dir: str | None = None,
                   timeout: float = 30.0) -> None:
     """Make sure a corrald answers on ``socket_path``; start one (detached, logging to
-    ``<state_dir>/corrald.log``) if none does. Two callers racing is fine: the second daemon
-    finds the first's lock and exits, and both callers see the first answer."""
+    ``<state_dir>/corrald.log``) if none does. Exactly one caller starts it, whatever the
+    number of threads and processes racing: starters queue on an flock beside the socket
+    (``<socket>.lock``), and each one that gets it looks again before starting."""
     socket_path, state_dir = _paths(socket_path, state_dir)
     if daemon_alive(socket_path):
         return
@@ -68,6 +70,33 @@ def ensure_daemon(socket_path: str | None = None, state_dir: str | None = None,
             f"no corrald answers on {socket_path} and only root can start one: run "
             f"`sudo corral up` (or start corrald as root), or point CORRAL_SOCKET at a running "
             f"daemon")
+    deadline = time.monotonic() + timeout
+    lock_fd = _starter_lock(socket_path, deadline)
+    try:
+        if daemon_alive(socket_path):  # started by whoever held the lock before us
+            return
+        _start(socket_path, state_dir, max(1.0, deadline - time.monotonic()))
+    finally:
+        os.close(lock_fd)
+
+
+def _starter_lock(socket_path: str, deadline: float) -> int:
+    """An fd holding the starters' flock of ``socket_path`` (the kernel drops it if we die)."""
+    d = os.path.dirname(socket_path)
+    if not os.path.isdir(d):
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    path = socket_path + ".lock"
+    while True:
+        fd = try_lock(path)
+        if fd is not None:
+            return fd
+        if time.monotonic() >= deadline:
+            raise DaemonUnavailable(f"another process has been starting corrald on "
+                                    f"{socket_path} for too long (lock {path})")
+        time.sleep(0.02)
+
+
+def _start(socket_path: str, state_dir: str, timeout: float) -> None:
     os.makedirs(state_dir, mode=0o700, exist_ok=True)
     log_path = os.path.join(state_dir, LOGFILE)
     env = dict(os.environ, CORRAL_STATE_DIR=state_dir, CORRAL_SOCKET=socket_path)

@@ -65,7 +65,7 @@ class AsyncTransport:
         headers = {"Content-Type": call.content_type} if call.body is not None else None
         if call.key is not None:
             headers = dict(headers or {}, **{"Idempotency-Key": call.key})
-        retried = False
+        retried = started = False
         while True:
             try:
                 resp = await self._session.request(
@@ -76,8 +76,8 @@ class AsyncTransport:
                     autostart.connected(self.endpoint)
                 return resp
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
-                if not retried and await self._autostart():
-                    retried = True
+                if not started and await self._autostart():
+                    started = True
                     continue
                 raise unavailable(self.endpoint, e) from None
             except asyncio.TimeoutError as e:  # includes aiohttp.SocketTimeoutError

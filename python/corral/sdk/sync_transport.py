@@ -5,9 +5,10 @@ Why http.client and not httpx: client CPU per ``exec`` (measured on a 2-core mac
 ~400 us with httpx.Client and about half that with http.client (a third of which is parsing the
 response headers with the email package), pydantic included.
 
-Maps socket failures to corral errors: nothing answering -> DaemonUnavailable (after trying the
-embedded default once); the connection dropping mid-call -> DaemonRestarted (the outcome is
-unknown, so only calls marked ``retry_safe`` are sent again); no answer in time -> Timeout.
+Maps socket failures to corral errors: nothing answering -> DaemonUnavailable (after starting
+the embedded default, see corral.sdk.autostart); the connection dropping mid-call ->
+DaemonRestarted (the outcome is unknown, so only calls marked ``retry_safe`` are sent again); no
+answer in time -> Timeout.
 One pool per endpoint per process; a forked child builds its own instead of sharing the
 parent's sockets.
 """
