@@ -743,7 +743,10 @@ def test_a_sandbox_that_stops_new_processes_cannot_stall_the_daemon():
         bad = await corral.AsyncSandbox.create(timeout=300)
         good = await corral.AsyncSandbox.create(timeout=300)
         try:
-            await bad.exec("while :; do kill -STOP -1; done >/dev/null 2>&1 &", timeout=10)
+            # The loop starts once this exec has returned: it must not stop this shell.
+            await bad.exec("(sleep 0.3; while :; do kill -STOP -1; done) >/dev/null 2>&1 &",
+                           timeout=10)
+            await asyncio.sleep(0.5)
             held = [asyncio.create_task(bad.exec(["true"], timeout=120)) for _ in range(24)]
             await asyncio.sleep(2)
             assert not all(t.done() for t in held), "the attack never landed"
