@@ -264,6 +264,9 @@ def test_chroot_escape_denied(sb):
         ("rt_sigqueueinfo_init", 129, [1, 15, 0]),
         ("rt_tgsigqueueinfo_init", 297, [1, 1, 15, 0]),
         ("prlimit64_init", 302, [1, 0, 0, 0]),
+        ("sched_setscheduler_init", 144, [1, 5, 0]),
+        ("sched_setattr_init", 314, [1, 0, 0]),
+        ("sched_setparam_init", 142, [1, 0]),
     ],
 )
 def test_dangerous_syscalls_blocked(sb, name, nr, args):
