@@ -226,3 +226,43 @@ def test_host_sigterm_of_the_init_stops_it_as_lost():
         assert isinstance(err, SandboxLost) and err.infra, repr(err)
     finally:
         box.kill()
+
+
+@pytest.mark.parametrize("how,want", [
+    ("segv", {"cause": "init_exited", "status": "killed by SIGSEGV", "signal": 11}),
+    ("exit3", {"cause": "init_exited", "status": "exit code 3", "exit_code": 3}),
+    ("kill", None), ("exit0", None),
+])
+def test_end_cause_reads_the_init_status_without_reaping(how, want):
+    """The substrate's attribution for a dead init of ours (a plain child stands in for it):
+    a crash or a non-zero exit is the sandbox's; SIGKILL or exit 0 is the host's stop. The
+    status is only peeked at (the destroy reaps it)."""
+    import subprocess
+    import types
+
+    from corral.daemon.substrates.base import SandboxRuntime
+    from corral.daemon.substrates.container import ContainerSubstrate
+
+    code = {"segv": "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)",
+            "exit3": "raise SystemExit(3)", "kill": "import os; os.kill(os.getpid(), 9)",
+            "exit0": "pass"}[how]
+    child = subprocess.Popen(["python3", "-c", code])
+    try:
+        rt = SandboxRuntime(sandbox_id="sb-endcause", init_pid=child.pid, init_starttime=0,
+                            sandbox_dir="/nonexistent", cgroup_paths=[])
+        fake = types.SimpleNamespace(cgroups=types.SimpleNamespace(oom_kills=lambda _sid: None))
+        deadline = time.monotonic() + 20
+        while os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert ContainerSubstrate.end_cause(fake, rt) == want  # type: ignore[arg-type]
+        # still a zombie for destroy to reap
+        assert os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG) is not None
+        # an OOM kill counted since the baseline wins over any status
+        fake.cgroups.oom_kills = lambda _sid: 5
+        rt.extra["oom_base"] = 4
+        assert ContainerSubstrate.end_cause(fake, rt) == {"cause": "oom", "oom_kills": 1}
+        rt.extra["oom_base"] = 5
+        assert ContainerSubstrate.end_cause(fake, rt) is None  # earlier tenants' kills
+    finally:
+        child.wait()
