@@ -16,6 +16,19 @@ import pytest
 import corral
 from corral.errors import CorralError, SandboxCrashed, SandboxLost
 
+from conftest import SOCKET
+
+
+def _metric(name: str) -> float:
+    import httpx
+
+    t = httpx.HTTPTransport(uds=SOCKET)
+    with httpx.Client(transport=t, base_url="http://corral", timeout=10) as c:
+        for line in c.get("/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
 # Every way code inside can send pid 1 a signal, with a siginfo that claims to come from
 # outside the pid namespace (si_pid 0) where the syscall lets the sender write one.
 FORGE = r"""
@@ -187,9 +200,12 @@ def test_init_death_after_an_oom_in_the_sandbox_is_crashed_not_lost():
                      timeout=60)
         assert r.exit_code != 0
         pid = box.info().init_pid
+        crashed, lost = _metric("corral_crashed_total"), _metric("corral_lost_total")
         os.kill(pid, signal.SIGKILL)
         err = _wait_gone(box)
         assert isinstance(err, SandboxCrashed), repr(err)
+        assert _metric("corral_crashed_total") == crashed + 1
+        assert _metric("corral_lost_total") == lost
         assert not err.infra and err.code == "sandbox_crashed"
         assert err.details["cause"] == "oom" and err.details["reason"] == "crashed"
         for call in (box.info, lambda: box.exec("true", timeout=10),
@@ -206,9 +222,11 @@ def test_host_sigkill_of_the_init_is_sandbox_lost():
     box = corral.Sandbox(image="host", timeout=300)
     try:
         assert box.exec("echo hi", timeout=10).stdout.strip() == "hi"  # memcg made, no OOM
+        lost = _metric("corral_lost_total")
         os.kill(box.info().init_pid, signal.SIGKILL)
         err = _wait_gone(box)
         assert isinstance(err, SandboxLost) and err.infra, repr(err)
+        assert _metric("corral_lost_total") == lost + 1
         with pytest.raises(SandboxLost):
             box.info()
     finally:
