@@ -16,7 +16,7 @@ import pytest
 import corral
 from corral.errors import CorralError, SandboxCrashed, SandboxLost
 
-from conftest import SOCKET
+from conftest import SOCKET, cgroup_dirs, spare_cgroups
 
 
 def _metric(name: str) -> float:
@@ -284,3 +284,37 @@ def test_end_cause_reads_the_init_status_without_reaping(how, want):
         assert ContainerSubstrate.end_cause(fake, rt) is None  # earlier tenants' kills
     finally:
         child.wait()
+
+
+def _oom_kill_counts() -> list[int]:
+    """oom_kill of every memory cgroup under our cgroup name (sandboxes' and spares')."""
+    out = []
+    for top in cgroup_dirs():
+        for d in top.iterdir():
+            for f in ("memory.oom_control", "memory.events"):
+                try:
+                    text = (d / f).read_text()
+                except OSError:
+                    continue
+                out += [int(ln.split()[1]) for ln in text.splitlines()
+                        if ln.startswith("oom_kill ")]
+    return out
+
+
+def test_a_memory_cgroup_with_an_oom_kill_is_never_handed_on():
+    """An OOM kill count cannot be reset, and it is what tells a crash from a host kill: a
+    cgroup that saw one is removed, not recycled for the next sandbox (v1 spares)."""
+    box = corral.Sandbox(image="host", memory_mb=48, timeout=300)
+    try:
+        r = box.exec("python3 -c \"b = []\nwhile True: b.append(bytearray(1 << 20))\"",
+                     timeout=60)
+        assert r.exit_code != 0
+    finally:
+        box.kill()
+    deadline = time.monotonic() + 20
+    while any(_oom_kill_counts()):  # the dead sandbox's cgroup goes (drained off the path)
+        assert time.monotonic() < deadline, (_oom_kill_counts(), spare_cgroups())
+        time.sleep(0.05)
+    with corral.Sandbox(image="host", memory_mb=48, timeout=300) as nxt:
+        nxt.exec("true", timeout=10)
+        assert not any(_oom_kill_counts())
