@@ -39,8 +39,8 @@ for name in sorted(os.listdir("/proc")):
     print(name, got)
 """
 
-HOST_LEAKS = ("cmdline", "cgroups", "kpageflags", "kpagecount", "kpagecgroup", "slabinfo", "timer_list", "kallsyms",
-              "interrupts", "zoneinfo", "vmallocinfo", "iomem", "keys", "key-users", "buddyinfo",
+HOST_LEAKS = ("cmdline", "cgroups", "kpageflags", "kpagecount", "kpagecgroup", "slabinfo",
+              "timer_list", "kallsyms", "interrupts", "zoneinfo", "vmallocinfo", "iomem", "keys", "key-users", "buddyinfo",
               "pagetypeinfo", "diskstats", "partitions", "locks", "sched_debug", "devices")
 
 
