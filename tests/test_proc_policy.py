@@ -40,8 +40,9 @@ for name in sorted(os.listdir("/proc")):
 """
 
 HOST_LEAKS = ("cmdline", "cgroups", "kpageflags", "kpagecount", "kpagecgroup", "slabinfo",
-              "timer_list", "kallsyms", "interrupts", "zoneinfo", "vmallocinfo", "iomem", "keys", "key-users", "buddyinfo",
-              "pagetypeinfo", "diskstats", "partitions", "locks", "sched_debug", "devices")
+              "timer_list", "kallsyms", "interrupts", "zoneinfo", "vmallocinfo", "iomem",
+              "keys", "key-users", "buddyinfo", "pagetypeinfo", "diskstats", "partitions",
+              "locks", "sched_debug", "devices")
 
 
 @pytest.fixture(scope="module")
