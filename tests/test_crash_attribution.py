@@ -61,6 +61,15 @@ for sig in [int(s) for s in sys.argv[1:]]:
         call(f"pidfd_send_signal {sig} null", NR_pidfd_send_signal, pidfd, sig, None, 0)
     call(f"kill {sig}", NR_kill, 1, sig)
     call(f"tgkill {sig}", NR_tgkill, 1, 1, sig)
+    if sig not in (9, 19):  # the kernel as the sender: SIGIO-style delivery (F_SETSIG)
+        import fcntl
+        r, w = os.pipe()
+        fcntl.fcntl(r, fcntl.F_SETOWN, 1)
+        fcntl.fcntl(r, 10, sig)  # F_SETSIG
+        fcntl.fcntl(r, fcntl.F_SETFL, fcntl.fcntl(r, fcntl.F_GETFL) | os.O_ASYNC)
+        os.write(w, b"x")
+        os.close(r); os.close(w)
+        print(f"sigio {sig} OK", flush=True)
 print("done", flush=True)
 """
 
