@@ -17,6 +17,19 @@ import corral
 from corral.daemon.protect import SANDBOX_OOM_SCORE_ADJ
 from corral.errors import CorralError, SandboxCrashed, SandboxLost
 
+from conftest import SOCKET, cgroup_dirs, spare_cgroups
+
+
+def _metric(name: str) -> float:
+    import httpx
+
+    t = httpx.HTTPTransport(uds=SOCKET)
+    with httpx.Client(transport=t, base_url="http://corral", timeout=10) as c:
+        for line in c.get("/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
 # Every way code inside can send pid 1 a signal, with a siginfo that claims to come from
 # outside the pid namespace (si_pid 0) where the syscall lets the sender write one.
 FORGE = r"""
@@ -49,6 +62,15 @@ for sig in [int(s) for s in sys.argv[1:]]:
         call(f"pidfd_send_signal {sig} null", NR_pidfd_send_signal, pidfd, sig, None, 0)
     call(f"kill {sig}", NR_kill, 1, sig)
     call(f"tgkill {sig}", NR_tgkill, 1, 1, sig)
+    if sig not in (9, 19):  # the kernel as the sender: SIGIO-style delivery (F_SETSIG)
+        import fcntl
+        r, w = os.pipe()
+        fcntl.fcntl(r, fcntl.F_SETOWN, 1)
+        fcntl.fcntl(r, 10, sig)  # F_SETSIG
+        fcntl.fcntl(r, fcntl.F_SETFL, fcntl.fcntl(r, fcntl.F_GETFL) | os.O_ASYNC)
+        os.write(w, b"x")
+        os.close(r); os.close(w)
+        print(f"sigio {sig} OK", flush=True)
 print("done", flush=True)
 """
 
@@ -189,9 +211,12 @@ def test_init_death_after_an_oom_in_the_sandbox_is_crashed_not_lost():
                      timeout=60)
         assert r.exit_code != 0
         pid = box.info().init_pid
+        crashed, lost = _metric("corral_crashed_total"), _metric("corral_lost_total")
         os.kill(pid, signal.SIGKILL)
         err = _wait_gone(box)
         assert isinstance(err, SandboxCrashed), repr(err)
+        assert _metric("corral_crashed_total") == crashed + 1
+        assert _metric("corral_lost_total") == lost
         assert not err.infra and err.code == "sandbox_crashed"
         assert err.details["cause"] == "oom" and err.details["reason"] == "crashed"
         for call in (box.info, lambda: box.exec("true", timeout=10),
@@ -208,9 +233,11 @@ def test_host_sigkill_of_the_init_is_sandbox_lost():
     box = corral.Sandbox(image="host", timeout=300)
     try:
         assert box.exec("echo hi", timeout=10).stdout.strip() == "hi"  # memcg made, no OOM
+        lost = _metric("corral_lost_total")
         os.kill(box.info().init_pid, signal.SIGKILL)
         err = _wait_gone(box)
         assert isinstance(err, SandboxLost) and err.infra, repr(err)
+        assert _metric("corral_lost_total") == lost + 1
         with pytest.raises(SandboxLost):
             box.info()
     finally:
@@ -228,3 +255,77 @@ def test_host_sigterm_of_the_init_stops_it_as_lost():
         assert isinstance(err, SandboxLost) and err.infra, repr(err)
     finally:
         box.kill()
+
+
+@pytest.mark.parametrize("how,want", [
+    ("segv", {"cause": "init_exited", "status": "killed by SIGSEGV", "signal": 11}),
+    ("exit3", {"cause": "init_exited", "status": "exit code 3", "exit_code": 3}),
+    ("kill", None), ("exit0", None),
+])
+def test_end_cause_reads_the_init_status_without_reaping(how, want):
+    """The substrate's attribution for a dead init of ours (a plain child stands in for it):
+    a crash or a non-zero exit is the sandbox's; SIGKILL or exit 0 is the host's stop. The
+    status is only peeked at (the destroy reaps it)."""
+    import subprocess
+    import types
+
+    from corral.daemon.substrates.base import SandboxRuntime
+    from corral.daemon.substrates.container import ContainerSubstrate
+
+    code = {"segv": "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)",
+            "exit3": "raise SystemExit(3)", "kill": "import os; os.kill(os.getpid(), 9)",
+            "exit0": "pass"}[how]
+    child = subprocess.Popen(["python3", "-c", code])
+    try:
+        rt = SandboxRuntime(sandbox_id="sb-endcause", init_pid=child.pid, init_starttime=0,
+                            sandbox_dir="/nonexistent", cgroup_paths=[])
+        fake = types.SimpleNamespace(cgroups=types.SimpleNamespace(oom_kills=lambda _sid: None))
+        deadline = time.monotonic() + 20
+        while os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert ContainerSubstrate.end_cause(fake, rt) == want  # type: ignore[arg-type]
+        # still a zombie for destroy to reap
+        assert os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG) is not None
+        # an OOM kill counted since the baseline wins over any status
+        fake.cgroups.oom_kills = lambda _sid: 5
+        rt.extra["oom_base"] = 4
+        assert ContainerSubstrate.end_cause(fake, rt) == {"cause": "oom", "oom_kills": 1}
+        rt.extra["oom_base"] = 5
+        assert ContainerSubstrate.end_cause(fake, rt) is None  # earlier tenants' kills
+    finally:
+        child.wait()
+
+
+def _oom_kill_counts() -> list[int]:
+    """oom_kill of every memory cgroup under our cgroup name (sandboxes' and spares')."""
+    out = []
+    for top in cgroup_dirs():
+        for d in top.iterdir():
+            for f in ("memory.oom_control", "memory.events"):
+                try:
+                    text = (d / f).read_text()
+                except OSError:
+                    continue
+                out += [int(ln.split()[1]) for ln in text.splitlines()
+                        if ln.startswith("oom_kill ")]
+    return out
+
+
+def test_a_memory_cgroup_with_an_oom_kill_is_never_handed_on():
+    """An OOM kill count cannot be reset, and it is what tells a crash from a host kill: a
+    cgroup that saw one is removed, not recycled for the next sandbox (v1 spares)."""
+    box = corral.Sandbox(image="host", memory_mb=48, timeout=300)
+    try:
+        r = box.exec("python3 -c \"b = []\nwhile True: b.append(bytearray(1 << 20))\"",
+                     timeout=60)
+        assert r.exit_code != 0
+    finally:
+        box.kill()
+    deadline = time.monotonic() + 20
+    while any(_oom_kill_counts()):  # the dead sandbox's cgroup goes (drained off the path)
+        assert time.monotonic() < deadline, (_oom_kill_counts(), spare_cgroups())
+        time.sleep(0.05)
+    with corral.Sandbox(image="host", memory_mb=48, timeout=300) as nxt:
+        nxt.exec("true", timeout=10)
+        assert not any(_oom_kill_counts())

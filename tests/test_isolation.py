@@ -264,6 +264,9 @@ def test_chroot_escape_denied(sb):
         ("rt_sigqueueinfo_init", 129, [1, 15, 0]),
         ("rt_tgsigqueueinfo_init", 297, [1, 1, 15, 0]),
         ("prlimit64_init", 302, [1, 0, 0, 0]),
+        ("sched_setscheduler_init", 144, [1, 5, 0]),
+        ("sched_setattr_init", 314, [1, 0, 0]),
+        ("sched_setparam_init", 142, [1, 0]),
     ],
 )
 def test_dangerous_syscalls_blocked(sb, name, nr, args):
@@ -743,7 +746,10 @@ def test_a_sandbox_that_stops_new_processes_cannot_stall_the_daemon():
         bad = await corral.AsyncSandbox.create(timeout=300)
         good = await corral.AsyncSandbox.create(timeout=300)
         try:
-            await bad.exec("while :; do kill -STOP -1; done >/dev/null 2>&1 &", timeout=10)
+            # The loop starts once this exec has returned: it must not stop this shell.
+            await bad.exec("(sleep 0.3; while :; do kill -STOP -1; done) >/dev/null 2>&1 &",
+                           timeout=10)
+            await asyncio.sleep(0.5)
             held = [asyncio.create_task(bad.exec(["true"], timeout=120)) for _ in range(24)]
             await asyncio.sleep(2)
             assert not all(t.done() for t in held), "the attack never landed"

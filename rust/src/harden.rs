@@ -371,7 +371,8 @@ enum When {
     Always,
     /// Only when its first argument, a pid in the caller's pid namespace, is this one (the
     /// low 32 bits: the kernel reads a `pid_t`). Pid 1 is the sandbox's init: nothing in the
-    /// sandbox may queue it a signal with a siginfo of its own making or change its rlimits.
+    /// sandbox may queue it a signal with a siginfo of its own making, change its rlimits or
+    /// its scheduling policy.
     Pid(u32),
 }
 
@@ -469,6 +470,22 @@ fn syscall_policy() -> Vec<Deny> {
         Deny {
             name: "prlimit64",
             nr: libc::SYS_prlimit64,
+            when: When::Pid(1),
+        },
+        // SCHED_IDLE would starve the init's exec service whenever the sandbox is busy
+        Deny {
+            name: "sched_setscheduler",
+            nr: libc::SYS_sched_setscheduler,
+            when: When::Pid(1),
+        },
+        Deny {
+            name: "sched_setattr",
+            nr: libc::SYS_sched_setattr,
+            when: When::Pid(1),
+        },
+        Deny {
+            name: "sched_setparam",
+            nr: libc::SYS_sched_setparam,
             when: When::Pid(1),
         },
     ];
@@ -1098,6 +1115,9 @@ mod tests {
             libc::SYS_rt_sigqueueinfo,
             libc::SYS_rt_tgsigqueueinfo,
             libc::SYS_prlimit64,
+            libc::SYS_sched_setscheduler,
+            libc::SYS_sched_setattr,
+            libc::SYS_sched_setparam,
         ] {
             assert_eq!(run(p, nr as u32, AUDIT_ARCH, 1), eperm, "{nr} to pid 1");
             assert_eq!(

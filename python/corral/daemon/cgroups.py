@@ -327,7 +327,9 @@ class CgroupManager:
             if _read(path + "/tasks").strip():
                 self.spare_stats["discarded"] += 1
                 return False
-            if full:
+            if full or self._oom_kills_at(path):
+                # An OOM kill count cannot be reset: a cgroup that has one is not handed on,
+                # so a sandbox's count is its own (see oom_kills), also after a restart.
                 self.spare_stats["discarded"] += 1
                 return self._remove_memcg(path)
             dest = os.path.join(self._mem, f"{_COOLING}{next(self._spare_seq)}")
@@ -829,13 +831,16 @@ class CgroupManager:
 
     def oom_kills(self, sandbox_id: str) -> int | None:
         """How many processes the kernel's OOM killer has killed in the sandbox's memory
-        cgroup since the cgroup was made (v2 ``memory.events``; v1 ``memory.oom_control``,
-        which a recycled cgroup carries over from earlier tenants: callers keep a baseline).
-        None when the sandbox has no memory cgroup (yet) or the kernel does not count."""
+        cgroup since the cgroup was made (v2 ``memory.events``; v1 ``memory.oom_control``).
+        A recycled v1 cgroup never has any (recycle_memory discards those); a cgroup kept
+        across a restore in place does, and callers keep a baseline. None when the sandbox
+        has no memory cgroup (yet) or the kernel does not count."""
         if self.version == 2:
-            path, fname = os.path.join(self._bases[0], check_id(sandbox_id)), "memory.events"
-        else:
-            path, fname = os.path.join(self._mem, check_id(sandbox_id)), "memory.oom_control"
+            return self._oom_kills_at(os.path.join(self._bases[0], check_id(sandbox_id)))
+        return self._oom_kills_at(os.path.join(self._mem, check_id(sandbox_id)))
+
+    def _oom_kills_at(self, path: str) -> int | None:
+        fname = "memory.events" if self.version == 2 else "memory.oom_control"
         try:
             text = _read(os.path.join(path, fname))
         except OSError:

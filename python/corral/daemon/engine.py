@@ -677,11 +677,10 @@ class Engine:
         if cause is not None:
             log.info("sandbox crashed", extra={"sandbox": sb.id, "cause": cause})
             sb.cause = cause
-            self._begin_stop(sb, "crashed")  # counted there
+            self._begin_stop(sb, "crashed")  # counted there (corral_crashed_total)
             return
         log.warning("sandbox lost: its init died", extra={"sandbox": sb.id})
-        self.counters["lost"] += 1
-        self._begin_stop(sb, "lost")
+        self._begin_stop(sb, "lost")  # counted there, once
 
     def _alive(self, sb: Sandbox) -> bool:
         try:

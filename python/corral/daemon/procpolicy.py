@@ -20,12 +20,13 @@ import os
 import stat
 from dataclasses import dataclass
 
-# Top-level /proc entries a sandbox may read.
+# Top-level /proc entries a sandbox may read. Not cmdline (the host's boot arguments) nor
+# cgroups (its num_cgroups column counts every cgroup on the host: other tenants' churn).
 PROC_ALLOWED = frozenset({
     "self", "thread-self", "mounts", "net",   # symlinks into the caller's own pid directory
     "sys",                                     # sysctl values (read-only, below)
     "cpuinfo", "meminfo", "stat", "uptime", "loadavg", "version", "vmstat", "swaps",
-    "filesystems", "cmdline", "cgroups", "sysvipc",
+    "filesystems", "sysvipc",
 })
 
 # Bound read-only onto themselves: writable kernel-wide state below an allowed entry, and the
