@@ -22,6 +22,7 @@ import dataclasses
 import errno
 import io
 import logging
+import lzma
 import os
 import select
 import shutil
@@ -30,6 +31,8 @@ import stat as stat_mod
 import tarfile
 import threading
 import time
+import zlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from corral import _core
@@ -1284,11 +1287,11 @@ class ContainerSubstrate(Substrate):
         self._fs(runtime, _core.fs_mkdir, path, path, True)
         try:
             tf = tarfile.open(fileobj=io.BytesIO(tar_bytes), mode="r:*")
-        except tarfile.TarError as e:
-            raise InvalidRequest(f"not a tar archive: {e}") from None
+        except _TAR_READ_ERRORS as e:
+            raise InvalidRequest(f"not a tar archive: {e or type(e).__name__}") from None
         dirs: list[tuple[str, int]] = []
         with tf:
-            for count, m in enumerate(tf):
+            for count, m in enumerate(_tar_members(tf)):
                 if count >= TAR_MAX_MEMBERS:
                     raise InvalidRequest(f"tar has more than {TAR_MAX_MEMBERS} members")
                 rel = self._tar_rel(m.name)
@@ -1300,8 +1303,7 @@ class ContainerSubstrate(Substrate):
                     self._fs(runtime, _core.fs_mkdir, dest, dest, True, 0o755)
                     dirs.append((dest, mode or 0o755))
                 elif m.isreg():
-                    f = tf.extractfile(m)
-                    data = f.read() if f is not None else b""
+                    data = _tar_data(tf, m)
                     self._replace(runtime, dest)
                     self._fs(runtime, _core.fs_write, dest, dest, data, mode, True)
                 elif m.issym():
@@ -1405,3 +1407,45 @@ class ContainerSubstrate(Substrate):
             tf.addfile(ti, io.BytesIO(data))
         # sockets, FIFOs, devices: skipped
 
+
+# What reading a damaged archive raises (truncated data, bad headers, a broken gzip, bzip2 or
+# xz stream): the client's archive is bad, a 400, never an internal error.
+_TAR_READ_ERRORS = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError, ValueError)
+
+
+def _bad_tar(e: BaseException) -> InvalidRequest:
+    return InvalidRequest(f"bad tar archive: {e or type(e).__name__}")
+
+
+def _tar_members(tf: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    it = iter(tf)
+    while True:
+        try:
+            m = next(it)
+        except StopIteration:
+            return
+        except _TAR_READ_ERRORS as e:
+            raise _bad_tar(e) from None
+        yield m
+
+
+def _tar_data(tf: tarfile.TarFile, m: tarfile.TarInfo) -> bytes:
+    """A member's data, read in bounded chunks: what a header claims is never allocated up
+    front (a compressed reader would reserve it all), only what the archive really holds."""
+    if m.size > TAR_MAX_BYTES:
+        raise InvalidRequest(f"tar member {m.name!r} claims {m.size} bytes, more than "
+                             f"{TAR_MAX_BYTES}", details={"limit": TAR_MAX_BYTES})
+    try:
+        f = tf.extractfile(m)
+        if f is None:
+            return b""
+        chunks, left = [], m.size
+        while left > 0:
+            chunk = f.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    except _TAR_READ_ERRORS as e:
+        raise _bad_tar(e) from None
