@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_concurrent_first_calls_start_one_daemon():
-    state = tempfile.mkdtemp(prefix="corral-test-auto-", dir="/var/tmp")
+    state = tempfile.mkdtemp(prefix="corral-rs-auto-", dir="/var/tmp")  # not swept by others
     sock = os.path.join(state, "run", "corrald.sock")
     cgroup = f"corral-test-auto-{os.getpid()}"
     env = dict(os.environ, CORRAL_STATE_DIR=state, CORRAL_SOCKET=sock, CORRAL_CGROUP=cgroup,
