@@ -20,6 +20,7 @@ import os
 import select
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -283,7 +284,11 @@ def check_one(ch: InitChannel, data: bytes, nfds: list[int]) -> None:
         assert reply[2] < 0 and fds == [] and len(msgs) == 1, (msgs, fds)
         assert ch.tasks() == {ch.init_pid}, "a rejected request started something"
     assert ch.alive()
-    # Every fd the request carried is closed again (the init's table does not grow).
+    # Every fd the request carried is closed again (the init's table does not grow); the init
+    # closes them just after it answers.
+    deadline = time.monotonic() + ANSWER_S
+    while ch.fd_count() != fds_before and time.monotonic() < deadline:
+        time.sleep(0.001)
     assert ch.fd_count() == fds_before, (nfds, ch.fd_count(), fds_before)
 
 
