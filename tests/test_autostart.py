@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_concurrent_first_calls_start_one_daemon():
-    state = tempfile.mkdtemp(prefix="corral-test-auto-", dir="/var/tmp")
+    state = tempfile.mkdtemp(prefix="corral-rs-auto-", dir="/var/tmp")  # not swept by others
     sock = os.path.join(state, "run", "corrald.sock")
     cgroup = f"corral-test-auto-{os.getpid()}"
     env = dict(os.environ, CORRAL_STATE_DIR=state, CORRAL_SOCKET=sock, CORRAL_CGROUP=cgroup,
@@ -201,6 +201,28 @@ HAMMER = textwrap.dedent("""
 """)
 
 
+# The same from one event loop: eight tasks of an AsyncSandbox.
+HAMMER_ASYNC = textwrap.dedent("""
+    import asyncio, json, sys
+    import corral
+
+    async def main():
+        box = corral.AsyncSandbox.from_id(sys.argv[1])
+
+        async def one(i):
+            try:
+                return (await box.exec(f"echo {i}")).stdout.strip()
+            except corral.CorralError as e:
+                return e.code
+
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    print("ready", flush=True)
+    sys.stdin.readline()
+    print(json.dumps(asyncio.run(main())), flush=True)
+""")
+
+
 def test_threads_and_processes_on_a_dead_daemon_start_exactly_one():
     p = Private("herd")
     procs: list[subprocess.Popen] = []
@@ -211,12 +233,13 @@ def test_threads_and_processes_on_a_dead_daemon_start_exactly_one():
         assert made.returncode == 0, made.stderr
         sid = made.stdout.strip()
         p.kill9()
-        procs = [subprocess.Popen([sys.executable, "-c", HAMMER, sid], env=p.env,
+        procs = [subprocess.Popen([sys.executable, "-c", script, sid], env=p.env,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for _ in range(3)]
+                                  stderr=subprocess.PIPE, text=True)
+                 for script in (HAMMER, HAMMER, HAMMER, HAMMER_ASYNC)]
         for proc in procs:
             assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
-        for proc in procs:  # all three at once
+        for proc in procs:  # all at once
             proc.stdin.write("go\n")
             proc.stdin.flush()
         for proc in procs:
@@ -249,5 +272,32 @@ def test_explicit_endpoint_is_never_started():
                            text=True, timeout=60)
         assert r.stdout.strip() == "unavailable", r.stderr
         assert not os.path.exists(os.path.join(p.state, "corrald.log"))
+    finally:
+        p.close()
+
+
+def test_a_failing_start_backs_off():
+    """A daemon that cannot start is not launched again on every call: the next calls within
+    the backoff fail at once with the reason."""
+    p = Private("backoff")
+    try:
+        bad = os.path.join(p.state, "not-a-dir")
+        open(bad, "w").close()  # the state dir cannot be made: every start fails
+        code = textwrap.dedent("""
+            import json, corral
+            out = []
+            for _ in range(3):
+                try:
+                    corral.Sandbox.list()
+                except corral.DaemonUnavailable as e:
+                    out.append(e.message)
+            print(json.dumps(out))
+        """)
+        r = subprocess.run([sys.executable, "-c", code], env=dict(p.env, CORRAL_STATE_DIR=bad),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        msgs = json.loads(r.stdout)
+        assert len(msgs) == 3 and "starting one failed" in msgs[0], msgs
+        assert all("next try in" in m for m in msgs[1:]), msgs
     finally:
         p.close()

@@ -20,10 +20,11 @@ import os
 import select
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import corral
@@ -162,6 +163,9 @@ message = st.one_of(raw, mutated(),
                     valid_request().map(lambda r: (r.encode(), right_fds(r.encode()))))
 
 
+_VALID = initexec.encode(9, ["/bin/true"], {}, "/", 0, 0, [], ["/bin/true"], True) or b""
+
+
 # ---- the real init ----------------------------------------------------------------------
 class InitChannel:
     """Our own copy of a sandbox init's channel, and what we watch of the init."""
@@ -280,7 +284,11 @@ def check_one(ch: InitChannel, data: bytes, nfds: list[int]) -> None:
         assert reply[2] < 0 and fds == [] and len(msgs) == 1, (msgs, fds)
         assert ch.tasks() == {ch.init_pid}, "a rejected request started something"
     assert ch.alive()
-    # Every fd the request carried is closed again (the init's table does not grow).
+    # Every fd the request carried is closed again (the init's table does not grow); the init
+    # closes them just after it answers.
+    deadline = time.monotonic() + ANSWER_S
+    while ch.fd_count() != fds_before and time.monotonic() < deadline:
+        time.sleep(0.001)
     assert ch.fd_count() == fds_before, (nfds, ch.fd_count(), fds_before)
 
 
@@ -300,6 +308,12 @@ def check_serves(ch: InitChannel) -> None:
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large, HealthCheck.filter_too_much])
 @given(msg=message, n=st.integers(0, 15))
+# Found before: an empty message went unanswered and stopped the init draining its queue; fds
+# past the first four, or in a second SCM_RIGHTS group, stayed open in the init.
+@example(msg=(b"", []), n=0)
+@example(msg=(_VALID, [6]), n=0)
+@example(msg=(_VALID, [2, 3]), n=0)
+@example(msg=(_VALID, [12]), n=0)
 def test_fuzz_init_channel(channel, msg, n):
     data, nfds = msg
     check_one(channel, data, nfds)

@@ -21,7 +21,7 @@ from conftest import CGROUP_NAME, leaked_sandbox_cgroups
 @pytest.fixture
 def private(monkeypatch):
     """A state dir, socket and cgroup name nobody else uses."""
-    state = tempfile.mkdtemp(prefix="corral-launch-", dir="/var/tmp")
+    state = tempfile.mkdtemp(prefix="corral-rs-launch-", dir="/var/tmp")  # not swept by others
     sock = os.path.join(state, "run", "corrald.sock")
     cg = f"{CGROUP_NAME}-launch"
     monkeypatch.setenv("CORRAL_CGROUP", cg)

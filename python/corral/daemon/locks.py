@@ -1,6 +1,6 @@
 """Exclusive advisory locks (flock) on files: one daemon per state dir and per cgroup name, one
-writer per trajectory log. The kernel drops a lock when its fd is closed or its process dies,
-kill -9 included, so a lock never outlives its owner."""
+writer per trajectory log, one starter per socket (the launcher). The kernel drops a lock when
+its fd is closed or its process dies, kill -9 included, so a lock never outlives its owner."""
 
 from __future__ import annotations
 

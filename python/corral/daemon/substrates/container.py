@@ -1444,7 +1444,7 @@ class ContainerSubstrate(Substrate):
         src = uploads.open_bounded(tar_bytes, self.upload_max_bytes)
         try:
             tf = tarfile.open(fileobj=src, mode="r|")
-        except (tarfile.TarError, OSError, EOFError) as e:
+        except (tarfile.TarError, OSError, EOFError, ValueError) as e:
             raise InvalidRequest(f"not a tar archive: {e}") from None
         dirs: list[tuple[str, int]] = []
         try:
@@ -1456,7 +1456,7 @@ class ContainerSubstrate(Substrate):
                     self._extract(runtime, tf, m, base, dirs)
         except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError) as e:
             raise InvalidRequest(f"bad tar archive: {e}") from None
-        except OSError as e:  # a corrupt bzip2 stream, and the like
+        except (OSError, ValueError) as e:  # a corrupt bzip2 stream, a bad header field
             raise InvalidRequest(f"bad tar archive: {e}") from None
         # Directory modes last, deepest first, so a read-only dir does not block its contents.
         for dest, mode in reversed(dirs):
