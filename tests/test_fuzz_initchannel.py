@@ -65,8 +65,9 @@ class Request:
 def test_model_matches_the_encoder():
     """The model above is initexec's format: same header size, same bytes for a request."""
     assert HEADER_STRUCT.size == initexec._REQ.size
-    msg = initexec.encode(7, ["/bin/true", "x"], {"A": "1"}, "/tmp", 1, 2, [3, 4],
-                          ["/bin/true"], True)
+    msg, body = initexec.encode(7, ["/bin/true", "x"], {"A": "1"}, "/tmp", 1, 2, [3, 4],
+                                ["/bin/true"], True)
+    assert body is None  # small enough to travel inline
     req = Request(header=dict(magic=initexec.REQ_MAGIC, id=7, uid=1, gid=2,
                               flags=initexec.NULL_STDIN, ngroups=2, nargv=2, nenv=1, ncand=1),
                   groups=[3, 4], argv=[b"/bin/true", b"x"], env=[b"A=1"],
@@ -163,7 +164,7 @@ message = st.one_of(raw, mutated(),
                     valid_request().map(lambda r: (r.encode(), right_fds(r.encode()))))
 
 
-_VALID = initexec.encode(9, ["/bin/true"], {}, "/", 0, 0, [], ["/bin/true"], True) or b""
+_VALID = initexec.encode(9, ["/bin/true"], {}, "/", 0, 0, [], ["/bin/true"], True)[0]
 
 
 # ---- the real init ----------------------------------------------------------------------
@@ -293,8 +294,9 @@ def check_one(ch: InitChannel, data: bytes, nfds: list[int]) -> None:
 
 
 def check_serves(ch: InitChannel) -> None:
-    msg = initexec.encode(1, ["/bin/sh", "-c", "exit 7"], {}, "/", 0, 0, [], ["/bin/sh"], True)
-    assert msg is not None
+    msg, body = initexec.encode(1, ["/bin/sh", "-c", "exit 7"], {}, "/", 0, 0, [], ["/bin/sh"],
+                                True)
+    assert body is None
     ch.send(msg, [2])
     msgs, fds = ch.answer()
     assert msgs[-1][2] > 0 and len(fds) == 1, msgs
