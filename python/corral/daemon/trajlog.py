@@ -206,9 +206,56 @@ def body_request(data: bytes, cap: int, **fields: Any) -> dict[str, Any]:
     return req
 
 
-def data_result(data: bytes, **fields: Any) -> dict[str, Any]:
-    """What a read logs: size and hash of what the client got, not the bytes."""
-    return dict(fields, size=len(data), sha256=sha256(data))
+def data_result(data: bytes, keep: int = -1, **fields: Any) -> dict[str, Any]:
+    """What a read logs: size and hash of what the client got; the bytes themselves (base64)
+    only if they fit ``keep`` (a keyed read: its replay returns them)."""
+    res = dict(fields, size=len(data), sha256=sha256(data))
+    if len(data) <= keep:
+        res["data_b64"] = base64.b64encode(data).decode()
+    return res
+
+
+# A keyed listing logs its entries up to this many (its replay returns them).
+LIST_KEEP = 4096
+
+
+def listing_result(entries: list[dict[str, Any]], keep: bool) -> dict[str, Any]:
+    """What a listing logs: the count and a hash of its sorted ``name type size`` lines; for a
+    keyed one also the entries (up to LIST_KEEP), which its replay returns."""
+    lines = sorted(f"{e['name']}\t{e['type']}\t{e['size'] if e['type'] == 'file' else 0}"
+                   for e in entries)
+    res = data_result("\n".join(lines).encode(), count=len(entries))
+    if keep and len(entries) <= LIST_KEEP:
+        res["entries"] = entries
+    return res
+
+
+async def replayed_read(logged: dict[str, Any],
+                        now: Callable[[], Awaitable[tuple[bytes, bool]]]) -> tuple[bytes, bool]:
+    """What a fast-forwarded keyed read returns: the logged bytes; if they were over the log's
+    cap, the file as it is now, provided it is still what was read then."""
+    truncated = bool(logged.get("truncated"))
+    if "data_b64" in logged:
+        return base64.b64decode(logged["data_b64"]), truncated
+    data, truncated = await now()
+    if sha256(data) != logged.get("sha256"):
+        raise ReplayDivergence("the file read under this key was over the log's cap and has "
+                               "changed since: its logged content cannot be returned",
+                               details={"sha256": logged.get("sha256")})
+    return data, truncated
+
+
+async def replayed_listing(logged: dict[str, Any],
+                           now: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+    """What a fast-forwarded keyed listing returns: the logged entries, or (a listing over
+    LIST_KEEP) the directory now, provided it is still what was listed then."""
+    if "entries" in logged:
+        return list(logged["entries"])
+    entries = await now()
+    if listing_result(entries, False)["sha256"] != logged.get("sha256"):
+        raise ReplayDivergence("the directory listed under this key was too long to log and "
+                               "has changed since", details={"sha256": logged.get("sha256")})
+    return entries
 
 
 # json.dumps(obj, separators=...) builds a JSONEncoder and a C encoder per call: build the C
@@ -1025,6 +1072,63 @@ class TrajLog:
             fut = self._loop.create_future()
             self._control(_Control("barrier", (), fut), now=True)
             await _committed(fut)
+
+    async def knows(self, sid: str) -> bool:
+        """Whether the log has sandbox ``sid`` (also long after it is gone, until pruned)."""
+        if not self.enabled:
+            return False
+        await self.flushed()
+        assert self._reader is not None
+        return self._reader.execute("SELECT 1 FROM sandboxes WHERE sandbox_id=?",
+                                    (sid,)).fetchone() is not None
+
+    async def trajectory(self, tid: str) -> tuple[str, int] | None:
+        """(sandbox id, next step) of trajectory ``tid``: the sandbox its create (key
+        ``{tid}:create``) made, or, for a fork child's ``{parent}/fork{step}/{i}``, child
+        ``i`` of that fork; the step after the highest ``{tid}:{n}`` its log binds. None if
+        the log has no such trajectory."""
+        if not self.enabled:
+            raise Unsupported("the trajectory log is off on this daemon (CORRAL_TRAJLOG=0)")
+        await self.flushed()
+        return await asyncio.to_thread(self._trajectory, tid)
+
+    def _trajectory(self, tid: str) -> tuple[str, int] | None:
+        conn = self._connect()
+        try:
+            sid = self._trajectory_sandbox(conn, tid)
+            if sid is None:
+                return None
+            rows = conn.execute(
+                f"SELECT idem_key FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND status IS "
+                "NULL AND substr(idem_key, 1, :n) = :p",
+                {"sid": sid, "n": len(tid) + 1, "p": tid + ":"}).fetchall()
+        finally:
+            conn.close()
+        steps = [int(k[len(tid) + 1:]) for (k,) in rows if k[len(tid) + 1:].isdigit()]
+        return sid, (max(steps) + 1 if steps else 0)
+
+    def _trajectory_sandbox(self, conn: sqlite3.Connection, tid: str) -> str | None:
+        row = conn.execute("SELECT sandbox_id FROM entries WHERE idem_key=? AND op='create' "
+                           "AND status IS NULL ORDER BY seq LIMIT 1",
+                           (tid + ":create",)).fetchone()
+        if row is not None:
+            return str(row[0])
+        parent_tid, sep, tail = tid.rpartition("/fork")
+        step, _, child = tail.partition("/")
+        if not sep or not child.isdigit():
+            return None
+        parent = self._trajectory_sandbox(conn, parent_tid)
+        if parent is None:
+            return None
+        for key in (f"{parent_tid}:{step}", step):  # a stepped key, or an explicit one
+            row = conn.execute(
+                f"SELECT result FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND idem_key="
+                ":k AND op='fork' AND status IS NULL AND result IS NOT NULL LIMIT 1",
+                {"sid": parent, "k": key}).fetchone()
+            if row is not None:
+                kids = json.loads(row[0]).get("sandboxes") or []
+                return str(kids[int(child)]) if int(child) < len(kids) else None
+        return None
 
     async def entries(self, sid: str, known: bool) -> dict[str, Any]:
         await self.flushed()
