@@ -191,7 +191,7 @@ def test_a_retry_after_a_client_timeout_reuses_the_key(daemon):
         sb.kill()
 
 
-# ---- explicit keys ---------------------------------------------------------------------------------
+# ---- explicit keys ------------------------------------------------------------------------------
 def test_explicit_keys(daemon):
     sb = Sandbox(timeout=600, trajectory_id=_tid())
     try:
@@ -230,7 +230,7 @@ def test_explicit_keys(daemon):
         sb.kill()
 
 
-# ---- keyed reads replay the past ------------------------------------------------------------------
+# ---- keyed reads replay the past ----------------------------------------------------------------
 def test_keyed_reads_return_what_the_first_run_saw(daemon):
     tid = _tid()
     sb = Sandbox(timeout=600, trajectory_id=tid)
@@ -258,7 +258,7 @@ def test_keyed_reads_return_what_the_first_run_saw(daemon):
         sb.kill()
 
 
-# ---- from_trajectory --------------------------------------------------------------------------------
+# ---- from_trajectory ----------------------------------------------------------------------------
 def test_from_trajectory_positions_after_the_last_completed_step(daemon):
     tid = _tid()
     sb = Sandbox(timeout=600, trajectory_id=tid)
@@ -295,7 +295,7 @@ def test_from_trajectory_positions_after_the_last_completed_step(daemon):
         sb.kill(key="final")
 
 
-# ---- kills and creates of gone sandboxes ----------------------------------------------------------
+# ---- kills and creates of gone sandboxes --------------------------------------------------------
 def test_keyed_kill_of_a_gone_sandbox_and_replayed_create_of_a_dead_one(daemon):
     tid = _tid()
     sb = Sandbox(timeout=600, trajectory_id=tid)

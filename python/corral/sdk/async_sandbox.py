@@ -150,13 +150,13 @@ class AsyncSandbox(SandboxHandle):
         return sb
 
     @classmethod
-    async def from_trajectory(cls, trajectory_id: str, *,
+    async def from_trajectory(cls, trajectory_id: str, *, step: int | None = None,
                               endpoint: str | Endpoint | None = None) -> AsyncSandbox:
         """See ``Sandbox.from_trajectory``."""
         ep = Endpoint.parse(endpoint)
         got = await _send(ep, api.trajectory(trajectory_id))
         sb = cls._bind(ep, got["sandbox_id"], SandboxInfo.model_validate(got["sandbox"]))
-        sb._set_trajectory(trajectory_id, int(got["step"]))
+        sb._set_trajectory(trajectory_id, int(got["step"]) if step is None else step)
         return sb
 
     @classmethod

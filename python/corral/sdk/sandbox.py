@@ -106,17 +106,18 @@ class Sandbox(SandboxHandle):
         return sb
 
     @classmethod
-    def from_trajectory(cls, trajectory_id: str, *,
+    def from_trajectory(cls, trajectory_id: str, *, step: int | None = None,
                         endpoint: str | Endpoint | None = None) -> Sandbox:
         """The sandbox of trajectory ``trajectory_id`` (made by ``Sandbox(trajectory_id=...)``,
         or a fork child's ``{parent}/fork{step}/{i}``), positioned after the last step its log
         binds: the next call carries the first key the daemon has not logged. Also after the
         sandbox died (``last_info.state`` is then ``dead``). Raises NotFound if the log has no
-        such trajectory. See docs/trajectory.md, "Resuming"."""
+        such trajectory. ``step=0`` positions it at the start instead (a client rebuilding its
+        state by replaying every call). See docs/trajectory.md, "Resuming"."""
         ep = Endpoint.parse(endpoint)
         got = _send(ep, api.trajectory(trajectory_id))
         sb = cls._bind(ep, got["sandbox_id"], SandboxInfo.model_validate(got["sandbox"]))
-        sb._set_trajectory(trajectory_id, int(got["step"]))
+        sb._set_trajectory(trajectory_id, int(got["step"]) if step is None else step)
         return sb
 
     @classmethod
