@@ -82,6 +82,8 @@ MAX_KEY_LEN = 256
 DB_NAME = "trajlog.db"
 LOCK_NAME = "trajlog.lock"
 PRUNE_EVERY_S = 60.0
+# Sandboxes whose bound keys are kept in memory (``TrajLog._bound``); past it, the database.
+MAX_BOUND_SETS = 100_000
 # Records journaled and not yet in the database beyond which calls wait for the ingester (a
 # disk slower than the calls): memory stays bounded, the journal does not outrun SQLite.
 MAX_PENDING = 50_000
@@ -194,7 +196,11 @@ def sha256(data: bytes) -> str:
 
 
 def fingerprint(op: str, request: dict[str, Any]) -> str:
-    return sha256(json.dumps([op, request], sort_keys=True, separators=(",", ":")).encode())
+    """The request's identity under an idempotency key: ``json.dumps(sort_keys=True)``'s
+    text, made by a C encoder built once (json.dumps builds one per call)."""
+    if _FP_ENCODE is None:
+        return sha256(json.dumps([op, request], sort_keys=True, separators=(",", ":")).encode())
+    return sha256("".join(_FP_ENCODE([op, request], 0)).encode())
 
 
 def body_request(data: bytes, cap: int, **fields: Any) -> dict[str, Any]:
@@ -265,6 +271,11 @@ async def replayed_listing(logged: dict[str, Any],
 _ENCODE = (json.encoder.c_make_encoder(  # type: ignore[attr-defined]
     None, json.JSONEncoder().default, json.encoder.encode_basestring_ascii, None, ":", ",",
     False, False, False) if json.encoder.c_make_encoder is not None else None)  # type: ignore[attr-defined]
+
+# The same text as json.dumps([op, request], sort_keys=True, separators=(",", ":")).
+_FP_ENCODE = (json.encoder.c_make_encoder(  # type: ignore[attr-defined]
+    None, json.JSONEncoder().default, json.encoder.encode_basestring_ascii, None, ":", ",",
+    True, False, True) if json.encoder.c_make_encoder is not None else None)  # type: ignore[attr-defined]
 
 
 def _dumps(obj: Any) -> str:
@@ -367,6 +378,10 @@ class TrajLog:
         # -> (fingerprint, sandbox id, result, error). The loop adds before journaling, the
         # ingester removes after its commit; a lookup reads this first, then the database.
         self._unbound: dict[tuple[str, str], tuple[str | None, str, Any, Any]] = {}
+        # Per running sandbox that had a keyed call: every key its log binds (loaded on its
+        # first keyed call, kept up to date by _write_entry, dropped when it ends). A fresh
+        # key, the common case, is then known to be unbound without a query on the loop.
+        self._bound: dict[str, set[str]] = {}
         self._since_ckpt = 0
         self._unindexed = 0  # entries ingested since the index was last updated
         self._closing = False
@@ -560,6 +575,9 @@ class TrajLog:
         if key is not None:
             slot = (sid if scope is None else scope, key)
             self._unbound[slot] = (fp, sid, result, error)
+            bound = self._bound.get(slot[0])
+            if bound is not None:
+                bound.add(key)
         try:
             self._append("e", (seq, sid, op, key, fp,
                                _dumps(_plain(request)) if req_text is None else req_text,
@@ -765,6 +783,7 @@ class TrajLog:
             self._sandbox_write("sc", (sid, _dumps(spec), created_at))
 
     def sandbox_ended(self, sid: str, reason: str) -> None:
+        self._bound.pop(sid, None)
         if self.enabled:
             self._sandbox_write("se", (sid, time.time(), reason))
 
@@ -904,6 +923,8 @@ class TrajLog:
             return got
         assert self._reader is not None
         if scope:
+            if key not in self._bound_keys(scope):
+                return None
             sql = ("SELECT fingerprint, sandbox_id, result, error FROM entries WHERE "
                    "idem_key=? AND sandbox_id=? AND status IS NULL ORDER BY seq LIMIT 1")
             row = self._reader.execute(sql, (key, scope)).fetchone()
@@ -915,6 +936,21 @@ class TrajLog:
             return None
         return (row[0], row[1], json.loads(row[2]) if row[2] is not None else None,
                 json.loads(row[3]) if row[3] is not None else None)
+
+    def _bound_keys(self, sid: str) -> set[str]:
+        """The keys ``sid``'s log binds (see ``_bound``). Loading it: the journaled keys first,
+        then the database's: an entry the ingester takes out of ``_unbound`` meanwhile is
+        committed by then, so the query sees it."""
+        keys = self._bound.get(sid)
+        if keys is None:
+            keys = {k for (scope, k) in list(self._unbound) if scope == sid}
+            assert self._reader is not None
+            keys.update(k for (k,) in self._reader.execute(
+                f"SELECT idem_key FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND idem_key IS "
+                "NOT NULL AND status IS NULL", {"sid": sid}))
+            if len(self._bound) < MAX_BOUND_SETS:
+                self._bound[sid] = keys
+        return keys
 
     def logged_result(self, sid: str, op: str) -> dict[str, Any] | None:
         """The result of ``sid``'s first finished ``op`` entry in the database (a fork

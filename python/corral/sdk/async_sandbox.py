@@ -55,11 +55,12 @@ async def _send(endpoint: Endpoint, call: Call[T], handle: SandboxHandle | None 
     t = transport(endpoint)
     if call.key is None:
         return await t.call(call)
-    r = Retrier(call, handle)
+    r: Retrier | None = None
     while True:
         try:
             return await t.call(call)
         except BaseException as e:
+            r = r or Retrier(call, handle)
             delay = r.delay(e)
             if delay is None:
                 raise r.give_up(e) from None

@@ -144,9 +144,9 @@ class SandboxHandle:
             return call
         if self._traj is not None and call.keyed and call.key is None:
             assert self._step_lock is not None
-            fp = _call_fp(call)
             with self._step_lock:
-                if self._retry is not None and self._retry[1] == fp:
+                # The same call as the last one left unknown: its step. (Hashed only then.)
+                if self._retry is not None and self._retry[1] == _call_fp(call):
                     step = self._retry[0]
                 else:
                     step = self._step

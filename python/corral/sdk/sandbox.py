@@ -37,11 +37,12 @@ def _send(endpoint: Endpoint, call: Call[T], handle: SandboxHandle | None = None
     t = transport(endpoint)
     if call.key is None:
         return t.call(call)
-    r = Retrier(call, handle)
+    r: Retrier | None = None
     while True:
         try:
             return t.call(call)
         except BaseException as e:
+            r = r or Retrier(call, handle)
             delay = r.delay(e)
             if delay is None:
                 raise r.give_up(e) from None
