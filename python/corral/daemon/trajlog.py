@@ -382,6 +382,7 @@ class TrajLog:
         # first keyed call, kept up to date by _write_entry, dropped when it ends). A fresh
         # key, the common case, is then known to be unbound without a query on the loop.
         self._bound: dict[str, set[str]] = {}
+        self._live: set[str] = set()  # sandboxes created or re-adopted, not ended
         self._since_ckpt = 0
         self._unindexed = 0  # entries ingested since the index was last updated
         self._closing = False
@@ -779,10 +780,12 @@ class TrajLog:
 
     # ---- what the engine and the API call --------------------------------------------------------
     def sandbox_created(self, sid: str, spec: dict[str, Any], created_at: float) -> None:
+        self._live.add(sid)
         if self.enabled:
             self._sandbox_write("sc", (sid, _dumps(spec), created_at))
 
     def sandbox_ended(self, sid: str, reason: str) -> None:
+        self._live.discard(sid)
         self._bound.pop(sid, None)
         if self.enabled:
             self._sandbox_write("se", (sid, time.time(), reason))
@@ -801,6 +804,7 @@ class TrajLog:
         whose create the log lacks (their daemon died between the sandbox's record and the
         create's entry, so no client saw it) get their sandbox row and a create entry from
         the record, marked ``recovered``. Runs after open(): the database has every record."""
+        self._live.update(b[0] for b in boxes)
         if not self.enabled or not boxes:
             return
         assert self._reader is not None
@@ -948,8 +952,8 @@ class TrajLog:
             keys.update(k for (k,) in self._reader.execute(
                 f"SELECT idem_key FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND idem_key IS "
                 "NOT NULL AND status IS NULL", {"sid": sid}))
-            if len(self._bound) < MAX_BOUND_SETS:
-                self._bound[sid] = keys
+            if sid in self._live and len(self._bound) < MAX_BOUND_SETS:
+                self._bound[sid] = keys  # kept while it runs (a gone one's: rare replays)
         return keys
 
     def logged_result(self, sid: str, op: str) -> dict[str, Any] | None:
