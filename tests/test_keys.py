@@ -315,3 +315,56 @@ def test_keyed_kill_of_a_gone_sandbox_and_replayed_create_of_a_dead_one(daemon):
 
 def test_endpoint_is_unchanged_by_keys():
     assert Endpoint.parse("/x/y.sock").unix_path == "/x/y.sock"
+
+
+def test_keyed_reads_past_the_logs_cap(daemon):
+    """A keyed read over 1 MiB (the bytes are not logged) or a listing over 4096 entries: the
+    replay returns the file (directory) as it is now if it is still what was read then, and
+    says replay_divergence, never something else, once it has changed."""
+    from corral.errors import ReplayDivergence
+
+    sb = Sandbox(timeout=600)
+    try:
+        big = bytes(range(256)) * (6 * 1024)  # 1.5 MiB
+        sb.files.write("/root/big", big)
+        assert sb.files.read_bytes("/root/big", key="big") == big
+        assert sb.files.read_bytes("/root/big", key="big") == big  # re-read: unchanged
+        entry = [e for e in sb.log() if e.idempotency_key == "big"][0]
+        assert "data_b64" not in entry.result and entry.result["size"] == len(big)
+        sb.exec("mkdir /root/many && cd /root/many && seq 5000 | xargs touch")
+        first = sb.files.list("/root/many", key="ls")
+        assert len(first) == 5000
+        assert sb.files.list("/root/many", key="ls") == first
+        sb.files.write("/root/big", big[:-1] + b"!")
+        sb.exec("touch /root/many/extra")
+        with pytest.raises(ReplayDivergence):
+            sb.files.read_bytes("/root/big", key="big")
+        with pytest.raises(ReplayDivergence):
+            sb.files.list("/root/many", key="ls")
+    finally:
+        sb.kill()
+
+
+def test_keyed_reads_over_the_wire(daemon):
+    """The wire contract: bad keys on reads are invalid_request (never a 500); a keyed info is
+    logged and replayed; GET /v1/trajectories/{tid} of an unknown trajectory is not_found."""
+    from apiclient import client, create, kill
+
+    with client() as c:
+        sid = create(c)["id"]
+        try:
+            for bad in ("x" * 300, ""):
+                r = c.get(f"/v1/sandboxes/{sid}/files/stat", params={"path": "/root"},
+                          headers={"Idempotency-Key": bad})
+                assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+            r1 = c.get(f"/v1/sandboxes/{sid}", headers={"Idempotency-Key": "i1"})
+            c.post(f"/v1/sandboxes/{sid}/timeout", json={"timeout": 500})
+            r2 = c.get(f"/v1/sandboxes/{sid}", headers={"Idempotency-Key": "i1"})
+            assert r1.status_code == r2.status_code == 200 and r1.json() == r2.json()
+            assert c.get(f"/v1/sandboxes/{sid}").json()["expires_at"] != r1.json()["expires_at"]
+            ops = [e["op"] for e in c.get(f"/v1/sandboxes/{sid}/log").json()["entries"]]
+            assert ops.count("info") == 1  # keyed once; the unkeyed poll is not logged
+            r = c.get("/v1/trajectories/" + uuid.uuid4().hex)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+        finally:
+            kill(c, sid)
