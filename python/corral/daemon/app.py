@@ -308,10 +308,7 @@ async def get_sandbox(request: web.Request) -> web.Response:
 
 
 async def kill_sandbox(request: web.Request) -> web.Response:
-    sid = request.match_info["id"]
-    engine = _engine(request)
-
-    key = _key(request)
+    sid, key, engine = request.match_info["id"], _key(request), _engine(request)
 
     async def kill() -> dict[str, Any]:
         try:
