@@ -139,7 +139,12 @@ def test_trajlog_section(report):
             m = sec["median"][daemon][mode]
             assert m["n"] == N and m["errors"] == 0  # N per daemon per run, interleaved
             assert _is_num(m["ops_per_s"]) and m["ops_per_s"] > 0
-    assert set(sec["ratios"]) == {"on/off seq", "on/off conc"}
+    assert set(sec["ratios"]) == {"on/off seq", "on/off conc", "reads keyed/unkeyed",
+                                  "reads unkeyed/off", "reads keyed/off"}
+    for variant in ("keyed", "unkeyed", "off"):  # files.read with and without keys
+        m = sec["reads"]["median"][variant]
+        assert m["n"] == N and m["errors"] == 0 and m["ops_per_s"] > 0
+    assert isinstance(sec["reads_met"], bool)
     assert sec["block"] > 0 and set(sec["log_cpu_us_per_exec"]) == {"on seq", "on conc"}
     assert isinstance(sec["met"], bool)
     st = sec["log_stats"]["on"]

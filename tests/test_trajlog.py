@@ -152,7 +152,7 @@ def test_sdk_keys_and_divergence():
         assert again.exec("echo a >> /root/t").exit_code == 0
         again.files.write("/root/w", "1")
         assert again.exec("echo b >> /root/t").exit_code == 0  # new: runs for real
-        assert sb.files.read("/root/t") == "a\nb\n"
+        assert Sandbox.from_id(sb.id).files.read("/root/t") == "a\nb\n"
         keys = [e.idempotency_key for e in sb.log() if e.idempotency_key]
         assert keys == [f"{tid}:create", f"{tid}:0", f"{tid}:1", f"{tid}:2"]
         other = Sandbox.connect(sb.id, trajectory_id=tid)

@@ -160,6 +160,46 @@ async def run_conc(daemons: dict[str, PrivateDaemon], n: int, conc: int,
     return tallies
 
 
+READ_PATH = "/root/bench-read"
+
+
+def run_reads(variants: dict[str, tuple[PrivateDaemon, bool]], n: int,
+              adv: Any) -> dict[str, Tally]:
+    """``n`` sequential ``files.read`` of a 100-byte file per variant, in blocks of BLOCK
+    interleaved across the variants (one sync client). A variant is (daemon, keyed): a keyed
+    one reads through a trajectory handle, so each read carries a key and its log entry the
+    bytes (docs/trajectory.md); two variants may share a daemon."""
+    names = list(variants)
+    tallies = {k: Tally() for k in names}
+    boxes: dict[str, Sandbox] = {}
+    try:
+        for k, (d, keyed) in variants.items():
+            tid = f"bench-reads-{os.getpid()}-{time.monotonic_ns()}-{k}" if keyed else None
+            sb = boxes[k] = Sandbox("host", endpoint=d.endpoint, timeout=sdk_runs.TTL_S,
+                                    trajectory_id=tid)
+            Sandbox.from_id(sb.id, endpoint=d.endpoint).files.write(READ_PATH, "x" * 100)
+            for _ in range(WARMUP):
+                sb.files.read(READ_PATH)
+        for b in range(-(-n // BLOCK)):
+            m = min(BLOCK, n - b * BLOCK)
+            for k in order(names, b):
+                tally, sb = tallies[k], boxes[k]
+                with tally.block(variants[k][0], m):
+                    for _ in range(m):
+                        t = time.perf_counter()
+                        try:
+                            sb.files.read(READ_PATH)
+                        except CorralError as e:
+                            tally.errors.append(sdk_runs._err(e))
+                            continue
+                        tally.lat.append((time.perf_counter() - t) * 1e3)
+                adv(m)
+    finally:
+        for k, sb in boxes.items():
+            Sandbox.from_id(sb.id, endpoint=variants[k][0].endpoint).kill()
+    return tallies
+
+
 def run_first_results(daemons: dict[str, PrivateDaemon], n: int, adv: Any,
                       block: int = 5) -> dict[str, Tally]:
     """``n`` x (create -> exec ``true`` -> kill) per daemon, in blocks of ``block`` that take

@@ -228,6 +228,11 @@ def print_report(report: dict[str, Any], console: Console) -> None:
                 f"{k} daemon: {v['init']:,} by the init, {v['daemon']:,} by the daemon"
                 for k, v in sec["paths"].items()))
         if name == "trajlog":
+            rm = (sec.get("reads") or {}).get("median") or {}
+            if rm:
+                console.print("  files.read/s (sequential): " + ", ".join(
+                    f"{k} {_f(_get(rm, k, 'ops_per_s'))}" for k in rm)
+                    + "; target keyed/unkeyed >= 0.95")
             for k, st in (sec.get("log_stats") or {}).items():
                 if st and "ingest_cpu_us_per_record" in st:
                     console.print(f"  log {k}: {st['records']:,} entries, journaled on the "

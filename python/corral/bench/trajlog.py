@@ -1,13 +1,16 @@
 """The ``trajlog`` scenario: exec throughput with the trajectory log on vs off (issue 4's
-target: logging costs <= 5% of it).
+target: logging costs <= 5% of it), and the cost of keyed reads over unkeyed ones.
 
 Two private daemons, identical but for ``CORRAL_TRAJLOG=1`` / ``=0`` (and, with
 ``--trajlog-baseline DIR``, a third one, log on, running the corral package found in DIR: a
 change to the log measured against the code before it, under the same load). One client, one
 sandbox per daemon; a run is N execs of ``true`` per daemon sequentially (sync client), then N
 with C in flight (async client), in blocks of ``BLOCK`` execs (times C) that take turns across
-the daemons, in ABBA order (corral.bench.interleave). The report quotes medians over
-``--runs`` and the median of the per-run on/off ratios.
+the daemons, in ABBA order (corral.bench.interleave). Then N sequential ``files.read`` of a
+small file in three interleaved variants: through a trajectory handle on the log-on daemon
+(``keyed``: each read carries a key and its entry logs the bytes), a plain handle on the same
+daemon (``unkeyed``: the read is logged with its size and hash only) and on the log-off
+daemon. The report quotes medians over ``--runs`` and the median of the per-run ratios.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 from corral.bench import sdk_runs
 from corral.bench.daemon import PrivateDaemon
-from corral.bench.interleave import BLOCK, run_conc, run_seq, stop_and_check
+from corral.bench.interleave import BLOCK, run_conc, run_reads, run_seq, stop_and_check
 from corral.bench.session import Session
 from corral.bench.stats import median, median_tree, ratio
 
@@ -42,6 +45,7 @@ def trajlog(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
     daemons = _daemons(s)
     names = list(daemons)
     runs: list[dict[str, Any]] = []
+    reads: list[dict[str, Any]] = []
     metrics: dict[str, dict[str, float]] = {}
     try:
         for d in daemons.values():
@@ -55,8 +59,13 @@ def trajlog(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
                 seq = run_seq(daemons, n, adv)
             with s.ui.task(f"trajlog {r + 1}/{R} {conc} in flight", n * len(names)) as adv:
                 cc = asyncio.run(run_conc(daemons, n, conc, adv))
+            variants = {"keyed": (daemons["on"], True), "unkeyed": (daemons["on"], False),
+                        "off": (daemons["off"], False)}
+            with s.ui.task(f"trajlog {r + 1}/{R} reads", n * len(variants)) as adv:
+                rd = run_reads(variants, n, adv)
             runs.append({k: {"seq": seq[k].to_json("seq"), "conc": cc[k].to_json("conc")}
                          for k in names})
+            reads.append({k: t.to_json("reads") for k, t in rd.items()})
         stats = {k: _trajlog_stats(metrics.get(k, {}), d.metrics()) for k, d in daemons.items()
                  if k != "off"}
     finally:
@@ -83,6 +92,12 @@ def trajlog(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
             if (v := median(vals)) is not None:
                 sec.setdefault("log_cpu_us_per_exec", {})[f"{a} {m}"] = round(v, 1)
     sec["met"] = all(sec["ratios"].get(f"on/off {m}", 0) >= TARGET for m in MODES)
+    sec["reads"] = {"median": median_tree(reads), "runs": reads}
+    for a, b in (("keyed", "unkeyed"), ("unkeyed", "off"), ("keyed", "off")):
+        vals = [ratio(x[a].get("ops_per_s"), x[b].get("ops_per_s")) for x in reads]
+        if (v := median(vals)) is not None:
+            sec["ratios"][f"reads {a}/{b}"] = round(v, 3)
+    sec["reads_met"] = sec["ratios"].get("reads keyed/unkeyed", 0) >= TARGET
     if not cleanup["clean"]:
         raise RuntimeError(f"trajlog: left behind: {cleanup['leaks']}")
     return sec, {}

@@ -55,7 +55,7 @@ def summary(e: LogEntry) -> tuple[str, str]:
         return what, f"{(r.get('snapshot') or {}).get('id', '')} -> {' '.join(kids)}"
     if e.op == "restore":
         return what, f"restored {e.snapshot_ids[0] if e.snapshot_ids else ''}"
-    if e.op in ("pause", "resume"):
+    if e.op in ("pause", "resume", "info"):
         return what, str(r.get("state", "ok"))
     if "size" in r:
         return what, f"{r['size']} bytes sha256:{str(r.get('sha256', ''))[:12]}"

@@ -26,7 +26,15 @@ from pydantic import BaseModel, ValidationError
 
 from corral.daemon import streams
 from corral.daemon.engine import MAX_READ_BYTES, Engine
-from corral.daemon.trajlog import KEY_HEADER, TrajLog, body_request, data_result
+from corral.daemon.trajlog import (
+    KEY_HEADER,
+    TrajLog,
+    body_request,
+    data_result,
+    listing_result,
+    replayed_listing,
+    replayed_read,
+)
 from corral.errors import (
     CorralError,
     InternalError,
@@ -34,6 +42,7 @@ from corral.errors import (
     InvalidPath,
     InvalidRequest,
     NotFound,
+    ReplayDivergence,
     SandboxNotFound,
     Unauthorized,
 )
@@ -167,7 +176,7 @@ def _tl(request: web.Request) -> TrajLog:
 
 
 def _key(request: web.Request) -> str | None:
-    """The idempotency key of a mutating call (header ``Idempotency-Key``)."""
+    """The idempotency key of a call (header ``Idempotency-Key``)."""
     return request.headers.get(KEY_HEADER)
 
 
@@ -198,12 +207,13 @@ def _snap_of(info: Any) -> list[str]:
 
 
 def _as_now(engine: Engine, info: dict[str, Any]) -> dict[str, Any]:
-    """A logged SandboxInfo, as the sandbox is now if it is still there (a fast-forwarded
-    call returns the sandbox's current state, not the one it had then)."""
+    """A logged SandboxInfo, as the sandbox is now (a fast-forwarded create, restore, pause or
+    resume returns the sandbox's current state, not the one it had then): ``dead`` once it
+    is gone."""
     sb = engine.sandboxes.get(info.get("id", ""))
-    if sb is not None and sb.state in ("running", "paused"):
+    if sb is not None:
         return sb.info()
-    return info
+    return dict(info, state="dead") if info.get("state") != "dead" else info
 
 
 async def _file_op(request: web.Request, op: str, req: dict[str, Any], *args: Any,
@@ -219,12 +229,6 @@ async def _file_op(request: web.Request, op: str, req: dict[str, Any], *args: An
 
 def op_method(op: str) -> str:
     return {"write": "write_file", "upload": "upload_tar"}.get(op, op)
-
-
-def _listing(entries: list[Any]) -> dict[str, Any]:
-    lines = sorted(f"{e['name']}\t{e['type']}\t{e['size'] if e['type'] == 'file' else 0}"
-                   for e in entries)
-    return data_result("\n".join(lines).encode(), count=len(entries))
 
 
 # ---- handlers --------------------------------------------------------------------------
@@ -294,17 +298,36 @@ async def list_sandboxes(request: web.Request) -> web.Response:
 
 
 async def get_sandbox(request: web.Request) -> web.Response:
-    return _json(_engine(request).lookup(request.match_info["id"]).info())
+    sid, key, engine = request.match_info["id"], _key(request), _engine(request)
+    if key is None:  # a status poll: not logged
+        return _json(engine.lookup(sid).info())
+
+    async def info() -> dict[str, Any]:
+        return engine.lookup(sid).info()
+
+    # Keyed: logged, and fast-forwarded it returns what the first call saw.
+    return _json(await engine.trajlog.run(sid, "info", {}, key, info))
 
 
 async def kill_sandbox(request: web.Request) -> web.Response:
-    sid = request.match_info["id"]
-    engine = _engine(request)
+    sid, key, engine = request.match_info["id"], _key(request), _engine(request)
 
     async def kill() -> dict[str, Any]:
-        return {"id": sid, "killed": await engine.kill(sid)}
+        try:
+            killed = await engine.kill(sid)
+        except SandboxNotFound:
+            # Keyed (a trainer's cleanup): a sandbox gone so long the daemon forgot it, but
+            # whose log it still has, is killed already.
+            if key is None or not await engine.trajlog.knows(sid):
+                raise
+            killed = False
+        return {"id": sid, "killed": killed}
 
-    return _json(await engine.trajlog.run(sid, "kill", {}, _key(request), kill))
+    try:
+        return _json(await engine.trajlog.run(sid, "kill", {}, key, kill))
+    except ReplayDivergence:
+        # A cleanup is never refused: a key bound to another call still kills (unkeyed).
+        return _json(await engine.trajlog.run(sid, "kill", {}, None, kill))
 
 
 async def set_timeout(request: web.Request) -> web.Response:
@@ -405,35 +428,69 @@ async def file_read(request: web.Request) -> web.StreamResponse:
     max_bytes = _query_int(request, "max_bytes", MAX_READ_BYTES, 0, MAX_READ_BYTES)
     sid = request.match_info["id"]
     engine = _engine(request)
+    key = _key(request)
+    keep = engine.trajlog.body_cap if key is not None else -1  # keyed: its replay returns them
     streamed: list[web.StreamResponse] = []
 
     async def read() -> Any:
         data, truncated, fd = await engine.read_file(sid, path, max_bytes)
         if fd is None:
             return data, truncated
-        try:
-            resp = web.StreamResponse(headers=_truncated(truncated))
-            resp.content_type = "application/octet-stream"
-            await resp.prepare(request)
-        except BaseException:
-            os.close(fd)
-            raise
-        streamed.append(resp)
-        try:
-            sent = await streams.send_file(resp, fd, max_bytes, engine.trajlog.enabled)
-        except BaseException:
-            _cut(request)  # headers are out: the client must see a broken transfer
-            raise
-        return {"size": sent.size, "sha256": sent.sha256, "truncated": truncated}
+        return await _stream_file(request, streamed, fd, max_bytes, truncated,
+                                  engine.trajlog.enabled)
 
-    v = await engine.trajlog.run(
-        sid, "read", {"path": path, "max_bytes": max_bytes}, None, read,
-        to_log=lambda v: v if isinstance(v, dict) else data_result(v[0], truncated=v[1]))
+    got = await engine.trajlog.run(
+        sid, "read", {"path": path, "max_bytes": max_bytes}, key, read,
+        to_log=lambda v: v if isinstance(v, dict) else data_result(v[0], keep, truncated=v[1]))
     if streamed:
         await streamed[0].write_eof()
         return streamed[0]
-    return web.Response(body=v[0], content_type="application/octet-stream",
-                        headers=_truncated(v[1]) or None)
+    if isinstance(got, tuple):
+        data, truncated = got
+    elif "data_b64" in got:  # a fast-forwarded keyed read: what the first one got
+        data, truncated = await replayed_read(got, _never)
+    else:  # ...of a file too big to log: the file now, if it is still what was read then
+        data, truncated, fd = await engine.read_file(sid, path, max_bytes)
+        if fd is not None:
+            if await streams.fd_sha256(fd, max_bytes) != got.get("sha256"):
+                os.close(fd)
+                raise ReplayDivergence("the file read under this key was over the log's cap "
+                                       "and has changed since: its logged content cannot be "
+                                       "returned", details={"sha256": got.get("sha256")})
+            await _stream_file(request, streamed, fd, max_bytes, truncated, False)
+            await streamed[0].write_eof()
+            return streamed[0]
+        data, truncated = await replayed_read(got, lambda: _ready((data, truncated)))
+    return web.Response(body=data, content_type="application/octet-stream",
+                        headers=_truncated(truncated) or None)
+
+
+async def _stream_file(request: web.Request, streamed: list[web.StreamResponse], fd: int,
+                       max_bytes: int, truncated: bool, digest: bool) -> dict[str, Any]:
+    """Send ``fd`` (closed here) as the body of a streamed response, appended to
+    ``streamed``; what the log records of it."""
+    try:
+        resp = web.StreamResponse(headers=_truncated(truncated))
+        resp.content_type = "application/octet-stream"
+        await resp.prepare(request)
+    except BaseException:
+        os.close(fd)
+        raise
+    streamed.append(resp)
+    try:
+        sent = await streams.send_file(resp, fd, max_bytes, digest)
+    except BaseException:
+        _cut(request)  # headers are out: the client must see a broken transfer
+        raise
+    return {"size": sent.size, "sha256": sent.sha256, "truncated": truncated}
+
+
+async def _ready(value: Any) -> Any:
+    return value
+
+
+async def _never() -> Any:
+    raise AssertionError("a logged read with its bytes needs no read now")
 
 
 def _cut(request: web.Request) -> None:
@@ -461,7 +518,11 @@ async def file_list(request: web.Request) -> web.Response:
     async def ls() -> list[Any]:
         return [_entry(e) for e in await engine.files(sid, "list_dir", path)]
 
-    entries = await engine.trajlog.run(sid, "list", {"path": path}, None, ls, to_log=_listing)
+    key = _key(request)
+    entries = await engine.trajlog.run(sid, "list", {"path": path}, key, ls,
+                                       to_log=lambda v: listing_result(v, key is not None))
+    if isinstance(entries, dict):  # fast-forwarded: what was listed then
+        entries = await replayed_listing(entries, ls)
     return _json({"entries": entries})
 
 
@@ -472,7 +533,7 @@ async def file_stat(request: web.Request) -> web.Response:
     async def st() -> Any:
         return _entry(await engine.files(sid, "stat", path))
 
-    return _json(await engine.trajlog.run(sid, "stat", {"path": path}, None, st))
+    return _json(await engine.trajlog.run(sid, "stat", {"path": path}, _key(request), st))
 
 
 async def file_mkdir(request: web.Request) -> web.Response:
@@ -641,6 +702,24 @@ async def sandbox_log(request: web.Request) -> web.Response:
     return _json(data)
 
 
+async def get_trajectory(request: web.Request) -> web.Response:
+    """The sandbox of trajectory ``tid`` and the step after the last one its log binds (a
+    resuming client's position): ``Sandbox.from_trajectory``."""
+    tid, engine = request.match_info["tid"], _engine(request)
+    found = await engine.trajlog.trajectory(tid)
+    if found is None:
+        raise NotFound(f"no trajectory {tid!r} in the log (no create keyed {tid}:create)",
+                       details={"trajectory_id": tid})
+    sid, step = found
+    sb = engine.sandboxes.get(sid)
+    if sb is not None:
+        info = sb.info()
+    else:
+        await engine.trajlog.flushed()
+        info = dict(engine.trajlog.logged_result(sid, "create") or {}, state="dead")
+    return _json({"trajectory_id": tid, "sandbox_id": sid, "step": step, "sandbox": info})
+
+
 async def list_images(request: web.Request) -> web.Response:
     images = _engine(request).images.list()
     return _json({"images": [_entry(i) for i in images]})
@@ -704,6 +783,13 @@ _LOG_RESPONSE = {"type": "object", "required": ["entries", "sandbox_id"], "prope
     "sandbox": {"type": ["object", "null"], "description": "spec, created_at, ended_at, reason"},
 }}
 
+_TRAJ_RESPONSE = {"type": "object", "required": ["trajectory_id", "sandbox_id", "step",
+                                                 "sandbox"], "properties": {
+    "trajectory_id": {"type": "string"}, "sandbox_id": {"type": "string"},
+    "step": {"type": "integer", "description": "the step the next call carries"},
+    "sandbox": {"$ref": SCHEMA_REF + "SandboxInfo"},
+}}
+
 
 def _list_of(key: str, model: type[BaseModel]) -> dict:
     return {"type": "object", "required": [key],
@@ -728,7 +814,8 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/sandboxes", list_sandboxes, "List running sandboxes", query=(
         Param("label", description="key=value (or key: present); repeat to AND them",
               repeated=True),), response=_list_of("sandboxes", SandboxInfo)),
-    Route("GET", SB, get_sandbox, "Sandbox info", response=SandboxInfo),
+    Route("GET", SB, get_sandbox, "Sandbox info (keyed: logged, and a repeated key returns "
+          "the logged info)", response=SandboxInfo, query=(KEY_H,)),
     Route("DELETE", SB, kill_sandbox, "Kill a sandbox (killed=false: it had already ended)",
           query=(KEY_H,), response={"type": "object", "required": ["id", "killed"], "properties": {
               "id": {"type": "string"}, "killed": {"type": "boolean"}}}),
@@ -751,14 +838,15 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", SB + "/files", file_read, "Read a file (header X-Corral-Truncated: true when "
           "it is longer than max_bytes)", response="bytes", query=(
               PATH_Q, Param("max_bytes", "integer",
-                            description="read at most this many bytes (default 1 GiB)"))),
+                            description="read at most this many bytes (default 1 GiB)"),
+              KEY_H)),
     Route("PUT", SB + "/files", file_write, "Write a file (parents are created)", body="bytes",
           response="ok", query=(PATH_Q, Param("mode", "integer",
                                                description="permission bits (default 420)"),
                                 KEY_H)),
-    Route("GET", SB + "/files/list", file_list, "List a directory", query=(PATH_Q,),
+    Route("GET", SB + "/files/list", file_list, "List a directory", query=(PATH_Q, KEY_H),
           response=_list_of("entries", FileEntry)),
-    Route("GET", SB + "/files/stat", file_stat, "Stat a path (lstat)", query=(PATH_Q,),
+    Route("GET", SB + "/files/stat", file_stat, "Stat a path (lstat)", query=(PATH_Q, KEY_H),
           response=FileEntry),
     Route("POST", SB + "/files/mkdir", file_mkdir, "Make a directory", body=MkdirRequest,
           response="ok", query=(KEY_H,)),
@@ -781,6 +869,8 @@ ROUTES: tuple[Route, ...] = (
           response=SandboxInfo, query=(KEY_H,)),
     Route("POST", SB + "/resume", resume_sandbox, "Thaw a paused sandbox",
           response=SandboxInfo, query=(KEY_H,)),
+    Route("GET", "/v1/trajectories/{tid}", get_trajectory, "Where a trajectory stands: its "
+          "sandbox and the step after the last one its log binds", response=_TRAJ_RESPONSE),
     Route("GET", "/v1/snapshots", list_snapshots, "List snapshots",
           response=_list_of("snapshots", SnapshotInfo)),
     Route("GET", "/v1/snapshots/{snap}", get_snapshot, "Snapshot info (by id or name)",

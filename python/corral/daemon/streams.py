@@ -62,6 +62,19 @@ async def send_file(resp: Any, fd: int, limit: int, digest: bool) -> Sent:
     return Sent(off, h.hexdigest() if h is not None else None)
 
 
+async def fd_sha256(fd: int, limit: int) -> str:
+    """The sha256 (hex) of the first ``limit`` bytes of ``fd``, read in a worker thread in
+    CHUNK pieces (the fd stays open)."""
+    def digest() -> str:
+        h = hashlib.sha256()
+        off = 0
+        while off < limit and (chunk := _pread(fd, off, min(CHUNK, limit - off), h)):
+            off += len(chunk)
+        return h.hexdigest()
+
+    return await asyncio.to_thread(digest)
+
+
 async def send_chunks(resp: Any, chunks: Iterator[bytes], digest: bool) -> Sent:
     """Write every chunk of a (blocking) iterator, each pulled in a worker thread."""
     h = hashlib.sha256() if digest else None

@@ -82,6 +82,8 @@ MAX_KEY_LEN = 256
 DB_NAME = "trajlog.db"
 LOCK_NAME = "trajlog.lock"
 PRUNE_EVERY_S = 60.0
+# Sandboxes whose bound keys are kept in memory (``TrajLog._bound``); past it, the database.
+MAX_BOUND_SETS = 100_000
 # Records journaled and not yet in the database beyond which calls wait for the ingester (a
 # disk slower than the calls): memory stays bounded, the journal does not outrun SQLite.
 MAX_PENDING = 50_000
@@ -194,7 +196,11 @@ def sha256(data: bytes) -> str:
 
 
 def fingerprint(op: str, request: dict[str, Any]) -> str:
-    return sha256(json.dumps([op, request], sort_keys=True, separators=(",", ":")).encode())
+    """The request's identity under an idempotency key: ``json.dumps(sort_keys=True)``'s
+    text, made by a C encoder built once (json.dumps builds one per call)."""
+    if _FP_ENCODE is None:
+        return sha256(json.dumps([op, request], sort_keys=True, separators=(",", ":")).encode())
+    return sha256("".join(_FP_ENCODE([op, request], 0)).encode())
 
 
 def body_request(data: bytes, cap: int, **fields: Any) -> dict[str, Any]:
@@ -206,9 +212,56 @@ def body_request(data: bytes, cap: int, **fields: Any) -> dict[str, Any]:
     return req
 
 
-def data_result(data: bytes, **fields: Any) -> dict[str, Any]:
-    """What a read logs: size and hash of what the client got, not the bytes."""
-    return dict(fields, size=len(data), sha256=sha256(data))
+def data_result(data: bytes, keep: int = -1, **fields: Any) -> dict[str, Any]:
+    """What a read logs: size and hash of what the client got; the bytes themselves (base64)
+    only if they fit ``keep`` (a keyed read: its replay returns them)."""
+    res = dict(fields, size=len(data), sha256=sha256(data))
+    if len(data) <= keep:
+        res["data_b64"] = base64.b64encode(data).decode()
+    return res
+
+
+# A keyed listing logs its entries up to this many (its replay returns them).
+LIST_KEEP = 4096
+
+
+def listing_result(entries: list[dict[str, Any]], keep: bool) -> dict[str, Any]:
+    """What a listing logs: the count and a hash of its sorted ``name type size`` lines; for a
+    keyed one also the entries (up to LIST_KEEP), which its replay returns."""
+    lines = sorted(f"{e['name']}\t{e['type']}\t{e['size'] if e['type'] == 'file' else 0}"
+                   for e in entries)
+    res = data_result("\n".join(lines).encode(), count=len(entries))
+    if keep and len(entries) <= LIST_KEEP:
+        res["entries"] = entries
+    return res
+
+
+async def replayed_read(logged: dict[str, Any],
+                        now: Callable[[], Awaitable[tuple[bytes, bool]]]) -> tuple[bytes, bool]:
+    """What a fast-forwarded keyed read returns: the logged bytes; if they were over the log's
+    cap, the file as it is now, provided it is still what was read then."""
+    truncated = bool(logged.get("truncated"))
+    if "data_b64" in logged:
+        return base64.b64decode(logged["data_b64"]), truncated
+    data, truncated = await now()
+    if sha256(data) != logged.get("sha256"):
+        raise ReplayDivergence("the file read under this key was over the log's cap and has "
+                               "changed since: its logged content cannot be returned",
+                               details={"sha256": logged.get("sha256")})
+    return data, truncated
+
+
+async def replayed_listing(logged: dict[str, Any],
+                           now: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+    """What a fast-forwarded keyed listing returns: the logged entries, or (a listing over
+    LIST_KEEP) the directory now, provided it is still what was listed then."""
+    if "entries" in logged:
+        return list(logged["entries"])
+    entries = await now()
+    if listing_result(entries, False)["sha256"] != logged.get("sha256"):
+        raise ReplayDivergence("the directory listed under this key was too long to log and "
+                               "has changed since", details={"sha256": logged.get("sha256")})
+    return entries
 
 
 # json.dumps(obj, separators=...) builds a JSONEncoder and a C encoder per call: build the C
@@ -218,6 +271,11 @@ def data_result(data: bytes, **fields: Any) -> dict[str, Any]:
 _ENCODE = (json.encoder.c_make_encoder(  # type: ignore[attr-defined]
     None, json.JSONEncoder().default, json.encoder.encode_basestring_ascii, None, ":", ",",
     False, False, False) if json.encoder.c_make_encoder is not None else None)  # type: ignore[attr-defined]
+
+# The same text as json.dumps([op, request], sort_keys=True, separators=(",", ":")).
+_FP_ENCODE = (json.encoder.c_make_encoder(  # type: ignore[attr-defined]
+    None, json.JSONEncoder().default, json.encoder.encode_basestring_ascii, None, ":", ",",
+    True, False, True) if json.encoder.c_make_encoder is not None else None)  # type: ignore[attr-defined]
 
 
 def _dumps(obj: Any) -> str:
@@ -320,6 +378,11 @@ class TrajLog:
         # -> (fingerprint, sandbox id, result, error). The loop adds before journaling, the
         # ingester removes after its commit; a lookup reads this first, then the database.
         self._unbound: dict[tuple[str, str], tuple[str | None, str, Any, Any]] = {}
+        # Per running sandbox that had a keyed call: every key its log binds (loaded on its
+        # first keyed call, kept up to date by _write_entry, dropped when it ends). A fresh
+        # key, the common case, is then known to be unbound without a query on the loop.
+        self._bound: dict[str, set[str]] = {}
+        self._live: set[str] = set()  # sandboxes created or re-adopted, not ended
         self._since_ckpt = 0
         self._unindexed = 0  # entries ingested since the index was last updated
         self._closing = False
@@ -513,6 +576,9 @@ class TrajLog:
         if key is not None:
             slot = (sid if scope is None else scope, key)
             self._unbound[slot] = (fp, sid, result, error)
+            bound = self._bound.get(slot[0])
+            if bound is not None:
+                bound.add(key)
         try:
             self._append("e", (seq, sid, op, key, fp,
                                _dumps(_plain(request)) if req_text is None else req_text,
@@ -714,10 +780,13 @@ class TrajLog:
 
     # ---- what the engine and the API call --------------------------------------------------------
     def sandbox_created(self, sid: str, spec: dict[str, Any], created_at: float) -> None:
+        self._live.add(sid)
         if self.enabled:
             self._sandbox_write("sc", (sid, _dumps(spec), created_at))
 
     def sandbox_ended(self, sid: str, reason: str) -> None:
+        self._live.discard(sid)
+        self._bound.pop(sid, None)
         if self.enabled:
             self._sandbox_write("se", (sid, time.time(), reason))
 
@@ -735,6 +804,7 @@ class TrajLog:
         whose create the log lacks (their daemon died between the sandbox's record and the
         create's entry, so no client saw it) get their sandbox row and a create entry from
         the record, marked ``recovered``. Runs after open(): the database has every record."""
+        self._live.update(b[0] for b in boxes)
         if not self.enabled or not boxes:
             return
         assert self._reader is not None
@@ -857,6 +927,8 @@ class TrajLog:
             return got
         assert self._reader is not None
         if scope:
+            if key not in self._bound_keys(scope):
+                return None
             sql = ("SELECT fingerprint, sandbox_id, result, error FROM entries WHERE "
                    "idem_key=? AND sandbox_id=? AND status IS NULL ORDER BY seq LIMIT 1")
             row = self._reader.execute(sql, (key, scope)).fetchone()
@@ -868,6 +940,21 @@ class TrajLog:
             return None
         return (row[0], row[1], json.loads(row[2]) if row[2] is not None else None,
                 json.loads(row[3]) if row[3] is not None else None)
+
+    def _bound_keys(self, sid: str) -> set[str]:
+        """The keys ``sid``'s log binds (see ``_bound``). Loading it: the journaled keys first,
+        then the database's: an entry the ingester takes out of ``_unbound`` meanwhile is
+        committed by then, so the query sees it."""
+        keys = self._bound.get(sid)
+        if keys is None:
+            keys = {k for (scope, k) in list(self._unbound) if scope == sid}
+            assert self._reader is not None
+            keys.update(k for (k,) in self._reader.execute(
+                f"SELECT idem_key FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND idem_key IS "
+                "NOT NULL AND status IS NULL", {"sid": sid}))
+            if sid in self._live and len(self._bound) < MAX_BOUND_SETS:
+                self._bound[sid] = keys  # kept while it runs (a gone one's: rare replays)
+        return keys
 
     def logged_result(self, sid: str, op: str) -> dict[str, Any] | None:
         """The result of ``sid``'s first finished ``op`` entry in the database (a fork
@@ -1025,6 +1112,63 @@ class TrajLog:
             fut = self._loop.create_future()
             self._control(_Control("barrier", (), fut), now=True)
             await _committed(fut)
+
+    async def knows(self, sid: str) -> bool:
+        """Whether the log has sandbox ``sid`` (also long after it is gone, until pruned)."""
+        if not self.enabled:
+            return False
+        await self.flushed()
+        assert self._reader is not None
+        return self._reader.execute("SELECT 1 FROM sandboxes WHERE sandbox_id=?",
+                                    (sid,)).fetchone() is not None
+
+    async def trajectory(self, tid: str) -> tuple[str, int] | None:
+        """(sandbox id, next step) of trajectory ``tid``: the sandbox its create (key
+        ``{tid}:create``) made, or, for a fork child's ``{parent}/fork{step}/{i}``, child
+        ``i`` of that fork; the step after the highest ``{tid}:{n}`` its log binds. None if
+        the log has no such trajectory."""
+        if not self.enabled:
+            raise Unsupported("the trajectory log is off on this daemon (CORRAL_TRAJLOG=0)")
+        await self.flushed()
+        return await asyncio.to_thread(self._trajectory, tid)
+
+    def _trajectory(self, tid: str) -> tuple[str, int] | None:
+        conn = self._connect()
+        try:
+            sid = self._trajectory_sandbox(conn, tid)
+            if sid is None:
+                return None
+            rows = conn.execute(
+                f"SELECT idem_key FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND status IS "
+                "NULL AND substr(idem_key, 1, :n) = :p",
+                {"sid": sid, "n": len(tid) + 1, "p": tid + ":"}).fetchall()
+        finally:
+            conn.close()
+        steps = [int(k[len(tid) + 1:]) for (k,) in rows if k[len(tid) + 1:].isdigit()]
+        return sid, (max(steps) + 1 if steps else 0)
+
+    def _trajectory_sandbox(self, conn: sqlite3.Connection, tid: str) -> str | None:
+        row = conn.execute("SELECT sandbox_id FROM entries WHERE idem_key=? AND op='create' "
+                           "AND status IS NULL ORDER BY seq LIMIT 1",
+                           (tid + ":create",)).fetchone()
+        if row is not None:
+            return str(row[0])
+        parent_tid, sep, tail = tid.rpartition("/fork")
+        step, _, child = tail.partition("/")
+        if not sep or not child.isdigit():
+            return None
+        parent = self._trajectory_sandbox(conn, parent_tid)
+        if parent is None:
+            return None
+        for key in (f"{parent_tid}:{step}", step):  # a stepped key, or an explicit one
+            row = conn.execute(
+                f"SELECT result FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND idem_key="
+                ":k AND op='fork' AND status IS NULL AND result IS NOT NULL LIMIT 1",
+                {"sid": parent, "k": key}).fetchone()
+            if row is not None:
+                kids = json.loads(row[0]).get("sandboxes") or []
+                return str(kids[int(child)]) if int(child) < len(kids) else None
+        return None
 
     async def entries(self, sid: str, known: bool) -> dict[str, Any]:
         await self.flushed()

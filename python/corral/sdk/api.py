@@ -119,8 +119,9 @@ def _raw(body: bytes) -> bytes:
 
 
 def _keyed(call: Call[T]) -> Call[T]:
-    """A mutating call: the facades attach an idempotency key when the handle has a
-    trajectory id (docs/trajectory.md)."""
+    """A logged call (mutating, or a read a replay must see as it was): the facades attach
+    an idempotency key when the handle has a trajectory id or the caller gives one
+    (docs/trajectory.md)."""
     call.keyed = True
     return call
 
@@ -185,6 +186,18 @@ def kill_many(ids: list[str]) -> Call[list[bool | CorralError]]:
 
 def get(sid: str) -> Call[SandboxInfo]:
     return Call("GET", sb_path(sid), _info, retry_safe=True)
+
+
+def info(sid: str) -> Call[SandboxInfo]:
+    """``sb.info()``: keyed, so that a replay returns what the first call saw."""
+    return _keyed(get(sid))
+
+
+def trajectory(tid: str) -> Call[dict[str, Any]]:
+    """Where trajectory ``tid`` stands: ``{"sandbox_id", "step", "sandbox"}``."""
+    if not isinstance(tid, str) or not tid or ":" in tid:
+        raise InvalidRequest(f"bad trajectory_id {tid!r}: non-empty, no ':'")
+    return Call("GET", "/v1/trajectories/" + seg(tid), json.loads, retry_safe=True)
 
 
 def label_filters(labels: Mapping[str, str | None] | list[str] | None) -> list[tuple[str, str]]:
@@ -344,7 +357,7 @@ def read(sid: str, path: str, max_bytes: int | None = None) -> Call[bytes]:
     q = [("path", _path(path))]
     if max_bytes is not None:
         q.append(("max_bytes", str(int(max_bytes))))
-    return Call("GET", sb_path(sid) + "/files", _raw, query=q, retry_safe=True)
+    return _keyed(Call("GET", sb_path(sid) + "/files", _raw, query=q, retry_safe=True))
 
 
 def write(sid: str, path: str, data: str | bytes, mode: int = 0o644) -> Call[None]:
@@ -358,14 +371,14 @@ def write(sid: str, path: str, data: str | bytes, mode: int = 0o644) -> Call[Non
 
 
 def list_dir(sid: str, path: str) -> Call[list[FileEntry]]:
-    return Call("GET", sb_path(sid) + "/files/list",
-                lambda b: [FileEntry.model_validate(x) for x in json.loads(b)["entries"]],
-                query=[("path", _path(path))], retry_safe=True)
+    return _keyed(Call("GET", sb_path(sid) + "/files/list",
+                       lambda b: [FileEntry.model_validate(x) for x in json.loads(b)["entries"]],
+                       query=[("path", _path(path))], retry_safe=True))
 
 
 def stat(sid: str, path: str) -> Call[FileEntry]:
-    return Call("GET", sb_path(sid) + "/files/stat", FileEntry.model_validate_json,
-                query=[("path", _path(path))], retry_safe=True)
+    return _keyed(Call("GET", sb_path(sid) + "/files/stat", FileEntry.model_validate_json,
+                       query=[("path", _path(path))], retry_safe=True))
 
 
 def _missing(err: CorralError) -> bool:
@@ -376,8 +389,8 @@ def _missing(err: CorralError) -> bool:
 
 def exists(sid: str, path: str) -> Call[bool]:
     c = stat(sid, path)
-    return Call(c.method, c.path, lambda b: True, query=c.query, recover=_missing,
-                retry_safe=True)
+    return _keyed(Call(c.method, c.path, lambda b: True, query=c.query, recover=_missing,
+                       retry_safe=True))
 
 
 def mkdir(sid: str, path: str, parents: bool = True) -> Call[None]:

@@ -28,7 +28,7 @@ from corral.models import (
 from corral.sdk import api, tarball
 from corral.sdk.call import Call, T, lost
 from corral.sdk.endpoint import Endpoint
-from corral.sdk.handle import ProcessBase, SandboxHandle, batch_result, batch_target
+from corral.sdk.handle import ProcessBase, Retrier, SandboxHandle, batch_result, batch_target
 from corral.sdk.results import ExecResult, OutputChunk
 from corral.sdk.snapshot import AsyncSnapshot, SnapshotBase
 
@@ -49,8 +49,22 @@ def transport(endpoint: Endpoint) -> Any:
     return _transport(endpoint)
 
 
-async def _send(endpoint: Endpoint, call: Call[T]) -> T:
-    return await transport(endpoint).call(call)
+async def _send(endpoint: Endpoint, call: Call[T], handle: SandboxHandle | None = None) -> T:
+    """See corral.sdk.sandbox._send: a keyed call is sent again, with the same key, when the
+    connection was lost under it."""
+    t = transport(endpoint)
+    if call.key is None:
+        return await t.call(call)
+    r: Retrier | None = None
+    while True:
+        try:
+            return await t.call(call)
+        except BaseException as e:
+            r = r or Retrier(call, handle)
+            delay = r.delay(e)
+            if delay is None:
+                raise r.give_up(e) from None
+        await asyncio.sleep(delay)
 
 
 class AsyncSandbox(SandboxHandle):
@@ -112,9 +126,9 @@ class AsyncSandbox(SandboxHandle):
         self.last_info = info
         return info.id
 
-    async def _call(self, make: Any, *args: Any, **kwargs: Any) -> Any:
+    async def _call(self, make: Any, *args: Any, key: str | None = None, **kwargs: Any) -> Any:
         sid = await self._sid_ready()
-        return await transport(self._endpoint).call(self._with_key(make(sid, *args, **kwargs)))
+        return await _send(self._endpoint, self._with_key(make(sid, *args, **kwargs), key), self)
 
     def __await__(self) -> Generator[Any, None, AsyncSandbox]:
         async def ready() -> AsyncSandbox:
@@ -136,6 +150,16 @@ class AsyncSandbox(SandboxHandle):
         sb = cls._bind(ep, info.id, info)
         if trajectory_id is not None:
             sb._set_trajectory(trajectory_id, step)
+        return sb
+
+    @classmethod
+    async def from_trajectory(cls, trajectory_id: str, *, step: int | None = None,
+                              endpoint: str | Endpoint | None = None) -> AsyncSandbox:
+        """See ``Sandbox.from_trajectory``."""
+        ep = Endpoint.parse(endpoint)
+        got = await _send(ep, api.trajectory(trajectory_id))
+        sb = cls._bind(ep, got["sandbox_id"], SandboxInfo.model_validate(got["sandbox"]))
+        sb._set_trajectory(trajectory_id, int(got["step"]) if step is None else step)
         return sb
 
     @classmethod
@@ -201,30 +225,33 @@ class AsyncSandbox(SandboxHandle):
     async def exec(self, cmd: str | builtins.list[str], *, timeout: float | None = ...,
                    env: Mapping[str, str] | None = ..., cwd: str | None = ...,
                    user: str | int | None = ..., stdin: str | bytes | None = ...,
-                   background: Literal[False] = ..., max_output_bytes: int = ...) -> ExecResult: ...
+                   background: Literal[False] = ..., max_output_bytes: int = ...,
+                   key: str | None = ...) -> ExecResult: ...
 
     @overload
     async def exec(self, cmd: str | builtins.list[str], *, timeout: float | None = ...,
                    env: Mapping[str, str] | None = ..., cwd: str | None = ...,
                    user: str | int | None = ..., stdin: str | bytes | None = ...,
-                   background: Literal[True], max_output_bytes: int = ...) -> AsyncProcess: ...
+                   background: Literal[True], max_output_bytes: int = ...,
+                   key: str | None = ...) -> AsyncProcess: ...
 
     async def exec(self, cmd: str | builtins.list[str], *,
                    timeout: float | None = api.DEFAULT_TIMEOUT,
                    env: Mapping[str, str] | None = None, cwd: str | None = None,
                    user: str | int | None = None, stdin: str | bytes | None = None,
                    background: bool = False,
-                   max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> ExecResult | AsyncProcess:
+                   max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+                   key: str | None = None) -> ExecResult | AsyncProcess:
         """See ``Sandbox.exec``; with ``background=True`` returns an AsyncProcess."""
         res = await self._call(api.exec_, cmd, timeout=timeout, env=env, cwd=cwd, user=user,
                                stdin=stdin, background=background,
-                               max_output_bytes=max_output_bytes)
+                               max_output_bytes=max_output_bytes, key=key)
         if background:
             return AsyncProcess(self._endpoint, res)
         return res
 
-    async def info(self) -> SandboxInfo:
-        return self._remember(await self._call(api.get))
+    async def info(self, *, key: str | None = None) -> SandboxInfo:
+        return self._remember(await self._call(api.info, key=key))
 
     async def is_running(self) -> bool:
         try:
@@ -237,32 +264,34 @@ class AsyncSandbox(SandboxHandle):
     async def set_timeout(self, seconds: float) -> SandboxInfo:
         return self._remember(await self._call(api.set_timeout, seconds))
 
-    async def kill(self) -> bool:
+    async def kill(self, *, key: str | None = None) -> bool:
         if self._sid is None and self._creating is None:
             return False  # never created: nothing to kill
-        return await self._call(api.kill)
+        return await self._call(api.kill, key=key)
 
     # ---- snapshots, fork, restore, pause (docs/snapshots.md) ------------------------------
-    async def snapshot(self, name: str | None = None) -> AsyncSnapshot:
+    async def snapshot(self, name: str | None = None, *,
+                       key: str | None = None) -> AsyncSnapshot:
         """See ``Sandbox.snapshot``."""
-        return AsyncSnapshot(await self._call(api.snapshot, name), self._endpoint)
+        return AsyncSnapshot(await self._call(api.snapshot, name, key=key), self._endpoint)
 
-    async def fork(self, n: int, *, name: str | None = None,
-                   keep_snapshot: bool = False) -> builtins.list[AsyncSandbox]:
+    async def fork(self, n: int, *, name: str | None = None, keep_snapshot: bool = False,
+                   key: str | None = None) -> builtins.list[AsyncSandbox]:
         """See ``Sandbox.fork``."""
-        call = self._with_key(api.fork(await self._sid_ready(), n, name, keep_snapshot))
-        res = await transport(self._endpoint).call(call)
+        call = self._with_key(api.fork(await self._sid_ready(), n, name, keep_snapshot), key)
+        res = await _send(self._endpoint, call, self)
         return self._fork_children(call, res.sandboxes)
 
-    async def restore(self, snapshot: str | SnapshotBase) -> SandboxInfo:
+    async def restore(self, snapshot: str | SnapshotBase, *,
+                      key: str | None = None) -> SandboxInfo:
         """See ``Sandbox.restore``."""
-        return self._remember(await self._call(api.restore, snapshot))
+        return self._remember(await self._call(api.restore, snapshot, key=key))
 
-    async def pause(self) -> SandboxInfo:
-        return self._remember(await self._call(api.pause))
+    async def pause(self, *, key: str | None = None) -> SandboxInfo:
+        return self._remember(await self._call(api.pause, key=key))
 
-    async def resume(self) -> SandboxInfo:
-        return self._remember(await self._call(api.resume))
+    async def resume(self, *, key: str | None = None) -> SandboxInfo:
+        return self._remember(await self._call(api.resume, key=key))
 
     async def log(self) -> builtins.list[LogEntry]:
         """See ``Sandbox.log``."""
@@ -288,36 +317,41 @@ class AsyncFiles:
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._sb = sandbox
 
-    async def read(self, path: str) -> str:
-        return (await self._sb._call(api.read, path)).decode("utf-8", "replace")
+    async def read(self, path: str, *, key: str | None = None) -> str:
+        return (await self._sb._call(api.read, path, key=key)).decode("utf-8", "replace")
 
-    async def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
-        return await self._sb._call(api.read, path, max_bytes)
+    async def read_bytes(self, path: str, max_bytes: int | None = None, *,
+                         key: str | None = None) -> bytes:
+        return await self._sb._call(api.read, path, max_bytes, key=key)
 
-    async def write(self, path: str, data: str | bytes, mode: int = 0o644) -> None:
-        await self._sb._call(api.write, path, data, mode)
+    async def write(self, path: str, data: str | bytes, mode: int = 0o644, *,
+                    key: str | None = None) -> None:
+        await self._sb._call(api.write, path, data, mode, key=key)
 
-    async def list(self, path: str = "/") -> builtins.list[FileEntry]:
-        return await self._sb._call(api.list_dir, path)
+    async def list(self, path: str = "/", *,
+                   key: str | None = None) -> builtins.list[FileEntry]:
+        return await self._sb._call(api.list_dir, path, key=key)
 
-    async def stat(self, path: str) -> FileEntry:
-        return await self._sb._call(api.stat, path)
+    async def stat(self, path: str, *, key: str | None = None) -> FileEntry:
+        return await self._sb._call(api.stat, path, key=key)
 
-    async def exists(self, path: str) -> bool:
-        return await self._sb._call(api.exists, path)
+    async def exists(self, path: str, *, key: str | None = None) -> bool:
+        return await self._sb._call(api.exists, path, key=key)
 
-    async def mkdir(self, path: str, parents: bool = True) -> None:
-        await self._sb._call(api.mkdir, path, parents)
+    async def mkdir(self, path: str, parents: bool = True, *, key: str | None = None) -> None:
+        await self._sb._call(api.mkdir, path, parents, key=key)
 
-    async def remove(self, path: str, recursive: bool = False) -> None:
-        await self._sb._call(api.remove, path, recursive)
+    async def remove(self, path: str, recursive: bool = False, *,
+                     key: str | None = None) -> None:
+        await self._sb._call(api.remove, path, recursive, key=key)
 
-    async def rename(self, src: str, dst: str) -> None:
-        await self._sb._call(api.rename, src, dst)
+    async def rename(self, src: str, dst: str, *, key: str | None = None) -> None:
+        await self._sb._call(api.rename, src, dst, key=key)
 
-    async def upload(self, local_dir: str | os.PathLike[str], remote_dir: str) -> None:
+    async def upload(self, local_dir: str | os.PathLike[str], remote_dir: str, *,
+                     key: str | None = None) -> None:
         data = await asyncio.to_thread(tarball.pack, local_dir)  # disk I/O off the loop
-        await self._sb._call(api.put_tar, remote_dir, data)
+        await self._sb._call(api.put_tar, remote_dir, data, key=key)
 
     async def download(self, remote_dir: str,
                        local_dir: str | os.PathLike[str]) -> builtins.list[str]:

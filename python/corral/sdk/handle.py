@@ -6,11 +6,12 @@ crosses process and Ray boundaries, and reconnects lazily on its first call over
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
-from corral.errors import CorralError, InvalidRequest
+from corral.errors import CorralError, DaemonRestarted, DaemonUnavailable, InvalidRequest
 from corral.models import ExecResult, ProcessHandle, ProcessStatus, SandboxInfo
 from corral.sdk.call import Call
 from corral.sdk.endpoint import Endpoint
@@ -18,6 +19,71 @@ from corral.sdk.endpoint import Endpoint
 H = TypeVar("H", bound="SandboxHandle")
 E = TypeVar("E", bound=ExecResult)
 T = TypeVar("T")
+
+# Waits between the SDK's own retries of a keyed call whose connection was lost (the daemon
+# died or restarted under it): ~11 s in all, a daemon's restart and re-adoption.
+RETRY_DELAYS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0)
+MAX_KEY_LEN = 256
+
+
+def retry_delay(err: CorralError, attempt: int, lost_before: bool) -> float | None:
+    """How long to wait before sending a keyed call again after ``err``, or None (give up).
+    Retried: a lost connection (the transport's ``daemon_restarted``: the outcome is unknown,
+    the same key makes the retry return it instead of running twice), and, once a connection
+    was lost, ``daemon_unavailable`` (the daemon is on its way back). A daemon that was not
+    there at the first attempt is reported at once."""
+    if attempt >= len(RETRY_DELAYS):
+        return None
+    from_transport = "endpoint" in (err.details or {})
+    if isinstance(err, DaemonRestarted) and from_transport:
+        return RETRY_DELAYS[attempt]
+    if isinstance(err, DaemonUnavailable) and lost_before:
+        return RETRY_DELAYS[attempt]
+    return None
+
+
+class Retrier:
+    """The SDK's retries of one keyed call (the sync and async facades drive it: one sleeps,
+    the other awaits). ``delay(err)``: how long to wait before the next attempt, or None;
+    then ``give_up(err)`` is what to raise."""
+
+    def __init__(self, call: Call[Any], handle: SandboxHandle | None) -> None:
+        self.call, self.handle = call, handle
+        self.attempt = 0
+        self.lost: DaemonRestarted | None = None
+
+    def delay(self, err: BaseException) -> float | None:
+        if not isinstance(err, CorralError):
+            return None
+        d = retry_delay(err, self.attempt, self.lost is not None)
+        if isinstance(err, DaemonRestarted) and "endpoint" in (err.details or {}):
+            self.lost = self.lost or err
+        self.attempt += 1
+        return d
+
+    def give_up(self, err: BaseException) -> BaseException:
+        reached = self.lost is not None or not isinstance(err, DaemonUnavailable)
+        if self.handle is not None:
+            self.handle._failed(self.call, err, reached)
+        # Lost once, then no daemon: the outcome is unknown (not "never sent").
+        return self.lost if self.lost is not None and isinstance(err, DaemonUnavailable) \
+            else err
+
+
+def check_key(key: str) -> str:
+    """An explicit per-call idempotency key: 1-256 characters, no ':' (which the automatic
+    keys ``{trajectory_id}:{step}`` use, so the two never collide)."""
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LEN or ":" in key:
+        raise InvalidRequest(f"bad key {key!r}: 1 to {MAX_KEY_LEN} characters, no ':'")
+    return key
+
+
+def _call_fp(call: Call[Any]) -> str:
+    """What makes two calls "the same call" for a retry: method, target and body."""
+    h = hashlib.sha256(f"{call.method} {call.target()}\n".encode())
+    if call.body is not None:
+        h.update(call.body)
+    return h.hexdigest()
 
 
 class SandboxHandle:
@@ -29,6 +95,9 @@ class SandboxHandle:
     _traj: str | None = None
     _step = 0
     _step_lock: threading.Lock | None = None
+    # (step, call fingerprint) of the last stepped call whose outcome is unknown (it failed
+    # with an infra error): the next call that is the same call reuses its step.
+    _retry: tuple[int, str] | None = None
 
     @classmethod
     def _bind(cls: type[H], endpoint: Endpoint, sid: str, info: SandboxInfo | None = None) -> H:
@@ -50,11 +119,10 @@ class SandboxHandle:
     # ---- trajectory: automatic idempotency keys (docs/trajectory.md) -----------------------
     def _set_trajectory(self, trajectory_id: str | None, step: int = 0) -> None:
         if trajectory_id is not None and (not trajectory_id or ":" in trajectory_id):
-            from corral.errors import InvalidRequest
-
             raise InvalidRequest(f"bad trajectory_id {trajectory_id!r}: non-empty, no ':'")
         self._traj = trajectory_id
         self._step = int(step)
+        self._retry = None
         self._step_lock = threading.Lock()
 
     @property
@@ -63,19 +131,54 @@ class SandboxHandle:
 
     @property
     def step(self) -> int:
-        """The step number the next mutating call will carry (``{trajectory_id}:{step}``)."""
+        """The step number the next keyed call will carry (``{trajectory_id}:{step}``)."""
         return self._step
 
-    def _with_key(self, call: Call[Any]) -> Call[Any]:
-        """Give a mutating call the next key of this handle's trajectory: replaying the same
-        calls in the same order after a restart fast-forwards through the logged ones."""
+    def _with_key(self, call: Call[Any], key: str | None = None) -> Call[Any]:
+        """Give a keyed call its idempotency key: ``key`` if given (it takes no step), else
+        the next step of this handle's trajectory. A call that is the same call as the last
+        one whose outcome is unknown (an infra failure) gets that call's step again, so a
+        retry never runs twice (docs/trajectory.md, "Idempotency rules")."""
+        if key is not None:
+            call.key = check_key(key)
+            return call
         if self._traj is not None and call.keyed and call.key is None:
             assert self._step_lock is not None
             with self._step_lock:
-                step = self._step
-                self._step += 1
+                # The same call as the last one left unknown: its step. (Hashed only then.)
+                if self._retry is not None and self._retry[1] == _call_fp(call):
+                    step = self._retry[0]
+                else:
+                    step = self._step
+                    self._step += 1
+                self._retry = None
             call.key = f"{self._traj}:{step}"
         return call
+
+    def _stepped(self, call: Call[Any]) -> int | None:
+        """The step of a call keyed by this handle's trajectory, else None."""
+        if self._traj is None or call.key is None:
+            return None
+        head, _, step = call.key.rpartition(":")
+        return int(step) if head == self._traj and step.isdigit() else None
+
+    def _failed(self, call: Call[Any], err: BaseException, reached: bool) -> None:
+        """A keyed call failed (after the SDK's own retries). An answer from the daemon that is
+        not an infra error is logged under the key: the step is used. An infra error (or a
+        call cancelled or interrupted in the client) leaves the outcome unknown: the same
+        call, sent again, reuses the step. A call that never reached the daemon (``reached``
+        False) leaves its step free for any next call, unless a later step was taken
+        meanwhile (concurrent calls on one handle)."""
+        step = self._stepped(call)
+        if step is None or (isinstance(err, CorralError) and not err.infra):
+            return
+        assert self._step_lock is not None
+        with self._step_lock:
+            if not reached and self._step == step + 1:
+                self._step = step
+                self._retry = None
+            else:
+                self._retry = (step, _call_fp(call))
 
     def _fork_children(self: H, call: Call[Any], infos: list[SandboxInfo]) -> list[H]:
         """Handles for the children of a fork. With a trajectory, child ``i`` of the fork
@@ -84,7 +187,9 @@ class SandboxHandle:
         too."""
         kids = [type(self)._bind(self._endpoint, i.id, i) for i in infos]
         if call.key is not None and self._traj is not None:
-            step = call.key.rpartition(":")[2]
+            step = self._stepped(call)
+            if step is None:  # an explicit key (no ':' in it)
+                step = call.key
             for i, kid in enumerate(kids):
                 kid._set_trajectory(f"{self._traj}/fork{step}/{i}")
         return kids

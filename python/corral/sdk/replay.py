@@ -41,7 +41,7 @@ _COMPARE = {
     "snapshot": ("size",),
     "fork": ("size",),
 }
-SKIP_OPS = ("create", "kill")
+SKIP_OPS = ("create", "kill", "info")  # info: the sandbox as it was, not replayed
 REPLAYED_AS = {"fork": "snapshot"}  # what the replay sandbox logs for a logged op
 
 

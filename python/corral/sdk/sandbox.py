@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal, overload
 
@@ -21,7 +22,7 @@ from corral.models import (
 from corral.sdk import api, tarball
 from corral.sdk.call import Call, T, lost
 from corral.sdk.endpoint import Endpoint
-from corral.sdk.handle import ProcessBase, SandboxHandle, batch_result, batch_target
+from corral.sdk.handle import ProcessBase, Retrier, SandboxHandle, batch_result, batch_target
 from corral.sdk.results import ExecResult, OutputChunk
 from corral.sdk.snapshot import Snapshot, SnapshotBase
 from corral.sdk.sync_transport import transport
@@ -29,8 +30,23 @@ from corral.sdk.sync_transport import transport
 Labels = Mapping[str, str | None] | builtins.list[str] | None
 
 
-def _send(endpoint: Endpoint, call: Call[T]) -> T:
-    return transport(endpoint).call(call)
+def _send(endpoint: Endpoint, call: Call[T], handle: SandboxHandle | None = None) -> T:
+    """Send ``call``; a keyed one is sent again, with the same key, when the connection was
+    lost under it (corral.sdk.handle.Retrier): the daemon answers a retry of a call it ran
+    with the logged result, so nothing runs twice."""
+    t = transport(endpoint)
+    if call.key is None:
+        return t.call(call)
+    r: Retrier | None = None
+    while True:
+        try:
+            return t.call(call)
+        except BaseException as e:
+            r = r or Retrier(call, handle)
+            delay = r.delay(e)
+            if delay is None:
+                raise r.give_up(e) from None
+        time.sleep(delay)
 
 
 class Sandbox(SandboxHandle):
@@ -69,8 +85,8 @@ class Sandbox(SandboxHandle):
     def _init_files(self) -> None:
         self.files = Files(self)
 
-    def _call(self, call: Call[T]) -> T:
-        return transport(self._endpoint).call(self._with_key(call))
+    def _call(self, call: Call[T], key: str | None = None) -> T:
+        return _send(self._endpoint, self._with_key(call, key), self)
 
     # ---- class-level ----------------------------------------------------------------------
     @classmethod
@@ -90,6 +106,21 @@ class Sandbox(SandboxHandle):
         sb = cls._bind(ep, info.id, info)
         if trajectory_id is not None:
             sb._set_trajectory(trajectory_id, step)
+        return sb
+
+    @classmethod
+    def from_trajectory(cls, trajectory_id: str, *, step: int | None = None,
+                        endpoint: str | Endpoint | None = None) -> Sandbox:
+        """The sandbox of trajectory ``trajectory_id`` (made by ``Sandbox(trajectory_id=...)``,
+        or a fork child's ``{parent}/fork{step}/{i}``), positioned after the last step its log
+        binds: the next call carries the first key the daemon has not logged. Also after the
+        sandbox died (``last_info.state`` is then ``dead``). Raises NotFound if the log has no
+        such trajectory. ``step=0`` positions it at the start instead (a client rebuilding its
+        state by replaying every call). See docs/trajectory.md, "Resuming"."""
+        ep = Endpoint.parse(endpoint)
+        got = _send(ep, api.trajectory(trajectory_id))
+        sb = cls._bind(ep, got["sandbox_id"], SandboxInfo.model_validate(got["sandbox"]))
+        sb._set_trajectory(trajectory_id, int(got["step"]) if step is None else step)
         return sb
 
     @classmethod
@@ -152,32 +183,37 @@ class Sandbox(SandboxHandle):
     def exec(self, cmd: str | builtins.list[str], *, timeout: float | None = ...,
              env: Mapping[str, str] | None = ..., cwd: str | None = ...,
              user: str | int | None = ..., stdin: str | bytes | None = ...,
-             background: Literal[False] = ..., max_output_bytes: int = ...) -> ExecResult: ...
+             background: Literal[False] = ..., max_output_bytes: int = ...,
+             key: str | None = ...) -> ExecResult: ...
 
     @overload
     def exec(self, cmd: str | builtins.list[str], *, timeout: float | None = ...,
              env: Mapping[str, str] | None = ..., cwd: str | None = ...,
              user: str | int | None = ..., stdin: str | bytes | None = ...,
-             background: Literal[True], max_output_bytes: int = ...) -> Process: ...
+             background: Literal[True], max_output_bytes: int = ...,
+             key: str | None = ...) -> Process: ...
 
     def exec(self, cmd: str | builtins.list[str], *,
              timeout: float | None = api.DEFAULT_TIMEOUT,
              env: Mapping[str, str] | None = None, cwd: str | None = None,
              user: str | int | None = None, stdin: str | bytes | None = None,
              background: bool = False,
-             max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> ExecResult | Process:
+             max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+             key: str | None = None) -> ExecResult | Process:
         """Run ``cmd`` (a string runs under ``/bin/sh -c``, a list is the argv) and return its
         ExecResult; with ``background=True`` return a Process at once. A non-zero exit is not
-        an exception (``result.check()`` makes it one); ``timeout=None`` waits forever."""
+        an exception (``result.check()`` makes it one); ``timeout=None`` waits forever.
+        ``key``: this call's idempotency key (every logged call takes one; it takes no step
+        of the trajectory): a call with a key already logged returns the logged result."""
         res = self._call(api.exec_(self.id, cmd, timeout=timeout, env=env, cwd=cwd, user=user,
                                    stdin=stdin, background=background,
-                                   max_output_bytes=max_output_bytes))
+                                   max_output_bytes=max_output_bytes), key)
         if background:
             return Process(self._endpoint, res)
         return res
 
-    def info(self) -> SandboxInfo:
-        return self._remember(self._call(api.get(self.id)))
+    def info(self, *, key: str | None = None) -> SandboxInfo:
+        return self._remember(self._call(api.info(self.id), key))
 
     def is_running(self) -> bool:
         try:
@@ -191,36 +227,36 @@ class Sandbox(SandboxHandle):
         """Kill the sandbox ``seconds`` from now (extends or shortens its TTL)."""
         return self._remember(self._call(api.set_timeout(self.id, seconds)))
 
-    def kill(self) -> bool:
-        """Kill it; False if it had already ended."""
-        return self._call(api.kill(self.id))
+    def kill(self, *, key: str | None = None) -> bool:
+        """Kill it; False if it had already ended (keyed: also if it is long gone)."""
+        return self._call(api.kill(self.id), key)
 
     # ---- snapshots, fork, restore, pause (docs/snapshots.md) ------------------------------
-    def snapshot(self, name: str | None = None) -> Snapshot:
+    def snapshot(self, name: str | None = None, *, key: str | None = None) -> Snapshot:
         """Its files (not its processes) as a read-only snapshot that outlives it."""
-        return Snapshot(self._call(api.snapshot(self.id, name)), self._endpoint)
+        return Snapshot(self._call(api.snapshot(self.id, name), key), self._endpoint)
 
-    def fork(self, n: int, *, name: str | None = None,
-             keep_snapshot: bool = False) -> builtins.list[Sandbox]:
+    def fork(self, n: int, *, name: str | None = None, keep_snapshot: bool = False,
+             key: str | None = None) -> builtins.list[Sandbox]:
         """Snapshot + ``n`` new sandboxes on it (same spec), in one call (all or nothing).
         The snapshot is deleted once they exist unless ``keep_snapshot`` (its layers live as
         long as the children). With a trajectory id, the children get trajectory ids of
         their own (``{trajectory_id}/fork{step}/{i}``) and a replayed fork returns the same
         children (those that ended since come back with state ``dead``)."""
-        call = self._with_key(api.fork(self.id, n, name, keep_snapshot))
-        return self._fork_children(call, transport(self._endpoint).call(call).sandboxes)
+        call = self._with_key(api.fork(self.id, n, name, keep_snapshot), key)
+        return self._fork_children(call, _send(self._endpoint, call, self).sandboxes)
 
-    def restore(self, snapshot: str | SnapshotBase) -> SandboxInfo:
+    def restore(self, snapshot: str | SnapshotBase, *, key: str | None = None) -> SandboxInfo:
         """Roll this sandbox's files back to ``snapshot`` in place (same id). Every process
         in it is killed and its init restarted; background processes are forgotten."""
-        return self._remember(self._call(api.restore(self.id, snapshot)))
+        return self._remember(self._call(api.restore(self.id, snapshot), key))
 
-    def pause(self) -> SandboxInfo:
+    def pause(self, *, key: str | None = None) -> SandboxInfo:
         """Freeze every process (no CPU) until ``resume()`` or any exec or file call."""
-        return self._remember(self._call(api.pause(self.id)))
+        return self._remember(self._call(api.pause(self.id), key))
 
-    def resume(self) -> SandboxInfo:
-        return self._remember(self._call(api.resume(self.id)))
+    def resume(self, *, key: str | None = None) -> SandboxInfo:
+        return self._remember(self._call(api.resume(self.id), key))
 
     def log(self) -> builtins.list[LogEntry]:
         """Its trajectory log: every exec and file operation with its result, in order (also
@@ -246,41 +282,44 @@ class Files:
     def __init__(self, sandbox: Sandbox) -> None:
         self._sb = sandbox
 
-    def _call(self, call: Call[T]) -> T:
-        return self._sb._call(call)
+    def _call(self, call: Call[T], key: str | None = None) -> T:
+        return self._sb._call(call, key)
 
-    def read(self, path: str) -> str:
+    def read(self, path: str, *, key: str | None = None) -> str:
         """The file as text (UTF-8; undecodable bytes become U+FFFD: use read_bytes)."""
-        return self._call(api.read(self._sb.id, path)).decode("utf-8", "replace")
+        return self._call(api.read(self._sb.id, path), key).decode("utf-8", "replace")
 
-    def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
-        return self._call(api.read(self._sb.id, path, max_bytes))
+    def read_bytes(self, path: str, max_bytes: int | None = None, *,
+                   key: str | None = None) -> bytes:
+        return self._call(api.read(self._sb.id, path, max_bytes), key)
 
-    def write(self, path: str, data: str | bytes, mode: int = 0o644) -> None:
+    def write(self, path: str, data: str | bytes, mode: int = 0o644, *,
+              key: str | None = None) -> None:
         """Create or replace a file (parent directories are created)."""
-        self._call(api.write(self._sb.id, path, data, mode))
+        self._call(api.write(self._sb.id, path, data, mode), key)
 
-    def list(self, path: str = "/") -> builtins.list[FileEntry]:
-        return self._call(api.list_dir(self._sb.id, path))
+    def list(self, path: str = "/", *, key: str | None = None) -> builtins.list[FileEntry]:
+        return self._call(api.list_dir(self._sb.id, path), key)
 
-    def stat(self, path: str) -> FileEntry:
-        return self._call(api.stat(self._sb.id, path))
+    def stat(self, path: str, *, key: str | None = None) -> FileEntry:
+        return self._call(api.stat(self._sb.id, path), key)
 
-    def exists(self, path: str) -> bool:
-        return self._call(api.exists(self._sb.id, path))
+    def exists(self, path: str, *, key: str | None = None) -> bool:
+        return self._call(api.exists(self._sb.id, path), key)
 
-    def mkdir(self, path: str, parents: bool = True) -> None:
-        self._call(api.mkdir(self._sb.id, path, parents))
+    def mkdir(self, path: str, parents: bool = True, *, key: str | None = None) -> None:
+        self._call(api.mkdir(self._sb.id, path, parents), key)
 
-    def remove(self, path: str, recursive: bool = False) -> None:
-        self._call(api.remove(self._sb.id, path, recursive))
+    def remove(self, path: str, recursive: bool = False, *, key: str | None = None) -> None:
+        self._call(api.remove(self._sb.id, path, recursive), key)
 
-    def rename(self, src: str, dst: str) -> None:
-        self._call(api.rename(self._sb.id, src, dst))
+    def rename(self, src: str, dst: str, *, key: str | None = None) -> None:
+        self._call(api.rename(self._sb.id, src, dst), key)
 
-    def upload(self, local_dir: str | os.PathLike[str], remote_dir: str) -> None:
+    def upload(self, local_dir: str | os.PathLike[str], remote_dir: str, *,
+               key: str | None = None) -> None:
         """Copy a local directory's contents into ``remote_dir`` (one tar)."""
-        self._call(api.put_tar(self._sb.id, remote_dir, tarball.pack(local_dir)))
+        self._call(api.put_tar(self._sb.id, remote_dir, tarball.pack(local_dir)), key)
 
     def download(self, remote_dir: str,
                  local_dir: str | os.PathLike[str]) -> builtins.list[str]:
