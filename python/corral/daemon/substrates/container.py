@@ -455,7 +455,7 @@ class ContainerSubstrate(Substrate):
         self.scratch_tmpfs = mount_scratch(self.sandboxes_dir)
         # What one upload may decompress to, and the bytes the daemon wrote into each
         # sandbox against its disk_mb (corral.daemon.uploads).
-        self.upload_max_bytes = 4 << 30
+        self.upload_max_bytes = 1 << 30
         self.disk = uploads.DiskBudget()
         self.cgroups = cgroups
         self.images = images
