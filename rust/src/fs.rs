@@ -449,6 +449,9 @@ pub fn open_write(root: RawFd, path: &OsStr, mode: u32, make_parents: bool) -> R
         Err(Errno::EXIST) => {
             let pfd = open_entry(dir.as_fd(), &base).map_err(|e| FsError::os(OP, &p, e))?;
             let st = rfs::fstat(&pfd).map_err(|e| FsError::os(OP, &p, e))?;
+            if FileType::from_raw_mode(mode_of(&st)) == FileType::Symlink {
+                return Err(FsError::os(OP, &p, Errno::LOOP)); // never followed
+            }
             match check_kind(&st, OP, &p)? {
                 FileType::Directory => return Err(FsError::os(OP, &p, Errno::ISDIR)),
                 _ => {

@@ -112,7 +112,7 @@ pyo3::create_exception!(
 pyo3::create_exception!(
     _core,
     ForbiddenPath,
-    PyOSError,
+    pyo3::exceptions::PyPermissionError,
     "A path the files API never serves (kernel pseudo-filesystem, device, FIFO, socket)."
 );
 
