@@ -78,6 +78,9 @@ def test_deep_tree_snapshot_fork_destroy_and_restart(daemon):
                 attempt()
             assert e.value.code == "too_large" and e.value.details["limit"] == "depth"
         assert set(os.listdir(LAYERS)) == layers_before  # nothing half-made kept
+        with apiclient.client() as c:  # a tar of it: refused before the first byte
+            r = c.get(f"/v1/sandboxes/{sb.id}/files/tar", params={"path": "/work/deep"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_large"
         assert sh(sb, "echo alive").strip() == "alive"  # thawed after the failed capture
         # kill -9 the daemon and the sandbox's init: recovery finds a dead sandbox whose
         # upper holds the deep tree, and must remove it and start.
@@ -108,6 +111,16 @@ def test_deep_tree_destroy_frees_everything(daemon):
         assert "ok" in sh(sb, DEEP.format(n=9000))
     assert wait_for(lambda: not (SANDBOXES / sid).exists())
     assert daemon.proc.poll() is None
+
+
+def test_a_huge_directory_listing_is_refused(daemon):
+    with Sandbox() as sb:
+        sh(sb, "python3 -c \"import os; os.makedirs('/work/many'); "
+               "[open(f'/work/many/{i}', 'w').close() for i in range(100001)]\"")
+        with pytest.raises(TooLarge) as e:
+            sb.files.list("/work/many")
+        assert e.value.details["limit"] == "entries"
+        sb.files.remove("/work/many", recursive=True)
 
 
 # ---- sparse files: daemon memory and host disk -------------------------------------------------

@@ -1243,6 +1243,10 @@ class ContainerSubstrate(Substrate):
             raise InvalidPath(str(e), details={"path": path}) from None
         except OSError as e:
             raise _file_error(e, path) from None
+        except _core.LayerLimit as e:  # a listing past fs.rs LIST_MAX
+            what, limit = e.args
+            raise TooLarge(f"{path} has more than {limit} {what}",
+                           details={"path": path, "limit": what, "max": limit}) from None
 
     def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes:
         _check_path(path)
