@@ -306,3 +306,51 @@ def test_sdk_download_of_a_hostile_sandbox_tree_extracts_nothing(daemon, tmp_pat
         with pytest.raises(InvalidRequest):
             sb.files.download("/work/d", tmp_path / "out")
         assert not (tmp_path / "out" / "a").exists()
+
+
+# ---- host-side walks: image import, removal, quarantine -------------------------------------------
+def _deep_host_tree(root: Path, n: int) -> None:
+    d = os.open(root, os.O_RDONLY)
+    for _ in range(n):
+        os.mkdir("d", dir_fd=d)
+        nd = os.open("d", os.O_RDONLY, dir_fd=d)
+        os.close(d)
+        d = nd
+    os.close(d)
+
+
+def test_image_import_of_a_deep_tree_fails_cleanly(tmp_path):
+    from corral.daemon.images import _copy_tree
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "dst").mkdir()
+    _deep_host_tree(tmp_path / "src", 2000)  # past the recursion limit and the depth bound
+    with pytest.raises(InvalidRequest):
+        _copy_tree(str(tmp_path / "src"), str(tmp_path / "dst"), False)
+    from corral.daemon import removal
+
+    removal.remove_tree(str(tmp_path / "src"))
+    removal.remove_tree(str(tmp_path / "dst"))
+    assert not (tmp_path / "src").exists() and not (tmp_path / "dst").exists()
+
+
+def test_a_tree_that_cannot_be_removed_is_quarantined(tmp_path):
+    from corral import _core
+    from corral.daemon import removal
+
+    victim = tmp_path / "sb-0000000000000001"
+    (victim / "upper" / "mnt").mkdir(parents=True)
+    _deep_host_tree(victim / "upper", 3000)
+    _core.mount_tmpfs(str(victim / "upper" / "mnt"), "size=1m")  # never crossed, never removed
+    try:
+        before = len(removal.quarantined)
+        assert removal.remove_or_quarantine(str(victim))
+        assert not victim.exists()
+        moved = removal.quarantined[before:]
+        assert len(moved) == 1 and Path(moved[0]).parent == tmp_path / removal.QUARANTINE
+        assert (Path(moved[0]) / "upper" / "mnt").is_mount()
+    finally:
+        for m in removal.quarantined[before:]:
+            _core.umount(str(Path(m) / "upper" / "mnt"))
+            removal.remove_tree(m)
+        del removal.quarantined[before:]
