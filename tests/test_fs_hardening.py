@@ -308,7 +308,7 @@ def test_sdk_download_of_a_hostile_sandbox_tree_extracts_nothing(daemon, tmp_pat
         assert not (tmp_path / "out" / "a").exists()
 
 
-# ---- host-side walks: image import, removal, quarantine -------------------------------------------
+# ---- host-side walks: image import, removal, quarantine ----------------------------------------
 def _deep_host_tree(root: Path, n: int) -> None:
     d = os.open(root, os.O_RDONLY)
     for _ in range(n):
