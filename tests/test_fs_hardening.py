@@ -179,6 +179,14 @@ def test_snapshot_of_a_sparse_file_writes_little_to_disk(daemon):
         with Sandbox(snapshot=snap) as kid:
             assert sh(kid, "tail -c 5 /work/sparse").strip() == "tail"
         snap.delete()
+        # Past the snapshot size bound (16 GiB of content by default): refused at once, the
+        # sandbox thawed and unchanged.
+        sh(sb, "truncate -s 100G /work/huge")
+        t0 = time.monotonic()
+        with pytest.raises(TooLarge) as e:
+            sb.snapshot()
+        assert e.value.details["limit"] == "bytes" and time.monotonic() - t0 < 10
+        assert sh(sb, "echo alive").strip() == "alive"
 
 
 # ---- set-id bits and file capabilities -----------------------------------------------------------
