@@ -213,6 +213,23 @@ def test_setid_bits_and_file_caps_never_reach_a_stored_layer(daemon):
         snap.delete()
 
 
+def test_capture_drops_file_capabilities(tmp_path):
+    """The same on the host side, where a file capability can always be set."""
+    from corral import _core
+
+    src = tmp_path / "upper"
+    src.mkdir()
+    f = src / "ping"
+    f.write_bytes(b"\x7fELF")
+    os.setxattr(f, "security.capability",
+                bytes.fromhex("0100000200200000000000000000000000000000"))
+    os.chmod(f, 0o6755)
+    _core.capture_layer([(0, str(src), str(tmp_path / "layer"))])
+    out = tmp_path / "layer" / "ping"
+    assert "security.capability" not in os.listxattr(out)
+    assert out.stat().st_mode & 0o7777 == 0o755
+
+
 # ---- uploads ---------------------------------------------------------------------------------
 def _gzip_bomb(member_size: int) -> bytes:
     """A gzip'd tar of one member of ``member_size`` zeros, a few hundred KiB big: gzip
