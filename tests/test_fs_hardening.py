@@ -293,6 +293,10 @@ def test_files_api_refuses_proc_sys_and_special_files(daemon):
             sb.files.mkdir("/proc/1/evil")
         with pytest.raises(ForbiddenPath):
             sb.files.remove("/proc/1/environ")
+        for path in ("/proc", "/dev/pts", "/proc/1"):
+            with pytest.raises((ForbiddenPath, InvalidRequest)):
+                sb.files.remove(path, recursive=True)
+        assert sh(sb, "cat /proc/1/comm && ls /dev/pts/ptmx")
         assert sb.files.stat("/work/env").type == "symlink"  # the link itself is fine
         assert [e.name for e in sb.files.list("/work")] == ["env", "fifo", "k", "p"]
 

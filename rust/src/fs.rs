@@ -584,6 +584,10 @@ pub fn remove(root: RawFd, path: &OsStr, recursive: bool) -> Result<()> {
         return rfs::unlinkat(&dir, &base, AtFlags::empty()).map_err(|e| FsError::os(OP, &p, e));
     }
     if recursive {
+        // A pseudo-filesystem mounted there (/proc, /dev/pts) is refused, not walked.
+        let top = open_entry(dir.as_fd(), &base).map_err(|e| FsError::os(OP, &p, e))?;
+        check_fs_type(top.as_fd(), OP, &p)?;
+        drop(top);
         crate::tree::remove_at(dir.as_fd(), &base).map_err(|e| FsError::os(OP, &p, e))
     } else {
         rfs::unlinkat(&dir, &base, AtFlags::REMOVEDIR).map_err(|e| FsError::os(OP, &p, e))
