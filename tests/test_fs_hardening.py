@@ -257,6 +257,19 @@ def test_gzip_bomb_upload_is_bounded(daemon):
         assert size <= 64 * MiB
 
 
+def test_upload_with_a_huge_extended_header_is_refused(daemon):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        ti = tarfile.TarInfo("x")
+        ti.pax_headers = {"comment": "a" * (4 * MiB)}
+        tf.addfile(ti, io.BytesIO(b""))
+    with Sandbox() as sb, apiclient.client() as c:
+        r = c.put(f"/v1/sandboxes/{sb.id}/files/tar", params={"path": "/work/up"},
+                  content=gzip.compress(buf.getvalue()))
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["details"]["limit"] == "header_bytes"
+
+
 def test_upload_decompression_is_bounded():
     """The decompressed-size bound itself, without a sandbox: a stream of zeros past it."""
     from corral.daemon import uploads

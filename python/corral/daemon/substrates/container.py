@@ -1310,7 +1310,7 @@ class ContainerSubstrate(Substrate):
         # bounded (uploads.Bounded): the daemon never holds more than a chunk of a member.
         src = uploads.open_bounded(tar_bytes, self.upload_max_bytes)
         try:
-            tf = tarfile.open(fileobj=src, mode="r|")
+            tf = tarfile.open(fileobj=src, mode="r|", tarinfo=uploads.BoundedTarInfo)
         except (tarfile.TarError, OSError, EOFError) as e:
             raise InvalidRequest(f"not a tar archive: {e}") from None
         dirs: list[tuple[str, int]] = []
