@@ -103,6 +103,13 @@ def test_deep_tree_snapshot_fork_destroy_and_restart(daemon):
 
 def test_deep_tree_destroy_frees_everything(daemon):
     with Sandbox(memory_mb=256) as sb:
+        sh(sb, "echo before > /work/mark")
+        snap = sb.snapshot()
+        assert "ok" in sh(sb, DEEP.format(n=9000))
+        sb.restore(snap)  # the old upper, deep tree and all, goes to the trash
+        assert sh(sb, "cat /work/mark; ls /work").split() == ["before", "mark"]
+        assert wait_for(lambda: not any((SANDBOXES / ".trash").iterdir()), 60)
+        snap.delete()
         assert "ok" in sh(sb, DEEP.format(n=9000))
         sid = sb.id
         # A files-API recursive remove walks it too (iteratively).
