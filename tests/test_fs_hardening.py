@@ -403,3 +403,38 @@ def test_a_tree_that_cannot_be_removed_is_quarantined(tmp_path):
             _core.umount(str(Path(m) / "upper" / "mnt"))
             removal.remove_tree(m)
         del removal.quarantined[before:]
+
+
+def test_mutated_uploads_never_crash_the_daemon(daemon):
+    """A brief mutation fuzz of the tar upload path (plain, gzip, bzip2, xz): every answer is
+    a success or a 4xx with a code, never a 500, and the daemon stays up."""
+    import bz2
+    import lzma
+    import random
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, data in (("a/b.txt", b"hello" * 50), ("a/c", b""), ("d/e/f", b"x" * 700)):
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+        link = tarfile.TarInfo("a/l")
+        link.type, link.linkname = tarfile.SYMTYPE, "../d"
+        tf.addfile(link)
+    plain = buf.getvalue()
+    seeds = [plain, gzip.compress(plain), bz2.compress(plain), lzma.compress(plain)]
+    rng = random.Random(1234)
+    with Sandbox() as sb, apiclient.client() as c:
+        for i in range(160):
+            data = bytearray(seeds[i % len(seeds)])
+            for _ in range(rng.randint(1, 8)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            if i % 5 == 0:
+                data = data[:rng.randrange(len(data))]
+            r = c.put(f"/v1/sandboxes/{sb.id}/files/tar", params={"path": f"/work/f{i}"},
+                      content=bytes(data))
+            assert r.status_code in (200, 400, 404, 409), (i, r.status_code, r.text)
+            if r.status_code != 200:
+                assert r.json()["error"]["code"], r.text
+        assert sh(sb, "echo alive").strip() == "alive"
+    assert daemon.proc.poll() is None

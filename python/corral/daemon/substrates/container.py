@@ -93,6 +93,9 @@ _OUT_OF_RESOURCES = {errno.EAGAIN, errno.ENOMEM, errno.ENOSPC, errno.EMFILE, err
                      errno.EUSERS}
 
 TAR_MAX_MEMBERS = 1_000_000
+# What a corrupt or truncated upload raises while it is decompressed and parsed (bzip2 says
+# OSError; the file writes raise CorralErrors, never these).
+_BAD_ARCHIVE = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError)
 # A download is streamed; this caps the bytes sent (a sparse file claims any size it likes).
 TAR_MAX_BYTES = int(os.environ.get("CORRAL_TAR_MAX_BYTES", str(2 << 30)))
 
@@ -1311,7 +1314,7 @@ class ContainerSubstrate(Substrate):
         src = uploads.open_bounded(tar_bytes, self.upload_max_bytes)
         try:
             tf = tarfile.open(fileobj=src, mode="r|", tarinfo=uploads.BoundedTarInfo)
-        except (tarfile.TarError, OSError, EOFError) as e:
+        except _BAD_ARCHIVE as e:
             raise InvalidRequest(f"not a tar archive: {e}") from None
         dirs: list[tuple[str, int]] = []
         try:
@@ -1321,9 +1324,7 @@ class ContainerSubstrate(Substrate):
                         raise TooLarge(f"tar has more than {TAR_MAX_MEMBERS} members",
                                        details={"limit": "members", "max": TAR_MAX_MEMBERS})
                     self._extract(runtime, tf, m, base, dirs)
-        except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError) as e:
-            raise InvalidRequest(f"bad tar archive: {e}") from None
-        except OSError as e:  # a corrupt bzip2 stream, and the like
+        except _BAD_ARCHIVE as e:
             raise InvalidRequest(f"bad tar archive: {e}") from None
         # Directory modes last, deepest first, so a read-only dir does not block its contents.
         for dest, mode in reversed(dirs):
