@@ -78,6 +78,9 @@ def test_deep_tree_snapshot_fork_destroy_and_restart(daemon):
                 attempt()
             assert e.value.code == "too_large" and e.value.details["limit"] == "depth"
         assert set(os.listdir(LAYERS)) == layers_before  # nothing half-made kept
+        with apiclient.client() as c:  # a tar of it: refused before the first byte
+            r = c.get(f"/v1/sandboxes/{sb.id}/files/tar", params={"path": "/work/deep"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_large"
         assert sh(sb, "echo alive").strip() == "alive"  # thawed after the failed capture
         # kill -9 the daemon and the sandbox's init: recovery finds a dead sandbox whose
         # upper holds the deep tree, and must remove it and start.
@@ -90,7 +93,7 @@ def test_deep_tree_snapshot_fork_destroy_and_restart(daemon):
         assert not (SANDBOXES / ".quarantine").exists()
         with apiclient.client() as c:
             metrics = c.get("/metrics").text
-        assert "quarantined_trees 0" in metrics or "quarantined_trees" not in metrics
+        assert "corral_quarantined_trees_total 0\n" in metrics
     finally:
         try:
             sb.kill()
@@ -100,6 +103,13 @@ def test_deep_tree_snapshot_fork_destroy_and_restart(daemon):
 
 def test_deep_tree_destroy_frees_everything(daemon):
     with Sandbox(memory_mb=256) as sb:
+        sh(sb, "echo before > /work/mark")
+        snap = sb.snapshot()
+        assert "ok" in sh(sb, DEEP.format(n=9000))
+        sb.restore(snap)  # the old upper, deep tree and all, goes to the trash
+        assert sh(sb, "cat /work/mark; ls /work").split() == ["before", "mark"]
+        assert wait_for(lambda: not any((SANDBOXES / ".trash").iterdir()), 60)
+        snap.delete()
         assert "ok" in sh(sb, DEEP.format(n=9000))
         sid = sb.id
         # A files-API recursive remove walks it too (iteratively).
@@ -108,6 +118,16 @@ def test_deep_tree_destroy_frees_everything(daemon):
         assert "ok" in sh(sb, DEEP.format(n=9000))
     assert wait_for(lambda: not (SANDBOXES / sid).exists())
     assert daemon.proc.poll() is None
+
+
+def test_a_huge_directory_listing_is_refused(daemon):
+    with Sandbox() as sb:
+        sh(sb, "python3 -c \"import os; os.makedirs('/work/many'); "
+               "[open(f'/work/many/{i}', 'w').close() for i in range(100001)]\"")
+        with pytest.raises(TooLarge) as e:
+            sb.files.list("/work/many")
+        assert e.value.details["limit"] == "entries"
+        sb.files.remove("/work/many", recursive=True)
 
 
 # ---- sparse files: daemon memory and host disk -------------------------------------------------
@@ -166,6 +186,14 @@ def test_snapshot_of_a_sparse_file_writes_little_to_disk(daemon):
         with Sandbox(snapshot=snap) as kid:
             assert sh(kid, "tail -c 5 /work/sparse").strip() == "tail"
         snap.delete()
+        # Past the snapshot size bound (16 GiB of content by default): refused at once, the
+        # sandbox thawed and unchanged.
+        sh(sb, "truncate -s 100G /work/huge")
+        t0 = time.monotonic()
+        with pytest.raises(TooLarge) as e:
+            sb.snapshot()
+        assert e.value.details["limit"] == "bytes" and time.monotonic() - t0 < 10
+        assert sh(sb, "echo alive").strip() == "alive"
 
 
 # ---- set-id bits and file capabilities -----------------------------------------------------------
@@ -192,13 +220,30 @@ def test_setid_bits_and_file_caps_never_reach_a_stored_layer(daemon):
         snap.delete()
 
 
+def test_capture_drops_file_capabilities(tmp_path):
+    """The same on the host side, where a file capability can always be set."""
+    from corral import _core
+
+    src = tmp_path / "upper"
+    src.mkdir()
+    f = src / "ping"
+    f.write_bytes(b"\x7fELF")
+    os.setxattr(f, "security.capability",
+                bytes.fromhex("0100000200200000000000000000000000000000"))
+    os.chmod(f, 0o6755)
+    _core.capture_layer([(0, str(src), str(tmp_path / "layer"))])
+    out = tmp_path / "layer" / "ping"
+    assert "security.capability" not in os.listxattr(out)
+    assert out.stat().st_mode & 0o7777 == 0o755
+
+
 # ---- uploads ---------------------------------------------------------------------------------
 def _gzip_bomb(member_size: int) -> bytes:
     """A gzip'd tar of one member of ``member_size`` zeros, a few hundred KiB big: gzip
     members concatenated decompress as one stream."""
     ti = tarfile.TarInfo("bomb")
     ti.size = member_size
-    block = gzip.compress(bytes(64 * MiB), compresslevel=1)
+    block = gzip.compress(bytes(64 * MiB), compresslevel=9)
     return gzip.compress(ti.tobuf(tarfile.GNU_FORMAT)) + block * (member_size // (64 * MiB))
 
 
@@ -217,6 +262,19 @@ def test_gzip_bomb_upload_is_bounded(daemon):
         assert rss_kib(pid) - before < 200 * 1024
         size = int(sh(sb, "stat -c %s /work/up/bomb").strip())
         assert size <= 64 * MiB
+
+
+def test_upload_with_a_huge_extended_header_is_refused(daemon):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        ti = tarfile.TarInfo("x")
+        ti.pax_headers = {"comment": "a" * (4 * MiB)}
+        tf.addfile(ti, io.BytesIO(b""))
+    with Sandbox() as sb, apiclient.client() as c:
+        r = c.put(f"/v1/sandboxes/{sb.id}/files/tar", params={"path": "/work/up"},
+                  content=gzip.compress(buf.getvalue()))
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["details"]["limit"] == "header_bytes"
 
 
 def test_upload_decompression_is_bounded():
@@ -255,6 +313,10 @@ def test_files_api_refuses_proc_sys_and_special_files(daemon):
             sb.files.mkdir("/proc/1/evil")
         with pytest.raises(ForbiddenPath):
             sb.files.remove("/proc/1/environ")
+        for path in ("/proc", "/dev/pts", "/proc/1"):
+            with pytest.raises((ForbiddenPath, InvalidRequest)):
+                sb.files.remove(path, recursive=True)
+        assert sh(sb, "cat /proc/1/comm && ls /dev/pts/ptmx")
         assert sb.files.stat("/work/env").type == "symlink"  # the link itself is fine
         assert [e.name for e in sb.files.list("/work")] == ["env", "fifo", "k", "p"]
 
@@ -293,3 +355,86 @@ def test_sdk_download_of_a_hostile_sandbox_tree_extracts_nothing(daemon, tmp_pat
         with pytest.raises(InvalidRequest):
             sb.files.download("/work/d", tmp_path / "out")
         assert not (tmp_path / "out" / "a").exists()
+
+
+# ---- host-side walks: image import, removal, quarantine ----------------------------------------
+def _deep_host_tree(root: Path, n: int) -> None:
+    d = os.open(root, os.O_RDONLY)
+    for _ in range(n):
+        os.mkdir("d", dir_fd=d)
+        nd = os.open("d", os.O_RDONLY, dir_fd=d)
+        os.close(d)
+        d = nd
+    os.close(d)
+
+
+def test_image_import_of_a_deep_tree_fails_cleanly(tmp_path):
+    from corral.daemon.images import _copy_tree
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "dst").mkdir()
+    _deep_host_tree(tmp_path / "src", 2000)  # past the recursion limit and the depth bound
+    with pytest.raises(InvalidRequest):
+        _copy_tree(str(tmp_path / "src"), str(tmp_path / "dst"), False)
+    from corral.daemon import removal
+
+    removal.remove_tree(str(tmp_path / "src"))
+    removal.remove_tree(str(tmp_path / "dst"))
+    assert not (tmp_path / "src").exists() and not (tmp_path / "dst").exists()
+
+
+def test_a_tree_that_cannot_be_removed_is_quarantined(tmp_path):
+    from corral import _core
+    from corral.daemon import removal
+
+    victim = tmp_path / "sb-0000000000000001"
+    (victim / "upper" / "mnt").mkdir(parents=True)
+    _deep_host_tree(victim / "upper", 3000)
+    _core.mount_tmpfs(str(victim / "upper" / "mnt"), "size=1m")  # never crossed, never removed
+    try:
+        before = len(removal.quarantined)
+        assert removal.remove_or_quarantine(str(victim))
+        assert not victim.exists()
+        moved = removal.quarantined[before:]
+        assert len(moved) == 1 and Path(moved[0]).parent == tmp_path / removal.QUARANTINE
+        assert (Path(moved[0]) / "upper" / "mnt").is_mount()
+    finally:
+        for m in removal.quarantined[before:]:
+            _core.umount(str(Path(m) / "upper" / "mnt"))
+            removal.remove_tree(m)
+        del removal.quarantined[before:]
+
+
+def test_mutated_uploads_never_crash_the_daemon(daemon):
+    """A brief mutation fuzz of the tar upload path (plain, gzip, bzip2, xz): every answer is
+    a success or a 4xx with a code, never a 500, and the daemon stays up."""
+    import bz2
+    import lzma
+    import random
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, data in (("a/b.txt", b"hello" * 50), ("a/c", b""), ("d/e/f", b"x" * 700)):
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+        link = tarfile.TarInfo("a/l")
+        link.type, link.linkname = tarfile.SYMTYPE, "../d"
+        tf.addfile(link)
+    plain = buf.getvalue()
+    seeds = [plain, gzip.compress(plain), bz2.compress(plain), lzma.compress(plain)]
+    rng = random.Random(1234)
+    with Sandbox() as sb, apiclient.client() as c:
+        for i in range(160):
+            data = bytearray(seeds[i % len(seeds)])
+            for _ in range(rng.randint(1, 8)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            if i % 5 == 0:
+                data = data[:rng.randrange(len(data))]
+            r = c.put(f"/v1/sandboxes/{sb.id}/files/tar", params={"path": f"/work/f{i}"},
+                      content=bytes(data))
+            assert r.status_code in (200, 400, 404, 409), (i, r.status_code, r.text)
+            if r.status_code != 200:
+                assert r.json()["error"]["code"], r.text
+        assert sh(sb, "echo alive").strip() == "alive"
+    assert daemon.proc.poll() is None

@@ -45,7 +45,7 @@ class Config:
     snapshot_max_entries: int = field(
         default_factory=lambda: int(_env("CORRAL_SNAPSHOT_MAX_ENTRIES", "1000000")))
     upload_max_bytes: int = field(
-        default_factory=lambda: int(_env("CORRAL_UPLOAD_MAX_BYTES", str(4 << 30))))
+        default_factory=lambda: int(_env("CORRAL_UPLOAD_MAX_BYTES", str(1 << 30))))
     # Memory reserved for the daemon's own cgroup (cgroup v2 memory.min; see docs/daemon.md).
     daemon_memory_mb: int = field(
         default_factory=lambda: int(_env("CORRAL_DAEMON_MEMORY_MB", "256")))

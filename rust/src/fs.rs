@@ -23,6 +23,10 @@ use rustix::io::Errno;
 pub enum FsError {
     #[error("{0}")]
     Invalid(String),
+    /// A directory with more entries than one listing returns (the daemon's memory must not
+    /// grow with what a sandbox holds).
+    #[error("{path:?} has more than {limit} entries")]
+    TooMany { path: String, limit: usize },
     /// A path the files API never serves: a kernel pseudo-filesystem or a special file.
     #[error("{op} {path:?}: {msg}")]
     Forbidden {
@@ -79,6 +83,7 @@ impl FsError {
             FsError::Os { errno, .. } => Some(*errno),
             FsError::Invalid(_) => None,
             FsError::Forbidden { .. } => Some(libc::EACCES),
+            FsError::TooMany { .. } => Some(libc::EFBIG),
         }
     }
 }
@@ -449,6 +454,9 @@ pub fn open_write(root: RawFd, path: &OsStr, mode: u32, make_parents: bool) -> R
         Err(Errno::EXIST) => {
             let pfd = open_entry(dir.as_fd(), &base).map_err(|e| FsError::os(OP, &p, e))?;
             let st = rfs::fstat(&pfd).map_err(|e| FsError::os(OP, &p, e))?;
+            if FileType::from_raw_mode(mode_of(&st)) == FileType::Symlink {
+                return Err(FsError::os(OP, &p, Errno::LOOP)); // never followed
+            }
             match check_kind(&st, OP, &p)? {
                 FileType::Directory => return Err(FsError::os(OP, &p, Errno::ISDIR)),
                 _ => {
@@ -472,8 +480,11 @@ pub fn open_write(root: RawFd, path: &OsStr, mode: u32, make_parents: bool) -> R
     Ok(fd)
 }
 
+/// Entries one listing returns at most.
+pub const LIST_MAX: usize = 100_000;
+
 /// Entries of a directory: (name, kind, size, mode, mtime), sorted by name; symlinks are not
-/// followed.
+/// followed. More than `LIST_MAX` entries: `TooMany`.
 pub fn list(root: RawFd, path: &OsStr) -> Result<Vec<ListEntry>> {
     const OP: &str = "list";
     let root = borrow(root)?;
@@ -493,6 +504,12 @@ pub fn list(root: RawFd, path: &OsStr) -> Result<Vec<ListEntry>> {
         let name = ent.file_name();
         if name == c"." || name == c".." {
             continue;
+        }
+        if names.len() >= LIST_MAX {
+            return Err(FsError::TooMany {
+                path: p.display(),
+                limit: LIST_MAX,
+            });
         }
         names.push(name.to_owned());
     }
@@ -567,6 +584,10 @@ pub fn remove(root: RawFd, path: &OsStr, recursive: bool) -> Result<()> {
         return rfs::unlinkat(&dir, &base, AtFlags::empty()).map_err(|e| FsError::os(OP, &p, e));
     }
     if recursive {
+        // A pseudo-filesystem mounted there (/proc, /dev/pts) is refused, not walked.
+        let top = open_entry(dir.as_fd(), &base).map_err(|e| FsError::os(OP, &p, e))?;
+        check_fs_type(top.as_fd(), OP, &p)?;
+        drop(top);
         crate::tree::remove_at(dir.as_fd(), &base).map_err(|e| FsError::os(OP, &p, e))
     } else {
         rfs::unlinkat(&dir, &base, AtFlags::REMOVEDIR).map_err(|e| FsError::os(OP, &p, e))

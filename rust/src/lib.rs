@@ -80,6 +80,7 @@ impl From<FsError> for PyErr {
     fn from(e: FsError) -> PyErr {
         match e {
             FsError::Invalid(m) => PyValueError::new_err(m),
+            FsError::TooMany { limit, .. } => LayerLimit::new_err(("entries", limit as u64)),
             FsError::Forbidden { op, path, msg } => {
                 ForbiddenPath::new_err((libc::EACCES, format!("{op}: {msg}"), path))
             }
@@ -112,7 +113,7 @@ pyo3::create_exception!(
 pyo3::create_exception!(
     _core,
     ForbiddenPath,
-    PyOSError,
+    pyo3::exceptions::PyPermissionError,
     "A path the files API never serves (kernel pseudo-filesystem, device, FIFO, socket)."
 );
 

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -494,6 +495,8 @@ async def _never() -> Any:
 
 
 def _cut(request: web.Request) -> None:
+    log.warning("stream cut short", extra={"path": request.path,
+                                           "error": repr(sys.exc_info()[1])})
     if request.transport is not None:
         request.transport.close()
 

@@ -25,6 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from corral.daemon import removal
 from corral.errors import Conflict, ImageNotFound, InvalidRequest
 from corral.models import MAX_TIMEOUT_S, ImageInfo
 
@@ -40,6 +41,8 @@ _SKELETON_DIRS = {
     "opt": 0o755, "srv": 0o755,
 }
 _SUID_BITS = stat.S_ISUID | stat.S_ISGID
+# Directory levels an imported tree may have (the copy is a loop with a stack this deep).
+_MAX_DEPTH = 512
 
 
 @dataclass
@@ -118,44 +121,50 @@ def _copy_tree(src: str, dst: str, sanitize: bool) -> int:
     links: dict[tuple[int, int], str] = {}
     dirs: list[tuple[str, os.stat_result]] = []
 
-    def walk(s: str, d: str) -> None:
-        nonlocal total
-        with os.scandir(s) as it:
-            entries = sorted(it, key=lambda e: e.name)
-        for e in entries:
-            sp, dp = e.path, os.path.join(d, e.name)
-            try:
-                st = os.lstat(sp)
-            except OSError:
-                continue
-            mode = st.st_mode
-            if stat.S_ISLNK(mode):
-                os.symlink(os.readlink(sp), dp)
-            elif sanitize and not _world_readable(st):
-                continue
-            elif stat.S_ISDIR(mode):
-                os.mkdir(dp, 0o700)
-                dirs.append((dp, st))
-                walk(sp, dp)
-                continue  # owner, mode and times are set after its contents
-            elif stat.S_ISREG(mode):
-                key = (st.st_dev, st.st_ino)
-                if st.st_nlink > 1 and key in links:
-                    os.link(links[key], dp)
-                    continue
-                shutil.copyfile(sp, dp, follow_symlinks=False)
-                os.chmod(dp, stat.S_IMODE(mode) & ~_SUID_BITS)
-                total += st.st_size
-                if st.st_nlink > 1:
-                    links[key] = dp
-            elif stat.S_ISFIFO(mode):
-                os.mkfifo(dp, stat.S_IMODE(mode) & 0o777)
-            else:
-                continue  # sockets, char and block devices
-            os.lchown(dp, st.st_uid, st.st_gid)
-            os.utime(dp, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+    def listing(s: str, d: str) -> list[tuple[str, str]]:
+        with os.scandir(s) as it:  # reversed: popped from the end, smallest name first
+            return [(e.path, os.path.join(d, e.name))
+                    for e in sorted(it, key=lambda e: e.name, reverse=True)]
 
-    walk(src, dst)
+    stack = [listing(src, dst)]  # a loop, not a recursion: a tree may be deep
+    while stack:
+        if not stack[-1]:
+            stack.pop()
+            continue
+        sp, dp = stack[-1].pop()
+        try:
+            st = os.lstat(sp)
+        except OSError:
+            continue
+        mode = st.st_mode
+        if stat.S_ISLNK(mode):
+            os.symlink(os.readlink(sp), dp)
+        elif sanitize and not _world_readable(st):
+            continue
+        elif stat.S_ISDIR(mode):
+            if len(stack) >= _MAX_DEPTH:
+                raise InvalidRequest(f"{src} is more than {_MAX_DEPTH} directories deep")
+            os.mkdir(dp, 0o700)
+            dirs.append((dp, st))
+            stack.append(listing(sp, dp))
+            continue  # owner, mode and times are set after its contents
+        elif stat.S_ISREG(mode):
+            key = (st.st_dev, st.st_ino)
+            if st.st_nlink > 1 and key in links:
+                os.link(links[key], dp)
+                continue
+            shutil.copyfile(sp, dp, follow_symlinks=False)
+            os.chmod(dp, stat.S_IMODE(mode) & ~_SUID_BITS)
+            total += st.st_size
+            if st.st_nlink > 1:
+                links[key] = dp
+        elif stat.S_ISFIFO(mode):
+            os.mkfifo(dp, stat.S_IMODE(mode) & 0o777)
+        else:
+            continue  # sockets, char and block devices
+        os.lchown(dp, st.st_uid, st.st_gid)
+        os.utime(dp, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
     for dp, st in reversed(dirs):
         os.lchown(dp, st.st_uid, st.st_gid)
         os.chmod(dp, stat.S_IMODE(st.st_mode))
@@ -214,7 +223,10 @@ def _extract_tar(source: str, dst: str) -> int:
                     st = os.lstat(target)
                     if not (m.isdir() and stat.S_ISDIR(st.st_mode)):
                         # A later member replaces an earlier one (tar semantics).
-                        shutil.rmtree(target) if stat.S_ISDIR(st.st_mode) else os.unlink(target)
+                        if stat.S_ISDIR(st.st_mode):
+                            removal.remove_tree(target)
+                        else:
+                            os.unlink(target)
                 except FileNotFoundError:
                     pass
                 if m.isdir():

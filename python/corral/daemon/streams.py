@@ -21,13 +21,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from corral.errors import CorralError, ForbiddenPath, InvalidPath, TooLarge
+from corral.errors import CorralError, FileNotFound, ForbiddenPath, InvalidPath, TooLarge
 
 CHUNK = 1 << 20
 # Directory levels a download follows (paths are limited to 4096 bytes anyway).
 TAR_MAX_DEPTH = 512
 # Kernel-made trees a download of "/" records as empty directories.
 NO_DESCEND = {"/proc", "/sys", "/dev"}
+
+
+# Entries a tar skips: gone since they were listed, or refused (pseudo-fs, special file).
+_SKIP = (FileNotFound, ForbiddenPath)
 
 
 @dataclass
@@ -178,7 +182,7 @@ def chunks(ops: TreeOps, root: str, max_bytes: int) -> Iterator[bytes]:
     for path, arc, kind in _walk(ops, root):
         try:
             _, _, mode, mtime = ops.stat(path)
-        except CorralError:
+        except _SKIP:
             continue  # removed meanwhile
         ti = tarfile.TarInfo(arc)
         ti.mode, ti.mtime = mode, int(mtime)
@@ -189,13 +193,13 @@ def chunks(ops: TreeOps, root: str, max_bytes: int) -> Iterator[bytes]:
             ti.type = tarfile.SYMTYPE
             try:
                 ti.linkname = ops.readlink(path)
-            except CorralError:
+            except _SKIP:
                 continue
             yield take(_header(ti))
         elif kind == "file":
             try:
                 fd, size = ops.open_read(path)
-            except CorralError:  # gone, or refused (pseudo-fs, special file)
+            except _SKIP:  # gone, or refused (pseudo-fs, special file)
                 continue
             try:
                 ti.size = size

@@ -18,8 +18,9 @@ import bz2
 import gzip
 import io
 import lzma
+import tarfile
 import threading
-from typing import IO
+from typing import IO, Any
 
 from corral.errors import TooLarge
 
@@ -65,6 +66,23 @@ def open_bounded(data: bytes, limit: int) -> Bounded:
     else:
         inner = raw
     return Bounded(inner, limit)
+
+
+# Extended headers (pax, GNU long names) are read whole into memory by tarfile: bound them.
+HEADER_MAX = 1 << 20
+_EXT_HEADERS = {tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
+                tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK}
+
+
+class BoundedTarInfo(tarfile.TarInfo):
+    """A TarInfo that refuses an extended header bigger than HEADER_MAX before it is read
+    (tarfile.open(..., tarinfo=BoundedTarInfo); hooks tarfile's per-member dispatch)."""
+
+    def _proc_member(self, tf: Any) -> Any:
+        if self.type in _EXT_HEADERS and self.size > HEADER_MAX:
+            raise TooLarge(f"a tar extended header of {self.size} bytes (max {HEADER_MAX})",
+                           details={"limit": "header_bytes", "max": HEADER_MAX})
+        return super()._proc_member(tf)  # type: ignore[misc]
 
 
 class DiskBudget:

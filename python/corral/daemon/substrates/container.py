@@ -94,6 +94,9 @@ _OUT_OF_RESOURCES = {errno.EAGAIN, errno.ENOMEM, errno.ENOSPC, errno.EMFILE, err
                      errno.EUSERS}
 
 TAR_MAX_MEMBERS = 1_000_000
+# What a corrupt or truncated upload raises while it is decompressed and parsed (bzip2 says
+# OSError; the file writes raise CorralErrors, never these).
+_BAD_ARCHIVE = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError, ValueError)
 # A download is streamed; this caps the bytes sent (a sparse file claims any size it likes).
 TAR_MAX_BYTES = int(os.environ.get("CORRAL_TAR_MAX_BYTES", str(2 << 30)))
 
@@ -512,7 +515,7 @@ class ContainerSubstrate(Substrate):
         self.scratch_tmpfs = mount_scratch(self.sandboxes_dir)
         # What one upload may decompress to, and the bytes the daemon wrote into each
         # sandbox against its disk_mb (corral.daemon.uploads).
-        self.upload_max_bytes = 4 << 30
+        self.upload_max_bytes = 1 << 30
         self.disk = uploads.DiskBudget()
         self.cgroups = cgroups
         self.images = images
@@ -1380,6 +1383,10 @@ class ContainerSubstrate(Substrate):
             raise InvalidPath(str(e), details={"path": path}) from None
         except OSError as e:
             raise _file_error(e, path) from None
+        except _core.LayerLimit as e:  # a listing past fs.rs LIST_MAX
+            what, limit = e.args
+            raise TooLarge(f"{path} has more than {limit} {what}",
+                           details={"path": path, "limit": what, "max": limit}) from None
 
     def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes:
         _check_path(path)
@@ -1443,8 +1450,8 @@ class ContainerSubstrate(Substrate):
         # bounded (uploads.Bounded): the daemon never holds more than a chunk of a member.
         src = uploads.open_bounded(tar_bytes, self.upload_max_bytes)
         try:
-            tf = tarfile.open(fileobj=src, mode="r|")
-        except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+            tf = tarfile.open(fileobj=src, mode="r|", tarinfo=uploads.BoundedTarInfo)
+        except _BAD_ARCHIVE as e:
             raise InvalidRequest(f"not a tar archive: {e}") from None
         dirs: list[tuple[str, int]] = []
         try:
@@ -1454,9 +1461,7 @@ class ContainerSubstrate(Substrate):
                         raise TooLarge(f"tar has more than {TAR_MAX_MEMBERS} members",
                                        details={"limit": "members", "max": TAR_MAX_MEMBERS})
                     self._extract(runtime, tf, m, base, dirs)
-        except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError) as e:
-            raise InvalidRequest(f"bad tar archive: {e}") from None
-        except (OSError, ValueError) as e:  # a corrupt bzip2 stream, a bad header field
+        except _BAD_ARCHIVE as e:
             raise InvalidRequest(f"bad tar archive: {e}") from None
         # Directory modes last, deepest first, so a read-only dir does not block its contents.
         for dest, mode in reversed(dirs):
