@@ -159,8 +159,10 @@ fn cstring(what: &str, s: &str) -> Result<CString, EnterError> {
 
 /// The daemon's own process, at start: not dumpable (no one without CAP_SYS_PTRACE may
 /// ptrace it, read its memory, environment or fds through /proc, or use process_vm_*; the flag
-/// is copied to every process it forks), and the values of `secret_flags` (say `--token`)
-/// blanked in its command line, which /proc/PID/cmdline shows to anyone.
+/// is copied to every process it forks), its environment block blanked (the variables live
+/// on in heap copies), and the values of `secret_flags` (say `--token`) blanked in its
+/// command line, which /proc/PID/cmdline shows to anyone. Call it before any other thread
+/// runs (setenv).
 pub fn harden_daemon(secret_flags: &[String]) -> Result<(), EnterError> {
     // SAFETY: prctl with integer arguments only.
     if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } < 0 {
@@ -171,13 +173,22 @@ pub fn harden_daemon(secret_flags: &[String]) -> Result<(), EnterError> {
     // 48th and 49th fields, the 46th and 47th after ")".
     let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
     let f: Vec<&str> = rest.split_whitespace().collect();
-    let (start, end) = match (f.get(45), f.get(46)) {
-        (Some(a), Some(b)) => (
-            a.parse::<usize>().unwrap_or(0),
-            b.parse::<usize>().unwrap_or(0),
-        ),
-        _ => (0, 0),
-    };
+    let field = |i: usize| f.get(i).and_then(|x| x.parse::<usize>().ok()).unwrap_or(0);
+    let (start, end) = (field(45), field(46));
+    let (env_start, env_end) = (field(47), field(48));
+    // The environment block on the initial stack is what /proc/PID/environ shows, and a
+    // process forked from ours (exec_in's command, before it execs) has a copy of it where
+    // its own /proc/PID/environ points; some kernels show that file to any process of the
+    // same uid, dumpable or not. Give every variable a heap copy (setenv), then blank the
+    // block: getenv() and Python's os.environ keep working.
+    if env_start != 0 && env_end > env_start {
+        for (k, v) in std::env::vars_os() {
+            std::env::set_var(&k, &v);
+        }
+        // SAFETY: [env_start, env_end) is this process's own environment block (initial
+        // stack, writable); no `environ` entry points into it any more (set_var above).
+        unsafe { std::ptr::write_bytes(env_start as *mut u8, 0, env_end - env_start) };
+    }
     if start == 0 || end <= start {
         return Ok(());
     }
