@@ -112,9 +112,10 @@ while not os.path.exists("/tmp/stop"):
                 except OSError:
                     continue
                 out["fds"] += 1
-                # what only corrald holds: pidfds, its epoll, sockets, cgroup and state files
+                # what only corrald holds: pidfds, its epoll, sockets, cgroup and state files,
+                # the pipe a command's pid is reported on (commands here hold stdio only)
                 if (target.startswith(("anon_inode:", "socket:", "/sys/", "/proc/"))
-                        or "corral" in target):
+                        or "corral" in target or (target.startswith("pipe:") and int(n) > 2)):
                     out["foreign_fds"].append([pid, n, target])
         except OSError:
             pass
