@@ -1,14 +1,20 @@
-//! Compiles `init/corral-init.c` into a tiny static PID 1 that the library embeds.
+//! Compiles `init/corral-init.c` (a tiny static PID 1) and `init/corral-exec.c` (exec_in's
+//! trampoline) into the binaries the library embeds.
 
 use std::env;
 use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
-    let src = PathBuf::from("init/corral-init.c");
+    build("corral-init");
+    build("corral-exec");
+}
+
+fn build(name: &str) {
+    let src = PathBuf::from(format!("init/{name}.c"));
     println!("cargo:rerun-if-changed={}", src.display());
     println!("cargo:rerun-if-env-changed=CORRAL_INIT_CC");
-    let out = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR")).join("corral-init");
+    let out = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR")).join(name);
     let cc = env::var("CORRAL_INIT_CC").unwrap_or_else(|_| "cc".to_string());
     let status = Command::new(&cc)
         .args([
@@ -32,9 +38,6 @@ fn main() {
         .arg(&out)
         .arg(&src)
         .status()
-        .unwrap_or_else(|e| panic!("running {cc} to build corral-init: {e}"));
-    assert!(
-        status.success(),
-        "{cc} failed to build corral-init ({status})"
-    );
+        .unwrap_or_else(|e| panic!("running {cc} to build {name}: {e}"));
+    assert!(status.success(), "{cc} failed to build {name} ({status})");
 }

@@ -1,7 +1,7 @@
 //! The fork machinery shared by `spawn` and `enter`.
 //!
 //! Both create their child with `clone(CLONE_VM | CLONE_VFORK, own stack)`, the way
-//! posix_spawn does, instead of fork(): the daemon is a big Python process and a fork would copy
+//! posix_spawn does, instead of fork() (only `enter`'s command is a fork, of that child): the daemon is a big Python process and a fork would copy
 //! its page tables (cost grows with its RSS; with thousands of sandboxes the daemon is large),
 //! while a CLONE_VM child shares them and the calling thread sleeps until the child execs or
 //! exits. Consequences the child code must respect:
@@ -17,6 +17,10 @@
 //!   it also catches a child killed by a signal;
 //! * every signal is blocked in the parent thread around the clone (`SignalBlock`), so no
 //!   handler of the daemon can ever run on the child's stack;
+//! * the child never runs in a sandbox's pid namespace: no process of a sandbox may ever see,
+//!   signal or trace a process that shares the daemon's memory. `spawn`'s child is PID 1 of a
+//!   namespace nothing else lives in yet; `enter`'s (the helper) stays in the daemon's pid
+//!   namespace and forks the command, with its own memory, into the sandbox's (enter.rs);
 //! * the child joins the sandbox's memory cgroup while it still shares the daemon's memory. The
 //!   OOM killer kills every process sharing its victim's memory, so were the child picked in an
 //!   OOM of that cgroup, the daemon would die with it. The kernel never picks it: oom_badness()
@@ -221,6 +225,49 @@ pub unsafe fn clone_vfork(
     Ok((pid, pidfd))
 }
 
+/// A sealed, close-on-exec memfd holding a static binary to execveat (exec_in's trampoline).
+pub fn sealed_exec_memfd(name: &std::ffi::CStr, bin: &[u8]) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let base = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+    // SAFETY: memfd_create with a valid name; MFD_EXEC (6.3+) first, so a vm.memfd_noexec
+    // sysctl cannot make it unexecutable; older kernels reject the flag with EINVAL.
+    let mut fd = unsafe { libc::memfd_create(name.as_ptr(), base | libc::MFD_EXEC) };
+    if fd < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+        // SAFETY: as above.
+        fd = unsafe { libc::memfd_create(name.as_ptr(), base) };
+    }
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fresh fd we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut off = 0;
+    while off < bin.len() {
+        // SAFETY: writing from a valid slice.
+        let n = unsafe {
+            libc::write(
+                fd.as_raw_fd(),
+                bin[off..].as_ptr() as *const c_void,
+                bin.len() - off,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        off += n as usize;
+    }
+    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+    // SAFETY: fcntl on our fd with integer arguments.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
 /// Reap a child we know has exited or is about to (blocking waitpid, EINTR retried).
 pub fn reap(pid: libc::pid_t) -> Option<c_int> {
     let mut status: c_int = 0;
@@ -359,14 +406,15 @@ impl Slots {
         self.fill(set, guard, fds)
     }
 
-    /// Like `lend`, but only with a set that is free now: None if every set is busy (the
-    /// caller then clones without CLONE_FILES). For `exec_in`, which must never wait for
-    /// another sandbox's clone.
+    /// Like `lend`, but only with a set that is free now, never the first one: None if every
+    /// other set is busy (the caller then clones without CLONE_FILES). For `exec_in`, whose
+    /// helper runs in a sandbox's cgroups (a sandbox at its CPU quota slows it): it never
+    /// waits for a set, and never holds the one `lend` waits for.
     pub fn try_lend(&'static self, fds: &mut [&mut RawFd]) -> std::io::Result<Option<Lent>> {
         if fds.len() > MAX_LENT {
             return Err(std::io::Error::from_raw_os_error(libc::EMFILE));
         }
-        for set in &self.sets {
+        for set in &self.sets[1..] {
             if let Ok(guard) = set.lock.try_lock() {
                 return self.fill(set, guard, fds).map(Some);
             }
@@ -403,16 +451,15 @@ impl Slots {
         Ok(lent)
     }
 
-    /// A free set if there is one, else wait for this thread's.
+    /// A free set if there is one, else wait for the first (which `try_lend` never takes:
+    /// only `lend`'s callers, whose children no sandbox can slow, hold it).
     fn acquire(&'static self) -> (&'static SlotSet, std::sync::MutexGuard<'static, ()>) {
         for set in &self.sets {
             if let Ok(g) = set.lock.try_lock() {
                 return (set, g);
             }
         }
-        // SAFETY: gettid has no arguments and cannot fail.
-        let tid = unsafe { libc::gettid() } as usize;
-        let set = &self.sets[tid % self.sets.len()];
+        let set = &self.sets[0];
         (set, set.lock.lock().unwrap_or_else(|p| p.into_inner()))
     }
 }
