@@ -505,8 +505,10 @@ static int serve_one(const unsigned long *nofile) {
          * any more (every seal set), mapped for the time of this request. */
         int mfd = fds[nfds - 1];
         long size = sys3(NR_lseek, mfd, 0, SEEK_END);
-        if ((unsigned long)n != sizeof(*q) ||
-            sys3(NR_fcntl, mfd, F_GET_SEALS, 0) != F_SEAL_ALL || size <= 0)
+        /* More seals are fine: vm.memfd_noexec adds F_SEAL_EXEC to every memfd. */
+        long seals = sys3(NR_fcntl, mfd, F_GET_SEALS, 0);
+        if ((unsigned long)n != sizeof(*q) || seals < 0 || (seals & F_SEAL_ALL) != F_SEAL_ALL ||
+            size <= 0)
             err = EINVAL;
         else if ((unsigned long)size > MAX_BIG)
             err = E2BIG;
