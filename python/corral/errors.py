@@ -60,6 +60,12 @@ class Unauthorized(CorralError):
     code, status = "unauthorized", 401
 
 
+class Forbidden(CorralError):
+    """The credential does not allow this call (a TCP token naming a host path)."""
+
+    code, status = "forbidden", 403
+
+
 class NotFound(CorralError):
     code, status = "not_found", 404
 

@@ -7,7 +7,7 @@ agree by construction. Field limits here are the API's limits: absurd values are
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -26,6 +26,24 @@ DEFAULT_EXEC_TIMEOUT_S = 60.0
 DEFAULT_MAX_OUTPUT_BYTES = 4 * 1024 * 1024
 MAX_OUTPUT_BYTES = 256 * 1024 * 1024
 LABEL_KEY_PATTERN = r"^[A-Za-z0-9_.\-/]{1,63}$"
+# An absolute path inside a sandbox: components of at most 255 bytes (NAME_MAX), no NUL.
+PATH_PATTERN = r"^(/[^/\x00]{0,255})+$"
+MAX_PATH = 4095
+AbsPath = Annotated[str, Field(min_length=1, max_length=MAX_PATH, pattern=PATH_PATTERN)]
+ENV_NAME_PATTERN = r"^[^=\x00]+$"
+NO_NUL_PATTERN = r"^[^\x00]*$"
+# The JSON schema of a dict field whose keys and values the validators below restrict.
+_ENV_SCHEMA = {"propertyNames": {"pattern": ENV_NAME_PATTERN, "minLength": 1},
+               "additionalProperties": {"type": "string", "pattern": NO_NUL_PATTERN}}
+_LABELS_SCHEMA = {"propertyNames": {"pattern": LABEL_KEY_PATTERN},
+                  "additionalProperties": {"type": "string", "maxLength": 256}}
+
+
+def check_env(v: dict[str, str]) -> dict[str, str]:
+    for k, val in v.items():
+        if not k or "=" in k or "\0" in k or "\0" in val:
+            raise ValueError(f"bad environment variable name or value: {k!r}")
+    return v
 
 
 class _Model(BaseModel):
@@ -44,13 +62,17 @@ class SandboxSpec(_Model):
                            description="TTL in seconds from creation")
     idle_timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S,
                                        description="kill after this long with no API call")
-    env: dict[str, str] = Field(default_factory=dict)
-    labels: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict, json_schema_extra=_ENV_SCHEMA,
+                                description="names without '=' or NUL, values without NUL")
+    labels: dict[str, str] = Field(default_factory=dict, json_schema_extra=_LABELS_SCHEMA,
+                                   description=f"keys match {LABEL_KEY_PATTERN}, values of "
+                                               "at most 256 characters")
     metadata: dict[str, str] = Field(default_factory=dict)
     network: NetworkMode = "none"
     hostname: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9\-.]{0,62}$")
-    cwd: str = Field("/root", min_length=1, max_length=4096, pattern=r"^/",
-                     description="absolute working directory for commands")
+    cwd: str = Field("/root", min_length=1, max_length=MAX_PATH, pattern=PATH_PATTERN,
+                     description="absolute working directory for commands (must exist, "
+                                 "unless it is the default)")
     snapshot: str | None = Field(None, min_length=1, max_length=200,
                                  description="start on a snapshot (id or name); the image is "
                                              "the snapshot's")
@@ -60,10 +82,7 @@ class SandboxSpec(_Model):
     @field_validator("env")
     @classmethod
     def _env_ok(cls, v: dict[str, str]) -> dict[str, str]:
-        for k, val in v.items():
-            if not k or "=" in k or "\0" in k or "\0" in val:
-                raise ValueError(f"bad environment variable name or value: {k!r}")
-        return v
+        return check_env(v)
 
     @field_validator("labels")
     @classmethod
@@ -158,14 +177,39 @@ class ForkResult(_Model):
 class ExecRequest(_Model):
     """Run a command. ``cmd`` as a string runs under ``/bin/sh -c``; as a list it is the argv."""
 
-    cmd: str | list[str]
+    cmd: str | list[str] = Field(json_schema_extra={"anyOf": [
+        {"type": "string", "pattern": r"^[^\x00]*\S[^\x00]*$",
+         "description": "a shell command line (/bin/sh -c), not blank"},
+        {"type": "array", "minItems": 1, "description": "argv",
+         "items": {"type": "string", "pattern": NO_NUL_PATTERN}}]})
     timeout: float | None = Field(DEFAULT_EXEC_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = None
-    user: str | int | None = None
+    env: dict[str, str] = Field(default_factory=dict, json_schema_extra=_ENV_SCHEMA)
+    cwd: AbsPath | None = Field(None, description="an existing directory in the sandbox "
+                                                  "(default: the sandbox's cwd)")
+    user: str | int | None = Field(None, description=(
+        "a uid (0 to 4294967294; one not in /etc/passwd runs with gid = uid) or a user "
+        "name from the sandbox's /etc/passwd (an unknown name is invalid_request)"),
+        json_schema_extra={"anyOf": [
+            {"type": "integer", "minimum": 0, "maximum": 4294967294},
+            {"type": "string", "pattern": r"^(root|[0-9]{1,9})$"}, {"type": "null"}]})
     stdin: str | None = Field(None, description="text written to stdin, then stdin is closed")
     background: bool = False
     max_output_bytes: int = Field(DEFAULT_MAX_OUTPUT_BYTES, ge=0, le=MAX_OUTPUT_BYTES)
+
+    @field_validator("env")
+    @classmethod
+    def _env_ok(cls, v: dict[str, str]) -> dict[str, str]:
+        return check_env(v)
+
+    @field_validator("user")
+    @classmethod
+    def _user_ok(cls, v: str | int | None) -> str | int | None:
+        if isinstance(v, int) and not 0 <= v < 2**32 - 1:
+            raise ValueError("user id out of range")
+        if isinstance(v, str) and (not v or "\0" in v or len(v) > 256
+                                   or (v[0].isdigit() and not v.isascii())):
+            raise ValueError("bad user name")
+        return v
 
     @field_validator("cmd")
     @classmethod
@@ -180,20 +224,19 @@ class ExecRequest(_Model):
         return v
 
 
+class BatchExecRequest(ExecRequest):
+    """A command of a batch: foreground only."""
+
+    background: Literal[False] = False
+
+
 class ExecManyRequest(_Model):
     """The same command in many sandboxes; one result per id, in order."""
 
     ids: list[str] = Field(min_length=1, max_length=MAX_BATCH)
-    exec: ExecRequest
+    exec: BatchExecRequest
     concurrency: int = Field(64, ge=1, le=1024,
                              description="commands running at once (the rest wait)")
-
-    @field_validator("exec")
-    @classmethod
-    def _foreground(cls, v: ExecRequest) -> ExecRequest:
-        if v.background:
-            raise ValueError("background commands are not supported in a batch")
-        return v
 
 
 class KillManyRequest(_Model):
@@ -220,8 +263,23 @@ class ExecManyResponse(_Model):
     results: list[ExecResult | ItemError]
 
 
+class KillOutcome(_Model):
+    """One id of a batch destroy that was not killed by it: already ended, or an error."""
+
+    index: int = Field(description="the id's position in the request")
+    id: str
+    killed: Literal[False] = False
+    error: ErrorInfo | None = Field(None, description="why not, if not already ended")
+
+
 class KillManyResponse(_Model):
-    results: list[KillResult | ItemError]
+    """Counts, and only the ids that were not killed (the rest were): a batch of 10,000
+    live sandboxes answers in a few bytes."""
+
+    killed: int = Field(description="ids whose sandbox this call destroyed")
+    already_ended: int = Field(description="ids whose sandbox had ended before")
+    failed: int = Field(description="ids that are errors (unknown sandbox ...)")
+    not_killed: list[KillOutcome] = Field(description="the ids not killed, in request order")
 
 
 class ProcessHandle(_Model):
@@ -263,18 +321,18 @@ class FileEntry(_Model):
 
 
 class MkdirRequest(_Model):
-    path: str
+    path: AbsPath
     parents: bool = True
 
 
 class RemoveRequest(_Model):
-    path: str
+    path: AbsPath
     recursive: bool = False
 
 
 class RenameRequest(_Model):
-    src: str
-    dst: str
+    src: AbsPath
+    dst: AbsPath
 
 
 class ImageInfo(_Model):
@@ -286,7 +344,12 @@ class ImageInfo(_Model):
 
 class ImportImageRequest(_Model):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.\-]{0,62}$")
-    source: str = Field(min_length=1, description="host path of a rootfs directory or tarball")
+    source: str = Field(min_length=1, max_length=MAX_PATH,
+                        json_schema_extra={"pattern": r"^/[^\x00]*$"},
+                        description="absolute host path of a rootfs directory or tarball: on "
+                                    "the local socket, or under the daemon's import directory "
+                                    "(else forbidden); anything else is a registry reference "
+                                    "(unsupported)")
 
 
 class DaemonStatus(_Model):

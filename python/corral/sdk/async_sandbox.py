@@ -146,7 +146,9 @@ class AsyncSandbox(SandboxHandle):
     async def list(cls, labels: Labels = None, *,
                    endpoint: str | Endpoint | None = None) -> builtins.list[AsyncSandbox]:
         ep = Endpoint.parse(endpoint)
-        return [cls._bind(ep, i.id, i) for i in await _send(ep, api.list_(labels))]
+        infos = await api.all_pages_async(transport(ep).call,
+                                          lambda after: api.list_(labels, after))
+        return [cls._bind(ep, i.id, i) for i in infos]
 
     @classmethod
     async def create_many(cls, n: int, image: str = "host", *,

@@ -102,7 +102,8 @@ class Sandbox(SandboxHandle):
         """Running sandboxes, optionally those whose labels match (``{"k": "v"}``; a None
         value matches any value). Each handle's ``last_info`` holds what was listed."""
         ep = Endpoint.parse(endpoint)
-        return [cls._bind(ep, i.id, i) for i in _send(ep, api.list_(labels))]
+        infos = api.all_pages(transport(ep).call, lambda after: api.list_(labels, after))
+        return [cls._bind(ep, i.id, i) for i in infos]
 
     @classmethod
     def create_many(cls, n: int, image: str = "host", *,
