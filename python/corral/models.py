@@ -7,9 +7,10 @@ agree by construction. Field limits here are the API's limits: absurd values are
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 SUBSTRATES = ("process", "container", "gvisor", "microvm", "vm")
 Substrate = Literal["process", "container", "gvisor", "microvm", "vm"]
@@ -29,7 +30,17 @@ LABEL_KEY_PATTERN = r"^[A-Za-z0-9_.\-/]{1,63}$"
 # An absolute path inside a sandbox: components of at most 255 bytes (NAME_MAX), no NUL.
 PATH_PATTERN = r"^(/[^/\x00]{0,255})+$"
 MAX_PATH = 4095
-AbsPath = Annotated[str, Field(min_length=1, max_length=MAX_PATH, pattern=PATH_PATTERN)]
+
+
+def _path_len(v: str) -> str:
+    # Not a maxLength in the schema: generators choke on it next to the pattern.
+    if len(v.encode()) > MAX_PATH:
+        raise ValueError(f"path longer than {MAX_PATH} bytes")
+    return v
+
+
+AbsPath = Annotated[str, Field(pattern=PATH_PATTERN, description=(
+    f"an absolute path, at most {MAX_PATH} bytes")), AfterValidator(_path_len)]
 ENV_NAME_PATTERN = r"^[^=\x00]+$"
 NO_NUL_PATTERN = r"^[^\x00]*$"
 # The JSON schema of a dict field whose keys and values the validators below restrict.
@@ -37,6 +48,12 @@ _ENV_SCHEMA = {"propertyNames": {"pattern": ENV_NAME_PATTERN, "minLength": 1},
                "additionalProperties": {"type": "string", "pattern": NO_NUL_PATTERN}}
 _LABELS_SCHEMA = {"propertyNames": {"pattern": LABEL_KEY_PATTERN},
                   "additionalProperties": {"type": "string", "maxLength": 256}}
+
+
+# A user name (as useradd(8) takes them, upper case too) or a uid of up to nine digits.
+USER_PATTERN = r"^([A-Za-z_][A-Za-z0-9_.\-]{0,31}\$?|[0-9]{1,9})$"
+_USER = re.compile(USER_PATTERN)
+SandboxId = Annotated[str, Field(min_length=1, max_length=200)]
 
 
 def check_env(v: dict[str, str]) -> dict[str, str]:
@@ -70,9 +87,8 @@ class SandboxSpec(_Model):
     metadata: dict[str, str] = Field(default_factory=dict)
     network: NetworkMode = "none"
     hostname: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9\-.]{0,62}$")
-    cwd: str = Field("/root", min_length=1, max_length=MAX_PATH, pattern=PATH_PATTERN,
-                     description="absolute working directory for commands (must exist, "
-                                 "unless it is the default)")
+    cwd: AbsPath = Field("/root", description="absolute working directory for commands "
+                                              "(must exist, unless it is the default)")
     snapshot: str | None = Field(None, min_length=1, max_length=200,
                                  description="start on a snapshot (id or name); the image is "
                                              "the snapshot's")
@@ -180,7 +196,8 @@ class ExecRequest(_Model):
     cmd: str | list[str] = Field(json_schema_extra={"anyOf": [
         {"type": "string", "pattern": r"^[^\x00]*\S[^\x00]*$",
          "description": "a shell command line (/bin/sh -c), not blank"},
-        {"type": "array", "minItems": 1, "description": "argv",
+        {"type": "array", "minItems": 1, "description": "argv (argv[0] not empty)",
+         "prefixItems": [{"type": "string", "minLength": 1, "pattern": NO_NUL_PATTERN}],
          "items": {"type": "string", "pattern": NO_NUL_PATTERN}}]})
     timeout: float | None = Field(DEFAULT_EXEC_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
     env: dict[str, str] = Field(default_factory=dict, json_schema_extra=_ENV_SCHEMA)
@@ -188,10 +205,10 @@ class ExecRequest(_Model):
                                                   "(default: the sandbox's cwd)")
     user: str | int | None = Field(None, description=(
         "a uid (0 to 4294967294; one not in /etc/passwd runs with gid = uid) or a user "
-        "name from the sandbox's /etc/passwd (an unknown name is invalid_request)"),
+        "name from the sandbox's /etc/passwd (an unknown name is user_not_found)"),
         json_schema_extra={"anyOf": [
             {"type": "integer", "minimum": 0, "maximum": 4294967294},
-            {"type": "string", "pattern": r"^(root|[0-9]{1,9})$"}, {"type": "null"}]})
+            {"type": "string", "pattern": USER_PATTERN}, {"type": "null"}]})
     stdin: str | None = Field(None, description="text written to stdin, then stdin is closed")
     background: bool = False
     max_output_bytes: int = Field(DEFAULT_MAX_OUTPUT_BYTES, ge=0, le=MAX_OUTPUT_BYTES)
@@ -206,16 +223,15 @@ class ExecRequest(_Model):
     def _user_ok(cls, v: str | int | None) -> str | int | None:
         if isinstance(v, int) and not 0 <= v < 2**32 - 1:
             raise ValueError("user id out of range")
-        if isinstance(v, str) and (not v or "\0" in v or len(v) > 256
-                                   or (v[0].isdigit() and not v.isascii())):
-            raise ValueError("bad user name")
+        if isinstance(v, str) and not _USER.match(v):
+            raise ValueError(f"user must be a uid or a user name matching {USER_PATTERN}")
         return v
 
     @field_validator("cmd")
     @classmethod
     def _cmd_ok(cls, v: str | list[str]) -> str | list[str]:
-        if isinstance(v, list) and not v:
-            raise ValueError("cmd must not be an empty list")
+        if isinstance(v, list) and (not v or not v[0]):
+            raise ValueError("cmd must not be an empty list, nor start with an empty string")
         if isinstance(v, str) and not v.strip():
             raise ValueError("cmd must not be empty")
         items = v if isinstance(v, list) else [v]
@@ -227,20 +243,27 @@ class ExecRequest(_Model):
 class BatchExecRequest(ExecRequest):
     """A command of a batch: foreground only."""
 
-    background: Literal[False] = False
+    background: bool = Field(False, json_schema_extra={"const": False})
+
+    @field_validator("background")
+    @classmethod
+    def _foreground(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("background commands are not supported in a batch")
+        return v
 
 
 class ExecManyRequest(_Model):
     """The same command in many sandboxes; one result per id, in order."""
 
-    ids: list[str] = Field(min_length=1, max_length=MAX_BATCH)
+    ids: list[SandboxId] = Field(min_length=1, max_length=MAX_BATCH)
     exec: BatchExecRequest
     concurrency: int = Field(64, ge=1, le=1024,
                              description="commands running at once (the rest wait)")
 
 
 class KillManyRequest(_Model):
-    ids: list[str] = Field(min_length=1, max_length=MAX_BATCH)
+    ids: list[SandboxId] = Field(min_length=1, max_length=MAX_BATCH)
 
 
 class KillResult(_Model):

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from corral import __version__, config
 from corral.daemon import logs
-from corral.daemon.app import create_app
+from corral.daemon.app import SERVER_LIMITS, create_app
 from corral.daemon.engine import Engine
 from corral.daemon.locks import try_lock
 
@@ -199,7 +199,7 @@ async def serve(cfg: config.Config) -> None:
     try:
         await engine.start()
         app = create_app(engine, cfg.token or None)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0, **SERVER_LIMITS)
         await runner.setup()
         await web.SockSite(runner, sock, backlog=4096).start()
         if cfg.tcp_listen:

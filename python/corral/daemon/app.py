@@ -11,6 +11,7 @@ shared pydantic models; a validation failure is ``invalid_request`` with pydanti
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -22,14 +23,16 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from corral.daemon.app_errors import MAX_BODY, is_unix, middleware
+from corral.daemon.bodies import parse
 from corral.daemon.engine import MAX_READ_BYTES, Engine
 from corral.daemon.images import resolve_source
 from corral.daemon.params import (
     check_path,
     label_filters,
+    not_root,
     page,
     path_int,
     query_int,
@@ -59,13 +62,13 @@ from corral.daemon.trajlog import (
     data_result,
 )
 from corral.errors import (
+    Conflict,
     CorralError,
-    InvalidNetwork,
+    InvalidPath,
     InvalidRequest,
     SandboxNotFound,
 )
 from corral.models import (
-    NETWORK_MODES,
     CreateManyRequest,
     DaemonStatus,
     ExecManyRequest,
@@ -98,6 +101,8 @@ from corral.models import (
 log = logging.getLogger("corral.api")
 
 ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
+# Handlers waiting on a process for a client (streams, waits): /metrics corral_api_waiting.
+WAITING: web.AppKey[dict[str, int]] = web.AppKey("waiting", dict)
 T = TypeVar("T")
 KEY_PATTERN = rf"^[!-~]{{1,{MAX_KEY_LEN}}}$"
 KEY_RE = re.compile(KEY_PATTERN)
@@ -117,31 +122,11 @@ def _ok() -> web.Response:
     return web.Response(body=_OK, content_type="application/json")
 
 
-def validation_message(e: ValidationError) -> tuple[str, list[dict[str, Any]]]:
-    errs = [{"loc": [str(x) for x in d["loc"]], "msg": d["msg"], "type": d["type"]}
-            for d in e.errors(include_url=False, include_input=False, include_context=False)]
-    text = "; ".join(f"{'.'.join(d['loc']) or 'body'}: {d['msg']}" for d in errs[:5])
-    return text, errs
-
-
 async def _body(request: web.Request, model: type[BaseModel]) -> Any:
     return _parse(await request.read(), model)
 
 
-def _parse(raw: bytes, model: type[BaseModel]) -> Any:
-    try:
-        # Strict: an integer is a JSON integer ("12", 12.0 and "4_2" are refused).
-        return model.model_validate_json(raw or b"{}", strict=True)
-    except ValidationError as e:
-        text, errs = validation_message(e)
-        # A bad network mode gets its own code: clients branch on it (an older daemon may lack
-        # a newer mode), and the message lists the modes this daemon knows.
-        if any(d["loc"] and d["loc"][-1] == "network" for d in errs):
-            raise InvalidNetwork(f"invalid {model.__name__}: {text} (network modes: "
-                                 f"{', '.join(NETWORK_MODES)})",
-                                 details={"errors": errs, "modes": list(NETWORK_MODES)}) from None
-        raise InvalidRequest(f"invalid {model.__name__}: {text}",
-                             details={"errors": errs}) from None
+_parse = parse
 
 
 def _engine(request: web.Request) -> Engine:
@@ -339,6 +324,8 @@ async def _unless_gone(request: web.Request, aw: Awaitable[T]) -> T:
     nothing after that (aiohttp does not cancel handlers on disconnect). Raises
     ConnectionResetError then, which aiohttp drops silently."""
     task = asyncio.ensure_future(aw)
+    counts = request.app[WAITING]
+    counts["waiting"] += 1
     try:
         while True:
             done, _ = await asyncio.wait((task,), timeout=DISCONNECT_POLL_S)
@@ -348,6 +335,7 @@ async def _unless_gone(request: web.Request, aw: Awaitable[T]) -> T:
             if transport is None or transport.is_closing():
                 raise ConnectionResetError("client disconnected")
     finally:
+        counts["waiting"] -= 1
         if not task.done():
             task.cancel()
             await asyncio.wait((task,))
@@ -474,14 +462,26 @@ async def file_mkdir(request: web.Request) -> web.Response:
 
 async def file_remove(request: web.Request) -> web.Response:
     req = await _body(request, RemoveRequest)
+    not_root(req.path, "removed")
     return await _file_op(request, "remove", req.model_dump(), check_path(req.path),
                           req.recursive, big=req.recursive)
 
 
 async def file_rename(request: web.Request) -> web.Response:
     req = await _body(request, RenameRequest)
-    return await _file_op(request, "rename", req.model_dump(), check_path(req.src, "src"),
-                          check_path(req.dst, "dst"))
+    not_root(req.src, "renamed")
+    not_root(req.dst, "replaced")
+    try:
+        return await _file_op(request, "rename", req.model_dump(), check_path(req.src, "src"),
+                              check_path(req.dst, "dst"))
+    except InvalidPath as e:
+        if e.details.get("errno") != errno.EXDEV:
+            raise
+        # src and dst are on different mounts of the sandbox (its /tmp, its root): the
+        # sandbox's layout, not the request, is in the way.
+        raise Conflict(f"cannot rename across the sandbox's mounts: {req.src} -> {req.dst}",
+                       details={"src": req.src, "dst": req.dst, "errno": e.details["errno"]},
+                       ) from None
 
 
 async def tar_upload(request: web.Request) -> web.Response:
@@ -659,6 +659,8 @@ async def metrics(request: web.Request) -> web.Response:
     lines = [
         "# TYPE corral_sandboxes gauge", f"corral_sandboxes {len(engine.sandboxes)}",
         "# TYPE corral_capacity gauge", f"corral_capacity {engine.config.max_sandboxes}",
+        "# TYPE corral_api_waiting gauge",
+        f"corral_api_waiting {request.app[WAITING]['waiting']}",
     ]
     for name, value in engine.metrics().items():
         if name == "pool_ready":
@@ -725,7 +727,8 @@ ROUTES: tuple[Route, ...] = (
           response=ExecResult, alt_response=ProcessHandle, query=(KEY_H,), errors=SB_ERR,
           links=_PROC_LINKS),
     Route("GET", SB + "/log", sandbox_log, "The sandbox's trajectory log (kept after it ends, "
-          "until pruned)", response=_LOG_RESPONSE, query=(FORMAT_Q,), errors=(404, 501)),
+          "until pruned)", response=_LOG_RESPONSE, query=(FORMAT_Q,), errors=(404, 501),
+          also=("ndjson",)),
     Route("GET", PROC, proc_status, "Background process status", response=ProcessStatus,
           errors=SB_ERR),
     Route("POST", PROC + "/wait", proc_wait, "Wait for a background process (409 "
@@ -795,10 +798,18 @@ ROUTES: tuple[Route, ...] = (
 )
 
 
+# A request line holds a path of up to 4095 characters, percent-encoded (12 bytes each at
+# worst): aiohttp's 8 KiB default would refuse valid requests before the app sees them.
+SERVER_LIMITS = {"max_line_size": 1 << 16, "max_field_size": 1 << 14}
+# /v1/sandboxes/batch is not a sandbox id: its methods are its own (405 names them).
+_ID_RE = "{id:(?!batch$)[^/]+}"
+
+
 def create_app(engine: Engine | None, token: str | None = None) -> web.Application:
     app = web.Application(middlewares=[middleware(token)], client_max_size=MAX_BODY)
+    app[WAITING] = {"waiting": 0}
     if engine is not None:
         app[ENGINE] = engine
     for r in ROUTES:
-        app.router.add_route(r.method, r.path, r.handler)
+        app.router.add_route(r.method, r.path.replace("{id}", _ID_RE), r.handler)
     return app

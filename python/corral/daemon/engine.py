@@ -35,6 +35,7 @@ from corral.errors import (
     CapacityExceeded,
     Conflict,
     CorralError,
+    CwdNotFound,
     DaemonRestarted,
     DirectoryNotEmpty,
     FileExists,
@@ -44,7 +45,9 @@ from corral.errors import (
     InvalidPath,
     InvalidRequest,
     IsADirectory,
+    IsASymlink,
     NotADirectory,
+    PermissionDenied,
     ProcessNotFound,
     ProcessStillRunning,
     SandboxLost,
@@ -193,10 +196,12 @@ def os_error(e: OSError, path: str = "") -> CorralError:
         return IsADirectory(f"is a directory{where}")
     if n == errno.ENOTEMPTY:
         return DirectoryNotEmpty(f"directory not empty{where}")
-    if n in (errno.EXDEV, errno.ELOOP, errno.ENAMETOOLONG, errno.EINVAL):
+    if n == errno.ELOOP:
+        return IsASymlink(f"{os.strerror(n)}{where}", details={"errno": n})
+    if n in (errno.EXDEV, errno.ENAMETOOLONG, errno.EINVAL):
         return InvalidPath(f"{os.strerror(n)}{where}")
     if n in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return InvalidRequest(f"permission denied{where}", details={"errno": n})
+        return PermissionDenied(f"{os.strerror(n)}{where}", details={"errno": n})
     if n in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return InvalidRequest(f"{os.strerror(n)}{where}", details={"errno": n})
     if n in _INPUT_ERRNOS:  # the request named a file that cannot be used that way
@@ -929,10 +934,10 @@ class Engine:
         try:
             entry = await self.files(sid, "stat", cwd)
         except (FileNotFound, NotADirectory):
-            raise InvalidPath(f"cwd {cwd!r} does not exist in the sandbox",
+            raise CwdNotFound(f"cwd {cwd!r} does not exist in the sandbox",
                               details={"cwd": cwd}) from None
         if entry.type not in ("dir", "symlink"):  # a symlink is resolved by chdir itself
-            raise InvalidPath(f"cwd {cwd!r} is not a directory", details={"cwd": cwd})
+            raise NotADirectory(f"cwd {cwd!r} is not a directory", details={"cwd": cwd})
 
     def _result(self, proc: procs.Process) -> dict[str, Any]:
         res = proc.result()

@@ -77,7 +77,10 @@ def _response(r: Route) -> dict[str, Any]:
             schema = {"oneOf": [schema, _schema_ref(r.alt_response)]}
     else:
         schema = resp or {}
-    return {"description": "OK", "content": {"application/json": {"schema": schema}}}
+    content = {"application/json": {"schema": schema}}
+    for kind in r.also:
+        content[_MEDIA[kind]] = {"schema": {"type": "string"}}
+    return {"description": "OK", "content": content}
 
 
 # The substrates this daemon runs; a spec naming others would promise what it cannot do.

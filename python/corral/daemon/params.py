@@ -7,31 +7,42 @@ neither 10 nor 8: it is refused). File modes may also be an explicit octal strin
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from aiohttp import web
 
-from corral.errors import InvalidPath, InvalidRequest
-from corral.models import LABEL_KEY_PATTERN
+from corral.errors import Conflict, InvalidPath, InvalidRequest
+from corral.models import LABEL_KEY_PATTERN, MAX_PATH, PATH_PATTERN
 
 DECIMAL = r"^(0|[1-9][0-9]{0,17})$"
 OCTAL_MODE = r"^0o?[0-7]{1,4}$"
 _DECIMAL = re.compile(DECIMAL)
 _OCTAL_MODE = re.compile(OCTAL_MODE)
 _LABEL_KEY = re.compile(LABEL_KEY_PATTERN)
+_PATH = re.compile(PATH_PATTERN)
 LABEL_FILTER = r"^[A-Za-z0-9_.\-/]{1,63}(=.{0,256})?$"
 MAX_MODE = 0o7777
 DEFAULT_PAGE = 1000
 MAX_PAGE = 10_000
+MAX_CURSOR = 512
 T = TypeVar("T")
 
 
 def check_path(path: str, what: str = "path") -> str:
-    if not path.startswith("/") or "\0" in path or len(path) > 4096:
+    if not _PATH.match(path) or len(path.encode()) > MAX_PATH:
         raise InvalidPath(f"{what} must be an absolute path inside the sandbox: {path!r}")
     return path
+
+
+def not_root(path: str, what: str) -> None:
+    """The sandbox's root directory is where everything else hangs: a conflict, not bad
+    input, to name it for a remove or a rename."""
+    if posixpath.normpath(path) in ("/", "//"):
+        raise Conflict(f"the sandbox's root directory cannot be {what}",
+                       details={"path": path})
 
 
 def query_path(request: web.Request) -> str:
@@ -90,6 +101,8 @@ def page(request: web.Request, items: Sequence[T], key: Callable[[T], str]
     Items made or gone between pages are seen or not, never twice."""
     limit = query_int(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
     start = request.query.get("after") or None
+    if start is not None and len(start) > MAX_CURSOR:
+        raise InvalidRequest("query parameter 'after' is not a cursor this daemon returned")
     keyed = sorted(((key(x), x) for x in items), key=lambda kx: kx[0])
     if start is not None:
         keyed = [kx for kx in keyed if kx[0] > start]

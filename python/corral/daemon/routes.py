@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel
 
-from corral.daemon.params import LABEL_FILTER, MAX_PAGE, OCTAL_MODE
+from corral.daemon.params import LABEL_FILTER, MAX_CURSOR, MAX_PAGE, OCTAL_MODE
 from corral.daemon.trajlog import KEY_HEADER, MAX_KEY_LEN
 from corral.models import MAX_PATH, PATH_PATTERN
 
@@ -45,11 +45,12 @@ class Route:
     alt_response: type[BaseModel] | None = None         # exec: ProcessHandle if background
     errors: tuple[int, ...] = ()                        # statuses beyond the common ones
     links: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> OpenAPI link
+    also: tuple[str, ...] = ()                          # other media of the response ("ndjson")
 
 
-PATH_Q = Param("path", required=True, description="absolute path inside the sandbox",
-               schema={"type": "string", "minLength": 1, "maxLength": MAX_PATH,
-                       "pattern": PATH_PATTERN})
+PATH_Q = Param("path", required=True, description=f"absolute path inside the sandbox "
+               f"(at most {MAX_PATH} bytes)",
+               schema={"type": "string", "pattern": PATH_PATTERN})
 KEY_H = Param(KEY_HEADER, where="header", description=(
     "idempotency key: a key already logged returns the logged result without running the "
     "call again; the same key with a different request is replay_divergence (409). Scope: "
@@ -58,7 +59,7 @@ KEY_H = Param(KEY_HEADER, where="header", description=(
 LIMIT_Q = Param("limit", description=f"items per page (default 1000, at most {MAX_PAGE})",
                 schema={"type": "integer", "minimum": 1, "maximum": MAX_PAGE})
 AFTER_Q = Param("after", description="the `next` cursor of the previous page (opaque)",
-                schema={"type": "string", "maxLength": 512})
+                schema={"type": "string", "maxLength": MAX_CURSOR})
 PAGE_Q = (LIMIT_Q, AFTER_Q)
 LABEL_Q = Param("label", description="key=value (equal) or key (present); repeat to AND them",
                 repeated=True, schema={"type": "string", "pattern": LABEL_FILTER})

@@ -247,10 +247,13 @@ def _page_query(after: str | None) -> list[tuple[str, str]]:
 
 
 def list_(labels: Mapping[str, str | None] | list[str] | None = None,
-          after: str | None = None) -> Call[Page[SandboxInfo]]:
-    """One page of running sandboxes; callers follow ``next`` (sdk.pages)."""
+          after: str | None = None, limit: int | None = None) -> Call[Page[SandboxInfo]]:
+    """One page of running sandboxes; callers follow ``next`` (all_pages)."""
+    query = label_filters(labels) + _page_query(after)
+    if limit is not None:
+        query.append(("limit", str(limit)))
     return Call("GET", "/v1/sandboxes", _page("sandboxes", SandboxInfo.model_validate),
-                query=label_filters(labels) + _page_query(after), retry_safe=True)
+                query=query, retry_safe=True)
 
 
 def kill(sid: str) -> Call[bool]:
