@@ -39,7 +39,7 @@ def _free_port() -> int:
 def remote():
     """A daemon of its own on TCP with a token, an import directory, and a log file that
     rotates at 64 KiB (debug level: every sandbox made and destroyed is a line)."""
-    state = tempfile.mkdtemp(prefix="corral-test-hostile-", dir="/var/tmp")
+    state = tempfile.mkdtemp(prefix="corral-hostile-", dir="/var/tmp")
     imports = os.path.join(state, "imports")
     os.makedirs(os.path.join(imports, "rootfs", "etc"))
     Path(imports, "rootfs", "etc", "motd").write_text("imported\n")
@@ -214,7 +214,7 @@ def test_malformed_requests_cannot_fill_the_log(remote):
     for i in range(300):
         out = _raw(remote.port, b"GET /v1/status HTTP/1.1\r\nHost: x\r\nX-Bad: a\x00b%d\r\n\r\n"
                    % i)
-        assert out.startswith(b"HTTP/1.1 400")
+        assert re.match(rb"HTTP/1.[01] 400 ", out), out[:200]
     elapsed = time.monotonic() - t0
     with tcp(remote) as c:
         assert c.get("/v1/status").status_code == 200  # still serving
@@ -374,5 +374,5 @@ def test_idempotency_key_syntax(remote):
     with client(remote.socket_path) as c:
         for bad in ("k" * 257, "a b", "é"):
             r = c.post("/v1/sandboxes", json={},
-                       headers={"Idempotency-Key": bad.encode("utf-8").decode("latin-1")})
+                       headers={"Idempotency-Key": bad.encode()})
             expect_error(r, "invalid_request", 400)

@@ -55,7 +55,7 @@ def _free_port() -> int:
 def tcp_daemon():
     """A daemon of its own, on TCP with a token (what a remote client has), small capacity
     (generated batch creates and forks of 10,000 get capacity_exceeded, not a full host)."""
-    state = tempfile.mkdtemp(prefix="corral-test-fuzz-", dir="/var/tmp")
+    state = tempfile.mkdtemp(prefix="corral-fuzz-", dir="/var/tmp")
     cg = f"{CGROUP_NAME}-fuzz"
     port, token = _free_port(), secrets.token_hex(16)
     d = DaemonProcess(state, os.path.join(state, "run", "corrald.sock"))

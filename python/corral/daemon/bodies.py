@@ -15,8 +15,11 @@ from pydantic import BaseModel, ValidationError
 from corral.errors import InvalidNetwork, InvalidPath, InvalidRequest
 from corral.models import NETWORK_MODES
 
-# Fields that are paths inside the sandbox: a malformed one is invalid_path.
+# Requests naming paths inside the sandbox: a malformed one is invalid_path (a missing one,
+# or a SandboxSpec's cwd, stays invalid_request).
+PATH_MODELS = frozenset({"MkdirRequest", "RemoveRequest", "RenameRequest", "ExecRequest"})
 PATH_FIELDS = frozenset({"path", "src", "dst", "cwd"})
+PATH_ERRORS = frozenset({"string_pattern_mismatch", "value_error", "string_too_short"})
 
 
 def _number(text: str) -> float | int:
@@ -47,7 +50,9 @@ def parse(raw: bytes, model: type[BaseModel]) -> Any:
         return model.model_validate(data, strict=True)
     except ValidationError as e:
         text, errs = validation_message(e)
-        if all(d["loc"] and d["loc"][-1] in PATH_FIELDS for d in errs):
+        if model.__name__ in PATH_MODELS and all(
+                d["loc"] and d["loc"][-1] in PATH_FIELDS and d["type"] in PATH_ERRORS
+                for d in errs):
             raise InvalidPath(f"invalid {model.__name__}: {text}",
                               details={"errors": errs}) from None
         if any(d["loc"] and d["loc"][-1] == "network" for d in errs):
