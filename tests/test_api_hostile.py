@@ -376,3 +376,24 @@ def test_idempotency_key_syntax(remote):
             r = c.post("/v1/sandboxes", json={},
                        headers={"Idempotency-Key": bad.encode()})
             expect_error(r, "invalid_request", 400)
+
+
+def test_directory_listing_pages(remote):
+    import corral
+
+    with client(remote.socket_path) as c:
+        sid = create(c)["id"]
+        try:
+            assert run(c, sid, "mkdir /tmp/many && cd /tmp/many && seq 1 1500 | xargs touch"
+                       )["exit_code"] == 0
+            first = c.get(f"/v1/sandboxes/{sid}/files/list", params={"path": "/tmp/many"})
+            assert len(first.json()["entries"]) == 1000 and first.json()["next"]
+            rest = c.get(f"/v1/sandboxes/{sid}/files/list",
+                         params={"path": "/tmp/many", "after": first.json()["next"]}).json()
+            assert len(rest["entries"]) == 500 and rest["next"] is None
+            names = [e["name"] for e in first.json()["entries"] + rest["entries"]]
+            assert len(set(names)) == 1500 and names == sorted(names)
+            sb = corral.Sandbox.connect(sid, endpoint=remote.socket_path)
+            assert len(sb.files.list("/tmp/many")) == 1500  # the SDK follows the pages
+        finally:
+            kill(c, sid)

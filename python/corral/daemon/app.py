@@ -442,7 +442,8 @@ async def file_list(request: web.Request) -> web.Response:
         return [_entry(e) for e in await engine.files(sid, "list_dir", path)]
 
     entries = await engine.trajlog.run(sid, "list", {"path": path}, None, ls, to_log=_listing)
-    return _json({"entries": entries})
+    items, nxt = page(request, entries, lambda e: e["name"])
+    return _json({"entries": items, "next": nxt})
 
 
 async def file_stat(request: web.Request) -> web.Response:
@@ -747,9 +748,9 @@ ROUTES: tuple[Route, ...] = (
     Route("PUT", SB + "/files", file_write, "Write a file (parents are created)", body="bytes",
           response="ok", query=(PATH_Q, MODE_Q, KEY_H), errors=(*SB_ERR, 413),
           links=_FILE_LINKS),
-    Route("GET", SB + "/files/list", file_list, "List a directory", query=(PATH_Q,),
-          response={"type": "object", "required": ["entries"], "properties": {"entries": {
-              "type": "array", "items": {"$ref": SCHEMA_REF + "FileEntry"}}}}, errors=SB_ERR),
+    Route("GET", SB + "/files/list", file_list, "List a directory, by name, a page at a "
+          "time", query=(PATH_Q, *PAGE_Q), response=list_of("entries", FileEntry),
+          errors=SB_ERR),
     Route("GET", SB + "/files/stat", file_stat, "Stat a path (lstat)", query=(PATH_Q,),
           response=FileEntry, errors=SB_ERR),
     Route("POST", SB + "/files/mkdir", file_mkdir, "Make a directory", body=MkdirRequest,

@@ -412,10 +412,10 @@ def write(sid: str, path: str, data: str | bytes, mode: int = 0o644) -> Call[Non
                        body=bytes(data), content_type=OCTET))
 
 
-def list_dir(sid: str, path: str) -> Call[list[FileEntry]]:
-    return Call("GET", sb_path(sid) + "/files/list",
-                lambda b: [FileEntry.model_validate(x) for x in json.loads(b)["entries"]],
-                query=[("path", _path(path))], retry_safe=True)
+def list_dir(sid: str, path: str, after: str | None = None) -> Call[Page[FileEntry]]:
+    """One page of a directory, by name; callers follow ``next`` (all_pages)."""
+    return Call("GET", sb_path(sid) + "/files/list", _page("entries", FileEntry.model_validate),
+                query=[("path", _path(path))] + _page_query(after), retry_safe=True)
 
 
 def stat(sid: str, path: str) -> Call[FileEntry]:

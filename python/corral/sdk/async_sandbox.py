@@ -114,6 +114,10 @@ class AsyncSandbox(SandboxHandle):
         sid = await self._sid_ready()
         return await transport(self._endpoint).call(self._with_key(make(sid, *args, **kwargs)))
 
+    async def _call_ready(self, call: Call[T]) -> T:
+        """A call already made for this sandbox (its id known)."""
+        return await transport(self._endpoint).call(self._with_key(call))
+
     def __await__(self) -> Generator[Any, None, AsyncSandbox]:
         async def ready() -> AsyncSandbox:
             await self._sid_ready()
@@ -298,7 +302,9 @@ class AsyncFiles:
         await self._sb._call(api.write, path, data, mode)
 
     async def list(self, path: str = "/") -> builtins.list[FileEntry]:
-        return await self._sb._call(api.list_dir, path)
+        sid = await self._sb._sid_ready()
+        return await api.all_pages_async(self._sb._call_ready,
+                                         lambda after: api.list_dir(sid, path, after))
 
     async def stat(self, path: str) -> FileEntry:
         return await self._sb._call(api.stat, path)

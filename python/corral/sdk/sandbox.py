@@ -260,7 +260,7 @@ class Files:
         self._call(api.write(self._sb.id, path, data, mode))
 
     def list(self, path: str = "/") -> builtins.list[FileEntry]:
-        return self._call(api.list_dir(self._sb.id, path))
+        return api.all_pages(self._call, lambda after: api.list_dir(self._sb.id, path, after))
 
     def stat(self, path: str) -> FileEntry:
         return self._call(api.stat(self._sb.id, path))
