@@ -41,6 +41,10 @@ def validation_message(e: ValidationError) -> tuple[str, list[dict[str, Any]]]:
 def parse(raw: bytes, model: type[BaseModel]) -> Any:
     """The request body (empty: ``{}``) as ``model``, or invalid_request (invalid_network for
     a bad network mode: clients branch on it, and the message lists the modes)."""
+    try:  # the common case, at pydantic's speed: every integer spelled as one
+        return model.model_validate_json(raw or b"{}", strict=True)
+    except ValidationError:
+        pass
     try:
         data = json.loads(raw or b"{}", parse_float=_number, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:
