@@ -42,6 +42,7 @@ from corral.daemon.params import (
 from corral.daemon.routes import (
     FORMAT_Q,
     KEY_H,
+    KEY_PATTERN,
     LABEL_Q,
     MODE_Q,
     PAGE_Q,
@@ -104,7 +105,6 @@ ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
 # Handlers waiting on a process for a client (streams, waits): /metrics corral_api_waiting.
 WAITING: web.AppKey[dict[str, int]] = web.AppKey("waiting", dict)
 T = TypeVar("T")
-KEY_PATTERN = rf"^[!-~]{{1,{MAX_KEY_LEN}}}$"
 KEY_RE = re.compile(KEY_PATTERN)
 BIG_BODY = 1 << 20           # bigger writes go through a thread
 
@@ -123,10 +123,7 @@ def _ok() -> web.Response:
 
 
 async def _body(request: web.Request, model: type[BaseModel]) -> Any:
-    return _parse(await request.read(), model)
-
-
-_parse = parse
+    return parse(await request.read(), model)
 
 
 def _engine(request: web.Request) -> Engine:
@@ -226,7 +223,7 @@ async def create_sandbox(request: web.Request) -> web.Response:
     raw = await request.read()
     spec = _SPECS.get(raw)
     if spec is None:
-        spec = _parse(raw, SandboxSpec)
+        spec = parse(raw, SandboxSpec)
         if len(_SPECS) >= 256:
             _SPECS.clear()
         _SPECS[raw] = spec

@@ -48,6 +48,7 @@ class Route:
     also: tuple[str, ...] = ()                          # other media of the response ("ndjson")
 
 
+KEY_PATTERN = rf"^[!-~]{{1,{MAX_KEY_LEN}}}$"  # visible ASCII: a header carries it verbatim
 PATH_Q = Param("path", required=True, description=f"absolute path inside the sandbox "
                f"(at most {MAX_PATH} bytes)",
                schema={"type": "string", "pattern": PATH_PATTERN})
@@ -55,7 +56,7 @@ KEY_H = Param(KEY_HEADER, where="header", description=(
     "idempotency key: a key already logged returns the logged result without running the "
     "call again; the same key with a different request is replay_divergence (409). Scope: "
     "the sandbox (create: global). See docs/trajectory.md"),
-    schema={"type": "string", "pattern": f"^[!-~]{{1,{MAX_KEY_LEN}}}$"})
+    schema={"type": "string", "pattern": KEY_PATTERN})
 LIMIT_Q = Param("limit", description=f"items per page (default 1000, at most {MAX_PAGE})",
                 schema={"type": "integer", "minimum": 1, "maximum": MAX_PAGE})
 AFTER_Q = Param("after", description="the `next` cursor of the previous page (opaque)",
