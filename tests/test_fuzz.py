@@ -1,5 +1,7 @@
 """The API under schemathesis: generated requests, valid and not, against a real daemon over TCP
-with a token, every check (`--checks all`) and a stateful phase that follows the spec's links
+with a token, every check (all on in fuzz/schemathesis.toml, the same as `--checks all`, which
+on the command line would also override the few per-operation exceptions written there with
+their reasons) and a stateful phase that follows the spec's links
 (create -> exec, files, snapshot, fork ...). No failure is allowed: no 5xx, no status or body
 the spec does not declare, no valid request refused, no invalid one accepted, 405s with Allow.
 
@@ -100,13 +102,26 @@ def _accepted(har: Path) -> Counter[str]:
     return ok
 
 
+def test_the_config_enables_every_check():
+    """What `--checks all` selects (max_response_time needs a limit and is not a check of
+    correctness)."""
+    import schemathesis.specs.openapi.checks  # noqa: F401 - registers the OpenAPI checks
+    from schemathesis.checks import CHECKS
+    from schemathesis.config import SchemathesisConfig
+
+    cfg = SchemathesisConfig.from_path(str(HERE / "fuzz" / "schemathesis.toml"))
+    checks = cfg.projects.default.checks_config_for()
+    off = [c.__name__ for c in CHECKS.get_all() if not checks.get_by_name(name=c.__name__).enabled]
+    assert off == [] and len(CHECKS.get_all()) >= 14
+
+
 def test_schemathesis_all_checks_stateful(tcp_daemon, tmp_path):
     examples = os.environ.get("CORRAL_FUZZ_EXAMPLES", "25")
     seed = os.environ.get("CORRAL_FUZZ_SEED", "20261201")
     har = tmp_path / "fuzz.har"
     argv = [str(ST), "--config-file", str(HERE / "fuzz" / "schemathesis.toml"), "run",
             SPEC_PATH, "--url", f"http://127.0.0.1:{tcp_daemon.port}",
-            "-H", f"Authorization: Bearer {tcp_daemon.token}", "--checks", "all",
+            "-H", f"Authorization: Bearer {tcp_daemon.token}",
             "--max-examples", examples, "--request-timeout", "30", "--workers", "2",
             "--no-color", "--report", "har", "--report-har-path", str(har)]
     if seed != "random":
