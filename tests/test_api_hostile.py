@@ -397,3 +397,20 @@ def test_directory_listing_pages(remote):
             assert len(sb.files.list("/tmp/many")) == 1500  # the SDK follows the pages
         finally:
             kill(c, sid)
+
+
+def test_an_upload_that_expands_past_the_bound_is_refused(remote):
+    """A small compressed upload claiming a huge member (a tar bomb) is refused before
+    anything is written: the image store is bounded (16 GiB, a million members)."""
+    import gzip
+
+    info = tarfile.TarInfo("zeros")
+    info.size = 17 << 30
+    body = gzip.compress(info.tobuf() + b"\0" * (1 << 16))
+    with tcp(remote) as c:
+        r = c.put("/v1/images/bomb", content=body)
+        expect_error(r, "invalid_request", 400)
+        assert "too big" in r.json()["error"]["message"]
+        assert "bomb" not in [i["name"] for i in c.get("/v1/images").json()["images"]]
+    assert not [n for n in os.listdir(os.path.join(remote.state_dir, "images"))
+                if n.startswith(".tmp-")]

@@ -241,7 +241,14 @@ def _real_parent(root: str, rel: str) -> str:
     return d
 
 
-def _extract_tar(source: str, dst: str) -> int:
+# Bounds of one imported tarball once extracted: a small compressed upload must not fill the
+# state directory's disk (a gzip of zeros expands a thousandfold).
+MAX_IMAGE_BYTES = 16 << 30
+MAX_IMAGE_MEMBERS = 1_000_000
+
+
+def _extract_tar(source: str, dst: str, max_bytes: int = MAX_IMAGE_BYTES,
+                 max_members: int = MAX_IMAGE_MEMBERS) -> int:
     """Extract a (compressed) tarball into ``dst`` without trusting it: every path is made
     relative and checked component by component, nothing is written through a symlink, hard
     links must point at a file already extracted, devices are skipped, setuid bits stripped.
@@ -255,7 +262,13 @@ def _extract_tar(source: str, dst: str) -> int:
     with tf:
         try:
             members = iter(tf)
-            for m in members:
+            for count, m in enumerate(members):
+                if count >= max_members or total + max(m.size, 0) > max_bytes:
+                    raise InvalidRequest(f"tarball {os.path.basename(source)} is too big once "
+                                         f"extracted (at most {max_bytes} bytes and "
+                                         f"{max_members} members)",
+                                         details={"max_bytes": max_bytes,
+                                                  "max_members": max_members})
                 rel = _safe_rel(m.name)
                 if rel is None:
                     continue

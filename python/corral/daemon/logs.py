@@ -38,9 +38,9 @@ class RateLimited(logging.Filter):
     """A token bucket (``rate`` lines a second, bursts of ``burst``); each line passed loses
     its traceback (the exception's type and message stay) and says how many were dropped."""
 
-    def __init__(self, rate: float = 1.0, burst: int = 10) -> None:
+    def __init__(self, rate: float = 1.0, burst: int = 10, keep_exc: bool = False) -> None:
         super().__init__()
-        self.rate, self.burst = rate, burst
+        self.rate, self.burst, self.keep_exc = rate, burst, keep_exc
         self.tokens, self.last, self.dropped = float(burst), time.monotonic(), 0
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -51,7 +51,7 @@ class RateLimited(logging.Filter):
             self.dropped += 1
             return False
         self.tokens -= 1
-        if record.exc_info:
+        if record.exc_info and not self.keep_exc:
             exc = record.exc_info[1]
             record.msg = f"{record.getMessage()}: {type(exc).__name__}: {str(exc)[:200]}"
             record.args, record.exc_info, record.exc_text = None, None, None
@@ -94,3 +94,8 @@ def setup(level: str = "INFO", log_file: str = "", max_bytes: int = 16 << 20,
     server = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, RateLimited) for f in server.filters):
         server.addFilter(RateLimited())
+    # A request that hits a daemon bug keeps its traceback, but a client repeating it cannot
+    # make the log grow faster than a few lines a second.
+    api = logging.getLogger("corral.api")
+    if not any(isinstance(f, RateLimited) for f in api.filters):
+        api.addFilter(RateLimited(rate=2.0, burst=20, keep_exc=True))
