@@ -124,7 +124,14 @@ def test_schemathesis_all_checks_stateful(tcp_daemon, tmp_path):
     examples = os.environ.get("CORRAL_FUZZ_EXAMPLES", "25")
     seed = os.environ.get("CORRAL_FUZZ_SEED", "20261201")
     har = tmp_path / "fuzz.har"
-    argv = [str(ST), "--config-file", str(HERE / "fuzz" / "schemathesis.toml"), "run",
+    with client(tcp_daemon.socket_path) as c:
+        made = c.post("/v1/sandboxes/batch", json={"count": 3})
+        assert made.status_code == 201, made.text
+    ids = [s["id"] for s in made.json()["sandboxes"]]
+    config = tmp_path / "schemathesis.toml"
+    config.write_text((HERE / "fuzz" / "schemathesis.toml").read_text().replace(
+        '"@SANDBOXES@"', ", ".join(f'"{i}"' for i in ids)))
+    argv = [str(ST), "--config-file", str(config), "run",
             SPEC_PATH, "--url", f"http://127.0.0.1:{tcp_daemon.port}",
             "-H", f"Authorization: Bearer {tcp_daemon.token}",
             "--max-examples", examples, "--request-timeout", "30", "--workers", "2",
