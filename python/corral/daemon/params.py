@@ -7,6 +7,7 @@ neither 10 nor 8: it is refused). File modes may also be an explicit octal strin
 
 from __future__ import annotations
 
+import heapq
 import posixpath
 import re
 from collections.abc import Callable, Sequence
@@ -103,9 +104,11 @@ def page(request: web.Request, items: Sequence[T], key: Callable[[T], str]
     start = request.query.get("after") or None
     if start is not None and len(start) > MAX_CURSOR:
         raise InvalidRequest("query parameter 'after' is not a cursor this daemon returned")
-    keyed = sorted(((key(x), x) for x in items), key=lambda kx: kx[0])
+    keyed = ((key(x), x) for x in items)
     if start is not None:
-        keyed = [kx for kx in keyed if kx[0] > start]
+        keyed = (kx for kx in keyed if kx[0] > start)
+    # The page and one more (is there a next?), without sorting everything.
+    keyed = heapq.nsmallest(limit + 1, keyed, key=lambda kx: kx[0])
     out = [x for _, x in keyed[:limit]]
     nxt = keyed[limit - 1][0] if len(keyed) > limit else None
     return out, nxt
