@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-STATE_DIR = tempfile.mkdtemp(prefix="corral-apit-", dir="/var/tmp")
+STATE_DIR = tempfile.mkdtemp(prefix="corral-test-", dir="/var/tmp")
 SOCKET = os.path.join(STATE_DIR, "run", "corrald.sock")
 CGROUP_NAME = f"corral-test-{os.getpid()}"
 os.environ["CORRAL_STATE_DIR"] = STATE_DIR
