@@ -277,7 +277,7 @@ def test_exec_env_cwd_user(c, sb):
     assert run(c, sb, "id -u; id -g", user=4321)["stdout"].split() == ["4321", "4321"]
     assert run(c, sb, "id -u", user="65534")["stdout"] == "65534\n"
     expect_error(c.post(f"/v1/sandboxes/{sb}/exec", json={"cmd": "id", "user": "nobody-xyz"}),
-                 "invalid_request", 400)
+                 "user_not_found", 404)
     expect_error(c.post(f"/v1/sandboxes/{sb}/exec", json={"cmd": "pwd", "cwd": "tmp"}),
                  "invalid_path", 400)
     expect_error(c.post(f"/v1/sandboxes/{sb}/exec", json={"cmd": "true", "env": {"A=B": "1"}}),

@@ -62,3 +62,47 @@ def test_json_log_lines():
 
         rec.exc_info = sys.exc_info()
     assert "ValueError: boom" in json.loads(JsonFormatter().format(rec))["exc"]
+
+
+def test_oserror_from_a_handler_is_a_clear_4xx():
+    """An OSError escaping a handler (what the request named could not be used) maps like a
+    file error; only resource exhaustion stays an internal error. Never a traceback in the log
+    for the 4xx ones."""
+    import errno
+
+    from corral.daemon.app_errors import middleware
+
+    def raising(exc: OSError):
+        async def handler(request: web.Request) -> web.Response:
+            raise exc
+        return handler
+
+    cases = {
+        "/perm": (PermissionError(errno.EACCES, "Permission denied", "/proc/self/mem"),
+                  403, "permission_denied"),
+        "/gone": (FileNotFoundError(errno.ENOENT, "No such file", "/x"), 404, "file_not_found"),
+        "/eio": (OSError(errno.EIO, "Input/output error"), 400, "invalid_request"),
+        "/loop": (OSError(errno.ELOOP, "Too many levels"), 409, "is_a_symlink"),
+        "/fds": (OSError(errno.EMFILE, "Too many open files"), 500, "internal"),
+    }
+    with tempfile.TemporaryDirectory(prefix="corral-app-") as d:
+        path = os.path.join(d, "s.sock")
+
+        async def main() -> dict[str, httpx.Response]:
+            app = web.Application(middlewares=[middleware(None)])
+            for route, (exc, _, _) in cases.items():
+                app.router.add_get(route, raising(exc))
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            await web.UnixSite(runner, path).start()
+            try:
+                async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=path),
+                                             base_url="http://corral") as c:
+                    return {route: await c.get(route) for route in cases}
+            finally:
+                await runner.cleanup()
+
+        got = asyncio.run(main())
+    for route, (_, status, code) in cases.items():
+        assert got[route].status_code == status, (route, got[route].text)
+        assert got[route].json()["error"]["code"] == code, (route, got[route].text)

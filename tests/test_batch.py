@@ -38,11 +38,13 @@ def test_batch_exec_and_destroy_over_http(no_leaks):
         r = c.post("/v1/sandboxes/batch/destroy", json={"ids": [ids[0], ids[1], "sb-nope",
                                                                 ids[0]]})
         assert r.status_code == 200, r.text
-        res = r.json()["results"]
-        assert res[0] == {"id": ids[0], "killed": True}
-        assert res[1] == {"id": ids[1], "killed": True}
-        assert res[2]["error"]["code"] == "sandbox_not_found"
-        assert res[3] == {"id": ids[0], "killed": True}  # the same destroy, in flight
+        # Counts, and only the ids not killed (index in the request): ids[0] twice is the
+        # same destroy, in flight.
+        res = r.json()
+        assert (res["killed"], res["already_ended"], res["failed"]) == (3, 0, 1)
+        (bad,) = res["not_killed"]
+        assert bad["index"] == 2 and bad["id"] == "sb-nope" and bad["killed"] is False
+        assert bad["error"]["code"] == "sandbox_not_found"
 
         # Ended sandboxes give the precise per-item error; the live one still runs.
         r = c.post("/v1/sandboxes/batch/exec", json={"ids": [ids[0], ids[2]],
@@ -51,8 +53,9 @@ def test_batch_exec_and_destroy_over_http(no_leaks):
         assert res[0]["error"]["code"] == "sandbox_not_running"
         assert res[0]["error"]["details"]["reason"] == "killed"
         assert res[1]["exit_code"] == 0
-        r = c.post("/v1/sandboxes/batch/destroy", json={"ids": [ids[2]]})
-        assert r.json()["results"] == [{"id": ids[2], "killed": True}]
+        r = c.post("/v1/sandboxes/batch/destroy", json={"ids": [ids[2], ids[0]]})
+        assert r.json() == {"killed": 1, "already_ended": 1, "failed": 0, "not_killed": [
+            {"index": 1, "id": ids[0], "killed": False}]}
 
 
 def test_batch_requests_are_validated():

@@ -91,8 +91,8 @@ def null_fds(n: int) -> list[Fd]:
 
 @dataclass
 class Request:
-    """One request as fields; ``body`` and ``message`` give the bytes (possibly inconsistent
-    on purpose)."""
+    """One request as fields; ``head``, ``body`` and ``encode`` give the bytes (possibly
+    inconsistent on purpose)."""
 
     header: dict[str, int]
     groups: list[int] = field(default_factory=list)

@@ -44,3 +44,32 @@ def test_architecture_table_matches_routes():
     rows = re.findall(r"^\| (GET|POST|PUT|DELETE) \| (\S+) \|", ARCH.read_text(), re.M)
     documented = {(m, p.split("?")[0]) for m, p in rows}
     assert documented == app_routes()
+
+
+def test_spec_states_real_statuses_links_and_offered_substrates():
+    from apiclient import client
+
+    spec = build_spec()
+    ops = {op["operationId"]: (path, method, op) for path, item in spec["paths"].items()
+           for method, op in item.items()}
+    for name, (path, _method, op) in ops.items():
+        codes = set(op["responses"]) - {"default"}
+        assert any(c.startswith("2") for c in codes) and any(c.startswith("4") for c in codes) \
+            or path == "/v1/health", (name, codes)
+        for link in next(r for c, r in op["responses"].items() if c.startswith("2")).get(
+                "links", {}).values():
+            assert link["operationId"] in ops, (name, link)
+    assert ops["health"][2]["security"] == []
+    assert spec["security"] == [{"bearer": []}]
+    # Only what this daemon runs: a spec listing vm would promise a 501.
+    offered = spec["components"]["schemas"]["SandboxSpec"]["properties"]["substrate"]["enum"]
+    with client() as c:
+        assert sorted(offered) == sorted(c.get("/v1/status").json()["substrates"])
+    # Constraints the server enforces are in the spec.
+    schemas = spec["components"]["schemas"]
+    assert schemas["MkdirRequest"]["properties"]["path"]["pattern"].startswith("^(/")
+    key = next(p for p in ops["exec_cmd"][2]["parameters"] if p["name"] == "Idempotency-Key")
+    assert key["schema"]["pattern"] == "^[!-~]{1,256}$"
+    for name in ("mkdir", "remove", "rename"):
+        assert ops[f"file_{name}"][2]["requestBody"]["required"] is True
+    assert ops["create_sandbox"][2]["requestBody"]["required"] is False

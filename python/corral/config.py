@@ -50,6 +50,14 @@ class Config:
     daemon_memory_mb: int = field(
         default_factory=lambda: int(_env("CORRAL_DAEMON_MEMORY_MB", "256")))
     log_level: str = field(default_factory=lambda: _env("CORRAL_LOG_LEVEL", "INFO"))
+    # A host directory any client (TCP tokens too) may import images from; empty: none, only
+    # the local unix socket (root-equivalent) names host paths.
+    import_dir: str = field(default_factory=lambda: _env("CORRAL_IMPORT_DIR", ""))
+    # The daemon's own log file (rotated at log_max_bytes, log_backups kept); empty: stderr.
+    log_file: str = field(default_factory=lambda: _env("CORRAL_LOG_FILE", ""))
+    log_max_bytes: int = field(
+        default_factory=lambda: int(_env("CORRAL_LOG_MAX_BYTES", str(16 << 20))))
+    log_backups: int = field(default_factory=lambda: int(_env("CORRAL_LOG_BACKUPS", "3")))
 
 
 def load() -> Config:

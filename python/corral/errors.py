@@ -72,8 +72,21 @@ class InvalidNetwork(InvalidRequest):
     code, status = "invalid_network", 400
 
 
+class PermissionDenied(InvalidRequest):
+    """The sandbox's files refuse the operation (EACCES, EPERM, EROFS): a read-only mount, a
+    file only its owner may touch. The request was well formed."""
+
+    code, status = "permission_denied", 403
+
+
 class Unauthorized(CorralError):
     code, status = "unauthorized", 401
+
+
+class Forbidden(CorralError):
+    """The credential does not allow this call (a TCP token naming a host path)."""
+
+    code, status = "forbidden", 403
 
 
 class NotFound(CorralError):
@@ -96,6 +109,18 @@ class FileNotFound(NotFound):
     code, status = "file_not_found", 404
 
 
+class CwdNotFound(FileNotFound):
+    """An exec's working directory does not exist in the sandbox."""
+
+    code, status = "cwd_not_found", 404
+
+
+class UserNotFound(NotFound):
+    """An exec's ``user`` names nobody in the sandbox's /etc/passwd."""
+
+    code, status = "user_not_found", 404
+
+
 class ProcessNotFound(NotFound):
     code, status = "process_not_found", 404
 
@@ -114,6 +139,13 @@ class NotADirectory(Conflict):
 
 class IsADirectory(Conflict):
     code, status = "is_a_directory", 409
+
+
+class IsASymlink(Conflict):
+    """The path ends in a symlink an operation does not follow (a write, a mkdir), or loops
+    through symlinks (ELOOP): the sandbox's files, not the request, are in the way."""
+
+    code, status = "is_a_symlink", 409
 
 
 class DirectoryNotEmpty(Conflict):

@@ -7,9 +7,10 @@ agree by construction. Field limits here are the API's limits: absurd values are
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 SUBSTRATES = ("process", "container", "gvisor", "microvm", "vm")
 Substrate = Literal["process", "container", "gvisor", "microvm", "vm"]
@@ -26,6 +27,40 @@ DEFAULT_EXEC_TIMEOUT_S = 60.0
 DEFAULT_MAX_OUTPUT_BYTES = 4 * 1024 * 1024
 MAX_OUTPUT_BYTES = 256 * 1024 * 1024
 LABEL_KEY_PATTERN = r"^[A-Za-z0-9_.\-/]{1,63}$"
+# An absolute path inside a sandbox: components of at most 255 bytes (NAME_MAX), no NUL.
+PATH_PATTERN = r"^(/[^/\x00]{0,255})+$"
+MAX_PATH = 4095
+
+
+def _path_len(v: str) -> str:
+    # Not a maxLength in the schema: generators choke on it next to the pattern.
+    if len(v.encode()) > MAX_PATH:
+        raise ValueError(f"path longer than {MAX_PATH} bytes")
+    return v
+
+
+AbsPath = Annotated[str, Field(pattern=PATH_PATTERN, description=(
+    f"an absolute path, at most {MAX_PATH} bytes")), AfterValidator(_path_len)]
+ENV_NAME_PATTERN = r"^[^=\x00]+$"
+NO_NUL_PATTERN = r"^[^\x00]*$"
+# The JSON schema of a dict field whose keys and values the validators below restrict.
+_ENV_SCHEMA = {"propertyNames": {"pattern": ENV_NAME_PATTERN, "minLength": 1},
+               "additionalProperties": {"type": "string", "pattern": NO_NUL_PATTERN}}
+_LABELS_SCHEMA = {"propertyNames": {"pattern": LABEL_KEY_PATTERN},
+                  "additionalProperties": {"type": "string", "maxLength": 256}}
+
+
+# A user name (as useradd(8) takes them, upper case too) or a uid of up to nine digits.
+USER_PATTERN = r"^([A-Za-z_][A-Za-z0-9_.\-]{0,31}\$?|[0-9]{1,9})$"
+_USER = re.compile(USER_PATTERN)
+SandboxId = Annotated[str, Field(min_length=1, max_length=200)]
+
+
+def check_env(v: dict[str, str]) -> dict[str, str]:
+    for k, val in v.items():
+        if not k or "=" in k or "\0" in k or "\0" in val:
+            raise ValueError(f"bad environment variable name or value: {k!r}")
+    return v
 
 
 class _Model(BaseModel):
@@ -51,13 +86,16 @@ class SandboxSpec(_Model):
                            description="TTL in seconds from creation")
     idle_timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S,
                                        description="kill after this long with no API call")
-    env: dict[str, str] = Field(default_factory=dict)
-    labels: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict, json_schema_extra=_ENV_SCHEMA,
+                                description="names without '=' or NUL, values without NUL")
+    labels: dict[str, str] = Field(default_factory=dict, json_schema_extra=_LABELS_SCHEMA,
+                                   description=f"keys match {LABEL_KEY_PATTERN}, values of "
+                                               "at most 256 characters")
     metadata: dict[str, str] = Field(default_factory=dict)
     network: NetworkMode = "none"
     hostname: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9\-.]{0,62}$")
-    cwd: str = Field("/root", min_length=1, max_length=4096, pattern=r"^/",
-                     description="absolute working directory for commands")
+    cwd: AbsPath = Field("/root", description="absolute working directory for commands "
+                                              "(must exist, unless it is the default)")
     snapshot: str | None = Field(None, min_length=1, max_length=200,
                                  description="start on a snapshot (id or name); the image is "
                                              "the snapshot's")
@@ -67,10 +105,7 @@ class SandboxSpec(_Model):
     @field_validator("env")
     @classmethod
     def _env_ok(cls, v: dict[str, str]) -> dict[str, str]:
-        for k, val in v.items():
-            if not k or "=" in k or "\0" in k or "\0" in val:
-                raise ValueError(f"bad environment variable name or value: {k!r}")
-        return v
+        return check_env(v)
 
     @field_validator("labels")
     @classmethod
@@ -165,20 +200,45 @@ class ForkResult(_Model):
 class ExecRequest(_Model):
     """Run a command. ``cmd`` as a string runs under ``/bin/sh -c``; as a list it is the argv."""
 
-    cmd: str | list[str]
+    cmd: str | list[str] = Field(json_schema_extra={"anyOf": [
+        {"type": "string", "pattern": r"^[^\x00]*\S[^\x00]*$",
+         "description": "a shell command line (/bin/sh -c), not blank"},
+        {"type": "array", "minItems": 1, "description": "argv (argv[0] not empty)",
+         "prefixItems": [{"type": "string", "minLength": 1, "pattern": NO_NUL_PATTERN}],
+         "items": {"type": "string", "pattern": NO_NUL_PATTERN}}]})
     timeout: float | None = Field(DEFAULT_EXEC_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = None
-    user: str | int | None = None
+    env: dict[str, str] = Field(default_factory=dict, json_schema_extra=_ENV_SCHEMA)
+    cwd: AbsPath | None = Field(None, description="an existing directory in the sandbox "
+                                                  "(default: the sandbox's cwd)")
+    user: str | int | None = Field(None, description=(
+        "a uid (0 to 4294967294; one not in /etc/passwd runs with gid = uid) or a user "
+        "name from the sandbox's /etc/passwd (an unknown name is user_not_found)"),
+        json_schema_extra={"anyOf": [
+            {"type": "integer", "minimum": 0, "maximum": 4294967294},
+            {"type": "string", "pattern": USER_PATTERN}, {"type": "null"}]})
     stdin: str | None = Field(None, description="text written to stdin, then stdin is closed")
     background: bool = False
     max_output_bytes: int = Field(DEFAULT_MAX_OUTPUT_BYTES, ge=0, le=MAX_OUTPUT_BYTES)
 
+    @field_validator("env")
+    @classmethod
+    def _env_ok(cls, v: dict[str, str]) -> dict[str, str]:
+        return check_env(v)
+
+    @field_validator("user")
+    @classmethod
+    def _user_ok(cls, v: str | int | None) -> str | int | None:
+        if isinstance(v, int) and not 0 <= v < 2**32 - 1:
+            raise ValueError("user id out of range")
+        if isinstance(v, str) and not _USER.match(v):
+            raise ValueError(f"user must be a uid or a user name matching {USER_PATTERN}")
+        return v
+
     @field_validator("cmd")
     @classmethod
     def _cmd_ok(cls, v: str | list[str]) -> str | list[str]:
-        if isinstance(v, list) and not v:
-            raise ValueError("cmd must not be an empty list")
+        if isinstance(v, list) and (not v or not v[0]):
+            raise ValueError("cmd must not be an empty list, nor start with an empty string")
         if isinstance(v, str) and not v.strip():
             raise ValueError("cmd must not be empty")
         items = v if isinstance(v, list) else [v]
@@ -187,24 +247,30 @@ class ExecRequest(_Model):
         return v
 
 
-class ExecManyRequest(_Model):
-    """The same command in many sandboxes; one result per id, in order."""
+class BatchExecRequest(ExecRequest):
+    """A command of a batch: foreground only."""
 
-    ids: list[str] = Field(min_length=1, max_length=MAX_BATCH)
-    exec: ExecRequest
-    concurrency: int = Field(64, ge=1, le=1024,
-                             description="commands running at once (the rest wait)")
+    background: bool = Field(False, json_schema_extra={"const": False})
 
-    @field_validator("exec")
+    @field_validator("background")
     @classmethod
-    def _foreground(cls, v: ExecRequest) -> ExecRequest:
-        if v.background:
+    def _foreground(cls, v: bool) -> bool:
+        if v:
             raise ValueError("background commands are not supported in a batch")
         return v
 
 
+class ExecManyRequest(_Model):
+    """The same command in many sandboxes; one result per id, in order."""
+
+    ids: list[SandboxId] = Field(min_length=1, max_length=MAX_BATCH)
+    exec: BatchExecRequest
+    concurrency: int = Field(64, ge=1, le=1024,
+                             description="commands running at once (the rest wait)")
+
+
 class KillManyRequest(_Model):
-    ids: list[str] = Field(min_length=1, max_length=MAX_BATCH)
+    ids: list[SandboxId] = Field(min_length=1, max_length=MAX_BATCH)
 
 
 class KillResult(_Model):
@@ -227,8 +293,23 @@ class ExecManyResponse(_Model):
     results: list[ExecResult | ItemError]
 
 
+class KillOutcome(_Model):
+    """One id of a batch destroy that was not killed by it: already ended, or an error."""
+
+    index: int = Field(description="the id's position in the request")
+    id: str
+    killed: Literal[False] = False
+    error: ErrorInfo | None = Field(None, description="why not, if not already ended")
+
+
 class KillManyResponse(_Model):
-    results: list[KillResult | ItemError]
+    """Counts, and only the ids that were not killed (the rest were): a batch of 10,000
+    live sandboxes answers in a few bytes."""
+
+    killed: int = Field(description="ids whose sandbox this call destroyed")
+    already_ended: int = Field(description="ids whose sandbox had ended before")
+    failed: int = Field(description="ids that are errors (unknown sandbox ...)")
+    not_killed: list[KillOutcome] = Field(description="the ids not killed, in request order")
 
 
 class ProcessHandle(_Model):
@@ -270,18 +351,18 @@ class FileEntry(_Model):
 
 
 class MkdirRequest(_Model):
-    path: str
+    path: AbsPath
     parents: bool = True
 
 
 class RemoveRequest(_Model):
-    path: str
+    path: AbsPath
     recursive: bool = False
 
 
 class RenameRequest(_Model):
-    src: str
-    dst: str
+    src: AbsPath
+    dst: AbsPath
 
 
 class ImageInfo(_Model):
@@ -293,7 +374,12 @@ class ImageInfo(_Model):
 
 class ImportImageRequest(_Model):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.\-]{0,62}$")
-    source: str = Field(min_length=1, description="host path of a rootfs directory or tarball")
+    source: str = Field(min_length=1, max_length=MAX_PATH,
+                        json_schema_extra={"pattern": r"^/[^\x00]*$"},
+                        description="absolute host path of a rootfs directory or tarball: on "
+                                    "the local socket, or under the daemon's import directory "
+                                    "(else forbidden); anything else is a registry reference "
+                                    "(unsupported)")
 
 
 class DaemonStatus(_Model):

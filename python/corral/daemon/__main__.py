@@ -22,7 +22,7 @@ from aiohttp import web
 
 from corral import __version__, config
 from corral.daemon import logs
-from corral.daemon.app import create_app
+from corral.daemon.app import SERVER_LIMITS, create_app
 from corral.daemon.engine import Engine
 from corral.daemon.locks import try_lock
 from corral.daemon.protect import protect_daemon
@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tcp", help="also listen on HOST:PORT (requires --token)")
     p.add_argument("--token", help="bearer token required on TCP (default $CORRAL_TOKEN)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
+    p.add_argument("--log-file", help="log to this file, rotated by size (default "
+                                      "$CORRAL_LOG_FILE; none: stderr)")
     p.add_argument("--version", action="version", version=f"corrald {__version__}")
     return p.parse_args(argv)
 
@@ -51,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_config(args: argparse.Namespace) -> config.Config:
     over = {k: v for k, v in {"state_dir": args.state_dir, "socket_path": args.socket,
                               "tcp_listen": args.tcp, "token": args.token,
-                              "log_level": args.log_level}.items() if v is not None}
+                              "log_level": args.log_level,
+                              "log_file": args.log_file}.items() if v is not None}
     cfg = dataclasses.replace(config.load(), **over)
     return dataclasses.replace(cfg, state_dir=os.path.abspath(cfg.state_dir),
                                socket_path=os.path.abspath(cfg.socket_path))
@@ -199,7 +202,7 @@ async def serve(cfg: config.Config) -> None:
         protected = protect_daemon(engine.cgroups, cfg.daemon_memory_mb) \
             if engine.cgroups is not None else {}
         app = create_app(engine, cfg.token or None)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0, **SERVER_LIMITS)
         await runner.setup()
         await web.SockSite(runner, sock, backlog=4096).start()
         if cfg.tcp_listen:
@@ -257,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = build_config(args)
     level = cfg.log_level.upper()
-    logs.setup(level if level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") else "INFO")
+    logs.setup(level if level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") else "INFO",
+               cfg.log_file, cfg.log_max_bytes, cfg.log_backups)
     if os.geteuid() != 0:
         log.error("corrald must run as root (it makes namespaces, mounts and cgroups)")
         return 1

@@ -11,24 +11,55 @@ shared pydantic models; a validation failure is ``invalid_request`` with pydanti
 from __future__ import annotations
 
 import asyncio
-import hmac
+import errno
 import json
 import logging
 import os
-import socket
+import re
+import shutil
 import sys
+import tempfile
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from corral.daemon import streams
+from corral.daemon.app_errors import MAX_BODY, is_unix, middleware
+from corral.daemon.bodies import parse
 from corral.daemon.engine import MAX_READ_BYTES, Engine
+from corral.daemon.images import resolve_source
+from corral.daemon.params import (
+    check_path,
+    label_filters,
+    not_root,
+    page,
+    path_int,
+    query_int,
+    query_mode,
+    query_path,
+)
+from corral.daemon.routes import (
+    FORMAT_Q,
+    KEY_H,
+    KEY_PATTERN,
+    LABEL_Q,
+    MODE_Q,
+    PAGE_Q,
+    PATH_Q,
+    PROC,
+    SB,
+    SCHEMA_REF,
+    Route,
+    int_param,
+    link,
+    list_of,
+)
 from corral.daemon.trajlog import (
     KEY_HEADER,
+    MAX_KEY_LEN,
     TrajLog,
     body_request,
     data_result,
@@ -37,18 +68,15 @@ from corral.daemon.trajlog import (
     replayed_read,
 )
 from corral.errors import (
+    Conflict,
     CorralError,
-    InternalError,
-    InvalidNetwork,
     InvalidPath,
     InvalidRequest,
     NotFound,
     ReplayDivergence,
     SandboxNotFound,
-    Unauthorized,
 )
 from corral.models import (
-    NETWORK_MODES,
     CreateManyRequest,
     DaemonStatus,
     ExecManyRequest,
@@ -81,9 +109,11 @@ from corral.models import (
 log = logging.getLogger("corral.api")
 
 ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
-MAX_BODY = 1 << 30           # file and tar uploads come as request bodies
+# Handlers waiting on a process for a client (streams, waits): /metrics corral_api_waiting.
+WAITING: web.AppKey[dict[str, int]] = web.AppKey("waiting", dict)
+T = TypeVar("T")
+KEY_RE = re.compile(KEY_PATTERN)
 BIG_BODY = 1 << 20           # bigger writes go through a thread
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 # ---- helpers ---------------------------------------------------------------------------
@@ -99,72 +129,12 @@ def _ok() -> web.Response:
     return web.Response(body=_OK, content_type="application/json")
 
 
-def _error(err: CorralError, status: int | None = None) -> web.Response:
-    return _json(err.to_payload(), status or err.status)
-
-
-def validation_message(e: ValidationError) -> tuple[str, list[dict[str, Any]]]:
-    errs = [{"loc": [str(x) for x in d["loc"]], "msg": d["msg"], "type": d["type"]}
-            for d in e.errors(include_url=False, include_input=False, include_context=False)]
-    text = "; ".join(f"{'.'.join(d['loc']) or 'body'}: {d['msg']}" for d in errs[:5])
-    return text, errs
-
-
 async def _body(request: web.Request, model: type[BaseModel]) -> Any:
-    return _parse(await request.read(), model)
-
-
-def _parse(raw: bytes, model: type[BaseModel]) -> Any:
-    try:
-        return model.model_validate_json(raw or b"{}")
-    except ValidationError as e:
-        text, errs = validation_message(e)
-        # A bad network mode gets its own code: clients branch on it (an older daemon may lack
-        # a newer mode), and the message lists the modes this daemon knows.
-        if any(d["loc"] and d["loc"][-1] == "network" for d in errs):
-            raise InvalidNetwork(f"invalid {model.__name__}: {text} (network modes: "
-                                 f"{', '.join(NETWORK_MODES)})",
-                                 details={"errors": errs, "modes": list(NETWORK_MODES)}) from None
-        raise InvalidRequest(f"invalid {model.__name__}: {text}",
-                             details={"errors": errs}) from None
+    return parse(await request.read(), model)
 
 
 def _engine(request: web.Request) -> Engine:
     return request.app[ENGINE]
-
-
-def check_path(path: str, what: str = "path") -> str:
-    if not path.startswith("/") or "\0" in path or len(path) > 4096:
-        raise InvalidPath(f"{what} must be an absolute path inside the sandbox: {path!r}")
-    return path
-
-
-def _query_path(request: web.Request) -> str:
-    path = request.query.get("path")
-    if path is None:
-        raise InvalidRequest("missing query parameter 'path'")
-    return check_path(path)
-
-
-def _query_int(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw, 8) if len(raw) > 1 and raw.startswith("0") and raw.isdigit() \
-            else int(raw, 0)
-    except ValueError:
-        raise InvalidRequest(f"query parameter {name!r} must be an integer") from None
-    if not lo <= value <= hi:
-        raise InvalidRequest(f"query parameter {name!r} must be in [{lo}, {hi}]")
-    return value
-
-
-def _pid(request: web.Request) -> int:
-    try:
-        return int(request.match_info["pid"])
-    except ValueError:
-        raise InvalidRequest("process id must be an integer") from None
 
 
 def _entry(e: Any) -> Any:
@@ -177,8 +147,13 @@ def _tl(request: web.Request) -> TrajLog:
 
 
 def _key(request: web.Request) -> str | None:
-    """The idempotency key of a call (header ``Idempotency-Key``)."""
-    return request.headers.get(KEY_HEADER)
+    """The idempotency key of a mutating call (header ``Idempotency-Key``): 1 to 256
+    visible ASCII characters."""
+    key = request.headers.get(KEY_HEADER)
+    if key is not None and not KEY_RE.match(key):
+        raise InvalidRequest(f"{KEY_HEADER} must be 1 to {MAX_KEY_LEN} visible ASCII "
+                             "characters (no spaces)")
+    return key
 
 
 _EXEC_FIELDS = frozenset(ExecResult.model_fields)
@@ -250,7 +225,7 @@ async def create_sandbox(request: web.Request) -> web.Response:
     raw = await request.read()
     spec = _SPECS.get(raw)
     if spec is None:
-        spec = _parse(raw, SandboxSpec)
+        spec = parse(raw, SandboxSpec)
         if len(_SPECS) >= 256:
             _SPECS.clear()
         _SPECS[raw] = spec
@@ -285,17 +260,23 @@ async def exec_batch(request: web.Request) -> web.Response:
 
 async def kill_batch(request: web.Request) -> web.Response:
     req = await _body(request, KillManyRequest)
-    return _json({"results": await _engine(request).kill_many(req.ids)})
+    results = await _engine(request).kill_many(req.ids)
+    not_killed = [dict(r, index=i) for i, r in enumerate(results) if r.get("killed") is not True]
+    for r in not_killed:
+        if "error" in r:
+            r["id"] = req.ids[r["index"]]
+            r["killed"] = False
+    failed = sum(1 for r in not_killed if "error" in r)
+    return _json({"killed": len(results) - len(not_killed),
+                  "already_ended": len(not_killed) - failed, "failed": failed,
+                  "not_killed": not_killed})
 
 
 async def list_sandboxes(request: web.Request) -> web.Response:
-    labels: dict[str, str | None] = {}
-    for item in request.query.getall("label", []):
-        key, eq, value = item.partition("=")
-        if not key:
-            raise InvalidRequest(f"bad label filter {item!r}: use key=value or key")
-        labels[key] = value if eq else None
-    return _json({"sandboxes": [sb.info() for sb in _engine(request).list(labels)]})
+    labels = label_filters(request.query.getall("label", []))
+    items, nxt = page(request, _engine(request).list(labels),
+                      lambda sb: f"{sb.created_at:020.6f}/{sb.id}")
+    return _json({"sandboxes": [sb.info() for sb in items], "next": nxt})
 
 
 async def get_sandbox(request: web.Request) -> web.Response:
@@ -348,17 +329,43 @@ async def exec_cmd(request: web.Request) -> web.Response:
 
 
 async def proc_status(request: web.Request) -> web.Response:
-    _, p = _engine(request).proc(request.match_info["id"], _pid(request))
+    _, p = _engine(request).proc(request.match_info["id"], path_int(request, "pid"))
     return _json(p.status())
+
+
+# How often a handler that waits on a process checks that its client is still there.
+DISCONNECT_POLL_S = 0.25
+
+
+async def _unless_gone(request: web.Request, aw: Awaitable[T]) -> T:
+    """``await aw``, cancelled if the client hangs up first: a waiter nobody reads costs
+    nothing after that (aiohttp does not cancel handlers on disconnect). Raises
+    ConnectionResetError then, which aiohttp drops silently."""
+    task = asyncio.ensure_future(aw)
+    counts = request.app[WAITING]
+    counts["waiting"] += 1
+    try:
+        while True:
+            done, _ = await asyncio.wait((task,), timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                raise ConnectionResetError("client disconnected")
+    finally:
+        counts["waiting"] -= 1
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))
 
 
 async def proc_wait(request: web.Request) -> web.Response:
     req = await _body(request, WaitRequest)
-    sid, pid = request.match_info["id"], _pid(request)
+    sid, pid = request.match_info["id"], path_int(request, "pid")
     engine = _engine(request)
-    res = await engine.trajlog.run(sid, "wait", {"pid": pid, "timeout": req.timeout}, None,
-                                   lambda: engine.wait(sid, pid, req.timeout),
-                                   to_log=engine.trajlog.exec_result)
+    res = await _unless_gone(request, engine.trajlog.run(
+        sid, "wait", {"pid": pid, "timeout": req.timeout}, None,
+        lambda: engine.wait(sid, pid, req.timeout), to_log=engine.trajlog.exec_result))
     return _json(_exec_out(res))
 
 
@@ -367,7 +374,7 @@ async def proc_stream(request: web.Request) -> web.StreamResponse:
     ``{"exit_code", "timed_out"}``, or ``{"error": {...}}`` if the sandbox ended under it."""
     engine = _engine(request)
     sid = request.match_info["id"]
-    sb, p = engine.proc(sid, _pid(request))
+    sb, p = engine.proc(sid, path_int(request, "pid"))
     queue: asyncio.Queue[tuple[str, str] | None] = asyncio.Queue()
 
     def on_out(text: str) -> None:
@@ -390,7 +397,7 @@ async def proc_stream(request: web.Request) -> web.StreamResponse:
                 await resp.write(_line({"stream": name, "data": text}))
         sb.busy += 1  # a client following the output is activity (no idle timeout)
         try:
-            while (item := await queue.get()) is not None:
+            while (item := await _unless_gone(request, queue.get())) is not None:
                 await resp.write(_line({"stream": item[0], "data": item[1]}))
         finally:
             sb.busy -= 1
@@ -413,20 +420,20 @@ def _line(obj: Any) -> bytes:
 
 async def proc_stdin(request: web.Request) -> web.Response:
     req = await _body(request, StdinRequest)
-    _engine(request).stdin(request.match_info["id"], _pid(request), req.data, req.eof)
+    _engine(request).stdin(request.match_info["id"], path_int(request, "pid"), req.data, req.eof)
     return _ok()
 
 
 async def proc_kill(request: web.Request) -> web.Response:
     req = await _body(request, KillProcessRequest)
-    _engine(request).signal(request.match_info["id"], _pid(request), req.signal)
+    _engine(request).signal(request.match_info["id"], path_int(request, "pid"), req.signal)
     return _ok()
 
 
 async def file_read(request: web.Request) -> web.StreamResponse:
     """Small files in one response; bigger ones streamed in bounded chunks (streams.py)."""
-    path = _query_path(request)
-    max_bytes = _query_int(request, "max_bytes", MAX_READ_BYTES, 0, MAX_READ_BYTES)
+    path = query_path(request)
+    max_bytes = query_int(request, "max_bytes", MAX_READ_BYTES, 0, MAX_READ_BYTES)
     sid = request.match_info["id"]
     engine = _engine(request)
     key = _key(request)
@@ -506,8 +513,8 @@ def _truncated(truncated: bool) -> dict[str, str]:
 
 
 async def file_write(request: web.Request) -> web.Response:
-    path = _query_path(request)
-    mode = _query_int(request, "mode", 0o644, 0, 0o7777)
+    path = query_path(request)
+    mode = query_mode(request)
     data = await request.read()
     req = body_request(data, _tl(request).body_cap, path=path, mode=mode)
     return await _file_op(request, "write", req, path, data, mode, True,
@@ -515,7 +522,7 @@ async def file_write(request: web.Request) -> web.Response:
 
 
 async def file_list(request: web.Request) -> web.Response:
-    sid, path = request.match_info["id"], _query_path(request)
+    sid, path = request.match_info["id"], query_path(request)
     engine = _engine(request)
 
     async def ls() -> list[Any]:
@@ -526,11 +533,12 @@ async def file_list(request: web.Request) -> web.Response:
                                        to_log=lambda v: listing_result(v, key is not None))
     if isinstance(entries, dict):  # fast-forwarded: what was listed then
         entries = await replayed_listing(entries, ls)
-    return _json({"entries": entries})
+    items, nxt = page(request, entries, lambda e: e["name"])
+    return _json({"entries": items, "next": nxt})
 
 
 async def file_stat(request: web.Request) -> web.Response:
-    sid, path = request.match_info["id"], _query_path(request)
+    sid, path = request.match_info["id"], query_path(request)
     engine = _engine(request)
 
     async def st() -> Any:
@@ -546,18 +554,30 @@ async def file_mkdir(request: web.Request) -> web.Response:
 
 async def file_remove(request: web.Request) -> web.Response:
     req = await _body(request, RemoveRequest)
+    not_root(req.path, "removed")
     return await _file_op(request, "remove", req.model_dump(), check_path(req.path),
                           req.recursive, big=req.recursive)
 
 
 async def file_rename(request: web.Request) -> web.Response:
     req = await _body(request, RenameRequest)
-    return await _file_op(request, "rename", req.model_dump(), check_path(req.src, "src"),
-                          check_path(req.dst, "dst"))
+    not_root(req.src, "renamed")
+    not_root(req.dst, "replaced")
+    try:
+        return await _file_op(request, "rename", req.model_dump(), check_path(req.src, "src"),
+                              check_path(req.dst, "dst"))
+    except InvalidPath as e:
+        if e.details.get("errno") != errno.EXDEV:
+            raise
+        # src and dst are on different mounts of the sandbox (its /tmp, its root): the
+        # sandbox's layout, not the request, is in the way.
+        raise Conflict(f"cannot rename across the sandbox's mounts: {req.src} -> {req.dst}",
+                       details={"src": req.src, "dst": req.dst, "errno": e.details["errno"]},
+                       ) from None
 
 
 async def tar_upload(request: web.Request) -> web.Response:
-    path = _query_path(request)
+    path = query_path(request)
     data = await request.read()
     req = body_request(data, _tl(request).body_cap, path=path)
     return await _file_op(request, "upload", req, path, data, big=True)
@@ -565,7 +585,7 @@ async def tar_upload(request: web.Request) -> web.Response:
 
 async def tar_download(request: web.Request) -> web.StreamResponse:
     """Planned first (caps checked, clear errors), then streamed in bounded chunks."""
-    sid, path = request.match_info["id"], _query_path(request)
+    sid, path = request.match_info["id"], query_path(request)
     engine = _engine(request)
     from corral.daemon.substrates.container import TAR_MAX_BYTES, TAR_MAX_MEMBERS
 
@@ -679,7 +699,9 @@ async def _state_op(request: web.Request, op: str) -> web.Response:
 
 
 async def list_snapshots(request: web.Request) -> web.Response:
-    return _json({"snapshots": [_snap(r) for r in _engine(request).snapshot_list()]})
+    items, nxt = page(request, _engine(request).snapshot_list(),
+                      lambda r: f"{r['created_at']:020.6f}/{r['id']}")
+    return _json({"snapshots": [_snap(r) for r in items], "next": nxt})
 
 
 async def get_snapshot(request: web.Request) -> web.Response:
@@ -724,13 +746,37 @@ async def get_trajectory(request: web.Request) -> web.Response:
 
 
 async def list_images(request: web.Request) -> web.Response:
-    images = _engine(request).images.list()
-    return _json({"images": [_entry(i) for i in images]})
+    items, nxt = page(request, _engine(request).images.list(), lambda i: i.name)
+    return _json({"images": [_entry(i) for i in items], "next": nxt})
 
 
 async def import_image(request: web.Request) -> web.Response:
+    """From a host path: the admin socket's, or under the import directory (images.py)."""
     req = await _body(request, ImportImageRequest)
-    info = await asyncio.to_thread(_engine(request).images.import_image, req.name, req.source)
+    engine = _engine(request)
+    src = resolve_source(req.source, admin=is_unix(request), import_dir=engine.config.import_dir)
+    info = await asyncio.to_thread(engine.images.import_image, req.name, src)
+    return _json(_entry(info), 201)
+
+
+async def upload_image(request: web.Request) -> web.Response:
+    """From the request body (a rootfs tarball, maybe compressed): what remote clients use.
+    Streamed to a private temp dir, never held in memory."""
+    name, store = request.match_info["name"], _engine(request).images
+    store.check_new(name)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-upload-{name}-", dir=store.dir)
+    try:
+        path = os.path.join(tmp, "rootfs.tar")
+        with open(path, "wb") as f:
+            size = 0
+            async for chunk in request.content.iter_chunked(1 << 20):
+                size += len(chunk)
+                if size > MAX_BODY:
+                    raise web.HTTPRequestEntityTooLarge(MAX_BODY, size)
+                f.write(chunk)
+        info = await asyncio.to_thread(store.import_image, name, path, "upload")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return _json(_entry(info), 201)
 
 
@@ -739,6 +785,8 @@ async def metrics(request: web.Request) -> web.Response:
     lines = [
         "# TYPE corral_sandboxes gauge", f"corral_sandboxes {len(engine.sandboxes)}",
         "# TYPE corral_capacity gauge", f"corral_capacity {engine.config.max_sandboxes}",
+        "# TYPE corral_api_waiting gauge",
+        f"corral_api_waiting {request.app[WAITING]['waiting']}",
     ]
     for name, value in engine.metrics().items():
         if name == "pool_ready":
@@ -749,37 +797,6 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 # ---- the route table (the API contract; see docs/architecture.md) --------------------------
-@dataclass(frozen=True)
-class Param:
-    name: str
-    type: str = "string"        # JSON schema type
-    required: bool = False
-    description: str = ""
-    repeated: bool = False
-    where: str = "query"        # or "header"
-
-
-@dataclass(frozen=True)
-class Route:
-    method: str
-    path: str
-    handler: Handler
-    summary: str
-    body: type[BaseModel] | str | None = None         # a model, "bytes" or None
-    response: type[BaseModel] | str | dict | None = None  # a model, "bytes", "tar", "ndjson",
-    status: int = 200                                   # "ok", "text" or a JSON schema
-    query: tuple[Param, ...] = ()
-    alt_response: type[BaseModel] | None = None         # exec: ProcessHandle if background
-
-
-SCHEMA_REF = "#/components/schemas/"
-SB = "/v1/sandboxes/{id}"
-PROC = SB + "/procs/{pid}"
-PATH_Q = Param("path", required=True, description="absolute path inside the sandbox")
-KEY_H = Param(KEY_HEADER, where="header", description=(
-    "idempotency key: a key already logged returns the logged result without running the "
-    "call again; the same key with a different request is replay_divergence (409). Scope: "
-    "the sandbox (create: global). See docs/trajectory.md"))
 _LOG_RESPONSE = {"type": "object", "required": ["entries", "sandbox_id"], "properties": {
     "entries": {"type": "array", "items": {"$ref": SCHEMA_REF + "LogEntry"}},
     "sandbox_id": {"type": "string"},
@@ -793,148 +810,144 @@ _TRAJ_RESPONSE = {"type": "object", "required": ["trajectory_id", "sandbox_id", 
     "sandbox": {"$ref": SCHEMA_REF + "SandboxInfo"},
 }}
 
-
-def _list_of(key: str, model: type[BaseModel]) -> dict:
-    return {"type": "object", "required": [key],
-            "properties": {key: {"type": "array", "items": {"$ref": SCHEMA_REF + model.__name__}}}}
+_ID = "$response.body#/id"
+# Everything a new sandbox can be used for (the stateful fuzzer follows these).
+_SB_LINKS = {name: link(name, id=_ID) for name in (
+    "get_sandbox", "exec_cmd", "file_write", "file_read", "file_list", "file_stat",
+    "file_mkdir", "tar_download", "tar_upload", "snapshot_sandbox", "fork_sandbox",
+    "pause_sandbox", "resume_sandbox", "sandbox_log", "set_timeout", "kill_sandbox")}
+_PROC_LINKS = {name: link(name, id="$request.path.id", pid="$response.body#/pid")
+               for name in ("proc_status", "proc_wait", "proc_stream", "proc_stdin",
+                            "proc_kill")}
+_FILE_LINKS = {name: link(name, id="$request.path.id", path="$request.query.path")
+               for name in ("file_read", "file_stat", "tar_download")}
+_SNAP_LINKS = {"get_snapshot": link("get_snapshot", snap=_ID),
+               "delete_snapshot": link("delete_snapshot", snap=_ID),
+               "restore_sandbox": link("restore_sandbox", id="$request.path.id",
+                                       body={"snapshot": _ID}),
+               "create_on_snapshot": link("create_sandbox", body={"snapshot": _ID})}
+SB_ERR = (404, 409, 410, 503)  # unknown sandbox; ended; lost; daemon stopping
 
 
 ROUTES: tuple[Route, ...] = (
-    Route("GET", "/v1/health", health, "Liveness", response={
+    Route("GET", "/v1/health", health, "Liveness (no token needed)", response={
         "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}),
     Route("GET", "/v1/status", status, "Daemon status", response=DaemonStatus),
     Route("POST", "/v1/sandboxes", create_sandbox, "Create a sandbox", body=SandboxSpec,
-          response=SandboxInfo, status=201, query=(KEY_H,)),
+          response=SandboxInfo, status=201, query=(KEY_H,), errors=(404, 409, 429, 501, 503),
+          links=_SB_LINKS),
     Route("POST", "/v1/sandboxes/batch", create_batch,
           "Create many sandboxes (all or nothing)", body=CreateManyRequest,
-          response=_list_of("sandboxes", SandboxInfo), status=201),
+          response=list_of("sandboxes", SandboxInfo, paged=False), status=201,
+          errors=(404, 409, 429, 501, 503), links={
+              "exec_first": link("exec_cmd", id="$response.body#/sandboxes/0/id"),
+              "kill_first": link("kill_sandbox", id="$response.body#/sandboxes/0/id")}),
     Route("POST", "/v1/sandboxes/batch/exec", exec_batch,
           "Run the same command in many sandboxes (one result or error per id, in order)",
           body=ExecManyRequest, response=ExecManyResponse),
     Route("POST", "/v1/sandboxes/batch/destroy", kill_batch,
-          "Kill many sandboxes (one result or error per id, in order)",
+          "Kill many sandboxes: counts, and the ids not killed (already ended, or an error)",
           body=KillManyRequest, response=KillManyResponse),
-    Route("GET", "/v1/sandboxes", list_sandboxes, "List running sandboxes", query=(
-        Param("label", description="key=value (or key: present); repeat to AND them",
-              repeated=True),), response=_list_of("sandboxes", SandboxInfo)),
+    Route("GET", "/v1/sandboxes", list_sandboxes, "List running sandboxes, oldest first, a "
+          "page at a time", query=(LABEL_Q, *PAGE_Q), response=list_of("sandboxes", SandboxInfo)),
     Route("GET", SB, get_sandbox, "Sandbox info (keyed: logged, and a repeated key returns "
-          "the logged info)", response=SandboxInfo, query=(KEY_H,)),
+          "the logged info)", response=SandboxInfo, query=(KEY_H,), errors=SB_ERR),
     Route("DELETE", SB, kill_sandbox, "Kill a sandbox (killed=false: it had already ended)",
-          query=(KEY_H,), response={"type": "object", "required": ["id", "killed"], "properties": {
+          query=(KEY_H,), errors=SB_ERR,
+          response={"type": "object", "required": ["id", "killed"], "properties": {
               "id": {"type": "string"}, "killed": {"type": "boolean"}}}),
     Route("POST", SB + "/timeout", set_timeout, "Set the TTL, in seconds from now",
-          body=SetTimeoutRequest, response=SandboxInfo),
+          body=SetTimeoutRequest, response=SandboxInfo, errors=SB_ERR),
     Route("POST", SB + "/exec", exec_cmd, "Run a command", body=ExecRequest,
-          response=ExecResult, alt_response=ProcessHandle, query=(KEY_H,)),
+          response=ExecResult, alt_response=ProcessHandle, query=(KEY_H,), errors=SB_ERR,
+          links=_PROC_LINKS),
     Route("GET", SB + "/log", sandbox_log, "The sandbox's trajectory log (kept after it ends, "
-          "until pruned)", response=_LOG_RESPONSE, query=(
-              Param("format", description="json (default) or jsonl (one LogEntry a line)"),)),
-    Route("GET", PROC, proc_status, "Background process status", response=ProcessStatus),
-    Route("POST", PROC + "/wait", proc_wait, "Wait for a background process",
-          body=WaitRequest, response=ExecResult),
+          "until pruned)", response=_LOG_RESPONSE, query=(FORMAT_Q,), errors=(404, 501),
+          also=("ndjson",)),
+    Route("GET", PROC, proc_status, "Background process status", response=ProcessStatus,
+          errors=SB_ERR),
+    Route("POST", PROC + "/wait", proc_wait, "Wait for a background process (409 "
+          "process_running if not done in time)", body=WaitRequest, response=ExecResult,
+          errors=SB_ERR),
     Route("GET", PROC + "/stream", proc_stream, "Stream a background process's output",
-          response="ndjson"),
+          response="ndjson", errors=SB_ERR),
     Route("POST", PROC + "/stdin", proc_stdin, "Write to a background process's stdin",
-          body=StdinRequest, response="ok"),
+          body=StdinRequest, response="ok", errors=SB_ERR),
     Route("POST", PROC + "/kill", proc_kill, "Signal a background process's group",
-          body=KillProcessRequest, response="ok"),
+          body=KillProcessRequest, response="ok", errors=SB_ERR),
     Route("GET", SB + "/files", file_read, "Read a file (header X-Corral-Truncated: true when "
-          "it is longer than max_bytes)", response="bytes", query=(
-              PATH_Q, Param("max_bytes", "integer",
-                            description="read at most this many bytes (default 1 GiB)"),
-              KEY_H)),
+          "it is longer than max_bytes)", response="bytes", errors=SB_ERR, query=(
+              PATH_Q, int_param("max_bytes", 0, MAX_READ_BYTES,
+                                "read at most this many bytes (default 1 GiB)"), KEY_H)),
     Route("PUT", SB + "/files", file_write, "Write a file (parents are created)", body="bytes",
-          response="ok", query=(PATH_Q, Param("mode", "integer",
-                                               description="permission bits (default 420)"),
-                                KEY_H)),
-    Route("GET", SB + "/files/list", file_list, "List a directory", query=(PATH_Q, KEY_H),
-          response=_list_of("entries", FileEntry)),
+          response="ok", query=(PATH_Q, MODE_Q, KEY_H), errors=(*SB_ERR, 413),
+          links=_FILE_LINKS),
+    Route("GET", SB + "/files/list", file_list, "List a directory, by name, a page at a "
+          "time", query=(PATH_Q, *PAGE_Q, KEY_H), response=list_of("entries", FileEntry),
+          errors=SB_ERR),
     Route("GET", SB + "/files/stat", file_stat, "Stat a path (lstat)", query=(PATH_Q, KEY_H),
-          response=FileEntry),
+          response=FileEntry, errors=SB_ERR),
     Route("POST", SB + "/files/mkdir", file_mkdir, "Make a directory", body=MkdirRequest,
-          response="ok", query=(KEY_H,)),
+          response="ok", query=(KEY_H,), errors=SB_ERR),
     Route("POST", SB + "/files/remove", file_remove, "Remove a file or directory",
-          body=RemoveRequest, response="ok", query=(KEY_H,)),
+          body=RemoveRequest, response="ok", query=(KEY_H,), errors=SB_ERR),
     Route("POST", SB + "/files/rename", file_rename, "Rename", body=RenameRequest,
-          response="ok", query=(KEY_H,)),
+          response="ok", query=(KEY_H,), errors=SB_ERR),
     Route("PUT", SB + "/files/tar", tar_upload, "Extract a tar into a directory", body="tar",
-          response="ok", query=(PATH_Q, KEY_H)),
+          response="ok", query=(PATH_Q, KEY_H), errors=(*SB_ERR, 413)),
     Route("GET", SB + "/files/tar", tar_download, "A tar of a directory or file",
-          response="tar", query=(PATH_Q,)),
+          response="tar", query=(PATH_Q,), errors=SB_ERR),
     Route("POST", SB + "/snapshot", snapshot_sandbox, "Snapshot the sandbox's files as a "
-          "layer", body=SnapshotRequest, response=SnapshotInfo, status=201, query=(KEY_H,)),
+          "layer", body=SnapshotRequest, response=SnapshotInfo, status=201, query=(KEY_H,),
+          errors=(*SB_ERR, 501), links=_SNAP_LINKS),
     Route("POST", SB + "/fork", fork_sandbox, "Snapshot + count sandboxes on it (all or "
-          "nothing)", body=ForkRequest, response=ForkResult, status=201, query=(KEY_H,)),
+          "nothing)", body=ForkRequest, response=ForkResult, status=201, query=(KEY_H,),
+          errors=(*SB_ERR, 429, 501), links={
+              "exec_child": link("exec_cmd", id="$response.body#/sandboxes/0/id"),
+              "get_snapshot": link("get_snapshot", snap="$response.body#/snapshot/id")}),
     Route("POST", SB + "/restore", restore_sandbox, "Roll the sandbox back to a snapshot in "
           "place (its processes are restarted)", body=RestoreRequest, response=SandboxInfo,
-          query=(KEY_H,)),
+          query=(KEY_H,), errors=(*SB_ERR, 501)),
     Route("POST", SB + "/pause", pause_sandbox, "Freeze every process of the sandbox",
-          response=SandboxInfo, query=(KEY_H,)),
+          response=SandboxInfo, query=(KEY_H,), errors=(*SB_ERR, 501)),
     Route("POST", SB + "/resume", resume_sandbox, "Thaw a paused sandbox",
-          response=SandboxInfo, query=(KEY_H,)),
+          response=SandboxInfo, query=(KEY_H,), errors=(*SB_ERR, 501)),
     Route("GET", "/v1/trajectories/{tid}", get_trajectory, "Where a trajectory stands: its "
-          "sandbox and the step after the last one its log binds", response=_TRAJ_RESPONSE),
-    Route("GET", "/v1/snapshots", list_snapshots, "List snapshots",
-          response=_list_of("snapshots", SnapshotInfo)),
+          "sandbox and the step after the last one its log binds", response=_TRAJ_RESPONSE,
+          errors=(404,)),
+    Route("GET", "/v1/snapshots", list_snapshots, "List snapshots, oldest first, a page at a "
+          "time", query=PAGE_Q, response=list_of("snapshots", SnapshotInfo), errors=(501,)),
     Route("GET", "/v1/snapshots/{snap}", get_snapshot, "Snapshot info (by id or name)",
-          response=SnapshotInfo),
+          response=SnapshotInfo, errors=(404, 501)),
     Route("DELETE", "/v1/snapshots/{snap}", delete_snapshot, "Delete a snapshot (its layers "
-          "stay while a sandbox or a child snapshot uses them)", response={
+          "stay while a sandbox or a child snapshot uses them)", errors=(404, 501), response={
               "type": "object", "required": ["id", "deleted"], "properties": {
                   "id": {"type": "string"}, "deleted": {"type": "boolean"}}}),
-    Route("GET", "/v1/images", list_images, "List images",
-          response=_list_of("images", ImageInfo)),
-    Route("POST", "/v1/images", import_image, "Import a rootfs directory or tarball",
-          body=ImportImageRequest, response=ImageInfo, status=201),
+    Route("GET", "/v1/images", list_images, "List images, by name, a page at a time",
+          query=PAGE_Q, response=list_of("images", ImageInfo)),
+    Route("POST", "/v1/images", import_image, "Import a rootfs directory or tarball from a "
+          "host path (the local socket, or under the import directory: docs/daemon.md)",
+          body=ImportImageRequest, response=ImageInfo, status=201, errors=(403, 409, 501)),
+    Route("PUT", "/v1/images/{name}", upload_image, "Import a rootfs tarball sent as the body "
+          "(.tar, gzip, xz or bzip2)", body="tar", response=ImageInfo, status=201,
+          errors=(409, 413), links={"create_on_image": link(
+              "create_sandbox", body={"image": "$response.body#/name"})}),
     Route("GET", "/metrics", metrics, "Prometheus metrics", response="text"),
 )
 
 
-# ---- errors and auth -------------------------------------------------------------------
-def _is_unix(request: web.Request) -> bool:
-    transport = request.transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    return sock is not None and sock.family == socket.AF_UNIX
-
-
-def _middleware(token: str | None) -> Any:
-    expected = f"Bearer {token}".encode() if token else None
-
-    @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        try:
-            # The unix socket is root-only (0600); TCP clients must present the token.
-            if request.path != "/v1/health" and not _is_unix(request):
-                got = request.headers.get("Authorization", "").encode()
-                if expected is None or not hmac.compare_digest(got, expected):
-                    raise Unauthorized("missing or wrong bearer token")
-            return await handler(request)
-        except CorralError as e:
-            return _error(e)
-        except web.HTTPException as e:
-            if e.status == 404:
-                return _error(NotFound(f"no route {request.method} {request.path}"))
-            if e.status == 405:
-                return _error(InvalidRequest(f"method {request.method} not allowed on "
-                                             f"{request.path}"), 405)
-            if e.status == 413:
-                return _error(InvalidRequest(f"request body too large (max {MAX_BODY} bytes)"),
-                              413)
-            return _error(CorralError(e.reason or str(e), code="http_error"), e.status)
-        except (asyncio.CancelledError, ConnectionResetError):
-            raise
-        except Exception as e:  # noqa: BLE001 - one bad request must not hurt the others
-            log.exception("unhandled error", extra={"method": request.method,
-                                                    "path": request.path})
-            return _error(InternalError(f"internal error: {type(e).__name__}: {e}"))
-
-    return middleware
+# A request line holds a path of up to 4095 characters, percent-encoded (12 bytes each at
+# worst): aiohttp's 8 KiB default would refuse valid requests before the app sees them.
+SERVER_LIMITS = {"max_line_size": 1 << 16, "max_field_size": 1 << 14}
+# /v1/sandboxes/batch is not a sandbox id: its methods are its own (405 names them).
+_ID_RE = "{id:(?!batch$)[^/]+}"
 
 
 def create_app(engine: Engine | None, token: str | None = None) -> web.Application:
-    app = web.Application(middlewares=[_middleware(token)], client_max_size=MAX_BODY)
+    app = web.Application(middlewares=[middleware(token)], client_max_size=MAX_BODY)
+    app[WAITING] = {"waiting": 0}
     if engine is not None:
         app[ENGINE] = engine
     for r in ROUTES:
-        app.router.add_route(r.method, r.path, r.handler)
+        app.router.add_route(r.method, r.path.replace("{id}", _ID_RE), r.handler)
     return app

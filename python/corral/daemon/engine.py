@@ -39,6 +39,7 @@ from corral.errors import (
     CapacityExceeded,
     Conflict,
     CorralError,
+    CwdNotFound,
     DaemonRestarted,
     DirectoryNotEmpty,
     FileExists,
@@ -48,7 +49,9 @@ from corral.errors import (
     InvalidPath,
     InvalidRequest,
     IsADirectory,
+    IsASymlink,
     NotADirectory,
+    PermissionDenied,
     ProcessNotFound,
     ProcessStillRunning,
     SandboxCrashed,
@@ -61,6 +64,7 @@ from corral.errors import (
 from corral.models import SUBSTRATES, ExecRequest, SandboxSpec
 
 log = logging.getLogger("corral.engine")
+DEFAULT_CWD = SandboxSpec.model_fields["cwd"].default
 
 
 def _effective_timeout(req: ExecRequest) -> float | None:
@@ -204,13 +208,24 @@ def os_error(e: OSError, path: str = "") -> CorralError:
         return IsADirectory(f"is a directory{where}")
     if n == errno.ENOTEMPTY:
         return DirectoryNotEmpty(f"directory not empty{where}")
-    if n in (errno.EXDEV, errno.ELOOP, errno.ENAMETOOLONG, errno.EINVAL):
+    if n == errno.ELOOP:
+        return IsASymlink(f"{os.strerror(n)}{where}", details={"errno": n})
+    if n in (errno.EXDEV, errno.ENAMETOOLONG, errno.EINVAL):
         return InvalidPath(f"{os.strerror(n)}{where}")
     if n in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return InvalidRequest(f"permission denied{where}", details={"errno": n})
+        return PermissionDenied(f"{os.strerror(n)}{where}", details={"errno": n})
     if n in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return InvalidRequest(f"{os.strerror(n)}{where}", details={"errno": n})
+    if n in _INPUT_ERRNOS:  # the request named a file that cannot be used that way
+        return InvalidRequest(f"{os.strerror(n)}{where}", details={"errno": n})
     return InternalError(f"{e.strerror or e}{where}", details={"errno": n})
+
+
+# Errors a file operation gets from what the request named (a special file, a busy file), not
+# from a fault of the daemon.
+_INPUT_ERRNOS = frozenset({errno.EIO, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP,
+                           errno.ETXTBSY, errno.EBUSY, errno.ESPIPE, errno.EOVERFLOW,
+                           errno.E2BIG, errno.ERANGE, errno.EMLINK, errno.EFAULT})
 
 
 class Engine:
@@ -923,6 +938,8 @@ class Engine:
         cwd = req.cwd or sb.spec.cwd
         if not cwd.startswith("/") or "\0" in cwd:
             raise InvalidPath(f"cwd must be an absolute path: {cwd!r}")
+        if req.cwd is not None or cwd != DEFAULT_CWD:
+            await self._check_cwd(sid, cwd)
         ident = self._identity(sb, req.user)
         env = {"PATH": DEFAULT_PATH, "HOME": ident.home, "LANG": "C.UTF-8", "TERM": "xterm",
                "HOSTNAME": sb.hostname}
@@ -967,6 +984,18 @@ class Engine:
                 self.pools.settled(sid)
         await self.after_exit(sb, proc)
         return self._result(proc)
+
+    async def _check_cwd(self, sid: str, cwd: str) -> None:
+        """A cwd named by the client must be a directory inside the sandbox (resolved in its
+        root, like a file operation): the command would otherwise start in / unnoticed. The
+        default cwd may be missing from an image: then the command starts in /."""
+        try:
+            entry = await self.files(sid, "stat", cwd)
+        except (FileNotFound, NotADirectory):
+            raise CwdNotFound(f"cwd {cwd!r} does not exist in the sandbox",
+                              details={"cwd": cwd}) from None
+        if entry.type not in ("dir", "symlink"):  # a symlink is resolved by chdir itself
+            raise NotADirectory(f"cwd {cwd!r} is not a directory", details={"cwd": cwd})
 
     def _result(self, proc: procs.Process) -> dict[str, Any]:
         res = proc.result()

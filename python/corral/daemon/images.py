@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from corral.daemon import removal
-from corral.errors import Conflict, ImageNotFound, InvalidRequest
+from corral.errors import Conflict, Forbidden, ImageNotFound, InvalidRequest, Unsupported
 from corral.models import MAX_TIMEOUT_S, ImageInfo
 
 HOST = "host"
@@ -43,6 +43,13 @@ _SKELETON_DIRS = {
 _SUID_BITS = stat.S_ISUID | stat.S_ISGID
 # Directory levels an imported tree may have (the copy is a loop with a stack this deep).
 _MAX_DEPTH = 512
+# Kernel and virtual filesystems: their files are views of the host's live state (a process's
+# memory, kernel tunables, devices), not a rootfs; an import never copies from them.
+PSEUDO_FS = frozenset({
+    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
+    "securityfs", "configfs", "bpf", "pstore", "efivarfs", "fusectl", "mqueue", "hugetlbfs",
+    "binfmt_misc", "autofs", "rpc_pipefs", "nsfs", "selinuxfs", "fuse.gvfsd-fuse",
+})
 
 
 @dataclass
@@ -104,6 +111,47 @@ def _host_overlays(rootfs: str) -> list[tuple[str, list[str]]]:
     return ov
 
 
+# ---- sources -------------------------------------------------------------------------------
+def pseudo_devices() -> frozenset[int]:
+    """The st_dev of every mounted kernel/virtual filesystem (PSEUDO_FS)."""
+    devs = set()
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields = left.split()
+                if len(fields) > 2 and right.split()[:1] and right.split()[0] in PSEUDO_FS:
+                    major, _, minor = fields[2].partition(":")
+                    devs.add(os.makedev(int(major), int(minor)))
+    except (OSError, ValueError):
+        pass
+    return frozenset(devs)
+
+
+def resolve_source(source: str, *, admin: bool, import_dir: str = "") -> str:
+    """The host path an import may read, or why not. A source that is not an absolute path is
+    a registry reference (not supported yet). Host paths are for the admin (the local unix
+    socket, root-equivalent) or, for any client, inside the configured import directory
+    (checked after resolving symlinks)."""
+    if "\0" in source:
+        raise InvalidRequest("source must not contain NUL bytes")
+    if not source.startswith("/"):
+        raise Unsupported("pulling images from a registry is not supported yet: upload a "
+                          "rootfs tarball (PUT /v1/images/{name}) or name a host path",
+                          details={"source": source})
+    real = os.path.realpath(source)
+    if import_dir:
+        base = os.path.realpath(import_dir)
+        if real == base or real.startswith(base.rstrip("/") + "/"):
+            return real
+    if admin:
+        return real
+    raise Forbidden("a TCP token cannot import from host paths: upload a rootfs tarball "
+                    "(PUT /v1/images/{name})" + (f", or name a path under {import_dir}"
+                                                  if import_dir else ""),
+                    details={"source": source})
+
+
 # ---- copying -------------------------------------------------------------------------------
 def _world_readable(st: os.stat_result) -> bool:
     if stat.S_ISDIR(st.st_mode):
@@ -120,6 +168,7 @@ def _copy_tree(src: str, dst: str, sanitize: bool) -> int:
     total = 0
     links: dict[tuple[int, int], str] = {}
     dirs: list[tuple[str, os.stat_result]] = []
+    pseudo = pseudo_devices()
 
     def listing(s: str, d: str) -> list[tuple[str, str]]:
         with os.scandir(s) as it:  # reversed: popped from the end, smallest name first
@@ -137,6 +186,8 @@ def _copy_tree(src: str, dst: str, sanitize: bool) -> int:
         except OSError:
             continue
         mode = st.st_mode
+        if st.st_dev in pseudo:
+            continue  # /proc, /sys ... mounted inside the tree: not files of a rootfs
         if stat.S_ISLNK(mode):
             os.symlink(os.readlink(sp), dp)
         elif sanitize and not _world_readable(st):
@@ -199,7 +250,14 @@ def _real_parent(root: str, rel: str) -> str:
     return d
 
 
-def _extract_tar(source: str, dst: str) -> int:
+# Bounds of one imported tarball once extracted: a small compressed upload must not fill the
+# state directory's disk (a gzip of zeros expands a thousandfold).
+MAX_IMAGE_BYTES = 16 << 30
+MAX_IMAGE_MEMBERS = 1_000_000
+
+
+def _extract_tar(source: str, dst: str, max_bytes: int = MAX_IMAGE_BYTES,
+                 max_members: int = MAX_IMAGE_MEMBERS) -> int:
     """Extract a (compressed) tarball into ``dst`` without trusting it: every path is made
     relative and checked component by component, nothing is written through a symlink, hard
     links must point at a file already extracted, devices are skipped, setuid bits stripped.
@@ -213,7 +271,13 @@ def _extract_tar(source: str, dst: str) -> int:
     with tf:
         try:
             members = iter(tf)
-            for m in members:
+            for count, m in enumerate(members):
+                if count >= max_members or total + max(m.size, 0) > max_bytes:
+                    raise InvalidRequest(f"tarball {os.path.basename(source)} is too big once "
+                                         f"extracted (at most {max_bytes} bytes and "
+                                         f"{max_members} members)",
+                                         details={"max_bytes": max_bytes,
+                                                  "max_members": max_members})
                 rel = _safe_rel(m.name)
                 if rel is None:
                     continue
@@ -406,21 +470,36 @@ class ImageStore:
             return [self._images[n].info() for n in sorted(self._images)]
 
     # ---- import / remove -------------------------------------------------------------------
-    def import_image(self, name: str, source: str) -> ImageInfo:
-        """Import a rootfs directory or tarball (.tar, .tar.gz, .tgz, .tar.xz, ...) as
-        ``name``. Built in a temp dir and renamed into place, so it appears whole or not at
-        all; a name already taken is a Conflict."""
+    def check_new(self, name: str) -> None:
         if not isinstance(name, str) or not NAME_RE.match(name):
             raise InvalidRequest(f"invalid image name {name!r}: must match {NAME_RE.pattern}")
         if name == HOST or name in self._images:
             raise Conflict(f"image {name!r} already exists", details={"image": name})
-        if not isinstance(source, str) or not source or "\0" in source:
-            raise InvalidRequest("source must be a host path")
-        src = os.path.abspath(source)
+
+    def import_image(self, name: str, source: str, label: str | None = None) -> ImageInfo:
+        """Import a rootfs directory or tarball (.tar, .tar.gz, .tgz, .tar.xz, ...) at the
+        absolute host path ``source`` as ``name`` (callers check the client may name it:
+        resolve_source). Built in a temp dir and renamed into place, so it appears whole or
+        not at all; a name already taken is a Conflict. An unreadable source is
+        invalid_request, never an internal error."""
+        self.check_new(name)
+        if not isinstance(source, str) or not source.startswith("/") or "\0" in source:
+            raise InvalidRequest("source must be an absolute host path")
+        try:
+            return self._import(name, os.path.abspath(source), label or source)
+        except OSError as e:
+            raise InvalidRequest(f"cannot import {source!r}: {e.strerror or e}"
+                                 + (f" ({e.filename})" if e.filename else ""),
+                                 details={"errno": e.errno}) from e
+
+    def _import(self, name: str, src: str, source: str) -> ImageInfo:
         try:
             st = os.stat(src)
         except OSError as e:
             raise InvalidRequest(f"cannot read source {source!r}: {e.strerror}") from e
+        if st.st_dev in pseudo_devices():
+            raise InvalidRequest(f"source {source!r} is on a kernel filesystem (proc, sysfs, "
+                                 "...), not a rootfs")
         tmp = self._tmpdir(name)
         try:
             os.chmod(tmp, 0o755)
@@ -438,7 +517,7 @@ class ImageStore:
             else:
                 raise InvalidRequest(f"source {source!r} is neither a directory nor a file")
             meta = {"name": name, "kind": "rootfs", "created_at": time.time(),
-                    "source": src, "size_bytes": size}
+                    "source": source, "size_bytes": size}
             self._write_meta(tmp, meta)
             with self._lock:
                 final = os.path.join(self.dir, name)

@@ -104,7 +104,7 @@ def _start(socket_path: str, state_dir: str, timeout: float) -> None:
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(config.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
     argv = [sys.executable, "-m", "corral.daemon", "--state-dir", state_dir,
-            "--socket", socket_path]
+            "--socket", socket_path, "--log-file", log_path]
     # Double fork through a tiny single-threaded helper: the daemon is not our child (no
     # zombie when it exits, no tie to this process's lifetime) and runs in its own session.
     out = subprocess.run([sys.executable, "-c", _DETACH, log_path, *argv], env=env, cwd="/",

@@ -16,7 +16,9 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from corral import __version__
-from corral.daemon.app import ROUTES, SCHEMA_REF, Route
+from corral.daemon.app import ROUTES
+from corral.daemon.routes import SCHEMA_REF, Route
+from corral.errors import ERROR_CLASSES
 
 SPEC_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "openapi.json")
 
@@ -75,34 +77,80 @@ def _response(r: Route) -> dict[str, Any]:
             schema = {"oneOf": [schema, _schema_ref(r.alt_response)]}
     else:
         schema = resp or {}
-    return {"description": "OK", "content": {"application/json": {"schema": schema}}}
+    content = {"application/json": {"schema": schema}}
+    for kind in r.also:
+        content[_MEDIA[kind]] = {"schema": {"type": "string"}}
+    return {"description": "OK", "content": content}
+
+
+# The substrates this daemon runs; a spec naming others would promise what it cannot do.
+OFFERED_SUBSTRATES = ["container"]
+_PATH_PARAMS: dict[str, dict[str, Any]] = {
+    "id": {"type": "string", "minLength": 1, "maxLength": 200},
+    "pid": {"type": "integer", "minimum": 0, "maximum": (1 << 31) - 1},
+    "snap": {"type": "string", "minLength": 1, "maxLength": 200},
+    "name": {"type": "string", "pattern": r"^[a-z0-9][a-z0-9_.\-]{0,62}$"},
+}
+
+
+def _codes(status: int) -> str:
+    codes = sorted(c for c, cls in ERROR_CLASSES.items() if cls.status == status)
+    return ", ".join(codes)
+
+
+def _error_response(status: int) -> dict[str, Any]:
+    return {"description": f"error: {_codes(status) or 'http_error'}", "content": {
+        "application/json": {"schema": {"$ref": SCHEMA_REF + "Error"}}}}
+
+
+def _statuses(r: Route) -> list[int]:
+    """The error statuses an operation answers: bad input (400) wherever a request carries
+    input, 401 without the token on TCP, 500 for a daemon bug, and the route's own."""
+    out = {500} | set(r.errors)
+    if r.path != "/v1/health":
+        out.add(401)
+    if r.body is not None or r.query or "{" in r.path:
+        out.add(400)
+    if r.body is not None and not isinstance(r.body, type):
+        out.add(413)
+    return sorted(out)
+
+
+def _required_body(model: type[BaseModel]) -> bool:
+    return any(f.is_required() for f in model.model_fields.values())
 
 
 def _operation(r: Route) -> dict[str, Any]:
     params: list[dict[str, Any]] = []
-    for name in ("id", "pid", "snap"):
+    for name, schema in _PATH_PARAMS.items():
         if "{" + name + "}" in r.path:
-            params.append({"name": name, "in": "path", "required": True, "schema": {
-                "type": "integer" if name == "pid" else "string"}})
+            params.append({"name": name, "in": "path", "required": True, "schema": schema})
     for q in r.query:
-        schema: dict[str, Any] = {"type": q.type}
+        schema: dict[str, Any] = q.schema or {"type": q.type}
         if q.repeated:
             schema = {"type": "array", "items": schema}
         params.append({"name": q.name, "in": q.where, "required": q.required,
                        "description": q.description, "schema": schema})
+    ok = _response(r)
+    if r.links:
+        ok["links"] = r.links
+    responses: dict[str, Any] = {str(r.status): ok}
+    for st in _statuses(r):
+        responses[str(st)] = _error_response(st)
+    responses["default"] = {"description": "error", "content": {"application/json": {
+        "schema": {"$ref": SCHEMA_REF + "Error"}}}}
     op: dict[str, Any] = {
         "operationId": r.handler.__name__,
         "summary": r.summary,
-        "responses": {
-            str(r.status): _response(r),
-            "default": {"description": "error", "content": {"application/json": {
-                "schema": {"$ref": SCHEMA_REF + "Error"}}}},
-        },
+        "responses": responses,
     }
+    if r.path == "/v1/health":
+        op["security"] = []
     if params:
         op["parameters"] = params
     if isinstance(r.body, type):
-        op["requestBody"] = {"required": False, "content": {
+        # An empty body is {}: required exactly when the model has a required field.
+        op["requestBody"] = {"required": _required_body(r.body), "content": {
             "application/json": {"schema": _schema_ref(r.body)}}}
     elif isinstance(r.body, str) and r.body in _MEDIA:
         op["requestBody"] = {"required": True, "content": {
@@ -114,19 +162,26 @@ def build_spec() -> dict[str, Any]:
     _, defs = models_json_schema(_models(), ref_template=SCHEMA_REF + "{model}")
     schemas = dict(sorted(defs.get("$defs", {}).items()))
     schemas["Error"] = _ERROR
+    schemas["SandboxSpec"]["properties"]["substrate"]["enum"] = OFFERED_SUBSTRATES
     paths: dict[str, dict[str, Any]] = {}
     for r in ROUTES:
         paths.setdefault(r.path, {})[r.method.lower()] = _operation(r)
     return {
         "openapi": "3.1.0",
         "info": {"title": "corrald", "version": __version__,
-                 "description": "The corral daemon API: sandboxes, exec, files, images. "
-                                "Unix socket (root only) or TCP with a bearer token."},
+                 "description": (
+                     "The corral daemon API: sandboxes, exec, files, images. On the local "
+                     "unix socket (root only, no token: root-equivalent, may name host "
+                     "paths) or over TCP with a bearer token (sandbox operations only; no "
+                     "host paths). Integers in query strings are decimal digits only (no "
+                     "sign, leading zero, 0x or _), except file modes, which may be octal "
+                     "(0644, 0o644). Errors are {\"error\": {code, message, details}} "
+                     "with a stable code (docs/sdk.md#errors).")},
         "components": {
             "schemas": schemas,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
-        "security": [{}, {"bearer": []}],
+        "security": [{"bearer": []}],
         "paths": paths,
     }
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from corral.errors import InvalidRequest
+from corral.errors import InvalidRequest, UserNotFound
 
 
 class Identity(NamedTuple):
@@ -51,7 +51,8 @@ def resolve(user: str | int, passwd: str, group: str) -> Identity:
             continue
     if entry is None:
         if name is not None:
-            raise InvalidRequest(f"unknown user {name!r} in the sandbox's /etc/passwd")
+            raise UserNotFound(f"unknown user {name!r} in the sandbox's /etc/passwd",
+                               details={"user": name})
         assert uid is not None
         return Identity(uid, uid, [], "/")
     uid, gid, home, name = int(entry[2]), int(entry[3]), entry[5] or "/", entry[0]

@@ -13,7 +13,7 @@ def status(endpoint: str | Endpoint | None = None) -> DaemonStatus:
 
 
 def images(endpoint: str | Endpoint | None = None) -> list[ImageInfo]:
-    return transport(Endpoint.parse(endpoint)).call(api.images())
+    return api.all_pages(transport(Endpoint.parse(endpoint)).call, api.images)
 
 
 def import_image(name: str, source: str, endpoint: str | Endpoint | None = None) -> ImageInfo:

@@ -26,6 +26,7 @@ from corral.models import (
     DEFAULT_EXEC_TIMEOUT_S,
     DEFAULT_MAX_OUTPUT_BYTES,
     NETWORK_MODES,
+    BatchExecRequest,
     CreateManyRequest,
     DaemonStatus,
     ExecManyRequest,
@@ -169,7 +170,8 @@ def exec_many(ids: list[str], cmd: str | list[str], *,
     if isinstance(cmd, tuple):
         cmd = list(cmd)
     chosen = {} if isinstance(timeout, _DefaultTimeout) else {"timeout": timeout}
-    ex = validated(ExecRequest, cmd=cmd, env=dict(env or {}), cwd=cwd, user=user, stdin=stdin,
+    ex = validated(BatchExecRequest, cmd=cmd, env=dict(env or {}), cwd=cwd, user=user,
+                   stdin=stdin,
                    max_output_bytes=max_output_bytes, **chosen)
     req = validated(ExecManyRequest, ids=ids, exec=ex, concurrency=concurrency)
     waves = -(-len(ids) // concurrency)
@@ -178,9 +180,19 @@ def exec_many(ids: list[str], cmd: str | list[str], *,
                 body=_body(req), timeout=read)
 
 
+def _killed(n: int) -> Callable[[bytes], list[bool | CorralError]]:
+    """The daemon answers counts and the ids not killed; every other id was."""
+    def run(body: bytes) -> list[bool | CorralError]:
+        out: list[bool | CorralError] = [True] * n
+        for x in json.loads(body)["not_killed"]:
+            out[x["index"]] = error_from_payload(x) if x.get("error") else False
+        return out
+    return run
+
+
 def kill_many(ids: list[str]) -> Call[list[bool | CorralError]]:
     req = validated(KillManyRequest, ids=ids)
-    return Call("POST", "/v1/sandboxes/batch/destroy", _items(lambda x: bool(x["killed"])),
+    return Call("POST", "/v1/sandboxes/batch/destroy", _killed(len(ids)),
                 body=_body(req), timeout=DEFAULT_READ_TIMEOUT + 0.05 * len(ids))
 
 
@@ -209,8 +221,52 @@ def label_filters(labels: Mapping[str, str | None] | list[str] | None) -> list[t
     return [("label", str(x)) for x in labels]
 
 
-def list_(labels: Mapping[str, str | None] | list[str] | None = None) -> Call[list[SandboxInfo]]:
-    return Call("GET", "/v1/sandboxes", _infos, query=label_filters(labels), retry_safe=True)
+Page = tuple[list[T], "str | None"]
+
+
+def _page(key: str, parse: Callable[[Any], T]) -> Callable[[bytes], Page[T]]:
+    """A list endpoint's answer: (items, cursor of the next page or None)."""
+    def run(body: bytes) -> Page[T]:
+        data = json.loads(body)
+        return [parse(x) for x in data[key]], data.get("next")
+    return run
+
+
+def all_pages(send: Callable[[Call[Page[T]]], Page[T]],
+              call: Callable[[str | None], Call[Page[T]]]) -> list[T]:
+    """Every item of a list endpoint: pages followed until ``next`` is null."""
+    out: list[T] = []
+    after: str | None = None
+    while True:
+        items, after = send(call(after))
+        out.extend(items)
+        if after is None:
+            return out
+
+
+async def all_pages_async(send: Callable[[Call[Page[T]]], Any],
+                          call: Callable[[str | None], Call[Page[T]]]) -> list[T]:
+    out: list[T] = []
+    after: str | None = None
+    while True:
+        items, after = await send(call(after))
+        out.extend(items)
+        if after is None:
+            return out
+
+
+def _page_query(after: str | None) -> list[tuple[str, str]]:
+    return [("after", after)] if after else []
+
+
+def list_(labels: Mapping[str, str | None] | list[str] | None = None,
+          after: str | None = None, limit: int | None = None) -> Call[Page[SandboxInfo]]:
+    """One page of running sandboxes; callers follow ``next`` (all_pages)."""
+    query = label_filters(labels) + _page_query(after)
+    if limit is not None:
+        query.append(("limit", str(limit)))
+    return Call("GET", "/v1/sandboxes", _page("sandboxes", SandboxInfo.model_validate),
+                query=query, retry_safe=True)
 
 
 def kill(sid: str) -> Call[bool]:
@@ -256,10 +312,9 @@ def resume(sid: str) -> Call[SandboxInfo]:
     return _keyed(Call("POST", sb_path(sid) + "/resume", _info))
 
 
-def snapshots() -> Call[list[SnapshotInfo]]:
-    return Call("GET", "/v1/snapshots",
-                lambda b: [SnapshotInfo.model_validate(x) for x in json.loads(b)["snapshots"]],
-                retry_safe=True)
+def snapshots(after: str | None = None) -> Call[Page[SnapshotInfo]]:
+    return Call("GET", "/v1/snapshots", _page("snapshots", SnapshotInfo.model_validate),
+                query=_page_query(after), retry_safe=True)
 
 
 def snapshot_get(key: Any) -> Call[SnapshotInfo]:
@@ -370,10 +425,17 @@ def write(sid: str, path: str, data: str | bytes, mode: int = 0o644) -> Call[Non
                        body=bytes(data), content_type=OCTET))
 
 
-def list_dir(sid: str, path: str) -> Call[list[FileEntry]]:
+def list_dir(sid: str, path: str, after: str | None = None) -> Call[Page[FileEntry]]:
+    """One page of a directory, by name; callers follow ``next`` (all_pages)."""
     return _keyed(Call("GET", sb_path(sid) + "/files/list",
-                       lambda b: [FileEntry.model_validate(x) for x in json.loads(b)["entries"]],
-                       query=[("path", _path(path))], retry_safe=True))
+                       _page("entries", FileEntry.model_validate),
+                       query=[("path", _path(path))] + _page_query(after), retry_safe=True))
+
+
+def page_key(key: str | None, index: int) -> str | None:
+    """The explicit key of page ``index`` of a keyed listing: each page is a call of its own
+    in the log (the first keeps the caller's key)."""
+    return key if key is None or index == 0 else f"{key}/page{index}"
 
 
 def stat(sid: str, path: str) -> Call[FileEntry]:
@@ -436,10 +498,9 @@ def status() -> Call[DaemonStatus]:
     return Call("GET", "/v1/status", DaemonStatus.model_validate_json, retry_safe=True)
 
 
-def images() -> Call[list[ImageInfo]]:
-    return Call("GET", "/v1/images",
-                lambda b: [ImageInfo.model_validate(x) for x in json.loads(b)["images"]],
-                retry_safe=True)
+def images(after: str | None = None) -> Call[Page[ImageInfo]]:
+    return Call("GET", "/v1/images", _page("images", ImageInfo.model_validate),
+                query=_page_query(after), retry_safe=True)
 
 
 def import_image(name: str, source: str) -> Call[ImageInfo]:

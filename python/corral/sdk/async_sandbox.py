@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import itertools
 import os
 from collections.abc import AsyncIterator, Generator, Iterable, Mapping
 from typing import Any, Literal, overload
@@ -172,7 +173,9 @@ class AsyncSandbox(SandboxHandle):
     async def list(cls, labels: Labels = None, *,
                    endpoint: str | Endpoint | None = None) -> builtins.list[AsyncSandbox]:
         ep = Endpoint.parse(endpoint)
-        return [cls._bind(ep, i.id, i) for i in await _send(ep, api.list_(labels))]
+        infos = await api.all_pages_async(transport(ep).call,
+                                          lambda after: api.list_(labels, after))
+        return [cls._bind(ep, i.id, i) for i in infos]
 
     @classmethod
     async def create_many(cls, n: int, image: str = "host", *,
@@ -330,7 +333,13 @@ class AsyncFiles:
 
     async def list(self, path: str = "/", *,
                    key: str | None = None) -> builtins.list[FileEntry]:
-        return await self._sb._call(api.list_dir, path, key=key)
+        sid = await self._sb._sid_ready()
+        pages = itertools.count()
+
+        async def send(call: Call[Any]) -> Any:
+            return await self._sb._call(lambda _sid: call, key=api.page_key(key, next(pages)))
+
+        return await api.all_pages_async(send, lambda after: api.list_dir(sid, path, after))
 
     async def stat(self, path: str, *, key: str | None = None) -> FileEntry:
         return await self._sb._call(api.stat, path, key=key)

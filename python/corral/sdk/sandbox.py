@@ -4,6 +4,7 @@ it on the sync transport; ``corral.sdk.async_sandbox`` mirrors it method for met
 from __future__ import annotations
 
 import builtins
+import itertools
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -135,7 +136,8 @@ class Sandbox(SandboxHandle):
         """Running sandboxes, optionally those whose labels match (``{"k": "v"}``; a None
         value matches any value). Each handle's ``last_info`` holds what was listed."""
         ep = Endpoint.parse(endpoint)
-        return [cls._bind(ep, i.id, i) for i in _send(ep, api.list_(labels))]
+        infos = api.all_pages(transport(ep).call, lambda after: api.list_(labels, after))
+        return [cls._bind(ep, i.id, i) for i in infos]
 
     @classmethod
     def create_many(cls, n: int, image: str = "host", *,
@@ -299,7 +301,9 @@ class Files:
         self._call(api.write(self._sb.id, path, data, mode), key)
 
     def list(self, path: str = "/", *, key: str | None = None) -> builtins.list[FileEntry]:
-        return self._call(api.list_dir(self._sb.id, path), key)
+        pages = itertools.count()
+        return api.all_pages(lambda call: self._call(call, api.page_key(key, next(pages))),
+                             lambda after: api.list_dir(self._sb.id, path, after))
 
     def stat(self, path: str, *, key: str | None = None) -> FileEntry:
         return self._call(api.stat(self._sb.id, path), key)

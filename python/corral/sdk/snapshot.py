@@ -67,7 +67,7 @@ class Snapshot(SnapshotBase):
     def list(cls, *, endpoint: str | Endpoint | None = None) -> builtins.list[Snapshot]:
         """Every snapshot on the daemon, oldest first."""
         ep = Endpoint.parse(endpoint)
-        return [cls(i, ep) for i in transport(ep).call(api.snapshots())]
+        return [cls(i, ep) for i in api.all_pages(transport(ep).call, api.snapshots)]
 
     @classmethod
     def get(cls, key: str, *, endpoint: str | Endpoint | None = None) -> Snapshot:
@@ -89,7 +89,8 @@ class AsyncSnapshot(SnapshotBase):
         from corral.sdk.async_sandbox import transport as atransport
 
         ep = Endpoint.parse(endpoint)
-        return [cls(i, ep) for i in await atransport(ep).call(api.snapshots())]
+        return [cls(i, ep)
+                for i in await api.all_pages_async(atransport(ep).call, api.snapshots)]
 
     @classmethod
     async def get(cls, key: str, *, endpoint: str | Endpoint | None = None) -> AsyncSnapshot:

@@ -1,0 +1,104 @@
+"""The API's middleware: bearer auth on TCP, and every failure as a JSON error with a stable code.
+
+Bad input is a 4xx, never a 500: HTTP-level errors (no route, wrong method, body too large) get
+their own codes, an ``OSError`` that escapes a handler is mapped by errno like a file error, and
+only a truly unexpected exception is ``internal`` (logged with its traceback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from corral.errors import CorralError, InternalError, InvalidRequest, NotFound, Unauthorized
+
+log = logging.getLogger("corral.api")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_BODY = 1 << 30           # file and tar uploads come as request bodies
+# Unauthenticated on TCP: the liveness probe only.
+PUBLIC_PATHS = frozenset({"/v1/health"})
+
+
+def is_unix(request: web.Request) -> bool:
+    """True for the local admin socket (root-only, 0600): root-equivalent credentials."""
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    return sock is not None and sock.family == socket.AF_UNIX
+
+
+def json_error(err: CorralError, status: int | None = None,
+               headers: dict[str, str] | None = None) -> web.Response:
+    import json
+
+    return web.Response(body=json.dumps(err.to_payload(), separators=(",", ":")).encode(),
+                        status=status or err.status, content_type="application/json",
+                        headers=headers)
+
+
+def _token_ok(header: str, token: bytes | None) -> bool:
+    """``Authorization: Bearer <token>``; the scheme is case-insensitive (RFC 7235)."""
+    if token is None:
+        return False
+    scheme, _, got = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(got.strip().encode(), token)
+
+
+def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
+    if e.status == 404:
+        return json_error(NotFound(f"no route {request.method} {request.path}"))
+    if e.status == 405:
+        allowed = sorted(getattr(e, "allowed_methods", ()) or ())
+        return json_error(InvalidRequest(f"method {request.method} not allowed on "
+                                         f"{request.path}", details={"allowed": allowed}),
+                          405, headers={"Allow": ", ".join(allowed)})
+    if e.status == 413:
+        return json_error(InvalidRequest(f"request body too large (max {MAX_BODY} bytes)"),
+                          413)
+    return json_error(CorralError(e.reason or str(e), code="http_error"), e.status)
+
+
+def os_error(e: OSError) -> CorralError:
+    """An OSError that reached the API layer: the request named something the daemon cannot
+    use (a path it may not read, a special file); resource exhaustion stays infra."""
+    import errno
+
+    from corral.daemon.engine import os_error as file_error
+
+    if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN):
+        return InternalError(f"{e.strerror or e}", details={"errno": e.errno})
+    err = file_error(e, getattr(e, "filename", None) or "")
+    if isinstance(err, InternalError):  # EIO, ENXIO, ...: the input named an unusable file
+        return InvalidRequest(f"{e.strerror or e}", details={"errno": e.errno})
+    return err
+
+
+def middleware(token: str | None) -> Any:
+    expected = token.encode() if token else None
+
+    @web.middleware
+    async def handle(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            if request.path not in PUBLIC_PATHS and not is_unix(request):
+                if not _token_ok(request.headers.get("Authorization", ""), expected):
+                    raise Unauthorized("missing or wrong bearer token")
+            return await handler(request)
+        except CorralError as e:
+            return json_error(e)
+        except web.HTTPException as e:
+            return _http_error(request, e)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except OSError as e:
+            return json_error(os_error(e))
+        except Exception as e:  # noqa: BLE001 - one bad request must not hurt the others
+            log.exception("unhandled error", extra={"method": request.method,
+                                                    "path": request.path})
+            return json_error(InternalError(f"internal error: {type(e).__name__}: {e}"))
+
+    return handle
