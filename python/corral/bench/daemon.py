@@ -117,7 +117,9 @@ class PrivateDaemon:
         return ov
 
     def sandbox_pids(self) -> set[int]:
-        return host.cgroup_pids(self.cgroup_name, exact=True)
+        """Processes under the daemon's cgroup name but the daemon itself (it runs in its own
+        ``.daemon`` cgroup there: docs/daemon.md, "Memory protection")."""
+        return host.cgroup_pids(self.cgroup_name, exact=True) - {self.pid}
 
     def tail(self, n: int = 3000) -> str:
         try:

@@ -411,7 +411,8 @@ def _back_to_baseline(s: Session, before: dict[str, Any], cgroups: list[str],
             "pooled": pooled,
             "memcg_spares": len(names) - len(ids),
             "cgroups_left": max(0, len(ids) - pooled),
-            "processes_left": max(0, len(host.cgroup_pids(cgroups[0], exact=True)) - pooled)}
+            "processes_left": max(0, len(host.cgroup_pids(cgroups[0], exact=True)
+                                         - {s.daemon.pid}) - pooled)}
 
 
 # ---- snapshot / restore / fork (issue 4) ----------------------------------------------------

@@ -90,6 +90,7 @@ _PATH_PARAMS: dict[str, dict[str, Any]] = {
     "pid": {"type": "integer", "minimum": 0, "maximum": (1 << 31) - 1},
     "snap": {"type": "string", "minLength": 1, "maxLength": 200},
     "name": {"type": "string", "pattern": r"^[a-z0-9][a-z0-9_.\-]{0,62}$"},
+    "tid": {"type": "string", "minLength": 1, "maxLength": 200},
 }
 
 
