@@ -214,6 +214,7 @@ async def status(request: web.Request) -> web.Response:
 # Parsed specs by request body: a trainer sends the same spec again and again, and the
 # sandboxes share one (immutable by convention) SandboxSpec instead of ~1 KiB each.
 _SPECS: dict[bytes, SandboxSpec] = {}
+SPEC_CACHE_BODY = 64 << 10  # a bigger spec (a huge env) is not kept: 256 of them would be GiBs
 
 
 async def create_sandbox(request: web.Request) -> web.Response:
@@ -223,7 +224,8 @@ async def create_sandbox(request: web.Request) -> web.Response:
         spec = parse(raw, SandboxSpec)
         if len(_SPECS) >= 256:
             _SPECS.clear()
-        _SPECS[raw] = spec
+        if len(raw) <= SPEC_CACHE_BODY:
+            _SPECS[raw] = spec
     engine = _engine(request)
 
     async def make() -> dict[str, Any]:
@@ -512,12 +514,26 @@ async def _spooled_op(request: web.Request, op: str, *args: Any, **fields: Any,
     """A write or upload: its body streamed to an unnamed file on disk (corral.daemon.spool),
     hashed on the way, then handed to the substrate as a file object to copy in chunks."""
     engine = _engine(request)
-    with spool.tmp_file(os.path.join(engine.config.state_dir, "tmp")) as f:
+    f = spool.tmp_file(os.path.join(engine.config.state_dir, "tmp"))
+    handed_off = False
+    try:
         got = await spool.spool(request, f, MAX_BODY, engine.trajlog.body_cap)
         req = body_request(got.size, got.sha256, got.head, **fields)
         if op == "write" and got.head is not None and got.size <= BIG_BODY:  # on the loop
             return await _file_op(request, op, req, fields["path"], got.head, *args)
-        return await _file_op(request, op, req, fields["path"], f, *args, big=True)
+        # A thread reads f: cancelled here (the daemon stopping), f is closed when the thread
+        # is done with it, never under it.
+        task = asyncio.ensure_future(_file_op(request, op, req, fields["path"], f, *args,
+                                              big=True))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda _: f.close())
+            handed_off = True
+            raise
+    finally:
+        if not handed_off:
+            f.close()
 
 
 async def file_write(request: web.Request) -> web.Response:
