@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel
 
-from corral.daemon import streams
-from corral.daemon.app_errors import MAX_BODY, is_unix, middleware
+from corral.daemon import spool, streams
+from corral.daemon.app_errors import JSON_MAX, MAX_BODY, is_unix, middleware
 from corral.daemon.bodies import parse
 from corral.daemon.engine import MAX_READ_BYTES, Engine
 from corral.daemon.images import resolve_source
@@ -60,7 +60,6 @@ from corral.daemon.routes import (
 from corral.daemon.trajlog import (
     KEY_HEADER,
     MAX_KEY_LEN,
-    TrajLog,
     body_request,
     data_result,
     listing_result,
@@ -142,10 +141,6 @@ def _entry(e: Any) -> Any:
 
 
 # ---- trajectory log hooks (corral.daemon.trajlog; docs/trajectory.md) ----------------------
-def _tl(request: web.Request) -> TrajLog:
-    return request.app[ENGINE].trajlog
-
-
 def _key(request: web.Request) -> str | None:
     """The idempotency key of a mutating call (header ``Idempotency-Key``): 1 to 256
     visible ASCII characters."""
@@ -219,6 +214,7 @@ async def status(request: web.Request) -> web.Response:
 # Parsed specs by request body: a trainer sends the same spec again and again, and the
 # sandboxes share one (immutable by convention) SandboxSpec instead of ~1 KiB each.
 _SPECS: dict[bytes, SandboxSpec] = {}
+SPEC_CACHE_BODY = 64 << 10  # a bigger spec (a huge env) is not kept: 256 of them would be GiBs
 
 
 async def create_sandbox(request: web.Request) -> web.Response:
@@ -228,7 +224,8 @@ async def create_sandbox(request: web.Request) -> web.Response:
         spec = parse(raw, SandboxSpec)
         if len(_SPECS) >= 256:
             _SPECS.clear()
-        _SPECS[raw] = spec
+        if len(raw) <= SPEC_CACHE_BODY:
+            _SPECS[raw] = spec
     engine = _engine(request)
 
     async def make() -> dict[str, Any]:
@@ -512,13 +509,37 @@ def _truncated(truncated: bool) -> dict[str, str]:
     return {"X-Corral-Truncated": "true"} if truncated else {}
 
 
+async def _spooled_op(request: web.Request, op: str, *args: Any, **fields: Any,
+                      ) -> web.Response:
+    """A write or upload: its body streamed to an unnamed file on disk (corral.daemon.spool),
+    hashed on the way, then handed to the substrate as a file object to copy in chunks."""
+    engine = _engine(request)
+    f = spool.tmp_file(os.path.join(engine.config.state_dir, "tmp"))
+    handed_off = False
+    try:
+        got = await spool.spool(request, f, MAX_BODY, engine.trajlog.body_cap)
+        req = body_request(got.size, got.sha256, got.head, **fields)
+        if op == "write" and got.head is not None and got.size <= BIG_BODY:  # on the loop
+            return await _file_op(request, op, req, fields["path"], got.head, *args)
+        # A thread reads f: cancelled here (the daemon stopping), f is closed when the thread
+        # is done with it, never under it.
+        task = asyncio.ensure_future(_file_op(request, op, req, fields["path"], f, *args,
+                                              big=True))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda _: f.close())
+            handed_off = True
+            raise
+    finally:
+        if not handed_off:
+            f.close()
+
+
 async def file_write(request: web.Request) -> web.Response:
     path = query_path(request)
     mode = query_mode(request)
-    data = await request.read()
-    req = body_request(data, _tl(request).body_cap, path=path, mode=mode)
-    return await _file_op(request, "write", req, path, data, mode, True,
-                          big=len(data) > BIG_BODY)
+    return await _spooled_op(request, "write", mode, True, path=path, mode=mode)
 
 
 async def file_list(request: web.Request) -> web.Response:
@@ -577,10 +598,7 @@ async def file_rename(request: web.Request) -> web.Response:
 
 
 async def tar_upload(request: web.Request) -> web.Response:
-    path = query_path(request)
-    data = await request.read()
-    req = body_request(data, _tl(request).body_cap, path=path)
-    return await _file_op(request, "upload", req, path, data, big=True)
+    return await _spooled_op(request, "upload", path=query_path(request))
 
 
 async def tar_download(request: web.Request) -> web.StreamResponse:
@@ -768,12 +786,7 @@ async def upload_image(request: web.Request) -> web.Response:
     try:
         path = os.path.join(tmp, "rootfs.tar")
         with open(path, "wb") as f:
-            size = 0
-            async for chunk in request.content.iter_chunked(1 << 20):
-                size += len(chunk)
-                if size > MAX_BODY:
-                    raise web.HTTPRequestEntityTooLarge(MAX_BODY, size)
-                f.write(chunk)
+            await spool.spool(request, f, MAX_BODY)
         info = await asyncio.to_thread(store.import_image, name, path, "upload")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -944,7 +957,7 @@ _ID_RE = "{id:(?!batch$)[^/]+}"
 
 
 def create_app(engine: Engine | None, token: str | None = None) -> web.Application:
-    app = web.Application(middlewares=[middleware(token)], client_max_size=MAX_BODY)
+    app = web.Application(middlewares=[middleware(token)], client_max_size=JSON_MAX)
     app[WAITING] = {"waiting": 0}
     if engine is not None:
         app[ENGINE] = engine

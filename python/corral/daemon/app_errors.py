@@ -16,11 +16,15 @@ from typing import Any
 
 from aiohttp import web
 
+from corral.daemon.spool import too_large
 from corral.errors import CorralError, InternalError, InvalidRequest, NotFound, Unauthorized
 
 log = logging.getLogger("corral.api")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-MAX_BODY = 1 << 30           # file and tar uploads come as request bodies
+MAX_BODY = 1 << 30           # file and tar uploads come as request bodies (spooled to disk)
+# Every other body is JSON, read whole: bounded small, so concurrent requests cannot grow the
+# daemon by more than this each (an exec's stdin is the largest legitimate one).
+JSON_MAX = 16 << 20
 # Unauthenticated on TCP: the liveness probe only.
 PUBLIC_PATHS = frozenset({"/v1/health"})
 
@@ -57,9 +61,8 @@ def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
         return json_error(InvalidRequest(f"method {request.method} not allowed on "
                                          f"{request.path}", details={"allowed": allowed}),
                           405, headers={"Allow": ", ".join(allowed)})
-    if e.status == 413:
-        return json_error(InvalidRequest(f"request body too large (max {MAX_BODY} bytes)"),
-                          413)
+    if e.status == 413:  # aiohttp's client_max_size: the JSON bodies
+        return json_error(too_large(JSON_MAX, "JSON request body"))
     return json_error(CorralError(e.reason or str(e), code="http_error"), e.status)
 
 

@@ -203,11 +203,12 @@ def fingerprint(op: str, request: dict[str, Any]) -> str:
     return sha256("".join(_FP_ENCODE([op, request], 0)).encode())
 
 
-def body_request(data: bytes, cap: int, **fields: Any) -> dict[str, Any]:
+def body_request(size: int, digest: str, data: bytes | None, **fields: Any) -> dict[str, Any]:
     """A request with a raw body (file write, tar upload): its size and hash always, the bytes
-    themselves (base64) when they fit the cap, so that replay can send them again."""
-    req = dict(fields, size=len(data), sha256=sha256(data))
-    if len(data) <= cap:
+    themselves (base64) when the whole body was kept (it fit the log's cap), so that replay
+    can send them again."""
+    req = dict(fields, size=size, sha256=digest)
+    if data is not None:
         req["data_b64"] = base64.b64encode(data).decode()
     return req
 

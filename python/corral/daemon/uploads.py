@@ -1,10 +1,11 @@
 """Bounds on what the daemon writes into a sandbox for a client.
 
-An upload's body is bounded by the HTTP layer; what it *decompresses* to is bounded here: a
-gzip, bzip2 or xz stream is read through :class:`Bounded`, which counts the decompressed bytes
-and stops at the limit (a 1 MiB gzip of zeros can claim terabytes). The tar is read as a stream
-(``r|``: never a seek, so no member is decompressed twice) and each member is written in
-chunks, so the daemon holds at most one chunk of it.
+An upload's body is bounded as it is spooled to disk (corral.daemon.spool); what it
+*decompresses* to is bounded here: a gzip, bzip2 or xz stream is read through
+:class:`Bounded`, which counts the decompressed bytes and stops at the limit (a 1 MiB gzip of
+zeros can claim terabytes). The tar is read as a stream (``r|``: never a seek, so no member is
+decompressed twice) and each member is written in chunks, so the daemon holds at most one
+chunk of it.
 
 :class:`DiskBudget` keeps, per sandbox, the bytes the daemon has written into it (uploads,
 files.write, tar extraction) against the sandbox's ``disk_mb``: those pages are the daemon's,
@@ -53,15 +54,18 @@ class Bounded(io.RawIOBase):
         return len(data)
 
 
-def open_bounded(data: bytes, limit: int) -> Bounded:
-    """The tar inside ``data`` (plain, gzip, bzip2 or xz), decompressed lazily, bounded."""
-    raw = io.BytesIO(data)
+def open_bounded(data: bytes | IO[bytes], limit: int) -> Bounded:
+    """The tar in ``data`` (bytes, or a seekable binary file at its start: a spooled body;
+    plain, gzip, bzip2 or xz), decompressed lazily, bounded."""
+    raw = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    magic = raw.read(6)
+    raw.seek(0)
     inner: IO[bytes]
-    if data[:2] == b"\x1f\x8b":
+    if magic[:2] == b"\x1f\x8b":
         inner = gzip.GzipFile(fileobj=raw, mode="rb")
-    elif data[:3] == b"BZh":
+    elif magic[:3] == b"BZh":
         inner = bz2.BZ2File(raw, mode="rb")
-    elif data[:6] == b"\xfd7zXZ\x00":
+    elif magic[:6] == b"\xfd7zXZ\x00":
         inner = lzma.LZMAFile(raw, mode="rb")
     else:
         inner = raw

@@ -13,7 +13,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 from corral.daemon.initexec import Spawned
 from corral.models import FileEntry, SandboxSpec
@@ -142,8 +142,9 @@ class Substrate(ABC):
     def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes: ...
 
     @abstractmethod
-    def write_file(self, runtime: SandboxRuntime, path: str, data: bytes, mode: int = 0o644,
-                   make_parents: bool = True) -> None: ...
+    def write_file(self, runtime: SandboxRuntime, path: str, data: bytes | BinaryIO,
+                   mode: int = 0o644, make_parents: bool = True) -> None:
+        """``data``: bytes, or a seekable binary file at its start (a spooled body)."""
 
     @abstractmethod
     def list_dir(self, runtime: SandboxRuntime, path: str) -> list[FileEntry]: ...
@@ -161,7 +162,8 @@ class Substrate(ABC):
     def rename(self, runtime: SandboxRuntime, src: str, dst: str) -> None: ...
 
     @abstractmethod
-    def upload_tar(self, runtime: SandboxRuntime, path: str, tar_bytes: bytes) -> None:
+    def upload_tar(self, runtime: SandboxRuntime, path: str,
+                   tar_bytes: bytes | BinaryIO) -> None:
         """Extract a tar into directory ``path`` (created if missing), every member resolved
         inside the root."""
 

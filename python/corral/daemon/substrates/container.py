@@ -32,7 +32,7 @@ import threading
 import time
 import zlib
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from corral import _core
 from corral.daemon import initexec, procpolicy, removal, streams, uploads
@@ -1394,21 +1394,42 @@ class ContainerSubstrate(Substrate):
         _check_path(path)
         return self._fs(runtime, _core.fs_read, path, path, max(0, int(max_bytes)))
 
-    def write_file(self, runtime: SandboxRuntime, path: str, data: bytes, mode: int = 0o644,
-                   make_parents: bool = True) -> None:
+    def write_file(self, runtime: SandboxRuntime, path: str, data: bytes | BinaryIO,
+                   mode: int = 0o644, make_parents: bool = True) -> None:
+        """``data``: bytes, or a binary file at its start (a spooled request body), copied in
+        chunks so the daemon holds one chunk of it at a time."""
         _check_path(path)
+        size = (os.fstat(data.fileno()).st_size if not isinstance(data, (bytes, bytearray))
+                else len(data))
         try:  # what the write replaces is freed (lstat: a symlink is replaced, not followed)
             kind, old, *_ = self._fs(runtime, _core.fs_stat, path, path)
             old = old if kind == "file" else 0
         except CorralError:
             old = 0
-        self._charge(runtime, len(data) - old)
+        self._charge(runtime, size - old)
         try:
-            self._fs(runtime, _core.fs_write, path, path, bytes(data), mode & 0o7777,
-                     make_parents)
+            if isinstance(data, (bytes, bytearray)):
+                self._fs(runtime, _core.fs_write, path, path, bytes(data), mode & 0o7777,
+                         make_parents)
+            else:
+                self._copy_in(runtime, path, mode & 0o7777, make_parents, data)
         except BaseException:
-            self._charge(runtime, old - len(data))
+            self._charge(runtime, old - size)
             raise
+
+    def _copy_in(self, runtime: SandboxRuntime, path: str, mode: int, make_parents: bool,
+                 src: BinaryIO) -> None:
+        """The body of write_file from a file (already charged to the disk budget whole)."""
+        fd = self._fs(runtime, _core.fs_open_write, path, path, mode, make_parents)
+        try:
+            while chunk := src.read(uploads.CHUNK):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view):]
+        except OSError as e:
+            raise _file_error(e, path) from None
+        finally:
+            os.close(fd)
 
     def list_dir(self, runtime: SandboxRuntime, path: str) -> list[FileEntry]:
         _check_path(path)
@@ -1440,7 +1461,8 @@ class ContainerSubstrate(Substrate):
         self._fs(runtime, _core.fs_rename, src, src, dst)
 
     # ---- tar -----------------------------------------------------------------------------
-    def upload_tar(self, runtime: SandboxRuntime, path: str, tar_bytes: bytes) -> None:
+    def upload_tar(self, runtime: SandboxRuntime, path: str,
+                   tar_bytes: bytes | BinaryIO) -> None:
         """Extract into ``path`` through the fs primitives only (never via host paths):
         members are normalized below ``path``, ``..`` refused, devices/FIFOs/sockets refused,
         hard links copied from an already extracted member, symlinks made verbatim (they
