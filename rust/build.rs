@@ -13,6 +13,7 @@ fn main() {
 fn build(name: &str) {
     let src = PathBuf::from(format!("init/{name}.c"));
     println!("cargo:rerun-if-changed={}", src.display());
+    println!("cargo:rerun-if-changed=init/syscall.h");
     println!("cargo:rerun-if-env-changed=CORRAL_INIT_CC");
     let out = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR")).join(name);
     let cc = env::var("CORRAL_INIT_CC").unwrap_or_else(|_| "cc".to_string());

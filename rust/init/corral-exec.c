@@ -31,58 +31,7 @@
 #define F_SETFD 2
 #define FD_CLOEXEC 1
 
-#if defined(__x86_64__)
-#define NR_write 1
-#define NR_ioctl 16
-#define NR_rt_sigprocmask 14
-#define NR_clone 56
-#define NR_execve 59
-#define NR_setsid 112
-#define NR_exit_group 231
-#define NR_prctl 157
-#define NR_fcntl 72
-
-static long sys6(long n, long a, long b, long c, long d, long e, long f) {
-    long ret;
-    register long r10 __asm__("r10") = d;
-    register long r8 __asm__("r8") = e;
-    register long r9 __asm__("r9") = f;
-    __asm__ volatile("syscall"
-                     : "=a"(ret)
-                     : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10), "r"(r8), "r"(r9)
-                     : "rcx", "r11", "memory");
-    return ret;
-}
-#elif defined(__aarch64__)
-#define NR_write 64
-#define NR_ioctl 29
-#define NR_rt_sigprocmask 135
-#define NR_clone 220
-#define NR_execve 221
-#define NR_setsid 157
-#define NR_exit_group 94
-#define NR_prctl 167
-#define NR_fcntl 25
-
-static long sys6(long n, long a, long b, long c, long d, long e, long f) {
-    register long x8 __asm__("x8") = n;
-    register long x0 __asm__("x0") = a;
-    register long x1 __asm__("x1") = b;
-    register long x2 __asm__("x2") = c;
-    register long x3 __asm__("x3") = d;
-    register long x4 __asm__("x4") = e;
-    register long x5 __asm__("x5") = f;
-    __asm__ volatile("svc 0"
-                     : "+r"(x0)
-                     : "r"(x8), "r"(x1), "r"(x2), "r"(x3), "r"(x4), "r"(x5)
-                     : "memory");
-    return x0;
-}
-#else
-#error "corral-exec: unsupported architecture"
-#endif
-
-#define sys3(n, a, b, c) sys6((n), (long)(a), (long)(b), (long)(c), 0, 0, 0)
+#include "syscall.h"
 
 static __attribute__((noreturn)) void leave(long code) {
     for (;;)
