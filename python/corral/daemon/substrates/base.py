@@ -171,10 +171,10 @@ class Substrate(ABC):
     def download_tar(self, runtime: SandboxRuntime, path: str) -> bytes:
         """A tar of the directory (or file) at ``path``."""
 
+    @abstractmethod
     def open_read(self, runtime: SandboxRuntime, path: str) -> tuple[int, int]:
         """(fd, size) of a regular file to stream from; the caller closes the fd."""
-        raise NotImplementedError
 
+    @abstractmethod
     def tree_ops(self, runtime: SandboxRuntime, path: str) -> Any:
         """The primitives (corral.daemon.streams.TreeOps) a streamed tar download uses."""
-        raise NotImplementedError
