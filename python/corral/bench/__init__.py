@@ -1,5 +1,5 @@
-"""``corral bench`` (issue 3): corral end to end against a raw-syscall baseline and peers; the
-snapshot scenario measures issue 4's snapshot / restore / fork targets.
+"""``corral bench``: corral end to end against a raw-syscall baseline and peers; the
+snapshot scenario measures the snapshot / restore / fork targets.
 
 Layout (one job per module):
   session.py    options, the private daemon + raw baseline + peers of one run, the leak check

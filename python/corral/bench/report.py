@@ -1,4 +1,4 @@
-"""The end-of-run tables (rich), with the issue's targets next to the figures."""
+"""The end-of-run tables (rich), with the targets next to the figures."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-# Issue 3's targets, as shown next to the figures (issue 4's: scenarios.SNAPSHOT_TARGETS_MS).
+# The targets shown next to the figures (the snapshot ones: scenarios.SNAPSHOT_TARGETS_MS).
 CHURN_TARGETS = {"raw": ">= 0.8", "raw-netns": ">= 0.8", "bwrap": ">= 4", "crun": ">= 10"}
 LATENCY_TARGETS = {"create": "p50 <= 1 (warm), <= 3 (cold); p99 <= 10",
                    "exec": "p50 <= 1.5", "ttfr": "p50 <= 3"}

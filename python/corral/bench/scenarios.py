@@ -1,5 +1,5 @@
-"""The scenarios (churn, latency, exec, density: issue 3; snapshot: issue 4; trajlog, issue 4's
-log overhead, is in corral.bench.trajlog). Each repeats ``--runs`` times; within a run every
+"""The scenarios (churn, latency, exec, density, snapshot; the trajectory log's
+overhead scenario is in corral.bench.trajlog). Each repeats ``--runs`` times; within a run every
 system is measured back to back (so they share the machine's noise), ratios are taken within
 a run, and the report quotes the median over runs. Each returns (report section, samples for
 the plots)."""
@@ -415,7 +415,7 @@ def _back_to_baseline(s: Session, before: dict[str, Any], cgroups: list[str],
                                          - {s.daemon.pid}) - pooled)}
 
 
-# ---- snapshot / restore / fork (issue 4) ----------------------------------------------------
+# ---- snapshot / restore / fork ------------------------------------------------------------
 SNAPSHOT_TARGETS_MS = {"snapshot": 10.0, "restore": 5.0, "fork": 100.0}
 
 

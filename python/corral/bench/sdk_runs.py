@@ -290,7 +290,7 @@ def destroy_all(endpoint: str, ids: list[str], batch: int, advance: Advance = _n
     return time.perf_counter() - t0
 
 
-# ---- snapshot / restore / fork (issue 4) ----------------------------------------------------
+# ---- snapshot / restore / fork ------------------------------------------------------------
 def snapshots(endpoint: str, n: int, mb: int, fork_n: int, fork_reps: int,
               advance: Advance = _noop, sandboxes_dir: Path | None = None) -> OpResult:
     """On one sandbox, ``n`` cycles of: write ``mb`` MB (a new file, flushed) -> snapshot

@@ -1,4 +1,4 @@
-"""The ``trajlog`` scenario: exec throughput with the trajectory log on vs off (issue 4's
+"""The ``trajlog`` scenario: exec throughput with the trajectory log on vs off (the
 target: logging costs <= 5% of it), and the cost of keyed reads over unkeyed ones.
 
 Two private daemons, identical but for ``CORRAL_TRAJLOG=1`` / ``=0`` (and, with

@@ -1,4 +1,4 @@
-"""``corral bench``: corral against the raw-syscall baseline and its peers (issue 3).
+"""``corral bench``: corral against the raw-syscall baseline and its peers.
 
 The work is in ``corral.bench``; this is the command line. Runs as root (namespaces, cgroups)
 against a private daemon it starts and stops itself.
@@ -101,9 +101,9 @@ def bench(
 
     Scenarios: churn (create -> exec true -> destroy), latency (one client), exec (one live
     sandbox), density (N idle sandboxes: memory, create rate vs live count), snapshot
-    (snapshot with --snapshot-mb MB changed, restore in place, fork of --fork children; issue
-    4's targets), trajlog (exec throughput with the trajectory log on vs off, two private
-    daemons; issue 4's overhead target), execpath (commands started by the sandbox's init vs
+    (snapshot with --snapshot-mb MB changed, restore in place, fork of --fork children, with
+    their targets), trajlog (exec throughput with the trajectory log on vs off, two private
+    daemons, with the overhead target), execpath (commands started by the sandbox's init vs
     by the daemon: exec round trip, throughput, first result; two private daemons). Every system
     runs in the same run; ratios are taken within a run, medians over --runs. Exits 1 if a
     scenario failed or anything was left behind."""
