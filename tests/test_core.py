@@ -276,7 +276,11 @@ def test_exec_child_is_direct_child_in_sandbox_namespaces(box):
         for ns in ("mnt", "pid", "uts", "ipc", "net", "cgroup"):
             assert os.readlink(f"/proc/{pid}/ns/{ns}") == os.readlink(f"/proc/{box.pid}/ns/{ns}")
         assert int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == os.getpid()
-        # its own session and process group, so a timeout can kill the whole group
+        # its own session and process group, so a timeout can kill the whole group (the
+        # command calls setsid itself, after exec_in has its pid)
+        deadline = time.monotonic() + 10
+        while os.getsid(pid) != pid and time.monotonic() < deadline:
+            time.sleep(0.001)
         assert os.getsid(pid) == pid and os.getpgid(pid) == pid
     finally:
         os.kill(pid, signal.SIGKILL)
@@ -713,3 +717,31 @@ def test_pty_session(box):
         if slave >= 0:
             os.close(slave)
     assert b"/dev/pts/0" in out and b"interactive" in out
+
+
+def test_a_timeout_ends_a_command_stopped_before_its_setsid():
+    """A command is signalled by process group (it calls setsid itself); one stopped before
+    it got there has no group yet, so a timeout must still reach the process itself."""
+    import asyncio
+
+    from corral.daemon import procs
+
+    child = subprocess.Popen(["sleep", "30"])  # in our group: no group of its own
+    assert os.getpgid(child.pid) != child.pid
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    os.close(out_w)
+    os.close(err_w)
+
+    async def main() -> procs.Process:
+        proc = procs.Process(asyncio.get_running_loop(), child.pid, ["sleep", "30"], out_r,
+                             err_r, -1, 1024, 0.2)
+        await asyncio.wait_for(proc.done, 10)
+        return proc
+
+    try:
+        proc = asyncio.run(main())
+        assert proc.timed_out and proc.exit_code is not None
+    finally:
+        child.kill()
+        child.wait()

@@ -286,7 +286,12 @@ class Process:
         try:
             os.killpg(self.pid, sig)
         except (ProcessLookupError, PermissionError):
-            pass
+            # No group yet: the child has not reached its setsid (stopped before it, say).
+            # It can have no children of its own then: signalling it is the whole group.
+            try:
+                signal.pidfd_send_signal(self.pidfd, sig)
+            except OSError:
+                pass
 
     def _on_exit(self) -> None:
         if self.init_child:
