@@ -31,7 +31,7 @@ class CommandFailed(CorralError):
     """A command ran and failed (non-zero exit or its own timeout). Not an infra error: the
     sandbox and the platform did their job; the command's outcome is a real signal."""
 
-    code, status, infra = "command_failed", 200, False
+    code, status = "command_failed", 200
 
     def __init__(self, result: ExecResult, message: str = "") -> None:
         if not message:
