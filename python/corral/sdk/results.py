@@ -12,7 +12,9 @@ from corral.errors import CorralError
 
 class ExecResult(models.ExecResult):
     """What a command did: ``stdout``, ``stderr``, ``exit_code``, ``duration_s``,
-    ``truncated`` (output beyond ``max_output_bytes`` was dropped), ``timed_out``."""
+    ``truncated`` (output beyond ``max_output_bytes`` was dropped), ``timed_out``, ``signal``
+    (the signal that ended the command's process, None if it exited), ``oom_killed`` (the OOM
+    killer killed in the sandbox while it ran: its memory limit, category ``limit``)."""
 
     model_config = ConfigDict(extra="ignore")  # a newer daemon may add fields
 
