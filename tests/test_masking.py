@@ -359,6 +359,7 @@ def test_a_daemon_lost_mid_call_is_infra(private_daemon):
     the sandbox is back."""
     ep = private_daemon.socket_path
     sb = Sandbox(timeout=120, endpoint=ep)
+    traj = Sandbox(timeout=120, endpoint=ep, trajectory_id=_tid())
     try:
         t, out = _in_thread(lambda: sb.exec(LONG, timeout=90))
         _until(lambda: _started(sb.id, ep))
@@ -371,7 +372,13 @@ def test_a_daemon_lost_mid_call_is_infra(private_daemon):
         _sorted_as(err.value, "infra")
         private_daemon.start()
         assert sb.exec("echo back").stdout == "back\n"
+        # re-adopted, a trajectory's sandbox still tells an operator's kill from its own
+        assert Sandbox.from_id(traj.id, endpoint=ep).kill() is True
+        with pytest.raises(SandboxKilled) as killed:
+            traj.exec("true")
+        _sorted_as(killed.value, "infra")
     finally:
         if private_daemon.proc is None:
             private_daemon.start()
         sb.kill()
+        Sandbox.from_id(traj.id, endpoint=ep).kill()
