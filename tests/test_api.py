@@ -426,7 +426,8 @@ def test_background_stdin_wait(c, sb):
     r = c.post(f"/v1/sandboxes/{sb}/procs/{pid}/wait", json={"timeout": 30}).json()
     assert r["stdout"] == f"got hi\n{pid}\n" and r["stderr"] == "done\n" and r["exit_code"] == 0
     st = c.get(f"/v1/sandboxes/{sb}/procs/{pid}").json()
-    assert st == {"pid": pid, "running": False, "exit_code": 0, "timed_out": False}
+    assert st == {"pid": pid, "running": False, "exit_code": 0, "timed_out": False,
+                  "signal": None, "oom_killed": False}
     expect_error(c.post(f"/v1/sandboxes/{sb}/procs/{pid}/stdin", json={"data": "x"}),
                  "conflict", 409)
 

@@ -58,7 +58,7 @@ def test_ttl_expiry(c):
     sid = info["id"]
     assert reason(c, sid) is None
     assert wait_until(lambda: reason(c, sid) == "expired", 10)
-    expect_error(c.get(f"/v1/sandboxes/{sid}"), "sandbox_not_running", 409)
+    expect_error(c.get(f"/v1/sandboxes/{sid}"), "sandbox_expired", 409)
     assert wait_until(lambda: not cgroups_of(sid))
     assert wait_until(lambda: not os.path.exists(os.path.join(SANDBOXES, sid)))
     assert wait_until(lambda: not os.path.exists(f"/proc/{info['init_pid']}"))
@@ -67,7 +67,7 @@ def test_ttl_expiry(c):
 def test_ttl_expiry_during_exec(c):
     sid = create(c, timeout=1.5)["id"]
     r = c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "sleep 30"})
-    err = expect_error(r, "sandbox_not_running", 409)
+    err = expect_error(r, "sandbox_expired", 409)
     assert err["details"]["reason"] == "expired"
 
 

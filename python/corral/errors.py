@@ -5,13 +5,25 @@ HTTP status. The daemon raises these classes; the wire form is
 ``{"error": {"code": ..., "message": ..., "details": {...}}}``; the SDK maps the code back to the
 same class with :func:`error_from_payload`. Codes are part of the public API: never rename one.
 
-``infra`` marks failures of the platform (node lost, daemon restarted, out of capacity), which a
-trainer should mask, as opposed to failures caused by the request or by the user's command.
+Every error has a ``category``, the failure taxonomy a trainer masks by (docs/trajectory.md,
+"Masking"):
+
+- ``infra``: the cause is outside the sandbox and outside the agent (node or daemon lost, the
+  daemon restarted or unreachable, an operator's kill, no capacity): mask the rollout;
+- ``limit``: the agent hit one of its own resource limits (out of memory, its TTL or idle
+  timeout, its disk): the rollout's own outcome, score it;
+- ``task``: the request or the command failed on its own (a missing file, a bad argument, a
+  crash of what ran): score it.
+
+``infra`` is ``category == "infra"``. The wire body carries both.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
+
+Category = Literal["infra", "limit", "task"]
+CATEGORIES: tuple[str, ...] = ("infra", "limit", "task")
 
 
 class CorralError(Exception):
@@ -19,21 +31,37 @@ class CorralError(Exception):
 
     code: str = "internal"
     status: int = 500
-    infra: bool = False
+    CATEGORY: str = "task"  # the class's category; an instance may refine it (_category)
 
     def __init__(self, message: str = "", *, details: dict[str, Any] | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, category: str | None = None) -> None:
         super().__init__(message or self.__class__.__name__)
         self.message = message or self.__class__.__name__
         self.details = details or {}
         if code is not None:
             self.code = code
+        # The category the sender gave (error_from_payload), else the class's.
+        self._given = category if category in CATEGORIES else None
+
+    def _category(self) -> str:
+        return self.CATEGORY
+
+    @property
+    def category(self) -> str:
+        """``infra``, ``limit`` or ``task`` (module docstring)."""
+        return self._given or self._category()
+
+    @property
+    def infra(self) -> bool:
+        """A failure of the platform, not of the agent: mask the rollout."""
+        return self.category == "infra"
 
     def to_payload(self) -> dict[str, Any]:
-        return {"error": {"code": self.code, "message": self.message, "details": self.details}}
+        return {"error": {"code": self.code, "message": self.message, "details": self.details,
+                          "category": self.category, "infra": self.infra}}
 
     def __reduce__(self):  # picklable across Ray / multiprocessing boundaries
-        return (_rebuild, (self.code, self.message, self.details))
+        return (_rebuild, (self.code, self.message, self.details, self._given))
 
     def __str__(self) -> str:
         return f"[{self.code}] {self.message}"
@@ -61,9 +89,13 @@ class ForbiddenPath(InvalidPath):
 class TooLarge(InvalidRequest):
     """A bound on what one request may make the daemon read, write or keep: a snapshot past
     its size, entry or depth limit, an upload past its decompressed size or member count, a
-    write past the sandbox's ``disk_mb``. ``details`` names the limit."""
+    write past the sandbox's ``disk_mb``. ``details`` names the limit. Category ``limit``
+    for the sandbox's ``disk_mb`` (``details["limit"] == "disk_mb"``), else ``task``."""
 
     code, status = "too_large", 400
+
+    def _category(self) -> str:
+        return "limit" if self.details.get("limit") == "disk_mb" else "task"
 
 
 class InvalidNetwork(InvalidRequest):
@@ -181,19 +213,44 @@ class SnapshotChainTooDeep(InvalidRequest):
 
 
 class SandboxNotRunning(Conflict):
-    """The sandbox exists (or existed) but is no longer running (killed, expired)."""
+    """The sandbox exists (or existed) but is no longer running: killed by its own client
+    (``details["reason"] == "killed"``), or not started yet (``"starting"``), or being
+    restored (``"restoring"``). Category ``task``; the subclasses below sort the other
+    endings."""
 
     code, status = "sandbox_not_running", 409
 
 
+class SandboxKilled(SandboxNotRunning):
+    """An operator killed the sandbox under its trajectory (``details["reason"] ==
+    "operator_killed"``): a DELETE (``corral rm``, a batch destroy) of a sandbox made for a
+    trajectory that did not carry one of that trajectory's keys. Category ``infra``: mask it.
+    409, like every "not running" error."""
+
+    code, status = "sandbox_killed", 409
+    CATEGORY = "infra"
+
+
+class SandboxExpired(SandboxNotRunning):
+    """The sandbox's TTL (``details["reason"] == "expired"``) or idle timeout
+    (``"idle_timeout"``) ran out. Category ``limit``: the agent's own limits."""
+
+    code, status = "sandbox_expired", 409
+    CATEGORY = "limit"
+
+
 class SandboxCrashed(SandboxNotRunning):
     """The sandbox ended because of what ran in it: its memory cgroup ran out of memory
-    (``details["cause"] == "oom"``) or its init ended in a way nothing outside asked for
-    (``"init_exited"``, with ``"status"``). Not an infrastructure failure: the rollout's own
-    outcome. 409, like every "not running" error, so a client that does not know the code
-    still sees a non-infra conflict (410 is ``sandbox_lost``'s)."""
+    (``details["cause"] == "oom"``, category ``limit``) or its init ended in a way nothing
+    outside asked for (``"init_exited"``, with ``"status"``, category ``task``). Not an
+    infrastructure failure: the rollout's own outcome. 409, like every "not running" error, so
+    a client that does not know the code still sees a non-infra conflict (410 is
+    ``sandbox_lost``'s)."""
 
     code, status = "sandbox_crashed", 409
+
+    def _category(self) -> str:
+        return "limit" if self.details.get("cause") == "oom" else "task"
 
 
 class ReplayDivergence(Conflict):
@@ -211,7 +268,8 @@ class Unsupported(CorralError):
 
 # --- infrastructure errors: mask these rollouts, don't learn from them ------------------------
 class InfraError(CorralError):
-    code, status, infra = "infra_error", 503, True
+    code, status = "infra_error", 503
+    CATEGORY = "infra"
 
 
 class CapacityExceeded(InfraError):
@@ -266,13 +324,21 @@ def error_from_payload(payload: dict[str, Any], status: int | None = None) -> Co
     body = payload.get("error", payload) if isinstance(payload, dict) else {}
     code = str(body.get("code", "internal"))
     cls = ERROR_CLASSES.get(code)
+    # The sender's category wins (a newer daemon may sort finer); without one (an older
+    # daemon, an old log entry) the class decides.
+    category = body.get("category")
+    if category not in CATEGORIES:
+        category = None
     if cls is None:
-        # An unknown code (newer daemon): keep the code, pick the class by status.
-        cls = InfraError if (status or 500) >= 500 else CorralError
-        err = cls(str(body.get("message", "")), details=body.get("details"), code=code)
-        return err
-    return cls(str(body.get("message", "")), details=body.get("details"))
+        # An unknown code (newer daemon): keep the code; the class by category, else status.
+        infra = category == "infra" if category else (status or 500) >= 500
+        cls = InfraError if infra else CorralError
+        return cls(str(body.get("message", "")), details=body.get("details"), code=code,
+                   category=category)
+    return cls(str(body.get("message", "")), details=body.get("details"), category=category)
 
 
-def _rebuild(code: str, message: str, details: dict[str, Any]) -> CorralError:
-    return error_from_payload({"error": {"code": code, "message": message, "details": details}})
+def _rebuild(code: str, message: str, details: dict[str, Any],
+             category: str | None = None) -> CorralError:
+    return error_from_payload({"error": {"code": code, "message": message, "details": details,
+                                         "category": category}})

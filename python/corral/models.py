@@ -152,6 +152,10 @@ class ErrorInfo(_Model):
     code: str = Field(description="stable error code (corral/errors.py)")
     message: str
     details: dict[str, Any] = Field(default_factory=dict)
+    category: Literal["infra", "limit", "task"] = Field(
+        "task", description="infra: outside the sandbox and the agent (mask the rollout); "
+        "limit: the agent's own resource limits; task: the request's or command's own failure")
+    infra: bool = Field(False, description='category == "infra"')
 
 
 class ItemError(_Model):
@@ -287,6 +291,13 @@ class ExecResult(_Model):
     timed_out: bool = False
     stdout_bytes: int = 0
     stderr_bytes: int = 0
+    signal: int | None = Field(None, description="the signal that ended the command (9 for "
+                               "SIGKILL: an OOM kill, its timeout, a kill -9), or null if it "
+                               "exited")
+    oom_killed: bool = Field(False, description="the kernel's OOM killer killed a process in "
+                             "the sandbox while the command ran (the command itself or one of "
+                             "its children, or a concurrent command's): its memory limit, not "
+                             "the command's own exit")
 
 
 class ExecManyResponse(_Model):
@@ -326,6 +337,8 @@ class ProcessStatus(_Model):
     running: bool
     exit_code: int | None = None
     timed_out: bool = False
+    signal: int | None = None
+    oom_killed: bool = False
 
 
 class StdinRequest(_Model):

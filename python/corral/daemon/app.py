@@ -227,11 +227,14 @@ async def create_sandbox(request: web.Request) -> web.Response:
         if len(raw) <= SPEC_CACHE_BODY:
             _SPECS[raw] = spec
     engine = _engine(request)
+    key = _key(request)
+    # A create keyed "{T}:create" makes trajectory T's sandbox (engine.by_operator).
+    tid = key[:-len(":create")] if key and key.endswith(":create") else None
 
     async def make() -> dict[str, Any]:
-        return (await engine.create(spec)).info()
+        return (await engine.create(spec, tid or None)).info()
 
-    info = await engine.trajlog.run("", "create", spec.model_dump(mode="json"), _key(request),
+    info = await engine.trajlog.run("", "create", spec.model_dump(mode="json"), key,
                                     make, snapshot_ids=_snap_of)
     return _json(_as_now(engine, info), 201)
 
@@ -293,7 +296,7 @@ async def kill_sandbox(request: web.Request) -> web.Response:
 
     async def kill() -> dict[str, Any]:
         try:
-            killed = await engine.kill(sid)
+            killed = await engine.kill(sid, key)
         except SandboxNotFound:
             # Keyed (a trainer's cleanup): a sandbox gone so long the daemon forgot it, but
             # whose log it still has, is killed already.
@@ -651,19 +654,19 @@ async def fork_sandbox(request: web.Request) -> web.Response:
     entry in each child's log (``parent`` in its request). Fast-forwarded, it returns the
     same children: see _fork_child."""
     req = await _body(request, ForkRequest)
-    sid, engine = request.match_info["id"], _engine(request)
+    sid, engine, key = request.match_info["id"], _engine(request), _key(request)
     tl = engine.trajlog
 
     async def fork() -> dict[str, Any]:
         started = time.time()
-        rec, kids = await engine.fork(sid, req.count, req.name, req.keep_snapshot)
+        rec, kids = await engine.fork(sid, req.count, req.name, req.keep_snapshot, key)
         if kids and tl.enabled:
             spec = dict(kids[0].spec.model_dump(mode="json"), parent=sid)
             for kid in kids:  # committed with (before) the fork entry awaited below
                 tl.logged(kid.id, "create", spec, kid.info(), started, [rec["id"]])
         return {"snapshot": _snap(rec), "sandboxes": [kid.id for kid in kids]}
 
-    res = await tl.run(sid, "fork", req.model_dump(), _key(request), fork,
+    res = await tl.run(sid, "fork", req.model_dump(), key, fork,
                        snapshot_ids=lambda r: [r["snapshot"]["id"]])
     return _json({"snapshot": res["snapshot"],
                   "sandboxes": [await _fork_child(engine, cid) for cid in res["sandboxes"]]},

@@ -6,13 +6,16 @@ Cheap substrate calls (create, spawn, small file operations: ~1 ms in the Rust c
 released) run directly on the event loop: a thread hop would cost more than the call. Slow ones
 (destroy, tar, big files, image import) go through ``asyncio.to_thread``.
 
-Ending states, as reported to callers (``reason`` in the error details):
-  killed, expired, idle_timeout -> ``sandbox_not_running`` (409): the client's own doing (a
-      DELETE, or the TTL / idle timeout it chose). An exec in flight when that happens gets the
-      same error, not a fake exit code.
-  crashed -> ``sandbox_crashed`` (409, not infra): the init died because of what ran in the
-      sandbox: an OOM kill in its memory cgroup, or the init ending in a way nothing outside
-      does (``details["cause"]``, see Substrate.end_cause). The rollout's own outcome.
+Ending states, as reported to callers (``reason`` in the error details; the category a trainer
+masks by in brackets, corral.errors):
+  killed -> ``sandbox_not_running`` (409, task): the client's own DELETE. An exec in flight
+      when that happens gets the same error, not a fake exit code.
+  operator_killed -> ``sandbox_killed`` (409, infra): a DELETE of a sandbox made for a
+      trajectory that did not carry one of the trajectory's keys (see by_operator).
+  expired, idle_timeout -> ``sandbox_expired`` (409, limit): the TTL / idle timeout it chose.
+  crashed -> ``sandbox_crashed`` (409; limit for an OOM kill, else task): the init died
+      because of what ran in the sandbox: an OOM kill in its memory cgroup, or the init ending
+      in a way nothing outside does (``details["cause"]``, see Substrate.end_cause).
   lost -> ``sandbox_lost`` (410, infra): the init died, the daemon did not kill it, and
       nothing in the sandbox explains it (the host killed it, the node or daemon failed).
   shutdown -> ``daemon_restarted`` (503, infra): the daemon stopped while the call was running.
@@ -55,6 +58,8 @@ from corral.errors import (
     ProcessNotFound,
     ProcessStillRunning,
     SandboxCrashed,
+    SandboxExpired,
+    SandboxKilled,
     SandboxLost,
     SandboxNotFound,
     SandboxNotRunning,
@@ -90,6 +95,7 @@ _CAUSE_TEXT = {
 
 _REASON_TEXT = {
     "killed": "it was killed",
+    "operator_killed": "an operator killed it (a kill without its trajectory's key)",
     "expired": "its timeout (TTL) expired",
     "idle_timeout": "its idle timeout expired",
     "lost": "its init process died",
@@ -111,7 +117,7 @@ class Sandbox:
 
     __slots__ = ("id", "spec", "runtime", "state", "reason", "created_at", "expires_at",
                  "last_active", "sched", "busy", "threads", "procs", "stopping", "paused_at",
-                 "capturing", "cause")
+                 "capturing", "cause", "trajectory")
 
     def __init__(self, sid: str, spec: SandboxSpec, created_at: float, expires_at: float) -> None:
         self.id = sid
@@ -131,6 +137,9 @@ class Sandbox:
         # Set while a snapshot's capture holds the sandbox frozen (Engine.wait_capture).
         self.capturing: asyncio.Future[None] | None = None
         self.cause: dict[str, Any] | None = None  # reason "crashed": why (end_cause)
+        # The trajectory it was made for (a create keyed "{T}:create", or child i of a fork
+        # keyed for one): a kill without its keys is an operator's (Engine.by_operator).
+        self.trajectory: str | None = None
 
     @property
     def hostname(self) -> str:
@@ -168,7 +177,22 @@ class Sandbox:
             "expires_at": self.expires_at,
             "runtime": self.runtime.to_json() if self.runtime else None,
             "paused_at": self.paused_at,
+            "trajectory": self.trajectory,
         }
+
+
+def by_operator(sb: Sandbox, key: str | None) -> bool:
+    """Is a kill of ``sb`` carrying idempotency key ``key`` an operator's (infra for its
+    trajectory) rather than the trajectory's own? Only a sandbox made for a trajectory ``T``
+    can tell: its own client keys its kill ``T:{step}`` or with an explicit key (no ``:``);
+    a kill with no key (``corral rm``, a batch destroy) or another trajectory's key is an
+    operator's. A sandbox made without a trajectory cannot tell: every kill is its own."""
+    if sb.trajectory is None:
+        return False
+    if key is None:
+        return True
+    head, sep, _ = key.rpartition(":")
+    return bool(sep) and head != sb.trajectory
 
 
 CREATE_WORKERS = max(2, min(8, 2 * (os.cpu_count() or 2)))
@@ -245,7 +269,8 @@ class Engine:
         self.counters: dict[str, int] = {
             "created": 0, "create_failed": 0, "execs": 0, "exec_timeouts": 0, "lost": 0,
             "crashed": 0,
-            "expired": 0, "idle_timeout": 0, "killed": 0, "adopted": 0, "orphans_removed": 0,
+            "expired": 0, "idle_timeout": 0, "killed": 0, "operator_killed": 0, "adopted": 0,
+            "orphans_removed": 0,
             "snapshots": 0,
         }
         self._heap: list[tuple[float, str]] = []
@@ -349,6 +374,7 @@ class Engine:
             sb = Sandbox(sid, spec, float(meta["created_at"]), float(meta["expires_at"]))
             sb.runtime = runtime
             sb.state = "running"
+            sb.trajectory = meta.get("trajectory")
             if self._freeze_held(sb):
                 if meta.get("paused_at"):
                     sb.state, sb.paused_at = "paused", float(meta["paused_at"])
@@ -471,6 +497,10 @@ class Engine:
             status = f" ({cause['status']})" if cause.get("status") else ""
             text = f"sandbox {sid} is not running: {what}{status}"
             return SandboxCrashed(text, details=details)
+        if reason == "operator_killed":
+            return SandboxKilled(text, details=details)
+        if reason in ("expired", "idle_timeout"):
+            return SandboxExpired(text, details=details)
         if reason == "lost":
             return SandboxLost(text, details=details)
         if reason == "shutdown":
@@ -522,12 +552,13 @@ class Engine:
 
     # ---- create --------------------------------------------------------------------------
     async def _create_one(self, substrate: Substrate, spec: SandboxSpec, image: Any,
-                          demand: int = 1) -> Sandbox:
+                          demand: int = 1, trajectory: str | None = None) -> Sandbox:
         # A warm one if a pool has it (corral.daemon.pools): its id was drawn when it was made.
         pooled = self.pools.take(spec, demand) if self.pools is not None else None
         sid = pooled.sandbox_id if pooled is not None else new_id()
         now = time.time()
         sb = Sandbox(sid, spec, now, now + spec.timeout)
+        sb.trajectory = trajectory
         sdir = os.path.join(self.sandboxes_dir, sid)
         meta_path = os.path.join(sdir, persist.META)
         # The directory is the record until meta.json exists: a crash mid-create leaves a
@@ -588,11 +619,11 @@ class Engine:
         self._schedule(sb, now)
         return sb
 
-    async def create(self, spec: SandboxSpec) -> Sandbox:
+    async def create(self, spec: SandboxSpec, trajectory: str | None = None) -> Sandbox:
         substrate = self._substrate(spec.substrate)
         self._admit(1)
         spec, image = self._resolve(spec)
-        return await self._create_one(substrate, spec, image)
+        return await self._create_one(substrate, spec, image, trajectory=trajectory)
 
     def _resolve(self, spec: SandboxSpec) -> tuple[SandboxSpec, Any]:
         """The image to mount: the spec's, or a snapshot's image with its layers on top (the
@@ -614,7 +645,8 @@ class Engine:
         return dataclasses.replace(base, overlays=overlays,
                                    meta={**base.meta, "layers": list(layers)})
 
-    async def create_many(self, count: int, spec: SandboxSpec) -> list[Sandbox]:
+    async def create_many(self, count: int, spec: SandboxSpec,
+                          trajectories: list[str] | None = None) -> list[Sandbox]:
         """All or nothing: on the first failure the ones already made are destroyed."""
         substrate = self._substrate(spec.substrate)
         self._admit(count)
@@ -625,7 +657,7 @@ class Engine:
         if self.snaps is not None:
             self.snaps.acquire(layers)  # held for the batch: an rm meanwhile cannot collect
         try:
-            return await self._create_many(substrate, count, spec, image)
+            return await self._create_many(substrate, count, spec, image, trajectories)
         finally:
             if self.snaps is not None:
                 self.snaps.release(layers)
@@ -635,7 +667,7 @@ class Engine:
         return list(getattr(image, "meta", None) and image.meta.get("layers") or ())
 
     async def _create_many(self, substrate: Substrate, count: int, spec: SandboxSpec,
-                           image: Any) -> list[Sandbox]:
+                           image: Any, trajectories: list[str] | None = None) -> list[Sandbox]:
         made: list[Sandbox | None] = [None] * count
         gate = asyncio.Semaphore(CREATE_WORKERS)  # creates of one batch in flight at once
         failed: list[BaseException] = []
@@ -648,7 +680,8 @@ class Engine:
                     self._admit(1)
                     # The batch counts as demand once, with its size.
                     made[i] = await self._create_one(substrate, spec, image,
-                                                     count if i == 0 else 0)
+                                                     count if i == 0 else 0,
+                                                     trajectories[i] if trajectories else None)
                 except BaseException as e:
                     failed.append(e)
 
@@ -866,14 +899,17 @@ class Engine:
             old, _ = self.tombstones.popitem(last=False)
             self.causes.pop(old, None)
 
-    async def kill(self, sid: str) -> bool:
-        """True if this call (or one in flight) destroyed it; False if it had already ended."""
+    async def kill(self, sid: str, key: str | None = None) -> bool:
+        """True if this call (or one in flight) destroyed it; False if it had already ended.
+        ``key``: the call's idempotency key, which tells the trajectory's own kill from an
+        operator's (by_operator)."""
         sb = self.sandboxes.get(sid)
         if sb is None:
             if sid in self.tombstones:
                 return False
             raise SandboxNotFound(f"no sandbox {sid}", details={"id": sid})
-        await asyncio.shield(self._begin_stop(sb, "killed"))
+        reason = "operator_killed" if by_operator(sb, key) else "killed"
+        await asyncio.shield(self._begin_stop(sb, reason))
         return True
 
     async def kill_many(self, ids: list[str]) -> list[dict[str, Any]]:
@@ -891,8 +927,11 @@ class Engine:
             else:
                 out.append(SandboxNotFound(f"no sandbox {sid}", details={"id": sid})
                            .to_payload())
-        if found:
-            stops = self._begin_stop_many(list(dict.fromkeys(found)), "killed")
+        if found:  # unkeyed: an operator's kill for a trajectory's sandbox (by_operator)
+            found = list(dict.fromkeys(found))
+            stops = self._begin_stop_many([sb for sb in found if not sb.trajectory], "killed")
+            stops += self._begin_stop_many([sb for sb in found if sb.trajectory],
+                                           "operator_killed")
             await asyncio.shield(asyncio.gather(*stops, return_exceptions=True))
         return out
 
@@ -949,6 +988,7 @@ class Engine:
         stdin = req.stdin.encode() if req.stdin is not None else None
         substrate = self.substrates[sb.spec.substrate]
         assert self._loop is not None and sb.runtime is not None
+        oom_before = substrate.oom_kills(sb.runtime)  # ExecResult.oom_killed: see _oom_after
         try:
             proc = await procs.start(self._loop, substrate, sb.runtime, argv, env, cwd,
                                      ident.uid, ident.gid, ident.groups, cmd=req.cmd,
@@ -963,6 +1003,9 @@ class Engine:
             log.exception("spawn failed", extra={"sandbox": sid})
             raise InternalError(f"could not start the command: {e}") from e
         self.counters["execs"] += 1
+        if oom_before is not None:
+            runtime = sb.runtime
+            proc.on_exit(lambda: self._oom_after(substrate, runtime, proc, oom_before))
         if req.background:
             if not proc.init_child:  # the init told us the pid it sees
                 proc.ns_pid = procs.ns_pid(proc.pid)
@@ -1039,6 +1082,19 @@ class Engine:
         if not self._alive(sb):
             self._lose(sb)
             raise self._gone(sb.id, sb)
+
+    @staticmethod
+    def _oom_after(substrate: Substrate, runtime: Any, proc: procs.Process,
+                   before: int) -> None:
+        """At the command's exit: did the OOM killer kill in the sandbox while it ran? Read
+        as the exit is seen, so a background command's answer does not depend on when it is
+        waited for. The counter is the sandbox's: an OOM kill of a concurrent command's
+        process counts too."""
+        try:
+            after = substrate.oom_kills(runtime)
+        except (OSError, ValueError):
+            return
+        proc.oom_killed = after is not None and after > before
 
     def _keep_proc(self, sb: Sandbox, proc: procs.Process) -> None:
         if sb.procs is None:
@@ -1222,15 +1278,22 @@ class Engine:
         self.counters["snapshots"] = self.counters.get("snapshots", 0) + 1
         return rec
 
-    async def fork(self, sid: str, count: int, name: str | None,
-                   keep: bool) -> tuple[dict[str, Any], list[Sandbox]]:
-        """Snapshot + ``count`` sandboxes on it with the parent's spec (one call)."""
+    async def fork(self, sid: str, count: int, name: str | None, keep: bool,
+                   key: str | None = None) -> tuple[dict[str, Any], list[Sandbox]]:
+        """Snapshot + ``count`` sandboxes on it with the parent's spec (one call). A parent
+        made for trajectory ``T`` forked under key ``T:S`` (or explicit key ``S``) gives child
+        ``i`` the trajectory ``T/forkS/i``, the SDK's name for it."""
         sb = self.lookup(sid)
         self._admit(count)
+        kids_of: list[str] | None = None
+        if sb.trajectory is not None and key is not None:
+            head, sep, step = key.rpartition(":")
+            if not sep or head == sb.trajectory:
+                kids_of = [f"{sb.trajectory}/fork{step}/{i}" for i in range(count)]
         rec = await self.snapshot(sid, name)
         spec = sb.spec.model_copy(update={"snapshot": rec["id"]})
         try:
-            kids = await self.create_many(count, spec)
+            kids = await self.create_many(count, spec, kids_of)
         finally:
             if not keep:
                 self._snaps().delete(rec["id"])  # the children hold its layers

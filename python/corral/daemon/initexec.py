@@ -499,11 +499,15 @@ def wait_status(pidfd: int) -> int | None:
 def exit_code(pidfd: int) -> int | None:
     """The reaped process's exit code (128 + signal if killed); None if not reaped yet."""
     status = wait_status(pidfd)
-    if status is None:
-        return None
+    return None if status is None else decode(status)[0]
+
+
+def decode(status: int) -> tuple[int, int | None]:
+    """A wait(2) status as (exit code, terminating signal): (128 + n, n) if killed by signal
+    n, (code, None) if it exited."""
     if status & 0x7F == 0:
-        return (status >> 8) & 0xFF
-    return 128 + (status & 0x7F)
+        return (status >> 8) & 0xFF, None
+    return 128 + (status & 0x7F), status & 0x7F
 
 
 def supported() -> bool:

@@ -32,6 +32,11 @@ _ERROR = {
             "code": {"type": "string", "description": "stable error code (corral/errors.py)"},
             "message": {"type": "string"},
             "details": {"type": "object"},
+            "category": {"type": "string", "enum": ["infra", "limit", "task"],
+                         "description": "infra: outside the sandbox and the agent (mask the "
+                                        "rollout); limit: the agent's own resource limits; "
+                                        "task: the request's or command's own failure"},
+            "infra": {"type": "boolean", "description": 'category == "infra"'},
         },
     }},
 }

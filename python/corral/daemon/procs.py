@@ -233,7 +233,7 @@ class Process:
 
     __slots__ = ("pid", "ns_pid", "pidfd", "cmd", "started_at", "t0", "stdout", "stderr",
                  "stdin", "exit_code", "timed_out", "duration", "done", "_timer", "loop",
-                 "_waiters", "init_child")
+                 "_waiters", "init_child", "signal", "oom_killed")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, child: int | initexec.Spawned,
                  cmd: str | list[str], stdout_fd: int, stderr_fd: int, stdin_fd: int, cap: int,
@@ -251,6 +251,8 @@ class Process:
         self.stderr = Capture(loop, stderr_fd, cap)
         self.stdin = Stdin(loop, stdin_fd) if stdin_fd >= 0 else None
         self.exit_code: int | None = None
+        self.signal: int | None = None  # the signal that ended it, if one did
+        self.oom_killed = False  # set by the engine from the memory cgroup's OOM counter
         self.timed_out = False
         self.duration = 0.0
         self._waiters: list[Callable[[], None]] | None = None
@@ -294,10 +296,13 @@ class Process:
                 pass
 
     def _on_exit(self) -> None:
+        sig = None
         if self.init_child:
-            code = initexec.exit_code(self.pidfd)
-            if code is None:  # EPOLLHUP without a status: not seen; never spin on it
+            status = initexec.wait_status(self.pidfd)
+            if status is None:  # EPOLLHUP without a status: not seen; never spin on it
                 code = 255
+            else:
+                code, sig = initexec.decode(status)
             ReapWatch.of(self.loop).remove(self.pidfd)
         else:
             try:
@@ -308,7 +313,10 @@ class Process:
             else:
                 if res is None:
                     return  # spurious wake-up
-                code = res.si_status if res.si_code == os.CLD_EXITED else 128 + res.si_status
+                if res.si_code == os.CLD_EXITED:
+                    code = res.si_status
+                else:
+                    code, sig = 128 + res.si_status, res.si_status
             self.loop.remove_reader(self.pidfd)
         os.close(self.pidfd)
         self.pidfd = -1
@@ -318,7 +326,7 @@ class Process:
         self.duration = time.monotonic() - self.t0
         self.stdout.drain()
         self.stderr.drain()
-        self.exit_code = code
+        self.exit_code, self.signal = code, sig
         if self.stdin is not None:
             self.stdin.close()
         if self._waiters:
@@ -347,11 +355,14 @@ class Process:
             "timed_out": self.timed_out,
             "stdout_bytes": o.total,
             "stderr_bytes": e.total,
+            "signal": self.signal,
+            "oom_killed": self.oom_killed,
         }
 
     def status(self) -> dict[str, Any]:
         return {"pid": self.ns_pid, "running": self.exit_code is None,
-                "exit_code": self.exit_code, "timed_out": self.timed_out}
+                "exit_code": self.exit_code, "timed_out": self.timed_out,
+                "signal": self.signal, "oom_killed": self.oom_killed}
 
     def release(self) -> None:
         """Forget the buffers (the sandbox is gone); pipes close when their writers die."""

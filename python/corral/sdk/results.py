@@ -12,7 +12,9 @@ from corral.errors import CorralError
 
 class ExecResult(models.ExecResult):
     """What a command did: ``stdout``, ``stderr``, ``exit_code``, ``duration_s``,
-    ``truncated`` (output beyond ``max_output_bytes`` was dropped), ``timed_out``."""
+    ``truncated`` (output beyond ``max_output_bytes`` was dropped), ``timed_out``, ``signal``
+    (the signal that ended the command's process, None if it exited), ``oom_killed`` (the OOM
+    killer killed in the sandbox while it ran: its memory limit, category ``limit``)."""
 
     model_config = ConfigDict(extra="ignore")  # a newer daemon may add fields
 
@@ -31,7 +33,7 @@ class CommandFailed(CorralError):
     """A command ran and failed (non-zero exit or its own timeout). Not an infra error: the
     sandbox and the platform did their job; the command's outcome is a real signal."""
 
-    code, status, infra = "command_failed", 200, False
+    code, status = "command_failed", 200
 
     def __init__(self, result: ExecResult, message: str = "") -> None:
         if not message:

@@ -128,6 +128,12 @@ class Substrate(ABC):
         Called before destroy. Default: None."""
         return None
 
+    def oom_kills(self, runtime: SandboxRuntime) -> int | None:
+        """How many processes the OOM killer has killed in the sandbox so far (a counter the
+        exec path reads before and after a command: ``ExecResult.oom_killed``). None: not
+        counted here. Default: None."""
+        return None
+
     def expect(self, count: int, spec: SandboxSpec) -> None:  # noqa: B027 (optional hook)
         """A batch of ``count`` creates of ``spec`` is starting (create_many, fork): a hint
         for whatever the substrate keeps ready. Default: nothing."""

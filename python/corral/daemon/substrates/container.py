@@ -1020,6 +1020,15 @@ class ContainerSubstrate(Substrate):
         else:
             extra.pop("oom_base", None)
 
+    def oom_kills(self, runtime: SandboxRuntime) -> int | None:
+        """The memory cgroup's OOM kill counter (v2 ``memory.events``, v1
+        ``memory.oom_control``); before the cgroup is made (a lazy one, before the first
+        exec) the baseline it will start from. Only differences mean anything."""
+        kills = getattr(self.cgroups, "oom_kills", lambda _sid: None)(runtime.sandbox_id)
+        if kills is None and not runtime.extra.get("memcg"):
+            return int(runtime.extra.get("oom_base", 0))
+        return kills
+
     def end_cause(self, runtime: SandboxRuntime) -> dict[str, Any] | None:
         """Why the sandbox's (dead) init died, when the sandbox itself is the cause; None when
         the cause is outside it. Call before destroy: it reads the memory cgroup and peeks at

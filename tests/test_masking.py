@@ -1,0 +1,384 @@
+"""Failures sorted for masking (docs/trajectory.md, "Masking"): every error carries a
+``category`` (``infra``: mask the rollout; ``limit``: the agent's own resource limits; ``task``:
+the request's or the command's own failure), on the wire and on the exception, and exec results
+carry ``oom_killed`` and ``signal``. Each test makes the event happen for real and checks where
+it lands."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from corral import Sandbox
+from corral.errors import (
+    CATEGORIES,
+    ERROR_CLASSES,
+    CorralError,
+    DaemonRestarted,
+    DaemonUnavailable,
+    SandboxCrashed,
+    SandboxExpired,
+    SandboxKilled,
+    SandboxLost,
+    SandboxNotRunning,
+    TooLarge,
+    error_from_payload,
+)
+
+from apiclient import client
+from conftest import CGROUP_NAME, DaemonProcess, leaked_sandbox_cgroups
+
+HOG_PY = "b = []\nwhile True: b.append(bytearray(1 << 20))"
+HOG = f"python3 -c \"{HOG_PY}\""  # under sh: the shell reports the kill, exits 137
+HOG_ARGV = ["python3", "-c", HOG_PY]  # the command itself is killed: signal 9
+
+
+def _tid() -> str:
+    return "mask-" + uuid.uuid4().hex[:12]
+
+
+def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run ``fn`` in a thread; its result or exception lands in the dict."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def _until(cond: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def _started(sid: str, endpoint: str | None = None) -> bool:
+    """Has the long command (``touch /root/started; sleep 60``) started? Asked unkeyed, on a
+    handle of its own: the trajectory's steps are not touched."""
+    return Sandbox.from_id(sid, endpoint=endpoint).files.exists("/root/started")
+
+
+LONG = "touch /root/started; sleep 60"
+
+
+def _wire_error(sid: str, cmd: str = "true") -> dict[str, Any]:
+    """The raw error body an exec on ``sid`` gets now."""
+    with client() as c:
+        r = c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": cmd})
+    assert r.status_code >= 400, r.text
+    return r.json()["error"]
+
+
+def _sorted_as(e: CorralError, category: str) -> None:
+    assert e.category == category, (e.category, repr(e))
+    assert e.infra == (category == "infra"), repr(e)
+    assert e.to_payload()["error"]["category"] == category
+    again = pickle.loads(pickle.dumps(e))
+    assert type(again) is type(e) and again.category == category
+
+
+# ---- the taxonomy itself ---------------------------------------------------------------------
+def test_every_error_has_a_category_consistent_with_infra():
+    for code, cls in ERROR_CLASSES.items():
+        err = cls("x")
+        assert err.category in CATEGORIES, code
+        assert err.infra == (err.category == "infra"), code
+        body = err.to_payload()["error"]
+        assert body["category"] == err.category and body["infra"] == err.infra, code
+        back = error_from_payload(err.to_payload())
+        assert back.category == err.category and back.infra == err.infra, code
+    # the old hierarchy holds: every "not running" code is still a SandboxNotRunning
+    for cls in (SandboxKilled, SandboxExpired, SandboxCrashed):
+        assert issubclass(cls, SandboxNotRunning)
+    assert SandboxCrashed("x", details={"cause": "oom"}).category == "limit"
+    assert SandboxCrashed("x", details={"cause": "init_exited"}).category == "task"
+    assert TooLarge("x", details={"limit": "disk_mb"}).category == "limit"
+    assert TooLarge("x", details={"limit": "snapshot_max_bytes"}).category == "task"
+    # a code this SDK does not know keeps the category its sender gave
+    e = error_from_payload({"error": {"code": "brand_new", "message": "m",
+                                      "category": "infra"}}, 409)
+    assert e.infra and e.code == "brand_new"
+    e = error_from_payload({"error": {"code": "brand_new", "message": "m",
+                                      "category": "limit"}}, 503)
+    assert not e.infra and e.category == "limit"
+    # an old body without a category: the class decides
+    assert error_from_payload({"error": {"code": "sandbox_lost", "message": "m"}}).infra
+
+
+# ---- an operator's kill: infra; the trajectory's own kill: task ------------------------------
+def test_an_operator_kill_mid_episode_is_infra():
+    """Another client DELETEs (``corral rm``) a trajectory's sandbox while its command runs:
+    the call in flight and every later one fail with sandbox_killed, infra, and the episode's
+    own keyed cleanup is still a success."""
+    tid = _tid()
+    sb = Sandbox(trajectory_id=tid, timeout=120)
+    try:
+        sb.exec("echo started > /root/mark")
+        t, out = _in_thread(lambda: sb.exec(LONG, timeout=90))
+        _until(lambda: _started(sb.id))
+        assert Sandbox.from_id(sb.id).kill() is True  # the operator: no key
+        t.join(30)
+        e = out.get("error")
+        assert isinstance(e, SandboxKilled) and isinstance(e, SandboxNotRunning), out
+        _sorted_as(e, "infra")
+        assert e.code == "sandbox_killed" and e.details["reason"] == "operator_killed"
+        with pytest.raises(SandboxKilled) as later:
+            sb.files.read("/root/mark")
+        _sorted_as(later.value, "infra")
+        body = _wire_error(sb.id)
+        assert (body["code"], body["category"], body["infra"]) == ("sandbox_killed", "infra",
+                                                                    True)
+        # the sandbox's log says why it ended
+        assert Sandbox.from_id(sb.id).log() and _log_reason(sb.id) == "operator_killed"
+    finally:
+        assert sb.kill(key="cleanup") is False  # the episode's cleanup: already gone, no error
+
+
+def _log_reason(sid: str) -> str:
+    with client() as c:
+        return c.get(f"/v1/sandboxes/{sid}/log").json()["sandbox"]["reason"]
+
+
+def test_the_trajectorys_own_kill_is_task_and_a_batch_destroy_is_an_operators():
+    """Killed with the trajectory's own key (its automatic key, or an explicit one), later
+    calls are sandbox_not_running, task: the trainer's own doing. A batch destroy carries no
+    key: for a trajectory's sandbox an operator's kill. A sandbox made without a trajectory
+    cannot tell an operator from its owner: its kills are its own."""
+    own, explicit, batch = (Sandbox(trajectory_id=_tid(), timeout=120) for _ in range(3))
+    plain = Sandbox(timeout=120)
+    try:
+        assert own.kill() is True  # keyed {tid}:{step}
+        assert explicit.kill(key="done") is True
+        assert Sandbox.kill_many([batch.id]) == [True]
+        assert Sandbox.from_id(plain.id).kill() is True
+        for sb, cls, category in ((own, SandboxNotRunning, "task"),
+                                  (explicit, SandboxNotRunning, "task"),
+                                  (batch, SandboxKilled, "infra"),
+                                  (plain, SandboxNotRunning, "task")):
+            with pytest.raises(SandboxNotRunning) as err:
+                sb.exec("true")
+            assert type(err.value) is cls, (sb.id, err.value)
+            _sorted_as(err.value, category)
+    finally:
+        for sb in (own, explicit, batch, plain):
+            Sandbox.from_id(sb.id).kill()
+
+
+def test_an_operator_kill_of_a_fork_child_is_infra():
+    """A keyed fork of a trajectory's sandbox makes the children trajectories of their own
+    (``T/fork{S}/{i}``, the SDK's names): an unkeyed kill of a child is an operator's, the
+    child's own keyed kill is not."""
+    tid = _tid()
+    parent = Sandbox(trajectory_id=tid, timeout=120)
+    kids: list[Sandbox] = []
+    try:
+        kids = parent.fork(2)
+        Sandbox.from_id(kids[0].id).kill()
+        assert kids[1].kill() is True
+        with pytest.raises(SandboxKilled) as e0:
+            kids[0].exec("true")
+        _sorted_as(e0.value, "infra")
+        with pytest.raises(SandboxNotRunning) as e1:
+            kids[1].exec("true")
+        assert type(e1.value) is SandboxNotRunning
+        _sorted_as(e1.value, "task")
+    finally:
+        for sb in (parent, *kids):
+            Sandbox.from_id(sb.id).kill()
+
+
+# ---- the agent's own limits: limit ---------------------------------------------------------
+def test_ttl_expiry_is_limit():
+    """The TTL runs out while a command runs: the call in flight and later ones fail with
+    sandbox_expired, limit (not masked: the policy ran out its own time)."""
+    sb = Sandbox(trajectory_id=_tid(), timeout=1.5)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SandboxExpired) as err:
+            sb.exec("sleep 60", timeout=90)
+        assert time.monotonic() - t0 < 30
+        assert isinstance(err.value, SandboxNotRunning)
+        _sorted_as(err.value, "limit")
+        assert err.value.code == "sandbox_expired" and err.value.details["reason"] == "expired"
+        with pytest.raises(SandboxExpired):
+            sb.files.write("/root/x", "x")
+        assert _wire_error(sb.id)["category"] == "limit"
+    finally:
+        assert sb.kill(key="cleanup") is False
+
+
+def test_idle_timeout_is_limit():
+    sb = Sandbox(idle_timeout=0.5, timeout=120)
+    try:
+        with client() as c:  # the list does not refresh the idle clock (an info would)
+            _until(lambda: sb.id not in [s["id"] for s in
+                                         c.get("/v1/sandboxes").json()["sandboxes"]])
+        with pytest.raises(SandboxExpired) as err:
+            sb.exec("true")
+        assert err.value.details["reason"] == "idle_timeout"
+        _sorted_as(err.value, "limit")
+    finally:
+        Sandbox.from_id(sb.id).kill()
+
+
+def test_an_oom_kill_is_flagged_and_kill_9_is_not():
+    """A command the OOM killer kills and one that kills itself with SIGKILL both exit 137;
+    only the first has ``oom_killed``; both have ``signal`` 9. ``exit 137`` has no signal.
+    The flag is in the API's result, the SDK's, a background command's wait, and the log."""
+    sb = Sandbox(memory_mb=48, timeout=120)
+    try:
+        oom = sb.exec(HOG_ARGV, timeout=60)
+        assert (oom.exit_code, oom.signal, oom.oom_killed) == (137, 9, True), oom
+        # under a shell: the shell itself exits 137 ("Killed"), no signal, still flagged
+        shell = sb.exec(HOG, timeout=60)
+        assert (shell.exit_code, shell.signal, shell.oom_killed) == (137, None, True), shell
+        self_kill = sb.exec("kill -9 $$", timeout=30)
+        assert (self_kill.exit_code, self_kill.signal, self_kill.oom_killed) == (137, 9, False)
+        code = sb.exec("exit 137", timeout=30)
+        assert (code.exit_code, code.signal, code.oom_killed) == (137, None, False)
+        term = sb.exec("kill -TERM $$", timeout=30)
+        assert (term.exit_code, term.signal) == (143, 15)
+        timed = sb.exec("sleep 30", timeout=0.5)
+        assert timed.timed_out and timed.signal == 9 and not timed.oom_killed
+        # a child of the command OOM-killed, the command itself exits on its own
+        child = sb.exec(HOG + "; echo survived", timeout=60)
+        assert child.exit_code == 0 and child.oom_killed and child.signal is None
+        assert "survived" in child.stdout
+        # a background command, waited for after its exit
+        p = sb.exec(HOG_ARGV, background=True)
+        res = p.wait(timeout=60)
+        assert res.oom_killed and res.signal == 9
+        assert p.status().oom_killed
+        # the wire and the log
+        with client() as c:
+            r = c.post(f"/v1/sandboxes/{sb.id}/exec", json={"cmd": HOG_ARGV}).json()
+        assert r["oom_killed"] is True and r["signal"] == 9
+        execs = [e for e in sb.log() if e.op == "exec"]
+        assert [e.result["oom_killed"] for e in execs[:4]] == [True, True, False, False]
+        assert [e.result["signal"] for e in execs[:4]] == [9, None, 9, None]
+        # the sandbox lived through it all
+        assert sb.exec("echo alive").stdout == "alive\n"
+    finally:
+        sb.kill()
+
+
+def test_a_pids_limit_hit_is_the_commands_own_failure():
+    """A fork refused at the pids limit is EAGAIN inside the sandbox, as on a machine with a
+    process limit: the command decides what to do with it, so the outcome is its exit code
+    (task), never an error, and the sandbox carries on."""
+    sb = Sandbox(pids=16, timeout=120)
+    forker = ("python3 -c \"import os, signal, sys\nkids = []\ntry:\n"
+              "    while True:\n        pid = os.fork()\n"
+              "        if pid == 0:\n            signal.pause()\n        kids.append(pid)\n"
+              "except OSError as e:\n    print('fork failed', e.errno, len(kids))\n"
+              "for k in kids:\n    os.kill(k, 9)\n    os.waitpid(k, 0)\nsys.exit(3)\"")
+    try:
+        r = sb.exec(forker, timeout=60)
+        assert r.exit_code == 3 and r.stdout.startswith("fork failed 11 "), r
+        assert 0 < int(r.stdout.split()[-1]) < 16
+        assert r.signal is None and not r.oom_killed
+        assert sb.exec("echo alive").stdout == "alive\n"
+    finally:
+        sb.kill()
+
+
+def test_a_full_tmp_is_the_commands_own_failure():
+    """A small ``disk_mb``: a write that fills /tmp gets ENOSPC inside, the command fails on
+    its own (task: an exit code, no OOM kill, no error). Writing past ``disk_mb`` through the
+    files API is too_large, category limit."""
+    sb = Sandbox(disk_mb=4, memory_mb=256, timeout=120)
+    try:
+        r = sb.exec("head -c 16M /dev/zero > /tmp/big", timeout=60)
+        assert r.exit_code != 0 and "No space left" in r.stderr, r
+        assert r.signal is None and not r.oom_killed
+        assert sb.exec("rm /tmp/big && echo freed").stdout == "freed\n"
+        with pytest.raises(TooLarge) as err:
+            sb.files.write("/root/big", b"\0" * (8 << 20))
+        assert err.value.details.get("limit") == "disk_mb"
+        _sorted_as(err.value, "limit")
+    finally:
+        sb.kill()
+
+
+def test_an_oom_that_ends_the_sandbox_is_limit_and_an_init_crash_task():
+    """Already existing codes, now sorted: sandbox_crashed is limit for an OOM, task for an
+    init that ended on its own; sandbox_lost (the host killed the init) is infra."""
+    crash = SandboxCrashed("x", details={"reason": "crashed", "cause": "oom", "oom_kills": 1})
+    _sorted_as(error_from_payload(crash.to_payload()), "limit")
+    sb = Sandbox(timeout=120)
+    try:
+        os.kill(sb.info().init_pid, signal.SIGKILL)  # from the host: the node's doing
+        with pytest.raises(SandboxLost) as err:
+            sb.exec("true")
+        _sorted_as(err.value, "infra")
+    finally:
+        sb.kill()
+
+
+# ---- a daemon lost: infra ------------------------------------------------------------------
+@pytest.fixture
+def private_daemon():
+    state = tempfile.mkdtemp(prefix="corral-mask-", dir="/var/tmp")
+    cg = f"{CGROUP_NAME}-mask"
+    d = DaemonProcess(state, os.path.join(state, "run", "corrald.sock"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CORRAL_CGROUP", cg)
+        d.start()
+        try:
+            yield d
+        finally:
+            if d.proc is None:
+                d.start()
+            d.stop()
+    assert leaked_sandbox_cgroups(cg) == []
+    assert os.listdir(os.path.join(state, "sandboxes")) == []
+    shutil.rmtree(state, ignore_errors=True)
+    subprocess.run(["rm", "-rf", state], check=False)
+
+
+def test_a_daemon_lost_mid_call_is_infra(private_daemon):
+    """kill -9 of the daemon while a command runs: the call in flight fails with
+    daemon_restarted, the next one with daemon_unavailable, both infra; after a restart
+    the sandbox is back."""
+    ep = private_daemon.socket_path
+    sb = Sandbox(timeout=120, endpoint=ep)
+    traj = Sandbox(timeout=120, endpoint=ep, trajectory_id=_tid())
+    try:
+        t, out = _in_thread(lambda: sb.exec(LONG, timeout=90))
+        _until(lambda: _started(sb.id, ep))
+        private_daemon.kill9()
+        t.join(30)
+        assert isinstance(out.get("error"), DaemonRestarted), out
+        _sorted_as(out["error"], "infra")
+        with pytest.raises(DaemonUnavailable) as err:
+            sb.exec("true")
+        _sorted_as(err.value, "infra")
+        private_daemon.start()
+        assert sb.exec("echo back").stdout == "back\n"
+        # re-adopted, a trajectory's sandbox still tells an operator's kill from its own
+        assert Sandbox.from_id(traj.id, endpoint=ep).kill() is True
+        with pytest.raises(SandboxKilled) as killed:
+            traj.exec("true")
+        _sorted_as(killed.value, "infra")
+    finally:
+        if private_daemon.proc is None:
+            private_daemon.start()
+        sb.kill()
+        Sandbox.from_id(traj.id, endpoint=ep).kill()
