@@ -569,12 +569,14 @@ unsafe fn mount(
 }
 
 /// Make sure `t` (relative to the cwd, which is the new root) is a real directory reached
-/// without following any symlink, creating missing components. A symlink on the way fails with
-/// ELOOP: an image (or a snapshot made from a sandbox's writes) must not steer a mount or a
-/// mkdir onto a host path.
+/// without following any symlink, creating missing components. A component that is a symlink
+/// or a file (from an image, or a snapshot of a sandbox's writes) is never followed: it is
+/// unlinked (in the sandbox's own writable root) and a directory made in its place. A mount
+/// goes on top of it anyway, hiding whatever was there; a symlink must not steer a mount or a
+/// mkdir onto a host path, and a stray file must not make the sandbox fail to start.
 ///
 /// # Safety
-/// Async-signal-safe: openat2/mkdirat/close syscalls on prepared strings.
+/// Async-signal-safe: openat2/unlinkat/mkdirat/close syscalls on prepared strings.
 unsafe fn ensure_dir(r: &Report, t: &Target) {
     let Some(full) = t.path() else { return };
     // SAFETY: raw syscalls on valid C strings (see open_beneath).
@@ -585,10 +587,24 @@ unsafe fn ensure_dir(r: &Report, t: &Target) {
             return;
         }
         let e = harden::errno();
-        if e != libc::ENOENT {
+        if e != libc::ENOENT && e != libc::ENOTDIR && e != libc::ELOOP {
             r.fail(e);
         }
         for p in &t.prefixes {
+            let fd = open_beneath(p);
+            if fd >= 0 {
+                libc::close(fd as c_int);
+                continue;
+            }
+            let e = harden::errno();
+            if e == libc::ENOTDIR || e == libc::ELOOP {
+                // Not a directory (every earlier prefix is one): unlinkat never follows it.
+                if libc::unlinkat(libc::AT_FDCWD, p.as_ptr(), 0) < 0 {
+                    r.fail(harden::errno());
+                }
+            } else if e != libc::ENOENT {
+                r.fail(e);
+            }
             if libc::mkdirat(libc::AT_FDCWD, p.as_ptr(), 0o755) < 0 {
                 let e = harden::errno();
                 if e != libc::EEXIST {
