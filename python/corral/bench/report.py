@@ -272,7 +272,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         console.print(f"  host memory cgroups: mkdir {_f(mc.get('mkdir_ms_p50'), 2)} ms and "
                       f"{_f(mc.get('kmalloc_1k_per_memcg'))} KiB of kmalloc-1k each, "
                       f"{_f(mc.get('dying'))} dying, SUnreclaim {_f(mc.get('sunreclaim_mib'))} "
-                      "MiB (the host's history: docs/benchmarks.md, Session 7)")
+                      "MiB (the host's history: docs/benchmarks.md, dying memory cgroups)")
     for n in report.get("notes", []):
         console.print(f"  note: {n}")
     c = report.get("cleanup", {})
