@@ -49,6 +49,16 @@ os.environ["CORRAL_AUTOSTART"] = "0"
 os.environ.pop("CORRAL_TCP", None)
 
 
+def wait_until(pred, timeout: float = 10.0, interval: float = 0.02) -> bool:  # type: ignore[no-untyped-def]
+    """Poll ``pred`` until it holds or ``timeout`` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()
+
+
 def cgroup_dirs(name: str = CGROUP_NAME) -> list[Path]:
     """Every cgroup directory (v1 hierarchies and v2) under our private cgroup name."""
     out = []

@@ -41,6 +41,7 @@ from conftest import (
     DaemonProcess,
     leaked_sandbox_cgroups,
     spare_cgroups,
+    wait_until,
 )
 
 
@@ -68,14 +69,6 @@ def fresh(c):
 def cgroups_of(sid: str) -> list[str]:
     return [p for p in leaked_sandbox_cgroups() if p.endswith("/" + sid)]
 
-
-def wait_until(pred, timeout: float = 10.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(interval)
-    return pred()
 
 
 # ---- daemon ----------------------------------------------------------------------------

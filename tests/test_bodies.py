@@ -10,24 +10,15 @@ import os
 import socket
 import tarfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import apiclient
-from conftest import SOCKET, STATE_DIR
+from conftest import SOCKET, STATE_DIR, wait_until
 
 MiB = 1 << 20
 TMP = Path(STATE_DIR, "tmp")
 
-
-def wait_for(cond, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def status_kib(pid: int, field: str) -> int:
@@ -121,7 +112,7 @@ def test_concurrent_big_uploads_keep_daemon_memory_flat(daemon):
         print(f"corrald RSS KiB: before {s.before}, peak {s.peak} during {n} concurrent "
               f"{size >> 20} MiB uploads (growth {growth})")
         assert growth < 150 * 1024, f"daemon grew by {growth} KiB"
-        assert wait_for(lambda: not spooled_fds(pid))
+        assert wait_until(lambda: not spooled_fds(pid), 30.0)
         assert not list(TMP.iterdir())
     finally:
         with apiclient.client() as c:
@@ -149,11 +140,11 @@ def test_client_hanging_up_mid_upload_leaves_no_temp_file(daemon):
                 for _ in range(20):
                     s.sendall(chunk)
                 # The body is being spooled: an unnamed file, never a name in the directory.
-                assert wait_for(lambda: spooled_fds(pid)), "no spool file seen"
+                assert wait_until(lambda: spooled_fds(pid), 30.0), "no spool file seen"
                 assert not list(TMP.iterdir())
             finally:
                 s.close()
-            assert wait_for(lambda: not spooled_fds(pid)), spooled_fds(pid)
+            assert wait_until(lambda: not spooled_fds(pid), 30.0), spooled_fds(pid)
             assert not list(TMP.iterdir())
         with apiclient.client() as c:  # the daemon and the sandbox carry on
             assert apiclient.run(c, sid, "test ! -e /work/x && echo ok")["stdout"] == "ok\n"

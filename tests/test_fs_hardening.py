@@ -21,20 +21,12 @@ from corral.errors import CorralError, ForbiddenPath, InvalidRequest, TooLarge
 from corral.sdk import tarball
 
 import apiclient
-from conftest import STATE_DIR
+from conftest import STATE_DIR, wait_until
 
 LAYERS = Path(STATE_DIR, "layers")
 SANDBOXES = Path(STATE_DIR, "sandboxes")
 MiB = 1 << 20
 
-
-def wait_for(cond, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def rss_kib(pid: int) -> int:
@@ -89,7 +81,7 @@ def test_deep_tree_snapshot_fork_destroy_and_restart(daemon):
         daemon.kill9()
         os.kill(init_pid, signal.SIGKILL)
         daemon.start()
-        assert wait_for(lambda: not (SANDBOXES / sid).exists())
+        assert wait_until(lambda: not (SANDBOXES / sid).exists(), 20.0)
         assert not (SANDBOXES / ".quarantine").exists()
         with apiclient.client() as c:
             metrics = c.get("/metrics").text
@@ -108,7 +100,7 @@ def test_deep_tree_destroy_frees_everything(daemon):
         assert "ok" in sh(sb, DEEP.format(n=9000))
         sb.restore(snap)  # the old upper, deep tree and all, goes to the trash
         assert sh(sb, "cat /work/mark; ls /work").split() == ["before", "mark"]
-        assert wait_for(lambda: not any((SANDBOXES / ".trash").iterdir()), 60)
+        assert wait_until(lambda: not any((SANDBOXES / ".trash").iterdir()), 60)
         snap.delete()
         assert "ok" in sh(sb, DEEP.format(n=9000))
         sid = sb.id
@@ -116,7 +108,7 @@ def test_deep_tree_destroy_frees_everything(daemon):
         sb.files.remove("/work/deep", recursive=True)
         assert not sb.files.exists("/work/deep")
         assert "ok" in sh(sb, DEEP.format(n=9000))
-    assert wait_for(lambda: not (SANDBOXES / sid).exists())
+    assert wait_until(lambda: not (SANDBOXES / sid).exists(), 20.0)
     assert daemon.proc.poll() is None
 
 

@@ -21,6 +21,7 @@ from conftest import (
     leaked_sandbox_cgroups,
     pids_in_cgroups,
     spare_cgroups,
+    wait_until,
 )
 
 SANDBOXES = os.path.join(STATE_DIR, "sandboxes")
@@ -35,14 +36,6 @@ def c():
 def cgroups_of(sid: str) -> list[str]:
     return [p for p in leaked_sandbox_cgroups() if p.endswith("/" + sid)]
 
-
-def wait_until(pred, timeout: float = 10.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(interval)
-    return pred()
 
 
 def reason(c, sid: str) -> str | None:

@@ -20,7 +20,7 @@ from corral.errors import (
     SnapshotNotFound,
 )
 
-from conftest import CGROUP_NAME, STATE_DIR
+from conftest import CGROUP_NAME, STATE_DIR, wait_until
 
 LAYERS = Path(STATE_DIR, "layers")
 
@@ -28,14 +28,6 @@ LAYERS = Path(STATE_DIR, "layers")
 def layer_dirs() -> set[str]:
     return {p.name for p in LAYERS.iterdir() if not p.name.startswith(".")}
 
-
-def wait_for(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 @pytest.fixture
@@ -186,7 +178,7 @@ def test_chains_and_opaque_dirs(sb):
         assert g.files.read("/work/level") == "3\n"
         assert g.exec("ls /work/dir").stdout.split() == ["b"]
     s3.delete()
-    assert wait_for(lambda: not (set(s3.layers) & layer_dirs()))
+    assert wait_until(lambda: not (set(s3.layers) & layer_dirs()))
 
 
 def test_fork_children_are_isolated(sb):
@@ -210,7 +202,7 @@ def test_fork_children_are_isolated(sb):
     finally:
         for k in kids:
             k.kill()
-    assert wait_for(lambda: not (digest_dirs & layer_dirs()))
+    assert wait_until(lambda: not (digest_dirs & layer_dirs()))
 
 
 def test_fork_keep_snapshot_and_errors(sb):
@@ -266,7 +258,7 @@ def test_restore_of_a_sandbox_at_its_pids_limit():
         current = [p for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
                    if (p := Path(base, CGROUP_NAME, box.id, "pids.current")).exists()]
         assert current, "the sandbox's pids cgroup"
-        assert wait_for(lambda: int(current[0].read_text()) >= 38, timeout=10)
+        assert wait_until(lambda: int(current[0].read_text()) >= 38, timeout=10)
         info = box.restore(snap)
         assert info.state == "running"
         assert box.exec("pgrep -c -x sleep").stdout.strip() == "0"
@@ -281,7 +273,7 @@ def test_restore_of_a_sandbox_near_its_memory_limit():
         snap = box.snapshot()
         for _ in range(3):
             box.exec("head -c 50M /dev/zero | tail > /dev/null", background=True)
-            assert wait_for(lambda: box.exec("pgrep -x tail").exit_code == 0, timeout=5)
+            assert wait_until(lambda: box.exec("pgrep -x tail").exit_code == 0, timeout=5)
             time.sleep(0.5)  # tail's buffer grows to ~50 MB
             assert box.restore(snap).state == "running"
             assert box.exec("echo ok").stdout == "ok\n"
@@ -364,13 +356,13 @@ def test_snapshots_survive_daemon_restart(daemon):
         # The re-adopted child still references its base layer: it must not be collected;
         # snap2's own layer was referenced by snap2 alone.
         assert (LAYERS / snap2.layers[0]).is_dir()
-        assert wait_for(lambda: not (LAYERS / snap2.layers[1]).exists())
+        assert wait_until(lambda: not (LAYERS / snap2.layers[1]).exists())
         snap3 = child.snapshot()
         with Sandbox(snapshot=snap3, timeout=60) as g:
             assert g.files.read("/work/r") == "before\n"
         snap3.delete()
         child.kill()
-        assert wait_for(lambda: not (set(snap2.layers) & layer_dirs()))
+        assert wait_until(lambda: not (set(snap2.layers) & layer_dirs()))
     finally:
         box.kill()
 
@@ -409,7 +401,7 @@ def test_layers_dir_has_no_leftovers():
     """Once no snapshot and no sandbox stands on a layer, it is gone."""
     if Snapshot.list() or any(b.last_info and b.last_info.snapshot for b in Sandbox.list()):
         pytest.skip("other snapshots or sandboxes on snapshots are still alive")
-    assert wait_for(lambda: not layer_dirs())
+    assert wait_until(lambda: not layer_dirs())
 
 
 def test_spare_layer_dirs_are_made_ahead_and_gone_after_restart(daemon):
@@ -419,7 +411,7 @@ def test_spare_layer_dirs_are_made_ahead_and_gone_after_restart(daemon):
     with Sandbox(timeout=60) as box:
         box.files.write("/work/a", "1")
         box.snapshot().delete()
-        assert wait_for(lambda: len(list(spares.iterdir())) == 2)
+        assert wait_until(lambda: len(list(spares.iterdir())) == 2)
         before = set(spares.iterdir())
         box.files.write("/work/b", "2")
         snap = box.snapshot()
@@ -435,7 +427,7 @@ def test_spare_layer_dirs_are_made_ahead_and_gone_after_restart(daemon):
             empty.kill()
         snap.delete()
         daemon.restart(kill9=True)
-        assert wait_for(lambda: not list(spares.iterdir()))
+        assert wait_until(lambda: not list(spares.iterdir()))
 
 
 def test_legacy_json_records_are_imported(tmp_path):
