@@ -205,7 +205,7 @@ class ExecRequest(_Model):
     """Run a command. ``cmd`` as a string runs under ``/bin/sh -c``; as a list it is the argv."""
 
     cmd: str | list[str] = Field(json_schema_extra={"anyOf": [
-        {"type": "string", "pattern": r"^[^\x00]*\S[^\x00]*$",
+        {"type": "string", "pattern": r"^[^\x00]*[^\x00\s][^\x00]*$",
          "description": "a shell command line (/bin/sh -c), not blank"},
         {"type": "array", "minItems": 1, "description": "argv (argv[0] not empty)",
          "prefixItems": [{"type": "string", "minLength": 1, "pattern": NO_NUL_PATTERN}],
