@@ -8,6 +8,7 @@ cgroup, a mount or a directory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -267,3 +269,37 @@ def no_leaks(daemon):
             break
         time.sleep(0.05)
     assert set(leaked_sandbox_cgroups()) <= before
+
+
+@contextlib.contextmanager
+def private_daemon(prefix: str, cgroup: str, **env: str) -> Iterator[DaemonProcess]:
+    """A corrald of its own: a state dir under /var/tmp named ``prefix...``, cgroup name
+    ``cgroup`` and the environment ``env``, all set for the whole block (a restart gets the
+    same settings, above all the same cgroup name, or it would clean up the session daemon's
+    sandboxes). It must stop leaving nothing behind; after a failure it is killed and swept."""
+    state = tempfile.mkdtemp(prefix=prefix, dir="/var/tmp")
+    d = DaemonProcess(state, os.path.join(state, "run", "corrald.sock"))
+    d.cgroup = cgroup  # type: ignore[attr-defined]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CORRAL_CGROUP", cgroup)
+        for k, v in env.items():
+            mp.setenv(k, v)
+        try:
+            d.start()
+            try:
+                yield d
+            finally:
+                try:
+                    d.stop()
+                finally:
+                    if sys.exc_info()[0] is not None:  # a failed test: leave nothing behind
+                        d.kill9()
+                        _force_cleanup(cgroup)
+                        _unmount_under(state)
+            left = {"cgroups": leaked_sandbox_cgroups(cgroup),
+                    "parents": [str(p) for p in cgroup_dirs(cgroup)],
+                    "pids": sorted(pids_in_cgroups(cgroup)),
+                    "dirs": os.listdir(os.path.join(state, "sandboxes"))}
+            assert not any(left.values()), f"private daemon left {left}\n{d.tail()}"
+        finally:  # a failed test too: its state dir goes
+            shutil.rmtree(state, ignore_errors=True)

@@ -20,9 +20,7 @@ import secrets
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -31,11 +29,7 @@ from corral import Sandbox
 from conftest import (
     CGROUP_NAME,
     DaemonProcess,
-    _force_cleanup,
-    _unmount_under,
-    cgroup_dirs,
-    leaked_sandbox_cgroups,
-    pids_in_cgroups,
+    private_daemon,
 )
 
 SECRET = "corral-boundary-" + secrets.token_hex(12)
@@ -128,35 +122,10 @@ print(json.dumps(out))
 """
 
 
-@contextlib.contextmanager
-def private_daemon(tag: str, **env: str) -> Iterator[DaemonProcess]:
-    """A corrald of its own (cgroup, state dir) with SECRET in its environment."""
-    state = tempfile.mkdtemp(prefix="corral-test-eb-", dir="/var/tmp")
-    cg = f"{CGROUP_NAME}-eb{tag}"
-    d = DaemonProcess(state, os.path.join(state, "run", "corrald.sock"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CORRAL_CGROUP", cg)
-        mp.setenv("CORRAL_BOUNDARY_SECRET", SECRET)
-        for k, v in env.items():
-            mp.setenv(k, v)
-        try:
-            d.start()
-            try:
-                yield d
-            finally:
-                try:
-                    d.stop()
-                finally:
-                    if sys.exc_info()[0] is not None:
-                        d.kill9()
-                        _force_cleanup(cg)
-                        _unmount_under(state)
-            left = {"cgroups": leaked_sandbox_cgroups(cg), "parents": [str(p) for p in
-                                                                       cgroup_dirs(cg)],
-                    "pids": sorted(pids_in_cgroups(cg))}
-            assert not any(left.values()), f"daemon left {left}\n{d.tail()}"
-        finally:
-            shutil.rmtree(state, ignore_errors=True)
+def boundary_daemon(tag: str, **env: str) -> contextlib.AbstractContextManager[DaemonProcess]:
+    """A corrald of its own with SECRET in its environment."""
+    return private_daemon("corral-test-eb-", f"{CGROUP_NAME}-eb{tag}",
+                          CORRAL_BOUNDARY_SECRET=SECRET, **env)
 
 
 def ep(d: DaemonProcess) -> str:
@@ -197,7 +166,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_no_process_of_the_daemon_is_reachable_from_the_sandbox(case):
     env, argv = CASES[case]
-    with private_daemon(case.replace("-", ""), **env) as d:
+    with boundary_daemon(case.replace("-", ""), **env) as d:
         # corrald blanks its environment block (the variables live on in its heap, which
         # only CAP_SYS_PTRACE can read): not even host root sees the secret there.
         with open(f"/proc/{daemon_pid(d)}/environ", "rb") as f:
@@ -251,7 +220,7 @@ def test_a_running_corrald_is_out_of_reach_of_root_without_cap_sys_ptrace():
     take its fds or find the secret in its environment file."""
     if shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is not installed")
-    with private_daemon("dump") as d:
+    with boundary_daemon("dump") as d:
         pid = daemon_pid(d)
         no_ptrace = ["setpriv", "--bounding-set=-sys_ptrace", "--inh-caps=-sys_ptrace"]
         for what in ("environ", "mem", "fd/0", "cmdline"):
@@ -266,7 +235,7 @@ def test_a_running_corrald_is_out_of_reach_of_root_without_cap_sys_ptrace():
 def test_stopped_processes_in_four_sandboxes_never_stall_other_sandboxes(init_exec):
     """In four sandboxes a watcher stops every new process for good while commands keep
     being started there; creates and execs in other sandboxes complete within a bound."""
-    with private_daemon(f"stall{init_exec}", CORRAL_INIT_EXEC=init_exec) as d:
+    with boundary_daemon(f"stall{init_exec}", CORRAL_INIT_EXEC=init_exec) as d:
         boxes = [Sandbox(endpoint=ep(d), timeout=300) for _ in range(4)]
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=16)
         try:

@@ -16,10 +16,8 @@ import json
 import os
 import re
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -32,10 +30,7 @@ from corral.daemon.openapi import SPEC_PATH
 from apiclient import client
 from conftest import (
     CGROUP_NAME,
-    DaemonProcess,
-    _force_cleanup,
-    _unmount_under,
-    leaked_sandbox_cgroups,
+    private_daemon,
 )
 
 pytest.importorskip("schemathesis")
@@ -62,26 +57,12 @@ def _free_port() -> int:
 def tcp_daemon():
     """A daemon of its own, on TCP with a token (what a remote client has), small capacity
     (generated batch creates and forks of 10,000 get capacity_exceeded, not a full host)."""
-    state = tempfile.mkdtemp(prefix="corral-fuzz-", dir="/var/tmp")
-    cg = f"{CGROUP_NAME}-fuzz"
     port, token = _free_port(), secrets.token_hex(16)
-    d = DaemonProcess(state, os.path.join(state, "run", "corrald.sock"))
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in {"CORRAL_CGROUP": cg, "CORRAL_MAX_SANDBOXES": "24", "CORRAL_POOL": "off",
-                     "CORRAL_TCP": f"127.0.0.1:{port}", "CORRAL_TOKEN": token}.items():
-            mp.setenv(k, v)
-        try:
-            d.start()
-            d.port, d.token = port, token  # type: ignore[attr-defined]
-            yield d
-        finally:
-            d.stop()
-            if leaked_sandbox_cgroups(cg):  # a failed stop: leave nothing behind
-                d.kill9()
-                _force_cleanup(cg)
-                _unmount_under(state)
-            shutil.rmtree(state, ignore_errors=True)
-    assert leaked_sandbox_cgroups(cg) == []
+    with private_daemon("corral-fuzz-", f"{CGROUP_NAME}-fuzz", CORRAL_MAX_SANDBOXES="24",
+                        CORRAL_POOL="off", CORRAL_TCP=f"127.0.0.1:{port}",
+                        CORRAL_TOKEN=token) as d:
+        d.port, d.token = port, token  # type: ignore[attr-defined]
+        yield d
 
 
 _TEMPLATES = [(r.method, re.compile("^" + re.sub(r"\{[^}]+\}", "[^/]+", r.path) + "$"),

@@ -11,12 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import signal
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,46 +22,15 @@ from corral import Sandbox
 from conftest import (
     CGROUP_NAME,
     DaemonProcess,
-    _force_cleanup,
-    _unmount_under,
     cgroup_dirs,
     leaked_sandbox_cgroups,
-    pids_in_cgroups,
+    private_daemon,
 )
 
 
-@contextlib.contextmanager
-def pooled_daemon(**env: str) -> Iterator[DaemonProcess]:
-    state = tempfile.mkdtemp(prefix="corral-pool-", dir="/var/tmp")
-    cg = f"{CGROUP_NAME}-pool"
-    d = DaemonProcess(state, os.path.join(state, "run", "corrald.sock"))
-    d.cgroup = cg  # type: ignore[attr-defined]
-    # The environment stays set for the whole test: a restart must get the same settings (and
-    # above all the same cgroup name, or it would clean up the session daemon's sandboxes).
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CORRAL_CGROUP", cg)
-        mp.setenv("CORRAL_POOL_IDLE_S", "600")
-        for k, v in env.items():
-            mp.setenv(k, v)
-        try:
-            d.start()
-            try:
-                yield d
-            finally:
-                try:
-                    d.stop()
-                finally:
-                    if sys.exc_info()[0] is not None:  # a failed test: leave nothing behind
-                        d.kill9()
-                        _force_cleanup(cg)
-                        _unmount_under(state)
-            left = {"cgroups": leaked_sandbox_cgroups(cg),
-                    "parents": [str(p) for p in cgroup_dirs(cg)],
-                    "pids": sorted(pids_in_cgroups(cg)),
-                    "dirs": os.listdir(os.path.join(state, "sandboxes"))}
-            assert not any(left.values()), f"pooled daemon left {left}\n{d.tail()}"
-        finally:  # a failed test too: its state dir goes
-            shutil.rmtree(state, ignore_errors=True)
+def pooled_daemon(**env: str) -> contextlib.AbstractContextManager[DaemonProcess]:
+    return private_daemon("corral-pool-", f"{CGROUP_NAME}-pool", CORRAL_POOL_IDLE_S="600",
+                          **env)
 
 
 def ep(d: DaemonProcess) -> str:

@@ -20,12 +20,6 @@
 #define SIG_SETMASK 2
 #define CLONE_PARENT 0x8000
 #define TIOCSCTTY 0x540E
-#define ENOENT 2
-#define ENOTDIR 20
-#define ESTALE 116
-#define ELOOP 40
-#define ENAMETOOLONG 36
-#define EACCES 13
 #define REPORT_FD 3
 #define PR_SET_DUMPABLE 4
 #define F_SETFD 2

@@ -67,12 +67,6 @@
 #define EINTR 4
 #define EINVAL 22
 #define EMSGSIZE 90
-#define ENOENT 2
-#define ENOTDIR 20
-#define ESTALE 116
-#define ELOOP 40
-#define ENAMETOOLONG 36
-#define EACCES 13
 #define E2BIG 7
 #define F_GET_SEALS 1034
 #define F_SEAL_ALL 15 /* SEAL | SHRINK | GROW | WRITE */

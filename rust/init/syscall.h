@@ -1,8 +1,16 @@
-/* The raw system calls of the sandbox's static binaries (corral-init, corral-exec): no libc,
- * so each is a syscall instruction with the numbers of the architecture. Included once by
- * each binary; what a binary does not use costs it nothing. */
+/* The raw system calls (and error numbers) of the sandbox's static binaries (corral-init,
+ * corral-exec): no libc, so each is a syscall instruction with the numbers of the
+ * architecture. Included once by each binary; what a binary does not use costs it nothing. */
 #ifndef CORRAL_SYSCALL_H
 #define CORRAL_SYSCALL_H
+
+/* The errors an exec can end with that both binaries tell apart. */
+#define ENOENT 2
+#define ENOTDIR 20
+#define ESTALE 116
+#define ELOOP 40
+#define ENAMETOOLONG 36
+#define EACCES 13
 
 #if defined(__x86_64__)
 #define NR_read 0
