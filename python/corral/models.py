@@ -64,7 +64,16 @@ def check_env(v: dict[str, str]) -> dict[str, str]:
 
 
 class _Model(BaseModel):
+    """A request body: an unknown field is the client's mistake, refused."""
+
     model_config = ConfigDict(extra="forbid")
+
+
+class _Response(BaseModel):
+    """A response body: unknown fields are ignored, so an older SDK keeps working against a
+    newer daemon that answers with more."""
+
+    model_config = ConfigDict(extra="ignore")
 
 
 DEFAULT_DISK_MB = 10240
@@ -118,7 +127,7 @@ class SandboxSpec(_Model):
         return v
 
 
-class SandboxInfo(_Model):
+class SandboxInfo(_Response):
     id: str
     state: SandboxState
     image: str
@@ -148,7 +157,7 @@ class CreateManyRequest(_Model):
 MAX_BATCH = 10_000
 
 
-class ErrorInfo(_Model):
+class ErrorInfo(_Response):
     code: str = Field(description="stable error code (corral/errors.py)")
     message: str
     details: dict[str, Any] = Field(default_factory=dict)
@@ -158,7 +167,7 @@ class ErrorInfo(_Model):
     infra: bool = Field(False, description='category == "infra"')
 
 
-class ItemError(_Model):
+class ItemError(_Response):
     """One item of a batch that failed (the others are unaffected)."""
 
     error: ErrorInfo
@@ -184,7 +193,7 @@ class RestoreRequest(_Model):
     snapshot: str = Field(min_length=1, max_length=200, description="snapshot id or name")
 
 
-class SnapshotInfo(_Model):
+class SnapshotInfo(_Response):
     id: str
     name: str | None = None
     parent: str | None = Field(None, description="the snapshot the sandbox was started from")
@@ -196,7 +205,7 @@ class SnapshotInfo(_Model):
     sandbox_id: str | None = Field(None, description="the sandbox it was taken from")
 
 
-class ForkResult(_Model):
+class ForkResult(_Response):
     snapshot: SnapshotInfo
     sandboxes: list[SandboxInfo]
 
@@ -277,12 +286,12 @@ class KillManyRequest(_Model):
     ids: list[SandboxId] = Field(min_length=1, max_length=MAX_BATCH)
 
 
-class KillResult(_Model):
+class KillResult(_Response):
     id: str
     killed: bool = Field(description="false: it had already ended")
 
 
-class ExecResult(_Model):
+class ExecResult(_Response):
     stdout: str
     stderr: str
     exit_code: int
@@ -300,11 +309,11 @@ class ExecResult(_Model):
                              "the command's own exit")
 
 
-class ExecManyResponse(_Model):
+class ExecManyResponse(_Response):
     results: list[ExecResult | ItemError]
 
 
-class KillOutcome(_Model):
+class KillOutcome(_Response):
     """One id of a batch destroy that was not killed by it: already ended, or an error."""
 
     index: int = Field(description="the id's position in the request")
@@ -313,7 +322,7 @@ class KillOutcome(_Model):
     error: ErrorInfo | None = Field(None, description="why not, if not already ended")
 
 
-class KillManyResponse(_Model):
+class KillManyResponse(_Response):
     """Counts, and only the ids that were not killed (the rest were): a batch of 10,000
     live sandboxes answers in a few bytes."""
 
@@ -323,7 +332,7 @@ class KillManyResponse(_Model):
     not_killed: list[KillOutcome] = Field(description="the ids not killed, in request order")
 
 
-class ProcessHandle(_Model):
+class ProcessHandle(_Response):
     """A background command: poll, wait, stream, write stdin, kill."""
 
     sandbox_id: str
@@ -332,7 +341,7 @@ class ProcessHandle(_Model):
     started_at: float
 
 
-class ProcessStatus(_Model):
+class ProcessStatus(_Response):
     pid: int
     running: bool
     exit_code: int | None = None
@@ -354,7 +363,7 @@ class WaitRequest(_Model):
     timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
 
 
-class FileEntry(_Model):
+class FileEntry(_Response):
     name: str
     path: str
     type: Literal["file", "dir", "symlink", "other"]
@@ -378,7 +387,7 @@ class RenameRequest(_Model):
     dst: AbsPath
 
 
-class ImageInfo(_Model):
+class ImageInfo(_Response):
     name: str
     kind: Literal["builtin", "rootfs"]
     created_at: float
@@ -395,7 +404,7 @@ class ImportImageRequest(_Model):
                                     "(unsupported)")
 
 
-class DaemonStatus(_Model):
+class DaemonStatus(_Response):
     version: str
     pid: int
     started_at: float
@@ -406,7 +415,7 @@ class DaemonStatus(_Model):
     substrates: list[str]
 
 
-class LogEntry(_Model):
+class LogEntry(_Response):
     """One call in a sandbox's trajectory log (docs/trajectory.md)."""
 
     index: int = Field(description="position in this sandbox's log, from 0")

@@ -4,7 +4,7 @@ snapshot scenario measures the snapshot / restore / fork targets.
 Layout (one job per module):
   session.py    options, the private daemon + raw baseline + peers of one run, the leak check
   daemon.py     a private corrald (own state dir, socket, cgroup name)
-  raw.py        builds and drives bench/raw (the same kernel work as corral, no API)
+  raw.py        builds and drives raw_src/ (the same kernel work as corral, no API)
   peers.py      bwrap, crun, runc (installed from Debian if missing), OCI bundle generation
   sdk_runs.py   corral measured through the SDK: churn, latency, exec, density fill/destroy,
                 snapshot / restore / fork cycles

@@ -8,9 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+from http.client import HTTPException
 from pathlib import Path
 
 from corral.bench import host
+from corral.sdk.sync_transport import UnixConnection
 
 
 class PrivateDaemon:
@@ -75,14 +77,15 @@ class PrivateDaemon:
 
     def metrics(self) -> dict[str, float]:
         """GET /metrics, Prometheus text -> {name: value} (labels summed)."""
-        import httpx
-
+        conn = UnixConnection(str(self.socket))
+        conn.timeout = 10
         try:
-            with httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)),
-                              base_url="http://corral", timeout=10) as c:
-                text = c.get("/metrics").text
-        except httpx.HTTPError:
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+        except (OSError, HTTPException):
             return {}
+        finally:
+            conn.close()
         out: dict[str, float] = {}
         for line in text.splitlines():
             if not line or line.startswith("#"):

@@ -1,4 +1,4 @@
-"""The raw-syscall baseline (bench/raw/raw.c): built with ``cc`` at run time, driven here.
+"""The raw-syscall baseline (raw_src/raw.c): built with ``cc`` at run time, driven here.
 
 It does the kernel work of one corral container sandbox with no API around it (see the header
 of raw.c), on the same lower layers as corral's ``host`` image, so corral/raw is the price of
@@ -20,9 +20,8 @@ from typing import Any
 from corral.bench import host
 from corral.bench.results import OpResult, with_total
 
-# Sources live in the repository (bench/raw), next to the python/ tree.
-REPO = Path(__file__).resolve().parents[3]
-SRC_DIR = REPO / "bench" / "raw"
+# Sources ship with the package (corral/bench/raw_src), so an installed corral can build them.
+SRC_DIR = Path(__file__).resolve().parent / "raw_src"
 INIT_FLAGS = ["-static", "-nostdlib", "-ffreestanding", "-fno-stack-protector", "-fno-pie",
               "-no-pie", "-Os", "-s", "-fno-asynchronous-unwind-tables", "-Wl,--build-id=none"]
 
@@ -36,8 +35,7 @@ class RawBinaries:
 def build(cache_dir: Path) -> RawBinaries:
     """Compile raw.c and init.c into ``cache_dir`` (reused while the sources are unchanged)."""
     if not (SRC_DIR / "raw.c").is_file():
-        raise FileNotFoundError(f"raw baseline sources not found in {SRC_DIR} (run from a "
-                                f"corral checkout)")
+        raise FileNotFoundError(f"raw baseline sources not found in {SRC_DIR}")
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise FileNotFoundError("no C compiler (cc) for the raw baseline: apt-get install gcc")

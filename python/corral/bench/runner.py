@@ -16,7 +16,6 @@ from typing import Any
 from rich.console import Console
 
 from corral.bench import host, plots, report, scenarios
-from corral.bench.raw import REPO
 from corral.bench.session import Options, Session
 from corral.bench.ui import UI
 
@@ -28,7 +27,7 @@ def run(opts: Options, json_out: bool = False) -> dict[str, Any]:
         "version": 1,
         "command": _command(opts),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "git": host.git_rev(REPO),
+        "git": host.git_rev(Path(__file__).resolve().parent),  # None when not a checkout
         "host": {**host.host_info(), "workdir_fs": host.fs_type(opts.workdir)},
         "options": {k: v for k, v in vars(opts).items() if k != "progress"},
         "scenarios": {},

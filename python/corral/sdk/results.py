@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from pydantic import ConfigDict
-
 from corral import models
 from corral.errors import CorralError
 
@@ -15,8 +13,6 @@ class ExecResult(models.ExecResult):
     ``truncated`` (output beyond ``max_output_bytes`` was dropped), ``timed_out``, ``signal``
     (the signal that ended the command's process, None if it exited), ``oom_killed`` (the OOM
     killer killed in the sandbox while it ran: its memory limit, category ``limit``)."""
-
-    model_config = ConfigDict(extra="ignore")  # a newer daemon may add fields
 
     @property
     def ok(self) -> bool:

@@ -44,7 +44,9 @@ MAX_IDLE = 64        # idle connections kept per endpoint
 IDLE_EXPIRY = 30.0   # seconds; an older idle connection is closed rather than reused
 
 
-class _UnixConnection(HTTPConnection):
+class UnixConnection(HTTPConnection):
+    """http.client over the daemon's unix socket."""
+
     def __init__(self, path: str) -> None:
         super().__init__("corral", timeout=CONNECT_TIMEOUT)
         self.path = path
@@ -78,7 +80,7 @@ class SyncTransport:
         """A connected HTTPConnection (raises OSError if nothing answers)."""
         conn: HTTPConnection
         if self.endpoint.unix_path is not None:
-            conn = _UnixConnection(self.endpoint.unix_path)
+            conn = UnixConnection(self.endpoint.unix_path)
         elif self._tls is not None:
             conn = HTTPSConnection(self._host, self._port, timeout=CONNECT_TIMEOUT,
                                    context=self._tls)
