@@ -22,6 +22,8 @@ import pytest
 _core = pytest.importorskip("corral._core")
 from corral.daemon import procpolicy  # noqa: E402 - after the skip
 
+from conftest import wait_until  # noqa: E402
+
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 F_GET_SEALS = 1034
@@ -391,6 +393,42 @@ def test_exec_joins_cgroup(box):
                 break
             except OSError:
                 time.sleep(0.02)
+
+
+def test_exec_into_a_frozen_cgroup_never_holds_the_calling_thread(box):
+    """A daemon-path exec racing a pause: the sandbox's freezer cgroup is frozen when the
+    command joins it. Only the trampoline (a process of its own, outside the daemon's memory)
+    joins, so it is what freezes; exec_in times it out, kills it and returns an error, and
+    the calling thread is free again. The helper that shares the daemon's memory never enters
+    the sandbox's cgroups, so nothing the sandbox's limits do can hold the vfork."""
+    base = "/sys/fs/cgroup/freezer"
+    if not os.path.isdir(base):
+        pytest.skip("no cgroup v1 freezer hierarchy on this host")
+    cg = os.path.join(base, f"corral-core-frozen-{os.getpid()}")
+    os.mkdir(cg)
+    try:
+        with open(os.path.join(cg, "freezer.state"), "w") as f:
+            f.write("FROZEN")
+        done: list[BaseException | int] = []
+
+        def go() -> None:
+            try:
+                done.append(box.run("true", extra={"cgroup_procs": [f"{cg}/tasks"]})[0])
+            except BaseException as e:  # noqa: BLE001 - handed to the test thread
+                done.append(e)
+
+        t = threading.Thread(target=go, daemon=True)
+        t0 = time.monotonic()
+        t.start()
+        t.join(timeout=30)
+        assert not t.is_alive(), "exec_in is held by a frozen cgroup"
+        assert time.monotonic() - t0 < 25
+        assert isinstance(done[0], OSError) and "join_fork" in str(done[0]), done
+    finally:
+        with open(os.path.join(cg, "freezer.state"), "w") as f:
+            f.write("THAWED")
+        assert wait_until(lambda: not open(f"{cg}/tasks").read().strip(), timeout=10)
+        os.rmdir(cg)
 
 
 def test_exec_into_dead_sandbox_is_an_oserror(box):

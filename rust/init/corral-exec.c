@@ -1,17 +1,21 @@
 /* corral-exec: the trampoline of the daemon's own exec path (rust/src/enter.rs).
  *
- * exec_in's helper shares the daemon's memory and stays in the daemon's pid namespace; once it
- * has entered the sandbox's other namespaces, cgroups and root, and dropped to the command's
+ * exec_in's helper shares the daemon's memory and stays in the daemon's pid namespace and
+ * cgroups; once it has entered the sandbox's namespaces and root, and dropped to the command's
  * credentials (seccomp included), it execs this (from a sealed memfd). From then on nothing is
- * shared with the daemon, and the daemon's thread is free again. This forks the command into
- * the sandbox's pid namespace (the helper set its pid_for_children) as a child of the daemon
- * (CLONE_PARENT), writes its pid to fd 3 and exits; the command takes a session of its own
- * (and its controlling tty) and execs. The fork copies this tiny process, not the daemon.
+ * shared with the daemon, and the daemon's thread is free again. This joins the sandbox's
+ * cgroups (only now: whatever the sandbox does to its own limits can slow this process, which
+ * the daemon times out and kills, never the daemon's thread in its vfork), forks the command
+ * into the sandbox's pid namespace (the helper set its pid_for_children) as a child of the
+ * daemon (CLONE_PARENT), writes its pid to fd 3 and exits; the command takes a session of its
+ * own (and its controlling tty) and execs. The fork copies this tiny process, not the daemon.
  *
  * argv: "corral-exec", flags ("t": take stdin as the controlling tty, else "-"), the number of
- * exec candidates, the candidates, then the command's argv. envp: the command's environment.
- * fd 3: the report pipe (close-on-exec: the command holds it only until it execs, while it is
- * not dumpable). A pid > 0 is written on success, -errno if the fork failed.
+ * cgroup files, the number of exec candidates, the candidates, then the command's argv. envp:
+ * the command's environment. fd 3: the report pipe (close-on-exec: the command holds it only
+ * until it execs, while it is not dumpable). fd 5..: the cgroup files ("0" written to each
+ * moves this process), closed before the fork. The report is two ints, (stage, value):
+ * (0, -errno) if joining a cgroup failed, (1, pid) on success, (1, -errno) if the fork failed.
  *
  * Freestanding (no libc, raw syscalls, static, no relocations), like corral-init.
  */
@@ -24,6 +28,10 @@
 #define PR_SET_DUMPABLE 4
 #define F_SETFD 2
 #define FD_CLOEXEC 1
+#define FIRST_CGROUP_FD 5
+#define MAX_CGROUP_FDS 16
+#define STAGE_JOIN 0
+#define STAGE_FORK 1
 
 #include "syscall.h"
 
@@ -51,31 +59,49 @@ static __attribute__((noreturn)) void command(int tty, char **cand, long ncand, 
     leave(denied ? 126 : 127);
 }
 
+/* A decimal count, or -1. */
+static long count(const char *p) {
+    long n = 0;
+    if (!*p)
+        return -1;
+    for (; *p; p++) {
+        if (*p < '0' || *p > '9' || n > 100000000)
+            return -1;
+        n = n * 10 + (*p - '0');
+    }
+    return n;
+}
+
+static __attribute__((noreturn)) void report(int stage, int value) {
+    int msg[2] = {stage, value};
+    sys3(NR_write, REPORT_FD, (long)msg, sizeof(msg));
+    leave(0);
+}
+
 __attribute__((noreturn, used)) void corral_exec_main(long *sp) {
     long argc = sp[0];
     char **argv = (char **)(sp + 1);
     char **envp = argv + argc + 1;
-    long ncand = 0;
-    if (argc < 4)
+    if (argc < 5)
         leave(125);
-    for (const char *p = argv[2]; *p; p++) {
-        if (*p < '0' || *p > '9' || ncand > 100000000)
-            leave(125);
-        ncand = ncand * 10 + (*p - '0');
-    }
-    if (ncand < 1 || 3 + ncand >= argc)
+    long ncg = count(argv[2]), ncand = count(argv[3]);
+    if (ncg < 0 || ncg > MAX_CGROUP_FDS || ncand < 1 || 4 + ncand >= argc)
         leave(125);
     int tty = argv[1][0] == 't';
+    for (long i = 0; i < ncg; i++) {
+        long rc = sys3(NR_write, FIRST_CGROUP_FD + i, (long)"0", 1);
+        if (rc < 0)
+            report(STAGE_JOIN, (int)rc);
+    }
+    sys3(NR_close_range, FIRST_CGROUP_FD, ~0U, 0);
     /* Not dumpable, and so the command until it execs: code in the sandbox cannot open its fd
      * 3 through /proc and write a pid of its choosing to the daemon. */
     sys3(NR_prctl, PR_SET_DUMPABLE, 0, 0);
     sys3(NR_fcntl, REPORT_FD, F_SETFD, FD_CLOEXEC);
     long pid = sys6(NR_clone, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0, 0);
     if (pid == 0)
-        command(tty, argv + 3, ncand, argv + 3 + ncand, envp);
-    int report = (int)pid; /* the pid, or -errno */
-    sys3(NR_write, REPORT_FD, &report, sizeof(report));
-    leave(0);
+        command(tty, argv + 4, ncand, argv + 4 + ncand, envp);
+    report(STAGE_FORK, (int)pid); /* the pid, or -errno */
 }
 
 /* Entry point: hand the initial stack (argc, argv, envp) to the C main. */

@@ -4,20 +4,25 @@
 //!
 //! 1. The calling thread clones a helper (`CLONE_VM | CLONE_VFORK`, see child.rs) that stays in
 //!    the daemon's pid namespace, where no process of the sandbox can see, signal or trace it.
-//!    It joins the sandbox's cgroups, enters its other namespaces with one `setns(pidfd, ...)`
-//!    that also sets its pid_for_children to the sandbox's pid namespace, chroots into the
-//!    init's root, sets up stdio (and the report pipe on fd 3), closes every other fd, hardens
-//!    itself (rlimits, capabilities, user, no_new_privs, Landlock, seccomp) and execs the
-//!    trampoline (init/corral-exec.c, from a sealed memfd). The exec ends the sharing of the
-//!    daemon's memory, and the calling thread is free again.
-//! 2. The trampoline, a process of a few pages, forks the command (`CLONE_PARENT`: a child of
-//!    the daemon, born in the sandbox's pid namespace and cgroups, with the dropped
-//!    credentials, stdio only, not dumpable until it execs), writes its pid to the pipe and
-//!    exits. The command takes a session of its own and execs.
+//!    It enters the sandbox's namespaces with one `setns(pidfd, ...)` that also sets its
+//!    pid_for_children to the sandbox's pid namespace, chroots into the init's root, sets up
+//!    stdio (the report pipe on fd 3, the sandbox's cgroup files from fd 5), closes every other
+//!    fd, hardens itself (rlimits, capabilities, user, no_new_privs, Landlock, seccomp) and
+//!    execs the trampoline (init/corral-exec.c, from a sealed memfd). The exec ends the sharing
+//!    of the daemon's memory, and the calling thread is free again. The helper stays in the
+//!    daemon's cgroups throughout: nothing the sandbox does to its own CPU quota or memory
+//!    (throttling, reclaim, OOM) can slow or stop it, so the vfork the calling thread waits in
+//!    is bounded by the daemon's own resources.
+//! 2. The trampoline, a process of a few pages, joins the sandbox's cgroups (writing "0" to the
+//!    files on fd 5..), forks the command (`CLONE_PARENT`: a child of the daemon, born in the
+//!    sandbox's pid namespace and cgroups, with the dropped credentials, stdio only, not
+//!    dumpable until it execs), writes its pid to the pipe and exits. The command takes a
+//!    session of its own and execs.
 //!
-//! The calling thread then reads the pid (with a timeout: the trampoline is killed if it does
-//! not answer) and reaps the trampoline. Nothing it waits for is reachable from the sandbox;
-//! the command may be stopped before it execs, the daemon no longer waits for that exec.
+//! The calling thread then reads the report (with a timeout: the trampoline is killed if it
+//! does not answer; it runs under the sandbox's limits) and reaps the trampoline. Nothing it
+//! waits for is reachable from the sandbox; the command may be stopped before it execs, the
+//! daemon no longer waits for that exec.
 
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -82,7 +87,6 @@ pub struct ExecConfig {
 const STEPS: &[&str] = &[
     "clone",
     "fd_table",
-    "join_cgroup",
     "setns",
     "chroot",
     "stdio",
@@ -96,7 +100,7 @@ const STEPS: &[&str] = &[
     "landlock",
     "seccomp",
     "exec",
-    "fork",
+    "join_fork",
 ];
 
 #[derive(Clone, Copy)]
@@ -105,7 +109,6 @@ enum Step {
     #[allow(dead_code)] // index 0 of STEPS: a failed clone is reported by the parent
     Clone = 0,
     FdTable,
-    JoinCgroup,
     Setns,
     Chroot,
     Stdio,
@@ -119,7 +122,7 @@ enum Step {
     Landlock,
     Seccomp,
     Exec,
-    Fork,
+    JoinFork,
 }
 
 fn step_name(step: u32) -> &'static str {
@@ -325,6 +328,7 @@ fn prepare(cfg: &ExecConfig) -> Result<(Ctx, Option<OwnedFd>), EnterError> {
     let mut tramp = vec![
         c"corral-exec".to_owned(),
         cstring("flags", if cfg.tty { "t" } else { "-" })?,
+        cstring("cgroups", &cfg.cgroup_procs.len().to_string())?,
         cstring("count", &candidates.len().to_string())?,
     ];
     tramp.extend(candidates);
@@ -345,6 +349,12 @@ fn prepare(cfg: &ExecConfig) -> Result<(Ctx, Option<OwnedFd>), EnterError> {
     // The pidfd's process is alive after we opened /proc/PID/root, so PID was still its pid
     // then (a pid is not reused while its process exists): the root is the sandbox's.
     pidfd_alive(cfg.pidfd).map_err(|e| EnterError::os("check_init", e))?;
+    if cfg.cgroup_procs.len() > MAX_CGROUP_FDS {
+        return Err(EnterError::Invalid(format!(
+            "at most {MAX_CGROUP_FDS} cgroup files, not {}",
+            cfg.cgroup_procs.len()
+        )));
+    }
     let cgroup_fds =
         crate::spawn::open_write_fds(&cfg.cgroup_procs).map_err(|(p, e)| EnterError::Os {
             step: "open_cgroup_procs",
@@ -385,6 +395,9 @@ fn prepare(cfg: &ExecConfig) -> Result<(Ctx, Option<OwnedFd>), EnterError> {
 /// millisecond; only a sandbox at its CPU quota slows it, as it runs in its cgroups).
 const REPORT_TIMEOUT_MS: c_int = 10_000;
 
+/// The cgroup files the trampoline may join (one per v1 hierarchy, or one v2 file).
+const MAX_CGROUP_FDS: usize = 16;
+
 /// Start `cfg.argv` inside the sandbox; returns the command's host pid (a child of the
 /// caller's process). See the module comment.
 pub fn exec_in(cfg: &ExecConfig) -> Result<i32, EnterError> {
@@ -410,7 +423,7 @@ pub fn exec_in(cfg: &ExecConfig) -> Result<i32, EnterError> {
         }
         None => None,
     };
-    let flags = if lent.is_some() { libc::CLONE_FILES } else { 0 };
+    let flags = libc::CLONE_PIDFD | if lent.is_some() { libc::CLONE_FILES } else { 0 };
     let t0 = child::now_ns();
     let res = child::with_stack(|stack| {
         let _block = harden::SignalBlock::new();
@@ -422,10 +435,15 @@ pub fn exec_in(cfg: &ExecConfig) -> Result<i32, EnterError> {
     .map_err(|e| EnterError::io("alloc_stack", e))??;
     drop(lent); // the helper has exec'd or exited: reset the slots (no pipe end stays open)
     drop(report_w); // the trampoline holds the only write end: EOF if it dies
-    let (helper_pid, _) = res;
+    let (helper_pid, helper_pidfd) = res;
+    let helper = Helper {
+        pid: helper_pid,
+        // SAFETY: CLONE_PIDFD gave us this fresh fd; nothing else owns it.
+        pidfd: unsafe { OwnedFd::from_raw_fd(helper_pidfd) },
+    };
     let (step, errno) = (ctx.report.step(), ctx.report.errno());
     if errno != 0 || step != Step::Exec as u32 {
-        child::reap(helper_pid);
+        helper.reap();
         child::set_last_profile("exec_in", ctx.report.profile(t0, STEPS));
         if errno != 0 {
             return Err(EnterError::os(step_name(step), errno));
@@ -436,19 +454,33 @@ pub fn exec_in(cfg: &ExecConfig) -> Result<i32, EnterError> {
             msg: "the helper died before exec (killed?)".into(),
         });
     }
-    ctx.report.at(Step::Fork as u32);
+    ctx.report.at(Step::JoinFork as u32);
     let got = read_report(&report_r);
     if got.is_err() {
-        // SAFETY: kill of our own unreaped child (its pid cannot have been reused).
-        unsafe { libc::kill(helper_pid, libc::SIGKILL) };
+        // SAFETY: pidfd_send_signal on our own child's pidfd.
+        unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                helper.pidfd.as_raw_fd() as c_long,
+                libc::SIGKILL as c_long,
+                0 as c_long,
+                0 as c_long,
+            )
+        };
     }
-    child::reap(helper_pid);
+    helper.reap();
     child::set_last_profile("exec_in", ctx.report.profile(t0, STEPS));
     match got {
-        Ok(pid) if pid > 0 => Ok(pid),
-        Ok(neg) => Err(EnterError::os("fork", -neg)),
+        Ok((TRAMPOLINE_FORK, pid)) if pid > 0 => Ok(pid),
+        Ok((TRAMPOLINE_FORK, neg)) => Err(EnterError::os("fork", -neg)),
+        Ok((TRAMPOLINE_JOIN, neg)) => Err(EnterError::os("join_cgroup", -neg)),
+        Ok((stage, _)) => Err(EnterError::Os {
+            step: "join_fork",
+            errno: libc::EPROTO,
+            msg: format!("the trampoline reported an unknown stage {stage}"),
+        }),
         Err(errno) => Err(EnterError::Os {
-            step: "fork",
+            step: "join_fork",
             errno,
             msg: if errno == libc::ETIMEDOUT {
                 "the trampoline did not report the command's pid in time (killed)".into()
@@ -459,15 +491,66 @@ pub fn exec_in(cfg: &ExecConfig) -> Result<i32, EnterError> {
     }
 }
 
-/// One i32 from the trampoline's pipe, within REPORT_TIMEOUT_MS.
-fn read_report(r: &OwnedFd) -> Result<i32, i32> {
+/// The helper, then the trampoline it became: our child, reaped when it exits.
+struct Helper {
+    pid: libc::pid_t,
+    pidfd: OwnedFd,
+}
+
+/// How long the calling thread waits for the trampoline to exit once it has reported (it exits
+/// right after) or been killed; longer only if it is frozen (a pause raced the exec: a frozen
+/// task does not die of SIGKILL until thawed).
+const EXIT_WAIT_MS: c_int = 1_000;
+
+impl Helper {
+    /// Reap now if it exits within EXIT_WAIT_MS, else in a thread of its own (blocking
+    /// waitpid), so the calling thread never waits on anything the sandbox's state can hold.
+    fn reap(self) {
+        let mut pfd = libc::pollfd {
+            fd: self.pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let deadline = child::now_ns() + EXIT_WAIT_MS as u64 * 1_000_000;
+        loop {
+            let left_ms = (deadline.saturating_sub(child::now_ns()) / 1_000_000) as c_int;
+            // SAFETY: poll on one valid pollfd (a pidfd is readable once its process exits).
+            let rc = unsafe { libc::poll(&mut pfd, 1, left_ms) };
+            if rc < 0 && harden::errno() == libc::EINTR {
+                continue;
+            }
+            if rc > 0 {
+                child::reap(self.pid);
+                return;
+            }
+            break;
+        }
+        let pid = self.pid;
+        let spawned = std::thread::Builder::new()
+            .name("corral-reap".into())
+            .spawn(move || {
+                child::reap(pid);
+                drop(self.pidfd);
+            });
+        if spawned.is_err() {
+            child::reap(pid); // no thread to spare: wait here rather than leave a zombie
+        }
+    }
+}
+
+/// The trampoline's report: (stage, value), two native i32s (see init/corral-exec.c).
+const TRAMPOLINE_JOIN: i32 = 0; // joining a cgroup failed: value = -errno
+const TRAMPOLINE_FORK: i32 = 1; // value = the command's pid, or -errno if the fork failed
+
+/// The trampoline's (stage, value) from its pipe, within REPORT_TIMEOUT_MS.
+fn read_report(r: &OwnedFd) -> Result<(i32, i32), i32> {
     let mut pfd = libc::pollfd {
         fd: r.as_raw_fd(),
         events: libc::POLLIN,
         revents: 0,
     };
     let deadline = child::now_ns() + REPORT_TIMEOUT_MS as u64 * 1_000_000;
-    let mut buf = [0u8; 4];
+    let mut buf = [0u8; 8];
     let mut got = 0;
     while got < buf.len() {
         let left_ms = (deadline.saturating_sub(child::now_ns()) / 1_000_000) as c_int;
@@ -499,7 +582,9 @@ fn read_report(r: &OwnedFd) -> Result<i32, i32> {
         }
         got += n as usize;
     }
-    Ok(i32::from_ne_bytes(buf))
+    let (stage, value) = buf.split_at(4);
+    let int = |b: &[u8]| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+    Ok((int(stage), int(value)))
 }
 
 fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
@@ -561,13 +646,6 @@ unsafe fn run_helper(c: &Ctx) -> c_int {
         ck(r, child::unshare_small_table(c.hole));
         harden::reset_signal_dispositions();
 
-        at(Step::JoinCgroup);
-        for &fd in &c.cgroup_raw {
-            ck(
-                r,
-                libc::write(fd, b"0".as_ptr() as *const c_void, 1) as c_long,
-            );
-        }
         // Still with every capability and the host's /proc: the OOM killer's preference.
         ck_res(r, harden::set_sandbox_oom_score_adj());
 
@@ -614,21 +692,32 @@ unsafe fn run_helper(c: &Ctx) -> c_int {
             }
         }
 
-        // The report pipe on fd 3 (inherited by the trampoline), the trampoline on fd 4
-        // (close-on-exec: execveat of an ELF binary tolerates it); nothing else above 2.
-        // Through fds >= 5 first, so neither dup3 clobbers the other's source.
+        // The report pipe on fd 3 and the cgroup files on 5.. (inherited by the trampoline),
+        // the trampoline on fd 4 (close-on-exec: execveat of an ELF binary tolerates it);
+        // nothing else above 2. Every source goes above the target range first, so no dup3
+        // clobbers another's source.
         at(Step::CloseFds);
-        let w = libc::fcntl(c.report_w, libc::F_DUPFD_CLOEXEC, 5);
+        let n = c.cgroup_raw.len() as c_int;
+        let above = 5 + n;
+        let w = libc::fcntl(c.report_w, libc::F_DUPFD_CLOEXEC, above);
         ck(r, w as c_long);
-        let x = libc::fcntl(c.exec_fd, libc::F_DUPFD_CLOEXEC, 5);
+        let x = libc::fcntl(c.exec_fd, libc::F_DUPFD_CLOEXEC, above);
         ck(r, x as c_long);
+        let mut cg = [0 as c_int; MAX_CGROUP_FDS];
+        for (i, &fd) in c.cgroup_raw.iter().enumerate() {
+            cg[i] = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, above);
+            ck(r, cg[i] as c_long);
+        }
         ck(r, libc::dup3(w, 3, 0) as c_long);
         ck(r, libc::dup3(x, 4, libc::O_CLOEXEC) as c_long);
+        for (i, &fd) in cg[..n as usize].iter().enumerate() {
+            ck(r, libc::dup3(fd, 5 + i as c_int, 0) as c_long);
+        }
         ck(
             r,
             libc::syscall(
                 libc::SYS_close_range,
-                5 as c_long,
+                above as c_long,
                 !0u32 as c_long,
                 0 as c_long,
             ),
