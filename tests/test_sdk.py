@@ -36,6 +36,7 @@ from corral.errors import (
     Unsupported,
 )
 from corral.sdk import AsyncFiles, AsyncProcess, Files
+from corral.sdk.twins import public_methods, to_async
 
 
 def tag() -> dict[str, str]:
@@ -397,15 +398,26 @@ def test_daemon_dying_mid_call_is_daemon_restarted(daemon):
 # ---- the two facades are the same API -------------------------------------------------------
 @pytest.mark.parametrize("sync_cls,async_cls", [(Sandbox, AsyncSandbox), (Files, AsyncFiles),
                                                 (Process, AsyncProcess)])
-def test_sync_and_async_have_the_same_methods(sync_cls, async_cls):
-    def public(cls: type) -> dict[str, inspect.Signature]:
-        return {n: inspect.signature(getattr(cls, n)) for n in dir(cls)
-                if not n.startswith("_") and callable(getattr(cls, n))}
-
-    s, a = public(sync_cls), public(async_cls)
+def test_sync_and_async_are_the_same_api(sync_cls, async_cls):
+    """Names, parameter kinds, defaults, annotations and docstrings: equal, with the async
+    twins' names (AsyncSandbox, AsyncProcess, AsyncIterator, ...) in the async facade."""
+    s, a = public_methods(sync_cls), public_methods(async_cls)
     assert s.keys() == a.keys()
-    for name in s:
-        assert list(s[name].parameters) == list(a[name].parameters), name
+    missing: list[str] = []
+    for name in ["__init__", *s]:
+        ss = inspect.signature(getattr(sync_cls, name))
+        sa = inspect.signature(getattr(async_cls, name))
+        assert list(ss.parameters) == list(sa.parameters), name
+        for p, q in zip(ss.parameters.values(), sa.parameters.values(), strict=True):
+            assert (p.kind, p.default) == (q.kind, q.default), (name, p.name)
+            assert to_async(str(p.annotation)) == str(q.annotation), (name, p.name)
+        if name != "__init__":
+            assert to_async(str(ss.return_annotation)) == str(sa.return_annotation), name
+            doc = inspect.getdoc(s[name])
+            if doc:
+                assert inspect.getdoc(a[name]) == to_async(doc), name
+            missing += [] if doc else [name]
+    assert not missing, f"{sync_cls.__name__}: no docstring for {missing}"
     for name in a:
         fn = getattr(async_cls, name)
         if name not in ("from_id",):

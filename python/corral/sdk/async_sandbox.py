@@ -27,11 +27,13 @@ from corral.models import (
     SandboxSpec,
 )
 from corral.sdk import api, tarball
+from corral.sdk import sandbox as _sync
 from corral.sdk.call import Call, T, lost
 from corral.sdk.endpoint import Endpoint
 from corral.sdk.handle import ProcessBase, Retrier, SandboxHandle, batch_result, batch_target
 from corral.sdk.results import ExecResult, OutputChunk
 from corral.sdk.snapshot import AsyncSnapshot, SnapshotBase
+from corral.sdk.twins import mirror_docs
 
 Labels = Mapping[str, str | None] | builtins.list[str] | None
 
@@ -401,3 +403,9 @@ class AsyncProcess(ProcessBase):
 
     async def kill(self, signal: int = 9) -> None:
         await self._call(api.proc_kill(self.sandbox_id, self.pid, signal))
+
+
+# Docstrings: written once, on the sync classes.
+mirror_docs(AsyncSandbox, _sync.Sandbox)
+mirror_docs(AsyncFiles, _sync.Files)
+mirror_docs(AsyncProcess, _sync.Process)

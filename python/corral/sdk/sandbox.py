@@ -203,7 +203,7 @@ class Sandbox(SandboxHandle):
              max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
              key: str | None = None) -> ExecResult | Process:
         """Run ``cmd`` (a string runs under ``/bin/sh -c``, a list is the argv) and return its
-        ExecResult; with ``background=True`` return a Process at once. A non-zero exit is not
+        ExecResult; with ``background=True`` return its Process at once. A non-zero exit is not
         an exception (``result.check()`` makes it one); ``timeout=None`` waits forever.
         ``key``: this call's idempotency key (every logged call takes one; it takes no step
         of the trajectory): a call with a key already logged returns the logged result."""
@@ -215,9 +215,11 @@ class Sandbox(SandboxHandle):
         return res
 
     def info(self, *, key: str | None = None) -> SandboxInfo:
+        """Its current state, spec, labels and times (keyed: a replay returns what was seen)."""
         return self._remember(self._call(api.info(self.id), key))
 
     def is_running(self) -> bool:
+        """True while it runs (False once it has ended or is paused)."""
         try:
             return self.info().state == "running"
         except CorralError as e:
@@ -258,6 +260,7 @@ class Sandbox(SandboxHandle):
         return self._remember(self._call(api.pause(self.id), key))
 
     def resume(self, *, key: str | None = None) -> SandboxInfo:
+        """Thaw a paused sandbox (an exec resumes it too)."""
         return self._remember(self._call(api.resume(self.id), key))
 
     def log(self) -> builtins.list[LogEntry]:
@@ -293,6 +296,7 @@ class Files:
 
     def read_bytes(self, path: str, max_bytes: int | None = None, *,
                    key: str | None = None) -> bytes:
+        """The file's bytes (only the first ``max_bytes`` of them if given)."""
         return self._call(api.read(self._sb.id, path, max_bytes), key)
 
     def write(self, path: str, data: str | bytes, mode: int = 0o644, *,
@@ -301,23 +305,29 @@ class Files:
         self._call(api.write(self._sb.id, path, data, mode), key)
 
     def list(self, path: str = "/", *, key: str | None = None) -> builtins.list[FileEntry]:
+        """The entries of directory ``path`` (every page of them)."""
         pages = itertools.count()
         return api.all_pages(lambda call: self._call(call, api.page_key(key, next(pages))),
                              lambda after: api.list_dir(self._sb.id, path, after))
 
     def stat(self, path: str, *, key: str | None = None) -> FileEntry:
+        """Type, size, mode and mtime of ``path`` (symlinks are not followed)."""
         return self._call(api.stat(self._sb.id, path), key)
 
     def exists(self, path: str, *, key: str | None = None) -> bool:
+        """Whether ``path`` exists."""
         return self._call(api.exists(self._sb.id, path), key)
 
     def mkdir(self, path: str, parents: bool = True, *, key: str | None = None) -> None:
+        """Make directory ``path`` (and its missing parents unless ``parents=False``)."""
         self._call(api.mkdir(self._sb.id, path, parents), key)
 
     def remove(self, path: str, recursive: bool = False, *, key: str | None = None) -> None:
+        """Remove a file, or a directory (its contents too only with ``recursive=True``)."""
         self._call(api.remove(self._sb.id, path, recursive), key)
 
     def rename(self, src: str, dst: str, *, key: str | None = None) -> None:
+        """Move ``src`` to ``dst`` (replacing a file there)."""
         self._call(api.rename(self._sb.id, src, dst), key)
 
     def upload(self, local_dir: str | os.PathLike[str], remote_dir: str, *,
@@ -338,6 +348,7 @@ class Process(ProcessBase):
         return transport(self._endpoint).call(call)
 
     def status(self) -> ProcessStatus:
+        """Whether it still runs, and its exit code once it has exited."""
         return self._saw_status(self._call(api.proc_status(self.sandbox_id, self.pid)))
 
     def wait(self, timeout: float | None = None) -> ExecResult:
@@ -346,7 +357,8 @@ class Process(ProcessBase):
         return self._saw_result(self._call(api.proc_wait(self.sandbox_id, self.pid, timeout)))
 
     def stream(self) -> Iterator[OutputChunk]:
-        """Output as it comes, from the start: ``for stream, data in proc.stream()``."""
+        """Output as it comes, from the start, as ``(stream, data)`` pairs (``stream`` is
+        "stdout" or "stderr"), until the process exits."""
         call = api.proc_stream(self.sandbox_id, self.pid)
         for line in transport(self._endpoint).lines(call):
             ev = api.stream_event(line)
@@ -358,9 +370,11 @@ class Process(ProcessBase):
         raise lost(self._endpoint, call, EOFError("the stream ended without an exit status"))
 
     def send_stdin(self, data: str | bytes, eof: bool = False) -> None:
+        """Write ``data`` to its stdin (``eof=True`` closes it after)."""
         self._call(api.proc_stdin(self.sandbox_id, self.pid, data, eof))
 
     def close_stdin(self) -> None:
+        """Close its stdin (the process reads end of file)."""
         self._call(api.proc_close_stdin(self.sandbox_id, self.pid))
 
     def kill(self, signal: int = 9) -> None:
