@@ -306,17 +306,16 @@ class InternalError(InfraError):
     code, status = "internal", 500
 
 
-def _all_subclasses(cls: type) -> list[type]:
-    out = []
+def _all_subclasses(cls: type[CorralError]) -> list[type[CorralError]]:
+    out: list[type[CorralError]] = []
     for sub in cls.__subclasses__():
         out.append(sub)
         out.extend(_all_subclasses(sub))
     return out
 
 
-ERROR_CLASSES: dict[str, type[CorralError]] = {
-    c.code: c for c in [CorralError, *_all_subclasses(CorralError)]
-}
+_EVERY_ERROR: list[type[CorralError]] = [CorralError, *_all_subclasses(CorralError)]
+ERROR_CLASSES: dict[str, type[CorralError]] = {c.code: c for c in _EVERY_ERROR}
 
 
 def error_from_payload(payload: dict[str, Any], status: int | None = None) -> CorralError:

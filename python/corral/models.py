@@ -11,6 +11,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic.config import JsonDict
 
 SUBSTRATES = ("process", "container", "gvisor", "microvm", "vm")
 Substrate = Literal["process", "container", "gvisor", "microvm", "vm"]
@@ -44,9 +45,9 @@ AbsPath = Annotated[str, Field(pattern=PATH_PATTERN, description=(
 ENV_NAME_PATTERN = r"^[^=\x00]+$"
 NO_NUL_PATTERN = r"^[^\x00]*$"
 # The JSON schema of a dict field whose keys and values the validators below restrict.
-_ENV_SCHEMA = {"propertyNames": {"pattern": ENV_NAME_PATTERN, "minLength": 1},
+_ENV_SCHEMA: JsonDict = {"propertyNames": {"pattern": ENV_NAME_PATTERN, "minLength": 1},
                "additionalProperties": {"type": "string", "pattern": NO_NUL_PATTERN}}
-_LABELS_SCHEMA = {"propertyNames": {"pattern": LABEL_KEY_PATTERN},
+_LABELS_SCHEMA: JsonDict = {"propertyNames": {"pattern": LABEL_KEY_PATTERN},
                   "additionalProperties": {"type": "string", "maxLength": 256}}
 
 

@@ -63,15 +63,15 @@ def execpath(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
     sec: dict[str, Any] = {"n": n, "n_first": n_first, "concurrency": conc,
                            "median": median_tree(runs), "runs": runs, "ratios": {},
                            "paths": paths, "cleanup": cleanup}
-    for m in MODES:
-        thr = [ratio(x["init"][m].get("ops_per_s"), x["daemon"][m].get("ops_per_s"))
+    for mode in MODES:
+        thr = [ratio(x["init"][mode].get("ops_per_s"), x["daemon"][mode].get("ops_per_s"))
                for x in runs]
-        p50 = [ratio(x["init"][m].get("exec_ms", {}).get("p50"),
-                     x["daemon"][m].get("exec_ms", {}).get("p50")) for x in runs]
+        p50 = [ratio(x["init"][mode].get("exec_ms", {}).get("p50"),
+                     x["daemon"][mode].get("exec_ms", {}).get("p50")) for x in runs]
         if (v := median(thr)) is not None:
-            sec["ratios"][f"throughput {m}"] = round(v, 3)
+            sec["ratios"][f"throughput {mode}"] = round(v, 3)
         if (v := median(p50)) is not None:
-            sec["ratios"][f"p50 {m}"] = round(v, 3)
+            sec["ratios"][f"p50 {mode}"] = round(v, 3)
     if not cleanup["clean"]:
         raise RuntimeError(f"execpath: left behind: {cleanup['leaks']}")
     return sec, {}

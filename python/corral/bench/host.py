@@ -294,7 +294,7 @@ def raise_limits(live: int) -> list[str]:
 def cgroup_tops(prefix: str, exact: bool = False) -> list[Path]:
     """Top-level cgroup dirs named ``prefix`` (exact) or starting with it, in every
     hierarchy."""
-    out = []
+    out: list[Path] = []
     roots = [CGROUP_ROOT] + [p for p in CGROUP_ROOT.iterdir() if p.is_dir()]
     for root in roots:
         try:

@@ -165,7 +165,7 @@ class Peers:
         return None if r.returncode == 0 else r.stderr.decode(errors="replace").strip()[-300:]
 
     def churn(self, peer: str, n: int, conc: int,
-              advance: Callable[[], None] = lambda: None) -> OpResult:
+              advance: Callable[..., None] = lambda k=1: None) -> OpResult:
         lat = [-1.0] * n
         errors: list[str] = []
         slots = list(range(conc))

@@ -184,7 +184,8 @@ def ls(
 ) -> None:
     """List running sandboxes (filter with --label KEY=VALUE or --label KEY)."""
     no_autostart()
-    infos = [sb.last_info for sb in Sandbox.list(labels=label or None)]
+    # list() fills each handle's last_info from the listing itself
+    infos = [sb.last_info for sb in Sandbox.list(labels=label or None) if sb.last_info]
     if json_:
         print_json(infos)
         return

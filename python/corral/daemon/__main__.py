@@ -22,7 +22,7 @@ from aiohttp import web
 
 from corral import __version__, config
 from corral.daemon import logs
-from corral.daemon.app import SERVER_LIMITS, create_app
+from corral.daemon.app import MAX_FIELD_SIZE, MAX_LINE_SIZE, create_app
 from corral.daemon.engine import Engine
 from corral.daemon.locks import try_lock
 from corral.daemon.protect import protect_daemon
@@ -202,7 +202,8 @@ async def serve(cfg: config.Config) -> None:
         protected = protect_daemon(engine.cgroups, cfg.daemon_memory_mb) \
             if engine.cgroups is not None else {}
         app = create_app(engine, cfg.token or None)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0, **SERVER_LIMITS)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0,
+                               max_line_size=MAX_LINE_SIZE, max_field_size=MAX_FIELD_SIZE)
         await runner.setup()
         await web.SockSite(runner, sock, backlog=4096).start()
         if cfg.tcp_listen:

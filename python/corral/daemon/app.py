@@ -954,7 +954,7 @@ ROUTES: tuple[Route, ...] = (
 
 # A request line holds a path of up to 4095 characters, percent-encoded (12 bytes each at
 # worst): aiohttp's 8 KiB default would refuse valid requests before the app sees them.
-SERVER_LIMITS = {"max_line_size": 1 << 16, "max_field_size": 1 << 14}
+MAX_LINE_SIZE, MAX_FIELD_SIZE = 1 << 16, 1 << 14
 # /v1/sandboxes/batch is not a sandbox id: its methods are its own (405 names them).
 _ID_RE = "{id:(?!batch$)[^/]+}"
 

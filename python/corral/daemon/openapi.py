@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from corral import __version__
 from corral.daemon.app import ROUTES
@@ -46,8 +46,8 @@ _MEDIA = {"bytes": "application/octet-stream", "tar": "application/x-tar",
           "ndjson": "application/x-ndjson", "text": "text/plain"}
 
 
-def _models() -> list[tuple[type[BaseModel], str]]:
-    seen: dict[tuple[type[BaseModel], str], None] = {}
+def _models() -> list[tuple[type[BaseModel], JsonSchemaMode]]:
+    seen: dict[tuple[type[BaseModel], JsonSchemaMode], None] = {}
     for r in ROUTES:
         if isinstance(r.body, type):
             seen[(r.body, "validation")] = None
@@ -55,7 +55,9 @@ def _models() -> list[tuple[type[BaseModel], str]]:
             if isinstance(resp, type):
                 seen[(resp, "serialization")] = None
         if isinstance(r.response, dict):  # list wrappers name their item model
-            items = next(iter(r.response.get("properties", {}).values()), {}).get("items", {})
+            props: dict[str, Any] = r.response.get("properties", {})
+            first: dict[str, Any] = next(iter(props.values()), {})
+            items = first.get("items", {})
             ref = items.get("$ref", "")
             if ref.startswith(SCHEMA_REF):
                 from corral import models
@@ -70,18 +72,21 @@ def _schema_ref(model: type[BaseModel]) -> dict[str, str]:
 
 def _response(r: Route) -> dict[str, Any]:
     resp = r.response
+    schema: dict[str, Any]
     if isinstance(resp, str) and resp in _MEDIA:
-        media = _MEDIA[resp]  # type: ignore[index]
+        media = _MEDIA[resp]
         schema = {"type": "string"} if resp in ("ndjson", "text") else _BINARY
         return {"description": "OK", "content": {media: {"schema": schema}}}
     if resp == "ok":
-        schema: dict[str, Any] = _OK
+        schema = _OK
     elif isinstance(resp, type):
         schema = _schema_ref(resp)
         if r.alt_response is not None:
             schema = {"oneOf": [schema, _schema_ref(r.alt_response)]}
+    elif isinstance(resp, dict):
+        schema = resp
     else:
-        schema = resp or {}
+        schema = {}
     content = {"application/json": {"schema": schema}}
     for kind in r.also:
         content[_MEDIA[kind]] = {"schema": {"type": "string"}}
@@ -129,9 +134,9 @@ def _required_body(model: type[BaseModel]) -> bool:
 
 def _operation(r: Route) -> dict[str, Any]:
     params: list[dict[str, Any]] = []
-    for name, schema in _PATH_PARAMS.items():
+    for name, path_schema in _PATH_PARAMS.items():
         if "{" + name + "}" in r.path:
-            params.append({"name": name, "in": "path", "required": True, "schema": schema})
+            params.append({"name": name, "in": "path", "required": True, "schema": path_schema})
     for q in r.query:
         schema: dict[str, Any] = q.schema or {"type": q.type}
         if q.repeated:
@@ -161,7 +166,7 @@ def _operation(r: Route) -> dict[str, Any]:
             "application/json": {"schema": _schema_ref(r.body)}}}
     elif isinstance(r.body, str) and r.body in _MEDIA:
         op["requestBody"] = {"required": True, "content": {
-            _MEDIA[r.body]: {"schema": _BINARY}}}  # type: ignore[index]
+            _MEDIA[r.body]: {"schema": _BINARY}}}
     return op
 
 

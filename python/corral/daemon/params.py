@@ -108,9 +108,9 @@ def page(request: web.Request, items: Sequence[T], key: Callable[[T], str]
     if start is not None:
         keyed = (kx for kx in keyed if kx[0] > start)
     # The page and one more (is there a next?), without sorting everything.
-    keyed = heapq.nsmallest(limit + 1, keyed, key=lambda kx: kx[0])
-    out = [x for _, x in keyed[:limit]]
-    nxt = keyed[limit - 1][0] if len(keyed) > limit else None
+    page = heapq.nsmallest(limit + 1, keyed, key=lambda kx: kx[0])
+    out = [x for _, x in page[:limit]]
+    nxt = page[limit - 1][0] if len(page) > limit else None
     return out, nxt
 
 

@@ -15,8 +15,8 @@ import asyncio
 import os
 import resource
 import weakref
-from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar, cast
 
 import aiohttp
 from yarl import URL
@@ -159,7 +159,8 @@ def _start_closer(loop: asyncio.AbstractEventLoop, t: AsyncTransport) -> None:
     gen = _closer(loop, t)
     _closers[id(t)] = gen
     try:
-        gen.__anext__().send(None)  # runs to the yield synchronously (no await before it)
+        # runs to the yield synchronously (no await before it)
+        cast(Coroutine[Any, Any, None], gen.__anext__()).send(None)
     except StopIteration:
         pass
 

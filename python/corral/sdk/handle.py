@@ -188,10 +188,10 @@ class SandboxHandle:
         kids = [type(self)._bind(self._endpoint, i.id, i) for i in infos]
         if call.key is not None and self._traj is not None:
             step = self._stepped(call)
-            if step is None:  # an explicit key (no ':' in it)
-                step = call.key
+            # an explicit key (no ':' in it) names the fork itself
+            where = call.key if step is None else step
             for i, kid in enumerate(kids):
-                kid._set_trajectory(f"{self._traj}/fork{step}/{i}")
+                kid._set_trajectory(f"{self._traj}/fork{where}/{i}")
         return kids
 
     @property
