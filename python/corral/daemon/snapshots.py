@@ -143,6 +143,11 @@ def _empty(path: str) -> bool:
         return True
 
 
+# (The store's own ``list`` method shadows the builtin in its class body.)
+Layers = list[str]                       # layer digests or dirs, bottom first
+Overlays = list[tuple[str, list[str]]]   # (target, lowerdirs) per overlay
+
+
 class SnapshotStore:
     """Snapshot records, layers and their reference counts. Methods run on the event loop
     except :meth:`capture`, which does the I/O (a worker thread)."""
@@ -276,13 +281,13 @@ class SnapshotStore:
         return v
 
     # ---- overlays ------------------------------------------------------------------------
-    def stack(self, overlays: list[tuple[str, list[str]]],
-              layers: list[str]) -> list[tuple[str, list[str]]]:
+    def stack(self, overlays: Overlays,
+              layers: Layers) -> Overlays:
         """The image's overlays with the chain's non-empty parts as lowerdirs on top
         (top first; a layer twice in a chain counts once, at its top position)."""
-        out = []
+        out: Overlays = []
         for n, (target, lowers) in enumerate(overlays):
-            extra: list[str] = []
+            extra: Layers = []
             for d in reversed(layers):
                 p = self.layer_path(d, n)
                 if p not in extra and self._has_part(d, n):
@@ -290,7 +295,7 @@ class SnapshotStore:
             out.append((target, extra + list(lowers)))
         return out
 
-    def check_fits(self, overlays: list[tuple[str, list[str]]], sandboxes_dir: str,
+    def check_fits(self, overlays: Overlays, sandboxes_dir: str,
                    extra_layers: int = 0) -> None:
         """Refuse a chain whose overlay options would not fit in one page (mount(2))."""
         sdir = os.path.join(sandboxes_dir, "sb-" + "0" * 16)
@@ -306,10 +311,10 @@ class SnapshotStore:
                     details={"lower_layers": len(lowers)})
 
     # ---- refs ----------------------------------------------------------------------------
-    def acquire(self, layers: list[str]) -> None:
+    def acquire(self, layers: Layers) -> None:
         self.refs.update(layers)
 
-    def release(self, layers: list[str]) -> None:
+    def release(self, layers: Layers) -> None:
         for d in layers:
             self.refs[d] -= 1
             if self.refs[d] <= 0:
@@ -333,7 +338,7 @@ class SnapshotStore:
         removal.remove_later(path)
 
     # ---- capture (worker thread) -----------------------------------------------------------
-    def capture(self, uppers: list[str], freeze: Callable[[], Any],
+    def capture(self, uppers: Layers, freeze: Callable[[], Any],
                 thaw: Callable[[], Any]) -> tuple[str, str, int]:
         """Copy the uppers into a new temporary layer dir; return (tmp dir, digest, bytes)."""
         tmp = self._take_spare()
@@ -360,7 +365,7 @@ class SnapshotStore:
             raise
 
     def commit(self, tmp: str, digest: str, size: int, *, name: str | None,
-               parent: str | None, image: str, base: list[str],
+               parent: str | None, image: str, base: Layers,
                sandbox_id: str) -> dict[str, Any]:
         """Put a captured layer in place (or drop it if that content is already stored) and
         record the snapshot. Runs on the loop, so it cannot race with a collection."""
@@ -373,7 +378,7 @@ class SnapshotStore:
             self._rm_later(tmp)  # same content already stored: share it
         else:
             os.rename(tmp, final)
-        rec = {"id": new_id(), "name": name, "parent": parent, "image": image,
+        rec: dict[str, Any] = {"id": new_id(), "name": name, "parent": parent, "image": image,
                "digest": digest, "layers": [*base, digest], "size": size,
                "created_at": time.time(), "sandbox_id": sandbox_id}
         self.refs.update(rec["layers"])
