@@ -1,5 +1,5 @@
 """Do destroyed sandboxes leave dying memory cgroups in the kernel? (docs/benchmarks.md,
-"Session 7"; cgroup v1.)
+"This host's kernel"; cgroup v1.)
 
     sudo .venv/bin/python bench/dying_memcgs.py [-n 40] [--pythonpath DIR]
 

@@ -1,5 +1,5 @@
-"""Moved: issue 4's snapshot / restore / fork latencies are the ``snapshot`` scenario of
-``corral bench`` (docs/benchmarks.md, "Snapshots"), with the other scenarios' machinery: a
+"""The snapshot / restore / fork latencies are the ``snapshot`` scenario of
+``corral bench`` (docs/benchmarks.md, "Scenarios"), with the other scenarios' machinery: a
 private daemon, --runs repeats with medians, progress bars, --json, plots, the cleanup check.
 
     corral bench snapshot [--count 30] [--snapshot-mb 10] [--fork 64] [--runs 3] [--json]

@@ -1,5 +1,5 @@
-"""Moved: the trajectory log's overhead is now a `corral bench` scenario (docs/trajectory.md,
-"Overhead"; python/corral/bench/trajlog.py). This wrapper keeps the old command line working:
+"""The trajectory log's overhead is a `corral bench` scenario (docs/trajectory.md,
+"Overhead"; python/corral/bench/trajlog.py). This wrapper keeps this command line:
 
     sudo .venv/bin/python bench/trajlog_overhead.py [-n 500] [-r 3] [-c 4] [--baseline DIR]
 

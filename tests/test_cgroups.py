@@ -436,7 +436,7 @@ def test_recycled_pids_cpu_freezer_cgroups_get_new_limits(cg):
 
 def test_busy_or_frozen_cgroups_are_never_spares(cg):
     """A cgroup with a task in it, or a frozen freezer cgroup, is not recycled (the caller
-    then removes it as before)."""
+    then removes it)."""
     if cg.version != 1 or cg._freezer is None:
         pytest.skip("needs cgroup v1 with a freezer")
     p = subprocess.Popen(["sleep", "60"])

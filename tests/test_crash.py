@@ -1,6 +1,6 @@
-"""kill -9 of corrald under load (issue 4, "Surviving a daemon crash"): every sandbox is
-re-adopted with its files, the calls in flight fail with an infra error (never as the
-command's own failure), and the trajectory log holds every call a client saw completed."""
+"""kill -9 of corrald under load (docs/daemon.md, "Stopping, crashing and restarting"): every
+sandbox is re-adopted with its files, the calls in flight fail with an infra error (never as
+the command's own failure), and the trajectory log holds every call a client saw completed."""
 
 from __future__ import annotations
 

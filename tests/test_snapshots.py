@@ -1,4 +1,4 @@
-"""Snapshots, fork, restore and pause/resume on the container substrate (issue 4)."""
+"""Snapshots, fork, restore and pause/resume on the container substrate (docs/snapshots.md)."""
 
 from __future__ import annotations
 

@@ -515,7 +515,7 @@ __attribute__((noreturn, used)) void corral_init_main(void) {
         nofile[1] = 0;
     }
     /* The channel, if the spawner left one: close-on-exec for our children, readiness as
-     * SIG_CTL. A sandbox without it (EBADF) still reaps and stops as before. */
+     * SIG_CTL. A sandbox without it (EBADF) still reaps and stops; it only has no channel. */
     if (sys3(NR_fcntl, CTL_FD, F_SETFD, FD_CLOEXEC) >= 0) {
         sys3(NR_fcntl, CTL_FD + 1, F_SETFD, FD_CLOEXEC);
         sys3(NR_fcntl, CTL_FD, F_SETOWN, 1);

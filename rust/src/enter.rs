@@ -22,7 +22,7 @@
 //! The calling thread then reads the report (with a timeout: the trampoline is killed if it
 //! does not answer; it runs under the sandbox's limits) and reaps the trampoline. Nothing it
 //! waits for is reachable from the sandbox; the command may be stopped before it execs, the
-//! daemon no longer waits for that exec.
+//! daemon does not wait for that exec.
 
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};

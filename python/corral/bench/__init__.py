@@ -11,7 +11,7 @@ Layout (one job per module):
   scenarios.py  churn, latency, exec, density, snapshot: runs, medians, ratios within a run
   host.py       /proc/meminfo, kernel limits, cgroup/mount/process leak checks
   profile.py    py-spy sampling of the daemon (--profile)
-  report.py     rich tables with the issue's targets; plots.py: PNGs; runner.py: the session
+  report.py     rich tables with the targets; plots.py: PNGs; runner.py: the session
 ``python -m corral.bench`` is the same command as ``corral bench``.
 """
 

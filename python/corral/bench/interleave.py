@@ -2,8 +2,8 @@
 the daemons in ABBA order (used by the ``trajlog`` and ``execpath`` scenarios).
 
 This machine's speed swings by +-20 % over seconds: interleaving at the block's scale (tens
-of milliseconds) makes every swing hit each daemon alike, where rounds of a second each left
-per-run ratios scattered over 0.83-1.01. A daemon's figure for a run is its execs over the
+of milliseconds) makes every swing hit each daemon alike (rounds of a second each leave
+per-run ratios scattered over 0.83-1.01). A daemon's figure for a run is its execs over the
 wall time of its own blocks.
 """
 

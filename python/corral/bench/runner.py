@@ -1,4 +1,4 @@
-"""Run a benchmark session end to end: set up, run the scenarios, tear down (always), check
+"""Run a benchmark from start to finish: set up, run the scenarios, tear down (always), check
 for leaks, then the table, the JSON and the plots."""
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ _COOLING = ".cooling-"
 _DRAINING = ".drain-"  # removed memory cgroups with page cache, waiting for the drainer
 COOL_S = 1.0
 # At a stop, queued drains run for at most this long; the rest are removed undrained (they
-# stay dying until the kernel evicts their pages, as before there was a drainer).
+# stay dying until the kernel evicts their pages).
 DRAIN_AT_STOP_S = 10.0
 # memory.stat fields (this cgroup's own) of charges that reclaim cannot drop while no task is
 # left: tmpfs/shm pages (no swap here) and locked pages. A cgroup with any of these is never

@@ -1,7 +1,7 @@
 """File reads and tar downloads streamed with bounded buffers.
 
 The daemon's memory must not depend on what a sandbox holds: a 1 GiB file (sparse, so it costs
-the sandbox nothing) used to be read whole into memory, twice over. Here a file is sent in
+the sandbox nothing) must not be read whole into memory. Here a file is sent in
 ``CHUNK`` pieces read in a worker thread from an fd the Rust core opened and checked
 (``_core.fs_open_read``: resolved in the sandbox's root, regular files only, never on a kernel
 pseudo-filesystem); a tar is made one header or chunk at a time. Caps count the bytes actually

@@ -1,6 +1,6 @@
 /* raw: the kernel work of one corral container sandbox, with no API around it.
  *
- * The floor corral's end-to-end numbers are compared against (issue 3). Per sandbox, in the same
+ * The floor corral's end-to-end numbers are compared against. Per sandbox, in the same
  * order as rust/src/spawn.rs and enter.rs:
  *   create : mkdir <state>/<id>/{root,upper/N,work/N}; mkdir + limit a cgroup in each
  *            controller (v1: memory pids cpu freezer; v2: one dir); clone(CLONE_VFORK|CLONE_VM|
