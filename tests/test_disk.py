@@ -91,6 +91,7 @@ def test_the_files_api_and_uploads_meet_the_same_quota():
         with pytest.raises(TooLarge) as err:
             sb.files.write("/root/more", bytes(8 * MiB))
         assert err.value.details["limit"] == "disk_mb" and err.value.category == "limit"
+        assert not sb.files.exists("/root/more")  # no partial file left to fill the disk
         sb.exec("rm /root/fill")
         sb.files.write("/root/more", bytes(8 * MiB))  # room again
         assert sb.files.stat("/root/more").size == 8 * MiB

@@ -1383,6 +1383,15 @@ class ContainerSubstrate(Substrate):
         """``data``: bytes, or a binary file at its start (a spooled request body), copied in
         chunks so the daemon holds one chunk of it at a time."""
         _check_path(path)
+        if self.scratch.quota:  # the kernel bounds it (EDQUOT: TooLarge, see _file_error)
+            try:
+                self._write(runtime, path, data, mode, make_parents)
+            except TooLarge:
+                # No partial file stays behind to fill the disk the write could not fit in.
+                with contextlib.suppress(CorralError):
+                    self._fs(runtime, _core.fs_remove, path, path, False)
+                raise
+            return
         size = (os.fstat(data.fileno()).st_size if not isinstance(data, (bytes, bytearray))
                 else len(data))
         try:  # what the write replaces is freed (lstat: a symlink is replaced, not followed)
@@ -1392,14 +1401,18 @@ class ContainerSubstrate(Substrate):
             old = 0
         self._charge(runtime, size - old)
         try:
-            if isinstance(data, (bytes, bytearray)):
-                self._fs(runtime, _core.fs_write, path, path, bytes(data), mode & 0o7777,
-                         make_parents)
-            else:
-                self._copy_in(runtime, path, mode & 0o7777, make_parents, data)
+            self._write(runtime, path, data, mode, make_parents)
         except BaseException:
             self._charge(runtime, old - size)
             raise
+
+    def _write(self, runtime: SandboxRuntime, path: str, data: bytes | BinaryIO, mode: int,
+               make_parents: bool) -> None:
+        if isinstance(data, (bytes, bytearray)):
+            self._fs(runtime, _core.fs_write, path, path, bytes(data), mode & 0o7777,
+                     make_parents)
+        else:
+            self._copy_in(runtime, path, mode & 0o7777, make_parents, data)
 
     def _copy_in(self, runtime: SandboxRuntime, path: str, mode: int, make_parents: bool,
                  src: BinaryIO) -> None:
