@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import uuid
 
 import pytest
 
 from corral import Sandbox
 from corral.errors import TooLarge
 
+import apiclient
 from conftest import STATE_DIR, wait_until
 
 MiB = 1 << 20
@@ -139,6 +141,24 @@ def test_tmp_is_on_the_sandboxs_disk_and_hides_the_images():
         assert r.stdout.split("\n")[:3] == ["1777 directory", "0", "0"], r
         assert sb.exec("su nobody -s /bin/sh -c 'echo hi > /tmp/n && cat /tmp/n'"
                        ).stdout == "hi\n"
+
+
+def test_an_images_own_tmp_never_shows_and_tmp_has_the_quota(tmp_path):
+    """An image whose /tmp holds files (and is not 1777) gets an empty, 1777, opaque /tmp on
+    the sandbox's disk: the image's files are hidden, writes there meet the quota."""
+    src = tmp_path / "rootfs"
+    (src / "tmp").mkdir(parents=True)
+    (src / "tmp" / "image-secret").write_text("from the image")
+    (src / "tmp").chmod(0o755)
+    name = f"disk-test-{uuid.uuid4().hex[:8]}"
+    with apiclient.client() as c:
+        r = c.post("/v1/images", json={"name": name, "source": str(src)})
+        assert r.status_code == 201, r.text
+    with Sandbox(image=name, disk_mb=16, timeout=120) as sb:
+        assert sb.files.list("/tmp") == []
+        assert sb.files.stat("/tmp").mode & 0o7777 == 0o1777
+        with pytest.raises(TooLarge):
+            sb.files.write("/tmp/big", bytes(24 * MiB))
 
 
 def _subvolumes() -> set[str]:

@@ -419,6 +419,25 @@ def _file_error(e: OSError, path: str, disk_quota: bool = False) -> CorralError:
     return cls(msg, details={"path": path, "errno": e.errno})
 
 
+def _image_tmp_unfit(lowers: list[str]) -> bool:
+    """Whether the /tmp these image layers (top first) make is not an empty 1777 directory."""
+    top = None
+    for lo in lowers:
+        p = os.path.join(lo, "tmp")
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if top is None:
+            top = st
+        if not stat_mod.S_ISDIR(st.st_mode):
+            return True
+        with os.scandir(p) as it:
+            if any(True for _ in it):
+                return True
+    return top is None or stat_mod.S_IMODE(top.st_mode) != 0o1777
+
+
 def _check_path(path: str) -> str:
     if not isinstance(path, str) or not path.startswith("/"):
         raise InvalidPath(f"paths must be absolute inside the sandbox: {path!r}",
@@ -470,6 +489,7 @@ class ContainerSubstrate(Substrate):
         os.makedirs(self.sandboxes_dir, mode=0o700, exist_ok=True)
         self.scratch = scratch.Scratch(state_dir, self.sandboxes_dir)
         self.layers_dir = os.path.join(state_dir, "layers") + "/"  # snapshots' (lowerdirs)
+        self._tmp_needed: dict[tuple[str, ...], bool] = {}  # see _tmp_on_layer
         # What one upload may decompress to, and (without a kernel quota: the tmpfs
         # fallback) the bytes the daemon wrote into each sandbox against its disk_mb.
         self.upload_max_bytes = 1 << 30
@@ -694,17 +714,27 @@ class ContainerSubstrate(Substrate):
             raise InternalError(f"cannot create sandbox: {e}") from e
 
     def _tmp_on_layer(self, root_overlay: dict[str, Any]) -> None:
-        """/tmp as a directory of the root's upper (no tmpfs of its own: on the sandbox's
-        disk, with its quota), opaque so the image's own /tmp (the host's, for the host
-        image) never shows through. A restored sandbox keeps the /tmp its snapshot holds."""
-        for lower in root_overlay["lower"]:
-            if lower.startswith(self.layers_dir) and os.path.lexists(os.path.join(lower,
-                                                                                   "tmp")):
-                return
-        tmp = os.path.join(root_overlay["upper"], "tmp")
-        os.mkdir(tmp)
-        os.chmod(tmp, 0o1777)  # mkdir's mode goes through the umask
-        os.setxattr(tmp, OVL_OPAQUE, b"y")
+        """/tmp without a tmpfs of its own: a directory of the root overlay, on the sandbox's
+        disk with its quota. The image's own /tmp serves when it is an empty 1777 directory
+        (the host image's skeleton, most images); otherwise (missing, not 1777, or holding
+        files: the image's) an empty, overlay-opaque /tmp is made in the upper. A restored
+        sandbox keeps the /tmp its snapshot holds. Decided once per stack of lowers (they are
+        read-only)."""
+        lowers = tuple(root_overlay["lower"])
+        need = self._tmp_needed.get(lowers)
+        if need is None:
+            need = _image_tmp_unfit([lo for lo in lowers if not lo.startswith(self.layers_dir)])
+            if any(lo.startswith(self.layers_dir) and os.path.lexists(os.path.join(lo, "tmp"))
+                   for lo in lowers):
+                need = False  # the snapshot's own /tmp
+            if len(self._tmp_needed) > 4096:
+                self._tmp_needed.clear()
+            self._tmp_needed[lowers] = need
+        if need:
+            tmp = os.path.join(root_overlay["upper"], "tmp")
+            os.mkdir(tmp)
+            os.chmod(tmp, 0o1777)  # mkdir's mode goes through the umask
+            os.setxattr(tmp, OVL_OPAQUE, b"y")
 
     def _undo_create(self, sandbox_id: str, sdir: str, paths: list[str], pid: int,
                      pidfd: int) -> None:
