@@ -321,7 +321,9 @@ def private_daemon(prefix: str, cgroup: str, **env: str) -> Iterator[DaemonProce
             left = {"cgroups": leaked_sandbox_cgroups(cgroup),
                     "parents": [str(p) for p in cgroup_dirs(cgroup)],
                     "pids": sorted(pids_in_cgroups(cgroup)),
-                    "dirs": os.listdir(os.path.join(state, "sandboxes"))}
+                    "dirs": os.listdir(os.path.join(state, "sandboxes")),
+                    "mounts": host_mounts_under(state),
+                    "loop_devices": loops_backed_under(state.rstrip("/") + "/")}
             assert not any(left.values()), f"private daemon left {left}\n{d.tail()}"
         finally:  # a failed test too: its state dir goes
             shutil.rmtree(state, ignore_errors=True)

@@ -16,7 +16,7 @@ from corral import Sandbox
 from corral.errors import TooLarge
 
 import apiclient
-from conftest import STATE_DIR, wait_until
+from conftest import CGROUP_NAME, STATE_DIR, private_daemon, wait_until
 
 MiB = 1 << 20
 SANDBOXES = os.path.join(STATE_DIR, "sandboxes")
@@ -199,3 +199,21 @@ def test_the_scratch_and_its_quotas_survive_a_daemon_crash(daemon):
         assert FULL in r.stderr and not r.oom_killed
     finally:
         sb.kill()
+
+
+def test_the_tmpfs_fallback_still_bounds_tmp_and_the_daemons_writes():
+    """CORRAL_SCRATCH=tmpfs (what a host without btrfs or loop devices gets): /tmp is a tmpfs
+    of disk_mb (ENOSPC), the daemon counts its own writes against disk_mb, and the stop leaves
+    no mount behind."""
+    with private_daemon("corral-test-disk-", f"{CGROUP_NAME}-disk",
+                        CORRAL_SCRATCH="tmpfs") as d:
+        sandboxes = os.path.join(d.state_dir, "sandboxes")
+        with open("/proc/self/mountinfo") as f:
+            assert any(line.split()[4] == sandboxes and " - tmpfs " in line for line in f)
+        with Sandbox(endpoint=f"unix://{d.socket_path}", disk_mb=8, timeout=120) as sb:
+            r = sb.exec("dd if=/dev/zero of=/tmp/fill bs=1M count=16")
+            assert "No space left" in r.stderr and not r.oom_killed, r
+            with pytest.raises(TooLarge) as err:
+                sb.files.write("/root/big", bytes(12 * MiB))
+            assert err.value.details["limit"] == "disk_mb"
+            assert sb.exec("echo alive").stdout == "alive\n"
