@@ -254,7 +254,12 @@ fn open_dir(path: &OsStr, step: &'static str) -> Result<OwnedFd, ScratchError> {
 
 fn check_name(name: &OsStr, max: usize) -> Result<&[u8], ScratchError> {
     let b = name.as_bytes();
-    if b.is_empty() || b.len() > max || b.contains(&b'/') || b.contains(&0) || b == b"." || b == b".."
+    if b.is_empty()
+        || b.len() > max
+        || b.contains(&b'/')
+        || b.contains(&0)
+        || b == b"."
+        || b == b".."
     {
         return Err(ScratchError::Invalid(format!(
             "bad subvolume name {:?}",
@@ -265,7 +270,7 @@ fn check_name(name: &OsStr, max: usize) -> Result<&[u8], ScratchError> {
 }
 
 /// Turn quotas on for the filesystem mounted at `mnt`: simple quotas (extent ownership, no
-/// backref walks at commit) if `simple`, else full qgroups. Returns whether they are on.
+/// backref walks at commit) if `simple`, else full qgroups.
 pub fn quota_enable(mnt: &OsStr, simple: bool) -> Result<(), ScratchError> {
     let fd = open_dir(mnt, "open_mount")?;
     let mut a = QuotaCtlArgs {
