@@ -77,6 +77,11 @@ class Scratch:
         if mode not in ("btrfs", "tmpfs", "disk"):
             raise ValueError(f"CORRAL_SCRATCH must be 'btrfs', 'tmpfs' or 'disk', not {mode!r}")
         self.kind = "disk"
+        have = mount_of(self.dir)
+        if have is not None and have[0] == "btrfs":
+            # A previous daemon's, with its sandboxes (whatever this one's setting): re-adopted.
+            self.kind, self.device = "btrfs", have[1]
+            return
         if mode == "btrfs":
             if self._mount_btrfs():
                 self.kind = "btrfs"
@@ -93,9 +98,6 @@ class Scratch:
     # ---- set-up ----------------------------------------------------------------------------
     def _mount_btrfs(self) -> bool:
         have = mount_of(self.dir)
-        if have is not None and have[0] == "btrfs":
-            self.device = have[1]
-            return True  # a previous daemon's, with its sandboxes: re-adopted
         if have is not None or os.listdir(self.dir):
             log.warning("scratch: sandbox dir not empty or mounted over; btrfs not set up",
                         extra={"dir": self.dir, "mount": have})
