@@ -110,8 +110,10 @@ class Scratch:
         try:
             size = _image_size(self.state_dir, os.environ.get("CORRAL_SCRATCH_SIZE", "50%"))
             # A fresh filesystem every time it is not mounted: what an earlier one held belonged
-            # to sandboxes that are gone (a reboot, or a graceful stop).
-            fd = os.open(self.image, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            # to sandboxes that are gone (a reboot, or a graceful stop). A new inode, never the
+            # old one truncated: a loop device could still hold that one.
+            self._remove_image()
+            fd = os.open(self.image, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 os.ftruncate(fd, size)
             finally:
