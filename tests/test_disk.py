@@ -13,10 +13,10 @@ import uuid
 import pytest
 
 from corral import Sandbox
-from corral.errors import TooLarge
+from corral.errors import SandboxNotFound, SandboxNotRunning, TooLarge
 
 import apiclient
-from conftest import CGROUP_NAME, STATE_DIR, private_daemon, wait_until
+from conftest import CGROUP_NAME, STATE_DIR, loops_backed_under, private_daemon, wait_until
 
 MiB = 1 << 20
 SANDBOXES = os.path.join(STATE_DIR, "sandboxes")
@@ -217,3 +217,30 @@ def test_the_tmpfs_fallback_still_bounds_tmp_and_the_daemons_writes():
                 sb.files.write("/root/big", bytes(12 * MiB))
             assert err.value.details["limit"] == "disk_mb"
             assert sb.exec("echo alive").stdout == "alive\n"
+
+
+def test_a_lost_scratch_is_made_anew_at_the_next_start():
+    """As after a reboot: the daemon, its sandboxes and the scratch mount are gone, the image
+    file is still there. The next start makes a fresh filesystem on a new image (never reuses
+    the old inode), reports the old sandbox gone, and new sandboxes get their quota."""
+    from conftest import _force_cleanup, _unmount_under
+
+    cgroup = f"{CGROUP_NAME}-diskre"
+    with private_daemon("corral-test-disk-", cgroup) as d:
+        ep = f"unix://{d.socket_path}"
+        old = Sandbox(endpoint=ep, disk_mb=16, timeout=120)
+        old.files.write("/root/x", "1")
+        image = os.path.join(d.state_dir, "scratch.img")
+        inode = os.stat(image).st_ino
+        d.kill9()
+        _force_cleanup(cgroup)
+        _unmount_under(d.state_dir)
+        assert wait_until(lambda: not loops_backed_under(d.state_dir + "/"))
+        d.start()
+        assert os.stat(image).st_ino != inode
+        with Sandbox(endpoint=ep, disk_mb=16, timeout=120) as sb:
+            r = sb.exec("dd if=/dev/zero of=/root/fill bs=1M count=32")
+            assert FULL in r.stderr and not r.oom_killed, r
+        # Its record was on the lost filesystem, as on the tmpfs before it: unknown now.
+        with pytest.raises((SandboxNotFound, SandboxNotRunning)):
+            old.exec("true")
