@@ -114,13 +114,14 @@ def test_the_limit_holds_after_snapshot_restore_and_fork():
     """A fork or a restore gets a new layer with the same quota: what it writes on top of its
     snapshot is bounded by the same disk_mb."""
     with Sandbox(disk_mb=24, timeout=180) as sb:
-        sb.exec("dd if=/dev/zero of=/root/keep bs=1M count=8")
+        sb.exec("dd if=/dev/zero of=/root/keep bs=1M count=8; echo t > /tmp/t")
         snap = sb.snapshot()
         try:
             kids = sb.fork(2)
             try:
                 for k in kids:
                     assert k.files.stat("/root/keep").size == 8 * MiB
+                    assert k.files.read("/tmp/t") == "t\n"  # /tmp is on the disk: captured
                     r = k.exec("dd if=/dev/zero of=/root/more bs=1M count=64")
                     assert FULL in r.stderr and not r.oom_killed, r
                     assert k.exec("echo alive").stdout == "alive\n"
