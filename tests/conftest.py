@@ -99,6 +99,19 @@ def pids_in_cgroups(name: str = CGROUP_NAME) -> set[int]:
     return pids
 
 
+def loops_backed_under(path: str) -> list[str]:
+    """Loop devices whose backing file is under ``path`` (a daemon's btrfs scratch image)."""
+    found = []
+    for dev in Path("/sys/block").glob("loop*"):
+        try:
+            backing = (dev / "loop" / "backing_file").read_text().strip()
+        except OSError:
+            continue  # not attached
+        if backing.startswith(path):
+            found.append(f"/dev/{dev.name}: {backing}")
+    return found
+
+
 def host_mounts_under(path: str) -> list[str]:
     with open("/proc/self/mountinfo") as f:
         return [line.split()[4] for line in f if line.split()[4].startswith(path)]
@@ -248,6 +261,15 @@ def daemon():
         "pids": sorted(pids_in_cgroups()),
         "mounts": host_mounts_under(STATE_DIR),
     }
+    # A graceful stop unmounts the scratch, which detaches its loop device (autoclear) and
+    # takes every subvolume with it; a scratch that still held a sandbox stays mounted.
+    deadline = time.monotonic() + 5  # the detach runs when the last reference goes
+    def loops() -> list[str]:
+        return [lo for d in (STATE_DIR, *_MADE) for lo in loops_backed_under(d.rstrip("/") + "/")]
+
+    while loops() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    leaks["loop_devices"] = loops()
     sandboxes_dir = Path(STATE_DIR, "sandboxes")
     leaks["dirs"] = [str(p) for p in sandboxes_dir.iterdir()] if sandboxes_dir.is_dir() else []
     _force_cleanup()
@@ -299,7 +321,9 @@ def private_daemon(prefix: str, cgroup: str, **env: str) -> Iterator[DaemonProce
             left = {"cgroups": leaked_sandbox_cgroups(cgroup),
                     "parents": [str(p) for p in cgroup_dirs(cgroup)],
                     "pids": sorted(pids_in_cgroups(cgroup)),
-                    "dirs": os.listdir(os.path.join(state, "sandboxes"))}
+                    "dirs": os.listdir(os.path.join(state, "sandboxes")),
+                    "mounts": host_mounts_under(state),
+                    "loop_devices": loops_backed_under(state.rstrip("/") + "/")}
             assert not any(left.values()), f"private daemon left {left}\n{d.tail()}"
         finally:  # a failed test too: its state dir goes
             shutil.rmtree(state, ignore_errors=True)

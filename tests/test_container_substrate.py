@@ -200,7 +200,8 @@ def test_user_and_writes_persist_in_upper(sub, rt):
     code, out = run(sub, rt, "echo data > /usr/local/new-file && cat /usr/local/new-file")
     assert out == "data\n"
     assert not os.path.exists("/usr/local/new-file")  # went to the sandbox's upper dir
-    assert os.path.exists(os.path.join(rt.sandbox_dir, "upper/1/local/new-file"))
+    upper = os.path.join(rt.sandbox_dir, rt.extra.get("upper", "upper"))
+    assert os.path.exists(os.path.join(upper, "1/local/new-file"))
 
 
 def test_adopt_after_restart(env, make):

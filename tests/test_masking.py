@@ -299,16 +299,21 @@ def test_a_pids_limit_hit_is_the_commands_own_failure():
         sb.kill()
 
 
-def test_a_full_tmp_is_the_commands_own_failure():
-    """A small ``disk_mb``: a write that fills /tmp gets ENOSPC inside, the command fails on
-    its own (task: an exit code, no OOM kill, no error). Writing past ``disk_mb`` through the
-    files API is too_large, category limit."""
+DISK_FULL = ("Disk quota exceeded", "No space left")  # btrfs quota; tmpfs fallback
+
+
+def test_a_full_disk_is_the_commands_own_failure():
+    """A small ``disk_mb``: a write that fills the sandbox's disk (/tmp or /root) fails inside
+    with EDQUOT (ENOSPC on the tmpfs fallback), the command fails on its own (task: an exit
+    code, no OOM kill, no error). Writing past ``disk_mb`` through the files API is too_large,
+    category limit."""
     sb = Sandbox(disk_mb=4, memory_mb=256, timeout=120)
     try:
-        r = sb.exec("head -c 16M /dev/zero > /tmp/big", timeout=60)
-        assert r.exit_code != 0 and "No space left" in r.stderr, r
-        assert r.signal is None and not r.oom_killed
-        assert sb.exec("rm /tmp/big && echo freed").stdout == "freed\n"
+        for path in ("/tmp/big", "/root/big"):
+            r = sb.exec(f"head -c 16M /dev/zero > {path}", timeout=60)
+            assert r.exit_code != 0 and any(m in r.stderr for m in DISK_FULL), r
+            assert r.signal is None and not r.oom_killed
+            assert sb.exec(f"rm {path} && echo freed").stdout == "freed\n"
         with pytest.raises(TooLarge) as err:
             sb.files.write("/root/big", b"\0" * (8 << 20))
         assert err.value.details.get("limit") == "disk_mb"

@@ -11,6 +11,7 @@ mod fs;
 mod harden;
 mod hostmount;
 mod layer;
+mod scratchfs;
 mod spawn;
 mod tree;
 
@@ -26,6 +27,7 @@ use fs::FsError;
 use harden::{HardenError, Rlimit};
 use hostmount::HostMountError;
 use layer::LayerError;
+use scratchfs::ScratchError;
 use spawn::{Overlay, SpawnConfig, SpawnError};
 
 // ---- errors -----------------------------------------------------------------------------------
@@ -48,6 +50,15 @@ impl From<HostMountError> for PyErr {
         match e {
             HostMountError::Invalid(m) => PyValueError::new_err(m),
             HostMountError::Os(e) => io_err("mount", e),
+        }
+    }
+}
+
+impl From<ScratchError> for PyErr {
+    fn from(e: ScratchError) -> PyErr {
+        match e {
+            ScratchError::Invalid(m) => PyValueError::new_err(m),
+            e => os_error(e.errno(), e.to_string()),
         }
     }
 }
@@ -208,6 +219,7 @@ fn spawn_config(cfg: &Bound<'_, PyDict>) -> PyResult<SpawnConfig> {
         proc_mask_files: opt(cfg, "proc_mask_files", Vec::new())?,
         proc_mask_dirs: opt(cfg, "proc_mask_dirs", Vec::new())?,
         tmp_size_mb: opt(cfg, "tmp_size_mb", None)?,
+        tmp_tmpfs: opt(cfg, "tmp_tmpfs", true)?,
     })
 }
 
@@ -269,6 +281,46 @@ fn mount_tmpfs(py: Python<'_>, target: OsString, options: String) -> PyResult<()
 #[pyfunction]
 fn umount(py: Python<'_>, target: OsString) -> PyResult<()> {
     Ok(py.detach(|| hostmount::umount(&target))?)
+}
+
+/// Attach `image` to a free loop device (autoclear, direct I/O if `direct_io` and possible)
+/// and mount it on `target` (nosuid, nodev, noexec); returns the device path. Unmounting
+/// detaches the device.
+#[pyfunction]
+#[pyo3(signature = (image, target, fstype, options, direct_io = true))]
+fn mount_loop(
+    py: Python<'_>,
+    image: OsString,
+    target: OsString,
+    fstype: String,
+    options: String,
+    direct_io: bool,
+) -> PyResult<String> {
+    Ok(py.detach(|| scratchfs::mount_loop(&image, &target, &fstype, &options, direct_io))?)
+}
+
+/// Turn btrfs quotas on for the filesystem mounted at `mnt` (simple quotas if `simple`).
+#[pyfunction]
+fn btrfs_quota_enable(py: Python<'_>, mnt: OsString, simple: bool) -> PyResult<()> {
+    Ok(py.detach(|| scratchfs::quota_enable(&mnt, simple))?)
+}
+
+/// Create the btrfs subvolume `parent/name`, its quota `limit` bytes (None: no limit).
+#[pyfunction]
+#[pyo3(signature = (parent, name, limit = None))]
+fn btrfs_subvol_create(
+    py: Python<'_>,
+    parent: OsString,
+    name: OsString,
+    limit: Option<u64>,
+) -> PyResult<()> {
+    Ok(py.detach(|| scratchfs::subvol_create(&parent, &name, limit))?)
+}
+
+/// Delete `path` if it is a btrfs subvolume's root (True); False if it is anything else.
+#[pyfunction]
+fn btrfs_subvol_delete(py: Python<'_>, path: OsString) -> PyResult<bool> {
+    Ok(py.detach(|| scratchfs::subvol_delete(&path))?)
 }
 
 /// Create a sandbox; returns (init host pid, pidfd). See docs/architecture.md for `cfg`.
@@ -495,6 +547,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(netns_new, m)?)?;
     m.add_function(wrap_pyfunction!(mount_tmpfs, m)?)?;
     m.add_function(wrap_pyfunction!(umount, m)?)?;
+    m.add_function(wrap_pyfunction!(mount_loop, m)?)?;
+    m.add_function(wrap_pyfunction!(btrfs_quota_enable, m)?)?;
+    m.add_function(wrap_pyfunction!(btrfs_subvol_create, m)?)?;
+    m.add_function(wrap_pyfunction!(btrfs_subvol_delete, m)?)?;
     m.add_function(wrap_pyfunction!(landlock_abi, m)?)?;
     m.add_function(wrap_pyfunction!(root_fd, m)?)?;
     m.add_function(wrap_pyfunction!(init_channel, m)?)?;

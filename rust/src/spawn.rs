@@ -99,6 +99,9 @@ pub struct SpawnConfig {
     pub proc_mask_dirs: Vec<String>,
     /// size= of the sandbox's /tmp tmpfs, in MiB (its `disk_mb`); None: unbounded.
     pub tmp_size_mb: Option<u64>,
+    /// Mount a tmpfs on /tmp. False: /tmp is the root overlay's own directory, on the
+    /// sandbox's disk with its quota (the daemon makes it in the upper dir).
+    pub tmp_tmpfs: bool,
 }
 
 // The steps, in order; the names are what an OSError says.
@@ -229,7 +232,7 @@ struct Ctx {
     proc_readonly: Vec<CString>,
     proc_mask_files: Vec<CString>,
     proc_mask_dirs: Vec<CString>,
-    tmp_opts: CString,
+    tmp_opts: Option<CString>,
     init_fd: RawFd,
     /// Both ends of the init's exec channel; the child puts them on fds 3 and 4
     /// (corral-init.c, "Exec server").
@@ -447,10 +450,11 @@ fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
         proc_readonly: proc_paths(&cfg.proc_readonly)?,
         proc_mask_files: proc_paths(&cfg.proc_mask_files)?,
         proc_mask_dirs: proc_paths(&cfg.proc_mask_dirs)?,
-        tmp_opts: cstring(&match cfg.tmp_size_mb {
-            Some(mb) => format!("mode=1777,size={mb}m"),
-            None => "mode=1777".to_string(),
-        })?,
+        tmp_opts: match (cfg.tmp_tmpfs, cfg.tmp_size_mb) {
+            (false, _) => None,
+            (true, Some(mb)) => Some(cstring(&format!("mode=1777,size={mb}m"))?),
+            (true, None) => Some(cstring("mode=1777")?),
+        },
         init_fd: cfg.init_fd,
         channel: [-1, -1],
         argv: [INIT_ARGV0.as_ptr() as *const c_char, std::ptr::null()],
@@ -842,19 +846,21 @@ unsafe fn run_child(c: &Ctx) -> c_int {
             }
         }
 
-        at(Step::Mountpoint);
-        ensure_dir(r, tmp_t);
-        at(Step::MountTmp);
-        ck(
-            r,
-            mount(
-                Some(c"tmpfs"),
-                c"tmp",
-                Some(c"tmpfs"),
-                libc::MS_NOSUID | libc::MS_NODEV,
-                Some(c.tmp_opts.as_c_str()),
-            ),
-        );
+        if let Some(tmp_opts) = &c.tmp_opts {
+            at(Step::Mountpoint);
+            ensure_dir(r, tmp_t);
+            at(Step::MountTmp);
+            ck(
+                r,
+                mount(
+                    Some(c"tmpfs"),
+                    c"tmp",
+                    Some(c"tmpfs"),
+                    libc::MS_NOSUID | libc::MS_NODEV,
+                    Some(tmp_opts.as_c_str()),
+                ),
+            );
+        }
 
         at(Step::MoveRoot);
         ck(r, mount(Some(c"."), c"/", None, libc::MS_MOVE, None));

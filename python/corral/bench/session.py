@@ -82,15 +82,17 @@ class Session:
         self.daemon.start()
         self._warm_up()
         # raw does what this daemon does: scratch dirs on a tmpfs of their own if the daemon's
-        # are, memory cgroups recycled if the daemon recycles them.
-        from corral.daemon import cgroups
-        from corral.daemon.substrates.container import SCRATCH_SOURCE, _mount_of
+        # are on a tmpfs or its btrfs (raw has no quota per sandbox: its floor stays the
+        # tmpfs's), memory cgroups recycled if the daemon recycles them.
+        from corral.daemon import cgroups, scratch
 
-        tmpfs = _mount_of(str(self.daemon.state_dir / "sandboxes")) == ("tmpfs", SCRATCH_SOURCE)
+        kind = scratch.mount_of(str(self.daemon.state_dir / "sandboxes"))
+        tmpfs = kind is not None and kind[0] in ("tmpfs", "btrfs")
         v1 = os.path.isdir("/sys/fs/cgroup/memory")
         spares = cgroups.MEMCG_SPARES if v1 else 0
         set_spares = cgroups.CGROUP_SPARES if v1 else 0
-        self.notes.append(f"scratch dirs on {'tmpfs' if tmpfs else 'the workdir'}, "
+        where = kind[0] if kind is not None else "the workdir"
+        self.notes.append(f"scratch dirs on {where} (raw: {'tmpfs' if tmpfs else 'workdir'}), "
                           f"memory cgroups recycled: {spares or 'no'}, pids/cpu/freezer "
                           f"cgroups recycled: {set_spares or 'no'} (corral and raw alike)")
         self.raw = raw.RawBaseline(bins, self.root / "raw", self.prefix + "raw",

@@ -1214,7 +1214,8 @@ class Engine:
 
     def _uppers(self, sb: Sandbox) -> list[str]:
         assert sb.runtime is not None
-        base = os.path.join(sb.runtime.sandbox_dir, "upper")
+        # "upper" below the sandbox's dir, or where the substrate put it (its disk layer)
+        base = os.path.join(sb.runtime.sandbox_dir, sb.runtime.extra.get("upper", "upper"))
         n = len(os.listdir(base))
         return [os.path.join(base, str(i)) for i in range(n)]
 

@@ -3,9 +3,11 @@
 Never ``shutil.rmtree``: its walk recurses once per directory level, so a tree a sandbox made
 deep enough raises RecursionError (and, with ``ignore_errors``, leaves it all behind). The Rust
 core's ``remove_tree`` is a loop with bounded fds, never follows a symlink and never crosses a
-mount. What it still cannot remove is moved aside to a quarantine dir on the same filesystem
-and counted, so one sandbox's leftovers never stop the daemon from starting or cleaning up
-the others.
+mount. A sandbox's writable layer on the btrfs scratch is a subvolume (``<dir>/disk``): it is
+deleted whole by one ioctl (the kernel frees its extents in the background) before the rest of
+the tree goes (corral.daemon.scratch). What it still cannot remove is moved aside to a
+quarantine dir on the same filesystem and counted, so one sandbox's leftovers never stop the
+daemon from starting or cleaning up the others.
 """
 
 from __future__ import annotations
@@ -25,8 +27,22 @@ quarantined: list[str] = []
 _lock = threading.Lock()
 
 
+LAYER = "disk"  # corral.daemon.scratch.LAYER
+
+
+def drop_layer(path: str) -> None:
+    """Delete the btrfs subvolume of a sandbox's dir ``path`` (``path/disk``), or ``path``
+    itself if it is one; anything else is left for remove_tree. Raises OSError."""
+    if not _core.btrfs_subvol_delete(os.path.join(path, LAYER)):
+        _core.btrfs_subvol_delete(path)
+
+
 def remove_tree(path: str) -> None:
     """rm -rf ``path`` (missing is fine); raises OSError if something could not go."""
+    try:
+        drop_layer(path)
+    except ValueError:
+        pass  # not a name a subvolume can have: a plain tree
     _core.remove_tree(path)
 
 

@@ -7,10 +7,11 @@ zeros can claim terabytes). The tar is read as a stream (``r|``: never a seek, s
 decompressed twice) and each member is written in chunks, so the daemon holds at most one
 chunk of it.
 
-:class:`DiskBudget` keeps, per sandbox, the bytes the daemon has written into it (uploads,
-files.write, tar extraction) against the sandbox's ``disk_mb``: those pages are the daemon's,
-not the sandbox's, so the sandbox's own memory limit does not bound them (docs/daemon.md,
-"Disk").
+On the btrfs scratch the kernel bounds what the daemon writes into a sandbox (its quota,
+corral.daemon.scratch). On the tmpfs fallback :class:`DiskBudget` keeps, per sandbox, the bytes
+the daemon has written into it (uploads, files.write, tar extraction) against the sandbox's
+``disk_mb``: those pages are the daemon's, not the sandbox's, so the sandbox's own memory limit
+does not bound them (docs/daemon.md, "Disk").
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ namespace (the host mount table never sees it). Commands are forked straight fro
 into the namespaces (``_core.exec_in``); files are read and written from the daemon through an
 O_PATH fd of the init's root with openat2(RESOLVE_IN_ROOT) (``_core.fs_*``).
 
-On disk: ``<state_dir>/sandboxes/<id>/{root, upper/<n>, work/<n>}`` (``sandboxes`` is a tmpfs the
-substrate mounts, see :func:`mount_scratch`); cgroups from
+On disk: ``<state_dir>/sandboxes/<id>/{meta.json, root, disk/{upper/<n>, work/<n>}}`` where
+``sandboxes`` is a btrfs the substrate mounts and ``disk`` a subvolume with the sandbox's quota
+(or, on the tmpfs fallback, ``<id>/{root, upper/<n>, work/<n>}``: corral.daemon.scratch);
+cgroups from
 :class:`~corral.daemon.cgroups.CgroupManager`. Everything a sandbox owns can be found again from
 its id alone, which is what :meth:`cleanup_orphans` relies on after a crash.
 """
@@ -35,7 +37,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from corral import _core
-from corral.daemon import initexec, procpolicy, removal, streams, uploads
+from corral.daemon import initexec, procpolicy, removal, scratch, streams, uploads
 from corral.errors import (
     CapacityExceeded,
     CorralError,
@@ -87,11 +89,10 @@ _FILE_ERRORS: dict[int, type[CorralError]] = {
     errno.EPERM: PermissionDenied,
     errno.EROFS: PermissionDenied,
     errno.EBUSY: InvalidRequest,
-    errno.ENOSPC: InvalidRequest,
-    errno.EDQUOT: InvalidRequest,
     errno.EFBIG: InvalidRequest,
     errno.EOPNOTSUPP: InvalidRequest,
 }
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 _OUT_OF_RESOURCES = {errno.EAGAIN, errno.ENOMEM, errno.ENOSPC, errno.EMFILE, errno.ENFILE,
                      errno.EUSERS}
 
@@ -261,67 +262,11 @@ class NetnsPool:
             self._thread.join(timeout=5)
 
 
-# Where sandboxes' scratch dirs (overlay upper/work, meta.json) live: "tmpfs" (default) mounts
-# one tmpfs on <state_dir>/sandboxes for all of them; "disk" keeps them on the state dir's
-# filesystem. On ext4 every sandbox paid inode allocation for ~8 dirs (ext4's search for an
-# inode not recently deleted grows with churn), the overlay mount's workdir checks and an
-# rmtree: ~35 % of the daemon's CPU in churn. Sandboxes do not survive a reboot, so neither
-# need their dirs. The price: sandbox files live in RAM (their pages are charged to the memory
-# cgroup of the process that writes them, so a sandbox's writes count against its memory
-# limit; files the daemon writes for it, uploads, count against the daemon's), bounded in all
-# by CORRAL_SCRATCH_SIZE (tmpfs size=, default half of RAM).
-SCRATCH_SOURCE = "corral-scratch"
-
-
-def _mount_of(path: str) -> tuple[str, str] | None:
-    """(fstype, source) of the mount whose mount point is ``path``, or None."""
-    real = os.path.realpath(path)
-    found = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields, rfields = left.split(), right.split()
-            if len(fields) >= 5 and len(rfields) >= 2 and \
-                    fields[4].replace("\\040", " ") == real:
-                found = (rfields[0], rfields[1])  # the last one is the one on top
-    return found
-
-
-def mount_scratch(sandboxes_dir: str) -> bool:
-    """Mount corral's scratch tmpfs on ``sandboxes_dir`` (or keep the one a previous daemon
-    left, with its sandboxes). True if sandboxes_dir is our tmpfs afterwards. Never hides
-    files: a non-empty directory that is not our tmpfs (sandboxes of a disk-mode daemon) stays
-    on disk for this run."""
-    mode = os.environ.get("CORRAL_SCRATCH", "tmpfs")
-    if mode == "disk":
-        return False
-    if mode != "tmpfs":
-        raise ValueError(f"CORRAL_SCRATCH must be 'tmpfs' or 'disk', not {mode!r}")
-    if _mount_of(sandboxes_dir) == ("tmpfs", SCRATCH_SOURCE):
-        return True
-    if os.listdir(sandboxes_dir):
-        log.warning("sandbox dir not empty: scratch stays on disk for this run",
-                    extra={"dir": sandboxes_dir})
-        return False
-    size = os.environ.get("CORRAL_SCRATCH_SIZE", "50%")
-    try:
-        _core.mount_tmpfs(sandboxes_dir, f"size={size},mode=0700")
-    except (OSError, ValueError) as e:
-        log.warning("cannot mount the scratch tmpfs: sandboxes' dirs stay on disk",
-                    extra={"dir": sandboxes_dir, "error": str(e)})
-        return False
-    return True
-
-
-def unmount_scratch(sandboxes_dir: str) -> None:
-    """Unmount our scratch tmpfs (graceful stop, no sandbox left); a busy one stays."""
-    if _mount_of(sandboxes_dir) != ("tmpfs", SCRATCH_SOURCE):
-        return
-    try:
-        _core.umount(sandboxes_dir)
-    except OSError as e:
-        log.warning("cannot unmount the scratch tmpfs", extra={"dir": sandboxes_dir,
-                                                                "error": str(e)})
+# The sandboxes' scratch area (btrfs with a quota per sandbox, or a tmpfs): corral.daemon.scratch.
+SCRATCH_SOURCE = scratch.SCRATCH_SOURCE
+_mount_of = scratch.mount_of
+# xattr that makes an overlay upper dir hide what the lower layers hold at its path.
+OVL_OPAQUE = "trusted.overlay.opaque"
 
 
 class SharedNetns:
@@ -456,13 +401,41 @@ def _reap_later(pid: int) -> None:
         pass
 
 
-def _file_error(e: OSError, path: str) -> CorralError:
+def _file_error(e: OSError, path: str, disk_quota: bool = False) -> CorralError:
     if isinstance(e, _core.ForbiddenPath):
         return ForbiddenPath(f"{e.strerror}: {path}", details={"path": path})
-    cls = _FILE_ERRORS.get(e.errno or 0, InternalError)
     reason = e.strerror or str(e)
     msg = f"{reason}: {path}" if path else reason
+    if e.errno in _DISK_FULL:
+        # The sandbox's own disk is full (its quota, or its /tmp on the tmpfs fallback): its
+        # limit, as a write inside it sees it. A full host disk is the same errno on the
+        # tmpfs fallback and ENOSPC on btrfs: then it is the scratch area's, CapacityExceeded.
+        if e.errno == errno.ENOSPC and disk_quota:
+            return CapacityExceeded(f"the sandboxes' scratch area is full: {msg}",
+                                    details={"path": path, "errno": e.errno})
+        return TooLarge(f"the sandbox's disk is full (disk_mb): {msg}",
+                        details={"path": path, "errno": e.errno, "limit": "disk_mb"})
+    cls = _FILE_ERRORS.get(e.errno or 0, InternalError)
     return cls(msg, details={"path": path, "errno": e.errno})
+
+
+def _image_tmp_unfit(lowers: list[str]) -> bool:
+    """Whether the /tmp these image layers (top first) make is not an empty 1777 directory."""
+    top = None
+    for lo in lowers:
+        p = os.path.join(lo, "tmp")
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if top is None:
+            top = st
+        if not stat_mod.S_ISDIR(st.st_mode):
+            return True
+        with os.scandir(p) as it:
+            if any(True for _ in it):
+                return True
+    return top is None or stat_mod.S_IMODE(top.st_mode) != 0o1777
 
 
 def _check_path(path: str) -> str:
@@ -514,9 +487,11 @@ class ContainerSubstrate(Substrate):
         self.state_dir = state_dir
         self.sandboxes_dir = os.path.join(state_dir, "sandboxes")
         os.makedirs(self.sandboxes_dir, mode=0o700, exist_ok=True)
-        self.scratch_tmpfs = mount_scratch(self.sandboxes_dir)
-        # What one upload may decompress to, and the bytes the daemon wrote into each
-        # sandbox against its disk_mb (corral.daemon.uploads).
+        self.scratch = scratch.Scratch(state_dir, self.sandboxes_dir)
+        self.layers_dir = os.path.join(state_dir, "layers") + "/"  # snapshots' (lowerdirs)
+        self._tmp_needed: dict[tuple[str, ...], bool] = {}  # see _tmp_on_layer
+        # What one upload may decompress to, and (without a kernel quota: the tmpfs
+        # fallback) the bytes the daemon wrote into each sandbox against its disk_mb.
         self.upload_max_bytes = 1 << 30
         self.disk = uploads.DiskBudget()
         self.cgroups = cgroups
@@ -608,8 +583,7 @@ class ContainerSubstrate(Substrate):
         self.shared_netns.close()
         if retire:
             self.cgroups.remove_parents()
-            if self.scratch_tmpfs:
-                unmount_scratch(self.sandboxes_dir)
+            self.scratch.close()
         for sid in list(self._roots):
             self._close_root(sid)
         if self.init_fd >= 0:
@@ -649,16 +623,19 @@ class ContainerSubstrate(Substrate):
             join_fd = self.shared_netns.fd() if unix_only else net_fd
             os.makedirs(sdir, mode=0o700, exist_ok=True)
             os.mkdir(root, 0o755)
-            os.mkdir(os.path.join(sdir, "upper"), 0o700)
-            os.mkdir(os.path.join(sdir, "work"), 0o700)
+            layer = self.scratch.make_layer(sdir, spec.disk_mb)
+            os.mkdir(os.path.join(layer, "upper"), 0o700)
+            os.mkdir(os.path.join(layer, "work"), 0o700)
             overlays = []
             for n, (target, lowers) in enumerate(img.overlays):
-                upper = os.path.join(sdir, "upper", str(n))
-                work = os.path.join(sdir, "work", str(n))
+                upper = os.path.join(layer, "upper", str(n))
+                work = os.path.join(layer, "work", str(n))
                 os.mkdir(upper, 0o755)
                 os.mkdir(work, 0o700)
                 overlays.append({"target": target, "lower": list(lowers), "upper": upper,
                                  "work": work, "options": self.overlay_options})
+            if self.scratch.quota:
+                self._tmp_on_layer(overlays[0])
             # Lazy unless a recycled memory cgroup is at hand: then the init joins every
             # cgroup itself at spawn (through `tasks`, cheap), and neither the first exec nor
             # a warm pool has to move it in by pid later, which takes the global threadgroup
@@ -685,6 +662,7 @@ class ContainerSubstrate(Substrate):
                 "mask_dir": self.mask_dir,
                 **self.proc_policy,
                 "tmp_size_mb": spec.disk_mb,
+                "tmp_tmpfs": not self.scratch.quota,
             }
             pid, pidfd = _core.spawn_sandbox(cfg)
             if not self.keep_pidfds:
@@ -702,6 +680,8 @@ class ContainerSubstrate(Substrate):
                 os.close(pidfd)  # opened again when needed (see keep_pidfds)
                 pidfd = -1
             extra: dict[str, Any] = {"image": img.name, "disk_mb": spec.disk_mb}
+            if layer != sdir:
+                extra["upper"] = os.path.join(scratch.LAYER, "upper")  # below sandbox_dir
             if unix_only:
                 extra["network"] = "disabled"  # exec applies the same walls; never pooled
             if lazy:
@@ -732,6 +712,29 @@ class ContainerSubstrate(Substrate):
                 raise InternalError(f"cannot create sandbox: {e.strerror or e}",
                                     details=details) from e
             raise InternalError(f"cannot create sandbox: {e}") from e
+
+    def _tmp_on_layer(self, root_overlay: dict[str, Any]) -> None:
+        """/tmp without a tmpfs of its own: a directory of the root overlay, on the sandbox's
+        disk with its quota. The image's own /tmp serves when it is an empty 1777 directory
+        (the host image's skeleton, most images); otherwise (missing, not 1777, or holding
+        files: the image's) an empty, overlay-opaque /tmp is made in the upper. A restored
+        sandbox keeps the /tmp its snapshot holds. Decided once per stack of lowers (they are
+        read-only)."""
+        lowers = tuple(root_overlay["lower"])
+        need = self._tmp_needed.get(lowers)
+        if need is None:
+            need = _image_tmp_unfit([lo for lo in lowers if not lo.startswith(self.layers_dir)])
+            if any(lo.startswith(self.layers_dir) and os.path.lexists(os.path.join(lo, "tmp"))
+                   for lo in lowers):
+                need = False  # the snapshot's own /tmp
+            if len(self._tmp_needed) > 4096:
+                self._tmp_needed.clear()
+            self._tmp_needed[lowers] = need
+        if need:
+            tmp = os.path.join(root_overlay["upper"], "tmp")
+            os.mkdir(tmp)
+            os.chmod(tmp, 0o1777)  # mkdir's mode goes through the umask
+            os.setxattr(tmp, OVL_OPAQUE, b"y")
 
     def _undo_create(self, sandbox_id: str, sdir: str, paths: list[str], pid: int,
                      pidfd: int) -> None:
@@ -862,8 +865,10 @@ class ContainerSubstrate(Substrate):
         depth, never following a symlink: the upper dir holds what the tenant wrote); what
         cannot go is quarantined (corral.daemon.removal)."""
         try:
+            removal.drop_layer(os.path.join(self.sandboxes_dir, sandbox_id))
             fd = os.open(self.sandboxes_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
+            removal.remove_or_quarantine(os.path.join(self.sandboxes_dir, sandbox_id))
             return
         try:
             _core.fs_remove(fd, "/" + sandbox_id, True)
@@ -1393,7 +1398,7 @@ class ContainerSubstrate(Substrate):
         except ValueError as e:
             raise InvalidPath(str(e), details={"path": path}) from None
         except OSError as e:
-            raise _file_error(e, path) from None
+            raise _file_error(e, path, self.scratch.quota) from None
         except _core.LayerLimit as e:  # a listing past fs.rs LIST_MAX
             what, limit = e.args
             raise TooLarge(f"{path} has more than {limit} {what}",
@@ -1408,6 +1413,15 @@ class ContainerSubstrate(Substrate):
         """``data``: bytes, or a binary file at its start (a spooled request body), copied in
         chunks so the daemon holds one chunk of it at a time."""
         _check_path(path)
+        if self.scratch.quota:  # the kernel bounds it (EDQUOT: TooLarge, see _file_error)
+            try:
+                self._write(runtime, path, data, mode, make_parents)
+            except TooLarge:
+                # No partial file stays behind to fill the disk the write could not fit in.
+                with contextlib.suppress(CorralError):
+                    self._fs(runtime, _core.fs_remove, path, path, False)
+                raise
+            return
         size = (os.fstat(data.fileno()).st_size if not isinstance(data, (bytes, bytearray))
                 else len(data))
         try:  # what the write replaces is freed (lstat: a symlink is replaced, not followed)
@@ -1417,14 +1431,18 @@ class ContainerSubstrate(Substrate):
             old = 0
         self._charge(runtime, size - old)
         try:
-            if isinstance(data, (bytes, bytearray)):
-                self._fs(runtime, _core.fs_write, path, path, bytes(data), mode & 0o7777,
-                         make_parents)
-            else:
-                self._copy_in(runtime, path, mode & 0o7777, make_parents, data)
+            self._write(runtime, path, data, mode, make_parents)
         except BaseException:
             self._charge(runtime, old - size)
             raise
+
+    def _write(self, runtime: SandboxRuntime, path: str, data: bytes | BinaryIO, mode: int,
+               make_parents: bool) -> None:
+        if isinstance(data, (bytes, bytearray)):
+            self._fs(runtime, _core.fs_write, path, path, bytes(data), mode & 0o7777,
+                     make_parents)
+        else:
+            self._copy_in(runtime, path, mode & 0o7777, make_parents, data)
 
     def _copy_in(self, runtime: SandboxRuntime, path: str, mode: int, make_parents: bool,
                  src: BinaryIO) -> None:
@@ -1436,7 +1454,7 @@ class ContainerSubstrate(Substrate):
                 while view:
                     view = view[os.write(fd, view):]
         except OSError as e:
-            raise _file_error(e, path) from None
+            raise _file_error(e, path, self.scratch.quota) from None
         finally:
             os.close(fd)
 
@@ -1541,11 +1559,13 @@ class ContainerSubstrate(Substrate):
                 while view:
                     view = view[os.write(fd, view):]
         except OSError as e:
-            raise _file_error(e, dest) from None
+            raise _file_error(e, dest, self.scratch.quota) from None
         finally:
             os.close(fd)
 
     def _charge(self, runtime: SandboxRuntime, delta: int) -> None:
+        if self.scratch.quota:
+            return  # the kernel bounds the sandbox's layer: EDQUOT (see _file_error)
         limit = int(runtime.extra.get("disk_mb", DEFAULT_DISK_MB)) << 20
         self.disk.charge(runtime.sandbox_id, delta, limit)
 
