@@ -20,7 +20,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -102,6 +102,7 @@ from corral.models import (
     SnapshotInfo,
     SnapshotRequest,
     StdinRequest,
+    SubstrateInfo,
     WaitRequest,
 )
 
@@ -187,19 +188,12 @@ def _as_now(engine: Engine, info: dict[str, Any]) -> dict[str, Any]:
     return dict(info, state="dead") if info.get("state") != "dead" else info
 
 
-async def _file_op(request: web.Request, op: str, req: dict[str, Any], *args: Any,
-                   big: bool = False) -> web.Response:
+async def _file_op(request: web.Request, op: str, req: dict[str, Any],
+                   call: Callable[[], Awaitable[None]]) -> web.Response:
     """A mutating file operation: logged, once per idempotency key."""
     sid = request.match_info["id"]
-    engine = _engine(request)
-    await engine.trajlog.run(sid, op, req, _key(request),
-                             lambda: engine.files(sid, op_method(op), *args, big=big),
-                             to_log=_logged_ok)
+    await _engine(request).trajlog.run(sid, op, req, _key(request), call, to_log=_logged_ok)
     return _ok()
-
-
-def op_method(op: str) -> str:
-    return {"write": "write_file", "upload": "upload_tar"}.get(op, op)
 
 
 # ---- handlers --------------------------------------------------------------------------
@@ -209,6 +203,10 @@ async def health(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     return _json(_engine(request).status())
+
+
+async def list_substrates(request: web.Request) -> web.Response:
+    return _json({"substrates": _engine(request).substrate_table()})
 
 
 # Parsed specs by request body: a trainer sends the same spec again and again, and the
@@ -512,22 +510,29 @@ def _truncated(truncated: bool) -> dict[str, str]:
     return {"X-Corral-Truncated": "true"} if truncated else {}
 
 
-async def _spooled_op(request: web.Request, op: str, *args: Any, **fields: Any,
-                      ) -> web.Response:
-    """A write or upload: its body streamed to an unnamed file on disk (corral.daemon.spool),
-    hashed on the way, then handed to the substrate as a file object to copy in chunks."""
-    engine = _engine(request)
+async def _spooled_op(request: web.Request, op: str, path: str,
+                      mode: int | None = None) -> web.Response:
+    """A write (``mode`` given) or an upload: its body streamed to an unnamed file on disk
+    (corral.daemon.spool), hashed on the way, then handed to the substrate as a file object
+    to copy in chunks."""
+    engine, sid = _engine(request), request.match_info["id"]
     f = spool.tmp_file(os.path.join(engine.config.state_dir, "tmp"))
     handed_off = False
+
+    def put(data: bytes | Any, big: bool) -> Callable[[], Awaitable[None]]:
+        if mode is not None:
+            return lambda: engine.write_file(sid, path, data, mode, big)
+        return lambda: engine.upload_tar(sid, path, data, big)
+
     try:
         got = await spool.spool(request, f, MAX_BODY, engine.trajlog.body_cap)
+        fields: dict[str, Any] = {"path": path} if mode is None else {"path": path, "mode": mode}
         req = body_request(got.size, got.sha256, got.head, **fields)
-        if op == "write" and got.head is not None and got.size <= BIG_BODY:  # on the loop
-            return await _file_op(request, op, req, fields["path"], got.head, *args)
+        if mode is not None and got.head is not None and got.size <= BIG_BODY:  # on the loop
+            return await _file_op(request, op, req, put(got.head, False))
         # A thread reads f: cancelled here (the daemon stopping), f is closed when the thread
         # is done with it, never under it.
-        task = asyncio.ensure_future(_file_op(request, op, req, fields["path"], f, *args,
-                                              big=True))
+        task = asyncio.ensure_future(_file_op(request, op, req, put(f, True)))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -542,7 +547,7 @@ async def _spooled_op(request: web.Request, op: str, *args: Any, **fields: Any,
 async def file_write(request: web.Request) -> web.Response:
     path = query_path(request)
     mode = query_mode(request)
-    return await _spooled_op(request, "write", mode, True, path=path, mode=mode)
+    return await _spooled_op(request, "write", path, mode)
 
 
 async def file_list(request: web.Request) -> web.Response:
@@ -550,7 +555,7 @@ async def file_list(request: web.Request) -> web.Response:
     engine = _engine(request)
 
     async def ls() -> list[Any]:
-        return [_entry(e) for e in await engine.files(sid, "list_dir", path)]
+        return [_entry(e) for e in await engine.list_dir(sid, path)]
 
     key = _key(request)
     entries = await engine.trajlog.run(sid, "list", {"path": path}, key, ls,
@@ -566,21 +571,25 @@ async def file_stat(request: web.Request) -> web.Response:
     engine = _engine(request)
 
     async def st() -> Any:
-        return _entry(await engine.files(sid, "stat", path))
+        return _entry(await engine.stat(sid, path))
 
     return _json(await engine.trajlog.run(sid, "stat", {"path": path}, _key(request), st))
 
 
 async def file_mkdir(request: web.Request) -> web.Response:
     req = await _body(request, MkdirRequest)
-    return await _file_op(request, "mkdir", req.model_dump(), check_path(req.path), req.parents)
+    path = check_path(req.path)
+    return await _file_op(request, "mkdir", req.model_dump(),
+                          lambda: _engine(request).mkdir(request.match_info["id"], path,
+                                                         req.parents))
 
 
 async def file_remove(request: web.Request) -> web.Response:
     req = await _body(request, RemoveRequest)
     not_root(req.path, "removed")
-    return await _file_op(request, "remove", req.model_dump(), check_path(req.path),
-                          req.recursive, big=req.recursive)
+    path, sid = check_path(req.path), request.match_info["id"]
+    return await _file_op(request, "remove", req.model_dump(),
+                          lambda: _engine(request).remove(sid, path, req.recursive))
 
 
 async def file_rename(request: web.Request) -> web.Response:
@@ -588,8 +597,10 @@ async def file_rename(request: web.Request) -> web.Response:
     not_root(req.src, "renamed")
     not_root(req.dst, "replaced")
     try:
-        return await _file_op(request, "rename", req.model_dump(), check_path(req.src, "src"),
-                              check_path(req.dst, "dst"))
+        src, dst = check_path(req.src, "src"), check_path(req.dst, "dst")
+        return await _file_op(request, "rename", req.model_dump(),
+                              lambda: _engine(request).rename(request.match_info["id"], src,
+                                                              dst))
     except InvalidPath as e:
         if e.details.get("errno") != errno.EXDEV:
             raise
@@ -601,7 +612,7 @@ async def file_rename(request: web.Request) -> web.Response:
 
 
 async def tar_upload(request: web.Request) -> web.Response:
-    return await _spooled_op(request, "upload", path=query_path(request))
+    return await _spooled_op(request, "upload", query_path(request))
 
 
 async def tar_download(request: web.Request) -> web.StreamResponse:
@@ -849,6 +860,9 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/health", health, "Liveness (no token needed)", response={
         "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}),
     Route("GET", "/v1/status", status, "Daemon status", response=DaemonStatus),
+    Route("GET", "/v1/substrates", list_substrates, "The substrates this daemon serves, each "
+          "with its capabilities (an operation a substrate lacks answers 501 unsupported)",
+          response=list_of("substrates", SubstrateInfo, paged=False)),
     Route("POST", "/v1/sandboxes", create_sandbox, "Create a sandbox", body=SandboxSpec,
           response=SandboxInfo, status=201, query=(KEY_H,), errors=(404, 409, 429, 501, 503),
           links=_SB_LINKS),

@@ -23,7 +23,6 @@ import io
 import logging
 import lzma
 import os
-import select
 import shutil
 import signal
 import stat as stat_mod
@@ -36,6 +35,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from corral import _core
 from corral.daemon import initexec, procpolicy, removal, streams, uploads
+from corral.daemon.kernel import pidfd_exited as _pidfd_exited
+from corral.daemon.kernel import proc_alive, proc_starttime
 from corral.errors import (
     CapacityExceeded,
     CorralError,
@@ -55,13 +56,18 @@ from corral.errors import (
     TooLarge,
     Unsupported,
 )
-from corral.models import DEFAULT_DISK_MB, FileEntry, SandboxSpec
+from corral.models import DEFAULT_DISK_MB, NETWORK_MODES, FileEntry, SandboxSpec
 
-from .base import ExecSpec, SandboxRuntime, Spawn, Substrate
+from .base import Capabilities, ExecSpec, SandboxRuntime, Spawned, Substrate
 
 if TYPE_CHECKING:  # pragma: no cover
     from corral.daemon.cgroups import CgroupManager
     from corral.daemon.images import Image, ImageStore
+    from corral.daemon.snapshots import SnapshotStore
+
+# What one start of a command gives on the container's paths: our child's pid, the init's
+# child, or (with a loop) the init's answer to come.
+Launch = int | Spawned | Awaitable[Spawned]
 
 log = logging.getLogger("corral.container")
 
@@ -103,36 +109,6 @@ _BAD_ARCHIVE = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError,
 TAR_MAX_BYTES = int(os.environ.get("CORRAL_TAR_MAX_BYTES", str(2 << 30)))
 
 
-def _stat_fields(pid: int) -> list[bytes] | None:
-    """/proc/PID/stat from field 3 (state) on; None if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # comm (field 2) may hold spaces and parentheses: split after the last ')'.
-    return data[data.rindex(b")") + 2:].split()
-
-
-def proc_starttime(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (start time in clock ticks since boot); None if gone."""
-    rest = _stat_fields(pid)
-    return None if rest is None else int(rest[19])  # fields 3.. -> field 22 is index 19
-
-
-PF_EXITING = 0x4  # task flags (/proc/PID/stat field 9): in do_exit
-
-
-def proc_alive(pid: int, starttime: int) -> bool:
-    """Is PID still the process that started at ``starttime``, and neither a zombie nor on its
-    way out? A pid namespace's init that is exiting waits (state D, for ever if need be) until
-    every process of its namespace is reaped, and a command whose parent died with the daemon
-    is reaped only when the host's init gets to it: such a sandbox is dead, not running."""
-    rest = _stat_fields(pid)
-    return (rest is not None and rest[0] not in (b"Z", b"X") and int(rest[19]) == starttime
-            and not int(rest[6]) & PF_EXITING)
-
-
 # Open root fds kept for sandboxes used recently (exec and file operations reuse them); the rest
 # are opened on demand: the daemon's fd table must not grow with the number of sandboxes (its
 # RLIMIT_NOFILE may be as low as 20,000 where it cannot raise its hard limit).
@@ -144,13 +120,6 @@ SPAWN_TIMEOUT_S = 30.0
 
 # destroy_many: inits signalled ahead of their destroy (each holds a pidfd until destroyed).
 KILL_AHEAD = 64
-
-
-def _pidfd_exited(pidfd: int, timeout_s: float) -> bool:
-    """Wait up to ``timeout_s`` for a pidfd to become readable (its process has exited)."""
-    p = select.poll()
-    p.register(pidfd, select.POLLIN)
-    return bool(p.poll(max(0, int(timeout_s * 1000))))
 
 
 def background_priority() -> None:
@@ -508,6 +477,9 @@ class _RootRef:
 
 class ContainerSubstrate(Substrate):
     name = "container"
+    capabilities = Capabilities(files=True, snapshot=True, restore=True, pause=True,
+                                oom_kills=True, exit_watch=True, warm_pool=True,
+                                networks=NETWORK_MODES)
 
     def __init__(self, state_dir: str, cgroups: CgroupManager, images: ImageStore,
                  netns_pool: int | None = None) -> None:
@@ -573,9 +545,12 @@ class ContainerSubstrate(Substrate):
 
     def watch_exits(self, loop: Any, on_lost: Any) -> bool:
         """Watch inits without an fd per sandbox in this process's fd table (see
-        corral.daemon.initwatch); ``on_lost`` gets the ids of sandboxes whose init died."""
+        corral.daemon.initwatch); ``on_lost`` gets the ids of sandboxes whose init died.
+        CORRAL_PIDFD_PER_SANDBOX=1 keeps a pidfd per sandbox instead."""
         from corral.daemon.initwatch import InitWatcher
 
+        if os.environ.get("CORRAL_PIDFD_PER_SANDBOX") == "1":
+            return False
         try:
             self._watcher = InitWatcher(loop, self._inits_dead)
         except OSError:
@@ -1070,7 +1045,17 @@ class ContainerSubstrate(Substrate):
 
     # ---- exec ----------------------------------------------------------------------------
     def spawn(self, runtime: SandboxRuntime, spec: ExecSpec,
-              loop: asyncio.AbstractEventLoop | None = None) -> Spawn:
+              loop: asyncio.AbstractEventLoop) -> Awaitable[Spawned]:
+        # With a loop every path answers later: through the init, or the daemon's own path
+        # in a thread (_spawn_off_loop).
+        started = self.launch(runtime, spec, loop)
+        assert not isinstance(started, int | Spawned)
+        return started
+
+    def launch(self, runtime: SandboxRuntime, spec: ExecSpec,
+               loop: asyncio.AbstractEventLoop | None = None) -> Launch:
+        """``spawn`` on any path; without a loop it blocks and gives our child's pid or the
+        init's child."""
         try:  # the same limits on every path: what execve would take
             initexec.check_size(list(spec.argv), spec.env)
         except initexec.Invalid as e:
@@ -1089,7 +1074,7 @@ class ContainerSubstrate(Substrate):
         return self._spawn_here(runtime, spec)
 
     async def _spawn_off_loop(self, runtime: SandboxRuntime, spec: ExecSpec,
-                              loop: asyncio.AbstractEventLoop) -> int:
+                              loop: asyncio.AbstractEventLoop) -> Spawned:
         """The daemon's own path, in a thread of its own, one command at a time per sandbox.
         Nothing a sandbox does can hold the thread (exec_in's helper is outside its pid
         namespace and returns once the command is forked); should the kernel hold it anyway,
@@ -1120,11 +1105,12 @@ class ContainerSubstrate(Substrate):
         job = _in_thread(loop, self._spawn_here, runtime, spec)
         job.add_done_callback(done)
         try:
-            return await _within(asyncio.shield(job), SPAWN_TIMEOUT_S,
-                                 f"the command did not start within {SPAWN_TIMEOUT_S:.0f}s")
+            pid = await _within(asyncio.shield(job), SPAWN_TIMEOUT_S,
+                                f"the command did not start within {SPAWN_TIMEOUT_S:.0f}s")
         except (ExecStalled, asyncio.CancelledError):  # no unobserved command
             abandoned = True
             raise
+        return Spawned(pidfd=-1, pid=pid, ns_pid=0, own_child=True)
 
     def _spawn_here(self, runtime: SandboxRuntime, spec: ExecSpec) -> int:
         with self._rooted(runtime) as root:
@@ -1193,7 +1179,7 @@ class ContainerSubstrate(Substrate):
                 chan.close()
 
     def _spawn_via_init(self, runtime: SandboxRuntime, spec: ExecSpec,
-                        loop: asyncio.AbstractEventLoop | None) -> Spawn | None:
+                        loop: asyncio.AbstractEventLoop | None) -> Launch | None:
         """Start the command through the init (with a loop: a coroutine that gives the
         Spawned); None when it must take the daemon's own path (no channel, a command beyond
         the init's limits, 16 answers awaited)."""
@@ -1287,7 +1273,7 @@ class ContainerSubstrate(Substrate):
         runtime.extra["memcg"] = True  # made: later execs skip the two cgroupfs lookups
 
     def _spawn(self, runtime: SandboxRuntime, spec: ExecSpec, root: int,
-               pidfd: int) -> int | initexec.Spawned:
+               pidfd: int) -> int:
         self._ensure_memcg(runtime)
         cfg = {
             "init_pid": runtime.init_pid,
@@ -1312,6 +1298,68 @@ class ContainerSubstrate(Substrate):
             raise InvalidRequest(str(e)) from None
         except OSError as e:
             raise self._spawn_error(runtime, e) from e
+
+    # ---- freeze, snapshots (the overlay uppers are the sandbox's own files) ---------------
+    def freeze(self, runtime: SandboxRuntime) -> None:
+        self.cgroups.freeze(runtime.cgroup_paths)
+
+    def thaw(self, runtime: SandboxRuntime, wait: bool = True) -> None:
+        self.cgroups.thaw(runtime.cgroup_paths, wait=wait)
+
+    def is_frozen(self, runtime: SandboxRuntime) -> bool:
+        """Frozen or freezing (v1 FREEZING, v2 cgroup.freeze=1)."""
+        return bool(self.cgroups.freeze_requested(runtime.cgroup_paths))
+
+    def image_on(self, image: Any, layers: list[str], store: SnapshotStore) -> Any:
+        """The snapshot layers as lowerdirs over the image's own, in each overlay."""
+        overlays = store.stack(image.overlays, layers)
+        store.check_fits(overlays, self.sandboxes_dir)
+        return dataclasses.replace(image, overlays=overlays,
+                                   meta={**image.meta, "layers": list(layers)})
+
+    def _uppers(self, runtime: SandboxRuntime) -> list[str]:
+        base = os.path.join(runtime.sandbox_dir, "upper")
+        return [os.path.join(base, str(i)) for i in range(len(os.listdir(base)))]
+
+    def capture(self, runtime: SandboxRuntime, image: Any, store: SnapshotStore,
+                paused: bool) -> tuple[str, str, int]:
+        """The overlay uppers, copied while the cgroup freezer holds the sandbox (a host
+        without a freezer: a best-effort copy of a live tree)."""
+        store.check_fits(image.overlays, self.sandboxes_dir, extra_layers=1)
+        paths = runtime.cgroup_paths
+
+        def freeze() -> None:
+            if not paused:
+                try:
+                    self.cgroups.freeze(paths)
+                except OSError:
+                    pass
+            # Tests only (tests/test_chaos.py): while this file exists the capture holds the
+            # sandbox frozen, so a test can act during it.
+            hold = os.environ.get("CORRAL_SNAPSHOT_TEST_HOLD_FILE")
+            while hold and os.path.exists(hold):
+                time.sleep(0.01)
+
+        def thaw() -> None:
+            if not paused:
+                try:
+                    self.cgroups.thaw(paths)
+                except OSError:
+                    pass
+
+        return store.capture(self._uppers(runtime), freeze, thaw)
+
+    def metrics(self) -> dict[str, int]:
+        out = {f"execs_via_{k}": v for k, v in self.exec_paths.items()}
+        for k, v in getattr(self.cgroups, "spare_stats", {}).items():
+            out[f"memcg_spares_{k}"] = v  # recycled memory cgroups (cgroups.recycle_memory)
+        for k, v in getattr(self.cgroups, "set_spare_stats", {}).items():
+            out[f"cgroup_spares_{k}"] = v  # recycled pids/cpu/freezer cgroups (recycle_rest)
+        return out
+
+    def status(self) -> dict[str, Any]:
+        version = getattr(self.cgroups, "version", 1)
+        return {"cgroup_version": version if version in (1, 2) else 1}
 
     # ---- files ---------------------------------------------------------------------------
     @contextlib.contextmanager
