@@ -296,3 +296,30 @@ def test_registry_builds_only_what_is_named():
         registry.build(["nosuch"], registry.Context(Config(state_dir="/nonexistent"), None, {}))
     assert "container" in registry.defaults()
     assert re.fullmatch(r"[a-z]+", registry.names()[0])
+
+
+# ---- the Rust core's stub ----------------------------------------------------------------------
+def test_core_stub_matches_the_module():
+    """python/corral/_core.pyi lists exactly what corral._core exports, with the same
+    parameters and defaults."""
+    import inspect
+
+    from corral import _core
+
+    stub = ast.parse((ROOT.parent / "_core.pyi").read_text())
+    funcs = {n.name: n for n in stub.body if isinstance(n, ast.FunctionDef)}
+    classes = {n.name for n in stub.body if isinstance(n, ast.ClassDef)}
+    consts = {t.id for n in stub.body if isinstance(n, ast.AnnAssign)
+              for t in [n.target] if isinstance(t, ast.Name)}
+    exported = {n for n in dir(_core) if not n.startswith("_")}
+    assert exported == set(funcs) | consts | (classes & exported), \
+        exported ^ (set(funcs) | consts | (classes & exported))
+    for name, fn in funcs.items():
+        sig = inspect.signature(getattr(_core, name))
+        assert [a.arg for a in fn.args.args] == list(sig.parameters), name
+        defaults = [ast.literal_eval(d) if not (isinstance(d, ast.Constant)
+                                                and d.value is Ellipsis) else ...
+                    for d in fn.args.defaults]
+        real = [p.default for p in sig.parameters.values()
+                if p.default is not inspect.Parameter.empty]
+        assert defaults == real, (name, defaults, real)

@@ -697,12 +697,12 @@ class Engine:
                     made[i] = await self._create_one(substrate, spec, image,
                                                      count if i == 0 else 0,
                                                      trajectories[i] if trajectories else None)
-                except BaseException as e:
+                except BaseException as e:  # noqa: BLE001 - raised below, after the undo
                     failed.append(e)
 
         try:
             await asyncio.gather(*(one(i) for i in range(count)))
-        except BaseException as e:  # cancelled: the tasks finish their creates, then undo
+        except BaseException as e:  # noqa: BLE001 - cancelled: the creates finish, then undo
             failed.append(e)
         if failed:
             await asyncio.gather(*(self._begin_stop(sb, "killed") for sb in made if sb),

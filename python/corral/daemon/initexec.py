@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 
 # The exit status of a process the init reaped: PIDFD_GET_INFO (corral.daemon.kernel).
+from corral.daemon import kernel
 from corral.daemon.kernel import decode, host_pid, wait_status
 from corral.daemon.substrates.types import Spawned  # what the init answers: its child
 
@@ -444,13 +445,9 @@ def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
 
 def _kill(sp: Spawned) -> None:
     """SIGKILL a command nobody waits for (its process group), and let go of its pidfd."""
-    try:
-        if sp.pid > 0:
-            os.killpg(sp.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    finally:
-        os.close(sp.pidfd)
+    if sp.pid > 0:
+        kernel.killpg(sp.pid, signal.SIGKILL)
+    os.close(sp.pidfd)
 
 
 def _close_all(fds: list[int]) -> None:

@@ -9,6 +9,7 @@ None, never an exception the caller has to know the errno of.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import select
@@ -22,6 +23,8 @@ PIDFD_INFO_EXIT = 8
 _INFO_PID_OFF = 16        # after u64 mask, u64 cgroupid
 _INFO_EXIT_OFF = 60       # s32 exit_code, a wait(2) status
 PF_EXITING = 0x4          # task flags (/proc/PID/stat field 9): in do_exit
+CLONE_FILES = 0x400
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 # ---- pidfds ------------------------------------------------------------------------------------
@@ -59,6 +62,12 @@ def reap(pidfd: int) -> tuple[int, int | None] | None:
     return 128 + res.si_status, res.si_status
 
 
+def peek_child(pid: int) -> os.waitid_result | None:
+    """Our child's exit, read without reaping it (WNOWAIT): None while it runs.
+    ChildProcessError if it is not our child."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+
+
 def _info(pidfd: int, mask: int) -> bytearray | None:
     buf = bytearray(64)
     struct.pack_into("=Q", buf, 0, mask)
@@ -91,6 +100,13 @@ def decode(status: int) -> tuple[int, int | None]:
     if status & 0x7F == 0:
         return (status >> 8) & 0xFF, None
     return 128 + (status & 0x7F), status & 0x7F
+
+
+# ---- threads -----------------------------------------------------------------------------------
+def unshare_files() -> None:
+    """Give the calling thread an fd table of its own (a copy of the process's)."""
+    if _libc.unshare(CLONE_FILES) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_FILES)")
 
 
 # ---- process groups ----------------------------------------------------------------------------

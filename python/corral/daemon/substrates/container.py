@@ -34,7 +34,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from corral import _core
-from corral.daemon import initexec, procpolicy, removal, streams, uploads
+from corral.daemon import initexec, kernel, procpolicy, removal, streams, uploads
 from corral.daemon.kernel import pidfd_exited as _pidfd_exited
 from corral.daemon.kernel import proc_alive, proc_starttime
 from corral.errors import (
@@ -358,10 +358,7 @@ def _kill_abandoned(job: asyncio.Future[int]) -> None:
     if job.cancelled() or job.exception() is not None:
         return
     pid = job.result()
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
+    kernel.killpg(pid, signal.SIGKILL)
     threading.Thread(target=_reap_later, args=(pid,), daemon=True).start()
 
 
@@ -408,10 +405,7 @@ def _in_thread(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> asyncio.
             loop.call_soon_threadsafe(settle, *out)
         except RuntimeError:  # the loop is closed: nobody will watch the command
             if out[0] and isinstance(out[1], int):
-                try:
-                    os.killpg(out[1], signal.SIGKILL)
-                except OSError:
-                    pass
+                kernel.killpg(out[1], signal.SIGKILL)
                 _reap_later(out[1])
 
     threading.Thread(target=run, name="corral-exec", daemon=True).start()
@@ -729,13 +723,10 @@ class ContainerSubstrate(Substrate):
         namespace has been reaped, and processes started with exec_in are the daemon's children,
         so this needs the daemon to keep reaping them meanwhile: bounded by ``timeout_s``.
         True if the init has exited (so its whole pid namespace is gone)."""
-        try:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kernel.pidfd_signal(pidfd, signal.SIGKILL)
         if _pidfd_exited(pidfd, timeout_s):
             try:
-                os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+                kernel.reap(pidfd)
             except ChildProcessError:
                 pass  # adopted after a restart: not our child, someone else reaps it
             return True
@@ -750,7 +741,7 @@ class ContainerSubstrate(Substrate):
         if pid <= 0 or not proc_alive(pid, runtime.init_starttime):
             return False
         try:
-            fd = os.pidfd_open(pid)
+            fd = kernel.pidfd_open(pid)
         except (ProcessLookupError, OSError):
             return False
         # The pid could have been reused between the check and pidfd_open: check again now
@@ -779,10 +770,8 @@ class ContainerSubstrate(Substrate):
             self._forget_many([(rt.init_pid, rt.sandbox_id) for rt in chunk])
             for rt in chunk:
                 if rt.pidfd >= 0:
-                    try:
-                        signal.pidfd_send_signal(rt.pidfd, signal.SIGKILL)
-                    except OSError:
-                        pass  # gone already; destroy handles it (a frozen one: thawed there)
+                    # gone already: destroy handles it (a frozen one: thawed there)
+                    kernel.pidfd_signal(rt.pidfd, signal.SIGKILL)
             out += super().destroy_many(chunk)
         return out
 
@@ -858,14 +847,14 @@ class ContainerSubstrate(Substrate):
         with self._kid_lock:
             if self._kids.get(pid) == runtime.sandbox_id:
                 try:  # our unreaped child: the pid is pinned
-                    return os.pidfd_open(pid)
+                    return kernel.pidfd_open(pid)
                 except OSError:
                     return -1
         # Not our child (adopted after a restart): the pid could be reused; check after.
         if proc_starttime(pid) != runtime.init_starttime:
             return -1
         try:
-            fd = os.pidfd_open(pid)
+            fd = kernel.pidfd_open(pid)
         except OSError:
             return -1
         if proc_starttime(pid) != runtime.init_starttime:
@@ -937,9 +926,7 @@ class ContainerSubstrate(Substrate):
     def _kill_thawed(self, pidfd: int, paths: list[str]) -> None:
         """SIGKILL the init, then thaw its cgroup: a frozen (paused) task does not act on a
         signal until thawed, and thawing after the signal lets no user code run."""
-        try:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        except ProcessLookupError:
+        if not kernel.pidfd_signal(pidfd, signal.SIGKILL):
             return
         try:
             if self.cgroups.is_frozen(paths):
@@ -1019,7 +1006,7 @@ class ContainerSubstrate(Substrate):
         if kills is not None and kills > int(runtime.extra.get("oom_base", 0)):
             return {"cause": "oom", "oom_kills": kills - int(runtime.extra.get("oom_base", 0))}
         try:  # WNOWAIT: destroy still reaps it
-            st = os.waitid(os.P_PID, runtime.init_pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            st = kernel.peek_child(runtime.init_pid)
         except (ChildProcessError, OSError):
             return None  # not our child (adopted after a restart): no status to read
         if st is None or st.si_pid != runtime.init_pid:
