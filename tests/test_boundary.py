@@ -323,3 +323,53 @@ def test_core_stub_matches_the_module():
         real = [p.default for p in sig.parameters.values()
                 if p.default is not inspect.Parameter.empty]
         assert defaults == real, (name, defaults, real)
+
+
+# ---- operations as data ------------------------------------------------------------------------
+def test_handlers_dispatch_operations_and_touch_no_engine_state():
+    """Every logged sandbox call goes through ops.dispatch: the handlers call no trajlog.run
+    and reach into no sandbox record (its state, busy count, runtime) nor the substrates."""
+    tree = ast.parse((ROOT / "app.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            assert node.attr not in ("sandboxes", "busy", "runtime", "substrates", "capturing",
+                                     "threads", "state"), ast.unparse(node)
+            if node.attr == "run" and isinstance(node.value, ast.Attribute):
+                assert node.value.attr != "trajlog", ast.unparse(node)
+
+
+def test_the_operation_set_is_closed():
+    from corral.daemon import ops
+
+    subclasses = {c for c in vars(ops).values()
+                  if isinstance(c, type) and issubclass(c, ops.Op) and c is not ops.Op}
+    assert subclasses == set(ops.OPS)
+    names = {c.name for c in ops.OPS if isinstance(c.__dict__.get("name"), str)}
+    assert {"create", "exec", "wait", "kill", "info", "snapshot", "fork", "restore", "pause",
+            "resume", "stat", "list", "mkdir", "remove", "rename"} <= names
+    # the two whose name depends on the call
+    assert ops.Write("s", None, "/a", b"", 0o644, False).name == "write"
+    assert ops.Write("s", None, "/a", b"", None, False).name == "upload"
+
+
+def test_dispatch_waits_out_a_capture_for_pause(engine):
+    """A pause dispatched while a snapshot capture holds the sandbox runs only once the
+    capture is over (its freeze is not a pause)."""
+    from corral.daemon import ops
+
+    eng, loop = engine
+
+    async def flow() -> None:
+        sb = await eng.create(SandboxSpec(substrate="hostproc"))
+        sb.capturing = loop.create_future()
+        task = asyncio.ensure_future(ops.dispatch(eng, ops.Pause(sb.id, None)))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not task.done()  # held by the capture
+        done, sb.capturing = sb.capturing, None
+        done.set_result(None)
+        with pytest.raises(Unsupported):  # then runs: hostproc cannot pause
+            await task
+        await eng.kill(sb.id)
+
+    loop.run_until_complete(flow())

@@ -34,7 +34,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, BinaryIO, TypeVar
 
 from corral import __version__
@@ -520,6 +520,15 @@ class Engine:
             raise self._gone(sid, sb)
         sb.last_active = time.time()
         return sb
+
+    def sandbox_count(self) -> int:
+        """Sandboxes held, in any state (each counts against capacity)."""
+        return len(self.sandboxes)
+
+    def info_now(self, sid: str) -> dict[str, Any] | None:
+        """The SandboxInfo of a sandbox the engine holds (any state), else None."""
+        sb = self.sandboxes.get(sid)
+        return sb.info() if sb is not None else None
 
     def lookup(self, sid: str) -> Sandbox:
         """A running or paused sandbox, not resumed (info calls); refreshes its idle clock."""
@@ -1132,6 +1141,19 @@ class Engine:
             raise ProcessNotFound(f"no background process {pid} in sandbox {sid}",
                                   details={"id": sid, "pid": pid})
         return sb, p
+
+    def proc_status(self, sid: str, pid: int) -> dict[str, Any]:
+        return self.proc(sid, pid)[1].status()
+
+    @contextlib.contextmanager
+    def following(self, sb: Sandbox) -> Iterator[None]:
+        """A client follows a process's output: activity, as a foreground exec is (the
+        sandbox does not idle out meanwhile)."""
+        sb.busy += 1
+        try:
+            yield
+        finally:
+            sb.busy -= 1
 
     async def wait(self, sid: str, pid: int, timeout: float | None) -> dict[str, Any]:
         sb, p = self.proc(sid, pid)
