@@ -1489,14 +1489,14 @@ class Engine:
 
     # ---- status --------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for sub in self.substrates.values():  # facts of the host they run on
-            out.update(sub.status())
-        out.update({
+        out: dict[str, Any] = {
             "version": __version__, "pid": os.getpid(), "started_at": self.started_at,
             "sandboxes": len(self.sandboxes), "capacity": self.config.max_sandboxes,
-            "state_dir": self.config.state_dir, "substrates": sorted(self.substrates),
-        })
+            "state_dir": self.config.state_dir,
+        }
+        for sub in self.substrates.values():  # facts of the host they run on
+            out.update(sub.status())
+        out["substrates"] = sorted(self.substrates)
         return out
 
     def metrics(self) -> dict[str, int]:
