@@ -556,16 +556,15 @@ async def tar_download(request: web.Request) -> web.StreamResponse:
     """Planned first (caps checked, clear errors), then streamed in bounded chunks."""
     sid, path = request.match_info["id"], query_path(request)
     engine = _engine(request)
-    from corral.daemon.substrates.container import TAR_MAX_BYTES, TAR_MAX_MEMBERS
 
     async def download() -> dict[str, Any]:
-        ops = await engine.plan_tar(sid, path, TAR_MAX_BYTES, TAR_MAX_MEMBERS)
+        tree = await engine.plan_tar(sid, path, streams.TAR_MAX_BYTES, streams.TAR_MAX_MEMBERS)
         resp = web.StreamResponse()
         resp.content_type = "application/x-tar"
         await resp.prepare(request)
         try:
             sent = await streams.send_chunks(
-                resp, streams.chunks(ops, path.rstrip("/") or "/", TAR_MAX_BYTES),
+                resp, streams.chunks(tree, path.rstrip("/") or "/", streams.TAR_MAX_BYTES),
                 engine.trajlog.enabled)
         except BaseException:
             _cut(request)  # headers are out: the client must see a broken transfer

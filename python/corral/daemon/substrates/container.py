@@ -101,12 +101,11 @@ _FILE_ERRORS: dict[int, type[CorralError]] = {
 _OUT_OF_RESOURCES = {errno.EAGAIN, errno.ENOMEM, errno.ENOSPC, errno.EMFILE, errno.ENFILE,
                      errno.EUSERS}
 
-TAR_MAX_MEMBERS = 1_000_000
+TAR_MAX_MEMBERS = streams.TAR_MAX_MEMBERS
 # What a corrupt or truncated upload raises while it is decompressed and parsed (bzip2 says
 # OSError; the file writes raise CorralErrors, never these).
 _BAD_ARCHIVE = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError, ValueError)
-# A download is streamed; this caps the bytes sent (a sparse file claims any size it likes).
-TAR_MAX_BYTES = int(os.environ.get("CORRAL_TAR_MAX_BYTES", str(2 << 30)))
+TAR_MAX_BYTES = streams.TAR_MAX_BYTES
 
 
 # Open root fds kept for sandboxes used recently (exec and file operations reuse them); the rest
