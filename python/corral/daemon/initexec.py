@@ -465,7 +465,7 @@ def supported() -> bool:
     """Does this kernel give a non-parent a reaped process's exit status (6.15+)?"""
     try:
         pid = os.posix_spawn("/bin/true", ["true"], {})
-        fd = os.pidfd_open(pid)
+        fd = kernel.pidfd_open(pid)
     except OSError:
         return False
     try:

@@ -15,6 +15,7 @@ import os
 import select
 import signal
 import struct
+import threading
 
 # ioctl(pidfd, PIDFD_GET_INFO, struct pidfd_info) = _IOWR(0xFF, 11, 64 bytes), Linux 6.15+
 PIDFD_GET_INFO = (3 << 30) | (64 << 16) | (0xFF << 8) | 11
@@ -107,6 +108,16 @@ def unshare_files() -> None:
     """Give the calling thread an fd table of its own (a copy of the process's)."""
     if _libc.unshare(CLONE_FILES) != 0:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_FILES)")
+
+
+def nice_thread(nice: int) -> bool:
+    """Set the calling thread's CPU priority (setpriority on a thread id changes that thread
+    alone on Linux); False if not allowed."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError:
+        return False
+    return True
 
 
 # ---- process groups ----------------------------------------------------------------------------

@@ -124,9 +124,8 @@ KILL_AHEAD = 64
 def background_priority() -> None:
     """Lowest CPU priority (nice 19) for the calling thread: a refill that runs while a batch
     of creates is in flight would take CPU from those creates, on the path, for work meant
-    to be off it. On Linux, setpriority on a thread id changes that thread alone."""
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    to be off it."""
+    kernel.nice_thread(19)
 
 
 class NetnsPool:
