@@ -155,7 +155,7 @@ BAD_SPECS = [
     {"pids": -5}, {"timeout": -5}, {"timeout": 0}, {"timeout": 1e12}, {"idle_timeout": 0},
     {"env": {"A=B": "x"}}, {"env": {"A": "x\u0000"}}, {"labels": {"bad key!": "x"}},
     {"hostname": "bad host!"}, {"no_such_field": 1},
-    {"substrate": "docker"}, {"image": ""}, {"cwd": ""},
+    {"substrate": "Docker!"}, {"substrate": ""}, {"substrate": 1}, {"image": ""}, {"cwd": ""},
 ]
 
 
@@ -165,6 +165,28 @@ def test_create_rejects_bad_spec(c, spec):
     err = expect_error(c.post("/v1/sandboxes", json=spec), "invalid_request", 400)
     assert "SandboxSpec" in err["message"] and err["details"]["errors"]
     assert set(leaked_sandbox_cgroups()) == before
+
+
+@pytest.mark.parametrize("name,code,status", [("docker", "invalid_request", 400),
+                                               ("gvisor-nope", "invalid_request", 400),
+                                               ("vm", "unsupported", 501)])
+def test_create_on_a_substrate_not_served(c, name, code, status):
+    """A well-formed name the daemon does not serve: unsupported if corral knows it, else
+    invalid_request; either way it names what is served and makes nothing."""
+    before = set(leaked_sandbox_cgroups())
+    n = len(c.get("/v1/sandboxes").json()["sandboxes"])
+    err = expect_error(c.post("/v1/sandboxes", json={"substrate": name}), code, status)
+    assert "available: container" in err["message"] and err["details"]["substrate"] == name
+    assert len(c.get("/v1/sandboxes").json()["sandboxes"]) == n
+    assert set(leaked_sandbox_cgroups()) == before
+
+
+def test_substrates_table(c):
+    table = c.get("/v1/substrates").json()["substrates"]
+    assert [s["name"] for s in table] == c.get("/v1/status").json()["substrates"]
+    caps = next(s for s in table if s["name"] == "container")["capabilities"]
+    assert caps["snapshot"] and caps["pause"] and caps["files"] and caps["restore"]
+    assert caps["networks"] == ["none", "disabled"]
 
 
 @pytest.mark.parametrize("network", ["host", "bridge", "", "NONE", 1, None])
@@ -203,7 +225,7 @@ def test_bad_image_and_unsupported_substrate(c):
     assert "no-such-image" in err["message"]
     for sub in ("gvisor", "microvm", "vm", "process"):
         err = expect_error(c.post("/v1/sandboxes", json={"substrate": sub}), "unsupported", 501)
-        assert "not yet" in err["message"]
+        assert "not available on this daemon" in err["message"]
 
 
 UNKNOWN = "sb-0123456789abcdef"

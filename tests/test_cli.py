@@ -57,6 +57,20 @@ def test_status(daemon):
     assert "sandboxes" in ok("status")
 
 
+def test_status_shows_the_capability_table():
+    st = json.loads(ok("status", "--json"))
+    caps = {s["name"]: s["capabilities"] for s in st["substrate_capabilities"]}
+    assert set(caps) == set(st["substrates"]) and caps["container"]["snapshot"] is True
+    text = ok("status")
+    assert re.search(r"SUBSTRATE\s+FILES\s+SNAPSHOT", text)
+    assert re.search(r"container\s+yes\s+yes", text)
+
+
+def test_create_on_a_substrate_not_served():
+    r = corral_cli("create", "--substrate", "nosuch")
+    assert r.returncode != 0 and "invalid_request" in r.stderr and "nosuch" in r.stderr
+
+
 def test_create_ls_info(sid, label):
     assert re.fullmatch(r"sb-[0-9a-f]{16}", sid)
     key, value = label.split("=")

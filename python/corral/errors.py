@@ -261,9 +261,11 @@ class ReplayDivergence(Conflict):
 
 
 class Unsupported(CorralError):
-    """A feature or substrate that is not available (yet, or on this host)."""
+    """A feature or substrate that is not available on this daemon or host, or an operation
+    the sandbox's substrate lacks (its capability table): refused before anything is done."""
 
     code, status = "unsupported", 501
+    CATEGORY = "task"  # the caller asked for what this substrate does not do
 
 
 # --- infrastructure errors: mask these rollouts, don't learn from them ------------------------

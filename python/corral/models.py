@@ -13,8 +13,13 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic.config import JsonDict
 
+# The substrates corral names; a daemon serves some of them (GET /v1/substrates). A create
+# naming one it does not serve is unsupported (501); any other name, invalid_request.
 SUBSTRATES = ("process", "container", "gvisor", "microvm", "vm")
-Substrate = Literal["process", "container", "gvisor", "microvm", "vm"]
+SUBSTRATE_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
+Substrate = Annotated[str, Field(pattern=SUBSTRATE_PATTERN, description=(
+    "the substrate that runs the sandbox: container (default), or another one the daemon "
+    "serves (GET /v1/substrates)"))]
 NetworkMode = Literal["none", "disabled"]
 # "none": a network namespace of the sandbox's own with only loopback. "disabled": no socket
 # but AF_UNIX (seccomp), in one empty namespace shared by all such sandboxes (docs/isolation.md).
@@ -412,8 +417,29 @@ class DaemonStatus(_Response):
     sandboxes: int
     capacity: int
     state_dir: str
-    cgroup_version: Literal[1, 2]
+    cgroup_version: Literal[1, 2] | None = Field(None, description=(
+        "the host's cgroup version, when a substrate that uses cgroups is served"))
     substrates: list[str]
+
+
+class SubstrateCapabilities(_Response):
+    """What a substrate can do beyond create, exec and kill; an operation it lacks answers
+    ``unsupported`` (501) before anything is done."""
+
+    files: bool = Field(description="file and tar operations")
+    snapshot: bool = Field(description="snapshot and fork")
+    restore: bool = Field(description="restore in place to a snapshot")
+    pause: bool = Field(description="pause and resume (freeze every process)")
+    oom_kills: bool = Field(description="counts OOM kills (oom_killed, sandbox_crashed)")
+    exit_watch: bool = Field(description="learns of dead sandboxes without a pidfd each")
+    warm_pool: bool = Field(description="sandboxes can be made ahead of demand")
+    networks: list[NetworkMode] = Field(description="the network modes it can give")
+
+
+class SubstrateInfo(_Response):
+    name: str
+    capabilities: SubstrateCapabilities
+    operations: list[str] = Field(description="the API operations it takes")
 
 
 class LogEntry(_Response):

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from corral.cli.output import err, handled, kv_table, out, print_json, since
 from corral.errors import DaemonUnavailable, InvalidRequest
+from corral.models import SubstrateCapabilities, SubstrateInfo
 from corral.sdk import Endpoint, admin
 
 app = typer.Typer()
@@ -66,15 +67,32 @@ def status(json_: bool = JSON) -> None:
             print_json({"running": False, "endpoint": str(Endpoint.from_env())})
             raise typer.Exit(1) from None
         raise
+    subs = admin.substrates()
     if json_:
-        print_json({"running": True, "endpoint": str(Endpoint.from_env()), **st.model_dump()})
+        print_json({"running": True, "endpoint": str(Endpoint.from_env()), **st.model_dump(),
+                    "substrate_capabilities": [s.model_dump() for s in subs]})
         return
     out.print(kv_table([
         ("endpoint", Endpoint.from_env()), ("version", st.version), ("pid", st.pid),
         ("uptime", since(st.started_at)), ("sandboxes", f"{st.sandboxes} / {st.capacity}"),
-        ("state dir", st.state_dir), ("cgroup", f"v{st.cgroup_version}"),
+        ("state dir", st.state_dir),
+        ("cgroup", f"v{st.cgroup_version}" if st.cgroup_version else "-"),
         ("substrates", ", ".join(st.substrates)),
     ]))
+    out.print(capability_table(subs))
+
+
+def capability_table(subs: list[SubstrateInfo]) -> Table:
+    """One row per substrate the daemon serves, one column per capability."""
+    cols = [c for c in SubstrateCapabilities.model_fields if c != "networks"]
+    t = Table(box=None, header_style="bold")
+    for col in ("SUBSTRATE", *(c.upper() for c in cols), "NETWORKS"):
+        t.add_column(col)
+    for s in subs:
+        caps = s.capabilities
+        t.add_row(s.name, *("yes" if getattr(caps, c) else "-" for c in cols),
+                  ", ".join(caps.networks))
+    return t
 
 
 @image_app.command("ls")

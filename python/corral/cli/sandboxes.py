@@ -52,6 +52,8 @@ def spec_options(image: str, cpu: float, memory: int, pids: int, ttl: float,
             "env": parse_pairs(env, "--env")}
 
 
+SUBSTRATE = typer.Option("container", "--substrate",
+                         help="What runs the sandbox (corral status lists the substrates).")
 NETWORK = typer.Option("none", "--network",
                        help="none: own network namespace, loopback only; disabled: no socket "
                             "but unix ones (cheaper: one shared empty namespace).")
@@ -71,11 +73,12 @@ def create(
     label: list[str] = LABELS,
     env: list[str] = typer.Option(None, "--env", "-e", help="KEY=VALUE for every command."),
     network: str = NETWORK,
+    substrate: str = SUBSTRATE,
     json_: bool = JSON,
 ) -> None:
     """Create a sandbox and print its id."""
     sb = Sandbox(**spec_options(image, cpu, memory, pids, timeout, idle_timeout, label, env),
-                 network=network)  # type: ignore[arg-type]  # validated: invalid_network
+                 network=network, substrate=substrate)  # type: ignore[arg-type]  # validated: invalid_network
     if json_:
         print_json(sb.last_info)
     else:
@@ -165,11 +168,12 @@ def run(
     interactive: bool = INTERACTIVE,
     no_stream: bool = NO_STREAM,
     network: str = NETWORK,
+    substrate: str = SUBSTRATE,
     json_: bool = JSON,
 ) -> None:
     """Create a sandbox, run one command in it, destroy it; exit with the command's code."""
     with Sandbox(**spec_options(image, cpu, memory, pids, ttl, None, label, sandbox_env),
-                 network=network) as sb:  # type: ignore[arg-type]
+                 network=network, substrate=substrate) as sb:  # type: ignore[arg-type]
         code = run_in(sb, cmd, timeout=timeout, env=env, cwd=cwd, user=user,
                       interactive=interactive, stream=not no_stream, json_=json_)
     raise typer.Exit(code)

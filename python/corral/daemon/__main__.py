@@ -199,8 +199,8 @@ async def serve(cfg: config.Config) -> None:
     serving = False
     try:
         await engine.start()
-        protected = protect_daemon(engine.cgroups, cfg.daemon_memory_mb) \
-            if engine.cgroups is not None else {}
+        cgroups = engine.shared.get("cgroups")  # made by the container substrate
+        protected = protect_daemon(cgroups, cfg.daemon_memory_mb) if cgroups is not None else {}
         app = create_app(engine, cfg.token or None)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0,
                                max_line_size=MAX_LINE_SIZE, max_field_size=MAX_FIELD_SIZE)

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel
 
-from corral.daemon import spool, streams
+from corral.daemon import ops, spool, streams
 from corral.daemon.app_errors import JSON_MAX, MAX_BODY, is_unix, middleware
 from corral.daemon.bodies import parse
 from corral.daemon.engine import MAX_READ_BYTES, Engine
@@ -62,7 +62,6 @@ from corral.daemon.trajlog import (
     MAX_KEY_LEN,
     body_request,
     data_result,
-    listing_result,
     replayed_listing,
     replayed_read,
 )
@@ -102,6 +101,7 @@ from corral.models import (
     SnapshotInfo,
     SnapshotRequest,
     StdinRequest,
+    SubstrateInfo,
     WaitRequest,
 )
 
@@ -136,8 +136,8 @@ def _engine(request: web.Request) -> Engine:
     return request.app[ENGINE]
 
 
-def _entry(e: Any) -> Any:
-    return e.model_dump() if isinstance(e, BaseModel) else e
+def _dispatch(request: web.Request, op: ops.Op) -> Awaitable[Any]:
+    return ops.dispatch(request.app[ENGINE], op)
 
 
 # ---- trajectory log hooks (corral.daemon.trajlog; docs/trajectory.md) ----------------------
@@ -153,7 +153,6 @@ def _key(request: web.Request) -> str | None:
 
 _EXEC_FIELDS = frozenset(ExecResult.model_fields)
 _HANDLE_FIELDS = frozenset(ProcessHandle.model_fields)
-_LOGGED_OK = {"ok": True}
 
 
 def _exec_out(res: dict[str, Any]) -> dict[str, Any]:
@@ -167,39 +166,14 @@ def _exec_out(res: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _logged_ok(_: Any) -> dict[str, Any]:
-    return _LOGGED_OK
-
-
-def _snap_of(info: Any) -> list[str]:
-    """The snapshot a sandbox (its logged SandboxInfo) stands on, for ``snapshot_ids``."""
-    snap = info.get("snapshot") if isinstance(info, dict) else None
-    return [snap] if snap else []
-
-
 def _as_now(engine: Engine, info: dict[str, Any]) -> dict[str, Any]:
     """A logged SandboxInfo, as the sandbox is now (a fast-forwarded create, restore, pause or
     resume returns the sandbox's current state, not the one it had then): ``dead`` once it
     is gone."""
-    sb = engine.sandboxes.get(info.get("id", ""))
-    if sb is not None:
-        return sb.info()
+    now = engine.info_now(info.get("id", ""))
+    if now is not None:
+        return now
     return dict(info, state="dead") if info.get("state") != "dead" else info
-
-
-async def _file_op(request: web.Request, op: str, req: dict[str, Any], *args: Any,
-                   big: bool = False) -> web.Response:
-    """A mutating file operation: logged, once per idempotency key."""
-    sid = request.match_info["id"]
-    engine = _engine(request)
-    await engine.trajlog.run(sid, op, req, _key(request),
-                             lambda: engine.files(sid, op_method(op), *args, big=big),
-                             to_log=_logged_ok)
-    return _ok()
-
-
-def op_method(op: str) -> str:
-    return {"write": "write_file", "upload": "upload_tar"}.get(op, op)
 
 
 # ---- handlers --------------------------------------------------------------------------
@@ -209,6 +183,10 @@ async def health(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     return _json(_engine(request).status())
+
+
+async def list_substrates(request: web.Request) -> web.Response:
+    return _json({"substrates": _engine(request).substrate_table()})
 
 
 # Parsed specs by request body: a trainer sends the same spec again and again, and the
@@ -226,17 +204,11 @@ async def create_sandbox(request: web.Request) -> web.Response:
             _SPECS.clear()
         if len(raw) <= SPEC_CACHE_BODY:
             _SPECS[raw] = spec
-    engine = _engine(request)
     key = _key(request)
     # A create keyed "{T}:create" makes trajectory T's sandbox (engine.by_operator).
     tid = key[:-len(":create")] if key and key.endswith(":create") else None
-
-    async def make() -> dict[str, Any]:
-        return (await engine.create(spec, tid or None)).info()
-
-    info = await engine.trajlog.run("", "create", spec.model_dump(mode="json"), key,
-                                    make, snapshot_ids=_snap_of)
-    return _json(_as_now(engine, info), 201)
+    info = await _dispatch(request, ops.Create("", key, spec, tid or None))
+    return _json(_as_now(_engine(request), info), 201)
 
 
 async def create_batch(request: web.Request) -> web.Response:
@@ -247,7 +219,7 @@ async def create_batch(request: web.Request) -> web.Response:
     if engine.trajlog.enabled:
         spec, now = req.spec.model_dump(mode="json"), time.time()
         await asyncio.gather(*(engine.trajlog.record(i["id"], "create", spec, i, None, now, now,
-                                                     snapshot_ids=_snap_of(i))
+                                                     snapshot_ids=ops.snap_of(i))
                                for i in infos))
     return _json({"sandboxes": infos}, 201)
 
@@ -280,57 +252,37 @@ async def list_sandboxes(request: web.Request) -> web.Response:
 
 
 async def get_sandbox(request: web.Request) -> web.Response:
-    sid, key, engine = request.match_info["id"], _key(request), _engine(request)
+    sid, key = request.match_info["id"], _key(request)
     if key is None:  # a status poll: not logged
-        return _json(engine.lookup(sid).info())
-
-    async def info() -> dict[str, Any]:
-        return engine.lookup(sid).info()
-
+        return _json(_engine(request).lookup(sid).info())
     # Keyed: logged, and fast-forwarded it returns what the first call saw.
-    return _json(await engine.trajlog.run(sid, "info", {}, key, info))
+    return _json(await _dispatch(request, ops.Info(sid, key)))
 
 
 async def kill_sandbox(request: web.Request) -> web.Response:
-    sid, key, engine = request.match_info["id"], _key(request), _engine(request)
-
-    async def kill() -> dict[str, Any]:
-        try:
-            killed = await engine.kill(sid, key)
-        except SandboxNotFound:
-            # Keyed (a trainer's cleanup): a sandbox gone so long the daemon forgot it, but
-            # whose log it still has, is killed already.
-            if key is None or not await engine.trajlog.knows(sid):
-                raise
-            killed = False
-        return {"id": sid, "killed": killed}
-
+    sid, key = request.match_info["id"], _key(request)
     try:
-        return _json(await engine.trajlog.run(sid, "kill", {}, key, kill))
+        return _json(await _dispatch(request, ops.Kill(sid, key)))
     except ReplayDivergence:
         # A cleanup is never refused: a key bound to another call still kills (unkeyed).
-        return _json(await engine.trajlog.run(sid, "kill", {}, None, kill))
+        return _json(await _dispatch(request, ops.Kill(sid, None)))
 
 
 async def set_timeout(request: web.Request) -> web.Response:
     req = await _body(request, SetTimeoutRequest)
-    return _json(_engine(request).set_timeout(request.match_info["id"], req.timeout).info())
+    return _json(await _dispatch(request, ops.SetTimeout(request.match_info["id"], None,
+                                                         req.timeout)))
 
 
 async def exec_cmd(request: web.Request) -> web.Response:
     req = await _body(request, ExecRequest)
-    sid = request.match_info["id"]
-    engine = _engine(request)
-    # The model, not its dump: the log dumps it while the command runs (trajlog._plain).
-    res = await engine.trajlog.run(sid, "exec", req, _key(request),
-                                   lambda: engine.exec(sid, req),
-                                   to_log=engine.trajlog.exec_result)
+    res = await _dispatch(request, ops.Exec(request.match_info["id"], _key(request), req))
     return _json(_exec_out(res))
 
 
 async def proc_status(request: web.Request) -> web.Response:
-    _, p = _engine(request).proc(request.match_info["id"], path_int(request, "pid"))
-    return _json(p.status())
+    return _json(_engine(request).proc_status(request.match_info["id"],
+                                              path_int(request, "pid")))
 
 
 # How often a handler that waits on a process checks that its client is still there.
@@ -361,12 +313,8 @@ async def _unless_gone(request: web.Request, aw: Awaitable[T]) -> T:
 
 async def proc_wait(request: web.Request) -> web.Response:
     req = await _body(request, WaitRequest)
-    sid, pid = request.match_info["id"], path_int(request, "pid")
-    engine = _engine(request)
-    res = await _unless_gone(request, engine.trajlog.run(
-        sid, "wait", {"pid": pid, "timeout": req.timeout}, None,
-        lambda: engine.wait(sid, pid, req.timeout), to_log=engine.trajlog.exec_result))
-    return _json(_exec_out(res))
+    op = ops.Wait(request.match_info["id"], None, path_int(request, "pid"), req.timeout)
+    return _json(_exec_out(await _unless_gone(request, _dispatch(request, op))))
 
 
 async def proc_stream(request: web.Request) -> web.StreamResponse:
@@ -395,12 +343,9 @@ async def proc_stream(request: web.Request) -> web.StreamResponse:
         for name, text in first:
             if text:
                 await resp.write(_line({"stream": name, "data": text}))
-        sb.busy += 1  # a client following the output is activity (no idle timeout)
-        try:
+        with engine.following(sb):  # a client following the output is activity (no idle)
             while (item := await _unless_gone(request, queue.get())) is not None:
                 await resp.write(_line({"stream": item[0], "data": item[1]}))
-        finally:
-            sb.busy -= 1
         final: dict[str, Any] = {"exit_code": p.exit_code, "timed_out": p.timed_out}
         try:
             await engine.after_exit(sb, p)
@@ -420,13 +365,15 @@ def _line(obj: Any) -> bytes:
 
 async def proc_stdin(request: web.Request) -> web.Response:
     req = await _body(request, StdinRequest)
-    _engine(request).stdin(request.match_info["id"], path_int(request, "pid"), req.data, req.eof)
+    await _dispatch(request, ops.Stdin(request.match_info["id"], None,
+                                       path_int(request, "pid"), req.data, req.eof))
     return _ok()
 
 
 async def proc_kill(request: web.Request) -> web.Response:
     req = await _body(request, KillProcessRequest)
-    _engine(request).signal(request.match_info["id"], path_int(request, "pid"), req.signal)
+    await _dispatch(request, ops.Signal(request.match_info["id"], None,
+                                        path_int(request, "pid"), req.signal))
     return _ok()
 
 
@@ -447,9 +394,9 @@ async def file_read(request: web.Request) -> web.StreamResponse:
         return await _stream_file(request, streamed, fd, max_bytes, truncated,
                                   engine.trajlog.enabled)
 
-    got = await engine.trajlog.run(
-        sid, "read", {"path": path, "max_bytes": max_bytes}, key, read,
-        to_log=lambda v: v if isinstance(v, dict) else data_result(v[0], keep, truncated=v[1]))
+    got = await _dispatch(request, ops.Transfer(
+        sid, key, "read", {"path": path, "max_bytes": max_bytes}, read,
+        lambda v: v if isinstance(v, dict) else data_result(v[0], keep, truncated=v[1])))
     if streamed:
         await streamed[0].write_eof()
         return streamed[0]
@@ -512,22 +459,30 @@ def _truncated(truncated: bool) -> dict[str, str]:
     return {"X-Corral-Truncated": "true"} if truncated else {}
 
 
-async def _spooled_op(request: web.Request, op: str, *args: Any, **fields: Any,
+async def _spooled_op(request: web.Request, path: str, mode: int | None = None,
                       ) -> web.Response:
-    """A write or upload: its body streamed to an unnamed file on disk (corral.daemon.spool),
-    hashed on the way, then handed to the substrate as a file object to copy in chunks."""
-    engine = _engine(request)
+    """A write (``mode`` given) or an upload: its body streamed to an unnamed file on disk
+    (corral.daemon.spool), hashed on the way, then handed to the substrate as a file object
+    to copy in chunks."""
+    engine, sid = _engine(request), request.match_info["id"]
     f = spool.tmp_file(os.path.join(engine.config.state_dir, "tmp"))
     handed_off = False
+
+    key = _key(request)
+
+    async def put(data: bytes | Any, big: bool, req: dict[str, Any]) -> web.Response:
+        await _dispatch(request, ops.Write(sid, key, path, data, mode, big, req))
+        return _ok()
+
     try:
         got = await spool.spool(request, f, MAX_BODY, engine.trajlog.body_cap)
+        fields: dict[str, Any] = {"path": path} if mode is None else {"path": path, "mode": mode}
         req = body_request(got.size, got.sha256, got.head, **fields)
-        if op == "write" and got.head is not None and got.size <= BIG_BODY:  # on the loop
-            return await _file_op(request, op, req, fields["path"], got.head, *args)
+        if mode is not None and got.head is not None and got.size <= BIG_BODY:  # on the loop
+            return await put(got.head, False, req)
         # A thread reads f: cancelled here (the daemon stopping), f is closed when the thread
         # is done with it, never under it.
-        task = asyncio.ensure_future(_file_op(request, op, req, fields["path"], f, *args,
-                                              big=True))
+        task = asyncio.ensure_future(put(f, True, req))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -542,45 +497,36 @@ async def _spooled_op(request: web.Request, op: str, *args: Any, **fields: Any,
 async def file_write(request: web.Request) -> web.Response:
     path = query_path(request)
     mode = query_mode(request)
-    return await _spooled_op(request, "write", mode, True, path=path, mode=mode)
+    return await _spooled_op(request, path, mode)
 
 
 async def file_list(request: web.Request) -> web.Response:
-    sid, path = request.match_info["id"], query_path(request)
-    engine = _engine(request)
-
-    async def ls() -> list[Any]:
-        return [_entry(e) for e in await engine.files(sid, "list_dir", path)]
-
-    key = _key(request)
-    entries = await engine.trajlog.run(sid, "list", {"path": path}, key, ls,
-                                       to_log=lambda v: listing_result(v, key is not None))
+    op = ops.ListDir(request.match_info["id"], _key(request), query_path(request))
+    entries = await _dispatch(request, op)
     if isinstance(entries, dict):  # fast-forwarded: what was listed then
-        entries = await replayed_listing(entries, ls)
+        entries = await replayed_listing(entries, lambda: op.run(_engine(request)))
     items, nxt = page(request, entries, lambda e: e["name"])
     return _json({"entries": items, "next": nxt})
 
 
 async def file_stat(request: web.Request) -> web.Response:
-    sid, path = request.match_info["id"], query_path(request)
-    engine = _engine(request)
-
-    async def st() -> Any:
-        return _entry(await engine.files(sid, "stat", path))
-
-    return _json(await engine.trajlog.run(sid, "stat", {"path": path}, _key(request), st))
+    op = ops.Stat(request.match_info["id"], _key(request), query_path(request))
+    return _json(await _dispatch(request, op))
 
 
 async def file_mkdir(request: web.Request) -> web.Response:
     req = await _body(request, MkdirRequest)
-    return await _file_op(request, "mkdir", req.model_dump(), check_path(req.path), req.parents)
+    await _dispatch(request, ops.Mkdir(request.match_info["id"], _key(request),
+                                       check_path(req.path), req.parents, req.model_dump()))
+    return _ok()
 
 
 async def file_remove(request: web.Request) -> web.Response:
     req = await _body(request, RemoveRequest)
     not_root(req.path, "removed")
-    return await _file_op(request, "remove", req.model_dump(), check_path(req.path),
-                          req.recursive, big=req.recursive)
+    await _dispatch(request, ops.Remove(request.match_info["id"], _key(request),
+                                        check_path(req.path), req.recursive, req.model_dump()))
+    return _ok()
 
 
 async def file_rename(request: web.Request) -> web.Response:
@@ -588,8 +534,10 @@ async def file_rename(request: web.Request) -> web.Response:
     not_root(req.src, "renamed")
     not_root(req.dst, "replaced")
     try:
-        return await _file_op(request, "rename", req.model_dump(), check_path(req.src, "src"),
-                              check_path(req.dst, "dst"))
+        await _dispatch(request, ops.Rename(request.match_info["id"], _key(request),
+                                            check_path(req.src, "src"),
+                                            check_path(req.dst, "dst"), req.model_dump()))
+        return _ok()
     except InvalidPath as e:
         if e.details.get("errno") != errno.EXDEV:
             raise
@@ -601,23 +549,22 @@ async def file_rename(request: web.Request) -> web.Response:
 
 
 async def tar_upload(request: web.Request) -> web.Response:
-    return await _spooled_op(request, "upload", path=query_path(request))
+    return await _spooled_op(request, query_path(request))
 
 
 async def tar_download(request: web.Request) -> web.StreamResponse:
     """Planned first (caps checked, clear errors), then streamed in bounded chunks."""
     sid, path = request.match_info["id"], query_path(request)
     engine = _engine(request)
-    from corral.daemon.substrates.container import TAR_MAX_BYTES, TAR_MAX_MEMBERS
 
     async def download() -> dict[str, Any]:
-        ops = await engine.plan_tar(sid, path, TAR_MAX_BYTES, TAR_MAX_MEMBERS)
+        tree = await engine.plan_tar(sid, path, streams.TAR_MAX_BYTES, streams.TAR_MAX_MEMBERS)
         resp = web.StreamResponse()
         resp.content_type = "application/x-tar"
         await resp.prepare(request)
         try:
             sent = await streams.send_chunks(
-                resp, streams.chunks(ops, path.rstrip("/") or "/", TAR_MAX_BYTES),
+                resp, streams.chunks(tree, path.rstrip("/") or "/", streams.TAR_MAX_BYTES),
                 engine.trajlog.enabled)
         except BaseException:
             _cut(request)  # headers are out: the client must see a broken transfer
@@ -625,49 +572,29 @@ async def tar_download(request: web.Request) -> web.StreamResponse:
         await resp.write_eof()
         return {"size": sent.size, "sha256": sent.sha256, "response": resp}
 
-    res = await engine.trajlog.run(sid, "download", {"path": path}, None, download,
-                                   to_log=lambda v: {"size": v["size"], "sha256": v["sha256"]})
+    res = await _dispatch(request, ops.Transfer(
+        sid, None, "download", {"path": path}, download,
+        lambda v: {"size": v["size"], "sha256": v["sha256"]}))
     return res["response"]
 
 
 # ---- snapshots, fork, restore, pause (docs/snapshots.md) ----------------------------------
-def _snap(rec: dict[str, Any]) -> dict[str, Any]:
-    from corral.daemon.snapshots import info
-
-    return info(rec)
+_snap = ops.snap_info
 
 
 async def snapshot_sandbox(request: web.Request) -> web.Response:
     req = await _body(request, SnapshotRequest)
-    sid, engine = request.match_info["id"], _engine(request)
-
-    async def snap() -> dict[str, Any]:
-        return _snap(await engine.snapshot(sid, req.name))
-
     # Fast-forwarded: the snapshot as logged (also if it was deleted since).
-    return _json(await engine.trajlog.run(sid, "snapshot", req.model_dump(), _key(request),
-                                          snap, snapshot_ids=lambda r: [r["id"]]), 201)
+    return _json(await _dispatch(request, ops.Snapshot(request.match_info["id"], _key(request),
+                                                       req.name)), 201)
 
 
 async def fork_sandbox(request: web.Request) -> web.Response:
-    """Logged as one ``fork`` entry in the parent's log (the children's ids) and one ``create``
-    entry in each child's log (``parent`` in its request). Fast-forwarded, it returns the
-    same children: see _fork_child."""
+    """Fast-forwarded, a fork returns the same children: see _fork_child."""
     req = await _body(request, ForkRequest)
-    sid, engine, key = request.match_info["id"], _engine(request), _key(request)
-    tl = engine.trajlog
-
-    async def fork() -> dict[str, Any]:
-        started = time.time()
-        rec, kids = await engine.fork(sid, req.count, req.name, req.keep_snapshot, key)
-        if kids and tl.enabled:
-            spec = dict(kids[0].spec.model_dump(mode="json"), parent=sid)
-            for kid in kids:  # committed with (before) the fork entry awaited below
-                tl.logged(kid.id, "create", spec, kid.info(), started, [rec["id"]])
-        return {"snapshot": _snap(rec), "sandboxes": [kid.id for kid in kids]}
-
-    res = await tl.run(sid, "fork", req.model_dump(), key, fork,
-                       snapshot_ids=lambda r: [r["snapshot"]["id"]])
+    engine = _engine(request)
+    res = await _dispatch(request, ops.Fork(request.match_info["id"], _key(request), req.count,
+                                            req.name, req.keep_snapshot, req.model_dump()))
     return _json({"snapshot": res["snapshot"],
                   "sandboxes": [await _fork_child(engine, cid) for cid in res["sandboxes"]]},
                  201)
@@ -678,9 +605,9 @@ async def _fork_child(engine: Engine, cid: str) -> dict[str, Any]:
     its create entry logged it with state ``dead``: a replayed fork never forks again, and the
     first call on a gone child that is not in its log fails with sandbox_not_running (or
     sandbox_lost)."""
-    sb = engine.sandboxes.get(cid)
-    if sb is not None:
-        return sb.info()
+    now = engine.info_now(cid)
+    if now is not None:
+        return now
     await engine.trajlog.flushed()  # its create entry may be journaled, not yet ingested
     info = engine.trajlog.logged_result(cid, "create")
     if info is None:
@@ -691,32 +618,19 @@ async def _fork_child(engine: Engine, cid: str) -> dict[str, Any]:
 
 async def restore_sandbox(request: web.Request) -> web.Response:
     req = await _body(request, RestoreRequest)
-    sid, engine = request.match_info["id"], _engine(request)
-
-    async def restore() -> dict[str, Any]:
-        return (await engine.restore(sid, req.snapshot)).info()
-
-    info = await engine.trajlog.run(sid, "restore", req.model_dump(), _key(request), restore,
-                                    snapshot_ids=_snap_of)
-    return _json(_as_now(engine, info))
+    info = await _dispatch(request, ops.Restore(request.match_info["id"], _key(request),
+                                                req.snapshot))
+    return _json(_as_now(_engine(request), info))
 
 
 async def pause_sandbox(request: web.Request) -> web.Response:
-    return await _state_op(request, "pause")
+    info = await _dispatch(request, ops.Pause(request.match_info["id"], _key(request)))
+    return _json(_as_now(_engine(request), info))
 
 
 async def resume_sandbox(request: web.Request) -> web.Response:
-    return await _state_op(request, "resume")
-
-
-async def _state_op(request: web.Request, op: str) -> web.Response:
-    sid, engine = request.match_info["id"], _engine(request)
-
-    async def call() -> dict[str, Any]:
-        await engine.wait_capture(sid)  # a snapshot's freeze is not a pause
-        return getattr(engine, op)(sid).info()
-
-    return _json(_as_now(engine, await engine.trajlog.run(sid, op, {}, _key(request), call)))
+    info = await _dispatch(request, ops.Resume(request.match_info["id"], _key(request)))
+    return _json(_as_now(_engine(request), info))
 
 
 async def list_snapshots(request: web.Request) -> web.Response:
@@ -741,7 +655,7 @@ async def sandbox_log(request: web.Request) -> web.Response:
     fmt = request.query.get("format", "json")
     if fmt not in ("json", "jsonl"):
         raise InvalidRequest("query parameter 'format' must be json or jsonl")
-    data = await engine.trajlog.entries(sid, known=sid in engine.sandboxes)
+    data = await engine.trajlog.entries(sid, known=engine.info_now(sid) is not None)
     if fmt == "jsonl":
         return web.Response(body=b"".join(_line(e) for e in data["entries"]),
                             content_type="application/x-ndjson")
@@ -757,9 +671,9 @@ async def get_trajectory(request: web.Request) -> web.Response:
         raise NotFound(f"no trajectory {tid!r} in the log (no create keyed {tid}:create)",
                        details={"trajectory_id": tid})
     sid, step = found
-    sb = engine.sandboxes.get(sid)
-    if sb is not None:
-        info = sb.info()
+    now = engine.info_now(sid)
+    if now is not None:
+        info = now
     else:
         await engine.trajlog.flushed()
         info = dict(engine.trajlog.logged_result(sid, "create") or {}, state="dead")
@@ -768,7 +682,7 @@ async def get_trajectory(request: web.Request) -> web.Response:
 
 async def list_images(request: web.Request) -> web.Response:
     items, nxt = page(request, _engine(request).images.list(), lambda i: i.name)
-    return _json({"images": [_entry(i) for i in items], "next": nxt})
+    return _json({"images": [ops.entry(i) for i in items], "next": nxt})
 
 
 async def import_image(request: web.Request) -> web.Response:
@@ -777,7 +691,7 @@ async def import_image(request: web.Request) -> web.Response:
     engine = _engine(request)
     src = resolve_source(req.source, admin=is_unix(request), import_dir=engine.config.import_dir)
     info = await asyncio.to_thread(engine.images.import_image, req.name, src)
-    return _json(_entry(info), 201)
+    return _json(ops.entry(info), 201)
 
 
 async def upload_image(request: web.Request) -> web.Response:
@@ -793,13 +707,13 @@ async def upload_image(request: web.Request) -> web.Response:
         info = await asyncio.to_thread(store.import_image, name, path, "upload")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return _json(_entry(info), 201)
+    return _json(ops.entry(info), 201)
 
 
 async def metrics(request: web.Request) -> web.Response:
     engine = _engine(request)
     lines = [
-        "# TYPE corral_sandboxes gauge", f"corral_sandboxes {len(engine.sandboxes)}",
+        "# TYPE corral_sandboxes gauge", f"corral_sandboxes {engine.sandbox_count()}",
         "# TYPE corral_capacity gauge", f"corral_capacity {engine.config.max_sandboxes}",
         "# TYPE corral_api_waiting gauge",
         f"corral_api_waiting {request.app[WAITING]['waiting']}",
@@ -849,6 +763,9 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/health", health, "Liveness (no token needed)", response={
         "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}),
     Route("GET", "/v1/status", status, "Daemon status", response=DaemonStatus),
+    Route("GET", "/v1/substrates", list_substrates, "The substrates this daemon serves, each "
+          "with its capabilities (an operation a substrate lacks answers 501 unsupported)",
+          response=list_of("substrates", SubstrateInfo, paged=False)),
     Route("POST", "/v1/sandboxes", create_sandbox, "Create a sandbox", body=SandboxSpec,
           response=SandboxInfo, status=201, query=(KEY_H,), errors=(404, 409, 429, 501, 503),
           links=_SB_LINKS),

@@ -18,6 +18,8 @@ import signal
 import threading
 import time
 
+from corral.daemon import kernel
+
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,127}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 _V1_REQUIRED = ("memory", "pids", "cpu")
@@ -50,26 +52,8 @@ _MEM_RESETS = ("memory.max_usage_in_bytes", "memory.failcnt", "memory.memsw.max_
                "memory.memsw.failcnt", "memory.kmem.max_usage_in_bytes", "memory.kmem.failcnt")
 
 
-def _write(path: str, data: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, data.encode())
-    finally:
-        os.close(fd)
-
-
-def _read(path: str) -> str:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        chunks = []
-        while True:
-            b = os.read(fd, 65536)
-            if not b:
-                break
-            chunks.append(b)
-        return b"".join(chunks).decode()
-    finally:
-        os.close(fd)
+_write = kernel.write_knob  # every cgroup file write and read goes through the kernel seam
+_read = kernel.read_knob
 
 
 def _read_pids(path: str) -> list[int]:

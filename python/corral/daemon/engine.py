@@ -1,7 +1,10 @@
 """The engine: registry of sandboxes, lifecycle, admission, TTL/idle reaper, exec, files,
 persistence and re-adoption after a restart.
 
-Policy lives here; mechanism (namespaces, mounts, cgroups, file syscalls) in the substrate.
+Policy lives here; mechanism (namespaces, mounts, resource limits, freezing, file syscalls)
+in the substrate, reached only through the protocol of ``corral.daemon.substrates.base`` and
+gated by each substrate's capability table (an operation it lacks: ``unsupported``, before any
+side effect). Nothing here names a substrate.
 Cheap substrate calls (create, spawn, small file operations: ~1 ms in the Rust core, GIL
 released) run directly on the event loop: a thread hop would cost more than the call. Slow ones
 (destroy, tar, big files, image import) go through ``asyncio.to_thread``.
@@ -14,7 +17,7 @@ masks by in brackets, corral.errors):
       trajectory that did not carry one of the trajectory's keys (see by_operator).
   expired, idle_timeout -> ``sandbox_expired`` (409, limit): the TTL / idle timeout it chose.
   crashed -> ``sandbox_crashed`` (409; limit for an OOM kill, else task): the init died
-      because of what ran in the sandbox: an OOM kill in its memory cgroup, or the init ending
+      because of what ran in the sandbox: an OOM kill in its memory limit, or the init ending
       in a way nothing outside does (``details["cause"]``, see Substrate.end_cause).
   lost -> ``sandbox_lost`` (410, infra): the init died, the daemon did not kill it, and
       nothing in the sandbox explains it (the host killed it, the node or daemon failed).
@@ -31,11 +34,13 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, BinaryIO, TypeVar
 
 from corral import __version__
 from corral.config import Config
 from corral.daemon import persist, procs, removal, snapshots, streams, users
+from corral.daemon.substrates import registry
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
 from corral.daemon.trajlog import TrajLog
 from corral.errors import (
@@ -66,9 +71,10 @@ from corral.errors import (
     SnapshotExists,
     Unsupported,
 )
-from corral.models import SUBSTRATES, ExecRequest, SandboxSpec
+from corral.models import ExecRequest, FileEntry, SandboxSpec
 
 log = logging.getLogger("corral.engine")
+T = TypeVar("T")
 DEFAULT_CWD = SandboxSpec.model_fields["cwd"].default
 
 
@@ -253,15 +259,20 @@ _INPUT_ERRNOS = frozenset({errno.EIO, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUP
 
 
 class Engine:
-    def __init__(self, config: Config, *, substrates: dict[str, Substrate] | None = None,
-                 images: Any = None, cgroups: Any = None) -> None:
+    def __init__(self, config: Config, *, substrates: Sequence[str] | None = None,
+                 images: Any = None) -> None:
+        """``substrates``: the registered substrates to serve (default: the registry's
+        defaults); made at start (corral.daemon.substrates.registry)."""
         self.config = config
         self.sandboxes: dict[str, Sandbox] = {}
         self.tombstones: OrderedDict[str, str] = OrderedDict()
         self.causes: dict[str, dict[str, Any]] = {}  # tombstoned "crashed" ids: the cause
-        self.substrates: dict[str, Substrate] = substrates or {}
+        self.substrate_names = list(substrates) if substrates is not None \
+            else registry.defaults()
+        self.substrates: dict[str, Substrate] = {}
         self.images = images
-        self.cgroups = cgroups
+        # Host-wide resources the substrates made (registry.Context.shared).
+        self.shared: dict[str, Any] = {}
         self.sandboxes_dir = os.path.join(config.state_dir, "sandboxes")
         self.started_at = time.time()
         self.shutting_down = False
@@ -290,8 +301,7 @@ class Engine:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         os.makedirs(self.sandboxes_dir, mode=0o700, exist_ok=True)
-        if not self.substrates:
-            await self._make_substrates()
+        await self._make_substrates()
         self.snaps = snapshots.SnapshotStore(self.config.state_dir,
                                              self.config.snapshot_max_bytes,
                                              self.config.snapshot_max_entries)
@@ -311,13 +321,11 @@ class Engine:
 
     def _catch_init_exits(self) -> None:
         """Substrates that can learn about dead inits without an fd per sandbox do so (the
-        daemon's fd table then does not grow with the sandboxes; see
-        ContainerSubstrate.watch_exits); sandboxes made before (re-adopted) keep their pidfd."""
+        daemon's fd table then does not grow with the sandboxes; Substrate.watch_exits);
+        sandboxes made before (re-adopted) keep their pidfd."""
         assert self._loop is not None
         for sub in self.substrates.values():
-            watch = getattr(sub, "watch_exits", None)
-            if watch is not None and os.environ.get("CORRAL_PIDFD_PER_SANDBOX") != "1":
-                watch(self._loop, self._inits_died)
+            sub.watch_exits(self._loop, self._inits_died)
 
     def _inits_died(self, ids: list[str]) -> None:
         for sid in ids:
@@ -326,17 +334,13 @@ class Engine:
                 self._lose(sb)
 
     async def _make_substrates(self) -> None:
-        # Imported here so the HTTP layer (and the OpenAPI generator) load without the core.
-        from corral.daemon.cgroups import CgroupManager
-        from corral.daemon.images import ImageStore
-        from corral.daemon.substrates.container import ContainerSubstrate
+        if self.images is None:
+            from corral.daemon.images import ImageStore
 
-        self.cgroups = CgroupManager(self.config.cgroup_name)
-        self.images = ImageStore(self.config.state_dir)
+            self.images = ImageStore(self.config.state_dir)
         await asyncio.to_thread(self.images.ensure_host)
-        self.substrates["container"] = ContainerSubstrate(self.config.state_dir, self.cgroups,
-                                                          self.images)
-        self.substrates["container"].upload_max_bytes = self.config.upload_max_bytes
+        ctx = registry.Context(self.config, self.images, self.shared)
+        self.substrates = registry.build(self.substrate_names, ctx)
 
     def _recover(self) -> None:
         """Re-adopt every sandbox a previous daemon left running; clean up everything else."""
@@ -375,14 +379,14 @@ class Engine:
             sb.runtime = runtime
             sb.state = "running"
             sb.trajectory = meta.get("trajectory")
-            if self._freeze_held(sb):
+            if self._frozen(substrate, runtime):
                 if meta.get("paused_at"):
                     sb.state, sb.paused_at = "paused", float(meta["paused_at"])
                 else:
                     # Frozen but not paused: the last daemon died in a snapshot's capture (or
                     # between a pause's freeze and its record, or a resume's thaw and its
                     # record). Left so, its next exec would freeze with the loop waiting.
-                    self._thaw_adopted(sb)
+                    self._thaw_adopted(substrate, sb)
             if self.snaps is not None:
                 self.snaps.acquire(sb.layers)
             sb.last_active = time.time()  # the idle clock restarts with the daemon
@@ -428,8 +432,8 @@ class Engine:
             if sb.state in ("running", "paused"):
                 self._unwatch(sb)
         # A start that failed with no sandbox to keep (none re-adopted, no record on disk not
-        # yet looked at) leaves nothing on the host: no scratch tmpfs, no parent cgroups. With
-        # sandboxes to keep, everything stays for the next start.
+        # yet looked at) leaves nothing of the substrates on the host (Substrate.close retire).
+        # With sandboxes to keep, everything stays for the next start.
         retire = not self.sandboxes and not _any_record(self.sandboxes_dir)
         for substrate in self.substrates.values():
             try:
@@ -517,6 +521,15 @@ class Engine:
         sb.last_active = time.time()
         return sb
 
+    def sandbox_count(self) -> int:
+        """Sandboxes held, in any state (each counts against capacity)."""
+        return len(self.sandboxes)
+
+    def info_now(self, sid: str) -> dict[str, Any] | None:
+        """The SandboxInfo of a sandbox the engine holds (any state), else None."""
+        sb = self.sandboxes.get(sid)
+        return sb.info() if sb is not None else None
+
     def lookup(self, sid: str) -> Sandbox:
         """A running or paused sandbox, not resumed (info calls); refreshes its idle clock."""
         sb = self.sandboxes.get(sid)
@@ -528,12 +541,32 @@ class Engine:
     def _substrate(self, name: str) -> Substrate:
         sub = self.substrates.get(name)
         if sub is None:
-            if name in SUBSTRATES:
-                raise Unsupported(f"substrate {name!r} is not yet supported; available: "
-                                  f"{', '.join(sorted(self.substrates))}",
-                                  details={"substrate": name})
-            raise InvalidRequest(f"unknown substrate {name!r}")
+            raise registry.unknown(name, list(self.substrates))
         return sub
+
+    def _for_create(self, spec: SandboxSpec) -> Substrate:
+        """The substrate a create names, checked against its capabilities."""
+        sub = self._substrate(spec.substrate)
+        caps = sub.capabilities
+        if spec.network not in caps.networks:
+            raise Unsupported(f"network {spec.network!r} is not supported on substrate "
+                              f"{sub.name!r} (it has: {', '.join(caps.networks)})",
+                              details={"substrate": sub.name, "network": spec.network})
+        if spec.snapshot is not None and not caps.snapshot:
+            raise Unsupported(f"snapshots are not supported on substrate {sub.name!r}",
+                              details={"substrate": sub.name, "operation": "snapshot"})
+        return sub
+
+    @staticmethod
+    def _lacks(sub: Substrate, what: str) -> Unsupported:
+        return Unsupported(f"{what} is not supported on substrate {sub.name!r}",
+                           details={"substrate": sub.name, "operation": what})
+
+    def substrate_table(self) -> list[dict[str, Any]]:
+        """Each served substrate and its capabilities (GET /v1/substrates)."""
+        return [{"name": name, "capabilities": sub.capabilities.to_json(),
+                 "operations": sub.capabilities.operations()}
+                for name, sub in sorted(self.substrates.items())]
 
     def _image(self, name: str) -> Any:
         image = self.images.get(name)
@@ -620,37 +653,28 @@ class Engine:
         return sb
 
     async def create(self, spec: SandboxSpec, trajectory: str | None = None) -> Sandbox:
-        substrate = self._substrate(spec.substrate)
+        substrate = self._for_create(spec)
         self._admit(1)
-        spec, image = self._resolve(spec)
+        spec, image = self._resolve(substrate, spec)
         return await self._create_one(substrate, spec, image, trajectory=trajectory)
 
-    def _resolve(self, spec: SandboxSpec) -> tuple[SandboxSpec, Any]:
-        """The image to mount: the spec's, or a snapshot's image with its layers on top (the
-        spec then names the snapshot by id and its image)."""
+    def _resolve(self, substrate: Substrate, spec: SandboxSpec) -> tuple[SandboxSpec, Any]:
+        """The image to start on: the spec's, or a snapshot's image with its layers on top
+        (the spec then names the snapshot by id and its image)."""
         if spec.snapshot is None:
             return spec, self._image(spec.image)
-        assert self.snaps is not None
-        rec = self.snaps.get(spec.snapshot)
+        store = self._snaps()
+        rec = store.get(spec.snapshot)
         base = self._image(rec["image"])
         spec = spec.model_copy(update={"snapshot": rec["id"], "image": rec["image"]})
-        return spec, self._layered(base, rec["layers"])
-
-    def _layered(self, base: Any, layers: list[str]) -> Any:
-        import dataclasses
-
-        assert self.snaps is not None
-        overlays = self.snaps.stack(base.overlays, layers)
-        self.snaps.check_fits(overlays, self.sandboxes_dir)
-        return dataclasses.replace(base, overlays=overlays,
-                                   meta={**base.meta, "layers": list(layers)})
+        return spec, substrate.image_on(base, rec["layers"], store)
 
     async def create_many(self, count: int, spec: SandboxSpec,
                           trajectories: list[str] | None = None) -> list[Sandbox]:
         """All or nothing: on the first failure the ones already made are destroyed."""
-        substrate = self._substrate(spec.substrate)
+        substrate = self._for_create(spec)
         self._admit(count)
-        spec, image = self._resolve(spec)
+        spec, image = self._resolve(substrate, spec)
         if count > 1:
             substrate.expect(count, spec)
         layers = self._image_layers(image)
@@ -664,7 +688,7 @@ class Engine:
 
     @staticmethod
     def _image_layers(image: Any) -> list[str]:
-        return list(getattr(image, "meta", None) and image.meta.get("layers") or ())
+        return list(image.meta.get("layers") or ())
 
     async def _create_many(self, substrate: Substrate, count: int, spec: SandboxSpec,
                            image: Any, trajectories: list[str] | None = None) -> list[Sandbox]:
@@ -682,12 +706,12 @@ class Engine:
                     made[i] = await self._create_one(substrate, spec, image,
                                                      count if i == 0 else 0,
                                                      trajectories[i] if trajectories else None)
-                except BaseException as e:
+                except BaseException as e:  # noqa: BLE001 - raised below, after the undo
                     failed.append(e)
 
         try:
             await asyncio.gather(*(one(i) for i in range(count)))
-        except BaseException as e:  # cancelled: the tasks finish their creates, then undo
+        except BaseException as e:  # noqa: BLE001 - cancelled: the creates finish, then undo
             failed.append(e)
         if failed:
             await asyncio.gather(*(self._begin_stop(sb, "killed") for sb in made if sb),
@@ -714,7 +738,7 @@ class Engine:
 
     def _lose(self, sb: Sandbox) -> None:
         """Its init died and the daemon did not kill it: crashed if the sandbox explains it
-        (read now, before destroy removes its cgroup and reaps the init), else lost."""
+        (read now, before destroy removes what it held and reaps the init), else lost."""
         cause = None
         substrate = self.substrates.get(sb.spec.substrate)
         if substrate is not None and sb.runtime is not None:
@@ -1033,7 +1057,7 @@ class Engine:
         root, like a file operation): the command would otherwise start in / unnoticed. The
         default cwd may be missing from an image: then the command starts in /."""
         try:
-            entry = await self.files(sid, "stat", cwd)
+            entry = await self.stat(sid, cwd)
         except (FileNotFound, NotADirectory):
             raise CwdNotFound(f"cwd {cwd!r} does not exist in the sandbox",
                               details={"cwd": cwd}) from None
@@ -1118,6 +1142,19 @@ class Engine:
                                   details={"id": sid, "pid": pid})
         return sb, p
 
+    def proc_status(self, sid: str, pid: int) -> dict[str, Any]:
+        return self.proc(sid, pid)[1].status()
+
+    @contextlib.contextmanager
+    def following(self, sb: Sandbox) -> Iterator[None]:
+        """A client follows a process's output: activity, as a foreground exec is (the
+        sandbox does not idle out meanwhile)."""
+        sb.busy += 1
+        try:
+            yield
+        finally:
+            sb.busy -= 1
+
     async def wait(self, sid: str, pid: int, timeout: float | None) -> dict[str, Any]:
         sb, p = self.proc(sid, pid)
         if p.running:
@@ -1151,21 +1188,26 @@ class Engine:
         p.killpg(sig)
 
     # ---- files ---------------------------------------------------------------------------
-    async def files(self, sid: str, op: str, *args: Any, big: bool = False) -> Any:
-        """Run a substrate file method; ``big`` ones in a thread."""
+    async def _files(self, sid: str, path: str,
+                     call: Callable[[Substrate, SandboxRuntime], T], big: bool = False) -> T:
+        """Run a substrate file operation on ``path`` (errors name it); ``big`` ones in a
+        thread."""
         if self._capturing(sid):
             await self.wait_capture(sid)
         sb = self.get(sid)
         sub = self.substrates[sb.spec.substrate]
-        fn = getattr(sub, op)
+        if not sub.capabilities.files:
+            raise self._lacks(sub, "files")
+        runtime = sb.runtime
+        assert runtime is not None
         try:
             if big:
                 sb.threads += 1
                 try:
-                    return await asyncio.to_thread(fn, sb.runtime, *args)
+                    return await asyncio.to_thread(call, sub, runtime)
                 finally:
                     sb.threads -= 1
-            return fn(sb.runtime, *args)
+            return call(sub, runtime)
         except CorralError as e:
             if sb.state == "running":
                 self._check_alive(sb)
@@ -1174,7 +1216,32 @@ class Engine:
             raise
         except OSError as e:
             self._check_alive(sb)
-            raise os_error(e, args[0] if args and isinstance(args[0], str) else "") from e
+            raise os_error(e, path) from e
+
+    async def stat(self, sid: str, path: str) -> FileEntry:
+        return await self._files(sid, path, lambda s, rt: s.stat(rt, path))
+
+    async def list_dir(self, sid: str, path: str) -> list[FileEntry]:
+        return await self._files(sid, path, lambda s, rt: s.list_dir(rt, path))
+
+    async def mkdir(self, sid: str, path: str, parents: bool) -> None:
+        await self._files(sid, path, lambda s, rt: s.mkdir(rt, path, parents))
+
+    async def remove(self, sid: str, path: str, recursive: bool) -> None:
+        await self._files(sid, path, lambda s, rt: s.remove(rt, path, recursive),
+                          big=recursive)
+
+    async def rename(self, sid: str, src: str, dst: str) -> None:
+        await self._files(sid, src, lambda s, rt: s.rename(rt, src, dst))
+
+    async def write_file(self, sid: str, path: str, data: bytes | BinaryIO, mode: int,
+                         big: bool = False) -> None:
+        await self._files(sid, path, lambda s, rt: s.write_file(rt, path, data, mode, True),
+                          big=big)
+
+    async def upload_tar(self, sid: str, path: str, data: bytes | BinaryIO,
+                         big: bool = True) -> None:
+        await self._files(sid, path, lambda s, rt: s.upload_tar(rt, path, data), big=big)
 
     async def read_file(self, sid: str, path: str,
                         max_bytes: int) -> tuple[bytes, bool, int | None]:
@@ -1183,9 +1250,10 @@ class Engine:
         of it (data empty) for the caller to stream in bounded chunks and close
         (corral.daemon.streams), so the daemon's memory does not grow with the file."""
         first = min(max_bytes, DIRECT_IO_BYTES)
-        data = await self.files(sid, "read_file", path, first + 1)
+        data = await self._files(sid, path, lambda s, rt: s.read_file(rt, path, first + 1))
         if len(data) > first and first < max_bytes:
-            fd, size = await self.files(sid, "open_read", path, big=True)
+            fd, size = await self._files(sid, path, lambda s, rt: s.open_read(rt, path),
+                                         big=True)
             return b"", size > max_bytes, fd
         if len(data) > max_bytes:
             return data[:max_bytes], True, None
@@ -1195,8 +1263,8 @@ class Engine:
                        max_members: int) -> streams.TreeOps:
         """Check that a tar of ``path`` stays within the caps (a walk that only stats, in a
         thread); returns the primitives to stream it with (streams.chunks)."""
-        ops: streams.TreeOps = await self.files(sid, "tree_ops", path)
-        await self.files(sid, "stat", path)  # a missing path fails here, with its error
+        ops = await self._files(sid, path, lambda s, rt: s.tree_ops(rt, path))
+        await self.stat(sid, path)  # a missing path fails here, with its error
         sb = self.get(sid)
         sb.threads += 1
         try:
@@ -1212,22 +1280,17 @@ class Engine:
             raise Unsupported("snapshots are not available")
         return self.snaps
 
-    def _uppers(self, sb: Sandbox) -> list[str]:
-        assert sb.runtime is not None
-        # "upper" below the sandbox's dir, or where the substrate put it (its disk layer)
-        base = os.path.join(sb.runtime.sandbox_dir, sb.runtime.extra.get("upper", "upper"))
-        n = len(os.listdir(base))
-        return [os.path.join(base, str(i)) for i in range(n)]
-
     async def snapshot(self, sid: str, name: str | None) -> dict[str, Any]:
-        """The sandbox's files (its overlay uppers) as a new layer on its own chain."""
+        """The sandbox's files (what it changed over its image) as a new layer on its own
+        chain (Substrate.capture)."""
         store = self._snaps()
         sb = self.lookup(sid)
-        if sb.spec.substrate != "container":
-            raise Unsupported("snapshots need the container substrate")
+        substrate = self.substrates[sb.spec.substrate]
+        if not substrate.capabilities.snapshot:
+            raise self._lacks(substrate, "snapshot")
         if name is not None and name in store.by_name:  # checked again in commit
             raise SnapshotExists(f"a snapshot named {name!r} exists", details={"name": name})
-        while True:  # one capture at a time (the freezer is shared), after file ops in flight
+        while True:  # one capture at a time (a freeze is shared), after file ops in flight
             await self.wait_capture(sid)
             sb = self.lookup(sid)
             if not sb.threads:
@@ -1235,36 +1298,17 @@ class Engine:
             await asyncio.sleep(0.001)
         base = sb.layers
         image = self._image(sb.spec.image)
-        store.check_fits(store.stack(image.overlays, base), self.sandboxes_dir, extra_layers=1)
-        paths = sb.runtime.cgroup_paths if sb.runtime else []
+        runtime = sb.runtime
+        assert runtime is not None
         paused = sb.state == "paused"
-
-        def freeze() -> None:
-            if not paused:
-                try:
-                    self.cgroups.freeze(paths)
-                except OSError:
-                    pass  # no freezer: a best-effort copy of a live tree
-            # Tests only (tests/test_chaos.py): while this file exists the capture holds the
-            # sandbox frozen, so a test can act during it.
-            hold = os.environ.get("CORRAL_SNAPSHOT_TEST_HOLD_FILE")
-            while hold and os.path.exists(hold):
-                time.sleep(0.01)
-
-        def thaw() -> None:
-            if not paused:
-                try:
-                    self.cgroups.thaw(paths)
-                except OSError:
-                    pass
-
         layers = list(base)
         store.acquire(layers)  # the sandbox may die meanwhile: keep its chain
         sb.threads += 1
         sb.capturing = asyncio.get_running_loop().create_future()
         try:
-            tmp, digest, size = await asyncio.to_thread(store.capture, self._uppers(sb),
-                                                        freeze, thaw)
+            tmp, digest, size = await asyncio.to_thread(substrate.capture, runtime,
+                                                        substrate.image_on(image, base, store),
+                                                        store, paused)
         finally:
             sb.threads -= 1
             store.release(layers)
@@ -1285,6 +1329,9 @@ class Engine:
         made for trajectory ``T`` forked under key ``T:S`` (or explicit key ``S``) gives child
         ``i`` the trajectory ``T/forkS/i``, the SDK's name for it."""
         sb = self.lookup(sid)
+        substrate = self.substrates[sb.spec.substrate]
+        if not substrate.capabilities.snapshot:
+            raise self._lacks(substrate, "fork")
         self._admit(count)
         kids_of: list[str] | None = None
         if sb.trajectory is not None and key is not None:
@@ -1301,16 +1348,15 @@ class Engine:
         return rec, kids
 
     async def restore(self, sid: str, key: str) -> Sandbox:
-        """Roll a sandbox back to a snapshot in place: same id, spec and cgroup limits; its
-        processes are killed and a new init starts on a fresh upper over the snapshot."""
+        """Roll a sandbox back to a snapshot in place: same id, spec and limits; its
+        processes are killed and a new init starts on the snapshot (Substrate.reset)."""
         store = self._snaps()
         sb = self.lookup(sid)
-        rec = store.get(key)
         substrate = self.substrates[sb.spec.substrate]
-        reset = getattr(substrate, "reset", None)
-        if reset is None:
-            raise Unsupported(f"restore is not supported on substrate {substrate.name!r}")
-        image = self._layered(self._image(rec["image"]), rec["layers"])
+        if not substrate.capabilities.restore:
+            raise self._lacks(substrate, "restore")
+        rec = store.get(key)
+        image = substrate.image_on(self._image(rec["image"]), rec["layers"], store)
         old_layers = sb.layers
         store.acquire(rec["layers"])
         spec = sb.spec.model_copy(update={"snapshot": rec["id"], "image": rec["image"]})
@@ -1323,7 +1369,7 @@ class Engine:
             # reset, then destroys what it made (not the runtime being replaced under it).
             sb.threads += 1
             try:
-                runtime = await asyncio.to_thread(reset, sb.runtime, spec, image)
+                runtime = await asyncio.to_thread(substrate.reset, sb.runtime, spec, image)
             finally:
                 sb.threads -= 1
         except BaseException:
@@ -1366,7 +1412,7 @@ class Engine:
 
     async def wait_capture(self, sid: str) -> None:
         """Return once no snapshot capture holds the sandbox frozen. Anything that starts a
-        process in it waits here first: a process joining a frozen cgroup freezes at once,
+        process in it waits here first: a process joining a frozen sandbox freezes at once,
         and the daemon's spawn (a vfork) would wait for it with the event loop blocked until
         the capture thaws. Pause and resume wait too (a resume would thaw the capture's
         freeze mid-copy; a capture's thaw would undo a pause made during it), and so do file
@@ -1376,26 +1422,29 @@ class Engine:
             await asyncio.shield(sb.capturing)
             sb = self.sandboxes.get(sid)
 
-    def _freeze_held(self, sb: Sandbox) -> bool:
-        """Frozen or freezing (v1 FREEZING, v2 cgroup.freeze=1): a process started in it
-        would freeze."""
+    @staticmethod
+    def _frozen(substrate: Substrate, runtime: SandboxRuntime) -> bool:
+        """Frozen or freezing: a process started in it would not run."""
         try:
-            return bool(sb.runtime and self.cgroups.freeze_requested(sb.runtime.cgroup_paths))
+            return substrate.is_frozen(runtime)
         except OSError:
             return False
 
     def pause(self, sid: str) -> Sandbox:
-        """Freeze every process of the sandbox (cgroup freezer): no CPU until resumed."""
+        """Freeze every process of the sandbox (Substrate.freeze): no CPU until resumed."""
         sb = self.lookup(sid)
+        substrate = self.substrates[sb.spec.substrate]
+        if not substrate.capabilities.pause:
+            raise self._lacks(substrate, "pause")
         if sb.state == "paused":
             return sb
         assert sb.runtime is not None
         try:
-            self.cgroups.freeze(sb.runtime.cgroup_paths)
+            substrate.freeze(sb.runtime)
         except OSError as e:
             raise Unsupported(f"cannot pause: {e.strerror or e}") from e
         except TimeoutError as e:
-            self.cgroups.thaw(sb.runtime.cgroup_paths, wait=False)
+            substrate.thaw(sb.runtime, wait=False)
             raise InternalError(f"cannot pause: {e}") from e
         sb.state, sb.paused_at = "paused", time.time()
         self._persist(sb)
@@ -1403,13 +1452,16 @@ class Engine:
 
     def resume(self, sid: str) -> Sandbox:
         sb = self.lookup(sid)
+        substrate = self.substrates[sb.spec.substrate]
+        if not substrate.capabilities.pause:
+            raise self._lacks(substrate, "resume")
         if sb.state == "paused":
             self._resume(sb)
         return sb
 
     def _resume(self, sb: Sandbox) -> None:
         assert sb.runtime is not None
-        self.cgroups.thaw(sb.runtime.cgroup_paths)
+        self.substrates[sb.spec.substrate].thaw(sb.runtime)
         now = time.time()
         if sb.spec.pause_ttl == "stop" and sb.paused_at is not None:
             sb.expires_at += now - sb.paused_at  # the TTL clock stood still while paused
@@ -1419,13 +1471,13 @@ class Engine:
         sb.sched = 0.0
         self._schedule(sb, now)
 
-    def _thaw_adopted(self, sb: Sandbox) -> None:
+    def _thaw_adopted(self, substrate: Substrate, sb: Sandbox) -> None:
         assert sb.runtime is not None
         log.warning("re-adopted sandbox was frozen but not paused: thawed",
                     extra={"sandbox": sb.id})
         try:
-            self.cgroups.thaw(sb.runtime.cgroup_paths)
-        except (OSError, TimeoutError):
+            substrate.thaw(sb.runtime)
+        except (OSError, TimeoutError, CorralError):
             log.exception("thaw of a re-adopted sandbox failed", extra={"sandbox": sb.id})
 
     def _persist(self, sb: Sandbox) -> None:
@@ -1437,14 +1489,15 @@ class Engine:
 
     # ---- status --------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        version = getattr(self.cgroups, "version", 1)
-        return {
+        out: dict[str, Any] = {
             "version": __version__, "pid": os.getpid(), "started_at": self.started_at,
             "sandboxes": len(self.sandboxes), "capacity": self.config.max_sandboxes,
             "state_dir": self.config.state_dir,
-            "cgroup_version": version if version in (1, 2) else 1,
-            "substrates": sorted(self.substrates),
         }
+        for sub in self.substrates.values():  # facts of the host they run on
+            out.update(sub.status())
+        out["substrates"] = sorted(self.substrates)
+        return out
 
     def metrics(self) -> dict[str, int]:
         """Counters and gauges for /metrics (besides the sandbox count)."""
@@ -1452,13 +1505,9 @@ class Engine:
         out["quarantined_trees"] = len(removal.quarantined)  # see corral.daemon.removal
         if self.pools is not None:
             out.update(self.pools.stats())
-        for k, v in getattr(self.cgroups, "spare_stats", {}).items():
-            out[f"memcg_spares_{k}"] = v  # recycled memory cgroups (cgroups.recycle_memory)
         if self.trajlog.enabled:  # trajlog_{records,commits,inline,...}_total
             out.update({f"trajlog_{k}": v for k, v in self.trajlog.stats.items()})
-        for k, v in getattr(self.cgroups, "set_spare_stats", {}).items():
-            out[f"cgroup_spares_{k}"] = v  # recycled pids/cpu/freezer cgroups (recycle_rest)
-        for sub in self.substrates.values():  # execs_via_{init,daemon}: who started commands
-            for k, v in getattr(sub, "exec_paths", {}).items():
-                out[f"execs_via_{k}"] = out.get(f"execs_via_{k}", 0) + v
+        for sub in self.substrates.values():  # summed over substrates
+            for k, v in sub.metrics().items():
+                out[k] = out.get(k, 0) + v
         return out

@@ -39,6 +39,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+# The exit status of a process the init reaped: PIDFD_GET_INFO (corral.daemon.kernel).
+from corral.daemon import kernel
+from corral.daemon.kernel import decode, host_pid, wait_status
+from corral.daemon.substrates.types import Spawned  # what the init answers: its child
+
 REQ_MAGIC = 0x31585243
 REPLY_MAGIC = 0x31525243
 FAIL_MAGIC = 0x31465243
@@ -68,12 +73,6 @@ _REPLY = struct.Struct("=IIii")
 FAIL_STEPS = {1: "signals", 2: "setsid", 3: "stdio", 4: "close_fds", 5: "set_ids", 6: "set_caps",
               7: "rlimit_nofile", 8: "landlock"}
 
-# ioctl(pidfd, PIDFD_GET_INFO, struct pidfd_info) = _IOWR(0xFF, 11, 64 bytes)
-PIDFD_GET_INFO = (3 << 30) | (64 << 16) | (0xFF << 8) | 11
-PIDFD_INFO_PID = 1
-PIDFD_INFO_EXIT = 8
-_INFO_PID_OFF = 16        # after u64 mask, u64 cgroupid
-_INFO_EXIT_OFF = 60       # s32 exit_code, a wait(2) status
 
 
 class Busy(Exception):
@@ -104,16 +103,6 @@ class ChildFailed(OSError):
     def __init__(self, err: int, step: str) -> None:
         super().__init__(err, f"exec through the init: {step}: {os.strerror(err)}")
         self.step = step
-
-
-@dataclass(slots=True)
-class Spawned:
-    """A command the init started: its pidfd (ours to close), host pid (0 if it already
-    exited and was reaped before we asked) and pid inside the sandbox."""
-
-    pidfd: int
-    pid: int
-    ns_pid: int
 
 
 def candidates(argv0: str, env: dict[str, str], default_path: str) -> list[str]:
@@ -456,44 +445,14 @@ def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
 
 def _kill(sp: Spawned) -> None:
     """SIGKILL a command nobody waits for (its process group), and let go of its pidfd."""
-    try:
-        if sp.pid > 0:
-            os.killpg(sp.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    finally:
-        os.close(sp.pidfd)
+    if sp.pid > 0:
+        kernel.killpg(sp.pid, signal.SIGKILL)
+    os.close(sp.pidfd)
 
 
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
-
-
-def _info(pidfd: int, mask: int) -> bytearray | None:
-    buf = bytearray(64)
-    struct.pack_into("=Q", buf, 0, mask)
-    try:
-        fcntl.ioctl(pidfd, PIDFD_GET_INFO, buf)
-    except OSError:  # ESRCH: reaped, and no exit status was asked for
-        return None
-    return buf
-
-
-def host_pid(pidfd: int) -> int:
-    """The pidfd's process's pid in the daemon's pid namespace; 0 once it is reaped."""
-    buf = _info(pidfd, PIDFD_INFO_PID)
-    if buf is None or not struct.unpack_from("=Q", buf, 0)[0] & PIDFD_INFO_PID:
-        return 0
-    return struct.unpack_from("=I", buf, _INFO_PID_OFF)[0]
-
-
-def wait_status(pidfd: int) -> int | None:
-    """The reaped process's wait(2) status; None if it is not reaped yet."""
-    buf = _info(pidfd, PIDFD_INFO_EXIT)
-    if buf is None or not struct.unpack_from("=Q", buf, 0)[0] & PIDFD_INFO_EXIT:
-        return None
-    return struct.unpack_from("=i", buf, _INFO_EXIT_OFF)[0]
 
 
 def exit_code(pidfd: int) -> int | None:
@@ -502,19 +461,11 @@ def exit_code(pidfd: int) -> int | None:
     return None if status is None else decode(status)[0]
 
 
-def decode(status: int) -> tuple[int, int | None]:
-    """A wait(2) status as (exit code, terminating signal): (128 + n, n) if killed by signal
-    n, (code, None) if it exited."""
-    if status & 0x7F == 0:
-        return (status >> 8) & 0xFF, None
-    return 128 + (status & 0x7F), status & 0x7F
-
-
 def supported() -> bool:
     """Does this kernel give a non-parent a reaped process's exit status (6.15+)?"""
     try:
         pid = os.posix_spawn("/bin/true", ["true"], {})
-        fd = os.pidfd_open(pid)
+        fd = kernel.pidfd_open(pid)
     except OSError:
         return False
     try:

@@ -15,7 +15,6 @@ comes before any reap). Deaths come back to the event loop through one eventfd.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
@@ -24,11 +23,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from corral.daemon import kernel
+
 log = logging.getLogger("corral.initwatch")
 
-CLONE_FILES = 0x400
 PER_SHARD = int(os.environ.get("CORRAL_INITWATCH_PER_SHARD", "15000"))
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class _Shard:
@@ -57,8 +56,7 @@ class _Shard:
     # ---- the shard thread (its own fd table) -------------------------------------------------
     def _run(self) -> None:
         try:
-            if _libc.unshare(CLONE_FILES) != 0:
-                raise OSError(ctypes.get_errno(), "unshare(CLONE_FILES)")
+            kernel.unshare_files()
             # Our copy of the daemon's table: keep only what this thread uses.
             keep = {self.wake, self.watcher.notify}
             for fd in _open_fds():
@@ -92,7 +90,7 @@ class _Shard:
                     for op, pid, arg in cmds:
                         if op == "add":
                             try:
-                                pfd = os.pidfd_open(pid)
+                                pfd = kernel.pidfd_open(pid)
                             except OSError:
                                 self.watcher._died(pid, arg)  # already gone
                                 continue

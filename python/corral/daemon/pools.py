@@ -168,7 +168,8 @@ class WarmPools:
             return None
         if getattr(spec, "snapshot", None) is not None:  # made from a snapshot's layers
             return None
-        if spec.substrate not in self.substrates:
+        sub = self.substrates.get(spec.substrate)
+        if sub is None or not sub.capabilities.warm_pool:
             return None
         return (spec.substrate, spec.image, float(spec.cpu), int(spec.memory_mb),
                 int(spec.pids), spec.network, int(spec.disk_mb))
@@ -323,14 +324,12 @@ class WarmPools:
             except BaseException:
                 removal.remove_or_quarantine(sdir)
                 raise
-            warm = getattr(substrate, "warm", None)
-            if warm is not None:
-                try:
-                    warm(rt)  # e.g. cgroups a cold sandbox makes at its first exec
-                except BaseException:
-                    substrate.destroy(rt)
-                    removal.remove_or_quarantine(sdir)
-                    raise
+            try:
+                substrate.warm(rt)  # e.g. cgroups a cold sandbox makes at its first exec
+            except BaseException:
+                substrate.destroy(rt)
+                removal.remove_or_quarantine(sdir)
+                raise
             return rt
 
         try:

@@ -28,8 +28,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from corral.daemon import initexec
-from corral.daemon.substrates.base import ExecSpec, SandboxRuntime, Substrate
+from corral.daemon import kernel
+from corral.daemon.substrates.base import ExecSpec, SandboxRuntime, Spawned, Substrate
 from corral.errors import Conflict
 
 READ_CHUNK = 256 * 1024
@@ -235,15 +235,15 @@ class Process:
                  "stdin", "exit_code", "timed_out", "duration", "done", "_timer", "loop",
                  "_waiters", "init_child", "signal", "oom_killed")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, child: int | initexec.Spawned,
+    def __init__(self, loop: asyncio.AbstractEventLoop, child: Spawned,
                  cmd: str | list[str], stdout_fd: int, stderr_fd: int, stdin_fd: int, cap: int,
                  timeout: float | None) -> None:
         self.loop = loop
-        # A host pid (our child) or the init's child, whose pidfd we are handed.
-        self.init_child = isinstance(child, initexec.Spawned)
-        pid = child.pid if isinstance(child, initexec.Spawned) else child
+        # Our own child, or someone else's (the init's), whose pidfd we are handed.
+        self.init_child = not child.own_child
+        pid = child.pid
         self.pid = pid
-        self.ns_pid = child.ns_pid if isinstance(child, initexec.Spawned) else pid
+        self.ns_pid = child.ns_pid or pid
         self.cmd = cmd
         self.started_at = time.time()
         self.t0 = time.monotonic()
@@ -257,12 +257,12 @@ class Process:
         self.duration = 0.0
         self._waiters: list[Callable[[], None]] | None = None
         self.done: asyncio.Future[None] = loop.create_future()
-        if isinstance(child, initexec.Spawned):
+        if self.init_child:
             self.pidfd = child.pidfd
             ReapWatch.of(loop).add(self.pidfd, self._on_exit)
         else:
             # The child is ours and unreaped, so the pid cannot have been reused yet.
-            self.pidfd = os.pidfd_open(pid)
+            self.pidfd = kernel.pidfd_open(pid)
             loop.add_reader(self.pidfd, self._on_exit)
         self._timer = loop.call_later(timeout, self._on_timeout) if timeout else None
 
@@ -285,38 +285,29 @@ class Process:
         after the host's pid space (pid_max, raised by the daemon) wraps around."""
         if self.exit_code is not None or self.pid <= 0:
             return
-        try:
-            os.killpg(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
+        if not kernel.killpg(self.pid, sig):
             # No group yet: the child has not reached its setsid (stopped before it, say).
             # It can have no children of its own then: signalling it is the whole group.
-            try:
-                signal.pidfd_send_signal(self.pidfd, sig)
-            except OSError:
-                pass
+            kernel.pidfd_signal(self.pidfd, sig)
 
     def _on_exit(self) -> None:
         sig = None
         if self.init_child:
-            status = initexec.wait_status(self.pidfd)
+            status = kernel.wait_status(self.pidfd)
             if status is None:  # EPOLLHUP without a status: not seen; never spin on it
                 code = 255
             else:
-                code, sig = initexec.decode(status)
+                code, sig = kernel.decode(status)
             ReapWatch.of(self.loop).remove(self.pidfd)
         else:
             try:
-                res = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)
+                got = kernel.reap(self.pidfd)
             except ChildProcessError:
-                res = None
                 code = 255  # reaped elsewhere: should never happen, don't spin on the fd
             else:
-                if res is None:
+                if got is None:
                     return  # spurious wake-up
-                if res.si_code == os.CLD_EXITED:
-                    code = res.si_status
-                else:
-                    code, sig = 128 + res.si_status, res.si_status
+                code, sig = got
             self.loop.remove_reader(self.pidfd)
         os.close(self.pidfd)
         self.pidfd = -1
@@ -400,36 +391,29 @@ async def start(loop: asyncio.AbstractEventLoop, substrate: Substrate, runtime: 
             os.set_blocking(fd, False)
         spec = ExecSpec(argv=argv, env=env, cwd=cwd, uid=uid, gid=gid, groups=groups,
                         stdin_fd=in_r, stdout_fd=out_w, stderr_fd=err_w)
-        child = substrate.spawn(runtime, spec, loop)
+        started = substrate.spawn(runtime, spec, loop)
     except BaseException:
         for fd in parent_fds:
             os.close(fd)
         raise
     finally:
-        for fd in child_fds:  # sent with a request to the init, or given to our child
+        for fd in child_fds:  # sent with the request (the substrate keeps its own copies)
             os.close(fd)
-    if not isinstance(child, int | initexec.Spawned):
-        try:  # the init's answer; the loop is free meanwhile
-            child = await child
-        except BaseException:
-            for fd in parent_fds:
-                os.close(fd)
-            raise
+    try:  # the substrate's answer; the loop is free meanwhile
+        child = await started
+    except BaseException:
+        for fd in parent_fds:
+            os.close(fd)
+        raise
     try:
         proc = Process(loop, child, cmd, out_r, err_r, in_w, cap, timeout)
     except BaseException:  # e.g. EMFILE on pidfd_open: don't leave an unreaped child behind
-        if isinstance(child, initexec.Spawned):  # the init reaps it
-            try:
-                signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
-            except OSError:
-                pass
+        if not child.own_child:  # the init reaps it
+            kernel.pidfd_signal(child.pidfd, signal.SIGKILL)
             os.close(child.pidfd)
         else:
-            try:
-                os.killpg(child, signal.SIGKILL)
-            except OSError:
-                pass
-            os.waitpid(child, 0)
+            kernel.killpg(child.pid, signal.SIGKILL)
+            os.waitpid(child.pid, 0)
         for fd in parent_fds:
             try:
                 loop.remove_reader(fd)
@@ -442,13 +426,4 @@ async def start(loop: asyncio.AbstractEventLoop, substrate: Substrate, runtime: 
     return proc
 
 
-def ns_pid(host_pid: int) -> int:
-    """The pid as seen inside the sandbox (last NSpid field); the host pid if unknown."""
-    try:
-        with open(f"/proc/{host_pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"NSpid:"):
-                    return int(line.split()[-1])
-    except (OSError, ValueError):
-        pass
-    return host_pid
+ns_pid = kernel.ns_pid  # the pid a process has in its own pid namespace

@@ -26,6 +26,9 @@ from corral.errors import CorralError, FileNotFound, ForbiddenPath, InvalidPath,
 CHUNK = 1 << 20
 # Directory levels a download follows (paths are limited to 4096 bytes anyway).
 TAR_MAX_DEPTH = 512
+TAR_MAX_MEMBERS = 1_000_000  # of an upload or a download
+# A download is streamed; this caps the bytes sent (a sparse file claims any size it likes).
+TAR_MAX_BYTES = int(os.environ.get("CORRAL_TAR_MAX_BYTES", str(2 << 30)))
 # Kernel-made trees a download of "/" records as empty directories.
 NO_DESCEND = {"/proc", "/sys", "/dev"}
 

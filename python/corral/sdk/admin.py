@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from corral.models import DaemonStatus, ImageInfo
+from corral.models import DaemonStatus, ImageInfo, SubstrateInfo
 from corral.sdk import api
 from corral.sdk.endpoint import Endpoint
 from corral.sdk.sync_transport import transport
@@ -10,6 +10,11 @@ from corral.sdk.sync_transport import transport
 
 def status(endpoint: str | Endpoint | None = None) -> DaemonStatus:
     return transport(Endpoint.parse(endpoint)).call(api.status())
+
+
+def substrates(endpoint: str | Endpoint | None = None) -> list[SubstrateInfo]:
+    """The substrates the daemon serves, each with its capability table."""
+    return transport(Endpoint.parse(endpoint)).call(api.substrates())
 
 
 def images(endpoint: str | Endpoint | None = None) -> list[ImageInfo]:

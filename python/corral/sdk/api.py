@@ -51,6 +51,7 @@ from corral.models import (
     SnapshotInfo,
     SnapshotRequest,
     StdinRequest,
+    SubstrateInfo,
     WaitRequest,
 )
 from corral.sdk.call import DEFAULT_READ_TIMEOUT, Call, T, seg
@@ -496,6 +497,12 @@ def log_raw(sid: str) -> Call[dict[str, Any]]:
 # ---- daemon and images ----------------------------------------------------------------------
 def status() -> Call[DaemonStatus]:
     return Call("GET", "/v1/status", DaemonStatus.model_validate_json, retry_safe=True)
+
+
+def substrates() -> Call[list[SubstrateInfo]]:
+    return Call("GET", "/v1/substrates",
+                lambda b: [SubstrateInfo.model_validate(x) for x in json.loads(b)["substrates"]],
+                retry_safe=True)
 
 
 def images(after: str | None = None) -> Call[Page[ImageInfo]]:

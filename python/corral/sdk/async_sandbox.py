@@ -62,7 +62,7 @@ async def _send(endpoint: Endpoint, call: Call[T], handle: SandboxHandle | None 
     while True:
         try:
             return await t.call(call)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - the Retrier re-raises what it won't retry
             r = r or Retrier(call, handle)
             delay = r.delay(e)
             if delay is None:

@@ -42,7 +42,7 @@ def _send(endpoint: Endpoint, call: Call[T], handle: SandboxHandle | None = None
     while True:
         try:
             return t.call(call)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - the Retrier re-raises what it won't retry
             r = r or Retrier(call, handle)
             delay = r.delay(e)
             if delay is None:

@@ -1,83 +1,50 @@
-"""The one interface every substrate implements (container today; gvisor, microvm, vm later).
+"""The one interface every substrate implements: the boundary between the engine and a way of
+running sandboxes (container today).
 
 The engine (``corral.daemon.engine``) owns policy: ids, admission, TTLs, bookkeeping, I/O pumping
 of exec pipes, the HTTP mapping. A substrate owns mechanism: making, entering and tearing down one
-sandbox, and resolving file operations inside its root. Substrate methods that do syscalls are
-synchronous and cheap (the Rust core releases the GIL); the engine calls slow ones (destroy,
-rmtree) through ``asyncio.to_thread``.
+sandbox, freezing it, capturing and restoring its files, resolving file operations inside its
+root. Every method has one return type. What a substrate can do beyond the core (create, exec,
+destroy, recover) it declares in ``capabilities``; the engine checks that table before it acts,
+and the defaults here of the optional methods raise ``unsupported`` (they are never probed).
+
+Substrate methods that do syscalls are synchronous and cheap (the Rust core releases the GIL);
+the engine calls slow ones (destroy, reset, capture, rmtree) through ``asyncio.to_thread``.
+Substrates are made by the registry (``corral.daemon.substrates.registry``).
 """
 
 from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Coroutine
-from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-from corral.daemon.initexec import Spawned
+from corral.daemon.substrates.types import (
+    Capabilities,
+    ExecSpec,
+    SandboxRuntime,
+    Spawned,
+)
+from corral.errors import Unsupported
 from corral.models import FileEntry, SandboxSpec
 
-# What spawn gives: our child's pid, the init's child, or (with a loop) the init's answer to come.
-Spawn = int | Spawned | Coroutine[Any, Any, Spawned]
+if TYPE_CHECKING:
+    from corral.daemon.snapshots import SnapshotStore
+    from corral.daemon.streams import TreeOps
 
-
-@dataclass(slots=True)  # tens of thousands live at once
-class SandboxRuntime:
-    """What a substrate needs to find one live sandbox again; persisted as JSON by the engine.
-
-    ``init_pid`` + ``init_starttime`` (field 22 of /proc/PID/stat) identify PID 1 of the sandbox
-    without the pid-reuse race; ``pidfd`` is the live handle (not persisted).
-    """
-
-    sandbox_id: str
-    init_pid: int
-    init_starttime: int
-    sandbox_dir: str
-    cgroup_paths: list[str]
-    pidfd: int = -1
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "sandbox_id": self.sandbox_id,
-            "init_pid": self.init_pid,
-            "init_starttime": self.init_starttime,
-            "sandbox_dir": self.sandbox_dir,
-            "cgroup_paths": self.cgroup_paths,
-            "extra": self.extra,
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> SandboxRuntime:
-        return cls(
-            sandbox_id=d["sandbox_id"],
-            init_pid=int(d["init_pid"]),
-            init_starttime=int(d["init_starttime"]),
-            sandbox_dir=d["sandbox_dir"],
-            cgroup_paths=list(d["cgroup_paths"]),
-            extra=dict(d.get("extra", {})),
-        )
-
-
-@dataclass
-class ExecSpec:
-    """A command to start inside a sandbox, fully resolved by the engine."""
-
-    argv: list[str]
-    env: dict[str, str]
-    cwd: str
-    uid: int = 0
-    gid: int = 0
-    groups: list[int] = field(default_factory=list)
-    stdin_fd: int = -1   # child's end of the pipes; -1 means /dev/null
-    stdout_fd: int = -1
-    stderr_fd: int = -1
+__all__ = ["Capabilities", "ExecSpec", "SandboxRuntime", "Spawned", "Substrate"]
 
 
 class Substrate(ABC):
     name: str
+    capabilities: Capabilities = Capabilities()
 
+    def _lacks(self, what: str) -> Unsupported:
+        return Unsupported(f"{what} is not supported on substrate {self.name!r}",
+                           details={"substrate": self.name, "operation": what})
+
+    # ---- lifecycle -----------------------------------------------------------------------
     @abstractmethod
     def create(self, sandbox_id: str, spec: SandboxSpec, image: Any) -> SandboxRuntime:
         """Make and start one sandbox (PID 1 running); raise a CorralError on failure and
@@ -90,8 +57,9 @@ class Substrate(ABC):
 
     @abstractmethod
     def destroy(self, runtime: SandboxRuntime) -> None:
-        """Kill every process of the sandbox and remove its cgroups and directories. Idempotent,
-        works on half-made or already-dead sandboxes, never raises for 'already gone'."""
+        """Kill every process of the sandbox and remove everything it holds on the host.
+        Idempotent, works on half-made or already-dead sandboxes, never raises for 'already
+        gone'. The sandbox's directory under the state dir goes too."""
 
     def destroy_many(self, runtimes: list[SandboxRuntime]) -> list[BaseException | None]:
         """``destroy`` each (one worker-thread hop for a batch); one outcome per runtime."""
@@ -106,20 +74,32 @@ class Substrate(ABC):
 
     @abstractmethod
     def cleanup_orphans(self, known_ids: set[str]) -> list[str]:
-        """Remove every trace (processes, cgroups, dirs) of sandboxes not in ``known_ids``;
-        return the ids removed."""
-
-    @abstractmethod
-    def spawn(self, runtime: SandboxRuntime, spec: ExecSpec,
-              loop: asyncio.AbstractEventLoop | None = None) -> Spawn:
-        """Start a process inside the sandbox in its own session/process group: a direct
-        child of the daemon (its host pid is returned), or a child of the sandbox's init
-        (``Spawned``: its pidfd, through which the daemon reads its exit status). Given the
-        event loop, it may return a coroutine that gives the Spawned (await it at once: the
-        request is already sent)."""
+        """Recovery: remove every trace (processes, host resources, dirs) of sandboxes not in
+        ``known_ids``; return the ids removed."""
 
     @abstractmethod
     def is_alive(self, runtime: SandboxRuntime) -> bool: ...
+
+    @abstractmethod
+    def close(self, *, retire: bool = False) -> None:
+        """Release what the substrate holds (never the sandboxes). ``retire``: every sandbox is
+        gone (graceful stop), so host-level leftovers go too."""
+
+    def expect(self, count: int, spec: SandboxSpec) -> None:  # noqa: B027 (a hint)
+        """A batch of ``count`` creates of ``spec`` is starting (create_many, fork): a hint
+        for whatever the substrate keeps ready. Default: nothing."""
+
+    def warm(self, runtime: SandboxRuntime) -> None:  # noqa: B027 (a hint)
+        """A sandbox made ahead of demand (warm pool): make now what its first exec would.
+        Default: nothing."""
+
+    # ---- exits and why ---------------------------------------------------------------------
+    def watch_exits(self, loop: asyncio.AbstractEventLoop,
+                    on_lost: Callable[[list[str]], None]) -> bool:
+        """Learn about dead inits without a pidfd per sandbox in the daemon's fd table:
+        ``on_lost`` gets the ids of sandboxes whose init died. False: not done (the engine
+        watches each ``runtime.pidfd``). Default: False."""
+        return False
 
     def end_cause(self, runtime: SandboxRuntime) -> dict[str, Any] | None:
         """Why a sandbox whose init died ended, when what ran in it is the cause (its own
@@ -134,53 +114,91 @@ class Substrate(ABC):
         counted here. Default: None."""
         return None
 
-    def expect(self, count: int, spec: SandboxSpec) -> None:  # noqa: B027 (optional hook)
-        """A batch of ``count`` creates of ``spec`` is starting (create_many, fork): a hint
-        for whatever the substrate keeps ready. Default: nothing."""
-
+    # ---- exec ----------------------------------------------------------------------------
     @abstractmethod
-    def close(self, *, retire: bool = False) -> None:
-        """Release what the substrate holds (never the sandboxes). ``retire``: every sandbox is
-        gone (graceful stop), so host-level leftovers (parent cgroups ...) go too."""
+    def spawn(self, runtime: SandboxRuntime, spec: ExecSpec,
+              loop: asyncio.AbstractEventLoop) -> Awaitable[Spawned]:
+        """Start a process inside the sandbox in its own session/process group. The request
+        is made before this returns (the caller closes its copies of the stdio fds then);
+        await the result at once for the started process."""
 
-    # ---- files: every path is absolute inside the sandbox and resolved inside its root -------
-    @abstractmethod
-    def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes: ...
+    # ---- freeze, snapshots, restore (capabilities pause, snapshot, restore) ---------------
+    def freeze(self, runtime: SandboxRuntime) -> None:
+        """Stop every process of the sandbox from running (pause); OSError when this host
+        cannot, TimeoutError when it did not settle (the caller thaws)."""
+        raise self._lacks("pause")
 
-    @abstractmethod
+    def thaw(self, runtime: SandboxRuntime, wait: bool = True) -> None:
+        raise self._lacks("resume")
+
+    def is_frozen(self, runtime: SandboxRuntime) -> bool:
+        """Frozen or freezing: a process started in it now would not run. Default: False."""
+        return False
+
+    def image_on(self, image: Any, layers: list[str], store: SnapshotStore) -> Any:
+        """``image`` with the snapshot ``layers`` (bottom first) on top, to create on."""
+        raise self._lacks("snapshot")
+
+    def capture(self, runtime: SandboxRuntime, image: Any, store: SnapshotStore,
+                paused: bool) -> tuple[str, str, int]:
+        """Copy the sandbox's own files (what it changed over ``image``) into a new layer of
+        ``store``, frozen meanwhile unless ``paused`` (then it is frozen already): (temporary
+        layer dir, digest, bytes) for ``store.commit``. Runs in a worker thread."""
+        raise self._lacks("snapshot")
+
+    def reset(self, runtime: SandboxRuntime, spec: SandboxSpec, image: Any) -> SandboxRuntime:
+        """Restart a sandbox in place on ``image`` (restore): every process killed, same id
+        and limits; returns the new runtime (the old one is dead either way)."""
+        raise self._lacks("restore")
+
+    # ---- what the daemon reports -----------------------------------------------------------
+    def metrics(self) -> dict[str, int]:
+        """Counters for /metrics (``corral_{name}_total``). Default: none."""
+        return {}
+
+    def status(self) -> dict[str, Any]:
+        """Facts about the host this substrate runs on, for /v1/status. Default: none."""
+        return {}
+
+    # ---- files (capability files): every path is absolute inside the sandbox and resolved
+    # inside its root --------------------------------------------------------------------------
+    def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes:
+        raise self._lacks("files")
+
     def write_file(self, runtime: SandboxRuntime, path: str, data: bytes | BinaryIO,
                    mode: int = 0o644, make_parents: bool = True) -> None:
         """``data``: bytes, or a seekable binary file at its start (a spooled body)."""
+        raise self._lacks("files")
 
-    @abstractmethod
-    def list_dir(self, runtime: SandboxRuntime, path: str) -> list[FileEntry]: ...
+    def list_dir(self, runtime: SandboxRuntime, path: str) -> list[FileEntry]:
+        raise self._lacks("files")
 
-    @abstractmethod
-    def stat(self, runtime: SandboxRuntime, path: str) -> FileEntry: ...
+    def stat(self, runtime: SandboxRuntime, path: str) -> FileEntry:
+        raise self._lacks("files")
 
-    @abstractmethod
-    def mkdir(self, runtime: SandboxRuntime, path: str, parents: bool = True) -> None: ...
+    def mkdir(self, runtime: SandboxRuntime, path: str, parents: bool = True) -> None:
+        raise self._lacks("files")
 
-    @abstractmethod
-    def remove(self, runtime: SandboxRuntime, path: str, recursive: bool = False) -> None: ...
+    def remove(self, runtime: SandboxRuntime, path: str, recursive: bool = False) -> None:
+        raise self._lacks("files")
 
-    @abstractmethod
-    def rename(self, runtime: SandboxRuntime, src: str, dst: str) -> None: ...
+    def rename(self, runtime: SandboxRuntime, src: str, dst: str) -> None:
+        raise self._lacks("files")
 
-    @abstractmethod
     def upload_tar(self, runtime: SandboxRuntime, path: str,
                    tar_bytes: bytes | BinaryIO) -> None:
         """Extract a tar into directory ``path`` (created if missing), every member resolved
         inside the root."""
+        raise self._lacks("files")
 
-    @abstractmethod
     def download_tar(self, runtime: SandboxRuntime, path: str) -> bytes:
         """A tar of the directory (or file) at ``path``."""
+        raise self._lacks("files")
 
-    @abstractmethod
     def open_read(self, runtime: SandboxRuntime, path: str) -> tuple[int, int]:
         """(fd, size) of a regular file to stream from; the caller closes the fd."""
+        raise self._lacks("files")
 
-    @abstractmethod
-    def tree_ops(self, runtime: SandboxRuntime, path: str) -> Any:
+    def tree_ops(self, runtime: SandboxRuntime, path: str) -> TreeOps:
         """The primitives (corral.daemon.streams.TreeOps) a streamed tar download uses."""
+        raise self._lacks("files")

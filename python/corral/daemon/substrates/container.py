@@ -25,7 +25,6 @@ import io
 import logging
 import lzma
 import os
-import select
 import shutil
 import signal
 import stat as stat_mod
@@ -37,7 +36,9 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from corral import _core
-from corral.daemon import initexec, procpolicy, removal, scratch, streams, uploads
+from corral.daemon import initexec, kernel, procpolicy, removal, scratch, streams, uploads
+from corral.daemon.kernel import pidfd_exited as _pidfd_exited
+from corral.daemon.kernel import proc_alive, proc_starttime
 from corral.errors import (
     CapacityExceeded,
     CorralError,
@@ -57,13 +58,18 @@ from corral.errors import (
     TooLarge,
     Unsupported,
 )
-from corral.models import DEFAULT_DISK_MB, FileEntry, SandboxSpec
+from corral.models import DEFAULT_DISK_MB, NETWORK_MODES, FileEntry, SandboxSpec
 
-from .base import ExecSpec, SandboxRuntime, Spawn, Substrate
+from .base import Capabilities, ExecSpec, SandboxRuntime, Spawned, Substrate
 
 if TYPE_CHECKING:  # pragma: no cover
     from corral.daemon.cgroups import CgroupManager
     from corral.daemon.images import Image, ImageStore
+    from corral.daemon.snapshots import SnapshotStore
+
+# What one start of a command gives on the container's paths: our child's pid, the init's
+# child, or (with a loop) the init's answer to come.
+Launch = int | Spawned | Awaitable[Spawned]
 
 log = logging.getLogger("corral.container")
 
@@ -96,42 +102,11 @@ _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 _OUT_OF_RESOURCES = {errno.EAGAIN, errno.ENOMEM, errno.ENOSPC, errno.EMFILE, errno.ENFILE,
                      errno.EUSERS}
 
-TAR_MAX_MEMBERS = 1_000_000
+TAR_MAX_MEMBERS = streams.TAR_MAX_MEMBERS
 # What a corrupt or truncated upload raises while it is decompressed and parsed (bzip2 says
 # OSError; the file writes raise CorralErrors, never these).
 _BAD_ARCHIVE = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError, ValueError)
-# A download is streamed; this caps the bytes sent (a sparse file claims any size it likes).
-TAR_MAX_BYTES = int(os.environ.get("CORRAL_TAR_MAX_BYTES", str(2 << 30)))
-
-
-def _stat_fields(pid: int) -> list[bytes] | None:
-    """/proc/PID/stat from field 3 (state) on; None if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # comm (field 2) may hold spaces and parentheses: split after the last ')'.
-    return data[data.rindex(b")") + 2:].split()
-
-
-def proc_starttime(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (start time in clock ticks since boot); None if gone."""
-    rest = _stat_fields(pid)
-    return None if rest is None else int(rest[19])  # fields 3.. -> field 22 is index 19
-
-
-PF_EXITING = 0x4  # task flags (/proc/PID/stat field 9): in do_exit
-
-
-def proc_alive(pid: int, starttime: int) -> bool:
-    """Is PID still the process that started at ``starttime``, and neither a zombie nor on its
-    way out? A pid namespace's init that is exiting waits (state D, for ever if need be) until
-    every process of its namespace is reaped, and a command whose parent died with the daemon
-    is reaped only when the host's init gets to it: such a sandbox is dead, not running."""
-    rest = _stat_fields(pid)
-    return (rest is not None and rest[0] not in (b"Z", b"X") and int(rest[19]) == starttime
-            and not int(rest[6]) & PF_EXITING)
+TAR_MAX_BYTES = streams.TAR_MAX_BYTES
 
 
 # Open root fds kept for sandboxes used recently (exec and file operations reuse them); the rest
@@ -147,19 +122,11 @@ SPAWN_TIMEOUT_S = 30.0
 KILL_AHEAD = 64
 
 
-def _pidfd_exited(pidfd: int, timeout_s: float) -> bool:
-    """Wait up to ``timeout_s`` for a pidfd to become readable (its process has exited)."""
-    p = select.poll()
-    p.register(pidfd, select.POLLIN)
-    return bool(p.poll(max(0, int(timeout_s * 1000))))
-
-
 def background_priority() -> None:
     """Lowest CPU priority (nice 19) for the calling thread: a refill that runs while a batch
     of creates is in flight would take CPU from those creates, on the path, for work meant
-    to be off it. On Linux, setpriority on a thread id changes that thread alone."""
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    to be off it."""
+    kernel.nice_thread(19)
 
 
 class NetnsPool:
@@ -334,10 +301,7 @@ def _kill_abandoned(job: asyncio.Future[int]) -> None:
     if job.cancelled() or job.exception() is not None:
         return
     pid = job.result()
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
+    kernel.killpg(pid, signal.SIGKILL)
     threading.Thread(target=_reap_later, args=(pid,), daemon=True).start()
 
 
@@ -384,10 +348,7 @@ def _in_thread(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> asyncio.
             loop.call_soon_threadsafe(settle, *out)
         except RuntimeError:  # the loop is closed: nobody will watch the command
             if out[0] and isinstance(out[1], int):
-                try:
-                    os.killpg(out[1], signal.SIGKILL)
-                except OSError:
-                    pass
+                kernel.killpg(out[1], signal.SIGKILL)
                 _reap_later(out[1])
 
     threading.Thread(target=run, name="corral-exec", daemon=True).start()
@@ -481,6 +442,9 @@ class _RootRef:
 
 class ContainerSubstrate(Substrate):
     name = "container"
+    capabilities = Capabilities(files=True, snapshot=True, restore=True, pause=True,
+                                oom_kills=True, exit_watch=True, warm_pool=True,
+                                networks=NETWORK_MODES)
 
     def __init__(self, state_dir: str, cgroups: CgroupManager, images: ImageStore,
                  netns_pool: int | None = None) -> None:
@@ -548,9 +512,12 @@ class ContainerSubstrate(Substrate):
 
     def watch_exits(self, loop: Any, on_lost: Any) -> bool:
         """Watch inits without an fd per sandbox in this process's fd table (see
-        corral.daemon.initwatch); ``on_lost`` gets the ids of sandboxes whose init died."""
+        corral.daemon.initwatch); ``on_lost`` gets the ids of sandboxes whose init died.
+        CORRAL_PIDFD_PER_SANDBOX=1 keeps a pidfd per sandbox instead."""
         from corral.daemon.initwatch import InitWatcher
 
+        if os.environ.get("CORRAL_PIDFD_PER_SANDBOX") == "1":
+            return False
         try:
             self._watcher = InitWatcher(loop, self._inits_dead)
         except OSError:
@@ -757,13 +724,10 @@ class ContainerSubstrate(Substrate):
         namespace has been reaped, and processes started with exec_in are the daemon's children,
         so this needs the daemon to keep reaping them meanwhile: bounded by ``timeout_s``.
         True if the init has exited (so its whole pid namespace is gone)."""
-        try:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kernel.pidfd_signal(pidfd, signal.SIGKILL)
         if _pidfd_exited(pidfd, timeout_s):
             try:
-                os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+                kernel.reap(pidfd)
             except ChildProcessError:
                 pass  # adopted after a restart: not our child, someone else reaps it
             return True
@@ -778,7 +742,7 @@ class ContainerSubstrate(Substrate):
         if pid <= 0 or not proc_alive(pid, runtime.init_starttime):
             return False
         try:
-            fd = os.pidfd_open(pid)
+            fd = kernel.pidfd_open(pid)
         except (ProcessLookupError, OSError):
             return False
         # The pid could have been reused between the check and pidfd_open: check again now
@@ -807,10 +771,8 @@ class ContainerSubstrate(Substrate):
             self._forget_many([(rt.init_pid, rt.sandbox_id) for rt in chunk])
             for rt in chunk:
                 if rt.pidfd >= 0:
-                    try:
-                        signal.pidfd_send_signal(rt.pidfd, signal.SIGKILL)
-                    except OSError:
-                        pass  # gone already; destroy handles it (a frozen one: thawed there)
+                    # gone already: destroy handles it (a frozen one: thawed there)
+                    kernel.pidfd_signal(rt.pidfd, signal.SIGKILL)
             out += super().destroy_many(chunk)
         return out
 
@@ -888,14 +850,14 @@ class ContainerSubstrate(Substrate):
         with self._kid_lock:
             if self._kids.get(pid) == runtime.sandbox_id:
                 try:  # our unreaped child: the pid is pinned
-                    return os.pidfd_open(pid)
+                    return kernel.pidfd_open(pid)
                 except OSError:
                     return -1
         # Not our child (adopted after a restart): the pid could be reused; check after.
         if proc_starttime(pid) != runtime.init_starttime:
             return -1
         try:
-            fd = os.pidfd_open(pid)
+            fd = kernel.pidfd_open(pid)
         except OSError:
             return -1
         if proc_starttime(pid) != runtime.init_starttime:
@@ -967,9 +929,7 @@ class ContainerSubstrate(Substrate):
     def _kill_thawed(self, pidfd: int, paths: list[str]) -> None:
         """SIGKILL the init, then thaw its cgroup: a frozen (paused) task does not act on a
         signal until thawed, and thawing after the signal lets no user code run."""
-        try:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        except ProcessLookupError:
+        if not kernel.pidfd_signal(pidfd, signal.SIGKILL):
             return
         try:
             if self.cgroups.is_frozen(paths):
@@ -1049,7 +1009,7 @@ class ContainerSubstrate(Substrate):
         if kills is not None and kills > int(runtime.extra.get("oom_base", 0)):
             return {"cause": "oom", "oom_kills": kills - int(runtime.extra.get("oom_base", 0))}
         try:  # WNOWAIT: destroy still reaps it
-            st = os.waitid(os.P_PID, runtime.init_pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            st = kernel.peek_child(runtime.init_pid)
         except (ChildProcessError, OSError):
             return None  # not our child (adopted after a restart): no status to read
         if st is None or st.si_pid != runtime.init_pid:
@@ -1075,7 +1035,17 @@ class ContainerSubstrate(Substrate):
 
     # ---- exec ----------------------------------------------------------------------------
     def spawn(self, runtime: SandboxRuntime, spec: ExecSpec,
-              loop: asyncio.AbstractEventLoop | None = None) -> Spawn:
+              loop: asyncio.AbstractEventLoop) -> Awaitable[Spawned]:
+        # With a loop every path answers later: through the init, or the daemon's own path
+        # in a thread (_spawn_off_loop).
+        started = self.launch(runtime, spec, loop)
+        assert not isinstance(started, int | Spawned)
+        return started
+
+    def launch(self, runtime: SandboxRuntime, spec: ExecSpec,
+               loop: asyncio.AbstractEventLoop | None = None) -> Launch:
+        """``spawn`` on any path; without a loop it blocks and gives our child's pid or the
+        init's child."""
         try:  # the same limits on every path: what execve would take
             initexec.check_size(list(spec.argv), spec.env)
         except initexec.Invalid as e:
@@ -1094,7 +1064,7 @@ class ContainerSubstrate(Substrate):
         return self._spawn_here(runtime, spec)
 
     async def _spawn_off_loop(self, runtime: SandboxRuntime, spec: ExecSpec,
-                              loop: asyncio.AbstractEventLoop) -> int:
+                              loop: asyncio.AbstractEventLoop) -> Spawned:
         """The daemon's own path, in a thread of its own, one command at a time per sandbox.
         Nothing a sandbox does can hold the thread (exec_in's helper is outside its pid
         namespace and returns once the command is forked); should the kernel hold it anyway,
@@ -1125,11 +1095,12 @@ class ContainerSubstrate(Substrate):
         job = _in_thread(loop, self._spawn_here, runtime, spec)
         job.add_done_callback(done)
         try:
-            return await _within(asyncio.shield(job), SPAWN_TIMEOUT_S,
-                                 f"the command did not start within {SPAWN_TIMEOUT_S:.0f}s")
+            pid = await _within(asyncio.shield(job), SPAWN_TIMEOUT_S,
+                                f"the command did not start within {SPAWN_TIMEOUT_S:.0f}s")
         except (ExecStalled, asyncio.CancelledError):  # no unobserved command
             abandoned = True
             raise
+        return Spawned(pidfd=-1, pid=pid, ns_pid=0, own_child=True)
 
     def _spawn_here(self, runtime: SandboxRuntime, spec: ExecSpec) -> int:
         with self._rooted(runtime) as root:
@@ -1198,7 +1169,7 @@ class ContainerSubstrate(Substrate):
                 chan.close()
 
     def _spawn_via_init(self, runtime: SandboxRuntime, spec: ExecSpec,
-                        loop: asyncio.AbstractEventLoop | None) -> Spawn | None:
+                        loop: asyncio.AbstractEventLoop | None) -> Launch | None:
         """Start the command through the init (with a loop: a coroutine that gives the
         Spawned); None when it must take the daemon's own path (no channel, a command beyond
         the init's limits, 16 answers awaited)."""
@@ -1292,7 +1263,7 @@ class ContainerSubstrate(Substrate):
         runtime.extra["memcg"] = True  # made: later execs skip the two cgroupfs lookups
 
     def _spawn(self, runtime: SandboxRuntime, spec: ExecSpec, root: int,
-               pidfd: int) -> int | initexec.Spawned:
+               pidfd: int) -> int:
         self._ensure_memcg(runtime)
         cfg = {
             "init_pid": runtime.init_pid,
@@ -1317,6 +1288,69 @@ class ContainerSubstrate(Substrate):
             raise InvalidRequest(str(e)) from None
         except OSError as e:
             raise self._spawn_error(runtime, e) from e
+
+    # ---- freeze, snapshots (the overlay uppers are the sandbox's own files) ---------------
+    def freeze(self, runtime: SandboxRuntime) -> None:
+        self.cgroups.freeze(runtime.cgroup_paths)
+
+    def thaw(self, runtime: SandboxRuntime, wait: bool = True) -> None:
+        self.cgroups.thaw(runtime.cgroup_paths, wait=wait)
+
+    def is_frozen(self, runtime: SandboxRuntime) -> bool:
+        """Frozen or freezing (v1 FREEZING, v2 cgroup.freeze=1)."""
+        return bool(self.cgroups.freeze_requested(runtime.cgroup_paths))
+
+    def image_on(self, image: Any, layers: list[str], store: SnapshotStore) -> Any:
+        """The snapshot layers as lowerdirs over the image's own, in each overlay."""
+        overlays = store.stack(image.overlays, layers)
+        store.check_fits(overlays, self.sandboxes_dir)
+        return dataclasses.replace(image, overlays=overlays,
+                                   meta={**image.meta, "layers": list(layers)})
+
+    def _uppers(self, runtime: SandboxRuntime) -> list[str]:
+        # "upper" below the sandbox's dir, or where spawn put it (its disk layer)
+        base = os.path.join(runtime.sandbox_dir, runtime.extra.get("upper", "upper"))
+        return [os.path.join(base, str(i)) for i in range(len(os.listdir(base)))]
+
+    def capture(self, runtime: SandboxRuntime, image: Any, store: SnapshotStore,
+                paused: bool) -> tuple[str, str, int]:
+        """The overlay uppers, copied while the cgroup freezer holds the sandbox (a host
+        without a freezer: a best-effort copy of a live tree)."""
+        store.check_fits(image.overlays, self.sandboxes_dir, extra_layers=1)
+        paths = runtime.cgroup_paths
+
+        def freeze() -> None:
+            if not paused:
+                try:
+                    self.cgroups.freeze(paths)
+                except OSError:
+                    pass
+            # Tests only (tests/test_chaos.py): while this file exists the capture holds the
+            # sandbox frozen, so a test can act during it.
+            hold = os.environ.get("CORRAL_SNAPSHOT_TEST_HOLD_FILE")
+            while hold and os.path.exists(hold):
+                time.sleep(0.01)
+
+        def thaw() -> None:
+            if not paused:
+                try:
+                    self.cgroups.thaw(paths)
+                except OSError:
+                    pass
+
+        return store.capture(self._uppers(runtime), freeze, thaw)
+
+    def metrics(self) -> dict[str, int]:
+        out = {f"execs_via_{k}": v for k, v in self.exec_paths.items()}
+        for k, v in getattr(self.cgroups, "spare_stats", {}).items():
+            out[f"memcg_spares_{k}"] = v  # recycled memory cgroups (cgroups.recycle_memory)
+        for k, v in getattr(self.cgroups, "set_spare_stats", {}).items():
+            out[f"cgroup_spares_{k}"] = v  # recycled pids/cpu/freezer cgroups (recycle_rest)
+        return out
+
+    def status(self) -> dict[str, Any]:
+        version = getattr(self.cgroups, "version", 1)
+        return {"cgroup_version": version if version in (1, 2) else 1}
 
     # ---- files ---------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -1,0 +1,121 @@
+"""Types of the Rust core (rust/src/lib.rs), the only place where corral makes namespaces,
+mounts, seccomp filters and exec. Every call releases the GIL. Errors are OSError with the
+errno of the failed step (ValueError for a malformed config), unless named below."""
+
+from typing import Literal, NotRequired, TypedDict
+
+DEFAULT_PATH: str
+
+class ForbiddenPath(PermissionError):
+    """A path the files API never serves (kernel pseudo-filesystem, device, FIFO, socket)."""
+
+class LayerLimit(Exception):
+    """A capture passed one of its limits: args (what, limit), what in bytes, entries,
+    depth."""
+
+# An rlimit: one value (soft = hard) or (soft, hard); names as in `prlimit` (nofile, core, ...).
+Rlimits = dict[str, int | tuple[int, int]]
+
+class Overlay(TypedDict):
+    target: str
+    lower: list[str]
+    upper: str
+    work: str
+    options: NotRequired[list[str]]
+
+class SpawnConfig(TypedDict):
+    """spawn_sandbox's config: a new sandbox, its init started."""
+
+    init_fd: int
+    root: str
+    overlays: list[Overlay]
+    hostname: NotRequired[str]
+    cgroup_procs: NotRequired[list[str]]
+    rlimits: NotRequired[Rlimits]
+    netns_fd: NotRequired[int | None]
+    unix_only: NotRequired[bool]
+    mask_dir: NotRequired[str | None]
+    proc_readonly: NotRequired[list[str]]
+    proc_mask_files: NotRequired[list[str]]
+    proc_mask_dirs: NotRequired[list[str]]
+    tmp_size_mb: NotRequired[int | None]
+
+class ExecConfig(TypedDict):
+    """exec_in's config: a command started in a live sandbox by the daemon's own path."""
+
+    init_pid: int
+    pidfd: int
+    root_fd: NotRequired[int | None]
+    argv: list[str]
+    env: NotRequired[list[str]]
+    cwd: NotRequired[str]
+    uid: NotRequired[int]
+    gid: NotRequired[int]
+    groups: NotRequired[list[int]]
+    stdin: NotRequired[int]
+    stdout: NotRequired[int]
+    stderr: NotRequired[int]
+    cgroup_procs: NotRequired[list[str]]
+    rlimits: NotRequired[Rlimits]
+    tty: NotRequired[bool]
+    unix_only: NotRequired[bool]
+
+FileType = Literal["file", "dir", "symlink", "other"]
+# (type, size, mode, mtime)
+StatInfo = tuple[FileType, int, int, float]
+# (name, type, size, mode, mtime)
+ListEntry = tuple[str, FileType, int, int, float]
+
+# ---- sandboxes ---------------------------------------------------------------------------------
+def init_memfd() -> int:
+    """A sealed, close-on-exec memfd holding the static init."""
+
+def spawn_sandbox(cfg: SpawnConfig) -> tuple[int, int]:
+    """A new sandbox: (init pid, pidfd)."""
+
+def exec_in(cfg: ExecConfig) -> int:
+    """Start a command in a live sandbox: the host pid of our child."""
+
+def init_channel(pidfd: int) -> int:
+    """A copy of the init's exec channel (its fd 4, pidfd_getfd); EBADF if it has none."""
+
+def root_fd(pid: int) -> int:
+    """An O_PATH fd of the root of ``pid``'s mount namespace."""
+
+def harden_daemon(secret_flags: list[str]) -> None: ...
+def netns_new() -> int: ...
+def mount_tmpfs(target: str, options: str) -> None: ...
+def umount(target: str) -> None: ...
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; 0 or less when unavailable."""
+
+def shell_capabilities() -> list[str]: ...
+def last_profile(what: str = "spawn_sandbox") -> list[tuple[str, int]]:
+    """Timings (ns) of the last call's steps, for the bench."""
+
+# ---- files, every path resolved inside ``root_fd`` (openat2 RESOLVE_IN_ROOT) -------------------
+def fs_read(root_fd: int, path: str, max_bytes: int = ...) -> bytes: ...
+def fs_open_read(root_fd: int, path: str) -> tuple[int, int]:
+    """(fd, size) of a regular file."""
+
+def fs_open_write(root_fd: int, path: str, mode: int = 0o644, make_parents: bool = True) -> int: ...
+def fs_write(root_fd: int, path: str, data: bytes, mode: int = 0o644,
+             make_parents: bool = True) -> None: ...
+def fs_list(root_fd: int, path: str) -> list[ListEntry]: ...
+def fs_stat(root_fd: int, path: str) -> StatInfo: ...
+def fs_mkdir(root_fd: int, path: str, parents: bool = True, mode: int = 0o755) -> None: ...
+def fs_remove(root_fd: int, path: str, recursive: bool = False) -> None: ...
+def fs_rename(root_fd: int, src: str, dst: str) -> None: ...
+def fs_symlink(root_fd: int, target: str, linkpath: str) -> None: ...
+def fs_readlink(root_fd: int, path: str) -> str: ...
+def fs_chmod(root_fd: int, path: str, mode: int) -> None: ...
+def pty_open(root_fd: int) -> tuple[int, int]:
+    """(master, slave) of a new pty in the sandbox's devpts."""
+
+def remove_tree(path: str) -> None:
+    """rm -rf, iterative at any depth, never following a symlink."""
+
+def capture_layer(parts: list[tuple[int, str, str]], max_bytes: int = ...,
+                  max_entries: int = 1_000_000, max_depth: int = 512) -> tuple[str, int]:
+    """Copy each (n, src, dst) tree and hash it on the way: (hex digest, bytes).
+    LayerLimit past a limit."""

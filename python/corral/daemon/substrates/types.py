@@ -1,0 +1,113 @@
+"""The types that cross the substrate boundary, shared by the engine, the exec I/O layer and
+every substrate; nothing here belongs to one substrate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass(slots=True)  # tens of thousands live at once
+class SandboxRuntime:
+    """What a substrate needs to find one live sandbox again; persisted as JSON by the engine.
+
+    ``init_pid`` + ``init_starttime`` (field 22 of /proc/PID/stat) identify PID 1 of the sandbox
+    without the pid-reuse race; ``pidfd`` is the live handle (not persisted). ``cgroup_paths``
+    and ``extra`` are the substrate's own: the engine stores them, never reads them.
+    """
+
+    sandbox_id: str
+    init_pid: int
+    init_starttime: int
+    sandbox_dir: str
+    cgroup_paths: list[str]
+    pidfd: int = -1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sandbox_id": self.sandbox_id,
+            "init_pid": self.init_pid,
+            "init_starttime": self.init_starttime,
+            "sandbox_dir": self.sandbox_dir,
+            "cgroup_paths": self.cgroup_paths,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SandboxRuntime:
+        return cls(
+            sandbox_id=d["sandbox_id"],
+            init_pid=int(d["init_pid"]),
+            init_starttime=int(d["init_starttime"]),
+            sandbox_dir=d["sandbox_dir"],
+            cgroup_paths=list(d["cgroup_paths"]),
+            extra=dict(d.get("extra", {})),
+        )
+
+
+@dataclass
+class ExecSpec:
+    """A command to start inside a sandbox, fully resolved by the engine."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    uid: int = 0
+    gid: int = 0
+    groups: list[int] = field(default_factory=list)
+    stdin_fd: int = -1   # child's end of the pipes; -1 means /dev/null
+    stdout_fd: int = -1
+    stderr_fd: int = -1
+
+
+@dataclass(slots=True)
+class Spawned:
+    """A started command: what ``Substrate.spawn`` gives, on every path.
+
+    ``own_child``: the daemon's own child (``pidfd`` is -1: the exec layer opens one and reaps
+    the child itself). Otherwise someone else reaps it (a sandbox's init) and ``pidfd`` (ours
+    to close) is how the daemon learns of the reap and reads the exit status. ``pid`` is the
+    host pid (0 if it already exited and was reaped before we asked), ``ns_pid`` the pid the
+    sandbox sees (0: unknown yet, read from /proc by the exec layer)."""
+
+    pidfd: int
+    pid: int
+    ns_pid: int
+    own_child: bool = False
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a substrate can do beyond the core every substrate has (create, exec, destroy,
+    recover). The engine checks an operation against it before any side effect; one the
+    substrate lacks answers ``unsupported`` (501). Shown by ``GET /v1/substrates``."""
+
+    files: bool = False           # read/write/list/stat/mkdir/remove/rename, tar up/down
+    snapshot: bool = False        # capture the sandbox's files as a layer (snapshot, fork)
+    restore: bool = False         # roll back in place onto a snapshot (reset)
+    pause: bool = False           # freeze and thaw every process (pause, resume)
+    oom_kills: bool = False       # counts OOM kills: ExecResult.oom_killed, sandbox_crashed
+    exit_watch: bool = False      # learns of dead inits without one fd per sandbox
+    warm_pool: bool = False       # sandboxes can be made ahead of demand (warm pools)
+    networks: tuple[str, ...] = ("none",)  # the SandboxSpec.network modes it can give
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    def operations(self) -> list[str]:
+        """The API operations it takes (for ``corral status``)."""
+        ops = ["create", "exec", "kill"]
+        if self.files:
+            ops.append("files")
+        if self.snapshot:
+            ops += ["snapshot", "fork"]
+        if self.restore:
+            ops.append("restore")
+        if self.pause:
+            ops += ["pause", "resume"]
+        return ops
