@@ -39,6 +39,7 @@ class SpawnConfig(TypedDict):
     proc_mask_files: NotRequired[list[str]]
     proc_mask_dirs: NotRequired[list[str]]
     tmp_size_mb: NotRequired[int | None]
+    tmp_tmpfs: NotRequired[bool]
 
 class ExecConfig(TypedDict):
     """exec_in's config: a command started in a live sandbox by the daemon's own path."""
@@ -86,6 +87,13 @@ def harden_daemon(secret_flags: list[str]) -> None: ...
 def netns_new() -> int: ...
 def mount_tmpfs(target: str, options: str) -> None: ...
 def umount(target: str) -> None: ...
+def mount_loop(image: str, target: str, fstype: str, options: str,
+               direct_io: bool = True) -> str:
+    """Attach ``image`` to a free loop device (autoclear) and mount it; returns the device."""
+def btrfs_quota_enable(mnt: str, simple: bool) -> None: ...
+def btrfs_subvol_create(parent: str, name: str, limit: int | None = None) -> None: ...
+def btrfs_subvol_delete(path: str) -> bool:
+    """True if ``path`` was a subvolume's root (deleted); False if it is anything else."""
 def landlock_abi() -> int:
     """The kernel's Landlock ABI version; 0 or less when unavailable."""
 
