@@ -35,7 +35,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from corral import _core
-from corral.daemon import initexec, procpolicy, removal, streams, uploads
+from corral.daemon import cpuplace, initexec, procpolicy, removal, streams, uploads
 from corral.errors import (
     CapacityExceeded,
     CorralError,
@@ -520,6 +520,9 @@ class ContainerSubstrate(Substrate):
         self.upload_max_bytes = 1 << 30
         self.disk = uploads.DiskBudget()
         self.cgroups = cgroups
+        # The CPUs of each sandbox's cpuset (none without a v1 cpuset hierarchy of our own).
+        host_cpus = getattr(cgroups, "host_cpus", lambda: None)()
+        self.cpu_placer = cpuplace.CpuPlacer(host_cpus) if host_cpus else None
         self.images = images
         self.init_fd = _core.init_memfd()
         self.mask_dir = make_mask_dir(os.path.join(state_dir, "mask"))
@@ -666,7 +669,11 @@ class ContainerSubstrate(Substrate):
             # the host waits). Spares are few, so idle sandboxes rarely get a memcg this way.
             lazy = self.lazy_memcg and not (cgroup_paths is None and
                                             self.cgroups.spare_ready())
-            later = {"later": True} if lazy else {}
+            later: dict[str, Any] = {"later": True} if lazy else {}
+            cpus = (self.cpu_placer.take(sandbox_id, spec.cpu)
+                    if self.cpu_placer is not None else None)
+            if cpus is not None:
+                later["cpus"] = cpus
             paths = cgroup_paths or self.cgroups.create(sandbox_id, spec.cpu, spec.memory_mb,
                                                         spec.pids, **later)
             join = paths
@@ -702,6 +709,8 @@ class ContainerSubstrate(Substrate):
                 os.close(pidfd)  # opened again when needed (see keep_pidfds)
                 pidfd = -1
             extra: dict[str, Any] = {"image": img.name, "disk_mb": spec.disk_mb}
+            if cpus is not None:
+                extra["cpus"] = cpus
             if unix_only:
                 extra["network"] = "disabled"  # exec applies the same walls; never pooled
             if lazy:
@@ -746,6 +755,8 @@ class ContainerSubstrate(Substrate):
                 self.cgroups.remove(paths)
             except OSError:
                 pass
+        if self.cpu_placer is not None:
+            self.cpu_placer.release(sandbox_id)
         removal.quiet_remove(sdir)
 
     def _kill_and_wait(self, pid: int, pidfd: int, timeout_s: float = 10.0) -> bool:
@@ -784,6 +795,8 @@ class ContainerSubstrate(Substrate):
             os.close(fd)
             return False
         runtime.pidfd = fd
+        if self.cpu_placer is not None:
+            self.cpu_placer.hold(runtime.sandbox_id, runtime.extra.get("cpus"))
         return True
 
     def destroy_many(self, runtimes: list[SandboxRuntime]) -> list[BaseException | None]:
@@ -823,6 +836,8 @@ class ContainerSubstrate(Substrate):
     def _destroy(self, runtime: SandboxRuntime) -> None:
         self._close_root(runtime.sandbox_id)
         self.disk.forget(runtime.sandbox_id)
+        if self.cpu_placer is not None:
+            self.cpu_placer.release(runtime.sandbox_id)
         pidfd = runtime.pidfd
         if pidfd < 0:
             pidfd = self._open_pidfd(runtime)
@@ -1282,7 +1297,8 @@ class ContainerSubstrate(Substrate):
         later = self.cgroups.later_paths(runtime.sandbox_id)
         if not all(os.path.isdir(p) for p in later):
             self.cgroups.ensure_later(runtime.sandbox_id, float(runtime.extra.get("cpu", 1.0)),
-                                      int(mb), [runtime.init_pid])
+                                      int(mb), [runtime.init_pid],
+                                      cpus=runtime.extra.get("cpus"))
             self._oom_baseline(runtime.sandbox_id, runtime.extra)
         runtime.extra["memcg"] = True  # made: later execs skip the two cgroupfs lookups
 
