@@ -207,6 +207,7 @@ fn spawn_config(cfg: &Bound<'_, PyDict>) -> PyResult<SpawnConfig> {
         proc_readonly: opt(cfg, "proc_readonly", Vec::new())?,
         proc_mask_files: opt(cfg, "proc_mask_files", Vec::new())?,
         proc_mask_dirs: opt(cfg, "proc_mask_dirs", Vec::new())?,
+        proc_binds: opt(cfg, "proc_binds", Vec::new())?,
         tmp_size_mb: opt(cfg, "tmp_size_mb", None)?,
     })
 }
@@ -269,6 +270,18 @@ fn mount_tmpfs(py: Python<'_>, target: OsString, options: String) -> PyResult<()
 #[pyfunction]
 fn umount(py: Python<'_>, target: OsString) -> PyResult<()> {
     Ok(py.detach(|| hostmount::umount(&target))?)
+}
+
+/// Bind `source` onto `target` (read-only) in the caller's mount namespace.
+#[pyfunction]
+fn bind_readonly(py: Python<'_>, source: OsString, target: OsString) -> PyResult<()> {
+    Ok(py.detach(|| hostmount::bind_readonly(&source, &target))?)
+}
+
+/// Detach `target` now; the kernel unmounts it once nothing uses it (MNT_DETACH).
+#[pyfunction]
+fn umount_detach(py: Python<'_>, target: OsString) -> PyResult<()> {
+    Ok(py.detach(|| hostmount::umount_detach(&target))?)
 }
 
 /// Create a sandbox; returns (init host pid, pidfd). See docs/architecture.md for `cfg`.
@@ -495,6 +508,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(netns_new, m)?)?;
     m.add_function(wrap_pyfunction!(mount_tmpfs, m)?)?;
     m.add_function(wrap_pyfunction!(umount, m)?)?;
+    m.add_function(wrap_pyfunction!(bind_readonly, m)?)?;
+    m.add_function(wrap_pyfunction!(umount_detach, m)?)?;
     m.add_function(wrap_pyfunction!(landlock_abi, m)?)?;
     m.add_function(wrap_pyfunction!(root_fd, m)?)?;
     m.add_function(wrap_pyfunction!(init_channel, m)?)?;

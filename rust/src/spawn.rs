@@ -97,6 +97,11 @@ pub struct SpawnConfig {
     pub proc_mask_files: Vec<String>,
     /// and directories covered by `mask_dir` (read-only).
     pub proc_mask_dirs: Vec<String>,
+    /// (host path, entry): a file bound read-only over /proc/<entry>, after the masks (the
+    /// sandbox's own view of meminfo, cpuinfo... served by lxcfs). The host path must not
+    /// be on a FUSE mount itself but a bind of one: a path walk that ends at a mount's root
+    /// asks nothing of the filesystem, so a stalled server cannot stall the spawn.
+    pub proc_binds: Vec<(String, String)>,
     /// size= of the sandbox's /tmp tmpfs, in MiB (its `disk_mb`); None: unbounded.
     pub tmp_size_mb: Option<u64>,
 }
@@ -229,6 +234,7 @@ struct Ctx {
     proc_readonly: Vec<CString>,
     proc_mask_files: Vec<CString>,
     proc_mask_dirs: Vec<CString>,
+    proc_binds: Vec<(CString, CString)>,
     tmp_opts: CString,
     init_fd: RawFd,
     /// Both ends of the init's exec channel; the child puts them on fds 3 and 4
@@ -240,6 +246,24 @@ struct Ctx {
 
 fn cstring(s: &str) -> Result<CString, SpawnError> {
     CString::new(s).map_err(|_| SpawnError::Invalid(format!("NUL byte in {s:?}")))
+}
+
+/// (source, "proc/<entry>") for `proc_binds`: absolute sources, plain entries.
+fn proc_bind_paths(binds: &[(String, String)]) -> Result<Vec<(CString, CString)>, SpawnError> {
+    let entries: Vec<String> = binds.iter().map(|(_, e)| e.clone()).collect();
+    let targets = proc_paths(&entries)?;
+    binds
+        .iter()
+        .zip(targets)
+        .map(|((src, _), t)| {
+            if !src.starts_with('/') {
+                return Err(SpawnError::Invalid(format!(
+                    "proc bind source {src:?} must be an absolute path"
+                )));
+            }
+            Ok((cstring(src)?, t))
+        })
+        .collect()
 }
 
 /// "proc/<rel>" for an entry of the /proc policy: relative, no "..", nothing empty.
@@ -447,6 +471,7 @@ fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
         proc_readonly: proc_paths(&cfg.proc_readonly)?,
         proc_mask_files: proc_paths(&cfg.proc_mask_files)?,
         proc_mask_dirs: proc_paths(&cfg.proc_mask_dirs)?,
+        proc_binds: proc_bind_paths(&cfg.proc_binds)?,
         tmp_opts: cstring(&match cfg.tmp_size_mb {
             Some(mb) => format!("mode=1777,size={mb}m"),
             None => "mode=1777".to_string(),
@@ -840,6 +865,10 @@ unsafe fn run_child(c: &Ctx) -> c_int {
                 ck(r, mount(None, p, None, ro, None));
                 ro_mask = Some(p);
             }
+        }
+        for (src, p) in &c.proc_binds {
+            ck(r, mount(Some(src), p, None, libc::MS_BIND, None));
+            ck(r, mount(None, p, None, ro, None));
         }
 
         at(Step::Mountpoint);

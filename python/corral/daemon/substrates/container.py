@@ -35,7 +35,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from corral import _core
-from corral.daemon import cpuplace, initexec, procpolicy, removal, streams, uploads
+from corral.daemon import cpuplace, initexec, lxcfs, procpolicy, removal, streams, uploads
 from corral.errors import (
     CapacityExceeded,
     CorralError,
@@ -527,6 +527,11 @@ class ContainerSubstrate(Substrate):
         self.init_fd = _core.init_memfd()
         self.mask_dir = make_mask_dir(os.path.join(state_dir, "mask"))
         self.proc_policy = procpolicy.compute().spawn_config()  # what sandboxes see of /proc
+        # /proc/meminfo, cpuinfo, stat... by each sandbox's own cgroups (corral.daemon.lxcfs);
+        # CORRAL_LXCFS=0 leaves sandboxes the host's.
+        self.lxcfs = lxcfs.Lxcfs(state_dir)
+        if os.environ.get("CORRAL_LXCFS", "1") != "0":
+            self.lxcfs.start()
         self.rlimits = dict(DEFAULT_RLIMITS)
         self.overlay_options = [o for o in os.environ.get(
             "CORRAL_OVERLAY_OPTIONS", "volatile").replace(",", " ").split() if o]
@@ -605,6 +610,8 @@ class ContainerSubstrate(Substrate):
             self._watcher.close()
             self._watcher = None
         self.netns.close()
+        # Sandboxes kept for the next daemon keep their lxcfs too (it adopts it).
+        self.lxcfs.stop(keep=not retire)
         drop = getattr(self.cgroups, "drop_spares", None)
         if drop is not None:
             drop()  # recycled memory cgroups are this daemon's cache only
@@ -691,6 +698,7 @@ class ContainerSubstrate(Substrate):
                 "unix_only": unix_only,
                 "mask_dir": self.mask_dir,
                 **self.proc_policy,
+                "proc_binds": self.lxcfs.proc_binds(),
                 "tmp_size_mb": spec.disk_mb,
             }
             pid, pidfd = _core.spawn_sandbox(cfg)
