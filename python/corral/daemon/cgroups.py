@@ -192,6 +192,9 @@ class CgroupManager:
                 ["memory.memsw.usage_in_bytes"] if self._memsw else [])
             self._resets = [f for f in _MEM_RESETS
                             if os.path.exists(os.path.join(self._mem, f))]
+        # Processes the daemon killed for thrashing at the limit (corral.daemon.thrash),
+        # counted with the kernel's OOM kills of the sandbox.
+        self.thrash_kills: collections.Counter[str] = collections.Counter()
         self._spares: list[str] = []
         self._cooling: list[tuple[float, str]] = []  # (since, path): not yet known uncharged
         self._spare_lock = threading.Lock()
@@ -892,9 +895,23 @@ class CgroupManager:
         A recycled v1 cgroup never has any (recycle_memory discards those); a cgroup kept
         across a restore in place does, and callers keep a baseline. None when the sandbox
         has no memory cgroup (yet) or the kernel does not count."""
+        extra = self.thrash_kills.get(sandbox_id, 0)
         if self.version == 2:
-            return self._oom_kills_at(os.path.join(self._bases[0], check_id(sandbox_id)))
-        return self._oom_kills_at(os.path.join(self._mem, check_id(sandbox_id)))
+            kills = self._oom_kills_at(os.path.join(self._bases[0], check_id(sandbox_id)))
+        else:
+            kills = self._oom_kills_at(os.path.join(self._mem, check_id(sandbox_id)))
+        return kills + extra if kills is not None else None
+
+    @property
+    def memory_base(self) -> str | None:
+        """The v1 memory hierarchy's directory of ours (None on v2)."""
+        return self._mem if self.version == 1 else None
+
+    def record_thrash_kill(self, sandbox_id: str) -> None:
+        self.thrash_kills[sandbox_id] += 1
+
+    def forget_thrash_kills(self, sandbox_id: str) -> None:
+        self.thrash_kills.pop(sandbox_id, None)
 
     def _oom_kills_at(self, path: str) -> int | None:
         fname = "memory.events" if self.version == 2 else "memory.oom_control"

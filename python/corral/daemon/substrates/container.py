@@ -35,7 +35,16 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from corral import _core
-from corral.daemon import cpuplace, initexec, lxcfs, procpolicy, removal, streams, uploads
+from corral.daemon import (
+    cpuplace,
+    initexec,
+    lxcfs,
+    procpolicy,
+    removal,
+    streams,
+    thrash,
+    uploads,
+)
 from corral.errors import (
     CapacityExceeded,
     CorralError,
@@ -532,6 +541,14 @@ class ContainerSubstrate(Substrate):
         self.lxcfs = lxcfs.Lxcfs(state_dir)
         if os.environ.get("CORRAL_LXCFS", "1") != "0":
             self.lxcfs.start()
+        # A sandbox thrashing at its memory limit is OOM-killed (corral.daemon.thrash).
+        self.thrash: thrash.ThrashWatcher | None = None
+        mem_base = getattr(cgroups, "memory_base", None)
+        if mem_base:
+            self.thrash = thrash.ThrashWatcher(
+                mem_base, lambda name: not name.startswith("."),  # spares, the daemon's
+                cgroups.record_thrash_kill)
+            self.thrash.start()
         self.rlimits = dict(DEFAULT_RLIMITS)
         self.overlay_options = [o for o in os.environ.get(
             "CORRAL_OVERLAY_OPTIONS", "volatile").replace(",", " ").split() if o]
@@ -610,6 +627,8 @@ class ContainerSubstrate(Substrate):
             self._watcher.close()
             self._watcher = None
         self.netns.close()
+        if self.thrash is not None:
+            self.thrash.stop()
         # Sandboxes kept for the next daemon keep their lxcfs too (it adopts it).
         self.lxcfs.stop(keep=not retire)
         drop = getattr(self.cgroups, "drop_spares", None)
@@ -844,6 +863,9 @@ class ContainerSubstrate(Substrate):
     def _destroy(self, runtime: SandboxRuntime) -> None:
         self._close_root(runtime.sandbox_id)
         self.disk.forget(runtime.sandbox_id)
+        forget = getattr(self.cgroups, "forget_thrash_kills", None)
+        if forget is not None:
+            forget(runtime.sandbox_id)
         if self.cpu_placer is not None:
             self.cpu_placer.release(runtime.sandbox_id)
         pidfd = runtime.pidfd
