@@ -5,6 +5,7 @@
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+mod cgview;
 mod child;
 mod enter;
 mod fs;
@@ -208,6 +209,8 @@ fn spawn_config(cfg: &Bound<'_, PyDict>) -> PyResult<SpawnConfig> {
         proc_mask_files: opt(cfg, "proc_mask_files", Vec::new())?,
         proc_mask_dirs: opt(cfg, "proc_mask_dirs", Vec::new())?,
         proc_binds: opt(cfg, "proc_binds", Vec::new())?,
+        sys_dir: opt(cfg, "sys_dir", None)?,
+        cgroup_mounts: opt(cfg, "cgroup_mounts", Vec::new())?,
         tmp_size_mb: opt(cfg, "tmp_size_mb", None)?,
     })
 }
@@ -270,6 +273,22 @@ fn mount_tmpfs(py: Python<'_>, target: OsString, options: String) -> PyResult<()
 #[pyfunction]
 fn umount(py: Python<'_>, target: OsString) -> PyResult<()> {
     Ok(py.detach(|| hostmount::umount(&target))?)
+}
+
+/// Mount `mounts` ((target, fstype, options), absolute in the sandbox) read-only in the mount
+/// namespace of the init `pidfd`, rooted at the cgroups of the `tasks` files.
+#[pyfunction]
+fn mount_cgroups_in(
+    py: Python<'_>,
+    pidfd: RawFd,
+    tasks: Vec<String>,
+    mounts: Vec<cgview::CgMount>,
+) -> PyResult<()> {
+    py.detach(|| cgview::mount_cgroups_in(pidfd, &tasks, &mounts))
+        .map_err(|e| match e {
+            cgview::CgViewError::Invalid(m) => PyValueError::new_err(m),
+            cgview::CgViewError::Os { step, source } => io_err(step, source),
+        })
 }
 
 /// Bind `source` onto `target` (read-only) in the caller's mount namespace.
@@ -509,6 +528,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(mount_tmpfs, m)?)?;
     m.add_function(wrap_pyfunction!(umount, m)?)?;
     m.add_function(wrap_pyfunction!(bind_readonly, m)?)?;
+    m.add_function(wrap_pyfunction!(mount_cgroups_in, m)?)?;
     m.add_function(wrap_pyfunction!(umount_detach, m)?)?;
     m.add_function(wrap_pyfunction!(landlock_abi, m)?)?;
     m.add_function(wrap_pyfunction!(root_fd, m)?)?;

@@ -97,6 +97,15 @@ def _own_cgroup(version: int, pid: int) -> tuple[str, str]:
     return mount, mount
 
 
+def _controllers() -> set[str]:
+    """The controllers this kernel has (/proc/cgroups), and named hierarchies never."""
+    try:
+        with open("/proc/cgroups") as f:
+            return {ln.split()[0] for ln in f if ln.strip() and not ln.startswith("#")}
+    except OSError:
+        return set()
+
+
 def parse_cpulist(text: str) -> list[int]:
     """A kernel cpulist ("0-3,6") as a sorted list of CPU numbers."""
     out: set[int] = set()
@@ -150,12 +159,14 @@ class CgroupManager:
                 controllers = set(_read(os.path.join(v2, "cgroup.controllers")).split())
             except OSError:
                 controllers = set()
+        self._views: dict[str, tuple[str, str, str]] = {}  # base -> (name, fstype, options)
         if v2 and _V2_REQUIRED <= controllers:
             self.version = 2
             self._root = v2
             self._bases = [os.path.join(v2, name)]
             self._freezer: str | None = None
             self._setup_v2()
+            self._views[self._bases[0]] = ("", "cgroup2", "")
         else:
             missing = [c for c in _V1_REQUIRED if c not in v1]
             if missing:
@@ -186,6 +197,11 @@ class CgroupManager:
             self._cpuacct = os.path.exists(os.path.join(self._cpu, "cpuacct.usage"))
             if self._cpuset is not None:
                 self._setup_cpuset(v1["cpuset"])
+            known = _controllers()
+            for m in mounts:
+                ctrls = sorted(c for c, at in v1.items() if at == m and c in known)
+                self._views[os.path.join(m, name)] = (os.path.basename(m), "cgroup",
+                                                      ",".join(ctrls))
             # Whether memory+swap can be limited (swap accounting on) is fixed per host.
             self._memsw = os.path.exists(os.path.join(self._mem, "memory.memsw.limit_in_bytes"))
             self._usages = ["memory.usage_in_bytes"] + (
@@ -259,6 +275,21 @@ class CgroupManager:
             for f in ("cpuset.cpus", "cpuset.mems"):
                 if not _read(os.path.join(d, f)).strip():
                     _write(os.path.join(d, f), _read(os.path.join(parent, f)).strip())
+
+    def view_names(self) -> list[str]:
+        """The directories of /sys/fs/cgroup a sandbox gets ("" on v2: /sys/fs/cgroup)."""
+        return [n for n, _, _ in self._views.values()]
+
+    def view_mounts(self, paths: list[str]) -> list[tuple[str, str, str]]:
+        """(target below /sys/fs/cgroup, fstype, options) of the hierarchies of ``paths``
+        (a sandbox's cgroups): mounted in its cgroup namespace, each shows its own."""
+        out = []
+        for p in paths:
+            v = self._views.get(os.path.dirname(p))
+            if v is not None:
+                name, fstype, opts = v
+                out.append((os.path.join("sys/fs/cgroup", name).rstrip("/"), fstype, opts))
+        return out
 
     def host_cpus(self) -> list[int] | None:
         """The CPUs sandboxes may be placed on (our parent cpuset's), or None without a

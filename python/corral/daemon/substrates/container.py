@@ -485,6 +485,16 @@ def _check_path(path: str) -> str:
     return path
 
 
+def make_sys_dir(path: str, views: list[str]) -> str:
+    """The skeleton bound read-only at each sandbox's /sys: fs/cgroup/<view> mountpoints,
+    root-owned, mode 0555, nothing else."""
+    for name in views:
+        os.makedirs(os.path.join(path, "fs", "cgroup", name), mode=0o555, exist_ok=True)
+    for dirpath, _, _ in os.walk(path):
+        os.chmod(dirpath, 0o555)
+    return path
+
+
 def make_mask_dir(path: str) -> str:
     """The empty directory every sandbox binds (read-only) over the /proc directories it
     masks, instead of mounting a tmpfs of its own there: one superblock fewer per sandbox, and
@@ -535,6 +545,11 @@ class ContainerSubstrate(Substrate):
         self.images = images
         self.init_fd = _core.init_memfd()
         self.mask_dir = make_mask_dir(os.path.join(state_dir, "mask"))
+        # /sys: a read-only skeleton holding only the mountpoints of the sandbox's own cgroups
+        # (/sys/fs/cgroup/<hierarchy>), mounted in its cgroup namespace at spawn, or at the
+        # first exec for those made then (see _mount_later_views).
+        views = getattr(cgroups, "view_names", lambda: [])()
+        self.sys_dir = make_sys_dir(os.path.join(state_dir, "sys"), views) if views else None
         self.proc_policy = procpolicy.compute().spawn_config()  # what sandboxes see of /proc
         # /proc/meminfo, cpuinfo, stat... by each sandbox's own cgroups (corral.daemon.lxcfs);
         # CORRAL_LXCFS=0 leaves sandboxes the host's.
@@ -718,6 +733,9 @@ class ContainerSubstrate(Substrate):
                 "mask_dir": self.mask_dir,
                 **self.proc_policy,
                 "proc_binds": self.lxcfs.proc_binds(),
+                "sys_dir": self.sys_dir,
+                "cgroup_mounts": (self.cgroups.view_mounts(join)
+                                  if self.sys_dir is not None else []),
                 "tmp_size_mb": spec.disk_mb,
             }
             pid, pidfd = _core.spawn_sandbox(cfg)
@@ -1330,7 +1348,29 @@ class ContainerSubstrate(Substrate):
                                       int(mb), [runtime.init_pid],
                                       cpus=runtime.extra.get("cpus"))
             self._oom_baseline(runtime.sandbox_id, runtime.extra)
+            self._mount_later_views(runtime, later)
         runtime.extra["memcg"] = True  # made: later execs skip the two cgroupfs lookups
+
+    def _mount_later_views(self, runtime: SandboxRuntime, later: list[str]) -> None:
+        """The sandbox's /sys/fs/cgroup/<hierarchy> of the cgroups made at its first exec
+        (the init's cgroup namespace is rooted at the daemon's there: it unshared it before
+        they existed). Best effort: without them the sandbox sees empty directories."""
+        if self.sys_dir is None:
+            return
+        mounts = [("/" + t, f, o) for t, f, o in self.cgroups.view_mounts(later)]
+        if not mounts:
+            return
+        pidfd = runtime.pidfd if runtime.pidfd >= 0 else self._open_pidfd(runtime)
+        if pidfd < 0:
+            return
+        try:
+            _core.mount_cgroups_in(pidfd, self.cgroups.procs_files(later), mounts)
+        except (OSError, ValueError) as e:
+            log.warning("cannot mount the sandbox's cgroups at /sys/fs/cgroup: %s", e,
+                        extra={"sandbox": runtime.sandbox_id})
+        finally:
+            if pidfd != runtime.pidfd:
+                os.close(pidfd)
 
     def _spawn(self, runtime: SandboxRuntime, spec: ExecSpec, root: int,
                pidfd: int) -> int | initexec.Spawned:
