@@ -11,9 +11,10 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 # Debian packages: compilers (the static sandbox init needs libc6-dev's libc.a), Python venv
-# support, iproute2 and util-linux (tests), procps.
+# support, iproute2 and util-linux (tests), procps; lxcfs (each sandbox's /proc view of its own
+# limits: docs/daemon.md).
 PKGS=(build-essential libc6-dev pkg-config python3 python3-venv python3-dev iproute2 util-linux
-      procps tar xz-utils)
+      procps tar xz-utils lxcfs)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
