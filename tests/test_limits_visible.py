@@ -74,6 +74,17 @@ def test_proc_and_tools_show_the_sandbox_limits(one_cpu):
     assert lines[8] == "1 1 1", lines                         # Python's three counts
 
 
+def test_limits_show_whether_the_memory_cgroup_is_made_at_spawn_or_first_exec():
+    """A sandbox joins a recycled memory cgroup at spawn when one is ready, else gets one at
+    its first exec (lazy): lxcfs and /sys/fs/cgroup must show its limit either way, also for
+    limits that differ from the recycled cgroup's previous tenant."""
+    for mb in (40, 72, 40, 104, 56):
+        with Sandbox(image="host", memory_mb=mb, cpu=1) as sb:
+            r = sb.exec("head -1 /proc/meminfo; cat /sys/fs/cgroup/memory/memory.limit_in_bytes",
+                        timeout=30)
+            assert r.stdout.split()[1:] == [str(mb * 1024), "kB", str(mb << 20)], r
+
+
 @pytest.mark.skipif(NCPU < 2, reason="needs two CPUs")
 def test_cpu_count_is_ceil_of_cpu_and_sandboxes_spread():
     with Sandbox(image="host", cpu=1.5, memory_mb=128) as two, \
