@@ -171,19 +171,16 @@ class ThrashWatcher:
         for _, anon, pid in ranked:
             if killed and freed >= FREE_FRACTION * limit:
                 break
-            if self._kill(path, pid):
+            if self._kill(path, pid, name):
                 freed += anon
                 killed += 1
                 self.kills += 1
-                with contextlib.suppress(Exception):
-                    self._on_kill(name)  # type: ignore[operator]
         if killed:
             log.warning("thrashing at its memory limit: processes killed",
                         extra={"sandbox": name, "killed": killed})
         return killed > 0
 
-    @staticmethod
-    def _kill(path: str, pid: int) -> bool:
+    def _kill(self, path: str, pid: int, name: str) -> bool:
         try:
             fd = os.pidfd_open(pid)
         except OSError:
@@ -192,6 +189,9 @@ class ThrashWatcher:
             # The pid was read before the pidfd pinned it: still in this sandbox's cgroup?
             if str(pid) not in _read(os.path.join(path, "cgroup.procs")).split():
                 return False
+            # Counted before the kill: whoever sees the process end must see the count.
+            with contextlib.suppress(Exception):
+                self._on_kill(name)  # type: ignore[operator]
             signal.pidfd_send_signal(fd, signal.SIGKILL)
             return True
         except OSError:
