@@ -223,6 +223,23 @@ def test_lxcfs_killed_is_restarted_and_sandboxes_keep_working():
                 assert meminfo_total_kb(new) == 80 * 1024
 
 
+def test_lxcfs_outlives_a_daemon_crash_and_is_adopted():
+    """kill -9 of the daemon: lxcfs keeps serving the sandboxes, and the restarted daemon
+    keeps that lxcfs (no second one, no broken binds)."""
+    with lxcfs_daemon("r") as d:
+        sb = Sandbox(endpoint=ep(d), memory_mb=64)
+        try:
+            assert meminfo_total_kb(sb) == 64 * 1024
+            pid = lxcfs_pid(d.state_dir)
+            d.restart(kill9=True)
+            assert lxcfs_pid(d.state_dir) == pid
+            assert meminfo_total_kb(sb) == 64 * 1024
+            with Sandbox(endpoint=ep(d), memory_mb=88) as new:
+                assert meminfo_total_kb(new) == 88 * 1024
+        finally:
+            sb.kill()
+
+
 def test_a_stalled_lxcfs_stalls_neither_the_daemon_nor_spawns():
     """lxcfs stopped (SIGSTOP): creates and execs go on; a read of /proc/meminfo blocks only its
     reader (killed by its timeout); the supervisor's probe restarts lxcfs."""
