@@ -216,9 +216,12 @@ def test_lxcfs_killed_is_restarted_and_sandboxes_keep_working():
             os.kill(pid, signal.SIGKILL)
             assert wait_until(lambda: lxcfs_pid(d.state_dir) not in (None, pid)
                               and lxcfs_mounted(d.state_dir), 30), d.tail()
-            # the old sandbox keeps running commands (its binds point at the dead server)
-            r = old.exec("echo alive; cat /proc/meminfo >/dev/null 2>&1; echo $?", timeout=30)
-            assert r.stdout.splitlines()[0] == "alive", r
+            # the old sandbox keeps running commands, and gets the new server's files
+            assert old.exec("echo alive", timeout=30).stdout.strip() == "alive"
+            assert wait_until(lambda: old.exec("head -1 /proc/meminfo", timeout=30).stdout
+                              .split()[1:2] == [str(64 * 1024)], 20), d.tail()
+            r = old.exec("ps -e >/dev/null && free -m >/dev/null && nproc", timeout=30)
+            assert r.exit_code == 0 and r.stdout.strip() == "1" or NCPU == 1, r
             with Sandbox(endpoint=ep(d), memory_mb=80) as new:
                 assert meminfo_total_kb(new) == 80 * 1024
 

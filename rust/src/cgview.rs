@@ -192,3 +192,157 @@ pub fn mount_cgroups_in(
     }
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------------
+// lxcfs's files bound again into a live sandbox (after an lxcfs restart)
+
+const OPEN_TREE_CLONE: u32 = 1;
+const MOVE_MOUNT_F_EMPTY_PATH: u32 = 0x4;
+const MOUNT_ATTR_RDONLY: u64 = 0x1;
+const MOUNT_ATTR_NOSUID: u64 = 0x2;
+const MOUNT_ATTR_NODEV: u64 = 0x4;
+const MOUNT_ATTR_NOEXEC: u64 = 0x8;
+
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+struct RebindCtx {
+    report: Report,
+    pidfd: RawFd,
+    /// (detached read-only copy of the source, target in the sandbox)
+    binds: Vec<(RawFd, CString)>,
+}
+
+extern "C" fn rebind_helper(arg: *mut c_void) -> c_int {
+    // SAFETY: `arg` is the parent's `RebindCtx`, alive until the child exits (CLONE_VFORK).
+    let c = unsafe { &*(arg as *const RebindCtx) };
+    let r = &c.report;
+    // SAFETY: raw syscalls on data the parent prepared; nothing allocates or unwinds.
+    unsafe {
+        r.at(3);
+        if libc::setns(c.pidfd, libc::CLONE_NEWNS) < 0 {
+            r.fail(harden::errno());
+        }
+        r.at(4);
+        for (fd, target) in &c.binds {
+            // The old bind (a dead connection's) goes first; none there is fine (EINVAL).
+            if libc::umount2(target.as_ptr(), libc::MNT_DETACH | libc::UMOUNT_NOFOLLOW) < 0
+                && harden::errno() != libc::EINVAL
+            {
+                r.fail(harden::errno());
+            }
+            let rc = libc::syscall(
+                libc::SYS_move_mount,
+                *fd as c_long,
+                c"".as_ptr(),
+                libc::AT_FDCWD as c_long,
+                target.as_ptr(),
+                MOVE_MOUNT_F_EMPTY_PATH as c_long,
+            );
+            if rc < 0 {
+                r.fail(harden::errno());
+            }
+        }
+        r.at(5);
+    }
+    0
+}
+
+/// Bind each `(source, target)` read-only in the mount namespace of the init `pidfd`, over
+/// whatever is mounted at `target` now (detached first): `source` is a host path, `target` a
+/// path in the sandbox. The sources are cloned here (open_tree) before entering the sandbox.
+pub fn rebind_in(pidfd: RawFd, binds: &[(String, String)]) -> Result<(), CgViewError> {
+    let mut owned = Vec::new();
+    let mut prepared = Vec::new();
+    for (src, target) in binds {
+        if !src.starts_with('/') || !target.starts_with('/') || target.split('/').any(|c| c == "..")
+        {
+            return Err(CgViewError::Invalid(format!(
+                "bad bind ({src:?}, {target:?})"
+            )));
+        }
+        let s = cstring(src)?;
+        // SAFETY: open_tree with a valid path; the fd is owned below.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_open_tree,
+                libc::AT_FDCWD as c_long,
+                s.as_ptr(),
+                (OPEN_TREE_CLONE | libc::O_CLOEXEC as u32) as c_long,
+            )
+        } as RawFd;
+        if fd < 0 {
+            return Err(CgViewError::Os {
+                step: "open_tree",
+                source: io::Error::last_os_error(),
+            });
+        }
+        // SAFETY: a fresh fd we own.
+        owned.push(unsafe { OwnedFd::from_raw_fd(fd) });
+        let attr = MountAttr {
+            attr_set: MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
+            attr_clr: 0,
+            propagation: 0,
+            userns_fd: 0,
+        };
+        // SAFETY: mount_setattr on our detached mount with a valid attr struct and its size.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_mount_setattr,
+                fd as c_long,
+                c"".as_ptr(),
+                libc::AT_EMPTY_PATH as c_long,
+                &attr as *const MountAttr,
+                std::mem::size_of::<MountAttr>() as c_long,
+            )
+        };
+        if rc < 0 {
+            return Err(CgViewError::Os {
+                step: "mount_setattr",
+                source: io::Error::last_os_error(),
+            });
+        }
+        prepared.push((fd, cstring(target)?));
+    }
+    let ctx = RebindCtx {
+        report: Report::new(),
+        pidfd,
+        binds: prepared,
+    };
+    let res = child::with_stack(|stack| {
+        let _block = harden::SignalBlock::new();
+        // SAFETY: `rebind_helper` is async-signal-safe and never unwinds; `ctx` outlives the
+        // clone (CLONE_VFORK); signals are blocked by `_block`.
+        unsafe {
+            child::clone_vfork(
+                rebind_helper,
+                &ctx as *const RebindCtx as *mut c_void,
+                0,
+                stack,
+            )
+        }
+    })
+    .map_err(|e| CgViewError::Os {
+        step: "alloc_stack",
+        source: e,
+    })?;
+    let (pid, _) = res.map_err(|e| CgViewError::Os {
+        step: "clone",
+        source: e,
+    })?;
+    child::reap(pid);
+    drop(owned);
+    let (step, errno) = (ctx.report.step(), ctx.report.errno());
+    if errno != 0 || step != 5 {
+        return Err(CgViewError::Os {
+            step: STEPS.get(step as usize).copied().unwrap_or("?"),
+            source: io::Error::from_raw_os_error(if errno != 0 { errno } else { libc::ECHILD }),
+        });
+    }
+    Ok(())
+}

@@ -291,6 +291,17 @@ fn mount_cgroups_in(
         })
 }
 
+/// Bind each (host source, target in the sandbox) read-only in the mount namespace of the init
+/// `pidfd`, over what is mounted at the target now (lxcfs's files after a restart).
+#[pyfunction]
+fn rebind_in(py: Python<'_>, pidfd: RawFd, binds: Vec<(String, String)>) -> PyResult<()> {
+    py.detach(|| cgview::rebind_in(pidfd, &binds))
+        .map_err(|e| match e {
+            cgview::CgViewError::Invalid(m) => PyValueError::new_err(m),
+            cgview::CgViewError::Os { step, source } => io_err(step, source),
+        })
+}
+
 /// Bind `source` onto `target` (read-only) in the caller's mount namespace.
 #[pyfunction]
 fn bind_readonly(py: Python<'_>, source: OsString, target: OsString) -> PyResult<()> {
@@ -529,6 +540,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(umount, m)?)?;
     m.add_function(wrap_pyfunction!(bind_readonly, m)?)?;
     m.add_function(wrap_pyfunction!(mount_cgroups_in, m)?)?;
+    m.add_function(wrap_pyfunction!(rebind_in, m)?)?;
     m.add_function(wrap_pyfunction!(umount_detach, m)?)?;
     m.add_function(wrap_pyfunction!(landlock_abi, m)?)?;
     m.add_function(wrap_pyfunction!(root_fd, m)?)?;

@@ -14,8 +14,9 @@ runs in a thread of its own with a deadline, and an lxcfs that does not answer i
 killed and started again. lxcfs outlives a daemon that stops with sandboxes left running (or
 crashes): the next daemon finds it by its pid file and mounts, and keeps it. While lxcfs is
 down (not installed, starting, restarting), new sandboxes get the real files. A sandbox made
-before an lxcfs restart keeps binds to the old connection: its reads of those files fail
-(ENOTCONN) until it is destroyed; everything else in it works.
+before an lxcfs restart has its binds replaced by the new connection's once lxcfs is up again
+(``on_restart``: the substrate binds them into every live sandbox); until then its reads of
+those files fail (ENOTCONN).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 
 from corral import _core
 
@@ -59,7 +61,8 @@ def _mounted(path: str) -> str | None:
 class Lxcfs:
     """Starts, watches and restarts one lxcfs; ``proc_binds()`` is what a spawn binds now."""
 
-    def __init__(self, state_dir: str, binary: str | None = None) -> None:
+    def __init__(self, state_dir: str, binary: str | None = None,
+                 on_restart: Callable[[list[tuple[str, str]]], None] | None = None) -> None:
         self.dir = os.path.join(state_dir, "lxcfs")
         self.mnt = os.path.join(self.dir, "mnt")
         self.view = os.path.join(self.dir, "view")
@@ -68,6 +71,8 @@ class Lxcfs:
         self._pidfd = -1  # the running lxcfs (ours or adopted)
         self._pid: int | None = None
         self.restarts = 0
+        self.generation = 0  # +1 at each launch: binds of an older one point at a dead server
+        self._on_restart = on_restart
         self._binds: list[tuple[str, str]] = []  # replaced whole, read without a lock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -190,6 +195,7 @@ class Lxcfs:
                 log.warning("cannot bind lxcfs's files: %s", e)
                 self._kill()
                 return False
+            self.generation += 1
             self._binds = binds
             log.info("lxcfs up", extra={"pid": self.proc.pid})
             return True
@@ -238,6 +244,11 @@ class Lxcfs:
                 if self._launch():
                     self.restarts += 1
                     failures = 0
+                    if self._on_restart is not None:
+                        try:
+                            self._on_restart(self._binds)
+                        except Exception:  # noqa: BLE001 - the next restart tries again
+                            log.exception("rebinding lxcfs's files into sandboxes failed")
                 else:
                     failures += 1
                 continue

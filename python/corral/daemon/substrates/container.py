@@ -553,7 +553,9 @@ class ContainerSubstrate(Substrate):
         self.proc_policy = procpolicy.compute().spawn_config()  # what sandboxes see of /proc
         # /proc/meminfo, cpuinfo, stat... by each sandbox's own cgroups (corral.daemon.lxcfs);
         # CORRAL_LXCFS=0 leaves sandboxes the host's.
-        self.lxcfs = lxcfs.Lxcfs(state_dir)
+        self.lxcfs = lxcfs.Lxcfs(state_dir, on_restart=self._rebind_lxcfs)
+        # Live sandboxes' inits (id -> pid, start time), for lxcfs's binds after a restart.
+        self._live: dict[str, tuple[int, int]] = {}
         if os.environ.get("CORRAL_LXCFS", "1") != "0":
             self.lxcfs.start()
         # A sandbox thrashing at its memory limit is OOM-killed (corral.daemon.thrash).
@@ -721,6 +723,7 @@ class ContainerSubstrate(Substrate):
             if lazy:
                 skip = self.cgroups.later_paths(sandbox_id)
                 join = [p for p in paths if p not in skip or os.path.isdir(p)]
+            gen, binds = self.lxcfs.generation, self.lxcfs.proc_binds()
             cfg = {
                 "init_fd": self.init_fd,
                 "root": root,
@@ -732,7 +735,7 @@ class ContainerSubstrate(Substrate):
                 "unix_only": unix_only,
                 "mask_dir": self.mask_dir,
                 **self.proc_policy,
-                "proc_binds": self.lxcfs.proc_binds(),
+                "proc_binds": binds,
                 "sys_dir": self.sys_dir,
                 "cgroup_mounts": (self.cgroups.view_mounts(join)
                                   if self.sys_dir is not None else []),
@@ -762,9 +765,14 @@ class ContainerSubstrate(Substrate):
                 extra["memory_mb"] = spec.memory_mb
                 extra["cpu"] = spec.cpu
             self._oom_baseline(sandbox_id, extra)
-            return SandboxRuntime(sandbox_id=sandbox_id, init_pid=pid, init_starttime=starttime,
-                                  sandbox_dir=sdir, cgroup_paths=paths, pidfd=pidfd,
-                                  extra=extra)
+            runtime = SandboxRuntime(sandbox_id=sandbox_id, init_pid=pid,
+                                     init_starttime=starttime, sandbox_dir=sdir,
+                                     cgroup_paths=paths, pidfd=pidfd, extra=extra)
+            self._live[sandbox_id] = (pid, starttime)
+            if self.lxcfs.generation != gen and self.lxcfs.up:
+                # lxcfs restarted during the spawn, after the others were rebound: this one too
+                self._rebind_one(sandbox_id, self.lxcfs.proc_binds())
+            return runtime
         except BaseException as e:
             if net_fd is not None:
                 # Unused by any sandbox code yet (the init never ran user code), unless it is
@@ -802,6 +810,7 @@ class ContainerSubstrate(Substrate):
                 pass
         if self.cpu_placer is not None:
             self.cpu_placer.release(sandbox_id)
+        self._live.pop(sandbox_id, None)
         removal.quiet_remove(sdir)
 
     def _kill_and_wait(self, pid: int, pidfd: int, timeout_s: float = 10.0) -> bool:
@@ -842,6 +851,7 @@ class ContainerSubstrate(Substrate):
         runtime.pidfd = fd
         if self.cpu_placer is not None:
             self.cpu_placer.hold(runtime.sandbox_id, runtime.extra.get("cpus"))
+        self._live[runtime.sandbox_id] = (pid, runtime.init_starttime)
         return True
 
     def destroy_many(self, runtimes: list[SandboxRuntime]) -> list[BaseException | None]:
@@ -884,6 +894,7 @@ class ContainerSubstrate(Substrate):
         forget = getattr(self.cgroups, "forget_thrash_kills", None)
         if forget is not None:
             forget(runtime.sandbox_id)
+        self._live.pop(runtime.sandbox_id, None)
         if self.cpu_placer is not None:
             self.cpu_placer.release(runtime.sandbox_id)
         pidfd = runtime.pidfd
@@ -1350,6 +1361,31 @@ class ContainerSubstrate(Substrate):
             self._oom_baseline(runtime.sandbox_id, runtime.extra)
             self._mount_later_views(runtime, later)
         runtime.extra["memcg"] = True  # made: later execs skip the two cgroupfs lookups
+
+    def _rebind_lxcfs(self, binds: list[tuple[str, str]]) -> None:
+        """lxcfs restarted: every live sandbox's /proc entries get the new connection's files
+        (their old binds point at the dead one)."""
+        for sid in list(self._live):
+            self._rebind_one(sid, binds)
+
+    def _rebind_one(self, sandbox_id: str, binds: list[tuple[str, str]]) -> None:
+        live = self._live.get(sandbox_id)
+        if live is None or not binds:
+            return
+        pid, starttime = live
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return
+        try:
+            if proc_starttime(pid) != starttime:
+                return  # gone, its pid reused
+            _core.rebind_in(fd, [(src, "/proc/" + name) for src, name in binds])
+        except (OSError, ValueError) as e:
+            log.warning("cannot bind lxcfs's files into a sandbox: %s", e,
+                        extra={"sandbox": sandbox_id})
+        finally:
+            os.close(fd)
 
     def _mount_later_views(self, runtime: SandboxRuntime, later: list[str]) -> None:
         """The sandbox's /sys/fs/cgroup/<hierarchy> of the cgroups made at its first exec
