@@ -6,6 +6,9 @@
 //! memory, cpu, cpuacct, cpuset: see ContainerSubstrate.lazy_memcg) are mounted then, by a
 //! helper that joins them, unshares a cgroup namespace of its own (rooted at them), enters the
 //! sandbox's mount namespace and mounts them there, read-only.
+//!
+//! `rebind_in` uses the same kind of helper to replace lxcfs's files in a live sandbox's /proc
+//! after lxcfs restarted (the old binds point at the dead server).
 
 use std::ffi::CString;
 use std::io;
