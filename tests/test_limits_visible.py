@@ -126,9 +126,9 @@ print("exists", [p for p in ("/sys/devices/system/cpu", "/sys/devices/system/nod
     assert r.exit_code == 0, r.stderr
     out = dict(line.split(" ", 1) for line in r.stdout.splitlines())
     assert out["bad"] == "[]", out["bad"]
-    assert out["sys"] == "['fs'] ['cpu', 'cpuacct', 'cpuset', 'freezer', 'memory', 'pids']", out
+    assert out["sys"] == "['fs'] ['cpu', 'cpuset', 'freezer', 'memory', 'pids']", out
     # the parent of a cgroup mount is the read-only skeleton, not the host's hierarchy
-    assert out["up"] == "['cpu', 'cpuacct', 'cpuset', 'freezer', 'memory', 'pids']", out
+    assert out["up"] == "['cpu', 'cpuset', 'freezer', 'memory', 'pids']", out
     assert out["cpus"] == "1"
     assert out["exists"] == "[]"
 
@@ -151,7 +151,6 @@ WRITES = [
     ("cpu/cpu.cfs_quota_us", "-1"), ("cpu/cpu.cfs_period_us", "1000"),
     ("cpuset/cpuset.cpus", "0-63"), ("cpuset/cpuset.sched_load_balance", "1"),
     ("pids/pids.max", "max"), ("freezer/freezer.state", "FROZEN"),
-    ("cpuacct/cpuacct.usage", "0"),
 ]
 
 

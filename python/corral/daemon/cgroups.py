@@ -200,6 +200,8 @@ class CgroupManager:
             known = _controllers()
             for m in mounts:
                 ctrls = sorted(c for c, at in v1.items() if at == m and c in known)
+                if ctrls == ["cpuacct"]:
+                    continue  # usage_percpu has a value per host CPU: the host's count
                 self._views[os.path.join(m, name)] = (os.path.basename(m), "cgroup",
                                                       ",".join(ctrls))
             # Whether memory+swap can be limited (swap accounting on) is fixed per host.
