@@ -12,13 +12,13 @@ v1 has no per-cgroup pressure stall information, so the watcher reads what v1 co
 ``TICK_S`` the parent's hierarchical major-fault count (one read); when it moved, each sandbox
 memory cgroup's own ``memory.stat``. A sandbox is thrashing when, over the last ``WINDOW_S``, it
 stayed at its limit, refaulted pages it had evicted recently (``workingset_refault``) at least
-``REFAULT_FRACTION`` of its limit per second, and took at least ``MAJFAULTS_PER_S`` major faults
-a second: it keeps losing and re-reading mapped pages. Reading a file larger than the limit over
-and over (``read``, no faults) or starting a large program once (faults, no refaults) is not
-thrashing. The watcher then kills the process the kernel would have chosen (the highest
-``oom_score``; never the sandbox's init) and counts it as an OOM kill of that sandbox, so the
-command's result says ``oom_killed`` and an ended sandbox's cause is ``oom`` (category
-``limit``).
+``REFAULT_FRACTION`` of its limit per second (at most ``REFAULT_CAP``), and took at least
+``MAJFAULTS_PER_S`` major faults a second: it keeps losing and re-reading mapped pages. Reading
+a file larger than the limit over and over (``read``, no faults) or starting a large program
+once (faults, no refaults) is not thrashing. The watcher then kills the processes the kernel
+would have chosen (the highest ``oom_score``; never the sandbox's init) and counts each as an
+OOM kill of that sandbox, so the command's result says ``oom_killed`` and an ended sandbox's
+cause is ``oom`` (category ``limit``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ log = logging.getLogger("corral.thrash")
 
 TICK_S = 0.25
 WINDOW_S = 1.0
-REFAULT_FRACTION = 0.5   # of the limit, per second
+REFAULT_FRACTION = 0.5   # of the limit, per second,
+REFAULT_CAP = 64 << 20   # or this many bytes a second (a large sandbox re-reads no faster)
 MAJFAULTS_PER_S = 50
 FREE_FRACTION = 0.25     # of the limit, in anonymous memory of the processes killed
 AT_LIMIT_SLACK = 1 << 20  # usage within this of the limit counts as at the limit
@@ -147,8 +148,8 @@ class ThrashWatcher:
             return
         if not all(full for *_, full in tr.samples):
             return
-        pages = limit / 4096
-        if (refaults - r0) / span >= REFAULT_FRACTION * pages and \
+        pages = min(REFAULT_FRACTION * limit, REFAULT_CAP) / 4096
+        if (refaults - r0) / span >= pages and \
                 (st.get("pgmajfault", 0) - m0) / span >= MAJFAULTS_PER_S:
             if self._kill_one(path, name, limit):
                 # The next decision on fresh evidence: half a window after the kill.
