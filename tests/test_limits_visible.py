@@ -266,6 +266,17 @@ def test_a_stalled_lxcfs_stalls_neither_the_daemon_nor_spawns():
                 os.kill(pid, signal.SIGCONT)
 
 
+def test_the_daemons_own_exec_path_sees_the_same_limits():
+    """Commands the daemon starts itself (not through the init) join the same cgroups,
+    cpuset included, and see the same files."""
+    with private_daemon("corral-test-lx-", f"{CGROUP_NAME}-lxd", CORRAL_INIT_EXEC="0") as d:
+        with Sandbox(endpoint=ep(d), memory_mb=56, cpu=1) as sb:
+            r = sb.exec("head -1 /proc/meminfo; nproc; "
+                        "cat /sys/fs/cgroup/memory/memory.limit_in_bytes", timeout=30)
+            assert r.stdout.split() == ["MemTotal:", str(56 * 1024), "kB",
+                                        "1" if NCPU > 1 else str(NCPU), str(56 << 20)], r
+
+
 def test_without_lxcfs_sandboxes_get_the_real_files():
     with private_daemon("corral-test-lx-", f"{CGROUP_NAME}-lxoff", CORRAL_LXCFS="0") as d:
         with Sandbox(endpoint=ep(d), memory_mb=64) as sb:

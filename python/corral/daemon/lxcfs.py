@@ -42,7 +42,7 @@ PROC_FILES = ("meminfo", "cpuinfo", "stat", "uptime", "loadavg", "swaps")
 START_TIMEOUT_S = 10.0
 PROBE_EVERY_S = 5.0
 PROBE_TIMEOUT_S = 5.0
-RESTART_BACKOFF_S = (0.1, 0.5, 2.0, 5.0)
+RESTART_BACKOFF_S = (0.1, 0.5, 2.0, 5.0, 30.0, 60.0)  # an lxcfs that cannot start: rarely
 
 
 def _mounted(path: str) -> str | None:
