@@ -313,8 +313,9 @@ pub fn last_profile(what: &str) -> Profile {
 // ---------------------------------------------------------------------------------------------
 // A small fd table for the child: CLONE_FILES + close_range(CLOSE_RANGE_UNSHARE)
 
-/// How many fds one child may be lent (exec_in: 4 cgroups + pidfd + root + 3 stdio = 9).
-pub const MAX_LENT: usize = 12;
+/// How many fds one child may be lent (exec_in: 6 cgroups (v1 memory, pids, cpu, cpuacct,
+/// cpuset, freezer) + pidfd + root + 3 stdio + report pipe + trampoline = 13).
+pub const MAX_LENT: usize = 16;
 
 /// Low fd numbers reserved once, early, each holding /dev/null until a clone lends it a fd the
 /// child needs.

@@ -52,3 +52,57 @@ pub fn umount(target: &OsStr) -> Result<(), HostMountError> {
     }
     Ok(())
 }
+
+/// Bind `source` onto `target`, then make the bind read-only (a bind mount takes its flags
+/// only from a remount).
+pub fn bind_readonly(source: &OsStr, target: &OsStr) -> Result<(), HostMountError> {
+    let s = cstr("source", source.as_bytes())?;
+    let t = cstr("target", target.as_bytes())?;
+    // SAFETY: valid NUL-terminated paths; null fstype and data are allowed for a bind.
+    let r = unsafe {
+        libc::mount(
+            s.as_ptr(),
+            t.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND,
+            std::ptr::null(),
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error().into());
+    }
+    let flags = libc::MS_BIND
+        | libc::MS_REMOUNT
+        | libc::MS_RDONLY
+        | libc::MS_NOSUID
+        | libc::MS_NODEV
+        | libc::MS_NOEXEC;
+    // SAFETY: as above.
+    let r = unsafe {
+        libc::mount(
+            std::ptr::null(),
+            t.as_ptr(),
+            std::ptr::null(),
+            flags,
+            std::ptr::null(),
+        )
+    };
+    if r != 0 {
+        let e = io::Error::last_os_error();
+        // SAFETY: a valid path; undo the bind made above.
+        unsafe { libc::umount2(t.as_ptr(), libc::MNT_DETACH) };
+        return Err(e.into());
+    }
+    Ok(())
+}
+
+/// Detach `target` at once (MNT_DETACH): for a mount whose server may be gone or stalled.
+pub fn umount_detach(target: &OsStr) -> Result<(), HostMountError> {
+    let t = cstr("target", target.as_bytes())?;
+    // SAFETY: a valid NUL-terminated path.
+    let r = unsafe { libc::umount2(t.as_ptr(), libc::MNT_DETACH | libc::UMOUNT_NOFOLLOW) };
+    if r != 0 {
+        return Err(io::Error::last_os_error().into());
+    }
+    Ok(())
+}

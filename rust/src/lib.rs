@@ -5,6 +5,7 @@
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+mod cgview;
 mod child;
 mod enter;
 mod fs;
@@ -218,6 +219,9 @@ fn spawn_config(cfg: &Bound<'_, PyDict>) -> PyResult<SpawnConfig> {
         proc_readonly: opt(cfg, "proc_readonly", Vec::new())?,
         proc_mask_files: opt(cfg, "proc_mask_files", Vec::new())?,
         proc_mask_dirs: opt(cfg, "proc_mask_dirs", Vec::new())?,
+        proc_binds: opt(cfg, "proc_binds", Vec::new())?,
+        sys_dir: opt(cfg, "sys_dir", None)?,
+        cgroup_mounts: opt(cfg, "cgroup_mounts", Vec::new())?,
         tmp_size_mb: opt(cfg, "tmp_size_mb", None)?,
         tmp_tmpfs: opt(cfg, "tmp_tmpfs", true)?,
     })
@@ -321,6 +325,45 @@ fn btrfs_subvol_create(
 #[pyfunction]
 fn btrfs_subvol_delete(py: Python<'_>, path: OsString) -> PyResult<bool> {
     Ok(py.detach(|| scratchfs::subvol_delete(&path))?)
+}
+
+/// Mount `mounts` ((target, fstype, options), absolute in the sandbox) read-only in the mount
+/// namespace of the init `pidfd`, rooted at the cgroups of the `tasks` files.
+#[pyfunction]
+fn mount_cgroups_in(
+    py: Python<'_>,
+    pidfd: RawFd,
+    tasks: Vec<String>,
+    mounts: Vec<cgview::CgMount>,
+) -> PyResult<()> {
+    py.detach(|| cgview::mount_cgroups_in(pidfd, &tasks, &mounts))
+        .map_err(|e| match e {
+            cgview::CgViewError::Invalid(m) => PyValueError::new_err(m),
+            cgview::CgViewError::Os { step, source } => io_err(step, source),
+        })
+}
+
+/// Bind each (host source, target in the sandbox) read-only in the mount namespace of the init
+/// `pidfd`, over what is mounted at the target now (lxcfs's files after a restart).
+#[pyfunction]
+fn rebind_in(py: Python<'_>, pidfd: RawFd, binds: Vec<(String, String)>) -> PyResult<()> {
+    py.detach(|| cgview::rebind_in(pidfd, &binds))
+        .map_err(|e| match e {
+            cgview::CgViewError::Invalid(m) => PyValueError::new_err(m),
+            cgview::CgViewError::Os { step, source } => io_err(step, source),
+        })
+}
+
+/// Bind `source` onto `target` (read-only) in the caller's mount namespace.
+#[pyfunction]
+fn bind_readonly(py: Python<'_>, source: OsString, target: OsString) -> PyResult<()> {
+    Ok(py.detach(|| hostmount::bind_readonly(&source, &target))?)
+}
+
+/// Detach `target` now; the kernel unmounts it once nothing uses it (MNT_DETACH).
+#[pyfunction]
+fn umount_detach(py: Python<'_>, target: OsString) -> PyResult<()> {
+    Ok(py.detach(|| hostmount::umount_detach(&target))?)
 }
 
 /// Create a sandbox; returns (init host pid, pidfd). See docs/architecture.md for `cfg`.
@@ -551,6 +594,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(btrfs_quota_enable, m)?)?;
     m.add_function(wrap_pyfunction!(btrfs_subvol_create, m)?)?;
     m.add_function(wrap_pyfunction!(btrfs_subvol_delete, m)?)?;
+    m.add_function(wrap_pyfunction!(bind_readonly, m)?)?;
+    m.add_function(wrap_pyfunction!(mount_cgroups_in, m)?)?;
+    m.add_function(wrap_pyfunction!(rebind_in, m)?)?;
+    m.add_function(wrap_pyfunction!(umount_detach, m)?)?;
     m.add_function(wrap_pyfunction!(landlock_abi, m)?)?;
     m.add_function(wrap_pyfunction!(root_fd, m)?)?;
     m.add_function(wrap_pyfunction!(init_channel, m)?)?;

@@ -97,6 +97,18 @@ pub struct SpawnConfig {
     pub proc_mask_files: Vec<String>,
     /// and directories covered by `mask_dir` (read-only).
     pub proc_mask_dirs: Vec<String>,
+    /// (host path, entry): a file bound read-only over /proc/<entry>, after the masks (the
+    /// sandbox's own view of meminfo, cpuinfo... served by lxcfs). The host path must not
+    /// be on a FUSE mount itself but a bind of one: a path walk that ends at a mount's root
+    /// asks nothing of the filesystem, so a stalled server cannot stall the spawn.
+    pub proc_binds: Vec<(String, String)>,
+    /// A host directory bound read-only at /sys (the mountpoints of `cgroup_mounts`); None:
+    /// no /sys (the image's directory, empty).
+    pub sys_dir: Option<String>,
+    /// Cgroup filesystems mounted read-only inside the new root, rooted at the cgroups the
+    /// init joined (its cgroup namespace's root): (target relative to the root, fstype,
+    /// options), e.g. ("sys/fs/cgroup/pids", "cgroup", "pids"). Needs `sys_dir`.
+    pub cgroup_mounts: Vec<crate::cgview::CgMount>,
     /// size= of the sandbox's /tmp tmpfs, in MiB (its `disk_mb`); None: unbounded.
     pub tmp_size_mb: Option<u64>,
     /// Mount a tmpfs on /tmp. False: /tmp is the root overlay's own directory, on the
@@ -123,6 +135,8 @@ const STEPS: &[&str] = &[
     "mount_dev_shm",
     "dev_symlinks",
     "mask_proc",
+    "mount_sys",
+    "mount_cgroup",
     "mount_tmp",
     "move_root",
     "chroot",
@@ -160,6 +174,8 @@ enum Step {
     MountDevShm,
     DevSymlinks,
     MaskProc,
+    MountSys,
+    MountCgroup,
     MountTmp,
     MoveRoot,
     Chroot,
@@ -232,6 +248,9 @@ struct Ctx {
     proc_readonly: Vec<CString>,
     proc_mask_files: Vec<CString>,
     proc_mask_dirs: Vec<CString>,
+    proc_binds: Vec<(CString, CString)>,
+    sys: Option<(Target, CString)>,
+    cgroup_mounts: Vec<(CString, CString, CString)>,
     tmp_opts: Option<CString>,
     init_fd: RawFd,
     /// Both ends of the init's exec channel; the child puts them on fds 3 and 4
@@ -243,6 +262,24 @@ struct Ctx {
 
 fn cstring(s: &str) -> Result<CString, SpawnError> {
     CString::new(s).map_err(|_| SpawnError::Invalid(format!("NUL byte in {s:?}")))
+}
+
+/// (source, "proc/<entry>") for `proc_binds`: absolute sources, plain entries.
+fn proc_bind_paths(binds: &[(String, String)]) -> Result<Vec<(CString, CString)>, SpawnError> {
+    let entries: Vec<String> = binds.iter().map(|(_, e)| e.clone()).collect();
+    let targets = proc_paths(&entries)?;
+    binds
+        .iter()
+        .zip(targets)
+        .map(|((src, _), t)| {
+            if !src.starts_with('/') {
+                return Err(SpawnError::Invalid(format!(
+                    "proc bind source {src:?} must be an absolute path"
+                )));
+            }
+            Ok((cstring(src)?, t))
+        })
+        .collect()
 }
 
 /// "proc/<rel>" for an entry of the /proc policy: relative, no "..", nothing empty.
@@ -450,6 +487,30 @@ fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
         proc_readonly: proc_paths(&cfg.proc_readonly)?,
         proc_mask_files: proc_paths(&cfg.proc_mask_files)?,
         proc_mask_dirs: proc_paths(&cfg.proc_mask_dirs)?,
+        proc_binds: proc_bind_paths(&cfg.proc_binds)?,
+        sys: match &cfg.sys_dir {
+            Some(d) if !d.starts_with('/') => {
+                return Err(SpawnError::Invalid(format!(
+                    "sys_dir {d:?} must be an absolute path"
+                )))
+            }
+            Some(d) => Some((Target::new("sys")?, cstring(d)?)),
+            None => None,
+        },
+        cgroup_mounts: {
+            if cfg.sys_dir.is_none() && !cfg.cgroup_mounts.is_empty() {
+                return Err(SpawnError::Invalid("cgroup_mounts need sys_dir".into()));
+            }
+            for (t, _, _) in &cfg.cgroup_mounts {
+                if !t.starts_with("sys/") {
+                    return Err(SpawnError::Invalid(format!(
+                        "cgroup mount {t:?} must be below sys/"
+                    )));
+                }
+            }
+            crate::cgview::prepare_mounts(&cfg.cgroup_mounts, false)
+                .map_err(|e| SpawnError::Invalid(e.to_string()))?
+        },
         tmp_opts: match (cfg.tmp_tmpfs, cfg.tmp_size_mb) {
             (false, _) => None,
             (true, Some(mb)) => Some(cstring(&format!("mode=1777,size={mb}m"))?),
@@ -843,6 +904,23 @@ unsafe fn run_child(c: &Ctx) -> c_int {
             if ro_mask.is_none() && src.is_some() {
                 ck(r, mount(None, p, None, ro, None));
                 ro_mask = Some(p);
+            }
+        }
+        for (src, p) in &c.proc_binds {
+            ck(r, mount(Some(src), p, None, libc::MS_BIND, None));
+            ck(r, mount(None, p, None, ro, None));
+        }
+
+        if let Some((sys_t, sys_dir)) = &c.sys {
+            at(Step::Mountpoint);
+            ensure_dir(r, sys_t);
+            at(Step::MountSys);
+            ck(r, mount(Some(sys_dir), c"sys", None, libc::MS_BIND, None));
+            ck(r, mount(None, c"sys", None, ro, None));
+            at(Step::MountCgroup);
+            let e = crate::cgview::mount_all(&c.cgroup_mounts);
+            if e != 0 {
+                r.fail(e);
             }
         }
 

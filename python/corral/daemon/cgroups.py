@@ -81,6 +81,26 @@ def _own_cgroup(version: int, pid: int) -> tuple[str, str]:
     return mount, mount
 
 
+def _controllers() -> set[str]:
+    """The controllers this kernel has (/proc/cgroups), and named hierarchies never."""
+    try:
+        with open("/proc/cgroups") as f:
+            return {ln.split()[0] for ln in f if ln.strip() and not ln.startswith("#")}
+    except OSError:
+        return set()
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """A kernel cpulist ("0-3,6") as a sorted list of CPU numbers."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(out)
+
+
 def check_id(sandbox_id: str) -> str:
     """Refuse anything that could walk out of our directory (``..``, ``/``, odd bytes)."""
     if not isinstance(sandbox_id, str) or not _ID_RE.match(sandbox_id):
@@ -123,12 +143,14 @@ class CgroupManager:
                 controllers = set(_read(os.path.join(v2, "cgroup.controllers")).split())
             except OSError:
                 controllers = set()
+        self._views: dict[str, tuple[str, str, str]] = {}  # base -> (name, fstype, options)
         if v2 and _V2_REQUIRED <= controllers:
             self.version = 2
             self._root = v2
             self._bases = [os.path.join(v2, name)]
             self._freezer: str | None = None
             self._setup_v2()
+            self._views[self._bases[0]] = ("", "cgroup2", "")
         else:
             missing = [c for c in _V1_REQUIRED if c not in v1]
             if missing:
@@ -138,7 +160,7 @@ class CgroupManager:
             self.version = 1
             # One directory per distinct hierarchy (cpu may be co-mounted with cpuacct, etc.).
             mounts: list[str] = []
-            for c in (*_V1_REQUIRED, "freezer"):
+            for c in (*_V1_REQUIRED, "cpuacct", "cpuset", "freezer"):
                 if c in v1 and v1[c] not in mounts:
                     mounts.append(v1[c])
             self._bases = [os.path.join(m, name) for m in mounts]
@@ -146,15 +168,35 @@ class CgroupManager:
             self._pids = os.path.join(v1["pids"], name)
             self._cpu = os.path.join(v1["cpu"], name)
             self._freezer = os.path.join(v1["freezer"], name) if "freezer" in v1 else None
-            self._cpuacct = os.path.exists(os.path.join(self._cpu, "cpuacct.usage"))
+            # cpuacct and cpuset in hierarchies of their own (None when absent or co-mounted
+            # with cpu): what a sandbox sees of its CPUs through lxcfs is read from the
+            # cgroups at its cpuset's path (corral.daemon.lxcfs).
+            self._acct = (os.path.join(v1["cpuacct"], name)
+                          if v1.get("cpuacct") not in (None, v1["cpu"]) else None)
+            self._cpuset = (os.path.join(v1["cpuset"], name)
+                            if v1.get("cpuset") not in (None, v1["cpu"], v1["memory"])
+                            else None)
             for b in self._bases:
                 os.makedirs(b, exist_ok=True)
+            self._cpuacct = os.path.exists(os.path.join(self._cpu, "cpuacct.usage"))
+            if self._cpuset is not None:
+                self._setup_cpuset(v1["cpuset"])
+            known = _controllers()
+            for m in mounts:
+                ctrls = sorted(c for c, at in v1.items() if at == m and c in known)
+                if ctrls == ["cpuacct"]:
+                    continue  # usage_percpu has a value per host CPU: the host's count
+                self._views[os.path.join(m, name)] = (os.path.basename(m), "cgroup",
+                                                      ",".join(ctrls))
             # Whether memory+swap can be limited (swap accounting on) is fixed per host.
             self._memsw = os.path.exists(os.path.join(self._mem, "memory.memsw.limit_in_bytes"))
             self._usages = ["memory.usage_in_bytes"] + (
                 ["memory.memsw.usage_in_bytes"] if self._memsw else [])
             self._resets = [f for f in _MEM_RESETS
                             if os.path.exists(os.path.join(self._mem, f))]
+        # Processes the daemon killed for thrashing at the limit (corral.daemon.thrash),
+        # counted with the kernel's OOM kills of the sandbox.
+        self.thrash_kills: collections.Counter[str] = collections.Counter()
         self._spares: list[str] = []
         self._cooling: list[tuple[float, str]] = []  # (since, path): not yet known uncharged
         self._spare_lock = threading.Lock()
@@ -210,6 +252,38 @@ class CgroupManager:
                     pass  # exited, or a kernel thread
             _write(ctl, "+memory +pids +cpu")
 
+    def _setup_cpuset(self, mount: str) -> None:
+        """A new v1 cpuset has no CPUs and no memory nodes: fill ours top down from the
+        hierarchy's root, so that sandbox cpusets can be made below them."""
+        d = mount
+        for part in self.name.split("/"):
+            parent, d = d, os.path.join(d, part)
+            for f in ("cpuset.cpus", "cpuset.mems"):
+                if not _read(os.path.join(d, f)).strip():
+                    _write(os.path.join(d, f), _read(os.path.join(parent, f)).strip())
+
+    def view_names(self) -> list[str]:
+        """The directories of /sys/fs/cgroup a sandbox gets ("" on v2: /sys/fs/cgroup)."""
+        return [n for n, _, _ in self._views.values()]
+
+    def view_mounts(self, paths: list[str]) -> list[tuple[str, str, str]]:
+        """(target below /sys/fs/cgroup, fstype, options) of the hierarchies of ``paths``
+        (a sandbox's cgroups): mounted in its cgroup namespace, each shows its own."""
+        out = []
+        for p in paths:
+            v = self._views.get(os.path.dirname(p))
+            if v is not None:
+                name, fstype, opts = v
+                out.append((os.path.join("sys/fs/cgroup", name).rstrip("/"), fstype, opts))
+        return out
+
+    def host_cpus(self) -> list[int] | None:
+        """The CPUs sandboxes may be placed on (our parent cpuset's), or None without a
+        cpuset hierarchy of its own (then sandboxes get no cpuset)."""
+        if self.version != 1 or self._cpuset is None:
+            return None
+        return parse_cpulist(_read(os.path.join(self._cpuset, "cpuset.cpus")))
+
     # ---- per sandbox -----------------------------------------------------------------------
     def paths_for(self, sandbox_id: str) -> list[str]:
         check_id(sandbox_id)
@@ -226,13 +300,15 @@ class CgroupManager:
         cpu)."""
         if self.version != 1:
             return []
-        return [os.path.join(self._mem, sandbox_id), os.path.join(self._cpu, sandbox_id)]
+        return [os.path.join(b, sandbox_id)
+                for b in (self._mem, self._cpu, self._acct, self._cpuset) if b is not None]
 
     def create(self, sandbox_id: str, cpu: float, memory_mb: int, pids: int,
-               later: bool = False) -> list[str]:
+               later: bool = False, cpus: str | None = None) -> list[str]:
         """Make the sandbox's cgroup dirs with limits written; all or nothing. All its paths
         are returned; with ``later`` (v1 only) the memory and cpu cgroups are not made now but
-        by ``ensure_later`` (see ContainerSubstrate.lazy_memcg)."""
+        by ``ensure_later`` (see ContainerSubstrate.lazy_memcg). ``cpus``: the cpuset's CPUs
+        (a cpulist, "0,2"); None: all of ours."""
         paths = self.paths_for(sandbox_id)
         made: list[str] = []
         mem = int(memory_mb) * 1024 * 1024
@@ -263,6 +339,8 @@ class CgroupManager:
                 if not skip:
                     self._memory_limits(os.path.join(self._mem, sandbox_id), mem, reused)
                     self._cpu_limits(os.path.join(self._cpu, sandbox_id), quota)
+                    if self._cpuset is not None:
+                        self._cpuset_limits(os.path.join(self._cpuset, sandbox_id), cpus)
         except BaseException:
             for p in reversed(made):
                 try:
@@ -510,8 +588,8 @@ class CgroupManager:
         recycle_memory, once its processes are gone): each is renamed aside if it has no task
         (and, freezer, is thawed); its limits are written again at reuse and cpuacct's usage
         is reset. Those not kept are left for the caller's rmdir. Nothing of a tenant shows
-        to the next: these controllers charge nothing, and their counters are host-side only
-        (sandboxes see no cgroupfs)."""
+        to the next: these controllers charge nothing, and cpuacct's usage (which a sandbox
+        reads through lxcfs's /proc/stat) starts again at 0."""
         if not self.set_spares_max or self._closed:
             return
         check_id(sandbox_id)
@@ -525,8 +603,8 @@ class CgroupManager:
                 if base == self._freezer and \
                         _read(path + "/freezer.state").strip() != "THAWED":
                     continue
-                if base == self._cpu and self._cpuacct:
-                    _write(path + "/cpuacct.usage", "0")
+                if (base == self._cpu and self._cpuacct) or base == self._acct:
+                    _write(path + "/cpuacct.usage", "0")  # the next tenant sees its own
                 spare = os.path.join(base, f"{_SPARE}{next(self._spare_seq)}")
                 os.rename(path, spare)
             except OSError:
@@ -599,14 +677,26 @@ class CgroupManager:
         _write(c + "/cpu.cfs_period_us", str(CFS_PERIOD_US))
         _write(c + "/cpu.cfs_quota_us", str(quota))
 
+    def _cpuset_limits(self, c: str, cpus: str | None) -> None:
+        # Load balancing off first, while the new cpuset has no CPU: with it on, every write
+        # of cpuset.cpus rebuilds the scheduler's domains, a walk of every cpuset on the host
+        # (the root cpuset's balancing still spreads the sandbox's tasks over its CPUs).
+        if _read(c + "/cpuset.sched_load_balance").strip() != "0":
+            _write(c + "/cpuset.sched_load_balance", "0")
+        if not _read(c + "/cpuset.mems").strip():
+            _write(c + "/cpuset.mems", _read(self._cpuset + "/cpuset.mems").strip())
+        _write(c + "/cpuset.cpus", cpus or _read(self._cpuset + "/cpuset.cpus").strip())
+
     def ensure_later(self, sandbox_id: str, cpu: float, memory_mb: int,
-                     pids: list[int]) -> None:
-        """Make the v1 memory and cpu cgroups of a sandbox created with ``later`` (limits
-        first, then ``pids`` moved in). Each one that exists already is left as it is."""
+                     pids: list[int], cpus: str | None = None) -> None:
+        """Make the v1 memory, cpu (cpuacct, cpuset) cgroups of a sandbox created with
+        ``later`` (limits first, then ``pids`` moved in). Each one that exists already is
+        left as it is."""
         check_id(sandbox_id)
-        mem, cpu_dir = self.later_paths(sandbox_id)
+        later = self.later_paths(sandbox_id)
+        mem = later[0]
         quota = max(1000, int(round(cpu * CFS_PERIOD_US)))
-        for path in (mem, cpu_dir):
+        for path in later:
             try:
                 reused = path == mem and self._take_spare(path)
                 if not reused and not (path != mem and self._take_set_spare(path)):
@@ -614,10 +704,13 @@ class CgroupManager:
             except FileExistsError:
                 continue
             try:
+                base = os.path.dirname(path)
                 if path == mem:
                     self._memory_limits(path, int(memory_mb) << 20, reused=reused)
-                else:
+                elif base == self._cpu:
                     self._cpu_limits(path, quota)
+                elif base == self._cpuset:
+                    self._cpuset_limits(path, cpus)
                 for pid in pids:
                     try:
                         _write(path + "/cgroup.procs", str(pid))
@@ -819,9 +912,23 @@ class CgroupManager:
         A recycled v1 cgroup never has any (recycle_memory discards those); a cgroup kept
         across a restore in place does, and callers keep a baseline. None when the sandbox
         has no memory cgroup (yet) or the kernel does not count."""
+        extra = self.thrash_kills.get(sandbox_id, 0)
         if self.version == 2:
-            return self._oom_kills_at(os.path.join(self._bases[0], check_id(sandbox_id)))
-        return self._oom_kills_at(os.path.join(self._mem, check_id(sandbox_id)))
+            kills = self._oom_kills_at(os.path.join(self._bases[0], check_id(sandbox_id)))
+        else:
+            kills = self._oom_kills_at(os.path.join(self._mem, check_id(sandbox_id)))
+        return kills + extra if kills is not None else None
+
+    @property
+    def memory_base(self) -> str | None:
+        """The v1 memory hierarchy's directory of ours (None on v2)."""
+        return self._mem if self.version == 1 else None
+
+    def record_thrash_kill(self, sandbox_id: str) -> None:
+        self.thrash_kills[sandbox_id] += 1
+
+    def forget_thrash_kills(self, sandbox_id: str) -> None:
+        self.thrash_kills.pop(sandbox_id, None)
 
     def _oom_kills_at(self, path: str) -> int | None:
         fname = "memory.events" if self.version == 2 else "memory.oom_control"

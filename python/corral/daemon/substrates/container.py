@@ -36,7 +36,18 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from corral import _core
-from corral.daemon import initexec, kernel, procpolicy, removal, scratch, streams, uploads
+from corral.daemon import (
+    cpuplace,
+    initexec,
+    kernel,
+    lxcfs,
+    procpolicy,
+    removal,
+    scratch,
+    streams,
+    thrash,
+    uploads,
+)
 from corral.daemon.kernel import pidfd_exited as _pidfd_exited
 from corral.daemon.kernel import proc_alive, proc_starttime
 from corral.errors import (
@@ -410,6 +421,16 @@ def _check_path(path: str) -> str:
     return path
 
 
+def make_sys_dir(path: str, views: list[str]) -> str:
+    """The skeleton bound read-only at each sandbox's /sys: fs/cgroup/<view> mountpoints,
+    root-owned, mode 0555, nothing else."""
+    for name in views:
+        os.makedirs(os.path.join(path, "fs", "cgroup", name), mode=0o555, exist_ok=True)
+    for dirpath, _, _ in os.walk(path):
+        os.chmod(dirpath, 0o555)
+    return path
+
+
 def make_mask_dir(path: str) -> str:
     """The empty directory every sandbox binds (read-only) over the /proc directories it
     masks, instead of mounting a tmpfs of its own there: one superblock fewer per sandbox, and
@@ -459,10 +480,33 @@ class ContainerSubstrate(Substrate):
         self.upload_max_bytes = 1 << 30
         self.disk = uploads.DiskBudget()
         self.cgroups = cgroups
+        # The CPUs of each sandbox's cpuset (none without a v1 cpuset hierarchy of our own).
+        host_cpus = getattr(cgroups, "host_cpus", lambda: None)()
+        self.cpu_placer = cpuplace.CpuPlacer(host_cpus) if host_cpus else None
         self.images = images
         self.init_fd = _core.init_memfd()
         self.mask_dir = make_mask_dir(os.path.join(state_dir, "mask"))
+        # /sys: a read-only skeleton holding only the mountpoints of the sandbox's own cgroups
+        # (/sys/fs/cgroup/<hierarchy>), mounted in its cgroup namespace at spawn, or at the
+        # first exec for those made then (see _mount_later_views).
+        views = getattr(cgroups, "view_names", lambda: [])()
+        self.sys_dir = make_sys_dir(os.path.join(state_dir, "sys"), views) if views else None
         self.proc_policy = procpolicy.compute().spawn_config()  # what sandboxes see of /proc
+        # /proc/meminfo, cpuinfo, stat... by each sandbox's own cgroups (corral.daemon.lxcfs);
+        # CORRAL_LXCFS=0 leaves sandboxes the host's.
+        self.lxcfs = lxcfs.Lxcfs(state_dir, on_restart=self._rebind_lxcfs)
+        # Live sandboxes' inits (id -> pid, start time), for lxcfs's binds after a restart.
+        self._live: dict[str, tuple[int, int]] = {}
+        if os.environ.get("CORRAL_LXCFS", "1") != "0":
+            self.lxcfs.start()
+        # A sandbox thrashing at its memory limit is OOM-killed (corral.daemon.thrash).
+        self.thrash: thrash.ThrashWatcher | None = None
+        mem_base = getattr(cgroups, "memory_base", None)
+        if mem_base:
+            self.thrash = thrash.ThrashWatcher(
+                mem_base, lambda name: not name.startswith("."),  # spares, the daemon's
+                cgroups.record_thrash_kill)
+            self.thrash.start()
         self.rlimits = dict(DEFAULT_RLIMITS)
         self.overlay_options = [o for o in os.environ.get(
             "CORRAL_OVERLAY_OPTIONS", "volatile").replace(",", " ").split() if o]
@@ -544,6 +588,10 @@ class ContainerSubstrate(Substrate):
             self._watcher.close()
             self._watcher = None
         self.netns.close()
+        if self.thrash is not None:
+            self.thrash.stop()
+        # Sandboxes kept for the next daemon keep their lxcfs too (it adopts it).
+        self.lxcfs.stop(keep=not retire)
         drop = getattr(self.cgroups, "drop_spares", None)
         if drop is not None:
             drop()  # recycled memory cgroups are this daemon's cache only
@@ -610,13 +658,18 @@ class ContainerSubstrate(Substrate):
             # the host waits). Spares are few, so idle sandboxes rarely get a memcg this way.
             lazy = self.lazy_memcg and not (cgroup_paths is None and
                                             self.cgroups.spare_ready())
-            later = {"later": True} if lazy else {}
+            later: dict[str, Any] = {"later": True} if lazy else {}
+            cpus = (self.cpu_placer.take(sandbox_id, spec.cpu)
+                    if self.cpu_placer is not None else None)
+            if cpus is not None:
+                later["cpus"] = cpus
             paths = cgroup_paths or self.cgroups.create(sandbox_id, spec.cpu, spec.memory_mb,
                                                         spec.pids, **later)
             join = paths
             if lazy:
                 skip = self.cgroups.later_paths(sandbox_id)
                 join = [p for p in paths if p not in skip or os.path.isdir(p)]
+            gen, binds = self.lxcfs.generation, self.lxcfs.proc_binds()
             cfg = {
                 "init_fd": self.init_fd,
                 "root": root,
@@ -628,6 +681,10 @@ class ContainerSubstrate(Substrate):
                 "unix_only": unix_only,
                 "mask_dir": self.mask_dir,
                 **self.proc_policy,
+                "proc_binds": binds,
+                "sys_dir": self.sys_dir,
+                "cgroup_mounts": (self.cgroups.view_mounts(join)
+                                  if self.sys_dir is not None else []),
                 "tmp_size_mb": spec.disk_mb,
                 "tmp_tmpfs": not self.scratch.quota,
             }
@@ -649,15 +706,22 @@ class ContainerSubstrate(Substrate):
             extra: dict[str, Any] = {"image": img.name, "disk_mb": spec.disk_mb}
             if layer != sdir:
                 extra["upper"] = os.path.join(scratch.LAYER, "upper")  # below sandbox_dir
+            if cpus is not None:
+                extra["cpus"] = cpus
             if unix_only:
                 extra["network"] = "disabled"  # exec applies the same walls; never pooled
             if lazy:
                 extra["memory_mb"] = spec.memory_mb
                 extra["cpu"] = spec.cpu
             self._oom_baseline(sandbox_id, extra)
-            return SandboxRuntime(sandbox_id=sandbox_id, init_pid=pid, init_starttime=starttime,
-                                  sandbox_dir=sdir, cgroup_paths=paths, pidfd=pidfd,
-                                  extra=extra)
+            runtime = SandboxRuntime(sandbox_id=sandbox_id, init_pid=pid,
+                                     init_starttime=starttime, sandbox_dir=sdir,
+                                     cgroup_paths=paths, pidfd=pidfd, extra=extra)
+            self._live[sandbox_id] = (pid, starttime)
+            if self.lxcfs.generation != gen and self.lxcfs.up:
+                # lxcfs restarted during the spawn, after the others were rebound: this one too
+                self._rebind_one(sandbox_id, self.lxcfs.proc_binds())
+            return runtime
         except BaseException as e:
             if net_fd is not None:
                 # Unused by any sandbox code yet (the init never ran user code), unless it is
@@ -716,6 +780,9 @@ class ContainerSubstrate(Substrate):
                 self.cgroups.remove(paths)
             except OSError:
                 pass
+        if self.cpu_placer is not None:
+            self.cpu_placer.release(sandbox_id)
+        self._live.pop(sandbox_id, None)
         removal.quiet_remove(sdir)
 
     def _kill_and_wait(self, pid: int, pidfd: int, timeout_s: float = 10.0) -> bool:
@@ -751,6 +818,9 @@ class ContainerSubstrate(Substrate):
             os.close(fd)
             return False
         runtime.pidfd = fd
+        if self.cpu_placer is not None:
+            self.cpu_placer.hold(runtime.sandbox_id, runtime.extra.get("cpus"))
+        self._live[runtime.sandbox_id] = (pid, runtime.init_starttime)
         return True
 
     def destroy_many(self, runtimes: list[SandboxRuntime]) -> list[BaseException | None]:
@@ -788,6 +858,12 @@ class ContainerSubstrate(Substrate):
     def _destroy(self, runtime: SandboxRuntime) -> None:
         self._close_root(runtime.sandbox_id)
         self.disk.forget(runtime.sandbox_id)
+        forget = getattr(self.cgroups, "forget_thrash_kills", None)
+        if forget is not None:
+            forget(runtime.sandbox_id)
+        self._live.pop(runtime.sandbox_id, None)
+        if self.cpu_placer is not None:
+            self.cpu_placer.release(runtime.sandbox_id)
         pidfd = runtime.pidfd
         if pidfd < 0:
             pidfd = self._open_pidfd(runtime)
@@ -1258,9 +1334,57 @@ class ContainerSubstrate(Substrate):
         later = self.cgroups.later_paths(runtime.sandbox_id)
         if not all(os.path.isdir(p) for p in later):
             self.cgroups.ensure_later(runtime.sandbox_id, float(runtime.extra.get("cpu", 1.0)),
-                                      int(mb), [runtime.init_pid])
+                                      int(mb), [runtime.init_pid],
+                                      cpus=runtime.extra.get("cpus"))
             self._oom_baseline(runtime.sandbox_id, runtime.extra)
+            self._mount_later_views(runtime, later)
         runtime.extra["memcg"] = True  # made: later execs skip the two cgroupfs lookups
+
+    def _rebind_lxcfs(self, binds: list[tuple[str, str]]) -> None:
+        """lxcfs restarted: every live sandbox's /proc entries get the new connection's files
+        (their old binds point at the dead one)."""
+        for sid in list(self._live):
+            self._rebind_one(sid, binds)
+
+    def _rebind_one(self, sandbox_id: str, binds: list[tuple[str, str]]) -> None:
+        live = self._live.get(sandbox_id)
+        if live is None or not binds:
+            return
+        pid, starttime = live
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return
+        try:
+            if proc_starttime(pid) != starttime:
+                return  # gone, its pid reused
+            _core.rebind_in(fd, [(src, "/proc/" + name) for src, name in binds])
+        except (OSError, ValueError) as e:
+            log.warning("cannot bind lxcfs's files into a sandbox: %s", e,
+                        extra={"sandbox": sandbox_id})
+        finally:
+            os.close(fd)
+
+    def _mount_later_views(self, runtime: SandboxRuntime, later: list[str]) -> None:
+        """The sandbox's /sys/fs/cgroup/<hierarchy> of the cgroups made at its first exec
+        (the init's cgroup namespace is rooted at the daemon's there: it unshared it before
+        they existed). Best effort: without them the sandbox sees empty directories."""
+        if self.sys_dir is None:
+            return
+        mounts = [("/" + t, f, o) for t, f, o in self.cgroups.view_mounts(later)]
+        if not mounts:
+            return
+        pidfd = runtime.pidfd if runtime.pidfd >= 0 else self._open_pidfd(runtime)
+        if pidfd < 0:
+            return
+        try:
+            _core.mount_cgroups_in(pidfd, self.cgroups.procs_files(later), mounts)
+        except (OSError, ValueError) as e:
+            log.warning("cannot mount the sandbox's cgroups at /sys/fs/cgroup: %s", e,
+                        extra={"sandbox": runtime.sandbox_id})
+        finally:
+            if pidfd != runtime.pidfd:
+                os.close(pidfd)
 
     def _spawn(self, runtime: SandboxRuntime, spec: ExecSpec, root: int,
                pidfd: int) -> int:
