@@ -329,7 +329,11 @@ def test_a_log_from_before_started_rows_is_migrated(tmp_path):
             assert tl2.interrupted == 1
             last = tl2.read("sb-old")[1][-1]
             assert last["status"] == "interrupted" and last["idempotency_key"] == "k2"
-            assert tl2._lookup("sb-old", "k2") is None  # does not bind its key
+            # binds its key to step_interrupted: a retry never runs it again
+            fp, _, result, error = tl2._lookup("sb-old", "k2")
+            assert result is None and error["error"]["code"] == "step_interrupted"
+            assert error["error"]["category"] == "infra"
+            assert error["error"]["details"]["key"] == "k2"
             assert tl2._lookup("sb-old", "k1") is not None
         finally:
             tl2.close()
