@@ -211,11 +211,23 @@ def sha256(data: bytes) -> str:
 
 
 def fingerprint(op: str, request: dict[str, Any]) -> str:
-    """The request's identity under an idempotency key: ``json.dumps(sort_keys=True)``'s
-    text, made by a C encoder built once (json.dumps builds one per call)."""
+    """The request's identity under an idempotency key: the hash of
+    ``json.dumps([op, request], sort_keys=True)``'s compact text."""
+    return keyed_text(op, request)[1]
+
+
+def keyed_text(op: str, request: dict[str, Any]) -> tuple[str, str]:
+    """(the request as logged, its fingerprint) from one encoding: the sorted text, made by a
+    C encoder built once (json.dumps builds one per call), is both the logged request and,
+    wrapped in ``[op, ...]`` (an op is a bare word), what the fingerprint hashes."""
     if _FP_ENCODE is None:
-        return sha256(json.dumps([op, request], sort_keys=True, separators=(",", ":")).encode())
-    return sha256("".join(_FP_ENCODE([op, request], 0)).encode())
+        text = json.dumps(request, sort_keys=True, separators=(",", ":"))
+    else:
+        text = "".join(_FP_ENCODE(request, 0))
+    fp = sha256(f'["{op}",{text}]'.encode())
+    if "NaN" in text or "Infinity" in text:  # maybe a non-JSON float: logged by _dumps
+        text = _dumps(request)
+    return text, fp
 
 
 def body_request(size: int, digest: str, data: bytes | None, **fields: Any) -> dict[str, Any]:
@@ -877,7 +889,8 @@ class TrajLog:
         ``start_ms`` from its start. A call that ends sooner costs no extra record."""
         if c.over:
             return  # it ended first: its end encoded the request itself
-        c.req_text = _dumps(_plain(c.request))
+        if c.req_text is None:
+            c.req_text = _dumps(_plain(c.request))
         if held:
             self._held[c] = None
             if self._tick is None and self._loop is not None:
@@ -887,7 +900,8 @@ class TrajLog:
     def _start_now(self, c: _Start) -> None:
         """Journal a keyed call's started row before the call runs (raises InternalError if it
         cannot be written: then the call does not run)."""
-        c.req_text = _dumps(c.request)
+        if c.req_text is None:
+            c.req_text = _dumps(_plain(c.request))
         self._seq += 1
         self._append("e", (self._seq, c.sid, c.op, c.key, c.fp, c.req_text, None, None,
                            c.started_at, c.started_at, None, STARTED))
@@ -1024,13 +1038,15 @@ class TrajLog:
         if not key or len(key) > MAX_KEY_LEN or not _utf8(key):
             raise InvalidRequest(f"{KEY_HEADER} must be 1 to {MAX_KEY_LEN} characters of "
                                  "UTF-8 text")
-        request = _plain(request)  # dumped once: the fingerprint and the started row use it
-        fp = fingerprint(op, request)
+        request = _plain(request)  # dumped and encoded once: the fingerprint and the entry
+        req_text, fp = keyed_text(op, request)
         slot = (sid, key)
-        while True:
-            other = self._inflight.get(slot)
+        while slot in self._inflight:
+            # A duplicate of a call in flight: wait for it (its future made by the first
+            # duplicate: a call that has none costs no future).
+            other = self._inflight[slot]
             if other is None:
-                break
+                other = self._inflight[slot] = self._loop.create_future()  # type: ignore[union-attr]
             try:
                 await asyncio.shield(other)
             except BaseException:  # noqa: BLE001 - the outcome is read from the log
@@ -1038,10 +1054,10 @@ class TrajLog:
         row = self._lookup(sid, key)
         if row is not None:
             return self._replayed(op, key, fp, row)
-        self._inflight[slot] = self._loop.create_future()  # type: ignore[union-attr]
+        self._inflight[slot] = None
         try:
             return await self._run_and_log(sid, op, request, key, fp, call, to_log,
-                                           snapshot_ids)
+                                           snapshot_ids, req_text)
         finally:
             done = self._inflight.pop(slot, None)
             if done is not None and not done.done():
@@ -1062,12 +1078,16 @@ class TrajLog:
     async def _run_and_log(self, sid: str, op: str, request: Any, key: str | None,
                            fp: str | None, call: Callable[[], Awaitable[Any]],
                            to_log: Callable[[Any], dict[str, Any]] | None,
-                           snapshot_ids: SnapIds) -> Any:
+                           snapshot_ids: SnapIds, req_text: str | None = None) -> Any:
         started = time.time()
         c = _Start(sid, op, request, started, key, fp)
+        c.req_text = req_text
         early = key is not None and op in KEYED_START_OPS
         if early:
             self._start_now(c)  # before the call runs: a retry never runs it twice
+        elif req_text is not None:
+            if op in STARTED_OPS:  # encoded already: only the started row to arm
+                self._loop.call_soon(self._prep, c, True)  # type: ignore[union-attr]
         else:
             self._loop.call_soon(self._prep, c, op in STARTED_OPS)  # type: ignore[union-attr]
         ids = snapshot_ids if not callable(snapshot_ids) else None
