@@ -110,11 +110,11 @@ INDEX_EVERY = 64
 # before it ends, and a half-made sandbox is removed at restart anyway).
 STARTED_OPS = frozenset({"exec", "write", "upload", "mkdir", "remove", "rename", "snapshot",
                          "fork", "restore", "pause", "resume", "kill"})
-# entries.status: NULL for a finished call (every row of older logs), else one of these.
 # Keyed ops whose started row is journaled before they run: a retry of one that never
 # finished answers step_interrupted instead of running again. Not kill: running a kill twice
 # is harmless, and a retried kill must end the sandbox.
 KEYED_START_OPS = STARTED_OPS - {"kill"}
+# entries.status: NULL for a finished call (every row of older logs), else one of these.
 STARTED, INTERRUPTED = "started", "interrupted"
 # The rows that bind their key: finished ones, and interrupted ones but a kill's.
 _BINDS = "(status IS NULL OR (status='interrupted' AND op<>'kill'))"
