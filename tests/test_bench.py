@@ -53,7 +53,7 @@ def test_report_header(report):
         assert key in report
     assert report["host"]["cpus"] >= 1
     assert set(report["scenarios"]) == {"churn", "latency", "exec", "density", "snapshot",
-                                        "trajlog", "execpath"}
+                                        "trajlog", "execpath", "keyedreads"}
     for name, sec in report["scenarios"].items():
         assert "error" not in sec, (name, sec)
         assert len(sec["runs"]) == 1
@@ -127,6 +127,19 @@ def test_snapshot_section(report):
     assert sec["left"] == {"snapshots": 0, "layers": 0}
     assert "snapshot_records" not in report["cleanup"]["leaks"]
     assert "layers" not in report["cleanup"]["leaks"]
+
+
+def test_keyedreads_section(report):
+    """read, stat and list with and without a key: every call answered, both medians, their
+    ratio and the paired cost in the section."""
+    sec = report["scenarios"]["keyedreads"]
+    assert sec["n"] == N and sec["target"] == "keyed/unkeyed >= 0.95"
+    assert set(sec["median"]) == {"read", "stat", "list"} and isinstance(sec["met"], bool)
+    for op, m in sec["median"].items():
+        assert m["errors"] == 0, sec["runs"]
+        assert m["keyed_p50_us"] > 0 and m["unkeyed_p50_us"] > 0 and m["ratio"] > 0
+        assert _is_num(m["key_cost_us"])
+        assert sec["ratios"][f"{op} keyed/unkeyed"] == m["ratio"]
 
 
 def test_trajlog_section(report):
@@ -227,7 +240,7 @@ def test_cli_json(tmp_path):
 
 def test_parse_scenarios():
     assert parse_scenarios("all") == ["churn", "latency", "exec", "density", "snapshot",
-                                      "trajlog", "execpath"]
+                                      "trajlog", "execpath", "keyedreads"]
     assert parse_scenarios("snapshot") == ["snapshot"]
     assert parse_scenarios("trajlog") == ["trajlog"]
     assert parse_scenarios("exec, churn") == ["exec", "churn"]

@@ -13,8 +13,10 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from corral import AsyncSandbox, Sandbox
-from corral.errors import CorralError, DaemonRestarted, DaemonUnavailable
+from corral.errors import CorralError, DaemonRestarted, DaemonUnavailable, StepInterrupted
 
 
 def test_kill9_under_load(daemon):
@@ -111,7 +113,7 @@ def test_kill9_under_load(daemon):
             # the calls in flight are in the log, as interrupted (outcome unknown)
             cut = [e for e in again.log() if e.status == "interrupted"]
             for e in cut:
-                assert e.result is None and e.error["error"]["code"] == "daemon_restarted"
+                assert e.result is None and e.error["error"]["code"] == "step_interrupted"
                 assert e.ended_at is None
                 assert all(cmd != e.request["cmd"] for cmd, _, _ in seen[b.id])
             if b is boxes[0]:
@@ -126,13 +128,14 @@ def test_kill9_under_load(daemon):
                 pass
 
 
-def test_interrupted_calls_are_logged_and_a_retry_runs(daemon):
+def test_interrupted_calls_are_logged_and_a_retry_never_runs_them(daemon):
     """A keyed exec in flight at kill -9: after the restart its row is interrupted and its key
-    is not bound, so the SDK's own retry (same key, sent once the daemon is back) runs it for
-    real; the log keeps both rows, so a reader sees the call may have run twice."""
+    bound to step_interrupted, so the SDK's own retry (same key, sent once the daemon is back)
+    does not run it again; the command itself, in the re-adopted sandbox, ran once."""
     tid = uuid.uuid4().hex
     sb = Sandbox(timeout=600, trajectory_id=tid)
-    cmd = "until test -f /root/fast; do sleep 0.02; done; echo ran >> /root/ran"
+    cmd = "echo started >> /root/ran; until test -f /root/fast; do sleep 0.02; done; " \
+          "echo ran >> /root/ran"
     outcome: list[object] = []
 
     def slow() -> None:
@@ -145,44 +148,40 @@ def test_interrupted_calls_are_logged_and_a_retry_runs(daemon):
         sb.exec("echo before")
         t = threading.Thread(target=slow)
         t.start()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # until its started row is committed
-            if any(e.status == "started" for e in Sandbox.from_id(sb.id).log()):
-                break
-            time.sleep(0.05)
-        else:
-            raise AssertionError("no started row")
         handle = Sandbox.from_id(sb.id)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # until the command runs
+            if handle.files.exists("/root/ran"):
+                break
+            time.sleep(0.02)
+        else:
+            raise AssertionError("the command did not start")
         daemon.kill9()
         daemon.start()  # within the SDK's retry window (docs/trajectory.md)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # the retry is in flight under the same key
-            if [e.status for e in handle.log() if e.idempotency_key == f"{tid}:1"] == \
-                    ["interrupted", "started"]:
-                break
-            time.sleep(0.05)
-        handle.files.write("/root/fast", "")
         t.join(60)
-        assert len(outcome) == 1 and getattr(outcome[0], "exit_code", None) == 0, outcome
+        assert len(outcome) == 1 and isinstance(outcome[0], StepInterrupted), outcome
+        assert outcome[0].infra and outcome[0].details["key"] == f"{tid}:1"
         assert sb.step == 2
-        entries = [e for e in handle.log() if e.op != "write"]  # the test's own /root/fast
-        assert [(e.op, e.status) for e in entries] == [("create", "done"), ("exec", "done"),
-                                                      ("exec", "interrupted"), ("exec", "done")]
-        cut = entries[2]
-        assert cut.request["cmd"] == cmd and cut.idempotency_key == f"{tid}:1"
+        handle.files.write("/root/fast", "")
+        entries = [e for e in handle.log() if e.op == "exec"]
+        assert [(e.idempotency_key, e.status) for e in entries] == [
+            (f"{tid}:0", "done"), (f"{tid}:1", "interrupted")]
+        cut = entries[1]
+        assert cut.request["cmd"] == cmd and cut.ended_at is None
         from test_cli import ok
 
         assert "INTERRUPTED" in ok("log", sb.id)
-        assert cut.error["error"]["code"] == "daemon_restarted"
+        assert cut.error["error"]["code"] == "step_interrupted"
         assert cut.error["error"]["details"]["interrupted"] is True
-        rows = [e for e in entries if e.idempotency_key == f"{tid}:1"]
-        assert [e.status for e in rows] == ["interrupted", "done"]
-        assert rows[1].seq > rows[0].seq
-        # now the key is bound: a restarted client replaying the same steps fast-forwards
+        # a restarted client replaying the same steps: the first fast-forwards, the second
+        # answers step_interrupted again; the command never ran a second time
         again = Sandbox.connect(sb.id, trajectory_id=tid)
         assert again.exec("echo before").stdout == "before\n"
-        assert again.exec(cmd).exit_code == 0
-        assert len([e for e in handle.log() if e.idempotency_key == f"{tid}:1"]) == 2
+        with pytest.raises(StepInterrupted):
+            again.exec(cmd)
+        assert handle.files.read("/root/ran").splitlines()[0] == "started"
+        assert handle.files.read("/root/ran").count("started") == 1
+        assert len([e for e in handle.log() if e.idempotency_key == f"{tid}:1"]) == 1
     finally:
         if daemon.proc is None:
             daemon.start()

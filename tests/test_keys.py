@@ -18,9 +18,11 @@ import pytest
 
 from corral import AsyncSandbox, Sandbox
 from corral.errors import (
+    CorralError,
     DaemonUnavailable,
     InvalidRequest,
     NotFound,
+    StepInterrupted,
     Timeout,
 )
 from corral.sdk import api
@@ -188,6 +190,74 @@ def test_a_retry_after_a_client_timeout_reuses_the_key(daemon):
         sb.exec("true")
         assert _keys(sb, "exec")[-2:] == [f"{tid}:2", f"{tid}:3"]
     finally:
+        sb.kill()
+
+
+# ---- a call in flight at a daemon kill never runs twice ----------------------------------------
+def test_a_command_in_flight_at_a_daemon_kill_never_runs_twice(daemon, monkeypatch):
+    """kill -9 of the daemon while two keyed commands run (a stepped one and one with an
+    explicit key), each bumping a counter in the sandbox and then sleeping: after the restart,
+    the SDK's own retry and the caller's retries of the same keys answer step_interrupted
+    (infra), the commands never run again, and the log says what is known."""
+    from conftest import wait_until
+
+    monkeypatch.setenv("CORRAL_AUTOSTART", "0")
+    tid = _tid()
+    sb = Sandbox(timeout=600, trajectory_id=tid)
+    other = Sandbox.from_id(sb.id)
+    step_cmd = "echo x >> /root/c; sleep 60"
+    key_cmd = "echo y >> /root/d; sleep 60"
+    out: dict[str, BaseException] = {}
+
+    def run(name: str, fn) -> threading.Thread:  # type: ignore[no-untyped-def]
+        def body() -> None:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - asserted below
+                out[name] = e
+        t = threading.Thread(target=body, daemon=True)
+        t.start()
+        return t
+
+    try:
+        threads = [run("step", lambda: sb.exec(step_cmd, timeout=90)),
+                   run("key", lambda: other.exec(key_cmd, timeout=90, key="bump"))]
+        probe = Sandbox.from_id(sb.id)
+        assert wait_until(lambda: probe.files.exists("/root/c") and probe.files.exists(
+            "/root/d"), timeout=30)
+        daemon.kill9()
+        daemon.start()
+        for t in threads:
+            t.join(60)
+            assert not t.is_alive()
+        for name in ("step", "key"):  # the SDK's retry met the new daemon, or gave up
+            assert isinstance(out[name], CorralError) and out[name].infra, out
+        # the caller's retries: the same calls, the same keys
+        for _ in range(2):
+            with pytest.raises(StepInterrupted) as err:
+                sb.exec(step_cmd, timeout=90)
+            assert err.value.category == "infra" and err.value.details["key"] == f"{tid}:0"
+            assert err.value.details["op"] == "exec" and err.value.details["interrupted"]
+            with pytest.raises(StepInterrupted):
+                other.exec(key_cmd, timeout=90, key="bump")
+        assert sb.step == 1
+        assert probe.files.read("/root/c") == "x\n" and probe.files.read("/root/d") == "y\n"
+        entries = [e for e in probe.log() if e.op == "exec"]
+        assert [(e.idempotency_key, e.status, e.error["error"]["code"]) for e in entries] == [
+            (k, "interrupted", "step_interrupted") for k in (f"{tid}:0", "bump")] or [
+            (e.idempotency_key, e.status) for e in entries] == [
+            ("bump", "interrupted"), (f"{tid}:0", "interrupted")]
+        # resumed: positioned after the interrupted step; a different call runs at step 1
+        again = Sandbox.from_trajectory(tid)
+        assert again.step == 1
+        assert again.exec("cat /root/c").stdout == "x\n"
+        # replaying from the start meets the interrupted step again, never reruns it
+        with pytest.raises(StepInterrupted):
+            Sandbox.from_trajectory(tid, step=0).exec(step_cmd, timeout=90)
+        assert probe.files.read("/root/c") == "x\n"
+    finally:
+        if daemon.proc is None:
+            daemon.start()
         sb.kill()
 
 

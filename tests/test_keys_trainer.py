@@ -1,8 +1,12 @@
 """A trainer that keeps being killed: several episodes in flight in one client process, the
-client SIGKILLed at seeded random points (mid-call, and while its calls are retrying against a
-daemon that was kill -9ed), each time resumed by ``AsyncSandbox.from_trajectory``. Every exec
-step must have run exactly once (a counter file in each sandbox, read back at every odd step),
-every replayed read must return what was first read, and no sandbox may be left behind."""
+client SIGKILLed at seeded random points (mid-call, while its calls retry after client
+timeouts, and while they retry against a daemon that was kill -9ed), the daemon kill -9ed
+between calls and under a command in flight, each time resumed by
+``AsyncSandbox.from_trajectory``. Every exec step must have run exactly once (a counter file
+in each sandbox, read back at every odd step), except that an episode whose command was in
+flight at a daemon kill gets ``step_interrupted`` and is masked, its interrupted step having
+run at most once; every replayed read must return what was first read, and no sandbox may be
+left behind."""
 
 from __future__ import annotations
 
@@ -19,17 +23,25 @@ import uuid
 from pathlib import Path
 
 from corral import Sandbox
+from corral.errors import CorralError
+
+from conftest import wait_until
 
 EPISODES = 6
 STEPS = 40          # per episode: even steps append their number to /root/counter, odd ones read it
+SLOW = 8            # in episodes 0-2, every SLOW-th step (4, 12, ...) is a command that
+#                     outlasts the client's timeout: 2 s in episode 0, the one the test kills
+#                     the daemon under, 0.8 s in episodes 1 and 2
 SEED = int(os.environ.get("CORRAL_TRAINER_SEED", "2126"))
 
 CLIENT = textwrap.dedent('''
     import asyncio, json, os, sys
     from corral import AsyncSandbox
-    from corral.errors import CorralError, NotFound
+    from corral.errors import CorralError, NotFound, StepInterrupted
+    from corral.sdk import api
 
     work, run, episodes, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    slow = int(sys.argv[5])
     seen_path = os.path.join(work, "seen.jsonl")
 
     def load_seen():
@@ -65,8 +77,8 @@ CLIENT = textwrap.dedent('''
             try:
                 return await fn()
             except CorralError as e:
-                if not e.infra:
-                    raise
+                if not e.infra or isinstance(e, StepInterrupted):
+                    raise  # step_interrupted: the step never runs again, mask the episode
                 print("retry after", e.code, file=sys.stderr, flush=True)
                 await asyncio.sleep(0.1)
         raise RuntimeError("gave up")
@@ -79,9 +91,27 @@ CLIENT = textwrap.dedent('''
             while os.path.exists(pause):
                 await asyncio.sleep(0.01)
 
+    def slow_exec(cmd):
+        def make(sid):
+            call = api.exec_(sid, cmd, timeout=30)
+            call.timeout = 0.3  # the client gives up first: Timeout, retried under the key
+            return call
+        return make
+
     async def step(sb, e, k):
         if k == steps:
             await sb.kill()
+        elif e < 3 and k % slow == 4:
+            mark = os.path.join(work, f"inflight-{os.getpid()}-{e}-{k}")
+            open(mark, "w").close()
+            secs = 2 if e == 0 else 0.8
+            try:  # the mark stays while the call is retried (after a timeout)
+                r = await sb._call(slow_exec(f"echo {k} >> /root/counter; sleep {secs}"))
+            except StepInterrupted:
+                os.unlink(mark)
+                raise
+            os.unlink(mark)
+            assert r.exit_code == 0, r
         elif k % 2 == 0:
             r = await sb.exec(f"echo {k} >> /root/counter")
             assert r.exit_code == 0, r
@@ -90,6 +120,25 @@ CLIENT = textwrap.dedent('''
 
     async def episode(e):
         tid = f"{run}-e{e}"
+        if os.path.exists(os.path.join(work, f"masked-{e}")):
+            return
+        try:
+            await play(e, tid)
+        except StepInterrupted as err:
+            await mask(e, tid, err)
+
+    async def mask(e, tid, err):
+        """A step in flight at a daemon kill: keep what the sandbox says, end the episode."""
+        sb = await retry(lambda: AsyncSandbox.from_trajectory(tid))
+        counter = await retry(lambda: sb.files.read("/root/counter", key="final"))
+        await retry(lambda: sb.kill(key="cleanup"))
+        tmp = os.path.join(work, f"masked-{e}.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"step": int(err.details["key"].rpartition(":")[2]),
+                       "counter": counter}, f)
+        os.rename(tmp, os.path.join(work, f"masked-{e}"))
+
+    async def play(e, tid):
         try:
             pos = (await retry(lambda: AsyncSandbox.from_trajectory(tid))).step
         except NotFound:
@@ -128,7 +177,7 @@ class Trainer:
         env = dict(os.environ, CORRAL_AUTOSTART="0")
         self.proc = subprocess.Popen(
             [sys.executable, str(self.script), str(self.work), self.run, str(EPISODES),
-             str(STEPS)], env=env, stderr=open(self.work / "client.err", "ab"))  # noqa: SIM115
+             str(STEPS), str(SLOW)], env=env, stderr=open(self.work / "client.err", "ab"))  # noqa: SIM115
         self.starts += 1
 
     def kill9(self) -> None:
@@ -136,8 +185,33 @@ class Trainer:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
 
+    def ended(self, e: int) -> bool:
+        return (self.work / f"done-{e}").exists() or (self.work / f"masked-{e}").exists()
+
     def done(self) -> bool:
-        return all((self.work / f"done-{e}").exists() for e in range(EPISODES))
+        return all(self.ended(e) for e in range(EPISODES))
+
+    def in_flight(self) -> tuple[int, int] | None:
+        """(episode, step) of a 2 s command of the running client (episode 0) whose command
+        has run its echo and sleeps, while no 0.8 s one (episodes 1 and 2, the client-timeout
+        ones) is in flight: a daemon killed now interrupts it."""
+        assert self.proc is not None
+        marks = [(m, *map(int, m.name.split("-")[2:]))
+                 for m in self.work.glob(f"inflight-{self.proc.pid}-*")]
+        if any(e > 0 for _, e, _ in marks):
+            return None
+        for mark, e, k in marks:
+            if k < 12:
+                continue  # past the episodes' first steps, which start in step (a burst)
+            try:
+                sid = Sandbox.from_trajectory(f"{self.run}-e{e}").id
+                counter = Sandbox.from_id(sid).files.read("/root/counter")
+            except CorralError:
+                continue
+            others = [m for m in self.work.glob(f"inflight-{self.proc.pid}-*") if m != mark]
+            if counter.endswith(f"{k}\n") and mark.exists() and not others:
+                return e, k  # (looked again: the others may have started a slow one since)
+        return None
 
     def exited(self) -> bool:
         assert self.proc is not None
@@ -151,8 +225,7 @@ class Trainer:
         (self.work / "pause").touch()
         while time.monotonic() < deadline:
             if self.exited() or all((self.work / f"paused-{e}").exists()
-                                    or (self.work / f"done-{e}").exists()
-                                    for e in range(EPISODES)):
+                                    or self.ended(e) for e in range(EPISODES)):
                 return
             time.sleep(0.01)
         raise AssertionError("the trainer did not pause")
@@ -170,9 +243,12 @@ def test_a_killed_trainer_resumes_every_step_exactly_once(daemon, tmp_path):
     # what happens while the trainer runs, in a seeded order: SIGKILL of the client mid-call, or
     # kill -9 of the daemon with the client's calls failing and retrying until it is back
     # (then the client lives on, or is SIGKILLed while retrying: "daemon+client")
-    events = ["client"] * 4 + ["daemon", "daemon", "daemon+client"]
+    # or kill -9 of the daemon under episode 0's slow command ("daemon-mid": it, and any other
+    # episode with a command in flight, is masked)
+    events = ["client"] * 4 + ["daemon", "daemon", "daemon+client", "daemon-mid"]
     rng.shuffle(events)
-    kills = {"client": 0, "client_in_retries": 0, "daemon": 0}
+    kills = {"client": 0, "client_in_retries": 0, "daemon": 0, "daemon_mid": 0}
+    cut: list[tuple[int, int]] = []  # (episode, step) in flight at a daemon-mid kill
     deadline = time.monotonic() + 240
     t.start()
     try:
@@ -186,6 +262,24 @@ def test_a_killed_trainer_resumes_every_step_exactly_once(daemon, tmp_path):
                 t.kill9()
                 kills["client"] += 1
                 t.start()
+                continue
+            if ev == "daemon-mid":
+                got: list[tuple[int, int]] = []
+
+                def found(got: list[tuple[int, int]] = got) -> bool:
+                    x = t.in_flight()
+                    if x is not None:
+                        got.append(x)
+                    return bool(got) or t.exited() or t.ended(0)
+
+                wait_until(found, timeout=60, interval=0.01)
+                if not got:
+                    continue
+                daemon.kill9()
+                kills["daemon_mid"] += 1
+                cut.append(got[0])
+                time.sleep(rng.uniform(0.1, 0.8))  # the client's calls fail and retry meanwhile
+                daemon.start()
                 continue
             t.pause(deadline)
             daemon.kill9()
@@ -212,9 +306,11 @@ def test_a_killed_trainer_resumes_every_step_exactly_once(daemon, tmp_path):
         if daemon.proc is None:
             daemon.start()
         (tmp_path / "pause").unlink(missing_ok=True)
-    print("trainer kills:", kills, "client starts:", t.starts)
+    print("trainer kills:", kills, "client starts:", t.starts, "cut:", cut, "masked:",
+          {p.name: p.read_text() for p in tmp_path.glob("masked-*")})
     assert kills["daemon"] >= 2 and kills["client"] + kills["client_in_retries"] >= 3
     assert not (tmp_path / "mismatch").exists(), (tmp_path / "mismatch").read_text()
+    assert "retry after timeout" in (tmp_path / "client.err").read_text()  # client timeouts
 
     seen: dict[tuple[int, int], str] = {}
     for line in (tmp_path / "seen.jsonl").read_text().splitlines():
@@ -223,20 +319,39 @@ def test_a_killed_trainer_resumes_every_step_exactly_once(daemon, tmp_path):
         except ValueError:
             continue
         seen.setdefault((x["e"], x["k"]), x["data"])
+    masked = {e: json.loads((tmp_path / f"masked-{e}").read_text()) for e in range(EPISODES)
+              if (tmp_path / f"masked-{e}").exists()}
+    # a command in flight at a daemon kill: its episode got step_interrupted at that step
+    assert kills["daemon_mid"] == 1 and set(cut) <= {(e, m["step"]) for e, m in masked.items()}
+    reads = 0
     for e in range(EPISODES):
         tid = f"{run}-e{e}"
         sb = Sandbox.from_trajectory(tid)
-        assert sb.step == STEPS + 1 and sb.last_info.state == "dead"
-        entries = sb.log()
-        keyed = [x for x in entries if x.op != "create"]
-        # every step ran once: one done entry per key, in order, nothing unkeyed
-        assert [x.idempotency_key for x in keyed] == [f"{tid}:{k}" for k in range(STEPS + 1)]
+        end = masked[e]["step"] if e in masked else STEPS
+        assert sb.step == end + 1 and sb.last_info.state == "dead"
+        # the test's own probes (unkeyed reads of the counter) aside, every call was keyed
+        keyed = [x for x in sb.log() if x.op != "create" and x.idempotency_key is not None]
+        keys = [f"{tid}:{k}" for k in range(end + 1)]
+        if e in masked:  # the steps before ran once; the interrupted one at most once
+            m = masked[e]
+            assert [x.idempotency_key for x in keyed] == keys + ["final", "cleanup"]
+            cut_entry = keyed[end]
+            assert cut_entry.status == "interrupted" and cut_entry.op == "exec"
+            assert cut_entry.error["error"]["code"] == "step_interrupted"
+            assert cut_entry.error["error"]["category"] == "infra"
+            before = "".join(f"{j}\n" for j in range(0, end, 2))
+            assert m["counter"] in (before, before + f"{end}\n"), (e, m)
+            keyed = keyed[:end]
+        else:
+            # every step ran once: one done entry per key, in order
+            assert [x.idempotency_key for x in keyed] == keys
         assert all(x.status == "done" and x.error is None for x in keyed)
-        for k in range(1, STEPS, 2):
+        for k in range(1, min(end, STEPS), 2):
             # the counter at read k holds each earlier exec step once, in order
             logged = base64.b64decode(keyed[k].result["data_b64"]).decode()
             assert logged == "".join(f"{j}\n" for j in range(0, k, 2)), (e, k, logged)
             if (e, k) in seen:  # what the client saw first is what the log replays
                 assert seen[(e, k)] == logged, (e, k)
-    assert len(seen) >= EPISODES * (STEPS // 2) - EPISODES  # the odd kill between read & note
+            reads += 1
+    assert len(seen) >= reads - EPISODES  # the odd kill between a read and its note
     assert Sandbox.list(labels={"run": run}) == []

@@ -31,6 +31,7 @@ from corral.errors import (
     SandboxKilled,
     SandboxLost,
     SandboxNotRunning,
+    StepInterrupted,
     TooLarge,
     error_from_payload,
 )
@@ -361,13 +362,15 @@ def private_daemon():
 def test_a_daemon_lost_mid_call_is_infra(private_daemon):
     """kill -9 of the daemon while a command runs: the call in flight fails with
     daemon_restarted, the next one with daemon_unavailable, both infra; after a restart
-    the sandbox is back."""
+    the sandbox is back, and the retry of a keyed command that was in flight answers
+    step_interrupted, infra."""
     ep = private_daemon.socket_path
     sb = Sandbox(timeout=120, endpoint=ep)
     traj = Sandbox(timeout=120, endpoint=ep, trajectory_id=_tid())
     try:
         t, out = _in_thread(lambda: sb.exec(LONG, timeout=90))
-        _until(lambda: _started(sb.id, ep))
+        kt, kout = _in_thread(lambda: traj.exec(LONG, timeout=90, key="in-flight"))
+        _until(lambda: _started(sb.id, ep) and _started(traj.id, ep))
         private_daemon.kill9()
         t.join(30)
         assert isinstance(out.get("error"), DaemonRestarted), out
@@ -376,6 +379,12 @@ def test_a_daemon_lost_mid_call_is_infra(private_daemon):
             sb.exec("true")
         _sorted_as(err.value, "infra")
         private_daemon.start()
+        kt.join(60)
+        assert isinstance(kout.get("error"), CorralError) and kout["error"].infra, kout
+        # a keyed command in flight at the loss: its retry never runs it again
+        with pytest.raises(StepInterrupted) as interrupted:
+            traj.exec(LONG, timeout=90, key="in-flight")
+        _sorted_as(interrupted.value, "infra")
         assert sb.exec("echo back").stdout == "back\n"
         # re-adopted, a trajectory's sandbox still tells an operator's kill from its own
         assert Sandbox.from_id(traj.id, endpoint=ep).kill() is True

@@ -138,7 +138,8 @@ def test_a_writer_killed_before_ingesting_loses_nothing_it_answered(tmp_path, he
     held_ingest.unlink()
 
     async def body(tl: TrajLog) -> None:
-        assert tl.recovered_records == 34  # 2 sandbox rows, 1 end, 30 entries, 1 started
+        # 2 sandbox rows, 1 end, 30 entries, 10 keyed calls' started rows, 1 started
+        assert tl.recovered_records == 44
         assert tl.interrupted == 1
         _, entries = tl.read("sb")
         assert [e["request"]["i"] for e in entries] == [*range(30), "slow"]

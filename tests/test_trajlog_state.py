@@ -329,9 +329,97 @@ def test_a_log_from_before_started_rows_is_migrated(tmp_path):
             assert tl2.interrupted == 1
             last = tl2.read("sb-old")[1][-1]
             assert last["status"] == "interrupted" and last["idempotency_key"] == "k2"
-            assert tl2._lookup("sb-old", "k2") is None  # does not bind its key
+            # binds its key to step_interrupted: a retry never runs it again
+            fp, _, result, error = tl2._lookup("sb-old", "k2")
+            assert result is None and error["error"]["code"] == "step_interrupted"
+            assert error["error"]["category"] == "infra"
+            assert error["error"]["details"]["key"] == "k2"
             assert tl2._lookup("sb-old", "k1") is not None
         finally:
             tl2.close()
+
+    asyncio.run(main())
+
+
+def test_a_keyed_call_is_started_before_it_runs_and_never_runs_twice(tmp_path):
+    """Through the daemon's own TrajLog on a private state dir: a keyed mutating call's
+    started row is journaled before the call runs (with start_ms far off, so no timer); a
+    daemon that dies under it (the log closed with the call in flight) leaves its key bound
+    to step_interrupted at the next open, and a retry never runs it. A call cancelled in
+    flight (a stop) is bound the same way at once. A keyed kill is the exception: its retry
+    kills again. Unkeyed calls still wait for their timer."""
+    from corral.daemon.trajlog import TrajLog
+    from corral.errors import StepInterrupted
+
+    ran: list[str] = []
+    gate: dict[str, asyncio.Event] = {}
+
+    def slow(name: str):  # type: ignore[no-untyped-def]
+        async def call() -> dict:
+            ran.append(name)
+            await gate[name].wait()
+            return {"ok": True}
+        return call
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        tl = TrajLog(str(tmp_path), start_ms=60_000)
+        tl.open(loop)
+        tl.sandbox_created("sb", {"image": "host"}, time.time())
+        for name in ("exec", "kill", "plain", "cancelled"):
+            gate[name] = asyncio.Event()
+        calls = [asyncio.ensure_future(tl.run("sb", "exec", {"cmd": "x"}, "k-exec",
+                                              slow("exec"))),
+                 asyncio.ensure_future(tl.run("sb", "mkdir", {"path": "/p"}, None,
+                                              slow("plain")))]
+        cancelled = asyncio.ensure_future(tl.run("sb", "write", {"path": "/w"}, "k-w",
+                                                 slow("cancelled")))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert sorted(ran) == ["cancelled", "exec", "plain"]
+        assert tl.stats["started_rows"] == 2  # the keyed ones, before they ran; not "plain"
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        with pytest.raises(StepInterrupted) as err:  # bound at once, in this daemon's life
+            await tl.run("sb", "write", {"path": "/w"}, "k-w", slow("never"))
+        assert err.value.details["key"] == "k-w" and err.value.category == "infra"
+        tl.close()  # the daemon "dies" with k-exec in flight
+        for c in calls:
+            c.cancel()
+        tl2 = TrajLog(str(tmp_path), start_ms=60_000)
+        tl2.open(loop)
+        try:
+            assert tl2.interrupted == 1
+            ran.clear()
+            for _ in range(2):
+                with pytest.raises(StepInterrupted) as err:
+                    await tl2.run("sb", "exec", {"cmd": "x"}, "k-exec", slow("again"))
+                assert err.value.details["op"] == "exec" and err.value.details["seq"] > 0
+            assert ran == []  # never ran again
+            entries = tl2.read("sb")[1]
+            assert [(e["op"], e["status"]) for e in entries] == [
+                ("exec", "interrupted"), ("write", "interrupted")]
+            # a keyed kill in flight at a crash: not bound, the retry kills
+            gate["k2"] = asyncio.Event()
+            k = asyncio.ensure_future(tl2.run("sb", "kill", {}, "k-kill", slow("k2")))
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # its request encoded, its start held for the timer
+            assert ran == ["k2"] and tl2.stats["started_rows"] == 0  # no early row
+            tl2.start_hold_s = 0.0
+            tl2._queue_due()  # its timer's row, as if start_ms had passed
+            assert tl2.stats["started_rows"] == 1
+        finally:
+            tl2.close()
+        k.cancel()
+        tl3 = TrajLog(str(tmp_path), start_ms=60_000)
+        tl3.open(loop)
+        try:
+            assert tl3.interrupted == 1 and tl3._lookup("sb", "k-kill") is None
+            gate["k3"] = asyncio.Event()
+            gate["k3"].set()
+            assert await tl3.run("sb", "kill", {}, "k-kill", slow("k3")) == {"ok": True}
+        finally:
+            tl3.close()
 
     asyncio.run(main())

@@ -40,6 +40,9 @@ class SpawnConfig(TypedDict):
     proc_mask_dirs: NotRequired[list[str]]
     tmp_size_mb: NotRequired[int | None]
     tmp_tmpfs: NotRequired[bool]
+    proc_binds: NotRequired[list[tuple[str, str]]]     # (host file, /proc entry), read-only
+    sys_dir: NotRequired[str | None]                    # host skeleton bound at /sys
+    cgroup_mounts: NotRequired[list[tuple[str, str, str]]]  # (target, fstype, options)
 
 class ExecConfig(TypedDict):
     """exec_in's config: a command started in a live sandbox by the daemon's own path."""
@@ -90,6 +93,14 @@ def umount(target: str) -> None: ...
 def mount_loop(image: str, target: str, fstype: str, options: str,
                direct_io: bool = True) -> str:
     """Attach ``image`` to a free loop device (autoclear) and mount it; returns the device."""
+def mount_cgroups_in(pidfd: int, tasks: list[str],
+                     mounts: list[tuple[str, str, str]]) -> None:
+    """Mount (target, fstype, options) read-only in the init's mount namespace, rooted at the
+    cgroups of the ``tasks`` files."""
+def rebind_in(pidfd: int, binds: list[tuple[str, str]]) -> None:
+    """Bind each (host source, target) read-only in the init's mount namespace."""
+def bind_readonly(source: str, target: str) -> None: ...
+def umount_detach(target: str) -> None: ...
 def btrfs_quota_enable(mnt: str, simple: bool) -> None: ...
 def btrfs_subvol_create(parent: str, name: str, limit: int | None = None) -> None: ...
 def btrfs_subvol_delete(path: str) -> bool:

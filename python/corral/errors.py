@@ -292,6 +292,15 @@ class DaemonRestarted(InfraError):
     code, status = "daemon_restarted", 503
 
 
+class StepInterrupted(InfraError):
+    """A retry of a keyed call that was in flight when the daemon died: the log says it
+    started and never finished, so it may have run, in whole or in part. Its key stays bound
+    to this error, so the call never runs twice; ``details`` says what is known (op, key,
+    sandbox, ``started_at``, the log entry's ``seq``). Mask the rollout."""
+
+    code, status = "step_interrupted", 409
+
+
 class DaemonUnavailable(InfraError):
     """No daemon answered (client side only)."""
 

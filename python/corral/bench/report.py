@@ -177,6 +177,19 @@ def trajlog_table(sec: dict[str, Any]) -> Table:
     return t
 
 
+def keyedreads_table(sec: dict[str, Any]) -> Table:
+    t = Table(title=f"keyedreads: files calls with and without an idempotency key  (N={sec['n']} "
+                    f"per op and variant, interleaved call by call ABBA, median of "
+                    f"{len(sec['runs'])} runs)")
+    for c in ("op", "keyed p50 us", "unkeyed p50 us", "ratio of p50s",
+              "key's cost us (median pair)", "keyed/unkeyed (paired)", "target"):
+        t.add_column(c, justify="left" if c in ("op", "target") else "right")
+    for op, m in sec["median"].items():
+        t.add_row(op, _f(m["keyed_p50_us"], 0), _f(m["unkeyed_p50_us"], 0),
+                  _f(m["p50_ratio"], 3), _f(m["key_cost_us"], 1), _f(m["ratio"], 3), ">= 0.95")
+    return t
+
+
 def execpath_table(sec: dict[str, Any]) -> Table:
     m, rt = sec["median"], sec["ratios"]
     t = Table(title=f"execpath: commands started by the sandbox's init vs by the daemon "
@@ -209,7 +222,7 @@ def profile_table(scenario: str, prof: dict[str, Any]) -> Table:
 
 TABLES = {"churn": churn_table, "latency": latency_table, "exec": exec_table,
           "density": density_table, "snapshot": snapshot_table, "trajlog": trajlog_table,
-          "execpath": execpath_table}
+          "execpath": execpath_table, "keyedreads": keyedreads_table}
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:

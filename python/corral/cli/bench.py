@@ -12,12 +12,13 @@ from corral.cli.output import err
 
 app = typer.Typer()
 
-_SCENARIOS = ("churn", "latency", "exec", "density", "snapshot", "trajlog", "execpath")
+_SCENARIOS = ("churn", "latency", "exec", "density", "snapshot", "trajlog", "execpath",
+              "keyedreads")
 
 
 def parse_scenarios(value: str) -> list[str]:
     """``all`` or a comma-separated list of churn, latency, exec, density, snapshot,
-    trajlog, execpath."""
+    trajlog, execpath, keyedreads."""
     if value.strip() == "all":
         return list(_SCENARIOS)
     names = [s.strip() for s in value.split(",") if s.strip()]
@@ -43,7 +44,7 @@ def parse_networks(value: str) -> list[str]:
 @app.command()
 def bench(
     scenario: str = typer.Argument("all", help="churn, latency, exec, density, snapshot, "
-                                               "trajlog, execpath, all, or a "
+                                               "trajlog, execpath, keyedreads, all, or a "
                                                "comma-separated list."),
     peers: bool = typer.Option(False, "--peers", help="Also run bwrap, crun and runc in the "
                                                       "churn (installed with apt-get if "
@@ -55,7 +56,7 @@ def bench(
                                      "snapshot, execs per daemon and mode for trajlog and "
                                      "execpath) per scenario. Default: churn 1000, latency "
                                      "300, exec 1000, density 1000, snapshot 30, trajlog 1000, "
-                                     "execpath 1000."),
+                                     "execpath 1000, keyedreads 1000 (per op and variant)."),
     concurrency: int = typer.Option(4, "--concurrency", "-c", min=1, max=64,
                                     help="Operations in flight (churn, async exec), the same "
                                          "for every system."),
@@ -104,7 +105,9 @@ def bench(
     (snapshot with --snapshot-mb MB changed, restore in place, fork of --fork children, with
     their targets), trajlog (exec throughput with the trajectory log on vs off, two private
     daemons, with the overhead target), execpath (commands started by the sandbox's init vs
-    by the daemon: exec round trip, throughput, first result; two private daemons). Every system
+    by the daemon: exec round trip, throughput, first result; two private daemons),
+    keyedreads (files.read/stat/list with and without an idempotency key, call by call). Every
+    system
     runs in the same run; ratios are taken within a run, medians over --runs. Exits 1 if a
     scenario failed or anything was left behind."""
     from corral.bench.runner import run

@@ -30,22 +30,25 @@ every insert; readers add the unindexed tail (``seq`` past the ``log_meta`` wate
 rowid range scan. Entry numbers (``seq``) are given on the loop, in journal order, so the
 ingester writes them in increasing order.
 
-Calls in flight: a mutating call (every op in ``STARTED_OPS``) also gets a *started* row, and
-never waits for it. A timer on the event loop journals that row once the call has run
-``CORRAL_TRAJLOG_START_MS`` (default 20 ms); a call that ends sooner cancels the timer and is
-written once, finished (the common case). A longer call's finished entry replaces its started
-row (same ``seq``: it keeps its place in the log). At the next start of the daemon, started
-rows still open are marked ``interrupted``: their outcome is unknown (the command may or may
-not have run; their callers got ``daemon_restarted``). A call in flight for less than the
-hold time at a crash can be missing from the log (its caller saw no result either).
+Calls in flight: a mutating call (every op in ``STARTED_OPS``) also gets a *started* row. A
+keyed one (``KEYED_START_OPS``) journals it before the call runs (one line copied into the
+journal's mapping: durable against the daemon's death, no system call, nothing waited for),
+so its key is known to have started. An unkeyed one never waits for it: a timer on the event
+loop journals the row once the call has run ``CORRAL_TRAJLOG_START_MS`` (default 20 ms); a
+call that ends sooner cancels the timer and is written once, finished (the common case). A
+call's finished entry replaces its started row (same ``seq``: it keeps its place in the log).
+At the next start of the daemon, started rows still open are marked ``interrupted`` with the
+error ``step_interrupted`` (infra): their outcome is unknown (the command may have run, in
+whole or in part; their callers got ``daemon_restarted``). An unkeyed call in flight for less
+than the hold time at a crash can be missing from the log (its caller saw no result either).
 
 Idempotency: a mutating call may carry the HTTP header ``Idempotency-Key``. Its scope is the
 sandbox (``create`` keys are global). A key already logged returns the logged result (or error)
 without running anything; the same key with a different request is ``replay_divergence``;
 concurrent duplicates wait for the one that runs. Infrastructure errors (``infra``) are logged
-but do not bind the key, so a retry after one runs for real; neither do interrupted rows: a
-retry after a crash runs the call for real, and the log keeps both rows (the interrupted one
-and the retry), so a reader can see the call may have run twice.
+but do not bind the key, so a retry after one runs for real. An interrupted row binds its key
+to its ``step_interrupted`` error (a kill's does not: a kill runs again), so a retry after a
+crash never runs the call a second time.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ from corral.errors import (
     InvalidRequest,
     ReplayDivergence,
     SandboxNotFound,
+    StepInterrupted,
     Unsupported,
     error_from_payload,
 )
@@ -106,13 +110,24 @@ INDEX_EVERY = 64
 # before it ends, and a half-made sandbox is removed at restart anyway).
 STARTED_OPS = frozenset({"exec", "write", "upload", "mkdir", "remove", "rename", "snapshot",
                          "fork", "restore", "pause", "resume", "kill"})
+# Keyed ops whose started row is journaled before they run: a retry of one that never
+# finished answers step_interrupted instead of running again. Not kill: running a kill twice
+# is harmless, and a retried kill must end the sandbox.
+KEYED_START_OPS = STARTED_OPS - {"kill"}
 # entries.status: NULL for a finished call (every row of older logs), else one of these.
 STARTED, INTERRUPTED = "started", "interrupted"
-INTERRUPTED_ERROR = {"error": {
-    "code": "daemon_restarted",
-    "message": "the daemon died while this call was in flight: its outcome is unknown (it may "
-               "or may not have run)",
-    "details": {"interrupted": True}}}
+# The rows that bind their key: finished ones, and interrupted ones but a kill's.
+_BINDS = "(status IS NULL OR (status='interrupted' AND op<>'kill'))"
+
+
+def interrupted_error(sid: str, op: str, key: str | None, started_at: float,
+                      seq: int) -> dict[str, Any]:
+    """The error an interrupted row carries (and a retry of its key raises)."""
+    return StepInterrupted(
+        "the daemon died while this call was in flight: it may have run, in whole or in part "
+        "(its key is not run again)",
+        details={"interrupted": True, "sandbox_id": sid, "op": op, "key": key,
+                 "started_at": started_at, "seq": seq}).to_payload()
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -196,11 +211,23 @@ def sha256(data: bytes) -> str:
 
 
 def fingerprint(op: str, request: dict[str, Any]) -> str:
-    """The request's identity under an idempotency key: ``json.dumps(sort_keys=True)``'s
-    text, made by a C encoder built once (json.dumps builds one per call)."""
+    """The request's identity under an idempotency key: the hash of
+    ``json.dumps([op, request], sort_keys=True)``'s compact text."""
+    return keyed_text(op, request)[1]
+
+
+def keyed_text(op: str, request: dict[str, Any]) -> tuple[str, str]:
+    """(the request as logged, its fingerprint) from one encoding: the sorted text, made by a
+    C encoder built once (json.dumps builds one per call), is both the logged request and,
+    wrapped in ``[op, ...]`` (an op is a bare word), what the fingerprint hashes."""
     if _FP_ENCODE is None:
-        return sha256(json.dumps([op, request], sort_keys=True, separators=(",", ":")).encode())
-    return sha256("".join(_FP_ENCODE([op, request], 0)).encode())
+        text = json.dumps(request, sort_keys=True, separators=(",", ":"))
+    else:
+        text = "".join(_FP_ENCODE(request, 0))
+    fp = sha256(f'["{op}",{text}]'.encode())
+    if "NaN" in text or "Infinity" in text:  # maybe a non-JSON float: logged by _dumps
+        text = _dumps(request)
+    return text, fp
 
 
 def body_request(size: int, digest: str, data: bytes | None, **fields: Any) -> dict[str, Any]:
@@ -447,9 +474,13 @@ class TrajLog:
             _index_tail(conn)
             self._unindexed = 0
             # Before any new call can start: what was in flight when the last daemon died.
-            cur = conn.execute("UPDATE entries SET status=?, error=? WHERE status=?",
-                               (INTERRUPTED, _dumps(INTERRUPTED_ERROR), STARTED))
-            self.interrupted = cur.rowcount
+            open_rows = conn.execute("SELECT seq, sandbox_id, op, idem_key, started_at FROM "
+                                     "entries WHERE status=?", (STARTED,)).fetchall()
+            conn.executemany("UPDATE entries SET status=?, error=? WHERE seq=?",
+                             [(INTERRUPTED, _dumps(interrupted_error(r[1], r[2], r[3], r[4],
+                                                                     r[0])), r[0])
+                              for r in open_rows])
+            self.interrupted = len(open_rows)
             if self.interrupted:
                 log.warning("calls interrupted by the last daemon's death",
                             extra={"count": self.interrupted})
@@ -566,7 +597,8 @@ class TrajLog:
                      result: dict[str, Any] | None, error: dict[str, Any] | None,
                      started_at: float, ended_at: float, key: str | None, fp: str | None,
                      snapshot_ids: list[str] | None, start: _Start | None,
-                     scope: str | None = None, req_text: str | None = None) -> int:
+                     scope: str | None = None, req_text: str | None = None,
+                     status: str | None = None) -> int:
         """Journal a finished call (replacing its started row if it had one); its seq."""
         if start is not None and start.rowid is not None:
             seq = start.rowid
@@ -585,7 +617,7 @@ class TrajLog:
                                _dumps(_plain(request)) if req_text is None else req_text,
                                None if result is None else _dumps(result),
                                None if error is None else _dumps(error), started_at, ended_at,
-                               _dumps(snapshot_ids) if snapshot_ids else None, None), slot)
+                               _dumps(snapshot_ids) if snapshot_ids else None, status), slot)
         except InternalError:
             if slot is not None:
                 self._unbound.pop(slot, None)
@@ -707,6 +739,8 @@ class TrajLog:
                 j += 1
             rows = [it[2] for it in seg[i:j]]
             if kind == "e":
+                if len(rows) > 1:  # a started row and its end in one batch: the end only
+                    rows = list({r[0]: r for r in rows}.values())  # (in first-seen order)
                 k = 0
                 while k < len(rows):
                     size = min(ENTRIES_PER_STATEMENT, 1 << ((len(rows) - k).bit_length() - 1))
@@ -855,12 +889,24 @@ class TrajLog:
         ``start_ms`` from its start. A call that ends sooner costs no extra record."""
         if c.over:
             return  # it ended first: its end encoded the request itself
-        c.req_text = _dumps(_plain(c.request))
+        if c.req_text is None:
+            c.req_text = _dumps(_plain(c.request))
         if held:
             self._held[c] = None
             if self._tick is None and self._loop is not None:
                 self._tick = self._loop.call_later(
                     max(0.0, c.t + self.start_hold_s - time.monotonic()), self._queue_due)
+
+    def _start_now(self, c: _Start) -> None:
+        """Journal a keyed call's started row before the call runs (raises InternalError if it
+        cannot be written: then the call does not run)."""
+        if c.req_text is None:
+            c.req_text = _dumps(_plain(c.request))
+        self._seq += 1
+        self._append("e", (self._seq, c.sid, c.op, c.key, c.fp, c.req_text, None, None,
+                           c.started_at, c.started_at, None, STARTED))
+        c.rowid = self._seq
+        self.stats["started_rows"] += 1
 
     def _queue_due(self) -> None:
         self._tick = None
@@ -931,7 +977,8 @@ class TrajLog:
             if key not in self._bound_keys(scope):
                 return None
             sql = ("SELECT fingerprint, sandbox_id, result, error FROM entries WHERE "
-                   "idem_key=? AND sandbox_id=? AND status IS NULL ORDER BY seq LIMIT 1")
+                   f"idem_key=? AND sandbox_id=? AND {_BINDS} ORDER BY status IS NOT NULL, "
+                   "seq LIMIT 1")
             row = self._reader.execute(sql, (key, scope)).fetchone()
         else:
             sql = ("SELECT fingerprint, sandbox_id, result, error FROM entries WHERE "
@@ -952,7 +999,7 @@ class TrajLog:
             assert self._reader is not None
             keys.update(k for (k,) in self._reader.execute(
                 f"SELECT idem_key FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND idem_key IS "
-                "NOT NULL AND status IS NULL", {"sid": sid}))
+                f"NOT NULL AND {_BINDS}", {"sid": sid}))
             if sid in self._live and len(self._bound) < MAX_BOUND_SETS:
                 self._bound[sid] = keys  # kept while it runs (a gone one's: rare replays)
         return keys
@@ -991,12 +1038,15 @@ class TrajLog:
         if not key or len(key) > MAX_KEY_LEN or not _utf8(key):
             raise InvalidRequest(f"{KEY_HEADER} must be 1 to {MAX_KEY_LEN} characters of "
                                  "UTF-8 text")
-        fp = fingerprint(op, _plain(request))
+        request = _plain(request)  # dumped and encoded once: the fingerprint and the entry
+        req_text, fp = keyed_text(op, request)
         slot = (sid, key)
-        while True:
-            other = self._inflight.get(slot)
+        while slot in self._inflight:
+            # A duplicate of a call in flight: wait for it (its future made by the first
+            # duplicate: a call that has none costs no future).
+            other = self._inflight[slot]
             if other is None:
-                break
+                other = self._inflight[slot] = self._loop.create_future()  # type: ignore[union-attr]
             try:
                 await asyncio.shield(other)
             except BaseException:  # noqa: BLE001 - the outcome is read from the log
@@ -1004,10 +1054,10 @@ class TrajLog:
         row = self._lookup(sid, key)
         if row is not None:
             return self._replayed(op, key, fp, row)
-        self._inflight[slot] = self._loop.create_future()  # type: ignore[union-attr]
+        self._inflight[slot] = None
         try:
             return await self._run_and_log(sid, op, request, key, fp, call, to_log,
-                                           snapshot_ids)
+                                           snapshot_ids, req_text)
         finally:
             done = self._inflight.pop(slot, None)
             if done is not None and not done.done():
@@ -1028,10 +1078,18 @@ class TrajLog:
     async def _run_and_log(self, sid: str, op: str, request: Any, key: str | None,
                            fp: str | None, call: Callable[[], Awaitable[Any]],
                            to_log: Callable[[Any], dict[str, Any]] | None,
-                           snapshot_ids: SnapIds) -> Any:
+                           snapshot_ids: SnapIds, req_text: str | None = None) -> Any:
         started = time.time()
         c = _Start(sid, op, request, started, key, fp)
-        self._loop.call_soon(self._prep, c, op in STARTED_OPS)  # type: ignore[union-attr]
+        c.req_text = req_text
+        early = key is not None and op in KEYED_START_OPS
+        if early:
+            self._start_now(c)  # before the call runs: a retry never runs it twice
+        elif req_text is not None:
+            if op in STARTED_OPS:  # encoded already: only the started row to arm
+                self._loop.call_soon(self._prep, c, True)  # type: ignore[union-attr]
+        else:
+            self._loop.call_soon(self._prep, c, op in STARTED_OPS)  # type: ignore[union-attr]
         ids = snapshot_ids if not callable(snapshot_ids) else None
         try:
             value = await call()
@@ -1047,7 +1105,19 @@ class TrajLog:
                               logged_key, fp if logged_key else None, ids, c)
             raise
         except BaseException:
-            self.drop(c)  # a daemon bug (the client gets internal): not a call
+            if not early:
+                self.drop(c)  # a daemon bug (the client gets internal): not a call
+                raise
+            # A keyed call that started and did not finish (cancelled at a shutdown, a daemon
+            # bug): interrupted, its key bound, as after a crash.
+            start = self._close_start(c)
+            try:
+                self._write_entry(sid, op, request, None,
+                                  interrupted_error(sid, op, key, started, c.rowid or 0),
+                                  started, started, key, fp, ids, start, req_text=c.req_text,
+                                  status=INTERRUPTED)
+            except InternalError:
+                pass  # the log is closed: its started row is interrupted at the next open
             raise
         start = self._close_start(c)
         result = to_log(value) if to_log is not None else value
@@ -1140,8 +1210,8 @@ class TrajLog:
             if sid is None:
                 return None
             rows = conn.execute(
-                f"SELECT idem_key FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND status IS "
-                "NULL AND substr(idem_key, 1, :n) = :p",
+                f"SELECT idem_key FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND {_BINDS} "
+                "AND substr(idem_key, 1, :n) = :p",
                 {"sid": sid, "n": len(tid) + 1, "p": tid + ":"}).fetchall()
         finally:
             conn.close()

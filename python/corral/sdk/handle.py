@@ -29,7 +29,8 @@ MAX_KEY_LEN = 256
 def retry_delay(err: CorralError, attempt: int, lost_before: bool) -> float | None:
     """How long to wait before sending a keyed call again after ``err``, or None (give up).
     Retried: a lost connection (the transport's ``daemon_restarted``: the outcome is unknown,
-    the same key makes the retry return it instead of running twice), and, once a connection
+    the same key makes the retry return it instead of running twice, or raise
+    ``step_interrupted`` if the daemon died under the call), and, once a connection
     was lost, ``daemon_unavailable`` (the daemon is on its way back). A daemon that was not
     there at the first attempt is reported at once."""
     if attempt >= len(RETRY_DELAYS):
