@@ -2,7 +2,9 @@
 mounts, seccomp filters and exec. Every call releases the GIL. Errors are OSError with the
 errno of the failed step (ValueError for a malformed config), unless named below."""
 
-from typing import Literal, NotRequired, TypedDict
+from typing import Literal, TypedDict
+
+from typing_extensions import NotRequired
 
 DEFAULT_PATH: str
 

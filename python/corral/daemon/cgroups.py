@@ -229,7 +229,7 @@ class CgroupManager:
             os.makedirs(d, exist_ok=True)
         for d in chain:
             self._enable_v2(d)
-        self._swap = None  # learnt on the first create (memory.swap.max exists or not)
+        self._swap: bool | None = None  # learnt on the first create (memory.swap.max exists or not)
 
     def _enable_v2(self, d: str) -> None:
         ctl = os.path.join(d, "cgroup.subtree_control")
@@ -678,6 +678,7 @@ class CgroupManager:
         _write(c + "/cpu.cfs_quota_us", str(quota))
 
     def _cpuset_limits(self, c: str, cpus: str | None) -> None:
+        assert self._cpuset is not None  # only called when there is a cpuset hierarchy
         # Load balancing off first, while the new cpuset has no CPU: with it on, every write
         # of cpuset.cpus rebuilds the scheduler's domains, a walk of every cpuset on the host
         # (the root cpuset's balancing still spreads the sandbox's tasks over its CPUs).

@@ -27,6 +27,7 @@ masks by in brackets, corral.errors):
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import errno
 import heapq
@@ -146,6 +147,12 @@ class Sandbox:
         # The trajectory it was made for (a create keyed "{T}:create", or child i of a fork
         # keyed for one): a kill without its keys is an operator's (Engine.by_operator).
         self.trajectory: str | None = None
+
+    @property
+    def rt(self) -> SandboxRuntime:
+        """Its runtime, where the caller knows it is running (created, not yet destroyed)."""
+        assert self.runtime is not None, f"{self.id} has no runtime"
+        return self.runtime
 
     @property
     def hostname(self) -> str:
@@ -756,7 +763,7 @@ class Engine:
 
     def _alive(self, sb: Sandbox) -> bool:
         try:
-            return self.substrates[sb.spec.substrate].is_alive(sb.runtime)
+            return self.substrates[sb.spec.substrate].is_alive(sb.rt)
         except Exception:  # noqa: BLE001
             return False
 
@@ -873,7 +880,7 @@ class Engine:
         def work(part: list[Sandbox]) -> None:
             substrate = self.substrates.get(part[0].spec.substrate)
             have = [sb for sb in part if sb.runtime is not None]
-            outcomes = substrate.destroy_many([sb.runtime for sb in have]) if substrate else []
+            outcomes = substrate.destroy_many([sb.rt for sb in have]) if substrate else []
             for sb, err in zip(have, outcomes, strict=False):
                 if err is not None:
                     log.error("destroy failed: %s", err, extra={"sandbox": sb.id})
@@ -985,7 +992,7 @@ class Engine:
 
         def read(path: str) -> str:
             try:
-                return sub.read_file(sb.runtime, path, PASSWD_MAX).decode("utf-8", "replace")
+                return sub.read_file(sb.rt, path, PASSWD_MAX).decode("utf-8", "replace")
             except (FileNotFound, FileNotFoundError):
                 return ""
 
@@ -1070,8 +1077,8 @@ class Engine:
             res["_sha"] = (proc.stdout.sha256(), proc.stderr.sha256())
         return res
 
-    async def exec_many(self, ids: list[str], req: ExecRequest,
-                        concurrency: int = 64) -> list[dict[str, Any]]:
+    async def exec_many(self, ids: builtins.list[str], req: ExecRequest,
+                        concurrency: int = 64) -> builtins.list[dict[str, Any]]:
         """The same foreground command in each sandbox, ``concurrency`` at a time; one result
         per id, in order: an ExecResult dict, or ``{"error"}`` for a sandbox where it could not
         run (the others are unaffected)."""
@@ -1221,7 +1228,7 @@ class Engine:
     async def stat(self, sid: str, path: str) -> FileEntry:
         return await self._files(sid, path, lambda s, rt: s.stat(rt, path))
 
-    async def list_dir(self, sid: str, path: str) -> list[FileEntry]:
+    async def list_dir(self, sid: str, path: str) -> builtins.list[FileEntry]:
         return await self._files(sid, path, lambda s, rt: s.list_dir(rt, path))
 
     async def mkdir(self, sid: str, path: str, parents: bool) -> None:
@@ -1324,7 +1331,7 @@ class Engine:
         return rec
 
     async def fork(self, sid: str, count: int, name: str | None, keep: bool,
-                   key: str | None = None) -> tuple[dict[str, Any], list[Sandbox]]:
+                   key: str | None = None) -> tuple[dict[str, Any], builtins.list[Sandbox]]:
         """Snapshot + ``count`` sandboxes on it with the parent's spec (one call). A parent
         made for trajectory ``T`` forked under key ``T:S`` (or explicit key ``S``) gives child
         ``i`` the trajectory ``T/forkS/i``, the SDK's name for it."""
@@ -1369,7 +1376,7 @@ class Engine:
             # reset, then destroys what it made (not the runtime being replaced under it).
             sb.threads += 1
             try:
-                runtime = await asyncio.to_thread(substrate.reset, sb.runtime, spec, image)
+                runtime = await asyncio.to_thread(substrate.reset, sb.rt, spec, image)
             finally:
                 sb.threads -= 1
         except BaseException:
@@ -1395,7 +1402,7 @@ class Engine:
         self._schedule(sb, time.time())
         return sb
 
-    def snapshot_list(self) -> list[dict[str, Any]]:
+    def snapshot_list(self) -> builtins.list[dict[str, Any]]:
         return self._snaps().list()
 
     def snapshot_get(self, key: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ dispatches it and serializes what comes back; it does not touch the engine's sta
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -403,13 +404,14 @@ async def dispatch(engine: Engine, op: Op) -> Any:
     """Run ``op``: after any snapshot capture holding its sandbox (if it starts or changes
     processes), through the trajectory log (if it is logged). Returns the call's value, or
     the logged result dict when the log fast-forwards a repeated key."""
+    call: Callable[[], Awaitable[Any]]
     if op.waits_capture:
-        async def call() -> Any:
+        async def after_capture() -> Any:
             await engine.wait_capture(op.sid)
             return await op.run(engine)
-    else:
-        def call() -> Awaitable[Any]:
-            return op.run(engine)
+        call = after_capture
+    else:  # the coroutine itself: no frame of our own
+        call = functools.partial(op.run, engine)
     if not op.logged:
         return await call()
     return await engine.trajlog.run(op.sid, op.name, op.request(), op.key, call,

@@ -91,7 +91,7 @@ def list_of(key: str, model: type[BaseModel], paged: bool = True) -> dict[str, A
     return out
 
 
-def link(op: str, **params: str) -> dict[str, Any]:
+def link(op: str, **params: str | dict[str, str]) -> dict[str, Any]:
     """An OpenAPI link to operation ``op`` (its handler's name); a ``body`` param is the
     request body (runtime expressions inside)."""
     out: dict[str, Any] = {"operationId": op}

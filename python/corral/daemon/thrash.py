@@ -30,6 +30,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 log = logging.getLogger("corral.thrash")
 
@@ -73,7 +74,8 @@ class ThrashWatcher:
     """One thread per daemon over the v1 memory cgroups below ``mem_base``; ``on_kill(id)``
     is called for each process it kills (the sandbox's OOM kill count)."""
 
-    def __init__(self, mem_base: str, is_sandbox: object, on_kill: object) -> None:
+    def __init__(self, mem_base: str, is_sandbox: Callable[[str], bool],
+                 on_kill: Callable[[str], None]) -> None:
         self.base = mem_base
         self._is_sandbox = is_sandbox  # name -> bool
         self._on_kill = on_kill
@@ -202,7 +204,7 @@ class ThrashWatcher:
                 return False
             # Counted before the kill: whoever sees the process end must see the count.
             with contextlib.suppress(Exception):
-                self._on_kill(name)  # type: ignore[operator]
+                self._on_kill(name)
             signal.pidfd_send_signal(fd, signal.SIGKILL)
             return True
         except OSError:

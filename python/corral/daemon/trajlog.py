@@ -422,7 +422,8 @@ class TrajLog:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: sqlite3.Connection | None = None  # the ingester's
         self._reader: sqlite3.Connection | None = None  # the loop's (key lookups)
-        self._inflight: dict[tuple[str, str], asyncio.Future[Any]] = {}
+        # (sid, key) -> the future a duplicate waits on (None: no duplicate yet)
+        self._inflight: dict[tuple[str, str], asyncio.Future[Any] | None] = {}
         self._last_prune = 0.0
         self.interrupted = 0  # started rows found open (and marked interrupted) at open()
         self.recovered_records = 0  # journal records a dead daemon left, ingested at open()
@@ -676,16 +677,16 @@ class TrajLog:
             conn.execute("BEGIN")
             seg: list[_Line] = []
             for it in batch:
-                if type(it) is tuple:
-                    seg.append(it)  # type: ignore[arg-type]
+                if isinstance(it, tuple):
+                    seg.append(it)
                     continue
                 if seg:
                     top = seg[-1][0]
                     self._ingest_lines(conn, seg)
                     seg = []
-                value = self._apply(conn, it)  # type: ignore[arg-type]
-                if it.fut is not None:  # type: ignore[union-attr]
-                    results.append((it.fut, value, None))  # type: ignore[union-attr]
+                value = self._apply(conn, it)
+                if it.fut is not None:
+                    results.append((it.fut, value, None))
             if seg:
                 top = seg[-1][0]
                 self._ingest_lines(conn, seg)
@@ -702,13 +703,13 @@ class TrajLog:
             self.stats["ingest_errors"] += 1
             err = InternalError(f"could not write the trajectory log: {e}")
             self._resolve_soon([(it.fut, None, err) for it in batch
-                                if type(it) is not tuple and it.fut is not None])  # type: ignore[union-attr]
+                                if isinstance(it, _Control) and it.fut is not None])
             return False
         if top:
             self._ingested = top
             for it in batch:
-                if type(it) is tuple and it[3] is not None:  # type: ignore[index]
-                    self._unbound.pop(it[3], None)  # type: ignore[index]
+                if isinstance(it, tuple) and it[3] is not None:
+                    self._unbound.pop(it[3], None)
             assert self._journal is not None or self._closing
             if self._journal is not None:
                 self._journal.release(top)
@@ -1046,7 +1047,8 @@ class TrajLog:
             # duplicate: a call that has none costs no future).
             other = self._inflight[slot]
             if other is None:
-                other = self._inflight[slot] = self._loop.create_future()  # type: ignore[union-attr]
+                assert self._loop is not None
+                other = self._inflight[slot] = self._loop.create_future()
             try:
                 await asyncio.shield(other)
             except BaseException:  # noqa: BLE001 - the outcome is read from the log

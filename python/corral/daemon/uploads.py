@@ -22,7 +22,7 @@ import io
 import lzma
 import tarfile
 import threading
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from corral.errors import TooLarge
 
@@ -63,7 +63,7 @@ def open_bounded(data: bytes | IO[bytes], limit: int) -> Bounded:
     raw.seek(0)
     inner: IO[bytes]
     if magic[:2] == b"\x1f\x8b":
-        inner = gzip.GzipFile(fileobj=raw, mode="rb")
+        inner = cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb"))
     elif magic[:3] == b"BZh":
         inner = bz2.BZ2File(raw, mode="rb")
     elif magic[:6] == b"\xfd7zXZ\x00":

@@ -33,7 +33,7 @@ import threading
 import time
 import zlib
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from corral import _core
 from corral.daemon import (
@@ -74,6 +74,7 @@ from corral.models import DEFAULT_DISK_MB, NETWORK_MODES, FileEntry, SandboxSpec
 from .base import Capabilities, ExecSpec, SandboxRuntime, Spawned, Substrate
 
 if TYPE_CHECKING:  # pragma: no cover
+    from corral._core import ExecConfig, SpawnConfig
     from corral.daemon.cgroups import CgroupManager
     from corral.daemon.images import Image, ImageStore
     from corral.daemon.snapshots import SnapshotStore
@@ -481,7 +482,7 @@ class ContainerSubstrate(Substrate):
         self.disk = uploads.DiskBudget()
         self.cgroups = cgroups
         # The CPUs of each sandbox's cpuset (none without a v1 cpuset hierarchy of our own).
-        host_cpus = getattr(cgroups, "host_cpus", lambda: None)()
+        host_cpus = cgroups.host_cpus()
         self.cpu_placer = cpuplace.CpuPlacer(host_cpus) if host_cpus else None
         self.images = images
         self.init_fd = _core.init_memfd()
@@ -489,7 +490,7 @@ class ContainerSubstrate(Substrate):
         # /sys: a read-only skeleton holding only the mountpoints of the sandbox's own cgroups
         # (/sys/fs/cgroup/<hierarchy>), mounted in its cgroup namespace at spawn, or at the
         # first exec for those made then (see _mount_later_views).
-        views = getattr(cgroups, "view_names", lambda: [])()
+        views: list[str] = cgroups.view_names()
         self.sys_dir = make_sys_dir(os.path.join(state_dir, "sys"), views) if views else None
         self.proc_policy = procpolicy.compute().spawn_config()  # what sandboxes see of /proc
         # /proc/meminfo, cpuinfo, stat... by each sandbox's own cgroups (corral.daemon.lxcfs);
@@ -501,7 +502,7 @@ class ContainerSubstrate(Substrate):
             self.lxcfs.start()
         # A sandbox thrashing at its memory limit is OOM-killed (corral.daemon.thrash).
         self.thrash: thrash.ThrashWatcher | None = None
-        mem_base = getattr(cgroups, "memory_base", None)
+        mem_base = cgroups.memory_base
         if mem_base:
             self.thrash = thrash.ThrashWatcher(
                 mem_base, lambda name: not name.startswith("."),  # spares, the daemon's
@@ -547,7 +548,7 @@ class ContainerSubstrate(Substrate):
         # init (which never allocates), so no limit is lost: every process enters through
         # exec, which makes the cgroup (limits first) and moves the init in before it starts.
         # The cpu cgroup likewise: setting a CFS quota walks every cpu cgroup on the host.
-        self.lazy_memcg = (getattr(cgroups, "lazy_memory_ok", False)
+        self.lazy_memcg = (cgroups.lazy_memory_ok
                            and os.environ.get("CORRAL_LAZY_MEMCG", "1") != "0")
         self._kids: dict[int, str] = {}       # init pid -> sandbox id, until destroy reaps it
         self._kid_lock = threading.Lock()
@@ -592,9 +593,7 @@ class ContainerSubstrate(Substrate):
             self.thrash.stop()
         # Sandboxes kept for the next daemon keep their lxcfs too (it adopts it).
         self.lxcfs.stop(keep=not retire)
-        drop = getattr(self.cgroups, "drop_spares", None)
-        if drop is not None:
-            drop()  # recycled memory cgroups are this daemon's cache only
+        self.cgroups.drop_spares()  # recycled memory cgroups are this daemon's cache only
         self.shared_netns.close()
         if retire:
             self.cgroups.remove_parents()
@@ -688,7 +687,7 @@ class ContainerSubstrate(Substrate):
                 "tmp_size_mb": spec.disk_mb,
                 "tmp_tmpfs": not self.scratch.quota,
             }
-            pid, pidfd = _core.spawn_sandbox(cfg)
+            pid, pidfd = _core.spawn_sandbox(cast("SpawnConfig", cfg))
             if not self.keep_pidfds:
                 with self._kid_lock:
                     self._kids[pid] = sandbox_id
@@ -858,9 +857,7 @@ class ContainerSubstrate(Substrate):
     def _destroy(self, runtime: SandboxRuntime) -> None:
         self._close_root(runtime.sandbox_id)
         self.disk.forget(runtime.sandbox_id)
-        forget = getattr(self.cgroups, "forget_thrash_kills", None)
-        if forget is not None:
-            forget(runtime.sandbox_id)
+        self.cgroups.forget_thrash_kills(runtime.sandbox_id)
         self._live.pop(runtime.sandbox_id, None)
         if self.cpu_placer is not None:
             self.cpu_placer.release(runtime.sandbox_id)
@@ -885,9 +882,7 @@ class ContainerSubstrate(Substrate):
             # cgroup, which is kept for the next sandbox only if nothing is charged to it.
             self._remove_dir(runtime.sandbox_id)
             self.cgroups.recycle_memory(runtime.sandbox_id)
-            recycle_rest = getattr(self.cgroups, "recycle_rest", None)
-            if recycle_rest is not None:
-                recycle_rest(runtime.sandbox_id)
+            self.cgroups.recycle_rest(runtime.sandbox_id)
         if not (reaped and self.cgroups.try_remove(paths)):
             self.cgroups.kill_all(paths)
             self.cgroups.remove(paths)
@@ -1055,7 +1050,7 @@ class ContainerSubstrate(Substrate):
     def _oom_baseline(self, sandbox_id: str, extra: dict[str, Any]) -> None:
         """Remember the OOM kills a (recycled, or restored-in-place) memory cgroup already
         counts: only later ones are this sandbox's."""
-        kills = getattr(self.cgroups, "oom_kills", lambda _sid: None)(sandbox_id)
+        kills = self.cgroups.oom_kills(sandbox_id)
         if kills:
             extra["oom_base"] = kills
         else:
@@ -1065,7 +1060,7 @@ class ContainerSubstrate(Substrate):
         """The memory cgroup's OOM kill counter (v2 ``memory.events``, v1
         ``memory.oom_control``); before the cgroup is made (a lazy one, before the first
         exec) the baseline it will start from. Only differences mean anything."""
-        kills = getattr(self.cgroups, "oom_kills", lambda _sid: None)(runtime.sandbox_id)
+        kills = self.cgroups.oom_kills(runtime.sandbox_id)
         if kills is None and not runtime.extra.get("memcg"):
             return int(runtime.extra.get("oom_base", 0))
         return kills
@@ -1081,7 +1076,7 @@ class ContainerSubstrate(Substrate):
           "init_exited", "status": ...}`` (nothing outside does that: the host stops an init
           with SIGKILL, or SIGTERM, on which it exits 0);
         - SIGKILL or exit 0 with no OOM kill: the host's doing, None."""
-        kills = getattr(self.cgroups, "oom_kills", lambda _sid: None)(runtime.sandbox_id)
+        kills = self.cgroups.oom_kills(runtime.sandbox_id)
         if kills is not None and kills > int(runtime.extra.get("oom_base", 0)):
             return {"cause": "oom", "oom_kills": kills - int(runtime.extra.get("oom_base", 0))}
         try:  # WNOWAIT: destroy still reaps it
@@ -1407,7 +1402,7 @@ class ContainerSubstrate(Substrate):
             "unix_only": _unix_only(runtime),
         }
         try:
-            return _core.exec_in(cfg)
+            return _core.exec_in(cast("ExecConfig", cfg))
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         except OSError as e:
