@@ -1,0 +1,348 @@
+"""Daemon side of run_code: one zygote process per (language, n), pools of them with a bounded
+queue, and the service that owns every pool.
+
+A zygote is a child of the daemon (its launcher, see zygote.py) spoken to over a socketpair in
+frames. The daemon never reaps with waitpid(-1) (see procs.py): the launcher is waited for
+through its pidfd. A zygote that dies (or stops answering) fails the requests it held with
+infra_error and is started again on the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from corral.daemon.substrates.process import cgroup, view, zygote
+from corral.errors import CapacityExceeded, CorralError, InfraError, InvalidRequest
+from corral.runcode_models import LANGUAGES, RunCodeRequest
+
+log = logging.getLogger("corral.runcode")
+
+UID_BASE = 2_100_000_000   # slot uids: owned by nothing on the host
+START_TIMEOUT_S = 60.0
+ANSWER_GRACE_S = 10.0      # beyond a request's timeout before its zygote counts as hung
+PRELOAD = {
+    "python": ["json", "re", "math", "random", "collections", "itertools", "functools",
+               "string", "datetime", "decimal", "fractions", "heapq", "bisect", "statistics",
+               "typing", "dataclasses", "traceback", "threading", "atexit", "numpy",
+               "numpy.random", "numpy.linalg"],
+    "bash": [],
+}
+PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
+
+
+@dataclass
+class Settings:
+    zygotes: int = 1                # per language
+    slots: int = 8                  # concurrent requests per zygote
+    max_queue: int = 1024           # requests waiting for a slot, per language
+    pids: int = 64                  # processes of one request
+    tmp_mb: int = 512               # the scratch tmpfs of a zygote (all its slots)
+    nofile: int = 1024
+    fsize_mb: int = 256
+
+
+def settings_from_env() -> Settings:
+    s = Settings()
+    for name in ("zygotes", "slots", "max_queue", "pids", "tmp_mb"):
+        raw = os.environ.get(f"CORRAL_RUNCODE_{name.upper()}")
+        if raw:
+            setattr(s, name, max(1, int(raw)))
+    return s
+
+
+class ZygoteDied(InfraError):
+    pass
+
+
+class Zygote:
+    """One zygote process and the requests in flight on it."""
+
+    def __init__(self, pool: Pool, index: int) -> None:
+        self.pool = pool
+        self.index = index
+        self.name = f"{pool.language}-{index}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.sock: socket.socket | None = None
+        self.pidfd = -1
+        self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.preloaded: list[str] = []
+        self.alive = False
+        self._ready: asyncio.Future[dict[str, Any]] | None = None
+        self._reader = zygote.FrameReader()
+
+    async def start(self) -> None:
+        svc = self.pool.service
+        s = svc.settings
+        loop = asyncio.get_running_loop()
+        join, slot_dirs = await asyncio.to_thread(
+            svc.layout.make_pool, self.name, s.slots, s.pids)
+        uid0 = UID_BASE + (self.pool.number * 64 + self.index) * 256
+        from corral import _core
+
+        cfg = {
+            "language": self.pool.language, "core": _core.__file__, "root": svc.root_dir,
+            "entries": view.entries(s.tmp_mb), "zygote_cgroups": join,
+            "slots": [{"uid": uid0 + i, "cgroups": d} for i, d in enumerate(slot_dirs)],
+            "preload": PRELOAD[self.pool.language],
+            "zygote_env": {"PATH": PATH, "LANG": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1",
+                           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+            "env": {"PATH": PATH, "LANG": "C.UTF-8"},
+            "rlimits": [("nofile", s.nofile, s.nofile), ("core", 0, 0),
+                        ("fsize", s.fsize_mb << 20, s.fsize_mb << 20)],
+        }
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-X", "utf8", zygote.__file__, str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, start_new_session=True, cwd="/")
+        finally:
+            theirs.close()
+        self.sock = ours
+        ours.setblocking(False)
+        self.pidfd = os.pidfd_open(self.proc.pid)
+        self._ready = loop.create_future()
+        self.alive = True
+        loop.add_reader(self.pidfd, self._exited)
+        loop.add_reader(ours.fileno(), self._readable)
+        await loop.sock_sendall(ours, zygote.encode(cfg))
+        try:
+            hello = await asyncio.wait_for(self._ready, START_TIMEOUT_S)
+        except (asyncio.TimeoutError, ZygoteDied) as e:
+            self.kill()
+            raise InfraError(f"the run_code {self.pool.language} zygote did not start: "
+                             f"{e or 'no answer'}") from None
+        if not hello.get("ready"):
+            self.kill()
+            raise InfraError(f"the run_code {self.pool.language} zygote did not start: "
+                             f"{hello.get('error')}")
+        self.preloaded = hello.get("preloaded", [])
+        self.pool.started += 1
+        log.info("run_code zygote started", extra={"zygote": self.name, "pid": self.proc.pid,
+                                                    "preloaded": len(self.preloaded)})
+
+    def _readable(self) -> None:
+        assert self.sock is not None
+        try:
+            data = self.sock.recv(1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._dead("its socket closed")
+            return
+        try:
+            frames = self._reader.feed(data)
+        except ValueError as e:
+            self._dead(f"bad frame: {e}")
+            return
+        for f in frames:
+            if "ready" in f:
+                if self._ready is not None and not self._ready.done():
+                    self._ready.set_result(f)
+                continue
+            fut = self.pending.pop(f.get("id", -1), None)
+            if fut is not None and not fut.done():
+                fut.set_result(f)
+
+    def _exited(self) -> None:
+        self._dead("it exited")
+
+    def _dead(self, why: str) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        loop = asyncio.get_running_loop()
+        for fd in (self.pidfd, self.sock.fileno() if self.sock else -1):
+            if fd >= 0:
+                loop.remove_reader(fd)
+        err = ZygoteDied(f"the run_code {self.pool.language} zygote died ({why}); the "
+                         f"request did not complete")
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(err)
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self.pending.clear()
+        self.kill()
+        log.warning("run_code zygote ended", extra={"zygote": self.name, "why": why})
+
+    def kill(self) -> None:
+        """SIGKILL the launcher (the zygote and its namespace follow) and reap it."""
+        self.alive = False
+        loop = asyncio.get_running_loop()
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+            self.proc = None
+        if self.pidfd >= 0:
+            loop.remove_reader(self.pidfd)
+            os.close(self.pidfd)
+            self.pidfd = -1
+        if self.sock is not None:
+            loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+            self.sock = None
+
+    async def request(self, slot: int, rid: int, req: RunCodeRequest) -> dict[str, Any]:
+        if not self.alive or self.sock is None:
+            raise ZygoteDied(f"the run_code {self.pool.language} zygote is not running")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self.pending[rid] = fut
+        msg = req.model_dump()
+        msg.update(id=rid, slot=slot)
+        await loop.sock_sendall(self.sock, zygote.encode(msg))
+        try:
+            return await asyncio.wait_for(fut, req.timeout + ANSWER_GRACE_S)
+        except asyncio.TimeoutError:
+            self.pending.pop(rid, None)
+            self._dead("no answer in time")
+            raise InfraError(f"the run_code {self.pool.language} zygote did not answer; it "
+                             f"was restarted") from None
+
+
+@dataclass
+class Pool:
+    service: RunCodeService
+    language: str
+    number: int
+    zygotes: list[Zygote] = field(default_factory=list)
+    free: asyncio.Queue[tuple[int, int]] = field(default_factory=asyncio.Queue)
+    waiting: int = 0
+    busy: int = 0
+    started: int = 0
+    served: int = 0
+
+    def __post_init__(self) -> None:
+        s = self.service.settings
+        self.zygotes = [Zygote(self, i) for i in range(s.zygotes)]
+        self._locks = [asyncio.Lock() for _ in self.zygotes]
+        for si in range(s.slots):
+            for zi in range(s.zygotes):
+                self.free.put_nowait((zi, si))
+
+    @property
+    def slots(self) -> int:
+        return len(self.zygotes) * self.service.settings.slots
+
+    def admit(self, n: int = 1) -> None:
+        room = self.service.settings.max_queue + self.free.qsize() - self.waiting
+        if n > room:
+            raise CapacityExceeded(
+                f"run_code {self.language}: {self.busy} requests running and {self.waiting} "
+                f"waiting (at most {self.service.settings.max_queue} wait); try again later",
+                details={"running": self.busy, "waiting": self.waiting,
+                         "max_queue": self.service.settings.max_queue})
+
+    async def _ensure(self, zi: int) -> Zygote:
+        z = self.zygotes[zi]
+        if z.alive:
+            return z
+        async with self._locks[zi]:
+            if not z.alive:
+                await z.start()
+        return z
+
+    async def run(self, req: RunCodeRequest, admitted: bool = False) -> dict[str, Any]:
+        if not admitted:
+            self.admit()
+        self.waiting += 1
+        try:
+            zi, si = await self.free.get()
+        finally:
+            self.waiting -= 1
+        self.busy += 1
+        try:
+            z = await self._ensure(zi)
+            out = await z.request(si, next(self.service.ids), req)
+        finally:
+            self.busy -= 1
+            self.free.put_nowait((zi, si))
+        if "infra" in out:
+            raise InfraError(f"run_code: {out['infra']}")
+        out.pop("id", None)
+        if out.pop("broken", False):  # a process of the slot would not die: start afresh
+            z.kill()
+        self.served += 1
+        return out
+
+    def status(self) -> dict[str, Any]:
+        pre = next((z.preloaded for z in self.zygotes if z.alive), [])
+        return {"language": self.language, "zygotes": sum(z.alive for z in self.zygotes),
+                "slots": self.slots, "busy": self.busy, "queued": self.waiting,
+                "max_queue": self.service.settings.max_queue, "started": self.started,
+                "preloaded": pre, "served": self.served}
+
+
+class RunCodeService:
+    """Every run_code pool of the daemon; pools start on their first request."""
+
+    def __init__(self, state_dir: str, cgroup_name: str,
+                 settings: Settings | None = None) -> None:
+        self.settings = settings or settings_from_env()
+        self.root_dir = os.path.join(state_dir, "runcode", "root")
+        self.cgroup_name = cgroup_name
+        self._layout: cgroup.Layout | None = None
+        self.pools: dict[str, Pool] = {}
+        self.ids = itertools.count(1)
+        self._closed = False
+
+    @property
+    def layout(self) -> cgroup.Layout:
+        if self._layout is None:
+            self._layout = cgroup.Layout(self.cgroup_name)
+            self._layout.remove_all()  # a previous daemon's, if it died
+            os.makedirs(self.root_dir, mode=0o700, exist_ok=True)
+        return self._layout
+
+    def pool(self, language: str) -> Pool:
+        if self._closed:
+            raise InfraError("the daemon is stopping")
+        if language not in LANGUAGES:
+            raise InvalidRequest(f"unknown language {language!r} (known: {', '.join(LANGUAGES)})")
+        p = self.pools.get(language)
+        if p is None:
+            p = self.pools[language] = Pool(self, language, LANGUAGES.index(language))
+        return p
+
+    async def run(self, req: RunCodeRequest) -> dict[str, Any]:
+        return await self.pool(req.language).run(req)
+
+    async def run_many(self, reqs: list[RunCodeRequest]) -> list[dict[str, Any]]:
+        counts: dict[str, int] = {}
+        for r in reqs:
+            counts[r.language] = counts.get(r.language, 0) + 1
+        for lang, n in counts.items():  # all or nothing at admission
+            self.pool(lang).admit(n)
+
+        async def one(r: RunCodeRequest) -> dict[str, Any]:
+            try:
+                return await self.pool(r.language).run(r, admitted=True)
+            except CorralError as e:
+                return {"error": e.to_payload()["error"]}
+
+        return list(await asyncio.gather(*(one(r) for r in reqs)))
+
+    def status(self) -> dict[str, Any]:
+        return {"pools": [p.status() for p in self.pools.values()]}
+
+    async def close(self) -> None:
+        self._closed = True
+        for p in self.pools.values():
+            for z in p.zygotes:
+                z.kill()
+        if self._layout is not None:
+            await asyncio.to_thread(self._layout.remove_all)
