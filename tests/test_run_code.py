@@ -411,7 +411,7 @@ def test_cli_run_code(tmp_path):
 def test_full_pool_says_capacity_exceeded_and_stop_leaves_nothing():
     cg = f"corral-test-rcq-{os.getpid()}"
     with private_daemon("corral-test-rcq-", cg, CORRAL_RUNCODE_SLOTS="1",
-                        CORRAL_RUNCODE_MAX_QUEUE="1") as d:
+                        CORRAL_RUNCODE_ZYGOTES="1", CORRAL_RUNCODE_MAX_QUEUE="1") as d:
         ep = d.socket_path
         assert corral.run_code("print(1)", endpoint=ep).ok
 

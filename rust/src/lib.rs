@@ -525,8 +525,15 @@ fn zygote_build_root(
     Ok(py.detach(|| zygote::build_root(std::path::Path::new(&root), &entries))?)
 }
 
-/// run_code request child: become `uid`/`gid` with no capability, `rlimits` ((name, soft,
-/// hard), negative = unlimited), no_new_privs, Landlock unix scope and the seccomp filter.
+/// run_code zygote, once its root is built: no_new_privs and the seccomp filter, inherited by
+/// every request's child.
+#[pyfunction]
+fn zygote_seal() -> PyResult<()> {
+    Ok(zygote::seal()?)
+}
+
+/// run_code request child (of a sealed zygote): become `uid`/`gid` with no capability,
+/// `rlimits` ((name, soft, hard), negative = unlimited), no_new_privs, Landlock unix scope.
 #[pyfunction]
 fn zygote_lockdown(uid: u32, gid: u32, rlimits: Vec<(String, i128, i128)>) -> PyResult<()> {
     let rlimits = rlimits
@@ -573,6 +580,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(zygote_die_with_parent, m)?)?;
     m.add_function(wrap_pyfunction!(zygote_build_root, m)?)?;
     m.add_function(wrap_pyfunction!(zygote_lockdown, m)?)?;
+    m.add_function(wrap_pyfunction!(zygote_seal, m)?)?;
     m.add("DEFAULT_PATH", enter::DEFAULT_PATH)?;
     Ok(())
 }

@@ -242,6 +242,20 @@ pub fn build_root(root: &Path, entries: &[Entry]) -> Result<(), ZygoteError> {
     )
 }
 
+/// Seal the zygote itself once its root is built: no_new_privs and the sandbox seccomp filter
+/// (only AF_UNIX sockets), which every request's child then inherits at its fork instead of
+/// attaching its own (the kernel's per-attach cost stays out of the request path). The zygote
+/// needs nothing the filter refuses once its namespaces and mounts are made.
+pub fn seal() -> Result<(), ZygoteError> {
+    let prog = harden::seccomp_program(true)?;
+    // SAFETY: prctl and seccomp on data that outlives the calls; single-threaded caller.
+    unsafe {
+        harden::no_new_privs().map_err(|e| ZygoteError::os("no_new_privs", e))?;
+        harden::apply_seccomp(prog).map_err(|e| ZygoteError::os("seccomp", e))?;
+    }
+    Ok(())
+}
+
 /// What a request's child becomes before it runs untrusted code.
 pub struct Lockdown {
     pub uid: u32,
@@ -249,13 +263,12 @@ pub struct Lockdown {
     pub rlimits: Vec<Rlimit>,
 }
 
-/// Apply `l` to the calling (single-threaded) process: oom_score_adj as a sandbox, no
-/// capability left in any set (bounding and ambient included), the unprivileged uid/gid with
-/// no supplementary group, the rlimits, no_new_privs, Landlock's abstract unix socket scope
-/// where the kernel has it (all requests of a zygote share its network namespace), and the
-/// sandbox seccomp filter with only AF_UNIX sockets.
+/// Apply `l` to the calling (single-threaded) process, a child of a sealed zygote (`seal`:
+/// the seccomp filter is inherited): oom_score_adj as a sandbox, no capability left in any set
+/// (bounding and ambient included), the unprivileged uid/gid with no supplementary group, the
+/// rlimits, no_new_privs, and Landlock's abstract unix socket scope in a domain of its own
+/// where the kernel has it (all requests of a zygote share its network namespace).
 pub fn lockdown(l: &Lockdown) -> Result<(), ZygoteError> {
-    let prog = harden::seccomp_program(true)?;
     let plan = CapPlan {
         bounding: 0,
         sets: 0,
@@ -274,7 +287,6 @@ pub fn lockdown(l: &Lockdown) -> Result<(), ZygoteError> {
         if harden::landlock_abi() >= 6 {
             step("landlock", harden::landlock_scope_unix())?;
         }
-        step("seccomp", harden::apply_seccomp(prog))?;
     }
     Ok(())
 }

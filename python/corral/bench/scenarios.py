@@ -16,6 +16,7 @@ from typing import Any
 from corral.bench import host, profile, sdk_runs
 from corral.bench.execpath import execpath
 from corral.bench.results import OpResult
+from corral.bench.runcode import run_code
 from corral.bench.session import Session
 from corral.bench.stats import median, median_tree, ratio
 from corral.bench.trajlog import trajlog
@@ -459,4 +460,4 @@ def _snapshot_leftovers(s: Session, timeout: float = 10.0) -> dict[str, int]:
 
 RUNNERS: dict[str, Callable[[Session], tuple[Section, Samples]]] = {
     "churn": churn, "latency": latency, "exec": exec_, "density": density,
-    "snapshot": snapshot, "trajlog": trajlog, "execpath": execpath}
+    "snapshot": snapshot, "trajlog": trajlog, "execpath": execpath, "run-code": run_code}

@@ -41,7 +41,7 @@ PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 
 @dataclass
 class Settings:
-    zygotes: int = 1                # per language
+    zygotes: int = 2                # per language (forks run on as many cores)
     slots: int = 8                  # concurrent requests per zygote
     max_queue: int = 1024           # requests waiting for a slot, per language
     pids: int = 64                  # processes of one request

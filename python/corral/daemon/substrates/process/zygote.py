@@ -10,12 +10,14 @@ imports none of corral but the Rust core, loaded by path. Its life:
 2. The zygote opens its slots' cgroup directories, imports the preloaded modules, switches to a
    read-only root that holds only the OS directories and the interpreter, with a private /tmp
    and a /proc that shows each uid only its own processes; SysV IPC and POSIX message queues
-   are capped at zero objects (nothing can outlive a request there), then it says ready.
-3. Each request runs in a fresh fork: it joins its slot's cgroups (memory, pids, freezer), takes
-   the slot's scratch dir, drops to the slot's uid with no capability, rlimits, no_new_privs,
-   Landlock's unix scope and the sandbox seccomp filter, then runs the code (python: in the
-   forked interpreter; bash: exec). When its process exits, whatever it left running in the
-   slot's cgroup is killed, the scratch dir is wiped, and the result goes back.
+   are capped at zero objects (nothing can outlive a request there). It then seals itself
+   (no_new_privs and the sandbox seccomp filter, inherited by every child) and says ready.
+3. Each request runs in a fresh fork, made ahead of it while the zygote is idle: the child
+   joins its slot's cgroups (memory, pids, freezer), takes the slot's scratch dir, drops to the
+   slot's uid with no capability, rlimits and a Landlock domain of its own (abstract unix
+   sockets), then waits for its request on a pipe and runs it (python: in the forked
+   interpreter; bash: exec). When its process exits, whatever it left running in the slot's
+   cgroup is killed, the scratch dir is wiped, and the result goes back.
 
 Frames both ways: 4-byte big-endian length + JSON.
 """
@@ -275,6 +277,7 @@ class Zygote:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self.sel.register(self.sock, selectors.EVENT_READ)
         self.sel.register(wake_r, selectors.EVENT_READ)
+        self.core.zygote_seal()  # the seccomp filter, for the zygote and every child it forks
         gc.collect()
         gc.freeze()  # keeps the children from dirtying (copying) the preloaded objects' pages
         self.cold.extend(self.slots)
