@@ -42,6 +42,23 @@ def slots(language: str = "python") -> int:
     return slots(language)
 
 
+# Counts a needle in every readable anonymous mapping, heap and stack of the process (read in
+# place with ctypes: a python child is not dumpable, so /proc/self/mem is not open to it). The
+# needle is spelled reversed in the code, so the code's own text is not a match; the one
+# built at run time is.
+MEMORY_SCAN = """
+import ctypes
+needle = NEEDLE[::-1].encode()
+found = 0
+for line in open('/proc/self/maps'):
+    f = line.split()
+    lo, hi = (int(x, 16) for x in f[0].split('-'))
+    if f[1][0] == 'r' and (len(f) < 6 or f[5] in ('[heap]', '[stack]')):
+        found += ctypes.string_at(lo, hi - lo).count(needle)
+print(found)
+"""
+
+
 def every_slot(code: str, language: str = "python"):  # type: ignore[no-untyped-def]
     """Run ``code`` once more than there are slots, one after the other: the pool hands out
     its slots in turn, so every slot (and the one a previous request used) runs it."""
@@ -349,6 +366,31 @@ print(os.environ.get('LEAK'), os.getcwd().startswith('/tmp/s'), json.dumps(1),
     for r in every_slot("echo ${LEAK:-none} $PWD; ls ~", language="bash"):
         assert r.stdout.split()[0] == "none" and r.stdout.split()[1].startswith("/tmp/s")
         assert len(r.stdout.split()) == 2
+
+
+def test_a_request_leaves_no_trace_in_the_memory_the_next_are_forked_from():
+    """Children are forks of the zygote: if a request's code, input or output passed through
+    the zygote, the next children would carry its remnants in their memory. Each later request
+    scans all of its own memory for a secret the first one held in every form."""
+    secret = "s3cr3t-" + os.urandom(8).hex()
+    r = run(f"import sys; data = sys.stdin.read() + {secret!r}; print(data)",
+            stdin=secret, files={"f.txt": secret})
+    assert secret in r.stdout
+    scan = MEMORY_SCAN.replace("NEEDLE", repr(secret[::-1]))
+    for r in every_slot(scan):
+        assert r.stdout == "1\n", r.stdout + r.stderr  # its own needle, built at run time
+
+
+def test_environment_is_its_own():
+    """Neither the environment nor the memory of a request holds the daemon's environment
+    (the exec-time block a zygote's children inherit is the zygote's own small one)."""
+    r = run("import os; print(sorted(os.environ))")
+    assert r.stdout == "['HOME', 'LANG', 'PATH', 'PWD', 'TMPDIR']\n", r.stdout
+    assert "CORRAL_STATE_DIR" in os.environ  # the daemon has it (conftest sets it)
+    r = run(MEMORY_SCAN.replace("NEEDLE", repr("CORRAL_STATE_DIR"[::-1])))
+    assert r.stdout == "1\n", r.stdout + r.stderr
+    r = run("cat /proc/self/environ | tr '\\0' ' '", language="bash")
+    assert "CORRAL" not in r.stdout and "PATH=" in r.stdout
 
 
 def test_random_state_differs_between_requests():

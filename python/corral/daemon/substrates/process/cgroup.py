@@ -120,3 +120,39 @@ def _remove_tree(top: str, timeout: float) -> None:
                     raise
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
+
+
+class SlotMemory:
+    """A slot's memory cgroup, from the daemon's side: the limit, set per request (only when
+    it changes), and the count of OOM kills in it."""
+
+    def __init__(self, dirs: dict[str, str]) -> None:
+        self.v2 = "unified" in dirs
+        self.dir = dirs["unified" if self.v2 else "memory"]
+        self.memsw = not self.v2 and os.path.exists(
+            os.path.join(self.dir, "memory.memsw.limit_in_bytes"))
+        self.limit = 1 << 62  # unlimited, as made
+
+    def set(self, nbytes: int) -> None:
+        if nbytes == self.limit:
+            return
+        if self.v2:
+            _write(self.dir + "/memory.max", str(nbytes))
+            with contextlib.suppress(OSError):
+                _write(self.dir + "/memory.swap.max", "0")
+        else:
+            order = ["memory.limit_in_bytes"]
+            if self.memsw:  # memsw >= limit at every step
+                order = (["memory.memsw.limit_in_bytes"] + order if nbytes > self.limit
+                         else order + ["memory.memsw.limit_in_bytes"])
+            for name in order:
+                _write(os.path.join(self.dir, name), str(nbytes))
+        self.limit = nbytes
+
+    def oom_kills(self) -> int:
+        text = _read(os.path.join(self.dir, "memory.events" if self.v2 else "memory.oom_control"))
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0

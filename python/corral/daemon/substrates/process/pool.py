@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
+import json
 import logging
 import os
 import socket
+import struct
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,8 +65,60 @@ class ZygoteDied(InfraError):
     pass
 
 
+class Warm:
+    """A slot's child waiting for its request: its pid and the daemon's ends of its pipes."""
+
+    def __init__(self, pid: int, ctl: int, out: int, err: int) -> None:
+        self.pid, self.ctl, self.out, self.err = pid, ctl, out, err
+
+    def close(self) -> None:
+        for fd in (self.ctl, self.out, self.err):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+class SlotState:
+    def __init__(self, index: int, dirs: dict[str, str]) -> None:
+        self.index = index
+        self.memory = cgroup.SlotMemory(dirs)
+        self.warm: Warm | None = None
+        self.ready = asyncio.Event()                      # warm is set
+        self.done: dict[int, asyncio.Future[dict[str, Any]]] = {}  # by pid
+
+
+class Output:
+    """One stream of a running request, read on the loop up to its cap (the rest dropped)."""
+
+    def __init__(self, fd: int, cap: int) -> None:
+        self.fd, self.cap = fd, cap
+        self.buf = bytearray()
+        self.truncated = False
+        self.eof = False
+        os.set_blocking(fd, False)
+
+    def read(self) -> None:
+        for _ in range(64):  # bounded per wakeup: a flood must not pin the loop
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.eof = True
+                return
+            room = self.cap - len(self.buf)
+            if len(data) > room:
+                self.truncated = True
+                data = data[:max(room, 0)]
+            self.buf += data
+
+    def text(self) -> str:
+        return self.buf.decode("utf-8", "replace")
+
+
 class Zygote:
-    """One zygote process and the requests in flight on it."""
+    """One zygote process, its slots' waiting children, and the requests running on them."""
 
     def __init__(self, pool: Pool, index: int) -> None:
         self.pool = pool
@@ -73,11 +127,12 @@ class Zygote:
         self.proc: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
         self.pidfd = -1
-        self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.slots: list[SlotState] = []
         self.preloaded: list[str] = []
         self.alive = False
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self._reader = zygote.FrameReader()
+        self._fds: list[int] = []  # received with the frames, 3 per "warm"
 
     async def start(self) -> None:
         svc = self.pool.service
@@ -85,26 +140,29 @@ class Zygote:
         loop = asyncio.get_running_loop()
         join, slot_dirs = await asyncio.to_thread(
             svc.layout.make_pool, self.name, s.slots, s.pids)
+        self.slots = [SlotState(i, d) for i, d in enumerate(slot_dirs)]
         uid0 = UID_BASE + (self.pool.number * 64 + self.index) * 256
         from corral import _core
 
+        zenv = {"PATH": PATH, "LANG": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1",
+                "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         cfg = {
             "language": self.pool.language, "core": _core.__file__, "root": svc.root_dir,
             "entries": view.entries(s.tmp_mb), "zygote_cgroups": join,
             "slots": [{"uid": uid0 + i, "cgroups": d} for i, d in enumerate(slot_dirs)],
-            "preload": PRELOAD[self.pool.language],
-            "zygote_env": {"PATH": PATH, "LANG": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1",
-                           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+            "preload": PRELOAD[self.pool.language], "zygote_env": zenv,
             "env": {"PATH": PATH, "LANG": "C.UTF-8"},
             "rlimits": [("nofile", s.nofile, s.nofile), ("core", 0, 0),
                         ("fsize", s.fsize_mb << 20, s.fsize_mb << 20)],
         }
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            # Its own small environment from the exec on: /proc/self/environ of every child
+            # shows the exec-time one, and the daemon's (a token, say) is none of theirs.
             self.proc = subprocess.Popen(
                 [sys.executable, "-I", "-X", "utf8", zygote.__file__, str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, start_new_session=True, cwd="/")
+                stdout=subprocess.DEVNULL, start_new_session=True, cwd="/", env=zenv)
         finally:
             theirs.close()
         self.sock = ours
@@ -112,7 +170,7 @@ class Zygote:
         self.pidfd = os.pidfd_open(self.proc.pid)
         self._ready = loop.create_future()
         self.alive = True
-        loop.add_reader(self.pidfd, self._exited)
+        loop.add_reader(self.pidfd, self._dead, "it exited")
         loop.add_reader(ours.fileno(), self._readable)
         await loop.sock_sendall(ours, zygote.encode(cfg))
         try:
@@ -130,14 +188,20 @@ class Zygote:
         log.info("run_code zygote started", extra={"zygote": self.name, "pid": self.proc.pid,
                                                     "preloaded": len(self.preloaded)})
 
+    # -- from the zygote --
     def _readable(self) -> None:
         assert self.sock is not None
         try:
-            data = self.sock.recv(1 << 20)
+            data, anc, _, _ = self.sock.recvmsg(1 << 20, socket.CMSG_SPACE(16 * 4),
+                                                socket.MSG_CMSG_CLOEXEC)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
+            data, anc = b"", []
+        for level, kind, raw in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                n = len(raw) - len(raw) % 4
+                self._fds += list(struct.unpack(f"{n // 4}i", raw[:n]))
         if not data:
             self._dead("its socket closed")
             return
@@ -147,33 +211,41 @@ class Zygote:
             self._dead(f"bad frame: {e}")
             return
         for f in frames:
-            if "ready" in f:
-                if self._ready is not None and not self._ready.done():
-                    self._ready.set_result(f)
-                continue
-            fut = self.pending.pop(f.get("id", -1), None)
-            if fut is not None and not fut.done():
-                fut.set_result(f)
-
-    def _exited(self) -> None:
-        self._dead("it exited")
+            if "warm" in f:
+                fds, self._fds = self._fds[:3], self._fds[3:]
+                if len(fds) != 3:
+                    self._dead("a waiting child came without its pipes")
+                    return
+                slot = self.slots[f["warm"]]
+                if slot.warm is not None:
+                    slot.warm.close()
+                slot.warm = Warm(f["pid"], *fds)
+                slot.ready.set()
+            elif "done" in f:
+                slot = self.slots[f["done"]]
+                if slot.warm is not None and slot.warm.pid == f["pid"]:
+                    slot.warm.close()  # died waiting
+                    slot.warm = None
+                    slot.ready.clear()
+                fut = slot.done.pop(f["pid"], None)
+                if fut is not None and not fut.done():
+                    fut.set_result(f)
+            elif "ready" in f and self._ready is not None and not self._ready.done():
+                self._ready.set_result(f)
 
     def _dead(self, why: str) -> None:
         if not self.alive:
             return
         self.alive = False
-        loop = asyncio.get_running_loop()
-        for fd in (self.pidfd, self.sock.fileno() if self.sock else -1):
-            if fd >= 0:
-                loop.remove_reader(fd)
         err = ZygoteDied(f"the run_code {self.pool.language} zygote died ({why}); the "
                          f"request did not complete")
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(err)
-        for fut in self.pending.values():
-            if not fut.done():
-                fut.set_exception(err)
-        self.pending.clear()
+        for slot in self.slots:
+            for fut in slot.done.values():
+                if not fut.done():
+                    fut.set_exception(err)
+            slot.done.clear()
         self.kill()
         log.warning("run_code zygote ended", extra={"zygote": self.name, "why": why})
 
@@ -195,23 +267,111 @@ class Zygote:
             loop.remove_reader(self.sock.fileno())
             self.sock.close()
             self.sock = None
+        for slot in self.slots:
+            if slot.warm is not None:
+                slot.warm.close()
+                slot.warm = None
+            slot.ready.set()  # wake waiters: they see the zygote is gone
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = []
 
-    async def request(self, slot: int, rid: int, req: RunCodeRequest) -> dict[str, Any]:
-        if not self.alive or self.sock is None:
+    # -- one request --
+    async def request(self, si: int, req: RunCodeRequest) -> dict[str, Any]:
+        slot = self.slots[si]
+        try:
+            await asyncio.wait_for(slot.ready.wait(), START_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            self._dead("no child forked in time")
+        if not self.alive or slot.warm is None:
             raise ZygoteDied(f"the run_code {self.pool.language} zygote is not running")
+        w, slot.warm = slot.warm, None
+        slot.ready.clear()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[dict[str, Any]] = loop.create_future()
-        self.pending[rid] = fut
-        msg = req.model_dump()
-        msg.update(id=rid, slot=slot)
-        await loop.sock_sendall(self.sock, zygote.encode(msg))
+        slot.done[w.pid] = fut
+        out, err = Output(w.out, req.max_output_bytes), Output(w.err, req.max_output_bytes)
+        timer: asyncio.TimerHandle | None = None
+        timed_out = False
+
+        def expire() -> None:
+            nonlocal timed_out
+            timed_out = True
+            if self.sock is not None:  # the zygote kills the slot's whole tree
+                with contextlib.suppress(OSError):
+                    self.sock.send(zygote.encode({"kill": si, "pid": w.pid}))
+
         try:
-            return await asyncio.wait_for(fut, req.timeout + ANSWER_GRACE_S)
-        except asyncio.TimeoutError:
-            self.pending.pop(rid, None)
-            self._dead("no answer in time")
-            raise InfraError(f"the run_code {self.pool.language} zygote did not answer; it "
-                             f"was restarted") from None
+            slot.memory.set(req.memory_mb << 20)
+            oom0 = slot.memory.oom_kills()
+            payload = json.dumps({"code": req.code, "stdin": req.stdin, "files": req.files,
+                                  "timeout": req.timeout}, separators=(",", ":")).encode()
+            loop.add_reader(w.out, out.read)
+            loop.add_reader(w.err, err.read)
+            t0 = time.monotonic()
+            timer = loop.call_at(loop.time() + req.timeout, expire)
+            await _write_pipe(w.ctl, payload)
+            os.close(w.ctl)
+            w.ctl = -1
+            try:
+                done = await asyncio.wait_for(fut, req.timeout + ANSWER_GRACE_S)
+            except asyncio.TimeoutError:
+                self._dead("no answer in time")
+                raise InfraError(f"the run_code {self.pool.language} zygote did not answer; "
+                                 f"it was restarted") from None
+        finally:
+            if timer is not None:
+                timer.cancel()
+            slot.done.pop(w.pid, None)
+            for fd in (w.out, w.err):
+                with contextlib.suppress(ValueError, OSError):
+                    loop.remove_reader(fd)
+        # Everything of the slot is dead now: what is in the pipes is all there is (a holder
+        # of a copy elsewhere is not waited for).
+        out.read()
+        err.read()
+        w.close()
+        st = done["status"]
+        sig = os.WTERMSIG(st) if os.WIFSIGNALED(st) else None
+        code = 128 + sig if sig is not None else os.WEXITSTATUS(st)
+        truncated = out.truncated or err.truncated
+        if timed_out:
+            status = "timeout"
+        elif slot.memory.oom_kills() > oom0:
+            status = "memory_exceeded"
+        elif truncated:
+            status = "output_truncated"
+        else:
+            status = "ok" if code == 0 else "error"
+        if done.get("broken"):  # a process of the slot would not die: start afresh
+            self._dead("a slot's processes would not die")
+        return {"status": status, "stdout": out.text(), "stderr": err.text(),
+                "exit_code": code, "signal": sig,
+                "duration_s": round(max(0.0, done["t_exit"] - t0), 6), "truncated": truncated,
+                "language": self.pool.language}
+
+
+async def _write_pipe(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to a pipe without blocking the loop (the child reads it all)."""
+    os.set_blocking(fd, False)
+    view = memoryview(data)
+    loop = asyncio.get_running_loop()
+    while view:
+        try:
+            n = os.write(fd, view)
+            view = view[n:]
+            continue
+        except BlockingIOError:
+            pass
+        except BrokenPipeError:
+            return  # it died waiting: its status tells
+        ready = loop.create_future()
+        loop.add_writer(fd, ready.set_result, None)
+        try:
+            await ready
+        finally:
+            loop.remove_writer(fd)
 
 
 @dataclass
@@ -267,15 +427,10 @@ class Pool:
         self.busy += 1
         try:
             z = await self._ensure(zi)
-            out = await z.request(si, next(self.service.ids), req)
+            out = await z.request(si, req)
         finally:
             self.busy -= 1
             self.free.put_nowait((zi, si))
-        if "infra" in out:
-            raise InfraError(f"run_code: {out['infra']}")
-        out.pop("id", None)
-        if out.pop("broken", False):  # a process of the slot would not die: start afresh
-            z.kill()
         self.served += 1
         return out
 
@@ -297,7 +452,6 @@ class RunCodeService:
         self.cgroup_name = cgroup_name
         self._layout: cgroup.Layout | None = None
         self.pools: dict[str, Pool] = {}
-        self.ids = itertools.count(1)
         self._closed = False
 
     @property

@@ -29,6 +29,7 @@ import json
 import os
 import selectors
 import signal
+import socket
 import struct
 import sys
 import time
@@ -112,42 +113,7 @@ class SlotCgroups:
         self.fds = {k: os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
                     for k, p in dirs.items()}
         self.join = [(fd, "cgroup.procs" if self.v2 else "tasks") for fd in self.fds.values()]
-        self.mem = self.fds["unified" if self.v2 else "memory"]
         self.procs = self.fds["unified" if self.v2 else "pids"]
-        self.memsw = False
-        if not self.v2:
-            try:
-                _read_at(self.mem, "memory.memsw.limit_in_bytes")
-                self.memsw = True
-            except OSError:
-                pass
-        self.limit = 1 << 62  # unlimited, as made
-
-    def set_memory(self, nbytes: int) -> None:
-        if nbytes == self.limit:
-            return
-        if self.v2:
-            _write_at(self.mem, "memory.max", str(nbytes))
-            try:
-                _write_at(self.mem, "memory.swap.max", "0")
-            except OSError:
-                pass
-        else:
-            order = ["memory.limit_in_bytes"]
-            if self.memsw:  # memsw >= limit at every step
-                order = (["memory.memsw.limit_in_bytes"] + order if nbytes > self.limit
-                         else order + ["memory.memsw.limit_in_bytes"])
-            for name in order:
-                _write_at(self.mem, name, str(nbytes))
-        self.limit = nbytes
-
-    def oom_kills(self) -> int:
-        text = _read_at(self.mem, "memory.events" if self.v2 else "memory.oom_control")
-        for line in text.splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-        return 0
 
     def pids(self) -> list[int]:
         return [int(x) for x in _read_at(self.procs, "cgroup.procs").split()]
@@ -203,47 +169,26 @@ class Slot:
         self.uid = uid
         self.cg = SlotCgroups(cgroups)
         self.scratch = f"/tmp/s{index}"
-        self.run: Run | None = None
-        self.warm: Warm | None = None
+        self.pid = 0           # its child, waiting for a request or running one
         self.broken = False
 
 
-class Warm:
-    """A slot's child forked ahead, waiting for its request on ``ctl``."""
-
-    def __init__(self, pid: int, ctl: int, out_r: int, err_r: int) -> None:
-        self.pid, self.ctl, self.out_r, self.err_r = pid, ctl, out_r, err_r
-
-
-class Run:
-    def __init__(self, req: dict[str, Any], slot: Slot, pid: int, t0: float,
-                 out_fd: int, err_fd: int, oom_base: int) -> None:
-        self.req = req
-        self.slot = slot
-        self.pid = pid
-        self.t0 = t0
-        self.deadline = t0 + float(req["timeout"])
-        self.fds = {out_fd: bytearray(), err_fd: bytearray()}
-        self.out_fd, self.err_fd = out_fd, err_fd
-        self.cap = int(req["max_output_bytes"])
-        self.truncated = False
-        self.oom_base = oom_base
-        self.status: int | None = None
-        self.t_exit = 0.0
-        self.timed_out = False
-
-
 class Zygote:
+    """The loop of pid 1. It forks each slot's child ahead of its request and hands the
+    daemon the child's ends (request pipe, stdout, stderr) over the socket (SCM_RIGHTS): the
+    request's code, input and output never pass through the zygote, so no trace of them is
+    in the memory the next children are forked from. It reaps each child, kills what it left
+    in the slot's cgroups, wipes the scratch dir, says so, and forks the next one when idle."""
+
     def __init__(self, cfg: dict[str, Any], core: Any, sock: int) -> None:
         self.cfg = cfg
         self.core = core
         self.sock = sock
+        self.sk = socket.socket(fileno=sock)
         self.language = cfg["language"]
         self.slots = [Slot(i, s["uid"], s["cgroups"]) for i, s in enumerate(cfg["slots"])]
-        self.runs: dict[int, Run] = {}           # by pid
-        self.warm: dict[int, Slot] = {}          # waiting children by pid
-        self.cold: list[Slot] = []               # free slots with no waiting child yet
-        self.by_fd: dict[int, Run] = {}
+        self.by_pid: dict[int, Slot] = {}
+        self.cold: list[Slot] = []               # slots with no child yet
         self.reader = FrameReader()
         self.sel = selectors.DefaultSelector()
         self.preloaded: list[str] = []
@@ -301,53 +246,24 @@ class Zygote:
     def serve(self) -> None:
         _write_all(self.sock, encode({"ready": True, "preloaded": self.preloaded}))
         while True:
-            now = time.monotonic()
-            waits = [r.deadline - now for r in self.runs.values() if r.status is None
-                     and not r.timed_out]
-            timeout = max(0.0, min(waits)) if waits else None
-            events = self.sel.select(0 if self.cold else timeout)
+            # Idle (nothing to read): fork the next waiting child, one at a time.
+            events = self.sel.select(0 if self.cold else None)
             if not events and self.cold:
                 slot = self.cold.pop(0)
-                if slot.warm is None and slot.run is None and not slot.broken:
+                if not slot.pid and not slot.broken:
                     self._prefork(slot)
                 continue
             for key, _ in events:
-                fd = key.fd
-                if fd == self.sock:
+                if key.fd == self.sock:
                     if not self._from_daemon():
                         return
-                elif fd == self.wake_r:
+                else:
                     try:
                         os.read(self.wake_r, 4096)
                     except BlockingIOError:
                         pass
-                else:
-                    self._output(fd)
             for pid, status in _reap_any():
                 self._reaped(pid, status)
-            now = time.monotonic()
-            for run in list(self.runs.values()):
-                if run.status is None and not run.timed_out and now >= run.deadline:
-                    run.timed_out = True
-                    if not run.slot.cg.kill_all(self._reaped):
-                        run.slot.broken = True
-                    for pid, status in _reap_any():
-                        self._reaped(pid, status)
-                if run.status is not None:
-                    self._finish(run)
-
-    def _reaped(self, pid: int, status: int) -> None:
-        run = self.runs.get(pid)
-        if run is not None:
-            run.status, run.t_exit = status, time.monotonic()
-            return
-        slot = self.warm.pop(pid, None)
-        if slot is not None and slot.warm is not None:  # died waiting: fork another later
-            for fd in (slot.warm.ctl, slot.warm.out_r, slot.warm.err_r):
-                os.close(fd)
-            slot.warm = None
-            if slot.run is None and not slot.broken:
-                self.cold.append(slot)
 
     def _from_daemon(self) -> bool:
         try:
@@ -356,44 +272,36 @@ class Zygote:
             return True
         if not data:
             return False
-        for req in self.reader.feed(data):
-            try:
-                self._start(req)
-            except Exception as e:  # noqa: BLE001 - one request's failure, told to the daemon
-                why = f"{type(e).__name__}: {e}"
-                import traceback
-
-                traceback.print_exc()
-                _write_all(self.sock, encode({"id": req.get("id"), "infra": why}))
+        for msg in self.reader.feed(data):
+            slot = self.slots[msg["kill"]]
+            if slot.pid and slot.pid == msg.get("pid"):  # its timeout: the whole tree
+                if not slot.cg.kill_all(self._reaped):
+                    slot.broken = True
         return True
 
-    def _output(self, fd: int) -> None:
-        run = self.by_fd.get(fd)
-        if run is None:
-            return
+    def _reaped(self, pid: int, status: int) -> None:
+        """A slot's child ended (its request done, killed, or it died waiting)."""
+        t_exit = time.monotonic()
+        slot = self.by_pid.pop(pid, None)
+        if slot is None:
+            return  # an orphan of some request, reparented to us
+        slot.pid = 0
+        if not slot.cg.kill_all(self._reaped):  # what it left behind dies with it
+            slot.broken = True
         try:
-            data = os.read(fd, READ_CHUNK)
-        except BlockingIOError:
-            return
-        if not data:
-            self.sel.unregister(fd)
-            del self.by_fd[fd]
-            return
-        self._keep(run, fd, data)
+            self._fresh_scratch(slot)
+        except OSError as e:
+            print(f"run_code zygote: slot {slot.index} scratch: {e}", file=sys.stderr)
+            slot.broken = True
+        _write_all(self.sock, encode({"done": slot.index, "pid": pid, "status": status,
+                                      "t_exit": t_exit, "broken": slot.broken}))
+        if not slot.broken:
+            self.cold.append(slot)
 
-    def _keep(self, run: Run, fd: int, data: bytes) -> None:
-        buf = run.fds[fd]
-        room = run.cap - len(buf)
-        if len(data) > room:
-            run.truncated = True
-            data = data[:max(room, 0)]
-        buf += data
-
-    # -- one request --
     def _prefork(self, slot: Slot) -> None:
         """Fork the slot's next child ahead of its request: it joins the slot's cgroups,
-        takes the scratch dir, locks itself down, then waits for its request on a pipe. The
-        request's own path is then only "write the request, run, exit"."""
+        takes the scratch dir, locks itself down, then waits for its request on a pipe whose
+        other end (with its stdout and stderr) goes to the daemon."""
         ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -410,36 +318,15 @@ class Zygote:
             os._exit(126)
         for fd in (ctl_r, out_w, err_w):
             os.close(fd)
-        slot.warm = Warm(pid, ctl_w, out_r, err_r)
-        self.warm[pid] = slot
-
-    def _start(self, req: dict[str, Any]) -> None:
-        slot = self.slots[req["slot"]]
-        if slot.run is not None or slot.broken:
-            raise RuntimeError(f"slot {slot.index} is not free")
-        if slot.warm is None:
-            self._prefork(slot)
-            if slot in self.cold:
-                self.cold.remove(slot)
-        w = slot.warm
-        assert w is not None
-        slot.warm = None
-        del self.warm[w.pid]
-        slot.cg.set_memory(int(req["memory_mb"]) << 20)
-        oom_base = slot.cg.oom_kills()
-        t0 = time.monotonic()
-        run = Run(req, slot, w.pid, t0, w.out_r, w.err_r, oom_base)
-        slot.run = run
-        self.runs[w.pid] = run
+        slot.pid = pid
+        self.by_pid[pid] = slot
         try:
-            _write_all(w.ctl, json.dumps(req, separators=(",", ":")).encode())
-        except BrokenPipeError:
-            pass  # it died waiting: its status tells
-        os.close(w.ctl)
-        for fd in (w.out_r, w.err_r):
-            os.set_blocking(fd, False)
-            self.by_fd[fd] = run
-            self.sel.register(fd, selectors.EVENT_READ)
+            self.sk.sendmsg([encode({"warm": slot.index, "pid": pid})],
+                            [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                              struct.pack("3i", ctl_w, out_r, err_r))])
+        finally:
+            for fd in (ctl_w, out_r, err_r):
+                os.close(fd)
 
     def _child(self, slot: Slot, ctl: int, fout: int, ferr: int) -> None:
         signal.set_wakeup_fd(-1)
@@ -465,7 +352,7 @@ class Zygote:
             chunks.append(data)
         os.close(3)
         if not chunks:
-            os._exit(0)  # the zygote went away
+            os._exit(0)  # the daemon let it go unused
         req = json.loads(b"".join(chunks))
         import resource
 
@@ -500,52 +387,6 @@ class Zygote:
             os.lseek(fd, 0, os.SEEK_SET)
             os.execve("/bin/bash", ["bash", f"/proc/self/fd/{fd}"], env)
         _run_python(code, env)
-
-    def _finish(self, run: Run) -> None:
-        slot = run.slot
-        del self.runs[run.pid]
-        # The request is its first process: what it left behind dies with it.
-        if not slot.cg.kill_all(self._reaped):
-            slot.broken = True
-        for fd in (run.out_fd, run.err_fd):
-            if fd in self.by_fd:  # what is in the pipe now; a holder elsewhere is not waited
-                while True:
-                    try:
-                        data = os.read(fd, READ_CHUNK)
-                    except BlockingIOError:
-                        break
-                    if not data:
-                        break
-                    self._keep(run, fd, data)
-                self.sel.unregister(fd)
-                del self.by_fd[fd]
-            os.close(fd)
-        oom = slot.cg.oom_kills() > run.oom_base
-        try:
-            self._fresh_scratch(slot)
-        except OSError as e:
-            print(f"run_code zygote: slot {slot.index} scratch: {e}", file=sys.stderr)
-            slot.broken = True
-        slot.run = None
-        st = run.status or 0
-        sig = os.WTERMSIG(st) if os.WIFSIGNALED(st) else None
-        code = 128 + sig if sig is not None else os.WEXITSTATUS(st)
-        if run.timed_out:
-            status = "timeout"
-        elif oom:
-            status = "memory_exceeded"
-        elif run.truncated:
-            status = "output_truncated"
-        else:
-            status = "ok" if code == 0 else "error"
-        _write_all(self.sock, encode({
-            "id": run.req["id"], "status": status, "exit_code": code, "signal": sig,
-            "stdout": run.fds[run.out_fd].decode("utf-8", "replace"),
-            "stderr": run.fds[run.err_fd].decode("utf-8", "replace"),
-            "duration_s": round(max(0.0, run.t_exit - run.t0), 6), "truncated": run.truncated,
-            "language": self.language, "broken": slot.broken}))
-        if not slot.broken:
-            self.cold.append(slot)  # forked when the zygote is idle (or at its next request)
 
 
 def _reseed() -> None:
