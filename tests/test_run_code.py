@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import corral
-from corral.daemon.substrates.process.pool import UID_BASE
+from corral.daemon.substrates.process.pool import UID_BASE, pool_for
 from corral.errors import CapacityExceeded, InvalidRequest
 from corral.sdk.run_code import run_code_pools
 
@@ -34,12 +34,13 @@ def run(code: str, **kw):  # type: ignore[no-untyped-def]
     return corral.run_code(code, **kw)
 
 
-def slots(language: str = "python") -> int:
+def slots(pool: str) -> int:
     for p in run_code_pools().pools:
-        if p.language == language:
+        if p.name == pool:
             return p.slots
-    run("pass", language=language)
-    return slots(language)
+    run("import numpy" if pool == "python-numpy" else "true" if pool == "bash" else "pass",
+        language="bash" if pool == "bash" else "python")
+    return slots(pool)
 
 
 # Counts a needle in every readable anonymous mapping, heap and stack of the process (read in
@@ -62,7 +63,8 @@ print(found)
 def every_slot(code: str, language: str = "python"):  # type: ignore[no-untyped-def]
     """Run ``code`` once more than there are slots, one after the other: the pool hands out
     its slots in turn, so every slot (and the one a previous request used) runs it."""
-    return [run(code, language=language) for _ in range(slots(language) + 1)]
+    n = slots(pool_for(language, code))
+    return [run(code, language=language) for _ in range(n + 1)]
 
 
 def host_procs_of_slot_uids() -> list[tuple[int, str]]:
@@ -81,16 +83,21 @@ def host_procs_of_slot_uids() -> list[tuple[int, str]]:
 
 
 def zygote_pids() -> list[int]:
-    """Host pids of this session's zygotes (pid 1 of their namespaces): in the zygote cgroup."""
-    pids = []
+    """Host pids of this session's zygotes (pid 1 of their namespaces). The zygote cgroup
+    holds each launcher and its zygote (and, for an instant, a child not yet in its slot)."""
+    pids = set()
     for h in ("pids", "unified"):
         for f in Path("/sys/fs/cgroup", h, RC_TOP).glob("*/zygote/cgroup.procs"):
-            pids += [int(x) for x in f.read_text().split()]
-    # The launcher and the zygote share the cgroup: the zygote is the child.
-    return [p for p in set(pids)
-            if Path(f"/proc/{p}/status").exists()
-            and int(Path(f"/proc/{p}/status").read_text().split("\nPPid:\t")[1].split()[0])
-            in pids]
+            pids |= {int(x) for x in f.read_text().split()}
+
+    def parent(p: int) -> int:
+        try:
+            return int(Path(f"/proc/{p}/status").read_text().split("\nPPid:\t")[1].split()[0])
+        except (OSError, IndexError):
+            return -1
+
+    launchers = {p for p in pids if parent(p) not in pids}
+    return [p for p in pids if parent(p) in launchers]
 
 
 # ---- it works --------------------------------------------------------------------------------
@@ -120,11 +127,15 @@ def test_stdin_files_exit_codes_and_tracebacks():
 
 
 def test_numpy_is_preloaded():
-    r = run("import sys; print('numpy' in sys.modules); import numpy as np; "
-            "print(int(np.arange(10).sum()))")
-    assert r.stdout == "True\n45\n"
-    pools = {p.language: p for p in run_code_pools().pools}
-    assert "numpy" in pools["python"].preloaded
+    r = run("import sys; pre = 'numpy' in sys.modules\nimport os, numpy as np\n"
+            "print(pre, int(np.arange(10).sum()))")
+    assert r.stdout == "True 45\n"
+    pools = {p.name: p for p in run_code_pools().pools}
+    assert "numpy" in pools["python-numpy"].preloaded
+    # Code that does not import numpy runs in the lean zygote, where it can still import it.
+    r = run("import sys; print('numpy' in sys.modules); print(__import__('numpy').pi > 3)")
+    assert r.stdout == "False\nTrue\n"
+    assert "numpy" not in {p.name: p for p in run_code_pools().pools}["python"].preloaded
 
 
 def test_bad_requests_are_clear_errors():
@@ -341,9 +352,11 @@ def test_huge_output_is_truncated():
     assert r.status == "timeout" and r.truncated and len(r.stdout) == 1000
 
 
-def test_no_state_leaks_between_requests():
-    poison = """
-import os, sys, json, builtins, numpy
+@pytest.mark.parametrize("zygote", ["python", "python-numpy"])
+def test_no_state_leaks_between_requests(zygote):
+    head = "import numpy\n" if zygote == "python-numpy" else "numpy = __import__('numpy')\n"
+    poison = head + """
+import os, sys, json, builtins
 os.environ['LEAK'] = '1'
 os.chdir('/')
 sys.modules['json'].dumps = lambda *a, **k: 'POISONED'
@@ -351,32 +364,38 @@ builtins.LEAKED = True
 numpy.LEAKED = True
 sys.path.insert(0, '/tmp')
 globals()['g'] = 1
-import atexit
 """
+    assert pool_for("python", poison) == zygote
     assert run(poison).ok
-    check = """
-import os, sys, json, builtins, numpy
+    check = head + """
+import os, sys, json, builtins
 print(os.environ.get('LEAK'), os.getcwd().startswith('/tmp/s'), json.dumps(1),
       hasattr(builtins, 'LEAKED'), hasattr(numpy, 'LEAKED'), '/tmp' in sys.path,
       'g' in globals())
 """
     for r in every_slot(check):
         assert r.stdout == "None True 1 False False False False\n", r.stdout
+
+
+def test_no_state_leaks_between_bash_requests():
     run("export LEAK=1; cd /; echo x > ~/f", language="bash")
     for r in every_slot("echo ${LEAK:-none} $PWD; ls ~", language="bash"):
         assert r.stdout.split()[0] == "none" and r.stdout.split()[1].startswith("/tmp/s")
         assert len(r.stdout.split()) == 2
 
 
-def test_a_request_leaves_no_trace_in_the_memory_the_next_are_forked_from():
+@pytest.mark.parametrize("zygote", ["python", "python-numpy"])
+def test_a_request_leaves_no_trace_in_the_memory_the_next_are_forked_from(zygote):
     """Children are forks of the zygote: if a request's code, input or output passed through
     the zygote, the next children would carry its remnants in their memory. Each later request
     scans all of its own memory for a secret the first one held in every form."""
+    head = "import numpy\n" if zygote == "python-numpy" else ""
     secret = "s3cr3t-" + os.urandom(8).hex()
-    r = run(f"import sys; data = sys.stdin.read() + {secret!r}; print(data)",
+    r = run(head + f"import sys; data = sys.stdin.read() + {secret!r}; print(data)",
             stdin=secret, files={"f.txt": secret})
     assert secret in r.stdout
-    scan = MEMORY_SCAN.replace("NEEDLE", repr(secret[::-1]))
+    scan = head + MEMORY_SCAN.replace("NEEDLE", repr(secret[::-1]))
+    assert pool_for("python", scan) == zygote
     for r in every_slot(scan):
         assert r.stdout == "1\n", r.stdout + r.stderr  # its own needle, built at run time
 
@@ -414,7 +433,7 @@ def test_a_dead_zygote_is_replaced():
     assert run("print(1)").ok
     pids = zygote_pids()
     assert pids
-    started = {p.language: p.started for p in run_code_pools().pools}
+    started = {p.name: p.started for p in run_code_pools().pools}
     for p in pids:
         os.kill(p, signal.SIGKILL)
     assert wait_until(lambda: not set(pids) & set(zygote_pids()), timeout=10)
@@ -426,7 +445,7 @@ def test_a_dead_zygote_is_replaced():
         except corral.InfraError:
             results.append("infra")
     assert results[-1] == "2\n"
-    now = {p.language: p.started for p in run_code_pools().pools}
+    now = {p.name: p.started for p in run_code_pools().pools}
     assert now["python"] > started["python"]
 
 

@@ -99,6 +99,9 @@ class RunCodeManyResponse(_Model):
 
 
 class RunCodePool(_Model):
+    name: str = Field(description="python (the standard library preloaded), python-numpy "
+                                  "(numpy too: python code that imports numpy, scipy, pandas "
+                                  "or sklearn) or bash")
     language: str
     zygotes: int = Field(description="zygotes running now")
     slots: int = Field(description="requests that can run at once")

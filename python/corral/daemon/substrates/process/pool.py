@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -31,13 +32,26 @@ log = logging.getLogger("corral.runcode")
 UID_BASE = 2_100_000_000   # slot uids: owned by nothing on the host
 START_TIMEOUT_S = 60.0
 ANSWER_GRACE_S = 10.0      # beyond a request's timeout before its zygote counts as hung
-PRELOAD = {
-    "python": ["json", "re", "math", "random", "collections", "itertools", "functools",
-               "string", "datetime", "decimal", "fractions", "heapq", "bisect", "statistics",
-               "typing", "dataclasses", "traceback", "threading", "atexit", "numpy",
-               "numpy.random", "numpy.linalg"],
-    "bash": [],
-}
+STDLIB = ["json", "re", "math", "random", "collections", "itertools", "functools", "string",
+          "datetime", "decimal", "fractions", "heapq", "bisect", "statistics", "typing",
+          "dataclasses", "traceback", "threading", "atexit"]
+# Pools: (name, language, preloaded modules). A fork costs in proportion to the zygote's
+# memory (page tables copied, then torn down at the child's exit): numpy triples a python
+# zygote's, so python code that imports numpy goes to a zygote that has it and the rest to a
+# lean one. Either can run any python code (numpy is importable in both).
+POOLS = {"python": ("python", STDLIB),
+         "bash": ("bash", []),
+         "python-numpy": ("python", [*STDLIB, "numpy", "numpy.random", "numpy.linalg"])}
+POOL_NUMBERS = {name: i for i, name in enumerate(POOLS)}
+NUMPY_IMPORT = re.compile(r"(?:^|;)\s*(import\s+[\w., ]*?|from\s+)\b(numpy|scipy|pandas|sklearn)\b",
+                          re.M)
+
+
+def pool_for(language: str, code: str) -> str:
+    """The pool a request goes to."""
+    if language == "python" and NUMPY_IMPORT.search(code):
+        return "python-numpy"
+    return language
 PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 
 
@@ -106,6 +120,8 @@ class Output:
                 data = b""
             if not data:
                 self.eof = True
+                with contextlib.suppress(ValueError, OSError, RuntimeError):
+                    asyncio.get_running_loop().remove_reader(self.fd)
                 return
             room = self.cap - len(self.buf)
             if len(data) > room:
@@ -123,7 +139,7 @@ class Zygote:
     def __init__(self, pool: Pool, index: int) -> None:
         self.pool = pool
         self.index = index
-        self.name = f"{pool.language}-{index}"
+        self.name = f"{pool.name}-{index}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
         self.pidfd = -1
@@ -150,7 +166,7 @@ class Zygote:
             "language": self.pool.language, "core": _core.__file__, "root": svc.root_dir,
             "entries": view.entries(s.tmp_mb), "zygote_cgroups": join,
             "slots": [{"uid": uid0 + i, "cgroups": d} for i, d in enumerate(slot_dirs)],
-            "preload": PRELOAD[self.pool.language], "zygote_env": zenv,
+            "preload": POOLS[self.pool.name][1], "zygote_env": zenv,
             "env": {"PATH": PATH, "LANG": "C.UTF-8"},
             "rlimits": [("nofile", s.nofile, s.nofile), ("core", 0, 0),
                         ("fsize", s.fsize_mb << 20, s.fsize_mb << 20)],
@@ -374,9 +390,10 @@ async def _write_pipe(fd: int, data: bytes) -> None:
             loop.remove_writer(fd)
 
 
-@dataclass
+@dataclass(eq=False)
 class Pool:
     service: RunCodeService
+    name: str
     language: str
     number: int
     zygotes: list[Zygote] = field(default_factory=list)
@@ -402,7 +419,7 @@ class Pool:
         room = self.service.settings.max_queue + self.free.qsize() - self.waiting
         if n > room:
             raise CapacityExceeded(
-                f"run_code {self.language}: {self.busy} requests running and {self.waiting} "
+                f"run_code {self.name}: {self.busy} requests running and {self.waiting} "
                 f"waiting (at most {self.service.settings.max_queue} wait); try again later",
                 details={"running": self.busy, "waiting": self.waiting,
                          "max_queue": self.service.settings.max_queue})
@@ -436,7 +453,8 @@ class Pool:
 
     def status(self) -> dict[str, Any]:
         pre = next((z.preloaded for z in self.zygotes if z.alive), [])
-        return {"language": self.language, "zygotes": sum(z.alive for z in self.zygotes),
+        return {"name": self.name, "language": self.language,
+                "zygotes": sum(z.alive for z in self.zygotes),
                 "slots": self.slots, "busy": self.busy, "queued": self.waiting,
                 "max_queue": self.service.settings.max_queue, "started": self.started,
                 "preloaded": pre, "served": self.served}
@@ -462,29 +480,31 @@ class RunCodeService:
             os.makedirs(self.root_dir, mode=0o700, exist_ok=True)
         return self._layout
 
-    def pool(self, language: str) -> Pool:
+    def pool(self, language: str, code: str = "") -> Pool:
         if self._closed:
             raise InfraError("the daemon is stopping")
         if language not in LANGUAGES:
             raise InvalidRequest(f"unknown language {language!r} (known: {', '.join(LANGUAGES)})")
-        p = self.pools.get(language)
+        name = pool_for(language, code)
+        p = self.pools.get(name)
         if p is None:
-            p = self.pools[language] = Pool(self, language, LANGUAGES.index(language))
+            p = self.pools[name] = Pool(self, name, language, POOL_NUMBERS[name])
         return p
 
     async def run(self, req: RunCodeRequest) -> dict[str, Any]:
-        return await self.pool(req.language).run(req)
+        return await self.pool(req.language, req.code).run(req)
 
     async def run_many(self, reqs: list[RunCodeRequest]) -> list[dict[str, Any]]:
-        counts: dict[str, int] = {}
+        counts: dict[Pool, int] = {}
         for r in reqs:
-            counts[r.language] = counts.get(r.language, 0) + 1
-        for lang, n in counts.items():  # all or nothing at admission
-            self.pool(lang).admit(n)
+            p = self.pool(r.language, r.code)
+            counts[p] = counts.get(p, 0) + 1
+        for p, n in counts.items():  # all or nothing at admission
+            p.admit(n)
 
         async def one(r: RunCodeRequest) -> dict[str, Any]:
             try:
-                return await self.pool(r.language).run(r, admitted=True)
+                return await self.pool(r.language, r.code).run(r, admitted=True)
             except CorralError as e:
                 return {"error": e.to_payload()["error"]}
 
