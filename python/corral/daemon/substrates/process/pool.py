@@ -95,6 +95,7 @@ class SlotState:
     def __init__(self, index: int, dirs: dict[str, str]) -> None:
         self.index = index
         self.memory = cgroup.SlotMemory(dirs)
+        self.ooms = self.memory.oom_kills()  # the count after the slot's last request
         self.warm: Warm | None = None
         self.ready = asyncio.Event()                      # warm is set
         self.done: dict[int, asyncio.Future[dict[str, Any]]] = {}  # by pid
@@ -320,7 +321,6 @@ class Zygote:
 
         try:
             slot.memory.set(req.memory_mb << 20)
-            oom0 = slot.memory.oom_kills()
             payload = json.dumps({"code": req.code, "stdin": req.stdin, "files": req.files,
                                   "timeout": req.timeout}, separators=(",", ":")).encode()
             loop.add_reader(w.out, out.read)
@@ -352,9 +352,10 @@ class Zygote:
         sig = os.WTERMSIG(st) if os.WIFSIGNALED(st) else None
         code = 128 + sig if sig is not None else os.WEXITSTATUS(st)
         truncated = out.truncated or err.truncated
+        oom0, slot.ooms = slot.ooms, slot.memory.oom_kills()
         if timed_out:
             status = "timeout"
-        elif slot.memory.oom_kills() > oom0:
+        elif slot.ooms > oom0:
             status = "memory_exceeded"
         elif truncated:
             status = "output_truncated"
@@ -517,6 +518,11 @@ class RunCodeService:
         self._closed = True
         for p in self.pools.values():
             for z in p.zygotes:
-                z.kill()
-        if self._layout is not None:
-            await asyncio.to_thread(self._layout.remove_all)
+                z._dead("the daemon is stopping")
+        # Also when no pool ran: a previous daemon that died may have left its cgroups.
+        try:
+            layout = self._layout or cgroup.Layout(self.cgroup_name)
+        except (OSError, RuntimeError) as e:
+            log.warning("run_code cgroups not checked", extra={"error": str(e)})
+            return
+        await asyncio.to_thread(layout.remove_all)
