@@ -66,12 +66,21 @@ class Settings:
     fsize_mb: int = 256
 
 
+# Bounds of the settings: slot uids are UID_BASE + (pool * 64 + zygote) * 256 + slot.
+BOUNDS = {"zygotes": 64, "slots": 256, "max_queue": 1 << 20, "pids": 1 << 15, "tmp_mb": 1 << 20}
+
+
 def settings_from_env() -> Settings:
     s = Settings()
-    for name in ("zygotes", "slots", "max_queue", "pids", "tmp_mb"):
-        raw = os.environ.get(f"CORRAL_RUNCODE_{name.upper()}")
-        if raw:
-            setattr(s, name, max(1, int(raw)))
+    for name, hi in BOUNDS.items():
+        var = f"CORRAL_RUNCODE_{name.upper()}"
+        raw = os.environ.get(var)
+        if not raw:
+            continue
+        try:
+            setattr(s, name, min(hi, max(1, int(raw))))
+        except ValueError:
+            log.warning("ignored: not an integer", extra={"variable": var, "value": raw[:50]})
     return s
 
 
