@@ -32,16 +32,19 @@ log = logging.getLogger("corral.runcode")
 UID_BASE = 2_100_000_000   # slot uids: owned by nothing on the host
 START_TIMEOUT_S = 60.0
 ANSWER_GRACE_S = 10.0      # beyond a request's timeout before its zygote counts as hung
+# What a fork costs grows with the zygote's anonymous memory and its mappings (page tables
+# copied at the fork, torn down at the child's exit): measured per module, these are cheap
+# and common; typing, dataclasses (inspect, ast), numpy.random and numpy.linalg (a hundred
+# extension mappings) are not, and load on first use instead.
 STDLIB = ["json", "re", "math", "random", "collections", "itertools", "functools", "string",
-          "datetime", "decimal", "fractions", "heapq", "bisect", "statistics", "typing",
-          "dataclasses", "traceback", "threading", "atexit"]
+          "heapq", "bisect", "traceback"]
 # Pools: (name, language, preloaded modules). A fork costs in proportion to the zygote's
 # memory (page tables copied, then torn down at the child's exit): numpy triples a python
 # zygote's, so python code that imports numpy goes to a zygote that has it and the rest to a
 # lean one. Either can run any python code (numpy is importable in both).
 POOLS = {"python": ("python", STDLIB),
          "bash": ("bash", []),
-         "python-numpy": ("python", [*STDLIB, "numpy", "numpy.random", "numpy.linalg"])}
+         "python-numpy": ("python", [*STDLIB, "numpy"])}
 POOL_NUMBERS = {name: i for i, name in enumerate(POOLS)}
 NUMPY_IMPORT = re.compile(r"(?:^|;)\s*(import\s+[\w., ]*?|from\s+)\b(numpy|scipy|pandas|sklearn)\b",
                           re.M)

@@ -394,9 +394,9 @@ def _reseed() -> None:
     import random
 
     random.seed()
-    np = sys.modules.get("numpy")
-    if np is not None:
-        np.random.seed()
+    npr = sys.modules.get("numpy.random")  # seeded at its import: per child unless preloaded
+    if npr is not None:
+        npr.seed()
 
 
 def _run_python(code: str, env: dict[str, str]) -> None:
@@ -423,9 +423,9 @@ def _run_python(code: str, env: dict[str, str]) -> None:
                                   else None)
         rc = 1
     try:
-        import threading
-
-        threading._shutdown()  # type: ignore[attr-defined]
+        threading = sys.modules.get("threading")  # its threads, if the program made any
+        if threading is not None:
+            threading._shutdown()  # type: ignore[attr-defined]
         import atexit
 
         atexit._run_exitfuncs()
