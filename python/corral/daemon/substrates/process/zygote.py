@@ -33,7 +33,10 @@ import socket
 import struct
 import sys
 import time
-from typing import Any
+
+TYPE_CHECKING = False  # typing is not imported: every module here is in every fork's memory
+if TYPE_CHECKING:
+    from typing import Any
 
 HDR = struct.Struct("!I")
 MAX_FRAME = 256 << 20
@@ -390,10 +393,8 @@ class Zygote:
 
 
 def _reseed() -> None:
-    """The zygote's state is every child's: reseed what was seeded at import."""
-    import random
-
-    random.seed()
+    """The zygote's state is every child's: reseed what was seeded at import (``random``
+    reseeds itself in a forked child)."""
     npr = sys.modules.get("numpy.random")  # seeded at its import: per child unless preloaded
     if npr is not None:
         npr.seed()
