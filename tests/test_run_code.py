@@ -304,7 +304,9 @@ print('left them')
 """
     assert run(code).stdout == "left them\n"
     assert run("sleep 1002 & disown; nohup sleep 1003 >/dev/null 2>&1 &", language="bash").ok
-    assert not [p for p in host_procs_of_slot_uids() if p[1] == "sleep"]
+    # Killed as its slot is cleaned, just after the answer (the slot is not reused before).
+    assert wait_until(lambda: not [p for p in host_procs_of_slot_uids() if p[1] == "sleep"],
+                      timeout=10)
     for r in every_slot("import os; print([p for p in os.listdir('/proc') if p.isdigit()] == "
                         "[str(os.getpid())])"):
         assert r.stdout == "True\n"
@@ -340,7 +342,22 @@ def test_infinite_loop_times_out_with_its_tree():
     took = time.monotonic() - t
     assert (r.status, r.signal) == ("timeout", signal.SIGKILL)
     assert 1.4 <= r.duration_s < 5 and took < 10
-    assert not [p for p in host_procs_of_slot_uids() if p[1] == "sleep"]
+    assert wait_until(lambda: not [p for p in host_procs_of_slot_uids() if p[1] == "sleep"],
+                      timeout=10)
+
+
+def test_a_child_that_says_it_is_done_and_goes_on_is_killed_at_its_timeout():
+    """A python child tells its exit code on a pipe before it exits, and the answer goes out
+    on it; code that writes that pipe itself and keeps running only lies about itself: its
+    timer still runs, its slot stays taken until the zygote has reaped it and cleaned up."""
+    r = run("import os, subprocess, time\nsubprocess.Popen(['sleep', '1234'])\n"
+            "print('bye', flush=True); os.write(4, b'0'); time.sleep(60)", timeout=2)
+    assert r.stdout == "bye\n"
+    assert wait_until(lambda: not [p for p in host_procs_of_slot_uids() if p[1] == "sleep"],
+                      timeout=15)
+    for r in every_slot("import os; print([p for p in os.listdir('/proc') if p.isdigit()] == "
+                        "[str(os.getpid())])"):
+        assert r.stdout == "True\n"
 
 
 def test_huge_output_is_truncated():
@@ -475,6 +492,8 @@ def test_full_pool_says_capacity_exceeded_and_stop_leaves_nothing():
                         CORRAL_RUNCODE_ZYGOTES="1", CORRAL_RUNCODE_MAX_QUEUE="1") as d:
         ep = d.socket_path
         assert corral.run_code("print(1)", endpoint=ep).ok
+        # Its slot comes back once the zygote has reaped the child, just after the answer.
+        assert wait_until(lambda: run_code_pools(ep).pools[0].busy == 0, timeout=10)
 
         async def flood():  # type: ignore[no-untyped-def]
             tasks = [asyncio.create_task(corral.run_code_async(

@@ -25,7 +25,7 @@ from typing import Any
 
 from corral.daemon.substrates.process import cgroup, view, zygote
 from corral.errors import CapacityExceeded, CorralError, InfraError, InvalidRequest
-from corral.runcode_models import LANGUAGES, RunCodeRequest
+from corral.runcode_models import LANGUAGES, MAX_TIMEOUT_S, RunCodeRequest
 
 log = logging.getLogger("corral.runcode")
 
@@ -92,15 +92,18 @@ class ZygoteDied(InfraError):
 
 
 class Warm:
-    """A slot's child waiting for its request: its pid and the daemon's ends of its pipes."""
+    """A slot's child waiting for its request: its pid and the daemon's ends of its pipes
+    (request, stdout, stderr, and the exit code a python child tells before it exits)."""
 
-    def __init__(self, pid: int, ctl: int, out: int, err: int) -> None:
-        self.pid, self.ctl, self.out, self.err = pid, ctl, out, err
+    def __init__(self, pid: int, ctl: int, out: int, err: int, st: int) -> None:
+        self.pid, self.ctl, self.out, self.err, self.st = pid, ctl, out, err, st
 
     def close(self) -> None:
-        for fd in (self.ctl, self.out, self.err):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        for fd in (self.ctl, self.out, self.err, self.st):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.ctl = self.out = self.err = self.st = -1
 
 
 class SlotState:
@@ -161,7 +164,8 @@ class Zygote:
         self.alive = False
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self._reader = zygote.FrameReader()
-        self._fds: list[int] = []  # received with the frames, 3 per "warm"
+        self._fds: list[int] = []  # received with the frames, 4 per "warm"
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         svc = self.pool.service
@@ -241,8 +245,8 @@ class Zygote:
             return
         for f in frames:
             if "warm" in f:
-                fds, self._fds = self._fds[:3], self._fds[3:]
-                if len(fds) != 3:
+                fds, self._fds = self._fds[:4], self._fds[4:]
+                if len(fds) != 4:
                     self._dead("a waiting child came without its pipes")
                     return
                 slot = self.slots[f["warm"]]
@@ -307,21 +311,28 @@ class Zygote:
         self._fds = []
 
     # -- one request --
-    async def request(self, si: int, req: RunCodeRequest) -> dict[str, Any]:
+    async def request(self, si: int, req: RunCodeRequest, release: Any) -> dict[str, Any]:
+        """Run ``req`` on slot ``si``; ``release()`` is called once the slot is clean again
+        (its processes dead, its scratch wiped), which may be after this returns: a python
+        child tells its exit code itself, and the answer does not wait for the zygote."""
         slot = self.slots[si]
         try:
             await asyncio.wait_for(slot.ready.wait(), START_TIMEOUT_S)
         except asyncio.TimeoutError:
             self._dead("no child forked in time")
+        except BaseException:
+            release()
+            raise
         if not self.alive or slot.warm is None:
+            release()
             raise ZygoteDied(f"the run_code {self.pool.language} zygote is not running")
         w, slot.warm = slot.warm, None
         slot.ready.clear()
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
-        slot.done[w.pid] = fut
+        done: asyncio.Future[dict[str, Any]] = loop.create_future()
+        told: asyncio.Future[int] = loop.create_future()
+        slot.done[w.pid] = done
         out, err = Output(w.out, req.max_output_bytes), Output(w.err, req.max_output_bytes)
-        timer: asyncio.TimerHandle | None = None
         timed_out = False
 
         def expire() -> None:
@@ -331,54 +342,121 @@ class Zygote:
                 with contextlib.suppress(OSError):
                     self.sock.send(zygote.encode({"kill": si, "pid": w.pid}))
 
+        def status() -> None:
+            try:
+                data = os.read(w.st, 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            loop.remove_reader(w.st)
+            if not told.done():
+                try:
+                    told.set_result(int(data))
+                except ValueError:
+                    pass  # nothing (bash, a crash), or not a number: the zygote's word
+
+        timer = loop.call_at(loop.time() + req.timeout, expire)
+        finished = False
+
+        def finish() -> None:
+            """The slot is clean (or the zygote is gone): give it back."""
+            nonlocal finished
+            if finished:
+                return
+            finished = True
+            timer.cancel()
+            slot.done.pop(w.pid, None)
+            for fd in (w.out, w.err, w.st):
+                with contextlib.suppress(ValueError, OSError):
+                    loop.remove_reader(fd)
+            w.close()
+            with contextlib.suppress(OSError):
+                slot.ooms = slot.memory.oom_kills()
+            release()
+
         try:
             slot.memory.set(req.memory_mb << 20)
             payload = json.dumps({"code": req.code, "stdin": req.stdin, "files": req.files,
                                   "timeout": req.timeout}, separators=(",", ":")).encode()
             loop.add_reader(w.out, out.read)
             loop.add_reader(w.err, err.read)
+            os.set_blocking(w.st, False)
+            loop.add_reader(w.st, status)
             t0 = time.monotonic()
-            timer = loop.call_at(loop.time() + req.timeout, expire)
             await _write_pipe(w.ctl, payload)
             os.close(w.ctl)
             w.ctl = -1
-            try:
-                done = await asyncio.wait_for(fut, req.timeout + ANSWER_GRACE_S)
-            except asyncio.TimeoutError:
+            first, _ = await asyncio.wait({done, told}, timeout=req.timeout + ANSWER_GRACE_S,
+                                          return_when=asyncio.FIRST_COMPLETED)
+            if not first:
                 self._dead("no answer in time")
                 raise InfraError(f"the run_code {self.pool.language} zygote did not answer; "
-                                 f"it was restarted") from None
-        finally:
-            if timer is not None:
-                timer.cancel()
-            slot.done.pop(w.pid, None)
-            for fd in (w.out, w.err):
-                with contextlib.suppress(ValueError, OSError):
-                    loop.remove_reader(fd)
-        # Everything of the slot is dead now: what is in the pipes is all there is (a holder
-        # of a copy elsewhere is not waited for).
+                                 f"it was restarted")
+        except BaseException:
+            # Cancelled (the client went away) or failed: its tree is killed now, and the slot
+            # comes back when the zygote has reaped it.
+            expire()
+            self._later(done, finish)
+            raise
+        if done.done() or timed_out:
+            if not done.done():
+                await asyncio.wait({done}, timeout=ANSWER_GRACE_S)
+            if not done.done() or done.exception() is not None:
+                finish()
+                if done.done():
+                    raise done.exception()  # type: ignore[misc]
+                self._dead("no answer in time")
+                raise InfraError(f"the run_code {self.pool.language} zygote did not answer; "
+                                 f"it was restarted")
+            d = done.result()
+            st, t_exit = d["status"], d["t_exit"]
+            sig = os.WTERMSIG(st) if os.WIFSIGNALED(st) else None
+            code = 128 + sig if sig is not None else os.WEXITSTATUS(st)
+            if d.get("broken"):  # a process of the slot would not die: start afresh
+                self._dead("a slot's processes would not die")
+        else:
+            code, sig, t_exit = told.result(), None, time.monotonic()
+        # What is in the pipes now is all there is: the process has ended (a holder of a
+        # copy elsewhere is not waited for; it dies with the slot).
         out.read()
         err.read()
-        w.close()
-        st = done["status"]
-        sig = os.WTERMSIG(st) if os.WIFSIGNALED(st) else None
-        code = 128 + sig if sig is not None else os.WEXITSTATUS(st)
         truncated = out.truncated or err.truncated
-        oom0, slot.ooms = slot.ooms, slot.memory.oom_kills()
-        if timed_out:
-            status = "timeout"
-        elif slot.ooms > oom0:
-            status = "memory_exceeded"
-        elif truncated:
-            status = "output_truncated"
+        ooms = slot.memory.oom_kills()
+        oom = ooms > slot.ooms
+        if done.done():
+            finish()
         else:
-            status = "ok" if code == 0 else "error"
-        if done.get("broken"):  # a process of the slot would not die: start afresh
-            self._dead("a slot's processes would not die")
-        return {"status": status, "stdout": out.text(), "stderr": err.text(),
+            self._later(done, finish)
+        if timed_out:
+            result = "timeout"
+        elif oom:
+            result = "memory_exceeded"
+        elif truncated:
+            result = "output_truncated"
+        else:
+            result = "ok" if code == 0 else "error"
+        return {"status": result, "stdout": out.text(), "stderr": err.text(),
                 "exit_code": code, "signal": sig,
-                "duration_s": round(max(0.0, done["t_exit"] - t0), 6), "truncated": truncated,
+                "duration_s": round(max(0.0, t_exit - t0), 6), "truncated": truncated,
                 "language": self.pool.language}
+
+    def _later(self, done: asyncio.Future[dict[str, Any]], finish: Any) -> None:
+        task = asyncio.ensure_future(self._finish_later(done, finish))
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
+
+    async def _finish_later(self, done: asyncio.Future[dict[str, Any]], finish: Any) -> None:
+        """After an answer on the child's own word: free the slot when the zygote has reaped
+        it (its timer still runs: a child that said it was done and went on is killed)."""
+        try:
+            await asyncio.wait({done}, timeout=MAX_TIMEOUT_S + ANSWER_GRACE_S)
+            if not done.done():
+                self._dead("no answer in time")
+            elif done.exception() is None and done.result().get("broken"):
+                self._dead("a slot's processes would not die")
+        finally:
+            finish()
 
 
 async def _write_pipe(fd: int, data: bytes) -> None:
@@ -455,12 +533,21 @@ class Pool:
         finally:
             self.waiting -= 1
         self.busy += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.busy -= 1
+                self.free.put_nowait((zi, si))
+
         try:
             z = await self._ensure(zi)
-            out = await z.request(si, req)
-        finally:
-            self.busy -= 1
-            self.free.put_nowait((zi, si))
+        except BaseException:
+            release()
+            raise
+        out = await z.request(si, req, release)
         self.served += 1
         return out
 

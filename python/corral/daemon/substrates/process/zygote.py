@@ -308,10 +308,11 @@ class Zygote:
         ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        st_r, st_w = os.pipe2(os.O_CLOEXEC)
         pid = os.fork()
         if pid == 0:
             try:
-                self._child(slot, ctl_r, out_w, err_w)
+                self._child(slot, ctl_r, out_w, err_w, st_w)
             except BaseException as e:  # noqa: BLE001 - report, never return into the loop
                 try:
                     os.write(err_w, f"run_code: could not start: {type(e).__name__}: {e}\n"
@@ -319,19 +320,19 @@ class Zygote:
                 finally:
                     os._exit(126)
             os._exit(126)
-        for fd in (ctl_r, out_w, err_w):
+        for fd in (ctl_r, out_w, err_w, st_w):
             os.close(fd)
         slot.pid = pid
         self.by_pid[pid] = slot
         try:
             self.sk.sendmsg([encode({"warm": slot.index, "pid": pid})],
                             [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                              struct.pack("3i", ctl_w, out_r, err_r))])
+                              struct.pack("4i", ctl_w, out_r, err_r, st_r))])
         finally:
-            for fd in (ctl_w, out_r, err_r):
+            for fd in (ctl_w, out_r, err_r, st_r):
                 os.close(fd)
 
-    def _child(self, slot: Slot, ctl: int, fout: int, ferr: int) -> None:
+    def _child(self, slot: Slot, ctl: int, fout: int, ferr: int, fst: int) -> None:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for dirfd, name in slot.cg.join:
@@ -341,7 +342,8 @@ class Zygote:
         os.dup2(fout, 1)
         os.dup2(ferr, 2)
         os.dup2(ctl, 3)
-        os.closerange(4, 1 << 20)
+        os.dup2(fst, 4, inheritable=False)  # python: its exit code, told before it exits
+        os.closerange(5, 1 << 20)
         os.chdir(slot.scratch)
         os.umask(0o077)
         self.core.zygote_lockdown(slot.uid, slot.uid, self.rlimits)
@@ -437,6 +439,10 @@ def _run_python(code: str, env: dict[str, str]) -> None:
             stream.flush()
         except BaseException:  # noqa: BLE001 - a closed or broken stream: nothing to say
             rc = rc or 120
+    try:  # the daemon answers on this; the zygote's reap then frees the slot
+        os.write(4, b"%d" % rc)
+    except OSError:
+        pass
     os._exit(rc)
 
 
