@@ -212,6 +212,17 @@ print(os.getcwd(), os.listdir('.'))
         assert r.stdout == "[] 0o700\n", r.stdout
 
 
+def test_a_deep_tree_in_the_scratch_dir_is_wiped_without_a_restart():
+    assert run("pass").ok
+    started = {p.name: p.started for p in run_code_pools().pools}
+    r = run("import os\nfor _ in range(3000):\n    os.mkdir('d'); os.chdir('d')\n"
+            "open('f', 'w').write('x'); print('deep')", timeout=60)
+    assert r.stdout == "deep\n", r.stderr
+    for r in every_slot("import os; print(os.listdir('.'))"):
+        assert r.stdout == "[]\n"
+    assert {p.name: p.started for p in run_code_pools().pools}["python"] == started["python"]
+
+
 def test_no_network_at_all():
     r = run("""
 import socket, errno
