@@ -21,8 +21,6 @@ from corral.sdk.api import validated
 from corral.sdk.call import Call
 from corral.sdk.endpoint import Endpoint
 
-GRACE = 30.0  # beyond the request's own timeout before the client gives up on the daemon
-
 
 class RunCodeResult(m.RunCodeResult):
     """What a snippet did: ``status`` (``ok``, ``error``, ``timeout``, ``memory_exceeded``,
@@ -63,9 +61,10 @@ def _parse_many(body: bytes) -> list[RunCodeResult | CorralError]:
 
 
 def call_one(req: m.RunCodeRequest) -> Call[RunCodeResult]:
+    # No read timeout: a request may wait its turn in the pool's queue first (bounded in
+    # length, not in time); its own timeout is enforced by the daemon.
     return Call("POST", "/v1/run_code", _parse_one,
-                body=req.model_dump_json(exclude_unset=True).encode(),
-                timeout=req.timeout + GRACE)
+                body=req.model_dump_json(exclude_unset=True).encode(), timeout=None)
 
 
 def call_many(reqs: list[m.RunCodeRequest]) -> Call[list[RunCodeResult | CorralError]]:
