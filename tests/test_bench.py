@@ -53,7 +53,7 @@ def test_report_header(report):
         assert key in report
     assert report["host"]["cpus"] >= 1
     assert set(report["scenarios"]) == {"churn", "latency", "exec", "density", "snapshot",
-                                        "trajlog", "execpath", "keyedreads"}
+                                        "trajlog", "execpath", "keyedreads", "run-code"}
     for name, sec in report["scenarios"].items():
         assert "error" not in sec, (name, sec)
         assert len(sec["runs"]) == 1
@@ -188,6 +188,20 @@ def test_execpath_section(report):
                    for k in ("init", "daemon"))
 
 
+def test_runcode_section(report):
+    """run_code against a container sandbox and a subprocess server, same run, with targets."""
+    sec = report["scenarios"]["run-code"]
+    m = sec["median"]
+    for name in ("corral", "corral-numpy", "corral-conc", "corral-batch", "server",
+                 "server-numpy", "server-conc", "container", "container-conc"):
+        assert m[name]["errors"] == 0, (name, m[name])
+        assert _is_num(m[name]["ops_per_s"]) and m[name]["ops_per_s"] > 0
+    assert m["corral"]["call_ms"]["p50"] < m["container"]["call_ms"]["p50"]
+    assert m["corral-numpy"]["call_ms"]["p50"] < m["server-numpy"]["call_ms"]["p50"]
+    assert set(sec["targets"]) == {"print_p50_ms", "calls_per_s", "numpy_p50_ms"}
+    assert all(isinstance(v["met"], bool) for v in sec["targets"].values())
+
+
 def test_trajlog_table_renders():
     """The table, with and without a baseline tree (no daemon needed)."""
     import io
@@ -240,7 +254,8 @@ def test_cli_json(tmp_path):
 
 def test_parse_scenarios():
     assert parse_scenarios("all") == ["churn", "latency", "exec", "density", "snapshot",
-                                      "trajlog", "execpath", "keyedreads"]
+                                      "trajlog", "execpath", "keyedreads", "run-code"]
+    assert parse_scenarios("run-code") == ["run-code"]
     assert parse_scenarios("snapshot") == ["snapshot"]
     assert parse_scenarios("trajlog") == ["trajlog"]
     assert parse_scenarios("exec, churn") == ["exec", "churn"]

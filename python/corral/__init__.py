@@ -77,9 +77,15 @@ from corral.sdk import (  # noqa: E402 - after __version__: the SDK modules impo
     ExecResult,
     OutputChunk,
     Process,
+    RunCodeResult,
     Sandbox,
     Snapshot,
+    run_code,
+    run_code_async,
+    run_code_many,
+    run_code_many_async,
 )
 
 __all__ += ["AsyncProcess", "AsyncSandbox", "AsyncSnapshot", "CommandFailed", "ExecResult",
-            "OutputChunk", "Process", "Sandbox", "Snapshot"]
+            "OutputChunk", "Process", "Sandbox", "Snapshot", "RunCodeResult", "run_code",
+            "run_code_async", "run_code_many", "run_code_many_async"]

@@ -15,6 +15,7 @@ mod layer;
 mod scratchfs;
 mod spawn;
 mod tree;
+mod zygote;
 
 use std::ffi::OsString;
 use std::os::fd::{IntoRawFd, RawFd};
@@ -30,6 +31,7 @@ use hostmount::HostMountError;
 use layer::LayerError;
 use scratchfs::ScratchError;
 use spawn::{Overlay, SpawnConfig, SpawnError};
+use zygote::ZygoteError;
 
 // ---- errors -----------------------------------------------------------------------------------
 
@@ -111,6 +113,18 @@ impl From<LayerError> for PyErr {
         match e {
             LayerError::Limit { what, limit } => LayerLimit::new_err((what, limit)),
             e => os_error(e.errno(), format!("capture_layer: {e}")),
+        }
+    }
+}
+
+impl From<ZygoteError> for PyErr {
+    fn from(e: ZygoteError) -> PyErr {
+        match e {
+            ZygoteError::Invalid(m) => PyValueError::new_err(m),
+            ZygoteError::Harden(h) => h.into(),
+            ZygoteError::Os { step, errno, msg } => {
+                os_error(errno, format!("zygote: {step}: {msg}"))
+            }
         }
     }
 }
@@ -579,6 +593,51 @@ fn shell_capabilities() -> Vec<String> {
     harden::SHELL_CAPS.iter().map(|c| c.to_string()).collect()
 }
 
+/// run_code zygote: new mount, network, pid, IPC and UTS namespaces for the caller.
+#[pyfunction]
+fn zygote_unshare() -> PyResult<()> {
+    Ok(zygote::unshare_namespaces()?)
+}
+
+/// run_code zygote: SIGKILL the caller when `parent` (its launcher) dies.
+#[pyfunction]
+fn zygote_die_with_parent(parent: i32) -> PyResult<()> {
+    Ok(zygote::die_with_parent(parent)?)
+}
+
+/// run_code zygote: switch to a new read-only root on a tmpfs at `root` made of `entries`
+/// (kind, src, dst); see zygote.rs for the kinds.
+#[pyfunction]
+fn zygote_build_root(
+    py: Python<'_>,
+    root: OsString,
+    entries: Vec<(String, OsString, OsString)>,
+) -> PyResult<()> {
+    let entries: Vec<zygote::Entry> = entries
+        .into_iter()
+        .map(|(kind, src, dst)| zygote::Entry { kind, src, dst })
+        .collect();
+    Ok(py.detach(|| zygote::build_root(std::path::Path::new(&root), &entries))?)
+}
+
+/// run_code zygote, once its root is built: no_new_privs and the seccomp filter, inherited by
+/// every request's child.
+#[pyfunction]
+fn zygote_seal() -> PyResult<()> {
+    Ok(zygote::seal()?)
+}
+
+/// run_code request child (of a sealed zygote): become `uid`/`gid` with no capability,
+/// `rlimits` ((name, soft, hard), negative = unlimited), no_new_privs, Landlock unix scope.
+#[pyfunction]
+fn zygote_lockdown(uid: u32, gid: u32, rlimits: Vec<(String, i128, i128)>) -> PyResult<()> {
+    let rlimits = rlimits
+        .iter()
+        .map(|(n, s, h)| harden::rlimit(n, *s, *h))
+        .collect::<Result<Vec<Rlimit>, HardenError>>()?;
+    Ok(zygote::lockdown(&zygote::Lockdown { uid, gid, rlimits })?)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Reserve the low fd slots children borrow while the importer holds few fds (child.rs).
@@ -620,6 +679,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(capture_layer, m)?)?;
     m.add_function(wrap_pyfunction!(shell_capabilities, m)?)?;
     m.add_function(wrap_pyfunction!(last_profile, m)?)?;
+    m.add_function(wrap_pyfunction!(zygote_unshare, m)?)?;
+    m.add_function(wrap_pyfunction!(zygote_die_with_parent, m)?)?;
+    m.add_function(wrap_pyfunction!(zygote_build_root, m)?)?;
+    m.add_function(wrap_pyfunction!(zygote_lockdown, m)?)?;
+    m.add_function(wrap_pyfunction!(zygote_seal, m)?)?;
     m.add("DEFAULT_PATH", enter::DEFAULT_PATH)?;
     Ok(())
 }

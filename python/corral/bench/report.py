@@ -220,9 +220,30 @@ def profile_table(scenario: str, prof: dict[str, Any]) -> Table:
     return t
 
 
+def runcode_table(sec: dict[str, Any]) -> Table:
+    t = Table(title=f"run-code: run_code vs python3 -c in a fresh container sandbox vs a "
+                    f"subprocess-per-request server  (N={sec['n']} per corral row, "
+                    f"{sec['cpus']} CPUs, median of {len(sec['runs'])} runs)")
+    t.caption = (f"-conc rows: {sec['concurrency']} calls in flight (asyncio client); "
+                 "corral-batch: run_code_many of 100, p50 per batch")
+    for c in ("system", "code", "in flight", "calls/s", "p50 ms", "p99 ms"):
+        t.add_column(c, justify="left" if c in ("system", "code") else "right")
+    for name, m in sec["median"].items():
+        ph = m.get("call_ms") or m.get("batch_ms") or {}
+        code = "import numpy" if "numpy" in name else "print(1)"
+        t.add_row(name, code, _f(m.get("in_flight") or m.get("batch")), _f(m.get("ops_per_s")),
+                  _f(ph.get("p50"), 3), _f(ph.get("p99"), 3))
+    for k, v in (sec.get("targets") or {}).items():
+        op = ">=" if k == "calls_per_s" else "<="
+        t.add_row(f"target {k}", "", "", "", f"{op} {v['target']}",
+                  "[green]met[/green]" if v["met"] else f"[red]NOT met ({_f(v['got'], 2)})[/red]")
+    return t
+
+
 TABLES = {"churn": churn_table, "latency": latency_table, "exec": exec_table,
           "density": density_table, "snapshot": snapshot_table, "trajlog": trajlog_table,
-          "execpath": execpath_table, "keyedreads": keyedreads_table}
+          "execpath": execpath_table, "keyedreads": keyedreads_table,
+          "run-code": runcode_table}
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:

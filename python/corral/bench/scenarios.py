@@ -17,6 +17,7 @@ from corral.bench import host, profile, sdk_runs
 from corral.bench.execpath import execpath
 from corral.bench.keyedreads import keyedreads
 from corral.bench.results import OpResult
+from corral.bench.runcode import run_code
 from corral.bench.session import Session
 from corral.bench.stats import median, median_tree, ratio
 from corral.bench.trajlog import trajlog
@@ -461,4 +462,4 @@ def _snapshot_leftovers(s: Session, timeout: float = 10.0) -> dict[str, int]:
 RUNNERS: dict[str, Callable[[Session], tuple[Section, Samples]]] = {
     "churn": churn, "latency": latency, "exec": exec_, "density": density,
     "snapshot": snapshot, "trajlog": trajlog, "execpath": execpath,
-    "keyedreads": keyedreads}
+    "keyedreads": keyedreads, "run-code": run_code}

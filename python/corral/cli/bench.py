@@ -13,12 +13,12 @@ from corral.cli.output import err
 app = typer.Typer()
 
 _SCENARIOS = ("churn", "latency", "exec", "density", "snapshot", "trajlog", "execpath",
-              "keyedreads")
+              "keyedreads", "run-code")
 
 
 def parse_scenarios(value: str) -> list[str]:
     """``all`` or a comma-separated list of churn, latency, exec, density, snapshot,
-    trajlog, execpath, keyedreads."""
+    trajlog, execpath, keyedreads, run-code."""
     if value.strip() == "all":
         return list(_SCENARIOS)
     names = [s.strip() for s in value.split(",") if s.strip()]
@@ -44,7 +44,7 @@ def parse_networks(value: str) -> list[str]:
 @app.command()
 def bench(
     scenario: str = typer.Argument("all", help="churn, latency, exec, density, snapshot, "
-                                               "trajlog, execpath, keyedreads, all, or a "
+                                               "trajlog, execpath, keyedreads, run-code, all, or a "
                                                "comma-separated list."),
     peers: bool = typer.Option(False, "--peers", help="Also run bwrap, crun and runc in the "
                                                       "churn (installed with apt-get if "
@@ -54,9 +54,10 @@ def bench(
     count: int | None = typer.Option(None, "--count", "-n", min=1, help="Operations (or live "
                                      "sandboxes for density, snapshot/restore cycles for "
                                      "snapshot, execs per daemon and mode for trajlog and "
-                                     "execpath) per scenario. Default: churn 1000, latency "
-                                     "300, exec 1000, density 1000, snapshot 30, trajlog 1000, "
-                                     "execpath 1000, keyedreads 1000 (per op and variant)."),
+                                     "execpath, calls per row for run-code) per scenario. "
+                                     "Default: churn 1000, latency 300, exec 1000, density "
+                                     "1000, snapshot 30, trajlog 1000, execpath 1000, "
+                                     "keyedreads 1000 (per op and variant), run-code 500."),
     concurrency: int = typer.Option(4, "--concurrency", "-c", min=1, max=64,
                                     help="Operations in flight (churn, async exec), the same "
                                          "for every system."),
@@ -106,7 +107,9 @@ def bench(
     their targets), trajlog (exec throughput with the trajectory log on vs off, two private
     daemons, with the overhead target), execpath (commands started by the sandbox's init vs
     by the daemon: exec round trip, throughput, first result; two private daemons),
-    keyedreads (files.read/stat/list with and without an idempotency key, call by call). Every
+    keyedreads (files.read/stat/list with and without an idempotency key, call by call),
+    run-code (run_code vs python3 -c in a fresh container sandbox and vs a
+    subprocess-per-request server: p50, calls/s, import numpy p50, with their targets). Every
     system
     runs in the same run; ratios are taken within a run, medians over --runs. Exits 1 if a
     scenario failed or anything was left behind."""

@@ -5,6 +5,7 @@ sandboxes.py  create, exec, run, ls, rm, info
 snapshots.py  snapshot ls | create | rm | restore, fork, pause, resume
 demo.py       demo
 trajectory.py log, replay
+run_code.py   run-code
 output.py     tables, JSON, the ``error [code]: message`` format and exit codes
 """
 
@@ -13,14 +14,14 @@ from __future__ import annotations
 import typer
 
 from corral import __version__
-from corral.cli import daemon, demo, sandboxes, snapshots, trajectory
+from corral.cli import daemon, demo, run_code, sandboxes, snapshots, trajectory
 
 app = typer.Typer(
     name="corral", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     help="corral: isolated Linux sandboxes for agentic RL.\n\nThe daemon is found on "
          "$CORRAL_SOCKET (default /run/corral/corrald.sock) or $CORRAL_URL (+ $CORRAL_TOKEN).",
 )
-for sub in (daemon.app, sandboxes.app, snapshots.app, demo.app, trajectory.app):
+for sub in (daemon.app, sandboxes.app, snapshots.app, demo.app, trajectory.app, run_code.app):
     app.registered_commands += sub.registered_commands
 app.add_typer(daemon.image_app, name="image")
 app.add_typer(snapshots.snapshot_app, name="snapshot")

@@ -57,6 +57,7 @@ from corral.daemon.routes import (
     link,
     list_of,
 )
+from corral.daemon.substrates.process import api as run_code_api
 from corral.daemon.trajlog import (
     KEY_HEADER,
     MAX_KEY_LEN,
@@ -866,6 +867,7 @@ ROUTES: tuple[Route, ...] = (
           errors=(409, 413), links={"create_on_image": link(
               "create_sandbox", body={"image": "$response.body#/name"})}),
     Route("GET", "/metrics", metrics, "Prometheus metrics", response="text"),
+    *run_code_api.ROUTES,
 )
 
 
@@ -881,6 +883,7 @@ def create_app(engine: Engine | None, token: str | None = None) -> web.Applicati
     app[WAITING] = {"waiting": 0}
     if engine is not None:
         app[ENGINE] = engine
+        run_code_api.install(app, engine.config.state_dir, engine.config.cgroup_name)
     for r in ROUTES:
         app.router.add_route(r.method, r.path.replace("{id}", _ID_RE), r.handler)
     return app

@@ -14,15 +14,24 @@ Layout (one job per module):
   async_sandbox.py     AsyncSandbox, AsyncFiles, AsyncProcess
   snapshot.py          Snapshot, AsyncSnapshot (list, get, delete)
   admin.py             daemon status, images
+  run_code.py          run_code, run_code_many (+ _async): the process substrate's call tier
 """
 
 from corral.sdk.async_sandbox import AsyncFiles, AsyncProcess, AsyncSandbox
 from corral.sdk.endpoint import Endpoint
 from corral.sdk.results import CommandFailed, ExecResult, OutputChunk
+from corral.sdk.run_code import (
+    RunCodeResult,
+    run_code,
+    run_code_async,
+    run_code_many,
+    run_code_many_async,
+)
 from corral.sdk.sandbox import Files, Process, Sandbox
 from corral.sdk.snapshot import AsyncSnapshot, Snapshot
 
 __all__ = [
     "AsyncFiles", "AsyncProcess", "AsyncSandbox", "CommandFailed", "Endpoint", "ExecResult",
     "Files", "OutputChunk", "Process", "Sandbox", "AsyncSnapshot", "Snapshot",
+    "RunCodeResult", "run_code", "run_code_async", "run_code_many", "run_code_many_async",
 ]

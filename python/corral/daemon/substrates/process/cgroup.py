@@ -1,0 +1,158 @@
+"""The cgroups of the run_code pools, on the daemon's side: made at a zygote's start, limits on
+the zygote and each slot, removed at the stop.
+
+Layout, in each hierarchy used (v1: memory, pids, freezer; v2: the unified one):
+``<root>/<daemon cgroup name>.runcode/<language>-<n>/{zygote,s0,s1,...}``. The zygote itself
+moves each request's child into its slot and sets the slot's memory limit per request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+from corral.daemon.cgroups import _mounts, _read, _write
+
+ZYGOTE_MEMORY = 2 << 30     # the zygote and its launcher (numpy preloaded: ~60 MB)
+ZYGOTE_PIDS = 16
+
+
+class Layout:
+    """Where the pools' cgroups go on this host."""
+
+    def __init__(self, cgroup_name: str) -> None:
+        v1, v2 = _mounts()
+        ctrls: set[str] = set()
+        if v2:
+            with contextlib.suppress(OSError):
+                ctrls = set(_read(os.path.join(v2, "cgroup.controllers")).split())
+        if v2 and {"memory", "pids"} <= ctrls:
+            self.v2 = True
+            self.roots = {"unified": v2}
+        else:
+            if "memory" not in v1 or "pids" not in v1:
+                raise RuntimeError("run_code needs the memory and pids cgroup controllers")
+            self.v2 = False
+            self.roots = {k: v1[k] for k in ("memory", "pids", "freezer") if k in v1}
+        self.top = cgroup_name + ".runcode"
+
+    def tops(self) -> list[str]:
+        return [os.path.join(r, self.top) for r in self.roots.values()]
+
+    def pool_dirs(self, pool: str) -> dict[str, str]:
+        return {k: os.path.join(r, self.top, pool) for k, r in self.roots.items()}
+
+    def make_pool(self, pool: str, slots: int, pids_max: int) -> tuple[list[str], list[dict]]:
+        """Make the pool's cgroups (fresh: anything left from before is killed and removed);
+        returns the files the launcher joins through and each slot's directories."""
+        self.remove_pool(pool)
+        base = self.pool_dirs(pool)
+        if self.v2:
+            chain = [self.roots["unified"], os.path.join(self.roots["unified"], self.top),
+                     base["unified"]]
+            for d in chain[1:]:
+                os.makedirs(d, exist_ok=True)
+            for d in chain[:-1] + [base["unified"]]:
+                ctl = os.path.join(d, "cgroup.subtree_control")
+                if not {"memory", "pids"} <= set(_read(ctl).split()):
+                    _write(ctl, "+memory +pids")
+        names = ["zygote"] + [f"s{i}" for i in range(slots)]
+        for b in base.values():
+            for n in names:
+                os.makedirs(os.path.join(b, n), exist_ok=True)
+        zy = {k: os.path.join(b, "zygote") for k, b in base.items()}
+        slot_dirs = [{k: os.path.join(b, f"s{i}") for k, b in base.items()}
+                     for i in range(slots)]
+        if self.v2:
+            _write(zy["unified"] + "/memory.max", str(ZYGOTE_MEMORY))
+            _write(zy["unified"] + "/pids.max", str(ZYGOTE_PIDS))
+            for s in slot_dirs:
+                _write(s["unified"] + "/pids.max", str(pids_max))
+            join = [zy["unified"] + "/cgroup.procs"]
+        else:
+            _write(zy["memory"] + "/memory.limit_in_bytes", str(ZYGOTE_MEMORY))
+            _write(zy["pids"] + "/pids.max", str(ZYGOTE_PIDS))
+            for s in slot_dirs:
+                _write(s["pids"] + "/pids.max", str(pids_max))
+            join = [os.path.join(d, "tasks") for d in zy.values()]
+        return join, slot_dirs
+
+    def remove_pool(self, pool: str, timeout: float = 5.0) -> None:
+        for b in self.pool_dirs(pool).values():
+            _remove_tree(b, timeout)
+
+    def remove_all(self, timeout: float = 5.0) -> None:
+        for t in self.tops():
+            _remove_tree(t, timeout)
+
+
+def _procs(d: str) -> list[int]:
+    try:
+        return [int(x) for x in _read(os.path.join(d, "cgroup.procs")).split()]
+    except OSError:
+        return []
+
+
+def _remove_tree(top: str, timeout: float) -> None:
+    """Kill every process under ``top`` and remove its cgroups, leaves first."""
+    if not os.path.isdir(top):
+        return
+    deadline = time.monotonic() + timeout
+    dirs = [dp for dp, _, _ in os.walk(top)]
+    for d in reversed(dirs):
+        with contextlib.suppress(OSError):
+            if _read(os.path.join(d, "freezer.state")).strip() != "THAWED":
+                _write(os.path.join(d, "freezer.state"), "THAWED")
+        delay = 0.0005
+        while True:
+            for pid in _procs(d):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            try:
+                os.rmdir(d)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+
+
+class SlotMemory:
+    """A slot's memory cgroup, from the daemon's side: the limit, set per request (only when
+    it changes), and the count of OOM kills in it."""
+
+    def __init__(self, dirs: dict[str, str]) -> None:
+        self.v2 = "unified" in dirs
+        self.dir = dirs["unified" if self.v2 else "memory"]
+        self.memsw = not self.v2 and os.path.exists(
+            os.path.join(self.dir, "memory.memsw.limit_in_bytes"))
+        self.limit = 1 << 62  # unlimited, as made
+
+    def set(self, nbytes: int) -> None:
+        if nbytes == self.limit:
+            return
+        if self.v2:
+            _write(self.dir + "/memory.max", str(nbytes))
+            with contextlib.suppress(OSError):
+                _write(self.dir + "/memory.swap.max", "0")
+        else:
+            order = ["memory.limit_in_bytes"]
+            if self.memsw:  # memsw >= limit at every step
+                order = (["memory.memsw.limit_in_bytes"] + order if nbytes > self.limit
+                         else order + ["memory.memsw.limit_in_bytes"])
+            for name in order:
+                _write(os.path.join(self.dir, name), str(nbytes))
+        self.limit = nbytes
+
+    def oom_kills(self) -> int:
+        text = _read(os.path.join(self.dir, "memory.events" if self.v2 else "memory.oom_control"))
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0

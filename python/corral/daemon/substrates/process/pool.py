@@ -1,0 +1,628 @@
+"""Daemon side of run_code: one zygote process per (language, n), pools of them with a bounded
+queue, and the service that owns every pool.
+
+A zygote is a child of the daemon (its launcher, see zygote.py) spoken to over a socketpair in
+frames. The daemon never reaps with waitpid(-1) (see procs.py): the launcher is waited for
+through its pidfd. A zygote that dies (or stops answering) fails the requests it held with
+infra_error and is started again on the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import socket
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from corral.daemon.substrates.process import cgroup, view, zygote
+from corral.errors import CapacityExceeded, CorralError, InfraError, InvalidRequest
+from corral.runcode_models import LANGUAGES, MAX_TIMEOUT_S, RunCodeRequest
+
+log = logging.getLogger("corral.runcode")
+
+UID_BASE = 2_100_000_000   # slot uids: owned by nothing on the host
+START_TIMEOUT_S = 60.0
+ANSWER_GRACE_S = 10.0      # beyond a request's timeout before its zygote counts as hung
+# What a fork costs grows with the zygote's anonymous memory and its mappings (page tables
+# copied at the fork, torn down at the child's exit): measured per module, these are cheap
+# and common; typing, dataclasses (inspect, ast), numpy.random and numpy.linalg (a hundred
+# extension mappings) are not, and load on first use instead.
+STDLIB = ["json", "re", "math", "random", "collections", "itertools", "functools", "string",
+          "heapq", "bisect", "traceback"]
+# Pools: (name, language, preloaded modules). A fork costs in proportion to the zygote's
+# memory (page tables copied, then torn down at the child's exit): numpy triples a python
+# zygote's, so python code that imports numpy goes to a zygote that has it and the rest to a
+# lean one. Either can run any python code (numpy is importable in both).
+POOLS = {"python": ("python", STDLIB),
+         "bash": ("bash", []),
+         "python-numpy": ("python", [*STDLIB, "numpy"])}
+POOL_NUMBERS = {name: i for i, name in enumerate(POOLS)}
+NUMPY_IMPORT = re.compile(r"(?:^|;)\s*(import\s+[\w., ]*?|from\s+)\b(numpy|scipy|pandas|sklearn)\b",
+                          re.M)
+
+
+def pool_for(language: str, code: str) -> str:
+    """The pool a request goes to."""
+    if language == "python" and NUMPY_IMPORT.search(code):
+        return "python-numpy"
+    return language
+PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
+
+
+@dataclass
+class Settings:
+    zygotes: int = 2                # per language (forks run on as many cores)
+    slots: int = 8                  # concurrent requests per zygote
+    max_queue: int = 1024           # requests waiting for a slot, per language
+    pids: int = 64                  # processes of one request
+    tmp_mb: int = 512               # the scratch tmpfs of a zygote (all its slots)
+    nofile: int = 1024
+    fsize_mb: int = 256
+
+
+# Bounds of the settings: slot uids are UID_BASE + (pool * 64 + zygote) * 256 + slot.
+BOUNDS = {"zygotes": 64, "slots": 256, "max_queue": 1 << 20, "pids": 1 << 15, "tmp_mb": 1 << 20}
+
+
+def settings_from_env() -> Settings:
+    s = Settings()
+    for name, hi in BOUNDS.items():
+        var = f"CORRAL_RUNCODE_{name.upper()}"
+        raw = os.environ.get(var)
+        if not raw:
+            continue
+        try:
+            setattr(s, name, min(hi, max(1, int(raw))))
+        except ValueError:
+            log.warning("ignored: not an integer", extra={"variable": var, "value": raw[:50]})
+    return s
+
+
+class ZygoteDied(InfraError):
+    pass
+
+
+class Warm:
+    """A slot's child waiting for its request: its pid and the daemon's ends of its pipes
+    (request, stdout, stderr, and the exit code a python child tells before it exits)."""
+
+    def __init__(self, pid: int, ctl: int, out: int, err: int, st: int) -> None:
+        self.pid, self.ctl, self.out, self.err, self.st = pid, ctl, out, err, st
+
+    def close(self) -> None:
+        for fd in (self.ctl, self.out, self.err, self.st):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.ctl = self.out = self.err = self.st = -1
+
+
+class SlotState:
+    def __init__(self, index: int, dirs: dict[str, str]) -> None:
+        self.index = index
+        self.memory = cgroup.SlotMemory(dirs)
+        self.ooms = self.memory.oom_kills()  # the count after the slot's last request
+        self.warm: Warm | None = None
+        self.ready = asyncio.Event()                      # warm is set
+        self.done: dict[int, asyncio.Future[dict[str, Any]]] = {}  # by pid
+
+
+class Output:
+    """One stream of a running request, read on the loop up to its cap (the rest dropped)."""
+
+    def __init__(self, fd: int, cap: int) -> None:
+        self.fd, self.cap = fd, cap
+        self.buf = bytearray()
+        self.truncated = False
+        self.eof = False
+        os.set_blocking(fd, False)
+
+    def read(self) -> None:
+        for _ in range(64):  # bounded per wakeup: a flood must not pin the loop
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.eof = True
+                with contextlib.suppress(ValueError, OSError, RuntimeError):
+                    asyncio.get_running_loop().remove_reader(self.fd)
+                return
+            room = self.cap - len(self.buf)
+            if len(data) > room:
+                self.truncated = True
+                data = data[:max(room, 0)]
+            self.buf += data
+
+    def text(self) -> str:
+        return self.buf.decode("utf-8", "replace")
+
+
+class Zygote:
+    """One zygote process, its slots' waiting children, and the requests running on them."""
+
+    def __init__(self, pool: Pool, index: int) -> None:
+        self.pool = pool
+        self.index = index
+        self.name = f"{pool.name}-{index}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.sock: socket.socket | None = None
+        self.pidfd = -1
+        self.slots: list[SlotState] = []
+        self.preloaded: list[str] = []
+        self.alive = False
+        self._ready: asyncio.Future[dict[str, Any]] | None = None
+        self._reader = zygote.FrameReader()
+        self._fds: list[int] = []  # received with the frames, 4 per "warm"
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        svc = self.pool.service
+        s = svc.settings
+        loop = asyncio.get_running_loop()
+        join, slot_dirs = await asyncio.to_thread(
+            svc.layout.make_pool, self.name, s.slots, s.pids)
+        self.slots = [SlotState(i, d) for i, d in enumerate(slot_dirs)]
+        uid0 = UID_BASE + (self.pool.number * 64 + self.index) * 256
+        from corral import _core
+
+        zenv = {"PATH": PATH, "LANG": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1",
+                "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        cfg = {
+            "language": self.pool.language, "core": _core.__file__, "root": svc.root_dir,
+            "entries": view.entries(s.tmp_mb), "zygote_cgroups": join,
+            "slots": [{"uid": uid0 + i, "cgroups": d} for i, d in enumerate(slot_dirs)],
+            "preload": POOLS[self.pool.name][1], "zygote_env": zenv,
+            "env": {"PATH": PATH, "LANG": "C.UTF-8"},
+            "rlimits": [("nofile", s.nofile, s.nofile), ("core", 0, 0),
+                        ("fsize", s.fsize_mb << 20, s.fsize_mb << 20)],
+        }
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # Its own small environment from the exec on: /proc/self/environ of every child
+            # shows the exec-time one, and the daemon's (a token, say) is none of theirs.
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-X", "utf8", zygote.__file__, str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, start_new_session=True, cwd="/", env=zenv)
+        finally:
+            theirs.close()
+        self.sock = ours
+        ours.setblocking(False)
+        self.pidfd = os.pidfd_open(self.proc.pid)
+        self._ready = loop.create_future()
+        self.alive = True
+        loop.add_reader(self.pidfd, self._dead, "it exited")
+        loop.add_reader(ours.fileno(), self._readable)
+        await loop.sock_sendall(ours, zygote.encode(cfg))
+        try:
+            hello = await asyncio.wait_for(self._ready, START_TIMEOUT_S)
+        except (asyncio.TimeoutError, ZygoteDied) as e:
+            self.kill()
+            raise InfraError(f"the run_code {self.pool.language} zygote did not start: "
+                             f"{e or 'no answer'}") from None
+        if not hello.get("ready"):
+            self.kill()
+            raise InfraError(f"the run_code {self.pool.language} zygote did not start: "
+                             f"{hello.get('error')}")
+        self.preloaded = hello.get("preloaded", [])
+        self.pool.started += 1
+        log.info("run_code zygote started", extra={"zygote": self.name, "pid": self.proc.pid,
+                                                    "preloaded": len(self.preloaded)})
+
+    # -- from the zygote --
+    def _readable(self) -> None:
+        assert self.sock is not None
+        try:
+            data, anc, _, _ = self.sock.recvmsg(1 << 20, socket.CMSG_SPACE(16 * 4),
+                                                socket.MSG_CMSG_CLOEXEC)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data, anc = b"", []
+        for level, kind, raw in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                n = len(raw) - len(raw) % 4
+                self._fds += list(struct.unpack(f"{n // 4}i", raw[:n]))
+        if not data:
+            self._dead("its socket closed")
+            return
+        try:
+            frames = self._reader.feed(data)
+        except ValueError as e:
+            self._dead(f"bad frame: {e}")
+            return
+        for f in frames:
+            if "warm" in f:
+                fds, self._fds = self._fds[:4], self._fds[4:]
+                if len(fds) != 4:
+                    self._dead("a waiting child came without its pipes")
+                    return
+                slot = self.slots[f["warm"]]
+                if slot.warm is not None:
+                    slot.warm.close()
+                slot.warm = Warm(f["pid"], *fds)
+                slot.ready.set()
+            elif "done" in f:
+                slot = self.slots[f["done"]]
+                if slot.warm is not None and slot.warm.pid == f["pid"]:
+                    slot.warm.close()  # died waiting
+                    slot.warm = None
+                    slot.ready.clear()
+                fut = slot.done.pop(f["pid"], None)
+                if fut is not None and not fut.done():
+                    fut.set_result(f)
+            elif "ready" in f and self._ready is not None and not self._ready.done():
+                self._ready.set_result(f)
+
+    def _dead(self, why: str) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        err = ZygoteDied(f"the run_code {self.pool.language} zygote died ({why}); the "
+                         f"request did not complete")
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(err)
+        for slot in self.slots:
+            for fut in slot.done.values():
+                if not fut.done():
+                    fut.set_exception(err)
+            slot.done.clear()
+        self.kill()
+        log.warning("run_code zygote ended", extra={"zygote": self.name, "why": why})
+
+    def kill(self) -> None:
+        """SIGKILL the launcher (the zygote and its namespace follow) and reap it."""
+        self.alive = False
+        loop = asyncio.get_running_loop()
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+            self.proc = None
+        if self.pidfd >= 0:
+            loop.remove_reader(self.pidfd)
+            os.close(self.pidfd)
+            self.pidfd = -1
+        if self.sock is not None:
+            loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+            self.sock = None
+        for slot in self.slots:
+            if slot.warm is not None:
+                slot.warm.close()
+                slot.warm = None
+            slot.ready.set()  # wake waiters: they see the zygote is gone
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = []
+
+    # -- one request --
+    async def request(self, si: int, req: RunCodeRequest, release: Any) -> dict[str, Any]:
+        """Run ``req`` on slot ``si``; ``release()`` is called once the slot is clean again
+        (its processes dead, its scratch wiped), which may be after this returns: a python
+        child tells its exit code itself, and the answer does not wait for the zygote."""
+        slot = self.slots[si]
+        try:
+            await asyncio.wait_for(slot.ready.wait(), START_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            self._dead("no child forked in time")
+        except BaseException:
+            release()
+            raise
+        if not self.alive or slot.warm is None:
+            release()
+            raise ZygoteDied(f"the run_code {self.pool.language} zygote is not running")
+        w, slot.warm = slot.warm, None
+        slot.ready.clear()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[dict[str, Any]] = loop.create_future()
+        told: asyncio.Future[int] = loop.create_future()
+        slot.done[w.pid] = done
+        out, err = Output(w.out, req.max_output_bytes), Output(w.err, req.max_output_bytes)
+        timed_out = False
+
+        def expire() -> None:
+            nonlocal timed_out
+            timed_out = True
+            if self.sock is not None:  # the zygote kills the slot's whole tree
+                with contextlib.suppress(OSError):
+                    self.sock.send(zygote.encode({"kill": si, "pid": w.pid}))
+
+        def status() -> None:
+            try:
+                data = os.read(w.st, 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            loop.remove_reader(w.st)
+            if not told.done():
+                try:
+                    told.set_result(int(data))
+                except ValueError:
+                    pass  # nothing (bash, a crash), or not a number: the zygote's word
+
+        timer = loop.call_at(loop.time() + req.timeout, expire)
+        finished = False
+
+        def finish() -> None:
+            """The slot is clean (or the zygote is gone): give it back."""
+            nonlocal finished
+            if finished:
+                return
+            finished = True
+            timer.cancel()
+            slot.done.pop(w.pid, None)
+            for fd in (w.out, w.err, w.st):
+                with contextlib.suppress(ValueError, OSError):
+                    loop.remove_reader(fd)
+            w.close()
+            with contextlib.suppress(OSError):
+                slot.ooms = slot.memory.oom_kills()
+            release()
+
+        try:
+            slot.memory.set(req.memory_mb << 20)
+            payload = json.dumps({"code": req.code, "stdin": req.stdin, "files": req.files,
+                                  "timeout": req.timeout}, separators=(",", ":")).encode()
+            loop.add_reader(w.out, out.read)
+            loop.add_reader(w.err, err.read)
+            os.set_blocking(w.st, False)
+            loop.add_reader(w.st, status)
+            t0 = time.monotonic()
+            await _write_pipe(w.ctl, payload)
+            os.close(w.ctl)
+            w.ctl = -1
+            waits: set[asyncio.Future[Any]] = {done, told}
+            first, _ = await asyncio.wait(waits, timeout=req.timeout + ANSWER_GRACE_S,
+                                          return_when=asyncio.FIRST_COMPLETED)
+            if not first:
+                self._dead("no answer in time")
+                raise InfraError(f"the run_code {self.pool.language} zygote did not answer; "
+                                 f"it was restarted")
+        except BaseException:
+            # Cancelled (the client went away) or failed: its tree is killed now, and the slot
+            # comes back when the zygote has reaped it.
+            expire()
+            self._later(done, finish)
+            raise
+        if done.done() or timed_out:
+            if not done.done():
+                await asyncio.wait({done}, timeout=ANSWER_GRACE_S)
+            if not done.done() or done.exception() is not None:
+                finish()
+                if done.done():
+                    raise done.exception()  # type: ignore[misc]
+                self._dead("no answer in time")
+                raise InfraError(f"the run_code {self.pool.language} zygote did not answer; "
+                                 f"it was restarted")
+            d = done.result()
+            st, t_exit = d["status"], d["t_exit"]
+            sig = os.WTERMSIG(st) if os.WIFSIGNALED(st) else None
+            code = 128 + sig if sig is not None else os.WEXITSTATUS(st)
+            if d.get("broken"):  # a process of the slot would not die: start afresh
+                self._dead("a slot's processes would not die")
+        else:
+            code, sig, t_exit = told.result(), None, time.monotonic()
+        # What is in the pipes now is all there is: the process has ended (a holder of a
+        # copy elsewhere is not waited for; it dies with the slot).
+        out.read()
+        err.read()
+        truncated = out.truncated or err.truncated
+        ooms = slot.memory.oom_kills()
+        oom = ooms > slot.ooms
+        if done.done():
+            finish()
+        else:
+            self._later(done, finish)
+        if timed_out:
+            result = "timeout"
+        elif oom:
+            result = "memory_exceeded"
+        elif truncated:
+            result = "output_truncated"
+        else:
+            result = "ok" if code == 0 else "error"
+        return {"status": result, "stdout": out.text(), "stderr": err.text(),
+                "exit_code": code, "signal": sig,
+                "duration_s": round(max(0.0, t_exit - t0), 6), "truncated": truncated,
+                "language": self.pool.language}
+
+    def _later(self, done: asyncio.Future[dict[str, Any]], finish: Any) -> None:
+        task = asyncio.ensure_future(self._finish_later(done, finish))
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
+
+    async def _finish_later(self, done: asyncio.Future[dict[str, Any]], finish: Any) -> None:
+        """After an answer on the child's own word: free the slot when the zygote has reaped
+        it (its timer still runs: a child that said it was done and went on is killed)."""
+        try:
+            await asyncio.wait({done}, timeout=MAX_TIMEOUT_S + ANSWER_GRACE_S)
+            if not done.done():
+                self._dead("no answer in time")
+            elif done.exception() is None and done.result().get("broken"):
+                self._dead("a slot's processes would not die")
+        finally:
+            finish()
+
+
+async def _write_pipe(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to a pipe without blocking the loop (the child reads it all)."""
+    os.set_blocking(fd, False)
+    view = memoryview(data)
+    loop = asyncio.get_running_loop()
+    while view:
+        try:
+            n = os.write(fd, view)
+            view = view[n:]
+            continue
+        except BlockingIOError:
+            pass
+        except BrokenPipeError:
+            return  # it died waiting: its status tells
+        ready = loop.create_future()
+        loop.add_writer(fd, ready.set_result, None)
+        try:
+            await ready
+        finally:
+            loop.remove_writer(fd)
+
+
+@dataclass(eq=False)
+class Pool:
+    service: RunCodeService
+    name: str
+    language: str
+    number: int
+    zygotes: list[Zygote] = field(default_factory=list)
+    free: asyncio.Queue[tuple[int, int]] = field(default_factory=asyncio.Queue)
+    waiting: int = 0
+    busy: int = 0
+    started: int = 0
+    served: int = 0
+
+    def __post_init__(self) -> None:
+        s = self.service.settings
+        self.zygotes = [Zygote(self, i) for i in range(s.zygotes)]
+        self._locks = [asyncio.Lock() for _ in self.zygotes]
+        for si in range(s.slots):
+            for zi in range(s.zygotes):
+                self.free.put_nowait((zi, si))
+
+    @property
+    def slots(self) -> int:
+        return len(self.zygotes) * self.service.settings.slots
+
+    def admit(self, n: int = 1) -> None:
+        room = self.service.settings.max_queue + self.free.qsize() - self.waiting
+        if n > room:
+            raise CapacityExceeded(
+                f"run_code {self.name}: {self.busy} requests running and {self.waiting} "
+                f"waiting (at most {self.service.settings.max_queue} wait); try again later",
+                details={"running": self.busy, "waiting": self.waiting,
+                         "max_queue": self.service.settings.max_queue})
+
+    async def _ensure(self, zi: int) -> Zygote:
+        z = self.zygotes[zi]
+        if z.alive:
+            return z
+        async with self._locks[zi]:
+            if not z.alive:
+                await z.start()
+        return z
+
+    async def run(self, req: RunCodeRequest, admitted: bool = False) -> dict[str, Any]:
+        if not admitted:
+            self.admit()
+        self.waiting += 1
+        try:
+            zi, si = await self.free.get()
+        finally:
+            self.waiting -= 1
+        self.busy += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.busy -= 1
+                self.free.put_nowait((zi, si))
+
+        try:
+            z = await self._ensure(zi)
+        except BaseException:
+            release()
+            raise
+        out = await z.request(si, req, release)
+        self.served += 1
+        return out
+
+    def status(self) -> dict[str, Any]:
+        pre = next((z.preloaded for z in self.zygotes if z.alive), [])
+        return {"name": self.name, "language": self.language,
+                "zygotes": sum(z.alive for z in self.zygotes),
+                "slots": self.slots, "busy": self.busy, "queued": self.waiting,
+                "max_queue": self.service.settings.max_queue, "started": self.started,
+                "preloaded": pre, "served": self.served}
+
+
+class RunCodeService:
+    """Every run_code pool of the daemon; pools start on their first request."""
+
+    def __init__(self, state_dir: str, cgroup_name: str,
+                 settings: Settings | None = None) -> None:
+        self.settings = settings or settings_from_env()
+        self.root_dir = os.path.join(state_dir, "runcode", "root")
+        self.cgroup_name = cgroup_name
+        self._layout: cgroup.Layout | None = None
+        self.pools: dict[str, Pool] = {}
+        self._closed = False
+
+    @property
+    def layout(self) -> cgroup.Layout:
+        if self._layout is None:
+            self._layout = cgroup.Layout(self.cgroup_name)
+            self._layout.remove_all()  # a previous daemon's, if it died
+            os.makedirs(self.root_dir, mode=0o700, exist_ok=True)
+        return self._layout
+
+    def pool(self, language: str, code: str = "") -> Pool:
+        if self._closed:
+            raise InfraError("the daemon is stopping")
+        if language not in LANGUAGES:
+            raise InvalidRequest(f"unknown language {language!r} (known: {', '.join(LANGUAGES)})")
+        name = pool_for(language, code)
+        p = self.pools.get(name)
+        if p is None:
+            p = self.pools[name] = Pool(self, name, language, POOL_NUMBERS[name])
+        return p
+
+    async def run(self, req: RunCodeRequest) -> dict[str, Any]:
+        return await self.pool(req.language, req.code).run(req)
+
+    async def run_many(self, reqs: list[RunCodeRequest]) -> list[dict[str, Any]]:
+        counts: dict[Pool, int] = {}
+        for r in reqs:
+            p = self.pool(r.language, r.code)
+            counts[p] = counts.get(p, 0) + 1
+        for p, n in counts.items():  # all or nothing at admission
+            p.admit(n)
+
+        async def one(r: RunCodeRequest) -> dict[str, Any]:
+            try:
+                return await self.pool(r.language, r.code).run(r, admitted=True)
+            except CorralError as e:
+                return {"error": e.to_payload()["error"]}
+
+        return list(await asyncio.gather(*(one(r) for r in reqs)))
+
+    def status(self) -> dict[str, Any]:
+        return {"pools": [p.status() for p in self.pools.values()]}
+
+    async def close(self) -> None:
+        self._closed = True
+        for p in self.pools.values():
+            for z in p.zygotes:
+                z._dead("the daemon is stopping")
+        # Also when no pool ran: a previous daemon that died may have left its cgroups.
+        try:
+            layout = self._layout or cgroup.Layout(self.cgroup_name)
+        except (OSError, RuntimeError) as e:
+            log.warning("run_code cgroups not checked", extra={"error": str(e)})
+            return
+        await asyncio.to_thread(layout.remove_all)

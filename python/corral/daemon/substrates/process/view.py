@@ -1,0 +1,50 @@
+"""What a run_code zygote's root holds: the host's OS directories and the interpreter,
+read-only; a few files of /etc; the harmless devices; a /proc of its own; a private /tmp.
+Nothing else of the host (no /home, /root, /var, /work, /sys, the daemon's state dir)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+OS_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# The loader's cache (multiarch libraries), names of users and groups, the time zone.
+ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/passwd",
+             "/etc/group", "/etc/nsswitch.conf", "/etc/localtime", "/etc/hosts",
+             "/etc/alternatives", "/etc/bash.bashrc", "/etc/inputrc", "/etc/mime.types")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+
+
+def _under(path: str, dirs: list[str]) -> bool:
+    return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
+
+
+def entries(tmp_mb: int) -> list[tuple[str, str, str]]:
+    out: list[tuple[str, str, str]] = []
+    bound: list[str] = []
+    for d in OS_DIRS:
+        if os.path.islink(d):
+            out.append(("symlink", os.readlink(d), d))
+        elif os.path.isdir(d):
+            out.append(("ro", d, d))
+            bound.append(d)
+    out.append(("dir", "", "/etc"))
+    for f in ETC_FILES:
+        if os.path.exists(f):
+            out.append(("ro", f, f))
+    # The interpreter and its packages, wherever they live (a venv, pyenv under /root...).
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                              sys.base_exec_prefix)}
+    for p in sorted(prefixes):
+        if not _under(p, bound) and os.path.isdir(p):
+            out.append(("ro", p, p))
+            bound.append(p)
+    out.append(("tmpfs", "mode=0755,size=64k,nr_inodes=64", "/dev"))
+    for name in DEVICES:
+        out.append(("dev", f"/dev/{name}", f"/dev/{name}"))
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        out.append(("symlink", target, f"/dev/{name}"))
+    out.append(("proc", "", "/proc"))
+    out.append(("tmpfs", f"mode=0755,size={tmp_mb}m,nr_inodes=65536", "/tmp"))
+    return out

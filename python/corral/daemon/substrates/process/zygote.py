@@ -1,0 +1,534 @@
+"""The run_code zygote: a pre-warmed interpreter that forks one locked-down child per request.
+
+Run by the daemon as a script (``python -I zygote.py``, fd 3 a socket to the daemon), so that it
+imports none of corral but the Rust core, loaded by path. Its life:
+
+1. The launcher (this process, in the daemon's namespaces) reads its config frame, joins the
+   pool's zygote cgroup, unshares mount, network, pid, IPC and UTS namespaces and forks the
+   zygote, pid 1 of the new pid namespace. The launcher only waits: when it is killed, the
+   zygote gets SIGKILL (PDEATHSIG), and with pid 1 every process of the namespace goes.
+2. The zygote opens its slots' cgroup directories, imports the preloaded modules, switches to a
+   read-only root that holds only the OS directories and the interpreter, with a private /tmp
+   and a /proc that shows each uid only its own processes; SysV IPC and POSIX message queues
+   are capped at zero objects (nothing can outlive a request there). It then seals itself
+   (no_new_privs and the sandbox seccomp filter, inherited by every child) and says ready.
+3. Each request runs in a fresh fork, made ahead of it while the zygote is idle: the child
+   joins its slot's cgroups (memory, pids, freezer), takes the slot's scratch dir, drops to the
+   slot's uid with no capability, rlimits and a Landlock domain of its own (abstract unix
+   sockets), then waits for its request on a pipe and runs it (python: in the forked
+   interpreter; bash: exec). When its process exits, whatever it left running in the slot's
+   cgroup is killed, the scratch dir is wiped, and the result goes back.
+
+Frames both ways: 4-byte big-endian length + JSON.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+import time
+
+TYPE_CHECKING = False  # typing is not imported: every module here is in every fork's memory
+if TYPE_CHECKING:
+    from typing import Any
+
+HDR = struct.Struct("!I")
+MAX_FRAME = 256 << 20
+READ_CHUNK = 1 << 16
+KILL_WAIT_S = 5.0
+BASH_ARG_MAX = 100_000  # longer bash programs go through a memfd (MAX_ARG_STRLEN is 128 KiB)
+
+
+# ---- frames (also imported by the daemon side) ----------------------------------------------
+def encode(obj: Any) -> bytes:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return HDR.pack(len(data)) + data
+
+
+class FrameReader:
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Any]:
+        self.buf += data
+        out = []
+        while len(self.buf) >= HDR.size:
+            (n,) = HDR.unpack_from(self.buf)
+            if n > MAX_FRAME:
+                raise ValueError(f"frame of {n} bytes")
+            if len(self.buf) < HDR.size + n:
+                break
+            out.append(json.loads(bytes(self.buf[HDR.size:HDR.size + n])))
+            del self.buf[:HDR.size + n]
+        return out
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.write(fd, view)
+        except InterruptedError:
+            continue
+        view = view[n:]
+
+
+def _read_frame(fd: int) -> Any:
+    reader = FrameReader()
+    while True:
+        data = os.read(fd, READ_CHUNK)
+        if not data:
+            raise EOFError("daemon closed the zygote socket")
+        frames = reader.feed(data)
+        if frames:
+            return frames[0]
+
+
+# ---- cgroups of a slot (the zygote is root and holds their directory fds) -------------------
+def _read_at(dirfd: int, name: str) -> str:
+    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dirfd)
+    try:
+        return os.read(fd, 1 << 20).decode()
+    finally:
+        os.close(fd)
+
+
+def _write_at(dirfd: int, name: str, data: str) -> None:
+    fd = os.open(name, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dirfd)
+    try:
+        os.write(fd, data.encode())
+    finally:
+        os.close(fd)
+
+
+class SlotCgroups:
+    """The slot's cgroups: {"memory": dir, "pids": dir, "freezer": dir} (v1) or
+    {"unified": dir} (v2)."""
+
+    def __init__(self, dirs: dict[str, str]) -> None:
+        self.v2 = "unified" in dirs
+        self.fds = {k: os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                    for k, p in dirs.items()}
+        self.join = [(fd, "cgroup.procs" if self.v2 else "tasks") for fd in self.fds.values()]
+        self.procs = self.fds["unified" if self.v2 else "pids"]
+
+    def pids(self) -> list[int]:
+        return [int(x) for x in _read_at(self.procs, "cgroup.procs").split()]
+
+    def kill_all(self, reaped: Any) -> bool:
+        """SIGKILL every process of the slot and wait until none is left; False if some
+        stayed (then the slot is not used again)."""
+        if not self.pids():
+            return True
+        if self.v2:
+            try:
+                _write_at(self.procs, "cgroup.kill", "1")
+            except OSError:
+                pass
+        freezer = self.fds.get("freezer")
+        deadline = time.monotonic() + KILL_WAIT_S
+        while True:
+            # Frozen, nothing forks while we read the list; SIGKILL acts at the thaw.
+            if freezer is not None:
+                _write_at(freezer, "freezer.state", "FROZEN")
+            for pid in self.pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if freezer is not None:
+                _write_at(freezer, "freezer.state", "THAWED")
+            for pid, status in _reap_any():
+                reaped(pid, status)
+            if not self.pids():
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0005)
+
+
+def _remove_tree(path: str) -> None:
+    """rm -rf, whatever a request made there: shutil's recursion gives up on a tree a few
+    thousand directories deep (RecursionError), rm(1) does not."""
+    import shutil
+
+    try:
+        shutil.rmtree(path)
+        return
+    except (RecursionError, OSError):
+        pass
+    pid = os.posix_spawn("/bin/rm", ["rm", "-rf", "--one-file-system", "--", path], {})
+    while True:
+        try:
+            os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+    if os.path.lexists(path):
+        raise OSError(f"could not remove {path}")
+
+
+def _reap_any() -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return out
+        if pid == 0:
+            return out
+        out.append((pid, status))
+
+
+# ---- the zygote -----------------------------------------------------------------------------
+class Slot:
+    def __init__(self, index: int, uid: int, cgroups: dict[str, str]) -> None:
+        self.index = index
+        self.uid = uid
+        self.cg = SlotCgroups(cgroups)
+        self.scratch = f"/tmp/s{index}"
+        self.pid = 0           # its child, waiting for a request or running one
+        self.broken = False
+
+
+class Zygote:
+    """The loop of pid 1. It forks each slot's child ahead of its request and hands the
+    daemon the child's ends (request pipe, stdout, stderr) over the socket (SCM_RIGHTS): the
+    request's code, input and output never pass through the zygote, so no trace of them is
+    in the memory the next children are forked from. It reaps each child, kills what it left
+    in the slot's cgroups, wipes the scratch dir, says so, and forks the next one when idle."""
+
+    def __init__(self, cfg: dict[str, Any], core: Any, sock: int) -> None:
+        self.cfg = cfg
+        self.core = core
+        self.sock = sock
+        self.sk = socket.socket(fileno=sock)
+        self.language = cfg["language"]
+        self.slots = [Slot(i, s["uid"], s["cgroups"]) for i, s in enumerate(cfg["slots"])]
+        self.by_pid: dict[int, Slot] = {}
+        self.cold: list[Slot] = []               # slots with no child yet
+        self.reader = FrameReader()
+        self.sel = selectors.DefaultSelector()
+        self.preloaded: list[str] = []
+        self.env = cfg["env"]
+        self.rlimits = [tuple(x) for x in cfg["rlimits"]]
+
+    # -- setup --
+    def setup(self) -> None:
+        import gc
+        import importlib
+
+        for name in [*self.cfg["preload"], "resource"]:
+            try:
+                importlib.import_module(name)
+                self.preloaded.append(name)
+            except Exception as e:  # noqa: BLE001 - an optional module: say which, go on
+                print(f"run_code zygote: preload {name}: {e}", file=sys.stderr)
+        self.core.zygote_build_root(self.cfg["root"], [tuple(e) for e in self.cfg["entries"]])
+        # SysV IPC objects and POSIX queues outlive their process: allow none at all.
+        for path, value in (("/proc/sys/kernel/shmmni", "0"), ("/proc/sys/kernel/msgmni", "0"),
+                            ("/proc/sys/kernel/sem", "0 0 0 0"),
+                            ("/proc/sys/fs/mqueue/queues_max", "0")):
+            with open(path, "w") as f:
+                f.write(value)
+        for s in self.slots:
+            self._fresh_scratch(s)
+        self.devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+        wake_r, wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self.wake_r = wake_r
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.sel.register(self.sock, selectors.EVENT_READ)
+        self.sel.register(wake_r, selectors.EVENT_READ)
+        self.core.zygote_seal()  # the seccomp filter, for the zygote and every child it forks
+        gc.collect()
+        gc.freeze()  # keeps the children from dirtying (copying) the preloaded objects' pages
+        self.cold.extend(self.slots)
+
+    def _fresh_scratch(self, s: Slot) -> None:
+        try:
+            names = os.listdir(s.scratch)
+        except FileNotFoundError:
+            names = None
+        if names:
+            _remove_tree(s.scratch)
+            names = None
+        if names is None:
+            os.mkdir(s.scratch, 0o700)
+            os.chown(s.scratch, s.uid, s.uid)
+        os.chmod(s.scratch, 0o700)
+
+    # -- the loop --
+    def serve(self) -> None:
+        _write_all(self.sock, encode({"ready": True, "preloaded": self.preloaded}))
+        while True:
+            # Idle (nothing to read): fork the next waiting child, one at a time.
+            events = self.sel.select(0 if self.cold else None)
+            if not events and self.cold:
+                slot = self.cold.pop(0)
+                if not slot.pid and not slot.broken:
+                    self._prefork(slot)
+                continue
+            for key, _ in events:
+                if key.fd == self.sock:
+                    if not self._from_daemon():
+                        return
+                else:
+                    try:
+                        os.read(self.wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+            for pid, status in _reap_any():
+                self._reaped(pid, status)
+
+    def _from_daemon(self) -> bool:
+        try:
+            data = os.read(self.sock, READ_CHUNK)
+        except InterruptedError:
+            return True
+        if not data:
+            return False
+        for msg in self.reader.feed(data):
+            slot = self.slots[msg["kill"]]
+            if slot.pid and slot.pid == msg.get("pid"):  # its timeout: the whole tree
+                if not slot.cg.kill_all(self._reaped):
+                    slot.broken = True
+        return True
+
+    def _reaped(self, pid: int, status: int) -> None:
+        """A slot's child ended (its request done, killed, or it died waiting)."""
+        t_exit = time.monotonic()
+        slot = self.by_pid.pop(pid, None)
+        if slot is None:
+            return  # an orphan of some request, reparented to us
+        slot.pid = 0
+        if not slot.cg.kill_all(self._reaped):  # what it left behind dies with it
+            slot.broken = True
+        try:
+            self._fresh_scratch(slot)
+        except Exception as e:  # noqa: BLE001 - that slot is not used again; the rest go on
+            print(f"run_code zygote: slot {slot.index} scratch: {e}", file=sys.stderr)
+            slot.broken = True
+        _write_all(self.sock, encode({"done": slot.index, "pid": pid, "status": status,
+                                      "t_exit": t_exit, "broken": slot.broken}))
+        if not slot.broken:
+            self.cold.append(slot)
+
+    def _prefork(self, slot: Slot) -> None:
+        """Fork the slot's next child ahead of its request: it joins the slot's cgroups,
+        takes the scratch dir, locks itself down, then waits for its request on a pipe whose
+        other end (with its stdout and stderr) goes to the daemon."""
+        ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        st_r, st_w = os.pipe2(os.O_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                self._child(slot, ctl_r, out_w, err_w, st_w)
+            except BaseException as e:  # noqa: BLE001 - report, never return into the loop
+                try:
+                    os.write(err_w, f"run_code: could not start: {type(e).__name__}: {e}\n"
+                             .encode())
+                finally:
+                    os._exit(126)
+            os._exit(126)
+        for fd in (ctl_r, out_w, err_w, st_w):
+            os.close(fd)
+        slot.pid = pid
+        self.by_pid[pid] = slot
+        try:
+            self.sk.sendmsg([encode({"warm": slot.index, "pid": pid})],
+                            [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                              struct.pack("4i", ctl_w, out_r, err_r, st_r))])
+        finally:
+            for fd in (ctl_w, out_r, err_r, st_r):
+                os.close(fd)
+
+    def _child(self, slot: Slot, ctl: int, fout: int, ferr: int, fst: int) -> None:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for dirfd, name in slot.cg.join:
+            _write_at(dirfd, name, "0")
+        os.setsid()
+        os.dup2(self.devnull, 0)
+        os.dup2(fout, 1)
+        os.dup2(ferr, 2)
+        os.dup2(ctl, 3)
+        os.dup2(fst, 4, inheritable=False)  # python: its exit code, told before it exits
+        os.closerange(5, 1 << 20)
+        os.chdir(slot.scratch)
+        os.umask(0o077)
+        self.core.zygote_lockdown(slot.uid, slot.uid, self.rlimits)
+        if self.language == "python":
+            _reseed()
+        chunks = []
+        while True:
+            data = os.read(3, 1 << 20)
+            if not data:
+                break
+            chunks.append(data)
+        os.close(3)
+        if not chunks:
+            os._exit(0)  # the daemon let it go unused
+        req = json.loads(b"".join(chunks))
+        import resource
+
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = int(used.ru_utime + used.ru_stime + float(req["timeout"])) + 2
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        stdin = req.get("stdin")
+        if stdin:
+            fin = os.memfd_create("stdin", 0)
+            _write_all(fin, stdin.encode())
+            os.lseek(fin, 0, os.SEEK_SET)
+            os.dup2(fin, 0)
+            os.close(fin)
+        for name, text in (req.get("files") or {}).items():
+            parent = os.path.dirname(name)
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            try:
+                _write_all(fd, text.encode())
+            finally:
+                os.close(fd)
+        env = dict(self.env, HOME=slot.scratch, TMPDIR=slot.scratch, PWD=slot.scratch)
+        code = req["code"]
+        if self.language == "bash":
+            for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # python ignores them; bash not
+                signal.signal(sig, signal.SIG_DFL)
+            if len(code) < BASH_ARG_MAX:
+                os.execve("/bin/bash", ["bash", "-c", code], env)
+            fd = os.memfd_create("code", 0)  # MAX_ARG_STRLEN is 128 KiB
+            _write_all(fd, code.encode())
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.execve("/bin/bash", ["bash", f"/proc/self/fd/{fd}"], env)
+        _run_python(code, env)
+
+
+def _reseed() -> None:
+    """The zygote's state is every child's: reseed what was seeded at import (``random``
+    reseeds itself in a forked child)."""
+    npr = sys.modules.get("numpy.random")  # seeded at its import: per child unless preloaded
+    if npr is not None:
+        npr.seed()
+
+
+def _run_python(code: str, env: dict[str, str]) -> None:
+    """Run ``code`` as ``python3 -c`` would, in this forked interpreter; never returns."""
+    import builtins
+    import traceback
+    import types
+
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["-c"]
+    sys.path[0] = ""
+    main = types.ModuleType("__main__")
+    main.__builtins__ = builtins  # type: ignore[attr-defined]
+    sys.modules["__main__"] = main
+    rc = 0
+    try:
+        exec(compile(code, "<string>", "exec"), main.__dict__)
+    except SystemExit as e:
+        rc = _exit_code(e)
+    except BaseException as e:  # noqa: BLE001 - the program's own failure, told like python
+        # Without this frame (the zygote's): the traceback starts at the program's own code.
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__
+                                  else None)
+        rc = 1
+    try:
+        threading = sys.modules.get("threading")  # its threads, if the program made any
+        if threading is not None:
+            threading._shutdown()
+        import atexit
+
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001 - a closed or broken stream: nothing to say
+            rc = rc or 120
+    try:  # the daemon answers on this; the zygote's reap then frees the slot
+        os.write(4, b"%d" % rc)
+    except OSError:
+        pass
+    os._exit(rc)
+
+
+def _exit_code(e: SystemExit) -> int:
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code & 0xFF
+    try:
+        print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001
+        pass
+    return 1
+
+
+def _load_core(path: str) -> Any:
+    """The Rust core by file path, without importing the corral package."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.ExtensionFileLoader("corral._core", path)
+    spec = importlib.util.spec_from_file_location("corral._core", path, loader=loader)
+    assert spec is not None
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def main() -> None:
+    sock = int(sys.argv[1])
+    cfg = _read_frame(sock)
+    core = _load_core(cfg["core"])
+    for path in cfg["zygote_cgroups"]:
+        with open(path, "w") as f:
+            f.write("0")
+    core.zygote_unshare()
+    pid = os.fork()
+    if pid:
+        os.close(sock)
+        signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGKILL))
+        while True:
+            try:
+                _, status = os.waitpid(pid, 0)
+                break
+            except InterruptedError:
+                continue
+        os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+    # Our parent is outside our pid namespace: getppid() says 0. Should the launcher die
+    # before this, the daemon sees it (pidfd) and closes the socket, which ends us as well.
+    core.zygote_die_with_parent(0)
+    os.environ.clear()
+    os.environ.update(cfg["zygote_env"])
+    z = Zygote(cfg, core, sock)
+    try:
+        z.setup()
+    except BaseException as e:  # noqa: BLE001 - say why, then die
+        try:
+            _write_all(sock, encode({"ready": False, "error": f"{type(e).__name__}: {e}"}))
+        finally:
+            os._exit(1)
+    try:
+        z.serve()
+    except OSError as e:
+        if e.errno != errno.EPIPE:
+            raise
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

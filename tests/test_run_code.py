@@ -1,0 +1,536 @@
+"""run_code (the process substrate's function-call tier), attacked from the code it runs.
+
+Each test runs what untrusted code would try through the real daemon and its real zygotes
+(namespaces, read-only root, cgroups, seccomp) and asserts that the attack fails and, where it
+could have had an effect, that nothing changed: on the host, in the zygote, in the next
+request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import corral
+from corral.daemon.substrates.process.pool import UID_BASE, pool_for
+from corral.errors import CapacityExceeded, InvalidRequest
+from corral.sdk.run_code import run_code_pools
+
+from conftest import CGROUP_NAME, SOCKET, STATE_DIR, private_daemon, wait_until
+
+RC_TOP = CGROUP_NAME + ".runcode"
+
+
+def run(code: str, **kw):  # type: ignore[no-untyped-def]
+    kw.setdefault("timeout", 20)
+    return corral.run_code(code, **kw)
+
+
+def slots(pool: str) -> int:
+    for p in run_code_pools().pools:
+        if p.name == pool:
+            return p.slots
+    run("import numpy" if pool == "python-numpy" else "true" if pool == "bash" else "pass",
+        language="bash" if pool == "bash" else "python")
+    return slots(pool)
+
+
+# Counts a needle in every readable anonymous mapping, heap and stack of the process (read in
+# place with ctypes: a python child is not dumpable, so /proc/self/mem is not open to it). The
+# needle is spelled reversed in the code, so the code's own text is not a match; the one
+# built at run time is.
+MEMORY_SCAN = """
+import ctypes
+needle = NEEDLE[::-1].encode()
+found = 0
+for line in open('/proc/self/maps'):
+    f = line.split()
+    lo, hi = (int(x, 16) for x in f[0].split('-'))
+    if f[1][0] == 'r' and (len(f) < 6 or f[5] in ('[heap]', '[stack]')):
+        found += ctypes.string_at(lo, hi - lo).count(needle)
+print(found)
+"""
+
+
+def every_slot(code: str, language: str = "python"):  # type: ignore[no-untyped-def]
+    """Run ``code`` once more than there are slots, one after the other: the pool hands out
+    its slots in turn, so every slot (and the one a previous request used) runs it."""
+    n = slots(pool_for(language, code))
+    return [run(code, language=language) for _ in range(n + 1)]
+
+
+def host_procs_of_slot_uids() -> list[tuple[int, str]]:
+    """(pid, comm) of every process on the host running as a run_code slot uid."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            uid = int((d / "status").read_text().split("\nUid:\t")[1].split()[0])
+            if UID_BASE <= uid < UID_BASE + (1 << 24):
+                out.append((int(d.name), (d / "comm").read_text().strip()))
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def zygote_pids() -> list[int]:
+    """Host pids of this session's zygotes (pid 1 of their namespaces). The zygote cgroup
+    holds each launcher and its zygote (and, for an instant, a child not yet in its slot)."""
+    pids = set()
+    for h in ("pids", "unified"):
+        for f in Path("/sys/fs/cgroup", h, RC_TOP).glob("*/zygote/cgroup.procs"):
+            pids |= {int(x) for x in f.read_text().split()}
+
+    def parent(p: int) -> int:
+        try:
+            return int(Path(f"/proc/{p}/status").read_text().split("\nPPid:\t")[1].split()[0])
+        except (OSError, IndexError):
+            return -1
+
+    launchers = {p for p in pids if parent(p) not in pids}
+    return [p for p in pids if parent(p) in launchers]
+
+
+# ---- it works --------------------------------------------------------------------------------
+def test_python_and_bash_run():
+    r = run("print(6 * 7)")
+    assert (r.status, r.stdout, r.stderr, r.exit_code, r.signal) == ("ok", "42\n", "", 0, None)
+    assert r.ok and 0 < r.duration_s < 5
+    b = run("echo $((6 * 7)); echo err >&2; exit 3", language="bash")
+    assert (b.status, b.stdout, b.stderr, b.exit_code) == ("error", "42\n", "err\n", 3)
+
+
+def test_stdin_files_exit_codes_and_tracebacks():
+    r = run("import sys, json; print(sys.stdin.read().upper(), open('d/x.json').read())",
+            stdin="abc", files={"d/x.json": json.dumps({"k": 1})})
+    assert r.status == "ok" and r.stdout == 'ABC {"k": 1}\n'
+    r = run("import sys; sys.exit(7)")
+    assert (r.status, r.exit_code) == ("error", 7)
+    r = run("def f():\n    raise ValueError('boom')\nf()")
+    assert r.status == "error" and r.exit_code == 1
+    assert r.stderr.startswith("Traceback") and 'File "<string>", line 3' in r.stderr
+    assert "ValueError: boom" in r.stderr and "zygote" not in r.stderr
+    r = run("cat data.txt | wc -l; read x; echo got $x", language="bash",
+            files={"data.txt": "a\nb\n"}, stdin="line\n")
+    assert r.stdout == "2\ngot line\n"
+    r = run("print(__name__, __file__ if '__file__' in dir() else '-')")
+    assert r.stdout == "__main__ -\n"
+
+
+def test_numpy_is_preloaded():
+    r = run("import sys; pre = 'numpy' in sys.modules\nimport os, numpy as np\n"
+            "print(pre, int(np.arange(10).sum()))")
+    assert r.stdout == "True 45\n"
+    pools = {p.name: p for p in run_code_pools().pools}
+    assert "numpy" in pools["python-numpy"].preloaded
+    # Code that does not import numpy runs in the lean zygote, where it can still import it.
+    r = run("import sys; print('numpy' in sys.modules); print(__import__('numpy').pi > 3)")
+    assert r.stdout == "False\nTrue\n"
+    assert "numpy" not in {p.name: p for p in run_code_pools().pools}["python"].preloaded
+
+
+def test_bad_requests_are_clear_errors():
+    from apiclient import client
+
+    with client() as c:
+        for body in ({"code": "print(1)", "language": "cobol"}, {"code": "x", "timeout": 0},
+                     {"code": "x", "memory_mb": 1}, {"code": "a\x00b"},
+                     {"code": "x", "files": {"../escape": "x"}},
+                     {"code": "x", "files": {"/abs": "x"}}, {"nope": 1}, {"requests": []}):
+            r = c.post("/v1/run_code", json=body)
+            assert r.status_code == 400, (body, r.text)
+            assert r.json()["error"]["code"] == "invalid_request"
+        r = c.post("/v1/run_code/batch", json={"requests": []})
+        assert r.status_code == 400
+    with pytest.raises(InvalidRequest):
+        corral.run_code("x", language="cobol")
+
+
+def test_run_code_many_sync_and_async():
+    rs = corral.run_code_many(["print(1)", {"code": "echo b", "language": "bash"},
+                               {"code": "import sys; sys.exit(2)"}])
+    assert [(r.status, r.stdout) for r in rs] == [("ok", "1\n"), ("ok", "b\n"), ("error", "")]
+
+    async def both():  # type: ignore[no-untyped-def]
+        one = await corral.run_code_async("print('a')")
+        many = await corral.run_code_many_async([f"print({i})" for i in range(20)])
+        return one, many
+
+    one, many = asyncio.run(both())
+    assert one.stdout == "a\n"
+    assert [r.stdout for r in many] == [f"{i}\n" for i in range(20)]
+
+
+# ---- the view of the host ----------------------------------------------------------------------
+def test_host_files_outside_the_view_are_absent():
+    r = run(f"""
+import os
+print(sorted(os.listdir('/')))
+for p in ['/etc/shadow', '/root/.bash_history', '/home', '/var', '/sys', '/run',
+          {STATE_DIR!r}, {SOCKET!r}, '/proc/1/environ', '/proc/1/root', '/dev/sda', '/dev/mem',
+          '/dev/shm', '/sys/fs/cgroup']:
+    print(p, os.path.exists(p))
+print(open('/proc/self/mountinfo').read().count('\\n'))
+""")
+    lines = r.stdout.splitlines()
+    top = set(eval(lines[0]))  # noqa: S307 - our own print of a list
+    assert top <= {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc",
+                   "tmp", "root", "work", "opt"}, top  # root/work: only the python prefix
+    assert [line for line in lines[1:-1] if not line.endswith(" False")] == []
+    r = run("import os; print(sorted(os.listdir('/etc')))")
+    assert "shadow" not in r.stdout and "ssh" not in r.stdout
+    # The interpreter's own prefix is there, read-only; nothing else of its parents.
+    r = run("import os, sys; print(os.listdir(os.path.dirname(os.path.realpath(sys.prefix))))")
+    assert r.stdout.strip() == str([os.path.basename(os.path.realpath(sys.prefix))])
+
+
+def test_nothing_is_writable_but_the_scratch_dir_and_it_is_wiped():
+    probe = """
+import os
+for p in ['/x', '/usr/x', '/etc/x', '/tmp/x', '/dev/x', '/proc/x', '/dev/shm/x',
+          os.path.dirname(os.getcwd()) + '/x']:
+    try:
+        open(p, 'w').write('x'); print('WROTE', p)
+    except OSError as e:
+        print('no', p, e.errno)
+print(os.getcwd(), os.listdir('.'))
+"""
+    r = run(probe)
+    assert "WROTE" not in r.stdout, r.stdout
+    run("open('left.txt', 'w').write('secret'); import os; os.mkdir('d'); "
+        "os.chmod('.', 0o777); os.symlink('/etc/passwd', 'link')")
+    for r in every_slot("import os; print(os.listdir('.'), oct(os.stat('.').st_mode & 0o777))"):
+        assert r.stdout == "[] 0o700\n", r.stdout
+
+
+def test_a_deep_tree_in_the_scratch_dir_is_wiped_without_a_restart():
+    every_slot("pass")  # every zygote of the pool started
+    started = {p.name: p.started for p in run_code_pools().pools}
+    r = run("import os\nfor _ in range(3000):\n    os.mkdir('d'); os.chdir('d')\n"
+            "open('f', 'w').write('x'); print('deep')", timeout=60)
+    assert r.stdout == "deep\n", r.stderr
+    for r in every_slot("import os; print(os.listdir('.'))"):
+        assert r.stdout == "[]\n"
+    assert {p.name: p.started for p in run_code_pools().pools}["python"] == started["python"]
+
+
+def test_no_network_at_all():
+    r = run("""
+import socket, errno
+for fam, typ in [(socket.AF_INET, socket.SOCK_STREAM), (socket.AF_INET6, socket.SOCK_DGRAM),
+                 (socket.AF_NETLINK, socket.SOCK_RAW), (socket.AF_PACKET, socket.SOCK_RAW)]:
+    try:
+        socket.socket(fam, typ); print('SOCKET', fam)
+    except OSError as e:
+        print('no', fam, errno.errorcode[e.errno])
+s = socket.socket(socket.AF_UNIX)
+for path in [SOCK, '/run/corral/corrald.sock']:
+    try:
+        s.connect(path); print('CONNECTED', path)
+    except OSError as e:
+        print('no', path, errno.errorcode[e.errno])
+""".replace("SOCK", repr(SOCKET)))
+    assert "SOCKET" not in r.stdout and "CONNECTED" not in r.stdout, r.stdout
+    r = run("ip -o link 2>&1; cat /proc/net/dev | tail -n +3", language="bash")
+    assert "eth" not in r.stdout and "UP" not in r.stdout, r.stdout
+
+
+def test_abstract_unix_sockets_do_not_join_two_requests():
+    listener = "import socket, time; s = socket.socket(socket.AF_UNIX); s.bind('\\0rc-probe'); " \
+               "s.listen(); print('listening', flush=True); time.sleep(4)"
+    connector = """
+import socket, errno
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect('\\0rc-probe'); print('CONNECTED')
+except OSError as e:
+    print('no', errno.errorcode[e.errno])
+"""
+
+    async def both():  # type: ignore[no-untyped-def]
+        a = asyncio.create_task(corral.run_code_async(listener, timeout=20))
+        await asyncio.sleep(1.0)  # the listener binds in ms; let it be up (the result says)
+        b = await corral.run_code_async(connector, timeout=20)
+        return await a, b
+
+    a, b = asyncio.run(both())
+    assert a.stdout == "listening\n"
+    assert b.stdout.startswith("no "), b.stdout
+
+
+# ---- processes -----------------------------------------------------------------------------------
+def test_cannot_kill_or_ptrace_the_zygote_or_another_request():
+    victim = "import time; time.sleep(3); print('alive')"
+    attacker = """
+import os, signal, ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+me = os.getpid()
+seen = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
+killed, traced = [], []
+for pid in range(1, 5000):
+    if pid == me:
+        continue
+    try:
+        os.kill(pid, signal.SIGKILL); killed.append(pid)
+    except OSError:
+        pass
+    if libc.ptrace(16, pid, 0, 0) == 0:  # PTRACE_ATTACH
+        traced.append(pid)
+print('seen', seen == [me], 'killed', killed, 'traced', traced)
+"""
+
+    async def both():  # type: ignore[no-untyped-def]
+        v = asyncio.create_task(corral.run_code_async(victim, timeout=30))
+        await asyncio.sleep(0.5)
+        a = await corral.run_code_async(attacker, timeout=30)
+        return await v, a
+
+    before = set(zygote_pids())
+    v, a = asyncio.run(both())
+    assert a.stdout == "seen True killed [] traced []\n", (a.stdout, a.stderr)
+    assert (v.status, v.stdout) == ("ok", "alive\n")
+    assert before <= set(zygote_pids())  # no zygote died
+    assert run("print(1)").ok
+
+
+def test_no_process_outlives_its_request():
+    code = """
+import os, subprocess
+subprocess.Popen(['sleep', '1000'], start_new_session=True)
+if os.fork() == 0:          # a daemon: double fork, new session
+    os.setsid()
+    if os.fork() == 0:
+        os.execv('/bin/sleep', ['sleep', '1001'])
+    os._exit(0)
+print('left them')
+"""
+    assert run(code).stdout == "left them\n"
+    assert run("sleep 1002 & disown; nohup sleep 1003 >/dev/null 2>&1 &", language="bash").ok
+    # Killed as its slot is cleaned, just after the answer (the slot is not reused before).
+    assert wait_until(lambda: not [p for p in host_procs_of_slot_uids() if p[1] == "sleep"],
+                      timeout=10)
+    for r in every_slot("import os; print([p for p in os.listdir('/proc') if p.isdigit()] == "
+                        "[str(os.getpid())])"):
+        assert r.stdout == "True\n"
+
+
+def test_fork_bomb_is_contained():
+    t = time.monotonic()
+    r = run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
+            "        pass", timeout=3)
+    assert r.status == "timeout" and time.monotonic() - t < 15
+    r = run(":(){ :|:& };:; sleep 2", language="bash", timeout=5)
+    assert r.status in ("ok", "error", "timeout")
+    assert not host_procs_of_slot_uids() or all(c != "bash" for _, c in host_procs_of_slot_uids())
+    assert run("print('fine')").stdout == "fine\n"
+
+
+def test_memory_bombs_are_memory_exceeded():
+    r = run("x = bytearray(512 << 20); print(len(x))", memory_mb=64)
+    assert (r.status, r.signal, r.stdout) == ("memory_exceeded", signal.SIGKILL, "")
+    r = run("import numpy as np; a = np.ones((1 << 27,)); print(a.sum())", memory_mb=128)
+    assert r.status == "memory_exceeded"
+    # Files in the scratch dir count too (tmpfs pages are charged to the request).
+    r = run("head -c 300000000 /dev/zero > big; echo done", language="bash", memory_mb=64)
+    assert r.status in ("memory_exceeded", "error") and "done" not in r.stdout
+    r = run("x = bytearray(100 << 20); print('ok')", memory_mb=256)
+    assert r.status == "ok"
+
+
+def test_infinite_loop_times_out_with_its_tree():
+    t = time.monotonic()
+    r = run("import subprocess; subprocess.Popen(['sleep', '999']); \nwhile True: pass",
+            timeout=1.5)
+    took = time.monotonic() - t
+    assert (r.status, r.signal) == ("timeout", signal.SIGKILL)
+    assert 1.4 <= r.duration_s < 5 and took < 10
+    assert wait_until(lambda: not [p for p in host_procs_of_slot_uids() if p[1] == "sleep"],
+                      timeout=10)
+
+
+def test_a_child_that_says_it_is_done_and_goes_on_is_killed_at_its_timeout():
+    """A python child tells its exit code on a pipe before it exits, and the answer goes out
+    on it; code that writes that pipe itself and keeps running only lies about itself: its
+    timer still runs, its slot stays taken until the zygote has reaped it and cleaned up."""
+    r = run("import os, subprocess, time\nsubprocess.Popen(['sleep', '1234'])\n"
+            "print('bye', flush=True); os.write(4, b'0'); time.sleep(60)", timeout=2)
+    assert r.stdout == "bye\n"
+    assert wait_until(lambda: not [p for p in host_procs_of_slot_uids() if p[1] == "sleep"],
+                      timeout=15)
+    for r in every_slot("import os; print([p for p in os.listdir('/proc') if p.isdigit()] == "
+                        "[str(os.getpid())])"):
+        assert r.stdout == "True\n"
+
+
+def test_huge_output_is_truncated():
+    r = run("import sys; sys.stdout.write('x' * (50 << 20)); print('end', file=sys.stderr)",
+            max_output_bytes=1 << 20)
+    assert r.status == "output_truncated" and r.truncated
+    assert len(r.stdout) == 1 << 20 and r.stderr == "end\n"
+    r = run("yes", language="bash", timeout=1.5, max_output_bytes=1000)
+    assert r.status == "timeout" and r.truncated and len(r.stdout) == 1000
+
+
+@pytest.mark.parametrize("zygote", ["python", "python-numpy"])
+def test_no_state_leaks_between_requests(zygote):
+    head = "import numpy\n" if zygote == "python-numpy" else "numpy = __import__('numpy')\n"
+    poison = head + """
+import os, sys, json, builtins
+os.environ['LEAK'] = '1'
+os.chdir('/')
+sys.modules['json'].dumps = lambda *a, **k: 'POISONED'
+builtins.LEAKED = True
+numpy.LEAKED = True
+sys.path.insert(0, '/tmp')
+globals()['g'] = 1
+"""
+    assert pool_for("python", poison) == zygote
+    assert run(poison).ok
+    check = head + """
+import os, sys, json, builtins
+print(os.environ.get('LEAK'), os.getcwd().startswith('/tmp/s'), json.dumps(1),
+      hasattr(builtins, 'LEAKED'), hasattr(numpy, 'LEAKED'), '/tmp' in sys.path,
+      'g' in globals())
+"""
+    for r in every_slot(check):
+        assert r.stdout == "None True 1 False False False False\n", r.stdout
+
+
+def test_no_state_leaks_between_bash_requests():
+    run("export LEAK=1; cd /; echo x > ~/f", language="bash")
+    for r in every_slot("echo ${LEAK:-none} $PWD; ls ~", language="bash"):
+        assert r.stdout.split()[0] == "none" and r.stdout.split()[1].startswith("/tmp/s")
+        assert len(r.stdout.split()) == 2
+
+
+@pytest.mark.parametrize("zygote", ["python", "python-numpy"])
+def test_a_request_leaves_no_trace_in_the_memory_the_next_are_forked_from(zygote):
+    """Children are forks of the zygote: if a request's code, input or output passed through
+    the zygote, the next children would carry its remnants in their memory. Each later request
+    scans all of its own memory for a secret the first one held in every form."""
+    head = "import numpy\n" if zygote == "python-numpy" else ""
+    secret = "s3cr3t-" + os.urandom(8).hex()
+    r = run(head + f"import sys; data = sys.stdin.read() + {secret!r}; print(data)",
+            stdin=secret, files={"f.txt": secret})
+    assert secret in r.stdout
+    scan = head + MEMORY_SCAN.replace("NEEDLE", repr(secret[::-1]))
+    assert pool_for("python", scan) == zygote
+    for r in every_slot(scan):
+        assert r.stdout == "1\n", r.stdout + r.stderr  # its own needle, built at run time
+
+
+def test_environment_is_its_own():
+    """Neither the environment nor the memory of a request holds the daemon's environment
+    (the exec-time block a zygote's children inherit is the zygote's own small one)."""
+    r = run("import os; print(sorted(os.environ))")
+    assert r.stdout == "['HOME', 'LANG', 'PATH', 'PWD', 'TMPDIR']\n", r.stdout
+    assert "CORRAL_STATE_DIR" in os.environ  # the daemon has it (conftest sets it)
+    r = run(MEMORY_SCAN.replace("NEEDLE", repr("CORRAL_STATE_DIR"[::-1])))
+    assert r.stdout == "1\n", r.stdout + r.stderr
+    r = run("cat /proc/self/environ | tr '\\0' ' '", language="bash")
+    assert "CORRAL" not in r.stdout and "PATH=" in r.stdout
+
+
+def test_random_state_differs_between_requests():
+    outs = {run("import random, numpy; print(random.random(), numpy.random.rand())").stdout
+            for _ in range(4)}
+    assert len(outs) == 4
+
+
+def test_sysv_ipc_and_mqueues_are_off():
+    r = run("""
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+print('shm', libc.shmget(1234, 4096, 0o1666), errno.errorcode.get(ctypes.get_errno()))
+print('msg', libc.msgget(1234, 0o1666), errno.errorcode.get(ctypes.get_errno()))
+print('sem', libc.semget(1234, 1, 0o1666), errno.errorcode.get(ctypes.get_errno()))
+""")
+    assert [line.split()[1] for line in r.stdout.splitlines()] == ["-1", "-1", "-1"], r.stdout
+
+
+def test_a_dead_zygote_is_replaced():
+    assert run("print(1)").ok
+    pids = zygote_pids()
+    assert pids
+    started = {p.name: p.started for p in run_code_pools().pools}
+    for p in pids:
+        os.kill(p, signal.SIGKILL)
+    assert wait_until(lambda: not set(pids) & set(zygote_pids()), timeout=10)
+    # A request in flight when it died gets infra_error; the next ones get a new zygote.
+    results = []
+    for _ in range(3):
+        try:
+            results.append(run("print(2)").stdout)
+        except corral.InfraError:
+            results.append("infra")
+    assert results[-1] == "2\n"
+    now = {p.name: p.started for p in run_code_pools().pools}
+    assert now["python"] > started["python"]
+
+
+def test_cli_run_code(tmp_path):
+    env = dict(os.environ)
+    cli = [sys.executable, "-m", "corral.cli.main"]
+    p = subprocess.run([*cli, "run-code", "-c", "print(40 + 2)"], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert (p.returncode, p.stdout) == (0, "42\n"), p.stderr
+    f = tmp_path / "prog.sh"
+    f.write_text("echo from-file; exit 5\n")
+    p = subprocess.run([*cli, "run-code", "--language", "bash", str(f)], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert (p.returncode, p.stdout) == (5, "from-file\n")
+    p = subprocess.run([*cli, "run-code", "-c", "while True: pass", "--timeout", "1"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 124
+    p = subprocess.run([*cli, "run-code", "--json", "-c", "print(1)"], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert json.loads(p.stdout)["status"] == "ok"
+
+
+# ---- a daemon of its own: the queue bound, and the stop ----------------------------------------
+def test_full_pool_says_capacity_exceeded_and_stop_leaves_nothing():
+    cg = f"corral-test-rcq-{os.getpid()}"
+    with private_daemon("corral-test-rcq-", cg, CORRAL_RUNCODE_SLOTS="1",
+                        CORRAL_RUNCODE_ZYGOTES="1", CORRAL_RUNCODE_MAX_QUEUE="1") as d:
+        ep = d.socket_path
+        assert corral.run_code("print(1)", endpoint=ep).ok
+        # Its slot comes back once the zygote has reaped the child, just after the answer.
+        assert wait_until(lambda: run_code_pools(ep).pools[0].busy == 0, timeout=10)
+
+        async def flood():  # type: ignore[no-untyped-def]
+            tasks = [asyncio.create_task(corral.run_code_async(
+                "import time; time.sleep(1.5); print('done')", endpoint=ep)) for _ in range(4)]
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+        out = asyncio.run(flood())
+        done = [r for r in out if not isinstance(r, BaseException)]
+        full = [r for r in out if isinstance(r, CapacityExceeded)]
+        assert len(done) == 2 and len(full) == 2, out
+        assert all(r.stdout == "done\n" for r in done)
+        assert full[0].details["max_queue"] == 1
+        with pytest.raises(CapacityExceeded):
+            corral.run_code_many(["print(1)"] * 3, endpoint=ep)
+        assert [r.stdout for r in corral.run_code_many(["print(1)"] * 2, endpoint=ep)] == \
+            ["1\n", "1\n"]
+        zygotes = [int(x) for f in Path("/sys/fs/cgroup/pids").glob(cg + ".runcode/*/zygote/"
+                                                                  "cgroup.procs")
+                   for x in f.read_text().split()]
+        assert zygotes
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/{cg}.runcode")), "cgroups left"
+
+    def gone(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] in "ZX"
+        except (OSError, IndexError):
+            return True
+
+    assert wait_until(lambda: all(gone(p) for p in zygotes), timeout=10), "zygotes left"
