@@ -240,7 +240,7 @@ def test_kill9_at_random_moments_loses_and_leaks_nothing(monkeypatch):
         assert Sandbox.list(endpoint=url) == []
         assert Snapshot.list(endpoint=url) == []
         d.stop()  # graceful: spares and pools go; pooled_daemon checks cgroups, pids, dirs
-        assert _mounts_under(d.state_dir) == []
+        assert _mounts_under(d.state_dir) == [], d.tail(6000)
         layers = os.path.join(d.state_dir, "layers")
         left = [x for x in os.listdir(layers) if not x.startswith(".")] \
             if os.path.isdir(layers) else []

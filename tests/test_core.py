@@ -776,6 +776,7 @@ def test_a_timeout_ends_a_command_stopped_before_its_setsid():
     import asyncio
 
     from corral.daemon import procs
+    from corral.daemon.substrates.types import Spawned
 
     child = subprocess.Popen(["sleep", "30"])  # in our group: no group of its own
     assert os.getpgid(child.pid) != child.pid
@@ -785,7 +786,8 @@ def test_a_timeout_ends_a_command_stopped_before_its_setsid():
     os.close(err_w)
 
     async def main() -> procs.Process:
-        proc = procs.Process(asyncio.get_running_loop(), child.pid, ["sleep", "30"], out_r,
+        spawned = Spawned(pidfd=-1, pid=child.pid, ns_pid=0, own_child=True)
+        proc = procs.Process(asyncio.get_running_loop(), spawned, ["sleep", "30"], out_r,
                              err_r, -1, 1024, 0.2)
         await asyncio.wait_for(proc.done, 10)
         return proc

@@ -185,6 +185,26 @@ def test_no_subvolume_outlives_its_sandbox():
     assert not any(n in ids for n in os.listdir(SANDBOXES))
 
 
+def test_a_sandbox_dir_nested_in_the_trash_or_quarantine_is_removed_with_its_subvolume():
+    """A restore interrupted by a crash leaves a sandbox's dir (with its ``disk`` subvolume)
+    in the trash; the next start may quarantine the whole trash. remove_tree never crosses
+    into another filesystem, so it must delete the subvolumes of our own layout first."""
+    if not _scratch_is_btrfs():
+        pytest.skip("the scratch is not btrfs here")
+    from corral import _core
+    from corral.daemon import removal
+
+    top = os.path.join(SANDBOXES, f".test-nested-{uuid.uuid4().hex[:8]}")
+    sbdir = os.path.join(top, "q.1234", "sb-x")
+    os.makedirs(sbdir)
+    _core.btrfs_subvol_create(sbdir, "disk", 8 * MiB)
+    with open(os.path.join(sbdir, "disk", "f"), "w") as f:
+        f.write("x")
+    removal.remove_tree(top)
+    assert not os.path.exists(top)
+    assert not any(p.startswith(os.path.basename(top)) for p in _subvolumes())
+
+
 def test_the_scratch_and_its_quotas_survive_a_daemon_crash(daemon):
     sb = Sandbox(disk_mb=16, timeout=180)
     try:

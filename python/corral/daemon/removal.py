@@ -12,8 +12,10 @@ daemon from starting or cleaning up the others.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import threading
 
 from corral import _core
@@ -37,13 +39,62 @@ def drop_layer(path: str) -> None:
         _core.btrfs_subvol_delete(path)
 
 
+# How deep our own layout nests a sandbox's subvolume below a tree we remove:
+# .quarantine/<trash>.<x>/<sandbox>/disk.
+LAYOUT_DEPTH = 4
+
+
+def drop_nested_layers(path: str, depth: int = LAYOUT_DEPTH) -> int:
+    """Delete the subvolumes below ``path`` within ``depth`` levels (a sandbox dir moved into
+    the trash or the quarantine holds its ``disk``); returns how many went. Only our own
+    layout is walked: a directory on another device is a subvolume (deleted) or a mount (left),
+    and neither is entered, so nothing a sandbox wrote is visited."""
+    gone = 0
+    try:
+        top = os.lstat(path)
+    except OSError:
+        return 0
+    level = [(path, top.st_dev)]
+    for _ in range(depth):
+        below: list[tuple[str, int]] = []
+        for d, dev in level:
+            try:
+                names = os.listdir(d)
+            except OSError:
+                continue
+            for name in names:
+                p = os.path.join(d, name)
+                try:
+                    st = os.lstat(p)
+                except OSError:
+                    continue
+                if not stat.S_ISDIR(st.st_mode):
+                    continue
+                if st.st_dev == dev:
+                    below.append((p, dev))
+                    continue
+                try:
+                    gone += _core.btrfs_subvol_delete(p)
+                except (OSError, ValueError) as e:
+                    log.warning("cannot delete a subvolume", extra={"path": p,
+                                                                    "error": str(e)})
+        level = below
+    return gone
+
+
 def remove_tree(path: str) -> None:
     """rm -rf ``path`` (missing is fine); raises OSError if something could not go."""
     try:
         drop_layer(path)
     except ValueError:
         pass  # not a name a subvolume can have: a plain tree
-    _core.remove_tree(path)
+    try:
+        _core.remove_tree(path)
+    except OSError as e:
+        # A subvolume deeper in our layout (a sandbox dir in the trash): drop it, try again.
+        if e.errno != errno.EXDEV or not drop_nested_layers(path):
+            raise
+        _core.remove_tree(path)
 
 
 def remove_or_quarantine(path: str, quarantine_root: str | None = None) -> bool:
