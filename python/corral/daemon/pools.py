@@ -265,6 +265,8 @@ class WarmPools:
                 await asyncio.wait_for(self._wake.wait(), wait)
             except asyncio.TimeoutError:
                 pass
+            if self._closed:  # a close() racing a wake-up: wait_for may not raise the cancel
+                return
             self._wake.clear()
             now = time.monotonic()
             if now - last >= TICK_S:
@@ -369,7 +371,7 @@ class WarmPools:
         if self._task is not None:
             self._task.cancel()
             self._task = None
-        if self._inflight:
+        while self._inflight:  # refills and discards under way (each is tracked there)
             await asyncio.gather(*list(self._inflight), return_exceptions=True)
         rts = [(p.key[0], rt) for p in self.pools.values() for rt in p.ready]
         for p in self.pools.values():
