@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -194,10 +195,31 @@ def _thaw_all(name: str = CGROUP_NAME) -> None:
 
 
 def _unmount_under(path: str) -> None:
-    """A daemon killed (not stopped) keeps its scratch tmpfs for the next start: a test that
-    will not start it again takes it down (deepest first)."""
+    """A daemon killed (not stopped) keeps its scratch and its lxcfs for the next start: a
+    test that will not start it again takes them down (lxcfs first: its mount namespace holds
+    a copy of the scratch mount, which keeps the loop device attached; then the mounts,
+    deepest first)."""
+    _stop_lxcfs(path)
     for m in sorted(host_mounts_under(path), key=len, reverse=True):
         subprocess.run(["umount", "-l", m], check=False, capture_output=True)
+
+
+def _stop_lxcfs(state_dir: str) -> None:
+    """SIGKILL the lxcfs a daemon on ``state_dir`` left (its pid file names it)."""
+    try:
+        pid = int(Path(state_dir, "lxcfs", "lxcfs.pid").read_text().strip())
+        if Path(f"/proc/{pid}/comm").read_text().strip() != "lxcfs":
+            return
+        fd = os.pidfd_open(pid)
+    except (OSError, ValueError):
+        return
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        select.select([fd], [], [], 5)  # readable once it has exited
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _force_cleanup(name: str = CGROUP_NAME) -> None:
@@ -243,6 +265,7 @@ def _sweep_private_state_dirs() -> None:
         try:
             if (p.parent == Path("/var/tmp") and p.name.startswith(_PRIVATE_PREFIXES)
                     and p.is_dir() and not p.is_symlink()):
+                _stop_lxcfs(d)  # a crashed daemon's, which no later start adopted
                 shutil.rmtree(p, ignore_errors=True)
         except OSError:
             pass
