@@ -140,3 +140,15 @@ def capture_layer(parts: list[tuple[int, str, str]], max_bytes: int = ...,
                   max_entries: int = 1_000_000, max_depth: int = 512) -> tuple[str, int]:
     """Copy each (n, src, dst) tree and hash it on the way: (hex digest, bytes).
     LayerLimit past a limit."""
+
+# ---- the run_code zygote (rust/src/zygote.rs) ---------------------------------------------
+def zygote_unshare() -> None:
+    """New mount, network, pid, IPC and UTS namespaces for the caller."""
+def zygote_die_with_parent(parent: int) -> None:
+    """SIGKILL the caller when ``parent`` (its launcher) dies."""
+def zygote_build_root(root: str, entries: list[tuple[str, str, str]]) -> None:
+    """Switch to a new read-only root on a tmpfs at ``root`` made of (kind, src, dst)."""
+def zygote_seal() -> None:
+    """no_new_privs and the seccomp filter, inherited by every request's child."""
+def zygote_lockdown(uid: int, gid: int, rlimits: list[tuple[str, int, int]]) -> None:
+    """A request's child: ``uid``/``gid``, no capability, rlimits, no_new_privs, Landlock."""

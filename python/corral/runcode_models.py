@@ -27,7 +27,15 @@ _FILE = re.compile(FILE_PATTERN)
 
 
 class _Model(BaseModel):
+    """A request body: an unknown field is refused."""
+
     model_config = ConfigDict(extra="forbid")
+
+
+class _Response(BaseModel):
+    """A response body: unknown fields are ignored (an older SDK, a newer daemon)."""
+
+    model_config = ConfigDict(extra="ignore")
 
 
 class RunCodeRequest(_Model):
@@ -38,7 +46,8 @@ class RunCodeRequest(_Model):
     language: Literal["python", "bash"] = "python"
     stdin: str | None = Field(None, max_length=MAX_FILES_BYTES,
                               description="text on stdin (default: empty)")
-    files: dict[str, str] | None = Field(None, description=(
+    files: dict[str, str] | None = Field(None, json_schema_extra={
+        "propertyNames": {"pattern": FILE_PATTERN}, "maxProperties": MAX_FILES}, description=(
         "files written into the scratch dir (the working directory) before the code runs: "
         "relative path -> text; parents are created"))
     timeout: float = Field(DEFAULT_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S,
@@ -69,7 +78,7 @@ class RunCodeRequest(_Model):
         return v
 
 
-class RunCodeResult(_Model):
+class RunCodeResult(_Response):
     status: Literal["ok", "error", "timeout", "memory_exceeded", "output_truncated"] = Field(
         description="ok: exit 0; error: another exit or a signal; timeout: killed at its "
                     "timeout; memory_exceeded: a process of the request was killed at its "
@@ -88,17 +97,17 @@ class RunCodeManyRequest(_Model):
     requests: list[RunCodeRequest] = Field(min_length=1, max_length=MAX_MANY)
 
 
-class RunCodeItemError(_Model):
+class RunCodeItemError(_Response):
     """One request of a batch that did not run (the pool was full, the zygote died...)."""
 
     error: dict[str, object]
 
 
-class RunCodeManyResponse(_Model):
+class RunCodeManyResponse(_Response):
     results: list[RunCodeResult | RunCodeItemError]
 
 
-class RunCodePool(_Model):
+class RunCodePool(_Response):
     name: str = Field(description="python (the standard library preloaded), python-numpy "
                                   "(numpy too: python code that imports numpy, scipy, pandas "
                                   "or sklearn) or bash")
@@ -114,5 +123,5 @@ class RunCodePool(_Model):
     served: int = 0
 
 
-class RunCodeStatus(_Model):
+class RunCodeStatus(_Response):
     pools: list[RunCodePool]
