@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import errno
 import heapq
 import logging
 import os
@@ -40,7 +39,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from corral import __version__
 from corral.config import Config
-from corral.daemon import persist, procs, removal, snapshots, streams, users
+from corral.daemon import oserrors, persist, procs, removal, snapshots, streams, users
 from corral.daemon.substrates import registry
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
 from corral.daemon.trajlog import TrajLog
@@ -50,17 +49,12 @@ from corral.errors import (
     CorralError,
     CwdNotFound,
     DaemonRestarted,
-    DirectoryNotEmpty,
-    FileExists,
     FileNotFound,
     ImageNotFound,
     InternalError,
     InvalidPath,
     InvalidRequest,
-    IsADirectory,
-    IsASymlink,
     NotADirectory,
-    PermissionDenied,
     ProcessNotFound,
     ProcessStillRunning,
     SandboxCrashed,
@@ -229,40 +223,6 @@ async def _settle(fut: asyncio.Future[Any]) -> bool:
 
 def new_id() -> str:
     return "sb-" + os.urandom(8).hex()
-
-
-def os_error(e: OSError, path: str = "") -> CorralError:
-    """Map a file-operation OSError to the API's error."""
-    where = f": {path}" if path else ""
-    n = e.errno
-    if n == errno.ENOENT:
-        return FileNotFound(f"no such file or directory{where}")
-    if n == errno.EEXIST:
-        return FileExists(f"file exists{where}")
-    if n == errno.ENOTDIR:
-        return NotADirectory(f"not a directory{where}")
-    if n == errno.EISDIR:
-        return IsADirectory(f"is a directory{where}")
-    if n == errno.ENOTEMPTY:
-        return DirectoryNotEmpty(f"directory not empty{where}")
-    if n == errno.ELOOP:
-        return IsASymlink(f"{os.strerror(n)}{where}", details={"errno": n})
-    if n in (errno.EXDEV, errno.ENAMETOOLONG, errno.EINVAL):
-        return InvalidPath(f"{os.strerror(n)}{where}")
-    if n in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return PermissionDenied(f"{os.strerror(n)}{where}", details={"errno": n})
-    if n in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return InvalidRequest(f"{os.strerror(n)}{where}", details={"errno": n})
-    if n in _INPUT_ERRNOS:  # the request named a file that cannot be used that way
-        return InvalidRequest(f"{os.strerror(n)}{where}", details={"errno": n})
-    return InternalError(f"{e.strerror or e}{where}", details={"errno": n})
-
-
-# Errors a file operation gets from what the request named (a special file, a busy file), not
-# from a fault of the daemon.
-_INPUT_ERRNOS = frozenset({errno.EIO, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP,
-                           errno.ETXTBSY, errno.EBUSY, errno.ESPIPE, errno.EOVERFLOW,
-                           errno.E2BIG, errno.ERANGE, errno.EMLINK, errno.EFAULT})
 
 
 class Engine:
@@ -646,8 +606,7 @@ class Engine:
             removal.remove_or_quarantine(sdir)
             if isinstance(e, CorralError) or not isinstance(e, Exception):
                 raise
-            if isinstance(e, OSError) and e.errno in (errno.EAGAIN, errno.ENOMEM,
-                                                      errno.ENOSPC):
+            if isinstance(e, OSError) and e.errno in oserrors.HOST_OUT_OF_RESOURCES:
                 raise CapacityExceeded(f"host out of resources: {e}") from e
             log.exception("create failed", extra={"sandbox": sid})
             raise InternalError(f"could not create the sandbox: {e}") from e
@@ -1223,7 +1182,7 @@ class Engine:
             raise
         except OSError as e:
             self._check_alive(sb)
-            raise os_error(e, path) from e
+            raise oserrors.host_file_error(e, path) from e
 
     async def stat(self, sid: str, path: str) -> FileEntry:
         return await self._files(sid, path, lambda s, rt: s.stat(rt, path))

@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from corral import _core
 from corral.daemon import uploads
+from corral.daemon.oserrors import sandbox_file_error
 from corral.errors import (
-    CapacityExceeded,
     CorralError,
-    DirectoryNotEmpty,
-    FileExists,
-    FileNotFound,
-    ForbiddenPath,
-    InternalError,
     InvalidPath,
-    InvalidRequest,
-    IsADirectory,
-    IsASymlink,
-    NotADirectory,
-    PermissionDenied,
     TooLarge,
 )
 from corral.models import DEFAULT_DISK_MB, FileEntry
@@ -31,47 +20,6 @@ from ..base import SandboxRuntime
 
 if TYPE_CHECKING:  # pragma: no cover
     from .host import Host
-
-
-# errno -> CorralError class for file operations.
-_FILE_ERRORS: dict[int, type[CorralError]] = {
-    errno.ENOENT: FileNotFound,
-    errno.EEXIST: FileExists,
-    errno.ENOTDIR: NotADirectory,
-    errno.EISDIR: IsADirectory,
-    errno.ENOTEMPTY: DirectoryNotEmpty,
-    errno.EXDEV: InvalidPath,
-    errno.ELOOP: IsASymlink,
-    errno.ENAMETOOLONG: InvalidPath,
-    errno.EINVAL: InvalidPath,
-    errno.EACCES: PermissionDenied,
-    errno.EPERM: PermissionDenied,
-    errno.EROFS: PermissionDenied,
-    errno.EBUSY: InvalidRequest,
-    errno.EFBIG: InvalidRequest,
-    errno.EOPNOTSUPP: InvalidRequest,
-}
-_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
-_OUT_OF_RESOURCES = {errno.EAGAIN, errno.ENOMEM, errno.ENOSPC, errno.EMFILE, errno.ENFILE,
-                     errno.EUSERS}
-
-
-def _file_error(e: OSError, path: str, disk_quota: bool = False) -> CorralError:
-    if isinstance(e, _core.ForbiddenPath):
-        return ForbiddenPath(f"{e.strerror}: {path}", details={"path": path})
-    reason = e.strerror or str(e)
-    msg = f"{reason}: {path}" if path else reason
-    if e.errno in _DISK_FULL:
-        # The sandbox's own disk is full (its quota, or its /tmp on the tmpfs fallback): its
-        # limit, as a write inside it sees it. A full host disk is the same errno on the
-        # tmpfs fallback and ENOSPC on btrfs: then it is the scratch area's, CapacityExceeded.
-        if e.errno == errno.ENOSPC and disk_quota:
-            return CapacityExceeded(f"the sandboxes' scratch area is full: {msg}",
-                                    details={"path": path, "errno": e.errno})
-        return TooLarge(f"the sandbox's disk is full (disk_mb): {msg}",
-                        details={"path": path, "errno": e.errno, "limit": "disk_mb"})
-    cls = _FILE_ERRORS.get(e.errno or 0, InternalError)
-    return cls(msg, details={"path": path, "errno": e.errno})
 
 
 def _check_path(path: str) -> str:
@@ -96,7 +44,7 @@ class Files:
         except ValueError as e:
             raise InvalidPath(str(e), details={"path": path}) from None
         except OSError as e:
-            raise _file_error(e, path, self.scratch.quota) from None
+            raise sandbox_file_error(e, path, self.scratch.quota) from None
         except _core.LayerLimit as e:  # a listing past fs.rs LIST_MAX
             what, limit = e.args
             raise TooLarge(f"{path} has more than {limit} {what}",
@@ -156,7 +104,7 @@ class Files:
                 while view:
                     view = view[os.write(fd, view):]
         except OSError as e:
-            raise _file_error(e, path, self.scratch.quota) from None
+            raise sandbox_file_error(e, path, self.scratch.quota) from None
         finally:
             os.close(fd)
 

@@ -34,6 +34,7 @@ from corral.daemon import (
     initexec,
     kernel,
     lxcfs,
+    oserrors,
     procpolicy,
     removal,
     scratch,
@@ -53,7 +54,7 @@ from corral.models import NETWORK_MODES, SandboxSpec
 
 from ..base import Capabilities, ExecSpec, SandboxRuntime, Spawned, Substrate
 from .daemonpath import DaemonExec, _unix_only
-from .files import _OUT_OF_RESOURCES, Files
+from .files import Files
 from .initpath import InitExec, Launch
 from .layout import OVL_OPAQUE, _image_tmp_unfit, make_mask_dir, make_sys_dir
 from .netns import NetnsPool, SharedNetns
@@ -353,7 +354,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, Tar, RootCache, Substrate)
                 raise InvalidRequest(f"cannot create sandbox: {e}") from e
             if isinstance(e, OSError):
                 details = {"errno": e.errno}
-                if e.errno in _OUT_OF_RESOURCES:
+                if e.errno in oserrors.OUT_OF_RESOURCES:
                     raise CapacityExceeded(f"host out of resources: {e.strerror or e}",
                                            details=details) from e
                 raise InternalError(f"cannot create sandbox: {e.strerror or e}",
@@ -755,11 +756,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, Tar, RootCache, Substrate)
         """The API's error for a command that could not be started."""
         if isinstance(e, initexec.Gone) or not self.is_alive(runtime):
             return SandboxNotRunning("the sandbox's init is gone")
-        err = getattr(e, "errno", None)
-        msg = getattr(e, "strerror", None) or str(e)
-        if err in _OUT_OF_RESOURCES:
-            return CapacityExceeded(f"cannot start the process: {msg}", details={"errno": err})
-        return InternalError(f"cannot start the process: {msg}", details={"errno": err})
+        return oserrors.start_error(e, "cannot start the process")
 
     def warm(self, runtime: SandboxRuntime) -> None:
         """Make what a first exec would (a warm pool's sandboxes are few: their exec should
@@ -884,12 +881,11 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, Tar, RootCache, Substrate)
 
     def metrics(self) -> dict[str, int]:
         out = {f"execs_via_{k}": v for k, v in self.exec_paths.items()}
-        for k, v in getattr(self.cgroups, "spare_stats", {}).items():
+        for k, v in self.cgroups.spare_stats.items():
             out[f"memcg_spares_{k}"] = v  # recycled memory cgroups (cgroups.recycle_memory)
-        for k, v in getattr(self.cgroups, "set_spare_stats", {}).items():
+        for k, v in self.cgroups.set_spare_stats.items():
             out[f"cgroup_spares_{k}"] = v  # recycled pids/cpu/freezer cgroups (recycle_rest)
         return out
 
     def status(self) -> dict[str, Any]:
-        version = getattr(self.cgroups, "version", 1)
-        return {"cgroup_version": version if version in (1, 2) else 1}
+        return {"cgroup_version": self.cgroups.version}

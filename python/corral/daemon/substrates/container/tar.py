@@ -15,6 +15,7 @@ from corral.daemon import (
     streams,
     uploads,
 )
+from corral.daemon.oserrors import sandbox_file_error
 from corral.errors import (
     FileNotFound,
     InvalidPath,
@@ -23,7 +24,7 @@ from corral.errors import (
 )
 
 from ..base import SandboxRuntime
-from .files import _check_path, _file_error
+from .files import _check_path
 
 if TYPE_CHECKING:  # pragma: no cover
     from .host import Host
@@ -112,7 +113,7 @@ class Tar:
                 while view:
                     view = view[os.write(fd, view):]
         except OSError as e:
-            raise _file_error(e, dest, self.scratch.quota) from None
+            raise sandbox_file_error(e, dest, self.scratch.quota) from None
         finally:
             os.close(fd)
 
