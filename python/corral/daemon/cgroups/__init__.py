@@ -3,14 +3,7 @@
 ``MemcgRecycler`` (``recycler``) the v1 memory cgroups kept for reuse.
 ``for_host(name)`` (or ``CgroupManager(name)``) gives the class this host supports."""
 
-from .common import (
-    CFS_PERIOD_US,
-    DAEMON_CGROUP,
-    CgroupManager,
-    check_id,
-    for_host,
-    parse_cpulist,
-)
+from .common import CFS_PERIOD_US, DAEMON_CGROUP, CgroupManager, check_id, for_host, parse_cpulist
 from .recycler import COOL_S, DRAIN_AT_STOP_S, MEMCG_SPARES, MemcgRecycler
 from .v1 import CGROUP_SPARES, CgroupsV1
 from .v2 import CgroupsV2

@@ -19,14 +19,7 @@ from .common import (
     check_id,
     parse_cpulist,
 )
-from .recycler import (
-    _COOLING,
-    _DRAINING,
-    _SPARE,
-    DRAIN_AT_STOP_S,
-    MEMCG_SPARES,
-    MemcgRecycler,
-)
+from .recycler import _COOLING, _DRAINING, _SPARE, DRAIN_AT_STOP_S, MEMCG_SPARES, MemcgRecycler
 
 # The pids, cpu and freezer cgroups of a destroyed sandbox are recycled too (one spare list
 # per hierarchy, see CgroupsV1.recycle_rest): ~0.3-0.5 ms of mkdir + rmdir (and the kworker

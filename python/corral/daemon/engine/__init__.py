@@ -27,14 +27,7 @@ masks by in brackets, corral.errors):
       nothing in the sandbox explains it (the host killed it, the node or daemon failed).
   shutdown -> ``daemon_restarted`` (503, infra): the daemon stopped while the call was running.
 """
-from .base import (
-    DEFAULT_PATH,
-    MAX_READ_BYTES,
-    Sandbox,
-    _effective_timeout,
-    by_operator,
-    new_id,
-)
+from .base import DEFAULT_PATH, MAX_READ_BYTES, Sandbox, _effective_timeout, by_operator, new_id
 from .core import Engine
 
 __all__ = ["DEFAULT_PATH", "MAX_READ_BYTES", "Engine", "Sandbox", "_effective_timeout",

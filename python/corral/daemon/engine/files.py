@@ -9,9 +9,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from corral.daemon import oserrors, streams
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
-from corral.errors import (
-    CorralError,
-)
+from corral.errors import CorralError
 from corral.models import FileEntry
 
 from .base import DIRECT_IO_BYTES, T

@@ -11,10 +11,7 @@ from corral.config import Config
 from corral.daemon import procs, snapshots, users
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
 from corral.daemon.trajlog import TrajLog
-from corral.errors import (
-    CorralError,
-    Unsupported,
-)
+from corral.errors import CorralError, Unsupported
 from corral.models import ExecRequest, FileEntry, SandboxSpec
 
 from .base import Sandbox, T

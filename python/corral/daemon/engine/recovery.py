@@ -9,9 +9,7 @@ from typing import TYPE_CHECKING
 
 from corral.daemon import persist, removal
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
-from corral.errors import (
-    CorralError,
-)
+from corral.errors import CorralError
 from corral.models import SandboxSpec
 
 from .base import SHUTDOWN_ENDED, TOMBSTONES, Sandbox, log

@@ -9,10 +9,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from corral.daemon import persist, snapshots
-from corral.errors import (
-    SnapshotExists,
-    Unsupported,
-)
+from corral.errors import SnapshotExists, Unsupported
 
 from .base import Sandbox
 

@@ -13,10 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from corral.daemon.journal import Journal
-from corral.errors import (
-    CorralError,
-    InternalError,
-)
+from corral.errors import CorralError, InternalError
 
 from .keys import _dumps
 from .schema import DB_NAME

@@ -10,9 +10,7 @@ import threading
 import time
 from typing import Any
 
-from corral.errors import (
-    InternalError,
-)
+from corral.errors import InternalError
 
 from .base import _Base, _Control, _Line, _resolve
 from .schema import (

@@ -10,10 +10,7 @@ import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from corral.errors import (
-    ReplayDivergence,
-    StepInterrupted,
-)
+from corral.errors import ReplayDivergence, StepInterrupted
 
 KEY_HEADER = "Idempotency-Key"
 MAX_KEY_LEN = 256

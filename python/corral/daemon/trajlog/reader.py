@@ -7,10 +7,7 @@ import json
 import sqlite3
 from typing import Any
 
-from corral.errors import (
-    SandboxNotFound,
-    Unsupported,
-)
+from corral.errors import SandboxNotFound, Unsupported
 
 from .base import _Base
 from .keys import sha256

@@ -12,9 +12,7 @@ from typing import Any
 
 from corral.daemon.journal import Journal
 from corral.daemon.locks import try_lock
-from corral.errors import (
-    InternalError,
-)
+from corral.errors import InternalError
 
 from .base import MAX_PENDING, PRUNE_EVERY_S, _committed, _Control, _Start
 from .ingest import Ingester

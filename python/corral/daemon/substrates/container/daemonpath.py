@@ -7,11 +7,7 @@ import os
 from typing import TYPE_CHECKING, cast
 
 from corral import _core
-from corral.errors import (
-    ExecStalled,
-    InvalidRequest,
-    SandboxNotRunning,
-)
+from corral.errors import ExecStalled, InvalidRequest, SandboxNotRunning
 
 from ..base import ExecSpec, SandboxRuntime, Spawned
 from .threads import _in_thread, _kill_abandoned, _within

@@ -9,11 +9,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from corral import _core
 from corral.daemon import uploads
 from corral.daemon.oserrors import sandbox_file_error
-from corral.errors import (
-    CorralError,
-    InvalidPath,
-    TooLarge,
-)
+from corral.errors import CorralError, InvalidPath, TooLarge
 from corral.models import DEFAULT_DISK_MB, FileEntry
 
 from ..base import SandboxRuntime

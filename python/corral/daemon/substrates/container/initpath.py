@@ -9,11 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from corral import _core
 from corral.daemon import initexec
-from corral.errors import (
-    ExecStalled,
-    InvalidRequest,
-    SandboxNotRunning,
-)
+from corral.errors import ExecStalled, InvalidRequest, SandboxNotRunning
 
 from ..base import ExecSpec, SandboxRuntime, Spawned
 from . import rootcache

@@ -11,17 +11,9 @@ import zlib
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from corral import _core
-from corral.daemon import (
-    streams,
-    uploads,
-)
+from corral.daemon import streams, uploads
 from corral.daemon.oserrors import sandbox_file_error
-from corral.errors import (
-    FileNotFound,
-    InvalidPath,
-    InvalidRequest,
-    TooLarge,
-)
+from corral.errors import FileNotFound, InvalidPath, InvalidRequest, TooLarge
 
 from ..base import SandboxRuntime
 from .files import _check_path
