@@ -440,7 +440,7 @@ def test_exec_survives_oom_in_the_sandbox(make, sub):
 
 
 def test_download_tar_is_capped(sub, rt, monkeypatch):
-    import corral.daemon.substrates.container as container
+    import corral.daemon.substrates.container.tar as container
 
     run(sub, rt, "mkdir -p /work/big && truncate -s 100G /work/big/sparse && echo hi > /work/big/a")
     monkeypatch.setattr(container, "TAR_MAX_BYTES", 1 << 20)
@@ -704,7 +704,7 @@ def test_an_init_that_dies_stops_being_watched(sub, make):
 def test_the_channel_cache_never_closes_a_channel_with_answers_to_come(sub, make, monkeypatch):
     """Past the cache's bound the least recently used channel closes, unless commands in its
     sandbox still await their answers: closing it would fail them as if the sandbox died."""
-    from corral.daemon.substrates import container
+    from corral.daemon.substrates.container import rootcache as container
 
     monkeypatch.setattr(container, "ROOT_CACHE", 1)
     a, b = make(), make()

@@ -19,7 +19,7 @@ import pytest
 
 from corral.daemon import journal, trajlog
 from corral.daemon.journal import Journal
-from corral.daemon.trajlog import TrajLog
+from corral.daemon.trajlog import TrajLog, ingest
 from corral.errors import InternalError, ReplayDivergence
 
 
@@ -267,7 +267,7 @@ def test_sync_full_returns_only_once_in_the_database(tmp_path):
 
 
 def test_checkpoints_run_in_the_ingester(tmp_path, monkeypatch):
-    monkeypatch.setattr(trajlog, "CHECKPOINT_EVERY", 10)
+    monkeypatch.setattr(ingest, "CHECKPOINT_EVERY", 10)
 
     async def body(tl: TrajLog) -> None:
         for i in range(35):
@@ -433,7 +433,7 @@ def test_the_per_sandbox_index_is_filled_in_batches_and_reads_see_the_tail(tmp_p
     """Batches write the rows only; every INDEX_EVERY entries one batch indexes them all.
     A sandbox's log reads the indexed part and the tail alike, in order, and what a reopen
     finds unindexed (a crash) is indexed then."""
-    monkeypatch.setattr(trajlog, "INDEX_EVERY", 8)
+    monkeypatch.setattr(ingest, "INDEX_EVERY", 8)
 
     async def body(tl: TrajLog) -> None:
         for i in range(21):
@@ -459,7 +459,7 @@ def test_the_per_sandbox_index_is_filled_in_batches_and_reads_see_the_tail(tmp_p
 def test_deleting_the_last_entries_keeps_new_ones_findable(tmp_path, monkeypatch):
     """Seqs are rowids: deleting the newest entries (a dropped started row, a prune) hands
     their seqs to the next entries, which must still be indexed and read."""
-    monkeypatch.setattr(trajlog, "INDEX_EVERY", 2)
+    monkeypatch.setattr(ingest, "INDEX_EVERY", 2)
 
     async def body(tl: TrajLog) -> None:
         for i in range(4):

@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from corral.daemon import oserrors
 from corral.daemon.spool import too_large
 from corral.errors import CorralError, InternalError, InvalidRequest, NotFound, Unauthorized
 
@@ -66,21 +67,6 @@ def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
     return json_error(CorralError(e.reason or str(e), code="http_error"), e.status)
 
 
-def os_error(e: OSError) -> CorralError:
-    """An OSError that reached the API layer: the request named something the daemon cannot
-    use (a path it may not read, a special file); resource exhaustion stays infra."""
-    import errno
-
-    from corral.daemon.engine import os_error as file_error
-
-    if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN):
-        return InternalError(f"{e.strerror or e}", details={"errno": e.errno})
-    err = file_error(e, getattr(e, "filename", None) or "")
-    if isinstance(err, InternalError):  # EIO, ENXIO, ...: the input named an unusable file
-        return InvalidRequest(f"{e.strerror or e}", details={"errno": e.errno})
-    return err
-
-
 def middleware(token: str | None) -> Any:
     expected = token.encode() if token else None
 
@@ -98,7 +84,7 @@ def middleware(token: str | None) -> Any:
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except OSError as e:
-            return json_error(os_error(e))
+            return json_error(oserrors.request_error(e))
         except Exception as e:  # noqa: BLE001 - one bad request must not hurt the others
             log.exception("unhandled error", extra={"method": request.method,
                                                     "path": request.path})

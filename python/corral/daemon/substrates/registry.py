@@ -84,12 +84,12 @@ def unknown(name: str, available: Sequence[str]) -> InvalidRequest | Unsupported
 
 def _container(ctx: Context) -> Substrate:
     # Imported here: the HTTP layer and the OpenAPI generator load without the Rust core.
-    from corral.daemon.cgroups import CgroupManager
+    from corral.daemon import cgroups as cgroup_impl
     from corral.daemon.substrates.container import ContainerSubstrate
 
     cgroups = ctx.shared.get("cgroups")
     if cgroups is None:
-        cgroups = ctx.shared["cgroups"] = CgroupManager(ctx.config.cgroup_name)
+        cgroups = ctx.shared["cgroups"] = cgroup_impl.for_host(ctx.config.cgroup_name)
     sub = ContainerSubstrate(ctx.config.state_dir, cgroups, ctx.images)
     sub.upload_max_bytes = ctx.config.upload_max_bytes
     return sub

@@ -18,22 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import errno
-import io
 import logging
-import lzma
 import os
-import shutil
 import signal
-import stat as stat_mod
-import tarfile
 import threading
 import time
-import zlib
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, BinaryIO, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from corral import _core
 from corral.daemon import (
@@ -41,10 +34,10 @@ from corral.daemon import (
     initexec,
     kernel,
     lxcfs,
+    oserrors,
     procpolicy,
     removal,
     scratch,
-    streams,
     thrash,
     uploads,
 )
@@ -53,416 +46,41 @@ from corral.daemon.kernel import proc_alive, proc_starttime
 from corral.errors import (
     CapacityExceeded,
     CorralError,
-    DirectoryNotEmpty,
-    ExecStalled,
-    FileExists,
-    FileNotFound,
-    ForbiddenPath,
     InternalError,
-    InvalidPath,
     InvalidRequest,
-    IsADirectory,
-    IsASymlink,
-    NotADirectory,
-    PermissionDenied,
     SandboxNotRunning,
-    TooLarge,
-    Unsupported,
 )
-from corral.models import DEFAULT_DISK_MB, NETWORK_MODES, FileEntry, SandboxSpec
+from corral.models import NETWORK_MODES, SandboxSpec
 
-from .base import Capabilities, ExecSpec, SandboxRuntime, Spawned, Substrate
+from ..base import Capabilities, ExecSpec, SandboxRuntime, Spawned, Substrate
+from .daemonpath import DaemonExec, _unix_only
+from .files import Files
+from .initpath import InitExec, Launch
+from .layout import OVL_OPAQUE, _image_tmp_unfit, make_mask_dir, make_sys_dir
+from .netns import NetnsPool, SharedNetns
+from .rootcache import RootCache, _RootRef
+from .tar import Tar
+from .threads import _dup, _reap_later
 
 if TYPE_CHECKING:  # pragma: no cover
-    from corral._core import ExecConfig, SpawnConfig
+    from corral._core import SpawnConfig
     from corral.daemon.cgroups import CgroupManager
     from corral.daemon.images import Image, ImageStore
     from corral.daemon.snapshots import SnapshotStore
 
-# What one start of a command gives on the container's paths: our child's pid, the init's
-# child, or (with a loop) the init's answer to come.
-Launch = int | Spawned | Awaitable[Spawned]
 
 log = logging.getLogger("corral.container")
+
 
 # Limits every process of a sandbox starts with. No core dumps (a crash must not reach the
 # host's core_pattern helper with a sandbox's memory); a generous but finite fd limit.
 DEFAULT_RLIMITS: dict[str, int | tuple[int, int]] = {"core": (0, 0), "nofile": (1024, 524288)}
 
-# The first Landlock ABI with scopes (LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET): network "disabled".
-LANDLOCK_ABI_SCOPES = 6
-
-# errno -> CorralError class for file operations.
-_FILE_ERRORS: dict[int, type[CorralError]] = {
-    errno.ENOENT: FileNotFound,
-    errno.EEXIST: FileExists,
-    errno.ENOTDIR: NotADirectory,
-    errno.EISDIR: IsADirectory,
-    errno.ENOTEMPTY: DirectoryNotEmpty,
-    errno.EXDEV: InvalidPath,
-    errno.ELOOP: IsASymlink,
-    errno.ENAMETOOLONG: InvalidPath,
-    errno.EINVAL: InvalidPath,
-    errno.EACCES: PermissionDenied,
-    errno.EPERM: PermissionDenied,
-    errno.EROFS: PermissionDenied,
-    errno.EBUSY: InvalidRequest,
-    errno.EFBIG: InvalidRequest,
-    errno.EOPNOTSUPP: InvalidRequest,
-}
-_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
-_OUT_OF_RESOURCES = {errno.EAGAIN, errno.ENOMEM, errno.ENOSPC, errno.EMFILE, errno.ENFILE,
-                     errno.EUSERS}
-
-TAR_MAX_MEMBERS = streams.TAR_MAX_MEMBERS
-# What a corrupt or truncated upload raises while it is decompressed and parsed (bzip2 says
-# OSError; the file writes raise CorralErrors, never these).
-_BAD_ARCHIVE = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError, ValueError)
-TAR_MAX_BYTES = streams.TAR_MAX_BYTES
-
-
-# Open root fds kept for sandboxes used recently (exec and file operations reuse them); the rest
-# are opened on demand: the daemon's fd table must not grow with the number of sandboxes (its
-# RLIMIT_NOFILE may be as low as 20,000 where it cannot raise its hard limit).
-ROOT_CACHE = int(os.environ.get("CORRAL_ROOT_FD_CACHE", "1024"))
-# The daemon's own exec path takes well under a millisecond; a command not started after this
-# fails with ExecStalled (and is killed if it appears later).
-SPAWN_TIMEOUT_S = 30.0
-
-
 # destroy_many: inits signalled ahead of their destroy (each holds a pidfd until destroyed).
 KILL_AHEAD = 64
 
 
-def background_priority() -> None:
-    """Lowest CPU priority (nice 19) for the calling thread: a refill that runs while a batch
-    of creates is in flight would take CPU from those creates, on the path, for work meant
-    to be off it."""
-    kernel.nice_thread(19)
-
-
-class NetnsPool:
-    """Ready network namespaces (fds with loopback up), so creating a sandbox does not pay the
-    ~0.8 ms a new netns costs. Refilled by a background thread with fresh namespaces only.
-
-    A destroyed sandbox's namespace is never handed to another sandbox: part of what a
-    sandbox does to it outlives its processes and cannot be reset without CAP_NET_ADMIN games
-    that do not exist for counters: lo's packet and byte counters (/proc/net/dev, netlink),
-    the TCP/IP MIB counters (/proc/net/snmp, netstat), and sockets left in TIME_WAIT by the
-    side that closed first (60 s, visible in /proc/net/tcp and sock_diag, and holding their
-    ports). tests/test_isolation.py::test_network_namespace_never_shows_a_previous_sandbox
-    checks all three. The only reuse is a restore (``reset``), where the tenant is the same."""
-
-    def __init__(self, size: int, most: int | None = None, window_s: float = 30.0) -> None:
-        self.base = self.size = max(0, size)
-        # A batch of creates (create_many, fork) raises the target to its size, up to
-        # ``most``, for ``window_s`` after the last such batch: a GRPO trainer forks groups
-        # of the same size again and again, and each netns made on the request path costs
-        # ~0.8 ms of CPU. Each idle one costs ~180 KiB, hence the cap and the decay.
-        self.most = max(self.base, most if most is not None else 2 * self.base)
-        self.window_s = window_s
-        self._raised_until = 0.0
-        self._fds: collections.deque[int] = collections.deque()
-        self._cv = threading.Condition()
-        self._closed = False
-        self._thread: threading.Thread | None = None
-        if self.size:
-            self._thread = threading.Thread(target=self._run, name="corral-netns-pool",
-                                            daemon=True)
-            self._thread.start()
-
-    def take(self) -> int | None:
-        """A ready namespace, or None if empty."""
-        with self._cv:
-            fd = self._fds.pop() if self._fds else None
-            self._cv.notify()
-        return fd
-
-    def expect(self, n: int) -> None:
-        """A batch of ``n`` creates is starting: keep up to ``n`` ready for the next one."""
-        if not self.base:
-            return  # pooling is off
-        with self._cv:
-            self._raised_until = time.monotonic() + self.window_s
-            want = min(self.most, max(self.base, n))
-            if want > self.size:
-                self.size = want
-                self._cv.notify()
-
-    def _decay(self) -> None:
-        """Back to the base size once no batch came for a while (the lock is held)."""
-        if self.size > self.base and time.monotonic() >= self._raised_until:
-            self.size = self.base
-            while len(self._fds) > self.size:
-                os.close(self._fds.popleft())
-
-    def give(self, fd: int) -> None:
-        """Keep a namespace for later: only one no sandbox code has used (that of a create that
-        failed before its init ran anything of the sandbox's). Kept up to twice ``size``."""
-        with self._cv:
-            if not self._closed and len(self._fds) < 2 * self.size:
-                self._fds.append(fd)
-                return
-        os.close(fd)
-
-    def __len__(self) -> int:
-        return len(self._fds)
-
-    def _run(self) -> None:
-        background_priority()
-        while True:
-            with self._cv:
-                while not self._closed and len(self._fds) >= self.size:
-                    # Woken by takes and raises; the timeout lets a raised size decay.
-                    self._cv.wait(timeout=self.window_s if self.size > self.base else None)
-                    self._decay()
-                if self._closed:
-                    return
-            try:
-                fd = _core.netns_new()
-            except OSError:
-                time.sleep(1.0)  # e.g. out of memory: try again later, creates fall back
-                continue
-            with self._cv:
-                if not self._closed and len(self._fds) < self.size:
-                    self._fds.appendleft(fd)
-                    continue
-            os.close(fd)
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            fds = list(self._fds)
-            self._fds.clear()
-            self._cv.notify_all()
-        for fd in fds:
-            os.close(fd)
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-
-# The sandboxes' scratch area (btrfs with a quota per sandbox, or a tmpfs): corral.daemon.scratch.
-SCRATCH_SOURCE = scratch.SCRATCH_SOURCE
-_mount_of = scratch.mount_of
-# xattr that makes an overlay upper dir hide what the lower layers hold at its path.
-OVL_OPAQUE = "trusted.overlay.opaque"
-
-
-class SharedNetns:
-    """The one network namespace every sandbox with network "disabled" joins, made on first
-    use and held by the daemon. A network namespace costs ~180 KiB and ~0.8 ms of CPU to tear
-    down; these sandboxes need none of their own because they cannot make a socket other than
-    AF_UNIX (seccomp). What a shared namespace would still share is the namespace of abstract
-    unix socket names: every process of such a sandbox runs in a Landlock domain scoped for
-    abstract sockets (ABI >= 6), so it cannot connect to one bound outside its domain. Hence the
-    mode is refused where Landlock lacks scopes.
-
-    After a daemon restart, re-adopted sandboxes keep the namespace they were made in (the old
-    daemon's); new ones join this daemon's. Both hold no interfaces but a loopback that nobody
-    can use."""
-
-    def __init__(self) -> None:
-        self._fd = -1
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def check_supported() -> None:
-        abi = _core.landlock_abi()
-        if abi < LANDLOCK_ABI_SCOPES:
-            why = (f"Landlock ABI {abi}" if abi >= 0
-                   else f"Landlock unavailable ({os.strerror(-abi)})")
-            raise Unsupported(
-                "network 'disabled' needs Landlock ABI >= 6 (abstract unix socket scoping; "
-                f"Linux >= 6.12 with landlock in CONFIG_LSM / lsm=): this host has {why}",
-                details={"landlock_abi": abi})
-
-    def fd(self) -> int:
-        """The namespace's fd (owned here: callers must not close it)."""
-        with self._lock:
-            if self._fd < 0:
-                self.check_supported()
-                self._fd = _core.netns_new()
-            return self._fd
-
-    def same(self, fd: int) -> bool:
-        """Whether ``fd`` is this namespace (belt and braces: never pool it)."""
-        shared = self._fd
-        if shared < 0:
-            return False
-        a, b = os.fstat(fd), os.fstat(shared)
-        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
-
-
-def _unix_only(runtime: SandboxRuntime) -> bool:
-    return runtime.extra.get("network") == "disabled"
-
-
-def _dup(fd: int) -> int:
-    """A close-on-exec copy of ``fd`` (-1 stays -1)."""
-    return os.dup(fd) if fd >= 0 else -1
-
-
-def _kill_abandoned(job: asyncio.Future[int]) -> None:
-    """A command the daemon started for a caller that is gone: kill its group, reap it."""
-    if job.cancelled() or job.exception() is not None:
-        return
-    pid = job.result()
-    kernel.killpg(pid, signal.SIGKILL)
-    threading.Thread(target=_reap_later, args=(pid,), daemon=True).start()
-
-
-async def _within(fut: asyncio.Future[Any], timeout: float, what: str) -> Any:
-    """Await ``fut``; after ``timeout`` cancel it and raise ExecStalled(what). Unlike
-    wait_for, a cancelled caller always gets CancelledError, even if ``fut`` just finished."""
-    expired = False
-
-    def expire() -> None:
-        nonlocal expired
-        expired = True
-        fut.cancel()
-
-    timer = asyncio.get_running_loop().call_later(timeout, expire)
-    try:
-        return await fut
-    except asyncio.CancelledError:
-        if expired:
-            raise ExecStalled(what) from None
-        raise
-    finally:
-        timer.cancel()
-
-
-def _in_thread(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> asyncio.Future[Any]:
-    """Run ``fn(*args)`` in a new thread (no pool shared across sandboxes); a future of the
-    loop's. A pid it returns after the loop closed is killed and reaped."""
-    fut: asyncio.Future[Any] = loop.create_future()
-
-    def settle(ok: bool, value: Any) -> None:
-        if fut.done():
-            return
-        if ok:
-            fut.set_result(value)
-        else:
-            fut.set_exception(value)
-
-    def run() -> None:
-        try:
-            out: tuple[bool, Any] = (True, fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            out = (False, e)
-        try:
-            loop.call_soon_threadsafe(settle, *out)
-        except RuntimeError:  # the loop is closed: nobody will watch the command
-            if out[0] and isinstance(out[1], int):
-                kernel.killpg(out[1], signal.SIGKILL)
-                _reap_later(out[1])
-
-    threading.Thread(target=run, name="corral-exec", daemon=True).start()
-    return fut
-
-
-def _reap_later(pid: int) -> None:
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
-
-
-def _file_error(e: OSError, path: str, disk_quota: bool = False) -> CorralError:
-    if isinstance(e, _core.ForbiddenPath):
-        return ForbiddenPath(f"{e.strerror}: {path}", details={"path": path})
-    reason = e.strerror or str(e)
-    msg = f"{reason}: {path}" if path else reason
-    if e.errno in _DISK_FULL:
-        # The sandbox's own disk is full (its quota, or its /tmp on the tmpfs fallback): its
-        # limit, as a write inside it sees it. A full host disk is the same errno on the
-        # tmpfs fallback and ENOSPC on btrfs: then it is the scratch area's, CapacityExceeded.
-        if e.errno == errno.ENOSPC and disk_quota:
-            return CapacityExceeded(f"the sandboxes' scratch area is full: {msg}",
-                                    details={"path": path, "errno": e.errno})
-        return TooLarge(f"the sandbox's disk is full (disk_mb): {msg}",
-                        details={"path": path, "errno": e.errno, "limit": "disk_mb"})
-    cls = _FILE_ERRORS.get(e.errno or 0, InternalError)
-    return cls(msg, details={"path": path, "errno": e.errno})
-
-
-def _image_tmp_unfit(lowers: list[str]) -> bool:
-    """Whether the /tmp these image layers (top first) make is not an empty 1777 directory."""
-    top = None
-    for lo in lowers:
-        p = os.path.join(lo, "tmp")
-        try:
-            st = os.lstat(p)
-        except FileNotFoundError:
-            continue
-        if top is None:
-            top = st
-        if not stat_mod.S_ISDIR(st.st_mode):
-            return True
-        with os.scandir(p) as it:
-            if any(True for _ in it):
-                return True
-    return top is None or stat_mod.S_IMODE(top.st_mode) != 0o1777
-
-
-def _check_path(path: str) -> str:
-    if not isinstance(path, str) or not path.startswith("/"):
-        raise InvalidPath(f"paths must be absolute inside the sandbox: {path!r}",
-                          details={"path": path})
-    if "\0" in path:
-        raise InvalidPath("NUL byte in path", details={"path": path})
-    if len(path) > 4096:
-        raise InvalidPath("path longer than 4096 bytes", details={"path": path[:100] + "..."})
-    return path
-
-
-def make_sys_dir(path: str, views: list[str]) -> str:
-    """The skeleton bound read-only at each sandbox's /sys: fs/cgroup/<view> mountpoints,
-    root-owned, mode 0555, nothing else."""
-    for name in views:
-        os.makedirs(os.path.join(path, "fs", "cgroup", name), mode=0o555, exist_ok=True)
-    for dirpath, _, _ in os.walk(path):
-        os.chmod(dirpath, 0o555)
-    return path
-
-
-def make_mask_dir(path: str) -> str:
-    """The empty directory every sandbox binds (read-only) over the /proc directories it
-    masks, instead of mounting a tmpfs of its own there: one superblock fewer per sandbox, and
-    each superblock alive costs every memory cgroup of the host a slot in its shrinker table
-    until the host reboots (docs/daemon.md, "Recycled memory cgroups"). Root-owned, mode 0555,
-    emptied if anything is found in it."""
-    try:
-        os.mkdir(path, 0o555)
-    except FileExistsError:
-        st = os.lstat(path)
-        if not stat_mod.S_ISDIR(st.st_mode):
-            os.unlink(path)
-            os.mkdir(path, 0o555)
-        elif os.listdir(path):
-            shutil.rmtree(path)
-            os.mkdir(path, 0o555)
-    os.chown(path, 0, 0)
-    os.chmod(path, 0o555)
-    return path
-
-
-class _RootRef:
-    __slots__ = ("fd", "users", "closing")
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.users = 0
-        self.closing = False
-
-
-class ContainerSubstrate(Substrate):
+class ContainerSubstrate(DaemonExec, InitExec, Files, Tar, RootCache, Substrate):
     name = "container"
     capabilities = Capabilities(files=True, snapshot=True, restore=True, pause=True,
                                 oom_kills=True, exit_watch=True, warm_pool=True,
@@ -736,7 +354,7 @@ class ContainerSubstrate(Substrate):
                 raise InvalidRequest(f"cannot create sandbox: {e}") from e
             if isinstance(e, OSError):
                 details = {"errno": e.errno}
-                if e.errno in _OUT_OF_RESOURCES:
+                if e.errno in oserrors.OUT_OF_RESOURCES:
                     raise CapacityExceeded(f"host out of resources: {e.strerror or e}",
                                            details=details) from e
                 raise InternalError(f"cannot create sandbox: {e.strerror or e}",
@@ -1134,182 +752,11 @@ class ContainerSubstrate(Substrate):
             return self._spawn_off_loop(runtime, own, loop)
         return self._spawn_here(runtime, spec)
 
-    async def _spawn_off_loop(self, runtime: SandboxRuntime, spec: ExecSpec,
-                              loop: asyncio.AbstractEventLoop) -> Spawned:
-        """The daemon's own path, in a thread of its own, one command at a time per sandbox.
-        Nothing a sandbox does can hold the thread (exec_in's helper is outside its pid
-        namespace and returns once the command is forked); should the kernel hold it anyway,
-        the caller gets ExecStalled after SPAWN_TIMEOUT_S, only this sandbox's next command
-        waits for the thread, and the command is killed once it appears."""
-        sid = runtime.sandbox_id
-        with self._lock:
-            gate = self._fallback_gates.get(sid)
-            if gate is None:
-                gate = self._fallback_gates[sid] = asyncio.Lock()
-        fds = [fd for fd in (spec.stdin_fd, spec.stdout_fd, spec.stderr_fd) if fd >= 0]
-        abandoned = False
-
-        def done(job: asyncio.Future[int]) -> None:
-            gate.release()
-            for fd in fds:  # our copies: only once the thread is done with them
-                os.close(fd)
-            if abandoned:
-                _kill_abandoned(job)
-
-        try:
-            await _within(loop.create_task(gate.acquire()), SPAWN_TIMEOUT_S,
-                          "this sandbox's previous command has not started yet")
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        job = _in_thread(loop, self._spawn_here, runtime, spec)
-        job.add_done_callback(done)
-        try:
-            pid = await _within(asyncio.shield(job), SPAWN_TIMEOUT_S,
-                                f"the command did not start within {SPAWN_TIMEOUT_S:.0f}s")
-        except (ExecStalled, asyncio.CancelledError):  # no unobserved command
-            abandoned = True
-            raise
-        return Spawned(pidfd=-1, pid=pid, ns_pid=0, own_child=True)
-
-    def _spawn_here(self, runtime: SandboxRuntime, spec: ExecSpec) -> int:
-        with self._rooted(runtime) as root:
-            if runtime.pidfd >= 0:
-                return self._spawn(runtime, spec, root, runtime.pidfd)
-            pidfd = self._open_pidfd(runtime)
-            if pidfd < 0:
-                raise SandboxNotRunning("the sandbox's init is gone")
-            try:
-                return self._spawn(runtime, spec, root, pidfd)
-            finally:
-                os.close(pidfd)
-
-    def _channel(self, runtime: SandboxRuntime) -> initexec.Channel | None:
-        """The init's exec channel (destroy and reset close it with the root fd). At most
-        ROOT_CACHE are held open, least recently used first out, as root fds are."""
-        sid = runtime.sandbox_id
-        with self._lock:
-            if sid in self._closing:
-                raise SandboxNotRunning("the sandbox is being destroyed")
-            if sid in self._chans:
-                self._chans.move_to_end(sid)
-                return self._chans[sid]
-        pidfd = runtime.pidfd if runtime.pidfd >= 0 else self._open_pidfd(runtime)
-        if pidfd < 0:
-            raise SandboxNotRunning("the sandbox's init is gone")
-        try:
-            chan: initexec.Channel | None = initexec.Channel(_core.init_channel(pidfd))
-        except OSError:  # EBADF: an init without a channel (an older corral's)
-            chan = None
-        finally:
-            if pidfd != runtime.pidfd:
-                os.close(pidfd)
-        evicted: list[initexec.Channel | None] = []
-        with self._lock:
-            if sid in self._closing:
-                evicted.append(chan)
-                chan = None
-            elif sid in self._chans:  # another thread won the race
-                evicted.append(chan)
-                chan = self._chans[sid]
-            else:
-                self._chans[sid] = chan
-                # Least recently used first; never one with answers still to come (closing
-                # it would fail commands that are running): the bound may pass for a while.
-                extra = len(self._chans) - ROOT_CACHE
-                for old_sid in list(self._chans)[:extra] if extra > 0 else []:
-                    old = self._chans[old_sid]
-                    if old_sid != sid and (old is None or not old.waiting):
-                        evicted.append(self._chans.pop(old_sid))
-            closing = sid in self._closing
-        for old in evicted:
-            if old is not None:
-                with old.lock:  # not under a spawn waiting for its answer
-                    old.close()
-        if closing:
-            raise SandboxNotRunning("the sandbox is being destroyed")
-        return chan
-
-    def _close_channel(self, sandbox_id: str) -> None:
-        with self._lock:
-            chan = self._chans.pop(sandbox_id, None)
-            self._fallback_gates.pop(sandbox_id, None)
-        if chan is not None:
-            with chan.lock:  # not under a spawn waiting for its answer
-                chan.close()
-
-    def _spawn_via_init(self, runtime: SandboxRuntime, spec: ExecSpec,
-                        loop: asyncio.AbstractEventLoop | None) -> Launch | None:
-        """Start the command through the init (with a loop: a coroutine that gives the
-        Spawned); None when it must take the daemon's own path (no channel, a command beyond
-        the init's limits, 16 answers awaited)."""
-        if not self.init_exec or spec.stdout_fd < 0 or spec.stderr_fd < 0:
-            return None
-        chan = self._channel(runtime)
-        if chan is None:
-            return None
-        self._ensure_memcg(runtime)  # the init joins them: its children start there
-        cands = initexec.candidates(spec.argv[0], spec.env, _core.DEFAULT_PATH) \
-            if spec.argv else []
-        args = (list(spec.argv), spec.env, spec.cwd or "/", spec.uid, spec.gid,
-                list(spec.groups), cands, (spec.stdin_fd, spec.stdout_fd, spec.stderr_fd),
-                _unix_only(runtime))
-        try:
-            if loop is None:
-                return chan.spawn(*args)
-            try:
-                return self._answer(runtime, chan.submit(loop, *args))
-            except initexec.Full:  # wait for room: never the daemon's path because of load
-                return self._submit_later(runtime, chan, loop, args)
-        except initexec.Invalid as e:
-            raise InvalidRequest(str(e)) from None
-        except initexec.Busy:
-            return None
-        except (initexec.Gone, OSError) as e:
-            raise self._spawn_error(runtime, e) from e
-
-    def _submit_later(self, runtime: SandboxRuntime, chan: initexec.Channel,
-                      loop: asyncio.AbstractEventLoop,
-                      args: tuple[Any, ...]) -> Awaitable[initexec.Spawned]:
-        """Send once the init has room (copies of the stdio fds: the caller closes its own
-        when we return), then await the answer; ExecStalled after WAIT_TIMEOUT_S."""
-        stdio = tuple(_dup(fd) for fd in args[7])
-        own = (*args[:7], stdio, *args[8:])
-
-        async def later() -> initexec.Spawned:
-            try:
-                deadline = loop.time() + initexec.WAIT_TIMEOUT_S
-                fut = await chan.submit_when_ready(loop, deadline, *own)
-            except initexec.Stalled as e:
-                raise ExecStalled(str(e)) from None
-            except (initexec.Gone, OSError) as e:
-                raise self._spawn_error(runtime, e) from e
-            finally:
-                for fd in stdio:
-                    if fd >= 0:
-                        os.close(fd)
-            return await self._answer(runtime, fut)
-
-        return later()
-
-    async def _answer(self, runtime: SandboxRuntime,
-                      fut: asyncio.Future[initexec.Spawned]) -> initexec.Spawned:
-        try:  # on timeout fut is cancelled: the command is killed when its answer comes
-            return await _within(fut, initexec.WAIT_TIMEOUT_S, "the sandbox's init did not "
-                                 f"answer within {initexec.WAIT_TIMEOUT_S:.0f}s")
-        except (initexec.Gone, OSError) as e:
-            raise self._spawn_error(runtime, e) from e
-
     def _spawn_error(self, runtime: SandboxRuntime, e: BaseException) -> CorralError:
         """The API's error for a command that could not be started."""
         if isinstance(e, initexec.Gone) or not self.is_alive(runtime):
             return SandboxNotRunning("the sandbox's init is gone")
-        err = getattr(e, "errno", None)
-        msg = getattr(e, "strerror", None) or str(e)
-        if err in _OUT_OF_RESOURCES:
-            return CapacityExceeded(f"cannot start the process: {msg}", details={"errno": err})
-        return InternalError(f"cannot start the process: {msg}", details={"errno": err})
+        return oserrors.start_error(e, "cannot start the process")
 
     def warm(self, runtime: SandboxRuntime) -> None:
         """Make what a first exec would (a warm pool's sandboxes are few: their exec should
@@ -1381,33 +828,6 @@ class ContainerSubstrate(Substrate):
             if pidfd != runtime.pidfd:
                 os.close(pidfd)
 
-    def _spawn(self, runtime: SandboxRuntime, spec: ExecSpec, root: int,
-               pidfd: int) -> int:
-        self._ensure_memcg(runtime)
-        cfg = {
-            "init_pid": runtime.init_pid,
-            "pidfd": pidfd,
-            "root_fd": root,
-            "argv": list(spec.argv),
-            "env": [f"{k}={v}" for k, v in spec.env.items()],
-            "cwd": spec.cwd or "/",
-            "uid": spec.uid,
-            "gid": spec.gid,
-            "groups": list(spec.groups),
-            "stdin": spec.stdin_fd,
-            "stdout": spec.stdout_fd,
-            "stderr": spec.stderr_fd,
-            "cgroup_procs": self.cgroups.procs_files(runtime.cgroup_paths),
-            "rlimits": self.rlimits,
-            "unix_only": _unix_only(runtime),
-        }
-        try:
-            return _core.exec_in(cast("ExecConfig", cfg))
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from None
-        except OSError as e:
-            raise self._spawn_error(runtime, e) from e
-
     # ---- freeze, snapshots (the overlay uppers are the sandbox's own files) ---------------
     def freeze(self, runtime: SandboxRuntime) -> None:
         self.cgroups.freeze(runtime.cgroup_paths)
@@ -1461,317 +881,11 @@ class ContainerSubstrate(Substrate):
 
     def metrics(self) -> dict[str, int]:
         out = {f"execs_via_{k}": v for k, v in self.exec_paths.items()}
-        for k, v in getattr(self.cgroups, "spare_stats", {}).items():
+        for k, v in self.cgroups.spare_stats.items():
             out[f"memcg_spares_{k}"] = v  # recycled memory cgroups (cgroups.recycle_memory)
-        for k, v in getattr(self.cgroups, "set_spare_stats", {}).items():
+        for k, v in self.cgroups.set_spare_stats.items():
             out[f"cgroup_spares_{k}"] = v  # recycled pids/cpu/freezer cgroups (recycle_rest)
         return out
 
     def status(self) -> dict[str, Any]:
-        version = getattr(self.cgroups, "version", 1)
-        return {"cgroup_version": version if version in (1, 2) else 1}
-
-    # ---- files ---------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _rooted(self, runtime: SandboxRuntime):
-        """The sandbox's root fd, held open for the duration of the block."""
-        ref = self._acquire_root(runtime)
-        try:
-            yield ref.fd
-        finally:
-            with self._lock:
-                ref.users -= 1
-                close = ref.closing and ref.users == 0
-            if close:
-                os.close(ref.fd)
-
-    def _acquire_root(self, runtime: SandboxRuntime) -> _RootRef:
-        sid = runtime.sandbox_id
-        with self._lock:
-            ref = self._roots.get(sid)
-            if ref is not None:
-                ref.users += 1
-                self._roots.move_to_end(sid)
-                return ref
-        if sid in self._closing or (runtime.pidfd < 0 and runtime.init_pid <= 0):
-            raise SandboxNotRunning("the sandbox is not running")
-        try:
-            fd = _core.root_fd(runtime.init_pid)
-        except OSError as e:
-            raise SandboxNotRunning(f"the sandbox's root is gone: {e.strerror}") from e
-        # Same pid-reuse argument as in exec_in: the init still runs after the open, so the
-        # pid was its pid then (an unreaped child's pid is never reused: see keep_pidfds).
-        if not self.is_alive(runtime):
-            os.close(fd)
-            raise SandboxNotRunning("the sandbox's init is gone")
-        evict: list[int] = []
-        with self._lock:
-            if sid in self._closing:
-                os.close(fd)
-                raise SandboxNotRunning("the sandbox is being destroyed")
-            ref = self._roots.get(sid)
-            if ref is not None:  # another thread won the race
-                os.close(fd)
-            else:
-                ref = self._roots[sid] = _RootRef(fd)
-                if len(self._roots) > ROOT_CACHE:
-                    evict = self._evict_roots()
-            ref.users += 1
-        for old in evict:
-            os.close(old)
-        return ref
-
-    def _evict_roots(self) -> list[int]:
-        """Drop the least recently used root fds beyond ROOT_CACHE (under _lock); fds in use
-        close when their last user is done. Returns the fds to close now."""
-        out = []
-        for sid in list(self._roots)[:len(self._roots) - ROOT_CACHE]:
-            ref = self._roots.pop(sid)
-            ref.closing = True
-            if ref.users == 0:
-                out.append(ref.fd)
-        return out
-
-    def _close_root(self, sandbox_id: str) -> None:
-        """Close the sandbox's root fd (once no file operation uses it) and its exec channel."""
-        self._close_channel(sandbox_id)
-        with self._lock:
-            ref = self._roots.pop(sandbox_id, None)
-            if ref is None:
-                return
-            ref.closing = True
-            close = ref.users == 0
-        if close:
-            os.close(ref.fd)
-
-    def _fs(self, runtime: SandboxRuntime, fn: Any, path: str, *args: Any) -> Any:
-        try:
-            with self._rooted(runtime) as root:
-                return fn(root, *args)
-        except ValueError as e:
-            raise InvalidPath(str(e), details={"path": path}) from None
-        except OSError as e:
-            raise _file_error(e, path, self.scratch.quota) from None
-        except _core.LayerLimit as e:  # a listing past fs.rs LIST_MAX
-            what, limit = e.args
-            raise TooLarge(f"{path} has more than {limit} {what}",
-                           details={"path": path, "limit": what, "max": limit}) from None
-
-    def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes:
-        _check_path(path)
-        return self._fs(runtime, _core.fs_read, path, path, max(0, int(max_bytes)))
-
-    def write_file(self, runtime: SandboxRuntime, path: str, data: bytes | BinaryIO,
-                   mode: int = 0o644, make_parents: bool = True) -> None:
-        """``data``: bytes, or a binary file at its start (a spooled request body), copied in
-        chunks so the daemon holds one chunk of it at a time."""
-        _check_path(path)
-        if self.scratch.quota:  # the kernel bounds it (EDQUOT: TooLarge, see _file_error)
-            try:
-                self._write(runtime, path, data, mode, make_parents)
-            except TooLarge:
-                # No partial file stays behind to fill the disk the write could not fit in.
-                with contextlib.suppress(CorralError):
-                    self._fs(runtime, _core.fs_remove, path, path, False)
-                raise
-            return
-        size = (os.fstat(data.fileno()).st_size if not isinstance(data, (bytes, bytearray))
-                else len(data))
-        try:  # what the write replaces is freed (lstat: a symlink is replaced, not followed)
-            kind, old, *_ = self._fs(runtime, _core.fs_stat, path, path)
-            old = old if kind == "file" else 0
-        except CorralError:
-            old = 0
-        self._charge(runtime, size - old)
-        try:
-            self._write(runtime, path, data, mode, make_parents)
-        except BaseException:
-            self._charge(runtime, old - size)
-            raise
-
-    def _write(self, runtime: SandboxRuntime, path: str, data: bytes | BinaryIO, mode: int,
-               make_parents: bool) -> None:
-        if isinstance(data, (bytes, bytearray)):
-            self._fs(runtime, _core.fs_write, path, path, bytes(data), mode & 0o7777,
-                     make_parents)
-        else:
-            self._copy_in(runtime, path, mode & 0o7777, make_parents, data)
-
-    def _copy_in(self, runtime: SandboxRuntime, path: str, mode: int, make_parents: bool,
-                 src: BinaryIO) -> None:
-        """The body of write_file from a file (already charged to the disk budget whole)."""
-        fd = self._fs(runtime, _core.fs_open_write, path, path, mode, make_parents)
-        try:
-            while chunk := src.read(uploads.CHUNK):
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view):]
-        except OSError as e:
-            raise _file_error(e, path, self.scratch.quota) from None
-        finally:
-            os.close(fd)
-
-    def list_dir(self, runtime: SandboxRuntime, path: str) -> list[FileEntry]:
-        _check_path(path)
-        base = path.rstrip("/") or ""
-        return [FileEntry(name=name, path=f"{base}/{name}", type=kind, size=size, mode=mode,
-                          mtime=mtime)
-                for name, kind, size, mode, mtime in self._fs(runtime, _core.fs_list, path, path)]
-
-    def stat(self, runtime: SandboxRuntime, path: str) -> FileEntry:
-        _check_path(path)
-        kind, size, mode, mtime = self._fs(runtime, _core.fs_stat, path, path)
-        norm = os.path.normpath(path)
-        if norm.startswith("//"):
-            norm = norm[1:]
-        return FileEntry(name=os.path.basename(norm) or "/", path=norm, type=kind, size=size,
-                         mode=mode, mtime=mtime)
-
-    def mkdir(self, runtime: SandboxRuntime, path: str, parents: bool = True) -> None:
-        _check_path(path)
-        self._fs(runtime, _core.fs_mkdir, path, path, parents)
-
-    def remove(self, runtime: SandboxRuntime, path: str, recursive: bool = False) -> None:
-        _check_path(path)
-        self._fs(runtime, _core.fs_remove, path, path, recursive)
-
-    def rename(self, runtime: SandboxRuntime, src: str, dst: str) -> None:
-        _check_path(src)
-        _check_path(dst)
-        self._fs(runtime, _core.fs_rename, src, src, dst)
-
-    # ---- tar -----------------------------------------------------------------------------
-    def upload_tar(self, runtime: SandboxRuntime, path: str,
-                   tar_bytes: bytes | BinaryIO) -> None:
-        """Extract into ``path`` through the fs primitives only (never via host paths):
-        members are normalized below ``path``, ``..`` refused, devices/FIFOs/sockets refused,
-        hard links copied from an already extracted member, symlinks made verbatim (they
-        resolve inside the sandbox's root)."""
-        _check_path(path)
-        base = path.rstrip("/")
-        self._fs(runtime, _core.fs_mkdir, path, path, True)
-        # Streamed (r|: no seek, so nothing is decompressed twice), decompressed lazily and
-        # bounded (uploads.Bounded): the daemon never holds more than a chunk of a member.
-        src = uploads.open_bounded(tar_bytes, self.upload_max_bytes)
-        try:
-            tf = tarfile.open(fileobj=src, mode="r|", tarinfo=uploads.BoundedTarInfo)
-        except _BAD_ARCHIVE as e:
-            raise InvalidRequest(f"not a tar archive: {e}") from None
-        dirs: list[tuple[str, int]] = []
-        try:
-            with tf:
-                for count, m in enumerate(tf):
-                    if count >= TAR_MAX_MEMBERS:
-                        raise TooLarge(f"tar has more than {TAR_MAX_MEMBERS} members",
-                                       details={"limit": "members", "max": TAR_MAX_MEMBERS})
-                    self._extract(runtime, tf, m, base, dirs)
-        except _BAD_ARCHIVE as e:
-            raise InvalidRequest(f"bad tar archive: {e}") from None
-        # Directory modes last, deepest first, so a read-only dir does not block its contents.
-        for dest, mode in reversed(dirs):
-            self._fs(runtime, _core.fs_chmod, dest, dest, mode)
-
-    def _extract(self, runtime: SandboxRuntime, tf: tarfile.TarFile, m: tarfile.TarInfo,
-                 base: str, dirs: list[tuple[str, int]]) -> None:
-        rel = self._tar_rel(m.name)
-        if rel is None:
-            return
-        dest = f"{base}/{rel}"
-        mode = m.mode & 0o7777 & ~(stat_mod.S_ISUID | stat_mod.S_ISGID)
-        if m.isdir():
-            self._fs(runtime, _core.fs_mkdir, dest, dest, True, 0o755)
-            dirs.append((dest, mode or 0o755))
-        elif m.isreg():
-            f = tf.extractfile(m)
-            self._replace(runtime, dest)
-            self._write_from(runtime, dest, mode, f if f is not None else io.BytesIO())
-        elif m.issym():
-            self._parent(runtime, dest)
-            self._replace(runtime, dest)
-            self._fs(runtime, _core.fs_symlink, dest, m.linkname, dest)
-        elif m.islnk():
-            target_rel = self._tar_rel(m.linkname)
-            if target_rel is None:
-                raise InvalidRequest(f"tar hard link {m.name!r} points at the root")
-            src = f"{base}/{target_rel}"
-            fd, _ = self._fs(runtime, _core.fs_open_read, src, src)
-            with open(fd, "rb", buffering=0) as f:  # a copy of the member extracted before
-                self._replace(runtime, dest)
-                self._write_from(runtime, dest, mode, f)
-        else:
-            raise InvalidRequest(
-                f"tar member {m.name!r} is a device, FIFO or other special file")
-
-    def _write_from(self, runtime: SandboxRuntime, dest: str, mode: int, src: Any) -> None:
-        """Write ``src`` to ``dest`` in chunks, each charged to the sandbox's disk budget."""
-        fd = self._fs(runtime, _core.fs_open_write, dest, dest, mode, True)
-        try:
-            while chunk := src.read(uploads.CHUNK):
-                self._charge(runtime, len(chunk))
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view):]
-        except OSError as e:
-            raise _file_error(e, dest, self.scratch.quota) from None
-        finally:
-            os.close(fd)
-
-    def _charge(self, runtime: SandboxRuntime, delta: int) -> None:
-        if self.scratch.quota:
-            return  # the kernel bounds the sandbox's layer: EDQUOT (see _file_error)
-        limit = int(runtime.extra.get("disk_mb", DEFAULT_DISK_MB)) << 20
-        self.disk.charge(runtime.sandbox_id, delta, limit)
-
-    @staticmethod
-    def _tar_rel(name: str) -> str | None:
-        parts = [p for p in name.split("/") if p not in ("", ".")]
-        if any(p == ".." for p in parts):
-            raise InvalidPath(f"tar member {name!r} contains '..'", details={"member": name})
-        if any("\0" in p for p in parts):
-            raise InvalidPath(f"tar member {name!r} has a NUL byte")
-        return "/".join(parts) or None
-
-    def _parent(self, runtime: SandboxRuntime, dest: str) -> None:
-        parent = dest.rsplit("/", 1)[0] or "/"
-        self._fs(runtime, _core.fs_mkdir, parent, parent, True)
-
-    def _replace(self, runtime: SandboxRuntime, dest: str) -> None:
-        """Remove a non-directory at ``dest`` (tar semantics: a member replaces what is
-        there); a symlink is removed, never followed."""
-        try:
-            kind, *_ = self._fs(runtime, _core.fs_stat, dest, dest)
-        except FileNotFound:
-            return
-        if kind != "dir":
-            self._fs(runtime, _core.fs_remove, dest, dest, False)
-
-    def open_read(self, runtime: SandboxRuntime, path: str) -> tuple[int, int]:
-        """(fd, size) of a regular file, checked as read_file checks it, to stream from (the
-        caller closes the fd)."""
-        _check_path(path)
-        return self._fs(runtime, _core.fs_open_read, path, path)
-
-    def download_tar(self, runtime: SandboxRuntime, path: str) -> bytes:
-        """The whole tar in memory, for in-process callers (the API streams it instead)."""
-        ops = self.tree_ops(runtime, path)
-        root = path.rstrip("/") or "/"
-        streams.plan(ops, root, TAR_MAX_BYTES, TAR_MAX_MEMBERS)
-        return b"".join(streams.chunks(ops, root, TAR_MAX_BYTES))
-
-    def tree_ops(self, runtime: SandboxRuntime, path: str) -> streams.TreeOps:
-        """The primitives a streamed tar download of ``path`` walks the sandbox's files with."""
-        _check_path(path)
-        def stat(p: str) -> tuple[str, int, int, float]:
-            return self._fs(runtime, _core.fs_stat, p, p)
-
-        def ls(p: str) -> list[tuple[str, str]]:
-            return [(e[0], e[1]) for e in self._fs(runtime, _core.fs_list, p, p)]
-
-        def readlink(p: str) -> str:
-            return self._fs(runtime, _core.fs_readlink, p, p)
-
-        def open_read(p: str) -> tuple[int, int]:
-            return self._fs(runtime, _core.fs_open_read, p, p)
-
-        return streams.TreeOps(stat=stat, list=ls, readlink=readlink, open_read=open_read)
-
+        return {"cgroup_version": self.cgroups.version}

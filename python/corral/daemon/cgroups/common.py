@@ -1,0 +1,493 @@
+"""The cgroup interface (CgroupManager) over v1 and v2, and what both versions share.
+
+v2 is used only when the cgroup2 mount offers memory, pids and cpu; otherwise the v1 hierarchies
+(memory, pids, cpu, and freezer when mounted) hold one directory per sandbox:
+``<hierarchy>/<name>/<sandbox_id>``. Sandbox creation is a hot path (thousands per second), so
+hierarchy paths are found once at init and every call is plain ``os`` syscalls, no subprocess.
+Constructing ``CgroupManager(name)`` gives the class for this host: ``CgroupsV2``
+(corral.daemon.cgroups.v2) or ``CgroupsV1`` (corral.daemon.cgroups.v1).
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import errno
+import os
+import re
+import signal
+import time
+
+from corral.daemon import kernel
+
+_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,127}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
+_V1_REQUIRED = ("memory", "pids", "cpu")
+_V2_REQUIRED = {"memory", "pids", "cpu"}
+CFS_PERIOD_US = 100_000
+DAEMON_CGROUP = ".daemon"  # the daemon's own cgroup under <name> (never matches _ID_RE)
+
+
+_write = kernel.write_knob  # every cgroup file write and read goes through the kernel seam
+_read = kernel.read_knob
+
+
+def _read_pids(path: str) -> list[int]:
+    try:
+        return [int(x) for x in _read(os.path.join(path, "cgroup.procs")).split()]
+    except FileNotFoundError:
+        return []
+
+
+def _own_cgroup(version: int, pid: int) -> tuple[str, str]:
+    """(directory of ``pid``'s cgroup, the hierarchy's mount point) in the memory hierarchy
+    (v1) or the unified one (v2); the directory is the mount point if it cannot be told."""
+    v1, v2 = _mounts()
+    mount = (v1.get("memory") if version == 1 else v2) or "/sys/fs/cgroup"
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            for line in f:
+                _, ctrls, path = line.rstrip("\n").split(":", 2)
+                if (ctrls == "") if version == 2 else ("memory" in ctrls.split(",")):
+                    d = os.path.join(mount, path.lstrip("/"))
+                    if os.path.isdir(d):
+                        return d, mount
+    except (OSError, ValueError):
+        pass
+    return mount, mount
+
+
+def _controllers() -> set[str]:
+    """The controllers this kernel has (/proc/cgroups), and named hierarchies never."""
+    try:
+        with open("/proc/cgroups") as f:
+            return {ln.split()[0] for ln in f if ln.strip() and not ln.startswith("#")}
+    except OSError:
+        return set()
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """A kernel cpulist ("0-3,6") as a sorted list of CPU numbers."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(out)
+
+
+def check_id(sandbox_id: str) -> str:
+    """Refuse anything that could walk out of our directory (``..``, ``/``, odd bytes)."""
+    if not isinstance(sandbox_id, str) or not _ID_RE.match(sandbox_id):
+        raise ValueError(f"invalid sandbox id {sandbox_id!r}: only [a-z0-9-] allowed")
+    return sandbox_id
+
+
+def _mounts() -> tuple[dict[str, str], str | None]:
+    """v1 controller -> mount point (first mount wins) and the cgroup2 mount point."""
+    v1: dict[str, str] = {}
+    v2: str | None = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rfields = left.split(), right.split()
+            if len(fields) < 5 or len(rfields) < 3:
+                continue
+            mnt = fields[4].replace("\\040", " ")
+            if rfields[0] == "cgroup2" and v2 is None:
+                v2 = mnt
+            elif rfields[0] == "cgroup":
+                for opt in rfields[2].split(","):
+                    v1.setdefault(opt, mnt)
+    return v1, v2
+
+
+def _v2_controllers(v2: str | None) -> set[str]:
+    if not v2:
+        return set()
+    try:
+        return set(_read(os.path.join(v2, "cgroup.controllers")).split())
+    except OSError:
+        return set()
+
+
+def for_host(name: str = "corral") -> CgroupManager:
+    """The cgroups of this host's kind (v2 if its cgroup2 mount offers memory, pids and cpu,
+    else v1) under ``<hierarchy>/<name>``."""
+    from .v1 import CgroupsV1
+    from .v2 import CgroupsV2
+
+    _, v2 = _mounts()
+    cls: type[CgroupManager] = \
+        CgroupsV2 if v2 and _V2_REQUIRED <= _v2_controllers(v2) else CgroupsV1
+    return cls(name)
+
+
+class CgroupManager(abc.ABC):
+    """Creates, fills, kills and removes the cgroup directories of sandboxes.
+    ``CgroupManager(name)`` makes the class this host supports (v2 if its cgroup2 mount offers
+    memory, pids and cpu, else v1)."""
+
+    version: int
+    # Per version: the file a new child joins through, memory usage, OOM kill count.
+    _procs_file: str
+    _usage_file: str
+    _oom_file: str
+
+    def __new__(cls, name: str = "corral") -> CgroupManager:
+        if cls is CgroupManager:  # CgroupManager(name): for_host(name)'s class
+            from .v1 import CgroupsV1
+            from .v2 import CgroupsV2
+
+            _, v2 = _mounts()
+            cls = CgroupsV2 if v2 and _V2_REQUIRED <= _v2_controllers(v2) else CgroupsV1
+        return super().__new__(cls)
+
+    def __init__(self, name: str = "corral") -> None:
+        if not _NAME_RE.match(name) or ".." in name.split("/"):
+            raise ValueError(f"invalid cgroup name {name!r}")
+        self.name = name
+        self._bases: list[str] = []
+        self._views: dict[str, tuple[str, str, str]] = {}  # base -> (name, fstype, options)
+        self._freezer: str | None = None
+        # Processes the daemon killed for thrashing at the limit (corral.daemon.thrash),
+        # counted with the kernel's OOM kills of the sandbox.
+        self.thrash_kills: collections.Counter[str] = collections.Counter()
+        # Recycled cgroups (v1 only; the counters are exported either way).
+        self.spares_max = 0
+        self.spare_stats = {"reused": 0, "kept": 0, "kept_charged": 0, "discarded": 0,
+                            "drained": 0}
+        self.set_spares_max = 0
+        self.set_spare_stats = {"reused": 0, "kept": 0}
+        # Where the daemon's process was before enter_daemon_cgroup: (cgroup, hierarchy root).
+        self._daemon_home: tuple[str, str] | None = None
+
+    # ---- what each version does its own way -----------------------------------------------
+    @property
+    @abc.abstractmethod
+    def _memcgs(self) -> str:
+        """The directory holding the sandboxes' memory cgroups (and the daemon's)."""
+
+    @property
+    @abc.abstractmethod
+    def lazy_memory_ok(self) -> bool:
+        """Whether memory and cpu cgroups can come at a sandbox's first exec (``later``)."""
+
+    @property
+    @abc.abstractmethod
+    def memory_base(self) -> str | None:
+        """The v1 memory hierarchy's directory of ours (None on v2)."""
+
+    @abc.abstractmethod
+    def host_cpus(self) -> list[int] | None:
+        """The CPUs sandboxes may be placed on (our parent cpuset's), or None without a
+        cpuset hierarchy of its own (then sandboxes get no cpuset)."""
+
+    @abc.abstractmethod
+    def later_paths(self, sandbox_id: str) -> list[str]:
+        """The cgroups ``create(..., later=True)`` leaves for ``ensure_later``."""
+
+    @abc.abstractmethod
+    def create(self, sandbox_id: str, cpu: float, memory_mb: int, pids: int,
+               later: bool = False, cpus: str | None = None) -> list[str]:
+        """Make the sandbox's cgroup dirs with limits written; all or nothing. All its paths
+        are returned; with ``later`` (v1 only) the memory and cpu cgroups are not made now but
+        by ``ensure_later`` (see ContainerSubstrate.lazy_memcg). ``cpus``: the cpuset's CPUs
+        (a cpulist, "0,2"); None: all of ours."""
+
+    @abc.abstractmethod
+    def ensure_later(self, sandbox_id: str, cpu: float, memory_mb: int,
+                     pids: list[int], cpus: str | None = None) -> None:
+        """Make the cgroups of a sandbox created with ``later`` (limits first, then ``pids``
+        moved in)."""
+
+    @abc.abstractmethod
+    def recycle_memory(self, sandbox_id: str) -> bool:
+        """Keep the sandbox's memory cgroup for a later sandbox; False if the caller should
+        remove it."""
+
+    @abc.abstractmethod
+    def recycle_rest(self, sandbox_id: str) -> None:
+        """Keep the sandbox's other cgroups for later sandboxes (those not kept are left for
+        the caller's rmdir)."""
+
+    @abc.abstractmethod
+    def spare_ready(self) -> bool:
+        """Is a recycled memory cgroup ready (making one costs ~nothing then)?"""
+
+    @abc.abstractmethod
+    def drop_spares(self, all_on_disk: bool = False) -> None:
+        """rmdir the spares (at stop; ``all_on_disk`` at start: those a crashed daemon left)."""
+
+    @abc.abstractmethod
+    def _freezer_path(self, paths: list[str]) -> str:
+        """The sandbox's cgroup that freezes it (OSError if there is none)."""
+
+    @abc.abstractmethod
+    def is_frozen(self, paths: list[str]) -> bool: ...
+
+    @abc.abstractmethod
+    def freeze_requested(self, paths: list[str]) -> bool:
+        """Frozen, or on the way: either way a process that joins it now freezes."""
+
+    @abc.abstractmethod
+    def _set_frozen(self, path: str, frozen: bool) -> None:
+        """Ask the kernel to freeze or thaw the cgroup at ``path``."""
+
+    def _kill_first(self, paths: list[str]) -> None:
+        """Before kill_all's signal rounds (v2: cgroup.kill)."""
+        return
+
+    def _after_kill_round(self, paths: list[str]) -> None:
+        """After each of kill_all's signal rounds (v1: thaw)."""
+        return
+
+    def _is_memcg(self, path: str) -> bool:
+        """A sandbox's memory cgroup removed through a recycler (v1)."""
+        return False
+
+    def _remove_memcg(self, path: str) -> bool:
+        """Remove a sandbox's memory cgroup (see _is_memcg); False if a task is in it."""
+        raise NotImplementedError
+
+    def _protect_daemon(self, reserve_bytes: int) -> None:
+        """Protect the daemon's memory (v2: memory.min and memory.low)."""
+        return
+
+    # ---- shared ------------------------------------------------------------------------------
+    def view_names(self) -> list[str]:
+        """The directories of /sys/fs/cgroup a sandbox gets ("" on v2: /sys/fs/cgroup)."""
+        return [n for n, _, _ in self._views.values()]
+
+    def view_mounts(self, paths: list[str]) -> list[tuple[str, str, str]]:
+        """(target below /sys/fs/cgroup, fstype, options) of the hierarchies of ``paths``
+        (a sandbox's cgroups): mounted in its cgroup namespace, each shows its own."""
+        out = []
+        for p in paths:
+            v = self._views.get(os.path.dirname(p))
+            if v is not None:
+                name, fstype, opts = v
+                out.append((os.path.join("sys/fs/cgroup", name).rstrip("/"), fstype, opts))
+        return out
+
+    def paths_for(self, sandbox_id: str) -> list[str]:
+        check_id(sandbox_id)
+        return [os.path.join(b, sandbox_id) for b in self._bases]
+
+    def procs_files(self, paths: list[str]) -> list[str]:
+        """The files a new (single-threaded) child joins ``paths`` through, writing "0". v1:
+        ``tasks``, not ``cgroup.procs``: moving the calling thread itself (pid 0 to
+        ``tasks``) skips the global cgroup_threadgroup_rwsem, whose write side waits for an
+        RCU grace period whenever no migration happened in the last one (0.7-7 ms measured
+        here on the first exec after a pause). The child is a process of one thread, so this
+        moves the whole process. v2's cgroup.threads is for threaded subtrees only."""
+        return [os.path.join(p, self._procs_file) for p in paths]
+
+    def pids(self, paths: list[str]) -> set[int]:
+        out: set[int] = set()
+        for p in paths:
+            out.update(_read_pids(p))
+        return out
+
+    def kill_all(self, paths: list[str], timeout: float = 2.0) -> None:
+        """SIGKILL every process in the cgroups until they are empty (or ``timeout``)."""
+        self._kill_first(paths)
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while True:
+            pids = self.pids(paths)
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self._after_kill_round(paths)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def remove(self, paths: list[str], timeout: float = 1.0) -> None:
+        """rmdir each path (children first). A dying process may keep a cgroup busy for a few
+        ms, so EBUSY is retried; missing dirs are fine. Raises OSError if one stays busy."""
+        deadline = time.monotonic() + timeout
+        for p in paths:
+            memcg = self._is_memcg(p)
+            delay = 0.0005
+            while True:
+                try:
+                    if not memcg:
+                        os.rmdir(p)
+                    elif not self._remove_memcg(p):
+                        raise OSError(errno.EBUSY, "a task is still in the memory cgroup")
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    if e.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+                        raise
+                    self._remove_children(p)
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.05)
+
+    def try_remove(self, paths: list[str]) -> bool:
+        """rmdir each path once, no waiting: True if none is left (missing ones count as
+        removed). For the common case of cgroups already empty; fall back to kill_all and
+        remove on False."""
+        ok = True
+        for p in paths:
+            if self._is_memcg(p):  # drained if need be (see _remove_memcg)
+                ok = self._remove_memcg(p) and ok
+                continue
+            try:
+                os.rmdir(p)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                ok = False
+        return ok
+
+    def _remove_children(self, path: str) -> None:
+        try:
+            entries = list(os.scandir(path))
+        except FileNotFoundError:
+            return
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                self._remove_children(e.path)
+                try:
+                    os.rmdir(e.path)
+                except OSError:
+                    pass
+
+    # ---- the daemon's own cgroup --------------------------------------------------------------
+    def daemon_cgroup(self) -> str:
+        """``<memory hierarchy>/<name>/.daemon`` (v2: the one hierarchy). The dot keeps it out
+        of list_ids, orphan cleanup and the spare lists."""
+        return os.path.join(self._memcgs, DAEMON_CGROUP)
+
+    def enter_daemon_cgroup(self, pid: int, reserve_bytes: int) -> str:
+        """Move process ``pid`` (the daemon: every thread) into the daemon's cgroup, with
+        ``reserve_bytes`` of memory protected on v2 (memory.min, and memory.low at twice that,
+        on the cgroup and on each of our directories above it: protection only reaches a cgroup
+        through ancestors that have it). v1's memory controller has no reservation; there the
+        cgroup keeps the daemon's memory apart from the sandboxes' limits and the OOM killer's
+        choice rests on oom_score_adj. Returns the cgroup's path."""
+        d = self.daemon_cgroup()
+        self._daemon_home = _own_cgroup(self.version, pid)
+        os.makedirs(d, exist_ok=True)
+        self._protect_daemon(reserve_bytes)
+        _write(os.path.join(d, "cgroup.procs"), str(pid))
+        return d
+
+    def leave_daemon_cgroup(self, pid: int) -> None:
+        """Move ``pid`` back where it came from and remove the daemon's cgroup (at stop)."""
+        home = self._daemon_home
+        if home is None:
+            return
+        for target in home:  # where it came from; if that is gone, the hierarchy's root
+            try:
+                _write(os.path.join(target, "cgroup.procs"), str(pid))
+                break
+            except OSError:
+                continue
+        else:
+            return
+        self._daemon_home = None
+        try:
+            os.rmdir(self.daemon_cgroup())
+        except OSError:
+            pass  # a helper process still in it: it goes with the next stop
+
+    def remove_parents(self) -> None:
+        """Remove our (empty) top-level directories; best effort, a busy one stays."""
+        self.leave_daemon_cgroup(os.getpid())
+        self.drop_spares()
+        for base in self._bases:
+            try:
+                os.rmdir(base)
+            except OSError:
+                pass
+
+    def list_ids(self) -> set[str]:
+        ids: set[str] = set()
+        for b in self._bases:
+            try:
+                with os.scandir(b) as it:
+                    for e in it:
+                        if e.is_dir(follow_symlinks=False) and _ID_RE.match(e.name):
+                            ids.add(e.name)
+            except FileNotFoundError:
+                pass
+        return ids
+
+    def memory_usage(self, paths: list[str]) -> int:
+        for p in paths:
+            try:
+                return int(_read(os.path.join(p, self._usage_file)))
+            except FileNotFoundError:
+                continue
+        return 0
+
+    def oom_kills(self, sandbox_id: str) -> int | None:
+        """How many processes the kernel's OOM killer has killed in the sandbox's memory
+        cgroup since the cgroup was made (v2 ``memory.events``; v1 ``memory.oom_control``).
+        A recycled v1 cgroup never has any (recycle_memory discards those); a cgroup kept
+        across a restore in place does, and callers keep a baseline. None when the sandbox
+        has no memory cgroup (yet) or the kernel does not count."""
+        extra = self.thrash_kills.get(sandbox_id, 0)
+        kills = self._oom_kills_at(os.path.join(self._memcgs, check_id(sandbox_id)))
+        return kills + extra if kills is not None else None
+
+    def record_thrash_kill(self, sandbox_id: str) -> None:
+        self.thrash_kills[sandbox_id] += 1
+
+    def forget_thrash_kills(self, sandbox_id: str) -> None:
+        self.thrash_kills.pop(sandbox_id, None)
+
+    def _oom_kills_at(self, path: str) -> int | None:
+        try:
+            text = _read(os.path.join(path, self._oom_file))
+        except OSError:
+            return None
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return None
+
+    # ---- freezer ---------------------------------------------------------------------------
+    def freeze(self, paths: list[str], timeout: float = 5.0) -> None:
+        """Stop every process in the sandbox; returns once the kernel reports it frozen."""
+        self._set_frozen(self._freezer_path(paths), True)
+        self._wait_state(paths, True, timeout)
+
+    def thaw(self, paths: list[str], wait: bool = True, timeout: float = 5.0) -> None:
+        try:
+            p = self._freezer_path(paths)
+        except OSError:
+            if wait:
+                raise
+            return
+        try:
+            self._set_frozen(p, False)
+        except FileNotFoundError:
+            if wait:
+                raise
+            return
+        if wait:
+            self._wait_state(paths, False, timeout)
+
+    def _wait_state(self, paths: list[str], frozen: bool, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while self.is_frozen(paths) != frozen:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"cgroup did not become {'frozen' if frozen else 'thawed'}")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)

@@ -1,0 +1,760 @@
+"""The engine: the sandboxes' registry and lifecycle (create, liveness, reaper, destroy,
+pause), with exec, files, snapshots and recovery mixed in from their modules."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from corral import __version__
+from corral.config import Config
+from corral.daemon import oserrors, persist, removal, snapshots
+from corral.daemon.substrates import registry
+from corral.daemon.substrates.base import SandboxRuntime, Substrate
+from corral.daemon.trajlog import TrajLog
+from corral.errors import (
+    CapacityExceeded,
+    CorralError,
+    DaemonRestarted,
+    ImageNotFound,
+    InternalError,
+    SandboxCrashed,
+    SandboxExpired,
+    SandboxKilled,
+    SandboxLost,
+    SandboxNotFound,
+    SandboxNotRunning,
+    Unsupported,
+)
+from corral.models import SandboxSpec
+
+from .base import (
+    _CAUSE_TEXT,
+    _REASON_TEXT,
+    CREATE_WORKERS,
+    DESTROY_THREADS,
+    TOMBSTONES,
+    Sandbox,
+    _any_record,
+    _settle,
+    by_operator,
+    log,
+    new_id,
+)
+from .execs import ExecOps
+from .files import FileOps
+from .recovery import Recovery
+from .snapshotting import SnapshotOps
+
+
+class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
+    def __init__(self, config: Config, *, substrates: Sequence[str] | None = None,
+                 images: Any = None) -> None:
+        """``substrates``: the registered substrates to serve (default: the registry's
+        defaults); made at start (corral.daemon.substrates.registry)."""
+        self.config = config
+        self.sandboxes: dict[str, Sandbox] = {}
+        self.tombstones: OrderedDict[str, str] = OrderedDict()
+        self.causes: dict[str, dict[str, Any]] = {}  # tombstoned "crashed" ids: the cause
+        self.substrate_names = list(substrates) if substrates is not None \
+            else registry.defaults()
+        self.substrates: dict[str, Substrate] = {}
+        self.images = images
+        # Host-wide resources the substrates made (registry.Context.shared).
+        self.shared: dict[str, Any] = {}
+        self.sandboxes_dir = os.path.join(config.state_dir, "sandboxes")
+        self.started_at = time.time()
+        self.shutting_down = False
+        self._shutdown_ended: list[str] = []  # see _save_shutdown_tombstones
+        self.counters: dict[str, int] = {
+            "created": 0, "create_failed": 0, "execs": 0, "exec_timeouts": 0, "lost": 0,
+            "crashed": 0,
+            "expired": 0, "idle_timeout": 0, "killed": 0, "operator_killed": 0, "adopted": 0,
+            "orphans_removed": 0,
+            "snapshots": 0,
+        }
+        self._heap: list[tuple[float, str]] = []
+        # Background work kept referenced: batch destroys, spare layer dirs.
+        self._batch_tasks: set[asyncio.Future[None]] = set()
+        self.pools: Any = None  # corral.daemon.pools.WarmPools, made at start
+        self._reaper: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.snaps: snapshots.SnapshotStore | None = None
+        self.trajlog = TrajLog(config.state_dir, enabled=config.trajlog,
+                               retention_s=config.log_retention_s,
+                               output_cap=config.trajlog_output_cap, sync=config.trajlog_sync,
+                               flush_ms=config.trajlog_flush_ms,
+                               start_ms=config.trajlog_start_ms)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        os.makedirs(self.sandboxes_dir, mode=0o700, exist_ok=True)
+        await self._make_substrates()
+        self.snaps = snapshots.SnapshotStore(self.config.state_dir,
+                                             self.config.snapshot_max_bytes,
+                                             self.config.snapshot_max_entries)
+        await asyncio.to_thread(self.snaps.load)
+        self.trajlog.open(self._loop)
+        self._load_shutdown_tombstones()
+        self._recover()
+        self.snaps.collect()
+        self._catch_init_exits()
+        self._reaper = asyncio.create_task(self._reap_loop())
+        from corral.daemon.pools import PoolConfig, WarmPools
+
+        self.pools = WarmPools(PoolConfig.from_env(), self.substrates, self.images,
+                               self.sandboxes_dir, new_id=new_id,
+                               room=lambda: self.config.max_sandboxes - len(self.sandboxes))
+        self.pools.start()
+
+    def _catch_init_exits(self) -> None:
+        """Substrates that can learn about dead inits without an fd per sandbox do so (the
+        daemon's fd table then does not grow with the sandboxes; Substrate.watch_exits);
+        sandboxes made before (re-adopted) keep their pidfd."""
+        assert self._loop is not None
+        for sub in self.substrates.values():
+            sub.watch_exits(self._loop, self._inits_died)
+
+    def _inits_died(self, ids: list[str]) -> None:
+        for sid in ids:
+            sb = self.sandboxes.get(sid)
+            if sb is not None and sb.state in ("running", "paused"):
+                self._lose(sb)
+
+    async def _make_substrates(self) -> None:
+        if self.images is None:
+            from corral.daemon.images import ImageStore
+
+            self.images = ImageStore(self.config.state_dir)
+        await asyncio.to_thread(self.images.ensure_host)
+        ctx = registry.Context(self.config, self.images, self.shared)
+        self.substrates = registry.build(self.substrate_names, ctx)
+
+    def close(self) -> None:
+        """Stop the reaper and watchers, leave every sandbox running (re-adopted next start)."""
+        if self._reaper:
+            self._reaper.cancel()
+        if self.pools is not None:
+            self.pools.close_now()
+        for sb in self.sandboxes.values():
+            if sb.state in ("running", "paused"):
+                self._unwatch(sb)
+        # A start that failed with no sandbox to keep (none re-adopted, no record on disk not
+        # yet looked at) leaves nothing of the substrates on the host (Substrate.close retire).
+        # With sandboxes to keep, everything stays for the next start.
+        retire = not self.sandboxes and not _any_record(self.sandboxes_dir)
+        for substrate in self.substrates.values():
+            try:
+                substrate.close(retire=retire)
+            except Exception:  # noqa: BLE001
+                log.exception("substrate close failed", extra={"substrate": substrate.name})
+        self.trajlog.close()
+        if self.snaps is not None:
+            self.snaps.close()
+
+    async def shutdown(self) -> None:
+        """Destroy every sandbox (graceful stop)."""
+        self.shutting_down = True
+        if self._reaper:
+            self._reaper.cancel()
+        if self.pools is not None:
+            await self.pools.close()
+        self._save_shutdown_tombstones()
+        stops = [self._begin_stop(sb, "shutdown") for sb in list(self.sandboxes.values())]
+        if stops:
+            log.info("destroying sandboxes", extra={"count": len(stops)})
+            await asyncio.gather(*stops, return_exceptions=True)
+        for substrate in self.substrates.values():
+            substrate.close(retire=not self.sandboxes)
+
+    def _gone(self, sid: str, sb: Sandbox | None = None) -> CorralError:
+        reason = sb.reason if sb is not None else self.tombstones.get(sid)
+        if reason is None:
+            if sb is not None:  # still starting (only visible during a batch create)
+                return SandboxNotRunning(f"sandbox {sid} is still starting",
+                                         details={"reason": "starting"})
+            return SandboxNotFound(f"no sandbox {sid}", details={"id": sid})
+        text = f"sandbox {sid} is not running: {_REASON_TEXT.get(reason, reason)}"
+        details: dict[str, Any] = {"id": sid, "reason": reason}
+        if reason == "crashed":
+            cause = (sb.cause if sb is not None else None) or self.causes.get(sid) or {}
+            details.update(cause)
+            what = _CAUSE_TEXT.get(str(cause.get("cause")), "it crashed")
+            status = f" ({cause['status']})" if cause.get("status") else ""
+            text = f"sandbox {sid} is not running: {what}{status}"
+            return SandboxCrashed(text, details=details)
+        if reason == "operator_killed":
+            return SandboxKilled(text, details=details)
+        if reason in ("expired", "idle_timeout"):
+            return SandboxExpired(text, details=details)
+        if reason == "lost":
+            return SandboxLost(text, details=details)
+        if reason == "shutdown":
+            return DaemonRestarted(text, details=details)
+        return SandboxNotRunning(text, details=details)
+
+    def get(self, sid: str) -> Sandbox:
+        """A running sandbox (a paused one is resumed); refreshes its idle clock."""
+        sb = self.sandboxes.get(sid)
+        if sb is not None and sb.state == "paused":
+            self._resume(sb)
+        if sb is None or sb.state != "running":
+            raise self._gone(sid, sb)
+        sb.last_active = time.time()
+        return sb
+
+    def sandbox_count(self) -> int:
+        """Sandboxes held, in any state (each counts against capacity)."""
+        return len(self.sandboxes)
+
+    def info_now(self, sid: str) -> dict[str, Any] | None:
+        """The SandboxInfo of a sandbox the engine holds (any state), else None."""
+        sb = self.sandboxes.get(sid)
+        return sb.info() if sb is not None else None
+
+    def lookup(self, sid: str) -> Sandbox:
+        """A running or paused sandbox, not resumed (info calls); refreshes its idle clock."""
+        sb = self.sandboxes.get(sid)
+        if sb is None or sb.state not in ("running", "paused"):
+            raise self._gone(sid, sb)
+        sb.last_active = time.time()
+        return sb
+
+    def _substrate(self, name: str) -> Substrate:
+        sub = self.substrates.get(name)
+        if sub is None:
+            raise registry.unknown(name, list(self.substrates))
+        return sub
+
+    def _for_create(self, spec: SandboxSpec) -> Substrate:
+        """The substrate a create names, checked against its capabilities."""
+        sub = self._substrate(spec.substrate)
+        caps = sub.capabilities
+        if spec.network not in caps.networks:
+            raise Unsupported(f"network {spec.network!r} is not supported on substrate "
+                              f"{sub.name!r} (it has: {', '.join(caps.networks)})",
+                              details={"substrate": sub.name, "network": spec.network})
+        if spec.snapshot is not None and not caps.snapshot:
+            raise Unsupported(f"snapshots are not supported on substrate {sub.name!r}",
+                              details={"substrate": sub.name, "operation": "snapshot"})
+        return sub
+
+    @staticmethod
+    def _lacks(sub: Substrate, what: str) -> Unsupported:
+        return Unsupported(f"{what} is not supported on substrate {sub.name!r}",
+                           details={"substrate": sub.name, "operation": what})
+
+    def substrate_table(self) -> list[dict[str, Any]]:
+        """Each served substrate and its capabilities (GET /v1/substrates)."""
+        return [{"name": name, "capabilities": sub.capabilities.to_json(),
+                 "operations": sub.capabilities.operations()}
+                for name, sub in sorted(self.substrates.items())]
+
+    def _image(self, name: str) -> Any:
+        image = self.images.get(name)
+        if image is None:
+            raise ImageNotFound(f"no image {name!r}", details={"image": name})
+        return image
+
+    def _admit(self, n: int) -> None:
+        if self.shutting_down:
+            raise DaemonRestarted("the daemon is shutting down")
+        cap = self.config.max_sandboxes
+        if len(self.sandboxes) + n > cap:
+            raise CapacityExceeded(
+                f"capacity exceeded: {len(self.sandboxes)} of {cap} sandboxes in use, "
+                f"{n} requested", details={"in_use": len(self.sandboxes), "capacity": cap})
+
+    async def _create_one(self, substrate: Substrate, spec: SandboxSpec, image: Any,
+                          demand: int = 1, trajectory: str | None = None) -> Sandbox:
+        # A warm one if a pool has it (corral.daemon.pools): its id was drawn when it was made.
+        pooled = self.pools.take(spec, demand) if self.pools is not None else None
+        sid = pooled.sandbox_id if pooled is not None else new_id()
+        now = time.time()
+        sb = Sandbox(sid, spec, now, now + spec.timeout)
+        sb.trajectory = trajectory
+        sdir = os.path.join(self.sandboxes_dir, sid)
+        meta_path = os.path.join(sdir, persist.META)
+        # The directory is the record until meta.json exists: a crash mid-create leaves a
+        # dir without a runtime, which recovery hands to cleanup_orphans with everything else.
+        if pooled is None:
+            os.mkdir(sdir, 0o700)
+        self.sandboxes[sid] = sb  # counts against capacity while being made
+        try:
+            if pooled is not None:
+                sb.runtime = pooled
+            else:
+                # In a worker thread (the Rust core releases the GIL): creates of concurrent
+                # clients, and of a batch, use every core; the loop stays free meanwhile.
+                sb.threads += 1  # a stop meanwhile (shutdown) waits for the runtime, then kills it
+                try:
+                    fut = asyncio.ensure_future(asyncio.to_thread(substrate.create, sid, spec,
+                                                                  image))
+                    cancelled = await _settle(fut)
+                    sb.runtime = fut.result()
+                finally:
+                    sb.threads -= 1
+                if cancelled:
+                    raise asyncio.CancelledError
+                if sb.stopping is not None:  # the daemon is stopping: it destroys this one
+                    raise self._gone(sid, sb)
+            layers = self._image_layers(image)
+            if layers:
+                sb.runtime.extra["layers"] = layers
+                if self.snaps is not None:
+                    self.snaps.acquire(layers)
+            sb.state = "running"
+            persist.write_json_atomic(meta_path, sb.meta())
+        except BaseException as e:
+            self.counters["create_failed"] += 1
+            if sb.stopping is not None:
+                raise  # being destroyed by the stop that caught it half-made
+            del self.sandboxes[sid]
+            if sb.state == "running" and sb.layers and self.snaps is not None:
+                self.snaps.release(sb.layers)
+            if sb.runtime is not None:
+                try:
+                    substrate.destroy(sb.runtime)
+                except Exception:  # noqa: BLE001
+                    log.exception("destroy after a failed create", extra={"sandbox": sid})
+            removal.remove_or_quarantine(sdir)
+            if isinstance(e, CorralError) or not isinstance(e, Exception):
+                raise
+            if isinstance(e, OSError) and e.errno in oserrors.HOST_OUT_OF_RESOURCES:
+                raise CapacityExceeded(f"host out of resources: {e}") from e
+            log.exception("create failed", extra={"sandbox": sid})
+            raise InternalError(f"could not create the sandbox: {e}") from e
+        self.counters["created"] += 1
+        self.trajlog.sandbox_created(sid, sb.meta()["spec"], now)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("sandbox created", extra={"sandbox": sid, "init_pid": sb.runtime.init_pid})
+        self._watch(sb)
+        self._schedule(sb, now)
+        return sb
+
+    async def create(self, spec: SandboxSpec, trajectory: str | None = None) -> Sandbox:
+        substrate = self._for_create(spec)
+        self._admit(1)
+        spec, image = self._resolve(substrate, spec)
+        return await self._create_one(substrate, spec, image, trajectory=trajectory)
+
+    def _resolve(self, substrate: Substrate, spec: SandboxSpec) -> tuple[SandboxSpec, Any]:
+        """The image to start on: the spec's, or a snapshot's image with its layers on top
+        (the spec then names the snapshot by id and its image)."""
+        if spec.snapshot is None:
+            return spec, self._image(spec.image)
+        store = self._snaps()
+        rec = store.get(spec.snapshot)
+        base = self._image(rec["image"])
+        spec = spec.model_copy(update={"snapshot": rec["id"], "image": rec["image"]})
+        return spec, substrate.image_on(base, rec["layers"], store)
+
+    async def create_many(self, count: int, spec: SandboxSpec,
+                          trajectories: list[str] | None = None) -> list[Sandbox]:
+        """All or nothing: on the first failure the ones already made are destroyed."""
+        substrate = self._for_create(spec)
+        self._admit(count)
+        spec, image = self._resolve(substrate, spec)
+        if count > 1:
+            substrate.expect(count, spec)
+        layers = self._image_layers(image)
+        if self.snaps is not None:
+            self.snaps.acquire(layers)  # held for the batch: an rm meanwhile cannot collect
+        try:
+            return await self._create_many(substrate, count, spec, image, trajectories)
+        finally:
+            if self.snaps is not None:
+                self.snaps.release(layers)
+
+    @staticmethod
+    def _image_layers(image: Any) -> list[str]:
+        return list(image.meta.get("layers") or ())
+
+    async def _create_many(self, substrate: Substrate, count: int, spec: SandboxSpec,
+                           image: Any, trajectories: list[str] | None = None) -> list[Sandbox]:
+        made: list[Sandbox | None] = [None] * count
+        gate = asyncio.Semaphore(CREATE_WORKERS)  # creates of one batch in flight at once
+        failed: list[BaseException] = []
+
+        async def one(i: int) -> None:
+            async with gate:
+                if failed:
+                    return
+                try:
+                    self._admit(1)
+                    # The batch counts as demand once, with its size.
+                    made[i] = await self._create_one(substrate, spec, image,
+                                                     count if i == 0 else 0,
+                                                     trajectories[i] if trajectories else None)
+                except BaseException as e:  # noqa: BLE001 - raised below, after the undo
+                    failed.append(e)
+
+        try:
+            await asyncio.gather(*(one(i) for i in range(count)))
+        except BaseException as e:  # noqa: BLE001 - cancelled: the creates finish, then undo
+            failed.append(e)
+        if failed:
+            await asyncio.gather(*(self._begin_stop(sb, "killed") for sb in made if sb),
+                                 return_exceptions=True)
+            raise failed[0]
+        return [sb for sb in made if sb is not None]
+
+    def _watch(self, sb: Sandbox) -> None:
+        """Learn about a dead init as soon as it happens: its pidfd turns readable."""
+        fd = sb.runtime.pidfd if sb.runtime else -1
+        if fd >= 0 and self._loop is not None:
+            self._loop.add_reader(fd, self._on_init_exit, sb)
+
+    def _unwatch(self, sb: Sandbox) -> None:
+        fd = sb.runtime.pidfd if sb.runtime else -1
+        if fd >= 0 and self._loop is not None:
+            self._loop.remove_reader(fd)
+
+    def _on_init_exit(self, sb: Sandbox) -> None:
+        self._unwatch(sb)
+        if sb.state in ("running", "paused"):
+            self._lose(sb)
+
+    def _lose(self, sb: Sandbox) -> None:
+        """Its init died and the daemon did not kill it: crashed if the sandbox explains it
+        (read now, before destroy removes what it held and reaps the init), else lost."""
+        cause = None
+        substrate = self.substrates.get(sb.spec.substrate)
+        if substrate is not None and sb.runtime is not None:
+            try:
+                cause = substrate.end_cause(sb.runtime)
+            except Exception:  # noqa: BLE001 - no cause found: lost
+                log.exception("end_cause failed", extra={"sandbox": sb.id})
+        if cause is not None:
+            log.info("sandbox crashed", extra={"sandbox": sb.id, "cause": cause})
+            sb.cause = cause
+            self._begin_stop(sb, "crashed")  # counted there (corral_crashed_total)
+            return
+        log.warning("sandbox lost: its init died", extra={"sandbox": sb.id})
+        self._begin_stop(sb, "lost")  # counted there, once
+
+    def _alive(self, sb: Sandbox) -> bool:
+        try:
+            return self.substrates[sb.spec.substrate].is_alive(sb.rt)
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _check_alive(self, sb: Sandbox) -> None:
+        """After a failed call: if the init is gone, that was the cause -> sandbox_lost."""
+        if sb.state != "running":
+            raise self._gone(sb.id, sb)
+        if not self._alive(sb):
+            self._lose(sb)
+            raise self._gone(sb.id, sb)
+
+    def _schedule(self, sb: Sandbox, now: float) -> None:
+        d = sb.deadline(now)
+        if not sb.sched or d < sb.sched:
+            sb.sched = d
+            heapq.heappush(self._heap, (d, sb.id))
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reaper_interval_s)
+            try:
+                self.reap(time.time())
+                self.trajlog.maybe_prune(time.time())
+            except Exception:  # noqa: BLE001 - the reaper must survive anything
+                log.exception("reaper failed")
+
+    def reap(self, now: float) -> None:
+        if len(self._heap) > 2 * len(self.sandboxes) + 1024:
+            self._compact_heap()
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            when, sid = heapq.heappop(heap)
+            sb = self.sandboxes.get(sid)
+            if sb is None or sb.state not in ("running", "paused") or when != sb.sched:
+                continue  # gone, or a stale entry
+            if sb.state == "paused" and sb.spec.pause_ttl == "stop":
+                sb.sched = 0.0  # clocks stopped: rescheduled on resume
+                continue
+            idle = sb.spec.idle_timeout
+            if now >= sb.expires_at:
+                self._begin_stop(sb, "expired")
+            elif idle is not None and not sb.busy and now >= sb.last_active + idle:
+                self._begin_stop(sb, "idle_timeout")
+            else:
+                sb.sched = 0.0
+                self._schedule(sb, now)
+
+    def _compact_heap(self) -> None:
+        """Entries of killed sandboxes stay until their deadline (up to a week away): with
+        heavy churn, rebuild the heap from the live entries only."""
+        self._heap = [(sb.sched, sid) for sid, sb in self.sandboxes.items()
+                      if sb.state in ("running", "paused") and sb.sched]
+        heapq.heapify(self._heap)
+
+    def _begin_stop(self, sb: Sandbox, reason: str) -> asyncio.Future[None]:
+        if sb.stopping is None:
+            if sb.state in ("running", "paused"):
+                self._unwatch(sb)
+            sb.state = "stopping"
+            sb.reason = reason
+            if reason in self.counters:
+                self.counters[reason] += 1
+            if reason in ("expired", "idle_timeout"):
+                log.info("sandbox reaped", extra={"sandbox": sb.id, "reason": reason})
+            sb.stopping = asyncio.ensure_future(self._destroy(sb))
+        return sb.stopping
+
+    async def _destroy(self, sb: Sandbox) -> None:
+        substrate = self.substrates.get(sb.spec.substrate)
+        sdir = os.path.join(self.sandboxes_dir, sb.id)
+
+        def work() -> None:
+            if sb.runtime is not None and substrate is not None:
+                substrate.destroy(sb.runtime)
+            if os.path.lexists(sdir):  # the substrate's destroy removes it; a failed one may not
+                removal.remove_or_quarantine(sdir)
+
+        try:
+            # destroy closes the root fd that file operations in worker threads use.
+            while sb.threads:
+                await asyncio.sleep(0.005)
+            await asyncio.to_thread(work)
+        except Exception:  # noqa: BLE001
+            log.exception("destroy failed", extra={"sandbox": sb.id})
+        finally:
+            self._destroyed(sb)
+
+    def _begin_stop_many(self, sbs: list[Sandbox], reason: str) -> list[asyncio.Future[None]]:
+        """``_begin_stop`` for a batch: the ones not already stopping are destroyed together,
+        a few worker-thread hops per batch (DESTROY_THREADS) instead of one per sandbox, each
+        hop destroying its share in one go (substrate.destroy_many)."""
+        fresh = [sb for sb in sbs if sb.stopping is None]
+        if len(fresh) < 2:
+            return [self._begin_stop(sb, reason) for sb in sbs]
+        loop = asyncio.get_running_loop()
+        for sb in fresh:
+            if sb.state in ("running", "paused"):
+                self._unwatch(sb)
+            sb.state = "stopping"
+            sb.reason = reason
+            sb.stopping = loop.create_future()
+        if reason in self.counters:
+            self.counters[reason] += len(fresh)
+        task = asyncio.ensure_future(self._destroy_batch(fresh))
+        self._batch_tasks.add(task)
+        task.add_done_callback(self._batch_tasks.discard)
+        return [sb.stopping for sb in sbs if sb.stopping is not None]
+
+    async def _destroy_batch(self, sbs: list[Sandbox]) -> None:
+        by_sub: dict[str, list[Sandbox]] = {}
+        for sb in sbs:
+            by_sub.setdefault(sb.spec.substrate, []).append(sb)
+
+        def work(part: list[Sandbox]) -> None:
+            substrate = self.substrates.get(part[0].spec.substrate)
+            have = [sb for sb in part if sb.runtime is not None]
+            outcomes = substrate.destroy_many([sb.rt for sb in have]) if substrate else []
+            for sb, err in zip(have, outcomes, strict=False):
+                if err is not None:
+                    log.error("destroy failed: %s", err, extra={"sandbox": sb.id})
+            for sb in part:  # the substrate's destroy removes it; a failed one may not have
+                d = os.path.join(self.sandboxes_dir, sb.id)
+                if os.path.lexists(d):
+                    removal.remove_or_quarantine(d)
+
+        try:
+            while any(sb.threads for sb in sbs):  # see _destroy
+                await asyncio.sleep(0.005)
+            parts = [group[i::DESTROY_THREADS] for group in by_sub.values()
+                     for i in range(min(DESTROY_THREADS, len(group)))]
+            await asyncio.gather(*(asyncio.to_thread(work, part) for part in parts))
+        except Exception:  # noqa: BLE001
+            log.exception("batch destroy failed", extra={"count": len(sbs)})
+        finally:
+            for sb in sbs:
+                self._destroyed(sb)
+                fut = sb.stopping
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+
+    def _destroyed(self, sb: Sandbox) -> None:
+        """The bookkeeping once a sandbox's destroy has run (or failed)."""
+        sb.state = "dead"
+        if sb.procs:
+            for p in sb.procs.values():
+                p.release()
+            sb.procs = None
+        self.sandboxes.pop(sb.id, None)
+        if self.pools is not None:
+            self.pools.settled(sb.id)
+        if sb.layers and self.snaps is not None:
+            self.snaps.release(sb.layers)
+        self._tombstone(sb.id, sb.reason or "killed", sb.cause)
+        self.trajlog.sandbox_ended(sb.id, sb.reason or "killed")
+        log.debug("sandbox destroyed", extra={"sandbox": sb.id, "reason": sb.reason})
+
+    def _tombstone(self, sid: str, reason: str, cause: dict[str, Any] | None = None) -> None:
+        self.tombstones[sid] = reason
+        if reason == "crashed" and cause:
+            self.causes[sid] = cause
+        else:
+            self.causes.pop(sid, None)
+        while len(self.tombstones) > TOMBSTONES:
+            old, _ = self.tombstones.popitem(last=False)
+            self.causes.pop(old, None)
+
+    async def kill(self, sid: str, key: str | None = None) -> bool:
+        """True if this call (or one in flight) destroyed it; False if it had already ended.
+        ``key``: the call's idempotency key, which tells the trajectory's own kill from an
+        operator's (by_operator)."""
+        sb = self.sandboxes.get(sid)
+        if sb is None:
+            if sid in self.tombstones:
+                return False
+            raise SandboxNotFound(f"no sandbox {sid}", details={"id": sid})
+        reason = "operator_killed" if by_operator(sb, key) else "killed"
+        await asyncio.shield(self._begin_stop(sb, reason))
+        return True
+
+    async def kill_many(self, ids: list[str]) -> list[dict[str, Any]]:
+        """Kill each; one result per id, in order: ``{"id", "killed"}`` or ``{"error"}``.
+        Every destroy is started before the first is awaited, so they overlap."""
+        out: list[dict[str, Any]] = []
+        found: list[Sandbox] = []
+        for sid in ids:
+            sb = self.sandboxes.get(sid)
+            if sb is not None:
+                found.append(sb)
+                out.append({"id": sid, "killed": True})
+            elif sid in self.tombstones:
+                out.append({"id": sid, "killed": False})
+            else:
+                out.append(SandboxNotFound(f"no sandbox {sid}", details={"id": sid})
+                           .to_payload())
+        if found:  # unkeyed: an operator's kill for a trajectory's sandbox (by_operator)
+            found = list(dict.fromkeys(found))
+            stops = self._begin_stop_many([sb for sb in found if not sb.trajectory], "killed")
+            stops += self._begin_stop_many([sb for sb in found if sb.trajectory],
+                                           "operator_killed")
+            await asyncio.shield(asyncio.gather(*stops, return_exceptions=True))
+        return out
+
+    def set_timeout(self, sid: str, timeout: float) -> Sandbox:
+        sb = self.get(sid)
+        now = time.time()
+        sb.expires_at = now + timeout
+        persist.write_json_atomic(os.path.join(self.sandboxes_dir, sid, persist.META), sb.meta())
+        self._schedule(sb, now)
+        return sb
+
+    def list(self, labels: dict[str, str | None]) -> list[Sandbox]:
+        out = []
+        for sb in self.sandboxes.values():
+            if sb.state not in ("running", "paused"):
+                continue
+            have = sb.spec.labels
+            if all(k in have and (v is None or have[k] == v) for k, v in labels.items()):
+                out.append(sb)
+        return out
+
+    def _capturing(self, sid: str) -> bool:
+        """A snapshot's capture holds the sandbox frozen (cheap: the exec path asks first)."""
+        sb = self.sandboxes.get(sid)
+        return sb is not None and sb.capturing is not None
+
+    async def wait_capture(self, sid: str) -> None:
+        """Return once no snapshot capture holds the sandbox frozen. Anything that starts a
+        process in it waits here first: a process joining a frozen sandbox freezes at once,
+        and the daemon's spawn (a vfork) would wait for it with the event loop blocked until
+        the capture thaws. Pause and resume wait too (a resume would thaw the capture's
+        freeze mid-copy; a capture's thaw would undo a pause made during it), and so do file
+        operations (so a snapshot never holds half of a write made during it)."""
+        sb = self.sandboxes.get(sid)
+        while sb is not None and sb.capturing is not None:
+            await asyncio.shield(sb.capturing)
+            sb = self.sandboxes.get(sid)
+
+    @staticmethod
+    def _frozen(substrate: Substrate, runtime: SandboxRuntime) -> bool:
+        """Frozen or freezing: a process started in it would not run."""
+        try:
+            return substrate.is_frozen(runtime)
+        except OSError:
+            return False
+
+    def pause(self, sid: str) -> Sandbox:
+        """Freeze every process of the sandbox (Substrate.freeze): no CPU until resumed."""
+        sb = self.lookup(sid)
+        substrate = self.substrates[sb.spec.substrate]
+        if not substrate.capabilities.pause:
+            raise self._lacks(substrate, "pause")
+        if sb.state == "paused":
+            return sb
+        assert sb.runtime is not None
+        try:
+            substrate.freeze(sb.runtime)
+        except OSError as e:
+            raise Unsupported(f"cannot pause: {e.strerror or e}") from e
+        except TimeoutError as e:
+            substrate.thaw(sb.runtime, wait=False)
+            raise InternalError(f"cannot pause: {e}") from e
+        sb.state, sb.paused_at = "paused", time.time()
+        self._persist(sb)
+        return sb
+
+    def resume(self, sid: str) -> Sandbox:
+        sb = self.lookup(sid)
+        substrate = self.substrates[sb.spec.substrate]
+        if not substrate.capabilities.pause:
+            raise self._lacks(substrate, "resume")
+        if sb.state == "paused":
+            self._resume(sb)
+        return sb
+
+    def _resume(self, sb: Sandbox) -> None:
+        assert sb.runtime is not None
+        self.substrates[sb.spec.substrate].thaw(sb.runtime)
+        now = time.time()
+        if sb.spec.pause_ttl == "stop" and sb.paused_at is not None:
+            sb.expires_at += now - sb.paused_at  # the TTL clock stood still while paused
+            sb.last_active = now
+        sb.state, sb.paused_at = "running", None
+        self._persist(sb)
+        sb.sched = 0.0
+        self._schedule(sb, now)
+
+    def _persist(self, sb: Sandbox) -> None:
+        try:
+            persist.write_json_atomic(os.path.join(self.sandboxes_dir, sb.id, persist.META),
+                                      sb.meta())
+        except OSError:
+            log.exception("cannot write the sandbox record", extra={"sandbox": sb.id})
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "version": __version__, "pid": os.getpid(), "started_at": self.started_at,
+            "sandboxes": len(self.sandboxes), "capacity": self.config.max_sandboxes,
+            "state_dir": self.config.state_dir,
+        }
+        for sub in self.substrates.values():  # facts of the host they run on
+            out.update(sub.status())
+        out["substrates"] = sorted(self.substrates)
+        return out
+
+    def metrics(self) -> dict[str, int]:
+        """Counters and gauges for /metrics (besides the sandbox count)."""
+        out = dict(self.counters)
+        out["quarantined_trees"] = len(removal.quarantined)  # see corral.daemon.removal
+        if self.pools is not None:
+            out.update(self.pools.stats())
+        if self.trajlog.enabled:  # trajlog_{records,commits,inline,...}_total
+            out.update({f"trajlog_{k}": v for k, v in self.trajlog.stats.items()})
+        for sub in self.substrates.values():  # summed over substrates
+            for k, v in sub.metrics().items():
+                out[k] = out.get(k, 0) + v
+        return out

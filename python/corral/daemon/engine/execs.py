@@ -1,0 +1,252 @@
+"""Exec: commands in a sandbox, their processes, stdin, signals, waits."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from corral.daemon import procs, users
+from corral.daemon.substrates.base import Substrate
+from corral.errors import (
+    Conflict,
+    CorralError,
+    CwdNotFound,
+    FileNotFound,
+    InternalError,
+    InvalidPath,
+    InvalidRequest,
+    NotADirectory,
+    ProcessNotFound,
+    ProcessStillRunning,
+)
+from corral.models import ExecRequest
+
+from .base import (
+    DEFAULT_CWD,
+    DEFAULT_PATH,
+    INIT_EXIT_GRACE_STEPS,
+    MAX_PROCS_KEPT,
+    PASSWD_MAX,
+    Sandbox,
+    _effective_timeout,
+    log,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .host import EngineHost
+
+
+class ExecOps:
+    def _identity(self: EngineHost, sb: Sandbox, user: str | int | None) -> users.Identity:
+        if user is None or user == 0 or user in ("root", "0"):
+            return users.ROOT
+        sub = self.substrates[sb.spec.substrate]
+
+        def read(path: str) -> str:
+            try:
+                return sub.read_file(sb.rt, path, PASSWD_MAX).decode("utf-8", "replace")
+            except (FileNotFound, FileNotFoundError):
+                return ""
+
+        return users.resolve(user, read("/etc/passwd"), read("/etc/group"))
+
+    async def exec(self: EngineHost, sid: str, req: ExecRequest) -> dict[str, Any]:
+        if self._capturing(sid):
+            await self.wait_capture(sid)
+        sb = self.get(sid)
+        for k, v in req.env.items():
+            if not k or "=" in k or "\0" in k or "\0" in v:
+                raise InvalidRequest(f"bad environment variable name or value: {k!r}")
+        cwd = req.cwd or sb.spec.cwd
+        if not cwd.startswith("/") or "\0" in cwd:
+            raise InvalidPath(f"cwd must be an absolute path: {cwd!r}")
+        if req.cwd is not None or cwd != DEFAULT_CWD:
+            await self._check_cwd(sid, cwd)
+        ident = self._identity(sb, req.user)
+        env = {"PATH": DEFAULT_PATH, "HOME": ident.home, "LANG": "C.UTF-8", "TERM": "xterm",
+               "HOSTNAME": sb.hostname}
+        env.update(sb.spec.env)
+        env.update(req.env)
+        argv = ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else req.cmd
+        stdin = req.stdin.encode() if req.stdin is not None else None
+        substrate = self.substrates[sb.spec.substrate]
+        assert self._loop is not None and sb.runtime is not None
+        oom_before = substrate.oom_kills(sb.runtime)  # ExecResult.oom_killed: see _oom_after
+        try:
+            proc = await procs.start(self._loop, substrate, sb.runtime, argv, env, cwd,
+                                     ident.uid, ident.gid, ident.groups, cmd=req.cmd,
+                                     stdin=stdin, keep_stdin=req.background,
+                                     cap=req.max_output_bytes,
+                                     timeout=_effective_timeout(req))
+        except CorralError:
+            self._check_alive(sb)  # e.g. sandbox_not_running from a dead init -> lost
+            raise
+        except OSError as e:
+            self._check_alive(sb)
+            log.exception("spawn failed", extra={"sandbox": sid})
+            raise InternalError(f"could not start the command: {e}") from e
+        self.counters["execs"] += 1
+        if oom_before is not None:
+            runtime = sb.runtime
+            proc.on_exit(lambda: self._oom_after(substrate, runtime, proc, oom_before))
+        if req.background:
+            if not proc.init_child:  # the init told us the pid it sees
+                proc.ns_pid = procs.ns_pid(proc.pid)
+            self._keep_proc(sb, proc)
+            if self.pools is not None:
+                self.pools.settled(sid)
+            return {"sandbox_id": sid, "pid": proc.ns_pid, "cmd": req.cmd,
+                    "started_at": proc.started_at}
+        sb.busy += 1
+        try:
+            await proc.done
+        except asyncio.CancelledError:
+            proc.killpg(9)  # the daemon is stopping: don't leave the command behind
+            raise
+        finally:
+            sb.busy -= 1
+            sb.last_active = time.time()
+            if self.pools is not None:  # its first exec is over: refills may start
+                self.pools.settled(sid)
+        await self.after_exit(sb, proc)
+        return self._result(proc)
+
+    async def _check_cwd(self: EngineHost, sid: str, cwd: str) -> None:
+        """A cwd named by the client must be a directory inside the sandbox (resolved in its
+        root, like a file operation): the command would otherwise start in / unnoticed. The
+        default cwd may be missing from an image: then the command starts in /."""
+        try:
+            entry = await self.stat(sid, cwd)
+        except (FileNotFound, NotADirectory):
+            raise CwdNotFound(f"cwd {cwd!r} does not exist in the sandbox",
+                              details={"cwd": cwd}) from None
+        if entry.type not in ("dir", "symlink"):  # a symlink is resolved by chdir itself
+            raise NotADirectory(f"cwd {cwd!r} is not a directory", details={"cwd": cwd})
+
+    def _result(self: EngineHost, proc: procs.Process) -> dict[str, Any]:
+        res = proc.result()
+        if self.trajlog.enabled:  # hashes of the full outputs, for the log (popped there)
+            res["_sha"] = (proc.stdout.sha256(), proc.stderr.sha256())
+        return res
+
+    async def exec_many(self: EngineHost, ids: builtins.list[str], req: ExecRequest,
+                        concurrency: int = 64) -> builtins.list[dict[str, Any]]:
+        """The same foreground command in each sandbox, ``concurrency`` at a time; one result
+        per id, in order: an ExecResult dict, or ``{"error"}`` for a sandbox where it could not
+        run (the others are unaffected)."""
+        gate = asyncio.Semaphore(concurrency)
+        logged = req.model_dump(mode="json") if self.trajlog.enabled else {}
+
+        async def one(sid: str) -> dict[str, Any]:
+            async with gate:
+                try:  # each one logged in its sandbox's trajectory log, like a single exec
+                    return await self.trajlog.run(sid, "exec", logged, None,
+                                                  lambda: self.exec(sid, req),
+                                                  to_log=self.trajlog.exec_result)
+                except CorralError as e:
+                    return e.to_payload()
+
+        return list(await asyncio.gather(*(one(sid) for sid in ids)))
+
+    async def after_exit(self: EngineHost, sb: Sandbox, proc: procs.Process) -> None:
+        """If the sandbox ended while the command ran, report that, not an exit code that
+        the ending caused. A SIGKILL we did not send (timeout) may be the init dying: the
+        kernel kills the namespace's processes *before* the init turns into a zombie, so the
+        command's exit can arrive first; give the init's pidfd watcher a moment to fire."""
+        if proc.timed_out:
+            self.counters["exec_timeouts"] += 1
+        elif proc.exit_code == 128 + 9 and sb.state == "running":
+            for _ in range(INIT_EXIT_GRACE_STEPS):
+                if sb.state != "running" or not self._alive(sb):
+                    break
+                await asyncio.sleep(0.005)
+        if sb.state != "running":
+            raise self._gone(sb.id, sb)
+        if not self._alive(sb):
+            self._lose(sb)
+            raise self._gone(sb.id, sb)
+
+    @staticmethod
+    def _oom_after(substrate: Substrate, runtime: Any, proc: procs.Process,
+                   before: int) -> None:
+        """At the command's exit: did the OOM killer kill in the sandbox while it ran? Read
+        as the exit is seen, so a background command's answer does not depend on when it is
+        waited for. The counter is the sandbox's: an OOM kill of a concurrent command's
+        process counts too."""
+        try:
+            after = substrate.oom_kills(runtime)
+        except (OSError, ValueError):
+            return
+        proc.oom_killed = after is not None and after > before
+
+    def _keep_proc(self: EngineHost, sb: Sandbox, proc: procs.Process) -> None:
+        if sb.procs is None:
+            sb.procs = {}
+        table = sb.procs
+        if len(table) >= MAX_PROCS_KEPT:
+            for pid in [pid for pid, p in table.items() if not p.running]:
+                del table[pid]
+                if len(table) < MAX_PROCS_KEPT // 2:
+                    break
+        old = table.pop(proc.ns_pid, None)
+        if old is not None:
+            old.release()
+        table[proc.ns_pid] = proc
+
+    def proc(self: EngineHost, sid: str, pid: int) -> tuple[Sandbox, procs.Process]:
+        sb = self.get(sid)
+        p = sb.procs.get(pid) if sb.procs else None
+        if p is None:
+            raise ProcessNotFound(f"no background process {pid} in sandbox {sid}",
+                                  details={"id": sid, "pid": pid})
+        return sb, p
+
+    def proc_status(self: EngineHost, sid: str, pid: int) -> dict[str, Any]:
+        return self.proc(sid, pid)[1].status()
+
+    @contextlib.contextmanager
+    def following(self: EngineHost, sb: Sandbox) -> Iterator[None]:
+        """A client follows a process's output: activity, as a foreground exec is (the
+        sandbox does not idle out meanwhile)."""
+        sb.busy += 1
+        try:
+            yield
+        finally:
+            sb.busy -= 1
+
+    async def wait(self: EngineHost, sid: str, pid: int, timeout: float | None) -> dict[str, Any]:
+        sb, p = self.proc(sid, pid)
+        if p.running:
+            await self.until_exit(sb, p, timeout)
+            await self.after_exit(sb, p)
+        return self._result(p)
+
+    async def until_exit(self: EngineHost, sb: Sandbox, p: procs.Process,
+                         timeout: float | None) -> None:
+        """Wait for a background process; a client waiting on it keeps the sandbox from
+        idling out, like a foreground exec."""
+        sb.busy += 1
+        try:
+            await asyncio.wait_for(asyncio.shield(p.done), timeout)
+        except asyncio.TimeoutError:
+            raise ProcessStillRunning(f"process {p.ns_pid} still running after {timeout} s",
+                          details={"pid": p.ns_pid}) from None
+        finally:
+            sb.busy -= 1
+            sb.last_active = time.time()
+
+    def stdin(self: EngineHost, sid: str, pid: int, data: str, eof: bool) -> None:
+        _, p = self.proc(sid, pid)
+        if not p.running:
+            raise Conflict(f"process {pid} has exited", details={"pid": pid})
+        if p.stdin is None:
+            raise Conflict(f"process {pid} has no stdin pipe", details={"pid": pid})
+        p.stdin.write(data.encode(), eof)
+
+    def signal(self: EngineHost, sid: str, pid: int, sig: int) -> None:
+        _, p = self.proc(sid, pid)
+        p.killpg(sig)

@@ -1,0 +1,106 @@
+"""Files: the file operations of a sandbox, through its substrate."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+from collections.abc import Callable
+from typing import TYPE_CHECKING, BinaryIO
+
+from corral.daemon import oserrors, streams
+from corral.daemon.substrates.base import SandboxRuntime, Substrate
+from corral.errors import CorralError
+from corral.models import FileEntry
+
+from .base import DIRECT_IO_BYTES, T
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .host import EngineHost
+
+
+class FileOps:
+    async def _files(self: EngineHost, sid: str, path: str,
+                     call: Callable[[Substrate, SandboxRuntime], T], big: bool = False) -> T:
+        """Run a substrate file operation on ``path`` (errors name it); ``big`` ones in a
+        thread."""
+        if self._capturing(sid):
+            await self.wait_capture(sid)
+        sb = self.get(sid)
+        sub = self.substrates[sb.spec.substrate]
+        if not sub.capabilities.files:
+            raise self._lacks(sub, "files")
+        runtime = sb.runtime
+        assert runtime is not None
+        try:
+            if big:
+                sb.threads += 1
+                try:
+                    return await asyncio.to_thread(call, sub, runtime)
+                finally:
+                    sb.threads -= 1
+            return call(sub, runtime)
+        except CorralError as e:
+            if sb.state == "running":
+                self._check_alive(sb)
+            elif sb.reason is not None:  # it ended (or is ending) meanwhile: say why, as exec
+                raise self._gone(sb.id, sb) from e  # does (a shutdown: daemon_restarted)
+            raise
+        except OSError as e:
+            self._check_alive(sb)
+            raise oserrors.host_file_error(e, path) from e
+
+    async def stat(self: EngineHost, sid: str, path: str) -> FileEntry:
+        return await self._files(sid, path, lambda s, rt: s.stat(rt, path))
+
+    async def list_dir(self: EngineHost, sid: str, path: str) -> builtins.list[FileEntry]:
+        return await self._files(sid, path, lambda s, rt: s.list_dir(rt, path))
+
+    async def mkdir(self: EngineHost, sid: str, path: str, parents: bool) -> None:
+        await self._files(sid, path, lambda s, rt: s.mkdir(rt, path, parents))
+
+    async def remove(self: EngineHost, sid: str, path: str, recursive: bool) -> None:
+        await self._files(sid, path, lambda s, rt: s.remove(rt, path, recursive),
+                          big=recursive)
+
+    async def rename(self: EngineHost, sid: str, src: str, dst: str) -> None:
+        await self._files(sid, src, lambda s, rt: s.rename(rt, src, dst))
+
+    async def write_file(self: EngineHost, sid: str, path: str, data: bytes | BinaryIO, mode: int,
+                         big: bool = False) -> None:
+        await self._files(sid, path, lambda s, rt: s.write_file(rt, path, data, mode, True),
+                          big=big)
+
+    async def upload_tar(self: EngineHost, sid: str, path: str, data: bytes | BinaryIO,
+                         big: bool = True) -> None:
+        await self._files(sid, path, lambda s, rt: s.upload_tar(rt, path, data), big=big)
+
+    async def read_file(self: EngineHost, sid: str, path: str,
+                        max_bytes: int) -> tuple[bytes, bool, int | None]:
+        """(data, truncated, fd): at most ``max_bytes``. Most reads are small: tried on the
+        loop and returned whole. A bigger file is not read here: ``fd`` is an open, checked fd
+        of it (data empty) for the caller to stream in bounded chunks and close
+        (corral.daemon.streams), so the daemon's memory does not grow with the file."""
+        first = min(max_bytes, DIRECT_IO_BYTES)
+        data = await self._files(sid, path, lambda s, rt: s.read_file(rt, path, first + 1))
+        if len(data) > first and first < max_bytes:
+            fd, size = await self._files(sid, path, lambda s, rt: s.open_read(rt, path),
+                                         big=True)
+            return b"", size > max_bytes, fd
+        if len(data) > max_bytes:
+            return data[:max_bytes], True, None
+        return data, False, None
+
+    async def plan_tar(self: EngineHost, sid: str, path: str, max_bytes: int,
+                       max_members: int) -> streams.TreeOps:
+        """Check that a tar of ``path`` stays within the caps (a walk that only stats, in a
+        thread); returns the primitives to stream it with (streams.chunks)."""
+        ops = await self._files(sid, path, lambda s, rt: s.tree_ops(rt, path))
+        await self.stat(sid, path)  # a missing path fails here, with its error
+        sb = self.get(sid)
+        sb.threads += 1
+        try:
+            await asyncio.to_thread(streams.plan, ops, path.rstrip("/") or "/", max_bytes,
+                                    max_members)
+        finally:
+            sb.threads -= 1
+        return ops

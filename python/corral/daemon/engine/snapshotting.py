@@ -1,0 +1,148 @@
+"""Snapshots, fork and restore (the layers: corral.daemon.snapshots)."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from corral.daemon import persist, snapshots
+from corral.errors import SnapshotExists, Unsupported
+
+from .base import Sandbox
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .host import EngineHost
+
+
+class SnapshotOps:
+    def _snaps(self: EngineHost) -> snapshots.SnapshotStore:
+        if self.snaps is None:
+            raise Unsupported("snapshots are not available")
+        return self.snaps
+
+    async def snapshot(self: EngineHost, sid: str, name: str | None) -> dict[str, Any]:
+        """The sandbox's files (what it changed over its image) as a new layer on its own
+        chain (Substrate.capture)."""
+        store = self._snaps()
+        sb = self.lookup(sid)
+        substrate = self.substrates[sb.spec.substrate]
+        if not substrate.capabilities.snapshot:
+            raise self._lacks(substrate, "snapshot")
+        if name is not None and name in store.by_name:  # checked again in commit
+            raise SnapshotExists(f"a snapshot named {name!r} exists", details={"name": name})
+        while True:  # one capture at a time (a freeze is shared), after file ops in flight
+            await self.wait_capture(sid)
+            sb = self.lookup(sid)
+            if not sb.threads:
+                break
+            await asyncio.sleep(0.001)
+        base = sb.layers
+        image = self._image(sb.spec.image)
+        runtime = sb.runtime
+        assert runtime is not None
+        paused = sb.state == "paused"
+        layers = list(base)
+        store.acquire(layers)  # the sandbox may die meanwhile: keep its chain
+        sb.threads += 1
+        sb.capturing = asyncio.get_running_loop().create_future()
+        try:
+            tmp, digest, size = await asyncio.to_thread(substrate.capture, runtime,
+                                                        substrate.image_on(image, base, store),
+                                                        store, paused)
+        finally:
+            sb.threads -= 1
+            store.release(layers)
+            done, sb.capturing = sb.capturing, None
+            done.set_result(None)
+        rec = store.commit(tmp, digest, size, name=name, parent=sb.spec.snapshot,
+                           image=sb.spec.image, base=base, sandbox_id=sid)
+        if store.wants_spares():  # the next capture's dir, made while this one answers
+            task = asyncio.ensure_future(asyncio.to_thread(store.refill_spares))
+            self._batch_tasks.add(task)
+            task.add_done_callback(self._batch_tasks.discard)
+        self.counters["snapshots"] = self.counters.get("snapshots", 0) + 1
+        return rec
+
+    async def fork(self: EngineHost, sid: str, count: int, name: str | None, keep: bool,
+                   key: str | None = None) -> tuple[dict[str, Any], builtins.list[Sandbox]]:
+        """Snapshot + ``count`` sandboxes on it with the parent's spec (one call). A parent
+        made for trajectory ``T`` forked under key ``T:S`` (or explicit key ``S``) gives child
+        ``i`` the trajectory ``T/forkS/i``, the SDK's name for it."""
+        sb = self.lookup(sid)
+        substrate = self.substrates[sb.spec.substrate]
+        if not substrate.capabilities.snapshot:
+            raise self._lacks(substrate, "fork")
+        self._admit(count)
+        kids_of: list[str] | None = None
+        if sb.trajectory is not None and key is not None:
+            head, sep, step = key.rpartition(":")
+            if not sep or head == sb.trajectory:
+                kids_of = [f"{sb.trajectory}/fork{step}/{i}" for i in range(count)]
+        rec = await self.snapshot(sid, name)
+        spec = sb.spec.model_copy(update={"snapshot": rec["id"]})
+        try:
+            kids = await self.create_many(count, spec, kids_of)
+        finally:
+            if not keep:
+                self._snaps().delete(rec["id"])  # the children hold its layers
+        return rec, kids
+
+    async def restore(self: EngineHost, sid: str, key: str) -> Sandbox:
+        """Roll a sandbox back to a snapshot in place: same id, spec and limits; its
+        processes are killed and a new init starts on the snapshot (Substrate.reset)."""
+        store = self._snaps()
+        sb = self.lookup(sid)
+        substrate = self.substrates[sb.spec.substrate]
+        if not substrate.capabilities.restore:
+            raise self._lacks(substrate, "restore")
+        rec = store.get(key)
+        image = substrate.image_on(self._image(rec["image"]), rec["layers"], store)
+        old_layers = sb.layers
+        store.acquire(rec["layers"])
+        spec = sb.spec.model_copy(update={"snapshot": rec["id"], "image": rec["image"]})
+        self._unwatch(sb)
+        sb.state, sb.reason, sb.paused_at = "restoring", "restoring", None
+        try:
+            while sb.threads:
+                await asyncio.sleep(0.001)
+            # Counted as a thread: a kill or a shutdown that comes meanwhile waits for the
+            # reset, then destroys what it made (not the runtime being replaced under it).
+            sb.threads += 1
+            try:
+                runtime = await asyncio.to_thread(substrate.reset, sb.rt, spec, image)
+            finally:
+                sb.threads -= 1
+        except BaseException:
+            store.release(rec["layers"])
+            if sb.stopping is None:
+                sb.reason = None
+                self._lose(sb)  # the old init is gone or in an unknown state
+            raise
+        if sb.procs:
+            for p in sb.procs.values():
+                p.release()
+            sb.procs = None
+        runtime.extra["layers"] = list(rec["layers"])
+        sb.runtime, sb.spec = runtime, spec
+        if sb.stopping is not None:  # killed or shut down while restoring: it stays so
+            store.release(old_layers)  # (the destroy in flight releases the new ones)
+            raise self._gone(sid, sb)
+        sb.state, sb.reason = "running", None
+        sb.last_active = time.time()
+        persist.write_json_atomic(os.path.join(self.sandboxes_dir, sid, persist.META), sb.meta())
+        store.release(old_layers)
+        self._watch(sb)
+        self._schedule(sb, time.time())
+        return sb
+
+    def snapshot_list(self: EngineHost) -> builtins.list[dict[str, Any]]:
+        return self._snaps().list()
+
+    def snapshot_get(self: EngineHost, key: str) -> dict[str, Any]:
+        return self._snaps().get(key)
+
+    def snapshot_delete(self: EngineHost, key: str) -> dict[str, Any]:
+        return self._snaps().delete(key)

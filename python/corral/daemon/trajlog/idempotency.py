@@ -1,0 +1,212 @@
+"""Calls under an idempotency key: run once, replay the logged result, wait out a
+duplicate in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from corral.errors import (
+    CorralError,
+    InternalError,
+    InvalidRequest,
+    ReplayDivergence,
+    SandboxNotFound,
+    Unsupported,
+    error_from_payload,
+)
+
+from .base import MAX_BOUND_SETS, MAX_PENDING, SnapIds, _Start
+from .keys import (
+    INTERRUPTED,
+    KEY_HEADER,
+    KEYED_START_OPS,
+    MAX_KEY_LEN,
+    STARTED_OPS,
+    _plain,
+    _utf8,
+    interrupted_error,
+    keyed_text,
+)
+from .schema import _BINDS, _SANDBOX_SEQS
+from .writer import Writer
+
+
+class Idempotency(Writer):
+    def _lookup(self, scope: str, key: str) -> tuple[str | None, str, Any, Any] | None:
+        """The finished entry that binds ``key`` (started and interrupted rows do not):
+        (fingerprint, sandbox id, result, error), journaled or in the database."""
+        got = self._unbound.get((scope, key))
+        if got is not None:  # checked first: the ingester removes it only once it is in
+            return got
+        assert self._reader is not None
+        if scope:
+            if key not in self._bound_keys(scope):
+                return None
+            sql = ("SELECT fingerprint, sandbox_id, result, error FROM entries WHERE "
+                   f"idem_key=? AND sandbox_id=? AND {_BINDS} ORDER BY status IS NOT NULL, "
+                   "seq LIMIT 1")
+            row = self._reader.execute(sql, (key, scope)).fetchone()
+        else:
+            sql = ("SELECT fingerprint, sandbox_id, result, error FROM entries WHERE "
+                   "idem_key=? AND op='create' AND status IS NULL ORDER BY seq LIMIT 1")
+            row = self._reader.execute(sql, (key,)).fetchone()
+        if row is None:
+            return None
+        return (row[0], row[1], json.loads(row[2]) if row[2] is not None else None,
+                json.loads(row[3]) if row[3] is not None else None)
+
+    def _bound_keys(self, sid: str) -> set[str]:
+        """The keys ``sid``'s log binds (see ``_bound``). Loading it: the journaled keys first,
+        then the database's: an entry the ingester takes out of ``_unbound`` meanwhile is
+        committed by then, so the query sees it."""
+        keys = self._bound.get(sid)
+        if keys is None:
+            keys = {k for (scope, k) in list(self._unbound) if scope == sid}
+            assert self._reader is not None
+            keys.update(k for (k,) in self._reader.execute(
+                f"SELECT idem_key FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND idem_key IS "
+                f"NOT NULL AND {_BINDS}", {"sid": sid}))
+            if sid in self._live and len(self._bound) < MAX_BOUND_SETS:
+                self._bound[sid] = keys  # kept while it runs (a gone one's: rare replays)
+        return keys
+
+    def logged_result(self, sid: str, op: str) -> dict[str, Any] | None:
+        """The result of ``sid``'s first finished ``op`` entry in the database (a fork
+        child's create; callers wait for ``flushed`` first)."""
+        assert self._reader is not None
+        row = self._reader.execute(
+            f"SELECT result FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND op=:op AND "
+            "status IS NULL AND result IS NOT NULL ORDER BY seq LIMIT 1",
+            {"sid": sid, "op": op}).fetchone()
+        return json.loads(row[0]) if row else None
+
+    async def run(self, sid: str, op: str, request: Any, key: str | None,
+                  call: Callable[[], Awaitable[Any]],
+                  to_log: Callable[[Any], dict[str, Any]] | None = None,
+                  snapshot_ids: SnapIds = None) -> Any:
+        """Run ``call`` once per idempotency key and log it; return what the client gets.
+
+        ``sid`` is the sandbox (``""`` for a create: its id is known only after).
+        ``request``: a dict, or a pydantic model (dumped while the call runs: ``_plain``).
+        ``to_log`` turns the call's value into the logged result dict; when the call is
+        fast-forwarded, the *logged* result dict is returned instead of the call's value, so
+        callers whose value is not that dict must pass ``to_log`` and handle both.
+        ``snapshot_ids``: the snapshots the entry names, or a function of the logged result
+        giving them (a snapshot's id is known only once it exists)."""
+        if not self.enabled:
+            if key is not None:
+                raise Unsupported("idempotency keys need the trajectory log, which is off on "
+                                  "this daemon (CORRAL_TRAJLOG=0)")
+            return await call()
+        if key is None:
+            return await self._run_and_log(sid, op, request, None, None, call, to_log,
+                                           snapshot_ids)
+        if not key or len(key) > MAX_KEY_LEN or not _utf8(key):
+            raise InvalidRequest(f"{KEY_HEADER} must be 1 to {MAX_KEY_LEN} characters of "
+                                 "UTF-8 text")
+        request = _plain(request)  # dumped and encoded once: the fingerprint and the entry
+        req_text, fp = keyed_text(op, request)
+        slot = (sid, key)
+        while slot in self._inflight:
+            # A duplicate of a call in flight: wait for it (its future made by the first
+            # duplicate: a call that has none costs no future).
+            other = self._inflight[slot]
+            if other is None:
+                assert self._loop is not None
+                other = self._inflight[slot] = self._loop.create_future()
+            try:
+                await asyncio.shield(other)
+            except BaseException:  # noqa: BLE001 - the outcome is read from the log
+                pass
+        row = self._lookup(sid, key)
+        if row is not None:
+            return self._replayed(op, key, fp, row)
+        self._inflight[slot] = None
+        try:
+            return await self._run_and_log(sid, op, request, key, fp, call, to_log,
+                                           snapshot_ids, req_text)
+        finally:
+            done = self._inflight.pop(slot, None)
+            if done is not None and not done.done():
+                done.set_result(None)
+
+    def _replayed(self, op: str, key: str, fp: str | None,
+                  row: tuple[str | None, str, Any, Any]) -> Any:
+        logged_fp, logged_sid, result, error = row
+        if logged_fp != fp:
+            raise ReplayDivergence(
+                f"idempotency key {key!r} was used for a different request "
+                f"({op} now, logged in sandbox {logged_sid})",
+                details={"key": key, "sandbox_id": logged_sid})
+        if error is not None:
+            raise error_from_payload(error)
+        return result
+
+    async def _run_and_log(self, sid: str, op: str, request: Any, key: str | None,
+                           fp: str | None, call: Callable[[], Awaitable[Any]],
+                           to_log: Callable[[Any], dict[str, Any]] | None,
+                           snapshot_ids: SnapIds, req_text: str | None = None) -> Any:
+        started = time.time()
+        c = _Start(sid, op, request, started, key, fp)
+        c.req_text = req_text
+        early = key is not None and op in KEYED_START_OPS
+        if early:
+            self._start_now(c)  # before the call runs: a retry never runs it twice
+        elif req_text is not None:
+            if op in STARTED_OPS:  # encoded already: only the started row to arm
+                self._loop.call_soon(self._prep, c, True)  # type: ignore[union-attr]
+        else:
+            self._loop.call_soon(self._prep, c, op in STARTED_OPS)  # type: ignore[union-attr]
+        ids = snapshot_ids if not callable(snapshot_ids) else None
+        try:
+            value = await call()
+        except CorralError as e:
+            if op == "create" or isinstance(e, SandboxNotFound):
+                self.drop(c)
+                raise  # nothing was made, or no such sandbox: nothing to log
+            # A failure of the platform does not bind the key: a retry runs for real.
+            logged_key = None if e.infra else key
+            if self._hold_file:
+                await self._wait_hold_file()
+            await self.record(sid, op, request, None, e.to_payload(), started, time.time(),
+                              logged_key, fp if logged_key else None, ids, c)
+            raise
+        except BaseException:
+            if not early:
+                self.drop(c)  # a daemon bug (the client gets internal): not a call
+                raise
+            # A keyed call that started and did not finish (cancelled at a shutdown, a daemon
+            # bug): interrupted, its key bound, as after a crash.
+            start = self._close_start(c)
+            try:
+                self._write_entry(sid, op, request, None,
+                                  interrupted_error(sid, op, key, started, c.rowid or 0),
+                                  started, started, key, fp, ids, start, req_text=c.req_text,
+                                  status=INTERRUPTED)
+            except InternalError:
+                pass  # the log is closed: its started row is interrupted at the next open
+            raise
+        start = self._close_start(c)
+        result = to_log(value) if to_log is not None else value
+        scope = sid  # a create's key is bound globally (scope ""), its entry is the new id's
+        if op == "create" and isinstance(result, dict):
+            sid = str(result.get("id", sid))
+        if callable(snapshot_ids):
+            ids = snapshot_ids(result)
+        if self._hold_file:
+            await self._wait_hold_file()
+        self._write_entry(sid, op, request, result, None, started, time.time(), key, fp, ids,
+                          start, scope, c.req_text)
+        if self._full or len(self._pending) > MAX_PENDING:
+            await self.flushed()
+        return value
+
+    async def _wait_hold_file(self) -> None:
+        """Tests only: a finished call waits here, unjournaled, while the hold file exists."""
+        while self._hold_file and os.path.exists(self._hold_file):
+            await asyncio.sleep(0.01)

@@ -1,0 +1,257 @@
+"""The ingester: a thread that moves the journal's records into SQLite in batches."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sqlite3
+import threading
+import time
+from typing import Any
+
+from corral.errors import InternalError
+
+from .base import _Base, _Control, _Line, _resolve
+from .schema import (
+    _J_SQL,
+    _SANDBOX_SEQS,
+    ENTRIES_PER_STATEMENT,
+    _entries_sql,
+    _index_tail,
+    _watermark,
+)
+
+# The ingester thread's nice value (Linux: per thread): on a busy machine it yields to the
+# calls it trails; MAX_PENDING bounds how far behind that lets it fall.
+INGEST_NICE = 10
+# After a failed ingest (the records stay in the journal and in memory), the next try.
+INGEST_RETRY_S = 1.0
+# Entries per statement when a start ingests what a dead daemon left in the journal.
+RECOVER_CHUNK = 10_000
+# Records between two WAL checkpoints (by the ingester: one or two pages each, so the WAL
+# stays under ~10 MB).
+CHECKPOINT_EVERY = 1000
+# Entries between two updates of the per-sandbox index (``entries_by_sandbox``): an insert
+# writes one b-tree (the row) instead of two; every INDEX_EVERY entries one batch also
+# indexes the ones since the last time. Readers find the rest, the unindexed tail, by a short
+# rowid range scan.
+INDEX_EVERY = 64
+
+log = logging.getLogger("corral.trajlog")
+
+
+class Ingester(_Base):
+    def _recover(self, conn: sqlite3.Connection,
+                 records: list[tuple[int, str, tuple[Any, ...]]]) -> tuple[int, int]:
+        """Ingest a dead writer's journal records in one transaction; (ingested, unusable).
+        Records are the daemon's own, but a damaged file must not keep the daemon from
+        starting: if the batch fails, each record is tried alone and the ones the database
+        refuses are skipped (and counted)."""
+        lines: list[_Line] = [(n, k, fields, None) for n, k, fields in records]
+        try:
+            conn.execute("BEGIN")
+            for i in range(0, len(lines), RECOVER_CHUNK):
+                self._ingest_lines(conn, lines[i:i + RECOVER_CHUNK])
+            conn.execute("UPDATE log_meta SET v=? WHERE k='journal'", (lines[-1][0],))
+            conn.execute("COMMIT")
+            return len(lines), 0
+        except (sqlite3.Error, ValueError, TypeError, OverflowError):
+            log.exception("journal records refused as a batch: one by one")
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+        done = bad = 0
+        for line in lines:
+            try:
+                conn.execute("BEGIN")
+                self._ingest_lines(conn, [line])
+                conn.execute("COMMIT")
+                done += 1
+            except (sqlite3.Error, ValueError, TypeError, OverflowError):
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                bad += 1
+        conn.execute("UPDATE log_meta SET v=? WHERE k='journal'", (lines[-1][0],))
+        return done, bad
+
+    def _ingester(self) -> None:
+        conn = self._conn
+        assert conn is not None
+        try:  # behind the calls: the loop, the clients and the sandboxes come first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), INGEST_NICE)
+        except OSError:
+            pass
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if not self._closing:
+                self._now.wait(self.flush_s)  # gather a batch, unless someone waits
+            self._now.clear()
+            while (self._hold_ingest and os.path.exists(self._hold_ingest)
+                   and not self._closing):
+                time.sleep(0.01)  # tests only: journaled, not ingested
+            with self._mu:
+                batch, self._pending = self._pending, []
+            if batch:
+                if not self._ingest(conn, batch):
+                    lines = [it for it in batch if type(it) is tuple]
+                    with self._mu:  # again, ahead of anything newer (the journal has them)
+                        self._pending[:0] = lines
+                    if self._closing:
+                        return  # the next start ingests them from the journal
+                    self._now.wait(INGEST_RETRY_S)
+                    self._wake.set()
+                    continue
+            if self._closing:
+                with self._mu:
+                    if not self._pending:
+                        return
+                self._wake.set()
+
+    def _ingest(self, conn: sqlite3.Connection, batch: list[_Line | _Control]) -> bool:
+        """One transaction for the batch: its lines (by kind, ``_ingest_lines``) and control
+        items in order, and the journal watermark. Resolves the waiters; False if it failed
+        (nothing of it is in the database)."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        results: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        top = 0
+        try:
+            conn.execute("BEGIN")
+            seg: list[_Line] = []
+            for it in batch:
+                if isinstance(it, tuple):
+                    seg.append(it)
+                    continue
+                if seg:
+                    top = seg[-1][0]
+                    self._ingest_lines(conn, seg)
+                    seg = []
+                value = self._apply(conn, it)
+                if it.fut is not None:
+                    results.append((it.fut, value, None))
+            if seg:
+                top = seg[-1][0]
+                self._ingest_lines(conn, seg)
+            if top:
+                conn.execute("UPDATE log_meta SET v=? WHERE k='journal'", (top,))
+            self._maybe_index(conn)
+            conn.execute("COMMIT")
+        except Exception as e:  # noqa: BLE001 - reported to every waiter; the journal keeps all
+            log.exception("trajectory log ingest failed (its records stay in the journal)")
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            self.stats["ingest_errors"] += 1
+            err = InternalError(f"could not write the trajectory log: {e}")
+            self._resolve_soon([(it.fut, None, err) for it in batch
+                                if isinstance(it, _Control) and it.fut is not None])
+            return False
+        if top:
+            self._ingested = top
+            for it in batch:
+                if isinstance(it, tuple) and it[3] is not None:
+                    self._unbound.pop(it[3], None)
+            assert self._journal is not None or self._closing
+            if self._journal is not None:
+                self._journal.release(top)
+        st = self.stats
+        st["commits"] += 1
+        st["ingest_us"] += int((time.perf_counter() - t0) * 1e6)
+        st["ingest_cpu_us"] += int((time.thread_time() - c0) * 1e6)
+        n = sum(1 for it in batch if type(it) is tuple)
+        self._since_ckpt += n
+        if self._since_ckpt >= CHECKPOINT_EVERY:
+            self._since_ckpt = 0
+            try:
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                st["checkpoints"] += 1
+            except sqlite3.Error:
+                log.exception("trajectory log checkpoint failed")
+        self._resolve_soon(results)
+        return True
+
+    def _ingest_lines(self, conn: sqlite3.Connection, seg: list[_Line]) -> None:
+        """Journal records into the database, in order, a run of one kind at a time: entries
+        by multi-row INSERTs, the other kinds by ``executemany`` per statement."""
+        i, end = 0, len(seg)
+        while i < end:
+            kind = seg[i][1]
+            j = i + 1
+            while j < end and seg[j][1] == kind:
+                j += 1
+            rows = [it[2] for it in seg[i:j]]
+            if kind == "e":
+                if len(rows) > 1:  # a started row and its end in one batch: the end only
+                    rows = list({r[0]: r for r in rows}.values())  # (in first-seen order)
+                k = 0
+                while k < len(rows):
+                    size = min(ENTRIES_PER_STATEMENT, 1 << ((len(rows) - k).bit_length() - 1))
+                    chunk = rows[k:k + size]
+                    conn.execute(_entries_sql(size), [v for r in chunk for v in r])
+                    k += size
+                self._unindexed += j - i
+                self.stats["records"] += j - i
+                i = j
+                continue
+            for sql in _J_SQL[kind]:
+                conn.executemany(sql, rows)
+            if kind == "d":
+                self._lower_watermark(conn)
+            i = j
+
+    def _apply(self, conn: sqlite3.Connection, p: _Control) -> Any:
+        if p.kind == "barrier":
+            return None
+        if p.kind == "ended_except":
+            live = set(p.args[1])
+            now = p.args[0]
+            rows = conn.execute("SELECT sandbox_id FROM sandboxes WHERE ended_at IS NULL")
+            gone = [(now, r[0]) for r in rows.fetchall() if r[0] not in live]
+            conn.executemany("UPDATE sandboxes SET ended_at=?, reason='lost' WHERE "
+                             "sandbox_id=?", gone)
+            return None
+        if p.kind == "prune":
+            cutoff = p.args[0]
+            old = [r[0] for r in conn.execute(
+                "SELECT sandbox_id FROM sandboxes WHERE ended_at IS NOT NULL AND ended_at < ?",
+                (cutoff,)).fetchall()]
+            for sid in old:
+                conn.execute(f"DELETE FROM entries WHERE seq IN ({_SANDBOX_SEQS})",
+                             {"sid": sid})
+                conn.execute("DELETE FROM entries_by_sandbox WHERE sandbox_id=?", (sid,))
+                conn.execute("DELETE FROM sandboxes WHERE sandbox_id=?", (sid,))
+            # Entries of ids the log has no sandbox row for (a call on a sandbox of an older
+            # state dir, say): by their own age.
+            gone = conn.execute("SELECT sandbox_id, seq FROM entries WHERE ended_at < ? AND "
+                                "sandbox_id NOT IN (SELECT sandbox_id FROM sandboxes)",
+                                (cutoff,)).fetchall()
+            conn.executemany("DELETE FROM entries WHERE seq=?", [(r[1],) for r in gone])
+            conn.executemany("DELETE FROM entries_by_sandbox WHERE sandbox_id=? AND seq=?",
+                             gone)
+            self._lower_watermark(conn)
+            return len(old)
+        raise ValueError(p.kind)
+
+    def _resolve_soon(self, results: list[tuple[asyncio.Future[Any], Any,
+                                                BaseException | None]]) -> None:
+        if results and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(_resolve, results)
+            except RuntimeError:  # the loop is closed (daemon exiting)
+                pass
+
+    def _maybe_index(self, conn: sqlite3.Connection) -> None:
+        """In the current transaction: index the entries since the last time, once there
+        are INDEX_EVERY of them (an amortised cost: one page or a few for all of them)."""
+        if self._unindexed < INDEX_EVERY:
+            return
+        _index_tail(conn)  # reads the watermark: one small read every INDEX_EVERY entries
+        self._unindexed = 0
+
+    def _lower_watermark(self, conn: sqlite3.Connection) -> None:
+        """After a delete: the watermark must stay below entries not indexed yet (seqs of
+        deleted last entries can be given again by a later daemon: ``max(seq)`` at open)."""
+        top = conn.execute("SELECT max(seq) FROM entries").fetchone()[0] or 0
+        if top < _watermark(conn):
+            conn.execute("UPDATE log_meta SET v=? WHERE k='indexed'", (top,))
