@@ -13,7 +13,7 @@ import os
 import signal
 import time
 
-from corral.daemon.cgroups import _mounts, _read, _write
+from corral.daemon.cgroups.common import _mounts, _read, _write
 
 ZYGOTE_MEMORY = 2 << 30     # the zygote and its launcher (numpy preloaded: ~60 MB)
 ZYGOTE_PIDS = 16
