@@ -42,7 +42,7 @@ from corral import __version__
 from corral.config import Config
 from corral.daemon import persist, procs, removal, snapshots, streams, users
 from corral.daemon.substrates import registry
-from corral.daemon.substrates.base import SandboxRuntime, Substrate
+from corral.daemon.substrates.base import Capabilities, SandboxRuntime, Substrate
 from corral.daemon.trajlog import TrajLog
 from corral.errors import (
     CapacityExceeded,
@@ -277,6 +277,8 @@ class Engine:
         self.substrate_names = list(substrates) if substrates is not None \
             else registry.defaults()
         self.substrates: dict[str, Substrate] = {}
+        # Substrates asked for that this host cannot run, with why (registry.Unavailable).
+        self.unavailable: dict[str, str] = {}
         self.images = images
         # Host-wide resources the substrates made (registry.Context.shared).
         self.shared: dict[str, Any] = {}
@@ -347,7 +349,7 @@ class Engine:
             self.images = ImageStore(self.config.state_dir)
         await asyncio.to_thread(self.images.ensure_host)
         ctx = registry.Context(self.config, self.images, self.shared)
-        self.substrates = registry.build(self.substrate_names, ctx)
+        self.substrates = registry.build(self.substrate_names, ctx, self.unavailable)
 
     def _recover(self) -> None:
         """Re-adopt every sandbox a previous daemon left running; clean up everything else."""
@@ -548,7 +550,7 @@ class Engine:
     def _substrate(self, name: str) -> Substrate:
         sub = self.substrates.get(name)
         if sub is None:
-            raise registry.unknown(name, list(self.substrates))
+            raise registry.unknown(name, list(self.substrates), self.unavailable)
         return sub
 
     def _for_create(self, spec: SandboxSpec) -> Substrate:
@@ -570,10 +572,14 @@ class Engine:
                            details={"substrate": sub.name, "operation": what})
 
     def substrate_table(self) -> list[dict[str, Any]]:
-        """Each served substrate and its capabilities (GET /v1/substrates)."""
-        return [{"name": name, "capabilities": sub.capabilities.to_json(),
-                 "operations": sub.capabilities.operations()}
-                for name, sub in sorted(self.substrates.items())]
+        """Each served substrate and its capabilities, then each one asked for that this host
+        cannot run, with why (GET /v1/substrates)."""
+        served = [{"name": name, "capabilities": sub.capabilities.to_json(),
+                   "operations": sub.capabilities.operations()}
+                  for name, sub in sorted(self.substrates.items())]
+        return served + [{"name": name, "available": False, "reason": why,
+                          "capabilities": Capabilities().to_json(), "operations": []}
+                         for name, why in sorted(self.unavailable.items())]
 
     def _image(self, name: str) -> Any:
         image = self.images.get(name)
