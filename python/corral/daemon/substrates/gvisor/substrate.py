@@ -94,6 +94,18 @@ def _remove_cgroup(rel: str) -> None:
                 time.sleep(0.01)  # its last tasks are exiting
 
 
+def _counter(rel: str, v1: tuple[str, str], v2: str, key: str) -> int:
+    """A ``key value`` counter of the cgroup ``rel``: v1 (controller, file) or v2 file."""
+    for path in (os.path.join(CGROUP_ROOT, v1[0], rel, v1[1]),
+                 os.path.join(CGROUP_ROOT, rel, v2)):
+        with contextlib.suppress(OSError, ValueError), open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    return 0
+
+
 class GvisorSubstrate(Substrate):
     name = "gvisor"
     capabilities = Capabilities(files=True, pause=True, networks=("none",))
@@ -246,6 +258,19 @@ class GvisorSubstrate(Substrate):
         for d in (self.dirs, self.runsc.root):
             with contextlib.suppress(OSError):
                 os.rmdir(d)
+
+    # ---- why it ended ----------------------------------------------------------------------
+    def end_cause(self, runtime: SandboxRuntime) -> dict[str, Any] | None:
+        """Its limits, read in its cgroup before destroy removes it. Under gVisor the sentry
+        holds the sandbox's memory and makes a host process or thread for each of its
+        processes: an OOM kill, or the pids limit refusing the sentry a thread, ends the whole
+        sandbox (``oom``, ``pids``)."""
+        rel = self._cgroup(runtime.sandbox_id).strip("/")
+        if _counter(rel, ("memory", "memory.oom_control"), "memory.events", "oom_kill"):
+            return {"cause": "oom"}
+        if _counter(rel, ("pids", "pids.events"), "pids.events", "max"):
+            return {"cause": "pids"}
+        return None
 
     # ---- exec ----------------------------------------------------------------------------
     def spawn(self, runtime: SandboxRuntime, spec: ExecSpec,
