@@ -71,11 +71,18 @@ def check_path(path: str) -> str:
 
 
 class RootFiles:
-    """The file operations on one root fd (an O_PATH fd of the host-side root)."""
+    """The file operations on one root fd (an O_PATH fd of the host-side root), which it
+    owns: closed at the end of a ``with``."""
 
     def __init__(self, root_fd: int, upload_max_bytes: int) -> None:
         self.root = root_fd
         self.upload_max_bytes = upload_max_bytes
+
+    def __enter__(self) -> RootFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.root)
 
     def _fs(self, fn: Any, path: str, *args: Any) -> Any:
         try:
@@ -112,7 +119,7 @@ class RootFiles:
         finally:
             os.close(fd)
 
-    def list(self, path: str) -> list[FileEntry]:
+    def ls(self, path: str) -> list[FileEntry]:
         check_path(path)
         base = path.rstrip("/") or ""
         return [FileEntry(name=name, path=f"{base}/{name}", type=kind, size=size, mode=mode,

@@ -169,7 +169,7 @@ class GvisorSubstrate(Substrate):
     def _has_shell(self, root: str) -> bool:
         fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            with _Scoped(fd, 0) as f:
+            with RootFiles(fd, 0) as f:
                 return f.stat("/bin/sh").type in ("file", "symlink")
         except CorralError:
             return False
@@ -382,7 +382,7 @@ class GvisorSubstrate(Substrate):
                          os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
             raise SandboxNotRunning(f"the sandbox's root is gone: {e.strerror}") from None
-        return _Scoped(fd, self.upload_max_bytes)
+        return RootFiles(fd, self.upload_max_bytes)
 
     def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes:
         with self._files(runtime) as f:
@@ -395,7 +395,7 @@ class GvisorSubstrate(Substrate):
 
     def list_dir(self, runtime: SandboxRuntime, path: str) -> list[FileEntry]:
         with self._files(runtime) as f:
-            return f.list(path)
+            return f.ls(path)
 
     def stat(self, runtime: SandboxRuntime, path: str) -> FileEntry:
         with self._files(runtime) as f:
@@ -439,12 +439,3 @@ class GvisorSubstrate(Substrate):
         return streams.TreeOps(stat=on_root("stat"), list=on_root("list"),
                                readlink=on_root("readlink"), open_read=on_root("open_read"))
 
-
-class _Scoped(RootFiles):
-    """RootFiles whose root fd closes at the end of a ``with``."""
-
-    def __enter__(self) -> RootFiles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        os.close(self.root)
