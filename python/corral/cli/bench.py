@@ -13,12 +13,12 @@ from corral.cli.output import err
 app = typer.Typer()
 
 _SCENARIOS = ("churn", "latency", "exec", "density", "snapshot", "trajlog", "execpath",
-              "keyedreads")
+              "keyedreads", "gvisor")
 
 
 def parse_scenarios(value: str) -> list[str]:
     """``all`` or a comma-separated list of churn, latency, exec, density, snapshot,
-    trajlog, execpath, keyedreads."""
+    trajlog, execpath, keyedreads, gvisor."""
     if value.strip() == "all":
         return list(_SCENARIOS)
     names = [s.strip() for s in value.split(",") if s.strip()]
@@ -106,8 +106,9 @@ def bench(
     their targets), trajlog (exec throughput with the trajectory log on vs off, two private
     daemons, with the overhead target), execpath (commands started by the sandbox's init vs
     by the daemon: exec round trip, throughput, first result; two private daemons),
-    keyedreads (files.read/stat/list with and without an idempotency key, call by call). Every
-    system
+    keyedreads (files.read/stat/list with and without an idempotency key, call by call),
+    gvisor (the gvisor substrate vs the container substrate vs `runsc do true`: create, exec
+    round trip, churn). Every system
     runs in the same run; ratios are taken within a run, medians over --runs. Exits 1 if a
     scenario failed or anything was left behind."""
     from corral.bench.runner import run
