@@ -206,29 +206,42 @@ class GvisorSubstrate(Substrate):
         shutil.rmtree(runtime.sandbox_dir, ignore_errors=True)
 
     def _destroy_id(self, sandbox_id: str, pid: int) -> None:
-        """Every trace of one sandbox: runsc's (delete --force kills the sentry and gofer and
-        removes its cgroup), then whatever that left: processes by cgroup and by our --root,
+        """Every trace of one sandbox: its sentry and gofer SIGKILLed and waited for (a
+        `runsc delete --force` does the same in over a second), what else is in its cgroup,
         the cgroup, runsc's state files, the root's mounts, the directory."""
         state = self.runsc.state(sandbox_id)
+        pids = {pid}
         if state is not None:
-            try:
-                self.runsc.run("delete", "--force", sandbox_id)
-            except RunscError as e:
-                log.warning("runsc delete failed", extra={"sandbox": sandbox_id,
-                                                          "error": str(e)})
-        pids = [pid]
-        if state is not None:
-            pids += [int(state.get("goferPid") or 0),
-                     int((state.get("sandbox") or {}).get("pid") or 0)]
-        for p in pids:
-            if p > 0:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p, signal.SIGKILL)
+            pids |= {int(state.get("goferPid") or 0),
+                     int((state.get("sandbox") or {}).get("pid") or 0)}
+        fds = []
+        for p in sorted(pids - {0}):
+            with contextlib.suppress(OSError):
+                fd = kernel.pidfd_open(p)
+                # the pid is pinned now: still one of this sandbox's (its state names it)?
+                if self._names(p, sandbox_id):
+                    kernel.pidfd_signal(fd, signal.SIGKILL)
+                    fds.append(fd)
+                else:
+                    os.close(fd)
+        for fd in fds:
+            kernel.pidfd_exited(fd, 10.0)
+            os.close(fd)
         _remove_cgroup(self._cgroup(sandbox_id))
         self.runsc.forget(sandbox_id)
         gdir = self._gdir(sandbox_id)
         bundle.unmount_all(gdir)
         shutil.rmtree(gdir, ignore_errors=True)
+
+    def _names(self, pid: int, sandbox_id: str) -> bool:
+        """Whether process ``pid`` is a runsc process of this daemon's for ``sandbox_id``."""
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            return False
+        return (f"--root={self.runsc.root}".encode() in args
+                and any(sandbox_id.encode() in a for a in args))
 
     def cleanup_orphans(self, known_ids: set[str]) -> list[str]:
         ids = set(self.runsc.ids())
