@@ -575,7 +575,8 @@ class Engine:
     def substrate_table(self) -> list[dict[str, Any]]:
         """Each served substrate and its capabilities, then each one asked for that this host
         cannot run, with why (GET /v1/substrates)."""
-        served = [{"name": name, "capabilities": sub.capabilities.to_json(),
+        served = [{"name": name, "available": True, "reason": None,
+                   "capabilities": sub.capabilities.to_json(),
                    "operations": sub.capabilities.operations()}
                   for name, sub in sorted(self.substrates.items())]
         return served + [{"name": name, "available": False, "reason": why,
