@@ -293,8 +293,9 @@ class GvisorSubstrate(Substrate):
             raise SandboxNotRunning("the sandbox is not running")
         cwd = spec.cwd
         try:  # a missing cwd: the command starts in / (runsc would refuse to start it)
-            if self._files(runtime).stat(cwd).type not in ("dir", "symlink"):
-                cwd = "/"
+            with self._files(runtime) as f:
+                if f.stat(cwd).type not in ("dir", "symlink"):
+                    cwd = "/"
         except CorralError:
             cwd = "/"
         n = next(self._seq)
