@@ -379,3 +379,54 @@ def test_tar_bytes_roundtrip_api(sb):
     assert sb.exec("cat /work/t/x/y.bin").stdout == "bytes"
     assert json.dumps(subs)  # served as JSON, gvisor among them
     assert any(s["name"] == "gvisor" for s in subs)
+
+
+# ---- detection: a host where runsc cannot run --------------------------------------------------
+def test_probe_reports_why_no_platform_runs(tmp_path, monkeypatch):
+    """A runsc that hangs on every platform (as kvm does on this host) is given up on at the
+    probe's timeout, its processes killed, and the reason kept; the registry then leaves
+    gvisor out with that reason instead of failing the daemon's start."""
+    from corral.config import Config
+    from corral.daemon.substrates import gvisor as gv
+    from corral.daemon.substrates import registry
+    from corral.daemon.substrates.gvisor import probe
+
+    fake = tmp_path / "runsc"
+    fake.write_text("#!/bin/sh\nexec sleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(probe, "PROBE_TIMEOUT_S", 0.3)
+    t0 = time.monotonic()
+    platform, why = probe.detect(str(fake), str(tmp_path / "work"))
+    assert platform is None and time.monotonic() - t0 < 10
+    assert "platform ptrace: no answer within 0.3s" in why, why
+    assert not host_procs_naming(str(tmp_path / "work"))
+    cached = json.loads((tmp_path / "work" / "probe.json").read_text())
+    assert cached["platform"] is None and cached["reason"] == why
+
+    monkeypatch.setattr(gv, "find_runsc", lambda: str(fake))
+    ctx = registry.Context(Config(state_dir=str(tmp_path / "state")), None, {})
+    unavailable: dict[str, str] = {}
+    built = registry.build(["gvisor"], ctx, unavailable)
+    assert built == {} and "no gVisor platform runs here" in unavailable["gvisor"]
+    err = registry.unknown("gvisor", [], unavailable)
+    assert isinstance(err, Unsupported) and err.details["reason"] == unavailable["gvisor"]
+    monkeypatch.setattr(gv, "find_runsc", lambda: None)
+    unavailable.clear()
+    registry.build(["gvisor"], ctx, unavailable)
+    assert "runsc is not installed" in unavailable["gvisor"]
+
+
+def test_execs_hold_no_daemon_fds(sb):
+    """Many execs (with a cwd the daemon checks in the root) leave the daemon's fd table
+    as it was: each exec's status pipe and root fd are closed."""
+    pid = int(Path(STATE_DIR, "corrald.pid").read_text())
+
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+
+    sb.exec("true", cwd="/tmp")
+    before = fds()
+    for _ in range(15):
+        sb.exec("true", cwd="/tmp")
+        sb.files.stat("/tmp")
+    assert wait_until(lambda: fds() <= before + 2, 10), (before, fds())

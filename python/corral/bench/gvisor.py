@@ -65,7 +65,8 @@ def gvisor(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
     rows = {x.name: x for x in admin.substrates(ep)}
     if "gvisor" not in rows or not rows["gvisor"].available:
         why = rows["gvisor"].reason if "gvisor" in rows else "not served"
-        return {"error": f"gvisor is not available: {why}"}, {}
+        return {"skipped": f"gvisor is not available: {why}", "n": n, "median": {},
+                "ratios": {}, "runs": []}, {}
     runs: list[dict[str, OpResult]] = []
     for r in range(R):
         tag = f"gvisor {r + 1}/{R}"

@@ -222,7 +222,8 @@ def profile_table(scenario: str, prof: dict[str, Any]) -> Table:
 
 def gvisor_table(sec: dict[str, Any]) -> Table:
     t = Table(title=f"gvisor vs container vs `runsc do true`  (N={sec['n']}, ms, median of "
-                    f"{len(sec['runs'])} runs; cold creates)")
+                    f"{len(sec['runs'])} runs; cold creates)"
+                    + (f": skipped, {sec['skipped']}" if sec.get("skipped") else ""))
     for c in ("system", "create p50", "first exec p50", "exec round trip p50",
               "create+exec p50", "destroy p50", "churn /s"):
         t.add_column(c, justify="left" if c == "system" else "right")
