@@ -27,7 +27,7 @@ from corral.errors import (
 )
 from corral.sdk import admin
 
-from conftest import CGROUP_NAME, SOCKET, STATE_DIR, wait_until
+from conftest import CGROUP_NAME, SOCKET, STATE_DIR, private_daemon, wait_until
 
 GVISOR = Path(STATE_DIR, "gvisor")
 NUL = b"\0"
@@ -347,6 +347,22 @@ def test_kill9_readopts_and_cleans_orphans(daemon):
     sid = keep.id
     keep.kill()
     assert wait_until(lambda: gone(sid), 15), traces(sid)
+
+
+def test_graceful_stop_leaves_nothing():
+    """A daemon stopped with gvisor sandboxes running (one busy, one paused) destroys them:
+    no process, cgroup (nor the parents runsc made in every hierarchy), mount or directory
+    stays (private_daemon checks all of it after the stop)."""
+    with private_daemon("corral-test-gvstop-", f"{CGROUP_NAME}-gvstop") as d:
+        ep = f"unix://{d.socket_path}"
+        a = corral.Sandbox(substrate="gvisor", endpoint=ep, timeout=600)
+        b = corral.Sandbox(substrate="gvisor", endpoint=ep, timeout=600)
+        a.exec("sleep 1000 >/dev/null 2>&1 &")
+        b.pause()
+        root = os.path.join(d.state_dir, "gvisor", "runsc")
+        assert len(host_procs_naming(f"--root={root}")) >= 4  # a sentry and a gofer each
+    assert not host_procs_naming(f"--root={root}")
+    assert not any(Path("/sys/fs/cgroup").glob(f"*/{CGROUP_NAME}-gvstop"))
 
 
 # ---- CLI --------------------------------------------------------------------------------------
