@@ -320,6 +320,32 @@ def test_cannot_reach_the_daemon_socket(sb):
     assert "connected" not in r.stdout
 
 
+def test_signals_to_the_init(sb):
+    """Root inside sends PID 1 every signal but SIGKILL (real-time ones, SIGIO, SIGTERM...):
+    the sandbox keeps running (its init ignores them; gVisor would deliver them). SIGKILL
+    (which gVisor lets through to a namespace's init) ends it as the sandbox's own doing:
+    ``sandbox_crashed``, cause ``init_exited`` (category task), never ``sandbox_lost``."""
+    r = sb.exec("for s in $(seq 1 64); do [ $s = 9 ] || kill -s $s 1 2>/dev/null; done; "
+                "python3 -c 'import os, signal; os.kill(1, 40); os.kill(1, signal.SIGIO)'; "
+                "echo sent")
+    assert "sent" in r.stdout
+    assert sb.exec("echo alive").stdout == "alive\n"
+    assert sb.info().state == "running"
+    with corral.Sandbox(substrate="gvisor", timeout=120) as box:
+        try:
+            box.exec("kill -9 1; sleep 5")
+        except SandboxCrashed:
+            pass
+        with pytest.raises(SandboxCrashed) as e:
+            for _ in range(100):  # the end is seen a moment after the init's death
+                box.exec("true")
+                time.sleep(0.05)
+        assert e.value.details["cause"] == "init_exited", e.value.details
+        assert e.value.details["status"] == "killed by SIGKILL"
+        assert e.value.category == "task"
+        assert wait_until(lambda: gone(box.id), 15), traces(box.id)
+
+
 def test_cannot_write_outside(sb):
     for target in ("/gv-escape-root", "/var/tmp/gv-escape", f"{STATE_DIR}/gv-escape"):
         sb.exec(f"echo x > {target}")

@@ -16,8 +16,12 @@ from corral.models import SandboxSpec
 PIDS_OVERHEAD = 192
 CPU_PERIOD_US = 100_000
 # The sandbox's PID 1: waits forever and reaps what is orphaned to it (dash's `wait` reaps any
-# child); commands come in through `runsc exec`. Without a shell in the image: sleep alone.
-INIT = ["/bin/sh", "-c", "trap '' HUP INT TERM; while :; do sleep 2147483647 & wait; done"]
+# child); commands come in through `runsc exec`. It ignores every signal it can (all but KILL,
+# STOP and CHLD): gVisor delivers a signal without a handler to a namespace's init, and its
+# death ends the sandbox. Without a shell in the image: sleep alone.
+_IGNORED = " ".join(str(n) for n in range(1, 65) if n not in (9, 17, 19))
+INIT = ["/bin/sh", "-c",
+        f"trap '' {_IGNORED}; while :; do sleep 2147483647 & wait; done"]
 INIT_NO_SHELL = ["/bin/sleep", "infinity"]
 NO_CAPS: dict[str, list[str]] = {k: [] for k in
                                  ("bounding", "effective", "permitted", "inheritable", "ambient")}

@@ -24,14 +24,16 @@ class Runsc:
         self.prefix = [binary, f"--root={root}", f"--platform={platform}", "--network=none",
                        "--file-access=shared"]
 
-    def run(self, *args: str, timeout: float = CMD_TIMEOUT_S, log: str | None = None) -> None:
+    def run(self, *args: str, timeout: float = CMD_TIMEOUT_S, log: str | None = None,
+            flags: tuple[str, ...] = ()) -> None:
         """Run one runsc command to its end; RunscError with its last stderr line if it
         fails. stdout is /dev/null: a sandbox runsc starts inherits it (a pipe would never see
-        its end); stderr goes to ``log`` (a file) for the same reason."""
+        its end); stderr goes to ``log`` (a file) for the same reason. ``flags``: global
+        flags for this command only."""
         err_path = log or os.devnull
         with open(err_path, "ab") as err:
             try:
-                r = subprocess.run([*self.prefix, *args], stdin=subprocess.DEVNULL,
+                r = subprocess.run([*self.prefix, *flags, *args], stdin=subprocess.DEVNULL,
                                    stdout=subprocess.DEVNULL, stderr=err, timeout=timeout)
             except subprocess.TimeoutExpired:
                 raise RunscError(f"runsc {args[0]}: no answer within {timeout:g}s") from None

@@ -94,6 +94,40 @@ def _remove_cgroup(rel: str) -> None:
                 time.sleep(0.01)  # its last tasks are exiting
 
 
+_EXITING = "Exiting with status: "
+
+
+def _init_status(gdir: str) -> str | None:
+    """How the sandbox's init ended, from the sentry's own last log line (``Exiting with
+    status: <wait status>``, written only when the init ended: a sentry killed from outside
+    never writes it)."""
+    try:
+        logs = [n for n in os.listdir(gdir) if n.startswith("runsc.log.") and
+                n.endswith(".boot.txt")]
+    except OSError:
+        return None
+    for name in logs:
+        with contextlib.suppress(OSError), open(os.path.join(gdir, name), "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            tail = f.read().decode(errors="replace")
+            at = tail.rfind(_EXITING)
+            if at < 0:
+                continue
+            try:
+                ws = int(tail[at + len(_EXITING):].split()[0])
+            except (IndexError, ValueError):
+                continue
+            if os.WIFSIGNALED(ws):
+                sig = os.WTERMSIG(ws)
+                try:
+                    name_ = signal.Signals(sig).name
+                except ValueError:
+                    name_ = str(sig)
+                return f"killed by {name_}"
+            return f"exit code {os.WEXITSTATUS(ws)}"
+    return None
+
+
 def _counter(rel: str, v1: tuple[str, str], v2: str, key: str) -> int:
     """A ``key value`` counter of the cgroup ``rel``: v1 (controller, file) or v2 file."""
     for path in (os.path.join(CGROUP_ROOT, v1[0], rel, v1[1]),
@@ -145,8 +179,10 @@ class GvisorSubstrate(Substrate):
             bundle.write(os.path.join(gdir, "config.json"),
                          bundle.config(sandbox_id, spec, root, self._cgroup(sandbox_id), init))
             logf = os.path.join(gdir, "runsc.log")
-            # create + start in one runsc process (one Go start less than two commands)
-            self.runsc.run("run", "--detach", f"--bundle={gdir}", sandbox_id, log=logf)
+            # create + start in one runsc process (one Go start less than two commands). The
+            # sentry logs at info level into the sandbox's dir: how its init ended (end_cause).
+            self.runsc.run("run", "--detach", f"--bundle={gdir}", sandbox_id, log=logf,
+                           flags=(f"--debug-log={gdir}/", "--debug-command=boot"))
             state = self.runsc.state(sandbox_id)
             pid = int(state["sandbox"]["pid"]) if state else 0
             if pid <= 0:
@@ -283,6 +319,9 @@ class GvisorSubstrate(Substrate):
             return {"cause": "oom"}
         if _counter(rel, ("pids", "pids.events"), "pids.events", "max"):
             return {"cause": "pids"}
+        status = _init_status(self._gdir(runtime.sandbox_id))
+        if status is not None:  # the sentry ended because the sandbox's init did
+            return {"cause": "init_exited", "status": status}
         return None
 
     # ---- exec ----------------------------------------------------------------------------
