@@ -230,6 +230,21 @@ def test_memory_hog_is_stopped():
         assert "rc=0" not in r.stdout and not r.timed_out, r
 
 
+def test_disk_limit():
+    """disk_mb bounds what the sandbox can write (from inside and through the file API): the
+    host's disk is never what fills up."""
+    with corral.Sandbox(substrate="gvisor", disk_mb=16, timeout=120) as box:
+        r = box.exec("dd if=/dev/zero of=/root/big bs=1M count=64 2>&1; echo rc=$?")
+        assert "rc=0" not in r.stdout, r.stdout
+        assert int(box.exec("stat -c %s /root/big 2>/dev/null || wc -c < /root/big")
+                   .stdout.split()[0]) <= 16 << 20
+        box.exec("rm -f /root/big")
+        with pytest.raises(CorralError) as e:
+            box.files.write("/root/api-big", b"x" * (32 << 20))
+        assert e.value.code == "too_large", e.value.code
+        assert box.exec("echo ok > /root/small && cat /root/small").stdout == "ok\n"
+
+
 def test_pids_limit_stops_a_fork_bomb():
     """A fork bomb does not get past pids: under gVisor each sandbox process costs the sentry
     host tasks in the sandbox's pids cgroup, so at the limit the sandbox ends, reported as

@@ -56,22 +56,31 @@ def unmount_all(path: str) -> None:
         subprocess.run(["umount", "-l", mp], capture_output=True)
 
 
-def make_root(gdir: str, image: Any) -> str:
+def make_root(gdir: str, image: Any, disk_mb: int) -> str:
     """Mount the image's overlays (target "/" first) at ``gdir``/root, each with its own
-    upper and work dir under ``gdir``; returns the root. Nothing stays mounted on failure."""
+    upper and work dir on a tmpfs of ``disk_mb`` at ``gdir``/rw (the sandbox's disk: a write
+    past it is ENOSPC inside, its pages are charged to the memory cgroup of the gofer that
+    writes them, the sandbox's); returns the root. Nothing stays mounted on failure."""
     root = os.path.join(gdir, "root")
+    rw = os.path.join(gdir, "rw")
     os.makedirs(root, mode=0o755, exist_ok=True)
+    os.makedirs(rw, mode=0o700, exist_ok=True)
     try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o",
+                            f"size={disk_mb}m,mode=0700,nosuid,nodev", "corral-gvisor", rw],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise MountError(f"tmpfs on {rw}: {r.stderr.strip() or r.returncode}")
         for n, (target, lowers) in enumerate(image.overlays):
-            upper = os.path.join(gdir, "upper", str(n))
-            work = os.path.join(gdir, "work", str(n))
+            upper = os.path.join(rw, "upper", str(n))
+            work = os.path.join(rw, "work", str(n))
             os.makedirs(upper, mode=0o755, exist_ok=True)
             os.makedirs(work, mode=0o700, exist_ok=True)
             where = os.path.join(root, target.lstrip("/"))
             os.makedirs(where, exist_ok=True)
             _mount_overlay(list(lowers), upper, work, where)
     except BaseException:
-        unmount_all(root)
+        unmount_all(gdir)
         raise
     tmp = os.path.join(root, "tmp")
     if not os.path.isdir(tmp):

@@ -36,7 +36,7 @@ from corral.daemon.substrates.gvisor import bundle
 from corral.daemon.substrates.gvisor.files import RootFiles, check_path
 from corral.daemon.substrates.gvisor.probe import kill_under
 from corral.daemon.substrates.gvisor.runsc import Runsc, RunscError
-from corral.errors import CorralError, InternalError, SandboxNotRunning
+from corral.errors import CorralError, InternalError, SandboxNotRunning, TooLarge
 from corral.models import FileEntry, SandboxSpec
 
 log = logging.getLogger("corral.gvisor")
@@ -174,7 +174,7 @@ class GvisorSubstrate(Substrate):
                             sandbox_dir=sdir, cgroup_paths=[self._cgroup(sandbox_id)],
                             extra={"platform": self.runsc.platform})
         try:
-            root = bundle.make_root(gdir, image)
+            root = bundle.make_root(gdir, image, spec.disk_mb)
             init = bundle.INIT if self._has_shell(root) else bundle.INIT_NO_SHELL
             bundle.write(os.path.join(gdir, "config.json"),
                          bundle.config(sandbox_id, spec, root, self._cgroup(sandbox_id), init))
@@ -444,7 +444,13 @@ class GvisorSubstrate(Substrate):
     def write_file(self, runtime: SandboxRuntime, path: str, data: bytes | BinaryIO,
                    mode: int = 0o644, make_parents: bool = True) -> None:
         with self._files(runtime) as f:
-            f.write(path, data, mode, make_parents)
+            try:
+                f.write(path, data, mode, make_parents)
+            except TooLarge:
+                # no partial file stays behind to fill the disk the write could not fit in
+                with contextlib.suppress(CorralError):
+                    f.remove(path, False)
+                raise
 
     def list_dir(self, runtime: SandboxRuntime, path: str) -> list[FileEntry]:
         with self._files(runtime) as f:
