@@ -19,7 +19,6 @@ import logging
 import os
 import shutil
 import signal
-import threading
 import time
 from collections.abc import Awaitable
 from typing import Any, BinaryIO
@@ -155,7 +154,6 @@ class GvisorSubstrate(Substrate):
         os.makedirs(self.dirs, mode=0o700, exist_ok=True)
         os.makedirs(runsc.root, mode=0o700, exist_ok=True)
         self._seq = itertools.count()
-        self._lock = threading.Lock()
         self._pending: set[asyncio.Future[Any]] = set()  # kills of abandoned commands
         self.counters = {"gvisor_execs": 0, "gvisor_exec_kills": 0}
 
