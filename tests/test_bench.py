@@ -53,9 +53,12 @@ def test_report_header(report):
         assert key in report
     assert report["host"]["cpus"] >= 1
     assert set(report["scenarios"]) == {"churn", "latency", "exec", "density", "snapshot",
-                                        "trajlog", "execpath", "keyedreads", "run-code"}
+                                        "trajlog", "execpath", "keyedreads", "run-code",
+                                        "gvisor"}
     for name, sec in report["scenarios"].items():
         assert "error" not in sec, (name, sec)
+        if sec.get("skipped"):  # gvisor on a host where runsc cannot run
+            continue
         assert len(sec["runs"]) == 1
 
 
@@ -254,7 +257,8 @@ def test_cli_json(tmp_path):
 
 def test_parse_scenarios():
     assert parse_scenarios("all") == ["churn", "latency", "exec", "density", "snapshot",
-                                      "trajlog", "execpath", "keyedreads", "run-code"]
+                                      "trajlog", "execpath", "keyedreads", "run-code",
+                                      "gvisor"]
     assert parse_scenarios("run-code") == ["run-code"]
     assert parse_scenarios("snapshot") == ["snapshot"]
     assert parse_scenarios("trajlog") == ["trajlog"]
@@ -287,3 +291,20 @@ def test_network_modes_churn_and_density(tmp_path):
     assert rep["cleanup"]["clean"]
     with pytest.raises(Exception, match="unknown network mode"):
         parse_networks("host")
+
+
+def test_gvisor_section(report):
+    """The gvisor scenario: container, gvisor and `runsc do true` measured in the same run."""
+    sec = report["scenarios"]["gvisor"]
+    if sec.get("skipped"):
+        pytest.skip(sec["skipped"])
+    assert sec["n"] == N
+    for system in ("container", "gvisor"):
+        m = sec["median"][system]
+        for k in ("create_p50_ms", "first_exec_p50_ms", "exec_p50_ms", "destroy_p50_ms",
+                  "churn_per_s"):
+            assert _is_num(m[k]) and m[k] > 0, (system, k, m)
+    assert _is_num(sec["median"]["runsc-do"]["ttfr_p50_ms"])
+    run0 = sec["runs"][0]
+    assert run0["gvisor"]["errors"] == 0 and run0["container"]["errors"] == 0
+    assert sec["ratios"]["gvisor/container create"] > 1  # a sentry boots: never cheaper

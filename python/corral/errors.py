@@ -241,7 +241,8 @@ class SandboxExpired(SandboxNotRunning):
 
 class SandboxCrashed(SandboxNotRunning):
     """The sandbox ended because of what ran in it: its memory cgroup ran out of memory
-    (``details["cause"] == "oom"``, category ``limit``) or its init ended in a way nothing
+    (``details["cause"] == "oom"``, category ``limit``), it reached its process limit where
+    that ends the whole sandbox (``"pids"``, category ``limit``) or its init ended in a way nothing
     outside asked for (``"init_exited"``, with ``"status"``, category ``task``). Not an
     infrastructure failure: the rollout's own outcome. 409, like every "not running" error, so
     a client that does not know the code still sees a non-infra conflict (410 is
@@ -250,7 +251,7 @@ class SandboxCrashed(SandboxNotRunning):
     code, status = "sandbox_crashed", 409
 
     def _category(self) -> str:
-        return "limit" if self.details.get("cause") == "oom" else "task"
+        return "limit" if self.details.get("cause") in ("oom", "pids") else "task"
 
 
 class ReplayDivergence(Conflict):

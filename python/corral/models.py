@@ -438,6 +438,8 @@ class SubstrateCapabilities(_Response):
 
 class SubstrateInfo(_Response):
     name: str
+    available: bool = Field(True, description="false: asked for, but this host cannot run it")
+    reason: str | None = Field(None, description="why it is not available")
     capabilities: SubstrateCapabilities
     operations: list[str] = Field(description="the API operations it takes")
 

@@ -240,10 +240,25 @@ def runcode_table(sec: dict[str, Any]) -> Table:
     return t
 
 
+def gvisor_table(sec: dict[str, Any]) -> Table:
+    t = Table(title=f"gvisor vs container vs `runsc do true`  (N={sec['n']}, ms, median of "
+                    f"{len(sec['runs'])} runs; cold creates)"
+                    + (f": skipped, {sec['skipped']}" if sec.get("skipped") else ""))
+    for c in ("system", "create p50", "first exec p50", "exec round trip p50",
+              "create+exec p50", "destroy p50", "churn /s"):
+        t.add_column(c, justify="left" if c == "system" else "right")
+    for name in ("container", "gvisor", "runsc-do"):
+        m = sec["median"].get(name, {})
+        t.add_row(name, *(_f(m.get(k), 1) for k in (
+            "create_p50_ms", "first_exec_p50_ms", "exec_p50_ms", "ttfr_p50_ms",
+            "destroy_p50_ms", "churn_per_s")))
+    return t
+
+
 TABLES = {"churn": churn_table, "latency": latency_table, "exec": exec_table,
           "density": density_table, "snapshot": snapshot_table, "trajlog": trajlog_table,
           "execpath": execpath_table, "keyedreads": keyedreads_table,
-          "run-code": runcode_table}
+          "run-code": runcode_table, "gvisor": gvisor_table}
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:

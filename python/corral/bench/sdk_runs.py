@@ -163,7 +163,7 @@ def _extra(conc: int, errors: list[str]) -> dict[str, Any]:
 
 # ---- latency: one client, nothing else running ----------------------------------------------
 def latency(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5,
-            hostname: str | None = None) -> OpResult:
+            hostname: str | None = None, substrate: str = "container") -> OpResult:
     """Per op: create, the first exec, time to the first result (create + exec) and destroy.
     ``hostname`` (a spec the warm pools never serve) makes every create cold."""
     ph: dict[str, list[float]] = {"create": [], "first_exec": [], "ttfr": [], "destroy": []}
@@ -174,7 +174,8 @@ def latency(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5,
             t_start = time.perf_counter()
         try:
             t0 = time.perf_counter()
-            sb = Sandbox("host", endpoint=endpoint, timeout=TTL_S, hostname=hostname)
+            sb = Sandbox("host", endpoint=endpoint, timeout=TTL_S, hostname=hostname,
+                         substrate=substrate)
             t1 = time.perf_counter()
             try:
                 r = sb.exec(TRUE)
@@ -203,10 +204,11 @@ def latency(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5,
 
 
 # ---- exec throughput on one live sandbox ----------------------------------------------------
-def exec_sync(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5) -> OpResult:
+def exec_sync(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5,
+              substrate: str = "container") -> OpResult:
     lat: list[float] = []
     errors: list[str] = []
-    with Sandbox("host", endpoint=endpoint, timeout=TTL_S) as sb:
+    with Sandbox("host", endpoint=endpoint, timeout=TTL_S, substrate=substrate) as sb:
         for _ in range(warmup):
             sb.exec(TRUE)
         t0 = time.perf_counter()

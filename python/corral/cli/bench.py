@@ -13,12 +13,12 @@ from corral.cli.output import err
 app = typer.Typer()
 
 _SCENARIOS = ("churn", "latency", "exec", "density", "snapshot", "trajlog", "execpath",
-              "keyedreads", "run-code")
+              "keyedreads", "run-code", "gvisor")
 
 
 def parse_scenarios(value: str) -> list[str]:
     """``all`` or a comma-separated list of churn, latency, exec, density, snapshot,
-    trajlog, execpath, keyedreads, run-code."""
+    trajlog, execpath, keyedreads, run-code, gvisor."""
     if value.strip() == "all":
         return list(_SCENARIOS)
     names = [s.strip() for s in value.split(",") if s.strip()]
@@ -109,8 +109,9 @@ def bench(
     by the daemon: exec round trip, throughput, first result; two private daemons),
     keyedreads (files.read/stat/list with and without an idempotency key, call by call),
     run-code (run_code vs python3 -c in a fresh container sandbox and vs a
-    subprocess-per-request server: p50, calls/s, import numpy p50, with their targets). Every
-    system
+    subprocess-per-request server: p50, calls/s, import numpy p50, with their targets),
+    gvisor (the gvisor substrate vs the container substrate vs `runsc do true`: create, exec
+    round trip, churn). Every system
     runs in the same run; ratios are taken within a run, medians over --runs. Exits 1 if a
     scenario failed or anything was left behind."""
     from corral.bench.runner import run

@@ -90,6 +90,9 @@ def capability_table(subs: list[SubstrateInfo]) -> Table:
         t.add_column(col)
     for s in subs:
         caps = s.capabilities
+        if not s.available:  # asked for, but this host cannot run it: say why
+            t.add_row(s.name, f"not available: {s.reason}")
+            continue
         t.add_row(s.name, *("yes" if getattr(caps, c) else "-" for c in cols),
                   ", ".join(caps.networks))
     return t

@@ -35,6 +35,7 @@ INIT_EXIT_GRACE_STEPS = 40   # x 5 ms: how long an unexplained SIGKILL waits for
 _CAUSE_TEXT = {
     "oom": "it ran out of memory (the kernel's OOM killer killed in it)",
     "init_exited": "its init process ended",
+    "pids": "it reached its process limit (pids)",
 }
 
 _REASON_TEXT = {

@@ -16,7 +16,7 @@ from corral import __version__
 from corral.config import Config
 from corral.daemon import oserrors, persist, removal, snapshots
 from corral.daemon.substrates import registry
-from corral.daemon.substrates.base import SandboxRuntime, Substrate
+from corral.daemon.substrates.base import Capabilities, SandboxRuntime, Substrate
 from corral.daemon.trajlog import TrajLog
 from corral.errors import (
     CapacityExceeded,
@@ -66,6 +66,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
             else registry.defaults()
         self.substrates: dict[str, Substrate] = {}
         self.images = images
+        # Substrates asked for that this host cannot run, with why (registry.Unavailable).
+        self.unavailable: dict[str, str] = {}
         # Host-wide resources the substrates made (registry.Context.shared).
         self.shared: dict[str, Any] = {}
         self.sandboxes_dir = os.path.join(config.state_dir, "sandboxes")
@@ -134,7 +136,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
             self.images = ImageStore(self.config.state_dir)
         await asyncio.to_thread(self.images.ensure_host)
         ctx = registry.Context(self.config, self.images, self.shared)
-        self.substrates = registry.build(self.substrate_names, ctx)
+        self.substrates = registry.build(self.substrate_names, ctx, self.unavailable)
 
     def close(self) -> None:
         """Stop the reaper and watchers, leave every sandbox running (re-adopted next start)."""
@@ -229,7 +231,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
     def _substrate(self, name: str) -> Substrate:
         sub = self.substrates.get(name)
         if sub is None:
-            raise registry.unknown(name, list(self.substrates))
+            raise registry.unknown(name, list(self.substrates), self.unavailable)
         return sub
 
     def _for_create(self, spec: SandboxSpec) -> Substrate:
@@ -251,10 +253,15 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
                            details={"substrate": sub.name, "operation": what})
 
     def substrate_table(self) -> list[dict[str, Any]]:
-        """Each served substrate and its capabilities (GET /v1/substrates)."""
-        return [{"name": name, "capabilities": sub.capabilities.to_json(),
-                 "operations": sub.capabilities.operations()}
-                for name, sub in sorted(self.substrates.items())]
+        """Each served substrate and its capabilities, then each one asked for that this host
+        cannot run, with why (GET /v1/substrates)."""
+        served = [{"name": name, "available": True, "reason": None,
+                   "capabilities": sub.capabilities.to_json(),
+                   "operations": sub.capabilities.operations()}
+                  for name, sub in sorted(self.substrates.items())]
+        return served + [{"name": name, "available": False, "reason": why,
+                          "capabilities": Capabilities().to_json(), "operations": []}
+                         for name, why in sorted(self.unavailable.items())]
 
     def _image(self, name: str) -> Any:
         image = self.images.get(name)

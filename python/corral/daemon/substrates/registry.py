@@ -28,6 +28,11 @@ class Context:
 Factory = Callable[[Context], Substrate]
 
 
+class Unavailable(Exception):
+    """Raised by a factory when this host cannot run the substrate (a missing tool, a probe
+    that failed): the daemon starts without it and reports the reason (GET /v1/substrates)."""
+
+
 @dataclass(frozen=True)
 class Entry:
     factory: Factory
@@ -53,15 +58,23 @@ def defaults() -> list[str]:
     return sorted(n for n, e in _TABLE.items() if e.default)
 
 
-def build(wanted: Sequence[str], ctx: Context) -> dict[str, Substrate]:
-    """Make each substrate of ``wanted``; one that cannot start on this host is an error."""
+def build(wanted: Sequence[str], ctx: Context,
+          unavailable: dict[str, str] | None = None) -> dict[str, Substrate]:
+    """Make each substrate of ``wanted``. One whose factory raises ``Unavailable`` is left out
+    with its reason in ``unavailable`` when that is given; any other failure is an error."""
     out: dict[str, Substrate] = {}
     try:
         for name in wanted:
             entry = _TABLE.get(name)
             if entry is None:
                 raise ValueError(f"no substrate {name!r} is registered ({', '.join(names())})")
-            sub = entry.factory(ctx)
+            try:
+                sub = entry.factory(ctx)
+            except Unavailable as e:
+                if unavailable is None:
+                    raise
+                unavailable[name] = str(e)
+                continue
             sub.name = name
             out[name] = sub
     except BaseException:
@@ -71,13 +84,17 @@ def build(wanted: Sequence[str], ctx: Context) -> dict[str, Substrate]:
     return out
 
 
-def unknown(name: str, available: Sequence[str]) -> InvalidRequest | Unsupported:
+def unknown(name: str, available: Sequence[str],
+            reasons: dict[str, str] | None = None) -> InvalidRequest | Unsupported:
     """The error for a create naming a substrate this daemon does not serve: ``unsupported``
-    for one corral names (SUBSTRATES) that is not served here, else ``invalid_request``."""
+    for one corral names (SUBSTRATES) that is not served here (with why, if its factory said),
+    else ``invalid_request``."""
     have = ", ".join(sorted(available)) or "none"
     if name in SUBSTRATES or name in _TABLE:
-        return Unsupported(f"substrate {name!r} is not available on this daemon; "
-                           f"available: {have}", details={"substrate": name})
+        why = (reasons or {}).get(name)
+        details = {"substrate": name} if why is None else {"substrate": name, "reason": why}
+        return Unsupported(f"substrate {name!r} is not available on this daemon"
+                           f"{f' ({why})' if why else ''}; available: {have}", details=details)
     return InvalidRequest(f"unknown substrate {name!r}; available: {have}",
                           details={"substrate": name})
 
@@ -95,4 +112,11 @@ def _container(ctx: Context) -> Substrate:
     return sub
 
 
+def _gvisor(ctx: Context) -> Substrate:
+    from corral.daemon.substrates.gvisor import make
+
+    return make(ctx)
+
+
 register("container", _container, default=True)
+register("gvisor", _gvisor, default=True)

@@ -1,0 +1,137 @@
+"""The OCI bundle of one gVisor sandbox: its root (an overlay the daemon mounts on the host,
+one per image overlay, each with a private upper dir) and config.json (limits, namespaces, no
+capabilities, the long-running init)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from typing import Any
+
+from corral.models import SandboxSpec
+
+# The sentry and the gofer are Go programs: their own threads count against the host pids
+# cgroup on top of the sandbox's processes (gVisor runs each in the sentry, not on the host).
+PIDS_OVERHEAD = 192
+CPU_PERIOD_US = 100_000
+# The sandbox's PID 1: waits forever and reaps what is orphaned to it (dash's `wait` reaps any
+# child); commands come in through `runsc exec`. It ignores every signal it can (all but KILL,
+# STOP and CHLD): gVisor delivers a signal without a handler to a namespace's init, and its
+# death ends the sandbox. Without a shell in the image: sleep alone.
+_IGNORED = " ".join(str(n) for n in range(1, 65) if n not in (9, 17, 19))
+INIT = ["/bin/sh", "-c",
+        f"trap '' {_IGNORED}; while :; do sleep 2147483647 & wait; done"]
+INIT_NO_SHELL = ["/bin/sleep", "infinity"]
+NO_CAPS: dict[str, list[str]] = {k: [] for k in
+                                 ("bounding", "effective", "permitted", "inheritable", "ambient")}
+
+
+class MountError(OSError):
+    pass
+
+
+def _mount_overlay(lowers: list[str], upper: str, work: str, target: str) -> None:
+    opts = f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work}"
+    r = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, target],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise MountError(f"overlay on {target}: {r.stderr.strip() or r.returncode}")
+
+
+def mounts_under(path: str) -> list[str]:
+    """Mount points at or below ``path`` in the daemon's mount namespace, deepest first."""
+    path = path.rstrip("/")
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4].replace("\\040", " ")
+            if mp == path or mp.startswith(path + "/"):
+                out.append(mp)
+    return sorted(out, key=len, reverse=True)
+
+
+def unmount_all(path: str) -> None:
+    for mp in mounts_under(path):
+        subprocess.run(["umount", "-l", mp], capture_output=True)
+
+
+def make_root(gdir: str, image: Any, disk_mb: int) -> str:
+    """Mount the image's overlays (target "/" first) at ``gdir``/root, each with its own
+    upper and work dir on a tmpfs of ``disk_mb`` at ``gdir``/rw (the sandbox's disk: a write
+    past it is ENOSPC inside, its pages are charged to the memory cgroup of the gofer that
+    writes them, the sandbox's); returns the root. Nothing stays mounted on failure."""
+    root = os.path.join(gdir, "root")
+    rw = os.path.join(gdir, "rw")
+    os.makedirs(root, mode=0o755, exist_ok=True)
+    os.makedirs(rw, mode=0o700, exist_ok=True)
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o",
+                            f"size={disk_mb}m,mode=0700,nosuid,nodev", "corral-gvisor", rw],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise MountError(f"tmpfs on {rw}: {r.stderr.strip() or r.returncode}")
+        for n, (target, lowers) in enumerate(image.overlays):
+            upper = os.path.join(rw, "upper", str(n))
+            work = os.path.join(rw, "work", str(n))
+            os.makedirs(upper, mode=0o755, exist_ok=True)
+            os.makedirs(work, mode=0o700, exist_ok=True)
+            where = os.path.join(root, target.lstrip("/"))
+            os.makedirs(where, exist_ok=True)
+            _mount_overlay(list(lowers), upper, work, where)
+    except BaseException:
+        unmount_all(gdir)
+        raise
+    tmp = os.path.join(root, "tmp")
+    if not os.path.isdir(tmp):
+        os.mkdir(tmp)
+    os.chmod(tmp, 0o1777)
+    return root
+
+
+def config(sandbox_id: str, spec: SandboxSpec, root: str, cgroup: str,
+           init: list[str]) -> dict[str, Any]:
+    """config.json: the root read-write (the overlay above holds the writes), /tmp from the
+    same overlay (runsc would otherwise put a tmpfs there the daemon cannot see into), proc,
+    sys read-only, a tmpfs /dev; every namespace; the spec's limits as the sandbox's cgroup."""
+    env = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
+    return {
+        "ociVersion": "1.0.2",
+        "process": {"args": init, "env": env, "cwd": "/", "user": {"uid": 0, "gid": 0},
+                    "capabilities": NO_CAPS, "noNewPrivileges": True},
+        "root": {"path": root, "readonly": False},
+        "hostname": spec.hostname or sandbox_id[:63],
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "mode=755"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+             "options": ["ro", "nosuid", "noexec", "nodev"]},
+            {"destination": "/tmp", "type": "bind", "source": os.path.join(root, "tmp"),
+             "options": ["rbind", "rw", "nosuid", "nodev"]},
+        ],
+        "linux": {
+            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+            "cgroupsPath": cgroup,
+            "resources": {
+                "memory": {"limit": spec.memory_mb << 20, "swap": spec.memory_mb << 20},
+                "pids": {"limit": spec.pids + PIDS_OVERHEAD},
+                "cpu": {"quota": max(1000, int(spec.cpu * CPU_PERIOD_US)),
+                        "period": CPU_PERIOD_US},
+            },
+        },
+    }
+
+
+def process(argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int,
+            groups: list[int]) -> dict[str, Any]:
+    """process.json of one `runsc exec`: no capabilities, no new privileges (as in config)."""
+    return {"args": argv, "env": [f"{k}={v}" for k, v in env.items()], "cwd": cwd,
+            "user": {"uid": uid, "gid": gid, "additionalGids": list(groups)},
+            "capabilities": NO_CAPS, "noNewPrivileges": True}
+
+
+def write(path: str, doc: dict[str, Any]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with open(fd, "w") as f:
+        json.dump(doc, f)

@@ -1,0 +1,498 @@
+"""The gvisor substrate: each sandbox is a gVisor sandbox (runsc create/start) whose PID 1
+sleeps forever; every command is a `runsc exec` into it.
+
+Per sandbox, under ``<state_dir>/gvisor/sandboxes/<id>/``: the OCI bundle (config.json), the
+host-side root (one overlay per image overlay, private upper dirs: bundle.make_root), the
+process.json of each exec. runsc's own state is ``<state_dir>/gvisor/runsc`` (its --root).
+The limits are runsc's cgroup (``<cgroup name>/<id>``, made and removed by runsc; removed by
+us when runsc cannot). The runtime's init is the runsc sandbox process (the sentry): it lives
+exactly as long as the sandbox does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import itertools
+import logging
+import os
+import shutil
+import signal
+import time
+from collections.abc import Awaitable
+from typing import Any, BinaryIO
+
+from corral.daemon import kernel, streams
+from corral.daemon.substrates.base import (
+    Capabilities,
+    ExecSpec,
+    SandboxRuntime,
+    Spawned,
+    Substrate,
+)
+from corral.daemon.substrates.gvisor import bundle
+from corral.daemon.substrates.gvisor.files import RootFiles, check_path
+from corral.daemon.substrates.gvisor.probe import kill_under
+from corral.daemon.substrates.gvisor.runsc import Runsc, RunscError
+from corral.errors import CorralError, InternalError, SandboxNotRunning, TooLarge
+from corral.models import FileEntry, SandboxSpec
+
+log = logging.getLogger("corral.gvisor")
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+# The exec wrapper: runs the `runsc exec` client, then writes its exit status to fd 9 (a pipe
+# the daemon reads) and ends the way the command did. A wrapper killed before that (the exec's
+# timeout or a kill SIGKILLs its process group) writes nothing: the daemon then kills the
+# command inside the sandbox, which the end of the client alone would leave running.
+_WRAP = ('"$@" 9>&-; s=$?; echo "$s" >&9; '
+         'if [ "$s" -gt 128 ] && [ "$s" -lt 160 ]; then kill -s "$((s - 128))" $$; fi; '
+         'exit "$s"')
+_SH_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+
+
+async def _ready(value: Spawned) -> Spawned:
+    return value
+
+
+def _cgroup_dirs(rel: str) -> list[str]:
+    """``rel`` in every cgroup hierarchy it exists in (v1: one per controller; v2: one)."""
+    rel = rel.strip("/")
+    out = []
+    direct = os.path.join(CGROUP_ROOT, rel)
+    if os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers")):
+        return [direct] if os.path.isdir(direct) else []
+    with contextlib.suppress(OSError):
+        for h in os.listdir(CGROUP_ROOT):
+            d = os.path.join(CGROUP_ROOT, h, rel)
+            if os.path.isdir(d):
+                out.append(d)
+    return out
+
+
+def _remove_cgroup(rel: str) -> None:
+    """Kill what is left in the cgroup ``rel`` (every hierarchy) and remove it."""
+    dirs = _cgroup_dirs(rel)
+    for d in dirs:
+        with contextlib.suppress(OSError), open(os.path.join(d, "cgroup.procs")) as f:
+            for line in f:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(line), signal.SIGKILL)
+    for d in dirs:
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                os.rmdir(d)
+                break
+            except FileNotFoundError:
+                break
+            except OSError as e:
+                if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                    log.warning("cannot remove cgroup", extra={"path": d, "error": str(e)})
+                    break
+                time.sleep(0.01)  # its last tasks are exiting
+
+
+_EXITING = "Exiting with status: "
+
+
+def _init_status(gdir: str) -> str | None:
+    """How the sandbox's init ended, from the sentry's own last log line (``Exiting with
+    status: <wait status>``, written only when the init ended: a sentry killed from outside
+    never writes it)."""
+    try:
+        logs = [n for n in os.listdir(gdir) if n.startswith("runsc.log.") and
+                n.endswith(".boot.txt")]
+    except OSError:
+        return None
+    for name in logs:
+        with contextlib.suppress(OSError), open(os.path.join(gdir, name), "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            tail = f.read().decode(errors="replace")
+            at = tail.rfind(_EXITING)
+            if at < 0:
+                continue
+            try:
+                ws = int(tail[at + len(_EXITING):].split()[0])
+            except (IndexError, ValueError):
+                continue
+            if os.WIFSIGNALED(ws):
+                sig = os.WTERMSIG(ws)
+                try:
+                    name_ = signal.Signals(sig).name
+                except ValueError:
+                    name_ = str(sig)
+                return f"killed by {name_}"
+            return f"exit code {os.WEXITSTATUS(ws)}"
+    return None
+
+
+def _counter(rel: str, v1: tuple[str, str], v2: str, key: str) -> int:
+    """A ``key value`` counter of the cgroup ``rel``: v1 (controller, file) or v2 file."""
+    for path in (os.path.join(CGROUP_ROOT, v1[0], rel, v1[1]),
+                 os.path.join(CGROUP_ROOT, rel, v2)):
+        with contextlib.suppress(OSError, ValueError), open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    return 0
+
+
+class GvisorSubstrate(Substrate):
+    name = "gvisor"
+    capabilities = Capabilities(files=True, pause=True, networks=("none",))
+
+    def __init__(self, state_dir: str, cgroup_name: str, runsc: Runsc,
+                 upload_max_bytes: int) -> None:
+        self.base = os.path.join(state_dir, "gvisor")
+        self.dirs = os.path.join(self.base, "sandboxes")
+        self.records = os.path.join(state_dir, "sandboxes")  # the engine's, one per sandbox
+        self.cgroup_name = cgroup_name
+        self.runsc = runsc
+        self.upload_max_bytes = upload_max_bytes
+        os.makedirs(self.dirs, mode=0o700, exist_ok=True)
+        os.makedirs(runsc.root, mode=0o700, exist_ok=True)
+        self._seq = itertools.count()
+        self._pending: set[asyncio.Future[Any]] = set()  # kills of abandoned commands
+        self.counters = {"gvisor_execs": 0, "gvisor_exec_kills": 0}
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def _gdir(self, sandbox_id: str) -> str:
+        return os.path.join(self.dirs, sandbox_id)
+
+    def _cgroup(self, sandbox_id: str) -> str:
+        return f"/{self.cgroup_name}/{sandbox_id}"
+
+    def create(self, sandbox_id: str, spec: SandboxSpec, image: Any) -> SandboxRuntime:
+        gdir = self._gdir(sandbox_id)
+        os.makedirs(os.path.join(gdir, "exec"), mode=0o700, exist_ok=True)
+        sdir = os.path.join(self.records, sandbox_id)
+        rt = SandboxRuntime(sandbox_id=sandbox_id, init_pid=0, init_starttime=0,
+                            sandbox_dir=sdir, cgroup_paths=[self._cgroup(sandbox_id)],
+                            extra={"platform": self.runsc.platform})
+        try:
+            root = bundle.make_root(gdir, image, spec.disk_mb)
+            init = bundle.INIT if self._has_shell(root) else bundle.INIT_NO_SHELL
+            bundle.write(os.path.join(gdir, "config.json"),
+                         bundle.config(sandbox_id, spec, root, self._cgroup(sandbox_id), init))
+            logf = os.path.join(gdir, "runsc.log")
+            # create + start in one runsc process (one Go start less than two commands). The
+            # sentry logs at info level into the sandbox's dir: how its init ended (end_cause).
+            self.runsc.run("run", "--detach", f"--bundle={gdir}", sandbox_id, log=logf,
+                           flags=(f"--debug-log={gdir}/", "--debug-command=boot"))
+            state = self.runsc.state(sandbox_id)
+            pid = int(state["sandbox"]["pid"]) if state else 0
+            if pid <= 0:
+                raise RunscError("runsc left no sandbox process")
+            rt.init_pid = pid
+            rt.pidfd = kernel.pidfd_open(pid)
+            rt.init_starttime = kernel.proc_starttime(pid) or 0
+            if not self.is_alive(rt):
+                raise RunscError("the sandbox ended as it started")
+        except BaseException as e:
+            with contextlib.suppress(Exception):
+                self.destroy(rt)
+            if isinstance(e, CorralError):
+                raise
+            if isinstance(e, OSError):
+                raise InternalError(f"gvisor sandbox could not start: {e}") from e
+            raise
+        return rt
+
+    def _has_shell(self, root: str) -> bool:
+        fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            with RootFiles(fd, 0) as f:
+                return f.stat("/bin/sh").type in ("file", "symlink")
+        except CorralError:
+            return False
+
+    def adopt(self, runtime: SandboxRuntime) -> bool:
+        pid = runtime.init_pid
+        if pid <= 0 or not kernel.proc_alive(pid, runtime.init_starttime):
+            return False
+        try:
+            fd = kernel.pidfd_open(pid)
+        except OSError:
+            return False
+        if kernel.proc_starttime(pid) != runtime.init_starttime or kernel.pidfd_exited(fd):
+            os.close(fd)
+            return False
+        state = self.runsc.state(runtime.sandbox_id)
+        if state is None or int(state["sandbox"]["pid"]) != pid:
+            os.close(fd)
+            return False
+        runtime.pidfd = fd
+        return True
+
+    def is_alive(self, runtime: SandboxRuntime) -> bool:
+        if runtime.pidfd >= 0:
+            return not kernel.pidfd_exited(runtime.pidfd)
+        return runtime.init_pid > 0 and kernel.proc_alive(runtime.init_pid,
+                                                            runtime.init_starttime)
+
+    def destroy(self, runtime: SandboxRuntime) -> None:
+        self._destroy_id(runtime.sandbox_id, runtime.init_pid if runtime.pidfd >= 0 else 0)
+        if runtime.pidfd >= 0:
+            os.close(runtime.pidfd)
+            runtime.pidfd = -1
+        shutil.rmtree(runtime.sandbox_dir, ignore_errors=True)
+
+    def _destroy_id(self, sandbox_id: str, pid: int) -> None:
+        """Every trace of one sandbox: its sentry and gofer SIGKILLed and waited for (a
+        `runsc delete --force` does the same in over a second), what else is in its cgroup,
+        the cgroup, runsc's state files, the root's mounts, the directory."""
+        state = self.runsc.state(sandbox_id)
+        pids = {pid}
+        if state is not None:
+            pids |= {int(state.get("goferPid") or 0),
+                     int((state.get("sandbox") or {}).get("pid") or 0)}
+        fds = []
+        for p in sorted(pids - {0}):
+            with contextlib.suppress(OSError):
+                fd = kernel.pidfd_open(p)
+                # the pid is pinned now: still one of this sandbox's (its state names it)?
+                if self._names(p, sandbox_id):
+                    kernel.pidfd_signal(fd, signal.SIGKILL)
+                    fds.append(fd)
+                else:
+                    os.close(fd)
+        for fd in fds:
+            kernel.pidfd_exited(fd, 10.0)
+            os.close(fd)
+        _remove_cgroup(self._cgroup(sandbox_id))
+        self.runsc.forget(sandbox_id)
+        gdir = self._gdir(sandbox_id)
+        bundle.unmount_all(gdir)
+        shutil.rmtree(gdir, ignore_errors=True)
+
+    def _names(self, pid: int, sandbox_id: str) -> bool:
+        """Whether process ``pid`` is a runsc process of this daemon's for ``sandbox_id``."""
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            return False
+        return (f"--root={self.runsc.root}".encode() in args
+                and any(sandbox_id.encode() in a for a in args))
+
+    def cleanup_orphans(self, known_ids: set[str]) -> list[str]:
+        ids = set(self.runsc.ids())
+        with contextlib.suppress(FileNotFoundError):
+            ids |= set(os.listdir(self.dirs))
+        removed = []
+        for sid in sorted(ids - known_ids):
+            self._destroy_id(sid, 0)
+            shutil.rmtree(os.path.join(self.records, sid), ignore_errors=True)
+            removed.append(sid)
+        if removed:  # a sentry whose state file went missing: still named by our --root
+            live = {s for s in self.runsc.ids() if s in known_ids}
+            if not live:
+                kill_under(self.runsc.root)
+        return removed
+
+    def close(self, *, retire: bool = False) -> None:
+        for fut in list(self._pending):
+            fut.cancel()
+        if not retire:
+            return
+        # Every sandbox is gone: the cgroup parents runsc made in hierarchies the daemon
+        # does not otherwise use (rmdir: only the empty ones go).
+        for d in _cgroup_dirs(self.cgroup_name):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        for d in (self.dirs, self.runsc.root):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+
+    # ---- why it ended ----------------------------------------------------------------------
+    def end_cause(self, runtime: SandboxRuntime) -> dict[str, Any] | None:
+        """Its limits, read in its cgroup before destroy removes it. Under gVisor the sentry
+        holds the sandbox's memory and makes a host process or thread for each of its
+        processes: an OOM kill, or the pids limit refusing the sentry a thread, ends the whole
+        sandbox (``oom``, ``pids``)."""
+        rel = self._cgroup(runtime.sandbox_id).strip("/")
+        if _counter(rel, ("memory", "memory.oom_control"), "memory.events", "oom_kill"):
+            return {"cause": "oom"}
+        if _counter(rel, ("pids", "pids.events"), "pids.events", "max"):
+            return {"cause": "pids"}
+        status = _init_status(self._gdir(runtime.sandbox_id))
+        if status is not None:  # the sentry ended because the sandbox's init did
+            return {"cause": "init_exited", "status": status}
+        return None
+
+    # ---- exec ----------------------------------------------------------------------------
+    def spawn(self, runtime: SandboxRuntime, spec: ExecSpec,
+              loop: asyncio.AbstractEventLoop) -> Awaitable[Spawned]:
+        sid = runtime.sandbox_id
+        if not self.is_alive(runtime):
+            raise SandboxNotRunning("the sandbox is not running")
+        cwd = spec.cwd
+        try:  # a missing cwd: the command starts in / (runsc would refuse to start it)
+            with self._files(runtime) as f:
+                if f.stat(cwd).type not in ("dir", "symlink"):
+                    cwd = "/"
+        except CorralError:
+            cwd = "/"
+        n = next(self._seq)
+        base = os.path.join(self._gdir(sid), "exec", str(n))
+        bundle.write(base + ".json", bundle.process(spec.argv, spec.env, cwd, spec.uid,
+                                                    spec.gid, spec.groups))
+        argv = ["/bin/sh", "-c", _WRAP, "gvisor-exec", *self.runsc.prefix, "exec",
+                f"--process={base}.json", f"--internal-pid-file={base}.pid", sid]
+        r, w = os.pipe2(os.O_CLOEXEC)
+        acts: list[tuple[Any, ...]] = []
+        for target, fd in ((0, spec.stdin_fd), (1, spec.stdout_fd), (2, spec.stderr_fd)):
+            if fd >= 0:
+                acts.append((os.POSIX_SPAWN_DUP2, fd, target))
+            else:
+                acts.append((os.POSIX_SPAWN_OPEN, target, os.devnull, os.O_RDWR, 0))
+        acts.append((os.POSIX_SPAWN_DUP2, w, 9))
+        try:
+            pid = os.posix_spawn("/bin/sh", argv, _SH_ENV, file_actions=acts, setsid=True)
+        except BaseException:
+            os.close(r)
+            with contextlib.suppress(OSError):
+                os.unlink(base + ".json")
+            raise
+        finally:
+            os.close(w)
+        self.counters["gvisor_execs"] += 1
+        loop.add_reader(r, self._exec_done, loop, r, sid, base)
+        return _ready(Spawned(pidfd=-1, pid=pid, ns_pid=0, own_child=True))
+
+    def _exec_done(self, loop: asyncio.AbstractEventLoop, r: int, sid: str, base: str) -> None:
+        """The wrapper ended: with a status (the command ended), or without (killed: the
+        command may still run inside the sandbox, so it is killed there)."""
+        try:
+            got = os.read(r, 16)
+        except OSError:
+            got = b""
+        loop.remove_reader(r)
+        os.close(r)
+        with contextlib.suppress(OSError):
+            os.unlink(base + ".json")
+        inner = 0
+        with contextlib.suppress(OSError, ValueError), open(base + ".pid") as f:
+            inner = int(f.read().strip() or 0)
+        with contextlib.suppress(OSError):
+            os.unlink(base + ".pid")
+        if got or inner <= 0:
+            return
+        self.counters["gvisor_exec_kills"] += 1
+        fut = loop.run_in_executor(None, self._kill_inner, sid, inner)
+        self._pending.add(fut)
+        fut.add_done_callback(self._pending.discard)
+
+    def _kill_inner(self, sid: str, pid: int) -> None:
+        """SIGKILL the command's process group inside the sandbox (runsc kill reaches one
+        process only: the group is killed from inside, by a shell of the image if it has
+        one), then the command itself."""
+        path = os.path.join(self._gdir(sid), "exec", f"kill-{pid}.json")
+        with contextlib.suppress(OSError, RunscError):
+            bundle.write(path, bundle.process(
+                ["/bin/sh", "-c", f"kill -9 -{pid} 2>/dev/null; true"], _SH_ENV, "/",
+                0, 0, []))
+            self.runsc.run("exec", f"--process={path}", sid)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        with contextlib.suppress(RunscError):
+            self.runsc.run("kill", f"--pid={pid}", sid, "KILL")
+
+    # ---- pause ---------------------------------------------------------------------------
+    def freeze(self, runtime: SandboxRuntime) -> None:
+        try:
+            self.runsc.run("pause", runtime.sandbox_id)
+        except RunscError as e:
+            raise OSError(errno.EIO, str(e)) from None
+
+    def thaw(self, runtime: SandboxRuntime, wait: bool = True) -> None:
+        try:
+            self.runsc.run("resume", runtime.sandbox_id)
+        except RunscError as e:
+            raise OSError(errno.EIO, str(e)) from None
+
+    def is_frozen(self, runtime: SandboxRuntime) -> bool:
+        state = self.runsc.state(runtime.sandbox_id)
+        return state is not None and state.get("status") == "paused"
+
+    # ---- reporting -----------------------------------------------------------------------
+    def metrics(self) -> dict[str, int]:
+        return dict(self.counters)
+
+    def status(self) -> dict[str, Any]:
+        return {"gvisor_platform": self.runsc.platform}
+
+    # ---- files: on the host side of the sandbox's root -------------------------------------
+    def _files(self, runtime: SandboxRuntime) -> RootFiles:
+        if runtime.pidfd < 0 and runtime.init_pid <= 0:
+            raise SandboxNotRunning("the sandbox is not running")
+        try:
+            fd = os.open(os.path.join(self._gdir(runtime.sandbox_id), "root"),
+                         os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise SandboxNotRunning(f"the sandbox's root is gone: {e.strerror}") from None
+        return RootFiles(fd, self.upload_max_bytes)
+
+    def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes:
+        with self._files(runtime) as f:
+            return f.read(path, max_bytes)
+
+    def write_file(self, runtime: SandboxRuntime, path: str, data: bytes | BinaryIO,
+                   mode: int = 0o644, make_parents: bool = True) -> None:
+        with self._files(runtime) as f:
+            try:
+                f.write(path, data, mode, make_parents)
+            except TooLarge:
+                # no partial file stays behind to fill the disk the write could not fit in
+                with contextlib.suppress(CorralError):
+                    f.remove(path, False)
+                raise
+
+    def list_dir(self, runtime: SandboxRuntime, path: str) -> list[FileEntry]:
+        with self._files(runtime) as f:
+            return f.ls(path)
+
+    def stat(self, runtime: SandboxRuntime, path: str) -> FileEntry:
+        with self._files(runtime) as f:
+            return f.stat(path)
+
+    def mkdir(self, runtime: SandboxRuntime, path: str, parents: bool = True) -> None:
+        with self._files(runtime) as f:
+            f.mkdir(path, parents)
+
+    def remove(self, runtime: SandboxRuntime, path: str, recursive: bool = False) -> None:
+        with self._files(runtime) as f:
+            f.remove(path, recursive)
+
+    def rename(self, runtime: SandboxRuntime, src: str, dst: str) -> None:
+        with self._files(runtime) as f:
+            f.rename(src, dst)
+
+    def upload_tar(self, runtime: SandboxRuntime, path: str,
+                   tar_bytes: bytes | BinaryIO) -> None:
+        with self._files(runtime) as f:
+            f.upload_tar(path, tar_bytes)
+
+    def download_tar(self, runtime: SandboxRuntime, path: str) -> bytes:
+        with self._files(runtime) as f:
+            return f.download_tar(path)
+
+    def open_read(self, runtime: SandboxRuntime, path: str) -> tuple[int, int]:
+        with self._files(runtime) as f:
+            return f.open_read(path)
+
+    def tree_ops(self, runtime: SandboxRuntime, path: str) -> streams.TreeOps:
+        # The walk outlives this call: each primitive opens the root for itself.
+        check_path(path)
+
+        def on_root(name: str) -> Any:
+            def call(p: str) -> Any:
+                with self._files(runtime) as f:
+                    return getattr(f.tree_ops(p), name)(p)
+            return call
+
+        return streams.TreeOps(stat=on_root("stat"), list=on_root("list"),
+                               readlink=on_root("readlink"), open_read=on_root("open_read"))
+

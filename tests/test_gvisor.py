@@ -1,0 +1,489 @@
+"""The gvisor substrate end to end through the SDK, the HTTP API and the CLI: exec, files,
+limits, lifetimes, what it does not support, escape attempts from inside, and cleanup after the
+daemon is killed. Skipped only when runsc cannot run a sandbox on this host at all."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+import corral
+from corral.errors import (
+    CorralError,
+    InvalidRequest,
+    SandboxCrashed,
+    SandboxExpired,
+    SandboxNotRunning,
+    Unsupported,
+)
+from corral.sdk import admin
+
+from conftest import CGROUP_NAME, SOCKET, STATE_DIR, private_daemon, wait_until
+
+GVISOR = Path(STATE_DIR, "gvisor")
+NUL = b"\0"
+
+
+def _served() -> tuple[bool, str]:
+    if shutil.which("runsc") is None:
+        return False, "runsc is not installed (scripts/setup.sh installs Debian's runsc)"
+    return True, ""
+
+
+_ok, _why = _served()
+pytestmark = pytest.mark.skipif(not _ok, reason=_why)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gvisor_served(daemon):
+    """The daemon serves gvisor, or this host cannot run it at all (then: skip, with why)."""
+    table = {s.name: s for s in admin.substrates()}
+    row = table.get("gvisor")
+    assert row is not None, table
+    if not row.available:
+        pytest.skip(f"gvisor cannot run here: {row.reason}")
+
+
+def host_procs_naming(needle: str) -> list[str]:
+    """Host processes whose command line names ``needle`` (the sandbox's runsc processes)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if needle.encode() in cmd:
+            out.append(f"{p.name}: {cmd.replace(NUL, b' ')[:200]!r}")
+    return out
+
+
+def traces(sid: str) -> dict[str, list[str]]:
+    """Everything a gvisor sandbox holds on the host."""
+    cgs = [str(d) for d in Path("/sys/fs/cgroup").glob(f"*/{CGROUP_NAME}/{sid}")]
+    with open("/proc/self/mountinfo") as f:
+        mounts = [ln.split()[4] for ln in f if sid in ln.split()[4]]
+    dirs = [str(p) for p in (GVISOR / "sandboxes" / sid, Path(STATE_DIR, "sandboxes", sid))
+            if p.exists()]
+    state = [n for n in os.listdir(GVISOR / "runsc") if n.startswith(sid)] \
+        if (GVISOR / "runsc").is_dir() else []
+    return {"procs": host_procs_naming(sid), "cgroups": cgs, "mounts": mounts, "dirs": dirs,
+            "runsc_state": state}
+
+
+def gone(sid: str) -> bool:
+    return not any(traces(sid).values())
+
+
+@pytest.fixture(scope="module")
+def sb():
+    with corral.Sandbox(substrate="gvisor", timeout=600, memory_mb=256) as box:
+        yield box
+
+
+# ---- what it is ------------------------------------------------------------------------------
+def test_capability_table():
+    row = {s.name: s for s in admin.substrates()}["gvisor"]
+    caps = row.capabilities
+    assert row.available and caps.files and caps.pause
+    assert not caps.snapshot and not caps.restore
+    assert caps.networks == ["none"]
+    assert row.operations == ["create", "exec", "kill", "files", "pause", "resume"]
+
+
+def test_runs_under_gvisor(sb):
+    """The kernel the sandbox sees is gVisor's (dmesg and /proc/version say so), and its
+    processes are not host processes."""
+    r = sb.exec("cat /proc/version; dmesg 2>/dev/null | head -1")
+    assert r.exit_code == 0
+    assert "gVisor" in r.stdout or "Starting gVisor" in r.stdout, r.stdout
+    assert sb.info().substrate == "gvisor"
+
+
+# ---- exec -------------------------------------------------------------------------------------
+def test_exec_foreground_variants(sb):
+    r = sb.exec("echo out; echo err >&2; exit 3")
+    assert (r.stdout, r.stderr, r.exit_code) == ("out\n", "err\n", 3)
+    assert sb.exec("cat", stdin="fed").stdout == "fed"
+    assert sb.exec("echo $A-$B", env={"A": "1", "B": "two"}).stdout == "1-two\n"
+    sb.files.mkdir("/work/sub")
+    assert sb.exec("pwd", cwd="/work/sub").stdout == "/work/sub\n"
+    r = sb.exec("id -u; id -g", user="nobody")
+    assert r.stdout.split() == ["65534", "65534"]
+    assert sb.exec(["printf", "%s|", "a b", "c"]).stdout == "a b|c|"
+    r = sb.exec("head -c 300000 /dev/zero", max_output_bytes=1000)
+    assert r.truncated and r.stdout_bytes == 300000 and len(r.stdout) == 1000
+    # no capabilities, as in the container substrate
+    assert "CapEff:\t0000000000000000" in sb.exec("grep CapEff /proc/self/status").stdout
+    assert sb.exec("kill -s KILL $$").exit_code == 137
+
+
+def test_exec_timeout_kills_the_command_inside(sb):
+    """A timeout ends the command's whole process group inside the sandbox, not only the
+    runsc client on the host."""
+    t0 = time.monotonic()
+    r = sb.exec("sleep 401 & sleep 402; echo never", timeout=1)
+    assert r.timed_out and r.exit_code == 137 and "never" not in r.stdout
+    assert time.monotonic() - t0 < 10
+    assert wait_until(lambda: "sleep 40" not in sb.exec("ps -e -o args").stdout, 15), \
+        sb.exec("ps -ef").stdout
+
+
+def test_background_wait_stdin_and_kill(sb):
+    p = sb.exec("read line; echo got $line", background=True)
+    p.send_stdin("hello\n")
+    res = p.wait(timeout=20)
+    assert res.stdout == "got hello\n" and res.exit_code == 0
+    q = sb.exec("sleep 403", background=True)
+    assert q.status().running
+    q.kill()
+    assert q.wait(timeout=20).exit_code == 137
+    assert wait_until(lambda: "sleep 403" not in sb.exec("ps -e -o args").stdout, 15)
+
+
+# ---- files ------------------------------------------------------------------------------------
+def test_files_both_ways(sb):
+    sb.files.write("/work/a.txt", "from the api")
+    assert sb.exec("cat /work/a.txt").stdout == "from the api"
+    sb.exec("mkdir -p /work/d && echo inside > /work/d/b.txt && echo t > /tmp/t.txt")
+    assert sb.files.read("/work/d/b.txt") == "inside\n"
+    assert sb.files.read("/tmp/t.txt") == "t\n"  # /tmp is the same root, not runsc's tmpfs
+    st = sb.files.stat("/work/d/b.txt")
+    assert st.type == "file" and st.size == 7
+    assert {e.name for e in sb.files.list("/work/d")} == {"b.txt"}
+    sb.files.rename("/work/d/b.txt", "/work/d/c.txt")
+    assert sb.exec("cat /work/d/c.txt").stdout == "inside\n"
+    sb.files.remove("/work/d", recursive=True)
+    assert sb.exec("test -e /work/d || echo none").stdout == "none\n"
+    # /usr is writable (its own overlay), the host's /usr is not touched
+    sb.files.write("/usr/local/gv-marker", "x")
+    assert sb.exec("cat /usr/local/gv-marker").stdout == "x"
+    assert not os.path.exists("/usr/local/gv-marker")
+
+
+def test_tar_round_trip(sb, tmp_path):
+    src = tmp_path / "src"
+    (src / "deep").mkdir(parents=True)
+    (src / "deep" / "f.txt").write_text("tarred")
+    sb.files.upload(src, "/work/up")
+    assert sb.exec("cat /work/up/deep/f.txt").stdout == "tarred"
+    out = tmp_path / "out"
+    sb.files.download("/work/up", out)
+    assert (out / "deep" / "f.txt").read_text() == "tarred"
+
+
+def test_file_paths_stay_inside(sb):
+    """A symlink made inside pointing at a host path is resolved inside the sandbox's root by
+    the daemon's file operations: they never reach the host's files."""
+    sb.exec("ln -sf /etc/shadow /work/shadow-link; ln -sf ../../../../../../etc /work/up-link")
+    host_shadow = Path("/etc/shadow").read_bytes() if Path("/etc/shadow").exists() else b""
+    for p in ("/work/shadow-link", "/work/up-link/shadow"):
+        try:
+            data = sb.files.read_bytes(p)
+        except CorralError:
+            continue
+        assert not host_shadow or data != host_shadow
+    sb.files.write("/work/up-link/gv-escape", "x")  # lands in the sandbox's /etc
+    assert not os.path.exists("/etc/gv-escape")
+    assert sb.exec("cat /etc/gv-escape").stdout == "x"
+    with pytest.raises(InvalidRequest):
+        sb.files.read("relative/path")
+
+
+# ---- network, limits -------------------------------------------------------------------------
+def test_network_none_only_loopback(sb):
+    r = sb.exec("cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '")
+    assert r.stdout.split() == ["lo"], r.stdout
+    r = sb.exec("python3 -c \"import socket; s=socket.socket(); s.settimeout(3); "
+                "s.connect(('1.1.1.1', 80))\"")
+    assert r.exit_code != 0
+    with pytest.raises(Unsupported):
+        corral.Sandbox(substrate="gvisor", network="disabled")
+
+
+def test_memory_hog_is_stopped():
+    """Allocating past memory_mb does not succeed: the sandbox's memory cgroup on the host
+    carries the limit, and its OOM kill ends the sandbox (the sentry holds all its memory),
+    reported as crashed with cause oom, not lost."""
+    with corral.Sandbox(substrate="gvisor", memory_mb=128, timeout=120) as box:
+        limit = Path(f"/sys/fs/cgroup/memory/{CGROUP_NAME}/{box.id}/memory.limit_in_bytes")
+        if limit.exists():
+            assert int(limit.read_text()) == 128 << 20
+        hog = ("python3 -c 'b=[]\nwhile len(b) < 64: b.append(bytearray(16<<20))'; "
+               "echo rc=$?")
+        try:
+            r = box.exec(hog, timeout=60)
+        except SandboxCrashed as e:
+            assert e.details.get("cause") == "oom", e.details
+            assert wait_until(lambda: gone(box.id), 15), traces(box.id)
+            return
+        assert "rc=0" not in r.stdout and not r.timed_out, r
+
+
+def test_disk_limit():
+    """disk_mb bounds what the sandbox can write (from inside and through the file API): the
+    host's disk is never what fills up."""
+    with corral.Sandbox(substrate="gvisor", disk_mb=16, timeout=120) as box:
+        r = box.exec("dd if=/dev/zero of=/root/big bs=1M count=64 2>&1; echo rc=$?")
+        assert "rc=0" not in r.stdout, r.stdout
+        assert int(box.exec("stat -c %s /root/big 2>/dev/null || wc -c < /root/big")
+                   .stdout.split()[0]) <= 16 << 20
+        box.exec("rm -f /root/big")
+        with pytest.raises(CorralError) as e:
+            box.files.write("/root/api-big", b"x" * (32 << 20))
+        assert e.value.code == "too_large", e.value.code
+        assert box.exec("echo ok > /root/small && cat /root/small").stdout == "ok\n"
+
+
+def test_pids_limit_stops_a_fork_bomb():
+    """A fork bomb does not get past pids: under gVisor each sandbox process costs the sentry
+    host tasks in the sandbox's pids cgroup, so at the limit the sandbox ends, reported as
+    crashed at its limit (``pids``), and everything it held goes."""
+    with corral.Sandbox(substrate="gvisor", pids=64, timeout=120) as box:
+        assert int(Path(f"/sys/fs/cgroup/pids/{CGROUP_NAME}/{box.id}/pids.max").read_text()) \
+            < 64 + 512
+        try:
+            r = box.exec("i=0; while [ $i -lt 400 ]; do sleep 300 & i=$((i+1)); done; "
+                         "echo started", timeout=60)
+            n = int(box.exec("ps -e | wc -l").stdout)
+        except SandboxCrashed as e:
+            assert e.details.get("cause") == "pids" and e.category == "limit", e.details
+            assert wait_until(lambda: gone(box.id), 15), traces(box.id)
+            return
+        assert n < 400, (n, r)
+
+
+# ---- lifetimes --------------------------------------------------------------------------------
+def test_kill_leaves_nothing():
+    box = corral.Sandbox(substrate="gvisor", timeout=120)
+    sid = box.id
+    box.exec("sleep 1000 >/dev/null 2>&1 &")
+    assert traces(sid)["procs"] and traces(sid)["cgroups"]
+    box.kill()
+    assert wait_until(lambda: gone(sid), 15), traces(sid)
+    with pytest.raises(SandboxNotRunning):
+        box.exec("true")
+
+
+def test_ttl_expiry_leaves_nothing():
+    box = corral.Sandbox(substrate="gvisor", timeout=2, labels={"gv": "ttl"})
+    sid = box.id
+    assert box.info().labels == {"gv": "ttl"}
+    assert [b.id for b in corral.Sandbox.list(labels={"gv": "ttl"})] == [sid]
+    assert wait_until(lambda: gone(sid), 20), traces(sid)
+    with pytest.raises(SandboxExpired):
+        box.exec("true")
+
+
+def test_pause_resume(sb):
+    sb.pause()
+    assert sb.info().state == "paused"
+    sb.resume()
+    assert sb.info().state == "running"
+    assert sb.exec("echo back").stdout == "back\n"
+
+
+def test_unsupported_operations_answer_unsupported(sb):
+    for call in (lambda: sb.snapshot(), lambda: sb.fork(2), lambda: sb.restore("nosuch")):
+        with pytest.raises(Unsupported) as e:
+            call()
+        assert e.value.code == "unsupported"
+    assert sb.exec("echo still").stdout == "still\n"
+
+
+# ---- escape attempts from inside ---------------------------------------------------------------
+def test_cannot_see_host_processes(sb):
+    pids = sb.exec("ls /proc | grep -c '^[0-9]'").stdout
+    assert int(pids) < 20
+    assert str(os.getpid()) not in sb.exec("cat /proc/*/stat 2>/dev/null | cut -d' ' -f1")\
+        .stdout.split()
+    assert "corral.daemon" not in sb.exec("cat /proc/*/cmdline 2>/dev/null | tr '\\0' ' '")\
+        .stdout
+
+
+def test_cannot_read_host_files(sb):
+    marker = Path(STATE_DIR, "gv-host-secret")
+    marker.write_text("host secret")
+    try:
+        for p in (str(marker), "/proc/1/root" + str(marker), f"{STATE_DIR}/corrald.pid"):
+            r = sb.exec(f"cat {p}")
+            assert "host secret" not in r.stdout and r.exit_code != 0, (p, r)
+    finally:
+        marker.unlink()
+    # the host's /etc is not the sandbox's: its shadow file is not there to read
+    r = sb.exec("cat /etc/shadow")
+    if Path("/etc/shadow").exists():
+        assert r.stdout != Path("/etc/shadow").read_text()
+
+
+def test_cannot_reach_the_daemon_socket(sb):
+    r = sb.exec(f"python3 -c \"import socket; s=socket.socket(socket.AF_UNIX); "
+                f"s.connect('{SOCKET}'); print('connected')\"")
+    assert "connected" not in r.stdout and r.exit_code != 0
+    r = sb.exec("python3 -c \"import socket; s=socket.socket(socket.AF_UNIX); "
+                "s.connect('\\0corral'); print('connected')\"")
+    assert "connected" not in r.stdout
+
+
+def test_signals_to_the_init(sb):
+    """Root inside sends PID 1 every signal but SIGKILL (real-time ones, SIGIO, SIGTERM...):
+    the sandbox keeps running (its init ignores them; gVisor would deliver them). SIGKILL
+    (which gVisor lets through to a namespace's init) ends it as the sandbox's own doing:
+    ``sandbox_crashed``, cause ``init_exited`` (category task), never ``sandbox_lost``."""
+    r = sb.exec("for s in $(seq 1 64); do [ $s = 9 ] || kill -s $s 1 2>/dev/null; done; "
+                "python3 -c 'import os, signal; os.kill(1, 40); os.kill(1, signal.SIGIO)'; "
+                "echo sent")
+    assert "sent" in r.stdout
+    assert sb.exec("echo alive").stdout == "alive\n"
+    assert sb.info().state == "running"
+    with corral.Sandbox(substrate="gvisor", timeout=120) as box:
+        try:
+            box.exec("kill -9 1; sleep 5")
+        except SandboxCrashed:
+            pass
+        with pytest.raises(SandboxCrashed) as e:
+            for _ in range(100):  # the end is seen a moment after the init's death
+                box.exec("true")
+                time.sleep(0.05)
+        assert e.value.details["cause"] == "init_exited", e.value.details
+        assert e.value.details["status"] == "killed by SIGKILL"
+        assert e.value.category == "task"
+        assert wait_until(lambda: gone(box.id), 15), traces(box.id)
+
+
+def test_cannot_write_outside(sb):
+    for target in ("/gv-escape-root", "/var/tmp/gv-escape", f"{STATE_DIR}/gv-escape"):
+        sb.exec(f"echo x > {target}")
+        assert not os.path.exists(target), target
+    r = sb.exec("mount -t tmpfs none /mnt 2>&1; echo rc=$?")
+    assert "rc=0" not in r.stdout  # no capabilities: no mounts
+    # a mount from inside, after unsharing what gVisor lets it unshare, still fails
+    r = sb.exec("python3 -c \"import ctypes; l=ctypes.CDLL(None); l.unshare(0x20000); "
+                "print(l.mount(b'none', b'/mnt', b'tmpfs', 0, None))\"")
+    assert r.stdout.strip() == "-1", r
+
+
+# ---- the daemon killed -------------------------------------------------------------------------
+def test_kill9_readopts_and_cleans_orphans(daemon):
+    keep = corral.Sandbox(substrate="gvisor", timeout=600)
+    orphan = corral.Sandbox(substrate="gvisor", timeout=600)
+    keep.files.write("/work/kept", "kept")
+    assert traces(orphan.id)["procs"]
+    daemon.kill9()
+    # while it is down: the orphan's record goes (as if its create never finished)
+    shutil.rmtree(Path(STATE_DIR, "sandboxes", orphan.id))
+    daemon.start()
+    assert keep.exec("cat /work/kept").stdout == "kept"
+    assert wait_until(lambda: gone(orphan.id), 15), traces(orphan.id)
+    sid = keep.id
+    keep.kill()
+    assert wait_until(lambda: gone(sid), 15), traces(sid)
+
+
+def test_graceful_stop_leaves_nothing():
+    """A daemon stopped with gvisor sandboxes running (one busy, one paused) destroys them:
+    no process, cgroup (nor the parents runsc made in every hierarchy), mount or directory
+    stays (private_daemon checks all of it after the stop)."""
+    with private_daemon("corral-test-gvstop-", f"{CGROUP_NAME}-gvstop") as d:
+        ep = f"unix://{d.socket_path}"
+        a = corral.Sandbox(substrate="gvisor", endpoint=ep, timeout=600)
+        b = corral.Sandbox(substrate="gvisor", endpoint=ep, timeout=600)
+        a.exec("sleep 1000 >/dev/null 2>&1 &")
+        b.pause()
+        root = os.path.join(d.state_dir, "gvisor", "runsc")
+        assert len(host_procs_naming(f"--root={root}")) >= 4  # a sentry and a gofer each
+    assert not host_procs_naming(f"--root={root}")
+    assert not any(Path("/sys/fs/cgroup").glob(f"*/{CGROUP_NAME}-gvstop"))
+
+
+# ---- CLI --------------------------------------------------------------------------------------
+def test_cli_run_substrate_gvisor():
+    corral_bin = os.path.join(os.path.dirname(sys.executable), "corral")
+    r = subprocess.run([corral_bin, "run", "--substrate", "gvisor", "--",
+                        "sh", "-c", "cat /proc/version"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "gVisor" in r.stdout or "Linux" in r.stdout
+    st = subprocess.run([corral_bin, "status"], capture_output=True, text=True, timeout=60)
+    assert "gvisor" in st.stdout
+
+
+def test_tar_bytes_roundtrip_api(sb):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        data = b"bytes"
+        ti = tarfile.TarInfo("x/y.bin")
+        ti.size = len(data)
+        tf.addfile(ti, io.BytesIO(data))
+    import httpx
+
+    t = httpx.HTTPTransport(uds=SOCKET)
+    with httpx.Client(transport=t, base_url="http://corral", timeout=30) as c:
+        r = c.put(f"/v1/sandboxes/{sb.id}/files/tar", params={"path": "/work/t"},
+                  content=buf.getvalue())
+        assert r.status_code == 200, r.text
+        subs = c.get("/v1/substrates").json()["substrates"]
+    assert sb.exec("cat /work/t/x/y.bin").stdout == "bytes"
+    assert json.dumps(subs)  # served as JSON, gvisor among them
+    assert any(s["name"] == "gvisor" for s in subs)
+
+
+# ---- detection: a host where runsc cannot run --------------------------------------------------
+def test_probe_reports_why_no_platform_runs(tmp_path, monkeypatch):
+    """A runsc that hangs on every platform (as kvm does on this host) is given up on at the
+    probe's timeout, its processes killed, and the reason kept; the registry then leaves
+    gvisor out with that reason instead of failing the daemon's start."""
+    from corral.config import Config
+    from corral.daemon.substrates import gvisor as gv
+    from corral.daemon.substrates import registry
+    from corral.daemon.substrates.gvisor import probe
+
+    fake = tmp_path / "runsc"
+    fake.write_text("#!/bin/sh\nexec sleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(probe, "PROBE_TIMEOUT_S", 0.3)
+    t0 = time.monotonic()
+    platform, why = probe.detect(str(fake), str(tmp_path / "work"))
+    assert platform is None and time.monotonic() - t0 < 10
+    assert "platform ptrace: no answer within 0.3s" in why, why
+    assert not host_procs_naming(str(tmp_path / "work"))
+    cached = json.loads((tmp_path / "work" / "probe.json").read_text())
+    assert cached["platform"] is None and cached["reason"] == why
+
+    monkeypatch.setattr(gv, "find_runsc", lambda: str(fake))
+    ctx = registry.Context(Config(state_dir=str(tmp_path / "state")), None, {})
+    unavailable: dict[str, str] = {}
+    built = registry.build(["gvisor"], ctx, unavailable)
+    assert built == {} and "no gVisor platform runs here" in unavailable["gvisor"]
+    err = registry.unknown("gvisor", [], unavailable)
+    assert isinstance(err, Unsupported) and err.details["reason"] == unavailable["gvisor"]
+    monkeypatch.setattr(gv, "find_runsc", lambda: None)
+    unavailable.clear()
+    registry.build(["gvisor"], ctx, unavailable)
+    assert "runsc is not installed" in unavailable["gvisor"]
+
+
+def test_execs_hold_no_daemon_fds(sb):
+    """Many execs (with a cwd the daemon checks in the root) leave the daemon's fd table
+    as it was: each exec's status pipe and root fd are closed."""
+    pid = int(Path(STATE_DIR, "corrald.pid").read_text())
+
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+
+    sb.exec("true", cwd="/tmp")
+    before = fds()
+    for _ in range(15):
+        sb.exec("true", cwd="/tmp")
+        sb.files.stat("/tmp")
+    assert wait_until(lambda: fds() <= before + 2, 10), (before, fds())
