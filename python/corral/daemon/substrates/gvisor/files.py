@@ -6,7 +6,6 @@ made cannot point the daemon outside it)."""
 
 from __future__ import annotations
 
-import errno
 import io
 import lzma
 import os
@@ -17,57 +16,24 @@ from typing import Any, BinaryIO
 
 from corral import _core
 from corral.daemon import streams, uploads
+from corral.daemon.oserrors import sandbox_file_error
+from corral.daemon.substrates.paths import check_path
 from corral.errors import (
     CorralError,
-    DirectoryNotEmpty,
-    FileExists,
     FileNotFound,
-    ForbiddenPath,
-    InternalError,
     InvalidPath,
     InvalidRequest,
-    IsADirectory,
-    IsASymlink,
-    NotADirectory,
-    PermissionDenied,
     TooLarge,
 )
 from corral.models import FileEntry
 
-# The errno map and path check of the container substrate's file operations (copied: the same
-# codes for the same errors on every substrate).
-_FILE_ERRORS: dict[int, type[CorralError]] = {
-    errno.ENOENT: FileNotFound, errno.EEXIST: FileExists, errno.ENOTDIR: NotADirectory,
-    errno.EISDIR: IsADirectory, errno.ENOTEMPTY: DirectoryNotEmpty, errno.EXDEV: InvalidPath,
-    errno.ELOOP: IsASymlink, errno.ENAMETOOLONG: InvalidPath, errno.EINVAL: InvalidPath,
-    errno.EACCES: PermissionDenied, errno.EPERM: PermissionDenied,
-    errno.EROFS: PermissionDenied, errno.EBUSY: InvalidRequest, errno.EFBIG: InvalidRequest,
-    errno.EOPNOTSUPP: InvalidRequest,
-}
 _BAD_ARCHIVE = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError, ValueError)
 
 
 def file_error(e: OSError, path: str) -> CorralError:
-    if isinstance(e, _core.ForbiddenPath):
-        return ForbiddenPath(f"{e.strerror}: {path}", details={"path": path})
-    reason = e.strerror or str(e)
-    msg = f"{reason}: {path}" if path else reason
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return TooLarge(f"no space left for the sandbox's files: {msg}",
-                        details={"path": path, "errno": e.errno})
-    cls = _FILE_ERRORS.get(e.errno or 0, InternalError)
-    return cls(msg, details={"path": path, "errno": e.errno})
-
-
-def check_path(path: str) -> str:
-    if not isinstance(path, str) or not path.startswith("/"):
-        raise InvalidPath(f"paths must be absolute inside the sandbox: {path!r}",
-                          details={"path": path})
-    if "\0" in path:
-        raise InvalidPath("NUL byte in path", details={"path": path})
-    if len(path) > 4096:
-        raise InvalidPath("path longer than 4096 bytes", details={"path": path[:100] + "..."})
-    return path
+    """The one errno map (corral.daemon.oserrors); the disk is a tmpfs of ``disk_mb``, so a
+    full one is the sandbox's own limit."""
+    return sandbox_file_error(e, path, disk_quota=False)
 
 
 class RootFiles:
