@@ -205,7 +205,7 @@ def test_network_none_only_loopback(sb):
     r = sb.exec("cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '")
     assert r.stdout.split() == ["lo"], r.stdout
     r = sb.exec("python3 -c \"import socket; s=socket.socket(); s.settimeout(3); "
-                "s.connect(('1.1.1.1', 80))\"")
+                "s.connect(('198.18.0.1', 80))\"")
     assert r.exit_code != 0
     with pytest.raises(Unsupported):
         corral.Sandbox(substrate="gvisor", network="disabled")

@@ -11,6 +11,7 @@ dispatches it and serializes what comes back; it does not touch the engine's sta
 
 from __future__ import annotations
 
+import abc
 import functools
 import time
 from collections.abc import Awaitable, Callable
@@ -52,7 +53,7 @@ def snap_info(rec: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True)
-class Op:
+class Op(abc.ABC):
     """One call on one sandbox (``sid``; "" for a create) under idempotency key ``key``."""
 
     sid: str
@@ -66,8 +67,9 @@ class Op:
         """What the log records as the request (a dict or a model)."""
         return {}
 
+    @abc.abstractmethod
     async def run(self, engine: Engine) -> Any:
-        raise NotImplementedError
+        """Do it (the engine's call): what the handler serializes."""
 
     def to_log(self, engine: Engine) -> ToLog:
         """The result as logged (None: the value itself)."""

@@ -248,8 +248,17 @@ class CgroupManager(abc.ABC):
         return False
 
     def _remove_memcg(self, path: str) -> bool:
-        """Remove a sandbox's memory cgroup (see _is_memcg); False if a task is in it."""
-        raise NotImplementedError
+        """Remove a sandbox's memory cgroup (see _is_memcg); False if a task is in it. A
+        version with a recycler hands it there instead."""
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            if e.errno == errno.EBUSY:
+                return False
+            raise
+        return True
 
     def _protect_daemon(self, reserve_bytes: int) -> None:
         """Protect the daemon's memory (v2: memory.min and memory.low)."""
