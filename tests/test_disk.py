@@ -244,6 +244,11 @@ def test_a_lost_scratch_is_made_anew_at_the_next_start():
     """As after a reboot: the daemon, its sandboxes and the scratch mount are gone, the image
     file is still there. The next start makes a fresh filesystem on a new image (never reuses
     the old inode), reports the old sandbox gone, and new sandboxes get their quota."""
+    def fsid(image: str) -> bytes:  # the btrfs superblock (at 64 KiB) holds the fs UUID at 0x20
+        with open(image, "rb") as f:
+            f.seek((64 << 10) + 0x20)
+            return f.read(16)
+
     from conftest import _force_cleanup, _unmount_under
 
     cgroup = f"{CGROUP_NAME}-diskre"
@@ -252,13 +257,15 @@ def test_a_lost_scratch_is_made_anew_at_the_next_start():
         old = Sandbox(endpoint=ep, disk_mb=16, timeout=120)
         old.files.write("/root/x", "1")
         image = os.path.join(d.state_dir, "scratch.img")
-        inode = os.stat(image).st_ino
+        before = fsid(image)
         d.kill9()
         _force_cleanup(cgroup)
         _unmount_under(d.state_dir)
         assert wait_until(lambda: not loops_backed_under(d.state_dir + "/"))
         d.start()
-        assert os.stat(image).st_ino != inode
+        # A fresh filesystem (mkfs gives a new UUID); the inode number alone may be reused
+        # once the old file is freed.
+        assert fsid(image) != before
         with Sandbox(endpoint=ep, disk_mb=16, timeout=120) as sb:
             r = sb.exec("dd if=/dev/zero of=/root/fill bs=1M count=32")
             assert FULL in r.stderr and not r.oom_killed, r
