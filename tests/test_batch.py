@@ -6,14 +6,18 @@ Against the session's real corrald: the wire contract (raw HTTP), then the SDK (
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import time
 import uuid
 
 import pytest
 
 from corral import AsyncSandbox, Sandbox
-from corral.errors import SandboxNotFound, SandboxNotRunning
+from corral.errors import ImageNotFound, SandboxNotFound, SandboxNotRunning
 
 from apiclient import client, create, expect_error
+from conftest import SOCKET, wait_until
 
 
 def tag() -> dict[str, str]:
@@ -69,6 +73,12 @@ def test_batch_requests_are_validated():
                      "invalid_request", 400)
         expect_error(c.post("/v1/sandboxes/batch/destroy", json={"ids": []}),
                      "invalid_request", 400)
+        # The streamed form is named exactly; anything else is refused before any work.
+        before = c.get("/v1/status").json()["sandboxes"]
+        for q in ("stream=json", "stream=ndjson&stream=ndjson", "stream="):
+            expect_error(c.post("/v1/sandboxes/batch?" + q, json={"count": 2}),
+                         "invalid_request", 400)
+        assert c.get("/v1/status").json()["sandboxes"] == before
 
 
 # ---- SDK ----------------------------------------------------------------------------------
@@ -137,3 +147,98 @@ def test_batch_churn_loses_nothing_and_kills_paused_ones(no_leaks):
         assert all(isinstance(r, SandboxNotRunning) and r.details["reason"] == "killed"
                    for r in res)
     assert _metrics()["corral_lost_total"] == lost0
+
+
+# ---- never silent, never orphaned --------------------------------------------------------
+def _stream_lines(c, path: str, body: dict) -> list[tuple[float, dict]]:  # type: ignore[no-untyped-def]
+    """POST a batch with ?stream=ndjson; each JSON line with the time it arrived."""
+    out = []
+    with c.stream("POST", path, params={"stream": "ndjson"}, json=body) as r:
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        status = r.status_code
+        for line in r.iter_lines():
+            if line.strip():
+                out.append((time.monotonic(), json.loads(line)))
+    return [(0.0, {"status": status}), *out]
+
+
+def test_streamed_batches_send_progress_then_the_answer(no_leaks):
+    labels = tag()
+    with client() as c:
+        lines = _stream_lines(c, "/v1/sandboxes/batch", {"count": 6, "spec": {"labels": labels}})
+        assert lines[0][1] == {"status": 201}
+        *progress, last = [obj for _, obj in lines[1:]]
+        assert [set(p) for p in progress] == [{"progress"}] * len(progress)
+        done = [p["progress"]["done"] for p in progress]
+        assert done == sorted(done) and done[0] == 0 and done[-1] == 6
+        assert all(p["progress"]["count"] == 6 for p in progress)
+        ids = [s["id"] for s in last["sandboxes"]]
+        assert len(ids) == 6
+
+        # A batch that waits on its commands is still heard from at least once a second.
+        lines = _stream_lines(c, "/v1/sandboxes/batch/exec",
+                              {"ids": ids, "exec": {"cmd": "sleep 3; echo done"}})
+        stamps = [t for t, _ in lines[1:]]
+        gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        assert len(stamps) >= 4 and max(gaps) < 2.0, gaps
+        results = lines[-1][1]["results"]
+        assert [r["stdout"] for r in results] == ["done\n"] * 6
+
+        lines = _stream_lines(c, "/v1/sandboxes/batch/destroy", {"ids": ids})
+        assert lines[-1][1]["killed"] == 6
+
+
+def test_streamed_batch_error_is_the_last_line(no_leaks):
+    with client() as c:
+        lines = _stream_lines(c, "/v1/sandboxes/batch",
+                              {"count": 3, "spec": {"image": "no-such-image"}})
+        last = lines[-1][1]
+        assert last["error"]["code"] == "image_not_found", last
+    with pytest.raises(ImageNotFound):
+        Sandbox.create_many(2, image="no-such-image")
+
+
+def _sandboxes_labelled(c, labels: dict[str, str]) -> list[str]:  # type: ignore[no-untyped-def]
+    (k, v), = labels.items()
+    return [s["id"] for s in c.get("/v1/sandboxes", params={"label": f"{k}={v}"})
+            .json()["sandboxes"]]
+
+
+def _created(c) -> int:  # type: ignore[no-untyped-def]
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith("corral_created_total "):
+            return int(float(line.split()[1]))
+    raise AssertionError("no corral_created_total in /metrics")
+
+
+def _post_then_leave(body: bytes, query: str, read_first_line: bool) -> None:
+    """Send a create batch on a raw connection and close it while the batch runs."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(SOCKET)
+    s.sendall(b"POST /v1/sandboxes/batch" + query.encode() + b" HTTP/1.1\r\nHost: corral\r\n"
+              b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+              + b"\r\n\r\n" + body)
+    if read_first_line:
+        got = b""
+        while b"progress" not in got:  # the status line, headers and the first progress line
+            chunk = s.recv(4096)
+            assert chunk, got
+            got += chunk
+    s.close()
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_client_that_leaves_a_create_batch_leaves_no_sandboxes(no_leaks, streamed):
+    """The batch is cancelled and undone: nothing waits for a TTL to be cleaned up."""
+    labels = tag()
+    body = json.dumps({"count": 400, "spec": {"labels": labels, "timeout": 3600}}).encode()
+    with client() as c:
+        made_before = c.get("/v1/status").json()
+        created_before = _created(c)
+        _post_then_leave(body, "?stream=ndjson" if streamed else "", read_first_line=streamed)
+        # Left while it runs: some of its sandboxes are made by then...
+        assert wait_until(lambda: _created(c) > created_before, timeout=30)
+        # ...and undone: every one is gone (destroyed, not left to its TTL).
+        assert wait_until(lambda: not _sandboxes_labelled(c, labels), timeout=60)
+        assert wait_until(lambda: c.get("/v1/status").json()["sandboxes"]
+                          <= made_before["sandboxes"], timeout=60)

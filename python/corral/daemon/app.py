@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel
 
-from corral.daemon import ops, spool, streams
+from corral.daemon import batches, ops, spool, streams
 from corral.daemon.app_errors import JSON_MAX, MAX_BODY, is_unix, middleware
 from corral.daemon.bodies import parse
 from corral.daemon.engine import MAX_READ_BYTES, Engine
@@ -52,6 +52,7 @@ from corral.daemon.routes import (
     PROC,
     SB,
     SCHEMA_REF,
+    STREAM_Q,
     Route,
     int_param,
     link,
@@ -212,37 +213,52 @@ async def create_sandbox(request: web.Request) -> web.Response:
     return _json(_as_now(_engine(request), info), 201)
 
 
-async def create_batch(request: web.Request) -> web.Response:
+async def create_batch(request: web.Request) -> web.StreamResponse:
     req = await _body(request, CreateManyRequest)
     engine = _engine(request)
-    made = await engine.create_many(req.count, req.spec)
-    infos = [sb.info() for sb in made]
-    if engine.trajlog.enabled:
-        spec, now = req.spec.model_dump(mode="json"), time.time()
-        await asyncio.gather(*(engine.trajlog.record(i["id"], "create", spec, i, None, now, now,
-                                                     snapshot_ids=ops.snap_of(i))
-                               for i in infos))
-    return _json({"sandboxes": infos}, 201)
+
+    async def answer(made: list[Any]) -> dict[str, Any]:
+        infos = [sb.info() for sb in made]
+        if engine.trajlog.enabled:
+            spec, now = req.spec.model_dump(mode="json"), time.time()
+            await asyncio.gather(*(engine.trajlog.record(i["id"], "create", spec, i, None, now,
+                                                         now, snapshot_ids=ops.snap_of(i))
+                                   for i in infos))
+        return {"sandboxes": infos}
+
+    return await batches.run(
+        request, req.count,
+        lambda p: engine.create_many(req.count, req.spec, on_made=p.tick), answer, 201,
+        cancel_when_gone=True)
 
 
-async def exec_batch(request: web.Request) -> web.Response:
+async def exec_batch(request: web.Request) -> web.StreamResponse:
     req = await _body(request, ExecManyRequest)
-    results = await _engine(request).exec_many(req.ids, req.exec, req.concurrency)
-    return _json({"results": results})
+    engine = _engine(request)
+    return await batches.run(
+        request, len(req.ids),
+        lambda p: engine.exec_many(req.ids, req.exec, req.concurrency, on_done=p.tick),
+        lambda results: {"results": results})
 
 
-async def kill_batch(request: web.Request) -> web.Response:
+async def kill_batch(request: web.Request) -> web.StreamResponse:
     req = await _body(request, KillManyRequest)
-    results = await _engine(request).kill_many(req.ids)
-    not_killed = [dict(r, index=i) for i, r in enumerate(results) if r.get("killed") is not True]
-    for r in not_killed:
-        if "error" in r:
-            r["id"] = req.ids[r["index"]]
-            r["killed"] = False
-    failed = sum(1 for r in not_killed if "error" in r)
-    return _json({"killed": len(results) - len(not_killed),
-                  "already_ended": len(not_killed) - failed, "failed": failed,
-                  "not_killed": not_killed})
+
+    def answer(results: list[dict[str, Any]]) -> dict[str, Any]:
+        not_killed = [dict(r, index=i) for i, r in enumerate(results)
+                      if r.get("killed") is not True]
+        for r in not_killed:
+            if "error" in r:
+                r["id"] = req.ids[r["index"]]
+                r["killed"] = False
+        failed = sum(1 for r in not_killed if "error" in r)
+        return {"killed": len(results) - len(not_killed),
+                "already_ended": len(not_killed) - failed, "failed": failed,
+                "not_killed": not_killed}
+
+    return await batches.run(
+        request, len(req.ids),
+        lambda p: _engine(request).kill_many(req.ids, on_done=p.tick), answer)
 
 
 async def list_sandboxes(request: web.Request) -> web.Response:
@@ -773,15 +789,18 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/sandboxes/batch", create_batch,
           "Create many sandboxes (all or nothing)", body=CreateManyRequest,
           response=list_of("sandboxes", SandboxInfo, paged=False), status=201,
+          query=(STREAM_Q,), also=("ndjson",),
           errors=(404, 409, 429, 501, 503), links={
               "exec_first": link("exec_cmd", id="$response.body#/sandboxes/0/id"),
               "kill_first": link("kill_sandbox", id="$response.body#/sandboxes/0/id")}),
     Route("POST", "/v1/sandboxes/batch/exec", exec_batch,
           "Run the same command in many sandboxes (one result or error per id, in order)",
-          body=ExecManyRequest, response=ExecManyResponse),
+          body=ExecManyRequest, response=ExecManyResponse, query=(STREAM_Q,),
+          also=("ndjson",)),
     Route("POST", "/v1/sandboxes/batch/destroy", kill_batch,
           "Kill many sandboxes: counts, and the ids not killed (already ended, or an error)",
-          body=KillManyRequest, response=KillManyResponse),
+          body=KillManyRequest, response=KillManyResponse, query=(STREAM_Q,),
+          also=("ndjson",)),
     Route("GET", "/v1/sandboxes", list_sandboxes, "List running sandboxes, oldest first, a "
           "page at a time", query=(LABEL_Q, *PAGE_Q), response=list_of("sandboxes", SandboxInfo)),
     Route("GET", SB, get_sandbox, "Sandbox info (keyed: logged, and a repeated key returns "

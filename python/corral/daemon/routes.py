@@ -76,6 +76,11 @@ MODE_Q = Param("mode", description="permission bits: decimal (420) or octal with
                                    "0 or 0o (0644, 0o644); default 0644",
                schema={"anyOf": [{"type": "integer", "minimum": 0, "maximum": 0o7777},
                                  {"type": "string", "pattern": OCTAL_MODE}]})
+STREAM_Q = Param("stream", description=(
+    "ndjson: answer as JSON lines, a progress line `{\"progress\": {\"done\", \"count\"}}` at "
+    "least every second, then the response object (or `{\"error\": {...}}`) as the last "
+    "line. Without it the answer comes at the end. See docs/daemon.md, batches"),
+    schema={"type": "string", "enum": ["ndjson"]})
 FORMAT_Q = Param("format", description="json (default) or jsonl (one LogEntry a line)",
                  schema={"type": "string", "enum": ["json", "jsonl"]})
 

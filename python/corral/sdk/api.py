@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from corral.errors import (
     Conflict,
     CorralError,
+    DaemonRestarted,
     FileNotFound,
     InvalidNetwork,
     InvalidRequest,
@@ -139,10 +140,34 @@ def create(s: SandboxSpec) -> Call[SandboxInfo]:
     return _keyed(Call("POST", "/v1/sandboxes", _info, body=_body(s)))
 
 
+# Batches are asked for as a stream of progress lines (docs/daemon.md, batches): the daemon is
+# never silent for more than a second, so the read timeout measures silence, not the batch.
+BATCH_STREAM = [("stream", "ndjson")]
+
+
+def _streamed(parse: Callable[[bytes], T]) -> Callable[[bytes], T]:
+    """The answer of a streamed batch: its last line (the lines before are progress)."""
+    def run(body: bytes) -> T:
+        lines = [line for line in body.split(b"\n") if line.strip()]
+        last = json.loads(lines[-1]) if lines else {}
+        if not isinstance(last, dict) or set(last) <= {"progress"}:
+            raise lost_answer()
+        if "error" in last:
+            raise error_from_payload(last)
+        return parse(lines[-1])
+    return run
+
+
+def lost_answer() -> CorralError:
+    # As a connection lost mid-call: the batch's outcome is unknown to the caller.
+    return DaemonRestarted("the batch's stream ended before its answer (the daemon stopped or "
+                           "the connection dropped); its outcome is unknown")
+
+
 def create_many(count: int, s: SandboxSpec) -> Call[list[SandboxInfo]]:
     req = validated(CreateManyRequest, count=count, spec=s)
-    return Call("POST", "/v1/sandboxes/batch", _infos, body=_body(req),
-                timeout=DEFAULT_READ_TIMEOUT + 0.05 * count)
+    return Call("POST", "/v1/sandboxes/batch", _streamed(_infos), query=BATCH_STREAM,
+                body=_body(req))
 
 
 def _ids(sandboxes: Any) -> list[str]:
@@ -175,10 +200,8 @@ def exec_many(ids: list[str], cmd: str | list[str], *,
                    stdin=stdin,
                    max_output_bytes=max_output_bytes, **chosen)
     req = validated(ExecManyRequest, ids=ids, exec=ex, concurrency=concurrency)
-    waves = -(-len(ids) // concurrency)
-    read = None if ex.timeout is None else (ex.timeout + GRACE_S) * waves
-    return Call("POST", "/v1/sandboxes/batch/exec", _items(ExecResult.model_validate),
-                body=_body(req), timeout=read)
+    return Call("POST", "/v1/sandboxes/batch/exec", _streamed(_items(ExecResult.model_validate)),
+                query=BATCH_STREAM, body=_body(req))
 
 
 def _killed(n: int) -> Callable[[bytes], list[bool | CorralError]]:
@@ -193,8 +216,8 @@ def _killed(n: int) -> Callable[[bytes], list[bool | CorralError]]:
 
 def kill_many(ids: list[str]) -> Call[list[bool | CorralError]]:
     req = validated(KillManyRequest, ids=ids)
-    return Call("POST", "/v1/sandboxes/batch/destroy", _killed(len(ids)),
-                body=_body(req), timeout=DEFAULT_READ_TIMEOUT + 0.05 * len(ids))
+    return Call("POST", "/v1/sandboxes/batch/destroy", _streamed(_killed(len(ids))),
+                query=BATCH_STREAM, body=_body(req))
 
 
 def get(sid: str) -> Call[SandboxInfo]:

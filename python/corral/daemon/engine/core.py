@@ -9,7 +9,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from corral import __version__
@@ -363,8 +363,10 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         return spec, substrate.image_on(base, rec["layers"], store)
 
     async def create_many(self, count: int, spec: SandboxSpec,
-                          trajectories: list[str] | None = None) -> list[Sandbox]:
-        """All or nothing: on the first failure the ones already made are destroyed."""
+                          trajectories: list[str] | None = None,
+                          on_made: Callable[[], None] | None = None) -> list[Sandbox]:
+        """All or nothing: on the first failure (or a cancel: the client left) the ones
+        already made are destroyed. ``on_made`` is called once per sandbox made."""
         substrate = self._for_create(spec)
         self._admit(count)
         spec, image = self._resolve(substrate, spec)
@@ -374,7 +376,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         if self.snaps is not None:
             self.snaps.acquire(layers)  # held for the batch: an rm meanwhile cannot collect
         try:
-            return await self._create_many(substrate, count, spec, image, trajectories)
+            return await self._create_many(substrate, count, spec, image, trajectories,
+                                           on_made)
         finally:
             if self.snaps is not None:
                 self.snaps.release(layers)
@@ -384,7 +387,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         return list(image.meta.get("layers") or ())
 
     async def _create_many(self, substrate: Substrate, count: int, spec: SandboxSpec,
-                           image: Any, trajectories: list[str] | None = None) -> list[Sandbox]:
+                           image: Any, trajectories: list[str] | None = None,
+                           on_made: Callable[[], None] | None = None) -> list[Sandbox]:
         made: list[Sandbox | None] = [None] * count
         gate = asyncio.Semaphore(CREATE_WORKERS)  # creates of one batch in flight at once
         failed: list[BaseException] = []
@@ -399,6 +403,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
                     made[i] = await self._create_one(substrate, spec, image,
                                                      count if i == 0 else 0,
                                                      trajectories[i] if trajectories else None)
+                    if on_made is not None:
+                        on_made()
                 except BaseException as e:  # noqa: BLE001 - raised below, after the undo
                     failed.append(e)
 
@@ -628,9 +634,12 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         await asyncio.shield(self._begin_stop(sb, reason))
         return True
 
-    async def kill_many(self, ids: list[str]) -> list[dict[str, Any]]:
+    async def kill_many(self, ids: list[str],
+                        on_done: Callable[[], None] | None = None) -> list[dict[str, Any]]:
         """Kill each; one result per id, in order: ``{"id", "killed"}`` or ``{"error"}``.
-        Every destroy is started before the first is awaited, so they overlap."""
+        Every destroy is started before the first is awaited, so they overlap; ``on_done``
+        is called once per id settled. A kill, once started, finishes even if the caller
+        is cancelled."""
         out: list[dict[str, Any]] = []
         found: list[Sandbox] = []
         for sid in ids:
@@ -648,6 +657,10 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
             stops = self._begin_stop_many([sb for sb in found if not sb.trajectory], "killed")
             stops += self._begin_stop_many([sb for sb in found if sb.trajectory],
                                            "operator_killed")
+            if on_done is not None:
+                tick = on_done
+                for st in stops:
+                    st.add_done_callback(lambda _f: tick())
             await asyncio.shield(asyncio.gather(*stops, return_exceptions=True))
         return out
 

@@ -6,7 +6,7 @@ import asyncio
 import builtins
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from corral.daemon import procs, users
@@ -134,10 +134,12 @@ class ExecOps:
         return res
 
     async def exec_many(self: EngineHost, ids: builtins.list[str], req: ExecRequest,
-                        concurrency: int = 64) -> builtins.list[dict[str, Any]]:
+                        concurrency: int = 64,
+                        on_done: Callable[[], None] | None = None
+                        ) -> builtins.list[dict[str, Any]]:
         """The same foreground command in each sandbox, ``concurrency`` at a time; one result
         per id, in order: an ExecResult dict, or ``{"error"}`` for a sandbox where it could not
-        run (the others are unaffected)."""
+        run (the others are unaffected). ``on_done`` is called once per id settled."""
         gate = asyncio.Semaphore(concurrency)
         logged = req.model_dump(mode="json") if self.trajlog.enabled else {}
 
@@ -149,6 +151,9 @@ class ExecOps:
                                                   to_log=self.trajlog.exec_result)
                 except CorralError as e:
                     return e.to_payload()
+                finally:
+                    if on_done is not None:
+                        on_done()
 
         return list(await asyncio.gather(*(one(sid) for sid in ids)))
 
