@@ -23,6 +23,7 @@ import uuid
 
 import pytest
 
+from corral.daemon import capacity
 from corral.models import (
     DaemonStatus,
     ExecResult,
@@ -78,7 +79,9 @@ def test_health_and_status(c):
     assert st.substrates == ["container", "gvisor"]  # gvisor: runsc from scripts/setup.sh
     assert st.state_dir == STATE_DIR
     assert st.cgroup_version in (1, 2)
-    assert st.capacity > 0
+    # No CORRAL_MAX_SANDBOXES: derived from this machine (memory, kernel limits) at start.
+    want = capacity.derive()
+    assert (st.capacity, st.capacity_bound_by) == (want.count, want.bound_by)
     assert st.pid == int(open(os.path.join(STATE_DIR, "corrald.pid")).read())
 
 
@@ -699,6 +702,7 @@ def test_capacity_exceeded(small):
         ids = [create(c)["id"] for _ in range(3)]
         err = expect_error(c.post("/v1/sandboxes", json={}), "capacity_exceeded", 429)
         assert err["details"]["capacity"] == 3
+        assert c.get("/v1/status").json()["capacity_bound_by"] == "config"
         kill(c, ids.pop())
         expect_error(c.post("/v1/sandboxes/batch", json={"count": 2}), "capacity_exceeded", 429)
         assert len(c.get("/v1/sandboxes").json()["sandboxes"]) == 2

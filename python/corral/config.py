@@ -20,8 +20,10 @@ class Config:
     token: str = field(default_factory=lambda: _env("CORRAL_TOKEN", ""))
     # Name of the cgroup directory under each hierarchy; tests use a private one.
     cgroup_name: str = field(default_factory=lambda: _env("CORRAL_CGROUP", "corral"))
+    # The admission limit; 0 (the default): derived from the machine (daemon/capacity.py).
     max_sandboxes: int = field(
-        default_factory=lambda: int(_env("CORRAL_MAX_SANDBOXES", "20000")))
+        default_factory=lambda: int(_env("CORRAL_MAX_SANDBOXES", "0")))
+    capacity_bound_by: str = "config"  # what set max_sandboxes (set with it when derived)
     reaper_interval_s: float = field(
         default_factory=lambda: float(_env("CORRAL_REAPER_INTERVAL", "0.5")))
     # Trajectory log (docs/trajectory.md): on/off, retention of ended sandboxes' logs, the

@@ -416,6 +416,9 @@ class DaemonStatus(_Response):
     started_at: float
     sandboxes: int
     capacity: int
+    capacity_bound_by: str = Field("config", description=(
+        "what set the admission limit: config (CORRAL_MAX_SANDBOXES), or when derived from "
+        "the machine, memory or the kernel limit that binds (max_net_namespaces, pid_max...)"))
     state_dir: str
     cgroup_version: Literal[1, 2] | None = Field(None, description=(
         "the host's cgroup version, when a substrate that uses cgroups is served"))

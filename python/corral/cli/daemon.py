@@ -74,7 +74,8 @@ def status(json_: bool = JSON) -> None:
         return
     out.print(kv_table([
         ("endpoint", Endpoint.from_env()), ("version", st.version), ("pid", st.pid),
-        ("uptime", since(st.started_at)), ("sandboxes", f"{st.sandboxes} / {st.capacity}"),
+        ("uptime", since(st.started_at)),
+        ("sandboxes", f"{st.sandboxes} / {st.capacity} (bound by {st.capacity_bound_by})"),
         ("state dir", st.state_dir),
         ("cgroup", f"v{st.cgroup_version}" if st.cgroup_version else "-"),
         ("substrates", ", ".join(st.substrates)),

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from corral import __version__, config
-from corral.daemon import logs
+from corral.daemon import capacity, logs
 from corral.daemon.app import MAX_FIELD_SIZE, MAX_LINE_SIZE, create_app
 from corral.daemon.engine import Engine
 from corral.daemon.locks import try_lock
@@ -116,6 +116,22 @@ def raise_kernel_limits(max_sandboxes: int) -> dict[str, tuple[int, int]]:
         except (OSError, ValueError, IndexError) as e:
             log.warning("cannot raise a kernel limit", extra={"sysctl": name, "error": str(e)})
     return changed
+
+
+def admission_limit(cfg: config.Config) -> config.Config:
+    """Raise the kernel's limits for the admission limit; when none is configured, derive it
+    from the machine (memory first, then what the kernel still allows: daemon/capacity.py)."""
+    configured = cfg.max_sandboxes > 0
+    want = cfg.max_sandboxes if configured else capacity.bounds().get("memory", 1000)
+    changed = raise_kernel_limits(want)
+    if changed:
+        log.info("raised kernel limits", extra={k: f"{a} -> {b}" for k, (a, b) in changed.items()})
+    if configured:
+        return cfg
+    limit = capacity.derive()
+    log.info("admission limit derived from the machine",
+             extra={"max_sandboxes": limit.count, "bound_by": limit.bound_by})
+    return dataclasses.replace(cfg, max_sandboxes=limit.count, capacity_bound_by=limit.bound_by)
 
 
 def lock_pidfile(state_dir: str) -> int:
@@ -267,9 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("corrald must run as root (it makes namespaces, mounts and cgroups)")
         return 1
     harden_self()
-    changed = raise_kernel_limits(cfg.max_sandboxes)
-    if changed:
-        log.info("raised kernel limits", extra={k: f"{a} -> {b}" for k, (a, b) in changed.items()})
+    cfg = admission_limit(cfg)
     nofile = raise_nofile()
     log.debug("fd limit", extra={"nofile": nofile})
     try:

@@ -14,7 +14,7 @@ from typing import Any
 
 from corral import __version__
 from corral.config import Config
-from corral.daemon import oserrors, persist, removal, snapshots
+from corral.daemon import capacity, oserrors, persist, removal, snapshots
 from corral.daemon.substrates import registry
 from corral.daemon.substrates.base import Capabilities, SandboxRuntime, Substrate
 from corral.daemon.trajlog import TrajLog
@@ -60,6 +60,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         defaults); made at start (corral.daemon.substrates.registry)."""
         self.config = config
         self.sandboxes: dict[str, Sandbox] = {}
+        self.memory = capacity.MemoryGuard()  # refuses creates while the host is short
         self.tombstones: OrderedDict[str, str] = OrderedDict()
         self.causes: dict[str, dict[str, Any]] = {}  # tombstoned "crashed" ids: the cause
         self.substrate_names = list(substrates) if substrates is not None \
@@ -277,6 +278,12 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
             raise CapacityExceeded(
                 f"capacity exceeded: {len(self.sandboxes)} of {cap} sandboxes in use, "
                 f"{n} requested", details={"in_use": len(self.sandboxes), "capacity": cap})
+        if self.memory.low():
+            avail = self.memory.available_kib() or 0
+            raise CapacityExceeded(
+                f"host memory low: {avail >> 10} MiB available, creates wait for "
+                f"{self.memory.floor_kib >> 10} MiB", details={
+                    "available_kib": avail, "floor_kib": self.memory.floor_kib})
 
     async def _create_one(self, substrate: Substrate, spec: SandboxSpec, image: Any,
                           demand: int = 1, trajectory: str | None = None) -> Sandbox:
@@ -759,6 +766,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         out: dict[str, Any] = {
             "version": __version__, "pid": os.getpid(), "started_at": self.started_at,
             "sandboxes": len(self.sandboxes), "capacity": self.config.max_sandboxes,
+            "capacity_bound_by": self.config.capacity_bound_by,
             "state_dir": self.config.state_dir,
         }
         for sub in self.substrates.values():  # facts of the host they run on
