@@ -59,20 +59,32 @@ def _ms(us: list[float]) -> list[float]:
     return [x / 1000 if x >= 0 else -1.0 for x in us]
 
 
+@dataclass(frozen=True)
+class Mirror:
+    """The per-sandbox kernel work of the daemon of the same run that raw repeats (each
+    default: not done), so that corral/raw prices corral's own layers only."""
+
+    tmpfs: bool = False                # sandbox dirs on a tmpfs of their own
+    memcg_spares: int = 0              # v1 memory cgroups recycled
+    cgroup_spares: int = 0             # v1 pids/cpu/freezer cgroups recycled
+    controllers: tuple[str, ...] = ()  # the v1 cgroups a sandbox gets (() = raw's default)
+    lazy: tuple[str, ...] = ()         # of those, made at the first exec (init moved by pid)
+    subvol_mb: int = 0                 # a btrfs subvolume with this quota as the sandbox's disk
+    sys: bool = False                  # /sys skeleton with the sandbox's own cgroups mounted
+    proc_binds: tuple[tuple[str, str], ...] = ()  # (host file, /proc name): lxcfs's files
+
+
 class RawBaseline:
     def __init__(self, bins: RawBinaries, state_dir: Path, cgroup_name: str,
-                 overlays: list[tuple[str, list[str]]], tmpfs: bool = False,
-                 memcg_spares: int = 0, cgroup_spares: int = 0) -> None:
-        """``tmpfs``, ``memcg_spares`` and ``cgroup_spares``: what the daemon of the same run
-        does (its scratch tmpfs, its recycled memory and pids/cpu/freezer cgroups), so raw keeps
-        doing corral's kernel work."""
+                 overlays: list[tuple[str, list[str]]], mirror: Mirror | None = None) -> None:
         self.bins = bins
         self.state_dir = state_dir
         self.cgroup_name = cgroup_name
         self.overlays = overlays
-        self.tmpfs = tmpfs
-        self.memcg_spares = memcg_spares
-        self.cgroup_spares = cgroup_spares
+        self.mirror = mirror or Mirror()
+        self.tmpfs = self.mirror.tmpfs
+        self.memcg_spares = self.mirror.memcg_spares
+        self.cgroup_spares = self.mirror.cgroup_spares
 
     def argv(self, mode: str, n: int, conc: int = 1, netns: bool = False,
              controllers: list[str] | None = None, disabled: bool = False) -> list[str]:
@@ -89,8 +101,20 @@ class RawBaseline:
             a.append("--disabled")
         if self.cgroup_spares:
             a += ["--cgroup-spares", str(self.cgroup_spares)]
+        m = self.mirror
+        if controllers is None and m.controllers:
+            controllers = list(m.controllers)
         if controllers is not None:
             a += ["--cg", ",".join(controllers) or "none"]
+        lazy = [c for c in m.lazy if controllers is None or c in controllers]
+        if lazy:
+            a += ["--lazy", ",".join(lazy)]
+        if m.subvol_mb:
+            a += ["--subvol", str(m.subvol_mb)]
+        if m.sys:
+            a += ["--sys", str(self.state_dir) + "-sys"]
+        for src, name in m.proc_binds:
+            a += ["--proc-bind", f"{src}={name}"]
         for target, lowers in self.overlays:
             a += ["--ov", f"{target}={':'.join(lowers)}"]
         return a

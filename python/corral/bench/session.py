@@ -4,6 +4,7 @@ directories)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sqlite3
@@ -68,6 +69,7 @@ class Session:
                                     max_sandboxes=max(20000, live + 1000),
                                     own_memcg=self.prefix + "dproc")
         self.raw: raw.RawBaseline | None = None
+        self.raw_scratch: Any = None  # raw's btrfs scratch, when the daemon's is one
         self.peers: Peers | None = None
         self.peer_versions: dict[str, str | None] = {}
         self.peer_errors: dict[str, str] = {}
@@ -84,23 +86,8 @@ class Session:
         bins = raw.build(Path("/var/tmp/corral-bench-build"))
         self.daemon.start()
         self._warm_up()
-        # raw does what this daemon does: scratch dirs on a tmpfs of their own if the daemon's
-        # are on a tmpfs or its btrfs (raw has no quota per sandbox: its floor stays the
-        # tmpfs's), memory cgroups recycled if the daemon recycles them.
-        from corral.daemon import cgroups, scratch
-
-        kind = scratch.mount_of(str(self.daemon.state_dir / "sandboxes"))
-        tmpfs = kind is not None and kind[0] in ("tmpfs", "btrfs")
-        v1 = os.path.isdir("/sys/fs/cgroup/memory")
-        spares = cgroups.MEMCG_SPARES if v1 else 0
-        set_spares = cgroups.CGROUP_SPARES if v1 else 0
-        where = kind[0] if kind is not None else "the workdir"
-        self.notes.append(f"scratch dirs on {where} (raw: {'tmpfs' if tmpfs else 'workdir'}), "
-                          f"memory cgroups recycled: {spares or 'no'}, pids/cpu/freezer "
-                          f"cgroups recycled: {set_spares or 'no'} (corral and raw alike)")
         self.raw = raw.RawBaseline(bins, self.root / "raw", self.prefix + "raw",
-                                   self.daemon.host_overlays(), tmpfs=tmpfs,
-                                   memcg_spares=spares, cgroup_spares=set_spares)
+                                   self.daemon.host_overlays(), self._mirror())
         if self.opts.peers:
             self.peer_versions = ensure_installed(self.ui.note)
             self.peers = Peers(self.root / "peers", self.daemon.host_rootfs(),
@@ -110,6 +97,49 @@ class Session:
                 if err:
                     self.peer_errors[name] = err
                     self.ui.note(f"peer {name} unavailable: {err}")
+
+    def _mirror(self) -> raw.Mirror:
+        """What this daemon does per sandbox, for raw to do too: its scratch (a btrfs
+        subvolume with a quota per sandbox, else a tmpfs), its cgroups (v1: which, and which
+        made at the first exec), recycled cgroups, /sys with the sandbox's own cgroups and
+        lxcfs's /proc files."""
+        from corral.daemon import cgroups, scratch
+        from corral.models import DEFAULT_DISK_MB
+
+        kind = scratch.mount_of(str(self.daemon.state_dir / "sandboxes"))
+        where = kind[0] if kind is not None else "the workdir"
+        subvol_mb, tmpfs = 0, kind is not None and kind[0] == "tmpfs"
+        if kind is not None and kind[0] == "btrfs":
+            rdir = self.root / "raw"
+            (self.root / "raw-scratch").mkdir(exist_ok=True)
+            rdir.mkdir(exist_ok=True)
+            self.raw_scratch = scratch.Scratch(str(self.root / "raw-scratch"), str(rdir))
+            if self.raw_scratch.quota:
+                subvol_mb = DEFAULT_DISK_MB
+            else:
+                tmpfs = True
+        v1 = os.path.isdir("/sys/fs/cgroup/memory")
+        spares = cgroups.MEMCG_SPARES if v1 else 0
+        set_spares = cgroups.CGROUP_SPARES if v1 else 0
+        lazy_on = v1 and os.environ.get("CORRAL_LAZY_MEMCG", "1") != "0"
+        ctls = tuple(c for c in ("memory", "pids", "cpu", "cpuacct", "cpuset", "freezer")
+                     if os.path.isdir(f"/sys/fs/cgroup/{c}")) if v1 else ()
+        lazy = tuple(c for c in ("memory", "cpu", "cpuacct", "cpuset") if c in ctls) \
+            if lazy_on else ()
+        view = self.daemon.state_dir / "lxcfs" / "view"
+        binds = tuple((str(view / n), n) for n in ("meminfo", "cpuinfo", "stat", "uptime",
+                                                   "loadavg", "swaps")
+                      if os.path.ismount(view / n))
+        quota = ", a subvolume with a quota each" if subvol_mb else ""
+        self.notes.append(
+            f"scratch dirs on {where} (raw alike{quota}); "
+            f"memory cgroups recycled: {spares or 'no'}, pids/cpu/freezer cgroups recycled: "
+            f"{set_spares or 'no'}; cgroups {','.join(ctls) or 'v2'}"
+            f"{' (' + ','.join(lazy) + ' at the first exec)' if lazy else ''}; /sys with own "
+            f"cgroups; lxcfs files: {len(binds)} (corral and raw alike)")
+        return raw.Mirror(tmpfs=tmpfs, memcg_spares=spares, cgroup_spares=set_spares,
+                          controllers=ctls, lazy=lazy, subvol_mb=subvol_mb, sys=True,
+                          proc_binds=binds)
 
     def _warm_up(self) -> None:
         """One sandbox through the SDK: builds the host image and opens the daemon's paths."""
@@ -132,13 +162,23 @@ class Session:
         try:
             return self._check(leaks)
         finally:  # whatever the check hit: no process, cgroup or directory stays
+            self._close_raw_scratch()
             self.daemon.stop()
             if self.peers is not None:
                 self.peers.cleanup()
             host.sweep_cgroups(self.prefix)
             shutil.rmtree(self.root, ignore_errors=True)
 
+    def _close_raw_scratch(self) -> None:
+        if self.raw_scratch is None:
+            return
+        with contextlib.suppress(OSError):  # raw's own service dir, empty at its end
+            os.rmdir(self.root / "raw" / "mask")
+        self.raw_scratch.close()
+        self.raw_scratch = None
+
     def _check(self, leaks: dict[str, Any]) -> dict[str, Any]:
+        self._close_raw_scratch()
         try:
             self.daemon.stop()
         except Exception as e:  # noqa: BLE001 - the cleanup check must still run

@@ -24,6 +24,17 @@
  *            thawed, cpuacct usage reset), reused by a later create (limits written again);
  *            up to K per controller per worker.
  *
+ *   --lazy CTL,..: those v1 cgroups (corral: memory, cpu, cpuacct, cpuset) are made at the
+ *            first exec, the init moved in by pid, unless a recycled memcg is ready at create
+ *            (then all at create, as corral); with --sys a helper then mounts them in the
+ *            sandbox's /sys (joins them, unshare(NEWCGROUP), setns(pidfd, NS), mount), as
+ *            rust/src/cgview.rs.
+ *   --subvol MB: --state is a btrfs with quotas (the caller's); each sandbox's upper/work lie
+ *            in a subvolume <dir>/disk created with a MB qgroup limit (one ioctl), /tmp is the
+ *            overlay's; destroy deletes the subvolume first (corral's scratch.py).
+ *   --sys DIR: DIR (made here: fs/cgroup/<hierarchy> mountpoints) bound read-only at /sys,
+ *            the sandbox's own cgroups mounted below it read-only (corral's sys_dir).
+ *   --proc-bind SRC=NAME: SRC bound read-only over /proc/NAME (corral: lxcfs's files).
  *   --disabled: corral's network "disabled": every sandbox joins one network namespace made at
  *   start (no --netns), and each process also enters a Landlock domain scoped for abstract
  *   unix sockets (after no_new_privs), as rust/src/harden.rs does
@@ -67,7 +78,8 @@
 #include <unistd.h>
 
 #define MAX_OV 8
-#define MAX_CG 4
+#define MAX_CG 6
+#define MAX_BINDS 8
 #define STACK_SZ (64 * 1024)
 #define MAX_ERRORS 20
 
@@ -75,6 +87,9 @@
 enum { CG_OTHER, CG_PIDS, CG_CPU, CG_FREEZER };
 struct cgctl {
     char base[256];
+    int lazy;       /* --lazy: made at the first exec (the init moved in by pid) */
+    char view[64];  /* --sys: the hierarchy's mount options ("" = not shown in /sys) */
+    char view_name[32];
     int is_mem; /* v1 memory: recycled with --memcg-spares */
     int kind; /* v1 pids/cpu/freezer (CG_*): recycled with --cgroup-spares */
     int made; /* we created base (and remove it at the end); else the caller owns it */
@@ -84,7 +99,11 @@ struct cgctl {
 };
 
 static struct {
-    int netns, conc, harden, tmpfs, spares, set_spares, disabled;
+    int netns, conc, harden, tmpfs, spares, set_spares, disabled, subvol_mb;
+    const char *lazy;      /* v1 controllers made at the first exec (comma list) */
+    char sys_dir[4096];    /* --sys: the /sys skeleton bound read-only into each sandbox */
+    int nbind;             /* --proc-bind SRC=NAME: files bound read-only over /proc/NAME */
+    const char *bind_src[MAX_BINDS], *bind_dst[MAX_BINDS];
     pid_t main_pid;
     long n;
     const char *mode, *state, *cgname, *init_path;
@@ -123,6 +142,13 @@ static int write_file(const char *path, const char *val) {
 }
 
 /* ---- cgroups: the same controllers and limits corral writes ---------------------------------- */
+static int in_list(const char *list, const char *ctl) {
+    size_t n = strlen(ctl);
+    for (const char *p = list; (p = strstr(p, ctl)); p += n)
+        if ((p == list || p[-1] == ',') && (p[n] == ',' || p[n] == 0)) return 1;
+    return 0;
+}
+
 static void cg_add(const char *ctl_dir, int nlim, const char **files, const char **vals) {
     struct cgctl *c = &G.cg[G.ncg++];
     snprintf(c->base, sizeof c->base, "%s/%s", ctl_dir, G.cgname);
@@ -133,14 +159,20 @@ static void cg_add(const char *ctl_dir, int nlim, const char **files, const char
         c->file[i] = files[i];
         c->val[i] = vals[i];
     }
+    const char *ctl = strrchr(ctl_dir, '/') + 1;
+    c->lazy = G.lazy && in_list(G.lazy, ctl);
+    /* The sandbox's /sys/fs/cgroup/<hierarchy>, as corral's view_mounts: options are the
+     * hierarchy's controllers (its mount dir's name); cpuacct alone is not shown. */
+    char real[300];
+    if (realpath(ctl_dir, real) && strcmp(strrchr(real, '/') + 1, "cpuacct")) {
+        snprintf(c->view, sizeof c->view, "%s", strrchr(real, '/') + 1);
+        snprintf(c->view_name, sizeof c->view_name, "%s", ctl);
+    }
 }
 
 static int want(const char *ctl) {
-    if (!G.controllers) return 1;
-    size_t n = strlen(ctl);
-    for (const char *p = G.controllers; (p = strstr(p, ctl)); p += n)
-        if ((p == G.controllers || p[-1] == ',') && (p[n] == ',' || p[n] == 0)) return 1;
-    return 0;
+    if (!G.controllers) return in_list("memory,pids,cpu,freezer", ctl);
+    return in_list(G.controllers, ctl);
 }
 
 static void cg_setup(void) {
@@ -164,6 +196,22 @@ static void cg_setup(void) {
         if (want("cpu")) cg_add("/sys/fs/cgroup/cpu", 2, cf, cv), G.cg[G.ncg - 1].kind = CG_CPU;
         if (want("freezer") && access("/sys/fs/cgroup/freezer/cgroup.procs", F_OK) == 0)
             cg_add("/sys/fs/cgroup/freezer", 0, NULL, NULL), G.cg[G.ncg - 1].kind = CG_FREEZER;
+        if (want("cpuacct") && access("/sys/fs/cgroup/cpuacct/cpuacct.usage", F_OK) == 0)
+            cg_add("/sys/fs/cgroup/cpuacct", 0, NULL, NULL);
+        const char *sf[2] = {"cpuset.cpus", "cpuset.mems"}, *sv[2] = {"0", "0"};
+        if (want("cpuset") && access("/sys/fs/cgroup/cpuset/cpuset.cpus", F_OK) == 0) {
+            cg_add("/sys/fs/cgroup/cpuset", 2, sf, sv);
+            /* a new v1 cpuset has no CPUs and no memory nodes: ours gets the root's */
+            for (int k = 0; k < 2; k++) {
+                char from[300], to[600], val[256];
+                snprintf(from, sizeof from, "/sys/fs/cgroup/cpuset/%s", sf[k]);
+                snprintf(to, sizeof to, "%s/%s", G.cg[G.ncg - 1].base, sf[k]);
+                int fd = open(from, O_RDONLY | O_CLOEXEC);
+                ssize_t n = fd < 0 ? -1 : read(fd, val, sizeof val - 1);
+                if (fd >= 0) close(fd);
+                if (n <= 0 || (val[n] = 0, write_file(to, val) < 0)) die(to);
+            }
+        }
     } else {
         const char *f[4] = {"memory.max", "memory.swap.max", "pids.max", "cpu.max"};
         const char *v[4] = {"536870912", "0", "512", "100000 100000"};
@@ -276,11 +324,12 @@ static int harden(uint64_t keep, int set_ids) {
 struct sb {
     pid_t pid;
     int pidfd, rootfd;
+    int lazy_pending; /* the lazy cgroups are still to be made (first exec) */
     char dir[256];
 };
 
 struct spawn_ctx {
-    int cgfds[MAX_CG];
+    int cgfds[MAX_CG]; /* -1: not joined at spawn (lazy) */
     char root[300];
     char opts[MAX_OV][1024];
     char hostname[64];
@@ -315,7 +364,8 @@ static int spawn_child(void *arg) {
     struct spawn_ctx *c = arg;
     const unsigned long nse = MS_NOSUID | MS_NODEV | MS_NOEXEC;
     umask(0);
-    for (int i = 0; i < G.ncg; i++) CK(1, write(c->cgfds[i], "0", 1));
+    for (int i = 0; i < G.ncg; i++)
+        if (c->cgfds[i] >= 0) CK(1, write(c->cgfds[i], "0", 1));
     CK(2, unshare(CLONE_NEWCGROUP));
     CK(3, mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL));
     CK(4, mount("overlay", c->root, "overlay", MS_NODEV | MS_NOSUID, c->opts[0]));
@@ -368,8 +418,25 @@ static int spawn_child(void *arg) {
                 CK(13, -1);
         }
     }
-    CK(14, dir_beneath("tmp"));
-    CK(14, mount("tmpfs", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777"));
+    for (int i = 0; i < G.nbind; i++) {
+        CK(13, mount(G.bind_src[i], G.bind_dst[i], NULL, MS_BIND, NULL));
+        CK(13, mount(NULL, G.bind_dst[i], NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | nse, NULL));
+    }
+    if (G.sys_dir[0]) {
+        CK(13, dir_beneath("sys"));
+        CK(13, mount(G.sys_dir, "sys", NULL, MS_BIND, NULL));
+        CK(13, mount(NULL, "sys", NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | nse, NULL));
+        for (int i = 0; i < G.ncg; i++) {
+            if (c->cgfds[i] < 0 || !G.cg[i].view[0]) continue;
+            char t[128];
+            snprintf(t, sizeof t, "sys/fs/cgroup/%s", G.cg[i].view_name);
+            CK(13, mount("cgroup", t, "cgroup", MS_RDONLY | nse, G.cg[i].view));
+        }
+    }
+    if (!G.subvol_mb) { /* with a disk subvolume /tmp is the overlay's, on its quota */
+        CK(14, dir_beneath("tmp"));
+        CK(14, mount("tmpfs", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777"));
+    }
     CK(15, mount(".", "/", NULL, MS_MOVE, NULL));
     CK(16, chroot("."));
     CK(16, chdir("/"));
@@ -560,17 +627,91 @@ static void cg_remove(const struct sb *s) {
     }
 }
 
-static int open_cgprocs(const struct sb *s, int *fds) {
+/* The join files of the sandbox's cgroups (the lazy ones too if `lazy_too`; else -1). */
+static int open_cgprocs(const struct sb *s, int *fds, int lazy_too) {
     char p[512];
     for (int i = 0; i < G.ncg; i++) {
+        fds[i] = -1;
+        if (G.cg[i].lazy && !lazy_too) continue;
         cg_path(p, sizeof p, i, s, G.join_file);
         fds[i] = open(p, O_WRONLY | O_CLOEXEC);
         if (fds[i] < 0) {
-            while (i--) close(fds[i]);
+            while (i--)
+                if (fds[i] >= 0) close(fds[i]);
             return -1;
         }
     }
     return 0;
+}
+
+static void close_cgprocs(int *fds) {
+    for (int i = 0; i < G.ncg; i++)
+        if (fds[i] >= 0) close(fds[i]);
+}
+
+/* Make (or take a spare for) cgroup i of the sandbox and write its limits. */
+static int cg_make(const struct sb *s, int i) {
+    char p[512];
+    cg_path(p, sizeof p, i, s, NULL);
+    if (!(G.cg[i].is_mem && spare_take(&G.cg[i], p)) && !set_take(i, p) && mkdir(p, 0755) < 0)
+        return -1;
+    for (int k = 0; k < G.cg[i].nlim; k++) {
+        cg_path(p, sizeof p, i, s, G.cg[i].file[k]);
+        if (write_file(p, G.cg[i].val[k]) < 0) return -1;
+    }
+    return 0;
+}
+
+/* As corral: lazy cgroups are made at create after all when a recycled memcg is ready. */
+static int spare_ready(void) {
+    for (int i = 0; i < G.ncg; i++)
+        if (G.cg[i].is_mem && G.spares) {
+            if (!g_nready && g_ncool) spares_settle(&G.cg[i]);
+            return g_nready > 0;
+        }
+    return 0;
+}
+
+/* ---- btrfs: the sandbox's disk, a subvolume with a quota (--subvol MB) ------------------ */
+#define BTRFS_IOC_MAGIC 0x94
+struct vol_args { int64_t fd; char name[4088]; };
+struct qgroup_limit { uint64_t flags, max_rfer, max_excl, rsv_rfer, rsv_excl; };
+struct qgroup_inherit { uint64_t flags, num_qgroups, num_ref_copies, num_excl_copies;
+                        struct qgroup_limit lim; };
+struct vol_args_v2 { int64_t fd; uint64_t transid, flags, size, qgroup_inherit, unused[2];
+                     char name[4040]; };
+#define IOC_SUBVOL_CREATE_V2 _IOW(BTRFS_IOC_MAGIC, 24, struct vol_args_v2)
+#define IOC_SNAP_DESTROY _IOW(BTRFS_IOC_MAGIC, 15, struct vol_args)
+
+static int subvol_create(const char *parent, const char *name, uint64_t bytes) {
+    int dfd = open(parent, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0) return -1;
+    struct qgroup_inherit inh;
+    memset(&inh, 0, sizeof inh);
+    inh.flags = 1; /* BTRFS_QGROUP_INHERIT_SET_LIMITS */
+    inh.lim.flags = 1 | 2; /* max referenced and exclusive */
+    inh.lim.max_rfer = inh.lim.max_excl = bytes;
+    struct vol_args_v2 a;
+    memset(&a, 0, sizeof a);
+    a.flags = 1 << 2; /* BTRFS_SUBVOL_QGROUP_INHERIT */
+    a.size = sizeof inh;
+    a.qgroup_inherit = (uint64_t)(uintptr_t)&inh;
+    snprintf(a.name, sizeof a.name, "%s", name);
+    int rc = ioctl(dfd, IOC_SUBVOL_CREATE_V2, &a);
+    int e = errno;
+    close(dfd);
+    errno = e;
+    return rc;
+}
+
+static void subvol_destroy(const char *parent, const char *name) {
+    int dfd = open(parent, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0) return;
+    struct vol_args v;
+    memset(&v, 0, sizeof v);
+    snprintf(v.name, sizeof v.name, "%s", name);
+    ioctl(dfd, IOC_SNAP_DESTROY, &v);
+    close(dfd);
 }
 
 static char *g_stack;
@@ -587,37 +728,39 @@ static int sb_create(struct sb *s, int worker, long idx) {
     int made_cg = 0;
     if (mkdir(s->dir, 0700) < 0) goto fail;
     if (mkdir(c.root, 0755) < 0) goto fail;
-    snprintf(p, sizeof p, "%s/upper", s->dir);
+    char layer[300];
+    snprintf(layer, sizeof layer, "%s", s->dir);
+    if (G.subvol_mb) {
+        if (subvol_create(s->dir, "disk", (uint64_t)G.subvol_mb << 20) < 0) goto fail;
+        snprintf(layer, sizeof layer, "%s/disk", s->dir);
+    }
+    snprintf(p, sizeof p, "%s/upper", layer);
     if (mkdir(p, 0700) < 0) goto fail;
-    snprintf(p, sizeof p, "%s/work", s->dir);
+    snprintf(p, sizeof p, "%s/work", layer);
     if (mkdir(p, 0700) < 0) goto fail;
     for (int i = 0; i < G.nov; i++) {
-        char up[300], wk[300];
-        snprintf(up, sizeof up, "%s/upper/%d", s->dir, i);
-        snprintf(wk, sizeof wk, "%s/work/%d", s->dir, i);
+        char up[400], wk[400];
+        snprintf(up, sizeof up, "%s/upper/%d", layer, i);
+        snprintf(wk, sizeof wk, "%s/work/%d", layer, i);
         if (mkdir(up, 0755) < 0 || mkdir(wk, 0700) < 0) goto fail;
         snprintf(c.opts[i], sizeof c.opts[i], "lowerdir=%s,upperdir=%s,workdir=%s",
                  G.ov_lower[i], up, wk);
     }
+    int eager = !G.lazy || spare_ready();
+    s->lazy_pending = !eager;
     for (int i = 0; i < G.ncg; i++) {
-        cg_path(p, sizeof p, i, s, NULL);
-        if (!(G.cg[i].is_mem && spare_take(&G.cg[i], p)) && !set_take(i, p) &&
-            mkdir(p, 0755) < 0)
-            goto fail;
+        if (G.cg[i].lazy && !eager) continue;
+        if (cg_make(s, i) < 0) goto fail;
         made_cg = i + 1;
-        for (int k = 0; k < G.cg[i].nlim; k++) {
-            cg_path(p, sizeof p, i, s, G.cg[i].file[k]);
-            if (write_file(p, G.cg[i].val[k]) < 0) goto fail;
-        }
     }
     made_cg = G.ncg;
-    if (open_cgprocs(s, c.cgfds) < 0) goto fail;
+    if (open_cgprocs(s, c.cgfds, eager) < 0) goto fail;
     int flags = CLONE_VM | CLONE_VFORK | CLONE_PIDFD | CLONE_NEWNS | CLONE_NEWPID |
                 CLONE_NEWUTS | CLONE_NEWIPC | SIGCHLD;
     if (G.netns) flags |= CLONE_NEWNET;
     int pidfd = -1;
     pid_t pid = clone(spawn_child, g_stack + STACK_SZ, flags, &c, &pidfd);
-    for (int i = 0; i < G.ncg; i++) close(c.cgfds[i]);
+    close_cgprocs(c.cgfds);
     if (pid < 0) goto fail;
     s->pid = pid, s->pidfd = pidfd;
     if (c.err) {
@@ -636,6 +779,7 @@ undo:
         cg_path(p, sizeof p, i, s, NULL);
         rmdir(p);
     }
+    if (G.subvol_mb) subvol_destroy(s->dir, "disk");
     rm_tree(s->dir);
     return -1;
 }
@@ -651,6 +795,7 @@ static void sb_destroy(struct sb *s) {
         kill(s->pid, SIGKILL);
         waitpid(s->pid, NULL, 0);
     }
+    if (G.subvol_mb) subvol_destroy(s->dir, "disk"); /* as corral: the subvolume first */
     rm_tree(s->dir); /* first, as corral: files on a tmpfs are charged to the memcg */
     cg_remove(s);
     s->pid = -1, s->pidfd = -1, s->rootfd = -1;
@@ -682,7 +827,8 @@ static const char *const CANDIDATES[] = {"/usr/local/sbin/true", "/usr/local/bin
 
 static int enter_child(void *arg) {
     struct enter_ctx *c = arg;
-    for (int i = 0; i < G.ncg; i++) CK(1, write(c->cgfds[i], "0", 1));
+    for (int i = 0; i < G.ncg; i++)
+        if (c->cgfds[i] >= 0) CK(1, write(c->cgfds[i], "0", 1));
     CK(2, setns(c->s->pidfd, CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET |
                                  CLONE_NEWCGROUP));
     CK(3, fchdir(c->s->rootfd));
@@ -709,6 +855,61 @@ static int enter_child(void *arg) {
 
 static int g_hostns = -1;
 
+/* ---- the lazy cgroups, made at the first exec (as corral's ensure_later) ------------------ */
+struct view_ctx {
+    const struct sb *s;
+    int fds[MAX_CG];
+    volatile int step, errno_;
+};
+
+/* Mounts the new cgroups at /sys/fs/cgroup/<name> in the sandbox, as corral's
+ * mount_cgroups_in: joins them, a cgroup namespace rooted there, the sandbox's mount ns. */
+static int view_child(void *arg) {
+    struct view_ctx *c = arg;
+    const unsigned long nse = MS_NOSUID | MS_NODEV | MS_NOEXEC;
+    for (int i = 0; i < G.ncg; i++)
+        if (c->fds[i] >= 0) CK(1, write(c->fds[i], "0", 1));
+    CK(2, unshare(CLONE_NEWCGROUP));
+    CK(3, setns(c->s->pidfd, CLONE_NEWNS));
+    for (int i = 0; i < G.ncg; i++) {
+        if (c->fds[i] < 0 || !G.cg[i].view[0]) continue;
+        char t[128];
+        snprintf(t, sizeof t, "/sys/fs/cgroup/%s", G.cg[i].view_name);
+        CK(4, mount("cgroup", t, "cgroup", MS_RDONLY | nse, G.cg[i].view));
+    }
+    _exit(0);
+}
+
+static int lazy_make(struct sb *s) {
+    char p[512], pid[16];
+    snprintf(pid, sizeof pid, "%d", s->pid);
+    struct view_ctx v;
+    memset(&v, 0, sizeof v);
+    v.s = s;
+    for (int i = 0; i < G.ncg; i++) {
+        v.fds[i] = -1;
+        if (!G.cg[i].lazy) continue;
+        if (cg_make(s, i) < 0) return -1;
+        cg_path(p, sizeof p, i, s, "cgroup.procs"); /* the init, by pid */
+        if (write_file(p, pid) < 0) return -1;
+        cg_path(p, sizeof p, i, s, G.join_file);
+        v.fds[i] = open(p, O_WRONLY | O_CLOEXEC);
+        if (v.fds[i] < 0) return -1;
+    }
+    s->lazy_pending = 0;
+    int rc = 0;
+    if (G.sys_dir[0]) {
+        pid_t h = clone(view_child, g_stack + STACK_SZ, CLONE_VM | CLONE_VFORK | SIGCHLD, &v);
+        int st = 0;
+        if (h < 0 || waitpid(h, &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st)) {
+            fprintf(stderr, "raw: cgroup view step %d: %s\n", v.step, strerror(v.errno_));
+            rc = -1;
+        }
+    }
+    close_cgprocs(v.fds);
+    return rc;
+}
+
 /* Returns the exit status of `true` (0), or -1. */
 static int sb_exec_true(struct sb *s) {
     if (s->rootfd < 0) {
@@ -717,17 +918,18 @@ static int sb_exec_true(struct sb *s) {
         s->rootfd = open(p, O_PATH | O_DIRECTORY | O_CLOEXEC);
         if (s->rootfd < 0) return -1;
     }
+    if (s->lazy_pending && lazy_make(s) < 0) return -1;
     struct enter_ctx c;
     memset(&c, 0, sizeof c);
     c.s = s;
     int po[2], pe[2];
-    if (open_cgprocs(s, c.cgfds) < 0) return -1;
+    if (open_cgprocs(s, c.cgfds, 1) < 0) return -1;
     if (pipe2(po, O_CLOEXEC) < 0 || pipe2(pe, O_CLOEXEC) < 0) return -1;
     c.out = po[1], c.err = pe[1];
     if (setns(s->pidfd, CLONE_NEWPID) < 0) die("setns pid_for_children");
     pid_t pid = clone(enter_child, g_stack + STACK_SZ, CLONE_VM | CLONE_VFORK | SIGCHLD, &c);
     if (setns(g_hostns, CLONE_NEWPID) < 0) die("restore pid_for_children");
-    for (int i = 0; i < G.ncg; i++) close(c.cgfds[i]);
+    close_cgprocs(c.cgfds);
     close(po[1]);
     close(pe[1]);
     int status = -1;
@@ -864,6 +1066,8 @@ static void mode_exec(void) {
     a.sh = shmem(sizeof *a.sh);
     a.lat = shmem(G.n * sizeof(double));
     if (sb_create(&s, 0, 0) < 0) exit(2);
+    /* its first-exec cgroups made once, before the workers share it (each has a copy) */
+    if (s.lazy_pending && lazy_make(&s) < 0) exit(2);
     a.s = &s;
     double wall = run_workers(exec_work, &a);
     sb_destroy(&s);
@@ -913,7 +1117,8 @@ static void mode_idle(void) {
 
 static void usage(void) {
     fprintf(stderr, "usage: raw churn|exec|idle N [--conc C] [--netns|--disabled] [--no-harden] [--tmpfs] [--memcg-spares K] [--cgroup-spares K] "
-                    "[--cg CTL,CTL] --state DIR --cgroup NAME --init BIN "
+                    "[--cg CTL,CTL] [--lazy CTL,CTL] [--subvol MB] [--sys DIR] [--proc-bind SRC=NAME] "
+                    "--state DIR --cgroup NAME --init BIN "
                     "--ov TARGET=LOWER[:LOWER] ...\n");
     exit(2);
 }
@@ -942,6 +1147,20 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--cg")) G.controllers = v, i++;
         else if (!strcmp(a, "--memcg-spares")) G.spares = atoi(v), i++;
         else if (!strcmp(a, "--cgroup-spares")) G.set_spares = atoi(v), i++;
+        else if (!strcmp(a, "--lazy")) G.lazy = v, i++;
+        else if (!strcmp(a, "--subvol")) G.subvol_mb = atoi(v), i++;
+        else if (!strcmp(a, "--sys")) snprintf(G.sys_dir, sizeof G.sys_dir, "%s", v), i++;
+        else if (!strcmp(a, "--proc-bind")) {
+            char *eq = strchr(argv[i + 1], '=');
+            if (!eq || G.nbind == MAX_BINDS) usage();
+            *eq = 0;
+            G.bind_src[G.nbind] = argv[i + 1];
+            static char dst[MAX_BINDS][128];
+            snprintf(dst[G.nbind], sizeof dst[0], "proc/%s", eq + 1);
+            G.bind_dst[G.nbind] = dst[G.nbind];
+            G.nbind++;
+            i++;
+        }
         else if (!strcmp(a, "--ov")) {
             char *eq = strchr(argv[i + 1], '=');
             if (!eq || G.nov == MAX_OV) usage();
@@ -982,6 +1201,18 @@ int main(int argc, char **argv) {
     if (mkdir(G.mask_dir, 0555) < 0 && errno != EEXIST) die(G.mask_dir);
     seccomp_build();
     cg_setup();
+    if (G.sys_dir[0]) /* the skeleton: a mountpoint per hierarchy shown */
+        for (int i = 0; i < G.ncg; i++) {
+            if (!G.cg[i].view[0]) continue;
+            char d[4300];
+            mkdir(G.sys_dir, 0755);
+            snprintf(d, sizeof d, "%s/fs", G.sys_dir);
+            mkdir(d, 0755);
+            snprintf(d, sizeof d, "%s/fs/cgroup", G.sys_dir);
+            mkdir(d, 0755);
+            snprintf(d, sizeof d, "%s/fs/cgroup/%s", G.sys_dir, G.cg[i].view_name);
+            if (mkdir(d, 0755) < 0 && errno != EEXIST) die(d);
+        }
     if (!strcmp(G.mode, "churn")) mode_churn();
     else if (!strcmp(G.mode, "exec")) mode_exec();
     else if (!strcmp(G.mode, "idle")) mode_idle();
