@@ -12,6 +12,7 @@ mod fs;
 mod harden;
 mod hostmount;
 mod layer;
+mod netprobe;
 mod scratchfs;
 mod spawn;
 mod tree;
@@ -286,6 +287,24 @@ fn netns_new(py: Python<'_>) -> PyResult<RawFd> {
     py.detach(spawn::netns_new)
         .map(IntoRawFd::into_raw_fd)
         .map_err(|e| io_err("netns_new", e))
+}
+
+/// The network namespace of a live process as an fd, from its pidfd (ESRCH once it exited).
+#[pyfunction]
+fn netns_of(pidfd: RawFd) -> PyResult<RawFd> {
+    netprobe::netns_of(pidfd)
+        .map(IntoRawFd::into_raw_fd)
+        .map_err(|e| os_error(e.errno(), format!("netns_of: {e}")))
+}
+
+/// What a network namespace shows of its past (counters, socket counts): equal for every
+/// fresh namespace, so a namespace whose sandbox did nothing in it can be told apart.
+#[pyfunction]
+fn netns_fingerprint(py: Python<'_>, netns_fd: RawFd) -> PyResult<Py<PyBytes>> {
+    let v = py
+        .detach(|| netprobe::fingerprint(netns_fd))
+        .map_err(|e| os_error(e.errno(), format!("netns_fingerprint: {e}")))?;
+    Ok(PyBytes::new(py, &v).unbind())
 }
 
 /// Mount a tmpfs (nosuid, nodev, noexec) on `target` in the caller's mount namespace, for the
@@ -647,6 +666,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(exec_in, m)?)?;
     m.add_function(wrap_pyfunction!(harden_daemon, m)?)?;
     m.add_function(wrap_pyfunction!(netns_new, m)?)?;
+    m.add_function(wrap_pyfunction!(netns_of, m)?)?;
+    m.add_function(wrap_pyfunction!(netns_fingerprint, m)?)?;
     m.add_function(wrap_pyfunction!(mount_tmpfs, m)?)?;
     m.add_function(wrap_pyfunction!(umount, m)?)?;
     m.add_function(wrap_pyfunction!(mount_loop, m)?)?;

@@ -24,15 +24,18 @@ def background_priority() -> None:
 
 class NetnsPool:
     """Ready network namespaces (fds with loopback up), so creating a sandbox does not pay the
-    ~0.8 ms a new netns costs. Refilled by a background thread with fresh namespaces only.
+    ~0.8 ms a new netns costs, nor its teardown. Refilled by a background thread with fresh
+    namespaces, and by ``recycle`` with those of destroyed sandboxes that did nothing there.
 
-    A destroyed sandbox's namespace is never handed to another sandbox: part of what a
-    sandbox does to it outlives its processes and cannot be reset without CAP_NET_ADMIN games
-    that do not exist for counters: lo's packet and byte counters (/proc/net/dev, netlink),
-    the TCP/IP MIB counters (/proc/net/snmp, netstat), and sockets left in TIME_WAIT by the
-    side that closed first (60 s, visible in /proc/net/tcp and sock_diag, and holding their
-    ports). tests/test_isolation.py::test_network_namespace_never_shows_a_previous_sandbox
-    checks all three. The only reuse is a restore (``reset``), where the tenant is the same."""
+    Part of what a sandbox does to its namespace outlives its processes and cannot be reset
+    (it has no CAP_NET_ADMIN, and counters have no reset at all): lo's packet and byte
+    counters (/proc/net/dev, netlink), the TCP/IP MIB counters (/proc/net/snmp, netstat), and
+    sockets left in TIME_WAIT by the side that closed first (60 s, in /proc/net/tcp and
+    sock_diag, holding their ports). So a namespace is reused only when all of that equals a
+    fresh namespace's (``_core.netns_fingerprint``): one whose sandbox sent nothing and holds
+    no socket, which most sandboxes of an agent's shell session are. Any trace, and it is
+    dropped. tests/test_isolation.py::test_network_namespace_never_shows_a_previous_sandbox
+    attacks it; a restore (``reset``) keeps the same tenant's own namespace."""
 
     def __init__(self, size: int, most: int | None = None, window_s: float = 30.0) -> None:
         self.base = self.size = max(0, size)
@@ -44,6 +47,9 @@ class NetnsPool:
         self.window_s = window_s
         self._raised_until = 0.0
         self._fds: collections.deque[int] = collections.deque()
+        self._fresh_print: bytes | None = None  # a fresh namespace's fingerprint
+        self.recycled = 0       # destroyed sandboxes' namespaces reused
+        self.not_recycled = 0   # dropped: a trace of their sandbox, or no room
         self._cv = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -85,6 +91,36 @@ class NetnsPool:
                 self._fds.append(fd)
                 return
         os.close(fd)
+
+    def recycle(self, fd: int) -> bool:
+        """Keep the namespace of a destroyed sandbox (every process of it gone) for a later
+        one if nothing of that sandbox shows in it; else, or without room (up to twice
+        ``size``: the refill thread makes new ones only below ``size``), close it. This call
+        owns ``fd``; True if kept."""
+        try:
+            with self._cv:
+                room = not self._closed and self.base and len(self._fds) < 2 * self.size
+            if room and _core.netns_fingerprint(fd) == self._fresh():
+                with self._cv:
+                    if not self._closed and len(self._fds) < 2 * self.size:
+                        self._fds.append(fd)
+                        self.recycled += 1
+                        return True
+        except OSError:
+            pass  # unreadable: not provably clean
+        os.close(fd)
+        self.not_recycled += 1
+        return False
+
+    def _fresh(self) -> bytes:
+        """The fingerprint every fresh namespace has (read once, from a new one)."""
+        if self._fresh_print is None:
+            fd = _core.netns_new()
+            try:
+                self._fresh_print = _core.netns_fingerprint(fd)
+            finally:
+                os.close(fd)
+        return self._fresh_print
 
     def __len__(self) -> int:
         return len(self._fds)

@@ -153,6 +153,8 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, Tar, RootCache, Substrate)
         self.netns = NetnsPool(netns_pool, most=int(os.environ.get("CORRAL_NETNS_POOL_MAX",
                                                                   str(2 * netns_pool))))
         self.shared_netns = SharedNetns()
+        # Namespaces taken by destroy_many before its kills, for each destroy (recycle).
+        self._held_netns: dict[str, int] = {}
         # A pidfd per sandbox (runtime.pidfd) unless watch_exits() was called: then the
         # daemon's own fd table holds none (corral.daemon.initwatch keeps them elsewhere). An
         # init is our child and nobody but destroy reaps it, so until then its pid cannot be
@@ -327,6 +329,8 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, Tar, RootCache, Substrate)
                 extra["cpus"] = cpus
             if unix_only:
                 extra["network"] = "disabled"  # exec applies the same walls; never pooled
+            elif not own_net and spec.network == "none":
+                extra["netns"] = "pool"  # its namespace may go back to the pool (recycle)
             if lazy:
                 extra["memory_mb"] = spec.memory_mb
                 extra["cpu"] = spec.cpu
@@ -458,6 +462,9 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, Tar, RootCache, Substrate)
             self._forget_many([(rt.init_pid, rt.sandbox_id) for rt in chunk])
             for rt in chunk:
                 if rt.pidfd >= 0:
+                    net = self._netns_to_recycle(rt, rt.pidfd)  # before the kill, as destroy
+                    if net is not None:
+                        self._held_netns[rt.sandbox_id] = net
                     # gone already: destroy handles it (a frozen one: thawed there)
                     kernel.pidfd_signal(rt.pidfd, signal.SIGKILL)
             out += super().destroy_many(chunk)
@@ -487,6 +494,9 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, Tar, RootCache, Substrate)
         self._forget(runtime.init_pid, runtime.sandbox_id)
         paths = runtime.cgroup_paths or self.cgroups.paths_for(runtime.sandbox_id)
         reaped = False
+        net = self._held_netns.pop(runtime.sandbox_id, None)
+        if net is None and pidfd >= 0:
+            net = self._netns_to_recycle(runtime, pidfd)
         if pidfd >= 0:
             self._kill_thawed(pidfd, paths)
             reaped = self._kill_and_wait(runtime.init_pid, pidfd)
@@ -501,9 +511,15 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, Tar, RootCache, Substrate)
             self._remove_dir(runtime.sandbox_id)
             self.cgroups.recycle_memory(runtime.sandbox_id)
             self.cgroups.recycle_rest(runtime.sandbox_id)
-        if not (reaped and self.cgroups.try_remove(paths)):
+        clean = reaped and self.cgroups.try_remove(paths)
+        if not clean:
             self.cgroups.kill_all(paths)
             self.cgroups.remove(paths)
+        if net is not None:
+            if clean:  # every process of the sandbox is gone: nothing can act in it now
+                self.netns.recycle(net)
+            else:
+                os.close(net)
         if pidfd >= 0:
             os.close(pidfd)
         runtime.pidfd = -1
@@ -625,6 +641,16 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, Tar, RootCache, Substrate)
                 self.cgroups.thaw(paths, wait=False)
         except OSError:
             pass
+
+    def _netns_to_recycle(self, runtime: SandboxRuntime, pidfd: int) -> int | None:
+        """The namespace of a sandbox about to be destroyed, if it came from the pool (network
+        "none"), for NetnsPool.recycle; taken through the pidfd while the init lives."""
+        if runtime.extra.get("netns") != "pool" or not self.netns.base:
+            return None
+        try:
+            return _core.netns_of(pidfd)
+        except OSError:
+            return None  # gone already, or a kernel without the pidfd ioctl
 
     def _netns_of(self, runtime: SandboxRuntime, pidfd: int) -> int | None:
         """An fd of a live sandbox's network namespace, for its restart in place (reset).
@@ -885,6 +911,8 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, Tar, RootCache, Substrate)
             out[f"memcg_spares_{k}"] = v  # recycled memory cgroups (cgroups.recycle_memory)
         for k, v in self.cgroups.set_spare_stats.items():
             out[f"cgroup_spares_{k}"] = v  # recycled pids/cpu/freezer cgroups (recycle_rest)
+        out["netns_recycled"] = self.netns.recycled  # namespaces reused (NetnsPool.recycle)
+        out["netns_not_recycled"] = self.netns.not_recycled
         return out
 
     def status(self) -> dict[str, Any]:
