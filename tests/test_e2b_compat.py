@@ -384,3 +384,13 @@ def test_sandbox_cannot_reach_the_front(sbx: Sandbox, front: Front) -> None:
         assert r.stdout == "reached []\n", r.stdout
     # and the host can: the probe itself works
     assert httpx.get(front.url + "/v2/sandboxes", headers={"X-API-KEY": API_KEY}).status_code == 200
+
+
+def test_bench_e2b_runs(front: Front) -> None:
+    """The comparison script runs end to end (numbers are reported, not asserted)."""
+    from corral.bench import e2b as bench
+
+    res = bench.measure(rounds=2, warmup=1)
+    for v in bench.VARIANTS:
+        assert res["variants"][v]["total"]["n"] == 2
+    print(bench.report(res))
