@@ -14,7 +14,7 @@ from __future__ import annotations
 import gymnasium
 
 from corral.gym.env import ShellEnv
-from corral.gym.task import Task
+from corral.rl.task import Task
 
 ENV_ID = "corral/Shell-v0"
 

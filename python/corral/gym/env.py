@@ -6,7 +6,8 @@ under ``/bin/sh -c``). Reward: the task's score (task.py). ``terminated`` when t
 ``task.success`` or the agent submits; ``truncated`` at ``task.max_steps``.
 
 Reset restores the sandbox to the task's snapshot in place (its processes are killed, its
-files rewound); the first reset builds the snapshot if no environment of the task has yet.
+files rewound); the first reset builds the snapshot if no environment of the task has yet
+(corral.rl.episode).
 
 Failures are told apart, so a trainer can mask what is not the policy's doing: a platform
 failure (``CorralError.infra``, or the sandbox killed from outside) ends the episode as
@@ -17,7 +18,6 @@ A later reset starts a fresh sandbox if the old one is gone.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,7 +27,8 @@ from gymnasium import spaces
 import corral
 from corral import errors as ce
 from corral.gym import spaces as text_spaces
-from corral.gym.task import Task
+from corral.rl import episode
+from corral.rl.task import Task
 
 MAX_ACTION = 16384
 
@@ -51,50 +52,10 @@ class ShellEnv(gymnasium.Env[dict[str, Any], str]):
         self._steps = 0
         self._last = ""
 
-    # ---- the sandbox ----------------------------------------------------------------------
-    def _spec(self) -> dict[str, Any]:
-        t = self.task
-        return {"cpu": t.cpu, "memory_mb": t.memory_mb, "network": t.network, "cwd": t.cwd,
-                "timeout": 24 * 3600, "labels": {"corral.gym": "1"}, "endpoint": self.endpoint}
-
-    def _build(self) -> corral.Sandbox:
-        """A sandbox in the task's start state, making the shared snapshot if it is missing."""
-        name = self.task.snapshot_name()
-        try:
-            return corral.Sandbox(snapshot=name, **self._spec())
-        except ce.SnapshotNotFound:
-            pass
-        sb = corral.Sandbox(self.task.image, **self._spec())
-        try:
-            for path, content in self.task.files.items():
-                sb.files.write(path, content)
-            for cmd in self.task.setup:
-                sb.exec(cmd, timeout=600).check()
-            try:
-                sb.snapshot(name)
-            except ce.SnapshotExists:
-                pass  # another environment of the task made it meanwhile: the same recipe
-        except BaseException:
-            sb.kill()
-            raise
-        return sb
-
-    def _fresh(self) -> None:
-        if self.sandbox is not None:
-            try:
-                self.sandbox.restore(self.task.snapshot_name())
-                return
-            except ce.CorralError:
-                self._drop()  # gone, or its snapshot is: start over
-        self.sandbox = self._build()
-
+    # ---- the sandbox (corral.rl.episode) ---------------------------------------------------
     def _drop(self) -> None:
-        if self.sandbox is not None:
-            try:
-                self.sandbox.kill()
-            except ce.CorralError:
-                pass
-            self.sandbox = None
+        episode.discard(self.sandbox)
+        self.sandbox = None
 
     @property
     def sandbox_id(self) -> str | None:
@@ -104,27 +65,12 @@ class ShellEnv(gymnasium.Env[dict[str, Any], str]):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None,
               ) -> tuple[dict[str, Any], dict[str, Any]]:
         super().reset(seed=seed)
-        self._fresh()
+        self.sandbox = episode.rewind(self.sandbox, self.task, self.endpoint)
         self._steps = 0
         self._last = ""
         obs = {"output": text_spaces.fit(self.task.instruction, self.task.max_output),
                "exit_code": 0}
         return obs, {"sandbox_id": self.sandbox_id}
-
-    def _score(self, sb: corral.Sandbox) -> float:
-        path = f"/tmp/.corral-score-{secrets.token_hex(8)}"
-        sb.files.write(path, self.task.score, mode=0o700)
-        try:
-            r = sb.exec(["/bin/sh", path], timeout=self.task.score_timeout, cwd=self.task.cwd)
-        finally:
-            sb.files.remove(path)
-        lines = [x for x in r.stdout.strip().splitlines() if x.strip()]
-        if lines:
-            try:
-                return float(lines[-1])
-            except ValueError:
-                pass
-        return 1.0 if r.ok else 0.0
 
     def step(self, action: str) -> tuple[dict[str, Any], float, bool, bool, dict[str, Any]]:
         if not isinstance(action, str):
@@ -145,7 +91,7 @@ class ShellEnv(gymnasium.Env[dict[str, Any], str]):
                 output, code = r.stdout + r.stderr, r.exit_code & 0xFF
                 info.update(exit_code=r.exit_code, timed_out=r.timed_out, truncated=r.truncated)
             last = submitted or self._steps >= t.max_steps
-            score = self._score(self.sandbox) if (t.score_every_step or last) else 0.0
+            score = episode.score(self.sandbox, self.task) if (t.score_every_step or last) else 0.0
         except ce.CorralError as e:
             return self._failed(e, info)
         info["score"] = score
@@ -158,9 +104,9 @@ class ShellEnv(gymnasium.Env[dict[str, Any], str]):
     def _failed(self, e: ce.CorralError, info: dict[str, Any],
                 ) -> tuple[dict[str, Any], float, bool, bool, dict[str, Any]]:
         """An error ends the episode: infra -> truncated (mask it), the agent's -> terminated."""
-        outside = e.infra or (isinstance(e, ce.SandboxNotRunning) and e.category == "task")
+        outside = episode.is_infra(e)
         info.update(infra_error=outside, error_code=e.code, error=e.message)
-        if isinstance(e, ce.SandboxNotRunning | ce.SandboxLost | ce.SandboxNotFound):
+        if episode.sandbox_gone(e):
             self._drop()
         obs = {"output": text_spaces.fit(f"error: {e.message}", self.task.max_output),
                "exit_code": 0}

@@ -19,7 +19,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from corral.gym.env import ShellEnv
-from corral.gym.task import Task
+from corral.rl.task import Task
 
 
 class ShellVectorEnv(VectorEnv[Any, Any, Any]):
