@@ -318,6 +318,16 @@ def test_api_key_required(front: Front) -> None:
         assert r.status_code == 401, headers
 
 
+@pytest.mark.parametrize("key", [None, "short"])
+def test_front_refuses_to_start_without_a_key(key: str | None) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "CORRAL_E2B_API_KEY"}
+    args = [sys.executable, "-m", "corral.e2b", "serve", "--port", "0"]
+    if key is not None:
+        args += ["--api-key", key]
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "listening" not in r.stdout, (r.stdout, r.stderr)
+
+
 def test_access_token_is_per_sandbox(front: Front) -> None:
     a = Sandbox.create(timeout=60)
     b = Sandbox.create(timeout=60)

@@ -163,6 +163,8 @@ class FilesystemService:
 
     async def create_watcher(self, request: web.Request) -> web.Response:
         msg = await read_unary(request)
+        for wid in [k for k, w in self._watchers.items() if w.task is not None and w.task.done()]:
+            del self._watchers[wid]  # their sandbox ended: nobody reads them any more
         if len(self._watchers) >= MAX_WATCHERS:
             raise ConnectError("resource_exhausted", f"at most {MAX_WATCHERS} watchers")
         w = await self._new_watcher(request, msg)

@@ -1,12 +1,15 @@
 """What the front remembers per sandbox: the processes it started (their config and tag, which
 corral does not keep), so envd's List and tag selectors work. Bounded: a sandbox keeps at most
-MAX_PROCS entries, finished ones are dropped first."""
+MAX_PROCS entries, finished ones are dropped first, and at most MAX_SANDBOXES sandboxes are
+remembered."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 MAX_PROCS = 1024
+MAX_SANDBOXES = 4096
 
 
 @dataclass
@@ -40,13 +43,20 @@ class SandboxProcs:
 
 
 class FrontState:
+    """Per sandbox, least recently used first: sandboxes that end without the front's kill
+    (TTL) are forgotten once MAX_SANDBOXES newer ones were used."""
+
     def __init__(self) -> None:
-        self._procs: dict[str, SandboxProcs] = {}
+        self._procs: OrderedDict[str, SandboxProcs] = OrderedDict()
 
     def procs(self, sandbox_id: str) -> SandboxProcs:
         got = self._procs.get(sandbox_id)
         if got is None:
             got = self._procs[sandbox_id] = SandboxProcs()
+            while len(self._procs) > MAX_SANDBOXES:
+                self._procs.popitem(last=False)
+        else:
+            self._procs.move_to_end(sandbox_id)
         return got
 
     def forget(self, sandbox_id: str) -> None:
