@@ -8,6 +8,7 @@ daemon's other sandboxes, and a sandbox trying to reach the front from inside.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import secrets
@@ -404,3 +405,29 @@ def test_bench_e2b_runs(front: Front) -> None:
     for v in bench.VARIANTS:
         assert res["variants"][v]["total"]["n"] == 2
     print(bench.report(res))
+
+
+def test_malformed_connect_requests_are_answered(sbx: Sandbox, front: Front) -> None:
+    """Garbage on envd's Connect routes gets a Connect error, never a 500 or a hang."""
+    h = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token}
+    base = front.url
+    unary = dict(h, **{"Content-Type": "application/json"})
+    for body in (b"", b"{", b"[1]", b'{"path": 5}', b'{"path": "/x\\u0000y"}', b"\xff\xfe"):
+        r = httpx.post(base + "/filesystem.Filesystem/Stat", content=body, headers=unary)
+        assert 400 <= r.status_code < 500 and isinstance(r.json()["code"], str), (body, r.text)
+    r = httpx.post(base + "/process.Process/Nope", content=b"{}", headers=unary)
+    assert r.status_code == 501 and r.json()["code"] == "unimplemented"
+    stream = dict(h, **{"Content-Type": "application/connect+json"})
+    for body in (b"", b"\x00\x00\x00", b"\x00\x00\x00\x00\x10{}", b"\x01\x00\x00\x00\x02{}",
+                 b"\x00\x00\x00\x00\x02[]", b"\x00\x00\x00\x00\x02{}\x00\x00\x00\x00\x02{}",
+                 b'\x00\x00\x00\x00\x14{"process": {}}   '):
+        r = httpx.post(base + "/process.Process/Start", content=body, headers=stream, timeout=30)
+        assert r.status_code == 200, body
+        data = r.content
+        assert data[0] == 0x02, (body, data)  # only the end-of-stream message
+        end = json.loads(data[5:])
+        assert end["error"]["code"] in ("invalid_argument", "unimplemented"), (body, end)
+    # a Start whose program does not exist still ends properly (exit 127)
+    with pytest.raises(CommandExitException) as ei:
+        sbx.commands.run("/no/such/program")
+    assert ei.value.exit_code == 127
