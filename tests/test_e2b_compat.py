@@ -207,6 +207,18 @@ def test_files_roundtrip(sbx: Sandbox) -> None:
     assert sbx.commands.run("stat -c %U /root/r.txt", user="root").stdout == "root\n"
 
 
+def test_large_file_as_user(sbx: Sandbox) -> None:
+    """Past what a command's stdin carries, the daemon writes and hands the file over."""
+    import hashlib
+
+    data = secrets.token_bytes(9 << 20)
+    sbx.files.write("/home/user/big.bin", data)
+    r = sbx.commands.run("stat -c '%U %s' big.bin && sha256sum big.bin")
+    assert r.stdout.splitlines() == [f"user {len(data)}",
+                                     f"{hashlib.sha256(data).hexdigest()}  big.bin"]
+    assert bytes(sbx.files.read("/home/user/big.bin", format="bytes")) == data
+
+
 def test_file_not_found(sbx: Sandbox) -> None:
     with pytest.raises(FileNotFoundException):
         sbx.files.read("/nope/nothing")
@@ -246,6 +258,7 @@ def test_list_timeout_kill_not_found(front: Front) -> None:
         assert (a.get_info().end_at - end0).total_seconds() > 400
         b = Sandbox.connect(a.sandbox_id)
         assert b.commands.run("echo same").stdout == "same\n"
+        assert b.get_metrics() == []
     finally:
         assert a.kill() is True
     assert Sandbox.kill(a.sandbox_id) is False  # already gone

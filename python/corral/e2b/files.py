@@ -67,7 +67,7 @@ class FilesApi:
                 raise ce.InvalidRequest(err)
         else:
             await sb.files.write(path, data)
-            r = await sb.exec(["chown", "--", f"{user}:", path], cwd="/", timeout=30)
+            r = await sb.exec(["chown", "-h", "--", f"{user}:", path], cwd="/", timeout=30)
             if not r.ok:
                 raise ce.InvalidRequest(f"chown to {user}: {r.stderr.strip()}")
         written.append({"name": posixpath.basename(path), "type": "file", "path": path})

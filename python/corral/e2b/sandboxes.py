@@ -258,6 +258,12 @@ class ControlPlane:
             out.append({"sandbox": self.sandbox(info)})
         return web.json_response(out, status=201)
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        """No samples: corral keeps no per-sandbox usage history (an empty list, not an error,
+        so ``get_metrics()`` does not claim the sandbox is missing)."""
+        await self.owned(request.match_info["sid"])
+        return web.json_response([])
+
     async def snapshot(self, request: web.Request) -> web.Response:
         sid = request.match_info["sid"]
         b = await body(request)
@@ -280,6 +286,7 @@ def routes(cp: ControlPlane) -> list[web.RouteDef]:
         web.post(sid + "/pause", cp.pause), web.post(sid + "/resume", cp.resume),
         web.post(sid + "/connect", cp.connect), web.post("/v2" + sid + "/connect", cp.connect),
         web.post(sid + "/fork", cp.fork), web.post(sid + "/snapshots", cp.snapshot),
+        web.get(sid + "/metrics", cp.metrics),
     ]
 
 
