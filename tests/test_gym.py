@@ -131,3 +131,12 @@ def test_task_validation() -> None:
         Task(max_steps=0)
     assert Task(setup=["a"]).snapshot_name() == Task(setup=("a",)).snapshot_name()
     assert Task(setup=["a"]).snapshot_name() != Task(setup=["b"]).snapshot_name()
+
+
+def test_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from corral.gym.__main__ import main
+
+    main()
+    out = capsys.readouterr().out
+    assert "$ echo ok > done -> exit 0, reward 1.0, terminated True, infra False" in out
+    assert "vector rewards: [0.0, 1.0, 0.0, 1.0]" in out

@@ -122,3 +122,11 @@ def test_skyrl_gym_episode() -> None:
         assert step["done"] and step["reward"] == 0.0
     finally:
         env.close()
+
+
+def test_skyrl_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("skyrl_gym", reason="skyrl-gym is not installed")
+    from corral.rl.skyrl import main
+
+    main()
+    assert "done True, reward 1.0" in capsys.readouterr().out

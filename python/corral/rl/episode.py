@@ -35,7 +35,7 @@ def start(task: Task, endpoint: str | None = None) -> corral.Sandbox:
         for path, content in task.files.items():
             sb.files.write(path, content)
         for cmd in task.setup:
-            sb.exec(cmd, timeout=600).check()
+            sb.exec(cmd, timeout=600, cwd="/").check()  # in /: task.cwd may not exist yet
         try:
             sb.snapshot(name)
         except ce.SnapshotExists:

@@ -85,3 +85,28 @@ def register() -> None:
 
 
 register()
+
+
+def main() -> None:
+    """``python -m corral.rl.skyrl``: a scripted episode, as a runnable example."""
+    import skyrl_gym
+
+    task = {"files": {"/work/task.txt": "write ok to /work/out"},
+            "score": '[ "$(cat /work/out 2>/dev/null)" = ok ] && echo 1 || echo 0'}
+    env = skyrl_gym.make(ENV_ID, env_config={}, extras={"task": task, "max_turns": 4})
+    try:
+        env.init([{"role": "user", "content": "do the task in /work/task.txt"}])
+        for action in ('<tool_call>{"name": "read_file", "arguments": '
+                       '{"path": "/work/task.txt"}}</tool_call>',
+                       '<tool_call>{"name": "write_file", "arguments": '
+                       '{"path": "/work/out", "content": "ok"}}</tool_call>',
+                       "Done."):
+            out = env.step(action)
+            print(f"done {out['done']}, reward {out['reward']}, "
+                  f"observations {out['observations']}")
+    finally:
+        env.close()
+
+
+if __name__ == "__main__":
+    main()
