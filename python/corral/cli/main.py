@@ -6,6 +6,7 @@ snapshots.py  snapshot ls | create | rm | restore, fork, pause, resume
 demo.py       demo
 trajectory.py log, replay
 run_code.py   run-code
+e2b.py        e2b serve
 output.py     tables, JSON, the ``error [code]: message`` format and exit codes
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import typer
 
 from corral import __version__
-from corral.cli import daemon, demo, run_code, sandboxes, snapshots, trajectory
+from corral.cli import daemon, demo, e2b, run_code, sandboxes, snapshots, trajectory
 
 app = typer.Typer(
     name="corral", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -25,6 +26,7 @@ for sub in (daemon.app, sandboxes.app, snapshots.app, demo.app, trajectory.app, 
     app.registered_commands += sub.registered_commands
 app.add_typer(daemon.image_app, name="image")
 app.add_typer(snapshots.snapshot_app, name="snapshot")
+app.add_typer(e2b.app, name="e2b")
 
 
 def _version(value: bool) -> None:

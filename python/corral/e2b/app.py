@@ -1,0 +1,121 @@
+"""The front's aiohttp application: the control plane and envd's APIs on one port, so
+``E2B_API_URL`` and ``E2B_SANDBOX_URL`` name the same address.
+
+Every request is authenticated before its handler runs: the control plane by the API key,
+envd's APIs by the sandbox's access token (auth.py). Every failure is answered in the shape its
+caller expects (errors.py); an unexpected one is logged and answered as an internal error,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from corral import errors as ce
+from corral.e2b import files, filesystem, process, sandboxes
+from corral.e2b.auth import (
+    ACCESS_TOKEN_HEADER,
+    API_KEY_HEADER,
+    SANDBOX_ID_HEADER,
+    Keys,
+)
+from corral.e2b.connect import ConnectError, ServerStream, error_response, is_stream
+from corral.e2b.errors import api_error, to_connect
+from corral.e2b.state import FrontState
+from corral.e2b.templates import Templates
+from corral.sdk.endpoint import Endpoint
+
+log = logging.getLogger("corral.e2b")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+RPC_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
+ENVD_HTTP = frozenset({"/files", "/health"})
+MAX_BODY = files.MAX_UPLOAD + (1 << 20)
+
+
+class Front:
+    """What every part of the front shares."""
+
+    def __init__(self, api_key: str, endpoint: str | Endpoint | None = None) -> None:
+        self.keys = Keys(api_key)
+        self.endpoint = Endpoint.parse(endpoint)
+        self.state = FrontState()
+        self.templates = Templates(self.endpoint)
+
+
+def _is_rpc(path: str) -> bool:
+    return path.startswith(RPC_PREFIXES)
+
+
+def _envd_auth(front: Front, request: web.Request) -> str | None:
+    sid = request.headers.get(SANDBOX_ID_HEADER, "")
+    if sid and front.keys.access_token_ok(sid, request.headers.get(ACCESS_TOKEN_HEADER)):
+        return sid
+    return None
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    front: Front = request.app["front"]
+    path = request.path
+    rpc = _is_rpc(path)
+    if rpc or path in ENVD_HTTP:
+        sid = _envd_auth(front, request)
+        if sid is None:
+            if rpc:
+                return error_response(ConnectError(
+                    "unauthenticated", "a valid X-Access-Token for E2b-Sandbox-Id is required"))
+            return api_error(401, "a valid X-Access-Token for E2b-Sandbox-Id is required")
+        request["sandbox_id"] = sid
+    elif not front.keys.api_key_ok(request.headers.get(API_KEY_HEADER)):
+        return api_error(401, "Invalid API key")
+    try:
+        if rpc:
+            return await _rpc(handler, request)
+        if path in ENVD_HTTP:
+            return await files.guarded(handler, request)
+        return await sandboxes.guarded(handler, request)
+    except web.HTTPException as e:
+        if e.status == 404:
+            return (error_response(ConnectError("unimplemented", f"no method {path}")) if rpc
+                    else api_error(404, f"no route {request.method} {path}"))
+        if e.status == 405:
+            return api_error(405, f"method {request.method} not allowed on {path}")
+        if e.status == 413:
+            return api_error(413, "the request body is too large")
+        return api_error(e.status, e.reason)
+    except Exception:
+        log.exception("unexpected error on %s %s", request.method, path)
+        if rpc:
+            return error_response(ConnectError("internal", "internal error"))
+        return api_error(500, "internal error")
+
+
+async def _rpc(handler: Handler, request: web.Request) -> web.StreamResponse:
+    """Connect errors: a unary call's as an HTTP status, a stream's in its end message."""
+    try:
+        return await handler(request)
+    except (ConnectError, ce.CorralError) as e:
+        err = e if isinstance(e, ConnectError) else to_connect(e, request["sandbox_id"])
+        if is_stream(request):
+            return await ServerStream(request).end(err)
+        return error_response(err)
+
+
+def make_app(front: Front) -> web.Application:
+    app = web.Application(middlewares=[_middleware], client_max_size=MAX_BODY)
+    app["front"] = front
+    fs = filesystem.FilesystemService(front)
+    app.add_routes(sandboxes.routes(sandboxes.ControlPlane(front)))
+    app.add_routes(process.routes(process.ProcessService(front)))
+    app.add_routes(filesystem.routes(fs))
+    app.add_routes(files.routes(files.FilesApi(front)))
+
+    async def closing(_: Any) -> None:
+        await fs.close()
+
+    app.on_cleanup.append(closing)
+    return app

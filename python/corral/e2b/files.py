@@ -1,0 +1,146 @@
+"""envd's HTTP API: ``GET/POST /files`` (download and upload) and ``GET /health``.
+
+Uploads come as ``multipart/form-data`` (each part's file name is its path) or as an
+``application/octet-stream`` body (the ``path`` query parameter), optionally gzip-encoded.
+envd writes as the calling user, so for a user other than root the file and the directories
+it needs are made by that user (a command in the sandbox, its permissions apply); a file too
+big to pass that way is written by the daemon and then handed to the user (``chown``). Root's
+files are written by the daemon directly.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import posixpath
+import re
+import zlib
+from typing import Any
+
+from aiohttp import BodyPartReader, web
+
+from corral import errors as ce
+from corral.e2b import users
+from corral.e2b.connect import ConnectError
+from corral.e2b.errors import api_error, envd_http_error, gone_message
+from corral.sdk.async_sandbox import AsyncSandbox
+
+MAX_UPLOAD = 256 << 20
+# Passed as base64 on a command's stdin, which rides in a JSON request to the daemon.
+AS_USER_MAX = 8 << 20
+WRITE_AS_USER = 'mkdir -p -- "$(dirname -- "$1")" && base64 -d > "$1"'
+
+
+class FilesApi:
+    def __init__(self, front: Any) -> None:
+        self.f = front
+
+    def _sb(self, request: web.Request) -> AsyncSandbox:
+        return AsyncSandbox.from_id(request["sandbox_id"], endpoint=self.f.endpoint)
+
+    async def health(self, request: web.Request) -> web.Response:
+        try:
+            running = await self._sb(request).is_running()
+        except ce.SandboxNotFound:
+            running = False
+        if not running:
+            return api_error(502, gone_message(request["sandbox_id"]))
+        return web.Response(status=204)
+
+    async def download(self, request: web.Request) -> web.StreamResponse:
+        user = users.from_query(request)
+        path = users.resolve(request.query.get("path", ""), user)
+        data = await self._sb(request).files.read_bytes(path)
+        return web.Response(body=data, content_type="application/octet-stream")
+
+    async def _write(self, sb: AsyncSandbox, path: str, data: bytes, user: str,
+                     written: list[dict[str, str]]) -> None:
+        if user == "root":
+            await sb.files.write(path, data)
+        elif len(data) <= AS_USER_MAX:
+            r = await sb.exec(["/bin/sh", "-c", WRITE_AS_USER, "write", path], user=user,
+                              cwd="/", stdin=base64.b64encode(data).decode(), timeout=60)
+            if not r.ok:
+                err = r.stderr.strip() or f"writing {path} failed"
+                if "ermission denied" in err:
+                    raise ce.PermissionDenied(err)
+                raise ce.InvalidRequest(err)
+        else:
+            await sb.files.write(path, data)
+            r = await sb.exec(["chown", "-h", "--", f"{user}:", path], cwd="/", timeout=30)
+            if not r.ok:
+                raise ce.InvalidRequest(f"chown to {user}: {r.stderr.strip()}")
+        written.append({"name": posixpath.basename(path), "type": "file", "path": path})
+
+    async def upload(self, request: web.Request) -> web.Response:
+        user = users.from_query(request)
+        sb = self._sb(request)
+        written: list[dict[str, str]] = []
+        if request.content_type == "multipart/form-data":
+            reader = await request.multipart()
+            default = request.query.get("path")
+            total = 0
+            while True:
+                part = await reader.next()
+                if part is None:
+                    break
+                if not isinstance(part, BodyPartReader) or part.name != "file":
+                    continue
+                data = await part.read()
+                total += len(data)
+                if total > MAX_UPLOAD:
+                    return api_error(413, f"uploads are at most {MAX_UPLOAD} bytes")
+                name = default if default and not written else _part_path(part)
+                if not name:
+                    return api_error(400, "a file part without a path")
+                await self._write(sb, users.resolve(name, user), bytes(data), user, written)
+        else:
+            path = request.query.get("path")
+            if not path:
+                return api_error(400, "path is required")
+            data = await request.content.read(MAX_UPLOAD + 1)
+            if len(data) > MAX_UPLOAD:
+                return api_error(413, f"uploads are at most {MAX_UPLOAD} bytes")
+            if request.headers.get("Content-Encoding", "").lower() == "gzip":
+                data = _gunzip(data)
+            await self._write(sb, users.resolve(path, user), data, user, written)
+        return web.json_response(written)
+
+
+_FILENAME = re.compile(r'(?:^|;)\s*filename\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^;\s]+))', re.I)
+
+
+def _part_path(part: BodyPartReader) -> str | None:
+    """A part's file name as sent: it is the file's path (aiohttp's parsers drop a leading
+    "/", made for saving uploads by name)."""
+    m = _FILENAME.search(part.headers.get("Content-Disposition", ""))
+    if m is None:
+        return part.filename
+    if m.group(1) is not None:
+        return re.sub(r"\\(.)", r"\1", m.group(1))
+    return m.group(2)
+
+
+def _gunzip(data: bytes) -> bytes:
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        out = d.decompress(data, MAX_UPLOAD + 1)
+    except (zlib.error, gzip.BadGzipFile) as e:
+        raise ConnectError("invalid_argument", f"bad gzip body: {e}") from None
+    if len(out) > MAX_UPLOAD or d.unconsumed_tail:
+        raise ConnectError("resource_exhausted", f"uploads are at most {MAX_UPLOAD} bytes")
+    return out
+
+
+async def guarded(handler: Any, request: web.Request) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ConnectError as e:
+        return api_error(400 if e.code != "resource_exhausted" else 413, e.message)
+    except ce.CorralError as e:
+        return envd_http_error(e, request["sandbox_id"])
+
+
+def routes(api: FilesApi) -> list[web.RouteDef]:
+    return [web.get("/health", api.health), web.get("/files", api.download),
+            web.post("/files", api.upload)]
