@@ -223,7 +223,7 @@ def test_bad_image_and_unsupported_substrate(c):
     err = expect_error(c.post("/v1/sandboxes", json={"image": "no-such-image"}),
                        "image_not_found", 404)
     assert "no-such-image" in err["message"]
-    for sub in ("microvm", "vm", "process"):
+    for sub in ("microvm", "vm"):
         err = expect_error(c.post("/v1/sandboxes", json={"substrate": sub}), "unsupported", 501)
         assert "not available on this daemon" in err["message"]
 
