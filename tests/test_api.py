@@ -75,7 +75,7 @@ def cgroups_of(sid: str) -> list[str]:
 def test_health_and_status(c):
     assert c.get("/v1/health").json() == {"ok": True}
     st = DaemonStatus.model_validate(c.get("/v1/status").json())
-    assert st.substrates == ["container", "gvisor"]  # gvisor: runsc from scripts/setup.sh
+    assert st.substrates == ["container", "gvisor", "process"]  # gvisor: runsc (setup.sh)
     assert st.state_dir == STATE_DIR
     assert st.cgroup_version in (1, 2)
     assert st.capacity > 0

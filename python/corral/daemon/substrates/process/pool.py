@@ -336,7 +336,8 @@ class Zygote:
         child tells its exit code itself, and the answer does not wait for the zygote."""
         slot = self.slots[si]
         try:
-            await asyncio.wait_for(slot.ready.wait(), START_TIMEOUT_S)
+            if not slot.ready.is_set():  # mostly it is: the child was forked while idle
+                await asyncio.wait_for(slot.ready.wait(), START_TIMEOUT_S)
         except asyncio.TimeoutError:
             self._dead("no child forked in time")
         except BaseException:

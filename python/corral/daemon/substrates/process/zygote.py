@@ -31,6 +31,7 @@ Frames both ways: 4-byte big-endian length + JSON.
 
 from __future__ import annotations
 
+import _signal  # the C functions: signal.signal's enum wrapping costs a child ~60 page faults
 import errno
 import json
 import os
@@ -414,8 +415,8 @@ class Zygote:
 
     def _exec_child(self, slot: Slot, req: dict[str, Any], stdio: list[int]) -> None:
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGXFSZ):  # python ignores some
-            signal.signal(sig, signal.SIG_DFL)
+        for sig in (_signal.SIGCHLD, _signal.SIGPIPE, _signal.SIGXFSZ):  # python ignores some
+            _signal.signal(sig, _signal.SIG_DFL)
         for dirfd, name in slot.cg.join:
             _write_at(dirfd, name, "0")
         os.setsid()
@@ -437,7 +438,7 @@ class Zygote:
 
     def _child(self, slot: Slot, ctl: int, fout: int, ferr: int, fst: int) -> None:
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
         for dirfd, name in slot.cg.join:
             _write_at(dirfd, name, "0")
         os.setsid()
@@ -488,8 +489,8 @@ class Zygote:
                 os.close(fd)
         code = req["code"]
         if self.language == "bash":
-            for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # python ignores them; bash not
-                signal.signal(sig, signal.SIG_DFL)
+            for sig in (_signal.SIGPIPE, _signal.SIGXFSZ):  # python ignores them; bash not
+                _signal.signal(sig, _signal.SIG_DFL)
             if len(code) < BASH_ARG_MAX:
                 os.execve("/bin/bash", ["bash", "-c", code], env)
             fd = os.memfd_create("code", 0)  # MAX_ARG_STRLEN is 128 KiB
