@@ -331,7 +331,19 @@ def test_cannot_gain_privileges_or_change_the_system(sb):
                   "import sys; sys.exit(0 if l.syscall(250, 0, 0, 0, 0, 0) >= 0 else 1)\"",
         "bpf": "python3 -c \"import ctypes; l=ctypes.CDLL(None); "
                "import sys; sys.exit(0 if l.syscall(321, 0, 0, 0) >= 0 else 1)\"",
+        "mknod": "mknod /tmp/null2 c 1 3",
+        "setns-1": "nsenter -t 1 -m true",
     }
+    # x86_64 numbers; each must be refused (EPERM: the seccomp filter, no capability), not
+    # merely fail on its dummy arguments
+    for name, nr, args in (("io_uring_setup", 425, "8, 0"),
+                           ("perf_event_open", 298, "0, 0, -1, -1, 0"),
+                           ("userfaultfd", 323, "0"), ("open_by_handle_at", 304, "3, 0, 0"),
+                           ("init_module", 175, "0, 0, 0"), ("kexec_load", 246, "0, 0, 0, 0"),
+                           ("add_key", 248, "0, 0, 0, 0, 0"), ("unshare-user", 272, "0x10000000")):
+        attempts[name] = (f"python3 -c \"import ctypes, sys; l=ctypes.CDLL(None, use_errno=True); "
+                          f"r=l.syscall({nr}, {args}); "
+                          f"sys.exit(1 if r < 0 and ctypes.get_errno() == 1 else 0)\"")
     for name, cmd in attempts.items():
         r = sb.exec(f"{cmd} >/dev/null 2>&1; echo rc=$?")
         assert r.stdout.strip() != "rc=0", (name, r)
