@@ -244,7 +244,7 @@ class Zygote:
     def _readable(self) -> None:
         assert self.sock is not None
         try:
-            data, anc, _, _ = self.sock.recvmsg(1 << 20, socket.CMSG_SPACE(16 * 4),
+            data, anc, _, _ = self.sock.recvmsg(1 << 16, socket.CMSG_SPACE(16 * 4),
                                                 socket.MSG_CMSG_CLOEXEC)
         except (BlockingIOError, InterruptedError):
             return

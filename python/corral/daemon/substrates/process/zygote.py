@@ -240,6 +240,10 @@ class Zygote:
                 self.preloaded.append(name)
             except Exception as e:  # noqa: BLE001 - an optional module: say which, go on
                 print(f"run_code zygote: preload {name}: {e}", file=sys.stderr)
+        # From here on the zygote's environment is a request's (its preloads read theirs):
+        # a child then only adds its own HOME, TMPDIR and PWD.
+        os.environ.clear()
+        os.environ.update(self.env)
         self.core.zygote_build_root(self.cfg["root"], [tuple(e) for e in self.cfg["entries"]])
         if self.cfg.get("hostname"):
             socket.sethostname(self.cfg["hostname"])
@@ -458,7 +462,7 @@ class Zygote:
             main = _prepare_python(env)  # while idle: off the request's path
         chunks = []
         while True:
-            data = os.read(3, 1 << 20)
+            data = os.read(3, READ_CHUNK)
             if not data:
                 break
             chunks.append(data)
@@ -518,8 +522,9 @@ def _prepare_python(env: dict[str, str]) -> Any:
     import builtins
     import types
 
-    os.environ.clear()
-    os.environ.update(env)
+    for k in [k for k in os.environ if k not in env]:  # none: the zygote's is a request's
+        del os.environ[k]
+    os.environ.update({k: v for k, v in env.items() if os.environ.get(k) != v})
     sys.argv = ["-c"]
     sys.path[0] = ""
     main = types.ModuleType("__main__")
