@@ -101,8 +101,11 @@ def _read_frame(fd: int) -> Any:
 # ---- cgroups of a slot (the zygote is root and holds their directory fds) -------------------
 def _read_at(dirfd: int, name: str) -> str:
     fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dirfd)
-    try:
-        return os.read(fd, 1 << 20).decode()
+    try:  # small reads: a 1 MiB buffer would be a fresh mapping (and its faults) each time
+        chunks = []
+        while data := os.read(fd, READ_CHUNK):
+            chunks.append(data)
+        return b"".join(chunks).decode()
     finally:
         os.close(fd)
 
