@@ -76,7 +76,7 @@ def cgroups_of(sid: str) -> list[str]:
 def test_health_and_status(c):
     assert c.get("/v1/health").json() == {"ok": True}
     st = DaemonStatus.model_validate(c.get("/v1/status").json())
-    assert st.substrates == ["container", "gvisor"]  # gvisor: runsc from scripts/setup.sh
+    assert st.substrates == ["container", "gvisor", "process"]  # gvisor: runsc (setup.sh)
     assert st.state_dir == STATE_DIR
     assert st.cgroup_version in (1, 2)
     # No CORRAL_MAX_SANDBOXES: derived from this machine (memory, kernel limits) at start.
@@ -226,7 +226,7 @@ def test_bad_image_and_unsupported_substrate(c):
     err = expect_error(c.post("/v1/sandboxes", json={"image": "no-such-image"}),
                        "image_not_found", 404)
     assert "no-such-image" in err["message"]
-    for sub in ("microvm", "vm", "process"):
+    for sub in ("microvm", "vm"):
         err = expect_error(c.post("/v1/sandboxes", json={"substrate": sub}), "unsupported", 501)
         assert "not available on this daemon" in err["message"]
 

@@ -132,6 +132,7 @@ def fs_rename(root_fd: int, src: str, dst: str) -> None: ...
 def fs_symlink(root_fd: int, target: str, linkpath: str) -> None: ...
 def fs_readlink(root_fd: int, path: str) -> str: ...
 def fs_chmod(root_fd: int, path: str, mode: int) -> None: ...
+def fs_chown(root_fd: int, path: str, uid: int, gid: int) -> None: ...
 def pty_open(root_fd: int) -> tuple[int, int]:
     """(master, slave) of a new pty in the sandbox's devpts."""
 
@@ -150,7 +151,9 @@ def zygote_die_with_parent(parent: int) -> None:
     """SIGKILL the caller when ``parent`` (its launcher) dies."""
 def zygote_build_root(root: str, entries: list[tuple[str, str, str]]) -> None:
     """Switch to a new read-only root on a tmpfs at ``root`` made of (kind, src, dst)."""
-def zygote_seal() -> None:
-    """no_new_privs and the seccomp filter, inherited by every request's child."""
-def zygote_lockdown(uid: int, gid: int, rlimits: list[tuple[str, int, int]]) -> None:
+def zygote_seal(landlock: bool = False) -> None:
+    """no_new_privs and the seccomp filter, inherited by every request's child; with
+    ``landlock`` a Landlock domain all children share (a session's commands)."""
+def zygote_lockdown(uid: int, gid: int, rlimits: list[tuple[str, int, int]],
+                    landlock: bool = True) -> None:
     """A request's child: ``uid``/``gid``, no capability, rlimits, no_new_privs, Landlock."""

@@ -665,6 +665,43 @@ pub fn chmod(root: RawFd, path: &OsStr, mode: u32) -> Result<()> {
         .map_err(|e| FsError::os(OP, &p, e))
 }
 
+/// Give the file or directory at `path` (a symlink itself, never its target) to `uid`:`gid`.
+pub fn chown(root: RawFd, path: &OsStr, uid: u32, gid: u32) -> Result<()> {
+    const OP: &str = "chown";
+    let root = borrow(root)?;
+    let p = Norm::new(path)?;
+    let fd = match p.base() {
+        None => open_dir_path(root, c"."),
+        Some(base) => {
+            let dir = parent_fd(root, &p, OP)?;
+            rfs::openat(
+                &dir,
+                &base,
+                OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+        }
+    }
+    .map_err(|e| FsError::os(OP, &p, e))?;
+    let st = rfs::fstat(&fd).map_err(|e| FsError::os(OP, &p, e))?;
+    check_fs_type(fd.as_fd(), OP, &p)?;
+    if FileType::from_raw_mode(mode_of(&st)) != FileType::Symlink {
+        check_kind(&st, OP, &p)?;
+    }
+    if uid == u32::MAX || gid == u32::MAX {
+        return Err(FsError::os(OP, &p, Errno::INVAL));
+    }
+    // AT_EMPTY_PATH: the fd's own inode (for an O_PATH fd of a symlink, the link itself).
+    rfs::chownat(
+        &fd,
+        c"",
+        Some(rustix::fs::Uid::from_raw(uid)),
+        Some(rustix::fs::Gid::from_raw(gid)),
+        rfs::AtFlags::EMPTY_PATH | rfs::AtFlags::SYMLINK_NOFOLLOW,
+    )
+    .map_err(|e| FsError::os(OP, &p, e))
+}
+
 const DEVPTS_SUPER_MAGIC: i64 = 0x1cd1;
 
 /// A new pseudo-terminal pair from the sandbox's own devpts instance: (master, slave), both

@@ -555,6 +555,11 @@ fn fs_chmod(py: Python<'_>, root_fd: RawFd, path: OsString, mode: u32) -> PyResu
     Ok(py.detach(|| fs::chmod(root_fd, &path, mode))?)
 }
 
+#[pyfunction]
+fn fs_chown(py: Python<'_>, root_fd: RawFd, path: OsString, uid: u32, gid: u32) -> PyResult<()> {
+    Ok(py.detach(|| fs::chown(root_fd, &path, uid, gid))?)
+}
+
 /// Copy a frozen sandbox's overlay upper dirs to a new snapshot layer and hash it in one pass:
 /// `parts` is [(n, upper dir, new dir)], a dir is made only for a non-empty upper. Returns
 /// (blake3 digest hex of the layer's manifest, bytes of file data). See layer.rs.
@@ -640,21 +645,35 @@ fn zygote_build_root(
 }
 
 /// run_code zygote, once its root is built: no_new_privs and the seccomp filter, inherited by
-/// every request's child.
+/// every request's child; with `landlock`, also a Landlock domain (abstract unix scope) that
+/// all its children share (a session's commands, which must see and signal each other).
 #[pyfunction]
-fn zygote_seal() -> PyResult<()> {
-    Ok(zygote::seal()?)
+#[pyo3(signature = (landlock = false))]
+fn zygote_seal(landlock: bool) -> PyResult<()> {
+    Ok(zygote::seal(landlock)?)
 }
 
 /// run_code request child (of a sealed zygote): become `uid`/`gid` with no capability,
-/// `rlimits` ((name, soft, hard), negative = unlimited), no_new_privs, Landlock unix scope.
+/// `rlimits` ((name, soft, hard), negative = unlimited), no_new_privs, and with `landlock` a
+/// Landlock domain of its own (abstract unix scope).
 #[pyfunction]
-fn zygote_lockdown(uid: u32, gid: u32, rlimits: Vec<(String, i128, i128)>) -> PyResult<()> {
+#[pyo3(signature = (uid, gid, rlimits, landlock = true))]
+fn zygote_lockdown(
+    uid: u32,
+    gid: u32,
+    rlimits: Vec<(String, i128, i128)>,
+    landlock: bool,
+) -> PyResult<()> {
     let rlimits = rlimits
         .iter()
         .map(|(n, s, h)| harden::rlimit(n, *s, *h))
         .collect::<Result<Vec<Rlimit>, HardenError>>()?;
-    Ok(zygote::lockdown(&zygote::Lockdown { uid, gid, rlimits })?)
+    Ok(zygote::lockdown(&zygote::Lockdown {
+        uid,
+        gid,
+        rlimits,
+        landlock,
+    })?)
 }
 
 #[pymodule]
@@ -696,6 +715,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fs_symlink, m)?)?;
     m.add_function(wrap_pyfunction!(fs_readlink, m)?)?;
     m.add_function(wrap_pyfunction!(fs_chmod, m)?)?;
+    m.add_function(wrap_pyfunction!(fs_chown, m)?)?;
     m.add_function(wrap_pyfunction!(pty_open, m)?)?;
     m.add_function(wrap_pyfunction!(capture_layer, m)?)?;
     m.add_function(wrap_pyfunction!(shell_capabilities, m)?)?;

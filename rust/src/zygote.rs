@@ -245,13 +245,20 @@ pub fn build_root(root: &Path, entries: &[Entry]) -> Result<(), ZygoteError> {
 /// Seal the zygote itself once its root is built: no_new_privs and the sandbox seccomp filter
 /// (only AF_UNIX sockets), which every request's child then inherits at its fork instead of
 /// attaching its own (the kernel's per-attach cost stays out of the request path). The zygote
-/// needs nothing the filter refuses once its namespaces and mounts are made.
-pub fn seal() -> Result<(), ZygoteError> {
+/// needs nothing the filter refuses once its namespaces and mounts are made. With `landlock`
+/// (a session's zygote) the zygote also enters a Landlock domain (abstract unix socket scope)
+/// that every child shares: a session's commands see and signal each other, which separate
+/// domains (run_code's requests) would forbid.
+pub fn seal(landlock: bool) -> Result<(), ZygoteError> {
     let prog = harden::seccomp_program(true)?;
-    // SAFETY: prctl and seccomp on data that outlives the calls; single-threaded caller.
+    // SAFETY: prctl, seccomp and landlock on data that outlives the calls; single-threaded
+    // caller.
     unsafe {
         harden::no_new_privs().map_err(|e| ZygoteError::os("no_new_privs", e))?;
         harden::apply_seccomp(prog).map_err(|e| ZygoteError::os("seccomp", e))?;
+        if landlock && harden::landlock_abi() >= 6 {
+            harden::landlock_scope_unix().map_err(|e| ZygoteError::os("landlock", e))?;
+        }
     }
     Ok(())
 }
@@ -261,6 +268,9 @@ pub struct Lockdown {
     pub uid: u32,
     pub gid: u32,
     pub rlimits: Vec<Rlimit>,
+    /// a Landlock domain of its own (run_code's requests); a session's commands share the
+    /// zygote's (`seal`)
+    pub landlock: bool,
 }
 
 /// Apply `l` to the calling (single-threaded) process, a child of a sealed zygote (`seal`:
@@ -284,7 +294,7 @@ pub fn lockdown(l: &Lockdown) -> Result<(), ZygoteError> {
         step("capset", harden::apply_caps(&plan))?;
         step("rlimits", harden::apply_rlimits(&l.rlimits))?;
         step("no_new_privs", harden::no_new_privs())?;
-        if harden::landlock_abi() >= 6 {
+        if l.landlock && harden::landlock_abi() >= 6 {
             step("landlock", harden::landlock_scope_unix())?;
         }
     }

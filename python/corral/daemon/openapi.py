@@ -94,7 +94,7 @@ def _response(r: Route) -> dict[str, Any]:
 
 
 # The substrates this daemon runs; a spec naming others would promise what it cannot do.
-OFFERED_SUBSTRATES = ["container", "gvisor"]
+OFFERED_SUBSTRATES = ["container", "gvisor", "process"]
 _PATH_PARAMS: dict[str, dict[str, Any]] = {
     "id": {"type": "string", "minLength": 1, "maxLength": 200},
     "pid": {"type": "integer", "minimum": 0, "maximum": (1 << 31) - 1},

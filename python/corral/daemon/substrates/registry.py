@@ -118,5 +118,12 @@ def _gvisor(ctx: Context) -> Substrate:
     return make(ctx)
 
 
+def _process(ctx: Context) -> Substrate:
+    from corral.daemon.substrates.process import make
+
+    return make(ctx)
+
+
 register("container", _container, default=True)
 register("gvisor", _gvisor, default=True)
+register("process", _process, default=True)

@@ -2,8 +2,10 @@
 the zygote and each slot, removed at the stop.
 
 Layout, in each hierarchy used (v1: memory, pids, freezer; v2: the unified one):
-``<root>/<daemon cgroup name>.runcode/<language>-<n>/{zygote,s0,s1,...}``. The zygote itself
-moves each request's child into its slot and sets the slot's memory limit per request.
+``<root>/<daemon cgroup name>.runcode/<language>-<n>/{zygote,s0,s1,...}``; sessions
+(``Sandbox(substrate="process")``) under ``<daemon cgroup name>.process/<sandbox id>/
+{zygote,s0}``. The zygote moves each child into its slot; the daemon sets the slot's memory
+limit (per request, per session).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ ZYGOTE_PIDS = 16
 class Layout:
     """Where the pools' cgroups go on this host."""
 
-    def __init__(self, cgroup_name: str) -> None:
+    def __init__(self, cgroup_name: str, suffix: str = ".runcode") -> None:
         v1, v2 = _mounts()
         ctrls: set[str] = set()
         if v2:
@@ -36,7 +38,15 @@ class Layout:
                 raise RuntimeError("run_code needs the memory and pids cgroup controllers")
             self.v2 = False
             self.roots = {k: v1[k] for k in ("memory", "pids", "freezer") if k in v1}
-        self.top = cgroup_name + ".runcode"
+        self.top = cgroup_name + suffix
+
+    def pools(self) -> list[str]:
+        """The names of the pools that have cgroups now."""
+        names: set[str] = set()
+        for t in self.tops():
+            with contextlib.suppress(OSError):
+                names.update(n for n in os.listdir(t) if os.path.isdir(os.path.join(t, n)))
+        return sorted(names)
 
     def tops(self) -> list[str]:
         return [os.path.join(r, self.top) for r in self.roots.values()]

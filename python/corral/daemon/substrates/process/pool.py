@@ -87,6 +87,44 @@ def settings_from_env() -> Settings:
     return s
 
 
+ZYGOTE_ENV = {"PATH": PATH, "LANG": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1",
+              "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def config(language: str, root_dir: str, entries: list[tuple[str, str, str]],
+           join: list[str], slots: list[dict[str, Any]], preload: list[str],
+           s: Settings) -> dict[str, Any]:
+    """A zygote's config frame (zygote.py reads it first)."""
+    from corral import _core
+
+    return {
+        "language": language, "core": _core.__file__, "root": root_dir, "entries": entries,
+        "zygote_cgroups": join, "slots": slots, "preload": preload, "zygote_env": ZYGOTE_ENV,
+        "env": {"PATH": PATH, "LANG": "C.UTF-8"},
+        "rlimits": [("nofile", s.nofile, s.nofile), ("core", 0, 0),
+                    ("fsize", s.fsize_mb << 20, s.fsize_mb << 20)],
+    }
+
+
+def launch() -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """Start a zygote's launcher; returns it and the daemon's end of its socket (its config
+    frame not sent yet)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        # Its own small environment from the exec on: /proc/self/environ of every child
+        # shows the exec-time one, and the daemon's (a token, say) is none of theirs.
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-X", "utf8", zygote.__file__, str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, start_new_session=True, cwd="/", env=ZYGOTE_ENV)
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return proc, ours
+
+
 class ZygoteDied(InfraError):
     pass
 
@@ -175,29 +213,10 @@ class Zygote:
             svc.layout.make_pool, self.name, s.slots, s.pids)
         self.slots = [SlotState(i, d) for i, d in enumerate(slot_dirs)]
         uid0 = UID_BASE + (self.pool.number * 64 + self.index) * 256
-        from corral import _core
-
-        zenv = {"PATH": PATH, "LANG": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1",
-                "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        cfg = {
-            "language": self.pool.language, "core": _core.__file__, "root": svc.root_dir,
-            "entries": view.entries(s.tmp_mb), "zygote_cgroups": join,
-            "slots": [{"uid": uid0 + i, "cgroups": d} for i, d in enumerate(slot_dirs)],
-            "preload": POOLS[self.pool.name][1], "zygote_env": zenv,
-            "env": {"PATH": PATH, "LANG": "C.UTF-8"},
-            "rlimits": [("nofile", s.nofile, s.nofile), ("core", 0, 0),
-                        ("fsize", s.fsize_mb << 20, s.fsize_mb << 20)],
-        }
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            # Its own small environment from the exec on: /proc/self/environ of every child
-            # shows the exec-time one, and the daemon's (a token, say) is none of theirs.
-            self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-X", "utf8", zygote.__file__, str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, start_new_session=True, cwd="/", env=zenv)
-        finally:
-            theirs.close()
+        cfg = config(self.pool.language, svc.root_dir, view.entries(s.tmp_mb), join,
+                     [{"uid": uid0 + i, "cgroups": d} for i, d in enumerate(slot_dirs)],
+                     POOLS[self.pool.name][1], s)
+        self.proc, ours = launch()
         self.sock = ours
         ours.setblocking(False)
         self.pidfd = os.pidfd_open(self.proc.pid)
@@ -225,7 +244,7 @@ class Zygote:
     def _readable(self) -> None:
         assert self.sock is not None
         try:
-            data, anc, _, _ = self.sock.recvmsg(1 << 20, socket.CMSG_SPACE(16 * 4),
+            data, anc, _, _ = self.sock.recvmsg(1 << 16, socket.CMSG_SPACE(16 * 4),
                                                 socket.MSG_CMSG_CLOEXEC)
         except (BlockingIOError, InterruptedError):
             return
@@ -317,7 +336,8 @@ class Zygote:
         child tells its exit code itself, and the answer does not wait for the zygote."""
         slot = self.slots[si]
         try:
-            await asyncio.wait_for(slot.ready.wait(), START_TIMEOUT_S)
+            if not slot.ready.is_set():  # mostly it is: the child was forked while idle
+                await asyncio.wait_for(slot.ready.wait(), START_TIMEOUT_S)
         except asyncio.TimeoutError:
             self._dead("no child forked in time")
         except BaseException:

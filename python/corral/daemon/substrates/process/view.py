@@ -19,6 +19,18 @@ def _under(path: str, dirs: list[str]) -> bool:
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
 
 
+def session_entries(disk_mb: int, uid: int) -> list[tuple[str, str, str]]:
+    """A session's view: the same, with /tmp its own tmpfs of ``disk_mb`` owned by its uid
+    (its home and working directory; /root leads there too unless the interpreter lives
+    under /root)."""
+    out = entries(0)
+    out[-1] = ("tmpfs", f"mode=0700,uid={uid},gid={uid},size={disk_mb}m,nr_inodes=262144",
+               "/tmp")
+    if not any(_under(dst, ["/root"]) for _, _, dst in out):
+        out.append(("symlink", "/tmp", "/root"))
+    return out
+
+
 def entries(tmp_mb: int) -> list[tuple[str, str, str]]:
     out: list[tuple[str, str, str]] = []
     bound: list[str] = []

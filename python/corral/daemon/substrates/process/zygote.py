@@ -19,11 +19,19 @@ imports none of corral but the Rust core, loaded by path. Its life:
    interpreter; bash: exec). When its process exits, whatever it left running in the slot's
    cgroup is killed, the scratch dir is wiped, and the result goes back.
 
+A session zygote (``language`` ``session``: one ``Sandbox(substrate="process")``) has one slot
+and no preloaded module: its /tmp is the session's own tmpfs (owned by the slot's uid), kept
+from one command to the next. Each ``spawn`` frame (with the command's stdio fds) becomes a
+fresh child that locks itself down the same way and execs the command; the zygote answers with
+the child's pidfd (SCM_RIGHTS), reaps it, and leaves what it started running (the session's
+processes end with the session: the zygote is pid 1 of their namespace).
+
 Frames both ways: 4-byte big-endian length + JSON.
 """
 
 from __future__ import annotations
 
+import _signal  # the C functions: signal.signal's enum wrapping costs a child ~60 page faults
 import errno
 import json
 import os
@@ -93,8 +101,11 @@ def _read_frame(fd: int) -> Any:
 # ---- cgroups of a slot (the zygote is root and holds their directory fds) -------------------
 def _read_at(dirfd: int, name: str) -> str:
     fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dirfd)
-    try:
-        return os.read(fd, 1 << 20).decode()
+    try:  # small reads: a 1 MiB buffer would be a fresh mapping (and its faults) each time
+        chunks = []
+        while data := os.read(fd, READ_CHUNK):
+            chunks.append(data)
+        return b"".join(chunks).decode()
     finally:
         os.close(fd)
 
@@ -210,12 +221,14 @@ class Zygote:
         self.sock = sock
         self.sk = socket.socket(fileno=sock)
         self.language = cfg["language"]
+        self.session = self.language == "session"
         self.slots = [Slot(i, s["uid"], s["cgroups"]) for i, s in enumerate(cfg["slots"])]
         self.by_pid: dict[int, Slot] = {}
         self.cold: list[Slot] = []               # slots with no child yet
         self.reader = FrameReader()
         self.sel = selectors.DefaultSelector()
         self.preloaded: list[str] = []
+        self.fds: list[int] = []                 # received with spawn frames, in order
         self.env = cfg["env"]
         self.rlimits = [tuple(x) for x in cfg["rlimits"]]
 
@@ -230,15 +243,25 @@ class Zygote:
                 self.preloaded.append(name)
             except Exception as e:  # noqa: BLE001 - an optional module: say which, go on
                 print(f"run_code zygote: preload {name}: {e}", file=sys.stderr)
+        # From here on the zygote's environment is a request's (its preloads read theirs):
+        # a child then only adds its own HOME, TMPDIR and PWD.
+        os.environ.clear()
+        os.environ.update(self.env)
         self.core.zygote_build_root(self.cfg["root"], [tuple(e) for e in self.cfg["entries"]])
+        if self.cfg.get("hostname"):
+            socket.sethostname(self.cfg["hostname"])
         # SysV IPC objects and POSIX queues outlive their process: allow none at all.
         for path, value in (("/proc/sys/kernel/shmmni", "0"), ("/proc/sys/kernel/msgmni", "0"),
                             ("/proc/sys/kernel/sem", "0 0 0 0"),
                             ("/proc/sys/fs/mqueue/queues_max", "0")):
             with open(path, "w") as f:
                 f.write(value)
-        for s in self.slots:
-            self._fresh_scratch(s)
+        if self.session:
+            for s in self.slots:
+                s.scratch = "/tmp"  # the session's tmpfs, made with its uid and mode 0700
+        else:
+            for s in self.slots:
+                self._fresh_scratch(s)
         self.devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
         wake_r, wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self.wake_r = wake_r
@@ -246,10 +269,13 @@ class Zygote:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self.sel.register(self.sock, selectors.EVENT_READ)
         self.sel.register(wake_r, selectors.EVENT_READ)
-        self.core.zygote_seal()  # the seccomp filter, for the zygote and every child it forks
+        # The seccomp filter, for the zygote and every child it forks; a session's commands
+        # share one Landlock domain (they see and signal each other), requests have their own.
+        self.core.zygote_seal(landlock=self.session)
         gc.collect()
         gc.freeze()  # keeps the children from dirtying (copying) the preloaded objects' pages
-        self.cold.extend(self.slots)
+        if not self.session:
+            self.cold.extend(self.slots)
 
     def _fresh_scratch(self, s: Slot) -> None:
         try:
@@ -288,13 +314,23 @@ class Zygote:
                 self._reaped(pid, status)
 
     def _from_daemon(self) -> bool:
+        fds: list[int] = []
         try:
-            data = os.read(self.sock, READ_CHUNK)
+            data, anc, _, _ = self.sk.recvmsg(READ_CHUNK, socket.CMSG_SPACE(16 * 4),
+                                              socket.MSG_CMSG_CLOEXEC)
         except InterruptedError:
             return True
+        for level, kind, raw in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                n = len(raw) - len(raw) % 4
+                fds += list(struct.unpack(f"{n // 4}i", raw[:n]))
         if not data:
             return False
+        self.fds += fds
         for msg in self.reader.feed(data):
+            if "spawn" in msg:
+                self._spawn(msg["spawn"])
+                continue
             slot = self.slots[msg["kill"]]
             if slot.pid and slot.pid == msg.get("pid"):  # its timeout: the whole tree
                 if not slot.cg.kill_all(self._reaped):
@@ -305,8 +341,8 @@ class Zygote:
         """A slot's child ended (its request done, killed, or it died waiting)."""
         t_exit = time.monotonic()
         slot = self.by_pid.pop(pid, None)
-        if slot is None:
-            return  # an orphan of some request, reparented to us
+        if slot is None or self.session:
+            return  # an orphan of some request, reparented to us; or a session's command
         slot.pid = 0
         if not slot.cg.kill_all(self._reaped):  # what it left behind dies with it
             slot.broken = True
@@ -351,9 +387,65 @@ class Zygote:
             for fd in (ctl_w, out_r, err_r, st_r):
                 os.close(fd)
 
+    # -- a session's commands --
+    def _spawn(self, req: dict[str, Any]) -> None:
+        """Start one command of the session: its stdio fds came with the frame (``stdio``
+        says which of 0, 1, 2 did; the others are /dev/null). Answer with its pidfd."""
+        stdio: list[int] = []
+        for have in req["stdio"]:
+            stdio.append(self.fds.pop(0) if have and self.fds else -1)
+        slot = self.slots[0]
+        pidfd = -1
+        try:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    self._exec_child(slot, req, stdio)
+                except BaseException as e:  # noqa: BLE001 - report, never return into the loop
+                    try:
+                        os.write(2, f"corral: could not start: {type(e).__name__}: {e}\n"
+                                 .encode())
+                    finally:
+                        os._exit(126)
+                os._exit(126)
+            # Our child, not reaped before the loop runs again: its pid is still its own.
+            pidfd = os.pidfd_open(pid)
+            self.by_pid[pid] = slot
+            self.sk.sendmsg([encode({"spawned": pid})],
+                            [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", pidfd))])
+        except OSError as e:
+            _write_all(self.sock, encode({"spawned": 0, "error": f"{e.strerror or e}"}))
+        finally:
+            for fd in [*stdio, pidfd]:
+                if fd >= 0:
+                    os.close(fd)
+
+    def _exec_child(self, slot: Slot, req: dict[str, Any], stdio: list[int]) -> None:
+        signal.set_wakeup_fd(-1)
+        for sig in (_signal.SIGCHLD, _signal.SIGPIPE, _signal.SIGXFSZ):  # python ignores some
+            _signal.signal(sig, _signal.SIG_DFL)
+        for dirfd, name in slot.cg.join:
+            _write_at(dirfd, name, "0")
+        os.setsid()
+        for target, fd in enumerate(stdio):
+            os.dup2(fd if fd >= 0 else self.devnull, target)
+        os.closerange(3, 1 << 20)
+        try:
+            os.chdir(req["cwd"])
+        except OSError:
+            os.chdir(slot.scratch)  # a missing working directory: its home
+        os.umask(0o022)
+        self.core.zygote_lockdown(slot.uid, slot.uid, self.rlimits, landlock=False)
+        argv, env = req["argv"], req["env"]
+        try:
+            os.execvpe(argv[0], argv, env)
+        except OSError as e:
+            os.write(2, f"{argv[0]}: {e.strerror}\n".encode())
+            os._exit(127 if e.errno == errno.ENOENT else 126)
+
     def _child(self, slot: Slot, ctl: int, fout: int, ferr: int, fst: int) -> None:
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
         for dirfd, name in slot.cg.join:
             _write_at(dirfd, name, "0")
         os.setsid()
@@ -366,11 +458,14 @@ class Zygote:
         os.chdir(slot.scratch)
         os.umask(0o077)
         self.core.zygote_lockdown(slot.uid, slot.uid, self.rlimits)
+        env = dict(self.env, HOME=slot.scratch, TMPDIR=slot.scratch, PWD=slot.scratch)
+        main = None
         if self.language == "python":
             _reseed()
+            main = _prepare_python(env)  # while idle: off the request's path
         chunks = []
         while True:
-            data = os.read(3, 1 << 20)
+            data = os.read(3, READ_CHUNK)
             if not data:
                 break
             chunks.append(data)
@@ -399,18 +494,18 @@ class Zygote:
                 _write_all(fd, text.encode())
             finally:
                 os.close(fd)
-        env = dict(self.env, HOME=slot.scratch, TMPDIR=slot.scratch, PWD=slot.scratch)
         code = req["code"]
         if self.language == "bash":
-            for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # python ignores them; bash not
-                signal.signal(sig, signal.SIG_DFL)
+            for sig in (_signal.SIGPIPE, _signal.SIGXFSZ):  # python ignores them; bash not
+                _signal.signal(sig, _signal.SIG_DFL)
             if len(code) < BASH_ARG_MAX:
                 os.execve("/bin/bash", ["bash", "-c", code], env)
             fd = os.memfd_create("code", 0)  # MAX_ARG_STRLEN is 128 KiB
             _write_all(fd, code.encode())
             os.lseek(fd, 0, os.SEEK_SET)
             os.execve("/bin/bash", ["bash", f"/proc/self/fd/{fd}"], env)
-        _run_python(code, env)
+        assert main is not None
+        _run_python(code, main)
 
 
 def _reseed() -> None:
@@ -421,19 +516,35 @@ def _reseed() -> None:
         npr.seed()
 
 
-def _run_python(code: str, env: dict[str, str]) -> None:
-    """Run ``code`` as ``python3 -c`` would, in this forked interpreter; never returns."""
+def _prepare_python(env: dict[str, str]) -> Any:
+    """Everything of ``python3 -c`` that does not depend on the request, done by the waiting
+    child: its environment, argv, sys.path and a fresh ``__main__``; and a first compile
+    and JSON parse, so that the memory they touch is copied (copy-on-write faults) before the
+    request comes rather than while it waits for its answer. Nothing of this is the
+    program's to see but what ``python3 -c`` would show it."""
     import builtins
-    import traceback
     import types
 
-    os.environ.clear()
-    os.environ.update(env)
+    for k in [k for k in os.environ if k not in env]:  # none: the zygote's is a request's
+        del os.environ[k]
+    os.environ.update({k: v for k, v in env.items() if os.environ.get(k) != v})
     sys.argv = ["-c"]
     sys.path[0] = ""
     main = types.ModuleType("__main__")
     main.__builtins__ = builtins  # type: ignore[attr-defined]
     sys.modules["__main__"] = main
+    compile("import os\nfor i in range(2):\n    print(i, 'x', [i])\n", "<string>", "exec")
+    json.loads(b'{"code":"print(1)","stdin":null,"files":null,"timeout":10}')
+    import resource
+
+    resource.getrusage(resource.RUSAGE_SELF)
+    return main
+
+
+def _run_python(code: str, main: Any) -> None:
+    """Run ``code`` as ``python3 -c`` would, in this forked interpreter; never returns."""
+    import traceback
+
     rc = 0
     try:
         exec(compile(code, "<string>", "exec"), main.__dict__)
