@@ -102,11 +102,11 @@ def test_capability_table():
 
 
 def test_runs_under_gvisor(sb):
-    """The kernel the sandbox sees is gVisor's (dmesg and /proc/version say so), and its
-    processes are not host processes."""
-    r = sb.exec("cat /proc/version; dmesg 2>/dev/null | head -1")
-    assert r.exit_code == 0
-    assert "gVisor" in r.stdout or "Starting gVisor" in r.stdout, r.stdout
+    """The kernel the sandbox sees is gVisor's sentry: the release it claims is not the
+    host's; its log is out of reach (the filter refuses syslog, as in a container)."""
+    r = sb.exec("uname -r; dmesg; echo dmesg=$?")
+    lines = r.stdout.split()
+    assert lines[0] != os.uname().release and "dmesg=0" not in lines, r.stdout
     assert sb.info().substrate == "gvisor"
 
 

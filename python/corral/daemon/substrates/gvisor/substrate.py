@@ -153,6 +153,8 @@ class GvisorSubstrate(Substrate):
         self.upload_max_bytes = upload_max_bytes
         os.makedirs(self.dirs, mode=0o700, exist_ok=True)
         os.makedirs(runsc.root, mode=0o700, exist_ok=True)
+        self.lockdown = os.path.join(self.base, "lockdown")
+        bundle.install_lockdown(self.lockdown)
         self._seq = itertools.count()
         self._pending: set[asyncio.Future[Any]] = set()  # kills of abandoned commands
         self.counters = {"gvisor_execs": 0, "gvisor_exec_kills": 0}
@@ -173,9 +175,9 @@ class GvisorSubstrate(Substrate):
                             extra={"platform": self.runsc.platform})
         try:
             root = bundle.make_root(gdir, image, spec.disk_mb)
-            init = bundle.INIT if self._has_shell(root) else bundle.INIT_NO_SHELL
             bundle.write(os.path.join(gdir, "config.json"),
-                         bundle.config(sandbox_id, spec, root, self._cgroup(sandbox_id), init))
+                         bundle.config(sandbox_id, spec, root, self._cgroup(sandbox_id),
+                                       self.lockdown))
             logf = os.path.join(gdir, "runsc.log")
             # create + start in one runsc process (one Go start less than two commands). The
             # sentry logs at info level into the sandbox's dir: how its init ended (end_cause).
@@ -199,14 +201,6 @@ class GvisorSubstrate(Substrate):
                 raise InternalError(f"gvisor sandbox could not start: {e}") from e
             raise
         return rt
-
-    def _has_shell(self, root: str) -> bool:
-        fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            with RootFiles(fd, 0) as f:
-                return f.stat("/bin/sh").type in ("file", "symlink")
-        except CorralError:
-            return False
 
     def adopt(self, runtime: SandboxRuntime) -> bool:
         pid = runtime.init_pid
@@ -337,8 +331,9 @@ class GvisorSubstrate(Substrate):
             cwd = "/"
         n = next(self._seq)
         base = os.path.join(self._gdir(sid), "exec", str(n))
-        bundle.write(base + ".json", bundle.process(spec.argv, spec.env, cwd, spec.uid,
-                                                    spec.gid, spec.groups))
+        bundle.write(base + ".json", bundle.process(bundle.exec_argv(spec.argv, spec.env),
+                                                    spec.env, cwd, spec.uid, spec.gid,
+                                                    spec.groups))
         argv = ["/bin/sh", "-c", _WRAP, "gvisor-exec", *self.runsc.prefix, "exec",
                 f"--process={base}.json", f"--internal-pid-file={base}.pid", sid]
         r, w = os.pipe2(os.O_CLOEXEC)
@@ -387,13 +382,11 @@ class GvisorSubstrate(Substrate):
 
     def _kill_inner(self, sid: str, pid: int) -> None:
         """SIGKILL the command's process group inside the sandbox (runsc kill reaches one
-        process only: the group is killed from inside, by a shell of the image if it has
-        one), then the command itself."""
+        process only: the group is killed from inside, by the lock-down binary, never by a
+        program of the sandbox's image), then the command itself."""
         path = os.path.join(self._gdir(sid), "exec", f"kill-{pid}.json")
         with contextlib.suppress(OSError, RunscError):
-            bundle.write(path, bundle.process(
-                ["/bin/sh", "-c", f"kill -9 -{pid} 2>/dev/null; true"], _SH_ENV, "/",
-                0, 0, []))
+            bundle.write(path, bundle.process(bundle.kill_argv(pid), {}, "/", 0, 0, []))
             self.runsc.run("exec", f"--process={path}", sid)
         with contextlib.suppress(OSError):
             os.unlink(path)
