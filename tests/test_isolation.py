@@ -236,42 +236,43 @@ def test_chroot_escape_denied(sb):
     assert "ESCAPED" not in r.stdout and "denied" in r.stdout, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize(
-    "name,nr,args",
-    [
-        ("init_module", 175, [0, 0, 0]),
-        ("finit_module", 313, [0, 0, 0]),
-        ("delete_module", 176, [0, 0]),
-        ("kexec_load", 246, [0, 0, 0, 0]),
-        ("bpf", 321, [0, 0, 0]),
-        ("keyctl", 250, [0, 0, 0, 0, 0]),
-        ("add_key", 248, [0, 0, 0, 0, 0]),
-        ("perf_event_open", 298, [0, 0, 0, 0, 0]),
-        ("userfaultfd", 323, [0]),
-        ("open_by_handle_at", 304, [0, 0, 0]),
-        ("setns", 308, [0, 0]),
-        ("unshare_user", 272, [0x10000000]),
-        ("swapon", 167, [0, 0]),
-        ("reboot", 169, [0xFEE1DEAD, 672274793, 0x4321FEDC, 0]),
-        ("io_uring_setup", 425, [1, 0]),
-        ("pivot_root", 155, [0, 0]),
-        ("process_vm_readv", 310, [1, 0, 0, 0, 0, 0]),
-        ("process_vm_writev", 311, [1, 0, 0, 0, 0, 0]),
-        ("process_madvise", 440, [0, 0, 0, 0, 0]),
-        ("pidfd_getfd", 438, [0, 0, 0]),
-        ("kcmp", 312, [1, 1, 0, 0, 0]),
-        ("statmount", 457, [0, 0, 0, 0]),
-        ("listmount", 458, [0, 0, 0, 0]),
-        ("open_tree_attr", 467, [-100, 0, 0, 0, 0]),
-        # pid 1, the sandbox's init: no queued signal of the sandbox's making, no rlimits
-        ("rt_sigqueueinfo_init", 129, [1, 15, 0]),
-        ("rt_tgsigqueueinfo_init", 297, [1, 1, 15, 0]),
-        ("prlimit64_init", 302, [1, 0, 0, 0]),
-        ("sched_setscheduler_init", 144, [1, 5, 0]),
-        ("sched_setattr_init", 314, [1, 0, 0]),
-        ("sched_setparam_init", 142, [1, 0]),
-    ],
-)
+# Refused syscalls, by number (x86_64), with arguments that would do something if allowed.
+DANGEROUS_SYSCALLS = [
+    ("init_module", 175, [0, 0, 0]),
+    ("finit_module", 313, [0, 0, 0]),
+    ("delete_module", 176, [0, 0]),
+    ("kexec_load", 246, [0, 0, 0, 0]),
+    ("bpf", 321, [0, 0, 0]),
+    ("keyctl", 250, [0, 0, 0, 0, 0]),
+    ("add_key", 248, [0, 0, 0, 0, 0]),
+    ("perf_event_open", 298, [0, 0, 0, 0, 0]),
+    ("userfaultfd", 323, [0]),
+    ("open_by_handle_at", 304, [0, 0, 0]),
+    ("setns", 308, [0, 0]),
+    ("unshare_user", 272, [0x10000000]),
+    ("swapon", 167, [0, 0]),
+    ("reboot", 169, [0xFEE1DEAD, 672274793, 0x4321FEDC, 0]),
+    ("io_uring_setup", 425, [1, 0]),
+    ("pivot_root", 155, [0, 0]),
+    ("process_vm_readv", 310, [1, 0, 0, 0, 0, 0]),
+    ("process_vm_writev", 311, [1, 0, 0, 0, 0, 0]),
+    ("process_madvise", 440, [0, 0, 0, 0, 0]),
+    ("pidfd_getfd", 438, [0, 0, 0]),
+    ("kcmp", 312, [1, 1, 0, 0, 0]),
+    ("statmount", 457, [0, 0, 0, 0]),
+    ("listmount", 458, [0, 0, 0, 0]),
+    ("open_tree_attr", 467, [-100, 0, 0, 0, 0]),
+    # pid 1, the sandbox's init: no queued signal of the sandbox's making, no rlimits
+    ("rt_sigqueueinfo_init", 129, [1, 15, 0]),
+    ("rt_tgsigqueueinfo_init", 297, [1, 1, 15, 0]),
+    ("prlimit64_init", 302, [1, 0, 0, 0]),
+    ("sched_setscheduler_init", 144, [1, 5, 0]),
+    ("sched_setattr_init", 314, [1, 0, 0]),
+    ("sched_setparam_init", 142, [1, 0]),
+]
+
+
+@pytest.mark.parametrize("name,nr,args", DANGEROUS_SYSCALLS)
 def test_dangerous_syscalls_blocked(sb, name, nr, args):
     r = sh(sb, f"python3 /opt/probe.py {name} {nr} {' '.join(map(str, args))}")
     assert r.exit_code == 0, r.stderr
