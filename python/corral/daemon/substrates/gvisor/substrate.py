@@ -20,7 +20,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from typing import Any, BinaryIO
 
 from corral.daemon import kernel, streams
@@ -32,9 +32,10 @@ from corral.daemon.substrates.base import (
     Substrate,
 )
 from corral.daemon.substrates.gvisor import bundle
-from corral.daemon.substrates.gvisor.files import RootFiles, check_path
 from corral.daemon.substrates.gvisor.probe import kill_under
 from corral.daemon.substrates.gvisor.runsc import Runsc, RunscError
+from corral.daemon.substrates.paths import check_path
+from corral.daemon.substrates.rootfiles import RootFiles
 from corral.errors import CorralError, InternalError, SandboxNotRunning, TooLarge
 from corral.models import FileEntry, SandboxSpec
 
@@ -418,7 +419,10 @@ class GvisorSubstrate(Substrate):
         return {"gvisor_platform": self.runsc.platform}
 
     # ---- files: on the host side of the sandbox's root -------------------------------------
-    def _files(self, runtime: SandboxRuntime) -> RootFiles:
+    @contextlib.contextmanager
+    def _files(self, runtime: SandboxRuntime) -> Iterator[RootFiles]:
+        """The file operations on an O_PATH fd of the sandbox's host-side root, open for one
+        operation (no disk budget: the sandbox's disk is a tmpfs of its size)."""
         if runtime.pidfd < 0 and runtime.init_pid <= 0:
             raise SandboxNotRunning("the sandbox is not running")
         try:
@@ -426,7 +430,11 @@ class GvisorSubstrate(Substrate):
                          os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
             raise SandboxNotRunning(f"the sandbox's root is gone: {e.strerror}") from None
-        return RootFiles(fd, self.upload_max_bytes)
+        try:
+            yield RootFiles(lambda: contextlib.nullcontext(fd), False, None,
+                            self.upload_max_bytes)
+        finally:
+            os.close(fd)
 
     def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes:
         with self._files(runtime) as f:
