@@ -311,12 +311,17 @@ DANGEROUS_SYSCALLS = [
 ]
 
 
-@pytest.mark.parametrize("name,nr,args", DANGEROUS_SYSCALLS)
-def test_dangerous_syscalls_blocked(sb, name, nr, args):
-    r = sh(sb, f"python3 /opt/probe.py {name} {nr} {' '.join(map(str, args))}")
+def attack_syscall(box, name: str, nr: int, args: list[int]) -> None:
+    """One of DANGEROUS_SYSCALLS, by number (SYSCALL_PROBE at /opt/probe.py): refused."""
+    r = sh(box, f"python3 /opt/probe.py {name} {nr} {' '.join(map(str, args))}")
     assert r.exit_code == 0, r.stderr
     assert r.stdout.startswith(name) and "OK" not in r.stdout, r.stdout
     assert "EPERM" in r.stdout or "ENOSYS" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("name,nr,args", DANGEROUS_SYSCALLS)
+def test_dangerous_syscalls_blocked(sb, name, nr, args):
+    attack_syscall(sb, name, nr, args)
 
 
 # --- network -------------------------------------------------------------------------------------
