@@ -174,6 +174,207 @@ static __attribute__((noreturn)) void init(void) {
     }
 }
 
+/* The command: every signal unblocked, then exec (the first candidate that exists). */
+static __attribute__((noreturn)) void command(char **cand, unsigned long ncand, char **cmd,
+                                              char **envp) {
+    unsigned long none = 0;
+    sys6(NR_rt_sigprocmask, SIG_SETMASK, (long)&none, 0, sizeof(none), 0, 0);
+    int denied = 0;
+    for (unsigned long i = 0; i < ncand; i++) {
+        long e = -sys3(NR_execve, cand[i], cmd, envp);
+        if (e == EACCES)
+            denied = 1;
+        else if (e != ENOENT && e != ENOTDIR && e != ESTALE && e != ELOOP && e != ENAMETOOLONG)
+            leave(126);
+    }
+    leave(denied ? 126 : 127);
+}
+
+#if defined(__x86_64__)
+/* "t": the command under a tracer that takes AT_NO_AUTOMOUNT out of statx and newfstatat,
+ * which the runsc this runs on refuses with EINVAL (coreutils 9 passes it: `ls DIR`, `stat`);
+ * it means nothing in a sandbox, which has no automount points. A second filter, stacked on
+ * the sandbox's, stops exactly those calls for the tracer (SECCOMP_RET_TRACE); every other
+ * call never sees it. The tracer (PTRACE_SEIZE: stops and SIGCONT behave as untraced) follows
+ * forks and clones, is not dumpable, holds no capability and runs under a filter of its own
+ * that allows only what it calls. It ends with the command, the way the command ended;
+ * processes the command left running are detached then (still under the sandbox's filter;
+ * their statx calls then answer ENOSYS, as for a process nobody traces). */
+#define NR_ptrace 101
+#define NR_getpid 39
+#define NR_rt_sigreturn 15
+#define NR_statx 332
+#define NR_newfstatat 262
+#define NR_pipe2 293
+#define AT_NO_AUTOMOUNT 0x800
+#define PTRACE_GETREGS 12
+#define PTRACE_SETREGS 13
+#define PTRACE_CONT 7
+#define PTRACE_SEIZE 0x4206
+#define PTRACE_LISTEN 0x4208
+#define PTRACE_O_TRACEFORK 0x2
+#define PTRACE_O_TRACEVFORK 0x4
+#define PTRACE_O_TRACECLONE 0x8
+#define PTRACE_O_TRACESECCOMP 0x80
+#define PTRACE_EVENT_SECCOMP 7
+#define PTRACE_EVENT_STOP 128
+#define REG_R10 7
+#define REG_RDX 12
+#define REG_ORIG_RAX 15
+#define AUDIT_ARCH_X86_64 0xc000003eU
+#define RET_ALLOW 0x7fff0000U
+#define RET_TRACE 0x7ff00000U
+#define RET_KILL_PROCESS 0x80000000U
+
+struct insn {
+    unsigned short code;
+    unsigned char jt, jf;
+    unsigned int k;
+};
+#define LD_ABS 0x20 /* BPF_LD | BPF_W | BPF_ABS */
+#define JEQ 0x15    /* BPF_JMP | BPF_JEQ | BPF_K */
+#define JSET 0x45   /* BPF_JMP | BPF_JSET | BPF_K */
+#define RET 0x06    /* BPF_RET | BPF_K */
+
+static void install(struct insn *prog, unsigned short n, const char *what) {
+    struct sock_fprog fp = {n, prog};
+    long rc = sys3(NR_seccomp, SECCOMP_SET_MODE_FILTER, 0, (long)&fp);
+    if (rc < 0)
+        fail(what, rc);
+}
+
+/* The command's second filter: statx (flags: args[2]) and newfstatat (args[3]) with
+ * AT_NO_AUTOMOUNT -> the tracer; anything else -> allowed (the sandbox's filter decides). */
+static void automount_filter(void) {
+    struct insn p[] = {
+        {LD_ABS, 0, 0, 4},              /* 0: arch */
+        {JEQ, 0, 8, AUDIT_ARCH_X86_64}, /* 1: else allow (the sandbox's filter kills it) */
+        {LD_ABS, 0, 0, 0},              /* 2: nr */
+        {JEQ, 0, 2, NR_statx},          /* 3 */
+        {LD_ABS, 0, 0, 16 + 8 * 2},     /* 4: args[2], low half */
+        {JSET, 3, 4, AT_NO_AUTOMOUNT},  /* 5 */
+        {JEQ, 0, 3, NR_newfstatat},     /* 6 */
+        {LD_ABS, 0, 0, 16 + 8 * 3},     /* 7: args[3], low half */
+        {JSET, 0, 1, AT_NO_AUTOMOUNT},  /* 8 */
+        {RET, 0, 0, RET_TRACE},         /* 9 */
+        {RET, 0, 0, RET_ALLOW},         /* 10 */
+    };
+    install(p, sizeof(p) / sizeof(p[0]), "seccomp (automount)");
+}
+
+/* The tracer's own filter: the calls of its loop, nothing else (the process is killed). */
+static void tracer_filter(void) {
+    static const unsigned int allowed[] = {NR_wait4, NR_ptrace, NR_kill, NR_getpid,
+                                           NR_exit_group, NR_exit, NR_rt_sigaction,
+                                           NR_rt_sigprocmask, NR_rt_sigreturn, NR_write};
+    enum { N = sizeof(allowed) / sizeof(allowed[0]) };
+    struct insn p[N + 5];
+    p[0] = (struct insn){LD_ABS, 0, 0, 4};
+    p[1] = (struct insn){JEQ, 0, (unsigned char)(N + 1), AUDIT_ARCH_X86_64};
+    p[2] = (struct insn){LD_ABS, 0, 0, 0};
+    for (int i = 0; i < N; i++)
+        p[3 + i] = (struct insn){JEQ, (unsigned char)(N - i), 0, allowed[i]};
+    p[N + 3] = (struct insn){RET, 0, 0, RET_KILL_PROCESS};
+    p[N + 4] = (struct insn){RET, 0, 0, RET_ALLOW};
+    install(p, N + 5, "seccomp (tracer)");
+}
+
+/* End the way the command ended: its exit code, or its signal. */
+static __attribute__((noreturn)) void end_like(int st) {
+    int sig = st & 0x7f;
+    if (sig == 0)
+        leave((st >> 8) & 0xff);
+    unsigned long dfl[4] = {0, 0, 0, 0}, none = 0;
+    sys4(NR_rt_sigaction, sig, (long)dfl, 0, 8);
+    sys4(NR_rt_sigprocmask, SIG_SETMASK, (long)&none, 0, 8);
+    sys3(NR_kill, sys3(NR_getpid, 0, 0, 0), sig, 0);
+    leave(128 + sig);
+}
+
+static __attribute__((noreturn)) void traced(const char *filter_path, char **cand,
+                                             unsigned long ncand, char **cmd, char **envp) {
+    int go[2];
+    long rc = sys3(NR_pipe2, (long)go, O_CLOEXEC, 0);
+    if (rc < 0)
+        fail("pipe2", rc);
+    long pid = sys6(NR_clone, SIGCHLD, 0, 0, 0, 0, 0);
+    if (pid < 0)
+        fail("fork", pid);
+    if (pid == 0) {
+        char c;
+        sys3(NR_close, go[1], 0, 0);
+        long n;
+        do
+            n = sys3(NR_read, go[0], (long)&c, 1);
+        while (n == -EINTR);
+        if (n != 1)
+            leave(125); /* the tracer is gone: no command without it */
+        sys3(NR_close, go[0], 0, 0);
+        lock_down(filter_path);
+        automount_filter();
+        command(cand, ncand, cmd, envp);
+    }
+    sys3(NR_close, go[0], 0, 0);
+    rc = sys4(NR_ptrace, PTRACE_SEIZE, pid, 0,
+              PTRACE_O_TRACESECCOMP | PTRACE_O_TRACEFORK | PTRACE_O_TRACEVFORK |
+                  PTRACE_O_TRACECLONE);
+    if (rc < 0) {
+        sys3(NR_kill, pid, SIGKILL, 0);
+        fail("ptrace", rc);
+    }
+    sys3(NR_write, go[1], (long)"g", 1);
+    sys3(NR_close, go[1], 0, 0);
+    sys3(NR_prctl, PR_SET_DUMPABLE, 0, 0);
+    struct {
+        unsigned int version;
+        int pid;
+    } hdr = {0x20080522, 0};
+    unsigned int data[6] = {0, 0, 0, 0, 0, 0};
+    sys3(NR_capset, (long)&hdr, (long)data, 0);
+    rc = sys6(NR_prctl, PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0, 0);
+    if (rc < 0) {
+        sys3(NR_kill, pid, SIGKILL, 0);
+        fail("no_new_privs", rc);
+    }
+    tracer_filter();
+    for (;;) {
+        int st = 0;
+        long w = sys4(NR_wait4, -1, (long)&st, WALL, 0);
+        if (w == -EINTR)
+            continue;
+        if (w < 0)
+            leave(125); /* no child left, the command's end unseen: cannot happen */
+        if ((st & 0x7f) != 0x7f) { /* exited or killed */
+            if (w == pid)
+                end_like(st);
+            continue;
+        }
+        int sig = (st >> 8) & 0xff, ev = (st >> 16) & 0xff;
+        if (ev == PTRACE_EVENT_SECCOMP) {
+            unsigned long regs[27];
+            if (sys4(NR_ptrace, PTRACE_GETREGS, w, 0, (long)regs) == 0) {
+                if (regs[REG_ORIG_RAX] == NR_statx)
+                    regs[REG_RDX] &= ~(unsigned long)AT_NO_AUTOMOUNT;
+                else if (regs[REG_ORIG_RAX] == NR_newfstatat)
+                    regs[REG_R10] &= ~(unsigned long)AT_NO_AUTOMOUNT;
+                sys4(NR_ptrace, PTRACE_SETREGS, w, 0, (long)regs);
+            }
+            sys4(NR_ptrace, PTRACE_CONT, w, 0, 0);
+        } else if (ev == PTRACE_EVENT_STOP) {
+            /* a group-stop (stays stopped until SIGCONT), or a new child's first stop */
+            if (sig == SIGSTOP || sig == 20 || sig == 21 || sig == 22)
+                sys4(NR_ptrace, PTRACE_LISTEN, w, 0, 0);
+            else
+                sys4(NR_ptrace, PTRACE_CONT, w, 0, 0);
+        } else if (ev) { /* fork, vfork, clone */
+            sys4(NR_ptrace, PTRACE_CONT, w, 0, 0);
+        } else { /* a signal on its way: delivered */
+            sys4(NR_ptrace, PTRACE_CONT, w, 0, sig);
+        }
+    }
+}
+#endif
+
 static __attribute__((noreturn)) void exec(long argc, char **argv, char **envp) {
     unsigned long nlim, ncand, v[3];
     if (argc < 4 || number(argv[3], &nlim) < 0 || nlim > MAX_LIMITS)
@@ -200,18 +401,12 @@ static __attribute__((noreturn)) void exec(long argc, char **argv, char **envp) 
     if (at >= argc || number(argv[at], &ncand) < 0 || ncand < 1 || at + 1 + (long)ncand >= argc)
         leave(125);
     char **cand = argv + at + 1, **cmd = argv + at + 1 + ncand;
+#if defined(__x86_64__)
+    if (argv[1][0] == 't')
+        traced(argv[2], cand, ncand, cmd, envp);
+#endif
     lock_down(argv[2]);
-    unsigned long none = 0;
-    sys6(NR_rt_sigprocmask, SIG_SETMASK, (long)&none, 0, sizeof(none), 0, 0);
-    int denied = 0;
-    for (unsigned long i = 0; i < ncand; i++) {
-        long e = -sys3(NR_execve, cand[i], cmd, envp);
-        if (e == EACCES)
-            denied = 1;
-        else if (e != ENOENT && e != ENOTDIR && e != ESTALE && e != ELOOP && e != ENAMETOOLONG)
-            leave(126);
-    }
-    leave(denied ? 126 : 127);
+    command(cand, ncand, cmd, envp);
 }
 
 __attribute__((noreturn, used)) void corral_lockdown_main(long *sp) {
@@ -222,6 +417,7 @@ __attribute__((noreturn, used)) void corral_lockdown_main(long *sp) {
         leave(125);
     switch (argv[1][0]) {
     case 'x':
+    case 't':
         exec(argc, argv, envp);
     case 'i':
         lock_down(argv[2]);

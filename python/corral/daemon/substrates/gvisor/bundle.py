@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import resource
 import subprocess
 from typing import Any
@@ -29,6 +30,10 @@ FILTER = f"{LOCKDOWN_DIR}/seccomp.bpf"
 # not dumpable); commands come in through `runsc exec`.
 INIT = [LOCKDOWN, "i", FILTER]
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# How commands start: "t", under the lock-down binary's tracer that takes AT_NO_AUTOMOUNT out
+# of statx and newfstatat (this runsc refuses it with EINVAL, and coreutils 9 passes it: `ls
+# DIR`, `stat`, which then fail); "x", exec'd directly (the tracer exists on x86_64 only).
+EXEC_MODE = "t" if platform.machine() == "x86_64" else "x"
 # The rlimits of every command: the container substrate's (DEFAULT_RLIMITS there), by number.
 RLIMITS: dict[int, tuple[int, int]] = {resource.RLIMIT_CORE: (0, 0),
                                        resource.RLIMIT_NOFILE: (1024, 524288)}
@@ -161,7 +166,7 @@ def exec_argv(argv: list[str], env: dict[str, str]) -> list[str]:
     argv[0] resolved on ``env``'s PATH, as the container substrate resolves them)."""
     limits = [str(x) for r, (soft, hard) in sorted(RLIMITS.items()) for x in (r, soft, hard)]
     cands = candidates(argv[0], env, DEFAULT_PATH)
-    return [LOCKDOWN, "x", FILTER, str(len(RLIMITS)), *limits, str(len(cands)), *cands, *argv]
+    return [LOCKDOWN, EXEC_MODE, FILTER, str(len(RLIMITS)), *limits, str(len(cands)), *cands, *argv]
 
 
 def kill_argv(pid: int) -> list[str]:
