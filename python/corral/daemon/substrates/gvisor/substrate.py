@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import itertools
 import logging
@@ -21,7 +22,7 @@ import shutil
 import signal
 import time
 from collections.abc import Awaitable, Iterator
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from corral.daemon import kernel, streams
 from corral.daemon.substrates.base import (
@@ -38,6 +39,9 @@ from corral.daemon.substrates.paths import check_path
 from corral.daemon.substrates.rootfiles import RootFiles
 from corral.errors import CorralError, InternalError, SandboxNotRunning, TooLarge
 from corral.models import FileEntry, SandboxSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from corral.daemon.snapshots import SnapshotStore
 
 log = logging.getLogger("corral.gvisor")
 
@@ -142,7 +146,7 @@ def _counter(rel: str, v1: tuple[str, str], v2: str, key: str) -> int:
 
 class GvisorSubstrate(Substrate):
     name = "gvisor"
-    capabilities = Capabilities(files=True, pause=True, networks=("none",))
+    capabilities = Capabilities(files=True, snapshot=True, pause=True, networks=("none",))
 
     def __init__(self, state_dir: str, cgroup_name: str, runsc: Runsc,
                  upload_max_bytes: int) -> None:
@@ -410,6 +414,34 @@ class GvisorSubstrate(Substrate):
     def is_frozen(self, runtime: SandboxRuntime) -> bool:
         state = self.runsc.state(runtime.sandbox_id)
         return state is not None and state.get("status") == "paused"
+
+    # ---- snapshots: the files, as for a container ------------------------------------------
+    def image_on(self, image: Any, layers: list[str], store: SnapshotStore) -> Any:
+        """The snapshot layers as lowerdirs over the image's own, in each overlay of the
+        host-side root (bundle.make_root mounts them)."""
+        overlays = store.stack(image.overlays, layers)
+        store.check_fits(overlays, self.dirs)
+        return dataclasses.replace(image, overlays=overlays,
+                                   meta={**image.meta, "layers": list(layers)})
+
+    def capture(self, runtime: SandboxRuntime, image: Any, store: SnapshotStore,
+                paused: bool) -> tuple[str, str, int]:
+        """The root's upper dirs, copied while `runsc pause` holds every task of the sandbox
+        (with --file-access=shared a write inside is on the host side when its call
+        returns). A sandbox that cannot be paused is not copied live: the snapshot fails."""
+        store.check_fits(image.overlays, self.dirs, extra_layers=1)
+        base = os.path.join(self._gdir(runtime.sandbox_id), "rw", "upper")
+        uppers = [os.path.join(base, str(i)) for i in range(len(os.listdir(base)))]
+
+        def freeze() -> None:
+            if not paused:
+                self.freeze(runtime)
+
+        def thaw() -> None:
+            if not paused:
+                self.thaw(runtime)
+
+        return store.capture(uppers, freeze, thaw)
 
     # ---- reporting -----------------------------------------------------------------------
     def metrics(self) -> dict[str, int]:
