@@ -95,11 +95,10 @@ def sb():
 def test_capability_table():
     row = {s.name: s for s in admin.substrates()}["gvisor"]
     caps = row.capabilities
-    assert row.available and caps.files and caps.pause and caps.snapshot
-    assert not caps.restore
+    assert row.available and caps.files and caps.pause and caps.snapshot and caps.restore
     assert caps.networks == ["none"]
-    assert row.operations == ["create", "exec", "kill", "files", "snapshot", "fork", "pause",
-                              "resume"]
+    assert row.operations == ["create", "exec", "kill", "files", "snapshot", "fork", "restore",
+                              "pause", "resume"]
 
 
 def test_runs_under_gvisor(sb):
@@ -294,11 +293,26 @@ def test_pause_resume(sb):
     assert sb.exec("echo back").stdout == "back\n"
 
 
-def test_unsupported_operations_answer_unsupported(sb):
-    with pytest.raises(Unsupported) as e:
-        sb.restore("nosuch")
-    assert e.value.code == "unsupported"
-    assert sb.exec("echo still").stdout == "still\n"
+def test_restore_in_place():
+    """Restore rolls the files back and restarts the sandbox under the same id: what was
+    written after the snapshot is gone, every process of before is gone, the limits hold."""
+    with corral.Sandbox(substrate="gvisor", timeout=120, memory_mb=128) as box:
+        box.exec("echo one > /tmp/keep").check()
+        snap = box.snapshot()
+        try:
+            box.exec("echo two > /tmp/keep; echo x > /tmp/after; "
+                     "sleep 1000 >/dev/null 2>&1 &").check()
+            old = traces(box.id)["procs"]
+            info = box.restore(snap)
+            assert info.id == box.id and info.state == "running"
+            r = box.exec("cat /tmp/keep; test -e /tmp/after || echo gone; pgrep sleep || echo none")
+            assert r.stdout == "one\ngone\nnone\n", r.stdout + r.stderr
+            assert not set(old) & set(traces(box.id)["procs"])  # a new sentry and gofer
+            limit = Path(f"/sys/fs/cgroup/memory/{CGROUP_NAME}/{box.id}/memory.limit_in_bytes")
+            if limit.exists():
+                assert int(limit.read_text()) == 128 << 20
+        finally:
+            snap.delete()
 
 
 def test_snapshot_and_fork_carry_the_files():

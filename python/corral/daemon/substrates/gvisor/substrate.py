@@ -146,7 +146,8 @@ def _counter(rel: str, v1: tuple[str, str], v2: str, key: str) -> int:
 
 class GvisorSubstrate(Substrate):
     name = "gvisor"
-    capabilities = Capabilities(files=True, snapshot=True, pause=True, networks=("none",))
+    capabilities = Capabilities(files=True, snapshot=True, restore=True, pause=True,
+                                networks=("none",))
 
     def __init__(self, state_dir: str, cgroup_name: str, runsc: Runsc,
                  upload_max_bytes: int) -> None:
@@ -442,6 +443,16 @@ class GvisorSubstrate(Substrate):
                 self.thaw(runtime)
 
         return store.capture(uppers, freeze, thaw)
+
+    def reset(self, runtime: SandboxRuntime, spec: SandboxSpec, image: Any) -> SandboxRuntime:
+        """Restore in place: the sandbox's sentry, gofer, cgroup, root and runsc state go (as
+        at destroy; the engine's record dir stays), then a new sandbox starts under the same
+        id on ``image`` (the snapshot's layers under a fresh upper dir)."""
+        self._destroy_id(runtime.sandbox_id, runtime.init_pid if runtime.pidfd >= 0 else 0)
+        if runtime.pidfd >= 0:
+            os.close(runtime.pidfd)
+            runtime.pidfd = -1
+        return self.create(runtime.sandbox_id, spec, image)
 
     # ---- reporting -----------------------------------------------------------------------
     def metrics(self) -> dict[str, int]:
