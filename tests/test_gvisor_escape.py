@@ -147,6 +147,39 @@ def test_coreutils_stat_a_path(sb):
     assert "No such file" in r.stdout + r.stderr and "rc=1" in r.stdout, r.stdout
 
 
+TRACER_PROBE = r"""
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+tracer = os.getppid()
+print("comm", open(f"/proc/{tracer}/comm").read().strip())
+for what in ("mem", "environ"):
+    try:
+        open(f"/proc/{tracer}/{what}", "rb").read(1); print(what, "OK")
+    except OSError as e:
+        print(what, errno.errorcode[e.errno])
+r = libc.syscall(101, 16, tracer, 0, 0)  # PTRACE_ATTACH
+print("ptrace", "OK" if r == 0 else errno.errorcode[ctypes.get_errno()])
+os.kill(tracer, 9)
+while os.path.exists(f"/proc/{tracer}"):  # reaped by the init at once
+    pass
+st = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
+print("after", st["Seccomp"].strip(), int(st["CapEff"].strip(), 16))
+r = libc.syscall(165, b"none", b"/mnt", b"tmpfs", 0, 0)  # mount
+print("mount", "OK" if r == 0 else errno.errorcode[ctypes.get_errno()])
+"""
+
+
+def test_the_tracer_is_out_of_reach(sb):
+    """A command's tracer (its parent): not dumpable, not traceable; killing it frees the
+    command of nothing (its filter stays: filters cannot be removed)."""
+    sb.files.write("/opt/tracer_probe.py", TRACER_PROBE)
+    r = sh(sb, ["python3", "/opt/tracer_probe.py"])
+    got = dict(ln.split(" ", 1) for ln in r.stdout.splitlines())
+    assert got["comm"] == "lockdown" and got["mem"] == "EACCES", r.stdout + r.stderr
+    assert got["ptrace"] == "EPERM" and got["after"] == "2 0", r.stdout
+    assert got["mount"] == "EPERM", r.stdout
+
+
 def test_stop_and_continue_work_under_the_tracer(sb):
     """A command stopped by SIGSTOP stays stopped until SIGCONT, and a signal reaches it."""
     state = "awk '/^State/{print $2}' /proc/$p/status"
