@@ -12,7 +12,6 @@ import socket
 import pytest
 from test_isolation import (
     DANGEROUS_SYSCALLS,
-    FAMILY_PROBE,
     INIT_PROBE,
     NET_LOOK,
     NET_TRACE,
@@ -22,6 +21,7 @@ from test_isolation import (
     attack_host_loopback,
     attack_host_secrets,
     attack_mount_and_new_namespaces,
+    attack_socket_families,
     attack_syscall,
     attack_writes_outside,
     corral_daemon_pid,
@@ -294,14 +294,7 @@ def test_dangerous_syscalls_blocked(sb, name, nr, args):
 def test_socket_families_and_netlink_protocols(sb):
     """The filter's socket rules: AF_ALG and AF_VSOCK refused as if absent, netlink only
     ROUTE and SOCK_DIAG (gVisor itself has no SOCK_DIAG); ordinary sockets work."""
-    sb.files.write("/opt/family_probe.py", FAMILY_PROBE)
-    r = sh(sb, "python3 /opt/family_probe.py")
-    got = dict(ln.split(" ", 1) for ln in r.stdout.splitlines() if " " in ln)
-    assert got["alg"] == "EAFNOSUPPORT" and got["vsock"] == "EAFNOSUPPORT", r.stdout
-    for p in ("nl_generic", "nl_audit", "nl_uevent", "nl_netfilter", "nl_xfrm"):
-        assert got[p] == "EPROTONOSUPPORT", (p, r.stdout)
-    assert got["nl_route"] == "OK" and got["inet"] == "OK", r.stdout
-    assert "'lo'" in got["ifaces"], r.stdout
+    attack_socket_families(sb)
 
 
 def test_host_loopback_unreachable_own_loopback_works(sb):

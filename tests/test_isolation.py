@@ -346,18 +346,26 @@ print("ifaces", [n for _, n in socket.if_nameindex()])
 """
 
 
-def test_socket_families_and_netlink_protocols(sb):
-    """AF_ALG and AF_VSOCK are refused as if absent; netlink only for ROUTE (ip, getifaddrs)
-    and SOCK_DIAG (ss); ordinary sockets and the tools that use those two keep working."""
-    sb.files.write("/opt/family_probe.py", FAMILY_PROBE)
-    r = sh(sb, "python3 /opt/family_probe.py; ip -br link; ss -ltn >/dev/null; echo ss=$?")
+def attack_socket_families(box, then: str = "") -> tuple[dict[str, str], str]:
+    """FAMILY_PROBE (then the shell commands ``then``): the refused families and netlink
+    protocols are refused; (probe results by name, the whole output)."""
+    box.files.write("/opt/family_probe.py", FAMILY_PROBE)
+    r = sh(box, "python3 /opt/family_probe.py; " + then)
     got = dict(ln.split(" ", 1) for ln in r.stdout.splitlines() if " " in ln)
     assert got["alg"] == "EAFNOSUPPORT" and got["vsock"] == "EAFNOSUPPORT", r.stdout
     for p in ("nl_generic", "nl_audit", "nl_uevent", "nl_netfilter", "nl_xfrm"):
         assert got[p] == "EPROTONOSUPPORT", (p, r.stdout)
-    for p in ("nl_route", "nl_sock_diag", "inet"):
-        assert got[p] == "OK", (p, r.stdout)
-    assert "'lo'" in got["ifaces"] and "lo " in r.stdout and "ss=0" in r.stdout, r.stdout
+    assert got["nl_route"] == "OK" and got["inet"] == "OK", r.stdout
+    assert "'lo'" in got["ifaces"], r.stdout
+    return got, r.stdout
+
+
+def test_socket_families_and_netlink_protocols(sb):
+    """AF_ALG and AF_VSOCK are refused as if absent; netlink only for ROUTE (ip, getifaddrs)
+    and SOCK_DIAG (ss); ordinary sockets and the tools that use those two keep working."""
+    got, out = attack_socket_families(sb, "ip -br link; ss -ltn >/dev/null; echo ss=$?")
+    assert got["nl_sock_diag"] == "OK", out
+    assert "lo " in out and "ss=0" in out, out
 
 
 def attack_host_loopback(box) -> str:

@@ -179,15 +179,7 @@ static __attribute__((noreturn)) void command(char **cand, unsigned long ncand, 
                                               char **envp) {
     unsigned long none = 0;
     sys6(NR_rt_sigprocmask, SIG_SETMASK, (long)&none, 0, sizeof(none), 0, 0);
-    int denied = 0;
-    for (unsigned long i = 0; i < ncand; i++) {
-        long e = -sys3(NR_execve, cand[i], cmd, envp);
-        if (e == EACCES)
-            denied = 1;
-        else if (e != ENOENT && e != ENOTDIR && e != ESTALE && e != ELOOP && e != ENAMETOOLONG)
-            leave(126);
-    }
-    leave(denied ? 126 : 127);
+    leave(exec_candidates(cand, (long)ncand, cmd, envp));
 }
 
 #if defined(__x86_64__)
