@@ -5,6 +5,8 @@ lock-down binary every process starts through, and the daemon's kill path."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -328,3 +330,32 @@ def test_disabled_network_attacks():
 # --- file API ----------------------------------------------------------------------------------
 def test_file_api_symlinks_and_dotdot_stay_inside(sb):
     attack_file_api_through_links(sb)
+
+
+def test_a_sandbox_that_stops_new_processes_cannot_stall_the_daemon():
+    """Code in a sandbox stops every process it can, over and over (SIGSTOP to -1: the
+    commands the daemon starts next and their tracers). Those calls wait (until their timeout
+    or the sandbox's end); the daemon never does: each command is a runsc client it does not
+    wait on. Other sandboxes keep being served, and killing the attacker's sandbox ends every
+    call still held in it."""
+    async def go() -> None:
+        bad = await corral.AsyncSandbox.create(substrate="gvisor", timeout=300)
+        good = await corral.AsyncSandbox.create(substrate="gvisor", timeout=300)
+        try:
+            await bad.exec("(while :; do kill -STOP -1; done) >/dev/null 2>&1 &", timeout=30)
+            held = [asyncio.create_task(bad.exec(["true"], timeout=120)) for _ in range(6)]
+            done, _ = await asyncio.wait(held, timeout=3)
+            assert len(done) < len(held), "the attack never landed"
+            for i in range(5):
+                r = await good.exec(f"echo {i}", timeout=30)
+                assert r.stdout == f"{i}\n"
+            await bad.kill()
+            outcomes = await asyncio.wait_for(asyncio.gather(*held, return_exceptions=True), 60)
+            for o in outcomes:  # ran before the attack landed, or ended with the sandbox
+                assert not isinstance(o, BaseException) or isinstance(o, corral.CorralError), o
+        finally:
+            for box in (bad, good):
+                with contextlib.suppress(corral.CorralError):
+                    await box.kill()
+
+    asyncio.run(go())
