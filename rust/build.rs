@@ -1,5 +1,6 @@
-//! Compiles `init/corral-init.c` (a tiny static PID 1) and `init/corral-exec.c` (exec_in's
-//! trampoline) into the binaries the library embeds.
+//! Compiles `init/corral-init.c` (a tiny static PID 1), `init/corral-exec.c` (exec_in's
+//! trampoline) and `init/corral-lockdown.c` (the gvisor substrate's lock-down) into the
+//! binaries the library embeds.
 
 use std::env;
 use std::path::PathBuf;
@@ -8,6 +9,7 @@ use std::process::Command;
 fn main() {
     build("corral-init");
     build("corral-exec");
+    build("corral-lockdown");
 }
 
 fn build(name: &str) {

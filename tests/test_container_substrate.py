@@ -440,10 +440,10 @@ def test_exec_survives_oom_in_the_sandbox(make, sub):
 
 
 def test_download_tar_is_capped(sub, rt, monkeypatch):
-    import corral.daemon.substrates.container.tar as container
+    import corral.daemon.substrates.rootfiles as rootfiles
 
     run(sub, rt, "mkdir -p /work/big && truncate -s 100G /work/big/sparse && echo hi > /work/big/a")
-    monkeypatch.setattr(container, "TAR_MAX_BYTES", 1 << 20)
+    monkeypatch.setattr(rootfiles, "TAR_MAX_BYTES", 1 << 20)
     with pytest.raises(InvalidRequest):
         sub.download_tar(rt, "/work/big")
     sub.remove(rt, "/work/big/sparse")

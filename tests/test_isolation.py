@@ -71,27 +71,56 @@ def corral_daemon_pid() -> int:
 
 
 # --- filesystem ----------------------------------------------------------------------------------
-def test_writes_stay_inside(sb):
+def attack_writes_outside(box) -> None:
+    """Write over the image's files (the host's, for the host image): the writes land in the
+    sandbox's own layer, never on the host."""
     marker = "corral-isolation-marker"
-    r = sh(sb, f"echo {marker} > /usr/bin/{marker} && echo x >> /etc/hosts && "
-               f"rm -f /usr/bin/true.bak && cat /usr/bin/{marker}")
+    r = sh(box, f"echo {marker} > /usr/bin/{marker} && echo x >> /etc/hosts && "
+                f"rm -f /usr/bin/true.bak && cat /usr/bin/{marker}")
     assert r.exit_code == 0 and marker in r.stdout, r.stderr
     assert not os.path.exists(f"/usr/bin/{marker}")
     assert not Path("/etc/hosts").read_text().rstrip().endswith("\nx")
 
 
-def test_host_secrets_and_private_dirs_not_visible(sb):
-    r = sh(sb, "ls -A /root /home /var /run /srv /mnt /tmp 2>&1; ls -A / ; "
-               "test -e /etc/shadow && echo SHADOW; test -e /etc/gshadow && echo GSHADOW; "
-               "ls /etc/ssh/ 2>/dev/null | grep _key$ ; test -e /work && ls -A /work")
+def test_writes_stay_inside(sb):
+    attack_writes_outside(sb)
+
+
+# Lists the private dirs (os.listdir: no tool's stat flags in the way), looks for secrets.
+SECRETS_PROBE = r"""
+import os, sys
+for d in ("/root", "/home", "/var", "/run", "/srv", "/mnt", "/tmp", "/", "/work"):
+    try:
+        print(d, " ".join(sorted(os.listdir(d))))
+    except OSError as e:
+        print(d, "ERR", e.errno)
+for f in ("/etc/shadow", "/etc/gshadow"):
+    if os.path.exists(f):
+        print("SECRET", f)
+keys = [n for n in (os.listdir("/etc/ssh") if os.path.isdir("/etc/ssh") else [])
+        if n.endswith("_key")]
+print("keys", *keys)
+for p in sys.argv[1:]:
+    print("exists" if os.path.lexists(p) else "absent", p)
+"""
+
+
+def attack_host_secrets(box) -> None:
+    """Look for the host's secrets, its users' dirs, the daemon's state and socket."""
+    box.files.write("/opt/secrets_probe.py", SECRETS_PROBE)
+    r = sh(box, f"python3 /opt/secrets_probe.py {STATE_DIR} {os.path.dirname(SOCKET)} "
+                f"{SOCKET} /var/lib/corral")
     out = r.stdout
-    assert "SHADOW" not in out and "GSHADOW" not in out
-    assert not any(line.endswith("_key") for line in out.splitlines())
+    assert r.exit_code == 0 and "SECRET" not in out, out + r.stderr
+    assert "keys\n" in out, out
     for leaked in ("corrald", ".sock", "corral-test", ".cargo", ".pyenv", "main"):
-        assert leaked not in out, (leaked, out)
-    r = sh(sb, f"ls {STATE_DIR} {os.path.dirname(SOCKET)} /var/lib/corral 2>&1; echo rc=$?")
-    assert "No such file" in r.stdout and "corrald.sock" not in r.stdout
-    assert "rc=0" not in r.stdout
+        assert not any(leaked in line for line in out.splitlines()
+                       if not line.startswith("absent")), (leaked, out)
+    assert "exists" not in out, out
+
+
+def test_host_secrets_and_private_dirs_not_visible(sb):
+    attack_host_secrets(sb)
 
 
 def test_cannot_reach_daemon_socket(sb):
@@ -214,72 +243,88 @@ def test_the_init_and_its_exec_channel_are_out_of_reach(sb):
     assert after.stdout == "still\n1\ncorral-init\n"
 
 
-def test_mount_and_new_namespaces_denied(sb):
-    r = sh(sb, "mount -t tmpfs none /mnt; echo mount=$?; unshare -m true; echo unshare_m=$?; "
-               "unshare -U true; echo unshare_u=$?; unshare -n true; echo unshare_n=$?")
+def attack_mount_and_new_namespaces(box) -> None:
+    r = sh(box, "mount -t tmpfs none /mnt; echo mount=$?; unshare -m true; echo unshare_m=$?; "
+                "unshare -U true; echo unshare_u=$?; unshare -n true; echo unshare_n=$?")
     for probe in ("mount", "unshare_m", "unshare_u", "unshare_n"):
         assert f"{probe}=0" not in r.stdout, r.stdout
 
 
-def test_chroot_escape_denied(sb):
-    # The classic escape from a chroot-based root: chroot into a subdir, then walk up.
-    escape = (
-        "import os\n"
-        "os.makedirs('/tmp/jail', exist_ok=True)\n"
-        "try:\n"
-        "    os.chroot('/tmp/jail')\n"
-        "    for _ in range(64): os.chdir('..')\n"
-        "    os.chroot('.')\n"
-        "    print('ESCAPED', os.listdir('/'))\n"
-        "except OSError as e:\n"
-        "    print('denied', e.errno)\n"
-    )
-    sb.files.write("/opt/escape.py", escape)
-    r = sh(sb, "python3 /opt/escape.py")
+def test_mount_and_new_namespaces_denied(sb):
+    attack_mount_and_new_namespaces(sb)
+
+
+# The classic escape from a chroot-based root: chroot into a subdir, then walk up.
+CHROOT_ESCAPE = """
+import os
+os.makedirs('/tmp/jail', exist_ok=True)
+try:
+    os.chroot('/tmp/jail')
+    for _ in range(64): os.chdir('..')
+    os.chroot('.')
+    print('ESCAPED', os.listdir('/'))
+except OSError as e:
+    print('denied', e.errno)
+"""
+
+
+def attack_chroot_escape(box) -> None:
+    box.files.write("/opt/escape.py", CHROOT_ESCAPE)
+    r = sh(box, "python3 /opt/escape.py")
     assert "ESCAPED" not in r.stdout and "denied" in r.stdout, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize(
-    "name,nr,args",
-    [
-        ("init_module", 175, [0, 0, 0]),
-        ("finit_module", 313, [0, 0, 0]),
-        ("delete_module", 176, [0, 0]),
-        ("kexec_load", 246, [0, 0, 0, 0]),
-        ("bpf", 321, [0, 0, 0]),
-        ("keyctl", 250, [0, 0, 0, 0, 0]),
-        ("add_key", 248, [0, 0, 0, 0, 0]),
-        ("perf_event_open", 298, [0, 0, 0, 0, 0]),
-        ("userfaultfd", 323, [0]),
-        ("open_by_handle_at", 304, [0, 0, 0]),
-        ("setns", 308, [0, 0]),
-        ("unshare_user", 272, [0x10000000]),
-        ("swapon", 167, [0, 0]),
-        ("reboot", 169, [0xFEE1DEAD, 672274793, 0x4321FEDC, 0]),
-        ("io_uring_setup", 425, [1, 0]),
-        ("pivot_root", 155, [0, 0]),
-        ("process_vm_readv", 310, [1, 0, 0, 0, 0, 0]),
-        ("process_vm_writev", 311, [1, 0, 0, 0, 0, 0]),
-        ("process_madvise", 440, [0, 0, 0, 0, 0]),
-        ("pidfd_getfd", 438, [0, 0, 0]),
-        ("kcmp", 312, [1, 1, 0, 0, 0]),
-        ("statmount", 457, [0, 0, 0, 0]),
-        ("listmount", 458, [0, 0, 0, 0]),
-        ("open_tree_attr", 467, [-100, 0, 0, 0, 0]),
-        # pid 1, the sandbox's init: no queued signal of the sandbox's making, no rlimits
-        ("rt_sigqueueinfo_init", 129, [1, 15, 0]),
-        ("rt_tgsigqueueinfo_init", 297, [1, 1, 15, 0]),
-        ("prlimit64_init", 302, [1, 0, 0, 0]),
-        ("sched_setscheduler_init", 144, [1, 5, 0]),
-        ("sched_setattr_init", 314, [1, 0, 0]),
-        ("sched_setparam_init", 142, [1, 0]),
-    ],
-)
-def test_dangerous_syscalls_blocked(sb, name, nr, args):
-    r = sh(sb, f"python3 /opt/probe.py {name} {nr} {' '.join(map(str, args))}")
+def test_chroot_escape_denied(sb):
+    attack_chroot_escape(sb)
+
+
+# Refused syscalls, by number (x86_64), with arguments that would do something if allowed.
+DANGEROUS_SYSCALLS = [
+    ("init_module", 175, [0, 0, 0]),
+    ("finit_module", 313, [0, 0, 0]),
+    ("delete_module", 176, [0, 0]),
+    ("kexec_load", 246, [0, 0, 0, 0]),
+    ("bpf", 321, [0, 0, 0]),
+    ("keyctl", 250, [0, 0, 0, 0, 0]),
+    ("add_key", 248, [0, 0, 0, 0, 0]),
+    ("perf_event_open", 298, [0, 0, 0, 0, 0]),
+    ("userfaultfd", 323, [0]),
+    ("open_by_handle_at", 304, [0, 0, 0]),
+    ("setns", 308, [0, 0]),
+    ("unshare_user", 272, [0x10000000]),
+    ("swapon", 167, [0, 0]),
+    ("reboot", 169, [0xFEE1DEAD, 672274793, 0x4321FEDC, 0]),
+    ("io_uring_setup", 425, [1, 0]),
+    ("pivot_root", 155, [0, 0]),
+    ("process_vm_readv", 310, [1, 0, 0, 0, 0, 0]),
+    ("process_vm_writev", 311, [1, 0, 0, 0, 0, 0]),
+    ("process_madvise", 440, [0, 0, 0, 0, 0]),
+    ("pidfd_getfd", 438, [0, 0, 0]),
+    ("kcmp", 312, [1, 1, 0, 0, 0]),
+    ("statmount", 457, [0, 0, 0, 0]),
+    ("listmount", 458, [0, 0, 0, 0]),
+    ("open_tree_attr", 467, [-100, 0, 0, 0, 0]),
+    # pid 1, the sandbox's init: no queued signal of the sandbox's making, no rlimits
+    ("rt_sigqueueinfo_init", 129, [1, 15, 0]),
+    ("rt_tgsigqueueinfo_init", 297, [1, 1, 15, 0]),
+    ("prlimit64_init", 302, [1, 0, 0, 0]),
+    ("sched_setscheduler_init", 144, [1, 5, 0]),
+    ("sched_setattr_init", 314, [1, 0, 0]),
+    ("sched_setparam_init", 142, [1, 0]),
+]
+
+
+def attack_syscall(box, name: str, nr: int, args: list[int]) -> None:
+    """One of DANGEROUS_SYSCALLS, by number (SYSCALL_PROBE at /opt/probe.py): refused."""
+    r = sh(box, f"python3 /opt/probe.py {name} {nr} {' '.join(map(str, args))}")
     assert r.exit_code == 0, r.stderr
     assert r.stdout.startswith(name) and "OK" not in r.stdout, r.stdout
     assert "EPERM" in r.stdout or "ENOSYS" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("name,nr,args", DANGEROUS_SYSCALLS)
+def test_dangerous_syscalls_blocked(sb, name, nr, args):
+    attack_syscall(sb, name, nr, args)
 
 
 # --- network -------------------------------------------------------------------------------------
@@ -304,21 +349,31 @@ print("ifaces", [n for _, n in socket.if_nameindex()])
 """
 
 
-def test_socket_families_and_netlink_protocols(sb):
-    """AF_ALG and AF_VSOCK are refused as if absent; netlink only for ROUTE (ip, getifaddrs)
-    and SOCK_DIAG (ss); ordinary sockets and the tools that use those two keep working."""
-    sb.files.write("/opt/family_probe.py", FAMILY_PROBE)
-    r = sh(sb, "python3 /opt/family_probe.py; ip -br link; ss -ltn >/dev/null; echo ss=$?")
+def attack_socket_families(box, then: str = "") -> tuple[dict[str, str], str]:
+    """FAMILY_PROBE (then the shell commands ``then``): the refused families and netlink
+    protocols are refused; (probe results by name, the whole output)."""
+    box.files.write("/opt/family_probe.py", FAMILY_PROBE)
+    r = sh(box, "python3 /opt/family_probe.py; " + then)
     got = dict(ln.split(" ", 1) for ln in r.stdout.splitlines() if " " in ln)
     assert got["alg"] == "EAFNOSUPPORT" and got["vsock"] == "EAFNOSUPPORT", r.stdout
     for p in ("nl_generic", "nl_audit", "nl_uevent", "nl_netfilter", "nl_xfrm"):
         assert got[p] == "EPROTONOSUPPORT", (p, r.stdout)
-    for p in ("nl_route", "nl_sock_diag", "inet"):
-        assert got[p] == "OK", (p, r.stdout)
-    assert "'lo'" in got["ifaces"] and "lo " in r.stdout and "ss=0" in r.stdout, r.stdout
+    assert got["nl_route"] == "OK" and got["inet"] == "OK", r.stdout
+    assert "'lo'" in got["ifaces"], r.stdout
+    return got, r.stdout
 
 
-def test_host_loopback_unreachable_own_loopback_works(sb):
+def test_socket_families_and_netlink_protocols(sb):
+    """AF_ALG and AF_VSOCK are refused as if absent; netlink only for ROUTE (ip, getifaddrs)
+    and SOCK_DIAG (ss); ordinary sockets and the tools that use those two keep working."""
+    got, out = attack_socket_families(sb, "ip -br link; ss -ltn >/dev/null; echo ss=$?")
+    assert got["nl_sock_diag"] == "OK", out
+    assert "lo " in out and "ss=0" in out, out
+
+
+def attack_host_loopback(box) -> str:
+    """Connect from the sandbox to a server on the host's loopback (must fail), then use the
+    sandbox's own loopback (must work); the probe's output."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(8)
@@ -343,13 +398,18 @@ def test_host_loopback_unreachable_own_loopback_works(sb):
         "c=socket.create_connection(srv.getsockname()); print('own-loopback-ok')\n"
         "print(open('/proc/net/dev').read())\n"
     )
-    sb.files.write("/opt/net_probe.py", probe)
-    r = sh(sb, f"python3 /opt/net_probe.py {port}")
+    box.files.write("/opt/net_probe.py", probe)
+    r = sh(box, f"python3 /opt/net_probe.py {port}")
     srv.close()
     t.join(2)
     assert "CONNECTED" not in r.stdout and not accepted, r.stdout
     assert "own-loopback-ok" in r.stdout, r.stdout + r.stderr
-    ifaces = [ln.split(":")[0].strip() for ln in r.stdout.splitlines() if ":" in ln]
+    return r.stdout
+
+
+def test_host_loopback_unreachable_own_loopback_works(sb):
+    out = attack_host_loopback(sb)
+    ifaces = [ln.split(":")[0].strip() for ln in out.splitlines() if ":" in ln]
     assert ifaces == ["lo"], ifaces
 
 
@@ -360,7 +420,8 @@ def test_hostname_is_private(sb):
 
 
 # --- file API ------------------------------------------------------------------------------------
-def test_file_api_symlinks_and_dotdot_stay_inside(sb):
+def attack_file_api_through_links(sb) -> None:
+    """Links the sandbox made, followed by the file API: they resolve inside its root."""
     host_target = Path(STATE_DIR, "escape-target")
     host_target.mkdir(exist_ok=True)
     r = sh(sb, f"ln -sfn / /tmp/rootlink; ln -sfn {host_target} /tmp/hostlink; "
@@ -381,6 +442,10 @@ def test_file_api_symlinks_and_dotdot_stay_inside(sb):
     assert sb.files.read("/tmp/inside.txt") == "inside"
     assert not Path("/tmp/inside.txt").exists() or Path("/tmp/inside.txt").read_text() != "inside"
     host_target.rmdir()
+
+
+def test_file_api_symlinks_and_dotdot_stay_inside(sb):
+    attack_file_api_through_links(sb)
 
 
 # --- network "disabled": unix sockets only, one shared namespace ---------------------------------

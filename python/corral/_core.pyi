@@ -76,6 +76,12 @@ ListEntry = tuple[str, FileType, int, int, float]
 def init_memfd() -> int:
     """A sealed, close-on-exec memfd holding the static init."""
 
+def lockdown_binary() -> bytes:
+    """The gvisor substrate's static lock-down binary (rust/init/corral-lockdown.c)."""
+
+def seccomp_filter(unix_only: bool) -> bytes:
+    """The sandbox seccomp filter as a raw BPF program (native-endian sock_filter entries)."""
+
 def spawn_sandbox(cfg: SpawnConfig) -> tuple[int, int]:
     """A new sandbox: (init pid, pidfd)."""
 

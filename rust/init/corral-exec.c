@@ -48,15 +48,7 @@ static __attribute__((noreturn)) void command(int tty, char **cand, long ncand, 
     if (tty && sys3(NR_ioctl, 0, TIOCSCTTY, 0) < 0)
         leave(125);
     sys6(NR_rt_sigprocmask, SIG_SETMASK, (long)&none, 0, sizeof(none), 0, 0);
-    int denied = 0;
-    for (long i = 0; i < ncand; i++) {
-        long e = -sys3(NR_execve, cand[i], argv, envp);
-        if (e == EACCES)
-            denied = 1;
-        else if (e != ENOENT && e != ENOTDIR && e != ESTALE && e != ELOOP && e != ENAMETOOLONG)
-            leave(126);
-    }
-    leave(denied ? 126 : 127);
+    leave(exec_candidates(cand, ncand, argv, envp));
 }
 
 /* A decimal count, or -1. */

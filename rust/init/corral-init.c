@@ -309,15 +309,8 @@ static void child(void *arg) {
     const char **argv = strs;
     const char **envp = strs + q->nargv + 1;
     const char **cand = envp + q->nenv + 1;
-    int denied = 0;
-    for (u32 i = 0; i < q->ncand; i++) {
-        long e = -sys3(NR_execve, (long)cand[i], (long)argv, (long)envp);
-        if (e == EACCES)
-            denied = 1;
-        else if (e != ENOENT && e != ENOTDIR && e != ESTALE && e != ELOOP && e != ENAMETOOLONG)
-            sys3(NR_exit_group, 126, 0, 0);
-    }
-    sys3(NR_exit_group, denied ? 126 : 127, 0, 0);
+    sys3(NR_exit_group,
+         exec_candidates((char **)cand, (long)q->ncand, (char **)argv, (char **)envp), 0, 0);
 }
 
 static long sys_mmap(unsigned long len, long prot, long flags, long fd) {

@@ -112,4 +112,19 @@ static long sys6(long n, long a, long b, long c, long d, long e, long f) {
 #define sys4(n, a, b, c, d) sys6((n), (long)(a), (long)(b), (long)(c), (long)(d), 0, 0)
 #define sys3(n, a, b, c) sys4((n), (a), (b), (c), 0)
 
+/* execve each of the ``ncand`` exec candidates in turn (the PATH rule); returns only if none
+ * ran, with the command's exit code: 127 (none exists), 126 (one was not executable, or
+ * another error). */
+static inline long exec_candidates(char **cand, long ncand, char **argv, char **envp) {
+    int denied = 0;
+    for (long i = 0; i < ncand; i++) {
+        long e = -sys3(NR_execve, cand[i], argv, envp);
+        if (e == EACCES)
+            denied = 1;
+        else if (e != ENOENT && e != ENOTDIR && e != ESTALE && e != ELOOP && e != ENAMETOOLONG)
+            return 126;
+    }
+    return denied ? 126 : 127;
+}
+
 #endif

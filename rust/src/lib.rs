@@ -273,6 +273,29 @@ fn init_memfd(py: Python<'_>) -> PyResult<RawFd> {
         .map_err(|e| io_err("init_memfd", e))
 }
 
+static LOCKDOWN_BIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/corral-lockdown"));
+
+/// The static lock-down binary of the gvisor substrate (init/corral-lockdown.c).
+#[pyfunction]
+fn lockdown_binary(py: Python<'_>) -> Bound<'_, PyBytes> {
+    PyBytes::new(py, LOCKDOWN_BIN)
+}
+
+/// The sandbox seccomp filter (the one every container exec installs) as its raw BPF program:
+/// `struct sock_filter` entries in native byte order, for a process that installs it itself.
+#[pyfunction]
+fn seccomp_filter(py: Python<'_>, unix_only: bool) -> PyResult<Bound<'_, PyBytes>> {
+    let prog = harden::seccomp_program(unix_only)?;
+    let mut out = Vec::with_capacity(prog.len() * 8);
+    for f in prog {
+        out.extend_from_slice(&f.code.to_ne_bytes());
+        out.push(f.jt);
+        out.push(f.jf);
+        out.extend_from_slice(&f.k.to_ne_bytes());
+    }
+    Ok(PyBytes::new(py, &out))
+}
+
 /// The kernel's Landlock ABI version, or -errno if Landlock is unavailable (network
 /// "disabled" needs >= 6 for abstract unix socket scoping).
 #[pyfunction]
@@ -681,6 +704,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Reserve the low fd slots children borrow while the importer holds few fds (child.rs).
     child::slots();
     m.add_function(wrap_pyfunction!(init_memfd, m)?)?;
+    m.add_function(wrap_pyfunction!(lockdown_binary, m)?)?;
+    m.add_function(wrap_pyfunction!(seccomp_filter, m)?)?;
     m.add_function(wrap_pyfunction!(spawn_sandbox, m)?)?;
     m.add_function(wrap_pyfunction!(exec_in, m)?)?;
     m.add_function(wrap_pyfunction!(harden_daemon, m)?)?;

@@ -8,17 +8,16 @@ import collections
 import threading
 from collections.abc import Awaitable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..base import ExecSpec, SandboxRuntime
 
 if TYPE_CHECKING:  # pragma: no cover
-    import tarfile
-
-    from corral.daemon import initexec, scratch, streams, uploads
+    from corral.daemon import initexec, scratch, uploads
     from corral.daemon.cgroups import CgroupManager
     from corral.errors import CorralError
 
+    from ..rootfiles import RootFiles
     from .rootcache import _RootRef
 
 
@@ -60,19 +59,5 @@ class Host(Protocol):
     def _spawn(self, runtime: SandboxRuntime, spec: ExecSpec, root: int, pidfd: int) -> int: ...
 
     # files
-    def _fs(self, runtime: SandboxRuntime, fn: Any, path: str, *args: Any) -> Any: ...
-    def _write(self, runtime: SandboxRuntime, path: str, data: bytes | BinaryIO, mode: int,
-               make_parents: bool) -> None: ...
-    def _copy_in(self, runtime: SandboxRuntime, path: str, mode: int, make_parents: bool,
-                 src: BinaryIO) -> None: ...
+    def _files(self, runtime: SandboxRuntime) -> RootFiles: ...
     def _charge(self, runtime: SandboxRuntime, delta: int) -> None: ...
-
-    # tar
-    def _extract(self, runtime: SandboxRuntime, tf: tarfile.TarFile, m: tarfile.TarInfo,
-                 base: str, dirs: list[tuple[str, int]]) -> None: ...
-    def _write_from(self, runtime: SandboxRuntime, dest: str, mode: int, src: Any) -> None: ...
-    def _tar_rel(self, name: str) -> str | None: ...
-    def _parent(self, runtime: SandboxRuntime, dest: str) -> None: ...
-    def _replace(self, runtime: SandboxRuntime, dest: str) -> None: ...
-    def tree_ops(self, runtime: SandboxRuntime, path: str) -> streams.TreeOps: ...
-

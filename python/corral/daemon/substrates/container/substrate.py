@@ -59,7 +59,6 @@ from .initpath import InitExec, Launch
 from .layout import OVL_OPAQUE, _image_tmp_unfit, make_mask_dir, make_sys_dir
 from .netns import NetnsPool, SharedNetns
 from .rootcache import RootCache, _RootRef
-from .tar import Tar
 from .threads import _dup, _reap_later
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -80,7 +79,7 @@ DEFAULT_RLIMITS: dict[str, int | tuple[int, int]] = {"core": (0, 0), "nofile": (
 KILL_AHEAD = 64
 
 
-class ContainerSubstrate(DaemonExec, InitExec, Files, Tar, RootCache, Substrate):
+class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
     name = "container"
     capabilities = Capabilities(files=True, snapshot=True, restore=True, pause=True,
                                 oom_kills=True, exit_watch=True, warm_pool=True,

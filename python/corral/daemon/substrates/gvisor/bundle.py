@@ -6,23 +6,37 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import resource
 import subprocess
 from typing import Any
 
+from corral import _core
+from corral.daemon.initexec import candidates
 from corral.models import SandboxSpec
 
 # The sentry and the gofer are Go programs: their own threads count against the host pids
 # cgroup on top of the sandbox's processes (gVisor runs each in the sentry, not on the host).
 PIDS_OVERHEAD = 192
 CPU_PERIOD_US = 100_000
-# The sandbox's PID 1: waits forever and reaps what is orphaned to it (dash's `wait` reaps any
-# child); commands come in through `runsc exec`. It ignores every signal it can (all but KILL,
-# STOP and CHLD): gVisor delivers a signal without a handler to a namespace's init, and its
-# death ends the sandbox. Without a shell in the image: sleep alone.
-_IGNORED = " ".join(str(n) for n in range(1, 65) if n not in (9, 17, 19))
-INIT = ["/bin/sh", "-c",
-        f"trap '' {_IGNORED}; while :; do sleep 2147483647 & wait; done"]
-INIT_NO_SHELL = ["/bin/sleep", "infinity"]
+# Every process the daemon starts in the sandbox is the lock-down binary (init/corral-lockdown.c)
+# first: rlimits, no capabilities, no_new_privs and the container substrate's seccomp filter,
+# then the command. It and the filter are bound read-only at LOCKDOWN_DIR, a mount point the
+# sandbox cannot remove, replace or cover (no mount, no capability).
+LOCKDOWN_DIR = "/dev/.corral"
+LOCKDOWN = f"{LOCKDOWN_DIR}/lockdown"
+FILTER = f"{LOCKDOWN_DIR}/seccomp.bpf"
+# The sandbox's PID 1: the lock-down binary's init (reaps orphans, ignores every signal it can,
+# not dumpable); commands come in through `runsc exec`.
+INIT = [LOCKDOWN, "i", FILTER]
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# How commands start: "t", under the lock-down binary's tracer that takes AT_NO_AUTOMOUNT out
+# of statx and newfstatat (this runsc refuses it with EINVAL, and coreutils 9 passes it: `ls
+# DIR`, `stat`, which then fail); "x", exec'd directly (the tracer exists on x86_64 only).
+EXEC_MODE = "t" if platform.machine() == "x86_64" else "x"
+# The rlimits of every command: the container substrate's (DEFAULT_RLIMITS there), by number.
+RLIMITS: dict[int, tuple[int, int]] = {resource.RLIMIT_CORE: (0, 0),
+                                       resource.RLIMIT_NOFILE: (1024, 524288)}
 NO_CAPS: dict[str, list[str]] = {k: [] for k in
                                  ("bounding", "effective", "permitted", "inheritable", "ambient")}
 
@@ -89,15 +103,37 @@ def make_root(gdir: str, image: Any, disk_mb: int) -> str:
     return root
 
 
+def install_lockdown(path: str) -> None:
+    """The lock-down binary and the filter in ``path`` (a directory bound read-only into every
+    sandbox), each written whole and renamed into place: a sandbox never sees half a file."""
+    os.makedirs(path, mode=0o555, exist_ok=True)
+    for name, data, mode in (("lockdown", _core.lockdown_binary(), 0o555),
+                             ("seccomp.bpf", _core.seccomp_filter(False), 0o444)):
+        dest = os.path.join(path, name)
+        try:
+            with open(dest, "rb") as f:
+                if f.read() == data:
+                    continue
+        except OSError:
+            pass
+        tmp = f"{dest}.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        with open(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, mode)
+        os.replace(tmp, dest)
+
+
 def config(sandbox_id: str, spec: SandboxSpec, root: str, cgroup: str,
-           init: list[str]) -> dict[str, Any]:
+           lockdown_dir: str) -> dict[str, Any]:
     """config.json: the root read-write (the overlay above holds the writes), /tmp from the
     same overlay (runsc would otherwise put a tmpfs there the daemon cannot see into), proc,
-    sys read-only, a tmpfs /dev; every namespace; the spec's limits as the sandbox's cgroup."""
-    env = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
+    sys read-only, a tmpfs /dev with the lock-down directory bound read-only in it; every
+    namespace; the spec's limits as the sandbox's cgroup."""
+    env = [f"PATH={DEFAULT_PATH}"]
     return {
         "ociVersion": "1.0.2",
-        "process": {"args": init, "env": env, "cwd": "/", "user": {"uid": 0, "gid": 0},
+        "process": {"args": INIT, "env": env, "cwd": "/", "user": {"uid": 0, "gid": 0},
                     "capabilities": NO_CAPS, "noNewPrivileges": True},
         "root": {"path": root, "readonly": False},
         "hostname": spec.hostname or sandbox_id[:63],
@@ -105,6 +141,8 @@ def config(sandbox_id: str, spec: SandboxSpec, root: str, cgroup: str,
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
              "options": ["nosuid", "mode=755"]},
+            {"destination": LOCKDOWN_DIR, "type": "bind", "source": lockdown_dir,
+             "options": ["rbind", "ro", "nosuid", "nodev"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs",
              "options": ["ro", "nosuid", "noexec", "nodev"]},
             {"destination": "/tmp", "type": "bind", "source": os.path.join(root, "tmp"),
@@ -123,9 +161,23 @@ def config(sandbox_id: str, spec: SandboxSpec, root: str, cgroup: str,
     }
 
 
+def exec_argv(argv: list[str], env: dict[str, str]) -> list[str]:
+    """The command ``argv`` started through the lock-down binary (the exec candidates of its
+    argv[0] resolved on ``env``'s PATH, as the container substrate resolves them)."""
+    limits = [str(x) for r, (soft, hard) in sorted(RLIMITS.items()) for x in (r, soft, hard)]
+    cands = candidates(argv[0], env, DEFAULT_PATH)
+    return [LOCKDOWN, EXEC_MODE, FILTER, str(len(RLIMITS)), *limits, str(len(cands)), *cands, *argv]
+
+
+def kill_argv(pid: int) -> list[str]:
+    """SIGKILL, from inside the sandbox, to process group ``pid`` and to ``pid``."""
+    return [LOCKDOWN, "k", FILTER, str(pid)]
+
+
 def process(argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int,
             groups: list[int]) -> dict[str, Any]:
-    """process.json of one `runsc exec`: no capabilities, no new privileges (as in config)."""
+    """process.json of one `runsc exec`: no capabilities, no new privileges (as in config);
+    ``argv`` is the lock-down binary's (exec_argv, kill_argv)."""
     return {"args": argv, "env": [f"{k}={v}" for k, v in env.items()], "cwd": cwd,
             "user": {"uid": uid, "gid": gid, "additionalGids": list(groups)},
             "capabilities": NO_CAPS, "noNewPrivileges": True}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import itertools
 import logging
@@ -20,8 +21,8 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Awaitable
-from typing import Any, BinaryIO
+from collections.abc import Awaitable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from corral.daemon import kernel, streams
 from corral.daemon.substrates.base import (
@@ -32,11 +33,15 @@ from corral.daemon.substrates.base import (
     Substrate,
 )
 from corral.daemon.substrates.gvisor import bundle
-from corral.daemon.substrates.gvisor.files import RootFiles, check_path
 from corral.daemon.substrates.gvisor.probe import kill_under
 from corral.daemon.substrates.gvisor.runsc import Runsc, RunscError
+from corral.daemon.substrates.paths import check_path
+from corral.daemon.substrates.rootfiles import RootFiles
 from corral.errors import CorralError, InternalError, SandboxNotRunning, TooLarge
 from corral.models import FileEntry, SandboxSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from corral.daemon.snapshots import SnapshotStore
 
 log = logging.getLogger("corral.gvisor")
 
@@ -141,7 +146,8 @@ def _counter(rel: str, v1: tuple[str, str], v2: str, key: str) -> int:
 
 class GvisorSubstrate(Substrate):
     name = "gvisor"
-    capabilities = Capabilities(files=True, pause=True, networks=("none",))
+    capabilities = Capabilities(files=True, snapshot=True, restore=True, pause=True,
+                                networks=("none",))
 
     def __init__(self, state_dir: str, cgroup_name: str, runsc: Runsc,
                  upload_max_bytes: int) -> None:
@@ -153,6 +159,8 @@ class GvisorSubstrate(Substrate):
         self.upload_max_bytes = upload_max_bytes
         os.makedirs(self.dirs, mode=0o700, exist_ok=True)
         os.makedirs(runsc.root, mode=0o700, exist_ok=True)
+        self.lockdown = os.path.join(self.base, "lockdown")
+        bundle.install_lockdown(self.lockdown)
         self._seq = itertools.count()
         self._pending: set[asyncio.Future[Any]] = set()  # kills of abandoned commands
         self.counters = {"gvisor_execs": 0, "gvisor_exec_kills": 0}
@@ -173,9 +181,9 @@ class GvisorSubstrate(Substrate):
                             extra={"platform": self.runsc.platform})
         try:
             root = bundle.make_root(gdir, image, spec.disk_mb)
-            init = bundle.INIT if self._has_shell(root) else bundle.INIT_NO_SHELL
             bundle.write(os.path.join(gdir, "config.json"),
-                         bundle.config(sandbox_id, spec, root, self._cgroup(sandbox_id), init))
+                         bundle.config(sandbox_id, spec, root, self._cgroup(sandbox_id),
+                                       self.lockdown))
             logf = os.path.join(gdir, "runsc.log")
             # create + start in one runsc process (one Go start less than two commands). The
             # sentry logs at info level into the sandbox's dir: how its init ended (end_cause).
@@ -199,14 +207,6 @@ class GvisorSubstrate(Substrate):
                 raise InternalError(f"gvisor sandbox could not start: {e}") from e
             raise
         return rt
-
-    def _has_shell(self, root: str) -> bool:
-        fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            with RootFiles(fd, 0) as f:
-                return f.stat("/bin/sh").type in ("file", "symlink")
-        except CorralError:
-            return False
 
     def adopt(self, runtime: SandboxRuntime) -> bool:
         pid = runtime.init_pid
@@ -337,8 +337,9 @@ class GvisorSubstrate(Substrate):
             cwd = "/"
         n = next(self._seq)
         base = os.path.join(self._gdir(sid), "exec", str(n))
-        bundle.write(base + ".json", bundle.process(spec.argv, spec.env, cwd, spec.uid,
-                                                    spec.gid, spec.groups))
+        bundle.write(base + ".json", bundle.process(bundle.exec_argv(spec.argv, spec.env),
+                                                    spec.env, cwd, spec.uid, spec.gid,
+                                                    spec.groups))
         argv = ["/bin/sh", "-c", _WRAP, "gvisor-exec", *self.runsc.prefix, "exec",
                 f"--process={base}.json", f"--internal-pid-file={base}.pid", sid]
         r, w = os.pipe2(os.O_CLOEXEC)
@@ -387,13 +388,11 @@ class GvisorSubstrate(Substrate):
 
     def _kill_inner(self, sid: str, pid: int) -> None:
         """SIGKILL the command's process group inside the sandbox (runsc kill reaches one
-        process only: the group is killed from inside, by a shell of the image if it has
-        one), then the command itself."""
+        process only: the group is killed from inside, by the lock-down binary, never by a
+        program of the sandbox's image), then the command itself."""
         path = os.path.join(self._gdir(sid), "exec", f"kill-{pid}.json")
         with contextlib.suppress(OSError, RunscError):
-            bundle.write(path, bundle.process(
-                ["/bin/sh", "-c", f"kill -9 -{pid} 2>/dev/null; true"], _SH_ENV, "/",
-                0, 0, []))
+            bundle.write(path, bundle.process(bundle.kill_argv(pid), {}, "/", 0, 0, []))
             self.runsc.run("exec", f"--process={path}", sid)
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -417,6 +416,44 @@ class GvisorSubstrate(Substrate):
         state = self.runsc.state(runtime.sandbox_id)
         return state is not None and state.get("status") == "paused"
 
+    # ---- snapshots: the files, as for a container ------------------------------------------
+    def image_on(self, image: Any, layers: list[str], store: SnapshotStore) -> Any:
+        """The snapshot layers as lowerdirs over the image's own, in each overlay of the
+        host-side root (bundle.make_root mounts them)."""
+        overlays = store.stack(image.overlays, layers)
+        store.check_fits(overlays, self.dirs)
+        return dataclasses.replace(image, overlays=overlays,
+                                   meta={**image.meta, "layers": list(layers)})
+
+    def capture(self, runtime: SandboxRuntime, image: Any, store: SnapshotStore,
+                paused: bool) -> tuple[str, str, int]:
+        """The root's upper dirs, copied while `runsc pause` holds every task of the sandbox
+        (with --file-access=shared a write inside is on the host side when its call
+        returns). A sandbox that cannot be paused is not copied live: the snapshot fails."""
+        store.check_fits(image.overlays, self.dirs, extra_layers=1)
+        base = os.path.join(self._gdir(runtime.sandbox_id), "rw", "upper")
+        uppers = [os.path.join(base, str(i)) for i in range(len(os.listdir(base)))]
+
+        def freeze() -> None:
+            if not paused:
+                self.freeze(runtime)
+
+        def thaw() -> None:
+            if not paused:
+                self.thaw(runtime)
+
+        return store.capture(uppers, freeze, thaw)
+
+    def reset(self, runtime: SandboxRuntime, spec: SandboxSpec, image: Any) -> SandboxRuntime:
+        """Restore in place: the sandbox's sentry, gofer, cgroup, root and runsc state go (as
+        at destroy; the engine's record dir stays), then a new sandbox starts under the same
+        id on ``image`` (the snapshot's layers under a fresh upper dir)."""
+        self._destroy_id(runtime.sandbox_id, runtime.init_pid if runtime.pidfd >= 0 else 0)
+        if runtime.pidfd >= 0:
+            os.close(runtime.pidfd)
+            runtime.pidfd = -1
+        return self.create(runtime.sandbox_id, spec, image)
+
     # ---- reporting -----------------------------------------------------------------------
     def metrics(self) -> dict[str, int]:
         return dict(self.counters)
@@ -425,7 +462,10 @@ class GvisorSubstrate(Substrate):
         return {"gvisor_platform": self.runsc.platform}
 
     # ---- files: on the host side of the sandbox's root -------------------------------------
-    def _files(self, runtime: SandboxRuntime) -> RootFiles:
+    @contextlib.contextmanager
+    def _files(self, runtime: SandboxRuntime) -> Iterator[RootFiles]:
+        """The file operations on an O_PATH fd of the sandbox's host-side root, open for one
+        operation (no disk budget: the sandbox's disk is a tmpfs of its size)."""
         if runtime.pidfd < 0 and runtime.init_pid <= 0:
             raise SandboxNotRunning("the sandbox is not running")
         try:
@@ -433,7 +473,11 @@ class GvisorSubstrate(Substrate):
                          os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
             raise SandboxNotRunning(f"the sandbox's root is gone: {e.strerror}") from None
-        return RootFiles(fd, self.upload_max_bytes)
+        try:
+            yield RootFiles(lambda: contextlib.nullcontext(fd), False, None,
+                            self.upload_max_bytes)
+        finally:
+            os.close(fd)
 
     def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes:
         with self._files(runtime) as f:
