@@ -35,7 +35,7 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from typing import Any, BinaryIO
 
 from corral.daemon import kernel, streams
@@ -46,9 +46,9 @@ from corral.daemon.substrates.base import (
     Spawned,
     Substrate,
 )
-from corral.daemon.substrates.gvisor.files import RootFiles
 from corral.daemon.substrates.paths import check_path
 from corral.daemon.substrates.process import cgroup, pool, view, zygote
+from corral.daemon.substrates.rootfiles import RootFiles
 from corral.errors import CorralError, InfraError, SandboxNotRunning, TooLarge
 from corral.models import FileEntry, SandboxSpec
 
@@ -329,7 +329,10 @@ class ProcessSubstrate(Substrate):
         return dict(self.counters)
 
     # ---- files: the session's root, from the host side -------------------------------------
-    def _files(self, runtime: SandboxRuntime) -> RootFiles:
+    @contextlib.contextmanager
+    def _files(self, runtime: SandboxRuntime) -> Iterator[RootFiles]:
+        """The file operations on an O_PATH fd of the session's root, open for one operation
+        (no disk budget here: the session's /tmp is a tmpfs of its size)."""
         s = self.sessions.get(runtime.sandbox_id)
         if s is None or not s.zygote_pid:
             raise SandboxNotRunning("the sandbox is not running")
@@ -342,7 +345,11 @@ class ProcessSubstrate(Substrate):
         if not self.is_alive(runtime) or self._zygote_pid(s.proc.pid) != s.zygote_pid:
             os.close(fd)
             raise SandboxNotRunning("the sandbox is not running")
-        return RootFiles(fd, self.upload_max_bytes)
+        try:
+            yield RootFiles(lambda: contextlib.nullcontext(fd), False, None,
+                            self.upload_max_bytes)
+        finally:
+            os.close(fd)
 
     def _own(self, runtime: SandboxRuntime, f: RootFiles, path: str, tree: bool = False) -> None:
         """What the daemon made in the session's /tmp (``path``, the parents it may have
@@ -357,15 +364,18 @@ class ProcessSubstrate(Substrate):
             return
         todo = [("/" + "/".join(parts), tree)] + [
             ("/" + "/".join(parts[:i]), False) for i in range(2, len(parts))]
-        while todo:
-            q, below = todo.pop(0)
-            try:
-                _core.fs_chown(f.root, q, uid, uid)
-                if below:
-                    base = q.rstrip("/")
-                    todo += [(f"{base}/{e[0]}", e[1] == "dir") for e in _core.fs_list(f.root, q)]
-            except (OSError, ValueError) as e:
-                log.warning("chown in a process session", extra={"path": q, "error": str(e)})
+        with f.rooted() as root:
+            while todo:
+                q, below = todo.pop(0)
+                try:
+                    _core.fs_chown(root, q, uid, uid)
+                    if below:
+                        base = q.rstrip("/")
+                        todo += [(f"{base}/{e[0]}", e[1] == "dir")
+                                 for e in _core.fs_list(root, q)]
+                except (OSError, ValueError) as e:
+                    log.warning("chown in a process session",
+                                extra={"path": q, "error": str(e)})
 
     def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes:
         with self._files(runtime) as f:
