@@ -4,14 +4,9 @@ an unprivileged user)."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from corral.daemon.clock import ManualClock  # noqa: E402
+from corral.daemon.clock import ManualClock
 
 
 @pytest.fixture

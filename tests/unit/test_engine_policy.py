@@ -8,7 +8,6 @@ import json
 import os
 
 import pytest
-from unitkit import engine_on, run, spec
 
 from corral.errors import (
     CapacityExceeded,
@@ -22,6 +21,8 @@ from corral.errors import (
     Unsupported,
 )
 from corral.models import ExecRequest
+
+from .unitkit import engine_on, run, spec
 
 
 def test_create_records_and_kill_tombstones(state, clock):

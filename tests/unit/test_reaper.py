@@ -4,9 +4,10 @@ reaper task sleeps on the engine's clock, so nothing here waits for real time to
 from __future__ import annotations
 
 import pytest
-from unitkit import REAPER_S, engine_on, run, spec, tick
 
 from corral.errors import SandboxExpired
+
+from .unitkit import REAPER_S, engine_on, run, spec, tick
 
 
 def test_ttl_expires_on_the_reapers_pass(state, clock):

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from unitkit import engine_on, run, settle, spec
 
 from corral.daemon import ops
 from corral.daemon.clock import ManualClock
@@ -23,6 +22,8 @@ from corral.errors import (
     StepInterrupted,
 )
 from corral.models import ExecRequest
+
+from .unitkit import engine_on, run, settle, spec
 
 
 @contextlib.asynccontextmanager

@@ -8,13 +8,13 @@ import contextlib
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
-from fakes import FakeImages, FakeSubstrate
-
 from corral.config import Config
 from corral.daemon.clock import ManualClock
 from corral.daemon.engine import Engine
 from corral.daemon.substrates import registry
 from corral.models import SandboxSpec
+
+from .fakes import FakeImages, FakeSubstrate
 
 T = TypeVar("T")
 REAPER_S = 0.5
