@@ -19,20 +19,11 @@ import pytest
 from corral import AsyncSandbox, Sandbox
 from corral.errors import CorralError, DaemonRestarted, DaemonUnavailable, StepInterrupted
 
-from conftest import wait_until
+from conftest import journal_started, wait_until
 
 
 def _running(sb: Sandbox, name: str) -> bool:
     return sb.exec(f"pgrep -x {name} >/dev/null && echo y").stdout == "y\n"
-
-
-def _journaled_started(state_dir: str, sid: str) -> bool:
-    """A started row of ``sid`` is in the trajectory log's journal (not yet finished)."""
-    for path in Path(state_dir).glob("trajlog.journal.*"):
-        for line in path.read_bytes().rstrip(b"\0").splitlines():
-            if sid.encode() in line and line.endswith(b',"started"]'):
-                return True
-    return False
 
 
 def _record_has_runtime(sdir: str) -> bool:
@@ -258,7 +249,7 @@ def test_a_create_is_logged_before_its_client_sees_it(daemon, tmp_path):
 
         t1 = threading.Thread(target=long_one)
         t1.start()
-        assert wait_until(lambda: _journaled_started(daemon.state_dir, sb.id), 30)
+        assert wait_until(lambda: journal_started(daemon.state_dir, sb.id, "exec"), 30)
         t2 = threading.Thread(target=create)
         t2.start()
         sdir = os.path.join(daemon.state_dir, "sandboxes")
