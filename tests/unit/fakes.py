@@ -1,7 +1,8 @@
 """Test doubles of the boundaries the engine and the trajectory log sit on: a substrate that
 keeps its sandboxes in memory (the protocol of corral.daemon.substrates.base, the boundary
-under test) and an image store. Commands run as plain host processes of the test's own user,
-so the engine's exec path (pipes, pidfds, exit status, timeouts) is the real one."""
+under test) and an image store. Commands run as plain host processes of the test's own user
+(in the test's cwd: the ExecSpec's uid, gid and cwd are not applied), so the engine's exec
+path (pipes, pidfds, exit status, timeouts) is the real one."""
 
 from __future__ import annotations
 
