@@ -127,3 +127,20 @@ def test_the_reaper_drives_log_retention(state, clock):
             await tick(clock, 700)  # past the retention, and a prune is due
             assert not await eng.trajlog.knows(sb.id)
     run(go())
+
+
+def test_heap_entries_of_ended_sandboxes_are_compacted(state, clock):
+    """Killed sandboxes leave their heap entries until their deadline (up to a week away):
+    under churn the reaper rebuilds the heap from the live ones, and those still expire."""
+    async def go():
+        async with engine_on(state, clock, max_sandboxes=2000) as (eng, sub):
+            live = await eng.create(spec(timeout=50))
+            churn = await eng.create_many(1100, spec(timeout=86400))
+            await eng.kill_many([sb.id for sb in churn])
+            assert len(eng._heap) == 1101
+            eng.reap(clock.time())
+            assert [sid for _, sid in eng._heap] == [live.id]
+            await tick(clock, 50 + REAPER_S)
+            await live.stopping
+            assert live.reason == "expired"
+    run(go())
