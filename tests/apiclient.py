@@ -56,3 +56,11 @@ def log_of(c: httpx.Client, sid: str) -> list[dict[str, Any]]:
     r = c.get(f"/v1/sandboxes/{sid}/log")
     assert r.status_code == 200, r.text
     return r.json()["entries"]
+
+
+def api_waiting(c: httpx.Client) -> int:
+    """Handlers waiting on a process for a client now (waits, streams): /metrics."""
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith("corral_api_waiting "):
+            return int(line.split()[1])
+    raise AssertionError("no corral_api_waiting in /metrics")

@@ -62,6 +62,17 @@ def wait_until(pred, timeout: float = 10.0, interval: float = 0.02) -> bool:  # 
     return pred()
 
 
+def journal_started(state_dir: str, sid: str, op: str) -> bool:
+    """A call ``op`` on ``sid`` has a started row in the trajectory log's journal: the daemon
+    is running it (a mutating call is journaled as started once it has run 20 ms)."""
+    needle = f'"{sid}","{op}",'.encode()
+    for path in Path(state_dir).glob("trajlog.journal.*"):
+        for line in path.read_bytes().rstrip(b"\0").splitlines():
+            if needle in line and line.endswith(b',"started"]'):
+                return True
+    return False
+
+
 def cgroup_dirs(name: str = CGROUP_NAME) -> list[Path]:
     """Every cgroup directory (v1 hierarchies and v2) under our private cgroup name."""
     out = []

@@ -34,7 +34,7 @@ from corral.models import (
     SandboxInfo,
 )
 
-from apiclient import client, create, expect_error, kill, run
+from apiclient import api_waiting, client, create, expect_error, kill, run
 from conftest import (
     CGROUP_NAME,
     SOCKET,
@@ -413,7 +413,11 @@ def test_daemon_keeps_serving_during_floods_and_long_commands(c, sb):
     threads = [threading.Thread(target=flood), threading.Thread(target=sleeper)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+
+    def running(sid: str, name: str) -> bool:
+        return run(c, sid, f"pgrep -x {name} >/dev/null && echo y")["stdout"] == "y\n"
+
+    assert wait_until(lambda: running(sb, "yes") and running(other, "sleep"), timeout=3)
     with client() as c3:
         for _ in range(10):
             t0 = time.monotonic()
@@ -523,7 +527,7 @@ def test_background_process_ends_with_its_sandbox(c, fresh):
 
     t = threading.Thread(target=waiter)
     t.start()
-    time.sleep(0.3)
+    assert wait_until(lambda: api_waiting(c) >= 1)  # the wait is in the daemon
     kill(c, sid)
     t.join(10)
     expect_error(result["r"], "sandbox_not_running", 409)

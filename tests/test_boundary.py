@@ -326,6 +326,20 @@ def test_core_stub_matches_the_module():
         real = [p.default for p in sig.parameters.values()
                 if p.default is not inspect.Parameter.empty]
         assert defaults == real, (name, defaults, real)
+    # The config classes: keyword-only constructors, the stub's names and defaults.
+    inits = {n.name: f for n in stub.body if isinstance(n, ast.ClassDef)
+             for f in n.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"}
+    assert {"SpawnConfig", "ExecConfig", "Overlay"} <= set(inits)
+    for name, init in inits.items():
+        params = inspect.signature(getattr(_core, name)).parameters
+        assert [a.arg for a in init.args.kwonlyargs] == list(params), name
+        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params.values()), name
+        stub_defaults = [None if d is None else ast.literal_eval(d)
+                         if not (isinstance(d, ast.Constant) and d.value is Ellipsis) else ...
+                         for d in init.args.kw_defaults]
+        real = [None if p.default is inspect.Parameter.empty else p.default
+                for p in params.values()]
+        assert stub_defaults == real, (name, stub_defaults, real)
 
 
 # ---- operations as data ------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from test_pools import ep, pooled_daemon
 from corral import Sandbox, Snapshot
 from corral.errors import CorralError
 
+from conftest import journal_started, wait_until
+
 ROUNDS = 3
 
 
@@ -260,6 +262,14 @@ def _freeze(cgroup: str, sid: str, on: bool) -> None:
                  else ("1" if on else "0"))
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _frozen(cgroup: str, sid: str) -> bool:
     return open(_freezer_file(cgroup, sid)).read().strip() in ("FROZEN", "FREEZING", "1")
 
@@ -314,7 +324,8 @@ def test_an_exec_during_a_snapshot_waits_without_blocking_the_daemon(monkeypatch
             time.sleep(0.01)
         ta = threading.Thread(target=run_a)
         ta.start()
-        time.sleep(0.3)  # the exec on a is waiting now
+        # The exec on a is in the daemon, waiting for the capture.
+        assert wait_until(lambda: journal_started(d.state_dir, a.id, "exec"), 30)
         # Meanwhile the daemon serves other sandboxes (its loop is not stuck in a spawn).
         other = Sandbox.connect(b.id, endpoint=url)
         assert other.exec("echo b", timeout=10).stdout == "b\n"
@@ -342,11 +353,13 @@ def test_an_init_dying_while_the_daemon_is_down_is_lost_not_running(monkeypatch)
         init = sb.info().init_pid
         t = threading.Thread(target=lambda: _swallow(lambda: sb.exec("sleep 30", timeout=60)))
         t.start()
-        time.sleep(0.5)  # the command runs, a child of the daemon
+        probe = Sandbox.connect(sb.id, endpoint=url)
+        # The command runs, a child of the daemon.
+        assert wait_until(lambda: probe.exec("pgrep -x sleep || true").stdout.strip() != "")
         d.kill9()
         t.join(30)
         os.kill(init, signal.SIGKILL)
-        time.sleep(0.3)
+        assert wait_until(lambda: not _alive(init))
         d.start()
         with pytest.raises(CorralError) as e:
             Sandbox.connect(sb.id, endpoint=url).exec("true", timeout=10)

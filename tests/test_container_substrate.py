@@ -608,7 +608,8 @@ def test_stale_answers_in_the_channel_are_dropped(sub, rt):
     finally:
         os.close(r)
         os.close(w)
-    time.sleep(0.2)  # its answer (with a pidfd) now waits in the channel
+    # Its answer (with a pidfd) now waits in the channel, unread.
+    assert select.select([chan.sock], [], [], 10)[0]
     assert run(sub, rt, "exit 4")[0] == 4
 
 

@@ -38,6 +38,16 @@ def _host_mounts() -> list[str]:
 PROC_POLICY = procpolicy.compute().spawn_config()
 
 
+def spawn(cfg: dict) -> tuple[int, int]:
+    """spawn_sandbox with a config written as a dict (overlays as dicts too)."""
+    overlays = [_core.Overlay(**o) for o in cfg["overlays"]]
+    return _core.spawn_sandbox(_core.SpawnConfig(**{**cfg, "overlays": overlays}))
+
+
+def exec_in(**kw) -> int:  # type: ignore[no-untyped-def]
+    return _core.exec_in(_core.ExecConfig(**kw))
+
+
 @pytest.fixture(scope="module")
 def init_fd():
     fd = _core.init_memfd()
@@ -93,7 +103,7 @@ class Box:
         self.rootfd = -1
 
     def start(self) -> Box:
-        self.pid, self.pidfd = _core.spawn_sandbox(self.cfg)
+        self.pid, self.pidfd = spawn(self.cfg)
         self.rootfd = _core.root_fd(self.pid)
         return self
 
@@ -112,7 +122,7 @@ class Box:
                "rlimits": {"nofile": 1024}}
         cfg.update(extra or {})
         try:
-            pid = _core.exec_in(cfg)
+            pid = exec_in(**cfg)
         finally:
             for fd in (out_w, err_w, in_r):
                 os.close(fd)
@@ -239,10 +249,17 @@ def test_host_mount_table_does_not_grow(state, make_box):
     assert _host_mounts() == before
 
 
+def _pending_signals(pid: int) -> int:
+    fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines())
+    return int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+
+
 def test_init_ignores_signals_from_inside_and_obeys_the_host(box):
     code, _, _ = box.run("kill -TERM 1; kill -INT 1; kill -KILL 1; true")
     assert code == 0
-    time.sleep(0.1)
+    # The init has taken the signals sent from inside (a host SIGTERM sent while one of them
+    # is still pending would merge with it).
+    assert wait_until(lambda: _pending_signals(box.pid) == 0, timeout=10)
     assert open(f"/proc/{box.pid}/stat").read().split()[2] in ("S", "R")
     signal.pidfd_send_signal(box.pidfd, signal.SIGTERM)
     os.waitid(os.P_PIDFD, box.pidfd, os.WEXITED)  # exits 0 on a SIGTERM from the host
@@ -270,8 +287,8 @@ def test_exec_basics(box):
 
 def test_exec_child_is_direct_child_in_sandbox_namespaces(box):
     r, w = os.pipe()
-    pid = _core.exec_in({"init_pid": box.pid, "pidfd": box.pidfd, "argv": ["sleep", "5"],
-                         "env": ["PATH=/usr/bin:/bin"], "stdout": w})
+    pid = exec_in(init_pid=box.pid, pidfd=box.pidfd, argv=["sleep", "5"],
+                  env=["PATH=/usr/bin:/bin"], stdout=w)
     os.close(w)
     os.close(r)
     try:
@@ -435,20 +452,20 @@ def test_exec_into_dead_sandbox_is_an_oserror(box):
     signal.pidfd_send_signal(box.pidfd, signal.SIGKILL)
     os.waitid(os.P_PIDFD, box.pidfd, os.WEXITED)
     with pytest.raises(OSError) as ei:
-        _core.exec_in({"init_pid": box.pid, "pidfd": box.pidfd, "argv": ["true"]})
+        exec_in(init_pid=box.pid, pidfd=box.pidfd, argv=["true"])
     assert "exec_in" in str(ei.value)
 
 
 def test_exec_bad_arguments(box):
     with pytest.raises(ValueError):
-        _core.exec_in({"init_pid": box.pid, "pidfd": box.pidfd, "argv": []})
+        exec_in(init_pid=box.pid, pidfd=box.pidfd, argv=[])
     with pytest.raises(ValueError):
-        _core.exec_in({"init_pid": box.pid, "pidfd": box.pidfd, "argv": ["a\0b"]})
+        exec_in(init_pid=box.pid, pidfd=box.pidfd, argv=["a\0b"])
+    with pytest.raises(TypeError):  # pidfd is required
+        exec_in(init_pid=box.pid, argv=["true"])
     with pytest.raises(ValueError):
-        _core.exec_in({"init_pid": box.pid, "argv": ["true"]})
-    with pytest.raises(ValueError):
-        _core.exec_in({"init_pid": box.pid, "pidfd": box.pidfd, "argv": ["true"],
-                       "rlimits": {"bogus": 1}})
+        exec_in(init_pid=box.pid, pidfd=box.pidfd, argv=["true"],
+                rlimits={"bogus": 1})
 
 
 # ---- isolation ----------------------------------------------------------------------------
@@ -555,12 +572,15 @@ def test_spawn_rejects_bad_config(state, make_box):
         lambda c: c.update(hostname="x" * 65),
         lambda c: c.update(init_fd=-1),
         lambda c: c.update(rlimits={"nofile": (10, 5)}),
-        lambda c: c.pop("root"),
     ):
         cfg = {**b.cfg, "overlays": [dict(o) for o in b.cfg["overlays"]]}
         mutate(cfg)
         with pytest.raises(ValueError):
-            _core.spawn_sandbox(cfg)
+            spawn(cfg)
+    cfg = {**b.cfg}
+    del cfg["root"]
+    with pytest.raises(TypeError):  # a required argument of the config class
+        spawn(cfg)
 
 
 def test_spawn_creates_missing_mountpoints_but_never_through_symlinks(state, make_box):
@@ -746,10 +766,10 @@ def test_last_profile(box):
 def test_pty_session(box):
     master, slave = _core.pty_open(box.rootfd)
     try:
-        pid = _core.exec_in({"init_pid": box.pid, "pidfd": box.pidfd, "argv": ["/bin/sh", "-c",
-                             "tty; test -t 0 && echo interactive"],
-                             "env": ["PATH=/usr/bin:/bin"], "stdin": slave, "stdout": slave,
-                             "stderr": slave, "tty": True})
+        pid = exec_in(init_pid=box.pid, pidfd=box.pidfd, argv=["/bin/sh", "-c",
+                      "tty; test -t 0 && echo interactive"],
+                      env=["PATH=/usr/bin:/bin"], stdin=slave, stdout=slave,
+                      stderr=slave, tty=True)
         os.close(slave)
         slave = -1
         out = b""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import threading
 import time
@@ -17,6 +18,19 @@ import pytest
 
 from corral import AsyncSandbox, Sandbox
 from corral.errors import CorralError, DaemonRestarted, DaemonUnavailable, StepInterrupted
+
+from conftest import journal_started, wait_until
+
+
+def _running(sb: Sandbox, name: str) -> bool:
+    return sb.exec(f"pgrep -x {name} >/dev/null && echo y").stdout == "y\n"
+
+
+def _record_has_runtime(sdir: str) -> bool:
+    try:
+        return bool(json.loads(Path(sdir, "meta.json").read_text()).get("runtime"))
+    except (OSError, ValueError):
+        return False
 
 
 def test_kill9_under_load(daemon):
@@ -82,7 +96,11 @@ def test_kill9_under_load(daemon):
         for t in threads:
             t.start()
         assert started.wait(30)
-        time.sleep(0.5)  # load running, the long command in flight
+        # Load running: the long command in flight, each async caller past its first call.
+        assert wait_until(lambda: _running(boxes[0], "sleep"), 30)
+        assert wait_until(lambda: {c.split("-")[0] for c, _, _ in list(seen[boxes[1].id])
+                                   if c.startswith("echo a")} == {f"echo a{t}" for t in range(4)},
+                          30)
         daemon.kill9()
         for t in threads:
             t.join(60)
@@ -231,16 +249,17 @@ def test_a_create_is_logged_before_its_client_sees_it(daemon, tmp_path):
 
         t1 = threading.Thread(target=long_one)
         t1.start()
-        time.sleep(0.5)  # its started row (20 ms) is journaled
+        assert wait_until(lambda: journal_started(daemon.state_dir, sb.id, "exec"), 30)
         t2 = threading.Thread(target=create)
         t2.start()
         sdir = os.path.join(daemon.state_dir, "sandboxes")
         deadline = time.monotonic() + 30
         while len(os.listdir(sdir)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(1.0)  # the new sandbox runs (meta.json written); its entry waits (hook)
-        assert t2.is_alive() and not any(isinstance(m, Sandbox) for m in made)
         (new,) = set(os.listdir(sdir)) - {sb.id}
+        # The new sandbox runs (its record written with its runtime); its entry waits (hook).
+        assert wait_until(lambda: _record_has_runtime(os.path.join(sdir, new)), 30)
+        assert t2.is_alive() and not any(isinstance(m, Sandbox) for m in made)
         daemon.kill9()
         t1.join(60)
         t2.join(60)

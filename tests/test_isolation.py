@@ -20,7 +20,7 @@ import pytest
 
 import corral
 
-from conftest import CGROUP_NAME, SOCKET, STATE_DIR
+from conftest import CGROUP_NAME, SOCKET, STATE_DIR, wait_until
 
 # Python run inside the sandbox; syscalls by number (x86_64) so no helper binary is needed.
 SYSCALL_PROBE = r"""
@@ -853,6 +853,25 @@ def test_disabled_refused_without_landlock_scopes(monkeypatch, abi):
     assert shared._fd == -1  # no namespace made
 
 
+def _procs(sid: str) -> list[tuple[str, str]]:
+    """(comm, state) of every process in sandbox ``sid``'s cgroups, read on the host."""
+    pids: set[str] = set()
+    root = Path("/sys/fs/cgroup")
+    for top in (root, *(p for p in root.iterdir() if p.is_dir())):
+        try:
+            pids.update((top / CGROUP_NAME / sid / "cgroup.procs").read_text().split())
+        except OSError:
+            continue
+    out = []
+    for pid in pids:
+        try:
+            comm, rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        out.append((comm.split("(", 1)[1], rest.split()[0]))
+    return out
+
+
 def test_a_sandbox_that_stops_new_processes_cannot_stall_the_daemon():
     """Code in a sandbox can stop (SIGSTOP, same uid) a command's child before it execs, and
     whoever waits for that exec waits until the sandbox is destroyed. Through the init that is
@@ -866,9 +885,14 @@ def test_a_sandbox_that_stops_new_processes_cannot_stall_the_daemon():
             # The loop starts once this exec has returned: it must not stop this shell.
             await bad.exec("(sleep 0.3; while :; do kill -STOP -1; done) >/dev/null 2>&1 &",
                            timeout=10)
-            await asyncio.sleep(0.5)
+            # The loop runs: its sleep is over, the shell is still there.
+            assert await asyncio.to_thread(
+                wait_until, lambda: [c for c, _ in _procs(bad.id) if c == "sleep"] == []
+                and any(c == "sh" for c, _ in _procs(bad.id)))
             held = [asyncio.create_task(bad.exec(["true"], timeout=120)) for _ in range(24)]
-            await asyncio.sleep(2)
+            # The attack lands: commands' children stopped before their exec.
+            assert await asyncio.to_thread(
+                wait_until, lambda: any(st == "T" for _, st in _procs(bad.id)), 30)
             assert not all(t.done() for t in held), "the attack never landed"
             t0 = time.monotonic()
             for i in range(10):

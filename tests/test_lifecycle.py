@@ -66,9 +66,11 @@ def test_ttl_expiry_during_exec(c):
 
 def test_set_timeout_extends_and_shortens(c):
     sid = create(c, timeout=1)["id"]
+    control = create(c, timeout=1)["id"]  # made after it, with its first TTL
     r = c.post(f"/v1/sandboxes/{sid}/timeout", json={"timeout": 60})
     assert r.status_code == 200
-    time.sleep(2.0)
+    # Once the control expires, the reaper has passed the first deadline: it was moved.
+    assert wait_until(lambda: reason(c, control) == "expired", 10)
     assert reason(c, sid) is None
     assert run(c, sid, "echo alive")["stdout"] == "alive\n"
     meta = json.load(open(os.path.join(SANDBOXES, sid, "meta.json")))
@@ -182,7 +184,7 @@ def test_kill9_restart_readopts_and_cleans(daemon):
     with open(os.path.join(half, "meta.json"), "w") as fh:
         json.dump({"id": "sb-00000000deadbeef", "spec": {}, "created_at": 0, "expires_at": 0,
                    "runtime": None}, fh)
-    time.sleep(2.5)
+    assert wait_until(lambda: time.time() > expiring["expires_at"], 10)  # its TTL passes
     daemon.start()
 
     with client() as c:
@@ -252,7 +254,9 @@ def test_graceful_stop_destroys_everything(daemon):
 
     t = threading.Thread(target=long_exec)
     t.start()
-    time.sleep(0.5)
+    with client() as c:  # the command runs
+        assert wait_until(lambda: run(c, infos[0]["id"], "pgrep -x sleep >/dev/null && echo y")
+                          ["stdout"] == "y\n")
     daemon.stop()
     t.join(30)
     # The command in flight is told the daemon went away (infra), not given a fake exit code.

@@ -25,6 +25,7 @@ from conftest import (
     cgroup_dirs,
     leaked_sandbox_cgroups,
     private_daemon,
+    wait_until,
 )
 
 
@@ -53,6 +54,13 @@ def wait_ready(d: DaemonProcess, n: int, timeout: float = 60) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"pool never reached {n} ready: {metrics(d)}")
+
+
+def _dead(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def sandbox_dirs(d: DaemonProcess) -> set[str]:
@@ -186,8 +194,9 @@ def test_dead_pooled_sandbox_is_never_handed_out():
             if procs.exists():
                 pids.update(int(x) for x in procs.read_text().split())
         assert len(pids) == 1  # just its init
-        os.kill(pids.pop(), signal.SIGKILL)
-        time.sleep(0.2)
+        init = pids.pop()
+        os.kill(init, signal.SIGKILL)
+        assert wait_until(lambda: _dead(init))  # before the take
         with Sandbox(endpoint=ep(d)) as sb:
             assert sb.id != pooled
             assert sb.exec("echo ok").stdout == "ok\n"

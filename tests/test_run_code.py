@@ -247,6 +247,24 @@ for path in [SOCK, '/run/corral/corrald.sock']:
     assert "eth" not in r.stdout and "UP" not in r.stdout, r.stdout
 
 
+def _abstract_bound(name: str) -> bool:
+    """Some process on the host has the abstract unix socket ``name`` bound (a request is
+    running): read from each network namespace's /proc/PID/net/unix once."""
+    seen: set[str] = set()
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            ns = os.readlink(f"/proc/{pid}/ns/net")
+            if ns in seen:
+                continue
+            seen.add(ns)
+            with open(f"/proc/{pid}/net/unix") as f:
+                if any(line.rstrip().endswith(" @" + name) for line in f):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 def test_abstract_unix_sockets_do_not_join_two_requests():
     listener = "import socket, time; s = socket.socket(socket.AF_UNIX); s.bind('\\0rc-probe'); " \
                "s.listen(); print('listening', flush=True); time.sleep(4)"
@@ -261,7 +279,7 @@ except OSError as e:
 
     async def both():  # type: ignore[no-untyped-def]
         a = asyncio.create_task(corral.run_code_async(listener, timeout=20))
-        await asyncio.sleep(1.0)  # the listener binds in ms; let it be up (the result says)
+        assert await asyncio.to_thread(wait_until, lambda: _abstract_bound("rc-probe"), 15)
         b = await corral.run_code_async(connector, timeout=20)
         return await a, b
 
@@ -272,7 +290,8 @@ except OSError as e:
 
 # ---- processes -----------------------------------------------------------------------------------
 def test_cannot_kill_or_ptrace_the_zygote_or_another_request():
-    victim = "import time; time.sleep(3); print('alive')"
+    victim = ("import socket, time; s = socket.socket(socket.AF_UNIX); "
+              "s.bind('\\0rc-victim'); time.sleep(3); print('alive')")
     attacker = """
 import os, signal, ctypes, errno
 libc = ctypes.CDLL(None, use_errno=True)
@@ -293,7 +312,7 @@ print('seen', seen == [me], 'killed', killed, 'traced', traced)
 
     async def both():  # type: ignore[no-untyped-def]
         v = asyncio.create_task(corral.run_code_async(victim, timeout=30))
-        await asyncio.sleep(0.5)
+        assert await asyncio.to_thread(wait_until, lambda: _abstract_bound("rc-victim"), 15)
         a = await corral.run_code_async(attacker, timeout=30)
         return await v, a
 

@@ -267,6 +267,11 @@ def test_restore_of_a_sandbox_at_its_pids_limit():
         snap.delete()
 
 
+def _rss_kib(box: Sandbox, name: str) -> int:
+    out = box.exec(f"awk '/^VmRSS/{{print $2}}' /proc/$(pgrep -x {name})/status").stdout
+    return int(out) if out.strip().isdigit() else 0
+
+
 def test_restore_of_a_sandbox_near_its_memory_limit():
     """The old processes hold most of memory_mb while the new init starts beside them."""
     with Sandbox(timeout=60, memory_mb=64) as box:
@@ -274,7 +279,8 @@ def test_restore_of_a_sandbox_near_its_memory_limit():
         for _ in range(3):
             box.exec("head -c 50M /dev/zero | tail > /dev/null", background=True)
             assert wait_until(lambda: box.exec("pgrep -x tail").exit_code == 0, timeout=5)
-            time.sleep(0.5)  # tail's buffer grows to ~50 MB
+            # tail's buffer grows to ~50 MB (one line without its newline)
+            assert wait_until(lambda: _rss_kib(box, "tail") > 40_000, timeout=10)
             assert box.restore(snap).state == "running"
             assert box.exec("echo ok").stdout == "ok\n"
         snap.delete()
@@ -299,18 +305,16 @@ def _cpu_usage(sid: str) -> int:
 
 def test_pause_stops_cpu_and_calls_resume(sb):
     sb.exec("while :; do :; done", background=True)
-    time.sleep(0.3)
+    assert wait_until(lambda: _cpu_usage(sb.id) > 0)  # the loop runs
     info = sb.pause()
     assert info.state == "paused" and info.paused_at
     assert sb.info().state == "paused"  # info does not resume it
     assert sb.id in {s.id for s in Sandbox.list()}
-    time.sleep(0.1)
-    before = _cpu_usage(sb.id)
-    time.sleep(0.5)
+    before = _cpu_usage(sb.id)  # final: pause returns once every process is frozen
+    time.sleep(0.5)  # the window measured
     assert _cpu_usage(sb.id) == before  # not one nanosecond while frozen
     assert sb.resume().state == "running"
-    time.sleep(0.3)
-    assert _cpu_usage(sb.id) > before
+    assert wait_until(lambda: _cpu_usage(sb.id) > before)
     sb.pause()
     # Any exec or file call resumes it transparently.
     assert sb.exec("echo hi").stdout == "hi\n"
@@ -324,11 +328,19 @@ def test_pause_ttl_stop_and_count():
     with Sandbox(timeout=1.0, pause_ttl="stop") as stop, Sandbox(timeout=1.0) as count:
         stop.pause()
         count.pause()
-        time.sleep(1.6)
+
+        def expired() -> bool:
+            try:
+                count.info()
+            except SandboxNotRunning as e:
+                assert e.details["reason"] == "expired"
+                return True
+            return False
+
+        # The reaper's pass that expires count (its TTL ran on while paused) would have
+        # expired stop too (made first, the same TTL) had its clock not stopped.
+        assert wait_until(expired, 10)
         assert stop.info().state == "paused"
-        with pytest.raises(SandboxNotRunning) as ei:
-            count.info()
-        assert ei.value.details["reason"] == "expired"
         exp = stop.resume().expires_at
         assert exp > time.time() + 0.2  # the paused time was added back
     with pytest.raises(InvalidRequest):

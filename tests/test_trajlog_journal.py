@@ -50,6 +50,12 @@ async def _ok() -> dict[str, Any]:
     return {"exit_code": 0, "stdout": "", "stderr": ""}
 
 
+async def _until(cond: Any) -> None:
+    """Poll ``cond`` on the loop (the caller bounds the wait)."""
+    while not cond():
+        await asyncio.sleep(0.005)
+
+
 def _run(tmp_path, body, **kw: Any) -> TrajLog:
     tl = TrajLog(str(tmp_path), **kw)
 
@@ -111,8 +117,10 @@ async def main():
     tl.sandbox_ended("gone", "killed")
     async def slow():
         await asyncio.sleep(60)
+    n = tl.stats["started_rows"]
     asyncio.ensure_future(tl.run("sb", "exec", {"i": "slow"}, None, slow))
-    await asyncio.sleep(0.2)  # its started row is journaled
+    while tl.stats["started_rows"] == n:  # its started row is journaled (after 10 ms)
+        await asyncio.sleep(0.005)
     print("ready", flush=True)
     await asyncio.sleep(60)
 
@@ -286,15 +294,18 @@ def test_started_rows_then_finish_in_place(tmp_path):
     """A call that outlives the hold gets a started row; its end replaces that row (same
     seq)."""
     async def body(tl: TrajLog) -> None:
+        gate = asyncio.Event()
+
         async def slow() -> dict[str, Any]:
-            await asyncio.sleep(0.2)
+            await gate.wait()
             return {"ok": True}
 
         task = asyncio.ensure_future(tl.run("sb", "mkdir", {"path": "/x"}, None, slow))
-        await asyncio.sleep(0.1)
+        await asyncio.wait_for(_until(lambda: tl.stats["started_rows"] == 1), 10)  # the hold
         await tl.flushed()
         assert [r[2] for r in _rows(tl.path)] == ["started"]
         (first,) = tl.read("sb")[1]
+        gate.set()
         await task
         await tl.flushed()
         assert [r[2] for r in _rows(tl.path)] == [None]

@@ -306,20 +306,28 @@ def test_a_log_from_before_started_rows_is_migrated(tmp_path):
             assert [(e["op"], e["status"], e["duration_s"]) for e in entries] == \
                 [("exec", "done", 1.0)]
 
+            gate = asyncio.Event()
+
             async def slow() -> dict:
-                await asyncio.sleep(0.3)
+                await gate.wait()
                 return {"ok": True}
 
+            async def started(n: int) -> None:  # keyed: journaled as started before it runs
+                while tl.stats["started_rows"] < n:
+                    await asyncio.sleep(0)
+
             task = asyncio.ensure_future(tl.run("sb-old", "mkdir", {"path": "/x"}, "k1", slow))
-            await asyncio.sleep(0.15)
+            await asyncio.wait_for(started(1), 10)
             await tl.flushed()  # journaled: in the database once ingested
             assert [e["status"] for e in tl.read("sb-old")[1]] == ["done", "started"]
+            gate.set()
             await task
             await tl.flushed()
             assert [e["status"] for e in tl.read("sb-old")[1]] == ["done", "done"]
             # a started row left open (a crash) is interrupted at the next open
+            gate.clear()
             task = asyncio.ensure_future(tl.run("sb-old", "mkdir", {"path": "/y"}, "k2", slow))
-            await asyncio.sleep(0.15)
+            await asyncio.wait_for(started(2), 10)
         finally:
             tl.close()
         task.cancel()

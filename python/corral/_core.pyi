@@ -2,9 +2,7 @@
 mounts, seccomp filters and exec. Every call releases the GIL. Errors are OSError with the
 errno of the failed step (ValueError for a malformed config), unless named below."""
 
-from typing import Literal, TypedDict
-
-from typing_extensions import NotRequired
+from typing import Literal
 
 DEFAULT_PATH: str
 
@@ -18,53 +16,41 @@ class LayerLimit(Exception):
 # An rlimit: one value (soft = hard) or (soft, hard); names as in `prlimit` (nofile, core, ...).
 Rlimits = dict[str, int | tuple[int, int]]
 
-class Overlay(TypedDict):
-    target: str
-    lower: list[str]
-    upper: str
-    work: str
-    options: NotRequired[list[str]]
+class Overlay:
+    """One overlay mount of a new sandbox: ``target`` inside it ("/" first), lowerdirs
+    top-first; ``options``: extra overlayfs options (default none), e.g. "volatile"."""
 
-class SpawnConfig(TypedDict):
-    """spawn_sandbox's config: a new sandbox, its init started."""
+    def __init__(self, *, target: str, lower: list[str], upper: str, work: str,
+                 options: list[str] = ...) -> None: ...
 
-    init_fd: int
-    root: str
-    overlays: list[Overlay]
-    hostname: NotRequired[str]
-    cgroup_procs: NotRequired[list[str]]
-    rlimits: NotRequired[Rlimits]
-    netns_fd: NotRequired[int | None]
-    unix_only: NotRequired[bool]
-    mask_dir: NotRequired[str | None]
-    proc_readonly: NotRequired[list[str]]
-    proc_mask_files: NotRequired[list[str]]
-    proc_mask_dirs: NotRequired[list[str]]
-    tmp_size_mb: NotRequired[int | None]
-    tmp_tmpfs: NotRequired[bool]
-    proc_binds: NotRequired[list[tuple[str, str]]]     # (host file, /proc entry), read-only
-    sys_dir: NotRequired[str | None]                    # host skeleton bound at /sys
-    cgroup_mounts: NotRequired[list[tuple[str, str, str]]]  # (target, fstype, options)
+class SpawnConfig:
+    """spawn_sandbox's config: a new sandbox, its init started. Checked when made (ValueError
+    for a bad rlimit, TypeError for a wrong type). Defaults: hostname "sandbox", every list
+    empty."""
 
-class ExecConfig(TypedDict):
-    """exec_in's config: a command started in a live sandbox by the daemon's own path."""
+    def __init__(
+        self, *, init_fd: int, root: str, overlays: list[Overlay], hostname: str = ...,
+        cgroup_procs: list[str] = ..., rlimits: Rlimits | None = None,
+        netns_fd: int | None = None, unix_only: bool = False, mask_dir: str | None = None,
+        proc_readonly: list[str] = ..., proc_mask_files: list[str] = ...,
+        proc_mask_dirs: list[str] = ...,
+        proc_binds: list[tuple[str, str]] = ...,     # (host file, /proc entry), read-only
+        sys_dir: str | None = None,                   # host skeleton bound at /sys
+        cgroup_mounts: list[tuple[str, str, str]] = ...,  # (target, fstype, options)
+        tmp_size_mb: int | None = None, tmp_tmpfs: bool = True,
+    ) -> None: ...
 
-    init_pid: int
-    pidfd: int
-    root_fd: NotRequired[int | None]
-    argv: list[str]
-    env: NotRequired[list[str]]
-    cwd: NotRequired[str]
-    uid: NotRequired[int]
-    gid: NotRequired[int]
-    groups: NotRequired[list[int]]
-    stdin: NotRequired[int]
-    stdout: NotRequired[int]
-    stderr: NotRequired[int]
-    cgroup_procs: NotRequired[list[str]]
-    rlimits: NotRequired[Rlimits]
-    tty: NotRequired[bool]
-    unix_only: NotRequired[bool]
+class ExecConfig:
+    """exec_in's config: a command started in a live sandbox by the daemon's own path.
+    Defaults: cwd "/", stdin/stdout/stderr -1 (/dev/null), every list empty."""
+
+    def __init__(
+        self, *, init_pid: int, pidfd: int, argv: list[str], root_fd: int | None = None,
+        env: list[str] = ..., cwd: str = ..., uid: int = 0, gid: int = 0,
+        groups: list[int] = ..., stdin: int = ..., stdout: int = ..., stderr: int = ...,
+        cgroup_procs: list[str] = ..., rlimits: Rlimits | None = None, tty: bool = False,
+        unix_only: bool = False,
+    ) -> None: ...
 
 FileType = Literal["file", "dir", "symlink", "other"]
 # (type, size, mode, mtime)

@@ -1,12 +1,13 @@
 //! `corral._core`: the privileged, syscall-heavy hot path of corral (see docs/architecture.md,
-//! "The Rust core contract"). Python passes plain dicts, lists and ints; every call releases
-//! the GIL around its syscalls; kernel errors become `OSError(errno, "<step>: <reason>")`, bad
+//! "The Rust core contract"). Python passes typed config classes (configs.rs), lists and
+//! ints; every call releases the GIL around its syscalls; kernel errors become `OSError(errno, "<step>: <reason>")`, bad
 //! arguments `ValueError`.
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod cgview;
 mod child;
+mod configs;
 mod enter;
 mod fs;
 mod harden;
@@ -23,15 +24,16 @@ use std::os::fd::{IntoRawFd, RawFd};
 
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::PyBytes;
 
-use enter::{EnterError, ExecConfig};
+use configs::{PyExecConfig, PyOverlay, PySpawnConfig};
+use enter::EnterError;
 use fs::FsError;
 use harden::{HardenError, Rlimit};
 use hostmount::HostMountError;
 use layer::LayerError;
 use scratchfs::ScratchError;
-use spawn::{Overlay, SpawnConfig, SpawnError};
+use spawn::SpawnError;
 use zygote::ZygoteError;
 
 // ---- errors -----------------------------------------------------------------------------------
@@ -147,120 +149,6 @@ pyo3::create_exception!(
 fn io_err(what: &str, e: std::io::Error) -> PyErr {
     let errno = e.raw_os_error().unwrap_or(libc::EIO);
     os_error(errno, format!("{what}: {}", harden::strerror(errno)))
-}
-
-// ---- cfg dict helpers -----------------------------------------------------------------------
-
-fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
-    Ok(d.get_item(key)?.filter(|v| !v.is_none()))
-}
-
-fn req<'py, T>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<T>
-where
-    T: for<'a> FromPyObject<'a, 'py>,
-    for<'a> <T as FromPyObject<'a, 'py>>::Error: Into<PyErr>,
-{
-    match item(d, key)? {
-        Some(v) => v.extract::<T>().map_err(|e| {
-            let e: PyErr = e.into();
-            PyValueError::new_err(format!("cfg[{key:?}]: {e}"))
-        }),
-        None => Err(PyValueError::new_err(format!("cfg is missing {key:?}"))),
-    }
-}
-
-fn opt<'py, T>(d: &Bound<'py, PyDict>, key: &str, default: T) -> PyResult<T>
-where
-    T: for<'a> FromPyObject<'a, 'py>,
-    for<'a> <T as FromPyObject<'a, 'py>>::Error: Into<PyErr>,
-{
-    match item(d, key)? {
-        Some(_) => req(d, key),
-        None => Ok(default),
-    }
-}
-
-fn rlimits(d: &Bound<'_, PyDict>) -> PyResult<Vec<Rlimit>> {
-    let Some(v) = item(d, "rlimits")? else {
-        return Ok(Vec::new());
-    };
-    let m = v
-        .cast::<PyDict>()
-        .map_err(|_| PyValueError::new_err("cfg[\"rlimits\"] must be a dict"))?;
-    let mut out = Vec::new();
-    for (k, v) in m.iter() {
-        let name: String = k
-            .extract()
-            .map_err(|_| PyValueError::new_err("rlimit names are str"))?;
-        let (soft, hard) = if let Ok(n) = v.extract::<i128>() {
-            (n, n)
-        } else if let Ok(pair) = v.extract::<(i128, i128)>() {
-            pair
-        } else {
-            return Err(PyValueError::new_err(format!(
-                "rlimit {name}: expected an int or a (soft, hard) pair"
-            )));
-        };
-        out.push(harden::rlimit(&name, soft, hard)?);
-    }
-    Ok(out)
-}
-
-fn spawn_config(cfg: &Bound<'_, PyDict>) -> PyResult<SpawnConfig> {
-    let ovs = req::<Bound<'_, PyList>>(cfg, "overlays")?;
-    let mut overlays = Vec::new();
-    for o in ovs.iter() {
-        let o = o
-            .cast::<PyDict>()
-            .map_err(|_| PyValueError::new_err("each overlay must be a dict"))?;
-        overlays.push(Overlay {
-            target: req(o, "target")?,
-            lower: req(o, "lower")?,
-            upper: req(o, "upper")?,
-            work: req(o, "work")?,
-            options: opt(o, "options", Vec::new())?,
-        });
-    }
-    Ok(SpawnConfig {
-        init_fd: req(cfg, "init_fd")?,
-        root: req(cfg, "root")?,
-        overlays,
-        hostname: opt(cfg, "hostname", "sandbox".to_string())?,
-        cgroup_procs: opt(cfg, "cgroup_procs", Vec::new())?,
-        rlimits: rlimits(cfg)?,
-        netns_fd: opt(cfg, "netns_fd", None)?,
-        unix_only: opt(cfg, "unix_only", false)?,
-        mask_dir: opt(cfg, "mask_dir", None)?,
-        proc_readonly: opt(cfg, "proc_readonly", Vec::new())?,
-        proc_mask_files: opt(cfg, "proc_mask_files", Vec::new())?,
-        proc_mask_dirs: opt(cfg, "proc_mask_dirs", Vec::new())?,
-        proc_binds: opt(cfg, "proc_binds", Vec::new())?,
-        sys_dir: opt(cfg, "sys_dir", None)?,
-        cgroup_mounts: opt(cfg, "cgroup_mounts", Vec::new())?,
-        tmp_size_mb: opt(cfg, "tmp_size_mb", None)?,
-        tmp_tmpfs: opt(cfg, "tmp_tmpfs", true)?,
-    })
-}
-
-fn exec_config(cfg: &Bound<'_, PyDict>) -> PyResult<ExecConfig> {
-    Ok(ExecConfig {
-        init_pid: req(cfg, "init_pid")?,
-        pidfd: req(cfg, "pidfd")?,
-        root_fd: opt(cfg, "root_fd", None)?,
-        argv: req(cfg, "argv")?,
-        env: opt(cfg, "env", Vec::new())?,
-        cwd: opt(cfg, "cwd", "/".to_string())?,
-        uid: opt(cfg, "uid", 0)?,
-        gid: opt(cfg, "gid", 0)?,
-        groups: opt(cfg, "groups", Vec::new())?,
-        stdin: opt(cfg, "stdin", -1)?,
-        stdout: opt(cfg, "stdout", -1)?,
-        stderr: opt(cfg, "stderr", -1)?,
-        cgroup_procs: opt(cfg, "cgroup_procs", Vec::new())?,
-        rlimits: rlimits(cfg)?,
-        tty: opt(cfg, "tty", false)?,
-        unix_only: opt(cfg, "unix_only", false)?,
-    })
 }
 
 // ---- functions ------------------------------------------------------------------------------
@@ -424,17 +312,17 @@ fn umount_detach(py: Python<'_>, target: OsString) -> PyResult<()> {
 
 /// Create a sandbox; returns (init host pid, pidfd). See docs/architecture.md for `cfg`.
 #[pyfunction]
-fn spawn_sandbox(py: Python<'_>, cfg: &Bound<'_, PyDict>) -> PyResult<(i32, RawFd)> {
-    let c = spawn_config(cfg)?;
-    let (pid, pidfd) = py.detach(|| spawn::spawn_sandbox(&c))?;
+fn spawn_sandbox(py: Python<'_>, cfg: &Bound<'_, PySpawnConfig>) -> PyResult<(i32, RawFd)> {
+    let c = &cfg.get().0;
+    let (pid, pidfd) = py.detach(|| spawn::spawn_sandbox(c))?;
     Ok((pid, pidfd.into_raw_fd()))
 }
 
 /// Start a process inside a live sandbox as a direct child of the caller; returns its pid.
 #[pyfunction]
-fn exec_in(py: Python<'_>, cfg: &Bound<'_, PyDict>) -> PyResult<i32> {
-    let c = exec_config(cfg)?;
-    Ok(py.detach(|| enter::exec_in(&c))?)
+fn exec_in(py: Python<'_>, cfg: &Bound<'_, PyExecConfig>) -> PyResult<i32> {
+    let c = &cfg.get().0;
+    Ok(py.detach(|| enter::exec_in(c))?)
 }
 
 /// At the daemon's start: not dumpable, `secret_flags`' values blanked in its command line.
@@ -703,6 +591,9 @@ fn zygote_lockdown(
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Reserve the low fd slots children borrow while the importer holds few fds (child.rs).
     child::slots();
+    m.add_class::<PySpawnConfig>()?;
+    m.add_class::<PyExecConfig>()?;
+    m.add_class::<PyOverlay>()?;
     m.add_function(wrap_pyfunction!(init_memfd, m)?)?;
     m.add_function(wrap_pyfunction!(lockdown_binary, m)?)?;
     m.add_function(wrap_pyfunction!(seccomp_filter, m)?)?;

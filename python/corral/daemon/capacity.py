@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 IDLE_SANDBOX_KIB = 400          # memory budget per idle sandbox
@@ -91,14 +92,15 @@ def derive(proc: str = "/proc", sys_root: str = "/sys") -> Limit:
 class MemoryGuard:
     """Is there memory for one more sandbox? One read of /proc/meminfo per ``MEMINFO_TTL_S``."""
 
-    def __init__(self) -> None:
+    def __init__(self, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._monotonic = monotonic
         total = meminfo_kib("MemTotal") or 0
         self.floor_kib = max(LOW_MEMORY_FLOOR_KIB, int(total * LOW_MEMORY_SHARE))
         self._checked_at = -MEMINFO_TTL_S
         self._available: int | None = None
 
     def available_kib(self) -> int | None:
-        now = time.monotonic()
+        now = self._monotonic()
         if now - self._checked_at >= MEMINFO_TTL_S:
             self._available = meminfo_kib("MemAvailable")
             self._checked_at = now

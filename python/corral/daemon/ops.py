@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import abc
 import functools
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
@@ -368,7 +367,7 @@ class Fork(Op):
         return self.logged_request
 
     async def run(self, engine: Engine) -> Any:
-        started = time.time()
+        started = engine.clock.time()
         rec, kids = await engine.fork(self.sid, self.count, self.snap_name,
                                       self.keep_snapshot, self.key)
         tl = engine.trajlog

@@ -42,7 +42,7 @@ class ProcPolicy:
     mask_dirs: tuple[str, ...]
 
     def spawn_config(self) -> dict[str, list[str]]:
-        """The keys of ``_core.spawn_sandbox``'s config."""
+        """The /proc arguments of ``_core.SpawnConfig``, by name."""
         return {"proc_readonly": list(self.readonly), "proc_mask_files": list(self.mask_files),
                 "proc_mask_dirs": list(self.mask_dirs)}
 

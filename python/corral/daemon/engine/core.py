@@ -7,7 +7,6 @@ import asyncio
 import heapq
 import logging
 import os
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 from corral import __version__
 from corral.config import Config
 from corral.daemon import capacity, oserrors, persist, removal, snapshots
+from corral.daemon.clock import REAL, Clock
 from corral.daemon.substrates import registry
 from corral.daemon.substrates.base import Capabilities, SandboxRuntime, Substrate
 from corral.daemon.trajlog import TrajLog
@@ -55,12 +55,15 @@ from .snapshotting import SnapshotOps
 
 class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
     def __init__(self, config: Config, *, substrates: Sequence[str] | None = None,
-                 images: Any = None) -> None:
+                 images: Any = None, clock: Clock = REAL) -> None:
         """``substrates``: the registered substrates to serve (default: the registry's
-        defaults); made at start (corral.daemon.substrates.registry)."""
+        defaults); made at start (corral.daemon.substrates.registry). ``clock``: what every
+        TTL, idle timeout, reaper pass and log time is read from (corral.daemon.clock)."""
         self.config = config
+        self.clock = clock
         self.sandboxes: dict[str, Sandbox] = {}
-        self.memory = capacity.MemoryGuard()  # refuses creates while the host is short
+        # refuses creates while the host is short of memory
+        self.memory = capacity.MemoryGuard(clock.monotonic)
         self.tombstones: OrderedDict[str, str] = OrderedDict()
         self.causes: dict[str, dict[str, Any]] = {}  # tombstoned "crashed" ids: the cause
         self.substrate_names = list(substrates) if substrates is not None \
@@ -72,7 +75,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         # Host-wide resources the substrates made (registry.Context.shared).
         self.shared: dict[str, Any] = {}
         self.sandboxes_dir = os.path.join(config.state_dir, "sandboxes")
-        self.started_at = time.time()
+        self.started_at = self.clock.time()
         self.shutting_down = False
         self._shutdown_ended: list[str] = []  # see _save_shutdown_tombstones
         self.counters: dict[str, int] = {
@@ -93,7 +96,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
                                retention_s=config.log_retention_s,
                                output_cap=config.trajlog_output_cap, sync=config.trajlog_sync,
                                flush_ms=config.trajlog_flush_ms,
-                               start_ms=config.trajlog_start_ms)
+                               start_ms=config.trajlog_start_ms, clock=clock)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -209,7 +212,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
             self._resume(sb)
         if sb is None or sb.state != "running":
             raise self._gone(sid, sb)
-        sb.last_active = time.time()
+        sb.last_active = self.clock.time()
         return sb
 
     def sandbox_count(self) -> int:
@@ -226,7 +229,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         sb = self.sandboxes.get(sid)
         if sb is None or sb.state not in ("running", "paused"):
             raise self._gone(sid, sb)
-        sb.last_active = time.time()
+        sb.last_active = self.clock.time()
         return sb
 
     def _substrate(self, name: str) -> Substrate:
@@ -290,7 +293,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         # A warm one if a pool has it (corral.daemon.pools): its id was drawn when it was made.
         pooled = self.pools.take(spec, demand) if self.pools is not None else None
         sid = pooled.sandbox_id if pooled is not None else new_id()
-        now = time.time()
+        now = self.clock.time()
         sb = Sandbox(sid, spec, now, now + spec.timeout)
         sb.trajectory = trajectory
         sdir = os.path.join(self.sandboxes_dir, sid)
@@ -481,10 +484,11 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
 
     async def _reap_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.config.reaper_interval_s)
+            await self.clock.sleep(self.config.reaper_interval_s)
             try:
-                self.reap(time.time())
-                self.trajlog.maybe_prune(time.time())
+                now = self.clock.time()
+                self.reap(now)
+                self.trajlog.maybe_prune(now)
             except Exception:  # noqa: BLE001 - the reaper must survive anything
                 log.exception("reaper failed")
 
@@ -673,7 +677,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
 
     def set_timeout(self, sid: str, timeout: float) -> Sandbox:
         sb = self.get(sid)
-        now = time.time()
+        now = self.clock.time()
         sb.expires_at = now + timeout
         persist.write_json_atomic(os.path.join(self.sandboxes_dir, sid, persist.META), sb.meta())
         self._schedule(sb, now)
@@ -730,7 +734,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         except TimeoutError as e:
             substrate.thaw(sb.runtime, wait=False)
             raise InternalError(f"cannot pause: {e}") from e
-        sb.state, sb.paused_at = "paused", time.time()
+        sb.state, sb.paused_at = "paused", self.clock.time()
         self._persist(sb)
         return sb
 
@@ -746,7 +750,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
     def _resume(self, sb: Sandbox) -> None:
         assert sb.runtime is not None
         self.substrates[sb.spec.substrate].thaw(sb.runtime)
-        now = time.time()
+        now = self.clock.time()
         if sb.spec.pause_ttl == "stop" and sb.paused_at is not None:
             sb.expires_at += now - sb.paused_at  # the TTL clock stood still while paused
             sb.last_active = now

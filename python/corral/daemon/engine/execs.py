@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -109,7 +108,7 @@ class ExecOps:
             raise
         finally:
             sb.busy -= 1
-            sb.last_active = time.time()
+            sb.last_active = self.clock.time()
             if self.pools is not None:  # its first exec is over: refills may start
                 self.pools.settled(sid)
         await self.after_exit(sb, proc)
@@ -242,7 +241,7 @@ class ExecOps:
                           details={"pid": p.ns_pid}) from None
         finally:
             sb.busy -= 1
-            sb.last_active = time.time()
+            sb.last_active = self.clock.time()
 
     def stdin(self: EngineHost, sid: str, pid: int, data: str, eof: bool) -> None:
         _, p = self.proc(sid, pid)

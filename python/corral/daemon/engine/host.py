@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from corral.config import Config
 from corral.daemon import procs, snapshots, users
+from corral.daemon.clock import Clock
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
 from corral.daemon.trajlog import TrajLog
 from corral.errors import CorralError, Unsupported
@@ -19,6 +20,7 @@ from .base import Sandbox, T
 
 class EngineHost(Protocol):
     config: Config
+    clock: Clock
     sandboxes: dict[str, Sandbox]
     sandboxes_dir: str
     substrates: dict[str, Substrate]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from typing import TYPE_CHECKING
 
 from corral.daemon import persist, removal
@@ -66,11 +65,11 @@ class Recovery:
                     self._thaw_adopted(substrate, sb)
             if self.snaps is not None:
                 self.snaps.acquire(sb.layers)
-            sb.last_active = time.time()  # the idle clock restarts with the daemon
+            sb.last_active = self.clock.time()  # the idle clock restarts with the daemon
             self.sandboxes[sid] = sb
             known.add(sid)
             self._watch(sb)
-            self._schedule(sb, time.time())
+            self._schedule(sb, self.clock.time())
         removed: list[str] = []
         for substrate in self.substrates.values():
             try:

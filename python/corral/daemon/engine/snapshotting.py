@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import os
-import time
 from typing import TYPE_CHECKING, Any
 
 from corral.daemon import persist, snapshots
@@ -131,11 +130,11 @@ class SnapshotOps:
             store.release(old_layers)  # (the destroy in flight releases the new ones)
             raise self._gone(sid, sb)
         sb.state, sb.reason = "running", None
-        sb.last_active = time.time()
+        sb.last_active = self.clock.time()
         persist.write_json_atomic(os.path.join(self.sandboxes_dir, sid, persist.META), sb.meta())
         store.release(old_layers)
         self._watch(sb)
-        self._schedule(sb, time.time())
+        self._schedule(sb, self.clock.time())
         return sb
 
     def snapshot_list(self: EngineHost) -> builtins.list[dict[str, Any]]:

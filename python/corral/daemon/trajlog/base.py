@@ -8,10 +8,10 @@ import logging
 import os
 import sqlite3
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
+from corral.daemon.clock import REAL, Clock, Timer
 from corral.daemon.journal import Journal
 from corral.errors import CorralError, InternalError
 
@@ -55,10 +55,10 @@ class _Start:
                  "over")
 
     def __init__(self, sid: str, op: str, request: dict[str, Any], started_at: float,
-                 key: str | None, fp: str | None) -> None:
+                 key: str | None, fp: str | None, t: float) -> None:
         self.sid, self.op, self.request, self.started_at = sid, op, request, started_at
         self.key, self.fp = key, fp
-        self.t = time.monotonic()
+        self.t = t  # the log's clock, monotonic
         self.rowid: int | None = None
         self.req_text: str | None = None  # the request as logged (JSON)
         self.over = False  # the call has returned
@@ -90,8 +90,10 @@ def _resolve(results: list[tuple[asyncio.Future[Any], Any, BaseException | None]
 class _Base:
     def __init__(self, state_dir: str, *, enabled: bool = True, retention_s: float = 7 * 86400,
                  output_cap: int = 1 << 20, body_cap: int = 1 << 20, sync: str = "normal",
-                 flush_ms: float = 100.0, start_ms: float = 20.0) -> None:
+                 flush_ms: float = 100.0, start_ms: float = 20.0, clock: Clock = REAL) -> None:
         self.enabled = enabled
+        # Entry times, started rows held back, retention (key expiry): corral.daemon.clock.
+        self.clock = clock
         self.state_dir = state_dir
         self.path = os.path.join(state_dir, DB_NAME)
         self.retention_s = retention_s
@@ -133,7 +135,7 @@ class _Base:
         # Started rows held on the loop, oldest first (a dict: O(1) removal anywhere, O(1)
         # oldest), and the one timer that journals the due ones (armed while any is held).
         self._held: dict[_Start, None] = {}
-        self._tick: asyncio.TimerHandle | None = None
+        self._tick: Timer | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: sqlite3.Connection | None = None  # the ingester's

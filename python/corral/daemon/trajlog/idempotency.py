@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -151,8 +150,9 @@ class Idempotency(Writer):
                            fp: str | None, call: Callable[[], Awaitable[Any]],
                            to_log: Callable[[Any], dict[str, Any]] | None,
                            snapshot_ids: SnapIds, req_text: str | None = None) -> Any:
-        started = time.time()
-        c = _Start(sid, op, request, started, key, fp)
+        clock = self.clock
+        started = clock.time()
+        c = _Start(sid, op, request, started, key, fp, clock.monotonic())
         c.req_text = req_text
         early = key is not None and op in KEYED_START_OPS
         if early:
@@ -173,7 +173,7 @@ class Idempotency(Writer):
             logged_key = None if e.infra else key
             if self._hold_file:
                 await self._wait_hold_file()
-            await self.record(sid, op, request, None, e.to_payload(), started, time.time(),
+            await self.record(sid, op, request, None, e.to_payload(), started, clock.time(),
                               logged_key, fp if logged_key else None, ids, c)
             raise
         except BaseException:
@@ -200,7 +200,7 @@ class Idempotency(Writer):
             ids = snapshot_ids(result)
         if self._hold_file:
             await self._wait_hold_file()
-        self._write_entry(sid, op, request, result, None, started, time.time(), key, fp, ids,
+        self._write_entry(sid, op, request, result, None, started, clock.time(), key, fp, ids,
                           start, scope, c.req_text)
         if self._full or len(self._pending) > MAX_PENDING:
             await self.flushed()

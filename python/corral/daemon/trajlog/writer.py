@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import threading
-import time
 from typing import Any
 
 from corral.daemon.journal import Journal
@@ -154,7 +153,7 @@ class Writer(Ingester):
         self._live.discard(sid)
         self._bound.pop(sid, None)
         if self.enabled:
-            self._sandbox_write("se", (sid, time.time(), reason))
+            self._sandbox_write("se", (sid, self.clock.time(), reason))
 
     def _sandbox_write(self, kind: str, fields: tuple[Any, ...]) -> None:
         """A sandbox row: journaled like an entry (a create's row before the create's entry),
@@ -185,7 +184,7 @@ class Writer(Ingester):
             snap = info.get("snapshot")
             try:
                 self._write_entry(sid, "create", spec, dict(info, recovered=True), None,
-                                  created_at, time.time(), None, None,
+                                  created_at, self.clock.time(), None, None,
                                   [snap] if snap else None, None)
             except InternalError:
                 continue
@@ -197,7 +196,7 @@ class Writer(Ingester):
     def recovered(self, live: set[str]) -> None:
         """After a restart: sandboxes the log thought alive but that are not are ended."""
         if self.enabled and self._thread is not None:
-            self._control(_Control("ended_except", (time.time(), sorted(live)), None))
+            self._control(_Control("ended_except", (self.clock.time(), sorted(live)), None))
 
     def maybe_prune(self, now: float) -> None:
         if self.enabled and now - self._last_prune >= PRUNE_EVERY_S:
@@ -209,7 +208,7 @@ class Writer(Ingester):
             return 0
         assert self._loop is not None
         fut = self._loop.create_future()
-        self._control(_Control("prune", ((now or time.time()) - self.retention_s,), fut),
+        self._control(_Control("prune", ((now or self.clock.time()) - self.retention_s,), fut),
                       now=True)
         return int(await _committed(fut))
 
@@ -225,8 +224,8 @@ class Writer(Ingester):
         if held:
             self._held[c] = None
             if self._tick is None and self._loop is not None:
-                self._tick = self._loop.call_later(
-                    max(0.0, c.t + self.start_hold_s - time.monotonic()), self._queue_due)
+                self._tick = self.clock.call_later(
+                    max(0.0, c.t + self.start_hold_s - self.clock.monotonic()), self._queue_due)
 
     def _start_now(self, c: _Start) -> None:
         """Journal a keyed call's started row before the call runs (raises InternalError if it
@@ -241,12 +240,12 @@ class Writer(Ingester):
 
     def _queue_due(self) -> None:
         self._tick = None
-        due = time.monotonic() - self.start_hold_s
+        due = self.clock.monotonic() - self.start_hold_s
         while self._held:
             s = next(iter(self._held))
             if s.t > due:  # the rest are younger (oldest first)
                 assert self._loop is not None
-                self._tick = self._loop.call_later(s.t - due, self._queue_due)
+                self._tick = self.clock.call_later(s.t - due, self._queue_due)
                 return
             del self._held[s]
             self._seq += 1
@@ -279,7 +278,7 @@ class Writer(Ingester):
         """Journal a finished entry of a call that was not made through ``run`` (a fork's
         children): durable when this returns."""
         if self.enabled:
-            self._write_entry(sid, op, request, result, None, started_at, time.time(), None,
+            self._write_entry(sid, op, request, result, None, started_at, self.clock.time(), None,
                               None, snapshot_ids, None)
 
     async def record(self, sid: str, op: str, request: dict[str, Any],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from corral import _core
 from corral.errors import ExecStalled, InvalidRequest, SandboxNotRunning
@@ -13,8 +13,6 @@ from ..base import ExecSpec, SandboxRuntime, Spawned
 from .threads import _in_thread, _kill_abandoned, _within
 
 if TYPE_CHECKING:  # pragma: no cover
-    from corral._core import ExecConfig
-
     from .host import Host
 
 
@@ -84,25 +82,28 @@ class DaemonExec:
     def _spawn(self: Host, runtime: SandboxRuntime, spec: ExecSpec, root: int,
                pidfd: int) -> int:
         self._ensure_memcg(runtime)
-        cfg = {
-            "init_pid": runtime.init_pid,
-            "pidfd": pidfd,
-            "root_fd": root,
-            "argv": list(spec.argv),
-            "env": [f"{k}={v}" for k, v in spec.env.items()],
-            "cwd": spec.cwd or "/",
-            "uid": spec.uid,
-            "gid": spec.gid,
-            "groups": list(spec.groups),
-            "stdin": spec.stdin_fd,
-            "stdout": spec.stdout_fd,
-            "stderr": spec.stderr_fd,
-            "cgroup_procs": self.cgroups.procs_files(runtime.cgroup_paths),
-            "rlimits": self.rlimits,
-            "unix_only": _unix_only(runtime),
-        }
         try:
-            return _core.exec_in(cast("ExecConfig", cfg))
+            cfg = _core.ExecConfig(
+                init_pid=runtime.init_pid,
+                pidfd=pidfd,
+                root_fd=root,
+                argv=list(spec.argv),
+                env=[f"{k}={v}" for k, v in spec.env.items()],
+                cwd=spec.cwd or "/",
+                uid=spec.uid,
+                gid=spec.gid,
+                groups=list(spec.groups),
+                stdin=spec.stdin_fd,
+                stdout=spec.stdout_fd,
+                stderr=spec.stderr_fd,
+                cgroup_procs=self.cgroups.procs_files(runtime.cgroup_paths),
+                rlimits=self.rlimits,
+                unix_only=_unix_only(runtime),
+            )
+        except (ValueError, TypeError, OverflowError) as e:  # an id out of range, say
+            raise InvalidRequest(str(e)) from None
+        try:
+            return _core.exec_in(cfg)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         except OSError as e:

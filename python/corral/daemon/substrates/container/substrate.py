@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from corral import _core
 from corral.daemon import (
@@ -62,7 +62,6 @@ from .rootcache import RootCache, _RootRef
 from .threads import _dup, _reap_later
 
 if TYPE_CHECKING:  # pragma: no cover
-    from corral._core import SpawnConfig
     from corral.daemon.cgroups import CgroupManager
     from corral.daemon.images import Image, ImageStore
     from corral.daemon.snapshots import SnapshotStore
@@ -109,7 +108,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         # first exec for those made then (see _mount_later_views).
         views: list[str] = cgroups.view_names()
         self.sys_dir = make_sys_dir(os.path.join(state_dir, "sys"), views) if views else None
-        self.proc_policy = procpolicy.compute().spawn_config()  # what sandboxes see of /proc
+        self.proc_policy = procpolicy.compute()  # what sandboxes see of /proc
         # /proc/meminfo, cpuinfo, stat... by each sandbox's own cgroups (corral.daemon.lxcfs);
         # CORRAL_LXCFS=0 leaves sandboxes the host's.
         self.lxcfs = lxcfs.Lxcfs(state_dir, on_restart=self._rebind_lxcfs)
@@ -259,7 +258,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
             layer = self.scratch.make_layer(sdir, spec.disk_mb)
             os.mkdir(os.path.join(layer, "upper"), 0o700)
             os.mkdir(os.path.join(layer, "work"), 0o700)
-            overlays = []
+            overlays: list[dict[str, Any]] = []
             for n, (target, lowers) in enumerate(img.overlays):
                 upper = os.path.join(layer, "upper", str(n))
                 work = os.path.join(layer, "work", str(n))
@@ -288,25 +287,28 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
                 skip = self.cgroups.later_paths(sandbox_id)
                 join = [p for p in paths if p not in skip or os.path.isdir(p)]
             gen, binds = self.lxcfs.generation, self.lxcfs.proc_binds()
-            cfg = {
-                "init_fd": self.init_fd,
-                "root": root,
-                "overlays": overlays,
-                "hostname": spec.hostname or sandbox_id[:63],
-                "cgroup_procs": self.cgroups.procs_files(join),
-                "rlimits": self.rlimits,
-                "netns_fd": join_fd,
-                "unix_only": unix_only,
-                "mask_dir": self.mask_dir,
-                **self.proc_policy,
-                "proc_binds": binds,
-                "sys_dir": self.sys_dir,
-                "cgroup_mounts": (self.cgroups.view_mounts(join)
-                                  if self.sys_dir is not None else []),
-                "tmp_size_mb": spec.disk_mb,
-                "tmp_tmpfs": not self.scratch.quota,
-            }
-            pid, pidfd = _core.spawn_sandbox(cast("SpawnConfig", cfg))
+            policy = self.proc_policy
+            cfg = _core.SpawnConfig(
+                init_fd=self.init_fd,
+                root=root,
+                overlays=[_core.Overlay(**o) for o in overlays],
+                hostname=spec.hostname or sandbox_id[:63],
+                cgroup_procs=self.cgroups.procs_files(join),
+                rlimits=self.rlimits,
+                netns_fd=join_fd,
+                unix_only=unix_only,
+                mask_dir=self.mask_dir,
+                proc_readonly=list(policy.readonly),
+                proc_mask_files=list(policy.mask_files),
+                proc_mask_dirs=list(policy.mask_dirs),
+                proc_binds=binds,
+                sys_dir=self.sys_dir,
+                cgroup_mounts=(self.cgroups.view_mounts(join)
+                               if self.sys_dir is not None else []),
+                tmp_size_mb=spec.disk_mb,
+                tmp_tmpfs=not self.scratch.quota,
+            )
+            pid, pidfd = _core.spawn_sandbox(cfg)
             if not self.keep_pidfds:
                 with self._kid_lock:
                     self._kids[pid] = sandbox_id

@@ -1,0 +1,48 @@
+"""The Rust core's configs cross into it as typed classes: keyword-only, checked when made,
+and the calls take nothing else (no dict matched by key name). Making them needs no root."""
+
+from __future__ import annotations
+
+import pytest
+
+_core = pytest.importorskip("corral._core")
+
+
+def overlay():  # type: ignore[no-untyped-def]
+    return _core.Overlay(target="/", lower=["/l"], upper="/u", work="/w")
+
+
+def test_configs_are_keyword_only_and_typed():
+    with pytest.raises(TypeError):
+        _core.ExecConfig(1, 2, ["true"])  # positional
+    with pytest.raises(TypeError):
+        _core.ExecConfig(init_pid=1, pidfd=2, argv="true")  # a str is not a list
+    with pytest.raises(TypeError):
+        _core.ExecConfig(init_pid=1, pidfd=2, argv=["true"], uid="0")
+    with pytest.raises(TypeError):
+        _core.ExecConfig(init_pid=1, argv=["true"])  # pidfd is required
+    with pytest.raises(TypeError):
+        _core.ExecConfig(init_pid=1, pidfd=2, argv=["true"], cmd="true")  # no such argument
+    with pytest.raises(OverflowError):
+        _core.ExecConfig(init_pid=1, pidfd=2, argv=["true"], uid=1 << 32)
+    with pytest.raises(TypeError):
+        _core.SpawnConfig(init_fd=3, root="/r", overlays=[{"target": "/"}])  # not an Overlay
+    _core.SpawnConfig(init_fd=3, root="/r", overlays=[overlay()], rlimits={"nofile": 64})
+
+
+def test_rlimits_are_checked_when_made():
+    for bad in ({"bogus": 1}, {"nofile": (10, 5)}, {"nofile": "many"}, {1: 1}):
+        with pytest.raises(ValueError):
+            _core.ExecConfig(init_pid=1, pidfd=2, argv=["true"], rlimits=bad)
+        with pytest.raises(ValueError):
+            _core.SpawnConfig(init_fd=3, root="/r", overlays=[overlay()], rlimits=bad)
+
+
+def test_the_calls_take_only_the_classes():
+    """A dict is refused before anything is done (no process, no syscall)."""
+    with pytest.raises(TypeError):
+        _core.exec_in({"init_pid": 1, "pidfd": 2, "argv": ["true"]})
+    with pytest.raises(TypeError):
+        _core.spawn_sandbox({"init_fd": 3, "root": "/r", "overlays": []})
+    with pytest.raises(TypeError):
+        _core.spawn_sandbox(_core.ExecConfig(init_pid=1, pidfd=2, argv=["true"]))

@@ -1,0 +1,245 @@
+"""The trajectory log alone (writer, ingester, idempotency, reader) on a manual clock: entry
+times, started rows held back, replay and fast-forward of keyed calls, interrupted calls and
+key expiry by retention. A real SQLite database and journal in a private dir."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from corral.daemon import ops
+from corral.daemon.clock import ManualClock
+from corral.daemon.trajlog import TrajLog
+from corral.errors import (
+    FileNotFound,
+    InfraError,
+    ReplayDivergence,
+    SandboxNotRunning,
+    StepInterrupted,
+)
+from corral.models import ExecRequest
+
+from .unitkit import engine_on, run, settle, spec
+
+
+@contextlib.asynccontextmanager
+async def opened(state: str, clock: ManualClock, **kw: Any) -> AsyncIterator[TrajLog]:
+    kw.setdefault("flush_ms", 0)
+    tl = TrajLog(state, clock=clock, **kw)
+    tl.open(asyncio.get_running_loop())
+    try:
+        yield tl
+    finally:
+        tl.close()
+
+
+class Counted:
+    """A call that counts its runs and takes ``dt`` seconds of the clock."""
+
+    def __init__(self, clock: ManualClock, result: Any = None, dt: float = 0.0,
+                 error: BaseException | None = None) -> None:
+        self.clock, self.result, self.dt, self.error, self.runs = clock, result, dt, error, 0
+
+    async def __call__(self) -> Any:
+        self.runs += 1
+        self.clock.advance(self.dt)
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def test_entries_carry_the_clocks_times_in_order(state, clock):
+    async def go():
+        async with opened(state, clock) as tl:
+            tl.sandbox_created("sb-1", {"image": "host"}, clock.time())
+            t0 = clock.time()
+            await tl.run("sb-1", "exec", {"cmd": "a"}, None, Counted(clock, {"exit_code": 0}, 2))
+            await tl.run("sb-1", "mkdir", {"path": "/x"}, None, Counted(clock, {"ok": True}, 1))
+            clock.advance(5)
+            tl.sandbox_ended("sb-1", "killed")
+            await tl.flushed()
+            sandbox, entries = tl.read("sb-1")
+            assert [e["op"] for e in entries] == ["exec", "mkdir"]
+            assert [(e["started_at"], e["ended_at"], e["duration_s"]) for e in entries] == [
+                (t0, t0 + 2, 2.0), (t0 + 2, t0 + 3, 1.0)]
+            assert sandbox["ended_at"] == t0 + 8 and sandbox["reason"] == "killed"
+            assert tl.read("sb-other") is None
+    run(go())
+
+
+def test_a_key_runs_once_and_replays_its_result(state, clock):
+    async def go():
+        async with opened(state, clock) as tl:
+            call = Counted(clock, {"exit_code": 0, "stdout": "first"})
+            req = {"cmd": "echo first"}
+            assert await tl.run("sb-1", "exec", req, "k1", call) == call.result
+            call.result = {"exit_code": 0, "stdout": "second"}
+            assert (await tl.run("sb-1", "exec", req, "k1", call))["stdout"] == "first"
+            assert call.runs == 1
+            await tl.flushed()  # in the database now, not only in the journal
+            assert (await tl.run("sb-1", "exec", req, "k1", call))["stdout"] == "first"
+            assert call.runs == 1
+            with pytest.raises(ReplayDivergence):  # same key, another request
+                await tl.run("sb-1", "exec", {"cmd": "echo other"}, "k1", call)
+            await tl.run("sb-2", "exec", req, "k1", call)  # a key's scope is its sandbox
+            assert call.runs == 2
+    run(go())
+
+
+def test_a_task_error_binds_the_key_an_infra_error_does_not(state, clock):
+    async def go():
+        async with opened(state, clock) as tl:
+            bad = Counted(clock, error=FileNotFound("no /x", details={"path": "/x"}))
+            for _ in range(2):
+                with pytest.raises(FileNotFound):
+                    await tl.run("sb-1", "remove", {"path": "/x"}, "k", bad)
+            assert bad.runs == 1  # the logged error is replayed
+            flaky = Counted(clock, error=InfraError("node trouble"))
+            with pytest.raises(InfraError):
+                await tl.run("sb-1", "mkdir", {"path": "/y"}, "k2", flaky)
+            flaky.error, flaky.result = None, {"ok": True}
+            assert await tl.run("sb-1", "mkdir", {"path": "/y"}, "k2", flaky) == {"ok": True}
+            assert flaky.runs == 2  # a retry after an infra error runs for real
+    run(go())
+
+
+def test_concurrent_duplicates_wait_for_the_one_that_runs(state, clock):
+    async def go():
+        async with opened(state, clock) as tl:
+            gate = asyncio.Event()
+            runs = 0
+
+            async def slow() -> Any:
+                nonlocal runs
+                runs += 1
+                await gate.wait()
+                return {"ok": runs}
+
+            req = {"path": "/d"}
+            first = asyncio.ensure_future(tl.run("sb-1", "mkdir", req, "k", slow))
+            dups = [asyncio.ensure_future(tl.run("sb-1", "mkdir", req, "k", slow))
+                    for _ in range(3)]
+            await settle(clock)
+            assert runs == 1 and not any(d.done() for d in dups)
+            gate.set()
+            assert await asyncio.gather(first, *dups) == [{"ok": 1}] * 4
+            assert runs == 1
+    run(go())
+
+
+def test_an_unkeyed_calls_started_row_waits_for_the_clock(state, clock):
+    """A mutating call gets a started row only once it has run ``start_ms`` on the log's
+    clock; its finished entry then takes the row's place (one entry, same seq)."""
+    async def go():
+        async with opened(state, clock, start_ms=20) as tl:
+            gate = asyncio.Event()
+
+            async def long() -> Any:
+                await gate.wait()
+                return {"exit_code": 0}
+
+            task = asyncio.ensure_future(tl.run("sb-1", "exec", {"cmd": "x"}, None, long))
+            await settle(clock)  # the call is held: its timer armed on the clock
+            assert tl.stats["started_rows"] == 0
+            clock.advance(0.019)
+            assert tl.stats["started_rows"] == 0
+            clock.advance(0.002)
+            assert tl.stats["started_rows"] == 1
+            await tl.flushed()
+            _, rows = tl.read("sb-1")
+            assert [(r["status"], r["ended_at"]) for r in rows] == [("started", None)]
+            gate.set()
+            await task
+            await tl.flushed()
+            _, rows2 = tl.read("sb-1")
+            assert [(r["status"], r["seq"]) for r in rows2] == [("done", rows[0]["seq"])]
+
+            quick = Counted(clock, {"exit_code": 0}, 0.001)  # ends before the hold
+            await tl.run("sb-1", "exec", {"cmd": "y"}, None, quick)
+            clock.advance(1)
+            assert tl.stats["started_rows"] == 1  # never journaled as started
+    run(go())
+
+
+def test_a_keyed_call_cut_by_a_crash_is_interrupted_not_run_again(state, clock):
+    async def go():
+        gate = asyncio.Event()
+
+        async def never() -> Any:
+            await gate.wait()
+
+        tl = TrajLog(state, clock=clock, flush_ms=0)
+        tl.open(asyncio.get_running_loop())
+        task = asyncio.ensure_future(tl.run("sb-1", "exec", {"cmd": "x"}, "k", never))
+        await settle(clock)
+        assert tl.stats["started_rows"] == 1  # keyed: journaled before the call ran
+        tl.close()  # the daemon dies with the call in flight
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        async with opened(state, clock) as tl2:
+            assert tl2.interrupted == 1
+            again = Counted(clock, {"exit_code": 0})
+            with pytest.raises(StepInterrupted) as e:
+                await tl2.run("sb-1", "exec", {"cmd": "x"}, "k", again)
+            assert again.runs == 0 and e.value.details["key"] == "k"
+    run(go())
+
+
+def test_keys_expire_with_the_log_retention(state, clock):
+    """An ended sandbox's keys are bound until its log is pruned, ``retention_s`` after it
+    ended on the clock; then the key runs again."""
+    async def go():
+        async with opened(state, clock, retention_s=3600) as tl:
+            tl.sandbox_created("sb-1", {}, clock.time())
+            call = Counted(clock, {"ok": True})
+            await tl.run("sb-1", "mkdir", {"path": "/a"}, "k", call)
+            tl.sandbox_ended("sb-1", "killed")
+            clock.advance(3599)
+            assert await tl.prune() == 0
+            await tl.run("sb-1", "mkdir", {"path": "/a"}, "k", call)
+            assert call.runs == 1
+            clock.advance(2)
+            assert await tl.prune() == 1
+            assert tl.read("sb-1") is None
+            await tl.run("sb-1", "mkdir", {"path": "/a"}, "k", call)
+            assert call.runs == 2
+    run(go())
+
+
+def test_trajectory_finds_its_sandbox_and_next_step(state, clock):
+    async def go():
+        async with opened(state, clock) as tl:
+            made = {"id": "sb-7", "state": "running"}
+            await tl.run("", "create", {"image": "host"}, "T:create", Counted(clock, made))
+            for step in range(3):
+                await tl.run("sb-7", "exec", {"cmd": str(step)}, f"T:{step}",
+                             Counted(clock, {"exit_code": 0}))
+            assert await tl.trajectory("T") == ("sb-7", 3)
+            assert await tl.trajectory("nope") is None
+            again = Counted(clock, {"id": "sb-other"})  # a replayed create: the same sandbox
+            assert (await tl.run("", "create", {"image": "host"}, "T:create", again))["id"] \
+                == "sb-7"
+            assert again.runs == 0
+    run(go())
+
+
+def test_a_keyed_exec_fast_forwards_after_its_sandbox_is_gone(state, clock):
+    """Through the engine and the dispatcher: a repeated key answers from the log, even once
+    the sandbox has ended; an unkeyed call on it gets the ending's error."""
+    async def go():
+        async with engine_on(state, clock) as (eng, sub):
+            sb = await eng.create(spec())
+            op = ops.Exec(sid=sb.id, key="T:0", req=ExecRequest(cmd="echo $$", cwd="/tmp"))
+            first = await ops.dispatch(eng, op)
+            assert first["exit_code"] == 0
+            await eng.kill(sb.id, key="T:1")
+            again = await ops.dispatch(eng, op)
+            assert again["stdout"] == first["stdout"] and eng.counters["execs"] == 1
+            with pytest.raises(SandboxNotRunning):
+                await ops.dispatch(eng, ops.Exec(sid=sb.id, key=None, req=op.req))
+    run(go())
