@@ -4,6 +4,7 @@ pause), with exec, files, snapshots and recovery mixed in from their modules."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import logging
 import os
@@ -59,6 +60,10 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         """``substrates``: the registered substrates to serve (default: the registry's
         defaults); made at start (corral.daemon.substrates.registry). ``clock``: what every
         TTL, idle timeout, reaper pass and log time is read from (corral.daemon.clock)."""
+        if config.max_sandboxes <= 0:  # not configured: what this machine holds
+            limit = capacity.derive()
+            config = dataclasses.replace(config, max_sandboxes=limit.count,
+                                         capacity_bound_by=limit.bound_by)
         self.config = config
         self.clock = clock
         self.sandboxes: dict[str, Sandbox] = {}
