@@ -288,6 +288,15 @@ fn netns_new(py: Python<'_>) -> PyResult<RawFd> {
         .map_err(|e| io_err("netns_new", e))
 }
 
+/// A socket made in the network namespace `netns` (an fd), e.g. netlink (NETLINK_ROUTE) to
+/// set up a sandbox's links and addresses from the daemon's namespace.
+#[pyfunction]
+fn netns_socket(py: Python<'_>, netns: RawFd, domain: i32, ty: i32, proto: i32) -> PyResult<RawFd> {
+    py.detach(|| spawn::netns_socket(netns, domain, ty, proto))
+        .map(IntoRawFd::into_raw_fd)
+        .map_err(|e| io_err("netns_socket", e))
+}
+
 /// Mount a tmpfs (nosuid, nodev, noexec) on `target` in the caller's mount namespace, for the
 /// sandboxes' scratch dirs; `options` as for mount(8) -o ("size=50%,mode=0700").
 #[pyfunction]
@@ -647,6 +656,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(exec_in, m)?)?;
     m.add_function(wrap_pyfunction!(harden_daemon, m)?)?;
     m.add_function(wrap_pyfunction!(netns_new, m)?)?;
+    m.add_function(wrap_pyfunction!(netns_socket, m)?)?;
     m.add_function(wrap_pyfunction!(mount_tmpfs, m)?)?;
     m.add_function(wrap_pyfunction!(umount, m)?)?;
     m.add_function(wrap_pyfunction!(mount_loop, m)?)?;

@@ -73,7 +73,7 @@ def validated(model: type[M], **fields: Any) -> M:
         msgs = [f"{'.'.join(str(x) for x in d['loc']) or 'value'}: {d['msg']}"
                 for d in errs[:5]]
         text = f"invalid {model.__name__}: {'; '.join(msgs)}"
-        if any(d["loc"] and d["loc"][-1] == "network" for d in errs):  # same code as the daemon
+        if any("network" in d["loc"] for d in errs):  # same code as the daemon
             raise InvalidNetwork(f"{text} (network modes: {', '.join(NETWORK_MODES)})",
                                  details={"modes": list(NETWORK_MODES)}) from None
         raise InvalidRequest(text) from None

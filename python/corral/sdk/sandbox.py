@@ -17,6 +17,7 @@ from corral.models import (
     FileEntry,
     LogEntry,
     NetworkMode,
+    NetworkPolicy,
     ProcessStatus,
     SandboxInfo,
 )
@@ -65,7 +66,9 @@ class Sandbox(SandboxHandle):
                  disk_mb: int | None = None,
                  idle_timeout: float | None = None, env: Mapping[str, str] | None = None,
                  labels: Mapping[str, str] | None = None,
-                 metadata: Mapping[str, str] | None = None, network: NetworkMode = "none",
+                 metadata: Mapping[str, str] | None = None,
+                 network: NetworkMode | str | NetworkPolicy = "none",
+                 network_group: str | None = None,
                  hostname: str | None = None, cwd: str | None = None,
                  snapshot: str | SnapshotBase | None = None, pause_ttl: str = "count",
                  endpoint: str | Endpoint | None = None,
@@ -73,7 +76,8 @@ class Sandbox(SandboxHandle):
         s = api.spec(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb,
                      disk_mb=disk_mb, pids=pids,
                      timeout=timeout, idle_timeout=idle_timeout, env=env, labels=labels,
-                     metadata=metadata, network=network, hostname=hostname, cwd=cwd,
+                     metadata=metadata, network=network, network_group=network_group,
+                     hostname=hostname, cwd=cwd,
                      snapshot=snapshot, pause_ttl=pause_ttl)
         ep = Endpoint.parse(endpoint)
         call = api.create(s)

@@ -32,7 +32,7 @@ from corral.errors import (
     SandboxNotRunning,
     Unsupported,
 )
-from corral.models import SandboxSpec
+from corral.models import SandboxSpec, network_kind
 
 from .base import (
     _CAUSE_TEXT,
@@ -238,10 +238,11 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         """The substrate a create names, checked against its capabilities."""
         sub = self._substrate(spec.substrate)
         caps = sub.capabilities
-        if spec.network not in caps.networks:
-            raise Unsupported(f"network {spec.network!r} is not supported on substrate "
+        kind = network_kind(spec.network)
+        if kind not in caps.networks:
+            raise Unsupported(f"network {kind!r} is not supported on substrate "
                               f"{sub.name!r} (it has: {', '.join(caps.networks)})",
-                              details={"substrate": sub.name, "network": spec.network})
+                              details={"substrate": sub.name, "network": kind})
         if spec.snapshot is not None and not caps.snapshot:
             raise Unsupported(f"snapshots are not supported on substrate {sub.name!r}",
                               details={"substrate": sub.name, "operation": "snapshot"})

@@ -1,0 +1,184 @@
+"""The daemon's nftables table: fixed rules written once, per-sandbox state in sets keyed by
+the sandbox's host-side interface, so attaching a sandbox is a few set elements in one
+transaction, never a rule-set reload.
+
+What a sandbox may send (chain ``from_sandbox``), in order: nothing but IPv4 from its own
+address (spoofing and IPv6 are dropped); replies of flows already allowed; other sandboxes
+only if both are in one network group; out of the uplink only (never another host
+interface); never link-local/metadata (169.254.0.0/16) nor the daemon's own range; a policy's
+deny entries; its allow entries (CIDRs, and the DNS proxy's pins, which expire with the
+answer's TTL); never the private ranges; everything else only in mode "internet". To the host
+itself (chain ``to_host``): only DNS to the gateway address. Denied packets are rejected
+(admin-prohibited) and counted per sandbox in the dynamic set ``denied``."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+
+from .nft import Nft, NftError
+from .settings import NetSettings
+
+PRIVATE4 = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "172.16.0.0/12",
+            "192.168.0.0/16", "224.0.0.0/3")
+BLOCKED4 = ("169.254.0.0/16",)
+PROTOS = ("tcp", "udp")
+
+Ports = tuple[tuple[int, int], ...]
+
+
+def _port(p: tuple[int, int]) -> str:
+    return str(p[0]) if p[0] == p[1] else f"{p[0]}-{p[1]}"
+
+
+def _ifname(name: str) -> str:
+    return '"' + name + '"'
+
+
+class Firewall:
+    def __init__(self, settings: NetSettings) -> None:
+        self.s = settings
+        self.nft = Nft()
+        self.t = f"inet {settings.table}"
+
+    def ruleset(self) -> str:
+        s, w = self.s, self.s.ifprefix + "*"
+        blocked = ", ".join((*BLOCKED4, str(s.range4)))
+        private = ", ".join(PRIVATE4)
+        return f"""
+table {self.t} {{
+  set src4 {{ type ifname . ipv4_addr; }}
+  set internet {{ type ifname; }}
+  set peers {{ type ifname . ifname; }}
+  set allow4 {{ type ifname . ipv4_addr . inet_proto . inet_service; flags interval, timeout; }}
+  set deny4 {{ type ifname . ipv4_addr . inet_proto . inet_service; flags interval; }}
+  set blocked4 {{ type ipv4_addr; flags interval; elements = {{ {blocked} }}; }}
+  set private4 {{ type ipv4_addr; flags interval; elements = {{ {private} }}; }}
+  set denied {{ type ifname; flags dynamic; counter; size 1048576; }}
+  chain input {{ type filter hook input priority -10; policy accept;
+    iifname "{w}" jump to_host
+  }}
+  chain forward {{ type filter hook forward priority -10; policy accept;
+    iifname "{w}" jump from_sandbox
+    oifname "{w}" jump to_sandbox
+  }}
+  chain to_host {{
+    meta nfproto != ipv4 drop
+    iifname . ip saddr != @src4 drop
+    ct state established,related accept
+    ip daddr {s.gateway} udp dport 53 accept
+    ip daddr {s.gateway} icmp type echo-request accept
+    goto deny
+  }}
+  chain from_sandbox {{
+    meta nfproto != ipv4 drop
+    iifname . ip saddr != @src4 drop
+    ct state established,related accept
+    oifname "{w}" iifname . oifname @peers accept
+    oifname "{w}" goto deny
+    oifname != "{s.uplink}" goto deny
+    ip daddr @blocked4 goto deny
+    iifname . ip daddr . meta l4proto . th dport @deny4 goto deny
+    iifname . ip daddr . meta l4proto . th dport @allow4 accept
+    ip daddr @private4 goto deny
+    iifname @internet accept
+    goto deny
+  }}
+  chain to_sandbox {{
+    ct state established,related accept
+    drop
+  }}
+  chain deny {{
+    update @denied {{ iifname }}
+    reject with icmpx admin-prohibited
+  }}
+  chain nat {{ type nat hook postrouting priority srcnat; policy accept;
+    ip saddr {s.range4} oifname "{s.uplink}" masquerade
+  }}
+}}
+"""
+
+    def install(self) -> None:
+        """(Re)write the table: a table left by a previous daemon is replaced whole."""
+        try:
+            self.nft.run(f"delete table {self.t}")
+        except NftError:
+            pass
+        self.nft.run(self.ruleset())
+
+    def remove(self) -> None:
+        try:
+            self.nft.run(f"delete table {self.t}")
+        except NftError:
+            pass
+        self.nft.close()
+
+    # ---- per sandbox ---------------------------------------------------------------------
+    @staticmethod
+    def rules(ifname: str, nets: Iterable[tuple[ipaddress.IPv4Network | str, Ports]],
+               timeout_s: int | None = None) -> list[str]:
+        to = f" timeout {timeout_s}s" if timeout_s else ""
+        return [f"{_ifname(ifname)} . {net} . {proto} . {_port(p)}{to}"
+                for net, ports in nets for p in ports for proto in PROTOS]
+
+    def attach_cmds(self, ifname: str, addr: ipaddress.IPv4Address, internet: bool,
+                    allow: list[str], deny: list[str]) -> str:
+        t, i = self.t, _ifname(ifname)
+        cmds = [f"add element {t} src4 {{ {i} . {addr} }}"]
+        if internet:
+            cmds.append(f"add element {t} internet {{ {i} }}")
+        if allow:
+            cmds.append(f"add element {t} allow4 {{ {', '.join(allow)} }}")
+        if deny:
+            cmds.append(f"add element {t} deny4 {{ {', '.join(deny)} }}")
+        return "\n".join(cmds)
+
+    def run(self, cmds: str) -> None:
+        self.nft.run(cmds)
+
+    def add_elements(self, set_name: str, elems: list[str]) -> None:
+        if elems:
+            self.nft.run(f"add element {self.t} {set_name} {{ {', '.join(elems)} }}")
+
+    def detach(self, ifname: str, addr: ipaddress.IPv4Address, elems: dict[str, list[str]]
+               ) -> None:
+        """Remove every element of this sandbox: each is added first (with no timeout change
+        for one still there) in the same transaction, so one that expired meanwhile does not
+        fail the delete."""
+        t, i = self.t, _ifname(ifname)
+        sets = {"src4": [f"{i} . {addr}"], "internet": [i], "denied": [i]}
+        for k, v in elems.items():
+            sets.setdefault(k, []).extend(e.split(" timeout ")[0] for e in v)
+        cmds = []
+        for name, items in sets.items():
+            if items:
+                body = ", ".join(items)
+                cmds.append(f"add element {t} {name} {{ {body} }}")
+                cmds.append(f"delete element {t} {name} {{ {body} }}")
+        self.nft.run("\n".join(cmds))
+
+    def peers(self, pairs: list[tuple[str, str]], add: bool) -> None:
+        if not pairs:
+            return
+        body = ", ".join(f"{_ifname(a)} . {_ifname(b)}" for a, b in pairs)
+        if add:
+            self.nft.run(f"add element {self.t} peers {{ {body} }}")
+        else:
+            self.nft.run(f"add element {self.t} peers {{ {body} }}\n"
+                         f"delete element {self.t} peers {{ {body} }}")
+
+    def denied_count(self, ifname: str) -> int:
+        """Packets of this sandbox rejected so far."""
+        import json
+
+        try:
+            out = self.nft.run(f"get element {self.t} denied {{ {_ifname(ifname)} }}",
+                               json_out=True)
+        except NftError:
+            return 0
+        for item in json.loads(out).get("nftables", []):
+            for e in (item.get("set") or {}).get("elem", []):
+                c = (e.get("elem") or {}).get("counter") if isinstance(e, dict) else None
+                if c:
+                    return int(c.get("packets", 0))
+        return 0
