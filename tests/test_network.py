@@ -16,9 +16,10 @@ from collections.abc import Iterator
 import netlab
 import pytest
 
-from corral import Sandbox
+from corral import Network, Sandbox
+from corral.errors import InvalidNetwork
 
-from conftest import CGROUP_NAME, private_daemon
+from conftest import CGROUP_NAME, private_daemon, wait_until
 
 TOKEN = "net-test-token"
 
@@ -138,3 +139,297 @@ def test_internet_reaches_the_lab_through_nat_and_its_resolver(net: Env):
         info = sb.info()
         assert info.network == "internet" and info.net is not None
         assert info.net.tx_packets > 0 and info.net.address.startswith("10.214.")
+
+
+def _host_addrs() -> list[str]:
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    return sorted({ln.split()[3].split("/")[0] for ln in out.splitlines()} - {"127.0.0.1"})
+
+
+@pytest.fixture
+def host_listener() -> Iterator[int]:
+    """A TCP service of the host's, on every address."""
+    s = socket.socket()
+    s.bind(("0.0.0.0", 0))
+    s.listen(16)
+    try:
+        yield s.getsockname()[1]
+    finally:
+        s.close()
+
+
+def test_always_denied_in_internet_mode(net: Env, host_listener: int):
+    """Full egress still never reaches the metadata address, a private range, the host's own
+    services on any of its addresses (the daemon's TCP port included), nor leaves by another
+    interface than the uplink."""
+    lab = net.lab
+    targets = ["169.254.169.254:80", f"{lab.private}:80", "meta.test:80", "private.test:80"]
+    for a in _host_addrs():
+        targets += [f"{a}:{host_listener}", f"{a}:{net.port}"]
+    with net.sandbox(network="internet") as sb:
+        gw = sb.info().net.gateway
+        targets += [f"{gw}:{host_listener}", f"{gw}:{net.port}", f"{gw}:53"]
+        r = probe(sb, f"connect={lab.addr(10)}:80", *(f"connect={t}" for t in targets))
+        assert ok(r[f"connect={lab.addr(10)}:80"]), r  # the control: egress works
+        leaked = {t: v for t, v in r.items() if ok(v) and lab.addr(10) not in t}
+        assert not leaked, leaked
+        assert sb.info().net.denied_packets >= len(targets) - 2  # two names: refused or denied
+    seen = {(e["dst"], e["port"]) for e in lab.entries("tcp")}
+    assert ("169.254.169.254", 80) not in seen and (lab.private, 80) not in seen
+
+
+def test_a_port_scan_of_the_host_finds_nothing(net: Env, host_listener: int):
+    scan = textwrap.dedent('''
+        import socket, sys
+        open_ = []
+        for host in sys.argv[1:]:
+            for port in list(range(1, 1025)) + [int(p) for p in PORTS]:
+                s = socket.socket(); s.settimeout(0.5)
+                if s.connect_ex((host, port)) == 0:
+                    open_.append(f"{host}:{port}")
+                s.close()
+        print(" ".join(open_) or "none")
+    ''').replace("PORTS", repr([str(host_listener), str(net.port)]))
+    with net.sandbox(network="internet") as sb:
+        hosts = [sb.info().net.gateway, *_host_addrs()]
+        r = sb.exec(["python3", "-c", scan, *hosts], timeout=120)
+        assert r.stdout.strip() == "none", r
+
+
+def _listen(sb: Sandbox, port: int) -> None:
+    sb.exec(["python3", "-c", textwrap.dedent(f'''
+        import socket
+        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", {port})); s.listen(8)
+        while True:
+            c, a = s.accept(); c.sendall(b"peer " + a[0].encode() + b"\\n"); c.close()
+    ''')], background=True)
+    assert wait_until(lambda: f":{port:04X}" in sb.exec("cat /proc/net/tcp").stdout)
+
+
+def test_sandboxes_reach_each_other_only_within_their_group(net: Env):
+    with net.sandbox(network="internet") as a, net.sandbox(network="internet") as b, \
+            net.sandbox(network="internet", network_group="g1") as c, \
+            net.sandbox(network=Network(allow=["allowed.test"]), network_group="g1") as d, \
+            net.sandbox(network="internet", network_group="g2") as e:
+        for sb in (b, d, e):
+            _listen(sb, 7000)
+        addr = {sb.id: sb.info().net.address for sb in (a, b, c, d, e)}
+        r = probe(a, f"connect={addr[b.id]}:7000", f"connect={addr[d.id]}:7000",
+                  f"resolve={b.id}")
+        assert not ok(r[f"connect={addr[b.id]}:7000"]), r
+        assert not ok(r[f"connect={addr[d.id]}:7000"]), r
+        assert not isinstance(r[f"resolve={b.id}"], list), r
+        # Same group: by address and by sandbox id as a name (the policy of d does not
+        # matter to its peers); another group's stays out of reach.
+        r = probe(c, f"connect={addr[d.id]}:7000", f"connect={d.id}:7000",
+                  f"connect={addr[e.id]}:7000", f"resolve={e.id}")
+        assert r[f"connect={addr[d.id]}:7000"] == f"ok:peer {addr[c.id]}", r
+        assert ok(r[f"connect={d.id}:7000"]), r
+        assert not ok(r[f"connect={addr[e.id]}:7000"]), r
+        assert not isinstance(r[f"resolve={e.id}"], list), r
+
+
+# ---- policies --------------------------------------------------------------------------------
+def test_a_policy_opens_only_resolved_names_on_their_ports(net: Env):
+    lab = net.lab
+    with net.sandbox(network=Network(allow=["allowed.test:80"])) as sb:
+        # Its address, before anything resolved it: refused.
+        r = probe(sb, f"connect={lab.addr(10)}:80")
+        assert not ok(r[f"connect={lab.addr(10)}:80"]), r
+        r = probe(sb, "resolve=allowed.test", "connect=allowed.test:80",
+                  "connect=allowed.test:8080", f"connect={lab.addr(12)}:80",
+                  "resolve=denied.test", "resolve=other.test", "resolve=x.allowed.test")
+        assert r["resolve=allowed.test"] == [lab.addr(10)], r
+        assert ok(r["connect=allowed.test:80"]), r
+        assert not ok(r["connect=allowed.test:8080"]), r       # not its port
+        assert not ok(r[f"connect={lab.addr(12)}:80"]), r      # never resolved
+        for name in ("denied.test", "other.test", "x.allowed.test"):
+            assert not isinstance(r[f"resolve={name}"], list), r
+        st = sb.info().net
+        assert lab.addr(10) in st.pinned and "denied.test" in st.refused_names
+        assert st.denied_packets >= 3
+    asked = {e["name"] for e in lab.entries("dns")}
+    assert not asked & {"denied.test", "other.test", "x.allowed.test"}, asked  # never left
+
+
+DIG = textwrap.dedent('''
+    import socket, sys
+    from random import randrange
+    def query(server, name, qtype):
+        qid = randrange(65536)
+        q = qid.to_bytes(2, "big") + b"\\x01\\x00\\x00\\x01\\x00\\x00\\x00\\x00\\x00\\x00"
+        for label in name.split("."):
+            q += bytes([len(label)]) + label.encode()
+        q += b"\\x00" + qtype.to_bytes(2, "big") + b"\\x00\\x01"
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(2)
+        try:
+            s.sendto(q, (server, 53)); data = s.recv(4096)
+            return f"rcode{data[3] & 15}/an{int.from_bytes(data[6:8], 'big')}"
+        except OSError as e:
+            return "err:" + type(e).__name__
+    for arg in sys.argv[1:]:
+        server, name, qtype = arg.split(",")
+        print(arg, query(server, name, int(qtype)))
+''')
+
+
+def test_dns_is_the_only_way_out_for_names(net: Env):
+    """Other resolvers on :53 are unreachable, and the sandbox's own resolver forwards nothing
+    but the A queries of allowed names: no tunnelling through denied names or other types."""
+    lab = net.lab
+    with net.sandbox(network=Network(allow=["allowed.test"])) as sb:
+        gw = sb.info().net.gateway
+        args = [f"{lab.dns},tunnel1.denied.test,1", f"{lab.addr(54)},tunnel2.denied.test,16",
+                f"{gw},tunnel3.denied.test,16", f"{gw},tunnel4.denied.test,1",
+                f"{gw},allowed.test,16", f"{gw},allowed.test,1", f"{gw},allowed.test,28"]
+        out = dict(line.rsplit(" ", 1) for line in
+                   sb.exec(["python3", "-c", DIG, *args], timeout=60).stdout.splitlines())
+        assert out[args[0]].startswith("err:") and out[args[1]].startswith("err:"), out
+        assert out[args[2]] == out[args[3]] == "rcode3/an0", out     # NXDOMAIN
+        assert out[args[4]] == "rcode3/an0", out                     # TXT of an allowed name
+        assert out[args[5]] == "rcode0/an1", out
+        assert out[args[6]] == "rcode0/an0", out                     # AAAA: empty
+    asked = [e for e in lab.entries("dns") if "tunnel" in e["name"] or e["qtype"] != "A"]
+    assert not asked, asked
+
+
+def test_named_allowlists_and_suffixes(net: Env):
+    lab = net.lab
+    with net.sandbox(network="wild") as sb:
+        r = probe(sb, "connect=a.wild.test:80", "connect=a.wild.test:8080",
+                  "resolve=wild.test", "resolve=allowed.test")
+        assert ok(r["connect=a.wild.test:80"]), r
+        assert not ok(r["connect=a.wild.test:8080"]), r
+        assert not isinstance(r["resolve=wild.test"], list), r  # *.x is below x only
+        assert not isinstance(r["resolve=allowed.test"], list), r
+        assert sb.info().network == "wild"
+    with net.sandbox(network=Network(allow=["@labweb", f"{lab.addr(11)}:80"])) as sb:
+        r = probe(sb, "connect=other.test:8080", "connect=allowed.test:80",
+                  "connect=allowed.test:8080", f"connect={lab.addr(11)}:80",
+                  f"connect={lab.addr(11)}:8080")
+        assert ok(r["connect=other.test:8080"]) and ok(r["connect=allowed.test:80"]), r
+        assert not ok(r["connect=allowed.test:8080"]), r
+        assert ok(r[f"connect={lab.addr(11)}:80"]), r
+        assert not ok(r[f"connect={lab.addr(11)}:8080"]), r
+
+
+def test_private_ranges_only_when_named_and_metadata_never(net: Env):
+    lab = net.lab
+    pol = Network(allow=[f"{lab.private}/32", "169.254.0.0/16", "private.test", "meta.test"],
+                  deny=[f"{lab.addr(12)}"])
+    with net.sandbox(network=pol) as sb:
+        r = probe(sb, f"connect={lab.private}:80", "connect=169.254.169.254:80",
+                  "connect=meta.test:80")
+        assert ok(r[f"connect={lab.private}:80"]), r
+        assert not ok(r["connect=169.254.169.254:80"]), r
+        assert not ok(r["connect=meta.test:80"]), r
+
+
+def test_deny_wins_over_allow(net: Env):
+    lab = net.lab
+    pol = Network(allow=["*.wild.test", f"{lab.net}.0/24"], deny=["a.wild.test", lab.addr(12),
+                                                                 f"{lab.addr(10)}:8080"])
+    with net.sandbox(network=pol) as sb:
+        r = probe(sb, "resolve=a.wild.test", f"connect={lab.addr(12)}:80",
+                  f"connect={lab.addr(10)}:80", f"connect={lab.addr(10)}:8080")
+        assert not isinstance(r["resolve=a.wild.test"], list), r
+        assert not ok(r[f"connect={lab.addr(12)}:80"]), r
+        assert ok(r[f"connect={lab.addr(10)}:80"]), r
+        assert not ok(r[f"connect={lab.addr(10)}:8080"]), r
+
+
+@pytest.mark.parametrize("network", ["nosuch", Network(allow=["@nosuch"]),
+                                     Network(allow=["exa mple.org"]),
+                                     Network(allow=["example.org:99999"]),
+                                     Network(allow=["*.*.example.org"]),
+                                     Network(deny=["@labweb"]), "INTERNET"])
+def test_bad_networks_are_invalid_network(net: Env, network):
+    with pytest.raises(InvalidNetwork):
+        net.sandbox(network=network)
+
+
+SPOOF = textwrap.dedent('''
+    import socket, struct, sys
+    def csum(b):
+        if len(b) % 2: b += b"\\0"
+        s = sum(struct.unpack("!%dH" % (len(b) // 2), b)); s = (s >> 16) + (s & 0xffff)
+        return ~(s + (s >> 16)) & 0xffff
+    src, dst, tag = sys.argv[1], sys.argv[2], sys.argv[3].encode()
+    udp = struct.pack("!HHHH", 40000, 9999, 8 + len(tag), 0) + tag
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
+                     socket.inet_aton(src), socket.inet_aton(dst))
+    ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
+    try:
+        s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+        s.sendto(ip + udp, (dst, 0))
+        print("sent")
+    except OSError as e:
+        print("err", e.errno)
+''')
+
+
+def test_spoofed_sources_are_dropped(net: Env):
+    """A sandbox cannot make raw sockets; root in its network namespace (the strongest
+    attacker there: nsenter from the host) can, and every packet it sends from an address
+    that is not the sandbox's own is dropped, whoever it claims to be."""
+    lab = net.lab
+    with net.sandbox(network="internet") as sb, net.sandbox(network="internet") as other:
+        me, them = sb.info().net.address, other.info().net.address
+        dst = lab.addr(10)
+        r = sb.exec(["python3", "-c", SPOOF, them, dst, "from-inside"])
+        assert r.stdout.strip() == "err 1", r  # EPERM: no CAP_NET_RAW in a sandbox
+        pid = str(sb.info().init_pid)
+
+        def root_in_netns(src: str, tag: str) -> str:
+            return subprocess.run(["nsenter", "-t", pid, "-n", "python3", "-c", SPOOF, src,
+                                   dst, tag], capture_output=True, text=True).stdout.strip()
+
+        for src, tag in ((them, "as-peer"), (lab.addr(99), "as-lab"), ("1.2.3.4", "as-world"),
+                         (sb.info().net.gateway, "as-gateway"), ("127.0.0.1", "as-lo")):
+            assert root_in_netns(src, tag) == "sent"
+        assert root_in_netns(me, "genuine") == "sent"  # the control: its own address passes
+        assert wait_until(lambda: any(e["data"] == "genuine" for e in lab.entries("udp")))
+        got = {e["data"] for e in lab.entries("udp")}
+        assert got == {"genuine"}, got
+
+
+def test_no_ipv6_way_out(net: Env):
+    v6 = textwrap.dedent('''
+        import socket
+        out = []
+        for addr in ("2001:db8::10", "64:ff9b::c612:a0a", "::ffff:169.254.169.254", "ff02::1",
+                     "fe80::1"):
+            try:
+                s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM); s.settimeout(2)
+                scope = socket.if_nametoindex("eth0") if addr.startswith(("fe80", "ff02")) else 0
+                s.connect((addr, 80, 0, scope)); out.append("open " + addr)
+            except OSError:
+                pass
+        print(" ".join(out) or "none")
+    ''')
+    with net.sandbox(network="internet") as sb:
+        assert sb.exec(["python3", "-c", v6], timeout=60).stdout.strip() == "none"
+
+
+# ---- teardown ------------------------------------------------------------------------------
+def _elements_naming(env: Env, ifname: str) -> list:
+    doc = env.table_json() or {"nftables": []}
+    return [s["set"]["name"] for s in (x for x in doc["nftables"] if "set" in x)
+            if ifname in json.dumps(s["set"].get("elem", []))]
+
+
+def test_nothing_is_left_after_a_sandbox(net: Env):
+    with net.sandbox(network=Network(allow=["allowed.test"]), network_group="t") as sb, \
+            net.sandbox(network="internet", network_group="t") as peer:
+        probe(sb, "connect=allowed.test:80")
+        names = {}
+        for s in (sb, peer):
+            addr = s.info().net.address
+            out = subprocess.run(["ip", "-o", "route", "get", addr], capture_output=True,
+                                 text=True).stdout
+            names[s.id] = out.split(" dev ")[1].split()[0]
+        assert all(_elements_naming(net, n) for n in names.values())
+    for n in names.values():
+        assert wait_until(lambda n=n: n not in net.links()), n
+        assert _elements_naming(net, n) == [], n

@@ -9,11 +9,13 @@ interface); never link-local/metadata (169.254.0.0/16) nor the daemon's own rang
 deny entries; its allow entries (CIDRs, and the DNS proxy's pins, which expire with the
 answer's TTL); never the private ranges; everything else only in mode "internet". To the host
 itself (chain ``to_host``): only DNS to the gateway address. Denied packets are rejected
-(admin-prohibited) and counted per sandbox in the dynamic set ``denied``."""
+(TCP: a reset, which the kernel does not rate-limit as it does ICMP errors; others:
+admin-prohibited) and counted per sandbox in the dynamic set ``denied``."""
 
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Iterable
 
 from .nft import Nft, NftError
@@ -90,6 +92,7 @@ table {self.t} {{
   }}
   chain deny {{
     update @denied {{ iifname }}
+    meta l4proto tcp reject with tcp reset
     reject with icmpx admin-prohibited
   }}
   chain nat {{ type nat hook postrouting priority srcnat; policy accept;
@@ -168,17 +171,10 @@ table {self.t} {{
                          f"delete element {self.t} peers {{ {body} }}")
 
     def denied_count(self, ifname: str) -> int:
-        """Packets of this sandbox rejected so far."""
-        import json
-
+        """Packets of this sandbox rejected so far (0 before the first)."""
         try:
-            out = self.nft.run(f"get element {self.t} denied {{ {_ifname(ifname)} }}",
-                               json_out=True)
+            out = self.nft.run(f"get element {self.t} denied {{ {_ifname(ifname)} }}")
         except NftError:
             return 0
-        for item in json.loads(out).get("nftables", []):
-            for e in (item.get("set") or {}).get("elem", []):
-                c = (e.get("elem") or {}).get("counter") if isinstance(e, dict) else None
-                if c:
-                    return int(c.get("packets", 0))
-        return 0
+        m = re.search(r"counter packets (\d+)", out)  # (nft 1.0.6 has no JSON for get)
+        return int(m.group(1)) if m else 0
