@@ -433,3 +433,45 @@ def test_nothing_is_left_after_a_sandbox(net: Env):
     for n in names.values():
         assert wait_until(lambda n=n: n not in net.links()), n
         assert _elements_naming(net, n) == [], n
+
+
+def test_network_ls_and_show_from_the_cli_and_api(net: Env):
+    import sys
+
+    from corral.errors import NetworkNotFound
+    from corral.sdk import admin
+
+    env = dict(os.environ, CORRAL_URL=net.ep, CORRAL_AUTOSTART="0")
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "corral.cli", *args], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    r = cli("network", "ls", "--json")
+    assert r.returncode == 0, r.stderr
+    names = {x["name"]: x["rules"] for x in json.loads(r.stdout)}
+    assert names["wild"] == ["*.wild.test:80"] and "pypi" in names
+    r = cli("network", "show", "labweb")
+    assert r.returncode == 0 and r.stdout.split() == ["allowed.test:80", "other.test"], r
+    r = cli("network", "show", "nosuch")
+    assert r.returncode == 1 and "network_not_found" in r.stderr, r
+    with pytest.raises(NetworkNotFound):
+        admin.network("nosuch", endpoint=net.ep)
+    # The CLI makes a policy from --allow and shows the counters.
+    r = cli("run", "--allow", "allowed.test:80", "--", "python3", "-c",
+            "import socket; socket.create_connection(('allowed.test', 80), timeout=5)")
+    assert r.returncode == 0, r.stderr
+
+
+def test_nothing_is_left_after_kill_9_of_the_daemon(net: Env):
+    """A killed daemon leaves its table and links; the next one removes them at start, before
+    any sandbox asks for a network, and a networked sandbox works again."""
+    sb = net.sandbox(network="internet")
+    probe(sb, f"connect={net.lab.addr(10)}:80")
+    assert net.links() and net.table_json() is not None
+    net.d.kill9()
+    net.d.start()
+    assert wait_until(lambda: not net.links() and net.table_json() is None)
+    with net.sandbox(network="internet") as sb2:
+        assert ok(probe(sb2, f"connect={net.lab.addr(10)}:80")[f"connect={net.lab.addr(10)}:80"])
+    sb.kill()  # re-adopted, without its network (docs/network.md)

@@ -71,11 +71,13 @@ from corral.errors import (
     CorralError,
     InvalidPath,
     InvalidRequest,
+    NetworkNotFound,
     NotFound,
     ReplayDivergence,
     SandboxNotFound,
 )
 from corral.models import (
+    AllowlistInfo,
     CreateManyRequest,
     DaemonStatus,
     ExecManyRequest,
@@ -188,6 +190,21 @@ async def status(request: web.Request) -> web.Response:
 
 async def list_substrates(request: web.Request) -> web.Response:
     return _json({"substrates": _engine(request).substrate_table()})
+
+
+async def list_networks(request: web.Request) -> web.Response:
+    lists = _engine(request).allowlists()
+    return _json({"networks": [{"name": n, "rules": r} for n, r in sorted(lists.items())]})
+
+
+async def get_network(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    lists = _engine(request).allowlists()
+    if name not in lists:
+        known = sorted(lists)
+        raise NetworkNotFound(f"no allowlist {name!r} (known: {', '.join(known) or 'none'})",
+                              details={"network": name, "known": known})
+    return _json({"name": name, "rules": lists[name]})
 
 
 # Parsed specs by request body: a trainer sends the same spec again and again, and the
@@ -767,6 +784,11 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/substrates", list_substrates, "The substrates this daemon serves, each "
           "with its capabilities (an operation a substrate lacks answers 501 unsupported)",
           response=list_of("substrates", SubstrateInfo, paged=False)),
+    Route("GET", "/v1/networks", list_networks, "The daemon's named allowlists (usable as a "
+          "sandbox's network, or @name in a policy's allow)",
+          response=list_of("networks", AllowlistInfo, paged=False)),
+    Route("GET", "/v1/networks/{name}", get_network, "One named allowlist",
+          response=AllowlistInfo, errors=(404,)),
     Route("POST", "/v1/sandboxes", create_sandbox, "Create a sandbox", body=SandboxSpec,
           response=SandboxInfo, status=201, query=(KEY_H,), errors=(404, 409, 429, 501, 503),
           links=_SB_LINKS),

@@ -174,7 +174,7 @@ class WarmPools:
         if sub is None or not sub.capabilities.warm_pool:
             return None
         return (spec.substrate, spec.image, float(spec.cpu), int(spec.memory_mb),
-                int(spec.pids), spec.network, int(spec.disk_mb))
+                int(spec.pids), str(spec.network), int(spec.disk_mb))
 
     def _pool_for(self, spec: SandboxSpec, static: int = 0) -> _Pool | None:
         key = self.key(spec)

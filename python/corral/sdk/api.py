@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 from pydantic import BaseModel, ValidationError
 
@@ -26,6 +27,7 @@ from corral.models import (
     DEFAULT_EXEC_TIMEOUT_S,
     DEFAULT_MAX_OUTPUT_BYTES,
     NETWORK_MODES,
+    AllowlistInfo,
     BatchExecRequest,
     CreateManyRequest,
     DaemonStatus,
@@ -502,6 +504,17 @@ def status() -> Call[DaemonStatus]:
 def substrates() -> Call[list[SubstrateInfo]]:
     return Call("GET", "/v1/substrates",
                 lambda b: [SubstrateInfo.model_validate(x) for x in json.loads(b)["substrates"]],
+                retry_safe=True)
+
+
+def networks() -> Call[list[AllowlistInfo]]:
+    return Call("GET", "/v1/networks",
+                lambda b: [AllowlistInfo.model_validate(x) for x in json.loads(b)["networks"]],
+                retry_safe=True)
+
+
+def network(name: str) -> Call[AllowlistInfo]:
+    return Call("GET", f"/v1/networks/{quote(name, safe='')}", AllowlistInfo.model_validate_json,
                 retry_safe=True)
 
 

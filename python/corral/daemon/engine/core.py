@@ -253,6 +253,15 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         return Unsupported(f"{what} is not supported on substrate {sub.name!r}",
                            details={"substrate": sub.name, "operation": what})
 
+    def allowlists(self) -> dict[str, list[str]]:
+        """The daemon's named allowlists (GET /v1/networks), from the substrate that networks
+        sandboxes."""
+        for sub in self.substrates.values():
+            mgr = getattr(sub, "network", None)
+            if mgr is not None:
+                return dict(mgr.allowlists)
+        return {}
+
     def substrate_table(self) -> list[dict[str, Any]]:
         """Each served substrate and its capabilities, then each one asked for that this host
         cannot run, with why (GET /v1/substrates)."""

@@ -109,6 +109,13 @@ table {self.t} {{
             pass
         self.nft.run(self.ruleset())
 
+    def exists(self) -> bool:
+        try:
+            self.nft.run(f"list table {self.t}")
+            return True
+        except NftError:
+            return False
+
     def remove(self) -> None:
         try:
             self.nft.run(f"delete table {self.t}")

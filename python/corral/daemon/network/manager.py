@@ -89,6 +89,30 @@ class NetworkManager:
         self._thread: threading.Thread | None = None
         self._closed = False
         LIVE.add(self)
+        if self.s is not None:
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """A table and links left by a daemon that was killed: removed now, so nothing of
+        them outlives it longer than its restart."""
+        try:
+            fw = Firewall(self.s)
+        except Unsupported:
+            return  # no libnftables: nothing of ours can be there
+        try:
+            if not fw.exists():
+                return
+            from .links import Links
+
+            links = Links(self.s)
+            try:
+                for name in links.stale():
+                    links.remove_name(name)
+            finally:
+                links.close()
+            fw.remove()
+        finally:
+            fw.nft.close()
 
     # ---- names ---------------------------------------------------------------------------
     @property

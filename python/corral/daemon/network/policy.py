@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from corral.errors import InvalidNetwork
 
-ALL_PORTS = ((0, 65535),)
+ALL_PORTS: tuple[tuple[int, int], ...] = ((0, 65535),)
 _LABEL = r"(?!-)[a-z0-9_-]{1,63}(?<!-)"
 _DOMAIN_RE = re.compile(rf"^{_LABEL}(\.{_LABEL})*\.?$")
 _PORTS_RE = re.compile(r"^\d{1,5}(-\d{1,5})?(,\d{1,5}(-\d{1,5})?)*$")

@@ -277,7 +277,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, Tar, RootCache, Substrate)
             if self.scratch.quota:
                 self._tmp_on_layer(overlays[0])
             if networked:
-                self.network.write_resolv_conf(overlays[0]["upper"])
+                self.network.write_resolv_conf(str(overlays[0]["upper"]))
             # Lazy unless a recycled memory cgroup is at hand: then the init joins every
             # cgroup itself at spawn (through `tasks`, cheap), and neither the first exec nor
             # a warm pool has to move it in by pid later, which takes the global threadgroup
