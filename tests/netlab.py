@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+BULK = 2 << 20  # what the bulk port (8081) sends
 
 
 def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -80,7 +81,8 @@ def start(tmp: str) -> Lab:
                 "wild.test": f"{lab.net}.10", "private.test": lab.private,
                 "meta.test": "169.254.169.254"}
         cfg = {"log": lab.log, "zone": zone, "dns": [f"{lab.net}.53", f"{lab.net}.54"],
-               "tcp": [80, 8080], "udp": 9999, "ttl": 30}
+               "tcp": [80, 8080], "udp": 9999, "ttl": 30, "bulk": BULK,
+               "special": {"bulk": 8081, "sink": 8082, "hold": 8083}}
         lab.proc = subprocess.Popen([*nse, sys.executable, os.path.join(HERE, "netlab_server.py"),
                                      json.dumps(cfg)], stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)

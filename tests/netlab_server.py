@@ -53,6 +53,28 @@ def main() -> None:
                 pass
             c.close()
 
+    def serve_kind(s: socket.socket, kind: str) -> None:
+        """bulk: send cfg["bulk"] bytes; sink: read to EOF, log the count; hold: keep it open."""
+        while True:
+            c, src = s.accept()
+            threading.Thread(target=bulk_or_sink, args=(c, src, kind), daemon=True).start()
+
+    def bulk_or_sink(c: socket.socket, src: tuple, kind: str) -> None:
+        try:
+            if kind == "bulk":
+                c.sendall(bytes(cfg["bulk"]))
+            elif kind == "hold":  # open until the peer closes
+                while c.recv(4096):
+                    pass
+            else:
+                n = 0
+                while data := c.recv(1 << 16):
+                    n += len(data)
+                note(kind="sink", src=src[0], bytes=n)
+        except OSError:
+            pass
+        c.close()
+
     def udp(s: socket.socket) -> None:
         while True:
             data, src = s.recvfrom(4096)
@@ -69,6 +91,12 @@ def main() -> None:
         s.bind(("0.0.0.0", p))
         s.listen(128)
         threads.append(threading.Thread(target=tcp, args=(s,), daemon=True))
+    for kind, p in cfg.get("special", {}).items():
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", p))
+        s.listen(1024)
+        threads.append(threading.Thread(target=serve_kind, args=(s, kind), daemon=True))
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.bind(("0.0.0.0", cfg["udp"]))
     threads.append(threading.Thread(target=udp, args=(s,), daemon=True))

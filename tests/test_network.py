@@ -22,6 +22,7 @@ from corral.errors import InvalidNetwork
 from conftest import CGROUP_NAME, private_daemon, wait_until
 
 TOKEN = "net-test-token"
+MAX_CONNS = 32
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,7 @@ def net(lab: netlab.Lab) -> Iterator[Env]:
                         CORRAL_NET_RANGE=f"10.214.{x}.0/24", CORRAL_NET_TABLE=table,
                         CORRAL_NET_IFPREFIX=prefix, CORRAL_NETWORK_CONFIG=conf,
                         CORRAL_NET_POOL="2", CORRAL_TCP=f"0.0.0.0:{port}",
+                        CORRAL_NET_MAX_CONNECTIONS=str(MAX_CONNS),
                         CORRAL_TOKEN=TOKEN) as d:
         env = Env(lab, d, table, prefix, port)
         yield env
@@ -475,3 +477,86 @@ def test_nothing_is_left_after_kill_9_of_the_daemon(net: Env):
     with net.sandbox(network="internet") as sb2:
         assert ok(probe(sb2, f"connect={net.lab.addr(10)}:80")[f"connect={net.lab.addr(10)}:80"])
     sb.kill()  # re-adopted, without its network (docs/network.md)
+
+
+# ---- limits --------------------------------------------------------------------------------
+TRANSFER = textwrap.dedent('''
+    import socket, sys, time
+    host, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    t0 = time.monotonic()
+    if mode == "down":
+        s = socket.create_connection((host, 8081), timeout=30); got = 0
+        while data := s.recv(1 << 16):
+            got += len(data)
+    else:
+        s = socket.create_connection((host, 8082), timeout=30); s.sendall(bytes(n)); got = n
+        s.shutdown(socket.SHUT_WR); s.recv(1)  # the sink closes once it has read it all
+    s.close()
+    print(got, round(time.monotonic() - t0, 3))
+''')
+
+
+def test_bandwidth_is_shaped_both_ways(net: Env):
+    lab = net.lab
+    n = netlab.BULK  # 2 MiB: ~2.1 s at 8 Mbit/s
+    with net.sandbox(network="internet", bandwidth_mbit=8) as sb:
+        for mode in ("down", "up"):
+            got, secs = sb.exec(["python3", "-c", TRANSFER, lab.addr(10), mode, str(n)],
+                                timeout=60).stdout.split()
+            assert int(got) == n and float(secs) >= 1.6, (mode, got, secs)
+        # The sandbox cannot lift it: no CAP_NET_ADMIN over its own namespace.
+        r = sb.exec("tc qdisc del dev eth0 root 2>&1; ip link set eth0 txqueuelen 1 2>&1")
+        assert "Operation not permitted" in r.stdout, r
+        assert sb.info().bandwidth_mbit == 8
+    with net.sandbox(network="internet") as sb:
+        got, secs = sb.exec(["python3", "-c", TRANSFER, lab.addr(10), "down", str(n)],
+                            timeout=60).stdout.split()
+        assert int(got) == n and float(secs) < 1.6, secs  # the control
+
+
+HOLD = textwrap.dedent('''
+    import socket, sys, time
+    host, n = sys.argv[1], int(sys.argv[2])
+    held, refused = [], 0
+    for _ in range(n):
+        try:
+            held.append(socket.create_connection((host, 8083), timeout=3))
+        except OSError:
+            refused += 1
+    print(len(held), refused)
+    for s in held:
+        s.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # closed connections stop counting
+        try:
+            socket.create_connection((host, 8083), timeout=3).close(); print("again"); break
+        except OSError:
+            time.sleep(0.1)
+''')
+
+
+def test_connections_are_capped_per_sandbox(net: Env):
+    lab = net.lab
+    with net.sandbox(network="internet") as sb, net.sandbox(network="internet") as other:
+        r = sb.exec(["python3", "-c", HOLD, lab.addr(10), str(MAX_CONNS + 20)], timeout=90)
+        held, refused, *again = r.stdout.split()
+        assert int(held) == MAX_CONNS and int(refused) == 20, r
+        assert again == ["again"], r
+        assert sb.info().net.denied_packets >= 20
+        # The cap is per sandbox: another one is not affected by the first one's count.
+        assert ok(probe(other, f"connect={lab.addr(10)}:80")[f"connect={lab.addr(10)}:80"])
+
+
+def test_network_counters_in_metrics(net: Env):
+    import httpx
+
+    with net.sandbox(network=Network(allow=["allowed.test:80"])) as sb:
+        probe(sb, "connect=allowed.test:80", f"connect={net.lab.addr(12)}:80")
+        t = httpx.HTTPTransport(uds=net.d.socket_path)
+        with httpx.Client(transport=t, base_url="http://corral", timeout=10) as c:
+            text = c.get("/metrics").text
+    vals = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines()
+            if ln.startswith("corral_") and " " in ln}
+    names = {k.split("{")[0] for k in vals}
+    assert any("network_denied_packets" in k for k in names), sorted(names)
+    assert any("network_sent_bytes" in k for k in names)

@@ -140,6 +140,9 @@ class SandboxSpec(_Model):
     network_group: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
                                       description="networked sandboxes of one group reach "
                                                   "each other (by sandbox id as a DNS name)")
+    bandwidth_mbit: float | None = Field(None, gt=0, le=100_000,
+                                         description="a networked sandbox's rate, each way "
+                                                     "(Mbit/s; tc tbf on both ends of its link)")
     hostname: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9\-.]{0,62}$")
     cwd: AbsPath = Field("/root", description="absolute working directory for commands "
                                               "(must exist, unless it is the default)")
@@ -199,6 +202,7 @@ class SandboxInfo(_Response):
     pids: int
     network: NetworkSpec
     network_group: str | None = None
+    bandwidth_mbit: float | None = None
     net: NetworkState | None = Field(None, description="a networked sandbox's address and "
                                                        "counters")
     hostname: str

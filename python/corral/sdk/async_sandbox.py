@@ -90,7 +90,7 @@ class AsyncSandbox(SandboxHandle):
                  labels: Mapping[str, str] | None = None,
                  metadata: Mapping[str, str] | None = None,
                  network: NetworkMode | str | NetworkPolicy = "none",
-                 network_group: str | None = None,
+                 network_group: str | None = None, bandwidth_mbit: float | None = None,
                  hostname: str | None = None, cwd: str | None = None,
                  snapshot: str | SnapshotBase | None = None, pause_ttl: str = "count",
                  endpoint: str | Endpoint | None = None,
@@ -100,7 +100,7 @@ class AsyncSandbox(SandboxHandle):
                               disk_mb=disk_mb,
                               pids=pids, timeout=timeout, idle_timeout=idle_timeout, env=env,
                               labels=labels, metadata=metadata, network=network,
-                              network_group=network_group,
+                              network_group=network_group, bandwidth_mbit=bandwidth_mbit,
                               hostname=hostname, cwd=cwd, snapshot=snapshot,
                               pause_ttl=pause_ttl)
         self._init_handle(Endpoint.parse(endpoint), None)

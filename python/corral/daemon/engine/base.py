@@ -110,7 +110,8 @@ class Sandbox:
             "cpu": s.cpu, "memory_mb": s.memory_mb, "pids": s.pids,
             "network": (s.network if isinstance(s.network, str)
                         else s.network.model_dump(mode="json")),
-            "network_group": s.network_group, "net": self._net(),
+            "network_group": s.network_group, "bandwidth_mbit": s.bandwidth_mbit,
+            "net": self._net(),
             "hostname": self.hostname, "labels": s.labels, "metadata": s.metadata,
             "created_at": self.created_at, "expires_at": self.expires_at,
             "idle_timeout": s.idle_timeout, "last_active_at": self.last_active,

@@ -243,6 +243,10 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
             raise Unsupported(f"network {kind!r} is not supported on substrate "
                               f"{sub.name!r} (it has: {', '.join(caps.networks)})",
                               details={"substrate": sub.name, "network": kind})
+        if kind in ("internet", "policy"):
+            check = getattr(sub, "check_network", None)
+            if check is not None:
+                check(spec)  # invalid_network before anything is made
         if spec.snapshot is not None and not caps.snapshot:
             raise Unsupported(f"snapshots are not supported on substrate {sub.name!r}",
                               details={"substrate": sub.name, "operation": "snapshot"})

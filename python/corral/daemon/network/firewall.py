@@ -57,6 +57,7 @@ table {self.t} {{
   set blocked4 {{ type ipv4_addr; flags interval; elements = {{ {blocked} }}; }}
   set private4 {{ type ipv4_addr; flags interval; elements = {{ {private} }}; }}
   set denied {{ type ifname; flags dynamic; counter; size 1048576; }}
+  set conns {{ type ifname; flags dynamic; size 1048576; }}
   chain input {{ type filter hook input priority -10; policy accept;
     iifname "{w}" jump to_host
   }}
@@ -80,6 +81,7 @@ table {self.t} {{
     oifname "{w}" goto deny
     oifname != "{s.uplink}" goto deny
     ip daddr @blocked4 goto deny
+    ct state new add @conns {{ iifname ct count over {s.max_connections} }} goto deny
     iifname . ip daddr . meta l4proto . th dport @deny4 goto deny
     iifname . ip daddr . meta l4proto . th dport @allow4 accept
     ip daddr @private4 goto deny
@@ -156,7 +158,7 @@ table {self.t} {{
         for one still there) in the same transaction, so one that expired meanwhile does not
         fail the delete."""
         t, i = self.t, _ifname(ifname)
-        sets = {"src4": [f"{i} . {addr}"], "internet": [i], "denied": [i]}
+        sets = {"src4": [f"{i} . {addr}"], "internet": [i], "denied": [i], "conns": [i]}
         for k, v in elems.items():
             sets.setdefault(k, []).extend(e.split(" timeout ")[0] for e in v)
         cmds = []
@@ -176,6 +178,14 @@ table {self.t} {{
         else:
             self.nft.run(f"add element {self.t} peers {{ {body} }}\n"
                          f"delete element {self.t} peers {{ {body} }}")
+
+    def denied_total(self) -> int:
+        """Packets rejected so far, over every live sandbox."""
+        try:
+            out = self.nft.run(f"list set {self.t} denied")
+        except NftError:
+            return 0
+        return sum(int(n) for n in re.findall(r"counter packets (\d+)", out))
 
     def denied_count(self, ifname: str) -> int:
         """Packets of this sandbox rejected so far (0 before the first)."""

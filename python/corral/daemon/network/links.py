@@ -87,6 +87,25 @@ class Links:
         finally:
             guest.close()
 
+    def shape(self, index: int, netns_fd: int, mbit: float) -> None:
+        """A token bucket of ``mbit`` on both ends of slot ``index``'s link: the host end
+        shapes what the sandbox receives, its eth0 what it sends (the sandbox has no
+        CAP_NET_ADMIN over its namespace, so it cannot remove it)."""
+        self._call(self._shape, index, netns_fd, mbit)
+
+    def _shape(self, index: int, netns_fd: int, mbit: float) -> None:
+        rate = int(mbit * 1_000_000)
+        burst = max(16384, rate // 8 // 50)  # 20 ms worth, at least a few full frames
+        kw = {"handle": 0x10000, "rate": f"{rate}bit", "burst": burst, "latency": "50ms"}
+        self._ipr.tc("add", "tbf", index=self._ipr.link_lookup(ifname=self.ifname(index))[0],
+                     **kw)
+        fd = _core.netns_socket(netns_fd, socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_ROUTE)
+        guest = IPRoute(fileno=fd)
+        try:
+            guest.tc("add", "tbf", index=guest.link_lookup(ifname=GUEST_IF)[0], **kw)
+        finally:
+            guest.close()
+
     def remove(self, index: int) -> None:
         """Delete the host end (the sandbox end goes with it); gone already is fine."""
         self._call(self._remove, index)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from corral import _core
 from corral.errors import InvalidNetwork, Unsupported
+from corral.models import NETWORK_MODES
 
 from . import settings as settings_mod
 from .firewall import Firewall
@@ -94,13 +95,14 @@ class NetworkManager:
         self._closed = False
         LIVE.add(self)
         if self.s is not None:
-            self._sweep()
+            self._sweep(self.s)
 
-    def _sweep(self) -> None:
+    @staticmethod
+    def _sweep(s: NetSettings) -> None:
         """A table and links left by a daemon that was killed: removed now, so nothing of
         them outlives it longer than its restart."""
         try:
-            fw = Firewall(self.s)
+            fw = Firewall(s)
         except Unsupported:
             return  # no libnftables: nothing of ours can be there
         try:
@@ -108,7 +110,7 @@ class NetworkManager:
                 return
             from .links import Links
 
-            links = Links(self.s)
+            links = Links(s)
             try:
                 for name in links.stale():
                     links.remove_name(name)
@@ -123,22 +125,31 @@ class NetworkManager:
     def allowlists(self) -> dict[str, list[str]]:
         return dict(self.s.allowlists) if self.s is not None else {}
 
+    def check(self, network: Any) -> None:
+        """InvalidNetwork (or Unsupported) now, before anything is made for a create."""
+        self.resolve(network)
+
     def resolve(self, network: Any) -> tuple[Policy | None, Any]:
         """(policy, label) for a spec's network: "internet" -> no policy; an allowlist name
-        or a policy object -> its compiled rules. InvalidNetwork for unknown names."""
-        if self.s is None:
-            raise Unsupported(self._error or "networking unavailable")
+        or a policy object -> its compiled rules. InvalidNetwork for unknown names and bad
+        rules (checked first: bad input is the caller's, whatever the host has)."""
+        lists = self.s.allowlists if self.s is not None else {}
         if network == "internet":
-            return None, "internet"
-        if isinstance(network, str):
-            if network not in self.s.allowlists:
+            out: tuple[Policy | None, Any] = (None, "internet")
+        elif isinstance(network, str):
+            if network not in lists:
                 raise InvalidNetwork(
                     f"unknown network {network!r}: a mode (none, disabled, internet) or a "
-                    f"named allowlist ({', '.join(sorted(self.s.allowlists)) or 'none'})",
-                    details={"network": network, "allowlists": sorted(self.s.allowlists)})
-            return compile_policy([f"@{network}"], [], self.s.allowlists), network
-        allow, deny = list(network.allow), list(network.deny)
-        return compile_policy(allow, deny, self.s.allowlists), {"allow": allow, "deny": deny}
+                    f"named allowlist ({', '.join(sorted(lists)) or 'none'})",
+                    details={"network": network, "modes": list(NETWORK_MODES),
+                             "allowlists": sorted(lists)})
+            out = compile_policy([f"@{network}"], [], lists), network
+        else:
+            allow, deny = list(network.allow), list(network.deny)
+            out = compile_policy(allow, deny, lists), {"allow": allow, "deny": deny}
+        if self.s is None:
+            raise Unsupported(self._error or "networking unavailable")
+        return out
 
     # ---- start/stop ----------------------------------------------------------------------
     def _start(self) -> None:
@@ -260,7 +271,8 @@ class NetworkManager:
             os.close(slot[1])  # its links go with the namespace
 
     # ---- attach/detach -------------------------------------------------------------------
-    def attach(self, sandbox_id: str, network: Any, group: str | None) -> int:
+    def attach(self, sandbox_id: str, network: Any, group: str | None,
+               bandwidth_mbit: float | None = None) -> int:
         """A network namespace (an fd the caller owns) plumbed and allowed for
         ``sandbox_id``."""
         policy, label = self.resolve(network)
@@ -280,6 +292,8 @@ class NetworkManager:
             deny = Firewall.rules(att.ifname, policy.cidrs(policy.deny))
         att.elems = {"allow4": allow, "deny4": deny}
         try:
+            if bandwidth_mbit is not None:
+                self.links.shape(idx, fd, bandwidth_mbit)
             self.fw.run(self.fw.attach_cmds(att.ifname, att.address, policy is None,
                                             allow, deny))
             peers = self._group_pairs(att)
@@ -350,8 +364,16 @@ class NetworkManager:
 
     def metrics(self) -> dict[str, int]:
         out = {"network_sandboxes": len(self.attachments), "network_pool_ready": len(self._ready)}
+        if not self._started:
+            return out
+        tx = rx = 0
+        for att in list(self.attachments.values()):
+            st = _link_stats(att.ifname)
+            tx, rx = tx + st["rx_bytes"], rx + st["tx_bytes"]
+        out.update({"network_sent_bytes": tx, "network_received_bytes": rx,
+                    "network_denied_packets": self.fw.denied_total()})
         if self.dns is not None:
-            out.update({f"dns_{k}": v for k, v in self.dns.counts.items()})
+            out.update({f"network_dns_{k}": v for k, v in self.dns.counts.items()})
         return out
 
 

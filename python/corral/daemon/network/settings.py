@@ -69,6 +69,8 @@ class NetSettings:
     table: str = "corral"
     ifprefix: str = "crl"
     pool: int = 8
+    # Connections a sandbox may hold at once (conntrack entries, every state).
+    max_connections: int = 4096
     allowlists: dict[str, list[str]] = field(default_factory=dict)
 
     @property
@@ -115,4 +117,7 @@ def load() -> NetSettings:
     return NetSettings(uplink=uplink, range4=range4,
                        dns_upstream=_host_port(upstream, 53) if upstream else ("", 53),
                        table=table, ifprefix=ifprefix,
-                       pool=int(pick("CORRAL_NET_POOL", "pool", "8")), allowlists=lists)
+                       pool=int(pick("CORRAL_NET_POOL", "pool", "8")),
+                       max_connections=int(pick("CORRAL_NET_MAX_CONNECTIONS",
+                                                "max_connections", "4096")),
+                       allowlists=lists)

@@ -198,6 +198,10 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, Tar, RootCache, Substrate)
         if ids and self._on_lost is not None:
             self._on_lost(ids)
 
+    def check_network(self, spec: SandboxSpec) -> None:
+        """invalid_network for an unknown allowlist or a bad rule (engine, before a create)."""
+        self.network.check(spec.network)
+
     def expect(self, count: int, spec: SandboxSpec) -> None:
         if spec.network != "disabled":  # "disabled" shares one namespace: nothing to pool
             self.netns.expect(count)
@@ -256,7 +260,8 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, Tar, RootCache, Substrate)
             net_fd, own_net = None, False
         elif networked and net_fd is None:
             net_fd, own_net = self.network.attach(sandbox_id, spec.network,
-                                                  spec.network_group), True
+                                                  spec.network_group,
+                                                  spec.bandwidth_mbit), True
         elif net_fd is None:
             net_fd = self.netns.take()
         try:
@@ -898,6 +903,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, Tar, RootCache, Substrate)
             out[f"memcg_spares_{k}"] = v  # recycled memory cgroups (cgroups.recycle_memory)
         for k, v in self.cgroups.set_spare_stats.items():
             out[f"cgroup_spares_{k}"] = v  # recycled pids/cpu/freezer cgroups (recycle_rest)
+        out.update(self.network.metrics())
         return out
 
     def status(self) -> dict[str, Any]:
