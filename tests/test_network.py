@@ -560,3 +560,38 @@ def test_network_counters_in_metrics(net: Env):
     names = {k.split("{")[0] for k in vals}
     assert any("network_denied_packets" in k for k in names), sorted(names)
     assert any("network_sent_bytes" in k for k in names)
+
+
+# ---- inbound ------------------------------------------------------------------------------
+def test_exposed_ports_reach_a_server_inside_from_the_host_only(net: Env):
+    with net.sandbox(network="internet", expose=[7000]) as sb, \
+            net.sandbox(network=Network(allow=["allowed.test"])) as other:
+        _listen(sb, 7000)
+        _listen(sb, 7001)
+        host7000 = sb.info().net.exposed["7000"]
+        host7001 = sb.expose(7001)
+        assert sb.expose(7001) == host7001  # once per port
+        for hp in (host7000, host7001):
+            h, p = hp.rsplit(":", 1)
+            assert h == "127.0.0.1"
+            with socket.create_connection((h, int(p)), timeout=5) as c:
+                assert c.recv(100).startswith(b"peer ")
+        # Other sandboxes reach neither the sandbox nor the host's relay.
+        r = probe(other, f"connect={sb.info().net.address}:7000",
+                  f"connect={other.info().net.gateway}:{host7000.rsplit(':', 1)[1]}")
+        assert not any(ok(v) for v in r.values()), r
+        assert sb.unexpose(7001) and not sb.unexpose(7001)
+        p7001 = int(host7001.rsplit(":", 1)[1])
+        assert wait_until(lambda: socket.socket().connect_ex(("127.0.0.1", p7001)) != 0)
+    # Gone with the sandbox.
+    p7000 = int(host7000.rsplit(":", 1)[1])
+    assert wait_until(lambda: socket.socket().connect_ex(("127.0.0.1", p7000)) != 0)
+
+
+def test_expose_needs_a_networked_sandbox(net: Env):
+    from corral.errors import Unsupported
+
+    with net.sandbox() as sb, pytest.raises(Unsupported):
+        sb.expose(8080)
+    with pytest.raises(InvalidNetwork):
+        net.sandbox(expose=[8080])

@@ -140,6 +140,10 @@ class SandboxSpec(_Model):
     network_group: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
                                       description="networked sandboxes of one group reach "
                                                   "each other (by sandbox id as a DNS name)")
+    expose: list[Annotated[int, Field(ge=1, le=65535)]] = Field(
+        default_factory=list, max_length=64,
+        description="a networked sandbox's TCP ports to reach from the host (info().net."
+                    "exposed: 127.0.0.1:<port> each)")
     bandwidth_mbit: float | None = Field(None, gt=0, le=100_000,
                                          description="a networked sandbox's rate, each way "
                                                      "(Mbit/s; tc tbf on both ends of its link)")
@@ -185,6 +189,17 @@ class NetworkState(_Response):
                                           description="names its DNS refused, with counts")
     pinned: list[str] = Field(default_factory=list,
                               description="addresses its DNS answers opened, unexpired")
+    exposed: dict[str, str] = Field(default_factory=dict,
+                                    description="sandbox port -> host address reaching it")
+
+
+class ExposeRequest(_Model):
+    port: int = Field(ge=1, le=65535, description="a TCP port in the sandbox")
+
+
+class ExposedPort(_Response):
+    port: int
+    host: str = Field(description="host:port on the host's loopback that reaches it")
 
 
 class AllowlistInfo(_Response):

@@ -84,6 +84,8 @@ from corral.models import (
     ExecManyResponse,
     ExecRequest,
     ExecResult,
+    ExposedPort,
+    ExposeRequest,
     FileEntry,
     ForkRequest,
     ForkResult,
@@ -190,6 +192,19 @@ async def status(request: web.Request) -> web.Response:
 
 async def list_substrates(request: web.Request) -> web.Response:
     return _json({"substrates": _engine(request).substrate_table()})
+
+
+async def expose_port(request: web.Request) -> web.Response:
+    req = await _body(request, ExposeRequest)
+    return _json(await _engine(request).expose(request.match_info["id"], req.port))
+
+
+async def unexpose_port(request: web.Request) -> web.Response:
+    try:
+        port = int(request.match_info["port"])
+    except ValueError:
+        raise InvalidRequest("port must be an integer") from None
+    return _json({"removed": _engine(request).unexpose(request.match_info["id"], port)})
 
 
 async def list_networks(request: web.Request) -> web.Response:
@@ -784,6 +799,13 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/substrates", list_substrates, "The substrates this daemon serves, each "
           "with its capabilities (an operation a substrate lacks answers 501 unsupported)",
           response=list_of("substrates", SubstrateInfo, paged=False)),
+    Route("POST", "/v1/sandboxes/{id}/ports", expose_port, "Expose a TCP port of a networked "
+          "sandbox on the host's loopback", body=ExposeRequest, response=ExposedPort,
+          errors=(*SB_ERR, 501)),
+    Route("DELETE", "/v1/sandboxes/{id}/ports/{port}", unexpose_port,
+          "Stop exposing a port", response={"type": "object", "required": ["removed"],
+                                            "properties": {"removed": {"type": "boolean"}}},
+          errors=(*SB_ERR, 501)),
     Route("GET", "/v1/networks", list_networks, "The daemon's named allowlists (usable as a "
           "sandbox's network, or @name in a policy's allow)",
           response=list_of("networks", AllowlistInfo, paged=False)),

@@ -33,6 +33,8 @@ from corral.models import (
     DaemonStatus,
     ExecManyRequest,
     ExecRequest,
+    ExposedPort,
+    ExposeRequest,
     FileEntry,
     ForkRequest,
     ForkResult,
@@ -279,6 +281,17 @@ def kill(sid: str) -> Call[bool]:
 def set_timeout(sid: str, seconds: float) -> Call[SandboxInfo]:
     req = validated(SetTimeoutRequest, timeout=seconds)
     return Call("POST", sb_path(sid) + "/timeout", _info, body=_body(req))
+
+
+def expose(sid: str, port: int) -> Call[str]:
+    req = validated(ExposeRequest, port=port)
+    return Call("POST", sb_path(sid) + "/ports",
+                lambda b: ExposedPort.model_validate_json(b).host, body=_body(req))
+
+
+def unexpose(sid: str, port: int) -> Call[bool]:
+    return Call("DELETE", sb_path(sid) + f"/ports/{int(port)}",
+                lambda b: bool(json.loads(b)["removed"]))
 
 
 # ---- snapshots, fork, restore, pause --------------------------------------------------------

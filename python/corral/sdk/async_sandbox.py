@@ -12,7 +12,7 @@ import asyncio
 import builtins
 import itertools
 import os
-from collections.abc import AsyncIterator, Generator, Iterable, Mapping
+from collections.abc import AsyncIterator, Generator, Iterable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 from corral.errors import CorralError, SandboxNotFound
@@ -91,6 +91,7 @@ class AsyncSandbox(SandboxHandle):
                  metadata: Mapping[str, str] | None = None,
                  network: NetworkMode | str | NetworkPolicy = "none",
                  network_group: str | None = None, bandwidth_mbit: float | None = None,
+                 expose: Sequence[int] | None = None,
                  hostname: str | None = None, cwd: str | None = None,
                  snapshot: str | SnapshotBase | None = None, pause_ttl: str = "count",
                  endpoint: str | Endpoint | None = None,
@@ -101,6 +102,7 @@ class AsyncSandbox(SandboxHandle):
                               pids=pids, timeout=timeout, idle_timeout=idle_timeout, env=env,
                               labels=labels, metadata=metadata, network=network,
                               network_group=network_group, bandwidth_mbit=bandwidth_mbit,
+                              expose=list(expose) if expose is not None else None,
                               hostname=hostname, cwd=cwd, snapshot=snapshot,
                               pause_ttl=pause_ttl)
         self._init_handle(Endpoint.parse(endpoint), None)
@@ -272,6 +274,12 @@ class AsyncSandbox(SandboxHandle):
 
     async def set_timeout(self, seconds: float) -> SandboxInfo:
         return self._remember(await self._call(api.set_timeout, seconds))
+
+    async def expose(self, port: int) -> str:
+        return await self._call(api.expose, port)
+
+    async def unexpose(self, port: int) -> bool:
+        return await self._call(api.unexpose, port)
 
     async def kill(self, *, key: str | None = None) -> bool:
         if self._sid is None and self._creating is None:

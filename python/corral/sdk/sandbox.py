@@ -7,7 +7,7 @@ import builtins
 import itertools
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, overload
 
 from corral.errors import CorralError, SandboxNotFound
@@ -69,6 +69,7 @@ class Sandbox(SandboxHandle):
                  metadata: Mapping[str, str] | None = None,
                  network: NetworkMode | str | NetworkPolicy = "none",
                  network_group: str | None = None, bandwidth_mbit: float | None = None,
+                 expose: Sequence[int] | None = None,
                  hostname: str | None = None, cwd: str | None = None,
                  snapshot: str | SnapshotBase | None = None, pause_ttl: str = "count",
                  endpoint: str | Endpoint | None = None,
@@ -78,6 +79,7 @@ class Sandbox(SandboxHandle):
                      timeout=timeout, idle_timeout=idle_timeout, env=env, labels=labels,
                      metadata=metadata, network=network, network_group=network_group,
                      bandwidth_mbit=bandwidth_mbit,
+                     expose=list(expose) if expose is not None else None,
                      hostname=hostname, cwd=cwd,
                      snapshot=snapshot, pause_ttl=pause_ttl)
         ep = Endpoint.parse(endpoint)
@@ -235,6 +237,14 @@ class Sandbox(SandboxHandle):
     def set_timeout(self, seconds: float) -> SandboxInfo:
         """Kill the sandbox ``seconds`` from now (extends or shortens its TTL)."""
         return self._remember(self._call(api.set_timeout(self.id, seconds)))
+
+    def expose(self, port: int) -> str:
+        """``host:port`` on the host's loopback that reaches TCP ``port`` in this networked
+        sandbox, until ``unexpose`` or its end."""
+        return self._call(api.expose(self.id, port))
+
+    def unexpose(self, port: int) -> bool:
+        return self._call(api.unexpose(self.id, port))
 
     def kill(self, *, key: str | None = None) -> bool:
         """Kill it; False if it had already ended (keyed: also if it is long gone)."""

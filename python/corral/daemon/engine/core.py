@@ -24,6 +24,7 @@ from corral.errors import (
     DaemonRestarted,
     ImageNotFound,
     InternalError,
+    InvalidNetwork,
     SandboxCrashed,
     SandboxExpired,
     SandboxKilled,
@@ -243,6 +244,9 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
             raise Unsupported(f"network {kind!r} is not supported on substrate "
                               f"{sub.name!r} (it has: {', '.join(caps.networks)})",
                               details={"substrate": sub.name, "network": kind})
+        if spec.expose and kind not in ("internet", "policy"):
+            raise InvalidNetwork("expose needs a networked sandbox (network internet or a "
+                                 "policy)", details={"network": kind})
         if kind in ("internet", "policy"):
             check = getattr(sub, "check_network", None)
             if check is not None:
@@ -331,6 +335,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
                 if self.snaps is not None:
                     self.snaps.acquire(layers)
             sb.state = "running"
+            for port in spec.expose:
+                await self.expose(sid, port)
             persist.write_json_atomic(meta_path, sb.meta())
         except BaseException as e:
             self.counters["create_failed"] += 1
@@ -664,6 +670,24 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
                                            "operator_killed")
             await asyncio.shield(asyncio.gather(*stops, return_exceptions=True))
         return out
+
+    def _network_of(self, sb: Sandbox) -> Any:
+        mgr = getattr(self.substrates.get(sb.spec.substrate), "network", None)
+        if mgr is None or network_kind(sb.spec.network) not in ("internet", "policy"):
+            raise Unsupported("only a networked sandbox (network internet or a policy) has "
+                              "ports to expose", details={"operation": "expose",
+                                                          "network": network_kind(
+                                                              sb.spec.network)})
+        return mgr
+
+    async def expose(self, sid: str, port: int) -> dict[str, Any]:
+        """127.0.0.1:<host port> reaches ``port`` in the sandbox until unexposed or it ends."""
+        sb = self.get(sid)
+        host_port = await self._network_of(sb).expose(sid, port)
+        return {"port": port, "host": f"127.0.0.1:{host_port}"}
+
+    def unexpose(self, sid: str, port: int) -> bool:
+        return bool(self._network_of(self.get(sid)).unexpose(sid, port))
 
     def set_timeout(self, sid: str, timeout: float) -> Sandbox:
         sb = self.get(sid)

@@ -4,6 +4,7 @@ networked create, so a daemon that never makes one touches no host networking.""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import ipaddress
 import logging
@@ -24,6 +25,7 @@ from .settings import NetSettings
 
 if TYPE_CHECKING:
     from .dns import DnsProxy
+    from .expose import Exposer
     from .links import Links
 
 log = logging.getLogger("corral.network")
@@ -93,6 +95,7 @@ class NetworkManager:
         self._cv = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._closed = False
+        self.exposer: Exposer | None = None
         LIVE.add(self)
         if self.s is not None:
             self._sweep(self.s)
@@ -211,6 +214,8 @@ class NetworkManager:
             os.close(fd)
         if self.dns is not None:
             self.dns.close()
+        if self.exposer is not None:
+            self.exposer.close()
         self.attachments.clear()
         self._by_addr.clear()
         for name in self.links.stale():
@@ -316,7 +321,24 @@ class NetworkManager:
                 out += [(att.ifname, other.ifname), (other.ifname, att.ifname)]
         return out
 
+    async def expose(self, sandbox_id: str, port: int) -> int:
+        """127.0.0.1:<the returned port> on the host reaches ``port`` in the sandbox."""
+        from .expose import Exposer
+
+        att = self.attachments.get(sandbox_id)
+        if att is None:
+            raise Unsupported("only a networked sandbox (internet or a policy) has ports to "
+                              "expose", details={"operation": "expose"})
+        if self.exposer is None:
+            self.exposer = Exposer(asyncio.get_running_loop())
+        return await self.exposer.expose(sandbox_id, str(att.address), port)
+
+    def unexpose(self, sandbox_id: str, port: int) -> bool:
+        return self.exposer is not None and self.exposer.unexpose(sandbox_id, port)
+
     def detach(self, sandbox_id: str) -> None:
+        if self.exposer is not None:
+            self.exposer.drop(sandbox_id)
         with self._lock:
             att = self.attachments.pop(sandbox_id, None)
             if att is not None:
@@ -360,7 +382,9 @@ class NetworkManager:
                 "rx_bytes": stats.get("tx_bytes", 0), "rx_packets": stats.get("tx_packets", 0),
                 "denied_packets": self.fw.denied_count(att.ifname),
                 "refused_names": dict(att.refused_names.most_common(20)),
-                "pinned": sorted(a for a, t in att.pins.items() if t > now)}
+                "pinned": sorted(a for a, t in att.pins.items() if t > now),
+                "exposed": {str(p): f"127.0.0.1:{hp}" for p, hp in
+                            (self.exposer.ports(sandbox_id) if self.exposer else {}).items()}}
 
     def metrics(self) -> dict[str, int]:
         out = {"network_sandboxes": len(self.attachments), "network_pool_ready": len(self._ready)}
