@@ -595,3 +595,42 @@ def test_expose_needs_a_networked_sandbox(net: Env):
         sb.expose(8080)
     with pytest.raises(InvalidNetwork):
         net.sandbox(expose=[8080])
+
+
+def test_a_policy_changes_on_a_live_sandbox_at_once(net: Env):
+    lab = net.lab
+    with net.sandbox(network=Network(allow=["allowed.test:80"])) as sb:
+        r = probe(sb, "connect=allowed.test:80", "connect=other.test:80")
+        assert ok(r["connect=allowed.test:80"]) and not ok(r["connect=other.test:80"]), r
+        info = sb.network.update(Network(allow=["other.test:80"]))
+        assert info.network == Network(allow=["other.test:80"])
+        # The old name's pin is gone at once (no waiting for its TTL), the new name works.
+        r = probe(sb, f"connect={lab.addr(10)}:80", "connect=other.test:80",
+                  "resolve=allowed.test")
+        assert not ok(r[f"connect={lab.addr(10)}:80"]), r
+        assert ok(r["connect=other.test:80"]), r
+        assert not isinstance(r["resolve=allowed.test"], list), r
+        # To internet and back to a named allowlist; forks inherit the live one.
+        sb.network.update("internet")
+        assert ok(probe(sb, f"connect={lab.addr(11)}:8080")[f"connect={lab.addr(11)}:8080"])
+        sb.network.update("wild")
+        r = probe(sb, f"connect={lab.addr(11)}:8080", "connect=a.wild.test:80")
+        assert not ok(r[f"connect={lab.addr(11)}:8080"]) and ok(r["connect=a.wild.test:80"]), r
+        assert sb.info().network == "wild"
+        kids = sb.fork(1)
+        try:
+            assert kids[0].info().network == "wild"
+            r = probe(kids[0], f"connect={lab.addr(11)}:8080", "connect=a.wild.test:80")
+            assert not ok(r[f"connect={lab.addr(11)}:8080"]), r
+            assert ok(r["connect=a.wild.test:80"]), r
+        finally:
+            Sandbox.kill_many(kids)
+        with pytest.raises(InvalidNetwork):
+            sb.network.update("none")
+        with pytest.raises(InvalidNetwork):
+            sb.network.update(Network(allow=["@nosuch"]))
+    with net.sandbox() as plain:
+        from corral.errors import Unsupported
+
+        with pytest.raises(Unsupported):
+            plain.network.update("internet")

@@ -193,6 +193,10 @@ class NetworkState(_Response):
                                     description="sandbox port -> host address reaching it")
 
 
+class NetworkUpdate(_Model):
+    network: NetworkSpec = Field(description="internet, a named allowlist or a policy")
+
+
 class ExposeRequest(_Model):
     port: int = Field(ge=1, le=65535, description="a TCP port in the sandbox")
 

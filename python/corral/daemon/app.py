@@ -95,6 +95,7 @@ from corral.models import (
     KillManyResponse,
     KillProcessRequest,
     MkdirRequest,
+    NetworkUpdate,
     ProcessHandle,
     ProcessStatus,
     RemoveRequest,
@@ -192,6 +193,11 @@ async def status(request: web.Request) -> web.Response:
 
 async def list_substrates(request: web.Request) -> web.Response:
     return _json({"substrates": _engine(request).substrate_table()})
+
+
+async def update_network(request: web.Request) -> web.Response:
+    req = await _body(request, NetworkUpdate)
+    return _json(_engine(request).update_network(request.match_info["id"], req.network).info())
 
 
 async def expose_port(request: web.Request) -> web.Response:
@@ -799,6 +805,9 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/substrates", list_substrates, "The substrates this daemon serves, each "
           "with its capabilities (an operation a substrate lacks answers 501 unsupported)",
           response=list_of("substrates", SubstrateInfo, paged=False)),
+    Route("PUT", "/v1/sandboxes/{id}/network", update_network, "Replace a networked sandbox's "
+          "policy at once (internet, a named allowlist or rules)", body=NetworkUpdate,
+          response=SandboxInfo, errors=(*SB_ERR, 501)),
     Route("POST", "/v1/sandboxes/{id}/ports", expose_port, "Expose a TCP port of a networked "
           "sandbox on the host's loopback", body=ExposeRequest, response=ExposedPort,
           errors=(*SB_ERR, 501)),

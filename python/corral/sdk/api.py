@@ -44,6 +44,7 @@ from corral.models import (
     KillProcessRequest,
     LogEntry,
     MkdirRequest,
+    NetworkUpdate,
     ProcessHandle,
     ProcessStatus,
     RemoveRequest,
@@ -281,6 +282,11 @@ def kill(sid: str) -> Call[bool]:
 def set_timeout(sid: str, seconds: float) -> Call[SandboxInfo]:
     req = validated(SetTimeoutRequest, timeout=seconds)
     return Call("POST", sb_path(sid) + "/timeout", _info, body=_body(req))
+
+
+def update_network(sid: str, network: Any) -> Call[SandboxInfo]:
+    req = validated(NetworkUpdate, network=network)
+    return Call("PUT", sb_path(sid) + "/network", _info, body=_body(req))
 
 
 def expose(sid: str, port: int) -> Call[str]:

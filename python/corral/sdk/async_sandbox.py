@@ -111,6 +111,7 @@ class AsyncSandbox(SandboxHandle):
 
     def _init_files(self) -> None:
         self.files = AsyncFiles(self)
+        self.network = AsyncNetworkControl(self)
 
     async def _sid_ready(self) -> str:
         """The id, creating the sandbox first if that has not happened yet (exactly once,
@@ -326,6 +327,16 @@ class AsyncSandbox(SandboxHandle):
         except CorralError:
             if exc is None:
                 raise
+
+
+class AsyncNetworkControl:
+    """``sandbox.network`` of an AsyncSandbox."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sb = sandbox
+
+    async def update(self, network: str | NetworkPolicy) -> SandboxInfo:
+        return self._sb._remember(await self._sb._call(api.update_network, network))
 
 
 class AsyncFiles:

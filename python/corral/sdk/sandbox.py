@@ -60,6 +60,7 @@ class Sandbox(SandboxHandle):
     """
 
     files: Files
+    network: NetworkControl
 
     def __init__(self, image: str = "host", *, substrate: str = "container", cpu: float = 1.0,
                  memory_mb: int = 512, pids: int = 512, timeout: float = DEFAULT_TIMEOUT_S,
@@ -92,6 +93,7 @@ class Sandbox(SandboxHandle):
 
     def _init_files(self) -> None:
         self.files = Files(self)
+        self.network = NetworkControl(self)
 
     def _call(self, call: Call[T], key: str | None = None) -> T:
         return _send(self._endpoint, self._with_key(call, key), self)
@@ -294,6 +296,18 @@ class Sandbox(SandboxHandle):
         except CorralError:
             if exc is None:  # don't hide the body's own exception behind a cleanup failure
                 raise
+
+
+class NetworkControl:
+    """``sandbox.network``: its network policy, changed live."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sb = sandbox
+
+    def update(self, network: str | NetworkPolicy) -> SandboxInfo:
+        """Replace the policy at once (``"internet"``, a named allowlist or a
+        ``corral.Network``): new connections follow it, DNS pins of the old one are gone."""
+        return self._sb._remember(self._sb._call(api.update_network(self._sb.id, network)))
 
 
 class Files:

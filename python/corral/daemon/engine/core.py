@@ -689,6 +689,19 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
     def unexpose(self, sid: str, port: int) -> bool:
         return bool(self._network_of(self.get(sid)).unexpose(sid, port))
 
+    def update_network(self, sid: str, network: Any) -> Sandbox:
+        """A networked sandbox's policy (or mode internet) replaced at once; its spec too, so
+        forks and a daemon restart see the new one."""
+        sb = self.get(sid)
+        if network_kind(network) not in ("internet", "policy"):
+            raise InvalidNetwork("a live sandbox changes between internet and policies only "
+                                 "(none and disabled have no network to change)",
+                                 details={"network": network_kind(network)})
+        self._network_of(sb).update(sid, network)
+        sb.spec = sb.spec.model_copy(update={"network": network})
+        persist.write_json_atomic(os.path.join(self.sandboxes_dir, sid, persist.META), sb.meta())
+        return sb
+
     def set_timeout(self, sid: str, timeout: float) -> Sandbox:
         sb = self.get(sid)
         now = time.time()

@@ -169,6 +169,22 @@ table {self.t} {{
                 cmds.append(f"delete element {t} {name} {{ {body} }}")
         self.nft.run("\n".join(cmds))
 
+    def swap(self, ifname: str, old: dict[str, list[str]], new: dict[str, list[str]]) -> None:
+        """Replace a sandbox's policy elements (``old`` -> ``new``) in one transaction: no
+        packet sees a mix of the two."""
+        cmds = []
+        for name, items in old.items():
+            items = [e.split(" timeout ")[0] for e in items]
+            if items:
+                body = ", ".join(items)
+                cmds += [f"add element {self.t} {name} {{ {body} }}",
+                         f"delete element {self.t} {name} {{ {body} }}"]
+        for name, items in new.items():
+            if items:
+                cmds.append(f"add element {self.t} {name} {{ {', '.join(items)} }}")
+        if cmds:
+            self.nft.run("\n".join(cmds))
+
     def peers(self, pairs: list[tuple[str, str]], add: bool) -> None:
         if not pairs:
             return

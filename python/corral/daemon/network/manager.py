@@ -321,6 +321,26 @@ class NetworkManager:
                 out += [(att.ifname, other.ifname), (other.ifname, att.ifname)]
         return out
 
+    def update(self, sandbox_id: str, network: Any) -> None:
+        """Its policy replaced at once: the new rules in, the old ones and every DNS pin out
+        (connections already open stay open; a new one needs the new policy)."""
+        policy, label = self.resolve(network)
+        att = self.attachments.get(sandbox_id)
+        if att is None:
+            raise Unsupported("only a networked sandbox's policy can change",
+                              details={"operation": "network_update"})
+        i = f'"{att.ifname}"'
+        with att.lock:
+            allow = deny = []
+            if policy is not None:
+                allow = Firewall.rules(att.ifname, policy.cidrs(policy.allow))
+                deny = Firewall.rules(att.ifname, policy.cidrs(policy.deny))
+            old = {**att.elems, "internet": [i] if att.policy is None else []}
+            new = {"allow4": allow, "deny4": deny, "internet": [i] if policy is None else []}
+            self.fw.swap(att.ifname, old, new)
+            att.policy, att.label, att.pins = policy, label, {}
+            att.elems = {"allow4": allow, "deny4": deny}
+
     async def expose(self, sandbox_id: str, port: int) -> int:
         """127.0.0.1:<the returned port> on the host reaches ``port`` in the sandbox."""
         from .expose import Exposer
