@@ -12,6 +12,7 @@ mod fs;
 mod harden;
 mod hostmount;
 mod layer;
+mod netlink;
 mod scratchfs;
 mod spawn;
 mod tree;
@@ -295,6 +296,26 @@ fn netns_socket(py: Python<'_>, netns: RawFd, domain: i32, ty: i32, proto: i32) 
     py.detach(|| spawn::netns_socket(netns, domain, ty, proto))
         .map(IntoRawFd::into_raw_fd)
         .map_err(|e| io_err("netns_socket", e))
+}
+
+/// A networked sandbox's veth pair (docs/network.md): host end `host` with the gateway
+/// address and a /32 route to `addr`; `eth0` in the namespace `netns` with `addr`/32 and a
+/// default route via `gateway`. The GIL is released meanwhile.
+#[pyfunction]
+fn veth_setup(
+    py: Python<'_>,
+    netns: RawFd,
+    host: String,
+    gateway: String,
+    addr: String,
+) -> PyResult<()> {
+    let parse = |s: &str| {
+        s.parse::<std::net::Ipv4Addr>()
+            .map_err(|_| PyValueError::new_err(format!("not an IPv4 address: {s:?}")))
+    };
+    let (gw, a) = (parse(&gateway)?, parse(&addr)?);
+    py.detach(|| netlink::veth_setup(netns, &host, gw, a))
+        .map_err(|e| os_error(e.errno(), format!("veth_setup: {e}")))
 }
 
 /// Mount a tmpfs (nosuid, nodev, noexec) on `target` in the caller's mount namespace, for the
@@ -657,6 +678,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(harden_daemon, m)?)?;
     m.add_function(wrap_pyfunction!(netns_new, m)?)?;
     m.add_function(wrap_pyfunction!(netns_socket, m)?)?;
+    m.add_function(wrap_pyfunction!(veth_setup, m)?)?;
     m.add_function(wrap_pyfunction!(mount_tmpfs, m)?)?;
     m.add_function(wrap_pyfunction!(umount, m)?)?;
     m.add_function(wrap_pyfunction!(mount_loop, m)?)?;
