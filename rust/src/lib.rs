@@ -13,6 +13,7 @@ mod harden;
 mod hostmount;
 mod layer;
 mod netlink;
+mod nftset;
 mod scratchfs;
 mod spawn;
 mod tree;
@@ -316,6 +317,24 @@ fn veth_setup(
     let (gw, a) = (parse(&gateway)?, parse(&addr)?);
     py.detach(|| netlink::veth_setup(netns, &host, gw, a))
         .map_err(|e| os_error(e.errno(), format!("veth_setup: {e}")))
+}
+
+/// Remove set elements of the inet table `table` in one nf_tables batch, straight over
+/// netlink (an element already gone is fine): `sets` is [(set name, [(key, key_end or
+/// None)])], each key the concatenated register data of the element.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn nft_destroy_elements(
+    py: Python<'_>,
+    table: String,
+    sets: Vec<(String, Vec<(Vec<u8>, Option<Vec<u8>>)>)>,
+) -> PyResult<()> {
+    let sets: Vec<nftset::SetElems> = sets
+        .into_iter()
+        .map(|(set, elems)| nftset::SetElems { set, elems })
+        .collect();
+    py.detach(|| nftset::destroy_elements(&table, &sets))
+        .map_err(|e| os_error(e.errno(), format!("nft_destroy_elements: {e}")))
 }
 
 /// Mount a tmpfs (nosuid, nodev, noexec) on `target` in the caller's mount namespace, for the
@@ -679,6 +698,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(netns_new, m)?)?;
     m.add_function(wrap_pyfunction!(netns_socket, m)?)?;
     m.add_function(wrap_pyfunction!(veth_setup, m)?)?;
+    m.add_function(wrap_pyfunction!(nft_destroy_elements, m)?)?;
     m.add_function(wrap_pyfunction!(mount_tmpfs, m)?)?;
     m.add_function(wrap_pyfunction!(umount, m)?)?;
     m.add_function(wrap_pyfunction!(mount_loop, m)?)?;
