@@ -246,6 +246,7 @@ class Sandbox(SandboxHandle):
         return self._call(api.expose(self.id, port))
 
     def unexpose(self, port: int) -> bool:
+        """Stop exposing ``port``; False if it was not exposed."""
         return self._call(api.unexpose(self.id, port))
 
     def kill(self, *, key: str | None = None) -> bool:

@@ -58,6 +58,8 @@ table {self.t} {{
   set peers {{ type ifname . ifname; }}
   set allow4 {{ type ifname . ipv4_addr . inet_proto . inet_service; flags interval, timeout; }}
   set deny4 {{ type ifname . ipv4_addr . inet_proto . inet_service; flags interval; }}
+  set pin4 {{ type ifname . ipv4_addr . inet_proto . inet_service; flags timeout; }}
+  set pinall4 {{ type ifname . ipv4_addr; flags timeout; }}
   set blocked4 {{ type ipv4_addr; flags interval; elements = {{ {blocked} }}; }}
   set private4 {{ type ipv4_addr; flags interval; elements = {{ {private} }}; }}
   set denied {{ type ifname; flags dynamic; counter; size 1048576; }}
@@ -87,6 +89,8 @@ table {self.t} {{
     ip daddr @blocked4 goto deny
     ct state new add @conns {{ iifname ct count over {s.max_connections} }} goto deny
     iifname . ip daddr . meta l4proto . th dport @deny4 goto deny
+    iifname . ip daddr . meta l4proto . th dport @pin4 accept
+    iifname . ip daddr @pinall4 accept
     iifname . ip daddr . meta l4proto . th dport @allow4 accept
     ip daddr @private4 goto deny
     iifname @internet accept
@@ -131,6 +135,23 @@ table {self.t} {{
 
     # ---- per sandbox ---------------------------------------------------------------------
     @staticmethod
+    def pins(ifname: str, addrs: list[str], ports: Ports, ttl: int) -> dict[str, list[str]]:
+        """DNS pins by set: hash sets for an exact port or every port (their removal does not
+        grow with the number of sandboxes, unlike the interval set's), the interval set only
+        for a port range."""
+        i, to = _ifname(ifname), f" timeout {ttl}s"
+        out: dict[str, list[str]] = {"pin4": [], "pinall4": [], "allow4": []}
+        for a in addrs:
+            for p in ports:
+                if p == (0, 65535):
+                    out["pinall4"].append(f"{i} . {a}{to}")
+                elif p[0] == p[1]:
+                    out["pin4"] += [f"{i} . {a} . {proto} . {p[0]}{to}" for proto in PROTOS]
+                else:
+                    out["allow4"] += [f"{i} . {a} . {proto} . {_port(p)}{to}" for proto in PROTOS]
+        return {k: v for k, v in out.items() if v}
+
+    @staticmethod
     def rules(ifname: str, nets: Iterable[tuple[ipaddress.IPv4Network | str, Ports]],
                timeout_s: int | None = None) -> list[str]:
         to = f" timeout {timeout_s}s" if timeout_s else ""
@@ -152,9 +173,12 @@ table {self.t} {{
     def run(self, cmds: str) -> None:
         self.nft.run(cmds)
 
-    def add_elements(self, set_name: str, elems: list[str]) -> None:
-        if elems:
-            self.nft.run(f"add element {self.t} {set_name} {{ {', '.join(elems)} }}")
+    def add_sets(self, by_set: dict[str, list[str]]) -> None:
+        """Elements into several sets, one transaction."""
+        cmds = [f"add element {self.t} {name} {{ {', '.join(items)} }}"
+                for name, items in by_set.items() if items]
+        if cmds:
+            self.nft.run("\n".join(cmds))
 
     def detach(self, ifname: str, addr: ipaddress.IPv4Address, elems: dict[str, list[str]]
                ) -> None:

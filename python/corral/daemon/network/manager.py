@@ -51,13 +51,15 @@ class Attachment:
 
     # ---- what the DNS proxy calls --------------------------------------------------------
     def pin(self, addrs: list[str], ports: Ports, ttl: int) -> None:
-        elems = Firewall.rules(self.ifname, [(a, ports) for a in addrs], ttl)
+        by_set = Firewall.pins(self.ifname, addrs, ports, ttl)
         with self.lock:
             if self.mgr.attachments.get(self.sandbox_id) is not self:
                 return  # detached meanwhile: pin nothing for a dead interface
-            self.mgr.fw.add_elements("allow4", elems)
-            self.elems.setdefault("allow4", []).extend(e for e in elems
-                                                       if e not in self.elems.get("allow4", []))
+            self.mgr.fw.add_sets(by_set)
+            for name, elems in by_set.items():
+                have = self.elems.setdefault(name, [])
+                known = {e.split(" timeout ")[0] for e in have}
+                have.extend(e for e in elems if e.split(" timeout ")[0] not in known)
             until = time.time() + ttl
             for a in addrs:
                 self.pins[a] = until
