@@ -328,6 +328,19 @@ def test_private_ranges_only_when_named_and_metadata_never(net: Env):
         assert not ok(r["connect=meta.test:80"]), r
 
 
+def test_an_allowed_name_cannot_rebind_to_an_internal_address(net: Env):
+    """private.test answers with a private address, meta.test with the metadata one: allowing
+    the name opens neither (only an allow CIDR opens a private range)."""
+    lab = net.lab
+    with net.sandbox(network=Network(allow=["private.test", "meta.test", "allowed.test"])) as sb:
+        r = probe(sb, "connect=private.test:80", "connect=meta.test:80",
+                  "connect=allowed.test:80")
+        assert not ok(r["connect=private.test:80"]), r
+        assert not ok(r["connect=meta.test:80"]), r
+        assert ok(r["connect=allowed.test:80"]), r
+        assert lab.private not in sb.info().net.pinned
+
+
 def test_deny_wins_over_allow(net: Env):
     lab = net.lab
     pol = Network(allow=["*.wild.test", f"{lab.net}.0/24"], deny=["a.wild.test", lab.addr(12),

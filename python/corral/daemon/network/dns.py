@@ -9,6 +9,7 @@ Everything else is refused (NXDOMAIN), so no query for a denied name leaves the 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -19,11 +20,21 @@ from typing import Any
 
 from dnslib import QTYPE, RCODE, RR, A, DNSHeader, DNSRecord
 
+from .firewall import BLOCKED4, PRIVATE4
+
 log = logging.getLogger("corral.network.dns")
 
 IP_FREEBIND = 15
 MIN_PIN_S, MAX_PIN_S = 5, 3600
 UPSTREAM_TIMEOUT_S = 3.0
+
+
+_INTERNAL = [ipaddress.IPv4Network(n) for n in (*PRIVATE4, *BLOCKED4)]
+
+
+def _internal(addr: str) -> bool:
+    ip = ipaddress.IPv4Address(addr)
+    return any(ip in n for n in _INTERNAL)
 
 
 class DnsProxy:
@@ -102,7 +113,11 @@ class DnsProxy:
             return self._refuse(q, RCODE.SERVFAIL)
         self.counts["forwarded"] += 1
         if who.policy is not None:
-            pins = [(str(rr.rdata), int(rr.ttl)) for rr in ans.rr if rr.rtype == QTYPE.A]
+            # An allowed name answering with a private or link-local address (DNS rebinding
+            # to an internal service) opens nothing: such addresses need an allow CIDR.
+            pins = [(str(rr.rdata), int(rr.ttl)) for rr in ans.rr if rr.rtype == QTYPE.A
+                    and (not _internal(str(rr.rdata))
+                         or who.policy.names_address(str(rr.rdata)))]
             if pins:
                 ttl = max(MIN_PIN_S, min(MAX_PIN_S, max(t for _, t in pins)))
                 who.pin([a for a, _ in pins], ports, ttl)

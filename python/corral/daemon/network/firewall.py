@@ -89,10 +89,10 @@ table {self.t} {{
     ip daddr @blocked4 goto deny
     ct state new add @conns {{ iifname ct count over {s.max_connections} }} goto deny
     iifname . ip daddr . meta l4proto . th dport @deny4 goto deny
-    iifname . ip daddr . meta l4proto . th dport @pin4 accept
-    iifname . ip daddr @pinall4 accept
     iifname . ip daddr . meta l4proto . th dport @allow4 accept
     ip daddr @private4 goto deny
+    iifname . ip daddr . meta l4proto . th dport @pin4 accept
+    iifname . ip daddr @pinall4 accept
     iifname @internet accept
     goto deny
   }}

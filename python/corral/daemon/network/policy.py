@@ -51,6 +51,11 @@ class Policy:
                 ports.extend(p for p in r.ports if p not in ports)
         return tuple(ports) or None
 
+    def names_address(self, addr: str) -> bool:
+        """Whether an allow CIDR covers ``addr`` (a private address is only reachable so)."""
+        ip = ipaddress.IPv4Address(addr)
+        return any(r.kind == "cidr" and ip in ipaddress.IPv4Network(r.value) for r in self.allow)
+
     def cidrs(self, rules: list[Rule]) -> list[tuple[ipaddress.IPv4Network,
                                                       tuple[tuple[int, int], ...]]]:
         return [(ipaddress.IPv4Network(r.value), r.ports) for r in rules if r.kind == "cidr"]
