@@ -5,9 +5,10 @@ transaction, never a rule-set reload.
 What a sandbox may send (chain ``from_sandbox``), in order: nothing but IPv4 from its own
 address (spoofing and IPv6 are dropped); replies of flows already allowed; other sandboxes
 only if both are in one network group; out of the uplink only (never another host
-interface); never link-local/metadata (169.254.0.0/16) nor the daemon's own range; a policy's
-deny entries; its allow entries (CIDRs, and the DNS proxy's pins, which expire with the
-answer's TTL); never the private ranges; everything else only in mode "internet". To the host
+interface); never link-local/metadata (169.254.0.0/16) nor the daemon's own range; no new
+connection past the per-sandbox cap; a policy's deny entries; its allow CIDRs; never the
+private ranges; the DNS proxy's pins (which expire with the answer's TTL); everything else
+only in mode "internet". To the host
 itself (chain ``to_host``): only DNS to the gateway address. Denied packets are rejected
 (TCP: a reset, which the kernel does not rate-limit as it does ICMP errors; others:
 admin-prohibited) and counted per sandbox in the dynamic set ``denied``."""
