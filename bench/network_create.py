@@ -1,4 +1,5 @@
-"""Create p50 of network none vs internet vs a policy, in one run, round robin (so background
+"""Create p50 of network none vs internet vs a policy of names only vs one with a CIDR rule,
+in one run, round robin (so background
 load falls on each alike), against a private daemon whose uplink and DNS upstream are the
 tests' own small internet (tests/netlab.py: nothing leaves the machine). Run as root from the
 checkout:
@@ -51,8 +52,9 @@ def main() -> None:
                     raise
                 time.sleep(0.1)
         modes = [("none", "none"), ("internet", "internet"),
-                 ("policy", Network(allow=["allowed.test:80", "*.wild.test",
-                                           "10.0.0.0/8:443"]))]
+                 ("names", Network(allow=["allowed.test:80", "*.wild.test", "@pypi"])),
+                 ("cidrs", Network(allow=["allowed.test:80", "*.wild.test",
+                                          "10.0.0.0/8:443"]))]
         for _, net in modes:  # the network starts on first use
             Sandbox(endpoint=ep, network=net).kill()
         time.sleep(3)  # the pools fill

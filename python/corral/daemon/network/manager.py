@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("corral.network")
 
 Ports = tuple[tuple[int, int], ...]
+REFILL_QUIET_S = 0.02
 
 
 @dataclass
@@ -97,6 +98,7 @@ class NetworkManager:
         self._cv = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._last_take = 0.0
         self.exposer: Exposer | None = None
         LIVE.add(self)
         if self.s is not None:
@@ -263,6 +265,11 @@ class NetworkManager:
             with self._cv:
                 while not self._closed and len(self._ready) >= (self.s.pool if self.s else 0):
                     self._cv.wait()
+                # Not while a create that just took a slot is still spawning (~5 ms): a
+                # veth pair costs kernel CPU that create would wait for on a busy host.
+                while not self._closed and self._ready and \
+                        time.monotonic() - self._last_take < REFILL_QUIET_S:
+                    self._cv.wait(REFILL_QUIET_S)
                 if self._closed:
                     return
             try:
@@ -286,6 +293,7 @@ class NetworkManager:
         with self._cv:
             self._start()
             slot = self._ready.pop() if self._ready else None
+            self._last_take = time.monotonic()
             self._cv.notify()
         if slot is None:
             slot = self._make_slot()
