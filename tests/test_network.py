@@ -647,3 +647,21 @@ def test_a_policy_changes_on_a_live_sandbox_at_once(net: Env):
 
         with pytest.raises(Unsupported):
             plain.network.update("internet")
+
+
+def test_a_restore_keeps_the_network_and_its_policy(net: Env):
+    lab = net.lab
+    with net.sandbox(network=Network(allow=["allowed.test:80"])) as sb:
+        before = sb.info().net
+        snap = sb.snapshot()
+        try:
+            sb.exec("echo changed > /root/f")
+            sb.restore(snap)
+            after = sb.info().net
+            assert after.address == before.address
+            r = probe(sb, "connect=allowed.test:80", f"connect={lab.addr(12)}:80")
+            assert ok(r["connect=allowed.test:80"]), r
+            assert not ok(r[f"connect={lab.addr(12)}:80"]), r
+            assert sb.exec("cat /etc/resolv.conf").stdout.startswith(f"nameserver {after.gateway}")
+        finally:
+            snap.delete()
