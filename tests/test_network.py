@@ -665,3 +665,40 @@ def test_a_restore_keeps_the_network_and_its_policy(net: Env):
             assert sb.exec("cat /etc/resolv.conf").stdout.startswith(f"nameserver {after.gateway}")
         finally:
             snap.delete()
+
+
+FLOOD = textwrap.dedent('''
+    import socket, sys
+    gw, n = sys.argv[1], int(sys.argv[2])
+    q = b"\\x12\\x34\\x01\\x00\\x00\\x01\\x00\\x00\\x00\\x00\\x00\\x00" \\
+        b"\\x07allowed\\x04test\\x00\\x00\\x01\\x00\\x01"
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for _ in range(n):
+        s.sendto(q, (gw, 53))
+    print("flooded")
+''')
+
+
+def test_one_sandbox_flooding_its_resolver_does_not_starve_the_others(net: Env):
+    import httpx
+
+    def rate_limited() -> float:
+        t = httpx.HTTPTransport(uds=net.d.socket_path)
+        with httpx.Client(transport=t, base_url="http://corral", timeout=10) as c:
+            for ln in c.get("/metrics").text.splitlines():
+                if ln.startswith("corral_network_dns_rate_limited"):
+                    return float(ln.split()[1])
+        return 0.0
+
+    with net.sandbox(network="internet") as flooder, \
+            net.sandbox(network=Network(allow=["allowed.test"])) as other:
+        before = rate_limited()
+        gw = flooder.info().net.gateway
+        proc = flooder.exec(["python3", "-c", f"import subprocess, sys\n"
+                             f"for _ in range(4): subprocess.Popen([sys.executable, '-c', "
+                             f"{FLOOD!r}, '{gw}', '20000'])"], timeout=30)
+        assert proc.exit_code == 0, proc
+        r = probe(other, "resolve=allowed.test", "connect=allowed.test:80")
+        assert r["resolve=allowed.test"] == [net.lab.addr(10)], r
+        assert ok(r["connect=allowed.test:80"]), r
+        assert wait_until(lambda: rate_limited() > before + 1000, timeout=30)

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -27,6 +28,9 @@ log = logging.getLogger("corral.network.dns")
 IP_FREEBIND = 15
 MIN_PIN_S, MAX_PIN_S = 5, 3600
 UPSTREAM_TIMEOUT_S = 3.0
+# Per sandbox: queries per second (a token bucket of twice that) and queries in flight, so
+# one sandbox flooding its resolver cannot take the workers every other one needs.
+RATE_QPS, IN_FLIGHT = 50.0, 4
 
 
 _INTERNAL = [ipaddress.IPv4Network(n) for n in (*PRIVATE4, *BLOCKED4)]
@@ -48,7 +52,11 @@ class DnsProxy:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_IP, IP_FREEBIND, 1)  # before the first veth has it
         self.sock.bind((bind, 53))
-        self.counts = {"queries": 0, "refused": 0, "forwarded": 0, "failed": 0}
+        self.counts = {"queries": 0, "refused": 0, "forwarded": 0, "failed": 0,
+                       "rate_limited": 0}
+        # source address -> [tokens, last refill (monotonic), in flight]
+        self._buckets: dict[str, list[float]] = {}
+        self._block = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="corral-dns")
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="corral-dns", daemon=True)
@@ -63,10 +71,38 @@ class DnsProxy:
                     return
                 continue
             self.counts["queries"] += 1
+            if not self._admit(src[0]):
+                self.counts["rate_limited"] += 1
+                continue  # dropped, as a lossy link would: the client retries later
             try:
                 self._pool.submit(self._answer, data, src)
             except RuntimeError:
                 return  # closing
+
+    def _admit(self, addr: str) -> bool:
+        with self._block:
+            return self._admit_locked(addr)
+
+    def _admit_locked(self, addr: str) -> bool:
+        now = time.monotonic()
+        b = self._buckets.get(addr)
+        if b is None:
+            if len(self._buckets) > 100_000:
+                self._buckets.clear()
+            b = self._buckets[addr] = [2 * RATE_QPS, now, 0]
+        b[0] = min(2 * RATE_QPS, b[0] + (now - b[1]) * RATE_QPS)
+        b[1] = now
+        if b[0] < 1 or b[2] >= IN_FLIGHT:
+            return False
+        b[0] -= 1
+        b[2] += 1
+        return True
+
+    def _done(self, addr: str) -> None:
+        with self._block:
+            b = self._buckets.get(addr)
+            if b is not None and b[2] > 0:
+                b[2] -= 1
 
     def _answer(self, data: bytes, src: tuple[str, int]) -> None:
         try:
@@ -74,6 +110,8 @@ class DnsProxy:
         except Exception:  # a malformed query: no answer, as a resolver would
             log.debug("bad DNS query from %s", src[0], exc_info=True)
             return
+        finally:
+            self._done(src[0])
         if reply is not None:
             try:
                 self.sock.sendto(reply, src)
