@@ -189,7 +189,7 @@ def test_substrates_table(c):
     assert [s["name"] for s in table] == c.get("/v1/status").json()["substrates"]
     caps = next(s for s in table if s["name"] == "container")["capabilities"]
     assert caps["snapshot"] and caps["pause"] and caps["files"] and caps["restore"]
-    assert caps["networks"] == ["none", "disabled"]
+    assert caps["networks"] == ["none", "disabled", "internet", "policy"]
 
 
 @pytest.mark.parametrize("network", ["host", "bridge", "", "NONE", 1, None])
@@ -198,7 +198,7 @@ def test_create_rejects_unknown_network(c, network):
     for path, body in (("/v1/sandboxes", {"network": network}),
                        ("/v1/sandboxes/batch", {"count": 2, "spec": {"network": network}})):
         err = expect_error(c.post(path, json=body), "invalid_network", 400)
-        assert err["details"]["modes"] == ["none", "disabled"], err
+        assert err["details"]["modes"] == ["none", "disabled", "internet"], err
     assert set(leaked_sandbox_cgroups()) == before
 
 

@@ -32,6 +32,7 @@ from corral.errors import (
     Unauthorized,
     Unsupported,
 )
+from corral.models import Network
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,7 @@ __all__ = [
     "InvalidPath",
     "InvalidNetwork",
     "InvalidRequest",
+    "Network",
     "IsADirectory",
     "NotADirectory",
     "NotFound",

@@ -99,7 +99,8 @@ class TooLarge(InvalidRequest):
 
 
 class InvalidNetwork(InvalidRequest):
-    """An unknown ``network`` mode in a sandbox spec (known: ``none``, ``disabled``)."""
+    """A sandbox spec's ``network`` is no mode (``none``, ``disabled``, ``internet``), no
+    named allowlist of the daemon's, or a policy with a malformed rule (docs/network.md)."""
 
     code, status = "invalid_network", 400
 
@@ -131,6 +132,12 @@ class SandboxNotFound(NotFound):
 
 class ImageNotFound(NotFound):
     code, status = "image_not_found", 404
+
+
+class NetworkNotFound(NotFound):
+    """No named allowlist by that name in the daemon's config (``details["known"]``)."""
+
+    code, status = "network_not_found", 404
 
 
 class SnapshotNotFound(NotFound):

@@ -20,10 +20,18 @@ SUBSTRATE_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
 Substrate = Annotated[str, Field(pattern=SUBSTRATE_PATTERN, description=(
     "the substrate that runs the sandbox: container (default), or another one the daemon "
     "serves (GET /v1/substrates)"))]
-NetworkMode = Literal["none", "disabled"]
+NetworkMode = Literal["none", "disabled", "internet"]
 # "none": a network namespace of the sandbox's own with only loopback. "disabled": no socket
 # but AF_UNIX (seccomp), in one empty namespace shared by all such sandboxes (docs/isolation.md).
-NETWORK_MODES = ("none", "disabled")
+# "internet": egress through the daemon's NAT, minus what is always denied (docs/network.md).
+# Any other name is one of the daemon's named allowlists; a NetworkPolicy lists rules.
+NETWORK_MODES = ("none", "disabled", "internet")
+NetworkKind = Literal["none", "disabled", "internet", "policy"]
+NETWORK_NAME_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
+NetworkName = Annotated[str, Field(pattern=NETWORK_NAME_PATTERN, description=(
+    "a mode (none, disabled, internet) or a named allowlist of the daemon's (GET /v1/networks)"))]
+NetworkRule = Annotated[str, Field(min_length=1, max_length=300, description=(
+    "name[:ports], *.suffix[:ports], a.b.c.d[/len][:ports], or @allowlist (allow only)"))]
 SandboxState = Literal["starting", "running", "paused", "restoring", "stopping", "dead"]
 PauseTTL = Literal["count", "stop"]
 
@@ -82,6 +90,27 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class NetworkPolicy(_Model):
+    """Default-deny egress: what ``allow`` names (domains through the sandbox's DNS, CIDRs,
+    named allowlists), minus what ``deny`` names, minus what is always denied
+    (docs/network.md)."""
+
+    allow: list[NetworkRule] = Field(default_factory=list, max_length=256)
+    deny: list[NetworkRule] = Field(default_factory=list, max_length=256)
+
+
+Network = NetworkPolicy  # the SDK's name: corral.Network(allow=[...], deny=[...])
+NetworkSpec = NetworkName | NetworkPolicy
+
+
+def network_kind(network: NetworkSpec) -> NetworkKind:
+    """What a spec's network asks of a substrate: a mode, or "policy" (a named allowlist or
+    rules)."""
+    if isinstance(network, str) and network in NETWORK_MODES:
+        return network  # type: ignore[return-value]
+    return "policy"
+
+
 DEFAULT_DISK_MB = 10240
 
 
@@ -107,7 +136,17 @@ class SandboxSpec(_Model):
                                    description=f"keys match {LABEL_KEY_PATTERN}, values of "
                                                "at most 256 characters")
     metadata: dict[str, str] = Field(default_factory=dict)
-    network: NetworkMode = "none"
+    network: NetworkSpec = "none"
+    network_group: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+                                      description="networked sandboxes of one group reach "
+                                                  "each other (by sandbox id as a DNS name)")
+    expose: list[Annotated[int, Field(ge=1, le=65535)]] = Field(
+        default_factory=list, max_length=64,
+        description="a networked sandbox's TCP ports to reach from the host (info().net."
+                    "exposed: 127.0.0.1:<port> each)")
+    bandwidth_mbit: float | None = Field(None, gt=0, le=100_000,
+                                         description="a networked sandbox's rate, each way "
+                                                     "(Mbit/s; tc tbf on both ends of its link)")
     hostname: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9\-.]{0,62}$")
     cwd: AbsPath = Field("/root", description="absolute working directory for commands "
                                               "(must exist, unless it is the default)")
@@ -133,6 +172,45 @@ class SandboxSpec(_Model):
         return v
 
 
+class NetworkState(_Response):
+    """A networked sandbox's address and what it sent and was refused."""
+
+    address: str
+    gateway: str | None = None
+    group: str | None = None
+    policy: Any = None
+    tx_bytes: int = 0
+    tx_packets: int = 0
+    rx_bytes: int = 0
+    rx_packets: int = 0
+    denied_packets: int = Field(0, description="packets rejected by the always-deny list or "
+                                               "the policy")
+    refused_names: dict[str, int] = Field(default_factory=dict,
+                                          description="names its DNS refused, with counts")
+    pinned: list[str] = Field(default_factory=list,
+                              description="addresses its DNS answers opened, unexpired")
+    exposed: dict[str, str] = Field(default_factory=dict,
+                                    description="sandbox port -> host address reaching it")
+
+
+class NetworkUpdate(_Model):
+    network: NetworkSpec = Field(description="internet, a named allowlist or a policy")
+
+
+class ExposeRequest(_Model):
+    port: int = Field(ge=1, le=65535, description="a TCP port in the sandbox")
+
+
+class ExposedPort(_Response):
+    port: int
+    host: str = Field(description="host:port on the host's loopback that reaches it")
+
+
+class AllowlistInfo(_Response):
+    name: str
+    rules: list[str]
+
+
 class SandboxInfo(_Response):
     id: str
     state: SandboxState
@@ -141,7 +219,11 @@ class SandboxInfo(_Response):
     cpu: float
     memory_mb: int
     pids: int
-    network: NetworkMode
+    network: NetworkSpec
+    network_group: str | None = None
+    bandwidth_mbit: float | None = None
+    net: NetworkState | None = Field(None, description="a networked sandbox's address and "
+                                                       "counters")
     hostname: str
     labels: dict[str, str] = Field(default_factory=dict)
     metadata: dict[str, str] = Field(default_factory=dict)
@@ -436,7 +518,8 @@ class SubstrateCapabilities(_Response):
     oom_kills: bool = Field(description="counts OOM kills (oom_killed, sandbox_crashed)")
     exit_watch: bool = Field(description="learns of dead sandboxes without a pidfd each")
     warm_pool: bool = Field(description="sandboxes can be made ahead of demand")
-    networks: list[NetworkMode] = Field(description="the network modes it can give")
+    networks: list[NetworkKind] = Field(description="the network modes it can give "
+                                                    "(policy: allowlists and rules)")
 
 
 class SubstrateInfo(_Response):

@@ -14,6 +14,8 @@ mod harden;
 mod hostmount;
 mod layer;
 mod netprobe;
+mod netlink;
+mod nftset;
 mod scratchfs;
 mod spawn;
 mod tree;
@@ -216,6 +218,53 @@ fn netns_fingerprint(py: Python<'_>, netns_fd: RawFd) -> PyResult<Py<PyBytes>> {
         .detach(|| netprobe::fingerprint(netns_fd))
         .map_err(|e| os_error(e.errno(), format!("netns_fingerprint: {e}")))?;
     Ok(PyBytes::new(py, &v).unbind())
+}
+
+/// A socket made in the network namespace `netns` (an fd), e.g. netlink (NETLINK_ROUTE) to
+/// set up a sandbox's links and addresses from the daemon's namespace.
+#[pyfunction]
+fn netns_socket(py: Python<'_>, netns: RawFd, domain: i32, ty: i32, proto: i32) -> PyResult<RawFd> {
+    py.detach(|| spawn::netns_socket(netns, domain, ty, proto))
+        .map(IntoRawFd::into_raw_fd)
+        .map_err(|e| io_err("netns_socket", e))
+}
+
+/// A networked sandbox's veth pair (docs/network.md): host end `host` with the gateway
+/// address and a /32 route to `addr`; `eth0` in the namespace `netns` with `addr`/32 and a
+/// default route via `gateway`. The GIL is released meanwhile.
+#[pyfunction]
+fn veth_setup(
+    py: Python<'_>,
+    netns: RawFd,
+    host: String,
+    gateway: String,
+    addr: String,
+) -> PyResult<()> {
+    let parse = |s: &str| {
+        s.parse::<std::net::Ipv4Addr>()
+            .map_err(|_| PyValueError::new_err(format!("not an IPv4 address: {s:?}")))
+    };
+    let (gw, a) = (parse(&gateway)?, parse(&addr)?);
+    py.detach(|| netlink::veth_setup(netns, &host, gw, a))
+        .map_err(|e| os_error(e.errno(), format!("veth_setup: {e}")))
+}
+
+/// Remove set elements of the inet table `table` in one nf_tables batch, straight over
+/// netlink (an element already gone is fine): `sets` is [(set name, [(key, key_end or
+/// None)])], each key the concatenated register data of the element.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn nft_destroy_elements(
+    py: Python<'_>,
+    table: String,
+    sets: Vec<(String, Vec<(Vec<u8>, Option<Vec<u8>>)>)>,
+) -> PyResult<()> {
+    let sets: Vec<nftset::SetElems> = sets
+        .into_iter()
+        .map(|(set, elems)| nftset::SetElems { set, elems })
+        .collect();
+    py.detach(|| nftset::destroy_elements(&table, &sets))
+        .map_err(|e| os_error(e.errno(), format!("nft_destroy_elements: {e}")))
 }
 
 /// Mount a tmpfs (nosuid, nodev, noexec) on `target` in the caller's mount namespace, for the
@@ -603,6 +652,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(netns_new, m)?)?;
     m.add_function(wrap_pyfunction!(netns_of, m)?)?;
     m.add_function(wrap_pyfunction!(netns_fingerprint, m)?)?;
+    m.add_function(wrap_pyfunction!(netns_socket, m)?)?;
+    m.add_function(wrap_pyfunction!(veth_setup, m)?)?;
+    m.add_function(wrap_pyfunction!(nft_destroy_elements, m)?)?;
     m.add_function(wrap_pyfunction!(mount_tmpfs, m)?)?;
     m.add_function(wrap_pyfunction!(umount, m)?)?;
     m.add_function(wrap_pyfunction!(mount_loop, m)?)?;

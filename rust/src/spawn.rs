@@ -1070,6 +1070,48 @@ pub fn netns_new() -> std::io::Result<OwnedFd> {
     }
 }
 
+/// A socket (`domain`, `ty`, `proto`; close-on-exec) made in the network namespace `netns`: the
+/// calling thread enters it, makes the socket and returns. A netlink socket made this way
+/// configures that namespace's links from the daemon's, with no process started.
+pub fn netns_socket(netns: RawFd, domain: i32, ty: i32, proto: i32) -> std::io::Result<OwnedFd> {
+    // SAFETY: open with a valid C string; checked below.
+    let orig = unsafe {
+        libc::open(
+            c"/proc/thread-self/ns/net".as_ptr(),
+            libc::O_RDONLY | libc::O_CLOEXEC,
+        )
+    };
+    if orig < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fresh fd we own.
+    let orig = unsafe { OwnedFd::from_raw_fd(orig) };
+    // SAFETY: setns of the calling thread only, to a namespace fd the caller owns.
+    if unsafe { libc::setns(netns, libc::CLONE_NEWNET) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: socket(2) with plain integer arguments; checked below.
+    let fd = unsafe { libc::socket(domain, ty | libc::SOCK_CLOEXEC, proto) };
+    let made = if fd < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        // SAFETY: fresh fd we own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    };
+    for _ in 0..3 {
+        // SAFETY: setns of the calling thread back to its own namespace.
+        if unsafe { libc::setns(orig.as_raw_fd(), libc::CLONE_NEWNET) } == 0 {
+            return made;
+        }
+    }
+    let msg = b"corral._core: cannot return to the daemon's network namespace; aborting\n";
+    // SAFETY: write to stderr from a static buffer, then abort.
+    unsafe {
+        libc::write(2, msg.as_ptr() as *const c_void, msg.len());
+        libc::abort();
+    }
+}
+
 /// `ip link set lo up` in the current network namespace.
 ///
 /// # Safety

@@ -30,8 +30,9 @@ def parse_scenarios(value: str) -> list[str]:
 
 
 def parse_networks(value: str) -> list[str]:
-    """``none``, ``disabled`` or both, comma-separated."""
-    from corral.models import NETWORK_MODES
+    """``none``, ``disabled`` or both, comma-separated (networked modes: bench/network_create.py,
+    which needs an uplink of its own)."""
+    NETWORK_MODES = ("none", "disabled")  # noqa: N806 - the modes with raw baselines
 
     names = list(dict.fromkeys(s.strip() for s in value.split(",") if s.strip()))
     bad = [s for s in names if s not in NETWORK_MODES]

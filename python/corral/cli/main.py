@@ -15,7 +15,7 @@ from __future__ import annotations
 import typer
 
 from corral import __version__
-from corral.cli import daemon, demo, e2b, run_code, sandboxes, snapshots, trajectory
+from corral.cli import daemon, demo, e2b, network, run_code, sandboxes, snapshots, trajectory
 
 app = typer.Typer(
     name="corral", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -25,6 +25,7 @@ app = typer.Typer(
 for sub in (daemon.app, sandboxes.app, snapshots.app, demo.app, trajectory.app, run_code.app):
     app.registered_commands += sub.registered_commands
 app.add_typer(daemon.image_app, name="image")
+app.add_typer(network.network_app, name="network")
 app.add_typer(snapshots.snapshot_app, name="snapshot")
 app.add_typer(e2b.app, name="e2b")
 

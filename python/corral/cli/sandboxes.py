@@ -25,7 +25,7 @@ from corral.cli.output import (
     until,
 )
 from corral.errors import CorralError
-from corral.models import SandboxInfo
+from corral.models import Network, SandboxInfo
 from corral.sdk import ExecResult, Sandbox
 
 app = typer.Typer()
@@ -56,7 +56,20 @@ SUBSTRATE = typer.Option("container", "--substrate",
                          help="What runs the sandbox (corral status lists the substrates).")
 NETWORK = typer.Option("none", "--network",
                        help="none: own network namespace, loopback only; disabled: no socket "
-                            "but unix ones (cheaper: one shared empty namespace).")
+                            "but unix ones (cheaper: one shared empty namespace); internet: "
+                            "egress through NAT; or a named allowlist (corral network ls).")
+ALLOW = typer.Option(None, "--allow", help="Default-deny egress allowing this rule (repeatable): "
+                                           "name[:ports], *.suffix, CIDR[:ports], @allowlist.")
+DENY = typer.Option(None, "--deny", help="With --allow: a rule to deny (repeatable).")
+GROUP = typer.Option(None, "--network-group",
+                     help="Networked sandboxes of one group reach each other by id.")
+
+
+def network_of(network: str, allow: list[str] | None, deny: list[str] | None) -> Any:
+    """--allow/--deny make a policy; otherwise the --network name."""
+    if allow or deny:
+        return Network(allow=list(allow or []), deny=list(deny or []))
+    return network
 
 
 @app.command()
@@ -73,12 +86,16 @@ def create(
     label: list[str] = LABELS,
     env: list[str] = typer.Option(None, "--env", "-e", help="KEY=VALUE for every command."),
     network: str = NETWORK,
+    allow: list[str] = ALLOW,
+    deny: list[str] = DENY,
+    network_group: str = GROUP,
     substrate: str = SUBSTRATE,
     json_: bool = JSON,
 ) -> None:
     """Create a sandbox and print its id."""
     sb = Sandbox(**spec_options(image, cpu, memory, pids, timeout, idle_timeout, label, env),
-                 network=network, substrate=substrate)  # type: ignore[arg-type]  # validated: invalid_network
+                 network=network_of(network, allow, deny), network_group=network_group,
+                 substrate=substrate)
     if json_:
         print_json(sb.last_info)
     else:
@@ -168,12 +185,16 @@ def run(
     interactive: bool = INTERACTIVE,
     no_stream: bool = NO_STREAM,
     network: str = NETWORK,
+    allow: list[str] = ALLOW,
+    deny: list[str] = DENY,
+    network_group: str = GROUP,
     substrate: str = SUBSTRATE,
     json_: bool = JSON,
 ) -> None:
     """Create a sandbox, run one command in it, destroy it; exit with the command's code."""
     with Sandbox(**spec_options(image, cpu, memory, pids, ttl, None, label, sandbox_env),
-                 network=network, substrate=substrate) as sb:  # type: ignore[arg-type]
+                 network=network_of(network, allow, deny), network_group=network_group,
+                 substrate=substrate) as sb:
         code = run_in(sb, cmd, timeout=timeout, env=env, cwd=cwd, user=user,
                       interactive=interactive, stream=not no_stream, json_=json_)
     raise typer.Exit(code)
@@ -255,9 +276,24 @@ def info_rows(i: SandboxInfo) -> list[tuple[str, Any]]:
     return [
         ("id", i.id), ("state", i.state), ("image", i.image), ("substrate", i.substrate),
         ("cpu", f"{i.cpu:g}"), ("memory", f"{i.memory_mb} MiB"), ("pids", i.pids),
-        ("network", i.network), ("hostname", i.hostname), ("age", since(i.created_at)),
+        ("network", i.network if isinstance(i.network, str) else
+         "policy: " + i.network.model_dump_json()),
+        ("hostname", i.hostname), ("age", since(i.created_at)),
         ("expires in", until(i.expires_at)),
         ("idle timeout", f"{i.idle_timeout:g} s" if i.idle_timeout else "none"),
         ("labels", labels_text(i.labels) or "-"), ("metadata", labels_text(i.metadata) or "-"),
         ("init pid", i.init_pid),
+        *net_rows(i),
     ]
+
+
+def net_rows(i: SandboxInfo) -> list[tuple[str, Any]]:
+    """A networked sandbox's address and counters."""
+    n = i.net
+    if n is None:
+        return []
+    return [("address", n.address), ("network group", i.network_group or "-"),
+            ("sent", f"{n.tx_bytes} B in {n.tx_packets} packets"),
+            ("received", f"{n.rx_bytes} B in {n.rx_packets} packets"),
+            ("denied", f"{n.denied_packets} packets"),
+            ("refused names", ", ".join(f"{k} ({v})" for k, v in n.refused_names.items()) or "-")]

@@ -72,17 +72,21 @@ from corral.errors import (
     CorralError,
     InvalidPath,
     InvalidRequest,
+    NetworkNotFound,
     NotFound,
     ReplayDivergence,
     SandboxNotFound,
 )
 from corral.models import (
+    AllowlistInfo,
     CreateManyRequest,
     DaemonStatus,
     ExecManyRequest,
     ExecManyResponse,
     ExecRequest,
     ExecResult,
+    ExposedPort,
+    ExposeRequest,
     FileEntry,
     ForkRequest,
     ForkResult,
@@ -92,6 +96,7 @@ from corral.models import (
     KillManyResponse,
     KillProcessRequest,
     MkdirRequest,
+    NetworkUpdate,
     ProcessHandle,
     ProcessStatus,
     RemoveRequest,
@@ -189,6 +194,39 @@ async def status(request: web.Request) -> web.Response:
 
 async def list_substrates(request: web.Request) -> web.Response:
     return _json({"substrates": _engine(request).substrate_table()})
+
+
+async def update_network(request: web.Request) -> web.Response:
+    req = await _body(request, NetworkUpdate)
+    return _json(_engine(request).update_network(request.match_info["id"], req.network).info())
+
+
+async def expose_port(request: web.Request) -> web.Response:
+    req = await _body(request, ExposeRequest)
+    return _json(await _engine(request).expose(request.match_info["id"], req.port))
+
+
+async def unexpose_port(request: web.Request) -> web.Response:
+    try:
+        port = int(request.match_info["port"])
+    except ValueError:
+        raise InvalidRequest("port must be an integer") from None
+    return _json({"removed": _engine(request).unexpose(request.match_info["id"], port)})
+
+
+async def list_networks(request: web.Request) -> web.Response:
+    lists = _engine(request).allowlists()
+    return _json({"networks": [{"name": n, "rules": r} for n, r in sorted(lists.items())]})
+
+
+async def get_network(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    lists = _engine(request).allowlists()
+    if name not in lists:
+        known = sorted(lists)
+        raise NetworkNotFound(f"no allowlist {name!r} (known: {', '.join(known) or 'none'})",
+                              details={"network": name, "known": known})
+    return _json({"name": name, "rules": lists[name]})
 
 
 # Parsed specs by request body: a trainer sends the same spec again and again, and the
@@ -783,6 +821,21 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/substrates", list_substrates, "The substrates this daemon serves, each "
           "with its capabilities (an operation a substrate lacks answers 501 unsupported)",
           response=list_of("substrates", SubstrateInfo, paged=False)),
+    Route("PUT", "/v1/sandboxes/{id}/network", update_network, "Replace a networked sandbox's "
+          "policy at once (internet, a named allowlist or rules)", body=NetworkUpdate,
+          response=SandboxInfo, errors=(*SB_ERR, 501)),
+    Route("POST", "/v1/sandboxes/{id}/ports", expose_port, "Expose a TCP port of a networked "
+          "sandbox on the host's loopback", body=ExposeRequest, response=ExposedPort,
+          errors=(*SB_ERR, 501)),
+    Route("DELETE", "/v1/sandboxes/{id}/ports/{port}", unexpose_port,
+          "Stop exposing a port", response={"type": "object", "required": ["removed"],
+                                            "properties": {"removed": {"type": "boolean"}}},
+          errors=(*SB_ERR, 501)),
+    Route("GET", "/v1/networks", list_networks, "The daemon's named allowlists (usable as a "
+          "sandbox's network, or @name in a policy's allow)",
+          response=list_of("networks", AllowlistInfo, paged=False)),
+    Route("GET", "/v1/networks/{name}", get_network, "One named allowlist",
+          response=AllowlistInfo, errors=(404,)),
     Route("POST", "/v1/sandboxes", create_sandbox, "Create a sandbox", body=SandboxSpec,
           response=SandboxInfo, status=201, query=(KEY_H,), errors=(404, 409, 429, 501, 503),
           links=_SB_LINKS),

@@ -59,9 +59,10 @@ def parse(raw: bytes, model: type[BaseModel]) -> Any:
                 for d in errs):
             raise InvalidPath(f"invalid {model.__name__}: {text}",
                               details={"errors": errs}) from None
-        if any(d["loc"] and d["loc"][-1] == "network" for d in errs):
-            raise InvalidNetwork(f"invalid {model.__name__}: {text} (network modes: "
-                                 f"{', '.join(NETWORK_MODES)})",
+        if any("network" in d["loc"] for d in errs):
+            raise InvalidNetwork(f"invalid {model.__name__}: {text} (network: a mode, "
+                                 f"{', '.join(NETWORK_MODES)}, a named allowlist, or a "
+                                 "policy {allow, deny})",
                                  details={"errors": errs, "modes": list(NETWORK_MODES)}) from None
         raise InvalidRequest(f"invalid {model.__name__}: {text}",
                              details={"errors": errs}) from None

@@ -60,7 +60,7 @@ from typing import Any
 
 from corral.daemon import removal
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
-from corral.models import SandboxSpec
+from corral.models import SandboxSpec, network_kind
 
 log = logging.getLogger("corral.pools")
 
@@ -168,11 +168,13 @@ class WarmPools:
             return None
         if getattr(spec, "snapshot", None) is not None:  # made from a snapshot's layers
             return None
+        if network_kind(spec.network) in ("internet", "policy") or spec.network_group:
+            return None  # per-sandbox rules: the plumbing is pooled instead (docs/network.md)
         sub = self.substrates.get(spec.substrate)
         if sub is None or not sub.capabilities.warm_pool:
             return None
         return (spec.substrate, spec.image, float(spec.cpu), int(spec.memory_mb),
-                int(spec.pids), spec.network, int(spec.disk_mb))
+                int(spec.pids), str(spec.network), int(spec.disk_mb))
 
     def _pool_for(self, spec: SandboxSpec, static: int = 0) -> _Pool | None:
         key = self.key(spec)

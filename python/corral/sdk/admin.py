@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from corral.models import DaemonStatus, ImageInfo, SubstrateInfo
+from corral.models import AllowlistInfo, DaemonStatus, ImageInfo, SubstrateInfo
 from corral.sdk import api
 from corral.sdk.endpoint import Endpoint
 from corral.sdk.sync_transport import transport
@@ -15,6 +15,15 @@ def status(endpoint: str | Endpoint | None = None) -> DaemonStatus:
 def substrates(endpoint: str | Endpoint | None = None) -> list[SubstrateInfo]:
     """The substrates the daemon serves, each with its capability table."""
     return transport(Endpoint.parse(endpoint)).call(api.substrates())
+
+
+def networks(endpoint: str | Endpoint | None = None) -> list[AllowlistInfo]:
+    """The daemon's named allowlists."""
+    return transport(Endpoint.parse(endpoint)).call(api.networks())
+
+
+def network(name: str, endpoint: str | Endpoint | None = None) -> AllowlistInfo:
+    return transport(Endpoint.parse(endpoint)).call(api.network(name))
 
 
 def images(endpoint: str | Endpoint | None = None) -> list[ImageInfo]:

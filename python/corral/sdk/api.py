@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 from pydantic import BaseModel, ValidationError
 
@@ -27,11 +28,14 @@ from corral.models import (
     DEFAULT_EXEC_TIMEOUT_S,
     DEFAULT_MAX_OUTPUT_BYTES,
     NETWORK_MODES,
+    AllowlistInfo,
     BatchExecRequest,
     CreateManyRequest,
     DaemonStatus,
     ExecManyRequest,
     ExecRequest,
+    ExposedPort,
+    ExposeRequest,
     FileEntry,
     ForkRequest,
     ForkResult,
@@ -41,6 +45,7 @@ from corral.models import (
     KillProcessRequest,
     LogEntry,
     MkdirRequest,
+    NetworkUpdate,
     ProcessHandle,
     ProcessStatus,
     RemoveRequest,
@@ -74,7 +79,7 @@ def validated(model: type[M], **fields: Any) -> M:
         msgs = [f"{'.'.join(str(x) for x in d['loc']) or 'value'}: {d['msg']}"
                 for d in errs[:5]]
         text = f"invalid {model.__name__}: {'; '.join(msgs)}"
-        if any(d["loc"] and d["loc"][-1] == "network" for d in errs):  # same code as the daemon
+        if any("network" in d["loc"] for d in errs):  # same code as the daemon
             raise InvalidNetwork(f"{text} (network modes: {', '.join(NETWORK_MODES)})",
                                  details={"modes": list(NETWORK_MODES)}) from None
         raise InvalidRequest(text) from None
@@ -302,6 +307,22 @@ def set_timeout(sid: str, seconds: float) -> Call[SandboxInfo]:
     return Call("POST", sb_path(sid) + "/timeout", _info, body=_body(req))
 
 
+def update_network(sid: str, network: Any) -> Call[SandboxInfo]:
+    req = validated(NetworkUpdate, network=network)
+    return Call("PUT", sb_path(sid) + "/network", _info, body=_body(req))
+
+
+def expose(sid: str, port: int) -> Call[str]:
+    req = validated(ExposeRequest, port=port)
+    return Call("POST", sb_path(sid) + "/ports",
+                lambda b: ExposedPort.model_validate_json(b).host, body=_body(req))
+
+
+def unexpose(sid: str, port: int) -> Call[bool]:
+    return Call("DELETE", sb_path(sid) + f"/ports/{int(port)}",
+                lambda b: bool(json.loads(b)["removed"]))
+
+
 # ---- snapshots, fork, restore, pause --------------------------------------------------------
 def _snap_key(snapshot: Any) -> str:
     key = getattr(snapshot, "id", snapshot)
@@ -525,6 +546,17 @@ def status() -> Call[DaemonStatus]:
 def substrates() -> Call[list[SubstrateInfo]]:
     return Call("GET", "/v1/substrates",
                 lambda b: [SubstrateInfo.model_validate(x) for x in json.loads(b)["substrates"]],
+                retry_safe=True)
+
+
+def networks() -> Call[list[AllowlistInfo]]:
+    return Call("GET", "/v1/networks",
+                lambda b: [AllowlistInfo.model_validate(x) for x in json.loads(b)["networks"]],
+                retry_safe=True)
+
+
+def network(name: str) -> Call[AllowlistInfo]:
+    return Call("GET", f"/v1/networks/{quote(name, safe='')}", AllowlistInfo.model_validate_json,
                 retry_safe=True)
 
 

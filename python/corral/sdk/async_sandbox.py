@@ -12,7 +12,7 @@ import asyncio
 import builtins
 import itertools
 import os
-from collections.abc import AsyncIterator, Generator, Iterable, Mapping
+from collections.abc import AsyncIterator, Generator, Iterable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 from corral.errors import CorralError, SandboxNotFound
@@ -22,6 +22,7 @@ from corral.models import (
     FileEntry,
     LogEntry,
     NetworkMode,
+    NetworkPolicy,
     ProcessStatus,
     SandboxInfo,
     SandboxSpec,
@@ -87,7 +88,10 @@ class AsyncSandbox(SandboxHandle):
                  disk_mb: int | None = None,
                  idle_timeout: float | None = None, env: Mapping[str, str] | None = None,
                  labels: Mapping[str, str] | None = None,
-                 metadata: Mapping[str, str] | None = None, network: NetworkMode = "none",
+                 metadata: Mapping[str, str] | None = None,
+                 network: NetworkMode | str | NetworkPolicy = "none",
+                 network_group: str | None = None, bandwidth_mbit: float | None = None,
+                 expose: Sequence[int] | None = None,
                  hostname: str | None = None, cwd: str | None = None,
                  snapshot: str | SnapshotBase | None = None, pause_ttl: str = "count",
                  endpoint: str | Endpoint | None = None,
@@ -97,6 +101,8 @@ class AsyncSandbox(SandboxHandle):
                               disk_mb=disk_mb,
                               pids=pids, timeout=timeout, idle_timeout=idle_timeout, env=env,
                               labels=labels, metadata=metadata, network=network,
+                              network_group=network_group, bandwidth_mbit=bandwidth_mbit,
+                              expose=list(expose) if expose is not None else None,
                               hostname=hostname, cwd=cwd, snapshot=snapshot,
                               pause_ttl=pause_ttl)
         self._init_handle(Endpoint.parse(endpoint), None)
@@ -105,6 +111,7 @@ class AsyncSandbox(SandboxHandle):
 
     def _init_files(self) -> None:
         self.files = AsyncFiles(self)
+        self.network = AsyncNetworkControl(self)
 
     async def _sid_ready(self) -> str:
         """The id, creating the sandbox first if that has not happened yet (exactly once,
@@ -269,6 +276,12 @@ class AsyncSandbox(SandboxHandle):
     async def set_timeout(self, seconds: float) -> SandboxInfo:
         return self._remember(await self._call(api.set_timeout, seconds))
 
+    async def expose(self, port: int) -> str:
+        return await self._call(api.expose, port)
+
+    async def unexpose(self, port: int) -> bool:
+        return await self._call(api.unexpose, port)
+
     async def kill(self, *, key: str | None = None) -> bool:
         if self._sid is None and self._creating is None:
             return False  # never created: nothing to kill
@@ -314,6 +327,16 @@ class AsyncSandbox(SandboxHandle):
         except CorralError:
             if exc is None:
                 raise
+
+
+class AsyncNetworkControl:
+    """``sandbox.network`` of an AsyncSandbox."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sb = sandbox
+
+    async def update(self, network: str | NetworkPolicy) -> SandboxInfo:
+        return self._sb._remember(await self._sb._call(api.update_network, network))
 
 
 class AsyncFiles:

@@ -7,7 +7,7 @@ import builtins
 import itertools
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, overload
 
 from corral.errors import CorralError, SandboxNotFound
@@ -17,6 +17,7 @@ from corral.models import (
     FileEntry,
     LogEntry,
     NetworkMode,
+    NetworkPolicy,
     ProcessStatus,
     SandboxInfo,
 )
@@ -59,13 +60,17 @@ class Sandbox(SandboxHandle):
     """
 
     files: Files
+    network: NetworkControl
 
     def __init__(self, image: str = "host", *, substrate: str = "container", cpu: float = 1.0,
                  memory_mb: int = 512, pids: int = 512, timeout: float = DEFAULT_TIMEOUT_S,
                  disk_mb: int | None = None,
                  idle_timeout: float | None = None, env: Mapping[str, str] | None = None,
                  labels: Mapping[str, str] | None = None,
-                 metadata: Mapping[str, str] | None = None, network: NetworkMode = "none",
+                 metadata: Mapping[str, str] | None = None,
+                 network: NetworkMode | str | NetworkPolicy = "none",
+                 network_group: str | None = None, bandwidth_mbit: float | None = None,
+                 expose: Sequence[int] | None = None,
                  hostname: str | None = None, cwd: str | None = None,
                  snapshot: str | SnapshotBase | None = None, pause_ttl: str = "count",
                  endpoint: str | Endpoint | None = None,
@@ -73,7 +78,10 @@ class Sandbox(SandboxHandle):
         s = api.spec(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb,
                      disk_mb=disk_mb, pids=pids,
                      timeout=timeout, idle_timeout=idle_timeout, env=env, labels=labels,
-                     metadata=metadata, network=network, hostname=hostname, cwd=cwd,
+                     metadata=metadata, network=network, network_group=network_group,
+                     bandwidth_mbit=bandwidth_mbit,
+                     expose=list(expose) if expose is not None else None,
+                     hostname=hostname, cwd=cwd,
                      snapshot=snapshot, pause_ttl=pause_ttl)
         ep = Endpoint.parse(endpoint)
         call = api.create(s)
@@ -85,6 +93,7 @@ class Sandbox(SandboxHandle):
 
     def _init_files(self) -> None:
         self.files = Files(self)
+        self.network = NetworkControl(self)
 
     def _call(self, call: Call[T], key: str | None = None) -> T:
         return _send(self._endpoint, self._with_key(call, key), self)
@@ -231,6 +240,15 @@ class Sandbox(SandboxHandle):
         """Kill the sandbox ``seconds`` from now (extends or shortens its TTL)."""
         return self._remember(self._call(api.set_timeout(self.id, seconds)))
 
+    def expose(self, port: int) -> str:
+        """``host:port`` on the host's loopback that reaches TCP ``port`` in this networked
+        sandbox, until ``unexpose`` or its end."""
+        return self._call(api.expose(self.id, port))
+
+    def unexpose(self, port: int) -> bool:
+        """Stop exposing ``port``; False if it was not exposed."""
+        return self._call(api.unexpose(self.id, port))
+
     def kill(self, *, key: str | None = None) -> bool:
         """Kill it; False if it had already ended (keyed: also if it is long gone)."""
         return self._call(api.kill(self.id), key)
@@ -279,6 +297,18 @@ class Sandbox(SandboxHandle):
         except CorralError:
             if exc is None:  # don't hide the body's own exception behind a cleanup failure
                 raise
+
+
+class NetworkControl:
+    """``sandbox.network``: its network policy, changed live."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sb = sandbox
+
+    def update(self, network: str | NetworkPolicy) -> SandboxInfo:
+        """Replace the policy at once (``"internet"``, a named allowlist or a
+        ``corral.Network``): new connections follow it, DNS pins of the old one are gone."""
+        return self._sb._remember(self._sb._call(api.update_network(self._sb.id, network)))
 
 
 class Files:

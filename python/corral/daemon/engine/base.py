@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from corral.daemon import procs
 from corral.daemon.substrates.base import SandboxRuntime
-from corral.models import ExecRequest, SandboxSpec
+from corral.models import ExecRequest, SandboxSpec, network_kind
 
 log = logging.getLogger("corral.engine")
 T = TypeVar("T")
@@ -107,13 +107,25 @@ class Sandbox:
         s = self.spec
         return {
             "id": self.id, "state": self.state, "image": s.image, "substrate": s.substrate,
-            "cpu": s.cpu, "memory_mb": s.memory_mb, "pids": s.pids, "network": s.network,
+            "cpu": s.cpu, "memory_mb": s.memory_mb, "pids": s.pids,
+            "network": (s.network if isinstance(s.network, str)
+                        else s.network.model_dump(mode="json")),
+            "network_group": s.network_group, "bandwidth_mbit": s.bandwidth_mbit,
+            "net": self._net(),
             "hostname": self.hostname, "labels": s.labels, "metadata": s.metadata,
             "created_at": self.created_at, "expires_at": self.expires_at,
             "idle_timeout": s.idle_timeout, "last_active_at": self.last_active,
             "init_pid": self.runtime.init_pid if self.runtime else None,
             "snapshot": s.snapshot, "pause_ttl": s.pause_ttl, "paused_at": self.paused_at,
         }
+
+    def _net(self) -> dict[str, Any] | None:
+        if network_kind(self.spec.network) not in ("internet", "policy") or \
+                self.state not in ("running", "paused"):
+            return None
+        from corral.daemon.network.manager import network_state
+
+        return network_state(self.id)
 
     @property
     def layers(self) -> list[str]:

@@ -25,6 +25,7 @@ from corral.errors import (
     DaemonRestarted,
     ImageNotFound,
     InternalError,
+    InvalidNetwork,
     SandboxCrashed,
     SandboxExpired,
     SandboxKilled,
@@ -33,7 +34,7 @@ from corral.errors import (
     SandboxNotRunning,
     Unsupported,
 )
-from corral.models import SandboxSpec
+from corral.models import SandboxSpec, network_kind
 
 from .base import (
     _CAUSE_TEXT,
@@ -247,10 +248,18 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         """The substrate a create names, checked against its capabilities."""
         sub = self._substrate(spec.substrate)
         caps = sub.capabilities
-        if spec.network not in caps.networks:
-            raise Unsupported(f"network {spec.network!r} is not supported on substrate "
+        kind = network_kind(spec.network)
+        if kind not in caps.networks:
+            raise Unsupported(f"network {kind!r} is not supported on substrate "
                               f"{sub.name!r} (it has: {', '.join(caps.networks)})",
-                              details={"substrate": sub.name, "network": spec.network})
+                              details={"substrate": sub.name, "network": kind})
+        if spec.expose and kind not in ("internet", "policy"):
+            raise InvalidNetwork("expose needs a networked sandbox (network internet or a "
+                                 "policy)", details={"network": kind})
+        if kind in ("internet", "policy"):
+            check = getattr(sub, "check_network", None)
+            if check is not None:
+                check(spec)  # invalid_network before anything is made
         if spec.snapshot is not None and not caps.snapshot:
             raise Unsupported(f"snapshots are not supported on substrate {sub.name!r}",
                               details={"substrate": sub.name, "operation": "snapshot"})
@@ -260,6 +269,15 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
     def _lacks(sub: Substrate, what: str) -> Unsupported:
         return Unsupported(f"{what} is not supported on substrate {sub.name!r}",
                            details={"substrate": sub.name, "operation": what})
+
+    def allowlists(self) -> dict[str, list[str]]:
+        """The daemon's named allowlists (GET /v1/networks), from the substrate that networks
+        sandboxes."""
+        for sub in self.substrates.values():
+            mgr = getattr(sub, "network", None)
+            if mgr is not None:
+                return dict(mgr.allowlists)
+        return {}
 
     def substrate_table(self) -> list[dict[str, Any]]:
         """Each served substrate and its capabilities, then each one asked for that this host
@@ -332,6 +350,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
                 if self.snaps is not None:
                     self.snaps.acquire(layers)
             sb.state = "running"
+            for port in spec.expose:
+                await self.expose(sid, port)
             persist.write_json_atomic(meta_path, sb.meta())
         except BaseException as e:
             self.counters["create_failed"] += 1
@@ -679,6 +699,37 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
                     st.add_done_callback(lambda _f: tick())
             await asyncio.shield(asyncio.gather(*stops, return_exceptions=True))
         return out
+
+    def _network_of(self, sb: Sandbox) -> Any:
+        mgr = getattr(self.substrates.get(sb.spec.substrate), "network", None)
+        if mgr is None or network_kind(sb.spec.network) not in ("internet", "policy"):
+            raise Unsupported("only a networked sandbox (network internet or a policy) has "
+                              "ports to expose", details={"operation": "expose",
+                                                          "network": network_kind(
+                                                              sb.spec.network)})
+        return mgr
+
+    async def expose(self, sid: str, port: int) -> dict[str, Any]:
+        """127.0.0.1:<host port> reaches ``port`` in the sandbox until unexposed or it ends."""
+        sb = self.get(sid)
+        host_port = await self._network_of(sb).expose(sid, port)
+        return {"port": port, "host": f"127.0.0.1:{host_port}"}
+
+    def unexpose(self, sid: str, port: int) -> bool:
+        return bool(self._network_of(self.get(sid)).unexpose(sid, port))
+
+    def update_network(self, sid: str, network: Any) -> Sandbox:
+        """A networked sandbox's policy (or mode internet) replaced at once; its spec too, so
+        forks and a daemon restart see the new one."""
+        sb = self.get(sid)
+        if network_kind(network) not in ("internet", "policy"):
+            raise InvalidNetwork("a live sandbox changes between internet and policies only "
+                                 "(none and disabled have no network to change)",
+                                 details={"network": network_kind(network)})
+        self._network_of(sb).update(sid, network)
+        sb.spec = sb.spec.model_copy(update={"network": network})
+        persist.write_json_atomic(os.path.join(self.sandboxes_dir, sid, persist.META), sb.meta())
+        return sb
 
     def set_timeout(self, sid: str, timeout: float) -> Sandbox:
         sb = self.get(sid)

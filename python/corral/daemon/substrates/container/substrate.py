@@ -43,6 +43,7 @@ from corral.daemon import (
 )
 from corral.daemon.kernel import pidfd_exited as _pidfd_exited
 from corral.daemon.kernel import proc_alive, proc_starttime
+from corral.daemon.network.manager import NetworkManager
 from corral.errors import (
     CapacityExceeded,
     CorralError,
@@ -50,7 +51,7 @@ from corral.errors import (
     InvalidRequest,
     SandboxNotRunning,
 )
-from corral.models import NETWORK_MODES, SandboxSpec
+from corral.models import SandboxSpec, network_kind
 
 from ..base import Capabilities, ExecSpec, SandboxRuntime, Spawned, Substrate
 from .daemonpath import DaemonExec, _unix_only
@@ -82,7 +83,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
     name = "container"
     capabilities = Capabilities(files=True, snapshot=True, restore=True, pause=True,
                                 oom_kills=True, exit_watch=True, warm_pool=True,
-                                networks=NETWORK_MODES)
+                                networks=("none", "disabled", "internet", "policy"))
 
     def __init__(self, state_dir: str, cgroups: CgroupManager, images: ImageStore,
                  netns_pool: int | None = None) -> None:
@@ -153,6 +154,8 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         self.shared_netns = SharedNetns()
         # Namespaces taken by destroy_many before its kills, for each destroy (recycle).
         self._held_netns: dict[str, int] = {}
+        # Modes "internet" and policies (corral.daemon.network): started on first use.
+        self.network = NetworkManager()
         # A pidfd per sandbox (runtime.pidfd) unless watch_exits() was called: then the
         # daemon's own fd table holds none (corral.daemon.initwatch keeps them elsewhere). An
         # init is our child and nobody but destroy reaps it, so until then its pid cannot be
@@ -195,6 +198,10 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         if ids and self._on_lost is not None:
             self._on_lost(ids)
 
+    def check_network(self, spec: SandboxSpec) -> None:
+        """invalid_network for an unknown allowlist or a bad rule (engine, before a create)."""
+        self.network.check(spec.network)
+
     def expect(self, count: int, spec: SandboxSpec) -> None:
         if spec.network != "disabled":  # "disabled" shares one namespace: nothing to pool
             self.netns.expect(count)
@@ -207,6 +214,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
             self._watcher.close()
             self._watcher = None
         self.netns.close()
+        self.network.close()
         if self.thrash is not None:
             self.thrash.stop()
         # Sandboxes kept for the next daemon keep their lxcfs too (it adopts it).
@@ -243,12 +251,17 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         paths: list[str] = []
         pid, pidfd = -1, -1
         unix_only = spec.network == "disabled"
+        networked = network_kind(spec.network) in ("internet", "policy")
         own_net = net_fd is not None  # the sandbox's own (reset): never into the pool
         if unix_only:
             # the shared namespace of network "disabled" stays the daemon's: join, never own
             if net_fd is not None:
                 os.close(net_fd)
             net_fd, own_net = None, False
+        elif networked and net_fd is None:
+            net_fd, own_net = self.network.attach(sandbox_id, spec.network,
+                                                  spec.network_group,
+                                                  spec.bandwidth_mbit), True
         elif net_fd is None:
             net_fd = self.netns.take()
         try:
@@ -268,6 +281,8 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
                                  "work": work, "options": self.overlay_options})
             if self.scratch.quota:
                 self._tmp_on_layer(overlays[0])
+            if networked:
+                self.network.write_resolv_conf(str(overlays[0]["upper"]))
             # Lazy unless a recycled memory cgroup is at hand: then the init joins every
             # cgroup itself at spawn (through `tasks`, cheap), and neither the first exec nor
             # a warm pool has to move it in by pid later, which takes the global threadgroup
@@ -352,6 +367,8 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
                     os.close(net_fd)
                 else:
                     self.netns.give(net_fd)
+            if networked and cgroup_paths is None:  # not a reset: the attachment was ours
+                self.network.detach(sandbox_id)
             self._undo_create(sandbox_id, sdir, paths, pid, pidfd)
             if isinstance(e, CorralError) or not isinstance(e, Exception):
                 raise
@@ -482,6 +499,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
 
     def _destroy(self, runtime: SandboxRuntime) -> None:
         self._close_root(runtime.sandbox_id)
+        self.network.detach(runtime.sandbox_id)
         self.disk.forget(runtime.sandbox_id)
         self.cgroups.forget_thrash_kills(runtime.sandbox_id)
         self._live.pop(runtime.sandbox_id, None)
@@ -914,6 +932,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
             out[f"cgroup_spares_{k}"] = v  # recycled pids/cpu/freezer cgroups (recycle_rest)
         out["netns_recycled"] = self.netns.recycled  # namespaces reused (NetnsPool.recycle)
         out["netns_not_recycled"] = self.netns.not_recycled
+        out.update(self.network.metrics())
         return out
 
     def status(self) -> dict[str, Any]:

@@ -1,0 +1,4 @@
+"""Sandbox networking beyond loopback (docs/network.md): ``settings`` (uplink, range, DNS
+upstream, named allowlists), ``policy`` (rules), ``firewall`` (the nftables table),
+``links`` (veth pairs over netlink), ``dns`` (the filtering resolver), ``manager`` (pooling,
+attach and detach)."""

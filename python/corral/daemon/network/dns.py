@@ -1,0 +1,201 @@
+"""The sandboxes' resolver: a DNS proxy on the gateway address (UDP 53) that answers each
+sandbox by its source address. A sandbox with a policy gets answers only for names its
+policy allows, and the IPv4 addresses of each answer are pinned into its kernel allow-set
+(with the answer's TTL) before the answer is sent, so a connect right after works and an
+address it never resolved stays refused. AAAA queries get an empty answer (sandboxes have
+IPv4 only); names of sandboxes in the asker's network group resolve to their addresses.
+Everything else is refused (NXDOMAIN), so no query for a denied name leaves the host
+(DNS tunnelling through any name but an allowed one is not possible)."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from dnslib import QTYPE, RCODE, RR, A, DNSHeader, DNSRecord
+
+from .firewall import BLOCKED4, PRIVATE4
+
+log = logging.getLogger("corral.network.dns")
+
+IP_FREEBIND = 15
+MIN_PIN_S, MAX_PIN_S = 5, 3600
+UPSTREAM_TIMEOUT_S = 3.0
+# Per sandbox: queries per second (a token bucket of twice that) and queries in flight, so
+# one sandbox flooding its resolver cannot take the workers every other one needs.
+RATE_QPS, IN_FLIGHT = 50.0, 4
+
+
+_INTERNAL = [ipaddress.IPv4Network(n) for n in (*PRIVATE4, *BLOCKED4)]
+
+
+def _internal(addr: str) -> bool:
+    ip = ipaddress.IPv4Address(addr)
+    return any(ip in n for n in _INTERNAL)
+
+
+class DnsProxy:
+    """``lookup(source address)`` -> the asker's state (an object with ``policy`` (None:
+    mode internet), ``pin(addresses, ports, ttl)`` and ``peer(name)``), or None to drop."""
+
+    def __init__(self, bind: str, upstream: tuple[str, int],
+                 lookup: Callable[[str], Any]) -> None:
+        self.upstream = upstream
+        self.lookup = lookup
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_IP, IP_FREEBIND, 1)  # before the first veth has it
+        self.sock.bind((bind, 53))
+        self.counts = {"queries": 0, "refused": 0, "forwarded": 0, "failed": 0,
+                       "rate_limited": 0}
+        # source address -> [tokens, last refill (monotonic), in flight]
+        self._buckets: dict[str, list[float]] = {}
+        self._block = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="corral-dns")
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="corral-dns", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                data, src = self.sock.recvfrom(4096)
+            except OSError:
+                if self._closed:
+                    return
+                continue
+            self.counts["queries"] += 1
+            if not self._admit(src[0]):
+                self.counts["rate_limited"] += 1
+                continue  # dropped, as a lossy link would: the client retries later
+            try:
+                self._pool.submit(self._answer, data, src)
+            except RuntimeError:
+                return  # closing
+
+    def _admit(self, addr: str) -> bool:
+        with self._block:
+            return self._admit_locked(addr)
+
+    def _admit_locked(self, addr: str) -> bool:
+        now = time.monotonic()
+        b = self._buckets.get(addr)
+        if b is None:
+            if len(self._buckets) > 100_000:
+                self._buckets.clear()
+            b = self._buckets[addr] = [2 * RATE_QPS, now, 0]
+        b[0] = min(2 * RATE_QPS, b[0] + (now - b[1]) * RATE_QPS)
+        b[1] = now
+        if b[0] < 1 or b[2] >= IN_FLIGHT:
+            return False
+        b[0] -= 1
+        b[2] += 1
+        return True
+
+    def _done(self, addr: str) -> None:
+        with self._block:
+            b = self._buckets.get(addr)
+            if b is not None and b[2] > 0:
+                b[2] -= 1
+
+    def _answer(self, data: bytes, src: tuple[str, int]) -> None:
+        try:
+            reply = self._reply(data, src[0])
+        except Exception:  # a malformed query: no answer, as a resolver would
+            log.debug("bad DNS query from %s", src[0], exc_info=True)
+            return
+        finally:
+            self._done(src[0])
+        if reply is not None:
+            try:
+                self.sock.sendto(reply, src)
+            except OSError:
+                pass
+
+    def _reply(self, data: bytes, src: str) -> bytes | None:
+        who = self.lookup(src)
+        if who is None:
+            return None
+        q = DNSRecord.parse(data)
+        if len(q.questions) != 1:
+            return self._refuse(q, RCODE.FORMERR)
+        name = str(q.q.qname).rstrip(".").lower()
+        qtype = q.q.qtype
+        peer = who.peer(name)
+        if peer is not None:
+            r = q.reply()
+            if qtype == QTYPE.A:
+                r.add_answer(RR(q.q.qname, QTYPE.A, rdata=A(peer), ttl=5))
+            return r.pack()
+        ports = None
+        if who.policy is not None:
+            ports = who.policy.name_ports(name)
+            if ports is None:
+                self.counts["refused"] += 1
+                who.refused(name)
+                return self._refuse(q, RCODE.NXDOMAIN)
+        if qtype == QTYPE.AAAA:
+            return q.reply().pack()  # no IPv6 in a sandbox: an empty answer, not an error
+        if who.policy is not None and qtype not in (QTYPE.A, QTYPE.CNAME):
+            return self._refuse(q, RCODE.NXDOMAIN)
+        qid = q.header.id
+        ans = self._forward(q)
+        if ans is None:
+            self.counts["failed"] += 1
+            return self._refuse(q, RCODE.SERVFAIL)
+        self.counts["forwarded"] += 1
+        if who.policy is not None:
+            # An allowed name answering with a private or link-local address (DNS rebinding
+            # to an internal service) opens nothing: such addresses need an allow CIDR.
+            pins = [(str(rr.rdata), int(rr.ttl)) for rr in ans.rr if rr.rtype == QTYPE.A
+                    and (not _internal(str(rr.rdata))
+                         or who.policy.names_address(str(rr.rdata)))]
+            if pins:
+                ttl = max(MIN_PIN_S, min(MAX_PIN_S, max(t for _, t in pins)))
+                who.pin([a for a, _ in pins], ports, ttl)
+            ans.rr = [rr for rr in ans.rr if rr.rtype in (QTYPE.A, QTYPE.CNAME)]
+            ans.auth, ans.ar = [], []
+        ans.header.id = qid
+        return ans.pack()
+
+    @staticmethod
+    def _refuse(q: DNSRecord, rcode: int) -> bytes:
+        r = q.reply()
+        r.header.rcode = rcode
+        return r.pack()
+
+    def _forward(self, q: DNSRecord) -> DNSRecord | None:
+        if not self.upstream[0]:
+            return None
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.settimeout(UPSTREAM_TIMEOUT_S)
+            s.connect(self.upstream)
+            out = DNSRecord(DNSHeader(id=int.from_bytes(os.urandom(2), "big"), rd=1),
+                            questions=q.questions)
+            s.send(out.pack())
+            while True:
+                data = s.recv(4096)
+                ans = DNSRecord.parse(data)
+                if ans.header.id == out.header.id:
+                    return ans
+        except Exception:  # noqa: BLE001 - unreachable, timed out, or not DNS
+            return None
+        finally:
+            s.close()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self._thread.join(timeout=2)
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,260 @@
+"""The daemon's nftables table: fixed rules written once, per-sandbox state in sets keyed by
+the sandbox's host-side interface, so attaching a sandbox is a few set elements in one
+transaction, never a rule-set reload.
+
+What a sandbox may send (chain ``from_sandbox``), in order: nothing but IPv4 from its own
+address (spoofing and IPv6 are dropped); replies of flows already allowed; other sandboxes
+only if both are in one network group; out of the uplink only (never another host
+interface); never link-local/metadata (169.254.0.0/16) nor the daemon's own range; no new
+connection past the per-sandbox cap; a policy's deny entries; its allow CIDRs; never the
+private ranges; the DNS proxy's pins (which expire with the answer's TTL); everything else
+only in mode "internet". To the host
+itself (chain ``to_host``): only DNS to the gateway address. Denied packets are rejected
+(TCP: a reset, which the kernel does not rate-limit as it does ICMP errors; others:
+admin-prohibited) and counted per sandbox in the dynamic set ``denied``."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable
+
+from corral import _core
+
+from .nft import Nft, NftError
+from .settings import NetSettings
+
+PRIVATE4 = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "172.16.0.0/12",
+            "192.168.0.0/16", "224.0.0.0/3")
+BLOCKED4 = ("169.254.0.0/16",)
+PROTOS = ("tcp", "udp")
+PROTO_NUMBERS = {"tcp": 6, "udp": 17}
+INTERVAL_SETS = ("allow4", "deny4")
+
+Ports = tuple[tuple[int, int], ...]
+
+
+def _port(p: tuple[int, int]) -> str:
+    return str(p[0]) if p[0] == p[1] else f"{p[0]}-{p[1]}"
+
+
+def _ifname(name: str) -> str:
+    return '"' + name + '"'
+
+
+class Firewall:
+    def __init__(self, settings: NetSettings) -> None:
+        self.s = settings
+        self.nft = Nft()
+        self.t = f"inet {settings.table}"
+
+    def ruleset(self) -> str:
+        s, w = self.s, self.s.ifprefix + "*"
+        blocked = ", ".join((*BLOCKED4, str(s.range4)))
+        private = ", ".join(PRIVATE4)
+        return f"""
+table {self.t} {{
+  set src4 {{ type ifname . ipv4_addr; }}
+  set internet {{ type ifname; }}
+  set peers {{ type ifname . ifname; }}
+  set allow4 {{ type ifname . ipv4_addr . inet_proto . inet_service; flags interval, timeout; }}
+  set deny4 {{ type ifname . ipv4_addr . inet_proto . inet_service; flags interval; }}
+  set pin4 {{ type ifname . ipv4_addr . inet_proto . inet_service; flags timeout; }}
+  set pinall4 {{ type ifname . ipv4_addr; flags timeout; }}
+  set blocked4 {{ type ipv4_addr; flags interval; elements = {{ {blocked} }}; }}
+  set private4 {{ type ipv4_addr; flags interval; elements = {{ {private} }}; }}
+  set denied {{ type ifname; flags dynamic; counter; size 1048576; }}
+  set conns {{ type ifname; flags dynamic; size 1048576; }}
+  chain input {{ type filter hook input priority -10; policy accept;
+    iifname "{w}" jump to_host
+  }}
+  chain forward {{ type filter hook forward priority -10; policy accept;
+    iifname "{w}" jump from_sandbox
+    oifname "{w}" jump to_sandbox
+  }}
+  chain to_host {{
+    meta nfproto != ipv4 drop
+    iifname . ip saddr != @src4 drop
+    ct state established,related accept
+    ip daddr {s.gateway} udp dport 53 accept
+    ip daddr {s.gateway} icmp type echo-request accept
+    goto deny
+  }}
+  chain from_sandbox {{
+    meta nfproto != ipv4 drop
+    iifname . ip saddr != @src4 drop
+    ct state established,related accept
+    oifname "{w}" iifname . oifname @peers accept
+    oifname "{w}" goto deny
+    oifname != "{s.uplink}" goto deny
+    ip daddr @blocked4 goto deny
+    ct state new add @conns {{ iifname ct count over {s.max_connections} }} goto deny
+    iifname . ip daddr . meta l4proto . th dport @deny4 goto deny
+    iifname . ip daddr . meta l4proto . th dport @allow4 accept
+    ip daddr @private4 goto deny
+    iifname . ip daddr . meta l4proto . th dport @pin4 accept
+    iifname . ip daddr @pinall4 accept
+    iifname @internet accept
+    goto deny
+  }}
+  chain to_sandbox {{
+    ct state established,related accept
+    drop
+  }}
+  chain deny {{
+    update @denied {{ iifname }}
+    meta l4proto tcp reject with tcp reset
+    reject with icmpx admin-prohibited
+  }}
+  chain nat {{ type nat hook postrouting priority srcnat; policy accept;
+    ip saddr {s.range4} oifname "{s.uplink}" masquerade
+  }}
+}}
+"""
+
+    def install(self) -> None:
+        """(Re)write the table: a table left by a previous daemon is replaced whole."""
+        try:
+            self.nft.run(f"delete table {self.t}")
+        except NftError:
+            pass
+        self.nft.run(self.ruleset())
+
+    def exists(self) -> bool:
+        try:
+            self.nft.run(f"list table {self.t}")
+            return True
+        except NftError:
+            return False
+
+    def remove(self) -> None:
+        try:
+            self.nft.run(f"delete table {self.t}")
+        except NftError:
+            pass
+        self.nft.close()
+
+    # ---- per sandbox ---------------------------------------------------------------------
+    @staticmethod
+    def pins(ifname: str, addrs: list[str], ports: Ports, ttl: int) -> dict[str, list[str]]:
+        """DNS pins by set: hash sets for an exact port or every port (their removal does not
+        grow with the number of sandboxes, unlike the interval set's), the interval set only
+        for a port range."""
+        i, to = _ifname(ifname), f" timeout {ttl}s"
+        out: dict[str, list[str]] = {"pin4": [], "pinall4": [], "allow4": []}
+        for a in addrs:
+            for p in ports:
+                if p == (0, 65535):
+                    out["pinall4"].append(f"{i} . {a}{to}")
+                elif p[0] == p[1]:
+                    out["pin4"] += [f"{i} . {a} . {proto} . {p[0]}{to}" for proto in PROTOS]
+                else:
+                    out["allow4"] += [f"{i} . {a} . {proto} . {_port(p)}{to}" for proto in PROTOS]
+        return {k: v for k, v in out.items() if v}
+
+    @staticmethod
+    def rules(ifname: str, nets: Iterable[tuple[ipaddress.IPv4Network | str, Ports]],
+               timeout_s: int | None = None) -> list[str]:
+        to = f" timeout {timeout_s}s" if timeout_s else ""
+        return [f"{_ifname(ifname)} . {net} . {proto} . {_port(p)}{to}"
+                for net, ports in nets for p in ports for proto in PROTOS]
+
+    def attach_cmds(self, ifname: str, addr: ipaddress.IPv4Address, internet: bool,
+                    allow: list[str], deny: list[str]) -> str:
+        t, i = self.t, _ifname(ifname)
+        cmds = [f"add element {t} src4 {{ {i} . {addr} }}"]
+        if internet:
+            cmds.append(f"add element {t} internet {{ {i} }}")
+        if allow:
+            cmds.append(f"add element {t} allow4 {{ {', '.join(allow)} }}")
+        if deny:
+            cmds.append(f"add element {t} deny4 {{ {', '.join(deny)} }}")
+        return "\n".join(cmds)
+
+    def run(self, cmds: str) -> None:
+        self.nft.run(cmds)
+
+    def add_sets(self, by_set: dict[str, list[str]]) -> None:
+        """Elements into several sets, one transaction."""
+        cmds = [f"add element {self.t} {name} {{ {', '.join(items)} }}"
+                for name, items in by_set.items() if items]
+        if cmds:
+            self.nft.run("\n".join(cmds))
+
+    def detach(self, ifname: str, addr: ipaddress.IPv4Address, elems: dict[str, list[str]]
+               ) -> None:
+        """Remove every element of this sandbox (those that expired meanwhile too) in one
+        transaction."""
+        i = _ifname(ifname)
+        sets = {"src4": [f"{i} . {addr}"], "internet": [i], "denied": [i], "conns": [i]}
+        for k, v in elems.items():
+            sets.setdefault(k, []).extend(v)
+        self.destroy(sets)
+
+    def destroy(self, sets: dict[str, list[str]]) -> None:
+        """Remove elements (our own text form) in one transaction straight over netlink
+        (corral._core.nft_destroy_elements): libnftables reads the whole set before a
+        delete, which costs O(elements in the set) per call."""
+        batch = [(name, [element_key(e, name in INTERVAL_SETS) for e in items])
+                 for name, items in sets.items() if items]
+        if batch:
+            _core.nft_destroy_elements(self.s.table, batch)
+
+    def swap(self, ifname: str, old: dict[str, list[str]], new: dict[str, list[str]]) -> None:
+        """Replace a sandbox's policy elements (``old`` -> ``new``): the old out, then the
+        new in (in between, the sandbox's new connections are refused, never let through)."""
+        self.destroy(old)
+        cmds = [f"add element {self.t} {name} {{ {', '.join(items)} }}"
+                for name, items in new.items() if items]
+        if cmds:
+            self.nft.run("\n".join(cmds))
+
+    def peers(self, pairs: list[tuple[str, str]], add: bool) -> None:
+        if not pairs:
+            return
+        items = [f"{_ifname(a)} . {_ifname(b)}" for a, b in pairs]
+        if add:
+            self.nft.run(f"add element {self.t} peers {{ {', '.join(items)} }}")
+        else:
+            self.destroy({"peers": items})
+
+    def denied_total(self) -> int:
+        """Packets rejected so far, over every live sandbox."""
+        try:
+            out = self.nft.run(f"list set {self.t} denied")
+        except NftError:
+            return 0
+        return sum(int(n) for n in re.findall(r"counter packets (\d+)", out))
+
+    def denied_count(self, ifname: str) -> int:
+        """Packets of this sandbox rejected so far (0 before the first)."""
+        try:
+            out = self.nft.run(f"get element {self.t} denied {{ {_ifname(ifname)} }}")
+        except NftError:
+            return 0
+        m = re.search(r"counter packets (\d+)", out)  # (nft 1.0.6 has no JSON for get)
+        return int(m.group(1)) if m else 0
+
+
+def element_key(elem: str, interval: bool) -> tuple[bytes, bytes | None]:
+    """The kernel's key (and, in an interval set, end key) of an element in the text form
+    this module writes: fields joined by " . ", each an interface name in quotes (16 bytes),
+    an IPv4 address or CIDR (4), tcp/udp (1, padded to 4), a port or port range (2 bytes big
+    endian, padded to 4); a " timeout ..." suffix is ignored."""
+    key, end = b"", b""
+    for part in elem.split(" timeout ")[0].split(" . "):
+        part = part.strip()
+        if part.startswith('"'):
+            name = part.strip('"').encode()
+            k = e = name.ljust(16, b"\0")
+        elif part in PROTO_NUMBERS:
+            k = e = bytes([PROTO_NUMBERS[part], 0, 0, 0])
+        elif "." in part:
+            net = ipaddress.IPv4Network(part)
+            k, e = net.network_address.packed, net.broadcast_address.packed
+        else:
+            lo, _, hi = part.partition("-")
+            k = int(lo).to_bytes(2, "big") + b"\0\0"
+            e = int(hi or lo).to_bytes(2, "big") + b"\0\0"
+        key, end = key + k, end + e
+    return key, (end if interval else None)

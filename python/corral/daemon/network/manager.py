@@ -1,0 +1,458 @@
+"""Networked sandboxes (modes "internet" and policies): plumbing pooled ahead of creates,
+attached with a few nftables set elements, detached with the sandbox. Started on the first
+networked create, so a daemon that never makes one touches no host networking."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ipaddress
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from corral import _core
+from corral.errors import InvalidNetwork, Unsupported
+from corral.models import NETWORK_MODES
+
+from . import settings as settings_mod
+from .firewall import Firewall
+from .policy import Policy, compile_policy
+from .settings import NetSettings
+
+if TYPE_CHECKING:
+    from .dns import DnsProxy
+    from .expose import Exposer
+    from .links import Links
+
+log = logging.getLogger("corral.network")
+
+Ports = tuple[tuple[int, int], ...]
+REFILL_QUIET_S = 0.02
+
+
+@dataclass
+class Attachment:
+    """One sandbox's network: its slot (interface, address), mode and policy."""
+    sandbox_id: str
+    index: int
+    ifname: str
+    address: ipaddress.IPv4Address
+    policy: Policy | None          # None: mode "internet"
+    group: str | None
+    label: Any                     # what the sandbox asked for (for info)
+    mgr: NetworkManager
+    elems: dict[str, list[str]] = field(default_factory=dict)
+    refused_names: collections.Counter = field(default_factory=collections.Counter)
+    pins: dict[str, float] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # ---- what the DNS proxy calls --------------------------------------------------------
+    def pin(self, addrs: list[str], ports: Ports, ttl: int) -> None:
+        by_set = Firewall.pins(self.ifname, addrs, ports, ttl)
+        with self.lock:
+            if self.mgr.attachments.get(self.sandbox_id) is not self:
+                return  # detached meanwhile: pin nothing for a dead interface
+            self.mgr.fw.add_sets(by_set)
+            for name, elems in by_set.items():
+                have = self.elems.setdefault(name, [])
+                known = {e.split(" timeout ")[0] for e in have}
+                have.extend(e for e in elems if e.split(" timeout ")[0] not in known)
+            until = time.time() + ttl
+            for a in addrs:
+                self.pins[a] = until
+
+    def peer(self, name: str) -> str | None:
+        return self.mgr.peer_address(self, name)
+
+    def refused(self, name: str) -> None:
+        if len(self.refused_names) < 1000 or name in self.refused_names:
+            self.refused_names[name] += 1
+
+
+class NetworkManager:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started = False
+        self._error: str | None = None
+        self.s: NetSettings | None = None
+        try:
+            self.s = settings_mod.load()
+        except (ValueError, OSError) as e:
+            self._error = f"network settings: {e}"
+        self.fw: Firewall
+        self.links: Links
+        self.dns: DnsProxy | None = None
+        self.attachments: dict[str, Attachment] = {}
+        self._by_addr: dict[str, Attachment] = {}
+        # Slots of ended sandboxes: reusable once the kernel has removed their veth, which
+        # it does when their namespace goes (cleanup_net, off the daemon's path: deleting a
+        # link ourselves costs ~20 ms of RCU grace periods).
+        self._draining: collections.deque[int] = collections.deque()
+        self._free: list[int] = []
+        self._next = 1
+        self._ready: collections.deque[tuple[int, int]] = collections.deque()
+        self._cv = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._last_take = 0.0
+        self.exposer: Exposer | None = None
+        LIVE.add(self)
+        if self.s is not None:
+            self._sweep(self.s)
+
+    @staticmethod
+    def _sweep(s: NetSettings) -> None:
+        """A table and links left by a daemon that was killed: removed now, so nothing of
+        them outlives it longer than its restart."""
+        try:
+            fw = Firewall(s)
+        except Unsupported:
+            return  # no libnftables: nothing of ours can be there
+        try:
+            if not fw.exists():
+                return
+            from .links import Links
+
+            links = Links(s)
+            try:
+                for name in links.stale():
+                    links.remove_name(name)
+            finally:
+                links.close()
+            fw.remove()
+        finally:
+            fw.nft.close()
+
+    # ---- names ---------------------------------------------------------------------------
+    @property
+    def allowlists(self) -> dict[str, list[str]]:
+        return dict(self.s.allowlists) if self.s is not None else {}
+
+    def check(self, network: Any) -> None:
+        """InvalidNetwork (or Unsupported) now, before anything is made for a create."""
+        self.resolve(network)
+
+    def resolve(self, network: Any) -> tuple[Policy | None, Any]:
+        """(policy, label) for a spec's network: "internet" -> no policy; an allowlist name
+        or a policy object -> its compiled rules. InvalidNetwork for unknown names and bad
+        rules (checked first: bad input is the caller's, whatever the host has)."""
+        lists = self.s.allowlists if self.s is not None else {}
+        if network == "internet":
+            out: tuple[Policy | None, Any] = (None, "internet")
+        elif isinstance(network, str):
+            if network not in lists:
+                raise InvalidNetwork(
+                    f"unknown network {network!r}: a mode (none, disabled, internet) or a "
+                    f"named allowlist ({', '.join(sorted(lists)) or 'none'})",
+                    details={"network": network, "modes": list(NETWORK_MODES),
+                             "allowlists": sorted(lists)})
+            out = compile_policy([f"@{network}"], [], lists), network
+        else:
+            allow, deny = list(network.allow), list(network.deny)
+            out = compile_policy(allow, deny, lists), {"allow": allow, "deny": deny}
+        if self.s is None:
+            raise Unsupported(self._error or "networking unavailable")
+        return out
+
+    # ---- start/stop ----------------------------------------------------------------------
+    def _start(self) -> None:
+        """The table, stale links removed, the DNS proxy, the pool (lock held)."""
+        if self._started:
+            return
+        if self.s is None:
+            raise Unsupported(self._error or "networking unavailable")
+        if not self.s.uplink:
+            raise Unsupported("networked sandboxes need an uplink interface (CORRAL_UPLINK: "
+                              "none given and the host has no default route)")
+        # pyroute2 and dnslib load here: a daemon that never networks a sandbox pays nothing
+        from .dns import DnsProxy
+        from .links import Links
+
+        self.fw = Firewall(self.s)
+        self.links = Links(self.s)
+        for name in self.links.stale():
+            self.links.remove_name(name)
+        self.fw.install()
+        try:
+            self.dns = DnsProxy(str(self.s.gateway), self.s.dns_upstream, self._lookup)
+        except OSError as e:
+            self.fw.remove()
+            raise Unsupported(f"cannot start the sandboxes' DNS proxy on "
+                              f"{self.s.gateway}:53: {e.strerror or e}") from None
+        self._started = True
+        if self.s.pool > 0:
+            self._thread = threading.Thread(target=self._refill, name="corral-net-pool",
+                                            daemon=True)
+            self._thread.start()
+
+    def write_resolv_conf(self, root_upper: str) -> None:
+        """/etc/resolv.conf in a sandbox's root upper dir: the gateway, where the proxy is."""
+        etc = os.path.join(root_upper, "etc")
+        if not os.path.isdir(etc):
+            os.mkdir(etc, 0o755)
+        path = os.path.join(etc, "resolv.conf")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(fd, f"nameserver {self.s.gateway if self.s else ''}\n"
+                         "options attempts:2 timeout:2\n".encode())
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        LIVE.discard(self)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            started, self._started = self._started, False
+            ready = list(self._ready)
+            self._ready.clear()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if not started:
+            return
+        for _, fd in ready:
+            os.close(fd)
+        if self.dns is not None:
+            self.dns.close()
+        if self.exposer is not None:
+            self.exposer.close()
+        self.attachments.clear()
+        self._by_addr.clear()
+        for name in self.links.stale():
+            self.links.remove_name(name)
+        self.fw.remove()
+        self.links.close()
+
+    # ---- slots ---------------------------------------------------------------------------
+    def _alloc(self) -> int:
+        if self._free:
+            return self._free.pop()
+        if self._draining and not os.path.exists(
+                f"/sys/class/net/{self.links.ifname(self._draining[0])}"):
+            return self._draining.popleft()
+        if self._next > self.links.capacity():
+            raise Unsupported(f"no free address in {self.s.range4 if self.s else '?'}")
+        self._next += 1
+        return self._next - 1
+
+    def _make_slot(self) -> tuple[int, int]:
+        with self._lock:
+            idx = self._alloc()
+        try:
+            fd = _core.netns_new()
+        except BaseException:
+            with self._lock:
+                self._free.append(idx)
+            raise
+        try:
+            self.links.make(idx, fd)
+        except BaseException:
+            os.close(fd)
+            with self._lock:
+                self._free.append(idx)
+            raise
+        return idx, fd
+
+    def _refill(self) -> None:
+        from corral.daemon.substrates.container.netns import background_priority
+
+        background_priority()
+        while True:
+            with self._cv:
+                while not self._closed and len(self._ready) >= (self.s.pool if self.s else 0):
+                    self._cv.wait()
+                # Not while a create that just took a slot is still spawning (~5 ms): a
+                # veth pair costs kernel CPU that create would wait for on a busy host.
+                while not self._closed and self._ready and \
+                        time.monotonic() - self._last_take < REFILL_QUIET_S:
+                    self._cv.wait(REFILL_QUIET_S)
+                if self._closed:
+                    return
+            try:
+                slot = self._make_slot()
+            except Exception:
+                log.warning("network pool: cannot make a slot", exc_info=True)
+                time.sleep(1.0)
+                continue
+            with self._cv:
+                if not self._closed:
+                    self._ready.appendleft(slot)
+                    continue
+            os.close(slot[1])  # its links go with the namespace
+
+    # ---- attach/detach -------------------------------------------------------------------
+    def attach(self, sandbox_id: str, network: Any, group: str | None,
+               bandwidth_mbit: float | None = None) -> int:
+        """A network namespace (an fd the caller owns) plumbed and allowed for
+        ``sandbox_id``."""
+        policy, label = self.resolve(network)
+        with self._cv:
+            self._start()
+            slot = self._ready.pop() if self._ready else None
+            self._last_take = time.monotonic()
+            self._cv.notify()
+        if slot is None:
+            slot = self._make_slot()
+        idx, fd = slot
+        att = Attachment(sandbox_id, idx, self.links.ifname(idx), self.links.address(idx),
+                         policy, group, label, self)
+        allow: list[str] = []
+        deny: list[str] = []
+        if policy is not None:
+            allow = Firewall.rules(att.ifname, policy.cidrs(policy.allow))
+            deny = Firewall.rules(att.ifname, policy.cidrs(policy.deny))
+        att.elems = {"allow4": allow, "deny4": deny}
+        try:
+            if bandwidth_mbit is not None:
+                self.links.shape(idx, fd, bandwidth_mbit)
+            self.fw.run(self.fw.attach_cmds(att.ifname, att.address, policy is None,
+                                            allow, deny))
+            peers = self._group_pairs(att)
+            self.fw.peers(peers, add=True)
+        except BaseException:
+            os.close(fd)
+            self._release(att)
+            raise
+        with self._lock:
+            self.attachments[sandbox_id] = att
+            self._by_addr[str(att.address)] = att
+        return fd
+
+    def _group_pairs(self, att: Attachment) -> list[tuple[str, str]]:
+        if att.group is None:
+            return []
+        out = []
+        for other in list(self.attachments.values()):
+            if other.group == att.group and other is not att:
+                out += [(att.ifname, other.ifname), (other.ifname, att.ifname)]
+        return out
+
+    def update(self, sandbox_id: str, network: Any) -> None:
+        """Its policy replaced at once: the new rules in, the old ones and every DNS pin out
+        (connections already open stay open; a new one needs the new policy)."""
+        policy, label = self.resolve(network)
+        att = self.attachments.get(sandbox_id)
+        if att is None:
+            raise Unsupported("only a networked sandbox's policy can change",
+                              details={"operation": "network_update"})
+        i = f'"{att.ifname}"'
+        with att.lock:
+            allow = deny = []
+            if policy is not None:
+                allow = Firewall.rules(att.ifname, policy.cidrs(policy.allow))
+                deny = Firewall.rules(att.ifname, policy.cidrs(policy.deny))
+            old = {**att.elems, "internet": [i] if att.policy is None else []}
+            new = {"allow4": allow, "deny4": deny, "internet": [i] if policy is None else []}
+            self.fw.swap(att.ifname, old, new)
+            att.policy, att.label, att.pins = policy, label, {}
+            att.elems = {"allow4": allow, "deny4": deny}
+
+    async def expose(self, sandbox_id: str, port: int) -> int:
+        """127.0.0.1:<the returned port> on the host reaches ``port`` in the sandbox."""
+        from .expose import Exposer
+
+        att = self.attachments.get(sandbox_id)
+        if att is None:
+            raise Unsupported("only a networked sandbox (internet or a policy) has ports to "
+                              "expose", details={"operation": "expose"})
+        if self.exposer is None:
+            self.exposer = Exposer(asyncio.get_running_loop())
+        return await self.exposer.expose(sandbox_id, str(att.address), port)
+
+    def unexpose(self, sandbox_id: str, port: int) -> bool:
+        return self.exposer is not None and self.exposer.unexpose(sandbox_id, port)
+
+    def detach(self, sandbox_id: str) -> None:
+        if self.exposer is not None:
+            self.exposer.drop(sandbox_id)
+        with self._lock:
+            att = self.attachments.pop(sandbox_id, None)
+            if att is not None:
+                self._by_addr.pop(str(att.address), None)
+        if att is not None:
+            self._release(att)
+
+    def _release(self, att: Attachment) -> None:
+        with att.lock:
+            try:
+                self.fw.peers(self._group_pairs(att), add=False)
+                self.fw.detach(att.ifname, att.address, att.elems)
+            except Exception:
+                log.warning("network: cannot remove the rules of %s", att.sandbox_id,
+                            exc_info=True)
+        with self._lock:
+            self._draining.append(att.index)
+
+    # ---- lookups -------------------------------------------------------------------------
+    def _lookup(self, addr: str) -> Attachment | None:
+        return self._by_addr.get(addr)
+
+    def peer_address(self, att: Attachment, name: str) -> str | None:
+        if att.group is None:
+            return None
+        other = self.attachments.get(name)
+        if other is None or other.group != att.group:
+            return None
+        return str(other.address)
+
+    def info(self, sandbox_id: str) -> dict[str, Any] | None:
+        att = self.attachments.get(sandbox_id)
+        if att is None:
+            return None
+        stats = _link_stats(att.ifname)
+        now = time.time()
+        return {"address": str(att.address), "gateway": str(self.s.gateway) if self.s else None,
+                "group": att.group, "policy": att.label,
+                # the host end's rx is what the sandbox sent
+                "tx_bytes": stats.get("rx_bytes", 0), "tx_packets": stats.get("rx_packets", 0),
+                "rx_bytes": stats.get("tx_bytes", 0), "rx_packets": stats.get("tx_packets", 0),
+                "denied_packets": self.fw.denied_count(att.ifname),
+                "refused_names": dict(att.refused_names.most_common(20)),
+                "pinned": sorted(a for a, t in att.pins.items() if t > now),
+                "exposed": {str(p): f"127.0.0.1:{hp}" for p, hp in
+                            (self.exposer.ports(sandbox_id) if self.exposer else {}).items()}}
+
+    def metrics(self) -> dict[str, int]:
+        out = {"network_sandboxes": len(self.attachments), "network_pool_ready": len(self._ready)}
+        if not self._started:
+            return out
+        tx = rx = 0
+        for att in list(self.attachments.values()):
+            st = _link_stats(att.ifname)
+            tx, rx = tx + st["rx_bytes"], rx + st["tx_bytes"]
+        out.update({"network_sent_bytes": tx, "network_received_bytes": rx,
+                    "network_denied_packets": self.fw.denied_total()})
+        if self.dns is not None:
+            out.update({f"network_dns_{k}": v for k, v in self.dns.counts.items()})
+        return out
+
+
+LIVE: set[NetworkManager] = set()
+
+
+def network_state(sandbox_id: str) -> dict[str, Any] | None:
+    """A networked sandbox's address and counters (SandboxInfo.net), from whichever
+    substrate's manager holds it."""
+    for mgr in list(LIVE):
+        st = mgr.info(sandbox_id)
+        if st is not None:
+            return st
+    return None
+
+
+def _link_stats(ifname: str) -> dict[str, int]:
+    out = {}
+    for k in ("rx_bytes", "rx_packets", "tx_bytes", "tx_packets"):
+        try:
+            with open(f"/sys/class/net/{ifname}/statistics/{k}") as f:
+                out[k] = int(f.read())
+        except (OSError, ValueError):
+            out[k] = 0
+    return out
+
+
+__all__ = ["Attachment", "NetworkManager"]

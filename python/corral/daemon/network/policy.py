@@ -1,0 +1,124 @@
+"""Network policies: rules parsed and expanded (named allowlists), checked once at create.
+
+A rule is one of: ``name`` / ``name:ports`` (an exact domain), ``*.suffix[:ports]`` (any name
+below ``suffix``, not ``suffix`` itself), ``a.b.c.d[/len][:ports]`` (an IPv4 address or CIDR),
+``@list`` (a named allowlist of the daemon's config; only in ``allow``). ``ports`` is ``443``,
+``8000-8100`` or ``80,443``. No ports: every port."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass, field
+
+from corral.errors import InvalidNetwork
+
+ALL_PORTS: tuple[tuple[int, int], ...] = ((0, 65535),)
+_LABEL = r"(?!-)[a-z0-9_-]{1,63}(?<!-)"
+_DOMAIN_RE = re.compile(rf"^{_LABEL}(\.{_LABEL})*\.?$")
+_PORTS_RE = re.compile(r"^\d{1,5}(-\d{1,5})?(,\d{1,5}(-\d{1,5})?)*$")
+MAX_RULES = 256
+
+
+@dataclass(frozen=True)
+class Rule:
+    kind: str                      # "domain", "suffix" or "cidr"
+    value: str                     # lower-case name without the trailing dot, or a CIDR
+    ports: tuple[tuple[int, int], ...] = ALL_PORTS
+
+    def matches(self, name: str) -> bool:
+        if self.kind == "domain":
+            return name == self.value
+        if self.kind == "suffix":
+            return name.endswith("." + self.value)
+        return False
+
+
+@dataclass
+class Policy:
+    allow: list[Rule] = field(default_factory=list)
+    deny: list[Rule] = field(default_factory=list)
+
+    def name_ports(self, name: str) -> tuple[tuple[int, int], ...] | None:
+        """The ports a resolved ``name`` opens (None: the name is refused). A deny rule on the
+        name wins whatever its ports (it is refused at DNS)."""
+        name = name.lower().rstrip(".")
+        if any(r.matches(name) for r in self.deny):
+            return None
+        ports: list[tuple[int, int]] = []
+        for r in self.allow:
+            if r.matches(name):
+                ports.extend(p for p in r.ports if p not in ports)
+        return tuple(ports) or None
+
+    def names_address(self, addr: str) -> bool:
+        """Whether an allow CIDR covers ``addr`` (a private address is only reachable so)."""
+        ip = ipaddress.IPv4Address(addr)
+        return any(r.kind == "cidr" and ip in ipaddress.IPv4Network(r.value) for r in self.allow)
+
+    def cidrs(self, rules: list[Rule]) -> list[tuple[ipaddress.IPv4Network,
+                                                      tuple[tuple[int, int], ...]]]:
+        return [(ipaddress.IPv4Network(r.value), r.ports) for r in rules if r.kind == "cidr"]
+
+
+def _ports(text: str, rule: str) -> tuple[tuple[int, int], ...]:
+    if not _PORTS_RE.match(text):
+        raise InvalidNetwork(f"bad ports in rule {rule!r}", details={"rule": rule})
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        a, b = int(lo), int(hi or lo)
+        if not (1 <= a <= b <= 65535):
+            raise InvalidNetwork(f"bad port range in rule {rule!r}", details={"rule": rule})
+        out.append((a, b))
+    return tuple(out)
+
+
+def parse_rule(text: str) -> Rule:
+    rule = text.strip().lower()
+    if not rule or len(rule) > 300:
+        raise InvalidNetwork(f"bad network rule {text!r}", details={"rule": text})
+    host, ports = rule, ALL_PORTS
+    if ":" in rule:
+        host, _, p = rule.rpartition(":")
+        ports = _ports(p, text)
+    if re.match(r"^[0-9./]+$", host):
+        try:
+            net = ipaddress.IPv4Network(host, strict=False)
+        except ValueError:
+            raise InvalidNetwork(f"bad address in rule {text!r}", details={"rule": text}) \
+                from None
+        return Rule("cidr", str(net), ports)
+    kind = "domain"
+    if host.startswith("*."):
+        kind, host = "suffix", host[2:]
+    host = host.rstrip(".")
+    if not _DOMAIN_RE.match(host) or "*" in host:
+        raise InvalidNetwork(f"bad domain in rule {text!r} (exact names and *.suffix only)",
+                             details={"rule": text})
+    return Rule(kind, host, ports)
+
+
+def compile_policy(allow: list[str], deny: list[str],
+                   allowlists: dict[str, list[str]]) -> Policy:
+    """Rules expanded (``@name`` from ``allowlists``) and parsed; InvalidNetwork otherwise."""
+    pol = Policy()
+    for text in allow:
+        if text.startswith("@"):
+            name = text[1:]
+            if name not in allowlists:
+                raise InvalidNetwork(f"unknown allowlist {text!r} (known: "
+                                     f"{', '.join(sorted(allowlists)) or 'none'})",
+                                     details={"allowlist": name,
+                                              "known": sorted(allowlists)})
+            pol.allow.extend(parse_rule(r) for r in allowlists[name])
+        else:
+            pol.allow.append(parse_rule(text))
+    for text in deny:
+        if text.startswith("@"):
+            raise InvalidNetwork("named allowlists go in allow, not deny",
+                                 details={"rule": text})
+        pol.deny.append(parse_rule(text))
+    if len(pol.allow) + len(pol.deny) > MAX_RULES:
+        raise InvalidNetwork(f"too many network rules (at most {MAX_RULES})")
+    return pol

@@ -1,0 +1,123 @@
+"""The daemon's network settings: the uplink, the sandboxes' address range, the DNS upstream,
+and the named allowlists (a JSON file). Environment variables override the file."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+DEFAULT_CONFIG = "/etc/corral/network.json"
+NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+RESERVED = ("none", "disabled", "internet", "policy")
+
+# Shipped examples, overridden (or removed: an empty list) by the config file's "allowlists".
+EXAMPLE_ALLOWLISTS: dict[str, list[str]] = {
+    "pypi": ["pypi.org:443", "files.pythonhosted.org:443"],
+    "debian": ["deb.debian.org:80", "deb.debian.org:443", "security.debian.org:80",
+               "security.debian.org:443"],
+    "github": ["github.com:443", "github.com:22", "*.github.com:443",
+               "*.githubusercontent.com:443", "codeload.github.com:443"],
+}
+
+
+def default_uplink() -> str:
+    """The interface of the host's IPv4 default route ("" if none)."""
+    try:
+        with open("/proc/net/route") as f:
+            for line in f.read().splitlines()[1:]:
+                cols = line.split()
+                if len(cols) > 2 and cols[1] == "00000000":
+                    return cols[0]
+    except OSError:
+        pass
+    return ""
+
+
+def default_upstream() -> str:
+    """The host resolver's first IPv4 nameserver ("" if none)."""
+    try:
+        with open("/etc/resolv.conf") as f:
+            for line in f:
+                cols = line.split()
+                if len(cols) >= 2 and cols[0] == "nameserver":
+                    try:
+                        if ipaddress.ip_address(cols[1]).version == 4:
+                            return cols[1]
+                    except ValueError:
+                        continue
+    except OSError:
+        pass
+    return ""
+
+
+def _host_port(value: str, default_port: int) -> tuple[str, int]:
+    host, _, port = value.rpartition(":") if value.count(":") == 1 else (value, "", "")
+    ipaddress.IPv4Address(host)
+    return host, int(port) if port else default_port
+
+
+@dataclass(frozen=True)
+class NetSettings:
+    uplink: str = ""
+    # The sandboxes' addresses: the first is the gateway (and DNS proxy) every sandbox sees.
+    range4: ipaddress.IPv4Network = ipaddress.IPv4Network("10.213.0.0/16")
+    dns_upstream: tuple[str, int] = ("", 53)
+    # One nftables table (inet family) and one interface-name prefix per daemon.
+    table: str = "corral"
+    ifprefix: str = "crl"
+    pool: int = 8
+    # Connections a sandbox may hold at once (conntrack entries, every state).
+    max_connections: int = 4096
+    allowlists: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def gateway(self) -> ipaddress.IPv4Address:
+        return self.range4.network_address + 1
+
+
+def load() -> NetSettings:
+    """The settings from CORRAL_NETWORK_CONFIG (default /etc/corral/network.json; missing is
+    fine) and CORRAL_UPLINK, CORRAL_DNS_UPSTREAM, CORRAL_NET_RANGE, CORRAL_NET_TABLE,
+    CORRAL_NET_IFPREFIX, CORRAL_NET_POOL. Raises ValueError on a bad value."""
+    path = os.environ.get("CORRAL_NETWORK_CONFIG", DEFAULT_CONFIG)
+    doc: dict = {}
+    if path and os.path.exists(path):
+        with open(path) as f:
+            doc = json.load(f)
+        if not isinstance(doc, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+
+    def pick(env: str, key: str, default: str) -> str:
+        return os.environ.get(env) or str(doc.get(key) or "") or default
+
+    uplink = pick("CORRAL_UPLINK", "uplink", "") or default_uplink()
+    upstream = pick("CORRAL_DNS_UPSTREAM", "dns_upstream", "") or default_upstream()
+    range4 = ipaddress.IPv4Network(pick("CORRAL_NET_RANGE", "range", "10.213.0.0/16"))
+    if range4.prefixlen > 28:
+        raise ValueError(f"network range {range4} is too small")
+    table = pick("CORRAL_NET_TABLE", "table", "corral")
+    ifprefix = pick("CORRAL_NET_IFPREFIX", "ifprefix", "crl")
+    if not re.match(r"^[a-z][a-z0-9_]{0,31}$", table):
+        raise ValueError(f"bad nftables table name {table!r}")
+    if not re.match(r"^[a-z][a-z0-9]{0,5}$", ifprefix):
+        raise ValueError(f"bad interface prefix {ifprefix!r} (1-6 of [a-z0-9])")
+    lists = dict(EXAMPLE_ALLOWLISTS)
+    for name, rules in (doc.get("allowlists") or {}).items():
+        if not NAME_RE.match(name) or name in RESERVED:
+            raise ValueError(f"bad allowlist name {name!r}")
+        if not isinstance(rules, list) or not all(isinstance(r, str) for r in rules):
+            raise ValueError(f"allowlist {name!r}: expected a list of strings")
+        if rules:
+            lists[name] = list(rules)
+        else:
+            lists.pop(name, None)
+    return NetSettings(uplink=uplink, range4=range4,
+                       dns_upstream=_host_port(upstream, 53) if upstream else ("", 53),
+                       table=table, ifprefix=ifprefix,
+                       pool=int(pick("CORRAL_NET_POOL", "pool", "8")),
+                       max_connections=int(pick("CORRAL_NET_MAX_CONNECTIONS",
+                                                "max_connections", "4096")),
+                       allowlists=lists)

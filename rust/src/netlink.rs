@@ -1,0 +1,372 @@
+//! A networked sandbox's link, set up over rtnetlink with the GIL released: a veth pair whose
+//! host end holds the gateway address and a /32 route to the sandbox, and whose other end,
+//! moved into the sandbox's network namespace as `eth0`, holds the sandbox's /32 address and a
+//! default route via the gateway. The calling thread enters the namespace for its half and
+//! returns (as `netns_new` does). No process is started.
+
+use std::ffi::CString;
+use std::net::Ipv4Addr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use libc::c_void;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetlinkError {
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    #[error("{step}: {source}")]
+    Os {
+        step: &'static str,
+        source: std::io::Error,
+    },
+}
+
+impl NetlinkError {
+    pub fn errno(&self) -> i32 {
+        match self {
+            NetlinkError::Invalid(_) => libc::EINVAL,
+            NetlinkError::Os { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+        }
+    }
+}
+
+fn os(step: &'static str) -> impl FnOnce(std::io::Error) -> NetlinkError {
+    move |source| NetlinkError::Os { step, source }
+}
+
+const NLMSG_HDRLEN: usize = 16;
+const IFLA_IFNAME: u16 = 3;
+const IFLA_LINKINFO: u16 = 18;
+const IFLA_NET_NS_FD: u16 = 28;
+const IFLA_INFO_KIND: u16 = 1;
+const IFLA_INFO_DATA: u16 = 2;
+const VETH_INFO_PEER: u16 = 1;
+const IFA_ADDRESS: u16 = 1;
+const IFA_LOCAL: u16 = 2;
+const RTA_DST: u16 = 1;
+const RTA_OIF: u16 = 4;
+const RTA_GATEWAY: u16 = 5;
+const NLA_F_NESTED: u16 = 1 << 15;
+const IFINFOMSG_LEN: usize = 16;
+
+fn align4(n: usize) -> usize {
+    (n + 3) & !3
+}
+
+/// One request: header, fixed part, attributes (nested ones through `begin`/`end`).
+struct Msg {
+    buf: Vec<u8>,
+    nests: Vec<usize>,
+}
+
+impl Msg {
+    fn new(ty: u16, flags: u16, fixed: &[u8]) -> Msg {
+        let mut buf = vec![0u8; NLMSG_HDRLEN];
+        buf[4..6].copy_from_slice(&ty.to_ne_bytes());
+        let f = (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16 | flags;
+        buf[6..8].copy_from_slice(&f.to_ne_bytes());
+        buf.extend_from_slice(fixed);
+        buf.resize(align4(buf.len()), 0);
+        Msg {
+            buf,
+            nests: Vec::new(),
+        }
+    }
+
+    fn attr(&mut self, ty: u16, data: &[u8]) -> &mut Msg {
+        let len = 4 + data.len();
+        self.buf.extend_from_slice(&(len as u16).to_ne_bytes());
+        self.buf.extend_from_slice(&ty.to_ne_bytes());
+        self.buf.extend_from_slice(data);
+        self.buf.resize(align4(self.buf.len()), 0);
+        self
+    }
+
+    fn begin(&mut self, ty: u16) -> &mut Msg {
+        self.nests.push(self.buf.len());
+        self.buf.extend_from_slice(&0u16.to_ne_bytes());
+        self.buf
+            .extend_from_slice(&(ty | NLA_F_NESTED).to_ne_bytes());
+        self
+    }
+
+    /// A nested attribute that starts with a fixed struct (VETH_INFO_PEER: an ifinfomsg).
+    fn begin_with(&mut self, ty: u16, fixed: &[u8]) -> &mut Msg {
+        self.begin(ty);
+        self.buf.extend_from_slice(fixed);
+        self
+    }
+
+    fn end(&mut self) -> &mut Msg {
+        let at = self.nests.pop().expect("end without begin");
+        let len = (self.buf.len() - at) as u16;
+        self.buf[at..at + 2].copy_from_slice(&len.to_ne_bytes());
+        self
+    }
+
+    fn done(&mut self, seq: u32) -> &[u8] {
+        let len = self.buf.len() as u32;
+        self.buf[0..4].copy_from_slice(&len.to_ne_bytes());
+        self.buf[8..12].copy_from_slice(&seq.to_ne_bytes());
+        &self.buf
+    }
+}
+
+fn ifinfomsg(index: i32, flags: u32, change: u32) -> [u8; IFINFOMSG_LEN] {
+    let mut m = [0u8; IFINFOMSG_LEN];
+    m[0] = libc::AF_UNSPEC as u8;
+    m[4..8].copy_from_slice(&index.to_ne_bytes());
+    m[8..12].copy_from_slice(&flags.to_ne_bytes());
+    m[12..16].copy_from_slice(&change.to_ne_bytes());
+    m
+}
+
+fn ifaddrmsg(index: i32) -> [u8; 8] {
+    let mut m = [0u8; 8];
+    m[0] = libc::AF_INET as u8;
+    m[1] = 32; // prefix length
+    m[3] = libc::RT_SCOPE_UNIVERSE;
+    m[4..8].copy_from_slice(&(index as u32).to_ne_bytes());
+    m
+}
+
+fn rtmsg(dst_len: u8, scope: u8) -> [u8; 12] {
+    let mut m = [0u8; 12];
+    m[0] = libc::AF_INET as u8;
+    m[1] = dst_len;
+    m[4] = libc::RT_TABLE_MAIN;
+    m[5] = libc::RTPROT_STATIC;
+    m[6] = scope;
+    m[7] = libc::RTN_UNICAST;
+    m
+}
+
+/// A NETLINK_ROUTE socket in the calling thread's network namespace.
+struct Rtnl {
+    fd: OwnedFd,
+    seq: u32,
+}
+
+impl Rtnl {
+    fn open() -> Result<Rtnl, NetlinkError> {
+        // SAFETY: socket(2) with constant arguments; checked below.
+        let fd = unsafe {
+            libc::socket(
+                libc::AF_NETLINK,
+                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+                libc::NETLINK_ROUTE,
+            )
+        };
+        if fd < 0 {
+            return Err(os("netlink socket")(std::io::Error::last_os_error()));
+        }
+        // SAFETY: a fresh fd we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Rtnl { fd, seq: 0 })
+    }
+
+    /// Send one request and wait for its acknowledgement.
+    fn call(&mut self, step: &'static str, msg: &mut Msg) -> Result<(), NetlinkError> {
+        self.seq += 1;
+        let seq = self.seq;
+        let data = msg.done(seq);
+        // SAFETY: send of a buffer we own, its length.
+        let n = unsafe {
+            libc::send(
+                self.fd.as_raw_fd(),
+                data.as_ptr() as *const c_void,
+                data.len(),
+                0,
+            )
+        };
+        if n < 0 {
+            return Err(os(step)(std::io::Error::last_os_error()));
+        }
+        let mut buf = [0u8; 8192];
+        loop {
+            // SAFETY: recv into a stack buffer of the given length.
+            let n = unsafe {
+                libc::recv(
+                    self.fd.as_raw_fd(),
+                    buf.as_mut_ptr() as *mut c_void,
+                    buf.len(),
+                    0,
+                )
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::EINTR) {
+                    continue;
+                }
+                return Err(os(step)(e));
+            }
+            let n = n as usize;
+            let mut off = 0;
+            while off + NLMSG_HDRLEN <= n {
+                let len = u32::from_ne_bytes(buf[off..off + 4].try_into().unwrap()) as usize;
+                let ty = u16::from_ne_bytes(buf[off + 4..off + 6].try_into().unwrap());
+                let rseq = u32::from_ne_bytes(buf[off + 8..off + 12].try_into().unwrap());
+                if len < NLMSG_HDRLEN || off + len > n {
+                    return Err(os(step)(std::io::Error::from_raw_os_error(libc::EBADMSG)));
+                }
+                if ty == libc::NLMSG_ERROR as u16 && rseq == seq {
+                    let code = i32::from_ne_bytes(
+                        buf[off + NLMSG_HDRLEN..off + NLMSG_HDRLEN + 4]
+                            .try_into()
+                            .unwrap(),
+                    );
+                    if code == 0 {
+                        return Ok(());
+                    }
+                    return Err(os(step)(std::io::Error::from_raw_os_error(-code)));
+                }
+                off += align4(len);
+            }
+        }
+    }
+
+    fn addr(&mut self, index: i32, addr: Ipv4Addr) -> Result<(), NetlinkError> {
+        let a = addr.octets();
+        let flags = (libc::NLM_F_CREATE | libc::NLM_F_EXCL) as u16;
+        self.call(
+            "add address",
+            Msg::new(libc::RTM_NEWADDR, flags, &ifaddrmsg(index))
+                .attr(IFA_LOCAL, &a)
+                .attr(IFA_ADDRESS, &a),
+        )
+    }
+
+    fn up(&mut self, index: i32) -> Result<(), NetlinkError> {
+        let up = libc::IFF_UP as u32;
+        self.call(
+            "link up",
+            &mut Msg::new(libc::RTM_NEWLINK, 0, &ifinfomsg(index, up, up)),
+        )
+    }
+
+    fn route(
+        &mut self,
+        dst: Option<Ipv4Addr>,
+        gateway: Option<Ipv4Addr>,
+        index: i32,
+    ) -> Result<(), NetlinkError> {
+        let flags = (libc::NLM_F_CREATE | libc::NLM_F_EXCL) as u16;
+        let (dst_len, scope) = match dst {
+            Some(_) => (32, libc::RT_SCOPE_LINK),
+            None => (0, libc::RT_SCOPE_UNIVERSE),
+        };
+        let mut m = Msg::new(libc::RTM_NEWROUTE, flags, &rtmsg(dst_len, scope));
+        if let Some(d) = dst {
+            m.attr(RTA_DST, &d.octets());
+        }
+        if let Some(g) = gateway {
+            m.attr(RTA_GATEWAY, &g.octets());
+        }
+        m.attr(RTA_OIF, &(index as u32).to_ne_bytes());
+        self.call("add route", &mut m)
+    }
+}
+
+fn if_index(name: &str) -> Result<i32, NetlinkError> {
+    let c = CString::new(name).map_err(|_| NetlinkError::Invalid(name.into()))?;
+    // SAFETY: a valid C string.
+    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    if i == 0 {
+        return Err(os("if_nametoindex")(std::io::Error::last_os_error()));
+    }
+    Ok(i as i32)
+}
+
+fn write_file(path: &str, value: &str) -> Result<(), NetlinkError> {
+    match std::fs::write(path, value) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()), // no IPv6 here
+        Err(e) => Err(os("sysctl")(e)),
+    }
+}
+
+fn check_name(name: &str) -> Result<(), NetlinkError> {
+    if name.is_empty()
+        || name.len() > 15
+        || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+    {
+        return Err(NetlinkError::Invalid(format!("interface name {name:?}")));
+    }
+    Ok(())
+}
+
+/// The veth pair `host` (in the caller's namespace) / `eth0` (moved into `netns`), addressed,
+/// up and routed as described at the top. On an error the host end is left for the caller
+/// to delete (it may exist).
+pub fn veth_setup(
+    netns: RawFd,
+    host: &str,
+    gateway: Ipv4Addr,
+    addr: Ipv4Addr,
+) -> Result<(), NetlinkError> {
+    check_name(host)?;
+    let mut nl = Rtnl::open()?;
+    let excl = (libc::NLM_F_CREATE | libc::NLM_F_EXCL) as u16;
+    let mut m = Msg::new(libc::RTM_NEWLINK, excl, &ifinfomsg(0, 0, 0));
+    m.attr(IFLA_IFNAME, format!("{host}\0").as_bytes())
+        .begin(IFLA_LINKINFO)
+        .attr(IFLA_INFO_KIND, b"veth")
+        .begin(IFLA_INFO_DATA)
+        .begin_with(VETH_INFO_PEER, &ifinfomsg(0, 0, 0))
+        .attr(IFLA_IFNAME, b"eth0\0")
+        .attr(IFLA_NET_NS_FD, &(netns as u32).to_ne_bytes())
+        .end()
+        .end()
+        .end();
+    nl.call("add veth", &mut m)?;
+    let hidx = if_index(host)?;
+    write_file(&format!("/proc/sys/net/ipv6/conf/{host}/disable_ipv6"), "1")?;
+    nl.addr(hidx, gateway)?;
+    nl.up(hidx)?;
+    nl.route(Some(addr), None, hidx)?;
+    in_netns(netns, || {
+        let mut g = Rtnl::open()?;
+        let gidx = if_index("eth0")?;
+        g.addr(gidx, addr)?;
+        g.up(gidx)?;
+        g.route(Some(gateway), None, gidx)?;
+        g.route(None, Some(gateway), gidx)
+    })
+}
+
+/// Run `f` with the calling thread in the network namespace `netns`, then return to its own
+/// (abort if it cannot: the thread would serve the daemon from the wrong namespace).
+fn in_netns<T>(
+    netns: RawFd,
+    f: impl FnOnce() -> Result<T, NetlinkError>,
+) -> Result<T, NetlinkError> {
+    // SAFETY: open with a valid C string; checked below.
+    let orig = unsafe {
+        libc::open(
+            c"/proc/thread-self/ns/net".as_ptr(),
+            libc::O_RDONLY | libc::O_CLOEXEC,
+        )
+    };
+    if orig < 0 {
+        return Err(os("open own netns")(std::io::Error::last_os_error()));
+    }
+    // SAFETY: a fresh fd we own.
+    let orig = unsafe { OwnedFd::from_raw_fd(orig) };
+    // SAFETY: setns of the calling thread only, to a namespace fd the caller owns.
+    if unsafe { libc::setns(netns, libc::CLONE_NEWNET) } < 0 {
+        return Err(os("setns")(std::io::Error::last_os_error()));
+    }
+    let out = f();
+    for _ in 0..3 {
+        // SAFETY: setns of the calling thread back to its own namespace.
+        if unsafe { libc::setns(orig.as_raw_fd(), libc::CLONE_NEWNET) } == 0 {
+            return out;
+        }
+    }
+    let msg = b"corral._core: cannot return to the daemon's network namespace; aborting\n";
+    // SAFETY: write to stderr from a static buffer, then abort.
+    unsafe {
+        libc::write(2, msg.as_ptr() as *const c_void, msg.len());
+        libc::abort();
+    }
+}

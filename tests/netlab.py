@@ -1,0 +1,107 @@
+"""The tests' own small internet, on this machine only: a network namespace joined to the host
+by a veth pair (the daemon's uplink), with a DNS server and TCP/UDP servers on test addresses
+(198.18.0.0/15, the benchmarking range; a private address; the metadata address). Host routes
+send those addresses into it, so even a packet a broken rule let through never leaves the
+machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BULK = 2 << 20  # what the bulk port (8081) sends
+
+
+def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, check=check, capture_output=True, text=True)
+
+
+@dataclass
+class Lab:
+    tag: str
+    ns: str
+    uplink: str
+    net: str           # "198.18.X"
+    private: str       # a private address served in the lab
+    log: str
+    proc: subprocess.Popen | None = None
+    routes: list[list[str]] = field(default_factory=list)
+
+    @property
+    def host_addr(self) -> str:
+        return f"{self.net}.1"
+
+    @property
+    def dns(self) -> str:
+        return f"{self.net}.53"
+
+    def addr(self, last: int) -> str:
+        return f"{self.net}.{last}"
+
+    def entries(self, kind: str | None = None) -> list[dict]:
+        try:
+            with open(self.log) as f:
+                rows = [json.loads(x) for x in f if x.strip()]
+        except FileNotFoundError:
+            return []
+        return [r for r in rows if kind is None or r["kind"] == kind]
+
+
+def start(tmp: str) -> Lab:
+    tag = os.urandom(3).hex()
+    x = random.randint(0, 255)
+    lab = Lab(tag=tag, ns=f"ctn-{tag}", uplink=f"tu{tag}", net=f"198.18.{x}",
+              private=f"10.77.{x}.10", log=os.path.join(tmp, f"netlab-{tag}.log"))
+    try:
+        sh("ip", "netns", "add", lab.ns)
+        sh("ip", "link", "add", lab.uplink, "type", "veth", "peer", "name", "up0", "netns", lab.ns)
+        sh("ip", "addr", "add", f"{lab.net}.1/24", "dev", lab.uplink)
+        sh("ip", "link", "set", lab.uplink, "up")
+        nse = ["ip", "netns", "exec", lab.ns]
+        sh(*nse, "ip", "link", "set", "lo", "up")
+        sh(*nse, "ip", "addr", "add", f"{lab.net}.2/24", "dev", "up0")
+        sh(*nse, "ip", "link", "set", "up0", "up")
+        for a in (f"{lab.net}.10", f"{lab.net}.11", f"{lab.net}.12", f"{lab.net}.53",
+                  f"{lab.net}.54", lab.private, "169.254.169.254"):
+            sh(*nse, "ip", "addr", "add", f"{a}/32", "dev", "lo")
+        metric = str(random.randint(1000, 60000))
+        for dst in (f"{lab.private}/32", "169.254.169.254/32"):
+            r = ["ip", "route", "add", dst, "via", f"{lab.net}.2", "dev", lab.uplink,
+                 "metric", metric]
+            sh(*r)
+            lab.routes.append(r)
+        zone = {"allowed.test": f"{lab.net}.10", "denied.test": f"{lab.net}.11",
+                "other.test": f"{lab.net}.12", "a.wild.test": f"{lab.net}.12",
+                "wild.test": f"{lab.net}.10", "private.test": lab.private,
+                "meta.test": "169.254.169.254"}
+        cfg = {"log": lab.log, "zone": zone, "dns": [f"{lab.net}.53", f"{lab.net}.54"],
+               "tcp": [80, 8080], "udp": 9999, "ttl": 30, "bulk": BULK,
+               "special": {"bulk": 8081, "sink": 8082, "hold": 8083}}
+        lab.proc = subprocess.Popen([*nse, sys.executable, os.path.join(HERE, "netlab_server.py"),
+                                     json.dumps(cfg)], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while not lab.entries("ready"):
+            if lab.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the lab's servers did not start")
+            time.sleep(0.02)
+        return lab
+    except BaseException:
+        stop(lab)
+        raise
+
+
+def stop(lab: Lab) -> None:
+    if lab.proc is not None:
+        lab.proc.kill()
+        lab.proc.wait()
+    for r in lab.routes:
+        sh(*(["ip", "route", "del"] + r[3:]), check=False)
+    sh("ip", "link", "del", lab.uplink, check=False)
+    sh("ip", "netns", "del", lab.ns, check=False)

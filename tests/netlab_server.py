@@ -1,0 +1,110 @@
+"""Servers of the tests' own small internet (tests/netlab.py), run inside its namespace: a
+DNS server answering from a zone, TCP servers that say who connected to which address, and a
+UDP sink; every query and connection is logged, one JSON line each, to the log file."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+
+from dnslib import QTYPE, RCODE, RR, TXT, A, DNSRecord
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    log = open(cfg["log"], "a", buffering=1)  # noqa: SIM115 - for the process's life
+    lock = threading.Lock()
+
+    def note(**kw: object) -> None:
+        with lock:
+            log.write(json.dumps(kw) + "\n")
+
+    def dns(s: socket.socket) -> None:
+        addr = s.getsockname()[0]
+        while True:
+            data, src = s.recvfrom(4096)
+            try:
+                q = DNSRecord.parse(data)
+            except Exception:  # noqa: BLE001 - not DNS: ignored, as a server would
+                continue
+            name = str(q.q.qname).rstrip(".").lower()
+            note(kind="dns", name=name, qtype=QTYPE[q.q.qtype], src=src[0], server=addr)
+            r = q.reply()
+            ip = cfg["zone"].get(name)
+            if ip is None:
+                r.header.rcode = RCODE.NXDOMAIN
+            elif q.q.qtype == QTYPE.A:
+                r.add_answer(RR(q.q.qname, QTYPE.A, rdata=A(ip), ttl=cfg.get("ttl", 30)))
+            elif q.q.qtype == QTYPE.TXT:
+                r.add_answer(RR(q.q.qname, QTYPE.TXT, rdata=TXT("leak"), ttl=30))
+            s.sendto(r.pack(), src)
+
+    def tcp(s: socket.socket) -> None:
+        port = s.getsockname()[1]
+        while True:
+            c, src = s.accept()
+            here = c.getsockname()[0]
+            note(kind="tcp", src=src[0], dst=here, port=port)
+            try:
+                c.sendall(f"hello {here}:{port} from {src[0]}\n".encode())
+            except OSError:
+                pass
+            c.close()
+
+    def serve_kind(s: socket.socket, kind: str) -> None:
+        """bulk: send cfg["bulk"] bytes; sink: read to EOF, log the count; hold: keep it open."""
+        while True:
+            c, src = s.accept()
+            threading.Thread(target=bulk_or_sink, args=(c, src, kind), daemon=True).start()
+
+    def bulk_or_sink(c: socket.socket, src: tuple, kind: str) -> None:
+        try:
+            if kind == "bulk":
+                c.sendall(bytes(cfg["bulk"]))
+            elif kind == "hold":  # open until the peer closes
+                while c.recv(4096):
+                    pass
+            else:
+                n = 0
+                while data := c.recv(1 << 16):
+                    n += len(data)
+                note(kind="sink", src=src[0], bytes=n)
+        except OSError:
+            pass
+        c.close()
+
+    def udp(s: socket.socket) -> None:
+        while True:
+            data, src = s.recvfrom(4096)
+            note(kind="udp", src=src[0], data=data.decode(errors="replace"))
+
+    threads = []
+    for a in cfg["dns"]:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind((a, 53))
+        threads.append(threading.Thread(target=dns, args=(s,), daemon=True))
+    for p in cfg["tcp"]:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", p))
+        s.listen(128)
+        threads.append(threading.Thread(target=tcp, args=(s,), daemon=True))
+    for kind, p in cfg.get("special", {}).items():
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", p))
+        s.listen(1024)
+        threads.append(threading.Thread(target=serve_kind, args=(s, kind), daemon=True))
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("0.0.0.0", cfg["udp"]))
+    threads.append(threading.Thread(target=udp, args=(s,), daemon=True))
+    for t in threads:
+        t.start()
+    note(kind="ready")
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,704 @@
+"""Networked sandboxes (docs/network.md), attacked from inside. Every test runs against the
+tests' own small internet (tests/netlab.py): a namespace behind a veth pair that is the
+daemon's uplink, with its own DNS server; no packet leaves this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import tempfile
+import textwrap
+from collections.abc import Iterator
+
+import netlab
+import pytest
+
+from corral import Network, Sandbox
+from corral.errors import InvalidNetwork
+
+from conftest import CGROUP_NAME, private_daemon, wait_until
+
+TOKEN = "net-test-token"
+MAX_CONNS = 32
+
+
+@pytest.fixture(scope="module")
+def lab() -> Iterator[netlab.Lab]:
+    tmp = tempfile.mkdtemp(prefix="corral-netlab-", dir="/var/tmp")
+    lab = netlab.start(tmp)
+    try:
+        yield lab
+    finally:
+        netlab.stop(lab)
+        subprocess.run(["rm", "-rf", tmp], check=False)
+
+
+class Env:
+    def __init__(self, lab: netlab.Lab, daemon, table: str, prefix: str, port: int) -> None:
+        self.lab, self.d, self.table, self.prefix, self.port = lab, daemon, table, prefix, port
+        self.ep = f"unix://{daemon.socket_path}"
+
+    def sandbox(self, **kw) -> Sandbox:
+        return Sandbox(endpoint=self.ep, timeout=120, **kw)
+
+    def links(self) -> list[str]:
+        out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        names = [ln.split(":")[1].strip().split("@")[0] for ln in out.splitlines()]
+        return [n for n in names if n.startswith(self.prefix) and n[len(self.prefix):].isdigit()]
+
+    def table_json(self) -> dict | None:
+        r = subprocess.run(["nft", "-j", "list", "table", "inet", self.table],
+                           capture_output=True, text=True)
+        return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+@pytest.fixture(scope="module")
+def net(lab: netlab.Lab) -> Iterator[Env]:
+    tag = os.urandom(2).hex()
+    table, prefix = f"corral_t{tag}", f"n{tag}"
+    conf = os.path.join(os.path.dirname(lab.log), "network.json")
+    with open(conf, "w") as f:
+        json.dump({"allowlists": {"wild": ["*.wild.test:80"],
+                                  "labweb": ["allowed.test:80", "other.test"]}}, f)
+    port = _free_port()
+    x = random.randint(0, 255)
+    with private_daemon("corral-test-net-", f"{CGROUP_NAME}-net",
+                        CORRAL_UPLINK=lab.uplink, CORRAL_DNS_UPSTREAM=lab.dns,
+                        CORRAL_NET_RANGE=f"10.214.{x}.0/24", CORRAL_NET_TABLE=table,
+                        CORRAL_NET_IFPREFIX=prefix, CORRAL_NETWORK_CONFIG=conf,
+                        CORRAL_NET_POOL="2", CORRAL_TCP=f"0.0.0.0:{port}",
+                        CORRAL_NET_MAX_CONNECTIONS=str(MAX_CONNS),
+                        CORRAL_TOKEN=TOKEN) as d:
+        env = Env(lab, d, table, prefix, port)
+        yield env
+        d.stop()
+        # A graceful stop leaves no table, no link, no namespace of ours.
+        assert env.table_json() is None
+        assert env.links() == []
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+# A script run inside a sandbox: each probe prints one JSON line {probe: result}.
+PROBE = textwrap.dedent('''
+    import json, socket, sys
+    def connect(host, port, timeout=3):
+        try:
+            s = socket.create_connection((host, port), timeout=timeout)
+            data = s.recv(200).decode()
+            s.close()
+            return "ok:" + data.strip()
+        except socket.gaierror as e:
+            return "dns:" + str(e.errno)
+        except OSError as e:
+            return "err:" + (e.__class__.__name__ if e.errno is None else str(e.errno))
+    def resolve(name):
+        try:
+            return sorted({a[4][0] for a in socket.getaddrinfo(name, 80, socket.AF_INET)})
+        except socket.gaierror as e:
+            return "dns:" + str(e.errno)
+    out = {}
+    for arg in sys.argv[1:]:
+        kind, _, what = arg.partition("=")
+        if kind == "connect":
+            host, _, port = what.rpartition(":")
+            out[arg] = connect(host, int(port))
+        elif kind == "resolve":
+            out[arg] = resolve(what)
+    print(json.dumps(out))
+''')
+
+
+def probe(sb: Sandbox, *args: str) -> dict:
+    r = sb.exec(["python3", "-c", PROBE, *args], timeout=60)
+    assert r.exit_code == 0, r
+    return json.loads(r.stdout)
+
+
+def ok(res: str) -> bool:
+    return isinstance(res, str) and res.startswith("ok:")
+
+
+# ---- mode internet ---------------------------------------------------------------------------
+def test_internet_reaches_the_lab_through_nat_and_its_resolver(net: Env):
+    lab = net.lab
+    with net.sandbox(network="internet") as sb:
+        r = probe(sb, f"connect={lab.addr(10)}:80", "resolve=allowed.test",
+                  "connect=allowed.test:8080")
+        assert r[f"connect={lab.addr(10)}:80"] == f"ok:hello {lab.addr(10)}:80 from " \
+                                                  f"{lab.host_addr}", r  # masqueraded
+        assert r["resolve=allowed.test"] == [lab.addr(10)]
+        assert ok(r["connect=allowed.test:8080"])
+        info = sb.info()
+        assert info.network == "internet" and info.net is not None
+        assert info.net.tx_packets > 0 and info.net.address.startswith("10.214.")
+
+
+def _host_addrs() -> list[str]:
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    return sorted({ln.split()[3].split("/")[0] for ln in out.splitlines()} - {"127.0.0.1"})
+
+
+@pytest.fixture
+def host_listener() -> Iterator[int]:
+    """A TCP service of the host's, on every address."""
+    s = socket.socket()
+    s.bind(("0.0.0.0", 0))
+    s.listen(16)
+    try:
+        yield s.getsockname()[1]
+    finally:
+        s.close()
+
+
+def test_always_denied_in_internet_mode(net: Env, host_listener: int):
+    """Full egress still never reaches the metadata address, a private range, the host's own
+    services on any of its addresses (the daemon's TCP port included), nor leaves by another
+    interface than the uplink."""
+    lab = net.lab
+    targets = ["169.254.169.254:80", f"{lab.private}:80", "meta.test:80", "private.test:80"]
+    for a in _host_addrs():
+        targets += [f"{a}:{host_listener}", f"{a}:{net.port}"]
+    with net.sandbox(network="internet") as sb:
+        gw = sb.info().net.gateway
+        targets += [f"{gw}:{host_listener}", f"{gw}:{net.port}", f"{gw}:53"]
+        r = probe(sb, f"connect={lab.addr(10)}:80", *(f"connect={t}" for t in targets))
+        assert ok(r[f"connect={lab.addr(10)}:80"]), r  # the control: egress works
+        leaked = {t: v for t, v in r.items() if ok(v) and lab.addr(10) not in t}
+        assert not leaked, leaked
+        assert sb.info().net.denied_packets >= len(targets) - 2  # two names: refused or denied
+    seen = {(e["dst"], e["port"]) for e in lab.entries("tcp")}
+    assert ("169.254.169.254", 80) not in seen and (lab.private, 80) not in seen
+
+
+def test_a_port_scan_of_the_host_finds_nothing(net: Env, host_listener: int):
+    scan = textwrap.dedent('''
+        import socket, sys
+        open_ = []
+        for host in sys.argv[1:]:
+            for port in list(range(1, 1025)) + [int(p) for p in PORTS]:
+                s = socket.socket(); s.settimeout(0.5)
+                if s.connect_ex((host, port)) == 0:
+                    open_.append(f"{host}:{port}")
+                s.close()
+        print(" ".join(open_) or "none")
+    ''').replace("PORTS", repr([str(host_listener), str(net.port)]))
+    with net.sandbox(network="internet") as sb:
+        hosts = [sb.info().net.gateway, *_host_addrs()]
+        r = sb.exec(["python3", "-c", scan, *hosts], timeout=120)
+        assert r.stdout.strip() == "none", r
+
+
+def _listen(sb: Sandbox, port: int) -> None:
+    sb.exec(["python3", "-c", textwrap.dedent(f'''
+        import socket
+        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", {port})); s.listen(8)
+        while True:
+            c, a = s.accept(); c.sendall(b"peer " + a[0].encode() + b"\\n"); c.close()
+    ''')], background=True)
+    assert wait_until(lambda: f":{port:04X}" in sb.exec("cat /proc/net/tcp").stdout)
+
+
+def test_sandboxes_reach_each_other_only_within_their_group(net: Env):
+    with net.sandbox(network="internet") as a, net.sandbox(network="internet") as b, \
+            net.sandbox(network="internet", network_group="g1") as c, \
+            net.sandbox(network=Network(allow=["allowed.test"]), network_group="g1") as d, \
+            net.sandbox(network="internet", network_group="g2") as e:
+        for sb in (b, d, e):
+            _listen(sb, 7000)
+        addr = {sb.id: sb.info().net.address for sb in (a, b, c, d, e)}
+        r = probe(a, f"connect={addr[b.id]}:7000", f"connect={addr[d.id]}:7000",
+                  f"resolve={b.id}")
+        assert not ok(r[f"connect={addr[b.id]}:7000"]), r
+        assert not ok(r[f"connect={addr[d.id]}:7000"]), r
+        assert not isinstance(r[f"resolve={b.id}"], list), r
+        # Same group: by address and by sandbox id as a name (the policy of d does not
+        # matter to its peers); another group's stays out of reach.
+        r = probe(c, f"connect={addr[d.id]}:7000", f"connect={d.id}:7000",
+                  f"connect={addr[e.id]}:7000", f"resolve={e.id}")
+        assert r[f"connect={addr[d.id]}:7000"] == f"ok:peer {addr[c.id]}", r
+        assert ok(r[f"connect={d.id}:7000"]), r
+        assert not ok(r[f"connect={addr[e.id]}:7000"]), r
+        assert not isinstance(r[f"resolve={e.id}"], list), r
+
+
+# ---- policies --------------------------------------------------------------------------------
+def test_a_policy_opens_only_resolved_names_on_their_ports(net: Env):
+    lab = net.lab
+    with net.sandbox(network=Network(allow=["allowed.test:80"])) as sb:
+        # Its address, before anything resolved it: refused.
+        r = probe(sb, f"connect={lab.addr(10)}:80")
+        assert not ok(r[f"connect={lab.addr(10)}:80"]), r
+        r = probe(sb, "resolve=allowed.test", "connect=allowed.test:80",
+                  "connect=allowed.test:8080", f"connect={lab.addr(12)}:80",
+                  "resolve=denied.test", "resolve=other.test", "resolve=x.allowed.test")
+        assert r["resolve=allowed.test"] == [lab.addr(10)], r
+        assert ok(r["connect=allowed.test:80"]), r
+        assert not ok(r["connect=allowed.test:8080"]), r       # not its port
+        assert not ok(r[f"connect={lab.addr(12)}:80"]), r      # never resolved
+        for name in ("denied.test", "other.test", "x.allowed.test"):
+            assert not isinstance(r[f"resolve={name}"], list), r
+        st = sb.info().net
+        assert lab.addr(10) in st.pinned and "denied.test" in st.refused_names
+        assert st.denied_packets >= 3
+    asked = {e["name"] for e in lab.entries("dns")}
+    assert not asked & {"denied.test", "other.test", "x.allowed.test"}, asked  # never left
+
+
+DIG = textwrap.dedent('''
+    import socket, sys
+    from random import randrange
+    def query(server, name, qtype):
+        qid = randrange(65536)
+        q = qid.to_bytes(2, "big") + b"\\x01\\x00\\x00\\x01\\x00\\x00\\x00\\x00\\x00\\x00"
+        for label in name.split("."):
+            q += bytes([len(label)]) + label.encode()
+        q += b"\\x00" + qtype.to_bytes(2, "big") + b"\\x00\\x01"
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(2)
+        try:
+            s.sendto(q, (server, 53)); data = s.recv(4096)
+            return f"rcode{data[3] & 15}/an{int.from_bytes(data[6:8], 'big')}"
+        except OSError as e:
+            return "err:" + type(e).__name__
+    for arg in sys.argv[1:]:
+        server, name, qtype = arg.split(",")
+        print(arg, query(server, name, int(qtype)))
+''')
+
+
+def test_dns_is_the_only_way_out_for_names(net: Env):
+    """Other resolvers on :53 are unreachable, and the sandbox's own resolver forwards nothing
+    but the A queries of allowed names: no tunnelling through denied names or other types."""
+    lab = net.lab
+    with net.sandbox(network=Network(allow=["allowed.test"])) as sb:
+        gw = sb.info().net.gateway
+        args = [f"{lab.dns},tunnel1.denied.test,1", f"{lab.addr(54)},tunnel2.denied.test,16",
+                f"{gw},tunnel3.denied.test,16", f"{gw},tunnel4.denied.test,1",
+                f"{gw},allowed.test,16", f"{gw},allowed.test,1", f"{gw},allowed.test,28"]
+        out = dict(line.rsplit(" ", 1) for line in
+                   sb.exec(["python3", "-c", DIG, *args], timeout=60).stdout.splitlines())
+        assert out[args[0]].startswith("err:") and out[args[1]].startswith("err:"), out
+        assert out[args[2]] == out[args[3]] == "rcode3/an0", out     # NXDOMAIN
+        assert out[args[4]] == "rcode3/an0", out                     # TXT of an allowed name
+        assert out[args[5]] == "rcode0/an1", out
+        assert out[args[6]] == "rcode0/an0", out                     # AAAA: empty
+    asked = [e for e in lab.entries("dns") if "tunnel" in e["name"] or e["qtype"] != "A"]
+    assert not asked, asked
+
+
+def test_named_allowlists_and_suffixes(net: Env):
+    lab = net.lab
+    with net.sandbox(network="wild") as sb:
+        r = probe(sb, "connect=a.wild.test:80", "connect=a.wild.test:8080",
+                  "resolve=wild.test", "resolve=allowed.test")
+        assert ok(r["connect=a.wild.test:80"]), r
+        assert not ok(r["connect=a.wild.test:8080"]), r
+        assert not isinstance(r["resolve=wild.test"], list), r  # *.x is below x only
+        assert not isinstance(r["resolve=allowed.test"], list), r
+        assert sb.info().network == "wild"
+    with net.sandbox(network=Network(allow=["@labweb", f"{lab.addr(11)}:80"])) as sb:
+        r = probe(sb, "connect=other.test:8080", "connect=allowed.test:80",
+                  "connect=allowed.test:8080", f"connect={lab.addr(11)}:80",
+                  f"connect={lab.addr(11)}:8080")
+        assert ok(r["connect=other.test:8080"]) and ok(r["connect=allowed.test:80"]), r
+        assert not ok(r["connect=allowed.test:8080"]), r
+        assert ok(r[f"connect={lab.addr(11)}:80"]), r
+        assert not ok(r[f"connect={lab.addr(11)}:8080"]), r
+
+
+def test_private_ranges_only_when_named_and_metadata_never(net: Env):
+    lab = net.lab
+    pol = Network(allow=[f"{lab.private}/32", "169.254.0.0/16", "private.test", "meta.test"],
+                  deny=[f"{lab.addr(12)}"])
+    with net.sandbox(network=pol) as sb:
+        r = probe(sb, f"connect={lab.private}:80", "connect=169.254.169.254:80",
+                  "connect=meta.test:80")
+        assert ok(r[f"connect={lab.private}:80"]), r
+        assert not ok(r["connect=169.254.169.254:80"]), r
+        assert not ok(r["connect=meta.test:80"]), r
+
+
+def test_an_allowed_name_cannot_rebind_to_an_internal_address(net: Env):
+    """private.test answers with a private address, meta.test with the metadata one: allowing
+    the name opens neither (only an allow CIDR opens a private range)."""
+    lab = net.lab
+    with net.sandbox(network=Network(allow=["private.test", "meta.test", "allowed.test"])) as sb:
+        r = probe(sb, "connect=private.test:80", "connect=meta.test:80",
+                  "connect=allowed.test:80")
+        assert not ok(r["connect=private.test:80"]), r
+        assert not ok(r["connect=meta.test:80"]), r
+        assert ok(r["connect=allowed.test:80"]), r
+        assert lab.private not in sb.info().net.pinned
+
+
+def test_deny_wins_over_allow(net: Env):
+    lab = net.lab
+    pol = Network(allow=["*.wild.test", f"{lab.net}.0/24"], deny=["a.wild.test", lab.addr(12),
+                                                                 f"{lab.addr(10)}:8080"])
+    with net.sandbox(network=pol) as sb:
+        r = probe(sb, "resolve=a.wild.test", f"connect={lab.addr(12)}:80",
+                  f"connect={lab.addr(10)}:80", f"connect={lab.addr(10)}:8080")
+        assert not isinstance(r["resolve=a.wild.test"], list), r
+        assert not ok(r[f"connect={lab.addr(12)}:80"]), r
+        assert ok(r[f"connect={lab.addr(10)}:80"]), r
+        assert not ok(r[f"connect={lab.addr(10)}:8080"]), r
+
+
+@pytest.mark.parametrize("network", ["nosuch", Network(allow=["@nosuch"]),
+                                     Network(allow=["exa mple.org"]),
+                                     Network(allow=["example.org:99999"]),
+                                     Network(allow=["*.*.example.org"]),
+                                     Network(deny=["@labweb"]), "INTERNET"])
+def test_bad_networks_are_invalid_network(net: Env, network):
+    with pytest.raises(InvalidNetwork):
+        net.sandbox(network=network)
+
+
+SPOOF = textwrap.dedent('''
+    import socket, struct, sys
+    def csum(b):
+        if len(b) % 2: b += b"\\0"
+        s = sum(struct.unpack("!%dH" % (len(b) // 2), b)); s = (s >> 16) + (s & 0xffff)
+        return ~(s + (s >> 16)) & 0xffff
+    src, dst, tag = sys.argv[1], sys.argv[2], sys.argv[3].encode()
+    udp = struct.pack("!HHHH", 40000, 9999, 8 + len(tag), 0) + tag
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
+                     socket.inet_aton(src), socket.inet_aton(dst))
+    ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
+    try:
+        s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+        s.sendto(ip + udp, (dst, 0))
+        print("sent")
+    except OSError as e:
+        print("err", e.errno)
+''')
+
+
+def test_spoofed_sources_are_dropped(net: Env):
+    """A sandbox cannot make raw sockets; root in its network namespace (the strongest
+    attacker there: nsenter from the host) can, and every packet it sends from an address
+    that is not the sandbox's own is dropped, whoever it claims to be."""
+    lab = net.lab
+    with net.sandbox(network="internet") as sb, net.sandbox(network="internet") as other:
+        me, them = sb.info().net.address, other.info().net.address
+        dst = lab.addr(10)
+        r = sb.exec(["python3", "-c", SPOOF, them, dst, "from-inside"])
+        assert r.stdout.strip() == "err 1", r  # EPERM: no CAP_NET_RAW in a sandbox
+        pid = str(sb.info().init_pid)
+
+        def root_in_netns(src: str, tag: str) -> str:
+            return subprocess.run(["nsenter", "-t", pid, "-n", "python3", "-c", SPOOF, src,
+                                   dst, tag], capture_output=True, text=True).stdout.strip()
+
+        for src, tag in ((them, "as-peer"), (lab.addr(99), "as-lab"), ("1.2.3.4", "as-world"),
+                         (sb.info().net.gateway, "as-gateway"), ("127.0.0.1", "as-lo")):
+            assert root_in_netns(src, tag) == "sent"
+        assert root_in_netns(me, "genuine") == "sent"  # the control: its own address passes
+        assert wait_until(lambda: any(e["data"] == "genuine" for e in lab.entries("udp")))
+        got = {e["data"] for e in lab.entries("udp")}
+        assert got == {"genuine"}, got
+
+
+def test_no_ipv6_way_out(net: Env):
+    v6 = textwrap.dedent('''
+        import socket
+        out = []
+        for addr in ("2001:db8::10", "64:ff9b::c612:a0a", "::ffff:169.254.169.254", "ff02::1",
+                     "fe80::1"):
+            try:
+                s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM); s.settimeout(2)
+                scope = socket.if_nametoindex("eth0") if addr.startswith(("fe80", "ff02")) else 0
+                s.connect((addr, 80, 0, scope)); out.append("open " + addr)
+            except OSError:
+                pass
+        print(" ".join(out) or "none")
+    ''')
+    with net.sandbox(network="internet") as sb:
+        assert sb.exec(["python3", "-c", v6], timeout=60).stdout.strip() == "none"
+
+
+# ---- teardown ------------------------------------------------------------------------------
+def _elements_naming(env: Env, ifname: str) -> list:
+    doc = env.table_json() or {"nftables": []}
+    return [s["set"]["name"] for s in (x for x in doc["nftables"] if "set" in x)
+            if ifname in json.dumps(s["set"].get("elem", []))]
+
+
+def test_nothing_is_left_after_a_sandbox(net: Env):
+    with net.sandbox(network=Network(allow=["allowed.test"]), network_group="t") as sb, \
+            net.sandbox(network="internet", network_group="t") as peer:
+        probe(sb, "connect=allowed.test:80")
+        names = {}
+        for s in (sb, peer):
+            addr = s.info().net.address
+            out = subprocess.run(["ip", "-o", "route", "get", addr], capture_output=True,
+                                 text=True).stdout
+            names[s.id] = out.split(" dev ")[1].split()[0]
+        assert all(_elements_naming(net, n) for n in names.values())
+    for n in names.values():
+        assert wait_until(lambda n=n: n not in net.links()), n
+        assert _elements_naming(net, n) == [], n
+
+
+def test_network_ls_and_show_from_the_cli_and_api(net: Env):
+    import sys
+
+    from corral.errors import NetworkNotFound
+    from corral.sdk import admin
+
+    env = dict(os.environ, CORRAL_URL=net.ep, CORRAL_AUTOSTART="0")
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "corral.cli", *args], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    r = cli("network", "ls", "--json")
+    assert r.returncode == 0, r.stderr
+    names = {x["name"]: x["rules"] for x in json.loads(r.stdout)}
+    assert names["wild"] == ["*.wild.test:80"] and "pypi" in names
+    r = cli("network", "show", "labweb")
+    assert r.returncode == 0 and r.stdout.split() == ["allowed.test:80", "other.test"], r
+    r = cli("network", "show", "nosuch")
+    assert r.returncode == 1 and "network_not_found" in r.stderr, r
+    with pytest.raises(NetworkNotFound):
+        admin.network("nosuch", endpoint=net.ep)
+    # The CLI makes a policy from --allow and shows the counters.
+    r = cli("run", "--allow", "allowed.test:80", "--", "python3", "-c",
+            "import socket; socket.create_connection(('allowed.test', 80), timeout=5)")
+    assert r.returncode == 0, r.stderr
+
+
+def test_nothing_is_left_after_kill_9_of_the_daemon(net: Env):
+    """A killed daemon leaves its table and links; the next one removes them at start, before
+    any sandbox asks for a network, and a networked sandbox works again."""
+    sb = net.sandbox(network="internet")
+    probe(sb, f"connect={net.lab.addr(10)}:80")
+    assert net.links() and net.table_json() is not None
+    net.d.kill9()
+    net.d.start()
+    assert wait_until(lambda: not net.links() and net.table_json() is None)
+    with net.sandbox(network="internet") as sb2:
+        assert ok(probe(sb2, f"connect={net.lab.addr(10)}:80")[f"connect={net.lab.addr(10)}:80"])
+    sb.kill()  # re-adopted, without its network (docs/network.md)
+
+
+# ---- limits --------------------------------------------------------------------------------
+TRANSFER = textwrap.dedent('''
+    import socket, sys, time
+    host, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    t0 = time.monotonic()
+    if mode == "down":
+        s = socket.create_connection((host, 8081), timeout=30); got = 0
+        while data := s.recv(1 << 16):
+            got += len(data)
+    else:
+        s = socket.create_connection((host, 8082), timeout=30); s.sendall(bytes(n)); got = n
+        s.shutdown(socket.SHUT_WR); s.recv(1)  # the sink closes once it has read it all
+    s.close()
+    print(got, round(time.monotonic() - t0, 3))
+''')
+
+
+def test_bandwidth_is_shaped_both_ways(net: Env):
+    lab = net.lab
+    n = netlab.BULK  # 2 MiB: ~2.1 s at 8 Mbit/s
+    with net.sandbox(network="internet", bandwidth_mbit=8) as sb:
+        for mode in ("down", "up"):
+            got, secs = sb.exec(["python3", "-c", TRANSFER, lab.addr(10), mode, str(n)],
+                                timeout=60).stdout.split()
+            assert int(got) == n and float(secs) >= 1.6, (mode, got, secs)
+        # The sandbox cannot lift it: no CAP_NET_ADMIN over its own namespace.
+        r = sb.exec("tc qdisc del dev eth0 root 2>&1; ip link set eth0 txqueuelen 1 2>&1")
+        assert "Operation not permitted" in r.stdout, r
+        assert sb.info().bandwidth_mbit == 8
+    with net.sandbox(network="internet") as sb:
+        got, secs = sb.exec(["python3", "-c", TRANSFER, lab.addr(10), "down", str(n)],
+                            timeout=60).stdout.split()
+        assert int(got) == n and float(secs) < 1.6, secs  # the control
+
+
+HOLD = textwrap.dedent('''
+    import socket, sys, time
+    host, n = sys.argv[1], int(sys.argv[2])
+    held, refused = [], 0
+    for _ in range(n):
+        try:
+            held.append(socket.create_connection((host, 8083), timeout=3))
+        except OSError:
+            refused += 1
+    print(len(held), refused)
+    for s in held:
+        s.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # closed connections stop counting
+        try:
+            socket.create_connection((host, 8083), timeout=3).close(); print("again"); break
+        except OSError:
+            time.sleep(0.1)
+''')
+
+
+def test_connections_are_capped_per_sandbox(net: Env):
+    lab = net.lab
+    with net.sandbox(network="internet") as sb, net.sandbox(network="internet") as other:
+        r = sb.exec(["python3", "-c", HOLD, lab.addr(10), str(MAX_CONNS + 20)], timeout=90)
+        held, refused, *again = r.stdout.split()
+        assert int(held) == MAX_CONNS and int(refused) == 20, r
+        assert again == ["again"], r
+        assert sb.info().net.denied_packets >= 20
+        # The cap is per sandbox: another one is not affected by the first one's count.
+        assert ok(probe(other, f"connect={lab.addr(10)}:80")[f"connect={lab.addr(10)}:80"])
+
+
+def test_network_counters_in_metrics(net: Env):
+    import httpx
+
+    with net.sandbox(network=Network(allow=["allowed.test:80"])) as sb:
+        probe(sb, "connect=allowed.test:80", f"connect={net.lab.addr(12)}:80")
+        t = httpx.HTTPTransport(uds=net.d.socket_path)
+        with httpx.Client(transport=t, base_url="http://corral", timeout=10) as c:
+            text = c.get("/metrics").text
+    vals = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines()
+            if ln.startswith("corral_") and " " in ln}
+    names = {k.split("{")[0] for k in vals}
+    assert any("network_denied_packets" in k for k in names), sorted(names)
+    assert any("network_sent_bytes" in k for k in names)
+
+
+# ---- inbound ------------------------------------------------------------------------------
+def test_exposed_ports_reach_a_server_inside_from_the_host_only(net: Env):
+    with net.sandbox(network="internet", expose=[7000]) as sb, \
+            net.sandbox(network=Network(allow=["allowed.test"])) as other:
+        _listen(sb, 7000)
+        _listen(sb, 7001)
+        host7000 = sb.info().net.exposed["7000"]
+        host7001 = sb.expose(7001)
+        assert sb.expose(7001) == host7001  # once per port
+        for hp in (host7000, host7001):
+            h, p = hp.rsplit(":", 1)
+            assert h == "127.0.0.1"
+            with socket.create_connection((h, int(p)), timeout=5) as c:
+                assert c.recv(100).startswith(b"peer ")
+        # Other sandboxes reach neither the sandbox nor the host's relay.
+        r = probe(other, f"connect={sb.info().net.address}:7000",
+                  f"connect={other.info().net.gateway}:{host7000.rsplit(':', 1)[1]}")
+        assert not any(ok(v) for v in r.values()), r
+        assert sb.unexpose(7001) and not sb.unexpose(7001)
+        p7001 = int(host7001.rsplit(":", 1)[1])
+        assert wait_until(lambda: socket.socket().connect_ex(("127.0.0.1", p7001)) != 0)
+    # Gone with the sandbox.
+    p7000 = int(host7000.rsplit(":", 1)[1])
+    assert wait_until(lambda: socket.socket().connect_ex(("127.0.0.1", p7000)) != 0)
+
+
+def test_expose_needs_a_networked_sandbox(net: Env):
+    from corral.errors import Unsupported
+
+    with net.sandbox() as sb, pytest.raises(Unsupported):
+        sb.expose(8080)
+    with pytest.raises(InvalidNetwork):
+        net.sandbox(expose=[8080])
+
+
+def test_a_policy_changes_on_a_live_sandbox_at_once(net: Env):
+    lab = net.lab
+    with net.sandbox(network=Network(allow=["allowed.test:80"])) as sb:
+        r = probe(sb, "connect=allowed.test:80", "connect=other.test:80")
+        assert ok(r["connect=allowed.test:80"]) and not ok(r["connect=other.test:80"]), r
+        info = sb.network.update(Network(allow=["other.test:80"]))
+        assert info.network == Network(allow=["other.test:80"])
+        # The old name's pin is gone at once (no waiting for its TTL), the new name works.
+        r = probe(sb, f"connect={lab.addr(10)}:80", "connect=other.test:80",
+                  "resolve=allowed.test")
+        assert not ok(r[f"connect={lab.addr(10)}:80"]), r
+        assert ok(r["connect=other.test:80"]), r
+        assert not isinstance(r["resolve=allowed.test"], list), r
+        # To internet and back to a named allowlist; forks inherit the live one.
+        sb.network.update("internet")
+        assert ok(probe(sb, f"connect={lab.addr(11)}:8080")[f"connect={lab.addr(11)}:8080"])
+        sb.network.update("wild")
+        r = probe(sb, f"connect={lab.addr(11)}:8080", "connect=a.wild.test:80")
+        assert not ok(r[f"connect={lab.addr(11)}:8080"]) and ok(r["connect=a.wild.test:80"]), r
+        assert sb.info().network == "wild"
+        kids = sb.fork(1)
+        try:
+            assert kids[0].info().network == "wild"
+            r = probe(kids[0], f"connect={lab.addr(11)}:8080", "connect=a.wild.test:80")
+            assert not ok(r[f"connect={lab.addr(11)}:8080"]), r
+            assert ok(r["connect=a.wild.test:80"]), r
+        finally:
+            Sandbox.kill_many(kids)
+        with pytest.raises(InvalidNetwork):
+            sb.network.update("none")
+        with pytest.raises(InvalidNetwork):
+            sb.network.update(Network(allow=["@nosuch"]))
+    with net.sandbox() as plain:
+        from corral.errors import Unsupported
+
+        with pytest.raises(Unsupported):
+            plain.network.update("internet")
+
+
+def test_a_restore_keeps_the_network_and_its_policy(net: Env):
+    lab = net.lab
+    with net.sandbox(network=Network(allow=["allowed.test:80"])) as sb:
+        before = sb.info().net
+        snap = sb.snapshot()
+        try:
+            sb.exec("echo changed > /root/f")
+            sb.restore(snap)
+            after = sb.info().net
+            assert after.address == before.address
+            r = probe(sb, "connect=allowed.test:80", f"connect={lab.addr(12)}:80")
+            assert ok(r["connect=allowed.test:80"]), r
+            assert not ok(r[f"connect={lab.addr(12)}:80"]), r
+            assert sb.exec("cat /etc/resolv.conf").stdout.startswith(f"nameserver {after.gateway}")
+        finally:
+            snap.delete()
+
+
+FLOOD = textwrap.dedent('''
+    import socket, sys
+    gw, n = sys.argv[1], int(sys.argv[2])
+    q = b"\\x12\\x34\\x01\\x00\\x00\\x01\\x00\\x00\\x00\\x00\\x00\\x00" \\
+        b"\\x07allowed\\x04test\\x00\\x00\\x01\\x00\\x01"
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for _ in range(n):
+        s.sendto(q, (gw, 53))
+    print("flooded")
+''')
+
+
+def test_one_sandbox_flooding_its_resolver_does_not_starve_the_others(net: Env):
+    import httpx
+
+    def rate_limited() -> float:
+        t = httpx.HTTPTransport(uds=net.d.socket_path)
+        with httpx.Client(transport=t, base_url="http://corral", timeout=10) as c:
+            for ln in c.get("/metrics").text.splitlines():
+                if ln.startswith("corral_network_dns_rate_limited"):
+                    return float(ln.split()[1])
+        return 0.0
+
+    with net.sandbox(network="internet") as flooder, \
+            net.sandbox(network=Network(allow=["allowed.test"])) as other:
+        before = rate_limited()
+        gw = flooder.info().net.gateway
+        proc = flooder.exec(["python3", "-c", f"import subprocess, sys\n"
+                             f"for _ in range(4): subprocess.Popen([sys.executable, '-c', "
+                             f"{FLOOD!r}, '{gw}', '20000'])"], timeout=30)
+        assert proc.exit_code == 0, proc
+        r = probe(other, "resolve=allowed.test", "connect=allowed.test:80")
+        assert r["resolve=allowed.test"] == [net.lab.addr(10)], r
+        assert ok(r["connect=allowed.test:80"]), r
+        assert wait_until(lambda: rate_limited() > before + 1000, timeout=30)
