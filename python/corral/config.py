@@ -58,6 +58,15 @@ class Config:
     log_max_bytes: int = field(
         default_factory=lambda: int(_env("CORRAL_LOG_MAX_BYTES", str(16 << 20))))
     log_backups: int = field(default_factory=lambda: int(_env("CORRAL_LOG_BACKUPS", "3")))
+    # Images (docs/images.md): the bound on one image's unpacked bytes and files, and the
+    # registries (host[:port], comma-separated) that may be reached over plain HTTP besides
+    # those on 127.0.0.0/8.
+    image_max_bytes: int = field(
+        default_factory=lambda: int(_env("CORRAL_IMAGE_MAX_BYTES", str(16 << 30))))
+    image_max_files: int = field(
+        default_factory=lambda: int(_env("CORRAL_IMAGE_MAX_FILES", "1000000")))
+    insecure_registries: tuple[str, ...] = field(default_factory=lambda: tuple(
+        r.strip() for r in _env("CORRAL_INSECURE_REGISTRIES", "").split(",") if r.strip()))
 
 
 def load() -> Config:

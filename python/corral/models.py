@@ -88,7 +88,8 @@ DEFAULT_DISK_MB = 10240
 class SandboxSpec(_Model):
     """What a client asks for when it creates a sandbox."""
 
-    image: str = Field("host", min_length=1, max_length=200)
+    image: str = Field("host", min_length=1, max_length=512, description=(
+        "host, a local image's name, or a registry reference (pulled on first use)"))
     substrate: Substrate = "container"
     cpu: float = Field(1.0, gt=0, le=256, description="CPU cores (CFS quota)")
     memory_mb: int = Field(512, ge=16, le=1024 * 1024)
@@ -110,7 +111,14 @@ class SandboxSpec(_Model):
     network: NetworkMode = "none"
     hostname: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9\-.]{0,62}$")
     cwd: AbsPath = Field("/root", description="absolute working directory for commands "
-                                              "(must exist, unless it is the default)")
+                                              "(must exist, unless it is the default; an "
+                                              "OCI image's WorkingDir when not given)")
+    user: str | int | None = Field(None, description=(
+        "who commands run as unless an exec names a user: a uid or a user name of the "
+        "sandbox's /etc/passwd (default: the OCI image's User, else root)"),
+        json_schema_extra={"anyOf": [
+            {"type": "integer", "minimum": 0, "maximum": 4294967294},
+            {"type": "string", "pattern": USER_PATTERN}, {"type": "null"}]})
     snapshot: str | None = Field(None, min_length=1, max_length=200,
                                  description="start on a snapshot (id or name); the image is "
                                              "the snapshot's")
@@ -121,6 +129,15 @@ class SandboxSpec(_Model):
     @classmethod
     def _env_ok(cls, v: dict[str, str]) -> dict[str, str]:
         return check_env(v)
+
+    @field_validator("user")
+    @classmethod
+    def _spec_user_ok(cls, v: str | int | None) -> str | int | None:
+        if isinstance(v, int) and not 0 <= v < 2**32 - 1:
+            raise ValueError("user id out of range")
+        if isinstance(v, str) and not _USER.match(v):
+            raise ValueError(f"user must be a uid or a user name matching {USER_PATTERN}")
+        return v
 
     @field_validator("labels")
     @classmethod
@@ -394,10 +411,28 @@ class RenameRequest(_Model):
 
 
 class ImageInfo(_Response):
-    name: str
-    kind: Literal["builtin", "rootfs"]
+    name: str = Field(description="a local name, or the reference an OCI image was pulled by")
+    kind: Literal["builtin", "rootfs", "oci"]
     created_at: float
     size_bytes: int | None = None
+    digest: str | None = Field(None, description="OCI images: the manifest's digest")
+    layers: list[str] | None = Field(None, description="OCI images: layer digests, base first")
+    config: dict[str, Any] | None = Field(None, description=(
+        "OCI images: what a sandbox uses of the image config (Env, WorkingDir, User, "
+        "Entrypoint, Cmd, Labels, ExposedPorts, StopSignal)"))
+    source: str | None = None
+
+
+class PullImageRequest(_Model):
+    reference: str = Field(min_length=1, max_length=512, description=(
+        "[registry[:port]/]repository[:tag][@sha256:digest]; no registry means docker.io"))
+    progress: bool = Field(False, description=(
+        "answer with NDJSON progress events (resolved, layer), then one line "
+        "{\"event\": \"done\", \"image\": ImageInfo} or {\"error\": {...}}"))
+
+
+class PruneResult(_Response):
+    layers_removed: list[str]
 
 
 class ImportImageRequest(_Model):

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel
 
-from corral.daemon import ops, spool, streams
+from corral.daemon import image_api, ops, spool, streams
 from corral.daemon.app_errors import JSON_MAX, MAX_BODY, is_unix, middleware
 from corral.daemon.bodies import parse
 from corral.daemon.engine import MAX_READ_BYTES, Engine
@@ -867,6 +867,7 @@ ROUTES: tuple[Route, ...] = (
           errors=(409, 413), links={"create_on_image": link(
               "create_sandbox", body={"image": "$response.body#/name"})}),
     Route("GET", "/metrics", metrics, "Prometheus metrics", response="text"),
+    *image_api.ROUTES,
     *run_code_api.ROUTES,
 )
 
@@ -885,5 +886,6 @@ def create_app(engine: Engine | None, token: str | None = None) -> web.Applicati
         app[ENGINE] = engine
         run_code_api.install(app, engine.config.state_dir, engine.config.cgroup_name)
     for r in ROUTES:
-        app.router.add_route(r.method, r.path.replace("{id}", _ID_RE), r.handler)
+        app.router.add_route(r.method, r.path.replace("{id}", _ID_RE)
+                             .replace("{name}", "{name:.+}"), r.handler)
     return app

@@ -133,7 +133,9 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         if self.images is None:
             from corral.daemon.images import ImageStore
 
-            self.images = ImageStore(self.config.state_dir)
+            c = self.config
+            self.images = ImageStore(c.state_dir, c.image_max_bytes, c.image_max_files,
+                                     frozenset(c.insecure_registries))
         await asyncio.to_thread(self.images.ensure_host)
         ctx = registry.Context(self.config, self.images, self.shared)
         self.substrates = registry.build(self.substrate_names, ctx, self.unavailable)
@@ -159,6 +161,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         self.trajlog.close()
         if self.snaps is not None:
             self.snaps.close()
+        if self.images is not None and hasattr(self.images, "close"):
+            self.images.close()  # the layer mounts: live sandboxes keep their own references
 
     async def shutdown(self) -> None:
         """Destroy every sandbox (graceful stop)."""
@@ -345,9 +349,42 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         self._schedule(sb, now)
         return sb
 
+    async def _pull_missing(self, spec: SandboxSpec) -> SandboxSpec:
+        """A registry reference the node lacks is pulled first (once, however many creates
+        ask at the same time: oci.flight); the spec then names the image by its full
+        reference."""
+        if spec.snapshot is not None or spec.image == "host" or self.images.has(spec.image):
+            if spec.snapshot is None and spec.image != "host" and self.images.has(spec.image):
+                return spec.model_copy(update={"image": self.images.canonical(spec.image)})
+            return spec
+        info = await self.images.pull(spec.image, missing_only=True)
+        return spec.model_copy(update={"image": info.name})
+
+    @staticmethod
+    def _with_image_config(spec: SandboxSpec, image: Any) -> SandboxSpec:
+        """An OCI image's Env, WorkingDir and User, where the spec does not say otherwise."""
+        cfg = image.meta.get("config") if getattr(image, "kind", "") == "oci" else None
+        if not cfg:
+            return spec
+        update: dict[str, Any] = {}
+        env = {}
+        for item in cfg.get("Env", ()):
+            k, sep, v = item.partition("=")
+            if sep and k and "\0" not in item:
+                env[k] = v
+        if env:
+            update["env"] = {**env, **spec.env}
+        if "cwd" not in spec.model_fields_set and cfg.get("WorkingDir", "").startswith("/"):
+            update["cwd"] = cfg["WorkingDir"]
+        if spec.user is None and cfg.get("User"):
+            user = cfg["User"].split(":", 1)[0]  # "user:group": the user's own groups
+            update["user"] = int(user) if user.isdigit() else user
+        return spec.model_copy(update=update) if update else spec
+
     async def create(self, spec: SandboxSpec, trajectory: str | None = None) -> Sandbox:
         substrate = self._for_create(spec)
         self._admit(1)
+        spec = await self._pull_missing(spec)
         spec, image = self._resolve(substrate, spec)
         return await self._create_one(substrate, spec, image, trajectory=trajectory)
 
@@ -355,18 +392,21 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         """The image to start on: the spec's, or a snapshot's image with its layers on top
         (the spec then names the snapshot by id and its image)."""
         if spec.snapshot is None:
-            return spec, self._image(spec.image)
+            image = self._image(spec.image)
+            return self._with_image_config(spec, image), image
         store = self._snaps()
         rec = store.get(spec.snapshot)
         base = self._image(rec["image"])
         spec = spec.model_copy(update={"snapshot": rec["id"], "image": rec["image"]})
-        return spec, substrate.image_on(base, rec["layers"], store)
+        return self._with_image_config(spec, base), substrate.image_on(base, rec["layers"],
+                                                                        store)
 
     async def create_many(self, count: int, spec: SandboxSpec,
                           trajectories: list[str] | None = None) -> list[Sandbox]:
         """All or nothing: on the first failure the ones already made are destroyed."""
         substrate = self._for_create(spec)
         self._admit(count)
+        spec = await self._pull_missing(spec)
         spec, image = self._resolve(substrate, spec)
         if count > 1:
             substrate.expect(count, spec)
