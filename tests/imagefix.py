@@ -34,8 +34,9 @@ RECIPE_VERSION = 3
 Member = tuple[str, str, dict[str, Any]]
 
 
-def d(name: str, mode: int = 0o755, uid: int = 0, gid: int = 0) -> Member:
-    return ("dir", name, {"mode": mode, "uid": uid, "gid": gid})
+def d(name: str, mode: int = 0o755, uid: int = 0, gid: int = 0,
+      xattrs: dict[str, str] | None = None) -> Member:
+    return ("dir", name, {"mode": mode, "uid": uid, "gid": gid, "xattrs": xattrs or {}})
 
 
 def f(name: str, data: bytes | int = b"", mode: int = 0o644, uid: int = 0, gid: int = 0,
@@ -79,6 +80,8 @@ def _tar(members: list[Member], out: Any) -> None:
             ti.uid, ti.gid = a.get("uid", 0), a.get("gid", 0)
             ti.mode = a.get("mode", 0o644)
             src = None
+            if a.get("xattrs"):
+                ti.pax_headers = {f"SCHILY.xattr.{k}": v for k, v in a["xattrs"].items()}
             if kind == "dir":
                 ti.type = tarfile.DIRTYPE
             elif kind == "file":
@@ -87,7 +90,6 @@ def _tar(members: list[Member], out: Any) -> None:
                     ti.size, src = data, io.BufferedReader(_Zeros(data), 1 << 20)
                 else:
                     ti.size, src = len(data), io.BytesIO(data)
-                ti.pax_headers = {f"SCHILY.xattr.{k}": v for k, v in a["xattrs"].items()}
             elif kind == "sym":
                 ti.type, ti.linkname, ti.mode = tarfile.SYMTYPE, a["target"], 0o777
             elif kind == "link":
@@ -178,6 +180,42 @@ def oci_layout(name: str, layers: list[tuple[str, list[Member]]],
     return path
 
 
+def index_layout(name: str, images: list[tuple[str, str, str]]) -> str:
+    """An OCI layout whose tag names an image index over (os, arch, image layout) entries."""
+    key = recipe_hash([name, images])
+    path = os.path.join(CACHE, f"{name}-{key}")
+    if os.path.isfile(os.path.join(path, "index.json")):
+        return path
+    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=CACHE)
+    blobs = os.path.join(tmp, "blobs", "sha256")
+    os.makedirs(blobs)
+    entries = []
+    for os_, arch, src in images:
+        with open(os.path.join(src, "index.json")) as fh:
+            top = json.load(fh)["manifests"][0]
+        for b in os.listdir(os.path.join(src, "blobs", "sha256")):
+            shutil.copyfile(os.path.join(src, "blobs", "sha256", b), os.path.join(blobs, b))
+        entries.append({"mediaType": top["mediaType"], "digest": top["digest"],
+                        "size": top["size"], "platform": {"os": os_, "architecture": arch}})
+    idx = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+                      "manifests": entries}).encode()
+    hexd = hashlib.sha256(idx).hexdigest()
+    with open(os.path.join(blobs, hexd), "wb") as out:
+        out.write(idx)
+    with open(os.path.join(tmp, "index.json"), "w") as out:
+        json.dump({"schemaVersion": 2, "manifests": [{
+            "mediaType": "application/vnd.oci.image.index.v1+json", "digest": "sha256:" + hexd,
+            "size": len(idx), "annotations": {"org.opencontainers.image.ref.name": "latest"}}]},
+            out)
+    with open(os.path.join(tmp, "oci-layout"), "w") as out:
+        json.dump({"imageLayoutVersion": "1.0.0"}, out)
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
 # ---- registries ----------------------------------------------------------------------------
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -192,8 +230,10 @@ class Registry:
         self.addr = f"{host}:{port}"
         self.log = os.path.join(root, "registry.log")
 
-    def push(self, layout: str, repo: str, tag: str = "latest") -> None:
-        cmd = ["skopeo", "copy", "--quiet", "--preserve-digests", "--dest-tls-verify=false",
+    def push(self, layout: str, repo: str, tag: str = "latest", *extra: str) -> None:
+        """skopeo copy; ``extra``: e.g. ``--all`` (an index), ``--format v2s2`` (Docker)."""
+        preserve = () if "--format" in extra else ("--preserve-digests",)
+        cmd = ["skopeo", "copy", "--quiet", *preserve, *extra, "--dest-tls-verify=false",
                "--insecure-policy", f"oci:{layout}:latest", f"docker://{self.addr}/{repo}:{tag}"]
         if self.creds:
             cmd[2:2] = ["--dest-creds", f"{self.creds[0]}:{self.creds[1]}"]

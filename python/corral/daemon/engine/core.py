@@ -161,8 +161,6 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         self.trajlog.close()
         if self.snaps is not None:
             self.snaps.close()
-        if self.images is not None and hasattr(self.images, "close"):
-            self.images.close()  # the layer mounts: live sandboxes keep their own references
 
     async def shutdown(self) -> None:
         """Destroy every sandbox (graceful stop)."""

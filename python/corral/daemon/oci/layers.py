@@ -14,6 +14,7 @@ so unmounting at daemon stop (or GC) never pulls a layer out from under a live s
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ class LayerStore:
         self._building: dict[str, threading.Lock] = {}
         self._mounted: set[str] = set()
         self.skeleton = os.path.join(self.dir, "skel")
+        self.file_backed = True
         self._make_skeleton()
         self.erofs = self._probe_erofs()
 
@@ -76,14 +78,31 @@ class LayerStore:
         os.mkdir(mnt)
         try:
             self._mkfs(self.skeleton, img)
-            _core.mount_file_ro(img, mnt, "erofs")
+            self._mount(img, mnt)
             _core.umount_detach(mnt)
             return True
         except (OSError, subprocess.SubprocessError, InvalidImage) as e:
-            log.info("file-backed EROFS unavailable (%s): image layers stay directories", e)
+            log.info("EROFS unavailable (%s): image layers stay directories", e)
             return False
         finally:
             removal.remove_tree(tmp)
+
+    def _mount(self, img: str, mnt: str) -> None:
+        """File-backed (no loop device); where the store's filesystem cannot back one
+        (tmpfs: ENOTBLK), a loop device that goes away with the mount (autoclear)."""
+        from corral import _core
+
+        if self.file_backed:
+            try:
+                _core.mount_file_ro(img, mnt, "erofs")
+                return
+            except OSError as e:
+                if e.errno != errno.ENOTBLK:
+                    raise
+                self.file_backed = False
+                log.info("file-backed EROFS mounts unavailable on %s: loop devices instead",
+                         self.dir)
+        _core.mount_loop(img, mnt, "erofs", "", direct_io=False)
 
     @staticmethod
     def _mkfs(src: str, dest: str) -> None:
@@ -117,11 +136,9 @@ class LayerStore:
         with self._lock:
             if hexd in self._mounted:
                 return mnt
-            from corral import _core
-
             os.makedirs(mnt, mode=0o755, exist_ok=True)
             if not os.path.ismount(mnt):
-                _core.mount_file_ro(img, mnt, "erofs")
+                self._mount(img, mnt)
             self._mounted.add(hexd)
             return mnt
 
