@@ -305,3 +305,39 @@ def test_ls_inspect_rm_and_prune_share_layers(env: dict, layouts: dict) -> None:
     with pytest.raises(ImageNotFound):
         admin.image_info(a.name, endpoint=ep)
     assert admin.prune_images(endpoint=ep).layers_removed == []
+
+
+# ---- composing layers at create time ------------------------------------------------------
+def test_compose_base_toolkit_and_workspace(env: dict) -> None:
+    reg, ep, state = env["plain"], env["ep"], env["daemon"].state_dir
+    work = tempfile.mkdtemp(prefix="corral-workspace-", dir="/var/tmp")
+    try:
+        os.makedirs(os.path.join(work, "src"))
+        with open(os.path.join(work, "src", "task.py"), "w") as fh:
+            fh.write("print('task')\n")
+        layers = [corral.Layer.from_image(f"{reg.addr}/team/other", at="/opt/tools"),
+                  corral.Layer.from_dir(work, at="/workspace")]
+        base = f"{reg.addr}/team/app"
+        with corral.Sandbox(image=base, layers=layers, endpoint=ep) as a:
+            before = layer_dirs(state)
+            with corral.Sandbox(image=base, layers=layers, endpoint=ep) as b:
+                assert layer_dirs(state) == before  # the workspace is stored once
+                r = b.exec("cat /opt/tools/other /workspace/src/task.py /opt/z.txt")
+                assert r.stdout == "1print('task')\nfrom a zstd layer\n", r.stderr
+            # copy-on-write: a sandbox's writes reach neither the source dir nor its peers
+            assert a.exec("echo changed > /workspace/src/task.py; echo x > /opt/tools/new",
+                          user="root").exit_code == 0
+            with corral.Sandbox(image=base, layers=layers, endpoint=ep) as c:
+                assert c.exec("cat /workspace/src/task.py").stdout == "print('task')\n"
+                assert c.exec("test -e /opt/tools/new").exit_code == 1
+        with open(os.path.join(work, "src", "task.py")) as fh:
+            assert fh.read() == "print('task')\n"
+        # a changed workspace is a new layer
+        with open(os.path.join(work, "src", "task.py"), "w") as fh:
+            fh.write("print('v2')\n")
+        with corral.Sandbox(image=base, layers=layers, endpoint=ep) as d:
+            assert d.exec("cat /workspace/src/task.py").stdout == "print('v2')\n"
+    finally:
+        __import__("shutil").rmtree(work, ignore_errors=True)
+    with pytest.raises(corral.InvalidRequest):
+        corral.Layer.from_dir(work, at="/proc/x")

@@ -10,7 +10,14 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 from pydantic.config import JsonDict
 
 # The substrates corral names; a daemon serves some of them (GET /v1/substrates). A create
@@ -85,6 +92,31 @@ class _Response(BaseModel):
 DEFAULT_DISK_MB = 10240
 
 
+class LayerSpec(_Model):
+    """One layer composed over the sandbox's image at create time: an image's files
+    (a toolkit) or a host directory's (a workspace, content-hashed and cached), at ``at``."""
+
+    image: str | None = Field(None, min_length=1, max_length=512,
+                              description="an image (a registry reference is pulled)")
+    dir: str | None = Field(None, min_length=1, max_length=MAX_PATH,
+                            json_schema_extra={"pattern": r"^/[^\x00]*$"},
+                            description="absolute host path of a directory: the local socket "
+                                        "or the daemon's import directory only")
+    at: AbsPath = Field(description="where it appears in the sandbox (not / nor under /proc, "
+                                    "/dev, /tmp); writable, copy-on-write")
+    digest: str | None = Field(None, max_length=80, description=(
+        "set by the daemon: the layer a dir resolved to (dir:<sha256 of its contents>)"))
+
+    @model_validator(mode="after")
+    def _one_source(self) -> LayerSpec:
+        if (self.image is None) == (self.dir is None):
+            raise ValueError("a layer names exactly one of image or dir")
+        if self.at.rstrip("/") == "" or self.at.split("/")[1] in ("proc", "dev", "tmp"):
+            raise ValueError(f"layer target {self.at!r} must not be / nor under /proc, /dev, "
+                             "/tmp")
+        return self
+
+
 class SandboxSpec(_Model):
     """What a client asks for when it creates a sandbox."""
 
@@ -122,6 +154,8 @@ class SandboxSpec(_Model):
     snapshot: str | None = Field(None, min_length=1, max_length=200,
                                  description="start on a snapshot (id or name); the image is "
                                              "the snapshot's")
+    layers: list[LayerSpec] = Field(default_factory=list, max_length=16, description=(
+        "composed over the image at create time, in order (docs/images.md)"))
     pause_ttl: PauseTTL = Field("count", description="while paused, the TTL and idle clocks "
                                                      "keep counting (count) or stop (stop)")
 
@@ -501,3 +535,32 @@ class LogEntry(_Response):
     snapshot_ids: list[str] = Field(default_factory=list, description=(
         "snapshots the call made or used: snapshot (the new one), fork (the one the children "
         "start from), restore (the one restored), create (the one it starts on)"))
+
+
+class Layer:
+    """Builders of :class:`LayerSpec`: ``Sandbox(image=base, layers=[Layer.from_image(
+    "tools:1", at="/opt/tools"), Layer.from_dir("./repo", at="/workspace")])``."""
+
+    @staticmethod
+    def _make(**fields: str) -> LayerSpec:
+        from pydantic import ValidationError
+
+        from corral.errors import InvalidRequest
+
+        try:
+            return LayerSpec(**fields)
+        except ValidationError as e:
+            msgs = "; ".join(str(d["msg"]) for d in e.errors(include_url=False)[:3])
+            raise InvalidRequest(f"invalid layer: {msgs}") from None
+
+    @staticmethod
+    def from_image(image: str, at: str) -> LayerSpec:
+        return Layer._make(image=image, at=at)
+
+    @staticmethod
+    def from_dir(path: str, at: str) -> LayerSpec:
+        """A host directory (the daemon's host: the local socket or its import directory),
+        content-hashed and cached, so every sandbox of one task shares one copy."""
+        import os
+
+        return Layer._make(dir=os.path.abspath(path), at=at)

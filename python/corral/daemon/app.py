@@ -205,6 +205,7 @@ async def create_sandbox(request: web.Request) -> web.Response:
             _SPECS.clear()
         if len(raw) <= SPEC_CACHE_BODY:
             _SPECS[raw] = spec
+    spec = _layer_dirs_allowed(request, spec)
     key = _key(request)
     # A create keyed "{T}:create" makes trajectory T's sandbox (engine.by_operator).
     tid = key[:-len(":create")] if key and key.endswith(":create") else None
@@ -212,9 +213,27 @@ async def create_sandbox(request: web.Request) -> web.Response:
     return _json(_as_now(_engine(request), info), 201)
 
 
+def _layer_dirs_allowed(request: web.Request, spec: SandboxSpec) -> SandboxSpec:
+    """A dir layer is a host path: the admin socket's, or under the import directory (the
+    rule of image imports: images.resolve_source); named by its real path."""
+    if not spec.layers or all(lay.dir is None and lay.digest is None for lay in spec.layers):
+        return spec
+    engine = _engine(request)
+    layers = []
+    for lay in spec.layers:
+        if lay.digest is not None:
+            raise InvalidRequest("a layer's digest is the daemon's to set: name its dir")
+        if lay.dir is not None:
+            lay = lay.model_copy(update={"dir": resolve_source(
+                lay.dir, admin=is_unix(request), import_dir=engine.config.import_dir)})
+        layers.append(lay)
+    return spec.model_copy(update={"layers": layers})
+
+
 async def create_batch(request: web.Request) -> web.Response:
     req = await _body(request, CreateManyRequest)
     engine = _engine(request)
+    req.spec = _layer_dirs_allowed(request, req.spec)
     made = await engine.create_many(req.count, req.spec)
     infos = [sb.info() for sb in made]
     if engine.trajlog.enabled:

@@ -34,6 +34,12 @@ def _line(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
+def in_use(engine: Any) -> set[str]:
+    """Dir layers live sandboxes were composed with (image layers are kept by their image)."""
+    return {lay.digest[4:] for sb in list(engine.sandboxes.values()) for lay in sb.spec.layers
+            if lay.digest and lay.digest.startswith("dir:")}
+
+
 async def pull_image(request: web.Request) -> web.StreamResponse:
     """Pull a reference from its registry (one pull per reference at a time on this node)."""
     req: PullImageRequest = parse(await request.read(), PullImageRequest)
@@ -76,7 +82,9 @@ async def delete_image(request: web.Request) -> web.Response:
     engine = _engine(request)
     store = engine.images
     img = store.get(request.match_info["name"])
-    users = sorted(sb.id for sb in list(engine.sandboxes.values()) if sb.spec.image == img.name)
+    users = sorted(sb.id for sb in list(engine.sandboxes.values())
+                   if sb.spec.image == img.name
+                   or any(lay.image == img.name for lay in sb.spec.layers))
     snaps: list[str] = []
     if engine.snaps is not None:
         snaps = sorted(r["id"] for r in engine.snapshot_list() if r.get("image") == img.name)
@@ -86,13 +94,14 @@ async def delete_image(request: web.Request) -> web.Response:
                        details={"image": img.name, "sandboxes": users[:20],
                                 "snapshots": snaps[:20]})
     await asyncio.to_thread(store.remove, img.name)
-    removed = await asyncio.to_thread(store.gc_layers)
+    removed = await asyncio.to_thread(store.gc_layers, in_use(engine))
     return _json({"name": img.name, "deleted": True,
                   "layers_removed": ["sha256:" + h for h in removed]})
 
 
 async def prune_images(request: web.Request) -> web.Response:
-    removed = await asyncio.to_thread(_engine(request).images.gc_layers)
+    engine = _engine(request)
+    removed = await asyncio.to_thread(engine.images.gc_layers, in_use(engine))
     return _json({"layers_removed": ["sha256:" + h for h in removed]})
 
 

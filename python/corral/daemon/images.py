@@ -538,6 +538,13 @@ class ImageStore:
         lowers = [self.layers.lower(h) for h in reversed(img.meta["oci_layers"])]
         return dataclasses.replace(img, overlays=[("/", [*lowers, self.layers.skeleton])])
 
+    def lowers_of(self, name: str) -> builtins.list[str]:
+        """An image's files as lower layers to stack elsewhere (a toolkit at /opt/tools)."""
+        img = self.get(name)
+        if img.kind == "builtin":
+            raise InvalidRequest("the host image cannot be a layer")
+        return [p for p in img.overlays[0][1] if p != self.layers.skeleton]
+
     def limits(self) -> oci_unpack.Limits:
         return oci_unpack.Limits(self.max_bytes, self.max_files)
 
@@ -595,9 +602,9 @@ class ImageStore:
             return {h for img in self._images.values() if img.kind == "oci"
                     for h in img.meta.get("oci_layers", ())}
 
-    def gc_layers(self) -> builtins.list[str]:
-        """Remove the layers no image lists (their mounts, their files)."""
-        return self.layers.gc(self.referenced_layers())
+    def gc_layers(self, keep: builtins.set[str] | None = None) -> builtins.list[str]:
+        """Remove the layers no image lists and not in ``keep`` (their mounts, files)."""
+        return self.layers.gc(self.referenced_layers() | (keep or set()))
 
     def close(self) -> None:
         self.layers.close()

@@ -12,7 +12,7 @@ import asyncio
 import builtins
 import itertools
 import os
-from collections.abc import AsyncIterator, Generator, Iterable, Mapping
+from collections.abc import AsyncIterator, Generator, Iterable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 from corral.errors import CorralError, SandboxNotFound
@@ -20,6 +20,7 @@ from corral.models import (
     DEFAULT_MAX_OUTPUT_BYTES,
     DEFAULT_TIMEOUT_S,
     FileEntry,
+    LayerSpec,
     LogEntry,
     NetworkMode,
     ProcessStatus,
@@ -91,14 +92,16 @@ class AsyncSandbox(SandboxHandle):
                  hostname: str | None = None, cwd: str | None = None,
                  snapshot: str | SnapshotBase | None = None, pause_ttl: str = "count",
                  endpoint: str | Endpoint | None = None,
-                 trajectory_id: str | None = None) -> None:
+                 trajectory_id: str | None = None, user: str | int | None = None,
+                 layers: Sequence[LayerSpec] | None = None) -> None:
         # Validated now, so bad input fails at the call site, not at the first await.
         self._spec = api.spec(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb,
                               disk_mb=disk_mb,
                               pids=pids, timeout=timeout, idle_timeout=idle_timeout, env=env,
                               labels=labels, metadata=metadata, network=network,
                               hostname=hostname, cwd=cwd, snapshot=snapshot,
-                              pause_ttl=pause_ttl)
+                              pause_ttl=pause_ttl, user=user,
+                              layers=list(layers) if layers else None)
         self._init_handle(Endpoint.parse(endpoint), None)
         if trajectory_id is not None:
             self._set_trajectory(trajectory_id)

@@ -4,6 +4,7 @@ pause), with exec, files, snapshots and recovery mixed in from their modules."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import logging
 import os
@@ -24,6 +25,7 @@ from corral.errors import (
     DaemonRestarted,
     ImageNotFound,
     InternalError,
+    InvalidRequest,
     SandboxCrashed,
     SandboxExpired,
     SandboxKilled,
@@ -347,16 +349,52 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         self._schedule(sb, now)
         return sb
 
+    async def _image_name(self, name: str) -> str:
+        """``name`` as the store knows it; a registry reference the node lacks is pulled
+        first (once, however many creates ask at the same time: oci.flight)."""
+        if name == "host":
+            return name
+        if self.images.has(name):
+            return str(self.images.canonical(name))
+        return str((await self.images.pull(name, missing_only=True)).name)
+
     async def _pull_missing(self, spec: SandboxSpec) -> SandboxSpec:
-        """A registry reference the node lacks is pulled first (once, however many creates
-        ask at the same time: oci.flight); the spec then names the image by its full
-        reference."""
-        if spec.snapshot is not None or spec.image == "host" or self.images.has(spec.image):
-            if spec.snapshot is None and spec.image != "host" and self.images.has(spec.image):
-                return spec.model_copy(update={"image": self.images.canonical(spec.image)})
-            return spec
-        info = await self.images.pull(spec.image, missing_only=True)
-        return spec.model_copy(update={"image": info.name})
+        """The spec with every image it names present on the node (by its full reference)
+        and every dir layer resolved to its content-addressed layer (``digest``)."""
+        update: dict[str, Any] = {}
+        if spec.snapshot is None:
+            name = await self._image_name(spec.image)
+            if name != spec.image:
+                update["image"] = name
+        if spec.layers:
+            layers = []
+            for lay in spec.layers:
+                if lay.image is not None:
+                    lay = lay.model_copy(update={"image": await self._image_name(lay.image)})
+                elif lay.dir is not None:
+                    hexd = await asyncio.to_thread(self.images.layers.from_dir, lay.dir,
+                                                   self.images.max_bytes,
+                                                   self.images.max_files)
+                    lay = lay.model_copy(update={"digest": "dir:" + hexd})
+                layers.append(lay)
+            update["layers"] = layers
+        return spec.model_copy(update=update) if update else spec
+
+    def _compose(self, spec: SandboxSpec, image: Any) -> Any:
+        """The image with the spec's layers as overlays of their own at their targets."""
+        if not spec.layers:
+            return image
+        overlays = list(image.overlays)
+        for lay in spec.layers:
+            if lay.image is not None:
+                lowers = self.images.lowers_of(lay.image)
+            else:
+                digest = lay.digest or ""
+                if not digest.startswith("dir:") or not self.images.layers.has(digest[4:]):
+                    raise InvalidRequest(f"layer dir {lay.dir!r} is not resolved")
+                lowers = [self.images.layers.lower(digest[4:])]
+            overlays.append((lay.at.rstrip("/") or "/", lowers))
+        return dataclasses.replace(image, overlays=overlays)
 
     @staticmethod
     def _with_image_config(spec: SandboxSpec, image: Any) -> SandboxSpec:
@@ -391,13 +429,13 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         (the spec then names the snapshot by id and its image)."""
         if spec.snapshot is None:
             image = self._image(spec.image)
-            return self._with_image_config(spec, image), image
+            return self._with_image_config(spec, image), self._compose(spec, image)
         store = self._snaps()
         rec = store.get(spec.snapshot)
         base = self._image(rec["image"])
         spec = spec.model_copy(update={"snapshot": rec["id"], "image": rec["image"]})
-        return self._with_image_config(spec, base), substrate.image_on(base, rec["layers"],
-                                                                        store)
+        return self._with_image_config(spec, base), substrate.image_on(
+            self._compose(spec, base), rec["layers"], store)
 
     async def create_many(self, count: int, spec: SandboxSpec,
                           trajectories: list[str] | None = None) -> list[Sandbox]:

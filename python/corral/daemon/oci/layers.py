@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -199,6 +200,56 @@ class LayerStore:
             finally:
                 with self._lock:
                     self._building.pop(hexd, None)
+
+    def from_dir(self, src: str, max_bytes: int, max_files: int) -> str:
+        """The layer id of host directory ``src``, copied (devices skipped, setuid and
+        setgid cleared: the import rules) and converted the first time its contents are
+        seen (oci.dirlayer)."""
+        from corral.daemon import images
+        from corral.daemon.oci import dirlayer
+
+        dirlayer.check_source(src)
+        fp = dirlayer.fingerprint(src, max_files)
+        known = os.path.join(self.dir, "dirs", fp)
+        try:
+            with open(known) as f:
+                hexd = f.read().strip()
+            if self.has(hexd):
+                return hexd
+        except OSError:
+            pass
+        tmp = tempfile.mkdtemp(prefix="dir-", dir=self.tmp_dir)
+        try:
+            tree = os.path.join(tmp, "tree")
+            os.mkdir(tree)
+            size = images._copy_tree(src, tree, sanitize=False)
+            if size > max_bytes:
+                raise unpack._too_large(unpack.Limits(max_bytes, max_files))
+            os.chmod(tree, stat.S_IMODE(os.stat(src).st_mode) | 0o755)
+            hexd = dirlayer.content_hash(tree)
+            with self._lock:
+                gate = self._building.setdefault(hexd, threading.Lock())
+            with gate:
+                if not self.has(hexd):
+                    fmt = "dir"
+                    if self.erofs:
+                        self._mkfs(tree, os.path.join(tmp, "layer.erofs"))
+                        removal.remove_tree(tree)
+                        fmt = "erofs"
+                    with open(os.path.join(tmp, "layer.json"), "w") as f:
+                        json.dump({"digest": "dir:" + hexd, "source": src, "format": fmt,
+                                   "unpacked_bytes": size}, f, sort_keys=True)
+                    os.rename(tmp, self.path(hexd))
+                with self._lock:
+                    self._building.pop(hexd, None)
+            os.makedirs(os.path.dirname(known), mode=0o700, exist_ok=True)
+            with open(known + ".tmp", "w") as f:
+                f.write(hexd)
+            os.rename(known + ".tmp", known)
+            return hexd
+        finally:
+            if os.path.lexists(tmp):
+                removal.remove_tree(tmp)
 
     # ---- removal --------------------------------------------------------------------------
     def _unmount(self, hexd: str) -> None:
