@@ -255,10 +255,24 @@ def gvisor_table(sec: dict[str, Any]) -> Table:
     return t
 
 
+def images_table(sec: dict[str, Any]) -> Table:
+    t = Table(title=f"a pulled {sec.get('layers')}-layer OCI image vs the host image  "
+                    f"(N={sec['n']}, ms, median of {len(sec['runs'])} runs; cold creates; "
+                    f"pull {_f(sec.get('pull_ms'), 0)} ms)"
+                    + (f": skipped, {sec['skipped']}" if sec.get("skipped") else ""))
+    for c in ("image", "create p50", "first exec p50", "create+exec p50", "destroy p50"):
+        t.add_column(c, justify="left" if c == "image" else "right")
+    for name in ("host", "image"):
+        m = sec["median"].get(name, {})
+        t.add_row(name, *(_f(m.get(k), 2) for k in (
+            "create_p50_ms", "first_exec_p50_ms", "ttfr_p50_ms", "destroy_p50_ms")))
+    return t
+
+
 TABLES = {"churn": churn_table, "latency": latency_table, "exec": exec_table,
           "density": density_table, "snapshot": snapshot_table, "trajlog": trajlog_table,
           "execpath": execpath_table, "keyedreads": keyedreads_table,
-          "run-code": runcode_table, "gvisor": gvisor_table}
+          "run-code": runcode_table, "gvisor": gvisor_table, "images": images_table}
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from corral.bench import host, profile, sdk_runs
 from corral.bench.execpath import execpath
 from corral.bench.gvisor import gvisor
+from corral.bench.images import images
 from corral.bench.keyedreads import keyedreads
 from corral.bench.results import OpResult
 from corral.bench.runcode import run_code
@@ -463,4 +464,4 @@ def _snapshot_leftovers(s: Session, timeout: float = 10.0) -> dict[str, int]:
 RUNNERS: dict[str, Callable[[Session], tuple[Section, Samples]]] = {
     "churn": churn, "latency": latency, "exec": exec_, "density": density,
     "snapshot": snapshot, "trajlog": trajlog, "execpath": execpath,
-    "keyedreads": keyedreads, "run-code": run_code, "gvisor": gvisor}
+    "keyedreads": keyedreads, "run-code": run_code, "gvisor": gvisor, "images": images}

@@ -163,7 +163,8 @@ def _extra(conc: int, errors: list[str]) -> dict[str, Any]:
 
 # ---- latency: one client, nothing else running ----------------------------------------------
 def latency(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5,
-            hostname: str | None = None, substrate: str = "container") -> OpResult:
+            hostname: str | None = None, substrate: str = "container",
+            image: str = "host") -> OpResult:
     """Per op: create, the first exec, time to the first result (create + exec) and destroy.
     ``hostname`` (a spec the warm pools never serve) makes every create cold."""
     ph: dict[str, list[float]] = {"create": [], "first_exec": [], "ttfr": [], "destroy": []}
@@ -174,7 +175,7 @@ def latency(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5,
             t_start = time.perf_counter()
         try:
             t0 = time.perf_counter()
-            sb = Sandbox("host", endpoint=endpoint, timeout=TTL_S, hostname=hostname,
+            sb = Sandbox(image, endpoint=endpoint, timeout=TTL_S, hostname=hostname,
                          substrate=substrate)
             t1 = time.perf_counter()
             try:

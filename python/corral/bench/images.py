@@ -1,0 +1,72 @@
+"""``corral bench images``: create latency of a sandbox on a pulled 10-layer OCI image (layers
+as EROFS mounts stacked under overlay) against the ``host`` image, in the same run, cold
+creates (a hostname no warm pool serves); and the pull itself, from a docker-registry on
+loopback (started here, stopped after)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from typing import Any
+
+from corral.bench import ocifix, sdk_runs
+from corral.bench.results import OpResult
+from corral.bench.session import Session
+from corral.bench.stats import median, ratio
+
+LAYERS = 10
+SYSTEMS = ("host", "image")
+
+
+def image_layers() -> list[tuple[str, list[ocifix.Member]]]:
+    """busybox plus nine small layers, each adding a directory of files."""
+    out: list[tuple[str, list[ocifix.Member]]] = [("gzip", ocifix.busybox_base())]
+    for i in range(1, LAYERS):
+        files = [ocifix.d(f"opt/l{i}")] + [ocifix.f(f"opt/l{i}/f{j}", b"x" * 4096)
+                                           for j in range(50)]
+        out.append(("gzip" if i % 2 else "zstd", [ocifix.d("opt"), *files]))
+    return out
+
+
+def images(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
+    from corral.sdk import admin
+
+    n, R = s.opts.n("images"), s.opts.runs
+    missing = [t for t in ("docker-registry", "skopeo", "mkfs.erofs") if not shutil.which(t)]
+    if missing:
+        return {"skipped": f"needs {', '.join(missing)} (scripts/setup.sh)", "n": n,
+                "median": {}, "ratios": {}, "runs": []}, {}
+    ep = s.daemon.endpoint
+    layout = ocifix.oci_layout("bench10", image_layers())
+    runs: list[dict[str, OpResult]] = []
+    with ocifix.registry() as reg:
+        reg.push(layout, "bench/ten")
+        ref = f"{reg.addr}/bench/ten:latest"
+        t0 = time.perf_counter()
+        info = admin.pull_image(ref, endpoint=ep)
+        pull_ms = (time.perf_counter() - t0) * 1000
+        for r in range(R):
+            res: dict[str, OpResult] = {}
+            for name in SYSTEMS:
+                with s.ui.task(f"images {r + 1}/{R} {name} create/exec/destroy", n) as adv:
+                    res[name] = sdk_runs.latency(ep, n, adv, hostname="bench-images",
+                                                 image="host" if name == "host" else ref)
+            runs.append(res)
+        admin.remove_image(info.name, endpoint=ep)
+    med: dict[str, Any] = {}
+    for name in SYSTEMS:
+        med[name] = {f"{ph}_p50_ms": _round(median([median(res[name].phases.get(ph, []))
+                                                    for res in runs]))
+                     for ph in ("create", "first_exec", "ttfr", "destroy")}
+    ratios = {f"image/host {ph}_p50": _round(median([
+        ratio(median(res["image"].phases.get(ph, [])), median(res["host"].phases.get(ph, [])))
+        for res in runs])) for ph in ("create", "ttfr")}
+    sec = {"n": n, "layers": LAYERS, "pull_ms": _round(pull_ms),
+           "layer_format": "erofs" if shutil.which("mkfs.erofs") else "dir",
+           "median": med, "ratios": ratios,
+           "runs": [{k: v.to_json() for k, v in res.items()} for res in runs]}
+    return sec, {}
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
