@@ -341,3 +341,77 @@ def test_compose_base_toolkit_and_workspace(env: dict) -> None:
         __import__("shutil").rmtree(work, ignore_errors=True)
     with pytest.raises(corral.InvalidRequest):
         corral.Layer.from_dir(work, at="/proc/x")
+
+
+# ---- import from files, the CLI -----------------------------------------------------------
+def test_import_oci_layout_dir_tar_and_docker_save(env: dict, layouts: dict) -> None:
+    ep = env["ep"]
+    tmp = tempfile.mkdtemp(prefix="corral-imgimport-", dir="/var/tmp")
+    try:
+        oci_tar = os.path.join(tmp, "layout.tar")
+        subprocess.run(["tar", "-C", layouts["app"], "-cf", oci_tar, "."], check=True)
+        docker_tar = os.path.join(tmp, "saved.tar")
+        subprocess.run(["skopeo", "copy", "--quiet", "--insecure-policy",
+                        f"oci:{layouts['other']}:latest",
+                        f"docker-archive:{docker_tar}:team/other:v1"], check=True,
+                       capture_output=True, env={**os.environ, "HOME": tmp})
+        cases = [("imp-oci-dir", layouts["app"], "cat /opt/z.txt", "from a zstd layer\n"),
+                 ("imp-oci-tar", oci_tar, "cat /opt/data/new", "new data\n"),
+                 ("imp-docker", docker_tar, "cat /other", "1")]
+        for name, src, cmd, want in cases:
+            info = admin.import_image(name, src, endpoint=ep)
+            assert info.kind == "oci" and info.layers, name
+            with corral.Sandbox(image=name, endpoint=ep) as sb:
+                assert sb.exec(cmd).stdout == want, name
+            if name != "imp-docker":
+                assert info.config and info.config["User"] == "app"
+        # a layout with a corrupted blob is refused whole
+        bad = os.path.join(tmp, "bad")
+        subprocess.run(["cp", "-a", layouts["corrupt"], bad], check=True)
+        blobs = os.path.join(bad, "blobs", "sha256")
+        with open(os.path.join(bad, "index.json")) as fh:
+            man = __import__("json").load(fh)["manifests"][0]["digest"][7:]
+        with open(os.path.join(blobs, man)) as fh:
+            layer = __import__("json").load(fh)["layers"][0]["digest"][7:]
+        with open(os.path.join(blobs, layer), "r+b") as fh:
+            fh.seek(20)
+            fh.write(b"\xff\xff")
+        with pytest.raises((DigestMismatch, InvalidImage)):
+            admin.import_image("imp-bad", bad, endpoint=ep)
+        assert leftovers(env["daemon"].state_dir) == []
+        with pytest.raises(ImageNotFound):
+            admin.image_info("imp-bad", endpoint=ep)
+    finally:
+        for name in ("imp-oci-dir", "imp-oci-tar", "imp-docker"):
+            with contextlib.suppress(ImageNotFound):
+                admin.remove_image(name, endpoint=ep)
+        __import__("shutil").rmtree(tmp, ignore_errors=True)
+
+
+def cli(env: dict, *args: str) -> subprocess.CompletedProcess[str]:
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "corral.cli", *args], capture_output=True,
+                          text=True, timeout=120,
+                          env={**os.environ, "CORRAL_SOCKET": env["daemon"].socket_path,
+                               "CORRAL_AUTOSTART": "0", "COLUMNS": "200"})
+
+
+def test_cli_pull_inspect_run_default_command_rm(env: dict) -> None:
+    ref = f"{env['plain'].addr}/team/app:latest"
+    with contextlib.suppress(ImageNotFound):
+        admin.remove_image(ref, endpoint=env["ep"])
+    r = cli(env, "image", "pull", ref)
+    assert r.returncode == 0, r.stderr
+    assert "3 layers" in r.stderr and "pulled " + ref in r.stdout
+    assert "done" in r.stderr or "cached" in r.stderr
+    r = cli(env, "image", "inspect", ref)
+    assert r.returncode == 0 and "org.corral.test" in r.stdout and "/home/app" in r.stdout
+    assert ref in cli(env, "image", "ls").stdout
+    r = cli(env, "run", "--image", ref)  # no command: Entrypoint + Cmd, as the image's User
+    assert (r.returncode, r.stdout) == (0, "from-cmd\n"), r.stderr
+    r = cli(env, "run", "--image", ref, "--", "id -un; pwd")
+    assert r.stdout == "app\n/home/app\n", r.stderr
+    r = cli(env, "image", "rm", ref)
+    assert r.returncode == 0 and "removed" in r.stdout, r.stderr
+    assert cli(env, "image", "inspect", ref).returncode != 0

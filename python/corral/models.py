@@ -473,7 +473,9 @@ class ImportImageRequest(_Model):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.\-]{0,62}$")
     source: str = Field(min_length=1, max_length=MAX_PATH,
                         json_schema_extra={"pattern": r"^/[^\x00]*$"},
-                        description="absolute host path of a rootfs directory or tarball: on "
+                        description="absolute host path of a rootfs directory or tarball, "
+                                    "an OCI image layout (directory or tar) or a docker "
+                                    "save archive: on "
                                     "the local socket, or under the daemon's import directory "
                                     "(else forbidden); anything else is a registry reference "
                                     "(unsupported)")

@@ -640,6 +640,11 @@ class ImageStore:
         if st.st_dev in pseudo_devices():
             raise InvalidRequest(f"source {source!r} is on a kernel filesystem (proc, sysfs, "
                                  "...), not a rootfs")
+        from corral.daemon.oci import archive
+
+        if archive.kind(src) is not None:  # an OCI layout or a docker save archive
+            meta = archive.load(src, self.layers, self.limits())
+            return self.record_oci(name, {**meta, "source": source})
         tmp = self._tmpdir(name)
         try:
             os.chmod(tmp, 0o755)
