@@ -109,7 +109,9 @@ def env(layouts: dict[str, str]) -> Iterator[dict]:
         d = stack.enter_context(private_daemon(
             "corral-img-", f"{CGROUP_NAME}-img", DOCKER_CONFIG=dcfg,
             CORRAL_IMAGE_MAX_BYTES=str(MAX_BYTES), CORRAL_IMAGE_MAX_FILES=str(MAX_FILES),
-            CORRAL_INSECURE_REGISTRIES=far_ok.addr if far_ok else ""))
+            CORRAL_INSECURE_REGISTRIES=far_ok.addr if far_ok else "",
+            CORRAL_REGISTRIES=",".join(r.addr for r in (plain, basic, token, far, far_ok)
+                                       if r is not None)))
         yield {"plain": plain, "basic": basic, "token": token, "far": far, "far_ok": far_ok,
                "dcfg": dcfg, "daemon": d, "ep": f"unix://{d.socket_path}"}
 
@@ -224,6 +226,14 @@ def test_plain_http_only_for_loopback_or_configured_registries(env: dict) -> Non
     ok = admin.pull_image(f"{env['far_ok'].addr}/team/other", endpoint=env["ep"])
     assert ok.kind == "oci"
     admin.remove_image(ok.name, endpoint=env["ep"])
+
+
+def test_only_allowed_registries_and_bare_names_stay_local(env: dict) -> None:
+    with pytest.raises(corral.errors.Forbidden):  # not in CORRAL_REGISTRIES: never contacted
+        admin.pull_image("registry.invalid.example:5000/x/y:1", endpoint=env["ep"])
+    with pytest.raises(ImageNotFound) as e:  # a bare name is a local image, never pulled
+        corral.Sandbox(image="no-such-local-image", endpoint=env["ep"])
+    assert "docker.io/library/NAME:TAG" in e.value.message
 
 
 def test_unknown_image_and_bad_references(env: dict) -> None:
@@ -415,3 +425,26 @@ def test_cli_pull_inspect_run_default_command_rm(env: dict) -> None:
     r = cli(env, "image", "rm", ref)
     assert r.returncode == 0 and "removed" in r.stdout, r.stderr
     assert cli(env, "image", "inspect", ref).returncode != 0
+
+
+def test_snapshot_fork_restore_of_an_image_sandbox(env: dict) -> None:
+    ref = f"{env['plain'].addr}/team/app:latest"
+    with corral.Sandbox(image=ref, endpoint=env["ep"]) as sb:
+        sb.exec("echo one > /home/app/state")
+        snap = sb.snapshot()
+        kids = sb.fork(2)
+        try:
+            for k in kids:
+                assert k.exec("cat /home/app/state /opt/z.txt").stdout == \
+                    "one\nfrom a zstd layer\n"
+        finally:
+            for k in kids:
+                k.kill()
+        sb.exec("rm /home/app/state")
+        sb.restore(snap)
+        assert sb.exec("cat /home/app/state; id -un").stdout == "one\napp\n"
+        with corral.Sandbox(snapshot=snap, endpoint=env["ep"]) as again:
+            assert again.exec("cat /home/app/state").stdout == "one\n"
+        with pytest.raises(Conflict):  # the snapshot holds the image
+            admin.remove_image(ref, endpoint=env["ep"])
+        snap.delete()

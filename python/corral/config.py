@@ -65,6 +65,10 @@ class Config:
         default_factory=lambda: int(_env("CORRAL_IMAGE_MAX_BYTES", str(16 << 30))))
     image_max_files: int = field(
         default_factory=lambda: int(_env("CORRAL_IMAGE_MAX_FILES", "1000000")))
+    # If set (comma-separated host[:port]), the only registries pulls may reach; others are
+    # forbidden (a remote client cannot make the daemon fetch from anywhere it likes).
+    registries: tuple[str, ...] = field(default_factory=lambda: tuple(
+        r.strip() for r in _env("CORRAL_REGISTRIES", "").split(",") if r.strip()))
     insecure_registries: tuple[str, ...] = field(default_factory=lambda: tuple(
         r.strip() for r in _env("CORRAL_INSECURE_REGISTRIES", "").split(",") if r.strip()))
 

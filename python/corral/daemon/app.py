@@ -787,12 +787,12 @@ ROUTES: tuple[Route, ...] = (
           "with its capabilities (an operation a substrate lacks answers 501 unsupported)",
           response=list_of("substrates", SubstrateInfo, paged=False)),
     Route("POST", "/v1/sandboxes", create_sandbox, "Create a sandbox", body=SandboxSpec,
-          response=SandboxInfo, status=201, query=(KEY_H,), errors=(404, 409, 429, 501, 503),
-          links=_SB_LINKS),
+          response=SandboxInfo, status=201, query=(KEY_H,),
+          errors=(403, 404, 409, 413, 429, 501, 502, 503), links=_SB_LINKS),
     Route("POST", "/v1/sandboxes/batch", create_batch,
           "Create many sandboxes (all or nothing)", body=CreateManyRequest,
           response=list_of("sandboxes", SandboxInfo, paged=False), status=201,
-          errors=(404, 409, 429, 501, 503), links={
+          errors=(403, 404, 409, 413, 429, 501, 502, 503), links={
               "exec_first": link("exec_cmd", id="$response.body#/sandboxes/0/id"),
               "kill_first": link("kill_sandbox", id="$response.body#/sandboxes/0/id")}),
     Route("POST", "/v1/sandboxes/batch/exec", exec_batch,

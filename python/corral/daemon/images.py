@@ -371,7 +371,8 @@ def _extract_tar(source: str, dst: str, max_bytes: int = MAX_IMAGE_BYTES,
 class ImageStore:
     def __init__(self, state_dir: str, max_bytes: int = MAX_IMAGE_BYTES,
                  max_files: int = MAX_IMAGE_MEMBERS,
-                 insecure_registries: frozenset[str] = frozenset()) -> None:
+                 insecure_registries: frozenset[str] = frozenset(),
+                 allowed_registries: frozenset[str] = frozenset()) -> None:
         self.dir = os.path.join(state_dir, "images")
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         os.chmod(self.dir, 0o700)
@@ -379,6 +380,7 @@ class ImageStore:
         self._images: dict[str, Image] = {}
         self.max_bytes, self.max_files = max_bytes, max_files
         self.insecure = insecure_registries
+        self.allowed = allowed_registries  # empty: any
         self.layers = LayerStore(state_dir)
         self._flights: dict[str, Any] = {}  # reference -> the pull under way (oci.flight)
         self._gc_temp()
@@ -487,17 +489,12 @@ class ImageStore:
 
     # ---- queries ---------------------------------------------------------------------------
     def canonical(self, name: str) -> str:
-        """The store's key for ``name``: itself for a local name, the full reference for a
-        registry reference (``busybox`` is a local name if one exists, else
-        ``docker.io/library/busybox:latest``)."""
-        if name == HOST or name in self._images:
+        """The store's key for ``name``: itself for a local name (no ``/``, ``:`` or ``@``:
+        never looked up in a registry), the full reference for a registry reference
+        (``team/x`` is ``docker.io/team/x:latest``)."""
+        if name == HOST or name in self._images or not oci_ref.looks_like_ref(name):
             return name
-        if oci_ref.looks_like_ref(name) or not NAME_RE.match(name):
-            return str(oci_ref.parse(name))
-        try:
-            return str(oci_ref.parse(name))
-        except InvalidRequest:
-            return name
+        return str(oci_ref.parse(name))
 
     def has(self, name: str) -> bool:
         try:
@@ -521,7 +518,10 @@ class ImageStore:
             return self.ensure_host()
         if img is None:
             avail = ", ".join(sorted(set(self._images) | {HOST}))
-            raise ImageNotFound(f"no image named {name!r}; available: {avail}",
+            hint = "" if oci_ref.looks_like_ref(name) else (
+                " (a name without '/', ':' or '@' is a local image; a registry image is named "
+                "by its reference, e.g. docker.io/library/NAME:TAG)")
+            raise ImageNotFound(f"no image named {name!r}{hint}; available: {avail}",
                                 details={"image": name, "available": sorted(
                                     set(self._images) | {HOST})})
         return img
@@ -588,6 +588,10 @@ class ImageStore:
 
         ref = oci_ref.parse(text)
         key = str(ref)
+        if self.allowed and ref.registry not in self.allowed:
+            raise Forbidden(f"registry {ref.registry} is not one this daemon pulls from "
+                            f"(CORRAL_REGISTRIES: {', '.join(sorted(self.allowed))})",
+                            details={"registry": ref.registry})
         if missing_only:
             with self._lock:
                 img = self._images.get(key)

@@ -16,6 +16,7 @@ from typing import Any
 from corral import __version__
 from corral.config import Config
 from corral.daemon import oserrors, persist, removal, snapshots
+from corral.daemon.oci.ref import looks_like_ref
 from corral.daemon.substrates import registry
 from corral.daemon.substrates.base import Capabilities, SandboxRuntime, Substrate
 from corral.daemon.trajlog import TrajLog
@@ -137,7 +138,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
 
             c = self.config
             self.images = ImageStore(c.state_dir, c.image_max_bytes, c.image_max_files,
-                                     frozenset(c.insecure_registries))
+                                     frozenset(c.insecure_registries),
+                                     frozenset(c.registries))
         await asyncio.to_thread(self.images.ensure_host)
         ctx = registry.Context(self.config, self.images, self.shared)
         self.substrates = registry.build(self.substrate_names, ctx, self.unavailable)
@@ -352,8 +354,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
     async def _image_name(self, name: str) -> str:
         """``name`` as the store knows it; a registry reference the node lacks is pulled
         first (once, however many creates ask at the same time: oci.flight)."""
-        if name == "host":
-            return name
+        if name == "host" or not looks_like_ref(name):
+            return name  # a local name: never looked up in a registry
         if self.images.has(name):
             return str(self.images.canonical(name))
         return str((await self.images.pull(name, missing_only=True)).name)
