@@ -62,7 +62,8 @@ def layouts() -> dict[str, str]:
     out = {"app": fx.oci_layout("app", app_layers(), CONFIG)}
     out["other"] = fx.oci_layout("other", [("gzip", base), ("gzip", [fx.f("other", b"1")])])
     out["solo"] = fx.oci_layout("solo", [("gzip", base), ("gzip", [fx.f("solo", b"1")])])
-    out["corrupt"] = fx.oci_layout("corrupt", [("gzip", [fx.f("corrupt", b"c" * 4096)])])
+    out["corrupt"] = fx.oci_layout("corrupt", [("gzip", [fx.f("corrupt-base", b"b" * 4096)]),
+                                               ("gzip", [fx.f("corrupt", b"c" * 4096)])])
     out["arm"] = fx.oci_layout("arm", [("gzip", [fx.f("arm", b"wrong platform")])])
     out["index"] = fx.index_layout("index", [("linux", "arm64", out["arm"]),
                                              ("linux", "amd64", out["other"])])
@@ -262,9 +263,11 @@ def test_a_blob_that_does_not_match_its_digest_is_rejected(env: dict, layouts: d
         fh.seek(0)
         fh.write(data)
     state = env["daemon"].state_dir
+    before = layer_dirs(state)
     with pytest.raises(DigestMismatch):
         admin.pull_image(f"{reg.addr}/team/corrupt", endpoint=env["ep"])
-    assert top["digest"][7:] not in layer_dirs(state)
+    # neither the bad layer nor the good one under it stays: nothing half-imported
+    assert layer_dirs(state) == before
     assert leftovers(state) == []
     assert all(i.name != f"{reg.addr}/team/corrupt:latest"
                for i in admin.images(endpoint=env["ep"]))

@@ -577,8 +577,20 @@ class ImageStore:
         asks for one reference share one pull."""
         from corral.daemon.oci import pull
 
-        meta = pull.pull(ref, self.layers, self.limits(), self.insecure, progress)
-        return self.record_oci(str(ref), meta)
+        pinned: builtins.list[str] = []
+        created: builtins.list[str] = []
+        try:
+            meta = pull.pull(ref, self.layers, self.limits(), self.insecure, progress, pinned,
+                             created)
+            return self.record_oci(str(ref), meta)
+        except BaseException:
+            self.layers.unpin(pinned)
+            pinned = []
+            # nothing half-imported stays: the layers this pull made that no image lists
+            self.layers.gc(self.referenced_layers(), only=created)
+            raise
+        finally:
+            self.layers.unpin(pinned)
 
     async def pull(self, text: str, progress: Callable[[dict[str, Any]], None] | None = None,
                    missing_only: bool = False) -> ImageInfo:
@@ -647,8 +659,12 @@ class ImageStore:
         from corral.daemon.oci import archive
 
         if archive.kind(src) is not None:  # an OCI layout or a docker save archive
-            meta = archive.load(src, self.layers, self.limits())
-            return self.record_oci(name, {**meta, "source": source})
+            pinned: builtins.list[str] = []
+            try:
+                meta = archive.load(src, self.layers, self.limits(), pinned)
+                return self.record_oci(name, {**meta, "source": source})
+            finally:
+                self.layers.unpin(pinned)
         tmp = self._tmpdir(name)
         try:
             os.chmod(tmp, 0o755)

@@ -130,14 +130,15 @@ def _digest_of(src: _Source, rel: str) -> str:
     return h.hexdigest()
 
 
-def load(path: str, store: LayerStore, limits: unpack.Limits) -> dict:
-    """The metadata of the image in the layout or archive at ``path`` (layers stored)."""
+def load(path: str, store: LayerStore, limits: unpack.Limits, pinned: list[str]) -> dict:
+    """The metadata of the image in the layout or archive at ``path`` (layers stored and
+    pinned: ``pinned`` lists them for the caller to unpin once the image is recorded)."""
     src = _Source(path)
     try:
         if src.has("oci-layout") and src.has("index.json"):
-            return _load_oci(src, store, limits)
+            return _load_oci(src, store, limits, pinned)
         if src.has("manifest.json"):
-            return _load_docker(src, store, limits)
+            return _load_docker(src, store, limits, pinned)
         raise InvalidImage(f"{path} is neither an OCI image layout nor a docker save archive")
     finally:
         src.close()
@@ -147,7 +148,8 @@ def _blob(digest: str) -> str:
     return "blobs/sha256/" + registry.check_digest(digest, "blob")
 
 
-def _load_oci(src: _Source, store: LayerStore, limits: unpack.Limits) -> dict:
+def _load_oci(src: _Source, store: LayerStore, limits: unpack.Limits,
+              pinned: list[str]) -> dict:
     doc = src.json("index.json")
     digest = ""
     for _ in range(3):  # index.json -> (an image index ->) a manifest
@@ -182,6 +184,8 @@ def _load_oci(src: _Source, store: LayerStore, limits: unpack.Limits) -> dict:
     hexes = []
     for d, did in zip(doc["layers"], diff_ids, strict=True):
         hexd = registry.check_digest(d["digest"], "layer")
+        store.pin([hexd])
+        pinned.append(hexd)
         store.ensure(hexd, d.get("mediaType") or unpack.GZIP[0], did,
                      _copier(src, _blob(d["digest"]), d["digest"]), limits)
         hexes.append(hexd)
@@ -189,7 +193,8 @@ def _load_oci(src: _Source, store: LayerStore, limits: unpack.Limits) -> dict:
             "config": image_config(cfg), "size_bytes": limits.used_bytes}
 
 
-def _load_docker(src: _Source, store: LayerStore, limits: unpack.Limits) -> dict:
+def _load_docker(src: _Source, store: LayerStore, limits: unpack.Limits,
+                 pinned: list[str]) -> dict:
     man = src.json("manifest.json")
     if not isinstance(man, list) or not man or not isinstance(man[0], dict):
         raise InvalidImage("docker save archive: manifest.json lists no image")
@@ -207,6 +212,8 @@ def _load_docker(src: _Source, store: LayerStore, limits: unpack.Limits) -> dict
         if not isinstance(rel, str):
             raise InvalidImage("docker save archive: a bad layer path")
         hexd = _digest_of(src, rel)  # the stored blob's own digest (a plain tar here)
+        store.pin([hexd])
+        pinned.append(hexd)
         store.ensure(hexd, _media_of(src, rel), did, _copier(src, rel, "sha256:" + hexd),
                      limits)
         hexes.append(hexd)

@@ -14,6 +14,7 @@ so unmounting at daemon stop (or GC) never pulls a layer out from under a live s
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import logging
@@ -50,6 +51,9 @@ class LayerStore:
         self._lock = threading.Lock()
         self._building: dict[str, threading.Lock] = {}
         self._mounted: set[str] = set()
+        # Layers a pull or import in progress has made or found, not yet listed by an image
+        # it recorded: GC leaves them alone (pin/unpin).
+        self._pins: collections.Counter[str] = collections.Counter()
         self.skeleton = os.path.join(self.dir, "skel")
         self.file_backed = True
         self._make_skeleton()
@@ -144,12 +148,21 @@ class LayerStore:
             return mnt
 
     # ---- adding ---------------------------------------------------------------------------
+    def pin(self, hexes: Iterable[str]) -> None:
+        with self._lock:
+            self._pins.update(hexes)
+
+    def unpin(self, hexes: Iterable[str]) -> None:
+        with self._lock:
+            self._pins.subtract(hexes)
+            self._pins += collections.Counter()  # drop the zeros
+
     def ensure(self, hexd: str, media_type: str, diff_id: str | None,
                fetch: Callable[[str], None], limits: unpack.Limits,
                on_state: Callable[[str], None] | None = None) -> dict:
         """The layer's record, fetched (``fetch(dest)`` writes the verified blob), unpacked
         and converted first if the store lacks it. Concurrent calls for one digest make it
-        once; a failure leaves nothing behind."""
+        once; a failure leaves nothing behind. The caller pins the layer first (GC)."""
         with self._lock:
             gate = self._building.setdefault(hexd, threading.Lock())
         with gate:
@@ -264,13 +277,14 @@ class LayerStore:
         except OSError:
             pass
 
-    def gc(self, keep: Iterable[str]) -> list[str]:
-        """Remove every layer not in ``keep`` (the layers of every image); returns them."""
+    def gc(self, keep: Iterable[str], only: Iterable[str] | None = None) -> list[str]:
+        """Remove every layer (of ``only``, if given) not in ``keep`` (the layers of every
+        image) and not pinned; returns them."""
         wanted = set(keep)
         gone = []
         with self._lock:
-            for hexd in self.all():
-                if hexd in wanted or hexd in self._building:
+            for hexd in self.all() if only is None else sorted(set(only) & set(self.all())):
+                if hexd in wanted or hexd in self._building or self._pins[hexd] > 0:
                     continue
                 self._unmount(hexd)
                 trash = os.path.join(self.tmp_dir, f"rm-{hexd}")

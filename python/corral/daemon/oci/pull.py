@@ -44,11 +44,14 @@ def image_config(cfg: dict) -> dict[str, Any]:
 
 
 def pull(ref: Reference, store: LayerStore, limits: unpack.Limits,
-         insecure: frozenset[str] = frozenset(), progress: Progress | None = None) -> dict:
+         insecure: frozenset[str] = frozenset(), progress: Progress | None = None,
+         pinned: list[str] | None = None, created: list[str] | None = None) -> dict:
     """The new image's metadata (the caller records it). Every layer is in the store when
     this returns; a failure leaves no half-made layer (layers already complete stay, shared
     and content-addressed, for the next attempt; GC removes them if no image claims them)."""
     emit = progress or (lambda e: None)
+    pinned = [] if pinned is None else pinned  # the caller unpins once the image is recorded
+    created = [] if created is None else created  # new layers: removed if the pull fails
     t0 = time.monotonic()
     with registry.Registry(ref, insecure) as reg:
         manifest, mtype, digest = reg.manifest(ref.reference)
@@ -97,7 +100,11 @@ def pull(ref: Reference, store: LayerStore, limits: unpack.Limits,
                       "done": size, "total": size})
 
             did = diff_ids[i] if isinstance(diff_ids[i], str) else None
+            store.pin([hexd])
+            pinned.append(hexd)
             store.ensure(hexd, media, did, fetch, limits, state)
+            if not cached:
+                created.append(hexd)
             emit({"event": "layer", "digest": "sha256:" + hexd,
                   "state": "cached" if cached else "done", "done": size, "total": size})
             hexes.append(hexd)

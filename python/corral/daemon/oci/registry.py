@@ -17,6 +17,7 @@ import httpx
 
 from corral.daemon.oci import auth
 from corral.daemon.oci.ref import Reference
+from corral.daemon.oci.ref import parse as parse_ref
 from corral.errors import (
     DigestMismatch,
     ImageNotFound,
@@ -55,6 +56,7 @@ class Registry:
                  timeout: float = 60.0) -> None:
         self.ref = ref
         self.plain_ok = ref.loopback() or ref.registry in insecure
+        self.insecure = insecure
         self.base = ""
         self.creds = auth.credentials(ref.registry)  # at pull time: a fresh login counts
         self.client = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0),
@@ -100,6 +102,16 @@ class Registry:
                          + ("" if self.plain_ok else " (plain HTTP is allowed only for "
                             "registries on 127.0.0.0/8 or named in CORRAL_INSECURE_REGISTRIES)"))
 
+    def _plain_realm(self, realm: str) -> bool:
+        """A plain-HTTP token realm gets the credentials only on loopback or an insecure
+        registry's own host."""
+        host = httpx.URL(realm).host
+        netloc = httpx.URL(realm).netloc.decode()
+        try:
+            return parse_ref(f"{netloc}/x").loopback() or netloc in self.insecure
+        except Exception:  # noqa: BLE001 - a malformed realm is simply not allowed
+            return host == "localhost"
+
     def _unauthorized(self, why: str) -> RegistryUnauthorized:
         hint = "" if self.creds else (f"; no credentials for {self.ref.registry} in "
                                       f"{auth.config_path()}")
@@ -119,9 +131,10 @@ class Registry:
         if self.scheme != "bearer" or not self.params.get("realm"):
             raise self._unauthorized(f"unsupported challenge {self.scheme!r}")
         realm = self.params["realm"]
-        if not realm.startswith("https://") and not (self.plain_ok
-                                                     and realm.startswith("http://")):
-            raise self._unauthorized(f"token realm {realm!r} is not HTTPS")
+        if not realm.startswith("https://") and not (realm.startswith("http://")
+                                                     and self._plain_realm(realm)):
+            raise self._unauthorized(f"token realm {realm!r} is not HTTPS (plain HTTP only "
+                                     "on loopback or a registry named insecure)")
         q = {"scope": f"repository:{self.ref.repo}:pull"}
         if self.params.get("service"):
             q["service"] = self.params["service"]
