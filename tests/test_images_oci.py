@@ -451,3 +451,23 @@ def test_snapshot_fork_restore_of_an_image_sandbox(env: dict) -> None:
         with pytest.raises(Conflict):  # the snapshot holds the image
             admin.remove_image(ref, endpoint=env["ep"])
         snap.delete()
+
+
+@pytest.mark.parametrize("kill9", [False, True])
+def test_image_sandboxes_across_a_daemon_restart(env: dict, kill9: bool) -> None:
+    ref = f"{env['plain'].addr}/team/app:latest"
+    d, ep = env["daemon"], env["ep"]
+    sb = corral.Sandbox(image=ref, endpoint=ep)
+    try:
+        # a graceful stop ends the sandboxes and unmounts the layers; a kill leaves both,
+        # and the next daemon re-adopts the sandbox and reuses the mounts
+        d.restart(kill9=kill9)
+        if kill9:
+            assert sb.exec("cat /opt/z.txt").stdout == "from a zstd layer\n"
+        else:
+            with pytest.raises(corral.DaemonRestarted):
+                sb.exec("true")
+        with corral.Sandbox(image=ref, endpoint=ep) as again:
+            assert again.exec("cat /opt/data/new").stdout == "new data\n"
+    finally:
+        sb.kill()

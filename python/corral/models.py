@@ -92,9 +92,25 @@ class _Response(BaseModel):
 DEFAULT_DISK_MB = 10240
 
 
+# `at` of a layer: absolute, its first component none of proc, dev, tmp, ".", ".." (those are
+# the sandbox's own mounts; spelled without lookaround so JSON-schema tools can use it).
+LAYER_AT_PATTERN = (
+    r"^/(?:[^pdt\./\x00][^/\x00]*"
+    r"|p(?:|[^r/\x00][^/\x00]*|r(?:|[^o/\x00][^/\x00]*|o(?:|[^c/\x00][^/\x00]*|c(?:[^/\x00]+))))"
+    r"|d(?:|[^e/\x00][^/\x00]*|e(?:|[^v/\x00][^/\x00]*|v(?:[^/\x00]+)))"
+    r"|t(?:|[^m/\x00][^/\x00]*|m(?:|[^p/\x00][^/\x00]*|p(?:[^/\x00]+)))"
+    r"|\.(?:[^\./\x00][^/\x00]*|\.(?:[^/\x00]+)))(?:/[^/\x00]{0,255})*$")
+
+
 class LayerSpec(_Model):
     """One layer composed over the sandbox's image at create time: an image's files
     (a toolkit) or a host directory's (a workspace, content-hashed and cached), at ``at``."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
+        {"required": ["image"], "properties": {"image": {"type": "string"},
+                                               "dir": {"type": "null"}}},
+        {"required": ["dir"], "properties": {"dir": {"type": "string"},
+                                             "image": {"type": "null"}}}]})
 
     image: str | None = Field(None, min_length=1, max_length=512,
                               description="an image (a registry reference is pulled)")
@@ -102,8 +118,10 @@ class LayerSpec(_Model):
                             json_schema_extra={"pattern": r"^/[^\x00]*$"},
                             description="absolute host path of a directory: the local socket "
                                         "or the daemon's import directory only")
-    at: AbsPath = Field(description="where it appears in the sandbox (not / nor under /proc, "
-                                    "/dev, /tmp); writable, copy-on-write")
+    at: Annotated[str, AfterValidator(_path_len)] = Field(
+        pattern=LAYER_AT_PATTERN, description="where it appears in the sandbox (not / nor "
+                                              "under /proc, /dev, /tmp); writable, "
+                                              "copy-on-write")
     digest: str | None = Field(None, max_length=80, description=(
         "set by the daemon: the layer a dir resolved to (dir:<sha256 of its contents>)"))
 
@@ -111,7 +129,8 @@ class LayerSpec(_Model):
     def _one_source(self) -> LayerSpec:
         if (self.image is None) == (self.dir is None):
             raise ValueError("a layer names exactly one of image or dir")
-        if self.at.rstrip("/") == "" or self.at.split("/")[1] in ("proc", "dev", "tmp"):
+        if self.at.rstrip("/") == "" or self.at.split("/")[1] in ("proc", "dev", "tmp", ".",
+                                                                  ".."):
             raise ValueError(f"layer target {self.at!r} must not be / nor under /proc, /dev, "
                              "/tmp")
         return self
@@ -457,8 +476,16 @@ class ImageInfo(_Response):
     source: str | None = None
 
 
+_COMP = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+# [registry[:port]/]repo[:tag][@sha256:hex], the grammar of corral.daemon.oci.ref.
+REFERENCE_PATTERN = (r"^(?:(?:[a-zA-Z0-9](?:[a-zA-Z0-9.-]*[a-zA-Z0-9])?|\[[0-9a-fA-F:]+\])"
+                     r"(?::[0-9]{1,5})?/)?" + _COMP + "(?:/" + _COMP + ")*"
+                     r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$")
+
+
 class PullImageRequest(_Model):
-    reference: str = Field(min_length=1, max_length=512, description=(
+    reference: str = Field(min_length=1, max_length=512, pattern=REFERENCE_PATTERN,
+                           description=(
         "[registry[:port]/]repository[:tag][@sha256:digest]; no registry means docker.io"))
     progress: bool = Field(False, description=(
         "answer with NDJSON progress events (resolved, layer), then one line "

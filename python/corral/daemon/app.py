@@ -221,8 +221,7 @@ def _layer_dirs_allowed(request: web.Request, spec: SandboxSpec) -> SandboxSpec:
     engine = _engine(request)
     layers = []
     for lay in spec.layers:
-        if lay.digest is not None:
-            raise InvalidRequest("a layer's digest is the daemon's to set: name its dir")
+        lay = lay.model_copy(update={"digest": None})  # the daemon's to set, from the dir
         if lay.dir is not None:
             lay = lay.model_copy(update={"dir": resolve_source(
                 lay.dir, admin=is_unix(request), import_dir=engine.config.import_dir)})
@@ -896,6 +895,8 @@ ROUTES: tuple[Route, ...] = (
 MAX_LINE_SIZE, MAX_FIELD_SIZE = 1 << 16, 1 << 14
 # /v1/sandboxes/batch is not a sandbox id: its methods are its own (405 names them).
 _ID_RE = "{id:(?!batch$)[^/]+}"
+# An image name may be a reference (slashes, colons); /v1/images/pull and /prune are not.
+_NAME_RE = "{name:(?!(?:pull|prune)$).+}"
 
 
 def create_app(engine: Engine | None, token: str | None = None) -> web.Application:
@@ -906,5 +907,5 @@ def create_app(engine: Engine | None, token: str | None = None) -> web.Applicati
         run_code_api.install(app, engine.config.state_dir, engine.config.cgroup_name)
     for r in ROUTES:
         app.router.add_route(r.method, r.path.replace("{id}", _ID_RE)
-                             .replace("{name}", "{name:.+}"), r.handler)
+                             .replace("{name}", _NAME_RE), r.handler)
     return app

@@ -46,6 +46,7 @@ HOST = "host"
 # Bump when the host skeleton's recipe changes: every daemon then rebuilds it once.
 HOST_IMAGE_VERSION = 1
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.\-]{0,62}$")
+RESERVED = ("pull", "prune")  # /v1/images/pull and /prune are routes, not image names
 _TOP_LEVEL_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # Empty mountpoints / private dirs of the skeleton, with their modes.
 _SKELETON_DIRS = {
@@ -153,15 +154,15 @@ def pseudo_devices() -> frozenset[int]:
 
 def resolve_source(source: str, *, admin: bool, import_dir: str = "") -> str:
     """The host path an import may read, or why not. A source that is not an absolute path is
-    a registry reference (not supported yet). Host paths are for the admin (the local unix
-    socket, root-equivalent) or, for any client, inside the configured import directory
-    (checked after resolving symlinks)."""
+    a registry reference (pulled by POST /v1/images/pull, not imported). Host paths are for
+    the admin (the local unix socket, root-equivalent) or, for any client, inside the
+    configured import directory (checked after resolving symlinks)."""
     if "\0" in source:
         raise InvalidRequest("source must not contain NUL bytes")
     if not source.startswith("/"):
-        raise Unsupported("pulling images from a registry is not supported yet: upload a "
-                          "rootfs tarball (PUT /v1/images/{name}) or name a host path",
-                          details={"source": source})
+        raise Unsupported("an import names a host path or uploads a tarball (PUT "
+                          "/v1/images/{name}); pull a registry reference with POST "
+                          "/v1/images/pull", details={"source": source})
     real = os.path.realpath(source)
     if import_dir:
         base = os.path.realpath(import_dir)
@@ -627,8 +628,9 @@ class ImageStore:
 
     # ---- import / remove -------------------------------------------------------------------
     def check_new(self, name: str) -> None:
-        if not isinstance(name, str) or not NAME_RE.match(name):
-            raise InvalidRequest(f"invalid image name {name!r}: must match {NAME_RE.pattern}")
+        if not isinstance(name, str) or not NAME_RE.match(name) or name in RESERVED:
+            raise InvalidRequest(f"invalid image name {name!r}: must match {NAME_RE.pattern}"
+                                 f" and not be {' or '.join(RESERVED)}")
         if name == HOST or name in self._images:
             raise Conflict(f"image {name!r} already exists", details={"image": name})
 

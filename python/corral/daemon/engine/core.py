@@ -356,9 +356,15 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         first (once, however many creates ask at the same time: oci.flight)."""
         if name == "host" or not looks_like_ref(name):
             return name  # a local name: never looked up in a registry
-        if self.images.has(name):
-            return str(self.images.canonical(name))
-        return str((await self.images.pull(name, missing_only=True)).name)
+        try:
+            if self.images.has(name):
+                return str(self.images.canonical(name))
+            return str((await self.images.pull(name, missing_only=True)).name)
+        except InvalidRequest as e:
+            if e.code != "invalid_request":
+                raise  # invalid_image, too_large: about a real image
+            raise ImageNotFound(f"no image {name!r}: {e.message}",
+                                details={"image": name}) from None
 
     async def _pull_missing(self, spec: SandboxSpec) -> SandboxSpec:
         """The spec with every image it names present on the node (by its full reference)
