@@ -69,6 +69,9 @@ class Config:
     # forbidden (a remote client cannot make the daemon fetch from anywhere it likes).
     registries: tuple[str, ...] = field(default_factory=lambda: tuple(
         r.strip() for r in _env("CORRAL_REGISTRIES", "").split(",") if r.strip()))
+    # How image layers are stored: "auto" (EROFS where mkfs.erofs and the kernel allow,
+    # plain directories otherwise) or "dir" (always directories: for comparison).
+    image_layers: str = field(default_factory=lambda: _env("CORRAL_IMAGE_LAYERS", "auto"))
     insecure_registries: tuple[str, ...] = field(default_factory=lambda: tuple(
         r.strip() for r in _env("CORRAL_INSECURE_REGISTRIES", "").split(",") if r.strip()))
 

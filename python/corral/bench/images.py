@@ -1,7 +1,8 @@
-"""``corral bench images``: create latency of a sandbox on a pulled 10-layer OCI image (layers
-as EROFS mounts stacked under overlay) against the ``host`` image, in the same run, cold
-creates (a hostname no warm pool serves); and the pull itself, from a docker-registry on
-loopback (started here, stopped after)."""
+"""``corral bench images``: create latency of a sandbox on a pulled 10-layer OCI image against
+the ``host`` image, in the same run, cold creates (a hostname no warm pool serves): with the
+layers as EROFS mounts (the session daemon) and as plain directories (a daemon of its own,
+``CORRAL_IMAGE_LAYERS=dir``); and the pulls, from a docker-registry on loopback (started here,
+stopped after)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import time
 from typing import Any
 
 from corral.bench import ocifix, sdk_runs
+from corral.bench.daemon import PrivateDaemon
 from corral.bench.results import OpResult
 from corral.bench.session import Session
 from corral.bench.stats import median, ratio
 
 LAYERS = 10
-SYSTEMS = ("host", "image")
+SYSTEMS = ("host", "image", "image-dir")
 
 
 def image_layers() -> list[tuple[str, list[ocifix.Member]]]:
@@ -39,30 +41,40 @@ def images(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
     ep = s.daemon.endpoint
     layout = ocifix.oci_layout("bench10", image_layers())
     runs: list[dict[str, OpResult]] = []
-    with ocifix.registry() as reg:
-        reg.push(layout, "bench/ten")
-        ref = f"{reg.addr}/bench/ten:latest"
-        t0 = time.perf_counter()
-        info = admin.pull_image(ref, endpoint=ep)
-        pull_ms = (time.perf_counter() - t0) * 1000
-        for r in range(R):
-            res: dict[str, OpResult] = {}
-            for name in SYSTEMS:
-                with s.ui.task(f"images {r + 1}/{R} {name} create/exec/destroy", n) as adv:
-                    res[name] = sdk_runs.latency(ep, n, adv, hostname="bench-images",
-                                                 image="host" if name == "host" else ref)
-            runs.append(res)
-        admin.remove_image(info.name, endpoint=ep)
+    # the same image with its layers as plain directories, on a daemon of its own
+    dird = PrivateDaemon(s.root / "images-dir", f"{s.prefix}img-dir", 100,
+                         env={"CORRAL_IMAGE_LAYERS": "dir"})
+    pull_ms: dict[str, float] = {}
+    try:
+        dird.start()
+        with ocifix.registry() as reg:
+            reg.push(layout, "bench/ten")
+            ref = f"{reg.addr}/bench/ten:latest"
+            for name, e in (("image", ep), ("image-dir", dird.endpoint)):
+                t0 = time.perf_counter()
+                admin.pull_image(ref, endpoint=e)
+                pull_ms[name] = (time.perf_counter() - t0) * 1000
+            for r in range(R):
+                res: dict[str, OpResult] = {}
+                for name in SYSTEMS:
+                    e = dird.endpoint if name == "image-dir" else ep
+                    with s.ui.task(f"images {r + 1}/{R} {name} create/exec/destroy",
+                                   n) as adv:
+                        res[name] = sdk_runs.latency(e, n, adv, hostname="bench-images",
+                                                     image="host" if name == "host" else ref)
+                runs.append(res)
+            admin.remove_image(ref, endpoint=ep)
+    finally:
+        dird.stop()
     med: dict[str, Any] = {}
     for name in SYSTEMS:
         med[name] = {f"{ph}_p50_ms": _round(median([median(res[name].phases.get(ph, []))
                                                     for res in runs]))
                      for ph in ("create", "first_exec", "ttfr", "destroy")}
-    ratios = {f"image/host {ph}_p50": _round(median([
-        ratio(median(res["image"].phases.get(ph, [])), median(res["host"].phases.get(ph, [])))
-        for res in runs])) for ph in ("create", "ttfr")}
-    sec = {"n": n, "layers": LAYERS, "pull_ms": _round(pull_ms),
-           "layer_format": "erofs" if shutil.which("mkfs.erofs") else "dir",
+    ratios = {f"{img}/host {ph}_p50": _round(median([
+        ratio(median(res[img].phases.get(ph, [])), median(res["host"].phases.get(ph, [])))
+        for res in runs])) for img in ("image", "image-dir") for ph in ("create", "ttfr")}
+    sec = {"n": n, "layers": LAYERS, "pull_ms": {k: _round(v) for k, v in pull_ms.items()},
            "median": med, "ratios": ratios,
            "runs": [{k: v.to_json() for k, v in res.items()} for res in runs]}
     return sec, {}

@@ -373,7 +373,7 @@ class ImageStore:
     def __init__(self, state_dir: str, max_bytes: int = MAX_IMAGE_BYTES,
                  max_files: int = MAX_IMAGE_MEMBERS,
                  insecure_registries: frozenset[str] = frozenset(),
-                 allowed_registries: frozenset[str] = frozenset()) -> None:
+                 allowed_registries: frozenset[str] = frozenset(), erofs: bool = True) -> None:
         self.dir = os.path.join(state_dir, "images")
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         os.chmod(self.dir, 0o700)
@@ -382,7 +382,7 @@ class ImageStore:
         self.max_bytes, self.max_files = max_bytes, max_files
         self.insecure = insecure_registries
         self.allowed = allowed_registries  # empty: any
-        self.layers = LayerStore(state_dir)
+        self.layers = LayerStore(state_dir, erofs)
         self._flights: dict[str, Any] = {}  # reference -> the pull under way (oci.flight)
         self._gc_temp()
         for n in sorted(os.listdir(self.dir)):

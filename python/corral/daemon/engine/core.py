@@ -139,7 +139,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
             c = self.config
             self.images = ImageStore(c.state_dir, c.image_max_bytes, c.image_max_files,
                                      frozenset(c.insecure_registries),
-                                     frozenset(c.registries))
+                                     frozenset(c.registries), erofs=c.image_layers != "dir")
         await asyncio.to_thread(self.images.ensure_host)
         ctx = registry.Context(self.config, self.images, self.shared)
         self.substrates = registry.build(self.substrate_names, ctx, self.unavailable)

@@ -38,7 +38,7 @@ SKELETON = {"proc": 0o555, "dev": 0o755, "sys": 0o555, "tmp": 0o1777, "etc": 0o7
 
 
 class LayerStore:
-    def __init__(self, state_dir: str) -> None:
+    def __init__(self, state_dir: str, erofs: bool = True) -> None:
         self.dir = os.path.join(state_dir, "oci")
         self.layers_dir = os.path.join(self.dir, "layers")
         self.mnt_dir = os.path.join(self.dir, "m")
@@ -57,7 +57,7 @@ class LayerStore:
         self.skeleton = os.path.join(self.dir, "skel")
         self.file_backed = True
         self._make_skeleton()
-        self.erofs = self._probe_erofs()
+        self.erofs = erofs and self._probe_erofs()
 
     # ---- set-up ---------------------------------------------------------------------------
     def _make_skeleton(self) -> None:

@@ -71,12 +71,11 @@ def parse(text: str) -> Reference:
             raise InvalidRequest(f"invalid digest in image reference {text!r} (sha256:<64 hex>)",
                                  details={"reference": text})
     first, slash, remainder = rest.partition("/")
+    # The first component is a registry if it looks like a host (a dot, a port, localhost,
+    # an IPv6 literal) and is a valid one; else it is part of the repository.
     if slash and ("." in first or ":" in first or first == "localhost"
-                  or first.startswith("[")):
+                  or first.startswith("[")) and _HOST.match(first):
         registry, path = first, remainder
-        if not _HOST.match(registry):
-            raise InvalidRequest(f"invalid registry {registry!r} in {text!r}",
-                                 details={"reference": text})
     else:
         registry, path = DOCKER_HUB, rest
     tag = None
@@ -85,7 +84,7 @@ def parse(text: str) -> Reference:
         if not _TAG.match(tag):
             raise InvalidRequest(f"invalid tag {tag!r} in {text!r}", details={"reference": text})
     parts = path.split("/")
-    if not path or len(path) > 255 or not all(_COMPONENT.match(p) for p in parts):
+    if not path or not all(_COMPONENT.match(p) for p in parts):
         raise InvalidRequest(f"invalid repository {path!r} in {text!r}: lowercase letters, "
                              "digits and . _ - separators", details={"reference": text})
     if registry == DOCKER_HUB and len(parts) == 1:
