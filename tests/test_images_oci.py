@@ -71,6 +71,7 @@ def layouts() -> dict[str, str]:
     out["symwrite"] = fx.oci_layout("symwrite", [("gzip", [
         fx.sym("evil", "/var/tmp/corral-img-target"), fx.f("evil/pwned", b"x")])])
     out["hardlink"] = fx.oci_layout("hardlink", [("gzip", [fx.link("shadow", "/etc/shadow")])])
+    out["deep"] = fx.oci_layout("deep", [("gzip", [fx.f("d/" * 600 + "x", b"deep")])])
     out["huge"] = fx.oci_layout("huge", [("zstd", [fx.f("zeros", 200 << 20)])])
     out["many"] = fx.oci_layout("many", [("zstd", [fx.f(f"f{i}") for i in range(30_000)])])
     return out
@@ -98,7 +99,7 @@ def env(layouts: dict[str, str]) -> Iterator[dict]:
         plain.push(layouts["other"], "team/other")
         plain.push(layouts["index"], "team/multi", "latest", "--all")
         plain.push(layouts["other"], "team/docker", "latest", "--format", "v2s2")
-        for name in ("dotdot", "symwrite", "hardlink", "huge", "many"):
+        for name in ("dotdot", "symwrite", "hardlink", "deep", "huge", "many"):
             plain.push(layouts[name], f"hostile/{name}")
         basic.push(layouts["other"], "private/other")
         token.push(layouts["other"], "private/other")
@@ -276,7 +277,7 @@ def test_a_blob_that_does_not_match_its_digest_is_rejected(env: dict, layouts: d
 # ---- hostile layers -----------------------------------------------------------------------
 @pytest.mark.parametrize("name,error", [
     ("dotdot", InvalidImage), ("symwrite", InvalidImage), ("hardlink", InvalidImage),
-    ("huge", TooLarge), ("many", TooLarge)])
+    ("deep", InvalidImage), ("huge", TooLarge), ("many", TooLarge)])
 def test_hostile_layer_is_refused_and_leaves_nothing(env: dict, name: str, error: type) -> None:
     state = env["daemon"].state_dir
     before = layer_dirs(state)

@@ -40,6 +40,7 @@ _OPQ = ".wh..wh..opq"
 _PAX_XATTR = "SCHILY.xattr."
 _DROPPED_XATTRS = ("trusted.", "security.capability")
 _SUID = stat.S_ISUID | stat.S_ISGID
+MAX_DEPTH = 512  # directory levels of a member (the copy and mkfs walk trees this deep)
 
 
 @dataclass
@@ -98,6 +99,11 @@ def _rel(name: str) -> list[str]:
     if any(p == ".." for p in parts) or "\0" in name:
         raise InvalidImage(f"layer member {name!r} escapes the layer ('..' or NUL)",
                            details={"member": name})
+    if len(parts) > MAX_DEPTH or any(len(p.encode("utf-8", "surrogateescape")) > 255
+                                     for p in parts):
+        raise InvalidImage(f"layer member {name[:200]!r}... is more than {MAX_DEPTH} "
+                           "directories deep or has a name over 255 bytes",
+                           details={"max_depth": MAX_DEPTH})
     return parts
 
 
