@@ -17,13 +17,13 @@ from corral.bench.session import Session
 from corral.bench.stats import median, ratio
 
 LAYERS = 10
-SYSTEMS = ("host", "image", "image-dir")
+SYSTEMS = ("host", "image", "image-dir", "image-40")
 
 
-def image_layers() -> list[tuple[str, list[ocifix.Member]]]:
-    """busybox plus nine small layers, each adding a directory of files."""
+def image_layers(layers: int = LAYERS) -> list[tuple[str, list[ocifix.Member]]]:
+    """busybox plus small layers, each adding a directory of files."""
     out: list[tuple[str, list[ocifix.Member]]] = [("gzip", ocifix.busybox_base())]
-    for i in range(1, LAYERS):
+    for i in range(1, layers):
         files = [ocifix.d(f"opt/l{i}")] + [ocifix.f(f"opt/l{i}/f{j}", b"x" * 4096)
                                            for j in range(50)]
         out.append(("gzip" if i % 2 else "zstd", [ocifix.d("opt"), *files]))
@@ -49,10 +49,13 @@ def images(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
         dird.start()
         with ocifix.registry() as reg:
             reg.push(layout, "bench/ten")
+            reg.push(ocifix.oci_layout("bench40", image_layers(40)), "bench/forty")
             ref = f"{reg.addr}/bench/ten:latest"
-            for name, e in (("image", ep), ("image-dir", dird.endpoint)):
+            ref40 = f"{reg.addr}/bench/forty:latest"
+            refs = {"image": ref, "image-dir": ref, "image-40": ref40}
+            for name, e in (("image", ep), ("image-dir", dird.endpoint), ("image-40", ep)):
                 t0 = time.perf_counter()
-                admin.pull_image(ref, endpoint=e)
+                admin.pull_image(refs[name], endpoint=e)
                 pull_ms[name] = (time.perf_counter() - t0) * 1000
             for r in range(R):
                 res: dict[str, OpResult] = {}
@@ -61,9 +64,10 @@ def images(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
                     with s.ui.task(f"images {r + 1}/{R} {name} create/exec/destroy",
                                    n) as adv:
                         res[name] = sdk_runs.latency(e, n, adv, hostname="bench-images",
-                                                     image="host" if name == "host" else ref)
+                                                     image=refs.get(name, "host"))
                 runs.append(res)
-            admin.remove_image(ref, endpoint=ep)
+            for r_ in (ref, ref40):
+                admin.remove_image(r_, endpoint=ep)
     finally:
         dird.stop()
     med: dict[str, Any] = {}
@@ -73,7 +77,8 @@ def images(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
                      for ph in ("create", "first_exec", "ttfr", "destroy")}
     ratios = {f"{img}/host {ph}_p50": _round(median([
         ratio(median(res[img].phases.get(ph, [])), median(res["host"].phases.get(ph, [])))
-        for res in runs])) for img in ("image", "image-dir") for ph in ("create", "ttfr")}
+        for res in runs])) for img in ("image", "image-dir", "image-40")
+        for ph in ("create", "ttfr")}
     sec = {"n": n, "layers": LAYERS, "pull_ms": {k: _round(v) for k, v in pull_ms.items()},
            "median": med, "ratios": ratios,
            "runs": [{k: v.to_json() for k, v in res.items()} for res in runs]}
