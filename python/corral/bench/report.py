@@ -258,8 +258,9 @@ def gvisor_table(sec: dict[str, Any]) -> Table:
 def images_table(sec: dict[str, Any]) -> Table:
     pulls = ", ".join(f"{k} {_f(v, 0)} ms" for k, v in (sec.get("pull_ms") or {}).items())
     t = Table(title=f"a pulled {sec.get('layers')}-layer OCI image (EROFS layers; "
-                    f"image-dir: plain directories; image-40: 40 layers) vs the host image  (N={sec['n']}, ms, median of "
-                    f"{len(sec['runs'])} runs; cold creates; pull: {pulls})"
+                    f"image-dir: plain directories; image-40: 40 layers) vs the host image  "
+                    f"(N={sec['n']}, ms, median of {len(sec['runs'])} runs; cold creates; "
+                    f"pull: {pulls})"
                     + (f": skipped, {sec['skipped']}" if sec.get("skipped") else ""))
     for c in ("image", "create p50", "first exec p50", "create+exec p50", "destroy p50"):
         t.add_column(c, justify="left" if c == "image" else "right")
