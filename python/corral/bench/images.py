@@ -30,6 +30,65 @@ def image_layers(layers: int = LAYERS) -> list[tuple[str, list[ocifix.Member]]]:
     return out
 
 
+BIG_LAYERS, BIG_LAYER_MB = 5, 20
+
+
+def big_layers() -> list[tuple[str, list[ocifix.Member]]]:
+    """Five layers of 20 MB of incompressible bytes each (gzip, as registries serve)."""
+    return [("gzip", [ocifix.d("data"),
+                      ocifix.rand(f"data/blob{i}", BIG_LAYER_MB << 20, i)])
+            for i in range(BIG_LAYERS)]
+
+
+def _skopeo_and_tar(ref: str, work: str) -> float:
+    """ms for what a pull replaces: ``skopeo copy`` to a local dir, then ``tar -x`` of every
+    layer into one tree."""
+    import json
+    import os
+    import subprocess
+
+    t0 = time.perf_counter()
+    d, root = os.path.join(work, "skopeo-dir"), os.path.join(work, "root")
+    os.makedirs(root)
+    subprocess.run(["skopeo", "copy", "--quiet", "--src-tls-verify=false",
+                    "--insecure-policy", f"docker://{ref}", f"dir:{d}"], check=True,
+                   capture_output=True, env={**os.environ, "HOME": work})
+    with open(os.path.join(d, "manifest.json")) as f:
+        layers = json.load(f)["layers"]
+    for lay in layers:
+        subprocess.run(["tar", "-xzf", os.path.join(d, lay["digest"].split(":")[1]), "-C",
+                        root], check=True)
+    return (time.perf_counter() - t0) * 1000
+
+
+def _pulls(s: Session, reg: ocifix.Registry, endpoints: dict[str, str]) -> dict[str, Any]:
+    """A 100 MB image: corral's pull (EROFS and directory layers, each from an empty store)
+    against skopeo copy + tar, in the same run, medians of the runs."""
+    import tempfile
+
+    from corral.sdk import admin
+
+    reg.push(ocifix.oci_layout("bench-big", big_layers()), "bench/big")
+    ref = f"{reg.addr}/bench/big:latest"
+    times: dict[str, list[float]] = {k: [] for k in (*endpoints, "skopeo+tar")}
+    for r in range(s.opts.runs):
+        with s.ui.task(f"images {r + 1}/{s.opts.runs} pull of 100 MB", None):
+            for name, e in endpoints.items():
+                t0 = time.perf_counter()
+                admin.pull_image(ref, endpoint=e)
+                times[name].append((time.perf_counter() - t0) * 1000)
+                admin.remove_image(ref, endpoint=e)
+            work = tempfile.mkdtemp(prefix="skopeo-", dir=str(s.root))
+            try:
+                times["skopeo+tar"].append(_skopeo_and_tar(ref, work))
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    med = {k: _round(median(v)) for k, v in times.items()}
+    return {"mb": BIG_LAYERS * BIG_LAYER_MB, "layers": BIG_LAYERS, "median_ms": med,
+            "ratios": {f"{k}/skopeo+tar": _round(ratio(med[k], med["skopeo+tar"]))
+                       for k in endpoints}}
+
+
 def images(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
     from corral.sdk import admin
 
@@ -68,6 +127,8 @@ def images(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
                 runs.append(res)
             for r_ in (ref, ref40):
                 admin.remove_image(r_, endpoint=ep)
+            admin.remove_image(ref, endpoint=dird.endpoint)
+            big = _pulls(s, reg, {"corral-erofs": ep, "corral-dir": dird.endpoint})
     finally:
         dird.stop()
     med: dict[str, Any] = {}
@@ -79,7 +140,8 @@ def images(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
         ratio(median(res[img].phases.get(ph, [])), median(res["host"].phases.get(ph, [])))
         for res in runs])) for img in ("image", "image-dir", "image-40")
         for ph in ("create", "ttfr")}
-    sec = {"n": n, "layers": LAYERS, "pull_ms": {k: _round(v) for k, v in pull_ms.items()},
+    sec = {"n": n, "layers": LAYERS, "pull_100mb": big,
+           "pull_ms": {k: _round(v) for k, v in pull_ms.items()},
            "median": med, "ratios": ratios,
            "runs": [{k: v.to_json() for k, v in res.items()} for res in runs]}
     return sec, {}

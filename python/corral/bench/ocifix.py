@@ -46,6 +46,12 @@ def f(name: str, data: bytes | int = b"", mode: int = 0o644, uid: int = 0, gid: 
                            "xattrs": xattrs or {}})
 
 
+def rand(name: str, size: int, seed: int) -> Member:
+    """A file of ``size`` pseudo-random (incompressible, reproducible) bytes."""
+    return ("file", name, {"rand": (size, seed), "mode": 0o644, "uid": 0, "gid": 0,
+                           "xattrs": {}})
+
+
 def sym(name: str, target: str) -> Member:
     return ("sym", name, {"target": target})
 
@@ -84,6 +90,11 @@ def _tar(members: list[Member], out: Any) -> None:
                 ti.pax_headers = {f"SCHILY.xattr.{k}": v for k, v in a["xattrs"].items()}
             if kind == "dir":
                 ti.type = tarfile.DIRTYPE
+            elif kind == "file" and "rand" in a:
+                import random
+
+                size, seed = a["rand"]
+                ti.size, src = size, io.BytesIO(random.Random(seed).randbytes(size))
             elif kind == "file":
                 data = a["data"]
                 if isinstance(data, int):

@@ -268,6 +268,12 @@ def images_table(sec: dict[str, Any]) -> Table:
         m = sec["median"].get(name, {})
         t.add_row(name, *(_f(m.get(k), 2) for k in (
             "create_p50_ms", "first_exec_p50_ms", "ttfr_p50_ms", "destroy_p50_ms")))
+    big = sec.get("pull_100mb")
+    if big:
+        t.caption = ("pull of a {} MB, {}-layer image (ms, median): ".format(
+            big["mb"], big["layers"]) + ", ".join(
+            f"{k} {_f(v, 0)}" for k, v in big["median_ms"].items()) + "; " + ", ".join(
+            f"{k} = {_f(v, 2)}" for k, v in big["ratios"].items()))
     return t
 
 
