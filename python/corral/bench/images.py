@@ -125,6 +125,13 @@ def images(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
                         res[name] = sdk_runs.latency(e, n, adv, hostname="bench-images",
                                                      image=refs.get(name, "host"))
                 runs.append(res)
+            # memory per live sandbox, host vs the 10-layer image, same daemon
+            from corral.bench.scenarios import _density_corral
+
+            live = 5 * n
+            density = {name: _density_corral(s, live, f"images density {name}",
+                                             image=img)[0]
+                       for name, img in (("host", "host"), ("image", ref))}
             for r_ in (ref, ref40):
                 admin.remove_image(r_, endpoint=ep)
             admin.remove_image(ref, endpoint=dird.endpoint)
@@ -140,7 +147,10 @@ def images(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
         ratio(median(res[img].phases.get(ph, [])), median(res["host"].phases.get(ph, [])))
         for res in runs])) for img in ("image", "image-dir", "image-40")
         for ph in ("create", "ttfr")}
+    keys = ("kib_per_sandbox", "memcg_kib_per_sandbox", "memcg_nocache_kib_per_sandbox",
+            "init_pss_kib", "create_s", "made")
     sec = {"n": n, "layers": LAYERS, "pull_100mb": big,
+           "density": {k: {m: v.get(m) for m in keys} for k, v in density.items()},
            "pull_ms": {k: _round(v) for k, v in pull_ms.items()},
            "median": med, "ratios": ratios,
            "runs": [{k: v.to_json() for k, v in res.items()} for res in runs]}

@@ -268,9 +268,15 @@ def images_table(sec: dict[str, Any]) -> Table:
         m = sec["median"].get(name, {})
         t.add_row(name, *(_f(m.get(k), 2) for k in (
             "create_p50_ms", "first_exec_p50_ms", "ttfr_p50_ms", "destroy_p50_ms")))
+    dens = sec.get("density") or {}
     big = sec.get("pull_100mb")
+    if dens:
+        t.caption = (t.caption or "") + "; ".join(
+            f"{k}: {v.get('made')} live, {_f(v.get('kib_per_sandbox'), 0)} KiB/sandbox "
+            f"(MemAvailable), {_f(v.get('memcg_nocache_kib_per_sandbox'), 0)} KiB memcg "
+            "w/o cache" for k, v in dens.items()) + ". "
     if big:
-        t.caption = ("pull of a {} MB, {}-layer image (ms, median): ".format(
+        t.caption = (t.caption or "") + ("pull of a {} MB, {}-layer image (ms, median): ".format(
             big["mb"], big["layers"]) + ", ".join(
             f"{k} {_f(v, 0)}" for k, v in big["median_ms"].items()) + "; " + ", ".join(
             f"{k} = {_f(v, 2)}" for k, v in big["ratios"].items()))

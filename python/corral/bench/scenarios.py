@@ -328,7 +328,7 @@ def _rate_summary(pts: list[tuple[int, float]]) -> dict[str, float | None]:
 
 
 def _density_corral(s: Session, n: int, tag: str,
-                    network: str = "none") -> tuple[dict[str, Any], list]:
+                    network: str = "none", image: str = "host") -> tuple[dict[str, Any], list]:
     ep = s.daemon.endpoint
     cg = [s.daemon.cgroup_name, s.prefix + "dproc"]
     host.settle()
@@ -337,7 +337,7 @@ def _density_corral(s: Session, n: int, tag: str,
     name = sdk_runs.system_name(network)
     with s.ui.task(f"{tag} {name} create", n) as adv:
         ids, pts, wall, err = sdk_runs.fill(ep, n, s.opts.batch, adv,
-                                            network)  # type: ignore[arg-type]
+                                            network, image)  # type: ignore[arg-type]
     try:
         host.settle()
         after, rss1 = _mem(cg), s.daemon.rss_kib() or 0

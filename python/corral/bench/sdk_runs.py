@@ -260,7 +260,7 @@ def exec_async(endpoint: str, n: int, conc: int, advance: Advance = _noop) -> Op
 
 # ---- density: fill, hold, destroy -----------------------------------------------------------
 def fill(endpoint: str, count: int, batch: int, advance: Advance = _noop,
-         network: NetworkMode = "none",
+         network: NetworkMode = "none", image: str = "host",
          ) -> tuple[list[str], list[tuple[int, float]], float, str | None]:
     """Create ``count`` idle sandboxes in batches (``create_many``). Returns (ids,
     [(live count before the batch, creates/s of the batch)], wall seconds, error or None)."""
@@ -272,7 +272,7 @@ def fill(endpoint: str, count: int, batch: int, advance: Advance = _noop,
         b = min(batch, count - len(ids))
         t = time.perf_counter()
         try:
-            boxes = Sandbox.create_many(b, "host", endpoint=endpoint, timeout=TTL_S,
+            boxes = Sandbox.create_many(b, image, endpoint=endpoint, timeout=TTL_S,
                                         network=network)
         except CorralError as e:
             error = _err(e)
