@@ -13,9 +13,13 @@ fi
 # Debian packages: compilers (the static sandbox init needs libc6-dev's libc.a), Python venv
 # support, iproute2 and util-linux (tests), procps, btrfs-progs (mkfs.btrfs: the sandboxes' disk),
 # lxcfs (each sandbox's /proc view of its own limits: docs/daemon.md), runsc (gVisor: the
-# gvisor substrate, docs/substrates.md), nftables (libnftables: sandbox network rules, docs/network.md).
+# gvisor substrate, docs/substrates.md), nftables (libnftables: sandbox network rules,
+# docs/network.md), erofs-utils (mkfs.erofs: image layers, docs/images.md); for the image
+# tests: docker-registry (a real OCI registry on loopback), skopeo (pushes the test images),
+# busybox-static (their rootfs), apache2-utils (htpasswd), zstd, openssl.
 PKGS=(build-essential libc6-dev pkg-config python3 python3-venv python3-dev iproute2 util-linux
-      procps tar xz-utils btrfs-progs lxcfs runsc nftables)
+      procps tar xz-utils btrfs-progs lxcfs runsc nftables erofs-utils docker-registry skopeo
+      busybox-static apache2-utils zstd openssl)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

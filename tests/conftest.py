@@ -50,6 +50,9 @@ os.environ.pop("CORRAL_URL", None)
 # tests of the SDK's autostart run their clients with it on, against daemons of their own.
 os.environ["CORRAL_AUTOSTART"] = "0"
 os.environ.pop("CORRAL_TCP", None)
+# No packet leaves this machine: an image reference a test makes up is never pulled from a
+# real registry (tests/test_images_oci.py names its own, on this machine).
+os.environ["CORRAL_REGISTRIES"] = "registry.invalid"
 
 
 def wait_until(pred, timeout: float = 10.0, interval: float = 0.02) -> bool:  # type: ignore[no-untyped-def]

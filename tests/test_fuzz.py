@@ -60,7 +60,9 @@ def tcp_daemon():
     port, token = _free_port(), secrets.token_hex(16)
     with private_daemon("corral-fuzz-", f"{CGROUP_NAME}-fuzz", CORRAL_MAX_SANDBOXES="24",
                         CORRAL_POOL="off", CORRAL_TCP=f"127.0.0.1:{port}",
-                        CORRAL_TOKEN=token) as d:
+                        CORRAL_TOKEN=token,
+                        # generated image references must not reach the network (DNS)
+                        CORRAL_REGISTRIES="registry.invalid") as d:
         d.port, d.token = port, token  # type: ignore[attr-defined]
         yield d
 

@@ -32,11 +32,13 @@ from corral.errors import (
     Unauthorized,
     Unsupported,
 )
-from corral.models import Network
+from corral.models import Layer, LayerSpec, Network  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Layer",
+    "LayerSpec",
     "CapacityExceeded",
     "Conflict",
     "CorralError",

@@ -93,6 +93,9 @@ def umount(target: str) -> None: ...
 def mount_loop(image: str, target: str, fstype: str, options: str,
                direct_io: bool = True) -> str:
     """Attach ``image`` to a free loop device (autoclear) and mount it; returns the device."""
+def mount_file_ro(image: str, target: str, fstype: str) -> None:
+    """Mount the filesystem image file ``image`` read-only (nosuid, nodev) on ``target``,
+    file-backed (no loop device)."""
 def mount_cgroups_in(pidfd: int, tasks: list[str],
                      mounts: list[tuple[str, str, str]]) -> None:
     """Mount (target, fstype, options) read-only in the init's mount namespace, rooted at the

@@ -60,6 +60,22 @@ class Config:
     log_max_bytes: int = field(
         default_factory=lambda: int(_env("CORRAL_LOG_MAX_BYTES", str(16 << 20))))
     log_backups: int = field(default_factory=lambda: int(_env("CORRAL_LOG_BACKUPS", "3")))
+    # Images (docs/images.md): the bound on one image's unpacked bytes and files, and the
+    # registries (host[:port], comma-separated) that may be reached over plain HTTP besides
+    # those on 127.0.0.0/8.
+    image_max_bytes: int = field(
+        default_factory=lambda: int(_env("CORRAL_IMAGE_MAX_BYTES", str(16 << 30))))
+    image_max_files: int = field(
+        default_factory=lambda: int(_env("CORRAL_IMAGE_MAX_FILES", "1000000")))
+    # If set (comma-separated host[:port]), the only registries pulls may reach; others are
+    # forbidden (a remote client cannot make the daemon fetch from anywhere it likes).
+    registries: tuple[str, ...] = field(default_factory=lambda: tuple(
+        r.strip() for r in _env("CORRAL_REGISTRIES", "").split(",") if r.strip()))
+    # How image layers are stored: "auto" (EROFS where mkfs.erofs and the kernel allow,
+    # plain directories otherwise) or "dir" (always directories: for comparison).
+    image_layers: str = field(default_factory=lambda: _env("CORRAL_IMAGE_LAYERS", "auto"))
+    insecure_registries: tuple[str, ...] = field(default_factory=lambda: tuple(
+        r.strip() for r in _env("CORRAL_INSECURE_REGISTRIES", "").split(",") if r.strip()))
 
 
 def load() -> Config:

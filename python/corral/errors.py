@@ -277,6 +277,37 @@ class Unsupported(CorralError):
 
 
 # --- infrastructure errors: mask these rollouts, don't learn from them ------------------------
+class InvalidImage(InvalidRequest):
+    """An image the daemon will not unpack: a manifest, config or layer that breaks the OCI
+    rules or corral's unpack policy (a ``..`` name, a write through a symlink, a hard link out
+    of its layer, no linux/amd64 variant, a schema-1 manifest). ``details`` says which."""
+
+    code, status = "invalid_image", 400
+
+
+class ImagePullFailed(CorralError):
+    """The registry could not be reached or answered with an error (``details``: registry,
+    reference, the HTTP status if any). Category ``infra``: not the agent's doing."""
+
+    code, status = "image_pull_failed", 502
+    CATEGORY = "infra"
+
+
+class RegistryUnauthorized(ImagePullFailed):
+    """The registry refused the credentials (or wants some and none are configured in
+    ``$DOCKER_CONFIG/config.json`` / ``~/.docker/config.json``)."""
+
+    code, status = "registry_unauthorized", 403
+    CATEGORY = "task"
+
+
+class DigestMismatch(ImagePullFailed):
+    """A manifest or blob did not hash to the digest it was fetched by: rejected, nothing of
+    it kept."""
+
+    code, status = "digest_mismatch", 502
+
+
 class InfraError(CorralError):
     code, status = "infra_error", 503
     CATEGORY = "infra"

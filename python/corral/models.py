@@ -10,7 +10,14 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 from pydantic.config import JsonDict
 
 # The substrates corral names; a daemon serves some of them (GET /v1/substrates). A create
@@ -114,10 +121,55 @@ def network_kind(network: NetworkSpec) -> NetworkKind:
 DEFAULT_DISK_MB = 10240
 
 
+# `at` of a layer: absolute, its first component none of proc, dev, tmp, ".", ".." (those are
+# the sandbox's own mounts; spelled without lookaround so JSON-schema tools can use it).
+LAYER_AT_PATTERN = (
+    r"^/(?:[^pdt\./\x00][^/\x00]*"
+    r"|p(?:|[^r/\x00][^/\x00]*|r(?:|[^o/\x00][^/\x00]*|o(?:|[^c/\x00][^/\x00]*|c(?:[^/\x00]+))))"
+    r"|d(?:|[^e/\x00][^/\x00]*|e(?:|[^v/\x00][^/\x00]*|v(?:[^/\x00]+)))"
+    r"|t(?:|[^m/\x00][^/\x00]*|m(?:|[^p/\x00][^/\x00]*|p(?:[^/\x00]+)))"
+    r"|\.(?:[^\./\x00][^/\x00]*|\.(?:[^/\x00]+)))(?:/[^/\x00]{0,255})*$")
+
+
+class LayerSpec(_Model):
+    """One layer composed over the sandbox's image at create time: an image's files
+    (a toolkit) or a host directory's (a workspace, content-hashed and cached), at ``at``."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
+        {"required": ["image"], "properties": {"image": {"type": "string"},
+                                               "dir": {"type": "null"}}},
+        {"required": ["dir"], "properties": {"dir": {"type": "string"},
+                                             "image": {"type": "null"}}}]})
+
+    image: str | None = Field(None, min_length=1, max_length=512,
+                              description="an image (a registry reference is pulled)")
+    dir: str | None = Field(None, min_length=1, max_length=MAX_PATH,
+                            json_schema_extra={"pattern": r"^/[^\x00]*$"},
+                            description="absolute host path of a directory: the local socket "
+                                        "or the daemon's import directory only")
+    at: Annotated[str, AfterValidator(_path_len)] = Field(
+        pattern=LAYER_AT_PATTERN, description="where it appears in the sandbox (not / nor "
+                                              "under /proc, /dev, /tmp); writable, "
+                                              "copy-on-write")
+    digest: str | None = Field(None, max_length=80, description=(
+        "set by the daemon: the layer a dir resolved to (dir:<sha256 of its contents>)"))
+
+    @model_validator(mode="after")
+    def _one_source(self) -> LayerSpec:
+        if (self.image is None) == (self.dir is None):
+            raise ValueError("a layer names exactly one of image or dir")
+        if self.at.rstrip("/") == "" or self.at.split("/")[1] in ("proc", "dev", "tmp", ".",
+                                                                  ".."):
+            raise ValueError(f"layer target {self.at!r} must not be / nor under /proc, /dev, "
+                             "/tmp")
+        return self
+
+
 class SandboxSpec(_Model):
     """What a client asks for when it creates a sandbox."""
 
-    image: str = Field("host", min_length=1, max_length=200)
+    image: str = Field("host", min_length=1, max_length=512, description=(
+        "host, a local image's name, or a registry reference (pulled on first use)"))
     substrate: Substrate = "container"
     cpu: float = Field(1.0, gt=0, le=256, description="CPU cores (CFS quota)")
     memory_mb: int = Field(512, ge=16, le=1024 * 1024)
@@ -149,10 +201,19 @@ class SandboxSpec(_Model):
                                                      "(Mbit/s; tc tbf on both ends of its link)")
     hostname: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9\-.]{0,62}$")
     cwd: AbsPath = Field("/root", description="absolute working directory for commands "
-                                              "(must exist, unless it is the default)")
+                                              "(must exist, unless it is the default; an "
+                                              "OCI image's WorkingDir when not given)")
+    user: str | int | None = Field(None, description=(
+        "who commands run as unless an exec names a user: a uid or a user name of the "
+        "sandbox's /etc/passwd (default: the OCI image's User, else root)"),
+        json_schema_extra={"anyOf": [
+            {"type": "integer", "minimum": 0, "maximum": 4294967294},
+            {"type": "string", "pattern": USER_PATTERN}, {"type": "null"}]})
     snapshot: str | None = Field(None, min_length=1, max_length=200,
                                  description="start on a snapshot (id or name); the image is "
                                              "the snapshot's")
+    layers: list[LayerSpec] = Field(default_factory=list, max_length=16, description=(
+        "composed over the image at create time, in order (docs/images.md)"))
     pause_ttl: PauseTTL = Field("count", description="while paused, the TTL and idle clocks "
                                                      "keep counting (count) or stop (stop)")
 
@@ -160,6 +221,15 @@ class SandboxSpec(_Model):
     @classmethod
     def _env_ok(cls, v: dict[str, str]) -> dict[str, str]:
         return check_env(v)
+
+    @field_validator("user")
+    @classmethod
+    def _spec_user_ok(cls, v: str | int | None) -> str | int | None:
+        if isinstance(v, int) and not 0 <= v < 2**32 - 1:
+            raise ValueError("user id out of range")
+        if isinstance(v, str) and not _USER.match(v):
+            raise ValueError(f"user must be a uid or a user name matching {USER_PATTERN}")
+        return v
 
     @field_validator("labels")
     @classmethod
@@ -476,17 +546,45 @@ class RenameRequest(_Model):
 
 
 class ImageInfo(_Response):
-    name: str
-    kind: Literal["builtin", "rootfs"]
+    name: str = Field(description="a local name, or the reference an OCI image was pulled by")
+    kind: Literal["builtin", "rootfs", "oci"]
     created_at: float
     size_bytes: int | None = None
+    digest: str | None = Field(None, description="OCI images: the manifest's digest")
+    layers: list[str] | None = Field(None, description="OCI images: layer digests, base first")
+    config: dict[str, Any] | None = Field(None, description=(
+        "OCI images: what a sandbox uses of the image config (Env, WorkingDir, User, "
+        "Entrypoint, Cmd, Labels, ExposedPorts, StopSignal)"))
+    source: str | None = None
+
+
+_COMP = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+# [registry[:port]/]repo[:tag][@sha256:hex], the grammar of corral.daemon.oci.ref.
+REFERENCE_PATTERN = (r"^(?:(?:[a-zA-Z0-9](?:[a-zA-Z0-9.-]*[a-zA-Z0-9])?|\[[0-9a-fA-F:]+\])"
+                     r"(?::[0-9]{1,5})?/)?" + _COMP + "(?:/" + _COMP + ")*"
+                     r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$")
+
+
+class PullImageRequest(_Model):
+    reference: str = Field(min_length=1, max_length=512, pattern=REFERENCE_PATTERN,
+                           description=(
+        "[registry[:port]/]repository[:tag][@sha256:digest]; no registry means docker.io"))
+    progress: bool = Field(False, description=(
+        "answer with NDJSON progress events (resolved, layer), then one line "
+        "{\"event\": \"done\", \"image\": ImageInfo} or {\"error\": {...}}"))
+
+
+class PruneResult(_Response):
+    layers_removed: list[str]
 
 
 class ImportImageRequest(_Model):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.\-]{0,62}$")
     source: str = Field(min_length=1, max_length=MAX_PATH,
                         json_schema_extra={"pattern": r"^/[^\x00]*$"},
-                        description="absolute host path of a rootfs directory or tarball: on "
+                        description="absolute host path of a rootfs directory or tarball, "
+                                    "an OCI image layout (directory or tar) or a docker "
+                                    "save archive: on "
                                     "the local socket, or under the daemon's import directory "
                                     "(else forbidden); anything else is a registry reference "
                                     "(unsupported)")
@@ -552,3 +650,32 @@ class LogEntry(_Response):
     snapshot_ids: list[str] = Field(default_factory=list, description=(
         "snapshots the call made or used: snapshot (the new one), fork (the one the children "
         "start from), restore (the one restored), create (the one it starts on)"))
+
+
+class Layer:
+    """Builders of :class:`LayerSpec`: ``Sandbox(image=base, layers=[Layer.from_image(
+    "tools:1", at="/opt/tools"), Layer.from_dir("./repo", at="/workspace")])``."""
+
+    @staticmethod
+    def _make(**fields: str) -> LayerSpec:
+        from pydantic import ValidationError
+
+        from corral.errors import InvalidRequest
+
+        try:
+            return LayerSpec(**fields)
+        except ValidationError as e:
+            msgs = "; ".join(str(d["msg"]) for d in e.errors(include_url=False)[:3])
+            raise InvalidRequest(f"invalid layer: {msgs}") from None
+
+    @staticmethod
+    def from_image(image: str, at: str) -> LayerSpec:
+        return Layer._make(image=image, at=at)
+
+    @staticmethod
+    def from_dir(path: str, at: str) -> LayerSpec:
+        """A host directory (the daemon's host: the local socket or its import directory),
+        content-hashed and cached, so every sandbox of one task shares one copy."""
+        import os
+
+        return Layer._make(dir=os.path.abspath(path), at=at)

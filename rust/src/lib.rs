@@ -296,6 +296,17 @@ fn mount_loop(
     Ok(py.detach(|| scratchfs::mount_loop(&image, &target, &fstype, &options, direct_io))?)
 }
 
+/// Mount the filesystem image file `image` read-only on `target` (file-backed, no loop device).
+#[pyfunction]
+fn mount_file_ro(
+    py: Python<'_>,
+    image: OsString,
+    target: OsString,
+    fstype: String,
+) -> PyResult<()> {
+    Ok(py.detach(|| scratchfs::mount_file_ro(&image, &target, &fstype))?)
+}
+
 /// Turn btrfs quotas on for the filesystem mounted at `mnt` (simple quotas if `simple`).
 #[pyfunction]
 fn btrfs_quota_enable(py: Python<'_>, mnt: OsString, simple: bool) -> PyResult<()> {
@@ -658,6 +669,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(mount_tmpfs, m)?)?;
     m.add_function(wrap_pyfunction!(umount, m)?)?;
     m.add_function(wrap_pyfunction!(mount_loop, m)?)?;
+    m.add_function(wrap_pyfunction!(mount_file_ro, m)?)?;
     m.add_function(wrap_pyfunction!(btrfs_quota_enable, m)?)?;
     m.add_function(wrap_pyfunction!(btrfs_subvol_create, m)?)?;
     m.add_function(wrap_pyfunction!(btrfs_subvol_delete, m)?)?;

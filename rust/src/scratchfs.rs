@@ -153,6 +153,30 @@ pub fn mount_loop(
     })
 }
 
+/// Mount the filesystem image in the regular file `image` on `target` read-only (nosuid,
+/// nodev) with no loop device: the kernel's file-backed mounts (EROFS on Linux >= 6.12).
+/// Fails (ENOTBLK) where the kernel needs a block device.
+pub fn mount_file_ro(image: &OsStr, target: &OsStr, fstype: &str) -> Result<(), ScratchError> {
+    let img = cstr("image", image.as_bytes())?;
+    let tgt = cstr("target", target.as_bytes())?;
+    let fst = cstr("fstype", fstype.as_bytes())?;
+    let mflags = libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV;
+    // SAFETY: every pointer is a valid NUL-terminated string that outlives the call; no data.
+    let r = unsafe {
+        libc::mount(
+            img.as_ptr(),
+            tgt.as_ptr(),
+            fst.as_ptr(),
+            mflags,
+            std::ptr::null(),
+        )
+    };
+    if r != 0 {
+        return Err(last("mount"));
+    }
+    Ok(())
+}
+
 fn configure(dev: &OwnedFd, backing: &OwnedFd, flags: u32) -> io::Result<()> {
     // SAFETY: LoopConfig is plain old data; all-zero is its documented "unset" value.
     let mut cfg: LoopConfig = unsafe { std::mem::zeroed() };

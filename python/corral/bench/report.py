@@ -255,10 +255,38 @@ def gvisor_table(sec: dict[str, Any]) -> Table:
     return t
 
 
+def images_table(sec: dict[str, Any]) -> Table:
+    pulls = ", ".join(f"{k} {_f(v, 0)} ms" for k, v in (sec.get("pull_ms") or {}).items())
+    t = Table(title=f"a pulled {sec.get('layers')}-layer OCI image (EROFS layers; "
+                    f"image-dir: plain directories; image-40: 40 layers) vs the host image  "
+                    f"(N={sec['n']}, ms, median of {len(sec['runs'])} runs; cold creates; "
+                    f"pull: {pulls})"
+                    + (f": skipped, {sec['skipped']}" if sec.get("skipped") else ""))
+    for c in ("image", "create p50", "first exec p50", "create+exec p50", "destroy p50"):
+        t.add_column(c, justify="left" if c == "image" else "right")
+    for name in ("host", "image", "image-dir", "image-40"):
+        m = sec["median"].get(name, {})
+        t.add_row(name, *(_f(m.get(k), 2) for k in (
+            "create_p50_ms", "first_exec_p50_ms", "ttfr_p50_ms", "destroy_p50_ms")))
+    dens = sec.get("density") or {}
+    big = sec.get("pull_100mb")
+    if dens:
+        t.caption = (t.caption or "") + "; ".join(
+            f"{k}: {v.get('made')} live, {_f(v.get('kib_per_sandbox'), 0)} KiB/sandbox "
+            f"(MemAvailable), {_f(v.get('memcg_nocache_kib_per_sandbox'), 0)} KiB memcg "
+            "w/o cache" for k, v in dens.items()) + ". "
+    if big:
+        t.caption = (t.caption or "") + ("pull of a {} MB, {}-layer image (ms, median): ".format(
+            big["mb"], big["layers"]) + ", ".join(
+            f"{k} {_f(v, 0)}" for k, v in big["median_ms"].items()) + "; " + ", ".join(
+            f"{k} = {_f(v, 2)}" for k, v in big["ratios"].items()))
+    return t
+
+
 TABLES = {"churn": churn_table, "latency": latency_table, "exec": exec_table,
           "density": density_table, "snapshot": snapshot_table, "trajlog": trajlog_table,
           "execpath": execpath_table, "keyedreads": keyedreads_table,
-          "run-code": runcode_table, "gvisor": gvisor_table}
+          "run-code": runcode_table, "gvisor": gvisor_table, "images": images_table}
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:

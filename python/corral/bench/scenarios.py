@@ -16,6 +16,7 @@ from typing import Any
 from corral.bench import host, profile, sdk_runs
 from corral.bench.execpath import execpath
 from corral.bench.gvisor import gvisor
+from corral.bench.images import images
 from corral.bench.keyedreads import keyedreads
 from corral.bench.results import OpResult
 from corral.bench.runcode import run_code
@@ -327,7 +328,7 @@ def _rate_summary(pts: list[tuple[int, float]]) -> dict[str, float | None]:
 
 
 def _density_corral(s: Session, n: int, tag: str,
-                    network: str = "none") -> tuple[dict[str, Any], list]:
+                    network: str = "none", image: str = "host") -> tuple[dict[str, Any], list]:
     ep = s.daemon.endpoint
     cg = [s.daemon.cgroup_name, s.prefix + "dproc"]
     host.settle()
@@ -336,7 +337,7 @@ def _density_corral(s: Session, n: int, tag: str,
     name = sdk_runs.system_name(network)
     with s.ui.task(f"{tag} {name} create", n) as adv:
         ids, pts, wall, err = sdk_runs.fill(ep, n, s.opts.batch, adv,
-                                            network)  # type: ignore[arg-type]
+                                            network, image)  # type: ignore[arg-type]
     try:
         host.settle()
         after, rss1 = _mem(cg), s.daemon.rss_kib() or 0
@@ -463,4 +464,4 @@ def _snapshot_leftovers(s: Session, timeout: float = 10.0) -> dict[str, int]:
 RUNNERS: dict[str, Callable[[Session], tuple[Section, Samples]]] = {
     "churn": churn, "latency": latency, "exec": exec_, "density": density,
     "snapshot": snapshot, "trajlog": trajlog, "execpath": execpath,
-    "keyedreads": keyedreads, "run-code": run_code, "gvisor": gvisor}
+    "keyedreads": keyedreads, "run-code": run_code, "gvisor": gvisor, "images": images}

@@ -163,7 +163,8 @@ def _extra(conc: int, errors: list[str]) -> dict[str, Any]:
 
 # ---- latency: one client, nothing else running ----------------------------------------------
 def latency(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5,
-            hostname: str | None = None, substrate: str = "container") -> OpResult:
+            hostname: str | None = None, substrate: str = "container",
+            image: str = "host") -> OpResult:
     """Per op: create, the first exec, time to the first result (create + exec) and destroy.
     ``hostname`` (a spec the warm pools never serve) makes every create cold."""
     ph: dict[str, list[float]] = {"create": [], "first_exec": [], "ttfr": [], "destroy": []}
@@ -174,7 +175,7 @@ def latency(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5,
             t_start = time.perf_counter()
         try:
             t0 = time.perf_counter()
-            sb = Sandbox("host", endpoint=endpoint, timeout=TTL_S, hostname=hostname,
+            sb = Sandbox(image, endpoint=endpoint, timeout=TTL_S, hostname=hostname,
                          substrate=substrate)
             t1 = time.perf_counter()
             try:
@@ -259,7 +260,7 @@ def exec_async(endpoint: str, n: int, conc: int, advance: Advance = _noop) -> Op
 
 # ---- density: fill, hold, destroy -----------------------------------------------------------
 def fill(endpoint: str, count: int, batch: int, advance: Advance = _noop,
-         network: NetworkMode = "none",
+         network: NetworkMode = "none", image: str = "host",
          ) -> tuple[list[str], list[tuple[int, float]], float, str | None]:
     """Create ``count`` idle sandboxes in batches (``create_many``). Returns (ids,
     [(live count before the batch, creates/s of the batch)], wall seconds, error or None)."""
@@ -271,7 +272,7 @@ def fill(endpoint: str, count: int, batch: int, advance: Advance = _noop,
         b = min(batch, count - len(ids))
         t = time.perf_counter()
         try:
-            boxes = Sandbox.create_many(b, "host", endpoint=endpoint, timeout=TTL_S,
+            boxes = Sandbox.create_many(b, image, endpoint=endpoint, timeout=TTL_S,
                                         network=network)
         except CorralError as e:
             error = _err(e)

@@ -25,7 +25,7 @@ SCENARIOS = ("churn", "latency", "exec", "density", "snapshot", "trajlog", "exec
 # substrate (and `runsc do` runs).
 DEFAULT_COUNTS = {"churn": 1000, "latency": 300, "exec": 1000, "density": 1000, "snapshot": 30,
                   "trajlog": 1000, "execpath": 1000, "keyedreads": 1000, "run-code": 500,
-                  "gvisor": 30}
+                  "gvisor": 30, "images": 100}
 
 
 @dataclass

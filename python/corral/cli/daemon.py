@@ -1,9 +1,11 @@
-"""Daemon and image commands: up, down, status, image ls, image import."""
+"""Daemon and image commands: up, down, status, image ls / pull / inspect / rm / prune /
+import."""
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import typer
 from rich.table import Table
@@ -14,7 +16,8 @@ from corral.models import SubstrateCapabilities, SubstrateInfo
 from corral.sdk import Endpoint, admin
 
 app = typer.Typer()
-image_app = typer.Typer(help="Images: list and import.", no_args_is_help=True)
+image_app = typer.Typer(help="Images: list, pull, inspect, remove, prune, import.",
+                        no_args_is_help=True)
 
 JSON = typer.Option(False, "--json", help="Machine-readable JSON on stdout.")
 
@@ -131,3 +134,89 @@ def image_import(
         print_json(info)
     else:
         out.print(f"imported {info.name}")
+
+
+@image_app.command("pull")
+@handled()
+def image_pull(
+    reference: str = typer.Argument(..., help="[registry[:port]/]repo[:tag][@sha256:...]"),
+    json_: bool = JSON,
+    progress: bool = typer.Option(True, "--progress/--no-progress",
+                                  help="Progress bars on stderr."),
+) -> None:
+    """Pull an image from an OCI registry onto the daemon's node (credentials: the daemon's
+    $DOCKER_CONFIG/config.json or ~/.docker/config.json)."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TransferSpeedColumn,
+    )
+
+    if not progress or json_:
+        info = admin.pull_image(reference)
+    else:
+        bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                        TransferSpeedColumn(), TextColumn("{task.fields[state]}"),
+                        console=err, transient=False)
+        tasks: dict[str, Any] = {}
+
+        def on_event(ev: dict) -> None:
+            if ev.get("event") == "resolved":
+                err.print(f"{ev['reference']}: {ev['layers']} layers, "
+                          f"{ev['total_bytes'] / 2**20:.1f} MiB, {ev['digest']}")
+            elif ev.get("event") == "layer":
+                d = str(ev["digest"])
+                if d not in tasks:
+                    tasks[d] = bars.add_task(d[7:19], total=ev.get("total") or None,
+                                             state="")
+                bars.update(tasks[d], completed=ev.get("done", 0), state=ev.get("state", ""))
+
+        with bars:
+            info = admin.pull_image(reference, progress=on_event)
+    if json_:
+        print_json(info)
+    else:
+        out.print(f"pulled {info.name} ({info.digest})")
+
+
+@image_app.command("inspect")
+@handled()
+def image_inspect(name: str = typer.Argument(..., help="Image name or reference."),
+                  json_: bool = JSON) -> None:
+    """An image's details: digest, layers, config (Env, WorkingDir, User, Cmd...)."""
+    info = admin.image_info(name)
+    if json_:
+        print_json(info)
+        return
+    rows = {"name": info.name, "kind": info.kind, "digest": info.digest or "-",
+            "size": "-" if info.size_bytes is None else f"{info.size_bytes / 2**20:.1f} MiB",
+            "layers": "\n".join(info.layers or []) or "-"}
+    for k, v in (info.config or {}).items():
+        rows[k] = " ".join(v) if isinstance(v, list) else str(v)
+    out.print(kv_table(list(rows.items())))
+
+
+@image_app.command("rm")
+@handled()
+def image_rm(names: list[str] = typer.Argument(..., help="Images to remove."),
+             json_: bool = JSON) -> None:
+    """Remove images no sandbox or snapshot uses (and the layers no other image lists)."""
+    done = [admin.remove_image(n) for n in names]
+    if json_:
+        print_json(done)
+        return
+    for d in done:
+        out.print(f"removed {d['name']} ({len(d['layers_removed'])} layers freed)")
+
+
+@image_app.command("prune")
+@handled()
+def image_prune(json_: bool = JSON) -> None:
+    """Remove every stored layer no image lists."""
+    res = admin.prune_images()
+    if json_:
+        print_json(res)
+    else:
+        out.print(f"removed {len(res.layers_removed)} layers")

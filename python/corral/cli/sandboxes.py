@@ -166,11 +166,26 @@ def exec_(
                             interactive=interactive, stream=not no_stream, json_=json_))
 
 
+def image_command(sb: Sandbox) -> list[str]:
+    """The command an OCI image runs by default: its Entrypoint then its Cmd (as an argv)."""
+    from corral.sdk import admin
+
+    image = sb.info().image
+    cfg = admin.image_info(image, endpoint=sb._endpoint).config or {} if image != "host" else {}
+    argv = [*cfg.get("Entrypoint", []), *cfg.get("Cmd", [])]
+    if not argv:
+        raise typer.BadParameter(f"no command given and image {image!r} has no Entrypoint or "
+                                 "Cmd")
+    return argv
+
+
 @app.command()
 @handled(EXIT_EXEC_ERROR)
 def run(
-    cmd: list[str] = CMD,
-    image: str = typer.Option("host", "--image", help="Image name."),
+    cmd: list[str] = typer.Argument(None, metavar="-- [CMD...]", help=(
+        "A command line, or an argv; none: the image's Entrypoint + Cmd (OCI images).")),
+    image: str = typer.Option("host", "--image", help=(
+        "Image: host, a local name, or a registry reference (pulled on first use).")),
     cpu: float = typer.Option(1.0, "--cpu", help="CPU cores."),
     memory: int = typer.Option(512, "--memory", help="Memory limit in MiB."),
     pids: int = typer.Option(512, "--pids", help="Max processes."),
@@ -195,6 +210,8 @@ def run(
     with Sandbox(**spec_options(image, cpu, memory, pids, ttl, None, label, sandbox_env),
                  network=network_of(network, allow, deny), network_group=network_group,
                  substrate=substrate) as sb:
+        if not cmd:
+            cmd = image_command(sb)
         code = run_in(sb, cmd, timeout=timeout, env=env, cwd=cwd, user=user,
                       interactive=interactive, stream=not no_stream, json_=json_)
     raise typer.Exit(code)

@@ -254,6 +254,8 @@ async def serve(cfg: config.Config) -> None:
         engine.trajlog.close()  # after the handlers: what they logged is committed
         if engine.snaps is not None:
             engine.snaps.close()  # likewise; and its spare layer dirs go
+        if engine.images is not None:
+            engine.images.close()  # the layer mounts: live sandboxes hold their own copies
         sock.close()
         try:
             os.unlink(os.path.join(cfg.state_dir, PIDFILE))

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel
 
-from corral.daemon import batches, ops, spool, streams
+from corral.daemon import batches, image_api, ops, spool, streams
 from corral.daemon.app_errors import JSON_MAX, MAX_BODY, is_unix, middleware
 from corral.daemon.bodies import parse
 from corral.daemon.engine import MAX_READ_BYTES, Engine
@@ -244,6 +244,7 @@ async def create_sandbox(request: web.Request) -> web.Response:
             _SPECS.clear()
         if len(raw) <= SPEC_CACHE_BODY:
             _SPECS[raw] = spec
+    spec = _layer_dirs_allowed(request, spec)
     key = _key(request)
     # A create keyed "{T}:create" makes trajectory T's sandbox (engine.by_operator).
     tid = key[:-len(":create")] if key and key.endswith(":create") else None
@@ -251,9 +252,26 @@ async def create_sandbox(request: web.Request) -> web.Response:
     return _json(_as_now(_engine(request), info), 201)
 
 
+def _layer_dirs_allowed(request: web.Request, spec: SandboxSpec) -> SandboxSpec:
+    """A dir layer is a host path: the admin socket's, or under the import directory (the
+    rule of image imports: images.resolve_source); named by its real path."""
+    if not spec.layers or all(lay.dir is None and lay.digest is None for lay in spec.layers):
+        return spec
+    engine = _engine(request)
+    layers = []
+    for lay in spec.layers:
+        lay = lay.model_copy(update={"digest": None})  # the daemon's to set, from the dir
+        if lay.dir is not None:
+            lay = lay.model_copy(update={"dir": resolve_source(
+                lay.dir, admin=is_unix(request), import_dir=engine.config.import_dir)})
+        layers.append(lay)
+    return spec.model_copy(update={"layers": layers})
+
+
 async def create_batch(request: web.Request) -> web.StreamResponse:
     req = await _body(request, CreateManyRequest)
     engine = _engine(request)
+    req.spec = _layer_dirs_allowed(request, req.spec)
 
     async def answer(made: list[Any]) -> dict[str, Any]:
         infos = [sb.info() for sb in made]
@@ -837,13 +855,13 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/networks/{name}", get_network, "One named allowlist",
           response=AllowlistInfo, errors=(404,)),
     Route("POST", "/v1/sandboxes", create_sandbox, "Create a sandbox", body=SandboxSpec,
-          response=SandboxInfo, status=201, query=(KEY_H,), errors=(404, 409, 429, 501, 503),
-          links=_SB_LINKS),
+          response=SandboxInfo, status=201, query=(KEY_H,),
+          errors=(403, 404, 409, 413, 429, 501, 502, 503), links=_SB_LINKS),
     Route("POST", "/v1/sandboxes/batch", create_batch,
           "Create many sandboxes (all or nothing)", body=CreateManyRequest,
           response=list_of("sandboxes", SandboxInfo, paged=False), status=201,
           query=(STREAM_Q,), also=("ndjson",),
-          errors=(404, 409, 429, 501, 503), links={
+          errors=(403, 404, 409, 413, 429, 501, 502, 503), links={
               "exec_first": link("exec_cmd", id="$response.body#/sandboxes/0/id"),
               "kill_first": link("kill_sandbox", id="$response.body#/sandboxes/0/id")}),
     Route("POST", "/v1/sandboxes/batch/exec", exec_batch,
@@ -939,6 +957,7 @@ ROUTES: tuple[Route, ...] = (
           errors=(409, 413), links={"create_on_image": link(
               "create_sandbox", body={"image": "$response.body#/name"})}),
     Route("GET", "/metrics", metrics, "Prometheus metrics", response="text"),
+    *image_api.ROUTES,
     *run_code_api.ROUTES,
 )
 
@@ -948,6 +967,8 @@ ROUTES: tuple[Route, ...] = (
 MAX_LINE_SIZE, MAX_FIELD_SIZE = 1 << 16, 1 << 14
 # /v1/sandboxes/batch is not a sandbox id: its methods are its own (405 names them).
 _ID_RE = "{id:(?!batch$)[^/]+}"
+# An image name may be a reference (slashes, colons); /v1/images/pull and /prune are not.
+_NAME_RE = "{name:(?!(?:pull|prune)$).+}"
 
 
 def create_app(engine: Engine | None, token: str | None = None) -> web.Application:
@@ -957,5 +978,6 @@ def create_app(engine: Engine | None, token: str | None = None) -> web.Applicati
         app[ENGINE] = engine
         run_code_api.install(app, engine.config.state_dir, engine.config.cgroup_name)
     for r in ROUTES:
-        app.router.add_route(r.method, r.path.replace("{id}", _ID_RE), r.handler)
+        app.router.add_route(r.method, r.path.replace("{id}", _ID_RE)
+                             .replace("{name}", _NAME_RE), r.handler)
     return app

@@ -1,9 +1,15 @@
-"""Image registry: the builtin ``host`` image and imported rootfs directories / tarballs.
+"""Image registry: the builtin ``host`` image, imported rootfs directories / tarballs and OCI
+images (pulled from a registry or imported from an OCI layout / ``docker save`` archive), whose
+layers live in the shared layer store (corral.daemon.oci.layers).
 
 An image is a list of overlays ``(target inside the sandbox, lower dirs top-first)``, target "/"
 first; the substrate mounts each with a private upper dir. Layout on disk:
 ``<state_dir>/images/<name>/{rootfs/, image.json}``. ``images/`` is 0700 because imported trees
 may hold files that must not be reachable by unprivileged host users.
+
+An OCI image is ``images/@<hash of its name>/image.json`` (its name is its reference, e.g.
+``127.0.0.1:5000/team/task:v3``); its overlay is the store's layer mounts, top-first, over a
+skeleton of mountpoints.
 
 The ``host`` image shows the host's OS read-only and nothing else. overlayfs refuses a lower layer
 that contains the upper dir, so host "/" cannot be a lower layer; instead ``host/rootfs`` is a
@@ -13,6 +19,8 @@ skeleton (bin/lib symlinks, empty mountpoints, a sanitized copy of /etc) and the
 
 from __future__ import annotations
 
+import builtins
+import dataclasses
 import hashlib
 import json
 import os
@@ -23,9 +31,14 @@ import tarfile
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from corral.daemon import removal
+from corral.daemon.oci import ref as oci_ref
+from corral.daemon.oci import unpack as oci_unpack
+from corral.daemon.oci.layers import LayerStore
 from corral.errors import Conflict, Forbidden, ImageNotFound, InvalidRequest, Unsupported
 from corral.models import MAX_TIMEOUT_S, ImageInfo
 
@@ -33,6 +46,7 @@ HOST = "host"
 # Bump when the host skeleton's recipe changes: every daemon then rebuilds it once.
 HOST_IMAGE_VERSION = 1
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.\-]{0,62}$")
+RESERVED = ("pull", "prune")  # /v1/images/pull and /prune are routes, not image names
 _TOP_LEVEL_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # Empty mountpoints / private dirs of the skeleton, with their modes.
 _SKELETON_DIRS = {
@@ -55,7 +69,7 @@ PSEUDO_FS = frozenset({
 @dataclass
 class Image:
     name: str
-    kind: str  # "builtin" | "rootfs"
+    kind: str  # "builtin" | "rootfs" | "oci"
     created_at: float
     overlays: list[tuple[str, list[str]]]
     size_bytes: int | None = None
@@ -63,8 +77,18 @@ class Image:
     meta: dict = field(default_factory=dict)
 
     def info(self) -> ImageInfo:
+        m = self.meta
         return ImageInfo(name=self.name, kind=self.kind, created_at=self.created_at,
-                         size_bytes=self.size_bytes)
+                         size_bytes=self.size_bytes, digest=m.get("digest"),
+                         layers=["sha256:" + h for h in m["oci_layers"]]
+                         if self.kind == "oci" else None,
+                         config=m.get("config") if self.kind == "oci" else None,
+                         source=m.get("source"))
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The OCI image config's runtime part (Env, WorkingDir, User, Entrypoint, Cmd...)."""
+        return dict(self.meta.get("config") or {})
 
 
 # ---- host layout ---------------------------------------------------------------------------
@@ -130,15 +154,15 @@ def pseudo_devices() -> frozenset[int]:
 
 def resolve_source(source: str, *, admin: bool, import_dir: str = "") -> str:
     """The host path an import may read, or why not. A source that is not an absolute path is
-    a registry reference (not supported yet). Host paths are for the admin (the local unix
-    socket, root-equivalent) or, for any client, inside the configured import directory
-    (checked after resolving symlinks)."""
+    a registry reference (pulled by POST /v1/images/pull, not imported). Host paths are for
+    the admin (the local unix socket, root-equivalent) or, for any client, inside the
+    configured import directory (checked after resolving symlinks)."""
     if "\0" in source:
         raise InvalidRequest("source must not contain NUL bytes")
     if not source.startswith("/"):
-        raise Unsupported("pulling images from a registry is not supported yet: upload a "
-                          "rootfs tarball (PUT /v1/images/{name}) or name a host path",
-                          details={"source": source})
+        raise Unsupported("an import names a host path or uploads a tarball (PUT "
+                          "/v1/images/{name}); pull a registry reference with POST "
+                          "/v1/images/pull", details={"source": source})
     real = os.path.realpath(source)
     if import_dir:
         base = os.path.realpath(import_dir)
@@ -346,18 +370,26 @@ def _extract_tar(source: str, dst: str, max_bytes: int = MAX_IMAGE_BYTES,
 
 # ---- the store -----------------------------------------------------------------------------
 class ImageStore:
-    def __init__(self, state_dir: str) -> None:
+    def __init__(self, state_dir: str, max_bytes: int = MAX_IMAGE_BYTES,
+                 max_files: int = MAX_IMAGE_MEMBERS,
+                 insecure_registries: frozenset[str] = frozenset(),
+                 allowed_registries: frozenset[str] = frozenset(), erofs: bool = True) -> None:
         self.dir = os.path.join(state_dir, "images")
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         os.chmod(self.dir, 0o700)
         self._lock = threading.Lock()
         self._images: dict[str, Image] = {}
+        self.max_bytes, self.max_files = max_bytes, max_files
+        self.insecure = insecure_registries
+        self.allowed = allowed_registries  # empty: any
+        self.layers = LayerStore(state_dir, erofs)
+        self._flights: dict[str, Any] = {}  # reference -> the pull under way (oci.flight)
         self._gc_temp()
         for n in sorted(os.listdir(self.dir)):
-            if NAME_RE.match(n):
+            if NAME_RE.match(n) or n.startswith("@"):
                 img = self._load(n)
                 if img is not None:
-                    self._images[n] = img
+                    self._images[img.name] = img
 
     # ---- loading ---------------------------------------------------------------------------
     def _load(self, name: str) -> Image | None:
@@ -369,7 +401,13 @@ class ImageStore:
             return None
         rootfs = os.path.join(path, "rootfs")
         kind = meta.get("kind", "rootfs")
-        overlays = _host_overlays(rootfs) if kind == "builtin" else [("/", [rootfs])]
+        if kind == "oci":
+            name = str(meta.get("name", ""))
+            if not name or _oci_dir(name) != os.path.basename(path):
+                return None
+            overlays = []  # made (layers mounted) at first use: get()
+        else:
+            overlays = _host_overlays(rootfs) if kind == "builtin" else [("/", [rootfs])]
         return Image(name=name, kind=kind, created_at=float(meta.get("created_at", 0.0)),
                      overlays=overlays, size_bytes=meta.get("size_bytes"), path=path, meta=meta)
 
@@ -451,14 +489,40 @@ class ImageStore:
         return size
 
     # ---- queries ---------------------------------------------------------------------------
+    def canonical(self, name: str) -> str:
+        """The store's key for ``name``: itself for a local name (no ``/``, ``:`` or ``@``:
+        never looked up in a registry), the full reference for a registry reference
+        (``team/x`` is ``docker.io/team/x:latest``)."""
+        if name == HOST or name in self._images or not oci_ref.looks_like_ref(name):
+            return name
+        return str(oci_ref.parse(name))
+
+    def has(self, name: str) -> bool:
+        try:
+            return self.canonical(name) in self._images or name == HOST
+        except InvalidRequest:
+            return False
+
     def get(self, name: str) -> Image:
         with self._lock:
             img = self._images.get(name)
+        if img is None and name != HOST:
+            try:
+                key = self.canonical(name)
+            except InvalidRequest:
+                key = name
+            with self._lock:
+                img = self._images.get(key)
+        if img is not None and img.kind == "oci":
+            return self._composed(img)
         if img is None and name == HOST:
             return self.ensure_host()
         if img is None:
             avail = ", ".join(sorted(set(self._images) | {HOST}))
-            raise ImageNotFound(f"no image named {name!r}; available: {avail}",
+            hint = "" if oci_ref.looks_like_ref(name) else (
+                " (a name without '/', ':' or '@' is a local image; a registry image is named "
+                "by its reference, e.g. docker.io/library/NAME:TAG)")
+            raise ImageNotFound(f"no image named {name!r}{hint}; available: {avail}",
                                 details={"image": name, "available": sorted(
                                     set(self._images) | {HOST})})
         return img
@@ -469,10 +533,104 @@ class ImageStore:
         with self._lock:
             return [self._images[n].info() for n in sorted(self._images)]
 
+    # ---- OCI images ------------------------------------------------------------------------
+    def _composed(self, img: Image) -> Image:
+        """The image with its overlay: the layers' mounts top-first over the skeleton."""
+        lowers = [self.layers.lower(h) for h in reversed(img.meta["oci_layers"])]
+        return dataclasses.replace(img, overlays=[("/", [*lowers, self.layers.skeleton])])
+
+    def lowers_of(self, name: str) -> builtins.list[str]:
+        """An image's files as lower layers to stack elsewhere (a toolkit at /opt/tools)."""
+        img = self.get(name)
+        if img.kind == "builtin":
+            raise InvalidRequest("the host image cannot be a layer")
+        return [p for p in img.overlays[0][1] if p != self.layers.skeleton]
+
+    def limits(self) -> oci_unpack.Limits:
+        return oci_unpack.Limits(self.max_bytes, self.max_files)
+
+    def record_oci(self, name: str, meta: dict) -> ImageInfo:
+        """Record (or replace: a tag pulled again) the OCI image ``name`` whose layers are
+        in the layer store; written whole (rename) or not at all."""
+        meta = {**meta, "name": name, "kind": "oci", "created_at": time.time()}
+        tmp = self._tmpdir("oci")
+        try:
+            os.chmod(tmp, 0o700)
+            self._write_meta(tmp, meta)
+            final = os.path.join(self.dir, _oci_dir(name))
+            with self._lock:
+                if os.path.lexists(final):
+                    trash = os.path.join(self.dir, f".tmp-rm-{time.time_ns()}")
+                    os.rename(final, trash)
+                    removal.remove_tree(trash)
+                os.rename(tmp, final)
+                img = self._load(_oci_dir(name))
+                assert img is not None
+                self._images[name] = img
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return img.info()
+
+    def pull_sync(self, ref: oci_ref.Reference,
+                  progress: Callable[[dict[str, Any]], None] | None = None) -> ImageInfo:
+        """Pull ``ref`` in this (worker) thread and record it; oci.flight makes concurrent
+        asks for one reference share one pull."""
+        from corral.daemon.oci import pull
+
+        pinned: builtins.list[str] = []
+        created: builtins.list[str] = []
+        try:
+            meta = pull.pull(ref, self.layers, self.limits(), self.insecure, progress, pinned,
+                             created)
+            return self.record_oci(str(ref), meta)
+        except BaseException:
+            self.layers.unpin(pinned)
+            pinned = []
+            # nothing half-imported stays: the layers this pull made that no image lists
+            self.layers.gc(self.referenced_layers(), only=created)
+            raise
+        finally:
+            self.layers.unpin(pinned)
+
+    async def pull(self, text: str, progress: Callable[[dict[str, Any]], None] | None = None,
+                   missing_only: bool = False) -> ImageInfo:
+        """Pull the reference ``text`` (again: a tag may have moved) or, ``missing_only``,
+        only if the store lacks it; one pull per reference at a time (oci.flight)."""
+        from corral.daemon.oci import flight
+
+        ref = oci_ref.parse(text)
+        key = str(ref)
+        if self.allowed and ref.registry not in self.allowed:
+            raise Forbidden(f"registry {ref.registry} is not one this daemon pulls from "
+                            f"(CORRAL_REGISTRIES: {', '.join(sorted(self.allowed))})",
+                            details={"registry": ref.registry})
+        if missing_only:
+            with self._lock:
+                img = self._images.get(key)
+            if img is not None:
+                return img.info()
+        info: ImageInfo = await flight.join(
+            self._flights, key, lambda emit: self.pull_sync(ref, emit), progress)
+        return info
+
+    def referenced_layers(self) -> builtins.set[str]:
+        with self._lock:
+            return {h for img in self._images.values() if img.kind == "oci"
+                    for h in img.meta.get("oci_layers", ())}
+
+    def gc_layers(self, keep: builtins.set[str] | None = None) -> builtins.list[str]:
+        """Remove the layers no image lists and not in ``keep`` (their mounts, files)."""
+        return self.layers.gc(self.referenced_layers() | (keep or set()))
+
+    def close(self) -> None:
+        self.layers.close()
+
     # ---- import / remove -------------------------------------------------------------------
     def check_new(self, name: str) -> None:
-        if not isinstance(name, str) or not NAME_RE.match(name):
-            raise InvalidRequest(f"invalid image name {name!r}: must match {NAME_RE.pattern}")
+        if not isinstance(name, str) or not NAME_RE.match(name) or name in RESERVED:
+            raise InvalidRequest(f"invalid image name {name!r}: must match {NAME_RE.pattern}"
+                                 f" and not be {' or '.join(RESERVED)}")
         if name == HOST or name in self._images:
             raise Conflict(f"image {name!r} already exists", details={"image": name})
 
@@ -500,6 +658,15 @@ class ImageStore:
         if st.st_dev in pseudo_devices():
             raise InvalidRequest(f"source {source!r} is on a kernel filesystem (proc, sysfs, "
                                  "...), not a rootfs")
+        from corral.daemon.oci import archive
+
+        if archive.kind(src) is not None:  # an OCI layout or a docker save archive
+            pinned: builtins.list[str] = []
+            try:
+                meta = archive.load(src, self.layers, self.limits(), pinned)
+                return self.record_oci(name, {**meta, "source": source})
+            finally:
+                self.layers.unpin(pinned)
         tmp = self._tmpdir(name)
         try:
             os.chmod(tmp, 0o755)
@@ -535,13 +702,22 @@ class ImageStore:
         return img.info()
 
     def remove(self, name: str) -> None:
-        """Delete an imported image. The engine must make sure no live sandbox uses it."""
+        """Delete an image (its layers stay until gc_layers finds no image that lists them).
+        The engine must make sure no live sandbox or snapshot uses it."""
         if name == HOST:
             raise InvalidRequest("the builtin 'host' image cannot be removed")
+        try:
+            key = self.canonical(name)
+        except InvalidRequest:
+            key = name
         with self._lock:
-            img = self._images.pop(name, None)
+            img = self._images.pop(key, None)
             if img is None:
                 raise ImageNotFound(f"no image named {name!r}", details={"image": name})
-            trash = os.path.join(self.dir, f".tmp-rm-{name}-{time.time_ns()}")
+            trash = os.path.join(self.dir, f".tmp-rm-{time.time_ns()}")
             os.rename(img.path, trash)
         shutil.rmtree(trash, ignore_errors=True)
+
+
+def _oci_dir(name: str) -> str:
+    return "@" + hashlib.sha256(name.encode()).hexdigest()[:32]

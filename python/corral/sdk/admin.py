@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from corral.models import AllowlistInfo, DaemonStatus, ImageInfo, SubstrateInfo
+from collections.abc import Callable
+from typing import Any
+
+from corral.models import AllowlistInfo, DaemonStatus, ImageInfo, PruneResult, SubstrateInfo
 from corral.sdk import api
 from corral.sdk.endpoint import Endpoint
 from corral.sdk.sync_transport import transport
@@ -33,3 +36,34 @@ def images(endpoint: str | Endpoint | None = None) -> list[ImageInfo]:
 def import_image(name: str, source: str, endpoint: str | Endpoint | None = None) -> ImageInfo:
     """Register a host rootfs directory or tarball as image ``name``."""
     return transport(Endpoint.parse(endpoint)).call(api.import_image(name, source))
+
+
+def pull_image(reference: str, progress: Callable[[dict[str, Any]], None] | None = None,
+               endpoint: str | Endpoint | None = None) -> ImageInfo:
+    """Pull ``reference`` from its registry onto the daemon's node (credentials: the daemon's
+    ``$DOCKER_CONFIG/config.json`` or ``~/.docker/config.json``). ``progress`` gets each
+    event: ``{"event": "resolved", ...}``, ``{"event": "layer", "digest", "state", "done",
+    "total"}``."""
+    t = transport(Endpoint.parse(endpoint))
+    if progress is None:
+        return t.call(api.pull_image(reference))
+    for line in t.lines(api.pull_image(reference, progress=True)):
+        ev = api.pull_event(line)
+        if ev.get("event") == "done":
+            return ImageInfo.model_validate(ev["image"])
+        progress(ev)
+    raise ConnectionError("the pull's progress stream ended without a result")
+
+
+def image_info(name: str, endpoint: str | Endpoint | None = None) -> ImageInfo:
+    return transport(Endpoint.parse(endpoint)).call(api.image(name))
+
+
+def remove_image(name: str, endpoint: str | Endpoint | None = None) -> dict[str, Any]:
+    """Remove an image no sandbox or snapshot uses, and the layers no other image lists."""
+    return transport(Endpoint.parse(endpoint)).call(api.remove_image(name))
+
+
+def prune_images(endpoint: str | Endpoint | None = None) -> PruneResult:
+    """Remove every layer no image lists."""
+    return transport(Endpoint.parse(endpoint)).call(api.prune_images())

@@ -48,6 +48,8 @@ from corral.models import (
     NetworkUpdate,
     ProcessHandle,
     ProcessStatus,
+    PruneResult,
+    PullImageRequest,
     RemoveRequest,
     RenameRequest,
     RestoreRequest,
@@ -563,6 +565,34 @@ def network(name: str) -> Call[AllowlistInfo]:
 def images(after: str | None = None) -> Call[Page[ImageInfo]]:
     return Call("GET", "/v1/images", _page("images", ImageInfo.model_validate),
                 query=_page_query(after), retry_safe=True)
+
+
+def pull_image(reference: str, progress: bool = False) -> Call[ImageInfo]:
+    """``progress``: the answer is NDJSON (read it with a transport's ``lines``)."""
+    req = validated(PullImageRequest, reference=reference, progress=progress)
+    return Call("POST", "/v1/images/pull", ImageInfo.model_validate_json, body=_body(req),
+                timeout=None)
+
+
+def pull_event(line: bytes) -> dict[str, Any]:
+    """One NDJSON line of a pull with progress; the final ``{"error"}`` line raises."""
+    ev = json.loads(line)
+    if "error" in ev:
+        raise error_from_payload(ev)
+    return dict(ev)
+
+
+def image(name: str) -> Call[ImageInfo]:
+    return Call("GET", "/v1/images/" + seg(name), ImageInfo.model_validate_json,
+                retry_safe=True)
+
+
+def remove_image(name: str) -> Call[dict[str, Any]]:
+    return Call("DELETE", "/v1/images/" + seg(name), json.loads)
+
+
+def prune_images() -> Call[PruneResult]:
+    return Call("POST", "/v1/images/prune", PruneResult.model_validate_json, timeout=None)
 
 
 def import_image(name: str, source: str) -> Call[ImageInfo]:

@@ -20,6 +20,7 @@ from corral.models import (
     DEFAULT_MAX_OUTPUT_BYTES,
     DEFAULT_TIMEOUT_S,
     FileEntry,
+    LayerSpec,
     LogEntry,
     NetworkMode,
     NetworkPolicy,
@@ -95,7 +96,8 @@ class AsyncSandbox(SandboxHandle):
                  hostname: str | None = None, cwd: str | None = None,
                  snapshot: str | SnapshotBase | None = None, pause_ttl: str = "count",
                  endpoint: str | Endpoint | None = None,
-                 trajectory_id: str | None = None) -> None:
+                 trajectory_id: str | None = None, user: str | int | None = None,
+                 layers: Sequence[LayerSpec] | None = None) -> None:
         # Validated now, so bad input fails at the call site, not at the first await.
         self._spec = api.spec(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb,
                               disk_mb=disk_mb,
@@ -104,7 +106,8 @@ class AsyncSandbox(SandboxHandle):
                               network_group=network_group, bandwidth_mbit=bandwidth_mbit,
                               expose=list(expose) if expose is not None else None,
                               hostname=hostname, cwd=cwd, snapshot=snapshot,
-                              pause_ttl=pause_ttl)
+                              pause_ttl=pause_ttl, user=user,
+                              layers=list(layers) if layers else None)
         self._init_handle(Endpoint.parse(endpoint), None)
         if trajectory_id is not None:
             self._set_trajectory(trajectory_id)

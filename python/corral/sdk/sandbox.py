@@ -15,6 +15,7 @@ from corral.models import (
     DEFAULT_MAX_OUTPUT_BYTES,
     DEFAULT_TIMEOUT_S,
     FileEntry,
+    LayerSpec,
     LogEntry,
     NetworkMode,
     NetworkPolicy,
@@ -74,7 +75,8 @@ class Sandbox(SandboxHandle):
                  hostname: str | None = None, cwd: str | None = None,
                  snapshot: str | SnapshotBase | None = None, pause_ttl: str = "count",
                  endpoint: str | Endpoint | None = None,
-                 trajectory_id: str | None = None) -> None:
+                 trajectory_id: str | None = None, user: str | int | None = None,
+                 layers: Sequence[LayerSpec] | None = None) -> None:
         s = api.spec(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb,
                      disk_mb=disk_mb, pids=pids,
                      timeout=timeout, idle_timeout=idle_timeout, env=env, labels=labels,
@@ -82,7 +84,8 @@ class Sandbox(SandboxHandle):
                      bandwidth_mbit=bandwidth_mbit,
                      expose=list(expose) if expose is not None else None,
                      hostname=hostname, cwd=cwd,
-                     snapshot=snapshot, pause_ttl=pause_ttl)
+                     snapshot=snapshot, pause_ttl=pause_ttl, user=user,
+                     layers=list(layers) if layers else None)
         ep = Endpoint.parse(endpoint)
         call = api.create(s)
         if trajectory_id is not None:

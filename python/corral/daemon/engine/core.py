@@ -16,6 +16,7 @@ from corral import __version__
 from corral.config import Config
 from corral.daemon import capacity, oserrors, persist, removal, snapshots
 from corral.daemon.clock import REAL, Clock
+from corral.daemon.oci.ref import looks_like_ref
 from corral.daemon.substrates import registry
 from corral.daemon.substrates.base import Capabilities, SandboxRuntime, Substrate
 from corral.daemon.trajlog import TrajLog
@@ -26,6 +27,7 @@ from corral.errors import (
     ImageNotFound,
     InternalError,
     InvalidNetwork,
+    InvalidRequest,
     SandboxCrashed,
     SandboxExpired,
     SandboxKilled,
@@ -143,7 +145,10 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         if self.images is None:
             from corral.daemon.images import ImageStore
 
-            self.images = ImageStore(self.config.state_dir)
+            c = self.config
+            self.images = ImageStore(c.state_dir, c.image_max_bytes, c.image_max_files,
+                                     frozenset(c.insecure_registries),
+                                     frozenset(c.registries), erofs=c.image_layers != "dir")
         await asyncio.to_thread(self.images.ensure_host)
         ctx = registry.Context(self.config, self.images, self.shared)
         self.substrates = registry.build(self.substrate_names, ctx, self.unavailable)
@@ -380,9 +385,84 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         self._schedule(sb, now)
         return sb
 
+    async def _image_name(self, name: str) -> str:
+        """``name`` as the store knows it; a registry reference the node lacks is pulled
+        first (once, however many creates ask at the same time: oci.flight)."""
+        if name == "host" or not looks_like_ref(name):
+            return name  # a local name: never looked up in a registry
+        try:
+            if self.images.has(name):
+                return str(self.images.canonical(name))
+            return str((await self.images.pull(name, missing_only=True)).name)
+        except InvalidRequest as e:
+            if e.code != "invalid_request":
+                raise  # invalid_image, too_large: about a real image
+            raise ImageNotFound(f"no image {name!r}: {e.message}",
+                                details={"image": name}) from None
+
+    async def _pull_missing(self, spec: SandboxSpec) -> SandboxSpec:
+        """The spec with every image it names present on the node (by its full reference)
+        and every dir layer resolved to its content-addressed layer (``digest``)."""
+        update: dict[str, Any] = {}
+        if spec.snapshot is None:
+            name = await self._image_name(spec.image)
+            if name != spec.image:
+                update["image"] = name
+        if spec.layers:
+            layers = []
+            for lay in spec.layers:
+                if lay.image is not None:
+                    lay = lay.model_copy(update={"image": await self._image_name(lay.image)})
+                elif lay.dir is not None:
+                    hexd = await asyncio.to_thread(self.images.layers.from_dir, lay.dir,
+                                                   self.images.max_bytes,
+                                                   self.images.max_files)
+                    lay = lay.model_copy(update={"digest": "dir:" + hexd})
+                layers.append(lay)
+            update["layers"] = layers
+        return spec.model_copy(update=update) if update else spec
+
+    def _compose(self, spec: SandboxSpec, image: Any) -> Any:
+        """The image with the spec's layers as overlays of their own at their targets."""
+        if not spec.layers:
+            return image
+        overlays = list(image.overlays)
+        for lay in spec.layers:
+            if lay.image is not None:
+                lowers = self.images.lowers_of(lay.image)
+            else:
+                digest = lay.digest or ""
+                if not digest.startswith("dir:") or not self.images.layers.has(digest[4:]):
+                    raise InvalidRequest(f"layer dir {lay.dir!r} is not resolved")
+                lowers = [self.images.layers.lower(digest[4:])]
+            overlays.append((lay.at.rstrip("/") or "/", lowers))
+        return dataclasses.replace(image, overlays=overlays)
+
+    @staticmethod
+    def _with_image_config(spec: SandboxSpec, image: Any) -> SandboxSpec:
+        """An OCI image's Env, WorkingDir and User, where the spec does not say otherwise."""
+        cfg = image.meta.get("config") if getattr(image, "kind", "") == "oci" else None
+        if not cfg:
+            return spec
+        update: dict[str, Any] = {}
+        env = {}
+        for item in cfg.get("Env", ()):
+            k, sep, v = item.partition("=")
+            if sep and k and "\0" not in item:
+                env[k] = v
+        if env:
+            update["env"] = {**env, **spec.env}
+        if "cwd" not in spec.model_fields_set and cfg.get("WorkingDir", "").startswith("/"):
+            update["cwd"] = cfg["WorkingDir"]
+        if spec.user is None and cfg.get("User"):
+            user = cfg["User"].split(":", 1)[0]  # "user:group": the user's own groups
+            update["user"] = int(user) if user.isdigit() else user
+        return spec.model_copy(update=update) if update else spec
+
     async def create(self, spec: SandboxSpec, trajectory: str | None = None) -> Sandbox:
         substrate = self._for_create(spec)
         self._admit(1)
+        spec = await self._pull_missing(spec)
         spec, image = self._resolve(substrate, spec)
         return await self._create_one(substrate, spec, image, trajectory=trajectory)
 
@@ -390,12 +470,14 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         """The image to start on: the spec's, or a snapshot's image with its layers on top
         (the spec then names the snapshot by id and its image)."""
         if spec.snapshot is None:
-            return spec, self._image(spec.image)
+            image = self._image(spec.image)
+            return self._with_image_config(spec, image), self._compose(spec, image)
         store = self._snaps()
         rec = store.get(spec.snapshot)
         base = self._image(rec["image"])
         spec = spec.model_copy(update={"snapshot": rec["id"], "image": rec["image"]})
-        return spec, substrate.image_on(base, rec["layers"], store)
+        return self._with_image_config(spec, base), substrate.image_on(
+            self._compose(spec, base), rec["layers"], store)
 
     async def create_many(self, count: int, spec: SandboxSpec,
                           trajectories: list[str] | None = None,
@@ -404,6 +486,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         already made are destroyed. ``on_made`` is called once per sandbox made."""
         substrate = self._for_create(spec)
         self._admit(count)
+        spec = await self._pull_missing(spec)
         spec, image = self._resolve(substrate, spec)
         if count > 1:
             substrate.expect(count, spec)

@@ -65,7 +65,7 @@ class ExecOps:
             raise InvalidPath(f"cwd must be an absolute path: {cwd!r}")
         if req.cwd is not None or cwd != DEFAULT_CWD:
             await self._check_cwd(sid, cwd)
-        ident = self._identity(sb, req.user)
+        ident = self._identity(sb, req.user if req.user is not None else sb.spec.user)
         env = {"PATH": DEFAULT_PATH, "HOME": ident.home, "LANG": "C.UTF-8", "TERM": "xterm",
                "HOSTNAME": sb.hostname}
         env.update(sb.spec.env)

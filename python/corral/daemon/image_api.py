@@ -1,0 +1,122 @@
+"""The image routes beyond list/import/upload (app.py): pull (with NDJSON progress), inspect,
+remove, prune. Images named by a registry reference carry ``/`` and ``:``: the ``{name}``
+path segment takes the rest of the path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+
+from corral.daemon import ops
+from corral.daemon.bodies import parse
+from corral.daemon.routes import Route
+from corral.errors import Conflict, CorralError
+from corral.models import ImageInfo, PruneResult, PullImageRequest
+
+NAME_PATH = "/v1/images/{name}"
+
+
+def _engine(request: web.Request) -> Any:
+    from corral.daemon.app import ENGINE  # app imports this module
+
+    return request.app[ENGINE]
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=json.dumps(obj, separators=(",", ":")).encode(), status=status,
+                        content_type="application/json")
+
+
+def _line(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def in_use(engine: Any) -> set[str]:
+    """Dir layers live sandboxes were composed with (image layers are kept by their image)."""
+    return {lay.digest[4:] for sb in list(engine.sandboxes.values()) for lay in sb.spec.layers
+            if lay.digest and lay.digest.startswith("dir:")}
+
+
+async def pull_image(request: web.Request) -> web.StreamResponse:
+    """Pull a reference from its registry (one pull per reference at a time on this node)."""
+    req: PullImageRequest = parse(await request.read(), PullImageRequest)
+    store = _engine(request).images
+    if not req.progress:
+        return _json(ops.entry(await store.pull(req.reference)), 201)
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    task = asyncio.ensure_future(store.pull(req.reference, queue.put_nowait))
+    resp = web.StreamResponse(status=201, headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    try:
+        while True:
+            get = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
+            if get in done:
+                await resp.write(_line(get.result()))
+                continue
+            get.cancel()
+            while not queue.empty():
+                await resp.write(_line(queue.get_nowait()))
+            break
+        try:
+            await resp.write(_line({"event": "done", "image": ops.entry(task.result())}))
+        except CorralError as e:
+            await resp.write(_line(e.to_payload()))
+        await resp.write_eof()
+    finally:
+        if not task.done():
+            task.cancel()  # this caller only: the pull itself is shielded (oci.flight)
+    return resp
+
+
+async def inspect_image(request: web.Request) -> web.Response:
+    img = _engine(request).images.get(request.match_info["name"])
+    return _json(ops.entry(img.info()))
+
+
+async def delete_image(request: web.Request) -> web.Response:
+    """Remove an image no live sandbox or snapshot uses, then the layers no image lists."""
+    engine = _engine(request)
+    store = engine.images
+    img = store.get(request.match_info["name"])
+    users = sorted(sb.id for sb in list(engine.sandboxes.values())
+                   if sb.spec.image == img.name
+                   or any(lay.image == img.name for lay in sb.spec.layers))
+    snaps: list[str] = []
+    if engine.snaps is not None:
+        snaps = sorted(r["id"] for r in engine.snapshot_list() if r.get("image") == img.name)
+    if users or snaps:
+        raise Conflict(f"image {img.name!r} is in use by {len(users)} sandbox(es) and "
+                       f"{len(snaps)} snapshot(s)",
+                       details={"image": img.name, "sandboxes": users[:20],
+                                "snapshots": snaps[:20]})
+    await asyncio.to_thread(store.remove, img.name)
+    removed = await asyncio.to_thread(store.gc_layers, in_use(engine))
+    return _json({"name": img.name, "deleted": True,
+                  "layers_removed": ["sha256:" + h for h in removed]})
+
+
+async def prune_images(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    removed = await asyncio.to_thread(engine.images.gc_layers, in_use(engine))
+    return _json({"layers_removed": ["sha256:" + h for h in removed]})
+
+
+_DELETED = {"type": "object", "required": ["name", "deleted", "layers_removed"], "properties": {
+    "name": {"type": "string"}, "deleted": {"type": "boolean"},
+    "layers_removed": {"type": "array", "items": {"type": "string"}}}}
+
+ROUTES: tuple[Route, ...] = (
+    Route("POST", "/v1/images/pull", pull_image, "Pull an image from an OCI registry (once per "
+          "reference at a time on this node; progress: NDJSON events)", body=PullImageRequest,
+          response=ImageInfo, status=201, errors=(403, 404, 413, 502), also=("ndjson",)),
+    Route("POST", "/v1/images/prune", prune_images, "Remove every layer no image lists",
+          response=PruneResult),
+    Route("GET", NAME_PATH, inspect_image, "An image's details (OCI: digest, layers, config)",
+          response=ImageInfo, errors=(404,)),
+    Route("DELETE", NAME_PATH, delete_image, "Remove an image no sandbox or snapshot uses, and "
+          "the layers no other image lists", response=_DELETED, errors=(404, 409)),
+)

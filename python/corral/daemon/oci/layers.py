@@ -1,0 +1,301 @@
+"""The node's store of image layers, content-addressed by the digest of the layer blob and
+shared by every image that lists it. A layer is unpacked once (oci.unpack), turned into an
+EROFS image (mkfs.erofs) and mounted read-only once per node with the kernel's file-backed
+EROFS mount; sandboxes stack the mounts as overlay lower layers, so every sandbox of an image
+reads one page-cache copy. Where EROFS is missing (no mkfs.erofs, a kernel without file-backed
+mounts) the unpacked directory itself is the lower layer.
+
+Layout under ``<state_dir>/oci/`` (0700): ``layers/<hex>/{layer.json, layer.erofs | tree/}``,
+``m/<hex[:16]>`` the mountpoints (short: overlay's options must fit in one page, so a short
+path per layer lets ~100 layers stack), ``tmp/`` half-made layers (removed at start).
+Mounts live in the daemon's mount namespace; each sandbox's namespace keeps its own reference,
+so unmounting at daemon stop (or GC) never pulls a layer out from under a live sandbox.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import json
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable, Iterable
+
+from corral.daemon import removal
+from corral.daemon.oci import unpack
+from corral.errors import ImagePullFailed, InvalidImage
+
+log = logging.getLogger("corral.images")
+
+# Mountpoints under the skeleton that every rootfs needs (the substrate mounts over them).
+SKELETON = {"proc": 0o555, "dev": 0o755, "sys": 0o555, "tmp": 0o1777, "etc": 0o755,
+            "run": 0o755, "root": 0o700}
+
+
+class LayerStore:
+    def __init__(self, state_dir: str, erofs: bool = True) -> None:
+        self.dir = os.path.join(state_dir, "oci")
+        self.layers_dir = os.path.join(self.dir, "layers")
+        self.mnt_dir = os.path.join(self.dir, "m")
+        self.tmp_dir = os.path.join(self.dir, "tmp")
+        for d in (self.dir, self.layers_dir, self.mnt_dir, self.tmp_dir):
+            os.makedirs(d, mode=0o700, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        for n in os.listdir(self.tmp_dir):  # half-made layers of a crashed pull
+            removal.remove_tree(os.path.join(self.tmp_dir, n))
+        self._lock = threading.Lock()
+        self._building: dict[str, threading.Lock] = {}
+        self._mounted: set[str] = set()
+        # Layers a pull or import in progress has made or found, not yet listed by an image
+        # it recorded: GC leaves them alone (pin/unpin).
+        self._pins: collections.Counter[str] = collections.Counter()
+        self.skeleton = os.path.join(self.dir, "skel")
+        self.file_backed = True
+        self._make_skeleton()
+        self.erofs = erofs and self._probe_erofs()
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def _make_skeleton(self) -> None:
+        if os.path.isdir(self.skeleton):
+            return
+        tmp = tempfile.mkdtemp(dir=self.tmp_dir)
+        for d, mode in SKELETON.items():
+            p = os.path.join(tmp, d)
+            os.mkdir(p)
+            os.chmod(p, mode)
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, self.skeleton)
+
+    def _probe_erofs(self) -> bool:
+        """Can this node make EROFS images and mount them from a file?"""
+        if shutil.which("mkfs.erofs") is None:
+            log.info("mkfs.erofs not found: image layers stay plain directories")
+            return False
+        from corral import _core
+
+        tmp = tempfile.mkdtemp(dir=self.tmp_dir)
+        img, mnt = os.path.join(tmp, "probe.erofs"), os.path.join(tmp, "m")
+        os.mkdir(mnt)
+        try:
+            self._mkfs(self.skeleton, img)
+            self._mount(img, mnt)
+            _core.umount_detach(mnt)
+            return True
+        except (OSError, subprocess.SubprocessError, InvalidImage) as e:
+            log.info("EROFS unavailable (%s): image layers stay directories", e)
+            return False
+        finally:
+            removal.remove_tree(tmp)
+
+    def _mount(self, img: str, mnt: str) -> None:
+        """File-backed (no loop device); where the store's filesystem cannot back one
+        (tmpfs: ENOTBLK), a loop device that goes away with the mount (autoclear)."""
+        from corral import _core
+
+        if self.file_backed:
+            try:
+                _core.mount_file_ro(img, mnt, "erofs")
+                return
+            except OSError as e:
+                if e.errno != errno.ENOTBLK:
+                    raise
+                self.file_backed = False
+                log.info("file-backed EROFS mounts unavailable on %s: loop devices instead",
+                         self.dir)
+        _core.mount_loop(img, mnt, "erofs", "", direct_io=False)
+
+    @staticmethod
+    def _mkfs(src: str, dest: str) -> None:
+        r = subprocess.run(["mkfs.erofs", "--quiet", "-x1", dest, src],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, timeout=3600, check=False)
+        if r.returncode != 0:
+            raise InvalidImage(f"mkfs.erofs failed: {r.stdout.decode(errors='replace')[-500:]}")
+
+    # ---- queries --------------------------------------------------------------------------
+    def path(self, hexd: str) -> str:
+        return os.path.join(self.layers_dir, hexd)
+
+    def has(self, hexd: str) -> bool:
+        return os.path.isfile(os.path.join(self.path(hexd), "layer.json"))
+
+    def meta(self, hexd: str) -> dict:
+        with open(os.path.join(self.path(hexd), "layer.json")) as f:
+            return dict(json.load(f))
+
+    def all(self) -> list[str]:
+        return sorted(n for n in os.listdir(self.layers_dir) if len(n) == 64)
+
+    def lower(self, hexd: str) -> str:
+        """The directory to stack for this layer, mounted first if it is an EROFS image."""
+        base = self.path(hexd)
+        img = os.path.join(base, "layer.erofs")
+        if not os.path.isfile(img):
+            return os.path.join(base, "tree")
+        mnt = os.path.join(self.mnt_dir, hexd[:16])
+        with self._lock:
+            if hexd in self._mounted:
+                return mnt
+            os.makedirs(mnt, mode=0o755, exist_ok=True)
+            if not os.path.ismount(mnt):
+                self._mount(img, mnt)
+            self._mounted.add(hexd)
+            return mnt
+
+    # ---- adding ---------------------------------------------------------------------------
+    def pin(self, hexes: Iterable[str]) -> None:
+        with self._lock:
+            self._pins.update(hexes)
+
+    def unpin(self, hexes: Iterable[str]) -> None:
+        with self._lock:
+            self._pins.subtract(hexes)
+            self._pins += collections.Counter()  # drop the zeros
+
+    def ensure(self, hexd: str, media_type: str, diff_id: str | None,
+               fetch: Callable[[str], None], limits: unpack.Limits,
+               on_state: Callable[[str], None] | None = None) -> dict:
+        """The layer's record, fetched (``fetch(dest)`` writes the verified blob), unpacked
+        and converted first if the store lacks it. Concurrent calls for one digest make it
+        once; a failure leaves nothing behind. The caller pins the layer first (GC)."""
+        with self._lock:
+            gate = self._building.setdefault(hexd, threading.Lock())
+        with gate:
+            if self.has(hexd):
+                m = self.meta(hexd)
+                limits.used_bytes += int(m.get("unpacked_bytes", 0))
+                if limits.used_bytes > limits.max_bytes:
+                    raise unpack._too_large(limits)
+                return m
+            if media_type not in unpack.LAYER_TYPES:
+                raise InvalidImage(f"layer sha256:{hexd} has unsupported media type "
+                                   f"{media_type!r}", details={"media_type": media_type})
+            tmp = tempfile.mkdtemp(prefix=hexd[:16] + "-", dir=self.tmp_dir)
+            try:
+                blob = os.path.join(tmp, "blob")
+                fetch(blob)
+                tree = os.path.join(tmp, "tree")
+                os.mkdir(tree, 0o755)
+                if on_state:
+                    on_state("unpacking")
+                res = unpack.unpack(blob, media_type, tree, limits)
+                os.unlink(blob)
+                if diff_id is not None and res.diff_id != diff_id:
+                    raise InvalidImage(f"layer sha256:{hexd} unpacks to {res.diff_id}, the "
+                                       f"image config says {diff_id}",
+                                       details={"expected": diff_id, "got": res.diff_id})
+                fmt = "dir"
+                if self.erofs:
+                    if on_state:
+                        on_state("converting")
+                    self._mkfs(tree, os.path.join(tmp, "layer.erofs"))
+                    removal.remove_tree(tree)
+                    fmt = "erofs"
+                meta = {"digest": "sha256:" + hexd, "diff_id": res.diff_id,
+                        "media_type": media_type, "unpacked_bytes": res.size,
+                        "skipped": res.skipped, "format": fmt}
+                with open(os.path.join(tmp, "layer.json"), "w") as f:
+                    json.dump(meta, f, sort_keys=True)
+                os.rename(tmp, self.path(hexd))
+                return meta
+            except OSError as e:
+                removal.remove_tree(tmp)
+                raise ImagePullFailed(f"cannot store layer sha256:{hexd}: {e}",
+                                      details={"errno": e.errno}) from e
+            except BaseException:
+                removal.remove_tree(tmp)
+                raise
+            finally:
+                with self._lock:
+                    self._building.pop(hexd, None)
+
+    def from_dir(self, src: str, max_bytes: int, max_files: int) -> str:
+        """The layer id of host directory ``src``, copied (devices skipped, setuid and
+        setgid cleared: the import rules) and converted the first time its contents are
+        seen (oci.dirlayer)."""
+        from corral.daemon import images
+        from corral.daemon.oci import dirlayer
+
+        dirlayer.check_source(src)
+        fp = dirlayer.fingerprint(src, max_files)
+        known = os.path.join(self.dir, "dirs", fp)
+        try:
+            with open(known) as f:
+                hexd = f.read().strip()
+            if self.has(hexd):
+                return hexd
+        except OSError:
+            pass
+        tmp = tempfile.mkdtemp(prefix="dir-", dir=self.tmp_dir)
+        try:
+            tree = os.path.join(tmp, "tree")
+            os.mkdir(tree)
+            size = images._copy_tree(src, tree, sanitize=False)
+            if size > max_bytes:
+                raise unpack._too_large(unpack.Limits(max_bytes, max_files))
+            os.chmod(tree, stat.S_IMODE(os.stat(src).st_mode) | 0o755)
+            hexd = dirlayer.content_hash(tree)
+            with self._lock:
+                gate = self._building.setdefault(hexd, threading.Lock())
+            with gate:
+                if not self.has(hexd):
+                    fmt = "dir"
+                    if self.erofs:
+                        self._mkfs(tree, os.path.join(tmp, "layer.erofs"))
+                        removal.remove_tree(tree)
+                        fmt = "erofs"
+                    with open(os.path.join(tmp, "layer.json"), "w") as f:
+                        json.dump({"digest": "dir:" + hexd, "source": src, "format": fmt,
+                                   "unpacked_bytes": size}, f, sort_keys=True)
+                    os.rename(tmp, self.path(hexd))
+                with self._lock:
+                    self._building.pop(hexd, None)
+            os.makedirs(os.path.dirname(known), mode=0o700, exist_ok=True)
+            with open(known + ".tmp", "w") as f:
+                f.write(hexd)
+            os.rename(known + ".tmp", known)
+            return hexd
+        finally:
+            if os.path.lexists(tmp):
+                removal.remove_tree(tmp)
+
+    # ---- removal --------------------------------------------------------------------------
+    def _unmount(self, hexd: str) -> None:
+        from corral import _core
+
+        mnt = os.path.join(self.mnt_dir, hexd[:16])
+        if os.path.ismount(mnt):
+            _core.umount_detach(mnt)
+        self._mounted.discard(hexd)
+        try:
+            os.rmdir(mnt)
+        except OSError:
+            pass
+
+    def gc(self, keep: Iterable[str], only: Iterable[str] | None = None) -> list[str]:
+        """Remove every layer (of ``only``, if given) not in ``keep`` (the layers of every
+        image) and not pinned; returns them."""
+        wanted = set(keep)
+        gone = []
+        with self._lock:
+            for hexd in self.all() if only is None else sorted(set(only) & set(self.all())):
+                if hexd in wanted or hexd in self._building or self._pins[hexd] > 0:
+                    continue
+                self._unmount(hexd)
+                trash = os.path.join(self.tmp_dir, f"rm-{hexd}")
+                os.rename(self.path(hexd), trash)
+                gone.append(hexd)
+        for hexd in gone:
+            removal.remove_tree(os.path.join(self.tmp_dir, f"rm-{hexd}"))
+        return gone
+
+    def close(self) -> None:
+        """Unmount every layer (daemon stop): live sandboxes hold their own references."""
+        with self._lock:
+            for hexd in list(self._mounted):
+                self._unmount(hexd)

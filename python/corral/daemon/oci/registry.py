@@ -1,0 +1,310 @@
+"""A client of the OCI distribution spec (pull side): the ``/v2/`` ping that settles the
+scheme and the auth challenge, manifests (OCI and Docker v2 schema 2, indexes and manifest
+lists) and blobs streamed to a file while hashed. Runs in a worker thread (sync httpx).
+
+Plain HTTP only for a registry on loopback or named in the daemon's config
+(``CORRAL_INSECURE_REGISTRIES``), and even then HTTPS is tried first, as Docker does."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from corral.daemon.oci import auth
+from corral.daemon.oci.ref import Reference
+from corral.daemon.oci.ref import parse as parse_ref
+from corral.errors import (
+    DigestMismatch,
+    ImageNotFound,
+    ImagePullFailed,
+    InvalidImage,
+    RegistryUnauthorized,
+)
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
+DOCKER_V1 = ("application/vnd.docker.distribution.manifest.v1+json",
+             "application/vnd.docker.distribution.manifest.v1+prettyjws")
+MANIFESTS = (OCI_MANIFEST, DOCKER_MANIFEST)
+INDEXES = (OCI_INDEX, DOCKER_LIST)
+MAX_MANIFEST = 4 << 20
+MAX_CONFIG = 8 << 20
+PLATFORM = ("linux", "amd64")
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_digest(digest: str, what: str) -> str:
+    algo, _, hexd = digest.partition(":")
+    if algo != "sha256" or len(hexd) != 64 or any(c not in "0123456789abcdef" for c in hexd):
+        raise InvalidImage(f"{what}: unsupported digest {digest!r} (sha256 only)",
+                           details={"digest": digest})
+    return hexd
+
+
+class Registry:
+    def __init__(self, ref: Reference, insecure: frozenset[str] = frozenset(),
+                 timeout: float = 60.0) -> None:
+        self.ref = ref
+        self.plain_ok = ref.loopback() or ref.registry in insecure
+        self.insecure = insecure
+        self.base = ""
+        self.creds = auth.credentials(ref.registry)  # at pull time: a fresh login counts
+        self.client = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0),
+                                   follow_redirects=True, trust_env=False)
+        self.authz: str | None = None
+        self.scheme = ""  # the challenge's: "basic" | "bearer" | "" (none asked)
+        self.params: dict[str, str] = {}
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _fail(self, msg: str, status: int | None = None) -> ImagePullFailed:
+        d: dict[str, Any] = {"registry": self.ref.registry, "reference": str(self.ref)}
+        if status is not None:
+            d["status"] = status
+        return ImagePullFailed(msg, details=d)
+
+    # ---- scheme and auth ------------------------------------------------------------------
+    def ping(self) -> None:
+        schemes = ["https", "http"] if self.plain_ok else ["https"]
+        last: Exception | None = None
+        for scheme in schemes:
+            base = f"{scheme}://{self.ref.api_host}"
+            try:
+                r = self.client.get(base + "/v2/")
+            except httpx.HTTPError as e:
+                last = e
+                continue
+            self.base = base
+            if r.status_code == 401:
+                self.scheme, self.params = auth.challenge(r.headers.get("www-authenticate", ""))
+            elif r.status_code >= 400 and r.status_code != 404:
+                raise self._fail(f"registry {self.ref.registry} answered /v2/ with "
+                                 f"{r.status_code}", r.status_code)
+            return
+        raise self._fail(f"cannot reach registry {self.ref.registry}: {last}"
+                         + ("" if self.plain_ok else " (plain HTTP is allowed only for "
+                            "registries on 127.0.0.0/8 or named in CORRAL_INSECURE_REGISTRIES)"))
+
+    def _plain_realm(self, realm: str) -> bool:
+        """A plain-HTTP token realm gets the credentials only on loopback or an insecure
+        registry's own host."""
+        host = httpx.URL(realm).host
+        netloc = httpx.URL(realm).netloc.decode()
+        try:
+            return parse_ref(f"{netloc}/x").loopback() or netloc in self.insecure
+        except Exception:  # noqa: BLE001 - a malformed realm is simply not allowed
+            return host == "localhost"
+
+    def _unauthorized(self, why: str) -> RegistryUnauthorized:
+        hint = "" if self.creds else (f"; no credentials for {self.ref.registry} in "
+                                      f"{auth.config_path()}")
+        return RegistryUnauthorized(f"registry {self.ref.registry} refused access to "
+                                    f"{self.ref.repo}: {why}{hint}",
+                                    details={"registry": self.ref.registry,
+                                             "reference": str(self.ref)})
+
+    def _login(self) -> None:
+        """Answer the challenge once: Basic with the configured credentials, or a Bearer
+        token from the realm (with the credentials if any, anonymous otherwise)."""
+        if self.scheme == "basic":
+            if not self.creds:
+                raise self._unauthorized("it asks for basic auth")
+            self.authz = httpx.BasicAuth(*self.creds)._auth_header
+            return
+        if self.scheme != "bearer" or not self.params.get("realm"):
+            raise self._unauthorized(f"unsupported challenge {self.scheme!r}")
+        realm = self.params["realm"]
+        if not realm.startswith("https://") and not (realm.startswith("http://")
+                                                     and self._plain_realm(realm)):
+            raise self._unauthorized(f"token realm {realm!r} is not HTTPS (plain HTTP only "
+                                     "on loopback or a registry named insecure)")
+        q = {"scope": f"repository:{self.ref.repo}:pull"}
+        if self.params.get("service"):
+            q["service"] = self.params["service"]
+        try:
+            r = self.client.get(realm, params=q,
+                                auth=httpx.BasicAuth(*self.creds) if self.creds else None)
+        except httpx.HTTPError as e:
+            raise self._fail(f"token server {realm} unreachable: {e}") from e
+        if r.status_code in (401, 403):
+            raise self._unauthorized(f"the token server said {r.status_code}")
+        if r.status_code != 200:
+            raise self._fail(f"token server {realm} answered {r.status_code}", r.status_code)
+        try:
+            body = r.json()
+            token = body.get("token") or body.get("access_token")
+        except ValueError:
+            token = None
+        if not isinstance(token, str) or not token:
+            raise self._fail(f"token server {realm} gave no token")
+        self.authz = f"Bearer {token}"
+
+    def _get(self, path: str, accept: str | None = None) -> httpx.Response:
+        """GET ``/v2/<repo>/<path>`` streamed (the caller closes it), logging in on a 401."""
+        if not self.base:
+            self.ping()
+        if self.scheme and self.authz is None:
+            self._login()
+        url = f"{self.base}/v2/{self.ref.repo}/{path}"
+        for attempt in range(2):
+            headers = {"Accept": accept} if accept else {}
+            if self.authz:
+                headers["Authorization"] = self.authz
+            try:
+                req = self.client.build_request("GET", url, headers=headers)
+                r = self.client.send(req, stream=True)
+            except httpx.HTTPError as e:
+                raise self._fail(f"GET {url}: {e}") from e
+            if r.status_code == 401 and attempt == 0:
+                r.close()
+                self.scheme, self.params = auth.challenge(r.headers.get("www-authenticate", ""))
+                self._login()
+                continue
+            if r.status_code in (401, 403):
+                r.close()
+                raise self._unauthorized(f"{r.status_code} on {path}")
+            if r.status_code == 404:
+                r.close()
+                raise ImageNotFound(f"{self.ref} not found in {self.ref.registry} "
+                                    f"({path.split('/')[0]} missing)",
+                                    details={"reference": str(self.ref)})
+            if r.status_code != 200:
+                r.close()
+                raise self._fail(f"GET {path}: registry answered {r.status_code}",
+                                 r.status_code)
+            return r
+        raise AssertionError("unreachable")
+
+    def _small(self, path: str, limit: int, accept: str | None = None) -> tuple[bytes, str]:
+        r = self._get(path, accept)
+        try:
+            data = bytearray()
+            for chunk in r.iter_bytes():
+                data += chunk
+                if len(data) > limit:
+                    raise InvalidImage(f"{path}: larger than {limit} bytes",
+                                       details={"limit": limit})
+            return bytes(data), r.headers.get("content-type", "").split(";")[0].strip()
+        except httpx.HTTPError as e:
+            raise self._fail(f"GET {path}: {e}") from e
+        finally:
+            r.close()
+
+    # ---- manifests and blobs --------------------------------------------------------------
+    def manifest(self, reference: str) -> tuple[dict, str, str]:
+        """(manifest, media type, its digest) for a tag or digest, an index resolved to its
+        linux/amd64 image. A digest-pinned fetch is verified."""
+        accept = ", ".join((*MANIFESTS, *INDEXES))
+        for _ in range(2):  # an index, then the manifest it points at
+            data, ctype = self._small(f"manifests/{reference}", MAX_MANIFEST, accept)
+            digest = "sha256:" + sha256_hex(data)
+            if reference.startswith("sha256:") and reference != digest:
+                raise DigestMismatch(f"manifest {reference} hashes to {digest}",
+                                     details={"expected": reference, "got": digest})
+            try:
+                doc = json.loads(data)
+            except ValueError as e:
+                raise InvalidImage(f"manifest of {self.ref} is not JSON") from e
+            if not isinstance(doc, dict):
+                raise InvalidImage(f"manifest of {self.ref} is not an object")
+            mtype = doc.get("mediaType") or ctype
+            if mtype in DOCKER_V1 or doc.get("schemaVersion") == 1:
+                raise InvalidImage(f"{self.ref} has a schema-1 manifest (unsupported; push it "
+                                   "again with a current tool)")
+            if mtype in INDEXES or (not mtype and "manifests" in doc):
+                reference = pick_platform(doc, str(self.ref))
+                continue
+            if mtype in MANIFESTS or (not mtype and "layers" in doc):
+                return doc, mtype or OCI_MANIFEST, digest
+            raise InvalidImage(f"{self.ref}: unsupported manifest type {mtype!r}")
+        raise InvalidImage(f"{self.ref}: an index that points at an index")
+
+    def config(self, digest: str) -> dict:
+        hexd = check_digest(digest, "config")
+        data, _ = self._small(f"blobs/{digest}", MAX_CONFIG)
+        if sha256_hex(data) != hexd:
+            raise DigestMismatch(f"config blob {digest} does not match its digest",
+                                 details={"expected": digest})
+        try:
+            doc = json.loads(data)
+        except ValueError as e:
+            raise InvalidImage(f"config of {self.ref} is not JSON") from e
+        if not isinstance(doc, dict):
+            raise InvalidImage(f"config of {self.ref} is not an object")
+        return doc
+
+    def blob(self, digest: str, size: int, dest: str,
+             progress: Callable[[int], None] | None = None) -> None:
+        """Stream blob ``digest`` to the new file ``dest``, verifying size and digest; on any
+        failure ``dest`` is removed."""
+        hexd = check_digest(digest, "layer")
+        h = hashlib.sha256()
+        got = 0
+        ok = False
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            r = self._get(f"blobs/{digest}")
+            try:
+                with os.fdopen(fd, "wb", closefd=False) as f:
+                    for chunk in r.iter_bytes(1 << 20):
+                        got += len(chunk)
+                        if got > size:
+                            raise DigestMismatch(f"blob {digest} is larger than the {size} "
+                                                 "bytes its descriptor says",
+                                                 details={"expected": digest, "size": size})
+                        h.update(chunk)
+                        f.write(chunk)
+                        if progress is not None:
+                            progress(len(chunk))
+            except httpx.HTTPError as e:
+                raise self._fail(f"blob {digest}: {e}") from e
+            finally:
+                r.close()
+            if got != size or h.hexdigest() != hexd:
+                raise DigestMismatch(f"blob {digest} does not match its digest "
+                                     f"(got sha256:{h.hexdigest()}, {got} bytes)",
+                                     details={"expected": digest,
+                                              "got": "sha256:" + h.hexdigest()})
+            ok = True
+        finally:
+            os.close(fd)
+            if not ok:
+                try:
+                    os.unlink(dest)
+                except OSError:
+                    pass
+
+
+def pick_platform(index: dict, ref: str) -> str:
+    """The digest of the linux/amd64 manifest in an index (the first if several)."""
+    items = index.get("manifests")
+    if not isinstance(items, list):
+        raise InvalidImage(f"{ref}: index without manifests")
+    seen = []
+    for m in items:
+        if not isinstance(m, dict):
+            continue
+        p = m.get("platform") or {}
+        seen.append(f"{p.get('os')}/{p.get('architecture')}")
+        if (p.get("os"), p.get("architecture")) == PLATFORM and isinstance(m.get("digest"), str):
+            check_digest(m["digest"], "manifest")
+            return str(m["digest"])
+    raise InvalidImage(f"{ref} has no linux/amd64 image (it has: {', '.join(seen) or 'none'})",
+                       details={"platforms": seen})

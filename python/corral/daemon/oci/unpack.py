@@ -1,0 +1,273 @@
+"""Apply one OCI layer (a tar stream, plain, gzip or zstd) to its own directory, in the form
+overlayfs stacks as a lower layer: ``.wh.NAME`` becomes a whiteout (a 0/0 character device
+named NAME), ``.wh..wh..opq`` the ``trusted.overlay.opaque`` xattr on its directory.
+
+Nothing in the layer is trusted:
+- names are relative, ``..`` and NUL refused; no member is written through a symlink or a
+  non-directory (every parent is checked with lstat, symlinks are never followed);
+- a hard link must name a regular file already unpacked from this same layer;
+- device nodes are skipped (counted), FIFOs kept;
+- setuid and setgid bits are cleared on files (setgid stays on directories, where it only
+  picks the group of new files); ``security.capability`` and ``trusted.*`` xattrs are dropped
+  (the first grants privileges like setuid does, the second would forge overlay metadata),
+  ``user.*`` xattrs are kept;
+- the bytes written and the members are bounded (a too_large error names the limit): a sparse
+  10 GB member or a million tiny files cannot fill the host's disk.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import stat
+import tarfile
+import zlib
+from dataclasses import dataclass, field
+from typing import IO
+
+from corral.daemon import removal
+from corral.errors import InvalidImage, TooLarge
+
+GZIP = ("application/vnd.oci.image.layer.v1.tar+gzip",
+        "application/vnd.docker.image.rootfs.diff.tar.gzip")
+ZSTD = ("application/vnd.oci.image.layer.v1.tar+zstd",)
+PLAIN = ("application/vnd.oci.image.layer.v1.tar",)
+LAYER_TYPES = GZIP + ZSTD + PLAIN
+OPAQUE_XATTR = "trusted.overlay.opaque"
+_WH = ".wh."
+_OPQ = ".wh..wh..opq"
+_PAX_XATTR = "SCHILY.xattr."
+_DROPPED_XATTRS = ("trusted.", "security.capability")
+_SUID = stat.S_ISUID | stat.S_ISGID
+MAX_DEPTH = 512  # directory levels of a member (the copy and mkfs walk trees this deep)
+
+
+@dataclass
+class Limits:
+    max_bytes: int  # file bytes and decompressed stream bytes, across the whole image
+    max_members: int
+    used_bytes: int = 0
+    used_members: int = 0
+
+
+@dataclass
+class Result:
+    diff_id: str = ""  # sha256 of the uncompressed tar
+    size: int = 0  # bytes of regular files
+    skipped: dict[str, int] = field(default_factory=dict)
+
+
+class _Hashing:
+    """Reads through, hashing and counting the uncompressed bytes (the diff_id and the cap
+    on decompressed size, which stops a zip bomb however it is packed)."""
+
+    def __init__(self, f: IO[bytes], limits: Limits) -> None:
+        self.f, self.limits, self.h = f, limits, hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n if n is not None and n >= 0 else 1 << 20)
+        self.h.update(data)
+        self.limits.used_bytes += len(data)
+        if self.limits.used_bytes > self.limits.max_bytes:
+            raise _too_large(self.limits)
+        return data
+
+
+def _too_large(limits: Limits) -> TooLarge:
+    return TooLarge(f"the image is too large once unpacked (at most {limits.max_bytes} bytes "
+                    f"and {limits.max_members} files)",
+                    details={"limit": "image_max_bytes", "max_bytes": limits.max_bytes,
+                             "max_members": limits.max_members})
+
+
+def open_stream(path: str, media_type: str) -> IO[bytes]:
+    if media_type in GZIP:
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    if media_type in ZSTD:
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+    if media_type in PLAIN:
+        return open(path, "rb")
+    raise InvalidImage(f"unsupported layer media type {media_type!r}",
+                       details={"media_type": media_type})
+
+
+def _rel(name: str) -> list[str]:
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if any(p == ".." for p in parts) or "\0" in name:
+        raise InvalidImage(f"layer member {name!r} escapes the layer ('..' or NUL)",
+                           details={"member": name})
+    if len(parts) > MAX_DEPTH or any(len(p.encode("utf-8", "surrogateescape")) > 255
+                                     for p in parts):
+        raise InvalidImage(f"layer member {name[:200]!r}... is more than {MAX_DEPTH} "
+                           "directories deep or has a name over 255 bytes",
+                           details={"max_depth": MAX_DEPTH})
+    return parts
+
+
+class _Layer:
+    def __init__(self, root: str, limits: Limits, result: Result) -> None:
+        self.root, self.limits, self.result = root, limits, result
+        self.dirs: list[tuple[str, tarfile.TarInfo]] = []
+
+    def parent(self, parts: list[str], name: str) -> str:
+        """The host path of the member's parent: every component a real directory of this
+        layer (made, 0755, if the layer does not list it), never a symlink."""
+        d = self.root
+        for p in parts[:-1]:
+            d = os.path.join(d, p)
+            try:
+                st = os.lstat(d)
+            except FileNotFoundError:
+                os.mkdir(d, 0o755)
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a non-directory"
+                raise InvalidImage(f"layer member {name!r} goes through {kind} ({p!r}); "
+                                   "nothing is written through links", details={"member": name})
+        return d
+
+    def clear(self, path: str, keep_dir: bool) -> None:
+        """A later member replaces an earlier one (tar semantics); a symlink is unlinked,
+        never followed."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            if not keep_dir:
+                removal.remove_tree(path)
+        else:
+            os.unlink(path)
+
+    def skip(self, what: str) -> None:
+        self.result.skipped[what] = self.result.skipped.get(what, 0) + 1
+
+    def apply(self, tf: tarfile.TarFile, m: tarfile.TarInfo) -> None:
+        lim = self.limits
+        lim.used_members += 1
+        if lim.used_members > lim.max_members:
+            raise _too_large(lim)
+        parts = _rel(m.name)
+        if not parts:  # the layer's root itself
+            if m.isdir():
+                self.dirs.append((self.root, m))
+            return
+        base = parts[-1]
+        parent = self.parent(parts, m.name)
+        if base == _OPQ:
+            os.setxattr(parent, OPAQUE_XATTR, b"y", follow_symlinks=False)
+            return
+        if base.startswith(_WH):
+            real = base[len(_WH):]
+            if not real or real in (".", ".."):
+                raise InvalidImage(f"bad whiteout {m.name!r}", details={"member": m.name})
+            target = os.path.join(parent, real)
+            self.clear(target, keep_dir=False)
+            os.mknod(target, stat.S_IFCHR | 0o600, os.makedev(0, 0))
+            return
+        target = os.path.join(parent, base)
+        self.clear(target, keep_dir=m.isdir())
+        if m.isdir():
+            if not os.path.lexists(target):
+                os.mkdir(target, 0o700)
+            self.dirs.append((target, m))
+            return
+        if m.isreg():
+            if m.size < 0:
+                raise InvalidImage(f"layer member {m.name!r} has a negative size")
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                src = tf.extractfile(m)
+                if src is not None:
+                    while chunk := src.read(1 << 20):
+                        out.write(chunk)
+            self.result.size += m.size
+            os.chmod(target, m.mode & 0o7777 & ~_SUID)
+        elif m.issym():
+            if "\0" in m.linkname or not m.linkname:
+                raise InvalidImage(f"layer member {m.name!r}: bad symlink target")
+            os.symlink(m.linkname, target)  # kept verbatim: resolved inside the sandbox
+        elif m.islnk():
+            lparts = _rel(m.linkname)
+            if not lparts:
+                raise InvalidImage(f"layer member {m.name!r}: bad hard link")
+            src_path = os.path.join(self.parent(lparts, m.name), lparts[-1])
+            try:
+                sst = os.lstat(src_path)
+            except FileNotFoundError:
+                raise InvalidImage(f"layer member {m.name!r}: hard link to {m.linkname!r}, "
+                                   "which this layer does not have",
+                                   details={"member": m.name}) from None
+            if not stat.S_ISREG(sst.st_mode):
+                raise InvalidImage(f"layer member {m.name!r}: hard link to a non-file",
+                                   details={"member": m.name})
+            os.link(src_path, target, follow_symlinks=False)
+            return  # the inode's owner, mode and xattrs are the first name's
+        elif m.isfifo():
+            os.mkfifo(target, m.mode & 0o777)
+        elif m.ischr() or m.isblk():
+            self.skip("devices")
+            return
+        else:
+            self.skip("other")
+            return
+        self.finish(target, m)
+
+    def finish(self, target: str, m: tarfile.TarInfo) -> None:
+        os.lchown(target, m.uid, m.gid)
+        for k, v in (m.pax_headers or {}).items():
+            if not k.startswith(_PAX_XATTR):
+                continue
+            name = k[len(_PAX_XATTR):]
+            if name.startswith(_DROPPED_XATTRS) or not name.startswith("user."):
+                self.skip("xattrs")
+                continue
+            try:
+                os.setxattr(target, name, v.encode("utf-8", "surrogateescape"),
+                            follow_symlinks=False)
+            except OSError:
+                self.skip("xattrs")
+        if not m.issym():
+            os.utime(target, (m.mtime, m.mtime), follow_symlinks=False)
+
+    def close(self) -> None:
+        for target, m in reversed(self.dirs):
+            try:
+                if not stat.S_ISDIR(os.lstat(target).st_mode):
+                    continue  # replaced by a later member
+            except FileNotFoundError:
+                continue
+            mode = m.mode & 0o7777 & ~stat.S_ISUID
+            self.finish(target, m)
+            os.chmod(target, mode)
+
+
+def unpack(blob: str, media_type: str, root: str, limits: Limits) -> Result:
+    """Unpack the layer blob at ``blob`` into the existing empty directory ``root``. Raises
+    InvalidImage / TooLarge; the caller removes ``root`` on failure."""
+    result = Result()
+    layer = _Layer(root, limits, result)
+    stream = open_stream(blob, media_type)
+    try:
+        hashed = _Hashing(stream, limits)
+        try:
+            with tarfile.open(fileobj=hashed, mode="r|") as tf:  # type: ignore[call-overload]
+                for m in tf:
+                    layer.apply(tf, m)
+            while hashed.read(1 << 20):  # the end-of-archive padding counts in the diff_id
+                pass
+        except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
+            raise InvalidImage(f"corrupt layer: {e}", details={"error": str(e)}) from e
+        except Exception as e:
+            if type(e).__name__ == "ZstdError":
+                raise InvalidImage(f"corrupt zstd layer: {e}", details={"error": str(e)}) from e
+            raise
+        layer.close()
+    finally:
+        stream.close()
+    result.diff_id = "sha256:" + hashed.h.hexdigest()
+    return result
