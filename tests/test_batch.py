@@ -188,12 +188,18 @@ def test_streamed_batches_send_progress_then_the_answer(no_leaks):
         assert lines[-1][1]["killed"] == 6
 
 
-def test_streamed_batch_error_is_the_last_line(no_leaks):
+def test_streamed_batch_errors(no_leaks):
+    """What a batch refuses at once is an error status, before any stream; what fails after the
+    batch began is the stream's last line."""
     with client() as c:
+        r = c.post("/v1/sandboxes/batch", params={"stream": "ndjson"},
+                   json={"count": 3, "spec": {"image": "no-such-image"}})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "image_not_found", r.text
+        # A registry reference is pulled inside the batch: nothing listens on port 1.
         lines = _stream_lines(c, "/v1/sandboxes/batch",
-                              {"count": 3, "spec": {"image": "no-such-image"}})
+                              {"count": 2, "spec": {"image": "127.0.0.1:1/corral/none:1"}})
         last = lines[-1][1]
-        assert last["error"]["code"] == "image_not_found", last
+        assert set(last) == {"error"} and last["error"]["code"], last
     with pytest.raises(ImageNotFound):
         Sandbox.create_many(2, image="no-such-image")
 

@@ -202,7 +202,7 @@ def test_fork_children_are_isolated(sb):
     finally:
         for k in kids:
             k.kill()
-    assert wait_until(lambda: not (digest_dirs & layer_dirs()))
+    assert wait_until(lambda: not (digest_dirs & layer_dirs()), timeout=60)
 
 
 def test_fork_keep_snapshot_and_errors(sb):

@@ -560,8 +560,12 @@ class ImageInfo(_Response):
 
 _COMP = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 # [registry[:port]/]repo[:tag][@sha256:hex], the grammar of corral.daemon.oci.ref.
-REFERENCE_PATTERN = (r"^(?:(?:[a-zA-Z0-9](?:[a-zA-Z0-9.-]*[a-zA-Z0-9])?|\[[0-9a-fA-F:]+\])"
-                     r"(?::[0-9]{1,5})?/)?" + _COMP + "(?:/" + _COMP + ")*"
+# A first component is the registry only if it looks like a host (a dot, a port, localhost,
+# an IPv6 literal), as the parser decides; else it is part of the repository (lowercase).
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_REGISTRY = (r"(?:(?:\[[0-9a-fA-F:]+\]|localhost|" + _LABEL + r"(?:\." + _LABEL + r")+)"
+             r"(?::[0-9]{1,5})?|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?:[0-9]{1,5})")
+REFERENCE_PATTERN = (r"^(?:" + _REGISTRY + "/)?" + _COMP + "(?:/" + _COMP + ")*"
                      r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$")
 
 

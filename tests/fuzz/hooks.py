@@ -36,3 +36,11 @@ def tar_body(ctx, value):  # noqa: ANN001, ANN201 - schemathesis' hook signature
         info.size = len(raw)
         tf.addfile(info, io.BytesIO(raw))
     return buf.getvalue()
+
+
+@schemathesis.deserializer("application/x-ndjson")
+def ndjson_body(ctx, response):  # noqa: ANN001, ANN201 - schemathesis' hook signature
+    """A streamed batch (``?stream=ndjson``): progress lines, then the answer as the last line;
+    links read the answer."""
+    lines = [line for line in response.content.splitlines() if line.strip()]
+    return json.loads(lines[-1]) if lines else None

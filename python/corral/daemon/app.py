@@ -33,6 +33,7 @@ from corral.daemon.engine import MAX_READ_BYTES, Engine
 from corral.daemon.images import resolve_source
 from corral.daemon.params import (
     check_path,
+    decimal,
     label_filters,
     not_root,
     page,
@@ -207,10 +208,7 @@ async def expose_port(request: web.Request) -> web.Response:
 
 
 async def unexpose_port(request: web.Request) -> web.Response:
-    try:
-        port = int(request.match_info["port"])
-    except ValueError:
-        raise InvalidRequest("port must be an integer") from None
+    port = decimal(request.match_info["port"], "port", 1, 65535)
     return _json({"removed": _engine(request).unexpose(request.match_info["id"], port)})
 
 
@@ -272,6 +270,7 @@ async def create_batch(request: web.Request) -> web.StreamResponse:
     req = await _body(request, CreateManyRequest)
     engine = _engine(request)
     req.spec = _layer_dirs_allowed(request, req.spec)
+    engine.precheck_create(req.count, req.spec)
 
     async def answer(made: list[Any]) -> dict[str, Any]:
         infos = [sb.info() for sb in made]

@@ -539,6 +539,23 @@ class ImageStore:
         lowers = [self.layers.lower(h) for h in reversed(img.meta["oci_layers"])]
         return dataclasses.replace(img, overlays=[("/", [*lowers, self.layers.skeleton])])
 
+    def compose(self, image: Image, layers: builtins.list[Any] | None) -> Image:
+        """``image`` with a create's extra layers (LayerSpec: another image's files, or a
+        resolved host dir) stacked at their targets, each an overlay of its own."""
+        if not layers:
+            return image
+        overlays = list(image.overlays)
+        for lay in layers:
+            if lay.image is not None:
+                lowers = self.lowers_of(lay.image)
+            else:
+                digest = lay.digest or ""
+                if not digest.startswith("dir:") or not self.layers.has(digest[4:]):
+                    raise InvalidRequest(f"layer dir {lay.dir!r} is not resolved")
+                lowers = [self.layers.lower(digest[4:])]
+            overlays.append((lay.at.rstrip("/") or "/", lowers))
+        return dataclasses.replace(image, overlays=overlays)
+
     def lowers_of(self, name: str) -> builtins.list[str]:
         """An image's files as lower layers to stack elsewhere (a toolkit at /opt/tools)."""
         img = self.get(name)

@@ -89,7 +89,9 @@ def _response(r: Route) -> dict[str, Any]:
         schema = {}
     content = {"application/json": {"schema": schema}}
     for kind in r.also:
-        content[_MEDIA[kind]] = {"schema": {"type": "string"}}
+        # JSON lines, one value each (the operation's description says which): not one JSON
+        # document, so no schema of the whole body.
+        content[_MEDIA[kind]] = {"schema": {}}
     return {"description": "OK", "content": content}
 
 
@@ -101,6 +103,7 @@ _PATH_PARAMS: dict[str, dict[str, Any]] = {
     "snap": {"type": "string", "minLength": 1, "maxLength": 200},
     "name": {"type": "string", "pattern": r"^[a-z0-9][a-z0-9_.\-]{0,62}$"},
     "tid": {"type": "string", "minLength": 1, "maxLength": 200},
+    "port": {"type": "integer", "minimum": 1, "maximum": 65535},
 }
 
 

@@ -18,7 +18,12 @@ from corral.daemon import capacity, oserrors, persist, removal, snapshots
 from corral.daemon.clock import REAL, Clock
 from corral.daemon.oci.ref import looks_like_ref
 from corral.daemon.substrates import registry
-from corral.daemon.substrates.base import Capabilities, SandboxRuntime, Substrate
+from corral.daemon.substrates.base import (
+    Capabilities,
+    NetworkControl,
+    SandboxRuntime,
+    Substrate,
+)
 from corral.daemon.trajlog import TrajLog
 from corral.errors import (
     CapacityExceeded,
@@ -262,9 +267,9 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
             raise InvalidNetwork("expose needs a networked sandbox (network internet or a "
                                  "policy)", details={"network": kind})
         if kind in ("internet", "policy"):
-            check = getattr(sub, "check_network", None)
-            if check is not None:
-                check(spec)  # invalid_network before anything is made
+            net = sub.networking()
+            if net is not None:
+                net.check(spec.network)  # invalid_network before anything is made
         if spec.snapshot is not None and not caps.snapshot:
             raise Unsupported(f"snapshots are not supported on substrate {sub.name!r}",
                               details={"substrate": sub.name, "operation": "snapshot"})
@@ -279,9 +284,9 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         """The daemon's named allowlists (GET /v1/networks), from the substrate that networks
         sandboxes."""
         for sub in self.substrates.values():
-            mgr = getattr(sub, "network", None)
-            if mgr is not None:
-                return dict(mgr.allowlists)
+            net = sub.networking()
+            if net is not None:
+                return dict(net.allowlists)
         return {}
 
     def substrate_table(self) -> list[dict[str, Any]]:
@@ -422,26 +427,10 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
             update["layers"] = layers
         return spec.model_copy(update=update) if update else spec
 
-    def _compose(self, spec: SandboxSpec, image: Any) -> Any:
-        """The image with the spec's layers as overlays of their own at their targets."""
-        if not spec.layers:
-            return image
-        overlays = list(image.overlays)
-        for lay in spec.layers:
-            if lay.image is not None:
-                lowers = self.images.lowers_of(lay.image)
-            else:
-                digest = lay.digest or ""
-                if not digest.startswith("dir:") or not self.images.layers.has(digest[4:]):
-                    raise InvalidRequest(f"layer dir {lay.dir!r} is not resolved")
-                lowers = [self.images.layers.lower(digest[4:])]
-            overlays.append((lay.at.rstrip("/") or "/", lowers))
-        return dataclasses.replace(image, overlays=overlays)
-
     @staticmethod
     def _with_image_config(spec: SandboxSpec, image: Any) -> SandboxSpec:
         """An OCI image's Env, WorkingDir and User, where the spec does not say otherwise."""
-        cfg = image.meta.get("config") if getattr(image, "kind", "") == "oci" else None
+        cfg = image.meta.get("config") if image.kind == "oci" else None
         if not cfg:
             return spec
         update: dict[str, Any] = {}
@@ -471,13 +460,23 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         (the spec then names the snapshot by id and its image)."""
         if spec.snapshot is None:
             image = self._image(spec.image)
-            return self._with_image_config(spec, image), self._compose(spec, image)
+            return self._with_image_config(spec, image), self.images.compose(image, spec.layers)
         store = self._snaps()
         rec = store.get(spec.snapshot)
         base = self._image(rec["image"])
         spec = spec.model_copy(update={"snapshot": rec["id"], "image": rec["image"]})
         return self._with_image_config(spec, base), substrate.image_on(
-            self._compose(spec, base), rec["layers"], store)
+            self.images.compose(base, spec.layers), rec["layers"], store)
+
+    def precheck_create(self, count: int, spec: SandboxSpec) -> None:
+        """What a create batch would refuse at once (substrate, network, admission, a local
+        image that does not exist), raised before the batch starts: a streamed batch then
+        answers it as an error status, not as the last line of a stream already begun."""
+        self._for_create(spec)
+        self._admit(count)
+        if spec.snapshot is None and not spec.layers and (
+                spec.image == "host" or not looks_like_ref(spec.image)):
+            self._image(spec.image)
 
     async def create_many(self, count: int, spec: SandboxSpec,
                           trajectories: list[str] | None = None,
@@ -783,23 +782,24 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
             await asyncio.shield(asyncio.gather(*stops, return_exceptions=True))
         return out
 
-    def _network_of(self, sb: Sandbox) -> Any:
-        mgr = getattr(self.substrates.get(sb.spec.substrate), "network", None)
-        if mgr is None or network_kind(sb.spec.network) not in ("internet", "policy"):
-            raise Unsupported("only a networked sandbox (network internet or a policy) has "
-                              "ports to expose", details={"operation": "expose",
-                                                          "network": network_kind(
-                                                              sb.spec.network)})
+    def _network_of(self, sb: Sandbox, operation: str) -> NetworkControl:
+        sub = self.substrates.get(sb.spec.substrate)
+        mgr = sub.networking() if sub is not None else None
+        kind = network_kind(sb.spec.network)
+        if mgr is None or kind not in ("internet", "policy"):
+            raise Unsupported(f"{operation} needs a networked sandbox (network internet or a "
+                              f"policy); this one has network {kind!r}",
+                              details={"operation": operation, "network": kind})
         return mgr
 
     async def expose(self, sid: str, port: int) -> dict[str, Any]:
         """127.0.0.1:<host port> reaches ``port`` in the sandbox until unexposed or it ends."""
         sb = self.get(sid)
-        host_port = await self._network_of(sb).expose(sid, port)
+        host_port = await self._network_of(sb, "expose").expose(sid, port)
         return {"port": port, "host": f"127.0.0.1:{host_port}"}
 
     def unexpose(self, sid: str, port: int) -> bool:
-        return bool(self._network_of(self.get(sid)).unexpose(sid, port))
+        return bool(self._network_of(self.get(sid), "unexpose").unexpose(sid, port))
 
     def update_network(self, sid: str, network: Any) -> Sandbox:
         """A networked sandbox's policy (or mode internet) replaced at once; its spec too, so
@@ -809,7 +809,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
             raise InvalidNetwork("a live sandbox changes between internet and policies only "
                                  "(none and disabled have no network to change)",
                                  details={"network": network_kind(network)})
-        self._network_of(sb).update(sid, network)
+        self._network_of(sb, "network update").update(sid, network)
         sb.spec = sb.spec.model_copy(update={"network": network})
         persist.write_json_atomic(os.path.join(self.sandboxes_dir, sid, persist.META), sb.meta())
         return sb

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, BinaryIO
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from corral.daemon.substrates.types import (
     Capabilities,
@@ -34,6 +34,19 @@ if TYPE_CHECKING:
     from corral.daemon.streams import TreeOps
 
 __all__ = ["Capabilities", "ExecSpec", "SandboxRuntime", "Spawned", "Substrate"]
+
+
+class NetworkControl(Protocol):
+    """A substrate's network beyond ``none``/``disabled`` (modes internet and policies:
+    corral.daemon.network): what the engine asks of it."""
+
+    @property
+    def allowlists(self) -> Mapping[str, Any]: ...
+
+    def check(self, network: Any) -> None: ...
+    async def expose(self, sandbox_id: str, port: int) -> int: ...
+    def unexpose(self, sandbox_id: str, port: int) -> bool: ...
+    def update(self, sandbox_id: str, network: Any) -> None: ...
 
 
 class Substrate(ABC):
@@ -134,6 +147,11 @@ class Substrate(ABC):
     def is_frozen(self, runtime: SandboxRuntime) -> bool:
         """Frozen or freezing: a process started in it now would not run. Default: False."""
         return False
+
+    def networking(self) -> NetworkControl | None:
+        """The network policy manager when the substrate gives networked sandboxes (modes
+        internet and policies), else None."""
+        return None
 
     def image_on(self, image: Any, layers: list[str], store: SnapshotStore) -> Any:
         """``image`` with the snapshot ``layers`` (bottom first) on top, to create on."""

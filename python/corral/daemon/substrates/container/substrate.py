@@ -198,9 +198,9 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         if ids and self._on_lost is not None:
             self._on_lost(ids)
 
-    def check_network(self, spec: SandboxSpec) -> None:
-        """invalid_network for an unknown allowlist or a bad rule (engine, before a create)."""
-        self.network.check(spec.network)
+    def networking(self) -> NetworkManager:
+        """Modes internet and policies (corral.daemon.network), started on first use."""
+        return self.network
 
     def expect(self, count: int, spec: SandboxSpec) -> None:
         if spec.network != "disabled":  # "disabled" shares one namespace: nothing to pool
