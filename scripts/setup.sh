@@ -13,9 +13,10 @@ fi
 # Debian packages: compilers (the static sandbox init needs libc6-dev's libc.a), Python venv
 # support, iproute2 and util-linux (tests), procps, btrfs-progs (mkfs.btrfs: the sandboxes' disk),
 # lxcfs (each sandbox's /proc view of its own limits: docs/daemon.md), runsc (gVisor: the
-# gvisor substrate, docs/substrates.md).
+# gvisor substrate, docs/substrates.md), chromium and chromium-driver (the dashboard's browser
+# test, docs/observability.md).
 PKGS=(build-essential libc6-dev pkg-config python3 python3-venv python3-dev iproute2 util-linux
-      procps tar xz-utils btrfs-progs lxcfs runsc)
+      procps tar xz-utils btrfs-progs lxcfs runsc chromium chromium-driver)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
