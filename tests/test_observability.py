@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from apiclient import client, create, expect_error, kill, run
-from conftest import CGROUP_NAME, SOCKET, private_daemon
+from conftest import CGROUP_NAME, SOCKET, private_daemon, wait_until
 
 
 def _free_port() -> int:
@@ -50,7 +50,8 @@ def test_metrics_parse_and_move_with_creates_execs_snapshots_and_errors() -> Non
     with client() as c:
         m0 = scrape(c)
         for name in ("corral_sandboxes", "corral_capacity", "corral_api_waiting",
-                     "corral_created_total", "corral_execs_total"):  # the names users know
+                     "corral_created_total", "corral_execs_total",  # the names users know
+                     "corral_pool_ready", "corral_pools"):
             assert any(k[0] == name for k in m0), name
         sb = create(c, labels={"suite": "observability"})
         try:
@@ -129,7 +130,9 @@ def test_dashboard_summary_lists_sandboxes_with_labels_age_and_latency() -> None
 @pytest.fixture(scope="module")
 def tcp_daemon() -> Iterator[Any]:
     port, token = _free_port(), secrets.token_hex(16)
-    with private_daemon("corral-observe-", f"{CGROUP_NAME}-observe", CORRAL_POOL="off",
+    # A static warm pool of 2 for the host image: the pool gauges have something to show.
+    with private_daemon("corral-observe-", f"{CGROUP_NAME}-observe", CORRAL_POOL="static",
+                        CORRAL_POOL_SIZES="host:2",
                         CORRAL_TCP=f"127.0.0.1:{port}", CORRAL_TOKEN=token) as d:
         d.port, d.token = port, token  # type: ignore[attr-defined]
         yield d
@@ -160,6 +163,22 @@ def test_dashboard_on_tcp_needs_the_token_for_every_byte_of_data(tcp_daemon: Any
             assert any(r["id"] == sb["id"] for r in d["sandboxes"])
         finally:
             c.delete(f"/v1/sandboxes/{sb['id']}", headers=good)
+
+
+def test_pool_gauges(tcp_daemon: Any) -> None:
+    c = httpx.Client(base_url=f"http://127.0.0.1:{tcp_daemon.port}", timeout=60,
+                     headers={"Authorization": f"Bearer {tcp_daemon.token}"})
+    with c:
+        ready = ("corral_pool_sandboxes", (("image", "host"), ("state", "ready"),
+                                           ("substrate", "container")))
+        assert wait_until(lambda: scrape(c).get(ready) == 2, 60)
+        m = scrape(c)
+        assert val(m, "corral_pools") == 1 and val(m, "corral_pool_ready") == 2
+        sb = c.post("/v1/sandboxes", json={}).json()  # taken from the pool
+        try:
+            assert val(scrape(c), "corral_pool_hits_total") >= 1
+        finally:
+            c.delete(f"/v1/sandboxes/{sb['id']}")
 
 
 def test_cli_prints_the_tcp_url_with_the_token_in_the_fragment(tcp_daemon: Any) -> None:

@@ -755,8 +755,11 @@ def _scrape(app: web.Application) -> dict[str, Any]:
     for sb in engine.list({}):
         k = (sb.state, sb.spec.substrate or "")
         by_state[k] = by_state.get(k, 0) + 1
+    pools = engine.pools
     return {"sandboxes": engine.sandbox_count(), "capacity": engine.config.max_sandboxes,
             "api_waiting": app[WAITING]["waiting"], "by_state": by_state,
+            "pools": {} if pools is None else pools.by_image(),
+            "pool_count": 0 if pools is None else len(pools.pools),
             "engine": engine.metrics()}
 
 

@@ -49,6 +49,15 @@ class _EngineCollector(Collector):
         for (state, substrate), n in sorted(snap["by_state"].items()):
             states.add_metric([state, substrate], n)
         yield states
+        yield GaugeMetricFamily("corral_pools", "warm pools (one per substrate, image and "
+                                "limits asked for)", value=snap["pool_count"])
+        pooled = GaugeMetricFamily("corral_pool_sandboxes", "warm-pool sandboxes by substrate, "
+                                   "image and state (ready, making)",
+                                   labels=["substrate", "image", "state"])
+        for (substrate, image), (ready, making) in sorted(snap["pools"].items()):
+            pooled.add_metric([substrate, image, "ready"], ready)
+            pooled.add_metric([substrate, image, "making"], making)
+        yield pooled
         for name, value in sorted(snap["engine"].items()):
             if name in GAUGES:
                 yield GaugeMetricFamily(f"corral_{name}", _HELP.get(name, name), value=value)
