@@ -751,15 +751,8 @@ async def dashboard_summary(request: web.Request) -> web.Response:
 def _scrape(app: web.Application) -> dict[str, Any]:
     """What /metrics reads from the engine at each scrape (corral.daemon.metrics)."""
     engine = app[ENGINE]
-    by_state: dict[tuple[str, str], int] = {}
-    for sb in engine.list({}):
-        k = (sb.state, sb.spec.substrate or "")
-        by_state[k] = by_state.get(k, 0) + 1
-    pools = engine.pools
     return {"sandboxes": engine.sandbox_count(), "capacity": engine.config.max_sandboxes,
-            "api_waiting": app[WAITING]["waiting"], "by_state": by_state,
-            "pools": {} if pools is None else pools.by_image(),
-            "pool_count": 0 if pools is None else len(pools.pools),
+            "api_waiting": app[WAITING]["waiting"], **engine.census(),
             "engine": engine.metrics()}
 
 

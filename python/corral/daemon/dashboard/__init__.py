@@ -50,9 +50,12 @@ def summary(sandboxes: list[Any], capacity: int, engine_metrics: dict[str, int],
     turns into rates between two polls, and the latency histograms."""
     now = time.time()
     newest = sorted(sandboxes, key=lambda sb: sb.created_at, reverse=True)[:MAX_LISTED]
-    rows = [{"id": sb.id, "state": sb.state, "substrate": sb.spec.substrate,
-             "image": sb.spec.image, "labels": sb.spec.labels, "created_at": sb.created_at,
-             "age_s": round(max(0.0, now - sb.created_at), 3)} for sb in newest]
+    rows = []
+    for sb in newest:
+        i = sb.info()
+        rows.append({k: i[k] for k in ("id", "state", "substrate", "image", "labels",
+                                       "created_at")})
+        rows[-1]["age_s"] = round(max(0.0, now - i["created_at"]), 3)
     m = engine_metrics
     totals = {"created": m.get("created", 0), "execs": m.get("execs", 0),
               "snapshots": m.get("snapshots", 0), "crashed": m.get("crashed", 0),
