@@ -62,5 +62,5 @@ def api_waiting(c: httpx.Client) -> int:
     """Handlers waiting on a process for a client now (waits, streams): /metrics."""
     for line in c.get("/metrics").text.splitlines():
         if line.startswith("corral_api_waiting "):
-            return int(line.split()[1])
+            return int(float(line.split()[1]))
     raise AssertionError("no corral_api_waiting in /metrics")

@@ -248,9 +248,9 @@ def test_daemon_log_rotates(remote):
 
 # ---- abandoned streams and waits are cancelled ---------------------------------------------
 def _waiting(c: httpx.Client) -> int:
-    m = re.search(r"^corral_api_waiting (\d+)$", c.get("/metrics").text, re.M)
+    m = re.search(r"^corral_api_waiting ([0-9.]+)$", c.get("/metrics").text, re.M)
     assert m
-    return int(m.group(1))
+    return int(float(m.group(1)))
 
 
 def _rss_kib(pid: int) -> int:

@@ -7,6 +7,7 @@ demo.py       demo
 trajectory.py log, replay
 run_code.py   run-code
 e2b.py        e2b serve
+dashboard.py  dashboard (the web dashboard's URL; a local proxy on the socket)
 output.py     tables, JSON, the ``error [code]: message`` format and exit codes
 """
 
@@ -15,14 +16,25 @@ from __future__ import annotations
 import typer
 
 from corral import __version__
-from corral.cli import daemon, demo, e2b, network, run_code, sandboxes, snapshots, trajectory
+from corral.cli import (
+    daemon,
+    dashboard,
+    demo,
+    e2b,
+    network,
+    run_code,
+    sandboxes,
+    snapshots,
+    trajectory,
+)
 
 app = typer.Typer(
     name="corral", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     help="corral: isolated Linux sandboxes for agentic RL.\n\nThe daemon is found on "
          "$CORRAL_SOCKET (default /run/corral/corrald.sock) or $CORRAL_URL (+ $CORRAL_TOKEN).",
 )
-for sub in (daemon.app, sandboxes.app, snapshots.app, demo.app, trajectory.app, run_code.app):
+for sub in (daemon.app, sandboxes.app, snapshots.app, demo.app, trajectory.app, run_code.app,
+            dashboard.app):
     app.registered_commands += sub.registered_commands
 app.add_typer(daemon.image_app, name="image")
 app.add_typer(network.network_app, name="network")

@@ -26,11 +26,12 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel
 
-from corral.daemon import batches, image_api, ops, spool, streams
+from corral.daemon import batches, dashboard, image_api, ops, spool, streams
 from corral.daemon.app_errors import JSON_MAX, MAX_BODY, is_unix, middleware
 from corral.daemon.bodies import parse
 from corral.daemon.engine import MAX_READ_BYTES, Engine
 from corral.daemon.images import resolve_source
+from corral.daemon.metrics import CONTENT_TYPE, TIMED, Metrics
 from corral.daemon.params import (
     check_path,
     decimal,
@@ -118,6 +119,7 @@ log = logging.getLogger("corral.api")
 ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
 # Handlers waiting on a process for a client (streams, waits): /metrics corral_api_waiting.
 WAITING: web.AppKey[dict[str, int]] = web.AppKey("waiting", dict)
+METRICS: web.AppKey[Metrics] = web.AppKey("metrics", Metrics)
 T = TypeVar("T")
 KEY_RE = re.compile(KEY_PATTERN)
 BIG_BODY = 1 << 20           # bigger writes go through a thread
@@ -145,7 +147,14 @@ def _engine(request: web.Request) -> Engine:
 
 
 def _dispatch(request: web.Request, op: ops.Op) -> Awaitable[Any]:
+    if op.name in TIMED:  # create / exec / snapshot latency: /metrics
+        return _timed(request, op)
     return ops.dispatch(request.app[ENGINE], op)
+
+
+async def _timed(request: web.Request, op: ops.Op) -> Any:
+    with request.app[METRICS].timed(op.name):
+        return await ops.dispatch(request.app[ENGINE], op)
 
 
 # ---- trajectory log hooks (corral.daemon.trajlog; docs/trajectory.md) ----------------------
@@ -783,19 +792,23 @@ async def upload_image(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    engine = _engine(request)
-    lines = [
-        "# TYPE corral_sandboxes gauge", f"corral_sandboxes {engine.sandbox_count()}",
-        "# TYPE corral_capacity gauge", f"corral_capacity {engine.config.max_sandboxes}",
-        "# TYPE corral_api_waiting gauge",
-        f"corral_api_waiting {request.app[WAITING]['waiting']}",
-    ]
-    for name, value in engine.metrics().items():
-        if name == "pool_ready":
-            lines += ["# TYPE corral_pool_ready gauge", f"corral_pool_ready {value}"]
-        else:
-            lines += [f"# TYPE corral_{name}_total counter", f"corral_{name}_total {value}"]
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+    body = request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def dashboard_summary(request: web.Request) -> web.Response:
+    engine, m = _engine(request), request.app[METRICS]
+    return _json(dashboard.summary(engine.list({}), engine.config.max_sandboxes,
+                                   engine.metrics(), m.error_counts(), m.infra_total(),
+                                   m.histograms()))
+
+
+def _scrape(app: web.Application) -> dict[str, Any]:
+    """What /metrics reads from the engine at each scrape (corral.daemon.metrics)."""
+    engine = app[ENGINE]
+    return {"sandboxes": engine.sandbox_count(), "capacity": engine.config.max_sandboxes,
+            "api_waiting": app[WAITING]["waiting"], **engine.census(),
+            "engine": engine.metrics()}
 
 
 # ---- the route table (the API contract; see docs/architecture.md) --------------------------
@@ -810,6 +823,18 @@ _TRAJ_RESPONSE = {"type": "object", "required": ["trajectory_id", "sandbox_id", 
     "trajectory_id": {"type": "string"}, "sandbox_id": {"type": "string"},
     "step": {"type": "integer", "description": "the step the next call carries"},
     "sandbox": {"$ref": SCHEMA_REF + "SandboxInfo"},
+}}
+
+_DASH_RESPONSE = {"type": "object", "required": ["now", "capacity", "count", "sandboxes",
+                                                 "totals", "errors_by_code", "latency"],
+                  "properties": {
+    "now": {"type": "number"}, "capacity": {"type": "integer"},
+    "count": {"type": "integer", "description": "live sandboxes (all, not only those listed)"},
+    "sandboxes": {"type": "array", "items": {"type": "object"}},
+    "totals": {"type": "object", "description": "counters since the daemon started"},
+    "errors_by_code": {"type": "object"},
+    "latency": {"type": "object", "description": "create, exec, snapshot: cumulative "
+                                                 "buckets [le, count], sum, count"},
 }}
 
 _ID = "$response.body#/id"
@@ -955,7 +980,15 @@ ROUTES: tuple[Route, ...] = (
           "(.tar, gzip, xz or bzip2)", body="tar", response=ImageInfo, status=201,
           errors=(409, 413), links={"create_on_image": link(
               "create_sandbox", body={"image": "$response.body#/name"})}),
-    Route("GET", "/metrics", metrics, "Prometheus metrics", response="text"),
+    Route("GET", "/metrics", metrics, "Prometheus metrics (docs/observability.md)",
+          response="text"),
+    Route("GET", "/dashboard", dashboard.dashboard_page, "The web dashboard's page (static; "
+          "its data comes from /v1/dashboard with the token)", response="html"),
+    Route("GET", "/dashboard/app.js", dashboard.dashboard_script, "The web dashboard's script",
+          response="js"),
+    Route("GET", "/v1/dashboard", dashboard_summary, "What the dashboard shows: live sandboxes "
+          "(newest first, at most 1000), totals, errors by code, latency histograms",
+          response=_DASH_RESPONSE),
     *image_api.ROUTES,
     *run_code_api.ROUTES,
 )
@@ -971,8 +1004,10 @@ _NAME_RE = "{name:(?!(?:pull|prune)$).+}"
 
 
 def create_app(engine: Engine | None, token: str | None = None) -> web.Application:
-    app = web.Application(middlewares=[middleware(token)], client_max_size=JSON_MAX)
+    app = web.Application(client_max_size=JSON_MAX)
     app[WAITING] = {"waiting": 0}
+    app[METRICS] = Metrics(None if engine is None else lambda: _scrape(app))
+    app.middlewares.append(middleware(token, app[METRICS].error))
     if engine is not None:
         app[ENGINE] = engine
         run_code_api.install(app, engine.config.state_dir, engine.config.cgroup_name)

@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from corral.daemon import oserrors
+from corral.daemon import dashboard, oserrors
 from corral.daemon.spool import too_large
 from corral.errors import CorralError, InternalError, InvalidRequest, NotFound, Unauthorized
 
@@ -26,8 +26,9 @@ MAX_BODY = 1 << 30           # file and tar uploads come as request bodies (spoo
 # Every other body is JSON, read whole: bounded small, so concurrent requests cannot grow the
 # daemon by more than this each (an exec's stdin is the largest legitimate one).
 JSON_MAX = 16 << 20
-# Unauthenticated on TCP: the liveness probe only.
-PUBLIC_PATHS = frozenset({"/v1/health"})
+# Unauthenticated on TCP: the liveness probe, and the dashboard's static page and script (no
+# data in them: what they show comes through the API, with the token).
+PUBLIC_PATHS = frozenset({"/v1/health"}) | dashboard.PUBLIC
 
 
 def is_unix(request: web.Request) -> bool:
@@ -54,21 +55,30 @@ def _token_ok(header: str, token: bytes | None) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(got.strip().encode(), token)
 
 
-def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
+def _http_error(request: web.Request, e: web.HTTPException
+                ) -> tuple[CorralError, int | None, dict[str, str] | None]:
+    """The error, status and headers answering an aiohttp HTTP exception."""
     if e.status == 404:
-        return json_error(NotFound(f"no route {request.method} {request.path}"))
+        return NotFound(f"no route {request.method} {request.path}"), None, None
     if e.status == 405:
         allowed = sorted(getattr(e, "allowed_methods", ()) or ())
-        return json_error(InvalidRequest(f"method {request.method} not allowed on "
-                                         f"{request.path}", details={"allowed": allowed}),
-                          405, headers={"Allow": ", ".join(allowed)})
+        return (InvalidRequest(f"method {request.method} not allowed on {request.path}",
+                               details={"allowed": allowed}),
+                405, {"Allow": ", ".join(allowed)})
     if e.status == 413:  # aiohttp's client_max_size: the JSON bodies
-        return json_error(too_large(JSON_MAX, "JSON request body"))
-    return json_error(CorralError(e.reason or str(e), code="http_error"), e.status)
+        return too_large(JSON_MAX, "JSON request body"), None, None
+    return CorralError(e.reason or str(e), code="http_error"), e.status, None
 
 
-def middleware(token: str | None) -> Any:
+def middleware(token: str | None, on_error: Callable[[CorralError], None] | None = None) -> Any:
+    """``on_error`` sees every error answered with a code (the /metrics error counters)."""
     expected = token.encode() if token else None
+
+    def answer(err: CorralError, status: int | None = None,
+               headers: dict[str, str] | None = None) -> web.Response:
+        if on_error is not None:
+            on_error(err)
+        return json_error(err, status, headers)
 
     @web.middleware
     async def handle(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -78,16 +88,16 @@ def middleware(token: str | None) -> Any:
                     raise Unauthorized("missing or wrong bearer token")
             return await handler(request)
         except CorralError as e:
-            return json_error(e)
+            return answer(e)
         except web.HTTPException as e:
-            return _http_error(request, e)
+            return answer(*_http_error(request, e))
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except OSError as e:
-            return json_error(oserrors.request_error(e))
+            return answer(oserrors.request_error(e))
         except Exception as e:  # noqa: BLE001 - one bad request must not hurt the others
             log.exception("unhandled error", extra={"method": request.method,
                                                     "path": request.path})
-            return json_error(InternalError(f"internal error: {type(e).__name__}: {e}"))
+            return answer(InternalError(f"internal error: {type(e).__name__}: {e}"))
 
     return handle

@@ -17,6 +17,7 @@ from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from corral import __version__
 from corral.daemon.app import ROUTES
+from corral.daemon.app_errors import PUBLIC_PATHS
 from corral.daemon.routes import SCHEMA_REF, Route
 from corral.errors import ERROR_CLASSES
 
@@ -43,7 +44,8 @@ _ERROR = {
 _OK = {"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}}}
 _BINARY = {"type": "string", "format": "binary"}
 _MEDIA = {"bytes": "application/octet-stream", "tar": "application/x-tar",
-          "ndjson": "application/x-ndjson", "text": "text/plain"}
+          "ndjson": "application/x-ndjson", "text": "text/plain", "html": "text/html",
+          "js": "text/javascript"}
 
 
 def _models() -> list[tuple[type[BaseModel], JsonSchemaMode]]:
@@ -75,7 +77,7 @@ def _response(r: Route) -> dict[str, Any]:
     schema: dict[str, Any]
     if isinstance(resp, str) and resp in _MEDIA:
         media = _MEDIA[resp]
-        schema = {"type": "string"} if resp in ("ndjson", "text") else _BINARY
+        schema = {"type": "string"} if resp in ("ndjson", "text", "html", "js") else _BINARY
         return {"description": "OK", "content": {media: {"schema": schema}}}
     if resp == "ok":
         schema = _OK
@@ -122,7 +124,7 @@ def _statuses(r: Route) -> list[int]:
     """The error statuses an operation answers: bad input (400) wherever a request carries
     input, 401 without the token on TCP, 500 for a daemon bug, and the route's own."""
     out = {500} | set(r.errors)
-    if r.path != "/v1/health":
+    if r.path not in PUBLIC_PATHS:
         out.add(401)
     if r.body is not None or r.query or "{" in r.path:
         out.add(400)
@@ -159,7 +161,7 @@ def _operation(r: Route) -> dict[str, Any]:
         "summary": r.summary,
         "responses": responses,
     }
-    if r.path == "/v1/health":
+    if r.path in PUBLIC_PATHS:
         op["security"] = []
     if params:
         op["parameters"] = params

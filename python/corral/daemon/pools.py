@@ -195,6 +195,15 @@ class WarmPools:
     def ready_total(self) -> int:
         return sum(len(p.ready) for p in self.pools.values())
 
+    def by_image(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(substrate, image) -> (ready, being made), summed over the limits: /metrics."""
+        out: dict[tuple[str, str], tuple[int, int]] = {}
+        for p in self.pools.values():
+            k = (str(p.key[0]), str(p.key[1]))
+            ready, making = out.get(k, (0, 0))
+            out[k] = (ready + len(p.ready), making + p.making)
+        return out
+
     @property
     def held_total(self) -> int:
         return sum(len(p.ready) + p.making for p in self.pools.values())

@@ -917,6 +917,17 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         out["substrates"] = sorted(self.substrates)
         return out
 
+    def census(self) -> dict[str, Any]:
+        """Gauges for /metrics: live sandboxes by (state, substrate); warm pools, and their
+        sandboxes by (substrate, image) as (ready, being made)."""
+        by_state: dict[tuple[str, str], int] = {}
+        for sb in self.sandboxes.values():
+            k = (sb.state, sb.spec.substrate)
+            by_state[k] = by_state.get(k, 0) + 1
+        pools = self.pools
+        return {"by_state": by_state, "pools": {} if pools is None else pools.by_image(),
+                "pool_count": 0 if pools is None else len(pools.pools)}
+
     def metrics(self) -> dict[str, int]:
         """Counters and gauges for /metrics (besides the sandbox count)."""
         out = dict(self.counters)
