@@ -7,6 +7,7 @@ demo.py       demo
 trajectory.py log, replay
 run_code.py   run-code
 e2b.py        e2b serve
+cluster.py    cluster start | status | stop (Ray)
 output.py     tables, JSON, the ``error [code]: message`` format and exit codes
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import typer
 
 from corral import __version__
-from corral.cli import daemon, demo, e2b, run_code, sandboxes, snapshots, trajectory
+from corral.cli import cluster, daemon, demo, e2b, run_code, sandboxes, snapshots, trajectory
 
 app = typer.Typer(
     name="corral", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -27,6 +28,7 @@ for sub in (daemon.app, sandboxes.app, snapshots.app, demo.app, trajectory.app, 
 app.add_typer(daemon.image_app, name="image")
 app.add_typer(snapshots.snapshot_app, name="snapshot")
 app.add_typer(e2b.app, name="e2b")
+app.add_typer(cluster.app, name="cluster")
 
 
 def _version(value: bool) -> None:
