@@ -9,6 +9,8 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -55,11 +57,13 @@ def cluster():
         c.add_node(**NODE_ARGS)
         ray.init(address=c.address, namespace=corral.cluster.NAMESPACE, log_to_driver=False)
         c.wait_for_nodes()
+        head = ray.get_runtime_context().get_node_id()
         corral.cluster.start(name=name, state_root=root, run_dir=os.path.join(root, "run"),
-                             max_sandboxes=64)
+                             max_sandboxes=64, labels={head: {"role": "head"}})
         sups = corral.cluster.supervisors()
         describe = {nid: ray.get(s.describe.remote()) for nid, s in sups.items()}
-        yield {"name": name, "root": root, "nodes": describe, "supervisors": sups}
+        yield {"name": name, "root": root, "nodes": describe, "supervisors": sups,
+               "head": head, "ray": c, "run_dir": os.path.join(root, "run")}
     finally:
         os.environ.pop("CORRAL_URL", None)
         try:
@@ -108,6 +112,16 @@ def test_each_node_runs_its_own_corrald(cluster):
         assert code == 401, body
 
 
+def test_cli_status_shows_the_nodes(cluster):
+    r = subprocess.run([sys.executable, "-m", "corral.cli", "cluster", "status", "--json",
+                        "--address", cluster["ray"].address],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    st = json.loads(r.stdout)
+    assert {n["node"] for n in st["nodes"]} == set(cluster["nodes"])
+    assert st["gateway"].startswith("http://127.0.0.1:")
+
+
 def test_gateway_authenticates_and_is_no_data_path(cluster, gateway):
     code, body = _get(gateway.url + "/v1/cluster", None)
     assert code == 401 and body["error"]["code"] == "unauthorized"
@@ -119,6 +133,39 @@ def test_gateway_authenticates_and_is_no_data_path(cluster, gateway):
     # Anything but a create is the node's business, not the gateway's.
     code, body = _get(gateway.url + "/v1/sandboxes/sb-x", token)
     assert code == 404 and "endpoint" in body["error"]["message"]
+
+
+def _create(url: str, token: str, selector: str) -> tuple[int, dict]:
+    req = urllib.request.Request(url + "/v1/sandboxes", method="POST",
+                                 data=json.dumps({"image": "host", "memory_mb": 64}).encode())
+    req.add_header("Authorization", f"Bearer {token}")
+    req.add_header("Content-Type", "application/json")
+    req.add_header("X-Corral-Node-Selector", selector)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_node_selector_places_on_labelled_nodes_only(cluster, gateway):
+    token = endpoint_mod._tokens[gateway.url]
+    made = []
+    try:
+        for _ in range(3):
+            code, info = _create(gateway.url, token, "role=head")
+            assert code == 201, info
+            made.append(corral.Sandbox.from_id(info["id"], endpoint=gateway.on_node(
+                info["endpoint"], info["node"])))
+            assert info["node"] == cluster["head"]
+        code, body = _create(gateway.url, token, "role=nowhere")
+        assert code == 429 and body["error"]["code"] == "capacity_exceeded"
+        assert "labels" in body["error"]["message"]
+        code, body = _create(gateway.url, token, "=bad")
+        assert code == 400 and body["error"]["code"] == "invalid_request"
+    finally:
+        for b in made:
+            b.kill()
 
 
 def test_creates_spread_over_nodes_and_calls_go_direct(cluster, gateway):
@@ -151,6 +198,48 @@ def test_async_sandbox_through_the_gateway(cluster, gateway):
     assert node in cluster["nodes"] and out == "async\n"
 
 
+def _lost_within(boxes: list, seconds: float) -> bool:
+    def all_lost() -> bool:
+        for b in boxes:
+            try:
+                b.exec("true", timeout=2)
+                return False
+            except SandboxLost as e:
+                assert e.infra
+        return True
+    return wait_until(all_lost, timeout=seconds, interval=0.05)
+
+
+def test_raylet_death_takes_the_nodes_corrald_and_sandboxes(cluster, gateway):
+    """A node whose raylet dies abruptly (as when its machine goes): the supervisor's worker
+    dies with it, the keeper's pipe closes, corrald destroys the node's sandboxes."""
+    c = cluster["ray"]
+    raylet = c.add_node(**NODE_ARGS)
+    c.wait_for_nodes()
+    nid = raylet.node_id
+    corral.cluster.start(name=cluster["name"], state_root=cluster["root"],
+                         run_dir=cluster["run_dir"], max_sandboxes=64,
+                         labels={nid: {"role": "doomed"}})
+    sup = corral.cluster.supervisors()[nid]
+    d = ray.get(sup.describe.remote())
+    token = endpoint_mod._tokens[gateway.url]
+    boxes, pids = [], []
+    for _ in range(3):
+        code, info = _create(gateway.url, token, "role=doomed")
+        assert code == 201 and info["node"] == nid, info
+        boxes.append(corral.Sandbox.from_id(
+            info["id"], endpoint=gateway.on_node(info["endpoint"], info["node"])))
+        pids.append(info["init_pid"])
+    assert boxes[0].exec("echo up").stdout == "up\n"
+    c.remove_node(raylet, allow_graceful=False)
+    assert _lost_within(boxes, 5.0), "not lost within 5 s"
+    assert wait_until(lambda: not _alive(d["keeper_pid"]), timeout=60)
+    assert not any(_alive(p) for p in pids)
+    assert not leaked_sandbox_cgroups(d["cgroup"]) and not pids_in_cgroups(d["cgroup"])
+    assert not host_mounts_under(d["state_dir"])
+    assert wait_until(lambda: nid in corral.cluster.status()["lost"], timeout=10)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -180,15 +269,7 @@ def test_node_loss_sandboxes_lost_and_cleaned(cluster, gateway):
         t0 = time.monotonic()
         ray.kill(cluster["supervisors"][victim], no_restart=True)
 
-        def all_lost() -> bool:
-            for b in lost:
-                try:
-                    b.exec("true", timeout=2)
-                    return False
-                except SandboxLost as e:
-                    assert e.infra
-            return True
-        assert wait_until(all_lost, timeout=5.0, interval=0.05), "not lost within 5 s"
+        assert _lost_within(lost, 5.0), "not lost within 5 s"
         elapsed = time.monotonic() - t0
         assert elapsed < 5.0
         # Cleaned up on the host: init processes, cgroups, mounts, the daemon itself.

@@ -4,7 +4,9 @@
 pipe whose other end only the supervisor actor holds. When the supervisor stops, is killed or
 its raylet dies, the pipe reaches EOF and the keeper stops corrald with SIGTERM (corrald then
 destroys every sandbox of the node). If the keeper itself is killed, corrald gets SIGTERM from
-the kernel (PR_SET_PDEATHSIG), so the node's sandboxes never run on unseen.
+the kernel (PR_SET_PDEATHSIG), so the node's sandboxes never run on unseen. (The pipe, not a
+death signal, ties the keeper to the supervisor: a death signal follows the thread that forked,
+and Ray decides which thread runs an actor's methods.)
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str]) -> int:
-    _die_with_parent()  # the keeper too, should the supervisor's worker die first
     # The keeper is single-threaded, so the child's PDEATHSIG follows the keeper's life.
     daemon = subprocess.Popen([sys.executable, "-m", "corral.daemon", *argv],
                               stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
