@@ -22,13 +22,22 @@ def test_spread_is_within_ten_percent_of_even():
     per = Counter[str]()
     for i in range(1000):
         n = choose(ns, 100.0, k=2, rng=rng)
-        n.placed += 1
+        n.finished.append(float(i))
         per[n.node] += 1
-        if i % 50 == 49:  # a report round: placed ones are now live
+        if i % 50 == 49:  # a report round asked for 10 placements ago
             for m in ns:
-                m.live, m.placed = m.live + m.placed, 0
+                m.live = sum(1 for t in m.finished if t < i - 10) + m.live
+                m.took_report(i - 10, 100.0)
     even = 1000 / 8
     assert max(abs(c - even) for c in per.values()) <= 0.1 * even, per
+
+
+def test_a_report_forgets_only_the_creates_it_counts():
+    n = nodes(1)[0]
+    n.finished = [1.0, 2.0, 3.0]
+    n.inflight = 1
+    n.took_report(2.0, 50.0)
+    assert n.finished == [2.0, 3.0] and n.placed == 3 and n.reported_at == 50.0
 
 
 def test_k1_is_random_and_k_all_is_least_loaded():
@@ -49,7 +58,7 @@ def test_stale_full_and_unlabelled_nodes_are_skipped():
     assert choose(ns, 100.0, selector={"pool": "a"}).node == "n2"
     with pytest.raises(CapacityExceeded, match="labels"):
         choose(ns, 100.0, selector={"pool": "b"})
-    ns[2].placed = 2
+    ns[2].inflight = 2
     with pytest.raises(CapacityExceeded, match="full"):
         choose(ns, 100.0)
     with pytest.raises(CapacityExceeded, match="no node answers"):

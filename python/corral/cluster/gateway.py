@@ -93,7 +93,7 @@ class Gateway:
     async def add_node(self, node: str, supervisor: Any, report: dict[str, Any]) -> None:
         self.supervisors[node] = supervisor
         self.lost.pop(node, None)
-        self._take(report)
+        self._take(report, time.monotonic())
 
     async def node_ids(self) -> list[str]:
         return list(self.supervisors)
@@ -105,6 +105,7 @@ class Gateway:
         now = time.monotonic()
         return {"cluster": self.cluster, "gateway": self.url, "placed": self.placed, "k": self.k,
                 "nodes": [{"node": n.node, "endpoint": n.endpoint, "live": n.live,
+                           "placed_since_report": n.placed,
                            "capacity": n.capacity, "mem_free_mb": n.mem_free_mb,
                            "labels": n.labels, "report_age_s": round(now - n.reported_at, 3)}
                           for n in self.nodes.values()],
@@ -112,7 +113,7 @@ class Gateway:
 
     async def place(self, selector: dict[str, str] | None = None) -> dict[str, str]:
         n = choose(list(self.nodes.values()), time.monotonic(), k=self.k, selector=selector)
-        n.placed += 1
+        n.finished.append(time.monotonic())  # counted until a report includes it
         self.placed += 1
         return {"node": n.node, "endpoint": n.endpoint}
 
@@ -125,19 +126,19 @@ class Gateway:
             await self._runner.cleanup()
 
     # ---- load reports ---------------------------------------------------------------------
-    def _take(self, r: dict[str, Any]) -> None:
+    def _take(self, r: dict[str, Any], asked_at: float) -> None:
         n = self.nodes.get(r["node"])
         if n is None:
             n = self.nodes[r["node"]] = NodeLoad(node=r["node"], endpoint=r["endpoint"])
         n.live, n.capacity, n.mem_free_mb = r["live"], r["capacity"], r["mem_free_mb"]
         n.labels = dict(r.get("labels") or {})
-        n.reported_at = time.monotonic()
-        n.placed = 0
+        n.took_report(asked_at, time.monotonic())
 
     async def _poll(self) -> None:
         import ray
 
         while True:
+            asked_at = time.monotonic()
             items = list(self.supervisors.items())
             got = await asyncio.gather(
                 *(asyncio.wait_for(asyncio.wrap_future(s.report.remote().future()),
@@ -145,7 +146,7 @@ class Gateway:
                 return_exceptions=True)
             for (node, _), r in zip(items, got, strict=True):
                 if isinstance(r, dict):
-                    self._take(r)
+                    self._take(r, asked_at)
                 elif isinstance(r, ray.exceptions.RayActorError):
                     # The supervisor is dead: so is its corrald (the keeper saw to it).
                     self.supervisors.pop(node, None)
@@ -197,23 +198,25 @@ class Gateway:
             except CapacityExceeded as e:
                 return _error(e)
             tried.add(n.node)
-            n.placed += 1
-            self.placed += 1
+            n.inflight += 1
             try:
                 async with self._session.post(n.endpoint + "/v1/sandboxes", data=body,
                                               params=request.query, headers=headers) as r:
                     status, raw = r.status, await r.read()
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
-                n.placed -= 1
                 n.reported_at = 0.0  # unreachable: out of placement until it reports again
                 continue  # nothing was created there: place elsewhere
             except aiohttp.ClientError as e:
+                n.finished.append(time.monotonic())  # it may exist
                 return _error(DaemonRestarted(f"node {n.node} dropped the create; its "
                                               f"outcome is unknown: {e}",
                                               details={"node": n.node}))
+            finally:
+                n.inflight -= 1
             if status >= 300:
-                n.placed -= 1
                 return web.Response(body=raw, status=status, content_type="application/json")
+            n.finished.append(time.monotonic())
+            self.placed += 1
             info = json.loads(raw)
             info["node"], info["endpoint"] = n.node, n.endpoint
             return web.json_response(info, status=status)

@@ -27,11 +27,23 @@ class NodeLoad:
     mem_free_mb: int = 0
     labels: dict[str, str] = field(default_factory=dict)
     reported_at: float = 0.0   # monotonic seconds on the gateway
-    placed: int = 0            # placed since the last report (not counted in ``live`` yet)
+    # Creates the report may not count yet: those in flight, and those that finished after
+    # the report was asked for (their times; see ``took_report``).
+    inflight: int = 0
+    finished: list[float] = field(default_factory=list)
+
+    @property
+    def placed(self) -> int:
+        return self.inflight + len(self.finished)
 
     @property
     def used(self) -> int:
         return self.live + self.placed
+
+    def took_report(self, asked_at: float, now: float) -> None:
+        """A report asked for at ``asked_at`` counts every create finished before then."""
+        self.finished = [t for t in self.finished if t >= asked_at]
+        self.reported_at = now
 
     @property
     def load(self) -> float:
