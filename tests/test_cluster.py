@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -187,6 +188,10 @@ def test_creates_spread_over_nodes_and_calls_go_direct(cluster, gateway):
             assert r.exit_code == 0 and r.stdout.startswith(f"hi-{i}\n")
             b.files.write("/tmp/x", f"data-{i}")
             assert b.files.read("/tmp/x") == f"data-{i}"
+        # A handle pickled to another process keeps its node (and its node's token here).
+        twin = pickle.loads(pickle.dumps(boxes[0]))
+        assert twin._endpoint == boxes[0]._endpoint and twin._endpoint.node
+        assert twin.exec("echo twin").stdout == "twin\n"
         # the load reports follow
         assert wait_until(lambda: sum(n["live"] for n in corral.cluster.status()["nodes"]) == 8)
     finally:
