@@ -250,6 +250,23 @@ def test_raylet_death_takes_the_nodes_corrald_and_sandboxes(cluster, gateway):
     assert wait_until(lambda: nid in corral.cluster.status()["lost"], timeout=10)
 
 
+@ray.remote(num_cpus=1)
+def _rollout(i: int) -> tuple[str | None, str]:
+    """A Ray task, as a trainer's rollout worker: connect() finds the gateway through Ray."""
+    import corral
+    import corral.cluster
+
+    corral.cluster.connect()
+    with corral.Sandbox(image="host", memory_mb=64) as sb:
+        return sb.info().node, sb.exec(f"echo task-{i}").stdout
+
+
+def test_ray_tasks_use_the_cluster_with_connect(cluster):
+    got = ray.get([_rollout.remote(i) for i in range(4)], timeout=120)
+    assert [out for _, out in got] == [f"task-{i}\n" for i in range(4)]
+    assert {node for node, _ in got} <= set(cluster["nodes"])
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
