@@ -18,6 +18,9 @@ class Config:
     # "host:port" to also listen on TCP (requires a token); empty disables TCP.
     tcp_listen: str = field(default_factory=lambda: _env("CORRAL_TCP", ""))
     token: str = field(default_factory=lambda: _env("CORRAL_TOKEN", ""))
+    # The cluster node this daemon serves (its Ray node id, set by the node's supervisor:
+    # docs/cluster.md); every SandboxInfo names it. Empty: a standalone daemon.
+    node_id: str = field(default_factory=lambda: _env("CORRAL_NODE_ID", ""))
     # Name of the cgroup directory under each hierarchy; tests use a private one.
     cgroup_name: str = field(default_factory=lambda: _env("CORRAL_CGROUP", "corral"))
     # The admission limit; 0 (the default): derived from the machine (daemon/capacity.py).

@@ -305,6 +305,10 @@ class SandboxInfo(_Response):
     snapshot: str | None = None
     pause_ttl: PauseTTL = "count"
     paused_at: float | None = None
+    node: str | None = Field(None, description="the cluster node (Ray node id) the sandbox "
+                             "runs on; null on a standalone daemon")
+    endpoint: str | None = Field(None, description="set by a cluster gateway on create: the "
+                                 "node's URL, which every later call of the sandbox goes to")
 
 
 class CreateManyRequest(_Model):

@@ -8,6 +8,7 @@ trajectory.py log, replay
 run_code.py   run-code
 e2b.py        e2b serve
 dashboard.py  dashboard (the web dashboard's URL; a local proxy on the socket)
+cluster.py    cluster start | status | stop (Ray)
 output.py     tables, JSON, the ``error [code]: message`` format and exit codes
 """
 
@@ -17,6 +18,7 @@ import typer
 
 from corral import __version__
 from corral.cli import (
+    cluster,
     daemon,
     dashboard,
     demo,
@@ -40,6 +42,7 @@ app.add_typer(daemon.image_app, name="image")
 app.add_typer(network.network_app, name="network")
 app.add_typer(snapshots.snapshot_app, name="snapshot")
 app.add_typer(e2b.app, name="e2b")
+app.add_typer(cluster.app, name="cluster")
 
 
 def _version(value: bool) -> None:

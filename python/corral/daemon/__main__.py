@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                     "/run/corral/corrald.sock)")
     p.add_argument("--tcp", help="also listen on HOST:PORT (requires --token)")
     p.add_argument("--token", help="bearer token required on TCP (default $CORRAL_TOKEN)")
+    p.add_argument("--node-id", help="the cluster node this daemon serves (default "
+                                     "$CORRAL_NODE_ID; none: standalone)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
     p.add_argument("--log-file", help="log to this file, rotated by size (default "
                                       "$CORRAL_LOG_FILE; none: stderr)")
@@ -53,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_config(args: argparse.Namespace) -> config.Config:
     over = {k: v for k, v in {"state_dir": args.state_dir, "socket_path": args.socket,
                               "tcp_listen": args.tcp, "token": args.token,
-                              "log_level": args.log_level,
+                              "log_level": args.log_level, "node_id": args.node_id,
                               "log_file": args.log_file}.items() if v is not None}
     cfg = dataclasses.replace(config.load(), **over)
     return dataclasses.replace(cfg, state_dir=os.path.abspath(cfg.state_dir),

@@ -135,6 +135,8 @@ class AsyncSandbox(SandboxHandle):
         except BaseException:
             self._creating = None  # a later call may try again
             raise
+        if info.endpoint:  # placed by a cluster gateway: talk to the node from now on
+            self._endpoint = self._endpoint.on_node(info.endpoint, info.node)
         self._sid = info.id
         self.last_info = info
         return info.id

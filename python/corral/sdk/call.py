@@ -19,9 +19,11 @@ from corral.errors import (
     CorralError,
     DaemonRestarted,
     DaemonUnavailable,
+    InfraError,
     InternalError,
     InvalidRequest,
     NotFound,
+    SandboxLost,
     Unauthorized,
     Unsupported,
     error_from_payload,
@@ -86,13 +88,26 @@ def error_from_response(status: int, body: bytes) -> CorralError:
     return cls(f"HTTP {status} from corrald: {text}" if text else f"HTTP {status} from corrald")
 
 
-def unavailable(endpoint: object, exc: BaseException) -> DaemonUnavailable:
+def _node_lost(endpoint: object, exc: BaseException) -> SandboxLost | None:
+    """A cluster node that stopped answering took its sandboxes with it (docs/cluster.md)."""
+    node = getattr(endpoint, "node", None)
+    if node is None:
+        return None
+    return SandboxLost(f"cluster node {node} ({endpoint}) is gone, and its sandboxes with it: "
+                       f"{_describe(exc)}", details={"endpoint": str(endpoint), "node": node})
+
+
+def unavailable(endpoint: object, exc: BaseException) -> InfraError:
+    if (gone := _node_lost(endpoint, exc)) is not None:
+        return gone
     return DaemonUnavailable(f"no corrald answered on {endpoint}: {_describe(exc)}",
                              details={"endpoint": str(endpoint)})
 
 
-def lost(endpoint: object, call: Call[Any], exc: BaseException) -> DaemonRestarted:
+def lost(endpoint: object, call: Call[Any], exc: BaseException) -> InfraError:
     # The request may or may not have been carried out: the caller must not assume either.
+    if (gone := _node_lost(endpoint, exc)) is not None:
+        return gone
     return DaemonRestarted(
         f"connection to corrald ({endpoint}) lost during {call.method} {call.path}; the "
         f"daemon may have restarted and the call's outcome is unknown: {_describe(exc)}",

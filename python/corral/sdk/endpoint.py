@@ -2,7 +2,11 @@
 
 An ``Endpoint`` is the only connection state a sandbox handle carries, so it is small, frozen,
 hashable and picklable. The bearer token is deliberately *not* part of it: it is read from
-``CORRAL_TOKEN`` in the process that makes the call, so pickled handles never carry secrets.
+``CORRAL_TOKEN`` in the process that makes the call (or from the tokens this process was given,
+``set_token``: ``corral.cluster.connect()``), so pickled handles never carry secrets.
+
+A cluster node's endpoint also names its node (``node``): a sandbox there whose node stops
+answering is reported lost (``sandbox_lost``), not "daemon unavailable" (docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -15,12 +19,21 @@ from corral.errors import InvalidRequest
 
 UNIX_PREFIX = "unix://"
 
+# Bearer tokens this process was handed for an endpoint URL (a cluster gateway and its nodes).
+_tokens: dict[str, str] = {}
+
+
+def set_token(url: str, token: str) -> None:
+    """Use ``token`` for calls to ``url`` from this process (instead of ``CORRAL_TOKEN``)."""
+    _tokens[url.rstrip("/")] = token
+
 
 @dataclass(frozen=True)
 class Endpoint:
     """``unix:///path/to/corrald.sock`` or ``http(s)://host:port``."""
 
     url: str
+    node: str | None = None  # the cluster node it serves (set from a gateway's answer)
 
     @classmethod
     def from_env(cls) -> Endpoint:
@@ -57,8 +70,15 @@ class Endpoint:
 
     def auth_header(self) -> str | None:
         """``Bearer <CORRAL_TOKEN>`` for remote endpoints (the unix socket needs none)."""
-        token = os.environ.get("CORRAL_TOKEN", "")
+        token = _tokens.get(self.url) or os.environ.get("CORRAL_TOKEN", "")
         return f"Bearer {token}" if token and not self.unix_path else None
+
+    def on_node(self, url: str, node: str | None) -> Endpoint:
+        """The endpoint of the cluster node a gateway placed a sandbox on: same token."""
+        ep = Endpoint(url.rstrip("/"), node)
+        if self.url in _tokens and ep.url not in _tokens:
+            _tokens[ep.url] = _tokens[self.url]
+        return ep
 
     def __str__(self) -> str:
         return self.url

@@ -211,7 +211,9 @@ class SandboxHandle:
         return info
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_restore, (type(self), self.id, self._endpoint.url, self._traj, self._step))
+        # the node rides along (a cluster sandbox's lost node answers sandbox_lost)
+        return (_restore, (type(self), self.id, self._endpoint.url, self._traj, self._step,
+                           self._endpoint.node))
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, SandboxHandle) and other._sid is not None
@@ -278,8 +280,9 @@ def batch_result(results: list[T], return_exceptions: bool) -> list[T]:
     return results
 
 
-def _restore(cls: type[H], sid: str, url: str, traj: str | None = None, step: int = 0) -> H:
-    obj = cls._bind(Endpoint(url), sid)
+def _restore(cls: type[H], sid: str, url: str, traj: str | None = None, step: int = 0,
+             node: str | None = None) -> H:
+    obj = cls._bind(Endpoint(url, node), sid)
     if traj is not None:
         obj._set_trajectory(traj, step)
     return obj

@@ -92,6 +92,8 @@ class Sandbox(SandboxHandle):
             self._set_trajectory(trajectory_id)
             call.key = f"{trajectory_id}:create"  # a restarted client gets the same sandbox
         info = _send(ep, call)
+        if info.endpoint:  # placed by a cluster gateway: talk to the node from now on
+            ep = ep.on_node(info.endpoint, info.node)
         self._init_handle(ep, info.id, info)
 
     def _init_files(self) -> None:

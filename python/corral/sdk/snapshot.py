@@ -42,7 +42,8 @@ class SnapshotBase:
             setattr(self, k, v)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_restore, (type(self), self.info.model_dump(), self._endpoint.url))
+        return (_restore, (type(self), self.info.model_dump(), self._endpoint.url,
+                           self._endpoint.node))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, SnapshotBase) and (other.id, other._endpoint) == \
@@ -56,8 +57,9 @@ class SnapshotBase:
         return f"<{type(self).__name__} {self.id}{name} image={self.image} size={self.size}>"
 
 
-def _restore(cls: type[SnapshotBase], info: dict[str, Any], url: str) -> SnapshotBase:
-    return cls(SnapshotInfo.model_validate(info), Endpoint(url))
+def _restore(cls: type[SnapshotBase], info: dict[str, Any], url: str,
+             node: str | None = None) -> SnapshotBase:
+    return cls(SnapshotInfo.model_validate(info), Endpoint(url, node))
 
 
 class Snapshot(SnapshotBase):

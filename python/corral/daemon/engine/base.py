@@ -63,6 +63,8 @@ class Sandbox:
     __slots__ = ("id", "spec", "runtime", "state", "reason", "created_at", "expires_at",
                  "last_active", "sched", "busy", "threads", "procs", "stopping", "paused_at",
                  "capturing", "cause", "trajectory")
+    # The cluster node this daemon serves (Config.node_id), one per process: set by the Engine.
+    node: str | None = None
 
     def __init__(self, sid: str, spec: SandboxSpec, created_at: float, expires_at: float) -> None:
         self.id = sid
@@ -117,6 +119,7 @@ class Sandbox:
             "idle_timeout": s.idle_timeout, "last_active_at": self.last_active,
             "init_pid": self.runtime.init_pid if self.runtime else None,
             "snapshot": s.snapshot, "pause_ttl": s.pause_ttl, "paused_at": self.paused_at,
+            "node": self.node,
         }
 
     def _net(self) -> dict[str, Any] | None:

@@ -74,6 +74,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
                                          capacity_bound_by=limit.bound_by)
         self.config = config
         self.clock = clock
+        Sandbox.node = config.node_id or None
         self.sandboxes: dict[str, Sandbox] = {}
         # refuses creates while the host is short of memory
         self.memory = capacity.MemoryGuard(clock.monotonic)
@@ -218,6 +219,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         if reason == "lost":
             return SandboxLost(text, details=details)
         if reason == "shutdown":
+            if self.config.node_id:  # a cluster node stops only when it leaves the cluster
+                return SandboxLost(text, details=dict(details, node=self.config.node_id))
             return DaemonRestarted(text, details=details)
         return SandboxNotRunning(text, details=details)
 

@@ -1,0 +1,72 @@
+"""Create + exec + destroy through a cluster gateway vs straight to the node, same run.
+
+A two-raylet Ray cluster on loopback (ray.cluster_utils.Cluster), corral deployed on it; then
+N rounds of (Sandbox(...), exec("true"), kill()) through the gateway and N straight to one
+node's corrald (its endpoint and token), alternating so both see the same machine load.
+
+    python bench/cluster_gateway.py [N]
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+import corral  # noqa: E402
+import corral.cluster  # noqa: E402
+from corral.sdk.endpoint import Endpoint  # noqa: E402
+
+NODE = {"num_cpus": 1, "object_store_memory": 80 << 20, "node_ip_address": "127.0.0.1"}
+
+
+def round_trip(endpoint: Endpoint) -> float:
+    t = time.perf_counter()
+    sb = corral.Sandbox(image="host", memory_mb=64, endpoint=endpoint)
+    sb.exec("true")
+    sb.kill()
+    return time.perf_counter() - t
+
+
+def main(n: int) -> None:
+    root = tempfile.mkdtemp(prefix="corral-cluster-bench-", dir="/var/tmp")
+    c = Cluster(initialize_head=True, head_node_args=dict(NODE, include_dashboard=False))
+    try:
+        c.add_node(**NODE)
+        ray.init(address=c.address, namespace=corral.cluster.NAMESPACE, log_to_driver=False)
+        corral.cluster.start(name=f"b{os.getpid()}", state_root=root,
+                             run_dir=os.path.join(root, "run"))
+        gw = corral.cluster.connect()
+        node = corral.cluster.status()["nodes"][0]
+        direct = gw.on_node(node["endpoint"], node["node"])
+        for ep in (gw, direct):  # warm connections and pools
+            round_trip(ep)
+        via, straight = [], []
+        for _ in range(n):
+            via.append(round_trip(gw))
+            straight.append(round_trip(direct))
+        g, d = statistics.median(via) * 1e3, statistics.median(straight) * 1e3
+        print(f"rounds={n} gateway median {g:.2f} ms, direct median {d:.2f} ms, "
+              f"ratio {g / d:.2f}; means {statistics.mean(via) * 1e3:.2f} / "
+              f"{statistics.mean(straight) * 1e3:.2f} ms")
+    finally:
+        try:
+            if ray.is_initialized():
+                corral.cluster.stop()
+        finally:
+            ray.shutdown()
+            c.shutdown()
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 200)

@@ -1,0 +1,132 @@
+"""corral on a Ray cluster: one supervisor actor per node (owning that node's corrald) and a
+named gateway actor in the Ray namespace ``corral`` (docs/cluster.md).
+
+    corral.cluster.start(address="auto")   # deploy (idempotent: adds missing nodes)
+    corral.cluster.connect()               # from a Ray job: Sandbox(...) now goes through it
+    corral.cluster.status(); corral.cluster.stop()
+
+Ray is imported inside these functions: ``import corral`` does not need it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from typing import Any
+
+from corral.errors import DaemonUnavailable, InvalidRequest, NotFound
+from corral.sdk.endpoint import Endpoint, set_token
+
+NAMESPACE = "corral"
+GATEWAY = "gateway"
+DEFAULT_STATE_ROOT = "/var/lib/corral/cluster"
+DEFAULT_RUN_DIR = "/run/corral/cluster"
+
+
+class ClusterNotFound(NotFound):
+    """No corral gateway on this Ray cluster."""
+
+
+def _ray(address: str | None) -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise InvalidRequest("corral's cluster mode needs Ray: pip install 'corral[cluster]'") \
+            from None
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False)
+        except ConnectionError as e:
+            raise DaemonUnavailable(f"no Ray cluster at {address or 'auto'}: {e}") from None
+    return ray
+
+
+def _gateway(ray: Any) -> Any:
+    try:
+        return ray.get_actor(GATEWAY, namespace=NAMESPACE)
+    except ValueError:
+        raise ClusterNotFound("no corral cluster runs on this Ray cluster (corral cluster "
+                              "start)") from None
+
+
+def start(address: str | None = "auto", *, name: str = "corral", k: int = 2,
+          state_root: str = DEFAULT_STATE_ROOT, run_dir: str = DEFAULT_RUN_DIR,
+          max_sandboxes: int = 0, labels: dict[str, dict[str, str]] | None = None,
+          gateway_port: int = 0) -> dict[str, Any]:
+    """Deploy corral on the Ray cluster at ``address`` (or the one this process is connected
+    to): the gateway, then one supervisor per live node that has none yet. ``name`` keeps the
+    nodes' state dirs, sockets and cgroups apart from another corral cluster's on the same
+    machines; ``labels`` maps a Ray node id to the labels ``node_selector`` matches. Returns
+    ``status()``."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from corral.cluster.gateway import Gateway
+    from corral.cluster.supervisor import NodeSupervisor, free_port
+
+    ray = _ray(address)
+    here = ray.get_runtime_context().get_node_id()
+    host = ray.util.get_node_ip_address()
+    try:
+        gw = ray.get_actor(GATEWAY, namespace=NAMESPACE)
+        _, token = ray.get(gw.endpoint.remote())
+    except ValueError:
+        token = secrets.token_urlsafe(32)
+        gw = ray.remote(Gateway).options(
+            name=GATEWAY, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
+            max_restarts=0, max_concurrency=1000,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+        ).remote(name, token, k)
+        ray.get(gw.serve.remote(host, gateway_port or free_port(host)))
+    have = set(ray.get(gw.node_ids.remote()))
+    remote_sup = ray.remote(NodeSupervisor)
+    sups = {}
+    for n in ray.nodes():
+        nid = n["NodeID"]
+        if not n["Alive"] or nid in have:
+            continue
+        sups[nid] = remote_sup.options(
+            name=f"supervisor:{nid}", namespace=NAMESPACE, lifetime="detached", num_cpus=0,
+            max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
+        ).remote(name, nid, n["NodeManagerAddress"], token, state_root, run_dir,
+                 max_sandboxes, (labels or {}).get(nid))
+    for nid, sup in sups.items():
+        ray.get(gw.add_node.remote(nid, sup, ray.get(sup.report.remote())))
+    return status()
+
+
+def connect(address: str | None = None) -> Endpoint:
+    """Point this process's SDK at the cluster's gateway (sets ``CORRAL_URL``; the token is
+    kept in this process only), so ``Sandbox(...)`` works unchanged. Its endpoint."""
+    ray = _ray(address)
+    url, token = ray.get(_gateway(ray).endpoint.remote())
+    set_token(url, token)
+    os.environ["CORRAL_URL"] = url
+    return Endpoint(url)
+
+
+def status(address: str | None = None) -> dict[str, Any]:
+    """The gateway's view: nodes with live sandboxes, capacity, free memory, report age."""
+    ray = _ray(address)
+    return dict(ray.get(_gateway(ray).status.remote()))
+
+
+def supervisors(address: str | None = None) -> dict[str, Any]:
+    """Node id -> supervisor actor handle."""
+    ray = _ray(address)
+    return dict(ray.get(_gateway(ray).supervisor_handles.remote()))
+
+
+def stop(address: str | None = None, *, timeout: float = 180.0) -> None:
+    """Stop every node's corrald (destroying its sandboxes), then the actors."""
+    ray = _ray(address)
+    gw = _gateway(ray)
+    sups = ray.get(gw.supervisor_handles.remote())
+    done = [s.stop.remote() for s in sups.values()]
+    deadline = time.monotonic() + timeout
+    ray.wait(done, num_returns=len(done), timeout=timeout)
+    for s in sups.values():
+        ray.kill(s, no_restart=True)
+    ray.get(gw.close.remote(), timeout=max(1.0, deadline - time.monotonic()))
+    ray.kill(gw, no_restart=True)

@@ -1,0 +1,222 @@
+"""The gateway: the cluster's control plane, one named Ray actor (namespace ``corral``).
+
+It knows the supervisors, polls their load reports, places each create by power-of-k choices
+(corral.cluster.placement) and serves a small HTTP endpoint that the unchanged SDK talks to
+(``CORRAL_URL``): ``POST /v1/sandboxes`` is placed and sent to the chosen node, and the answer
+names the node and its endpoint, which the SDK uses for every later call of that sandbox. So
+the gateway carries creates only, never exec output or files (docs/cluster.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from corral.cluster.placement import NodeLoad, choose
+from corral.errors import (
+    CapacityExceeded,
+    CorralError,
+    DaemonRestarted,
+    InvalidRequest,
+    NotFound,
+    Unauthorized,
+)
+
+log = logging.getLogger("corral.cluster")
+REPORT_INTERVAL_S = 0.5
+REPORT_TIMEOUT_S = 2.0
+MAX_CREATE_BODY = 16 << 20
+SELECTOR_HEADER = "X-Corral-Node-Selector"  # "k=v,k2=v2": only nodes with these labels
+
+
+def _error(err: CorralError) -> web.Response:
+    return web.json_response(err.to_payload(), status=err.status)
+
+
+def parse_selector(value: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        k, sep, v = part.partition("=")
+        if not sep or not k.strip():
+            raise InvalidRequest(f"bad node selector {value!r}: use key=value[,key=value]")
+        out[k.strip()] = v.strip()
+    return out
+
+
+class Gateway:
+    """Wrapped by ``ray.remote`` in corral.cluster.deploy; an async actor: one event loop
+    serves Ray calls, the report poller and the HTTP endpoint."""
+
+    def __init__(self, cluster: str, token: str, k: int = 2) -> None:
+        self.cluster = cluster
+        self.token = token
+        self.k = k
+        self.nodes: dict[str, NodeLoad] = {}
+        self.supervisors: dict[str, Any] = {}   # node id -> actor handle
+        self.lost: dict[str, str] = {}          # node id -> why it left
+        self.placed = 0
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    # ---- Ray methods ----------------------------------------------------------------------
+    async def serve(self, host: str, port: int) -> str:
+        """Start the HTTP endpoint and the report poller; the endpoint's URL."""
+        if self._runner is None:
+            app = web.Application(client_max_size=MAX_CREATE_BODY)
+            app.router.add_get("/v1/health", self._health)
+            app.router.add_get("/v1/cluster", self._status)
+            app.router.add_post("/v1/sandboxes", self._create)
+            app.router.add_route("*", "/{tail:.*}", self._elsewhere)
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            await web.TCPSite(self._runner, host, port, backlog=4096).start()
+            self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=1024),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=120.0))
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+        return self.url
+
+    async def endpoint(self) -> tuple[str, str]:
+        """(URL, token) for a client inside the Ray cluster (corral.cluster.connect)."""
+        return self.url, self.token
+
+    async def add_node(self, node: str, supervisor: Any, report: dict[str, Any]) -> None:
+        self.supervisors[node] = supervisor
+        self.lost.pop(node, None)
+        self._take(report, time.monotonic())
+
+    async def node_ids(self) -> list[str]:
+        return list(self.supervisors)
+
+    async def supervisor_handles(self) -> dict[str, Any]:
+        return dict(self.supervisors)
+
+    async def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {"cluster": self.cluster, "gateway": self.url, "placed": self.placed, "k": self.k,
+                "nodes": [{"node": n.node, "endpoint": n.endpoint, "live": n.live,
+                           "placed_since_report": n.placed,
+                           "capacity": n.capacity, "mem_free_mb": n.mem_free_mb,
+                           "labels": n.labels, "report_age_s": round(now - n.reported_at, 3)}
+                          for n in self.nodes.values()],
+                "lost": dict(self.lost)}
+
+    async def place(self, selector: dict[str, str] | None = None) -> dict[str, str]:
+        n = choose(list(self.nodes.values()), time.monotonic(), k=self.k, selector=selector)
+        n.finished.append(time.monotonic())  # counted until a report includes it
+        self.placed += 1
+        return {"node": n.node, "endpoint": n.endpoint}
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        if self._session is not None:
+            await self._session.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # ---- load reports ---------------------------------------------------------------------
+    def _take(self, r: dict[str, Any], asked_at: float) -> None:
+        n = self.nodes.get(r["node"])
+        if n is None:
+            n = self.nodes[r["node"]] = NodeLoad(node=r["node"], endpoint=r["endpoint"])
+        n.live, n.capacity, n.mem_free_mb = r["live"], r["capacity"], r["mem_free_mb"]
+        n.labels = dict(r.get("labels") or {})
+        n.took_report(asked_at, time.monotonic())
+
+    async def _poll(self) -> None:
+        import ray
+
+        while True:
+            asked_at = time.monotonic()
+            items = list(self.supervisors.items())
+            got = await asyncio.gather(
+                *(asyncio.wait_for(asyncio.wrap_future(s.report.remote().future()),
+                                   REPORT_TIMEOUT_S) for _, s in items),
+                return_exceptions=True)
+            for (node, _), r in zip(items, got, strict=True):
+                if isinstance(r, dict):
+                    self._take(r, asked_at)
+                elif isinstance(r, ray.exceptions.RayActorError):
+                    # The supervisor is dead: so is its corrald (the keeper saw to it).
+                    self.supervisors.pop(node, None)
+                    self.nodes.pop(node, None)
+                    self.lost[node] = "supervisor died"
+                    log.warning("node lost", extra={"node": node})
+                # else: slow or failing corrald: its report ages out of placement
+            await asyncio.sleep(REPORT_INTERVAL_S)
+
+    # ---- HTTP -----------------------------------------------------------------------------
+    def _authorized(self, request: web.Request) -> bool:
+        got = request.headers.get("Authorization", "")
+        return hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode())
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "role": "gateway", "nodes": len(self.nodes)})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return _error(Unauthorized("missing or wrong bearer token"))
+        return web.json_response(await self.status())
+
+    async def _elsewhere(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return _error(Unauthorized("missing or wrong bearer token"))
+        return _error(NotFound(
+            f"the cluster gateway only places sandboxes (POST /v1/sandboxes); send "
+            f"{request.method} {request.path} to the node named in the sandbox's info "
+            f"(its 'endpoint')", details={"path": request.path}))
+
+    async def _create(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return _error(Unauthorized("missing or wrong bearer token"))
+        assert self._session is not None
+        try:
+            selector = parse_selector(request.headers.get(SELECTOR_HEADER, ""))
+        except InvalidRequest as e:
+            return _error(e)
+        body = await request.read()
+        headers = {"Authorization": f"Bearer {self.token}",
+                   "Content-Type": request.headers.get("Content-Type", "application/json")}
+        if key := request.headers.get("Idempotency-Key"):
+            headers["Idempotency-Key"] = key
+        tried: set[str] = set()
+        while True:
+            candidates = [n for n in self.nodes.values() if n.node not in tried]
+            try:
+                n = choose(candidates, time.monotonic(), k=self.k, selector=selector)
+            except CapacityExceeded as e:
+                return _error(e)
+            tried.add(n.node)
+            n.inflight += 1
+            try:
+                async with self._session.post(n.endpoint + "/v1/sandboxes", data=body,
+                                              params=request.query, headers=headers) as r:
+                    status, raw = r.status, await r.read()
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+                n.reported_at = 0.0  # unreachable: out of placement until it reports again
+                continue  # nothing was created there: place elsewhere
+            except aiohttp.ClientError as e:
+                n.finished.append(time.monotonic())  # it may exist
+                return _error(DaemonRestarted(f"node {n.node} dropped the create; its "
+                                              f"outcome is unknown: {e}",
+                                              details={"node": n.node}))
+            finally:
+                n.inflight -= 1
+            if status >= 300:
+                return web.Response(body=raw, status=status, content_type="application/json")
+            n.finished.append(time.monotonic())
+            self.placed += 1
+            info = json.loads(raw)
+            info["node"], info["endpoint"] = n.node, n.endpoint
+            return web.json_response(info, status=status)

@@ -1,0 +1,133 @@
+"""The supervisor: one Ray actor per node, owner of that node's corrald.
+
+It starts corrald (through corral.cluster.keeper) with the node's own state dir, unix socket,
+cgroup name and a TCP listener on the node's address guarded by the cluster's token, and
+answers load reports. corrald lives exactly as long as the actor: when the actor stops, is
+killed, or its raylet dies, the keeper's pipe closes and corrald destroys every sandbox of the
+node (docs/cluster.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from corral.sdk.sync_transport import UnixConnection
+
+START_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class NodePaths:
+    """Where one node's corrald keeps its things: distinct per node and per cluster, so
+    several nodes (or clusters) on one machine never share a socket, lock or cgroup."""
+
+    state_dir: str
+    socket: str
+    cgroup: str
+    log_file: str
+
+    @classmethod
+    def of(cls, cluster: str, node_id: str, state_root: str, run_dir: str) -> NodePaths:
+        short = node_id[:12]
+        state = os.path.join(state_root, f"{cluster}-{short}")
+        return cls(state_dir=state, socket=os.path.join(run_dir, f"{cluster}-{short}.sock"),
+                   cgroup=f"corral-{cluster}-{short}",
+                   log_file=os.path.join(state, "corrald.log"))
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _get(path: str, url: str, timeout: float = 5.0) -> dict[str, Any]:
+    conn = UnixConnection(path)
+    conn.timeout = timeout
+    try:
+        conn.request("GET", url)
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"corrald answered {resp.status} to {url}: {body[:200]!r}")
+        return dict(json.loads(body))
+    finally:
+        conn.close()
+
+
+def mem_available_mb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    return 0
+
+
+class NodeSupervisor:
+    """Wrapped by ``ray.remote`` in corral.cluster.deploy (Ray is imported only there)."""
+
+    def __init__(self, cluster: str, node_id: str, host: str, token: str, state_root: str,
+                 run_dir: str, max_sandboxes: int = 0,
+                 labels: dict[str, str] | None = None) -> None:
+        self.node_id = node_id
+        self.labels = dict(labels or {})
+        self.paths = NodePaths.of(cluster, node_id, state_root, run_dir)
+        os.makedirs(self.paths.state_dir, mode=0o700, exist_ok=True)
+        os.makedirs(run_dir, mode=0o700, exist_ok=True)
+        port = free_port(host)
+        self.endpoint = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        env = dict(os.environ, CORRAL_CGROUP=self.paths.cgroup, CORRAL_TOKEN=token,
+                   CORRAL_MAX_SANDBOXES=str(max_sandboxes))
+        env.pop("CORRAL_URL", None)
+        # The token goes in the environment, not argv (which /proc shows to everyone).
+        self.keeper = subprocess.Popen(
+            [sys.executable, "-m", "corral.cluster.keeper", "--state-dir",
+             self.paths.state_dir, "--socket", self.paths.socket, "--tcp", f"{host}:{port}",
+             "--node-id", node_id, "--log-file", self.paths.log_file],
+            stdin=subprocess.PIPE, env=env)
+        self._wait_started()
+
+    def _wait_started(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.keeper.poll() is not None:
+                raise RuntimeError(f"corrald of node {self.node_id} exited with "
+                                   f"{self.keeper.returncode}; see {self.paths.log_file}")
+            try:
+                _get(self.paths.socket, "/v1/health", timeout=1.0)
+                return
+            except (OSError, RuntimeError, ValueError):
+                if time.monotonic() > deadline:
+                    self._stop()
+                    raise RuntimeError(f"corrald of node {self.node_id} did not start within "
+                                       f"{START_TIMEOUT_S:.0f} s; see {self.paths.log_file}"
+                                       ) from None
+            time.sleep(0.05)
+
+    def describe(self) -> dict[str, Any]:
+        return {"node": self.node_id, "endpoint": self.endpoint, "labels": self.labels,
+                "state_dir": self.paths.state_dir, "socket": self.paths.socket,
+                "cgroup": self.paths.cgroup, "keeper_pid": self.keeper.pid}
+
+    def report(self) -> dict[str, Any]:
+        """The node's load: live sandboxes, admission capacity, free memory."""
+        st = _get(self.paths.socket, "/v1/status")
+        return {"node": self.node_id, "endpoint": self.endpoint, "labels": self.labels,
+                "live": int(st["sandboxes"]), "capacity": int(st["capacity"]),
+                "mem_free_mb": mem_available_mb(), "pid": int(st["pid"])}
+
+    def stop(self) -> int:
+        """Stop corrald (every sandbox of the node is destroyed); its exit status."""
+        return self._stop()
+
+    def _stop(self) -> int:
+        if self.keeper.stdin is not None and not self.keeper.stdin.closed:
+            self.keeper.stdin.close()  # EOF: the keeper stops corrald
+        return self.keeper.wait()

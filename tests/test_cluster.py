@@ -1,0 +1,321 @@
+"""corral on a real Ray cluster: two raylets on this machine (ray.cluster_utils.Cluster, bound to
+127.0.0.1), each node with its own corrald (state dir, socket, cgroup name, port) owned by a
+supervisor actor, and the gateway actor placing creates. Node loss is attacked by killing a
+supervisor: its sandboxes answer ``sandbox_lost`` within 5 s and nothing of them stays."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+# Ray reports usage to its makers unless told not to: no packet may leave the machine. And
+# Ray turns 127.0.0.1 into the host's outward address unless cluster mode's address lookup is
+# off: every raylet, the GCS and the drivers stay on loopback.
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+import corral  # noqa: E402
+import corral.cluster  # noqa: E402
+from corral.errors import SandboxLost  # noqa: E402
+from corral.sdk import endpoint as endpoint_mod  # noqa: E402
+
+from conftest import (  # noqa: E402
+    _force_cleanup,
+    cgroup_dirs,
+    host_mounts_under,
+    leaked_sandbox_cgroups,
+    pids_in_cgroups,
+    wait_until,
+)
+
+NODE_ARGS = {"num_cpus": 1, "object_store_memory": 80 << 20, "node_ip_address": "127.0.0.1"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    root = tempfile.mkdtemp(prefix="corral-cluster-", dir="/var/tmp")
+    c = Cluster(initialize_head=True, head_node_args=dict(
+        NODE_ARGS, include_dashboard=False, dashboard_host="127.0.0.1"))
+    name = f"t{os.getpid()}"
+    describe: dict[str, dict] = {}
+    try:
+        c.add_node(**NODE_ARGS)
+        ray.init(address=c.address, namespace=corral.cluster.NAMESPACE, log_to_driver=False)
+        c.wait_for_nodes()
+        head = ray.get_runtime_context().get_node_id()
+        corral.cluster.start(name=name, state_root=root, run_dir=os.path.join(root, "run"),
+                             max_sandboxes=64, labels={head: {"role": "head"}})
+        sups = corral.cluster.supervisors()
+        describe = {nid: ray.get(s.describe.remote()) for nid, s in sups.items()}
+        yield {"name": name, "root": root, "nodes": describe, "supervisors": sups,
+               "head": head, "ray": c, "run_dir": os.path.join(root, "run")}
+    finally:
+        os.environ.pop("CORRAL_URL", None)
+        try:
+            if ray.is_initialized():
+                corral.cluster.stop()
+        finally:
+            ray.shutdown()
+            c.shutdown()
+            for d in describe.values():
+                _force_cleanup(d["cgroup"])  # only if the graceful stop failed
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def gateway(cluster):
+    ep = corral.cluster.connect()
+    yield ep
+    os.environ.pop("CORRAL_URL", None)
+
+
+def _get(url: str, token: str | None) -> tuple[int, dict]:
+    req = urllib.request.Request(url)
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_each_node_runs_its_own_corrald(cluster):
+    nodes = cluster["nodes"]
+    assert len(nodes) == 2
+    assert set(nodes) == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    for key in ("state_dir", "socket", "cgroup", "endpoint", "keeper_pid"):
+        assert len({d[key] for d in nodes.values()}) == 2, key
+    st = corral.cluster.status()
+    assert {n["node"] for n in st["nodes"]} == set(nodes)
+    for n in st["nodes"]:
+        assert n["capacity"] == 64 and n["live"] == 0 and n["report_age_s"] < 3
+        assert n["endpoint"].startswith("http://127.0.0.1:")
+    for d in nodes.values():
+        assert cgroup_dirs(d["cgroup"]), d["cgroup"]          # each its own cgroup tree
+        code, body = _get(d["endpoint"] + "/v1/status", None)  # TCP needs the token
+        assert code == 401, body
+
+
+def test_cli_status_shows_the_nodes(cluster):
+    r = subprocess.run([sys.executable, "-m", "corral.cli", "cluster", "status", "--json",
+                        "--address", cluster["ray"].address],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    st = json.loads(r.stdout)
+    assert {n["node"] for n in st["nodes"]} == set(cluster["nodes"])
+    assert st["gateway"].startswith("http://127.0.0.1:")
+
+
+def test_gateway_authenticates_and_is_no_data_path(cluster, gateway):
+    code, body = _get(gateway.url + "/v1/cluster", None)
+    assert code == 401 and body["error"]["code"] == "unauthorized"
+    code, _ = _get(gateway.url + "/v1/cluster", "wrong")
+    assert code == 401
+    token = endpoint_mod._tokens[gateway.url]
+    code, body = _get(gateway.url + "/v1/cluster", token)
+    assert code == 200 and len(body["nodes"]) == 2
+    # Anything but a create is the node's business, not the gateway's.
+    code, body = _get(gateway.url + "/v1/sandboxes/sb-x", token)
+    assert code == 404 and "endpoint" in body["error"]["message"]
+
+
+def _create(url: str, token: str, selector: str) -> tuple[int, dict]:
+    req = urllib.request.Request(url + "/v1/sandboxes", method="POST",
+                                 data=json.dumps({"image": "host", "memory_mb": 64}).encode())
+    req.add_header("Authorization", f"Bearer {token}")
+    req.add_header("Content-Type", "application/json")
+    req.add_header("X-Corral-Node-Selector", selector)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_node_selector_places_on_labelled_nodes_only(cluster, gateway):
+    token = endpoint_mod._tokens[gateway.url]
+    made = []
+    try:
+        for _ in range(3):
+            code, info = _create(gateway.url, token, "role=head")
+            assert code == 201, info
+            made.append(corral.Sandbox.from_id(info["id"], endpoint=gateway.on_node(
+                info["endpoint"], info["node"])))
+            assert info["node"] == cluster["head"]
+        code, body = _create(gateway.url, token, "role=nowhere")
+        assert code == 429 and body["error"]["code"] == "capacity_exceeded"
+        assert "labels" in body["error"]["message"]
+        code, body = _create(gateway.url, token, "=bad")
+        assert code == 400 and body["error"]["code"] == "invalid_request"
+    finally:
+        for b in made:
+            b.kill()
+
+
+def test_creates_spread_over_nodes_and_calls_go_direct(cluster, gateway):
+    # The earlier tests' sandboxes are gone from the reports (the gateway counts a sandbox it
+    # placed until a report includes it: kills it does not see).
+    assert wait_until(lambda: all(n["live"] == 0 and n["placed_since_report"] == 0
+                                  for n in corral.cluster.status()["nodes"]))
+    boxes = [corral.Sandbox(image="host", memory_mb=64, timeout=120) for _ in range(8)]
+    try:
+        per_node = Counter(b.info().node for b in boxes)
+        assert set(per_node) == set(cluster["nodes"]), per_node
+        assert max(per_node.values()) - min(per_node.values()) <= 2, \
+            (per_node, corral.cluster.status()["nodes"])
+        for i, b in enumerate(boxes):
+            node = cluster["nodes"][b.info().node]
+            # After placement the handle talks to its node, never to the gateway.
+            assert b._endpoint.url == node["endpoint"] != gateway.url
+            r = b.exec(f"echo hi-{i}; hostname")
+            assert r.exit_code == 0 and r.stdout.startswith(f"hi-{i}\n")
+            b.files.write("/tmp/x", f"data-{i}")
+            assert b.files.read("/tmp/x") == f"data-{i}"
+        # A handle pickled to another process keeps its node (and its node's token here).
+        twin = pickle.loads(pickle.dumps(boxes[0]))
+        assert twin._endpoint == boxes[0]._endpoint and twin._endpoint.node
+        assert twin.exec("echo twin").stdout == "twin\n"
+        # the load reports follow
+        assert wait_until(lambda: sum(n["live"] for n in corral.cluster.status()["nodes"]) == 8)
+    finally:
+        for b in boxes:
+            b.kill()
+
+
+def test_async_sandbox_through_the_gateway(cluster, gateway):
+    async def run() -> tuple[str | None, str]:
+        async with corral.AsyncSandbox(image="host", memory_mb=64) as sb:
+            r = await sb.exec("echo async")
+            return (await sb.info()).node, r.stdout
+    node, out = asyncio.run(run())
+    assert node in cluster["nodes"] and out == "async\n"
+
+
+def _lost_within(boxes: list, seconds: float) -> bool:
+    def all_lost() -> bool:
+        for b in boxes:
+            try:
+                b.exec("true", timeout=2)
+                return False
+            except SandboxLost as e:
+                assert e.infra
+        return True
+    return wait_until(all_lost, timeout=seconds, interval=0.05)
+
+
+def test_raylet_death_takes_the_nodes_corrald_and_sandboxes(cluster, gateway):
+    """A node whose raylet dies abruptly (as when its machine goes): the supervisor's worker
+    dies with it, the keeper's pipe closes, corrald destroys the node's sandboxes."""
+    c = cluster["ray"]
+    raylet = c.add_node(**NODE_ARGS)
+    c.wait_for_nodes()
+    nid = raylet.node_id
+    corral.cluster.start(name=cluster["name"], state_root=cluster["root"],
+                         run_dir=cluster["run_dir"], max_sandboxes=64,
+                         labels={nid: {"role": "doomed"}})
+    sup = corral.cluster.supervisors()[nid]
+    d = ray.get(sup.describe.remote())
+    token = endpoint_mod._tokens[gateway.url]
+    boxes, pids = [], []
+    for _ in range(3):
+        code, info = _create(gateway.url, token, "role=doomed")
+        assert code == 201 and info["node"] == nid, info
+        boxes.append(corral.Sandbox.from_id(
+            info["id"], endpoint=gateway.on_node(info["endpoint"], info["node"])))
+        pids.append(info["init_pid"])
+    assert boxes[0].exec("echo up").stdout == "up\n"
+    t0 = time.monotonic()
+    c.remove_node(raylet, allow_graceful=False)
+    assert _lost_within(boxes, 5.0), "not lost within 5 s"
+    print(f"raylet killed: sandboxes lost after {time.monotonic() - t0:.2f} s")
+    assert wait_until(lambda: not _alive(d["keeper_pid"]), timeout=60)
+    assert not any(_alive(p) for p in pids)
+    assert not leaked_sandbox_cgroups(d["cgroup"]) and not pids_in_cgroups(d["cgroup"])
+    assert not host_mounts_under(d["state_dir"])
+    assert wait_until(lambda: nid in corral.cluster.status()["lost"], timeout=10)
+
+
+@ray.remote(num_cpus=1)
+def _rollout(i: int) -> tuple[str | None, str]:
+    """A Ray task, as a trainer's rollout worker: connect() finds the gateway through Ray."""
+    import corral
+    import corral.cluster
+
+    corral.cluster.connect()
+    with corral.Sandbox(image="host", memory_mb=64) as sb:
+        return sb.info().node, sb.exec(f"echo task-{i}").stdout
+
+
+def test_ray_tasks_use_the_cluster_with_connect(cluster):
+    got = ray.get([_rollout.remote(i) for i in range(4)], timeout=120)
+    assert [out for _, out in got] == [f"task-{i}\n" for i in range(4)]
+    assert {node for node, _ in got} <= set(cluster["nodes"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_node_loss_sandboxes_lost_and_cleaned(cluster, gateway):
+    """Kill one node's supervisor (as when its raylet or machine dies): its sandboxes answer
+    sandbox_lost within 5 s, its corrald removes every one of them (no process, cgroup or mount
+    left), and the other node's sandboxes are untouched. Runs last: the cluster loses a node."""
+    boxes = [corral.Sandbox(image="host", memory_mb=64, timeout=120) for _ in range(6)]
+    try:
+        by_node: dict[str, list[corral.Sandbox]] = {}
+        for b in boxes:
+            by_node.setdefault(b.info().node or "", []).append(b)
+        assert len(by_node) == 2, by_node
+        victim, survivor = sorted(by_node, key=lambda n: n == ray.get_runtime_context()
+                                  .get_node_id())  # kill the worker node, not the head
+        vd = cluster["nodes"][victim]
+        lost = by_node[victim]
+        pids = [b.info().init_pid for b in lost]
+        assert all(p and _alive(p) for p in pids)
+        for b in lost:  # a long command in flight when the node goes
+            b.exec("sleep 300", background=True)
+        t0 = time.monotonic()
+        ray.kill(cluster["supervisors"][victim], no_restart=True)
+
+        assert _lost_within(lost, 5.0), "not lost within 5 s"
+        print(f"supervisor killed: sandboxes lost after {time.monotonic() - t0:.2f} s")
+        # Cleaned up on the host: init processes, cgroups, mounts, the daemon itself.
+        assert wait_until(lambda: not any(_alive(p) for p in pids if p), timeout=30)
+        assert wait_until(lambda: not _alive(vd["keeper_pid"]), timeout=60)
+        assert not leaked_sandbox_cgroups(vd["cgroup"])
+        assert not pids_in_cgroups(vd["cgroup"])
+        assert not host_mounts_under(vd["state_dir"])
+        assert not Path(vd["socket"]).exists()
+        # The survivor is untouched, and new sandboxes go there only.
+        for b in by_node[survivor]:
+            assert b.exec("echo still").stdout == "still\n"
+        assert wait_until(lambda: victim in corral.cluster.status()["lost"], timeout=10)
+        with corral.Sandbox(image="host", memory_mb=64) as sb:
+            assert sb.info().node == survivor
+    finally:
+        for b in boxes:
+            try:
+                b.kill()
+            except SandboxLost:
+                pass
