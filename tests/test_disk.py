@@ -41,6 +41,7 @@ ATTACKS = {
     "root_dir": "dd if=/dev/zero of=/big bs=1M count=64",
     "home": "dd if=/dev/zero of=/root/big bs=1M count=64",
     "tmp": "dd if=/dev/zero of=/tmp/big bs=1M count=64",
+    "dev_shm": "dd if=/dev/zero of=/dev/shm/big bs=1M count=64",
     "var_tmp": "head -c 64M /dev/zero > /var/tmp/big",
     "fallocate": "fallocate -l 64M /root/f",
     "sparse_then_filled": ("truncate -s 4G /root/s && ls -ls /root/s && "

@@ -172,8 +172,9 @@ class Session:
     def _close_raw_scratch(self) -> None:
         if self.raw_scratch is None:
             return
-        with contextlib.suppress(OSError):  # raw's own service dir, empty at its end
+        with contextlib.suppress(OSError):  # raw's own service dirs
             os.rmdir(self.root / "raw" / "mask")
+        shutil.rmtree(self.root / "raw" / "dev", ignore_errors=True)
         self.raw_scratch.close()
         self.raw_scratch = None
 
