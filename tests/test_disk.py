@@ -72,7 +72,7 @@ def test_a_write_past_disk_mb_is_a_disk_full_error_not_an_oom_kill(name):
         assert sb.exec("echo alive").stdout == "alive\n"
         if name == "copy_up":
             return
-        r = sb.exec("rm -rf /big /root/* /tmp/* /var/tmp/big /x[0-9]* 2>/dev/null; "
+        r = sb.exec("rm -rf /big /root/* /tmp/* /var/tmp/big /dev/shm/big /x[0-9]* 2>/dev/null; "
                     "dd if=/dev/zero of=/root/again bs=1M count=8 2>&1 && echo wrote")
         assert r.stdout.endswith("wrote\n"), r
 
