@@ -36,6 +36,10 @@
  *   --sys DIR: DIR (made here: fs/cgroup/<hierarchy> mountpoints) bound read-only at /sys,
  *            the sandbox's own cgroups mounted below it read-only (corral's sys_dir).
  *   --proc-bind SRC=NAME: SRC bound read-only over /proc/NAME (corral: lxcfs's files).
+ *   --proc-ro NAME, --proc-mask-file NAME, --proc-mask-dir NAME: corral's /proc policy
+ *            (procpolicy.py, in its order): bound read-only onto itself, covered by /dev/null,
+ *            covered by <state>/mask read-only (the others binds of the first); without any,
+ *            a short built-in list.
  *   --disabled: corral's network "disabled": every sandbox joins one network namespace made at
  *   start (no --netns), and each process also enters a Landlock domain scoped for abstract
  *   unix sockets (after no_new_privs), as rust/src/harden.rs does
@@ -99,11 +103,15 @@ struct cgctl {
     const char *val[4];
 };
 
+#define MAX_PROC 256
+
 static struct {
     int netns, conc, harden, tmpfs, spares, set_spares, disabled, subvol_mb;
     const char *lazy;      /* v1 controllers made at the first exec (comma list) */
     char sys_dir[4096];    /* --sys: the /sys skeleton bound read-only into each sandbox */
     int nbind;             /* --proc-bind SRC=NAME: files bound read-only over /proc/NAME */
+    int npro, npmf, npmd;  /* --proc-ro, --proc-mask-file, --proc-mask-dir: "proc/NAME" */
+    const char *pro[MAX_PROC], *pmf[MAX_PROC], *pmd[MAX_PROC];
     const char *bind_src[MAX_BINDS], *bind_dst[MAX_BINDS];
     pid_t main_pid;
     long n;
@@ -389,6 +397,31 @@ static int spawn_child(void *arg) {
     CK(10, mount(NULL, "dev/shm", NULL, MS_BIND | MS_REMOUNT | nse, NULL));
     CK(12, dir_beneath("proc"));
     CK(12, mount("proc", "proc", "proc", nse, NULL));
+    if (G.npro || G.npmf || G.npmd) { /* corral's policy, as rust/src/spawn.rs applies it */
+        for (int i = 0; i < G.npro; i++) {
+            if (mount(G.pro[i], G.pro[i], NULL, MS_BIND, NULL) < 0) {
+                if (errno == ENOENT) continue;
+                CK(13, -1);
+            }
+            CK(13, mount(NULL, G.pro[i], NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | nse, NULL));
+        }
+        for (int i = 0; i < G.npmf; i++)
+            if (mount("dev/null", G.pmf[i], NULL, MS_BIND, NULL) < 0 && errno != ENOENT)
+                CK(13, -1);
+        const char *first = NULL;
+        for (int i = 0; i < G.npmd; i++) {
+            if (mount(first ? first : G.mask_dir, G.pmd[i], NULL, MS_BIND, NULL) < 0) {
+                if (errno == ENOENT) continue;
+                CK(13, -1);
+            }
+            if (!first) {
+                CK(13, mount(NULL, G.pmd[i], NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | nse,
+                             NULL));
+                first = G.pmd[i];
+            }
+        }
+        goto proc_done;
+    }
     static const char *ro[] = {"proc/sys", "proc/sysrq-trigger", "proc/irq", "proc/bus",
                                "proc/fs"};
     for (unsigned i = 0; i < sizeof ro / sizeof ro[0]; i++) {
@@ -411,6 +444,7 @@ static int spawn_child(void *arg) {
                 CK(13, -1);
         }
     }
+proc_done:
     for (int i = 0; i < G.nbind; i++) {
         CK(13, mount(G.bind_src[i], G.bind_dst[i], NULL, MS_BIND, NULL));
         CK(13, mount(NULL, G.bind_dst[i], NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | nse, NULL));
@@ -1174,6 +1208,17 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--lazy")) G.lazy = v, i++;
         else if (!strcmp(a, "--subvol")) G.subvol_mb = atoi(v), i++;
         else if (!strcmp(a, "--sys")) snprintf(G.sys_dir, sizeof G.sys_dir, "%s", v), i++;
+        else if (!strcmp(a, "--proc-ro") || !strcmp(a, "--proc-mask-file") ||
+                 !strcmp(a, "--proc-mask-dir")) {
+            int *n = a[7] == 'r' ? &G.npro : a[12] == 'f' ? &G.npmf : &G.npmd;
+            const char **l = a[7] == 'r' ? G.pro : a[12] == 'f' ? G.pmf : G.pmd;
+            if (!v || *n == MAX_PROC) usage();
+            char *d = malloc(strlen(v) + 6);
+            if (!d) die("malloc");
+            sprintf(d, "proc/%s", v);
+            l[(*n)++] = d;
+            i++;
+        }
         else if (!strcmp(a, "--proc-bind")) {
             char *eq = strchr(argv[i + 1], '=');
             if (!eq || G.nbind == MAX_BINDS) usage();
