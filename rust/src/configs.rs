@@ -72,7 +72,7 @@ impl PySpawnConfig {
         rlimits = None, netns_fd = None, unix_only = false, mask_dir = None,
         proc_readonly = Vec::new(), proc_mask_files = Vec::new(), proc_mask_dirs = Vec::new(),
         proc_binds = Vec::new(), sys_dir = None, cgroup_mounts = Vec::new(), tmp_size_mb = None,
-        tmp_tmpfs = true, dev_dir = None, shm_dir = None
+        tmp_tmpfs = true, dev_dir = None, shm_dir = None, detach = Vec::new()
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -95,6 +95,7 @@ impl PySpawnConfig {
         tmp_tmpfs: bool,
         dev_dir: Option<String>,
         shm_dir: Option<String>,
+        detach: Vec<String>,
     ) -> PyResult<Self> {
         Ok(Self(SpawnConfig {
             init_fd,
@@ -116,6 +117,7 @@ impl PySpawnConfig {
             tmp_tmpfs,
             dev_dir,
             shm_dir,
+            detach,
         }))
     }
 }

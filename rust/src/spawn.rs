@@ -121,6 +121,11 @@ pub struct SpawnConfig {
     /// With `dev_dir`: the sandbox's own writable directory (on its disk layer) bound at
     /// /dev/shm (nosuid, nodev, noexec). None: a tmpfs of 64 MiB there.
     pub shm_dir: Option<String>,
+    /// The daemon's mounts the new mount namespace copies but the sandbox never reaches (the
+    /// top of each subtree not on the path to `root`), detached (recursively, one call each)
+    /// once the new root is built, before the root switch: each copied mount costs kernel
+    /// memory for as long as the sandbox lives. One that is no longer a mount is skipped.
+    pub detach: Vec<String>,
 }
 
 // The steps, in order; the names are what an OSError says.
@@ -145,6 +150,7 @@ const STEPS: &[&str] = &[
     "mount_sys",
     "mount_cgroup",
     "mount_tmp",
+    "detach_host",
     "move_root",
     "chroot",
     "sethostname",
@@ -184,6 +190,7 @@ enum Step {
     MountSys,
     MountCgroup,
     MountTmp,
+    DetachHost,
     MoveRoot,
     Chroot,
     Sethostname,
@@ -261,6 +268,7 @@ struct Ctx {
     tmp_opts: Option<CString>,
     /// (shared /dev, the sandbox's /dev/shm or None: a tmpfs), see SpawnConfig::dev_dir.
     dev_bind: Option<(CString, Option<CString>)>,
+    detach: Vec<CString>,
     init_fd: RawFd,
     /// Both ends of the init's exec channel; the child puts them on fds 3 and 4
     /// (corral-init.c, "Exec server").
@@ -539,6 +547,19 @@ fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
                 Some((cstring(d)?, shm.as_deref().map(cstring).transpose()?))
             }
         },
+        detach: cfg
+            .detach
+            .iter()
+            .map(|d| {
+                if d.starts_with('/') {
+                    cstring(d)
+                } else {
+                    Err(SpawnError::Invalid(format!(
+                        "detach {d:?} must be absolute"
+                    )))
+                }
+            })
+            .collect::<Result<_, _>>()?,
         init_fd: cfg.init_fd,
         channel: [-1, -1],
         argv: [INIT_ARGV0.as_ptr() as *const c_char, std::ptr::null()],
@@ -1030,6 +1051,16 @@ unsafe fn run_child(c: &Ctx) -> c_int {
                     Some(tmp_opts.as_c_str()),
                 ),
             );
+        }
+
+        at(Step::DetachHost);
+        for p in &c.detach {
+            if libc::umount2(p.as_ptr(), libc::MNT_DETACH) < 0 {
+                let e = harden::errno();
+                if e != libc::EINVAL && e != libc::ENOENT {
+                    r.fail(e);
+                }
+            }
         }
 
         at(Step::MoveRoot);

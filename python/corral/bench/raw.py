@@ -75,6 +75,7 @@ class Mirror:
     proc_readonly: tuple[str, ...] = ()    # the /proc policy (procpolicy.py): bound read-only,
     proc_mask_files: tuple[str, ...] = ()  # covered by /dev/null,
     proc_mask_dirs: tuple[str, ...] = ()   # covered by the empty mask dir
+    detach: tuple[str, ...] = ()           # mounts detached in each sandbox's namespace
 
 
 class RawBaseline:
@@ -122,6 +123,8 @@ class RawBaseline:
                             ("--proc-mask-dir", m.proc_mask_dirs)):
             for name in names:
                 a += [flag, name]
+        for path in m.detach:
+            a += ["--detach", path]
         for target, lowers in self.overlays:
             a += ["--ov", f"{target}={':'.join(lowers)}"]
         return a

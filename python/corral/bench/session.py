@@ -104,6 +104,7 @@ class Session:
         made at the first exec), recycled cgroups, /sys with the sandbox's own cgroups and
         lxcfs's /proc files, the /proc policy."""
         from corral.daemon import cgroups, procpolicy, scratch
+        from corral.daemon.substrates.container.layout import detachable_mounts
         from corral.models import DEFAULT_DISK_MB
 
         kind = scratch.mount_of(str(self.daemon.state_dir / "sandboxes"))
@@ -143,7 +144,8 @@ class Session:
         return raw.Mirror(tmpfs=tmpfs, memcg_spares=spares, cgroup_spares=set_spares,
                           controllers=ctls, lazy=lazy, subvol_mb=subvol_mb, sys=True,
                           proc_binds=binds, proc_readonly=policy.readonly,
-                          proc_mask_files=policy.mask_files, proc_mask_dirs=policy.mask_dirs)
+                          proc_mask_files=policy.mask_files, proc_mask_dirs=policy.mask_dirs,
+                          detach=tuple(detachable_mounts(str(self.root / "raw"))))
 
     def _warm_up(self) -> None:
         """One sandbox through the SDK: builds the host image and opens the daemon's paths."""

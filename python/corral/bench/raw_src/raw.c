@@ -40,6 +40,9 @@
  *            (procpolicy.py, in its order): bound read-only onto itself, covered by /dev/null,
  *            covered by <state>/mask read-only (the others binds of the first); without any,
  *            a short built-in list.
+ *   --detach PATH: a mount of this process's namespace the sandbox never reaches, detached
+ *            (MNT_DETACH) in the sandbox's copy before the root switch (corral: layout.py
+ *            detachable_mounts); one no longer a mount is skipped.
  *   --disabled: corral's network "disabled": every sandbox joins one network namespace made at
  *   start (no --netns), and each process also enters a Landlock domain scoped for abstract
  *   unix sockets (after no_new_privs), as rust/src/harden.rs does
@@ -112,6 +115,8 @@ static struct {
     int nbind;             /* --proc-bind SRC=NAME: files bound read-only over /proc/NAME */
     int npro, npmf, npmd;  /* --proc-ro, --proc-mask-file, --proc-mask-dir: "proc/NAME" */
     const char *pro[MAX_PROC], *pmf[MAX_PROC], *pmd[MAX_PROC];
+    int ndetach;
+    const char *detach[MAX_PROC];
     const char *bind_src[MAX_BINDS], *bind_dst[MAX_BINDS];
     pid_t main_pid;
     long n;
@@ -464,6 +469,9 @@ proc_done:
         CK(14, dir_beneath("tmp"));
         CK(14, mount("tmpfs", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777"));
     }
+    for (int i = 0; i < G.ndetach; i++)
+        if (umount2(G.detach[i], MNT_DETACH) < 0 && errno != EINVAL && errno != ENOENT)
+            CK(15, -1);
     CK(15, mount(".", "/", NULL, MS_MOVE, NULL));
     CK(16, chroot("."));
     CK(16, chdir("/"));
@@ -1217,6 +1225,11 @@ int main(int argc, char **argv) {
             if (!d) die("malloc");
             sprintf(d, "proc/%s", v);
             l[(*n)++] = d;
+            i++;
+        }
+        else if (!strcmp(a, "--detach")) {
+            if (!v || G.ndetach == MAX_PROC) usage();
+            G.detach[G.ndetach++] = v;
             i++;
         }
         else if (!strcmp(a, "--proc-bind")) {

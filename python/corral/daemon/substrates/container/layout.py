@@ -4,6 +4,7 @@ image's /tmp check."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat as stat_mod
 
@@ -134,3 +135,32 @@ def _remove(p: str) -> None:
         shutil.rmtree(p)
     else:
         os.unlink(p)
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path: octal escapes (\\040 for a space) decoded."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def detachable_mounts(keep: str, mountinfo: str = "/proc/self/mountinfo") -> list[str]:
+    """The daemon's mounts a sandbox's new mount namespace copies but never reaches: the top
+    of every subtree that is neither an ancestor of ``keep`` (the sandboxes' dir) nor below it.
+    The spawn detaches each (recursively) once the root is built; every copied mount left
+    would pin kernel memory for as long as the sandbox lives. Read at each spawn: a mount
+    made since, such as a parent of ``keep``, must not be detached."""
+    keep = os.path.realpath(keep).rstrip("/") + "/"
+    points: list[str] = []
+    with open(mountinfo) as f:
+        for line in f:
+            fields = line.split(" ", 5)
+            if len(fields) > 4:
+                points.append(_unescape(fields[4]))
+    tops: list[str] = []
+    for p in points:
+        d = p.rstrip("/") + "/"
+        if keep.startswith(d) or d.startswith(keep):
+            continue  # on the way to the sandboxes' dir, or below it
+        if any(d.startswith(t.rstrip("/") + "/") and d != t.rstrip("/") + "/" for t in tops):
+            continue  # inside a subtree already detached
+        tops.append(p)
+    return tops

@@ -56,7 +56,14 @@ from ..base import Capabilities, ExecSpec, SandboxRuntime, Spawned, Substrate
 from .daemonpath import DaemonExec, _unix_only
 from .files import Files
 from .initpath import InitExec, Launch
-from .layout import OVL_OPAQUE, _image_tmp_unfit, make_dev_dir, make_mask_dir, make_sys_dir
+from .layout import (
+    OVL_OPAQUE,
+    _image_tmp_unfit,
+    detachable_mounts,
+    make_dev_dir,
+    make_mask_dir,
+    make_sys_dir,
+)
 from .netns import NetnsPool, SharedNetns
 from .rootcache import RootCache, _RootRef
 from .threads import _dup, _reap_later
@@ -316,6 +323,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
                 tmp_tmpfs=not self.scratch.quota,
                 dev_dir=self.dev_dir,
                 shm_dir=shm,
+                detach=detachable_mounts(self.sandboxes_dir),
             )
             pid, pidfd = _core.spawn_sandbox(cfg)
             if not self.keep_pidfds:
