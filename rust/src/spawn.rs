@@ -3,14 +3,16 @@
 //!
 //! Order in the child (each one a `Step`, reported to the parent on failure):
 //! cgroups -> cgroup ns -> (join a pooled netns) -> / rprivate -> overlays -> /proc, /dev, /tmp
-//! -> /proc masking -> MS_MOVE root onto / + chroot(".") -> hostname -> lo up -> stdio on
+//! -> /proc masking -> detach the copied daemon mounts -> MS_MOVE root onto / + chroot(".")
+//! -> hostname -> lo up -> stdio on
 //! /dev/null -> rlimits -> drop every capability -> no_new_privs -> seccomp -> execveat(init).
 //!
 //! The overlay is mounted *inside* the new mount namespace so the host's mount table does not
 //! grow with every sandbox, and the root switch is MS_MOVE + chroot rather than pivot_root,
 //! whose cost grows with the number of tasks on the host (see DESIGN.md). chroot leaves the
 //! old root reachable to anyone who may chroot again, so the init keeps no capability at all
-//! and the seccomp filter refuses chroot, mount, unshare, setns and namespace-making clones.
+//! and the seccomp filter refuses chroot, mount, unshare, setns and namespace-making clones;
+//! what stays below it is only the mounts on the way to the sandbox's root (`detach`).
 
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
