@@ -41,6 +41,7 @@ ATTACKS = {
     "root_dir": "dd if=/dev/zero of=/big bs=1M count=64",
     "home": "dd if=/dev/zero of=/root/big bs=1M count=64",
     "tmp": "dd if=/dev/zero of=/tmp/big bs=1M count=64",
+    "dev_shm": "dd if=/dev/zero of=/dev/shm/big bs=1M count=64",
     "var_tmp": "head -c 64M /dev/zero > /var/tmp/big",
     "fallocate": "fallocate -l 64M /root/f",
     "sparse_then_filled": ("truncate -s 4G /root/s && ls -ls /root/s && "
@@ -71,7 +72,7 @@ def test_a_write_past_disk_mb_is_a_disk_full_error_not_an_oom_kill(name):
         assert sb.exec("echo alive").stdout == "alive\n"
         if name == "copy_up":
             return
-        r = sb.exec("rm -rf /big /root/* /tmp/* /var/tmp/big /x[0-9]* 2>/dev/null; "
+        r = sb.exec("rm -rf /big /root/* /tmp/* /var/tmp/big /dev/shm/big /x[0-9]* 2>/dev/null; "
                     "dd if=/dev/zero of=/root/again bs=1M count=8 2>&1 && echo wrote")
         assert r.stdout.endswith("wrote\n"), r
 

@@ -161,31 +161,117 @@ def test_masked_proc_dirs_are_empty_and_read_only(sb):
     assert mask.is_dir() and list(mask.iterdir()) == [] and mask.stat().st_mode & 0o777 == 0o555
 
 
+def _scratch_has_quota() -> bool:
+    sandboxes = os.path.join(STATE_DIR, "sandboxes")
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == sandboxes and " - btrfs " in line for line in f)
+
+
 def test_dev_shm_is_shared_memory_of_bounded_size(sb):
-    """/dev/shm is a directory of the sandbox's own /dev tmpfs (no tmpfs of its own): every
-    user may create files there (sticky), no more than 64 MiB in all, and not another
-    sandbox's."""
-    with corral.Sandbox(image="host") as other:
-        other.exec("echo other > /dev/shm/mine", timeout=10)
-        r = sh(sb, "stat -c %a /dev/shm; ls -A /dev/shm; head -c 80M /dev/zero > /dev/shm/big;"
-                   " echo big=$?; du -m /dev/shm/big | cut -f1; rm -f /dev/shm/big")
+    """/dev/shm is the sandbox's own (a directory of its disk layer, on its quota; without a
+    quota a 64 MiB tmpfs): every user may create files there (sticky), no more than the
+    bound, and never in another sandbox's."""
+    with corral.Sandbox(image="host", disk_mb=32) as small:
+        sb.exec("echo other > /dev/shm/mine", timeout=10)
+        r = sh(small, "stat -c %a /dev/shm; ls -A /dev/shm; head -c 80M /dev/zero > "
+                      "/dev/shm/big; echo big=$?; du -m /dev/shm/big | cut -f1; "
+                      "rm -f /dev/shm/big")
         lines = r.stdout.split()
         assert lines[0] == "1777" and "mine" not in lines, r.stdout
         assert "big=0" not in lines and int(lines[-1]) <= 64, r.stdout
+    sb.exec("rm -f /dev/shm/mine", timeout=10)
+
+
+# Run as root in a sandbox: every way of changing the /dev all sandboxes share.
+DEV_ATTACKS = {
+    "create": "touch /dev/x",
+    "mknod": "mknod /dev/sda b 8 0",
+    "mknod_shm": "mknod /dev/shm/sda b 8 0",
+    "mkfifo": "mkfifo /dev/fifo",
+    "remove": "rm -f /dev/zero",
+    "rename": "mv /dev/full /dev/full2",
+    "chmod": "chmod 777 /dev/random",
+    "chown": "chown 1000 /dev/urandom",
+    "symlink": "ln -s /proc/1/root /dev/hostroot",
+    "mkdir": "mkdir /dev/d",
+    "remount_rw": "mount -o remount,rw /dev",
+    "unmount_pts": "umount /dev/pts",
+    "unmount_shm": "umount -l /dev/shm",
+    "truncate_link": "rm -f /dev/ptmx",
+    "xattr": "python3 -c \"import os; os.setxattr('/dev/null', 'user.x', b'1')\"",
+    "utimes": "touch -d 2000-01-01 /dev/tty",
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEV_ATTACKS))
+def test_shared_dev_cannot_be_changed(sb, name):
+    """/dev is one host directory bound read-only (nosuid, noexec) into every sandbox: no
+    sandbox can add, remove or change a node the others see, nor uncover what lies below its
+    own devpts and /dev/shm."""
+    before = sorted((e.name, e.stat(follow_symlinks=False).st_mode,
+                     e.stat(follow_symlinks=False).st_rdev, e.stat(follow_symlinks=False).st_uid)
+                    for e in os.scandir(os.path.join(STATE_DIR, "dev")))
+    r = sh(sb, f"{DEV_ATTACKS[name]}; echo rc=$?")
+    assert "rc=0" not in r.stdout, (name, r.stdout, r.stderr)
+    after = sorted((e.name, e.stat(follow_symlinks=False).st_mode,
+                    e.stat(follow_symlinks=False).st_rdev, e.stat(follow_symlinks=False).st_uid)
+                   for e in os.scandir(os.path.join(STATE_DIR, "dev")))
+    assert after == before
+    r = sh(sb, "ls -A /dev | sort | tr '\\n' ' '; head -c 4 /dev/zero | wc -c; "
+               "echo x > /dev/null; echo null=$?; grep -c ' /dev/pts \\| /dev/shm ' "
+               "/proc/self/mountinfo")
+    assert r.stdout.split() == ["fd", "full", "null", "ptmx", "pts", "random", "shm",
+                                "stderr", "stdin", "stdout", "tty", "urandom", "zero", "4",
+                                "null=0", "2"], r.stdout
+
+
+def test_shared_dev_is_read_only_nosuid_noexec(sb):
+    r = sh(sb, "grep ' /dev ' /proc/self/mountinfo | cut -d' ' -f6")
+    opts = set(r.stdout.strip().split(","))
+    assert {"ro", "nosuid", "noexec"} <= opts and "nodev" not in opts, r.stdout
+    r = sh(sb, "grep ' /dev/shm ' /proc/self/mountinfo | cut -d' ' -f6")
+    opts = set(r.stdout.strip().split(","))
+    assert {"rw", "nosuid", "nodev", "noexec"} <= opts, r.stdout
+
+
+PTY_HOLDER = ("python3 -c \"import os, pty, time; m, s = pty.openpty(); "
+              "open('/tmp/pty', 'w').write(os.ttyname(s)); time.sleep(120)\" "
+              ">/dev/null 2>&1 &")
+
+
+def test_dev_pts_is_per_sandbox(sb):
+    """Each sandbox's ptys are in a devpts instance of its own: another sandbox's terminals
+    are neither listed nor openable, whatever number they have."""
+    with corral.Sandbox(image="host") as other:
+        other.exec(PTY_HOLDER, timeout=10)
+        assert wait_until(lambda: other.exec("cat /tmp/pty", timeout=10).stdout.strip(),
+                          timeout=20)
+        name = other.exec("cat /tmp/pty", timeout=10).stdout.strip()
+        assert name.startswith("/dev/pts/"), name
+        r = sh(sb, f"ls -A /dev/pts; cat {name} </dev/null; echo open=$?; "
+                   "python3 -c 'import os, pty; m, s = pty.openpty(); print(os.ttyname(s))'")
+        lines = r.stdout.split()
+        assert lines[0] == "ptmx" and "open=0" not in lines, r.stdout
+        assert lines[-1].startswith("/dev/pts/"), r.stdout + r.stderr
+        r = other.exec("ls -A /dev/pts", timeout=10)
+        assert name.rsplit("/", 1)[1] in r.stdout.split(), r.stdout
 
 
 def test_each_sandbox_mounts_few_superblocks(sb):
     """Superblocks per sandbox: each one costs every memory cgroup on the host a shrinker
     slot for as long as the host runs (docs/daemon.md, "Recycled memory cgroups"): overlay
-    root, overlay /usr (host image), /dev, devpts, proc, /tmp; masks are binds. Superblocks
-    the host already has are shared, not the sandbox's: the masks' and /sys's host directory,
+    root, overlay /usr (host image), devpts, proc; without a disk quota also a tmpfs on /tmp
+    and one on /dev/shm. Masks and /dev are binds of host directories; superblocks the host
+    already has are shared, not the sandbox's: the masks', /dev's and /sys's host directory,
     the daemon's one lxcfs, the host's cgroup hierarchies (mounted at /sys/fs/cgroup)."""
-    r = sh(sb, "cut -d' ' -f3,9 /proc/self/mountinfo")
-    devs = {line.split()[0]: line.split()[1] for line in r.stdout.splitlines()}
+    r = sh(sb, "cut -d' ' -f3,5,9 /proc/self/mountinfo")
+    devs = {line.split()[0]: line.split()[2] for line in r.stdout.splitlines()}
+    dev_sb = next(line.split()[0] for line in r.stdout.splitlines() if line.split()[1] == "/dev")
     with open("/proc/self/mountinfo") as f:
-        for line in f:
-            devs.pop(line.split()[2], None)
-    assert len(devs) <= 6, r.stdout
+        host = {line.split()[2] for line in f}
+    assert dev_sb in host, r.stdout  # /dev: the host's superblock, not one of the sandbox's
+    own = {d: t for d, t in devs.items() if d not in host}
+    assert len(own) <= (4 if _scratch_has_quota() else 6), r.stdout
 
 
 # --- privileges ----------------------------------------------------------------------------------

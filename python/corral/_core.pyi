@@ -37,7 +37,8 @@ class SpawnConfig:
         proc_binds: list[tuple[str, str]] = ...,     # (host file, /proc entry), read-only
         sys_dir: str | None = None,                   # host skeleton bound at /sys
         cgroup_mounts: list[tuple[str, str, str]] = ...,  # (target, fstype, options)
-        tmp_size_mb: int | None = None, tmp_tmpfs: bool = True,
+        tmp_size_mb: int | None = None, tmp_tmpfs: bool = True, dev_dir: str | None = None,
+        shm_dir: str | None = None, detach: list[str] = ...,
     ) -> None: ...
 
 class ExecConfig:

@@ -72,7 +72,7 @@ impl PySpawnConfig {
         rlimits = None, netns_fd = None, unix_only = false, mask_dir = None,
         proc_readonly = Vec::new(), proc_mask_files = Vec::new(), proc_mask_dirs = Vec::new(),
         proc_binds = Vec::new(), sys_dir = None, cgroup_mounts = Vec::new(), tmp_size_mb = None,
-        tmp_tmpfs = true
+        tmp_tmpfs = true, dev_dir = None, shm_dir = None, detach = Vec::new()
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -93,6 +93,9 @@ impl PySpawnConfig {
         cgroup_mounts: Vec<CgMount>,
         tmp_size_mb: Option<u64>,
         tmp_tmpfs: bool,
+        dev_dir: Option<String>,
+        shm_dir: Option<String>,
+        detach: Vec<String>,
     ) -> PyResult<Self> {
         Ok(Self(SpawnConfig {
             init_fd,
@@ -112,6 +115,9 @@ impl PySpawnConfig {
             cgroup_mounts,
             tmp_size_mb,
             tmp_tmpfs,
+            dev_dir,
+            shm_dir,
+            detach,
         }))
     }
 }

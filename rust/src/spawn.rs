@@ -3,14 +3,16 @@
 //!
 //! Order in the child (each one a `Step`, reported to the parent on failure):
 //! cgroups -> cgroup ns -> (join a pooled netns) -> / rprivate -> overlays -> /proc, /dev, /tmp
-//! -> /proc masking -> MS_MOVE root onto / + chroot(".") -> hostname -> lo up -> stdio on
+//! -> /proc masking -> detach the copied daemon mounts -> MS_MOVE root onto / + chroot(".")
+//! -> hostname -> lo up -> stdio on
 //! /dev/null -> rlimits -> drop every capability -> no_new_privs -> seccomp -> execveat(init).
 //!
 //! The overlay is mounted *inside* the new mount namespace so the host's mount table does not
 //! grow with every sandbox, and the root switch is MS_MOVE + chroot rather than pivot_root,
 //! whose cost grows with the number of tasks on the host (see DESIGN.md). chroot leaves the
 //! old root reachable to anyone who may chroot again, so the init keeps no capability at all
-//! and the seccomp filter refuses chroot, mount, unshare, setns and namespace-making clones.
+//! and the seccomp filter refuses chroot, mount, unshare, setns and namespace-making clones;
+//! what stays below it is only the mounts on the way to the sandbox's root (`detach`).
 
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -114,6 +116,18 @@ pub struct SpawnConfig {
     /// Mount a tmpfs on /tmp. False: /tmp is the root overlay's own directory, on the
     /// sandbox's disk with its quota (the daemon makes it in the upper dir).
     pub tmp_tmpfs: bool,
+    /// The daemon's shared /dev (device nodes, links, empty `pts` and `shm` mountpoints; see
+    /// `DEVICES`, `DEV_LINKS`), bound read-only (nosuid, noexec) at every sandbox's /dev
+    /// instead of a tmpfs each: one superblock fewer per sandbox. None: a tmpfs per sandbox.
+    pub dev_dir: Option<String>,
+    /// With `dev_dir`: the sandbox's own writable directory (on its disk layer) bound at
+    /// /dev/shm (nosuid, nodev, noexec). None: a tmpfs of 64 MiB there.
+    pub shm_dir: Option<String>,
+    /// The daemon's mounts the new mount namespace copies but the sandbox never reaches (the
+    /// top of each subtree not on the path to `root`), detached (recursively, one call each)
+    /// once the new root is built, before the root switch: each copied mount costs kernel
+    /// memory for as long as the sandbox lives. One that is no longer a mount is skipped.
+    pub detach: Vec<String>,
 }
 
 // The steps, in order; the names are what an OSError says.
@@ -138,6 +152,7 @@ const STEPS: &[&str] = &[
     "mount_sys",
     "mount_cgroup",
     "mount_tmp",
+    "detach_host",
     "move_root",
     "chroot",
     "sethostname",
@@ -177,6 +192,7 @@ enum Step {
     MountSys,
     MountCgroup,
     MountTmp,
+    DetachHost,
     MoveRoot,
     Chroot,
     Sethostname,
@@ -252,6 +268,9 @@ struct Ctx {
     sys: Option<(Target, CString)>,
     cgroup_mounts: Vec<(CString, CString, CString)>,
     tmp_opts: Option<CString>,
+    /// (shared /dev, the sandbox's /dev/shm or None: a tmpfs), see SpawnConfig::dev_dir.
+    dev_bind: Option<(CString, Option<CString>)>,
+    detach: Vec<CString>,
     init_fd: RawFd,
     /// Both ends of the init's exec channel; the child puts them on fds 3 and 4
     /// (corral-init.c, "Exec server").
@@ -516,6 +535,33 @@ fn prepare(cfg: &SpawnConfig) -> Result<Ctx, SpawnError> {
             (true, Some(mb)) => Some(cstring(&format!("mode=1777,size={mb}m"))?),
             (true, None) => Some(cstring("mode=1777")?),
         },
+        dev_bind: match (&cfg.dev_dir, &cfg.shm_dir) {
+            (None, None) => None,
+            (None, Some(_)) => return Err(SpawnError::Invalid("shm_dir needs dev_dir".into())),
+            (Some(d), shm) => {
+                for p in std::iter::once(d).chain(shm) {
+                    if !p.starts_with('/') {
+                        return Err(SpawnError::Invalid(format!(
+                            "{p:?} must be an absolute path"
+                        )));
+                    }
+                }
+                Some((cstring(d)?, shm.as_deref().map(cstring).transpose()?))
+            }
+        },
+        detach: cfg
+            .detach
+            .iter()
+            .map(|d| {
+                if d.starts_with('/') {
+                    cstring(d)
+                } else {
+                    Err(SpawnError::Invalid(format!(
+                        "detach {d:?} must be absolute"
+                    )))
+                }
+            })
+            .collect::<Result<_, _>>()?,
         init_fd: cfg.init_fd,
         channel: [-1, -1],
         argv: [INIT_ARGV0.as_ptr() as *const c_char, std::ptr::null()],
@@ -732,6 +778,117 @@ const DEV_LINKS: &[(&std::ffi::CStr, &std::ffi::CStr)] = &[
     (c"/proc/self/fd/2", c"dev/stderr"),
 ];
 
+/// /dev as a tmpfs of the sandbox's own: device nodes, devpts, /dev/shm as a directory of
+/// the tmpfs (one superblock fewer than a tmpfs of its own; its size is shm's), links.
+///
+/// # Safety
+/// In the spawn child, cwd at the new root, "dev" a directory there.
+unsafe fn mount_own_dev(r: &Report) {
+    // SAFETY: raw syscalls on static C strings, see the caller.
+    unsafe {
+        ck(
+            r,
+            mount(
+                Some(c"tmpfs"),
+                c"dev",
+                Some(c"tmpfs"),
+                libc::MS_NOSUID | libc::MS_NOEXEC,
+                Some(c"mode=755,size=65536k,nr_inodes=16384"),
+            ),
+        );
+        r.at(Step::MknodDev as u32);
+        for (path, maj, min) in DEVICES {
+            let dev = libc::makedev(*maj, *min);
+            ck(
+                r,
+                libc::mknodat(libc::AT_FDCWD, path.as_ptr(), libc::S_IFCHR | 0o666, dev) as c_long,
+            );
+        }
+        ck(
+            r,
+            libc::mkdirat(libc::AT_FDCWD, c"dev/pts".as_ptr(), 0o755) as c_long,
+        );
+        mount_devpts(r);
+        r.at(Step::MountDevShm as u32);
+        ck(
+            r,
+            libc::mkdirat(libc::AT_FDCWD, c"dev/shm".as_ptr(), 0o1777) as c_long,
+        );
+        r.at(Step::DevSymlinks as u32);
+        for (target, link) in DEV_LINKS {
+            ck(
+                r,
+                libc::symlinkat(target.as_ptr(), libc::AT_FDCWD, link.as_ptr()) as c_long,
+            );
+        }
+    }
+}
+
+/// /dev as a read-only bind of the daemon's shared directory (nodes, links, mountpoints),
+/// then the sandbox's own devpts and /dev/shm on its mountpoints: no superblock but devpts.
+/// The bind is nosuid and noexec but not nodev (its nodes must open); read-only, so no
+/// sandbox can add, remove or change an entry every sandbox sees.
+///
+/// # Safety
+/// As `mount_own_dev`.
+unsafe fn mount_shared_dev(r: &Report, dev_dir: &CString, shm_dir: Option<&CString>) {
+    // SAFETY: raw syscalls on C strings prepared by the parent, see the caller.
+    unsafe {
+        let ro = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOSUID;
+        ck(r, mount(Some(dev_dir), c"dev", None, libc::MS_BIND, None));
+        ck(r, mount(None, c"dev", None, ro | libc::MS_NOEXEC, None));
+        mount_devpts(r);
+        r.at(Step::MountDevShm as u32);
+        let nse = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+        match shm_dir {
+            Some(d) => {
+                ck(r, mount(Some(d), c"dev/shm", None, libc::MS_BIND, None));
+                ck(
+                    r,
+                    mount(
+                        None,
+                        c"dev/shm",
+                        None,
+                        libc::MS_BIND | libc::MS_REMOUNT | nse,
+                        None,
+                    ),
+                );
+            }
+            None => ck(
+                r,
+                mount(
+                    Some(c"tmpfs"),
+                    c"dev/shm",
+                    Some(c"tmpfs"),
+                    nse,
+                    Some(c"mode=1777,size=65536k"),
+                ),
+            ),
+        }
+    }
+}
+
+/// A devpts instance of the sandbox's own on dev/pts (its ptys and nobody else's).
+///
+/// # Safety
+/// As `mount_own_dev`.
+unsafe fn mount_devpts(r: &Report) {
+    r.at(Step::MountDevpts as u32);
+    // SAFETY: mount(2) on static C strings.
+    unsafe {
+        ck(
+            r,
+            mount(
+                Some(c"devpts"),
+                c"dev/pts",
+                Some(c"devpts"),
+                libc::MS_NOSUID | libc::MS_NOEXEC,
+                Some(c"newinstance,ptmxmode=0666,mode=0620,gid=5"),
+            ),
+        );
+    }
+}
+
 extern "C" fn spawn_child(arg: *mut c_void) -> c_int {
     // SAFETY: `arg` is the parent's `Ctx`, alive and untouched until we exec or exit.
     let c = unsafe { &*(arg as *const Ctx) };
@@ -807,52 +964,10 @@ unsafe fn run_child(c: &Ctx) -> c_int {
         at(Step::Mountpoint);
         ensure_dir(r, dev_t);
         at(Step::MountDev);
-        ck(
-            r,
-            mount(
-                Some(c"tmpfs"),
-                c"dev",
-                Some(c"tmpfs"),
-                libc::MS_NOSUID | libc::MS_NOEXEC,
-                // /dev/shm is a directory of this tmpfs, not a tmpfs of its own (one
-                // superblock per sandbox fewer, see `mask_dir`): its size is shm's.
-                Some(c"mode=755,size=65536k,nr_inodes=16384"),
-            ),
-        );
-        at(Step::MknodDev);
-        for (path, maj, min) in DEVICES {
-            let dev = libc::makedev(*maj, *min);
-            ck(
-                r,
-                libc::mknodat(libc::AT_FDCWD, path.as_ptr(), libc::S_IFCHR | 0o666, dev) as c_long,
-            );
-        }
-        at(Step::MountDevpts);
-        ck(
-            r,
-            libc::mkdirat(libc::AT_FDCWD, c"dev/pts".as_ptr(), 0o755) as c_long,
-        );
-        ck(
-            r,
-            mount(
-                Some(c"devpts"),
-                c"dev/pts",
-                Some(c"devpts"),
-                libc::MS_NOSUID | libc::MS_NOEXEC,
-                Some(c"newinstance,ptmxmode=0666,mode=0620,gid=5"),
-            ),
-        );
-        at(Step::MountDevShm);
-        ck(
-            r,
-            libc::mkdirat(libc::AT_FDCWD, c"dev/shm".as_ptr(), 0o1777) as c_long,
-        );
-        at(Step::DevSymlinks);
-        for (target, link) in DEV_LINKS {
-            ck(
-                r,
-                libc::symlinkat(target.as_ptr(), libc::AT_FDCWD, link.as_ptr()) as c_long,
-            );
+        if let Some((dev_dir, shm_dir)) = &c.dev_bind {
+            mount_shared_dev(r, dev_dir, shm_dir.as_ref());
+        } else {
+            mount_own_dev(r);
         }
 
         at(Step::Mountpoint);
@@ -938,6 +1053,16 @@ unsafe fn run_child(c: &Ctx) -> c_int {
                     Some(tmp_opts.as_c_str()),
                 ),
             );
+        }
+
+        at(Step::DetachHost);
+        for p in &c.detach {
+            if libc::umount2(p.as_ptr(), libc::MNT_DETACH) < 0 {
+                let e = harden::errno();
+                if e != libc::EINVAL && e != libc::ENOENT {
+                    r.fail(e);
+                }
+            }
         }
 
         at(Step::MoveRoot);

@@ -72,6 +72,10 @@ class Mirror:
     subvol_mb: int = 0                 # a btrfs subvolume with this quota as the sandbox's disk
     sys: bool = False                  # /sys skeleton with the sandbox's own cgroups mounted
     proc_binds: tuple[tuple[str, str], ...] = ()  # (host file, /proc name): lxcfs's files
+    proc_readonly: tuple[str, ...] = ()    # the /proc policy (procpolicy.py): bound read-only,
+    proc_mask_files: tuple[str, ...] = ()  # covered by /dev/null,
+    proc_mask_dirs: tuple[str, ...] = ()   # covered by the empty mask dir
+    detach: tuple[str, ...] = ()           # mounts detached in each sandbox's namespace
 
 
 class RawBaseline:
@@ -115,6 +119,12 @@ class RawBaseline:
             a += ["--sys", str(self.state_dir) + "-sys"]
         for src, name in m.proc_binds:
             a += ["--proc-bind", f"{src}={name}"]
+        for flag, names in (("--proc-ro", m.proc_readonly), ("--proc-mask-file", m.proc_mask_files),
+                            ("--proc-mask-dir", m.proc_mask_dirs)):
+            for name in names:
+                a += [flag, name]
+        for path in m.detach:
+            a += ["--detach", path]
         for target, lowers in self.overlays:
             a += ["--ov", f"{target}={':'.join(lowers)}"]
         return a

@@ -102,8 +102,9 @@ class Session:
         """What this daemon does per sandbox, for raw to do too: its scratch (a btrfs
         subvolume with a quota per sandbox, else a tmpfs), its cgroups (v1: which, and which
         made at the first exec), recycled cgroups, /sys with the sandbox's own cgroups and
-        lxcfs's /proc files."""
-        from corral.daemon import cgroups, scratch
+        lxcfs's /proc files, the /proc policy."""
+        from corral.daemon import cgroups, procpolicy, scratch
+        from corral.daemon.substrates.container.layout import detachable_mounts
         from corral.models import DEFAULT_DISK_MB
 
         kind = scratch.mount_of(str(self.daemon.state_dir / "sandboxes"))
@@ -131,15 +132,20 @@ class Session:
                                                    "loadavg", "swaps")
                       if os.path.ismount(view / n))
         quota = ", a subvolume with a quota each" if subvol_mb else ""
+        policy = procpolicy.compute()  # the daemon's: computed from the same /proc
+        masks = len(policy.readonly) + len(policy.mask_files) + len(policy.mask_dirs)
         self.notes.append(
             f"scratch dirs on {where} (raw alike{quota}); "
             f"memory cgroups recycled: {spares or 'no'}, pids/cpu/freezer cgroups recycled: "
             f"{set_spares or 'no'}; cgroups {','.join(ctls) or 'v2'}"
             f"{' (' + ','.join(lazy) + ' at the first exec)' if lazy else ''}; /sys with own "
-            f"cgroups; lxcfs files: {len(binds)} (corral and raw alike)")
+            f"cgroups; lxcfs files: {len(binds)}; /proc policy: {masks} entries "
+            "(corral and raw alike)")
         return raw.Mirror(tmpfs=tmpfs, memcg_spares=spares, cgroup_spares=set_spares,
                           controllers=ctls, lazy=lazy, subvol_mb=subvol_mb, sys=True,
-                          proc_binds=binds)
+                          proc_binds=binds, proc_readonly=policy.readonly,
+                          proc_mask_files=policy.mask_files, proc_mask_dirs=policy.mask_dirs,
+                          detach=tuple(detachable_mounts(str(self.root / "raw"))))
 
     def _warm_up(self) -> None:
         """One sandbox through the SDK: builds the host image and opens the daemon's paths."""
@@ -172,8 +178,9 @@ class Session:
     def _close_raw_scratch(self) -> None:
         if self.raw_scratch is None:
             return
-        with contextlib.suppress(OSError):  # raw's own service dir, empty at its end
+        with contextlib.suppress(OSError):  # raw's own service dirs
             os.rmdir(self.root / "raw" / "mask")
+        shutil.rmtree(self.root / "raw" / "dev", ignore_errors=True)
         self.raw_scratch.close()
         self.raw_scratch = None
 

@@ -6,7 +6,8 @@
  *            controller (v1: memory pids cpu freezer; v2: one dir); clone(CLONE_VFORK|CLONE_VM|
  *            CLONE_PIDFD|NEWNS|NEWPID|NEWUTS|NEWIPC[|NEWNET]); in the child: join the cgroups,
  *            unshare(NEWCGROUP), / rprivate, overlay root + /usr overlay inside the new mount ns,
- *            tmpfs /dev + mknods + devpts + /dev/shm (a directory) + links, /proc (+ the same
+ *            /dev: <state>/dev (nodes + links, made at start) bound read-only, devpts, the
+ *            sandbox's <layer>/shm bound at /dev/shm, /proc (+ the same
  *            read-only binds and masks; /proc/acpi: <state>/mask bound), tmpfs /tmp, MS_MOVE
  *            root onto / + chroot, hostname, lo up (netns),
  *            stdio on /dev/null, rlimits, drop caps, no_new_privs, seccomp, execveat(tiny init).
@@ -35,6 +36,13 @@
  *   --sys DIR: DIR (made here: fs/cgroup/<hierarchy> mountpoints) bound read-only at /sys,
  *            the sandbox's own cgroups mounted below it read-only (corral's sys_dir).
  *   --proc-bind SRC=NAME: SRC bound read-only over /proc/NAME (corral: lxcfs's files).
+ *   --proc-ro NAME, --proc-mask-file NAME, --proc-mask-dir NAME: corral's /proc policy
+ *            (procpolicy.py, in its order): bound read-only onto itself, covered by /dev/null,
+ *            covered by <state>/mask read-only (the others binds of the first); without any,
+ *            a short built-in list.
+ *   --detach PATH: a mount of this process's namespace the sandbox never reaches, detached
+ *            (MNT_DETACH) in the sandbox's copy before the root switch (corral: layout.py
+ *            detachable_mounts); one no longer a mount is skipped.
  *   --disabled: corral's network "disabled": every sandbox joins one network namespace made at
  *   start (no --netns), and each process also enters a Landlock domain scoped for abstract
  *   unix sockets (after no_new_privs), as rust/src/harden.rs does
@@ -98,16 +106,23 @@ struct cgctl {
     const char *val[4];
 };
 
+#define MAX_PROC 256
+
 static struct {
     int netns, conc, harden, tmpfs, spares, set_spares, disabled, subvol_mb;
     const char *lazy;      /* v1 controllers made at the first exec (comma list) */
     char sys_dir[4096];    /* --sys: the /sys skeleton bound read-only into each sandbox */
     int nbind;             /* --proc-bind SRC=NAME: files bound read-only over /proc/NAME */
+    int npro, npmf, npmd;  /* --proc-ro, --proc-mask-file, --proc-mask-dir: "proc/NAME" */
+    const char *pro[MAX_PROC], *pmf[MAX_PROC], *pmd[MAX_PROC];
+    int ndetach;
+    const char *detach[MAX_PROC];
     const char *bind_src[MAX_BINDS], *bind_dst[MAX_BINDS];
     pid_t main_pid;
     long n;
     const char *mode, *state, *cgname, *init_path;
     char mask_dir[4096]; /* <state>/mask: empty, bound over masked /proc dirs */
+    char dev_dir[4096];  /* <state>/dev: the shared /dev (corral's layout.make_dev_dir) */
     const char *controllers; /* v1 controllers to use (comma list), default all four */
     int nov;
     const char *ov_target[MAX_OV], *ov_lower[MAX_OV];
@@ -333,6 +348,7 @@ struct spawn_ctx {
     char root[300];
     char opts[MAX_OV][1024];
     char hostname[64];
+    char shm[400]; /* <layer>/shm, bound at /dev/shm */
     volatile int step, err;
 };
 
@@ -376,26 +392,41 @@ static int spawn_child(void *arg) {
         CK(6, mount("overlay", rel, "overlay", MS_NODEV | MS_NOSUID, c->opts[i]));
     }
     CK(7, dir_beneath("dev"));
-    /* /dev/shm is a directory of this tmpfs, as corral's (six superblocks per sandbox) */
-    CK(7, mount("tmpfs", "dev", "tmpfs", MS_NOSUID | MS_NOEXEC,
-                "mode=755,size=65536k,nr_inodes=16384"));
-    static const struct { const char *p; int maj, min; } devs[] = {
-        {"dev/null", 1, 3}, {"dev/zero", 1, 5}, {"dev/full", 1, 7},
-        {"dev/random", 1, 8}, {"dev/urandom", 1, 9}, {"dev/tty", 5, 0},
-    };
-    for (unsigned i = 0; i < sizeof devs / sizeof devs[0]; i++)
-        CK(8, mknod(devs[i].p, S_IFCHR | 0666, makedev(devs[i].maj, devs[i].min)));
-    CK(9, mkdir("dev/pts", 0755));
+    /* the shared /dev read-only, a devpts and /dev/shm of its own, as corral's */
+    CK(7, mount(G.dev_dir, "dev", NULL, MS_BIND, NULL));
+    CK(7, mount(NULL, "dev", NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC,
+                NULL));
     CK(9, mount("devpts", "dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
                 "newinstance,ptmxmode=0666,mode=0620,gid=5"));
-    CK(10, mkdir("dev/shm", 01777));
-    CK(11, symlink("pts/ptmx", "dev/ptmx"));
-    CK(11, symlink("/proc/self/fd", "dev/fd"));
-    CK(11, symlink("/proc/self/fd/0", "dev/stdin"));
-    CK(11, symlink("/proc/self/fd/1", "dev/stdout"));
-    CK(11, symlink("/proc/self/fd/2", "dev/stderr"));
+    CK(10, mount(c->shm, "dev/shm", NULL, MS_BIND, NULL));
+    CK(10, mount(NULL, "dev/shm", NULL, MS_BIND | MS_REMOUNT | nse, NULL));
     CK(12, dir_beneath("proc"));
     CK(12, mount("proc", "proc", "proc", nse, NULL));
+    if (G.npro || G.npmf || G.npmd) { /* corral's policy, as rust/src/spawn.rs applies it */
+        for (int i = 0; i < G.npro; i++) {
+            if (mount(G.pro[i], G.pro[i], NULL, MS_BIND, NULL) < 0) {
+                if (errno == ENOENT) continue;
+                CK(13, -1);
+            }
+            CK(13, mount(NULL, G.pro[i], NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | nse, NULL));
+        }
+        for (int i = 0; i < G.npmf; i++)
+            if (mount("dev/null", G.pmf[i], NULL, MS_BIND, NULL) < 0 && errno != ENOENT)
+                CK(13, -1);
+        const char *first = NULL;
+        for (int i = 0; i < G.npmd; i++) {
+            if (mount(first ? first : G.mask_dir, G.pmd[i], NULL, MS_BIND, NULL) < 0) {
+                if (errno == ENOENT) continue;
+                CK(13, -1);
+            }
+            if (!first) {
+                CK(13, mount(NULL, G.pmd[i], NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | nse,
+                             NULL));
+                first = G.pmd[i];
+            }
+        }
+        goto proc_done;
+    }
     static const char *ro[] = {"proc/sys", "proc/sysrq-trigger", "proc/irq", "proc/bus",
                                "proc/fs"};
     for (unsigned i = 0; i < sizeof ro / sizeof ro[0]; i++) {
@@ -418,6 +449,7 @@ static int spawn_child(void *arg) {
                 CK(13, -1);
         }
     }
+proc_done:
     for (int i = 0; i < G.nbind; i++) {
         CK(13, mount(G.bind_src[i], G.bind_dst[i], NULL, MS_BIND, NULL));
         CK(13, mount(NULL, G.bind_dst[i], NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | nse, NULL));
@@ -437,6 +469,9 @@ static int spawn_child(void *arg) {
         CK(14, dir_beneath("tmp"));
         CK(14, mount("tmpfs", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777"));
     }
+    for (int i = 0; i < G.ndetach; i++)
+        if (umount2(G.detach[i], MNT_DETACH) < 0 && errno != EINVAL && errno != ENOENT)
+            CK(15, -1);
     CK(15, mount(".", "/", NULL, MS_MOVE, NULL));
     CK(16, chroot("."));
     CK(16, chdir("/"));
@@ -716,6 +751,35 @@ static void subvol_destroy(const char *parent, const char *name) {
 
 static char *g_stack;
 
+/* <state>/dev: the nodes, links and mountpoints every sandbox's /dev binds (read-only). */
+static void dev_dir_setup(void) {
+    static const struct { const char *p; int maj, min; } devs[] = {
+        {"null", 1, 3}, {"zero", 1, 5}, {"full", 1, 7},
+        {"random", 1, 8}, {"urandom", 1, 9}, {"tty", 5, 0},
+    };
+    static const char *links[][2] = {
+        {"pts/ptmx", "ptmx"}, {"/proc/self/fd", "fd"}, {"/proc/self/fd/0", "stdin"},
+        {"/proc/self/fd/1", "stdout"}, {"/proc/self/fd/2", "stderr"},
+    };
+    char p[4200];
+    snprintf(G.dev_dir, sizeof G.dev_dir, "%s/dev", G.state);
+    if (mkdir(G.dev_dir, 0755) < 0 && errno != EEXIST) die(G.dev_dir);
+    for (unsigned i = 0; i < sizeof devs / sizeof devs[0]; i++) {
+        snprintf(p, sizeof p, "%s/%s", G.dev_dir, devs[i].p);
+        if (mknod(p, S_IFCHR | 0666, makedev(devs[i].maj, devs[i].min)) < 0 && errno != EEXIST)
+            die(p);
+        if (chmod(p, 0666) < 0) die(p); /* mknod's mode goes through the umask */
+    }
+    for (unsigned i = 0; i < sizeof links / sizeof links[0]; i++) {
+        snprintf(p, sizeof p, "%s/%s", G.dev_dir, links[i][1]);
+        if (symlink(links[i][0], p) < 0 && errno != EEXIST) die(p);
+    }
+    snprintf(p, sizeof p, "%s/pts", G.dev_dir);
+    if (mkdir(p, 0755) < 0 && errno != EEXIST) die(p);
+    snprintf(p, sizeof p, "%s/shm", G.dev_dir);
+    if (mkdir(p, 0755) < 0 && errno != EEXIST) die(p);
+}
+
 /* Returns 0, or -1 after printing why (everything it made is undone). */
 static int sb_create(struct sb *s, int worker, long idx) {
     struct spawn_ctx c;
@@ -738,6 +802,8 @@ static int sb_create(struct sb *s, int worker, long idx) {
     if (mkdir(p, 0700) < 0) goto fail;
     snprintf(p, sizeof p, "%s/work", layer);
     if (mkdir(p, 0700) < 0) goto fail;
+    snprintf(c.shm, sizeof c.shm, "%s/shm", layer);
+    if (mkdir(c.shm, 01777) < 0 || chmod(c.shm, 01777) < 0) goto fail;
     for (int i = 0; i < G.nov; i++) {
         char up[400], wk[400];
         snprintf(up, sizeof up, "%s/upper/%d", layer, i);
@@ -1150,6 +1216,22 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--lazy")) G.lazy = v, i++;
         else if (!strcmp(a, "--subvol")) G.subvol_mb = atoi(v), i++;
         else if (!strcmp(a, "--sys")) snprintf(G.sys_dir, sizeof G.sys_dir, "%s", v), i++;
+        else if (!strcmp(a, "--proc-ro") || !strcmp(a, "--proc-mask-file") ||
+                 !strcmp(a, "--proc-mask-dir")) {
+            int *n = a[7] == 'r' ? &G.npro : a[12] == 'f' ? &G.npmf : &G.npmd;
+            const char **l = a[7] == 'r' ? G.pro : a[12] == 'f' ? G.pmf : G.pmd;
+            if (!v || *n == MAX_PROC) usage();
+            char *d = malloc(strlen(v) + 6);
+            if (!d) die("malloc");
+            sprintf(d, "proc/%s", v);
+            l[(*n)++] = d;
+            i++;
+        }
+        else if (!strcmp(a, "--detach")) {
+            if (!v || G.ndetach == MAX_PROC) usage();
+            G.detach[G.ndetach++] = v;
+            i++;
+        }
         else if (!strcmp(a, "--proc-bind")) {
             char *eq = strchr(argv[i + 1], '=');
             if (!eq || G.nbind == MAX_BINDS) usage();
@@ -1199,6 +1281,7 @@ int main(int argc, char **argv) {
     }
     snprintf(G.mask_dir, sizeof G.mask_dir, "%s/mask", G.state);
     if (mkdir(G.mask_dir, 0555) < 0 && errno != EEXIST) die(G.mask_dir);
+    dev_dir_setup();
     seccomp_build();
     cg_setup();
     if (G.sys_dir[0]) /* the skeleton: a mountpoint per hierarchy shown */

@@ -57,7 +57,14 @@ from ..base import Capabilities, ExecSpec, SandboxRuntime, Spawned, Substrate
 from .daemonpath import DaemonExec, _unix_only
 from .files import Files
 from .initpath import InitExec, Launch
-from .layout import OVL_OPAQUE, _image_tmp_unfit, make_mask_dir, make_sys_dir
+from .layout import (
+    OVL_OPAQUE,
+    _image_tmp_unfit,
+    detachable_mounts,
+    make_dev_dir,
+    make_mask_dir,
+    make_sys_dir,
+)
 from .netns import NetnsPool, SharedNetns
 from .rootcache import RootCache, _RootRef
 from .threads import _dup, _reap_later
@@ -104,6 +111,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         self.images = images
         self.init_fd = _core.init_memfd()
         self.mask_dir = make_mask_dir(os.path.join(state_dir, "mask"))
+        self.dev_dir = make_dev_dir(os.path.join(state_dir, "dev"))
         # /sys: a read-only skeleton holding only the mountpoints of the sandbox's own cgroups
         # (/sys/fs/cgroup/<hierarchy>), mounted in its cgroup namespace at spawn, or at the
         # first exec for those made then (see _mount_later_views).
@@ -271,6 +279,12 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
             layer = self.scratch.make_layer(sdir, spec.disk_mb)
             os.mkdir(os.path.join(layer, "upper"), 0o700)
             os.mkdir(os.path.join(layer, "work"), 0o700)
+            # /dev/shm: a directory of the disk layer (its quota), bound over the shared /dev;
+            # without a quota a 64 MiB tmpfs, as /tmp
+            shm = os.path.join(layer, "shm") if self.scratch.quota else None
+            if shm is not None:
+                os.mkdir(shm)
+                os.chmod(shm, 0o1777)  # mkdir's mode goes through the umask
             overlays: list[dict[str, Any]] = []
             for n, (target, lowers) in enumerate(img.overlays):
                 upper = os.path.join(layer, "upper", str(n))
@@ -322,6 +336,9 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
                                if self.sys_dir is not None else []),
                 tmp_size_mb=spec.disk_mb,
                 tmp_tmpfs=not self.scratch.quota,
+                dev_dir=self.dev_dir,
+                shm_dir=shm,
+                detach=detachable_mounts(self.sandboxes_dir),
             )
             pid, pidfd = _core.spawn_sandbox(cfg)
             if not self.keep_pidfds:
