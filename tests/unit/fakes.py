@@ -181,6 +181,7 @@ class FakeImage:
     name: str
     state_dir: str
     meta: dict[str, Any] = field(default_factory=dict)
+    kind: str = "builtin"
 
 
 class FakeImages:
@@ -194,3 +195,8 @@ class FakeImages:
 
     def get(self, name: str) -> FakeImage | None:
         return FakeImage(name, self.state_dir) if name == "host" else None
+
+    def compose(self, image: FakeImage, layers: list[Any] | None) -> FakeImage:
+        """No layers in these tests: the image as it is."""
+        assert not layers
+        return image

@@ -7,6 +7,7 @@ they pass in."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import lzma
 import os
@@ -15,15 +16,18 @@ import tarfile
 import zlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from corral import _core
 from corral.daemon import streams, uploads
 from corral.daemon.oserrors import sandbox_file_error
-from corral.errors import FileNotFound, InvalidPath, InvalidRequest, TooLarge
+from corral.errors import CorralError, FileNotFound, InvalidPath, InvalidRequest, TooLarge
 from corral.models import FileEntry
 
 from .paths import check_path
+
+if TYPE_CHECKING:
+    from .base import SandboxRuntime
 
 TAR_MAX_MEMBERS = streams.TAR_MAX_MEMBERS
 TAR_MAX_BYTES = streams.TAR_MAX_BYTES
@@ -226,3 +230,81 @@ def tar_rel(name: str) -> str | None:
     if any("\0" in p for p in parts):
         raise InvalidPath(f"tar member {name!r} has a NUL byte")
     return "/".join(parts) or None
+
+
+class RootFileOps:
+    """The substrate protocol's file methods for a substrate whose sandbox root the daemon
+    reaches from the host side: each call opens the root for itself (``_files``: a context
+    manager giving RootFiles) and delegates. ``_made``: what the substrate does with what a
+    call created (a process session gives it to its uid); nothing by default."""
+
+    def _files(self, runtime: SandboxRuntime) -> AbstractContextManager[RootFiles]:
+        raise NotImplementedError
+
+    def _made(self, runtime: SandboxRuntime, f: RootFiles, path: str,
+              tree: bool = False) -> None:
+        return None
+
+    def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes:
+        with self._files(runtime) as f:
+            return f.read(path, max_bytes)
+
+    def write_file(self, runtime: SandboxRuntime, path: str, data: bytes | BinaryIO,
+                   mode: int = 0o644, make_parents: bool = True) -> None:
+        with self._files(runtime) as f:
+            try:
+                f.write(path, data, mode, make_parents)
+            except TooLarge:
+                # no partial file stays behind to fill the disk the write could not fit in
+                with contextlib.suppress(CorralError):
+                    f.remove(path, False)
+                raise
+            self._made(runtime, f, path)
+
+    def list_dir(self, runtime: SandboxRuntime, path: str) -> list[FileEntry]:
+        with self._files(runtime) as f:
+            return f.ls(path)
+
+    def stat(self, runtime: SandboxRuntime, path: str) -> FileEntry:
+        with self._files(runtime) as f:
+            return f.stat(path)
+
+    def mkdir(self, runtime: SandboxRuntime, path: str, parents: bool = True) -> None:
+        with self._files(runtime) as f:
+            f.mkdir(path, parents)
+            self._made(runtime, f, path)
+
+    def remove(self, runtime: SandboxRuntime, path: str, recursive: bool = False) -> None:
+        with self._files(runtime) as f:
+            f.remove(path, recursive)
+
+    def rename(self, runtime: SandboxRuntime, src: str, dst: str) -> None:
+        with self._files(runtime) as f:
+            f.rename(src, dst)
+
+    def upload_tar(self, runtime: SandboxRuntime, path: str,
+                   tar_bytes: bytes | BinaryIO) -> None:
+        with self._files(runtime) as f:
+            f.upload_tar(path, tar_bytes)
+            self._made(runtime, f, path, tree=True)
+
+    def download_tar(self, runtime: SandboxRuntime, path: str) -> bytes:
+        with self._files(runtime) as f:
+            return f.download_tar(path)
+
+    def open_read(self, runtime: SandboxRuntime, path: str) -> tuple[int, int]:
+        with self._files(runtime) as f:
+            return f.open_read(path)
+
+    def tree_ops(self, runtime: SandboxRuntime, path: str) -> streams.TreeOps:
+        # The walk outlives this call: each primitive opens the root for itself.
+        check_path(path)
+
+        def on_root(name: str) -> Any:
+            def call(p: str) -> Any:
+                with self._files(runtime) as f:
+                    return getattr(f.tree_ops(p), name)(p)
+            return call
+
+        return streams.TreeOps(stat=on_root("stat"), list=on_root("list"),
+                               readlink=on_root("readlink"), open_read=on_root("open_read"))

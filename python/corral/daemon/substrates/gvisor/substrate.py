@@ -22,9 +22,9 @@ import shutil
 import signal
 import time
 from collections.abc import Awaitable, Iterator
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
-from corral.daemon import kernel, streams
+from corral.daemon import kernel
 from corral.daemon.substrates.base import (
     Capabilities,
     ExecSpec,
@@ -35,10 +35,9 @@ from corral.daemon.substrates.base import (
 from corral.daemon.substrates.gvisor import bundle
 from corral.daemon.substrates.gvisor.probe import kill_under
 from corral.daemon.substrates.gvisor.runsc import Runsc, RunscError
-from corral.daemon.substrates.paths import check_path
-from corral.daemon.substrates.rootfiles import RootFiles
-from corral.errors import CorralError, InternalError, SandboxNotRunning, TooLarge
-from corral.models import FileEntry, SandboxSpec
+from corral.daemon.substrates.rootfiles import RootFileOps, RootFiles
+from corral.errors import CorralError, InternalError, SandboxNotRunning
+from corral.models import SandboxSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     from corral.daemon.snapshots import SnapshotStore
@@ -144,7 +143,7 @@ def _counter(rel: str, v1: tuple[str, str], v2: str, key: str) -> int:
     return 0
 
 
-class GvisorSubstrate(Substrate):
+class GvisorSubstrate(RootFileOps, Substrate):
     name = "gvisor"
     capabilities = Capabilities(files=True, snapshot=True, restore=True, pause=True,
                                 networks=("none",))
@@ -478,65 +477,3 @@ class GvisorSubstrate(Substrate):
                             self.upload_max_bytes)
         finally:
             os.close(fd)
-
-    def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes:
-        with self._files(runtime) as f:
-            return f.read(path, max_bytes)
-
-    def write_file(self, runtime: SandboxRuntime, path: str, data: bytes | BinaryIO,
-                   mode: int = 0o644, make_parents: bool = True) -> None:
-        with self._files(runtime) as f:
-            try:
-                f.write(path, data, mode, make_parents)
-            except TooLarge:
-                # no partial file stays behind to fill the disk the write could not fit in
-                with contextlib.suppress(CorralError):
-                    f.remove(path, False)
-                raise
-
-    def list_dir(self, runtime: SandboxRuntime, path: str) -> list[FileEntry]:
-        with self._files(runtime) as f:
-            return f.ls(path)
-
-    def stat(self, runtime: SandboxRuntime, path: str) -> FileEntry:
-        with self._files(runtime) as f:
-            return f.stat(path)
-
-    def mkdir(self, runtime: SandboxRuntime, path: str, parents: bool = True) -> None:
-        with self._files(runtime) as f:
-            f.mkdir(path, parents)
-
-    def remove(self, runtime: SandboxRuntime, path: str, recursive: bool = False) -> None:
-        with self._files(runtime) as f:
-            f.remove(path, recursive)
-
-    def rename(self, runtime: SandboxRuntime, src: str, dst: str) -> None:
-        with self._files(runtime) as f:
-            f.rename(src, dst)
-
-    def upload_tar(self, runtime: SandboxRuntime, path: str,
-                   tar_bytes: bytes | BinaryIO) -> None:
-        with self._files(runtime) as f:
-            f.upload_tar(path, tar_bytes)
-
-    def download_tar(self, runtime: SandboxRuntime, path: str) -> bytes:
-        with self._files(runtime) as f:
-            return f.download_tar(path)
-
-    def open_read(self, runtime: SandboxRuntime, path: str) -> tuple[int, int]:
-        with self._files(runtime) as f:
-            return f.open_read(path)
-
-    def tree_ops(self, runtime: SandboxRuntime, path: str) -> streams.TreeOps:
-        # The walk outlives this call: each primitive opens the root for itself.
-        check_path(path)
-
-        def on_root(name: str) -> Any:
-            def call(p: str) -> Any:
-                with self._files(runtime) as f:
-                    return getattr(f.tree_ops(p), name)(p)
-            return call
-
-        return streams.TreeOps(stat=on_root("stat"), list=on_root("list"),
-                               readlink=on_root("readlink"), open_read=on_root("open_read"))
-

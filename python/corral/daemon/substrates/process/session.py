@@ -36,9 +36,9 @@ import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Iterator
-from typing import Any, BinaryIO
+from typing import Any
 
-from corral.daemon import kernel, streams
+from corral.daemon import kernel
 from corral.daemon.substrates.base import (
     Capabilities,
     ExecSpec,
@@ -46,11 +46,10 @@ from corral.daemon.substrates.base import (
     Spawned,
     Substrate,
 )
-from corral.daemon.substrates.paths import check_path
 from corral.daemon.substrates.process import cgroup, pool, view, zygote
-from corral.daemon.substrates.rootfiles import RootFiles
-from corral.errors import CorralError, InfraError, SandboxNotRunning, TooLarge
-from corral.models import FileEntry, SandboxSpec
+from corral.daemon.substrates.rootfiles import RootFileOps, RootFiles
+from corral.errors import CorralError, InfraError, SandboxNotRunning
+from corral.models import SandboxSpec
 
 log = logging.getLogger("corral.process")
 
@@ -97,7 +96,7 @@ class Session:
         self.sock.close()
 
 
-class ProcessSubstrate(Substrate):
+class ProcessSubstrate(RootFileOps, Substrate):
     name = "process"
     capabilities = Capabilities(files=True, oom_kills=True, networks=("none",))
 
@@ -351,7 +350,7 @@ class ProcessSubstrate(Substrate):
         finally:
             os.close(fd)
 
-    def _own(self, runtime: SandboxRuntime, f: RootFiles, path: str, tree: bool = False) -> None:
+    def _made(self, runtime: SandboxRuntime, f: RootFiles, path: str, tree: bool = False) -> None:
         """What the daemon made in the session's /tmp (``path``, the parents it may have
         made, with ``tree`` all below it) belongs to the session's uid, so that its commands
         may change it. Everything there is the session's: giving it again changes nothing
@@ -376,66 +375,3 @@ class ProcessSubstrate(Substrate):
                 except (OSError, ValueError) as e:
                     log.warning("chown in a process session",
                                 extra={"path": q, "error": str(e)})
-
-    def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes:
-        with self._files(runtime) as f:
-            return f.read(path, max_bytes)
-
-    def write_file(self, runtime: SandboxRuntime, path: str, data: bytes | BinaryIO,
-                   mode: int = 0o644, make_parents: bool = True) -> None:
-        with self._files(runtime) as f:
-            try:
-                f.write(path, data, mode, make_parents)
-            except TooLarge:
-                with contextlib.suppress(CorralError):
-                    f.remove(path, False)
-                raise
-            self._own(runtime, f, path)
-
-    def list_dir(self, runtime: SandboxRuntime, path: str) -> list[FileEntry]:
-        with self._files(runtime) as f:
-            return f.ls(path)
-
-    def stat(self, runtime: SandboxRuntime, path: str) -> FileEntry:
-        with self._files(runtime) as f:
-            return f.stat(path)
-
-    def mkdir(self, runtime: SandboxRuntime, path: str, parents: bool = True) -> None:
-        with self._files(runtime) as f:
-            f.mkdir(path, parents)
-            self._own(runtime, f, path)
-
-    def remove(self, runtime: SandboxRuntime, path: str, recursive: bool = False) -> None:
-        with self._files(runtime) as f:
-            f.remove(path, recursive)
-
-    def rename(self, runtime: SandboxRuntime, src: str, dst: str) -> None:
-        with self._files(runtime) as f:
-            f.rename(src, dst)
-
-    def upload_tar(self, runtime: SandboxRuntime, path: str,
-                   tar_bytes: bytes | BinaryIO) -> None:
-        with self._files(runtime) as f:
-            f.upload_tar(path, tar_bytes)
-            self._own(runtime, f, path, tree=True)
-
-    def download_tar(self, runtime: SandboxRuntime, path: str) -> bytes:
-        with self._files(runtime) as f:
-            return f.download_tar(path)
-
-    def open_read(self, runtime: SandboxRuntime, path: str) -> tuple[int, int]:
-        with self._files(runtime) as f:
-            return f.open_read(path)
-
-    def tree_ops(self, runtime: SandboxRuntime, path: str) -> streams.TreeOps:
-        # The walk outlives this call: each primitive opens the root for itself.
-        check_path(path)
-
-        def on_root(name: str) -> Any:
-            def call(p: str) -> Any:
-                with self._files(runtime) as f:
-                    return getattr(f.tree_ops(p), name)(p)
-            return call
-
-        return streams.TreeOps(stat=on_root("stat"), list=on_root("list"),
-                               readlink=on_root("readlink"), open_read=on_root("open_read"))
