@@ -6,7 +6,7 @@
 //! that is the same for every fresh namespace: counter files verbatim, socket counts (sockstat,
 //! without its host-wide fields), small socket tables as entry counts (their lines carry
 //! per-socket inodes). The caller reuses a namespace only if its
-//! fingerprint equals a fresh one's; anything else is dropped as before.
+//! fingerprint equals a fresh one's; one with any trace is closed.
 
 use std::ffi::CStr;
 use std::io::{self, Read};
