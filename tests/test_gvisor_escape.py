@@ -188,8 +188,10 @@ def test_the_tracer_is_out_of_reach(sb):
     r = sh(sb, ["python3", "-u", "/opt/tracer_probe.py"], timeout=120)
     got = dict(ln.split(" ", 1) for ln in r.stdout.splitlines())
     assert got.get("comm") == "lockdown" and got.get("mem") == "EACCES", r.stdout + r.stderr
-    assert got["ptrace"] == "EPERM" and got["after"] == "2 0", r.stdout
-    assert got["mount"] == "EPERM", r.stdout
+    assert got.get("ptrace") == "EPERM", r.stdout + r.stderr
+    # The command either dies with its tracer or lives on still filtered: never unfiltered.
+    if "after" in got:
+        assert got["after"] == "2 0" and got["mount"] == "EPERM", r.stdout
 
 
 def test_stop_and_continue_work_under_the_tracer(sb):
