@@ -541,6 +541,7 @@ def test_full_pool_says_capacity_exceeded_and_stop_leaves_nothing():
         assert full[0].details["max_queue"] == 1
         with pytest.raises(CapacityExceeded):
             corral.run_code_many(["print(1)"] * 3, endpoint=ep)
+        assert wait_until(lambda: run_code_pools(ep).pools[0].busy == 0, timeout=10)
         assert [r.stdout for r in corral.run_code_many(["print(1)"] * 2, endpoint=ep)] == \
             ["1\n", "1\n"]
         zygotes = [int(x) for f in Path("/sys/fs/cgroup/pids").glob(cg + ".runcode/*/zygote/"
