@@ -225,7 +225,14 @@ def runcode_table(sec: dict[str, Any]) -> Table:
                     f"subprocess-per-request server  (N={sec['n']} per corral row, "
                     f"{sec['cpus']} CPUs, median of {len(sec['runs'])} runs)")
     t.caption = (f"-conc rows: {sec['concurrency']} calls in flight (asyncio client); "
-                 "corral-batch: run_code_many of 100, p50 per batch")
+                 "corral-batch: run_code_many of 100, p50 per batch; calls/s target: the "
+                 "better of corral-conc and corral-batch")
+    floor = sec.get("fork_floor")
+    if floor:
+        t.caption += (f"; fork floor: a fork + exit of the zygote's interpreter, running "
+                      f"nothing, costs {_f(floor['cpu_ms'], 3)} ms of CPU here, so no "
+                      f"fork-per-request design exceeds {_f(floor['calls_per_s_cap'])} calls/s "
+                      f"on {sec['cpus']} CPUs")
     for c in ("system", "code", "in flight", "calls/s", "p50 ms", "p99 ms"):
         t.add_column(c, justify="left" if c in ("system", "code") else "right")
     for name, m in sec["median"].items():

@@ -90,6 +90,11 @@ def settings_from_env() -> Settings:
 ZYGOTE_ENV = {"PATH": PATH, "LANG": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1",
               "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
+# Only in the launcher's exec-time environment: every library symbol is bound at load, in the
+# zygote, so a child does not bind its own (each first call through the PLT writes the GOT: a
+# copied page per child, and the lookup's CPU).
+LAUNCH_ENV = {"LD_BIND_NOW": "1"}
+
 
 def config(language: str, root_dir: str, entries: list[tuple[str, str, str]],
            join: list[str], slots: list[dict[str, Any]], preload: list[str],
@@ -116,7 +121,8 @@ def launch() -> tuple[subprocess.Popen[bytes], socket.socket]:
         proc = subprocess.Popen(
             [sys.executable, "-I", "-X", "utf8", zygote.__file__, str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, start_new_session=True, cwd="/", env=ZYGOTE_ENV)
+            stdout=subprocess.DEVNULL, start_new_session=True, cwd="/",
+            env={**ZYGOTE_ENV, **LAUNCH_ENV})
     except BaseException:
         ours.close()
         raise

@@ -296,12 +296,15 @@ class Zygote:
     def serve(self) -> None:
         _write_all(self.sock, encode({"ready": True, "preloaded": self.preloaded}))
         while True:
-            # Idle (nothing to read): fork the next waiting child, one at a time.
+            # Idle (nothing to read): fork every waiting child back to back. After a fork
+            # each page the zygote writes is copied (its pages are the child's too): the
+            # reaping and wiping between forks would be copied again at every fork.
             events = self.sel.select(0 if self.cold else None)
             if not events and self.cold:
-                slot = self.cold.pop(0)
-                if not slot.pid and not slot.broken:
-                    self._prefork(slot)
+                while self.cold:
+                    slot = self.cold.pop(0)
+                    if not slot.pid and not slot.broken:
+                        self._prefork(slot)
                 continue
             for key, _ in events:
                 if key.fd == self.sock:
