@@ -77,6 +77,14 @@ _USER = re.compile(USER_PATTERN)
 SandboxId = Annotated[str, Field(min_length=1, max_length=200)]
 
 
+def check_user(v: str | int | None) -> str | int | None:
+    if isinstance(v, int) and not 0 <= v < 2**32 - 1:
+        raise ValueError("user id out of range")
+    if isinstance(v, str) and not _USER.match(v):
+        raise ValueError(f"user must be a uid or a user name matching {USER_PATTERN}")
+    return v
+
+
 def check_env(v: dict[str, str]) -> dict[str, str]:
     for k, val in v.items():
         if not k or "=" in k or "\0" in k or "\0" in val:
@@ -225,11 +233,7 @@ class SandboxSpec(_Model):
     @field_validator("user")
     @classmethod
     def _spec_user_ok(cls, v: str | int | None) -> str | int | None:
-        if isinstance(v, int) and not 0 <= v < 2**32 - 1:
-            raise ValueError("user id out of range")
-        if isinstance(v, str) and not _USER.match(v):
-            raise ValueError(f"user must be a uid or a user name matching {USER_PATTERN}")
-        return v
+        return check_user(v)
 
     @field_validator("labels")
     @classmethod
@@ -403,11 +407,7 @@ class ExecRequest(_Model):
     @field_validator("user")
     @classmethod
     def _user_ok(cls, v: str | int | None) -> str | int | None:
-        if isinstance(v, int) and not 0 <= v < 2**32 - 1:
-            raise ValueError("user id out of range")
-        if isinstance(v, str) and not _USER.match(v):
-            raise ValueError(f"user must be a uid or a user name matching {USER_PATTERN}")
-        return v
+        return check_user(v)
 
     @field_validator("cmd")
     @classmethod

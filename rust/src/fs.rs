@@ -635,15 +635,12 @@ pub fn readlink(root: RawFd, path: &OsStr) -> Result<OsString> {
     Ok(OsString::from_vec(t.into_bytes()))
 }
 
-/// chmod without following a final symlink (a symlink itself has no mode: EOPNOTSUPP).
-pub fn chmod(root: RawFd, path: &OsStr, mode: u32) -> Result<()> {
-    const OP: &str = "chmod";
-    let root = borrow(root)?;
-    let p = Norm::new(path)?;
-    let fd = match p.base() {
+/// An O_PATH fd of `p` itself (a final symlink is not followed; the root for an empty path).
+fn open_final_path(root: BorrowedFd<'_>, p: &Norm, op: &'static str) -> Result<OwnedFd> {
+    match p.base() {
         None => open_dir_path(root, c"."),
         Some(base) => {
-            let dir = parent_fd(root, &p, OP)?;
+            let dir = parent_fd(root, p, op)?;
             rfs::openat(
                 &dir,
                 &base,
@@ -652,14 +649,23 @@ pub fn chmod(root: RawFd, path: &OsStr, mode: u32) -> Result<()> {
             )
         }
     }
-    .map_err(|e| FsError::os(OP, &p, e))?;
+    .map_err(|e| FsError::os(op, p, e))
+}
+
+/// chmod without following a final symlink (a symlink itself has no mode: EOPNOTSUPP).
+pub fn chmod(root: RawFd, path: &OsStr, mode: u32) -> Result<()> {
+    const OP: &str = "chmod";
+    let root = borrow(root)?;
+    let p = Norm::new(path)?;
+    let fd = open_final_path(root, &p, OP)?;
     let st = rfs::fstat(&fd).map_err(|e| FsError::os(OP, &p, e))?;
     if FileType::from_raw_mode(mode_of(&st)) == FileType::Symlink {
         return Err(FsError::os(OP, &p, Errno::OPNOTSUPP));
     }
     check_fs_type(fd.as_fd(), OP, &p)?;
-    check_kind(&st, OP, &p)?; // a bind-mounted host device node is the host's inode
-                              // fchmod refuses O_PATH fds; the fd's /proc/self/fd magic link reaches the same inode.
+    // A bind-mounted host device node is the host's inode.
+    check_kind(&st, OP, &p)?;
+    // fchmod refuses O_PATH fds; the fd's /proc/self/fd magic link reaches the same inode.
     let proc_path = format!("/proc/self/fd/{}", fd.as_raw_fd());
     rfs::chmod(proc_path.as_str(), Mode::from_raw_mode(mode & 0o7777))
         .map_err(|e| FsError::os(OP, &p, e))
@@ -670,19 +676,7 @@ pub fn chown(root: RawFd, path: &OsStr, uid: u32, gid: u32) -> Result<()> {
     const OP: &str = "chown";
     let root = borrow(root)?;
     let p = Norm::new(path)?;
-    let fd = match p.base() {
-        None => open_dir_path(root, c"."),
-        Some(base) => {
-            let dir = parent_fd(root, &p, OP)?;
-            rfs::openat(
-                &dir,
-                &base,
-                OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                Mode::empty(),
-            )
-        }
-    }
-    .map_err(|e| FsError::os(OP, &p, e))?;
+    let fd = open_final_path(root, &p, OP)?;
     let st = rfs::fstat(&fd).map_err(|e| FsError::os(OP, &p, e))?;
     check_fs_type(fd.as_fd(), OP, &p)?;
     if FileType::from_raw_mode(mode_of(&st)) != FileType::Symlink {

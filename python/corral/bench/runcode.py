@@ -238,7 +238,8 @@ def run_code(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
         if pa and pb:
             sec["ratios"][f"{a}/{b} p50"] = round(pa / pb, 1)
     # run_code_many is as much the API as run_code: the better of the two is the rate.
-    rate = median([max(r["corral-conc"].ops_per_s, r["corral-batch"].ops_per_s) for r in runs])
+    rate = median([max(r["corral-conc"].ops_per_s or 0.0, r["corral-batch"].ops_per_s or 0.0)
+                   for r in runs])
     floor_s = fork_floor()
     cpus = os.cpu_count() or 1
     sec["fork_floor"] = {"cpu_ms": round(floor_s * 1e3, 3),

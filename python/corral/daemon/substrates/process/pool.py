@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -250,16 +249,12 @@ class Zygote:
     def _readable(self) -> None:
         assert self.sock is not None
         try:
-            data, anc, _, _ = self.sock.recvmsg(1 << 16, socket.CMSG_SPACE(16 * 4),
-                                                socket.MSG_CMSG_CLOEXEC)
+            data, fds = zygote.recv_with_fds(self.sock)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data, anc = b"", []
-        for level, kind, raw in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                n = len(raw) - len(raw) % 4
-                self._fds += list(struct.unpack(f"{n // 4}i", raw[:n]))
+            data, fds = b"", []
+        self._fds += fds
         if not data:
             self._dead("its socket closed")
             return

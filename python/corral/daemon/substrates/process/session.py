@@ -287,16 +287,12 @@ class ProcessSubstrate(RootFileOps, Substrate):
 
     def _readable(self, s: Session) -> None:
         try:
-            data, anc, _, _ = s.sock.recvmsg(1 << 16, socket.CMSG_SPACE(16 * 4),
-                                             socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT)
+            data, fds = zygote.recv_with_fds(s.sock, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data, anc = b"", []
-        for level, kind, raw in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                n = len(raw) - len(raw) % 4
-                s.fds += list(struct.unpack(f"{n // 4}i", raw[:n]))
+            data, fds = b"", []
+        s.fds += fds
         if not data:
             if s.loop is not None:
                 s.loop.remove_reader(s.sock.fileno())

@@ -77,6 +77,19 @@ class FrameReader:
         return out
 
 
+def recv_with_fds(sk: socket.socket, flags: int = 0) -> tuple[bytes, list[int]]:
+    """One read of ``sk`` and the fds that came with it (SCM_RIGHTS, close-on-exec); b"" at
+    the peer's end. BlockingIOError and InterruptedError are the caller's."""
+    data, anc, _, _ = sk.recvmsg(READ_CHUNK, socket.CMSG_SPACE(16 * 4),
+                                 socket.MSG_CMSG_CLOEXEC | flags)
+    fds: list[int] = []
+    for level, kind, raw in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            n = len(raw) - len(raw) % 4
+            fds += list(struct.unpack(f"{n // 4}i", raw[:n]))
+    return data, fds
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -319,16 +332,10 @@ class Zygote:
                 self._reaped(pid, status)
 
     def _from_daemon(self) -> bool:
-        fds: list[int] = []
         try:
-            data, anc, _, _ = self.sk.recvmsg(READ_CHUNK, socket.CMSG_SPACE(16 * 4),
-                                              socket.MSG_CMSG_CLOEXEC)
+            data, fds = recv_with_fds(self.sk)
         except InterruptedError:
             return True
-        for level, kind, raw in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                n = len(raw) - len(raw) % 4
-                fds += list(struct.unpack(f"{n // 4}i", raw[:n]))
         if not data:
             return False
         self.fds += fds
