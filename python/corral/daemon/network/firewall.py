@@ -8,14 +8,15 @@ only if both are in one network group; out of the uplink only (never another hos
 interface); never link-local/metadata (169.254.0.0/16) nor the daemon's own range; no new
 connection past the per-sandbox cap; a policy's deny entries; its allow CIDRs; never the
 private ranges; the DNS proxy's pins (which expire with the answer's TTL); everything else
-only in mode "internet". To the host
-itself (chain ``to_host``): only DNS to the gateway address. Denied packets are rejected
-(TCP: a reset, which the kernel does not rate-limit as it does ICMP errors; others:
-admin-prohibited) and counted per sandbox in the dynamic set ``denied``."""
+only in mode "internet". To the host itself (chain ``to_host``): only DNS (UDP and TCP) to
+the gateway address. Denied packets are rejected (TCP: a reset, which the kernel does not
+rate-limit as it does ICMP errors; others: admin-prohibited) and counted per sandbox in the
+dynamic set ``denied``."""
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from collections.abc import Iterable
 
@@ -77,6 +78,7 @@ table {self.t} {{
     iifname . ip saddr != @src4 drop
     ct state established,related accept
     ip daddr {s.gateway} udp dport 53 accept
+    ip daddr {s.gateway} tcp dport 53 accept
     ip daddr {s.gateway} icmp type echo-request accept
     goto deny
   }}
@@ -112,20 +114,48 @@ table {self.t} {{
 }}
 """
 
-    def install(self) -> None:
-        """(Re)write the table: a table left by a previous daemon is replaced whole."""
+    def install(self, carried: str = "") -> None:
+        """(Re)write the table, with ``carried`` (elements of re-adopted sandboxes) in the
+        same transaction: a table left by a previous daemon is replaced whole, at once."""
+        self.nft.run(f"add table {self.t}\ndelete table {self.t}\n{self.ruleset()}\n{carried}")
+
+    def carried_state(self) -> dict[str, dict[str, list]]:
+        """What a killed daemon's table holds that its sandboxes' records do not, by host
+        interface: ``pins`` (set, element with its remaining timeout, seconds left) and
+        ``denied`` (packets, bytes)."""
         try:
-            self.nft.run(f"delete table {self.t}")
-        except NftError:
-            pass
-        self.nft.run(self.ruleset())
+            doc = json.loads(self.nft.run(f"list table {self.t}", json_out=True))
+        except (NftError, ValueError):
+            return {}
+        out: dict[str, dict[str, list]] = {}
+        for item in doc.get("nftables", []):
+            st = item.get("set")
+            if not st or st.get("name") not in ("pin4", "pinall4", "allow4", "denied"):
+                continue
+            for e in st.get("elem", []):
+                inner = e.get("elem") if isinstance(e, dict) and "elem" in e else None
+                val = inner["val"] if inner else e
+                if st["name"] == "denied":
+                    if inner and isinstance(val, str) and inner.get("counter"):
+                        c = inner["counter"]
+                        out.setdefault(val, {})["denied"] = [int(c["packets"]),
+                                                             int(c["bytes"])]
+                    continue
+                left = int(inner.get("expires", 0)) if inner else 0
+                if left < 1 or not isinstance(val, dict) or "concat" not in val:
+                    continue  # a policy's own element (no timeout) or about to expire
+                parts = [_json_part(x) for x in val["concat"]]
+                elem = " . ".join([_ifname(parts[0]), *parts[1:]]) + f" timeout {left}s"
+                out.setdefault(parts[0], {}).setdefault("pins", []).append(
+                    (st["name"], elem, left))
+        return out
 
     def exists(self) -> bool:
-        try:
-            self.nft.run(f"list table {self.t}")
-            return True
+        try:  # the names only: listing the table would print every element
+            out = self.nft.run("list tables inet")
         except NftError:
             return False
+        return f"table {self.t}\n" in out + "\n"
 
     def remove(self) -> None:
         try:
@@ -170,6 +200,23 @@ table {self.t} {{
         if deny:
             cmds.append(f"add element {t} deny4 {{ {', '.join(deny)} }}")
         return "\n".join(cmds)
+
+    @staticmethod
+    def attach_cmds_for(t: str, ifname: str, addr: ipaddress.IPv4Address, internet: bool,
+                        elems: dict[str, list[str]]) -> str:
+        """A sandbox's elements in table ``t``: its source, mode, and ``elems`` by set."""
+        i = _ifname(ifname)
+        cmds = [f"add element {t} src4 {{ {i} . {addr} }}"]
+        if internet:
+            cmds.append(f"add element {t} internet {{ {i} }}")
+        cmds += [f"add element {t} {name} {{ {', '.join(items)} }}"
+                 for name, items in elems.items() if items]
+        return "\n".join(cmds)
+
+    @staticmethod
+    def peers_cmd(t: str, pairs: list[tuple[str, str]]) -> str:
+        items = [f"{_ifname(a)} . {_ifname(b)}" for a, b in pairs]
+        return f"add element {t} peers {{ {', '.join(items)} }}"
 
     def run(self, cmds: str) -> None:
         self.nft.run(cmds)
@@ -234,6 +281,15 @@ table {self.t} {{
             return 0
         m = re.search(r"counter packets (\d+)", out)  # (nft 1.0.6 has no JSON for get)
         return int(m.group(1)) if m else 0
+
+
+def _json_part(x: object) -> str:
+    """One field of an element as libnftables' JSON lists it, in this module's text form."""
+    if isinstance(x, dict) and "prefix" in x:
+        return f"{x['prefix']['addr']}/{x['prefix']['len']}"
+    if isinstance(x, dict) and "range" in x:
+        return f"{x['range'][0]}-{x['range'][1]}"
+    return str(x)
 
 
 def element_key(elem: str, interval: bool) -> tuple[bytes, bytes | None]:

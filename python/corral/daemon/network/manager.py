@@ -35,6 +35,17 @@ REFILL_QUIET_S = 0.02
 
 
 @dataclass
+class Readopted:
+    """A sandbox a killed daemon left running, as its record tells (NetworkManager.restore)."""
+    sandbox_id: str
+    network: Any
+    group: str | None
+    bandwidth_mbit: float | None
+    state: dict[str, Any] | None   # NetworkManager.state_of when it was made
+    init_pid: int
+
+
+@dataclass
 class Attachment:
     """One sandbox's network: its slot (interface, address), mode and policy."""
     sandbox_id: str
@@ -101,8 +112,6 @@ class NetworkManager:
         self._last_take = 0.0
         self.exposer: Exposer | None = None
         LIVE.add(self)
-        if self.s is not None:
-            self._sweep(self.s)
 
     @staticmethod
     def _sweep(s: NetSettings) -> None:
@@ -159,8 +168,10 @@ class NetworkManager:
         return out
 
     # ---- start/stop ----------------------------------------------------------------------
-    def _start(self) -> None:
-        """The table, stale links removed, the DNS proxy, the pool (lock held)."""
+    def _start(self, keep: frozenset[str] = frozenset(), carried: str = "") -> None:
+        """The table, stale links removed, the DNS proxy, the pool (lock held). ``keep``:
+        links of re-adopted sandboxes, left in place; ``carried``: their set elements,
+        written in the transaction that writes the table."""
         if self._started:
             return
         if self.s is None:
@@ -175,8 +186,9 @@ class NetworkManager:
         self.fw = Firewall(self.s)
         self.links = Links(self.s)
         for name in self.links.stale():
-            self.links.remove_name(name)
-        self.fw.install()
+            if name not in keep:
+                self.links.remove_name(name)
+        self.fw.install(carried)
         try:
             self.dns = DnsProxy(str(self.s.gateway), self.s.dns_upstream, self._lookup)
         except OSError as e:
@@ -322,6 +334,113 @@ class NetworkManager:
             self._by_addr[str(att.address)] = att
         return fd
 
+    def state_of(self, sandbox_id: str) -> dict[str, Any] | None:
+        """What a later daemon needs to take this sandbox's network over (kept in its
+        runtime record): its slot, host interface and address."""
+        att = self.attachments.get(sandbox_id)
+        if att is None:
+            return None
+        return {"slot": att.index, "ifname": att.ifname, "address": str(att.address)}
+
+    # ---- after a daemon restart ------------------------------------------------------------
+    def restore(self, items: list[Readopted]) -> dict[str, str]:
+        """Take over the networks of sandboxes a killed daemon left running: their links are
+        checked (or made again in their namespace), their policies compiled from their specs,
+        and the table is written anew in one transaction holding every survivor's elements,
+        its DNS pins (for what is left of their TTL) and its denied counter, so nothing of a
+        sandbox that did not survive stays and nothing a survivor had is lost. Links of this
+        prefix that belong to no survivor are removed. Returns ``{sandbox id: why}`` for
+        those whose network cannot be restored (the caller ends them)."""
+        if self.s is None or not items:
+            if self.s is not None:
+                self._sweep(self.s)
+            return {sid: self._error or "networking unavailable" for sid in
+                    (it.sandbox_id for it in items)}
+        from .links import Links
+
+        failed: dict[str, str] = {}
+        probe = Firewall(self.s)
+        try:
+            old = probe.carried_state() if probe.exists() else {}
+        finally:
+            probe.nft.close()
+        links = Links(self.s)
+        ok: list[tuple[Readopted, Attachment]] = []
+        try:
+            for it in items:
+                try:
+                    ok.append((it, self._readopt_one(it, links)))
+                except (Unsupported, InvalidNetwork, OSError, ValueError, KeyError) as e:
+                    failed[it.sandbox_id] = str(e)
+        finally:
+            links.close()
+        for _, att in ok:  # the pins it had, for what is left of their TTL
+            now = time.time()
+            for set_name, elem, left in old.get(att.ifname, {}).get("pins", []):
+                att.elems.setdefault(set_name, []).append(elem)
+                att.pins[elem.split(" . ")[1]] = now + left
+        cmds: list[str] = []
+        for _, att in ok:
+            cmds.append(Firewall.attach_cmds_for(f"inet {self.s.table}", att.ifname,
+                                                 att.address, att.policy is None,
+                                                 att.elems))
+            denied = old.get(att.ifname, {}).get("denied")
+            if denied:
+                cmds.append(f'add element inet {self.s.table} denied {{ "{att.ifname}" '
+                            f"counter packets {denied[0]} bytes {denied[1]} }}")
+        with self._cv:
+            for _, att in ok:
+                self.attachments[att.sandbox_id] = att
+                self._by_addr[str(att.address)] = att
+            pairs = sorted({p for _, att in ok for p in self._group_pairs(att)})
+            if pairs:
+                cmds.append(Firewall.peers_cmd(f"inet {self.s.table}", pairs))
+            taken = {att.index for _, att in ok}
+            self._next = max(taken) + 1
+            self._free = [i for i in range(1, self._next) if i not in taken]
+            try:
+                self._start(keep=frozenset(att.ifname for _, att in ok),
+                            carried="\n".join(c for c in cmds if c))
+            except BaseException as e:
+                for _, att in ok:
+                    self.attachments.pop(att.sandbox_id, None)
+                    self._by_addr.pop(str(att.address), None)
+                    failed[att.sandbox_id] = f"cannot write the network's rules: {e}"
+                self._next, self._free = 1, []
+                if not isinstance(e, Exception):
+                    raise
+        return failed
+
+    def _readopt_one(self, it: Readopted, links: Links) -> Attachment:
+        """One survivor's attachment, its link checked or made again (no rules yet)."""
+        st = it.state or {}
+        if "slot" not in st:
+            raise ValueError("its runtime record holds no network slot")
+        idx = int(st["slot"])
+        ifname, address = links.ifname(idx), links.address(idx)
+        if st.get("ifname") != ifname or st.get("address") != str(address):
+            raise ValueError(f"the daemon's network settings changed (it had "
+                             f"{st.get('ifname')} {st.get('address')}, these settings give "
+                             f"{ifname} {address})")
+        policy, label = self.resolve(it.network)
+        if not os.path.exists(f"/sys/class/net/{ifname}"):
+            # Its link is gone (deleted by hand?) but its namespace lives: make it again.
+            fd = os.open(f"/proc/{it.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                links.make(idx, fd)
+                if it.bandwidth_mbit is not None:
+                    links.shape(idx, fd, it.bandwidth_mbit)
+            finally:
+                os.close(fd)
+        att = Attachment(it.sandbox_id, idx, ifname, address, policy, it.group, label, self)
+        allow: list[str] = []
+        deny: list[str] = []
+        if policy is not None:
+            allow = Firewall.rules(ifname, policy.cidrs(policy.allow))
+            deny = Firewall.rules(ifname, policy.cidrs(policy.deny))
+        att.elems = {"allow4": allow, "deny4": deny}
+        return att
+
     def _group_pairs(self, att: Attachment) -> list[tuple[str, str]]:
         if att.group is None:
             return []
@@ -351,8 +470,9 @@ class NetworkManager:
             att.policy, att.label, att.pins = policy, label, {}
             att.elems = {"allow4": allow, "deny4": deny}
 
-    async def expose(self, sandbox_id: str, port: int) -> int:
-        """127.0.0.1:<the returned port> on the host reaches ``port`` in the sandbox."""
+    async def expose(self, sandbox_id: str, port: int, host_port: int = 0) -> int:
+        """127.0.0.1:<the returned port> on the host reaches ``port`` in the sandbox;
+        ``host_port`` if it is free (a re-adopted sandbox's), else any."""
         from .expose import Exposer
 
         att = self.attachments.get(sandbox_id)
@@ -361,7 +481,7 @@ class NetworkManager:
                               "expose", details={"operation": "expose"})
         if self.exposer is None:
             self.exposer = Exposer(asyncio.get_running_loop())
-        return await self.exposer.expose(sandbox_id, str(att.address), port)
+        return await self.exposer.expose(sandbox_id, str(att.address), port, host_port)
 
     def unexpose(self, sandbox_id: str, port: int) -> bool:
         return self.exposer is not None and self.exposer.unexpose(sandbox_id, port)
@@ -455,4 +575,4 @@ def _link_stats(ifname: str) -> dict[str, int]:
     return out
 
 
-__all__ = ["Attachment", "NetworkManager"]
+__all__ = ["Attachment", "NetworkManager", "Readopted"]
