@@ -67,7 +67,7 @@ class Attachment:
         with self.lock:
             if self.mgr.attachments.get(self.sandbox_id) is not self:
                 return  # detached meanwhile: pin nothing for a dead interface
-            self.mgr.fw.add_sets(by_set)
+            self.mgr.fw.add_sets(self.ifname, by_set)
             for name, elems in by_set.items():
                 have = self.elems.setdefault(name, [])
                 known = {e.split(" timeout ")[0] for e in have}
@@ -359,7 +359,7 @@ class NetworkManager:
         from .links import Links
 
         failed: dict[str, str] = {}
-        probe = Firewall(self.s)
+        probe = Firewall(self.s)  # reads the old table, writes the new one's commands
         try:
             old = probe.carried_state() if probe.exists() else {}
         finally:
@@ -381,9 +381,8 @@ class NetworkManager:
                 att.pins[elem.split(" . ")[1]] = now + left
         cmds: list[str] = []
         for _, att in ok:
-            cmds.append(Firewall.attach_cmds_for(f"inet {self.s.table}", att.ifname,
-                                                 att.address, att.policy is None,
-                                                 att.elems))
+            cmds.append(probe.attach_cmds_for(att.ifname, att.address, att.policy is None,
+                                              att.elems))
             denied = old.get(att.ifname, {}).get("denied")
             if denied:
                 cmds.append(f'add element inet {self.s.table} denied {{ "{att.ifname}" '
@@ -394,7 +393,7 @@ class NetworkManager:
                 self._by_addr[str(att.address)] = att
             pairs = sorted({p for _, att in ok for p in self._group_pairs(att)})
             if pairs:
-                cmds.append(Firewall.peers_cmd(f"inet {self.s.table}", pairs))
+                cmds.append(probe.peers_cmd(pairs))
             taken = {att.index for _, att in ok}
             self._next = max(taken) + 1
             self._free = [i for i in range(1, self._next) if i not in taken]
