@@ -334,8 +334,28 @@ def test_dns_over_tcp_filters_and_pins_as_udp_does(net: Env):
         dns = lab.entries("dns")
         assert not [e for e in dns if "denied.test" in e["name"]], dns
         assert any(e["name"] == "big.test" and e.get("proto") == "tcp" for e in dns), dns
-    with net.sandbox(network="internet") as sb:
+    with net.sandbox(network="internet") as sb, net.sandbox(network="internet") as hog:
         gw = sb.info().net.gateway
+        assert _dig(sb, "+tcp", "+short", f"@{gw}", "other.test").split() == [lab.addr(12)]
+        # A sandbox holding many TCP connections to its resolver gets 4; the others are
+        # closed at once, and another sandbox still resolves over TCP meanwhile.
+        hold = textwrap.dedent(f'''
+            import socket, time
+            conns = [socket.create_connection(("{gw}", 53), timeout=5) for _ in range(10)]
+            time.sleep(0.5)
+            closed = 0
+            for c in conns:
+                c.setblocking(False)
+                try:
+                    closed += c.recv(1) == b""
+                except BlockingIOError:
+                    pass
+            open("/tmp/closed", "w").write(str(closed))
+            time.sleep(30)
+        ''')
+        hog.exec(["python3", "-c", hold], background=True)
+        assert wait_until(lambda: hog.exec("cat /tmp/closed").stdout != "", 20)
+        assert hog.exec("cat /tmp/closed").stdout == "6"
         assert _dig(sb, "+tcp", "+short", f"@{gw}", "other.test").split() == [lab.addr(12)]
 
 
@@ -585,6 +605,8 @@ def test_re_adopted_sandboxes_keep_their_network(net: Env, host_listener: int):
         net.d.kill9()
         os.kill(pid, signal.SIGKILL)
         assert wait_until(lambda: not os.path.exists(f"/proc/{pid}"))
+        # The peer's link is deleted meanwhile (its eth0 goes with it): made again.
+        subprocess.run(["ip", "link", "del", names[peer.id]], check=True)
         cfg = json.loads(saved)
         del cfg["allowlists"]["labweb"]
         with open(conf, "w") as f:

@@ -20,6 +20,7 @@ from corral.models import NETWORK_MODES
 
 from . import settings as settings_mod
 from .firewall import Firewall
+from .nft import NftError
 from .policy import Policy, compile_policy
 from .settings import NetSettings
 
@@ -111,6 +112,7 @@ class NetworkManager:
         self._closed = False
         self._last_take = 0.0
         self.exposer: Exposer | None = None
+        self._carry_refused = False  # restore: the table was written without its elements
         LIVE.add(self)
 
     @staticmethod
@@ -188,7 +190,16 @@ class NetworkManager:
         for name in self.links.stale():
             if name not in keep:
                 self.links.remove_name(name)
-        self.fw.install(carried)
+        self._carry_refused = False
+        try:
+            self.fw.install(carried)
+        except NftError:
+            if not carried:
+                raise
+            log.warning("network: the re-adopted sandboxes' elements were refused as a "
+                        "whole; writing them one sandbox at a time", exc_info=True)
+            self.fw.install()
+            self._carry_refused = True
         try:
             self.dns = DnsProxy(str(self.s.gateway), self.s.dns_upstream, self._lookup)
         except OSError as e:
@@ -374,32 +385,39 @@ class NetworkManager:
                     failed[it.sandbox_id] = str(e)
         finally:
             links.close()
-        for _, att in ok:  # the pins it had, for what is left of their TTL
-            now = time.time()
-            for set_name, elem, left in old.get(att.ifname, {}).get("pins", []):
-                att.elems.setdefault(set_name, []).append(elem)
-                att.pins[elem.split(" . ")[1]] = now + left
-        cmds: list[str] = []
+        if not ok:
+            self._sweep(self.s)
+            return failed
+        now = time.time()
+        carried: dict[str, list[str]] = {}  # by sandbox: its pins, for what is left of their TTL
         for _, att in ok:
-            cmds.append(probe.attach_cmds_for(att.ifname, att.address, att.policy is None,
-                                              att.elems))
+            pins: dict[str, list[str]] = {}
+            for set_name, elem, left in old.get(att.ifname, {}).get("pins", []):
+                pins.setdefault(set_name, []).append(elem)
+                att.pins[elem.split(" . ")[1]] = now + left
+            cmds = [probe.attach_cmds_for(att.ifname, att.address, att.policy is None,
+                                          {**att.elems, **pins})]
             denied = old.get(att.ifname, {}).get("denied")
             if denied:
                 cmds.append(f'add element inet {self.s.table} denied {{ "{att.ifname}" '
                             f"counter packets {denied[0]} bytes {denied[1]} }}")
+            carried[att.sandbox_id] = cmds
+            for k, v in pins.items():
+                att.elems.setdefault(k, []).extend(v)
         with self._cv:
             for _, att in ok:
                 self.attachments[att.sandbox_id] = att
                 self._by_addr[str(att.address)] = att
             pairs = sorted({p for _, att in ok for p in self._group_pairs(att)})
-            if pairs:
-                cmds.append(probe.peers_cmd(pairs))
             taken = {att.index for _, att in ok}
             self._next = max(taken) + 1
             self._free = [i for i in range(1, self._next) if i not in taken]
+            every = [c for cmds in carried.values() for c in cmds]
+            if pairs:
+                every.append(probe.peers_cmd(pairs))
             try:
                 self._start(keep=frozenset(att.ifname for _, att in ok),
-                            carried="\n".join(c for c in cmds if c))
+                            carried="\n".join(every))
             except BaseException as e:
                 for _, att in ok:
                     self.attachments.pop(att.sandbox_id, None)
@@ -408,6 +426,32 @@ class NetworkManager:
                 self._next, self._free = 1, []
                 if not isinstance(e, Exception):
                     raise
+                return failed
+        if self._carry_refused:
+            # The kernel refused the whole: the table was written empty; each sandbox on its
+            # own now (without its pins if those are what it refuses), and peers last.
+            for _, att in ok:
+                try:
+                    self.fw.run("\n".join(carried[att.sandbox_id]))
+                    continue
+                except NftError:
+                    pass
+                att.elems = {k: [e for e in v if " timeout " not in e]
+                             for k, v in att.elems.items()}
+                att.pins = {}
+                try:
+                    self.fw.run(self.fw.attach_cmds_for(att.ifname, att.address,
+                                                        att.policy is None, att.elems))
+                except NftError as e:
+                    failed[att.sandbox_id] = f"cannot write the network's rules: {e}"
+                    self.detach(att.sandbox_id)
+            pairs = sorted({p for _, att in ok if att.sandbox_id not in failed
+                            for p in self._group_pairs(att)})
+            try:
+                self.fw.peers(pairs, add=True)
+            except NftError:
+                log.warning("network: cannot restore the network groups' pairs",
+                            exc_info=True)
         return failed
 
     def _readopt_one(self, it: Readopted, links: Links) -> Attachment:
