@@ -573,7 +573,7 @@ def test_re_adopted_sandboxes_keep_their_network(net: Env, host_listener: int):
     lab = net.lab
     conf = net.conf
     pol = net.sandbox(network=Network(allow=["allowed.test:80"]), network_group="r")
-    peer = net.sandbox(network="internet", network_group="r", expose=[7000])
+    peer = net.sandbox(network="internet", network_group="r", expose=[7000], bandwidth_mbit=50)
     dies = net.sandbox(network="internet")
     named = net.sandbox(network="labweb")
     boxes = [pol, peer, dies, named]
@@ -614,6 +614,7 @@ def test_re_adopted_sandboxes_keep_their_network(net: Env, host_listener: int):
         net.d.start()
 
         # The pin survived: the address it resolved before connects without a new lookup.
+        assert lab.addr(10) in pol.info().net.pinned
         r = probe(pol, f"connect={lab.addr(10)}:80")
         assert ok(r[f"connect={lab.addr(10)}:80"]), r
         check_pol()
@@ -625,6 +626,9 @@ def test_re_adopted_sandboxes_keep_their_network(net: Env, host_listener: int):
         assert ok(r[f"connect={lab.addr(12)}:80"]), r           # internet
         assert not any(ok(v) for k, v in r.items() if "169.254" in k or str(net.port) in k), r
         assert peer.info().net.exposed["7000"] == host7000      # the same host port
+        tc = subprocess.run(["tc", "qdisc", "show", "dev", names[peer.id]],
+                            capture_output=True, text=True).stdout
+        assert "tbf" in tc and "50Mbit" in tc, tc                # its remade link is shaped
         h, p = host7000.rsplit(":", 1)
         with socket.create_connection((h, int(p)), timeout=5) as c:
             assert c.recv(100).startswith(b"peer ")
