@@ -14,7 +14,6 @@ import contextlib
 import ipaddress
 import logging
 import os
-import select
 import selectors
 import socket
 import threading
@@ -37,7 +36,6 @@ UPSTREAM_TIMEOUT_S = 3.0
 UDP_PLAIN, UDP_MAX = 512, 4096
 # DNS over TCP: connections open per sandbox and in all, and how long an idle one stays.
 TCP_PER_SOURCE, TCP_TOTAL, TCP_IDLE_S = 4, 4096, 10.0
-SEND_TIMEOUT_S = 2.0
 # Per sandbox: queries per second (a token bucket of twice that) and queries in flight, so
 # one sandbox flooding its resolver cannot take the workers every other one needs.
 RATE_QPS, IN_FLIGHT = 50.0, 4
@@ -216,7 +214,7 @@ class DnsProxy:
             self._done(st.src)
         if reply is not None:
             with st.lock:
-                _send_all(st.sock, len(reply).to_bytes(2, "big") + reply, SEND_TIMEOUT_S)
+                _send_all(st.sock, len(reply).to_bytes(2, "big") + reply)
 
     def _answer(self, data: bytes, src: tuple[str, int]) -> None:
         try:
@@ -361,22 +359,18 @@ class _TcpConn:
         self.lock = threading.Lock()  # answers of pipelined queries, one at a time
 
 
-def _send_all(sock: socket.socket, data: bytes, timeout: float) -> None:
-    """Write ``data`` to a non-blocking socket within ``timeout``; a peer that does not read
-    loses its answer (and the connection, once idle)."""
-    deadline = time.monotonic() + timeout
-    view = memoryview(data)
-    while view:
-        try:
-            n = sock.send(view)
-        except (BlockingIOError, InterruptedError):
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([], [sock], [], left)[1]:
-                return
-            continue
-        except OSError:
-            return
-        view = view[n:]
+def _send_all(sock: socket.socket, data: bytes) -> None:
+    """Write ``data`` to a non-blocking socket without waiting: a peer that does not read its
+    answers (its socket buffer is full) loses the connection, never holds a worker."""
+    try:
+        n = sock.send(data)
+    except (BlockingIOError, InterruptedError):
+        n = 0
+    except OSError:
+        return
+    if n < len(data):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # the reader thread sees it end and drops it
 
 
 def _recv_exact(s: socket.socket, n: int) -> bytes:
