@@ -35,7 +35,7 @@ def elements(fw: Firewall, n: int) -> tuple[str, ipaddress.IPv4Address, dict[str
 
 def attach(fw: Firewall, n: int) -> dict[str, list[str]]:
     ifname, addr, elems = elements(fw, n)
-    fw.run(fw.attach_cmds(ifname, addr, False, elems["allow4"], elems["deny4"]))
+    fw.attach(ifname, addr, False, elems)
     return elems
 
 

@@ -359,6 +359,25 @@ def test_dns_over_tcp_filters_and_pins_as_udp_does(net: Env):
         assert _dig(sb, "+tcp", "+short", f"@{gw}", "other.test").split() == [lab.addr(12)]
 
 
+def test_a_port_range_of_a_name_is_pinned_for_that_range(net: Env):
+    """A name's rule with a port range pins its answer in the interval set (with the TTL):
+    ports in the range open, others and unresolved addresses stay refused."""
+    lab = net.lab
+    with net.sandbox(network=Network(allow=["allowed.test:8000-8100"])) as sb:
+        r = probe(sb, f"connect={lab.addr(10)}:8080")
+        assert not ok(r[f"connect={lab.addr(10)}:8080"]), r   # not resolved yet
+        r = probe(sb, "resolve=allowed.test", "connect=allowed.test:8080",
+                  "connect=allowed.test:80", f"connect={lab.addr(12)}:8080")
+        assert r["resolve=allowed.test"] == [lab.addr(10)], r
+        assert ok(r["connect=allowed.test:8080"]), r
+        assert not ok(r["connect=allowed.test:80"]), r
+        assert not ok(r[f"connect={lab.addr(12)}:8080"]), r
+        assert lab.addr(10) in sb.info().net.pinned
+        name = _ifname_of(sb.info().net.address)
+        assert _elements_naming(net, name)
+    assert _elements_naming(net, name) == []
+
+
 def test_named_allowlists_and_suffixes(net: Env):
     lab = net.lab
     with net.sandbox(network="wild") as sb:

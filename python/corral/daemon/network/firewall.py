@@ -33,9 +33,11 @@ PROTO_NUMBERS = {"tcp": 6, "udp": 17}
 INTERVAL_SETS = ("allow4", "deny4")
 # The interval sets are sharded by sandbox slot: the kernel's pipapo set does a removal in
 # time linear in the set's size, so one set for every sandbox made ending a sandbox with CIDR
-# rules cost ~150 ms of kernel CPU at 1,000 sandboxes; a vmap on the interface jumps to its
-# shard's chain, whose sets hold 1/SHARDS of the elements (a lookup is a hash lookup more).
-SHARDS = 64
+# rules cost ~150 ms of kernel CPU at 1,000 sandboxes (5 ms with 256 shards); a vmap on the
+# interface jumps to its shard's chain, whose sets hold 1/SHARDS of the elements (a lookup is
+# a hash lookup more). Elements go in and out over netlink (corral._core), so the number of
+# sets costs nothing per sandbox.
+SHARDS = 256
 
 Ports = tuple[tuple[int, int], ...]
 
@@ -213,10 +215,6 @@ table {self.t} {{
         k = self.shard(ifname)
         return {(f"{n}_{k}" if n in INTERVAL_SETS else n): v for n, v in by_set.items()}
 
-    def attach_cmds(self, ifname: str, addr: ipaddress.IPv4Address, internet: bool,
-                    allow: list[str], deny: list[str]) -> str:
-        return self.attach_cmds_for(ifname, addr, internet, {"allow4": allow, "deny4": deny})
-
     def attach_cmds_for(self, ifname: str, addr: ipaddress.IPv4Address, internet: bool,
                         elems: dict[str, list[str]]) -> str:
         """A sandbox's elements: its source, its shard, its mode, and ``elems`` by set."""
@@ -236,12 +234,27 @@ table {self.t} {{
     def run(self, cmds: str) -> None:
         self.nft.run(cmds)
 
+    def attach(self, ifname: str, addr: ipaddress.IPv4Address, internet: bool,
+               elems: dict[str, list[str]]) -> None:
+        """A sandbox's elements (attach_cmds_for's), one transaction."""
+        i = _ifname(ifname)
+        sets = {"src4": [f"{i} . {addr}"], "shard": [f"{i} : jump p{self.shard(ifname)}"],
+                "internet": [i] if internet else []}
+        self.add({**sets, **self._physical(ifname, elems)})
+
     def add_sets(self, ifname: str, by_set: dict[str, list[str]]) -> None:
         """Elements of one sandbox into several sets, one transaction."""
-        cmds = [f"add element {self.t} {name} {{ {', '.join(items)} }}"
-                for name, items in self._physical(ifname, by_set).items() if items]
-        if cmds:
-            self.nft.run("\n".join(cmds))
+        self.add(self._physical(ifname, by_set))
+
+    def add(self, sets: dict[str, list[str]]) -> None:
+        """Add elements (our own text form) in one transaction straight over netlink
+        (corral._core.nft_add_elements): libnftables reads every set's definition of the
+        table first, which costs more the more sets (shards) it has."""
+        batch = [(name, [new_element(e, name.rsplit("_", 1)[0] in INTERVAL_SETS)
+                         for e in items])
+                 for name, items in sets.items() if items]
+        if batch:
+            _core.nft_add_elements(self.s.table, batch)
 
     def detach(self, ifname: str, addr: ipaddress.IPv4Address, elems: dict[str, list[str]]
                ) -> None:
@@ -268,17 +281,14 @@ table {self.t} {{
         """Replace a sandbox's policy elements (``old`` -> ``new``): the old out, then the
         new in (in between, the sandbox's new connections are refused, never let through)."""
         self.destroy(self._physical(ifname, old))
-        cmds = [f"add element {self.t} {name} {{ {', '.join(items)} }}"
-                for name, items in self._physical(ifname, new).items() if items]
-        if cmds:
-            self.nft.run("\n".join(cmds))
+        self.add(self._physical(ifname, new))
 
     def peers(self, pairs: list[tuple[str, str]], add: bool) -> None:
         if not pairs:
             return
         items = [f"{_ifname(a)} . {_ifname(b)}" for a, b in pairs]
         if add:
-            self.nft.run(f"add element {self.t} peers {{ {', '.join(items)} }}")
+            self.add({"peers": items})
         else:
             self.destroy({"peers": items})
 
@@ -307,6 +317,17 @@ def _json_part(x: object) -> str:
     if isinstance(x, dict) and "range" in x:
         return f"{x['range'][0]}-{x['range'][1]}"
     return str(x)
+
+
+def new_element(elem: str, interval: bool) -> tuple[bytes, bytes | None, int | None,
+                                                   str | None]:
+    """An element in the text form this module writes (``key [timeout Ns]`` or, in the
+    verdict map, ``key : jump chain``) as corral._core.nft_add_elements takes it."""
+    key, _, jump = elem.partition(" : jump ")
+    key, _, timeout = key.partition(" timeout ")
+    k, end = element_key(key, interval)
+    ms = int(timeout.strip().rstrip("s")) * 1000 if timeout else None
+    return k, end, ms, (jump.strip() or None)
 
 
 def element_key(elem: str, interval: bool) -> tuple[bytes, bytes | None]:

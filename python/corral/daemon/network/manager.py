@@ -332,8 +332,7 @@ class NetworkManager:
         try:
             if bandwidth_mbit is not None:
                 self.links.shape(idx, fd, bandwidth_mbit)
-            self.fw.run(self.fw.attach_cmds(att.ifname, att.address, policy is None,
-                                            allow, deny))
+            self.fw.attach(att.ifname, att.address, policy is None, att.elems)
             peers = self._group_pairs(att)
             self.fw.peers(peers, add=True)
         except BaseException:
@@ -440,9 +439,8 @@ class NetworkManager:
                              for k, v in att.elems.items()}
                 att.pins = {}
                 try:
-                    self.fw.run(self.fw.attach_cmds_for(att.ifname, att.address,
-                                                        att.policy is None, att.elems))
-                except NftError as e:
+                    self.fw.attach(att.ifname, att.address, att.policy is None, att.elems)
+                except (NftError, OSError) as e:
                     failed[att.sandbox_id] = f"cannot write the network's rules: {e}"
                     self.detach(att.sandbox_id)
             pairs = sorted({p for _, att in ok if att.sandbox_id not in failed
