@@ -298,6 +298,19 @@ fn nft_add_elements(
         .map_err(|e| os_error(e.errno(), format!("nft_add_elements: {e}")))
 }
 
+/// The counter (packets, bytes) of the element `key` of set `set` in nftables table `table`
+/// (family inet); None if there is no such element.
+#[pyfunction]
+fn nft_get_counter(
+    py: Python<'_>,
+    table: String,
+    set: String,
+    key: Vec<u8>,
+) -> PyResult<Option<(u64, u64)>> {
+    py.detach(|| nftset::get_counter(&table, &set, &key))
+        .map_err(|e| os_error(e.errno(), format!("nft_get_counter: {e}")))
+}
+
 /// Mount a tmpfs (nosuid, nodev, noexec) on `target` in the caller's mount namespace, for the
 /// sandboxes' scratch dirs; `options` as for mount(8) -o ("size=50%,mode=0700").
 #[pyfunction]
@@ -698,6 +711,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(veth_setup, m)?)?;
     m.add_function(wrap_pyfunction!(nft_destroy_elements, m)?)?;
     m.add_function(wrap_pyfunction!(nft_add_elements, m)?)?;
+    m.add_function(wrap_pyfunction!(nft_get_counter, m)?)?;
     m.add_function(wrap_pyfunction!(mount_tmpfs, m)?)?;
     m.add_function(wrap_pyfunction!(umount, m)?)?;
     m.add_function(wrap_pyfunction!(mount_loop, m)?)?;
