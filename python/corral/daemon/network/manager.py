@@ -447,7 +447,7 @@ class NetworkManager:
                             for p in self._group_pairs(att)})
             try:
                 self.fw.peers(pairs, add=True)
-            except NftError:
+            except (NftError, OSError):
                 log.warning("network: cannot restore the network groups' pairs",
                             exc_info=True)
         return failed
