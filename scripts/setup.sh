@@ -17,10 +17,11 @@ fi
 # docs/network.md), erofs-utils (mkfs.erofs: image layers, docs/images.md); for the image
 # tests: docker-registry (a real OCI registry on loopback), skopeo (pushes the test images),
 # busybox-static (their rootfs), apache2-utils (htpasswd), zstd, openssl; chromium and
-# chromium-driver (the dashboard's browser test, docs/observability.md).
+# chromium-driver (the dashboard's browser test, docs/observability.md); dnsutils (dig: the
+# network tests' DNS over TCP from inside a sandbox).
 PKGS=(build-essential libc6-dev pkg-config python3 python3-venv python3-dev iproute2 util-linux
       procps tar xz-utils btrfs-progs lxcfs runsc nftables erofs-utils docker-registry skopeo
-      busybox-static apache2-utils zstd openssl chromium chromium-driver)
+      busybox-static apache2-utils zstd openssl chromium chromium-driver dnsutils)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -79,7 +79,9 @@ def start(tmp: str) -> Lab:
         zone = {"allowed.test": f"{lab.net}.10", "denied.test": f"{lab.net}.11",
                 "other.test": f"{lab.net}.12", "a.wild.test": f"{lab.net}.12",
                 "wild.test": f"{lab.net}.10", "private.test": lab.private,
-                "meta.test": "169.254.169.254"}
+                "meta.test": "169.254.169.254",
+                # more addresses than a 512-byte UDP answer holds: asked again over TCP
+                "big.test": [f"{lab.net}.10"] + [f"{lab.net}.{n}" for n in range(100, 140)]}
         cfg = {"log": lab.log, "zone": zone, "dns": [f"{lab.net}.53", f"{lab.net}.54"],
                "tcp": [80, 8080], "udp": 9999, "ttl": 30, "bulk": BULK,
                "special": {"bulk": 8081, "sink": 8082, "hold": 8083}}

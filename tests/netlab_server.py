@@ -1,6 +1,7 @@
 """Servers of the tests' own small internet (tests/netlab.py), run inside its namespace: a
-DNS server answering from a zone, TCP servers that say who connected to which address, and a
-UDP sink; every query and connection is logged, one JSON line each, to the log file."""
+DNS server answering from a zone (UDP, truncating answers over 512 bytes, and TCP), TCP
+servers that say who connected to which address, and a UDP sink; every query and connection
+is logged, one JSON line each, to the log file."""
 
 from __future__ import annotations
 
@@ -21,25 +22,51 @@ def main() -> None:
         with lock:
             log.write(json.dumps(kw) + "\n")
 
+    def answer(data: bytes, src: str, addr: str, proto: str) -> DNSRecord | None:
+        try:
+            q = DNSRecord.parse(data)
+        except Exception:  # noqa: BLE001 - not DNS: ignored, as a server would
+            return None
+        name = str(q.q.qname).rstrip(".").lower()
+        note(kind="dns", name=name, qtype=QTYPE[q.q.qtype], src=src, server=addr, proto=proto)
+        r = q.reply()
+        ips = cfg["zone"].get(name)
+        if ips is None:
+            r.header.rcode = RCODE.NXDOMAIN
+        elif q.q.qtype == QTYPE.A:
+            for ip in [ips] if isinstance(ips, str) else ips:
+                r.add_answer(RR(q.q.qname, QTYPE.A, rdata=A(ip), ttl=cfg.get("ttl", 30)))
+        elif q.q.qtype == QTYPE.TXT:
+            r.add_answer(RR(q.q.qname, QTYPE.TXT, rdata=TXT("leak"), ttl=30))
+        return r
+
     def dns(s: socket.socket) -> None:
         addr = s.getsockname()[0]
         while True:
             data, src = s.recvfrom(4096)
+            r = answer(data, src[0], addr, "udp")
+            if r is not None:
+                out = r.pack()
+                if len(out) > 512:  # no EDNS here: truncated, the asker retries over TCP
+                    r.rr = []
+                    r.header.tc = 1
+                    out = r.pack()
+                s.sendto(out, src)
+
+    def dns_tcp(s: socket.socket) -> None:
+        addr = s.getsockname()[0]
+        while True:
+            c, src = s.accept()
             try:
-                q = DNSRecord.parse(data)
-            except Exception:  # noqa: BLE001 - not DNS: ignored, as a server would
-                continue
-            name = str(q.q.qname).rstrip(".").lower()
-            note(kind="dns", name=name, qtype=QTYPE[q.q.qtype], src=src[0], server=addr)
-            r = q.reply()
-            ip = cfg["zone"].get(name)
-            if ip is None:
-                r.header.rcode = RCODE.NXDOMAIN
-            elif q.q.qtype == QTYPE.A:
-                r.add_answer(RR(q.q.qname, QTYPE.A, rdata=A(ip), ttl=cfg.get("ttl", 30)))
-            elif q.q.qtype == QTYPE.TXT:
-                r.add_answer(RR(q.q.qname, QTYPE.TXT, rdata=TXT("leak"), ttl=30))
-            s.sendto(r.pack(), src)
+                c.settimeout(5)
+                n = int.from_bytes(c.recv(2, socket.MSG_WAITALL), "big")
+                r = answer(c.recv(n, socket.MSG_WAITALL), src[0], addr, "tcp")
+                if r is not None:
+                    out = r.pack()
+                    c.sendall(len(out).to_bytes(2, "big") + out)
+            except OSError:
+                pass
+            c.close()
 
     def tcp(s: socket.socket) -> None:
         port = s.getsockname()[1]
@@ -85,6 +112,11 @@ def main() -> None:
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         s.bind((a, 53))
         threads.append(threading.Thread(target=dns, args=(s,), daemon=True))
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((a, 53))
+        s.listen(64)
+        threads.append(threading.Thread(target=dns_tcp, args=(s,), daemon=True))
     for p in cfg["tcp"]:
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

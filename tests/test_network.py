@@ -4,9 +4,11 @@ daemon's uplink, with its own DNS server; no packet leaves this machine."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import tempfile
@@ -17,7 +19,7 @@ import netlab
 import pytest
 
 from corral import Network, Sandbox
-from corral.errors import InvalidNetwork
+from corral.errors import InvalidNetwork, SandboxLost
 
 from conftest import CGROUP_NAME, private_daemon, wait_until
 
@@ -40,6 +42,7 @@ class Env:
     def __init__(self, lab: netlab.Lab, daemon, table: str, prefix: str, port: int) -> None:
         self.lab, self.d, self.table, self.prefix, self.port = lab, daemon, table, prefix, port
         self.ep = f"unix://{daemon.socket_path}"
+        self.conf = ""
 
     def sandbox(self, **kw) -> Sandbox:
         return Sandbox(endpoint=self.ep, timeout=120, **kw)
@@ -73,6 +76,7 @@ def net(lab: netlab.Lab) -> Iterator[Env]:
                         CORRAL_NET_MAX_CONNECTIONS=str(MAX_CONNS),
                         CORRAL_TOKEN=TOKEN) as d:
         env = Env(lab, d, table, prefix, port)
+        env.conf = conf
         yield env
         d.stop()
         # A graceful stop leaves no table, no link, no namespace of ours.
@@ -170,7 +174,7 @@ def test_always_denied_in_internet_mode(net: Env, host_listener: int):
         targets += [f"{a}:{host_listener}", f"{a}:{net.port}"]
     with net.sandbox(network="internet") as sb:
         gw = sb.info().net.gateway
-        targets += [f"{gw}:{host_listener}", f"{gw}:{net.port}", f"{gw}:53"]
+        targets += [f"{gw}:{host_listener}", f"{gw}:{net.port}"]
         r = probe(sb, f"connect={lab.addr(10)}:80", *(f"connect={t}" for t in targets))
         assert ok(r[f"connect={lab.addr(10)}:80"]), r  # the control: egress works
         leaked = {t: v for t, v in r.items() if ok(v) and lab.addr(10) not in t}
@@ -193,9 +197,10 @@ def test_a_port_scan_of_the_host_finds_nothing(net: Env, host_listener: int):
         print(" ".join(open_) or "none")
     ''').replace("PORTS", repr([str(host_listener), str(net.port)]))
     with net.sandbox(network="internet") as sb:
-        hosts = [sb.info().net.gateway, *_host_addrs()]
+        gw = sb.info().net.gateway
+        hosts = list(dict.fromkeys([gw, *_host_addrs()]))
         r = sb.exec(["python3", "-c", scan, *hosts], timeout=120)
-        assert r.stdout.strip() == "none", r
+        assert r.stdout.strip() == f"{gw}:53", r  # its resolver (DNS over TCP), nothing else
 
 
 def _listen(sb: Sandbox, port: int) -> None:
@@ -294,6 +299,83 @@ def test_dns_is_the_only_way_out_for_names(net: Env):
         assert out[args[6]] == "rcode0/an0", out                     # AAAA: empty
     asked = [e for e in lab.entries("dns") if "tunnel" in e["name"] or e["qtype"] != "A"]
     assert not asked, asked
+
+
+def _dig(sb: Sandbox, *args: str) -> str:
+    r = sb.exec(["dig", "+time=3", "+tries=1", *args], timeout=60)
+    return r.stdout
+
+
+def test_dns_over_tcp_filters_and_pins_as_udp_does(net: Env):
+    """dig inside a sandbox: plain TCP queries, and a truncated UDP answer retried over TCP
+    (by dig and by the C library's resolver) get the same filtering and pinning as UDP."""
+    lab = net.lab
+    with net.sandbox(network=Network(allow=["allowed.test:80", "big.test:80"])) as sb:
+        gw = sb.info().net.gateway
+        # Over TCP only, nothing asked over UDP before: the answer pins the address.
+        out = _dig(sb, "+tcp", "+short", f"@{gw}", "allowed.test")
+        assert out.split() == [lab.addr(10)], out
+        r = probe(sb, f"connect={lab.addr(10)}:80", f"connect={lab.addr(10)}:8080")
+        assert ok(r[f"connect={lab.addr(10)}:80"]), r
+        assert not ok(r[f"connect={lab.addr(10)}:8080"]), r   # not its port
+        for args in (["denied.test"], ["TXT", "allowed.test"], ["tunnel.denied.test", "TXT"]):
+            out = _dig(sb, "+tcp", f"@{gw}", *args)
+            assert "status: NXDOMAIN" in out, (args, out)
+        # 41 addresses do not fit 512 bytes: truncated over UDP, asked again over TCP.
+        out = _dig(sb, "+noedns", f"@{gw}", "big.test")
+        assert "Truncated, retrying in TCP mode" in out, out
+        assert out.count("\tA\t") == 41, out
+        big = probe(sb, "resolve=big.test", f"connect={lab.addr(12)}:80")
+        assert len(big["resolve=big.test"]) == 41 and lab.addr(10) in big["resolve=big.test"]
+        assert not ok(big[f"connect={lab.addr(12)}:80"]), big  # other.test: never resolved
+        st = sb.info().net
+        assert "denied.test" in st.refused_names and f"{lab.addr(100)}" in st.pinned
+        # Denied over TCP never left the host; big.test reached the upstream over TCP too.
+        dns = lab.entries("dns")
+        assert not [e for e in dns if "denied.test" in e["name"]], dns
+        assert any(e["name"] == "big.test" and e.get("proto") == "tcp" for e in dns), dns
+    with net.sandbox(network="internet") as sb, net.sandbox(network="internet") as hog:
+        gw = sb.info().net.gateway
+        assert _dig(sb, "+tcp", "+short", f"@{gw}", "other.test").split() == [lab.addr(12)]
+        # A sandbox holding many TCP connections to its resolver gets 4; the others are
+        # closed at once, and another sandbox still resolves over TCP meanwhile.
+        hold = textwrap.dedent(f'''
+            import socket, time
+            conns = [socket.create_connection(("{gw}", 53), timeout=5) for _ in range(10)]
+            time.sleep(0.5)
+            closed = 0
+            for c in conns:
+                c.setblocking(False)
+                try:
+                    closed += c.recv(1) == b""
+                except BlockingIOError:
+                    pass
+            open("/tmp/closed", "w").write(str(closed))
+            time.sleep(30)
+        ''')
+        hog.exec(["python3", "-c", hold], background=True)
+        assert wait_until(lambda: hog.exec("cat /tmp/closed").stdout != "", 20)
+        assert hog.exec("cat /tmp/closed").stdout == "6"
+        assert _dig(sb, "+tcp", "+short", f"@{gw}", "other.test").split() == [lab.addr(12)]
+
+
+def test_a_port_range_of_a_name_is_pinned_for_that_range(net: Env):
+    """A name's rule with a port range pins its answer in the interval set (with the TTL):
+    ports in the range open, others and unresolved addresses stay refused."""
+    lab = net.lab
+    with net.sandbox(network=Network(allow=["allowed.test:8000-8100"])) as sb:
+        r = probe(sb, f"connect={lab.addr(10)}:8080")
+        assert not ok(r[f"connect={lab.addr(10)}:8080"]), r   # not resolved yet
+        r = probe(sb, "resolve=allowed.test", "connect=allowed.test:8080",
+                  "connect=allowed.test:80", f"connect={lab.addr(12)}:8080")
+        assert r["resolve=allowed.test"] == [lab.addr(10)], r
+        assert ok(r["connect=allowed.test:8080"]), r
+        assert not ok(r["connect=allowed.test:80"]), r
+        assert not ok(r[f"connect={lab.addr(12)}:8080"]), r
+        assert lab.addr(10) in sb.info().net.pinned
+        name = _ifname_of(sb.info().net.address)
+        assert _elements_naming(net, name)
+    assert _elements_naming(net, name) == []
 
 
 def test_named_allowlists_and_suffixes(net: Env):
@@ -478,18 +560,124 @@ def test_network_ls_and_show_from_the_cli_and_api(net: Env):
     assert r.returncode == 0, r.stderr
 
 
+def _init_pid(env: Env, sid: str) -> int:
+    with open(os.path.join(env.d.state_dir, "sandboxes", sid, "meta.json")) as f:
+        return json.load(f)["runtime"]["init_pid"]
+
+
 def test_nothing_is_left_after_kill_9_of_the_daemon(net: Env):
-    """A killed daemon leaves its table and links; the next one removes them at start, before
-    any sandbox asks for a network, and a networked sandbox works again."""
+    """A killed daemon leaves its table and links; a sandbox that dies meanwhile leaves
+    nothing once the next daemon starts (before any sandbox asks for a network), and a
+    networked sandbox works again."""
     sb = net.sandbox(network="internet")
     probe(sb, f"connect={net.lab.addr(10)}:80")
     assert net.links() and net.table_json() is not None
+    pid = _init_pid(net, sb.id)
     net.d.kill9()
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: not os.path.exists(f"/proc/{pid}"))
     net.d.start()
     assert wait_until(lambda: not net.links() and net.table_json() is None)
+    with pytest.raises(SandboxLost):
+        sb.exec("true")
     with net.sandbox(network="internet") as sb2:
         assert ok(probe(sb2, f"connect={net.lab.addr(10)}:80")[f"connect={net.lab.addr(10)}:80"])
-    sb.kill()  # re-adopted, without its network (docs/network.md)
+
+
+def test_re_adopted_sandboxes_keep_their_network(net: Env, host_listener: int):
+    """kill -9 of the daemon and a new one on the same state: a re-adopted sandbox keeps its
+    address, policy, DNS pins, group, denied counter and exposed ports, and every always-deny
+    rule still holds; a sandbox that died meanwhile leaves no link and no element; one whose
+    network cannot be restored (its named allowlist is gone) is ended: sandbox_lost."""
+    lab = net.lab
+    conf = net.conf
+    pol = net.sandbox(network=Network(allow=["allowed.test:80"]), network_group="r")
+    peer = net.sandbox(network="internet", network_group="r", expose=[7000], bandwidth_mbit=50)
+    dies = net.sandbox(network="internet")
+    named = net.sandbox(network="labweb")
+    boxes = [pol, peer, dies, named]
+    saved = open(conf).read()
+    try:
+        _listen(peer, 7000)
+        gw = pol.info().net.gateway
+        denied = ["resolve=denied.test", f"connect={lab.addr(12)}:80",
+                  "connect=169.254.169.254:80", f"connect={gw}:{net.port}",
+                  f"connect={gw}:{host_listener}", "connect=allowed.test:8080"]
+
+        def check_pol() -> None:
+            r = probe(pol, "resolve=allowed.test", "connect=allowed.test:80",
+                      f"connect={peer.id}:7000", *denied)
+            assert r["resolve=allowed.test"] == [lab.addr(10)], r
+            assert ok(r["connect=allowed.test:80"]), r
+            assert ok(r[f"connect={peer.id}:7000"]), r        # its group, by sandbox id
+            assert not isinstance(r["resolve=denied.test"], list), r
+            assert not any(ok(r[a]) for a in denied[1:]), r
+
+        check_pol()
+        addr = {sb.id: sb.info().net.address for sb in boxes}
+        host7000 = peer.info().net.exposed["7000"]
+        before = pol.info().net
+        assert before.denied_packets > 0 and lab.addr(10) in before.pinned
+        names = {sb.id: _ifname_of(addr[sb.id]) for sb in boxes}
+        pid = _init_pid(net, dies.id)
+
+        net.d.kill9()
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: not os.path.exists(f"/proc/{pid}"))
+        # The peer's link is deleted meanwhile (its eth0 goes with it): made again.
+        subprocess.run(["ip", "link", "del", names[peer.id]], check=True)
+        cfg = json.loads(saved)
+        del cfg["allowlists"]["labweb"]
+        with open(conf, "w") as f:
+            json.dump(cfg, f)
+        net.d.start()
+
+        # The pin survived: the address it resolved before connects without a new lookup.
+        assert lab.addr(10) in pol.info().net.pinned
+        r = probe(pol, f"connect={lab.addr(10)}:80")
+        assert ok(r[f"connect={lab.addr(10)}:80"]), r
+        check_pol()
+        after = pol.info().net
+        assert after.address == addr[pol.id]
+        assert after.denied_packets > before.denied_packets   # carried over, then grew
+        r = probe(peer, f"connect={lab.addr(12)}:80", "connect=169.254.169.254:80",
+                  f"connect={gw}:{net.port}")
+        assert ok(r[f"connect={lab.addr(12)}:80"]), r           # internet
+        assert not any(ok(v) for k, v in r.items() if "169.254" in k or str(net.port) in k), r
+        assert peer.info().net.exposed["7000"] == host7000      # the same host port
+        tc = subprocess.run(["tc", "qdisc", "show", "dev", names[peer.id]],
+                            capture_output=True, text=True).stdout
+        assert "tbf" in tc and "50Mbit" in tc, tc                # its remade link is shaped
+        h, p = host7000.rsplit(":", 1)
+        with socket.create_connection((h, int(p)), timeout=5) as c:
+            assert c.recv(100).startswith(b"peer ")
+        # A policy change still applies at once.
+        pol.network.update(Network(allow=["other.test:80"]))
+        r = probe(pol, f"connect={lab.addr(10)}:80", "connect=other.test:80")
+        assert not ok(r[f"connect={lab.addr(10)}:80"]) and ok(r["connect=other.test:80"]), r
+        # Nothing of the dead one; the one without its allowlist is ended, honestly. Their
+        # slots may serve the pool again (links without elements until a create takes them).
+        for sb in (dies, named):
+            with pytest.raises(SandboxLost) as e:
+                sb.exec("true")
+            assert _elements_naming(net, names[sb.id]) == []
+        assert e.value.details["reason"] == "network_lost"
+        assert wait_until(lambda: len(net.links()) == 2 + 2), net.links()  # + a pool of 2
+    finally:
+        with open(conf, "w") as f:
+            f.write(saved)
+        for sb in boxes:
+            with contextlib.suppress(Exception):
+                sb.kill()
+    for n in (names[pol.id], names[peer.id]):
+        assert wait_until(lambda n=n: n not in net.links()), n
+        assert _elements_naming(net, n) == [], n
+
+
+def _ifname_of(addr: str) -> str:
+    out = subprocess.run(["ip", "-o", "route", "get", addr], capture_output=True,
+                         text=True).stdout
+    return out.split(" dev ")[1].split()[0]
 
 
 # ---- limits --------------------------------------------------------------------------------

@@ -267,6 +267,50 @@ fn nft_destroy_elements(
         .map_err(|e| os_error(e.errno(), format!("nft_destroy_elements: {e}")))
 }
 
+/// Add elements to sets of nftables table `table` (family inet) in one transaction:
+/// [(set, [(key, end key or None, timeout in ms or None, chain to jump to or None)])].
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn nft_add_elements(
+    py: Python<'_>,
+    table: String,
+    sets: Vec<(
+        String,
+        Vec<(Vec<u8>, Option<Vec<u8>>, Option<u64>, Option<String>)>,
+    )>,
+) -> PyResult<()> {
+    let sets: Vec<(String, Vec<nftset::NewElem>)> = sets
+        .into_iter()
+        .map(|(set, elems)| {
+            let elems = elems
+                .into_iter()
+                .map(|(key, end, timeout_ms, jump)| nftset::NewElem {
+                    key,
+                    end,
+                    timeout_ms,
+                    jump,
+                })
+                .collect();
+            (set, elems)
+        })
+        .collect();
+    py.detach(|| nftset::add_elements(&table, &sets))
+        .map_err(|e| os_error(e.errno(), format!("nft_add_elements: {e}")))
+}
+
+/// The counter (packets, bytes) of the element `key` of set `set` in nftables table `table`
+/// (family inet); None if there is no such element.
+#[pyfunction]
+fn nft_get_counter(
+    py: Python<'_>,
+    table: String,
+    set: String,
+    key: Vec<u8>,
+) -> PyResult<Option<(u64, u64)>> {
+    py.detach(|| nftset::get_counter(&table, &set, &key))
+        .map_err(|e| os_error(e.errno(), format!("nft_get_counter: {e}")))
+}
+
 /// Mount a tmpfs (nosuid, nodev, noexec) on `target` in the caller's mount namespace, for the
 /// sandboxes' scratch dirs; `options` as for mount(8) -o ("size=50%,mode=0700").
 #[pyfunction]
@@ -666,6 +710,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(netns_socket, m)?)?;
     m.add_function(wrap_pyfunction!(veth_setup, m)?)?;
     m.add_function(wrap_pyfunction!(nft_destroy_elements, m)?)?;
+    m.add_function(wrap_pyfunction!(nft_add_elements, m)?)?;
+    m.add_function(wrap_pyfunction!(nft_get_counter, m)?)?;
     m.add_function(wrap_pyfunction!(mount_tmpfs, m)?)?;
     m.add_function(wrap_pyfunction!(umount, m)?)?;
     m.add_function(wrap_pyfunction!(mount_loop, m)?)?;

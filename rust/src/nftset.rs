@@ -1,4 +1,4 @@
-//! Removing set elements straight over nf_tables netlink. libnftables fetches the whole set
+//! Adding and removing set elements straight over nf_tables netlink. libnftables fetches the whole set
 //! into its cache before a delete (to find interval boundaries), which costs O(elements): a
 //! quarter of a second per sandbox with 10,000 of them. The kernel's own cost does not grow
 //! like that. NFT_MSG_DESTROYSETELEM (Linux >= 6.3) ignores elements already gone (expired
@@ -32,6 +32,14 @@ const NLMSG_HDRLEN: usize = 16;
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
 const NFNL_MSG_BATCH_END: u16 = 0x11;
+const NFT_MSG_NEWSETELEM: u16 = 12;
+const NFT_MSG_GETSETELEM: u16 = 13;
+const NFTA_SET_ELEM_EXPR: u16 = 7;
+const NFTA_SET_ELEM_EXPRESSIONS: u16 = 11;
+const NFTA_EXPR_NAME: u16 = 1;
+const NFTA_EXPR_DATA: u16 = 2;
+const NFTA_COUNTER_BYTES: u16 = 1;
+const NFTA_COUNTER_PACKETS: u16 = 2;
 const NFT_MSG_DESTROYSETELEM: u16 = 30;
 const NFPROTO_INET: u8 = 1;
 const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
@@ -40,7 +48,13 @@ const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
 const NFTA_LIST_ELEM: u16 = 1;
 const NFTA_SET_ELEM_KEY: u16 = 1;
 const NFTA_SET_ELEM_KEY_END: u16 = 10;
+const NFTA_SET_ELEM_DATA: u16 = 2;
+const NFTA_SET_ELEM_TIMEOUT: u16 = 4;
 const NFTA_DATA_VALUE: u16 = 1;
+const NFTA_DATA_VERDICT: u16 = 2;
+const NFTA_VERDICT_CODE: u16 = 1;
+const NFTA_VERDICT_CHAIN: u16 = 2;
+const NFT_JUMP: i32 = -3;
 const NLA_F_NESTED: u16 = 1 << 15;
 
 fn align4(n: usize) -> usize {
@@ -152,7 +166,164 @@ pub fn destroy_elements(table: &str, sets: &[SetElems]) -> Result<(), NftSetErro
     send_batch(&buf.b, &acks)
 }
 
+/// One element to add: its key (and end key in an interval set), a timeout, and in a verdict
+/// map the chain it jumps to.
+pub struct NewElem {
+    pub key: Vec<u8>,
+    pub end: Option<Vec<u8>>,
+    pub timeout_ms: Option<u64>,
+    pub jump: Option<String>,
+}
+
+/// Add the given elements to sets of `table` (family inet) in one batch (one transaction):
+/// what libnftables would send for `add element`, without reading the table's sets first.
+/// An element already there stays as it is.
+pub fn add_elements(table: &str, sets: &[(String, Vec<NewElem>)]) -> Result<(), NftSetError> {
+    let table = cstr(table)?;
+    let mut buf = Buf {
+        b: Vec::new(),
+        nests: Vec::new(),
+    };
+    let req = libc::NLM_F_REQUEST as u16;
+    let at = buf.msg(NFNL_MSG_BATCH_BEGIN, req, 1, 0, NFNL_SUBSYS_NFTABLES);
+    buf.close_msg(at);
+    let mut seq = 2u32;
+    let mut acks = Vec::new();
+    for (set, elems) in sets.iter().filter(|(_, e)| !e.is_empty()) {
+        let ty = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSETELEM;
+        let flags = req | libc::NLM_F_ACK as u16 | libc::NLM_F_CREATE as u16;
+        let at = buf.msg(ty, flags, seq, NFPROTO_INET, 0);
+        buf.attr(NFTA_SET_ELEM_LIST_TABLE, &table);
+        buf.attr(NFTA_SET_ELEM_LIST_SET, &cstr(set)?);
+        buf.begin(NFTA_SET_ELEM_LIST_ELEMENTS);
+        for e in elems {
+            buf.begin(NFTA_LIST_ELEM);
+            buf.begin(NFTA_SET_ELEM_KEY);
+            buf.attr(NFTA_DATA_VALUE, &e.key);
+            buf.end();
+            if let Some(end) = &e.end {
+                buf.begin(NFTA_SET_ELEM_KEY_END);
+                buf.attr(NFTA_DATA_VALUE, end);
+                buf.end();
+            }
+            if let Some(ms) = e.timeout_ms {
+                buf.attr(NFTA_SET_ELEM_TIMEOUT, &ms.to_be_bytes());
+            }
+            if let Some(chain) = &e.jump {
+                buf.begin(NFTA_SET_ELEM_DATA);
+                buf.begin(NFTA_DATA_VERDICT);
+                buf.attr(NFTA_VERDICT_CODE, &NFT_JUMP.to_be_bytes());
+                buf.attr(NFTA_VERDICT_CHAIN, &cstr(chain)?);
+                buf.end();
+                buf.end();
+            }
+            buf.end();
+        }
+        buf.end();
+        buf.close_msg(at);
+        acks.push(seq);
+        seq += 1;
+    }
+    if acks.is_empty() {
+        return Ok(());
+    }
+    let at = buf.msg(NFNL_MSG_BATCH_END, req, seq, 0, NFNL_SUBSYS_NFTABLES);
+    buf.close_msg(at);
+    send_batch(&buf.b, &acks)
+}
+
+/// The counter (packets, bytes) of one element of a set with a `counter` statement, straight
+/// over netlink (libnftables would read every set and chain of the table first); None if
+/// the element is not there.
+pub fn get_counter(table: &str, set: &str, key: &[u8]) -> Result<Option<(u64, u64)>, NftSetError> {
+    let mut buf = Buf {
+        b: Vec::new(),
+        nests: Vec::new(),
+    };
+    let ty = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETSETELEM;
+    let flags = libc::NLM_F_REQUEST as u16 | libc::NLM_F_ACK as u16;
+    let at = buf.msg(ty, flags, 1, NFPROTO_INET, 0);
+    buf.attr(NFTA_SET_ELEM_LIST_TABLE, &cstr(table)?);
+    buf.attr(NFTA_SET_ELEM_LIST_SET, &cstr(set)?);
+    buf.begin(NFTA_SET_ELEM_LIST_ELEMENTS);
+    buf.begin(NFTA_LIST_ELEM);
+    buf.begin(NFTA_SET_ELEM_KEY);
+    buf.attr(NFTA_DATA_VALUE, key);
+    buf.end();
+    buf.end();
+    buf.end();
+    buf.close_msg(at);
+    let mut found = None;
+    let res = exchange(&buf.b, &[1], |ty, payload| {
+        if ty & 0xff == NFT_MSG_NEWSETELEM && payload.len() >= 4 {
+            found = found.or_else(|| counter_of(&payload[4..]));
+        }
+    });
+    match res {
+        Ok(()) => Ok(found.or(Some((0, 0)))),
+        Err(NftSetError::Os { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Attributes of a netlink attribute stream: (type without flags, payload).
+fn attrs(mut b: &[u8]) -> Vec<(u16, &[u8])> {
+    let mut out = Vec::new();
+    while b.len() >= 4 {
+        let len = u16::from_ne_bytes([b[0], b[1]]) as usize;
+        let ty = u16::from_ne_bytes([b[2], b[3]]) & 0x3fff;
+        if len < 4 || len > b.len() {
+            break;
+        }
+        out.push((ty, &b[4..len]));
+        b = &b[align4(len).min(b.len())..];
+    }
+    out
+}
+
+fn find(b: &[u8], ty: u16) -> Option<&[u8]> {
+    attrs(b).into_iter().find(|(t, _)| *t == ty).map(|(_, p)| p)
+}
+
+/// (packets, bytes) of the counter expression in a set element message's attributes.
+fn counter_of(msg_attrs: &[u8]) -> Option<(u64, u64)> {
+    let elems = find(msg_attrs, NFTA_SET_ELEM_LIST_ELEMENTS)?;
+    let elem = find(elems, NFTA_LIST_ELEM)?;
+    let mut exprs: Vec<&[u8]> = Vec::new();
+    if let Some(e) = find(elem, NFTA_SET_ELEM_EXPR) {
+        exprs.push(e);
+    }
+    if let Some(list) = find(elem, NFTA_SET_ELEM_EXPRESSIONS) {
+        exprs.extend(attrs(list).into_iter().map(|(_, p)| p));
+    }
+    for e in exprs {
+        if find(e, NFTA_EXPR_NAME) != Some(b"counter\0".as_slice()) {
+            continue;
+        }
+        let data = find(e, NFTA_EXPR_DATA)?;
+        let be64 = |t| {
+            find(data, t)
+                .and_then(|p| p.get(..8))
+                .map(|p| u64::from_be_bytes(p.try_into().unwrap_or([0; 8])))
+        };
+        return Some((be64(NFTA_COUNTER_PACKETS)?, be64(NFTA_COUNTER_BYTES)?));
+    }
+    None
+}
+
 fn send_batch(data: &[u8], acks: &[u32]) -> Result<(), NftSetError> {
+    exchange(data, acks, |_, _| {})
+}
+
+/// Send `data` and read answers until each sequence number in `acks` is acknowledged;
+/// `seen(message type, payload)` gets every other message.
+fn exchange(
+    data: &[u8],
+    acks: &[u32],
+    mut seen: impl FnMut(u16, &[u8]),
+) -> Result<(), NftSetError> {
     let os = |step: &'static str| NftSetError::Os {
         step,
         source: std::io::Error::last_os_error(),
@@ -220,11 +391,13 @@ fn send_batch(data: &[u8], acks: &[u32]) -> Result<(), NftSetError> {
                 );
                 if code != 0 {
                     return Err(NftSetError::Os {
-                        step: "destroy set elements",
+                        step: "set elements",
                         source: std::io::Error::from_raw_os_error(-code),
                     });
                 }
                 pending.retain(|s| *s != seq);
+            } else {
+                seen(ty, &buf[off + NLMSG_HDRLEN..off + len]);
             }
             off += align4(len);
         }

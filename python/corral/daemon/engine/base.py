@@ -44,6 +44,7 @@ _REASON_TEXT = {
     "expired": "its timeout (TTL) expired",
     "idle_timeout": "its idle timeout expired",
     "lost": "its init process died",
+    "network_lost": "its network could not be restored after a daemon restart",
     "crashed": "it crashed",
     "shutdown": "the daemon shut down",
     "restoring": "it is being restored to a snapshot",

@@ -123,6 +123,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         self.trajlog.open(self._loop)
         self._load_shutdown_tombstones()
         self._recover()
+        await self._restore_exposed()
         self.snaps.collect()
         self._catch_init_exits()
         self._reaper = asyncio.create_task(self._reap_loop())
@@ -216,7 +217,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
             return SandboxKilled(text, details=details)
         if reason in ("expired", "idle_timeout"):
             return SandboxExpired(text, details=details)
-        if reason == "lost":
+        if reason in ("lost", "network_lost"):
             return SandboxLost(text, details=details)
         if reason == "shutdown":
             if self.config.node_id:  # a cluster node stops only when it leaves the cluster
@@ -799,10 +800,53 @@ class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
         """127.0.0.1:<host port> reaches ``port`` in the sandbox until unexposed or it ends."""
         sb = self.get(sid)
         host_port = await self._network_of(sb, "expose").expose(sid, port)
+        self._record_exposed(sb, port, host_port)
         return {"port": port, "host": f"127.0.0.1:{host_port}"}
 
     def unexpose(self, sid: str, port: int) -> bool:
-        return bool(self._network_of(self.get(sid), "unexpose").unexpose(sid, port))
+        sb = self.get(sid)
+        done = bool(self._network_of(sb, "unexpose").unexpose(sid, port))
+        if done:
+            self._record_exposed(sb, port, None)
+        return done
+
+    def _record_exposed(self, sb: Sandbox, port: int, host_port: int | None) -> None:
+        """Exposed ports in the sandbox's record: a daemon after a restart listens on the
+        same host ports again."""
+        if sb.runtime is None:
+            return
+        exposed = dict(sb.runtime.extra.get("exposed") or {})
+        if exposed.get(str(port)) == host_port:
+            return
+        if host_port is None:
+            exposed.pop(str(port), None)
+        else:
+            exposed[str(port)] = host_port
+        sb.runtime.extra["exposed"] = exposed
+        if sb.state in ("running", "paused"):  # a create writes its record itself
+            persist.write_json_atomic(os.path.join(self.sandboxes_dir, sb.id, persist.META),
+                                      sb.meta())
+
+    async def _restore_exposed(self) -> None:
+        """After recovery: each re-adopted sandbox's exposed ports, on their host ports
+        again when those are free (else on new ones, recorded)."""
+        for sb in list(self.sandboxes.values()):
+            want = (sb.runtime.extra.get("exposed") or {}) if sb.runtime else {}
+            if not want:
+                continue
+            sub = self.substrates.get(sb.spec.substrate)
+            mgr = sub.networking() if sub is not None else None
+            if mgr is None:
+                continue
+            for port, host_port in sorted(want.items()):
+                try:
+                    got = await mgr.expose(sb.id, int(port), int(host_port))
+                except Exception:  # noqa: BLE001 - the sandbox runs on without this port
+                    log.exception("cannot expose a re-adopted sandbox's port again",
+                                  extra={"sandbox": sb.id, "port": port})
+                    self._record_exposed(sb, int(port), None)
+                    continue
+                self._record_exposed(sb, int(port), got)
 
     def update_network(self, sid: str, network: Any) -> Sandbox:
         """A networked sandbox's policy (or mode internet) replaced at once; its spec too, so

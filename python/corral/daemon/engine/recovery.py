@@ -22,6 +22,7 @@ class Recovery:
         """Re-adopt every sandbox a previous daemon left running; clean up everything else."""
         known: set[str] = set()
         lost = 0
+        adopted: list[tuple[str, SandboxSpec, SandboxRuntime, Substrate, dict]] = []
         for sid, meta in persist.iter_records(self.sandboxes_dir):
             if not meta or not meta.get("runtime"):
                 continue  # half-made (crash mid-create): cleanup_orphans removes it
@@ -50,6 +51,31 @@ class Recovery:
                     log.exception("destroy of a dead sandbox failed", extra={"sandbox": sid})
                 removal.remove_or_quarantine(os.path.join(self.sandboxes_dir, sid))
                 self._tombstone(sid, "crashed" if cause else "lost", cause)
+                continue
+            adopted.append((sid, spec, runtime, substrate, meta))
+        # Their networks, all at once per substrate (one rule set); one that cannot be
+        # restored is ended and answers sandbox_lost (reason network_lost), never left
+        # running without the network its spec promises.
+        no_net: dict[str, str] = {}
+        for substrate in self.substrates.values():
+            mine = [(rt, spec) for _, spec, rt, sub, _ in adopted if sub is substrate]
+            try:
+                no_net.update(substrate.restore_networks(mine))
+            except Exception as e:  # noqa: BLE001 - none of them has its network
+                log.exception("restore_networks failed", extra={"substrate": substrate.name})
+                no_net.update({rt.sandbox_id: str(e) for rt, _ in mine})
+        for sid, spec, runtime, substrate, meta in adopted:
+            if sid in no_net:
+                lost += 1
+                log.warning("re-adopted sandbox without its network: ended",
+                            extra={"sandbox": sid, "error": no_net[sid]})
+                try:
+                    substrate.destroy(runtime)
+                except Exception:  # noqa: BLE001
+                    log.exception("destroy of a sandbox without its network failed",
+                                  extra={"sandbox": sid})
+                removal.remove_or_quarantine(os.path.join(self.sandboxes_dir, sid))
+                self._tombstone(sid, "network_lost")
                 continue
             sb = Sandbox(sid, spec, float(meta["created_at"]), float(meta["expires_at"]))
             sb.runtime = runtime

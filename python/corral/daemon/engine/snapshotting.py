@@ -125,6 +125,8 @@ class SnapshotOps:
                 p.release()
             sb.procs = None
         runtime.extra["layers"] = list(rec["layers"])
+        if sb.runtime is not None and sb.runtime.extra.get("exposed"):
+            runtime.extra["exposed"] = sb.runtime.extra["exposed"]  # its relays stay open
         sb.runtime, sb.spec = runtime, spec
         if sb.stopping is not None:  # killed or shut down while restoring: it stays so
             store.release(old_layers)  # (the destroy in flight releases the new ones)

@@ -1,4 +1,4 @@
-"""The sandboxes' resolver: a DNS proxy on the gateway address (UDP 53) that answers each
+"""The sandboxes' resolver: a DNS proxy on the gateway address (UDP and TCP 53) that answers each
 sandbox by its source address. A sandbox with a policy gets answers only for names its
 policy allows, and the IPv4 addresses of each answer are pinned into its kernel allow-set
 (with the answer's TTL) before the answer is sent, so a connect right after works and an
@@ -9,9 +9,12 @@ Everything else is refused (NXDOMAIN), so no query for a denied name leaves the 
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ipaddress
 import logging
 import os
+import selectors
 import socket
 import threading
 import time
@@ -28,6 +31,11 @@ log = logging.getLogger("corral.network.dns")
 IP_FREEBIND = 15
 MIN_PIN_S, MAX_PIN_S = 5, 3600
 UPSTREAM_TIMEOUT_S = 3.0
+# UDP answers longer than the asker's EDNS buffer (512 bytes without EDNS) are sent truncated
+# (TC set): the asker then asks again over TCP, where the same filtering and pinning apply.
+UDP_PLAIN, UDP_MAX = 512, 4096
+# DNS over TCP: connections open per sandbox and in all, and how long an idle one stays.
+TCP_PER_SOURCE, TCP_TOTAL, TCP_IDLE_S = 4, 4096, 10.0
 # Per sandbox: queries per second (a token bucket of twice that) and queries in flight, so
 # one sandbox flooding its resolver cannot take the workers every other one needs.
 RATE_QPS, IN_FLIGHT = 50.0, 4
@@ -52,8 +60,19 @@ class DnsProxy:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_IP, IP_FREEBIND, 1)  # before the first veth has it
         self.sock.bind((bind, 53))
+        self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.tcp.setsockopt(socket.SOL_IP, IP_FREEBIND, 1)
+        try:
+            self.tcp.bind((bind, 53))
+            self.tcp.listen(256)
+        except OSError:
+            self.sock.close()
+            self.tcp.close()
+            raise
+        self.tcp.setblocking(False)
         self.counts = {"queries": 0, "refused": 0, "forwarded": 0, "failed": 0,
-                       "rate_limited": 0}
+                       "rate_limited": 0, "tcp_queries": 0, "truncated": 0}
         # source address -> [tokens, last refill (monotonic), in flight]
         self._buckets: dict[str, list[float]] = {}
         self._block = threading.Lock()
@@ -61,6 +80,9 @@ class DnsProxy:
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="corral-dns", daemon=True)
         self._thread.start()
+        self._tcp_thread = threading.Thread(target=self._serve_tcp, name="corral-dns-tcp",
+                                            daemon=True)
+        self._tcp_thread.start()
 
     def _serve(self) -> None:
         while not self._closed:
@@ -104,9 +126,99 @@ class DnsProxy:
             if b is not None and b[2] > 0:
                 b[2] -= 1
 
+    # ---- TCP: one thread reads every connection (selectors), the workers answer ----------
+    def _serve_tcp(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self.tcp, selectors.EVENT_READ)
+        conns: dict[socket.socket, _TcpConn] = {}
+        per_source: collections.Counter[str] = collections.Counter()
+
+        def drop(c: socket.socket) -> None:
+            st = conns.pop(c, None)
+            if st is None:
+                return
+            per_source[st.src] -= 1
+            if per_source[st.src] <= 0:
+                del per_source[st.src]
+            with contextlib.suppress(KeyError, ValueError):
+                sel.unregister(c)
+            c.close()
+
+        try:
+            while not self._closed:
+                events = sel.select(timeout=1.0)
+                now = time.monotonic()
+                for key, _ in events:
+                    sock = key.fileobj
+                    if sock is self.tcp:
+                        self._accept_tcp(sel, conns, per_source, now)
+                        continue
+                    assert isinstance(sock, socket.socket)
+                    st = conns[sock]
+                    try:
+                        chunk = sock.recv(65537)
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError:
+                        chunk = b""
+                    if not chunk:
+                        drop(sock)
+                        continue
+                    st.buf += chunk
+                    st.last = now
+                    while len(st.buf) >= 2:
+                        n = int.from_bytes(st.buf[:2], "big")
+                        if len(st.buf) < 2 + n:
+                            break
+                        msg, st.buf = bytes(st.buf[2:2 + n]), st.buf[2 + n:]
+                        self.counts["queries"] += 1
+                        self.counts["tcp_queries"] += 1
+                        if not self._admit(st.src):
+                            self.counts["rate_limited"] += 1
+                            continue
+                        try:
+                            self._pool.submit(self._answer_tcp, msg, st)
+                        except RuntimeError:
+                            return  # closing
+                for c in [c for c, st in conns.items() if now - st.last > TCP_IDLE_S]:
+                    drop(c)
+        finally:
+            for c in list(conns):
+                drop(c)
+            sel.close()
+
+    def _accept_tcp(self, sel: selectors.BaseSelector, conns: dict[socket.socket, _TcpConn],
+                    per_source: collections.Counter[str], now: float) -> None:
+        try:
+            c, src = self.tcp.accept()
+        except OSError:
+            return
+        # Sandboxes only (their source address cannot be spoofed), a few connections each.
+        if self.lookup(src[0]) is None or per_source[src[0]] >= TCP_PER_SOURCE or \
+                len(conns) >= TCP_TOTAL:
+            self.counts["rate_limited"] += 1
+            c.close()
+            return
+        c.setblocking(False)
+        conns[c] = _TcpConn(c, src[0], now)
+        per_source[src[0]] += 1
+        sel.register(c, selectors.EVENT_READ)
+
+    def _answer_tcp(self, data: bytes, st: _TcpConn) -> None:
+        try:
+            reply = self._reply(data, st.src, 65535)
+        except Exception:  # a malformed query: no answer, as a resolver would
+            log.debug("bad DNS query over TCP from %s", st.src, exc_info=True)
+            return
+        finally:
+            self._done(st.src)
+        if reply is not None:
+            with st.lock:
+                _send_all(st.sock, len(reply).to_bytes(2, "big") + reply)
+
     def _answer(self, data: bytes, src: tuple[str, int]) -> None:
         try:
-            reply = self._reply(data, src[0])
+            reply = self._reply(data, src[0], None)
         except Exception:  # a malformed query: no answer, as a resolver would
             log.debug("bad DNS query from %s", src[0], exc_info=True)
             return
@@ -118,11 +230,16 @@ class DnsProxy:
             except OSError:
                 pass
 
-    def _reply(self, data: bytes, src: str) -> bytes | None:
+    def _reply(self, data: bytes, src: str, limit: int | None) -> bytes | None:
+        """The answer to ``data`` from ``src``; ``limit``: the largest answer the transport
+        carries (None: UDP, the asker's EDNS buffer), a longer one is sent truncated."""
         who = self.lookup(src)
         if who is None:
             return None
         q = DNSRecord.parse(data)
+        if limit is None:
+            opt = [rr for rr in q.ar if rr.rtype == QTYPE.OPT]
+            limit = min(UDP_MAX, max(UDP_PLAIN, opt[0].rclass if opt else 0))
         if len(q.questions) != 1:
             return self._refuse(q, RCODE.FORMERR)
         name = str(q.q.qname).rstrip(".").lower()
@@ -162,7 +279,13 @@ class DnsProxy:
             ans.rr = [rr for rr in ans.rr if rr.rtype in (QTYPE.A, QTYPE.CNAME)]
             ans.auth, ans.ar = [], []
         ans.header.id = qid
-        return ans.pack()
+        out = ans.pack()
+        if len(out) > limit:
+            self.counts["truncated"] += 1
+            t = DNSRecord(DNSHeader(id=qid, bitmap=ans.header.bitmap), questions=q.questions)
+            t.header.tc = 1
+            return t.pack()
+        return out
 
     @staticmethod
     def _refuse(q: DNSRecord, rcode: int) -> bytes:
@@ -171,6 +294,30 @@ class DnsProxy:
         return r.pack()
 
     def _forward(self, q: DNSRecord) -> DNSRecord | None:
+        """The upstream's answer over UDP; asked again over TCP if that one is truncated."""
+        ans = self._forward_udp(q)
+        if ans is not None and ans.header.tc:
+            ans = self._forward_tcp(q)
+        return ans
+
+    def _forward_tcp(self, q: DNSRecord) -> DNSRecord | None:
+        try:
+            s = socket.create_connection(self.upstream, timeout=UPSTREAM_TIMEOUT_S)
+        except OSError:
+            return None
+        try:
+            out = DNSRecord(DNSHeader(id=int.from_bytes(os.urandom(2), "big"), rd=1),
+                            questions=q.questions).pack()
+            s.sendall(len(out).to_bytes(2, "big") + out)
+            n = int.from_bytes(_recv_exact(s, 2), "big")
+            ans = DNSRecord.parse(_recv_exact(s, n))
+            return ans if ans.header.id == int.from_bytes(out[:2], "big") else None
+        except Exception:  # noqa: BLE001 - unreachable, timed out, or not DNS
+            return None
+        finally:
+            s.close()
+
+    def _forward_udp(self, q: DNSRecord) -> DNSRecord | None:
         if not self.upstream[0]:
             return None
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -198,4 +345,39 @@ class DnsProxy:
             pass
         self.sock.close()
         self._thread.join(timeout=2)
+        self._tcp_thread.join(timeout=2)  # it wakes at least once a second
+        self.tcp.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _TcpConn:
+    """One DNS-over-TCP connection: what is read of its next message, its sandbox."""
+
+    def __init__(self, sock: socket.socket, src: str, now: float) -> None:
+        self.sock, self.src, self.last = sock, src, now
+        self.buf = bytearray()
+        self.lock = threading.Lock()  # answers of pipelined queries, one at a time
+
+
+def _send_all(sock: socket.socket, data: bytes) -> None:
+    """Write ``data`` to a non-blocking socket without waiting: a peer that does not read its
+    answers (its socket buffer is full) loses the connection, never holds a worker."""
+    try:
+        n = sock.send(data)
+    except (BlockingIOError, InterruptedError):
+        n = 0
+    except OSError:
+        return
+    if n < len(data):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # the reader thread sees it end and drops it
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the upstream closed the connection")
+        buf += chunk
+    return buf

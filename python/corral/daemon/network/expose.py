@@ -26,9 +26,9 @@ class Exposer:
         self.loop = loop
         self._servers: dict[str, dict[int, tuple[Any, int]]] = {}
 
-    async def expose(self, sandbox_id: str, addr: str, port: int) -> int:
+    async def expose(self, sandbox_id: str, addr: str, port: int, host_port: int = 0) -> int:
         """The host port (on 127.0.0.1) relaying to ``addr:port``; the same one again if
-        ``port`` is exposed already."""
+        ``port`` is exposed already. ``host_port``: that one if it is free, else any."""
         mine = self._servers.setdefault(sandbox_id, {})
         if port in mine:
             return mine[port][1]
@@ -41,7 +41,12 @@ class Exposer:
                 return
             await asyncio.gather(_pipe(r, uw), _pipe(ur, w))
 
-        server = await asyncio.start_server(relay, "127.0.0.1", 0)
+        try:
+            server = await asyncio.start_server(relay, "127.0.0.1", host_port)
+        except OSError:
+            if not host_port:
+                raise
+            server = await asyncio.start_server(relay, "127.0.0.1", 0)
         host_port = server.sockets[0].getsockname()[1]
         mine[port] = (server, host_port)
         return host_port

@@ -20,6 +20,7 @@ from corral.models import NETWORK_MODES
 
 from . import settings as settings_mod
 from .firewall import Firewall
+from .nft import NftError
 from .policy import Policy, compile_policy
 from .settings import NetSettings
 
@@ -32,6 +33,17 @@ log = logging.getLogger("corral.network")
 
 Ports = tuple[tuple[int, int], ...]
 REFILL_QUIET_S = 0.02
+
+
+@dataclass
+class Readopted:
+    """A sandbox a killed daemon left running, as its record tells (NetworkManager.restore)."""
+    sandbox_id: str
+    network: Any
+    group: str | None
+    bandwidth_mbit: float | None
+    state: dict[str, Any] | None   # NetworkManager.state_of when it was made
+    init_pid: int
 
 
 @dataclass
@@ -56,7 +68,7 @@ class Attachment:
         with self.lock:
             if self.mgr.attachments.get(self.sandbox_id) is not self:
                 return  # detached meanwhile: pin nothing for a dead interface
-            self.mgr.fw.add_sets(by_set)
+            self.mgr.fw.add_sets(self.ifname, by_set)
             for name, elems in by_set.items():
                 have = self.elems.setdefault(name, [])
                 known = {e.split(" timeout ")[0] for e in have}
@@ -100,9 +112,8 @@ class NetworkManager:
         self._closed = False
         self._last_take = 0.0
         self.exposer: Exposer | None = None
+        self._carry_refused = False  # restore: the table was written without its elements
         LIVE.add(self)
-        if self.s is not None:
-            self._sweep(self.s)
 
     @staticmethod
     def _sweep(s: NetSettings) -> None:
@@ -159,8 +170,10 @@ class NetworkManager:
         return out
 
     # ---- start/stop ----------------------------------------------------------------------
-    def _start(self) -> None:
-        """The table, stale links removed, the DNS proxy, the pool (lock held)."""
+    def _start(self, keep: frozenset[str] = frozenset(), carried: str = "") -> None:
+        """The table, stale links removed, the DNS proxy, the pool (lock held). ``keep``:
+        links of re-adopted sandboxes, left in place; ``carried``: their set elements,
+        written in the transaction that writes the table."""
         if self._started:
             return
         if self.s is None:
@@ -175,8 +188,18 @@ class NetworkManager:
         self.fw = Firewall(self.s)
         self.links = Links(self.s)
         for name in self.links.stale():
-            self.links.remove_name(name)
-        self.fw.install()
+            if name not in keep:
+                self.links.remove_name(name)
+        self._carry_refused = False
+        try:
+            self.fw.install(carried)
+        except NftError:
+            if not carried:
+                raise
+            log.warning("network: the re-adopted sandboxes' elements were refused as a "
+                        "whole; writing them one sandbox at a time", exc_info=True)
+            self.fw.install()
+            self._carry_refused = True
         try:
             self.dns = DnsProxy(str(self.s.gateway), self.s.dns_upstream, self._lookup)
         except OSError as e:
@@ -309,8 +332,7 @@ class NetworkManager:
         try:
             if bandwidth_mbit is not None:
                 self.links.shape(idx, fd, bandwidth_mbit)
-            self.fw.run(self.fw.attach_cmds(att.ifname, att.address, policy is None,
-                                            allow, deny))
+            self.fw.attach(att.ifname, att.address, policy is None, att.elems)
             peers = self._group_pairs(att)
             self.fw.peers(peers, add=True)
         except BaseException:
@@ -321,6 +343,144 @@ class NetworkManager:
             self.attachments[sandbox_id] = att
             self._by_addr[str(att.address)] = att
         return fd
+
+    def state_of(self, sandbox_id: str) -> dict[str, Any] | None:
+        """What a later daemon needs to take this sandbox's network over (kept in its
+        runtime record): its slot, host interface and address."""
+        att = self.attachments.get(sandbox_id)
+        if att is None:
+            return None
+        return {"slot": att.index, "ifname": att.ifname, "address": str(att.address)}
+
+    # ---- after a daemon restart ------------------------------------------------------------
+    def restore(self, items: list[Readopted]) -> dict[str, str]:
+        """Take over the networks of sandboxes a killed daemon left running: their links are
+        checked (or made again in their namespace), their policies compiled from their specs,
+        and the table is written anew in one transaction holding every survivor's elements,
+        its DNS pins (for what is left of their TTL) and its denied counter, so nothing of a
+        sandbox that did not survive stays and nothing a survivor had is lost. Links of this
+        prefix that belong to no survivor are removed. Returns ``{sandbox id: why}`` for
+        those whose network cannot be restored (the caller ends them)."""
+        if self.s is None or not items:
+            if self.s is not None:
+                self._sweep(self.s)
+            return {sid: self._error or "networking unavailable" for sid in
+                    (it.sandbox_id for it in items)}
+        from .links import Links
+
+        failed: dict[str, str] = {}
+        probe = Firewall(self.s)  # reads the old table, writes the new one's commands
+        try:
+            old = probe.carried_state() if probe.exists() else {}
+        finally:
+            probe.nft.close()
+        links = Links(self.s)
+        ok: list[tuple[Readopted, Attachment]] = []
+        try:
+            for it in items:
+                try:
+                    ok.append((it, self._readopt_one(it, links)))
+                except (Unsupported, InvalidNetwork, OSError, ValueError, KeyError) as e:
+                    failed[it.sandbox_id] = str(e)
+        finally:
+            links.close()
+        if not ok:
+            self._sweep(self.s)
+            return failed
+        now = time.time()
+        carried: dict[str, list[str]] = {}  # by sandbox: its pins, for what is left of their TTL
+        for _, att in ok:
+            pins: dict[str, list[str]] = {}
+            for set_name, elem, left in old.get(att.ifname, {}).get("pins", []):
+                pins.setdefault(set_name, []).append(elem)
+                att.pins[elem.split(" . ")[1]] = now + left
+            cmds = [probe.attach_cmds_for(att.ifname, att.address, att.policy is None,
+                                          {**att.elems, **pins})]
+            denied = old.get(att.ifname, {}).get("denied")
+            if denied:
+                cmds.append(f'add element inet {self.s.table} denied {{ "{att.ifname}" '
+                            f"counter packets {denied[0]} bytes {denied[1]} }}")
+            carried[att.sandbox_id] = cmds
+            for k, v in pins.items():
+                att.elems.setdefault(k, []).extend(v)
+        with self._cv:
+            for _, att in ok:
+                self.attachments[att.sandbox_id] = att
+                self._by_addr[str(att.address)] = att
+            pairs = sorted({p for _, att in ok for p in self._group_pairs(att)})
+            taken = {att.index for _, att in ok}
+            self._next = max(taken) + 1
+            self._free = [i for i in range(1, self._next) if i not in taken]
+            every = [c for cmds in carried.values() for c in cmds]
+            if pairs:
+                every.append(probe.peers_cmd(pairs))
+            try:
+                self._start(keep=frozenset(att.ifname for _, att in ok),
+                            carried="\n".join(every))
+            except BaseException as e:
+                for _, att in ok:
+                    self.attachments.pop(att.sandbox_id, None)
+                    self._by_addr.pop(str(att.address), None)
+                    failed[att.sandbox_id] = f"cannot write the network's rules: {e}"
+                self._next, self._free = 1, []
+                if not isinstance(e, Exception):
+                    raise
+                return failed
+        if self._carry_refused:
+            # The kernel refused the whole: the table was written empty; each sandbox on its
+            # own now (without its pins if those are what it refuses), and peers last.
+            for _, att in ok:
+                try:
+                    self.fw.run("\n".join(carried[att.sandbox_id]))
+                    continue
+                except NftError:
+                    pass
+                att.elems = {k: [e for e in v if " timeout " not in e]
+                             for k, v in att.elems.items()}
+                att.pins = {}
+                try:
+                    self.fw.attach(att.ifname, att.address, att.policy is None, att.elems)
+                except (NftError, OSError) as e:
+                    failed[att.sandbox_id] = f"cannot write the network's rules: {e}"
+                    self.detach(att.sandbox_id)
+            pairs = sorted({p for _, att in ok if att.sandbox_id not in failed
+                            for p in self._group_pairs(att)})
+            try:
+                self.fw.peers(pairs, add=True)
+            except (NftError, OSError):
+                log.warning("network: cannot restore the network groups' pairs",
+                            exc_info=True)
+        return failed
+
+    def _readopt_one(self, it: Readopted, links: Links) -> Attachment:
+        """One survivor's attachment, its link checked or made again (no rules yet)."""
+        st = it.state or {}
+        if "slot" not in st:
+            raise ValueError("its runtime record holds no network slot")
+        idx = int(st["slot"])
+        ifname, address = links.ifname(idx), links.address(idx)
+        if st.get("ifname") != ifname or st.get("address") != str(address):
+            raise ValueError(f"the daemon's network settings changed (it had "
+                             f"{st.get('ifname')} {st.get('address')}, these settings give "
+                             f"{ifname} {address})")
+        policy, label = self.resolve(it.network)
+        if not os.path.exists(f"/sys/class/net/{ifname}"):
+            # Its link is gone (deleted by hand?) but its namespace lives: make it again.
+            fd = os.open(f"/proc/{it.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                links.make(idx, fd)
+                if it.bandwidth_mbit is not None:
+                    links.shape(idx, fd, it.bandwidth_mbit)
+            finally:
+                os.close(fd)
+        att = Attachment(it.sandbox_id, idx, ifname, address, policy, it.group, label, self)
+        allow: list[str] = []
+        deny: list[str] = []
+        if policy is not None:
+            allow = Firewall.rules(ifname, policy.cidrs(policy.allow))
+            deny = Firewall.rules(ifname, policy.cidrs(policy.deny))
+        att.elems = {"allow4": allow, "deny4": deny}
+        return att
 
     def _group_pairs(self, att: Attachment) -> list[tuple[str, str]]:
         if att.group is None:
@@ -351,8 +511,9 @@ class NetworkManager:
             att.policy, att.label, att.pins = policy, label, {}
             att.elems = {"allow4": allow, "deny4": deny}
 
-    async def expose(self, sandbox_id: str, port: int) -> int:
-        """127.0.0.1:<the returned port> on the host reaches ``port`` in the sandbox."""
+    async def expose(self, sandbox_id: str, port: int, host_port: int = 0) -> int:
+        """127.0.0.1:<the returned port> on the host reaches ``port`` in the sandbox;
+        ``host_port`` if it is free (a re-adopted sandbox's), else any."""
         from .expose import Exposer
 
         att = self.attachments.get(sandbox_id)
@@ -361,7 +522,7 @@ class NetworkManager:
                               "expose", details={"operation": "expose"})
         if self.exposer is None:
             self.exposer = Exposer(asyncio.get_running_loop())
-        return await self.exposer.expose(sandbox_id, str(att.address), port)
+        return await self.exposer.expose(sandbox_id, str(att.address), port, host_port)
 
     def unexpose(self, sandbox_id: str, port: int) -> bool:
         return self.exposer is not None and self.exposer.unexpose(sandbox_id, port)
@@ -455,4 +616,4 @@ def _link_stats(ifname: str) -> dict[str, int]:
     return out
 
 
-__all__ = ["Attachment", "NetworkManager"]
+__all__ = ["Attachment", "NetworkManager", "Readopted"]

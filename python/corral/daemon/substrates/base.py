@@ -44,7 +44,7 @@ class NetworkControl(Protocol):
     def allowlists(self) -> Mapping[str, Any]: ...
 
     def check(self, network: Any) -> None: ...
-    async def expose(self, sandbox_id: str, port: int) -> int: ...
+    async def expose(self, sandbox_id: str, port: int, host_port: int = 0) -> int: ...
     def unexpose(self, sandbox_id: str, port: int) -> bool: ...
     def update(self, sandbox_id: str, network: Any) -> None: ...
 
@@ -84,6 +84,13 @@ class Substrate(ABC):
             except Exception as e:  # noqa: BLE001 - reported per sandbox by the caller
                 out.append(e)
         return out
+
+    def restore_networks(self, adopted: list[tuple[SandboxRuntime, SandboxSpec]]
+                         ) -> dict[str, str]:
+        """Recovery, once every sandbox is adopted: take over the networks of those adopted
+        (all of them at once: one rule set). ``{sandbox id: why}`` for each whose network
+        cannot be restored; the engine ends those. Default: nothing to restore."""
+        return {}
 
     @abstractmethod
     def cleanup_orphans(self, known_ids: set[str]) -> list[str]:

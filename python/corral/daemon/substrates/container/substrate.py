@@ -364,6 +364,10 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
                 extra["network"] = "disabled"  # exec applies the same walls; never pooled
             elif not own_net and spec.network == "none":
                 extra["netns"] = "pool"  # its namespace may go back to the pool (recycle)
+            if networked:  # what a daemon after a restart needs to take its network over
+                net_state = self.network.state_of(sandbox_id)
+                if net_state is not None:
+                    extra["net"] = net_state
             if lazy:
                 extra["memory_mb"] = spec.memory_mb
                 extra["cpu"] = spec.cpu
@@ -702,6 +706,15 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
             os.close(fd)
             return None
         return fd
+
+    def restore_networks(self, adopted: list[tuple[SandboxRuntime, SandboxSpec]]
+                         ) -> dict[str, str]:
+        from corral.daemon.network.manager import Readopted
+
+        return self.network.restore([
+            Readopted(rt.sandbox_id, spec.network, spec.network_group, spec.bandwidth_mbit,
+                      rt.extra.get("net"), rt.init_pid)
+            for rt, spec in adopted if network_kind(spec.network) in ("internet", "policy")])
 
     def cleanup_orphans(self, known_ids: set[str]) -> list[str]:
         ids = set(self.cgroups.list_ids())
