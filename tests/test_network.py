@@ -19,7 +19,7 @@ import netlab
 import pytest
 
 from corral import Network, Sandbox
-from corral.errors import InvalidNetwork, SandboxLost
+from corral.errors import InvalidNetwork, SandboxLost, Unsupported
 
 from conftest import CGROUP_NAME, private_daemon, wait_until
 
@@ -582,6 +582,28 @@ def test_nothing_is_left_after_kill_9_of_the_daemon(net: Env):
         sb.exec("true")
     with net.sandbox(network="internet") as sb2:
         assert ok(probe(sb2, f"connect={net.lab.addr(10)}:80")[f"connect={net.lab.addr(10)}:80"])
+
+
+def test_a_second_daemon_on_the_same_network_settings_takes_nothing(net: Env):
+    """A second corrald given this one's table, range and interface prefix: its start sweeps
+    nothing of the first one's (table, links), its networked creates answer unsupported
+    naming the owner, and the first one's sandbox keeps its network throughout."""
+    target = f"connect={net.lab.addr(10)}:80"
+    with net.sandbox(network="internet") as sb:
+        assert ok(probe(sb, target)[target])
+        links, owner = net.links(), net.d.proc.pid
+        with private_daemon("corral-test-net2-", f"{CGROUP_NAME}-net2",
+                            CORRAL_TCP=f"127.0.0.1:{_free_port()}") as d2:
+            assert net.table_json() is not None and net.links() == links
+            with pytest.raises(Unsupported) as e:
+                Sandbox(endpoint=f"unix://{d2.socket_path}", network="internet", timeout=60)
+            assert e.value.details.get("owner_pid") == owner, e.value
+            with Sandbox(endpoint=f"unix://{d2.socket_path}", timeout=60) as other:
+                assert other.exec("true").exit_code == 0  # the rest of it works
+            assert ok(probe(sb, target)[target])
+        # Its stop removed nothing of the first one's either.
+        assert net.table_json() is not None and net.links() == links
+        assert ok(probe(sb, target)[target])
 
 
 def test_re_adopted_sandboxes_keep_their_network(net: Env, host_listener: int):

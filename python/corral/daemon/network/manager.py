@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from corral import _core
+from corral.daemon.locks import try_lock
 from corral.errors import InvalidNetwork, Unsupported
 from corral.models import NETWORK_MODES
 
@@ -85,6 +86,39 @@ class Attachment:
             self.refused_names[name] += 1
 
 
+LOCK_DIR = "/run/corral/locks"
+
+
+def _own_network(s: NetSettings) -> list[int]:
+    """Flocks on this daemon's nftables table, address range and interface prefix, held
+    while it networks sandboxes: a second daemon on any of them would sweep, rewrite or
+    collide with the first one's table, links and DNS proxy. Unsupported, naming the
+    owner, if another live daemon holds one."""
+    os.makedirs(LOCK_DIR, mode=0o700, exist_ok=True)
+    held: list[int] = []
+    for what, key, var in (("nftables table", s.table, "CORRAL_NET_TABLE"),
+                           ("address range", str(s.range4), "CORRAL_NET_RANGE"),
+                           ("interface prefix", s.ifprefix, "CORRAL_NET_IFPREFIX")):
+        path = os.path.join(LOCK_DIR, f"net-{key.replace('/', '_')}.lock")
+        fd = try_lock(path)
+        if fd is None:
+            for h in held:
+                os.close(h)
+            try:
+                with open(path, "rb") as f:
+                    other = f.read(32).decode(errors="replace").strip()
+            except OSError:
+                other = ""
+            raise Unsupported(
+                f"the {what} {key!r} belongs to another running corrald (pid {other or '?'}); "
+                f"give this daemon its own ({var}, and the other network settings with it)",
+                details={"owner_pid": int(other) if other.isdigit() else None, what: key})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        held.append(fd)
+    return held
+
+
 class NetworkManager:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -113,7 +147,18 @@ class NetworkManager:
         self._last_take = 0.0
         self.exposer: Exposer | None = None
         self._carry_refused = False  # restore: the table was written without its elements
+        self._owned: list[int] = []  # the ownership flocks (_own_network), once taken
         LIVE.add(self)
+
+    def _take_ownership(self) -> None:
+        """Unsupported if another live daemon networks on these settings (lock held)."""
+        if not self._owned and self.s is not None:
+            self._owned = _own_network(self.s)
+
+    def _release_ownership(self) -> None:
+        for fd in self._owned:
+            os.close(fd)
+        self._owned = []
 
     @staticmethod
     def _sweep(s: NetSettings) -> None:
@@ -181,6 +226,7 @@ class NetworkManager:
         if not self.s.uplink:
             raise Unsupported("networked sandboxes need an uplink interface (CORRAL_UPLINK: "
                               "none given and the host has no default route)")
+        self._take_ownership()
         # pyroute2 and dnslib load here: a daemon that never networks a sandbox pays nothing
         from .dns import DnsProxy
         from .links import Links
@@ -236,6 +282,7 @@ class NetworkManager:
         if self._thread is not None:
             self._thread.join(timeout=5)
         if not started:
+            self._release_ownership()
             return
         for _, fd in ready:
             os.close(fd)
@@ -249,6 +296,7 @@ class NetworkManager:
             self.links.remove_name(name)
         self.fw.remove()
         self.links.close()
+        self._release_ownership()
 
     # ---- slots ---------------------------------------------------------------------------
     def _alloc(self) -> int:
@@ -361,9 +409,15 @@ class NetworkManager:
         sandbox that did not survive stays and nothing a survivor had is lost. Links of this
         prefix that belong to no survivor are removed. Returns ``{sandbox id: why}`` for
         those whose network cannot be restored (the caller ends them)."""
+        if self.s is not None:
+            try:
+                self._take_ownership()
+            except Unsupported as e:  # another live daemon's: neither swept nor taken over
+                return {it.sandbox_id: str(e) for it in items}
         if self.s is None or not items:
             if self.s is not None:
                 self._sweep(self.s)
+                self._release_ownership()  # taken again by the first networked create
             return {sid: self._error or "networking unavailable" for sid in
                     (it.sandbox_id for it in items)}
         from .links import Links
@@ -386,6 +440,7 @@ class NetworkManager:
             links.close()
         if not ok:
             self._sweep(self.s)
+            self._release_ownership()
             return failed
         now = time.time()
         carried: dict[str, list[str]] = {}  # by sandbox: its pins, for what is left of their TTL
