@@ -1,16 +1,18 @@
-"""Batch calls for a client: never silent, never orphaned.
+"""Long calls for a client: never silent, never orphaned.
 
-A batch (create, exec or destroy of many sandboxes) can take longer than a client waits. Two
-rules hold for every batch route:
+A batch (create, exec or destroy of many sandboxes), a snapshot, a fork or a restore can take
+longer than a client waits. Two rules hold for each of these routes:
 
-- ``?stream=ndjson`` answers with JSON lines: ``{"progress": {"done", "count"}}`` at least
-  every ``PROGRESS_EVERY_S`` (every ``PROGRESS_TICK_S`` while items finish), then one last
-  line, the route's usual response object, or ``{"error": {...}}``. A client's read timeout
-  then measures silence, not the batch's length.
+- ``?stream=ndjson`` answers with JSON lines: ``{"progress": {...}}`` with what is known so
+  far (a batch: ``done`` of ``count`` items; a snapshot: ``bytes`` copied; a fork: both) at
+  least every ``PROGRESS_EVERY_S`` (every ``PROGRESS_TICK_S`` while it changes), then one
+  last line, the route's usual response object, or ``{"error": {...}}``. A client's read
+  timeout then measures silence, not the call's length.
 - A client that leaves (closes the connection, or a stream write fails) cancels a create
-  batch: it destroys the sandboxes it made (all or nothing), so none lives on until its TTL.
-  Exec and destroy batches run to their end (each result is in its sandbox's trajectory log;
-  a command cut half-way would be a result nobody asked for).
+  batch, a snapshot and a fork: what they made is undone (all or nothing: the sandboxes made
+  are destroyed, the partial snapshot removed), so nothing lives on until a TTL. Exec and
+  destroy batches and a restore run to their end (each result is in its sandbox's trajectory
+  log; a command or a restore cut half-way would be a result nobody asked for).
 """
 
 from __future__ import annotations
@@ -34,17 +36,27 @@ STREAM_MEDIA = "ndjson"
 
 
 class Progress:
-    """Items of the batch finished so far (the work calls ``tick`` once per item)."""
+    """What the call has done so far: items finished of ``count`` (the work calls ``tick``
+    once per item), and bytes ``copied()`` when the call copies; a call that knows neither
+    (a restore) sends ``{"progress": {}}``, still a sign of life."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int | None = None,
+                 copied: Callable[[], int] | None = None) -> None:
         self.count = count
         self.done = 0
+        self.copied = copied
 
     def tick(self) -> None:
         self.done += 1
 
+    def fields(self) -> dict[str, int]:
+        out = {} if self.count is None else {"done": self.done, "count": self.count}
+        if self.copied is not None:
+            out["bytes"] = self.copied()
+        return out
+
     def line(self) -> bytes:
-        return _line({"progress": {"done": self.done, "count": self.count}})
+        return _line({"progress": self.fields()})
 
 
 def _line(obj: Any) -> bytes:
@@ -79,15 +91,15 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
         await task
 
 
-async def run(request: web.Request, count: int,
+async def run(request: web.Request, progress: Progress,
               work: Callable[[Progress], Awaitable[T]],
               answer: Callable[[T], Awaitable[Any] | Any], status: int = 200,
               cancel_when_gone: bool = False) -> web.StreamResponse:
     """Run ``work`` for ``request`` under the two rules above; ``answer`` turns its result
     into the response object (it may be a coroutine: the trajectory log of a create batch).
+    ``progress`` is what the work reports (passed to it) and the progress lines say.
     ``cancel_when_gone``: a client that leaves cancels the work (else it runs to its end)."""
     streamed = wants_stream(request)  # a bad value is refused before anything is done
-    progress = Progress(count)
     task = asyncio.ensure_future(work(progress))
     if not cancel_when_gone:
         task = asyncio.ensure_future(_finishing(task))
@@ -119,16 +131,16 @@ async def _streamed(request: web.Request, task: asyncio.Future[T], progress: Pro
     resp = web.StreamResponse(status=status, headers={"Content-Type": "application/x-ndjson"})
     try:
         await resp.prepare(request)
-        await resp.write(progress.line())
-        sent, last = progress.done, time.monotonic()
+        sent, last = progress.fields(), time.monotonic()
+        await resp.write(_line({"progress": sent}))
         while not task.done():
             await asyncio.wait({task}, timeout=PROGRESS_TICK_S)
             if client_gone(request):
                 raise ConnectionResetError("the client left")
-            now = time.monotonic()
-            if not task.done() and (progress.done != sent or now - last >= PROGRESS_EVERY_S):
-                await resp.write(progress.line())
-                sent, last = progress.done, now
+            now, fields = time.monotonic(), progress.fields()
+            if not task.done() and (fields != sent or now - last >= PROGRESS_EVERY_S):
+                await resp.write(_line({"progress": fields}))
+                sent, last = fields, now
         try:
             obj = answer(task.result())
             if asyncio.iscoroutine(obj):
@@ -136,7 +148,7 @@ async def _streamed(request: web.Request, task: asyncio.Future[T], progress: Pro
         except CorralError as e:
             obj = e.to_payload()
         except Exception as e:  # noqa: BLE001 - the stream's last line says it; never a 500
-            obj = InternalError(f"batch failed: {e}").to_payload()
+            obj = InternalError(f"call failed: {e}").to_payload()
         await resp.write(progress.line())
         await resp.write(_line(obj))
         await resp.write_eof()
