@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from corral import AsyncSandbox, Sandbox
+from corral import AsyncSandbox, Sandbox, _core
 
 from apiclient import client, create, kill, run
 from conftest import (
@@ -141,6 +141,24 @@ def no_partial_layers(layers_before: set[str]) -> bool:
     spares = STATE / "spares"
     return (entries("layers") <= layers_before and not entries("trash")
             and not any(spares.glob("*/0/*")))
+
+
+# ---- the capture's control -------------------------------------------------------------------
+def test_capture_control_counts_bytes_and_cancels(tmp_path):
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "big").write_bytes(b"x" * (3 << 20))  # copied in the kernel, hashed alongside
+    (src / "d" / "small").write_bytes(b"y" * 1000)
+    control = _core.CaptureControl()
+    digest, size = _core.capture_layer([(0, str(src), str(tmp_path / "a"))], control=control)
+    assert size == control.copied() == (3 << 20) + 1000
+    assert not control.cancelled()
+    # Cancelled: it raises, whatever it had copied is the caller's to remove.
+    control = _core.CaptureControl()
+    control.cancel()
+    with pytest.raises(_core.CaptureCancelled):
+        _core.capture_layer([(0, str(src), str(tmp_path / "b"))], control=control)
+    assert control.copied() == 0
 
 
 # ---- progress, then the answer ------------------------------------------------------------
