@@ -328,3 +328,66 @@ def test_a_client_that_leaves_a_fork_leaves_nothing(no_leaks, phase):
         # No child or record holds a ref: the fork's layer is collected with the parent.
         assert wait_until(lambda: no_partial_layers(layers), timeout=60), (
             entries("layers") - layers, entries("trash"))
+
+
+def metric(c: httpx.Client, name: str) -> float:
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+@pytest.mark.parametrize("what", ["snapshot", "fork", "batch"])
+def test_a_client_that_leaves_as_the_call_ends_leaves_nothing(no_leaks, what):
+    """A small call ends before the daemon sees its client gone (unstreamed: it looks every
+    0.25 s): the answer has nobody to go to, so what it made is undone (an unkeyed call
+    cannot be fetched again). Streamed, the first write finds the client gone at once."""
+    labels = tag()
+    with client() as c:
+        sid = create(c, timeout=120, labels=labels)["id"]
+        try:
+            _leave_as_it_ends(c, sid, labels, what)
+        finally:
+            kill(c, sid)
+
+
+def _leave_as_it_ends(c: httpx.Client, sid: str, labels: dict[str, str], what: str) -> None:
+    run(c, sid, "echo data > /small")
+    snaps, made0 = snapshots(c), metric(c, "corral_created_total")
+    snapped0 = metric(c, "corral_snapshots_total")
+    path, body, makes = {
+        "snapshot": (f"/v1/sandboxes/{sid}/snapshot", {}, 0),
+        "fork": (f"/v1/sandboxes/{sid}/fork", {"count": 2, "keep_snapshot": True}, 2),
+        "batch": ("/v1/sandboxes/batch", {"count": 2, "spec": {"labels": labels}}, 2),
+    }[what]
+    Leaves(path, body, streamed=False).leave()  # sent whole, then gone at once
+    # It ran to its end (all it makes was made)...
+    assert wait_until(lambda: metric(c, "corral_created_total") >= made0 + makes
+                      and (what == "batch"
+                           or metric(c, "corral_snapshots_total") > snapped0), timeout=60)
+    # ...and was undone: no child, no snapshot record.
+    assert wait_until(lambda: labelled(c, labels) == [sid], timeout=60), labelled(c, labels)
+    assert wait_until(lambda: snapshots(c) == snaps, timeout=30)
+
+
+def test_a_keyed_fork_whose_client_left_is_kept_for_its_retry(no_leaks):
+    labels = tag()
+    with client() as c:
+        sid = create(c, timeout=120, labels=labels)["id"]
+        made0 = metric(c, "corral_created_total")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(SOCKET)
+        data = b'{"count": 2}'
+        s.sendall(f"POST /v1/sandboxes/{sid}/fork HTTP/1.1\r\nHost: corral\r\nIdempotency-Key: "
+                  f"k-{labels['test']}\r\nContent-Type: application/json\r\nContent-Length: "
+                  f"{len(data)}\r\n\r\n".encode() + data)
+        s.close()
+        assert wait_until(lambda: metric(c, "corral_created_total") >= made0 + 2, timeout=60)
+        r = c.post(f"/v1/sandboxes/{sid}/fork", json={"count": 2},
+                   headers={"Idempotency-Key": f"k-{labels['test']}"})
+        assert r.status_code == 201, r.text
+        kids = [k["id"] for k in r.json()["sandboxes"]]
+        assert sorted(labelled(c, labels)) == sorted([sid, *kids])
+        assert all(run(c, k, "cat /etc/hostname")["exit_code"] == 0 for k in kids)
+        for k in (*kids, sid):
+            kill(c, k)

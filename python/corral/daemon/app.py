@@ -11,6 +11,7 @@ shared pydantic models; a validation failure is ``invalid_request`` with pydanti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import logging
@@ -79,6 +80,7 @@ from corral.errors import (
     NotFound,
     ReplayDivergence,
     SandboxNotFound,
+    SnapshotNotFound,
 )
 from corral.models import (
     AllowlistInfo,
@@ -291,10 +293,13 @@ async def create_batch(request: web.Request) -> web.StreamResponse:
                                    for i in infos))
         return {"sandboxes": infos}
 
+    async def undo(made: list[Any]) -> None:
+        await engine.kill_many([sb.id for sb in made])
+
     return await batches.run(
         request, batches.Progress(req.count),
         lambda p: engine.create_many(req.count, req.spec, on_made=p.tick), answer, 201,
-        cancel_when_gone=True)
+        cancel_when_gone=True, undo=undo)
 
 
 async def exec_batch(request: web.Request) -> web.StreamResponse:
@@ -665,36 +670,51 @@ _snap = ops.snap_info
 
 
 # Long calls (corral.daemon.batches): streamed on ?stream=ndjson; a client that leaves a
-# snapshot or a fork cancels it (nothing made is kept), a restore runs to its end.
+# snapshot or a fork cancels it (nothing made is kept, unless keyed and already done: its
+# retry fetches it), a restore runs to its end.
 async def snapshot_sandbox(request: web.Request) -> web.StreamResponse:
     req = await _body(request, SnapshotRequest)
+    engine, key = _engine(request), _key(request)
     control = CaptureControl()
     # Fast-forwarded: the snapshot as logged (also if it was deleted since).
-    op = ops.Snapshot(request.match_info["id"], _key(request), req.name, control)
+    op = ops.Snapshot(request.match_info["id"], key, req.name, control)
+
+    async def undo(snap: dict[str, Any]) -> None:
+        _forget_snapshot(engine, snap["id"])
+
     return await batches.run(request, batches.Progress(copied=control.copied),
                              lambda _: _dispatch(request, op), _same, 201,
-                             cancel_when_gone=True)
+                             cancel_when_gone=True, undo=None if key else undo)
 
 
 async def fork_sandbox(request: web.Request) -> web.StreamResponse:
     """Fast-forwarded, a fork returns the same children: see _fork_child."""
     req = await _body(request, ForkRequest)
-    engine = _engine(request)
+    engine, key = _engine(request), _key(request)
     control = CaptureControl()
     progress = batches.Progress(req.count, copied=control.copied)
-    op = ops.Fork(request.match_info["id"], _key(request), req.count, req.name,
+    op = ops.Fork(request.match_info["id"], key, req.count, req.name,
                   req.keep_snapshot, req.model_dump(), control, progress.tick)
+
+    async def undo(res: dict[str, Any]) -> None:
+        await engine.kill_many(res["sandboxes"])
+        _forget_snapshot(engine, res["snapshot"]["id"])
 
     async def answer(res: dict[str, Any]) -> dict[str, Any]:
         return {"snapshot": res["snapshot"],
                 "sandboxes": [await _fork_child(engine, cid) for cid in res["sandboxes"]]}
 
     return await batches.run(request, progress, lambda _: _dispatch(request, op), answer, 201,
-                             cancel_when_gone=True)
+                             cancel_when_gone=True, undo=None if key else undo)
 
 
 def _same(value: T) -> T:
     return value
+
+
+def _forget_snapshot(engine: Engine, snap_id: str) -> None:
+    with contextlib.suppress(SnapshotNotFound):  # not kept, or deleted meanwhile
+        engine.snapshot_delete(snap_id)
 
 
 async def _fork_child(engine: Engine, cid: str) -> dict[str, Any]:
