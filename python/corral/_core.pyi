@@ -13,6 +13,18 @@ class LayerLimit(Exception):
     """A capture passed one of its limits: args (what, limit), what in bytes, entries,
     depth."""
 
+class CaptureCancelled(Exception):
+    """A capture stopped because its CaptureControl was cancelled."""
+
+class CaptureControl:
+    """A running capture_layer as another thread sees it."""
+    def __init__(self) -> None: ...
+    def copied(self) -> int:
+        """Bytes of file data copied so far."""
+    def cancel(self) -> None:
+        """Stop the capture within one chunk (it raises CaptureCancelled)."""
+    def cancelled(self) -> bool: ...
+
 # An rlimit: one value (soft = hard) or (soft, hard); names as in `prlimit` (nofile, core, ...).
 Rlimits = dict[str, int | tuple[int, int]]
 
@@ -144,9 +156,10 @@ def remove_tree(path: str) -> None:
     """rm -rf, iterative at any depth, never following a symlink."""
 
 def capture_layer(parts: list[tuple[int, str, str]], max_bytes: int = ...,
-                  max_entries: int = 1_000_000, max_depth: int = 512) -> tuple[str, int]:
+                  max_entries: int = 1_000_000, max_depth: int = 512,
+                  control: CaptureControl | None = None) -> tuple[str, int]:
     """Copy each (n, src, dst) tree and hash it on the way: (hex digest, bytes).
-    LayerLimit past a limit."""
+    LayerLimit past a limit; CaptureCancelled once ``control`` is cancelled."""
 
 # ---- the run_code zygote (rust/src/zygote.rs) ---------------------------------------------
 def zygote_unshare() -> None:

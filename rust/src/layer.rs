@@ -23,6 +23,11 @@
 //! and set-group-ID bits are cleared on every non-directory and `security.capability` xattrs
 //! (file capabilities) are not copied; the manifest records what was written.
 //!
+//! A capture reports and obeys a `Control` shared with its caller: the bytes of file data
+//! copied so far (updated per copied chunk of at most `STEP` bytes), and a cancel flag checked
+//! before each entry and each chunk (copy and hash), so a cancelled capture stops within one
+//! chunk and fails with `LayerError::Cancelled`; the caller removes the partial copy.
+//!
 //! The digest is blake3 over a sorted manifest, byte for byte the one
 //! `corral.daemon.snapshots.tree_digest` computes over the stored layer (the tests check that):
 //! per part `part N\n`, then per entry, depth first, names sorted bytewise,
@@ -34,6 +39,7 @@
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 
@@ -52,6 +58,9 @@ pub enum LayerError {
     /// A bound of `Limits` was passed: `what` is "bytes", "entries" or "depth".
     #[error("the sandbox's files exceed the snapshot limit of {limit} {what}")]
     Limit { what: &'static str, limit: u64 },
+    /// The caller set `Control::cancel`.
+    #[error("the capture was cancelled")]
+    Cancelled,
 }
 
 impl LayerError {
@@ -59,6 +68,7 @@ impl LayerError {
         match self {
             LayerError::Os { errno, .. } => *errno,
             LayerError::Limit { .. } => libc::EFBIG,
+            LayerError::Cancelled => libc::ECANCELED,
         }
     }
 }
@@ -74,6 +84,28 @@ pub struct Limits {
 
 type Result<T> = std::result::Result<T, LayerError>;
 
+/// What a running capture shares with its caller (another thread reads and sets it).
+#[derive(Debug, Default)]
+pub struct Control {
+    /// Bytes of file data copied so far.
+    pub copied: AtomicU64,
+    /// Set to stop the capture at its next entry or chunk.
+    pub cancel: AtomicBool,
+}
+
+impl Control {
+    fn check(&self) -> std::result::Result<(), Errno> {
+        if self.cancel.load(Ordering::Relaxed) {
+            return Err(Errno::CANCELED);
+        }
+        Ok(())
+    }
+
+    fn add(&self, n: u64) {
+        self.copied.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
 fn os_err(op: &'static str, path: &[u8], e: Errno) -> LayerError {
     LayerError::Os {
         op,
@@ -87,6 +119,8 @@ fn os_err(op: &'static str, path: &[u8], e: Errno) -> LayerError {
 /// copied in the kernel while the hasher thread reads them.
 const SMALL: u64 = 256 * 1024;
 const CHUNK: usize = 256 * 1024;
+/// The most one copy_file_range call copies: progress and a cancel are seen this often.
+const STEP: usize = 16 << 20;
 /// overlayfs xattrs that describe a layer's content (the others describe one mount's upper).
 const KEEP_OVL: [&[u8]; 5] = [
     b"trusted.overlay.opaque",
@@ -105,7 +139,7 @@ pub struct Part {
 }
 
 /// The digest (hex) of the captured parts and the bytes of file data copied.
-pub fn capture(parts: &[Part], limits: Limits) -> Result<(String, u64)> {
+pub fn capture(parts: &[Part], limits: Limits, ctl: &Arc<Control>) -> Result<(String, u64)> {
     let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
     let (res_tx, res_rx) = mpsc::channel::<(usize, std::result::Result<[u8; 32], Errno>)>();
     let mut w = Walker {
@@ -118,19 +152,22 @@ pub fn capture(parts: &[Part], limits: Limits) -> Result<(String, u64)> {
         bytes: 0,
         entries: 0,
         limits,
+        ctl: ctl.clone(),
         buf: vec![0u8; CHUNK],
         xbuf: vec![0u8; 65536],
         vbuf: vec![0u8; 65536],
     };
+    let hctl = ctl.clone();
     let walked = std::thread::scope(|s| {
-        s.spawn(move || hasher(jobs_rx, res_tx));
+        s.spawn(move || hasher(jobs_rx, res_tx, &hctl));
         let r = parts.iter().try_for_each(|p| w.part(p));
         drop(std::mem::replace(&mut w.jobs, mpsc::channel().0)); // ends the hasher's loop
         r
     });
-    walked?;
+    walked.map_err(|e| cancelled_or(e, ctl))?;
     for (idx, r) in res_rx.iter() {
-        w.hashes[idx] = Some(r.map_err(|e| os_err("read", b"(layer file)", e))?);
+        let r = r.map_err(|e| cancelled_or(os_err("read", b"(layer file)", e), ctl))?;
+        w.hashes[idx] = Some(r);
     }
     let mut h = blake3::Hasher::new();
     let mut at = 0;
@@ -144,6 +181,15 @@ pub fn capture(parts: &[Part], limits: Limits) -> Result<(String, u64)> {
     Ok((h.finalize().to_hex().to_string(), w.bytes))
 }
 
+/// A failure after a cancel is the cancel (an aborted copy or hash fails with ECANCELED).
+fn cancelled_or(e: LayerError, ctl: &Control) -> LayerError {
+    if ctl.cancel.load(Ordering::Relaxed) {
+        LayerError::Cancelled
+    } else {
+        e
+    }
+}
+
 /// A big file for the hasher thread: the source fd (shared with the copy, which uses its own
 /// offsets) and the index of its hash slot.
 struct Job {
@@ -155,10 +201,11 @@ struct Job {
 fn hasher(
     jobs: mpsc::Receiver<Job>,
     out: mpsc::Sender<(usize, std::result::Result<[u8; 32], Errno>)>,
+    ctl: &Control,
 ) {
     let mut buf = vec![0u8; CHUNK];
     for job in jobs {
-        let r = hash_fd(job.file.as_fd(), job.size, &mut buf);
+        let r = hash_fd(job.file.as_fd(), job.size, &mut buf, ctl);
         if out.send((job.idx, r)).is_err() {
             return;
         }
@@ -166,7 +213,12 @@ fn hasher(
 }
 
 /// blake3 of `[0, size)` of `fd` (what the copy copies).
-fn hash_fd(fd: BorrowedFd<'_>, size: u64, buf: &mut [u8]) -> std::result::Result<[u8; 32], Errno> {
+fn hash_fd(
+    fd: BorrowedFd<'_>,
+    size: u64,
+    buf: &mut [u8],
+    ctl: &Control,
+) -> std::result::Result<[u8; 32], Errno> {
     static ZEROS: [u8; 65536] = [0u8; 65536];
     let mut h = blake3::Hasher::new();
     // Holes hash as the zeros they read as, without reading them.
@@ -182,7 +234,7 @@ fn hash_fd(fd: BorrowedFd<'_>, size: u64, buf: &mut [u8]) -> std::result::Result
         }
         read_range(fd, buf, start, end, |chunk, _| {
             h.update(chunk);
-            Ok(())
+            ctl.check()
         })
     })?;
     Ok(*h.finalize().as_bytes())
@@ -270,6 +322,7 @@ struct Walker {
     bytes: u64,
     entries: u64,
     limits: Limits,
+    ctl: Arc<Control>,
     buf: Vec<u8>,
     xbuf: Vec<u8>,
     vbuf: Vec<u8>,
@@ -377,6 +430,7 @@ impl Walker {
         name: &CStr,
         r: Vec<u8>,
     ) -> Result<Option<Frame>> {
+        self.ctl.check().map_err(|_| LayerError::Cancelled)?;
         let mut st = rfs::statat(src, name, NOFOLLOW).map_err(|e| os_err("stat", &r, e))?;
         let ft = FileType::from_raw_mode(st.st_mode);
         if ft != FileType::Directory {
@@ -507,7 +561,7 @@ impl Walker {
                 size,
                 file: sfd.clone(),
             });
-            copy_big(sfd.as_fd(), dfd.as_fd(), size, &mut self.buf)
+            copy_big(sfd.as_fd(), dfd.as_fd(), size, &mut self.buf, &self.ctl)
                 .map_err(|e| os_err("copy", r, e))?;
         }
         self.bytes += size;
@@ -558,6 +612,7 @@ impl Walker {
             }
             h.update(&self.buf[..n]);
             write_all(dst, &self.buf[..n], off).map_err(|e| os_err("write", r, e))?;
+            self.ctl.add(n as u64);
             off += n as u64;
         }
     }
@@ -745,6 +800,7 @@ fn copy_big(
     dst: BorrowedFd<'_>,
     size: u64,
     buf: &mut [u8],
+    ctl: &Control,
 ) -> std::result::Result<(), Errno> {
     let mut in_kernel = true;
     for_segments(src, size, |start, end, data| {
@@ -753,10 +809,12 @@ fn copy_big(
         }
         let (mut off_in, mut off_out) = (start, start);
         while in_kernel && off_in < end {
-            let len = (end - off_in).min(1 << 30) as usize;
+            ctl.check()?;
+            let len = (end - off_in).min(STEP as u64) as usize;
             match rfs::copy_file_range(src, Some(&mut off_in), dst, Some(&mut off_out), len) {
                 Ok(0) => return Ok(()), // EOF: the file shrank
-                Ok(_) | Err(Errno::INTR) => {}
+                Ok(n) => ctl.add(n as u64),
+                Err(Errno::INTR) => {}
                 Err(Errno::XDEV | Errno::OPNOTSUPP | Errno::NOSYS | Errno::INVAL) => {
                     in_kernel = false
                 }
@@ -764,7 +822,10 @@ fn copy_big(
             }
         }
         read_range(src, buf, off_in, end, |chunk, off| {
-            write_all(dst, chunk, off)
+            ctl.check()?;
+            write_all(dst, chunk, off)?;
+            ctl.add(chunk.len() as u64);
+            Ok(())
         })
     })?;
     rfs::ftruncate(dst, size)

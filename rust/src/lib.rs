@@ -23,6 +23,8 @@ mod zygote;
 
 use std::ffi::OsString;
 use std::os::fd::{IntoRawFd, RawFd};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -117,6 +119,7 @@ impl From<LayerError> for PyErr {
     fn from(e: LayerError) -> PyErr {
         match e {
             LayerError::Limit { what, limit } => LayerLimit::new_err((what, limit)),
+            LayerError::Cancelled => CaptureCancelled::new_err("the capture was cancelled"),
             e => os_error(e.errno(), format!("capture_layer: {e}")),
         }
     }
@@ -139,6 +142,13 @@ pyo3::create_exception!(
     LayerLimit,
     pyo3::exceptions::PyException,
     "A capture passed one of its limits: args (what, limit), what in bytes, entries, depth."
+);
+
+pyo3::create_exception!(
+    _core,
+    CaptureCancelled,
+    pyo3::exceptions::PyException,
+    "A capture stopped because its CaptureControl was cancelled (its partial copy is left)."
 );
 
 pyo3::create_exception!(
@@ -575,19 +585,47 @@ fn fs_chown(py: Python<'_>, root_fd: RawFd, path: OsString, uid: u32, gid: u32) 
     Ok(py.detach(|| fs::chown(root_fd, &path, uid, gid))?)
 }
 
+/// A running capture_layer as another thread sees it: `copied()` bytes of file data so far,
+/// and `cancel()`, which stops it within one chunk (it then raises CaptureCancelled).
+#[pyclass(name = "CaptureControl", module = "corral._core", frozen)]
+struct PyCaptureControl(Arc<layer::Control>);
+
+#[pymethods]
+impl PyCaptureControl {
+    #[new]
+    fn new() -> Self {
+        Self(Arc::new(layer::Control::default()))
+    }
+
+    fn copied(&self) -> u64 {
+        self.0.copied.load(Ordering::Relaxed)
+    }
+
+    fn cancel(&self) {
+        self.0.cancel.store(true, Ordering::Relaxed);
+    }
+
+    fn cancelled(&self) -> bool {
+        self.0.cancel.load(Ordering::Relaxed)
+    }
+}
+
 /// Copy a frozen sandbox's overlay upper dirs to a new snapshot layer and hash it in one pass:
 /// `parts` is [(n, upper dir, new dir)], a dir is made only for a non-empty upper. Returns
 /// (blake3 digest hex of the layer's manifest, bytes of file data). See layer.rs.
 /// Bounds: `max_bytes` of file content (apparent size), `max_entries`, `max_depth` levels;
-/// passing one raises LayerLimit(what, limit).
+/// passing one raises LayerLimit(what, limit). `control` (a CaptureControl) reports the bytes
+/// copied while it runs and cancels it; a cancelled capture raises CaptureCancelled.
 #[pyfunction]
-#[pyo3(signature = (parts, max_bytes = u64::MAX, max_entries = 1_000_000, max_depth = 512))]
+#[pyo3(signature = (parts, max_bytes = u64::MAX, max_entries = 1_000_000, max_depth = 512,
+                    control = None))]
 fn capture_layer(
     py: Python<'_>,
     parts: Vec<(u32, OsString, OsString)>,
     max_bytes: u64,
     max_entries: u64,
     max_depth: usize,
+    control: Option<Py<PyCaptureControl>>,
 ) -> PyResult<(String, u64)> {
     let parts = parts
         .into_iter()
@@ -608,7 +646,11 @@ fn capture_layer(
         max_entries,
         max_depth: max_depth.max(1),
     };
-    Ok(py.detach(|| layer::capture(&parts, limits))?)
+    let ctl = match control {
+        Some(c) => c.get().0.clone(),
+        None => Arc::new(layer::Control::default()),
+    };
+    Ok(py.detach(|| layer::capture(&parts, limits, &ctl))?)
 }
 
 /// Step timings (name, ns) of the calling thread's last spawn_sandbox or exec_in ("exec_in").
@@ -698,6 +740,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySpawnConfig>()?;
     m.add_class::<PyExecConfig>()?;
     m.add_class::<PyOverlay>()?;
+    m.add_class::<PyCaptureControl>()?;
     m.add_function(wrap_pyfunction!(init_memfd, m)?)?;
     m.add_function(wrap_pyfunction!(lockdown_binary, m)?)?;
     m.add_function(wrap_pyfunction!(seccomp_filter, m)?)?;
@@ -732,6 +775,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(remove_tree, m)?)?;
     m.add("ForbiddenPath", m.py().get_type::<ForbiddenPath>())?;
     m.add("LayerLimit", m.py().get_type::<LayerLimit>())?;
+    m.add("CaptureCancelled", m.py().get_type::<CaptureCancelled>())?;
     m.add_function(wrap_pyfunction!(fs_write, m)?)?;
     m.add_function(wrap_pyfunction!(fs_list, m)?)?;
     m.add_function(wrap_pyfunction!(fs_stat, m)?)?;

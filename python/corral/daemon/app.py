@@ -11,6 +11,7 @@ shared pydantic models; a validation failure is ``invalid_request`` with pydanti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import logging
@@ -60,6 +61,7 @@ from corral.daemon.routes import (
     link,
     list_of,
 )
+from corral.daemon.snapshots import CaptureControl
 from corral.daemon.substrates.process import api as run_code_api
 from corral.daemon.trajlog import (
     KEY_HEADER,
@@ -78,6 +80,7 @@ from corral.errors import (
     NotFound,
     ReplayDivergence,
     SandboxNotFound,
+    SnapshotNotFound,
 )
 from corral.models import (
     AllowlistInfo,
@@ -290,17 +293,20 @@ async def create_batch(request: web.Request) -> web.StreamResponse:
                                    for i in infos))
         return {"sandboxes": infos}
 
+    async def undo(made: list[Any]) -> None:
+        await engine.kill_many([sb.id for sb in made])
+
     return await batches.run(
-        request, req.count,
+        request, batches.Progress(req.count),
         lambda p: engine.create_many(req.count, req.spec, on_made=p.tick), answer, 201,
-        cancel_when_gone=True)
+        cancel_when_gone=True, undo=undo)
 
 
 async def exec_batch(request: web.Request) -> web.StreamResponse:
     req = await _body(request, ExecManyRequest)
     engine = _engine(request)
     return await batches.run(
-        request, len(req.ids),
+        request, batches.Progress(len(req.ids)),
         lambda p: engine.exec_many(req.ids, req.exec, req.concurrency, on_done=p.tick),
         lambda results: {"results": results})
 
@@ -321,7 +327,7 @@ async def kill_batch(request: web.Request) -> web.StreamResponse:
                 "not_killed": not_killed}
 
     return await batches.run(
-        request, len(req.ids),
+        request, batches.Progress(len(req.ids)),
         lambda p: _engine(request).kill_many(req.ids, on_done=p.tick), answer)
 
 
@@ -663,22 +669,52 @@ async def tar_download(request: web.Request) -> web.StreamResponse:
 _snap = ops.snap_info
 
 
-async def snapshot_sandbox(request: web.Request) -> web.Response:
+# Long calls (corral.daemon.batches): streamed on ?stream=ndjson; a client that leaves a
+# snapshot or a fork cancels it (nothing made is kept, unless keyed and already done: its
+# retry fetches it), a restore runs to its end.
+async def snapshot_sandbox(request: web.Request) -> web.StreamResponse:
     req = await _body(request, SnapshotRequest)
+    engine, key = _engine(request), _key(request)
+    control = CaptureControl()
     # Fast-forwarded: the snapshot as logged (also if it was deleted since).
-    return _json(await _dispatch(request, ops.Snapshot(request.match_info["id"], _key(request),
-                                                       req.name)), 201)
+    op = ops.Snapshot(request.match_info["id"], key, req.name, control)
+
+    async def undo(snap: dict[str, Any]) -> None:
+        _forget_snapshot(engine, snap["id"])
+
+    return await batches.run(request, batches.Progress(copied=control.copied),
+                             lambda _: _dispatch(request, op), _same, 201,
+                             cancel_when_gone=True, undo=None if key else undo)
 
 
-async def fork_sandbox(request: web.Request) -> web.Response:
+async def fork_sandbox(request: web.Request) -> web.StreamResponse:
     """Fast-forwarded, a fork returns the same children: see _fork_child."""
     req = await _body(request, ForkRequest)
-    engine = _engine(request)
-    res = await _dispatch(request, ops.Fork(request.match_info["id"], _key(request), req.count,
-                                            req.name, req.keep_snapshot, req.model_dump()))
-    return _json({"snapshot": res["snapshot"],
-                  "sandboxes": [await _fork_child(engine, cid) for cid in res["sandboxes"]]},
-                 201)
+    engine, key = _engine(request), _key(request)
+    control = CaptureControl()
+    progress = batches.Progress(req.count, copied=control.copied)
+    op = ops.Fork(request.match_info["id"], key, req.count, req.name,
+                  req.keep_snapshot, req.model_dump(), control, progress.tick)
+
+    async def undo(res: dict[str, Any]) -> None:
+        await engine.kill_many(res["sandboxes"])
+        _forget_snapshot(engine, res["snapshot"]["id"])
+
+    async def answer(res: dict[str, Any]) -> dict[str, Any]:
+        return {"snapshot": res["snapshot"],
+                "sandboxes": [await _fork_child(engine, cid) for cid in res["sandboxes"]]}
+
+    return await batches.run(request, progress, lambda _: _dispatch(request, op), answer, 201,
+                             cancel_when_gone=True, undo=None if key else undo)
+
+
+def _same(value: T) -> T:
+    return value
+
+
+def _forget_snapshot(engine: Engine, snap_id: str) -> None:
+    with contextlib.suppress(SnapshotNotFound):  # not kept, or deleted meanwhile
+        engine.snapshot_delete(snap_id)
 
 
 async def _fork_child(engine: Engine, cid: str) -> dict[str, Any]:
@@ -697,11 +733,12 @@ async def _fork_child(engine: Engine, cid: str) -> dict[str, Any]:
     return dict(info, state="dead")
 
 
-async def restore_sandbox(request: web.Request) -> web.Response:
+async def restore_sandbox(request: web.Request) -> web.StreamResponse:
     req = await _body(request, RestoreRequest)
-    info = await _dispatch(request, ops.Restore(request.match_info["id"], _key(request),
-                                                req.snapshot))
-    return _json(_as_now(_engine(request), info))
+    engine = _engine(request)
+    op = ops.Restore(request.match_info["id"], _key(request), req.snapshot)
+    return await batches.run(request, batches.Progress(), lambda _: _dispatch(request, op),
+                             lambda info: _as_now(engine, info))
 
 
 async def pause_sandbox(request: web.Request) -> web.Response:
@@ -946,16 +983,16 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", SB + "/files/tar", tar_download, "A tar of a directory or file",
           response="tar", query=(PATH_Q,), errors=SB_ERR),
     Route("POST", SB + "/snapshot", snapshot_sandbox, "Snapshot the sandbox's files as a "
-          "layer", body=SnapshotRequest, response=SnapshotInfo, status=201, query=(KEY_H,),
-          errors=(*SB_ERR, 501), links=_SNAP_LINKS),
+          "layer", body=SnapshotRequest, response=SnapshotInfo, status=201,
+          query=(KEY_H, STREAM_Q), also=("ndjson",), errors=(*SB_ERR, 501), links=_SNAP_LINKS),
     Route("POST", SB + "/fork", fork_sandbox, "Snapshot + count sandboxes on it (all or "
-          "nothing)", body=ForkRequest, response=ForkResult, status=201, query=(KEY_H,),
-          errors=(*SB_ERR, 429, 501), links={
+          "nothing)", body=ForkRequest, response=ForkResult, status=201,
+          query=(KEY_H, STREAM_Q), also=("ndjson",), errors=(*SB_ERR, 429, 501), links={
               "exec_child": link("exec_cmd", id="$response.body#/sandboxes/0/id"),
               "get_snapshot": link("get_snapshot", snap="$response.body#/snapshot/id")}),
     Route("POST", SB + "/restore", restore_sandbox, "Roll the sandbox back to a snapshot in "
           "place (its processes are restarted)", body=RestoreRequest, response=SandboxInfo,
-          query=(KEY_H,), errors=(*SB_ERR, 501)),
+          query=(KEY_H, STREAM_Q), also=("ndjson",), errors=(*SB_ERR, 501)),
     Route("POST", SB + "/pause", pause_sandbox, "Freeze every process of the sandbox",
           response=SandboxInfo, query=(KEY_H,), errors=(*SB_ERR, 501)),
     Route("POST", SB + "/resume", resume_sandbox, "Thaw a paused sandbox",

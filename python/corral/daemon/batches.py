@@ -1,16 +1,20 @@
-"""Batch calls for a client: never silent, never orphaned.
+"""Long calls for a client: never silent, never orphaned.
 
-A batch (create, exec or destroy of many sandboxes) can take longer than a client waits. Two
-rules hold for every batch route:
+A batch (create, exec or destroy of many sandboxes), a snapshot, a fork or a restore can take
+longer than a client waits. Two rules hold for each of these routes:
 
-- ``?stream=ndjson`` answers with JSON lines: ``{"progress": {"done", "count"}}`` at least
-  every ``PROGRESS_EVERY_S`` (every ``PROGRESS_TICK_S`` while items finish), then one last
-  line, the route's usual response object, or ``{"error": {...}}``. A client's read timeout
-  then measures silence, not the batch's length.
+- ``?stream=ndjson`` answers with JSON lines: ``{"progress": {...}}`` with what is known so
+  far (a batch: ``done`` of ``count`` items; a snapshot: ``bytes`` copied; a fork: both) at
+  least every ``PROGRESS_EVERY_S`` (every ``PROGRESS_TICK_S`` while it changes), then one
+  last line, the route's usual response object, or ``{"error": {...}}``. A client's read
+  timeout then measures silence, not the call's length.
 - A client that leaves (closes the connection, or a stream write fails) cancels a create
-  batch: it destroys the sandboxes it made (all or nothing), so none lives on until its TTL.
-  Exec and destroy batches run to their end (each result is in its sandbox's trajectory log;
-  a command cut half-way would be a result nobody asked for).
+  batch, a snapshot and a fork: what they made is undone (all or nothing: the sandboxes made
+  are destroyed, the partial snapshot removed), so nothing lives on until a TTL. One that
+  leaves after the work ended but before its answer went out gets it undone too (``undo``),
+  unless the call is keyed: its retry fetches the logged result. Exec and
+  destroy batches and a restore run to their end (each result is in its sandbox's trajectory
+  log; a command or a restore cut half-way would be a result nobody asked for).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -27,6 +32,7 @@ from aiohttp import web
 from corral.errors import CorralError, InternalError, InvalidRequest
 
 T = TypeVar("T")
+log = logging.getLogger("corral.batches")
 PROGRESS_EVERY_S = 1.0  # the longest a streamed batch stays silent
 PROGRESS_TICK_S = 0.2   # a streamed batch's progress lines come at most this often
 GONE_POLL_S = 0.25      # how often an unstreamed batch checks that its client is still there
@@ -34,17 +40,27 @@ STREAM_MEDIA = "ndjson"
 
 
 class Progress:
-    """Items of the batch finished so far (the work calls ``tick`` once per item)."""
+    """What the call has done so far: items finished of ``count`` (the work calls ``tick``
+    once per item), and bytes ``copied()`` when the call copies; a call that knows neither
+    (a restore) sends ``{"progress": {}}``, still a sign of life."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int | None = None,
+                 copied: Callable[[], int] | None = None) -> None:
         self.count = count
         self.done = 0
+        self.copied = copied
 
     def tick(self) -> None:
         self.done += 1
 
+    def fields(self) -> dict[str, int]:
+        out = {} if self.count is None else {"done": self.done, "count": self.count}
+        if self.copied is not None:
+            out["bytes"] = self.copied()
+        return out
+
     def line(self) -> bytes:
-        return _line({"progress": {"done": self.done, "count": self.count}})
+        return _line({"progress": self.fields()})
 
 
 def _line(obj: Any) -> bytes:
@@ -79,30 +95,44 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
         await task
 
 
-async def run(request: web.Request, count: int,
+async def _undo(task: asyncio.Future[T], undo: Callable[[T], Awaitable[Any]] | None) -> None:
+    """The work ended but nobody is there for its answer: undo what it made (shielded: a
+    shutdown meanwhile does not cut it half-way). Work that failed or was cancelled undid
+    itself."""
+    if undo is None or not task.done() or task.cancelled() or task.exception() is not None:
+        return
+    try:
+        await asyncio.shield(undo(task.result()))
+    except Exception:  # noqa: BLE001 - logged; the client is gone either way
+        log.exception("undoing a call whose client left failed")
+
+
+async def run(request: web.Request, progress: Progress,
               work: Callable[[Progress], Awaitable[T]],
               answer: Callable[[T], Awaitable[Any] | Any], status: int = 200,
-              cancel_when_gone: bool = False) -> web.StreamResponse:
+              cancel_when_gone: bool = False,
+              undo: Callable[[T], Awaitable[Any]] | None = None) -> web.StreamResponse:
     """Run ``work`` for ``request`` under the two rules above; ``answer`` turns its result
     into the response object (it may be a coroutine: the trajectory log of a create batch).
-    ``cancel_when_gone``: a client that leaves cancels the work (else it runs to its end)."""
+    ``progress`` is what the work reports (passed to it) and the progress lines say.
+    ``cancel_when_gone``: a client that leaves cancels the work (else it runs to its end);
+    ``undo``: what undoes the work's result when its client left after it ended."""
     streamed = wants_stream(request)  # a bad value is refused before anything is done
-    progress = Progress(count)
     task = asyncio.ensure_future(work(progress))
     if not cancel_when_gone:
         task = asyncio.ensure_future(_finishing(task))
     if streamed:
-        return await _streamed(request, task, progress, answer, status)
+        return await _streamed(request, task, progress, answer, status, undo)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=GONE_POLL_S)
-            if done:
+            if done and (undo is None or not client_gone(request)):
                 break
             if client_gone(request):
-                await _cancel(task)
                 raise asyncio.CancelledError  # nobody to answer
     except asyncio.CancelledError:
         await _cancel(task)
+        await _undo(task, undo)
         raise
     obj = answer(task.result())
     if asyncio.iscoroutine(obj):
@@ -112,23 +142,25 @@ async def run(request: web.Request, count: int,
 
 
 async def _streamed(request: web.Request, task: asyncio.Future[T], progress: Progress,
-                    answer: Callable[[T], Awaitable[Any] | Any],
-                    status: int) -> web.StreamResponse:
+                    answer: Callable[[T], Awaitable[Any] | Any], status: int,
+                    undo: Callable[[T], Awaitable[Any]] | None) -> web.StreamResponse:
     """The status is sent first, so it is the route's success status; a failure is the
     stream's last line."""
     resp = web.StreamResponse(status=status, headers={"Content-Type": "application/x-ndjson"})
     try:
         await resp.prepare(request)
-        await resp.write(progress.line())
-        sent, last = progress.done, time.monotonic()
+        sent, last = progress.fields(), time.monotonic()
+        await resp.write(_line({"progress": sent}))
         while not task.done():
             await asyncio.wait({task}, timeout=PROGRESS_TICK_S)
             if client_gone(request):
                 raise ConnectionResetError("the client left")
-            now = time.monotonic()
-            if not task.done() and (progress.done != sent or now - last >= PROGRESS_EVERY_S):
-                await resp.write(progress.line())
-                sent, last = progress.done, now
+            now, fields = time.monotonic(), progress.fields()
+            if not task.done() and (fields != sent or now - last >= PROGRESS_EVERY_S):
+                await resp.write(_line({"progress": fields}))
+                sent, last = fields, now
+        if client_gone(request):  # it ended as the client left
+            raise ConnectionResetError("the client left")
         try:
             obj = answer(task.result())
             if asyncio.iscoroutine(obj):
@@ -136,11 +168,12 @@ async def _streamed(request: web.Request, task: asyncio.Future[T], progress: Pro
         except CorralError as e:
             obj = e.to_payload()
         except Exception as e:  # noqa: BLE001 - the stream's last line says it; never a 500
-            obj = InternalError(f"batch failed: {e}").to_payload()
+            obj = InternalError(f"call failed: {e}").to_payload()
         await resp.write(progress.line())
         await resp.write(_line(obj))
         await resp.write_eof()
     except (ConnectionError, asyncio.CancelledError):
         await _cancel(task)
+        await _undo(task, undo)
         raise
     return resp

@@ -340,13 +340,15 @@ class Transfer(Op):
 @dataclass(frozen=True, slots=True)
 class Snapshot(Op):
     snap_name: str | None
+    # How far the copy is, and its cancel (corral.daemon.snapshots.CaptureControl).
+    control: Any = field(default=None, compare=False, repr=False)
     name: ClassVar[str] = "snapshot"
 
     def request(self) -> Any:
         return {"name": self.snap_name}
 
     async def run(self, engine: Engine) -> Any:
-        return snap_info(await engine.snapshot(self.sid, self.snap_name))
+        return snap_info(await engine.snapshot(self.sid, self.snap_name, self.control))
 
     def snapshot_ids(self) -> SnapIds:
         return lambda r: [r["id"]]
@@ -361,6 +363,9 @@ class Fork(Op):
     snap_name: str | None
     keep_snapshot: bool
     logged_request: dict[str, Any] = field(default_factory=dict)
+    # Progress: the capture's control, and a call per child made.
+    control: Any = field(default=None, compare=False, repr=False)
+    on_made: Callable[[], None] | None = field(default=None, compare=False, repr=False)
     name: ClassVar[str] = "fork"
 
     def request(self) -> Any:
@@ -369,7 +374,8 @@ class Fork(Op):
     async def run(self, engine: Engine) -> Any:
         started = engine.clock.time()
         rec, kids = await engine.fork(self.sid, self.count, self.snap_name,
-                                      self.keep_snapshot, self.key)
+                                      self.keep_snapshot, self.key, self.control,
+                                      self.on_made)
         tl = engine.trajlog
         if kids and tl.enabled:
             spec = dict(kids[0].spec.model_dump(mode="json"), parent=self.sid)

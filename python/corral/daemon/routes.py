@@ -77,9 +77,10 @@ MODE_Q = Param("mode", description="permission bits: decimal (420) or octal with
                schema={"anyOf": [{"type": "integer", "minimum": 0, "maximum": 0o7777},
                                  {"type": "string", "pattern": OCTAL_MODE}]})
 STREAM_Q = Param("stream", description=(
-    "ndjson: answer as JSON lines, a progress line `{\"progress\": {\"done\", \"count\"}}` at "
-    "least every second, then the response object (or `{\"error\": {...}}`) as the last "
-    "line. Without it the answer comes at the end. See docs/daemon.md, batches"),
+    "ndjson: answer as JSON lines, a progress line `{\"progress\": {...}}` at least every "
+    "second with what is known (a batch: `done`, `count`; a snapshot: `bytes` copied; a fork: "
+    "all three; a restore: nothing), then the response object (or `{\"error\": {...}}`) as "
+    "the last line. Without it the answer comes at the end. See docs/daemon.md, long calls"),
     schema={"type": "string", "enum": ["ndjson"]})
 FORMAT_Q = Param("format", description="json (default) or jsonl (one LogEntry a line)",
                  schema={"type": "string", "enum": ["json", "jsonl"]})

@@ -22,7 +22,10 @@ hashed and written; then thaw. The digest is blake3 over a sorted manifest (path
 modes, owners, mtimes, xattrs, link targets and file contents) of what was written; the source
 cannot change while frozen, so hashing it is hashing the copy, without reading the copy back.
 :func:`layer_digest` recomputes it from a stored layer (the tests check that the two agree).
-Cost grows with what the sandbox changed, never with the image.
+Cost grows with what the sandbox changed, never with the image. A capture is given a
+``CaptureControl``: the caller reads the bytes copied so far from it (progress lines) and
+cancels through it (the client left): the copy stops within one chunk and its partial layer
+dir is removed.
 Hard-linking the upper's files would be cheaper but wrong: the sandbox keeps writing to those
 inodes in place (the upper is not copied up again), which would change the snapshot.
 
@@ -60,6 +63,9 @@ log = logging.getLogger("corral.snapshots")
 # (origin, impure, nlink, upper, uuid) describe one mount's upper and are dropped.
 _KEEP_OVL = {"trusted.overlay.opaque", "trusted.overlay.redirect", "trusted.overlay.metacopy",
              "trusted.overlay.whiteout", "trusted.overlay.whiteouts"}
+# A running capture's shared state: bytes copied so far, and its cancel.
+CaptureControl = _core.CaptureControl
+
 # mount(2) takes the overlay options in one page: "lowerdir=...,upperdir=...,workdir=...".
 MOUNT_OPTIONS_MAX = 4095
 
@@ -338,9 +344,10 @@ class SnapshotStore:
         removal.remove_later(path)
 
     # ---- capture (worker thread) -----------------------------------------------------------
-    def capture(self, uppers: Layers, freeze: Callable[[], Any],
-                thaw: Callable[[], Any]) -> tuple[str, str, int]:
-        """Copy the uppers into a new temporary layer dir; return (tmp dir, digest, bytes)."""
+    def capture(self, uppers: Layers, freeze: Callable[[], Any], thaw: Callable[[], Any],
+                control: CaptureControl | None = None) -> tuple[str, str, int]:
+        """Copy the uppers into a new temporary layer dir; return (tmp dir, digest, bytes).
+        Cancelled through ``control``: raises ``_core.CaptureCancelled``, nothing kept."""
         tmp = self._take_spare()
         parts = [(n, upper, os.path.join(tmp, str(n))) for n, upper in enumerate(uppers)]
         try:
@@ -349,7 +356,7 @@ class SnapshotStore:
                 # One pass in the Rust core, GIL released: copy and hash side by side (the
                 # source cannot change while frozen, so its hash is the copy's).
                 digest, size = _core.capture_layer(parts, self.max_bytes, self.max_entries,
-                                                   self.MAX_DEPTH)
+                                                   self.MAX_DEPTH, control)
             finally:
                 thaw()
             with contextlib.suppress(OSError):
@@ -363,6 +370,10 @@ class SnapshotStore:
         except BaseException:
             removal.quiet_remove(tmp)
             raise
+
+    def drop(self, tmp: str) -> None:
+        """A captured layer dir that will not be committed (its call was cancelled)."""
+        self._rm_later(tmp)
 
     def commit(self, tmp: str, digest: str, size: int, *, name: str | None,
                parent: str | None, image: str, base: Layers,

@@ -147,13 +147,14 @@ def create(s: SandboxSpec) -> Call[SandboxInfo]:
     return _keyed(Call("POST", "/v1/sandboxes", _info, body=_body(s)))
 
 
-# Batches are asked for as a stream of progress lines (docs/daemon.md, batches): the daemon is
-# never silent for more than a second, so the read timeout measures silence, not the batch.
+# Long calls (batches, snapshot, fork, restore) are asked for as a stream of progress lines
+# (docs/daemon.md, long calls): the daemon is never silent for more than a second, so the read
+# timeout measures silence, not the call's length.
 BATCH_STREAM = [("stream", "ndjson")]
 
 
 def _streamed(parse: Callable[[bytes], T]) -> Callable[[bytes], T]:
-    """The answer of a streamed batch: its last line (the lines before are progress)."""
+    """The answer of a streamed call: its last line (the lines before are progress)."""
     def run(body: bytes) -> T:
         lines = [line for line in body.split(b"\n") if line.strip()]
         last = json.loads(lines[-1]) if lines else {}
@@ -167,7 +168,7 @@ def _streamed(parse: Callable[[bytes], T]) -> Callable[[bytes], T]:
 
 def lost_answer() -> CorralError:
     # As a connection lost mid-call: the batch's outcome is unknown to the caller.
-    return DaemonRestarted("the batch's stream ended before its answer (the daemon stopped or "
+    return DaemonRestarted("the call's stream ended before its answer (the daemon stopped or "
                            "the connection dropped); its outcome is unknown")
 
 
@@ -335,20 +336,22 @@ def _snap_key(snapshot: Any) -> str:
 
 def snapshot(sid: str, name: str | None = None) -> Call[SnapshotInfo]:
     req = validated(SnapshotRequest, name=name)
-    return _keyed(Call("POST", sb_path(sid) + "/snapshot", SnapshotInfo.model_validate_json,
-                       body=_body(req), timeout=DEFAULT_READ_TIMEOUT * 5))
+    return _keyed(Call("POST", sb_path(sid) + "/snapshot",
+                       _streamed(SnapshotInfo.model_validate_json), query=BATCH_STREAM,
+                       body=_body(req)))
 
 
 def fork(sid: str, count: int, name: str | None = None,
          keep_snapshot: bool = False) -> Call[ForkResult]:
     req = validated(ForkRequest, count=count, name=name, keep_snapshot=keep_snapshot)
-    return _keyed(Call("POST", sb_path(sid) + "/fork", ForkResult.model_validate_json,
-                       body=_body(req), timeout=DEFAULT_READ_TIMEOUT * 5 + 0.05 * count))
+    return _keyed(Call("POST", sb_path(sid) + "/fork", _streamed(ForkResult.model_validate_json),
+                       query=BATCH_STREAM, body=_body(req)))
 
 
 def restore(sid: str, snapshot: Any) -> Call[SandboxInfo]:
     req = validated(RestoreRequest, snapshot=_snap_key(snapshot))
-    return _keyed(Call("POST", sb_path(sid) + "/restore", _info, body=_body(req)))
+    return _keyed(Call("POST", sb_path(sid) + "/restore", _streamed(_info), query=BATCH_STREAM,
+                       body=_body(req)))
 
 
 def pause(sid: str) -> Call[SandboxInfo]:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from corral.daemon import persist, snapshots
-from corral.errors import SnapshotExists, Unsupported
+from corral.errors import SnapshotExists, SnapshotNotFound, Unsupported
 
 from .base import Sandbox
 
@@ -22,9 +24,12 @@ class SnapshotOps:
             raise Unsupported("snapshots are not available")
         return self.snaps
 
-    async def snapshot(self: EngineHost, sid: str, name: str | None) -> dict[str, Any]:
+    async def snapshot(self: EngineHost, sid: str, name: str | None,
+                       control: snapshots.CaptureControl | None = None) -> dict[str, Any]:
         """The sandbox's files (what it changed over its image) as a new layer on its own
-        chain (Substrate.capture)."""
+        chain (Substrate.capture). ``control`` reports the bytes copied; a cancel (the client
+        left) stops the copy, waits for it to end (thawed, its partial layer removed) and
+        leaves no snapshot."""
         store = self._snaps()
         sb = self.lookup(sid)
         substrate = self.substrates[sb.spec.substrate]
@@ -47,10 +52,12 @@ class SnapshotOps:
         store.acquire(layers)  # the sandbox may die meanwhile: keep its chain
         sb.threads += 1
         sb.capturing = asyncio.get_running_loop().create_future()
+        control = control if control is not None else snapshots.CaptureControl()
         try:
-            tmp, digest, size = await asyncio.to_thread(substrate.capture, runtime,
-                                                        substrate.image_on(image, base, store),
-                                                        store, paused)
+            copy = asyncio.ensure_future(asyncio.to_thread(
+                substrate.capture, runtime, substrate.image_on(image, base, store), store,
+                paused, control))
+            tmp, digest, size = await _to_the_end(copy, control, store)
         finally:
             sb.threads -= 1
             store.release(layers)
@@ -66,10 +73,14 @@ class SnapshotOps:
         return rec
 
     async def fork(self: EngineHost, sid: str, count: int, name: str | None, keep: bool,
-                   key: str | None = None) -> tuple[dict[str, Any], builtins.list[Sandbox]]:
-        """Snapshot + ``count`` sandboxes on it with the parent's spec (one call). A parent
-        made for trajectory ``T`` forked under key ``T:S`` (or explicit key ``S``) gives child
-        ``i`` the trajectory ``T/forkS/i``, the SDK's name for it."""
+                   key: str | None = None, control: snapshots.CaptureControl | None = None,
+                   on_made: Callable[[], None] | None = None,
+                   ) -> tuple[dict[str, Any], builtins.list[Sandbox]]:
+        """Snapshot + ``count`` sandboxes on it with the parent's spec (one call, all or
+        nothing: a failure or a cancel destroys the children made and drops the snapshot,
+        ``keep`` or not). A parent made for trajectory ``T`` forked under key ``T:S`` (or
+        explicit key ``S``) gives child ``i`` the trajectory ``T/forkS/i``, the SDK's name for
+        it. ``control`` and ``on_made``: progress of the capture and of the children."""
         sb = self.lookup(sid)
         substrate = self.substrates[sb.spec.substrate]
         if not substrate.capabilities.snapshot:
@@ -80,14 +91,20 @@ class SnapshotOps:
             head, sep, step = key.rpartition(":")
             if not sep or head == sb.trajectory:
                 kids_of = [f"{sb.trajectory}/fork{step}/{i}" for i in range(count)]
-        rec = await self.snapshot(sid, name)
+        rec = await self.snapshot(sid, name, control)
         spec = sb.spec.model_copy(update={"snapshot": rec["id"]})
         try:
-            kids = await self.create_many(count, spec, kids_of)
-        finally:
-            if not keep:
-                self._snaps().delete(rec["id"])  # the children hold its layers
+            kids = await self.create_many(count, spec, kids_of, on_made)
+        except BaseException:  # all or nothing: the children made are destroyed by now
+            self._drop_snapshot(rec["id"])
+            raise
+        if not keep:
+            self._drop_snapshot(rec["id"])  # the children hold its layers
         return rec, kids
+
+    def _drop_snapshot(self: EngineHost, snap_id: str) -> None:
+        with contextlib.suppress(SnapshotNotFound):  # deleted through the API meanwhile
+            self._snaps().delete(snap_id)
 
     async def restore(self: EngineHost, sid: str, key: str) -> Sandbox:
         """Roll a sandbox back to a snapshot in place: same id, spec and limits; its
@@ -147,3 +164,20 @@ class SnapshotOps:
 
     def snapshot_delete(self: EngineHost, key: str) -> dict[str, Any]:
         return self._snaps().delete(key)
+
+
+async def _to_the_end(copy: asyncio.Future[tuple[str, str, int]],
+                      control: snapshots.CaptureControl,
+                      store: snapshots.SnapshotStore) -> tuple[str, str, int]:
+    """The capture's result; cancelled, it stops the copy and returns only once the worker
+    thread is done (the sandbox thawed, the partial layer removed), then re-raises."""
+    try:
+        return await asyncio.shield(copy)
+    except asyncio.CancelledError:
+        control.cancel()
+        while not copy.done():
+            with contextlib.suppress(BaseException):  # a second cancel still waits for it
+                await asyncio.shield(copy)
+        if not copy.cancelled() and copy.exception() is None:
+            store.drop(copy.result()[0])  # it ended before it saw the cancel
+        raise

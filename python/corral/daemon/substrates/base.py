@@ -30,7 +30,7 @@ from corral.errors import Unsupported
 from corral.models import FileEntry, SandboxSpec
 
 if TYPE_CHECKING:
-    from corral.daemon.snapshots import SnapshotStore
+    from corral.daemon.snapshots import CaptureControl, SnapshotStore
     from corral.daemon.streams import TreeOps
 
 __all__ = ["Capabilities", "ExecSpec", "SandboxRuntime", "Spawned", "Substrate"]
@@ -165,10 +165,11 @@ class Substrate(ABC):
         raise self._lacks("snapshot")
 
     def capture(self, runtime: SandboxRuntime, image: Any, store: SnapshotStore,
-                paused: bool) -> tuple[str, str, int]:
+                paused: bool, control: CaptureControl | None = None) -> tuple[str, str, int]:
         """Copy the sandbox's own files (what it changed over ``image``) into a new layer of
         ``store``, frozen meanwhile unless ``paused`` (then it is frozen already): (temporary
-        layer dir, digest, bytes) for ``store.commit``. Runs in a worker thread."""
+        layer dir, digest, bytes) for ``store.commit``. Runs in a worker thread; ``control``
+        (passed on to ``store.capture``) reports its bytes copied and cancels it."""
         raise self._lacks("snapshot")
 
     def reset(self, runtime: SandboxRuntime, spec: SandboxSpec, image: Any) -> SandboxRuntime:

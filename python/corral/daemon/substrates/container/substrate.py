@@ -72,7 +72,7 @@ from .threads import _dup, _reap_later
 if TYPE_CHECKING:  # pragma: no cover
     from corral.daemon.cgroups import CgroupManager
     from corral.daemon.images import Image, ImageStore
-    from corral.daemon.snapshots import SnapshotStore
+    from corral.daemon.snapshots import CaptureControl, SnapshotStore
 
 
 log = logging.getLogger("corral.container")
@@ -927,7 +927,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         return [os.path.join(base, str(i)) for i in range(len(os.listdir(base)))]
 
     def capture(self, runtime: SandboxRuntime, image: Any, store: SnapshotStore,
-                paused: bool) -> tuple[str, str, int]:
+                paused: bool, control: CaptureControl | None = None) -> tuple[str, str, int]:
         """The overlay uppers, copied while the cgroup freezer holds the sandbox (a host
         without a freezer: a best-effort copy of a live tree)."""
         store.check_fits(image.overlays, self.sandboxes_dir, extra_layers=1)
@@ -952,7 +952,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
                 except OSError:
                     pass
 
-        return store.capture(self._uppers(runtime), freeze, thaw)
+        return store.capture(self._uppers(runtime), freeze, thaw, control)
 
     def metrics(self) -> dict[str, int]:
         out = {f"execs_via_{k}": v for k, v in self.exec_paths.items()}

@@ -40,7 +40,7 @@ from corral.errors import CorralError, InternalError, SandboxNotRunning
 from corral.models import SandboxSpec
 
 if TYPE_CHECKING:  # pragma: no cover
-    from corral.daemon.snapshots import SnapshotStore
+    from corral.daemon.snapshots import CaptureControl, SnapshotStore
 
 log = logging.getLogger("corral.gvisor")
 
@@ -425,7 +425,7 @@ class GvisorSubstrate(RootFileOps, Substrate):
                                    meta={**image.meta, "layers": list(layers)})
 
     def capture(self, runtime: SandboxRuntime, image: Any, store: SnapshotStore,
-                paused: bool) -> tuple[str, str, int]:
+                paused: bool, control: CaptureControl | None = None) -> tuple[str, str, int]:
         """The root's upper dirs, copied while `runsc pause` holds every task of the sandbox
         (with --file-access=shared a write inside is on the host side when its call
         returns). A sandbox that cannot be paused is not copied live: the snapshot fails."""
@@ -441,7 +441,7 @@ class GvisorSubstrate(RootFileOps, Substrate):
             if not paused:
                 self.thaw(runtime)
 
-        return store.capture(uppers, freeze, thaw)
+        return store.capture(uppers, freeze, thaw, control)
 
     def reset(self, runtime: SandboxRuntime, spec: SandboxSpec, image: Any) -> SandboxRuntime:
         """Restore in place: the sandbox's sentry, gofer, cgroup, root and runsc state go (as
