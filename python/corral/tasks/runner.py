@@ -3,9 +3,10 @@ record each.
 
 A trial: a sandbox from the task's start snapshot (build.py), ``/logs/agent`` and
 ``/logs/verifier`` made, the agent (agents.py), then the verifier: every process the agent
-left killed, ``/logs/verifier`` and ``/tests`` emptied (nothing the agent left there counts), ``tests/`` copied to ``/tests``, ``bash
-/tests/test.sh`` run as root (or ``[verifier] user``), its reward read from
-``/logs/verifier/reward.json`` (its ``reward`` key) or ``reward.txt``; the sandbox killed.
+left killed, ``/logs/verifier`` and ``/tests`` emptied (nothing the agent left there
+counts), ``tests/`` copied to ``/tests``, ``bash /tests/test.sh`` run as root (or
+``[verifier] user``), its reward read from ``/logs/verifier/reward.json`` (its ``reward``
+key) or ``reward.txt``; the sandbox killed.
 
 Status of a trial:
 - ``ok``: the verifier wrote a reward;
