@@ -80,7 +80,7 @@ def load(path: str) -> Agent:
         obj = obj()
     if not callable(obj):
         raise invalid(f"agent {path!r} is not callable")
-    return obj  # type: ignore[no-any-return]
+    return obj
 
 
 BUILTIN: dict[str, Agent] = {"oracle": oracle, "nop": nop}

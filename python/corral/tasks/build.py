@@ -90,7 +90,7 @@ async def _copy(sb: AsyncSandbox, step: Copy) -> None:
             await sb.files.mkdir(posixpath.dirname(target) or "/")
             await sb.files.write(target, data, mode=os.stat(src).st_mode & 0o7777)
         if step.chown:
-            await sb.exec(["chown", "-R", step.chown, target], timeout=120)
+            (await sb.exec(["chown", "-R", step.chown, target], timeout=120)).check()
 
 
 __all__ = ["BUILD_LABEL", "Builder", "sandbox_spec"]

@@ -95,7 +95,7 @@ def _pairs(args: str, env: dict[str, str], what: str, n: int) -> dict[str, str]:
         if what == "ARG":
             return {words[0]: env.get(words[0], "")}
         return {words[0]: _subst(args.split(None, 1)[1] if len(words) > 1 else "", env)}
-    out = {}
+    out: dict[str, str] = {}
     for w in words:
         if "=" not in w:
             raise invalid(f"Dockerfile line {n}: {what} {w!r} is not KEY=VALUE")
