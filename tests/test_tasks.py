@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -286,3 +287,49 @@ def test_killed_runner_resumes_from_the_trajectory_log(tmp_path: Path, no_leaks:
     assert [(r["status"], r["trajectory_id"]) for r in trials] == [
         ("infra", f"{run_id}/slow/0"), ("ok", f"{run_id}/slow/0/retry1")]
     assert not live(run_id)
+
+
+POLICY = '''
+from corral.tasks.taskdir import TaskDir
+
+async def solve(sandbox, task: TaskDir):
+    env = (await sandbox.exec("echo $GREETING; cat /app/seed.txt")).stdout.split("\\n")
+    await sandbox.files.write("/app/out.txt", f"{env[0]} {env[1]}\\n")
+
+async def broken(sandbox, task):
+    await sandbox.files.write("/app/out.txt", "half")
+    raise KeyError("the policy's own bug")
+'''
+
+
+def test_python_policy_its_bugs_and_the_agent_timeout(tmp_path: Path, no_leaks: None,
+                                                      cleanup_snapshots: None,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    d = make_task(tmp_path / "tasks", "greet")
+    (tmp_path / "corral_test_policy.py").write_text(POLICY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tasks = load_tasks(d)
+    name, fn = agents.resolve(None, None, "corral_test_policy:solve")
+    assert name == "import:corral_test_policy:solve"
+    [r] = asyncio.run(run_tasks(tasks, fn, name, tmp_path / "a.jsonl")).results
+    assert (r.status, r.reward, r.agent_error) == ("ok", 1.0, None), r
+    _, fn = agents.resolve(None, None, "corral_test_policy:broken")
+    [r] = asyncio.run(run_tasks(tasks, fn, "b", tmp_path / "b.jsonl")).results
+    assert (r.status, r.reward) == ("ok", 0.0) and "the policy's own bug" in (r.agent_error or "")
+    for bad in ("corral_test_policy", "corral_test_policy:nope", "no_such_module:x"):
+        try:
+            agents.resolve(None, None, bad)
+        except CorralError as e:
+            assert e.code == "invalid_task"
+        else:
+            raise AssertionError(bad)
+
+    # an agent past [agent] timeout_sec is stopped, and the verifier still runs
+    toml = (d / "task.toml").read_text().replace("[agent]\ntimeout_sec = 60.0",
+                                                  "[agent]\ntimeout_sec = 1.0")
+    (d / "task.toml").write_text(toml)
+    slow = agents.command(f"{SOLVE_SH.strip()}; sleep 30")
+    t0 = time.monotonic()
+    [r] = asyncio.run(run_tasks(load_tasks(d), slow, "slow", tmp_path / "c.jsonl")).results
+    assert time.monotonic() - t0 < 20
+    assert r.agent_timed_out and (r.status, r.reward) == ("ok", 1.0), r
