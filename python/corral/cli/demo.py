@@ -25,10 +25,11 @@ def demo(
                                     help="How often the policy writes a correct solution."),
     json_: bool = typer.Option(False, "--json", help="The summary as JSON on stdout."),
 ) -> None:
-    """RL-style rollouts on bundled programming tasks.
+    """RL-style rollouts on bundled programming tasks, through the gymnasium environment.
 
-    Each episode: a fresh sandbox, a scripted agent, a hidden test as the reward. Exits 1 if
-    any episode hit an infra failure or an error.
+    Each episode: a corral/Shell-v0 environment reset to the task's start state, a scripted
+    agent's shell actions, a hidden test as the reward; episodes of a task run in batches on a
+    vector environment. Exits 1 if any episode hit an infra failure or an error.
     """
     with Progress(TextColumn("[bold]episodes"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("reward {task.fields[reward]}"), TimeElapsedColumn(),
@@ -66,14 +67,13 @@ def summary_table(s: Summary, concurrency: int) -> Table:
     t = Table(title="corral demo", show_header=False, title_style="bold", min_width=44)
     t.add_column(style="bold")
     t.add_column(justify="right")
-    t.add_row("episodes", f"{s.episodes} ({concurrency} at a time)")
+    t.add_row("episodes", f"{s.episodes} ({d['batches']} batches of <= {concurrency})")
     t.add_row("wall time", f"{s.wall_s:.2f} s")
     t.add_row("episodes/s", f"{s.episodes_per_s:.1f}")
     t.add_row("reward mean", "-" if s.reward_mean is None else f"{s.reward_mean:.3f}")
     t.add_row("reward = policy's choice", f"{s.consistent} / {s.completed}")
-    t.add_row("create latency p50 / p99",
-              f"{ms(d['create_ms_p50'])} / {ms(d['create_ms_p99'])}")
-    t.add_row("exec latency p50 / p99", f"{ms(d['exec_ms_p50'])} / {ms(d['exec_ms_p99'])}")
+    t.add_row("vector reset p50 / p99", f"{ms(d['reset_ms_p50'])} / {ms(d['reset_ms_p99'])}")
+    t.add_row("vector step p50 / p99", f"{ms(d['step_ms_p50'])} / {ms(d['step_ms_p99'])}")
     t.add_row("infra failures (masked)", str(s.infra_failures))
     t.add_row("errors", str(s.errors))
     return t

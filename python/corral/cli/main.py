@@ -7,6 +7,7 @@ demo.py       demo
 trajectory.py log, replay
 run_code.py   run-code
 e2b.py        e2b serve
+tasks.py      tasks run (Harbor-style task directories)
 dashboard.py  dashboard (the web dashboard's URL; a local proxy on the socket)
 cluster.py    cluster start | status | stop (Ray)
 output.py     tables, JSON, the ``error [code]: message`` format and exit codes
@@ -27,6 +28,7 @@ from corral.cli import (
     run_code,
     sandboxes,
     snapshots,
+    tasks,
     trajectory,
 )
 
@@ -43,6 +45,7 @@ app.add_typer(network.network_app, name="network")
 app.add_typer(snapshots.snapshot_app, name="snapshot")
 app.add_typer(e2b.app, name="e2b")
 app.add_typer(cluster.app, name="cluster")
+app.add_typer(tasks.app, name="tasks")
 
 
 def _version(value: bool) -> None:

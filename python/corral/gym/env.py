@@ -37,8 +37,10 @@ class ShellEnv(gymnasium.Env[dict[str, Any], str]):
     metadata = {"render_modes": ["ansi"], "render_fps": 1}
 
     def __init__(self, task: Task | Mapping[str, Any] | None = None,
-                 render_mode: str | None = None, endpoint: str | None = None) -> None:
+                 render_mode: str | None = None, endpoint: str | None = None,
+                 labels: Mapping[str, str] | None = None) -> None:
         self.task = Task.of(task if task is not None else {})
+        self.labels = dict(labels or {})
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode must be one of {self.metadata['render_modes']}")
         self.render_mode = render_mode
@@ -65,7 +67,7 @@ class ShellEnv(gymnasium.Env[dict[str, Any], str]):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None,
               ) -> tuple[dict[str, Any], dict[str, Any]]:
         super().reset(seed=seed)
-        self.sandbox = episode.rewind(self.sandbox, self.task, self.endpoint)
+        self.sandbox = episode.rewind(self.sandbox, self.task, self.endpoint, self.labels)
         self._steps = 0
         self._last = ""
         obs = {"output": text_spaces.fit(self.task.instruction, self.task.max_output),

@@ -26,11 +26,12 @@ class ShellVectorEnv(VectorEnv[Any, Any, Any]):
     metadata = {"render_modes": ["ansi"], "autoreset_mode": AutoresetMode.NEXT_STEP}
 
     def __init__(self, num_envs: int = 1, task: Task | Mapping[str, Any] | None = None,
-                 render_mode: str | None = None, endpoint: str | None = None) -> None:
+                 render_mode: str | None = None, endpoint: str | None = None,
+                 labels: Mapping[str, str] | None = None) -> None:
         if num_envs < 1:
             raise ValueError("num_envs must be at least 1")
         self.num_envs = num_envs
-        self.envs = [ShellEnv(task, render_mode=render_mode, endpoint=endpoint)
+        self.envs = [ShellEnv(task, render_mode=render_mode, endpoint=endpoint, labels=labels)
                      for _ in range(num_envs)]
         self.render_mode = render_mode
         self.single_observation_space = self.envs[0].observation_space

@@ -10,6 +10,7 @@ rewound, same id), which costs less than a new sandbox plus the old one's kill.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
 from typing import Any
 
 import corral
@@ -17,20 +18,22 @@ from corral import errors as ce
 from corral.rl.task import Task
 
 
-def _spec(task: Task, endpoint: str | None) -> dict[str, Any]:
+def _spec(task: Task, endpoint: str | None,
+          labels: Mapping[str, str] | None = None) -> dict[str, Any]:
     return {"cpu": task.cpu, "memory_mb": task.memory_mb, "network": task.network,
-            "cwd": task.cwd, "timeout": 24 * 3600, "labels": {"corral.rl": "1"},
+            "cwd": task.cwd, "timeout": 24 * 3600, "labels": {"corral.rl": "1", **(labels or {})},
             "endpoint": endpoint}
 
 
-def start(task: Task, endpoint: str | None = None) -> corral.Sandbox:
+def start(task: Task, endpoint: str | None = None,
+          labels: Mapping[str, str] | None = None) -> corral.Sandbox:
     """A sandbox in the task's start state, making the shared snapshot if it is missing."""
     name = task.snapshot_name()
     try:
-        return corral.Sandbox(snapshot=name, **_spec(task, endpoint))
+        return corral.Sandbox(snapshot=name, **_spec(task, endpoint, labels))
     except ce.SnapshotNotFound:
         pass
-    sb = corral.Sandbox(task.image, **_spec(task, endpoint))
+    sb = corral.Sandbox(task.image, **_spec(task, endpoint, labels))
     try:
         for path, content in task.files.items():
             sb.files.write(path, content)
@@ -46,8 +49,8 @@ def start(task: Task, endpoint: str | None = None) -> corral.Sandbox:
     return sb
 
 
-def rewind(sb: corral.Sandbox | None, task: Task,
-           endpoint: str | None = None) -> corral.Sandbox:
+def rewind(sb: corral.Sandbox | None, task: Task, endpoint: str | None = None,
+           labels: Mapping[str, str] | None = None) -> corral.Sandbox:
     """``sb`` restored to the task's start state, or a new sandbox if it (or the snapshot) is
     gone."""
     if sb is not None:
@@ -56,7 +59,7 @@ def rewind(sb: corral.Sandbox | None, task: Task,
             return sb
         except ce.CorralError:
             discard(sb)
-    return start(task, endpoint)
+    return start(task, endpoint, labels)
 
 
 def discard(sb: corral.Sandbox | None) -> None:
