@@ -598,6 +598,43 @@ class ImportImageRequest(_Model):
                                     "(unsupported)")
 
 
+IMAGE_NAME_PATTERN = r"(?:^[a-z0-9][a-z0-9_.\-]{0,62}$)|(?:" + REFERENCE_PATTERN + ")"
+_CONFIG_CHANGES = Field(None, description=(
+    "image config changes over the base image's: Env (a list of NAME=VALUE; replaces the "
+    "base's entries of the same names), WorkingDir, User, Entrypoint, Cmd (lists of "
+    "strings), Labels (merged), ExposedPorts, StopSignal; a key set to null is removed"))
+
+
+class CommitRequest(_Model):
+    name: str = Field(min_length=1, max_length=512, pattern=IMAGE_NAME_PATTERN, description=(
+        "the new image: a local name, or a registry reference to push it to"))
+    config: dict[str, Any] | None = _CONFIG_CHANGES
+    replace: bool = Field(False, description="replace an OCI image of that name (else "
+                                             "conflict)")
+
+
+class TagImageRequest(_Model):
+    source: str = Field(min_length=1, max_length=512, description="an existing image")
+    name: str = Field(min_length=1, max_length=512, pattern=IMAGE_NAME_PATTERN)
+    config: dict[str, Any] | None = _CONFIG_CHANGES
+    replace: bool = False
+
+
+class PushImageRequest(_Model):
+    name: str = Field(min_length=1, max_length=512, description="the image to push")
+    reference: str | None = Field(None, max_length=512, pattern=REFERENCE_PATTERN,
+                                  description="where to push it (default: its name, "
+                                              "which must then be a registry reference)")
+
+
+class PushResult(_Response):
+    reference: str
+    digest: str = Field(description="the pushed manifest's digest")
+    layers: list[str] = Field(description="the layer blobs' digests, base first")
+    uploaded: int = Field(description="layer blobs sent (the others were in the registry)")
+    bytes: int = Field(description="compressed bytes sent")
+
+
 class DaemonStatus(_Response):
     version: str
     pid: int
