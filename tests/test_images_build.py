@@ -18,7 +18,7 @@ import pytest
 
 import corral
 from corral.errors import BuildFailed, Conflict, ImageNotFound, SandboxNotFound, Unsupported
-from corral.sdk import admin, dockerfile
+from corral.sdk import Endpoint, admin, dockerfile
 
 from conftest import CGROUP_NAME, private_daemon
 
@@ -60,20 +60,20 @@ def test_commit_makes_an_image_usable_at_once(env: dict) -> None:
             r = sb.exec("echo changed > /home/app/state; rm /opt/base.txt; mkdir -p /opt/new;"
                         " echo n > /opt/new/f", user="root")
             assert r.exit_code == 0, r.stderr
-            info = sb.commit("committed", config={"Env": ["GREETING=committed"],
-                                                  "Cmd": ["cat", "/opt/new/f"]})
+            changes = {"Env": ["GREETING=committed"], "Cmd": ["cat", "/opt/new/f"]}
+            info = sb.commit("committed", config=changes)
             base = admin.image_info(env["base"], endpoint=ep)
             assert info.kind == "oci" and info.layers[:2] == base.layers
             assert len(info.layers) == 3
             with pytest.raises(Conflict):  # a name is not taken twice unless asked
                 sb.commit("committed")
-            assert len(sb.commit("committed", replace=True).layers) == 3
+            assert len(sb.commit("committed", config=changes, replace=True).layers) == 3
         with corral.Sandbox(image="committed", endpoint=ep) as again:
             r = again.exec("cat /home/app/state; test -e /opt/base.txt && echo WHITEOUT-LOST;"
                            " cat /opt/new/f; id -un; pwd; echo $GREETING")
             assert r.stdout == "changed\nn\napp\n/home/app\ncommitted\n", r.stderr
         assert admin.image_info("committed", endpoint=ep).config["Cmd"] == ["cat", "/opt/new/f"]
-        with pytest.raises(Conflict):  # the image is in use by nothing now, but named
+        with pytest.raises(Conflict):  # an existing name, not replaced unless asked
             admin.tag_image("committed", "committed", endpoint=ep)
     finally:
         _rm(ep, "committed")
@@ -106,7 +106,7 @@ def test_commit_of_a_snapshot_chain_and_bad_requests(env: dict) -> None:
         from corral.sdk.sync_transport import transport
 
         with pytest.raises(SandboxNotFound):
-            transport(corral.Endpoint.parse(ep)).call(api.commit("sb-nosuch", "x"))
+            transport(Endpoint.parse(ep)).call(api.commit("sb-nosuch", "x"))
     finally:
         _rm(ep, "chained")
 
@@ -202,7 +202,7 @@ def test_dockerfile_build_and_unsupported_instructions(env: dict) -> None:
             with pytest.raises(BuildFailed):
                 dockerfile.parse(bad, ctx)
         with pytest.raises(corral.InvalidRequest):  # a COPY source outside the context
-            dockerfile.parse("FROM x\nCOPY ../../etc/passwd /p\n", ctx).build(
+            dockerfile.parse(f"FROM {env['base']}\nCOPY ../../etc/passwd /p\n", ctx).build(
                 "escape", endpoint=ep)
     finally:
         shutil.rmtree(ctx, ignore_errors=True)

@@ -195,8 +195,7 @@ class Registry:
         raise AssertionError("unreachable")
 
     def send(self, method: str, url: str, ok: tuple[int, ...], *,
-             headers: dict[str, str] | None = None, content: Any = None,
-             params: dict[str, str] | None = None) -> httpx.Response:
+             headers: dict[str, str] | None = None, content: Any = None) -> httpx.Response:
         """A push-side request (``url``: a path under ``/v2/<repo>/`` or an upload's
         absolute Location), logging in on a 401; a status outside ``ok`` fails."""
         if not self.base:
@@ -212,7 +211,7 @@ class Registry:
             if hasattr(content, "seek"):
                 content.seek(0)
             try:
-                r = self.client.request(method, url, headers=h, content=content, params=params)
+                r = self.client.request(method, url, headers=h, content=content)
             except httpx.HTTPError as e:
                 raise self._fail(f"{method} {url}: {e}") from e
             if r.status_code == 401 and attempt == 0:
@@ -242,8 +241,9 @@ class Registry:
             raise self._fail("the registry gave no upload location")
         if loc.startswith("/"):
             loc = self.base + loc
+        loc += ("&" if "?" in loc else "?") + "digest=" + digest  # keeps the upload's state
         with open(path, "rb") as f:
-            self.send("PUT", loc, (201,), params={"digest": digest}, content=f,
+            self.send("PUT", loc, (201,), content=f,
                       headers={"Content-Type": "application/octet-stream",
                                "Content-Length": str(os.fstat(f.fileno()).st_size)})
 
