@@ -598,17 +598,36 @@ class ImportImageRequest(_Model):
                                     "(unsupported)")
 
 
+# A local name, or a registry reference; "host" and the routes' names (pull, prune, tag,
+# push) are refused by the daemon (invalid_request).
 IMAGE_NAME_PATTERN = r"(?:^[a-z0-9][a-z0-9_.\-]{0,62}$)|(?:" + REFERENCE_PATTERN + ")"
-_CONFIG_CHANGES = Field(None, description=(
-    "image config changes over the base image's: Env (a list of NAME=VALUE; replaces the "
-    "base's entries of the same names), WorkingDir, User, Entrypoint, Cmd (lists of "
-    "strings), Labels (merged), ExposedPorts, StopSignal; a key set to null is removed"))
+_ARGV = list[Annotated[str, Field(max_length=65536)]]
+
+
+class ConfigChanges(_Model):
+    """Changes to an image config over the base image's; a key given as null is removed."""
+
+    Env: list[Annotated[str, Field(pattern=r"^[^=\x00]+=[^\x00]*$", max_length=65536)]] | None \
+        = Field(None, description="NAME=VALUE entries; they replace the base's of the same "
+                                  "names")
+    WorkingDir: str | None = Field(None, pattern=r"^/[^\x00]*$", max_length=MAX_PATH)
+    User: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[^\x00]+$")
+    Entrypoint: _ARGV | None = None
+    Cmd: _ARGV | None = None
+    Labels: dict[str, str] | None = Field(None, description="merged into the base's")
+    ExposedPorts: list[Annotated[str, Field(pattern=r"^[0-9]{1,5}(?:/(?:tcp|udp|sctp))?$")]] \
+        | None = None
+    StopSignal: str | None = Field(None, min_length=1, max_length=32,
+                                   pattern=r"^[A-Z0-9+]+$")
+
+
+_CONFIG_CHANGES = Field(None, description="image config changes over the base image's")
 
 
 class CommitRequest(_Model):
     name: str = Field(min_length=1, max_length=512, pattern=IMAGE_NAME_PATTERN, description=(
         "the new image: a local name, or a registry reference to push it to"))
-    config: dict[str, Any] | None = _CONFIG_CHANGES
+    config: ConfigChanges | None = _CONFIG_CHANGES
     replace: bool = Field(False, description="replace an OCI image of that name (else "
                                              "conflict)")
 
@@ -616,7 +635,7 @@ class CommitRequest(_Model):
 class TagImageRequest(_Model):
     source: str = Field(min_length=1, max_length=512, description="an existing image")
     name: str = Field(min_length=1, max_length=512, pattern=IMAGE_NAME_PATTERN)
-    config: dict[str, Any] | None = _CONFIG_CHANGES
+    config: ConfigChanges | None = _CONFIG_CHANGES
     replace: bool = False
 
 

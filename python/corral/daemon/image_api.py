@@ -116,7 +116,8 @@ async def prune_images(request: web.Request) -> web.Response:
 async def commit_sandbox(request: web.Request) -> web.Response:
     """A sandbox's files as a new image (its image's layers + one layer of its changes)."""
     req: CommitRequest = parse(await request.read(), CommitRequest)
-    info, _ = await _engine(request).commit(request.match_info["id"], req.name, req.config,
+    changes = req.config.model_dump(exclude_unset=True) if req.config else None
+    info, _ = await _engine(request).commit(request.match_info["id"], req.name, changes,
                                             req.replace)
     return _json(ops.entry(info), 201)
 
@@ -124,7 +125,8 @@ async def commit_sandbox(request: web.Request) -> web.Response:
 async def tag_image(request: web.Request) -> web.Response:
     req: TagImageRequest = parse(await request.read(), TagImageRequest)
     store = _engine(request).images
-    info = await asyncio.to_thread(store.tag, req.source, req.name, req.config, req.replace)
+    changes = req.config.model_dump(exclude_unset=True) if req.config else None
+    info = await asyncio.to_thread(store.tag, req.source, req.name, changes, req.replace)
     return _json(ops.entry(info), 201)
 
 

@@ -595,14 +595,10 @@ class ImageStore:
         to push it to later); an existing one is a Conflict unless ``replace``."""
         if not isinstance(name, str) or name == HOST or name in RESERVED:
             raise InvalidRequest(f"invalid image name {name!r}", details={"name": name})
-        if oci_ref.looks_like_ref(name):
-            key = str(oci_ref.parse(name))
-        elif NAME_RE.match(name):
+        if NAME_RE.match(name) and not oci_ref.looks_like_ref(name):
             key = name
-        else:
-            raise InvalidRequest(f"invalid image name {name!r}: a local name matches "
-                                 f"{NAME_RE.pattern}, else a registry reference",
-                                 details={"name": name})
+        else:  # a registry reference (a long one-word name is docker.io/library/NAME)
+            key = str(oci_ref.parse(name))
         with self._lock:
             cur = self._images.get(key)
         if cur is not None and (not replace or cur.kind != "oci"):
