@@ -90,7 +90,7 @@ def test_commit_of_a_snapshot_chain_and_bad_requests(env: dict) -> None:
             info = kid.commit("chained")
             with pytest.raises(corral.InvalidRequest):
                 kid.commit("Bad Name!")
-            with pytest.raises(corral.InvalidRequest):
+            with pytest.raises(Conflict):
                 kid.commit("host")
         snap.delete()
         with corral.Sandbox(image="chained", endpoint=ep) as c:
@@ -230,7 +230,7 @@ def test_push_then_pull_on_a_fresh_node_and_run(env: dict) -> None:
                             " echo WHITEOUT-LOST; cat /home/app/u; id -un")
                 assert r.stdout == "pushed\n2\nu\napp\n", r.stderr
             assert admin.image_info(target, endpoint=fep).config["Cmd"] == ["cat", "/opt/d/f"]
-        with pytest.raises(corral.InvalidRequest):  # a local name needs a target
+        with pytest.raises(Conflict):  # a local name needs a target
             admin.push_image("topush", endpoint=ep)
     finally:
         _rm(ep, "topush")

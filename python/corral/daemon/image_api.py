@@ -149,7 +149,7 @@ ROUTES: tuple[Route, ...] = (
           status=201, errors=(404, 409, 501)),
     Route("POST", "/v1/images/push", push_image, "Push an image to an OCI registry (layers "
           "the registry lacks are sent as gzip tars)", body=PushImageRequest,
-          response=PushResult, errors=(403, 404, 502)),
+          response=PushResult, errors=(403, 404, 409, 501, 502)),
     Route("POST", SB + "/commit", commit_sandbox, "The sandbox's files as a new image: its "
           "image's layers and one new layer of what it changed", body=CommitRequest,
           response=ImageInfo, status=201, errors=(404, 409, 413, 501)),

@@ -593,8 +593,9 @@ class ImageStore:
     def target_name(self, name: str, replace: bool) -> str:
         """The store's key for a new image ``name`` (a local name, or a registry reference
         to push it to later); an existing one is a Conflict unless ``replace``."""
-        if not isinstance(name, str) or name == HOST or name in RESERVED:
-            raise InvalidRequest(f"invalid image name {name!r}", details={"name": name})
+        if name == HOST or name in RESERVED:
+            raise Conflict(f"image name {name!r} is taken (the host image, or a route under "
+                           "/v1/images/)", details={"image": name})
         if NAME_RE.match(name) and not oci_ref.looks_like_ref(name):
             key = name
         else:  # a registry reference (a long one-word name is docker.io/library/NAME)
@@ -648,9 +649,9 @@ class ImageStore:
 
         img = self.get(name)
         target = reference or img.name
-        if not oci_ref.looks_like_ref(target):
-            raise InvalidRequest(f"image {img.name!r} has a local name: say where to push it "
-                                 "(a registry reference)", details={"image": img.name})
+        if not oci_ref.looks_like_ref(target):  # the image's state, not the request's form
+            raise Conflict(f"image {img.name!r} has a local name: say where to push it "
+                           "(a registry reference)", details={"image": img.name})
         ref = oci_ref.parse(target)
         if self.allowed and ref.registry not in self.allowed:
             raise Forbidden(f"registry {ref.registry} is not one this daemon talks to "
