@@ -234,3 +234,41 @@ def test_push_then_pull_on_a_fresh_node_and_run(env: dict) -> None:
             admin.push_image("topush", endpoint=ep)
     finally:
         _rm(ep, "topush")
+
+
+def test_cli_build_commit_push(env: dict) -> None:
+    import subprocess
+    import sys
+
+    ep, reg, d = env["ep"], env["reg"], env["daemon"]
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "corral.cli", *args], capture_output=True,
+                              text=True, timeout=300,
+                              env={**os.environ, "CORRAL_SOCKET": d.socket_path,
+                                   "CORRAL_AUTOSTART": "0", "COLUMNS": "200"})
+
+    ctx = tempfile.mkdtemp(prefix="corral-clibuild-", dir="/var/tmp")
+    try:
+        with open(os.path.join(ctx, "Dockerfile.test"), "w") as fh:
+            fh.write(f"FROM {env['base']}\nRUN echo built-by-cli > /home/app/cli\n"
+                     "CMD [\"cat\", \"/home/app/cli\"]\n")
+        r = cli("image", "build", "-f", os.path.join(ctx, "Dockerfile.test"), "-t", "clib", ctx)
+        assert r.returncode == 0 and "built clib" in r.stdout, r.stderr
+        r = cli("image", "build", "-f", os.path.join(ctx, "Dockerfile.test"), "-t", "clib", ctx)
+        assert "2 of 2 steps cached" in r.stdout and "(cached)" in r.stderr, (r.stdout, r.stderr)
+        r = cli("run", "--image", "clib")
+        assert r.stdout == "built-by-cli\n", r.stderr
+        with corral.Sandbox(image="clib", endpoint=ep) as sb:
+            sb.exec("echo more >> /home/app/cli")
+            r = cli("image", "commit", sb.id, "clic")
+            assert r.returncode == 0 and "committed clic" in r.stdout, r.stderr
+        r = cli("image", "push", "clic", f"{reg.addr}/team/clic:1")
+        assert r.returncode == 0 and "pushed" in r.stdout, r.stderr
+        with open(os.path.join(ctx, "Dockerfile.bad"), "w") as fh:
+            fh.write(f"FROM {env['base']}\nHEALTHCHECK CMD true\n")
+        r = cli("image", "build", "-f", os.path.join(ctx, "Dockerfile.bad"), "-t", "x", ctx)
+        assert r.returncode != 0 and "build_failed" in r.stderr and "line 2" in r.stderr
+    finally:
+        shutil.rmtree(ctx, ignore_errors=True)
+        _rm(ep, "clib", "clic")
