@@ -272,3 +272,26 @@ def test_cli_build_commit_push(env: dict) -> None:
     finally:
         shutil.rmtree(ctx, ignore_errors=True)
         _rm(ep, "clib", "clic")
+
+
+def test_commit_on_a_rootfs_image(env: dict) -> None:
+    ep = env["ep"]
+    root = tempfile.mkdtemp(prefix="corral-rootfs-", dir="/var/tmp")
+    try:
+        os.makedirs(os.path.join(root, "bin"))
+        os.makedirs(os.path.join(root, "etc"))
+        shutil.copy(fx.BUSYBOX, os.path.join(root, "bin", "busybox"))
+        for a in ("sh", "cat", "echo"):
+            os.symlink("busybox", os.path.join(root, "bin", a))
+        with open(os.path.join(root, "etc", "passwd"), "w") as fh:
+            fh.write("root:x:0:0:root:/root:/bin/sh\n")
+        admin.import_image("rootfsbase", root, endpoint=ep)
+        with corral.Sandbox(image="rootfsbase", endpoint=ep, cwd="/") as sb:
+            sb.exec("echo on-rootfs > /etc/mark").check()
+            info = sb.commit("rootfscommit")
+        assert len(info.layers or []) == 2  # the tree as one layer, then the change
+        with corral.Sandbox(image="rootfscommit", endpoint=ep, cwd="/") as sb:
+            assert sb.exec("cat /etc/mark").stdout == "on-rootfs\n"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        _rm(ep, "rootfscommit", "rootfsbase")

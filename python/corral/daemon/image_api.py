@@ -117,7 +117,7 @@ async def commit_sandbox(request: web.Request) -> web.Response:
     """A sandbox's files as a new image (its image's layers + one layer of its changes)."""
     req: CommitRequest = parse(await request.read(), CommitRequest)
     changes = req.config.model_dump(exclude_unset=True) if req.config else None
-    info, _ = await _engine(request).commit(request.match_info["id"], req.name, changes,
+    info = await _engine(request).commit(request.match_info["id"], req.name, changes,
                                             req.replace)
     return _json(ops.entry(info), 201)
 

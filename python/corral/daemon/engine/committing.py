@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import logging
 import os
 import subprocess
 import time
@@ -21,12 +22,14 @@ from corral.models import ImageInfo
 if TYPE_CHECKING:  # pragma: no cover
     from .host import EngineHost
 
+log = logging.getLogger("corral.images")
+
 
 class CommitOps:
     async def commit(self: EngineHost, sid: str, name: str,
                      changes: dict[str, Any] | None = None,
-                     replace: bool = False) -> tuple[ImageInfo, dict[str, Any]]:
-        """Commit sandbox ``sid`` as image ``name``; returns the image and timings."""
+                     replace: bool = False) -> ImageInfo:
+        """Commit sandbox ``sid`` as image ``name``."""
         t0 = time.monotonic()
         images = self.images
         sb = self.lookup(sid)
@@ -40,12 +43,22 @@ class CommitOps:
         key = images.target_name(name, replace)
         image = self._image(sb.spec.image)
         config = oci_commit.merge_config(image.config, changes)
-        base_layers = await asyncio.to_thread(images.layers_of, image)
         snaps = self._snaps()
-        sb, chain, (tmp, digest, size) = await self._capture(sid)
-        t_capture = time.monotonic()
-        snaps.acquire(chain)  # converted below: the sandbox may end meanwhile
+        held = sb.layers  # its snapshot chain, converted below: the sandbox may end meanwhile
+        snaps.acquire(held)
+        base_layers: builtins.list[str] = []
         made: builtins.list[str] = []
+        try:
+            base_layers = await asyncio.to_thread(images.layers_of, image)
+            images.layers.pin(base_layers)  # a rootfs image's new layer: listed by no image yet
+            sb, chain, (tmp, digest, size) = await self._capture(sid)
+        except BaseException:
+            snaps.release(held)
+            images.layers.unpin(base_layers)
+            raise
+        t_capture = time.monotonic()
+        snaps.acquire(chain)
+        snaps.release(held)
         try:
             await asyncio.to_thread(_commit_layers, images.layers, snaps, chain, tmp, digest,
                                     made)
@@ -54,13 +67,15 @@ class CommitOps:
                                          f"commit of {sid}")
         finally:
             snaps.release(chain)
-            images.layers.unpin(made)
+            images.layers.unpin([*base_layers, *made])
             if os.path.lexists(tmp):
                 removal.quiet_remove(tmp)
-        timing = {"capture_ms": round((t_capture - t0) * 1000, 2),
-                  "layer_ms": round((t_layers - t_capture) * 1000, 2),
-                  "total_ms": round((time.monotonic() - t0) * 1000, 2), "bytes": size}
-        return info, timing
+        log.info("image committed", extra={
+            "sandbox": sid, "image": key, "bytes": size,
+            "capture_ms": round((t_capture - t0) * 1000, 2),
+            "layer_ms": round((t_layers - t_capture) * 1000, 2),
+            "total_ms": round((time.monotonic() - t0) * 1000, 2)})
+        return info
 
 
 def _commit_layers(store: LayerStore, snaps: SnapshotStore, chain: list[str], tmp: str,
