@@ -17,7 +17,14 @@ import imagefix as fx
 import pytest
 
 import corral
-from corral.errors import BuildFailed, Conflict, ImageNotFound, SandboxNotFound, Unsupported
+from corral.errors import (
+    BuildFailed,
+    Conflict,
+    ImageNotFound,
+    RegistryUnauthorized,
+    SandboxNotFound,
+    Unsupported,
+)
 from corral.sdk import Endpoint, admin, dockerfile
 
 from conftest import CGROUP_NAME, private_daemon
@@ -38,12 +45,17 @@ def env() -> Iterator[dict]:
                         CONFIG)
     with contextlib.ExitStack() as stack:
         reg = stack.enter_context(fx.registry())
+        basic = stack.enter_context(fx.registry(auth="htpasswd"))
         reg.push(base, "team/base")
+        dcfg = tempfile.mkdtemp(prefix="corral-dockercfg-", dir="/var/tmp")
+        stack.callback(shutil.rmtree, dcfg, True)
         d = stack.enter_context(private_daemon("corral-imgb-", f"{CGROUP_NAME}-imgb",
-                                               CORRAL_REGISTRIES=reg.addr))
+                                               CORRAL_REGISTRIES=f"{reg.addr},{basic.addr}",
+                                               DOCKER_CONFIG=dcfg))
         ep = f"unix://{d.socket_path}"
         admin.pull_image(f"{reg.addr}/team/base:latest", endpoint=ep)
-        yield {"reg": reg, "daemon": d, "ep": ep, "base": f"{reg.addr}/team/base:latest"}
+        yield {"reg": reg, "basic": basic, "dcfg": dcfg, "daemon": d, "ep": ep,
+               "base": f"{reg.addr}/team/base:latest"}
 
 
 def _rm(ep: str, *names: str) -> None:
@@ -295,3 +307,24 @@ def test_commit_on_a_rootfs_image(env: dict) -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
         _rm(ep, "rootfscommit", "rootfsbase")
+
+
+def test_push_needs_the_registrys_credentials(env: dict) -> None:
+    ep, basic = env["ep"], env["basic"]
+    target = f"{basic.addr}/private/pushed:1"
+    try:
+        with corral.Sandbox(image=env["base"], endpoint=ep) as sb:
+            sb.exec("echo secret-push > /home/app/p").check()
+            sb.commit("authpush")
+        fx.docker_config(env["dcfg"], {})
+        with pytest.raises(RegistryUnauthorized):
+            admin.push_image("authpush", target, endpoint=ep)
+        fx.docker_config(env["dcfg"], {basic.addr: basic.creds})
+        res = admin.push_image("authpush", target, endpoint=ep)
+        assert res.uploaded >= 1
+        admin.remove_image("authpush", endpoint=ep)
+        with corral.Sandbox(image=target, endpoint=ep) as sb:  # pulled back with the login
+            assert sb.exec("cat /home/app/p").stdout == "secret-push\n"
+    finally:
+        fx.docker_config(env["dcfg"], {})
+        _rm(ep, "authpush", target)
