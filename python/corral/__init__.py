@@ -1,6 +1,7 @@
 """corral: elastic sandboxes for agentic RL."""
 
 from corral.errors import (
+    BuildFailed,
     CapacityExceeded,
     Conflict,
     CorralError,
@@ -37,6 +38,7 @@ from corral.models import Layer, LayerSpec, Network  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "BuildFailed",
     "Layer",
     "LayerSpec",
     "CapacityExceeded",
@@ -93,3 +95,7 @@ from corral.sdk import (  # noqa: E402 - after __version__: the SDK modules impo
 __all__ += ["AsyncProcess", "AsyncSandbox", "AsyncSnapshot", "CommandFailed", "ExecResult",
             "OutputChunk", "Process", "Sandbox", "Snapshot", "RunCodeResult", "run_code",
             "run_code_async", "run_code_many", "run_code_many_async"]
+
+from corral.sdk.build import Image  # noqa: E402
+
+__all__ += ["Image"]

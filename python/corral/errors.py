@@ -285,6 +285,14 @@ class InvalidImage(InvalidRequest):
     code, status = "invalid_image", 400
 
 
+class BuildFailed(InvalidRequest):
+    """An image build step failed: a command exited non-zero (``details``: the step, its
+    exit code and the tail of its output), or the recipe or Dockerfile has an instruction
+    corral does not build. The step left no layer."""
+
+    code, status = "build_failed", 400
+
+
 class ImagePullFailed(CorralError):
     """The registry could not be reached or answered with an error (``details``: registry,
     reference, the HTTP status if any). Category ``infra``: not the agent's doing."""

@@ -598,6 +598,62 @@ class ImportImageRequest(_Model):
                                     "(unsupported)")
 
 
+# A local name, or a registry reference; "host" and the routes' names (pull, prune, tag,
+# push) are refused by the daemon (invalid_request).
+IMAGE_NAME_PATTERN = r"(?:^[a-z0-9][a-z0-9_.\-]{0,62}$)|(?:" + REFERENCE_PATTERN + ")"
+_ARGV = list[Annotated[str, Field(max_length=65536)]]
+
+
+class ConfigChanges(_Model):
+    """Changes to an image config over the base image's; a key given as null is removed."""
+
+    Env: list[Annotated[str, Field(pattern=r"^[^=\x00]+=[^\x00]*$", max_length=65536)]] | None \
+        = Field(None, description="NAME=VALUE entries; they replace the base's of the same "
+                                  "names")
+    WorkingDir: str | None = Field(None, pattern=r"^/[^\x00]*$", max_length=MAX_PATH)
+    User: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[^\x00]+$")
+    Entrypoint: _ARGV | None = None
+    Cmd: _ARGV | None = None
+    Labels: dict[str, str] | None = Field(None, description="merged into the base's")
+    ExposedPorts: list[Annotated[str, Field(pattern=r"^[0-9]{1,5}(?:/(?:tcp|udp|sctp))?$")]] \
+        | None = None
+    StopSignal: str | None = Field(None, min_length=1, max_length=32,
+                                   pattern=r"^[A-Z0-9+]+$")
+
+
+_CONFIG_CHANGES = Field(None, description="image config changes over the base image's")
+
+
+class CommitRequest(_Model):
+    name: str = Field(min_length=1, max_length=512, pattern=IMAGE_NAME_PATTERN, description=(
+        "the new image: a local name, or a registry reference to push it to"))
+    config: ConfigChanges | None = _CONFIG_CHANGES
+    replace: bool = Field(False, description="replace an OCI image of that name (else "
+                                             "conflict)")
+
+
+class TagImageRequest(_Model):
+    source: str = Field(min_length=1, max_length=512, description="an existing image")
+    name: str = Field(min_length=1, max_length=512, pattern=IMAGE_NAME_PATTERN)
+    config: ConfigChanges | None = _CONFIG_CHANGES
+    replace: bool = False
+
+
+class PushImageRequest(_Model):
+    name: str = Field(min_length=1, max_length=512, description="the image to push")
+    reference: str | None = Field(None, max_length=512, pattern=REFERENCE_PATTERN,
+                                  description="where to push it (default: its name, "
+                                              "which must then be a registry reference)")
+
+
+class PushResult(_Response):
+    reference: str
+    digest: str = Field(description="the pushed manifest's digest")
+    layers: list[str] = Field(description="the layer blobs' digests, base first")
+    uploaded: int = Field(description="layer blobs sent (the others were in the registry)")
+    bytes: int = Field(description="compressed bytes sent")
+
+
 class DaemonStatus(_Response):
     version: str
     pid: int

@@ -1,5 +1,5 @@
 """Daemon and image commands: up, down, status, image ls / pull / inspect / rm / prune /
-import."""
+import / commit / tag / push / build."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from corral.models import SubstrateCapabilities, SubstrateInfo
 from corral.sdk import Endpoint, admin
 
 app = typer.Typer()
-image_app = typer.Typer(help="Images: list, pull, inspect, remove, prune, import.",
+image_app = typer.Typer(help="Images: list, pull, inspect, remove, prune, import, commit, "
+                        "tag, push, build.",
                         no_args_is_help=True)
 
 JSON = typer.Option(False, "--json", help="Machine-readable JSON on stdout.")
@@ -220,3 +221,84 @@ def image_prune(json_: bool = JSON) -> None:
         print_json(res)
     else:
         out.print(f"removed {len(res.layers_removed)} layers")
+
+
+@image_app.command("commit")
+@handled()
+def image_commit(sandbox: str = typer.Argument(..., help="Sandbox id."),
+                 name: str = typer.Argument(..., help="New image: a local name or a "
+                                                      "registry reference."),
+                 replace: bool = typer.Option(False, "--replace", help="Replace an image of "
+                                                                      "that name."),
+                 json_: bool = JSON) -> None:
+    """A sandbox's files as a new image (its image's layers + one layer of its changes)."""
+    from corral.sdk import api
+    from corral.sdk.sync_transport import transport
+
+    t0 = time.monotonic()
+    info = transport(Endpoint.from_env()).call(api.commit(sandbox, name, None, replace))
+    if json_:
+        print_json(info)
+    else:
+        out.print(f"committed {info.name} ({len(info.layers or [])} layers, "
+                  f"{(time.monotonic() - t0) * 1000:.0f} ms)")
+
+
+@image_app.command("tag")
+@handled()
+def image_tag(source: str = typer.Argument(..., help="An existing image."),
+              name: str = typer.Argument(..., help="The new name."),
+              json_: bool = JSON) -> None:
+    """A new name for an image (its layers are shared, nothing is copied)."""
+    info = admin.tag_image(source, name)
+    if json_:
+        print_json(info)
+    else:
+        out.print(f"tagged {info.name}")
+
+
+@image_app.command("push")
+@handled()
+def image_push(name: str = typer.Argument(..., help="The image to push."),
+               reference: str = typer.Argument(None, help="Where to (default: its name)."),
+               json_: bool = JSON) -> None:
+    """Push an image to an OCI registry (credentials: the daemon's docker config)."""
+    res = admin.push_image(name, reference)
+    if json_:
+        print_json(res)
+    else:
+        out.print(f"pushed {res.reference} ({res.digest}; {res.uploaded} of "
+                  f"{len(res.layers)} layers sent, {res.bytes / 2**20:.1f} MiB)")
+
+
+@image_app.command("build")
+@handled()
+def image_build(
+    context: str = typer.Argument(".", help="The build context (COPY sources)."),
+    file: str = typer.Option(None, "-f", "--file", help="Dockerfile (default: "
+                                                        "CONTEXT/Dockerfile)."),
+    tag: str = typer.Option(..., "-t", "--tag", help="The image's name."),
+    build_arg: list[str] = typer.Option([], "--build-arg", help="ARG=VALUE (repeat)."),
+    network: str = typer.Option("none", "--network", help="Network mode of RUN steps."),
+    json_: bool = JSON,
+) -> None:
+    """Build an image from a Dockerfile: each RUN / COPY step runs in a sandbox and becomes
+    a cached layer (FROM, RUN, COPY, ADD of local files, ENV, ARG, WORKDIR, USER, LABEL,
+    CMD, ENTRYPOINT, EXPOSE, STOPSIGNAL)."""
+    from corral.sdk import dockerfile
+
+    path = file or os.path.join(context, "Dockerfile")
+    with open(path) as f:
+        text = f.read()
+    args = dict(a.partition("=")[::2] for a in build_arg)
+    recipe = dockerfile.parse(text, os.path.abspath(context), args)
+    res = recipe.build(tag, network=network,
+                       output=None if json_ else (lambda s: err.print(s, markup=False,
+                                                                      highlight=False)))
+    if json_:
+        print_json({"image": res.image.model_dump(), "seconds": res.seconds,
+                    "steps": [vars(s) for s in res.steps]})
+    else:
+        hits = sum(1 for s in res.steps if s.cached)
+        out.print(f"built {res.image.name} in {res.seconds:.2f} s ({hits} of "
+                  f"{len(res.steps)} steps cached)")

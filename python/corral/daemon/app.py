@@ -1036,8 +1036,8 @@ ROUTES: tuple[Route, ...] = (
 MAX_LINE_SIZE, MAX_FIELD_SIZE = 1 << 16, 1 << 14
 # /v1/sandboxes/batch is not a sandbox id: its methods are its own (405 names them).
 _ID_RE = "{id:(?!batch$)[^/]+}"
-# An image name may be a reference (slashes, colons); /v1/images/pull and /prune are not.
-_NAME_RE = "{name:(?!(?:pull|prune)$).+}"
+# An image name may be a reference (slashes, colons); /v1/images/pull, prune, tag, push are not.
+_NAME_RE = "{name:(?!(?:pull|prune|tag|push)$).+}"
 
 
 def create_app(engine: Engine | None, token: str | None = None) -> web.Application:

@@ -1,6 +1,6 @@
 """The image routes beyond list/import/upload (app.py): pull (with NDJSON progress), inspect,
-remove, prune. Images named by a registry reference carry ``/`` and ``:``: the ``{name}``
-path segment takes the rest of the path."""
+remove, prune, commit (a sandbox's files as an image), tag, push. Images named by a registry
+reference carry ``/`` and ``:``: the ``{name}`` path segment takes the rest of the path."""
 
 from __future__ import annotations
 
@@ -12,9 +12,17 @@ from aiohttp import web
 
 from corral.daemon import ops
 from corral.daemon.bodies import parse
-from corral.daemon.routes import Route
+from corral.daemon.routes import SB, Route
 from corral.errors import Conflict, CorralError
-from corral.models import ImageInfo, PruneResult, PullImageRequest
+from corral.models import (
+    CommitRequest,
+    ImageInfo,
+    PruneResult,
+    PullImageRequest,
+    PushImageRequest,
+    PushResult,
+    TagImageRequest,
+)
 
 NAME_PATH = "/v1/images/{name}"
 
@@ -105,6 +113,29 @@ async def prune_images(request: web.Request) -> web.Response:
     return _json({"layers_removed": ["sha256:" + h for h in removed]})
 
 
+async def commit_sandbox(request: web.Request) -> web.Response:
+    """A sandbox's files as a new image (its image's layers + one layer of its changes)."""
+    req: CommitRequest = parse(await request.read(), CommitRequest)
+    changes = req.config.model_dump(exclude_unset=True) if req.config else None
+    info = await _engine(request).commit(request.match_info["id"], req.name, changes,
+                                            req.replace)
+    return _json(ops.entry(info), 201)
+
+
+async def tag_image(request: web.Request) -> web.Response:
+    req: TagImageRequest = parse(await request.read(), TagImageRequest)
+    store = _engine(request).images
+    changes = req.config.model_dump(exclude_unset=True) if req.config else None
+    info = await asyncio.to_thread(store.tag, req.source, req.name, changes, req.replace)
+    return _json(ops.entry(info), 201)
+
+
+async def push_image(request: web.Request) -> web.Response:
+    req: PushImageRequest = parse(await request.read(), PushImageRequest)
+    store = _engine(request).images
+    return _json(await asyncio.to_thread(store.push, req.name, req.reference))
+
+
 _DELETED = {"type": "object", "required": ["name", "deleted", "layers_removed"], "properties": {
     "name": {"type": "string"}, "deleted": {"type": "boolean"},
     "layers_removed": {"type": "array", "items": {"type": "string"}}}}
@@ -113,6 +144,15 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/images/pull", pull_image, "Pull an image from an OCI registry (once per "
           "reference at a time on this node; progress: NDJSON events)", body=PullImageRequest,
           response=ImageInfo, status=201, errors=(403, 404, 413, 502), also=("ndjson",)),
+    Route("POST", "/v1/images/tag", tag_image, "A new name for an image's layers, with "
+          "config changes (no file is copied)", body=TagImageRequest, response=ImageInfo,
+          status=201, errors=(404, 409, 501)),
+    Route("POST", "/v1/images/push", push_image, "Push an image to an OCI registry (layers "
+          "the registry lacks are sent as gzip tars)", body=PushImageRequest,
+          response=PushResult, errors=(403, 404, 409, 501, 502)),
+    Route("POST", SB + "/commit", commit_sandbox, "The sandbox's files as a new image: its "
+          "image's layers and one new layer of what it changed", body=CommitRequest,
+          response=ImageInfo, status=201, errors=(404, 409, 413, 501)),
     Route("POST", "/v1/images/prune", prune_images, "Remove every layer no image lists",
           response=PruneResult),
     Route("GET", NAME_PATH, inspect_image, "An image's details (OCI: digest, layers, config)",

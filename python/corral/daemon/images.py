@@ -46,7 +46,7 @@ HOST = "host"
 # Bump when the host skeleton's recipe changes: every daemon then rebuilds it once.
 HOST_IMAGE_VERSION = 1
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.\-]{0,62}$")
-RESERVED = ("pull", "prune")  # /v1/images/pull and /prune are routes, not image names
+RESERVED = ("pull", "prune", "tag", "push")  # routes under /v1/images/, not image names
 _TOP_LEVEL_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # Empty mountpoints / private dirs of the skeleton, with their modes.
 _SKELETON_DIRS = {
@@ -588,6 +588,81 @@ class ImageStore:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return img.info()
+
+    # ---- commits, tags (oci.commit) ---------------------------------------------------------
+    def target_name(self, name: str, replace: bool) -> str:
+        """The store's key for a new image ``name`` (a local name, or a registry reference
+        to push it to later); an existing one is a Conflict unless ``replace``."""
+        if name == HOST or name in RESERVED:
+            raise Conflict(f"image name {name!r} is taken (the host image, or a route under "
+                           "/v1/images/)", details={"image": name})
+        if NAME_RE.match(name) and not oci_ref.looks_like_ref(name):
+            key = name
+        else:  # a registry reference (a long one-word name is docker.io/library/NAME)
+            key = str(oci_ref.parse(name))
+        with self._lock:
+            cur = self._images.get(key)
+        if cur is not None and (not replace or cur.kind != "oci"):
+            raise Conflict(f"image {key!r} already exists" + ("" if cur.kind != "oci" else
+                           " (replace it: replace=true)"), details={"image": key})
+        return key
+
+    def layers_of(self, img: Image) -> builtins.list[str]:
+        """The layer ids an image stands on, base first; a rootfs image's tree becomes one
+        content-addressed layer (stored once)."""
+        if img.kind == "oci":
+            return list(img.meta.get("oci_layers", ()))
+        if img.kind == "rootfs":
+            return [self.layers.from_dir(os.path.join(img.path, "rootfs"), self.max_bytes,
+                                         self.max_files)]
+        raise Unsupported("the host image is the host's own files, not layers: commit or "
+                          "build on an OCI or rootfs image", details={"image": img.name})
+
+    def record_derived(self, key: str, layers: builtins.list[str], config: dict[str, Any],
+                       source: str) -> ImageInfo:
+        """Record image ``key`` made here (a commit, a tag, a build) from stored layers."""
+        size = sum(int(self.layers.meta(h).get("unpacked_bytes", 0)) for h in layers)
+        return self.record_oci(key, {"kind": "oci", "oci_layers": list(layers),
+                                     "config": config, "source": source, "digest": None,
+                                     "size_bytes": size})
+
+    def tag(self, src: str, name: str, changes: dict[str, Any] | None,
+            replace: bool) -> ImageInfo:
+        """A new name for image ``src``'s layers, its config changed by ``changes``: no file
+        is copied."""
+        from corral.daemon.oci import commit
+
+        key = self.target_name(name, replace)
+        img = self.get(src)
+        layers = self.layers_of(img)
+        config = commit.merge_config(img.config, changes)
+        self.layers.pin(layers)
+        try:
+            return self.record_derived(key, layers, config, f"tag of {img.name}")
+        finally:
+            self.layers.unpin(layers)
+
+    def push(self, name: str, reference: str | None) -> dict[str, Any]:
+        """Push image ``name`` to ``reference`` (default: its name, a reference) in this
+        (worker) thread (oci.push)."""
+        from corral.daemon.oci import push
+
+        img = self.get(name)
+        target = reference or img.name
+        if not oci_ref.looks_like_ref(target):  # the image's state, not the request's form
+            raise Conflict(f"image {img.name!r} has a local name: say where to push it "
+                           "(a registry reference)", details={"image": img.name})
+        ref = oci_ref.parse(target)
+        if self.allowed and ref.registry not in self.allowed:
+            raise Forbidden(f"registry {ref.registry} is not one this daemon talks to "
+                            f"(CORRAL_REGISTRIES: {', '.join(sorted(self.allowed))})",
+                            details={"registry": ref.registry})
+        layers = self.layers_of(img)
+        self.layers.pin(layers)
+        try:
+            return push.push(ref, self.layers, layers, img.config, self.insecure)
+        finally:
+            self.layers.unpin(layers)
 
     def pull_sync(self, ref: oci_ref.Reference,
                   progress: Callable[[dict[str, Any]], None] | None = None) -> ImageInfo:

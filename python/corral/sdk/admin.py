@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from corral.models import AllowlistInfo, DaemonStatus, ImageInfo, PruneResult, SubstrateInfo
+from corral.models import (
+    AllowlistInfo,
+    DaemonStatus,
+    ImageInfo,
+    PruneResult,
+    PushResult,
+    SubstrateInfo,
+)
 from corral.sdk import api
 from corral.sdk.endpoint import Endpoint
 from corral.sdk.sync_transport import transport
@@ -67,3 +74,17 @@ def remove_image(name: str, endpoint: str | Endpoint | None = None) -> dict[str,
 def prune_images(endpoint: str | Endpoint | None = None) -> PruneResult:
     """Remove every layer no image lists."""
     return transport(Endpoint.parse(endpoint)).call(api.prune_images())
+
+
+def tag_image(source: str, name: str, config: dict[str, Any] | None = None,
+              replace: bool = False, endpoint: str | Endpoint | None = None) -> ImageInfo:
+    """A new name for image ``source``'s layers, its config changed by ``config`` (Env,
+    WorkingDir, User, Entrypoint, Cmd, Labels...): no file is copied."""
+    return transport(Endpoint.parse(endpoint)).call(api.tag_image(source, name, config,
+                                                                  replace))
+
+
+def push_image(name: str, reference: str | None = None,
+               endpoint: str | Endpoint | None = None) -> PushResult:
+    """Push image ``name`` to ``reference`` (default: its name, a registry reference)."""
+    return transport(Endpoint.parse(endpoint)).call(api.push_image(name, reference))

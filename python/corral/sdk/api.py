@@ -30,6 +30,7 @@ from corral.models import (
     NETWORK_MODES,
     AllowlistInfo,
     BatchExecRequest,
+    CommitRequest,
     CreateManyRequest,
     DaemonStatus,
     ExecManyRequest,
@@ -50,6 +51,8 @@ from corral.models import (
     ProcessStatus,
     PruneResult,
     PullImageRequest,
+    PushImageRequest,
+    PushResult,
     RemoveRequest,
     RenameRequest,
     RestoreRequest,
@@ -60,6 +63,7 @@ from corral.models import (
     SnapshotRequest,
     StdinRequest,
     SubstrateInfo,
+    TagImageRequest,
     WaitRequest,
 )
 from corral.sdk.call import DEFAULT_READ_TIMEOUT, Call, T, seg
@@ -601,4 +605,26 @@ def prune_images() -> Call[PruneResult]:
 def import_image(name: str, source: str) -> Call[ImageInfo]:
     req = validated(ImportImageRequest, name=name, source=source)
     return Call("POST", "/v1/images", ImageInfo.model_validate_json, body=_body(req),
+                timeout=None)
+
+
+def commit(sid: str, name: str, config: Mapping[str, Any] | None = None,
+           replace: bool = False) -> Call[ImageInfo]:
+    req = validated(CommitRequest, name=name, config=dict(config) if config else None,
+                    replace=replace)
+    return Call("POST", sb_path(sid) + "/commit", ImageInfo.model_validate_json,
+                body=_body(req), timeout=None)
+
+
+def tag_image(source: str, name: str, config: Mapping[str, Any] | None = None,
+              replace: bool = False) -> Call[ImageInfo]:
+    req = validated(TagImageRequest, source=source, name=name,
+                    config=dict(config) if config else None, replace=replace)
+    return Call("POST", "/v1/images/tag", ImageInfo.model_validate_json, body=_body(req),
+                timeout=None)
+
+
+def push_image(name: str, reference: str | None = None) -> Call[PushResult]:
+    req = validated(PushImageRequest, name=name, reference=reference)
+    return Call("POST", "/v1/images/push", PushResult.model_validate_json, body=_body(req),
                 timeout=None)

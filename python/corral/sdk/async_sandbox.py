@@ -20,6 +20,7 @@ from corral.models import (
     DEFAULT_MAX_OUTPUT_BYTES,
     DEFAULT_TIMEOUT_S,
     FileEntry,
+    ImageInfo,
     LayerSpec,
     LogEntry,
     NetworkMode,
@@ -297,6 +298,10 @@ class AsyncSandbox(SandboxHandle):
                        key: str | None = None) -> AsyncSnapshot:
         """See ``Sandbox.snapshot``."""
         return AsyncSnapshot(await self._call(api.snapshot, name, key=key), self._endpoint)
+
+    async def commit(self, name: str, *, config: Mapping[str, Any] | None = None,
+                     replace: bool = False) -> ImageInfo:
+        return await self._call(api.commit, name, config, replace)
 
     async def fork(self, n: int, *, name: str | None = None, keep_snapshot: bool = False,
                    key: str | None = None) -> builtins.list[AsyncSandbox]:

@@ -15,6 +15,7 @@ from corral.models import (
     DEFAULT_MAX_OUTPUT_BYTES,
     DEFAULT_TIMEOUT_S,
     FileEntry,
+    ImageInfo,
     LayerSpec,
     LogEntry,
     NetworkMode,
@@ -262,6 +263,13 @@ class Sandbox(SandboxHandle):
     def snapshot(self, name: str | None = None, *, key: str | None = None) -> Snapshot:
         """Its files (not its processes) as a read-only snapshot that outlives it."""
         return Snapshot(self._call(api.snapshot(self.id, name), key), self._endpoint)
+
+    def commit(self, name: str, *, config: Mapping[str, Any] | None = None,
+               replace: bool = False) -> ImageInfo:
+        """Its files as a new image ``name`` (a local name or a registry reference): its
+        image's layers and one layer of what it changed; ``Sandbox(image=name)`` starts on
+        it at once. ``config`` changes the image config (Env, WorkingDir, User, Cmd...)."""
+        return self._call(api.commit(self.id, name, config, replace))
 
     def fork(self, n: int, *, name: str | None = None, keep_snapshot: bool = False,
              key: str | None = None) -> builtins.list[Sandbox]:

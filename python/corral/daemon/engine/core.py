@@ -56,13 +56,14 @@ from .base import (
     log,
     new_id,
 )
+from .committing import CommitOps
 from .execs import ExecOps
 from .files import FileOps
 from .recovery import Recovery
 from .snapshotting import SnapshotOps
 
 
-class Engine(ExecOps, FileOps, SnapshotOps, Recovery):
+class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
     def __init__(self, config: Config, *, substrates: Sequence[str] | None = None,
                  images: Any = None, clock: Clock = REAL) -> None:
         """``substrates``: the registered substrates to serve (default: the registry's

@@ -37,6 +37,22 @@ class SnapshotOps:
             raise self._lacks(substrate, "snapshot")
         if name is not None and name in store.by_name:  # checked again in commit
             raise SnapshotExists(f"a snapshot named {name!r} exists", details={"name": name})
+        sb, base, (tmp, digest, size) = await self._capture(sid)
+        rec = store.commit(tmp, digest, size, name=name, parent=sb.spec.snapshot,
+                           image=sb.spec.image, base=base, sandbox_id=sid)
+        if store.wants_spares():  # the next capture's dir, made while this one answers
+            task = asyncio.ensure_future(asyncio.to_thread(store.refill_spares))
+            self._batch_tasks.add(task)
+            task.add_done_callback(self._batch_tasks.discard)
+        self.counters["snapshots"] = self.counters.get("snapshots", 0) + 1
+        return rec
+
+    async def _capture(self: EngineHost, sid: str) -> tuple[Sandbox, builtins.list[str],
+                                                             tuple[str, str, int]]:
+        """Copy the sandbox's uppers while it is frozen: (the sandbox, the chain it stands
+        on, (temporary layer dir, digest, bytes)). Shared by snapshots and image commits."""
+        store = self._snaps()
+        substrate = self.substrates[self.lookup(sid).spec.substrate]
         while True:  # one capture at a time (a freeze is shared), after file ops in flight
             await self.wait_capture(sid)
             sb = self.lookup(sid)
@@ -63,14 +79,7 @@ class SnapshotOps:
             store.release(layers)
             done, sb.capturing = sb.capturing, None
             done.set_result(None)
-        rec = store.commit(tmp, digest, size, name=name, parent=sb.spec.snapshot,
-                           image=sb.spec.image, base=base, sandbox_id=sid)
-        if store.wants_spares():  # the next capture's dir, made while this one answers
-            task = asyncio.ensure_future(asyncio.to_thread(store.refill_spares))
-            self._batch_tasks.add(task)
-            task.add_done_callback(self._batch_tasks.discard)
-        self.counters["snapshots"] = self.counters.get("snapshots", 0) + 1
-        return rec
+        return sb, base, (tmp, digest, size)
 
     async def fork(self: EngineHost, sid: str, count: int, name: str | None, keep: bool,
                    key: str | None = None, control: snapshots.CaptureControl | None = None,

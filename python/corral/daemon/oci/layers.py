@@ -264,6 +264,36 @@ class LayerStore:
             if os.path.lexists(tmp):
                 removal.remove_tree(tmp)
 
+    def from_tree(self, hexd: str, tree: str, meta: dict) -> dict:
+        """Store the overlay-form directory ``tree`` (a sandbox's captured changes: whiteouts
+        as 0/0 devices, opaque dirs by xattr) as layer ``hexd``, taking the tree over: made
+        an EROFS image (then removed), or moved into place. A layer already stored is kept
+        and ``tree`` removed. The caller pins ``hexd`` (GC) until an image lists it."""
+        with self._lock:
+            gate = self._building.setdefault(hexd, threading.Lock())
+        tmp = tempfile.mkdtemp(prefix=hexd[:16] + "-", dir=self.tmp_dir)
+        try:
+            with gate:
+                if self.has(hexd):
+                    return self.meta(hexd)
+                fmt = "dir"
+                if self.erofs:
+                    self._mkfs(tree, os.path.join(tmp, "layer.erofs"))
+                    fmt = "erofs"
+                else:
+                    os.rename(tree, os.path.join(tmp, "tree"))
+                meta = {**meta, "format": fmt}
+                with open(os.path.join(tmp, "layer.json"), "w") as f:
+                    json.dump(meta, f, sort_keys=True)
+                os.rename(tmp, self.path(hexd))
+                return meta
+        finally:
+            with self._lock:
+                self._building.pop(hexd, None)
+            for p in (tmp, tree):
+                if os.path.lexists(p):
+                    removal.remove_tree(p)
+
     # ---- removal --------------------------------------------------------------------------
     def _unmount(self, hexd: str) -> None:
         from corral import _core

@@ -1,6 +1,7 @@
-"""A client of the OCI distribution spec (pull side): the ``/v2/`` ping that settles the
-scheme and the auth challenge, manifests (OCI and Docker v2 schema 2, indexes and manifest
-lists) and blobs streamed to a file while hashed. Runs in a worker thread (sync httpx).
+"""A client of the OCI distribution spec: the ``/v2/`` ping that settles the scheme and the
+auth challenge, manifests (OCI and Docker v2 schema 2, indexes and manifest lists) and blobs
+streamed to a file while hashed; for a push, blob checks, monolithic uploads and manifest
+puts. Runs in a worker thread (sync httpx).
 
 Plain HTTP only for a registry on loopback or named in the daemon's config
 (``CORRAL_INSECURE_REGISTRIES``), and even then HTTPS is tried first, as Docker does."""
@@ -53,8 +54,9 @@ def check_digest(digest: str, what: str) -> str:
 
 class Registry:
     def __init__(self, ref: Reference, insecure: frozenset[str] = frozenset(),
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, actions: str = "pull") -> None:
         self.ref = ref
+        self.actions = actions  # the token scope's: "pull", or "pull,push"
         self.plain_ok = ref.loopback() or ref.registry in insecure
         self.insecure = insecure
         self.base = ""
@@ -135,7 +137,7 @@ class Registry:
                                                      and self._plain_realm(realm)):
             raise self._unauthorized(f"token realm {realm!r} is not HTTPS (plain HTTP only "
                                      "on loopback or a registry named insecure)")
-        q = {"scope": f"repository:{self.ref.repo}:pull"}
+        q = {"scope": f"repository:{self.ref.repo}:{self.actions}"}
         if self.params.get("service"):
             q["service"] = self.params["service"]
         try:
@@ -191,6 +193,63 @@ class Registry:
                                  r.status_code)
             return r
         raise AssertionError("unreachable")
+
+    def send(self, method: str, url: str, ok: tuple[int, ...], *,
+             headers: dict[str, str] | None = None, content: Any = None) -> httpx.Response:
+        """A push-side request (``url``: a path under ``/v2/<repo>/`` or an upload's
+        absolute Location), logging in on a 401; a status outside ``ok`` fails."""
+        if not self.base:
+            self.ping()
+        if self.scheme and self.authz is None:
+            self._login()
+        if not url.startswith(("http://", "https://")):
+            url = f"{self.base}/v2/{self.ref.repo}/{url}"
+        for attempt in range(2):
+            h = dict(headers or {})
+            if self.authz:
+                h["Authorization"] = self.authz
+            if hasattr(content, "seek"):
+                content.seek(0)
+            try:
+                r = self.client.request(method, url, headers=h, content=content)
+            except httpx.HTTPError as e:
+                raise self._fail(f"{method} {url}: {e}") from e
+            if r.status_code == 401 and attempt == 0:
+                self.scheme, self.params = auth.challenge(r.headers.get("www-authenticate", ""))
+                self._login()
+                continue
+            if r.status_code in (401, 403):
+                raise self._unauthorized(f"{r.status_code} on {method} {url}")
+            if r.status_code not in ok:
+                raise self._fail(f"{method} {url}: registry answered {r.status_code} "
+                                 f"{r.text[:300]}", r.status_code)
+            return r
+        raise AssertionError("unreachable")
+
+    def blob_size(self, digest: str) -> int | None:
+        """The size of blob ``digest`` if the repository has it, else None."""
+        r = self.send("HEAD", f"blobs/{digest}", (200, 404))
+        if r.status_code == 404:
+            return None
+        return int(r.headers.get("content-length", "-1"))
+
+    def upload(self, digest: str, path: str) -> None:
+        """Send the file ``path`` as blob ``digest`` in one PUT (the registry verifies it)."""
+        r = self.send("POST", "blobs/uploads/", (202,))
+        loc = r.headers.get("location", "")
+        if not loc:
+            raise self._fail("the registry gave no upload location")
+        if loc.startswith("/"):
+            loc = self.base + loc
+        loc += ("&" if "?" in loc else "?") + "digest=" + digest  # keeps the upload's state
+        with open(path, "rb") as f:
+            self.send("PUT", loc, (201,), content=f,
+                      headers={"Content-Type": "application/octet-stream",
+                               "Content-Length": str(os.fstat(f.fileno()).st_size)})
+
+    def put_manifest(self, tag: str, data: bytes, media_type: str) -> None:
+        self.send("PUT", f"manifests/{tag}", (201,), content=data,
+                  headers={"Content-Type": media_type})
 
     def _small(self, path: str, limit: int, accept: str | None = None) -> tuple[bytes, str]:
         r = self._get(path, accept)

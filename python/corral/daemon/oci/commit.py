@@ -1,0 +1,93 @@
+"""What a sandbox's captured changes must become before they are an image layer, and how an
+image's config changes (a commit, a tag, a build step).
+
+A captured upper is in overlay form already (whiteouts as 0/0 character devices, opaque
+directories by the ``trusted.overlay.opaque`` xattr: corral.daemon.snapshots), which is the
+form a layer of the store has. The sandbox made those files, so the unpack rules apply to
+them as to a pulled layer: setuid and setgid bits are cleared on files (kept on directories
+for setgid), device nodes other than whiteouts and sockets are removed, and
+``security.capability`` xattrs are dropped."""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Any
+
+from corral.daemon.oci import pull
+from corral.errors import InvalidRequest
+
+_SUID = stat.S_ISUID | stat.S_ISGID
+_DROP_XATTRS = ("security.capability",)
+# Config keys a commit or tag may set (docs/images.md); the others stay the base image's.
+SETTABLE = ("Env", "WorkingDir", "User", "Entrypoint", "Cmd", "Labels", "ExposedPorts",
+            "StopSignal")
+
+
+def sanitize(tree: str) -> tuple[dict[str, int], int]:
+    """Apply the layer rules to ``tree`` in place; returns what was removed or changed, and
+    the bytes of its regular files."""
+    counts: dict[str, int] = {}
+    nbytes = 0
+
+    def note(what: str) -> None:
+        counts[what] = counts.get(what, 0) + 1
+
+    for dirpath, dirnames, filenames in os.walk(tree):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            m = st.st_mode
+            if stat.S_ISCHR(m) or stat.S_ISBLK(m) or stat.S_ISSOCK(m):
+                if stat.S_ISCHR(m) and st.st_rdev == 0:
+                    continue  # a whiteout: a deletion this layer records
+                os.unlink(p)
+                note("devices")
+                continue
+            if stat.S_ISLNK(m):
+                continue
+            try:
+                names = os.listxattr(p, follow_symlinks=False)
+            except OSError:
+                names = []
+            for x in names:
+                if x in _DROP_XATTRS:
+                    os.removexattr(p, x, follow_symlinks=False)
+                    note("xattrs")
+            if stat.S_ISREG(m):
+                nbytes += st.st_size
+            if stat.S_ISREG(m) and m & _SUID:
+                os.chmod(p, stat.S_IMODE(m) & ~_SUID)
+                note("setuid")
+            elif stat.S_ISDIR(m) and m & stat.S_ISUID:
+                os.chmod(p, stat.S_IMODE(m) & ~stat.S_ISUID)
+    return counts, nbytes
+
+
+def merge_config(base: dict[str, Any], changes: dict[str, Any] | None) -> dict[str, Any]:
+    """``base`` with ``changes`` applied: a key set to None is removed; ``Env`` entries
+    replace the base's of the same variable; ``Labels`` are merged. Types are checked the
+    way a pulled config's are (pull.image_config); a wrong one is invalid_request."""
+    out = dict(base)
+    for k, v in (changes or {}).items():
+        if k not in SETTABLE:
+            raise InvalidRequest(f"config key {k!r} cannot be set (settable: "
+                                 f"{', '.join(SETTABLE)})", details={"key": k})
+        if v is None:
+            out.pop(k, None)
+            continue
+        if k == "Env" and isinstance(v, list) and all(isinstance(e, str) for e in v):
+            names = {e.partition("=")[0] for e in v}
+            v = [e for e in out.get("Env", []) if e.partition("=")[0] not in names] + list(v)
+        elif k == "Labels" and isinstance(v, dict):
+            v = {**out.get("Labels", {}), **v}
+        out[k] = v
+    if isinstance(out.get("ExposedPorts"), list):  # stored as a list, read as an object
+        out["ExposedPorts"] = {str(p): {} for p in out["ExposedPorts"]}
+    checked = pull.image_config({"config": out})
+    bad = sorted(set(out) - set(checked))
+    if bad:
+        raise InvalidRequest(f"config {', '.join(bad)}: wrong type (Env, Entrypoint, Cmd: "
+                             "lists of strings; Labels: an object; the rest: strings)",
+                             details={"keys": bad})
+    return checked

@@ -1,0 +1,212 @@
+"""Push an image of the node's store to a registry (OCI image manifest, gzip tar layers).
+
+A stored layer is a tree in overlay form (an EROFS image or a directory), not the blob it
+came from, so a push writes each layer's tar form anew: whiteouts (0/0 character devices)
+become ``.wh.NAME`` entries, an opaque directory (``trusted.overlay.opaque``) gets a
+``.wh..wh..opq`` entry, hard links within the layer stay links, ``user.*`` xattrs travel as
+PAX headers. The tar is deterministic (sorted names, the files' own mtimes and owners, gzip
+without a timestamp), so pushing one layer twice gives one digest, which ``push.json`` in the
+layer's directory remembers: a blob the registry has is not made or sent again. A layer that
+was pulled is first looked for by its original digest. A layer with an overlay redirect or
+metacopy xattr (a directory renamed under ``redirect_dir=on``) has no tar form: refused."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import stat
+import tarfile
+import tempfile
+from typing import IO, Any
+
+from corral.daemon.oci import registry
+from corral.daemon.oci.layers import LayerStore
+from corral.daemon.oci.ref import Reference
+from corral.daemon.oci.unpack import OPAQUE_XATTR
+from corral.errors import InvalidImage, InvalidRequest
+
+GZIP_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
+_UNSUPPORTED_XATTRS = ("trusted.overlay.redirect", "trusted.overlay.metacopy")
+
+
+class _Hashing:
+    """A write-through that hashes and counts what passes."""
+
+    def __init__(self, f: IO[bytes] | Any) -> None:
+        self.f, self.h, self.n = f, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.h.update(data)
+        self.n += len(data)
+        self.f.write(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def _member(root: str, rel: str, st: os.stat_result) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(rel)
+    ti.mode, ti.uid, ti.gid = stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
+    ti.mtime = int(st.st_mtime)
+    ti.uname = ti.gname = ""
+    pax: dict[str, str] = {}
+    path = os.path.join(root, rel)
+    if not stat.S_ISLNK(st.st_mode):
+        try:
+            names = sorted(os.listxattr(path, follow_symlinks=False))
+        except OSError:
+            names = []
+        for n in names:
+            if n in _UNSUPPORTED_XATTRS:
+                raise InvalidImage(f"cannot push: {rel!r} carries {n} (a directory renamed "
+                                   "with overlay redirect_dir on has no tar form)",
+                                   details={"path": rel, "xattr": n})
+            if n.startswith("user."):
+                v = os.getxattr(path, n, follow_symlinks=False)
+                pax[f"SCHILY.xattr.{n}"] = v.decode("utf-8", "surrogateescape")
+    ti.pax_headers = pax
+    return ti
+
+
+def write_tar(root: str, out: Any) -> None:
+    """The OCI tar form of the overlay-form tree ``root``, written to ``out``."""
+    links: dict[tuple[int, int], str] = {}
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tf:
+        stack = [""]
+        while stack:
+            d = stack.pop()
+            with os.scandir(os.path.join(root, d)) as it:
+                names = sorted(e.name for e in it)
+            subdirs = []
+            for name in names:
+                rel = f"{d}/{name}" if d else name
+                path = os.path.join(root, rel)
+                st = os.lstat(path)
+                m = st.st_mode
+                if stat.S_ISCHR(m) and st.st_rdev == 0:  # a whiteout
+                    wh = tarfile.TarInfo(f"{d}/.wh.{name}" if d else f".wh.{name}")
+                    wh.mtime = int(st.st_mtime)
+                    tf.addfile(wh)
+                    continue
+                if not (stat.S_ISDIR(m) or stat.S_ISREG(m) or stat.S_ISLNK(m)
+                        or stat.S_ISFIFO(m)):
+                    continue  # devices and sockets never reach a layer; skip if any
+                ti = _member(root, rel, st)
+                if stat.S_ISDIR(m):
+                    ti.type = tarfile.DIRTYPE
+                    tf.addfile(ti)
+                    try:
+                        opaque = os.getxattr(path, OPAQUE_XATTR, follow_symlinks=False)
+                    except OSError:
+                        opaque = b""
+                    if opaque == b"y":
+                        tf.addfile(tarfile.TarInfo(f"{rel}/.wh..wh..opq"))
+                    subdirs.append(rel)
+                elif stat.S_ISLNK(m):
+                    ti.type, ti.linkname = tarfile.SYMTYPE, os.readlink(path)
+                    tf.addfile(ti)
+                elif stat.S_ISFIFO(m):
+                    ti.type = tarfile.FIFOTYPE
+                    tf.addfile(ti)
+                else:
+                    key = (st.st_dev, st.st_ino)
+                    if st.st_nlink > 1 and key in links:
+                        ti.type, ti.linkname = tarfile.LNKTYPE, links[key]
+                        tf.addfile(ti)
+                        continue
+                    if st.st_nlink > 1:
+                        links[key] = rel
+                    ti.size = st.st_size
+                    with open(path, "rb") as f:
+                        tf.addfile(ti, f)
+            stack.extend(reversed(subdirs))  # depth first, in name order
+
+
+def layer_blob(store: LayerStore, hexd: str, dest: str) -> dict[str, Any]:
+    """Write layer ``hexd``'s gzip tar to ``dest``: its digest, diff_id and size."""
+    root = store.lower(hexd)
+    with open(dest, "wb") as f:
+        comp = _Hashing(f)
+        with gzip.GzipFile(fileobj=comp, mode="wb", compresslevel=1, mtime=0) as gz:
+            plain = _Hashing(gz)
+            write_tar(root, plain)
+    return {"digest": "sha256:" + comp.h.hexdigest(),
+            "diff_id": "sha256:" + plain.h.hexdigest(), "size": comp.n,
+            "media_type": GZIP_LAYER}
+
+
+def _remembered(store: LayerStore, hexd: str) -> list[dict[str, Any]]:
+    """Blobs known to hold this layer: its tar form made before, the one it was pulled as."""
+    out = []
+    try:
+        with open(os.path.join(store.path(hexd), "push.json")) as f:
+            out.append(dict(json.load(f)))
+    except (OSError, ValueError):
+        pass
+    m = store.meta(hexd)
+    if str(m.get("digest", "")).startswith("sha256:") and m.get("diff_id"):
+        out.append({"digest": m["digest"], "diff_id": m["diff_id"],
+                    "media_type": m.get("media_type", GZIP_LAYER)})
+    return out
+
+
+def push(ref: Reference, store: LayerStore, hexes: list[str], config: dict[str, Any],
+         insecure: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Push the image of stored layers ``hexes`` (base first) and runtime ``config`` as
+    ``ref``; returns the PushResult fields."""
+    if ref.digest:
+        raise InvalidRequest(f"push to a tag, not a digest ({ref})",
+                             details={"reference": str(ref)})
+    tag = ref.tag or "latest"
+    descs, diff_ids = [], []
+    uploaded = sent = 0
+    with registry.Registry(ref, insecure, actions="pull,push") as reg:
+        for hexd in hexes:
+            found = None
+            for cand in _remembered(store, hexd):
+                size = reg.blob_size(cand["digest"])
+                if size is not None and size >= 0:
+                    found = {**cand, "size": size}
+                    break
+            if found is None:
+                fd, tmp = tempfile.mkstemp(prefix="push-", dir=store.tmp_dir)
+                os.close(fd)
+                try:
+                    found = layer_blob(store, hexd, tmp)
+                    reg.upload(found["digest"], tmp)
+                finally:
+                    os.unlink(tmp)
+                uploaded += 1
+                sent += found["size"]
+                with open(os.path.join(store.path(hexd), "push.json"), "w") as f:
+                    json.dump(found, f, sort_keys=True)
+            descs.append({"mediaType": found["media_type"], "digest": found["digest"],
+                          "size": found["size"]})
+            diff_ids.append(found["diff_id"])
+        cfg = dict(config)
+        if isinstance(cfg.get("ExposedPorts"), list):
+            cfg["ExposedPorts"] = {p: {} for p in cfg["ExposedPorts"]}
+        cfg_b = json.dumps({"architecture": "amd64", "os": "linux", "config": cfg,
+                            "rootfs": {"type": "layers", "diff_ids": diff_ids}},
+                           sort_keys=True, separators=(",", ":")).encode()
+        cfg_digest = "sha256:" + hashlib.sha256(cfg_b).hexdigest()
+        if reg.blob_size(cfg_digest) is None:
+            fd, tmp = tempfile.mkstemp(prefix="push-", dir=store.tmp_dir)
+            try:
+                os.write(fd, cfg_b)
+                os.close(fd)
+                reg.upload(cfg_digest, tmp)
+            finally:
+                os.unlink(tmp)
+        manifest = json.dumps({"schemaVersion": 2, "mediaType": registry.OCI_MANIFEST,
+                               "config": {"mediaType": OCI_CONFIG, "digest": cfg_digest,
+                                          "size": len(cfg_b)},
+                               "layers": descs}, sort_keys=True,
+                              separators=(",", ":")).encode()
+        reg.put_manifest(tag, manifest, registry.OCI_MANIFEST)
+    return {"reference": str(ref), "digest": "sha256:" + hashlib.sha256(manifest).hexdigest(),
+            "layers": [d["digest"] for d in descs], "uploaded": uploaded, "bytes": sent}

@@ -1,0 +1,307 @@
+"""Image builds: ``corral.Image``, a chain of steps over a base image, built by the daemon
+one step at a time. A step that changes files (``run_commands``, ``copy_local_dir``...) runs
+in a real sandbox on the previous step's image and is committed as one layer; a step that
+changes only the config (``env``, ``cmd``...) is a tag (no files). Each step's image is named
+by a hash of everything it depends on (the base image's digest, layers and config, the steps
+before it, its own command or the bytes it copies): ``build-<hash>``. A build finds those
+names first, so a rebuild with nothing changed runs no sandbox at all.
+
+>>> img = (corral.Image.from_registry("127.0.0.1:5000/team/base:1")
+...        .run_commands("echo hi > /greeting").env({"MODE": "test"})
+...        .copy_local_dir("./src", "/app").workdir("/app").cmd(["python3", "main.py"]))
+>>> img.build("task-v1")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import posixpath
+import shlex
+import stat
+import tarfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from corral.errors import BuildFailed, ImageNotFound, InvalidRequest
+from corral.models import ImageInfo
+from corral.sdk import api
+from corral.sdk.endpoint import Endpoint
+from corral.sdk.sync_transport import transport
+
+# Bump when what a step does for the same inputs changes: older cache entries stop matching.
+BUILD_VERSION = 1
+CACHE_PREFIX = "build-"
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str  # "run" | "copy" | "workdir" | "config"
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if self.kind == "run":
+            return "RUN " + " && ".join(self.args["cmds"]) if isinstance(
+                self.args["cmds"][0], str) else "RUN " + json.dumps(self.args["cmds"])
+        if self.kind == "copy":
+            return f"COPY {' '.join(self.args['srcs'])} {self.args['dest']}"
+        if self.kind == "workdir":
+            return f"WORKDIR {self.args['path']}"
+        return "CONFIG " + json.dumps(self.args["changes"], sort_keys=True)
+
+
+@dataclass
+class StepResult:
+    step: str
+    image: str
+    cached: bool
+    seconds: float
+
+
+@dataclass
+class BuildResult:
+    image: ImageInfo
+    steps: list[StepResult]
+    seconds: float
+
+    @property
+    def cached(self) -> bool:
+        """Every step came from the cache."""
+        return all(s.cached for s in self.steps)
+
+
+class Image:
+    """An image recipe: a base and steps, each method returning a new recipe."""
+
+    def __init__(self, base: str, steps: Sequence[Step] = ()) -> None:
+        self.base = base
+        self.steps: tuple[Step, ...] = tuple(steps)
+
+    def _add(self, step: Step) -> Image:
+        return Image(self.base, (*self.steps, step))
+
+    # ---- bases ----------------------------------------------------------------------------
+    @staticmethod
+    def from_registry(reference: str) -> Image:
+        """A registry image (pulled by the daemon if its node lacks it)."""
+        return Image(reference)
+
+    @staticmethod
+    def from_name(name: str) -> Image:
+        """An image the daemon has (imported, committed, built)."""
+        return Image(name)
+
+    # ---- steps that change files ----------------------------------------------------------
+    def run_commands(self, *cmds: str | Sequence[str]) -> Image:
+        """Run shell commands (a string) or argvs (a list) in turn, as the image's user in
+        its working directory; one layer for all of them."""
+        if not cmds:
+            raise InvalidRequest("run_commands needs a command")
+        return self._add(Step("run", {"cmds": [c if isinstance(c, str) else list(c)
+                                               for c in cmds]}))
+
+    def apt_install(self, *packages: str) -> Image:
+        """``apt-get install`` (Debian-based images; the step needs the network)."""
+        pkgs = " ".join(shlex.quote(p) for p in packages)
+        return self.run_commands("apt-get update && DEBIAN_FRONTEND=noninteractive apt-get "
+                                 f"install -y --no-install-recommends {pkgs}")
+
+    def pip_install(self, *packages: str) -> Image:
+        """``pip install`` with the image's python3 (the step needs the network, or a
+        package index the network mode reaches)."""
+        return self.run_commands("python3 -m pip install --no-cache-dir "
+                                 + " ".join(shlex.quote(p) for p in packages))
+
+    def copy_local_dir(self, local: str | os.PathLike[str], remote: str) -> Image:
+        """The contents of the local directory ``local`` into ``remote`` (made if missing),
+        owned by root, modes and mtimes kept."""
+        return self._add(Step("copy", {"srcs": [os.fspath(local)], "dest": remote.rstrip("/")
+                                       + "/", "context": None}))
+
+    def copy_local_file(self, local: str | os.PathLike[str], remote: str) -> Image:
+        """One local file to ``remote`` (a path; ending in ``/``: into that directory)."""
+        return self._add(Step("copy", {"srcs": [os.fspath(local)], "dest": remote,
+                                       "context": None}))
+
+    def workdir(self, path: str) -> Image:
+        """The working directory of later steps and of the image's sandboxes (made)."""
+        return self._add(Step("workdir", {"path": path}))
+
+    # ---- steps that change only the config ------------------------------------------------
+    def env(self, values: Mapping[str, str]) -> Image:
+        return self._add(Step("config", {"changes": {
+            "Env": [f"{k}={v}" for k, v in values.items()]}}))
+
+    def user(self, user: str) -> Image:
+        return self._add(Step("config", {"changes": {"User": user}}))
+
+    def cmd(self, argv: Sequence[str]) -> Image:
+        return self._add(Step("config", {"changes": {"Cmd": list(argv)}}))
+
+    def entrypoint(self, argv: Sequence[str]) -> Image:
+        return self._add(Step("config", {"changes": {"Entrypoint": list(argv)}}))
+
+    def label(self, labels: Mapping[str, str]) -> Image:
+        return self._add(Step("config", {"changes": {"Labels": dict(labels)}}))
+
+    # ---- building -------------------------------------------------------------------------
+    def build(self, name: str, *, endpoint: str | Endpoint | None = None,
+              network: str = "none", step_timeout: float = 1800.0,
+              memory_mb: int = 2048, output: Callable[[str], None] | None = None,
+              replace: bool = True) -> BuildResult:
+        """Build it as image ``name`` (replacing one of that name unless ``replace=False``).
+        Steps run in sandboxes with ``network``; a failing step raises BuildFailed with its
+        output and leaves no layer. ``output`` gets progress lines."""
+        return _Builder(self, Endpoint.parse(endpoint), network, step_timeout, memory_mb,
+                        output or (lambda s: None)).build(name, replace)
+
+
+def _sha(*parts: Any) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else json.dumps(p, sort_keys=True).encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def copy_tar(srcs: Sequence[str], dest: str, context: str | None) -> tuple[str, bytes]:
+    """(the directory to extract into, a tar of the sources) for a copy to ``dest``: a
+    directory source's contents, a file by its name (into a ``dest`` ending in ``/``) or as
+    ``dest``. Owned by root, deterministic. ``context``: sources must stay inside it."""
+    into_dir = dest.endswith("/") or len(srcs) > 1
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        def add(path: str, arc: str) -> None:
+            st = os.lstat(path)
+            ti = tarfile.TarInfo(arc)
+            ti.mode, ti.mtime, ti.uid, ti.gid = stat.S_IMODE(st.st_mode), int(st.st_mtime), 0, 0
+            if stat.S_ISDIR(st.st_mode):
+                ti.type = tarfile.DIRTYPE
+                tf.addfile(ti)
+                for n in sorted(os.listdir(path)):
+                    add(os.path.join(path, n), f"{arc}/{n}")
+            elif stat.S_ISLNK(st.st_mode):
+                ti.type, ti.linkname = tarfile.SYMTYPE, os.readlink(path)
+                tf.addfile(ti)
+            elif stat.S_ISREG(st.st_mode):
+                ti.size = st.st_size
+                with open(path, "rb") as f:
+                    tf.addfile(ti, f)
+
+        for src in srcs:
+            real = os.path.realpath(src)
+            if context is not None:
+                base = os.path.realpath(context)
+                if real != base and not real.startswith(base + "/"):
+                    raise InvalidRequest(f"COPY source {src!r} is outside the build context "
+                                         f"{context}", details={"source": src})
+            if not os.path.lexists(real):
+                raise InvalidRequest(f"COPY source {src!r} does not exist",
+                                     details={"source": src})
+            if os.path.isdir(real):
+                for n in sorted(os.listdir(real)):
+                    add(os.path.join(real, n), n)
+                if not into_dir and len(srcs) == 1:
+                    into_dir = True
+            elif into_dir:
+                add(real, os.path.basename(real))
+            else:
+                add(real, posixpath.basename(dest))
+    target = dest.rstrip("/") if into_dir else posixpath.dirname(dest)
+    return target or "/", buf.getvalue()
+
+
+class _Builder:
+    def __init__(self, image: Image, ep: Endpoint, network: str, step_timeout: float,
+                 memory_mb: int, out: Callable[[str], None]) -> None:
+        self.image, self.ep, self.network = image, ep, network
+        self.timeout, self.memory_mb, self.out = step_timeout, memory_mb, out
+        self.t = transport(ep)
+
+    def _info(self, name: str) -> ImageInfo | None:
+        try:
+            return self.t.call(api.image(name))
+        except ImageNotFound:
+            return None
+
+    def _base(self) -> ImageInfo:
+        info = self._info(self.image.base)
+        if info is None:
+            if not any(c in self.image.base for c in "/:@"):
+                raise ImageNotFound(f"no image named {self.image.base!r}",
+                                    details={"image": self.image.base})
+            self.out(f"pulling {self.image.base}")
+            info = self.t.call(api.pull_image(self.image.base))
+        return info
+
+    def build(self, name: str, replace: bool) -> BuildResult:
+        t0 = time.monotonic()
+        base = self._base()
+        key = _sha(BUILD_VERSION, base.name, base.digest, base.layers, base.config)
+        cur, cfg = base.name, dict(base.config or {})
+        results: list[StepResult] = []
+        for i, step in enumerate(self.image.steps):
+            s0 = time.monotonic()
+            blob: bytes = b""
+            target = ""
+            if step.kind == "copy":
+                dest = step.args["dest"]
+                if not dest.startswith("/"):
+                    dest = posixpath.join(cfg.get("WorkingDir") or "/", dest)
+                target, blob = copy_tar(step.args["srcs"], dest, step.args.get("context"))
+            key = _sha(key, step.kind, step.args if step.kind != "copy" else target,
+                       hashlib.sha256(blob).hexdigest())
+            cache = CACHE_PREFIX + key[:48]
+            info = self._info(cache)
+            cached = info is not None
+            label = f"[{i + 1}/{len(self.image.steps)}] {step.describe()}"
+            if info is None:
+                self.out(label)
+                info = self._run(step, cur, cache, target, blob)
+            else:
+                self.out(label + " (cached)")
+            cur, cfg = info.name, dict(info.config or {})
+            results.append(StepResult(step.describe(), cache, cached,
+                                      round(time.monotonic() - s0, 4)))
+        final = self.t.call(api.tag_image(cur, name, None, replace))
+        return BuildResult(final, results, round(time.monotonic() - t0, 4))
+
+    def _run(self, step: Step, cur: str, cache: str, target: str, blob: bytes) -> ImageInfo:
+        if step.kind == "config":
+            return self.t.call(api.tag_image(cur, cache, step.args["changes"]))
+        from corral.sdk.sandbox import Sandbox
+
+        changes: dict[str, Any] | None = None
+        with Sandbox(image=cur, network=self.network, endpoint=self.ep, cwd="/",
+                     memory_mb=self.memory_mb, timeout=self.timeout + 60) as sb:
+            if step.kind == "run":
+                cwd = (self._cwd(cur))
+                for cmd in step.args["cmds"]:
+                    r = sb.exec(cmd, timeout=self.timeout, cwd=cwd)
+                    if r.stdout:
+                        self.out(r.stdout.rstrip("\n"))
+                    if r.exit_code != 0:
+                        raise BuildFailed(
+                            f"step {step.describe()!r} failed (exit {r.exit_code}): "
+                            f"{(r.stderr or r.stdout)[-2000:]}",
+                            details={"step": step.describe(), "exit_code": r.exit_code,
+                                     "stdout": r.stdout[-4000:], "stderr": r.stderr[-4000:]})
+            elif step.kind == "copy":
+                sb.exec(["mkdir", "-p", target], user=0, timeout=60).check()
+                sb._call(api.put_tar(sb.id, target, blob))
+            elif step.kind == "workdir":
+                path = step.args["path"]
+                if not path.startswith("/"):
+                    path = posixpath.join(self._cwd(cur) or "/", path)
+                sb.exec(["mkdir", "-p", path], user=0, timeout=60).check()
+                changes = {"WorkingDir": path}
+            return sb.commit(cache, config=changes)
+
+    def _cwd(self, image: str) -> str | None:
+        info = self._info(image)
+        wd = (info.config or {}).get("WorkingDir") if info else None
+        return wd if isinstance(wd, str) and wd.startswith("/") else None

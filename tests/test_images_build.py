@@ -1,0 +1,330 @@
+"""Commits, builds and pushes of OCI images against a real registry on this machine
+(Debian's docker-registry): a sandbox's changes become a layer usable at once; the commit
+applies the unpack rules to what the sandbox made (no setuid bit, no device survives); a
+build runs each RUN / COPY step in a real sandbox, caches every step, and a failing step
+leaves no image; a push writes tar layers a fresh node pulls back and runs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+
+import imagefix as fx
+import pytest
+
+import corral
+from corral.errors import (
+    BuildFailed,
+    Conflict,
+    ImageNotFound,
+    RegistryUnauthorized,
+    SandboxNotFound,
+    Unsupported,
+)
+from corral.sdk import Endpoint, admin, dockerfile
+
+from conftest import CGROUP_NAME, private_daemon
+
+pytestmark = pytest.mark.skipif(
+    not all(os.path.exists(p) for p in ("/usr/bin/docker-registry", "/usr/bin/skopeo",
+                                        fx.BUSYBOX)),
+    reason="needs docker-registry, skopeo and busybox-static (scripts/setup.sh)")
+
+CONFIG = {"Env": ["PATH=/bin", "GREETING=base"], "WorkingDir": "/home/app", "User": "app",
+          "Cmd": ["echo", "from-base"]}
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[dict]:
+    base = fx.oci_layout("buildbase", [("gzip", fx.busybox_base()),
+                                       ("gzip", [fx.d("opt"), fx.f("opt/base.txt", b"b\n")])],
+                        CONFIG)
+    with contextlib.ExitStack() as stack:
+        reg = stack.enter_context(fx.registry())
+        basic = stack.enter_context(fx.registry(auth="htpasswd"))
+        reg.push(base, "team/base")
+        dcfg = tempfile.mkdtemp(prefix="corral-dockercfg-", dir="/var/tmp")
+        stack.callback(shutil.rmtree, dcfg, True)
+        d = stack.enter_context(private_daemon("corral-imgb-", f"{CGROUP_NAME}-imgb",
+                                               CORRAL_REGISTRIES=f"{reg.addr},{basic.addr}",
+                                               DOCKER_CONFIG=dcfg))
+        ep = f"unix://{d.socket_path}"
+        admin.pull_image(f"{reg.addr}/team/base:latest", endpoint=ep)
+        yield {"reg": reg, "basic": basic, "dcfg": dcfg, "daemon": d, "ep": ep,
+               "base": f"{reg.addr}/team/base:latest"}
+
+
+def _rm(ep: str, *names: str) -> None:
+    for n in names:
+        with contextlib.suppress(ImageNotFound):
+            admin.remove_image(n, endpoint=ep)
+
+
+# ---- commit -------------------------------------------------------------------------------
+def test_commit_makes_an_image_usable_at_once(env: dict) -> None:
+    ep = env["ep"]
+    try:
+        with corral.Sandbox(image=env["base"], endpoint=ep) as sb:
+            r = sb.exec("echo changed > /home/app/state; rm /opt/base.txt; mkdir -p /opt/new;"
+                        " echo n > /opt/new/f", user="root")
+            assert r.exit_code == 0, r.stderr
+            changes = {"Env": ["GREETING=committed"], "Cmd": ["cat", "/opt/new/f"]}
+            info = sb.commit("committed", config=changes)
+            base = admin.image_info(env["base"], endpoint=ep)
+            assert info.kind == "oci" and info.layers[:2] == base.layers
+            assert len(info.layers) == 3
+            with pytest.raises(Conflict):  # a name is not taken twice unless asked
+                sb.commit("committed")
+            assert len(sb.commit("committed", config=changes, replace=True).layers) == 3
+        with corral.Sandbox(image="committed", endpoint=ep) as again:
+            r = again.exec("cat /home/app/state; test -e /opt/base.txt && echo WHITEOUT-LOST;"
+                           " cat /opt/new/f; id -un; pwd; echo $GREETING")
+            assert r.stdout == "changed\nn\napp\n/home/app\ncommitted\n", r.stderr
+        assert admin.image_info("committed", endpoint=ep).config["Cmd"] == ["cat", "/opt/new/f"]
+        with pytest.raises(Conflict):  # an existing name, not replaced unless asked
+            admin.tag_image("committed", "committed", endpoint=ep)
+    finally:
+        _rm(ep, "committed")
+
+
+def test_commit_of_a_snapshot_chain_and_bad_requests(env: dict) -> None:
+    ep = env["ep"]
+    try:
+        with corral.Sandbox(image=env["base"], endpoint=ep) as sb:
+            sb.exec("echo one > /home/app/one")
+            snap = sb.snapshot()
+        with corral.Sandbox(snapshot=snap, endpoint=ep) as kid:
+            kid.exec("echo two > /home/app/two")
+            info = kid.commit("chained")
+            with pytest.raises(corral.InvalidRequest):
+                kid.commit("Bad Name!")
+            with pytest.raises(Conflict):
+                kid.commit("host")
+        snap.delete()
+        with corral.Sandbox(image="chained", endpoint=ep) as c:
+            assert c.exec("cat /home/app/one /home/app/two").stdout == "one\ntwo\n"
+        assert len(info.layers or []) == 4  # base 2 + the snapshot's + the commit's
+        sbx = corral.Sandbox(image="host", endpoint=ep)
+        try:
+            with pytest.raises(Unsupported):  # the host's files are not layers
+                sbx.commit("from-host")
+        finally:
+            sbx.kill()
+        from corral.sdk import api
+        from corral.sdk.sync_transport import transport
+
+        with pytest.raises(SandboxNotFound):
+            transport(Endpoint.parse(ep)).call(api.commit("sb-nosuch", "x"))
+    finally:
+        _rm(ep, "chained")
+
+
+def test_commit_clears_setuid_and_drops_what_the_sandbox_made_privileged(env: dict) -> None:
+    """Attack: root in a sandbox makes a setuid-root shell, a setgid file, and tries a device
+    node; the committed image carries none of it."""
+    ep = env["ep"]
+    try:
+        with corral.Sandbox(image=env["base"], endpoint=ep) as sb:
+            r = sb.exec("cp /bin/busybox /opt/rootsh && chmod 4755 /opt/rootsh &&"
+                        " echo x > /opt/g && chmod 2755 /opt/g && mkdir /opt/sg &&"
+                        " chmod 2775 /opt/sg; mknod /opt/mem c 1 1 2>/dev/null;"
+                        " stat -c %a /opt/rootsh", user="root")
+            assert r.stdout.strip().endswith("4755"), (r.stdout, r.stderr)
+            sb.commit("suid-attempt")
+        with corral.Sandbox(image="suid-attempt", endpoint=ep) as c:
+            r = c.exec("stat -c %a /opt/rootsh /opt/g /opt/sg; test -e /opt/mem && echo DEV")
+            assert r.stdout.split() == ["755", "755", "2775"], r.stdout
+    finally:
+        _rm(ep, "suid-attempt")
+
+
+# ---- builds -------------------------------------------------------------------------------
+def test_python_builder_runs_steps_in_sandboxes_and_caches_them(env: dict) -> None:
+    ep = env["ep"]
+    ctx = tempfile.mkdtemp(prefix="corral-build-", dir="/var/tmp")
+    try:
+        os.makedirs(os.path.join(ctx, "src"))
+        with open(os.path.join(ctx, "src", "main.sh"), "w") as fh:
+            fh.write("echo main $MODE\n")
+        recipe = (corral.Image.from_registry(env["base"])
+                  .run_commands("echo $GREETING > /home/app/built; id -un >> /home/app/built")
+                  .env({"MODE": "test"})
+                  .copy_local_dir(os.path.join(ctx, "src"), "/srv/app")
+                  .workdir("/srv/app")
+                  .cmd(["sh", "main.sh"]))
+        cold = recipe.build("built", endpoint=ep)
+        assert not any(s.cached for s in cold.steps)
+        with corral.Sandbox(image="built", endpoint=ep) as sb:
+            r = sb.exec("cat /home/app/built; pwd; sh main.sh")
+            assert r.stdout == "base\napp\n/srv/app\nmain test\n", r.stderr
+        warm = recipe.build("built", endpoint=ep)
+        assert warm.cached and warm.seconds < 1.0, warm
+        # a changed COPY source invalidates its step and those after it, not those before
+        with open(os.path.join(ctx, "src", "main.sh"), "w") as fh:
+            fh.write("echo v2\n")
+        third = recipe.build("built", endpoint=ep)
+        assert [s.cached for s in third.steps] == [True, True, False, False, False]
+        with corral.Sandbox(image="built", endpoint=ep) as sb:
+            assert sb.exec("sh main.sh").stdout == "v2\n"
+    finally:
+        shutil.rmtree(ctx, ignore_errors=True)
+        _rm(ep, "built")
+
+
+def test_a_failing_step_shows_its_output_and_leaves_no_image(env: dict) -> None:
+    ep = env["ep"]
+    before = {i.name for i in admin.images(endpoint=ep)}
+    recipe = corral.Image.from_registry(env["base"]).run_commands(
+        "echo partial > /home/app/p; echo boom >&2; exit 3")
+    with pytest.raises(BuildFailed) as e:
+        recipe.build("never", endpoint=ep)
+    assert e.value.details["exit_code"] == 3 and "boom" in e.value.details["stderr"]
+    assert {i.name for i in admin.images(endpoint=ep)} == before
+
+
+def test_dockerfile_build_and_unsupported_instructions(env: dict) -> None:
+    ep = env["ep"]
+    ctx = tempfile.mkdtemp(prefix="corral-dockerfile-", dir="/var/tmp")
+    try:
+        with open(os.path.join(ctx, "hello.txt"), "w") as fh:
+            fh.write("hello\n")
+        text = (f"ARG BASE={env['base']}\nFROM $BASE\n# a comment\nARG WHO=world\n"
+                "ENV A=1 \\\n    B=two\nUSER root\nRUN echo \"$WHO $A $B\" > /greet\n"
+                "WORKDIR /data\nCOPY hello.txt ./\nRUN [\"cat\", \"/data/hello.txt\"]\n"
+                "LABEL org.example=yes\nUSER app\nEXPOSE 8080\n"
+                "ENTRYPOINT [\"/bin/sh\", \"-c\"]\nCMD [\"cat /greet\"]\n")
+        recipe = dockerfile.parse(text, ctx, {"WHO": "corral"})
+        t0 = time.monotonic()
+        res = recipe.build("fromdocker", endpoint=ep)
+        assert time.monotonic() - t0 < 120
+        info = res.image
+        assert info.config["User"] == "app" and info.config["WorkingDir"] == "/data"
+        assert info.config["Labels"]["org.example"] == "yes"
+        assert info.config["ExposedPorts"] == ["8080/tcp"]
+        with corral.Sandbox(image="fromdocker", endpoint=ep) as sb:
+            r = sb.exec("cat /greet /data/hello.txt; id -un; pwd")
+            assert r.stdout == "corral 1 two\nhello\napp\n/data\n", r.stderr
+        assert recipe.build("fromdocker", endpoint=ep).cached
+        for bad in ("FROM x\nVOLUME /v\n", "FROM x\nFROM y\n", "FROM x\nCOPY --from=a b c\n",
+                    "FROM x\nADD http://example.com/a /a\n", "RUN true\n"):
+            with pytest.raises(BuildFailed):
+                dockerfile.parse(bad, ctx)
+        with pytest.raises(corral.InvalidRequest):  # a COPY source outside the context
+            dockerfile.parse(f"FROM {env['base']}\nCOPY ../../etc/passwd /p\n", ctx).build(
+                "escape", endpoint=ep)
+    finally:
+        shutil.rmtree(ctx, ignore_errors=True)
+        _rm(ep, "fromdocker")
+
+
+# ---- push ---------------------------------------------------------------------------------
+def test_push_then_pull_on_a_fresh_node_and_run(env: dict) -> None:
+    ep, reg = env["ep"], env["reg"]
+    target = f"{reg.addr}/team/pushed:v1"
+    try:
+        with corral.Sandbox(image=env["base"], endpoint=ep) as sb:
+            sb.exec("mkdir -p /opt/d && echo pushed > /opt/d/f && ln /opt/d/f /opt/d/hl &&"
+                    " rm /opt/base.txt && echo u > /home/app/u", user="root")
+            sb.commit("topush", config={"Cmd": ["cat", "/opt/d/f"]})
+        res = admin.push_image("topush", target, endpoint=ep)
+        assert len(res.layers) == 3 and res.uploaded >= 1
+        again = admin.push_image("topush", target, endpoint=ep)
+        assert again.uploaded == 0 and again.digest == res.digest  # the registry has them
+        with private_daemon("corral-imgp-", f"{CGROUP_NAME}-imgp",
+                            CORRAL_REGISTRIES=reg.addr) as fresh:
+            fep = f"unix://{fresh.socket_path}"
+            with corral.Sandbox(image=target, endpoint=fep) as sb:
+                r = sb.exec("cat /opt/d/f; stat -c %h /opt/d/hl; test -e /opt/base.txt &&"
+                            " echo WHITEOUT-LOST; cat /home/app/u; id -un")
+                assert r.stdout == "pushed\n2\nu\napp\n", r.stderr
+            assert admin.image_info(target, endpoint=fep).config["Cmd"] == ["cat", "/opt/d/f"]
+        with pytest.raises(Conflict):  # a local name needs a target
+            admin.push_image("topush", endpoint=ep)
+    finally:
+        _rm(ep, "topush")
+
+
+def test_cli_build_commit_push(env: dict) -> None:
+    import subprocess
+    import sys
+
+    ep, reg, d = env["ep"], env["reg"], env["daemon"]
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "corral.cli", *args], capture_output=True,
+                              text=True, timeout=300,
+                              env={**os.environ, "CORRAL_SOCKET": d.socket_path,
+                                   "CORRAL_AUTOSTART": "0", "COLUMNS": "200"})
+
+    ctx = tempfile.mkdtemp(prefix="corral-clibuild-", dir="/var/tmp")
+    try:
+        with open(os.path.join(ctx, "Dockerfile.test"), "w") as fh:
+            fh.write(f"FROM {env['base']}\nRUN echo built-by-cli > /home/app/cli\n"
+                     "CMD [\"cat\", \"/home/app/cli\"]\n")
+        r = cli("image", "build", "-f", os.path.join(ctx, "Dockerfile.test"), "-t", "clib", ctx)
+        assert r.returncode == 0 and "built clib" in r.stdout, r.stderr
+        r = cli("image", "build", "-f", os.path.join(ctx, "Dockerfile.test"), "-t", "clib", ctx)
+        assert "2 of 2 steps cached" in r.stdout and "(cached)" in r.stderr, (r.stdout, r.stderr)
+        r = cli("run", "--image", "clib")
+        assert r.stdout == "built-by-cli\n", r.stderr
+        with corral.Sandbox(image="clib", endpoint=ep) as sb:
+            sb.exec("echo more >> /home/app/cli")
+            r = cli("image", "commit", sb.id, "clic")
+            assert r.returncode == 0 and "committed clic" in r.stdout, r.stderr
+        r = cli("image", "push", "clic", f"{reg.addr}/team/clic:1")
+        assert r.returncode == 0 and "pushed" in r.stdout, r.stderr
+        with open(os.path.join(ctx, "Dockerfile.bad"), "w") as fh:
+            fh.write(f"FROM {env['base']}\nHEALTHCHECK CMD true\n")
+        r = cli("image", "build", "-f", os.path.join(ctx, "Dockerfile.bad"), "-t", "x", ctx)
+        assert r.returncode != 0 and "build_failed" in r.stderr and "line 2" in r.stderr
+    finally:
+        shutil.rmtree(ctx, ignore_errors=True)
+        _rm(ep, "clib", "clic")
+
+
+def test_commit_on_a_rootfs_image(env: dict) -> None:
+    ep = env["ep"]
+    root = tempfile.mkdtemp(prefix="corral-rootfs-", dir="/var/tmp")
+    try:
+        os.makedirs(os.path.join(root, "bin"))
+        os.makedirs(os.path.join(root, "etc"))
+        shutil.copy(fx.BUSYBOX, os.path.join(root, "bin", "busybox"))
+        for a in ("sh", "cat", "echo"):
+            os.symlink("busybox", os.path.join(root, "bin", a))
+        with open(os.path.join(root, "etc", "passwd"), "w") as fh:
+            fh.write("root:x:0:0:root:/root:/bin/sh\n")
+        admin.import_image("rootfsbase", root, endpoint=ep)
+        with corral.Sandbox(image="rootfsbase", endpoint=ep, cwd="/") as sb:
+            sb.exec("echo on-rootfs > /etc/mark").check()
+            info = sb.commit("rootfscommit")
+        assert len(info.layers or []) == 2  # the tree as one layer, then the change
+        with corral.Sandbox(image="rootfscommit", endpoint=ep, cwd="/") as sb:
+            assert sb.exec("cat /etc/mark").stdout == "on-rootfs\n"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        _rm(ep, "rootfscommit", "rootfsbase")
+
+
+def test_push_needs_the_registrys_credentials(env: dict) -> None:
+    ep, basic = env["ep"], env["basic"]
+    target = f"{basic.addr}/private/pushed:1"
+    try:
+        with corral.Sandbox(image=env["base"], endpoint=ep) as sb:
+            sb.exec("echo secret-push > /home/app/p").check()
+            sb.commit("authpush")
+        fx.docker_config(env["dcfg"], {})
+        with pytest.raises(RegistryUnauthorized):
+            admin.push_image("authpush", target, endpoint=ep)
+        fx.docker_config(env["dcfg"], {basic.addr: basic.creds})
+        res = admin.push_image("authpush", target, endpoint=ep)
+        assert res.uploaded >= 1
+        admin.remove_image("authpush", endpoint=ep)
+        with corral.Sandbox(image=target, endpoint=ep) as sb:  # pulled back with the login
+            assert sb.exec("cat /home/app/p").stdout == "secret-push\n"
+    finally:
+        fx.docker_config(env["dcfg"], {})
+        _rm(ep, "authpush", target)
