@@ -37,7 +37,7 @@ class SnapshotOps:
             raise self._lacks(substrate, "snapshot")
         if name is not None and name in store.by_name:  # checked again in commit
             raise SnapshotExists(f"a snapshot named {name!r} exists", details={"name": name})
-        sb, base, (tmp, digest, size) = await self._capture(sid)
+        sb, base, (tmp, digest, size) = await self._capture(sid, control)
         rec = store.commit(tmp, digest, size, name=name, parent=sb.spec.snapshot,
                            image=sb.spec.image, base=base, sandbox_id=sid)
         if store.wants_spares():  # the next capture's dir, made while this one answers
@@ -47,10 +47,12 @@ class SnapshotOps:
         self.counters["snapshots"] = self.counters.get("snapshots", 0) + 1
         return rec
 
-    async def _capture(self: EngineHost, sid: str) -> tuple[Sandbox, builtins.list[str],
-                                                             tuple[str, str, int]]:
+    async def _capture(self: EngineHost, sid: str,
+                       control: snapshots.CaptureControl | None = None,
+                       ) -> tuple[Sandbox, builtins.list[str], tuple[str, str, int]]:
         """Copy the sandbox's uppers while it is frozen: (the sandbox, the chain it stands
-        on, (temporary layer dir, digest, bytes)). Shared by snapshots and image commits."""
+        on, (temporary layer dir, digest, bytes)); ``control`` as for snapshot. Shared by
+        snapshots and image commits."""
         store = self._snaps()
         substrate = self.substrates[self.lookup(sid).spec.substrate]
         while True:  # one capture at a time (a freeze is shared), after file ops in flight
