@@ -391,3 +391,18 @@ def test_a_keyed_fork_whose_client_left_is_kept_for_its_retry(no_leaks):
         assert all(run(c, k, "cat /etc/hostname")["exit_code"] == 0 for k in kids)
         for k in (*kids, sid):
             kill(c, k)
+
+
+@pytest.mark.parametrize("op,body", [("snapshot", {}), ("fork", {"count": 1}),
+                                     ("restore", {"snapshot": "x"})])
+@pytest.mark.parametrize("sid", ["sb-0000000000000000", "0" * 300])
+def test_a_streamed_call_on_an_unknown_sandbox_is_a_404_not_a_stream(op: str, body: dict,
+                                                                    sid: str):
+    """The status of a streamed call goes out before its work ends; a sandbox that does not
+    exist is known at once and answered as the unstreamed call would be, keyed or not."""
+    with client() as c:
+        for headers in ({}, {"Idempotency-Key": uuid.uuid4().hex}):
+            r = c.post(f"/v1/sandboxes/{sid}/{op}", params={"stream": "ndjson"}, json=body,
+                       headers=headers)
+            assert r.status_code == 404, (r.status_code, r.text)
+            assert r.json()["error"]["code"] == "sandbox_not_found"

@@ -675,6 +675,7 @@ _snap = ops.snap_info
 async def snapshot_sandbox(request: web.Request) -> web.StreamResponse:
     req = await _body(request, SnapshotRequest)
     engine, key = _engine(request), _key(request)
+    engine.precheck_sandbox(request.match_info["id"], key)
     control = CaptureControl()
     # Fast-forwarded: the snapshot as logged (also if it was deleted since).
     op = ops.Snapshot(request.match_info["id"], key, req.name, control)
@@ -691,6 +692,7 @@ async def fork_sandbox(request: web.Request) -> web.StreamResponse:
     """Fast-forwarded, a fork returns the same children: see _fork_child."""
     req = await _body(request, ForkRequest)
     engine, key = _engine(request), _key(request)
+    engine.precheck_sandbox(request.match_info["id"], key)
     control = CaptureControl()
     progress = batches.Progress(req.count, copied=control.copied)
     op = ops.Fork(request.match_info["id"], key, req.count, req.name,
@@ -736,6 +738,7 @@ async def _fork_child(engine: Engine, cid: str) -> dict[str, Any]:
 async def restore_sandbox(request: web.Request) -> web.StreamResponse:
     req = await _body(request, RestoreRequest)
     engine = _engine(request)
+    engine.precheck_sandbox(request.match_info["id"], _key(request))
     op = ops.Restore(request.match_info["id"], _key(request), req.snapshot)
     return await batches.run(request, batches.Progress(), lambda _: _dispatch(request, op),
                              lambda info: _as_now(engine, info))

@@ -253,6 +253,14 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         sb.last_active = self.clock.time()
         return sb
 
+    def precheck_sandbox(self, sid: str, key: str | None) -> None:
+        """What a long call on ``sid`` (snapshot, fork, restore) would refuse at once for an
+        id this daemon does not hold, raised before a streamed answer starts; a keyed call
+        that replays a logged result is let through (its sandbox may be gone)."""
+        if sid in self.sandboxes or (key is not None and self.trajlog.binds(sid, key)):
+            return
+        raise self._gone(sid, None)
+
     def _substrate(self, name: str) -> Substrate:
         sub = self.substrates.get(name)
         if sub is None:

@@ -36,6 +36,10 @@ from .writer import Writer
 
 
 class Idempotency(Writer):
+    def binds(self, scope: str, key: str) -> bool:
+        """A finished call is logged under ``key`` (a retry replays it)."""
+        return self.enabled and bool(key) and self._lookup(scope, key) is not None
+
     def _lookup(self, scope: str, key: str) -> tuple[str | None, str, Any, Any] | None:
         """The finished entry that binds ``key`` (started and interrupted rows do not):
         (fingerprint, sandbox id, result, error), journaled or in the database."""
