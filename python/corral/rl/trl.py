@@ -150,3 +150,22 @@ def _row_task(value: Any) -> Task | None:
     if isinstance(value, str):
         value = json.loads(value)
     return Task.of(value)
+
+
+def main() -> None:
+    """``python -m corral.rl.trl``: one scripted rollout through the calls GRPOTrainer makes
+    (reset with the row, tool methods, get_reward), as a runnable example."""
+    task = {"files": {"/work/task.txt": "write ok to /work/out"},
+            "score": '[ "$(cat /work/out 2>/dev/null)" = ok ] && echo 1 || echo 0'}
+    env = CorralEnv()
+    try:
+        print("reset:", env.reset(prompt="do the task in /work/task.txt", task=task))
+        print("read_file:", env.read_file("/work/task.txt"))
+        print("write_file:", env.write_file("/work/out", "ok"))
+        print("reward:", env.get_reward())
+    finally:
+        env._close()
+
+
+if __name__ == "__main__":
+    main()

@@ -134,3 +134,31 @@ async def finish(request_id: str) -> float | None:
         return None if episode.is_infra(e) else 0.0
     finally:
         await asyncio.to_thread(episode.discard, sess.sandbox)
+
+
+def main() -> None:
+    """``python -m corral.rl.verl``: one scripted trajectory through the calls verl's
+    ToolAgentLoop makes (create, execute, release per tool call; then finish), as a runnable
+    example."""
+    from types import SimpleNamespace
+
+    task = {"files": {"/work/task.txt": "write ok to /work/out"},
+            "score": '[ "$(cat /work/out 2>/dev/null)" = ok ] && echo 1 || echo 0'}
+    agent = SimpleNamespace(request_id=uuid.uuid4().hex)
+    calls = [("read_file", {"path": "/work/task.txt"}),
+             ("write_file", {"path": "/work/out", "content": "ok"})]
+
+    async def rollout() -> float | None:
+        for name, args in calls:
+            tool = CorralTool({"name": name, "task": task})
+            iid, _ = await tool.create(create_kwargs={"task": task})
+            resp, _, metrics = await tool.execute(iid, args, agent_data=agent)
+            print(f"{name}: {resp.text!r} {metrics}")
+            await tool.release(iid)
+        return await finish(agent.request_id)
+
+    print("reward:", asyncio.run(rollout()))
+
+
+if __name__ == "__main__":
+    main()

@@ -8,14 +8,11 @@ import asyncio
 import builtins
 import logging
 import os
-import subprocess
 import time
 from typing import TYPE_CHECKING, Any
 
 from corral.daemon import removal
 from corral.daemon.oci import commit as oci_commit
-from corral.daemon.oci.layers import LayerStore
-from corral.daemon.snapshots import SnapshotStore
 from corral.errors import Unsupported
 from corral.models import ImageInfo
 
@@ -60,8 +57,8 @@ class CommitOps:
         snaps.acquire(chain)
         snaps.release(held)
         try:
-            await asyncio.to_thread(_commit_layers, images.layers, snaps, chain, tmp, digest,
-                                    made)
+            await asyncio.to_thread(oci_commit.store_layers, images.layers, snaps, chain, tmp,
+                                    digest, made)
             t_layers = time.monotonic()
             info = images.record_derived(key, [*base_layers, *made], config,
                                          f"commit of {sid}")
@@ -76,27 +73,3 @@ class CommitOps:
             "layer_ms": round((t_layers - t_capture) * 1000, 2),
             "total_ms": round((time.monotonic() - t0) * 1000, 2)})
         return info
-
-
-def _commit_layers(store: LayerStore, snaps: SnapshotStore, chain: list[str], tmp: str,
-                   digest: str, out: list[str]) -> None:
-    """The snapshot chain's root parts and the captured upper as store layers (worker
-    thread), each added to ``out`` and pinned (the caller unpins once the image lists
-    them); an empty part adds no layer."""
-    parts = [(d, snaps.layer_path(d, 0), False) for d in chain]
-    parts.append((digest, os.path.join(tmp, "0"), True))
-    for hexd, part, owned in parts:
-        if not os.path.isdir(part) or not os.listdir(part):
-            continue
-        store.pin([hexd])
-        out.append(hexd)
-        if store.has(hexd):
-            continue
-        tree = part
-        if not owned:  # the snapshot keeps its own copy (cp -a: whiteouts, xattrs)
-            tree = os.path.join(tmp, f"chain-{hexd[:16]}")
-            subprocess.run(["cp", "-a", "--", part, tree], check=True,
-                           capture_output=True, timeout=3600)
-        skipped, nbytes = oci_commit.sanitize(tree)
-        store.from_tree(hexd, tree, {"digest": "commit:" + hexd, "skipped": skipped,
-                                     "unpacked_bytes": nbytes})

@@ -50,7 +50,7 @@ class SnapshotOps:
     async def _capture(self: EngineHost, sid: str,
                        control: snapshots.CaptureControl | None = None,
                        ) -> tuple[Sandbox, builtins.list[str], tuple[str, str, int]]:
-        """Copy the sandbox's uppers while it is frozen: (the sandbox, the chain it stands
+        """Copy what the sandbox changed while it is frozen: (the sandbox, the chain it stands
         on, (temporary layer dir, digest, bytes)); ``control`` as for snapshot. Shared by
         snapshots and image commits."""
         store = self._snaps()

@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Any
+import subprocess
+from typing import TYPE_CHECKING, Any
 
 from corral.daemon.oci import pull
 from corral.errors import InvalidRequest
+
+if TYPE_CHECKING:  # pragma: no cover
+    from corral.daemon.oci.layers import LayerStore
+    from corral.daemon.snapshots import SnapshotStore
 
 _SUID = stat.S_ISUID | stat.S_ISGID
 _DROP_XATTRS = ("security.capability",)
@@ -91,3 +96,28 @@ def merge_config(base: dict[str, Any], changes: dict[str, Any] | None) -> dict[s
                              "lists of strings; Labels: an object; the rest: strings)",
                              details={"keys": bad})
     return checked
+
+
+def store_layers(store: LayerStore, snaps: SnapshotStore, chain: list[str], tmp: str,
+                 digest: str, out: list[str]) -> None:
+    """An image commit's new layers: the snapshot chain's root parts and the captured upper
+    dir (``tmp``/0, the capture's layout) as store layers (worker thread), each added to
+    ``out`` and pinned (the caller unpins once the image lists them); an empty part adds no
+    layer."""
+    parts = [(d, snaps.layer_path(d, 0), False) for d in chain]
+    parts.append((digest, os.path.join(tmp, "0"), True))
+    for hexd, part, owned in parts:
+        if not os.path.isdir(part) or not os.listdir(part):
+            continue
+        store.pin([hexd])
+        out.append(hexd)
+        if store.has(hexd):
+            continue
+        tree = part
+        if not owned:  # the snapshot keeps its own copy (cp -a: whiteouts, xattrs)
+            tree = os.path.join(tmp, f"chain-{hexd[:16]}")
+            subprocess.run(["cp", "-a", "--", part, tree], check=True,
+                           capture_output=True, timeout=3600)
+        skipped, nbytes = sanitize(tree)
+        store.from_tree(hexd, tree, {"digest": "commit:" + hexd, "skipped": skipped,
+                                     "unpacked_bytes": nbytes})
