@@ -1,0 +1,205 @@
+"""A batch create through the gateway: ``count`` sandboxes split over the nodes by placement.
+
+Each item is placed as a single create would be (power-of-k over the load reports, the node
+selector, image locality), the items of one node go to it as one streamed create batch, and
+the answer lists the sandboxes in the order asked, each naming its node and endpoint. The
+client gets the progress of all the nodes together (``?stream=ndjson``, corral.daemon.batches).
+
+A node's share fails as a whole (a node's batch is all or nothing): a node that is lost, stops
+answering for ``SILENCE_S``, or refuses, fails the items placed on it. Then, by default, the
+shares made elsewhere are destroyed and the batch answers the first error (all or nothing, as
+on one node); with ``?partial=true`` the answer keeps the sandboxes made and puts the error at
+the place of each item that failed. A node lost mid-batch never makes the client wait: the
+gateway's report poller marks it lost within a report interval, and a node that goes silent is
+given up after ``SILENCE_S`` (a node streams progress at least every second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from pydantic import ValidationError
+
+from corral.cluster.placement import NodeLoad, choose
+from corral.daemon import batches
+from corral.errors import (
+    CorralError,
+    InternalError,
+    InvalidRequest,
+    SandboxLost,
+    error_from_payload,
+)
+from corral.models import CreateManyRequest
+
+if TYPE_CHECKING:
+    from corral.cluster.gateway import Gateway
+
+SILENCE_S = 5.0        # a node's batch stream silent this long: the node is given up on
+LOSS_CHECK_S = 0.25    # how often a share looks whether the poller saw its node lost
+PARTIAL_Q = "partial"
+
+
+def parse_request(body: bytes) -> CreateManyRequest:
+    try:
+        return CreateManyRequest.model_validate_json(body or b"{}")
+    except ValidationError as e:
+        msgs = [f"{'.'.join(str(x) for x in d['loc']) or 'value'}: {d['msg']}"
+                for d in e.errors(include_url=False)[:5]]
+        raise InvalidRequest(f"invalid CreateManyRequest: {'; '.join(msgs)}") from None
+
+
+def wants_partial(query: Any) -> bool:
+    values = query.getall(PARTIAL_Q, [])
+    if values not in ([], ["true"], ["false"]):
+        raise InvalidRequest(f"bad {PARTIAL_Q} {values!r}: true or false, given once")
+    return values == ["true"]
+
+
+@dataclass
+class Share:
+    """The items of the batch placed on one node."""
+
+    node: NodeLoad
+    indexes: list[int] = field(default_factory=list)
+    done: int = 0
+    infos: list[dict[str, Any]] = field(default_factory=list)
+    error: CorralError | None = None
+
+
+def split(nodes: list[NodeLoad], count: int, k: int, selector: dict[str, str],
+          image: str) -> list[Share]:
+    """Place each of ``count`` items; every placed item holds a slot on its node (``inflight``)
+    until its share ends, so the next items see it. Raises CapacityExceeded (nothing held)."""
+    shares: dict[str, Share] = {}
+    try:
+        for i in range(count):
+            n = choose(nodes, time.monotonic(), k=k, selector=selector, image=image)
+            n.inflight += 1
+            shares.setdefault(n.node, Share(n)).indexes.append(i)
+    except CorralError:
+        for s in shares.values():
+            s.node.inflight -= len(s.indexes)
+        raise
+    return list(shares.values())
+
+
+class CreateBatch:
+    def __init__(self, gw: Gateway, req: CreateManyRequest, shares: list[Share],
+                 partial: bool) -> None:
+        self.gw, self.req, self.shares, self.partial = gw, req, shares, partial
+        self.spec = req.spec.model_dump(mode="json", exclude_unset=True)
+
+    async def run(self, progress: batches.Progress) -> list[dict[str, Any]]:
+        tasks = [asyncio.ensure_future(self._watched(s, progress)) for s in self.shares]
+        try:
+            await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            # The client left: the shares in flight are cancelled (their nodes see the
+            # connection close and destroy what they made); the ones made are destroyed here.
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.shield(self._undo())
+            raise
+        failed = [s for s in self.shares if s.error is not None]
+        if failed and not self.partial:
+            await self._undo()
+            err = failed[0].error
+            assert err is not None
+            raise err
+        out: list[dict[str, Any]] = [{} for _ in range(self.req.count)]
+        for s in self.shares:
+            for j, i in enumerate(s.indexes):
+                out[i] = s.error.to_payload() if s.error is not None else s.infos[j]
+        return out
+
+    async def _watched(self, s: Share, progress: batches.Progress) -> None:
+        """Run one share; give up on it as soon as the poller reports its node lost."""
+        n = s.node
+        task = asyncio.ensure_future(self._send(s, progress))
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=LOSS_CHECK_S)
+                if not task.done() and n.node in self.gw.lost:
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+                    s.error = SandboxLost(f"cluster node {n.node} was lost during the batch; "
+                                          f"its {len(s.indexes)} sandboxes were not made",
+                                          details={"node": n.node})
+                    return
+            try:
+                s.infos = task.result()
+            except CorralError as e:
+                s.error = e
+        except asyncio.CancelledError:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise
+        finally:
+            n.inflight -= len(s.indexes)
+            if s.error is None and s.infos:
+                now = time.monotonic()
+                n.finished.extend(now for _ in s.infos)  # counted until a report has them
+                self.gw.placed += len(s.infos)
+            progress.done += len(s.indexes) - s.done  # failed items are done too
+            s.done = len(s.indexes)
+
+    async def _send(self, s: Share, progress: batches.Progress) -> list[dict[str, Any]]:
+        n = s.node
+        session = self.gw.session()
+        body = json.dumps({"count": len(s.indexes), "spec": self.spec}).encode()
+        try:
+            async with session.post(
+                    n.endpoint + "/v1/sandboxes/batch", data=body,
+                    params={"stream": "ndjson"}, headers=self.gw.node_headers(),
+                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=SILENCE_S,
+                                                  sock_read=SILENCE_S)) as r:
+                if r.status >= 300:
+                    raise _answer_error(await r.read(), r.status)
+                last: dict[str, Any] = {}
+                async for raw in r.content:
+                    if not raw.strip():
+                        continue
+                    line = json.loads(raw)
+                    if set(line) == {"progress"}:
+                        progress.done += int(line["progress"]["done"]) - s.done
+                        s.done = int(line["progress"]["done"])
+                    else:
+                        last = line
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            raise _lost(n, f"{type(e).__name__}: {e}") from None
+        if "error" in last:
+            raise error_from_payload(last)
+        infos = last.get("sandboxes")
+        if not isinstance(infos, list) or len(infos) != len(s.indexes):
+            raise _lost(n, "its stream ended before its answer")
+        for info in infos:
+            info["node"], info["endpoint"] = n.node, n.endpoint
+        return infos
+
+    async def _undo(self) -> None:
+        """Destroy what the shares made (all or nothing)."""
+        await asyncio.gather(*(self.gw.destroy_on(s.node, [i["id"] for i in s.infos])
+                               for s in self.shares if s.infos), return_exceptions=True)
+
+
+def _lost(n: NodeLoad, why: str) -> SandboxLost:
+    # A node whose batch stream broke: its corrald destroys a batch whose client left, so
+    # nothing of the share lives on.
+    return SandboxLost(f"cluster node {n.node} stopped answering during the batch ({why}); "
+                       f"its sandboxes there were not made", details={"node": n.node})
+
+
+def _answer_error(raw: bytes, status: int) -> CorralError:
+    try:
+        return error_from_payload(json.loads(raw), status)
+    except ValueError:
+        return InternalError(f"the node answered {status}: {raw[:200]!r}")
