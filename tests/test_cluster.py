@@ -24,14 +24,12 @@ from pathlib import Path
 
 import pytest
 
-# Ray reports usage to its makers unless told not to: no packet may leave the machine. And
-# Ray turns 127.0.0.1 into the host's outward address unless cluster mode's address lookup is
-# off: every raylet, the GCS and the drivers stay on loopback.
+# Set before Ray is imported (tests/raycluster.py says why).
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
+from raycluster import NODE_ARGS, corral_on_ray  # noqa: E402
 
 import corral  # noqa: E402
 import corral.cluster  # noqa: E402
@@ -40,7 +38,6 @@ from corral.sdk import admin  # noqa: E402
 from corral.sdk import endpoint as endpoint_mod  # noqa: E402
 
 from conftest import (  # noqa: E402
-    _force_cleanup,
     cgroup_dirs,
     host_mounts_under,
     leaked_sandbox_cgroups,
@@ -48,38 +45,12 @@ from conftest import (  # noqa: E402
     wait_until,
 )
 
-NODE_ARGS = {"num_cpus": 1, "object_store_memory": 80 << 20, "node_ip_address": "127.0.0.1"}
-
 
 @pytest.fixture(scope="module")
 def cluster():
-    root = tempfile.mkdtemp(prefix="corral-cluster-", dir="/var/tmp")
-    c = Cluster(initialize_head=True, head_node_args=dict(
-        NODE_ARGS, include_dashboard=False, dashboard_host="127.0.0.1"))
-    name = f"t{os.getpid()}"
-    describe: dict[str, dict] = {}
-    try:
-        c.add_node(**NODE_ARGS)
-        ray.init(address=c.address, namespace=corral.cluster.NAMESPACE, log_to_driver=False)
-        c.wait_for_nodes()
-        head = ray.get_runtime_context().get_node_id()
-        corral.cluster.start(name=name, state_root=root, run_dir=os.path.join(root, "run"),
-                             max_sandboxes=64, labels={head: {"role": "head", "pool": "a"}})
-        sups = corral.cluster.supervisors()
-        describe = {nid: ray.get(s.describe.remote()) for nid, s in sups.items()}
-        yield {"name": name, "root": root, "nodes": describe, "supervisors": sups,
-               "head": head, "ray": c, "run_dir": os.path.join(root, "run")}
-    finally:
-        os.environ.pop("CORRAL_URL", None)
-        try:
-            if ray.is_initialized():
-                corral.cluster.stop()
-        finally:
-            ray.shutdown()
-            c.shutdown()
-            for d in describe.values():
-                _force_cleanup(d["cgroup"])  # only if the graceful stop failed
-            shutil.rmtree(root, ignore_errors=True)
+    with corral_on_ray(1, max_sandboxes=64,
+                       labels=lambda head: {head: {"role": "head", "pool": "a"}}) as c:
+        yield c
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from corral.cluster import batch
-from corral.cluster.autoscale import AutoscaleConfig, Autoscaler, request_resources
+from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resources
 from corral.cluster.placement import NodeLoad, choose
 from corral.daemon import batches
 from corral.errors import (
@@ -133,7 +133,7 @@ class Gateway:
         return list(sups)
 
     async def set_autoscale(self, cfg: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Turn autoscaling on with ``cfg`` (corral.cluster.autoscale.AutoscaleConfig) or
+        """Turn autoscaling on with ``cfg`` (corral.cluster.scaling.AutoscaleConfig) or
         off (None; a standing request is withdrawn)."""
         if cfg is None:
             if self.autoscaler is not None and self.autoscaler.asked:

@@ -1,0 +1,154 @@
+"""Autoscaling through Ray's autoscaler, on a real Ray cluster on loopback: creates refused for
+want of room become a resource request in Ray's GCS (the one Ray's autoscaler acts on) of one
+``node_shape`` bundle per node wanted; a node that joins is adopted without a call to start();
+the request is withdrawn once the demand is met; a node idle for ``idle_s`` is drained (its
+corrald stops, Ray sees it idle); demand brings a drained node back.
+
+What Ray's autoscaler then does with the request (start a node through its node provider,
+release an idle one) needs a node provider: this test plays that part with
+``Cluster.add_node`` and checks what Ray was asked."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+# Set before Ray is imported (tests/raycluster.py says why).
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import ray  # noqa: E402
+from raycluster import NODE_ARGS, corral_on_ray  # noqa: E402
+
+import corral  # noqa: E402
+import corral.cluster  # noqa: E402
+from corral.errors import CapacityExceeded, InvalidRequest  # noqa: E402
+
+from conftest import wait_until  # noqa: E402
+
+SHAPE = {"CPU": 1.0}
+SETTINGS = {"node_shape": SHAPE, "min_nodes": 1, "max_nodes": 3, "idle_s": 3.0,
+            "demand_window_s": 60.0}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with corral_on_ray(0, max_sandboxes=3, autoscale=SETTINGS) as c:
+        corral.cluster.connect()
+        yield c
+
+
+def ray_request() -> list[dict[str, float]]:
+    """The resource request standing in Ray's GCS, as Ray's autoscaler reads it."""
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+    if is_autoscaler_v2():
+        from ray._private.state import state
+        from ray.autoscaler.v2.sdk import get_cluster_resource_state
+
+        rs = get_cluster_resource_state(state.get_gcs_client())
+        return [dict(r.request.resources_bundle) for c in rs.cluster_resource_constraints
+                for r in c.resource_requests for _ in range(r.count)]
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(b"autoscaler_resource_request")
+    return json.loads(raw) if raw else []
+
+
+def _create() -> corral.Sandbox | CapacityExceeded:
+    try:
+        return corral.Sandbox(image="host", memory_mb=64, timeout=120)
+    except CapacityExceeded as e:
+        return e
+
+
+def _batch(count: int) -> int:
+    url = os.environ["CORRAL_URL"]
+    from corral.sdk.endpoint import _tokens
+
+    req = urllib.request.Request(f"{url}/v1/sandboxes/batch", method="POST",
+                                 data=json.dumps({"count": count}).encode())
+    req.add_header("Authorization", f"Bearer {_tokens[url]}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_bad_settings_are_refused(cluster):
+    for bad in ({}, {"node_shape": {}}, {"node_shape": {"CPU": -1}},
+                {"node_shape": SHAPE, "min_nodes": 4, "max_nodes": 2},
+                {"node_shape": SHAPE, "idle_s": 0}, {"node_shape": "CPU"}):
+        with pytest.raises(InvalidRequest):
+            corral.cluster.autoscale(bad)
+    assert corral.cluster.status()["autoscale"]["node_shape"] == SHAPE
+
+
+def test_demand_beyond_capacity_asks_ray_then_withdraws_and_drains(cluster):
+    head = cluster["head"]
+    boxes = [_create() for _ in range(3)]
+    assert all(isinstance(b, corral.Sandbox) for b in boxes), boxes
+    assert ray_request() == []  # room enough: nothing asked
+    try:
+        # Saturated: one more create is refused, and Ray is asked for a second node.
+        assert isinstance(_create(), CapacityExceeded)
+        assert wait_until(lambda: ray_request() == [SHAPE] * 2, timeout=10), ray_request()
+        # A batch of 5 more: (3 live + 6 refused) / 3 per node = 3 nodes, the max.
+        assert _batch(5) == 429
+        assert wait_until(lambda: ray_request() == [SHAPE] * 3, timeout=10), ray_request()
+        assert corral.cluster.status()["autoscale"]["asked_nodes"] == 3
+
+        # The autoscaler's part: a node joins. The gateway adopts it by itself, the
+        # request is withdrawn (the demand it stood for has room now), creates go there.
+        c = cluster["ray"]
+        new = c.add_node(**NODE_ARGS).node_id
+        assert wait_until(lambda: any(n["node"] == new
+                                      for n in corral.cluster.status()["nodes"]), timeout=60)
+        assert wait_until(lambda: ray_request() == [], timeout=10), ray_request()
+        extra = _create()
+        assert isinstance(extra, corral.Sandbox) and extra.info().node == new
+        boxes.append(extra)
+        d = ray.get(corral.cluster.supervisors()[new].describe.remote())
+    finally:
+        corral.Sandbox.kill_many([b for b in boxes if isinstance(b, corral.Sandbox)],
+                                 return_exceptions=True)
+
+    # Idle for idle_s: the new node is drained (its corrald stopped, out of placement); the
+    # gateway's own node never is.
+    assert wait_until(lambda: new in corral.cluster.status()["drained"], timeout=30)
+    st = corral.cluster.status()
+    assert [n["node"] for n in st["nodes"]] == [head] and head not in st["drained"]
+    assert not Path(d["socket"]).exists()
+    assert new not in corral.cluster.supervisors()
+
+    # Demand again, with the drained node still in Ray: it is adopted back.
+    boxes = [_create() for _ in range(3)]
+    try:
+        assert all(isinstance(b, corral.Sandbox) for b in boxes), boxes
+        assert isinstance(_create(), CapacityExceeded)
+        assert wait_until(lambda: new in corral.cluster.supervisors(), timeout=30)
+        assert wait_until(lambda: isinstance(b := _create(), corral.Sandbox)
+                          and boxes.append(b) is None, timeout=30)
+        assert boxes[-1].info().node == new
+    finally:
+        corral.Sandbox.kill_many(boxes, return_exceptions=True)
+
+
+def test_autoscale_off_withdraws_the_request(cluster):
+    boxes = [_create() for _ in range(3)]
+    try:
+        assert isinstance(_create(), CapacityExceeded)
+        assert wait_until(lambda: ray_request() != [], timeout=10)
+        assert corral.cluster.autoscale(None) is None
+        assert ray_request() == []
+        assert corral.cluster.status()["autoscale"] is None
+    finally:
+        corral.Sandbox.kill_many([b for b in boxes if isinstance(b, corral.Sandbox)],
+                                 return_exceptions=True)
+        corral.cluster.autoscale(SETTINGS)
