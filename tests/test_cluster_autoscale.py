@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -151,4 +153,24 @@ def test_autoscale_off_withdraws_the_request(cluster):
     finally:
         corral.Sandbox.kill_many([b for b in boxes if isinstance(b, corral.Sandbox)],
                                  return_exceptions=True)
+        corral.cluster.autoscale(SETTINGS)
+
+
+def test_cli_sets_autoscaling(cluster):
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "corral.cli", "cluster", "autoscale",
+                               "--address", cluster["ray"].address, *args],
+                              capture_output=True, text=True, timeout=120)
+    try:
+        r = cli("--node-shape", "CPU=2,corral=1", "--max-nodes", "5", "--idle-s", "60",
+                "--json")
+        assert r.returncode == 0, r.stderr[-2000:]
+        a = json.loads(r.stdout)["autoscale"]
+        assert a["node_shape"] == {"CPU": 2.0, "corral": 1.0} and a["max_nodes"] == 5
+        r = cli("--node-shape", "CPU=lots")
+        assert r.returncode != 0 and "node-shape" in r.stderr + r.stdout
+        assert corral.cluster.status()["autoscale"]["max_nodes"] == 5  # unchanged
+        r = cli("--off", "--json")
+        assert r.returncode == 0 and json.loads(r.stdout)["autoscale"] is None
+    finally:
         corral.cluster.autoscale(SETTINGS)

@@ -20,8 +20,8 @@ import aiohttp
 from aiohttp import web
 
 from corral.cluster import batch
-from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resources
 from corral.cluster.placement import NodeLoad, choose
+from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resources
 from corral.daemon import batches
 from corral.errors import (
     CapacityExceeded,
