@@ -259,6 +259,47 @@ def test_batch_create_streams_progress_from_every_node(cluster, gateway):
     assert wait_until(lambda: sum(_live(n) for n in cluster["nodes"]) == 0, timeout=15)
 
 
+def test_client_leaving_a_batch_create_leaves_no_sandbox(cluster, gateway):
+    """A client that drops its streamed batch create half-way (one node's share made, the
+    other's held up by a frozen corrald): the gateway destroys the share made and cancels the
+    other, whose node destroys what it made once it sees its client gone."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    assert wait_until(lambda: sum(_live(n) for n in cluster["nodes"]) == 0, timeout=15)
+    worker = next(n for n in cluster["nodes"] if n != cluster["head"])
+    pid = _corrald_pid(cluster, worker)
+    token = endpoint_mod._tokens[gateway.url]
+    u = urlsplit(gateway.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        conn.request("POST", "/v1/sandboxes/batch?stream=ndjson",
+                     body=json.dumps({"count": 10, "spec": {"image": "host",
+                                                            "memory_mb": 64}}),
+                     headers={"Authorization": f"Bearer {token}",
+                              "Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 201
+        while True:  # the head's share is made
+            line = json.loads(resp.readline())
+            assert line["progress"]["count"] == 10 and "sandboxes" not in line, line
+            if line["progress"]["done"] >= 1:
+                break
+        conn.sock.close()  # the client leaves
+        conn.close()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+    def listed() -> int:
+        return sum(len(corral.Sandbox.list(endpoint=gateway.on_node(d["endpoint"], n)))
+                   for n, d in cluster["nodes"].items())
+    # inflight counts until every share has ended: then nothing more is made anywhere.
+    assert wait_until(lambda: sum(_live(n) for n in cluster["nodes"]) == 0, timeout=60), \
+        (corral.cluster.status()["nodes"], listed())
+    assert wait_until(lambda: listed() == 0, timeout=30)
+
+
 def _image_dir() -> str:
     """A rootfs with busybox as its shell and a file that says where it came from."""
     d = tempfile.mkdtemp(prefix="corral-img-", dir="/var/tmp")

@@ -105,11 +105,11 @@ class CreateBatch:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await asyncio.shield(self._undo())
+            await asyncio.shield(self.undo())
             raise
         failed = [s for s in self.shares if s.error is not None]
         if failed and not self.partial:
-            await self._undo()
+            await self.undo()
             err = failed[0].error
             assert err is not None
             raise err
@@ -185,7 +185,7 @@ class CreateBatch:
             info["node"], info["endpoint"] = n.node, n.endpoint
         return infos
 
-    async def _undo(self) -> None:
+    async def undo(self) -> None:
         """Destroy what the shares made (all or nothing)."""
         await asyncio.gather(*(self.gw.destroy_on(s.node, [i["id"] for i in s.infos])
                                for s in self.shares if s.infos), return_exceptions=True)

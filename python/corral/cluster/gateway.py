@@ -358,7 +358,7 @@ class Gateway:
             run = batch.CreateBatch(self, req, shares, partial)
             return await batches.run(request, req.count, run.run,
                                      lambda items: {"sandboxes": items}, 201,
-                                     cancel_when_gone=True)
+                                     cancel_when_gone=True, undo=lambda _: run.undo())
         except CorralError as e:
             return _error(e)
 

@@ -293,7 +293,7 @@ async def create_batch(request: web.Request) -> web.StreamResponse:
     return await batches.run(
         request, req.count,
         lambda p: engine.create_many(req.count, req.spec, on_made=p.tick), answer, 201,
-        cancel_when_gone=True)
+        cancel_when_gone=True, undo=lambda made: engine.kill_many([sb.id for sb in made]))
 
 
 async def exec_batch(request: web.Request) -> web.StreamResponse:

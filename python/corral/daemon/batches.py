@@ -9,6 +9,8 @@ rules hold for every batch route:
   then measures silence, not the batch's length.
 - A client that leaves (closes the connection, or a stream write fails) cancels a create
   batch: it destroys the sandboxes it made (all or nothing), so none lives on until its TTL.
+  A batch that finished just as its client left (the answer could not be delivered) is
+  undone too (``undo``).
   Exec and destroy batches run to their end (each result is in its sandbox's trajectory log;
   a command cut half-way would be a result nobody asked for).
 """
@@ -82,17 +84,19 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
 async def run(request: web.Request, count: int,
               work: Callable[[Progress], Awaitable[T]],
               answer: Callable[[T], Awaitable[Any] | Any], status: int = 200,
-              cancel_when_gone: bool = False) -> web.StreamResponse:
+              cancel_when_gone: bool = False,
+              undo: Callable[[T], Awaitable[Any]] | None = None) -> web.StreamResponse:
     """Run ``work`` for ``request`` under the two rules above; ``answer`` turns its result
     into the response object (it may be a coroutine: the trajectory log of a create batch).
-    ``cancel_when_gone``: a client that leaves cancels the work (else it runs to its end)."""
+    ``cancel_when_gone``: a client that leaves cancels the work (else it runs to its end);
+    ``undo``: what to do with a result whose client left before it could have it."""
     streamed = wants_stream(request)  # a bad value is refused before anything is done
     progress = Progress(count)
     task = asyncio.ensure_future(work(progress))
     if not cancel_when_gone:
         task = asyncio.ensure_future(_finishing(task))
     if streamed:
-        return await _streamed(request, task, progress, answer, status)
+        return await _streamed(request, task, progress, answer, status, undo)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=GONE_POLL_S)
@@ -104,6 +108,9 @@ async def run(request: web.Request, count: int,
     except asyncio.CancelledError:
         await _cancel(task)
         raise
+    if undo is not None and client_gone(request):
+        await _undo(task, undo)
+        raise asyncio.CancelledError  # nobody to answer
     obj = answer(task.result())
     if asyncio.iscoroutine(obj):
         obj = await obj
@@ -111,9 +118,16 @@ async def run(request: web.Request, count: int,
                         content_type="application/json")
 
 
+async def _undo(task: asyncio.Future[T], undo: Callable[[T], Awaitable[Any]] | None) -> None:
+    """A finished batch nobody will hear of: undo what it made."""
+    if undo is not None and task.done() and not task.cancelled() and task.exception() is None:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(undo(task.result()))
+
+
 async def _streamed(request: web.Request, task: asyncio.Future[T], progress: Progress,
-                    answer: Callable[[T], Awaitable[Any] | Any],
-                    status: int) -> web.StreamResponse:
+                    answer: Callable[[T], Awaitable[Any] | Any], status: int,
+                    undo: Callable[[T], Awaitable[Any]] | None) -> web.StreamResponse:
     """The status is sent first, so it is the route's success status; a failure is the
     stream's last line."""
     resp = web.StreamResponse(status=status, headers={"Content-Type": "application/x-ndjson"})
@@ -141,6 +155,7 @@ async def _streamed(request: web.Request, task: asyncio.Future[T], progress: Pro
         await resp.write(_line(obj))
         await resp.write_eof()
     except (ConnectionError, asyncio.CancelledError):
+        await _undo(task, undo)
         await _cancel(task)
         raise
     return resp
