@@ -33,7 +33,7 @@ from raycluster import NODE_ARGS, corral_on_ray  # noqa: E402
 
 import corral  # noqa: E402
 import corral.cluster  # noqa: E402
-from corral.errors import SandboxLost, error_from_payload  # noqa: E402
+from corral.errors import SandboxLost, SandboxNotFound, error_from_payload  # noqa: E402
 from corral.sdk import admin  # noqa: E402
 from corral.sdk import endpoint as endpoint_mod  # noqa: E402
 
@@ -203,7 +203,14 @@ def test_create_many_splits_over_nodes_and_batches_go_to_each_node(cluster, gate
         res = corral.Sandbox.exec_many(order, "hostname")
         assert [r.stdout.strip() for r in res] == [b.id for b in order]
         assert wait_until(lambda: sum(_live(n) for n in cluster["nodes"]) == 10, timeout=15)
-        assert corral.Sandbox.kill_many(boxes) == [True] * 10
+        # Plain ids go to the gateway, which asks every node: the same answers, in order.
+        ids = [b.id for b in order] + ["sb-0000000000000000"]
+        res = corral.Sandbox.exec_many(ids, "hostname", return_exceptions=True)
+        assert [r.stdout.strip() for r in res[:-1]] == ids[:-1]
+        assert isinstance(res[-1], SandboxNotFound)
+        got = corral.Sandbox.kill_many(ids[:4] + ids[-1:], return_exceptions=True)
+        assert got[:4] == [True] * 4 and isinstance(got[-1], SandboxNotFound)
+        assert corral.Sandbox.kill_many(boxes, return_exceptions=True)[::-1][:4] == [False] * 4
         assert wait_until(lambda: sum(_live(n) for n in cluster["nodes"]) == 0, timeout=15)
     finally:
         corral.Sandbox.kill_many(boxes, return_exceptions=True)
@@ -511,6 +518,14 @@ def test_node_loss_sandboxes_lost_and_cleaned(cluster, gateway):
 
         assert _lost_within(lost, 5.0), "not lost within 5 s"
         print(f"supervisor killed: sandboxes lost after {time.monotonic() - t0:.2f} s")
+        # A batch over handles of both nodes: per-item sandbox_lost for the lost node's, the
+        # survivor's run.
+        res = corral.Sandbox.exec_many(boxes, "echo batch", return_exceptions=True)
+        for b, r in zip(boxes, res, strict=True):
+            if b in lost:
+                assert isinstance(r, SandboxLost) and r.infra, r
+            else:
+                assert r.stdout == "batch\n", r
         # Cleaned up on the host: init processes, cgroups, mounts, the daemon itself.
         assert wait_until(lambda: not any(_alive(p) for p in pids if p), timeout=30)
         assert wait_until(lambda: not _alive(vd["keeper_pid"]), timeout=60)

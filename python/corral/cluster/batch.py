@@ -20,8 +20,9 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 from pydantic import ValidationError
@@ -40,6 +41,7 @@ from corral.models import CreateManyRequest
 if TYPE_CHECKING:
     from corral.cluster.gateway import Gateway
 
+T = TypeVar("T")
 SILENCE_S = 5.0        # a node's batch stream silent this long: the node is given up on
 LOSS_CHECK_S = 0.25    # how often a share looks whether the poller saw its node lost
 PARTIAL_Q = "partial"
@@ -120,29 +122,23 @@ class CreateBatch:
         return out
 
     async def _watched(self, s: Share, progress: batches.Progress) -> None:
-        """Run one share; give up on it as soon as the poller reports its node lost."""
         n = s.node
-        task = asyncio.ensure_future(self._send(s, progress))
+        body = json.dumps({"count": len(s.indexes), "spec": self.spec}).encode()
+
+        def tick(done: int) -> None:
+            progress.done += done - s.done
+            s.done = done
         try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=LOSS_CHECK_S)
-                if not task.done() and n.node in self.gw.lost:
-                    task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
-                    s.error = SandboxLost(f"cluster node {n.node} was lost during the batch; "
-                                          f"its {len(s.indexes)} sandboxes were not made",
-                                          details={"node": n.node})
-                    return
-            try:
-                s.infos = task.result()
-            except CorralError as e:
-                s.error = e
-        except asyncio.CancelledError:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            raise
+            last = await watched(self.gw, n, streamed_call(self.gw, n, "/v1/sandboxes/batch",
+                                                           body, tick))
+            infos = last.get("sandboxes")
+            if not isinstance(infos, list) or len(infos) != len(s.indexes):
+                raise lost_error(n, "its stream ended before its answer")
+            for info in infos:
+                info["node"], info["endpoint"] = n.node, n.endpoint
+            s.infos = infos
+        except CorralError as e:
+            s.error = e
         finally:
             n.inflight -= len(s.indexes)
             if s.error is None and s.infos:
@@ -152,50 +148,69 @@ class CreateBatch:
             progress.done += len(s.indexes) - s.done  # failed items are done too
             s.done = len(s.indexes)
 
-    async def _send(self, s: Share, progress: batches.Progress) -> list[dict[str, Any]]:
-        n = s.node
-        session = self.gw.session()
-        body = json.dumps({"count": len(s.indexes), "spec": self.spec}).encode()
-        try:
-            async with session.post(
-                    n.endpoint + "/v1/sandboxes/batch", data=body,
-                    params={"stream": "ndjson"}, headers=self.gw.node_headers(),
-                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=SILENCE_S,
-                                                  sock_read=SILENCE_S)) as r:
-                if r.status >= 300:
-                    raise _answer_error(await r.read(), r.status)
-                last: dict[str, Any] = {}
-                async for raw in r.content:
-                    if not raw.strip():
-                        continue
-                    line = json.loads(raw)
-                    if set(line) == {"progress"}:
-                        progress.done += int(line["progress"]["done"]) - s.done
-                        s.done = int(line["progress"]["done"])
-                    else:
-                        last = line
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-            raise _lost(n, f"{type(e).__name__}: {e}") from None
-        if "error" in last:
-            raise error_from_payload(last)
-        infos = last.get("sandboxes")
-        if not isinstance(infos, list) or len(infos) != len(s.indexes):
-            raise _lost(n, "its stream ended before its answer")
-        for info in infos:
-            info["node"], info["endpoint"] = n.node, n.endpoint
-        return infos
-
     async def undo(self) -> None:
         """Destroy what the shares made (all or nothing)."""
         await asyncio.gather(*(self.gw.destroy_on(s.node, [i["id"] for i in s.infos])
                                for s in self.shares if s.infos), return_exceptions=True)
 
 
-def _lost(n: NodeLoad, why: str) -> SandboxLost:
-    # A node whose batch stream broke: its corrald destroys a batch whose client left, so
-    # nothing of the share lives on.
-    return SandboxLost(f"cluster node {n.node} stopped answering during the batch ({why}); "
-                       f"its sandboxes there were not made", details={"node": n.node})
+async def watched(gw: Gateway, n: NodeLoad, call: Awaitable[T]) -> T:
+    """``call`` to node ``n``, given up on (``sandbox_lost``) as soon as the gateway's
+    poller reports the node lost."""
+    task = asyncio.ensure_future(call)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=LOSS_CHECK_S)
+            if not task.done() and n.node in gw.lost:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                raise SandboxLost(f"cluster node {n.node} was lost during the batch",
+                                  details={"node": n.node})
+        return task.result()
+    except asyncio.CancelledError:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise
+
+
+async def streamed_call(gw: Gateway, n: NodeLoad, path: str, body: bytes,
+                        tick: Callable[[int], None]) -> dict[str, Any]:
+    """POST a batch to node ``n`` as a stream: ``tick`` gets its progress (items done), the
+    answer is its last line. A node error is raised as it is; a broken or silent stream
+    (``SILENCE_S``) as ``sandbox_lost``."""
+    try:
+        async with gw.session().post(
+                n.endpoint + path, data=body, params={"stream": "ndjson"},
+                headers=gw.node_headers(),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=SILENCE_S,
+                                              sock_read=SILENCE_S)) as r:
+            if r.status >= 300:
+                raise _answer_error(await r.read(), r.status)
+            last: dict[str, Any] = {}
+            async for raw in r.content:
+                if not raw.strip():
+                    continue
+                line = json.loads(raw)
+                if set(line) == {"progress"}:
+                    tick(int(line["progress"]["done"]))
+                else:
+                    last = line
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        raise lost_error(n, f"{type(e).__name__}: {e}") from None
+    if "error" in last:
+        raise error_from_payload(last)
+    if not last:
+        raise lost_error(n, "its stream ended before its answer")
+    return last
+
+
+def lost_error(n: NodeLoad, why: str) -> SandboxLost:
+    # A node whose batch stream broke: its corrald destroys a create batch whose client
+    # left, so nothing of a create share lives on.
+    return SandboxLost(f"cluster node {n.node} stopped answering during the batch ({why})",
+                       details={"node": n.node})
 
 
 def _answer_error(raw: bytes, status: int) -> CorralError:

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from corral.cluster import batch
+from corral.cluster import batch, broadcast
 from corral.cluster.placement import NodeLoad, choose
 from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resources
 from corral.daemon import batches
@@ -88,6 +88,8 @@ class Gateway:
             app.router.add_get("/v1/cluster", self._status)
             app.router.add_post("/v1/sandboxes", self._create)
             app.router.add_post("/v1/sandboxes/batch", self._create_batch)
+            app.router.add_post("/v1/sandboxes/batch/exec", self._id_batch)
+            app.router.add_post("/v1/sandboxes/batch/destroy", self._id_batch)
             app.router.add_route("*", "/{tail:.*}", self._elsewhere)
             self._runner = web.AppRunner(app, access_log=None)
             await self._runner.setup()
@@ -359,6 +361,18 @@ class Gateway:
             return await batches.run(request, req.count, run.run,
                                      lambda items: {"sandboxes": items}, 201,
                                      cancel_when_gone=True, undo=lambda _: run.undo())
+        except CorralError as e:
+            return _error(e)
+
+    async def _id_batch(self, request: web.Request) -> web.StreamResponse:
+        """An exec or destroy batch of plain ids: sent to every node (cluster.broadcast)."""
+        if not self._authorized(request):
+            return _error(Unauthorized("missing or wrong bearer token"))
+        run = (broadcast.exec_batch if request.path.endswith("/exec")
+               else broadcast.destroy_batch)
+        try:
+            batches.wants_stream(request)
+            return await run(self, request, await request.read())
         except CorralError as e:
             return _error(e)
 
