@@ -73,6 +73,9 @@ class Gateway:
         self.autoscaler: Autoscaler | None = None
         self.home = ""                          # the gateway's own node: never drained
         self._adopted_at = 0.0
+        self._starting: set[str] = set()        # nodes whose supervisor is being started
+        self._adopting: asyncio.Future[None] | None = None
+        self._draining: set[asyncio.Future[None]] = set()
         self.placed = 0
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -123,16 +126,25 @@ class Gateway:
         self.labels.update(labels or {})
         if not self.home:
             self.home = ray.get_runtime_context().get_node_id()
-        fresh = [n for n in ray.nodes() if n["Alive"] and n["NodeID"] not in self.supervisors
+        fresh = [n for n in await asyncio.to_thread(ray.nodes)
+                 if n["Alive"] and n["NodeID"] not in self.supervisors
+                 and n["NodeID"] not in self._starting
                  and (drained_too or n["NodeID"] not in self.drained)]
-        sups = {n["NodeID"]: start_supervisor(self.cluster, self.token, n, self.deploy,
-                                              self.labels.get(n["NodeID"])) for n in fresh}
-        for nid, sup in sups.items():
-            try:
-                await self.add_node(nid, sup, await sup.report.remote())
-            except ray.exceptions.RayError as e:
-                log.warning("node not adopted", extra={"node": nid, "error": str(e)})
-        return list(sups)
+        self._starting.update(n["NodeID"] for n in fresh)
+        try:
+            sups = {n["NodeID"]: start_supervisor(self.cluster, self.token, n, self.deploy,
+                                                  self.labels.get(n["NodeID"])) for n in fresh}
+            adopted = []
+            for nid, sup in sups.items():
+                try:
+                    await self.add_node(nid, sup, await sup.report.remote())
+                    adopted.append(nid)
+                except ray.exceptions.RayError as e:
+                    ray.kill(sup, no_restart=True)  # frees its name for the next try
+                    log.warning("node not adopted", extra={"node": nid, "error": str(e)})
+            return adopted
+        finally:
+            self._starting.difference_update(n["NodeID"] for n in fresh)
 
     async def set_autoscale(self, cfg: dict[str, Any] | None) -> dict[str, Any] | None:
         """Turn autoscaling on with ``cfg`` (corral.cluster.scaling.AutoscaleConfig) or
@@ -194,33 +206,48 @@ class Gateway:
         if a is None:
             return
         now = time.monotonic()
-        if now - self._adopted_at >= ADOPT_EVERY_S:
+        if now - self._adopted_at >= ADOPT_EVERY_S and (
+                self._adopting is None or self._adopting.done()):
+            # In the background: a node's corrald takes seconds to start, and the poller
+            # must keep the other nodes' reports fresh meanwhile.
             self._adopted_at = now
-            if await self.adopt(drained_too=a.demand(now) > 0):
-                a.unmet.clear()  # the new room serves it; creates refused from now on count
+            self._adopting = asyncio.ensure_future(self._adopt_for(a))
         plan = a.plan(list(self.nodes.values()), now, keep={self.home})
         if plan.request is not None:
             await asyncio.to_thread(request_resources, plan.request)
             log.info("asked Ray's autoscaler", extra={"bundles": len(plan.request)})
-        for node in plan.drain:
-            await self._drain(node)
+        for node in plan.drain:  # in the background, as adoption
+            self.nodes.pop(node, None)  # out of placement at once
+            self._starting.add(node)    # and not adopted again while it stops
+            task = asyncio.ensure_future(self._drain(node))
+            self._draining.add(task)
+            task.add_done_callback(self._draining.discard)
+
+    async def _adopt_for(self, a: Autoscaler) -> None:
+        try:
+            if await self.adopt(drained_too=a.demand(time.monotonic()) > 0):
+                a.unmet.clear()  # the new room serves it; creates refused from now on count
+        except Exception:  # noqa: BLE001 - tried again at the next tick
+            log.exception("adopting new nodes failed")
 
     async def _drain(self, node: str) -> None:
         """Out of placement, then its corrald stops (it holds no sandbox) and its supervisor
         goes, so that Ray sees the node idle and its autoscaler may release it."""
-        self.nodes.pop(node, None)
-        sup = self.supervisors.pop(node, None)
-        self.drained[node] = time.time()
-        if sup is None:
-            return
         import ray
 
+        sup = self.supervisors.pop(node, None)
         try:
-            await sup.stop.remote()
-        except ray.exceptions.RayError as e:
-            log.warning("drained node's supervisor failed to stop", extra={"error": str(e)})
-        ray.kill(sup, no_restart=True)
-        log.info("node drained", extra={"node": node})
+            if sup is not None:
+                try:
+                    await sup.stop.remote()
+                except ray.exceptions.RayError as e:
+                    log.warning("drained node's supervisor failed to stop",
+                                extra={"error": str(e)})
+                ray.kill(sup, no_restart=True)
+            self.drained[node] = time.time()
+            log.info("node drained", extra={"node": node})
+        finally:
+            self._starting.discard(node)
 
     # ---- load reports ---------------------------------------------------------------------
     def _take(self, r: dict[str, Any], asked_at: float) -> None:
