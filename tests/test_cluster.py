@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -347,6 +348,16 @@ def test_placement_prefers_the_node_that_has_the_image(cluster, gateway):
         corral.Sandbox.kill_many(boxes, return_exceptions=True)
 
 
+def _add_node(cluster, labels: dict[str, str]) -> tuple[Any, str]:
+    """A raylet more, with corral started on it: (the raylet, its node id)."""
+    raylet = cluster["ray"].add_node(**NODE_ARGS)
+    cluster["ray"].wait_for_nodes()
+    corral.cluster.start(name=cluster["name"], state_root=cluster["root"],
+                         run_dir=cluster["run_dir"], max_sandboxes=64,
+                         labels={raylet.node_id: labels})
+    return raylet, raylet.node_id
+
+
 def _corrald_pid(cluster, node: str) -> int:
     return int(ray.get(corral.cluster.supervisors()[node].report.remote())["pid"])
 
@@ -357,12 +368,7 @@ def test_node_lost_mid_batch_answers_per_item_not_a_hang(cluster, gateway):
     error after the silence limit and the other node's share is destroyed. Partial: the lost
     node's items answer sandbox_lost as soon as the gateway sees the loss, the others live."""
     c = cluster["ray"]
-    raylet = c.add_node(**NODE_ARGS)
-    c.wait_for_nodes()
-    nid = raylet.node_id
-    corral.cluster.start(name=cluster["name"], state_root=cluster["root"],
-                         run_dir=cluster["run_dir"], max_sandboxes=64,
-                         labels={nid: {"role": "frozen", "pool": "a"}})
+    raylet, nid = _add_node(cluster, {"role": "frozen", "pool": "a"})
     d = ray.get(corral.cluster.supervisors()[nid].describe.remote())
     pid = _corrald_pid(cluster, nid)
     head = cluster["head"]
@@ -442,12 +448,7 @@ def test_raylet_death_takes_the_nodes_corrald_and_sandboxes(cluster, gateway):
     """A node whose raylet dies abruptly (as when its machine goes): the supervisor's worker
     dies with it, the keeper's pipe closes, corrald destroys the node's sandboxes."""
     c = cluster["ray"]
-    raylet = c.add_node(**NODE_ARGS)
-    c.wait_for_nodes()
-    nid = raylet.node_id
-    corral.cluster.start(name=cluster["name"], state_root=cluster["root"],
-                         run_dir=cluster["run_dir"], max_sandboxes=64,
-                         labels={nid: {"role": "doomed"}})
+    raylet, nid = _add_node(cluster, {"role": "doomed"})
     sup = corral.cluster.supervisors()[nid]
     d = ray.get(sup.describe.remote())
     token = endpoint_mod._tokens[gateway.url]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from corral.cluster.placement import NodeLoad, choose
 from corral.daemon import batches
@@ -47,13 +47,17 @@ LOSS_CHECK_S = 0.25    # how often a share looks whether the poller saw its node
 PARTIAL_Q = "partial"
 
 
-def parse_request(body: bytes) -> CreateManyRequest:
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_body(model: type[M], body: bytes) -> M:
+    """A batch request's body, or invalid_request saying what is wrong (the nodes' words)."""
     try:
-        return CreateManyRequest.model_validate_json(body or b"{}")
+        return model.model_validate_json(body or b"{}")
     except ValidationError as e:
         msgs = [f"{'.'.join(str(x) for x in d['loc']) or 'value'}: {d['msg']}"
                 for d in e.errors(include_url=False)[:5]]
-        raise InvalidRequest(f"invalid CreateManyRequest: {'; '.join(msgs)}") from None
+        raise InvalidRequest(f"invalid {model.__name__}: {'; '.join(msgs)}") from None
 
 
 def wants_partial(query: Any) -> bool:

@@ -13,11 +13,9 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
-from corral.cluster.batch import streamed_call, watched
+from corral.cluster.batch import parse_body, streamed_call, watched
 from corral.daemon import batches
-from corral.errors import CapacityExceeded, CorralError, InvalidRequest, SandboxLost
+from corral.errors import CapacityExceeded, CorralError, SandboxLost
 from corral.models import ExecManyRequest, KillManyRequest
 
 if TYPE_CHECKING:
@@ -25,15 +23,6 @@ if TYPE_CHECKING:
     from corral.cluster.placement import NodeLoad
 
 NOT_FOUND = "sandbox_not_found"
-
-
-def parse(model: type[ExecManyRequest] | type[KillManyRequest], body: bytes) -> Any:
-    try:
-        return model.model_validate_json(body or b"{}")
-    except ValidationError as e:
-        msgs = [f"{'.'.join(str(x) for x in d['loc']) or 'value'}: {d['msg']}"
-                for d in e.errors(include_url=False)[:5]]
-        raise InvalidRequest(f"invalid {model.__name__}: {'; '.join(msgs)}") from None
 
 
 class Broadcast:
@@ -72,7 +61,7 @@ class Broadcast:
 
 
 async def exec_batch(gw: Gateway, request: Any, body: bytes) -> Any:
-    req = parse(ExecManyRequest, body)
+    req = parse_body(ExecManyRequest, body)
     b = Broadcast(gw, "/v1/sandboxes/batch/exec", body, len(req.ids))
 
     def answer(got: list[dict[str, Any] | CorralError]) -> dict[str, Any]:
@@ -92,7 +81,7 @@ async def exec_batch(gw: Gateway, request: Any, body: bytes) -> Any:
 
 
 async def destroy_batch(gw: Gateway, request: Any, body: bytes) -> Any:
-    req = parse(KillManyRequest, body)
+    req = parse_body(KillManyRequest, body)
     b = Broadcast(gw, "/v1/sandboxes/batch/destroy", body, len(req.ids))
 
     def answer(got: list[dict[str, Any] | CorralError]) -> dict[str, Any]:

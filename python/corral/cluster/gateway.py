@@ -31,6 +31,7 @@ from corral.errors import (
     NotFound,
     Unauthorized,
 )
+from corral.models import CreateManyRequest
 
 log = logging.getLogger("corral.cluster")
 REPORT_INTERVAL_S = 0.5
@@ -377,7 +378,7 @@ class Gateway:
             selector = parse_selector(request.headers.get(SELECTOR_HEADER, ""))
             batches.wants_stream(request)
             partial = batch.wants_partial(request.query)
-            req = batch.parse_request(await request.read())
+            req = batch.parse_body(CreateManyRequest, await request.read())
             try:
                 shares = batch.split(list(self.nodes.values()), req.count, self.k, selector,
                                      req.spec.image)
