@@ -2,9 +2,11 @@
 
 A two-raylet Ray cluster on loopback (ray.cluster_utils.Cluster), corral deployed on it; then
 N rounds of (Sandbox(...), exec("true"), kill()) through the gateway and N straight to one
-node's corrald (its endpoint and token), alternating so both see the same machine load.
+node's corrald (its endpoint and token), alternating so both see the same machine load. With
+a batch size B: rounds of create_many(B) + exec_many("true") + kill_many, the gateway's split
+over both nodes against one node's own batch.
 
-    python bench/cluster_gateway.py [N]
+    python bench/cluster_gateway.py [N] [B]
 """
 
 from __future__ import annotations
@@ -37,7 +39,15 @@ def round_trip(endpoint: Endpoint) -> float:
     return time.perf_counter() - t
 
 
-def main(n: int) -> None:
+def batch_round(endpoint: Endpoint, b: int) -> float:
+    t = time.perf_counter()
+    boxes = corral.Sandbox.create_many(b, "host", memory_mb=64, endpoint=endpoint)
+    corral.Sandbox.exec_many(boxes, "true")
+    corral.Sandbox.kill_many(boxes)
+    return time.perf_counter() - t
+
+
+def main(n: int, batch: int = 0) -> None:
     root = tempfile.mkdtemp(prefix="corral-cluster-bench-", dir="/var/tmp")
     c = Cluster(initialize_head=True, head_node_args=dict(NODE, include_dashboard=False))
     try:
@@ -48,14 +58,16 @@ def main(n: int) -> None:
         gw = corral.cluster.connect()
         node = corral.cluster.status()["nodes"][0]
         direct = gw.on_node(node["endpoint"], node["node"])
+        def one(ep: Endpoint) -> float:
+            return batch_round(ep, batch) if batch else round_trip(ep)
         for ep in (gw, direct):  # warm connections and pools
-            round_trip(ep)
+            one(ep)
         via, straight = [], []
         for _ in range(n):
-            via.append(round_trip(gw))
-            straight.append(round_trip(direct))
+            via.append(one(gw))
+            straight.append(one(direct))
         g, d = statistics.median(via) * 1e3, statistics.median(straight) * 1e3
-        print(f"rounds={n} gateway median {g:.2f} ms, direct median {d:.2f} ms, "
+        print(f"rounds={n} batch={batch} gateway median {g:.2f} ms, direct median {d:.2f} ms, "
               f"ratio {g / d:.2f}; means {statistics.mean(via) * 1e3:.2f} / "
               f"{statistics.mean(straight) * 1e3:.2f} ms")
     finally:
@@ -69,4 +81,5 @@ def main(n: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 200)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 200,
+         int(sys.argv[2]) if len(sys.argv) > 2 else 0)

@@ -6,37 +6,39 @@ supervisor: its sandboxes answer ``sandbox_lost`` within 5 s and nothing of them
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-# Ray reports usage to its makers unless told not to: no packet may leave the machine. And
-# Ray turns 127.0.0.1 into the host's outward address unless cluster mode's address lookup is
-# off: every raylet, the GCS and the drivers stay on loopback.
+# Set before Ray is imported (tests/raycluster.py says why).
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
+from raycluster import NODE_ARGS, corral_on_ray  # noqa: E402
 
 import corral  # noqa: E402
 import corral.cluster  # noqa: E402
-from corral.errors import SandboxLost  # noqa: E402
+from corral.errors import SandboxLost, SandboxNotFound, error_from_payload  # noqa: E402
+from corral.sdk import admin  # noqa: E402
 from corral.sdk import endpoint as endpoint_mod  # noqa: E402
 
 from conftest import (  # noqa: E402
-    _force_cleanup,
     cgroup_dirs,
     host_mounts_under,
     leaked_sandbox_cgroups,
@@ -44,38 +46,12 @@ from conftest import (  # noqa: E402
     wait_until,
 )
 
-NODE_ARGS = {"num_cpus": 1, "object_store_memory": 80 << 20, "node_ip_address": "127.0.0.1"}
-
 
 @pytest.fixture(scope="module")
 def cluster():
-    root = tempfile.mkdtemp(prefix="corral-cluster-", dir="/var/tmp")
-    c = Cluster(initialize_head=True, head_node_args=dict(
-        NODE_ARGS, include_dashboard=False, dashboard_host="127.0.0.1"))
-    name = f"t{os.getpid()}"
-    describe: dict[str, dict] = {}
-    try:
-        c.add_node(**NODE_ARGS)
-        ray.init(address=c.address, namespace=corral.cluster.NAMESPACE, log_to_driver=False)
-        c.wait_for_nodes()
-        head = ray.get_runtime_context().get_node_id()
-        corral.cluster.start(name=name, state_root=root, run_dir=os.path.join(root, "run"),
-                             max_sandboxes=64, labels={head: {"role": "head"}})
-        sups = corral.cluster.supervisors()
-        describe = {nid: ray.get(s.describe.remote()) for nid, s in sups.items()}
-        yield {"name": name, "root": root, "nodes": describe, "supervisors": sups,
-               "head": head, "ray": c, "run_dir": os.path.join(root, "run")}
-    finally:
-        os.environ.pop("CORRAL_URL", None)
-        try:
-            if ray.is_initialized():
-                corral.cluster.stop()
-        finally:
-            ray.shutdown()
-            c.shutdown()
-            for d in describe.values():
-                _force_cleanup(d["cgroup"])  # only if the graceful stop failed
-            shutil.rmtree(root, ignore_errors=True)
+    with corral_on_ray(1, max_sandboxes=64,
+                       labels=lambda head: {head: {"role": "head", "pool": "a"}}) as c:
+        yield c
 
 
 @pytest.fixture
@@ -208,6 +184,254 @@ def test_async_sandbox_through_the_gateway(cluster, gateway):
     assert node in cluster["nodes"] and out == "async\n"
 
 
+def _live(node: str) -> int:
+    return next(n["live"] + n["placed_since_report"]
+                for n in corral.cluster.status()["nodes"] if n["node"] == node)
+
+
+def test_create_many_splits_over_nodes_and_batches_go_to_each_node(cluster, gateway):
+    assert wait_until(lambda: all(_live(n) == 0 for n in cluster["nodes"]), timeout=15)
+    boxes = corral.Sandbox.create_many(10, "host", memory_mb=64, timeout=120)
+    try:
+        assert len(boxes) == 10
+        per_node = Counter(b.info().node for b in boxes)
+        assert set(per_node) == set(cluster["nodes"]), per_node
+        for b in boxes:  # each handle talks to its own node, not to the gateway
+            assert b._endpoint.url == cluster["nodes"][b._endpoint.node]["endpoint"]
+        # One exec batch over handles of both nodes: a request per node, the results in the
+        # order given (a sandbox's hostname is its id).
+        order = boxes[::-1]
+        res = corral.Sandbox.exec_many(order, "hostname")
+        assert [r.stdout.strip() for r in res] == [b.id for b in order]
+        assert wait_until(lambda: sum(_live(n) for n in cluster["nodes"]) == 10, timeout=15)
+        # Plain ids go to the gateway, which asks every node: the same answers, in order.
+        ids = [b.id for b in order] + ["sb-0000000000000000"]
+        res = corral.Sandbox.exec_many(ids, "hostname", return_exceptions=True)
+        assert [r.stdout.strip() for r in res[:-1]] == ids[:-1]
+        assert isinstance(res[-1], SandboxNotFound)
+        got = corral.Sandbox.kill_many(ids[:4] + ids[-1:], return_exceptions=True)
+        assert got[:4] == [True] * 4 and isinstance(got[-1], SandboxNotFound)
+        assert corral.Sandbox.kill_many(boxes, return_exceptions=True)[::-1][:4] == [False] * 4
+        assert wait_until(lambda: sum(_live(n) for n in cluster["nodes"]) == 0, timeout=15)
+    finally:
+        corral.Sandbox.kill_many(boxes, return_exceptions=True)
+
+
+def _batch(url: str, token: str | None, body: dict, query: str = "stream=ndjson",
+           selector: str = "") -> tuple[int, list[dict]]:
+    req = urllib.request.Request(f"{url}/v1/sandboxes/batch?{query}", method="POST",
+                                 data=json.dumps(body).encode())
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    req.add_header("Content-Type", "application/json")
+    if selector:
+        req.add_header("X-Corral-Node-Selector", selector)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, [json.loads(x) for x in r.read().splitlines() if x.strip()]
+    except urllib.error.HTTPError as e:
+        return e.code, [json.loads(e.read())]
+
+
+def test_batch_create_streams_progress_from_every_node(cluster, gateway):
+    token = endpoint_mod._tokens[gateway.url]
+    code, lines = _batch(gateway.url, token, {"count": 6, "spec": {"image": "host",
+                                                                   "memory_mb": 64}})
+    assert code == 201, lines
+    *progress, last = lines
+    infos = last["sandboxes"]
+    try:
+        assert progress and all(set(p) == {"progress"} for p in progress)
+        dones = [p["progress"]["done"] for p in progress]
+        assert dones == sorted(dones) and dones[-1] == 6
+        assert all(p["progress"]["count"] == 6 for p in progress)
+        assert len(infos) == 6 and {i["node"] for i in infos} == set(cluster["nodes"])
+        for i in infos:
+            assert i["endpoint"] == cluster["nodes"][i["node"]]["endpoint"]
+    finally:
+        for i in infos:
+            corral.Sandbox.from_id(i["id"], endpoint=gateway.on_node(i["endpoint"],
+                                                                     i["node"])).kill()
+    # Bad batches are refused before anything is made, with the daemon's codes.
+    for body, query, want in (({"count": 0}, "", "invalid_request"),
+                              ({"count": 2, "spec": {"image": 5}}, "", "invalid_request"),
+                              ({"count": 2}, "partial=maybe", "invalid_request"),
+                              ({"count": 2}, "stream=json", "invalid_request"),
+                              ({"count": 500}, "", "capacity_exceeded")):
+        code, lines = _batch(gateway.url, token, body, query)
+        assert lines[-1]["error"]["code"] == want, (body, query, lines)
+    code, lines = _batch(gateway.url, None, {"count": 1})
+    assert code == 401 and lines[0]["error"]["code"] == "unauthorized"
+    code, lines = _batch(gateway.url, token, {"count": 1}, selector="role=nowhere")
+    assert code == 429 and lines[0]["error"]["code"] == "capacity_exceeded"
+    assert wait_until(lambda: sum(_live(n) for n in cluster["nodes"]) == 0, timeout=15)
+
+
+def test_client_leaving_a_batch_create_leaves_no_sandbox(cluster, gateway):
+    """A client that drops its streamed batch create half-way (one node's share made, the
+    other's held up by a frozen corrald): the gateway destroys the share made and cancels the
+    other, whose node destroys what it made once it sees its client gone."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    assert wait_until(lambda: sum(_live(n) for n in cluster["nodes"]) == 0, timeout=15)
+    worker = next(n for n in cluster["nodes"] if n != cluster["head"])
+    pid = _corrald_pid(cluster, worker)
+    token = endpoint_mod._tokens[gateway.url]
+    u = urlsplit(gateway.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        conn.request("POST", "/v1/sandboxes/batch?stream=ndjson",
+                     body=json.dumps({"count": 10, "spec": {"image": "host",
+                                                            "memory_mb": 64}}),
+                     headers={"Authorization": f"Bearer {token}",
+                              "Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 201
+        while True:  # the head's share is made
+            line = json.loads(resp.readline())
+            assert line["progress"]["count"] == 10 and "sandboxes" not in line, line
+            if line["progress"]["done"] >= 1:
+                break
+        conn.sock.close()  # the client leaves
+        conn.close()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+    def listed() -> int:
+        return sum(len(corral.Sandbox.list(endpoint=gateway.on_node(d["endpoint"], n)))
+                   for n, d in cluster["nodes"].items())
+    # inflight counts until every share has ended: then nothing more is made anywhere.
+    assert wait_until(lambda: sum(_live(n) for n in cluster["nodes"]) == 0, timeout=60), \
+        (corral.cluster.status()["nodes"], listed())
+    assert wait_until(lambda: listed() == 0, timeout=30)
+
+
+def _image_dir() -> str:
+    """A rootfs with busybox as its shell and a file that says where it came from."""
+    d = tempfile.mkdtemp(prefix="corral-img-", dir="/var/tmp")
+    for sub in ("bin", "etc", "tmp"):
+        os.makedirs(os.path.join(d, sub))
+    shutil.copy(shutil.which("busybox") or "/bin/busybox", os.path.join(d, "bin", "busybox"))
+    os.symlink("busybox", os.path.join(d, "bin", "sh"))
+    os.symlink("busybox", os.path.join(d, "bin", "cat"))
+    Path(d, "etc", "where").write_text("the image\n")
+    return d
+
+
+def test_placement_prefers_the_node_that_has_the_image(cluster, gateway):
+    """Two nodes, one of which has the image: every create of it goes there while that node
+    is not much fuller; a create of another image spreads as before."""
+    node = next(n for n in cluster["nodes"] if n != cluster["head"])
+    name = f"local-{os.getpid()}"
+    src = _image_dir()
+    try:
+        admin.import_image(name, src, endpoint=cluster["nodes"][node]["socket"])
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+
+    def seen() -> bool:
+        by = {n["node"]: n["images"] for n in corral.cluster.status()["nodes"]}
+        return name in by[node] and name not in by[cluster["head"]] and "host" in by[node]
+    assert wait_until(seen, timeout=15)
+    st = corral.cluster.status()
+    assert all(0.0 <= n["cpu_busy"] <= 1.0 for n in st["nodes"])
+    boxes = []
+    try:
+        for _ in range(4):
+            boxes.append(corral.Sandbox(image=name, memory_mb=64, timeout=120))
+        boxes += corral.Sandbox.create_many(4, name, memory_mb=64, timeout=120)
+        assert {b.info().node for b in boxes} == {node}
+        assert boxes[0].exec("cat /etc/where").stdout == "the image\n"
+    finally:
+        corral.Sandbox.kill_many(boxes, return_exceptions=True)
+
+
+def _add_node(cluster, labels: dict[str, str]) -> tuple[Any, str]:
+    """A raylet more, with corral started on it: (the raylet, its node id)."""
+    raylet = cluster["ray"].add_node(**NODE_ARGS)
+    cluster["ray"].wait_for_nodes()
+    corral.cluster.start(name=cluster["name"], state_root=cluster["root"],
+                         run_dir=cluster["run_dir"], max_sandboxes=64,
+                         labels={raylet.node_id: labels})
+    return raylet, raylet.node_id
+
+
+def _corrald_pid(cluster, node: str) -> int:
+    return int(ray.get(corral.cluster.supervisors()[node].report.remote())["pid"])
+
+
+def test_node_lost_mid_batch_answers_per_item_not_a_hang(cluster, gateway):
+    """A batch create split over two nodes, one of which stops answering (its corrald frozen)
+    and then is lost (its supervisor killed). All or nothing: the batch fails with an infra
+    error after the silence limit and the other node's share is destroyed. Partial: the lost
+    node's items answer sandbox_lost as soon as the gateway sees the loss, the others live."""
+    c = cluster["ray"]
+    raylet, nid = _add_node(cluster, {"role": "frozen", "pool": "a"})
+    d = ray.get(corral.cluster.supervisors()[nid].describe.remote())
+    pid = _corrald_pid(cluster, nid)
+    head = cluster["head"]
+    token = endpoint_mod._tokens[gateway.url]
+    before = _live(head)
+    made: list = []
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        code, lines = _batch(gateway.url, token, {"count": 8, "spec": {"image": "host",
+                                                                       "memory_mb": 64}},
+                             selector="pool=a")
+        took = time.monotonic() - t0
+        assert code == 201 and "error" in lines[-1], lines[-1]
+        err = lines[-1]["error"]
+        assert err["code"] == "sandbox_lost" and err["infra"] and err["details"]["node"] == nid
+        assert took < 15, took
+        print(f"frozen node: all-or-nothing batch failed after {took:.2f} s")
+        # The head's share was destroyed (all or nothing).
+        assert wait_until(lambda: _live(head) == before, timeout=15)
+
+        # The frozen node is out of placement now (its reports stopped); bring it back.
+        os.kill(pid, signal.SIGCONT)
+        assert wait_until(lambda: any(n["node"] == nid and n["report_age_s"] < 1
+                                      for n in corral.cluster.status()["nodes"]), timeout=20)
+        os.kill(pid, signal.SIGSTOP)
+        out: dict = {}
+
+        def call() -> None:
+            out["answer"] = _batch(gateway.url, token, {"count": 8, "spec": {
+                "image": "host", "memory_mb": 64}}, "stream=ndjson&partial=true", "pool=a")
+        th = threading.Thread(target=call)
+        th.start()
+        assert wait_until(lambda: _live(head) > before, timeout=20)  # the batch is under way
+        t_kill = time.monotonic()
+        ray.kill(corral.cluster.supervisors()[nid], no_restart=True)
+        th.join(30)
+        assert not th.is_alive(), "the batch hangs"
+        answered = time.monotonic() - t_kill
+        print(f"node lost mid-batch: answered {answered:.2f} s after the kill")
+        assert answered < 5
+        code, lines = out["answer"]
+        items = lines[-1]["sandboxes"]
+        made = [corral.Sandbox.from_id(i["id"], endpoint=gateway.on_node(i["endpoint"],
+                                                                         i["node"]))
+                for i in items if "error" not in i]
+        lost = [error_from_payload(i) for i in items if "error" in i]
+        assert made and lost and len(made) + len(lost) == 8
+        for e in lost:
+            assert isinstance(e, SandboxLost) and e.infra and e.details["node"] == nid
+        for b in made:
+            assert b.info().node == head and b.exec("echo ok").stdout == "ok\n"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)  # so that it can stop and clean up
+        corral.Sandbox.kill_many(made, return_exceptions=True)
+    assert wait_until(lambda: not _alive(d["keeper_pid"]), timeout=60)
+    assert not leaked_sandbox_cgroups(d["cgroup"]) and not pids_in_cgroups(d["cgroup"])
+    assert not host_mounts_under(d["state_dir"]), \
+        Path(d["state_dir"], "corrald.log").read_text()[-4000:]
+    c.remove_node(raylet)  # else a later start() adopts it again (its raylet still lives)
+
+
 def _lost_within(boxes: list, seconds: float) -> bool:
     def all_lost() -> bool:
         for b in boxes:
@@ -224,12 +448,7 @@ def test_raylet_death_takes_the_nodes_corrald_and_sandboxes(cluster, gateway):
     """A node whose raylet dies abruptly (as when its machine goes): the supervisor's worker
     dies with it, the keeper's pipe closes, corrald destroys the node's sandboxes."""
     c = cluster["ray"]
-    raylet = c.add_node(**NODE_ARGS)
-    c.wait_for_nodes()
-    nid = raylet.node_id
-    corral.cluster.start(name=cluster["name"], state_root=cluster["root"],
-                         run_dir=cluster["run_dir"], max_sandboxes=64,
-                         labels={nid: {"role": "doomed"}})
+    raylet, nid = _add_node(cluster, {"role": "doomed"})
     sup = corral.cluster.supervisors()[nid]
     d = ray.get(sup.describe.remote())
     token = endpoint_mod._tokens[gateway.url]
@@ -300,6 +519,14 @@ def test_node_loss_sandboxes_lost_and_cleaned(cluster, gateway):
 
         assert _lost_within(lost, 5.0), "not lost within 5 s"
         print(f"supervisor killed: sandboxes lost after {time.monotonic() - t0:.2f} s")
+        # A batch over handles of both nodes: per-item sandbox_lost for the lost node's, the
+        # survivor's run.
+        res = corral.Sandbox.exec_many(boxes, "echo batch", return_exceptions=True)
+        for b, r in zip(boxes, res, strict=True):
+            if b in lost:
+                assert isinstance(r, SandboxLost) and r.infra, r
+            else:
+                assert r.stdout == "batch\n", r
         # Cleaned up on the host: init processes, cgroups, mounts, the daemon itself.
         assert wait_until(lambda: not any(_alive(p) for p in pids if p), timeout=30)
         assert wait_until(lambda: not _alive(vd["keeper_pid"]), timeout=60)

@@ -1,4 +1,5 @@
-"""``corral cluster start | status | stop``: corral on a Ray cluster (docs/cluster.md)."""
+"""``corral cluster start | status | autoscale | stop``: corral on a Ray cluster
+(docs/cluster.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from rich.table import Table
 
 from corral.cli.output import handled, out, print_json
 
-app = typer.Typer(help="corral on a Ray cluster: start, status, stop.", no_args_is_help=True)
+app = typer.Typer(help="corral on a Ray cluster: start, status, autoscale, stop.",
+                  no_args_is_help=True)
 
 ADDRESS = typer.Option("auto", "--address", help="The Ray cluster: auto (the one this machine "
                        "belongs to) or HOST:PORT of its head.")
@@ -22,14 +24,22 @@ def _show(st: dict[str, Any], json_: bool) -> None:
         return
     out.print(f"gateway {st['gateway']} (cluster {st['cluster']}, power-of-{st['k']} "
               f"placement, {st['placed']} placed)")
-    t = Table("node", "endpoint", "live", "capacity", "free memory", "labels", "report age")
+    t = Table("node", "endpoint", "live", "capacity", "free memory", "CPU", "images",
+              "labels", "report age")
     for n in st["nodes"]:
         t.add_row(n["node"][:16], n["endpoint"], str(n["live"]), str(n["capacity"]),
-                  f"{n['mem_free_mb']} MiB", ",".join(f"{k}={v}" for k, v in n["labels"].items()),
+                  f"{n['mem_free_mb']} MiB", f"{n['cpu_busy']:.0%}", str(len(n["images"])),
+                  ",".join(f"{k}={v}" for k, v in n["labels"].items()),
                   f"{n['report_age_s']:.1f} s")
     out.print(t)
     for node, why in st["lost"].items():
         out.print(f"lost: {node[:16]} ({why})")
+    for node in st["drained"]:
+        out.print(f"drained: {node[:16]}")
+    if a := st.get("autoscale"):
+        out.print(f"autoscale: {a['min_nodes']}..{a['max_nodes']} nodes of {a['node_shape']}, "
+                  f"asked Ray for {a['asked_nodes']}, {a['unmet_creates']} creates refused "
+                  f"in the last {a['demand_window_s']:.0f} s")
 
 
 @app.command()
@@ -53,6 +63,41 @@ def status(address: str = ADDRESS, json_: bool = JSON) -> None:
     """Nodes, live sandboxes, capacity, free memory."""
     import corral.cluster
 
+    _show(corral.cluster.status(address), json_)
+
+
+@app.command()
+@handled()
+def autoscale(address: str = ADDRESS,
+              node_shape: str = typer.Option("", help="What one node that holds sandboxes "
+                                             "offers Ray, RESOURCE=N[,RESOURCE=N] (e.g. "
+                                             "CPU=16): the bundle asked for per node wanted."),
+              min_nodes: int = typer.Option(1, help="Never drain below this many nodes."),
+              max_nodes: int = typer.Option(100, help="Never ask for more nodes than this."),
+              idle_s: float = typer.Option(300.0, help="Drain a node with no sandbox this "
+                                           "long."),
+              demand_window_s: float = typer.Option(30.0, help="How long refused creates "
+                                                    "count as demand."),
+              off: bool = typer.Option(False, "--off", help="Stop autoscaling (withdraws "
+                                       "the request)."),
+              json_: bool = JSON) -> None:
+    """Autoscale through Ray's autoscaler: creates refused for want of room become resource
+    requests; idle nodes are drained."""
+    import corral.cluster
+    from corral.errors import InvalidRequest
+
+    if off:
+        corral.cluster.autoscale(None, address)
+    else:
+        try:
+            shape = {k.strip(): float(v) for k, _, v in
+                     (p.partition("=") for p in node_shape.split(",") if p.strip())}
+        except ValueError:
+            raise InvalidRequest(f"bad --node-shape {node_shape!r}: RESOURCE=N[,...]") \
+                from None
+        corral.cluster.autoscale({"node_shape": shape, "min_nodes": min_nodes,
+                                  "max_nodes": max_nodes, "idle_s": idle_s,
+                                  "demand_window_s": demand_window_s}, address)
     _show(corral.cluster.status(address), json_)
 
 

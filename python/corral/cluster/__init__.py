@@ -53,47 +53,47 @@ def _gateway(ray: Any) -> Any:
 def start(address: str | None = "auto", *, name: str = "corral", k: int = 2,
           state_root: str = DEFAULT_STATE_ROOT, run_dir: str = DEFAULT_RUN_DIR,
           max_sandboxes: int = 0, labels: dict[str, dict[str, str]] | None = None,
-          gateway_port: int = 0) -> dict[str, Any]:
+          gateway_port: int = 0, autoscale: dict[str, Any] | None = None) -> dict[str, Any]:
     """Deploy corral on the Ray cluster at ``address`` (or the one this process is connected
     to): the gateway, then one supervisor per live node that has none yet. ``name`` keeps the
     nodes' state dirs, sockets and cgroups apart from another corral cluster's on the same
-    machines; ``labels`` maps a Ray node id to the labels ``node_selector`` matches. Returns
+    machines; ``labels`` maps a Ray node id to the labels ``node_selector`` matches;
+    ``autoscale`` turns on autoscaling through Ray's autoscaler (``autoscale()``). Returns
     ``status()``."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from corral.cluster.gateway import Gateway
-    from corral.cluster.supervisor import NodeSupervisor, free_port
+    from corral.cluster.supervisor import free_port
 
     ray = _ray(address)
     here = ray.get_runtime_context().get_node_id()
     host = ray.util.get_node_ip_address()
     try:
         gw = ray.get_actor(GATEWAY, namespace=NAMESPACE)
-        _, token = ray.get(gw.endpoint.remote())
     except ValueError:
-        token = secrets.token_urlsafe(32)
+        deploy = {"state_root": state_root, "run_dir": run_dir, "max_sandboxes": max_sandboxes}
         gw = ray.remote(Gateway).options(
             name=GATEWAY, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
             max_restarts=0, max_concurrency=1000,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
-        ).remote(name, token, k)
+        ).remote(name, secrets.token_urlsafe(32), k, deploy)
         ray.get(gw.serve.remote(host, gateway_port or free_port(host)))
-    have = set(ray.get(gw.node_ids.remote()))
-    remote_sup = ray.remote(NodeSupervisor)
-    sups = {}
-    for n in ray.nodes():
-        nid = n["NodeID"]
-        if not n["Alive"] or nid in have:
-            continue
-        sups[nid] = remote_sup.options(
-            name=f"supervisor:{nid}", namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-            max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
-        ).remote(name, nid, n["NodeManagerAddress"], token, state_root, run_dir,
-                 max_sandboxes, (labels or {}).get(nid))
-    for nid, sup in sups.items():
-        ray.get(gw.add_node.remote(nid, sup, ray.get(sup.report.remote())))
+    ray.get(gw.adopt.remote(labels))
+    if autoscale is not None:
+        ray.get(gw.set_autoscale.remote(autoscale))
     return status()
+
+
+def autoscale(settings: dict[str, Any] | None, address: str | None = None
+              ) -> dict[str, Any] | None:
+    """Autoscale through Ray's autoscaler (docs/cluster.md), or stop (None). ``settings``:
+    ``node_shape`` (the Ray resources one node that holds sandboxes offers, e.g.
+    ``{"CPU": 16}``), ``min_nodes`` (1), ``max_nodes`` (100), ``idle_s`` (300: a node with no
+    sandbox this long is drained), ``demand_window_s`` (30: how long refused creates count
+    as demand). The settings in force."""
+    ray = _ray(address)
+    got: dict[str, Any] | None = ray.get(_gateway(ray).set_autoscale.remote(settings))
+    return got
 
 
 def connect(address: str | None = None) -> Endpoint:

@@ -19,7 +19,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from corral.cluster import batch, broadcast
 from corral.cluster.placement import NodeLoad, choose
+from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resources
+from corral.daemon import batches
 from corral.errors import (
     CapacityExceeded,
     CorralError,
@@ -28,10 +31,12 @@ from corral.errors import (
     NotFound,
     Unauthorized,
 )
+from corral.models import CreateManyRequest
 
 log = logging.getLogger("corral.cluster")
 REPORT_INTERVAL_S = 0.5
 REPORT_TIMEOUT_S = 2.0
+ADOPT_EVERY_S = 1.0   # autoscaling: how often the gateway looks for nodes Ray added
 MAX_CREATE_BODY = 16 << 20
 SELECTOR_HEADER = "X-Corral-Node-Selector"  # "k=v,k2=v2": only nodes with these labels
 
@@ -54,13 +59,24 @@ class Gateway:
     """Wrapped by ``ray.remote`` in corral.cluster.deploy; an async actor: one event loop
     serves Ray calls, the report poller and the HTTP endpoint."""
 
-    def __init__(self, cluster: str, token: str, k: int = 2) -> None:
+    def __init__(self, cluster: str, token: str, k: int = 2,
+                 deploy: dict[str, Any] | None = None) -> None:
         self.cluster = cluster
         self.token = token
         self.k = k
+        # How a node's supervisor is made (corral.cluster.start's arguments).
+        self.deploy: dict[str, Any] = dict(deploy or {})
+        self.labels: dict[str, dict[str, str]] = {}
         self.nodes: dict[str, NodeLoad] = {}
         self.supervisors: dict[str, Any] = {}   # node id -> actor handle
         self.lost: dict[str, str] = {}          # node id -> why it left
+        self.drained: dict[str, float] = {}     # node id -> when (wall clock) it was drained
+        self.autoscaler: Autoscaler | None = None
+        self.home = ""                          # the gateway's own node: never drained
+        self._adopted_at = 0.0
+        self._starting: set[str] = set()        # nodes whose supervisor is being started
+        self._adopting: asyncio.Future[None] | None = None
+        self._draining: set[asyncio.Future[None]] = set()
         self.placed = 0
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -75,6 +91,9 @@ class Gateway:
             app.router.add_get("/v1/health", self._health)
             app.router.add_get("/v1/cluster", self._status)
             app.router.add_post("/v1/sandboxes", self._create)
+            app.router.add_post("/v1/sandboxes/batch", self._create_batch)
+            app.router.add_post("/v1/sandboxes/batch/exec", self._id_batch)
+            app.router.add_post("/v1/sandboxes/batch/destroy", self._id_batch)
             app.router.add_route("*", "/{tail:.*}", self._elsewhere)
             self._runner = web.AppRunner(app, access_log=None)
             await self._runner.setup()
@@ -93,7 +112,51 @@ class Gateway:
     async def add_node(self, node: str, supervisor: Any, report: dict[str, Any]) -> None:
         self.supervisors[node] = supervisor
         self.lost.pop(node, None)
+        self.drained.pop(node, None)
         self._take(report, time.monotonic())
+
+    async def adopt(self, labels: dict[str, dict[str, str]] | None = None,
+                    drained_too: bool = True) -> list[str]:
+        """Start a supervisor on every live Ray node that has none (``labels``: node id ->
+        its labels, kept for later nodes too); the nodes adopted. A drained node is adopted
+        again only if ``drained_too``."""
+        import ray
+
+        from corral.cluster.supervisor import start_supervisor
+
+        self.labels.update(labels or {})
+        if not self.home:
+            self.home = ray.get_runtime_context().get_node_id()
+        fresh = [n for n in await asyncio.to_thread(ray.nodes)
+                 if n["Alive"] and n["NodeID"] not in self.supervisors
+                 and n["NodeID"] not in self._starting
+                 and (drained_too or n["NodeID"] not in self.drained)]
+        self._starting.update(n["NodeID"] for n in fresh)
+        try:
+            sups = {n["NodeID"]: start_supervisor(self.cluster, self.token, n, self.deploy,
+                                                  self.labels.get(n["NodeID"])) for n in fresh}
+            adopted = []
+            for nid, sup in sups.items():
+                try:
+                    await self.add_node(nid, sup, await sup.report.remote())
+                    adopted.append(nid)
+                except ray.exceptions.RayError as e:
+                    ray.kill(sup, no_restart=True)  # frees its name for the next try
+                    log.warning("node not adopted", extra={"node": nid, "error": str(e)})
+            return adopted
+        finally:
+            self._starting.difference_update(n["NodeID"] for n in fresh)
+
+    async def set_autoscale(self, cfg: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Turn autoscaling on with ``cfg`` (corral.cluster.scaling.AutoscaleConfig) or
+        off (None; a standing request is withdrawn)."""
+        if cfg is None:
+            if self.autoscaler is not None and self.autoscaler.asked:
+                await asyncio.to_thread(request_resources, [])
+            self.autoscaler = None
+            return None
+        self.autoscaler = Autoscaler(AutoscaleConfig.parse(cfg))
+        return self.autoscaler.cfg.as_dict()
 
     async def node_ids(self) -> list[str]:
         return list(self.supervisors)
@@ -107,12 +170,18 @@ class Gateway:
                 "nodes": [{"node": n.node, "endpoint": n.endpoint, "live": n.live,
                            "placed_since_report": n.placed,
                            "capacity": n.capacity, "mem_free_mb": n.mem_free_mb,
+                           "cpu_busy": n.cpu_busy, "images": sorted(n.images),
                            "labels": n.labels, "report_age_s": round(now - n.reported_at, 3)}
                           for n in self.nodes.values()],
-                "lost": dict(self.lost)}
+                "lost": dict(self.lost), "drained": dict(self.drained),
+                "autoscale": None if self.autoscaler is None else {
+                    **self.autoscaler.cfg.as_dict(), "asked_nodes": self.autoscaler.asked,
+                    "unmet_creates": self.autoscaler.demand(now)}}
 
-    async def place(self, selector: dict[str, str] | None = None) -> dict[str, str]:
-        n = choose(list(self.nodes.values()), time.monotonic(), k=self.k, selector=selector)
+    async def place(self, selector: dict[str, str] | None = None,
+                    image: str | None = None) -> dict[str, str]:
+        n = choose(list(self.nodes.values()), time.monotonic(), k=self.k, selector=selector,
+                   image=image)
         n.finished.append(time.monotonic())  # counted until a report includes it
         self.placed += 1
         return {"node": n.node, "endpoint": n.endpoint}
@@ -125,6 +194,62 @@ class Gateway:
         if self._runner is not None:
             await self._runner.cleanup()
 
+    # ---- autoscaling ----------------------------------------------------------------------
+    def refused(self, err: CapacityExceeded, count: int) -> None:
+        """Creates refused for want of room are demand (not those whose labels no node has:
+        more nodes of the type Ray adds would not have them either)."""
+        d = err.details or {}
+        if self.autoscaler is not None and not (d.get("fresh") and not d.get("matching")):
+            self.autoscaler.refused(time.monotonic(), count)
+
+    async def _autoscale(self) -> None:
+        a = self.autoscaler
+        if a is None:
+            return
+        now = time.monotonic()
+        if now - self._adopted_at >= ADOPT_EVERY_S and (
+                self._adopting is None or self._adopting.done()):
+            # In the background: a node's corrald takes seconds to start, and the poller
+            # must keep the other nodes' reports fresh meanwhile.
+            self._adopted_at = now
+            self._adopting = asyncio.ensure_future(self._adopt_for(a))
+        plan = a.plan(list(self.nodes.values()), now, keep={self.home})
+        if plan.request is not None:
+            await asyncio.to_thread(request_resources, plan.request)
+            log.info("asked Ray's autoscaler", extra={"bundles": len(plan.request)})
+        for node in plan.drain:  # in the background, as adoption
+            self.nodes.pop(node, None)  # out of placement at once
+            self._starting.add(node)    # and not adopted again while it stops
+            task = asyncio.ensure_future(self._drain(node))
+            self._draining.add(task)
+            task.add_done_callback(self._draining.discard)
+
+    async def _adopt_for(self, a: Autoscaler) -> None:
+        try:
+            if await self.adopt(drained_too=a.demand(time.monotonic()) > 0):
+                a.unmet.clear()  # the new room serves it; creates refused from now on count
+        except Exception:  # noqa: BLE001 - tried again at the next tick
+            log.exception("adopting new nodes failed")
+
+    async def _drain(self, node: str) -> None:
+        """Out of placement, then its corrald stops (it holds no sandbox) and its supervisor
+        goes, so that Ray sees the node idle and its autoscaler may release it."""
+        import ray
+
+        sup = self.supervisors.pop(node, None)
+        try:
+            if sup is not None:
+                try:
+                    await sup.stop.remote()
+                except ray.exceptions.RayError as e:
+                    log.warning("drained node's supervisor failed to stop",
+                                extra={"error": str(e)})
+                ray.kill(sup, no_restart=True)
+            self.drained[node] = time.time()
+            log.info("node drained", extra={"node": node})
+        finally:
+            self._starting.discard(node)
+
     # ---- load reports ---------------------------------------------------------------------
     def _take(self, r: dict[str, Any], asked_at: float) -> None:
         n = self.nodes.get(r["node"])
@@ -132,6 +257,8 @@ class Gateway:
             n = self.nodes[r["node"]] = NodeLoad(node=r["node"], endpoint=r["endpoint"])
         n.live, n.capacity, n.mem_free_mb = r["live"], r["capacity"], r["mem_free_mb"]
         n.labels = dict(r.get("labels") or {})
+        n.cpu_busy = float(r.get("cpu_busy") or 0.0)
+        n.images = frozenset(r.get("images") or ())
         n.took_report(asked_at, time.monotonic())
 
     async def _poll(self) -> None:
@@ -154,7 +281,25 @@ class Gateway:
                     self.lost[node] = "supervisor died"
                     log.warning("node lost", extra={"node": node})
                 # else: slow or failing corrald: its report ages out of placement
+            try:
+                await self._autoscale()
+            except Exception:  # noqa: BLE001 - the poller must outlive a failed step
+                log.exception("autoscaling step failed")
             await asyncio.sleep(REPORT_INTERVAL_S)
+
+    # ---- calls to the nodes ---------------------------------------------------------------
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None
+        return self._session
+
+    def node_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+
+    async def destroy_on(self, n: NodeLoad, ids: list[str]) -> None:
+        """Destroy ``ids`` on node ``n`` (one batch); the node's own answer is not needed."""
+        async with self.session().post(n.endpoint + "/v1/sandboxes/batch/destroy",
+                                       json={"ids": ids}, headers=self.node_headers()) as r:
+            await r.read()
 
     # ---- HTTP -----------------------------------------------------------------------------
     def _authorized(self, request: web.Request) -> bool:
@@ -186,6 +331,7 @@ class Gateway:
         except InvalidRequest as e:
             return _error(e)
         body = await request.read()
+        image = _image_of(body)
         headers = {"Authorization": f"Bearer {self.token}",
                    "Content-Type": request.headers.get("Content-Type", "application/json")}
         if key := request.headers.get("Idempotency-Key"):
@@ -194,8 +340,10 @@ class Gateway:
         while True:
             candidates = [n for n in self.nodes.values() if n.node not in tried]
             try:
-                n = choose(candidates, time.monotonic(), k=self.k, selector=selector)
+                n = choose(candidates, time.monotonic(), k=self.k, selector=selector,
+                           image=image)
             except CapacityExceeded as e:
+                self.refused(e, 1)
                 return _error(e)
             tried.add(n.node)
             n.inflight += 1
@@ -220,3 +368,48 @@ class Gateway:
             info = json.loads(raw)
             info["node"], info["endpoint"] = n.node, n.endpoint
             return web.json_response(info, status=status)
+
+    async def _create_batch(self, request: web.Request) -> web.StreamResponse:
+        """``count`` sandboxes placed item by item and made by their nodes' batches
+        (corral.cluster.batch); answers ``{"sandboxes": [...]}`` in the order asked."""
+        if not self._authorized(request):
+            return _error(Unauthorized("missing or wrong bearer token"))
+        try:
+            selector = parse_selector(request.headers.get(SELECTOR_HEADER, ""))
+            batches.wants_stream(request)
+            partial = batch.wants_partial(request.query)
+            req = batch.parse_body(CreateManyRequest, await request.read())
+            try:
+                shares = batch.split(list(self.nodes.values()), req.count, self.k, selector,
+                                     req.spec.image)
+            except CapacityExceeded as e:
+                self.refused(e, req.count)
+                raise
+            run = batch.CreateBatch(self, req, shares, partial)
+            return await batches.run(request, batches.Progress(req.count), run.run,
+                                     lambda items: {"sandboxes": items}, 201,
+                                     cancel_when_gone=True, undo=lambda _: run.undo())
+        except CorralError as e:
+            return _error(e)
+
+    async def _id_batch(self, request: web.Request) -> web.StreamResponse:
+        """An exec or destroy batch of plain ids: sent to every node (cluster.broadcast)."""
+        if not self._authorized(request):
+            return _error(Unauthorized("missing or wrong bearer token"))
+        run = (broadcast.exec_batch if request.path.endswith("/exec")
+               else broadcast.destroy_batch)
+        try:
+            batches.wants_stream(request)
+            return await run(self, request, await request.read())
+        except CorralError as e:
+            return _error(e)
+
+
+def _image_of(body: bytes) -> str | None:
+    """The image a create body asks for (placement prefers a node that has it); the node
+    validates the body."""
+    try:
+        image = json.loads(body).get("image")
+    except (ValueError, AttributeError):
+        return None
+    return image if isinstance(image, str) else None

@@ -7,6 +7,11 @@ destroys every sandbox of the node). If the keeper itself is killed, corrald get
 the kernel (PR_SET_PDEATHSIG), so the node's sandboxes never run on unseen. (The pipe, not a
 death signal, ties the keeper to the supervisor: a death signal follows the thread that forked,
 and Ray decides which thread runs an actor's methods.)
+
+``--detach`` first: the keeper leaves the actor's process tree (it forks, writes its pid on
+stdout and the parent exits; the keeper starts a session of its own). Ray SIGKILLs what stays
+under a worker that exits, which would cut corrald's cleanup short; the pipe still ties the
+keeper to the supervisor.
 """
 
 from __future__ import annotations
@@ -27,7 +32,21 @@ def _die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
+def _detach() -> None:
+    pid = os.fork()
+    if pid:
+        os.write(sys.stdout.fileno(), f"{pid}\n".encode())
+        os._exit(0)
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--detach"]:
+        _detach()
+        argv = argv[1:]
     # The keeper is single-threaded, so the child's PDEATHSIG follows the keeper's life.
     daemon = subprocess.Popen([sys.executable, "-m", "corral.daemon", *argv],
                               stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from corral.errors import CapacityExceeded, InvalidRequest
 
 REPORT_MAX_AGE_S = 3.0  # an older report means the node stopped answering: place elsewhere
+# A node that has the image already (no pull, its layers in the page cache) wins over one that
+# has not unless it is this much fuller (a fraction of capacity): locality, but no hot spot.
+IMAGE_BONUS = 0.25
+_RNG = random.Random()
 
 
 @dataclass
@@ -25,6 +29,8 @@ class NodeLoad:
     live: int = 0
     capacity: int = 0
     mem_free_mb: int = 0
+    cpu_busy: float = 0.0      # the node's CPU use since its last report, 0..1
+    images: frozenset[str] = frozenset()  # images present on the node
     labels: dict[str, str] = field(default_factory=dict)
     reported_at: float = 0.0   # monotonic seconds on the gateway
     # Creates the report may not count yet: those in flight, and those that finished after
@@ -54,10 +60,11 @@ class NodeLoad:
 
 
 def choose(nodes: Sequence[NodeLoad], now: float, *, k: int = 2,
-           selector: Mapping[str, str] | None = None,
+           selector: Mapping[str, str] | None = None, image: str | None = None,
            rng: random.Random | None = None) -> NodeLoad:
     """The least loaded of ``k`` nodes sampled among the fresh ones with room that match
-    ``selector`` (label -> value). Raises CapacityExceeded when none has room."""
+    ``selector`` (label -> value); when some have ``image``, one of the k is drawn from those,
+    and it counts ``IMAGE_BONUS`` less loaded. Raises CapacityExceeded when none has room."""
     if k < 1:
         raise InvalidRequest("power-of-k placement needs k >= 1")
     fresh = [n for n in nodes if now - n.reported_at <= REPORT_MAX_AGE_S]
@@ -70,5 +77,16 @@ def choose(nodes: Sequence[NodeLoad], now: float, *, k: int = 2,
         raise CapacityExceeded(f"the cluster cannot place a sandbox: {why}",
                                details={"nodes": len(nodes), "fresh": len(fresh),
                                         "matching": len(matching)})
-    sample = (rng or random).sample(room, min(k, len(room)))
-    return min(sample, key=lambda n: (n.load, -n.mem_free_mb))
+    rng = rng or _RNG
+    having = [n for n in room if image in n.images] if image else []
+    if having:
+        first = rng.choice(having)
+        rest = [n for n in room if n is not first]
+        sample = [first, *rng.sample(rest, min(k - 1, len(rest)))]
+    else:
+        sample = rng.sample(room, min(k, len(room)))
+
+    def score(n: NodeLoad) -> tuple[float, float, int]:
+        bonus = IMAGE_BONUS if image and image in n.images else 0.0
+        return (n.load - bonus, n.cpu_busy, -n.mem_free_mb)
+    return min(sample, key=score)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +72,15 @@ def mem_available_mb() -> int:
     return 0
 
 
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of the machine, from /proc/stat's first line."""
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    total = sum(vals[:8])  # guest time is already counted in user
+    return total - idle, total
+
+
 class NodeSupervisor:
     """Wrapped by ``ray.remote`` in corral.cluster.deploy (Ray is imported only there)."""
 
@@ -87,19 +98,28 @@ class NodeSupervisor:
                    CORRAL_MAX_SANDBOXES=str(max_sandboxes))
         env.pop("CORRAL_URL", None)
         # The token goes in the environment, not argv (which /proc shows to everyone).
-        self.keeper = subprocess.Popen(
-            [sys.executable, "-m", "corral.cluster.keeper", "--state-dir",
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "corral.cluster.keeper", "--detach", "--state-dir",
              self.paths.state_dir, "--socket", self.paths.socket, "--tcp", f"{host}:{port}",
              "--node-id", node_id, "--log-file", self.paths.log_file],
-            stdin=subprocess.PIPE, env=env)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        assert launcher.stdin is not None and launcher.stdout is not None
+        self.pipe = launcher.stdin  # its other end: the keeper's stdin
+        self.keeper_pid = int(launcher.stdout.readline() or b"0")
+        launcher.stdout.close()
+        launcher.wait()
+        if not self.keeper_pid:
+            raise RuntimeError(f"the keeper of node {node_id} did not start")
+        self.keeper_fd = os.pidfd_open(self.keeper_pid)
+        self._cpu = cpu_times()
         self._wait_started()
 
     def _wait_started(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
-            if self.keeper.poll() is not None:
-                raise RuntimeError(f"corrald of node {self.node_id} exited with "
-                                   f"{self.keeper.returncode}; see {self.paths.log_file}")
+            if self._keeper_gone(0):
+                raise RuntimeError(f"corrald of node {self.node_id} exited; see "
+                                   f"{self.paths.log_file}")
             try:
                 _get(self.paths.socket, "/v1/health", timeout=1.0)
                 return
@@ -114,20 +134,60 @@ class NodeSupervisor:
     def describe(self) -> dict[str, Any]:
         return {"node": self.node_id, "endpoint": self.endpoint, "labels": self.labels,
                 "state_dir": self.paths.state_dir, "socket": self.paths.socket,
-                "cgroup": self.paths.cgroup, "keeper_pid": self.keeper.pid}
+                "cgroup": self.paths.cgroup, "keeper_pid": self.keeper_pid}
 
     def report(self) -> dict[str, Any]:
-        """The node's load: live sandboxes, admission capacity, free memory."""
+        """The node's load: live sandboxes, admission capacity, free memory, CPU use since
+        the last report, and the images it has (placement prefers a node that has the image
+        a create asks for)."""
         st = _get(self.paths.socket, "/v1/status")
+        busy, total = cpu_times()
+        (busy0, total0), self._cpu = self._cpu, (busy, total)
         return {"node": self.node_id, "endpoint": self.endpoint, "labels": self.labels,
                 "live": int(st["sandboxes"]), "capacity": int(st["capacity"]),
-                "mem_free_mb": mem_available_mb(), "pid": int(st["pid"])}
+                "mem_free_mb": mem_available_mb(), "pid": int(st["pid"]),
+                "cpu_busy": round((busy - busy0) / (total - total0), 3) if total > total0
+                else 0.0,
+                "images": self._images()}
 
-    def stop(self) -> int:
-        """Stop corrald (every sandbox of the node is destroyed); its exit status."""
-        return self._stop()
+    def _images(self) -> list[str]:
+        names: list[str] = []
+        after: str | None = None
+        while True:
+            page = _get(self.paths.socket, "/v1/images" + (
+                f"?{urllib.parse.urlencode({'after': after})}" if after else ""))
+            names += [str(i["name"]) for i in page["images"]]
+            after = page.get("next")
+            if not after:
+                return names
 
-    def _stop(self) -> int:
-        if self.keeper.stdin is not None and not self.keeper.stdin.closed:
-            self.keeper.stdin.close()  # EOF: the keeper stops corrald
-        return self.keeper.wait()
+    def stop(self) -> None:
+        """Stop corrald (every sandbox of the node is destroyed); returns once it is gone."""
+        self._stop()
+
+    def _stop(self) -> None:
+        if not self.pipe.closed:
+            self.pipe.close()  # EOF: the keeper stops corrald
+        self._keeper_gone(None)
+
+    def _keeper_gone(self, timeout: float | None) -> bool:
+        """Whether the keeper (not this process's child: it detached) has exited, waiting up
+        to ``timeout`` seconds (None: until it has)."""
+        p = select.poll()
+        p.register(self.keeper_fd, select.POLLIN)
+        return bool(p.poll(None if timeout is None else int(timeout * 1000)))
+
+
+def start_supervisor(cluster: str, token: str, node: dict[str, Any], deploy: dict[str, Any],
+                     labels: dict[str, str] | None) -> Any:
+    """A detached supervisor actor pinned to Ray node ``node`` (an entry of ``ray.nodes()``);
+    ``deploy``: state_root, run_dir, max_sandboxes (corral.cluster.start)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nid = node["NodeID"]
+    return ray.remote(NodeSupervisor).options(
+        name=f"supervisor:{nid}", namespace="corral", lifetime="detached", num_cpus=0,
+        max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
+    ).remote(cluster, nid, node["NodeManagerAddress"], token, deploy["state_root"],
+             deploy["run_dir"], deploy.get("max_sandboxes", 0), labels)

@@ -120,10 +120,6 @@ def _info(body: bytes) -> SandboxInfo:
     return SandboxInfo.model_validate_json(body)
 
 
-def _infos(body: bytes) -> list[SandboxInfo]:
-    return [SandboxInfo.model_validate(x) for x in json.loads(body)["sandboxes"]]
-
-
 def _ok(body: bytes) -> None:
     return None
 
@@ -176,9 +172,18 @@ def lost_answer() -> CorralError:
                            "the connection dropped); its outcome is unknown")
 
 
-def create_many(count: int, s: SandboxSpec) -> Call[list[SandboxInfo]]:
+def _infos_or_errors(body: bytes) -> list[SandboxInfo | CorralError]:
+    return [error_from_payload(x) if "error" in x else SandboxInfo.model_validate(x)
+            for x in json.loads(body)["sandboxes"]]
+
+
+def create_many(count: int, s: SandboxSpec, *, partial: bool = False
+                ) -> Call[list[SandboxInfo | CorralError]]:
+    """``partial``: a cluster gateway keeps the sandboxes its other nodes made when a node
+    fails its share, and answers that share's error at its items' places."""
     req = validated(CreateManyRequest, count=count, spec=s)
-    return Call("POST", "/v1/sandboxes/batch", _streamed(_infos), query=BATCH_STREAM,
+    query = [*BATCH_STREAM, ("partial", "true")] if partial else BATCH_STREAM
+    return Call("POST", "/v1/sandboxes/batch", _streamed(_infos_or_errors), query=query,
                 body=_body(req))
 
 

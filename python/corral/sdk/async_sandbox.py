@@ -12,7 +12,7 @@ import asyncio
 import builtins
 import itertools
 import os
-from collections.abc import AsyncIterator, Generator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 from corral.errors import CorralError, SandboxNotFound
@@ -33,7 +33,15 @@ from corral.sdk import api, tarball
 from corral.sdk import sandbox as _sync
 from corral.sdk.call import Call, T, lost
 from corral.sdk.endpoint import Endpoint
-from corral.sdk.handle import ProcessBase, Retrier, SandboxHandle, batch_result, batch_target
+from corral.sdk.handle import (
+    Group,
+    ProcessBase,
+    Retrier,
+    SandboxHandle,
+    batch_groups,
+    batch_result,
+    merge_groups,
+)
 from corral.sdk.results import ExecResult, OutputChunk
 from corral.sdk.snapshot import AsyncSnapshot, SnapshotBase
 from corral.sdk.twins import mirror_docs
@@ -71,6 +79,21 @@ async def _send(endpoint: Endpoint, call: Call[T], handle: SandboxHandle | None 
             if delay is None:
                 raise r.give_up(e) from None
         await asyncio.sleep(delay)
+
+
+async def _fan_out(items: builtins.list[AsyncSandbox | str], endpoint: str | Endpoint | None,
+                   call: Callable[[builtins.list[str]], Call[builtins.list[Any]]]
+                   ) -> builtins.list[Any]:
+    """See corral.sdk.sandbox._fan_out: one request per daemon, all at once."""
+    groups = batch_groups(items, endpoint)
+
+    async def one(g: Group) -> builtins.list[Any] | BaseException:
+        try:
+            return await _send(g[0], call(g[2]))
+        except CorralError as e:
+            return e
+    answers = await asyncio.gather(*(one(g) for g in groups))
+    return merge_groups(len(items), groups, list(answers)) if groups else []
 
 
 class AsyncSandbox(SandboxHandle):
@@ -192,13 +215,31 @@ class AsyncSandbox(SandboxHandle):
                                           lambda after: api.list_(labels, after))
         return [cls._bind(ep, i.id, i) for i in infos]
 
+    @overload
+    @classmethod
+    async def create_many(cls, n: int, image: str = ..., *,
+                          endpoint: str | Endpoint | None = ...,
+                          return_exceptions: Literal[False] = ..., **spec: Any
+                          ) -> builtins.list[AsyncSandbox]: ...
+
+    @overload
+    @classmethod
+    async def create_many(cls, n: int, image: str = ..., *,
+                          endpoint: str | Endpoint | None = ..., return_exceptions: bool,
+                          **spec: Any) -> builtins.list[AsyncSandbox | CorralError]: ...
+
     @classmethod
     async def create_many(cls, n: int, image: str = "host", *,
                           endpoint: str | Endpoint | None = None,
-                          **spec: Any) -> builtins.list[AsyncSandbox]:
+                          return_exceptions: bool = False, **spec: Any
+                          ) -> builtins.list[AsyncSandbox] | builtins.list[
+                              AsyncSandbox | CorralError]:
+        """See ``Sandbox.create_many``."""
         ep = Endpoint.parse(endpoint)
-        infos = await _send(ep, api.create_many(n, api.spec(image=image, **spec)))
-        return [cls._bind(ep, i.id, i) for i in infos]
+        infos = await _send(ep, api.create_many(n, api.spec(image=image, **spec),
+                                                partial=return_exceptions))
+        return [i if isinstance(i, CorralError) else cls._bind(ep.placed(i), i.id, i)
+                for i in infos]
 
     @classmethod
     async def exec_many(cls, sandboxes: Iterable[AsyncSandbox | str],
@@ -212,15 +253,12 @@ class AsyncSandbox(SandboxHandle):
                         endpoint: str | Endpoint | None = None,
                         ) -> builtins.list[ExecResult | CorralError]:
         """See ``Sandbox.exec_many``."""
+        def call(ids: builtins.list[str]) -> Call[builtins.list[ExecResult | CorralError]]:
+            return api.exec_many(ids, cmd, timeout=timeout, env=env, cwd=cwd, user=user,
+                                 stdin=stdin, max_output_bytes=max_output_bytes,
+                                 concurrency=concurrency)
         items = [x if isinstance(x, str) else await x._ready_handle() for x in sandboxes]
-        ep, ids = batch_target(items, endpoint)
-        if not ids:
-            return []  # nothing to run: no request (the API takes one id at least)
-        res = await _send(ep, api.exec_many(ids, cmd, timeout=timeout, env=env, cwd=cwd,
-                                            user=user, stdin=stdin,
-                                            max_output_bytes=max_output_bytes,
-                                            concurrency=concurrency))
-        return batch_result(res, return_exceptions)
+        return batch_result(await _fan_out(items, endpoint, call), return_exceptions)
 
     @classmethod
     async def kill_many(cls, sandboxes: Iterable[AsyncSandbox | str], *,
@@ -229,10 +267,7 @@ class AsyncSandbox(SandboxHandle):
                         ) -> builtins.list[bool | CorralError]:
         """See ``Sandbox.kill_many``."""
         items = [x if isinstance(x, str) else await x._ready_handle() for x in sandboxes]
-        ep, ids = batch_target(items, endpoint)
-        if not ids:
-            return []
-        return batch_result(await _send(ep, api.kill_many(ids)), return_exceptions)
+        return batch_result(await _fan_out(items, endpoint, api.kill_many), return_exceptions)
 
     async def _ready_handle(self) -> AsyncSandbox:
         await self._sid_ready()

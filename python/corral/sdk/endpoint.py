@@ -80,5 +80,11 @@ class Endpoint:
             _tokens[ep.url] = _tokens[self.url]
         return ep
 
+    def placed(self, info: object) -> Endpoint:
+        """Where a sandbox just made through this endpoint lives: its node, when a cluster
+        gateway placed it (``info.endpoint``), else here."""
+        url = getattr(info, "endpoint", None)
+        return self.on_node(url, getattr(info, "node", None)) if url else self
+
     def __str__(self) -> str:
         return self.url

@@ -258,16 +258,42 @@ class ProcessBase:
         return f"<{type(self).__name__} {self.pid} in {self.sandbox_id} cmd={self.cmd!r}>"
 
 
-def batch_target(sandboxes: Iterable[SandboxHandle | str],
-                 endpoint: str | Endpoint | None) -> tuple[Endpoint, list[str]]:
-    """(endpoint, ids) of a batch call: handles must all live on one daemon (``endpoint`` if
-    given, else theirs); plain ids go to ``endpoint`` (or the default one)."""
+MAX_FAN_OUT = 32  # nodes a batch call talks to at once
+Group = tuple[Endpoint, list[int], list[str]]  # an endpoint, the items' places, their ids
+
+
+def batch_groups(sandboxes: Iterable[SandboxHandle | str],
+                 endpoint: str | Endpoint | None) -> list[Group]:
+    """A batch call's sandboxes by daemon: all to ``endpoint`` if given, else each handle to
+    its own (on a cluster, its node: the batch goes to each node directly, never through the
+    gateway), plain ids to the handles' daemon if they have one, else the default endpoint."""
     items = list(sandboxes)
     eps = {x.endpoint for x in items if isinstance(x, SandboxHandle)}
-    ep = Endpoint.parse(endpoint) if endpoint is not None or not eps else eps.pop()
-    if eps - {ep}:
-        raise InvalidRequest("a batch call takes sandboxes of one daemon only")
-    return ep, [x if isinstance(x, str) else x.id for x in items]
+    # Plain ids go with the handles when those are all on one daemon (else the default one).
+    default = (Endpoint.parse(endpoint) if endpoint is not None or len(eps) != 1
+               else next(iter(eps)))
+    groups: dict[Endpoint, Group] = {}
+    for i, x in enumerate(items):
+        ep = x.endpoint if isinstance(x, SandboxHandle) and endpoint is None else default
+        g = groups.setdefault(ep, (ep, [], []))
+        g[1].append(i)
+        g[2].append(x if isinstance(x, str) else x.id)
+    return list(groups.values())
+
+
+def merge_groups(n: int, groups: list[Group],
+                 answers: list[list[T] | BaseException]) -> list[T | CorralError]:
+    """The answers of a batch sent to several daemons, back in the order asked; a daemon's
+    failed request (a lost node: ``sandbox_lost``) stands at the place of each of its items."""
+    if len(groups) == 1 and isinstance(answers[0], BaseException):
+        raise answers[0]  # one daemon: its error is the call's, as without a cluster
+    out: list[T | CorralError] = [None] * n  # type: ignore[list-item]
+    for (_, places, _), got in zip(groups, answers, strict=True):
+        if isinstance(got, BaseException) and not isinstance(got, CorralError):
+            raise got
+        for j, i in enumerate(places):
+            out[i] = got if isinstance(got, CorralError) else got[j]
+    return out
 
 
 def batch_result(results: list[T], return_exceptions: bool) -> list[T]:

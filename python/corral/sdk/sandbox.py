@@ -7,7 +7,8 @@ import builtins
 import itertools
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, overload
 
 from corral.errors import CorralError, SandboxNotFound
@@ -26,7 +27,16 @@ from corral.models import (
 from corral.sdk import api, tarball
 from corral.sdk.call import Call, T, lost
 from corral.sdk.endpoint import Endpoint
-from corral.sdk.handle import ProcessBase, Retrier, SandboxHandle, batch_result, batch_target
+from corral.sdk.handle import (
+    MAX_FAN_OUT,
+    Group,
+    ProcessBase,
+    Retrier,
+    SandboxHandle,
+    batch_groups,
+    batch_result,
+    merge_groups,
+)
 from corral.sdk.results import ExecResult, OutputChunk
 from corral.sdk.snapshot import Snapshot, SnapshotBase
 from corral.sdk.sync_transport import transport
@@ -51,6 +61,29 @@ def _send(endpoint: Endpoint, call: Call[T], handle: SandboxHandle | None = None
             if delay is None:
                 raise r.give_up(e) from None
         time.sleep(delay)
+
+
+def _fan_out(sandboxes: Iterable[Sandbox | str], endpoint: str | Endpoint | None,
+             call: Callable[[builtins.list[str]], Call[builtins.list[Any]]]
+             ) -> builtins.list[Any]:
+    """One batch request per daemon the sandboxes live on (on a cluster: per node, at once),
+    the answers in the order asked (corral.sdk.handle.merge_groups)."""
+    items = list(sandboxes)
+    groups = batch_groups(items, endpoint)
+    if not groups:
+        return []  # nothing to do: no request (the API takes one id at least)
+
+    def one(g: Group) -> builtins.list[Any] | BaseException:
+        try:
+            return _send(g[0], call(g[2]))
+        except CorralError as e:
+            return e
+    if len(groups) == 1:
+        answers = [one(groups[0])]
+    else:
+        with ThreadPoolExecutor(min(len(groups), MAX_FAN_OUT)) as pool:
+            answers = list(pool.map(one, groups))
+    return merge_groups(len(items), groups, answers)
 
 
 class Sandbox(SandboxHandle):
@@ -154,14 +187,31 @@ class Sandbox(SandboxHandle):
         infos = api.all_pages(transport(ep).call, lambda after: api.list_(labels, after))
         return [cls._bind(ep, i.id, i) for i in infos]
 
+    @overload
+    @classmethod
+    def create_many(cls, n: int, image: str = ..., *, endpoint: str | Endpoint | None = ...,
+                    return_exceptions: Literal[False] = ..., **spec: Any
+                    ) -> builtins.list[Sandbox]: ...
+
+    @overload
+    @classmethod
+    def create_many(cls, n: int, image: str = ..., *, endpoint: str | Endpoint | None = ...,
+                    return_exceptions: bool, **spec: Any
+                    ) -> builtins.list[Sandbox | CorralError]: ...
+
     @classmethod
     def create_many(cls, n: int, image: str = "host", *,
-                    endpoint: str | Endpoint | None = None,
-                    **spec: Any) -> builtins.list[Sandbox]:
-        """``n`` sandboxes with one spec, in one request (all or nothing)."""
+                    endpoint: str | Endpoint | None = None, return_exceptions: bool = False,
+                    **spec: Any) -> builtins.list[Sandbox] | builtins.list[Sandbox | CorralError]:
+        """``n`` sandboxes with one spec, in one request: all or nothing. Through a cluster
+        gateway they are spread over the nodes; with ``return_exceptions=True`` a node that
+        failed its share (lost mid-batch) leaves its error at those places and the others
+        are kept."""
         ep = Endpoint.parse(endpoint)
-        infos = _send(ep, api.create_many(n, api.spec(image=image, **spec)))
-        return [cls._bind(ep, i.id, i) for i in infos]
+        infos = _send(ep, api.create_many(n, api.spec(image=image, **spec),
+                                          partial=return_exceptions))
+        return [i if isinstance(i, CorralError) else cls._bind(ep.placed(i), i.id, i)
+                for i in infos]
 
     @classmethod
     def exec_many(cls, sandboxes: Iterable[Sandbox | str], cmd: str | builtins.list[str], *,
@@ -176,13 +226,11 @@ class Sandbox(SandboxHandle):
         A sandbox where it could not run (gone, bad user ...) raises its error, or with
         ``return_exceptions=True`` has the error in its place. ``concurrency``: commands the
         daemon runs at once."""
-        ep, ids = batch_target(sandboxes, endpoint)
-        if not ids:
-            return []  # nothing to run: no request (the API takes one id at least)
-        res = _send(ep, api.exec_many(ids, cmd, timeout=timeout, env=env, cwd=cwd, user=user,
-                                      stdin=stdin, max_output_bytes=max_output_bytes,
-                                      concurrency=concurrency))
-        return batch_result(res, return_exceptions)
+        def call(ids: builtins.list[str]) -> Call[builtins.list[ExecResult | CorralError]]:
+            return api.exec_many(ids, cmd, timeout=timeout, env=env, cwd=cwd, user=user,
+                                 stdin=stdin, max_output_bytes=max_output_bytes,
+                                 concurrency=concurrency)
+        return batch_result(_fan_out(sandboxes, endpoint, call), return_exceptions)
 
     @classmethod
     def kill_many(cls, sandboxes: Iterable[Sandbox | str], *, return_exceptions: bool = False,
@@ -190,10 +238,7 @@ class Sandbox(SandboxHandle):
         """Kill every sandbox (handles or ids) in one request; per sandbox True, or False if it
         had already ended. An unknown id raises SandboxNotFound (or, with
         ``return_exceptions=True``, has it in its place)."""
-        ep, ids = batch_target(sandboxes, endpoint)
-        if not ids:
-            return []
-        return batch_result(_send(ep, api.kill_many(ids)), return_exceptions)
+        return batch_result(_fan_out(sandboxes, endpoint, api.kill_many), return_exceptions)
 
     # ---- the sandbox ----------------------------------------------------------------------
     @overload
