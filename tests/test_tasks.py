@@ -177,6 +177,11 @@ def test_oracle_scores_one_nop_zero_and_the_build_runs_once(
     # The environment was built once per task: every trial sees the same build id, and the
     # Dockerfile's ENV, ARG, WORKDIR, COPY (a glob, --chown) took effect; VOLUME and
     # HEALTHCHECK, which only describe a container, were skipped.
+    def steps() -> dict[str, float]:
+        return {i.name: i.created_at for i in admin.images() if i.name.startswith("build-")}
+
+    built = steps()
+    assert built
     probe = agents.command("cat /app/state/build_id; pwd; cat /app/flavour /app/data/x.csv; "
                            "echo $GREETING; stat -c %u /app/owned/seed.txt")
     s2 = asyncio.run(run_tasks(tasks[:1], probe, "command:probe", tmp_path / "probe.jsonl",
@@ -186,6 +191,7 @@ def test_oracle_scores_one_nop_zero_and_the_build_runs_once(
     assert outs.pop().split("\n")[1:] == ["/app", "plain", "a,b", "1,2", "hello there",
                                           "1234", ""]
     assert all(r.status == "ok" and r.reward == 0.0 for r in s2.results)
+    assert steps() == built   # a new run: every step came from the cache, none made again
 
     name, fn = agents.resolve("nop", None, None)
     s3 = asyncio.run(run_tasks(tasks, fn, name, tmp_path / "nop.jsonl"))

@@ -107,13 +107,13 @@ def _sources(srcs: list[str], context: str, n: int, instr: str) -> list[str]:
             raise _fail(n, f"{instr} of a URL is not supported (only local files)")
         path = os.path.join(base, s.lstrip("/"))
         hits = sorted(glob.glob(path)) if glob.has_magic(s) else [path]
-        if not hits or not all(os.path.lexists(h) for h in hits):
-            raise _fail(n, f"{instr} source {s!r} is not in the build context")
-        for h in hits:
+        for h in hits:  # outside first: nothing is said of what exists out there
             real = os.path.realpath(h)
             if real != base and not real.startswith(base + "/"):
                 raise _fail(n, f"{instr} source {s!r} is outside the build context")
-            out.append(h)
+        if not hits or not all(os.path.lexists(h) for h in hits):
+            raise _fail(n, f"{instr} source {s!r} is not in the build context")
+        out.extend(hits)
     return out
 
 
