@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -42,61 +41,11 @@ from typing import Any
 from corral import errors as ce
 from corral.sdk import AsyncSandbox
 from corral.tasks.agents import AGENT_LOGS, Agent, AgentOutcome
-from corral.tasks.taskdir import TaskDir, invalid
+from corral.tasks.environment import Environments
+from corral.tasks.taskdir import TaskDir
 
 VERIFIER_LOGS = "/logs/verifier"
 RUN_LABEL = "corral-tasks-run"
-
-
-@dataclass(frozen=True)
-class Environment:
-    image: str      # the built image (its last step's cached image: immutable by content)
-    workdir: str    # its WorkingDir, where the verifier runs
-
-
-class Environments:
-    """Each task's environment image, built through the image builder once per process
-    (trials of one task wait for one build); the builder's per-step cache makes a rebuild in
-    a later process a few image look-ups."""
-
-    def __init__(self, network: str, endpoint: str | None) -> None:
-        self.network, self.endpoint = network, endpoint
-        self._done: dict[tuple[str, str], Environment | ce.CorralError] = {}
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
-
-    async def ensure(self, task: TaskDir) -> Environment:
-        key = (str(task.path), task.recipe.base)
-        async with self._locks.setdefault(key, asyncio.Lock()):
-            if key not in self._done:
-                try:
-                    self._done[key] = await asyncio.to_thread(self._build, task)
-                except ce.CorralError as e:
-                    if e.infra:
-                        raise  # the platform's: the next trial tries again
-                    self._done[key] = e  # the task's: every trial of it ends the same
-        done = self._done[key]
-        if isinstance(done, ce.CorralError):
-            raise done
-        return done
-
-    def _build(self, task: TaskDir) -> Environment:
-        if task.recipe.base == "host" and not task.recipe.steps:
-            return Environment("host", "/")  # nothing to build (and host is not layers)
-        name = "task-" + re.sub(r"[^a-z0-9_.-]+", "-", task.name.lower())[:50]
-        try:
-            res = task.recipe.build(name, endpoint=self.endpoint, network=self.network,
-                                    step_timeout=task.build_timeout,
-                                    memory_mb=task.memory_mb)
-        except ce.InvalidRequest as e:  # a failing step, a COPY source gone: the task's
-            d = e.details or {}
-            what = (f"{d['step']} exited {d['exit_code']}" if "exit_code" in d
-                    else "build failed")
-            raise invalid(f"task {task.name}: the environment's {what}: "
-                          f"{(d.get('stdout', '') + d.get('stderr', ''))[-600:] or e.message}"
-                          ) from None
-        wd = (res.image.config or {}).get("WorkingDir")
-        return Environment(res.steps[-1].image if res.steps else res.image.name,
-                           wd if isinstance(wd, str) and wd.startswith("/") else "/")
 
 
 @dataclass
