@@ -1,5 +1,6 @@
 """``corral tasks run``: Harbor-style task directories through the session's real corrald.
-Oracle and nop verdicts, a start state built once from a Dockerfile, an agent that tries to
+Oracle and nop verdicts, an environment built once from a Dockerfile (as a corral image,
+each step a cached layer), an agent that tries to
 forge its reward (a planted reward file, a background writer, replaced tests), refusals of
 what needs Docker, and a runner SIGKILLed mid-trial that resumes from the trajectory log
 without running the agent's command twice."""
@@ -7,7 +8,11 @@ without running the agent's command twice."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,15 +23,16 @@ from pathlib import Path
 import pytest
 
 import corral
-from corral.errors import CorralError
-from corral.sdk import Snapshot
+from corral.errors import CorralError, ImageNotFound
+from corral.sdk import admin
 from corral.tasks import agents, load_tasks, run_tasks
 from corral.tasks.runner import RUN_LABEL
 
 from conftest import wait_until
 
-DOCKERFILE = """\
-FROM host
+BASE = "tasks-base"   # a busybox rootfs (a task's environment is built as an image: on layers)
+DOCKERFILE = f"""\
+FROM {BASE}
 # a comment, and a continued RUN
 ARG FLAVOUR=plain
 ENV GREETING="hello there" \\
@@ -34,10 +40,58 @@ ENV GREETING="hello there" \\
 WORKDIR /app
 COPY data/ /app/data/
 COPY seed.txt ./
+COPY --chown=1234:1234 *.txt /app/owned/
+VOLUME /app/state
+HEALTHCHECK CMD true
 RUN mkdir -p /app/state && \\
     cat /proc/sys/kernel/random/uuid > /app/state/build_id && echo $FLAVOUR > /app/flavour
 CMD ["bash"]
 """
+
+BASH = b'#!/bin/sh\nexec /bin/sh "$@"\n'   # test.sh and solve.sh are run with bash
+
+
+def _base_rootfs() -> str:
+    """A rootfs of busybox with every applet, cached by the hash of its recipe."""
+    bb = open("/bin/busybox", "rb").read()
+    applets = subprocess.run(["/bin/busybox", "--list"], capture_output=True, text=True,
+                             check=True).stdout.split()
+    h = hashlib.sha256(bb + BASH + " ".join(applets).encode()).hexdigest()[:16]
+    root = f"/var/cache/corral-test/tasks-base-{h}"
+    if os.path.isdir(root):
+        return root
+    tmp = f"{root}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for d in ("bin", "etc", "tmp", "root", "home/app"):
+        os.makedirs(f"{tmp}/{d}")
+    os.chmod(f"{tmp}/tmp", 0o1777)
+    with open(f"{tmp}/bin/busybox", "wb") as fh:
+        fh.write(bb)
+    with open(f"{tmp}/bin/bash", "wb") as fh:
+        fh.write(BASH)
+    for f in ("busybox", "bash"):
+        os.chmod(f"{tmp}/bin/{f}", 0o755)
+    for a in applets:
+        if not os.path.lexists(f"{tmp}/bin/{a}"):
+            os.symlink("busybox", f"{tmp}/bin/{a}")
+    with open(f"{tmp}/etc/passwd", "w") as fh:
+        fh.write("root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000:app:/home/app:/bin/sh\n")
+    with open(f"{tmp}/etc/group", "w") as fh:
+        fh.write("root:x:0:\napp:x:1000:\n")
+    os.rename(tmp, root)
+    return root
+
+
+@pytest.fixture(scope="module", autouse=True)
+def base_image():  # type: ignore[no-untyped-def]
+    if not os.path.exists("/bin/busybox"):
+        pytest.skip("needs busybox-static (scripts/setup.sh)")
+    with contextlib.suppress(ImageNotFound):
+        admin.remove_image(BASE)
+    admin.import_image(BASE, _base_rootfs())
+    yield
+    admin.remove_image(BASE)
+
 
 TEST_SH = """\
 #!/bin/bash
@@ -87,12 +141,12 @@ def records(path: Path) -> list[dict]:
 
 
 @pytest.fixture
-def cleanup_snapshots():  # type: ignore[no-untyped-def]
-    before = {s.name for s in Snapshot.list()}
+def cleanup_images():  # type: ignore[no-untyped-def]
+    before = {i.name for i in admin.images()}
     yield
-    for s in Snapshot.list():
-        if s.name not in before and (s.name or "").startswith("task-"):
-            s.delete()
+    for i in admin.images():
+        if i.name not in before and i.name.startswith(("task-", "build-")):
+            admin.remove_image(i.name)
 
 
 def live(run_id: str) -> list[corral.Sandbox]:
@@ -100,7 +154,7 @@ def live(run_id: str) -> list[corral.Sandbox]:
 
 
 def test_oracle_scores_one_nop_zero_and_the_build_runs_once(
-        tmp_path: Path, no_leaks: None, cleanup_snapshots: None) -> None:
+        tmp_path: Path, no_leaks: None, cleanup_images: None) -> None:
     make_task(tmp_path, "greet")
     json_test = TEST_SH.replace("echo 1 > /logs/verifier/reward.txt",
                                 'echo \'{"reward": 1, "style": 0.5, "note": "x"}\' '
@@ -120,16 +174,24 @@ def test_oracle_scores_one_nop_zero_and_the_build_runs_once(
         (t, a) for t in ("greet", "greet-json") for a in range(3))
     assert not live(s.run_id)
 
-    # The start state was built once per task: every trial sees the same build id, and the
-    # Dockerfile's ENV, ARG, WORKDIR and COPY took effect.
+    # The environment was built once per task: every trial sees the same build id, and the
+    # Dockerfile's ENV, ARG, WORKDIR, COPY (a glob, --chown) took effect; VOLUME and
+    # HEALTHCHECK, which only describe a container, were skipped.
+    def steps() -> dict[str, float]:
+        return {i.name: i.created_at for i in admin.images() if i.name.startswith("build-")}
+
+    built = steps()
+    assert built
     probe = agents.command("cat /app/state/build_id; pwd; cat /app/flavour /app/data/x.csv; "
-                           "echo $GREETING")
+                           "echo $GREETING; stat -c %u /app/owned/seed.txt")
     s2 = asyncio.run(run_tasks(tasks[:1], probe, "command:probe", tmp_path / "probe.jsonl",
                                attempts=4, concurrency=4))
     outs = {r.agent_output_tail for r in s2.results}
     assert len(outs) == 1, outs
-    assert outs.pop().split("\n")[1:] == ["/app", "plain", "a,b", "1,2", "hello there", ""]
+    assert outs.pop().split("\n")[1:] == ["/app", "plain", "a,b", "1,2", "hello there",
+                                          "1234", ""]
     assert all(r.status == "ok" and r.reward == 0.0 for r in s2.results)
+    assert steps() == built   # a new run: every step came from the cache, none made again
 
     name, fn = agents.resolve("nop", None, None)
     s3 = asyncio.run(run_tasks(tasks, fn, name, tmp_path / "nop.jsonl"))
@@ -137,7 +199,7 @@ def test_oracle_scores_one_nop_zero_and_the_build_runs_once(
 
 
 def test_an_agent_cannot_forge_its_reward(tmp_path: Path, no_leaks: None,
-                                          cleanup_snapshots: None) -> None:
+                                          cleanup_images: None) -> None:
     # A verifier that writes a reward only on success: whatever reward file exists is forged.
     quiet = TEST_SH.replace("else echo 0 > /logs/verifier/reward.txt; fi", "fi")
     make_task(tmp_path, "forge", test_sh=quiet)
@@ -165,6 +227,13 @@ def test_dockerfile_and_task_refusals(tmp_path: Path) -> None:
         "url": "FROM host\nADD http://example.com/x /x\n",
         "no-from": "RUN true\n",
         "onbuild": "FROM host\nONBUILD RUN true\n",
+        "shell": "FROM host\nSHELL [\"/bin/bash\", \"-c\"]\n",
+        "run-mount": "FROM host\nRUN --mount=type=cache,target=/c true\n",
+        "chmod": "FROM host\nCOPY --chmod=755 seed.txt /x\n",
+        "missing": "FROM host\nCOPY nothing-here.txt /x\n",
+        "glob-none": "FROM host\nCOPY *.nope /x/\n",
+        # refused before anything runs: the RUN before the refusal never does
+        "late": "FROM host\nRUN touch /ran\nADD https://example.com/x /x\n",
     }
     for name, df in bad.items():
         d = make_task(tmp_path / name, "t", dockerfile=df)
@@ -179,20 +248,23 @@ def test_dockerfile_and_task_refusals(tmp_path: Path) -> None:
     assert r.returncode == 1 and "unknown agent" in r.stderr
 
 
-def test_a_failing_build_is_an_error_not_a_reward(tmp_path: Path, no_leaks: None) -> None:
-    make_task(tmp_path, "broken", dockerfile="FROM host\nRUN echo nope >&2; exit 3\n")
+def test_a_failing_build_is_an_error_not_a_reward(tmp_path: Path, no_leaks: None,
+                                                   cleanup_images: None) -> None:
+    before = {i.name for i in admin.images()}
+    make_task(tmp_path, "broken", dockerfile=f"FROM {BASE}\nRUN echo nope >&2; exit 3\n")
     name, fn = agents.resolve("oracle", None, None)
-    s = asyncio.run(run_tasks(load_tasks(tmp_path), fn, name, tmp_path / "r.jsonl"))
-    [r] = s.results
-    assert (r.status, r.reward, r.error_code, r.infra_error) == (
-        "error", None, "invalid_task", False)
-    assert "exited 3" in (r.error or "") and "nope" in (r.error or "")
-    assert not corral.Sandbox.list(labels={"corral-tasks-build": load_tasks(tmp_path)[0]
-                                           .snapshot_name()})
+    s = asyncio.run(run_tasks(load_tasks(tmp_path), fn, name, tmp_path / "r.jsonl",
+                              attempts=2))
+    assert [(r.status, r.reward, r.error_code, r.infra_error) for r in s.results] == [
+        ("error", None, "invalid_task", False)] * 2
+    assert all("exited 3" in (r.error or "") and "nope" in (r.error or "")
+               for r in s.results)
+    # the failed step left no layer and no image
+    assert {i.name for i in admin.images()} == before
 
 
 def test_killed_runner_resumes_from_the_trajectory_log(tmp_path: Path, no_leaks: None,
-                                                       cleanup_snapshots: None) -> None:
+                                                       cleanup_images: None) -> None:
     """SIGKILL the runner while the agent's command runs; the rerun continues the trial: the
     command is not run again (its keyed retry returns the in-flight call's result). Then a
     trial whose sandbox is killed from outside while the runner is down is an infra failure,
@@ -303,7 +375,7 @@ async def broken(sandbox, task):
 
 
 def test_python_policy_its_bugs_and_the_agent_timeout(tmp_path: Path, no_leaks: None,
-                                                      cleanup_snapshots: None,
+                                                      cleanup_images: None,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     d = make_task(tmp_path / "tasks", "greet")
     (tmp_path / "corral_test_policy.py").write_text(POLICY)

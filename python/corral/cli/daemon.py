@@ -284,7 +284,7 @@ def image_build(
 ) -> None:
     """Build an image from a Dockerfile: each RUN / COPY step runs in a sandbox and becomes
     a cached layer (FROM, RUN, COPY, ADD of local files, ENV, ARG, WORKDIR, USER, LABEL,
-    CMD, ENTRYPOINT, EXPOSE, STOPSIGNAL)."""
+    MAINTAINER, CMD, ENTRYPOINT, EXPOSE, STOPSIGNAL)."""
     from corral.sdk import dockerfile
 
     path = file or os.path.join(context, "Dockerfile")

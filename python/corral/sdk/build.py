@@ -31,6 +31,7 @@ from corral.errors import BuildFailed, ImageNotFound, InvalidRequest
 from corral.models import ImageInfo
 from corral.sdk import api
 from corral.sdk.endpoint import Endpoint
+from corral.sdk.results import ExecResult
 from corral.sdk.sync_transport import transport
 
 # Bump when what a step does for the same inputs changes: older cache entries stop matching.
@@ -48,7 +49,8 @@ class Step:
             return "RUN " + " && ".join(self.args["cmds"]) if isinstance(
                 self.args["cmds"][0], str) else "RUN " + json.dumps(self.args["cmds"])
         if self.kind == "copy":
-            return f"COPY {' '.join(self.args['srcs'])} {self.args['dest']}"
+            chown = f"--chown={self.args['chown']} " if self.args.get("chown") else ""
+            return f"COPY {chown}{' '.join(self.args['srcs'])} {self.args['dest']}"
         if self.kind == "workdir":
             return f"WORKDIR {self.args['path']}"
         return "CONFIG " + json.dumps(self.args["changes"], sort_keys=True)
@@ -215,6 +217,13 @@ def copy_tar(srcs: Sequence[str], dest: str, context: str | None) -> tuple[str, 
     return target or "/", buf.getvalue()
 
 
+def _failed(step: Step, r: ExecResult) -> BuildFailed:
+    return BuildFailed(f"step {step.describe()!r} failed (exit {r.exit_code}): "
+                       f"{(r.stderr or r.stdout)[-2000:]}",
+                       details={"step": step.describe(), "exit_code": r.exit_code,
+                                "stdout": r.stdout[-4000:], "stderr": r.stderr[-4000:]})
+
+
 class _Builder:
     def __init__(self, image: Image, ep: Endpoint, network: str, step_timeout: float,
                  memory_mb: int, out: Callable[[str], None]) -> None:
@@ -253,8 +262,10 @@ class _Builder:
                 if not dest.startswith("/"):
                     dest = posixpath.join(cfg.get("WorkingDir") or "/", dest)
                 target, blob = copy_tar(step.args["srcs"], dest, step.args.get("context"))
-            key = _sha(key, step.kind, step.args if step.kind != "copy" else target,
-                       hashlib.sha256(blob).hexdigest())
+            what: Any = step.args
+            if step.kind == "copy":
+                what = [target, step.args["chown"]] if step.args.get("chown") else target
+            key = _sha(key, step.kind, what, hashlib.sha256(blob).hexdigest())
             cache = CACHE_PREFIX + key[:48]
             info = self._info(cache)
             cached = info is not None
@@ -285,14 +296,19 @@ class _Builder:
                     if r.stdout:
                         self.out(r.stdout.rstrip("\n"))
                     if r.exit_code != 0:
-                        raise BuildFailed(
-                            f"step {step.describe()!r} failed (exit {r.exit_code}): "
-                            f"{(r.stderr or r.stdout)[-2000:]}",
-                            details={"step": step.describe(), "exit_code": r.exit_code,
-                                     "stdout": r.stdout[-4000:], "stderr": r.stderr[-4000:]})
+                        raise _failed(step, r)
             elif step.kind == "copy":
                 sb.exec(["mkdir", "-p", target], user=0, timeout=60).check()
                 sb._call(api.put_tar(sb.id, target, blob))
+                if step.args.get("chown"):  # the copied entries only, as Docker's --chown
+                    with tarfile.open(fileobj=io.BytesIO(blob)) as tf:
+                        top = sorted({m.split("/", 1)[0] for m in tf.getnames()})
+                    if top:
+                        c = sb.exec(["chown", "-R", step.args["chown"], "--",
+                                     *(posixpath.join(target, m) for m in top)],
+                                    user=0, timeout=self.timeout)
+                        if c.exit_code != 0:
+                            raise _failed(step, c)
             elif step.kind == "workdir":
                 path = step.args["path"]
                 if not path.startswith("/"):

@@ -1,10 +1,10 @@
 """Harbor / Terminal-Bench style task directories run in corral sandboxes.
 
 taskdir.py     read a task directory (task.toml, instruction.md, environment/, tests/,
-               solution/)
-dockerfile.py  the Dockerfile subset a task's environment is built from
-build.py       the start state: built once per recipe, kept as a snapshot
+               solution/); environment/Dockerfile is read by corral.sdk.dockerfile
 agents.py      oracle, nop, an in-sandbox command, a Python policy
+environment.py the environment built as a corral image (corral.sdk.build, each step a
+               cached layer)
 runner.py      trials run concurrently, results JSONL, resume from the trajectory log
 """
 

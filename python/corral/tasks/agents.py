@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from corral.sdk import AsyncSandbox
-from corral.tasks.dockerfile import invalid
-from corral.tasks.taskdir import TaskDir
+from corral.tasks.taskdir import TaskDir, invalid
 
 AGENT_LOGS = "/logs/agent"
 

@@ -1,7 +1,8 @@
 """``run_tasks``: every (task, attempt) a trial, run ``concurrency`` at a time, one JSONL
 record each.
 
-A trial: a sandbox from the task's start snapshot (build.py), ``/logs/agent`` and
+A trial: a sandbox on the task's environment image (its recipe built by corral's image
+builder, each step a cached layer, so a task builds once), ``/logs/agent`` and
 ``/logs/verifier`` made, the agent (agents.py), then the verifier: every process the agent
 left killed, ``/logs/verifier`` and ``/tests`` emptied (nothing the agent left there
 counts), ``tests/`` copied to ``/tests``, ``bash /tests/test.sh`` run as root (or
@@ -14,7 +15,7 @@ Status of a trial:
 - ``infra``: the platform failed (a corral ``infra`` error, the sandbox killed from outside,
   a resumed trial whose sandbox is gone or whose calls differ): reward None, mask it;
 - ``error``: anything else that stopped the trial before a verdict (a task whose build
-  fails): reward None.
+  fails: ``invalid_task``): reward None.
 
 Results file: the first line describes the run (``"kind": "run"``: its id, agent, tasks,
 attempts), then one ``"kind": "trial"`` line per finished trial, flushed and fsynced as it
@@ -40,7 +41,7 @@ from typing import Any
 from corral import errors as ce
 from corral.sdk import AsyncSandbox
 from corral.tasks.agents import AGENT_LOGS, Agent, AgentOutcome
-from corral.tasks.build import Builder, sandbox_spec
+from corral.tasks.environment import Environments
 from corral.tasks.taskdir import TaskDir
 
 VERIFIER_LOGS = "/logs/verifier"
@@ -175,12 +176,12 @@ async def run_tasks(tasks: Sequence[TaskDir], agent: Agent, agent_name: str,
             tid = f"{run_id}/{t.name}/{a}" + (f"/retry{n}" if n else "")
             todo.append((t, a, tid))
 
-    builder = Builder(network=network, endpoint=endpoint)
+    envs = Environments(network, endpoint)
     sem = asyncio.Semaphore(max(1, concurrency))
 
     async def one(task: TaskDir, attempt: int, tid: str) -> None:
         async with sem:
-            res = await _trial(task, attempt, tid, agent, builder, run_id, network, endpoint)
+            res = await _trial(task, attempt, tid, agent, envs, run_id, network, endpoint)
         latest[(task.name, attempt)] = res
         writer.write(res.record())
         if on_trial is not None:
@@ -198,27 +199,29 @@ async def run_tasks(tasks: Sequence[TaskDir], agent: Agent, agent_name: str,
                       wall_s=time.perf_counter() - t0)
 
 
-async def _trial(task: TaskDir, attempt: int, tid: str, agent: Agent, builder: Builder,
+async def _trial(task: TaskDir, attempt: int, tid: str, agent: Agent, envs: Environments,
                  run_id: str, network: str, endpoint: str | None) -> TrialResult:
     res = TrialResult(task=task.name, attempt=attempt, trajectory_id=tid)
     t0 = time.perf_counter()
     sb: AsyncSandbox | None = None
     try:
-        snap = await builder.ensure(task)
+        env = await envs.ensure(task)
         try:  # a trial that was in flight: its calls replay from the log
             sb = await AsyncSandbox.from_trajectory(tid, step=0, endpoint=endpoint)
             res.resumed = True
         except ce.NotFound:
-            spec = sandbox_spec(task, network)
-            spec.update(timeout=task.agent_timeout + task.verifier_timeout + 900,
-                        labels={RUN_LABEL: run_id})
-            sb = AsyncSandbox(snapshot=snap, trajectory_id=tid, endpoint=endpoint, **spec)
+            # the image's Env, WorkingDir and User apply to the trial's sandbox
+            sb = AsyncSandbox(env.image, cpu=task.cpus, memory_mb=task.memory_mb,
+                              disk_mb=task.storage_mb, network=network,
+                              timeout=task.agent_timeout + task.verifier_timeout + 900,
+                              labels={RUN_LABEL: run_id}, trajectory_id=tid,
+                              endpoint=endpoint)
         await sb
         res.sandbox_id = sb.id
         await _root(sb, f"mkdir -p {AGENT_LOGS} {VERIFIER_LOGS} && chmod 0777 /logs "
                         f"{AGENT_LOGS} {VERIFIER_LOGS}")
         await _agent_phase(sb, task, agent, res)
-        await _verify(sb, task, res)
+        await _verify(sb, task, env.workdir, res)
         await sb.kill()
     except ce.CorralError as e:
         outside = e.infra or isinstance(e, ce.SandboxNotRunning | ce.ReplayDivergence)
@@ -262,7 +265,7 @@ async def _agent_phase(sb: AsyncSandbox, task: TaskDir, agent: Agent,
         res.agent_output_tail = out.output_tail
 
 
-async def _verify(sb: AsyncSandbox, task: TaskDir, res: TrialResult) -> None:
+async def _verify(sb: AsyncSandbox, task: TaskDir, workdir: str, res: TrialResult) -> None:
     user = task.verifier_user or "root"
     # Every process the agent left is killed first (kill(-1) as root signals all but this
     # shell and init; a fork racing it is refused by the kernel), so nothing of the agent's
@@ -272,7 +275,7 @@ async def _verify(sb: AsyncSandbox, task: TaskDir, res: TrialResult) -> None:
                     f"chmod 0777 {VERIFIER_LOGS}")
     await sb.files.upload(task.tests_dir, "/tests")
     r = await sb.exec(["bash", "/tests/test.sh"], timeout=task.verifier_timeout,
-                      env=task.verifier_env or None, user=user, cwd=task.build.workdir)
+                      env=task.verifier_env or None, user=user, cwd=workdir)
     res.verifier_exit_code = r.exit_code
     res.verifier_timed_out = r.timed_out
     res.verifier_output_tail = (r.stdout + r.stderr)[-2000:]

@@ -4,8 +4,9 @@
                      [environment] docker_image, cpus, memory_mb (or memory = "2G"),
                      storage_mb (or storage), build_timeout_sec
     instruction.md   what the agent is told
-    environment/     Dockerfile (dockerfile.py) and its build context; or none, with
-                     [environment] docker_image naming the image
+    environment/     Dockerfile (read by corral.sdk.dockerfile, built as a corral image) and
+                     its build context; or none, with [environment] docker_image naming the
+                     image
     tests/test.sh    the verifier: copied to /tests, run after the agent, it writes the reward
                      to /logs/verifier/reward.txt (a number) or reward.json (name -> number)
     solution/solve.sh  the reference solution the oracle agent runs (copied to /solution)
@@ -15,20 +16,24 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from corral.tasks.dockerfile import Build, Copy, Run, invalid, parse
+from corral.errors import BuildFailed, InvalidRequest
+from corral.sdk.build import Image
+from corral.sdk.dockerfile import RUNTIME_ONLY, parse
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # the same parser, before it joined the standard library
     import tomli as tomllib
+
+def invalid(msg: str) -> InvalidRequest:
+    return InvalidRequest(msg, code="invalid_task")
+
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 
@@ -49,7 +54,7 @@ class TaskDir:
     name: str
     path: Path
     instruction: str
-    build: Build
+    recipe: Image          # the environment: a corral image recipe, built cached per step
     agent_timeout: float = 600.0
     verifier_timeout: float = 600.0
     build_timeout: float = 600.0
@@ -69,29 +74,7 @@ class TaskDir:
 
     def with_image(self, image: str) -> TaskDir:
         """The same task on another base image (``corral tasks run --image``)."""
-        b = Build(base=image, steps=self.build.steps, env=self.build.env,
-                  workdir=self.build.workdir, user=self.build.user)
-        return TaskDir(**{**self.__dict__, "build": b})
-
-    def snapshot_name(self) -> str:
-        """The start state's snapshot: named after the build's recipe (the base image, every
-        step, every copied file's bytes), so a changed task builds anew."""
-        h = hashlib.sha256(json.dumps({"base": self.build.base}).encode())
-        for s in self.build.steps:
-            if isinstance(s, Run):
-                h.update(json.dumps(["run", s.cmd, s.env, s.cwd, s.user]).encode())
-            else:
-                h.update(json.dumps(["copy", s.dest, s.dest_is_dir, s.chown]).encode())
-                for src in s.sources:
-                    _hash_tree(h, src)
-        return "task-" + h.hexdigest()[:24]
-
-
-def _hash_tree(h: Any, p: Path) -> None:
-    for f in sorted([p] if p.is_file() else p.rglob("*")):
-        h.update(json.dumps([str(f.relative_to(p.parent)), f.stat().st_mode]).encode())
-        if f.is_file():
-            h.update(f.read_bytes())
+        return TaskDir(**{**self.__dict__, "recipe": Image(image, self.recipe.steps)})
 
 
 def load_task(path: Path) -> TaskDir:
@@ -113,15 +96,19 @@ def load_task(path: Path) -> TaskDir:
     env = conf.get("environment", {})
     dockerfile = path / "environment" / "Dockerfile"
     if dockerfile.is_file():
-        build = parse(dockerfile.read_text(), path / "environment")
+        try:  # what needs Docker itself is refused here, before anything is built
+            recipe = parse(dockerfile.read_text(), str(path / "environment"),
+                           ignore=RUNTIME_ONLY)
+        except BuildFailed as e:
+            raise invalid(f"{dockerfile}: {e.message}") from None
     elif env.get("docker_image"):
-        build = Build(base=str(env["docker_image"]))
+        recipe = Image(str(env["docker_image"]))
     else:
         raise invalid(f"{path}: neither environment/Dockerfile nor [environment] docker_image")
     name = conf.get("task", {}).get("name") or path.name
     try:
         return TaskDir(
-            name=str(name), path=path, instruction=instruction, build=build,
+            name=str(name), path=path, instruction=instruction, recipe=recipe,
             agent_timeout=float(agent.get("timeout_sec", 600.0)),
             verifier_timeout=float(verifier.get("timeout_sec", 600.0)),
             build_timeout=float(env.get("build_timeout_sec", 600.0)),
@@ -152,4 +139,4 @@ def load_tasks(path: str | Path) -> list[TaskDir]:
     return tasks
 
 
-__all__ = ["Copy", "Run", "TaskDir", "load_task", "load_tasks"]
+__all__ = ["TaskDir", "invalid", "load_task", "load_tasks"]
