@@ -165,6 +165,7 @@ def test_capture_control_counts_bytes_and_cancels(tmp_path):
 def test_snapshot_fork_restore_stream_progress_then_the_answer(no_leaks, box):
     sid = box["id"]
     with client() as c:
+        before = snapshots(c)  # other tests' (the session daemon is shared)
         run(c, sid, "echo hi > /f && head -c 3000000 /dev/zero > /g")
         status, prog, snap = split(stream(c, f"/v1/sandboxes/{sid}/snapshot", {"name": None}))
         assert status == 201 and snap["id"].startswith("snap-") and snap["size"] >= 3000000
@@ -199,7 +200,7 @@ def test_snapshot_fork_restore_stream_progress_then_the_answer(no_leaks, box):
         for q in ("stream=json", "stream=ndjson&stream=ndjson"):
             r = c.post(f"/v1/sandboxes/{sid}/snapshot?{q}", json={})
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
-        assert snapshots(c) == set()
+        assert snapshots(c) <= before  # none of this test's is left
 
 
 def test_sdk_snapshot_fork_restore_stream_and_keep_their_types(no_leaks):

@@ -47,7 +47,7 @@ def test_sandbox_info_from_a_newer_daemon(sandbox):
     got["gpu"] = None
     info = api._info(json.dumps(got).encode())
     assert info.id == sandbox.id and not hasattr(info, "placement")
-    listed = api._infos(json.dumps({"sandboxes": [got]}).encode())
+    listed = api._infos_or_errors(json.dumps({"sandboxes": [got]}).encode())
     assert listed[0].id == sandbox.id
 
 

@@ -166,7 +166,8 @@ def test_oracle_scores_one_nop_zero_and_the_build_runs_once(
     out = tmp_path / "oracle.jsonl"
     s = asyncio.run(run_tasks(tasks, fn, name, out, attempts=3, concurrency=6))
     assert [(r.task, r.status, r.reward) for r in s.results] == (
-        [("greet", "ok", 1.0)] * 3 + [("greet-json", "ok", 1.0)] * 3)
+        [("greet", "ok", 1.0)] * 3 + [("greet-json", "ok", 1.0)] * 3), [
+        (r.task, r.error_code, r.error, r.agent_error) for r in s.results if r.status != "ok"]
     assert s.results[3].rewards == {"reward": 1.0, "style": 0.5}   # numbers only, as Harbor
     recs = records(out)
     assert recs[0]["kind"] == "run" and recs[0]["agent"] == "oracle"

@@ -256,9 +256,11 @@ class LayerStore:
                 with self._lock:
                     self._building.pop(hexd, None)
             os.makedirs(os.path.dirname(known), mode=0o700, exist_ok=True)
-            with open(known + ".tmp", "w") as f:
+            # A name of its own: the same directory may be imported by several creates at once.
+            fd, part = tempfile.mkstemp(prefix=fp[:16] + "-", dir=os.path.dirname(known))
+            with os.fdopen(fd, "w") as f:
                 f.write(hexd)
-            os.rename(known + ".tmp", known)
+            os.rename(part, known)
             return hexd
         finally:
             if os.path.lexists(tmp):
