@@ -238,7 +238,8 @@ def runcode_table(sec: dict[str, Any]) -> Table:
     for name, m in sec["median"].items():
         ph = m.get("call_ms") or m.get("batch_ms") or {}
         code = "import numpy" if "numpy" in name else "print(1)"
-        t.add_row(name, code, _f(m.get("in_flight") or m.get("batch")), _f(m.get("ops_per_s")),
+        flight = m.get("in_flight") or m.get("batch")
+        t.add_row(name, code, _f(int(flight) if flight else None), _f(m.get("ops_per_s")),
                   _f(ph.get("p50"), 3), _f(ph.get("p99"), 3))
     for k, v in (sec.get("targets") or {}).items():
         op = ">=" if k == "calls_per_s" else "<="
