@@ -126,44 +126,20 @@ pub struct SetElems {
 /// element already gone is not an error.
 pub fn destroy_elements(table: &str, sets: &[SetElems]) -> Result<(), NftSetError> {
     let table = cstr(table)?;
-    let mut buf = Buf {
-        b: Vec::new(),
-        nests: Vec::new(),
-    };
-    let req = libc::NLM_F_REQUEST as u16;
-    let at = buf.msg(NFNL_MSG_BATCH_BEGIN, req, 1, 0, NFNL_SUBSYS_NFTABLES);
-    buf.close_msg(at);
-    let mut seq = 2u32;
-    let mut acks = Vec::new();
-    for s in sets.iter().filter(|s| !s.elems.is_empty()) {
-        let ty = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DESTROYSETELEM;
-        let at = buf.msg(ty, req | libc::NLM_F_ACK as u16, seq, NFPROTO_INET, 0);
-        buf.attr(NFTA_SET_ELEM_LIST_TABLE, &table);
-        buf.attr(NFTA_SET_ELEM_LIST_SET, &cstr(&s.set)?);
-        buf.begin(NFTA_SET_ELEM_LIST_ELEMENTS);
+    let ty = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DESTROYSETELEM;
+    let sets = sets.iter().filter(|s| !s.elems.is_empty());
+    elem_batch(sets, |buf, seq, s| {
+        let flags = libc::NLM_F_REQUEST as u16 | libc::NLM_F_ACK as u16;
+        let at = elem_list(buf, ty, flags, seq, &table, &s.set)?;
         for (key, end) in &s.elems {
             buf.begin(NFTA_LIST_ELEM);
-            buf.begin(NFTA_SET_ELEM_KEY);
-            buf.attr(NFTA_DATA_VALUE, key);
-            buf.end();
-            if let Some(end) = end {
-                buf.begin(NFTA_SET_ELEM_KEY_END);
-                buf.attr(NFTA_DATA_VALUE, end);
-                buf.end();
-            }
+            elem_keys(buf, key, end.as_deref());
             buf.end();
         }
         buf.end();
         buf.close_msg(at);
-        acks.push(seq);
-        seq += 1;
-    }
-    if acks.is_empty() {
-        return Ok(());
-    }
-    let at = buf.msg(NFNL_MSG_BATCH_END, req, seq, 0, NFNL_SUBSYS_NFTABLES);
-    buf.close_msg(at);
-    send_batch(&buf.b, &acks)
+        Ok(())
+    })
 }
 
 /// One element to add: its key (and end key in an interval set), a timeout, and in a verdict
@@ -180,32 +156,14 @@ pub struct NewElem {
 /// An element already there stays as it is.
 pub fn add_elements(table: &str, sets: &[(String, Vec<NewElem>)]) -> Result<(), NftSetError> {
     let table = cstr(table)?;
-    let mut buf = Buf {
-        b: Vec::new(),
-        nests: Vec::new(),
-    };
-    let req = libc::NLM_F_REQUEST as u16;
-    let at = buf.msg(NFNL_MSG_BATCH_BEGIN, req, 1, 0, NFNL_SUBSYS_NFTABLES);
-    buf.close_msg(at);
-    let mut seq = 2u32;
-    let mut acks = Vec::new();
-    for (set, elems) in sets.iter().filter(|(_, e)| !e.is_empty()) {
-        let ty = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSETELEM;
-        let flags = req | libc::NLM_F_ACK as u16 | libc::NLM_F_CREATE as u16;
-        let at = buf.msg(ty, flags, seq, NFPROTO_INET, 0);
-        buf.attr(NFTA_SET_ELEM_LIST_TABLE, &table);
-        buf.attr(NFTA_SET_ELEM_LIST_SET, &cstr(set)?);
-        buf.begin(NFTA_SET_ELEM_LIST_ELEMENTS);
+    let ty = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSETELEM;
+    let sets = sets.iter().filter(|(_, e)| !e.is_empty());
+    elem_batch(sets, |buf, seq, (set, elems)| {
+        let flags = libc::NLM_F_REQUEST as u16 | libc::NLM_F_ACK as u16 | libc::NLM_F_CREATE as u16;
+        let at = elem_list(buf, ty, flags, seq, &table, set)?;
         for e in elems {
             buf.begin(NFTA_LIST_ELEM);
-            buf.begin(NFTA_SET_ELEM_KEY);
-            buf.attr(NFTA_DATA_VALUE, &e.key);
-            buf.end();
-            if let Some(end) = &e.end {
-                buf.begin(NFTA_SET_ELEM_KEY_END);
-                buf.attr(NFTA_DATA_VALUE, end);
-                buf.end();
-            }
+            elem_keys(buf, &e.key, e.end.as_deref());
             if let Some(ms) = e.timeout_ms {
                 buf.attr(NFTA_SET_ELEM_TIMEOUT, &ms.to_be_bytes());
             }
@@ -221,6 +179,28 @@ pub fn add_elements(table: &str, sets: &[(String, Vec<NewElem>)]) -> Result<(), 
         }
         buf.end();
         buf.close_msg(at);
+        Ok(())
+    })
+}
+
+/// One nf_tables batch (one transaction): `write` adds one element-list message per item
+/// (its sequence number given); sent, and every message's ack read. Nothing is sent for no
+/// items.
+fn elem_batch<T>(
+    items: impl Iterator<Item = T>,
+    mut write: impl FnMut(&mut Buf, u32, T) -> Result<(), NftSetError>,
+) -> Result<(), NftSetError> {
+    let mut buf = Buf {
+        b: Vec::new(),
+        nests: Vec::new(),
+    };
+    let req = libc::NLM_F_REQUEST as u16;
+    let at = buf.msg(NFNL_MSG_BATCH_BEGIN, req, 1, 0, NFNL_SUBSYS_NFTABLES);
+    buf.close_msg(at);
+    let mut seq = 2u32;
+    let mut acks = Vec::new();
+    for item in items {
+        write(&mut buf, seq, item)?;
         acks.push(seq);
         seq += 1;
     }
@@ -230,6 +210,35 @@ pub fn add_elements(table: &str, sets: &[(String, Vec<NewElem>)]) -> Result<(), 
     let at = buf.msg(NFNL_MSG_BATCH_END, req, seq, 0, NFNL_SUBSYS_NFTABLES);
     buf.close_msg(at);
     send_batch(&buf.b, &acks)
+}
+
+/// The head of an element-list message for `set` of `table`, its elements' nest opened: the
+/// caller adds the elements, ends the nest and closes the message (at the offset returned).
+fn elem_list(
+    buf: &mut Buf,
+    ty: u16,
+    flags: u16,
+    seq: u32,
+    table: &[u8],
+    set: &str,
+) -> Result<usize, NftSetError> {
+    let at = buf.msg(ty, flags, seq, NFPROTO_INET, 0);
+    buf.attr(NFTA_SET_ELEM_LIST_TABLE, table);
+    buf.attr(NFTA_SET_ELEM_LIST_SET, &cstr(set)?);
+    buf.begin(NFTA_SET_ELEM_LIST_ELEMENTS);
+    Ok(at)
+}
+
+/// An element's key, and its end key in an interval set.
+fn elem_keys(buf: &mut Buf, key: &[u8], end: Option<&[u8]>) {
+    buf.begin(NFTA_SET_ELEM_KEY);
+    buf.attr(NFTA_DATA_VALUE, key);
+    buf.end();
+    if let Some(end) = end {
+        buf.begin(NFTA_SET_ELEM_KEY_END);
+        buf.attr(NFTA_DATA_VALUE, end);
+        buf.end();
+    }
 }
 
 /// The counter (packets, bytes) of one element of a set with a `counter` statement, straight
