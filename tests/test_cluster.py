@@ -322,7 +322,7 @@ def _image_dir() -> str:
 
 def test_placement_prefers_the_node_that_has_the_image(cluster, gateway):
     """Two nodes, one of which has the image: every create of it goes there while that node
-    is not much fuller; a create of another image spreads as before."""
+    is not much fuller; a create of another image goes by load alone."""
     node = next(n for n in cluster["nodes"] if n != cluster["head"])
     name = f"local-{os.getpid()}"
     src = _image_dir()
