@@ -341,6 +341,20 @@ def host_mounts_under(path: str) -> list[str]:
         return [ln.split()[4] for ln in f if ln.split()[4].startswith(path)]
 
 
+def unmount_under(path: str) -> list[str]:
+    """Detach every mount under ``path``, deepest first (a daemon killed before its own
+    cleanup leaves its scratch disk and lxcfs views); returns what could not be."""
+    from corral import _core
+
+    left = []
+    for m in sorted(host_mounts_under(path), key=len, reverse=True):
+        try:
+            _core.umount_detach(m)
+        except OSError:
+            left.append(m)
+    return left
+
+
 def mount_count() -> int:
     with open("/proc/self/mountinfo") as f:
         return sum(1 for _ in f)

@@ -172,7 +172,10 @@ class Session:
             self.daemon.stop()
             if self.peers is not None:
                 self.peers.cleanup()
-            host.sweep_cgroups(self.prefix)
+            # Returns once nothing is left: the deadline is for a host tearing down tens of
+            # thousands of sandboxes' cgroups after a daemon that had to be killed.
+            host.sweep_cgroups(self.prefix, timeout=300.0)
+            host.unmount_under(str(self.root))
             shutil.rmtree(self.root, ignore_errors=True)
 
     def _close_raw_scratch(self) -> None:
@@ -187,7 +190,7 @@ class Session:
     def _check(self, leaks: dict[str, Any]) -> dict[str, Any]:
         self._close_raw_scratch()
         try:
-            self.daemon.stop()
+            self.daemon.stop(timeout=900.0)  # a graceful stop destroys every sandbox first
         except Exception as e:  # noqa: BLE001 - the cleanup check must still run
             leaks["daemon_stop"] = str(e)
         if self.peers is not None:
