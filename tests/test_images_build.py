@@ -6,10 +6,12 @@ leaves no image; a push writes tar layers a fresh node pulls back and runs."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 
@@ -89,6 +91,32 @@ def test_commit_makes_an_image_usable_at_once(env: dict) -> None:
             admin.tag_image("committed", "committed", endpoint=ep)
     finally:
         _rm(ep, "committed")
+
+
+def test_two_commits_to_one_new_name_at_once_one_wins(env: dict) -> None:
+    """Both commits pass the early name check; the second to record is refused, not a
+    silent overwrite of the first (eight rounds, so the two overlap in most of them)."""
+    ep = env["ep"]
+    with corral.Sandbox(image=env["base"], endpoint=ep) as a, \
+            corral.Sandbox(image=env["base"], endpoint=ep) as b, \
+            concurrent.futures.ThreadPoolExecutor(2) as pool:
+        a.exec("echo a > /home/app/who").check()
+        b.exec("echo b > /home/app/who").check()
+        for i in range(8):
+            name = f"contested-{i}"
+            try:
+                futs = [pool.submit(sb.commit, name) for sb in (a, b)]
+                outcomes = []
+                for f in futs:
+                    try:
+                        outcomes.append(f.result(timeout=120).layers)
+                    except Conflict:
+                        outcomes.append(None)
+                won = [x for x in outcomes if x is not None]
+                assert len(won) == 1, outcomes
+                assert admin.image_info(name, endpoint=ep).layers == won[0]
+            finally:
+                _rm(ep, name)
 
 
 def test_commit_of_a_snapshot_chain_and_bad_requests(env: dict) -> None:
@@ -173,6 +201,33 @@ def test_python_builder_runs_steps_in_sandboxes_and_caches_them(env: dict) -> No
     finally:
         shutil.rmtree(ctx, ignore_errors=True)
         _rm(ep, "built")
+
+
+def test_two_builds_of_one_recipe_at_once_both_succeed(env: dict) -> None:
+    """Both builders miss the cache for the same step (a barrier holds each until the other
+    has missed too) and run it; the second commit of that content-named step is the
+    first one's result, not a conflict."""
+    ep = env["ep"]
+    recipe = (corral.Image.from_registry(env["base"])
+              .run_commands(f"echo raced-{time.time_ns()} > /home/app/r")
+              .env({"RACED": "1"}))
+    both_missed = threading.Barrier(2)
+
+    def output(line: str) -> None:
+        if line.startswith("[1/") and not line.endswith("(cached)"):
+            both_missed.wait(timeout=60)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(recipe.build, name, endpoint=ep, output=output)
+                for name in ("raced-a", "raced-b")]
+        a, b = (f.result(timeout=300) for f in futs)
+    try:
+        assert not a.steps[0].cached and not b.steps[0].cached
+        assert a.steps[-1].image == b.steps[-1].image
+        with corral.Sandbox(image="raced-b", endpoint=ep) as sb:
+            assert sb.exec("cat /home/app/r; echo $RACED").stdout.startswith("raced-")
+    finally:
+        _rm(ep, "raced-a", "raced-b")
 
 
 def test_a_failing_step_shows_its_output_and_leaves_no_image(env: dict) -> None:

@@ -566,9 +566,11 @@ class ImageStore:
     def limits(self) -> oci_unpack.Limits:
         return oci_unpack.Limits(self.max_bytes, self.max_files)
 
-    def record_oci(self, name: str, meta: dict) -> ImageInfo:
-        """Record (or replace: a tag pulled again) the OCI image ``name`` whose layers are
-        in the layer store; written whole (rename) or not at all."""
+    def record_oci(self, name: str, meta: dict, replace: bool = True) -> ImageInfo:
+        """Record (or, if ``replace``, replace: a tag pulled again) the OCI image ``name``
+        whose layers are in the layer store; written whole (rename) or not at all. The name
+        is checked again here, under the lock: another commit may have taken it since the
+        caller's first check."""
         meta = {**meta, "name": name, "kind": "oci", "created_at": time.time()}
         tmp = self._tmpdir("oci")
         try:
@@ -576,6 +578,9 @@ class ImageStore:
             self._write_meta(tmp, meta)
             final = os.path.join(self.dir, _oci_dir(name))
             with self._lock:
+                cur = self._images.get(name)
+                if cur is not None and (not replace or cur.kind != "oci"):
+                    raise Conflict(f"image {name!r} already exists", details={"image": name})
                 if os.path.lexists(final):
                     trash = os.path.join(self.dir, f".tmp-rm-{time.time_ns()}")
                     os.rename(final, trash)
@@ -619,12 +624,12 @@ class ImageStore:
                           "build on an OCI or rootfs image", details={"image": img.name})
 
     def record_derived(self, key: str, layers: builtins.list[str], config: dict[str, Any],
-                       source: str) -> ImageInfo:
+                       source: str, replace: bool) -> ImageInfo:
         """Record image ``key`` made here (a commit, a tag, a build) from stored layers."""
         size = sum(int(self.layers.meta(h).get("unpacked_bytes", 0)) for h in layers)
         return self.record_oci(key, {"kind": "oci", "oci_layers": list(layers),
                                      "config": config, "source": source, "digest": None,
-                                     "size_bytes": size})
+                                     "size_bytes": size}, replace)
 
     def tag(self, src: str, name: str, changes: dict[str, Any] | None,
             replace: bool) -> ImageInfo:
@@ -638,7 +643,7 @@ class ImageStore:
         config = commit.merge_config(img.config, changes)
         self.layers.pin(layers)
         try:
-            return self.record_derived(key, layers, config, f"tag of {img.name}")
+            return self.record_derived(key, layers, config, f"tag of {img.name}", replace)
         finally:
             self.layers.unpin(layers)
 
@@ -756,7 +761,7 @@ class ImageStore:
             pinned: builtins.list[str] = []
             try:
                 meta = archive.load(src, self.layers, self.limits(), pinned)
-                return self.record_oci(name, {**meta, "source": source})
+                return self.record_oci(name, {**meta, "source": source}, replace=False)
             finally:
                 self.layers.unpin(pinned)
         tmp = self._tmpdir(name)

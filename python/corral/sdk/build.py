@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from corral.errors import BuildFailed, ImageNotFound, InvalidRequest
+from corral.errors import BuildFailed, Conflict, ImageNotFound, InvalidRequest
 from corral.models import ImageInfo
 from corral.sdk import api
 from corral.sdk.endpoint import Endpoint
@@ -272,7 +272,14 @@ class _Builder:
             label = f"[{i + 1}/{len(self.image.steps)}] {step.describe()}"
             if info is None:
                 self.out(label)
-                info = self._run(step, cur, cache, target, blob)
+                try:
+                    info = self._run(step, cur, cache, target, blob)
+                except Conflict:
+                    # Another build of the same recipe committed this step first; the
+                    # name is its content's hash, so that image is this step's result.
+                    info = self._info(cache)
+                    if info is None:
+                        raise
             else:
                 self.out(label + " (cached)")
             cur, cfg = info.name, dict(info.config or {})

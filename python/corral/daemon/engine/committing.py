@@ -61,7 +61,7 @@ class CommitOps:
                                     digest, made)
             t_layers = time.monotonic()
             info = images.record_derived(key, [*base_layers, *made], config,
-                                         f"commit of {sid}")
+                                         f"commit of {sid}", replace)
         finally:
             snaps.release(chain)
             images.layers.unpin([*base_layers, *made])
