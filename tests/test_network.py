@@ -20,6 +20,7 @@ import pytest
 
 from corral import Network, Sandbox
 from corral.errors import InvalidNetwork, SandboxLost, Unsupported
+from corral.sdk import api
 
 from conftest import CGROUP_NAME, private_daemon, wait_until
 
@@ -179,7 +180,9 @@ def test_always_denied_in_internet_mode(net: Env, host_listener: int):
         assert ok(r[f"connect={lab.addr(10)}:80"]), r  # the control: egress works
         leaked = {t: v for t, v in r.items() if ok(v) and lab.addr(10) not in t}
         assert not leaked, leaked
-        assert sb.info().net.denied_packets >= len(targets) - 2  # two names: refused or denied
+        st = sb.info().net
+        assert st.denied_packets >= len(targets) - 2  # two names: refused or denied
+        assert {"169.254.169.254", lab.private} <= set(st.denied_destinations), st
     seen = {(e["dst"], e["port"]) for e in lab.entries("tcp")}
     assert ("169.254.169.254", 80) not in seen and (lab.private, 80) not in seen
 
@@ -532,6 +535,29 @@ def test_nothing_is_left_after_a_sandbox(net: Env):
         assert _elements_naming(net, n) == [], n
 
 
+def test_denied_destinations_in_info_and_in_the_log(net: Env):
+    """What an agent tried to reach is counted by destination address, shown by info() and
+    kept in the trajectory log's sandbox row when it ends; nothing of it stays in the table
+    for the next sandbox on its interface."""
+    lab = net.lab
+    scan = [f"connect={lab.addr(12)}:{p}" for p in (80, 81, 82)] + [
+        "connect=169.254.169.254:80", "connect=allowed.test:80"]
+    with net.sandbox(network=Network(allow=["allowed.test:80"])) as sb:
+        r = probe(sb, *scan)
+        assert ok(r["connect=allowed.test:80"]), r
+        name = _ifname_of(sb.info().net.address)
+        st = sb.info().net
+        # three ports of one address: one destination, three packets at least
+        assert st.denied_destinations.get(lab.addr(12), 0) >= 3, st
+        assert st.denied_destinations.get("169.254.169.254", 0) >= 1, st
+        assert lab.addr(10) not in st.denied_destinations, st  # the allowed one
+        sid = sb.id
+    assert _elements_naming(net, name) == [], name
+    got = sb._call(api.log_raw(sid))["sandbox"]["net"]
+    assert got["denied_destinations"].get(lab.addr(12), 0) >= 3, got
+    assert got["denied_packets"] >= 4 and got["tx_bytes"] > 0, got
+
+
 def test_network_ls_and_show_from_the_cli_and_api(net: Env):
     import sys
 
@@ -662,6 +688,8 @@ def test_re_adopted_sandboxes_keep_their_network(net: Env, host_listener: int):
         after = pol.info().net
         assert after.address == addr[pol.id]
         assert after.denied_packets > before.denied_packets   # carried over, then grew
+        assert after.denied_destinations.get(lab.addr(12), 0) > \
+            before.denied_destinations.get(lab.addr(12), 0) > 0, (before, after)
         r = probe(peer, f"connect={lab.addr(12)}:80", "connect=169.254.169.254:80",
                   f"connect={gw}:{net.port}")
         assert ok(r[f"connect={lab.addr(12)}:80"]), r           # internet

@@ -259,6 +259,9 @@ class NetworkState(_Response):
     rx_packets: int = 0
     denied_packets: int = Field(0, description="packets rejected by the always-deny list or "
                                                "the policy")
+    denied_destinations: dict[str, int] = Field(
+        default_factory=dict, description="packets rejected by destination address (the 50 "
+                                          "most refused, each kept 10 min after its last)")
     refused_names: dict[str, int] = Field(default_factory=dict,
                                           description="names its DNS refused, with counts")
     pinned: list[str] = Field(default_factory=list,

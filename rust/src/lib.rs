@@ -321,6 +321,19 @@ fn nft_get_counter(
         .map_err(|e| os_error(e.errno(), format!("nft_get_counter: {e}")))
 }
 
+/// The counters (key, packets, bytes) of the elements of set `set` in nftables table `table`
+/// (family inet) whose key starts with `prefix`.
+#[pyfunction]
+fn nft_dump_counters(
+    py: Python<'_>,
+    table: String,
+    set: String,
+    prefix: Vec<u8>,
+) -> PyResult<Vec<(Vec<u8>, u64, u64)>> {
+    py.detach(|| nftset::dump_counters(&table, &set, &prefix))
+        .map_err(|e| os_error(e.errno(), format!("nft_dump_counters: {e}")))
+}
+
 /// Mount a tmpfs (nosuid, nodev, noexec) on `target` in the caller's mount namespace, for the
 /// sandboxes' scratch dirs; `options` as for mount(8) -o ("size=50%,mode=0700").
 #[pyfunction]
@@ -755,6 +768,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(nft_destroy_elements, m)?)?;
     m.add_function(wrap_pyfunction!(nft_add_elements, m)?)?;
     m.add_function(wrap_pyfunction!(nft_get_counter, m)?)?;
+    m.add_function(wrap_pyfunction!(nft_dump_counters, m)?)?;
     m.add_function(wrap_pyfunction!(mount_tmpfs, m)?)?;
     m.add_function(wrap_pyfunction!(umount, m)?)?;
     m.add_function(wrap_pyfunction!(mount_loop, m)?)?;

@@ -277,6 +277,54 @@ pub fn get_counter(table: &str, set: &str, key: &[u8]) -> Result<Option<(u64, u6
     }
 }
 
+/// The counters of every element of `set` whose key starts with `prefix`: (key, packets,
+/// bytes), by one dump of the set (the kernel has no lookup by a key's prefix). An element
+/// without a counter is left out; a set that is not there is an empty list.
+pub fn dump_counters(
+    table: &str,
+    set: &str,
+    prefix: &[u8],
+) -> Result<Vec<(Vec<u8>, u64, u64)>, NftSetError> {
+    let mut buf = Buf {
+        b: Vec::new(),
+        nests: Vec::new(),
+    };
+    let ty = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETSETELEM;
+    let flags = (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16;
+    let at = buf.msg(ty, flags, 1, NFPROTO_INET, 0);
+    buf.attr(NFTA_SET_ELEM_LIST_TABLE, &cstr(table)?);
+    buf.attr(NFTA_SET_ELEM_LIST_SET, &cstr(set)?);
+    buf.close_msg(at);
+    let mut out = Vec::new();
+    let res = exchange(&buf.b, &[1], |ty, payload| {
+        if ty & 0xff != NFT_MSG_NEWSETELEM || payload.len() < 4 {
+            return;
+        }
+        let Some(elems) = find(&payload[4..], NFTA_SET_ELEM_LIST_ELEMENTS) else {
+            return;
+        };
+        for (t, elem) in attrs(elems) {
+            if t != NFTA_LIST_ELEM {
+                continue;
+            }
+            let key = find(elem, NFTA_SET_ELEM_KEY).and_then(|k| find(k, NFTA_DATA_VALUE));
+            match (key, elem_counter(elem)) {
+                (Some(key), Some((packets, bytes))) if key.starts_with(prefix) => {
+                    out.push((key.to_vec(), packets, bytes))
+                }
+                _ => {}
+            }
+        }
+    });
+    match res {
+        Ok(()) => Ok(out),
+        Err(NftSetError::Os { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
+            Ok(Vec::new())
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// Attributes of a netlink attribute stream: (type without flags, payload).
 fn attrs(mut b: &[u8]) -> Vec<(u16, &[u8])> {
     let mut out = Vec::new();
@@ -299,7 +347,11 @@ fn find(b: &[u8], ty: u16) -> Option<&[u8]> {
 /// (packets, bytes) of the counter expression in a set element message's attributes.
 fn counter_of(msg_attrs: &[u8]) -> Option<(u64, u64)> {
     let elems = find(msg_attrs, NFTA_SET_ELEM_LIST_ELEMENTS)?;
-    let elem = find(elems, NFTA_LIST_ELEM)?;
+    elem_counter(find(elems, NFTA_LIST_ELEM)?)
+}
+
+/// (packets, bytes) of the counter expression of one element (an NFTA_LIST_ELEM's payload).
+fn elem_counter(elem: &[u8]) -> Option<(u64, u64)> {
     let mut exprs: Vec<&[u8]> = Vec::new();
     if let Some(e) = find(elem, NFTA_SET_ELEM_EXPR) {
         exprs.push(e);
@@ -363,7 +415,7 @@ fn exchange(
         return Err(os("send"));
     }
     let mut pending: Vec<u32> = acks.to_vec();
-    let mut buf = vec![0u8; 16384];
+    let mut buf = vec![0u8; 65536]; // a dump's messages are up to 32 KiB
     while !pending.is_empty() {
         // SAFETY: recv into a buffer we own, its length.
         let n = unsafe {
@@ -405,6 +457,8 @@ fn exchange(
                     });
                 }
                 pending.retain(|s| *s != seq);
+            } else if ty == libc::NLMSG_DONE as u16 {
+                pending.retain(|s| *s != seq); // the end of a dump
             } else {
                 seen(ty, &buf[off + NLMSG_HDRLEN..off + len]);
             }

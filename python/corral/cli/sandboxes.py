@@ -313,4 +313,6 @@ def net_rows(i: SandboxInfo) -> list[tuple[str, Any]]:
             ("sent", f"{n.tx_bytes} B in {n.tx_packets} packets"),
             ("received", f"{n.rx_bytes} B in {n.rx_packets} packets"),
             ("denied", f"{n.denied_packets} packets"),
+            ("denied to", ", ".join(f"{k} ({v})" for k, v in
+                                    list(n.denied_destinations.items())[:10]) or "-"),
             ("refused names", ", ".join(f"{k} ({v})" for k, v in n.refused_names.items()) or "-")]

@@ -39,8 +39,8 @@ log = logging.getLogger("corral.trajlog")
 PREFIX = "trajlog.journal."
 FILE_BYTES = 16 << 20
 # Fields of each kind of record (corral.daemon.trajlog, _J_SQL): entry, dropped entry,
-# sandbox created, sandbox ended.
-FIELDS = {"e": 12, "d": 2, "sc": 3, "se": 3}
+# sandbox created, sandbox ended, its network counters as it ended.
+FIELDS = {"e": 12, "d": 2, "sc": 3, "se": 3, "sn": 2}
 
 
 class Journal:

@@ -131,6 +131,14 @@ class Sandbox:
 
         return network_state(self.id)
 
+    def final_net(self) -> dict[str, Any] | None:
+        """A networked sandbox's counters as its network was removed (taken once)."""
+        if network_kind(self.spec.network) not in ("internet", "policy"):
+            return None
+        from corral.daemon.network.manager import network_final_state
+
+        return network_final_state(self.id)
+
     @property
     def layers(self) -> list[str]:
         """The snapshot layers this sandbox stands on (bottom first)."""

@@ -739,7 +739,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         if sb.layers and self.snaps is not None:
             self.snaps.release(sb.layers)
         self._tombstone(sb.id, sb.reason or "killed", sb.cause)
-        self.trajlog.sandbox_ended(sb.id, sb.reason or "killed")
+        self.trajlog.sandbox_ended(sb.id, sb.reason or "killed", sb.final_net())
         log.debug("sandbox destroyed", extra={"sandbox": sb.id, "reason": sb.reason})
 
     def _tombstone(self, sid: str, reason: str, cause: dict[str, Any] | None = None) -> None:

@@ -11,7 +11,8 @@ private ranges; the DNS proxy's pins (which expire with the answer's TTL); every
 only in mode "internet". To the host itself (chain ``to_host``): only DNS (UDP and TCP) to
 the gateway address. Denied packets are rejected (TCP: a reset, which the kernel does not
 rate-limit as it does ICMP errors; others: admin-prohibited) and counted per sandbox in the
-dynamic set ``denied``."""
+dynamic set ``denied``, and per sandbox and destination address in ``denied_to4`` (entries
+expire DENIED_TO_TIMEOUT after their last packet; DENIED_TO_SIZE in all)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ INTERVAL_SETS = ("allow4", "deny4")
 # a hash lookup more). Elements go in and out over netlink (corral._core), so the number of
 # sets costs nothing per sandbox.
 SHARDS = 256
+# Denied destinations: one element per (sandbox, address), so a port scan of one host is one
+# element; a sweep of many addresses fills the set, after which new destinations go
+# unrecorded (still refused, still in the sandbox's total) until older ones expire.
+DENIED_TO_SIZE = 65536
+DENIED_TO_TIMEOUT = "10m"
 
 Ports = tuple[tuple[int, int], ...]
 
@@ -82,6 +88,8 @@ table {self.t} {{
   set blocked4 {{ type ipv4_addr; flags interval; elements = {{ {blocked} }}; }}
   set private4 {{ type ipv4_addr; flags interval; elements = {{ {private} }}; }}
   set denied {{ type ifname; flags dynamic; counter; size 1048576; }}
+  set denied_to4 {{ type ifname . ipv4_addr; flags dynamic, timeout; counter;
+    size {DENIED_TO_SIZE}; timeout {DENIED_TO_TIMEOUT}; }}
   set conns {{ type ifname; flags dynamic; size 1048576; }}
   chain input {{ type filter hook input priority -10; policy accept;
     iifname "{w}" jump to_host
@@ -122,6 +130,7 @@ table {self.t} {{
 {shard_chains}
   chain deny {{
     update @denied {{ iifname }}
+    meta nfproto ipv4 update @denied_to4 {{ iifname . ip daddr }}
     meta l4proto tcp reject with tcp reset
     reject with icmpx admin-prohibited
   }}
@@ -139,7 +148,7 @@ table {self.t} {{
     def carried_state(self) -> dict[str, dict[str, list]]:
         """What a killed daemon's table holds that its sandboxes' records do not, by host
         interface: ``pins`` (set, element with its remaining timeout, seconds left) and
-        ``denied`` (packets, bytes)."""
+        ``denied`` (packets, bytes), ``denied_to`` ((address, packets, bytes), ...)."""
         try:
             doc = json.loads(self.nft.run(f"list table {self.t}", json_out=True))
         except (NftError, ValueError):
@@ -147,12 +156,21 @@ table {self.t} {{
         out: dict[str, dict[str, list]] = {}
         for item in doc.get("nftables", []):
             st = item.get("set")
-            name = str((st or {}).get("name", "")).rsplit("_", 1)[0]  # allow4_<shard>
-            if not st or name not in ("pin4", "pinall4", "allow4", "denied"):
+            name = str((st or {}).get("name", ""))
+            if name.rsplit("_", 1)[0] in INTERVAL_SETS:
+                name = name.rsplit("_", 1)[0]  # allow4_<shard>
+            if not st or name not in ("pin4", "pinall4", "allow4", "denied", "denied_to4"):
                 continue
             for e in st.get("elem", []):
                 inner = e.get("elem") if isinstance(e, dict) and "elem" in e else None
                 val = inner["val"] if inner else e
+                if name == "denied_to4":
+                    if inner and inner.get("counter") and isinstance(val, dict):
+                        ifname, addr = (_json_part(x) for x in val.get("concat", ("", "")))
+                        c = inner["counter"]
+                        out.setdefault(ifname, {}).setdefault("denied_to", []).append(
+                            (addr, int(c["packets"]), int(c["bytes"])))
+                    continue
                 if name == "denied":
                     if inner and isinstance(val, str) and inner.get("counter"):
                         c = inner["counter"]
@@ -265,6 +283,10 @@ table {self.t} {{
                 "shard": [i]}
         for k, v in self._physical(ifname, elems).items():
             sets.setdefault(k, []).extend(v)
+        # Its denied destinations too (the interface name is used again by a later
+        # sandbox); a sandbox never refused has none, so no dump of the set for it.
+        if self.denied_count(ifname):
+            sets["denied_to4"] = [f"{i} . {a}" for a in self.denied_destinations(ifname)]
         self.destroy(sets)
 
     def destroy(self, sets: dict[str, list[str]]) -> None:
@@ -309,6 +331,17 @@ table {self.t} {{
         except OSError:
             return 0
         return got[0] if got else 0
+
+
+    def denied_destinations(self, ifname: str) -> dict[str, int]:
+        """Packets of this sandbox rejected so far, by destination address (those refused
+        in the last DENIED_TO_TIMEOUT), over netlink: one dump of the set."""
+        try:
+            got = _core.nft_dump_counters(self.s.table, "denied_to4",
+                                          element_key(_ifname(ifname), False)[0])
+        except OSError:
+            return {}
+        return {str(ipaddress.ip_address(key[16:])): packets for key, packets, _ in got}
 
 
 def _json_part(x: object) -> str:

@@ -34,6 +34,8 @@ log = logging.getLogger("corral.network")
 
 Ports = tuple[tuple[int, int], ...]
 REFILL_QUIET_S = 0.02
+DENIED_SHOWN = 50  # info()'s denied destinations: the most refused ones
+FINAL_KEPT = 4096  # ended sandboxes' last counters waiting for the engine to take them
 
 
 @dataclass
@@ -134,6 +136,7 @@ class NetworkManager:
         self.dns: DnsProxy | None = None
         self.attachments: dict[str, Attachment] = {}
         self._by_addr: dict[str, Attachment] = {}
+        self._final: dict[str, dict[str, Any]] = {}  # network_final_state
         # Slots of ended sandboxes: reusable once the kernel has removed their veth, which
         # it does when their namespace goes (cleanup_net, off the daemon's path: deleting a
         # link ourselves costs ~20 ms of RCU grace periods).
@@ -455,6 +458,9 @@ class NetworkManager:
             if denied:
                 cmds.append(f'add element inet {self.s.table} denied {{ "{att.ifname}" '
                             f"counter packets {denied[0]} bytes {denied[1]} }}")
+            cmds += [f'add element inet {self.s.table} denied_to4 {{ "{att.ifname}" . {a} '
+                     f"counter packets {n} bytes {b} }}"
+                     for a, n, b in old.get(att.ifname, {}).get("denied_to", [])]
             carried[att.sandbox_id] = cmds
             for k, v in pins.items():
                 att.elems.setdefault(k, []).extend(v)
@@ -583,6 +589,12 @@ class NetworkManager:
         return self.exposer is not None and self.exposer.unexpose(sandbox_id, port)
 
     def detach(self, sandbox_id: str) -> None:
+        final = self.info(sandbox_id)  # its counters as it ends, for the trajectory log
+        if final is not None:
+            with self._lock:
+                self._final[sandbox_id] = final
+                while len(self._final) > FINAL_KEPT:
+                    self._final.pop(next(iter(self._final)))
         if self.exposer is not None:
             self.exposer.drop(sandbox_id)
         with self._lock:
@@ -627,6 +639,9 @@ class NetworkManager:
                 "tx_bytes": stats.get("rx_bytes", 0), "tx_packets": stats.get("rx_packets", 0),
                 "rx_bytes": stats.get("tx_bytes", 0), "rx_packets": stats.get("tx_packets", 0),
                 "denied_packets": self.fw.denied_count(att.ifname),
+                "denied_destinations": dict(sorted(
+                    self.fw.denied_destinations(att.ifname).items(),
+                    key=lambda kv: -kv[1])[:DENIED_SHOWN]),
                 "refused_names": dict(att.refused_names.most_common(20)),
                 "pinned": sorted(a for a, t in att.pins.items() if t > now),
                 "exposed": {str(p): f"127.0.0.1:{hp}" for p, hp in
@@ -648,6 +663,16 @@ class NetworkManager:
 
 
 LIVE: set[NetworkManager] = set()
+
+
+def network_final_state(sandbox_id: str) -> dict[str, Any] | None:
+    """A networked sandbox's counters as its network was removed (once: taken, not read)."""
+    for mgr in list(LIVE):
+        with mgr._lock:
+            st = mgr._final.pop(sandbox_id, None)
+        if st is not None:
+            return st
+    return None
 
 
 def network_state(sandbox_id: str) -> dict[str, Any] | None:

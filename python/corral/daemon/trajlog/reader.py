@@ -22,7 +22,7 @@ class Reader(_Base):
             raise Unsupported("the trajectory log is off on this daemon (CORRAL_TRAJLOG=0)")
         conn = self._connect()
         try:
-            srow = conn.execute("SELECT spec, created_at, ended_at, reason FROM sandboxes "
+            srow = conn.execute("SELECT spec, created_at, ended_at, reason, net FROM sandboxes "
                                 "WHERE sandbox_id=?", (sid,)).fetchone()
             rows = conn.execute(
                 "SELECT seq, op, idem_key, request, result, error, started_at, ended_at, "
@@ -35,7 +35,8 @@ class Reader(_Base):
         sandbox = None
         if srow is not None:
             sandbox = {"spec": json.loads(srow[0]) if srow[0] else None,
-                       "created_at": srow[1], "ended_at": srow[2], "reason": srow[3]}
+                       "created_at": srow[1], "ended_at": srow[2], "reason": srow[3],
+                       "net": json.loads(srow[4]) if srow[4] else None}
         entries = []
         for i, r in enumerate(rows):
             done = r[9] is None

@@ -41,7 +41,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     spec TEXT,
     created_at REAL,
     ended_at REAL,
-    reason TEXT
+    reason TEXT,
+    net TEXT
 );
 """
 
@@ -62,7 +63,7 @@ _SANDBOX_SEQS = ("SELECT seq FROM entries_by_sandbox WHERE sandbox_id=:sid UNION
 # snapshot ids) are fields as JSON text, exactly what the database stores.
 #   e   an entry (a finished call, or a started row; a call's end replaces its start)
 #   d   a started row dropped (the call was not logged after all)
-#   sc  a sandbox created;  se  a sandbox ended
+#   sc  a sandbox created;  se  a sandbox ended;  sn  its network counters as it ended
 # The ingester writes the records of a batch in journal order, a run of one kind at a time:
 # entries by multi-row INSERTs of a power of two each, up to ENTRIES_PER_STATEMENT (one
 # sqlite3_step, so the thread gives up and takes back the GIL once per statement, not once
@@ -79,6 +80,7 @@ _J_SQL: dict[str, tuple[str, ...]] = {
     "sc": ("INSERT OR REPLACE INTO sandboxes (sandbox_id, spec, created_at) VALUES (?,?,?)",),
     "se": ("UPDATE sandboxes SET ended_at=?2, reason=?3 WHERE sandbox_id=?1 AND "
            "ended_at IS NULL",),
+    "sn": ("UPDATE sandboxes SET net=?2 WHERE sandbox_id=?1",),
 }
 
 
@@ -99,6 +101,8 @@ def _migrate(conn: sqlite3.Connection) -> None:
     cols = {r[1] for r in conn.execute("PRAGMA table_info(entries)")}
     if "status" not in cols:
         conn.execute("ALTER TABLE entries ADD COLUMN status TEXT")
+    if "net" not in {r[1] for r in conn.execute("PRAGMA table_info(sandboxes)")}:
+        conn.execute("ALTER TABLE sandboxes ADD COLUMN net TEXT")
     # The per-row (sandbox_id, seq) index became entries_by_sandbox (filled in batches): the
     # open that follows indexes every entry past the watermark, i.e. all of them.
     conn.execute("INSERT OR IGNORE INTO log_meta (k, v) VALUES ('indexed', 0)")

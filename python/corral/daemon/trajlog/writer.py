@@ -149,11 +149,16 @@ class Writer(Ingester):
         if self.enabled:
             self._sandbox_write("sc", (sid, _dumps(spec), created_at))
 
-    def sandbox_ended(self, sid: str, reason: str) -> None:
+    def sandbox_ended(self, sid: str, reason: str,
+                      net: dict[str, Any] | None = None) -> None:
+        """``net``: a networked sandbox's counters as it ended (sent, received, denied and
+        to where, refused names), kept in its sandbox row."""
         self._live.discard(sid)
         self._bound.pop(sid, None)
         if self.enabled:
             self._sandbox_write("se", (sid, self.clock.time(), reason))
+            if net is not None:
+                self._sandbox_write("sn", (sid, _dumps(net)))
 
     def _sandbox_write(self, kind: str, fields: tuple[Any, ...]) -> None:
         """A sandbox row: journaled like an entry (a create's row before the create's entry),
