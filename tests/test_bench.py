@@ -203,6 +203,8 @@ def test_runcode_section(report):
     assert m["corral-numpy"]["call_ms"]["p50"] < m["server-numpy"]["call_ms"]["p50"]
     assert set(sec["targets"]) == {"print_p50_ms", "calls_per_s", "numpy_p50_ms"}
     assert all(isinstance(v["met"], bool) for v in sec["targets"].values())
+    for f in ("fork_floor", "print_floor"):  # CPU per call of the bare fork-per-request floors
+        assert _is_num(sec[f]["cpu_ms"]) and sec[f]["cpu_ms"] > 0, sec[f]
 
 
 def test_trajlog_table_renders():

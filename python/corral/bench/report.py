@@ -227,12 +227,16 @@ def runcode_table(sec: dict[str, Any]) -> Table:
     t.caption = (f"-conc rows: {sec['concurrency']} calls in flight (asyncio client); "
                  "corral-batch: run_code_many of 100, p50 per batch; calls/s target: the "
                  "better of corral-conc and corral-batch")
-    floor = sec.get("fork_floor")
+    floor, run = sec.get("fork_floor"), sec.get("print_floor")
     if floor:
         t.caption += (f"; fork floor: a fork + exit of the zygote's interpreter, running "
                       f"nothing, costs {_f(floor['cpu_ms'], 3)} ms of CPU here, so no "
                       f"fork-per-request design exceeds {_f(floor['calls_per_s_cap'])} calls/s "
                       f"on {sec['cpus']} CPUs")
+    if run:
+        t.caption += (f"; print floor: the same child running print(1), without isolation "
+                      f"or a daemon, {_f(run['cpu_ms'], 3)} ms ({_f(run['calls_per_s_cap'])} "
+                      "calls/s)")
     for c in ("system", "code", "in flight", "calls/s", "p50 ms", "p99 ms"):
         t.add_column(c, justify="left" if c in ("system", "code") else "right")
     for name, m in sec["median"].items():

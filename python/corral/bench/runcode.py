@@ -75,32 +75,51 @@ class SubprocessServer:
             self.proc.wait()
 
 
-# ---- the fork floor -------------------------------------------------------------------------
+# ---- the floors ------------------------------------------------------------------------------
+# A fork + exit of the zygote's interpreter with its preloads ("fork"), and the same child
+# running print(1) as python3 -c would, its output to /dev/null ("print"), with none of the
+# isolation (cgroups, uid, Landlock, scratch dir) and no daemon: what any fork-per-request
+# CPython design pays per call on this machine. The parent compiles and runs once first, as
+# the zygote does, so the children share what a first compile allocates.
 FLOOR = r"""
 import gc, importlib, os, sys
 for m in sys.argv[2].split(","):
     importlib.import_module(m)
+mode, n = sys.argv[3], int(sys.argv[1])
+null = os.open("/dev/null", os.O_WRONLY)
+def child():
+    if mode == "print":
+        os.dup2(null, 1)
+        exec(compile("print(1)", "<string>", "exec"), {"__name__": "__main__"})
+        sys.stdout.flush()
+    os._exit(0)
+exec(compile("x = [1]", "<string>", "exec"), {})
 gc.collect(); gc.freeze()
-n = int(sys.argv[1]); t0 = os.times()
-for _ in range(n):
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
-t1 = os.times()
-print((t1.user + t1.system + t1.children_user + t1.children_system
-       - t0.user - t0.system - t0.children_user - t0.children_system) / n)
+def cpu():
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+for _ in range(2):  # the first pass: what the parent's first forks allocate
+    t0 = cpu()
+    for _ in range(n):
+        pid = os.fork()
+        if pid == 0:
+            child()
+        os.waitpid(pid, 0)
+print((cpu() - t0) / n)
 """
 
 
-def fork_floor(n: int = 400) -> float:
-    """CPU seconds of one fork + exit of the interpreter with the python zygote's preloads,
-    running nothing: what any fork-per-request design pays on this machine before any work."""
+def floor(mode: str, n: int = 400) -> float:
+    """CPU seconds of one call of the floor ``mode`` ("fork" or "print")."""
     from corral.daemon.substrates.process.pool import STDLIB
 
-    out = subprocess.run([sys.executable, "-I", "-c", FLOOR, str(n), ",".join(STDLIB)],
+    out = subprocess.run([sys.executable, "-I", "-c", FLOOR, str(n), ",".join(STDLIB), mode],
                          capture_output=True, text=True, timeout=120, check=True)
     return float(out.stdout.strip())
+
+
+def fork_floor(n: int = 400) -> float:
+    return floor("fork", n)
 
 
 # ---- measuring ------------------------------------------------------------------------------
@@ -240,10 +259,11 @@ def run_code(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
     # run_code_many is as much the API as run_code: the better of the two is the rate.
     rate = median([max(r["corral-conc"].ops_per_s or 0.0, r["corral-batch"].ops_per_s or 0.0)
                    for r in runs])
-    floor_s = fork_floor()
     cpus = os.cpu_count() or 1
-    sec["fork_floor"] = {"cpu_ms": round(floor_s * 1e3, 3),
-                         "calls_per_s_cap": round(cpus / floor_s) if floor_s > 0 else None}
+    for mode in ("fork", "print"):
+        floor_s = floor(mode)
+        sec[f"{mode}_floor"] = {"cpu_ms": round(floor_s * 1e3, 3), "calls_per_s_cap":
+                                round(cpus / floor_s) if floor_s > 0 else None}
     got = {"print_p50_ms": p50("corral"), "calls_per_s": rate, "numpy_p50_ms": p50("corral-numpy")}
     sec["targets"] = {k: {"target": TARGETS[k], "got": v,
                           "met": v is not None and (v >= TARGETS[k] if k == "calls_per_s"
