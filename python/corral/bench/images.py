@@ -1,8 +1,8 @@
 """``corral bench images``: create latency of a sandbox on a pulled 10-layer OCI image against
-the ``host`` image, in the same run, cold creates (a hostname no warm pool serves): with the
-layers as EROFS mounts (the session daemon) and as plain directories (a daemon of its own,
-``CORRAL_IMAGE_LAYERS=dir``); and the pulls, from a docker-registry on loopback (started here,
-stopped after)."""
+the ``host`` image, in the same run, the systems taking turns op by op, cold creates (a
+hostname no warm pool serves): with the layers as EROFS mounts (the session daemon) and as
+plain directories (a daemon of its own, ``CORRAL_IMAGE_LAYERS=dir``); and the pulls, from a
+docker-registry on loopback (started here, stopped after)."""
 
 from __future__ import annotations
 
@@ -30,13 +30,14 @@ def image_layers(layers: int = LAYERS) -> list[tuple[str, list[ocifix.Member]]]:
     return out
 
 
-BIG_LAYERS, BIG_LAYER_MB = 5, 20
+BIG_LAYERS = 5
 
 
-def big_layers() -> list[tuple[str, list[ocifix.Member]]]:
-    """Five layers of 20 MB of incompressible bytes each (gzip, as registries serve)."""
+def big_layers(mb: int) -> list[tuple[str, list[ocifix.Member]]]:
+    """Five layers of ``mb`` / 5 MB of incompressible bytes each (gzip, as registries
+    serve)."""
     return [("gzip", [ocifix.d("data"),
-                      ocifix.rand(f"data/blob{i}", BIG_LAYER_MB << 20, i)])
+                      ocifix.rand(f"data/blob{i}", (mb << 20) // BIG_LAYERS, i)])
             for i in range(BIG_LAYERS)]
 
 
@@ -62,17 +63,18 @@ def _skopeo_and_tar(ref: str, work: str) -> float:
 
 
 def _pulls(s: Session, reg: ocifix.Registry, endpoints: dict[str, str]) -> dict[str, Any]:
-    """A 100 MB image: corral's pull (EROFS and directory layers, each from an empty store)
-    against skopeo copy + tar, in the same run, medians of the runs."""
+    """An image of --image-mb MB: corral's pull (EROFS and directory layers, each from an
+    empty store) against skopeo copy + tar, in the same run, medians of the runs."""
     import tempfile
 
     from corral.sdk import admin
 
-    reg.push(ocifix.oci_layout("bench-big", big_layers()), "bench/big")
+    mb = s.opts.image_mb
+    reg.push(ocifix.oci_layout("bench-big", big_layers(mb)), "bench/big")
     ref = f"{reg.addr}/bench/big:latest"
     times: dict[str, list[float]] = {k: [] for k in (*endpoints, "skopeo+tar")}
     for r in range(s.opts.runs):
-        with s.ui.task(f"images {r + 1}/{s.opts.runs} pull of 100 MB", None):
+        with s.ui.task(f"images {r + 1}/{s.opts.runs} pull of {mb} MB", None):
             for name, e in endpoints.items():
                 t0 = time.perf_counter()
                 admin.pull_image(ref, endpoint=e)
@@ -84,7 +86,7 @@ def _pulls(s: Session, reg: ocifix.Registry, endpoints: dict[str, str]) -> dict[
             finally:
                 shutil.rmtree(work, ignore_errors=True)
     med = {k: _round(median(v)) for k, v in times.items()}
-    return {"mb": BIG_LAYERS * BIG_LAYER_MB, "layers": BIG_LAYERS, "median_ms": med,
+    return {"mb": mb, "layers": BIG_LAYERS, "median_ms": med,
             "ratios": {f"{k}/skopeo+tar": _round(ratio(med[k], med["skopeo+tar"]))
                        for k in endpoints}}
 
@@ -116,15 +118,13 @@ def images(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
                 t0 = time.perf_counter()
                 admin.pull_image(refs[name], endpoint=e)
                 pull_ms[name] = (time.perf_counter() - t0) * 1000
+            systems = {name: (dird.endpoint if name == "image-dir" else ep,
+                              refs.get(name, "host")) for name in SYSTEMS}
             for r in range(R):
-                res: dict[str, OpResult] = {}
-                for name in SYSTEMS:
-                    e = dird.endpoint if name == "image-dir" else ep
-                    with s.ui.task(f"images {r + 1}/{R} {name} create/exec/destroy",
-                                   n) as adv:
-                        res[name] = sdk_runs.latency(e, n, adv, hostname="bench-images",
-                                                     image=refs.get(name, "host"))
-                runs.append(res)
+                with s.ui.task(f"images {r + 1}/{R} create/exec/destroy, systems in turn",
+                               n) as adv:
+                    runs.append(sdk_runs.latency_interleaved(systems, n, adv,
+                                                             hostname="bench-images"))
             # memory per live sandbox, host vs the 10-layer image, same daemon
             from corral.bench.scenarios import _density_corral
 
@@ -149,7 +149,7 @@ def images(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
         for ph in ("create", "ttfr")}
     keys = ("kib_per_sandbox", "memcg_kib_per_sandbox", "memcg_nocache_kib_per_sandbox",
             "init_pss_kib", "create_s", "made")
-    sec = {"n": n, "layers": LAYERS, "pull_100mb": big,
+    sec = {"n": n, "layers": LAYERS, "pull_big": big,
            "density": {k: {m: v.get(m) for m in keys} for k, v in density.items()},
            "pull_ms": {k: _round(v) for k, v in pull_ms.items()},
            "median": med, "ratios": ratios,

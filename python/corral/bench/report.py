@@ -267,6 +267,13 @@ def gvisor_table(sec: dict[str, Any]) -> Table:
     return t
 
 
+def _cache_kib(d: dict[str, Any]) -> float | None:
+    """Page cache charged per sandbox: near 0 when the image's files are cached once for
+    all of them."""
+    a, b = d.get("memcg_kib_per_sandbox"), d.get("memcg_nocache_kib_per_sandbox")
+    return None if a is None or b is None else a - b
+
+
 def images_table(sec: dict[str, Any]) -> Table:
     pulls = ", ".join(f"{k} {_f(v, 0)} ms" for k, v in (sec.get("pull_ms") or {}).items())
     t = Table(title=f"a pulled {sec.get('layers')}-layer OCI image (EROFS layers; "
@@ -281,12 +288,13 @@ def images_table(sec: dict[str, Any]) -> Table:
         t.add_row(name, *(_f(m.get(k), 2) for k in (
             "create_p50_ms", "first_exec_p50_ms", "ttfr_p50_ms", "destroy_p50_ms")))
     dens = sec.get("density") or {}
-    big = sec.get("pull_100mb")
+    big = sec.get("pull_big")
     if dens:
         t.caption = (t.caption or "") + "; ".join(
             f"{k}: {v.get('made')} live, {_f(v.get('kib_per_sandbox'), 0)} KiB/sandbox "
             f"(MemAvailable), {_f(v.get('memcg_nocache_kib_per_sandbox'), 0)} KiB memcg "
-            "w/o cache" for k, v in dens.items()) + ". "
+            f"w/o cache, {_f(_cache_kib(v), 0)} KiB page cache charged"
+            for k, v in dens.items()) + ". "
     if big:
         t.caption = (t.caption or "") + ("pull of a {} MB, {}-layer image (ms, median): ".format(
             big["mb"], big["layers"]) + ", ".join(

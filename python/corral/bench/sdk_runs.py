@@ -162,21 +162,22 @@ def _extra(conc: int, errors: list[str]) -> dict[str, Any]:
 
 
 # ---- latency: one client, nothing else running ----------------------------------------------
-def latency(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5,
-            hostname: str | None = None, substrate: str = "container",
-            image: str = "host") -> OpResult:
-    """Per op: create, the first exec, time to the first result (create + exec) and destroy.
-    ``hostname`` (a spec the warm pools never serve) makes every create cold."""
-    ph: dict[str, list[float]] = {"create": [], "first_exec": [], "ttfr": [], "destroy": []}
-    errors: list[str] = []
-    t_start = time.perf_counter()
-    for i in range(-warmup, n):
-        if i == 0:
-            t_start = time.perf_counter()
+class _Latency:
+    """One system's create -> first exec -> destroy cycles, one at a time."""
+
+    def __init__(self, endpoint: str, hostname: str | None, substrate: str, image: str) -> None:
+        self.endpoint, self.hostname, self.substrate, self.image = (endpoint, hostname,
+                                                                    substrate, image)
+        self.ph: dict[str, list[float]] = {"create": [], "first_exec": [], "ttfr": [],
+                                           "destroy": []}
+        self.errors: list[str] = []
+        self.wall = 0.0
+
+    def once(self, keep: bool) -> None:
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
-            sb = Sandbox(image, endpoint=endpoint, timeout=TTL_S, hostname=hostname,
-                         substrate=substrate)
+            sb = Sandbox(self.image, endpoint=self.endpoint, timeout=TTL_S,
+                         hostname=self.hostname, substrate=self.substrate)
             t1 = time.perf_counter()
             try:
                 r = sb.exec(TRUE)
@@ -185,23 +186,53 @@ def latency(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5,
                 sb.kill()
             t3 = time.perf_counter()
         except CorralError as e:
-            errors.append(_err(e))
-            continue
-        finally:
-            if i >= 0:
-                advance(1)
-        if i < 0:
-            continue
+            if keep:
+                self.errors.append(_err(e))
+            return
+        if not keep:
+            return
+        self.wall += t3 - t0
         if r.exit_code != 0:
-            errors.append(f"exit {r.exit_code}")
-            continue
-        ph["create"].append((t1 - t0) * 1e3)
-        ph["first_exec"].append((t2 - t1) * 1e3)
-        ph["ttfr"].append((t2 - t0) * 1e3)
-        ph["destroy"].append((t3 - t2) * 1e3)
-    wall = time.perf_counter() - t_start  # ops_per_s: sequential create+exec+destroy
-    return OpResult("corral-cold" if hostname else "corral", n, wall, len(errors), ph,
-                    _extra(1, errors))
+            self.errors.append(f"exit {r.exit_code}")
+            return
+        self.ph["create"].append((t1 - t0) * 1e3)
+        self.ph["first_exec"].append((t2 - t1) * 1e3)
+        self.ph["ttfr"].append((t2 - t0) * 1e3)
+        self.ph["destroy"].append((t3 - t2) * 1e3)
+
+    def result(self, name: str, n: int) -> OpResult:
+        # ops_per_s: sequential create+exec+destroy over this system's own cycles
+        return OpResult(name, n, self.wall, len(self.errors), self.ph,
+                        _extra(1, self.errors))
+
+
+def latency(endpoint: str, n: int, advance: Advance = _noop, warmup: int = 5,
+            hostname: str | None = None, substrate: str = "container",
+            image: str = "host") -> OpResult:
+    """Per op: create, the first exec, time to the first result (create + exec) and destroy.
+    ``hostname`` (a spec the warm pools never serve) makes every create cold."""
+    run = _Latency(endpoint, hostname, substrate, image)
+    for i in range(-warmup, n):
+        run.once(keep=i >= 0)
+        if i >= 0:
+            advance(1)
+    return run.result("corral-cold" if hostname else "corral", n)
+
+
+def latency_interleaved(systems: dict[str, tuple[str, str]], n: int,
+                        advance: Advance = _noop, warmup: int = 5,
+                        hostname: str | None = None) -> dict[str, OpResult]:
+    """``latency`` of several systems (name -> (endpoint, image)) taking turns op by op, in
+    ABBA order, so the machine's drift over seconds hits each alike."""
+    runs = {name: _Latency(ep, hostname, "container", img)
+            for name, (ep, img) in systems.items()}
+    order = list(runs)
+    for i in range(-warmup, n):
+        for name in (order if i % 2 == 0 else order[::-1]):
+            runs[name].once(keep=i >= 0)
+        if i >= 0:
+            advance(1)
+    return {name: r.result(name, n) for name, r in runs.items()}
 
 
 # ---- exec throughput on one live sandbox ----------------------------------------------------

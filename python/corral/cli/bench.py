@@ -81,6 +81,9 @@ def bench(
                                          "snapshot."),
     fork: int = typer.Option(64, "--fork", min=1, max=1024,
                              help="snapshot: children per fork (one call)."),
+    image_mb: int = typer.Option(100, "--image-mb", min=5, max=8192,
+                                 help="images: MB of the image (5 layers of random bytes) "
+                                      "whose pull is measured against skopeo copy + tar."),
     network: str = typer.Option("none", "--network",
                                 help="churn, density: corral's network mode(s): none (own "
                                      "netns, vs raw+netns), disabled (shared netns, unix "
@@ -126,7 +129,8 @@ def bench(
                    concurrency=concurrency, peer_count=peer_count, batch=batch,
                    churn_batch=churn_batch, batches_in_flight=batches_in_flight,
                    plots_dir=plots_dir or None, profile=profile, workdir=workdir,
-                   snapshot_mb=snapshot_mb, fork=fork, progress=progress,
+                   snapshot_mb=snapshot_mb, fork=fork, image_mb=image_mb,
+                   progress=progress,
                    trajlog_baseline=trajlog_baseline,
                    networks=parse_networks(network))
     try:
