@@ -368,6 +368,11 @@ def test_multi_stage_target_and_a_stage_as_a_base(env: dict, stages: dict) -> No
         with corral.Sandbox(image="mstarget", endpoint=ep, cwd="/") as sb:
             r = sb.exec("cat /src/out/app /src/junk /src/tested; id -un")
             assert r.stdout == "compiled-one\njunk\ntested\nroot\n", r.stderr
+        # a name that is no stage: an image the daemon has
+        res = dockerfile.parse(f"FROM {stages['slim']}\nCOPY --from=mstarget /src/junk /j\n",
+                               "/").build("mslocal", endpoint=ep)
+        with corral.Sandbox(image="mslocal", endpoint=ep, cwd="/") as sb:
+            assert sb.exec("cat /j").stdout == "junk\n"
         # the Python builder: a recipe copies out of another recipe
         build = (corral.Image.from_registry(env["base"])
                  .run_commands("mkdir -p /home/app/o && echo py > /home/app/o/f")).named("b")
@@ -377,7 +382,63 @@ def test_multi_stage_target_and_a_stage_as_a_base(env: dict, stages: dict) -> No
         with corral.Sandbox(image="mspy", endpoint=ep, cwd="/") as sb:
             assert sb.exec("cat /srv/got").stdout == "py\n"
     finally:
-        _rm(ep, "mstarget", "mspy", "never-built")
+        _rm(ep, "mslocal", "mstarget", "mspy", "never-built")
+
+
+def test_copy_from_an_image_without_a_digest_is_keyed_by_its_bytes(env: dict,
+                                                                    stages: dict) -> None:
+    """A rootfs image has no content digest: a COPY --from of it is keyed by the bytes it
+    copies, so a new tree under the same name is not taken from the cache."""
+    ep = env["ep"]
+    root = tempfile.mkdtemp(prefix="corral-msroot-", dir="/var/tmp")
+    text = f"FROM {stages['slim']}\nCOPY --from=msroot /data/v /v\n"
+    try:
+        os.makedirs(os.path.join(root, "data"))
+        for version in ("1", "2"):
+            with open(os.path.join(root, "data", "v"), "w") as fh:
+                fh.write(version)
+            _rm(ep, "msroot")
+            admin.import_image("msroot", root, endpoint=ep)
+            res = dockerfile.parse(text, "/").build("msrootb", endpoint=ep)
+            assert not res.steps[0].cached
+            with corral.Sandbox(image="msrootb", endpoint=ep, cwd="/") as sb:
+                assert sb.exec("cat /v").stdout == version
+        assert dockerfile.parse(text, "/").build("msrootb", endpoint=ep).cached
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        _rm(ep, "msrootb", "msroot")
+
+
+def test_copy_from_reads_only_the_source_stages_own_files(env: dict, stages: dict) -> None:
+    """Attack: stage 1 plants symlinks that climb out of its root and into /proc, and the
+    last stage copies through them; what arrives is stage 1's own files (or a refusal),
+    never the host's."""
+    ep = env["ep"]
+    marker = f"host-only-{time.time_ns()}"
+    host_file = tempfile.NamedTemporaryFile("w", prefix="corral-mshost-", dir="/var/tmp",
+                                            delete=False)
+    host_file.write(marker)
+    host_file.close()
+    name = os.path.basename(host_file.name)
+    stage = (f"FROM {env['base']} AS evil\nUSER root\n"
+             "RUN ln -s ../../../../../../../../ /up && ln -s /proc/1/root /pr &&"
+             f" ln -s /proc/self/cwd /cwd && mkdir -p /var/tmp &&"
+             f" echo stage-own > /var/tmp/{name}\nFROM {stages['slim']}\n")
+    try:
+        for via in ("/up", "/pr", "/cwd/var/..", "/up/proc/1/root"):
+            try:
+                dockerfile.parse(stage + f"COPY --from=evil {via}/var/tmp/{name} /got\n",
+                                 "/").build("msevil", endpoint=ep)
+            except BuildFailed as e:  # refused (a /proc link) is fine; a leak is not
+                assert e.details["reason"] in ("source_refused", "source_not_found"), e.details
+                assert marker not in str(e.details)
+                continue
+            with corral.Sandbox(image="msevil", endpoint=ep, cwd="/") as sb:
+                r = sb.exec("cat /got")
+                assert r.stdout == "stage-own\n", (via, r)
+    finally:
+        os.unlink(host_file.name)
+        _rm(ep, "msevil")
 
 
 def test_multi_stage_errors_have_stable_reasons(env: dict, stages: dict) -> None:

@@ -37,8 +37,11 @@ from corral.errors import (
     Conflict,
     FileNotFound,
     ImageNotFound,
+    InvalidPath,
     InvalidRequest,
+    IsASymlink,
     NotADirectory,
+    TooLarge,
 )
 from corral.models import ImageInfo
 from corral.sdk import api
@@ -387,6 +390,9 @@ class _Builder:
                 # the source's identity and the paths: a changed stage is another image
                 what = [source.name, source.digest, source.layers, step.args["srcs"],
                         self._dest(step, cfg), step.args.get("chown")]
+                if source.digest is None:  # no content digest (the host, a rootfs): the
+                    target, blob = self._extract(step, source, self._dest(step, cfg))
+                    source = None          # bytes copied are the key, as for a local COPY
             key = _sha(key, step.kind, what, hashlib.sha256(blob).hexdigest())
             cache = CACHE_PREFIX + key[:48]
             hit = self._info(cache)
@@ -436,6 +442,10 @@ class _Builder:
                         parts.append((p, sb._call(api.get_tar(sb.id, p))))
                     except (FileNotFound, NotADirectory):
                         raise self._missing(step, src) from None
+                    except (InvalidPath, IsASymlink, TooLarge) as e:  # a /proc link, too big
+                        raise _stage_error("source_refused", f"step {step.describe()!r}: "
+                                           f"{src}: {e.message}", step=step.describe(),
+                                           path=src, code=e.code) from None
         return repack(parts, dest)
 
     def _glob(self, sb: Any, step: Step, path: str) -> list[str]:
