@@ -390,9 +390,9 @@ class _Builder:
                 # the source's identity and the paths: a changed stage is another image
                 what = [source.name, source.digest, source.layers, step.args["srcs"],
                         self._dest(step, cfg), step.args.get("chown")]
-                if source.digest is None:  # no content digest (the host, a rootfs): the
+                if not source.layers:  # no stored layers (the host, a rootfs dir): the
                     target, blob = self._extract(step, source, self._dest(step, cfg))
-                    source = None          # bytes copied are the key, as for a local COPY
+                    source = None      # bytes copied are the key, as for a local COPY
             key = _sha(key, step.kind, what, hashlib.sha256(blob).hexdigest())
             cache = CACHE_PREFIX + key[:48]
             hit = self._info(cache)
