@@ -364,7 +364,13 @@ def test_multi_stage_target_and_a_stage_as_a_base(env: dict, stages: dict) -> No
         text = _two_stage(env, stages) + "FROM build AS broken\nRUN exit 7\n"
         with pytest.raises(BuildFailed):  # the last stage is the default target
             dockerfile.parse(text, "/").build("never-built", endpoint=ep)
-        res = dockerfile.parse(text, "/", target="test").build("mstarget", endpoint=ep)
+        recipe = dockerfile.parse(text, "/", target="test")
+        with tempfile.TemporaryDirectory(dir="/var/tmp") as ctx:
+            with open(os.path.join(ctx, "Dockerfile"), "w") as fh:
+                fh.write(text)
+            same = corral.Image.from_dockerfile(os.path.join(ctx, "Dockerfile"), target="test")
+        assert [x.describe() for x in same.steps] == [x.describe() for x in recipe.steps]
+        res = recipe.build("mstarget", endpoint=ep)
         assert len(res.steps) == 3 and not any(s.step.startswith("COPY") for s in res.steps)
         with corral.Sandbox(image="mstarget", endpoint=ep, cwd="/") as sb:
             r = sb.exec("cat /src/out/app /src/junk /src/tested; id -un")
