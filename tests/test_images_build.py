@@ -264,7 +264,8 @@ def test_dockerfile_build_and_unsupported_instructions(env: dict) -> None:
             r = sb.exec("cat /greet /data/hello.txt; id -un; pwd")
             assert r.stdout == "corral 1 two\nhello\napp\n/data\n", r.stderr
         assert recipe.build("fromdocker", endpoint=ep).cached
-        for bad in ("FROM x\nVOLUME /v\n", "FROM x\nFROM y\n", "FROM x\nCOPY --from=a b c\n",
+        for bad in ("FROM x\nVOLUME /v\n", "FROM x\nCOPY --chmod=755 b c\n",
+                    "FROM x AS 1bad\n", "FROM x\nADD --from=x b c\n",
                     "FROM x\nADD http://example.com/a /a\n", "RUN true\n"):
             with pytest.raises(BuildFailed):
                 dockerfile.parse(bad, ctx)
@@ -274,6 +275,212 @@ def test_dockerfile_build_and_unsupported_instructions(env: dict) -> None:
     finally:
         shutil.rmtree(ctx, ignore_errors=True)
         _rm(ep, "fromdocker")
+
+
+# ---- multi-stage --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stages(env: dict) -> Iterator[dict]:
+    """A slim image (busybox, no /opt/base.txt) to copy into, and a tools image in the
+    registry that no build has pulled yet."""
+    reg = env["reg"]
+    slim = fx.oci_layout("buildslim", [("gzip", fx.busybox_base()),
+                                       ("gzip", [fx.sym("bin/chown", "busybox")])],
+                         {"Env": ["PATH=/bin"]})
+    tools = fx.oci_layout("buildtools", [("gzip", [fx.d("opt"), fx.d("opt/tools"),
+                                                   fx.f("opt/tools/tool.sh", b"echo tool\n",
+                                                        0o755),
+                                                   fx.d("opt/tools/lib"),
+                                                   fx.f("opt/tools/lib/x", b"x\n")])])
+    reg.push(slim, "team/slim")
+    reg.push(tools, "team/tools")
+    yield {"slim": f"{reg.addr}/team/slim:latest", "tools": f"{reg.addr}/team/tools:latest"}
+
+
+def _two_stage(env: dict, stages: dict) -> str:
+    return (f"ARG BASE={env['base']}\nFROM $BASE AS build\nARG V=one\nUSER root\n"
+            "RUN mkdir -p /src/out && echo compiled-$V > /src/out/app && echo junk > /src/junk"
+            " && chmod 755 /src/out/app\n"
+            "FROM build AS test\nRUN echo tested > /src/tested\n"
+            f"FROM {stages['slim']}\nRUN echo slim > /slim\n"
+            "COPY --from=build --chown=app:app /src/out/ /usr/local/bin/\n"
+            "COPY --from=0 /src/out/app /opt/app-copy\n"
+            f"COPY --from={stages['tools']} /opt/tools/*.sh /opt/tools/lib /opt/\n"
+            "CMD [\"cat\", \"/usr/local/bin/app\"]\n")
+
+
+def test_multi_stage_build_takes_only_the_copied_files(env: dict, stages: dict) -> None:
+    """Stage 1 builds a file with RUN; the slim last stage copies it (and files of a
+    registry image, pulled on demand) and has nothing else of stage 1; the ``test`` stage
+    the last one does not need is not built; a rebuild runs no sandbox."""
+    ep = env["ep"]
+    try:
+        recipe = dockerfile.parse(_two_stage(env, stages), "/nonexistent-context")
+        res = recipe.build("twostage", endpoint=ep)
+        assert not any("tested" in s.step for s in res.steps), res.steps
+        assert [s.step.split(":")[0] for s in res.steps][:3] == ["RUN echo slim > /slim",
+                                                                  "build", "build"]
+        with corral.Sandbox(image="twostage", endpoint=ep, cwd="/") as sb:
+            r = sb.exec("cat /usr/local/bin/app /opt/app-copy /slim; stat -c '%U %a' "
+                        "/usr/local/bin/app /opt/app-copy; sh /opt/tool.sh; ls /opt;"
+                        " test -e /src && echo STAGE1-LEAKED; test -e /opt/base.txt &&"
+                        " echo BASE-LEAKED")
+            assert r.stdout == ("compiled-one\ncompiled-one\nslim\napp 755\nroot 755\n"
+                                "tool\napp-copy\ndata\ntool.sh\nx\n"), r.stderr
+        info = admin.image_info("twostage", endpoint=ep)
+        slim = admin.image_info(stages["slim"], endpoint=ep)
+        built = admin.image_info(res.steps[2].image, endpoint=ep)  # the end of stage 1
+        assert info.layers is not None and slim.layers is not None
+        assert info.layers[:2] == slim.layers and len(info.layers) == 2 + 4
+        assert not set(built.layers or []) & set(info.layers[2:])  # no layer of stage 1
+        assert info.config["Cmd"] == ["cat", "/usr/local/bin/app"]
+        warm = [recipe.build("twostage", endpoint=ep) for _ in range(3)]
+        assert all(w.cached and len(w.steps) == len(res.steps) for w in warm), warm
+        assert min(w.seconds for w in warm) < 1.0, warm  # lookups only (the best of 3)
+    finally:
+        _rm(ep, "twostage")
+
+
+def test_multi_stage_cache_follows_the_source_stage(env: dict, stages: dict) -> None:
+    """A change in stage 1 rebuilds it and every COPY --from of it; the steps before the
+    first such COPY stay cached."""
+    ep = env["ep"]
+    text = _two_stage(env, stages)
+    try:
+        dockerfile.parse(text, "/", {"V": "one"}).build("msc", endpoint=ep)
+        again = dockerfile.parse(text, "/", {"V": "two"}).build("msc", endpoint=ep)
+        assert [(s.step.split()[0], s.cached) for s in again.steps] == [
+            ("RUN", True), ("build:", True), ("build:", False), ("COPY", False),
+            ("COPY", False), ("COPY", False), ("CONFIG", False)]
+        with corral.Sandbox(image="msc", endpoint=ep, cwd="/") as sb:
+            assert sb.exec("cat /usr/local/bin/app /opt/app-copy").stdout == \
+                "compiled-two\ncompiled-two\n"
+    finally:
+        _rm(ep, "msc")
+
+
+def test_multi_stage_target_and_a_stage_as_a_base(env: dict, stages: dict) -> None:
+    ep = env["ep"]
+    try:
+        text = _two_stage(env, stages) + "FROM build AS broken\nRUN exit 7\n"
+        with pytest.raises(BuildFailed):  # the last stage is the default target
+            dockerfile.parse(text, "/").build("never-built", endpoint=ep)
+        recipe = dockerfile.parse(text, "/", target="test")
+        with tempfile.TemporaryDirectory(dir="/var/tmp") as ctx:
+            with open(os.path.join(ctx, "Dockerfile"), "w") as fh:
+                fh.write(text)
+            same = corral.Image.from_dockerfile(os.path.join(ctx, "Dockerfile"), target="test")
+        assert [x.describe() for x in same.steps] == [x.describe() for x in recipe.steps]
+        res = recipe.build("mstarget", endpoint=ep)
+        assert len(res.steps) == 3 and not any(s.step.startswith("COPY") for s in res.steps)
+        with corral.Sandbox(image="mstarget", endpoint=ep, cwd="/") as sb:
+            r = sb.exec("cat /src/out/app /src/junk /src/tested; id -un")
+            assert r.stdout == "compiled-one\njunk\ntested\nroot\n", r.stderr
+        # a name that is no stage: an image the daemon has
+        res = dockerfile.parse(f"FROM {stages['slim']}\nCOPY --from=mstarget /src/junk /j\n",
+                               "/").build("mslocal", endpoint=ep)
+        with corral.Sandbox(image="mslocal", endpoint=ep, cwd="/") as sb:
+            assert sb.exec("cat /j").stdout == "junk\n"
+        # the Python builder: a recipe copies out of another recipe
+        build = (corral.Image.from_registry(env["base"])
+                 .run_commands("mkdir -p /home/app/o && echo py > /home/app/o/f")).named("b")
+        final = corral.Image.from_registry(stages["slim"]).copy_from(build, "/home/app/o/f",
+                                                                     "/srv/got")
+        assert final.build("mspy", endpoint=ep).steps[0].step.startswith("b: RUN")
+        with corral.Sandbox(image="mspy", endpoint=ep, cwd="/") as sb:
+            assert sb.exec("cat /srv/got").stdout == "py\n"
+    finally:
+        _rm(ep, "mslocal", "mstarget", "mspy", "never-built")
+
+
+def test_copy_from_an_image_without_a_digest_is_keyed_by_its_bytes(env: dict,
+                                                                    stages: dict) -> None:
+    """A rootfs image has no content digest: a COPY --from of it is keyed by the bytes it
+    copies, so a new tree under the same name is not taken from the cache."""
+    ep = env["ep"]
+    root = tempfile.mkdtemp(prefix="corral-msroot-", dir="/var/tmp")
+    text = f"FROM {stages['slim']}\nCOPY --from=msroot /data/v /v\n"
+    try:
+        os.makedirs(os.path.join(root, "data"))
+        for version in ("1", "2"):
+            with open(os.path.join(root, "data", "v"), "w") as fh:
+                fh.write(version)
+            _rm(ep, "msroot")
+            admin.import_image("msroot", root, endpoint=ep)
+            res = dockerfile.parse(text, "/").build("msrootb", endpoint=ep)
+            assert not res.steps[0].cached
+            with corral.Sandbox(image="msrootb", endpoint=ep, cwd="/") as sb:
+                assert sb.exec("cat /v").stdout == version
+        assert dockerfile.parse(text, "/").build("msrootb", endpoint=ep).cached
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        _rm(ep, "msrootb", "msroot")
+
+
+def test_copy_from_reads_only_the_source_stages_own_files(env: dict, stages: dict) -> None:
+    """Attack: stage 1 plants symlinks that climb out of its root and into /proc, and the
+    last stage copies through them; what arrives is stage 1's own files (or a refusal),
+    never the host's."""
+    ep = env["ep"]
+    marker = f"host-only-{time.time_ns()}"
+    host_file = tempfile.NamedTemporaryFile("w", prefix="corral-mshost-", dir="/var/tmp",
+                                            delete=False)
+    host_file.write(marker)
+    host_file.close()
+    name = os.path.basename(host_file.name)
+    stage = (f"FROM {env['base']} AS evil\nUSER root\n"
+             "RUN ln -s ../../../../../../../../ /up && ln -s /proc/1/root /pr &&"
+             f" ln -s /proc/self/cwd /cwd && mkdir -p /var/tmp &&"
+             f" echo stage-own > /var/tmp/{name}\nFROM {stages['slim']}\n")
+    try:
+        for via in ("/up", "/pr", "/cwd/var/..", "/up/proc/1/root"):
+            try:
+                dockerfile.parse(stage + f"COPY --from=evil {via}/var/tmp/{name} /got\n",
+                                 "/").build("msevil", endpoint=ep)
+            except BuildFailed as e:  # refused (a /proc link) is fine; a leak is not
+                assert e.details["reason"] in ("source_refused", "source_not_found"), e.details
+                assert marker not in str(e.details)
+                continue
+            with corral.Sandbox(image="msevil", endpoint=ep, cwd="/") as sb:
+                r = sb.exec("cat /got")
+                assert r.stdout == "stage-own\n", (via, r)
+    finally:
+        os.unlink(host_file.name)
+        _rm(ep, "msevil")
+
+
+def test_multi_stage_errors_have_stable_reasons(env: dict, stages: dict) -> None:
+    """A --from of the stage itself, of a later stage, of an index past the last, a second
+    stage of one name and an unknown target are refused before anything runs; a --from of
+    a name that is neither a stage nor an image, and a source path the stage lacks, fail the
+    build and leave no image of the target name."""
+    ep = env["ep"]
+    base = env["base"]
+    for text, target, reason in [
+            (f"FROM {base} AS a\nCOPY --from=a /x /y\n", None, "stage_cycle"),
+            (f"FROM {base} AS a\nCOPY --from=b /x /y\nFROM {base} AS b\n", None,
+             "later_stage"),
+            (f"FROM {base}\nCOPY --from=1 /x /y\nFROM {base}\n", None, "later_stage"),
+            (f"FROM {base}\nCOPY --from=3 /x /y\n", None, "unknown_stage"),
+            (f"FROM {base} AS a\nFROM {base} AS A\n", None, "duplicate_stage"),
+            (f"FROM {base} AS a\nRUN true\n", "nosuch", "unknown_target")]:
+        with pytest.raises(BuildFailed) as e:
+            dockerfile.parse(text, "/", target=target)
+        assert e.value.code == "build_failed" and e.value.details["reason"] == reason, text
+    before = {i.name for i in admin.images(endpoint=ep)}
+    for text, reason in [
+            (f"FROM {base} AS a\nRUN true\nFROM {base}\nCOPY --from=nosuch /x /y\n",
+             "unknown_stage"),
+            (f"FROM {base} AS a\nRUN echo > /home/app/e\nFROM {base}\n"
+             "COPY --from=a /home/app/missing /y\n", "source_not_found"),
+            (f"FROM {base}\nCOPY --from={stages['tools']} /opt/tools/*.none /y\n",
+             "source_not_found")]:
+        with pytest.raises(BuildFailed) as e:
+            dockerfile.parse(text, "/").build("mserr", endpoint=ep)
+        assert e.value.details["reason"] == reason, (text, e.value.details)
+    after = {i.name for i in admin.images(endpoint=ep)}
+    assert "mserr" not in after
+    # what stays is the stage step that succeeded (a cached layer) and the pulled tools image
+    assert {n for n in after - before if not n.startswith("build-")} <= {stages["tools"]}
 
 
 # ---- push ---------------------------------------------------------------------------------
@@ -330,6 +537,21 @@ def test_cli_build_commit_push(env: dict) -> None:
             sb.exec("echo more >> /home/app/cli")
             r = cli("image", "commit", sb.id, "clic")
             assert r.returncode == 0 and "committed clic" in r.stdout, r.stderr
+        with open(os.path.join(ctx, "Dockerfile.stages"), "w") as fh:
+            fh.write(f"FROM {env['base']} AS one\nRUN echo one > /home/app/one\n"
+                     f"FROM {env['base']}\nCOPY --from=one /home/app/one /home/app/copied\n"
+                     "RUN cat /home/app/one\n")
+        r = cli("image", "build", "-f", os.path.join(ctx, "Dockerfile.stages"), "--target",
+                "one", "-t", "clistage", ctx)
+        assert r.returncode == 0 and "built clistage" in r.stdout, r.stderr
+        assert "[1/1] RUN" in r.stderr and "COPY" not in r.stderr, r.stderr
+        r = cli("image", "build", "-f", os.path.join(ctx, "Dockerfile.stages"), "-t",
+                "clistage", ctx)  # the last stage: its RUN sees no file of stage one
+        assert r.returncode != 0 and "build_failed" in r.stderr, r.stderr
+        assert "[one 1/1] RUN" in r.stderr and "(cached)" in r.stderr, r.stderr
+        r = cli("image", "build", "-f", os.path.join(ctx, "Dockerfile.stages"), "--target",
+                "two", "-t", "clistage", ctx)
+        assert r.returncode != 0 and "no stage named 'two'" in r.stderr, r.stderr
         r = cli("image", "push", "clic", f"{reg.addr}/team/clic:1")
         assert r.returncode == 0 and "pushed" in r.stdout, r.stderr
         with open(os.path.join(ctx, "Dockerfile.bad"), "w") as fh:
@@ -338,7 +560,7 @@ def test_cli_build_commit_push(env: dict) -> None:
         assert r.returncode != 0 and "build_failed" in r.stderr and "line 2" in r.stderr
     finally:
         shutil.rmtree(ctx, ignore_errors=True)
-        _rm(ep, "clib", "clic")
+        _rm(ep, "clib", "clic", "clistage")
 
 
 def test_commit_on_a_rootfs_image(env: dict) -> None:

@@ -222,8 +222,8 @@ def test_an_agent_cannot_forge_its_reward(tmp_path: Path, no_leaks: None,
 
 def test_dockerfile_and_task_refusals(tmp_path: Path) -> None:
     bad = {
-        "two-stages": "FROM host AS a\nRUN true\nFROM host\n",
-        "copy-from": "FROM host\nCOPY --from=a /x /y\n",
+        "stage-cycle": "FROM host AS a\nCOPY --from=a /x /y\n",
+        "later-stage": "FROM host\nCOPY --from=1 /x /y\nFROM host\n",
         "outside": "FROM host\nCOPY ../../task.toml /x\n",
         "url": "FROM host\nADD http://example.com/x /x\n",
         "no-from": "RUN true\n",

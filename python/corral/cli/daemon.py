@@ -280,18 +280,20 @@ def image_build(
     tag: str = typer.Option(..., "-t", "--tag", help="The image's name."),
     build_arg: list[str] = typer.Option([], "--build-arg", help="ARG=VALUE (repeat)."),
     network: str = typer.Option("none", "--network", help="Network mode of RUN steps."),
+    target: str = typer.Option(None, "--target", help="The stage to build (default: the "
+                                                      "last); only the stages it needs run."),
     json_: bool = JSON,
 ) -> None:
     """Build an image from a Dockerfile: each RUN / COPY step runs in a sandbox and becomes
-    a cached layer (FROM, RUN, COPY, ADD of local files, ENV, ARG, WORKDIR, USER, LABEL,
-    MAINTAINER, CMD, ENTRYPOINT, EXPOSE, STOPSIGNAL)."""
+    a cached layer (FROM, with stages and COPY --from, RUN, COPY, ADD of local files, ENV,
+    ARG, WORKDIR, USER, LABEL, MAINTAINER, CMD, ENTRYPOINT, EXPOSE, STOPSIGNAL)."""
     from corral.sdk import dockerfile
 
     path = file or os.path.join(context, "Dockerfile")
     with open(path) as f:
         text = f.read()
     args = dict(a.partition("=")[::2] for a in build_arg)
-    recipe = dockerfile.parse(text, os.path.abspath(context), args)
+    recipe = dockerfile.parse(text, os.path.abspath(context), args, target=target)
     res = recipe.build(tag, network=network,
                        output=None if json_ else (lambda s: err.print(s, markup=False,
                                                                       highlight=False)))

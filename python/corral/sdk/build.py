@@ -6,6 +6,10 @@ by a hash of everything it depends on (the base image's digest, layers and confi
 before it, its own command or the bytes it copies): ``build-<hash>``. A build finds those
 names first, so a rebuild with nothing changed runs no sandbox at all.
 
+A recipe may copy files out of another recipe (a stage: built first, only when some step
+needs it) or out of an image (``copy_from``): a sandbox on that image hands a tar of the
+paths to the step's sandbox; the step's key holds the source image's identity and the paths.
+
 >>> img = (corral.Image.from_registry("127.0.0.1:5000/team/base:1")
 ...        .run_commands("echo hi > /greeting").env({"MODE": "test"})
 ...        .copy_local_dir("./src", "/app").workdir("/app").cmd(["python3", "main.py"]))
@@ -14,6 +18,7 @@ names first, so a rebuild with nothing changed runs no sandbox at all.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import io
 import json
@@ -27,7 +32,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from corral.errors import BuildFailed, Conflict, ImageNotFound, InvalidRequest
+from corral.errors import (
+    BuildFailed,
+    Conflict,
+    FileNotFound,
+    ImageNotFound,
+    InvalidPath,
+    InvalidRequest,
+    IsASymlink,
+    NotADirectory,
+    TooLarge,
+)
 from corral.models import ImageInfo
 from corral.sdk import api
 from corral.sdk.endpoint import Endpoint
@@ -41,7 +56,7 @@ CACHE_PREFIX = "build-"
 
 @dataclass(frozen=True)
 class Step:
-    kind: str  # "run" | "copy" | "workdir" | "config"
+    kind: str  # "run" | "copy" | "copy_from" | "workdir" | "config"
     args: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -51,6 +66,10 @@ class Step:
         if self.kind == "copy":
             chown = f"--chown={self.args['chown']} " if self.args.get("chown") else ""
             return f"COPY {chown}{' '.join(self.args['srcs'])} {self.args['dest']}"
+        if self.kind == "copy_from":
+            chown = f"--chown={self.args['chown']} " if self.args.get("chown") else ""
+            return (f"COPY --from={self.args['from']} {chown}{' '.join(self.args['srcs'])} "
+                    f"{self.args['dest']}")
         if self.kind == "workdir":
             return f"WORKDIR {self.args['path']}"
         return "CONFIG " + json.dumps(self.args["changes"], sort_keys=True)
@@ -79,12 +98,18 @@ class BuildResult:
 class Image:
     """An image recipe: a base and steps, each method returning a new recipe."""
 
-    def __init__(self, base: str, steps: Sequence[Step] = ()) -> None:
+    def __init__(self, base: str, steps: Sequence[Step] = (), *,
+                 stage: str | None = None) -> None:
         self.base = base
         self.steps: tuple[Step, ...] = tuple(steps)
+        self.stage = stage  # a name for progress lines when another recipe copies from it
 
     def _add(self, step: Step) -> Image:
-        return Image(self.base, (*self.steps, step))
+        return Image(self.base, (*self.steps, step), stage=self.stage)
+
+    def named(self, stage: str) -> Image:
+        """The same recipe, called ``stage`` in progress lines."""
+        return Image(self.base, self.steps, stage=stage)
 
     # ---- bases ----------------------------------------------------------------------------
     @staticmethod
@@ -96,6 +121,20 @@ class Image:
     def from_name(name: str) -> Image:
         """An image the daemon has (imported, committed, built)."""
         return Image(name)
+
+    @staticmethod
+    def from_dockerfile(path: str | os.PathLike[str], context: str | os.PathLike[str] | None
+                        = None, *, build_args: Mapping[str, str] | None = None,
+                        target: str | None = None) -> Image:
+        """The recipe of a Dockerfile (its COPY sources under ``context``, default the
+        file's directory); ``target``: the stage to build, default the last."""
+        from corral.sdk import dockerfile
+
+        with open(path) as f:
+            text = f.read()
+        ctx = os.path.abspath(context if context is not None else os.path.dirname(
+            os.path.abspath(path)))
+        return dockerfile.parse(text, ctx, build_args, target=target)
 
     # ---- steps that change files ----------------------------------------------------------
     def run_commands(self, *cmds: str | Sequence[str]) -> Image:
@@ -129,6 +168,22 @@ class Image:
         return self._add(Step("copy", {"srcs": [os.fspath(local)], "dest": remote,
                                        "context": None}))
 
+    def copy_from(self, source: Image | str, srcs: str | Sequence[str], dest: str, *,
+                  chown: str | None = None) -> Image:
+        """Paths ``srcs`` (absolute in ``source``; a ``*``/``?``/``[]`` pattern in the last
+        component) out of another recipe ``source`` (built first, as a stage of this build) or
+        out of an image (a name or a registry reference) into ``dest``, as COPY does: a
+        directory's contents, a file by its name into a ``dest`` ending in ``/`` (or when
+        there are several) else as ``dest``. Owned by root unless ``chown``."""
+        paths = [srcs] if isinstance(srcs, str) else list(srcs)
+        if not paths:
+            raise InvalidRequest("copy_from needs a source path")
+        label = source if isinstance(source, str) else (source.stage or source.base)
+        args: dict[str, Any] = {"source": source, "from": label, "srcs": paths, "dest": dest}
+        if chown:
+            args["chown"] = chown
+        return self._add(Step("copy_from", args))
+
     def workdir(self, path: str) -> Image:
         """The working directory of later steps and of the image's sandboxes (made)."""
         return self._add(Step("workdir", {"path": path}))
@@ -160,6 +215,10 @@ class Image:
         output and leaves no layer. ``output`` gets progress lines."""
         return _Builder(self, Endpoint.parse(endpoint), network, step_timeout, memory_mb,
                         output or (lambda s: None)).build(name, replace)
+
+
+def glob_magic(s: str) -> bool:
+    return any(c in s for c in "*?[")
 
 
 def _sha(*parts: Any) -> str:
@@ -224,12 +283,53 @@ def _failed(step: Step, r: ExecResult) -> BuildFailed:
                                 "stdout": r.stdout[-4000:], "stderr": r.stderr[-4000:]})
 
 
+def _stage_error(reason: str, msg: str, **details: Any) -> BuildFailed:
+    return BuildFailed(msg, details={"reason": reason, **details})
+
+
+def repack(parts: Sequence[tuple[str, bytes]], dest: str) -> tuple[str, bytes]:
+    """(the directory to extract into, one tar) of the daemon's tars of source paths
+    (``(path, tar)``: a directory's as ``.`` and its contents, a file's as its name) for a
+    copy to ``dest``, with copy_tar's rules: a directory's contents, a file by its name into
+    a directory ``dest`` or as ``dest``. Owned by root."""
+    into_dir = dest.endswith("/") or len(parts) > 1
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as out:
+        for path, raw in parts:
+            with tarfile.open(fileobj=io.BytesIO(raw)) as tf:
+                members = tf.getmembers()
+                is_dir = bool(members) and members[0].name in (".", "./")
+                if is_dir and len(parts) == 1:
+                    into_dir = True
+                for m in members:
+                    if is_dir:
+                        if m.name in (".", "./"):
+                            continue
+                        name = m.name.removeprefix("./")
+                    else:
+                        name = posixpath.basename(path) if into_dir else posixpath.basename(
+                            dest)
+                    ti = tarfile.TarInfo(name)
+                    ti.type, ti.mode, ti.mtime = m.type, m.mode, int(m.mtime)
+                    ti.linkname, ti.uid, ti.gid = m.linkname, 0, 0
+                    if m.isreg():
+                        ti.size = m.size
+                        out.addfile(ti, tf.extractfile(m))
+                    elif m.isdir() or m.issym():
+                        out.addfile(ti)
+    target = dest.rstrip("/") if into_dir else posixpath.dirname(dest)
+    return target or "/", buf.getvalue()
+
+
 class _Builder:
     def __init__(self, image: Image, ep: Endpoint, network: str, step_timeout: float,
                  memory_mb: int, out: Callable[[str], None]) -> None:
         self.image, self.ep, self.network = image, ep, network
         self.timeout, self.memory_mb, self.out = step_timeout, memory_mb, out
         self.t = transport(ep)
+        # the stages built in this build, by recipe (each built once however many use it)
+        self.stages: dict[int, tuple[Image, ImageInfo]] = {}
+        self.results: list[StepResult] = []
 
     def _info(self, name: str) -> ImageInfo | None:
         try:
@@ -237,56 +337,137 @@ class _Builder:
         except ImageNotFound:
             return None
 
-    def _base(self) -> ImageInfo:
-        info = self._info(self.image.base)
+    def _resolve(self, ref: str, stages: Sequence[str] | None = None) -> ImageInfo:
+        """The image ``ref``, pulled if it is a registry reference the daemon lacks.
+        ``stages``: a Dockerfile's stage names, for the error of a name that is neither."""
+        info = self._info(ref)
         if info is None:
-            if not any(c in self.image.base for c in "/:@"):
-                raise ImageNotFound(f"no image named {self.image.base!r}",
-                                    details={"image": self.image.base})
-            self.out(f"pulling {self.image.base}")
-            info = self.t.call(api.pull_image(self.image.base))
+            if not any(c in ref for c in "/:@"):
+                if stages is not None:
+                    raise _stage_error("unknown_stage", f"--from={ref} is neither a stage of "
+                                       f"this Dockerfile ({', '.join(stages) or 'none named'})"
+                                       " nor an image the daemon has",
+                                       stage=ref, stages=list(stages))
+                raise ImageNotFound(f"no image named {ref!r}", details={"image": ref})
+            self.out(f"pulling {ref}")
+            info = self.t.call(api.pull_image(ref))
         return info
 
     def build(self, name: str, replace: bool) -> BuildResult:
         t0 = time.monotonic()
-        base = self._base()
+        cur = self._build(self.image, "")
+        final = self.t.call(api.tag_image(cur.name, name, None, replace))
+        return BuildResult(final, self.results, round(time.monotonic() - t0, 4))
+
+    def _source(self, step: Step) -> ImageInfo:
+        """The image a copy_from step copies out of: its stage built (once), or resolved."""
+        src = step.args["source"]
+        if isinstance(src, str):
+            return self._resolve(src, step.args.get("stages"))
+        if id(src) not in self.stages:
+            self.stages[id(src)] = (src, self._build(src, str(step.args["from"])))
+        return self.stages[id(src)][1]
+
+    def _build(self, image: Image, stage: str) -> ImageInfo:
+        """Every step of ``image`` (from the cache or run): the last step's image.
+        ``stage``: its name in progress lines, when another recipe copies from it."""
+        base = self._resolve(image.base)
         key = _sha(BUILD_VERSION, base.name, base.digest, base.layers, base.config)
-        cur, cfg = base.name, dict(base.config or {})
-        results: list[StepResult] = []
-        for i, step in enumerate(self.image.steps):
+        info, cfg = base, dict(base.config or {})
+        for i, step in enumerate(image.steps):
             s0 = time.monotonic()
             blob: bytes = b""
             target = ""
-            if step.kind == "copy":
-                dest = step.args["dest"]
-                if not dest.startswith("/"):
-                    dest = posixpath.join(cfg.get("WorkingDir") or "/", dest)
-                target, blob = copy_tar(step.args["srcs"], dest, step.args.get("context"))
             what: Any = step.args
+            source: ImageInfo | None = None
             if step.kind == "copy":
+                target, blob = copy_tar(step.args["srcs"], self._dest(step, cfg),
+                                        step.args.get("context"))
                 what = [target, step.args["chown"]] if step.args.get("chown") else target
+            elif step.kind == "copy_from":
+                source = self._source(step)
+                s0 = time.monotonic()  # the stage's own steps are counted as theirs
+                # the source's identity and the paths: a changed stage is another image
+                what = [source.name, source.digest, source.layers, step.args["srcs"],
+                        self._dest(step, cfg), step.args.get("chown")]
+                if not source.layers:  # no stored layers (the host, a rootfs dir): the
+                    target, blob = self._extract(step, source, self._dest(step, cfg))
+                    source = None      # bytes copied are the key, as for a local COPY
             key = _sha(key, step.kind, what, hashlib.sha256(blob).hexdigest())
             cache = CACHE_PREFIX + key[:48]
-            info = self._info(cache)
-            cached = info is not None
-            label = f"[{i + 1}/{len(self.image.steps)}] {step.describe()}"
-            if info is None:
+            hit = self._info(cache)
+            label = f"[{stage + ' ' if stage else ''}{i + 1}/{len(image.steps)}] " \
+                    f"{step.describe()}"
+            if hit is None:
                 self.out(label)
+                if source is not None:
+                    target, blob = self._extract(step, source, self._dest(step, cfg))
                 try:
-                    info = self._run(step, cur, cache, target, blob)
+                    hit = self._run(step, info.name, cache, target, blob)
                 except Conflict:
                     # Another build of the same recipe committed this step first; the
                     # name is its content's hash, so that image is this step's result.
-                    info = self._info(cache)
-                    if info is None:
+                    again = self._info(cache)
+                    if again is None:
                         raise
+                    hit = again
+                cached = False
             else:
                 self.out(label + " (cached)")
-            cur, cfg = info.name, dict(info.config or {})
-            results.append(StepResult(step.describe(), cache, cached,
-                                      round(time.monotonic() - s0, 4)))
-        final = self.t.call(api.tag_image(cur, name, None, replace))
-        return BuildResult(final, results, round(time.monotonic() - t0, 4))
+                cached = True
+            info, cfg = hit, dict(hit.config or {})
+            self.results.append(StepResult((f"{stage}: " if stage else "") + step.describe(),
+                                           cache, cached, round(time.monotonic() - s0, 4)))
+        return info
+
+    @staticmethod
+    def _dest(step: Step, cfg: Mapping[str, Any]) -> str:
+        dest = step.args["dest"]
+        if not dest.startswith("/"):
+            dest = posixpath.join(cfg.get("WorkingDir") or "/", dest)
+        return dest
+
+    def _extract(self, step: Step, source: ImageInfo, dest: str) -> tuple[str, bytes]:
+        """(target dir, tar) of the step's paths out of a sandbox on ``source``."""
+        from corral.sdk.sandbox import Sandbox
+
+        parts: list[tuple[str, bytes]] = []
+        with Sandbox(image=source.name, network="none", endpoint=self.ep, cwd="/",
+                     memory_mb=self.memory_mb, timeout=self.timeout + 60) as sb:
+            for src in step.args["srcs"]:
+                path = posixpath.normpath(posixpath.join("/", src))
+                paths = self._glob(sb, step, path) if glob_magic(path) else [path]
+                for p in paths:
+                    try:
+                        parts.append((p, sb._call(api.get_tar(sb.id, p))))
+                    except (FileNotFound, NotADirectory):
+                        raise self._missing(step, src) from None
+                    except (InvalidPath, IsASymlink, TooLarge) as e:  # a /proc link, too big
+                        raise _stage_error("source_refused", f"step {step.describe()!r}: "
+                                           f"{src}: {e.message}", step=step.describe(),
+                                           path=src, code=e.code) from None
+        return repack(parts, dest)
+
+    def _glob(self, sb: Any, step: Step, path: str) -> list[str]:
+        parent, pattern = posixpath.split(path)
+        if glob_magic(parent):
+            raise BuildFailed(f"step {step.describe()!r}: a pattern only in the last path "
+                              f"component ({path})", details={"step": step.describe()})
+        try:
+            entries = api.all_pages(sb._call, lambda after: api.list_dir(sb.id, parent, after))
+        except (FileNotFound, NotADirectory):
+            raise self._missing(step, path) from None
+        hits = sorted(posixpath.join(parent, e.name) for e in entries
+                      if fnmatch.fnmatchcase(e.name, pattern))
+        if not hits:
+            raise self._missing(step, path)
+        return hits
+
+    @staticmethod
+    def _missing(step: Step, src: str) -> BuildFailed:
+        return _stage_error("source_not_found", f"step {step.describe()!r}: {src} is not in "
+                            f"{step.args['from']}", step=step.describe(), path=src,
+                            source=str(step.args["from"]))
 
     def _run(self, step: Step, cur: str, cache: str, target: str, blob: bytes) -> ImageInfo:
         if step.kind == "config":
@@ -304,7 +485,7 @@ class _Builder:
                         self.out(r.stdout.rstrip("\n"))
                     if r.exit_code != 0:
                         raise _failed(step, r)
-            elif step.kind == "copy":
+            elif step.kind in ("copy", "copy_from"):
                 sb.exec(["mkdir", "-p", target], user=0, timeout=60).check()
                 sb._call(api.put_tar(sb.id, target, blob))
                 if step.args.get("chown"):  # the copied entries only, as Docker's --chown
