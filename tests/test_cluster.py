@@ -34,7 +34,13 @@ from raycluster import NODE_ARGS, corral_on_ray  # noqa: E402
 
 import corral  # noqa: E402
 import corral.cluster  # noqa: E402
-from corral.errors import SandboxLost, SandboxNotFound, error_from_payload  # noqa: E402
+from corral.errors import (  # noqa: E402
+    Conflict,
+    SandboxLost,
+    SandboxNotFound,
+    SnapshotNotFound,
+    error_from_payload,
+)
 from corral.sdk import admin  # noqa: E402
 from corral.sdk import endpoint as endpoint_mod  # noqa: E402
 
@@ -215,6 +221,40 @@ def test_create_many_splits_over_nodes_and_batches_go_to_each_node(cluster, gate
         assert wait_until(lambda: sum(_live(n) for n in cluster["nodes"]) == 0, timeout=15)
     finally:
         corral.Sandbox.kill_many(boxes, return_exceptions=True)
+
+
+def test_creates_from_a_snapshot_are_made_where_the_snapshot_is(cluster, gateway):
+    """Through the gateway, a create (single or batch) from a snapshot lands on the node that
+    holds it, whatever the load says; a snapshot no node has is snapshot_not_found; a name
+    two nodes both use is refused rather than guessed."""
+    assert wait_until(lambda: all(_live(n) == 0 for n in cluster["nodes"]), timeout=15)
+    nodes = list(cluster["nodes"])
+    parents = [corral.Sandbox(image="host", memory_mb=64, timeout=120) for _ in range(4)]
+    kids: list = []
+    snaps: list = []
+    try:
+        by_node = {p.info().node: p for p in parents}
+        assert set(by_node) == set(nodes), "four creates spread over both nodes"
+        for node, p in by_node.items():
+            p.files.write("/work/state", f"from {node}\n")
+            snaps.append(p.snapshot(name="same-name"))
+        for snap, (node, _) in zip(snaps, by_node.items(), strict=True):
+            made = [corral.Sandbox(snapshot=snap.id, memory_mb=64, timeout=120)
+                    for _ in range(3)]
+            made += corral.Sandbox.create_many(3, snapshot=snap.id, memory_mb=64, timeout=120)
+            kids += made
+            assert {k.info().node for k in made} == {node}
+            assert {k.files.read("/work/state") for k in made} == {f"from {node}\n"}
+        with pytest.raises(SnapshotNotFound):
+            corral.Sandbox(snapshot="snap-0000000000000000", memory_mb=64)
+        with pytest.raises(SnapshotNotFound):
+            corral.Sandbox.create_many(2, snapshot="snap-0000000000000000", memory_mb=64)
+        with pytest.raises(Conflict):  # one name on both nodes: two different snapshots
+            corral.Sandbox(snapshot="same-name", memory_mb=64)
+    finally:
+        corral.Sandbox.kill_many([*kids, *parents], return_exceptions=True)
+        for snap in snaps:
+            snap.delete()
 
 
 def _batch(url: str, token: str | None, body: dict, query: str = "stream=ndjson",

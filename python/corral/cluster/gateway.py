@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from corral.cluster import batch, broadcast
+from corral.cluster import batch, broadcast, snapshots
 from corral.cluster.placement import NodeLoad, choose
 from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resources
 from corral.daemon import batches
@@ -332,13 +332,19 @@ class Gateway:
             return _error(e)
         body = await request.read()
         image = _image_of(body)
+        pool = list(self.nodes.values())
+        if snap := snapshots.snapshot_of(body):  # made where the snapshot's layers are
+            try:
+                pool = await snapshots.holders(self, snap)
+            except CorralError as e:
+                return _error(e)
         headers = {"Authorization": f"Bearer {self.token}",
                    "Content-Type": request.headers.get("Content-Type", "application/json")}
         if key := request.headers.get("Idempotency-Key"):
             headers["Idempotency-Key"] = key
         tried: set[str] = set()
         while True:
-            candidates = [n for n in self.nodes.values() if n.node not in tried]
+            candidates = [n for n in pool if n.node not in tried]
             try:
                 n = choose(candidates, time.monotonic(), k=self.k, selector=selector,
                            image=image)
@@ -379,9 +385,11 @@ class Gateway:
             batches.wants_stream(request)
             partial = batch.wants_partial(request.query)
             req = batch.parse_body(CreateManyRequest, await request.read())
+            pool = list(self.nodes.values())
+            if req.spec.snapshot:  # made where the snapshot's layers are
+                pool = await snapshots.holders(self, req.spec.snapshot)
             try:
-                shares = batch.split(list(self.nodes.values()), req.count, self.k, selector,
-                                     req.spec.image)
+                shares = batch.split(pool, req.count, self.k, selector, req.spec.image)
             except CapacityExceeded as e:
                 self.refused(e, req.count)
                 raise
