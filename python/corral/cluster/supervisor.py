@@ -9,6 +9,7 @@ node (docs/cluster.md).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import select
@@ -37,7 +38,9 @@ class NodePaths:
 
     @classmethod
     def of(cls, cluster: str, node_id: str, state_root: str, run_dir: str) -> NodePaths:
-        short = node_id[:12]
+        # Short for paths and cgroup names, and unique: node ids that share a prefix (Ray's
+        # fake multi-node provider numbers them after 51 f's) still get their own.
+        short = node_id[:4] + hashlib.sha256(node_id.encode()).hexdigest()[:8]
         state = os.path.join(state_root, f"{cluster}-{short}")
         return cls(state_dir=state, socket=os.path.join(run_dir, f"{cluster}-{short}.sock"),
                    cgroup=f"corral-{cluster}-{short}",
