@@ -389,22 +389,31 @@ AnyNet = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 def _disjoint(rules: list[tuple[AnyNet, Ports]]) -> list[tuple[AnyNet, tuple[int, int]]]:
     """CIDR rules of one family as (network, port range) boxes that do not overlap (the
-    kernel's interval set refuses an element whose start or end lies in another's): ports
-    cut where any rule's range starts or ends, the networks covering each piece collapsed,
-    neighbouring pieces with the same networks joined again."""
-    cuts = sorted({lo for _, ps in rules for lo, _ in ps} |
-                  {hi + 1 for _, ps in rules for _, hi in ps})
-    pieces: list[tuple[list[AnyNet], int, int]] = []
-    for lo, end in zip(cuts, cuts[1:], strict=False):
-        nets = [n for n, ps in rules if any(a <= lo and end - 1 <= b for a, b in ps)]
-        merged = list(ipaddress.collapse_addresses(nets))  # type: ignore[arg-type]
-        if not merged:
-            continue
-        if pieces and pieces[-1][0] == merged and pieces[-1][2] == lo - 1:
-            pieces[-1] = (merged, pieces[-1][1], end - 1)
-        else:
-            pieces.append((merged, lo, end - 1))
-    return [(n, (lo, hi)) for nets, lo, hi in pieces for n in nets]
+    kernel's interval set refuses an element whose start or end lies in another's). Rules
+    whose networks overlap are taken together: their ports cut where any of their ranges
+    starts or ends, the networks covering each piece collapsed, neighbouring pieces with the
+    same networks joined again; a rule overlapping no other keeps its own elements."""
+    groups: list[list[tuple[AnyNet, Ports]]] = []
+    for rule in rules:
+        hit = [g for g in groups if any(rule[0].overlaps(n) for n, _ in g)]
+        groups = [g for g in groups if all(g is not h for h in hit)]
+        groups.append([rule, *(r for g in hit for r in g)])
+    out: list[tuple[AnyNet, tuple[int, int]]] = []
+    for group in groups:
+        cuts = sorted({lo for _, ps in group for lo, _ in ps} |
+                      {hi + 1 for _, ps in group for _, hi in ps})
+        pieces: list[tuple[list[AnyNet], int, int]] = []
+        for lo, end in zip(cuts, cuts[1:], strict=False):
+            nets = [n for n, ps in group if any(a <= lo and end - 1 <= b for a, b in ps)]
+            merged: list[AnyNet] = list(ipaddress.collapse_addresses(nets))  # type: ignore[type-var]
+            if not merged:
+                continue
+            if pieces and pieces[-1][0] == merged and pieces[-1][2] == lo - 1:
+                pieces[-1] = (merged, pieces[-1][1], end - 1)
+            else:
+                pieces.append((merged, lo, end - 1))
+        out += [(n, (lo, hi)) for nets, lo, hi in pieces for n in nets]
+    return out
 
 
 def _json_part(x: object) -> str:
