@@ -200,21 +200,25 @@ def test_always_denied_in_internet_mode(net: Env, host_listener: int):
     assert ("169.254.169.254", 80) not in seen and (lab.private, 80) not in seen
 
 
-def test_a_port_scan_of_the_host_finds_nothing(net: Env, host_listener: int):
+def test_a_port_scan_of_the_host_finds_nothing(net: Env, host_listener: int,
+                                               host_listener6: int):
+    """Every port 1-1024 and the host's own listeners, on each of its IPv4 and IPv6
+    addresses and both gateways: only the resolver on the IPv4 gateway answers."""
     scan = textwrap.dedent('''
         import socket, sys
         open_ = []
         for host in sys.argv[1:]:
+            fam = socket.AF_INET6 if ":" in host else socket.AF_INET
             for port in list(range(1, 1025)) + [int(p) for p in PORTS]:
-                s = socket.socket(); s.settimeout(0.5)
+                s = socket.socket(fam); s.settimeout(0.5)
                 if s.connect_ex((host, port)) == 0:
                     open_.append(f"{host}:{port}")
                 s.close()
         print(" ".join(open_) or "none")
-    ''').replace("PORTS", repr([str(host_listener), str(net.port)]))
+    ''').replace("PORTS", repr([str(host_listener), str(host_listener6), str(net.port)]))
     with net.sandbox(network="internet") as sb:
-        gw = sb.info().net.gateway
-        hosts = list(dict.fromkeys([gw, *_host_addrs()]))
+        gw, gw6 = sb.info().net.gateway, sb.info().net.gateway6
+        hosts = list(dict.fromkeys([gw, *_host_addrs(), gw6, *_host_addrs6()]))
         r = sb.exec(["python3", "-c", scan, *hosts], timeout=120)
         assert r.stdout.strip() == f"{gw}:53", r  # its resolver (DNS over TCP), nothing else
 
@@ -417,7 +421,8 @@ def test_named_allowlists_and_suffixes(net: Env):
 
 def test_private_ranges_only_when_named_and_metadata_never(net: Env):
     lab = net.lab
-    pol = Network(allow=[f"{lab.private}/32", "169.254.0.0/16", "private.test", "meta.test"],
+    pol = Network(allow=[f"{lab.private}/32", "169.254.0.0/16", "private.test", "meta.test",
+                         "10.0.0.0/8:80"],  # overlapping CIDRs: one set of elements
                   deny=[f"{lab.addr(12)}"])
     with net.sandbox(network=pol) as sb:
         r = probe(sb, f"connect={lab.private}:80", "connect=169.254.169.254:80",
@@ -712,6 +717,45 @@ def test_ipv6_spoofed_and_link_local_sources_are_dropped(net: Env):
         assert wait_until(lambda: any(e["data"] == "genuine6" for e in lab.entries("udp")))
         got = {e["data"] for e in lab.entries("udp") if e["src"].count(":") > 1}
         assert got == {"genuine6"}, got
+
+
+def test_a_daemon_without_an_ipv6_range_gives_ipv4_only(lab: netlab.Lab):
+    """CORRAL_NET_RANGE6=none: no IPv6 address in the sandbox, empty AAAA answers, and
+    IPv6 sent anyway (root in its namespace turning IPv6 on and adding an address) goes
+    nowhere."""
+    tag = os.urandom(2).hex()
+    x = random.randint(0, 255)
+    with private_daemon("corral-test-net4-", f"{CGROUP_NAME}-net4",
+                        CORRAL_UPLINK=lab.uplink, CORRAL_DNS_UPSTREAM=lab.dns,
+                        CORRAL_NET_RANGE=f"10.215.{x}.0/24", CORRAL_NET_RANGE6="none",
+                        CORRAL_NET_TABLE=f"corral_f{tag}", CORRAL_NET_IFPREFIX=f"f{tag}",
+                        CORRAL_NET_POOL="0", CORRAL_NETWORK_CONFIG="",
+                        CORRAL_TCP=f"127.0.0.1:{_free_port()}", CORRAL_TOKEN=TOKEN) as d:
+        with Sandbox(endpoint=f"unix://{d.socket_path}", network="internet", timeout=120) as sb:
+            st = sb.info().net
+            assert st.address6 is None and st.gateway6 is None, st
+            assert sb.exec("ip -6 -o addr show scope global").stdout == ""
+            r = probe(sb, "resolve6=allowed.test", "connect=allowed.test:80",
+                      f"connect6={lab.addr6(10)}:80")
+            assert not isinstance(r["resolve6=allowed.test"], list), r
+            assert ok(r["connect=allowed.test:80"]), r
+            assert not ok(r[f"connect6={lab.addr6(10)}:80"]), r
+            pid = str(sb.info().init_pid)
+            subprocess.run(["nsenter", "-t", pid, "-n", "sysctl", "-qw",
+                            "net.ipv6.conf.eth0.disable_ipv6=0"], check=True)
+            subprocess.run(["nsenter", "-t", pid, "-n", "ip", "addr", "add", "fd5d::2/128",
+                            "dev", "eth0", "nodad"], check=True)
+            subprocess.run(["nsenter", "-t", pid, "-n", "ip", "-6", "route", "add", "default",
+                            "dev", "eth0"], check=True)
+            sent = subprocess.run(["nsenter", "-t", pid, "-n", "python3", "-c", SPOOF6,
+                                   "fd5d::2", lab.addr6(10), "no-range6"],
+                                  capture_output=True, text=True).stdout.strip()
+            assert sent in ("sent", "err 101"), sent
+            # A packet over IPv4 sent after it arrives; the IPv6 one never does.
+            subprocess.run(["nsenter", "-t", pid, "-n", "python3", "-c", SPOOF, st.address,
+                            lab.addr(10), "v4-after"], check=True, capture_output=True)
+            assert wait_until(lambda: any(e["data"] == "v4-after" for e in lab.entries("udp")))
+            assert not [e for e in lab.entries("udp") if e["data"] == "no-range6"]
 
 
 # ---- teardown ------------------------------------------------------------------------------
