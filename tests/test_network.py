@@ -385,8 +385,9 @@ def test_a_port_range_of_a_name_is_pinned_for_that_range(net: Env):
     ports in the range open, others and unresolved addresses stay refused."""
     lab = net.lab
     with net.sandbox(network=Network(allow=["allowed.test:8000-8100"])) as sb:
-        r = probe(sb, f"connect={lab.addr(10)}:8080")
+        r = probe(sb, f"connect={lab.addr(10)}:8080", f"connect6={lab.addr6(10)}:8080")
         assert not ok(r[f"connect={lab.addr(10)}:8080"]), r   # not resolved yet
+        assert not ok(r[f"connect6={lab.addr6(10)}:8080"]), r
         r = probe(sb, "resolve=allowed.test", "connect=allowed.test:8080",
                   "connect=allowed.test:80", f"connect={lab.addr(12)}:8080")
         assert r["resolve=allowed.test"] == [lab.addr(10)], r
@@ -394,6 +395,10 @@ def test_a_port_range_of_a_name_is_pinned_for_that_range(net: Env):
         assert not ok(r["connect=allowed.test:80"]), r
         assert not ok(r[f"connect={lab.addr(12)}:8080"]), r
         assert lab.addr(10) in sb.info().net.pinned
+        # The same over IPv6: the AAAA answer pinned for that range only.
+        r = probe(sb, "connect6=allowed.test:8080", "connect6=allowed.test:80")
+        assert ok(r["connect6=allowed.test:8080"]) and not ok(r["connect6=allowed.test:80"]), r
+        assert lab.addr6(10) in sb.info().net.pinned
         name = _ifname_of(sb.info().net.address)
         assert _elements_naming(net, name)
     assert _elements_naming(net, name) == []
