@@ -404,6 +404,34 @@ def test_a_port_range_of_a_name_is_pinned_for_that_range(net: Env):
     assert _elements_naming(net, name) == []
 
 
+def test_port_range_pins_never_collide_with_cidr_rules_or_each_other(net: Env):
+    """Port-range pins whose ranges overlap a CIDR rule of the policy, or an earlier pin of
+    the same address for another name (IPv4 and IPv6): every lookup is answered and every
+    port of the ranges opens; other ports stay refused."""
+    lab = net.lab
+    pol = Network(allow=["allowed.test:8000-8100", f"{lab.net}.0/24:8081-9000",
+                         f"[{lab.net6}:1::/64]:8081-9000", "other.test:8080-8081",
+                         "a.wild.test:8079-8090"])
+    with net.sandbox(network=pol) as sb:
+        r = probe(sb, "resolve=allowed.test", "resolve6=allowed.test",
+                  "connect=allowed.test:8080", "connect6=allowed.test:8080",
+                  "connect=allowed.test:80", "resolve=other.test", "resolve6=other.test",
+                  "resolve=a.wild.test", "resolve6=a.wild.test", "connect=a.wild.test:8080",
+                  "connect6=a.wild.test:8080", "connect=other.test:8080",
+                  "connect6=other.test:80")
+        for name in ("allowed.test", "other.test", "a.wild.test"):
+            assert isinstance(r[f"resolve={name}"], list), r
+            assert isinstance(r[f"resolve6={name}"], list), r
+        for k in ("connect=allowed.test:8080", "connect6=allowed.test:8080",
+                  "connect=a.wild.test:8080", "connect6=a.wild.test:8080",
+                  "connect=other.test:8080"):
+            assert ok(r[k]), (k, r)
+        assert not ok(r["connect=allowed.test:80"]) and not ok(r["connect6=other.test:80"]), r
+        # Asked again (the pins are taken again whole, with the new answer's TTL).
+        r = probe(sb, "connect=a.wild.test:8080", "connect6=allowed.test:8080")
+        assert all(ok(v) for v in r.values()), r
+
+
 def test_named_allowlists_and_suffixes(net: Env):
     lab = net.lab
     with net.sandbox(network="wild") as sb:

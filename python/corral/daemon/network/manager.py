@@ -23,6 +23,7 @@ from . import settings as settings_mod
 from .firewall import Firewall
 from .nft import NftError
 from .policy import Policy, compile_policy
+from .ranges import RangePins
 from .settings import NetSettings
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ class Attachment:
     elems: dict[str, list[str]] = field(default_factory=dict)
     refused_names: collections.Counter = field(default_factory=collections.Counter)
     pins: dict[str, float] = field(default_factory=dict)
+    ranges: RangePins = field(default_factory=RangePins)  # its pins of port ranges
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     # ---- what the DNS proxy calls --------------------------------------------------------
@@ -70,7 +72,14 @@ class Attachment:
         with self.lock:
             if self.mgr.attachments.get(self.sandbox_id) is not self:
                 return  # detached meanwhile: pin nothing for a dead interface
+            placed = None
+            for name in ("allow4", "allow6"):
+                if name in by_set:
+                    by_set[name], placed = self.ranges.place(
+                        by_set[name], self.elems.get(name, []), ttl, placed)
             self.mgr.fw.add_sets(self.ifname, by_set)
+            if placed is not None:
+                self.ranges.commit(placed)
             for name, elems in by_set.items():
                 have = self.elems.setdefault(name, [])
                 known = {e.split(" timeout ")[0] for e in have}
@@ -457,6 +466,8 @@ class NetworkManager:
             for set_name, elem, left in old.get(att.ifname, {}).get("pins", []):
                 pins.setdefault(set_name, []).append(elem)
                 att.pins[elem.split(" . ")[1]] = now + left
+                if set_name.startswith("allow"):
+                    att.ranges.note(elem, now + left)
             cmds = [probe.attach_cmds_for(att.ifname, att.address, att.address6,
                                           att.policy is None, {**att.elems, **pins})]
             denied = old.get(att.ifname, {}).get("denied")
@@ -571,6 +582,7 @@ class NetworkManager:
             self.fw.swap(att.ifname, old, new)
             att.policy, att.label, att.pins = policy, label, {}
             att.elems = elems
+            att.ranges.clear()
 
     async def expose(self, sandbox_id: str, port: int, host_port: int = 0) -> int:
         """127.0.0.1:<the returned port> on the host reaches ``port`` in the sandbox;
