@@ -34,10 +34,11 @@ PRIVATE4 = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "172.16.0
 BLOCKED4 = ("169.254.0.0/16",)
 # IPv6: unspecified/loopback/IPv4-compatible, IPv4-mapped, NAT64 (both prefixes), 6to4 (each of
 # which can lead to an IPv4 private address through a translator), discard-only, unique
-# local, site-local; link-local, the cloud metadata address and multicast always.
+# local, site-local; link-local, the clouds' metadata addresses (AWS, GCP) and multicast
+# always.
 PRIVATE6 = ("::/96", "::ffff:0:0/96", "64:ff9b::/96", "64:ff9b:1::/48", "100::/64",
             "2002::/16", "fc00::/7", "fec0::/10")
-BLOCKED6 = ("fe80::/10", "fd00:ec2::254/128", "ff00::/8")
+BLOCKED6 = ("fe80::/10", "fd00:ec2::254/128", "fd20:ce::254/128", "ff00::/8")
 PROTOS = ("tcp", "udp")
 PROTO_NUMBERS = {"tcp": 6, "udp": 17}
 INTERVAL_SETS = ("allow4", "deny4", "allow6", "deny6")
