@@ -35,6 +35,7 @@ def main() -> None:
     env = dict(os.environ, CORRAL_STATE_DIR=state, CORRAL_SOCKET=f"{state}/sock",
                CORRAL_CGROUP="corral-netb", CORRAL_UPLINK=lab.uplink,
                CORRAL_DNS_UPSTREAM=lab.dns, CORRAL_NET_RANGE="10.216.0.0/20",
+               CORRAL_NET_RANGE6="fd5e:b::/112",
                CORRAL_NET_TABLE="corral_b", CORRAL_NET_IFPREFIX="nb", CORRAL_NET_POOL=pool,
                CORRAL_POOL="off", CORRAL_AUTOSTART="0")
     with open(f"{state}/log", "w") as log:

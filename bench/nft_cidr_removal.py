@@ -25,17 +25,17 @@ POLICY = compile_policy(["203.0.113.0/24:80,443", "198.51.100.7", "192.0.2.0/25:
                         ["203.0.113.128/28"], {})
 
 
-def elements(fw: Firewall, n: int) -> tuple[str, ipaddress.IPv4Address, dict[str, list[str]]]:
+def elements(fw: Firewall, n: int) -> tuple[str, ipaddress.IPv4Address,
+                                             ipaddress.IPv6Address, dict[str, list[str]]]:
     ifname = f"bx{n}"
-    addr = fw.s.gateway + n
-    allow = Firewall.rules(ifname, POLICY.cidrs(POLICY.allow))
-    deny = Firewall.rules(ifname, POLICY.cidrs(POLICY.deny))
-    return ifname, addr, {"allow4": allow, "deny4": deny}
+    addr, gw6 = fw.s.gateway + n, fw.s.gateway6
+    assert gw6 is not None
+    return ifname, addr, gw6 + n, Firewall.policy_elems(ifname, POLICY)
 
 
 def attach(fw: Firewall, n: int) -> dict[str, list[str]]:
-    ifname, addr, elems = elements(fw, n)
-    fw.attach(ifname, addr, False, elems)
+    ifname, addr, addr6, elems = elements(fw, n)
+    fw.attach(ifname, addr, addr6, False, elems)
     return elems
 
 
@@ -61,10 +61,10 @@ def main() -> None:
         add, rm = [], []
         for j in range(k):
             n = size + 2 + j
-            ifname, addr, elems = elements(fw, n)
+            ifname, addr, addr6, elems = elements(fw, n)
             add.append(timed(lambda n=n: attach(fw, n)))
-            rm.append(timed(lambda i=ifname, a=addr, e=elems: fw.detach(i, a, e)))
-        per = len(elements(fw, 2)[2]["allow4"]) + len(elements(fw, 2)[2]["deny4"])
+            rm.append(timed(lambda i=ifname, a=addr, a6=addr6, e=elems: fw.detach(i, a, a6, e)))
+        per = sum(len(v) for v in elements(fw, 2)[3].values())
         print(f"{size} sandboxes ({per} CIDR elements each) in {fill:.1f} s; "
               f"median of {k}:")
         for what, xs in (("attach", add), ("remove", rm)):

@@ -1,7 +1,7 @@
 """Servers of the tests' own small internet (tests/netlab.py), run inside its namespace: a
-DNS server answering from a zone (UDP, truncating answers over 512 bytes, and TCP), TCP
-servers that say who connected to which address, and a UDP sink; every query and connection
-is logged, one JSON line each, to the log file."""
+DNS server answering from a zone (A and AAAA; UDP, truncating answers over 512 bytes, and
+TCP), TCP servers (IPv4 and IPv6) that say who connected to which address, and a UDP sink;
+every query and connection is logged, one JSON line each, to the log file."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import socket
 import sys
 import threading
 
-from dnslib import QTYPE, RCODE, RR, TXT, A, DNSRecord
+from dnslib import AAAA, QTYPE, RCODE, RR, TXT, A, DNSRecord
 
 
 def main() -> None:
@@ -33,9 +33,12 @@ def main() -> None:
         ips = cfg["zone"].get(name)
         if ips is None:
             r.header.rcode = RCODE.NXDOMAIN
-        elif q.q.qtype == QTYPE.A:
+        elif q.q.qtype in (QTYPE.A, QTYPE.AAAA):
+            six = q.q.qtype == QTYPE.AAAA
             for ip in [ips] if isinstance(ips, str) else ips:
-                r.add_answer(RR(q.q.qname, QTYPE.A, rdata=A(ip), ttl=cfg.get("ttl", 30)))
+                if (":" in ip) == six:
+                    r.add_answer(RR(q.q.qname, q.q.qtype, rdata=AAAA(ip) if six else A(ip),
+                                    ttl=cfg.get("ttl", 30)))
         elif q.q.qtype == QTYPE.TXT:
             r.add_answer(RR(q.q.qname, QTYPE.TXT, rdata=TXT("leak"), ttl=30))
         return r
@@ -117,21 +120,25 @@ def main() -> None:
         s.bind((a, 53))
         s.listen(64)
         threads.append(threading.Thread(target=dns_tcp, args=(s,), daemon=True))
-    for p in cfg["tcp"]:
-        s = socket.socket()
+    def bound(family: int, kind: int, port: int) -> socket.socket:
+        s = socket.socket(family, kind)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("0.0.0.0", p))
-        s.listen(128)
-        threads.append(threading.Thread(target=tcp, args=(s,), daemon=True))
-    for kind, p in cfg.get("special", {}).items():
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("0.0.0.0", p))
-        s.listen(1024)
-        threads.append(threading.Thread(target=serve_kind, args=(s, kind), daemon=True))
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.bind(("0.0.0.0", cfg["udp"]))
-    threads.append(threading.Thread(target=udp, args=(s,), daemon=True))
+        if family == socket.AF_INET6:  # IPv6 only: IPv4 peers keep their plain addresses
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
+        return s
+
+    for fam in (socket.AF_INET, socket.AF_INET6):
+        for p in cfg["tcp"]:
+            s = bound(fam, socket.SOCK_STREAM, p)
+            s.listen(128)
+            threads.append(threading.Thread(target=tcp, args=(s,), daemon=True))
+        for kind, p in cfg.get("special", {}).items():
+            s = bound(fam, socket.SOCK_STREAM, p)
+            s.listen(1024)
+            threads.append(threading.Thread(target=serve_kind, args=(s, kind), daemon=True))
+        s = bound(fam, socket.SOCK_DGRAM, cfg["udp"])
+        threads.append(threading.Thread(target=udp, args=(s,), daemon=True))
     for t in threads:
         t.start()
     note(kind="ready")

@@ -72,6 +72,7 @@ def net(lab: netlab.Lab) -> Iterator[Env]:
     with private_daemon("corral-test-net-", f"{CGROUP_NAME}-net",
                         CORRAL_UPLINK=lab.uplink, CORRAL_DNS_UPSTREAM=lab.dns,
                         CORRAL_NET_RANGE=f"10.214.{x}.0/24", CORRAL_NET_TABLE=table,
+                        CORRAL_NET_RANGE6=f"fd5c:{x:x}:{tag}::/112",
                         CORRAL_NET_IFPREFIX=prefix, CORRAL_NETWORK_CONFIG=conf,
                         CORRAL_NET_POOL="2", CORRAL_TCP=f"0.0.0.0:{port}",
                         CORRAL_NET_MAX_CONNECTIONS=str(MAX_CONNS),
@@ -106,19 +107,34 @@ PROBE = textwrap.dedent('''
             return "dns:" + str(e.errno)
         except OSError as e:
             return "err:" + (e.__class__.__name__ if e.errno is None else str(e.errno))
-    def resolve(name):
+    def connect6(host, port, timeout=3):
         try:
-            return sorted({a[4][0] for a in socket.getaddrinfo(name, 80, socket.AF_INET)})
+            ai = socket.getaddrinfo(host, port, socket.AF_INET6, socket.SOCK_STREAM)
+            s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            s.settimeout(timeout)
+            s.connect(ai[0][4])
+            data = s.recv(200).decode()
+            s.close()
+            return "ok:" + data.strip()
+        except socket.gaierror as e:
+            return "dns:" + str(e.errno)
+        except OSError as e:
+            return "err:" + (e.__class__.__name__ if e.errno is None else str(e.errno))
+    def resolve(name, family=socket.AF_INET):
+        try:
+            return sorted({a[4][0] for a in socket.getaddrinfo(name, 80, family)})
         except socket.gaierror as e:
             return "dns:" + str(e.errno)
     out = {}
     for arg in sys.argv[1:]:
         kind, _, what = arg.partition("=")
-        if kind == "connect":
+        if kind in ("connect", "connect6"):
             host, _, port = what.rpartition(":")
-            out[arg] = connect(host, int(port))
+            out[arg] = (connect if kind == "connect" else connect6)(host, int(port))
         elif kind == "resolve":
             out[arg] = resolve(what)
+        elif kind == "resolve6":
+            out[arg] = resolve(what, socket.AF_INET6)
     print(json.dumps(out))
 ''')
 
@@ -187,21 +203,25 @@ def test_always_denied_in_internet_mode(net: Env, host_listener: int):
     assert ("169.254.169.254", 80) not in seen and (lab.private, 80) not in seen
 
 
-def test_a_port_scan_of_the_host_finds_nothing(net: Env, host_listener: int):
+def test_a_port_scan_of_the_host_finds_nothing(net: Env, host_listener: int,
+                                               host_listener6: int):
+    """Every port 1-1024 and the host's own listeners, on each of its IPv4 and IPv6
+    addresses and both gateways: only the resolver on the IPv4 gateway answers."""
     scan = textwrap.dedent('''
         import socket, sys
         open_ = []
         for host in sys.argv[1:]:
+            fam = socket.AF_INET6 if ":" in host else socket.AF_INET
             for port in list(range(1, 1025)) + [int(p) for p in PORTS]:
-                s = socket.socket(); s.settimeout(0.5)
+                s = socket.socket(fam); s.settimeout(0.5)
                 if s.connect_ex((host, port)) == 0:
                     open_.append(f"{host}:{port}")
                 s.close()
         print(" ".join(open_) or "none")
-    ''').replace("PORTS", repr([str(host_listener), str(net.port)]))
+    ''').replace("PORTS", repr([str(host_listener), str(host_listener6), str(net.port)]))
     with net.sandbox(network="internet") as sb:
-        gw = sb.info().net.gateway
-        hosts = list(dict.fromkeys([gw, *_host_addrs()]))
+        gw, gw6 = sb.info().net.gateway, sb.info().net.gateway6
+        hosts = list(dict.fromkeys([gw, *_host_addrs(), gw6, *_host_addrs6()]))
         r = sb.exec(["python3", "-c", scan, *hosts], timeout=120)
         assert r.stdout.strip() == f"{gw}:53", r  # its resolver (DNS over TCP), nothing else
 
@@ -299,8 +319,9 @@ def test_dns_is_the_only_way_out_for_names(net: Env):
         assert out[args[2]] == out[args[3]] == "rcode3/an0", out     # NXDOMAIN
         assert out[args[4]] == "rcode3/an0", out                     # TXT of an allowed name
         assert out[args[5]] == "rcode0/an1", out
-        assert out[args[6]] == "rcode0/an0", out                     # AAAA: empty
-    asked = [e for e in lab.entries("dns") if "tunnel" in e["name"] or e["qtype"] != "A"]
+        assert out[args[6]] == "rcode0/an1", out                     # AAAA: forwarded
+    asked = [e for e in lab.entries("dns") if "tunnel" in e["name"]
+             or e["qtype"] not in ("A", "AAAA")]
     assert not asked, asked
 
 
@@ -367,8 +388,9 @@ def test_a_port_range_of_a_name_is_pinned_for_that_range(net: Env):
     ports in the range open, others and unresolved addresses stay refused."""
     lab = net.lab
     with net.sandbox(network=Network(allow=["allowed.test:8000-8100"])) as sb:
-        r = probe(sb, f"connect={lab.addr(10)}:8080")
+        r = probe(sb, f"connect={lab.addr(10)}:8080", f"connect6={lab.addr6(10)}:8080")
         assert not ok(r[f"connect={lab.addr(10)}:8080"]), r   # not resolved yet
+        assert not ok(r[f"connect6={lab.addr6(10)}:8080"]), r
         r = probe(sb, "resolve=allowed.test", "connect=allowed.test:8080",
                   "connect=allowed.test:80", f"connect={lab.addr(12)}:8080")
         assert r["resolve=allowed.test"] == [lab.addr(10)], r
@@ -376,9 +398,41 @@ def test_a_port_range_of_a_name_is_pinned_for_that_range(net: Env):
         assert not ok(r["connect=allowed.test:80"]), r
         assert not ok(r[f"connect={lab.addr(12)}:8080"]), r
         assert lab.addr(10) in sb.info().net.pinned
+        # The same over IPv6: the AAAA answer pinned for that range only.
+        r = probe(sb, "connect6=allowed.test:8080", "connect6=allowed.test:80")
+        assert ok(r["connect6=allowed.test:8080"]) and not ok(r["connect6=allowed.test:80"]), r
+        assert lab.addr6(10) in sb.info().net.pinned
         name = _ifname_of(sb.info().net.address)
         assert _elements_naming(net, name)
     assert _elements_naming(net, name) == []
+
+
+def test_port_range_pins_never_collide_with_cidr_rules_or_each_other(net: Env):
+    """Port-range pins whose ranges overlap a CIDR rule of the policy, or an earlier pin of
+    the same address for another name (IPv4 and IPv6): every lookup is answered and every
+    port of the ranges opens; other ports stay refused."""
+    lab = net.lab
+    pol = Network(allow=["allowed.test:8000-8100", f"{lab.net}.0/24:8081-9000",
+                         f"[{lab.net6}:1::/64]:8081-9000", "other.test:8080-8081",
+                         "a.wild.test:8079-8090"])
+    with net.sandbox(network=pol) as sb:
+        r = probe(sb, "resolve=allowed.test", "resolve6=allowed.test",
+                  "connect=allowed.test:8080", "connect6=allowed.test:8080",
+                  "connect=allowed.test:80", "resolve=other.test", "resolve6=other.test",
+                  "resolve=a.wild.test", "resolve6=a.wild.test", "connect=a.wild.test:8080",
+                  "connect6=a.wild.test:8080", "connect=other.test:8080",
+                  "connect6=other.test:80")
+        for name in ("allowed.test", "other.test", "a.wild.test"):
+            assert isinstance(r[f"resolve={name}"], list), r
+            assert isinstance(r[f"resolve6={name}"], list), r
+        for k in ("connect=allowed.test:8080", "connect6=allowed.test:8080",
+                  "connect=a.wild.test:8080", "connect6=a.wild.test:8080",
+                  "connect=other.test:8080"):
+            assert ok(r[k]), (k, r)
+        assert not ok(r["connect=allowed.test:80"]) and not ok(r["connect6=other.test:80"]), r
+        # Asked again (the pins are taken again whole, with the new answer's TTL).
+        r = probe(sb, "connect=a.wild.test:8080", "connect6=allowed.test:8080")
+        assert all(ok(v) for v in r.values()), r
 
 
 def test_named_allowlists_and_suffixes(net: Env):
@@ -403,7 +457,8 @@ def test_named_allowlists_and_suffixes(net: Env):
 
 def test_private_ranges_only_when_named_and_metadata_never(net: Env):
     lab = net.lab
-    pol = Network(allow=[f"{lab.private}/32", "169.254.0.0/16", "private.test", "meta.test"],
+    pol = Network(allow=[f"{lab.private}/32", "169.254.0.0/16", "private.test", "meta.test",
+                         "10.0.0.0/8:80"],  # overlapping CIDRs: one set of elements
                   deny=[f"{lab.addr(12)}"])
     with net.sandbox(network=pol) as sb:
         r = probe(sb, f"connect={lab.private}:80", "connect=169.254.169.254:80",
@@ -443,7 +498,11 @@ def test_deny_wins_over_allow(net: Env):
                                      Network(allow=["exa mple.org"]),
                                      Network(allow=["example.org:99999"]),
                                      Network(allow=["*.*.example.org"]),
-                                     Network(deny=["@labweb"]), "INTERNET"])
+                                     Network(deny=["@labweb"]), "INTERNET",
+                                     Network(allow=["[2001:db8::1"]),
+                                     Network(allow=["[2001:db8::zz]:80"]),
+                                     Network(allow=["[2001:db8::1]:99999"]),
+                                     Network(allow=["2001:db8::1/129"])])
 def test_bad_networks_are_invalid_network(net: Env, network):
     with pytest.raises(InvalidNetwork):
         net.sandbox(network=network)
@@ -494,22 +553,247 @@ def test_spoofed_sources_are_dropped(net: Env):
         assert got == {"genuine"}, got
 
 
-def test_no_ipv6_way_out(net: Env):
-    v6 = textwrap.dedent('''
-        import socket
-        out = []
-        for addr in ("2001:db8::10", "64:ff9b::c612:a0a", "::ffff:169.254.169.254", "ff02::1",
-                     "fe80::1"):
-            try:
-                s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM); s.settimeout(2)
-                scope = socket.if_nametoindex("eth0") if addr.startswith(("fe80", "ff02")) else 0
-                s.connect((addr, 80, 0, scope)); out.append("open " + addr)
-            except OSError:
-                pass
-        print(" ".join(out) or "none")
-    ''')
+# ---- IPv6 -----------------------------------------------------------------------------------
+def test_ipv6_internet_reaches_the_lab_through_nat66_and_resolves_aaaa(net: Env):
+    lab = net.lab
     with net.sandbox(network="internet") as sb:
-        assert sb.exec(["python3", "-c", v6], timeout=60).stdout.strip() == "none"
+        st = sb.info().net
+        assert st.address6 is not None and st.address6.startswith("fd5c:"), st
+        assert sb.exec("ip -6 -o addr show dev eth0 scope global").stdout.split()[3] == \
+            f"{st.address6}/128"
+        a10 = lab.addr6(10)
+        r = probe(sb, f"connect6={a10}:80", "resolve6=allowed.test", "resolve6=v6only.test",
+                  "connect6=allowed.test:8080", "connect=v6only.test:80")
+        assert r[f"connect6={a10}:80"] == f"ok:hello {a10}:80 from {lab.host_addr6}", r
+        assert r["resolve6=allowed.test"] == [a10], r
+        assert r["resolve6=v6only.test"] == [lab.addr6(13)], r
+        assert ok(r["connect6=allowed.test:8080"]), r
+        assert ok(r["connect=v6only.test:80"]), r  # a name with only AAAA: the C library's way
+        assert sb.info().net.tx_packets > st.tx_packets
+
+
+@pytest.fixture
+def host_listener6() -> Iterator[int]:
+    """A TCP service of the host's on every IPv6 address (::1 and link-local included)."""
+    s = socket.socket(socket.AF_INET6)
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    s.bind(("::", 0))
+    s.listen(16)
+    try:
+        yield s.getsockname()[1]
+    finally:
+        s.close()
+
+
+def _host_addrs6() -> list[str]:
+    """The host's global IPv6 addresses (link-local ones belong to links a sandbox is not on,
+    but its own host end's, which a test adds with the sandbox's scope)."""
+    out = subprocess.run(["ip", "-6", "-o", "addr", "show", "scope", "global"],
+                         capture_output=True, text=True).stdout
+    return sorted({ln.split()[3].split("/")[0] for ln in out.splitlines()})
+
+
+def test_ipv6_always_denied_in_internet_mode(net: Env, host_listener6: int):
+    """Full IPv6 egress still never reaches the host (its addresses, the gateway, its link-local
+    address on the sandbox's link), the metadata address fd00:ec2::254, a unique local
+    address, a NAT64 address of a lab server, nor multicast; the denied count grows."""
+    lab = net.lab
+    with net.sandbox(network="internet") as sb:
+        st = sb.info().net
+        host_if = _ifname_of(st.address)
+        ll = subprocess.run(["ip", "-6", "-o", "addr", "show", "dev", host_if, "scope", "link"],
+                            capture_output=True, text=True).stdout.split()[3].split("/")[0]
+        targets = ["fd00:ec2::254:80", f"{lab.private6}:80", f"{lab.nat64}:80", "meta.test:80",
+                   "private.test:80", f"{st.gateway6}:{host_listener6}",
+                   f"{st.gateway6}:{net.port}", f"{ll}%eth0:{host_listener6}",
+                   f"::1:{host_listener6}", f"ff02::1%eth0:{host_listener6}",
+                   f"ff0e::1:{host_listener6}"]
+        targets += [f"{a}:{host_listener6}" for a in _host_addrs6()]
+        before = st.denied_packets
+        r = probe(sb, f"connect6={lab.addr6(10)}:80", *(f"connect6={t}" for t in targets),
+                  "connect=::ffff:169.254.169.254:80")
+        assert ok(r[f"connect6={lab.addr6(10)}:80"]), r  # the control: egress works
+        leaked = {t: v for t, v in r.items() if ok(v) and lab.addr6(10) not in t}
+        assert not leaked, leaked
+        after = sb.info().net
+        assert after.denied_packets >= before + 5
+        assert {"fd00:ec2::254", lab.private6} <= set(after.denied_destinations), after
+        # The host end's link-local address answers neighbour discovery, nothing else.
+        nd = sb.exec(["ip", "-6", "neigh", "show", "dev", "eth0"]).stdout
+        assert st.gateway6 in nd, nd
+    seen = {(e["dst"], e["port"]) for e in lab.entries("tcp")}
+    for a in ("fd00:ec2::254", lab.private6, lab.nat64):
+        assert (a, 80) not in seen, seen
+
+
+def test_ipv6_policy_pins_aaaa_answers_and_cidr_rules(net: Env):
+    lab = net.lab
+    a10, a11, a12 = lab.addr6(10), lab.addr6(11), lab.addr6(12)
+    with net.sandbox(network=Network(allow=["allowed.test:80", f"[{a11}]:8080"])) as sb:
+        r = probe(sb, f"connect6={a10}:80")
+        assert not ok(r[f"connect6={a10}:80"]), r        # not resolved yet
+        r = probe(sb, "resolve6=allowed.test", "connect6=allowed.test:80",
+                  "connect6=allowed.test:8080", f"connect6={a12}:80", f"connect6={a11}:8080",
+                  f"connect6={a11}:80", "resolve6=denied.test")
+        assert r["resolve6=allowed.test"] == [a10], r
+        assert ok(r["connect6=allowed.test:80"]), r
+        assert not ok(r["connect6=allowed.test:8080"]), r   # not its port
+        assert not ok(r[f"connect6={a12}:80"]), r            # never resolved
+        assert ok(r[f"connect6={a11}:8080"]), r              # a CIDR rule, its port
+        assert not ok(r[f"connect6={a11}:80"]), r
+        assert not isinstance(r["resolve6=denied.test"], list), r
+        assert a10 in sb.info().net.pinned
+    pol = Network(allow=[f"{lab.net6}:1::/64"], deny=[f"[{a12}]:80"])
+    with net.sandbox(network=pol) as sb:
+        r = probe(sb, f"connect6={a10}:80", f"connect6={a12}:80", f"connect6={a12}:8080")
+        assert ok(r[f"connect6={a10}:80"]) and ok(r[f"connect6={a12}:8080"]), r
+        assert not ok(r[f"connect6={a12}:80"]), r            # deny wins over allow
+        # A live policy change applies to IPv6 at once too.
+        sb.network.update(Network(allow=["other.test:80"]))
+        r = probe(sb, f"connect6={a10}:80", "connect6=other.test:80")
+        assert not ok(r[f"connect6={a10}:80"]) and ok(r["connect6=other.test:80"]), r
+
+
+def test_ipv6_an_allowed_name_cannot_rebind_to_an_internal_address(net: Env):
+    """private.test answers a unique local address, meta.test fd00:ec2::254: allowing the
+    names opens neither; an allow CIDR opens the unique local one, never the metadata one."""
+    lab = net.lab
+    with net.sandbox(network=Network(allow=["private.test", "meta.test", "allowed.test"])) as sb:
+        r = probe(sb, "resolve6=private.test", "connect6=private.test:80",
+                  "connect6=meta.test:80", "connect6=allowed.test:80")
+        assert r["resolve6=private.test"] == [lab.private6], r  # answered, opens nothing
+        assert not ok(r["connect6=private.test:80"]), r
+        assert not ok(r["connect6=meta.test:80"]), r
+        assert ok(r["connect6=allowed.test:80"]), r
+        assert lab.private6 not in sb.info().net.pinned
+        assert "fd00:ec2::254" not in sb.info().net.pinned
+    pol = Network(allow=["private.test", "fd00::/8", f"{lab.private6.rsplit('::', 1)[0]}::/64"])
+    with net.sandbox(network=pol) as sb:
+        r = probe(sb, "connect6=private.test:80", "connect6=fd00:ec2::254:80",
+                  "connect6=meta.test:80")
+        assert ok(r["connect6=private.test:80"]), r
+        assert not ok(r["connect6=fd00:ec2::254:80"]), r
+        assert not ok(r["connect6=meta.test:80"]), r
+
+
+def _listen6(sb: Sandbox, port: int) -> None:
+    sb.exec(["python3", "-c", textwrap.dedent(f'''
+        import socket
+        s = socket.socket(socket.AF_INET6); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("::", {port})); s.listen(8)
+        while True:
+            c, a = s.accept(); c.sendall(b"peer " + a[0].encode() + b"\\n"); c.close()
+    ''')], background=True)
+    assert wait_until(lambda: f":{port:04X}" in sb.exec("cat /proc/net/tcp6").stdout)
+
+
+def test_ipv6_sandboxes_reach_each_other_only_within_their_group(net: Env):
+    with net.sandbox(network="internet") as a, net.sandbox(network="internet") as b, \
+            net.sandbox(network="internet", network_group="g6") as c, \
+            net.sandbox(network=Network(allow=["allowed.test"]), network_group="g6") as d:
+        for sb in (b, d):
+            _listen6(sb, 7000)
+        addr = {sb.id: sb.info().net.address6 for sb in (a, b, c, d)}
+        r = probe(a, f"connect6={addr[b.id]}:7000", f"connect6={addr[d.id]}:7000",
+                  f"resolve6={d.id}")
+        assert not ok(r[f"connect6={addr[b.id]}:7000"]), r
+        assert not ok(r[f"connect6={addr[d.id]}:7000"]), r
+        assert not isinstance(r[f"resolve6={d.id}"], list), r
+        r = probe(c, f"connect6={addr[d.id]}:7000", f"resolve6={d.id}",
+                  f"connect6={addr[b.id]}:7000")
+        assert r[f"connect6={addr[d.id]}:7000"] == f"ok:peer {addr[c.id]}", r
+        assert r[f"resolve6={d.id}"] == [addr[d.id]], r
+        assert not ok(r[f"connect6={addr[b.id]}:7000"]), r
+
+
+SPOOF6 = textwrap.dedent('''
+    import socket, struct, sys
+    def csum(b):
+        if len(b) % 2: b += b"\\0"
+        s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+        while s >> 16: s = (s >> 16) + (s & 0xffff)
+        return ~s & 0xffff
+    src, dst, tag = sys.argv[1], sys.argv[2], sys.argv[3].encode()
+    s6, d6 = socket.inet_pton(socket.AF_INET6, src), socket.inet_pton(socket.AF_INET6, dst)
+    n = 8 + len(tag)
+    udp = struct.pack("!HHHH", 40000, 9999, n, 0) + tag
+    c = csum(s6 + d6 + struct.pack("!I3xB", n, 17) + udp) or 0xffff
+    udp = udp[:6] + struct.pack("!H", c) + udp[8:]
+    ip = struct.pack("!IHBB", 6 << 28, n, 17, 64) + s6 + d6
+    try:
+        s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_RAW)
+        s.sendto(ip + udp, (dst, 0))
+        print("sent")
+    except OSError as e:
+        print("err", e.errno)
+''')
+
+
+def test_ipv6_spoofed_and_link_local_sources_are_dropped(net: Env):
+    """Root in the sandbox's network namespace sends IPv6 from other sandboxes', the lab's,
+    the gateway's, a made-up and a link-local address (its own link-local one included):
+    none reaches the lab; its own address does."""
+    lab = net.lab
+    with net.sandbox(network="internet") as sb, net.sandbox(network="internet") as other:
+        me, them = sb.info().net.address6, other.info().net.address6
+        dst = lab.addr6(10)
+        r = sb.exec(["python3", "-c", SPOOF6, them, dst, "from-inside"])
+        assert r.stdout.strip() == "err 1", r  # EPERM: no CAP_NET_RAW in a sandbox
+        pid = str(sb.info().init_pid)
+        own_ll = sb.exec("ip -6 -o addr show dev eth0 scope link").stdout.split()[3]
+
+        def root_in_netns(src: str, tag: str) -> str:
+            return subprocess.run(["nsenter", "-t", pid, "-n", "python3", "-c", SPOOF6, src,
+                                   dst, tag], capture_output=True, text=True).stdout.strip()
+
+        for src, tag in ((them, "as-peer"), (lab.addr6(99), "as-lab"),
+                         ("2001:db8:ffff::1", "as-world"), (sb.info().net.gateway6, "as-gw"),
+                         ("fe80::1", "as-link-local"), (own_ll.split("/")[0], "own-ll"),
+                         ("::1", "as-lo")):
+            assert root_in_netns(src, tag) in ("sent", "err 22", "err 99"), tag
+        assert root_in_netns(me, "genuine6") == "sent"  # the control: its own address passes
+        assert wait_until(lambda: any(e["data"] == "genuine6" for e in lab.entries("udp")))
+        got = {e["data"] for e in lab.entries("udp") if e["src"].count(":") > 1}
+        assert got == {"genuine6"}, got
+
+
+def test_a_daemon_without_an_ipv6_range_gives_ipv4_only(lab: netlab.Lab):
+    """CORRAL_NET_RANGE6=none: no IPv6 address in the sandbox, empty AAAA answers, and
+    IPv6 sent anyway (root in its namespace turning IPv6 on and adding an address) goes
+    nowhere."""
+    tag = os.urandom(2).hex()
+    x = random.randint(0, 255)
+    with private_daemon("corral-test-net4-", f"{CGROUP_NAME}-net4",
+                        CORRAL_UPLINK=lab.uplink, CORRAL_DNS_UPSTREAM=lab.dns,
+                        CORRAL_NET_RANGE=f"10.215.{x}.0/24", CORRAL_NET_RANGE6="none",
+                        CORRAL_NET_TABLE=f"corral_f{tag}", CORRAL_NET_IFPREFIX=f"f{tag}",
+                        CORRAL_NET_POOL="0", CORRAL_NETWORK_CONFIG="",
+                        CORRAL_TCP=f"127.0.0.1:{_free_port()}", CORRAL_TOKEN=TOKEN) as d:
+        with Sandbox(endpoint=f"unix://{d.socket_path}", network="internet", timeout=120) as sb:
+            st = sb.info().net
+            assert st.address6 is None and st.gateway6 is None, st
+            assert sb.exec("ip -6 -o addr show scope global").stdout == ""
+            r = probe(sb, "resolve6=allowed.test", "connect=allowed.test:80",
+                      f"connect6={lab.addr6(10)}:80")
+            assert not isinstance(r["resolve6=allowed.test"], list), r
+            assert ok(r["connect=allowed.test:80"]), r
+            assert not ok(r[f"connect6={lab.addr6(10)}:80"]), r
+            pid = str(sb.info().init_pid)
+            subprocess.run(["nsenter", "-t", pid, "-n", "sysctl", "-qw",
+                            "net.ipv6.conf.eth0.disable_ipv6=0"], check=True)
+            subprocess.run(["nsenter", "-t", pid, "-n", "ip", "addr", "add", "fd5d::2/128",
+                            "dev", "eth0", "nodad"], check=True)
+            subprocess.run(["nsenter", "-t", pid, "-n", "ip", "-6", "route", "add", "default",
+                            "dev", "eth0"], check=True)
+            sent = subprocess.run(["nsenter", "-t", pid, "-n", "python3", "-c", SPOOF6,
+                                   "fd5d::2", lab.addr6(10), "no-range6"],
+                                  capture_output=True, text=True).stdout.strip()
+            assert sent in ("sent", "err 101"), sent
+            # A packet over IPv4 sent after it arrives; the IPv6 one never does.
+            subprocess.run(["nsenter", "-t", pid, "-n", "python3", "-c", SPOOF, st.address,
+                            lab.addr(10), "v4-after"], check=True, capture_output=True)
+            assert wait_until(lambda: any(e["data"] == "v4-after" for e in lab.entries("udp")))
+            assert not [e for e in lab.entries("udp") if e["data"] == "no-range6"]
 
 
 # ---- teardown ------------------------------------------------------------------------------
@@ -522,7 +806,8 @@ def _elements_naming(env: Env, ifname: str) -> list:
 def test_nothing_is_left_after_a_sandbox(net: Env):
     with net.sandbox(network=Network(allow=["allowed.test"]), network_group="t") as sb, \
             net.sandbox(network="internet", network_group="t") as peer:
-        probe(sb, "connect=allowed.test:80")
+        probe(sb, "connect=allowed.test:80", "connect6=allowed.test:80")
+        assert net.lab.addr6(10) in sb.info().net.pinned
         names = {}
         for s in (sb, peer):
             addr = s.info().net.address
@@ -652,20 +937,26 @@ def test_re_adopted_sandboxes_keep_their_network(net: Env, host_listener: int):
                   "connect=169.254.169.254:80", f"connect={gw}:{net.port}",
                   f"connect={gw}:{host_listener}", "connect=allowed.test:8080"]
 
+        denied += ["connect6=fd00:ec2::254:80", f"connect6={lab.addr6(12)}:80",
+                    f"connect6={pol.info().net.gateway6}:{net.port}"]
+
         def check_pol() -> None:
             r = probe(pol, "resolve=allowed.test", "connect=allowed.test:80",
-                      f"connect={peer.id}:7000", *denied)
+                      "connect6=allowed.test:80", f"connect={peer.id}:7000", *denied)
             assert r["resolve=allowed.test"] == [lab.addr(10)], r
             assert ok(r["connect=allowed.test:80"]), r
+            assert ok(r["connect6=allowed.test:80"]), r
             assert ok(r[f"connect={peer.id}:7000"]), r        # its group, by sandbox id
             assert not isinstance(r["resolve=denied.test"], list), r
             assert not any(ok(r[a]) for a in denied[1:]), r
 
         check_pol()
         addr = {sb.id: sb.info().net.address for sb in boxes}
+        addr6 = {sb.id: sb.info().net.address6 for sb in boxes}
         host7000 = peer.info().net.exposed["7000"]
         before = pol.info().net
         assert before.denied_packets > 0 and lab.addr(10) in before.pinned
+        assert lab.addr6(10) in before.pinned
         names = {sb.id: _ifname_of(addr[sb.id]) for sb in boxes}
         pid = _init_pid(net, dies.id)
 
@@ -680,19 +971,26 @@ def test_re_adopted_sandboxes_keep_their_network(net: Env, host_listener: int):
             json.dump(cfg, f)
         net.d.start()
 
-        # The pin survived: the address it resolved before connects without a new lookup.
-        assert lab.addr(10) in pol.info().net.pinned
-        r = probe(pol, f"connect={lab.addr(10)}:80")
+        # The pins survived: the addresses it resolved before connect without a new lookup.
+        assert lab.addr(10) in pol.info().net.pinned and lab.addr6(10) in pol.info().net.pinned
+        r = probe(pol, f"connect={lab.addr(10)}:80", f"connect6={lab.addr6(10)}:80",
+                  f"connect6={lab.addr6(10)}:8080")
         assert ok(r[f"connect={lab.addr(10)}:80"]), r
+        assert ok(r[f"connect6={lab.addr6(10)}:80"]), r
+        assert not ok(r[f"connect6={lab.addr6(10)}:8080"]), r
         check_pol()
         after = pol.info().net
-        assert after.address == addr[pol.id]
+        assert after.address == addr[pol.id] and after.address6 == addr6[pol.id]
         assert after.denied_packets > before.denied_packets   # carried over, then grew
         assert after.denied_destinations.get(lab.addr(12), 0) > \
             before.denied_destinations.get(lab.addr(12), 0) > 0, (before, after)
         r = probe(peer, f"connect={lab.addr(12)}:80", "connect=169.254.169.254:80",
-                  f"connect={gw}:{net.port}")
+                  f"connect={gw}:{net.port}", f"connect6={lab.addr6(12)}:80",
+                  "connect6=fd00:ec2::254:80")
         assert ok(r[f"connect={lab.addr(12)}:80"]), r           # internet
+        assert ok(r[f"connect6={lab.addr6(12)}:80"]), r         # its remade link has IPv6
+        assert not ok(r["connect6=fd00:ec2::254:80"]), r
+        assert peer.info().net.address6 == addr6[peer.id]
         assert not any(ok(v) for k, v in r.items() if "169.254" in k or str(net.port) in k), r
         assert peer.info().net.exposed["7000"] == host7000      # the same host port
         tc = subprocess.run(["tc", "qdisc", "show", "dev", names[peer.id]],

@@ -251,6 +251,8 @@ class NetworkState(_Response):
 
     address: str
     gateway: str | None = None
+    address6: str | None = Field(None, description="its IPv6 address (None: IPv4 only)")
+    gateway6: str | None = None
     group: str | None = None
     policy: Any = None
     tx_bytes: int = 0

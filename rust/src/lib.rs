@@ -241,21 +241,34 @@ fn netns_socket(py: Python<'_>, netns: RawFd, domain: i32, ty: i32, proto: i32) 
 
 /// A networked sandbox's veth pair (docs/network.md): host end `host` with the gateway
 /// address and a /32 route to `addr`; `eth0` in the namespace `netns` with `addr`/32 and a
-/// default route via `gateway`. The GIL is released meanwhile.
+/// default route via `gateway`; the same for IPv6 with `gateway6` and `addr6` (/128), or IPv6
+/// off on both ends without them. The GIL is released meanwhile.
 #[pyfunction]
+#[pyo3(signature = (netns, host, gateway, addr, gateway6=None, addr6=None))]
 fn veth_setup(
     py: Python<'_>,
     netns: RawFd,
     host: String,
     gateway: String,
     addr: String,
+    gateway6: Option<String>,
+    addr6: Option<String>,
 ) -> PyResult<()> {
     let parse = |s: &str| {
         s.parse::<std::net::Ipv4Addr>()
             .map_err(|_| PyValueError::new_err(format!("not an IPv4 address: {s:?}")))
     };
+    let parse6 = |s: &str| {
+        s.parse::<std::net::Ipv6Addr>()
+            .map_err(|_| PyValueError::new_err(format!("not an IPv6 address: {s:?}")))
+    };
     let (gw, a) = (parse(&gateway)?, parse(&addr)?);
-    py.detach(|| netlink::veth_setup(netns, &host, gw, a))
+    let v6 = match (gateway6, addr6) {
+        (Some(g), Some(a)) => Some((parse6(&g)?, parse6(&a)?)),
+        (None, None) => None,
+        _ => return Err(PyValueError::new_err("gateway6 and addr6 go together")),
+    };
+    py.detach(|| netlink::veth_setup(netns, &host, gw, a, v6))
         .map_err(|e| os_error(e.errno(), format!("veth_setup: {e}")))
 }
 

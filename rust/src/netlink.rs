@@ -1,11 +1,12 @@
 //! A networked sandbox's link, set up over rtnetlink with the GIL released: a veth pair whose
 //! host end holds the gateway address and a /32 route to the sandbox, and whose other end,
 //! moved into the sandbox's network namespace as `eth0`, holds the sandbox's /32 address and a
-//! default route via the gateway. The calling thread enters the namespace for its half and
+//! default route via the gateway; the same for IPv6 (/128 addresses and routes) when the
+//! daemon has an IPv6 range. The calling thread enters the namespace for its half and
 //! returns (as `netns_new` does). No process is started.
 
 use std::ffi::CString;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use libc::c_void;
@@ -121,18 +122,31 @@ fn ifinfomsg(index: i32, flags: u32, change: u32) -> [u8; IFINFOMSG_LEN] {
     m
 }
 
-fn ifaddrmsg(index: i32) -> [u8; 8] {
+/// IFA_F_NODAD: an IPv6 address usable at once (no duplicate detection on a link of two).
+const IFA_F_NODAD: u8 = 0x02;
+
+fn family(a: &IpAddr) -> (u8, u8, Vec<u8>) {
+    match a {
+        IpAddr::V4(v) => (libc::AF_INET as u8, 32, v.octets().to_vec()),
+        IpAddr::V6(v) => (libc::AF_INET6 as u8, 128, v.octets().to_vec()),
+    }
+}
+
+fn ifaddrmsg(index: i32, fam: u8, prefix: u8) -> [u8; 8] {
     let mut m = [0u8; 8];
-    m[0] = libc::AF_INET as u8;
-    m[1] = 32; // prefix length
+    m[0] = fam;
+    m[1] = prefix;
+    if fam == libc::AF_INET6 as u8 {
+        m[2] = IFA_F_NODAD;
+    }
     m[3] = libc::RT_SCOPE_UNIVERSE;
     m[4..8].copy_from_slice(&(index as u32).to_ne_bytes());
     m
 }
 
-fn rtmsg(dst_len: u8, scope: u8) -> [u8; 12] {
+fn rtmsg(fam: u8, dst_len: u8, scope: u8) -> [u8; 12] {
     let mut m = [0u8; 12];
-    m[0] = libc::AF_INET as u8;
+    m[0] = fam;
     m[1] = dst_len;
     m[4] = libc::RT_TABLE_MAIN;
     m[5] = libc::RTPROT_STATIC;
@@ -225,12 +239,12 @@ impl Rtnl {
         }
     }
 
-    fn addr(&mut self, index: i32, addr: Ipv4Addr) -> Result<(), NetlinkError> {
-        let a = addr.octets();
+    fn addr(&mut self, index: i32, addr: IpAddr) -> Result<(), NetlinkError> {
+        let (fam, prefix, a) = family(&addr);
         let flags = (libc::NLM_F_CREATE | libc::NLM_F_EXCL) as u16;
         self.call(
             "add address",
-            Msg::new(libc::RTM_NEWADDR, flags, &ifaddrmsg(index))
+            Msg::new(libc::RTM_NEWADDR, flags, &ifaddrmsg(index, fam, prefix))
                 .attr(IFA_LOCAL, &a)
                 .attr(IFA_ADDRESS, &a),
         )
@@ -244,23 +258,29 @@ impl Rtnl {
         )
     }
 
+    /// A route to `dst` (a host route, on the link) or, with `dst` None, the default route
+    /// via `gateway`; `v6` picks the family when neither gives it.
     fn route(
         &mut self,
-        dst: Option<Ipv4Addr>,
-        gateway: Option<Ipv4Addr>,
+        dst: Option<IpAddr>,
+        gateway: Option<IpAddr>,
+        v6: bool,
         index: i32,
     ) -> Result<(), NetlinkError> {
         let flags = (libc::NLM_F_CREATE | libc::NLM_F_EXCL) as u16;
-        let (dst_len, scope) = match dst {
-            Some(_) => (32, libc::RT_SCOPE_LINK),
+        let fam = if v6 { libc::AF_INET6 } else { libc::AF_INET } as u8;
+        let (dst_len, scope) = match &dst {
+            Some(d) => (family(d).1, libc::RT_SCOPE_LINK),
             None => (0, libc::RT_SCOPE_UNIVERSE),
         };
-        let mut m = Msg::new(libc::RTM_NEWROUTE, flags, &rtmsg(dst_len, scope));
-        if let Some(d) = dst {
-            m.attr(RTA_DST, &d.octets());
+        // IPv6 routes have no scope of their own (the kernel wants universe).
+        let scope = if v6 { libc::RT_SCOPE_UNIVERSE } else { scope };
+        let mut m = Msg::new(libc::RTM_NEWROUTE, flags, &rtmsg(fam, dst_len, scope));
+        if let Some(d) = &dst {
+            m.attr(RTA_DST, &family(d).2);
         }
-        if let Some(g) = gateway {
-            m.attr(RTA_GATEWAY, &g.octets());
+        if let Some(g) = &gateway {
+            m.attr(RTA_GATEWAY, &family(g).2);
         }
         m.attr(RTA_OIF, &(index as u32).to_ne_bytes());
         self.call("add route", &mut m)
@@ -296,13 +316,15 @@ fn check_name(name: &str) -> Result<(), NetlinkError> {
 }
 
 /// The veth pair `host` (in the caller's namespace) / `eth0` (moved into `netns`), addressed,
-/// up and routed as described at the top. On an error the host end is left for the caller
-/// to delete (it may exist).
+/// up and routed as described at the top; `v6`: (gateway, address) for IPv6, or None (IPv6
+/// off on both ends). On an error the host end is left for the caller to delete (it may
+/// exist).
 pub fn veth_setup(
     netns: RawFd,
     host: &str,
     gateway: Ipv4Addr,
     addr: Ipv4Addr,
+    v6: Option<(Ipv6Addr, Ipv6Addr)>,
 ) -> Result<(), NetlinkError> {
     check_name(host)?;
     let mut nl = Rtnl::open()?;
@@ -320,18 +342,56 @@ pub fn veth_setup(
         .end();
     nl.call("add veth", &mut m)?;
     let hidx = if_index(host)?;
-    write_file(&format!("/proc/sys/net/ipv6/conf/{host}/disable_ipv6"), "1")?;
-    nl.addr(hidx, gateway)?;
+    let (gw, a) = (IpAddr::V4(gateway), IpAddr::V4(addr));
+    // No duplicate detection (a link of two; its wait would hold the link-local address
+    // back), no router advertisements or solicitations: the addresses and routes are ours.
+    ipv6_conf(host, v6.is_some())?;
+    nl.addr(hidx, gw)?;
+    if let Some((gw6, _)) = v6 {
+        nl.addr(hidx, IpAddr::V6(gw6))?;
+    }
     nl.up(hidx)?;
-    nl.route(Some(addr), None, hidx)?;
+    nl.route(Some(a), None, false, hidx)?;
+    if let Some((_, a6)) = v6 {
+        nl.route(Some(IpAddr::V6(a6)), None, true, hidx)?;
+    }
     in_netns(netns, || {
         let mut g = Rtnl::open()?;
         let gidx = if_index("eth0")?;
-        g.addr(gidx, addr)?;
+        ipv6_conf("eth0", v6.is_some())?;
+        g.addr(gidx, a)?;
+        if let Some((_, a6)) = v6 {
+            g.addr(gidx, IpAddr::V6(a6))?;
+        }
         g.up(gidx)?;
-        g.route(Some(gateway), None, gidx)?;
-        g.route(None, Some(gateway), gidx)
+        g.route(Some(gw), None, false, gidx)?;
+        g.route(None, Some(gw), false, gidx)?;
+        if let Some((gw6, _)) = v6 {
+            g.route(Some(IpAddr::V6(gw6)), None, true, gidx)?;
+            g.route(None, Some(IpAddr::V6(gw6)), true, gidx)?;
+        }
+        Ok(())
     })
+}
+
+/// IPv6 on interface `name` of the calling thread's namespace: off, or on without duplicate
+/// detection, router advertisements and solicitations (before the link is up).
+fn ipv6_conf(name: &str, on: bool) -> Result<(), NetlinkError> {
+    let conf = format!("/proc/sys/net/ipv6/conf/{name}");
+    if !on {
+        return write_file(&format!("{conf}/disable_ipv6"), "1");
+    }
+    for (key, value) in [
+        ("accept_dad", "0"),
+        ("dad_transmits", "0"),
+        ("accept_ra", "0"),
+        ("autoconf", "0"),
+        ("router_solicitations", "0"),
+        ("disable_ipv6", "0"),
+    ] {
+        write_file(&format!("{conf}/{key}"), value)?;
+    }
+    Ok(())
 }
 
 /// Run `f` with the calling thread in the network namespace `netns`, then return to its own

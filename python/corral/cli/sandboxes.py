@@ -309,7 +309,8 @@ def net_rows(i: SandboxInfo) -> list[tuple[str, Any]]:
     n = i.net
     if n is None:
         return []
-    return [("address", n.address), ("network group", i.network_group or "-"),
+    return [("address", n.address + (f", {n.address6}" if n.address6 else "")),
+            ("network group", i.network_group or "-"),
             ("sent", f"{n.tx_bytes} B in {n.tx_packets} packets"),
             ("received", f"{n.rx_bytes} B in {n.rx_packets} packets"),
             ("denied", f"{n.denied_packets} packets"),

@@ -1,9 +1,9 @@
 """The sandboxes' resolver: a DNS proxy on the gateway address (UDP and TCP 53) that answers each
 sandbox by its source address. A sandbox with a policy gets answers only for names its
-policy allows, and the IPv4 addresses of each answer are pinned into its kernel allow-set
-(with the answer's TTL) before the answer is sent, so a connect right after works and an
-address it never resolved stays refused. AAAA queries get an empty answer (sandboxes have
-IPv4 only); names of sandboxes in the asker's network group resolve to their addresses.
+policy allows, and the addresses of each answer (A and AAAA) are pinned into its kernel
+allow-sets (with the answer's TTL) before the answer is sent, so a connect right after works
+and an address it never resolved stays refused. A sandbox without IPv6 gets empty AAAA
+answers; names of sandboxes in the asker's network group resolve to their addresses.
 Everything else is refused (NXDOMAIN), so no query for a denied name leaves the host
 (DNS tunnelling through any name but an allowed one is not possible)."""
 
@@ -22,9 +22,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from dnslib import QTYPE, RCODE, RR, A, DNSHeader, DNSRecord
+from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSHeader, DNSRecord
 
-from .firewall import BLOCKED4, PRIVATE4
+from .firewall import BLOCKED4, BLOCKED6, PRIVATE4, PRIVATE6
 
 log = logging.getLogger("corral.network.dns")
 
@@ -41,17 +41,19 @@ TCP_PER_SOURCE, TCP_TOTAL, TCP_IDLE_S = 4, 4096, 10.0
 RATE_QPS, IN_FLIGHT = 50.0, 4
 
 
-_INTERNAL = [ipaddress.IPv4Network(n) for n in (*PRIVATE4, *BLOCKED4)]
+_INTERNAL = [ipaddress.ip_network(n) for n in (*PRIVATE4, *BLOCKED4, *PRIVATE6, *BLOCKED6)]
 
 
 def _internal(addr: str) -> bool:
-    ip = ipaddress.IPv4Address(addr)
-    return any(ip in n for n in _INTERNAL)
+    """A private, link-local, metadata or multicast address (IPv4 or IPv6)."""
+    ip = ipaddress.ip_address(addr)
+    return any(ip.version == n.version and ip in n for n in _INTERNAL)
 
 
 class DnsProxy:
     """``lookup(source address)`` -> the asker's state (an object with ``policy`` (None:
-    mode internet), ``pin(addresses, ports, ttl)`` and ``peer(name)``), or None to drop."""
+    mode internet), ``address6`` (None: no IPv6), ``pin(addresses, ports, ttl)`` and
+    ``peer(name, version)``), or None to drop."""
 
     def __init__(self, bind: str, upstream: tuple[str, int],
                  lookup: Callable[[str], Any]) -> None:
@@ -244,11 +246,14 @@ class DnsProxy:
             return self._refuse(q, RCODE.FORMERR)
         name = str(q.q.qname).rstrip(".").lower()
         qtype = q.q.qtype
-        peer = who.peer(name)
+        six = getattr(who, "address6", None) is not None
+        peer = who.peer(name, 6 if qtype == QTYPE.AAAA else 4)
         if peer is not None:
             r = q.reply()
             if qtype == QTYPE.A:
                 r.add_answer(RR(q.q.qname, QTYPE.A, rdata=A(peer), ttl=5))
+            elif qtype == QTYPE.AAAA and peer and six:
+                r.add_answer(RR(q.q.qname, QTYPE.AAAA, rdata=AAAA(peer), ttl=5))
             return r.pack()
         ports = None
         if who.policy is not None:
@@ -257,9 +262,9 @@ class DnsProxy:
                 self.counts["refused"] += 1
                 who.refused(name)
                 return self._refuse(q, RCODE.NXDOMAIN)
-        if qtype == QTYPE.AAAA:
-            return q.reply().pack()  # no IPv6 in a sandbox: an empty answer, not an error
-        if who.policy is not None and qtype not in (QTYPE.A, QTYPE.CNAME):
+        if qtype == QTYPE.AAAA and not six:
+            return q.reply().pack()  # no IPv6 in this sandbox: an empty answer, not an error
+        if who.policy is not None and qtype not in (QTYPE.A, QTYPE.AAAA, QTYPE.CNAME):
             return self._refuse(q, RCODE.NXDOMAIN)
         qid = q.header.id
         ans = self._forward(q)
@@ -270,13 +275,15 @@ class DnsProxy:
         if who.policy is not None:
             # An allowed name answering with a private or link-local address (DNS rebinding
             # to an internal service) opens nothing: such addresses need an allow CIDR.
-            pins = [(str(rr.rdata), int(rr.ttl)) for rr in ans.rr if rr.rtype == QTYPE.A
+            # Only the asked type is pinned (an A answer carrying AAAA records opens none).
+            pins = [(str(rr.rdata), int(rr.ttl)) for rr in ans.rr
+                    if rr.rtype in (QTYPE.A, QTYPE.AAAA) and rr.rtype == qtype
                     and (not _internal(str(rr.rdata))
                          or who.policy.names_address(str(rr.rdata)))]
             if pins:
                 ttl = max(MIN_PIN_S, min(MAX_PIN_S, max(t for _, t in pins)))
                 who.pin([a for a, _ in pins], ports, ttl)
-            ans.rr = [rr for rr in ans.rr if rr.rtype in (QTYPE.A, QTYPE.CNAME)]
+            ans.rr = [rr for rr in ans.rr if rr.rtype == QTYPE.CNAME or rr.rtype == qtype]
             ans.auth, ans.ar = [], []
         ans.header.id = qid
         out = ans.pack()

@@ -1,18 +1,22 @@
 """The daemon's nftables table: fixed rules written once, per-sandbox state in sets keyed by
 the sandbox's host-side interface, so attaching a sandbox is a few set elements in one
-transaction, never a rule-set reload.
+transaction, never a rule-set reload. One table (family inet) for IPv4 and IPv6: each rule
+below holds for both, with sets of each family (``src4``/``src6``, ``pin4``/``pin6``...).
 
-What a sandbox may send (chain ``from_sandbox``), in order: nothing but IPv4 from its own
-address (spoofing and IPv6 are dropped); replies of flows already allowed; other sandboxes
-only if both are in one network group; out of the uplink only (never another host
-interface); never link-local/metadata (169.254.0.0/16) nor the daemon's own range; no new
-connection past the per-sandbox cap; a policy's deny entries; its allow CIDRs; never the
-private ranges; the DNS proxy's pins (which expire with the answer's TTL); everything else
-only in mode "internet". To the host itself (chain ``to_host``): only DNS (UDP and TCP) to
-the gateway address. Denied packets are rejected (TCP: a reset, which the kernel does not
+What a sandbox may send (chain ``from_sandbox``), in order: nothing but from its own address
+(spoofing is dropped; IPv6 is dropped if the daemon has no IPv6 range); replies of flows
+already allowed; other sandboxes only if both are in one network group; out of the uplink
+only (never another host interface); never link-local/metadata (169.254.0.0/16, fe80::/10,
+fd00:ec2::254), multicast (ff00::/8) nor the daemon's own ranges; no new connection past the
+per-sandbox cap; a policy's deny entries; its allow CIDRs; never the private ranges (10/8,
+fc00::/7...); the DNS proxy's pins (which expire with the answer's TTL); everything else only
+in mode "internet". To the host itself (chains ``to_host``, ``to_host6``): only DNS (UDP
+and TCP) to the gateway address, a ping of the gateways and, over IPv6, neighbour discovery
+on the link. Denied packets are rejected (TCP: a reset, which the kernel does not
 rate-limit as it does ICMP errors; others: admin-prohibited) and counted per sandbox in the
-dynamic set ``denied``, and per sandbox and destination address in ``denied_to4`` (entries
-expire DENIED_TO_TIMEOUT after their last packet; DENIED_TO_SIZE in all)."""
+dynamic set ``denied``, and per sandbox and destination address in ``denied_to4`` and
+``denied_to6`` (entries expire DENIED_TO_TIMEOUT after their last packet; DENIED_TO_SIZE in
+each)."""
 
 from __future__ import annotations
 
@@ -24,14 +28,22 @@ from collections.abc import Iterable
 from corral import _core
 
 from .nft import Nft, NftError
+from .policy import Policy
 from .settings import NetSettings
 
 PRIVATE4 = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "172.16.0.0/12",
             "192.168.0.0/16", "224.0.0.0/3")
 BLOCKED4 = ("169.254.0.0/16",)
+# IPv6: unspecified/loopback/IPv4-compatible, IPv4-mapped, NAT64 (both prefixes), 6to4 (each of
+# which can lead to an IPv4 private address through a translator), discard-only, unique
+# local, site-local; link-local, the clouds' metadata addresses (AWS, GCP) and multicast
+# always.
+PRIVATE6 = ("::/96", "::ffff:0:0/96", "64:ff9b::/96", "64:ff9b:1::/48", "100::/64",
+            "2002::/16", "fc00::/7", "fec0::/10")
+BLOCKED6 = ("fe80::/10", "fd00:ec2::254/128", "fd20:ce::254/128", "ff00::/8")
 PROTOS = ("tcp", "udp")
 PROTO_NUMBERS = {"tcp": 6, "udp": 17}
-INTERVAL_SETS = ("allow4", "deny4")
+INTERVAL_SETS = ("allow4", "deny4", "allow6", "deny6")
 # The interval sets are sharded by sandbox slot: the kernel's pipapo set does a removal in
 # time linear in the set's size, so one set for every sandbox made ending a sandbox with CIDR
 # rules cost ~150 ms of kernel CPU at 1,000 sandboxes (5 ms with 256 shards); a vmap on the
@@ -44,6 +56,7 @@ SHARDS = 256
 # unrecorded (still refused, still in the sandbox's total) until older ones expire.
 DENIED_TO_SIZE = 65536
 DENIED_TO_TIMEOUT = "10m"
+DENIED_TO = ("denied_to4", "denied_to6")
 
 Ports = tuple[tuple[int, int], ...]
 
@@ -66,29 +79,63 @@ class Firewall:
         s, w = self.s, self.s.ifprefix + "*"
         blocked = ", ".join((*BLOCKED4, str(s.range4)))
         private = ", ".join(PRIVATE4)
+        blocked6 = ", ".join((*BLOCKED6, *([str(s.range6)] if s.range6 else [])))
+        private6 = ", ".join(PRIVATE6)
         key = "ifname . ipv4_addr . inet_proto . inet_service"
+        key6 = "ifname . ipv6_addr . inet_proto . inet_service"
         shard_sets = "\n".join(
             f"  set allow4_{k} {{ type {key}; flags interval, timeout; }}\n"
-            f"  set deny4_{k} {{ type {key}; flags interval; }}" for k in range(SHARDS))
+            f"  set deny4_{k} {{ type {key}; flags interval; }}\n"
+            f"  set allow6_{k} {{ type {key6}; flags interval, timeout; }}\n"
+            f"  set deny6_{k} {{ type {key6}; flags interval; }}" for k in range(SHARDS))
         # A policy's deny entries, then its allow CIDRs (and DNS pins of port ranges).
         shard_chains = "\n".join(
             f"  chain p{k} {{\n"
             f"    iifname . ip daddr . meta l4proto . th dport @deny4_{k} goto deny\n"
-            f"    iifname . ip daddr . meta l4proto . th dport @allow4_{k} accept\n  }}"
+            f"    iifname . ip daddr . meta l4proto . th dport @allow4_{k} accept\n"
+            f"    iifname . ip6 daddr . meta l4proto . th dport @deny6_{k} goto deny\n"
+            f"    iifname . ip6 daddr . meta l4proto . th dport @allow6_{k} accept\n  }}"
             for k in range(SHARDS))
+        nd = "icmpv6 type { nd-neighbor-solicit, nd-neighbor-advert } ip6 hoplimit 255"
+        if s.range6 is None:
+            no6 = "meta nfproto ipv6 drop"
+            to_host6 = "drop"
+            nat6 = ""
+        else:
+            no6 = "meta nfproto ipv6 iifname . ip6 saddr != @src6 drop"
+            # Neighbour discovery (from its link-local or own address, hop limit 255: on the
+            # link only) and the sandbox kernel's own link chatter (MLD, router solicitations:
+            # dropped, not counted); nothing else from a link-local source, nothing else to
+            # the host but a ping of the gateway.
+            to_host6 = (f"ip6 saddr fe80::/10 {nd} accept\n"
+                        f"    iifname . ip6 saddr @src6 {nd} accept\n"
+                        f"    ip6 daddr ff00::/8 drop\n"
+                        f"    ip6 saddr fe80::/10 goto deny\n"
+                        f"    iifname . ip6 saddr != @src6 drop\n"
+                        f"    ct state established,related accept\n"
+                        f"    ip6 daddr {s.gateway6} icmpv6 type echo-request accept\n"
+                        f"    goto deny")
+            nat6 = f'ip6 saddr {s.range6} oifname "{s.uplink}" masquerade'
         return f"""
 table {self.t} {{
   set src4 {{ type ifname . ipv4_addr; }}
+  set src6 {{ type ifname . ipv6_addr; }}
   set internet {{ type ifname; }}
   set peers {{ type ifname . ifname; }}
   map shard {{ type ifname : verdict; }}
 {shard_sets}
   set pin4 {{ type ifname . ipv4_addr . inet_proto . inet_service; flags timeout; }}
   set pinall4 {{ type ifname . ipv4_addr; flags timeout; }}
-  set blocked4 {{ type ipv4_addr; flags interval; elements = {{ {blocked} }}; }}
-  set private4 {{ type ipv4_addr; flags interval; elements = {{ {private} }}; }}
+  set pin6 {{ type ifname . ipv6_addr . inet_proto . inet_service; flags timeout; }}
+  set pinall6 {{ type ifname . ipv6_addr; flags timeout; }}
+  set blocked4 {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {blocked} }}; }}
+  set private4 {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {private} }}; }}
+  set blocked6 {{ type ipv6_addr; flags interval; auto-merge; elements = {{ {blocked6} }}; }}
+  set private6 {{ type ipv6_addr; flags interval; auto-merge; elements = {{ {private6} }}; }}
   set denied {{ type ifname; flags dynamic; counter; size 1048576; }}
   set denied_to4 {{ type ifname . ipv4_addr; flags dynamic, timeout; counter;
+    size {DENIED_TO_SIZE}; timeout {DENIED_TO_TIMEOUT}; }}
+  set denied_to6 {{ type ifname . ipv6_addr; flags dynamic, timeout; counter;
     size {DENIED_TO_SIZE}; timeout {DENIED_TO_TIMEOUT}; }}
   set conns {{ type ifname; flags dynamic; size 1048576; }}
   chain input {{ type filter hook input priority -10; policy accept;
@@ -99,7 +146,7 @@ table {self.t} {{
     oifname "{w}" jump to_sandbox
   }}
   chain to_host {{
-    meta nfproto != ipv4 drop
+    meta nfproto ipv6 goto to_host6
     iifname . ip saddr != @src4 drop
     ct state established,related accept
     ip daddr {s.gateway} udp dport 53 accept
@@ -107,19 +154,26 @@ table {self.t} {{
     ip daddr {s.gateway} icmp type echo-request accept
     goto deny
   }}
+  chain to_host6 {{
+    {to_host6}
+  }}
   chain from_sandbox {{
-    meta nfproto != ipv4 drop
-    iifname . ip saddr != @src4 drop
+    meta nfproto ipv4 iifname . ip saddr != @src4 drop
+    {no6}
     ct state established,related accept
     oifname "{w}" iifname . oifname @peers accept
     oifname "{w}" goto deny
     oifname != "{s.uplink}" goto deny
     ip daddr @blocked4 goto deny
+    ip6 daddr @blocked6 goto deny
     ct state new add @conns {{ iifname ct count over {s.max_connections} }} goto deny
     iifname vmap @shard
     ip daddr @private4 goto deny
+    ip6 daddr @private6 goto deny
     iifname . ip daddr . meta l4proto . th dport @pin4 accept
     iifname . ip daddr @pinall4 accept
+    iifname . ip6 daddr . meta l4proto . th dport @pin6 accept
+    iifname . ip6 daddr @pinall6 accept
     iifname @internet accept
     goto deny
   }}
@@ -131,11 +185,13 @@ table {self.t} {{
   chain deny {{
     update @denied {{ iifname }}
     meta nfproto ipv4 update @denied_to4 {{ iifname . ip daddr }}
+    meta nfproto ipv6 update @denied_to6 {{ iifname . ip6 daddr }}
     meta l4proto tcp reject with tcp reset
     reject with icmpx admin-prohibited
   }}
   chain nat {{ type nat hook postrouting priority srcnat; policy accept;
     ip saddr {s.range4} oifname "{s.uplink}" masquerade
+    {nat6}
   }}
 }}
 """
@@ -148,7 +204,7 @@ table {self.t} {{
     def carried_state(self) -> dict[str, dict[str, list]]:
         """What a killed daemon's table holds that its sandboxes' records do not, by host
         interface: ``pins`` (set, element with its remaining timeout, seconds left) and
-        ``denied`` (packets, bytes), ``denied_to`` ((address, packets, bytes), ...)."""
+        ``denied`` (packets, bytes), ``denied_to`` ((set, address, packets, bytes), ...)."""
         try:
             doc = json.loads(self.nft.run(f"list table {self.t}", json_out=True))
         except (NftError, ValueError):
@@ -159,17 +215,18 @@ table {self.t} {{
             name = str((st or {}).get("name", ""))
             if name.rsplit("_", 1)[0] in INTERVAL_SETS:
                 name = name.rsplit("_", 1)[0]  # allow4_<shard>
-            if not st or name not in ("pin4", "pinall4", "allow4", "denied", "denied_to4"):
+            if not st or name not in ("pin4", "pinall4", "allow4", "pin6", "pinall6", "allow6",
+                                      "denied", *DENIED_TO):
                 continue
             for e in st.get("elem", []):
                 inner = e.get("elem") if isinstance(e, dict) and "elem" in e else None
                 val = inner["val"] if inner else e
-                if name == "denied_to4":
+                if name in DENIED_TO:
                     if inner and inner.get("counter") and isinstance(val, dict):
                         ifname, addr = (_json_part(x) for x in val.get("concat", ("", "")))
                         c = inner["counter"]
                         out.setdefault(ifname, {}).setdefault("denied_to", []).append(
-                            (addr, int(c["packets"]), int(c["bytes"])))
+                            (name, addr, int(c["packets"]), int(c["bytes"])))
                     continue
                 if name == "denied":
                     if inner and isinstance(val, str) and inner.get("counter"):
@@ -207,19 +264,36 @@ table {self.t} {{
         grow with the number of sandboxes, unlike the interval set's), the interval set only
         for a port range."""
         i, to = _ifname(ifname), f" timeout {ttl}s"
-        out: dict[str, list[str]] = {"pin4": [], "pinall4": [], "allow4": []}
+        out: dict[str, list[str]] = {}
         for a in addrs:
+            v = ipaddress.ip_address(a).version
             for p in ports:
                 if p == (0, 65535):
-                    out["pinall4"].append(f"{i} . {a}{to}")
+                    out.setdefault(f"pinall{v}", []).append(f"{i} . {a}{to}")
                 elif p[0] == p[1]:
-                    out["pin4"] += [f"{i} . {a} . {proto} . {p[0]}{to}" for proto in PROTOS]
+                    out.setdefault(f"pin{v}", []).extend(
+                        f"{i} . {a} . {proto} . {p[0]}{to}" for proto in PROTOS)
                 else:
-                    out["allow4"] += [f"{i} . {a} . {proto} . {_port(p)}{to}" for proto in PROTOS]
-        return {k: v for k, v in out.items() if v}
+                    out.setdefault(f"allow{v}", []).extend(
+                        f"{i} . {a} . {proto} . {_port(p)}{to}" for proto in PROTOS)
+        return out
 
     @staticmethod
-    def rules(ifname: str, nets: Iterable[tuple[ipaddress.IPv4Network | str, Ports]],
+    def policy_elems(ifname: str, policy: Policy | None) -> dict[str, list[str]]:
+        """A policy's CIDR rules as elements of the interval sets, by set (allow4, deny6...)."""
+        out: dict[str, list[str]] = {n: [] for n in INTERVAL_SETS}
+        if policy is None:
+            return out
+        for kind, rules in (("allow", policy.allow), ("deny", policy.deny)):
+            cidrs = policy.cidrs(rules)
+            for v in (4, 6):
+                boxes = _disjoint([(n, p) for n, p in cidrs if n.version == v])
+                out[f"{kind}{v}"] = Firewall.rules(ifname, [(n, (p,)) for n, p in boxes])
+        return out
+
+    @staticmethod
+    def rules(ifname: str, nets: Iterable[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network
+                                                | str, Ports]],
                timeout_s: int | None = None) -> list[str]:
         to = f" timeout {timeout_s}s" if timeout_s else ""
         return [f"{_ifname(ifname)} . {net} . {proto} . {_port(p)}{to}"
@@ -233,12 +307,15 @@ table {self.t} {{
         k = self.shard(ifname)
         return {(f"{n}_{k}" if n in INTERVAL_SETS else n): v for n, v in by_set.items()}
 
-    def attach_cmds_for(self, ifname: str, addr: ipaddress.IPv4Address, internet: bool,
+    def attach_cmds_for(self, ifname: str, addr: ipaddress.IPv4Address,
+                        addr6: ipaddress.IPv6Address | None, internet: bool,
                         elems: dict[str, list[str]]) -> str:
-        """A sandbox's elements: its source, its shard, its mode, and ``elems`` by set."""
+        """A sandbox's elements: its sources, its shard, its mode, and ``elems`` by set."""
         t, i = self.t, _ifname(ifname)
         cmds = [f"add element {t} src4 {{ {i} . {addr} }}",
                 f"add element {t} shard {{ {i} : jump p{self.shard(ifname)} }}"]
+        if addr6 is not None:
+            cmds.append(f"add element {t} src6 {{ {i} . {addr6} }}")
         if internet:
             cmds.append(f"add element {t} internet {{ {i} }}")
         cmds += [f"add element {t} {name} {{ {', '.join(items)} }}"
@@ -252,11 +329,13 @@ table {self.t} {{
     def run(self, cmds: str) -> None:
         self.nft.run(cmds)
 
-    def attach(self, ifname: str, addr: ipaddress.IPv4Address, internet: bool,
+    def attach(self, ifname: str, addr: ipaddress.IPv4Address,
+               addr6: ipaddress.IPv6Address | None, internet: bool,
                elems: dict[str, list[str]]) -> None:
         """A sandbox's elements (attach_cmds_for's), one transaction."""
         i = _ifname(ifname)
         sets = {"src4": [f"{i} . {addr}"], "shard": [f"{i} : jump p{self.shard(ifname)}"],
+                "src6": [f"{i} . {addr6}"] if addr6 is not None else [],
                 "internet": [i] if internet else []}
         self.add({**sets, **self._physical(ifname, elems)})
 
@@ -274,19 +353,21 @@ table {self.t} {{
         if batch:
             _core.nft_add_elements(self.s.table, batch)
 
-    def detach(self, ifname: str, addr: ipaddress.IPv4Address, elems: dict[str, list[str]]
-               ) -> None:
+    def detach(self, ifname: str, addr: ipaddress.IPv4Address,
+               addr6: ipaddress.IPv6Address | None, elems: dict[str, list[str]]) -> None:
         """Remove every element of this sandbox (those that expired meanwhile too) in one
         transaction."""
         i = _ifname(ifname)
         sets = {"src4": [f"{i} . {addr}"], "internet": [i], "denied": [i], "conns": [i],
-                "shard": [i]}
+                "shard": [i], "src6": [f"{i} . {addr6}"] if addr6 is not None else []}
         for k, v in self._physical(ifname, elems).items():
             sets.setdefault(k, []).extend(v)
         # Its denied destinations too (the interface name is used again by a later
         # sandbox); a sandbox never refused has none, so no dump of the set for it.
         if self.denied_count(ifname):
-            sets["denied_to4"] = [f"{i} . {a}" for a in self.denied_destinations(ifname)]
+            for a in self.denied_destinations(ifname):
+                sets.setdefault("denied_to6" if ":" in a else "denied_to4", []).append(
+                    f"{i} . {a}")
         self.destroy(sets)
 
     def destroy(self, sets: dict[str, list[str]]) -> None:
@@ -336,12 +417,48 @@ table {self.t} {{
     def denied_destinations(self, ifname: str) -> dict[str, int]:
         """Packets of this sandbox rejected so far, by destination address (those refused
         in the last DENIED_TO_TIMEOUT), over netlink: one dump of the set."""
-        try:
-            got = _core.nft_dump_counters(self.s.table, "denied_to4",
-                                          element_key(_ifname(ifname), False)[0])
-        except OSError:
-            return {}
-        return {str(ipaddress.ip_address(key[16:])): packets for key, packets, _ in got}
+        out: dict[str, int] = {}
+        for name in DENIED_TO:
+            try:
+                got = _core.nft_dump_counters(self.s.table, name,
+                                              element_key(_ifname(ifname), False)[0])
+            except OSError:
+                continue
+            out.update({str(ipaddress.ip_address(key[16:])): packets
+                        for key, packets, _ in got})
+        return out
+
+
+AnyNet = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _disjoint(rules: list[tuple[AnyNet, Ports]]) -> list[tuple[AnyNet, tuple[int, int]]]:
+    """CIDR rules of one family as (network, port range) boxes that do not overlap (the
+    kernel's interval set refuses an element whose start or end lies in another's). Rules
+    whose networks overlap are taken together: their ports cut where any of their ranges
+    starts or ends, the networks covering each piece collapsed, neighbouring pieces with the
+    same networks joined again; a rule overlapping no other keeps its own elements."""
+    groups: list[list[tuple[AnyNet, Ports]]] = []
+    for rule in rules:
+        hit = [g for g in groups if any(rule[0].overlaps(n) for n, _ in g)]
+        groups = [g for g in groups if all(g is not h for h in hit)]
+        groups.append([rule, *(r for g in hit for r in g)])
+    out: list[tuple[AnyNet, tuple[int, int]]] = []
+    for group in groups:
+        cuts = sorted({lo for _, ps in group for lo, _ in ps} |
+                      {hi + 1 for _, ps in group for _, hi in ps})
+        pieces: list[tuple[list[AnyNet], int, int]] = []
+        for lo, end in zip(cuts, cuts[1:], strict=False):
+            nets = [n for n, ps in group if any(a <= lo and end - 1 <= b for a, b in ps)]
+            merged: list[AnyNet] = list(ipaddress.collapse_addresses(nets))  # type: ignore[type-var]
+            if not merged:
+                continue
+            if pieces and pieces[-1][0] == merged and pieces[-1][2] == lo - 1:
+                pieces[-1] = (merged, pieces[-1][1], end - 1)
+            else:
+                pieces.append((merged, lo, end - 1))
+        out += [(n, (lo, hi)) for nets, lo, hi in pieces for n in nets]
+    return out
 
 
 def _json_part(x: object) -> str:
@@ -364,11 +481,20 @@ def new_element(elem: str, interval: bool) -> tuple[bytes, bytes | None, int | N
     return k, end, ms, (jump.strip() or None)
 
 
+def _address_bounds(part: str) -> tuple[bytes, bytes]:
+    """First and last address of ``a``, ``a/len`` or ``a-b`` (IPv4 or IPv6), packed."""
+    if "-" in part:
+        lo, _, hi = part.partition("-")
+        return ipaddress.ip_address(lo).packed, ipaddress.ip_address(hi).packed
+    net = ipaddress.ip_network(part)
+    return net.network_address.packed, net.broadcast_address.packed
+
+
 def element_key(elem: str, interval: bool) -> tuple[bytes, bytes | None]:
     """The kernel's key (and, in an interval set, end key) of an element in the text form
     this module writes: fields joined by " . ", each an interface name in quotes (16 bytes),
-    an IPv4 address or CIDR (4), tcp/udp (1, padded to 4), a port or port range (2 bytes big
-    endian, padded to 4); a " timeout ..." suffix is ignored."""
+    an IPv4 address, CIDR or range (4), an IPv6 one (16), tcp/udp (1, padded to 4), a port or
+    port range (2 bytes big endian, padded to 4); a " timeout ..." suffix is ignored."""
     key, end = b"", b""
     for part in elem.split(" timeout ")[0].split(" . "):
         part = part.strip()
@@ -377,9 +503,8 @@ def element_key(elem: str, interval: bool) -> tuple[bytes, bytes | None]:
             k = e = name.ljust(16, b"\0")
         elif part in PROTO_NUMBERS:
             k = e = bytes([PROTO_NUMBERS[part], 0, 0, 0])
-        elif "." in part:
-            net = ipaddress.IPv4Network(part)
-            k, e = net.network_address.packed, net.broadcast_address.packed
+        elif ":" in part or "." in part:
+            k, e = _address_bounds(part)
         else:
             lo, _, hi = part.partition("-")
             k = int(lo).to_bytes(2, "big") + b"\0\0"

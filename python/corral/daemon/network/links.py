@@ -1,6 +1,7 @@
 """Links and addresses of networked sandboxes: a veth pair per sandbox, its host end holding
 the gateway address (the same on every host end) and a /32 route to the sandbox, its sandbox
-end "eth0" with the sandbox's /32 address and a default route via the gateway. Routed, not
+end "eth0" with the sandbox's /32 address and a default route via the gateway; the same for
+IPv6 (the IPv6 gateway, /128 address and routes) when the daemon has an IPv6 range. Routed, not
 bridged: every packet a sandbox sends crosses the host's IP stack, where the firewall sees
 it. The pair is made by the Rust core over rtnetlink (corral._core.veth_setup); the rarer
 operations (tc, deleting stale links) go through pyroute2, the sandbox end through a netlink
@@ -46,19 +47,29 @@ class Links:
     def address(self, index: int) -> ipaddress.IPv4Address:
         return self.s.gateway + index
 
-    def capacity(self) -> int:
-        return self.s.range4.num_addresses - 3  # network, gateway, broadcast
+    def address6(self, index: int) -> ipaddress.IPv6Address | None:
+        gw6 = self.s.gateway6
+        return None if gw6 is None else gw6 + index
 
-    def make(self, index: int, netns_fd: int) -> None:
+    def capacity(self) -> int:
+        n = self.s.range4.num_addresses - 3  # network, gateway, broadcast
+        if self.s.range6 is not None:
+            n = min(n, self.s.range6.num_addresses - 2)
+        return n
+
+    def make(self, index: int, netns_fd: int, v6: bool = True) -> None:
         """The veth pair of sandbox slot ``index`` into ``netns_fd``, addressed and up (the
-        Rust core, GIL released: ~1 ms of netlink, no process)."""
+        Rust core, GIL released: ~1 ms of netlink, no process); with IPv6 if the daemon has
+        a range for it and ``v6``."""
         host, addr, gw = self.ifname(index), str(self.address(index)), str(self.s.gateway)
+        a6 = self.address6(index) if v6 else None
+        six = (str(self.s.gateway6), str(a6)) if a6 is not None else (None, None)
         try:
-            _core.veth_setup(netns_fd, host, gw, addr)
+            _core.veth_setup(netns_fd, host, gw, addr, *six)
         except FileExistsError:
             self.remove(index)  # a stale one (a killed daemon's, or still draining)
             try:
-                _core.veth_setup(netns_fd, host, gw, addr)
+                _core.veth_setup(netns_fd, host, gw, addr, *six)
             except BaseException:
                 self.remove(index)
                 raise
@@ -111,6 +122,27 @@ class Links:
     def close(self) -> None:
         self._call(self._ipr.close)
         self._worker.shutdown(wait=True)
+
+
+def enable_ipv6_forwarding() -> None:
+    """net.ipv6.conf.all.forwarding on (the sandboxes' IPv6 is routed through the host). A
+    router ignores router advertisements where accept_ra is 1: such interfaces (and the
+    default for new ones) get 2 first, so the host keeps the addresses and routes it learns."""
+    base = "/proc/sys/net/ipv6/conf"
+    with open(f"{base}/all/forwarding") as f:
+        if f.read().strip() == "1":
+            return
+    for name in os.listdir(base):
+        if name == "all":
+            continue
+        try:
+            with open(f"{base}/{name}/accept_ra") as f:
+                if f.read().strip() != "1":
+                    continue
+        except OSError:
+            continue
+        _sysctl(f"{base}/{name}/accept_ra", "2")
+    _sysctl(f"{base}/all/forwarding", "1")
 
 
 def _sysctl(path: str, value: str) -> None:

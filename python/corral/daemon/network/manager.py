@@ -23,6 +23,7 @@ from . import settings as settings_mod
 from .firewall import Firewall
 from .nft import NftError
 from .policy import Policy, compile_policy
+from .ranges import RangePins
 from .settings import NetSettings
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class Attachment:
     index: int
     ifname: str
     address: ipaddress.IPv4Address
+    address6: ipaddress.IPv6Address | None  # None: IPv4 only
     policy: Policy | None          # None: mode "internet"
     group: str | None
     label: Any                     # what the sandbox asked for (for info)
@@ -63,6 +65,7 @@ class Attachment:
     elems: dict[str, list[str]] = field(default_factory=dict)
     refused_names: collections.Counter = field(default_factory=collections.Counter)
     pins: dict[str, float] = field(default_factory=dict)
+    ranges: RangePins = field(default_factory=RangePins)  # its pins of port ranges
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     # ---- what the DNS proxy calls --------------------------------------------------------
@@ -71,7 +74,14 @@ class Attachment:
         with self.lock:
             if self.mgr.attachments.get(self.sandbox_id) is not self:
                 return  # detached meanwhile: pin nothing for a dead interface
+            placed = None
+            for name in ("allow4", "allow6"):
+                if name in by_set:
+                    by_set[name], placed = self.ranges.place(
+                        by_set[name], self.elems.get(name, []), ttl, placed)
             self.mgr.fw.add_sets(self.ifname, by_set)
+            if placed is not None:
+                self.ranges.commit(placed)
             for name, elems in by_set.items():
                 have = self.elems.setdefault(name, [])
                 known = {e.split(" timeout ")[0] for e in have}
@@ -80,8 +90,8 @@ class Attachment:
             for a in addrs:
                 self.pins[a] = until
 
-    def peer(self, name: str) -> str | None:
-        return self.mgr.peer_address(self, name)
+    def peer(self, name: str, version: int = 4) -> str | None:
+        return self.mgr.peer_address(self, name, version)
 
     def refused(self, name: str) -> None:
         if len(self.refused_names) < 1000 or name in self.refused_names:
@@ -100,8 +110,10 @@ def _own_network(s: NetSettings) -> list[int]:
     held: list[int] = []
     for what, key, var in (("nftables table", s.table, "CORRAL_NET_TABLE"),
                            ("address range", str(s.range4), "CORRAL_NET_RANGE"),
+                           *([("IPv6 range", str(s.range6), "CORRAL_NET_RANGE6")]
+                             if s.range6 is not None else []),
                            ("interface prefix", s.ifprefix, "CORRAL_NET_IFPREFIX")):
-        path = os.path.join(LOCK_DIR, f"net-{key.replace('/', '_')}.lock")
+        path = os.path.join(LOCK_DIR, f"net-{key.replace('/', '_').replace(':', '-')}.lock")
         fd = try_lock(path)
         if fd is None:
             for h in held:
@@ -232,8 +244,15 @@ class NetworkManager:
         self._take_ownership()
         # pyroute2 and dnslib load here: a daemon that never networks a sandbox pays nothing
         from .dns import DnsProxy
-        from .links import Links
+        from .links import Links, enable_ipv6_forwarding
 
+        if self.s.range6 is not None:
+            try:
+                enable_ipv6_forwarding()
+            except OSError as e:
+                raise Unsupported(f"cannot enable IPv6 forwarding for the sandboxes' IPv6 "
+                                  f"({e}); CORRAL_NET_RANGE6=none gives them IPv4 only") \
+                    from None
         self.fw = Firewall(self.s)
         self.links = Links(self.s)
         for name in self.links.stale():
@@ -373,17 +392,12 @@ class NetworkManager:
             slot = self._make_slot()
         idx, fd = slot
         att = Attachment(sandbox_id, idx, self.links.ifname(idx), self.links.address(idx),
-                         policy, group, label, self)
-        allow: list[str] = []
-        deny: list[str] = []
-        if policy is not None:
-            allow = Firewall.rules(att.ifname, policy.cidrs(policy.allow))
-            deny = Firewall.rules(att.ifname, policy.cidrs(policy.deny))
-        att.elems = {"allow4": allow, "deny4": deny}
+                         self.links.address6(idx), policy, group, label, self)
+        att.elems = Firewall.policy_elems(att.ifname, policy)
         try:
             if bandwidth_mbit is not None:
                 self.links.shape(idx, fd, bandwidth_mbit)
-            self.fw.attach(att.ifname, att.address, policy is None, att.elems)
+            self.fw.attach(att.ifname, att.address, att.address6, policy is None, att.elems)
             peers = self._group_pairs(att)
             self.fw.peers(peers, add=True)
         except BaseException:
@@ -401,7 +415,10 @@ class NetworkManager:
         att = self.attachments.get(sandbox_id)
         if att is None:
             return None
-        return {"slot": att.index, "ifname": att.ifname, "address": str(att.address)}
+        out = {"slot": att.index, "ifname": att.ifname, "address": str(att.address)}
+        if att.address6 is not None:
+            out["address6"] = str(att.address6)
+        return out
 
     # ---- after a daemon restart ------------------------------------------------------------
     def restore(self, items: list[Readopted]) -> dict[str, str]:
@@ -452,15 +469,17 @@ class NetworkManager:
             for set_name, elem, left in old.get(att.ifname, {}).get("pins", []):
                 pins.setdefault(set_name, []).append(elem)
                 att.pins[elem.split(" . ")[1]] = now + left
-            cmds = [probe.attach_cmds_for(att.ifname, att.address, att.policy is None,
-                                          {**att.elems, **pins})]
+                if set_name.startswith("allow"):
+                    att.ranges.note(elem, now + left)
+            cmds = [probe.attach_cmds_for(att.ifname, att.address, att.address6,
+                                          att.policy is None, {**att.elems, **pins})]
             denied = old.get(att.ifname, {}).get("denied")
             if denied:
                 cmds.append(f'add element inet {self.s.table} denied {{ "{att.ifname}" '
                             f"counter packets {denied[0]} bytes {denied[1]} }}")
-            cmds += [f'add element inet {self.s.table} denied_to4 {{ "{att.ifname}" . {a} '
+            cmds += [f'add element inet {self.s.table} {name} {{ "{att.ifname}" . {a} '
                      f"counter packets {n} bytes {b} }}"
-                     for a, n, b in old.get(att.ifname, {}).get("denied_to", [])]
+                     for name, a, n, b in old.get(att.ifname, {}).get("denied_to", [])]
             carried[att.sandbox_id] = cmds
             for k, v in pins.items():
                 att.elems.setdefault(k, []).extend(v)
@@ -500,7 +519,8 @@ class NetworkManager:
                              for k, v in att.elems.items()}
                 att.pins = {}
                 try:
-                    self.fw.attach(att.ifname, att.address, att.policy is None, att.elems)
+                    self.fw.attach(att.ifname, att.address, att.address6, att.policy is None,
+                                   att.elems)
                 except (NftError, OSError) as e:
                     failed[att.sandbox_id] = f"cannot write the network's rules: {e}"
                     self.detach(att.sandbox_id)
@@ -520,27 +540,27 @@ class NetworkManager:
             raise ValueError("its runtime record holds no network slot")
         idx = int(st["slot"])
         ifname, address = links.ifname(idx), links.address(idx)
-        if st.get("ifname") != ifname or st.get("address") != str(address):
+        # A record without an IPv6 address (made without a range for it) stays IPv4 only.
+        address6 = links.address6(idx) if "address6" in st else None
+        if st.get("ifname") != ifname or st.get("address") != str(address) or \
+                st.get("address6", "None") != str(address6):
             raise ValueError(f"the daemon's network settings changed (it had "
-                             f"{st.get('ifname')} {st.get('address')}, these settings give "
-                             f"{ifname} {address})")
+                             f"{st.get('ifname')} {st.get('address')} "
+                             f"{st.get('address6', '')}, these settings give "
+                             f"{ifname} {address} {address6 or ''})")
         policy, label = self.resolve(it.network)
         if not os.path.exists(f"/sys/class/net/{ifname}"):
             # Its link is gone (deleted by hand?) but its namespace lives: make it again.
             fd = os.open(f"/proc/{it.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             try:
-                links.make(idx, fd)
+                links.make(idx, fd, v6=address6 is not None)
                 if it.bandwidth_mbit is not None:
                     links.shape(idx, fd, it.bandwidth_mbit)
             finally:
                 os.close(fd)
-        att = Attachment(it.sandbox_id, idx, ifname, address, policy, it.group, label, self)
-        allow: list[str] = []
-        deny: list[str] = []
-        if policy is not None:
-            allow = Firewall.rules(ifname, policy.cidrs(policy.allow))
-            deny = Firewall.rules(ifname, policy.cidrs(policy.deny))
-        att.elems = {"allow4": allow, "deny4": deny}
+        att = Attachment(it.sandbox_id, idx, ifname, address, address6, policy, it.group, label,
+                         self)
+        att.elems = Firewall.policy_elems(ifname, policy)
         return att
 
     def _group_pairs(self, att: Attachment) -> list[tuple[str, str]]:
@@ -562,15 +582,13 @@ class NetworkManager:
                               details={"operation": "network_update"})
         i = f'"{att.ifname}"'
         with att.lock:
-            allow = deny = []
-            if policy is not None:
-                allow = Firewall.rules(att.ifname, policy.cidrs(policy.allow))
-                deny = Firewall.rules(att.ifname, policy.cidrs(policy.deny))
+            elems = Firewall.policy_elems(att.ifname, policy)
             old = {**att.elems, "internet": [i] if att.policy is None else []}
-            new = {"allow4": allow, "deny4": deny, "internet": [i] if policy is None else []}
+            new = {**elems, "internet": [i] if policy is None else []}
             self.fw.swap(att.ifname, old, new)
             att.policy, att.label, att.pins = policy, label, {}
-            att.elems = {"allow4": allow, "deny4": deny}
+            att.elems = elems
+            att.ranges.clear()
 
     async def expose(self, sandbox_id: str, port: int, host_port: int = 0) -> int:
         """127.0.0.1:<the returned port> on the host reaches ``port`` in the sandbox;
@@ -608,7 +626,7 @@ class NetworkManager:
         with att.lock:
             try:
                 self.fw.peers(self._group_pairs(att), add=False)
-                self.fw.detach(att.ifname, att.address, att.elems)
+                self.fw.detach(att.ifname, att.address, att.address6, att.elems)
             except Exception:
                 log.warning("network: cannot remove the rules of %s", att.sandbox_id,
                             exc_info=True)
@@ -619,12 +637,16 @@ class NetworkManager:
     def _lookup(self, addr: str) -> Attachment | None:
         return self._by_addr.get(addr)
 
-    def peer_address(self, att: Attachment, name: str) -> str | None:
+    def peer_address(self, att: Attachment, name: str, version: int = 4) -> str | None:
+        """A sandbox of ``att``'s group by id: its address of that IP version ("" if it has
+        none); None if ``name`` is no such sandbox."""
         if att.group is None:
             return None
         other = self.attachments.get(name)
         if other is None or other.group != att.group:
             return None
+        if version == 6:
+            return str(other.address6) if other.address6 is not None else ""
         return str(other.address)
 
     def info(self, sandbox_id: str) -> dict[str, Any] | None:
@@ -633,7 +655,10 @@ class NetworkManager:
             return None
         stats = _link_stats(att.ifname)
         now = time.time()
+        gw6 = self.s.gateway6 if self.s and att.address6 is not None else None
         return {"address": str(att.address), "gateway": str(self.s.gateway) if self.s else None,
+                "address6": str(att.address6) if att.address6 is not None else None,
+                "gateway6": str(gw6) if gw6 is not None else None,
                 "group": att.group, "policy": att.label,
                 # the host end's rx is what the sandbox sent
                 "tx_bytes": stats.get("rx_bytes", 0), "tx_packets": stats.get("rx_packets", 0),

@@ -2,7 +2,8 @@
 
 A rule is one of: ``name`` / ``name:ports`` (an exact domain), ``*.suffix[:ports]`` (any name
 below ``suffix``, not ``suffix`` itself), ``a.b.c.d[/len][:ports]`` (an IPv4 address or CIDR),
-``@list`` (a named allowlist of the daemon's config; only in ``allow``). ``ports`` is ``443``,
+``[v6addr[/len]][:ports]`` or a bare ``v6addr[/len]`` (every port) for IPv6, ``@list`` (a
+named allowlist of the daemon's config; only in ``allow``). ``ports`` is ``443``,
 ``8000-8100`` or ``80,443``. No ports: every port."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ MAX_RULES = 256
 @dataclass(frozen=True)
 class Rule:
     kind: str                      # "domain", "suffix" or "cidr"
-    value: str                     # lower-case name without the trailing dot, or a CIDR
+    value: str                     # lower-case name without the trailing dot, or a CIDR (v4/v6)
     ports: tuple[tuple[int, int], ...] = ALL_PORTS
 
     def matches(self, name: str) -> bool:
@@ -53,12 +54,17 @@ class Policy:
 
     def names_address(self, addr: str) -> bool:
         """Whether an allow CIDR covers ``addr`` (a private address is only reachable so)."""
-        ip = ipaddress.IPv4Address(addr)
-        return any(r.kind == "cidr" and ip in ipaddress.IPv4Network(r.value) for r in self.allow)
+        ip = ipaddress.ip_address(addr)
+        for r in self.allow:
+            if r.kind == "cidr":
+                net = ipaddress.ip_network(r.value)
+                if net.version == ip.version and ip in net:
+                    return True
+        return False
 
-    def cidrs(self, rules: list[Rule]) -> list[tuple[ipaddress.IPv4Network,
+    def cidrs(self, rules: list[Rule]) -> list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network,
                                                       tuple[tuple[int, int], ...]]]:
-        return [(ipaddress.IPv4Network(r.value), r.ports) for r in rules if r.kind == "cidr"]
+        return [(ipaddress.ip_network(r.value), r.ports) for r in rules if r.kind == "cidr"]
 
 
 def _ports(text: str, rule: str) -> tuple[tuple[int, int], ...]:
@@ -78,6 +84,8 @@ def parse_rule(text: str) -> Rule:
     rule = text.strip().lower()
     if not rule or len(rule) > 300:
         raise InvalidNetwork(f"bad network rule {text!r}", details={"rule": text})
+    if rule.startswith("[") or rule.count(":") > 1:
+        return _rule6(rule, text)
     host, ports = rule, ALL_PORTS
     if ":" in rule:
         host, _, p = rule.rpartition(":")
@@ -97,6 +105,24 @@ def parse_rule(text: str) -> Rule:
         raise InvalidNetwork(f"bad domain in rule {text!r} (exact names and *.suffix only)",
                              details={"rule": text})
     return Rule(kind, host, ports)
+
+
+def _rule6(rule: str, text: str) -> Rule:
+    """``[addr[/len]][:ports]`` or a bare ``addr[/len]`` (every port): an IPv6 CIDR rule."""
+    host, ports = rule, ALL_PORTS
+    if rule.startswith("["):
+        host, sep, rest = rule[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise InvalidNetwork(f"bad IPv6 rule {text!r} ([addr/len]:ports)",
+                                 details={"rule": text})
+        if rest:
+            ports = _ports(rest[1:], text)
+    try:
+        net = ipaddress.IPv6Network(host, strict=False)
+    except ValueError:
+        raise InvalidNetwork(f"bad IPv6 address in rule {text!r}", details={"rule": text}) \
+            from None
+    return Rule("cidr", str(net), ports)
 
 
 def compile_policy(allow: list[str], deny: list[str],

@@ -1,5 +1,6 @@
-"""The daemon's network settings: the uplink, the sandboxes' address range, the DNS upstream,
-and the named allowlists (a JSON file). Environment variables override the file."""
+"""The daemon's network settings: the uplink, the sandboxes' address ranges (IPv4 and IPv6),
+the DNS upstream, and the named allowlists (a JSON file). Environment variables override the
+file."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 DEFAULT_CONFIG = "/etc/corral/network.json"
 NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 RESERVED = ("none", "disabled", "internet", "policy")
+DEFAULT_RANGE6 = "fdc3:a1d2:213::/112"
 
 # Shipped examples, overridden (or removed: an empty list) by the config file's "allowlists".
 EXAMPLE_ALLOWLISTS: dict[str, list[str]] = {
@@ -53,6 +55,15 @@ def default_upstream() -> str:
     return ""
 
 
+def ipv6_available() -> bool:
+    """Whether the host has IPv6 at all (a kernel without it, or ipv6.disable=1)."""
+    try:
+        with open("/proc/sys/net/ipv6/conf/all/disable_ipv6") as f:
+            return f.read().strip() == "0"
+    except OSError:
+        return False
+
+
 def _host_port(value: str, default_port: int) -> tuple[str, int]:
     host, _, port = value.rpartition(":") if value.count(":") == 1 else (value, "", "")
     ipaddress.IPv4Address(host)
@@ -64,6 +75,8 @@ class NetSettings:
     uplink: str = ""
     # The sandboxes' addresses: the first is the gateway (and DNS proxy) every sandbox sees.
     range4: ipaddress.IPv4Network = ipaddress.IPv4Network("10.213.0.0/16")
+    # The same for IPv6 (a ULA range; None: sandboxes have IPv4 only).
+    range6: ipaddress.IPv6Network | None = ipaddress.IPv6Network(DEFAULT_RANGE6)
     dns_upstream: tuple[str, int] = ("", 53)
     # One nftables table (inet family) and one interface-name prefix per daemon.
     table: str = "corral"
@@ -77,10 +90,15 @@ class NetSettings:
     def gateway(self) -> ipaddress.IPv4Address:
         return self.range4.network_address + 1
 
+    @property
+    def gateway6(self) -> ipaddress.IPv6Address | None:
+        return None if self.range6 is None else self.range6.network_address + 1
+
 
 def load() -> NetSettings:
     """The settings from CORRAL_NETWORK_CONFIG (default /etc/corral/network.json; missing is
-    fine) and CORRAL_UPLINK, CORRAL_DNS_UPSTREAM, CORRAL_NET_RANGE, CORRAL_NET_TABLE,
+    fine) and CORRAL_UPLINK, CORRAL_DNS_UPSTREAM, CORRAL_NET_RANGE, CORRAL_NET_RANGE6
+    ("none": no IPv6), CORRAL_NET_TABLE,
     CORRAL_NET_IFPREFIX, CORRAL_NET_POOL. Raises ValueError on a bad value."""
     path = os.environ.get("CORRAL_NETWORK_CONFIG", DEFAULT_CONFIG)
     doc: dict = {}
@@ -98,6 +116,12 @@ def load() -> NetSettings:
     range4 = ipaddress.IPv4Network(pick("CORRAL_NET_RANGE", "range", "10.213.0.0/16"))
     if range4.prefixlen > 28:
         raise ValueError(f"network range {range4} is too small")
+    r6 = pick("CORRAL_NET_RANGE6", "range6", DEFAULT_RANGE6)
+    range6 = None if r6 == "none" or not ipv6_available() else ipaddress.IPv6Network(r6)
+    if range6 is not None and (range6.prefixlen > 124
+                               or not range6.subnet_of(ipaddress.IPv6Network("fc00::/7"))):
+        raise ValueError(f"IPv6 range {range6}: a unique local range (fc00::/7), /124 or "
+                         f"larger ('none': no IPv6)")
     table = pick("CORRAL_NET_TABLE", "table", "corral")
     ifprefix = pick("CORRAL_NET_IFPREFIX", "ifprefix", "crl")
     if not re.match(r"^[a-z][a-z0-9_]{0,31}$", table):
@@ -114,7 +138,7 @@ def load() -> NetSettings:
             lists[name] = list(rules)
         else:
             lists.pop(name, None)
-    return NetSettings(uplink=uplink, range4=range4,
+    return NetSettings(uplink=uplink, range4=range4, range6=range6,
                        dns_upstream=_host_port(upstream, 53) if upstream else ("", 53),
                        table=table, ifprefix=ifprefix,
                        pool=int(pick("CORRAL_NET_POOL", "pool", "8")),
