@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 # Ray reports usage to its makers unless told not to: no packet may leave the machine. And
 # Ray turns 127.0.0.1 into the host's outward address unless cluster mode's address lookup is
@@ -94,16 +95,8 @@ def corral_on_ray(workers: int, ray_autoscaler: dict[str, Any] | None = None,
         # Read by the monitor Ray starts with the head (it inherits this environment).
         env = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1",
                "RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_ID}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):
         c = Cluster(initialize_head=True, head_node_args=head_args)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     name = f"t{os.getpid()}"
     cgroups: set[str] = set()
     try:

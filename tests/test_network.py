@@ -226,15 +226,17 @@ def test_a_port_scan_of_the_host_finds_nothing(net: Env, host_listener: int,
         assert r.stdout.strip() == f"{gw}:53", r  # its resolver (DNS over TCP), nothing else
 
 
-def _listen(sb: Sandbox, port: int) -> None:
+def _listen(sb: Sandbox, port: int, v6: bool = False) -> None:
+    family, any_addr, table = (("socket.AF_INET6", "::", "tcp6") if v6
+                               else ("socket.AF_INET", "0.0.0.0", "tcp"))
     sb.exec(["python3", "-c", textwrap.dedent(f'''
         import socket
-        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("0.0.0.0", {port})); s.listen(8)
+        s = socket.socket({family}); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("{any_addr}", {port})); s.listen(8)
         while True:
             c, a = s.accept(); c.sendall(b"peer " + a[0].encode() + b"\\n"); c.close()
     ''')], background=True)
-    assert wait_until(lambda: f":{port:04X}" in sb.exec("cat /proc/net/tcp").stdout)
+    assert wait_until(lambda: f":{port:04X}" in sb.exec(f"cat /proc/net/{table}").stdout)
 
 
 def test_sandboxes_reach_each_other_only_within_their_group(net: Env):
@@ -676,23 +678,12 @@ def test_ipv6_an_allowed_name_cannot_rebind_to_an_internal_address(net: Env):
         assert not ok(r["connect6=meta.test:80"]), r
 
 
-def _listen6(sb: Sandbox, port: int) -> None:
-    sb.exec(["python3", "-c", textwrap.dedent(f'''
-        import socket
-        s = socket.socket(socket.AF_INET6); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("::", {port})); s.listen(8)
-        while True:
-            c, a = s.accept(); c.sendall(b"peer " + a[0].encode() + b"\\n"); c.close()
-    ''')], background=True)
-    assert wait_until(lambda: f":{port:04X}" in sb.exec("cat /proc/net/tcp6").stdout)
-
-
 def test_ipv6_sandboxes_reach_each_other_only_within_their_group(net: Env):
     with net.sandbox(network="internet") as a, net.sandbox(network="internet") as b, \
             net.sandbox(network="internet", network_group="g6") as c, \
             net.sandbox(network=Network(allow=["allowed.test"]), network_group="g6") as d:
         for sb in (b, d):
-            _listen6(sb, 7000)
+            _listen(sb, 7000, v6=True)
         addr = {sb.id: sb.info().net.address6 for sb in (a, b, c, d)}
         r = probe(a, f"connect6={addr[b.id]}:7000", f"connect6={addr[d.id]}:7000",
                   f"resolve6={d.id}")
