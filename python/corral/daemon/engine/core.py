@@ -121,6 +121,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
                                              self.config.snapshot_max_bytes,
                                              self.config.snapshot_max_entries)
         await asyncio.to_thread(self.snaps.load)
+        # Image layers that are snapshot parts hold them too (one store for what they share).
+        self.snaps.acquire(await asyncio.to_thread(self.images.layers.shared_parts))
         self.trajlog.open(self._loop)
         self._load_shutdown_tombstones()
         self._recover()
