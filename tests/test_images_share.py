@@ -231,3 +231,47 @@ def test_push_of_shared_layers_and_pull_on_a_fresh_node(env: dict) -> None:
         _rm(ep, "sharedpush")
         with contextlib.suppress(SnapshotNotFound):
             corral.Snapshot.get("push-snap", endpoint=ep).delete()
+
+
+def _pool_ready(socket_path: str) -> float:
+    import re
+
+    import httpx
+
+    t = httpx.HTTPTransport(uds=socket_path)
+    with httpx.Client(transport=t, base_url="http://corral", timeout=10) as c:
+        text = c.get("/metrics").text
+    m = re.search(r"^corral_pool_ready ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_warm_pool_of_the_image_keeps_its_shared_layers(env: dict,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pooled sandbox stacks the image's shared parts as plain directories (no mount of
+    its own to outlive them): removing the image and pruning while the pool holds one keeps
+    them; once the pool is gone, a prune frees them."""
+    ep, state, d = env["ep"], env["state"], env["daemon"]
+    try:
+        with corral.Sandbox(image=env["base"], endpoint=ep) as sb:
+            sb.exec("echo pooled > /opt/pooled", user="root").check()
+            layers = sb.commit("pooled").layers or []
+        part = _part(state, layers[-1])
+        assert _entry(state, layers[-1])[0]["format"] == "snapshot"
+        monkeypatch.setenv("CORRAL_POOL", "static")
+        monkeypatch.setenv("CORRAL_POOL_SIZES", "pooled:1")
+        monkeypatch.setenv("CORRAL_POOL_IDLE_S", "600")
+        d.restart()
+        deadline = time.monotonic() + 60
+        while _pool_ready(d.socket_path) < 1:
+            assert time.monotonic() < deadline, "the pool never filled"
+            time.sleep(0.05)
+        _rm(ep, "pooled")
+        admin.prune_images(endpoint=ep)
+        assert os.path.isfile(os.path.join(part, "opt/pooled"))
+        monkeypatch.undo()
+        d.restart()  # the pool and its sandbox go with the stop
+        admin.prune_images(endpoint=ep)
+        assert _gone(part)
+    finally:
+        monkeypatch.undo()
+        _rm(ep, "pooled")
