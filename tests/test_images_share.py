@@ -275,3 +275,48 @@ def test_a_warm_pool_of_the_image_keeps_its_shared_layers(env: dict,
     finally:
         monkeypatch.undo()
         _rm(ep, "pooled")
+
+
+def test_commits_racing_prunes_and_snapshot_removal_lose_nothing(env: dict) -> None:
+    """Prunes run back to back while sandboxes on a snapshot commit and the snapshot is
+    deleted under them: every committed image still runs with all its files."""
+    import threading
+
+    ep = env["ep"]
+    names = [f"race-{i}" for i in range(4)]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def prune() -> None:
+        while not stop.is_set():
+            try:
+                admin.prune_images(endpoint=ep)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+                return
+
+    pruner = threading.Thread(target=prune)
+    try:
+        with corral.Sandbox(image=env["base"], endpoint=ep) as sb:
+            sb.exec("echo base-part > /opt/part", user="root").check()
+            snap = sb.snapshot(name="race-snap")
+        pruner.start()
+        for i, name in enumerate(names):
+            with corral.Sandbox(snapshot=snap, endpoint=ep) as kid:
+                if i == len(names) - 1:
+                    snap.delete()  # the kid still stands on it
+                kid.exec(f"echo {i} > /opt/mine").check()
+                kid.commit(name)
+        stop.set()
+        pruner.join(60)
+        assert not errors, errors
+        for i, name in enumerate(names):
+            with corral.Sandbox(image=name, endpoint=ep) as c:
+                assert c.exec("cat /opt/part /opt/mine").stdout == f"base-part\n{i}\n"
+    finally:
+        stop.set()
+        if pruner.is_alive():
+            pruner.join(60)
+        _rm(ep, *names)
+        with contextlib.suppress(SnapshotNotFound):
+            corral.Snapshot.get("race-snap", endpoint=ep).delete()
