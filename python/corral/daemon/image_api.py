@@ -43,9 +43,25 @@ def _line(obj: Any) -> bytes:
 
 
 def in_use(engine: Any) -> set[str]:
-    """Dir layers live sandboxes were composed with (image layers are kept by their image)."""
-    return {lay.digest[4:] for sb in list(engine.sandboxes.values()) for lay in sb.spec.layers
+    """Dir layers live sandboxes were composed with (image layers are kept by their image),
+    and the layers of the images warm pools hold sandboxes of (a removed image's layers stay
+    until its pool is gone: a layer that is a snapshot part has no mount to outlive it)."""
+    keep = {lay.digest[4:] for sb in list(engine.sandboxes.values()) for lay in sb.spec.layers
             if lay.digest and lay.digest.startswith("dir:")}
+    pools = getattr(engine.pools, "pools", None) or {}
+    for pool in list(pools.values()):
+        keep.update(getattr(pool.image, "meta", {}).get("oci_layers", ()))
+    return keep
+
+
+async def gc_layers(engine: Any) -> list[str]:
+    """Remove the layers no image lists; the snapshot parts among them go back to the
+    snapshot store (freed there once no snapshot or sandbox holds them either)."""
+    removed: list[str] = await asyncio.to_thread(engine.images.gc_layers, in_use(engine))
+    released = engine.images.layers.drain_released()
+    if engine.snaps is not None:
+        engine.snaps.release(released)
+    return removed
 
 
 async def pull_image(request: web.Request) -> web.StreamResponse:
@@ -102,14 +118,14 @@ async def delete_image(request: web.Request) -> web.Response:
                        details={"image": img.name, "sandboxes": users[:20],
                                 "snapshots": snaps[:20]})
     await asyncio.to_thread(store.remove, img.name)
-    removed = await asyncio.to_thread(store.gc_layers, in_use(engine))
+    removed = await gc_layers(engine)
     return _json({"name": img.name, "deleted": True,
                   "layers_removed": ["sha256:" + h for h in removed]})
 
 
 async def prune_images(request: web.Request) -> web.Response:
     engine = _engine(request)
-    removed = await asyncio.to_thread(engine.images.gc_layers, in_use(engine))
+    removed = await gc_layers(engine)
     return _json({"layers_removed": ["sha256:" + h for h in removed]})
 
 

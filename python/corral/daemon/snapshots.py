@@ -30,10 +30,13 @@ Hard-linking the upper's files would be cheaper but wrong: the sandbox keeps wri
 inodes in place (the upper is not copied up again), which would change the snapshot.
 
 Reference counting: each layer counts the snapshot records and the sandboxes (live, or being
-destroyed) whose chain holds it. ``rm`` drops a record at once; a layer goes when its count
-reaches zero, so a layer a sandbox or a child snapshot still stands on is never removed. The
-counts are rebuilt at start from the records and the re-adopted sandboxes' runtimes, and any
-layer nothing references (or a half-made one) is collected then.
+destroyed) whose chain holds it, and the image layer store's entries that are its part 0 (a
+commit lists a part that needed no cleaning as the same files: corral.daemon.oci.layers,
+``format: "snapshot"``; the commit's own capture may be such a layer with no snapshot record).
+``rm`` drops a record at once; a layer goes when its count reaches zero, so a layer a sandbox,
+a child snapshot or an image still stands on is never removed. The counts are rebuilt at start
+from the records, the image layer store's entries and the re-adopted sandboxes' runtimes, and
+any layer nothing references (or a half-made one) is collected then.
 """
 
 from __future__ import annotations
@@ -402,6 +405,15 @@ class SnapshotStore:
         if name:
             self.by_name[name] = rec["id"]
         return rec
+
+    def adopt(self, tmp: str, digest: str) -> None:
+        """Put a captured layer dir in place as layer ``digest`` with no snapshot record (an
+        image commit's layer, corral.daemon.oci.commit.share_layers: the caller takes its
+        reference next, on the loop); if that content is already stored, ``tmp`` stays for
+        the caller to remove."""
+        final = self.layer_path(digest)
+        if not os.path.isdir(final):
+            os.rename(tmp, final)
 
     def delete(self, key: str) -> dict[str, Any]:
         rec = self.get(key)

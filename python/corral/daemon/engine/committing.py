@@ -1,6 +1,7 @@
 """Image commits: a sandbox's files (what it changed over its image) as a new image whose
 layers are its image's, its snapshot chain's and one new layer on top, all in the node's
-layer store (corral.daemon.oci.layers), usable at once by ``Sandbox(image=name)``."""
+layer store (corral.daemon.oci.layers), usable at once by ``Sandbox(image=name)``. Parts
+that need no cleaning are the snapshot store's own files, not copies (oci.commit)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class CommitOps:
         snaps.acquire(held)
         base_layers: builtins.list[str] = []
         made: builtins.list[str] = []
+        share: builtins.list[tuple[str, int, bool]] = []
         try:
             base_layers = await asyncio.to_thread(images.layers_of, image)
             images.layers.pin(base_layers)  # a rootfs image's new layer: listed by no image yet
@@ -58,7 +60,10 @@ class CommitOps:
         snaps.release(held)
         try:
             await asyncio.to_thread(oci_commit.store_layers, images.layers, snaps, chain, tmp,
-                                    digest, made)
+                                    digest, made, share)
+            # On the loop, while this commit still holds the chain: a shared part takes its
+            # image entry's reference before the chain's holders may let go.
+            oci_commit.share_layers(images.layers, snaps, tmp, share)
             t_layers = time.monotonic()
             info = images.record_derived(key, [*base_layers, *made], config,
                                          f"commit of {sid}", replace)

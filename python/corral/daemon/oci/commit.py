@@ -29,9 +29,10 @@ SETTABLE = ("Env", "WorkingDir", "User", "Entrypoint", "Cmd", "Labels", "Exposed
             "StopSignal")
 
 
-def sanitize(tree: str) -> tuple[dict[str, int], int]:
+def sanitize(tree: str, fix: bool = True) -> tuple[dict[str, int], int]:
     """Apply the layer rules to ``tree`` in place; returns what was removed or changed, and
-    the bytes of its regular files."""
+    the bytes of its regular files. With ``fix=False`` nothing is changed (a read-only scan):
+    the counts say what a cleaning would do, none means the tree may be shared as it is."""
     counts: dict[str, int] = {}
     nbytes = 0
 
@@ -46,7 +47,8 @@ def sanitize(tree: str) -> tuple[dict[str, int], int]:
             if stat.S_ISCHR(m) or stat.S_ISBLK(m) or stat.S_ISSOCK(m):
                 if stat.S_ISCHR(m) and st.st_rdev == 0:
                     continue  # a whiteout: a deletion this layer records
-                os.unlink(p)
+                if fix:
+                    os.unlink(p)
                 note("devices")
                 continue
             if stat.S_ISLNK(m):
@@ -57,15 +59,19 @@ def sanitize(tree: str) -> tuple[dict[str, int], int]:
                 names = []
             for x in names:
                 if x in _DROP_XATTRS:
-                    os.removexattr(p, x, follow_symlinks=False)
+                    if fix:
+                        os.removexattr(p, x, follow_symlinks=False)
                     note("xattrs")
             if stat.S_ISREG(m):
                 nbytes += st.st_size
             if stat.S_ISREG(m) and m & _SUID:
-                os.chmod(p, stat.S_IMODE(m) & ~_SUID)
+                if fix:
+                    os.chmod(p, stat.S_IMODE(m) & ~_SUID)
                 note("setuid")
             elif stat.S_ISDIR(m) and m & stat.S_ISUID:
-                os.chmod(p, stat.S_IMODE(m) & ~stat.S_ISUID)
+                if fix:
+                    os.chmod(p, stat.S_IMODE(m) & ~stat.S_ISUID)
+                note("setuid")
     return counts, nbytes
 
 
@@ -99,11 +105,15 @@ def merge_config(base: dict[str, Any], changes: dict[str, Any] | None) -> dict[s
 
 
 def store_layers(store: LayerStore, snaps: SnapshotStore, chain: list[str], tmp: str,
-                 digest: str, out: list[str]) -> None:
+                 digest: str, out: list[str], share: list[tuple[str, int, bool]]) -> None:
     """An image commit's new layers: the snapshot chain's root parts and the captured upper
     dir (``tmp``/0, the capture's layout) as store layers (worker thread), each added to
     ``out`` and pinned (the caller unpins once the image lists them); an empty part adds no
-    layer."""
+    layer. A part the layer rules leave as it is (a read-only scan) is not copied: it goes
+    to ``share`` as (digest, bytes, is the capture) for the caller to record, on the loop, as
+    a layer that is that snapshot part (LayerStore.from_snapshot). A part the rules change
+    is copied (``cp -a``: whiteouts, xattrs; the capture is taken over), cleaned and
+    converted."""
     parts = [(d, snaps.layer_path(d, 0), False) for d in chain]
     parts.append((digest, os.path.join(tmp, "0"), True))
     for hexd, part, owned in parts:
@@ -113,6 +123,10 @@ def store_layers(store: LayerStore, snaps: SnapshotStore, chain: list[str], tmp:
         out.append(hexd)
         if store.has(hexd):
             continue
+        dirty, nbytes = sanitize(part, fix=False)
+        if not dirty:
+            share.append((hexd, nbytes, owned))
+            continue
         tree = part
         if not owned:  # the snapshot keeps its own copy (cp -a: whiteouts, xattrs)
             tree = os.path.join(tmp, f"chain-{hexd[:16]}")
@@ -121,3 +135,17 @@ def store_layers(store: LayerStore, snaps: SnapshotStore, chain: list[str], tmp:
         skipped, nbytes = sanitize(tree)
         store.from_tree(hexd, tree, {"digest": "commit:" + hexd, "skipped": skipped,
                                      "unpacked_bytes": nbytes})
+
+
+def share_layers(store: LayerStore, snaps: SnapshotStore, tmp: str,
+                 share: list[tuple[str, int, bool]]) -> None:
+    """Record the parts ``store_layers`` found clean as layers that are those snapshot parts
+    (on the loop: placing the capture in the snapshot store and taking each new entry's
+    reference happen with no snapshot removal in between). The capture's dir ``tmp`` moves
+    into the snapshot store as a part no snapshot record lists, held by its layer entry."""
+    for hexd, nbytes, owned in share:
+        if owned:
+            snaps.adopt(tmp, hexd)
+        if store.from_snapshot(hexd, {"digest": "commit:" + hexd, "skipped": {},
+                                      "unpacked_bytes": nbytes}):
+            snaps.acquire([hexd])

@@ -10,6 +10,13 @@ Layout under ``<state_dir>/oci/`` (0700): ``layers/<hex>/{layer.json, layer.erof
 path per layer lets ~100 layers stack), ``tmp/`` half-made layers (removed at start).
 Mounts live in the daemon's mount namespace; each sandbox's namespace keeps its own reference,
 so unmounting at daemon stop (or GC) never pulls a layer out from under a live sandbox.
+
+A layer may also be a part of the snapshot store (``format: "snapshot"``: a commit's part that
+needed no cleaning, corral.daemon.oci.commit): its ``layers/<hex>/`` holds only ``layer.json``
+and the files are the snapshot store's ``<state_dir>/layers/<hex>/0``, reached by the short
+symlink ``m/<hex[:16]>``. Each such entry holds one reference in the snapshot store's counts
+(taken by the commit, recounted at start from :meth:`shared_parts`), so deleting snapshots never
+removes a part an image lists; GC of the entry hands the reference back (:meth:`drain_released`).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ class LayerStore:
         self.layers_dir = os.path.join(self.dir, "layers")
         self.mnt_dir = os.path.join(self.dir, "m")
         self.tmp_dir = os.path.join(self.dir, "tmp")
+        self.snap_dir = os.path.join(state_dir, "layers")  # the snapshot store's parts
         for d in (self.dir, self.layers_dir, self.mnt_dir, self.tmp_dir):
             os.makedirs(d, mode=0o700, exist_ok=True)
         os.chmod(self.dir, 0o700)
@@ -54,6 +62,10 @@ class LayerStore:
         # Layers a pull or import in progress has made or found, not yet listed by an image
         # it recorded: GC leaves them alone (pin/unpin).
         self._pins: collections.Counter[str] = collections.Counter()
+        self._snap_layers: dict[str, bool] = {}  # hex -> is a snapshot part (cache)
+        # Snapshot parts whose entries GC removed: their references go back to the snapshot
+        # store, on the loop (drain_released).
+        self._released: list[str] = []
         self.skeleton = os.path.join(self.dir, "skel")
         self.file_backed = True
         self._make_skeleton()
@@ -131,13 +143,39 @@ class LayerStore:
     def all(self) -> list[str]:
         return sorted(n for n in os.listdir(self.layers_dir) if len(n) == 64)
 
+    def is_snapshot_part(self, hexd: str) -> bool:
+        v = self._snap_layers.get(hexd)
+        if v is None:
+            try:
+                v = self.meta(hexd).get("format") == "snapshot"
+            except (OSError, ValueError):
+                return False
+            self._snap_layers[hexd] = v
+        return v
+
+    def shared_parts(self) -> list[str]:
+        """The snapshot parts the entries of this store are (one per entry): the references
+        this store holds in the snapshot store, recounted at start."""
+        return [h for h in self.all() if self.is_snapshot_part(h)]
+
+    def snapshot_part(self, hexd: str) -> str:
+        return os.path.join(self.snap_dir, hexd, "0")
+
     def lower(self, hexd: str) -> str:
         """The directory to stack for this layer, mounted first if it is an EROFS image."""
         base = self.path(hexd)
         img = os.path.join(base, "layer.erofs")
-        if not os.path.isfile(img):
-            return os.path.join(base, "tree")
         mnt = os.path.join(self.mnt_dir, hexd[:16])
+        if not os.path.isfile(img):
+            if not self.is_snapshot_part(hexd):
+                return os.path.join(base, "tree")
+            with self._lock:  # a short name for the part: overlay's options fit one page
+                if not os.path.islink(mnt):
+                    part = os.path.join(self.mnt_dir, ".ln-" + os.urandom(6).hex())
+                    os.symlink(self.snapshot_part(hexd), part)
+                    os.rename(part, mnt)
+                self._mounted.add(hexd)
+            return mnt
         with self._lock:
             if hexd in self._mounted:
                 return mnt
@@ -296,14 +334,48 @@ class LayerStore:
                 if os.path.lexists(p):
                     removal.remove_tree(p)
 
+    def from_snapshot(self, hexd: str, meta: dict) -> bool:
+        """Record snapshot part ``<snap_dir>/hexd/0`` as layer ``hexd`` (no copy); returns
+        whether the entry is new (the caller then takes its reference in the snapshot store,
+        on the loop, before the part's own holders may let go). The caller pins ``hexd``."""
+        with self._lock:
+            gate = self._building.setdefault(hexd, threading.Lock())
+        try:
+            with gate:
+                if self.has(hexd):
+                    return False
+                tmp = tempfile.mkdtemp(prefix=hexd[:16] + "-", dir=self.tmp_dir)
+                try:
+                    with open(os.path.join(tmp, "layer.json"), "w") as f:
+                        json.dump({**meta, "format": "snapshot"}, f, sort_keys=True)
+                    os.rename(tmp, self.path(hexd))
+                except BaseException:
+                    removal.remove_tree(tmp)
+                    raise
+                self._snap_layers[hexd] = True
+                return True
+        finally:
+            with self._lock:
+                self._building.pop(hexd, None)
+
+    def drain_released(self) -> list[str]:
+        """The snapshot parts whose entries GC removed since the last call (their references
+        go back to the snapshot store)."""
+        with self._lock:
+            out, self._released = self._released, []
+        return out
+
     # ---- removal --------------------------------------------------------------------------
     def _unmount(self, hexd: str) -> None:
         from corral import _core
 
         mnt = os.path.join(self.mnt_dir, hexd[:16])
+        self._mounted.discard(hexd)
+        if os.path.islink(mnt):  # a snapshot part's name
+            os.unlink(mnt)
+            return
         if os.path.ismount(mnt):
             _core.umount_detach(mnt)
-        self._mounted.discard(hexd)
         try:
             os.rmdir(mnt)
         except OSError:
@@ -318,9 +390,13 @@ class LayerStore:
             for hexd in self.all() if only is None else sorted(set(only) & set(self.all())):
                 if hexd in wanted or hexd in self._building or self._pins[hexd] > 0:
                     continue
+                shared = self.is_snapshot_part(hexd)
                 self._unmount(hexd)
                 trash = os.path.join(self.tmp_dir, f"rm-{hexd}")
                 os.rename(self.path(hexd), trash)
+                self._snap_layers.pop(hexd, None)
+                if shared:
+                    self._released.append(hexd)
                 gone.append(hexd)
         for hexd in gone:
             removal.remove_tree(os.path.join(self.tmp_dir, f"rm-{hexd}"))
