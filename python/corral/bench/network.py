@@ -1,0 +1,395 @@
+"""The ``network`` scenario: what corral's network costs against a plain namespace doing the
+same routing, in one run, with nothing leaving the machine.
+
+A private daemon whose uplink, DNS upstream, nftables table and interface prefix are the
+bench's own (corral.bench.netlab: a namespace behind a veth pair with a DNS server, a TCP sink
+and a TCP echo on 198.19.X.0/24). Three systems run the same client program (python3 from the
+host image, ``CLIENT`` below): ``plain``, a namespace with a veth pair routed and NATed like a
+sandbox's and no other rule (in a one-core cpu cgroup, a sandbox's default); ``corral-internet``
+(``network="internet"``); ``corral-allowlist`` (``Network(allow=["sink.bench:8082,8083"])``:
+the name resolved through the daemon's DNS proxy, which pins its address).
+
+Per run: bulk TCP transfers to the sink (MB/s) and connect + a 64-byte request/response to
+the echo (us), the systems taking turns; create p50 of network none (the daemon's warm pools
+on), none cold (never pooled: an explicit hostname), internet and the allowlist, round robin;
+churn (create -> exec -> destroy, ``--concurrency`` in flight) with none, internet and the
+allowlist, with raw +netns (no veth, no rules) as a reference. Once per scenario: the same
+transfer and connect latency with 0 .. ``--count`` live networked sandboxes, half of them
+``internet``, half with an allowlist of their own (a CIDR and port no other sandbox has),
+so the table holds their elements while the measured sandboxes' packets are looked up.
+
+Not built: a raw C baseline doing a networked sandbox's kernel work (netns + veth + the same
+nft elements); churn is compared to raw +netns only, which does less."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+import time
+from typing import Any
+
+from corral.bench import netlab, sdk_runs
+from corral.bench.daemon import PrivateDaemon
+from corral.bench.interleave import stop_and_check
+from corral.bench.netlab import ECHO_PORT, SINK_NAME, SINK_PORT, PlainNetns, Uplink
+from corral.bench.results import OpResult
+from corral.bench.session import Session
+from corral.bench.stats import median, median_tree, ratio, summary
+from corral.errors import CorralError
+from corral.models import Network
+from corral.sdk import AsyncSandbox, Sandbox
+
+SYSTEMS = ("plain", "corral-internet", "corral-allowlist")
+TARGETS = {"bulk": 0.8, "added_us": 100.0, "create_allowlist/none": 1.5, "scale_growth_us": 20.0}
+RAW_VETH = ("not built: no raw C baseline makes a netns + veth + the same nft elements; "
+            "churn is shown against raw +netns (a namespace, no veth, no rules) for reference")
+WARMUP = 20  # connects before the timed ones (ARP, conntrack, the interpreter's caches)
+
+# The client, the same program in every system: "bulk HOST PORT MB" sends MB MiB to the sink
+# and prints the seconds to its answer (the byte count, after EOF); "rr HOST PORT N" times N
+# connects, each with a 64-byte request and its echo, in microseconds.
+CLIENT = r"""
+import json, socket, sys, time
+mode, host, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+addr = socket.gethostbyname(host)
+if mode == "bulk":
+    buf = bytes(1 << 20)
+    s = socket.create_connection((addr, port), timeout=60)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        s.sendall(buf)
+    s.shutdown(socket.SHUT_WR)
+    got = b""
+    while chunk := s.recv(64):
+        got += chunk
+    dt = time.perf_counter() - t0
+    s.close()
+    print(json.dumps({"bytes": int(got), "s": dt}))
+else:
+    msg, out = b"x" * 64, []
+    for i in range(n + int(sys.argv[5])):
+        t0 = time.perf_counter_ns()
+        s = socket.create_connection((addr, port), timeout=10)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(msg)
+        got = 0
+        while got < len(msg):
+            k = len(s.recv(4096))
+            if not k:
+                raise SystemExit("echo closed early")
+            got += k
+        dt = time.perf_counter_ns() - t0
+        s.close()
+        if i >= int(sys.argv[5]):
+            out.append(dt / 1000)
+    print(json.dumps({"us": out}))
+"""
+
+
+def _allowlist() -> Network:
+    return Network(allow=[f"{SINK_NAME}:{SINK_PORT},{ECHO_PORT}"])
+
+
+def _filler_spec(i: int) -> Any:
+    """Filler i: even ones ``internet``, odd ones an allowlist no other sandbox has (a
+    TEST-NET-2 address and a port: elements in the daemon's interval sets)."""
+    if i % 2 == 0:
+        return "internet"
+    k = i // 2
+    return Network(allow=[f"198.51.100.{k % 256}/32:{1024 + k // 256}", f"f{k}.fill.bench:443"])
+
+
+class Net:
+    """The scenario's world: the uplink, the plain namespace and the private daemon."""
+
+    def __init__(self, s: Session, max_live: int) -> None:
+        self.s = s
+        self.uplink = Uplink.start()
+        tag = self.uplink.tag
+        self.ifprefix, self.table = f"b{tag[:4]}", f"cbench_d{tag}"
+        self.plain: PlainNetns | None = None
+        self.daemon: PrivateDaemon | None = None
+        try:
+            self.plain = PlainNetns.start(self.uplink, f"{s.prefix}netplain")
+            env = {"CORRAL_UPLINK": self.uplink.ifname, "CORRAL_DNS_UPSTREAM": self.uplink.dns,
+                   "CORRAL_NET_RANGE": f"10.{_free16()}.0.0/16",
+                   "CORRAL_NET_TABLE": self.table, "CORRAL_NET_IFPREFIX": self.ifprefix,
+                   "CORRAL_NETWORK_CONFIG": str(s.root / "network-absent.json")}
+            # Cgroup name under the session's prefix: its leak check and sweep cover it.
+            self.daemon = PrivateDaemon(s.root / "network", f"{s.prefix}net",
+                                        max_sandboxes=max_live + 1000, env=env)
+            self.daemon.start()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def ep(self) -> str:
+        assert self.daemon is not None
+        return self.daemon.endpoint
+
+    def client(self, system: str, sb: Sandbox | None, mode: str, n: int) -> dict[str, Any]:
+        """Run the client once in ``system`` (``sb``: the sandbox for corral's)."""
+        extra = [str(WARMUP)] if mode == "rr" else []
+        port = SINK_PORT if mode == "bulk" else ECHO_PORT
+        if sb is None:
+            assert self.plain is not None
+            r = self.plain.run([netlab.PYTHON, "-c", CLIENT, mode, self.uplink.sink, str(port),
+                                str(n), *extra], timeout=300)
+            code, out, err = r.returncode, r.stdout, r.stderr
+        else:
+            x = sb.exec(["python3", "-c", CLIENT, mode, SINK_NAME, str(port), str(n), *extra],
+                        timeout=300)
+            code, out, err = x.exit_code, x.stdout, x.stderr
+        if code != 0:
+            raise RuntimeError(f"{system} {mode} client exited {code}: {err[-1000:]}")
+        return dict(json.loads(out))
+
+    def close(self) -> dict[str, Any]:
+        leaks: dict[str, Any] = {}
+        if self.daemon is not None:  # a graceful stop: its table and links go with it
+            leaks.update(stop_and_check({"network": self.daemon})["leaks"])
+            self.daemon = None
+        if self.plain is not None:
+            self.plain.stop()
+            self.plain = None
+        self.uplink.stop()
+        leaks.update(netlab.leftovers(self.uplink.tag, self.ifprefix, self.table))
+        return {"clean": not leaks, "leaks": leaks}
+
+    def names(self) -> dict[str, Any]:
+        """What the scenario made on the host, by name (for a cleanup check from outside)."""
+        t = self.uplink.tag
+        return {"netns": [f"cbench-{t}", f"cbplain-{t}"], "links": [f"cbu{t}", f"cbp{t}"],
+                "link_prefix": self.ifprefix, "nft_tables": [self.table, f"cbench_{t}"]}
+
+
+def _free16() -> int:
+    """A second octet Y of 10.Y.0.0/16 that no host route uses yet (the daemon's range)."""
+    routes = netlab._sh("ip", "-4", "route", "show", "table", "all").stdout
+    for _ in range(100):
+        y = random.randint(220, 250)
+        if f"10.{y}." not in routes:
+            return y
+    raise RuntimeError("no free 10.Y.0.0/16 for the bench daemon's sandboxes")
+
+
+# ---- the data path: bulk transfer and connect latency ---------------------------------------
+def _path(net: Net, boxes: dict[str, Sandbox | None], mb: int, n_rr: int, rounds: int,
+          adv: sdk_runs.Advance) -> dict[str, dict[str, Any]]:
+    """``rounds`` transfers of ``mb`` MiB and ``n_rr`` connects (in ``rounds`` blocks) per
+    system, the systems taking turns in a rotating order."""
+    mbs: dict[str, list[float]] = {k: [] for k in boxes}
+    us: dict[str, list[float]] = {k: [] for k in boxes}
+    names = list(boxes)
+    block = max(1, n_rr // rounds)
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for k in order:
+            out = net.client(k, boxes[k], "bulk", mb)
+            if out["bytes"] != mb << 20:
+                raise RuntimeError(f"{k}: the sink got {out['bytes']} bytes of {mb << 20}")
+            mbs[k].append(mb * 1.048576 / out["s"])  # MB (10^6 bytes) per second
+            adv(1)
+        for k in order:
+            us[k] += net.client(k, boxes[k], "rr", block)["us"]
+            adv(1)
+    return {k: {"bulk_mb_s": round(median(mbs[k]) or 0, 1), "bulk_mb_s_all":
+                [round(x, 1) for x in mbs[k]], "connect_rr_us": summary(us[k])} for k in boxes}
+
+
+def _measured(ep: str) -> dict[str, Sandbox | None]:
+    return {"plain": None, "corral-internet": Sandbox("host", endpoint=ep, network="internet"),
+            "corral-allowlist": Sandbox("host", endpoint=ep, network=_allowlist())}
+
+
+def _kill(boxes: dict[str, Sandbox | None]) -> None:
+    for sb in boxes.values():
+        if sb is not None:
+            try:
+                sb.kill()
+            except CorralError:
+                pass
+
+
+# ---- create p50 and churn -------------------------------------------------------------------
+CREATE_MODES: dict[str, dict[str, Any]] = {
+    "none": {"network": "none"},
+    "none-cold": {"network": "none", "hostname": "bench-cold"},  # never from a warm pool
+    "internet": {"network": "internet"},
+    "allowlist": {"network": None},  # _allowlist(), made per call
+}
+
+
+def _creates(ep: str, n: int, adv: sdk_runs.Advance) -> dict[str, list[float]]:
+    """``n`` creates per mode, round robin, each sandbox killed before the next create."""
+    ts: dict[str, list[float]] = {k: [] for k in CREATE_MODES}
+    for _ in range(n):
+        for k, spec in CREATE_MODES.items():
+            kw = dict(spec)
+            if kw["network"] is None:
+                kw["network"] = _allowlist()
+            t0 = time.perf_counter()
+            sb = Sandbox("host", endpoint=ep, **kw)
+            ts[k].append((time.perf_counter() - t0) * 1e3)
+            sb.kill()
+            adv(1)
+    return ts
+
+
+def _churn(s: Session, net: Net, n: int, conc: int, tag: str) -> dict[str, OpResult]:
+    assert s.raw is not None
+    res: dict[str, OpResult] = {}
+    with s.ui.task(f"{tag} churn raw +netns", None):
+        res["raw-netns"] = s.raw.churn(n, conc, netns=True, system="raw-netns")
+    for name, spec in (("corral", "none"), ("corral-internet", "internet"),
+                       ("corral-allowlist", _allowlist())):
+        with s.ui.task(f"{tag} churn {name}", n) as adv:
+            res[name] = sdk_runs.churn(net.ep, n, conc, adv, spec)  # type: ignore[arg-type]
+    return res
+
+
+# ---- scale: the data path with N live networked sandboxes -----------------------------------
+async def _fill(ep: str, start: int, stop: int, conc: int, ids: list[str],
+                adv: sdk_runs.Advance) -> list[str]:
+    errors: list[str] = []
+    todo = iter(range(start, stop))
+
+    async def worker() -> None:
+        for i in todo:
+            try:
+                sb = await AsyncSandbox.create("host", endpoint=ep, timeout=sdk_runs.TTL_S,
+                                               network=_filler_spec(i))
+                ids.append(sb.id)
+            except CorralError as e:
+                errors.append(f"{type(e).__name__}: {e}"[:300])
+            adv(1)
+
+    await asyncio.gather(*(worker() for _ in range(conc)))
+    return errors
+
+
+def _points(count: int) -> list[int]:
+    return sorted({0, count // 10, count // 3, count})
+
+
+def _scale(s: Session, net: Net, count: int, mb: int, n_rr: int) -> list[dict[str, Any]]:
+    ids: list[str] = []
+    curve: list[dict[str, Any]] = []
+    try:
+        for pt in _points(count):
+            with s.ui.task(f"network scale: fill to {pt:,}", pt - len(ids)) as adv:
+                t0 = time.perf_counter()
+                errors = asyncio.run(_fill(net.ep, len(ids), pt, s.opts.concurrency, ids, adv))
+                fill_s = time.perf_counter() - t0
+            if errors:
+                raise RuntimeError(f"filling to {pt}: {len(errors)} creates failed: {errors[0]}")
+            boxes = _measured(net.ep)
+            try:
+                with s.ui.task(f"network scale: {pt:,} live, measure", 2 * 3) as adv:
+                    path = _path(net, boxes, mb, n_rr, 2, adv)
+            finally:
+                _kill(boxes)
+            curve.append({"live": len(ids), "fill_s": round(fill_s, 2),
+                          "fill_per_s": round((pt - (curve[-1]["live"] if curve else 0))
+                                              / fill_s, 1) if fill_s > 0 and pt else None,
+                          **path})
+    finally:
+        with s.ui.task("network scale: destroy", len(ids)) as adv:
+            sdk_runs.destroy_all(net.ep, ids, 100, adv)
+    return curve
+
+
+# ---- the scenario ---------------------------------------------------------------------------
+def network(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
+    missing = [t for t in ("ip", "nft") if shutil.which(t) is None]
+    if missing:
+        return {"skipped": f"{', '.join(missing)} not installed"}, {}
+    count, R, conc = s.opts.n("network"), s.opts.runs, s.opts.concurrency
+    n_rr, n_create, n_churn = min(count, 300), min(count, 50), min(count, 200)
+    mb = 256 if count >= 100 else 8
+    runs: list[dict[str, Any]] = []
+    curve: list[dict[str, Any]] = []
+    with s.ui.task("network: uplink, plain netns, daemon", None):
+        net = Net(s, count)
+    try:
+        with s.ui.task("network: warm-up", None):  # the table, the DNS proxy, the pools
+            boxes = _measured(net.ep)
+            try:
+                for k, sb in boxes.items():
+                    net.client(k, sb, "rr", 5)
+            finally:
+                _kill(boxes)
+        for r in range(R):
+            tag = f"network {r + 1}/{R}"
+            boxes = _measured(net.ep)
+            try:
+                with s.ui.task(f"{tag} transfer and connect", 3 * 2 * 3) as adv:
+                    path = _path(net, boxes, mb, n_rr, 3, adv)
+            finally:
+                _kill(boxes)
+            with s.ui.task(f"{tag} create", n_create * len(CREATE_MODES)) as adv:
+                creates = _creates(net.ep, n_create, adv)
+            churn = _churn(s, net, n_churn, conc, tag)
+            runs.append({"path": path,
+                         "create_ms": {k: summary(v) for k, v in creates.items()},
+                         "churn": {k: v.to_json() for k, v in churn.items()}})
+        curve = _scale(s, net, count, max(8, mb // 4), max(20, n_rr // 3))
+    finally:
+        cleanup = net.close()
+    sec = _section(runs, curve)
+    sec.update(n_fill=count, points=_points(count), mb=mb, n_rr=n_rr, n_create=n_create,
+               n_churn=n_churn, concurrency=conc, raw_veth=RAW_VETH, cleanup=cleanup,
+               made=net.names())
+    if not cleanup["clean"]:
+        raise RuntimeError(f"network: left behind: {cleanup['leaks']}")
+    return sec, {"curve": curve}
+
+
+def _section(runs: list[dict[str, Any]], curve: list[dict[str, Any]]) -> dict[str, Any]:
+    def per_run(f: Any) -> float | None:
+        return median([f(x) for x in runs])
+
+    ratios: dict[str, float] = {}
+    added: dict[str, float] = {}
+    for c in SYSTEMS[1:]:
+        v = per_run(lambda x, c=c: ratio(x["path"][c]["bulk_mb_s"],
+                                         x["path"]["plain"]["bulk_mb_s"]))
+        if v is not None:
+            ratios[f"{c}/plain bulk MB/s"] = round(v, 3)
+        d = per_run(lambda x, c=c: x["path"][c]["connect_rr_us"]["p50"]
+                    - x["path"]["plain"]["connect_rr_us"]["p50"])
+        if d is not None:
+            added[c] = round(d, 1)
+    for k in ("internet", "allowlist", "none-cold"):
+        for base in ("none", "none-cold"):
+            if k == base:
+                continue
+            v = per_run(lambda x, k=k, b=base: ratio(x["create_ms"][k]["p50"],
+                                                     x["create_ms"][b]["p50"]))
+            if v is not None:
+                ratios[f"create {k}/{base} p50"] = round(v, 3)
+    for c in ("corral", "corral-internet", "corral-allowlist"):
+        v = per_run(lambda x, c=c: ratio(x["churn"][c]["ops_per_s"],
+                                         x["churn"]["raw-netns"]["ops_per_s"]))
+        if v is not None:
+            ratios[f"churn {c}/raw-netns"] = round(v, 3)
+    growth: dict[str, float] = {}
+    if len(curve) >= 2:
+        for c in SYSTEMS[1:]:
+            def add(p: dict[str, Any], c: str = c) -> float:
+                return float(p[c]["connect_rr_us"]["p50"] - p["plain"]["connect_rr_us"]["p50"])
+            growth[c] = round(add(curve[-1]) - add(curve[0]), 1)
+    worst_bulk = min((v for k, v in ratios.items() if k.endswith("bulk MB/s")), default=None)
+    create_r = ratios.get("create allowlist/none p50")
+    met = {"bulk >= 0.8x plain": worst_bulk is not None and worst_bulk >= TARGETS["bulk"],
+           "added connect latency < 100 us": bool(added)
+           and max(added.values()) < TARGETS["added_us"],
+           "create allowlist <= 1.5x none": create_r is not None
+           and create_r <= TARGETS["create_allowlist/none"],
+           f"added latency grows <= {TARGETS['scale_growth_us']:.0f} us from 0 to the "
+           "most live": bool(growth) and max(growth.values()) <= TARGETS["scale_growth_us"]}
+    return {"median": median_tree(runs), "runs": runs, "ratios": ratios, "added_us": added,
+            "scale": curve, "scale_growth_us": growth, "met": met}
