@@ -9,7 +9,7 @@ is routed anywhere else, so no packet leaves the machine.
 addressed and routed the way corral's are (docs/network.md "Plumbing": the host end holds the
 gateway /32 and a /32 route to the namespace, whose eth0 holds its /32 and a default route via
 the gateway), NATed out of the same uplink by a table of its own, and no other rule. Its
-client runs in a cpu cgroup with the sandbox's default quota (one core)."""
+client runs in a cpu cgroup with the measured sandboxes' CFS quota."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ class PlainNetns:
     made: list[str] = field(default_factory=list)
 
     @classmethod
-    def start(cls, uplink: Uplink, cgroup_name: str) -> PlainNetns:
+    def start(cls, uplink: Uplink, cgroup_name: str, cpus: int) -> PlainNetns:
         x = _x_free("10.219")
         p = cls(tag=uplink.tag, ns=f"cbplain-{uplink.tag}", ifname=f"cbp{uplink.tag}",
                 gateway=f"10.219.{x}.1", addr=f"10.219.{x}.2", table=f"cbench_{uplink.tag}")
@@ -138,14 +138,14 @@ class PlainNetns:
                    "masquerade; }; }")
             subprocess.run(["nft", "-f", "-"], input=nat, text=True, check=True,
                            capture_output=True)
-            p.cgroup = _cpu_cgroup(cgroup_name)
+            p.cgroup = _cpu_cgroup(cgroup_name, cpus)
             return p
         except BaseException:
             p.stop()
             raise
 
     def run(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-        """``argv`` in the namespace, in the one-core cpu cgroup."""
+        """``argv`` in the namespace, in the cpu cgroup."""
         procs = str(self.cgroup / "cgroup.procs") if self.cgroup else None
 
         def enter() -> None:
@@ -168,19 +168,19 @@ class PlainNetns:
             self.cgroup = None
 
 
-def _cpu_cgroup(name: str) -> Path | None:
-    """A top-level cpu cgroup limited to one core (a sandbox's default ``cpu=1.0``)."""
+def _cpu_cgroup(name: str, cpus: int) -> Path | None:
+    """A top-level cpu cgroup with the measured sandboxes' CFS quota (``cpus`` cores)."""
     v1 = CGROUP_ROOT / "cpu"
     if (v1 / "cgroup.procs").exists():
         d = v1 / name
         d.mkdir(exist_ok=True)
         (d / "cpu.cfs_period_us").write_text("100000")
-        (d / "cpu.cfs_quota_us").write_text("100000")
+        (d / "cpu.cfs_quota_us").write_text(str(100000 * cpus))
         return d
     if "cpu" in (CGROUP_ROOT / "cgroup.subtree_control").read_text().split():
         d = CGROUP_ROOT / name
         d.mkdir(exist_ok=True)
-        (d / "cpu.max").write_text("100000 100000")
+        (d / "cpu.max").write_text(f"{100000 * cpus} 100000")
         return d
     return None
 
