@@ -234,6 +234,8 @@ def test_network_section(report):
     for p in sec["scale"]:
         for name in systems:
             assert p[name]["connect_rr_us"]["n"] > 0 and p[name]["bulk_mb_s"] > 0
+            if name != "plain":  # paired round by round against plain
+                assert _is_num(p[name]["added_us"]) and p[name]["bulk_vs_plain"] > 0
     assert all(isinstance(v, bool) for v in sec["met"].values()) and len(sec["met"]) == 5
     assert sec["raw_veth"].startswith("not built")
     assert sec["cleanup"] == {"clean": True, "leaks": {}}

@@ -186,24 +186,39 @@ def _free16() -> int:
 def _path(net: Net, boxes: dict[str, Sandbox | None], mb: int, n_rr: int, rounds: int,
           adv: sdk_runs.Advance) -> dict[str, dict[str, Any]]:
     """``rounds`` transfers of ``mb`` MiB and ``n_rr`` connects (in ``rounds`` blocks) per
-    system, the systems taking turns in a rotating order."""
+    system, the systems taking turns in a rotating order. Against ``plain``, paired round by
+    round (what the machine's load did in that round falls on both): ``added_us``, the median
+    over rounds of (this system's p50 in the round - plain's), and ``bulk_vs_plain``, the
+    median of the rounds' MB/s ratios."""
     mbs: dict[str, list[float]] = {k: [] for k in boxes}
     us: dict[str, list[float]] = {k: [] for k in boxes}
+    blk: dict[str, list[float]] = {k: [] for k in boxes}
     names = list(boxes)
     block = max(1, n_rr // rounds)
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for k in order:
-            out = net.client(k, boxes[k], "bulk", mb)
-            if out["bytes"] != mb << 20:
-                raise RuntimeError(f"{k}: the sink got {out['bytes']} bytes of {mb << 20}")
-            mbs[k].append(mb * 1.048576 / out["s"])  # MB (10^6 bytes) per second
+            sent = net.client(k, boxes[k], "bulk", mb)
+            if sent["bytes"] != mb << 20:
+                raise RuntimeError(f"{k}: the sink got {sent['bytes']} bytes of {mb << 20}")
+            mbs[k].append(mb * 1.048576 / sent["s"])  # MB (10^6 bytes) per second
             adv(1)
         for k in order:
-            us[k] += net.client(k, boxes[k], "rr", block)["us"]
+            got = net.client(k, boxes[k], "rr", block)["us"]
+            us[k] += got
+            blk[k].append(median(got) or 0.0)
             adv(1)
-    return {k: {"bulk_mb_s": round(median(mbs[k]) or 0, 1), "bulk_mb_s_all":
-                [round(x, 1) for x in mbs[k]], "connect_rr_us": summary(us[k])} for k in boxes}
+    out: dict[str, dict[str, Any]] = {
+        k: {"bulk_mb_s": round(median(mbs[k]) or 0, 1),
+            "bulk_mb_s_all": [round(x, 1) for x in mbs[k]],
+            "connect_rr_us": summary(us[k])} for k in boxes}
+    for k in boxes:
+        if k != "plain":
+            out[k]["added_us"] = round(median(
+                [a - b for a, b in zip(blk[k], blk["plain"], strict=True)]) or 0.0, 1)
+            out[k]["bulk_vs_plain"] = median(
+                [ratio(a, b) for a, b in zip(mbs[k], mbs["plain"], strict=True)])
+    return out
 
 
 def _measured(ep: str) -> dict[str, Sandbox | None]:
@@ -377,12 +392,10 @@ def _section(runs: list[dict[str, Any]], curve: list[dict[str, Any]]) -> dict[st
     ratios: dict[str, float] = {}
     added: dict[str, float] = {}
     for c in SYSTEMS[1:]:
-        v = per_run(lambda x, c=c: ratio(x["path"][c]["bulk_mb_s"],
-                                         x["path"]["plain"]["bulk_mb_s"]))
+        v = per_run(lambda x, c=c: x["path"][c]["bulk_vs_plain"])
         if v is not None:
             ratios[f"{c}/plain bulk MB/s"] = round(v, 3)
-        d = per_run(lambda x, c=c: x["path"][c]["connect_rr_us"]["p50"]
-                    - x["path"]["plain"]["connect_rr_us"]["p50"])
+        d = per_run(lambda x, c=c: x["path"][c]["added_us"])
         if d is not None:
             added[c] = round(d, 1)
     for k in ("internet", "allowlist", "none-cold"):
@@ -401,9 +414,7 @@ def _section(runs: list[dict[str, Any]], curve: list[dict[str, Any]]) -> dict[st
     growth: dict[str, float] = {}
     if len(curve) >= 2:
         for c in SYSTEMS[1:]:
-            def add(p: dict[str, Any], c: str = c) -> float:
-                return float(p[c]["connect_rr_us"]["p50"] - p["plain"]["connect_rr_us"]["p50"])
-            growth[c] = round(add(curve[-1]) - add(curve[0]), 1)
+            growth[c] = round(curve[-1][c]["added_us"] - curve[0][c]["added_us"], 1)
     worst_bulk = min((v for k, v in ratios.items() if k.endswith("bulk MB/s")), default=None)
     create_r = ratios.get("create allowlist/none-cold p50")
     create_w = ratios.get("create allowlist/none p50")

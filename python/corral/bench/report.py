@@ -299,7 +299,7 @@ def network_table(sec: dict[str, Any]) -> Table:
                     f"alike (bulk {sec['mb']} MiB, {sec['n_rr']} connects + 64-byte echo, "
                     f"{sec['n_create']} creates per mode, churn {sec['n_churn']} with "
                     f"{sec['concurrency']} in flight; median of {len(sec['runs'])} runs)")
-    for c in ("system", "bulk MB/s", "/plain", "connect+rr p50 us", "p90 us", "added p50 us",
+    for c in ("system", "bulk MB/s", "/plain", "connect+rr p50 us", "p90 us", "added us",
               "create p50 ms", "churn /s", "churn /raw-netns"):
         t.add_column(c, justify="left" if c == "system" else "right")
     create_of = {"corral": "none", "corral-internet": "internet",
@@ -313,28 +313,25 @@ def network_table(sec: dict[str, Any]) -> Table:
                   _f(_get(m, "create_ms", create_of.get(name, "-"), "p50"), 2),
                   _f(ch.get("ops_per_s")), _f(rt.get(f"churn {name}/raw-netns"), 3))
     cold = _get(m, "create_ms", "none-cold", "p50")
-    t.caption = (f"create p50 none cold (never pooled) {_f(cold, 2)} ms; raw-veth baseline: "
-                 f"{sec['raw_veth']}")
+    t.caption = (f"/plain and added us: paired round by round (median of the rounds' MB/s "
+                 f"ratios, of the rounds' p50 differences); create p50 none cold (never "
+                 f"pooled) {_f(cold, 2)} ms; raw-veth baseline: {sec['raw_veth']}")
     return t
 
 
 def network_curve(sec: dict[str, Any]) -> Table:
     t = Table(title="network: the data path with N live networked sandboxes (half internet, "
                     "half an allowlist of their own); connect+rr p50 us / bulk MB/s")
-    for c in ("live", "plain", "corral-internet", "corral-allowlist", "added internet",
-              "added allowlist", "fill /s"):
+    for c in ("live", "plain", "corral-internet", "corral-allowlist", "added us internet",
+              "added us allowlist", "fill /s"):
         t.add_column(c, justify="right")
     for p in sec.get("scale") or []:
-        base = _get(p, "plain", "connect_rr_us", "p50") or 0
-
         def cell(k: str, p: dict[str, Any] = p) -> str:
             return f"{_f(_get(p, k, 'connect_rr_us', 'p50'))} / {_f(_get(p, k, 'bulk_mb_s'))}"
 
         t.add_row(_f(p["live"]), cell("plain"), cell("corral-internet"),
-                  cell("corral-allowlist"),
-                  _f((_get(p, "corral-internet", "connect_rr_us", "p50") or 0) - base),
-                  _f((_get(p, "corral-allowlist", "connect_rr_us", "p50") or 0) - base),
-                  _f(p.get("fill_per_s")))
+                  cell("corral-allowlist"), _f(_get(p, "corral-internet", "added_us")),
+                  _f(_get(p, "corral-allowlist", "added_us")), _f(p.get("fill_per_s")))
     return t
 
 
