@@ -223,12 +223,13 @@ def test_network_section(report):
         assert rr["n"] == N and 0 < rr["p50"] <= rr["p90"] <= rr["max"]
     for mode in ("none", "none-cold", "internet", "allowlist"):
         assert run0["create_ms"][mode]["n"] == N
-    for name in ("raw-netns", "corral", "corral-internet", "corral-allowlist"):
+    for name in ("raw-netns", "raw-veth-internet", "raw-veth-allowlist", "corral",
+                 "corral-internet", "corral-allowlist"):
         assert run0["churn"][name]["n"] == N and run0["churn"][name]["errors"] == 0
     for c in systems[1:]:
         assert _is_num(sec["ratios"][f"{c}/plain bulk MB/s"])
         assert _is_num(sec["added_us"][c]) and _is_num(sec["scale_growth_us"][c])
-        assert _is_num(sec["ratios"][f"churn {c}/raw-netns"])
+        assert _is_num(sec["ratios"][f"churn {c}/raw-veth-{c.split('-')[1]}"])
     assert _is_num(sec["ratios"]["create allowlist/none p50"])
     assert [p["live"] for p in sec["scale"]] == [0, 6, 20]
     for p in sec["scale"]:
@@ -236,8 +237,8 @@ def test_network_section(report):
             assert p[name]["connect_rr_us"]["n"] > 0 and p[name]["bulk_mb_s"] > 0
             if name != "plain":  # paired round by round against plain
                 assert _is_num(p[name]["added_us"]) and p[name]["bulk_vs_plain"] > 0
-    assert all(isinstance(v, bool) for v in sec["met"].values()) and len(sec["met"]) == 5
-    assert sec["raw_veth"].startswith("not built")
+    assert all(isinstance(v, bool) for v in sec["met"].values()) and len(sec["met"]) == 6
+    assert sec["matching"]["corral-internet"] == "raw-veth-internet"
     assert sec["cleanup"] == {"clean": True, "leaks": {}}
     # Nothing of it is left on the host: no namespace, link or table of the bench's.
     ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -247,8 +248,8 @@ def test_network_section(report):
     assert not set(made["netns"]) & set(ns.split())
     names = [ln.split(":")[1].strip().split("@")[0] for ln in links.splitlines()]
     assert not set(made["links"]) & set(names)
-    pre = made["link_prefix"]
-    assert not [n for n in names if n.startswith(pre) and n[len(pre):].isdigit()]
+    for pre in made["link_prefixes"]:  # the daemon's and raw --veth's sandboxes' links
+        assert not [n for n in names if n.startswith(pre) and n[len(pre):].isdigit()]
     assert not set(made["nft_tables"]) & {ln.split()[-1] for ln in tables.splitlines() if ln}
 
 

@@ -185,15 +185,15 @@ def _cpu_cgroup(name: str, cpus: int) -> Path | None:
     return None
 
 
-def leftovers(tag: str, ifprefix: str, table: str) -> dict[str, list[str]]:
-    """What is still on the host of the bench's uplink, its plain netns and its daemon's
-    network: namespaces, links, nftables tables."""
+def leftovers(tag: str, ifprefixes: list[str], tables: list[str]) -> dict[str, list[str]]:
+    """What is still on the host of the bench's uplink, its plain netns, its daemon's and the
+    raw baseline's networks: namespaces, links, nftables tables."""
     ns = _sh("ip", "netns", "list", check=False).stdout.split()
     links = [ln.split(":")[1].strip().split("@")[0]
              for ln in _sh("ip", "-o", "link", check=False).stdout.splitlines()]
-    tables = _sh("nft", "list", "tables", check=False).stdout.splitlines()
+    listed = _sh("nft", "list", "tables", check=False).stdout.splitlines()
     out = {"netns": [n for n in ns if n.endswith(tag) and n.startswith(("cbench-", "cbplain-"))],
            "links": [n for n in links if n in (f"cbu{tag}", f"cbp{tag}")
-                     or (n.startswith(ifprefix) and n[len(ifprefix):].isdigit())],
-           "nft_tables": [t for t in tables if t.split()[-1] in (table, f"cbench_{tag}")]}
+                     or any(n.startswith(p) and n[len(p):].isdigit() for p in ifprefixes)],
+           "nft_tables": [t for t in listed if t.split()[-1] in (*tables, f"cbench_{tag}")]}
     return {k: v for k, v in out.items() if v}

@@ -300,22 +300,26 @@ def network_table(sec: dict[str, Any]) -> Table:
                     f"{sec['n_create']} creates per mode, churn {sec['n_churn']} with "
                     f"{sec['concurrency']} in flight; median of {len(sec['runs'])} runs)")
     for c in ("system", "bulk MB/s", "/plain", "connect+rr p50 us", "p90 us", "added us",
-              "create p50 ms", "churn /s", "churn /raw-netns"):
+              "create p50 ms", "churn /s", "churn /raw", "raw"):
         t.add_column(c, justify="left" if c == "system" else "right")
     create_of = {"corral": "none", "corral-internet": "internet",
                  "corral-allowlist": "allowlist"}
-    for name in ("plain", "raw-netns", "corral", "corral-internet", "corral-allowlist"):
+    match = sec.get("matching") or {}
+    for name in ("plain", "raw-netns", "raw-veth-internet", "raw-veth-allowlist", "corral",
+                 "corral-internet", "corral-allowlist"):
         p = _get(m, "path", name) or {}
         ch = _get(m, "churn", name) or {}
+        base = match.get(name)
         t.add_row(name, _f(p.get("bulk_mb_s")), _f(rt.get(f"{name}/plain bulk MB/s"), 3),
                   _f(_get(p, "connect_rr_us", "p50")), _f(_get(p, "connect_rr_us", "p90")),
                   _f(sec["added_us"].get(name)),
                   _f(_get(m, "create_ms", create_of.get(name, "-"), "p50"), 2),
-                  _f(ch.get("ops_per_s")), _f(rt.get(f"churn {name}/raw-netns"), 3))
+                  _f(ch.get("ops_per_s")), _f(rt.get(f"churn {name}/{base}"), 3), base or "")
     cold = _get(m, "create_ms", "none-cold", "p50")
     t.caption = (f"/plain and added us: paired round by round (median of the rounds' MB/s "
                  f"ratios, of the rounds' p50 differences); create p50 none cold (never "
-                 f"pooled) {_f(cold, 2)} ms; raw-veth baseline: {sec['raw_veth']}")
+                 f"pooled) {_f(cold, 2)} ms; raw-veth: raw +netns plus a veth pair and the "
+                 f"sandbox's nftables elements (corral's ruleset)")
     return t
 
 
