@@ -119,8 +119,9 @@ def bench(
     gvisor (the gvisor substrate vs the container substrate vs `runsc do true`: create, exec
     round trip, churn), network (a sandbox's bulk TCP transfer and connect latency against
     a plain netns + veth routed and NATed alike, create p50 and churn of network none,
-    internet and an allowlist, and the connect latency with 0 .. --count live networked
-    sandboxes, against the bench's own uplink namespace), images (only when named: create
+    internet and an allowlist (churn against raw with a veth pair and the same nftables
+    elements), and the connect latency with 0 .. --count live networked sandboxes, on the
+    bench's own uplink namespace), images (only when named: create
     on a pulled 10-layer OCI image vs the host image, and the pull, from a docker-registry on
     loopback). Every system
     runs in the same run; ratios are taken within a run, medians over --runs. Exits 1 if a
