@@ -380,6 +380,9 @@ def network(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
     missing = [t for t in ("ip", "nft") if shutil.which(t) is None]
     if missing:
         return {"skipped": f"{', '.join(missing)} not installed"}, {}
+    with open("/proc/sys/net/ipv4/ip_forward") as f:
+        if f.read().strip() != "1":  # no networked sandbox (nor the plain netns) gets out
+            return {"skipped": "net.ipv4.ip_forward is 0"}, {}
     count, R, conc = s.opts.n("network"), s.opts.runs, s.opts.concurrency
     n_rr, n_create, n_churn = min(count, 500), min(count, 50), min(count, 200)
     mb = 256 if count >= 100 else 8
