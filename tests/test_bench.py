@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 
 import pytest
 from typer.testing import CliRunner
@@ -54,7 +55,7 @@ def test_report_header(report):
     assert report["host"]["cpus"] >= 1
     assert set(report["scenarios"]) == {"churn", "latency", "exec", "density", "snapshot",
                                         "trajlog", "execpath", "keyedreads", "run-code",
-                                        "gvisor"}
+                                        "gvisor", "network"}
     for name, sec in report["scenarios"].items():
         assert "error" not in sec, (name, sec)
         if sec.get("skipped"):  # gvisor on a host where runsc cannot run
@@ -207,6 +208,53 @@ def test_runcode_section(report):
         assert _is_num(sec[f]["cpu_ms"]) and sec[f]["cpu_ms"] > 0, sec[f]
 
 
+def test_network_section(report):
+    """The network scenario: the data path of internet and allowlist sandboxes against the
+    plain netns, create p50 per mode, churn, the scale curve up to N live networked
+    sandboxes; its uplink, plain netns, daemon table and links all gone."""
+    sec = report["scenarios"]["network"]
+    if sec.get("skipped"):
+        pytest.skip(sec["skipped"])
+    assert sec["n_fill"] == N and sec["points"] == [0, 6, 20]
+    systems = ("plain", "corral-internet", "corral-allowlist")
+    run0 = sec["runs"][0]
+    for name in systems:
+        p = run0["path"][name]
+        assert len(p["bulk_mb_s_all"]) == 10 and all(x > 0 for x in p["bulk_mb_s_all"])
+        rr = p["connect_rr_us"]
+        assert rr["n"] == N and 0 < rr["p50"] <= rr["p90"] <= rr["max"]
+    for mode in ("none", "none-cold", "internet", "allowlist"):
+        assert run0["create_ms"][mode]["n"] == N
+    for name in ("raw-netns", "raw-veth-internet", "raw-veth-allowlist", "corral",
+                 "corral-internet", "corral-allowlist"):
+        assert run0["churn"][name]["n"] == N and run0["churn"][name]["errors"] == 0
+    for c in systems[1:]:
+        assert _is_num(sec["ratios"][f"{c}/plain bulk MB/s"])
+        assert _is_num(sec["added_us"][c]) and _is_num(sec["scale_growth_us"][c])
+        assert _is_num(sec["ratios"][f"churn {c}/raw-veth-{c.split('-')[1]}"])
+    assert _is_num(sec["ratios"]["create allowlist/none p50"])
+    assert [p["live"] for p in sec["scale"]] == [0, 6, 20]
+    for p in sec["scale"]:
+        for name in systems:
+            assert p[name]["connect_rr_us"]["n"] > 0 and p[name]["bulk_mb_s"] > 0
+            if name != "plain":  # paired round by round against plain
+                assert _is_num(p[name]["added_us"]) and p[name]["bulk_vs_plain"] > 0
+    assert all(isinstance(v, bool) for v in sec["met"].values()) and len(sec["met"]) == 6
+    assert sec["matching"]["corral-internet"] == "raw-veth-internet"
+    assert sec["cleanup"] == {"clean": True, "leaks": {}}
+    # Nothing of it is left on the host: no namespace, link or table of the bench's.
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+    made = sec["made"]
+    assert not set(made["netns"]) & set(ns.split())
+    names = [ln.split(":")[1].strip().split("@")[0] for ln in links.splitlines()]
+    assert not set(made["links"]) & set(names)
+    for pre in made["link_prefixes"]:  # the daemon's and raw --veth's sandboxes' links
+        assert not [n for n in names if n.startswith(pre) and n[len(pre):].isdigit()]
+    assert not set(made["nft_tables"]) & {ln.split()[-1] for ln in tables.splitlines() if ln}
+
+
 def test_trajlog_table_renders():
     """The table, with and without a baseline tree (no daemon needed)."""
     import io
@@ -237,7 +285,7 @@ def test_plots_and_json_written(report):
     out = report["_plots_dir"]
     assert {os.path.basename(p) for p in report["plots"]} == {
         "latency_cdf.png", "churn_latency_cdf.png", "churn_rates.png", "density_rate.png",
-        "snapshot_cdf.png"}
+        "snapshot_cdf.png", "network_scale.png"}
     for p in report["plots"]:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -260,7 +308,8 @@ def test_cli_json(tmp_path):
 def test_parse_scenarios():
     assert parse_scenarios("all") == ["churn", "latency", "exec", "density", "snapshot",
                                       "trajlog", "execpath", "keyedreads", "run-code",
-                                      "gvisor"]
+                                      "gvisor", "network"]
+    assert parse_scenarios("network") == ["network"]
     assert parse_scenarios("run-code") == ["run-code"]
     assert parse_scenarios("snapshot") == ["snapshot"]
     assert parse_scenarios("trajlog") == ["trajlog"]

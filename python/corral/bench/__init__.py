@@ -9,6 +9,9 @@ Layout (one job per module):
   sdk_runs.py   corral measured through the SDK: churn, latency, exec, density fill/destroy,
                 snapshot / restore / fork cycles
   scenarios.py  churn, latency, exec, density, snapshot: runs, medians, ratios within a run
+  network.py    the network scenario: a sandbox's data path vs a plain netns, create/churn
+                per network mode, the data path with N live networked sandboxes
+  netlab.py     its uplink namespace (netsrv.py: DNS, TCP sink and echo) and plain netns
   host.py       /proc/meminfo, kernel limits, cgroup/mount/process leak checks
   profile.py    py-spy sampling of the daemon (--profile)
   report.py     rich tables with the targets; plots.py: PNGs; runner.py: the session

@@ -91,6 +91,28 @@ def density_rate(curves: dict[str, list[tuple[int, float]]], out: Path, n: int) 
     return out
 
 
+def network_scale(curve: list[dict[str, Any]], out: Path) -> Path:
+    """Connect + echo p50 and bulk MB/s against the number of live networked sandboxes."""
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    live = [p["live"] for p in curve]
+    for name in ("plain", "corral-internet", "corral-allowlist"):
+        a1.plot(live, [p[name]["connect_rr_us"]["p50"] for p in curve], marker="o", label=name)
+        a2.plot(live, [p[name]["bulk_mb_s"] for p in curve], marker="o", label=name)
+    a1.set_ylabel("connect + 64-byte echo, p50 us")
+    a2.set_ylabel("bulk TCP MB/s")
+    for ax in (a1, a2):
+        ax.set_xlabel("live networked sandboxes")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle("network: the data path against the number of sandboxes in the table")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def make_all(report: dict[str, Any], samples: dict[str, Any], out_dir: Path) -> list[str]:
     out_dir.mkdir(parents=True, exist_ok=True)
     made: list[Path] = []
@@ -109,4 +131,6 @@ def make_all(report: dict[str, Any], samples: dict[str, Any], out_dir: Path) -> 
     if "density" in samples:
         made.append(density_rate(samples["density"]["curves"], out_dir / "density_rate.png",
                                  sc["density"]["n"]))
+    if samples.get("network", {}).get("curve"):
+        made.append(network_scale(samples["network"]["curve"], out_dir / "network_scale.png"))
     return [str(p) for p in made]

@@ -78,6 +78,20 @@ class Mirror:
     detach: tuple[str, ...] = ()           # mounts detached in each sandbox's namespace
 
 
+@dataclass(frozen=True)
+class Veth:
+    """raw.c --veth: what a networked corral sandbox adds to raw +netns: a veth pair named
+    ``<ifprefix><slot>`` routed as corral's, its addresses in ``net``/16 (the gateway first),
+    and its elements in the nftables table ``table`` (inet, written by the caller with
+    corral's ruleset); ``internet``: also in the ``internet`` set (else a policy of names,
+    which adds nothing at create)."""
+
+    ifprefix: str
+    table: str
+    net: str           # "10.Y.0.0"
+    internet: bool
+
+
 class RawBaseline:
     def __init__(self, bins: RawBinaries, state_dir: Path, cgroup_name: str,
                  overlays: list[tuple[str, list[str]]], mirror: Mirror | None = None) -> None:
@@ -91,12 +105,17 @@ class RawBaseline:
         self.cgroup_spares = self.mirror.cgroup_spares
 
     def argv(self, mode: str, n: int, conc: int = 1, netns: bool = False,
-             controllers: list[str] | None = None, disabled: bool = False) -> list[str]:
-        """``disabled``: corral's network "disabled" (one shared netns, Landlock scope)."""
+             controllers: list[str] | None = None, disabled: bool = False,
+             veth: Veth | None = None) -> list[str]:
+        """``disabled``: corral's network "disabled" (one shared netns, Landlock scope);
+        ``veth``: a networked sandbox's link and nftables elements (raw.c ``--veth``)."""
         a = [str(self.bins.raw), mode, str(n), "--conc", str(conc), "--state",
              str(self.state_dir), "--cgroup", self.cgroup_name, "--init", str(self.bins.init)]
         if netns:
             a.append("--netns")
+        if veth is not None:
+            a += ["--veth", veth.ifprefix, "--veth-table", veth.table, "--veth-net", veth.net]
+            a += ["--veth-internet"] if veth.internet else []
         if self.tmpfs:
             a.append("--tmpfs")
         if self.memcg_spares:
@@ -136,13 +155,14 @@ class RawBaseline:
         return json.loads(r.stdout.splitlines()[-1])
 
     def churn(self, n: int, conc: int, netns: bool, system: str,
-              disabled: bool = False) -> OpResult:
-        d = self._run(self.argv("churn", n, conc, netns, disabled=disabled),
+              disabled: bool = False, veth: Veth | None = None) -> OpResult:
+        d = self._run(self.argv("churn", n, conc, netns, disabled=disabled, veth=veth),
                       timeout=60 + n * 0.2)
         phases = {p: _ms(d[f"{p}_us"]) for p in ("create", "exec", "destroy")}
         return OpResult(system=system, n=n, wall_s=d["wall_s"], errors=d["errors"],
                         phases=with_total(phases, ("create", "exec", "destroy")),
-                        extra={"concurrency": conc, "netns": netns, "disabled": disabled})
+                        extra={"concurrency": conc, "netns": netns, "disabled": disabled,
+                               "veth": veth is not None})
 
     def exec(self, n: int, conc: int, system: str) -> OpResult:
         d = self._run(self.argv("exec", n, conc), timeout=60 + n * 0.1)

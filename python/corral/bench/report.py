@@ -303,10 +303,59 @@ def images_table(sec: dict[str, Any]) -> Table:
     return t
 
 
+def network_table(sec: dict[str, Any]) -> Table:
+    if sec.get("skipped"):
+        return Table(title=f"network: skipped, {sec['skipped']}")
+    m, rt = sec["median"], sec["ratios"]
+    t = Table(title=f"network: a sandbox's data path vs a plain netns + veth routed and NATed "
+                    f"alike (bulk {sec['mb']} MiB, {sec['n_rr']} connects + 64-byte echo, "
+                    f"{sec['n_create']} creates per mode, churn {sec['n_churn']} with "
+                    f"{sec['concurrency']} in flight; median of {len(sec['runs'])} runs)")
+    for c in ("system", "bulk MB/s", "/plain", "connect+rr p50 us", "p90 us", "added us",
+              "create p50 ms", "churn /s", "churn /raw", "raw"):
+        t.add_column(c, justify="left" if c == "system" else "right")
+    create_of = {"corral": "none", "corral-internet": "internet",
+                 "corral-allowlist": "allowlist"}
+    match = sec.get("matching") or {}
+    for name in ("plain", "raw-netns", "raw-veth-internet", "raw-veth-allowlist", "corral",
+                 "corral-internet", "corral-allowlist"):
+        p = _get(m, "path", name) or {}
+        ch = _get(m, "churn", name) or {}
+        base = match.get(name)
+        t.add_row(name, _f(p.get("bulk_mb_s")), _f(rt.get(f"{name}/plain bulk MB/s"), 3),
+                  _f(_get(p, "connect_rr_us", "p50")), _f(_get(p, "connect_rr_us", "p90")),
+                  _f(sec["added_us"].get(name)),
+                  _f(_get(m, "create_ms", create_of.get(name, "-"), "p50"), 2),
+                  _f(ch.get("ops_per_s")), _f(rt.get(f"churn {name}/{base}"), 3), base or "")
+    cold = _get(m, "create_ms", "none-cold", "p50")
+    t.caption = (f"/plain and added us: paired round by round (median of the rounds' MB/s "
+                 f"ratios, of the rounds' p50 differences); create p50 none cold (never "
+                 f"pooled) {_f(cold, 2)} ms; raw-veth: raw +netns plus a veth pair and the "
+                 f"sandbox's nftables elements (corral's ruleset)")
+    return t
+
+
+def network_curve(sec: dict[str, Any]) -> Table:
+    t = Table(title="network: the data path with N live networked sandboxes (half internet, "
+                    "half an allowlist of their own); connect+rr p50 us / bulk MB/s")
+    for c in ("live", "plain", "corral-internet", "corral-allowlist", "added us internet",
+              "added us allowlist", "fill /s"):
+        t.add_column(c, justify="right")
+    for p in sec.get("scale") or []:
+        def cell(k: str, p: dict[str, Any] = p) -> str:
+            return f"{_f(_get(p, k, 'connect_rr_us', 'p50'))} / {_f(_get(p, k, 'bulk_mb_s'))}"
+
+        t.add_row(_f(p["live"]), cell("plain"), cell("corral-internet"),
+                  cell("corral-allowlist"), _f(_get(p, "corral-internet", "added_us")),
+                  _f(_get(p, "corral-allowlist", "added_us")), _f(p.get("fill_per_s")))
+    return t
+
+
 TABLES = {"churn": churn_table, "latency": latency_table, "exec": exec_table,
           "density": density_table, "snapshot": snapshot_table, "trajlog": trajlog_table,
           "execpath": execpath_table, "keyedreads": keyedreads_table,
-          "run-code": runcode_table, "gvisor": gvisor_table, "images": images_table}
+          "run-code": runcode_table, "gvisor": gvisor_table, "images": images_table,
+          "network": network_table}
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:
@@ -318,6 +367,11 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         if sec.get("ratios"):
             console.print("  ratios (median of per-run ratios): " + ", ".join(
                 f"{k} = {v}" for k, v in sec["ratios"].items()))
+        if name == "network" and not sec.get("skipped"):
+            console.print(network_curve(sec))
+            console.print("  targets: " + "; ".join(
+                f"{k}: {'met' if v else 'NOT met'}" for k, v in sec["met"].items())
+                + f"; cleaned up: {sec['cleanup']['clean']}")
         if name == "snapshot" and any(sec.get("left", {}).values()):
             console.print(f"[red]  snapshot scenario left behind: {sec['left']}[/red]")
         if name == "execpath" and sec.get("paths"):

@@ -18,6 +18,7 @@ from corral.bench.execpath import execpath
 from corral.bench.gvisor import gvisor
 from corral.bench.images import images
 from corral.bench.keyedreads import keyedreads
+from corral.bench.network import network
 from corral.bench.results import OpResult
 from corral.bench.runcode import run_code
 from corral.bench.session import Session
@@ -464,4 +465,5 @@ def _snapshot_leftovers(s: Session, timeout: float = 10.0) -> dict[str, int]:
 RUNNERS: dict[str, Callable[[Session], tuple[Section, Samples]]] = {
     "churn": churn, "latency": latency, "exec": exec_, "density": density,
     "snapshot": snapshot, "trajlog": trajlog, "execpath": execpath,
-    "keyedreads": keyedreads, "run-code": run_code, "gvisor": gvisor, "images": images}
+    "keyedreads": keyedreads, "run-code": run_code, "gvisor": gvisor, "images": images,
+    "network": network}

@@ -19,13 +19,14 @@ from corral.bench.peers import Peers, ensure_installed
 from corral.bench.ui import UI
 
 SCENARIOS = ("churn", "latency", "exec", "density", "snapshot", "trajlog", "execpath",
-             "keyedreads", "run-code", "gvisor")
+             "keyedreads", "run-code", "gvisor", "network")
 # snapshot: snapshot/restore cycles per run (and N/3, at least 3, forks); trajlog, execpath:
 # execs per daemon and mode; keyedreads: calls per op and variant; gvisor: sandboxes made per
-# substrate (and `runsc do` runs).
+# substrate (and `runsc do` runs); network: the most live networked sandboxes of its scale
+# curve (its other counts are capped: corral.bench.network).
 DEFAULT_COUNTS = {"churn": 1000, "latency": 300, "exec": 1000, "density": 1000, "snapshot": 30,
                   "trajlog": 1000, "execpath": 1000, "keyedreads": 1000, "run-code": 500,
-                  "gvisor": 30, "images": 100}
+                  "gvisor": 30, "images": 100, "network": 3000}
 
 
 @dataclass

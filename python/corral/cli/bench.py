@@ -13,14 +13,14 @@ from corral.cli.output import err
 app = typer.Typer()
 
 _SCENARIOS = ("churn", "latency", "exec", "density", "snapshot", "trajlog", "execpath",
-              "keyedreads", "run-code", "gvisor")
+              "keyedreads", "run-code", "gvisor", "network")
 # Run only when named (not in "all"): images starts a registry (docker-registry, skopeo).
 _ONLY_NAMED = ("images",)
 
 
 def parse_scenarios(value: str) -> list[str]:
     """``all`` or a comma-separated list of churn, latency, exec, density, snapshot,
-    trajlog, execpath, keyedreads, run-code, gvisor."""
+    trajlog, execpath, keyedreads, run-code, gvisor, network."""
     if value.strip() == "all":
         return list(_SCENARIOS)
     names = [s.strip() for s in value.split(",") if s.strip()]
@@ -48,8 +48,8 @@ def parse_networks(value: str) -> list[str]:
 def bench(
     scenario: str = typer.Argument("all", help="churn, latency, exec, density, snapshot, "
                                                "trajlog, execpath, keyedreads, run-code, "
-                                               "gvisor, images (only when named), all, or a "
-                                               "comma-separated list."),
+                                               "gvisor, network, images (only when named), "
+                                               "all, or a comma-separated list."),
     peers: bool = typer.Option(False, "--peers", help="Also run bwrap, crun and runc in the "
                                                       "churn (installed with apt-get if "
                                                       "missing)."),
@@ -58,10 +58,12 @@ def bench(
     count: int | None = typer.Option(None, "--count", "-n", min=1, help="Operations (or live "
                                      "sandboxes for density, snapshot/restore cycles for "
                                      "snapshot, execs per daemon and mode for trajlog and "
-                                     "execpath, calls per row for run-code) per scenario. "
-                                     "Default: churn 1000, latency 300, exec 1000, density "
-                                     "1000, snapshot 30, trajlog 1000, execpath 1000, "
-                                     "keyedreads 1000 (per op and variant), run-code 500."),
+                                     "execpath, calls per row for run-code, the most live "
+                                     "networked sandboxes of network's scale curve) per "
+                                     "scenario. Default: churn 1000, latency 300, exec 1000, "
+                                     "density 1000, snapshot 30, trajlog 1000, execpath 1000, "
+                                     "keyedreads 1000 (per op and variant), run-code 500, "
+                                     "network 3000."),
     concurrency: int = typer.Option(4, "--concurrency", "-c", min=1, max=64,
                                     help="Operations in flight (churn, async exec), the same "
                                          "for every system."),
@@ -118,8 +120,13 @@ def bench(
     run-code (run_code vs python3 -c in a fresh container sandbox and vs a
     subprocess-per-request server: p50, calls/s, import numpy p50, with their targets),
     gvisor (the gvisor substrate vs the container substrate vs `runsc do true`: create, exec
-    round trip, churn), images (only when named: create on a pulled 10-layer OCI image vs the
-    host image, and the pull, from a docker-registry on loopback). Every system
+    round trip, churn), network (a sandbox's bulk TCP transfer and connect latency against
+    a plain netns + veth routed and NATed alike, create p50 and churn of network none,
+    internet and an allowlist (churn against raw with a veth pair and the same nftables
+    elements), and the connect latency with 0 .. --count live networked sandboxes, on the
+    bench's own uplink namespace), images (only when named: create
+    on a pulled 10-layer OCI image vs the host image, and the pull, from a docker-registry on
+    loopback). Every system
     runs in the same run; ratios are taken within a run, medians over --runs. Exits 1 if a
     scenario failed or anything was left behind."""
     from corral.bench.runner import run

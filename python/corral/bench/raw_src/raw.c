@@ -43,6 +43,10 @@
  *   --detach PATH: a mount of this process's namespace the sandbox never reaches, detached
  *            (MNT_DETACH) in the sandbox's copy before the root switch (corral: layout.py
  *            detachable_mounts); one no longer a mount is skipped.
+ *   --veth PREFIX --veth-table T --veth-net A.B.C.D [--veth-internet]: corral's networked
+ *            sandbox ("internet" with --veth-internet, else a policy of names): --netns, plus
+ *            a veth pair and the sandbox's elements in the nftables table T (inet; the
+ *            caller writes it, with corral's ruleset), as described at "veth" below.
  *   --disabled: corral's network "disabled": every sandbox joins one network namespace made at
  *   start (no --netns), and each process also enters a Landlock domain scoped for abstract
  *   unix sockets (after no_new_privs), as rust/src/harden.rs does
@@ -110,6 +114,11 @@ struct cgctl {
 
 static struct {
     int netns, conc, harden, tmpfs, spares, set_spares, disabled, subvol_mb;
+    /* --veth PREFIX --veth-table T --veth-net A.B.0.0 [--veth-internet]: corral's networked
+     * sandbox (see "veth" below) */
+    const char *veth, *veth_table;
+    uint32_t veth_net; /* host order; the gateway is +1, sandbox idx gets +2+idx */
+    int veth_internet;
     const char *lazy;      /* v1 controllers made at the first exec (comma list) */
     char sys_dir[4096];    /* --sys: the /sys skeleton bound read-only into each sandbox */
     int nbind;             /* --proc-bind SRC=NAME: files bound read-only over /proc/NAME */
@@ -339,6 +348,7 @@ static int harden(uint64_t keep, int set_ids) {
 struct sb {
     pid_t pid;
     int pidfd, rootfd;
+    long idx; /* --veth: the slot (interface <prefix><idx+2>, address net + 2 + idx) */
     int lazy_pending; /* the lazy cgroups are still to be made (first exec) */
     char dir[256];
 };
@@ -781,11 +791,270 @@ static void dev_dir_setup(void) {
 }
 
 /* Returns 0, or -1 after printing why (everything it made is undone). */
+
+/* ---- --veth: a networked sandbox's link and firewall elements, as corral makes them ------
+ * (rust/src/netlink.rs, nftset.rs; daemon/network/firewall.py attach/detach): a veth pair
+ * over rtnetlink, the host end <prefix><slot> with the gateway /32 and a /32 route to the
+ * sandbox, eth0 moved into the sandbox's netns with its /32 and a default route via the
+ * gateway (this process enters the netns for that half); then one nf_tables batch adding
+ * the sandbox's elements to the caller's table (src4, shard -> jump p<slot % 256>, and
+ * internet with --veth-internet). Destroy: one batch destroying them (src4, internet, denied,
+ * conns, shard), then the kill; the kernel removes the veth with the netns. */
+#include <arpa/inet.h>
+#include <linux/if_link.h>
+#include <linux/netfilter/nf_tables.h>
+#include <linux/netfilter/nfnetlink.h>
+#include <linux/netlink.h>
+#include <linux/rtnetlink.h>
+#include <linux/veth.h>
+
+static int g_hostnet = -1;
+
+struct nlb {
+    char b[2048];
+    int len, nest[8], nn;
+};
+
+static void nl_put(struct nlb *m, const void *d, int n) {
+    memcpy(m->b + m->len, d, n);
+    m->len += n;
+    while (m->len & 3) m->b[m->len++] = 0;
+}
+
+static void nl_attr(struct nlb *m, uint16_t ty, const void *d, int n) {
+    struct nlattr a = {.nla_len = (uint16_t)(NLA_HDRLEN + n), .nla_type = ty};
+    memcpy(m->b + m->len, &a, sizeof a);
+    m->len += NLA_HDRLEN;
+    nl_put(m, d, n);
+}
+
+static void nl_begin(struct nlb *m, uint16_t ty) {
+    m->nest[m->nn++] = m->len;
+    struct nlattr a = {.nla_len = 0, .nla_type = ty | NLA_F_NESTED};
+    memcpy(m->b + m->len, &a, sizeof a);
+    m->len += NLA_HDRLEN;
+}
+
+static void nl_end(struct nlb *m) {
+    int at = m->nest[--m->nn];
+    ((struct nlattr *)(m->b + at))->nla_len = (uint16_t)(m->len - at);
+}
+
+static int nl_msg(struct nlb *m, uint16_t ty, uint16_t flags, uint32_t seq, const void *fixed,
+                  int n) {
+    int at = m->len;
+    struct nlmsghdr h = {.nlmsg_type = ty, .nlmsg_flags = flags, .nlmsg_seq = seq};
+    memcpy(m->b + at, &h, sizeof h);
+    m->len += NLMSG_HDRLEN;
+    nl_put(m, fixed, n);
+    return at;
+}
+
+static void nl_close(struct nlb *m, int at) {
+    ((struct nlmsghdr *)(m->b + at))->nlmsg_len = (uint32_t)(m->len - at);
+}
+
+/* Send m on a fresh socket of `proto` (in this process's netns) and read `acks` acks;
+ * 0, or -errno of the first error. */
+static int nl_talk(int proto, struct nlb *m, int acks) {
+    int fd = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, proto);
+    if (fd < 0) return -errno;
+    int rc = 0;
+    if (send(fd, m->b, m->len, 0) < 0) rc = -errno;
+    char buf[8192];
+    while (!rc && acks > 0) {
+        ssize_t n = recv(fd, buf, sizeof buf, 0);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            rc = -errno;
+            break;
+        }
+        for (struct nlmsghdr *h = (void *)buf; NLMSG_OK(h, n); h = NLMSG_NEXT(h, n)) {
+            if (h->nlmsg_type != NLMSG_ERROR) continue;
+            acks--;
+            int code = ((struct nlmsgerr *)NLMSG_DATA(h))->error;
+            if (code) {
+                rc = code;
+                break;
+            }
+        }
+    }
+    close(fd);
+    return rc;
+}
+
+static int rt_call(struct nlb *m) { return nl_talk(NETLINK_ROUTE, m, 1); }
+
+#define RQ (NLM_F_REQUEST | NLM_F_ACK)
+#define CX (NLM_F_CREATE | NLM_F_EXCL)
+
+static int rt_addr(int idx, uint32_t a) {
+    struct nlb m = {.len = 0};
+    struct ifaddrmsg f = {.ifa_family = AF_INET, .ifa_prefixlen = 32,
+                          .ifa_scope = RT_SCOPE_UNIVERSE, .ifa_index = (unsigned)idx};
+    int at = nl_msg(&m, RTM_NEWADDR, RQ | CX, 1, &f, sizeof f);
+    nl_attr(&m, IFA_LOCAL, &a, 4);
+    nl_attr(&m, IFA_ADDRESS, &a, 4);
+    nl_close(&m, at);
+    return rt_call(&m);
+}
+
+static int rt_up(int idx) {
+    struct nlb m = {.len = 0};
+    struct ifinfomsg f = {.ifi_family = AF_UNSPEC, .ifi_index = idx, .ifi_flags = IFF_UP,
+                          .ifi_change = IFF_UP};
+    int at = nl_msg(&m, RTM_NEWLINK, RQ, 1, &f, sizeof f);
+    nl_close(&m, at);
+    return rt_call(&m);
+}
+
+/* dst/32 on the link (dst != 0), or the default route via gw. */
+static int rt_route(uint32_t dst, uint32_t gw, int idx) {
+    struct nlb m = {.len = 0};
+    struct rtmsg f = {.rtm_family = AF_INET, .rtm_dst_len = dst ? 32 : 0,
+                      .rtm_table = RT_TABLE_MAIN, .rtm_protocol = RTPROT_STATIC,
+                      .rtm_scope = dst ? RT_SCOPE_LINK : RT_SCOPE_UNIVERSE,
+                      .rtm_type = RTN_UNICAST};
+    int at = nl_msg(&m, RTM_NEWROUTE, RQ | CX, 1, &f, sizeof f);
+    if (dst) nl_attr(&m, RTA_DST, &dst, 4);
+    if (gw) nl_attr(&m, RTA_GATEWAY, &gw, 4);
+    uint32_t oif = (uint32_t)idx;
+    nl_attr(&m, RTA_OIF, &oif, 4);
+    nl_close(&m, at);
+    return rt_call(&m);
+}
+
+static void veth_names(const struct sb *s, char *ifname, uint32_t *addr, uint32_t *gw) {
+    snprintf(ifname, IFNAMSIZ, "%.6s%u", G.veth, (unsigned)(s->idx + 2) % 100000u);
+    *gw = htonl(G.veth_net + 1);
+    *addr = htonl(G.veth_net + 2 + (uint32_t)s->idx);
+}
+
+#define VK(expr)                          \
+    do {                                  \
+        int rc_ = (expr);                 \
+        if (rc_ < 0) {                    \
+            errno = -rc_;                 \
+            step = #expr;                 \
+            goto out;                     \
+        }                                 \
+    } while (0)
+
+static int veth_setup(const struct sb *s) {
+    char host[IFNAMSIZ], p[128];
+    uint32_t addr, gw;
+    const char *step = "open netns";
+    veth_names(s, host, &addr, &gw);
+    snprintf(p, sizeof p, "/proc/%d/ns/net", s->pid);
+    int ns = open(p, O_RDONLY | O_CLOEXEC), in_ns = 0;
+    if (ns < 0) goto out;
+    {
+        struct nlb m = {.len = 0};
+        struct ifinfomsg f = {.ifi_family = AF_UNSPEC};
+        int at = nl_msg(&m, RTM_NEWLINK, RQ | CX, 1, &f, sizeof f);
+        nl_attr(&m, IFLA_IFNAME, host, strlen(host) + 1);
+        nl_begin(&m, IFLA_LINKINFO);
+        nl_attr(&m, IFLA_INFO_KIND, "veth", 4);
+        nl_begin(&m, IFLA_INFO_DATA);
+        nl_begin(&m, VETH_INFO_PEER);
+        nl_put(&m, &f, sizeof f);
+        nl_attr(&m, IFLA_IFNAME, "eth0", 5);
+        uint32_t fd = (uint32_t)ns;
+        nl_attr(&m, IFLA_NET_NS_FD, &fd, 4);
+        nl_end(&m);
+        nl_end(&m);
+        nl_end(&m);
+        nl_close(&m, at);
+        VK(rt_call(&m));
+    }
+    int hidx = (int)if_nametoindex(host);
+    step = "if_nametoindex";
+    if (!hidx) goto out;
+    snprintf(p, sizeof p, "/proc/sys/net/ipv6/conf/%s/disable_ipv6", host);
+    write_file(p, "1");
+    VK(rt_addr(hidx, gw));
+    VK(rt_up(hidx));
+    VK(rt_route(addr, 0, hidx));
+    step = "setns";
+    if (setns(ns, CLONE_NEWNET) < 0) goto out;
+    in_ns = 1;
+    int gidx = (int)if_nametoindex("eth0");
+    step = "if_nametoindex eth0";
+    if (!gidx) goto out;
+    VK(rt_addr(gidx, addr));
+    VK(rt_up(gidx));
+    VK(rt_route(gw, 0, gidx));
+    VK(rt_route(0, gw, gidx));
+    if (setns(g_hostnet, CLONE_NEWNET) < 0) die("setns back to the host netns");
+    close(ns);
+    return 0;
+out:
+    fprintf(stderr, "raw: veth %s: %s: %s\n", host, step, strerror(errno));
+    if (in_ns && setns(g_hostnet, CLONE_NEWNET) < 0) die("setns back to the host netns");
+    if (ns >= 0) close(ns);
+    return -1;
+}
+
+/* One nf_tables batch of element lists on G.veth_table (inet): add (NEWSETELEM) or destroy
+ * (DESTROYSETELEM) this sandbox's elements. */
+static int nft_elems(const struct sb *s, int add) {
+    char host[IFNAMSIZ], key[IFNAMSIZ + 4], chain[8];
+    uint32_t addr, gw;
+    veth_names(s, host, &addr, &gw);
+    memset(key, 0, sizeof key);
+    memcpy(key, host, strlen(host));
+    memcpy(key + IFNAMSIZ, &addr, 4);
+    snprintf(chain, sizeof chain, "p%ld", (s->idx + 2) % 256);
+    const char *sets[5];
+    int ns = 0;
+    sets[ns++] = "src4";
+    sets[ns++] = "shard";
+    if (!add || G.veth_internet) sets[ns++] = "internet";
+    if (!add) sets[ns++] = "denied", sets[ns++] = "conns";
+    struct nlb m = {.len = 0};
+    struct nfgenmsg g0 = {.nfgen_family = AF_UNSPEC, .version = NFNETLINK_V0,
+                          .res_id = htons(NFNL_SUBSYS_NFTABLES)};
+    int at = nl_msg(&m, NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, 1, &g0, sizeof g0);
+    nl_close(&m, at);
+    uint16_t ty = (NFNL_SUBSYS_NFTABLES << 8) | (add ? NFT_MSG_NEWSETELEM : 30 /* DESTROY */);
+    struct nfgenmsg g = {.nfgen_family = 1 /* NFPROTO_INET */, .version = NFNETLINK_V0};
+    for (int i = 0; i < ns; i++) {
+        at = nl_msg(&m, ty, RQ | (add ? NLM_F_CREATE : 0), 2 + i, &g, sizeof g);
+        nl_attr(&m, NFTA_SET_ELEM_LIST_TABLE, G.veth_table, strlen(G.veth_table) + 1);
+        nl_attr(&m, NFTA_SET_ELEM_LIST_SET, sets[i], strlen(sets[i]) + 1);
+        nl_begin(&m, NFTA_SET_ELEM_LIST_ELEMENTS);
+        nl_begin(&m, NFTA_LIST_ELEM);
+        nl_begin(&m, NFTA_SET_ELEM_KEY);
+        nl_attr(&m, NFTA_DATA_VALUE, key, strcmp(sets[i], "src4") ? IFNAMSIZ : IFNAMSIZ + 4);
+        nl_end(&m);
+        if (add && !strcmp(sets[i], "shard")) {
+            nl_begin(&m, NFTA_SET_ELEM_DATA);
+            nl_begin(&m, NFTA_DATA_VERDICT);
+            uint32_t code = htonl((uint32_t)NFT_JUMP);
+            nl_attr(&m, NFTA_VERDICT_CODE, &code, 4);
+            nl_attr(&m, NFTA_VERDICT_CHAIN, chain, strlen(chain) + 1);
+            nl_end(&m);
+            nl_end(&m);
+        }
+        nl_end(&m);
+        nl_end(&m);
+        nl_close(&m, at);
+    }
+    at = nl_msg(&m, NFNL_MSG_BATCH_END, NLM_F_REQUEST, 2 + ns, &g0, sizeof g0);
+    nl_close(&m, at);
+    int rc = nl_talk(NETLINK_NETFILTER, &m, ns);
+    if (rc < 0) fprintf(stderr, "raw: nft %s %s: %s\n", add ? "add" : "destroy", host,
+                        strerror(-rc));
+    return rc;
+}
+
+static void sb_destroy(struct sb *s);
+
 static int sb_create(struct sb *s, int worker, long idx) {
     struct spawn_ctx c;
     memset(&c, 0, sizeof c);
     char p[512];
-    s->pid = -1, s->pidfd = -1, s->rootfd = -1;
+    s->pid = -1, s->pidfd = -1, s->rootfd = -1, s->idx = idx;
     snprintf(s->dir, sizeof s->dir, "%s/raw-%d-%ld", G.state, worker, idx);
     snprintf(c.hostname, sizeof c.hostname, "raw-%d-%ld", worker, idx);
     snprintf(c.root, sizeof c.root, "%s/root", s->dir);
@@ -837,6 +1106,10 @@ static int sb_create(struct sb *s, int worker, long idx) {
         fprintf(stderr, "raw: create: %s: %s\n", SPAWN_STEPS[c.step], strerror(c.err));
         goto undo;
     }
+    if (G.veth && (veth_setup(s) < 0 || nft_elems(s, 1) < 0)) {
+        sb_destroy(s);
+        return -1;
+    }
     return 0;
 fail:
     fprintf(stderr, "raw: create %s: %s\n", s->dir, strerror(errno));
@@ -851,6 +1124,7 @@ undo:
 }
 
 static void sb_destroy(struct sb *s) {
+    if (G.veth && s->pid > 0) nft_elems(s, 0);
     if (s->rootfd >= 0) close(s->rootfd);
     if (s->pidfd >= 0) {
         syscall(SYS_pidfd_send_signal, s->pidfd, SIGKILL, NULL, 0);
@@ -1182,7 +1456,7 @@ static void mode_idle(void) {
 }
 
 static void usage(void) {
-    fprintf(stderr, "usage: raw churn|exec|idle N [--conc C] [--netns|--disabled] [--no-harden] [--tmpfs] [--memcg-spares K] [--cgroup-spares K] "
+    fprintf(stderr, "usage: raw churn|exec|idle N [--conc C] [--netns|--disabled] [--veth PREFIX --veth-table T --veth-net A.B.C.D [--veth-internet]] [--no-harden] [--tmpfs] [--memcg-spares K] [--cgroup-spares K] "
                     "[--cg CTL,CTL] [--lazy CTL,CTL] [--subvol MB] [--sys DIR] [--proc-bind SRC=NAME] "
                     "--state DIR --cgroup NAME --init BIN "
                     "--ov TARGET=LOWER[:LOWER] ...\n");
@@ -1205,8 +1479,17 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--tmpfs")) G.tmpfs = 1;
         else if (!strcmp(a, "--disabled")) G.disabled = 1;
         else if (!strcmp(a, "--no-harden")) G.harden = 0;
+        else if (!strcmp(a, "--veth-internet")) G.veth_internet = 1;
         else if (!v) usage();
         else if (!strcmp(a, "--conc")) G.conc = atoi(v), i++;
+        else if (!strcmp(a, "--veth")) G.veth = v, G.netns = 1, i++;
+        else if (!strcmp(a, "--veth-table")) G.veth_table = v, i++;
+        else if (!strcmp(a, "--veth-net")) {
+            struct in_addr in;
+            if (inet_pton(AF_INET, v, &in) != 1) usage();
+            G.veth_net = ntohl(in.s_addr);
+            i++;
+        }
         else if (!strcmp(a, "--state")) G.state = v, i++;
         else if (!strcmp(a, "--cgroup")) G.cgname = v, i++;
         else if (!strcmp(a, "--init")) G.init_path = v, i++;
@@ -1253,8 +1536,11 @@ int main(int argc, char **argv) {
         } else usage();
     }
     if (G.n <= 0 || G.conc < 1 || G.conc > 64 || !G.state || !G.cgname || !G.init_path ||
-        !G.nov || strcmp(G.ov_target[0], "/") || (G.netns && G.disabled))
+        !G.nov || strcmp(G.ov_target[0], "/") || (G.netns && G.disabled) ||
+        (G.veth && (!G.veth_table || !G.veth_net || strlen(G.veth) > 6 || G.n > 65000)))
         usage();
+    g_hostnet = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC);
+    if (g_hostnet < 0) die("/proc/self/ns/net");
     /* The one shared namespace: ours, so every sandbox (and churn worker) inherits it. */
     if (G.disabled && unshare(CLONE_NEWNET) < 0) die("unshare(CLONE_NEWNET)");
     if (G.conc > G.n) G.conc = (int)G.n;

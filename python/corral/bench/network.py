@@ -1,0 +1,473 @@
+"""The ``network`` scenario: what corral's network costs against a plain namespace doing the
+same routing, in one run, with nothing leaving the machine.
+
+A private daemon whose uplink, DNS upstream, nftables table and interface prefix are the
+bench's own (corral.bench.netlab: a namespace behind a veth pair with a DNS server, a TCP sink
+and a TCP echo on 198.19.X.0/24). Three systems run the same client program (python3 from the
+host image, ``CLIENT`` below): ``plain``, a namespace with a veth pair routed and NATed like a
+sandbox's and no other rule; ``corral-internet``
+(``network="internet"``); ``corral-allowlist`` (``Network(allow=["sink.bench:8082,8083"])``:
+the name resolved through the daemon's DNS proxy, which pins its address). The measured
+sandboxes get every CPU (``cpu`` = the host's count) and the plain client the same CFS quota.
+
+Per run: bulk TCP transfers to the sink (MB/s) and connect + a 64-byte request/response to
+the echo (us), the systems taking turns; create p50 of network none (the daemon's warm pools
+on), none cold (never pooled: an explicit hostname), internet and the allowlist, round robin;
+churn (create -> exec -> destroy, ``--concurrency`` in flight) with none, internet and the
+allowlist, each against the raw baseline doing its kernel work: raw +netns for none, raw
+``--veth`` (the same plus a veth pair routed as corral's and the sandbox's nftables elements
+in a table written with corral's ruleset) for internet and the allowlist. Once per
+scenario: the same transfer and connect latency with 0 .. ``--count`` live networked
+sandboxes, half of them ``internet``, half with an allowlist of their own (a CIDR and port
+no other sandbox has), so the table holds their elements while the measured sandboxes'
+packets are looked up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import os
+import random
+import shutil
+import time
+from typing import Any
+
+from corral.bench import netlab, sdk_runs
+from corral.bench.daemon import PrivateDaemon
+from corral.bench.interleave import stop_and_check
+from corral.bench.netlab import ECHO_PORT, SINK_NAME, SINK_PORT, PlainNetns, Uplink
+from corral.bench.raw import Veth
+from corral.bench.results import OpResult
+from corral.bench.session import Session
+from corral.bench.stats import median, median_tree, ratio, summary
+from corral.daemon.network.firewall import Firewall
+from corral.daemon.network.settings import NetSettings
+from corral.errors import CorralError
+from corral.models import Network
+from corral.sdk import AsyncSandbox, Sandbox
+
+SYSTEMS = ("plain", "corral-internet", "corral-allowlist")
+TARGETS = {"churn": 0.8, "bulk": 0.8, "added_us": 100.0, "create_allowlist/none": 1.5,
+           "scale_growth_us": 20.0}
+# Each corral churn row -> the raw baseline doing its kernel work (raw.c --veth for the
+# networked ones: netns + veth pair + the same nft elements in a table with corral's rules).
+MATCHING = {"corral": "raw-netns", "corral-internet": "raw-veth-internet",
+            "corral-allowlist": "raw-veth-allowlist"}
+CPUS = os.cpu_count() or 1
+# Transfers per system, and blocks its connects are timed in, the systems taking turns block
+# by block: small blocks, so the machine's swings over seconds fall on every system alike.
+ROUNDS = 10
+WARMUP = 20  # connects before the timed ones (ARP, conntrack, the interpreter's caches)
+
+# The client, the same program in every system: "bulk HOST PORT MB" sends MB MiB to the sink
+# and prints the seconds to its answer (the byte count, after EOF); "rr HOST PORT N" times N
+# connects, each with a 64-byte request and its echo, in microseconds.
+CLIENT = r"""
+import json, socket, sys, time
+mode, host, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+addr = socket.gethostbyname(host)
+if mode == "bulk":
+    buf = bytes(1 << 20)
+    s = socket.create_connection((addr, port), timeout=60)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        s.sendall(buf)
+    s.shutdown(socket.SHUT_WR)
+    got = b""
+    while chunk := s.recv(64):
+        got += chunk
+    dt = time.perf_counter() - t0
+    s.close()
+    print(json.dumps({"bytes": int(got), "s": dt}))
+else:
+    msg, out = b"x" * 64, []
+    for i in range(n + int(sys.argv[5])):
+        t0 = time.perf_counter_ns()
+        s = socket.create_connection((addr, port), timeout=10)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(msg)
+        got = 0
+        while got < len(msg):
+            k = len(s.recv(4096))
+            if not k:
+                raise SystemExit("echo closed early")
+            got += k
+        dt = time.perf_counter_ns() - t0
+        s.close()
+        if i >= int(sys.argv[5]):
+            out.append(dt / 1000)
+    print(json.dumps({"us": out}))
+"""
+
+
+def _allowlist() -> Network:
+    return Network(allow=[f"{SINK_NAME}:{SINK_PORT},{ECHO_PORT}"])
+
+
+def _filler_spec(i: int) -> Any:
+    """Filler i: even ones ``internet``, odd ones an allowlist no other sandbox has (a
+    TEST-NET-2 address and a port: elements in the daemon's interval sets)."""
+    if i % 2 == 0:
+        return "internet"
+    k = i // 2
+    return Network(allow=[f"198.51.100.{k % 256}/32:{1024 + k // 256}", f"f{k}.fill.bench:443"])
+
+
+class Net:
+    """The scenario's world: the uplink, the plain namespace and the private daemon."""
+
+    def __init__(self, s: Session, max_live: int) -> None:
+        self.s = s
+        self.uplink = Uplink.start()
+        tag = self.uplink.tag
+        self.ifprefix, self.table = f"b{tag[:4]}", f"cbench_d{tag}"
+        self.plain: PlainNetns | None = None
+        self.daemon: PrivateDaemon | None = None
+        self.raw_fw: Firewall | None = None
+        # raw --veth's own table (corral's ruleset), interface prefix and range
+        self.raw_prefix, self.raw_table = f"r{tag[:4]}", f"cbench_r{tag}"
+        y_daemon, y_raw = _free16(), _free16()
+        while y_raw == y_daemon:
+            y_raw = _free16()
+        self.raw_net = f"10.{y_raw}.0.0"
+        try:
+            self.plain = PlainNetns.start(self.uplink, f"{s.prefix}netplain", CPUS)
+            env = {"CORRAL_UPLINK": self.uplink.ifname, "CORRAL_DNS_UPSTREAM": self.uplink.dns,
+                   "CORRAL_NET_RANGE": f"10.{y_daemon}.0.0/16",
+                   "CORRAL_NET_TABLE": self.table, "CORRAL_NET_IFPREFIX": self.ifprefix,
+                   "CORRAL_NETWORK_CONFIG": str(s.root / "network-absent.json")}
+            # Cgroup name under the session's prefix: its leak check and sweep cover it.
+            self.daemon = PrivateDaemon(s.root / "network", f"{s.prefix}net",
+                                        max_sandboxes=max_live + 1000, env=env)
+            self.daemon.start()
+            self.raw_fw = Firewall(NetSettings(
+                uplink=self.uplink.ifname, range4=ipaddress.IPv4Network(f"{self.raw_net}/16"),
+                table=self.raw_table, ifprefix=self.raw_prefix))
+            self.raw_fw.install()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def ep(self) -> str:
+        assert self.daemon is not None
+        return self.daemon.endpoint
+
+    def client(self, system: str, sb: Sandbox | None, mode: str, n: int) -> dict[str, Any]:
+        """Run the client once in ``system`` (``sb``: the sandbox for corral's)."""
+        extra = [str(WARMUP)] if mode == "rr" else []
+        port = SINK_PORT if mode == "bulk" else ECHO_PORT
+        if sb is None:
+            assert self.plain is not None
+            r = self.plain.run([netlab.PYTHON, "-c", CLIENT, mode, self.uplink.sink, str(port),
+                                str(n), *extra], timeout=300)
+            code, out, err = r.returncode, r.stdout, r.stderr
+        else:
+            x = sb.exec(["python3", "-c", CLIENT, mode, SINK_NAME, str(port), str(n), *extra],
+                        timeout=300)
+            code, out, err = x.exit_code, x.stdout, x.stderr
+        if code != 0:
+            raise RuntimeError(f"{system} {mode} client exited {code}: {err[-1000:]}")
+        return dict(json.loads(out))
+
+    def close(self) -> dict[str, Any]:
+        leaks: dict[str, Any] = {}
+        if self.daemon is not None:  # a graceful stop: its table and links go with it
+            leaks.update(stop_and_check({"network": self.daemon})["leaks"])
+            self.daemon = None
+        if self.raw_fw is not None:
+            self.raw_fw.remove()
+            self.raw_fw = None
+        # raw's links go with its sandboxes' namespaces, which the kernel frees in the
+        # background: wait (with a deadline) for them to be gone
+        deadline = time.monotonic() + 15
+        while netlab.leftovers(self.uplink.tag, [self.raw_prefix], []).get("links") \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self.plain is not None:
+            self.plain.stop()
+            self.plain = None
+        self.uplink.stop()
+        leaks.update(netlab.leftovers(self.uplink.tag, [self.ifprefix, self.raw_prefix],
+                                      [self.table, self.raw_table]))
+        return {"clean": not leaks, "leaks": leaks}
+
+    def names(self) -> dict[str, Any]:
+        """What the scenario made on the host, by name (for a cleanup check from outside)."""
+        t = self.uplink.tag
+        return {"netns": [f"cbench-{t}", f"cbplain-{t}"], "links": [f"cbu{t}", f"cbp{t}"],
+                "link_prefixes": [self.ifprefix, self.raw_prefix],
+                "nft_tables": [self.table, self.raw_table, f"cbench_{t}"]}
+
+    def veth(self, internet: bool) -> Veth:
+        return Veth(self.raw_prefix, self.raw_table, self.raw_net, internet)
+
+
+def _free16() -> int:
+    """A second octet Y of 10.Y.0.0/16 that no host route uses yet (the daemon's range)."""
+    routes = netlab._sh("ip", "-4", "route", "show", "table", "all").stdout
+    for _ in range(100):
+        y = random.randint(220, 250)
+        if f"10.{y}." not in routes:
+            return y
+    raise RuntimeError("no free 10.Y.0.0/16 for the bench daemon's sandboxes")
+
+
+# ---- the data path: bulk transfer and connect latency ---------------------------------------
+def _path(net: Net, boxes: dict[str, Sandbox | None], mb: int, n_rr: int, rounds: int,
+          adv: sdk_runs.Advance) -> dict[str, dict[str, Any]]:
+    """``rounds`` transfers of ``mb`` MiB and ``n_rr`` connects (in ``rounds`` blocks) per
+    system, the systems taking turns in a rotating order. Against ``plain``, paired round by
+    round (what the machine's load did in that round falls on both): ``added_us``, the median
+    over rounds of (this system's p50 in the round - plain's), and ``bulk_vs_plain``, the
+    median of the rounds' MB/s ratios."""
+    mbs: dict[str, list[float]] = {k: [] for k in boxes}
+    us: dict[str, list[float]] = {k: [] for k in boxes}
+    blk: dict[str, list[float]] = {k: [] for k in boxes}
+    names = list(boxes)
+    block = max(1, n_rr // rounds)
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for k in order:
+            sent = net.client(k, boxes[k], "bulk", mb)
+            if sent["bytes"] != mb << 20:
+                raise RuntimeError(f"{k}: the sink got {sent['bytes']} bytes of {mb << 20}")
+            mbs[k].append(mb * 1.048576 / sent["s"])  # MB (10^6 bytes) per second
+            adv(1)
+        for k in order:
+            got = net.client(k, boxes[k], "rr", block)["us"]
+            us[k] += got
+            blk[k].append(median(got) or 0.0)
+            adv(1)
+    out: dict[str, dict[str, Any]] = {
+        k: {"bulk_mb_s": round(median(mbs[k]) or 0, 1),
+            "bulk_mb_s_all": [round(x, 1) for x in mbs[k]],
+            "connect_rr_us": summary(us[k])} for k in boxes}
+    for k in boxes:
+        if k != "plain":
+            out[k]["added_us"] = round(median(
+                [a - b for a, b in zip(blk[k], blk["plain"], strict=True)]) or 0.0, 1)
+            out[k]["bulk_vs_plain"] = median(
+                [ratio(a, b) for a, b in zip(mbs[k], mbs["plain"], strict=True)])
+    return out
+
+
+def _measured(ep: str) -> dict[str, Sandbox | None]:
+    """The measured sandboxes get every CPU (``cpu`` = the host's count: a cpuset of all of
+    them), as the plain client has: the comparison is of the network path, not of pinning a
+    one-core sandbox to one busy CPU."""
+    cpu = float(CPUS)
+    return {"plain": None,
+            "corral-internet": Sandbox("host", endpoint=ep, network="internet", cpu=cpu),
+            "corral-allowlist": Sandbox("host", endpoint=ep, network=_allowlist(), cpu=cpu)}
+
+
+def _kill(boxes: dict[str, Sandbox | None]) -> None:
+    for sb in boxes.values():
+        if sb is not None:
+            try:
+                sb.kill()
+            except CorralError:
+                pass
+
+
+# ---- create p50 and churn -------------------------------------------------------------------
+CREATE_MODES: dict[str, dict[str, Any]] = {
+    "none": {"network": "none"},
+    "none-cold": {"network": "none", "hostname": "bench-cold"},  # never from a warm pool
+    "internet": {"network": "internet"},
+    "allowlist": {"network": None},  # _allowlist(), made per call
+}
+
+
+def _creates(ep: str, n: int, adv: sdk_runs.Advance) -> dict[str, list[float]]:
+    """``n`` creates per mode, round robin, each sandbox killed before the next create."""
+    ts: dict[str, list[float]] = {k: [] for k in CREATE_MODES}
+    for _ in range(n):
+        for k, spec in CREATE_MODES.items():
+            kw = dict(spec)
+            if kw["network"] is None:
+                kw["network"] = _allowlist()
+            t0 = time.perf_counter()
+            sb = Sandbox("host", endpoint=ep, **kw)
+            ts[k].append((time.perf_counter() - t0) * 1e3)
+            sb.kill()
+            adv(1)
+    return ts
+
+
+def _churn(s: Session, net: Net, n: int, conc: int, tag: str) -> dict[str, OpResult]:
+    assert s.raw is not None
+    res: dict[str, OpResult] = {}
+    with s.ui.task(f"{tag} churn raw +netns", None):
+        res["raw-netns"] = s.raw.churn(n, conc, netns=True, system="raw-netns")
+    for name, internet in (("raw-veth-internet", True), ("raw-veth-allowlist", False)):
+        with s.ui.task(f"{tag} churn {name}", None):
+            res[name] = s.raw.churn(n, conc, netns=True, system=name, veth=net.veth(internet))
+    for name, spec in (("corral", "none"), ("corral-internet", "internet"),
+                       ("corral-allowlist", _allowlist())):
+        with s.ui.task(f"{tag} churn {name}", n) as adv:
+            res[name] = sdk_runs.churn(net.ep, n, conc, adv, spec)  # type: ignore[arg-type]
+    return res
+
+
+# ---- scale: the data path with N live networked sandboxes -----------------------------------
+async def _fill(ep: str, start: int, stop: int, conc: int, ids: list[str],
+                adv: sdk_runs.Advance) -> list[str]:
+    """Fillers ``start`` .. ``stop``: the ``internet`` ones in batches of up to 50 (one spec),
+    the allowlists one create each (a spec each), ``conc`` calls in flight."""
+    errors: list[str] = []
+    net = [i for i in range(start, stop) if _filler_spec(i) == "internet"]
+    jobs: list[list[int]] = [net[k:k + 50] for k in range(0, len(net), 50)]
+    jobs += [[i] for i in range(start, stop) if _filler_spec(i) != "internet"]
+    todo = iter(jobs)
+
+    async def worker() -> None:
+        for job in todo:
+            try:
+                if len(job) > 1:
+                    boxes = await AsyncSandbox.create_many(
+                        len(job), "host", endpoint=ep, timeout=sdk_runs.TTL_S,
+                        network="internet")
+                    ids.extend(b.id for b in boxes)
+                else:
+                    sb = await AsyncSandbox.create("host", endpoint=ep, timeout=sdk_runs.TTL_S,
+                                                   network=_filler_spec(job[0]))
+                    ids.append(sb.id)
+            except CorralError as e:
+                errors.append(f"{type(e).__name__}: {e}"[:300])
+            adv(len(job))
+
+    await asyncio.gather(*(worker() for _ in range(conc)))
+    return errors
+
+
+def _points(count: int) -> list[int]:
+    return sorted({0, count // 3, count})
+
+
+def _scale(s: Session, net: Net, count: int, mb: int, n_rr: int) -> list[dict[str, Any]]:
+    ids: list[str] = []
+    curve: list[dict[str, Any]] = []
+    try:
+        for pt in _points(count):
+            with s.ui.task(f"network scale: fill to {pt:,}", pt - len(ids)) as adv:
+                t0 = time.perf_counter()
+                errors = asyncio.run(_fill(net.ep, len(ids), pt, s.opts.concurrency, ids, adv))
+                fill_s = time.perf_counter() - t0
+            if errors:
+                raise RuntimeError(f"filling to {pt}: {len(errors)} creates failed: {errors[0]}")
+            boxes = _measured(net.ep)
+            try:
+                with s.ui.task(f"network scale: {pt:,} live, measure", ROUNDS * 2 * 3) as adv:
+                    path = _path(net, boxes, mb, n_rr, ROUNDS, adv)
+            finally:
+                _kill(boxes)
+            curve.append({"live": len(ids), "fill_s": round(fill_s, 2),
+                          "fill_per_s": round((pt - (curve[-1]["live"] if curve else 0))
+                                              / fill_s, 1) if fill_s > 0 and pt else None,
+                          **path})
+    finally:
+        with s.ui.task("network scale: destroy", len(ids)) as adv:
+            sdk_runs.destroy_all(net.ep, ids, 100, adv)
+    return curve
+
+
+# ---- the scenario ---------------------------------------------------------------------------
+def network(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
+    missing = [t for t in ("ip", "nft") if shutil.which(t) is None]
+    if missing:
+        return {"skipped": f"{', '.join(missing)} not installed"}, {}
+    with open("/proc/sys/net/ipv4/ip_forward") as f:
+        if f.read().strip() != "1":  # no networked sandbox (nor the plain netns) gets out
+            return {"skipped": "net.ipv4.ip_forward is 0"}, {}
+    count, R, conc = s.opts.n("network"), s.opts.runs, s.opts.concurrency
+    n_rr, n_create, n_churn = min(count, 500), min(count, 50), min(count, 200)
+    mb = 256 if count >= 100 else 8
+    runs: list[dict[str, Any]] = []
+    curve: list[dict[str, Any]] = []
+    with s.ui.task("network: uplink, plain netns, daemon", None):
+        net = Net(s, count)
+    try:
+        with s.ui.task("network: warm-up", None):  # the table, the DNS proxy, the pools
+            boxes = _measured(net.ep)
+            try:
+                for k, sb in boxes.items():
+                    net.client(k, sb, "rr", 5)
+            finally:
+                _kill(boxes)
+        for r in range(R):
+            tag = f"network {r + 1}/{R}"
+            boxes = _measured(net.ep)
+            try:
+                with s.ui.task(f"{tag} transfer and connect", ROUNDS * 2 * 3) as adv:
+                    path = _path(net, boxes, mb, n_rr, ROUNDS, adv)
+            finally:
+                _kill(boxes)
+            with s.ui.task(f"{tag} create", n_create * len(CREATE_MODES)) as adv:
+                creates = _creates(net.ep, n_create, adv)
+            churn = _churn(s, net, n_churn, conc, tag)
+            runs.append({"path": path,
+                         "create_ms": {k: summary(v) for k, v in creates.items()},
+                         "churn": {k: v.to_json() for k, v in churn.items()}})
+        curve = _scale(s, net, count, max(8, mb // 4), min(count, 300))
+    finally:
+        cleanup = net.close()
+    sec = _section(runs, curve)
+    sec.update(n_fill=count, points=_points(count), mb=mb, n_rr=n_rr, n_create=n_create,
+               n_churn=n_churn, concurrency=conc, matching=MATCHING, cleanup=cleanup,
+               made=net.names())
+    if not cleanup["clean"]:
+        raise RuntimeError(f"network: left behind: {cleanup['leaks']}")
+    return sec, {"curve": curve}
+
+
+def _section(runs: list[dict[str, Any]], curve: list[dict[str, Any]]) -> dict[str, Any]:
+    def per_run(f: Any) -> float | None:
+        return median([f(x) for x in runs])
+
+    ratios: dict[str, float] = {}
+    added: dict[str, float] = {}
+    for c in SYSTEMS[1:]:
+        v = per_run(lambda x, c=c: x["path"][c]["bulk_vs_plain"])
+        if v is not None:
+            ratios[f"{c}/plain bulk MB/s"] = round(v, 3)
+        d = per_run(lambda x, c=c: x["path"][c]["added_us"])
+        if d is not None:
+            added[c] = round(d, 1)
+    for k in ("internet", "allowlist", "none-cold"):
+        for base in ("none", "none-cold"):
+            if k == base:
+                continue
+            v = per_run(lambda x, k=k, b=base: ratio(x["create_ms"][k]["p50"],
+                                                     x["create_ms"][b]["p50"]))
+            if v is not None:
+                ratios[f"create {k}/{base} p50"] = round(v, 3)
+    for c, b in MATCHING.items():
+        v = per_run(lambda x, c=c, b=b: ratio(x["churn"][c]["ops_per_s"],
+                                              x["churn"][b]["ops_per_s"]))
+        if v is not None:
+            ratios[f"churn {c}/{b}"] = round(v, 3)
+    growth: dict[str, float] = {}
+    if len(curve) >= 2:
+        for c in SYSTEMS[1:]:
+            growth[c] = round(curve[-1][c]["added_us"] - curve[0][c]["added_us"], 1)
+    churn_r = [ratios.get(f"churn {c}/{b}") for c, b in MATCHING.items() if c != "corral"]
+    worst_bulk = min((v for k, v in ratios.items() if k.endswith("bulk MB/s")), default=None)
+    create_r = ratios.get("create allowlist/none-cold p50")
+    create_w = ratios.get("create allowlist/none p50")
+    met = {"churn internet and allowlist >= 0.8x raw with veth": all(
+               r is not None and r >= TARGETS["churn"] for r in churn_r),
+           "bulk >= 0.8x plain": worst_bulk is not None and worst_bulk >= TARGETS["bulk"],
+           "added connect latency < 100 us": bool(added)
+           and max(added.values()) < TARGETS["added_us"],
+           "create allowlist <= 1.5x none, both unpooled": create_r is not None
+           and create_r <= TARGETS["create_allowlist/none"],
+           "create allowlist <= 1.5x none from a warm pool": create_w is not None
+           and create_w <= TARGETS["create_allowlist/none"],
+           f"added latency grows <= {TARGETS['scale_growth_us']:.0f} us from 0 to the "
+           "most live": bool(growth) and max(growth.values()) <= TARGETS["scale_growth_us"]}
+    return {"median": median_tree(runs), "runs": runs, "ratios": ratios, "added_us": added,
+            "scale": curve, "scale_growth_us": growth, "met": met}
