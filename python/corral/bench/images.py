@@ -64,15 +64,18 @@ def _skopeo_and_tar(ref: str, work: str) -> float:
 
 def _pulls(s: Session, reg: ocifix.Registry, endpoints: dict[str, str]) -> dict[str, Any]:
     """An image of --image-mb MB: corral's pull (EROFS and directory layers, each from an
-    empty store) against skopeo copy + tar, in the same run, medians of the runs."""
+    empty store) against skopeo copy + tar, in the same run, medians of the runs; and the
+    time to the first command on a cold node (the first endpoint's, its store empty):
+    ``Sandbox(image=ref)``, which pulls, then its first exec."""
     import tempfile
 
-    from corral.sdk import admin
+    from corral.sdk import Sandbox, admin
 
     mb = s.opts.image_mb
     reg.push(ocifix.oci_layout("bench-big", big_layers(mb)), "bench/big")
     ref = f"{reg.addr}/bench/big:latest"
     times: dict[str, list[float]] = {k: [] for k in (*endpoints, "skopeo+tar")}
+    first: list[float] = []
     for r in range(s.opts.runs):
         with s.ui.task(f"images {r + 1}/{s.opts.runs} pull of {mb} MB", None):
             for name, e in endpoints.items():
@@ -80,6 +83,12 @@ def _pulls(s: Session, reg: ocifix.Registry, endpoints: dict[str, str]) -> dict[
                 admin.pull_image(ref, endpoint=e)
                 times[name].append((time.perf_counter() - t0) * 1000)
                 admin.remove_image(ref, endpoint=e)
+            cold = next(iter(endpoints.values()))
+            t0 = time.perf_counter()
+            with Sandbox(ref, endpoint=cold, timeout=600) as sb:
+                sb.exec("true").check()
+                first.append((time.perf_counter() - t0) * 1000)
+            admin.remove_image(ref, endpoint=cold)
             work = tempfile.mkdtemp(prefix="skopeo-", dir=str(s.root))
             try:
                 times["skopeo+tar"].append(_skopeo_and_tar(ref, work))
@@ -87,6 +96,7 @@ def _pulls(s: Session, reg: ocifix.Registry, endpoints: dict[str, str]) -> dict[
                 shutil.rmtree(work, ignore_errors=True)
     med = {k: _round(median(v)) for k, v in times.items()}
     return {"mb": mb, "layers": BIG_LAYERS, "median_ms": med,
+            "first_command_cold_ms": _round(median(first)),
             "ratios": {f"{k}/skopeo+tar": _round(ratio(med[k], med["skopeo+tar"]))
                        for k in endpoints}}
 

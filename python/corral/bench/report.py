@@ -299,7 +299,9 @@ def images_table(sec: dict[str, Any]) -> Table:
         t.caption = (t.caption or "") + ("pull of a {} MB, {}-layer image (ms, median): ".format(
             big["mb"], big["layers"]) + ", ".join(
             f"{k} {_f(v, 0)}" for k, v in big["median_ms"].items()) + "; " + ", ".join(
-            f"{k} = {_f(v, 2)}" for k, v in big["ratios"].items()))
+            f"{k} = {_f(v, 2)}" for k, v in big["ratios"].items())
+            + f"; first command on a cold node (pull, create, exec) "
+              f"{_f(big.get('first_command_cold_ms'), 0)} ms")
     return t
 
 
