@@ -257,6 +257,35 @@ def test_creates_from_a_snapshot_are_made_where_the_snapshot_is(cluster, gateway
             snap.delete()
 
 
+def test_list_through_the_gateway_merges_every_node_and_pages(cluster, gateway):
+    """The gateway asks every node: one list, in the nodes' order, paged with one cursor
+    across nodes, each handle bound to its node."""
+    from corral.sdk import api
+    from corral.sdk.sync_transport import transport
+
+    run = {"run": f"list-{os.getpid()}"}
+    boxes = corral.Sandbox.create_many(7, "host", memory_mb=64, timeout=120, labels=run)
+    try:
+        assert len({b.info().node for b in boxes}) == 2
+        listed = corral.Sandbox.list(labels=run)
+        assert sorted(b.id for b in listed) == sorted(b.id for b in boxes)
+        for b in listed:  # each handle talks to its node, not the gateway
+            assert b._endpoint.url == cluster["nodes"][b.last_info.node]["endpoint"]
+            assert b.exec("hostname").stdout.strip() == b.id
+        ids: list[str] = []
+        after = None
+        while True:  # pages of 3 over two nodes: every sandbox once, in order
+            items, after = transport(gateway).call(api.list_(run, after, limit=3))
+            assert len(items) <= 3
+            ids += [i.id for i in items]
+            if not after:
+                break
+        order = {b.id: (b.last_info.created_at, b.id) for b in listed}
+        assert ids == sorted(order, key=order.__getitem__), ids
+    finally:
+        corral.Sandbox.kill_many(boxes, return_exceptions=True)
+
+
 def _batch(url: str, token: str | None, body: dict, query: str = "stream=ndjson",
            selector: str = "") -> tuple[int, list[dict]]:
     req = urllib.request.Request(f"{url}/v1/sandboxes/batch?{query}", method="POST",

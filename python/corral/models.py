@@ -374,6 +374,10 @@ class SnapshotInfo(_Response):
     size: int = Field(description="bytes of file data in this snapshot's own layer")
     created_at: float
     sandbox_id: str | None = Field(None, description="the sandbox it was taken from")
+    node: str | None = Field(None, description="set by a cluster gateway: the node (Ray node "
+                                               "id) that holds it")
+    endpoint: str | None = Field(None, description="set by a cluster gateway: that node's "
+                                                   "URL, where calls on it go")
 
 
 class ForkResult(_Response):

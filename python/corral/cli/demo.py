@@ -24,6 +24,10 @@ def demo(
     p_correct: float = typer.Option(0.6, "--p-correct", min=0.0, max=1.0,
                                     help="How often the policy writes a correct solution."),
     json_: bool = typer.Option(False, "--json", help="The summary as JSON on stdout."),
+    cluster: str | None = typer.Option(
+        None, "--cluster", help="Run through the corral cluster of the Ray cluster at this "
+                                "address ('auto': the one this machine is in), deployed for "
+                                "the run and stopped after if none runs there."),
 ) -> None:
     """RL-style rollouts on bundled programming tasks, through the gymnasium environment.
 
@@ -31,6 +35,17 @@ def demo(
     agent's shell actions, a hidden test as the reward; episodes of a task run in batches on a
     vector environment. Exits 1 if any episode hit an infra failure or an error.
     """
+    if cluster is not None:
+        from corral.cluster import deployed_for
+
+        with deployed_for(cluster) as ep:
+            err.print(f"through the cluster gateway {ep.url}")
+            _run(episodes, concurrency, seed, p_correct, json_)
+        return
+    _run(episodes, concurrency, seed, p_correct, json_)
+
+
+def _run(episodes: int, concurrency: int, seed: int, p_correct: float, json_: bool) -> None:
     with Progress(TextColumn("[bold]episodes"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("reward {task.fields[reward]}"), TimeElapsedColumn(),
                   console=err, transient=json_, disable=json_) as progress:

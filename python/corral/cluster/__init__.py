@@ -10,9 +10,11 @@ Ray is imported inside these functions: ``import corral`` does not need it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from corral.errors import DaemonUnavailable, InvalidRequest, NotFound
@@ -104,6 +106,25 @@ def connect(address: str | None = None) -> Endpoint:
     set_token(url, token)
     os.environ["CORRAL_URL"] = url
     return Endpoint(url)
+
+
+@contextlib.contextmanager
+def deployed_for(address: str | None = None) -> Iterator[Endpoint]:
+    """This process connected to the corral cluster on the Ray cluster at ``address``; one
+    is deployed (``start``) if none runs there, and stopped again on exit."""
+    ray = _ray(address)
+    try:
+        _gateway(ray)
+        ours = False
+    except ClusterNotFound:
+        start(address)
+        ours = True
+    try:
+        yield connect(address)
+    finally:
+        os.environ.pop("CORRAL_URL", None)
+        if ours:
+            stop(address)
 
 
 def status(address: str | None = None) -> dict[str, Any]:

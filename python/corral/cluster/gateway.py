@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from corral.cluster import batch, broadcast, snapshots
+from corral.cluster import batch, broadcast, reads, snapshots
 from corral.cluster.placement import NodeLoad, choose
 from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resources
 from corral.daemon import batches
@@ -91,6 +91,7 @@ class Gateway:
             app.router.add_get("/v1/health", self._health)
             app.router.add_get("/v1/cluster", self._status)
             app.router.add_post("/v1/sandboxes", self._create)
+            app.router.add_get("/v1/sandboxes", self._list)
             app.router.add_post("/v1/sandboxes/batch", self._create_batch)
             app.router.add_post("/v1/sandboxes/batch/exec", self._id_batch)
             app.router.add_post("/v1/sandboxes/batch/destroy", self._id_batch)
@@ -313,6 +314,15 @@ class Gateway:
         if not self._authorized(request):
             return _error(Unauthorized("missing or wrong bearer token"))
         return web.json_response(await self.status())
+
+    async def _list(self, request: web.Request) -> web.Response:
+        """Every node's sandboxes, one merged page (cluster.reads)."""
+        if not self._authorized(request):
+            return _error(Unauthorized("missing or wrong bearer token"))
+        try:
+            return web.json_response(await reads.list_sandboxes(self, request))
+        except CorralError as e:
+            return _error(e)
 
     async def _elsewhere(self, request: web.Request) -> web.Response:
         if not self._authorized(request):

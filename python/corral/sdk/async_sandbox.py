@@ -213,7 +213,7 @@ class AsyncSandbox(SandboxHandle):
         ep = Endpoint.parse(endpoint)
         infos = await api.all_pages_async(transport(ep).call,
                                           lambda after: api.list_(labels, after))
-        return [cls._bind(ep, i.id, i) for i in infos]
+        return [cls._bind(ep.placed(i), i.id, i) for i in infos]  # a gateway names each node
 
     @overload
     @classmethod

@@ -185,7 +185,7 @@ class Sandbox(SandboxHandle):
         value matches any value). Each handle's ``last_info`` holds what was listed."""
         ep = Endpoint.parse(endpoint)
         infos = api.all_pages(transport(ep).call, lambda after: api.list_(labels, after))
-        return [cls._bind(ep, i.id, i) for i in infos]
+        return [cls._bind(ep.placed(i), i.id, i) for i in infos]  # a gateway names each node
 
     @overload
     @classmethod

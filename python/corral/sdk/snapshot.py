@@ -69,13 +69,14 @@ class Snapshot(SnapshotBase):
     def list(cls, *, endpoint: str | Endpoint | None = None) -> builtins.list[Snapshot]:
         """Every snapshot on the daemon, oldest first."""
         ep = Endpoint.parse(endpoint)
-        return [cls(i, ep) for i in api.all_pages(transport(ep).call, api.snapshots)]
+        return [cls(i, ep.placed(i)) for i in api.all_pages(transport(ep).call, api.snapshots)]
 
     @classmethod
     def get(cls, key: str, *, endpoint: str | Endpoint | None = None) -> Snapshot:
         """A snapshot by id or name (raises corral.SnapshotNotFound)."""
         ep = Endpoint.parse(endpoint)
-        return cls(transport(ep).call(api.snapshot_get(key)), ep)
+        info = transport(ep).call(api.snapshot_get(key))
+        return cls(info, ep.placed(info))  # through a cluster gateway: its node
 
     def delete(self) -> bool:
         """Delete it; layers still used by sandboxes or child snapshots stay until they end."""
@@ -91,7 +92,7 @@ class AsyncSnapshot(SnapshotBase):
         from corral.sdk.async_sandbox import transport as atransport
 
         ep = Endpoint.parse(endpoint)
-        return [cls(i, ep)
+        return [cls(i, ep.placed(i))
                 for i in await api.all_pages_async(atransport(ep).call, api.snapshots)]
 
     @classmethod
@@ -99,7 +100,8 @@ class AsyncSnapshot(SnapshotBase):
         from corral.sdk.async_sandbox import transport as atransport
 
         ep = Endpoint.parse(endpoint)
-        return cls(await atransport(ep).call(api.snapshot_get(key)), ep)
+        info = await atransport(ep).call(api.snapshot_get(key))
+        return cls(info, ep.placed(info))  # through a cluster gateway: its node
 
     async def delete(self) -> bool:
         from corral.sdk.async_sandbox import transport as atransport

@@ -1,0 +1,70 @@
+"""Reads the gateway answers by asking every node at once (it keeps no directory of
+sandboxes): the sandbox list, merged in the nodes' own order (created_at, then id) and paged
+with the same cursor, each item naming its node and endpoint so the SDK's handles talk to
+their nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from corral.errors import DaemonUnavailable, error_from_payload
+
+if TYPE_CHECKING:
+    from corral.cluster.gateway import Gateway
+    from corral.cluster.placement import NodeLoad
+
+DEFAULT_PAGE, MAX_PAGE = 1000, 10_000
+ASK_TIMEOUT_S = 30.0
+
+
+def _key(info: dict[str, Any]) -> str:
+    """The nodes' own list order (corral.daemon.app list_sandboxes): one cursor for all."""
+    return f"{float(info.get('created_at') or 0):020.6f}/{info.get('id')}"
+
+
+async def _page(gw: Gateway, n: NodeLoad, query: list[tuple[str, str]]) -> dict[str, Any]:
+    try:
+        async with gw.session().get(n.endpoint + "/v1/sandboxes", params=query,
+                                    headers=gw.node_headers(),
+                                    timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)) as r:
+            body = await r.read()
+            if r.status != 200:
+                raise error_from_payload(json.loads(body), r.status)
+            got: dict[str, Any] = json.loads(body)
+            return got
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        raise DaemonUnavailable(f"node {n.node} did not answer the list: {e}",
+                                details={"node": n.node}) from None
+
+
+async def list_sandboxes(gw: Gateway, request: web.Request) -> dict[str, Any]:
+    """One page of every node's sandboxes (``?label=``, ``?limit=``, ``?after=`` as on a
+    node). A node that does not answer fails the list (a partial list would look whole)."""
+    try:
+        limit = min(max(int(request.query.get("limit", DEFAULT_PAGE)), 1), MAX_PAGE)
+    except ValueError:
+        limit = DEFAULT_PAGE
+    query = [(k, v) for k, v in request.query.items() if k != "limit"]
+    query.append(("limit", str(limit)))
+    nodes = list(gw.nodes.values())
+    pages = await asyncio.gather(*(_page(gw, n, query) for n in nodes),
+                                 return_exceptions=True)
+    items: list[dict[str, Any]] = []
+    more = False
+    for n, p in zip(nodes, pages, strict=True):
+        if isinstance(p, BaseException):
+            raise p  # a node's error (CorralError) or DaemonUnavailable: no partial list
+        more = more or bool(p.get("next"))
+        items += [dict(i, node=n.node, endpoint=n.endpoint) for i in p.get("sandboxes", [])]
+    items.sort(key=_key)
+    more = more or len(items) > limit
+    items = items[:limit]
+    return {"sandboxes": items, "next": _key(items[-1]) if more and items else None}
+
+
+__all__ = ["list_sandboxes"]
