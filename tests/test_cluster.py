@@ -251,6 +251,13 @@ def test_creates_from_a_snapshot_are_made_where_the_snapshot_is(cluster, gateway
             corral.Sandbox.create_many(2, snapshot="snap-0000000000000000", memory_mb=64)
         with pytest.raises(Conflict):  # one name on both nodes: two different snapshots
             corral.Sandbox(snapshot="same-name", memory_mb=64)
+        # Through the gateway, a snapshot comes from its node, and its handle talks there.
+        for snap, node in zip(snaps, by_node, strict=True):
+            got = corral.Snapshot.get(snap.id)
+            assert got.id == snap.id and got.info.node == node
+            assert got._endpoint.url == cluster["nodes"][node]["endpoint"]
+        with pytest.raises(SnapshotNotFound):
+            corral.Snapshot.get("snap-0000000000000000")
     finally:
         corral.Sandbox.kill_many([*kids, *parents], return_exceptions=True)
         for snap in snaps:
@@ -284,6 +291,23 @@ def test_list_through_the_gateway_merges_every_node_and_pages(cluster, gateway):
         assert ids == sorted(order, key=order.__getitem__), ids
     finally:
         corral.Sandbox.kill_many(boxes, return_exceptions=True)
+
+
+def test_demo_runs_through_the_cluster(cluster):
+    """`corral demo --cluster ADDRESS`: the README's rollout workload through the gateway,
+    from another process that joins the Ray cluster."""
+    env = dict(os.environ)
+    env.pop("CORRAL_URL", None)
+    r = subprocess.run([sys.executable, "-m", "corral.cli", "demo", "--cluster",
+                        cluster["ray"].address, "-n", "24", "-c", "8", "--json"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert summary["completed"] == 24 and summary["errors"] == 0, summary
+    assert summary["infra_failures"] == 0 and summary["reward_matches_policy"] == 24, summary
+    assert "through the cluster gateway" in r.stderr
+    # It ran on the cluster's nodes and left nothing there.
+    assert wait_until(lambda: sum(_live(n) for n in cluster["nodes"]) == 0, timeout=30)
 
 
 def _batch(url: str, token: str | None, body: dict, query: str = "stream=ndjson",

@@ -92,6 +92,7 @@ class Gateway:
             app.router.add_get("/v1/cluster", self._status)
             app.router.add_post("/v1/sandboxes", self._create)
             app.router.add_get("/v1/sandboxes", self._list)
+            app.router.add_get("/v1/snapshots/{key}", self._snapshot)
             app.router.add_post("/v1/sandboxes/batch", self._create_batch)
             app.router.add_post("/v1/sandboxes/batch/exec", self._id_batch)
             app.router.add_post("/v1/sandboxes/batch/destroy", self._id_batch)
@@ -321,6 +322,16 @@ class Gateway:
             return _error(Unauthorized("missing or wrong bearer token"))
         try:
             return web.json_response(await reads.list_sandboxes(self, request))
+        except CorralError as e:
+            return _error(e)
+
+    async def _snapshot(self, request: web.Request) -> web.Response:
+        """A snapshot by id or name, from the node that holds it (cluster.reads)."""
+        if not self._authorized(request):
+            return _error(Unauthorized("missing or wrong bearer token"))
+        try:
+            return web.json_response(
+                await reads.get_snapshot(self, request.match_info["key"]))
         except CorralError as e:
             return _error(e)
 

@@ -1,13 +1,14 @@
 """Reads the gateway answers by asking every node at once (it keeps no directory of
-sandboxes): the sandbox list, merged in the nodes' own order (created_at, then id) and paged
-with the same cursor, each item naming its node and endpoint so the SDK's handles talk to
-their nodes."""
+sandboxes or snapshots): the sandbox list, merged in the nodes' own order (created_at, then
+id) and paged with the same cursor, and a snapshot from the node that holds it; each answer
+names its node and endpoint, so the SDK's handles talk to their nodes."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
@@ -67,4 +68,24 @@ async def list_sandboxes(gw: Gateway, request: web.Request) -> dict[str, Any]:
     return {"sandboxes": items, "next": _key(items[-1]) if more and items else None}
 
 
-__all__ = ["list_sandboxes"]
+async def get_snapshot(gw: Gateway, key: str) -> dict[str, Any]:
+    """Snapshot ``key`` (an id or a name) from a node that holds it, naming that node and its
+    endpoint (cluster.snapshots.holders: not found, lost or ambiguous as there)."""
+    from corral.cluster import snapshots
+
+    n = (await snapshots.holders(gw, key))[0]
+    path = "/v1/snapshots/" + quote(key, safe="")
+    try:
+        async with gw.session().get(n.endpoint + path, headers=gw.node_headers(),
+                                    timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)) as r:
+            body = await r.read()
+            if r.status != 200:
+                raise error_from_payload(json.loads(body), r.status)
+            info: dict[str, Any] = json.loads(body)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        raise DaemonUnavailable(f"node {n.node} did not answer: {e}",
+                                details={"node": n.node}) from None
+    return dict(info, node=n.node, endpoint=n.endpoint)
+
+
+__all__ = ["get_snapshot", "list_sandboxes"]
