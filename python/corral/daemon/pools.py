@@ -9,7 +9,10 @@ sandbox is indistinguishable from a fresh one:
   started from a snapshot, are not pooled);
 * ``created_at``, the TTL and the idle clock start at the take; labels, metadata, env and cwd
   live in the engine's record, written at the take;
-* nothing has ever run in it (only its init), its upper dir is empty.
+* nothing has ever run in it (only its init), its upper dir is empty;
+* a networked one (``internet`` or a policy, any group) comes from one pool per limits: it
+  is made with its link and a policy that allows nothing, and the take gives it the
+  create's policy and group (``Substrate.claim``) before anything runs in it.
 
 Sizing: every create that could use a pool counts as demand for its key; each tick the pool's
 target is about ``CORRAL_POOL_LEAD_S`` seconds of the recent create rate (EWMA), at least the
@@ -60,13 +63,26 @@ from typing import Any
 
 from corral.daemon import removal
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
-from corral.models import SandboxSpec, network_kind
+from corral.models import NetworkPolicy, SandboxSpec, network_kind
 
 log = logging.getLogger("corral.pools")
 
 Key = tuple[str, str, float, int, int, str, int]
 TICK_S = 0.25
 EWMA = 0.3
+
+
+NETWORKED = "networked"  # the network part of a key shared by every networked spec
+
+
+def pool_spec(spec: SandboxSpec) -> SandboxSpec:
+    """What a pool for ``spec`` makes: its key's fields; a networked one with a policy that
+    allows nothing (the take applies the create's policy and group)."""
+    networked = network_kind(spec.network) in ("internet", "policy")
+    return SandboxSpec(image=spec.image, substrate=spec.substrate, cpu=spec.cpu,
+                       memory_mb=spec.memory_mb, pids=spec.pids,
+                       network=NetworkPolicy() if networked else spec.network,
+                       disk_mb=spec.disk_mb)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -168,13 +184,17 @@ class WarmPools:
             return None
         if getattr(spec, "snapshot", None) is not None:  # made from a snapshot's layers
             return None
-        if network_kind(spec.network) in ("internet", "policy") or spec.network_group:
-            return None  # per-sandbox rules: the plumbing is pooled instead (docs/network.md)
+        networked = network_kind(spec.network) in ("internet", "policy")
+        if spec.bandwidth_mbit is not None or (spec.network_group and not networked):
+            return None  # a shaped link is made with the sandbox
         sub = self.substrates.get(spec.substrate)
         if sub is None or not sub.capabilities.warm_pool:
             return None
+        # Networked sandboxes share one pool whatever their policy or group: it makes them
+        # with no egress at all, and the take applies the create's (Substrate.claim).
         return (spec.substrate, spec.image, float(spec.cpu), int(spec.memory_mb),
-                int(spec.pids), str(spec.network), int(spec.disk_mb))
+                int(spec.pids), NETWORKED if networked else str(spec.network),
+                int(spec.disk_mb))
 
     def _pool_for(self, spec: SandboxSpec, static: int = 0) -> _Pool | None:
         key = self.key(spec)
@@ -185,10 +205,7 @@ class WarmPools:
             image = self.images.get(spec.image) if self.images is not None else None
             if image is None:
                 return None
-            base = SandboxSpec(image=spec.image, substrate=spec.substrate, cpu=spec.cpu,
-                               memory_mb=spec.memory_mb, pids=spec.pids, network=spec.network,
-                               disk_mb=spec.disk_mb)
-            pool = self.pools[key] = _Pool(key, base, image, static)
+            pool = self.pools[key] = _Pool(key, pool_spec(spec), image, static)
         return pool
 
     @property
@@ -262,7 +279,7 @@ class WarmPools:
     def _target(self, pool: _Pool, now: float) -> int:
         if self.config.mode == "auto" and now - pool.last_use <= self.config.idle_s:
             want = math.ceil(pool.demand * self.config.lead_s)
-            if pool.demand > 0:
+            if pool.demand > 0 or pool.requests:  # requests: asked since the last tick
                 want = max(want, 2)
         else:
             want = 0

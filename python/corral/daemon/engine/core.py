@@ -359,6 +359,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         try:
             if pooled is not None:
                 sb.runtime = pooled
+                await asyncio.to_thread(substrate.claim, pooled, spec)  # e.g. its policy
             else:
                 # In a worker thread (the Rust core releases the GIL): creates of concurrent
                 # clients, and of a batch, use every core; the loop stays free meanwhile.

@@ -590,6 +590,16 @@ class NetworkManager:
             att.elems = elems
             att.ranges.clear()
 
+    def claim(self, sandbox_id: str, network: Any, group: str | None) -> None:
+        """A pooled sandbox's network (made with a policy that allows nothing) given the
+        policy and group of the create that took it."""
+        self.update(sandbox_id, network)
+        if group is not None:
+            att = self.attachments[sandbox_id]
+            with att.lock:
+                att.group = group
+            self.fw.peers(self._group_pairs(att), add=True)
+
     async def expose(self, sandbox_id: str, port: int, host_port: int = 0) -> int:
         """127.0.0.1:<the returned port> on the host reaches ``port`` in the sandbox;
         ``host_port`` if it is free (a re-adopted sandbox's), else any."""

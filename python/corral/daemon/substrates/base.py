@@ -113,6 +113,11 @@ class Substrate(ABC):
         """A sandbox made ahead of demand (warm pool): make now what its first exec would.
         Default: nothing."""
 
+    def claim(self, runtime: SandboxRuntime, spec: SandboxSpec) -> None:  # noqa: B027
+        """A pooled sandbox taken for ``spec``: apply what its pool's key left open (the
+        pool made it with ``corral.daemon.pools.pool_spec(spec)``). Default: nothing is left
+        open; a substrate whose pools hold networked sandboxes applies their policy here."""
+
     # ---- exits and why ---------------------------------------------------------------------
     def watch_exits(self, loop: asyncio.AbstractEventLoop,
                     on_lost: Callable[[list[str]], None]) -> bool:

@@ -206,6 +206,12 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         if ids and self._on_lost is not None:
             self._on_lost(ids)
 
+    def claim(self, runtime: SandboxRuntime, spec: SandboxSpec) -> None:
+        """A pooled networked sandbox gets the create's policy and group (corral.daemon.pools:
+        it was made with a policy that allows nothing)."""
+        if network_kind(spec.network) in ("internet", "policy"):
+            self.network.claim(runtime.sandbox_id, spec.network, spec.network_group)
+
     def networking(self) -> NetworkManager:
         """Modes internet and policies (corral.daemon.network), started on first use."""
         return self.network
