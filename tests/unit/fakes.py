@@ -196,6 +196,9 @@ class FakeImages:
     def get(self, name: str) -> FakeImage | None:
         return FakeImage(name, self.state_dir) if name == "host" else None
 
+    def shared_snapshot_parts(self) -> list[str]:
+        return []  # no committed images here
+
     def compose(self, image: FakeImage, layers: list[Any] | None) -> FakeImage:
         """No layers in these tests: the image as it is."""
         assert not layers

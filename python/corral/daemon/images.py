@@ -23,6 +23,7 @@ import builtins
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -41,6 +42,8 @@ from corral.daemon.oci import unpack as oci_unpack
 from corral.daemon.oci.layers import LayerStore
 from corral.errors import Conflict, Forbidden, ImageNotFound, InvalidRequest, Unsupported
 from corral.models import MAX_TIMEOUT_S, ImageInfo
+
+log = logging.getLogger("corral.images")
 
 HOST = "host"
 # Bump when the host skeleton's recipe changes: every daemon then rebuilds it once.
@@ -555,6 +558,16 @@ class ImageStore:
                 lowers = [self.layers.lower(digest[4:])]
             overlays.append((lay.at.rstrip("/") or "/", lowers))
         return dataclasses.replace(image, overlays=overlays)
+
+    def shared_snapshot_parts(self) -> builtins.list[str]:
+        """The snapshot parts image layers are (each holds one reference in the snapshot
+        store, recounted at every start); one whose part is gone is logged."""
+        shared = self.layers.shared_parts()
+        for hexd in shared:
+            if not os.path.isdir(self.layers.snapshot_part(hexd)):
+                log.warning("image layer missing: its snapshot part is gone",
+                            extra={"layer": hexd})
+        return shared
 
     def lowers_of(self, name: str) -> builtins.list[str]:
         """An image's files as lower layers to stack elsewhere (a toolkit at /opt/tools)."""

@@ -122,12 +122,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
                                              self.config.snapshot_max_entries)
         await asyncio.to_thread(self.snaps.load)
         # Image layers that are snapshot parts hold them too (one store for what they share).
-        shared = await asyncio.to_thread(self.images.layers.shared_parts)
-        self.snaps.acquire(shared)
-        for hexd in shared:
-            if not os.path.isdir(self.images.layers.snapshot_part(hexd)):
-                log.warning("image layer missing: its snapshot part is gone",
-                            extra={"layer": hexd})
+        self.snaps.acquire(await asyncio.to_thread(self.images.shared_snapshot_parts))
         self.trajlog.open(self._loop)
         self._load_shutdown_tombstones()
         self._recover()
