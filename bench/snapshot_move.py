@@ -82,7 +82,8 @@ def main() -> None:
     with daemon("a") as a, daemon("b") as b:
         for mb in args.mb:
             with Sandbox(endpoint=f"unix://{a}", timeout=600, disk_mb=max(256, 2 * mb)) as sb:
-                sb.exec(f"mkdir -p /work && dd if=/dev/urandom of=/work/data bs=1M count={mb}").check()
+                sb.exec("mkdir -p /work && dd if=/dev/urandom of=/work/data bs=1M "
+                        f"count={mb}").check()
                 snap = sb.snapshot()
             try:
                 runs = [move(a, b, snap.id) for _ in range(args.runs)]
