@@ -317,6 +317,8 @@ def test_a_full_holder_moves_the_snapshot_to_a_node_with_room(cluster, gateway):
         assert set(snap.layers) <= _layer_dirs(cluster, other)
     finally:
         corral.Sandbox.kill_many([*kids, *fill, parent], return_exceptions=True)
+        # The next tests place by load: they must see the nodes empty again.
+        wait_until(lambda: all(_live(n) == 0 for n in cluster["nodes"]), timeout=15)
         if snap is not None:
             snap.delete()
             _node_call(gateway, cluster, other, "DELETE", f"/v1/snapshots/{snap.id}")
@@ -359,6 +361,7 @@ def test_a_failed_snapshot_copy_is_an_infra_error_and_leaves_nothing(cluster, ga
         assert not [p for p in os.listdir(spares) if p.startswith("imp-")]
     finally:
         corral.Sandbox.kill_many([*fill, parent], return_exceptions=True)
+        wait_until(lambda: all(_live(n) == 0 for n in cluster["nodes"]), timeout=15)
         if snap is not None:
             snap.delete()
 

@@ -121,13 +121,13 @@ class LoopReader:
     def __init__(self, recv: Callable[[int], Coroutine[Any, Any, bytes]],
                  loop: asyncio.AbstractEventLoop) -> None:
         self.recv, self.loop = recv, loop
-        self.buf = b""
+        self.buf, self.pos = b"", 0  # an offset: no copy of the rest at each small read
         self.cancelled = threading.Event()
 
     def read(self, n: int = -1) -> bytes:
         if n is None or n < 0:
             n = CHUNK
-        if not self.buf:
+        if self.pos >= len(self.buf):
             if self.cancelled.is_set():
                 raise Cancelled
             try:
@@ -135,7 +135,9 @@ class LoopReader:
                                                             self.loop).result()
             except Exception as e:  # noqa: BLE001 - the sender's connection broke
                 raise _bad("truncated", f"the snapshot stream broke off: {e}") from None
-        out, self.buf = self.buf[:n], self.buf[n:]
+            self.pos = 0
+        out = self.buf[self.pos:self.pos + n]
+        self.pos += len(out)
         return out
 
 
