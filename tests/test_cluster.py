@@ -279,6 +279,16 @@ def _fill(cluster, gateway, node: str) -> list:
     return fill
 
 
+def _imports(gateway, cluster, node: str) -> int:
+    """The snapshots ``node`` stored from another node's export (its /metrics)."""
+    req = urllib.request.Request(cluster["nodes"][node]["endpoint"] + "/metrics")
+    req.add_header("Authorization", f"Bearer {endpoint_mod._tokens[gateway.url]}")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        text = r.read().decode()
+    return int(float(next(line.split()[1] for line in text.splitlines()
+                          if line.startswith("corral_snapshots_imported_total "))))
+
+
 def _layer_dirs(cluster, node: str) -> set[str]:
     return set(os.listdir(os.path.join(cluster["nodes"][node]["state_dir"], "layers")))
 
@@ -302,10 +312,12 @@ def test_a_full_holder_moves_the_snapshot_to_a_node_with_room(cluster, gateway):
         parent.kill()
         assert wait_until(lambda: _live(holder) == 0, timeout=15)
         fill = _fill(cluster, gateway, holder)
+        imported = _imports(gateway, cluster, other)
         # Four creates at once wait for one copy.
         with ThreadPoolExecutor(4) as pool:
             kids += pool.map(lambda _: corral.Sandbox(snapshot=snap.name, memory_mb=64,
                                                       timeout=120), range(4))
+        assert _imports(gateway, cluster, other) == imported + 1
         kids += corral.Sandbox.create_many(3, snapshot=snap.id, memory_mb=64, timeout=120)
         assert {k.info().node for k in kids} == {other}
         for k in kids:

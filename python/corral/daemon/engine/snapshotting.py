@@ -195,12 +195,15 @@ class SnapshotOps:
     async def snapshot_export_stream(self: EngineHost, man: dict[str, Any],
                                      write: Callable[[bytes], Any]) -> None:
         await snapxfer.send(self._snaps(), man, write)
+        self.counters["snapshots_exported"] += 1
 
     async def snapshot_import(self: EngineHost, recv: Callable[[int], Any],
                               ) -> tuple[dict[str, Any], bool]:
         """A snapshot from another node's export stream read with ``recv``: (record, made);
         an id this node has already is answered as it is."""
-        return await snapxfer.receive(self._snaps(), recv, self._import_image)
+        rec, made = await snapxfer.receive(self._snaps(), recv, self._import_image)
+        self.counters["snapshots_imported"] += made
+        return rec, made
 
     async def _import_image(self: EngineHost, name: str) -> str:
         """The image an imported snapshot stands on, as this node names it: pulled if it is a
