@@ -155,6 +155,12 @@ def _m(name: str, kind: bytes = tarfile.REGTYPE, link: str = "", **kw: int) -> t
     return ti
 
 
+def _pax(name: str, **headers: str) -> tarfile.TarInfo:
+    ti = _m(name)
+    ti.pax_headers = headers
+    return ti
+
+
 def _part(digest: str = D) -> tuple[tarfile.TarInfo, None]:
     return (_m(f"layers/{digest}/0", tarfile.DIRTYPE), None)
 
@@ -209,6 +215,13 @@ def test_hostile_import_streams_are_refused_and_leave_nothing(target):
             "unknown_image": (_stream(_manifest([D], [D], image="nowhere-image"), [
                 _part(), (_m(f"layers/{D}/0/f"), b"x")]), "image_not_found"),
             "not_tar": (b"\x00garbage" * 200, "invalid_snapshot_stream"),
+            "huge_owner": (_stream(_manifest([D], [D]), [
+                _part(), (_pax(f"layers/{D}/0/f", uid=str(1 << 40)), b"x")]),
+                "invalid_snapshot_stream"),
+            # (the kernel clamps the time; the file then does not hash to the digest)
+            "huge_mtime": (_stream(_manifest([D], [D]), [
+                _part(), (_pax(f"layers/{D}/0/f", **{"CORRAL.mtime_ns": "9" * 24}), b"x")]),
+                "snapshot_digest_mismatch"),
         }
         for name, (data, code) in cases.items():
             r = _import(d, data)

@@ -243,6 +243,8 @@ def read_stream(src: Any, staging: str, limits: unpack.Limits,
         raise _bad("member", e.message, **e.details) from None
     except (tarfile.TarError, EOFError) as e:
         raise _bad("truncated", f"the snapshot stream is not a whole tar: {e}") from None
+    except (OverflowError, ValueError) as e:  # an owner or time no syscall takes
+        raise _bad("member", f"a member the node cannot store: {e}") from None
     for d in man["sent"]:
         root = os.path.join(staging, "layers", d)
         for n in man["parts"][d]:

@@ -279,6 +279,9 @@ def unpack(blob: str, media_type: str, root: str, limits: Limits) -> Result:
                 pass
         except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
             raise InvalidImage(f"corrupt layer: {e}", details={"error": str(e)}) from e
+        except OverflowError as e:  # an owner (PAX uid) or time no syscall takes
+            raise InvalidImage(f"layer member out of range: {e}",
+                               details={"error": str(e)}) from e
         except Exception as e:
             if type(e).__name__ == "ZstdError":
                 raise InvalidImage(f"corrupt zstd layer: {e}", details={"error": str(e)}) from e
