@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from corral.errors import (  # noqa: E402
     Conflict,
     SandboxLost,
     SandboxNotFound,
+    SnapshotCopyFailed,
     SnapshotNotFound,
     error_from_payload,
 )
@@ -308,6 +310,125 @@ def test_demo_runs_through_the_cluster(cluster):
     assert "through the cluster gateway" in r.stderr
     # It ran on the cluster's nodes and left nothing there.
     assert wait_until(lambda: sum(_live(n) for n in cluster["nodes"]) == 0, timeout=30)
+
+
+def _node_call(gateway, cluster, node: str, method: str, path: str) -> tuple[int, dict]:
+    req = urllib.request.Request(cluster["nodes"][node]["endpoint"] + path, method=method)
+    req.add_header("Authorization", f"Bearer {endpoint_mod._tokens[gateway.url]}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _fill(cluster, gateway, node: str) -> list:
+    """Sandboxes made on ``node`` itself until it is full, and the gateway sees it so."""
+    st = next(n for n in corral.cluster.status()["nodes"] if n["node"] == node)
+    ep = gateway.on_node(cluster["nodes"][node]["endpoint"], node)
+    fill = corral.Sandbox.create_many(st["capacity"] - _live(node), "host", endpoint=ep,
+                                      memory_mb=64, timeout=120)
+    assert wait_until(lambda: _live(node) >= st["capacity"], timeout=15)
+    return fill
+
+
+def _imports(gateway, cluster, node: str) -> int:
+    """The snapshots ``node`` stored from another node's export (its /metrics)."""
+    req = urllib.request.Request(cluster["nodes"][node]["endpoint"] + "/metrics")
+    req.add_header("Authorization", f"Bearer {endpoint_mod._tokens[gateway.url]}")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        text = r.read().decode()
+    return int(float(next(line.split()[1] for line in text.splitlines()
+                          if line.startswith("corral_snapshots_imported_total "))))
+
+
+def _layer_dirs(cluster, node: str) -> set[str]:
+    return set(os.listdir(os.path.join(cluster["nodes"][node]["state_dir"], "layers")))
+
+
+def test_a_full_holder_moves_the_snapshot_to_a_node_with_room(cluster, gateway):
+    """The node that holds a snapshot is full: a create from it (single, several at once,
+    and a batch) is made on the other node, to which the snapshot's layers were copied, and
+    sees the snapshot's files; the copy keeps the snapshot's id."""
+    assert wait_until(lambda: all(_live(n) == 0 for n in cluster["nodes"]), timeout=15)
+    parent = corral.Sandbox(image="host", memory_mb=64, timeout=120)
+    kids: list = []
+    fill: list = []
+    holder = parent.info().node
+    other = next(n for n in cluster["nodes"] if n != holder)
+    snap = None
+    try:
+        blob = os.urandom(1 << 20)
+        parent.files.write("/work/blob", blob)
+        parent.exec("echo moved > /work/state && rm -f /etc/hostname").check()
+        snap = parent.snapshot(name=f"moving-{os.getpid()}")
+        parent.kill()
+        assert wait_until(lambda: _live(holder) == 0, timeout=15)
+        fill = _fill(cluster, gateway, holder)
+        imported = _imports(gateway, cluster, other)
+        # Four creates at once wait for one copy.
+        with ThreadPoolExecutor(4) as pool:
+            kids += pool.map(lambda _: corral.Sandbox(snapshot=snap.name, memory_mb=64,
+                                                      timeout=120), range(4))
+        assert _imports(gateway, cluster, other) == imported + 1
+        kids += corral.Sandbox.create_many(3, snapshot=snap.id, memory_mb=64, timeout=120)
+        assert {k.info().node for k in kids} == {other}
+        for k in kids:
+            assert k.files.read("/work/state") == "moved\n"
+            assert k.exec("test -e /etc/hostname").exit_code == 1
+        assert kids[0].files.read_bytes("/work/blob") == blob
+        code, got = _node_call(gateway, cluster, other, "GET", f"/v1/snapshots/{snap.id}")
+        assert code == 200 and got["layers"] == snap.layers and got["name"] == snap.name
+        assert set(snap.layers) <= _layer_dirs(cluster, other)
+    finally:
+        corral.Sandbox.kill_many([*kids, *fill, parent], return_exceptions=True)
+        # The next tests place by load: they must see the nodes empty again.
+        wait_until(lambda: all(_live(n) == 0 for n in cluster["nodes"]), timeout=15)
+        if snap is not None:
+            snap.delete()
+            _node_call(gateway, cluster, other, "DELETE", f"/v1/snapshots/{snap.id}")
+
+
+def test_a_failed_snapshot_copy_is_an_infra_error_and_leaves_nothing(cluster, gateway):
+    """The snapshot stands on an image only its holder has: with the holder full, the copy
+    to the other node fails (the target refuses the import): snapshot_copy_failed, an infra
+    error naming the cause, and the target keeps no layer and no record of it."""
+    assert wait_until(lambda: all(_live(n) == 0 for n in cluster["nodes"]), timeout=15)
+    holder = cluster["head"]
+    other = next(n for n in cluster["nodes"] if n != holder)
+    name = f"only-here-{os.getpid()}"
+    src = _image_dir()
+    try:
+        admin.import_image(name, src, endpoint=cluster["nodes"][holder]["socket"])
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+    ep = gateway.on_node(cluster["nodes"][holder]["endpoint"], holder)
+    parent = corral.Sandbox(image=name, endpoint=ep, memory_mb=64, timeout=120)
+    fill: list = []
+    snap = None
+    try:
+        parent.files.write("/tmp/x", "x")
+        snap = parent.snapshot()
+        parent.kill()
+        assert wait_until(lambda: _live(holder) == 0, timeout=15)
+        before = _layer_dirs(cluster, other)
+        fill = _fill(cluster, gateway, holder)
+        for create in (lambda: corral.Sandbox(snapshot=snap.id, memory_mb=64, timeout=120),
+                       lambda: corral.Sandbox.create_many(2, snapshot=snap.id, memory_mb=64)):
+            with pytest.raises(SnapshotCopyFailed) as err:
+                create()
+            assert err.value.infra and err.value.details["target"] == other
+            assert err.value.details["cause"]["code"] == "image_not_found", err.value.details
+        code, _ = _node_call(gateway, cluster, other, "GET", f"/v1/snapshots/{snap.id}")
+        assert code == 404
+        assert _layer_dirs(cluster, other) == before
+        spares = os.path.join(cluster["nodes"][other]["state_dir"], "spares")
+        assert not [p for p in os.listdir(spares) if p.startswith("imp-")]
+    finally:
+        corral.Sandbox.kill_many([*fill, parent], return_exceptions=True)
+        wait_until(lambda: all(_live(n) == 0 for n in cluster["nodes"]), timeout=15)
+        if snap is not None:
+            snap.delete()
 
 
 def _batch(url: str, token: str | None, body: dict, query: str = "stream=ndjson",

@@ -219,6 +219,21 @@ class SnapshotChainTooDeep(InvalidRequest):
     code, status = "snapshot_chain_too_deep", 400
 
 
+class InvalidSnapshotStream(InvalidRequest):
+    """A snapshot import whose stream corral will not store: not a snapshot stream, cut short,
+    a member outside its layer, a layer the stream and the node both lack (``details``:
+    reason). Nothing of it is kept."""
+
+    code, status = "invalid_snapshot_stream", 400
+
+
+class SnapshotDigestMismatch(InvalidSnapshotStream):
+    """An imported layer whose files do not hash to the digest it was sent as: refused,
+    nothing of it kept."""
+
+    code, status = "snapshot_digest_mismatch", 400
+
+
 class SandboxNotRunning(Conflict):
     """The sandbox exists (or existed) but is no longer running: killed by its own client
     (``details["reason"] == "killed"``), or not started yet (``"starting"``), or being
@@ -319,6 +334,13 @@ class DigestMismatch(ImagePullFailed):
 class InfraError(CorralError):
     code, status = "infra_error", 503
     CATEGORY = "infra"
+
+
+class SnapshotCopyFailed(InfraError):
+    """The cluster could not copy a snapshot's layers to the node chosen for a create from it
+    (``details``: snapshot, source, target, cause); nothing half-imported stays there."""
+
+    code, status = "snapshot_copy_failed", 502
 
 
 class CapacityExceeded(InfraError):

@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiohttp
 from pydantic import BaseModel, ValidationError
 
+from corral.cluster import snapshots
 from corral.cluster.placement import NodeLoad, choose
 from corral.daemon import batches
 from corral.errors import (
+    CapacityExceeded,
     CorralError,
     InternalError,
     InvalidRequest,
@@ -79,13 +81,20 @@ class Share:
 
 
 def split(nodes: list[NodeLoad], count: int, k: int, selector: dict[str, str],
-          image: str) -> list[Share]:
+          image: str, overflow: list[NodeLoad] | None = None) -> list[Share]:
     """Place each of ``count`` items; every placed item holds a slot on its node (``inflight``)
-    until its share ends, so the next items see it. Raises CapacityExceeded (nothing held)."""
+    until its share ends, so the next items see it; an item ``nodes`` have no room for goes
+    to ``overflow`` (a batch from a snapshot: the nodes that lack it). Raises
+    CapacityExceeded (nothing held)."""
     shares: dict[str, Share] = {}
     try:
         for i in range(count):
-            n = choose(nodes, time.monotonic(), k=k, selector=selector, image=image)
+            try:
+                n = choose(nodes, time.monotonic(), k=k, selector=selector, image=image)
+            except CapacityExceeded:
+                if not overflow:
+                    raise
+                n = choose(overflow, time.monotonic(), k=k, selector=selector, image=image)
             n.inflight += 1
             shares.setdefault(n.node, Share(n)).indexes.append(i)
     except CorralError:
@@ -93,6 +102,20 @@ def split(nodes: list[NodeLoad], count: int, k: int, selector: dict[str, str],
             s.node.inflight -= len(s.indexes)
         raise
     return list(shares.values())
+
+
+async def copy_for(gw: Gateway, snap_id: str, held: list[NodeLoad],
+                   shares: list[Share]) -> None:
+    """Copy the snapshot to every share's node that lacks it, side by side. A failed copy
+    fails the batch before anything is made: the shares' slots are given back."""
+    have = {h.node for h in held}
+    try:
+        await asyncio.gather(*(snapshots.copy_to(gw, snap_id, held, s.node)
+                               for s in shares if s.node.node not in have))
+    except BaseException:
+        for s in shares:
+            s.node.inflight -= len(s.indexes)
+        raise
 
 
 class CreateBatch:

@@ -82,6 +82,8 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self._poller: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+        # Snapshot copies under way: (snapshot id, target node) -> the copy (snapshots.copy_to)
+        self.copies: dict[tuple[str, str], asyncio.Future[None]] = {}
 
     # ---- Ray methods ----------------------------------------------------------------------
     async def serve(self, host: str, port: int) -> str:
@@ -354,11 +356,13 @@ class Gateway:
         body = await request.read()
         image = _image_of(body)
         pool = list(self.nodes.values())
+        snap_id, held = "", list[NodeLoad]()
         if snap := snapshots.snapshot_of(body):  # made where the snapshot's layers are
             try:
-                pool = await snapshots.holders(self, snap)
+                snap_id, held = await snapshots.holders(self, snap)
             except CorralError as e:
                 return _error(e)
+            pool = held
         headers = {"Authorization": f"Bearer {self.token}",
                    "Content-Type": request.headers.get("Content-Type", "application/json")}
         if key := request.headers.get("Idempotency-Key"):
@@ -370,8 +374,17 @@ class Gateway:
                 n = choose(candidates, time.monotonic(), k=self.k, selector=selector,
                            image=image)
             except CapacityExceeded as e:
-                self.refused(e, 1)
-                return _error(e)
+                if pool is not held or not held:
+                    self.refused(e, 1)
+                    return _error(e)
+                # The holders are full: the snapshot moves to a node with room.
+                try:
+                    n = await self._copy_for(snap_id, held, selector, image)
+                except CorralError as e2:
+                    if isinstance(e2, CapacityExceeded):
+                        self.refused(e2, 1)
+                    return _error(e2)
+                pool, body = [n], snapshots.with_snapshot(body, snap_id)
             tried.add(n.node)
             n.inflight += 1
             try:
@@ -396,6 +409,21 @@ class Gateway:
             info["node"], info["endpoint"] = n.node, n.endpoint
             return web.json_response(info, status=status)
 
+    async def _copy_for(self, snap_id: str, held: list[NodeLoad], selector: dict[str, str],
+                        image: str | None) -> NodeLoad:
+        """A node with room among those that lack the snapshot, with the snapshot copied to
+        it (a slot held there meanwhile). CapacityExceeded if none has room,
+        SnapshotCopyFailed if the copy fails."""
+        have = {h.node for h in held}
+        n = choose([x for x in self.nodes.values() if x.node not in have], time.monotonic(),
+                   k=self.k, selector=selector, image=image)
+        n.inflight += 1
+        try:
+            await snapshots.copy_to(self, snap_id, held, n)
+        finally:
+            n.inflight -= 1
+        return n
+
     async def _create_batch(self, request: web.Request) -> web.StreamResponse:
         """``count`` sandboxes placed item by item and made by their nodes' batches
         (corral.cluster.batch); answers ``{"sandboxes": [...]}`` in the order asked."""
@@ -406,14 +434,20 @@ class Gateway:
             batches.wants_stream(request)
             partial = batch.wants_partial(request.query)
             req = batch.parse_body(CreateManyRequest, await request.read())
-            pool = list(self.nodes.values())
-            if req.spec.snapshot:  # made where the snapshot's layers are
-                pool = await snapshots.holders(self, req.spec.snapshot)
+            pool, rest = list(self.nodes.values()), list[NodeLoad]()
+            if req.spec.snapshot:  # made where the snapshot's layers are, first
+                snap_id, pool = await snapshots.holders(self, req.spec.snapshot)
+                have = {h.node for h in pool}
+                rest = [n for n in self.nodes.values() if n.node not in have]
+                req = req.model_copy(update={"spec": req.spec.model_copy(
+                    update={"snapshot": snap_id})})
             try:
-                shares = batch.split(pool, req.count, self.k, selector, req.spec.image)
+                shares = batch.split(pool, req.count, self.k, selector, req.spec.image, rest)
             except CapacityExceeded as e:
                 self.refused(e, req.count)
                 raise
+            if req.spec.snapshot:  # the overflow's nodes get the snapshot first
+                await batch.copy_for(self, req.spec.snapshot, pool, shares)
             run = batch.CreateBatch(self, req, shares, partial)
             return await batches.run(request, batches.Progress(req.count), run.run,
                                      lambda items: {"sandboxes": items}, 201,

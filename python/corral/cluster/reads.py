@@ -73,7 +73,8 @@ async def get_snapshot(gw: Gateway, key: str) -> dict[str, Any]:
     endpoint (cluster.snapshots.holders: not found, lost or ambiguous as there)."""
     from corral.cluster import snapshots
 
-    n = (await snapshots.holders(gw, key))[0]
+    _, held = await snapshots.holders(gw, key)
+    n = held[0]
     path = "/v1/snapshots/" + quote(key, safe="")
     try:
         async with gw.session().get(n.endpoint + path, headers=gw.node_headers(),

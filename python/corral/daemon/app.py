@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel
 
-from corral.daemon import batches, dashboard, image_api, ops, spool, streams
+from corral.daemon import batches, dashboard, image_api, ops, snapxfer, spool, streams
 from corral.daemon.app_errors import JSON_MAX, MAX_BODY, is_unix, middleware
 from corral.daemon.bodies import parse
 from corral.daemon.engine import MAX_READ_BYTES, Engine
@@ -56,6 +56,7 @@ from corral.daemon.routes import (
     SB,
     SCHEMA_REF,
     STREAM_Q,
+    Param,
     Route,
     int_param,
     link,
@@ -769,6 +770,36 @@ async def delete_snapshot(request: web.Request) -> web.Response:
     return _json({"id": rec["id"], "deleted": True})
 
 
+async def export_snapshot(request: web.Request) -> web.StreamResponse:
+    """The snapshot's chain as a stream (corral.daemon.snapxfer), for another node's import;
+    the layers named in ``have`` are left out."""
+    engine = _engine(request)
+    have = set(request.query.getall("have", []))
+    if len(have) > snapxfer.MAX_CHAIN or not all(snapxfer.DIGEST.match(d) for d in have):
+        raise InvalidRequest("query parameter 'have' takes layer digests (64 hex digits)")
+    man, release = engine.snapshot_export(request.match_info["snap"], have)
+    try:
+        resp = web.StreamResponse(headers={"X-Corral-Snapshot": man["snapshot"]["id"]})
+        resp.content_type = "application/x-tar"
+        await resp.prepare(request)
+        try:
+            await engine.snapshot_export_stream(man, resp.write)
+        except BaseException:
+            _cut(request)  # headers are out: the importer must see a broken stream
+            raise
+        await resp.write_eof()
+        return resp
+    finally:
+        release()
+
+
+async def import_snapshot(request: web.Request) -> web.Response:
+    """A snapshot from another node's export stream (the body), stored under the same id:
+    201, or 200 if this node has that id already."""
+    rec, made = await _engine(request).snapshot_import(request.content.read)
+    return _json(_snap(rec), 201 if made else 200)
+
+
 async def sandbox_log(request: web.Request) -> web.Response:
     """The sandbox's trajectory log (also after the sandbox is gone, until pruned)."""
     engine = _engine(request)
@@ -1007,6 +1038,16 @@ ROUTES: tuple[Route, ...] = (
           "time", query=PAGE_Q, response=list_of("snapshots", SnapshotInfo), errors=(501,)),
     Route("GET", "/v1/snapshots/{snap}", get_snapshot, "Snapshot info (by id or name)",
           response=SnapshotInfo, errors=(404, 501)),
+    Route("GET", "/v1/snapshots/{snap}/export", export_snapshot, "The snapshot's whole chain "
+          "as a tar stream (its record, then each layer's parts in OCI layer form) for "
+          "another node's import (docs/snapshots.md, moving a snapshot)",
+          response="tar", errors=(404, 501), query=(Param(
+              "have", repeated=True, description="a layer digest the importer has: left out",
+              schema={"type": "string", "pattern": "^[0-9a-f]{64}$"}),)),
+    Route("POST", "/v1/snapshots/import", import_snapshot, "Store a snapshot from another "
+          "node's export stream under its own id: unpacked as untrusted input, each layer's "
+          "digest checked; 200 if the id is here already", body="tar",
+          response=SnapshotInfo, status=201, errors=(404, 409, 501)),
     Route("DELETE", "/v1/snapshots/{snap}", delete_snapshot, "Delete a snapshot (its layers "
           "stay while a sandbox or a child snapshot uses them)", errors=(404, 501), response={
               "type": "object", "required": ["id", "deleted"], "properties": {

@@ -77,6 +77,8 @@ _HELP = {
     "pool_hits": "creates served from a warm pool",
     "pool_misses": "creates a pool could have served but found empty",
     "pool_failures": "pool refills that failed",
+    "snapshots_exported": "snapshot exports streamed to another node",
+    "snapshots_imported": "snapshots stored from another node's export",
 }
 
 

@@ -98,7 +98,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
             "crashed": 0,
             "expired": 0, "idle_timeout": 0, "killed": 0, "operator_killed": 0, "adopted": 0,
             "orphans_removed": 0,
-            "snapshots": 0,
+            "snapshots": 0, "snapshots_exported": 0, "snapshots_imported": 0,
         }
         self._heap: list[tuple[float, str]] = []
         # Background work kept referenced: batch destroys, spare layer dirs.

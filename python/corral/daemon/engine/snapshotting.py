@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from corral.daemon import persist, snapshots
+from corral.daemon import persist, snapshots, snapxfer
 from corral.errors import SnapshotExists, SnapshotNotFound, Unsupported
 
 from .base import Sandbox
@@ -175,6 +175,42 @@ class SnapshotOps:
 
     def snapshot_delete(self: EngineHost, key: str) -> dict[str, Any]:
         return self._snaps().delete(key)
+
+    # ---- moving a snapshot between nodes (corral.daemon.snapxfer) --------------------------
+    def snapshot_export(self: EngineHost, key: str,
+                        have: set[str]) -> tuple[dict[str, Any], Callable[[], None]]:
+        """The export manifest of snapshot ``key`` (the layers in ``have`` left out) and the
+        release of its chain, which is held until the stream is written (an rm meanwhile
+        does not remove a layer being sent)."""
+        store = self._snaps()
+        rec = store.get(key)
+        store.acquire(rec["layers"])
+        try:
+            man = snapxfer.plan(store, rec, have)
+        except BaseException:
+            store.release(rec["layers"])
+            raise
+        return man, lambda: store.release(rec["layers"])
+
+    async def snapshot_export_stream(self: EngineHost, man: dict[str, Any],
+                                     write: Callable[[bytes], Any]) -> None:
+        await snapxfer.send(self._snaps(), man, write)
+        self.counters["snapshots_exported"] += 1
+
+    async def snapshot_import(self: EngineHost, recv: Callable[[int], Any],
+                              ) -> tuple[dict[str, Any], bool]:
+        """A snapshot from another node's export stream read with ``recv``: (record, made);
+        an id this node has already is answered as it is."""
+        rec, made = await snapxfer.receive(self._snaps(), recv, self._import_image)
+        self.counters["snapshots_imported"] += made
+        return rec, made
+
+    async def _import_image(self: EngineHost, name: str) -> str:
+        """The image an imported snapshot stands on, as this node names it: pulled if it is a
+        registry reference the node lacks; a local name the node lacks is image_not_found."""
+        found = await self._image_name(name)
+        self._image(found)
+        return found
 
 
 async def _to_the_end(copy: asyncio.Future[tuple[str, str, int]],

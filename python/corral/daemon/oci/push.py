@@ -24,7 +24,7 @@ from typing import IO, Any
 from corral.daemon.oci import registry
 from corral.daemon.oci.layers import LayerStore
 from corral.daemon.oci.ref import Reference
-from corral.daemon.oci.unpack import OPAQUE_XATTR
+from corral.daemon.oci.unpack import MTIME_NS, OPAQUE_XATTR
 from corral.errors import InvalidImage, InvalidRequest
 
 GZIP_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
@@ -74,56 +74,69 @@ def _member(root: str, rel: str, st: os.stat_result) -> tarfile.TarInfo:
 
 def write_tar(root: str, out: Any) -> None:
     """The OCI tar form of the overlay-form tree ``root``, written to ``out``."""
-    links: dict[tuple[int, int], str] = {}
     with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tf:
-        stack = [""]
-        while stack:
-            d = stack.pop()
-            with os.scandir(os.path.join(root, d)) as it:
-                names = sorted(e.name for e in it)
-            subdirs = []
-            for name in names:
-                rel = f"{d}/{name}" if d else name
-                path = os.path.join(root, rel)
-                st = os.lstat(path)
-                m = st.st_mode
-                if stat.S_ISCHR(m) and st.st_rdev == 0:  # a whiteout
-                    wh = tarfile.TarInfo(f"{d}/.wh.{name}" if d else f".wh.{name}")
-                    wh.mtime = int(st.st_mtime)
-                    tf.addfile(wh)
+        add_tree(tf, root)
+
+
+def add_tree(tf: tarfile.TarFile, root: str, prefix: str = "", exact: bool = False) -> None:
+    """Add the overlay-form tree ``root`` to ``tf``, every name (and hard link target) under
+    ``prefix`` (empty, or ending in "/"). ``exact`` (a snapshot's layer moving to another
+    node, whose digest must come out the same): a regular file's mtime to the nanosecond
+    (PAX ``CORRAL.mtime_ns``), and a whiteout's or FIFO's own mode and owner."""
+    links: dict[tuple[int, int], str] = {}
+    stack = [""]
+    while stack:
+        d = stack.pop()
+        with os.scandir(os.path.join(root, d)) as it:
+            names = sorted(e.name for e in it)
+        subdirs = []
+        for name in names:
+            rel = f"{d}/{name}" if d else name
+            path = os.path.join(root, rel)
+            st = os.lstat(path)
+            m = st.st_mode
+            if stat.S_ISCHR(m) and st.st_rdev == 0:  # a whiteout
+                wh = tarfile.TarInfo(prefix + (f"{d}/.wh.{name}" if d else f".wh.{name}"))
+                wh.mtime = int(st.st_mtime)
+                if exact:
+                    wh.mode, wh.uid, wh.gid = stat.S_IMODE(m), st.st_uid, st.st_gid
+                tf.addfile(wh)
+                continue
+            if not (stat.S_ISDIR(m) or stat.S_ISREG(m) or stat.S_ISLNK(m)
+                    or stat.S_ISFIFO(m)):
+                continue  # devices and sockets never reach a layer; skip if any
+            ti = _member(root, rel, st)
+            ti.name = prefix + rel
+            if stat.S_ISDIR(m):
+                ti.type = tarfile.DIRTYPE
+                tf.addfile(ti)
+                try:
+                    opaque = os.getxattr(path, OPAQUE_XATTR, follow_symlinks=False)
+                except OSError:
+                    opaque = b""
+                if opaque == b"y":
+                    tf.addfile(tarfile.TarInfo(f"{prefix}{rel}/.wh..wh..opq"))
+                subdirs.append(rel)
+            elif stat.S_ISLNK(m):
+                ti.type, ti.linkname = tarfile.SYMTYPE, os.readlink(path)
+                tf.addfile(ti)
+            elif stat.S_ISFIFO(m):
+                ti.type = tarfile.FIFOTYPE
+                tf.addfile(ti)
+            else:
+                key = (st.st_dev, st.st_ino)
+                if st.st_nlink > 1 and key in links:
+                    ti.type, ti.linkname = tarfile.LNKTYPE, prefix + links[key]
+                    tf.addfile(ti)
                     continue
-                if not (stat.S_ISDIR(m) or stat.S_ISREG(m) or stat.S_ISLNK(m)
-                        or stat.S_ISFIFO(m)):
-                    continue  # devices and sockets never reach a layer; skip if any
-                ti = _member(root, rel, st)
-                if stat.S_ISDIR(m):
-                    ti.type = tarfile.DIRTYPE
-                    tf.addfile(ti)
-                    try:
-                        opaque = os.getxattr(path, OPAQUE_XATTR, follow_symlinks=False)
-                    except OSError:
-                        opaque = b""
-                    if opaque == b"y":
-                        tf.addfile(tarfile.TarInfo(f"{rel}/.wh..wh..opq"))
-                    subdirs.append(rel)
-                elif stat.S_ISLNK(m):
-                    ti.type, ti.linkname = tarfile.SYMTYPE, os.readlink(path)
-                    tf.addfile(ti)
-                elif stat.S_ISFIFO(m):
-                    ti.type = tarfile.FIFOTYPE
-                    tf.addfile(ti)
-                else:
-                    key = (st.st_dev, st.st_ino)
-                    if st.st_nlink > 1 and key in links:
-                        ti.type, ti.linkname = tarfile.LNKTYPE, links[key]
-                        tf.addfile(ti)
-                        continue
-                    if st.st_nlink > 1:
-                        links[key] = rel
-                    ti.size = st.st_size
-                    with open(path, "rb") as f:
-                        tf.addfile(ti, f)
-            stack.extend(reversed(subdirs))  # depth first, in name order
+                if st.st_nlink > 1:
+                    links[key] = rel
+                ti.size = st.st_size
+                if exact:
+                    ti.pax_headers = {**ti.pax_headers, MTIME_NS: str(st.st_mtime_ns)}
+                with open(path, "rb") as f:
+                    tf.addfile(ti, f)
+        stack.extend(reversed(subdirs))  # depth first, in name order
 
 
 def layer_blob(store: LayerStore, hexd: str, dest: str) -> dict[str, Any]:

@@ -107,9 +107,17 @@ def _rel(name: str) -> list[str]:
     return parts
 
 
+MTIME_NS = "CORRAL.mtime_ns"  # PAX: a file's mtime to the nanosecond (exact form)
+
+
 class _Layer:
-    def __init__(self, root: str, limits: Limits, result: Result) -> None:
-        self.root, self.limits, self.result = root, limits, result
+    """``exact`` (a snapshot's layer from another node, corral.daemon.snapxfer): a file's
+    mtime is taken to the nanosecond and a whiteout's or FIFO's mode and owner as given, so
+    the layer's digest comes out as on the node that made it. The protections are the same."""
+
+    def __init__(self, root: str, limits: Limits, result: Result,
+                 exact: bool = False) -> None:
+        self.root, self.limits, self.result, self.exact = root, limits, result, exact
         self.dirs: list[tuple[str, tarfile.TarInfo]] = []
 
     def parent(self, parts: list[str], name: str) -> str:
@@ -167,6 +175,9 @@ class _Layer:
             target = os.path.join(parent, real)
             self.clear(target, keep_dir=False)
             os.mknod(target, stat.S_IFCHR | 0o600, os.makedev(0, 0))
+            if self.exact:
+                os.chmod(target, m.mode & 0o777)
+                os.lchown(target, m.uid, m.gid)
             return
         target = os.path.join(parent, base)
         self.clear(target, keep_dir=m.isdir())
@@ -209,6 +220,8 @@ class _Layer:
             return  # the inode's owner, mode and xattrs are the first name's
         elif m.isfifo():
             os.mkfifo(target, m.mode & 0o777)
+            if self.exact:
+                os.chmod(target, m.mode & 0o777)  # not narrowed by the daemon's umask
         elif m.ischr() or m.isblk():
             self.skip("devices")
             return
@@ -232,7 +245,11 @@ class _Layer:
             except OSError:
                 self.skip("xattrs")
         if not m.issym():
-            os.utime(target, (m.mtime, m.mtime), follow_symlinks=False)
+            ns = (m.pax_headers or {}).get(MTIME_NS, "") if self.exact else ""
+            if ns.isdigit() and len(ns) < 25:
+                os.utime(target, ns=(int(ns), int(ns)), follow_symlinks=False)
+            else:
+                os.utime(target, (m.mtime, m.mtime), follow_symlinks=False)
 
     def close(self) -> None:
         for target, m in reversed(self.dirs):
@@ -262,6 +279,9 @@ def unpack(blob: str, media_type: str, root: str, limits: Limits) -> Result:
                 pass
         except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
             raise InvalidImage(f"corrupt layer: {e}", details={"error": str(e)}) from e
+        except OverflowError as e:  # an owner (PAX uid) or time no syscall takes
+            raise InvalidImage(f"layer member out of range: {e}",
+                               details={"error": str(e)}) from e
         except Exception as e:
             if type(e).__name__ == "ZstdError":
                 raise InvalidImage(f"corrupt zstd layer: {e}", details={"error": str(e)}) from e
