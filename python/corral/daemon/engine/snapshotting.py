@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from corral.daemon import persist, snapshots
+from corral.daemon.tenants import TENANT_LABEL
 from corral.errors import SnapshotExists, SnapshotNotFound, Unsupported
 
 from .base import Sandbox
@@ -39,7 +40,8 @@ class SnapshotOps:
             raise SnapshotExists(f"a snapshot named {name!r} exists", details={"name": name})
         sb, base, (tmp, digest, size) = await self._capture(sid, control)
         rec = store.commit(tmp, digest, size, name=name, parent=sb.spec.snapshot,
-                           image=sb.spec.image, base=base, sandbox_id=sid)
+                           image=sb.spec.image, base=base, sandbox_id=sid,
+                           tenant=sb.spec.labels.get(TENANT_LABEL))
         if store.wants_spares():  # the next capture's dir, made while this one answers
             task = asyncio.ensure_future(asyncio.to_thread(store.refill_spares))
             self._batch_tasks.add(task)
