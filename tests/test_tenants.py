@@ -329,4 +329,4 @@ def test_only_the_admin_may_act_for_a_tenant(world: dict[str, Any]) -> None:
     finally:
         admin.c.delete(f"/v1/sandboxes/{made.json()['id']}")
     expect_error(admin.c.get("/v1/sandboxes", headers={"X-Corral-Tenant": "bad name"}),
-                 "invalid_request", 400)
+                 "unauthorized", 401)

@@ -103,8 +103,8 @@ def middleware(token: str | None, on_error: Callable[[CorralError], None] | None
         if tenant is None:
             return
         if not NAME_RE.match(tenant):
-            raise InvalidRequest(f"{ACT_AS_HEADER} must be a tenant name (1-63 of "
-                                 "A-Za-z0-9_.-)")
+            raise Unauthorized(f"{ACT_AS_HEADER} must be a tenant name (1-63 of "
+                               "A-Za-z0-9_.-)")
         request[TENANT] = tenant
         if guard is not None:
             await guard(request, tenant)
