@@ -330,3 +330,61 @@ def test_only_the_admin_may_act_for_a_tenant(world: dict[str, Any]) -> None:
         admin.c.delete(f"/v1/sandboxes/{made.json()['id']}")
     expect_error(admin.c.get("/v1/sandboxes", headers={"X-Corral-Tenant": "bad name"}),
                  "unauthorized", 401)
+
+
+def test_the_gateway_forwards_a_tenant_no_client_can_forge(world: dict[str, Any]) -> None:
+    """A gateway (in this process) with the private daemon as its node: a tenant's create
+    through it is the tenant's on the node; a forged X-Corral-Tenant is not forwarded; ids
+    batches through it reach only the tenant's own."""
+    import asyncio
+
+    from corral.cluster.gateway import Gateway
+
+    alice, sa = world["alice"], world["sa"]
+
+    async def run() -> list[str]:
+        gw = Gateway("tenants-test", ADMIN, deploy={"tokens_file": world["tokens"]})
+        made: list[str] = []
+        try:
+            url = await gw.serve("127.0.0.1", free_port())
+
+            def report() -> None:  # the node's load report (its supervisor's, in a cluster)
+                gw._take({"node": "n1", "endpoint": world["base"], "live": 0,
+                          "capacity": 100, "mem_free_mb": 1 << 20})
+            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+                bob = {"Authorization": f"Bearer {TOKENS['bob']}"}
+                report()
+                r = await c.post("/v1/sandboxes", json={}, headers={**bob,
+                                                                    "X-Corral-Tenant": "alice"})
+                assert r.status_code == 201, r.text
+                made.append(r.json()["id"])
+                assert r.json()["labels"][TENANT_LABEL] == "bob"
+                r = await c.post("/v1/sandboxes/batch/destroy", json={"ids": [sa]}, headers=bob)
+                assert r.status_code == 200, r.text
+                assert r.json()["killed"] == 0 and r.json()["failed"] == 1, r.text
+                report()
+                r = await c.post("/v1/sandboxes", json={"snapshot": world["snap"]},
+                                 headers=bob)
+                assert r.status_code == 404 and "snapshot_not_found" in r.text, r.text
+                r = await c.post("/v1/sandboxes", json={},
+                                 headers={"Authorization": "Bearer wrong-token-0123456789"})
+                assert r.status_code == 401
+                report()
+                r = await c.post("/v1/sandboxes", json={},
+                                 headers={"Authorization": f"Bearer {TOKENS['alice']}"})
+                assert r.status_code == 201, r.text
+                made.append(r.json()["id"])
+                assert r.json()["labels"][TENANT_LABEL] == "alice"
+        finally:
+            await gw.close()
+        return made
+
+    made = asyncio.run(run())
+    try:
+        assert alice.c.get(f"/v1/sandboxes/{sa}").json()["state"] == "running"
+        expect_error(alice.c.get(f"/v1/sandboxes/{made[0]}"), "sandbox_not_found", 404)
+        assert world["bob"].c.get(f"/v1/sandboxes/{made[0]}").status_code == 200
+        assert alice.c.get(f"/v1/sandboxes/{made[1]}").status_code == 200
+    finally:
+        for sid in made:
+            world["admin"].c.delete(f"/v1/sandboxes/{sid}")
