@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -350,7 +351,7 @@ def test_the_gateway_forwards_a_tenant_no_client_can_forge(world: dict[str, Any]
 
             def report() -> None:  # the node's load report (its supervisor's, in a cluster)
                 gw._take({"node": "n1", "endpoint": world["base"], "live": 0,
-                          "capacity": 100, "mem_free_mb": 1 << 20})
+                          "capacity": 100, "mem_free_mb": 1 << 20}, time.monotonic())
             async with httpx.AsyncClient(base_url=url, timeout=120) as c:
                 bob = {"Authorization": f"Bearer {TOKENS['bob']}"}
                 report()
