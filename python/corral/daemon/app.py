@@ -764,7 +764,8 @@ async def restore_sandbox(request: web.Request) -> web.StreamResponse:
     req = await _body(request, RestoreRequest)
     engine = _engine(request)
     engine.precheck_sandbox(request.match_info["id"], _key(request))
-    tenancy.snapshot(engine, req.snapshot, tenant_of(request))
+    if (tenant := tenant_of(request)) is not None:
+        tenancy.snapshot(engine, req.snapshot, tenant)
     op = ops.Restore(request.match_info["id"], _key(request), req.snapshot)
     return await batches.run(request, batches.Progress(), lambda _: _dispatch(request, op),
                              lambda info: _as_now(engine, info))

@@ -8,13 +8,14 @@ trajectory log who made it.
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from corral.daemon.app_errors import TENANT
 from corral.daemon.tenants import TENANT_LABEL
-from corral.errors import Forbidden, SandboxNotFound, SnapshotNotFound
+from corral.errors import Forbidden, InvalidRequest, SandboxNotFound, SnapshotNotFound
 from corral.models import SandboxSpec
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 # Routes a tenant may not call (the host's shared image store, the daemon's metrics): by
 # handler name (corral.daemon.app ROUTES, image_api.ROUTES).
+MAX_GROUP_LEN = 63  # SandboxSpec.network_group
 ADMIN_ONLY = frozenset({"import_image", "upload_image", "tag_image", "push_image",
                         "prune_images", "delete_image", "commit_sandbox", "metrics"})
 
@@ -79,8 +81,21 @@ def own_spec(request: web.Request, engine: Engine, spec: SandboxSpec) -> Sandbox
         snapshot(engine, spec.snapshot, tenant)
     update: dict[str, Any] = {"labels": {**spec.labels, TENANT_LABEL: tenant}}
     if spec.network_group is not None:
-        update["network_group"] = f"{tenant}/{spec.network_group}"
+        update["network_group"] = tenant_group(tenant, spec.network_group)
     return spec.model_copy(update=update)
+
+
+GROUP_TAG_LEN = 14  # "t" + 12 hex digits + "."
+
+
+def tenant_group(tenant: str, group: str) -> str:
+    """A tenant's network group: its name behind a fixed-length tag of the tenant, so two
+    tenants never share one and the result is still a valid group name (recovery re-reads
+    the spec)."""
+    if len(group) > MAX_GROUP_LEN - GROUP_TAG_LEN:
+        raise InvalidRequest(f"a tenant's network_group has at most "
+                             f"{MAX_GROUP_LEN - GROUP_TAG_LEN} characters")
+    return f"t{hashlib.sha256(tenant.encode()).hexdigest()[:12]}.{group}"
 
 
 def guard(engine: Engine) -> Any:
