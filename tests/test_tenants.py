@@ -389,3 +389,25 @@ def test_the_gateway_forwards_a_tenant_no_client_can_forge(world: dict[str, Any]
     finally:
         for sid in made:
             world["admin"].c.delete(f"/v1/sandboxes/{sid}")
+
+
+@pytest.mark.parametrize("content", ['{"alice": "short"}', '{"bad name": "x-0123456789abcdef"}',
+                                     '["not", "a", "map"]', '{"a": "same-0123456789abcdef", '
+                                     '"b": "same-0123456789abcdef"}'])
+def test_a_bad_tokens_file_stops_the_daemon_at_start(content: str) -> None:
+    import subprocess
+    import sys
+
+    state = tempfile.mkdtemp(prefix="corral-test-tenants-bad-", dir="/var/tmp")
+    try:
+        path = os.path.join(state, "tokens.json")
+        with open(path, "w") as f:
+            f.write(content)
+        r = subprocess.run([sys.executable, "-m", "corral.daemon", "--state-dir", state,
+                            "--socket", os.path.join(state, "s.sock"), "--tcp",
+                            f"127.0.0.1:{free_port()}", "--tokens", path],
+                           capture_output=True, timeout=60)
+        assert r.returncode != 0
+        assert b"tokens file" in r.stderr, r.stderr
+    finally:
+        subprocess.run(["rm", "-rf", state], check=False)
