@@ -128,6 +128,10 @@ SANDBOX_ROUTES = [r for r in ROUTES if "{id}" in r.path]
 
 def test_route_table_has_sandbox_routes() -> None:
     assert len(SANDBOX_ROUTES) >= 25  # the table walked below is the real one
+    # Every admin-only name is a route's handler: a renamed handler cannot silently open up.
+    from corral.daemon.tenancy import ADMIN_ONLY
+
+    assert ADMIN_ONLY <= {r.handler.__name__ for r in ROUTES}
 
 
 @pytest.mark.parametrize("route", SANDBOX_ROUTES, ids=lambda r: f"{r.method} {r.path}")
@@ -411,3 +415,24 @@ def test_a_bad_tokens_file_stops_the_daemon_at_start(content: str) -> None:
         assert b"tokens file" in r.stderr, r.stderr
     finally:
         subprocess.run(["rm", "-rf", state], check=False)
+
+
+def test_ownership_survives_a_restart(world: dict[str, Any]) -> None:
+    """Last (it restarts the module's daemon): after a restart, alice's ended sandbox's log,
+    her trajectory and her snapshot are still hers only (the log and the snapshot store
+    keep the tenant)."""
+    bob, alice, sa, st, snap = world["bob"], world["alice"], world["sa"], world["st"], world["snap"]
+    d = world["daemon"]
+    d.stop()
+    d.start()
+    for sid in (sa, st):
+        assert alice.c.get(f"/v1/sandboxes/{sid}/log").status_code == 200
+        expect_error(bob.c.get(f"/v1/sandboxes/{sid}/log"), "sandbox_not_found", 404)
+        expect_error(bob.c.delete(f"/v1/sandboxes/{sid}"), "sandbox_not_found", 404)
+        expect_error(bob.c.delete(f"/v1/sandboxes/{sid}", headers={"Idempotency-Key": "k"}),
+                     "sandbox_not_found", 404)
+    assert alice.c.get("/v1/trajectories/traj-a").json()["sandbox_id"] == st
+    expect_error(bob.c.get("/v1/trajectories/traj-a"), "not_found", 404)
+    assert alice.c.get(f"/v1/snapshots/{snap}").status_code == 200
+    expect_error(bob.c.get(f"/v1/snapshots/{snap}"), "snapshot_not_found", 404)
+    assert snap not in bob.c.get("/v1/snapshots").text
