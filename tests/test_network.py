@@ -267,6 +267,39 @@ def test_sandboxes_reach_each_other_only_within_their_group(net: Env):
         assert not isinstance(r[f"resolve={e.id}"], list), r
 
 
+def test_two_tenants_naming_the_same_group_never_reach_each_other(net: Env):
+    """Tenants alice and bob both ask for network group "g" (made by the admin acting for
+    each, as the cluster gateway does): each reaches its own peer, never the other's."""
+    import httpx
+
+    made: list[str] = []
+    with httpx.Client(transport=httpx.HTTPTransport(uds=net.d.socket_path),
+                      base_url="http://corral", timeout=120) as c:
+        def make(tenant: str) -> Sandbox:
+            r = c.post("/v1/sandboxes", json={"network": "internet", "network_group": "g"},
+                       headers={"X-Corral-Tenant": tenant})
+            assert r.status_code == 201, r.text
+            made.append(r.json()["id"])
+            return Sandbox.from_id(r.json()["id"], endpoint=net.ep)
+
+        try:
+            a1, a2, b1 = make("alice"), make("alice"), make("bob")
+            for sb in (a2, b1):
+                _listen(sb, 7000)
+            addr = {sb.id: sb.info().net.address for sb in (a1, a2, b1)}
+            r = probe(a1, f"connect={addr[a2.id]}:7000", f"connect={a2.id}:7000",
+                      f"connect={addr[b1.id]}:7000", f"resolve={b1.id}")
+            assert ok(r[f"connect={addr[a2.id]}:7000"]) and ok(r[f"connect={a2.id}:7000"]), r
+            assert not ok(r[f"connect={addr[b1.id]}:7000"]), r
+            assert not isinstance(r[f"resolve={b1.id}"], list), r
+            r = probe(b1, f"connect={addr[a2.id]}:7000", f"resolve={a2.id}")
+            assert not ok(r[f"connect={addr[a2.id]}:7000"]), r
+            assert not isinstance(r[f"resolve={a2.id}"], list), r
+        finally:
+            for sid in made:
+                c.delete(f"/v1/sandboxes/{sid}")
+
+
 # ---- policies --------------------------------------------------------------------------------
 def test_a_policy_opens_only_resolved_names_on_their_ports(net: Env):
     lab = net.lab

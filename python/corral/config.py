@@ -18,6 +18,9 @@ class Config:
     # "host:port" to also listen on TCP (requires a token); empty disables TCP.
     tcp_listen: str = field(default_factory=lambda: _env("CORRAL_TCP", ""))
     token: str = field(default_factory=lambda: _env("CORRAL_TOKEN", ""))
+    # A JSON file of tenant name -> token (or "sha256:<hex>"): each tenant's TCP token reaches
+    # only its own sandboxes (corral.daemon.tenants). Empty: no tenants.
+    tokens_file: str = field(default_factory=lambda: _env("CORRAL_TOKENS", ""))
     # The cluster node this daemon serves (its Ray node id, set by the node's supervisor:
     # docs/cluster.md); every SandboxInfo names it. Empty: a standalone daemon.
     node_id: str = field(default_factory=lambda: _env("CORRAL_NODE_ID", ""))

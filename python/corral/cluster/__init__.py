@@ -55,13 +55,15 @@ def _gateway(ray: Any) -> Any:
 def start(address: str | None = "auto", *, name: str = "corral", k: int = 2,
           state_root: str = DEFAULT_STATE_ROOT, run_dir: str = DEFAULT_RUN_DIR,
           max_sandboxes: int = 0, labels: dict[str, dict[str, str]] | None = None,
-          gateway_port: int = 0, autoscale: dict[str, Any] | None = None) -> dict[str, Any]:
+          gateway_port: int = 0, autoscale: dict[str, Any] | None = None,
+          tokens_file: str = "") -> dict[str, Any]:
     """Deploy corral on the Ray cluster at ``address`` (or the one this process is connected
     to): the gateway, then one supervisor per live node that has none yet. ``name`` keeps the
     nodes' state dirs, sockets and cgroups apart from another corral cluster's on the same
     machines; ``labels`` maps a Ray node id to the labels ``node_selector`` matches;
-    ``autoscale`` turns on autoscaling through Ray's autoscaler (``autoscale()``). Returns
-    ``status()``."""
+    ``autoscale`` turns on autoscaling through Ray's autoscaler (``autoscale()``);
+    ``tokens_file``: the tenants' tokens (docs/daemon.md, Tenants), read by the gateway and
+    every node's corrald at that path. Returns ``status()``."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from corral.cluster.gateway import Gateway
@@ -73,7 +75,8 @@ def start(address: str | None = "auto", *, name: str = "corral", k: int = 2,
     try:
         gw = ray.get_actor(GATEWAY, namespace=NAMESPACE)
     except ValueError:
-        deploy = {"state_root": state_root, "run_dir": run_dir, "max_sandboxes": max_sandboxes}
+        deploy = {"state_root": state_root, "run_dir": run_dir, "max_sandboxes": max_sandboxes,
+                  "tokens_file": tokens_file}
         gw = ray.remote(Gateway).options(
             name=GATEWAY, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
             max_restarts=0, max_concurrency=1000,

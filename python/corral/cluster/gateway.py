@@ -10,6 +10,7 @@ the gateway carries creates only, never exec output or files (docs/cluster.md).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import json
 import logging
@@ -23,6 +24,8 @@ from corral.cluster import batch, broadcast, reads, snapshots
 from corral.cluster.placement import NodeLoad, choose
 from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resources
 from corral.daemon import batches
+from corral.daemon.app_errors import ACT_AS_HEADER
+from corral.daemon.tenants import Tenants
 from corral.errors import (
     CapacityExceeded,
     CorralError,
@@ -39,6 +42,9 @@ REPORT_TIMEOUT_S = 2.0
 ADOPT_EVERY_S = 1.0   # autoscaling: how often the gateway looks for nodes Ray added
 MAX_CREATE_BODY = 16 << 20
 SELECTOR_HEADER = "X-Corral-Node-Selector"  # "k=v,k2=v2": only nodes with these labels
+# The tenant the current request acts for (None: the admin), set by _authorized: a node call
+# made for it carries it in X-Corral-Tenant, with the cluster token only the gateway holds.
+_TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("tenant", default=None)
 
 
 def _error(err: CorralError) -> web.Response:
@@ -66,6 +72,9 @@ class Gateway:
         self.k = k
         # How a node's supervisor is made (corral.cluster.start's arguments).
         self.deploy: dict[str, Any] = dict(deploy or {})
+        # Tenants' tokens (corral.daemon.tenants): the same file on every node.
+        tokens = self.deploy.get("tokens_file")
+        self.tenants = Tenants(tokens) if tokens else None
         self.labels: dict[str, dict[str, str]] = {}
         self.nodes: dict[str, NodeLoad] = {}
         self.supervisors: dict[str, Any] = {}   # node id -> actor handle
@@ -296,8 +305,17 @@ class Gateway:
         assert self._session is not None
         return self._session
 
-    def node_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+    def node_headers(self, admin: bool = False) -> dict[str, str]:
+        """The cluster token, and (unless ``admin``) the tenant the current request acts
+        for."""
+        out = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        if not admin and (tenant := _TENANT.get()) is not None:
+            out[ACT_AS_HEADER] = tenant
+        return out
+
+    def tenant(self) -> str | None:
+        """The tenant the current request acts for (None: the admin)."""
+        return _TENANT.get()
 
     async def destroy_on(self, n: NodeLoad, ids: list[str]) -> None:
         """Destroy ``ids`` on node ``n`` (one batch); the node's own answer is not needed."""
@@ -307,8 +325,18 @@ class Gateway:
 
     # ---- HTTP -----------------------------------------------------------------------------
     def _authorized(self, request: web.Request) -> bool:
+        """The cluster token or a tenant's; sets the tenant the request acts for (a client's
+        own X-Corral-Tenant is never forwarded)."""
         got = request.headers.get("Authorization", "")
-        return hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode())
+        _TENANT.set(None)
+        if hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
+            return True
+        scheme, _, tok = got.strip().partition(" ")
+        if self.tenants is None or scheme.lower() != "bearer":
+            return False
+        tenant = self.tenants.tenant(tok.strip())
+        _TENANT.set(tenant)
+        return tenant is not None
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "role": "gateway", "nodes": len(self.nodes)})
@@ -363,8 +391,8 @@ class Gateway:
             except CorralError as e:
                 return _error(e)
             pool = held
-        headers = {"Authorization": f"Bearer {self.token}",
-                   "Content-Type": request.headers.get("Content-Type", "application/json")}
+        headers = self.node_headers()
+        headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
         if key := request.headers.get("Idempotency-Key"):
             headers["Idempotency-Key"] = key
         tried: set[str] = set()

@@ -101,15 +101,19 @@ async def _copy(gw: Gateway, snap_id: str, holders: list[NodeLoad],
     started = time.monotonic()
     try:
         have = await _target_has(gw, src, target, path)
+        # As the admin (export and import are node to node): the holder has shown the
+        # snapshot to the request's tenant (holders), and the import names that tenant.
+        admin = gw.node_headers(admin=True)
+        owner = gw.tenant()
         async with gw.session().get(src.endpoint + path + "/export",
                                     params=[("have", d) for d in have],
-                                    headers=gw.node_headers()) as out:
+                                    headers=admin) as out:
             if out.status != 200:
                 raise _failed(details, f"the holder answered {out.status}", await out.read())
             async with gw.session().post(
                     target.endpoint + "/v1/snapshots/import", data=out.content.iter_chunked(
-                        COPY_CHUNK), headers={**gw.node_headers(),
-                                              "Content-Type": "application/x-tar"}) as into:
+                        COPY_CHUNK), params=[("tenant", owner)] if owner else [],
+                    headers={**admin, "Content-Type": "application/x-tar"}) as into:
                 raw = await into.read()
                 if into.status >= 300:
                     raise _failed(details, f"the target answered {into.status}", raw)

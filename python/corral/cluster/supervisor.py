@@ -89,7 +89,7 @@ class NodeSupervisor:
 
     def __init__(self, cluster: str, node_id: str, host: str, token: str, state_root: str,
                  run_dir: str, max_sandboxes: int = 0,
-                 labels: dict[str, str] | None = None) -> None:
+                 labels: dict[str, str] | None = None, tokens_file: str = "") -> None:
         self.node_id = node_id
         self.labels = dict(labels or {})
         self.paths = NodePaths.of(cluster, node_id, state_root, run_dir)
@@ -100,6 +100,8 @@ class NodeSupervisor:
         env = dict(os.environ, CORRAL_CGROUP=self.paths.cgroup, CORRAL_TOKEN=token,
                    CORRAL_MAX_SANDBOXES=str(max_sandboxes))
         env.pop("CORRAL_URL", None)
+        if tokens_file:  # tenants (docs/cluster.md): the gateway's file, at the same path
+            env["CORRAL_TOKENS"] = tokens_file
         # The token goes in the environment, not argv (which /proc shows to everyone).
         launcher = subprocess.Popen(
             [sys.executable, "-m", "corral.cluster.keeper", "--detach", "--state-dir",
@@ -193,4 +195,5 @@ def start_supervisor(cluster: str, token: str, node: dict[str, Any], deploy: dic
         name=f"supervisor:{nid}", namespace="corral", lifetime="detached", num_cpus=0,
         max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
     ).remote(cluster, nid, node["NodeManagerAddress"], token, deploy["state_root"],
-             deploy["run_dir"], deploy.get("max_sandboxes", 0), labels)
+             deploy["run_dir"], deploy.get("max_sandboxes", 0), labels,
+             deploy.get("tokens_file") or "")

@@ -26,6 +26,7 @@ from corral.daemon.app import MAX_FIELD_SIZE, MAX_LINE_SIZE, create_app
 from corral.daemon.engine import Engine
 from corral.daemon.locks import try_lock
 from corral.daemon.protect import protect_daemon
+from corral.daemon.tenants import Tenants, TokensError
 
 log = logging.getLogger("corral.daemon")
 PIDFILE = "corrald.pid"
@@ -42,7 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--socket", help="unix socket path (default $CORRAL_SOCKET or "
                                     "/run/corral/corrald.sock)")
     p.add_argument("--tcp", help="also listen on HOST:PORT (requires --token)")
-    p.add_argument("--token", help="bearer token required on TCP (default $CORRAL_TOKEN)")
+    p.add_argument("--token", help="the admin's bearer token on TCP (default $CORRAL_TOKEN)")
+    p.add_argument("--tokens", help="tenants' tokens file, JSON name -> token (default "
+                                    "$CORRAL_TOKENS; docs/daemon.md)")
     p.add_argument("--node-id", help="the cluster node this daemon serves (default "
                                      "$CORRAL_NODE_ID; none: standalone)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
@@ -55,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_config(args: argparse.Namespace) -> config.Config:
     over = {k: v for k, v in {"state_dir": args.state_dir, "socket_path": args.socket,
                               "tcp_listen": args.tcp, "token": args.token,
+                              "tokens_file": args.tokens,
                               "log_level": args.log_level, "node_id": args.node_id,
                               "log_file": args.log_file}.items() if v is not None}
     cfg = dataclasses.replace(config.load(), **over)
@@ -200,9 +204,13 @@ def parse_hostport(value: str) -> tuple[str, int]:
 
 
 async def serve(cfg: config.Config) -> None:
-    if cfg.tcp_listen and not cfg.token:
+    if cfg.tcp_listen and not (cfg.token or cfg.tokens_file):
         raise StartupError("refusing to listen on TCP without a token (--token or "
-                           "CORRAL_TOKEN)")
+                           "CORRAL_TOKEN, or a tokens file: --tokens or CORRAL_TOKENS)")
+    try:
+        tenants = Tenants(cfg.tokens_file) if cfg.tokens_file else None
+    except TokensError as e:
+        raise StartupError(str(e)) from None
     os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
     lock_fd = lock_pidfile(cfg.state_dir)
     cgroup_lock_fd = lock_cgroup_name(cfg.cgroup_name)
@@ -219,7 +227,7 @@ async def serve(cfg: config.Config) -> None:
         await engine.start()
         cgroups = engine.shared.get("cgroups")  # made by the container substrate
         protected = protect_daemon(cgroups, cfg.daemon_memory_mb) if cgroups is not None else {}
-        app = create_app(engine, cfg.token or None)
+        app = create_app(engine, cfg.token or None, tenants)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0,
                                max_line_size=MAX_LINE_SIZE, max_field_size=MAX_FIELD_SIZE)
         await runner.setup()

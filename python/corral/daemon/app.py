@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel
 
-from corral.daemon import batches, dashboard, image_api, ops, snapxfer, spool, streams
+from corral.daemon import batches, dashboard, image_api, ops, snapxfer, spool, streams, tenancy
 from corral.daemon.app_errors import JSON_MAX, MAX_BODY, is_unix, middleware
 from corral.daemon.bodies import parse
 from corral.daemon.engine import MAX_READ_BYTES, Engine
@@ -64,6 +64,8 @@ from corral.daemon.routes import (
 )
 from corral.daemon.snapshots import CaptureControl
 from corral.daemon.substrates.process import api as run_code_api
+from corral.daemon.tenancy import tenant_of
+from corral.daemon.tenants import TENANT_LABEL, Tenants
 from corral.daemon.trajlog import (
     KEY_HEADER,
     MAX_KEY_LEN,
@@ -255,11 +257,18 @@ async def create_sandbox(request: web.Request) -> web.Response:
             _SPECS.clear()
         if len(raw) <= SPEC_CACHE_BODY:
             _SPECS[raw] = spec
-    spec = _layer_dirs_allowed(request, spec)
+    spec = tenancy.own_spec(request, _engine(request), _layer_dirs_allowed(request, spec))
     key = _key(request)
     # A create keyed "{T}:create" makes trajectory T's sandbox (engine.by_operator).
     tid = key[:-len(":create")] if key and key.endswith(":create") else None
-    info = await _dispatch(request, ops.Create("", key, spec, tid or None))
+    try:
+        info = await _dispatch(request, ops.Create("", key, spec, tid or None))
+    except ReplayDivergence as e:
+        if tenant_of(request) is None:
+            raise
+        # Create keys are one namespace: a key another tenant used names no sandbox here.
+        raise ReplayDivergence(f"idempotency key {key!r} was used for a different request",
+                               details={"key": key}) from e
     return _json(_as_now(_engine(request), info), 201)
 
 
@@ -282,7 +291,7 @@ def _layer_dirs_allowed(request: web.Request, spec: SandboxSpec) -> SandboxSpec:
 async def create_batch(request: web.Request) -> web.StreamResponse:
     req = await _body(request, CreateManyRequest)
     engine = _engine(request)
-    req.spec = _layer_dirs_allowed(request, req.spec)
+    req.spec = tenancy.own_spec(request, engine, _layer_dirs_allowed(request, req.spec))
     engine.precheck_create(req.count, req.spec)
 
     async def answer(made: list[Any]) -> dict[str, Any]:
@@ -303,12 +312,25 @@ async def create_batch(request: web.Request) -> web.StreamResponse:
         cancel_when_gone=True, undo=undo)
 
 
+async def _own_ids(request: web.Request, ids: list[str], run: Any) -> list[dict[str, Any]]:
+    """A batch over ``ids`` by a tenant: ``run`` on its own ids only; another tenant's id
+    gets the result of an unknown one, in its place."""
+    tenant, engine = tenant_of(request), _engine(request)
+    if tenant is None:
+        return await run(ids)
+    mask = [tenancy.owns(engine, i, tenant) for i in ids]
+    got = iter(await run([i for i, m in zip(ids, mask, strict=True) if m]))
+    return [next(got) if m else tenancy.unknown_sandbox(i).to_payload()
+            for i, m in zip(ids, mask, strict=True)]
+
+
 async def exec_batch(request: web.Request) -> web.StreamResponse:
     req = await _body(request, ExecManyRequest)
     engine = _engine(request)
     return await batches.run(
         request, batches.Progress(len(req.ids)),
-        lambda p: engine.exec_many(req.ids, req.exec, req.concurrency, on_done=p.tick),
+        lambda p: _own_ids(request, req.ids, lambda ids: engine.exec_many(
+            ids, req.exec, req.concurrency, on_done=p.tick)),
         lambda results: {"results": results})
 
 
@@ -329,11 +351,14 @@ async def kill_batch(request: web.Request) -> web.StreamResponse:
 
     return await batches.run(
         request, batches.Progress(len(req.ids)),
-        lambda p: _engine(request).kill_many(req.ids, on_done=p.tick), answer)
+        lambda p: _own_ids(request, req.ids, lambda ids: _engine(request).kill_many(
+            ids, on_done=p.tick)), answer)
 
 
 async def list_sandboxes(request: web.Request) -> web.Response:
     labels = label_filters(request.query.getall("label", []))
+    if (tenant := tenant_of(request)) is not None:
+        labels[TENANT_LABEL] = tenant
     items, nxt = page(request, _engine(request).list(labels),
                       lambda sb: f"{sb.created_at:020.6f}/{sb.id}")
     return _json({"sandboxes": [sb.info() for sb in items], "next": nxt})
@@ -740,6 +765,8 @@ async def restore_sandbox(request: web.Request) -> web.StreamResponse:
     req = await _body(request, RestoreRequest)
     engine = _engine(request)
     engine.precheck_sandbox(request.match_info["id"], _key(request))
+    if (tenant := tenant_of(request)) is not None:
+        tenancy.snapshot(engine, req.snapshot, tenant)
     op = ops.Restore(request.match_info["id"], _key(request), req.snapshot)
     return await batches.run(request, batches.Progress(), lambda _: _dispatch(request, op),
                              lambda info: _as_now(engine, info))
@@ -756,17 +783,21 @@ async def resume_sandbox(request: web.Request) -> web.Response:
 
 
 async def list_snapshots(request: web.Request) -> web.Response:
-    items, nxt = page(request, _engine(request).snapshot_list(),
-                      lambda r: f"{r['created_at']:020.6f}/{r['id']}")
+    recs = _engine(request).snapshot_list()
+    if (tenant := tenant_of(request)) is not None:
+        recs = [r for r in recs if r.get("tenant") == tenant]
+    items, nxt = page(request, recs, lambda r: f"{r['created_at']:020.6f}/{r['id']}")
     return _json({"snapshots": [_snap(r) for r in items], "next": nxt})
 
 
 async def get_snapshot(request: web.Request) -> web.Response:
-    return _json(_snap(_engine(request).snapshot_get(request.match_info["snap"])))
+    return _json(_snap(tenancy.snapshot(_engine(request), request.match_info["snap"],
+                                        tenant_of(request))))
 
 
 async def delete_snapshot(request: web.Request) -> web.Response:
-    rec = _engine(request).snapshot_delete(request.match_info["snap"])
+    engine, key = _engine(request), request.match_info["snap"]
+    rec = engine.snapshot_delete(tenancy.snapshot(engine, key, tenant_of(request))["id"])
     return _json({"id": rec["id"], "deleted": True})
 
 
@@ -795,8 +826,10 @@ async def export_snapshot(request: web.Request) -> web.StreamResponse:
 
 async def import_snapshot(request: web.Request) -> web.Response:
     """A snapshot from another node's export stream (the body), stored under the same id:
-    201, or 200 if this node has that id already."""
-    rec, made = await _engine(request).snapshot_import(request.content.read)
+    201, or 200 if this node has that id already. ``?tenant=``: its owner here (the admin's
+    call: a tenant's token cannot import), never what the stream says."""
+    tenant = request.query.get("tenant") or None
+    rec, made = await _engine(request).snapshot_import(request.content.read, tenant)
     return _json(_snap(rec), 201 if made else 200)
 
 
@@ -823,6 +856,10 @@ async def get_trajectory(request: web.Request) -> web.Response:
         raise NotFound(f"no trajectory {tid!r} in the log (no create keyed {tid}:create)",
                        details={"trajectory_id": tid})
     sid, step = found
+    tenant = tenant_of(request)
+    if tenant is not None and await tenancy.owner(engine, sid) != tenant:
+        raise NotFound(f"no trajectory {tid!r} in the log (no create keyed {tid}:create)",
+                       details={"trajectory_id": tid})
     now = engine.info_now(sid)
     if now is not None:
         info = now
@@ -869,7 +906,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def dashboard_summary(request: web.Request) -> web.Response:
     engine, m = _engine(request), request.app[METRICS]
-    return _json(dashboard.summary(engine.list({}), engine.config.max_sandboxes,
+    tenant = tenant_of(request)
+    return _json(dashboard.summary(engine.list({} if tenant is None else {TENANT_LABEL: tenant}),
+                                   engine.config.max_sandboxes,
                                    engine.metrics(), m.error_counts(), m.infra_total(),
                                    m.histograms()))
 
@@ -1084,11 +1123,15 @@ _ID_RE = "{id:(?!batch$)[^/]+}"
 _NAME_RE = "{name:(?!(?:pull|prune|tag|push)$).+}"
 
 
-def create_app(engine: Engine | None, token: str | None = None) -> web.Application:
+def create_app(engine: Engine | None, token: str | None = None,
+               tenants: Tenants | None = None) -> web.Application:
+    """``token``: the admin's bearer token on TCP; ``tenants``: the tenants' tokens
+    (corral.daemon.tenants), each reaching only its own sandboxes (corral.daemon.tenancy)."""
     app = web.Application(client_max_size=JSON_MAX)
     app[WAITING] = {"waiting": 0}
     app[METRICS] = Metrics(None if engine is None else lambda: _scrape(app))
-    app.middlewares.append(middleware(token, app[METRICS].error))
+    guard = tenancy.guard(engine) if engine is not None else None
+    app.middlewares.append(middleware(token, app[METRICS].error, tenants, guard))
     if engine is not None:
         app[ENGINE] = engine
         run_code_api.install(app, engine.config.state_dir, engine.config.cgroup_name)

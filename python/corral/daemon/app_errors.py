@@ -18,6 +18,7 @@ from aiohttp import web
 
 from corral.daemon import dashboard, oserrors
 from corral.daemon.spool import too_large
+from corral.daemon.tenants import NAME_RE, Tenants
 from corral.errors import CorralError, InternalError, InvalidRequest, NotFound, Unauthorized
 
 log = logging.getLogger("corral.api")
@@ -47,12 +48,19 @@ def json_error(err: CorralError, status: int | None = None,
                         headers=headers)
 
 
-def _token_ok(header: str, token: bytes | None) -> bool:
-    """``Authorization: Bearer <token>``; the scheme is case-insensitive (RFC 7235)."""
-    if token is None:
-        return False
+def _bearer(header: str) -> str | None:
+    """The token of ``Authorization: Bearer <token>``; the scheme is case-insensitive (RFC
+    7235)."""
     scheme, _, got = header.strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(got.strip().encode(), token)
+    return got.strip() if scheme.lower() == "bearer" else None
+
+
+# request[TENANT]: the tenant a request acts for; absent for the admin (unix socket, token).
+TENANT = "corral.tenant"
+# An admin's request on a tenant's behalf (the cluster gateway's, which checked the tenant's
+# token): honoured with the admin's credentials only, so a tenant cannot name another.
+ACT_AS_HEADER = "X-Corral-Tenant"
+Guard = Callable[[web.Request, str], Awaitable[None]]
 
 
 def _http_error(request: web.Request, e: web.HTTPException
@@ -70,9 +78,36 @@ def _http_error(request: web.Request, e: web.HTTPException
     return CorralError(e.reason or str(e), code="http_error"), e.status, None
 
 
-def middleware(token: str | None, on_error: Callable[[CorralError], None] | None = None) -> Any:
-    """``on_error`` sees every error answered with a code (the /metrics error counters)."""
+def middleware(token: str | None, on_error: Callable[[CorralError], None] | None = None,
+               tenants: Tenants | None = None, guard: Guard | None = None) -> Any:
+    """``on_error`` sees every error answered with a code (the /metrics error counters).
+    ``tenants``: the tenants' tokens; a tenant's request passes ``guard`` (which raises if the
+    route or what it names is not the tenant's) before its handler."""
     expected = token.encode() if token else None
+
+    async def authenticate(request: web.Request) -> None:
+        """Raises unless the request is the admin's or a tenant's; a tenant's passes the
+        guard."""
+        if is_unix(request):
+            tenant = request.headers.get(ACT_AS_HEADER)
+        else:
+            got = _bearer(request.headers.get("Authorization", ""))
+            if got is None:
+                raise Unauthorized("missing or wrong bearer token")
+            if expected is not None and hmac.compare_digest(got.encode(), expected):
+                tenant = request.headers.get(ACT_AS_HEADER)  # the admin (cluster) token
+            else:
+                tenant = tenants.tenant(got) if tenants is not None else None
+                if tenant is None:
+                    raise Unauthorized("missing or wrong bearer token")
+        if tenant is None:
+            return
+        if not NAME_RE.match(tenant):
+            raise Unauthorized(f"{ACT_AS_HEADER} must be a tenant name (1-63 of "
+                               "A-Za-z0-9_.-)")
+        request[TENANT] = tenant
+        if guard is not None:
+            await guard(request, tenant)
 
     def answer(err: CorralError, status: int | None = None,
                headers: dict[str, str] | None = None) -> web.Response:
@@ -83,9 +118,8 @@ def middleware(token: str | None, on_error: Callable[[CorralError], None] | None
     @web.middleware
     async def handle(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
-            if request.path not in PUBLIC_PATHS and not is_unix(request):
-                if not _token_ok(request.headers.get("Authorization", ""), expected):
-                    raise Unauthorized("missing or wrong bearer token")
+            if request.path not in PUBLIC_PATHS:
+                await authenticate(request)
             return await handler(request)
         except CorralError as e:
             return answer(e)

@@ -19,6 +19,7 @@ from corral import __version__
 from corral.daemon.app import ROUTES
 from corral.daemon.app_errors import PUBLIC_PATHS
 from corral.daemon.routes import SCHEMA_REF, Route
+from corral.daemon.tenancy import ADMIN_ONLY
 from corral.errors import ERROR_CLASSES
 
 SPEC_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "openapi.json")
@@ -124,6 +125,8 @@ def _statuses(r: Route) -> list[int]:
     """The error statuses an operation answers: bad input (400) wherever a request carries
     input, 401 without the token on TCP, 500 for a daemon bug, and the route's own."""
     out = {500} | set(r.errors)
+    if r.handler.__name__ in ADMIN_ONLY:  # to a tenant's token (docs/daemon.md, Tenants)
+        out.add(403)
     if r.path not in PUBLIC_PATHS:
         out.add(401)
     if r.body is not None or r.query or "{" in r.path:

@@ -380,13 +380,17 @@ class SnapshotStore:
 
     def commit(self, tmp: str, digest: str, size: int, *, name: str | None,
                parent: str | None, image: str, base: Layers,
-               sandbox_id: str) -> dict[str, Any]:
+               sandbox_id: str, tenant: str | None = None) -> dict[str, Any]:
         """Put a captured layer in place (or drop it if that content is already stored) and
-        record the snapshot. Runs on the loop, so it cannot race with a collection."""
+        record the snapshot (of ``tenant``: corral.daemon.tenants). Runs on the loop, so it
+        cannot race with a collection."""
         if name is not None and name in self.by_name:
             self._rm_later(tmp)
-            raise SnapshotExists(f"a snapshot named {name!r} exists",
-                                 details={"name": name, "id": self.by_name[name]})
+            other = self.records[self.by_name[name]]
+            # Names are one namespace; another tenant's snapshot's id is not told.
+            details = ({"name": name, "id": other["id"]}
+                       if other.get("tenant") == tenant else {"name": name})
+            raise SnapshotExists(f"a snapshot named {name!r} exists", details=details)
         final = self.layer_path(digest)
         if os.path.isdir(final):
             self._rm_later(tmp)  # same content already stored: share it
@@ -395,6 +399,8 @@ class SnapshotStore:
         rec: dict[str, Any] = {"id": new_id(), "name": name, "parent": parent, "image": image,
                "digest": digest, "layers": [*base, digest], "size": size,
                "created_at": time.time(), "sandbox_id": sandbox_id}
+        if tenant is not None:
+            rec["tenant"] = tenant
         self.refs.update(rec["layers"])
         try:
             self.db.put(rec)

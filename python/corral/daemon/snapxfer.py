@@ -36,6 +36,7 @@ from corral.daemon import removal
 from corral.daemon.oci import push, unpack
 from corral.daemon.snapshots import SnapshotStore, info, layer_digest
 from corral.errors import (
+    Conflict,
     InvalidImage,
     InvalidSnapshotStream,
     SnapshotDigestMismatch,
@@ -258,14 +259,18 @@ def read_stream(src: Any, staging: str, limits: unpack.Limits,
     return man
 
 
-def commit(store: SnapshotStore, man: dict[str, Any], staging: str) -> tuple[dict[str, Any],
-                                                                              bool]:
-    """Move the checked layers into place and record the snapshot (on the loop: no collection
-    or delete runs in between). (record, made): an id the node has already is answered as
-    it is."""
+def commit(store: SnapshotStore, man: dict[str, Any], staging: str,
+           tenant: str | None = None) -> tuple[dict[str, Any], bool]:
+    """Move the checked layers into place and record the snapshot, owned by ``tenant`` (on
+    the loop: no collection or delete runs in between). (record, made): an id the node has
+    already is answered as it is if it is the same tenant's (else a conflict that tells
+    nothing of it)."""
     rec = man["snapshot"]
     have = store.records.get(rec["id"])
     if have is not None:
+        if have.get("tenant") != tenant:
+            raise Conflict("this node has another snapshot of that id",
+                           details={"snapshot": rec["id"]})
         return have, False
     for d in rec["layers"]:
         if d not in man["sent"] and not os.path.isdir(store.layer_path(d)):
@@ -277,6 +282,8 @@ def commit(store: SnapshotStore, man: dict[str, Any], staging: str) -> tuple[dic
             os.rename(os.path.join(staging, "layers", d), final)
     name = rec["name"] if rec["name"] and rec["name"] not in store.by_name else None
     new = dict(rec, name=name)
+    if tenant is not None:
+        new["tenant"] = tenant
     store.refs.update(new["layers"])
     try:
         store.db.put(new)
@@ -291,7 +298,7 @@ def commit(store: SnapshotStore, man: dict[str, Any], staging: str) -> tuple[dic
 
 async def receive(store: SnapshotStore, recv: Callable[[int], Coroutine[Any, Any, bytes]],
                   check_image: Callable[[str], Coroutine[Any, Any, str]],
-                  ) -> tuple[dict[str, Any], bool]:
+                  tenant: str | None = None) -> tuple[dict[str, Any], bool]:
     """Import a stream read with ``recv``: unpacked and checked in a worker thread, its image
     made present (``check_image``: the name the node knows it by, pulled if need be), then
     committed. Cancelled (the client left) or failed, nothing of it stays."""
@@ -322,7 +329,7 @@ async def receive(store: SnapshotStore, recv: Callable[[int], Coroutine[Any, Any
                            details=e.details) from None
         except Cancelled:
             raise _bad("truncated", "the snapshot stream broke off") from None
-        return commit(store, man, staging)
+        return commit(store, man, staging, tenant)
     finally:
         if os.path.isdir(staging):  # what was not moved into place: gone from spares/ now
             trash = os.path.join(store.trash_dir, os.path.basename(staging))

@@ -24,6 +24,7 @@ from corral.daemon.substrates.base import (
     SandboxRuntime,
     Substrate,
 )
+from corral.daemon.tenants import TENANT_LABEL
 from corral.daemon.trajlog import TrajLog
 from corral.errors import (
     CapacityExceeded,
@@ -80,6 +81,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         # refuses creates while the host is short of memory
         self.memory = capacity.MemoryGuard(clock.monotonic)
         self.tombstones: OrderedDict[str, str] = OrderedDict()
+        # The tenant of an ended sandbox with a tombstone (corral.daemon.tenants).
+        self.ended_tenants: dict[str, str] = {}
         self.causes: dict[str, dict[str, Any]] = {}  # tombstoned "crashed" ids: the cause
         self.substrate_names = list(substrates) if substrates is not None \
             else registry.defaults()
@@ -742,6 +745,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         if sb.layers and self.snaps is not None:
             self.snaps.release(sb.layers)
         self._tombstone(sb.id, sb.reason or "killed", sb.cause)
+        if (tenant := sb.spec.labels.get(TENANT_LABEL)) is not None:
+            self.ended_tenants[sb.id] = tenant
         self.trajlog.sandbox_ended(sb.id, sb.reason or "killed", sb.final_net())
         log.debug("sandbox destroyed", extra={"sandbox": sb.id, "reason": sb.reason})
 
@@ -753,6 +758,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
             self.causes.pop(sid, None)
         while len(self.tombstones) > TOMBSTONES:
             old, _ = self.tombstones.popitem(last=False)
+            self.ended_tenants.pop(old, None)
             self.causes.pop(old, None)
 
     async def kill(self, sid: str, key: str | None = None) -> bool:

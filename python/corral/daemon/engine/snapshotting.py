@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from corral.daemon import persist, snapshots, snapxfer
+from corral.daemon.tenants import TENANT_LABEL
 from corral.errors import SnapshotExists, SnapshotNotFound, Unsupported
 
 from .base import Sandbox
@@ -39,7 +40,8 @@ class SnapshotOps:
             raise SnapshotExists(f"a snapshot named {name!r} exists", details={"name": name})
         sb, base, (tmp, digest, size) = await self._capture(sid, control)
         rec = store.commit(tmp, digest, size, name=name, parent=sb.spec.snapshot,
-                           image=sb.spec.image, base=base, sandbox_id=sid)
+                           image=sb.spec.image, base=base, sandbox_id=sid,
+                           tenant=sb.spec.labels.get(TENANT_LABEL))
         if store.wants_spares():  # the next capture's dir, made while this one answers
             task = asyncio.ensure_future(asyncio.to_thread(store.refill_spares))
             self._batch_tasks.add(task)
@@ -198,10 +200,11 @@ class SnapshotOps:
         self.counters["snapshots_exported"] += 1
 
     async def snapshot_import(self: EngineHost, recv: Callable[[int], Any],
-                              ) -> tuple[dict[str, Any], bool]:
-        """A snapshot from another node's export stream read with ``recv``: (record, made);
-        an id this node has already is answered as it is."""
-        rec, made = await snapxfer.receive(self._snaps(), recv, self._import_image)
+                              tenant: str | None = None) -> tuple[dict[str, Any], bool]:
+        """A snapshot from another node's export stream read with ``recv``, owned by
+        ``tenant`` (None: the admin): (record, made); an id this node has already is
+        answered as it is if it is the same tenant's."""
+        rec, made = await snapxfer.receive(self._snaps(), recv, self._import_image, tenant)
         self.counters["snapshots_imported"] += made
         return rec, made
 

@@ -1,0 +1,462 @@
+"""Tenants of one daemon attack each other over TCP (docs/security.md, tenants).
+
+A private daemon listens on TCP with the admin token and a tokens file of three tenants.
+Tenant bob tries every sandbox route of the API (the ROUTES table, so a new route is covered
+when it is added) on alice's sandbox, her snapshot, her trajectory and her idempotency key:
+each must answer exactly what an unknown id answers, and alice's sandbox must be untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from corral.daemon.app import ROUTES
+from corral.daemon.tenants import TENANT_LABEL
+
+from apiclient import expect_error
+from conftest import CGROUP_NAME, private_daemon, wait_until
+
+ADMIN = "admin-token-0123456789"
+TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789",
+          "carol": "carol-token-0123456789"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _write_tokens(path: str, tokens: dict[str, str]) -> None:
+    tmp = path + ".new"
+    with open(tmp, "w") as f:
+        json.dump(tokens, f)
+    os.replace(tmp, path)  # a new inode: the daemon sees the change at once
+
+
+class Tenant:
+    def __init__(self, base: str, token: str | None) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.c = httpx.Client(base_url=base, headers=headers, timeout=120)
+
+    def create(self, **spec: Any) -> dict[str, Any]:
+        r = self.c.post("/v1/sandboxes", json=spec)
+        assert r.status_code == 201, r.text
+        return r.json()
+
+    def exec(self, sid: str, cmd: str) -> dict[str, Any]:
+        r = self.c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": cmd})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+@pytest.fixture(scope="module")
+def daemon_tcp() -> Iterator[dict[str, Any]]:
+    tokdir = tempfile.mkdtemp(prefix="corral-test-tenants-tok-", dir="/var/tmp")
+    path = os.path.join(tokdir, "tokens.json")
+    _write_tokens(path, TOKENS)
+    port = free_port()
+    try:
+        with private_daemon("corral-test-tenants-", f"{CGROUP_NAME}-tenants",
+                            CORRAL_TCP=f"127.0.0.1:{port}", CORRAL_TOKEN=ADMIN,
+                            CORRAL_TOKENS=path) as d:
+            base = f"http://127.0.0.1:{port}"
+            admin = Tenant(base, ADMIN)
+            try:
+                yield {"base": base, "tokens": path, "admin": admin, "daemon": d}
+            finally:  # everything any tenant made
+                for sb in admin.c.get("/v1/sandboxes").json()["sandboxes"]:
+                    admin.c.delete(f"/v1/sandboxes/{sb['id']}")
+                for s in admin.c.get("/v1/snapshots").json()["snapshots"]:
+                    admin.c.delete(f"/v1/snapshots/{s['id']}")
+                admin.c.close()
+    finally:
+        for name in os.listdir(tokdir):
+            os.unlink(os.path.join(tokdir, name))
+        os.rmdir(tokdir)
+
+
+@pytest.fixture(scope="module")
+def world(daemon_tcp: dict[str, Any]) -> dict[str, Any]:
+    """Alice's sandbox (a file, a background process, a snapshot, a keyed trajectory) and
+    bob's own sandbox."""
+    base = daemon_tcp["base"]
+    alice, bob = Tenant(base, TOKENS["alice"]), Tenant(base, TOKENS["bob"])
+    sa = alice.create(labels={"who": "alice"})["id"]
+    alice.exec(sa, "echo secret > /root/secret")
+    r = alice.c.post(f"/v1/sandboxes/{sa}/exec", json={"cmd": "sleep 600", "background": True})
+    assert r.status_code == 200, r.text
+    pid = r.json()["pid"]
+    r = alice.c.post(f"/v1/sandboxes/{sa}/snapshot", json={"name": "alice-snap"})
+    assert r.status_code == 201, r.text
+    snap = r.json()["id"]
+    r = alice.c.post("/v1/sandboxes", json={}, headers={"Idempotency-Key": "traj-a:create"})
+    assert r.status_code == 201, r.text
+    st = r.json()["id"]
+    r = alice.c.post(f"/v1/sandboxes/{st}/exec", json={"cmd": "true"},
+                     headers={"Idempotency-Key": "traj-a:0"})
+    assert r.status_code == 200, r.text
+    sb = bob.create()["id"]
+    return {"alice": alice, "bob": bob, "sa": sa, "pid": pid, "snap": snap, "st": st,
+            "sb": sb, **daemon_tcp}
+
+
+def _fill(path: str, sid: str, pid: int) -> str:
+    return (path.replace("{id}", sid).replace("{pid}", str(pid)).replace("{port}", "8080"))
+
+
+def _same_as_unknown(foreign: httpx.Response, unknown: httpx.Response, fid: str,
+                     uid: str) -> None:
+    """A foreign id's answer is an unknown id's, but for the id itself."""
+    assert foreign.status_code == unknown.status_code == 404, (foreign.text, unknown.text)
+    assert foreign.text.replace(fid, "ID") == unknown.text.replace(uid, "ID")
+    assert foreign.json()["error"]["code"] == "sandbox_not_found"
+
+
+SANDBOX_ROUTES = [r for r in ROUTES if "{id}" in r.path]
+
+
+def test_route_table_has_sandbox_routes() -> None:
+    assert len(SANDBOX_ROUTES) >= 25  # the table walked below is the real one
+    # Every admin-only name is a route's handler: a renamed handler cannot silently open up.
+    from corral.daemon.tenancy import ADMIN_ONLY
+
+    assert ADMIN_ONLY <= {r.handler.__name__ for r in ROUTES}
+
+
+@pytest.mark.parametrize("route", SANDBOX_ROUTES, ids=lambda r: f"{r.method} {r.path}")
+def test_every_sandbox_route_hides_another_tenants_sandbox(world: dict[str, Any],
+                                                           route: Any) -> None:
+    bob, alice, sa, pid = world["bob"], world["alice"], world["sa"], world["pid"]
+    guess = "sb-" + os.urandom(8).hex()
+    params = {"path": "/root/secret"}
+    body = b"{}"
+    for headers in ({}, {"Idempotency-Key": "traj-a:0"}):
+        foreign = bob.c.request(route.method, _fill(route.path, sa, pid), params=params,
+                                content=body, headers=headers)
+        unknown = bob.c.request(route.method, _fill(route.path, guess, pid), params=params,
+                                content=body, headers=headers)
+        _same_as_unknown(foreign, unknown, sa, guess)
+    # Alice's sandbox is untouched: running, its file and background process there.
+    info = alice.c.get(f"/v1/sandboxes/{sa}").json()
+    assert info["state"] == "running", info
+    assert alice.exec(sa, "cat /root/secret")["stdout"] == "secret\n"
+    assert alice.c.get(f"/v1/sandboxes/{sa}/procs/{pid}").json()["running"] is True
+
+
+def test_foreign_sandbox_is_unknown_for_the_trajectory_key_of_its_owner(world: dict[str, Any]
+                                                                         ) -> None:
+    bob, st = world["bob"], world["st"]
+    # Replaying alice's keyed exec on her trajectory's sandbox: not found, nothing returned.
+    r = bob.c.post(f"/v1/sandboxes/{st}/exec", json={"cmd": "true"},
+                   headers={"Idempotency-Key": "traj-a:0"})
+    expect_error(r, "sandbox_not_found", 404)
+    # Her trajectory is unknown to bob, as one that never existed.
+    foreign = bob.c.get("/v1/trajectories/traj-a")
+    unknown = bob.c.get("/v1/trajectories/traj-zz")
+    assert foreign.status_code == unknown.status_code == 404
+    assert foreign.text.replace("traj-a", "T") == unknown.text.replace("traj-zz", "T")
+    assert world["alice"].c.get("/v1/trajectories/traj-a").json()["sandbox_id"] == st
+    # Her create key: bob's create under it makes nothing and tells no sandbox id.
+    r = bob.c.post("/v1/sandboxes", json={}, headers={"Idempotency-Key": "traj-a:create"})
+    err = expect_error(r, "replay_divergence", 409)
+    assert st not in r.text and "sandbox_id" not in err.get("details", {})
+
+
+def test_snapshots_of_another_tenant_are_unknown(world: dict[str, Any]) -> None:
+    bob, alice, snap, sb = world["bob"], world["alice"], world["snap"], world["sb"]
+    for key in (snap, "alice-snap"):
+        for method in ("GET", "DELETE"):
+            expect_error(bob.c.request(method, f"/v1/snapshots/{key}"), "snapshot_not_found",
+                         404)
+        expect_error(bob.c.post("/v1/sandboxes", json={"snapshot": key}),
+                     "snapshot_not_found", 404)
+        expect_error(bob.c.post("/v1/sandboxes/batch", json={"count": 1,
+                                                             "spec": {"snapshot": key}}),
+                     "snapshot_not_found", 404)
+        expect_error(bob.c.post(f"/v1/sandboxes/{sb}/restore", json={"snapshot": key}),
+                     "snapshot_not_found", 404)
+    assert snap not in bob.c.get("/v1/snapshots").text
+    assert alice.c.get(f"/v1/snapshots/{snap}").json()["name"] == "alice-snap"
+    assert [s["id"] for s in alice.c.get("/v1/snapshots").json()["snapshots"]] == [snap]
+    # Names are shared, but the conflict names no id of hers.
+    r = bob.c.post(f"/v1/sandboxes/{sb}/snapshot", json={"name": "alice-snap"})
+    expect_error(r, "snapshot_exists", 409)
+    assert snap not in r.text
+
+
+def test_lists_show_only_the_tenants_own(world: dict[str, Any]) -> None:
+    bob, alice, admin = world["bob"], world["alice"], world["admin"]
+    sa, sb, st = world["sa"], world["sb"], world["st"]
+    # A label naming another tenant is overwritten: the sandbox stays bob's.
+    spoof = bob.create(labels={TENANT_LABEL: "alice"})
+    try:
+        assert spoof["labels"][TENANT_LABEL] == "bob"
+        mine = {s["id"] for s in bob.c.get("/v1/sandboxes").json()["sandboxes"]}
+        assert mine == {sb, spoof["id"]}
+        filtered = bob.c.get("/v1/sandboxes", params={"label": f"{TENANT_LABEL}=alice"})
+        assert {s["id"] for s in filtered.json()["sandboxes"]} == {sb, spoof["id"]}
+        assert {s["id"] for s in alice.c.get("/v1/sandboxes").json()["sandboxes"]} == {sa, st}
+        dash = bob.c.get("/v1/dashboard").json()
+        assert {s["id"] for s in dash["sandboxes"]} == {sb, spoof["id"]}
+        everyone = {s["id"] for s in admin.c.get("/v1/sandboxes").json()["sandboxes"]}
+        assert {sa, sb, st, spoof["id"]} <= everyone
+        expect_error(alice.c.get(f"/v1/sandboxes/{spoof['id']}"), "sandbox_not_found", 404)
+    finally:
+        bob.c.delete(f"/v1/sandboxes/{spoof['id']}")
+
+
+def test_batches_mixing_ids_touch_only_the_tenants_own(world: dict[str, Any]) -> None:
+    bob, alice, sa, sb = world["bob"], world["alice"], world["sa"], world["sb"]
+    guess = "sb-" + os.urandom(8).hex()
+    r = bob.c.post("/v1/sandboxes/batch/exec", json={
+        "ids": [sb, sa, guess], "exec": {"cmd": "cat /root/secret 2>&1; echo ran"}})
+    assert r.status_code == 200, r.text
+    res = r.json()["results"]
+    assert res[0]["stdout"].endswith("ran\n")
+    assert res[1]["error"]["code"] == res[2]["error"]["code"] == "sandbox_not_found"
+    assert json.dumps(res[1]).replace(sa, "ID") == json.dumps(res[2]).replace(guess, "ID")
+    assert "stdout" not in res[1] and res[0]["stdout"].startswith("cat:")
+    victim = alice.create()["id"]
+    own = bob.create()["id"]
+    r = bob.c.post("/v1/sandboxes/batch/destroy", json={"ids": [victim, own, guess]})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["killed"] == 1 and out["failed"] == 2, out
+    assert {e["id"] for e in out["not_killed"]} == {victim, guess}
+    assert all(e["error"]["code"] == "sandbox_not_found" for e in out["not_killed"])
+    assert alice.c.get(f"/v1/sandboxes/{victim}").json()["state"] == "running"
+    # An ended sandbox stays the owner's: alice sees it killed, bob as unknown.
+    assert alice.c.delete(f"/v1/sandboxes/{victim}").json()["killed"] is True
+    expect_error(alice.c.get(f"/v1/sandboxes/{victim}"), "sandbox_not_running", 409)
+    expect_error(bob.c.get(f"/v1/sandboxes/{victim}"), "sandbox_not_found", 404)
+    expect_error(bob.c.get(f"/v1/sandboxes/{own}"), "sandbox_not_running", 409)
+
+
+def test_fork_children_and_their_snapshot_are_the_tenants(world: dict[str, Any]) -> None:
+    bob, alice, sa = world["bob"], world["alice"], world["sa"]
+    r = alice.c.post(f"/v1/sandboxes/{sa}/fork", json={"count": 1, "keep_snapshot": True})
+    assert r.status_code == 201, r.text
+    child, snap = r.json()["sandboxes"][0]["id"], r.json()["snapshot"]["id"]
+    try:
+        assert r.json()["sandboxes"][0]["labels"][TENANT_LABEL] == "alice"
+        expect_error(bob.c.post(f"/v1/sandboxes/{child}/exec", json={"cmd": "true"}),
+                     "sandbox_not_found", 404)
+        expect_error(bob.c.get(f"/v1/snapshots/{snap}"), "snapshot_not_found", 404)
+        assert alice.exec(child, "cat /root/secret")["stdout"] == "secret\n"
+    finally:
+        alice.c.delete(f"/v1/sandboxes/{child}")
+        alice.c.delete(f"/v1/snapshots/{snap}")
+
+
+def test_admin_only_routes_refuse_tenants(world: dict[str, Any]) -> None:
+    bob, admin = world["bob"], world["admin"]
+    expect_error(bob.c.post("/v1/images/prune"), "forbidden", 403)
+    expect_error(bob.c.get("/metrics"), "forbidden", 403)
+    expect_error(bob.c.post(f"/v1/sandboxes/{world['sb']}/commit", json={"name": "x-bob"}),
+                 "forbidden", 403)
+    assert admin.c.get("/metrics").status_code == 200
+    assert bob.c.get("/v1/images").status_code == 200  # images are shared, read-only
+
+
+def test_snapshot_export_and_import_are_the_admins_and_an_import_names_its_owner(
+        world: dict[str, Any]) -> None:
+    """Node-to-node copies (the cluster gateway's): a tenant can neither export another's
+    (or its own) snapshot nor plant one; the admin's import belongs to the tenant it names,
+    never to what the stream says, and an id another tenant has is a conflict that tells
+    nothing of it."""
+    bob, alice, admin, snap = world["bob"], world["alice"], world["admin"], world["snap"]
+    for who in (bob, alice):
+        expect_error(who.c.get(f"/v1/snapshots/{snap}/export"), "forbidden", 403)
+        expect_error(who.c.post("/v1/snapshots/import", content=b"x"), "forbidden", 403)
+    r = admin.c.get(f"/v1/snapshots/{snap}/export")
+    assert r.status_code == 200, r.text
+    stream = r.content
+    # This node has that id (alice's): the same owner is answered as it is, another not.
+    r = admin.c.post("/v1/snapshots/import", content=stream, params={"tenant": "alice"},
+                     headers={"Content-Type": "application/x-tar"})
+    assert r.status_code == 200 and r.json()["id"] == snap, r.text
+    r = admin.c.post("/v1/snapshots/import", content=stream, params={"tenant": "bob"},
+                     headers={"Content-Type": "application/x-tar"})
+    expect_error(r, "conflict", 409)
+    assert "alice" not in r.text and "layers" not in r.text
+    assert snap not in bob.c.get("/v1/snapshots").text
+
+
+def test_tokens_no_token_wrong_token_and_removed_token(world: dict[str, Any]) -> None:
+    base, path = world["base"], world["tokens"]
+    for token in (None, "wrong-token-0123456789", TOKENS["bob"][:-1], TOKENS["bob"] + "x"):
+        expect_error(Tenant(base, token).c.get("/v1/sandboxes"), "unauthorized", 401)
+    expect_error(httpx.get(base + "/v1/sandboxes", headers={
+        "Authorization": f"Basic {TOKENS['bob']}"}), "unauthorized", 401)
+    lower = httpx.get(base + "/v1/sandboxes", headers={
+        "Authorization": f"bearer {TOKENS['bob']}"})
+    assert lower.status_code == 200
+    carol = Tenant(base, TOKENS["carol"])
+    cid = carol.create()["id"]
+    try:
+        # Carol's token is removed from the file: it stops working, the others do not.
+        _write_tokens(path, {k: v for k, v in TOKENS.items() if k != "carol"})
+        assert wait_until(lambda: carol.c.get("/v1/sandboxes").status_code == 401, 10)
+        expect_error(carol.c.post(f"/v1/sandboxes/{cid}/exec", json={"cmd": "true"}),
+                     "unauthorized", 401)
+        assert world["bob"].c.get("/v1/sandboxes").status_code == 200
+        # A broken file admits no tenant (fail closed); the admin still gets in.
+        with open(path, "w") as f:
+            f.write("{not json")
+        assert wait_until(lambda: world["bob"].c.get("/v1/sandboxes").status_code == 401, 10)
+        assert world["admin"].c.get("/v1/sandboxes").status_code == 200
+        # A token given as its sha256 works as the token does.
+        import hashlib
+
+        digest = hashlib.sha256(TOKENS["bob"].encode()).hexdigest()
+        _write_tokens(path, {**{k: v for k, v in TOKENS.items() if k != "bob"},
+                             "bob": f"sha256:{digest}"})
+        assert wait_until(lambda: world["bob"].c.get("/v1/sandboxes").status_code == 200, 10)
+        assert wait_until(lambda: carol.c.get("/v1/sandboxes").status_code == 200, 10)
+    finally:
+        _write_tokens(path, TOKENS)
+        world["admin"].c.delete(f"/v1/sandboxes/{cid}")
+
+
+def test_guessed_ids_answer_the_same(world: dict[str, Any]) -> None:
+    bob, sa = world["bob"], world["sa"]
+    answers = set()
+    for sid in (sa, "sb-" + os.urandom(8).hex(), sa[:-1] + ("0" if sa[-1] != "0" else "1")):
+        r = bob.c.get(f"/v1/sandboxes/{sid}")
+        answers.add((r.status_code, re.sub(r"sb-[0-9a-f]+", "ID", r.text)))
+    assert len(answers) == 1, answers
+
+
+
+def test_only_the_admin_may_act_for_a_tenant(world: dict[str, Any]) -> None:
+    """The cluster gateway checks a tenant's token and calls the node with the admin (cluster)
+    token and X-Corral-Tenant; a tenant naming another tenant there is still itself."""
+    bob, admin, sa, sb = world["bob"], world["admin"], world["sa"], world["sb"]
+    as_alice = {"X-Corral-Tenant": "alice"}
+    expect_error(bob.c.get(f"/v1/sandboxes/{sa}", headers=as_alice), "sandbox_not_found", 404)
+    listed = bob.c.get("/v1/sandboxes", headers=as_alice).json()["sandboxes"]
+    assert sa not in {s["id"] for s in listed} and sb in {s["id"] for s in listed}
+    seen = {s["id"] for s in admin.c.get("/v1/sandboxes", headers=as_alice).json()["sandboxes"]}
+    assert sa in seen and sb not in seen
+    expect_error(admin.c.get(f"/v1/sandboxes/{sb}", headers=as_alice), "sandbox_not_found", 404)
+    made = admin.c.post("/v1/sandboxes", json={}, headers=as_alice)
+    assert made.status_code == 201, made.text
+    try:
+        assert made.json()["labels"][TENANT_LABEL] == "alice"
+        assert world["alice"].c.get(f"/v1/sandboxes/{made.json()['id']}").status_code == 200
+    finally:
+        admin.c.delete(f"/v1/sandboxes/{made.json()['id']}")
+    expect_error(admin.c.get("/v1/sandboxes", headers={"X-Corral-Tenant": "bad name"}),
+                 "unauthorized", 401)
+
+
+def test_the_gateway_forwards_a_tenant_no_client_can_forge(world: dict[str, Any]) -> None:
+    """A gateway (in this process) with the private daemon as its node: a tenant's create
+    through it is the tenant's on the node; a forged X-Corral-Tenant is not forwarded; ids
+    batches through it reach only the tenant's own."""
+    import asyncio
+
+    from corral.cluster.gateway import Gateway
+
+    alice, sa = world["alice"], world["sa"]
+
+    async def run() -> list[str]:
+        gw = Gateway("tenants-test", ADMIN, deploy={"tokens_file": world["tokens"]})
+        made: list[str] = []
+        try:
+            url = await gw.serve("127.0.0.1", free_port())
+
+            def report() -> None:  # the node's load report (its supervisor's, in a cluster)
+                gw._take({"node": "n1", "endpoint": world["base"], "live": 0,
+                          "capacity": 100, "mem_free_mb": 1 << 20}, time.monotonic())
+            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+                bob = {"Authorization": f"Bearer {TOKENS['bob']}"}
+                report()
+                r = await c.post("/v1/sandboxes", json={}, headers={**bob,
+                                                                    "X-Corral-Tenant": "alice"})
+                assert r.status_code == 201, r.text
+                made.append(r.json()["id"])
+                assert r.json()["labels"][TENANT_LABEL] == "bob"
+                r = await c.post("/v1/sandboxes/batch/destroy", json={"ids": [sa]}, headers=bob)
+                assert r.status_code == 200, r.text
+                assert r.json()["killed"] == 0 and r.json()["failed"] == 1, r.text
+                report()
+                r = await c.post("/v1/sandboxes", json={"snapshot": world["snap"]},
+                                 headers=bob)
+                assert r.status_code == 404 and "snapshot_not_found" in r.text, r.text
+                r = await c.post("/v1/sandboxes", json={},
+                                 headers={"Authorization": "Bearer wrong-token-0123456789"})
+                assert r.status_code == 401
+                report()
+                r = await c.post("/v1/sandboxes", json={},
+                                 headers={"Authorization": f"Bearer {TOKENS['alice']}"})
+                assert r.status_code == 201, r.text
+                made.append(r.json()["id"])
+                assert r.json()["labels"][TENANT_LABEL] == "alice"
+        finally:
+            await gw.close()
+        return made
+
+    made = asyncio.run(run())
+    try:
+        assert alice.c.get(f"/v1/sandboxes/{sa}").json()["state"] == "running"
+        expect_error(alice.c.get(f"/v1/sandboxes/{made[0]}"), "sandbox_not_found", 404)
+        assert world["bob"].c.get(f"/v1/sandboxes/{made[0]}").status_code == 200
+        assert alice.c.get(f"/v1/sandboxes/{made[1]}").status_code == 200
+    finally:
+        for sid in made:
+            world["admin"].c.delete(f"/v1/sandboxes/{sid}")
+
+
+@pytest.mark.parametrize("content", ['{"alice": "short"}', '{"bad name": "x-0123456789abcdef"}',
+                                     '["not", "a", "map"]', '{"a": "same-0123456789abcdef", '
+                                     '"b": "same-0123456789abcdef"}'])
+def test_a_bad_tokens_file_stops_the_daemon_at_start(content: str) -> None:
+    import subprocess
+    import sys
+
+    state = tempfile.mkdtemp(prefix="corral-test-tenants-bad-", dir="/var/tmp")
+    try:
+        path = os.path.join(state, "tokens.json")
+        with open(path, "w") as f:
+            f.write(content)
+        r = subprocess.run([sys.executable, "-m", "corral.daemon", "--state-dir", state,
+                            "--socket", os.path.join(state, "s.sock"), "--tcp",
+                            f"127.0.0.1:{free_port()}", "--tokens", path],
+                           capture_output=True, timeout=60)
+        assert r.returncode != 0
+        assert b"tokens file" in r.stderr, r.stderr
+    finally:
+        subprocess.run(["rm", "-rf", state], check=False)
+
+
+def test_ownership_survives_a_restart(world: dict[str, Any]) -> None:
+    """Last (it restarts the module's daemon): after a restart, alice's ended sandbox's log,
+    her trajectory and her snapshot are still hers only (the log and the snapshot store
+    keep the tenant)."""
+    bob, alice, sa, st, snap = world["bob"], world["alice"], world["sa"], world["st"], world["snap"]
+    d = world["daemon"]
+    d.stop()
+    d.start()
+    for sid in (sa, st):
+        assert alice.c.get(f"/v1/sandboxes/{sid}/log").status_code == 200
+        expect_error(bob.c.get(f"/v1/sandboxes/{sid}/log"), "sandbox_not_found", 404)
+        expect_error(bob.c.delete(f"/v1/sandboxes/{sid}"), "sandbox_not_found", 404)
+        expect_error(bob.c.delete(f"/v1/sandboxes/{sid}", headers={"Idempotency-Key": "k"}),
+                     "sandbox_not_found", 404)
+    assert alice.c.get("/v1/trajectories/traj-a").json()["sandbox_id"] == st
+    expect_error(bob.c.get("/v1/trajectories/traj-a"), "not_found", 404)
+    assert alice.c.get(f"/v1/snapshots/{snap}").status_code == 200
+    expect_error(bob.c.get(f"/v1/snapshots/{snap}"), "snapshot_not_found", 404)
+    assert snap not in bob.c.get("/v1/snapshots").text
