@@ -261,20 +261,29 @@ class Gateway:
         n.images = frozenset(r.get("images") or ())
         n.took_report(asked_at, time.monotonic())
 
-    async def _poll(self) -> None:
+    async def report_of(self, supervisor: Any) -> dict[str, Any]:
+        """One node's load report: a call to its supervisor actor. (The seam a simulated
+        fleet replaces: corral.bench.fleetgw asks simulated node agents over HTTP.)"""
+        got: dict[str, Any] = await asyncio.wrap_future(supervisor.report.remote().future())
+        return got
+
+    def node_gone(self, err: BaseException) -> bool:
+        """Whether a failed report means the node is gone (its supervisor died)."""
         import ray
 
+        return isinstance(err, ray.exceptions.RayActorError)
+
+    async def _poll(self) -> None:
         while True:
             asked_at = time.monotonic()
             items = list(self.supervisors.items())
             got = await asyncio.gather(
-                *(asyncio.wait_for(asyncio.wrap_future(s.report.remote().future()),
-                                   REPORT_TIMEOUT_S) for _, s in items),
+                *(asyncio.wait_for(self.report_of(s), REPORT_TIMEOUT_S) for _, s in items),
                 return_exceptions=True)
             for (node, _), r in zip(items, got, strict=True):
                 if isinstance(r, dict):
                     self._take(r, asked_at)
-                elif isinstance(r, ray.exceptions.RayActorError):
+                elif isinstance(r, BaseException) and self.node_gone(r):
                     # The supervisor is dead: so is its corrald (the keeper saw to it).
                     self.supervisors.pop(node, None)
                     self.nodes.pop(node, None)
