@@ -360,16 +360,17 @@ def fleet_table(sec: dict[str, Any]) -> Table:
                     f"{_f(c['batch_per_s'])} creates/s, as this machine's corrald), filled to "
                     f"{sec['live']:,} live")
     for col in ("creates", "n", "creates/s", "gateway CPU ms/create", "less polling",
-                "gateway cores", "p50 ms", "p99 ms", "errors"):
+                "gateway cores", "nodes' cores", "p50 ms/call", "p99 ms/call", "errors"):
         t.add_column(col, justify="left" if col == "creates" else "right")
-    for name in ("single", "batch"):
+    for name in ("single", "batch_small", "batch"):
         r = sec[name]
         label = (f"single x{r.get('clients')}" if name == "single"
                  else f"batch {r.get('batch')} x{r.get('in_flight')}")
         t.add_row(label, _f(r["made"]), _f(r["creates_per_s"]),
                   _f(r["gateway_cpu_ms_per_create"], 4),
                   _f(r["gateway_cpu_ms_per_create_less_poll"], 4),
-                  _f(r["gateway_cores_busy"], 2), _f(r["latency_ms"]["p50"], 1),
+                  _f(r["gateway_cores_busy"], 2), _f(r.get("nodes_cores_busy"), 2),
+                  _f(r["latency_ms"]["p50"], 1),
                   _f(r["latency_ms"]["p99"], 1), _f(r["errors"]))
     pl, idle, pr = sec["placement"], sec["idle"], sec["projection"]
     t.caption = (f"placement: {_f(pl['live_total'])} live on {pl['nodes']} nodes, max/min "
@@ -377,6 +378,7 @@ def fleet_table(sec: dict[str, Any]) -> Table:
                  f"polling: {_f(idle['poll_cpu_ms_per_node_per_s'], 4)} ms CPU per node per s, "
                  f"{_f(idle['rss_kib_per_node'], 1)} KiB RSS per node. One gateway core: "
                  f"{_f(pr.get('batch_creates_per_s_per_core'))} batch / "
+                 f"{_f(pr.get('batch_1000_creates_per_s_per_core'))} batch of 1,000 / "
                  f"{_f(pr.get('single_creates_per_s_per_core'))} single creates/s; polling "
                  f"alone fills it at {_f(pr.get('nodes_whose_polling_fills_a_core'))} nodes; "
                  f"every node creating at full speed fills it at "

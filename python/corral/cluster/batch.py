@@ -79,13 +79,14 @@ class Share:
 
 
 def split(nodes: list[NodeLoad], count: int, k: int, selector: dict[str, str],
-          image: str) -> list[Share]:
+          image: str, by_image: dict[str, list[NodeLoad]] | None = None) -> list[Share]:
     """Place each of ``count`` items; every placed item holds a slot on its node (``inflight``)
     until its share ends, so the next items see it. Raises CapacityExceeded (nothing held)."""
     shares: dict[str, Share] = {}
     try:
         for i in range(count):
-            n = choose(nodes, time.monotonic(), k=k, selector=selector, image=image)
+            n = choose(nodes, time.monotonic(), k=k, selector=selector, image=image,
+                       by_image=by_image)
             n.inflight += 1
             shares.setdefault(n.node, Share(n)).indexes.append(i)
     except CorralError:
