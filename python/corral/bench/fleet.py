@@ -240,34 +240,34 @@ async def drive(gw: Child, sim: Child, nodes: int, live: int, singles_n: int,
 def projection(res: dict[str, Any], cost: dict[str, Any], nodes: int,
                live: int) -> dict[str, Any]:
     """Where one gateway (one core: it is one asyncio loop) stops scaling, from the measured
-    costs: creations/s per core (single, batch), the nodes whose report polling alone fills
-    the core, the nodes whose creations (each node at its measured throughput) plus their
-    polling fill it, and the memory per node."""
-    c_b = res["batch"]["gateway_cpu_ms_per_create_less_poll"] / 1000
-    c_s = res["single"]["gateway_cpu_ms_per_create_less_poll"] / 1000
-    c_m = res["batch_small"]["gateway_cpu_ms_per_create_less_poll"]
+    costs: creations/s per core for each way of creating; the nodes whose report polling alone
+    fills the core; for each way, the nodes at which the creations of every node (each at a
+    real node's measured throughput) plus their polling fill it; the live sandboxes one core
+    keeps up with when sandboxes live ``LIFETIME_S``; the memory per node."""
     p = res["idle"]["poll_cpu_ms_per_node_per_s"] / 1000
     rate = cost["batch_per_s"]
-    out: dict[str, Any] = {
-        "batch_creates_per_s_per_core": round(1 / c_b) if c_b > 0 else None,
-        "single_creates_per_s_per_core": round(1 / c_s) if c_s > 0 else None,
-        f"batch_{SMALL_BATCH}_creates_per_s_per_core": round(1000 / c_m) if c_m > 0 else None,
-        "nodes_whose_polling_fills_a_core": round(1 / p) if p > 0 else None,
-        "node_creates_per_s": rate}
-    if c_b > 0:
-        n_star = 1 / (rate * c_b + p)
-        per_node = live / nodes
-        out.update({
-            "nodes_at_gateway_bound": round(n_star),
-            "live_at_gateway_bound": round(n_star * per_node),
-            "live_per_node_assumed": round(per_node),
-            "bound_by": "cpu: creations" if rate * c_b > p else "cpu: report polling",
-            f"live_sustained_at_{int(LIFETIME_S)}s_lifetime":
-                round(LIFETIME_S / c_b) if c_b > 0 else None})
+    per_core: dict[str, int | None] = {}
+    bound: dict[str, int | None] = {}
+    sustained: dict[str, int | None] = {}
+    for name in ("single", "batch_small", "batch"):
+        c = res[name]["gateway_cpu_ms_per_create_less_poll"] / 1000
+        key = "single" if name == "single" else f"batch_{res[name]['batch']}"
+        per_core[key] = round(1 / c) if c > 0 else None
+        bound[key] = round(1 / (rate * c + p)) if c > 0 or p > 0 else None
+        sustained[key] = round(LIFETIME_S / c) if c > 0 else None
+    big = f"batch_{res['batch']['batch']}"
+    c_big = res["batch"]["gateway_cpu_ms_per_create_less_poll"] / 1000
     kib = res["idle"]["rss_kib_per_node"]
-    out["memory_mib_at_gateway_bound"] = (round(kib * out["nodes_at_gateway_bound"] / 1024, 1)
-                                          if "nodes_at_gateway_bound" in out else None)
-    return out
+    n_big = bound[big]
+    return {"creates_per_s_per_core": per_core,
+            "node_creates_per_s": rate,
+            "nodes_whose_polling_fills_a_core": round(1 / p) if p > 0 else None,
+            "nodes_at_gateway_bound": bound,
+            "bound_by": ("cpu: creations" if rate * c_big > p else "cpu: report polling"),
+            "live_per_node_in_run": round(live / nodes),
+            f"live_sustained_at_{int(LIFETIME_S)}s_lifetime": sustained,
+            "memory_mib_per_1000_nodes": round(kib * 1000 / 1024, 1),
+            "memory_mib_at_bound": round(kib * n_big / 1024, 1) if n_big else None}
 
 
 def run_fleet(nodes: int, live: int, cost: dict[str, Any], k: int = 2) -> dict[str, Any]:
@@ -290,6 +290,7 @@ def run_fleet(nodes: int, live: int, cost: dict[str, Any], k: int = 2) -> dict[s
             if c is not None:
                 c.stop()
     res["capacity_per_node"] = capacity
+    res["pids"], res["ports"] = pids, ports
     res["left"] = {"processes": sum(os.path.exists(f"/proc/{p}") for p in pids),
                    "listening_ports": sum(listening(p) for p in ports)}
     return res

@@ -377,14 +377,12 @@ def fleet_table(sec: dict[str, Any]) -> Table:
                  f"{_f(pl['max/min'], 3)} ({_f(pl['live_max'])}/{_f(pl['live_min'])}); "
                  f"polling: {_f(idle['poll_cpu_ms_per_node_per_s'], 4)} ms CPU per node per s, "
                  f"{_f(idle['rss_kib_per_node'], 1)} KiB RSS per node. One gateway core: "
-                 f"{_f(pr.get('batch_creates_per_s_per_core'))} batch / "
-                 f"{_f(pr.get('batch_1000_creates_per_s_per_core'))} batch of 1,000 / "
-                 f"{_f(pr.get('single_creates_per_s_per_core'))} single creates/s; polling "
-                 f"alone fills it at {_f(pr.get('nodes_whose_polling_fills_a_core'))} nodes; "
-                 f"every node creating at full speed fills it at "
-                 f"{_f(pr.get('nodes_at_gateway_bound'))} nodes "
-                 f"({_f(pr.get('live_at_gateway_bound'))} live at "
-                 f"{_f(pr.get('live_per_node_assumed'))} per node; {pr.get('bound_by')}); "
+                 + ", ".join(f"{k} {_f(v)}" for k, v in pr["creates_per_s_per_core"].items())
+                 + f" creates/s; polling alone fills it at "
+                 f"{_f(pr.get('nodes_whose_polling_fills_a_core'))} nodes; every node "
+                 f"creating at {_f(pr['node_creates_per_s'])}/s fills it at "
+                 + ", ".join(f"{k} {_f(v)}" for k, v in pr["nodes_at_gateway_bound"].items())
+                 + f" nodes ({pr.get('bound_by')}); "
                  f"left: {sec['left']}")
     return t
 
