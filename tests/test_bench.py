@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 
 import pytest
@@ -310,6 +311,7 @@ def test_parse_scenarios():
                                       "trajlog", "execpath", "keyedreads", "run-code",
                                       "gvisor", "network"]
     assert parse_scenarios("network") == ["network"]
+    assert parse_scenarios("fleet") == ["fleet"]  # only when named: not in "all"
     assert parse_scenarios("run-code") == ["run-code"]
     assert parse_scenarios("snapshot") == ["snapshot"]
     assert parse_scenarios("trajlog") == ["trajlog"]
@@ -359,3 +361,50 @@ def test_gvisor_section(report):
     run0 = sec["runs"][0]
     assert run0["gvisor"]["errors"] == 0 and run0["container"]["errors"] == 0
     assert sec["ratios"]["gvisor/container create"] > 1  # a sentry boots: never cheaper
+
+
+def test_fleet_cli(tmp_path):
+    """`corral bench fleet --nodes 5 --live 500`: the real gateway in its own process in front
+    of 5 simulated nodes, filled to 500 live through single creates and batches; the report's
+    figures, and the gateway, the node agents and all their ports gone after."""
+    r = CliRunner().invoke(app, ["bench", "fleet", "--nodes", "5", "--live", "500", "--runs",
+                                 "1", "--json", "--no-progress", "--plots-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert "--nodes 5 --live 500" in rep["command"]
+    sec = rep["scenarios"]["fleet"]
+    assert sec["nodes"] == 5 and sec["live"] == 500
+    cost = sec["node_cost"]  # measured on the session's real corrald
+    assert _is_num(cost["create_ms"]) and cost["create_ms"] > 0 and cost["batch_per_s"] > 0
+    assert cost["info_bytes"] > 100
+    made = 0
+    for name in ("single", "batch_small", "batch"):
+        ph = sec[name]
+        assert ph["errors"] == 0, ph["first_error"]
+        made += ph["made"]
+        assert _is_num(ph["creates_per_s"]) and ph["creates_per_s"] > 0
+        # CPU in clock ticks (10 ms): a phase of 90 creates may take less than one
+        for k in ("gateway_cpu_ms_per_create", "gateway_cores_busy", "nodes_cores_busy"):
+            assert _is_num(ph[k]) and ph[k] >= 0, (name, k, ph)
+        lat = ph["latency_ms"]
+        assert 0 < lat["p50"] <= lat["p99"] <= lat["max"]
+    assert sec["single"]["made"] > 0 and sec["batch"]["made"] > 0
+    assert made == 500
+    pl = sec["placement"]
+    assert pl["nodes"] == 5 and pl["live_total"] == 500
+    assert pl["live_min"] > 0 and pl["max/min"] >= 1
+    assert _is_num(sec["idle"]["poll_cpu_ms_per_node_per_s"])
+    pr = sec["projection"]
+    assert set(pr["creates_per_s_per_core"]) == {"single", "batch_1000", "batch_10000"}
+    assert all(v is None or (_is_num(v) and v > 0)
+               for v in pr["nodes_at_gateway_bound"].values())
+    assert pr["bound_by"].startswith("cpu")
+    # Nothing left: the two processes and every port they listened on.
+    assert sec["left"] == {"processes": 0, "listening_ports": 0}
+    assert len(sec["pids"]) == 2 and len(sec["ports"]) == 6
+    for pid in sec["pids"]:
+        assert not os.path.exists(f"/proc/{pid}")
+    for port in sec["ports"]:
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0
+    assert rep["cleanup"]["clean"]

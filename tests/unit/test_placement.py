@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 import pytest
 
@@ -63,3 +65,88 @@ def test_stale_full_and_unlabelled_nodes_are_skipped():
         choose(ns, 100.0)
     with pytest.raises(CapacityExceeded, match="no node answers"):
         choose(ns, 200.0)
+
+
+class Counting(Sequence[NodeLoad]):
+    """The gateway's node list, counting how many nodes placement looks at."""
+
+    def __init__(self, ns: list[NodeLoad]) -> None:
+        self.ns, self.looked = ns, 0
+
+    def __len__(self) -> int:
+        return len(self.ns)
+
+    @overload
+    def __getitem__(self, i: int) -> NodeLoad: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[NodeLoad]: ...
+
+    def __getitem__(self, i: int | slice) -> NodeLoad | Sequence[NodeLoad]:
+        self.looked += 1 if isinstance(i, int) else len(self.ns[i])
+        return self.ns[i]
+
+    def __iter__(self) -> Iterator[NodeLoad]:
+        for n in self.ns:
+            self.looked += 1
+            yield n
+
+
+def test_a_create_looks_at_k_nodes_not_all_of_them():
+    """5,000 nodes: placing 1,000 creates looks at a few nodes each, not at 5,000."""
+    ns = Counting(nodes(5000))
+    for _ in range(1000):
+        choose(ns, 100.0, k=2, image="host", by_image={}).finished.append(1.0)
+    assert ns.looked < 1000 * 20, ns.looked
+
+
+def test_drawn_placement_is_even_and_only_on_eligible_nodes():
+    """200 nodes, of which stale, full, unlabelled and excluded ones: every create lands on an
+    eligible node, every eligible node gets some, and the spread stays within 10% of even."""
+    ns, rng = nodes(200), random.Random(3)
+    for n in ns[:20]:
+        n.reported_at = 100.0 - REPORT_MAX_AGE_S - 1
+    for n in ns[20:40]:
+        n.live = n.capacity
+    for n in ns[40:60]:
+        n.labels = {"pool": "b"}
+    for n in ns[60:]:
+        n.labels = {"pool": "a"}
+    excluded = {"n60", "n61"}
+    per = Counter[str]()
+    for i in range(14000):
+        n = choose(ns, 100.0, k=2, selector={"pool": "a"}, rng=rng, by_image={},
+                   exclude=excluded)
+        n.finished.append(float(i))
+        per[n.node] += 1
+    eligible = {f"n{i}" for i in range(62, 200)}
+    assert set(per) == eligible
+    even = 14000 / len(eligible)
+    assert max(abs(c - even) for c in per.values()) <= 0.1 * even, per
+
+
+def test_drawn_placement_prefers_the_nodes_with_the_image():
+    """100 nodes, one has the image: creates of it go there until it is a quarter fuller."""
+    ns = nodes(100, capacity=100)
+    ns[7].images = frozenset({"py"})
+    got = []
+    for _ in range(60):
+        n = choose(ns, 100.0, k=2, image="py", by_image={"py": [ns[7]]})
+        n.finished.append(1.0)
+        got.append(n.node)
+    assert got[:25] == ["n7"] * 25
+    assert 0 < sum(1 for x in got[25:] if x != "n7") < 35  # a quarter fuller: others too
+    ns[7].live = 100  # full: the image's only node is out, creates go elsewhere
+    assert choose(ns, 100.0, image="py", by_image={"py": [ns[7]]}).node != "n7"
+
+
+def test_drawn_placement_falls_back_to_every_node_when_few_are_eligible():
+    """Only 2 of 300 nodes have room: found (by looking at all), and a full fleet refuses."""
+    ns = nodes(300, capacity=5)
+    for n in ns:
+        n.live = 5
+    ns[100].live = ns[250].live = 0
+    got = {choose(ns, 100.0, k=2, by_image={}).node for _ in range(50)}
+    assert got <= {"n100", "n250"} and got
+    ns[100].live = ns[250].live = 5
+    with pytest.raises(CapacityExceeded, match="full"):
+        choose(ns, 100.0, by_image={})

@@ -353,11 +353,45 @@ def network_curve(sec: dict[str, Any]) -> Table:
     return t
 
 
+def fleet_table(sec: dict[str, Any]) -> Table:
+    c = sec["node_cost"]
+    t = Table(title=f"fleet: the cluster gateway (its own process) in front of {sec['nodes']} "
+                    f"simulated nodes (each: create {_f(c['create_ms'], 2)} ms, "
+                    f"{_f(c['batch_per_s'])} creates/s, as this machine's corrald), filled to "
+                    f"{sec['live']:,} live")
+    for col in ("creates", "n", "creates/s", "gateway CPU ms/create", "less polling",
+                "gateway cores", "nodes' cores", "p50 ms/call", "p99 ms/call", "errors"):
+        t.add_column(col, justify="left" if col == "creates" else "right")
+    for name in ("single", "batch_small", "batch"):
+        r = sec[name]
+        label = (f"single x{r.get('clients')}" if name == "single"
+                 else f"batch {r.get('batch')} x{r.get('in_flight')}")
+        t.add_row(label, _f(r["made"]), _f(r["creates_per_s"]),
+                  _f(r["gateway_cpu_ms_per_create"], 4),
+                  _f(r["gateway_cpu_ms_per_create_less_poll"], 4),
+                  _f(r["gateway_cores_busy"], 2), _f(r.get("nodes_cores_busy"), 2),
+                  _f(r["latency_ms"]["p50"], 1),
+                  _f(r["latency_ms"]["p99"], 1), _f(r["errors"]))
+    pl, idle, pr = sec["placement"], sec["idle"], sec["projection"]
+    t.caption = (f"placement: {_f(pl['live_total'])} live on {pl['nodes']} nodes, max/min "
+                 f"{_f(pl['max/min'], 3)} ({_f(pl['live_max'])}/{_f(pl['live_min'])}); "
+                 f"polling: {_f(idle['poll_cpu_ms_per_node_per_s'], 4)} ms CPU per node per s, "
+                 f"{_f(idle['rss_kib_per_node'], 1)} KiB RSS per node. One gateway core: "
+                 + ", ".join(f"{k} {_f(v)}" for k, v in pr["creates_per_s_per_core"].items())
+                 + f" creates/s; polling alone fills it at "
+                 f"{_f(pr.get('nodes_whose_polling_fills_a_core'))} nodes; every node "
+                 f"creating at {_f(pr['node_creates_per_s'])}/s fills it at "
+                 + ", ".join(f"{k} {_f(v)}" for k, v in pr["nodes_at_gateway_bound"].items())
+                 + f" nodes ({pr.get('bound_by')}); "
+                 f"left: {sec['left']}")
+    return t
+
+
 TABLES = {"churn": churn_table, "latency": latency_table, "exec": exec_table,
           "density": density_table, "snapshot": snapshot_table, "trajlog": trajlog_table,
           "execpath": execpath_table, "keyedreads": keyedreads_table,
           "run-code": runcode_table, "gvisor": gvisor_table, "images": images_table,
-          "network": network_table}
+          "network": network_table, "fleet": fleet_table}
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:

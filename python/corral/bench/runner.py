@@ -88,7 +88,11 @@ def _command(opts: Options) -> str:
                               d.batches_in_flight),
                              ("--snapshot-mb", opts.snapshot_mb, d.snapshot_mb),
                              ("--fork", opts.fork, d.fork),
-                             ("--workdir", opts.workdir, d.workdir)):
+                             ("--workdir", opts.workdir, d.workdir),
+                             ("--nodes", opts.fleet_nodes, d.fleet_nodes),
+                             ("--live", opts.fleet_live, d.fleet_live),
+                             ("--node-create-ms", opts.fleet_node_ms, d.fleet_node_ms),
+                             ("--node-rate", opts.fleet_node_rate, d.fleet_node_rate)):
         if v != default:
             a += [flag, str(v)]
     if opts.networks != d.networks:

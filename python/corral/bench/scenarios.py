@@ -15,6 +15,7 @@ from typing import Any
 
 from corral.bench import host, profile, sdk_runs
 from corral.bench.execpath import execpath
+from corral.bench.fleet import fleet
 from corral.bench.gvisor import gvisor
 from corral.bench.images import images
 from corral.bench.keyedreads import keyedreads
@@ -466,4 +467,4 @@ RUNNERS: dict[str, Callable[[Session], tuple[Section, Samples]]] = {
     "churn": churn, "latency": latency, "exec": exec_, "density": density,
     "snapshot": snapshot, "trajlog": trajlog, "execpath": execpath,
     "keyedreads": keyedreads, "run-code": run_code, "gvisor": gvisor, "images": images,
-    "network": network}
+    "network": network, "fleet": fleet}

@@ -50,6 +50,10 @@ class Options:
     fork: int = 64                    # snapshot: children per fork
     image_mb: int = 100               # images: size of the image pulled against skopeo + tar
     trajlog_baseline: str | None = None  # trajlog: PYTHONPATH of another corral tree
+    fleet_nodes: int = 200            # fleet: simulated nodes behind the real gateway
+    fleet_live: int = 400_000         # fleet: sandboxes the fleet holds at the end
+    fleet_node_ms: float | None = None   # fleet: a node's create latency (None: measured)
+    fleet_node_rate: float | None = None  # fleet: a node's creates/s (None: measured)
     progress: bool = True
 
     def n(self, scenario: str) -> int:

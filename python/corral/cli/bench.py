@@ -15,7 +15,8 @@ app = typer.Typer()
 _SCENARIOS = ("churn", "latency", "exec", "density", "snapshot", "trajlog", "execpath",
               "keyedreads", "run-code", "gvisor", "network")
 # Run only when named (not in "all"): images starts a registry (docker-registry, skopeo).
-_ONLY_NAMED = ("images",)
+# fleet: the cluster gateway against simulated nodes (minutes at its default size).
+_ONLY_NAMED = ("images", "fleet")
 
 
 def parse_scenarios(value: str) -> list[str]:
@@ -48,8 +49,9 @@ def parse_networks(value: str) -> list[str]:
 def bench(
     scenario: str = typer.Argument("all", help="churn, latency, exec, density, snapshot, "
                                                "trajlog, execpath, keyedreads, run-code, "
-                                               "gvisor, network, images (only when named), "
-                                               "all, or a comma-separated list."),
+                                               "gvisor, network, images and fleet (only "
+                                               "when named), all, or a comma-separated "
+                                               "list."),
     peers: bool = typer.Option(False, "--peers", help="Also run bwrap, crun and runc in the "
                                                       "churn (installed with apt-get if "
                                                       "missing)."),
@@ -90,6 +92,16 @@ def bench(
                                 help="churn, density: corral's network mode(s): none (own "
                                      "netns, vs raw+netns), disabled (shared netns, unix "
                                      "sockets only, vs raw --disabled), or none,disabled."),
+    nodes: int = typer.Option(200, "--nodes", min=1, max=2000,
+                              help="fleet: simulated nodes behind the real gateway."),
+    live: int = typer.Option(400_000, "--live", min=10, max=10_000_000,
+                             help="fleet: sandboxes the fleet holds at the end."),
+    node_create_ms: float | None = typer.Option(
+        None, "--node-create-ms", min=0.0, help="fleet: a simulated node's create latency "
+                                                "(default: a real corrald's, measured)."),
+    node_rate: float | None = typer.Option(
+        None, "--node-rate", min=0.1, help="fleet: a simulated node's creates/s (default: a "
+                                           "real corrald's batch throughput, measured)."),
     json_: bool = typer.Option(False, "--json", help="The report as JSON on stdout."),
     plots_dir: str = typer.Option("bench/out", "--plots-dir",
                                   help="Where the PNG plots and report.json go ('' for none)."),
@@ -126,7 +138,10 @@ def bench(
     elements), and the connect latency with 0 .. --count live networked sandboxes, on the
     bench's own uplink namespace), images (only when named: create
     on a pulled 10-layer OCI image vs the host image, and the pull, from a docker-registry on
-    loopback). Every system
+    loopback), fleet (only when named: the real cluster gateway in front of --nodes
+    simulated nodes that cost what this machine's corrald costs, filled to --live
+    sandboxes: creations/s, the gateway's CPU per creation, placement evenness, and where one
+    gateway stops scaling). Every system
     runs in the same run; ratios are taken within a run, medians over --runs. Exits 1 if a
     scenario failed or anything was left behind."""
     from corral.bench.runner import run
@@ -139,7 +154,8 @@ def bench(
                    snapshot_mb=snapshot_mb, fork=fork, image_mb=image_mb,
                    progress=progress,
                    trajlog_baseline=trajlog_baseline,
-                   networks=parse_networks(network))
+                   networks=parse_networks(network), fleet_nodes=nodes, fleet_live=live,
+                   fleet_node_ms=node_create_ms, fleet_node_rate=node_rate)
     try:
         rep = run(opts, json_out=json_)
     except PermissionError as e:

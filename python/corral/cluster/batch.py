@@ -81,7 +81,8 @@ class Share:
 
 
 def split(nodes: list[NodeLoad], count: int, k: int, selector: dict[str, str],
-          image: str, overflow: list[NodeLoad] | None = None) -> list[Share]:
+          image: str, overflow: list[NodeLoad] | None = None,
+          by_image: dict[str, list[NodeLoad]] | None = None) -> list[Share]:
     """Place each of ``count`` items; every placed item holds a slot on its node (``inflight``)
     until its share ends, so the next items see it; an item ``nodes`` have no room for goes
     to ``overflow`` (a batch from a snapshot: the nodes that lack it). Raises
@@ -90,7 +91,8 @@ def split(nodes: list[NodeLoad], count: int, k: int, selector: dict[str, str],
     try:
         for i in range(count):
             try:
-                n = choose(nodes, time.monotonic(), k=k, selector=selector, image=image)
+                n = choose(nodes, time.monotonic(), k=k, selector=selector, image=image,
+                           by_image=by_image)
             except CapacityExceeded:
                 if not overflow:
                     raise

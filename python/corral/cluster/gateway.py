@@ -77,6 +77,10 @@ class Gateway:
         self.tenants = Tenants(tokens) if tokens else None
         self.labels: dict[str, dict[str, str]] = {}
         self.nodes: dict[str, NodeLoad] = {}
+        # Derived from ``nodes`` for placement (rebuilt by ``nodes_changed``): a create costs
+        # the same with 5 nodes or 5,000 (placement.choose draws from these).
+        self._pool: list[NodeLoad] | None = None
+        self._by_image: dict[str, list[NodeLoad]] | None = None
         self.supervisors: dict[str, Any] = {}   # node id -> actor handle
         self.lost: dict[str, str] = {}          # node id -> why it left
         self.drained: dict[str, float] = {}     # node id -> when (wall clock) it was drained
@@ -193,8 +197,8 @@ class Gateway:
 
     async def place(self, selector: dict[str, str] | None = None,
                     image: str | None = None) -> dict[str, str]:
-        n = choose(list(self.nodes.values()), time.monotonic(), k=self.k, selector=selector,
-                   image=image)
+        n = choose(self.pool(), time.monotonic(), k=self.k, selector=selector,
+                   image=image, by_image=self.by_image())
         n.finished.append(time.monotonic())  # counted until a report includes it
         self.placed += 1
         return {"node": n.node, "endpoint": n.endpoint}
@@ -232,6 +236,7 @@ class Gateway:
             log.info("asked Ray's autoscaler", extra={"bundles": len(plan.request)})
         for node in plan.drain:  # in the background, as adoption
             self.nodes.pop(node, None)  # out of placement at once
+            self.nodes_changed()
             self._starting.add(node)    # and not adopted again while it stops
             task = asyncio.ensure_future(self._drain(node))
             self._draining.add(task)
@@ -263,34 +268,67 @@ class Gateway:
         finally:
             self._starting.discard(node)
 
+    # ---- placement's view of the nodes ----------------------------------------------------
+    def nodes_changed(self) -> None:
+        """A node joined or left, or its images changed."""
+        self._pool = self._by_image = None
+
+    def pool(self) -> list[NodeLoad]:
+        if self._pool is None:
+            self._pool = list(self.nodes.values())
+        return self._pool
+
+    def by_image(self) -> dict[str, list[NodeLoad]]:
+        if self._by_image is None:
+            idx: dict[str, list[NodeLoad]] = {}
+            for n in self.nodes.values():
+                for image in n.images:
+                    idx.setdefault(image, []).append(n)
+            self._by_image = idx
+        return self._by_image
+
     # ---- load reports ---------------------------------------------------------------------
     def _take(self, r: dict[str, Any], asked_at: float) -> None:
         n = self.nodes.get(r["node"])
         if n is None:
             n = self.nodes[r["node"]] = NodeLoad(node=r["node"], endpoint=r["endpoint"])
+            self.nodes_changed()
         n.live, n.capacity, n.mem_free_mb = r["live"], r["capacity"], r["mem_free_mb"]
         n.labels = dict(r.get("labels") or {})
         n.cpu_busy = float(r.get("cpu_busy") or 0.0)
-        n.images = frozenset(r.get("images") or ())
+        images = frozenset(r.get("images") or ())
+        if images != n.images:
+            n.images = images
+            self._by_image = None
         n.took_report(asked_at, time.monotonic())
 
-    async def _poll(self) -> None:
+    async def report_of(self, supervisor: Any) -> dict[str, Any]:
+        """One node's load report: a call to its supervisor actor. (The seam a simulated
+        fleet replaces: corral.bench.fleetgw asks simulated node agents over HTTP.)"""
+        got: dict[str, Any] = await asyncio.wrap_future(supervisor.report.remote().future())
+        return got
+
+    def node_gone(self, err: BaseException) -> bool:
+        """Whether a failed report means the node is gone (its supervisor died)."""
         import ray
 
+        return isinstance(err, ray.exceptions.RayActorError)
+
+    async def _poll(self) -> None:
         while True:
             asked_at = time.monotonic()
             items = list(self.supervisors.items())
             got = await asyncio.gather(
-                *(asyncio.wait_for(asyncio.wrap_future(s.report.remote().future()),
-                                   REPORT_TIMEOUT_S) for _, s in items),
+                *(asyncio.wait_for(self.report_of(s), REPORT_TIMEOUT_S) for _, s in items),
                 return_exceptions=True)
             for (node, _), r in zip(items, got, strict=True):
                 if isinstance(r, dict):
                     self._take(r, asked_at)
-                elif isinstance(r, ray.exceptions.RayActorError):
+                elif isinstance(r, BaseException) and self.node_gone(r):
                     # The supervisor is dead: so is its corrald (the keeper saw to it).
                     self.supervisors.pop(node, None)
                     self.nodes.pop(node, None)
+                    self.nodes_changed()
                     self.lost[node] = "supervisor died"
                     log.warning("node lost", extra={"node": node})
                 # else: slow or failing corrald: its report ages out of placement
@@ -383,24 +421,24 @@ class Gateway:
             return _error(e)
         body = await request.read()
         image = _image_of(body)
-        pool = list(self.nodes.values())
+        pool = self.pool()
+        by_image: dict[str, list[NodeLoad]] | None = self.by_image()
         snap_id, held = "", list[NodeLoad]()
         if snap := snapshots.snapshot_of(body):  # made where the snapshot's layers are
             try:
                 snap_id, held = await snapshots.holders(self, snap)
             except CorralError as e:
                 return _error(e)
-            pool = held
+            pool, by_image = held, None
         headers = self.node_headers()
         headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
         if key := request.headers.get("Idempotency-Key"):
             headers["Idempotency-Key"] = key
         tried: set[str] = set()
         while True:
-            candidates = [n for n in pool if n.node not in tried]
             try:
-                n = choose(candidates, time.monotonic(), k=self.k, selector=selector,
-                           image=image)
+                n = choose(pool, time.monotonic(), k=self.k, selector=selector, image=image,
+                           by_image=by_image, exclude=tried)
             except CapacityExceeded as e:
                 if pool is not held or not held:
                     self.refused(e, 1)
@@ -462,15 +500,18 @@ class Gateway:
             batches.wants_stream(request)
             partial = batch.wants_partial(request.query)
             req = batch.parse_body(CreateManyRequest, await request.read())
-            pool, rest = list(self.nodes.values()), list[NodeLoad]()
+            pool, rest = self.pool(), list[NodeLoad]()
+            by_image: dict[str, list[NodeLoad]] | None = self.by_image()
             if req.spec.snapshot:  # made where the snapshot's layers are, first
                 snap_id, pool = await snapshots.holders(self, req.spec.snapshot)
+                by_image = None
                 have = {h.node for h in pool}
                 rest = [n for n in self.nodes.values() if n.node not in have]
                 req = req.model_copy(update={"spec": req.spec.model_copy(
                     update={"snapshot": snap_id})})
             try:
-                shares = batch.split(pool, req.count, self.k, selector, req.spec.image, rest)
+                shares = batch.split(pool, req.count, self.k, selector, req.spec.image, rest,
+                                     by_image)
             except CapacityExceeded as e:
                 self.refused(e, req.count)
                 raise

@@ -8,7 +8,7 @@ gateway between two reports) do not all pick the same "best" node. Pure function
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from corral.errors import CapacityExceeded, InvalidRequest
@@ -61,13 +61,39 @@ class NodeLoad:
 
 def choose(nodes: Sequence[NodeLoad], now: float, *, k: int = 2,
            selector: Mapping[str, str] | None = None, image: str | None = None,
-           rng: random.Random | None = None) -> NodeLoad:
+           rng: random.Random | None = None,
+           by_image: Mapping[str, Sequence[NodeLoad]] | None = None,
+           exclude: Collection[str] = ()) -> NodeLoad:
     """The least loaded of ``k`` nodes sampled among the fresh ones with room that match
-    ``selector`` (label -> value); when some have ``image``, one of the k is drawn from those,
-    and it counts ``IMAGE_BONUS`` less loaded. Raises CapacityExceeded when none has room."""
+    ``selector`` (label -> value) and are not in ``exclude`` (node ids); when some have
+    ``image``, one of the k is drawn from those, and it counts ``IMAGE_BONUS`` less loaded.
+    Raises CapacityExceeded when none has room.
+
+    ``by_image`` (image -> the nodes that have it, kept by the caller as reports come) makes
+    the cost independent of the number of nodes: the k are drawn at random and redrawn when
+    not eligible, and only when that fails (most nodes full, stale or unmatched) are all the
+    nodes looked at. Without it, every call looks at every node."""
     if k < 1:
         raise InvalidRequest("power-of-k placement needs k >= 1")
-    fresh = [n for n in nodes if now - n.reported_at <= REPORT_MAX_AGE_S]
+    rng = rng or _RNG
+
+    def eligible(n: NodeLoad) -> bool:
+        return (now - n.reported_at <= REPORT_MAX_AGE_S and n.used < n.capacity
+                and n.node not in exclude and n.matches(selector))
+
+    if len(nodes) > SCAN_MAX and (not image or by_image is not None):
+        having = by_image.get(image, ()) if image and by_image is not None else ()
+        first = _draw(having, 1, eligible, rng) if having else []
+        if having and not first:  # unlucky draws, or none of them eligible: look at them all
+            ok = [n for n in having if eligible(n)]
+            first = [rng.choice(ok)] if ok else []
+        rest = _draw(nodes, k - len(first),
+                     lambda n: eligible(n) and all(n is not f for f in first), rng)
+        if len(first) + len(rest) == k:
+            return min([*first, *rest], key=_scorer(image))
+    # The exact path: every node looked at.
+    fresh = [n for n in nodes if now - n.reported_at <= REPORT_MAX_AGE_S
+             and n.node not in exclude]
     matching = [n for n in fresh if n.matches(selector)]
     room = [n for n in matching if n.used < n.capacity]
     if not room:
@@ -77,16 +103,43 @@ def choose(nodes: Sequence[NodeLoad], now: float, *, k: int = 2,
         raise CapacityExceeded(f"the cluster cannot place a sandbox: {why}",
                                details={"nodes": len(nodes), "fresh": len(fresh),
                                         "matching": len(matching)})
-    rng = rng or _RNG
-    having = [n for n in room if image in n.images] if image else []
-    if having:
-        first = rng.choice(having)
-        rest = [n for n in room if n is not first]
-        sample = [first, *rng.sample(rest, min(k - 1, len(rest)))]
+    having_room = [n for n in room if image in n.images] if image else []
+    if having_room:
+        pick = rng.choice(having_room)
+        others = [n for n in room if n is not pick]
+        sample = [pick, *rng.sample(others, min(k - 1, len(others)))]
     else:
         sample = rng.sample(room, min(k, len(room)))
+    return min(sample, key=_scorer(image))
 
+
+SCAN_MAX = 16      # up to this many nodes, looking at all of them costs no more than drawing
+DRAWS_PER_PICK = 4  # random draws per node wanted before the exact path takes over
+
+
+def _draw(pool: Sequence[NodeLoad], want: int, ok: Callable[[NodeLoad], bool],
+          rng: random.Random) -> list[NodeLoad]:
+    """Up to ``want`` distinct nodes of ``pool`` that are ``ok``, drawn uniformly (a draw
+    that is not ok, or already drawn, is redrawn): a uniform sample of the ok nodes, as
+    ``rng.sample`` of them would be, in O(want) draws while most nodes are ok."""
+    got: list[NodeLoad] = []
+    if want <= 0 or not pool:
+        return got
+    seen: set[int] = set()
+    for _ in range(DRAWS_PER_PICK * want + 4):
+        i = rng.randrange(len(pool))
+        if i in seen:
+            continue
+        seen.add(i)
+        if ok(pool[i]):
+            got.append(pool[i])
+            if len(got) == want:
+                break
+    return got
+
+
+def _scorer(image: str | None) -> Callable[[NodeLoad], tuple[float, float, int]]:
     def score(n: NodeLoad) -> tuple[float, float, int]:
         bonus = IMAGE_BONUS if image and image in n.images else 0.0
         return (n.load - bonus, n.cpu_busy, -n.mem_free_mb)
-    return min(sample, key=score)
+    return score
