@@ -67,7 +67,7 @@ def move(a: str, b: str, snap: str) -> tuple[float, float, int]:
                 n += len(chunk)
         t1 = time.perf_counter()
         with ca.stream("GET", f"/v1/snapshots/{snap}/export") as r:
-            got = cb.post("/v1/snapshots/import", content=r.iter_raw(1 << 20))
+            got = cb.post("/v1/snapshots", content=r.iter_raw(1 << 20))
         t2 = time.perf_counter()
         assert got.status_code == 201, got.text
         assert cb.delete(f"/v1/snapshots/{snap}").status_code == 200

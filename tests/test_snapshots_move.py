@@ -41,7 +41,7 @@ def _export(snap: str, have: tuple[str, ...] = ()) -> bytes:
 
 def _import(d: object, data: bytes | Iterator[bytes]) -> httpx.Response:
     with client(d.socket_path) as c:  # type: ignore[attr-defined]
-        return c.post("/v1/snapshots/import", content=data,
+        return c.post("/v1/snapshots", content=data,
                       headers={"Content-Type": "application/x-tar"})
 
 

@@ -278,15 +278,15 @@ def test_snapshot_export_and_import_are_the_admins_and_an_import_names_its_owner
     bob, alice, admin, snap = world["bob"], world["alice"], world["admin"], world["snap"]
     for who in (bob, alice):
         expect_error(who.c.get(f"/v1/snapshots/{snap}/export"), "forbidden", 403)
-        expect_error(who.c.post("/v1/snapshots/import", content=b"x"), "forbidden", 403)
+        expect_error(who.c.post("/v1/snapshots", content=b"x"), "forbidden", 403)
     r = admin.c.get(f"/v1/snapshots/{snap}/export")
     assert r.status_code == 200, r.text
     stream = r.content
     # This node has that id (alice's): the same owner is answered as it is, another not.
-    r = admin.c.post("/v1/snapshots/import", content=stream, params={"tenant": "alice"},
+    r = admin.c.post("/v1/snapshots", content=stream, params={"tenant": "alice"},
                      headers={"Content-Type": "application/x-tar"})
     assert r.status_code == 200 and r.json()["id"] == snap, r.text
-    r = admin.c.post("/v1/snapshots/import", content=stream, params={"tenant": "bob"},
+    r = admin.c.post("/v1/snapshots", content=stream, params={"tenant": "bob"},
                      headers={"Content-Type": "application/x-tar"})
     expect_error(r, "conflict", 409)
     assert "alice" not in r.text and "layers" not in r.text

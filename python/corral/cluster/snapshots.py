@@ -111,7 +111,7 @@ async def _copy(gw: Gateway, snap_id: str, holders: list[NodeLoad],
             if out.status != 200:
                 raise _failed(details, f"the holder answered {out.status}", await out.read())
             async with gw.session().post(
-                    target.endpoint + "/v1/snapshots/import", data=out.content.iter_chunked(
+                    target.endpoint + "/v1/snapshots", data=out.content.iter_chunked(
                         COPY_CHUNK), params=[("tenant", owner)] if owner else [],
                     headers={**admin, "Content-Type": "application/x-tar"}) as into:
                 raw = await into.read()

@@ -1083,7 +1083,7 @@ ROUTES: tuple[Route, ...] = (
           response="tar", errors=(404, 501), query=(Param(
               "have", repeated=True, description="a layer digest the importer has: left out",
               schema={"type": "string", "pattern": "^[0-9a-f]{64}$"}),)),
-    Route("POST", "/v1/snapshots/import", import_snapshot, "Store a snapshot from another "
+    Route("POST", "/v1/snapshots", import_snapshot, "Store a snapshot from another "
           "node's export stream under its own id: unpacked as untrusted input, each layer's "
           "digest checked; 200 if the id is here already", body="tar",
           response=SnapshotInfo, status=201, errors=(404, 409, 501)),
