@@ -136,6 +136,8 @@ class Net:
             self.plain = PlainNetns.start(self.uplink, f"{s.prefix}netplain", CPUS)
             env = {"CORRAL_UPLINK": self.uplink.ifname, "CORRAL_DNS_UPSTREAM": self.uplink.dns,
                    "CORRAL_NET_RANGE": f"10.{y_daemon}.0.0/16",
+                   # its own IPv6 range too: another corrald on the host may hold the default
+                   "CORRAL_NET_RANGE6": f"fd5b:{tag[:4]}:{y_daemon:x}::/112",
                    "CORRAL_NET_TABLE": self.table, "CORRAL_NET_IFPREFIX": self.ifprefix,
                    "CORRAL_NETWORK_CONFIG": str(s.root / "network-absent.json")}
             # Cgroup name under the session's prefix: its leak check and sweep cover it.
