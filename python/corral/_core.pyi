@@ -176,3 +176,13 @@ def zygote_seal(landlock: bool = False) -> None:
 def zygote_lockdown(uid: int, gid: int, rlimits: list[tuple[str, int, int]],
                     landlock: bool = True) -> None:
     """A request's child: ``uid``/``gid``, no capability, rlimits, no_new_privs, Landlock."""
+
+class ZygoteEntry:
+    """What a request's child of one slot does to itself before its request, made once per
+    slot by the zygote (rust/src/zygote.rs ``ChildEntry``)."""
+    def __init__(self, join: list[int], dir: str, umask: int, uid: int, gid: int,
+                 rlimits: list[tuple[str, int, int]], landlock: bool = True) -> None: ...
+    def enter(self, stdio: list[tuple[int, int, bool]]) -> None:
+        """In the forked child: join the cgroups (``join``: open membership files), setsid,
+        place ``stdio`` ((src, dst, cloexec), targets 0..n), close the fds from n on, chdir
+        to ``dir``, umask, then the lockdown of ``zygote_lockdown``."""

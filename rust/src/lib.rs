@@ -759,6 +759,84 @@ fn zygote_lockdown(
     })?)
 }
 
+/// run_code: what a request's child of one slot does to itself before its request (see
+/// zygote.rs `ChildEntry`), made once per slot by the zygote; `enter` runs in the child.
+#[pyclass(name = "ZygoteEntry", module = "corral._core", frozen)]
+struct PyZygoteEntry(zygote::ChildEntry);
+
+#[pymethods]
+impl PyZygoteEntry {
+    /// `join`: open membership files of the slot's cgroups (the caller keeps them open);
+    /// `dir`: the working directory; the rest as for `zygote_lockdown`.
+    #[new]
+    #[pyo3(signature = (join, dir, umask, uid, gid, rlimits, landlock = true))]
+    fn new(
+        join: Vec<RawFd>,
+        dir: OsString,
+        umask: u32,
+        uid: u32,
+        gid: u32,
+        rlimits: Vec<(String, i128, i128)>,
+        landlock: bool,
+    ) -> PyResult<Self> {
+        let rlimits = rlimits
+            .iter()
+            .map(|(n, s, h)| harden::rlimit(n, *s, *h))
+            .collect::<Result<Vec<Rlimit>, HardenError>>()?;
+        let dir = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(dir.as_os_str()))
+            .map_err(|_| PyValueError::new_err("dir contains a NUL byte"))?;
+        Ok(Self(zygote::ChildEntry {
+            join,
+            dir,
+            umask: umask as libc::mode_t,
+            lockdown: zygote::Lockdown {
+                uid,
+                gid,
+                rlimits,
+                landlock,
+            },
+        }))
+    }
+
+    /// In the forked child: join the cgroups, setsid, place `stdio` ((src, dst, cloexec),
+    /// targets 0..n), close the fds from n on, chdir, umask, lock down.
+    fn enter(&self, stdio: Vec<(RawFd, RawFd, bool)>) -> PyResult<()> {
+        let stdio: Vec<zygote::Stdio> = stdio
+            .into_iter()
+            .map(|(src, dst, cloexec)| zygote::Stdio { src, dst, cloexec })
+            .collect();
+        Ok(self.0.enter(&stdio)?)
+    }
+}
+
+fn before_fork() {
+    // SAFETY: called with the GIL held (the fork server runs inside a Python call).
+    unsafe { pyo3::ffi::PyOS_BeforeFork() }
+}
+
+fn after_fork_parent() {
+    // SAFETY: as above, after a fork in the parent.
+    unsafe { pyo3::ffi::PyOS_AfterFork_Parent() }
+}
+
+fn after_fork_child() {
+    // SAFETY: as above, first thing in the child.
+    unsafe { pyo3::ffi::PyOS_AfterFork_Child() }
+}
+
+/// run_code: the zygote's fork server (zygote.rs `fork_server`) on the SOCK_SEQPACKET
+/// `sock`. Returns only in a request's child: (slot, request fd, stdout, stderr, status fd).
+#[pyfunction]
+fn zygote_fork_server(sock: RawFd) -> PyResult<(u32, RawFd, RawFd, RawFd, RawFd)> {
+    let hooks = zygote::ForkHooks {
+        before: before_fork,
+        after_parent: after_fork_parent,
+        after_child: after_fork_child,
+    };
+    let f = zygote::fork_server(sock, &hooks)?;
+    Ok((f.slot, f.ctl, f.out, f.err, f.status))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Reserve the low fd slots children borrow while the importer holds few fds (child.rs).
@@ -767,6 +845,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyExecConfig>()?;
     m.add_class::<PyOverlay>()?;
     m.add_class::<PyCaptureControl>()?;
+    m.add_class::<PyZygoteEntry>()?;
     m.add_function(wrap_pyfunction!(init_memfd, m)?)?;
     m.add_function(wrap_pyfunction!(lockdown_binary, m)?)?;
     m.add_function(wrap_pyfunction!(seccomp_filter, m)?)?;
@@ -821,6 +900,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(zygote_die_with_parent, m)?)?;
     m.add_function(wrap_pyfunction!(zygote_build_root, m)?)?;
     m.add_function(wrap_pyfunction!(zygote_lockdown, m)?)?;
+    m.add_function(wrap_pyfunction!(zygote_fork_server, m)?)?;
     m.add_function(wrap_pyfunction!(zygote_seal, m)?)?;
     m.add("DEFAULT_PATH", enter::DEFAULT_PATH)?;
     Ok(())

@@ -300,3 +300,307 @@ pub fn lockdown(l: &Lockdown) -> Result<(), ZygoteError> {
     }
     Ok(())
 }
+
+/// Everything a request's child does to itself between the fork and its request, prepared
+/// once per slot by the zygote so that the child runs no Python for it: each Python object a
+/// child touches is a page it copies from the zygote, and these steps touched ~90 a child.
+pub struct ChildEntry {
+    /// open, writable membership files of the slot's cgroups (`tasks` or `cgroup.procs`),
+    /// owned by the zygote
+    pub join: Vec<c_int>,
+    /// the working directory (the slot's scratch dir)
+    pub dir: CString,
+    pub umask: libc::mode_t,
+    pub lockdown: Lockdown,
+}
+
+/// One fd to put in place: `src` becomes `dst`, close-on-exec when `cloexec`.
+#[derive(Clone, Copy)]
+pub struct Stdio {
+    pub src: c_int,
+    pub dst: c_int,
+    pub cloexec: bool,
+}
+
+impl ChildEntry {
+    /// In the freshly forked (single-threaded) child: join the slot's cgroups, start a
+    /// session, put `stdio` in place (targets 0..n, each target once), close every fd from n
+    /// on, chdir, umask, then `lockdown`.
+    pub fn enter(&self, stdio: &[Stdio]) -> Result<(), ZygoteError> {
+        let n = stdio.len() as c_int;
+        if stdio.iter().any(|s| s.dst < 0 || s.dst >= n || s.src < 0)
+            || (0..n).any(|d| stdio.iter().filter(|s| s.dst == d).count() != 1)
+        {
+            return Err(ZygoteError::Invalid(
+                "stdio must name each target 0..n once".into(),
+            ));
+        }
+        let fail = |step: &str| ZygoteError::os(step, harden::errno());
+        for &fd in &self.join {
+            // SAFETY: a write of a 1-byte literal to an fd the zygote holds open.
+            if unsafe { libc::write(fd, b"0".as_ptr().cast(), 1) } != 1 {
+                return Err(fail("cgroup join"));
+            }
+        }
+        // SAFETY: setsid has no arguments.
+        if unsafe { libc::setsid() } < 0 {
+            return Err(fail("setsid"));
+        }
+        // A source below n would be overwritten by an earlier target: move it above first.
+        let mut srcs = [0 as c_int; 8];
+        if stdio.len() > srcs.len() {
+            return Err(ZygoteError::Invalid("at most 8 stdio fds".into()));
+        }
+        for (i, s) in stdio.iter().enumerate() {
+            srcs[i] = if s.src < n {
+                // SAFETY: fcntl on an fd number; the kernel checks it.
+                let fd = unsafe { libc::fcntl(s.src, libc::F_DUPFD_CLOEXEC, n) };
+                if fd < 0 {
+                    return Err(fail("dup"));
+                }
+                fd
+            } else {
+                s.src
+            };
+        }
+        for (i, s) in stdio.iter().enumerate() {
+            let flags = if s.cloexec { libc::O_CLOEXEC } else { 0 };
+            // SAFETY: dup3 of fd numbers; srcs[i] >= n > s.dst, so they differ.
+            if unsafe { libc::dup3(srcs[i], s.dst, flags) } < 0 {
+                return Err(fail("dup3"));
+            }
+        }
+        // SAFETY: close_range on a range of fd numbers above the ones just placed.
+        if unsafe {
+            libc::syscall(
+                libc::SYS_close_range,
+                n as libc::c_uint,
+                libc::c_uint::MAX,
+                0,
+            )
+        } != 0
+        {
+            return Err(fail("close_range"));
+        }
+        // SAFETY: a NUL-terminated path owned by self.
+        if unsafe { libc::chdir(self.dir.as_ptr()) } != 0 {
+            return Err(fail("chdir"));
+        }
+        // SAFETY: umask takes a mode and cannot fail.
+        unsafe { libc::umask(self.umask) };
+        lockdown(&self.lockdown)
+    }
+}
+
+/// A request child's ends of its four pipes, as `fork_server` returns them in the child.
+pub struct Forked {
+    pub slot: u32,
+    /// the request (read end)
+    pub ctl: c_int,
+    pub out: c_int,
+    pub err: c_int,
+    /// the exit code a python child tells before it exits (write end)
+    pub status: c_int,
+}
+
+/// The three calls an embedding interpreter makes around a fork (CPython's `PyOS_*Fork*`).
+pub struct ForkHooks {
+    pub before: fn(),
+    pub after_parent: fn(),
+    pub after_child: fn(),
+}
+
+/// A command from the zygote: fork slot N's next child.
+const CMD_FORK: u8 = b'f';
+/// To the zygote: forked (slot u32, pid i32; the four daemon-side pipe ends attached).
+const MSG_FORKED: u8 = b'F';
+/// To the zygote: a child exited (pid i32, wait status i32, CLOCK_MONOTONIC f64 seconds).
+const MSG_EXITED: u8 = b'X';
+
+fn pipe_pair(step: &str) -> Result<[c_int; 2], ZygoteError> {
+    let mut p = [-1 as c_int; 2];
+    // SAFETY: pipe2 fills the two-element array it is given.
+    if unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(ZygoteError::os(step, harden::errno()));
+    }
+    Ok(p)
+}
+
+fn close_all(fds: &[c_int]) {
+    for &fd in fds {
+        // SAFETY: closing fds this function's caller owns.
+        unsafe { libc::close(fd) };
+    }
+}
+
+fn monotonic() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime fills the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}
+
+fn send_exited(sock: c_int, pid: libc::pid_t, status: c_int) -> Result<(), ZygoteError> {
+    let mut msg = [0u8; 17];
+    msg[0] = MSG_EXITED;
+    msg[1..5].copy_from_slice(&pid.to_ne_bytes());
+    msg[5..9].copy_from_slice(&status.to_ne_bytes());
+    msg[9..17].copy_from_slice(&monotonic().to_ne_bytes());
+    // SAFETY: a send of a stack buffer on a socket fd.
+    if unsafe { libc::send(sock, msg.as_ptr().cast(), msg.len(), 0) } < 0 {
+        return Err(ZygoteError::os("send", harden::errno()));
+    }
+    Ok(())
+}
+
+fn send_forked(
+    sock: c_int,
+    slot: u32,
+    pid: libc::pid_t,
+    fds: [c_int; 4],
+) -> Result<(), ZygoteError> {
+    let mut msg = [0u8; 9];
+    msg[0] = MSG_FORKED;
+    msg[1..5].copy_from_slice(&slot.to_ne_bytes());
+    msg[5..9].copy_from_slice(&pid.to_ne_bytes());
+    let mut iov = libc::iovec {
+        iov_base: msg.as_mut_ptr().cast(),
+        iov_len: msg.len(),
+    };
+    // Room for the control message of four fds, aligned as cmsghdr wants.
+    let mut cbuf = [0u64; 8];
+    // SAFETY: CMSG_SPACE is arithmetic on a length.
+    let space = unsafe { libc::CMSG_SPACE((4 * std::mem::size_of::<c_int>()) as u32) } as usize;
+    debug_assert!(space <= std::mem::size_of_val(&cbuf));
+    // SAFETY: msghdr is plain data; every field used is set below.
+    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+    mh.msg_iov = &mut iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cbuf.as_mut_ptr().cast();
+    mh.msg_controllen = space as _;
+    // SAFETY: mh points at cbuf, which holds one cmsghdr of `space` bytes; CMSG_FIRSTHDR and
+    // CMSG_DATA stay inside it, and the data written is the four fds.
+    unsafe {
+        let cm = libc::CMSG_FIRSTHDR(&mh);
+        (*cm).cmsg_level = libc::SOL_SOCKET;
+        (*cm).cmsg_type = libc::SCM_RIGHTS;
+        (*cm).cmsg_len = libc::CMSG_LEN((4 * std::mem::size_of::<c_int>()) as u32) as _;
+        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(cm).cast::<c_int>(), 4);
+        if libc::sendmsg(sock, &mh, 0) < 0 {
+            return Err(ZygoteError::os("sendmsg", harden::errno()));
+        }
+    }
+    Ok(())
+}
+
+/// The fork server of a run_code zygote, run by a process forked from the zygote once its
+/// interpreter is ready: it forks each request's child on the zygote's command (`f` + slot,
+/// on the SOCK_SEQPACKET `sock`), sends back the daemon's ends of the child's pipes, reaps
+/// its children (pidfds) and tells each exit. It runs no Python between forks, so the pages
+/// it shares with its waiting children stay shared: when the zygote's Python loop forked,
+/// every page it wrote between two forks was copied again (~100 page faults a request).
+///
+/// Returns only in a child (with its ends of the pipes); in the server it never returns but
+/// by error, and exits when the zygote closes `sock`.
+pub fn fork_server(sock: c_int, hooks: &ForkHooks) -> Result<Forked, ZygoteError> {
+    let mut live: Vec<(libc::pid_t, c_int)> = Vec::with_capacity(256);
+    let mut pfds: Vec<libc::pollfd> = Vec::with_capacity(257);
+    loop {
+        pfds.clear();
+        pfds.push(libc::pollfd {
+            fd: sock,
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        pfds.extend(live.iter().map(|&(_, fd)| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        }));
+        // SAFETY: poll on a vector of pollfds it may write revents into.
+        let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, -1) };
+        if n < 0 {
+            let e = harden::errno();
+            if e == libc::EINTR {
+                continue;
+            }
+            return Err(ZygoteError::os("poll", e));
+        }
+        for i in (1..pfds.len()).rev() {
+            if pfds[i].revents == 0 {
+                continue;
+            }
+            let (pid, pidfd) = live[i - 1];
+            let mut status: c_int = 0;
+            // SAFETY: waitpid on our own child, writing into a local.
+            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if r == pid {
+                send_exited(sock, pid, status)?;
+                close_all(&[pidfd]);
+                live.swap_remove(i - 1);
+            }
+        }
+        if pfds[0].revents == 0 {
+            continue;
+        }
+        let mut cmd = [0u8; 16];
+        // SAFETY: a recv into a stack buffer.
+        let got =
+            unsafe { libc::recv(sock, cmd.as_mut_ptr().cast(), cmd.len(), libc::MSG_DONTWAIT) };
+        if got == 0 {
+            // SAFETY: the zygote is gone; so is this server (its children die with pid 1).
+            unsafe { libc::_exit(0) };
+        }
+        if got < 0 {
+            let e = harden::errno();
+            if e == libc::EAGAIN || e == libc::EINTR {
+                continue;
+            }
+            return Err(ZygoteError::os("recv", e));
+        }
+        if got != 5 || cmd[0] != CMD_FORK {
+            return Err(ZygoteError::Invalid("fork server: a bad command".into()));
+        }
+        let slot = u32::from_ne_bytes([cmd[1], cmd[2], cmd[3], cmd[4]]);
+        let ctl = pipe_pair("pipe")?;
+        let out = pipe_pair("pipe")?;
+        let err = pipe_pair("pipe")?;
+        let st = pipe_pair("pipe")?;
+        (hooks.before)();
+        // SAFETY: fork of a single-threaded process; the child only returns to the caller.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            (hooks.after_child)();
+            close_all(&[ctl[1], out[0], err[0], st[0]]);
+            return Ok(Forked {
+                slot,
+                ctl: ctl[0],
+                out: out[1],
+                err: err[1],
+                status: st[1],
+            });
+        }
+        (hooks.after_parent)();
+        close_all(&[ctl[0], out[1], err[1], st[1]]);
+        let theirs = [ctl[1], out[0], err[0], st[0]];
+        if pid < 0 {
+            let e = harden::errno();
+            close_all(&theirs);
+            return Err(ZygoteError::os("fork", e));
+        }
+        // SAFETY: pidfd_open of our own unreaped child.
+        let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as c_int;
+        if pidfd < 0 {
+            let e = harden::errno();
+            close_all(&theirs);
+            return Err(ZygoteError::os("pidfd_open", e));
+        }
+        live.push((pid, pidfd));
+        let sent = send_forked(sock, slot, pid, theirs);
+        close_all(&theirs);
+        sent?;
+    }
+}

@@ -12,12 +12,16 @@ imports none of corral but the Rust core, loaded by path. Its life:
    and a /proc that shows each uid only its own processes; SysV IPC and POSIX message queues
    are capped at zero objects (nothing can outlive a request there). It then seals itself
    (no_new_privs and the sandbox seccomp filter, inherited by every child) and says ready.
-3. Each request runs in a fresh fork, made ahead of it while the zygote is idle: the child
-   joins its slot's cgroups (memory, pids, freezer), takes the slot's scratch dir, drops to the
-   slot's uid with no capability, rlimits and a Landlock domain of its own (abstract unix
-   sockets), then waits for its request on a pipe and runs it (python: in the forked
-   interpreter; bash: exec). When its process exits, whatever it left running in the slot's
-   cgroup is killed, the scratch dir is wiped, and the result goes back.
+3. Each request runs in a fresh fork, made ahead of it by the zygote's fork server: a child of
+   the zygote made once its interpreter is ready, that forks on the zygote's command and runs
+   no Python between forks (rust/src/zygote.rs ``fork_server``), so the pages it shares with
+   the waiting children are not copied again at every fork. The child joins its slot's
+   cgroups (memory, pids, freezer), takes the slot's scratch dir, drops to the slot's uid
+   with no capability, rlimits and a Landlock domain of its own (abstract unix sockets), all
+   in one call (``_core.ZygoteEntry``), then waits for its request on a pipe and runs it
+   (python: in the forked interpreter; bash: exec). When its process exits, the zygote kills
+   whatever it left running in the slot's cgroup, wipes the scratch dir, says so, and asks
+   for the slot's next child.
 
 A session zygote (``language`` ``session``: one ``Sandbox(substrate="process")``) has one slot
 and no preloaded module: its /tmp is the session's own tmpfs (owned by the slot's uid), kept
@@ -32,21 +36,34 @@ Frames both ways: 4-byte big-endian length + JSON.
 from __future__ import annotations
 
 import _signal  # the C functions: signal.signal's enum wrapping costs a child ~60 page faults
+import _socket  # likewise socket.py and selectors: their enums and classes grow every fork
+import atexit
+import builtins
 import errno
 import json
 import os
-import selectors
-import signal
-import socket
+import resource
+import select
 import struct
 import sys
 import time
+import traceback
+import types
+
+# Every module a child uses is imported here, in the zygote: an import statement in a child
+# for a module not yet loaded runs the import machinery there (``import atexit`` alone cost a
+# child 54 page faults). Nothing else is: a fork copies the page tables of all the zygote's
+# memory and mappings, so each module it holds costs every request.
 
 TYPE_CHECKING = False  # typing is not imported: every module here is in every fork's memory
 if TYPE_CHECKING:
     from typing import Any
 
 HDR = struct.Struct("!I")
+# The fork server's messages (rust/src/zygote.rs): a command, a fork, an exit.
+FORK = struct.Struct("=cI")
+FORKED = struct.Struct("=cIi")
+EXITED = struct.Struct("=ciid")
 MAX_FRAME = 256 << 20
 READ_CHUNK = 1 << 16
 KILL_WAIT_S = 5.0
@@ -77,14 +94,14 @@ class FrameReader:
         return out
 
 
-def recv_with_fds(sk: socket.socket, flags: int = 0) -> tuple[bytes, list[int]]:
+def recv_with_fds(sk: _socket.socket, flags: int = 0) -> tuple[bytes, list[int]]:
     """One read of ``sk`` and the fds that came with it (SCM_RIGHTS, close-on-exec); b"" at
     the peer's end. BlockingIOError and InterruptedError are the caller's."""
-    data, anc, _, _ = sk.recvmsg(READ_CHUNK, socket.CMSG_SPACE(16 * 4),
-                                 socket.MSG_CMSG_CLOEXEC | flags)
+    data, anc, _, _ = sk.recvmsg(READ_CHUNK, _socket.CMSG_SPACE(16 * 4),
+                                 _socket.MSG_CMSG_CLOEXEC | flags)
     fds: list[int] = []
     for level, kind, raw in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
             n = len(raw) - len(raw) % 4
             fds += list(struct.unpack(f"{n // 4}i", raw[:n]))
     return data, fds
@@ -139,7 +156,10 @@ class SlotCgroups:
         self.v2 = "unified" in dirs
         self.fds = {k: os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
                     for k, p in dirs.items()}
-        self.join = [(fd, "cgroup.procs" if self.v2 else "tasks") for fd in self.fds.values()]
+        member = "cgroup.procs" if self.v2 else "tasks"
+        # Open once here: a child joins by writing "0" to each, with no open of its own.
+        self.join = [os.open(member, os.O_WRONLY | os.O_CLOEXEC, dir_fd=fd)
+                     for fd in self.fds.values()]
         self.procs = self.fds["unified" if self.v2 else "pids"]
 
     def pids(self) -> list[int]:
@@ -163,7 +183,7 @@ class SlotCgroups:
                 _write_at(freezer, "freezer.state", "FROZEN")
             for pid in self.pids():
                 try:
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, _signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             if freezer is not None:
@@ -219,6 +239,7 @@ class Slot:
         self.scratch = f"/tmp/s{index}"
         self.pid = 0           # its child, waiting for a request or running one
         self.broken = False
+        self.entry: Any = None  # _core.ZygoteEntry: what its request children do first
 
 
 class Zygote:
@@ -232,14 +253,15 @@ class Zygote:
         self.cfg = cfg
         self.core = core
         self.sock = sock
-        self.sk = socket.socket(fileno=sock)
+        self.sk = _socket.socket(fileno=sock)
         self.language = cfg["language"]
         self.session = self.language == "session"
         self.slots = [Slot(i, s["uid"], s["cgroups"]) for i, s in enumerate(cfg["slots"])]
         self.by_pid: dict[int, Slot] = {}
-        self.cold: list[Slot] = []               # slots with no child yet
+        self.forks: Any = None                   # the fork server's socket (not a session)
+        self.forks_fd = -1
         self.reader = FrameReader()
-        self.sel = selectors.DefaultSelector()
+        self.poll = select.poll()
         self.preloaded: list[str] = []
         self.fds: list[int] = []                 # received with spawn frames, in order
         self.env = cfg["env"]
@@ -262,7 +284,7 @@ class Zygote:
         os.environ.update(self.env)
         self.core.zygote_build_root(self.cfg["root"], [tuple(e) for e in self.cfg["entries"]])
         if self.cfg.get("hostname"):
-            socket.sethostname(self.cfg["hostname"])
+            _socket.sethostname(self.cfg["hostname"])
         # SysV IPC objects and POSIX queues outlive their process: allow none at all.
         for path, value in (("/proc/sys/kernel/shmmni", "0"), ("/proc/sys/kernel/msgmni", "0"),
                             ("/proc/sys/kernel/sem", "0 0 0 0"),
@@ -275,13 +297,15 @@ class Zygote:
         else:
             for s in self.slots:
                 self._fresh_scratch(s)
+                s.entry = self.core.ZygoteEntry(s.cg.join, s.scratch, 0o077, s.uid, s.uid,
+                                                self.rlimits)
         self.devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
         wake_r, wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self.wake_r = wake_r
-        signal.set_wakeup_fd(wake_w)
-        signal.signal(signal.SIGCHLD, lambda *_: None)
-        self.sel.register(self.sock, selectors.EVENT_READ)
-        self.sel.register(wake_r, selectors.EVENT_READ)
+        _signal.set_wakeup_fd(wake_w)
+        _signal.signal(_signal.SIGCHLD, lambda *_: None)
+        self.poll.register(self.sock, select.POLLIN)
+        self.poll.register(wake_r, select.POLLIN)
         # The seccomp filter, for the zygote and every child it forks; a session's commands
         # share one Landlock domain (they see and signal each other), requests have their own.
         self.core.zygote_seal(landlock=self.session)
@@ -290,7 +314,7 @@ class Zygote:
         gc.collect()
         gc.freeze()  # keeps the children from dirtying (copying) the preloaded objects' pages
         if not self.session:
-            self.cold.extend(self.slots)
+            self._start_fork_server()
 
     def _fresh_scratch(self, s: Slot) -> None:
         try:
@@ -308,20 +332,17 @@ class Zygote:
     # -- the loop --
     def serve(self) -> None:
         _write_all(self.sock, encode({"ready": True, "preloaded": self.preloaded}))
+        if not self.session:
+            for slot in self.slots:
+                self._fork(slot)
         while True:
-            # Idle (nothing to read): fork every waiting child back to back. After a fork
-            # each page the zygote writes is copied (its pages are the child's too): the
-            # reaping and wiping between forks would be copied again at every fork.
-            events = self.sel.select(0 if self.cold else None)
-            if not events and self.cold:
-                while self.cold:
-                    slot = self.cold.pop(0)
-                    if not slot.pid and not slot.broken:
-                        self._prefork(slot)
-                continue
-            for key, _ in events:
-                if key.fd == self.sock:
+            for fd, _ in self.poll.poll():
+                if fd == self.sock:
                     if not self._from_daemon():
+                        return
+                elif fd == self.forks_fd:
+                    if not self._from_fork_server():
+                        print("run_code zygote: the fork server ended", file=sys.stderr)
                         return
                 else:
                     try:
@@ -344,14 +365,15 @@ class Zygote:
                 self._spawn(msg["spawn"])
                 continue
             slot = self.slots[msg["kill"]]
-            if slot.pid and slot.pid == msg.get("pid"):  # its timeout: the whole tree
+            if slot.pid > 0 and slot.pid == msg.get("pid"):  # its timeout: the whole tree
                 if not slot.cg.kill_all(self._reaped):
                     slot.broken = True
         return True
 
-    def _reaped(self, pid: int, status: int) -> None:
+    def _reaped(self, pid: int, status: int, t_exit: float | None = None) -> None:
         """A slot's child ended (its request done, killed, or it died waiting)."""
-        t_exit = time.monotonic()
+        if t_exit is None:
+            t_exit = time.monotonic()
         slot = self.by_pid.pop(pid, None)
         if slot is None or self.session:
             return  # an orphan of some request, reparented to us; or a session's command
@@ -366,38 +388,78 @@ class Zygote:
         _write_all(self.sock, encode({"done": slot.index, "pid": pid, "status": status,
                                       "t_exit": t_exit, "broken": slot.broken}))
         if not slot.broken:
-            self.cold.append(slot)
+            self._fork(slot)
 
-    def _prefork(self, slot: Slot) -> None:
-        """Fork the slot's next child ahead of its request: it joins the slot's cgroups,
-        takes the scratch dir, locks itself down, then waits for its request on a pipe whose
-        other end (with its stdout and stderr) goes to the daemon."""
-        ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        st_r, st_w = os.pipe2(os.O_CLOEXEC)
+    # -- the fork server --
+    def _start_fork_server(self) -> None:
+        """Fork the process that forks the requests' children (rust/src/zygote.rs
+        ``fork_server``): it runs no Python between forks, so what it shares with its waiting
+        children stays shared, where this loop's own writes (reaping, wiping, frames) would
+        copy each page it touches again after every fork. It is this zygote's child, made
+        once its interpreter is ready: the children are copies of that state."""
+        ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
+            ours.close()
+            _signal.set_wakeup_fd(-1)
+            _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
             try:
-                self._child(slot, ctl_r, out_w, err_w, st_w)
+                si, ctl, fout, ferr, fst = self.core.zygote_fork_server(theirs.fileno())
+            except BaseException as e:  # noqa: BLE001 - say why, never return into the loop
+                os.write(2, f"run_code fork server: {type(e).__name__}: {e}\n".encode())
+                os._exit(1)
+            # A request's child (the server itself never returns).
+            try:
+                self._child(self.slots[si], ctl, fout, ferr, fst)
             except BaseException as e:  # noqa: BLE001 - report, never return into the loop
                 try:
-                    os.write(err_w, f"run_code: could not start: {type(e).__name__}: {e}\n"
+                    os.write(ferr, f"run_code: could not start: {type(e).__name__}: {e}\n"
                              .encode())
                 finally:
                     os._exit(126)
             os._exit(126)
-        for fd in (ctl_r, out_w, err_w, st_w):
-            os.close(fd)
+        theirs.close()
+        self.forks = ours
+        self.forks_fd = ours.fileno()
+        self.poll.register(self.forks_fd, select.POLLIN)
+
+    def _fork(self, slot: Slot) -> None:
+        """Have the slot's next child forked ahead of its request: it joins the slot's
+        cgroups, takes the scratch dir, locks itself down, then waits for its request on a
+        pipe whose other end (with its stdout and stderr) goes to the daemon."""
+        if slot.pid or slot.broken:
+            return
+        slot.pid = -1  # asked for
+        self.forks.send(FORK.pack(b"f", slot.index))
+
+    def _from_fork_server(self) -> bool:
+        try:
+            data, anc, _, _ = self.forks.recvmsg(32, _socket.CMSG_SPACE(4 * 4),
+                                                 _socket.MSG_CMSG_CLOEXEC)
+        except InterruptedError:
+            return True
+        fds: list[int] = []
+        for level, kind, raw in anc:
+            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+                n = len(raw) - len(raw) % 4
+                fds += list(struct.unpack(f"{n // 4}i", raw[:n]))
+        if not data:
+            return False
+        if data[:1] == b"X":
+            _, pid, status, t_exit = EXITED.unpack(data)
+            self._reaped(pid, status, t_exit)
+            return True
+        _, si, pid = FORKED.unpack(data)
+        slot = self.slots[si]
         slot.pid = pid
         self.by_pid[pid] = slot
         try:
-            self.sk.sendmsg([encode({"warm": slot.index, "pid": pid})],
-                            [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                              struct.pack("4i", ctl_w, out_r, err_r, st_r))])
+            self.sk.sendmsg([encode({"warm": si, "pid": pid})],
+                            [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack("4i", *fds))])
         finally:
-            for fd in (ctl_w, out_r, err_r, st_r):
+            for fd in fds:
                 os.close(fd)
+        return True
 
     # -- a session's commands --
     def _spawn(self, req: dict[str, Any]) -> None:
@@ -424,7 +486,7 @@ class Zygote:
             pidfd = os.pidfd_open(pid)
             self.by_pid[pid] = slot
             self.sk.sendmsg([encode({"spawned": pid})],
-                            [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", pidfd))])
+                            [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack("i", pidfd))])
         except OSError as e:
             _write_all(self.sock, encode({"spawned": 0, "error": f"{e.strerror or e}"}))
         finally:
@@ -433,11 +495,11 @@ class Zygote:
                     os.close(fd)
 
     def _exec_child(self, slot: Slot, req: dict[str, Any], stdio: list[int]) -> None:
-        signal.set_wakeup_fd(-1)
+        _signal.set_wakeup_fd(-1)
         for sig in (_signal.SIGCHLD, _signal.SIGPIPE, _signal.SIGXFSZ):  # python ignores some
             _signal.signal(sig, _signal.SIG_DFL)
-        for dirfd, name in slot.cg.join:
-            _write_at(dirfd, name, "0")
+        for fd in slot.cg.join:
+            os.write(fd, b"0")
         os.setsid()
         for target, fd in enumerate(stdio):
             os.dup2(fd if fd >= 0 else self.devnull, target)
@@ -456,25 +518,18 @@ class Zygote:
             os._exit(127 if e.errno == errno.ENOENT else 126)
 
     def _child(self, slot: Slot, ctl: int, fout: int, ferr: int, fst: int) -> None:
-        signal.set_wakeup_fd(-1)
+        _signal.set_wakeup_fd(-1)
         _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
-        for dirfd, name in slot.cg.join:
-            _write_at(dirfd, name, "0")
-        os.setsid()
-        os.dup2(self.devnull, 0)
-        os.dup2(fout, 1)
-        os.dup2(ferr, 2)
-        os.dup2(ctl, 3)
-        os.dup2(fst, 4, inheritable=False)  # python: its exit code, told before it exits
-        os.closerange(5, 1 << 20)
-        os.chdir(slot.scratch)
-        os.umask(0o077)
-        self.core.zygote_lockdown(slot.uid, slot.uid, self.rlimits)
-        env = dict(self.env, HOME=slot.scratch, TMPDIR=slot.scratch, PWD=slot.scratch)
+        # Its cgroups, a session, stdio, fd 3 the request, fd 4 (python) its exit code told
+        # before it exits, no other fd, the scratch dir, its uid and limits: in one call.
+        slot.entry.enter([(self.devnull, 0, False), (fout, 1, False), (ferr, 2, False),
+                          (ctl, 3, False), (fst, 4, True)])
+        own = {"HOME": slot.scratch, "TMPDIR": slot.scratch, "PWD": slot.scratch}
+        env = dict(self.env, **own)
         main = None
         if self.language == "python":
             _reseed()
-            main = _prepare_python(env)  # while idle: off the request's path
+            main = _prepare_python(own)  # while idle: off the request's path
         chunks = []
         while True:
             data = os.read(3, READ_CHUNK)
@@ -485,8 +540,6 @@ class Zygote:
         if not chunks:
             os._exit(0)  # the daemon let it go unused
         req = json.loads(b"".join(chunks))
-        import resource
-
         used = resource.getrusage(resource.RUSAGE_SELF)
         cpu = int(used.ru_utime + used.ru_stime + float(req["timeout"])) + 2
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
@@ -533,30 +586,23 @@ def _warm_python() -> None:
     each in a process allocates and touches what later ones reuse (the parser's arenas, the
     interned names), and done once here it is shared by every child instead of copied and
     paid by each (measured: 2-3 ms of CPU per request)."""
-    import builtins
-
     for _ in range(3):
         code = compile("import os\nfor i in range(2):\n    x = (i, 'x', [i], {i: str(i)})\n",
                        "<string>", "exec")
         exec(code, {"__builtins__": builtins, "__name__": "__warm__"})
         json.loads(b'{"code":"print(1)","stdin":null,"files":null,"timeout":10}')
-    import resource
-
     resource.getrusage(resource.RUSAGE_SELF)
 
 
-def _prepare_python(env: dict[str, str]) -> Any:
+def _prepare_python(own: dict[str, str]) -> Any:
     """Everything of ``python3 -c`` that does not depend on the request, done by the waiting
     child: its environment, argv, sys.path and a fresh ``__main__``; and a first compile
     and JSON parse, so that the memory they touch is copied (copy-on-write faults) before the
     request comes rather than while it waits for its answer. Nothing of this is the
-    program's to see but what ``python3 -c`` would show it."""
-    import builtins
-    import types
-
-    for k in [k for k in os.environ if k not in env]:  # none: the zygote's is a request's
-        del os.environ[k]
-    os.environ.update({k: v for k, v in env.items() if os.environ.get(k) != v})
+    program's to see but what ``python3 -c`` would show it. The zygote's environment is a
+    request's (``Zygote.setup``): only the child's ``own`` variables are added."""
+    for k, v in own.items():
+        os.environ[k] = v
     sys.argv = ["-c"]
     sys.path[0] = ""
     main = types.ModuleType("__main__")
@@ -564,16 +610,12 @@ def _prepare_python(env: dict[str, str]) -> Any:
     sys.modules["__main__"] = main
     compile("import os\nfor i in range(2):\n    print(i, 'x', [i])\n", "<string>", "exec")
     json.loads(b'{"code":"print(1)","stdin":null,"files":null,"timeout":10}')
-    import resource
-
     resource.getrusage(resource.RUSAGE_SELF)
     return main
 
 
 def _run_python(code: str, main: Any) -> None:
     """Run ``code`` as ``python3 -c`` would, in this forked interpreter; never returns."""
-    import traceback
-
     rc = 0
     try:
         exec(compile(code, "<string>", "exec"), main.__dict__)
@@ -588,8 +630,6 @@ def _run_python(code: str, main: Any) -> None:
         threading = sys.modules.get("threading")  # its threads, if the program made any
         if threading is not None:
             threading._shutdown()
-        import atexit
-
         atexit._run_exitfuncs()
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
@@ -641,7 +681,7 @@ def main() -> None:
     pid = os.fork()
     if pid:
         os.close(sock)
-        signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGKILL))
+        _signal.signal(_signal.SIGTERM, lambda *_: os.kill(pid, _signal.SIGKILL))
         while True:
             try:
                 _, status = os.waitpid(pid, 0)
