@@ -10,11 +10,19 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
+DEFAULT_SOCKET = "/run/corral/corrald.sock"
+
+
+def socket_from_env() -> str:
+    """The daemon's unix socket (``CORRAL_SOCKET``): read alone, on every SDK call that has no
+    endpoint (a whole ``Config`` is ~30 environment reads)."""
+    return _env("CORRAL_SOCKET", DEFAULT_SOCKET)
+
+
 @dataclass(frozen=True)
 class Config:
     state_dir: str = field(default_factory=lambda: _env("CORRAL_STATE_DIR", "/var/lib/corral"))
-    socket_path: str = field(
-        default_factory=lambda: _env("CORRAL_SOCKET", "/run/corral/corrald.sock"))
+    socket_path: str = field(default_factory=socket_from_env)
     # "host:port" to also listen on TCP (requires a token); empty disables TCP.
     tcp_listen: str = field(default_factory=lambda: _env("CORRAL_TCP", ""))
     token: str = field(default_factory=lambda: _env("CORRAL_TOKEN", ""))

@@ -41,7 +41,7 @@ class Endpoint:
         url = os.environ.get("CORRAL_URL", "").strip()
         if url:
             return cls.parse(url)
-        return cls(UNIX_PREFIX + config.load().socket_path)
+        return cls(UNIX_PREFIX + config.socket_from_env())
 
     @classmethod
     def parse(cls, value: str | Endpoint | None) -> Endpoint:
