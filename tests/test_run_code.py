@@ -100,6 +100,30 @@ def zygote_pids() -> list[int]:
     return [p for p in pids if parent(p) in launchers]
 
 
+def _zygote_cgroup_pids() -> dict[int, int]:
+    """pid -> parent pid of every process in this session's zygote cgroups."""
+    out = {}
+    for f in Path("/sys/fs/cgroup", "pids", RC_TOP).glob("*/zygote/cgroup.procs"):
+        for x in f.read_text().split():
+            try:
+                ppid = Path(f"/proc/{x}/status").read_text().split("\nPPid:\t")[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            out[int(x)] = int(ppid)
+    return out
+
+
+def fork_server_pids() -> list[int]:
+    """Host pids of the zygotes' fork servers: children of a zygote that stay in its cgroup
+    (a request's child leaves it for its slot's at once): the ones seen on both sides of a
+    request."""
+    assert run("print(1)").ok  # the pool is up
+    zygotes = set(zygote_pids())
+    first = {p for p, pp in _zygote_cgroup_pids().items() if pp in zygotes}
+    assert run("print(1)").ok
+    return sorted(first & {p for p, pp in _zygote_cgroup_pids().items() if pp in zygotes})
+
+
 # ---- it works --------------------------------------------------------------------------------
 def test_python_and_bash_run():
     r = run("print(6 * 7)")
@@ -316,11 +340,13 @@ print('seen', seen == [me], 'killed', killed, 'traced', traced)
         a = await corral.run_code_async(attacker, timeout=30)
         return await v, a
 
-    before = set(zygote_pids())
+    servers = fork_server_pids()
+    assert servers
+    before = set(zygote_pids()) | set(servers)
     v, a = asyncio.run(both())
     assert a.stdout == "seen True killed [] traced []\n", (a.stdout, a.stderr)
     assert (v.status, v.stdout) == ("ok", "alive\n")
-    assert before <= set(zygote_pids())  # no zygote died
+    assert before <= set(zygote_pids()) | set(fork_server_pids())  # none died
     assert run("print(1)").ok
 
 
@@ -497,6 +523,26 @@ def test_a_dead_zygote_is_replaced():
     assert results[-1] == "2\n"
     now = {p.name: p.started for p in run_code_pools().pools}
     assert now["python"] > started["python"]
+
+
+def test_a_dead_fork_server_takes_its_zygote_and_is_replaced():
+    """The fork server is the zygote's child: killed (from the host: requests cannot), its
+    zygote ends with it (a request in flight gets infra_error, never a task's failure), and
+    the next request starts a new zygote with a new server."""
+    servers = fork_server_pids()
+    zygotes = zygote_pids()
+    assert servers and zygotes
+    for p in servers:
+        os.kill(p, signal.SIGKILL)
+    assert wait_until(lambda: not set(zygotes) & set(zygote_pids()), timeout=10)
+    results = []
+    for _ in range(3):
+        try:
+            results.append(run("print(3)").stdout)
+        except corral.InfraError:
+            results.append("infra")
+    assert results[-1] == "3\n"
+    assert not set(servers) & set(fork_server_pids())
 
 
 def test_cli_run_code(tmp_path):
