@@ -459,7 +459,7 @@ fn send_exited(sock: c_int, pid: libc::pid_t, status: c_int) -> Result<(), Zygot
     msg[5..9].copy_from_slice(&status.to_ne_bytes());
     msg[9..17].copy_from_slice(&monotonic().to_ne_bytes());
     // SAFETY: a send of a stack buffer on a socket fd.
-    if unsafe { libc::send(sock, msg.as_ptr().cast(), msg.len(), 0) } < 0 {
+    if unsafe { libc::send(sock, msg.as_ptr().cast(), msg.len(), libc::MSG_NOSIGNAL) } < 0 {
         return Err(ZygoteError::os("send", harden::errno()));
     }
     Ok(())
@@ -498,7 +498,7 @@ fn send_forked(
         (*cm).cmsg_type = libc::SCM_RIGHTS;
         (*cm).cmsg_len = libc::CMSG_LEN((4 * std::mem::size_of::<c_int>()) as u32) as _;
         std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(cm).cast::<c_int>(), 4);
-        if libc::sendmsg(sock, &mh, 0) < 0 {
+        if libc::sendmsg(sock, &mh, libc::MSG_NOSIGNAL) < 0 {
             return Err(ZygoteError::os("sendmsg", harden::errno()));
         }
     }
@@ -515,6 +515,18 @@ fn send_forked(
 /// Returns only in a child (with its ends of the pipes); in the server it never returns but
 /// by error, and exits when the zygote closes `sock`.
 pub fn fork_server(sock: c_int, hooks: &ForkHooks) -> Result<Forked, ZygoteError> {
+    match serve_forks(sock, hooks) {
+        // The zygote is gone (it ended, or the daemon stopped it): so is this server, quietly;
+        // its children die with the zygote, pid 1 of their namespace.
+        Err(ZygoteError::Os { errno, .. }) if errno == libc::EPIPE || errno == libc::ECONNRESET => {
+            // SAFETY: _exit ends this process; nothing of it is shared with another.
+            unsafe { libc::_exit(0) }
+        }
+        other => other,
+    }
+}
+
+fn serve_forks(sock: c_int, hooks: &ForkHooks) -> Result<Forked, ZygoteError> {
     let plan = CapPlan {
         bounding: 0,
         sets: 0,

@@ -152,7 +152,7 @@ class Warm:
 class SlotState:
     def __init__(self, index: int, dirs: dict[str, str]) -> None:
         self.index = index
-        self.memory = cgroup.SlotMemory(dirs)
+        self.memory = cgroup.SlotMemory(dirs, keep_open=True)
         self.ooms = self.memory.oom_kills()  # the count after the slot's last request
         self.warm: Warm | None = None
         self.ready = asyncio.Event()                      # warm is set
@@ -167,7 +167,18 @@ class Output:
         self.buf = bytearray()
         self.truncated = False
         self.eof = False
+        self.watched = False  # a reader on the loop (removed at EOF or by unwatch)
         os.set_blocking(fd, False)
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.add_reader(self.fd, self.read)
+        self.watched = True
+
+    def unwatch(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.watched:
+            self.watched = False
+            with contextlib.suppress(ValueError, OSError, RuntimeError):
+                loop.remove_reader(self.fd)
 
     def read(self) -> None:
         for _ in range(64):  # bounded per wakeup: a flood must not pin the loop
@@ -179,8 +190,8 @@ class Output:
                 data = b""
             if not data:
                 self.eof = True
-                with contextlib.suppress(ValueError, OSError, RuntimeError):
-                    asyncio.get_running_loop().remove_reader(self.fd)
+                if self.watched:
+                    self.unwatch(asyncio.get_running_loop())
                 return
             room = self.cap - len(self.buf)
             if len(data) > room:
@@ -208,7 +219,6 @@ class Zygote:
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self._reader = zygote.FrameReader()
         self._fds: list[int] = []  # received with the frames, 4 per "warm"
-        self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         svc = self.pool.service
@@ -324,6 +334,7 @@ class Zygote:
             if slot.warm is not None:
                 slot.warm.close()
                 slot.warm = None
+            slot.memory.close()  # a late reader falls back to the file's path
             slot.ready.set()  # wake waiters: they see the zygote is gone
         for fd in self._fds:
             with contextlib.suppress(OSError):
@@ -363,13 +374,17 @@ class Zygote:
                 with contextlib.suppress(OSError):
                     self.sock.send(zygote.encode({"kill": si, "pid": w.pid}))
 
+        status_watched = False
+
         def status() -> None:
+            nonlocal status_watched
             try:
                 data = os.read(w.st, 16)
             except BlockingIOError:
                 return
             except OSError:
                 data = b""
+            status_watched = False
             loop.remove_reader(w.st)
             if not told.done():
                 try:
@@ -388,9 +403,11 @@ class Zygote:
             finished = True
             timer.cancel()
             slot.done.pop(w.pid, None)
-            for fd in (w.out, w.err, w.st):
+            out.unwatch(loop)
+            err.unwatch(loop)
+            if status_watched:
                 with contextlib.suppress(ValueError, OSError):
-                    loop.remove_reader(fd)
+                    loop.remove_reader(w.st)
             w.close()
             with contextlib.suppress(OSError):
                 slot.ooms = slot.memory.oom_kills()
@@ -400,10 +417,11 @@ class Zygote:
             slot.memory.set(req.memory_mb << 20)
             payload = json.dumps({"code": req.code, "stdin": req.stdin, "files": req.files,
                                   "timeout": req.timeout}, separators=(",", ":")).encode()
-            loop.add_reader(w.out, out.read)
-            loop.add_reader(w.err, err.read)
+            out.watch(loop)
+            err.watch(loop)
             os.set_blocking(w.st, False)
             loop.add_reader(w.st, status)
+            status_watched = True
             t0 = time.monotonic()
             await _write_pipe(w.ctl, payload)
             os.close(w.ctl)
@@ -464,21 +482,23 @@ class Zygote:
                 "language": self.pool.language}
 
     def _later(self, done: asyncio.Future[dict[str, Any]], finish: Any) -> None:
-        task = asyncio.ensure_future(self._finish_later(done, finish))
-        self._tasks.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._tasks.discard)
-
-    async def _finish_later(self, done: asyncio.Future[dict[str, Any]], finish: Any) -> None:
         """After an answer on the child's own word: free the slot when the zygote has reaped
-        it (its timer still runs: a child that said it was done and went on is killed)."""
-        try:
-            await asyncio.wait({done}, timeout=MAX_TIMEOUT_S + ANSWER_GRACE_S)
-            if not done.done():
-                self._dead("no answer in time")
-            elif done.exception() is None and done.result().get("broken"):
-                self._dead("a slot's processes would not die")
-        finally:
-            finish()
+        it (its timer still runs: a child that said it was done and went on is killed). A
+        callback and a timer, not a task: this is every python request's path."""
+        loop = asyncio.get_running_loop()
+
+        def settled(_: object = None) -> None:
+            timer.cancel()
+            try:
+                if not done.done():
+                    self._dead("no answer in time")
+                elif done.exception() is None and done.result().get("broken"):
+                    self._dead("a slot's processes would not die")
+            finally:
+                finish()
+
+        timer = loop.call_later(MAX_TIMEOUT_S + ANSWER_GRACE_S, settled)
+        done.add_done_callback(settled)
 
 
 async def _write_pipe(fd: int, data: bytes) -> None:
