@@ -318,6 +318,8 @@ pub struct ChildEntry {
     pub lockdown: Lockdown,
 }
 
+const MAX_STDIO: usize = 8;
+
 /// One fd to put in place: `src` becomes `dst`, close-on-exec when `cloexec`.
 #[derive(Clone, Copy)]
 pub struct Stdio {
@@ -331,6 +333,11 @@ impl ChildEntry {
     /// session, put `stdio` in place (targets 0..n, each target once), close every fd from n
     /// on, chdir, umask, then `lockdown`.
     pub fn enter(&self, stdio: &[Stdio]) -> Result<(), ZygoteError> {
+        if stdio.len() > MAX_STDIO {
+            return Err(ZygoteError::Invalid(format!(
+                "at most {MAX_STDIO} stdio fds"
+            )));
+        }
         let n = stdio.len() as c_int;
         if stdio.iter().any(|s| s.dst < 0 || s.dst >= n || s.src < 0)
             || (0..n).any(|d| stdio.iter().filter(|s| s.dst == d).count() != 1)
@@ -351,10 +358,7 @@ impl ChildEntry {
             return Err(fail("setsid"));
         }
         // A source below n would be overwritten by an earlier target: move it above first.
-        let mut srcs = [0 as c_int; 8];
-        if stdio.len() > srcs.len() {
-            return Err(ZygoteError::Invalid("at most 8 stdio fds".into()));
-        }
+        let mut srcs = [0 as c_int; MAX_STDIO];
         for (i, s) in stdio.iter().enumerate() {
             srcs[i] = if s.src < n {
                 // SAFETY: fcntl on an fd number; the kernel checks it.

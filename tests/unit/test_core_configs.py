@@ -46,3 +46,40 @@ def test_the_calls_take_only_the_classes():
         _core.spawn_sandbox({"init_fd": 3, "root": "/r", "overlays": []})
     with pytest.raises(TypeError):
         _core.spawn_sandbox(_core.ExecConfig(init_pid=1, pidfd=2, argv=["true"]))
+
+
+def _enter_in_a_child(entry, stdio) -> str:  # type: ignore[no-untyped-def]
+    """``entry.enter(stdio)`` in a forked child (should it wrongly get past its checks, it
+    acts on the child only): the error's type name, or "entered"."""
+    import os
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            entry.enter(stdio)
+            out = "entered"
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            out = type(e).__name__
+        os.write(w, out.encode())
+        os._exit(0)
+    os.close(w)
+    got = os.read(r, 100).decode()
+    os.close(r)
+    os.waitpid(pid, 0)
+    return got
+
+
+def test_zygote_entry_checks_its_arguments_before_any_syscall():
+    with pytest.raises(ValueError):
+        _core.ZygoteEntry([], "/tmp/\0x", 0o077, 1, 1, [])
+    with pytest.raises(ValueError):
+        _core.ZygoteEntry([], "/tmp", 0o077, 1, 1, [("bogus", 1, 1)])
+    entry = _core.ZygoteEntry([], "/nonexistent-dir", 0o077, 1, 1, [])
+    for bad in ([(5, 0, False), (6, 0, False)],     # a target twice, none for 1
+                [(5, 1, False)],                     # a gap: no target 0
+                [(-1, 0, False)],                    # no such source
+                [(5, 0, False), (6, 2, False)],      # a gap: no target 1
+                [(5, i, False) for i in range(9)]):  # more than it takes
+        assert _enter_in_a_child(entry, bad) == "ValueError", bad
