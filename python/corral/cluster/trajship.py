@@ -29,7 +29,7 @@ from corral.cluster.trajsource import ENTRY_COLS, SANDBOX_COLS
 from corral.daemon.tenants import TENANT_LABEL
 from corral.daemon.trajlog import _SCHEMA, DB_NAME, Reader, interrupted_error
 from corral.daemon.trajlog.keys import _dumps
-from corral.daemon.trajlog.schema import _migrate
+from corral.daemon.trajlog.schema import _STARTED_INDEX, _migrate
 
 SHIP_INTERVAL_S = 0.5
 SHIP_MAX_BYTES = 4 << 20     # per node and call: a call stays short, a backlog takes several
@@ -67,6 +67,7 @@ class LogCopies:
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.executescript(_SCHEMA)
             _migrate(conn)
+            conn.execute(_STARTED_INDEX)  # the rows held open, asked again every call
             self._conns[node] = conn
         return conn
 
