@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
+import tempfile
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +40,41 @@ ENTRY = ("seq, sandbox_id, op, idem_key, fingerprint, request, result, error, st
          "ended_at, snapshot_ids, status")
 
 
+TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    with corral_on_ray(1, max_sandboxes=32) as c:
-        corral.cluster.connect()
-        yield c
+    tokdir = tempfile.mkdtemp(prefix="corral-trajship-tokens-", dir="/var/tmp")
+    path = os.path.join(tokdir, "tokens.json")
+    with open(path, "w") as f:
+        json.dump(TOKENS, f)
+    os.chmod(path, 0o600)
+
+    def labels(head: str) -> dict[str, dict[str, str]]:
+        return {n["NodeID"]: {"role": "head" if n["NodeID"] == head else "worker"}
+                for n in ray.nodes() if n["Alive"]}
+    try:
+        with corral_on_ray(1, max_sandboxes=32, tokens_file=path, labels=labels) as c:
+            corral.cluster.connect()
+            yield c
+    finally:
+        shutil.rmtree(tokdir, ignore_errors=True)
+
+
+def _http(method: str, url: str, token: str, body: dict | None = None,
+          headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    req = urllib.request.Request(url, method=method,
+                                 data=None if body is None else json.dumps(body).encode())
+    req.add_header("Authorization", f"Bearer {token}")
+    req.add_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def _rows(path: str, sql: str) -> list[tuple[Any, ...]]:
@@ -167,6 +201,15 @@ def test_a_lost_nodes_episode_is_read_and_replayed_on_a_survivor(cluster):
     sid = sb.id
     first = _episode(sb, "lost")
     logged = sb.log()
+    # A tenant's sandbox on the same node, a command run in it.
+    gw_url = os.environ["CORRAL_URL"]
+    code, alice_sb = _http("POST", gw_url + "/v1/sandboxes", TOKENS["alice"],
+                           {"image": "host", "memory_mb": 64},
+                           {"X-Corral-Node-Selector": "role=worker"})
+    assert code == 201 and alice_sb["node"] == node, alice_sb
+    code, res = _http("POST", f"{alice_sb['endpoint']}/v1/sandboxes/{alice_sb['id']}/exec",
+                      TOKENS["alice"], {"cmd": "echo alice"})
+    assert code == 200 and res["stdout"] == "alice\n", res
     assert wait_until(lambda: _shipped(cluster, node), timeout=20)
 
     ray.kill(corral.cluster.supervisors()[node], no_restart=True)
@@ -188,6 +231,18 @@ def test_a_lost_nodes_episode_is_read_and_replayed_on_a_survivor(cluster):
             for e in entries] == key
     via_sdk = corral.Sandbox.from_id(sid, endpoint=url)
     assert via_sdk._call(api.log_raw(sid))["sandbox"]["reason"] == "lost"
+    # A tenant reads its own lost sandbox's log from the copy, and no other's.
+    alice_log = f"{url}/v1/sandboxes/{alice_sb['id']}/log"
+    code, got = _http("GET", alice_log, TOKENS["alice"])
+    assert code == 200 and got["copy"] and got["node"] == node, got
+    assert [e["op"] for e in got["entries"]] == ["create", "exec"]
+    assert got["entries"][1]["result"]["stdout"] == "alice\n"
+    code, got = _http("GET", alice_log, TOKENS["bob"])
+    assert code == 404 and got["error"]["code"] == "sandbox_not_found", got
+    code, got = _http("GET", f"{url}/v1/sandboxes/{sid}/log", TOKENS["bob"])  # the admin's
+    assert code == 404 and got["error"]["code"] == "sandbox_not_found", got
+    code, got = _http("GET", alice_log, "wrong-token-0123456789")
+    assert code == 401, got
 
     # The CLI's replay through the gateway: on the survivor, identical.
     r = subprocess.run([sys.executable, "-m", "corral.cli", "replay", sid, "--json"], env=env,

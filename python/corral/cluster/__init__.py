@@ -75,11 +75,12 @@ def start(address: str | None = "auto", *, name: str = "corral", k: int = 2,
     try:
         gw = ray.get_actor(GATEWAY, namespace=NAMESPACE)
     except ValueError:
+        # Supervisors without a gateway (it died): the new one takes them over, with their
+        # cluster's name, token (their corrald know that token only) and tenants.
+        name, token, tokens_file = running_credentials() or (
+            name, secrets.token_urlsafe(32), tokens_file)
         deploy = {"state_root": state_root, "run_dir": run_dir, "max_sandboxes": max_sandboxes,
                   "tokens_file": tokens_file}
-        # Supervisors without a gateway (it died): the new one takes them over, with their
-        # cluster's name and token (their corrald know that token only).
-        name, token = running_credentials() or (name, secrets.token_urlsafe(32))
         gw = ray.remote(Gateway).options(
             name=GATEWAY, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
             max_restarts=0, max_concurrency=1000,

@@ -92,7 +92,7 @@ class NodeSupervisor:
                  run_dir: str, max_sandboxes: int = 0,
                  labels: dict[str, str] | None = None, tokens_file: str = "") -> None:
         self.node_id = node_id
-        self.cluster, self.token = cluster, token
+        self.cluster, self.token, self.tokens_file = cluster, token, tokens_file
         self.labels = dict(labels or {})
         self.paths = NodePaths.of(cluster, node_id, state_root, run_dir)
         self.trajlog = LogSource(self.paths.state_dir)
@@ -175,9 +175,10 @@ class NodeSupervisor:
         read from corrald's log database, off corrald's path."""
         return self.trajlog.since(after, recheck, sandboxes, max_bytes)
 
-    def credentials(self) -> tuple[str, str]:
-        """(cluster name, token): a gateway started again takes over this node with them."""
-        return self.cluster, self.token
+    def credentials(self) -> tuple[str, str, str]:
+        """(cluster name, token, tenants' tokens file): a gateway started again takes over
+        this node with them."""
+        return self.cluster, self.token, self.tokens_file
 
     def stop(self) -> None:
         """Stop corrald (every sandbox of the node is destroyed); returns once it is gone."""
@@ -206,18 +207,18 @@ def running_supervisor(node_id: str) -> Any:
         return None
 
 
-def running_credentials() -> tuple[str, str] | None:
-    """(cluster name, token) of the corral cluster whose supervisors run on this Ray cluster
-    with no gateway (it died): a new gateway takes their nodes over with them. None if none
-    runs."""
+def running_credentials() -> tuple[str, str, str] | None:
+    """(cluster name, token, tokens file) of the corral cluster whose supervisors run on this
+    Ray cluster with no gateway (it died): a new gateway takes their nodes over with them.
+    None if none runs."""
     import ray
 
     for a in ray.util.list_named_actors(all_namespaces=True):
         if a.get("namespace") == "corral" and str(a.get("name", "")).startswith("supervisor:"):
             try:
                 sup = ray.get_actor(a["name"], namespace="corral")
-                cluster, token = ray.get(sup.credentials.remote(), timeout=30)
-                return str(cluster), str(token)
+                cluster, token, tokens = ray.get(sup.credentials.remote(), timeout=30)
+                return str(cluster), str(token), str(tokens)
             except (ValueError, ray.exceptions.RayError):
                 continue
     return None
