@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from corral.cluster import batch, broadcast, reads, snapshots, trajship
+from corral.cluster import batch, broadcast, drainmove, reads, snapshots, trajship
 from corral.cluster.placement import NodeLoad, choose
 from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resources
 from corral.daemon import batches
@@ -94,6 +94,9 @@ class Gateway:
         self._starting: set[str] = set()        # nodes whose supervisor is being started
         self._adopting: asyncio.Future[None] | None = None
         self._draining: set[asyncio.Future[None]] = set()
+        # Drained nodes' snapshots on their way to live nodes (cluster.drainmove): a create
+        # from a snapshot no live node has waits for them before answering not found.
+        self.moving: set[asyncio.Future[int]] = set()
         self.placed = 0
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -203,7 +206,8 @@ class Gateway:
 
     async def status(self) -> dict[str, Any]:
         now = time.monotonic()
-        return {"cluster": self.cluster, "gateway": self.url, "placed": self.placed, "k": self.k,
+        return {"cluster": self.cluster, "gateway": self.url, "home": self.home,
+                "placed": self.placed, "k": self.k,
                 "nodes": [{"node": n.node, "endpoint": n.endpoint, "live": n.live,
                            "placed_since_report": n.placed,
                            "capacity": n.capacity, "mem_free_mb": n.mem_free_mb,
@@ -262,10 +266,10 @@ class Gateway:
             await asyncio.to_thread(request_resources, plan.request)
             log.info("asked Ray's autoscaler", extra={"bundles": len(plan.request)})
         for node in plan.drain:  # in the background, as adoption
-            self.nodes.pop(node, None)  # out of placement at once
+            n = self.nodes.pop(node, None)  # out of placement at once
             self.nodes_changed()
             self._starting.add(node)    # and not adopted again while it stops
-            task = asyncio.ensure_future(self._drain(node))
+            task = asyncio.ensure_future(self._drain(node, n))
             self._draining.add(task)
             task.add_done_callback(self._draining.discard)
 
@@ -276,14 +280,33 @@ class Gateway:
         except Exception:  # noqa: BLE001 - tried again at the next tick
             log.exception("adopting new nodes failed")
 
-    async def _drain(self, node: str) -> None:
-        """Out of placement, then its corrald stops (it holds no sandbox) and its supervisor
-        goes, so that Ray sees the node idle and its autoscaler may release it."""
+    async def _drain(self, node: str, n: NodeLoad | None = None) -> None:
+        """Out of placement, its snapshots moved to live nodes (cluster.drainmove), then its
+        corrald stops (it holds no sandbox) and its supervisor goes, so that Ray sees the
+        node idle and its autoscaler may release it. A node whose snapshots cannot all move
+        is put back (drained at a later idle period)."""
         import ray
 
-        sup = self.supervisors.pop(node, None)
+        sup = self.supervisors.pop(node, None)  # no more reports: not placed again meanwhile
         try:
+            if n is not None and sup is not None:
+                move = asyncio.ensure_future(drainmove.move_off(self, n))
+                self.moving.add(move)
+                try:
+                    await move
+                except Exception as e:  # noqa: BLE001 - the node stays, as it was
+                    log.warning("drain called off: the node's snapshots did not all move",
+                                extra={"node": node, "error": str(e)})
+                    self.supervisors[node] = sup
+                    self.nodes[node] = n
+                    self.nodes_changed()
+                    return
+                finally:
+                    self.moving.discard(move)
             if sup is not None:
+                if self.logs is not None and self.shipping:  # its log's last rows, shipped
+                    with contextlib.suppress(Exception):
+                        await self._ship_node(node, sup)
                 try:
                     await sup.stop.remote()
                 except ray.exceptions.RayError as e:
