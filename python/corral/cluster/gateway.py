@@ -183,6 +183,13 @@ class Gateway:
                 except ray.exceptions.RayError as e:
                     ray.kill(sup, no_restart=True)  # frees its name for the next try
                     log.warning("node not adopted", extra={"node": nid, "error": str(e)})
+            if self.logs is not None:  # copies of nodes that left while no gateway ran
+                logs = self.logs
+                known = await asyncio.get_running_loop().run_in_executor(logs.pool, logs.nodes)
+                alive = {n["NodeID"] for n in await asyncio.to_thread(ray.nodes) if n["Alive"]}
+                for nid in known:
+                    if nid not in alive and nid not in logs.sealed:
+                        self._seal(nid)
             return adopted
         finally:
             self._starting.difference_update(n["NodeID"] for n in fresh)
@@ -377,11 +384,12 @@ class Gateway:
         self._sealing.add(fut)
         fut.add_done_callback(self._sealing.discard)
 
-    async def _log_from_nodes(self, sid: str, query: Any) -> tuple[int, bytes, str] | None:
-        """Sandbox ``sid``'s log from the live node that has it (every node asked at once):
-        (status, body, content type), or None if none has it. SandboxLost if none has it
-        while some node did not answer."""
-        nodes = list(self.nodes.values())
+    async def _log_from_nodes(self, sid: str, query: Any, node: str | None
+                              ) -> tuple[int, bytes, str] | None:
+        """Sandbox ``sid``'s log from the live node that has it (``node`` if known, else
+        every node asked at once): (status, body, content type), or None if none has it.
+        SandboxLost if none has it while some node did not answer."""
+        nodes = [self.nodes[node]] if node in self.nodes else list(self.nodes.values())
 
         async def ask(n: Any) -> tuple[int, bytes, str]:
             async with self.session().get(
@@ -418,7 +426,7 @@ class Gateway:
                                                                          sid)
             if node is None or node in self.nodes:
                 try:
-                    got = await self._log_from_nodes(sid, request.query)
+                    got = await self._log_from_nodes(sid, request.query, node)
                 except SandboxLost:
                     if node is None:
                         raise
