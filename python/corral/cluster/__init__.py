@@ -67,7 +67,7 @@ def start(address: str | None = "auto", *, name: str = "corral", k: int = 2,
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from corral.cluster.gateway import Gateway
-    from corral.cluster.supervisor import free_port
+    from corral.cluster.supervisor import free_port, running_credentials
 
     ray = _ray(address)
     here = ray.get_runtime_context().get_node_id()
@@ -75,13 +75,17 @@ def start(address: str | None = "auto", *, name: str = "corral", k: int = 2,
     try:
         gw = ray.get_actor(GATEWAY, namespace=NAMESPACE)
     except ValueError:
+        # Supervisors without a gateway (it died): the new one takes them over, with their
+        # cluster's name, token (their corrald know that token only) and tenants.
+        name, token, tokens_file = running_credentials() or (
+            name, secrets.token_urlsafe(32), tokens_file)
         deploy = {"state_root": state_root, "run_dir": run_dir, "max_sandboxes": max_sandboxes,
                   "tokens_file": tokens_file}
         gw = ray.remote(Gateway).options(
             name=GATEWAY, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
             max_restarts=0, max_concurrency=1000,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
-        ).remote(name, secrets.token_urlsafe(32), k, deploy)
+        ).remote(name, token, k, deploy)
         ray.get(gw.serve.remote(host, gateway_port or free_port(host)))
     ray.get(gw.adopt.remote(labels))
     if autoscale is not None:

@@ -10,17 +10,19 @@ the gateway carries creates only, never exec output or files (docs/cluster.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import hmac
 import json
 import logging
+import os
 import time
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from corral.cluster import batch, broadcast, reads, snapshots
+from corral.cluster import batch, broadcast, drainmove, reads, snapshots, trajship
 from corral.cluster.placement import NodeLoad, choose
 from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resources
 from corral.daemon import batches
@@ -32,6 +34,8 @@ from corral.errors import (
     DaemonRestarted,
     InvalidRequest,
     NotFound,
+    SandboxLost,
+    SandboxNotFound,
     Unauthorized,
 )
 from corral.models import CreateManyRequest
@@ -90,6 +94,9 @@ class Gateway:
         self._starting: set[str] = set()        # nodes whose supervisor is being started
         self._adopting: asyncio.Future[None] | None = None
         self._draining: set[asyncio.Future[None]] = set()
+        # Drained nodes' snapshots on their way to live nodes (cluster.drainmove): a create
+        # from a snapshot no live node has waits for them before answering not found.
+        self.moving: set[asyncio.Future[int]] = set()
         self.placed = 0
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -97,6 +104,12 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         # Snapshot copies under way: (snapshot id, target node) -> the copy (snapshots.copy_to)
         self.copies: dict[tuple[str, str], asyncio.Future[None]] = {}
+        # The nodes' trajectory logs, shipped here as they are written (cluster.trajship):
+        # in the gateway's state dir, made by serve() when the deployment names a state root.
+        self.logs: trajship.LogCopies | None = None
+        self.shipping = True
+        self._shipper: asyncio.Task[None] | None = None
+        self._sealing: set[asyncio.Future[Any]] = set()
 
     # ---- Ray methods ----------------------------------------------------------------------
     async def serve(self, host: str, port: int) -> str:
@@ -108,6 +121,7 @@ class Gateway:
             app.router.add_post("/v1/sandboxes", self._create)
             app.router.add_get("/v1/sandboxes", self._list)
             app.router.add_get("/v1/snapshots/{key}", self._snapshot)
+            app.router.add_get("/v1/sandboxes/{id}/log", self._sandbox_log)
             app.router.add_post("/v1/sandboxes/batch", self._create_batch)
             app.router.add_post("/v1/sandboxes/batch/exec", self._id_batch)
             app.router.add_post("/v1/sandboxes/batch/destroy", self._id_batch)
@@ -120,6 +134,10 @@ class Gateway:
                 connector=aiohttp.TCPConnector(limit=1024),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=120.0))
             self._poller = asyncio.get_running_loop().create_task(self._poll())
+            if self.deploy.get("state_root"):
+                root = os.path.join(self.deploy["state_root"], f"{self.cluster}-gateway")
+                self.logs = trajship.LogCopies(root)
+                self._shipper = asyncio.get_running_loop().create_task(self._ship())
         return self.url
 
     async def endpoint(self) -> tuple[str, str]:
@@ -139,7 +157,7 @@ class Gateway:
         again only if ``drained_too``."""
         import ray
 
-        from corral.cluster.supervisor import start_supervisor
+        from corral.cluster.supervisor import running_supervisor, start_supervisor
 
         self.labels.update(labels or {})
         if not self.home:
@@ -150,8 +168,13 @@ class Gateway:
                  and (drained_too or n["NodeID"] not in self.drained)]
         self._starting.update(n["NodeID"] for n in fresh)
         try:
-            sups = {n["NodeID"]: start_supervisor(self.cluster, self.token, n, self.deploy,
-                                                  self.labels.get(n["NodeID"])) for n in fresh}
+            # A node whose supervisor still runs (this gateway was started again) is taken
+            # over as it is: its corrald and sandboxes live on.
+            running = await asyncio.to_thread(
+                lambda: {n["NodeID"]: running_supervisor(n["NodeID"]) for n in fresh})
+            sups = {n["NodeID"]: running[n["NodeID"]] or start_supervisor(
+                self.cluster, self.token, n, self.deploy, self.labels.get(n["NodeID"]))
+                for n in fresh}
             adopted = []
             for nid, sup in sups.items():
                 try:
@@ -160,6 +183,13 @@ class Gateway:
                 except ray.exceptions.RayError as e:
                     ray.kill(sup, no_restart=True)  # frees its name for the next try
                     log.warning("node not adopted", extra={"node": nid, "error": str(e)})
+            if self.logs is not None:  # copies of nodes that left while no gateway ran
+                logs = self.logs
+                known = await asyncio.get_running_loop().run_in_executor(logs.pool, logs.nodes)
+                alive = {n["NodeID"] for n in await asyncio.to_thread(ray.nodes) if n["Alive"]}
+                for nid in known:
+                    if nid not in alive and nid not in logs.sealed:
+                        self._seal(nid)
             return adopted
         finally:
             self._starting.difference_update(n["NodeID"] for n in fresh)
@@ -183,7 +213,8 @@ class Gateway:
 
     async def status(self) -> dict[str, Any]:
         now = time.monotonic()
-        return {"cluster": self.cluster, "gateway": self.url, "placed": self.placed, "k": self.k,
+        return {"cluster": self.cluster, "gateway": self.url, "home": self.home,
+                "placed": self.placed, "k": self.k,
                 "nodes": [{"node": n.node, "endpoint": n.endpoint, "live": n.live,
                            "placed_since_report": n.placed,
                            "capacity": n.capacity, "mem_free_mb": n.mem_free_mb,
@@ -191,6 +222,7 @@ class Gateway:
                            "labels": n.labels, "report_age_s": round(now - n.reported_at, 3)}
                           for n in self.nodes.values()],
                 "lost": dict(self.lost), "drained": dict(self.drained),
+                "trajlog": await self.trajlog_status(),
                 "autoscale": None if self.autoscaler is None else {
                     **self.autoscaler.cfg.as_dict(), "asked_nodes": self.autoscaler.asked,
                     "unmet_creates": self.autoscaler.demand(now)}}
@@ -206,6 +238,12 @@ class Gateway:
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        if self._shipper is not None:
+            self._shipper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._shipper
+        if self.logs is not None:
+            await asyncio.to_thread(self.logs.close)
         if self._session is not None:
             await self._session.close()
         if self._runner is not None:
@@ -235,10 +273,10 @@ class Gateway:
             await asyncio.to_thread(request_resources, plan.request)
             log.info("asked Ray's autoscaler", extra={"bundles": len(plan.request)})
         for node in plan.drain:  # in the background, as adoption
-            self.nodes.pop(node, None)  # out of placement at once
+            n = self.nodes.pop(node, None)  # out of placement at once
             self.nodes_changed()
             self._starting.add(node)    # and not adopted again while it stops
-            task = asyncio.ensure_future(self._drain(node))
+            task = asyncio.ensure_future(self._drain(node, n))
             self._draining.add(task)
             task.add_done_callback(self._draining.discard)
 
@@ -249,14 +287,33 @@ class Gateway:
         except Exception:  # noqa: BLE001 - tried again at the next tick
             log.exception("adopting new nodes failed")
 
-    async def _drain(self, node: str) -> None:
-        """Out of placement, then its corrald stops (it holds no sandbox) and its supervisor
-        goes, so that Ray sees the node idle and its autoscaler may release it."""
+    async def _drain(self, node: str, n: NodeLoad | None = None) -> None:
+        """Out of placement, its snapshots moved to live nodes (cluster.drainmove), then its
+        corrald stops (it holds no sandbox) and its supervisor goes, so that Ray sees the
+        node idle and its autoscaler may release it. A node whose snapshots cannot all move
+        is put back (drained at a later idle period)."""
         import ray
 
-        sup = self.supervisors.pop(node, None)
+        sup = self.supervisors.pop(node, None)  # no more reports: not placed again meanwhile
         try:
+            if n is not None and sup is not None:
+                move = asyncio.ensure_future(drainmove.move_off(self, n))
+                self.moving.add(move)
+                try:
+                    await move
+                except Exception as e:  # noqa: BLE001 - the node stays, as it was
+                    log.warning("drain called off: the node's snapshots did not all move",
+                                extra={"node": node, "error": str(e)})
+                    self.supervisors[node] = sup
+                    self.nodes[node] = n
+                    self.nodes_changed()
+                    return
+                finally:
+                    self.moving.discard(move)
             if sup is not None:
+                if self.logs is not None and self.shipping:  # its log's last rows, shipped
+                    with contextlib.suppress(Exception):
+                        await self._ship_node(node, sup)
                 try:
                     await sup.stop.remote()
                 except ray.exceptions.RayError as e:
@@ -267,6 +324,129 @@ class Gateway:
             log.info("node drained", extra={"node": node})
         finally:
             self._starting.discard(node)
+
+    # ---- the nodes' trajectory logs (cluster.trajship) ------------------------------------
+    async def set_shipping(self, on: bool) -> bool:
+        """Ship the nodes' trajectory logs here (the default), or stop (what a measurement
+        of its cost compares)."""
+        self.shipping = bool(on)
+        return self.shipping
+
+    async def trajlog_status(self) -> dict[str, Any]:
+        """Per node whose log is copied here: the copy's highest entry number (``seq``),
+        rows received past the cursor and again (rows held open), shipping calls."""
+        logs = self.logs
+        if logs is None:
+            return {}
+        loop = asyncio.get_running_loop()
+        nodes = await loop.run_in_executor(logs.pool, logs.nodes)
+        out: dict[str, Any] = {}
+        for n in nodes:
+            top = await loop.run_in_executor(logs.pool, logs.top, n)
+            out[n] = dict(logs.stats.get(n, {"rows": 0, "again": 0, "calls": 0}), seq=top,
+                          live=n in self.supervisors)
+        return out
+
+    async def _ship(self) -> None:
+        """Every SHIP_INTERVAL_S, every node's new log rows into its copy, nodes at once."""
+        while True:
+            if self.shipping:
+                items = list(self.supervisors.items())
+                got = await asyncio.gather(*(self._ship_node(n, s) for n, s in items),
+                                           return_exceptions=True)
+                for (node, _), r in zip(items, got, strict=True):
+                    if isinstance(r, Exception) and not self.node_gone(r):
+                        log.warning("trajectory log shipping failed",
+                                    extra={"node": node, "error": str(r)})
+            await asyncio.sleep(trajship.SHIP_INTERVAL_S)
+
+    async def _ship_node(self, node: str, sup: Any) -> None:
+        logs = self.logs
+        assert logs is not None
+        loop = asyncio.get_running_loop()
+        for _ in range(16):  # a backlog (a gateway started again): calls in a row
+            if node in logs.sealed:
+                return
+            cur = await loop.run_in_executor(logs.pool, logs.cursor, node)
+            got = await asyncio.wait_for(asyncio.wrap_future(sup.ship.remote(
+                cur["after"], cur["recheck"], cur["sandboxes"],
+                trajship.SHIP_MAX_BYTES).future()), 30.0)
+            await loop.run_in_executor(logs.pool, logs.apply, node, cur["after"], got)
+            if not got.get("more"):
+                return
+
+    def _seal(self, node: str) -> None:
+        """A lost node's copy: its calls in flight interrupted, its sandboxes ended."""
+        logs = self.logs
+        if logs is None:
+            return
+        fut = asyncio.get_running_loop().run_in_executor(logs.pool, logs.seal, node)
+        self._sealing.add(fut)
+        fut.add_done_callback(self._sealing.discard)
+
+    async def _log_from_nodes(self, sid: str, query: Any, node: str | None
+                              ) -> tuple[int, bytes, str] | None:
+        """Sandbox ``sid``'s log from the live node that has it (``node`` if known, else
+        every node asked at once): (status, body, content type), or None if none has it.
+        SandboxLost if none has it while some node did not answer."""
+        nodes = [self.nodes[node]] if node in self.nodes else list(self.nodes.values())
+
+        async def ask(n: Any) -> tuple[int, bytes, str]:
+            async with self.session().get(
+                    f"{n.endpoint}/v1/sandboxes/{sid}/log", params=query,
+                    headers=self.node_headers(),
+                    timeout=aiohttp.ClientTimeout(total=reads.ASK_TIMEOUT_S)) as r:
+                return r.status, await r.read(), r.content_type
+
+        got = await asyncio.gather(*(ask(n) for n in nodes), return_exceptions=True)
+        failed = False
+        for r in got:
+            if isinstance(r, BaseException):
+                failed = True
+            elif r[0] != 404:
+                return r
+        if failed:
+            raise SandboxLost(f"no answering node has sandbox {sid}'s log, and some node did "
+                              "not answer", details={"id": sid})
+        return None
+
+    async def _sandbox_log(self, request: web.Request) -> web.Response:
+        """A sandbox's trajectory log: from its node while the node lives, else from the
+        node's copy here (a lost node's sandboxes: ``corral log``, ``corral replay``)."""
+        if not self._authorized(request):
+            return _error(Unauthorized("missing or wrong bearer token"))
+        sid = request.match_info["id"]
+        fmt = request.query.get("format", "json")
+        try:
+            if fmt not in ("json", "jsonl"):
+                raise InvalidRequest("query parameter 'format' must be json or jsonl")
+            logs = self.logs
+            loop = asyncio.get_running_loop()
+            node = None if logs is None else await loop.run_in_executor(logs.pool, logs.find,
+                                                                         sid)
+            if node is None or node in self.nodes:
+                try:
+                    got = await self._log_from_nodes(sid, request.query, node)
+                except SandboxLost:
+                    if node is None:
+                        raise
+                    got = None
+                if got is not None:
+                    return web.Response(body=got[1], status=got[0], content_type=got[2])
+            if node is None or logs is None:
+                raise SandboxNotFound(f"no node has sandbox {sid} or a trajectory log of it",
+                                      details={"id": sid})
+            data = await loop.run_in_executor(logs.pool, logs.read, node, sid)
+            tenant = self.tenant()
+            if data is None or (tenant is not None and trajship.owner(data) != tenant):
+                raise SandboxNotFound(f"no sandbox {sid} and no trajectory log for it",
+                                      details={"id": sid})
+        except CorralError as e:
+            return _error(e)
+        if fmt == "jsonl":
+            return web.Response(body=trajship.jsonl(data["entries"]),
+                                content_type="application/x-ndjson")
+        return web.json_response(dict(data, node=node, copy=True))
 
     # ---- placement's view of the nodes ----------------------------------------------------
     def nodes_changed(self) -> None:
@@ -331,6 +511,7 @@ class Gateway:
                     self.nodes_changed()
                     self.lost[node] = "supervisor died"
                     log.warning("node lost", extra={"node": node})
+                    self._seal(node)
                 # else: slow or failing corrald: its report ages out of placement
             try:
                 await self._autoscale()

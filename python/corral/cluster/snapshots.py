@@ -64,6 +64,9 @@ async def holders(gw: Gateway, snapshot: str) -> tuple[str, list[NodeLoad]]:
 
     got = await asyncio.gather(*(ask(n) for n in nodes))
     have = [n for n, g in zip(nodes, got, strict=True) if isinstance(g, str)]
+    if not have and gw.moving:  # it may be on its way off a drained node: ask again after
+        await asyncio.gather(*list(gw.moving), return_exceptions=True)
+        return await holders(gw, snapshot)
     ids = {g for g in got if isinstance(g, str)}
     silent = [n.node for n, g in zip(nodes, got, strict=True) if g is None]
     if len(ids) > 1:

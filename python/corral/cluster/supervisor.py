@@ -21,6 +21,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
+from corral.cluster.trajsource import LogSource
 from corral.sdk.sync_transport import UnixConnection
 
 START_TIMEOUT_S = 60.0
@@ -91,8 +92,10 @@ class NodeSupervisor:
                  run_dir: str, max_sandboxes: int = 0,
                  labels: dict[str, str] | None = None, tokens_file: str = "") -> None:
         self.node_id = node_id
+        self.cluster, self.token, self.tokens_file = cluster, token, tokens_file
         self.labels = dict(labels or {})
         self.paths = NodePaths.of(cluster, node_id, state_root, run_dir)
+        self.trajlog = LogSource(self.paths.state_dir)
         os.makedirs(self.paths.state_dir, mode=0o700, exist_ok=True)
         os.makedirs(run_dir, mode=0o700, exist_ok=True)
         port = free_port(host)
@@ -166,6 +169,17 @@ class NodeSupervisor:
             if not after:
                 return names
 
+    def ship(self, after: int, recheck: list[int], sandboxes: list[str],
+             max_bytes: int) -> dict[str, Any]:
+        """The node's trajectory-log rows the gateway's copy lacks (corral.cluster.trajship):
+        read from corrald's log database, off corrald's path."""
+        return self.trajlog.since(after, recheck, sandboxes, max_bytes)
+
+    def credentials(self) -> tuple[str, str, str]:
+        """(cluster name, token, tenants' tokens file): a gateway started again takes over
+        this node with them."""
+        return self.cluster, self.token, self.tokens_file
+
     def stop(self) -> None:
         """Stop corrald (every sandbox of the node is destroyed); returns once it is gone."""
         self._stop()
@@ -183,6 +197,33 @@ class NodeSupervisor:
         return bool(p.poll(None if timeout is None else int(timeout * 1000)))
 
 
+def running_supervisor(node_id: str) -> Any:
+    """The supervisor actor already running on Ray node ``node_id``, or None."""
+    import ray
+
+    try:
+        return ray.get_actor(f"supervisor:{node_id}", namespace="corral")
+    except ValueError:
+        return None
+
+
+def running_credentials() -> tuple[str, str, str] | None:
+    """(cluster name, token, tokens file) of the corral cluster whose supervisors run on this
+    Ray cluster with no gateway (it died): a new gateway takes their nodes over with them.
+    None if none runs."""
+    import ray
+
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a.get("namespace") == "corral" and str(a.get("name", "")).startswith("supervisor:"):
+            try:
+                sup = ray.get_actor(a["name"], namespace="corral")
+                cluster, token, tokens = ray.get(sup.credentials.remote(), timeout=30)
+                return str(cluster), str(token), str(tokens)
+            except (ValueError, ray.exceptions.RayError):
+                continue
+    return None
+
+
 def start_supervisor(cluster: str, token: str, node: dict[str, Any], deploy: dict[str, Any],
                      labels: dict[str, str] | None) -> Any:
     """A detached supervisor actor pinned to Ray node ``node`` (an entry of ``ray.nodes()``);
@@ -193,7 +234,8 @@ def start_supervisor(cluster: str, token: str, node: dict[str, Any], deploy: dic
     nid = node["NodeID"]
     return ray.remote(NodeSupervisor).options(
         name=f"supervisor:{nid}", namespace="corral", lifetime="detached", num_cpus=0,
-        max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
+        max_restarts=0, max_concurrency=2,  # a log shipment never holds up a load report
+        scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
     ).remote(cluster, nid, node["NodeManagerAddress"], token, deploy["state_root"],
              deploy["run_dir"], deploy.get("max_sandboxes", 0), labels,
              deploy.get("tokens_file") or "")

@@ -242,7 +242,9 @@ def replay(sandbox_id: str, *, image: str | None = None,
     spec_fields, prefix, entries, base = _history(t, sandbox_id, image)
     spec = api.spec(**spec_fields)
     info = t.call(api.create(spec))
-    sb = Sandbox._bind(ep, info.id, info)
+    # Through a cluster gateway the replay sandbox lives on the node it was placed on (a
+    # live one; the logged session may come from a lost node's copy at the gateway).
+    sb = Sandbox._bind(ep.placed(info), info.id, info)
     pids: dict[int, int] = {}
     snaps: dict[str, str] = {}
     notes: dict[int, str] = {}
@@ -257,13 +259,13 @@ def replay(sandbox_id: str, *, image: str | None = None,
             if e["op"] in SKIP_OPS:
                 continue
             notes[e["index"]] = _send_step(sb, e, pids, snaps)
-        mine = [e for e in t.call(api.log_raw(sb.id))["entries"]
+        mine = [e for e in sb._call(api.log_raw(sb.id))["entries"]
                 if e["op"] not in SKIP_OPS][sent_prefix:]
     finally:
         if not keep:
             for made in snaps.values():
                 try:
-                    t.call(api.snapshot_delete(made))
+                    sb._call(api.snapshot_delete(made))
                 except CorralError:
                     pass
             try:
