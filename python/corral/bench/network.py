@@ -57,6 +57,7 @@ SYSTEMS = ("plain", "corral-internet", "corral-allowlist")
 # the lookups of its pins and its shard's interval sets).
 DENY_PORT = 8089
 METADATA = "169.254.169.254"
+FILLER_HOST = "fill"  # the scale curve's fillers: an explicit hostname is never pooled
 SCALE_STEPS = (100, 1000, 3000, 10000, 30000, 100000)
 TARGETS = {"churn": 0.8, "bulk": 0.8, "added_us": 100.0, "create_allowlist/none": 1.5,
            "scale_growth_us": 20.0}
@@ -318,11 +319,14 @@ CREATE_MODES: dict[str, dict[str, Any]] = {
 
 
 def _creates(ep: str, n: int, adv: sdk_runs.Advance) -> dict[str, list[float]]:
-    """``n`` creates per mode, round robin, each sandbox killed before the next create."""
+    """``n`` creates per mode, round robin, each sandbox killed before the next create. The
+    order rotates round by round: a kill starts its pool's refill at once, which the next
+    create runs beside, so each mode follows each other mode as often."""
     ts: dict[str, list[float]] = {k: [] for k in CREATE_MODES}
-    for _ in range(n):
-        for k, spec in CREATE_MODES.items():
-            kw = dict(spec)
+    names = list(CREATE_MODES)
+    for r in range(n):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            kw = dict(CREATE_MODES[k])
             if kw["network"] is None:
                 kw["network"] = _allowlist()
             t0 = time.perf_counter()
@@ -352,7 +356,10 @@ def _churn(s: Session, net: Net, n: int, conc: int, tag: str) -> dict[str, OpRes
 async def _fill(ep: str, start: int, stop: int, conc: int, ids: list[str],
                 adv: sdk_runs.Advance) -> list[str]:
     """Fillers ``start`` .. ``stop``: the ``internet`` ones in batches of up to 50 (one spec),
-    the allowlists one create each (a spec each), ``conc`` calls in flight."""
+    the allowlists one create each (a spec each), ``conc`` calls in flight. Never from a warm
+    pool (an explicit hostname): a pooled sandbox gets its memory cgroup ahead of its first
+    exec, which an idle filler never runs, and on this host each memory cgroup costs ~7 MB
+    of kernel memory (docs/benchmarks.md, "This host's kernel")."""
     errors: list[str] = []
     net = [i for i in range(start, stop) if _filler_spec(i) == "internet"]
     jobs: list[list[int]] = [net[k:k + 50] for k in range(0, len(net), 50)]
@@ -365,11 +372,12 @@ async def _fill(ep: str, start: int, stop: int, conc: int, ids: list[str],
                 if len(job) > 1:
                     boxes = await AsyncSandbox.create_many(
                         len(job), "host", endpoint=ep, timeout=sdk_runs.TTL_S,
-                        network="internet")
+                        network="internet", hostname=FILLER_HOST)
                     ids.extend(b.id for b in boxes)
                 else:
                     sb = await AsyncSandbox.create("host", endpoint=ep, timeout=sdk_runs.TTL_S,
-                                                   network=_filler_spec(job[0]))
+                                                   network=_filler_spec(job[0]),
+                                                   hostname=FILLER_HOST)
                     ids.append(sb.id)
             except CorralError as e:
                 errors.append(f"{type(e).__name__}: {e}"[:300])
