@@ -354,7 +354,7 @@ def _churn(s: Session, net: Net, n: int, conc: int, tag: str) -> dict[str, OpRes
 
 # ---- scale: the data path with N live networked sandboxes -----------------------------------
 async def _fill(ep: str, start: int, stop: int, conc: int, ids: list[str],
-                adv: sdk_runs.Advance) -> list[str]:
+                adv: sdk_runs.Advance, deadline: float | None = None) -> list[str]:
     """Fillers ``start`` .. ``stop``: the ``internet`` ones in batches of up to 50 (one spec),
     the allowlists one create each (a spec each), ``conc`` calls in flight. Never from a warm
     pool (an explicit hostname): a pooled sandbox gets its memory cgroup ahead of its first
@@ -368,6 +368,8 @@ async def _fill(ep: str, start: int, stop: int, conc: int, ids: list[str],
 
     async def worker() -> None:
         for job in todo:
+            if deadline is not None and time.monotonic() > deadline:
+                return  # out of the fill's time budget: the curve ends at what is live
             try:
                 if len(job) > 1:
                     boxes = await AsyncSandbox.create_many(
@@ -446,17 +448,30 @@ def _per_sandbox(first: dict[str, Any], last: dict[str, Any], n: int) -> dict[st
 
 def _scale(s: Session, net: Net, top: int, mb: int, n_rr: int) -> dict[str, Any]:
     """The curve: the data path measured at each point of ``_points(top)`` live fillers.
-    A fill that fails (the host out of something) ends the curve there: what was reached,
-    and why, is in ``stopped``."""
+    A fill that fails (the host out of something) ends the curve there; one past the
+    scenario's fill budget (``--scale-budget``, seconds of filling in all) is measured at
+    what it reached, and ends the curve: what was reached, and why, is in ``stopped``."""
     ids: list[str] = []
     curve: list[dict[str, Any]] = []
     stopped: str | None = None
+    budget = s.opts.scale_budget_s
+    deadline = time.monotonic() + budget if budget else None
     try:
         for pt in _points(top):
+            if deadline is not None and time.monotonic() > deadline and curve:
+                stopped = (f"fill budget ({budget:.0f} s of filling) spent at {len(ids):,} "
+                           f"live, before filling to {pt:,}")
+                break
             with s.ui.task(f"network scale: fill to {pt:,}", pt - len(ids)) as adv:
                 t0 = time.perf_counter()
-                errors = asyncio.run(_fill(net.ep, len(ids), pt, s.opts.concurrency, ids, adv))
+                start = len(ids)
+                errors = asyncio.run(_fill(net.ep, start, pt, s.opts.concurrency, ids, adv,
+                                           deadline))
                 fill_s = time.perf_counter() - t0
+            if len(ids) < pt and not errors:
+                stopped = (f"fill budget ({budget:.0f} s of filling) spent at {len(ids):,} "
+                           f"live of {pt:,}: the last {len(ids) - start:,} at "
+                           f"{(len(ids) - start) / fill_s:.1f}/s")
             if errors:
                 stopped = (f"filling to {pt:,}: {len(errors)} creates failed at {len(ids):,} "
                            f"live: {errors[0]}")
@@ -472,9 +487,11 @@ def _scale(s: Session, net: Net, top: int, mb: int, n_rr: int) -> dict[str, Any]
                 _kill(boxes)
             prev = curve[-1]["live"] if curve else 0
             curve.append({"live": len(ids), "fill_s": round(fill_s, 2),
-                          "fill_per_s": round((pt - prev) / fill_s, 1)
-                          if fill_s > 0 and pt > prev else None,
+                          "fill_per_s": round((len(ids) - prev) / fill_s, 1)
+                          if fill_s > 0 and len(ids) > prev else None,
                           "host": cost, **path})
+            if stopped is not None:
+                break
     finally:
         with s.ui.task("network scale: destroy", len(ids)) as adv:
             sdk_runs.destroy_all(net.ep, ids, 100, adv)
