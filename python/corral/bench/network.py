@@ -448,9 +448,9 @@ def _per_sandbox(first: dict[str, Any], last: dict[str, Any], n: int) -> dict[st
 
 def _scale(s: Session, net: Net, top: int, mb: int, n_rr: int) -> dict[str, Any]:
     """The curve: the data path measured at each point of ``_points(top)`` live fillers.
-    A fill that fails (the host out of something) ends the curve there; one past the
-    scenario's fill budget (``--scale-budget``, seconds of filling in all) is measured at
-    what it reached, and ends the curve: what was reached, and why, is in ``stopped``."""
+    A fill that fails (the host out of something) is measured at what it reached and ends
+    the curve; so does one past the scenario's fill budget (``--scale-budget``, seconds of
+    filling in all): what was reached, and why, is in ``stopped``."""
     ids: list[str] = []
     curve: list[dict[str, Any]] = []
     stopped: str | None = None
@@ -468,16 +468,18 @@ def _scale(s: Session, net: Net, top: int, mb: int, n_rr: int) -> dict[str, Any]
                 errors = asyncio.run(_fill(net.ep, start, pt, s.opts.concurrency, ids, adv,
                                            deadline))
                 fill_s = time.perf_counter() - t0
-            if len(ids) < pt and not errors:
+            if len(ids) < pt and deadline is not None and time.monotonic() > deadline:
                 stopped = (f"fill budget ({budget:.0f} s of filling) spent at {len(ids):,} "
                            f"live of {pt:,}: the last {len(ids) - start:,} at "
                            f"{(len(ids) - start) / fill_s:.1f}/s")
             if errors:
-                stopped = (f"filling to {pt:,}: {len(errors)} creates failed at {len(ids):,} "
-                           f"live: {errors[0]}")
+                stopped = (f"{stopped}; " if stopped else "") + (
+                    f"filling to {pt:,}: {len(errors)} creates failed, {len(ids):,} live: "
+                    f"{errors[0]}")
                 if not curve:
                     raise RuntimeError(stopped)
-                break
+                if len(ids) <= curve[-1]["live"]:
+                    break  # nothing new to measure
             cost = _host_cost()
             boxes = _measured(net.ep)
             try:
