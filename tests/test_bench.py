@@ -224,6 +224,8 @@ def test_network_section(report):
         assert len(p["bulk_mb_s_all"]) == 10 and all(x > 0 for x in p["bulk_mb_s_all"])
         rr = p["connect_rr_us"]
         assert rr["n"] == N and 0 < rr["p50"] <= rr["p90"] <= rr["max"]
+        deny = p["deny_us"]  # refused connects: every one ECONNREFUSED, else the client fails
+        assert deny["n"] == N and 0 < deny["p50"] <= deny["max"]
     for mode in ("none", "none-cold", "internet", "allowlist"):
         assert run0["create_ms"][mode]["n"] == N
     for name in ("raw-netns", "raw-veth-internet", "raw-veth-allowlist", "corral",
@@ -238,8 +240,15 @@ def test_network_section(report):
     for p in sec["scale"]:
         for name in systems:
             assert p[name]["connect_rr_us"]["n"] > 0 and p[name]["bulk_mb_s"] > 0
+            assert p[name]["deny_us"]["n"] > 0
             if name != "plain":  # paired round by round against plain
                 assert _is_num(p[name]["added_us"]) and p[name]["bulk_vs_plain"] > 0
+        assert p["host"]["links"] > 0 and _is_num(p["host"]["MemAvailable"])
+    assert sec["scale_stopped"] is None
+    for name in systems:  # the curve's last point over its first
+        assert set(sec["scale_last_first"][name]) == {"connect_rr_p50", "deny_p50", "bulk"}
+        assert all(_is_num(v) and v > 0 for v in sec["scale_last_first"][name].values())
+    assert sec["scale_per_sandbox"]["links"] > 0  # each filler's host end, at least
     assert all(isinstance(v, bool) for v in sec["met"].values()) and len(sec["met"]) == 6
     assert sec["matching"]["corral-internet"] == "raw-veth-internet"
     assert sec["cleanup"] == {"clean": True, "leaks": {}}
@@ -254,6 +263,16 @@ def test_network_section(report):
     for pre in made["link_prefixes"]:  # the daemon's and raw --veth's sandboxes' links
         assert not [n for n in names if n.startswith(pre) and n[len(pre):].isdigit()]
     assert not set(made["nft_tables"]) & {ln.split()[-1] for ln in tables.splitlines() if ln}
+
+
+def test_network_scale_points():
+    """The scale curve's points: 0, the fixed steps below --scale-to, and --scale-to."""
+    from corral.bench.network import _points
+
+    assert _points(10000) == [0, 100, 1000, 3000, 10000]
+    assert _points(3000) == [0, 100, 1000, 3000]
+    assert _points(5000) == [0, 100, 1000, 3000, 5000]
+    assert _points(20) == [0, 6, 20]
 
 
 def test_trajlog_table_renders():

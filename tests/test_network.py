@@ -865,6 +865,8 @@ def test_denied_destinations_in_info_and_in_the_log(net: Env):
     scan = [f"connect={lab.addr(12)}:{p}" for p in (80, 81, 82)] + [
         "connect=169.254.169.254:80", "connect=allowed.test:80"]
     with net.sandbox(network=Network(allow=["allowed.test:80"])) as sb:
+        fresh = sb.info().net
+        assert fresh.denied_packets == 0 and fresh.denied_destinations == {}, fresh
         r = probe(sb, *scan)
         assert ok(r["connect=allowed.test:80"]), r
         name = _ifname_of(sb.info().net.address)

@@ -297,14 +297,6 @@ fn if_index(name: &str) -> Result<i32, NetlinkError> {
     Ok(i as i32)
 }
 
-fn write_file(path: &str, value: &str) -> Result<(), NetlinkError> {
-    match std::fs::write(path, value) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()), // no IPv6 here
-        Err(e) => Err(os("sysctl")(e)),
-    }
-}
-
 fn check_name(name: &str) -> Result<(), NetlinkError> {
     if name.is_empty()
         || name.len() > 15
@@ -375,23 +367,46 @@ pub fn veth_setup(
 }
 
 /// IPv6 on interface `name` of the calling thread's namespace: off, or on without duplicate
-/// detection, router advertisements and solicitations (before the link is up).
+/// detection, router advertisements and solicitations (before the link is up). The path to
+/// the interface's directory is walked once and each key opened relative to it: the walk's
+/// first step (`net` under /proc/sys) is a dentry per network namespace that ever looked,
+/// all under one parent, so it costs more the more namespaces (sandboxes) the host has.
 fn ipv6_conf(name: &str, on: bool) -> Result<(), NetlinkError> {
-    let conf = format!("/proc/sys/net/ipv6/conf/{name}");
-    if !on {
-        return write_file(&format!("{conf}/disable_ipv6"), "1");
-    }
-    for (key, value) in [
-        ("accept_dad", "0"),
-        ("dad_transmits", "0"),
-        ("accept_ra", "0"),
-        ("autoconf", "0"),
-        ("router_solicitations", "0"),
-        ("disable_ipv6", "0"),
-    ] {
-        write_file(&format!("{conf}/{key}"), value)?;
+    let dir = match std::fs::File::open(format!("/proc/sys/net/ipv6/conf/{name}")) {
+        Ok(d) => d,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()), // no IPv6 here
+        Err(e) => return Err(os("sysctl")(e)),
+    };
+    let keys: &[(&str, &str)] = if on {
+        &[
+            ("accept_dad", "0"),
+            ("dad_transmits", "0"),
+            ("accept_ra", "0"),
+            ("autoconf", "0"),
+            ("router_solicitations", "0"),
+            ("disable_ipv6", "0"),
+        ]
+    } else {
+        &[("disable_ipv6", "1")]
+    };
+    for (key, value) in keys {
+        write_at(&dir, key, value)?;
     }
     Ok(())
+}
+
+/// Write `value` to the sysctl file `key` of the directory `dir` (absent: nothing to do).
+fn write_at(dir: &std::fs::File, key: &str, value: &str) -> Result<(), NetlinkError> {
+    use rustix::fs::{Mode, OFlags};
+    use std::io::Write;
+    let fd = match rustix::fs::openat(dir, key, OFlags::WRONLY | OFlags::CLOEXEC, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::NOENT) => return Ok(()),
+        Err(e) => return Err(os("sysctl")(e.into())),
+    };
+    std::fs::File::from(fd)
+        .write_all(value.as_bytes())
+        .map_err(os("sysctl"))
 }
 
 /// Run `f` with the calling thread in the network namespace `netns`, then return to its own

@@ -17,10 +17,12 @@ churn (create -> exec -> destroy, ``--concurrency`` in flight) with none, intern
 allowlist, each against the raw baseline doing its kernel work: raw +netns for none, raw
 ``--veth`` (the same plus a veth pair routed as corral's and the sandbox's nftables elements
 in a table written with corral's ruleset) for internet and the allowlist. Once per
-scenario: the same transfer and connect latency with 0 .. ``--count`` live networked
-sandboxes, half of them ``internet``, half with an allowlist of their own (a CIDR and port
-no other sandbox has), so the table holds their elements while the measured sandboxes'
-packets are looked up.
+scenario, the scale curve: the same transfer, connect latency and refused-connect latency
+with 0, 100, 1,000, 3,000, 10,000 ... up to ``--scale-to`` (default ``--count``) live
+networked sandboxes, half of them ``internet``, half with an allowlist of their own (a CIDR
+and port no other sandbox has), so the table holds their elements while the measured
+sandboxes' packets are looked up; at each point what the host spent on the live ones
+(memory, slab, per-CPU memory, links, conntrack entries).
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ from corral.models import Network
 from corral.sdk import AsyncSandbox, Sandbox
 
 SYSTEMS = ("plain", "corral-internet", "corral-allowlist")
+# A refused connect, per system: plain's reaches the uplink's closed port (its RST);
+# internet's goes to the metadata address (always denied: reset by the daemon's rules);
+# the allowlist's to its allowed name on a port it does not allow (reset by its rules, after
+# the lookups of its pins and its shard's interval sets).
+DENY_PORT = 8089
+METADATA = "169.254.169.254"
+FILLER_HOST = "fill"  # the scale curve's fillers: an explicit hostname is never pooled
+SCALE_STEPS = (100, 1000, 3000, 10000, 30000, 100000)
 TARGETS = {"churn": 0.8, "bulk": 0.8, "added_us": 100.0, "create_allowlist/none": 1.5,
            "scale_growth_us": 20.0}
 # Each corral churn row -> the raw baseline doing its kernel work (raw.c --veth for the
@@ -62,8 +72,9 @@ ROUNDS = 10
 WARMUP = 20  # connects before the timed ones (ARP, conntrack, the interpreter's caches)
 
 # The client, the same program in every system: "bulk HOST PORT MB" sends MB MiB to the sink
-# and prints the seconds to its answer (the byte count, after EOF); "rr HOST PORT N" times N
-# connects, each with a 64-byte request and its echo, in microseconds.
+# and prints the seconds to its answer (the byte count, after EOF); "rr HOST PORT N W" times N
+# connects (after W untimed), each with a 64-byte request and its echo, in microseconds;
+# "deny HOST PORT N W" times N connects that must be refused (ECONNREFUSED).
 CLIENT = r"""
 import json, socket, sys, time
 mode, host, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -81,6 +92,22 @@ if mode == "bulk":
     dt = time.perf_counter() - t0
     s.close()
     print(json.dumps({"bytes": int(got), "s": dt}))
+elif mode == "deny":
+    out = []
+    for i in range(n + int(sys.argv[5])):
+        s = socket.socket()
+        s.settimeout(10)
+        t0 = time.perf_counter_ns()
+        try:
+            s.connect((addr, port))
+            raise SystemExit(f"{addr}:{port} was not refused")
+        except ConnectionRefusedError:
+            dt = time.perf_counter_ns() - t0
+        finally:
+            s.close()
+        if i >= int(sys.argv[5]):
+            out.append(dt / 1000)
+    print(json.dumps({"us": out}))
 else:
     msg, out = b"x" * 64, []
     for i in range(n + int(sys.argv[5])):
@@ -159,15 +186,18 @@ class Net:
 
     def client(self, system: str, sb: Sandbox | None, mode: str, n: int) -> dict[str, Any]:
         """Run the client once in ``system`` (``sb``: the sandbox for corral's)."""
-        extra = [str(WARMUP)] if mode == "rr" else []
-        port = SINK_PORT if mode == "bulk" else ECHO_PORT
+        extra = [str(WARMUP)] if mode != "bulk" else []
+        port = {"bulk": SINK_PORT, "rr": ECHO_PORT, "deny": DENY_PORT}[mode]
+        host = SINK_NAME
+        if mode == "deny" and system == "corral-internet":
+            host, port = METADATA, 80
         if sb is None:
             assert self.plain is not None
             r = self.plain.run([netlab.PYTHON, "-c", CLIENT, mode, self.uplink.sink, str(port),
                                 str(n), *extra], timeout=300)
             code, out, err = r.returncode, r.stdout, r.stderr
         else:
-            x = sb.exec(["python3", "-c", CLIENT, mode, SINK_NAME, str(port), str(n), *extra],
+            x = sb.exec(["python3", "-c", CLIENT, mode, host, str(port), str(n), *extra],
                         timeout=300)
             code, out, err = x.exit_code, x.stdout, x.stderr
         if code != 0:
@@ -220,14 +250,15 @@ def _free16() -> int:
 # ---- the data path: bulk transfer and connect latency ---------------------------------------
 def _path(net: Net, boxes: dict[str, Sandbox | None], mb: int, n_rr: int, rounds: int,
           adv: sdk_runs.Advance) -> dict[str, dict[str, Any]]:
-    """``rounds`` transfers of ``mb`` MiB and ``n_rr`` connects (in ``rounds`` blocks) per
-    system, the systems taking turns in a rotating order. Against ``plain``, paired round by
-    round (what the machine's load did in that round falls on both): ``added_us``, the median
-    over rounds of (this system's p50 in the round - plain's), and ``bulk_vs_plain``, the
-    median of the rounds' MB/s ratios."""
+    """``rounds`` transfers of ``mb`` MiB, ``n_rr`` connects and ``n_rr`` refused connects (in
+    ``rounds`` blocks each) per system, the systems taking turns in a rotating order. Against
+    ``plain``, paired round by round (what the machine's load did in that round falls on
+    both): ``added_us``, the median over rounds of (this system's p50 in the round -
+    plain's), and ``bulk_vs_plain``, the median of the rounds' MB/s ratios."""
     mbs: dict[str, list[float]] = {k: [] for k in boxes}
     us: dict[str, list[float]] = {k: [] for k in boxes}
     blk: dict[str, list[float]] = {k: [] for k in boxes}
+    deny: dict[str, list[float]] = {k: [] for k in boxes}
     names = list(boxes)
     block = max(1, n_rr // rounds)
     for r in range(rounds):
@@ -243,10 +274,13 @@ def _path(net: Net, boxes: dict[str, Sandbox | None], mb: int, n_rr: int, rounds
             us[k] += got
             blk[k].append(median(got) or 0.0)
             adv(1)
+        for k in order:
+            deny[k] += net.client(k, boxes[k], "deny", block)["us"]
+            adv(1)
     out: dict[str, dict[str, Any]] = {
         k: {"bulk_mb_s": round(median(mbs[k]) or 0, 1),
             "bulk_mb_s_all": [round(x, 1) for x in mbs[k]],
-            "connect_rr_us": summary(us[k])} for k in boxes}
+            "connect_rr_us": summary(us[k]), "deny_us": summary(deny[k])} for k in boxes}
     for k in boxes:
         if k != "plain":
             out[k]["added_us"] = round(median(
@@ -285,11 +319,14 @@ CREATE_MODES: dict[str, dict[str, Any]] = {
 
 
 def _creates(ep: str, n: int, adv: sdk_runs.Advance) -> dict[str, list[float]]:
-    """``n`` creates per mode, round robin, each sandbox killed before the next create."""
+    """``n`` creates per mode, round robin, each sandbox killed before the next create. The
+    order rotates round by round: a kill starts its pool's refill at once, which the next
+    create runs beside, so each mode follows each other mode as often."""
     ts: dict[str, list[float]] = {k: [] for k in CREATE_MODES}
-    for _ in range(n):
-        for k, spec in CREATE_MODES.items():
-            kw = dict(spec)
+    names = list(CREATE_MODES)
+    for r in range(n):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            kw = dict(CREATE_MODES[k])
             if kw["network"] is None:
                 kw["network"] = _allowlist()
             t0 = time.perf_counter()
@@ -317,9 +354,12 @@ def _churn(s: Session, net: Net, n: int, conc: int, tag: str) -> dict[str, OpRes
 
 # ---- scale: the data path with N live networked sandboxes -----------------------------------
 async def _fill(ep: str, start: int, stop: int, conc: int, ids: list[str],
-                adv: sdk_runs.Advance) -> list[str]:
+                adv: sdk_runs.Advance, deadline: float | None = None) -> list[str]:
     """Fillers ``start`` .. ``stop``: the ``internet`` ones in batches of up to 50 (one spec),
-    the allowlists one create each (a spec each), ``conc`` calls in flight."""
+    the allowlists one create each (a spec each), ``conc`` calls in flight. Never from a warm
+    pool (an explicit hostname): a pooled sandbox gets its memory cgroup ahead of its first
+    exec, which an idle filler never runs, and on this host each memory cgroup costs ~7 MB
+    of kernel memory (docs/benchmarks.md, "This host's kernel")."""
     errors: list[str] = []
     net = [i for i in range(start, stop) if _filler_spec(i) == "internet"]
     jobs: list[list[int]] = [net[k:k + 50] for k in range(0, len(net), 50)]
@@ -328,15 +368,18 @@ async def _fill(ep: str, start: int, stop: int, conc: int, ids: list[str],
 
     async def worker() -> None:
         for job in todo:
+            if deadline is not None and time.monotonic() > deadline:
+                return  # out of the fill's time budget: the curve ends at what is live
             try:
                 if len(job) > 1:
                     boxes = await AsyncSandbox.create_many(
                         len(job), "host", endpoint=ep, timeout=sdk_runs.TTL_S,
-                        network="internet")
+                        network="internet", hostname=FILLER_HOST)
                     ids.extend(b.id for b in boxes)
                 else:
                     sb = await AsyncSandbox.create("host", endpoint=ep, timeout=sdk_runs.TTL_S,
-                                                   network=_filler_spec(job[0]))
+                                                   network=_filler_spec(job[0]),
+                                                   hostname=FILLER_HOST)
                     ids.append(sb.id)
             except CorralError as e:
                 errors.append(f"{type(e).__name__}: {e}"[:300])
@@ -346,35 +389,131 @@ async def _fill(ep: str, start: int, stop: int, conc: int, ids: list[str],
     return errors
 
 
-def _points(count: int) -> list[int]:
-    return sorted({0, count // 3, count})
+def _points(top: int) -> list[int]:
+    """0, the steps of SCALE_STEPS below ``top``, and ``top`` (and ``top``/3 when that makes
+    fewer than three points)."""
+    pts = {0, top, *(p for p in SCALE_STEPS if p < top)}
+    if len(pts) < 3:
+        pts.add(top // 3)
+    return sorted(pts)
 
 
-def _scale(s: Session, net: Net, count: int, mb: int, n_rr: int) -> list[dict[str, Any]]:
+def _host_cost() -> dict[str, Any]:
+    """What the host holds at a point of the curve: memory (/proc/meminfo, KiB), network
+    interfaces, conntrack entries, network namespaces."""
+    from corral.bench import host
+
+    host.settle(1.0)
+    mem = host.meminfo()
+    out: dict[str, Any] = {k: mem.get(k) for k in
+                           ("MemAvailable", "Slab", "SUnreclaim", "Percpu", "KernelStack")}
+    out["links"] = len(os.listdir("/sys/class/net"))
+    try:
+        with open("/proc/sys/net/netfilter/nf_conntrack_count") as f:
+            out["conntrack"] = int(f.read())
+    except (OSError, ValueError):
+        out["conntrack"] = None
+    try:
+        out["netns"] = len(set(_netns_inodes()))
+    except OSError:
+        out["netns"] = None
+    return out
+
+
+def _netns_inodes() -> list[int]:
+    """The network namespaces of the host's processes (by inode)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                out.append(os.stat(f"/proc/{pid}/ns/net").st_ino)
+            except OSError:
+                pass
+    return out
+
+
+def _per_sandbox(first: dict[str, Any], last: dict[str, Any], n: int) -> dict[str, Any]:
+    """The host's cost per live networked sandbox between two points (KiB, links)."""
+    if n <= 0:
+        return {}
+    out: dict[str, Any] = {}
+    for k in ("Slab", "SUnreclaim", "Percpu", "KernelStack"):
+        if first.get(k) is not None and last.get(k) is not None:
+            out[f"{k}_kib"] = round((last[k] - first[k]) / n, 1)
+    if first.get("MemAvailable") is not None and last.get("MemAvailable") is not None:
+        out["memory_kib"] = round((first["MemAvailable"] - last["MemAvailable"]) / n, 1)
+    out["links"] = round((last["links"] - first["links"]) / n, 2)
+    return out
+
+
+def _scale(s: Session, net: Net, top: int, mb: int, n_rr: int) -> dict[str, Any]:
+    """The curve: the data path measured at each point of ``_points(top)`` live fillers.
+    A fill that fails (the host out of something) is measured at what it reached and ends
+    the curve; so does one past the scenario's fill budget (``--scale-budget``, seconds of
+    filling in all): what was reached, and why, is in ``stopped``."""
     ids: list[str] = []
     curve: list[dict[str, Any]] = []
+    stopped: str | None = None
+    budget = s.opts.scale_budget_s
+    deadline = time.monotonic() + budget if budget else None
     try:
-        for pt in _points(count):
+        for pt in _points(top):
+            if deadline is not None and time.monotonic() > deadline and curve:
+                stopped = (f"fill budget ({budget:.0f} s of filling) spent at {len(ids):,} "
+                           f"live, before filling to {pt:,}")
+                break
             with s.ui.task(f"network scale: fill to {pt:,}", pt - len(ids)) as adv:
                 t0 = time.perf_counter()
-                errors = asyncio.run(_fill(net.ep, len(ids), pt, s.opts.concurrency, ids, adv))
+                start = len(ids)
+                errors = asyncio.run(_fill(net.ep, start, pt, s.opts.concurrency, ids, adv,
+                                           deadline))
                 fill_s = time.perf_counter() - t0
+            if len(ids) < pt and deadline is not None and time.monotonic() > deadline:
+                stopped = (f"fill budget ({budget:.0f} s of filling) spent at {len(ids):,} "
+                           f"live of {pt:,}: the last {len(ids) - start:,} at "
+                           f"{(len(ids) - start) / fill_s:.1f}/s")
             if errors:
-                raise RuntimeError(f"filling to {pt}: {len(errors)} creates failed: {errors[0]}")
+                stopped = (f"{stopped}; " if stopped else "") + (
+                    f"filling to {pt:,}: {len(errors)} creates failed, {len(ids):,} live: "
+                    f"{errors[0]}")
+                if not curve:
+                    raise RuntimeError(stopped)
+                if len(ids) <= curve[-1]["live"]:
+                    break  # nothing new to measure
+            cost = _host_cost()
             boxes = _measured(net.ep)
             try:
-                with s.ui.task(f"network scale: {pt:,} live, measure", ROUNDS * 2 * 3) as adv:
+                with s.ui.task(f"network scale: {pt:,} live, measure", ROUNDS * 3 * 3) as adv:
                     path = _path(net, boxes, mb, n_rr, ROUNDS, adv)
             finally:
                 _kill(boxes)
+            prev = curve[-1]["live"] if curve else 0
             curve.append({"live": len(ids), "fill_s": round(fill_s, 2),
-                          "fill_per_s": round((pt - (curve[-1]["live"] if curve else 0))
-                                              / fill_s, 1) if fill_s > 0 and pt else None,
-                          **path})
+                          "fill_per_s": round((len(ids) - prev) / fill_s, 1)
+                          if fill_s > 0 and len(ids) > prev else None,
+                          "host": cost, **path})
+            if stopped is not None:
+                break
     finally:
         with s.ui.task("network scale: destroy", len(ids)) as adv:
             sdk_runs.destroy_all(net.ep, ids, 100, adv)
-    return curve
+    out: dict[str, Any] = {"curve": curve, "stopped": stopped, "top": top}
+    if len(curve) >= 2:
+        out["per_sandbox"] = _per_sandbox(curve[0]["host"], curve[-1]["host"],
+                                          curve[-1]["live"] - curve[0]["live"])
+    return out
+
+
+def _last_first(curve: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per system, the last point's figure over the first's: connect + echo p50, refused
+    connect p50, bulk MB/s (1.0: no growth with the live count)."""
+    if len(curve) < 2:
+        return {}
+    a, b = curve[0], curve[-1]
+    return {c: {"connect_rr_p50": ratio(b[c]["connect_rr_us"]["p50"],
+                                        a[c]["connect_rr_us"]["p50"]),
+                "deny_p50": ratio(b[c]["deny_us"]["p50"], a[c]["deny_us"]["p50"]),
+                "bulk": ratio(b[c]["bulk_mb_s"], a[c]["bulk_mb_s"])} for c in SYSTEMS}
 
 
 # ---- the scenario ---------------------------------------------------------------------------
@@ -386,12 +525,13 @@ def network(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
         if f.read().strip() != "1":  # no networked sandbox (nor the plain netns) gets out
             return {"skipped": "net.ipv4.ip_forward is 0"}, {}
     count, R, conc = s.opts.n("network"), s.opts.runs, s.opts.concurrency
+    top = s.opts.scale_to or count  # the scale curve's most live networked sandboxes
     n_rr, n_create, n_churn = min(count, 500), min(count, 50), min(count, 200)
     mb = 256 if count >= 100 else 8
     runs: list[dict[str, Any]] = []
-    curve: list[dict[str, Any]] = []
+    scale: dict[str, Any] = {"curve": []}
     with s.ui.task("network: uplink, plain netns, daemon", None):
-        net = Net(s, count)
+        net = Net(s, max(count, top))
     try:
         with s.ui.task("network: warm-up", None):  # the table, the DNS proxy, the pools
             boxes = _measured(net.ep)
@@ -404,7 +544,7 @@ def network(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
             tag = f"network {r + 1}/{R}"
             boxes = _measured(net.ep)
             try:
-                with s.ui.task(f"{tag} transfer and connect", ROUNDS * 2 * 3) as adv:
+                with s.ui.task(f"{tag} transfer and connect", ROUNDS * 3 * 3) as adv:
                     path = _path(net, boxes, mb, n_rr, ROUNDS, adv)
             finally:
                 _kill(boxes)
@@ -414,13 +554,15 @@ def network(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
             runs.append({"path": path,
                          "create_ms": {k: summary(v) for k, v in creates.items()},
                          "churn": {k: v.to_json() for k, v in churn.items()}})
-        curve = _scale(s, net, count, max(8, mb // 4), min(count, 300))
+        scale = _scale(s, net, top, max(8, mb // 4), min(count, 300))
     finally:
         cleanup = net.close()
+    curve = scale["curve"]
     sec = _section(runs, curve)
-    sec.update(n_fill=count, points=_points(count), mb=mb, n_rr=n_rr, n_create=n_create,
-               n_churn=n_churn, concurrency=conc, matching=MATCHING, cleanup=cleanup,
-               made=net.names())
+    sec.update(n_fill=top, points=_points(top), scale_stopped=scale.get("stopped"),
+               scale_per_sandbox=scale.get("per_sandbox"), scale_last_first=_last_first(curve),
+               mb=mb, n_rr=n_rr, n_create=n_create, n_churn=n_churn, concurrency=conc,
+               matching=MATCHING, cleanup=cleanup, made=net.names())
     if not cleanup["clean"]:
         raise RuntimeError(f"network: left behind: {cleanup['leaks']}")
     return sec, {"curve": curve}

@@ -339,17 +339,30 @@ def network_table(sec: dict[str, Any]) -> Table:
 
 def network_curve(sec: dict[str, Any]) -> Table:
     t = Table(title="network: the data path with N live networked sandboxes (half internet, "
-                    "half an allowlist of their own); connect+rr p50 us / bulk MB/s")
+                    "half an allowlist of their own); connect+rr p50 us / refused connect p50 "
+                    "us / bulk MB/s")
     for c in ("live", "plain", "corral-internet", "corral-allowlist", "added us internet",
-              "added us allowlist", "fill /s"):
+              "added us allowlist", "fill /s", "MemAvailable MiB"):
         t.add_column(c, justify="right")
     for p in sec.get("scale") or []:
         def cell(k: str, p: dict[str, Any] = p) -> str:
-            return f"{_f(_get(p, k, 'connect_rr_us', 'p50'))} / {_f(_get(p, k, 'bulk_mb_s'))}"
+            return (f"{_f(_get(p, k, 'connect_rr_us', 'p50'))} / "
+                    f"{_f(_get(p, k, 'deny_us', 'p50'))} / {_f(_get(p, k, 'bulk_mb_s'))}")
 
+        avail = _get(p, "host", "MemAvailable")
         t.add_row(_f(p["live"]), cell("plain"), cell("corral-internet"),
                   cell("corral-allowlist"), _f(_get(p, "corral-internet", "added_us")),
-                  _f(_get(p, "corral-allowlist", "added_us")), _f(p.get("fill_per_s")))
+                  _f(_get(p, "corral-allowlist", "added_us")), _f(p.get("fill_per_s")),
+                  _f(avail / 1024 if avail is not None else None))
+    lf = sec.get("scale_last_first") or {}
+    notes = [f"{k}: rr {_f(v.get('connect_rr_p50'), 3)}, refused {_f(v.get('deny_p50'), 3)}, "
+             f"bulk {_f(v.get('bulk'), 3)}" for k, v in lf.items()]
+    cap = ("last/first: " + "; ".join(notes)) if notes else ""
+    if sec.get("scale_per_sandbox"):
+        cap += f"; per live sandbox: {sec['scale_per_sandbox']}"
+    if sec.get("scale_stopped"):
+        cap += f"; stopped: {sec['scale_stopped']}"
+    t.caption = cap
     return t
 
 

@@ -48,6 +48,8 @@ class Options:
     workdir: str = "/var/tmp"         # parent of the private state (its fs type matters)
     snapshot_mb: int = 10             # snapshot: MB changed before each snapshot
     fork: int = 64                    # snapshot: children per fork
+    scale_to: int | None = None       # network: the scale curve's most live (None: its N)
+    scale_budget_s: float | None = None  # network: seconds of filling, in all (None: no limit)
     image_mb: int = 100               # images: size of the image pulled against skopeo + tar
     trajlog_baseline: str | None = None  # trajlog: PYTHONPATH of another corral tree
     fleet_nodes: int = 200            # fleet: simulated nodes behind the real gateway

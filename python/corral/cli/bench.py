@@ -92,6 +92,15 @@ def bench(
                                 help="churn, density: corral's network mode(s): none (own "
                                      "netns, vs raw+netns), disabled (shared netns, unix "
                                      "sockets only, vs raw --disabled), or none,disabled."),
+    scale_to: int | None = typer.Option(None, "--scale-to", min=1, max=60000,
+                                        help="network: the most live networked sandboxes "
+                                             "of the scale curve (points 0, 100, 1000, "
+                                             "3000, 10000 ... below it, and it); default "
+                                             "--count."),
+    scale_budget: float | None = typer.Option(
+        None, "--scale-budget", min=1.0, help="network: seconds of filling for the scale "
+                                               "curve, in all; past it the curve ends at "
+                                               "the count reached (measured there)."),
     nodes: int = typer.Option(200, "--nodes", min=1, max=2000,
                               help="fleet: simulated nodes behind the real gateway."),
     live: int = typer.Option(400_000, "--live", min=10, max=10_000_000,
@@ -151,7 +160,8 @@ def bench(
                    concurrency=concurrency, peer_count=peer_count, batch=batch,
                    churn_batch=churn_batch, batches_in_flight=batches_in_flight,
                    plots_dir=plots_dir or None, profile=profile, workdir=workdir,
-                   snapshot_mb=snapshot_mb, fork=fork, image_mb=image_mb,
+                   snapshot_mb=snapshot_mb, fork=fork, image_mb=image_mb, scale_to=scale_to,
+                   scale_budget_s=scale_budget,
                    progress=progress,
                    trajlog_baseline=trajlog_baseline,
                    networks=parse_networks(network), fleet_nodes=nodes, fleet_live=live,
