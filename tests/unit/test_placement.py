@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import overload
@@ -40,6 +41,61 @@ def test_a_report_forgets_only_the_creates_it_counts():
     n.inflight = 1
     n.took_report(2.0, 50.0)
     assert n.finished == [2.0, 3.0] and n.placed == 3 and n.reported_at == 50.0
+
+
+def test_a_create_that_ends_while_the_report_travels_is_counted_once():
+    """The node's count of creates says whether a report has the creates that finished
+    while it was on its way: counted in it, they are forgotten (not counted twice until the
+    next report); not counted, they stay."""
+    n = nodes(1)[0]
+    n.took_report(0.0, 1.0, created=10)
+    n.finished = [0.5, 2.5, 2.5, 2.5]   # one before the next report was asked, three during
+    n.took_report(2.0, 3.0, created=14)  # the node made all four before it answered
+    assert n.finished == []
+    n.finished = [3.5, 4.5, 4.5]
+    n.took_report(4.0, 5.0, created=15)  # it answered before the two made while asking
+    assert n.finished == [4.5, 4.5]
+    n.took_report(6.0, 7.0, created=3)   # a restarted node: the time rule alone
+    assert n.finished == [] and n.created == 3
+
+
+def test_a_batch_ending_as_reports_travel_still_spreads_evenly():
+    """Batches of 250 over 3 nodes, a node's report racing the end of each batch: the
+    report counts the batch's creates, and the gateway does not count them twice."""
+    from corral.cluster.batch import split
+
+    ns, per, made = nodes(3, capacity=600), Counter[str](), Counter[str]()
+    for n in ns:
+        n.took_report(0.0, time.monotonic(), created=0)
+    for b in range(4):
+        for s in split(ns, 250, 2, {}, "host"):
+            s.node.inflight -= len(s.indexes)
+            s.node.finished.extend(100.0 + b for _ in s.indexes)
+            per[s.node.node] += len(s.indexes)
+            made[s.node.node] += len(s.indexes)
+        for i, n in enumerate(ns):
+            n.live = made[n.node]
+            # One node's report was asked before the batch ended and answered after the
+            # node made its share; the others' were asked after.
+            asked = 100.0 + b + (-0.5 if i == b % 3 else 0.5)
+            n.took_report(asked, time.monotonic(), created=made[n.node])
+    assert max(abs(c - 1000 / 3) for c in per.values()) <= 0.1 * 1000 / 3, per
+
+
+def test_a_spread_group_goes_to_the_node_with_fewest_of_it():
+    """A spread batch fills the nodes evenly though one of them is much less loaded, and
+    without spread the same batch goes by load."""
+    from corral.cluster.batch import split
+
+    ns = nodes(3, capacity=100, now=time.monotonic())
+    ns[0].live = 0
+    ns[1].live = ns[2].live = 40
+    shares = {s.node.node: len(s.indexes) for s in split(ns, 6, 2, {}, "host", spread=True)}
+    assert shares == {"n0": 2, "n1": 2, "n2": 2}, shares
+    for n in ns:
+        n.inflight = 0
+    shares = {s.node.node: len(s.indexes) for s in split(ns, 6, 3, {}, "host")}
+    assert shares == {"n0": 6}, shares
 
 
 def test_k1_is_random_and_k_all_is_least_loaded():

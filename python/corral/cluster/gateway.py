@@ -300,7 +300,9 @@ class Gateway:
         if images != n.images:
             n.images = images
             self._by_image = None
-        n.took_report(asked_at, time.monotonic())
+        created = r.get("created")
+        n.took_report(asked_at, time.monotonic(),
+                      int(created) if isinstance(created, int) else None)
 
     async def report_of(self, supervisor: Any) -> dict[str, Any]:
         """One node's load report: a call to its supervisor actor. (The seam a simulated
@@ -499,24 +501,26 @@ class Gateway:
             selector = parse_selector(request.headers.get(SELECTOR_HEADER, ""))
             batches.wants_stream(request)
             partial = batch.wants_partial(request.query)
+            spread = batch.wants_spread(request.query)
             req = batch.parse_body(CreateManyRequest, await request.read())
-            pool, rest = self.pool(), list[NodeLoad]()
+            pool, rest, held = self.pool(), list[NodeLoad](), list[NodeLoad]()
             by_image: dict[str, list[NodeLoad]] | None = self.by_image()
-            if req.spec.snapshot:  # made where the snapshot's layers are, first
-                snap_id, pool = await snapshots.holders(self, req.spec.snapshot)
-                by_image = None
-                have = {h.node for h in pool}
-                rest = [n for n in self.nodes.values() if n.node not in have]
+            if req.spec.snapshot:
+                snap_id, held = await snapshots.holders(self, req.spec.snapshot)
+                if not spread:  # made where the snapshot's layers are, first
+                    pool, by_image = held, None
+                    have = {h.node for h in held}
+                    rest = [n for n in self.nodes.values() if n.node not in have]
                 req = req.model_copy(update={"spec": req.spec.model_copy(
                     update={"snapshot": snap_id})})
             try:
                 shares = batch.split(pool, req.count, self.k, selector, req.spec.image, rest,
-                                     by_image)
+                                     by_image, spread)
             except CapacityExceeded as e:
                 self.refused(e, req.count)
                 raise
-            if req.spec.snapshot:  # the overflow's nodes get the snapshot first
-                await batch.copy_for(self, req.spec.snapshot, pool, shares)
+            if req.spec.snapshot:  # the nodes that lack it get the snapshot first
+                await batch.copy_for(self, req.spec.snapshot, held, shares)
             run = batch.CreateBatch(self, req, shares, partial)
             return await batches.run(request, batches.Progress(req.count), run.run,
                                      lambda items: {"sandboxes": items}, 201,

@@ -37,6 +37,7 @@ class NodeLoad:
     # the report was asked for (their times; see ``took_report``).
     inflight: int = 0
     finished: list[float] = field(default_factory=list)
+    created: int | None = None  # the node's count of creates at its last report
 
     @property
     def placed(self) -> int:
@@ -46,9 +47,19 @@ class NodeLoad:
     def used(self) -> int:
         return self.live + self.placed
 
-    def took_report(self, asked_at: float, now: float) -> None:
-        """A report asked for at ``asked_at`` counts every create finished before then."""
-        self.finished = [t for t in self.finished if t >= asked_at]
+    def took_report(self, asked_at: float, now: float, created: int | None = None) -> None:
+        """A report asked for at ``asked_at`` counts every create finished before then, and
+        (``created``: the node's count of creates) the ``created`` minus last report's creates
+        the node finished since that report: creates that finished while the report was on
+        its way are in it or not, and the count tells (else a batch that ends then counts
+        twice until the next report, and the next batch shuns that node). Creates made on
+        the node without the gateway (a fork) count too, so a few of those may be taken for
+        the gateway's: it undercounts until the next report, never longer."""
+        done = sum(1 for t in self.finished if t < asked_at)  # finished is in time order
+        if created is not None and self.created is not None and created >= self.created:
+            done = max(done, min(len(self.finished), created - self.created))
+        self.created = created
+        del self.finished[:done]
         self.reported_at = now
 
     @property
@@ -63,10 +74,12 @@ def choose(nodes: Sequence[NodeLoad], now: float, *, k: int = 2,
            selector: Mapping[str, str] | None = None, image: str | None = None,
            rng: random.Random | None = None,
            by_image: Mapping[str, Sequence[NodeLoad]] | None = None,
-           exclude: Collection[str] = ()) -> NodeLoad:
+           exclude: Collection[str] = (), group: Mapping[str, int] | None = None) -> NodeLoad:
     """The least loaded of ``k`` nodes sampled among the fresh ones with room that match
     ``selector`` (label -> value) and are not in ``exclude`` (node ids); when some have
     ``image``, one of the k is drawn from those, and it counts ``IMAGE_BONUS`` less loaded.
+    ``group`` (node id -> sandboxes of the caller's group placed there: a spread batch)
+    comes before load: of the k, the node holding the fewest of the group wins.
     Raises CapacityExceeded when none has room.
 
     ``by_image`` (image -> the nodes that have it, kept by the caller as reports come) makes
@@ -90,7 +103,7 @@ def choose(nodes: Sequence[NodeLoad], now: float, *, k: int = 2,
         rest = _draw(nodes, k - len(first),
                      lambda n: eligible(n) and all(n is not f for f in first), rng)
         if len(first) + len(rest) == k:
-            return min([*first, *rest], key=_scorer(image))
+            return min([*first, *rest], key=_scorer(image, group))
     # The exact path: every node looked at.
     fresh = [n for n in nodes if now - n.reported_at <= REPORT_MAX_AGE_S
              and n.node not in exclude]
@@ -110,7 +123,7 @@ def choose(nodes: Sequence[NodeLoad], now: float, *, k: int = 2,
         sample = [pick, *rng.sample(others, min(k - 1, len(others)))]
     else:
         sample = rng.sample(room, min(k, len(room)))
-    return min(sample, key=_scorer(image))
+    return min(sample, key=_scorer(image, group))
 
 
 SCAN_MAX = 16      # up to this many nodes, looking at all of them costs no more than drawing
@@ -138,8 +151,10 @@ def _draw(pool: Sequence[NodeLoad], want: int, ok: Callable[[NodeLoad], bool],
     return got
 
 
-def _scorer(image: str | None) -> Callable[[NodeLoad], tuple[float, float, int]]:
-    def score(n: NodeLoad) -> tuple[float, float, int]:
+def _scorer(image: str | None, group: Mapping[str, int] | None = None
+            ) -> Callable[[NodeLoad], tuple[int, float, float, int]]:
+    def score(n: NodeLoad) -> tuple[int, float, float, int]:
         bonus = IMAGE_BONUS if image and image in n.images else 0.0
-        return (n.load - bonus, n.cpu_busy, -n.mem_free_mb)
+        return (group.get(n.node, 0) if group else 0, n.load - bonus, n.cpu_busy,
+                -n.mem_free_mb)
     return score

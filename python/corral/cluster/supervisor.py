@@ -149,7 +149,8 @@ class NodeSupervisor:
         busy, total = cpu_times()
         (busy0, total0), self._cpu = self._cpu, (busy, total)
         return {"node": self.node_id, "endpoint": self.endpoint, "labels": self.labels,
-                "live": int(st["sandboxes"]), "capacity": int(st["capacity"]),
+                "live": int(st["sandboxes"]), "created": int(st.get("created", 0)),
+                "capacity": int(st["capacity"]),
                 "mem_free_mb": mem_available_mb(), "pid": int(st["pid"]),
                 "cpu_busy": round((busy - busy0) / (total - total0), 3) if total > total0
                 else 0.0,
