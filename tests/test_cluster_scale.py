@@ -65,17 +65,28 @@ def _procs_named(cgroup: str, comm: str) -> int:
     return n
 
 
-def _time_to_lost(box: corral.Sandbox, t_kill: float, deadline: float) -> float | None:
-    """Seconds after the kill at which ``box`` first answered sandbox_lost (None: never
-    before ``deadline``)."""
-    while time.monotonic() < deadline:
-        try:
-            box.exec("true", timeout=2)
-        except SandboxLost as e:
-            assert e.infra, e
-            return time.monotonic() - t_kill
+def _all_lost_after(boxes: list[corral.Sandbox], t_kill: float, within: float
+                    ) -> tuple[float | None, Counter[str]]:
+    """Seconds after the kill at which every one of ``boxes`` answered sandbox_lost (infra)
+    to the same call (one exec batch over them all, asked again until then: a probe per
+    sandbox from this one process would measure the probe, not the node), or None; and
+    what the last round answered."""
+    last: Counter[str] = Counter()
+    while time.monotonic() < t_kill + within:
+        res = corral.Sandbox.exec_many(boxes, "true", timeout=5, return_exceptions=True)
+        last = Counter(type(r).__name__ for r in res)
+        if all(isinstance(r, SandboxLost) and r.infra for r in res):
+            return time.monotonic() - t_kill, last
         time.sleep(0.02)
-    return None
+    return None, last
+
+
+def _lost_alone(box: corral.Sandbox) -> bool:
+    try:
+        box.exec("true", timeout=5)
+    except SandboxLost as e:
+        return e.infra
+    return False
 
 
 def test_a_thousand_sandboxes_spread_evenly_and_a_node_lost_mid_run(big):
@@ -153,19 +164,19 @@ def test_a_thousand_sandboxes_spread_evenly_and_a_node_lost_mid_run(big):
 
         t_kill = time.monotonic()
         ray.kill(big["supervisors"][victim], no_restart=True)
-        deadline = t_kill + LOST_WITHIN_S + 1
-        with ThreadPoolExecutor(16) as pool:
-            took = list(pool.map(lambda b: _time_to_lost(b, t_kill, deadline), lost))
-        never = sum(t is None for t in took)
-        worst = max((t for t in took if t is not None), default=float("nan"))
+        lost_at, last = _all_lost_after(lost, t_kill, LOST_WITHIN_S + 5)
         assert wait_until(lambda: len(in_flight) == LONG, timeout=LOST_WITHIN_S + 5)
         ended = [t - t_kill for t, _ in in_flight]
+        # Each handle on its own answers so too.
+        t_each = time.monotonic()
+        with ThreadPoolExecutor(16) as pool:
+            each = list(pool.map(_lost_alone, lost))
         print(f"node {victim[:8]} killed with {len(lost)} sandboxes: every one answered "
-              f"sandbox_lost within {worst:.2f} s (median {sorted(took)[len(took) // 2]:.2f} s"
-              f" if all answered); in-flight execs ended {min(ended):.2f}-{max(ended):.2f} s"
-              f" after the kill")
-        assert never == 0, f"{never} of {len(lost)} not lost within {LOST_WITHIN_S + 1} s"
-        assert worst < LOST_WITHIN_S, worst
+              f"sandbox_lost {lost_at or float('nan'):.2f} s after the kill; in-flight execs "
+              f"ended {min(ended):.2f}-{max(ended):.2f} s after it; {len(lost)} single "
+              f"calls answered sandbox_lost in {time.monotonic() - t_each:.2f} s")
+        assert lost_at is not None and lost_at < LOST_WITHIN_S, (lost_at, last)
+        assert all(each), Counter(each)
         for _, e in in_flight:
             assert isinstance(e, SandboxLost) and e.infra, e
         assert max(ended) < LOST_WITHIN_S, ended

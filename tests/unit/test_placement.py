@@ -59,26 +59,56 @@ def test_a_create_that_ends_while_the_report_travels_is_counted_once():
     assert n.finished == [] and n.created == 3
 
 
-def test_a_batch_ending_as_reports_travel_still_spreads_evenly():
-    """Batches of 250 over 3 nodes, a node's report racing the end of each batch: the
-    report counts the batch's creates, and the gateway does not count them twice."""
+def test_a_report_taken_mid_batch_does_not_count_the_share_twice():
+    """The node made 50 of its share of 83 when it reported: they are in its live count and
+    in the gateway's in-flight count; counted once, before and after the share ends."""
+    n = nodes(1)[0]
+    n.took_report(0.0, 1.0, created=0)
+    n.inflight = 83
+    n.live = 50
+    n.took_report(1.0, 2.0, created=50)
+    assert n.used == 83
+    n.inflight, n.finished = 0, [3.0] * 83  # the share ends
+    assert n.used == 83
+    n.live = 83
+    n.took_report(4.0, 5.0, created=83)
+    assert n.used == 83 and n.finished == [] and n.credit == 0
+    n.live = 93                            # ten made on the node itself (a fork)
+    n.took_report(6.0, 7.0, created=93)
+    assert n.used == 93 and n.credit == 0  # no credit outlives the gateway's creates
+
+
+def test_batches_spread_evenly_whenever_the_reports_come():
+    """Batches of 250 over 3 nodes; each batch, one node reports while its share is half
+    made, another after its share ended but before the gateway saw the end, the third after:
+    counted once each, the nodes stay within 10% of even."""
     from corral.cluster.batch import split
 
-    ns, per, made = nodes(3, capacity=600), Counter[str](), Counter[str]()
+    ns, per = nodes(3, capacity=600), Counter[str]()
     for n in ns:
         n.took_report(0.0, time.monotonic(), created=0)
     for b in range(4):
-        for s in split(ns, 250, 2, {}, "host"):
-            s.node.inflight -= len(s.indexes)
-            s.node.finished.extend(100.0 + b for _ in s.indexes)
+        t = 100.0 + b
+        shares = split(ns, 250, 2, {}, "host")
+        mid, late, after = (ns[(b + j) % 3] for j in range(3))
+        for s in shares:
             per[s.node.node] += len(s.indexes)
-            made[s.node.node] += len(s.indexes)
-        for i, n in enumerate(ns):
-            n.live = made[n.node]
-            # One node's report was asked before the batch ended and answered after the
-            # node made its share; the others' were asked after.
-            asked = 100.0 + b + (-0.5 if i == b % 3 else 0.5)
-            n.took_report(asked, time.monotonic(), created=made[n.node])
+        made = {s.node.node: len(s.indexes) for s in shares}
+        truth = {n.node: per[n.node] - made.get(n.node, 0) for n in ns}  # made before
+
+        def report(n: NodeLoad, asked: float) -> None:
+            n.live = truth[n.node]
+            n.took_report(asked, time.monotonic(), created=truth[n.node])
+        truth[mid.node] += made.get(mid.node, 0) // 2  # half its share made when it reports
+        report(mid, t - 0.5)
+        truth[late.node] += made.get(late.node, 0)     # all made, the gateway not told yet
+        report(late, t - 0.5)
+        for s in shares:                               # the shares end
+            s.node.inflight -= len(s.indexes)
+            s.node.finished.extend(t for _ in s.indexes)
+        truth.update(per)
+        report(after, t + 0.5)
+        assert {n.node: n.used for n in ns} == dict(per), (b, ns)
     assert max(abs(c - 1000 / 3) for c in per.values()) <= 0.1 * 1000 / 3, per
 
 

@@ -34,32 +34,40 @@ class NodeLoad:
     labels: dict[str, str] = field(default_factory=dict)
     reported_at: float = 0.0   # monotonic seconds on the gateway
     # Creates the report may not count yet: those in flight, and those that finished after
-    # the report was asked for (their times; see ``took_report``).
+    # the report was asked for (their times; see ``took_report``), less ``credit``: creates
+    # the node's reports counted that are still among them.
     inflight: int = 0
     finished: list[float] = field(default_factory=list)
     created: int | None = None  # the node's count of creates at its last report
+    credit: int = 0
 
     @property
     def placed(self) -> int:
-        return self.inflight + len(self.finished)
+        return max(0, self.inflight + len(self.finished) - self.credit)
 
     @property
     def used(self) -> int:
         return self.live + self.placed
 
     def took_report(self, asked_at: float, now: float, created: int | None = None) -> None:
-        """A report asked for at ``asked_at`` counts every create finished before then, and
-        (``created``: the node's count of creates) the ``created`` minus last report's creates
-        the node finished since that report: creates that finished while the report was on
-        its way are in it or not, and the count tells (else a batch that ends then counts
-        twice until the next report, and the next batch shuns that node). Creates made on
-        the node without the gateway (a fork) count too, so a few of those may be taken for
-        the gateway's: it undercounts until the next report, never longer."""
-        done = sum(1 for t in self.finished if t < asked_at)  # finished is in time order
+        """A report asked for at ``asked_at`` counts every create finished before then. With
+        ``created`` (the node's count of creates) it also tells how many creates the node made
+        since its last report: those are in its ``live`` however the report crossed the
+        gateway's creates (made while a batch was still in flight, or finished while the
+        report travelled), and are not counted again (else the node whose report came at the
+        wrong moment looks fuller by a batch's share and the next batch shuns it). Creates
+        made on the node without the gateway (a fork) may be taken for the gateway's: that
+        undercounts while a batch is in flight there, never past the next report."""
         if created is not None and self.created is not None and created >= self.created:
-            done = max(done, min(len(self.finished), created - self.created))
+            self.credit += created - self.created
+        else:  # a first report, or a restarted node: the time rule alone
+            self.credit = 0
         self.created = created
+        done = sum(1 for t in self.finished if t < asked_at)  # finished is in time order
+        done = max(done, min(self.credit, len(self.finished)))
         del self.finished[:done]
+        # What is left of the credit is the in-flight creates the node made already.
+        self.credit = min(max(0, self.credit - done), self.inflight)
         self.reported_at = now
 
     @property
