@@ -212,11 +212,12 @@ def test_a_thousand_sandboxes_spread_evenly_and_a_node_lost_mid_run(big):
         for n, d in nodes.items():
             if n == victim:
                 continue
-            assert wait_until(lambda d=d: set(leaked_sandbox_cgroups(d["cgroup"]))
-                              == base[n]["cgroups"], timeout=60), n
-            assert wait_until(lambda d=d: pids_in_cgroups(d["cgroup"]) <= base[n]["pids"],
+            b0 = base[n]
+            assert wait_until(lambda d=d, b0=b0: set(leaked_sandbox_cgroups(d["cgroup"]))
+                              == b0["cgroups"], timeout=60), n
+            assert wait_until(lambda d=d, b0=b0: pids_in_cgroups(d["cgroup"]) <= b0["pids"],
                               timeout=30), n
-            assert set(host_mounts_under(d["state_dir"])) <= base[n]["mounts"], n
+            assert set(host_mounts_under(d["state_dir"])) <= b0["mounts"], n
         assert not any(_alive(p) for p in kept_pids.values() if p)
         assert wait_until(lambda: all(n["live"] == 0 for n in corral.cluster.status()["nodes"]),
                           timeout=15)

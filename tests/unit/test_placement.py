@@ -96,7 +96,7 @@ def test_batches_spread_evenly_whenever_the_reports_come():
         made = {s.node.node: len(s.indexes) for s in shares}
         truth = {n.node: per[n.node] - made.get(n.node, 0) for n in ns}  # made before
 
-        def report(n: NodeLoad, asked: float) -> None:
+        def report(n: NodeLoad, asked: float, truth: dict[str, int] = truth) -> None:
             n.live = truth[n.node]
             n.took_report(asked, time.monotonic(), created=truth[n.node])
         truth[mid.node] += made.get(mid.node, 0) // 2  # half its share made when it reports
