@@ -81,6 +81,7 @@ class Gateway:
         # the same with 5 nodes or 5,000 (placement.choose draws from these).
         self._pool: list[NodeLoad] | None = None
         self._by_image: dict[str, list[NodeLoad]] | None = None
+        self._by_snapshot: dict[str, list[NodeLoad]] | None = None
         self.supervisors: dict[str, Any] = {}   # node id -> actor handle
         self.lost: dict[str, str] = {}          # node id -> why it left
         self.drained: dict[str, float] = {}     # node id -> when (wall clock) it was drained
@@ -188,12 +189,17 @@ class Gateway:
                            "placed_since_report": n.placed,
                            "capacity": n.capacity, "mem_free_mb": n.mem_free_mb,
                            "cpu_busy": n.cpu_busy, "images": sorted(n.images),
+                           "snapshots": len(n.snapshots),
                            "labels": n.labels, "report_age_s": round(now - n.reported_at, 3)}
                           for n in self.nodes.values()],
                 "lost": dict(self.lost), "drained": dict(self.drained),
                 "autoscale": None if self.autoscaler is None else {
                     **self.autoscaler.cfg.as_dict(), "asked_nodes": self.autoscaler.asked,
                     "unmet_creates": self.autoscaler.demand(now)}}
+
+    async def reported_holders(self, snapshot_id: str) -> list[str]:
+        """The nodes whose last load report lists snapshot ``snapshot_id``."""
+        return [n.node for n in self.by_snapshot().get(snapshot_id, ())]
 
     async def place(self, selector: dict[str, str] | None = None,
                     image: str | None = None) -> dict[str, str]:
@@ -271,7 +277,7 @@ class Gateway:
     # ---- placement's view of the nodes ----------------------------------------------------
     def nodes_changed(self) -> None:
         """A node joined or left, or its images changed."""
-        self._pool = self._by_image = None
+        self._pool = self._by_image = self._by_snapshot = None
 
     def pool(self) -> list[NodeLoad]:
         if self._pool is None:
@@ -287,6 +293,17 @@ class Gateway:
             self._by_image = idx
         return self._by_image
 
+    def by_snapshot(self) -> dict[str, list[NodeLoad]]:
+        """Snapshot id -> the nodes whose last report holds it (cluster.snapshots asks those
+        first)."""
+        if self._by_snapshot is None:
+            idx: dict[str, list[NodeLoad]] = {}
+            for n in self.nodes.values():
+                for snap in n.snapshots:
+                    idx.setdefault(snap, []).append(n)
+            self._by_snapshot = idx
+        return self._by_snapshot
+
     # ---- load reports ---------------------------------------------------------------------
     def _take(self, r: dict[str, Any], asked_at: float) -> None:
         n = self.nodes.get(r["node"])
@@ -300,6 +317,10 @@ class Gateway:
         if images != n.images:
             n.images = images
             self._by_image = None
+        snaps = frozenset(r.get("snapshots") or ())
+        if snaps != n.snapshots:
+            n.snapshots = snaps
+            self._by_snapshot = None
         created = r.get("created")
         n.took_report(asked_at, time.monotonic(),
                       int(created) if isinstance(created, int) else None)

@@ -31,6 +31,7 @@ class NodeLoad:
     mem_free_mb: int = 0
     cpu_busy: float = 0.0      # the node's CPU use since its last report, 0..1
     images: frozenset[str] = frozenset()  # images present on the node
+    snapshots: frozenset[str] = frozenset()  # ids of the snapshots the node holds
     labels: dict[str, str] = field(default_factory=dict)
     reported_at: float = 0.0   # monotonic seconds on the gateway
     # Creates the report may not count yet: those in flight, and those that finished after
