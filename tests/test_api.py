@@ -83,6 +83,12 @@ def test_health_and_status(c):
     want = capacity.derive()
     assert (st.capacity, st.capacity_bound_by) == (want.count, want.bound_by)
     assert st.pid == int(open(os.path.join(STATE_DIR, "corrald.pid")).read())
+    # The count of creates (a cluster gateway matches its placements to it): one more.
+    info = create(c)
+    try:
+        assert DaemonStatus.model_validate(c.get("/v1/status").json()).created == st.created + 1
+    finally:
+        c.delete(f"/v1/sandboxes/{info['id']}")
 
 
 def test_socket_is_root_only():

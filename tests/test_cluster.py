@@ -431,6 +431,85 @@ def test_a_failed_snapshot_copy_is_an_infra_error_and_leaves_nothing(cluster, ga
             snap.delete()
 
 
+def test_a_spread_fork_group_lands_on_every_node_with_the_parents_files(cluster, gateway):
+    """A fork group from a snapshot asked to spread (``create_many(..., spread=True)``):
+    its children land on both nodes, the snapshot's layers copied once to the node that
+    lacked it, and every child sees the parent's files. Without spread the same group stays
+    on the holder, which has room (copying would cost more than it buys)."""
+    assert wait_until(lambda: all(_live(n) == 0 for n in cluster["nodes"]), timeout=15)
+    parent = corral.Sandbox(image="host", memory_mb=64, timeout=120)
+    holder = parent.info().node
+    other = next(n for n in cluster["nodes"] if n != holder)
+    kids: list = []
+    snap = None
+    try:
+        blob = os.urandom(256 << 10)
+        parent.files.write("/work/blob", blob)
+        parent.exec("echo forked > /work/state").check()
+        snap = parent.snapshot()
+        kids = corral.Sandbox.create_many(4, snapshot=snap.id, memory_mb=64, timeout=120)
+        assert {k.info().node for k in kids} == {holder}
+        imported = _imports(gateway, cluster, other)
+        group = corral.Sandbox.create_many(6, snapshot=snap.id, memory_mb=64, timeout=120,
+                                           spread=True)
+        kids += group
+        per_node = Counter(k.info().node for k in group)
+        assert per_node == {holder: 3, other: 3}, per_node
+        assert _imports(gateway, cluster, other) == imported + 1
+        for k in group:
+            assert k._endpoint.url == cluster["nodes"][k._endpoint.node]["endpoint"]
+            assert k.files.read("/work/state") == "forked\n"
+            assert k.files.read_bytes("/work/blob") == blob
+        # A bad flag is refused before anything is made.
+        code, lines = _batch(gateway.url, endpoint_mod._tokens[gateway.url],
+                             {"count": 2, "spec": {"snapshot": snap.id}},
+                             "spread=maybe")
+        assert code == 400 and lines[-1]["error"]["code"] == "invalid_request", lines
+    finally:
+        corral.Sandbox.kill_many([*kids, parent], return_exceptions=True)
+        wait_until(lambda: all(_live(n) == 0 for n in cluster["nodes"]), timeout=15)
+        if snap is not None:
+            snap.delete()
+            _node_call(gateway, cluster, other, "DELETE", f"/v1/snapshots/{snap.id}")
+
+
+def test_a_create_from_a_snapshot_asks_only_the_nodes_that_report_it(cluster, gateway):
+    """The nodes' load reports list their snapshots: a create from a snapshot id asks its
+    reported holder only, so a node that does not answer (its corrald frozen) costs it
+    nothing, where asking every node waited for that node's time-out."""
+    assert wait_until(lambda: all(_live(n) == 0 for n in cluster["nodes"]), timeout=15)
+    gw = ray.get_actor("gateway", namespace=corral.cluster.NAMESPACE)
+    parent = corral.Sandbox(image="host", memory_mb=64, timeout=120)
+    holder = parent.info().node
+    other = next(n for n in cluster["nodes"] if n != holder)
+    pid = _corrald_pid(cluster, other)
+    kid = snap = None
+    try:
+        parent.files.write("/work/state", "reported\n")
+        snap = parent.snapshot()
+        assert wait_until(lambda: ray.get(gw.reported_holders.remote(snap.id)) == [holder],
+                          timeout=10)
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        kid = corral.Sandbox(snapshot=snap.id, memory_mb=64, timeout=120)
+        took = time.monotonic() - t0
+        print(f"create from a reported snapshot, another node frozen: {took:.2f} s")
+        assert took < 3.0, took  # asking every node waits 5 s for the frozen one
+        assert kid.info().node == holder
+        assert kid.files.read("/work/state") == "reported\n"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        corral.Sandbox.kill_many([x for x in (kid, parent) if x is not None],
+                                 return_exceptions=True)
+        if snap is not None:
+            snap.delete()
+        # The next tests place by load: the thawed node reports again.
+        wait_until(lambda: all(n["report_age_s"] < 1 for n in corral.cluster.status()["nodes"]),
+                   timeout=20)
+    # A deleted snapshot leaves the reports.
+    assert wait_until(lambda: ray.get(gw.reported_holders.remote(snap.id)) == [], timeout=10)
+
+
 def _batch(url: str, token: str | None, body: dict, query: str = "stream=ndjson",
            selector: str = "") -> tuple[int, list[dict]]:
     req = urllib.request.Request(f"{url}/v1/sandboxes/batch?{query}", method="POST",

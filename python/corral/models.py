@@ -668,6 +668,8 @@ class DaemonStatus(_Response):
     pid: int
     started_at: float
     sandboxes: int
+    created: int = Field(0, description="sandboxes created since the daemon started (a "
+                                        "cluster gateway matches its placements to it)")
     capacity: int
     capacity_bound_by: str = Field("config", description=(
         "what set the admission limit: config (CORRAL_MAX_SANDBOXES), or when derived from "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import overload
@@ -40,6 +41,91 @@ def test_a_report_forgets_only_the_creates_it_counts():
     n.inflight = 1
     n.took_report(2.0, 50.0)
     assert n.finished == [2.0, 3.0] and n.placed == 3 and n.reported_at == 50.0
+
+
+def test_a_create_that_ends_while_the_report_travels_is_counted_once():
+    """The node's count of creates says whether a report has the creates that finished
+    while it was on its way: counted in it, they are forgotten (not counted twice until the
+    next report); not counted, they stay."""
+    n = nodes(1)[0]
+    n.took_report(0.0, 1.0, created=10)
+    n.finished = [0.5, 2.5, 2.5, 2.5]   # one before the next report was asked, three during
+    n.took_report(2.0, 3.0, created=14)  # the node made all four before it answered
+    assert n.finished == []
+    n.finished = [3.5, 4.5, 4.5]
+    n.took_report(4.0, 5.0, created=15)  # it answered before the two made while asking
+    assert n.finished == [4.5, 4.5]
+    n.took_report(6.0, 7.0, created=3)   # a restarted node: the time rule alone
+    assert n.finished == [] and n.created == 3
+
+
+def test_a_report_taken_mid_batch_does_not_count_the_share_twice():
+    """The node made 50 of its share of 83 when it reported: they are in its live count and
+    in the gateway's in-flight count; counted once, before and after the share ends."""
+    n = nodes(1)[0]
+    n.took_report(0.0, 1.0, created=0)
+    n.inflight = 83
+    n.live = 50
+    n.took_report(1.0, 2.0, created=50)
+    assert n.used == 83
+    n.inflight, n.finished = 0, [3.0] * 83  # the share ends
+    assert n.used == 83
+    n.live = 83
+    n.took_report(4.0, 5.0, created=83)
+    assert n.used == 83 and n.finished == [] and n.credit == 0
+    n.live = 93                            # ten made on the node itself (a fork)
+    n.took_report(6.0, 7.0, created=93)
+    assert n.used == 93 and n.credit == 0  # no credit outlives the gateway's creates
+
+
+def test_batches_spread_evenly_whenever_the_reports_come():
+    """Batches of 250 over 3 nodes; each batch, one node reports while its share is half
+    made, another after its share ended but before the gateway saw the end, the third after:
+    counted once each, the nodes stay within 10% of even."""
+    from corral.cluster.batch import split
+
+    ns, per = nodes(3, capacity=600), Counter[str]()
+    for n in ns:
+        n.took_report(0.0, time.monotonic(), created=0)
+    for b in range(4):
+        t = 100.0 + b
+        shares = split(ns, 250, 2, {}, "host")
+        mid, late, after = (ns[(b + j) % 3] for j in range(3))
+        for s in shares:
+            per[s.node.node] += len(s.indexes)
+        made = {s.node.node: len(s.indexes) for s in shares}
+        truth = {n.node: per[n.node] - made.get(n.node, 0) for n in ns}  # made before
+
+        def report(n: NodeLoad, asked: float, truth: dict[str, int] = truth) -> None:
+            n.live = truth[n.node]
+            n.took_report(asked, time.monotonic(), created=truth[n.node])
+        truth[mid.node] += made.get(mid.node, 0) // 2  # half its share made when it reports
+        report(mid, t - 0.5)
+        truth[late.node] += made.get(late.node, 0)     # all made, the gateway not told yet
+        report(late, t - 0.5)
+        for s in shares:                               # the shares end
+            s.node.inflight -= len(s.indexes)
+            s.node.finished.extend(t for _ in s.indexes)
+        truth.update(per)
+        report(after, t + 0.5)
+        assert {n.node: n.used for n in ns} == dict(per), (b, ns)
+    assert max(abs(c - 1000 / 3) for c in per.values()) <= 0.1 * 1000 / 3, per
+
+
+def test_a_spread_group_goes_to_the_node_with_fewest_of_it():
+    """A spread batch fills the nodes evenly though one of them is much less loaded, and
+    without spread the same batch goes by load."""
+    from corral.cluster.batch import split
+
+    ns = nodes(3, capacity=100, now=time.monotonic())
+    ns[0].live = 0
+    ns[1].live = ns[2].live = 40
+    shares = {s.node.node: len(s.indexes) for s in split(ns, 6, 2, {}, "host", spread=True)}
+    assert shares == {"n0": 2, "n1": 2, "n2": 2}, shares
+    for n in ns:
+        n.inflight = 0
+    shares = {s.node.node: len(s.indexes) for s in split(ns, 6, 3, {}, "host")}
+    assert shares == {"n0": 6}, shares
 
 
 def test_k1_is_random_and_k_all_is_least_loaded():

@@ -28,7 +28,7 @@ import aiohttp
 from pydantic import BaseModel, ValidationError
 
 from corral.cluster import snapshots
-from corral.cluster.placement import NodeLoad, choose
+from corral.cluster.placement import SCAN_MAX, NodeLoad, choose
 from corral.daemon import batches
 from corral.errors import (
     CapacityExceeded,
@@ -47,6 +47,7 @@ T = TypeVar("T")
 SILENCE_S = 5.0        # a node's batch stream silent this long: the node is given up on
 LOSS_CHECK_S = 0.25    # how often a share looks whether the poller saw its node lost
 PARTIAL_Q = "partial"
+SPREAD_Q = "spread"
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -63,9 +64,17 @@ def parse_body(model: type[M], body: bytes) -> M:
 
 
 def wants_partial(query: Any) -> bool:
-    values = query.getall(PARTIAL_Q, [])
+    return _flag(query, PARTIAL_Q)
+
+
+def wants_spread(query: Any) -> bool:
+    return _flag(query, SPREAD_Q)
+
+
+def _flag(query: Any, name: str) -> bool:
+    values = query.getall(name, [])
     if values not in ([], ["true"], ["false"]):
-        raise InvalidRequest(f"bad {PARTIAL_Q} {values!r}: true or false, given once")
+        raise InvalidRequest(f"bad {name} {values!r}: true or false, given once")
     return values == ["true"]
 
 
@@ -82,23 +91,32 @@ class Share:
 
 def split(nodes: list[NodeLoad], count: int, k: int, selector: dict[str, str],
           image: str, overflow: list[NodeLoad] | None = None,
-          by_image: dict[str, list[NodeLoad]] | None = None) -> list[Share]:
+          by_image: dict[str, list[NodeLoad]] | None = None,
+          spread: bool = False) -> list[Share]:
     """Place each of ``count`` items; every placed item holds a slot on its node (``inflight``)
     until its share ends, so the next items see it; an item ``nodes`` have no room for goes
-    to ``overflow`` (a batch from a snapshot: the nodes that lack it). Raises
+    to ``overflow`` (a batch from a snapshot: the nodes that lack it). ``spread``: the items
+    are a group to spread over the nodes (a fork's children): each goes to the node of its
+    draw that holds the fewest of them, load deciding ties; on a cluster of up to SCAN_MAX
+    nodes the draw is every node, so the group is as even over them as room allows. Raises
     CapacityExceeded (nothing held)."""
     shares: dict[str, Share] = {}
+    group: dict[str, int] | None = {} if spread else None
+    if spread and len(nodes) <= SCAN_MAX:
+        k = max(k, len(nodes))
     try:
         for i in range(count):
             try:
                 n = choose(nodes, time.monotonic(), k=k, selector=selector, image=image,
-                           by_image=by_image)
+                           by_image=by_image, group=group)
             except CapacityExceeded:
                 if not overflow:
                     raise
                 n = choose(overflow, time.monotonic(), k=k, selector=selector, image=image)
             n.inflight += 1
             shares.setdefault(n.node, Share(n)).indexes.append(i)
+            if group is not None:
+                group[n.node] = group.get(n.node, 0) + 1
     except CorralError:
         for s in shares.values():
             s.node.inflight -= len(s.indexes)

@@ -85,6 +85,7 @@ class Gateway:
         # the same with 5 nodes or 5,000 (placement.choose draws from these).
         self._pool: list[NodeLoad] | None = None
         self._by_image: dict[str, list[NodeLoad]] | None = None
+        self._by_snapshot: dict[str, list[NodeLoad]] | None = None
         self.supervisors: dict[str, Any] = {}   # node id -> actor handle
         self.lost: dict[str, str] = {}          # node id -> why it left
         self.drained: dict[str, float] = {}     # node id -> when (wall clock) it was drained
@@ -219,6 +220,7 @@ class Gateway:
                            "placed_since_report": n.placed,
                            "capacity": n.capacity, "mem_free_mb": n.mem_free_mb,
                            "cpu_busy": n.cpu_busy, "images": sorted(n.images),
+                           "snapshots": len(n.snapshots),
                            "labels": n.labels, "report_age_s": round(now - n.reported_at, 3)}
                           for n in self.nodes.values()],
                 "lost": dict(self.lost), "drained": dict(self.drained),
@@ -226,6 +228,10 @@ class Gateway:
                 "autoscale": None if self.autoscaler is None else {
                     **self.autoscaler.cfg.as_dict(), "asked_nodes": self.autoscaler.asked,
                     "unmet_creates": self.autoscaler.demand(now)}}
+
+    async def reported_holders(self, snapshot_id: str) -> list[str]:
+        """The nodes whose last load report lists snapshot ``snapshot_id``."""
+        return [n.node for n in self.by_snapshot().get(snapshot_id, ())]
 
     async def place(self, selector: dict[str, str] | None = None,
                     image: str | None = None) -> dict[str, str]:
@@ -451,7 +457,7 @@ class Gateway:
     # ---- placement's view of the nodes ----------------------------------------------------
     def nodes_changed(self) -> None:
         """A node joined or left, or its images changed."""
-        self._pool = self._by_image = None
+        self._pool = self._by_image = self._by_snapshot = None
 
     def pool(self) -> list[NodeLoad]:
         if self._pool is None:
@@ -467,6 +473,17 @@ class Gateway:
             self._by_image = idx
         return self._by_image
 
+    def by_snapshot(self) -> dict[str, list[NodeLoad]]:
+        """Snapshot id -> the nodes whose last report holds it (cluster.snapshots asks those
+        first)."""
+        if self._by_snapshot is None:
+            idx: dict[str, list[NodeLoad]] = {}
+            for n in self.nodes.values():
+                for snap in n.snapshots:
+                    idx.setdefault(snap, []).append(n)
+            self._by_snapshot = idx
+        return self._by_snapshot
+
     # ---- load reports ---------------------------------------------------------------------
     def _take(self, r: dict[str, Any], asked_at: float) -> None:
         n = self.nodes.get(r["node"])
@@ -480,7 +497,13 @@ class Gateway:
         if images != n.images:
             n.images = images
             self._by_image = None
-        n.took_report(asked_at, time.monotonic())
+        snaps = frozenset(r.get("snapshots") or ())
+        if snaps != n.snapshots:
+            n.snapshots = snaps
+            self._by_snapshot = None
+        created = r.get("created")
+        n.took_report(asked_at, time.monotonic(),
+                      int(created) if isinstance(created, int) else None)
 
     async def report_of(self, supervisor: Any) -> dict[str, Any]:
         """One node's load report: a call to its supervisor actor. (The seam a simulated
@@ -680,24 +703,26 @@ class Gateway:
             selector = parse_selector(request.headers.get(SELECTOR_HEADER, ""))
             batches.wants_stream(request)
             partial = batch.wants_partial(request.query)
+            spread = batch.wants_spread(request.query)
             req = batch.parse_body(CreateManyRequest, await request.read())
-            pool, rest = self.pool(), list[NodeLoad]()
+            pool, rest, held = self.pool(), list[NodeLoad](), list[NodeLoad]()
             by_image: dict[str, list[NodeLoad]] | None = self.by_image()
-            if req.spec.snapshot:  # made where the snapshot's layers are, first
-                snap_id, pool = await snapshots.holders(self, req.spec.snapshot)
-                by_image = None
-                have = {h.node for h in pool}
-                rest = [n for n in self.nodes.values() if n.node not in have]
+            if req.spec.snapshot:
+                snap_id, held = await snapshots.holders(self, req.spec.snapshot)
+                if not spread:  # made where the snapshot's layers are, first
+                    pool, by_image = held, None
+                    have = {h.node for h in held}
+                    rest = [n for n in self.nodes.values() if n.node not in have]
                 req = req.model_copy(update={"spec": req.spec.model_copy(
                     update={"snapshot": snap_id})})
             try:
                 shares = batch.split(pool, req.count, self.k, selector, req.spec.image, rest,
-                                     by_image)
+                                     by_image, spread)
             except CapacityExceeded as e:
                 self.refused(e, req.count)
                 raise
-            if req.spec.snapshot:  # the overflow's nodes get the snapshot first
-                await batch.copy_for(self, req.spec.snapshot, pool, shares)
+            if req.spec.snapshot:  # the nodes that lack it get the snapshot first
+                await batch.copy_for(self, req.spec.snapshot, held, shares)
             run = batch.CreateBatch(self, req, shares, partial)
             return await batches.run(request, batches.Progress(req.count), run.run,
                                      lambda items: {"sandboxes": items}, 201,

@@ -31,24 +31,44 @@ class NodeLoad:
     mem_free_mb: int = 0
     cpu_busy: float = 0.0      # the node's CPU use since its last report, 0..1
     images: frozenset[str] = frozenset()  # images present on the node
+    snapshots: frozenset[str] = frozenset()  # ids of the snapshots the node holds
     labels: dict[str, str] = field(default_factory=dict)
     reported_at: float = 0.0   # monotonic seconds on the gateway
     # Creates the report may not count yet: those in flight, and those that finished after
-    # the report was asked for (their times; see ``took_report``).
+    # the report was asked for (their times; see ``took_report``), less ``credit``: creates
+    # the node's reports counted that are still among them.
     inflight: int = 0
     finished: list[float] = field(default_factory=list)
+    created: int | None = None  # the node's count of creates at its last report
+    credit: int = 0
 
     @property
     def placed(self) -> int:
-        return self.inflight + len(self.finished)
+        return max(0, self.inflight + len(self.finished) - self.credit)
 
     @property
     def used(self) -> int:
         return self.live + self.placed
 
-    def took_report(self, asked_at: float, now: float) -> None:
-        """A report asked for at ``asked_at`` counts every create finished before then."""
-        self.finished = [t for t in self.finished if t >= asked_at]
+    def took_report(self, asked_at: float, now: float, created: int | None = None) -> None:
+        """A report asked for at ``asked_at`` counts every create finished before then. With
+        ``created`` (the node's count of creates) it also tells how many creates the node made
+        since its last report: those are in its ``live`` however the report crossed the
+        gateway's creates (made while a batch was still in flight, or finished while the
+        report travelled), and are not counted again (else the node whose report came at the
+        wrong moment looks fuller by a batch's share and the next batch shuns it). Creates
+        made on the node without the gateway (a fork) may be taken for the gateway's: that
+        undercounts while a batch is in flight there, never past the next report."""
+        if created is not None and self.created is not None and created >= self.created:
+            self.credit += created - self.created
+        else:  # a first report, or a restarted node: the time rule alone
+            self.credit = 0
+        self.created = created
+        done = sum(1 for t in self.finished if t < asked_at)  # finished is in time order
+        done = max(done, min(self.credit, len(self.finished)))
+        del self.finished[:done]
+        # What is left of the credit is the in-flight creates the node made already.
+        self.credit = min(max(0, self.credit - done), self.inflight)
         self.reported_at = now
 
     @property
@@ -63,10 +83,12 @@ def choose(nodes: Sequence[NodeLoad], now: float, *, k: int = 2,
            selector: Mapping[str, str] | None = None, image: str | None = None,
            rng: random.Random | None = None,
            by_image: Mapping[str, Sequence[NodeLoad]] | None = None,
-           exclude: Collection[str] = ()) -> NodeLoad:
+           exclude: Collection[str] = (), group: Mapping[str, int] | None = None) -> NodeLoad:
     """The least loaded of ``k`` nodes sampled among the fresh ones with room that match
     ``selector`` (label -> value) and are not in ``exclude`` (node ids); when some have
     ``image``, one of the k is drawn from those, and it counts ``IMAGE_BONUS`` less loaded.
+    ``group`` (node id -> sandboxes of the caller's group placed there: a spread batch)
+    comes before load: of the k, the node holding the fewest of the group wins.
     Raises CapacityExceeded when none has room.
 
     ``by_image`` (image -> the nodes that have it, kept by the caller as reports come) makes
@@ -90,7 +112,7 @@ def choose(nodes: Sequence[NodeLoad], now: float, *, k: int = 2,
         rest = _draw(nodes, k - len(first),
                      lambda n: eligible(n) and all(n is not f for f in first), rng)
         if len(first) + len(rest) == k:
-            return min([*first, *rest], key=_scorer(image))
+            return min([*first, *rest], key=_scorer(image, group))
     # The exact path: every node looked at.
     fresh = [n for n in nodes if now - n.reported_at <= REPORT_MAX_AGE_S
              and n.node not in exclude]
@@ -110,7 +132,7 @@ def choose(nodes: Sequence[NodeLoad], now: float, *, k: int = 2,
         sample = [pick, *rng.sample(others, min(k - 1, len(others)))]
     else:
         sample = rng.sample(room, min(k, len(room)))
-    return min(sample, key=_scorer(image))
+    return min(sample, key=_scorer(image, group))
 
 
 SCAN_MAX = 16      # up to this many nodes, looking at all of them costs no more than drawing
@@ -138,8 +160,10 @@ def _draw(pool: Sequence[NodeLoad], want: int, ok: Callable[[NodeLoad], bool],
     return got
 
 
-def _scorer(image: str | None) -> Callable[[NodeLoad], tuple[float, float, int]]:
-    def score(n: NodeLoad) -> tuple[float, float, int]:
+def _scorer(image: str | None, group: Mapping[str, int] | None = None
+            ) -> Callable[[NodeLoad], tuple[int, float, float, int]]:
+    def score(n: NodeLoad) -> tuple[int, float, float, int]:
         bonus = IMAGE_BONUS if image and image in n.images else 0.0
-        return (n.load - bonus, n.cpu_busy, -n.mem_free_mb)
+        return (group.get(n.node, 0) if group else 0, n.load - bonus, n.cpu_busy,
+                -n.mem_free_mb)
     return score

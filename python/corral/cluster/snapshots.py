@@ -44,8 +44,12 @@ async def holders(gw: Gateway, snapshot: str) -> tuple[str, list[NodeLoad]]:
     name; a copy keeps its id, and its name where the target had none such). Raises
     SnapshotNotFound if none has it and every node answered, SandboxLost if none has it
     while some node did not answer (it may be there), Conflict if a name names different
-    snapshots on different nodes (names are per node; ids are unique)."""
-    nodes = list(gw.nodes.values())
+    snapshots on different nodes (names are per node; ids are unique).
+
+    An id the nodes' load reports list is looked for on the nodes that reported it only
+    (they confirm it, as the request's tenant): a create from a snapshot costs as many
+    requests as it has holders, not one per node. A name, an id no report lists yet, or an
+    id none of its reported holders confirms (deleted since), asks every node."""
     path = "/v1/snapshots/" + quote(snapshot, safe="")
 
     async def ask(n: NodeLoad) -> str | bool | None:
@@ -62,6 +66,13 @@ async def holders(gw: Gateway, snapshot: str) -> tuple[str, list[NodeLoad]]:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
             return None
 
+    hint = [n for n in gw.by_snapshot().get(snapshot, ()) if n.node in gw.nodes]
+    if hint:
+        said = await asyncio.gather(*(ask(n) for n in hint))
+        have = [n for n, g in zip(hint, said, strict=True) if g == snapshot]
+        if have:
+            return snapshot, have
+    nodes = list(gw.nodes.values())
     got = await asyncio.gather(*(ask(n) for n in nodes))
     have = [n for n, g in zip(nodes, got, strict=True) if isinstance(g, str)]
     if not have and gw.moving:  # it may be on its way off a drained node: ask again after

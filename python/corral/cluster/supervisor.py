@@ -145,29 +145,33 @@ class NodeSupervisor:
                 "cgroup": self.paths.cgroup, "keeper_pid": self.keeper_pid}
 
     def report(self) -> dict[str, Any]:
-        """The node's load: live sandboxes, admission capacity, free memory, CPU use since
-        the last report, and the images it has (placement prefers a node that has the image
-        a create asks for)."""
+        """The node's load: live sandboxes and its count of creates, admission capacity, free
+        memory, CPU use since the last report, the images and snapshots it has."""
         st = _get(self.paths.socket, "/v1/status")
         busy, total = cpu_times()
         (busy0, total0), self._cpu = self._cpu, (busy, total)
         return {"node": self.node_id, "endpoint": self.endpoint, "labels": self.labels,
-                "live": int(st["sandboxes"]), "capacity": int(st["capacity"]),
+                "live": int(st["sandboxes"]), "created": int(st.get("created", 0)),
+                "capacity": int(st["capacity"]),
                 "mem_free_mb": mem_available_mb(), "pid": int(st["pid"]),
                 "cpu_busy": round((busy - busy0) / (total - total0), 3) if total > total0
                 else 0.0,
-                "images": self._images()}
+                "images": self._listed("images", "name"),
+                "snapshots": self._listed("snapshots", "id")}
 
-    def _images(self) -> list[str]:
-        names: list[str] = []
+    def _listed(self, what: str, key: str) -> list[str]:
+        """``key`` of every item of ``/v1/{what}`` (images by name, snapshots by id), all
+        pages: placement prefers the node with a create's image, and looks for a create's
+        snapshot on the nodes that hold it first."""
+        out: list[str] = []
         after: str | None = None
         while True:
-            page = _get(self.paths.socket, "/v1/images" + (
+            page = _get(self.paths.socket, f"/v1/{what}" + (
                 f"?{urllib.parse.urlencode({'after': after})}" if after else ""))
-            names += [str(i["name"]) for i in page["images"]]
+            out += [str(i[key]) for i in page[what]]
             after = page.get("next")
             if not after:
-                return names
+                return out
 
     def ship(self, after: int, recheck: list[int], sandboxes: list[str],
              max_bytes: int) -> dict[str, Any]:

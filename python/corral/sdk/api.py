@@ -177,12 +177,15 @@ def _infos_or_errors(body: bytes) -> list[SandboxInfo | CorralError]:
             for x in json.loads(body)["sandboxes"]]
 
 
-def create_many(count: int, s: SandboxSpec, *, partial: bool = False
+def create_many(count: int, s: SandboxSpec, *, partial: bool = False, spread: bool = False
                 ) -> Call[list[SandboxInfo | CorralError]]:
     """``partial``: a cluster gateway keeps the sandboxes its other nodes made when a node
-    fails its share, and answers that share's error at its items' places."""
+    fails its share, and answers that share's error at its items' places. ``spread``: a
+    cluster gateway spreads the sandboxes over its nodes as a group (a snapshot's layers
+    move to the nodes that get some); one daemon ignores it."""
     req = validated(CreateManyRequest, count=count, spec=s)
-    query = [*BATCH_STREAM, ("partial", "true")] if partial else BATCH_STREAM
+    query = [*BATCH_STREAM, *([("partial", "true")] if partial else []),
+             *([("spread", "true")] if spread else [])]
     return Call("POST", "/v1/sandboxes/batch", _streamed(_infos_or_errors), query=query,
                 body=_body(req))
 

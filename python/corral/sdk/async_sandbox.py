@@ -219,25 +219,26 @@ class AsyncSandbox(SandboxHandle):
     @classmethod
     async def create_many(cls, n: int, image: str = ..., *,
                           endpoint: str | Endpoint | None = ...,
-                          return_exceptions: Literal[False] = ..., **spec: Any
-                          ) -> builtins.list[AsyncSandbox]: ...
+                          return_exceptions: Literal[False] = ..., spread: bool = ...,
+                          **spec: Any) -> builtins.list[AsyncSandbox]: ...
 
     @overload
     @classmethod
     async def create_many(cls, n: int, image: str = ..., *,
                           endpoint: str | Endpoint | None = ..., return_exceptions: bool,
-                          **spec: Any) -> builtins.list[AsyncSandbox | CorralError]: ...
+                          spread: bool = ..., **spec: Any
+                          ) -> builtins.list[AsyncSandbox | CorralError]: ...
 
     @classmethod
     async def create_many(cls, n: int, image: str = "host", *,
                           endpoint: str | Endpoint | None = None,
-                          return_exceptions: bool = False, **spec: Any
-                          ) -> builtins.list[AsyncSandbox] | builtins.list[
+                          return_exceptions: bool = False, spread: bool = False,
+                          **spec: Any) -> builtins.list[AsyncSandbox] | builtins.list[
                               AsyncSandbox | CorralError]:
         """See ``Sandbox.create_many``."""
         ep = Endpoint.parse(endpoint)
         infos = await _send(ep, api.create_many(n, api.spec(image=image, **spec),
-                                                partial=return_exceptions))
+                                                partial=return_exceptions, spread=spread))
         return [i if isinstance(i, CorralError) else cls._bind(ep.placed(i), i.id, i)
                 for i in infos]
 

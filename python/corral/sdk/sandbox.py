@@ -190,26 +190,30 @@ class Sandbox(SandboxHandle):
     @overload
     @classmethod
     def create_many(cls, n: int, image: str = ..., *, endpoint: str | Endpoint | None = ...,
-                    return_exceptions: Literal[False] = ..., **spec: Any
+                    return_exceptions: Literal[False] = ..., spread: bool = ...,
+                    **spec: Any
                     ) -> builtins.list[Sandbox]: ...
 
     @overload
     @classmethod
     def create_many(cls, n: int, image: str = ..., *, endpoint: str | Endpoint | None = ...,
-                    return_exceptions: bool, **spec: Any
+                    return_exceptions: bool, spread: bool = ..., **spec: Any
                     ) -> builtins.list[Sandbox | CorralError]: ...
 
     @classmethod
     def create_many(cls, n: int, image: str = "host", *,
                     endpoint: str | Endpoint | None = None, return_exceptions: bool = False,
-                    **spec: Any) -> builtins.list[Sandbox] | builtins.list[Sandbox | CorralError]:
+                    spread: bool = False, **spec: Any
+                    ) -> builtins.list[Sandbox] | builtins.list[Sandbox | CorralError]:
         """``n`` sandboxes with one spec, in one request: all or nothing. Through a cluster
         gateway they are spread over the nodes; with ``return_exceptions=True`` a node that
         failed its share (lost mid-batch) leaves its error at those places and the others
-        are kept."""
+        are kept. ``spread=True`` asks the gateway to spread them as a group, as evenly over
+        the nodes as room allows (a fork group: ``snapshot=`` moves the snapshot's layers to
+        the nodes that get some), rather than filling the snapshot's holders first."""
         ep = Endpoint.parse(endpoint)
         infos = _send(ep, api.create_many(n, api.spec(image=image, **spec),
-                                          partial=return_exceptions))
+                                          partial=return_exceptions, spread=spread))
         return [i if isinstance(i, CorralError) else cls._bind(ep.placed(i), i.id, i)
                 for i in infos]
 

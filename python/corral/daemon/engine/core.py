@@ -973,7 +973,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "version": __version__, "pid": os.getpid(), "started_at": self.started_at,
-            "sandboxes": len(self.sandboxes), "capacity": self.config.max_sandboxes,
+            "sandboxes": len(self.sandboxes), "created": self.counters["created"],
+            "capacity": self.config.max_sandboxes,
             "capacity_bound_by": self.config.capacity_bound_by,
             "state_dir": self.config.state_dir,
         }
