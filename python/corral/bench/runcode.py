@@ -30,6 +30,7 @@ TARGETS = {"print_p50_ms": 2.0, "calls_per_s": 1000.0, "numpy_p50_ms": 5.0}
 CONTAINER_N = 60      # fresh sandboxes per row (each ~100x the cost of a run_code call)
 SERVER_N = 100        # subprocess-per-request: a python start each (~20-40 ms)
 BATCH = 100
+WARM = {"corral": 40}  # calls before a row is timed; the others need 5
 
 Call = Callable[[str], Awaitable[str]]
 
@@ -142,7 +143,9 @@ async def _measure(system: str, call: Call, code: str, n: int, conc: int) -> OpR
                 continue
             lat[i] = (time.perf_counter() - t0) * 1e3
 
-    for _ in range(min(5, n)):  # warm: connections, the zygote's first fork
+    # Warm: connections, and for corral every slot's first child forked and used once (the
+    # pools fork all their slots' children when they start, beside the first calls).
+    for _ in range(min(WARM.get(system.split("-")[0], 5), n)):
         await call(code)
     t = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(conc)))
