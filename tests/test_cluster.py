@@ -295,6 +295,29 @@ def test_list_through_the_gateway_merges_every_node_and_pages(cluster, gateway):
         corral.Sandbox.kill_many(boxes, return_exceptions=True)
 
 
+def test_connect_by_id_through_the_gateway_finds_the_node(cluster, gateway):
+    """Sandbox.connect(id) with the SDK pointed at the gateway: the gateway asks every node,
+    the handle talks to the sandbox's node; an id no node has is sandbox_not_found."""
+    boxes = corral.Sandbox.create_many(4, "host", memory_mb=64, timeout=120)
+    try:
+        assert len({b.info().node for b in boxes}) == 2
+        for b in boxes:
+            got = corral.Sandbox.connect(b.id)
+            assert got.last_info.node == b.last_info.node
+            assert got._endpoint.url == cluster["nodes"][b.last_info.node]["endpoint"]
+            assert got.exec("hostname").stdout.strip() == b.id
+
+        async def connect_async() -> str:
+            sb = await corral.AsyncSandbox.connect(boxes[0].id)
+            return (await sb.exec("hostname")).stdout.strip()
+
+        assert asyncio.run(connect_async()) == boxes[0].id
+        with pytest.raises(corral.SandboxNotFound):
+            corral.Sandbox.connect("sb-" + "0" * 16)
+    finally:
+        corral.Sandbox.kill_many(boxes, return_exceptions=True)
+
+
 def test_demo_runs_through_the_cluster(cluster):
     """`corral demo --cluster ADDRESS`: the README's rollout workload through the gateway,
     from another process that joins the Ray cluster."""

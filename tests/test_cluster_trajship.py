@@ -130,7 +130,9 @@ def _shipped(cluster: dict, node: str) -> bool:
         return False
     q = f"SELECT {ENTRY} FROM entries ORDER BY seq"
     try:
-        return _rows(_node_db(cluster, node), q) == _rows(_copy_db(cluster, node), q)
+        ours = _rows(_node_db(cluster, node), q)
+        # Empty on both sides is not shipped: the node may not have ingested its calls yet.
+        return bool(ours) and ours == _rows(_copy_db(cluster, node), q)
     except sqlite3.OperationalError:  # the copy is being made (no tables yet)
         return False
 

@@ -122,6 +122,7 @@ class Gateway:
             app.router.add_post("/v1/sandboxes", self._create)
             app.router.add_get("/v1/sandboxes", self._list)
             app.router.add_get("/v1/snapshots/{key}", self._snapshot)
+            app.router.add_get("/v1/sandboxes/{id}", self._sandbox)
             app.router.add_get("/v1/sandboxes/{id}/log", self._sandbox_log)
             app.router.add_post("/v1/sandboxes/batch", self._create_batch)
             app.router.add_post("/v1/sandboxes/batch/exec", self._id_batch)
@@ -594,6 +595,16 @@ class Gateway:
             return _error(Unauthorized("missing or wrong bearer token"))
         try:
             return web.json_response(await reads.list_sandboxes(self, request))
+        except CorralError as e:
+            return _error(e)
+
+    async def _sandbox(self, request: web.Request) -> web.Response:
+        """A sandbox's info from the node that has it (cluster.reads): connect() by id."""
+        if not self._authorized(request):
+            return _error(Unauthorized("missing or wrong bearer token"))
+        try:
+            return web.json_response(
+                await reads.get_sandbox(self, request.match_info["id"]))
         except CorralError as e:
             return _error(e)
 

@@ -13,7 +13,7 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import web
 
-from corral.errors import DaemonUnavailable, error_from_payload
+from corral.errors import DaemonUnavailable, SandboxNotFound, error_from_payload
 
 if TYPE_CHECKING:
     from corral.cluster.gateway import Gateway
@@ -89,4 +89,39 @@ async def get_snapshot(gw: Gateway, key: str) -> dict[str, Any]:
     return dict(info, node=n.node, endpoint=n.endpoint)
 
 
-__all__ = ["get_snapshot", "list_sandboxes"]
+async def _info_from(gw: Gateway, n: NodeLoad, sid: str) -> dict[str, Any] | None:
+    """Sandbox ``sid`` from node ``n``: its info, None when the node has none such."""
+    try:
+        async with gw.session().get(n.endpoint + "/v1/sandboxes/" + quote(sid, safe=""),
+                                    headers=gw.node_headers(),
+                                    timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)) as r:
+            body = await r.read()
+            if r.status == 404:
+                return None
+            if r.status != 200:
+                raise error_from_payload(json.loads(body), r.status)
+            got: dict[str, Any] = json.loads(body)
+            return got
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        raise DaemonUnavailable(f"node {n.node} did not answer: {e}",
+                                details={"node": n.node}) from None
+
+
+async def get_sandbox(gw: Gateway, sid: str) -> dict[str, Any]:
+    """Sandbox ``sid`` from the node that has it (every node asked at once), naming that node
+    and its endpoint: ``Sandbox.connect(id)`` through a gateway. Not found only when every
+    node says so; a node that does not answer may hold it: daemon_unavailable."""
+    nodes = list(gw.nodes.values())
+    got = await asyncio.gather(*(_info_from(gw, n, sid) for n in nodes), return_exceptions=True)
+    failed: BaseException | None = None
+    for n, g in zip(nodes, got, strict=True):
+        if isinstance(g, BaseException):
+            failed = failed or g
+        elif g is not None:
+            return dict(g, node=n.node, endpoint=n.endpoint)
+    if failed is not None:
+        raise failed
+    raise SandboxNotFound(f"no sandbox {sid!r} on any node", details={"id": sid})
+
+
+__all__ = ["get_sandbox", "get_snapshot", "list_sandboxes"]

@@ -186,7 +186,7 @@ class AsyncSandbox(SandboxHandle):
                       trajectory_id: str | None = None, step: int = 0) -> AsyncSandbox:
         ep = Endpoint.parse(endpoint)
         info = await _send(ep, api.get(sandbox_id))
-        sb = cls._bind(ep, info.id, info)
+        sb = cls._bind(ep.placed(info), info.id, info)  # through a gateway: its node
         if trajectory_id is not None:
             sb._set_trajectory(trajectory_id, step)
         return sb

@@ -152,7 +152,7 @@ class Sandbox(SandboxHandle):
         ones (docs/trajectory.md)."""
         ep = Endpoint.parse(endpoint)
         info = _send(ep, api.get(sandbox_id))
-        sb = cls._bind(ep, info.id, info)
+        sb = cls._bind(ep.placed(info), info.id, info)  # through a gateway: its node
         if trajectory_id is not None:
             sb._set_trajectory(trajectory_id, step)
         return sb
