@@ -391,6 +391,12 @@ def test_the_gateway_forwards_a_tenant_no_client_can_forge(world: dict[str, Any]
                 r = await c.post("/v1/sandboxes/batch/destroy", json={"ids": [sa]}, headers=bob)
                 assert r.status_code == 200, r.text
                 assert r.json()["killed"] == 0 and r.json()["failed"] == 1, r.text
+                # connect() by id through the gateway: another tenant's is unknown.
+                r = await c.get(f"/v1/sandboxes/{sa}", headers=bob)
+                assert r.status_code == 404 and "sandbox_not_found" in r.text, r.text
+                r = await c.get(f"/v1/sandboxes/{sa}",
+                                headers={"Authorization": f"Bearer {TOKENS['alice']}"})
+                assert r.status_code == 200 and r.json()["endpoint"] == world["base"], r.text
                 report()
                 r = await c.post("/v1/sandboxes", json={"snapshot": world["snap"]},
                                  headers=bob)
