@@ -28,19 +28,29 @@ def _key(info: dict[str, Any]) -> str:
     return f"{float(info.get('created_at') or 0):020.6f}/{info.get('id')}"
 
 
-async def _page(gw: Gateway, n: NodeLoad, query: list[tuple[str, str]]) -> dict[str, Any]:
+async def _get(gw: Gateway, n: NodeLoad, path: str, query: list[tuple[str, str]] | None = None,
+               missing_ok: bool = False) -> dict[str, Any] | None:
+    """GET ``path`` of node ``n`` as the current tenant: its JSON answer, its error raised
+    (None for a 404 with ``missing_ok``), daemon_unavailable when it does not answer."""
     try:
-        async with gw.session().get(n.endpoint + "/v1/sandboxes", params=query,
-                                    headers=gw.node_headers(),
+        async with gw.session().get(n.endpoint + path, params=query, headers=gw.node_headers(),
                                     timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)) as r:
             body = await r.read()
+            if r.status == 404 and missing_ok:
+                return None
             if r.status != 200:
                 raise error_from_payload(json.loads(body), r.status)
             got: dict[str, Any] = json.loads(body)
             return got
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-        raise DaemonUnavailable(f"node {n.node} did not answer the list: {e}",
+        raise DaemonUnavailable(f"node {n.node} did not answer {path}: {e}",
                                 details={"node": n.node}) from None
+
+
+async def _page(gw: Gateway, n: NodeLoad, query: list[tuple[str, str]]) -> dict[str, Any]:
+    got = await _get(gw, n, "/v1/sandboxes", query)
+    assert got is not None
+    return got
 
 
 async def list_sandboxes(gw: Gateway, request: web.Request) -> dict[str, Any]:
@@ -75,36 +85,9 @@ async def get_snapshot(gw: Gateway, key: str) -> dict[str, Any]:
 
     _, held = await snapshots.holders(gw, key)
     n = held[0]
-    path = "/v1/snapshots/" + quote(key, safe="")
-    try:
-        async with gw.session().get(n.endpoint + path, headers=gw.node_headers(),
-                                    timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)) as r:
-            body = await r.read()
-            if r.status != 200:
-                raise error_from_payload(json.loads(body), r.status)
-            info: dict[str, Any] = json.loads(body)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-        raise DaemonUnavailable(f"node {n.node} did not answer: {e}",
-                                details={"node": n.node}) from None
+    info = await _get(gw, n, "/v1/snapshots/" + quote(key, safe=""))
+    assert info is not None
     return dict(info, node=n.node, endpoint=n.endpoint)
-
-
-async def _info_from(gw: Gateway, n: NodeLoad, sid: str) -> dict[str, Any] | None:
-    """Sandbox ``sid`` from node ``n``: its info, None when the node has none such."""
-    try:
-        async with gw.session().get(n.endpoint + "/v1/sandboxes/" + quote(sid, safe=""),
-                                    headers=gw.node_headers(),
-                                    timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)) as r:
-            body = await r.read()
-            if r.status == 404:
-                return None
-            if r.status != 200:
-                raise error_from_payload(json.loads(body), r.status)
-            got: dict[str, Any] = json.loads(body)
-            return got
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-        raise DaemonUnavailable(f"node {n.node} did not answer: {e}",
-                                details={"node": n.node}) from None
 
 
 async def get_sandbox(gw: Gateway, sid: str) -> dict[str, Any]:
@@ -112,7 +95,9 @@ async def get_sandbox(gw: Gateway, sid: str) -> dict[str, Any]:
     and its endpoint: ``Sandbox.connect(id)`` through a gateway. Not found only when every
     node says so; a node that does not answer may hold it: daemon_unavailable."""
     nodes = list(gw.nodes.values())
-    got = await asyncio.gather(*(_info_from(gw, n, sid) for n in nodes), return_exceptions=True)
+    path = "/v1/sandboxes/" + quote(sid, safe="")
+    got = await asyncio.gather(*(_get(gw, n, path, missing_ok=True) for n in nodes),
+                               return_exceptions=True)
     failed: BaseException | None = None
     for n, g in zip(nodes, got, strict=True):
         if isinstance(g, BaseException):
