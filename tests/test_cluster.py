@@ -318,6 +318,45 @@ def test_connect_by_id_through_the_gateway_finds_the_node(cluster, gateway):
         corral.Sandbox.kill_many(boxes, return_exceptions=True)
 
 
+def test_a_trainer_resumes_a_trajectory_through_the_gateway(cluster, gateway):
+    """A trainer preempted mid-episode resumes with from_trajectory(tid) through the gateway:
+    the gateway finds the node whose log has the trajectory, the handle talks to that node,
+    positioned after the logged steps (a replayed call is answered from the log, not run
+    again)."""
+    tid = f"resume-{os.getpid()}"
+    sb = corral.Sandbox(image="host", memory_mb=64, timeout=120, trajectory_id=tid)
+    try:
+        sb.exec("echo one >> /root/n")
+        sb.exec("echo two >> /root/n")
+        again = corral.Sandbox.from_trajectory(tid)
+        assert again.id == sb.id and again.step == sb.step
+        assert again._endpoint.url == cluster["nodes"][sb.last_info.node]["endpoint"]
+        replay = corral.Sandbox.from_trajectory(tid, step=0)
+        replay.exec("echo one >> /root/n")  # step 0 again: answered from the log
+        assert again.exec("cat /root/n").stdout == "one\ntwo\n"
+        with pytest.raises(corral.NotFound):
+            corral.Sandbox.from_trajectory(f"no-such-{os.getpid()}")
+    finally:
+        sb.kill()
+
+
+def test_a_retried_keyed_create_through_the_gateway_is_the_same_sandbox(cluster, gateway):
+    """A create sent again with its key (its answer lost) goes to the node that took the
+    first, which answers with the same sandbox: placement alone would put each retry on any
+    node, a second sandbox for one trajectory."""
+    made: list[corral.Sandbox] = []
+    try:
+        for i in range(6):
+            tid = f"retry-{os.getpid()}-{i}"
+            a = corral.Sandbox(image="host", memory_mb=64, timeout=120, trajectory_id=tid)
+            b = corral.Sandbox(image="host", memory_mb=64, timeout=120, trajectory_id=tid)
+            made += [a, b]
+            assert a.id == b.id and a.last_info.node == b.last_info.node, (i, a.id, b.id)
+        assert len({b.last_info.node for b in made}) == 2  # placement still spreads them
+    finally:
+        corral.Sandbox.kill_many(made, return_exceptions=True)
+
+
 def test_demo_runs_through_the_cluster(cluster):
     """`corral demo --cluster ADDRESS`: the README's rollout workload through the gateway,
     from another process that joins the Ray cluster."""

@@ -10,6 +10,7 @@ the gateway carries creates only, never exec output or files (docs/cluster.md).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import hmac
@@ -42,6 +43,10 @@ from corral.models import CreateManyRequest
 
 log = logging.getLogger("corral.cluster")
 REPORT_INTERVAL_S = 0.5
+# Keyed creates whose node the gateway remembers: a retry of one (its answer lost, the same
+# Idempotency-Key) goes to the node that has the first, which answers it from its log, rather
+# than to wherever placement would put a new sandbox (a second sandbox for one trajectory).
+KEYED_CREATES = 100_000
 REPORT_TIMEOUT_S = 2.0
 ADOPT_EVERY_S = 1.0   # autoscaling: how often the gateway looks for nodes Ray added
 MAX_CREATE_BODY = 16 << 20
@@ -100,6 +105,8 @@ class Gateway:
         self.moving: set[asyncio.Future[int]] = set()
         self.placed = 0
         self.url = ""
+        self._keyed: collections.OrderedDict[tuple[str | None, str], str] = \
+            collections.OrderedDict()  # (tenant, key) -> node id, KEYED_CREATES at most
         self._runner: web.AppRunner | None = None
         self._poller: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -123,6 +130,7 @@ class Gateway:
             app.router.add_get("/v1/sandboxes", self._list)
             app.router.add_get("/v1/snapshots/{key}", self._snapshot)
             app.router.add_get("/v1/sandboxes/{id}", self._sandbox)
+            app.router.add_get("/v1/trajectories/{tid}", self._trajectory)
             app.router.add_get("/v1/sandboxes/{id}/log", self._sandbox_log)
             app.router.add_post("/v1/sandboxes/batch", self._create_batch)
             app.router.add_post("/v1/sandboxes/batch/exec", self._id_batch)
@@ -608,6 +616,17 @@ class Gateway:
         except CorralError as e:
             return _error(e)
 
+    async def _trajectory(self, request: web.Request) -> web.Response:
+        """Where a trajectory stands, from the node whose log has it (cluster.reads):
+        from_trajectory() resumes on the sandbox's node."""
+        if not self._authorized(request):
+            return _error(Unauthorized("missing or wrong bearer token"))
+        try:
+            return web.json_response(
+                await reads.get_trajectory(self, request.match_info["tid"]))
+        except CorralError as e:
+            return _error(e)
+
     async def _snapshot(self, request: web.Request) -> web.Response:
         """A snapshot by id or name, from the node that holds it (cluster.reads)."""
         if not self._authorized(request):
@@ -647,13 +666,26 @@ class Gateway:
             pool, by_image = held, None
         headers = self.node_headers()
         headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
+        keyed: tuple[str | None, str] | None = None
+        first: NodeLoad | None = None
         if key := request.headers.get("Idempotency-Key"):
             headers["Idempotency-Key"] = key
+            keyed = (self.tenant(), key)
+            if (where := self._keyed.get(keyed)) is not None:
+                first = self.nodes.get(where)
+                if first is None:
+                    return _error(SandboxLost(
+                        f"the node that took the first create with this key ({where}) is "
+                        f"gone", details={"node": where}))
         tried: set[str] = set()
         while True:
             try:
-                n = choose(pool, time.monotonic(), k=self.k, selector=selector, image=image,
-                           by_image=by_image, exclude=tried)
+                if first is not None and first.node in tried:
+                    return _error(SandboxLost(
+                        f"the node that took the first create with this key ({first.node}) "
+                        f"does not answer", details={"node": first.node}))
+                n = first or choose(pool, time.monotonic(), k=self.k, selector=selector,
+                                    image=image, by_image=by_image, exclude=tried)
             except CapacityExceeded as e:
                 if pool is not held or not held:
                     self.refused(e, 1)
@@ -667,6 +699,11 @@ class Gateway:
                     return _error(e2)
                 pool, body = [n], snapshots.with_snapshot(body, snap_id)
             tried.add(n.node)
+            if keyed is not None:
+                self._keyed[keyed] = n.node
+                self._keyed.move_to_end(keyed)
+                if len(self._keyed) > KEYED_CREATES:
+                    self._keyed.popitem(last=False)
             n.inflight += 1
             try:
                 async with self._session.post(n.endpoint + "/v1/sandboxes", data=body,

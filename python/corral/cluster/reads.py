@@ -13,7 +13,7 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import web
 
-from corral.errors import DaemonUnavailable, SandboxNotFound, error_from_payload
+from corral.errors import DaemonUnavailable, NotFound, SandboxNotFound, error_from_payload
 
 if TYPE_CHECKING:
     from corral.cluster.gateway import Gateway
@@ -109,4 +109,24 @@ async def get_sandbox(gw: Gateway, sid: str) -> dict[str, Any]:
     raise SandboxNotFound(f"no sandbox {sid!r} on any node", details={"id": sid})
 
 
-__all__ = ["get_sandbox", "get_snapshot", "list_sandboxes"]
+async def get_trajectory(gw: Gateway, tid: str) -> dict[str, Any]:
+    """Where trajectory ``tid`` stands, from the node whose log has it (every node asked at
+    once), its sandbox's info naming that node and endpoint: ``Sandbox.from_trajectory``
+    through a gateway resumes on the sandbox's node. Not found only when every node says so."""
+    nodes = list(gw.nodes.values())
+    path = "/v1/trajectories/" + quote(tid, safe="")
+    got = await asyncio.gather(*(_get(gw, n, path, missing_ok=True) for n in nodes),
+                               return_exceptions=True)
+    failed: BaseException | None = None
+    for n, g in zip(nodes, got, strict=True):
+        if isinstance(g, BaseException):
+            failed = failed or g
+        elif g is not None:
+            return dict(g, sandbox=dict(g.get("sandbox") or {}, node=n.node,
+                                        endpoint=n.endpoint))
+    if failed is not None:
+        raise failed
+    raise NotFound(f"no trajectory {tid!r} on any node", details={"trajectory_id": tid})
+
+
+__all__ = ["get_sandbox", "get_snapshot", "get_trajectory", "list_sandboxes"]

@@ -197,7 +197,8 @@ class AsyncSandbox(SandboxHandle):
         """See ``Sandbox.from_trajectory``."""
         ep = Endpoint.parse(endpoint)
         got = await _send(ep, api.trajectory(trajectory_id))
-        sb = cls._bind(ep, got["sandbox_id"], SandboxInfo.model_validate(got["sandbox"]))
+        info = SandboxInfo.model_validate(got["sandbox"])
+        sb = cls._bind(ep.placed(info), got["sandbox_id"], info)  # through a gateway: its node
         sb._set_trajectory(trajectory_id, int(got["step"]) if step is None else step)
         return sb
 

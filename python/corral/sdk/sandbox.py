@@ -168,7 +168,8 @@ class Sandbox(SandboxHandle):
         state by replaying every call). See docs/trajectory.md, "Resuming"."""
         ep = Endpoint.parse(endpoint)
         got = _send(ep, api.trajectory(trajectory_id))
-        sb = cls._bind(ep, got["sandbox_id"], SandboxInfo.model_validate(got["sandbox"]))
+        info = SandboxInfo.model_validate(got["sandbox"])
+        sb = cls._bind(ep.placed(info), got["sandbox_id"], info)  # through a gateway: its node
         sb._set_trajectory(trajectory_id, int(got["step"]) if step is None else step)
         return sb
 
