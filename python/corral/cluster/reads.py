@@ -90,12 +90,11 @@ async def get_snapshot(gw: Gateway, key: str) -> dict[str, Any]:
     return dict(info, node=n.node, endpoint=n.endpoint)
 
 
-async def get_sandbox(gw: Gateway, sid: str) -> dict[str, Any]:
-    """Sandbox ``sid`` from the node that has it (every node asked at once), naming that node
-    and its endpoint: ``Sandbox.connect(id)`` through a gateway. Not found only when every
-    node says so; a node that does not answer may hold it: daemon_unavailable."""
+async def _whichever_has(gw: Gateway, path: str) -> tuple[NodeLoad, dict[str, Any]] | None:
+    """GET ``path`` of every node at once: the first node that has it and its answer; None
+    when every node says not found; a node's failure when none has it but one did not answer
+    (it may be the one)."""
     nodes = list(gw.nodes.values())
-    path = "/v1/sandboxes/" + quote(sid, safe="")
     got = await asyncio.gather(*(_get(gw, n, path, missing_ok=True) for n in nodes),
                                return_exceptions=True)
     failed: BaseException | None = None
@@ -103,30 +102,31 @@ async def get_sandbox(gw: Gateway, sid: str) -> dict[str, Any]:
         if isinstance(g, BaseException):
             failed = failed or g
         elif g is not None:
-            return dict(g, node=n.node, endpoint=n.endpoint)
+            return n, g
     if failed is not None:
         raise failed
-    raise SandboxNotFound(f"no sandbox {sid!r} on any node", details={"id": sid})
+    return None
+
+
+async def get_sandbox(gw: Gateway, sid: str) -> dict[str, Any]:
+    """Sandbox ``sid`` from the node that has it, naming that node and its endpoint:
+    ``Sandbox.connect(id)`` through a gateway."""
+    found = await _whichever_has(gw, "/v1/sandboxes/" + quote(sid, safe=""))
+    if found is None:
+        raise SandboxNotFound(f"no sandbox {sid!r} on any node", details={"id": sid})
+    n, info = found
+    return dict(info, node=n.node, endpoint=n.endpoint)
 
 
 async def get_trajectory(gw: Gateway, tid: str) -> dict[str, Any]:
-    """Where trajectory ``tid`` stands, from the node whose log has it (every node asked at
-    once), its sandbox's info naming that node and endpoint: ``Sandbox.from_trajectory``
-    through a gateway resumes on the sandbox's node. Not found only when every node says so."""
-    nodes = list(gw.nodes.values())
-    path = "/v1/trajectories/" + quote(tid, safe="")
-    got = await asyncio.gather(*(_get(gw, n, path, missing_ok=True) for n in nodes),
-                               return_exceptions=True)
-    failed: BaseException | None = None
-    for n, g in zip(nodes, got, strict=True):
-        if isinstance(g, BaseException):
-            failed = failed or g
-        elif g is not None:
-            return dict(g, sandbox=dict(g.get("sandbox") or {}, node=n.node,
-                                        endpoint=n.endpoint))
-    if failed is not None:
-        raise failed
-    raise NotFound(f"no trajectory {tid!r} on any node", details={"trajectory_id": tid})
+    """Where trajectory ``tid`` stands, from the node whose log has it, its sandbox's info
+    naming that node and endpoint: ``Sandbox.from_trajectory`` through a gateway resumes on
+    the sandbox's node."""
+    found = await _whichever_has(gw, "/v1/trajectories/" + quote(tid, safe=""))
+    if found is None:
+        raise NotFound(f"no trajectory {tid!r} on any node", details={"trajectory_id": tid})
+    n, got = found
+    return dict(got, sandbox=dict(got.get("sandbox") or {}, node=n.node, endpoint=n.endpoint))
 
 
 __all__ = ["get_sandbox", "get_snapshot", "get_trajectory", "list_sandboxes"]

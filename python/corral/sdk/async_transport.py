@@ -12,8 +12,10 @@ them. The session is closed when ``asyncio.run`` shuts the loop down (see ``_clo
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import resource
+import socket
 import weakref
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar, cast
@@ -23,14 +25,29 @@ from yarl import URL
 
 from corral.errors import Timeout
 from corral.sdk import autostart
-from corral.sdk.call import CONNECT_TIMEOUT, Call, lost, unavailable
+from corral.sdk.call import (
+    CONNECT_TIMEOUT,
+    NODE_CONNECT_TIMEOUT,
+    Call,
+    lost,
+    unavailable,
+)
 from corral.sdk.endpoint import Endpoint
+from corral.sdk.keepalive import probe
 
 T = TypeVar("T")
 
 # Up to this many requests in flight per loop and endpoint; more wait for a free connection.
 # Large on purpose: a foreground exec holds its connection for as long as the command runs.
 MAX_CONNECTIONS = int(os.environ.get("CORRAL_MAX_CONNECTIONS", "2048"))
+
+
+def _node_socket(addr_info: Any) -> socket.socket:
+    """A socket to a cluster node, with keepalive probes (corral.sdk.keepalive)."""
+    family, kind, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=kind, proto=proto)
+    probe(sock)
+    return sock
 
 
 class AsyncTransport:
@@ -41,6 +58,9 @@ class AsyncTransport:
         if endpoint.unix_path:
             conn: aiohttp.BaseConnector = aiohttp.UnixConnector(
                 path=endpoint.unix_path, limit=MAX_CONNECTIONS, keepalive_timeout=30)
+        elif endpoint.node is not None:  # a cluster node: probed while a call waits
+            conn = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, keepalive_timeout=30,
+                                        socket_factory=_node_socket)
         else:
             conn = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, keepalive_timeout=30)
         headers = {}
@@ -49,6 +69,11 @@ class AsyncTransport:
         self._session = aiohttp.ClientSession(
             connector=conn, headers=headers, skip_auto_headers=("User-Agent",),
             auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None))
+        if endpoint.node is not None and hasattr(self._session, "_retry_connection"):
+            # aiohttp sends an idempotent request again on a new connection when its
+            # connection fails; to a node that vanished that is one more connect timeout
+            # before sandbox_lost. Whether to retry is this transport's (_send) to decide.
+            self._session._retry_connection = False
         self._timeouts: dict[float | None, aiohttp.ClientTimeout] = {}
         self._start_lock = asyncio.Lock()
         self._seen = False
@@ -56,8 +81,9 @@ class AsyncTransport:
     def _timeout(self, read: float | None) -> aiohttp.ClientTimeout:
         t = self._timeouts.get(read)
         if t is None:
+            connect = NODE_CONNECT_TIMEOUT if self.endpoint.node is not None else CONNECT_TIMEOUT
             t = self._timeouts[read] = aiohttp.ClientTimeout(
-                total=None, sock_connect=CONNECT_TIMEOUT, sock_read=read)
+                total=None, sock_connect=connect, sock_read=read)
         return t
 
     async def _send(self, call: Call[Any]) -> aiohttp.ClientResponse:
@@ -85,7 +111,8 @@ class AsyncTransport:
                               f"{call.timeout} s") from e
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                     aiohttp.ClientPayloadError) as e:
-                if call.retry_safe and not retried:
+                # ETIMEDOUT: the peer stopped answering keepalive probes: gone, not restarted.
+                if call.retry_safe and not retried and getattr(e, "errno", None) != errno.ETIMEDOUT:
                     retried = True
                     continue
                 raise lost(self.endpoint, call, e) from None

@@ -33,6 +33,9 @@ T = TypeVar("T")
 
 DEFAULT_READ_TIMEOUT = 120.0  # seconds for an ordinary call (the daemon answers in ms)
 CONNECT_TIMEOUT = 10.0
+# A cluster node's endpoint: connects give up sooner (docs/cluster.md, "Node loss"; the
+# transports also probe its connections: corral.sdk.keepalive).
+NODE_CONNECT_TIMEOUT = 3.0
 
 # Status -> class, for error bodies that are not corral JSON (a proxy, an old daemon).
 _BY_STATUS: dict[int, type[CorralError]] = {

@@ -15,6 +15,7 @@ parent's sockets.
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import socket
@@ -34,8 +35,15 @@ from urllib.parse import urlsplit
 
 from corral.errors import InternalError, Timeout
 from corral.sdk import autostart
-from corral.sdk.call import CONNECT_TIMEOUT, Call, lost, unavailable
+from corral.sdk.call import (
+    CONNECT_TIMEOUT,
+    NODE_CONNECT_TIMEOUT,
+    Call,
+    lost,
+    unavailable,
+)
 from corral.sdk.endpoint import Endpoint
+from corral.sdk.keepalive import probe
 
 T = TypeVar("T")
 
@@ -72,6 +80,8 @@ class SyncTransport:
         self._tls = ssl.create_default_context() if u.scheme == "https" else None
         self._host = u.hostname or "localhost"
         self._port = u.port or (443 if self._tls else 80)
+        self._connect_timeout = (NODE_CONNECT_TIMEOUT if endpoint.node is not None
+                                 else CONNECT_TIMEOUT)
         self._idle: list[tuple[float, HTTPConnection]] = []
         self._lock = threading.Lock()
 
@@ -82,13 +92,15 @@ class SyncTransport:
         if self.endpoint.unix_path is not None:
             conn = UnixConnection(self.endpoint.unix_path)
         elif self._tls is not None:
-            conn = HTTPSConnection(self._host, self._port, timeout=CONNECT_TIMEOUT,
+            conn = HTTPSConnection(self._host, self._port, timeout=self._connect_timeout,
                                    context=self._tls)
         else:
-            conn = HTTPConnection(self._host, self._port, timeout=CONNECT_TIMEOUT)
+            conn = HTTPConnection(self._host, self._port, timeout=self._connect_timeout)
         conn.auto_open = 0  # never reconnect behind our back: a dead daemon must be noticed
         try:
             conn.connect()
+            if self.endpoint.node is not None:
+                probe(conn.sock)
         except BaseException:
             conn.close()
             raise
@@ -150,14 +162,14 @@ class SyncTransport:
                 return conn, conn.getresponse()
             except BaseException as e:
                 conn.close()
-                if isinstance(e, TimeoutError):
+                if isinstance(e, TimeoutError) and e.errno is None:  # our read timeout
                     raise Timeout(f"corrald did not answer {call.method} {call.path} within "
                                   f"{call.timeout} s") from None
                 if isinstance(e, OSError):
                     if reused and not sent:
                         continue  # an idle connection the daemon closed: the request never left
-                    if call.retry_safe and not retried:
-                        retried = True
+                    if call.retry_safe and not retried and e.errno != errno.ETIMEDOUT:
+                        retried = True  # (ETIMEDOUT: the peer stopped answering probes: gone)
                         continue
                     raise lost(self.endpoint, call, e) from None
                 if isinstance(e, (HTTPException, ValueError)):
@@ -166,7 +178,7 @@ class SyncTransport:
                 raise
 
     def _fail(self, call: Call[Any], e: BaseException) -> BaseException:
-        if isinstance(e, TimeoutError):
+        if isinstance(e, TimeoutError) and e.errno is None:  # ours, not the peer's ETIMEDOUT
             return Timeout(f"corrald did not finish answering {call.method} {call.path} "
                            f"within {call.timeout} s")
         if isinstance(e, IncompleteRead):  # the connection closed mid-body
