@@ -183,7 +183,7 @@ def zygote_fork_server(sock: int) -> tuple[int, int, int, int, int]:
 class ZygoteEntry:
     """What a request's child of one slot does to itself before its request, made once per
     slot by the zygote (rust/src/zygote.rs ``ChildEntry``)."""
-    def __init__(self, join: list[int], dir: str, umask: int, uid: int, gid: int,
+    def __init__(self, *, join: list[int], dir: str, umask: int, uid: int, gid: int,
                  rlimits: list[tuple[str, int, int]], landlock: bool = True) -> None: ...
     def enter(self, stdio: list[tuple[int, int, bool]]) -> None:
         """In the forked child: join the cgroups (``join``: open membership files), setsid,

@@ -769,7 +769,7 @@ impl PyZygoteEntry {
     /// `join`: open membership files of the slot's cgroups (the caller keeps them open);
     /// `dir`: the working directory; the rest as for `zygote_lockdown`.
     #[new]
-    #[pyo3(signature = (join, dir, umask, uid, gid, rlimits, landlock = true))]
+    #[pyo3(signature = (*, join, dir, umask, uid, gid, rlimits, landlock = true))]
     fn new(
         join: Vec<RawFd>,
         dir: OsString,

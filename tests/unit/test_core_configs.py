@@ -72,11 +72,16 @@ def _enter_in_a_child(entry, stdio) -> str:  # type: ignore[no-untyped-def]
 
 
 def test_zygote_entry_checks_its_arguments_before_any_syscall():
+    def entry_for(dir: str, rlimits: list) -> object:  # type: ignore[type-arg]
+        return _core.ZygoteEntry(join=[], dir=dir, umask=0o077, uid=1, gid=1, rlimits=rlimits)
+
+    with pytest.raises(TypeError):
+        _core.ZygoteEntry([], "/tmp", 0o077, 1, 1, [])  # positional
     with pytest.raises(ValueError):
-        _core.ZygoteEntry([], "/tmp/\0x", 0o077, 1, 1, [])
+        entry_for("/tmp/\0x", [])
     with pytest.raises(ValueError):
-        _core.ZygoteEntry([], "/tmp", 0o077, 1, 1, [("bogus", 1, 1)])
-    entry = _core.ZygoteEntry([], "/nonexistent-dir", 0o077, 1, 1, [])
+        entry_for("/tmp", [("bogus", 1, 1)])
+    entry = entry_for("/nonexistent-dir", [])
     for bad in ([(5, 0, False), (6, 0, False)],     # a target twice, none for 1
                 [(5, 1, False)],                     # a gap: no target 0
                 [(-1, 0, False)],                    # no such source

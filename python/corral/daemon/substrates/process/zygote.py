@@ -297,8 +297,8 @@ class Zygote:
         else:
             for s in self.slots:
                 self._fresh_scratch(s)
-                s.entry = self.core.ZygoteEntry(s.cg.join, s.scratch, 0o077, s.uid, s.uid,
-                                                self.rlimits)
+                s.entry = self.core.ZygoteEntry(join=s.cg.join, dir=s.scratch, umask=0o077,
+                                                uid=s.uid, gid=s.uid, rlimits=self.rlimits)
         self.devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
         wake_r, wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self.wake_r = wake_r
