@@ -115,9 +115,12 @@ def test_gateway_authenticates_and_is_no_data_path(cluster, gateway):
     token = endpoint_mod._tokens[gateway.url]
     code, body = _get(gateway.url + "/v1/cluster", token)
     assert code == 200 and len(body["nodes"]) == 2
-    # Anything but a create is the node's business, not the gateway's.
-    code, body = _get(gateway.url + "/v1/sandboxes/sb-x", token)
+    # A sandbox's calls are the node's business, not the gateway's (a lookup by id is the
+    # gateway's: connect() finds the node).
+    code, body = _get(gateway.url + "/v1/sandboxes/sb-x/files?path=/etc/hostname", token)
     assert code == 404 and "endpoint" in body["error"]["message"]
+    code, body = _get(gateway.url + "/v1/sandboxes/sb-x", token)
+    assert code == 404 and body["error"]["code"] == "sandbox_not_found"
 
 
 def _create(url: str, token: str, selector: str) -> tuple[int, dict]:
