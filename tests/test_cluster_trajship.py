@@ -94,16 +94,18 @@ def _copy_db(cluster: dict, node: str) -> str:
                         "trajlog.db")
 
 
-def _on(node: str, **kw: Any) -> corral.Sandbox:
-    """A sandbox placed on ``node`` (creates until one lands there; the others are killed)."""
+def _on(node: str, trajectory_id: str) -> corral.Sandbox:
+    """A sandbox of a trajectory placed on ``node``: creates until one lands there (the others
+    are killed), each of a trajectory of its own (``trajectory_id``-N): a trajectory's create
+    is bound to the node that took it first."""
     others = []
     try:
-        for _ in range(8):
-            sb = corral.Sandbox(image="host", memory_mb=64, timeout=300, **kw)
+        for i in range(8):
+            sb = corral.Sandbox(image="host", memory_mb=64, timeout=300,
+                                trajectory_id=f"{trajectory_id}-{i}")
             if sb.info().node == node:
                 return sb
             others.append(sb)
-            kw.pop("trajectory_id", None)  # the trajectory's create is bound to that one
         raise AssertionError(f"no sandbox placed on {node}")
     finally:
         for b in others:
