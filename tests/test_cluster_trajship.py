@@ -143,15 +143,6 @@ def _worker(cluster: dict) -> str:
     return next(n for n in cluster["nodes"] if n != cluster["head"])
 
 
-# Both pass alone and beside tests/test_cluster.py, but failed in two full-suite runs: after
-# the gateway is killed, the node's own log (read by the test) did not grow with the calls
-# made meanwhile, and the lost-node test then met the gateway killed. Skipped until that is
-# understood; the shipping itself is exercised by nothing else.
-FULL_SUITE = pytest.mark.skip(reason="fails in the full suite (the node's log read by the test "
-                              "stops growing after the gateway is killed); passes alone")
-
-
-@FULL_SUITE
 def test_shipping_resumes_after_a_gateway_restart_without_duplicates_or_gaps(cluster):
     """The gateway is killed while a node keeps logging; started again, it takes the running
     nodes over and ships from where its copy stands: the copy ends equal to the node's log
@@ -177,7 +168,14 @@ def test_shipping_resumes_after_a_gateway_restart_without_duplicates_or_gaps(clu
         _episode(sb, "b")
         more = [sb.exec(f"echo step-{i}").stdout for i in range(20)]
         assert more == [f"step-{i}\n" for i in range(20)]
-        top = _rows(_node_db(cluster, node), "SELECT max(seq) FROM entries")[0][0]
+        # The node's ingester (a niced thread) moves its journal into the database a little
+        # behind the calls: on a loaded machine, up to seconds behind.
+        last = sb.log()[-1].seq
+
+        def node_top() -> int:
+            return _rows(_node_db(cluster, node), "SELECT max(seq) FROM entries")[0][0]
+        assert wait_until(lambda: node_top() >= last, timeout=30)
+        top = node_top()
         assert top > before and not _shipped(cluster, node)
 
         corral.cluster.start(name="someone-else", state_root=cluster["root"],
@@ -201,9 +199,18 @@ def test_shipping_resumes_after_a_gateway_restart_without_duplicates_or_gaps(clu
         assert _rows(_node_db(cluster, node), q) == _rows(_copy_db(cluster, node), q)
     finally:
         sb.kill()
+        _gateway_up(cluster)  # whatever failed above, the next test has its gateway
 
 
-@FULL_SUITE
+def _gateway_up(cluster: dict) -> None:
+    try:
+        ray.get_actor("gateway", namespace="corral")
+    except ValueError:
+        corral.cluster.start(name=cluster["name"], state_root=cluster["root"],
+                             run_dir=cluster["run_dir"])
+        corral.cluster.connect()
+
+
 def test_a_lost_nodes_episode_is_read_and_replayed_on_a_survivor(cluster):
     """An episode runs on a node, the node's supervisor is killed (its corrald and sandboxes
     go with it): through the gateway its log is still there (ended ``lost``), and `corral
@@ -228,8 +235,15 @@ def test_a_lost_nodes_episode_is_read_and_replayed_on_a_survivor(cluster):
 
     ray.kill(corral.cluster.supervisors()[node], no_restart=True)
     assert wait_until(lambda: node in corral.cluster.status()["lost"], timeout=15)
-    with pytest.raises(SandboxLost):
-        sb.exec("true", timeout=5)
+
+    def lost() -> bool:
+        try:
+            sb.exec("true", timeout=2)  # answered until its corrald has stopped
+            return False
+        except SandboxLost as e:
+            assert e.infra
+            return True
+    assert wait_until(lost, timeout=15, interval=0.05)
 
     # Its log, from the gateway's copy: every entry as the node logged it, ended "lost".
     url = os.environ["CORRAL_URL"]
