@@ -50,6 +50,13 @@ def autoscaler_config(gcs_port: int, worker_types: dict[str, Any]) -> dict[str, 
             "file_mounts_sync_continuously": False, "rsync_exclude": [], "rsync_filter": []}
 
 
+def role_labels(head: str) -> dict[str, dict[str, str]]:
+    """Labels for ``corral_on_ray(labels=...)``: ``role=head`` on the head node, ``role=worker``
+    on the others, so a test places a sandbox on either with ``node_selector``."""
+    return {n["NodeID"]: {"role": "head" if n["NodeID"] == head else "worker"}
+            for n in ray.nodes() if n["Alive"]}
+
+
 def _kill_matching(text: str) -> None:
     """SIGKILL every process whose command line contains ``text`` (a cluster's GCS address:
     the raylets and workers of that cluster only)."""

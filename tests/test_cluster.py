@@ -36,7 +36,9 @@ from raycluster import NODE_ARGS, corral_on_ray  # noqa: E402
 import corral  # noqa: E402
 import corral.cluster  # noqa: E402
 from corral.errors import (  # noqa: E402
+    CapacityExceeded,
     Conflict,
+    InvalidRequest,
     SandboxLost,
     SandboxNotFound,
     SnapshotCopyFailed,
@@ -154,6 +156,43 @@ def test_node_selector_places_on_labelled_nodes_only(cluster, gateway):
     finally:
         for b in made:
             b.kill()
+
+
+def test_the_sdks_node_selector_places_on_labelled_nodes_only(cluster, gateway):
+    """``node_selector=`` on Sandbox, create_many and their async twins: every sandbox on the
+    labelled node; labels no node has: capacity_exceeded; a selector the header cannot carry:
+    refused before anything is sent (the gateway's count of placements does not move)."""
+    head = cluster["head"]
+    made: list[Any] = []
+
+    async def run() -> list[str]:
+        one = await corral.AsyncSandbox(image="host", memory_mb=64,
+                                        node_selector={"role": "head"})
+        many = await corral.AsyncSandbox.create_many(3, image="host", memory_mb=64,
+                                                     node_selector={"pool": "a"})
+        boxes = [one, *many]
+        made.extend(corral.Sandbox.from_id(b.id, endpoint=b._endpoint) for b in boxes)
+        return [(await b.info()).node for b in boxes]
+    try:
+        made.append(corral.Sandbox(image="host", memory_mb=64, node_selector={"role": "head"}))
+        made += corral.Sandbox.create_many(4, image="host", memory_mb=64, spread=True,
+                                           node_selector={"role": "head", "pool": "a"})
+        assert {b.info().node for b in made} == {head}
+        assert asyncio.run(run()) == [head] * 4
+        assert made[0].exec("echo on-head").stdout == "on-head\n"
+        with pytest.raises(CapacityExceeded) as e:
+            corral.Sandbox(image="host", memory_mb=64, node_selector={"role": "nowhere"})
+        assert "labels" in str(e.value)
+        with pytest.raises(CapacityExceeded):
+            corral.Sandbox.create_many(2, image="host", node_selector={"role": "nowhere"})
+        # Sent as it is, the first would be read as two labels the head has, and placed.
+        for bad in ({"role": "head,pool=a"}, {"a=b": "c"}):
+            with pytest.raises(InvalidRequest):
+                corral.Sandbox(image="host", node_selector=bad)
+            with pytest.raises(InvalidRequest):
+                corral.AsyncSandbox(image="host", node_selector=bad)
+    finally:
+        corral.Sandbox.kill_many(made, return_exceptions=True)
 
 
 def test_creates_spread_over_nodes_and_calls_go_direct(cluster, gateway):

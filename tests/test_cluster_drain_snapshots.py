@@ -15,7 +15,7 @@ import pytest
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
-from raycluster import corral_on_ray  # noqa: E402
+from raycluster import corral_on_ray, role_labels  # noqa: E402
 
 import corral  # noqa: E402
 import corral.cluster  # noqa: E402
@@ -28,30 +28,18 @@ SETTINGS = {"node_shape": {"CPU": 1.0}, "min_nodes": 1, "max_nodes": 2, "idle_s"
 
 @pytest.fixture(scope="module")
 def cluster():
-    with corral_on_ray(1, max_sandboxes=8) as c:
+    with corral_on_ray(1, max_sandboxes=8, labels=role_labels) as c:
         corral.cluster.connect()
         yield c
-
-
-def _on(node: str) -> corral.Sandbox:
-    others = []
-    try:
-        for _ in range(8):
-            sb = corral.Sandbox(image="host", memory_mb=64, timeout=300)
-            if sb.info().node == node:
-                return sb
-            others.append(sb)
-        raise AssertionError(f"no sandbox placed on {node}")
-    finally:
-        for b in others:
-            b.kill()
 
 
 def test_a_drained_nodes_snapshots_move_to_a_live_node(cluster):
     head = corral.cluster.status()["home"]  # the gateway's node: never drained
     worker = next(n for n in cluster["nodes"] if n != head)
     d = cluster["nodes"][worker]
-    sb = _on(worker)
+    role = "head" if worker == cluster["head"] else "worker"  # Ray's head may not be home
+    sb = corral.Sandbox(image="host", memory_mb=64, timeout=300, node_selector={"role": role})
+    assert sb.info().node == worker
     try:
         sb.files.write("/tmp/base.txt", b"base layer\n")
         parent = sb.snapshot(name="drain-parent")

@@ -25,7 +25,7 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import ray  # noqa: E402
-from raycluster import corral_on_ray  # noqa: E402
+from raycluster import corral_on_ray, role_labels  # noqa: E402
 
 import corral  # noqa: E402
 import corral.cluster  # noqa: E402
@@ -51,11 +51,8 @@ def cluster():
         json.dump(TOKENS, f)
     os.chmod(path, 0o600)
 
-    def labels(head: str) -> dict[str, dict[str, str]]:
-        return {n["NodeID"]: {"role": "head" if n["NodeID"] == head else "worker"}
-                for n in ray.nodes() if n["Alive"]}
     try:
-        with corral_on_ray(1, max_sandboxes=32, tokens_file=path, labels=labels) as c:
+        with corral_on_ray(1, max_sandboxes=32, tokens_file=path, labels=role_labels) as c:
             corral.cluster.connect()
             yield c
     finally:
@@ -94,22 +91,9 @@ def _copy_db(cluster: dict, node: str) -> str:
                         "trajlog.db")
 
 
-def _on(node: str, trajectory_id: str) -> corral.Sandbox:
-    """A sandbox of a trajectory placed on ``node``: creates until one lands there (the others
-    are killed), each of a trajectory of its own (``trajectory_id``-N): a trajectory's create
-    is bound to the node that took it first."""
-    others = []
-    try:
-        for i in range(8):
-            sb = corral.Sandbox(image="host", memory_mb=64, timeout=300,
-                                trajectory_id=f"{trajectory_id}-{i}")
-            if sb.info().node == node:
-                return sb
-            others.append(sb)
-        raise AssertionError(f"no sandbox placed on {node}")
-    finally:
-        for b in others:
-            b.kill()
+def _on(role: str, trajectory_id: str) -> corral.Sandbox:
+    return corral.Sandbox(image="host", memory_mb=64, timeout=300, trajectory_id=trajectory_id,
+                          node_selector={"role": role})
 
 
 def _episode(sb: corral.Sandbox, tag: str) -> list[Any]:
@@ -148,7 +132,8 @@ def test_shipping_resumes_after_a_gateway_restart_without_duplicates_or_gaps(clu
     nodes over and ships from where its copy stands: the copy ends equal to the node's log
     row for row, and the new gateway received exactly the rows past its copy once."""
     node = _worker(cluster)
-    sb = _on(node, trajectory_id="restart-ep")
+    sb = _on("worker", trajectory_id="restart-ep")
+    assert sb.info().node == node
     try:
         _episode(sb, "a")
         assert wait_until(lambda: _shipped(cluster, node), timeout=20)
@@ -218,7 +203,8 @@ def test_a_lost_nodes_episode_is_read_and_replayed_on_a_survivor(cluster):
     Runs last: the cluster loses a node."""
     node = _worker(cluster)
     survivor = cluster["head"]
-    sb = _on(node, trajectory_id="lost-ep")
+    sb = _on("worker", trajectory_id="lost-ep")
+    assert sb.info().node == node
     sid = sb.id
     first = _episode(sb, "lost")
     logged = sb.log()

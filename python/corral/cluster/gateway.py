@@ -40,6 +40,8 @@ from corral.errors import (
     Unauthorized,
 )
 from corral.models import CreateManyRequest
+from corral.nodeselector import HEADER as SELECTOR_HEADER
+from corral.nodeselector import parse_selector
 
 log = logging.getLogger("corral.cluster")
 REPORT_INTERVAL_S = 0.5
@@ -50,7 +52,6 @@ KEYED_CREATES = 100_000
 REPORT_TIMEOUT_S = 2.0
 ADOPT_EVERY_S = 1.0   # autoscaling: how often the gateway looks for nodes Ray added
 MAX_CREATE_BODY = 16 << 20
-SELECTOR_HEADER = "X-Corral-Node-Selector"  # "k=v,k2=v2": only nodes with these labels
 # The tenant the current request acts for (None: the admin), set by _authorized: a node call
 # made for it carries it in X-Corral-Tenant, with the cluster token only the gateway holds.
 _TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("tenant", default=None)
@@ -58,16 +59,6 @@ _TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("tenant", d
 
 def _error(err: CorralError) -> web.Response:
     return web.json_response(err.to_payload(), status=err.status)
-
-
-def parse_selector(value: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in value.split(","))):
-        k, sep, v = part.partition("=")
-        if not sep or not k.strip():
-            raise InvalidRequest(f"bad node selector {value!r}: use key=value[,key=value]")
-        out[k.strip()] = v.strip()
-    return out
 
 
 class Gateway:

@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, ValidationError
 
+from corral import nodeselector
 from corral.errors import (
     Conflict,
     CorralError,
@@ -143,8 +144,18 @@ def sb_path(sid: str) -> str:
     return "/v1/sandboxes/" + seg(sid)
 
 
-def create(s: SandboxSpec) -> Call[SandboxInfo]:
-    return _keyed(Call("POST", "/v1/sandboxes", _info, body=_body(s)))
+def _placement(node_selector: Mapping[str, str] | None) -> dict[str, str] | None:
+    """The header that asks a cluster gateway for nodes with these labels (one daemon
+    ignores it)."""
+    if not node_selector:
+        return None
+    return {nodeselector.HEADER: nodeselector.format_selector(node_selector)}
+
+
+def create(s: SandboxSpec, *, node_selector: Mapping[str, str] | None = None
+           ) -> Call[SandboxInfo]:
+    return _keyed(Call("POST", "/v1/sandboxes", _info, body=_body(s),
+                       headers=_placement(node_selector)))
 
 
 # Long calls (batches, snapshot, fork, restore) are asked for as a stream of progress lines
@@ -177,17 +188,19 @@ def _infos_or_errors(body: bytes) -> list[SandboxInfo | CorralError]:
             for x in json.loads(body)["sandboxes"]]
 
 
-def create_many(count: int, s: SandboxSpec, *, partial: bool = False, spread: bool = False
+def create_many(count: int, s: SandboxSpec, *, partial: bool = False, spread: bool = False,
+                node_selector: Mapping[str, str] | None = None
                 ) -> Call[list[SandboxInfo | CorralError]]:
     """``partial``: a cluster gateway keeps the sandboxes its other nodes made when a node
     fails its share, and answers that share's error at its items' places. ``spread``: a
     cluster gateway spreads the sandboxes over its nodes as a group (a snapshot's layers
-    move to the nodes that get some); one daemon ignores it."""
+    move to the nodes that get some); ``node_selector``: only on nodes with these labels.
+    One daemon ignores both."""
     req = validated(CreateManyRequest, count=count, spec=s)
     query = [*BATCH_STREAM, *([("partial", "true")] if partial else []),
              *([("spread", "true")] if spread else [])]
     return Call("POST", "/v1/sandboxes/batch", _streamed(_infos_or_errors), query=query,
-                body=_body(req))
+                body=_body(req), headers=_placement(node_selector))
 
 
 def _ids(sandboxes: Any) -> list[str]:

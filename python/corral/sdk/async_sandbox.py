@@ -106,6 +106,7 @@ class AsyncSandbox(SandboxHandle):
 
     files: AsyncFiles
     _spec: SandboxSpec | None = None
+    _create_call: Call[SandboxInfo] | None = None  # until it is made
     _creating: asyncio.Future[str] | None = None
 
     def __init__(self, image: str = "host", *, substrate: str = "container", cpu: float = 1.0,
@@ -121,7 +122,8 @@ class AsyncSandbox(SandboxHandle):
                  snapshot: str | SnapshotBase | None = None, pause_ttl: str = "count",
                  endpoint: str | Endpoint | None = None,
                  trajectory_id: str | None = None, user: str | int | None = None,
-                 layers: Sequence[LayerSpec] | None = None) -> None:
+                 layers: Sequence[LayerSpec] | None = None,
+                 node_selector: Mapping[str, str] | None = None) -> None:
         # Validated now, so bad input fails at the call site, not at the first await.
         self._spec = api.spec(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb,
                               disk_mb=disk_mb,
@@ -132,6 +134,7 @@ class AsyncSandbox(SandboxHandle):
                               hostname=hostname, cwd=cwd, snapshot=snapshot,
                               pause_ttl=pause_ttl, user=user,
                               layers=list(layers) if layers else None)
+        self._create_call = api.create(self._spec, node_selector=node_selector)
         self._init_handle(Endpoint.parse(endpoint), None)
         if trajectory_id is not None:
             self._set_trajectory(trajectory_id)
@@ -150,9 +153,9 @@ class AsyncSandbox(SandboxHandle):
         return await asyncio.shield(self._creating)
 
     async def _create(self) -> str:
-        assert self._spec is not None
+        assert self._create_call is not None
         try:
-            call = api.create(self._spec)
+            call = self._create_call
             if self._traj is not None:
                 call.key = f"{self._traj}:create"
             info = await _send(self._endpoint, call)
@@ -221,25 +224,28 @@ class AsyncSandbox(SandboxHandle):
     async def create_many(cls, n: int, image: str = ..., *,
                           endpoint: str | Endpoint | None = ...,
                           return_exceptions: Literal[False] = ..., spread: bool = ...,
+                          node_selector: Mapping[str, str] | None = ...,
                           **spec: Any) -> builtins.list[AsyncSandbox]: ...
 
     @overload
     @classmethod
     async def create_many(cls, n: int, image: str = ..., *,
                           endpoint: str | Endpoint | None = ..., return_exceptions: bool,
-                          spread: bool = ..., **spec: Any
-                          ) -> builtins.list[AsyncSandbox | CorralError]: ...
+                          spread: bool = ..., node_selector: Mapping[str, str] | None = ...,
+                          **spec: Any) -> builtins.list[AsyncSandbox | CorralError]: ...
 
     @classmethod
     async def create_many(cls, n: int, image: str = "host", *,
                           endpoint: str | Endpoint | None = None,
                           return_exceptions: bool = False, spread: bool = False,
+                          node_selector: Mapping[str, str] | None = None,
                           **spec: Any) -> builtins.list[AsyncSandbox] | builtins.list[
                               AsyncSandbox | CorralError]:
         """See ``Sandbox.create_many``."""
         ep = Endpoint.parse(endpoint)
         infos = await _send(ep, api.create_many(n, api.spec(image=image, **spec),
-                                                partial=return_exceptions, spread=spread))
+                                                partial=return_exceptions, spread=spread,
+                                                node_selector=node_selector))
         return [i if isinstance(i, CorralError) else cls._bind(ep.placed(i), i.id, i)
                 for i in infos]
 

@@ -91,6 +91,8 @@ class AsyncTransport:
         headers = {"Content-Type": call.content_type} if call.body is not None else None
         if call.key is not None:
             headers = dict(headers or {}, **{"Idempotency-Key": call.key})
+        if call.headers:
+            headers = {**(headers or {}), **call.headers}
         retried = started = False
         while True:
             try:

@@ -59,6 +59,7 @@ class Call(Generic[T]):
     retry_safe: bool = False                    # may be sent again if the connection dropped
     keyed: bool = False                         # mutating: may carry an idempotency key
     key: str | None = None                      # header Idempotency-Key (docs/trajectory.md)
+    headers: dict[str, str] | None = None       # more request headers (a node selector)
 
     def target(self) -> str:
         if not self.query:

@@ -110,7 +110,8 @@ class Sandbox(SandboxHandle):
                  snapshot: str | SnapshotBase | None = None, pause_ttl: str = "count",
                  endpoint: str | Endpoint | None = None,
                  trajectory_id: str | None = None, user: str | int | None = None,
-                 layers: Sequence[LayerSpec] | None = None) -> None:
+                 layers: Sequence[LayerSpec] | None = None,
+                 node_selector: Mapping[str, str] | None = None) -> None:
         s = api.spec(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb,
                      disk_mb=disk_mb, pids=pids,
                      timeout=timeout, idle_timeout=idle_timeout, env=env, labels=labels,
@@ -121,7 +122,7 @@ class Sandbox(SandboxHandle):
                      snapshot=snapshot, pause_ttl=pause_ttl, user=user,
                      layers=list(layers) if layers else None)
         ep = Endpoint.parse(endpoint)
-        call = api.create(s)
+        call = api.create(s, node_selector=node_selector)
         if trajectory_id is not None:
             self._set_trajectory(trajectory_id)
             call.key = f"{trajectory_id}:create"  # a restarted client gets the same sandbox
@@ -192,29 +193,33 @@ class Sandbox(SandboxHandle):
     @classmethod
     def create_many(cls, n: int, image: str = ..., *, endpoint: str | Endpoint | None = ...,
                     return_exceptions: Literal[False] = ..., spread: bool = ...,
-                    **spec: Any
+                    node_selector: Mapping[str, str] | None = ..., **spec: Any
                     ) -> builtins.list[Sandbox]: ...
 
     @overload
     @classmethod
     def create_many(cls, n: int, image: str = ..., *, endpoint: str | Endpoint | None = ...,
-                    return_exceptions: bool, spread: bool = ..., **spec: Any
+                    return_exceptions: bool, spread: bool = ...,
+                    node_selector: Mapping[str, str] | None = ..., **spec: Any
                     ) -> builtins.list[Sandbox | CorralError]: ...
 
     @classmethod
     def create_many(cls, n: int, image: str = "host", *,
                     endpoint: str | Endpoint | None = None, return_exceptions: bool = False,
-                    spread: bool = False, **spec: Any
+                    spread: bool = False, node_selector: Mapping[str, str] | None = None,
+                    **spec: Any
                     ) -> builtins.list[Sandbox] | builtins.list[Sandbox | CorralError]:
         """``n`` sandboxes with one spec, in one request: all or nothing. Through a cluster
         gateway they are spread over the nodes; with ``return_exceptions=True`` a node that
         failed its share (lost mid-batch) leaves its error at those places and the others
         are kept. ``spread=True`` asks the gateway to spread them as a group, as evenly over
         the nodes as room allows (a fork group: ``snapshot=`` moves the snapshot's layers to
-        the nodes that get some), rather than filling the snapshot's holders first."""
+        the nodes that get some), rather than filling the snapshot's holders first.
+        ``node_selector``: only on nodes with these labels, as for ``Sandbox(...)``."""
         ep = Endpoint.parse(endpoint)
         infos = _send(ep, api.create_many(n, api.spec(image=image, **spec),
-                                          partial=return_exceptions, spread=spread))
+                                          partial=return_exceptions, spread=spread,
+                                          node_selector=node_selector))
         return [i if isinstance(i, CorralError) else cls._bind(ep.placed(i), i.id, i)
                 for i in infos]
 

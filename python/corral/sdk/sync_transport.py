@@ -148,6 +148,8 @@ class SyncTransport:
             headers = {**headers, "Content-Type": call.content_type}
         if call.key is not None:  # idempotency key (docs/trajectory.md)
             headers = {**headers, "Idempotency-Key": call.key}
+        if call.headers:
+            headers = {**headers, **call.headers}
         retried = False
         while True:
             conn = self._acquire()
