@@ -577,6 +577,68 @@ def test_a_spread_fork_group_lands_on_every_node_with_the_parents_files(cluster,
             _node_call(gateway, cluster, other, "DELETE", f"/v1/snapshots/{snap.id}")
 
 
+def _snapshots_on(gateway, cluster, node: str) -> list[str]:
+    code, body = _node_call(gateway, cluster, node, "GET", "/v1/snapshots")
+    assert code == 200, body
+    return [s["id"] for s in body["snapshots"]]
+
+
+def test_sb_fork_spread_places_the_children_over_the_nodes_in_one_call(cluster, gateway):
+    """``sb.fork(n, spread=True)`` on a sandbox the gateway placed: one call; the children
+    land on both nodes with the parent's files and spec (env, cwd, labels), each handle on its
+    node; the snapshot is on no node afterwards (not kept). Keyed by a trajectory, the fork
+    sent again (a restarted client) returns the same children, each child its trajectory.
+    A fork the cluster has no room for leaves nothing."""
+    assert wait_until(lambda: all(_live(n) == 0 for n in cluster["nodes"]), timeout=15)
+    head = cluster["head"]
+    other = next(n for n in cluster["nodes"] if n != head)
+    made: list = []
+    try:
+        parent = corral.Sandbox(image="host", memory_mb=64, timeout=120, cwd="/tmp",
+                                env={"ROLL": "out-7"}, labels={"group": "g1"},
+                                node_selector={"role": "head"})
+        made.append(parent)
+        parent.files.write("/tmp/state.txt", b"step 3\n")
+        kids = parent.fork(4, spread=True)
+        made += kids
+        assert Counter(k.info().node for k in kids) == {head: 2, other: 2}
+        for k in kids:
+            assert k._endpoint.url == cluster["nodes"][k.info().node]["endpoint"]
+            assert k.exec("cat state.txt; echo $ROLL; pwd").stdout == "step 3\nout-7\n/tmp\n"
+            assert k.info().labels == {"group": "g1"}
+        for n in cluster["nodes"]:  # dropped where it was taken and where it was copied
+            assert wait_until(lambda n=n: not _snapshots_on(gateway, cluster, n), timeout=10)
+
+        ep = corral.Sandbox(image="host", memory_mb=64, timeout=120, trajectory_id="fk-ep",
+                            node_selector={"role": "head"})
+        made.append(ep)
+        ep.files.write("/tmp/ep.txt", b"episode\n")  # step 0
+        group = ep.fork(3, spread=True, keep_snapshot=True, name="fk-ep-snap")  # step 1
+        made += group
+        assert len({k.info().node for k in group}) == 2
+        assert [k._traj for k in group] == [f"fk-ep/fork1/{i}" for i in range(3)]
+        again = corral.Sandbox.from_trajectory("fk-ep", step=1).fork(
+            3, spread=True, keep_snapshot=True, name="fk-ep-snap")
+        assert [k.id for k in again] == [k.id for k in group]
+        for i, k in enumerate(group):
+            assert corral.Sandbox.from_trajectory(f"fk-ep/fork1/{i}").id == k.id
+            assert k.files.read("/tmp/ep.txt") == "episode\n"
+        assert corral.Snapshot.get("fk-ep-snap").node == head  # kept
+
+        with pytest.raises(CapacityExceeded):
+            parent.fork(500, spread=True, name="fk-too-many")
+        with pytest.raises(SnapshotNotFound):
+            corral.Snapshot.get("fk-too-many")
+    finally:
+        corral.Sandbox.kill_many(made, return_exceptions=True)
+        with contextlib.suppress(SnapshotNotFound):
+            corral.Snapshot.get("fk-ep-snap").delete()
+        for n in cluster["nodes"]:
+            for sid in _snapshots_on(gateway, cluster, n):
+                _node_call(gateway, cluster, n, "DELETE", f"/v1/snapshots/{sid}")
+        wait_until(lambda: all(_live(n) == 0 for n in cluster["nodes"]), timeout=15)
+
+
 def test_a_create_from_a_snapshot_asks_only_the_nodes_that_report_it(cluster, gateway):
     """The nodes' load reports list their snapshots: a create from a snapshot id asks its
     reported holder only, so a node that does not answer (its corrald frozen) costs it

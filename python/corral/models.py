@@ -314,6 +314,8 @@ class SandboxInfo(_Response):
     snapshot: str | None = None
     pause_ttl: PauseTTL = "count"
     paused_at: float | None = None
+    trajectory_id: str | None = Field(None, description="the trajectory it was made for (a "
+                                      "create keyed {trajectory_id}:create, or a fork's child)")
     node: str | None = Field(None, description="the cluster node (Ray node id) the sandbox "
                              "runs on; null on a standalone daemon")
     endpoint: str | None = Field(None, description="set by a cluster gateway on create: the "

@@ -187,11 +187,7 @@ class CreateBatch:
         except CorralError as e:
             s.error = e
         finally:
-            n.inflight -= len(s.indexes)
-            if s.error is None and s.infos:
-                now = time.monotonic()
-                n.finished.extend(now for _ in s.infos)  # counted until a report has them
-                self.gw.placed += len(s.infos)
+            made(self.gw, n, len(s.indexes), len(s.infos) if s.error is None else 0)
             progress.done += len(s.indexes) - s.done  # failed items are done too
             s.done = len(s.indexes)
 
@@ -199,6 +195,16 @@ class CreateBatch:
         """Destroy what the shares made (all or nothing)."""
         await asyncio.gather(*(self.gw.destroy_on(s.node, [i["id"] for i in s.infos])
                                for s in self.shares if s.infos), return_exceptions=True)
+
+
+def made(gw: Gateway, n: NodeLoad, placed: int, count: int) -> None:
+    """``placed`` items placed on node ``n`` ended, ``count`` of them made: their slots are
+    given back, and the made ones count on the node until a report has them."""
+    n.inflight -= placed
+    if count:
+        now = time.monotonic()
+        n.finished.extend(now for _ in range(count))
+        gw.placed += count
 
 
 async def watched(gw: Gateway, n: NodeLoad, call: Awaitable[T]) -> T:
@@ -223,14 +229,15 @@ async def watched(gw: Gateway, n: NodeLoad, call: Awaitable[T]) -> T:
 
 
 async def streamed_call(gw: Gateway, n: NodeLoad, path: str, body: bytes,
-                        tick: Callable[[int], None]) -> dict[str, Any]:
+                        tick: Callable[[int], None],
+                        headers: dict[str, str] | None = None) -> dict[str, Any]:
     """POST a batch to node ``n`` as a stream: ``tick`` gets its progress (items done), the
     answer is its last line. A node error is raised as it is; a broken or silent stream
-    (``SILENCE_S``) as ``sandbox_lost``."""
+    (``SILENCE_S``) as ``sandbox_lost``. ``headers``: more than the node's own."""
     try:
         async with gw.session().post(
                 n.endpoint + path, data=body, params={"stream": "ndjson"},
-                headers=gw.node_headers(),
+                headers={**gw.node_headers(), **(headers or {})},
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=SILENCE_S,
                                               sock_read=SILENCE_S)) as r:
             if r.status >= 300:
@@ -241,7 +248,8 @@ async def streamed_call(gw: Gateway, n: NodeLoad, path: str, body: bytes,
                     continue
                 line = json.loads(raw)
                 if set(line) == {"progress"}:
-                    tick(int(line["progress"]["done"]))
+                    if "done" in line["progress"]:  # a snapshot's counts bytes, not items
+                        tick(int(line["progress"]["done"]))
                 else:
                     last = line
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:

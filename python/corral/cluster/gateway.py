@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from corral.cluster import batch, broadcast, drainmove, reads, snapshots, trajship
+from corral.cluster import batch, broadcast, drainmove, forks, reads, snapshots, trajship
 from corral.cluster.placement import NodeLoad, choose
 from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resources
 from corral.daemon import batches
@@ -126,6 +126,7 @@ class Gateway:
             app.router.add_post("/v1/sandboxes/batch", self._create_batch)
             app.router.add_post("/v1/sandboxes/batch/exec", self._id_batch)
             app.router.add_post("/v1/sandboxes/batch/destroy", self._id_batch)
+            app.router.add_post("/v1/sandboxes/{id}/fork", self._fork)
             app.router.add_route("*", "/{tail:.*}", self._elsewhere)
             self._runner = web.AppRunner(app, access_log=None)
             await self._runner.setup()
@@ -744,28 +745,50 @@ class Gateway:
             partial = batch.wants_partial(request.query)
             spread = batch.wants_spread(request.query)
             req = batch.parse_body(CreateManyRequest, await request.read())
-            pool, rest, held = self.pool(), list[NodeLoad](), list[NodeLoad]()
-            by_image: dict[str, list[NodeLoad]] | None = self.by_image()
-            if req.spec.snapshot:
-                snap_id, held = await snapshots.holders(self, req.spec.snapshot)
-                if not spread:  # made where the snapshot's layers are, first
-                    pool, by_image = held, None
-                    have = {h.node for h in held}
-                    rest = [n for n in self.nodes.values() if n.node not in have]
-                req = req.model_copy(update={"spec": req.spec.model_copy(
-                    update={"snapshot": snap_id})})
-            try:
-                shares = batch.split(pool, req.count, self.k, selector, req.spec.image, rest,
-                                     by_image, spread)
-            except CapacityExceeded as e:
-                self.refused(e, req.count)
-                raise
-            if req.spec.snapshot:  # the nodes that lack it get the snapshot first
-                await batch.copy_for(self, req.spec.snapshot, held, shares)
+            req, shares = await self.place_batch(req, selector, spread)
             run = batch.CreateBatch(self, req, shares, partial)
             return await batches.run(request, batches.Progress(req.count), run.run,
                                      lambda items: {"sandboxes": items}, 201,
                                      cancel_when_gone=True, undo=lambda _: run.undo())
+        except CorralError as e:
+            return _error(e)
+
+    async def place_batch(self, req: CreateManyRequest, selector: dict[str, str],
+                          spread: bool, held: list[NodeLoad] | None = None
+                          ) -> tuple[CreateManyRequest, list[batch.Share]]:
+        """Where each of a batch's sandboxes goes (corral.cluster.batch.split); a batch from
+        a snapshot (held by ``held``, else found) gets it on every node of a share first.
+        The request comes back with the snapshot's id. Raises CapacityExceeded (counted as
+        demand) or the copy's error; nothing is held then."""
+        pool, rest = self.pool(), list[NodeLoad]()
+        by_image: dict[str, list[NodeLoad]] | None = self.by_image()
+        if req.spec.snapshot:
+            snap_id = req.spec.snapshot
+            if held is None:
+                snap_id, held = await snapshots.holders(self, req.spec.snapshot)
+            if not spread:  # made where the snapshot's layers are, first
+                pool, by_image = held, None
+                have = {h.node for h in held}
+                rest = [n for n in self.nodes.values() if n.node not in have]
+            req = req.model_copy(update={"spec": req.spec.model_copy(
+                update={"snapshot": snap_id})})
+        try:
+            shares = batch.split(pool, req.count, self.k, selector, req.spec.image, rest,
+                                 by_image, spread)
+        except CapacityExceeded as e:
+            self.refused(e, req.count)
+            raise
+        if req.spec.snapshot:  # the nodes that lack it get the snapshot first
+            assert held is not None
+            await batch.copy_for(self, req.spec.snapshot, held, shares)
+        return req, shares
+
+    async def _fork(self, request: web.Request) -> web.StreamResponse:
+        """A fork whose children the gateway places (corral.cluster.forks)."""
+        if not self._authorized(request):
+            return _error(Unauthorized("missing or wrong bearer token"))
+        try:
+            return await forks.fork(self, request)
         except CorralError as e:
             return _error(e)
 

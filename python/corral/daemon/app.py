@@ -372,6 +372,13 @@ async def get_sandbox(request: web.Request) -> web.Response:
     return _json(await _dispatch(request, ops.Info(sid, key)))
 
 
+async def sandbox_spec(request: web.Request) -> web.Response:
+    """What the sandbox was made with: a create with it makes one like it (a cluster
+    gateway's fork over several nodes makes the children on other nodes with it)."""
+    spec = _engine(request).lookup(request.match_info["id"]).spec
+    return _json(tenancy.as_given(request, spec).model_dump(mode="json", exclude_none=True))
+
+
 async def kill_sandbox(request: web.Request) -> web.Response:
     sid, key = request.match_info["id"], _key(request)
     try:
@@ -952,7 +959,8 @@ _ID = "$response.body#/id"
 _SB_LINKS = {name: link(name, id=_ID) for name in (
     "get_sandbox", "exec_cmd", "file_write", "file_read", "file_list", "file_stat",
     "file_mkdir", "tar_download", "tar_upload", "snapshot_sandbox", "fork_sandbox",
-    "pause_sandbox", "resume_sandbox", "sandbox_log", "set_timeout", "kill_sandbox")}
+    "pause_sandbox", "resume_sandbox", "sandbox_log", "sandbox_spec", "set_timeout",
+    "kill_sandbox")}
 _PROC_LINKS = {name: link(name, id="$request.path.id", pid="$response.body#/pid")
                for name in ("proc_status", "proc_wait", "proc_stream", "proc_stdin",
                             "proc_kill")}
@@ -1010,6 +1018,9 @@ ROUTES: tuple[Route, ...] = (
           "page at a time", query=(LABEL_Q, *PAGE_Q), response=list_of("sandboxes", SandboxInfo)),
     Route("GET", SB, get_sandbox, "Sandbox info (keyed: logged, and a repeated key returns "
           "the logged info)", response=SandboxInfo, query=(KEY_H,), errors=SB_ERR),
+    Route("GET", SB + "/spec", sandbox_spec, "The spec the sandbox was made with (the "
+          "snapshot it started on included): a create with it makes one like it",
+          response=SandboxSpec, errors=SB_ERR),
     Route("DELETE", SB, kill_sandbox, "Kill a sandbox (killed=false: it had already ended)",
           query=(KEY_H,), errors=SB_ERR,
           response={"type": "object", "required": ["id", "killed"], "properties": {

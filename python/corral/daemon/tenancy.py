@@ -87,6 +87,19 @@ def own_spec(request: web.Request, engine: Engine, spec: SandboxSpec) -> Sandbox
     return spec.model_copy(update=update)
 
 
+def as_given(request: web.Request, spec: SandboxSpec) -> SandboxSpec:
+    """A sandbox's spec as its tenant would send it again (``own_spec`` undone: no tenant
+    label, the network group's own name), so a create with it makes the same sandbox."""
+    tenant = tenant_of(request)
+    if tenant is None:
+        return spec
+    update: dict[str, Any] = {"labels": {k: v for k, v in spec.labels.items()
+                                         if k != TENANT_LABEL}}
+    if spec.network_group is not None:
+        update["network_group"] = spec.network_group[GROUP_TAG_LEN:]
+    return spec.model_copy(update=update)
+
+
 GROUP_TAG_LEN = 14  # "t" + 12 hex digits + "."
 
 

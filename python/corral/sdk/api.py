@@ -366,11 +366,15 @@ def snapshot(sid: str, name: str | None = None) -> Call[SnapshotInfo]:
                        body=_body(req)))
 
 
-def fork(sid: str, count: int, name: str | None = None,
-         keep_snapshot: bool = False) -> Call[ForkResult]:
+def fork(sid: str, count: int, name: str | None = None, keep_snapshot: bool = False, *,
+         spread: bool = False, node_selector: Mapping[str, str] | None = None
+         ) -> Call[ForkResult]:
+    """``spread`` and ``node_selector``: for a cluster gateway, which places the children
+    (corral.cluster.forks); one daemon ignores both."""
     req = validated(ForkRequest, count=count, name=name, keep_snapshot=keep_snapshot)
+    query = [*BATCH_STREAM, *([("spread", "true")] if spread else [])]
     return _keyed(Call("POST", sb_path(sid) + "/fork", _streamed(ForkResult.model_validate_json),
-                       query=BATCH_STREAM, body=_body(req)))
+                       query=query, body=_body(req), headers=_placement(node_selector)))
 
 
 def restore(sid: str, snapshot: Any) -> Call[SandboxInfo]:

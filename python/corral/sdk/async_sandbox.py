@@ -347,10 +347,13 @@ class AsyncSandbox(SandboxHandle):
         return await self._call(api.commit, name, config, replace)
 
     async def fork(self, n: int, *, name: str | None = None, keep_snapshot: bool = False,
+                   spread: bool = False, node_selector: Mapping[str, str] | None = None,
                    key: str | None = None) -> builtins.list[AsyncSandbox]:
         """See ``Sandbox.fork``."""
-        call = self._with_key(api.fork(await self._sid_ready(), n, name, keep_snapshot), key)
-        res = await _send(self._endpoint, call, self)
+        call = self._with_key(api.fork(await self._sid_ready(), n, name, keep_snapshot,
+                                       spread=spread, node_selector=node_selector), key)
+        ep = self._endpoint.placing() if spread or node_selector else self._endpoint
+        res = await _send(ep, call, self)
         return self._fork_children(call, res.sandboxes)
 
     async def restore(self, snapshot: str | SnapshotBase, *,

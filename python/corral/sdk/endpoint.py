@@ -12,7 +12,7 @@ answering is reported lost (``sandbox_lost``), not "daemon unavailable" (docs/cl
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from corral import config
 from corral.errors import InvalidRequest
@@ -34,6 +34,9 @@ class Endpoint:
 
     url: str
     node: str | None = None  # the cluster node it serves (set from a gateway's answer)
+    # The gateway that placed a sandbox on that node: a fork whose children the gateway
+    # places goes there. Not part of its identity (a handle from an id has none).
+    gateway: str | None = field(default=None, compare=False)
 
     @classmethod
     def from_env(cls) -> Endpoint:
@@ -75,7 +78,7 @@ class Endpoint:
 
     def on_node(self, url: str, node: str | None) -> Endpoint:
         """The endpoint of the cluster node a gateway placed a sandbox on: same token."""
-        ep = Endpoint(url.rstrip("/"), node)
+        ep = Endpoint(url.rstrip("/"), node, self.gateway or self.url)
         if self.url in _tokens and ep.url not in _tokens:
             _tokens[ep.url] = _tokens[self.url]
         return ep
@@ -85,6 +88,11 @@ class Endpoint:
         gateway placed it (``info.endpoint``), else here."""
         url = getattr(info, "endpoint", None)
         return self.on_node(url, getattr(info, "node", None)) if url else self
+
+    def placing(self) -> Endpoint:
+        """Where a create or fork is placed: the gateway that placed this node's sandbox,
+        else here."""
+        return Endpoint(self.gateway) if self.gateway else self
 
     def __str__(self) -> str:
         return self.url

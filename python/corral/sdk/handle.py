@@ -186,7 +186,8 @@ class SandboxHandle:
         keyed ``T:S`` gets the trajectory ``T/forkS/i`` (from step 0): a restarted client that
         replays the fork gets the same children back and fast-forwards through their calls
         too."""
-        kids = [type(self)._bind(self._endpoint, i.id, i) for i in infos]
+        # Placed by a gateway, a child names its node; else it is on the parent's.
+        kids = [type(self)._bind(self._endpoint.placed(i), i.id, i) for i in infos]
         if call.key is not None and self._traj is not None:
             step = self._stepped(call)
             # an explicit key (no ':' in it) names the fork itself

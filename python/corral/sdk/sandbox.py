@@ -327,14 +327,20 @@ class Sandbox(SandboxHandle):
         return self._call(api.commit(self.id, name, config, replace))
 
     def fork(self, n: int, *, name: str | None = None, keep_snapshot: bool = False,
+             spread: bool = False, node_selector: Mapping[str, str] | None = None,
              key: str | None = None) -> builtins.list[Sandbox]:
         """Snapshot + ``n`` new sandboxes on it (same spec), in one call (all or nothing).
         The snapshot is deleted once they exist unless ``keep_snapshot`` (its layers live as
         long as the children). With a trajectory id, the children get trajectory ids of
         their own (``{trajectory_id}/fork{step}/{i}``) and a replayed fork returns the same
-        children (those that ended since come back with state ``dead``)."""
-        call = self._with_key(api.fork(self.id, n, name, keep_snapshot), key)
-        return self._fork_children(call, _send(self._endpoint, call, self).sandboxes)
+        children (those that ended since come back with state ``dead``). On a sandbox a
+        cluster gateway placed, ``spread=True`` (or a ``node_selector``) has the gateway
+        place the children: spread over the nodes as a group (the snapshot's layers move
+        to them); one daemon ignores both (docs/cluster.md, "Snapshots and forks")."""
+        call = self._with_key(api.fork(self.id, n, name, keep_snapshot, spread=spread,
+                                       node_selector=node_selector), key)
+        ep = self._endpoint.placing() if spread or node_selector else self._endpoint
+        return self._fork_children(call, _send(ep, call, self).sandboxes)
 
     def restore(self, snapshot: str | SnapshotBase, *, key: str | None = None) -> SandboxInfo:
         """Roll this sandbox's files back to ``snapshot`` in place (same id). Every process

@@ -120,7 +120,7 @@ class Sandbox:
             "idle_timeout": s.idle_timeout, "last_active_at": self.last_active,
             "init_pid": self.runtime.init_pid if self.runtime else None,
             "snapshot": s.snapshot, "pause_ttl": s.pause_ttl, "paused_at": self.paused_at,
-            "node": self.node,
+            "trajectory_id": self.trajectory, "node": self.node,
         }
 
     def _net(self) -> dict[str, Any] | None:
