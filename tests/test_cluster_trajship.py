@@ -212,12 +212,14 @@ def test_a_lost_nodes_episode_is_read_and_replayed_on_a_survivor(cluster):
     gw_url = os.environ["CORRAL_URL"]
     code, alice_sb = _http("POST", gw_url + "/v1/sandboxes", TOKENS["alice"],
                            {"image": "host", "memory_mb": 64},
-                           {"X-Corral-Node-Selector": "role=worker"})
+                           {"X-Corral-Node-Selector": "role=worker",
+                            "Idempotency-Key": "alice-ep:create"})
     assert code == 201 and alice_sb["node"] == node, alice_sb
     code, res = _http("POST", f"{alice_sb['endpoint']}/v1/sandboxes/{alice_sb['id']}/exec",
                       TOKENS["alice"], {"cmd": "echo alice"})
     assert code == 200 and res["stdout"] == "alice\n", res
     assert wait_until(lambda: _shipped(cluster, node), timeout=20)
+    steps = sb._step
 
     ray.kill(corral.cluster.supervisors()[node], no_restart=True)
     assert wait_until(lambda: node in corral.cluster.status()["lost"], timeout=15)
@@ -230,6 +232,17 @@ def test_a_lost_nodes_episode_is_read_and_replayed_on_a_survivor(cluster):
             assert e.infra
             return True
     assert wait_until(lost, timeout=15, interval=0.05)
+
+    # Resumed by its trajectory (a restarted trainer): the handle is positioned after the
+    # last logged step, its sandbox dead on the lost node, and a call on it is lost.
+    resumed = corral.Sandbox.from_trajectory("lost-ep")
+    assert resumed.id == sid and resumed._step == steps
+    assert resumed.last_info.state == "dead" and resumed.last_info.node == node
+    with pytest.raises(SandboxLost) as lost_err:
+        resumed.exec("true")
+    assert lost_err.value.infra and lost_err.value.details["node"] == node
+    with pytest.raises(corral.errors.NotFound):
+        corral.Sandbox.from_trajectory("no-such-ep")
 
     # Its log, from the gateway's copy: every entry as the node logged it, ended "lost".
     url = os.environ["CORRAL_URL"]
@@ -257,6 +270,18 @@ def test_a_lost_nodes_episode_is_read_and_replayed_on_a_survivor(cluster):
     assert code == 404 and got["error"]["code"] == "sandbox_not_found", got
     code, got = _http("GET", alice_log, "wrong-token-0123456789")
     assert code == 401, got
+    # And its trajectory: hers to resume, no one else's to find.
+    code, got = _http("GET", f"{url}/v1/trajectories/alice-ep", TOKENS["alice"])
+    assert code == 200 and got["sandbox_id"] == alice_sb["id"] and got["copy"], got
+    assert got["sandbox"]["state"] == "dead" and got["step"] == 0, got
+    code, got = _http("GET", f"{url}/v1/trajectories/alice-ep", TOKENS["bob"])
+    assert code == 404 and got["error"]["code"] == "not_found", got
+    code, got = _http("POST", f"{url}/v1/sandboxes/{alice_sb['id']}/exec", TOKENS["alice"],
+                      {"cmd": "true"})
+    assert code == 410 and got["error"]["code"] == "sandbox_lost", got
+    code, got = _http("POST", f"{url}/v1/sandboxes/{alice_sb['id']}/exec", TOKENS["bob"],
+                      {"cmd": "true"})
+    assert code == 404, got
 
     # The CLI's replay through the gateway: on the survivor, identical.
     r = subprocess.run([sys.executable, "-m", "corral.cli", "replay", sid, "--json"], env=env,

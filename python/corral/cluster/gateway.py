@@ -613,11 +613,38 @@ class Gateway:
         from_trajectory() resumes on the sandbox's node."""
         if not self._authorized(request):
             return _error(Unauthorized("missing or wrong bearer token"))
+        tid = request.match_info["tid"]
         try:
-            return web.json_response(
-                await reads.get_trajectory(self, request.match_info["tid"]))
+            try:
+                return web.json_response(await reads.get_trajectory(self, tid))
+            except NotFound:
+                if (got := await self._lost_trajectory(tid)) is None:
+                    raise
+                return web.json_response(got)
         except CorralError as e:
             return _error(e)
+
+    async def _lost_trajectory(self, tid: str) -> dict[str, Any] | None:
+        """Trajectory ``tid`` of a lost node, from its log's copy here: its sandbox ``dead``,
+        still naming the node (a call on it answers sandbox_lost); for ``corral log`` and
+        ``corral replay`` of it."""
+        logs = self.logs
+        if logs is None:
+            return None
+        loop = asyncio.get_running_loop()
+        gone = [n for n in await loop.run_in_executor(logs.pool, logs.nodes)
+                if n not in self.nodes]
+        got = await loop.run_in_executor(logs.pool, logs.trajectory, gone, tid)
+        if got is None:
+            return None
+        node = got.pop("node")
+        data = await loop.run_in_executor(logs.pool, logs.read, node, got["sandbox_id"])
+        tenant = self.tenant()
+        if data is None or (tenant is not None and trajship.owner(data) != tenant):
+            return None
+        # No endpoint: a handle made from it calls the gateway, which answers sandbox_lost.
+        got["sandbox"] = dict(got["sandbox"], node=node, endpoint=None)
+        return dict(got, copy=True)
 
     async def _snapshot(self, request: web.Request) -> web.Response:
         """A snapshot by id or name, from the node that holds it (cluster.reads)."""
@@ -632,6 +659,19 @@ class Gateway:
     async def _elsewhere(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
             return _error(Unauthorized("missing or wrong bearer token"))
+        parts = request.path.split("/")
+        if len(parts) > 3 and parts[1:3] == ["v1", "sandboxes"] and self.logs is not None:
+            # A call on a lost node's sandbox (a handle from its trajectory's copy): lost.
+            logs, sid = self.logs, parts[3]
+            loop = asyncio.get_running_loop()
+            node = await loop.run_in_executor(logs.pool, logs.find, sid)
+            if node is not None and node not in self.nodes:
+                data = await loop.run_in_executor(logs.pool, logs.read, node, sid)
+                tenant = self.tenant()
+                if data is not None and (tenant is None or trajship.owner(data) == tenant):
+                    return _error(SandboxLost(
+                        f"sandbox {sid} was on cluster node {node}, which is gone, and the "
+                        "sandbox with it", details={"id": sid, "node": node}))
         return _error(NotFound(
             f"the cluster gateway only places sandboxes (POST /v1/sandboxes); send "
             f"{request.method} {request.path} to the node named in the sandbox's info "

@@ -151,6 +151,23 @@ class LogCopies:
                 return node
         return None
 
+    def trajectory(self, nodes: list[str], tid: str) -> dict[str, Any] | None:
+        """Where trajectory ``tid`` stands in the copies of ``nodes`` (lost ones), as a node
+        answers it: its sandbox id, the next step, the sandbox as its create logged it (state
+        ``dead``), and the node whose copy has it."""
+        for node in nodes:
+            got = Reader(self.dir_of(node))._trajectory(tid)
+            if got is None:
+                continue
+            sid, step = got
+            row = self._db(node).execute(
+                "SELECT result FROM entries WHERE sandbox_id=? AND op='create' AND status IS "
+                "NULL AND result IS NOT NULL ORDER BY seq LIMIT 1", (sid,)).fetchone()
+            info = dict(json.loads(row[0]) if row else {"id": sid}, state="dead")
+            return {"trajectory_id": tid, "sandbox_id": sid, "step": step, "sandbox": info,
+                    "node": node}
+        return None
+
     def read(self, node: str, sid: str) -> dict[str, Any] | None:
         """Sandbox ``sid``'s log from node ``node``'s copy, as the node answers it."""
         got = Reader(self.dir_of(node)).read(sid)
