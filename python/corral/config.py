@@ -19,6 +19,11 @@ def socket_from_env() -> str:
     return _env("CORRAL_SOCKET", DEFAULT_SOCKET)
 
 
+def log_retention_from_env() -> float:
+    """How long an ended sandbox's trajectory log is kept (a node's, a gateway's copies)."""
+    return float(_env("CORRAL_LOG_RETENTION_S", str(7 * 86400)))
+
+
 @dataclass(frozen=True)
 class Config:
     state_dir: str = field(default_factory=lambda: _env("CORRAL_STATE_DIR", "/var/lib/corral"))
@@ -43,8 +48,7 @@ class Config:
     # Trajectory log (docs/trajectory.md): on/off, retention of ended sandboxes' logs, the
     # cap on each logged output, durability (normal: survives a daemon crash; full: fsync).
     trajlog: bool = field(default_factory=lambda: _env("CORRAL_TRAJLOG", "1") not in ("0", ""))
-    log_retention_s: float = field(
-        default_factory=lambda: float(_env("CORRAL_LOG_RETENTION_S", str(7 * 86400))))
+    log_retention_s: float = field(default_factory=log_retention_from_env)
     trajlog_output_cap: int = field(
         default_factory=lambda: int(_env("CORRAL_TRAJLOG_OUTPUT_CAP", str(1 << 20))))
     trajlog_sync: str = field(default_factory=lambda: _env("CORRAL_TRAJLOG_SYNC", "normal"))

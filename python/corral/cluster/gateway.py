@@ -26,6 +26,7 @@ from aiohttp import web
 from corral.cluster import batch, broadcast, drainmove, forks, reads, snapshots, trajship
 from corral.cluster.placement import NodeLoad, choose
 from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resources
+from corral.config import log_retention_from_env
 from corral.daemon import batches
 from corral.daemon.app_errors import ACT_AS_HEADER
 from corral.daemon.tenants import Tenants
@@ -138,7 +139,7 @@ class Gateway:
             self._poller = asyncio.get_running_loop().create_task(self._poll())
             if self.deploy.get("state_root"):
                 root = os.path.join(self.deploy["state_root"], f"{self.cluster}-gateway")
-                self.logs = trajship.LogCopies(root)
+                self.logs = trajship.LogCopies(root, log_retention_from_env())
                 self._shipper = asyncio.get_running_loop().create_task(self._ship())
         return self.url
 
@@ -355,8 +356,16 @@ class Gateway:
         return out
 
     async def _ship(self) -> None:
-        """Every SHIP_INTERVAL_S, every node's new log rows into its copy, nodes at once."""
+        """Every SHIP_INTERVAL_S, every node's new log rows into its copy, nodes at once;
+        every PRUNE_EVERY_S, the copies pruned."""
+        pruned = 0.0
         while True:
+            if time.monotonic() - pruned >= trajship.PRUNE_EVERY_S:
+                pruned = time.monotonic()
+                try:
+                    await self.prune_logs()
+                except Exception:  # noqa: BLE001 - shipping must outlive a failed prune
+                    log.exception("pruning the trajectory-log copies failed")
             if self.shipping:
                 items = list(self.supervisors.items())
                 got = await asyncio.gather(*(self._ship_node(n, s) for n, s in items),
@@ -366,6 +375,20 @@ class Gateway:
                         log.warning("trajectory log shipping failed",
                                     extra={"node": node, "error": str(r)})
             await asyncio.sleep(trajship.SHIP_INTERVAL_S)
+
+    async def prune_logs(self, now: float | None = None) -> dict[str, int]:
+        """Every copy pruned as its node prunes its own log (trajship.LogCopies.prune); per
+        node, the sandboxes dropped."""
+        logs = self.logs
+        if logs is None:
+            return {}
+        loop = asyncio.get_running_loop()
+        t = time.time() if now is None else now
+        out = {}
+        for node in await loop.run_in_executor(logs.pool, logs.nodes):
+            out[node] = await loop.run_in_executor(logs.pool, logs.prune, node, t,
+                                                   node in self.supervisors)
+        return out
 
     async def _ship_node(self, node: str, sup: Any) -> None:
         logs = self.logs

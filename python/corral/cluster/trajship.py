@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sqlite3
 import threading
 import time
@@ -29,9 +30,10 @@ from corral.cluster.trajsource import ENTRY_COLS, SANDBOX_COLS
 from corral.daemon.tenants import TENANT_LABEL
 from corral.daemon.trajlog import _SCHEMA, DB_NAME, Reader, interrupted_error
 from corral.daemon.trajlog.keys import _dumps
-from corral.daemon.trajlog.schema import _STARTED_INDEX, _migrate
+from corral.daemon.trajlog.schema import _STARTED_INDEX, _migrate, prune_ended
 
 SHIP_INTERVAL_S = 0.5
+PRUNE_EVERY_S = 600.0  # how often the copies drop what the nodes' retention drops
 SHIP_MAX_BYTES = 4 << 20     # per node and call: a call stays short, a backlog takes several
 OPEN_SANDBOXES_PER_CALL = 256  # open sandboxes whose end is asked for, in turn, per call
 
@@ -39,8 +41,9 @@ OPEN_SANDBOXES_PER_CALL = 256  # open sandboxes whose end is asked for, in turn,
 class LogCopies:
     """Per node, a copy of its trajectory log (``<root>/nodes/<node>/trajlog.db``)."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, retention_s: float = 7 * 86400) -> None:
         self.root = root
+        self.retention_s = retention_s  # an ended sandbox's rows, as on the nodes
         os.makedirs(os.path.join(root, "nodes"), mode=0o700, exist_ok=True)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="trajship")
         self._conns: dict[str, sqlite3.Connection] = {}
@@ -76,7 +79,7 @@ class LogCopies:
         """What to ask node ``node`` for: entries past ``after``, the started rows held open
         (``recheck``), a slice of the sandboxes not known to have ended (``sandboxes``)."""
         conn = self._db(node)
-        after = conn.execute("SELECT max(seq) FROM entries").fetchone()[0] or 0
+        after = _shipped(conn)
         recheck = [r[0] for r in conn.execute(
             "SELECT seq FROM entries WHERE status='started' ORDER BY seq LIMIT 4096")]
         last = self._rotor.get(node, "")
@@ -110,6 +113,9 @@ class LogCopies:
             # Every row is indexed as it comes: the reader's unindexed tail is empty.
             conn.execute("UPDATE log_meta SET v=(SELECT coalesce(max(seq), 0) FROM entries) "
                          "WHERE k='indexed'")
+            # The cursor, kept apart from the rows: pruning them does not move it back.
+            conn.execute("INSERT OR REPLACE INTO log_meta (k, v) VALUES ('shipped', ?)",
+                         (max(_shipped(conn), after),))
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
@@ -141,6 +147,28 @@ class LogCopies:
             conn.execute("ROLLBACK")
             raise
         return int(n)
+
+    def prune(self, node: str, now: float, live: bool) -> int:
+        """Drop from node ``node``'s copy what its own log drops (the sandboxes that ended
+        more than ``retention_s`` ago); a copy of a node gone (not ``live``) that is left
+        empty is removed. The number of sandboxes pruned."""
+        conn = self._db(node)
+        conn.execute("BEGIN")
+        try:
+            n = prune_ended(conn, now - self.retention_s)
+            conn.execute("UPDATE log_meta SET v=(SELECT coalesce(max(seq), 0) FROM entries) "
+                         "WHERE k='indexed'")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        if not live and not conn.execute("SELECT 1 FROM sandboxes UNION ALL SELECT 1 FROM "
+                                          "entries LIMIT 1").fetchone():
+            conn.close()
+            del self._conns[node]
+            shutil.rmtree(self.dir_of(node), ignore_errors=True)
+            self.sealed.discard(node)
+        return n
 
     def find(self, sid: str) -> str | None:
         """The node whose copy has sandbox ``sid``."""
@@ -186,6 +214,14 @@ class LogCopies:
             self._conns.clear()
         self.pool.submit(shut).result(timeout=30)
         self.pool.shutdown()
+
+
+def _shipped(conn: sqlite3.Connection) -> int:
+    """A copy's cursor: the highest ``seq`` it received (a copy from before the cursor was
+    kept apart: its highest row)."""
+    row = conn.execute("SELECT v FROM log_meta WHERE k='shipped'").fetchone()
+    top = conn.execute("SELECT coalesce(max(seq), 0) FROM entries").fetchone()[0]
+    return max(int(row[0]) if row else 0, int(top))
 
 
 def owner(log: dict[str, Any]) -> str | None:

@@ -15,11 +15,11 @@ from corral.errors import InternalError
 from .base import _Base, _Control, _Line, _resolve
 from .schema import (
     _J_SQL,
-    _SANDBOX_SEQS,
     ENTRIES_PER_STATEMENT,
     _entries_sql,
     _index_tail,
     _watermark,
+    prune_ended,
 )
 
 # The ingester thread's nice value (Linux: per thread): on a busy machine it yields to the
@@ -212,25 +212,9 @@ class Ingester(_Base):
                              "sandbox_id=?", gone)
             return None
         if p.kind == "prune":
-            cutoff = p.args[0]
-            old = [r[0] for r in conn.execute(
-                "SELECT sandbox_id FROM sandboxes WHERE ended_at IS NOT NULL AND ended_at < ?",
-                (cutoff,)).fetchall()]
-            for sid in old:
-                conn.execute(f"DELETE FROM entries WHERE seq IN ({_SANDBOX_SEQS})",
-                             {"sid": sid})
-                conn.execute("DELETE FROM entries_by_sandbox WHERE sandbox_id=?", (sid,))
-                conn.execute("DELETE FROM sandboxes WHERE sandbox_id=?", (sid,))
-            # Entries of ids the log has no sandbox row for (a call on a sandbox of an older
-            # state dir, say): by their own age.
-            gone = conn.execute("SELECT sandbox_id, seq FROM entries WHERE ended_at < ? AND "
-                                "sandbox_id NOT IN (SELECT sandbox_id FROM sandboxes)",
-                                (cutoff,)).fetchall()
-            conn.executemany("DELETE FROM entries WHERE seq=?", [(r[1],) for r in gone])
-            conn.executemany("DELETE FROM entries_by_sandbox WHERE sandbox_id=? AND seq=?",
-                             gone)
+            n = prune_ended(conn, p.args[0])
             self._lower_watermark(conn)
-            return len(old)
+            return n
         raise ValueError(p.kind)
 
     def _resolve_soon(self, results: list[tuple[asyncio.Future[Any], Any,

@@ -130,3 +130,22 @@ def _index_tail(conn: sqlite3.Connection) -> None:
         conn.execute("INSERT OR IGNORE INTO entries_by_sandbox (sandbox_id, seq) SELECT "
                      "sandbox_id, seq FROM entries WHERE seq > ? AND seq <= ?", (since, top))
         conn.execute("UPDATE log_meta SET v=? WHERE k='indexed'", (top,))
+
+
+def prune_ended(conn: sqlite3.Connection, cutoff: float) -> int:
+    """In the caller's transaction: the log of every sandbox that ended before ``cutoff``,
+    and the entries older than it of ids with no sandbox row (a call on a sandbox of an older
+    state dir, say). The number of sandboxes pruned. The caller lowers the watermark."""
+    old = [r[0] for r in conn.execute(
+        "SELECT sandbox_id FROM sandboxes WHERE ended_at IS NOT NULL AND ended_at < ?",
+        (cutoff,)).fetchall()]
+    for sid in old:
+        conn.execute(f"DELETE FROM entries WHERE seq IN ({_SANDBOX_SEQS})", {"sid": sid})
+        conn.execute("DELETE FROM entries_by_sandbox WHERE sandbox_id=?", (sid,))
+        conn.execute("DELETE FROM sandboxes WHERE sandbox_id=?", (sid,))
+    gone = conn.execute("SELECT sandbox_id, seq FROM entries WHERE ended_at < ? AND "
+                        "sandbox_id NOT IN (SELECT sandbox_id FROM sandboxes)",
+                        (cutoff,)).fetchall()
+    conn.executemany("DELETE FROM entries WHERE seq=?", [(r[1],) for r in gone])
+    conn.executemany("DELETE FROM entries_by_sandbox WHERE sandbox_id=? AND seq=?", gone)
+    return len(old)
