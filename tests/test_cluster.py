@@ -592,6 +592,7 @@ def test_sb_fork_spread_places_the_children_over_the_nodes_in_one_call(cluster, 
     assert wait_until(lambda: all(_live(n) == 0 for n in cluster["nodes"]), timeout=15)
     head = cluster["head"]
     other = next(n for n in cluster["nodes"] if n != head)
+    before = {n: set(_snapshots_on(gateway, cluster, n)) for n in cluster["nodes"]}
     made: list = []
     try:
         parent = corral.Sandbox(image="host", memory_mb=64, timeout=120, cwd="/tmp",
@@ -607,7 +608,7 @@ def test_sb_fork_spread_places_the_children_over_the_nodes_in_one_call(cluster, 
             assert k.exec("cat state.txt; echo $ROLL; pwd").stdout == "step 3\nout-7\n/tmp\n"
             assert k.info().labels == {"group": "g1"}
         for n in cluster["nodes"]:  # dropped where it was taken and where it was copied
-            assert wait_until(lambda n=n: not _snapshots_on(gateway, cluster, n), timeout=10)
+            assert set(_snapshots_on(gateway, cluster, n)) == before[n]
 
         ep = corral.Sandbox(image="host", memory_mb=64, timeout=120, trajectory_id="fk-ep",
                             node_selector={"role": "head"})
@@ -623,7 +624,8 @@ def test_sb_fork_spread_places_the_children_over_the_nodes_in_one_call(cluster, 
         for i, k in enumerate(group):
             assert corral.Sandbox.from_trajectory(f"fk-ep/fork1/{i}").id == k.id
             assert k.files.read("/tmp/ep.txt") == "episode\n"
-        assert corral.Snapshot.get("fk-ep-snap").node == head  # kept
+        kept = corral.Snapshot.get("fk-ep-snap")  # on the parent's node, and copied
+        assert kept.sandbox_id == ep.id and kept.id in _snapshots_on(gateway, cluster, head)
 
         with pytest.raises(CapacityExceeded):
             parent.fork(500, spread=True, name="fk-too-many")
@@ -634,7 +636,7 @@ def test_sb_fork_spread_places_the_children_over_the_nodes_in_one_call(cluster, 
         with contextlib.suppress(SnapshotNotFound):
             corral.Snapshot.get("fk-ep-snap").delete()
         for n in cluster["nodes"]:
-            for sid in _snapshots_on(gateway, cluster, n):
+            for sid in set(_snapshots_on(gateway, cluster, n)) - before[n]:
                 _node_call(gateway, cluster, n, "DELETE", f"/v1/snapshots/{sid}")
         wait_until(lambda: all(_live(n) == 0 for n in cluster["nodes"]), timeout=15)
 
