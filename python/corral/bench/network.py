@@ -45,6 +45,7 @@ from corral.bench.results import OpResult
 from corral.bench.session import Session
 from corral.bench.stats import median, median_tree, ratio, summary
 from corral.daemon.network.firewall import Firewall
+from corral.daemon.network.links import enable_ipv4_forwarding
 from corral.daemon.network.settings import NetSettings
 from corral.errors import CorralError
 from corral.models import Network
@@ -521,9 +522,7 @@ def network(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
     missing = [t for t in ("ip", "nft") if shutil.which(t) is None]
     if missing:
         return {"skipped": f"{', '.join(missing)} not installed"}, {}
-    with open("/proc/sys/net/ipv4/ip_forward") as f:
-        if f.read().strip() != "1":  # no networked sandbox (nor the plain netns) gets out
-            return {"skipped": "net.ipv4.ip_forward is 0"}, {}
+    enable_ipv4_forwarding()  # as the daemon does: the plain netns is routed the same way
     count, R, conc = s.opts.n("network"), s.opts.runs, s.opts.concurrency
     top = s.opts.scale_to or count  # the scale curve's most live networked sandboxes
     n_rr, n_create, n_churn = min(count, 500), min(count, 50), min(count, 200)

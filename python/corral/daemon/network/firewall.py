@@ -29,7 +29,7 @@ from corral import _core
 
 from .nft import Nft, NftError
 from .policy import Policy
-from .settings import NetSettings
+from .settings import LINK_GATEWAY6, NetSettings
 
 PRIVATE4 = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "172.16.0.0/12",
             "192.168.0.0/16", "224.0.0.0/3")
@@ -105,15 +105,16 @@ class Firewall:
             no6 = "meta nfproto ipv6 iifname . ip6 saddr != @src6 drop"
             # Neighbour discovery (from its link-local or own address, hop limit 255: on the
             # link only) and the sandbox kernel's own link chatter (MLD, router solicitations:
-            # dropped, not counted); nothing else from a link-local source, nothing else to
-            # the host but a ping of the gateway.
+            # dropped, not counted); a ping of its gateway (the host end's link-local
+            # address: links.LINK_GATEWAY6); nothing else from a link-local source, nothing
+            # else to the host.
             to_host6 = (f"ip6 saddr fe80::/10 {nd} accept\n"
                         f"    iifname . ip6 saddr @src6 {nd} accept\n"
                         f"    ip6 daddr ff00::/8 drop\n"
+                        f"    ip6 daddr {LINK_GATEWAY6}/96 icmpv6 type echo-request accept\n"
                         f"    ip6 saddr fe80::/10 goto deny\n"
                         f"    iifname . ip6 saddr != @src6 drop\n"
                         f"    ct state established,related accept\n"
-                        f"    ip6 daddr {s.gateway6} icmpv6 type echo-request accept\n"
                         f"    goto deny")
             nat6 = f'ip6 saddr {s.range6} oifname "{s.uplink}" masquerade'
         return f"""

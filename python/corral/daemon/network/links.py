@@ -1,7 +1,8 @@
 """Links and addresses of networked sandboxes: a veth pair per sandbox, its host end holding
 the gateway address (the same on every host end) and a /32 route to the sandbox, its sandbox
-end "eth0" with the sandbox's /32 address and a default route via the gateway; the same for
-IPv6 (the IPv6 gateway, /128 address and routes) when the daemon has an IPv6 range. Routed, not
+end "eth0" with the sandbox's /32 address and a default route via the gateway; for IPv6 (when
+the daemon has an IPv6 range) a /128 address and route, and as the gateway a link-local
+address of the host end, its own per link (``Links.gateway6``). Routed, not
 bridged: every packet a sandbox sends crosses the host's IP stack, where the firewall sees
 it. The pair is made by the Rust core over rtnetlink (corral._core.veth_setup); the rarer
 operations (tc, deleting stale links) go through pyroute2, the sandbox end through a netlink
@@ -22,7 +23,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from corral import _core
 
-from .settings import NetSettings
+from .settings import LINK_GATEWAY6, NetSettings
 
 NETLINK_ROUTE = 0
 T = TypeVar("T")
@@ -48,8 +49,15 @@ class Links:
         return self.s.gateway + index
 
     def address6(self, index: int) -> ipaddress.IPv6Address | None:
-        gw6 = self.s.gateway6
-        return None if gw6 is None else gw6 + index
+        base = self.s.base6
+        return None if base is None else base + index
+
+    @staticmethod
+    def gateway6(index: int) -> ipaddress.IPv6Address:
+        """Sandbox slot i's IPv6 gateway: a link-local address of its link's host end, one
+        per link (a route that many links share costs every new link a walk of them:
+        corral._core.veth_setup)."""
+        return LINK_GATEWAY6 + index
 
     def capacity(self) -> int:
         n = self.s.range4.num_addresses - 3  # network, gateway, broadcast
@@ -63,7 +71,7 @@ class Links:
         a range for it and ``v6``."""
         host, addr, gw = self.ifname(index), str(self.address(index)), str(self.s.gateway)
         a6 = self.address6(index) if v6 else None
-        six = (str(self.s.gateway6), str(a6)) if a6 is not None else (None, None)
+        six = (str(self.gateway6(index)), str(a6)) if a6 is not None else (None, None)
         try:
             _core.veth_setup(netns_fd, host, gw, addr, *six)
         except FileExistsError:
@@ -122,6 +130,16 @@ class Links:
     def close(self) -> None:
         self._call(self._ipr.close)
         self._worker.shutdown(wait=True)
+
+
+def enable_ipv4_forwarding() -> None:
+    """net.ipv4.ip_forward on (the sandboxes' IPv4 is routed through the host, as a container
+    runtime's is). The host's own traffic is unchanged; what may cross it between other
+    interfaces is the host firewall's to decide."""
+    with open("/proc/sys/net/ipv4/ip_forward") as f:
+        if f.read().strip() == "1":
+            return
+    _sysctl("/proc/sys/net/ipv4/ip_forward", "1")
 
 
 def enable_ipv6_forwarding() -> None:

@@ -245,8 +245,13 @@ class NetworkManager:
         self._take_ownership()
         # pyroute2 and dnslib load here: a daemon that never networks a sandbox pays nothing
         from .dns import DnsProxy
-        from .links import Links, enable_ipv6_forwarding
+        from .links import Links, enable_ipv4_forwarding, enable_ipv6_forwarding
 
+        try:
+            enable_ipv4_forwarding()
+        except OSError as e:
+            raise Unsupported(f"cannot enable IPv4 forwarding (net.ipv4.ip_forward) for the "
+                              f"sandboxes' network: {e}") from None
         if self.s.range6 is not None:
             try:
                 enable_ipv6_forwarding()
@@ -666,7 +671,7 @@ class NetworkManager:
             return None
         stats = _link_stats(att.ifname)
         now = time.time()
-        gw6 = self.s.gateway6 if self.s and att.address6 is not None else None
+        gw6 = self.links.gateway6(att.index) if att.address6 is not None else None
         denied = self.fw.denied_count(att.ifname)
         # Destinations are counted by the rule that counts ``denied``: none refused, none to
         # dump (two netlink dumps saved on every create's answer)

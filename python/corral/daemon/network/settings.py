@@ -14,6 +14,9 @@ DEFAULT_CONFIG = "/etc/corral/network.json"
 NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 RESERVED = ("none", "disabled", "internet", "policy")
 DEFAULT_RANGE6 = "fdc3:a1d2:213::/112"
+# A sandbox's IPv6 gateway: this + its slot, a link-local address of its link's host end
+# (corral.daemon.network.links.Links.gateway6).
+LINK_GATEWAY6 = ipaddress.IPv6Address("fe80::c0:0:0")
 
 # Shipped examples, overridden (or removed: an empty list) by the config file's "allowlists".
 EXAMPLE_ALLOWLISTS: dict[str, list[str]] = {
@@ -91,7 +94,8 @@ class NetSettings:
         return self.range4.network_address + 1
 
     @property
-    def gateway6(self) -> ipaddress.IPv6Address | None:
+    def base6(self) -> ipaddress.IPv6Address | None:
+        """Sandbox slot i's IPv6 address is this + i (as IPv4's is the gateway's + i)."""
         return None if self.range6 is None else self.range6.network_address + 1
 
 
