@@ -12,24 +12,15 @@ spread children landed.
 
 from __future__ import annotations
 
-import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter
 
-os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1
+from twonodes import two_nodes  # first: before Ray is imported
 
-import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-
-import corral  # noqa: E402
-import corral.cluster  # noqa: E402
-
-NODE = {"num_cpus": 1, "object_store_memory": 80 << 20, "node_ip_address": "127.0.0.1"}
+import corral
+import corral.cluster
 
 
 def one(parent: corral.Sandbox, k: int, spread: bool) -> tuple[float, Counter[str]]:
@@ -42,14 +33,7 @@ def one(parent: corral.Sandbox, k: int, spread: bool) -> tuple[float, Counter[st
 
 
 def main(n: int, k: int) -> None:
-    root = tempfile.mkdtemp(prefix="corral-cluster-bench-", dir="/var/tmp")
-    c = Cluster(initialize_head=True, head_node_args=dict(NODE, include_dashboard=False))
-    try:
-        c.add_node(**NODE)
-        ray.init(address=c.address, namespace=corral.cluster.NAMESPACE, log_to_driver=False)
-        corral.cluster.start(name=f"b{os.getpid()}", state_root=root,
-                             run_dir=os.path.join(root, "run"), max_sandboxes=4 * k + 8)
-        corral.cluster.connect()
+    with two_nodes(max_sandboxes=4 * k + 8):
         parent = corral.Sandbox(image="host", memory_mb=128, timeout=3600)
         parent.exec("mkdir -p /work && head -c 4000000 /dev/urandom > /work/state.bin").check()
         for spread in (False, True):  # warm both paths
@@ -70,13 +54,6 @@ def main(n: int, k: int) -> None:
         print("  spread children per node: "
               + ", ".join(f"{node[:8]} {c}" for node, c in places.most_common()))
         parent.kill()
-    finally:
-        try:
-            corral.cluster.stop()
-        finally:
-            ray.shutdown()
-            c.shutdown()
-            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -11,24 +11,15 @@ over both nodes against one node's own batch.
 
 from __future__ import annotations
 
-import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
-os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1
+from twonodes import two_nodes  # first: before Ray is imported
 
-import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-
-import corral  # noqa: E402
-import corral.cluster  # noqa: E402
-from corral.sdk.endpoint import Endpoint  # noqa: E402
-
-NODE = {"num_cpus": 1, "object_store_memory": 80 << 20, "node_ip_address": "127.0.0.1"}
+import corral
+import corral.cluster
+from corral.sdk.endpoint import Endpoint
 
 
 def round_trip(endpoint: Endpoint) -> float:
@@ -48,14 +39,7 @@ def batch_round(endpoint: Endpoint, b: int) -> float:
 
 
 def main(n: int, batch: int = 0) -> None:
-    root = tempfile.mkdtemp(prefix="corral-cluster-bench-", dir="/var/tmp")
-    c = Cluster(initialize_head=True, head_node_args=dict(NODE, include_dashboard=False))
-    try:
-        c.add_node(**NODE)
-        ray.init(address=c.address, namespace=corral.cluster.NAMESPACE, log_to_driver=False)
-        corral.cluster.start(name=f"b{os.getpid()}", state_root=root,
-                             run_dir=os.path.join(root, "run"))
-        gw = corral.cluster.connect()
+    with two_nodes() as gw:
         node = corral.cluster.status()["nodes"][0]
         direct = gw.on_node(node["endpoint"], node["node"])
         def one(ep: Endpoint) -> float:
@@ -70,14 +54,6 @@ def main(n: int, batch: int = 0) -> None:
         print(f"rounds={n} batch={batch} gateway median {g:.2f} ms, direct median {d:.2f} ms, "
               f"ratio {g / d:.2f}; means {statistics.mean(via) * 1e3:.2f} / "
               f"{statistics.mean(straight) * 1e3:.2f} ms")
-    finally:
-        try:
-            if ray.is_initialized():
-                corral.cluster.stop()
-        finally:
-            ray.shutdown()
-            c.shutdown()
-            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
