@@ -178,9 +178,11 @@ class Fork:
         await asyncio.gather(*(drop(n) for n in [self.parent, *self.copies]))
 
     async def undo(self, _: Any) -> None:
-        """The client left after the fork ended (unkeyed): its children are destroyed."""
+        """The client left after the fork ended (unkeyed): its children are destroyed and its
+        snapshot dropped, kept or not (as a node's fork does)."""
         if self.made is not None:
             await self.made.undo()
+        await self.drop_snapshot()
 
 
 async def fork(gw: Gateway, request: web.Request) -> web.StreamResponse:
