@@ -975,11 +975,18 @@ def test_a_sandbox_that_stops_new_processes_cannot_stall_the_daemon():
             assert await asyncio.to_thread(
                 wait_until, lambda: [c for c, _ in _procs(bad.id) if c == "sleep"] == []
                 and any(c == "sh" for c, _ in _procs(bad.id)))
-            held = [asyncio.create_task(bad.exec(["true"], timeout=120)) for _ in range(24)]
-            # The attack lands: commands' children stopped before their exec.
-            assert await asyncio.to_thread(
-                wait_until, lambda: any(st == "T" for _, st in _procs(bad.id)), 120)
+            # The attack races each command's fork-to-exec window: send commands, a round of
+            # 8 at a time, until one is caught stopped before its exec and held.
+            held: list[asyncio.Task] = []
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                round_ = [asyncio.create_task(bad.exec(["true"], timeout=120)) for _ in range(8)]
+                held += round_
+                _, pending = await asyncio.wait(round_, timeout=2)
+                if pending and any(st == "T" for _, st in _procs(bad.id)):
+                    break
             assert not all(t.done() for t in held), "the attack never landed"
+            assert any(st == "T" for _, st in _procs(bad.id))
             t0 = time.monotonic()
             for i in range(10):
                 r = await good.exec(f"echo {i}", timeout=10)
