@@ -78,7 +78,10 @@ def _response(r: Route) -> dict[str, Any]:
     schema: dict[str, Any]
     if isinstance(resp, str) and resp in _MEDIA:
         media = _MEDIA[resp]
-        schema = {"type": "string"} if resp in ("ndjson", "text", "html", "js") else _BINARY
+        # JSON lines are no one JSON document (a single line parses as one value): no schema
+        # of the whole body, as for the "also" media below.
+        schema = {} if resp == "ndjson" else \
+            {"type": "string"} if resp in ("text", "html", "js") else _BINARY
         return {"description": "OK", "content": {media: {"schema": schema}}}
     if resp == "ok":
         schema = _OK
