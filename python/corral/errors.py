@@ -81,9 +81,10 @@ class InvalidPath(InvalidRequest):
 class ForbiddenPath(InvalidPath):
     """A path the files API never serves: anything on a kernel pseudo-filesystem (/proc, /sys,
     cgroupfs, devpts, debugfs, ...) and device nodes, FIFOs and sockets, however reached
-    (symlinks, bind mounts, ``..``)."""
+    (symlinks, bind mounts, ``..``). 403: a well-formed path that this API refuses to
+    serve, which no schema can tell apart from one it serves."""
 
-    code, status = "forbidden_path", 400
+    code, status = "forbidden_path", 403
 
 
 class TooLarge(InvalidRequest):
