@@ -46,7 +46,7 @@ from corral.bench.session import Session
 from corral.bench.stats import median, median_tree, ratio, summary
 from corral.daemon.network.firewall import Firewall
 from corral.daemon.network.links import enable_ipv4_forwarding
-from corral.daemon.network.settings import NetSettings
+from corral.daemon.network.settings import NetSettings, ipv6_available
 from corral.errors import CorralError
 from corral.models import Network
 from corral.sdk import AsyncSandbox, Sandbox
@@ -160,6 +160,8 @@ class Net:
         while y_raw == y_daemon:
             y_raw = _free16()
         self.raw_net = f"10.{y_raw}.0.0"
+        # Each its own IPv6 range: raw sets its sandboxes up dual-stack where the daemon does
+        self.raw_net6 = f"fd5b:{tag[:4]}:{y_raw:x}::" if ipv6_available() else None
         try:
             self.plain = PlainNetns.start(self.uplink, f"{s.prefix}netplain", CPUS)
             env = {"CORRAL_UPLINK": self.uplink.ifname, "CORRAL_DNS_UPSTREAM": self.uplink.dns,
@@ -174,6 +176,7 @@ class Net:
             self.daemon.start()
             self.raw_fw = Firewall(NetSettings(
                 uplink=self.uplink.ifname, range4=ipaddress.IPv4Network(f"{self.raw_net}/16"),
+                range6=ipaddress.IPv6Network(f"{self.raw_net6}/112") if self.raw_net6 else None,
                 table=self.raw_table, ifprefix=self.raw_prefix))
             self.raw_fw.install()
         except BaseException:
@@ -235,7 +238,7 @@ class Net:
                 "nft_tables": [self.table, self.raw_table, f"cbench_{t}"]}
 
     def veth(self, internet: bool) -> Veth:
-        return Veth(self.raw_prefix, self.raw_table, self.raw_net, internet)
+        return Veth(self.raw_prefix, self.raw_table, self.raw_net, internet, self.raw_net6)
 
 
 def _free16() -> int:

@@ -84,12 +84,14 @@ class Veth:
     ``<ifprefix><slot>`` routed as corral's, its addresses in ``net``/16 (the gateway first),
     and its elements in the nftables table ``table`` (inet, written by the caller with
     corral's ruleset); ``internet``: also in the ``internet`` set (else a policy of names,
-    which adds nothing at create)."""
+    which adds nothing at create); ``net6``: dual-stack, as a daemon with an IPv6 range
+    (its addresses in ``net6``/112, its link-local gateway on the host end)."""
 
     ifprefix: str
     table: str
     net: str           # "10.Y.0.0"
     internet: bool
+    net6: str | None = None  # "fd5b:X:Y::"
 
 
 class RawBaseline:
@@ -116,6 +118,7 @@ class RawBaseline:
         if veth is not None:
             a += ["--veth", veth.ifprefix, "--veth-table", veth.table, "--veth-net", veth.net]
             a += ["--veth-internet"] if veth.internet else []
+            a += ["--veth-net6", veth.net6] if veth.net6 else []
         if self.tmpfs:
             a.append("--tmpfs")
         if self.memcg_spares:

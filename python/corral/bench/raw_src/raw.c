@@ -43,10 +43,11 @@
  *   --detach PATH: a mount of this process's namespace the sandbox never reaches, detached
  *            (MNT_DETACH) in the sandbox's copy before the root switch (corral: layout.py
  *            detachable_mounts); one no longer a mount is skipped.
- *   --veth PREFIX --veth-table T --veth-net A.B.C.D [--veth-internet]: corral's networked
- *            sandbox ("internet" with --veth-internet, else a policy of names): --netns, plus
- *            a veth pair and the sandbox's elements in the nftables table T (inet; the
- *            caller writes it, with corral's ruleset), as described at "veth" below.
+ *   --veth PREFIX --veth-table T --veth-net A.B.C.D [--veth-net6 X::] [--veth-internet]:
+ *            corral's networked sandbox ("internet" with --veth-internet, else a policy of
+ *            names): --netns, plus a veth pair and the sandbox's elements in the nftables
+ *            table T (inet; the caller writes it, with corral's ruleset), as described at
+ *            "veth" below; dual-stack with --veth-net6 (the daemon's IPv6 range).
  *   --disabled: corral's network "disabled": every sandbox joins one network namespace made at
  *   start (no --netns), and each process also enters a Landlock domain scoped for abstract
  *   unix sockets (after no_new_privs), as rust/src/harden.rs does
@@ -68,6 +69,7 @@
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <net/if.h>
+#include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
 #include <stddef.h>
@@ -119,6 +121,8 @@ static struct {
     const char *veth, *veth_table;
     uint32_t veth_net; /* host order; the gateway is +1, sandbox idx gets +2+idx */
     int veth_internet;
+    int veth_v6;                  /* --veth-net6: IPv6 as corral sets it up, too */
+    struct in6_addr veth_net6;    /* sandbox idx gets +2+idx */
     const char *lazy;      /* v1 controllers made at the first exec (comma list) */
     char sys_dir[4096];    /* --sys: the /sys skeleton bound read-only into each sandbox */
     int nbind;             /* --proc-bind SRC=NAME: files bound read-only over /proc/NAME */
@@ -799,7 +803,11 @@ static void dev_dir_setup(void) {
  * gateway (this process enters the netns for that half); then one nf_tables batch adding
  * the sandbox's elements to the caller's table (src4, shard -> jump p<slot % 256>, and
  * internet with --veth-internet). Destroy: one batch destroying them (src4, internet, denied,
- * conns, shard), then the kill; the kernel removes the veth with the netns. */
+ * conns, shard), then the kill; the kernel removes the veth with the netns. With
+ * --veth-net6, IPv6 too, as corral's netlink.rs: the IPv6 sysctls of both ends (no DAD, RA,
+ * solicitations; no link-local address of the host end's own), the link-local gateway
+ * fe80::c0:0:<slot> (no prefix route) on the host end and a /128 route to the sandbox,
+ * eth0's /128 and a default route via the gateway, and the src6 element. */
 #include <arpa/inet.h>
 #include <linux/if_link.h>
 #include <linux/netfilter/nf_tables.h>
@@ -854,10 +862,18 @@ static void nl_close(struct nlb *m, int at) {
     ((struct nlmsghdr *)(m->b + at))->nlmsg_len = (uint32_t)(m->len - at);
 }
 
-/* Send m on a fresh socket of `proto` (in this process's netns) and read `acks` acks;
- * 0, or -errno of the first error. */
+/* This process's nf_tables socket, kept open as corral's (rust/src/nftset.rs): the close
+ * of one waits out earlier transactions' release. Put back after a clean exchange only. */
+static int g_nfsock = -1;
+static pid_t g_nfsock_pid;
+
+/* Send m on a socket of `proto` (in this process's netns: a fresh one, or the kept one for
+ * nf_tables) and read `acks` acks; 0, or -errno of the first error. */
 static int nl_talk(int proto, struct nlb *m, int acks) {
-    int fd = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, proto);
+    int keep = proto == NETLINK_NETFILTER;
+    int fd = keep && g_nfsock >= 0 && g_nfsock_pid == getpid() ? g_nfsock : -1;
+    if (keep) g_nfsock = -1;
+    if (fd < 0) fd = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, proto);
     if (fd < 0) return -errno;
     int rc = 0;
     if (send(fd, m->b, m->len, 0) < 0) rc = -errno;
@@ -879,7 +895,8 @@ static int nl_talk(int proto, struct nlb *m, int acks) {
             }
         }
     }
-    close(fd);
+    if (keep && !rc) g_nfsock = fd, g_nfsock_pid = getpid();
+    else close(fd);
     return rc;
 }
 
@@ -922,6 +939,79 @@ static int rt_route(uint32_t dst, uint32_t gw, int idx) {
     nl_attr(&m, RTA_OIF, &oif, 4);
     nl_close(&m, at);
     return rt_call(&m);
+}
+
+/* IPv6: `a`/`plen` on link idx (a link-local one: scope link, no prefix route), no DAD. */
+static int rt_addr6(int idx, const struct in6_addr *a, int plen, int link_local) {
+    struct nlb m = {.len = 0};
+    struct ifaddrmsg f = {.ifa_family = AF_INET6, .ifa_prefixlen = (unsigned char)plen,
+                          .ifa_scope = link_local ? RT_SCOPE_LINK : RT_SCOPE_UNIVERSE,
+                          .ifa_index = (unsigned)idx};
+    int at = nl_msg(&m, RTM_NEWADDR, RQ | CX, 1, &f, sizeof f);
+    nl_attr(&m, IFA_LOCAL, a, 16);
+    nl_attr(&m, IFA_ADDRESS, a, 16);
+    uint32_t fl = IFA_F_NODAD | (link_local ? IFA_F_NOPREFIXROUTE : 0);
+    if (link_local) nl_attr(&m, IFA_FLAGS, &fl, 4);
+    nl_close(&m, at);
+    return rt_call(&m);
+}
+
+/* IPv6: dst/128 on the link (dst), or the default route via gw. */
+static int rt_route6(const struct in6_addr *dst, const struct in6_addr *gw, int idx) {
+    struct nlb m = {.len = 0};
+    struct rtmsg f = {.rtm_family = AF_INET6, .rtm_dst_len = dst ? 128 : 0,
+                      .rtm_table = RT_TABLE_MAIN, .rtm_protocol = RTPROT_STATIC,
+                      .rtm_scope = RT_SCOPE_UNIVERSE, .rtm_type = RTN_UNICAST};
+    int at = nl_msg(&m, RTM_NEWROUTE, RQ | CX, 1, &f, sizeof f);
+    if (dst) nl_attr(&m, RTA_DST, dst, 16);
+    if (gw) nl_attr(&m, RTA_GATEWAY, gw, 16);
+    uint32_t oif = (uint32_t)idx;
+    nl_attr(&m, RTA_OIF, &oif, 4);
+    nl_close(&m, at);
+    return rt_call(&m);
+}
+
+/* The IPv6 sysctls corral writes on interface `name` of this thread's netns: off, or on
+ * without DAD, RA and solicitations, and with a link-local address only if link_local. */
+static void ipv6_conf(const char *name, int on, int link_local) {
+    char p[128];
+    snprintf(p, sizeof p, "/proc/sys/net/ipv6/conf/%s", name);
+    int dir = open(p, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir < 0) return; /* no IPv6 here */
+    static const char *const off[] = {"disable_ipv6=1", NULL};
+    static const char *const on_ll[] = {"accept_dad=0", "dad_transmits=0", "accept_ra=0",
+                                        "autoconf=0", "router_solicitations=0",
+                                        "disable_ipv6=0", NULL};
+    const char *const *keys = on ? on_ll : off;
+    if (on && !link_local) { /* IN6_ADDR_GEN_MODE_NONE: no link-local of its own */
+        int fd = openat(dir, "addr_gen_mode", O_WRONLY | O_CLOEXEC);
+        if (fd >= 0 && write(fd, "1", 1) < 0) { /* a key this kernel lacks: skipped */ }
+        if (fd >= 0) close(fd);
+    }
+    for (; *keys; keys++) {
+        char k[32];
+        const char *eq = strchr(*keys, '=');
+        snprintf(k, sizeof k, "%.*s", (int)(eq - *keys), *keys);
+        int fd = openat(dir, k, O_WRONLY | O_CLOEXEC);
+        if (fd < 0) continue;
+        if (write(fd, eq + 1, 1) < 0) { /* as corral: a key this kernel lacks is skipped */ }
+        close(fd);
+    }
+    close(dir);
+}
+
+/* Slot idx's IPv6 addresses: the sandbox's (net6 + 2 + idx) and its gateway's, the host
+ * end's link-local fe80::c0:0:<slot>. */
+static void veth_names6(const struct sb *s, struct in6_addr *a6, struct in6_addr *gw6) {
+    *a6 = G.veth_net6;
+    uint32_t low;
+    memcpy(&low, a6->s6_addr + 12, 4);
+    low = htonl(ntohl(low) + 2 + (uint32_t)s->idx);
+    memcpy(a6->s6_addr + 12, &low, 4);
+    memset(gw6, 0, sizeof *gw6);
+    gw6->s6_addr[0] = 0xfe, gw6->s6_addr[1] = 0x80, gw6->s6_addr[11] = 0xc0;
+    uint32_t slot = htonl((uint32_t)s->idx + 2);
+    memcpy(gw6->s6_addr + 12, &slot, 4);
 }
 
 static void veth_names(const struct sb *s, char *ifname, uint32_t *addr, uint32_t *gw) {
@@ -970,21 +1060,27 @@ static int veth_setup(const struct sb *s) {
     int hidx = (int)if_nametoindex(host);
     step = "if_nametoindex";
     if (!hidx) goto out;
-    snprintf(p, sizeof p, "/proc/sys/net/ipv6/conf/%s/disable_ipv6", host);
-    write_file(p, "1");
+    struct in6_addr a6, gw6;
+    veth_names6(s, &a6, &gw6);
+    ipv6_conf(host, G.veth_v6, 0);
     VK(rt_addr(hidx, gw));
+    if (G.veth_v6) VK(rt_addr6(hidx, &gw6, 64, 1));
     VK(rt_up(hidx));
     VK(rt_route(addr, 0, hidx));
+    if (G.veth_v6) VK(rt_route6(&a6, NULL, hidx));
     step = "setns";
     if (setns(ns, CLONE_NEWNET) < 0) goto out;
     in_ns = 1;
     int gidx = (int)if_nametoindex("eth0");
     step = "if_nametoindex eth0";
     if (!gidx) goto out;
+    ipv6_conf("eth0", G.veth_v6, 1);
     VK(rt_addr(gidx, addr));
+    if (G.veth_v6) VK(rt_addr6(gidx, &a6, 128, 0));
     VK(rt_up(gidx));
     VK(rt_route(gw, 0, gidx));
     VK(rt_route(0, gw, gidx));
+    if (G.veth_v6) VK(rt_route6(NULL, &gw6, gidx));
     if (setns(g_hostnet, CLONE_NEWNET) < 0) die("setns back to the host netns");
     close(ns);
     return 0;
@@ -998,16 +1094,21 @@ out:
 /* One nf_tables batch of element lists on G.veth_table (inet): add (NEWSETELEM) or destroy
  * (DESTROYSETELEM) this sandbox's elements. */
 static int nft_elems(const struct sb *s, int add) {
-    char host[IFNAMSIZ], key[IFNAMSIZ + 4], chain[8];
+    char host[IFNAMSIZ], key[IFNAMSIZ + 16], key6[IFNAMSIZ + 16], chain[8];
     uint32_t addr, gw;
+    struct in6_addr a6, gw6;
     veth_names(s, host, &addr, &gw);
+    veth_names6(s, &a6, &gw6);
     memset(key, 0, sizeof key);
     memcpy(key, host, strlen(host));
+    memcpy(key6, key, sizeof key6);
     memcpy(key + IFNAMSIZ, &addr, 4);
+    memcpy(key6 + IFNAMSIZ, &a6, 16);
     snprintf(chain, sizeof chain, "p%ld", (s->idx + 2) % 256);
-    const char *sets[5];
+    const char *sets[6];
     int ns = 0;
     sets[ns++] = "src4";
+    if (G.veth_v6) sets[ns++] = "src6";
     sets[ns++] = "shard";
     if (!add || G.veth_internet) sets[ns++] = "internet";
     if (!add) sets[ns++] = "denied", sets[ns++] = "conns";
@@ -1025,7 +1126,8 @@ static int nft_elems(const struct sb *s, int add) {
         nl_begin(&m, NFTA_SET_ELEM_LIST_ELEMENTS);
         nl_begin(&m, NFTA_LIST_ELEM);
         nl_begin(&m, NFTA_SET_ELEM_KEY);
-        nl_attr(&m, NFTA_DATA_VALUE, key, strcmp(sets[i], "src4") ? IFNAMSIZ : IFNAMSIZ + 4);
+        if (!strcmp(sets[i], "src6")) nl_attr(&m, NFTA_DATA_VALUE, key6, IFNAMSIZ + 16);
+        else nl_attr(&m, NFTA_DATA_VALUE, key, strcmp(sets[i], "src4") ? IFNAMSIZ : IFNAMSIZ + 4);
         nl_end(&m);
         if (add && !strcmp(sets[i], "shard")) {
             nl_begin(&m, NFTA_SET_ELEM_DATA);
@@ -1456,7 +1558,7 @@ static void mode_idle(void) {
 }
 
 static void usage(void) {
-    fprintf(stderr, "usage: raw churn|exec|idle N [--conc C] [--netns|--disabled] [--veth PREFIX --veth-table T --veth-net A.B.C.D [--veth-internet]] [--no-harden] [--tmpfs] [--memcg-spares K] [--cgroup-spares K] "
+    fprintf(stderr, "usage: raw churn|exec|idle N [--conc C] [--netns|--disabled] [--veth PREFIX --veth-table T --veth-net A.B.C.D [--veth-net6 X::] [--veth-internet]] [--no-harden] [--tmpfs] [--memcg-spares K] [--cgroup-spares K] "
                     "[--cg CTL,CTL] [--lazy CTL,CTL] [--subvol MB] [--sys DIR] [--proc-bind SRC=NAME] "
                     "--state DIR --cgroup NAME --init BIN "
                     "--ov TARGET=LOWER[:LOWER] ...\n");
@@ -1488,6 +1590,11 @@ int main(int argc, char **argv) {
             struct in_addr in;
             if (inet_pton(AF_INET, v, &in) != 1) usage();
             G.veth_net = ntohl(in.s_addr);
+            i++;
+        }
+        else if (!strcmp(a, "--veth-net6")) {
+            if (inet_pton(AF_INET6, v, &G.veth_net6) != 1) usage();
+            G.veth_v6 = 1;
             i++;
         }
         else if (!strcmp(a, "--state")) G.state = v, i++;

@@ -355,9 +355,10 @@ table {self.t} {{
             _core.nft_add_elements(self.s.table, batch)
 
     def detach(self, ifname: str, addr: ipaddress.IPv4Address,
-               addr6: ipaddress.IPv6Address | None, elems: dict[str, list[str]]) -> None:
+               addr6: ipaddress.IPv6Address | None, elems: dict[str, list[str]],
+               denied: int | None = None) -> None:
         """Remove every element of this sandbox (those that expired meanwhile too) in one
-        transaction."""
+        transaction. ``denied``: its denied count, when the caller has just read it."""
         i = _ifname(ifname)
         sets = {"src4": [f"{i} . {addr}"], "internet": [i], "denied": [i], "conns": [i],
                 "shard": [i], "src6": [f"{i} . {addr6}"] if addr6 is not None else []}
@@ -365,7 +366,7 @@ table {self.t} {{
             sets.setdefault(k, []).extend(v)
         # Its denied destinations too (the interface name is used again by a later
         # sandbox); a sandbox never refused has none, so no dump of the set for it.
-        if self.denied_count(ifname):
+        if self.denied_count(ifname) if denied is None else denied:
             for a in self.denied_destinations(ifname):
                 sets.setdefault("denied_to6" if ":" in a else "denied_to4", []).append(
                     f"{i} . {a}")

@@ -636,13 +636,14 @@ class NetworkManager:
             if att is not None:
                 self._by_addr.pop(str(att.address), None)
         if att is not None:
-            self._release(att)
+            self._release(att, final["denied_packets"] if final is not None else None)
 
-    def _release(self, att: Attachment) -> None:
+    def _release(self, att: Attachment, denied: int | None = None) -> None:
+        """``denied``: its denied count as just read (by ``info``), not read again."""
         with att.lock:
             try:
                 self.fw.peers(self._group_pairs(att), add=False)
-                self.fw.detach(att.ifname, att.address, att.address6, att.elems)
+                self.fw.detach(att.ifname, att.address, att.address6, att.elems, denied)
             except Exception:
                 log.warning("network: cannot remove the rules of %s", att.sandbox_id,
                             exc_info=True)
