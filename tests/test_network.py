@@ -1326,3 +1326,48 @@ def test_one_sandbox_flooding_its_resolver_does_not_starve_the_others(net: Env):
         assert r["resolve=allowed.test"] == [net.lab.addr(10)], r
         assert ok(r["connect=allowed.test:80"]), r
         assert wait_until(lambda: rate_limited() > before + 1000, timeout=30)
+
+
+def _netfilter_sockets_of(pid: int) -> set[str]:
+    """Socket inodes of ``pid``'s NETLINK_NETFILTER sockets (its netns's /proc/net/netlink)."""
+    with open(f"/proc/{pid}/net/netlink") as f:
+        next(f)
+        return {cols[-1] for cols in (ln.split() for ln in f) if cols[1] == "12"}
+
+
+def test_no_process_of_a_sandbox_holds_the_daemons_nftables_sockets(net: Env):
+    """The daemon keeps one nf_tables socket per thread, opened as root on the host: a copy in
+    a sandbox would be a handle on the host's firewall. None is ever in one (its processes'
+    fd tables, read from the host)."""
+    with net.sandbox(network="internet") as sb, net.sandbox(network="none") as other:
+        for box in (sb, other):
+            box.exec("sleep 30 >/dev/null 2>&1 &", timeout=10)
+            assert box.info().state == "running"
+        daemon_socks = _netfilter_sockets_of(net.d.proc.pid)
+        held = {os.readlink(f"/proc/{net.d.proc.pid}/fd/{fd}")
+                for fd in os.listdir(f"/proc/{net.d.proc.pid}/fd")}
+        assert {f"socket:[{i}]" for i in daemon_socks} & held, "the daemon keeps none"
+        for box in (sb, other):
+            host_pids = _host_pids(box.info().init_pid)
+            assert len(host_pids) >= 2, host_pids  # the init and the sleep at least
+            for pid in host_pids:
+                try:
+                    fds = {os.readlink(f"/proc/{pid}/fd/{fd}")
+                           for fd in os.listdir(f"/proc/{pid}/fd")}
+                except FileNotFoundError:
+                    continue  # a process that ended meanwhile
+                assert not fds & {f"socket:[{i}]" for i in daemon_socks}, (box.id, pid, fds)
+
+
+def _host_pids(init_pid: int) -> list[int]:
+    """The host pids of ``init_pid`` and its descendants."""
+    out, todo = [], [init_pid]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return out
