@@ -196,6 +196,49 @@ def _gateway_up(cluster: dict) -> None:
         corral.cluster.connect()
 
 
+@ray.remote(num_cpus=0)
+def _tenant_job(token: str, other: str | None) -> dict[str, Any]:
+    """A tenant's Ray job: connects with its own token, makes a sandbox on the worker node
+    and runs a command in it, then looks for ``other`` (another tenant's sandbox)."""
+    corral.cluster.connect(token=token)
+    got: dict[str, Any] = {}
+    sb = corral.Sandbox(image="host", memory_mb=64, timeout=300,
+                        node_selector={"role": "worker"})
+    got["id"], got["node"] = sb.id, sb.info().node
+    got["out"] = sb.exec("echo mine").stdout
+    got["listed"] = sorted(b.id for b in corral.Sandbox.list())
+    if other is not None:
+        try:
+            corral.Sandbox.connect(other).exec("echo theirs")
+            got["reached"] = True
+        except corral.errors.NotFound as e:
+            got["reached"] = e.code
+    return got
+
+
+def test_a_tenants_ray_job_connects_with_its_token_and_reaches_only_its_own(cluster):
+    """``connect(token=...)`` in a Ray job: the job acts as its tenant at the gateway and
+    at the node its handle talks to; another tenant's job neither lists nor reaches its
+    sandbox; a bare ``connect()`` is the admin's and sees both."""
+    worker = _worker(cluster)
+    alice = ray.get(_tenant_job.remote(TOKENS["alice"], None), timeout=180)
+    try:
+        assert alice["node"] == worker and alice["out"] == "mine\n", alice
+        assert alice["id"] in alice["listed"]
+        bob = ray.get(_tenant_job.remote(TOKENS["bob"], alice["id"]), timeout=180)
+        try:
+            assert bob["reached"] == "sandbox_not_found", bob
+            assert alice["id"] not in bob["listed"] and bob["id"] not in alice["listed"]
+            admin = {b.id for b in corral.Sandbox.list()}  # this process: a bare connect()
+            assert {alice["id"], bob["id"]} <= admin
+        finally:
+            corral.Sandbox.connect(bob["id"]).kill()
+    finally:
+        corral.Sandbox.connect(alice["id"]).kill()
+    with pytest.raises(corral.errors.InvalidRequest):
+        corral.cluster.connect(token="")
+
+
 def test_a_lost_nodes_episode_is_read_and_replayed_on_a_survivor(cluster):
     """An episode runs on a node, the node's supervisor is killed (its corrald and sandboxes
     go with it): through the gateway its log is still there (ended ``lost``), and `corral

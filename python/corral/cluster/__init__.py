@@ -105,12 +105,19 @@ def autoscale(settings: dict[str, Any] | None, address: str | None = None
     return got
 
 
-def connect(address: str | None = None) -> Endpoint:
+def connect(address: str | None = None, *, token: str | None = None) -> Endpoint:
     """Point this process's SDK at the cluster's gateway (sets ``CORRAL_URL``; the token is
-    kept in this process only), so ``Sandbox(...)`` works unchanged. Its endpoint."""
+    kept in this process only), so ``Sandbox(...)`` works unchanged. Its endpoint.
+
+    ``token``: a tenant's token (docs/daemon.md, Tenants): this process then acts as that
+    tenant, at the gateway and at every node a handle reaches, and sees only the tenant's
+    sandboxes, snapshots and trajectories. Without it, the cluster's own token (the admin's,
+    which reaches everything): give a tenant's job its token, not a bare ``connect()``."""
     ray = _ray(address)
-    url, token = ray.get(_gateway(ray).endpoint.remote())
-    set_token(url, token)
+    url, cluster_token = ray.get(_gateway(ray).endpoint.remote())
+    if token is not None and not token:
+        raise InvalidRequest("connect(token=...): an empty token")
+    set_token(url, token or cluster_token)
     os.environ["CORRAL_URL"] = url
     return Endpoint(url)
 

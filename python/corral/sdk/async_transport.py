@@ -63,11 +63,8 @@ class AsyncTransport:
                                         socket_factory=_node_socket)
         else:
             conn = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, keepalive_timeout=30)
-        headers = {}
-        if auth := endpoint.auth_header():
-            headers["Authorization"] = auth
         self._session = aiohttp.ClientSession(
-            connector=conn, headers=headers, skip_auto_headers=("User-Agent",),
+            connector=conn, skip_auto_headers=("User-Agent",),
             auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None))
         if endpoint.node is not None and hasattr(self._session, "_retry_connection"):
             # aiohttp sends an idempotent request again on a new connection when its
@@ -93,6 +90,8 @@ class AsyncTransport:
             headers = dict(headers or {}, **{"Idempotency-Key": call.key})
         if call.headers:
             headers = {**(headers or {}), **call.headers}
+        if auth := self.endpoint.auth_header():  # per call: connect(token=) may switch it
+            headers = dict(headers or {}, Authorization=auth)
         retried = started = False
         while True:
             try:

@@ -21,11 +21,20 @@ UNIX_PREFIX = "unix://"
 
 # Bearer tokens this process was handed for an endpoint URL (a cluster gateway and its nodes).
 _tokens: dict[str, str] = {}
+# A node's URL -> the gateway URL its token was taken from: a new token for that gateway
+# (``connect(token=...)`` as another tenant) is the token for its nodes too.
+_token_source: dict[str, str] = {}
 
 
 def set_token(url: str, token: str) -> None:
-    """Use ``token`` for calls to ``url`` from this process (instead of ``CORRAL_TOKEN``)."""
-    _tokens[url.rstrip("/")] = token
+    """Use ``token`` for calls to ``url`` from this process (instead of ``CORRAL_TOKEN``),
+    and for the cluster nodes this process reached through ``url``."""
+    url = url.rstrip("/")
+    _tokens[url] = token
+    _token_source.pop(url, None)
+    for node, source in _token_source.items():
+        if source == url:
+            _tokens[node] = token
 
 
 @dataclass(frozen=True)
@@ -73,14 +82,18 @@ class Endpoint:
 
     def auth_header(self) -> str | None:
         """``Bearer <CORRAL_TOKEN>`` for remote endpoints (the unix socket needs none)."""
+        if self.url.startswith(UNIX_PREFIX):
+            return None
         token = _tokens.get(self.url) or os.environ.get("CORRAL_TOKEN", "")
-        return f"Bearer {token}" if token and not self.unix_path else None
+        return f"Bearer {token}" if token else None
 
     def on_node(self, url: str, node: str | None) -> Endpoint:
         """The endpoint of the cluster node a gateway placed a sandbox on: same token."""
         ep = Endpoint(url.rstrip("/"), node, self.gateway or self.url)
-        if self.url in _tokens and ep.url not in _tokens:
-            _tokens[ep.url] = _tokens[self.url]
+        source = _token_source.get(self.url, self.url)
+        if source in _tokens and (ep.url not in _tokens or ep.url in _token_source):
+            _tokens[ep.url] = _tokens[source]
+            _token_source[ep.url] = source
         return ep
 
     def placed(self, info: object) -> Endpoint:

@@ -75,8 +75,7 @@ class SyncTransport:
         self.endpoint = endpoint
         u = urlsplit(endpoint.base_url)
         self._headers = {"Host": u.netloc}
-        if auth := endpoint.auth_header():
-            self._headers["Authorization"] = auth
+        self._auth: str | None = None
         self._tls = ssl.create_default_context() if u.scheme == "https" else None
         self._host = u.hostname or "localhost"
         self._port = u.port or (443 if self._tls else 80)
@@ -143,6 +142,12 @@ class SyncTransport:
     # ---- calls ---------------------------------------------------------------------------
     def _start(self, call: Call[Any]) -> tuple[HTTPConnection, HTTPResponse]:
         """Send the request and read the response head."""
+        auth = self.endpoint.auth_header()  # looked up per call: connect(token=) may switch it
+        if auth != self._auth:
+            self._auth = auth
+            self._headers = {k: v for k, v in self._headers.items() if k != "Authorization"}
+            if auth:
+                self._headers["Authorization"] = auth
         headers = self._headers
         if call.body is not None:
             headers = {**headers, "Content-Type": call.content_type}
