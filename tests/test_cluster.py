@@ -109,6 +109,36 @@ def test_cli_status_shows_the_nodes(cluster):
     assert st["gateway"].startswith("http://127.0.0.1:")
 
 
+def test_status_shows_live_sandboxes_capacity_and_rates(cluster, gateway):
+    """Status sums the nodes' live counts and capacity, and shows creates and ends per
+    second, per node and for the cluster (from the nodes' reports); so does the CLI."""
+    boxes = corral.Sandbox.create_many(8, "host", memory_mb=64, timeout=120)
+    try:
+        seen: dict[str, Any] = {}
+
+        def made() -> bool:
+            seen.update(corral.cluster.status())
+            return seen["live"] == 8 and seen["creates_per_s"] > 0
+        assert wait_until(made, timeout=15, interval=0.2), seen
+        st = seen
+        assert st["capacity"] == sum(n["capacity"] for n in st["nodes"]) == 128
+        assert all(n["creates_per_s"] > 0 for n in st["nodes"]), st["nodes"]  # spread
+        assert st["creates_per_s"] <= 8 / 0.5  # 8 over at least one report's interval
+        r = subprocess.run([sys.executable, "-m", "corral.cli", "cluster", "status",
+                            "--address", cluster["ray"].address],
+                           capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, COLUMNS="200"))
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "8 live of 128" in r.stdout and "creates/s" in r.stdout, r.stdout
+    finally:
+        corral.Sandbox.kill_many(boxes, return_exceptions=True)
+
+    def ended() -> bool:
+        st = corral.cluster.status()
+        return st["live"] == 0 and st["ends_per_s"] > 0
+    assert wait_until(ended, timeout=15, interval=0.2), corral.cluster.status()
+
+
 def test_gateway_authenticates_and_is_no_data_path(cluster, gateway):
     code, body = _get(gateway.url + "/v1/cluster", None)
     assert code == 401 and body["error"]["code"] == "unauthorized"

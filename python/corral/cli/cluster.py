@@ -24,10 +24,13 @@ def _show(st: dict[str, Any], json_: bool) -> None:
         return
     out.print(f"gateway {st['gateway']} (cluster {st['cluster']}, power-of-{st['k']} "
               f"placement, {st['placed']} placed)")
-    t = Table("node", "endpoint", "live", "capacity", "free memory", "CPU", "images",
-              "labels", "report age")
+    out.print(f"{st['live']} live of {st['capacity']}; {st['creates_per_s']:.1f} creates/s, "
+              f"{st['ends_per_s']:.1f} ends/s (the last {st['rate_window_s']:.0f} s)")
+    t = Table("node", "endpoint", "live", "capacity", "creates/s", "ends/s", "free memory",
+              "CPU", "images", "labels", "report age")
     for n in st["nodes"]:
         t.add_row(n["node"][:16], n["endpoint"], str(n["live"]), str(n["capacity"]),
+                  f"{n['creates_per_s']:.1f}", f"{n['ends_per_s']:.1f}",
                   f"{n['mem_free_mb']} MiB", f"{n['cpu_busy']:.0%}", str(len(n["images"])),
                   ",".join(f"{k}={v}" for k, v in n["labels"].items()),
                   f"{n['report_age_s']:.1f} s")

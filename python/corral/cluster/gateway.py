@@ -25,6 +25,7 @@ from aiohttp import web
 
 from corral.cluster import batch, broadcast, drainmove, forks, reads, snapshots, trajship
 from corral.cluster.placement import NodeLoad, choose
+from corral.cluster.rates import WINDOW_S
 from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resources
 from corral.config import log_retention_from_env
 from corral.daemon import batches
@@ -216,15 +217,26 @@ class Gateway:
 
     async def status(self) -> dict[str, Any]:
         now = time.monotonic()
+        nodes: list[dict[str, Any]] = []
+        creates_total = ends_total = 0.0
+        for n in self.nodes.values():
+            creates, ends = n.rates.per_s()
+            creates_total += creates
+            ends_total += ends
+            nodes.append({"node": n.node, "endpoint": n.endpoint, "live": n.live,
+                          "placed_since_report": n.placed,
+                          "capacity": n.capacity, "mem_free_mb": n.mem_free_mb,
+                          "cpu_busy": n.cpu_busy, "images": sorted(n.images),
+                          "snapshots": len(n.snapshots),
+                          "creates_per_s": round(creates, 2), "ends_per_s": round(ends, 2),
+                          "labels": n.labels, "report_age_s": round(now - n.reported_at, 3)})
         return {"cluster": self.cluster, "gateway": self.url, "home": self.home,
                 "placed": self.placed, "k": self.k,
-                "nodes": [{"node": n.node, "endpoint": n.endpoint, "live": n.live,
-                           "placed_since_report": n.placed,
-                           "capacity": n.capacity, "mem_free_mb": n.mem_free_mb,
-                           "cpu_busy": n.cpu_busy, "images": sorted(n.images),
-                           "snapshots": len(n.snapshots),
-                           "labels": n.labels, "report_age_s": round(now - n.reported_at, 3)}
-                          for n in self.nodes.values()],
+                "live": sum(n.live for n in self.nodes.values()),
+                "capacity": sum(n.capacity for n in self.nodes.values()),
+                "creates_per_s": round(creates_total, 2), "ends_per_s": round(ends_total, 2),
+                "rate_window_s": WINDOW_S,
+                "nodes": nodes,
                 "lost": dict(self.lost), "drained": dict(self.drained),
                 "trajlog": await self.trajlog_status(),
                 "autoscale": None if self.autoscaler is None else {
@@ -526,8 +538,10 @@ class Gateway:
             n.snapshots = snaps
             self._by_snapshot = None
         created = r.get("created")
-        n.took_report(asked_at, time.monotonic(),
-                      int(created) if isinstance(created, int) else None)
+        now = time.monotonic()
+        n.took_report(asked_at, now, int(created) if isinstance(created, int) else None)
+        if isinstance(created, int):
+            n.rates.add(now, created, n.live)
 
     async def report_of(self, supervisor: Any) -> dict[str, Any]:
         """One node's load report: a call to its supervisor actor. (The seam a simulated

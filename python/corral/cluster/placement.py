@@ -11,6 +11,7 @@ import random
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from corral.cluster.rates import NodeRates
 from corral.errors import CapacityExceeded, InvalidRequest
 
 REPORT_MAX_AGE_S = 3.0  # an older report means the node stopped answering: place elsewhere
@@ -41,6 +42,7 @@ class NodeLoad:
     finished: list[float] = field(default_factory=list)
     created: int | None = None  # the node's count of creates at its last report
     credit: int = 0
+    rates: NodeRates = field(default_factory=NodeRates, compare=False, repr=False)
 
     @property
     def placed(self) -> int:
