@@ -161,18 +161,23 @@ def image_pull(
         bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                         TransferSpeedColumn(), TextColumn("{task.fields[state]}"),
                         console=err, transient=False)
-        tasks: dict[str, Any] = {}
+        tasks: dict[tuple[str, str], Any] = {}
 
         def on_event(ev: dict) -> None:
+            # Through a cluster gateway every node pulls, and its events name it.
+            node = f"{ev['node'][:12]} " if ev.get("node") else ""
             if ev.get("event") == "resolved":
-                err.print(f"{ev['reference']}: {ev['layers']} layers, "
+                err.print(f"{node}{ev['reference']}: {ev['layers']} layers, "
                           f"{ev['total_bytes'] / 2**20:.1f} MiB, {ev['digest']}")
             elif ev.get("event") == "layer":
                 d = str(ev["digest"])
-                if d not in tasks:
-                    tasks[d] = bars.add_task(d[7:19], total=ev.get("total") or None,
-                                             state="")
-                bars.update(tasks[d], completed=ev.get("done", 0), state=ev.get("state", ""))
+                if (node, d) not in tasks:
+                    tasks[node, d] = bars.add_task(node + d[7:19],
+                                                   total=ev.get("total") or None, state="")
+                bars.update(tasks[node, d], completed=ev.get("done", 0),
+                            state=ev.get("state", ""))
+            elif ev.get("event") == "node_error":
+                err.print(f"{node}failed: {ev.get('code')}: {ev.get('message')}")
 
         with bars:
             info = admin.pull_image(reference, progress=on_event)

@@ -23,7 +23,16 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from corral.cluster import batch, broadcast, drainmove, forks, reads, snapshots, trajship
+from corral.cluster import (
+    batch,
+    broadcast,
+    drainmove,
+    forks,
+    images,
+    reads,
+    snapshots,
+    trajship,
+)
 from corral.cluster.placement import NodeLoad, choose
 from corral.cluster.rates import WINDOW_S
 from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resources
@@ -129,6 +138,7 @@ class Gateway:
             app.router.add_post("/v1/sandboxes/batch/exec", self._id_batch)
             app.router.add_post("/v1/sandboxes/batch/destroy", self._id_batch)
             app.router.add_post("/v1/sandboxes/{id}/fork", self._fork)
+            app.router.add_post(images.PATH, self._pull_image)
             app.router.add_route("*", "/{tail:.*}", self._elsewhere)
             self._runner = web.AppRunner(app, access_log=None)
             await self._runner.setup()
@@ -632,6 +642,16 @@ class Gateway:
             return _error(Unauthorized("missing or wrong bearer token"))
         try:
             return web.json_response(await reads.list_sandboxes(self, request))
+        except CorralError as e:
+            return _error(e)
+
+    async def _pull_image(self, request: web.Request) -> web.StreamResponse:
+        """An image pulled on every node, or those the node selector names (cluster.images)."""
+        if not self._authorized(request):
+            return _error(Unauthorized("missing or wrong bearer token"))
+        try:
+            selector = parse_selector(request.headers.get(SELECTOR_HEADER, ""))
+            return await images.pull(self, request, selector)
         except CorralError as e:
             return _error(e)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from corral.models import (
@@ -46,15 +46,19 @@ def import_image(name: str, source: str, endpoint: str | Endpoint | None = None)
 
 
 def pull_image(reference: str, progress: Callable[[dict[str, Any]], None] | None = None,
-               endpoint: str | Endpoint | None = None) -> ImageInfo:
+               endpoint: str | Endpoint | None = None,
+               node_selector: Mapping[str, str] | None = None) -> ImageInfo:
     """Pull ``reference`` from its registry onto the daemon's node (credentials: the daemon's
     ``$DOCKER_CONFIG/config.json`` or ``~/.docker/config.json``). ``progress`` gets each
     event: ``{"event": "resolved", ...}``, ``{"event": "layer", "digest", "state", "done",
-    "total"}``."""
+    "total"}``. Through a cluster gateway: on every node, or on those with the labels of
+    ``node_selector``; each event then names its ``node``, and a node's end is
+    ``{"event": "node_done"}`` (or ``node_error``)."""
     t = transport(Endpoint.parse(endpoint))
     if progress is None:
-        return t.call(api.pull_image(reference))
-    for line in t.lines(api.pull_image(reference, progress=True)):
+        return t.call(api.pull_image(reference, node_selector=node_selector))
+    for line in t.lines(api.pull_image(reference, progress=True,
+                                       node_selector=node_selector)):
         ev = api.pull_event(line)
         if ev.get("event") == "done":
             return ImageInfo.model_validate(ev["image"])

@@ -599,11 +599,14 @@ def images(after: str | None = None) -> Call[Page[ImageInfo]]:
                 query=_page_query(after), retry_safe=True)
 
 
-def pull_image(reference: str, progress: bool = False) -> Call[ImageInfo]:
-    """``progress``: the answer is NDJSON (read it with a transport's ``lines``)."""
+def pull_image(reference: str, progress: bool = False,
+               node_selector: Mapping[str, str] | None = None) -> Call[ImageInfo]:
+    """``progress``: the answer is NDJSON (read it with a transport's ``lines``).
+    ``node_selector``: through a cluster gateway, pull on the nodes with these labels only
+    (without it, on every node)."""
     req = validated(PullImageRequest, reference=reference, progress=progress)
     return Call("POST", "/v1/images/pull", ImageInfo.model_validate_json, body=_body(req),
-                timeout=None)
+                timeout=None, headers=_placement(node_selector))
 
 
 def pull_event(line: bytes) -> dict[str, Any]:
