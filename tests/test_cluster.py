@@ -107,6 +107,18 @@ def test_cli_status_shows_the_nodes(cluster):
     st = json.loads(r.stdout)
     assert {n["node"] for n in st["nodes"]} == set(cluster["nodes"])
     assert st["gateway"].startswith("http://127.0.0.1:")
+    # start again is idempotent: the running cluster, its nodes kept (same corrald each).
+    r = subprocess.run([sys.executable, "-m", "corral.cli", "cluster", "start", "--json",
+                        "--address", cluster["ray"].address, "--name", cluster["name"],
+                        "--state-root", cluster["root"], "--run-dir", cluster["run_dir"],
+                        "--max-sandboxes", "64"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    again = json.loads(r.stdout)
+    assert again["gateway"] == st["gateway"] and again["cluster"] == cluster["name"]
+    assert {n["node"] for n in again["nodes"]} == set(cluster["nodes"])
+    assert {n: d["keeper_pid"] for n, d in cluster["describe"]().items()} == \
+        {n: d["keeper_pid"] for n, d in cluster["nodes"].items()}
 
 
 def test_status_shows_live_sandboxes_capacity_and_rates(cluster, gateway):

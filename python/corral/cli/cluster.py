@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from corral.cli.output import handled, out, print_json
+from corral.cluster import DEFAULT_RUN_DIR, DEFAULT_STATE_ROOT
 
 app = typer.Typer(help="corral on a Ray cluster: start, status, autoscale, stop.",
                   no_args_is_help=True)
@@ -53,17 +54,26 @@ def start(address: str = ADDRESS,
           k: int = typer.Option(2, help="Nodes sampled per placement (power-of-k choices)."),
           max_sandboxes: int = typer.Option(0, help="Admission limit per node; 0: derived "
                                             "from each machine."),
+          state_root: str = typer.Option(DEFAULT_STATE_ROOT, help="Where each "
+                                         "machine keeps its nodes' state (a local path)."),
+          run_dir: str = typer.Option(DEFAULT_RUN_DIR, help="Where each machine keeps "
+                                      "its nodes' sockets (a local path)."),
+          tokens_file: str = typer.Option("", help="The tenants' tokens file, at this path "
+                                          "on every machine (docs/daemon.md, Tenants)."),
+          gateway_port: int = typer.Option(0, help="The gateway's TCP port; 0: a free one."),
           json_: bool = JSON) -> None:
     """Deploy a supervisor (and its corrald) on every Ray node, and the gateway."""
     import corral.cluster
 
-    _show(corral.cluster.start(address, name=name, k=k, max_sandboxes=max_sandboxes), json_)
+    _show(corral.cluster.start(address, name=name, k=k, max_sandboxes=max_sandboxes,
+                               state_root=state_root, run_dir=run_dir,
+                               tokens_file=tokens_file, gateway_port=gateway_port), json_)
 
 
 @app.command()
 @handled()
 def status(address: str = ADDRESS, json_: bool = JSON) -> None:
-    """Nodes, live sandboxes, capacity, free memory."""
+    """Nodes, live sandboxes, capacity, creates and ends per second, free memory, CPU."""
     import corral.cluster
 
     _show(corral.cluster.status(address), json_)
