@@ -730,9 +730,9 @@ class Gateway:
                         f"sandbox {sid} was on cluster node {node}, which is gone, and the "
                         "sandbox with it", details={"id": sid, "node": node}))
         return _error(NotFound(
-            f"the cluster gateway only places sandboxes (POST /v1/sandboxes); send "
-            f"{request.method} {request.path} to the node named in the sandbox's info "
-            f"(its 'endpoint')", details={"path": request.path}))
+            f"the cluster gateway places sandboxes and answers the reads and batches of "
+            f"docs/cluster.md; send {request.method} {request.path} to the node named in the "
+            f"sandbox's info (its 'endpoint')", details={"path": request.path}))
 
     async def _create(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
