@@ -114,6 +114,19 @@ def pids_in_cgroups(name: str = CGROUP_NAME) -> set[int]:
     return pids
 
 
+def loops_left(*dirs: str, timeout: float = 10.0) -> list[str]:
+    """Loop devices still backed by a file under ``dirs`` once the kernel has had ``timeout``
+    seconds to detach them. An unmount of a scratch drops its loop device's last reference
+    and the autoclear detach then runs on a kernel workqueue, after the umount returned (on
+    a loaded machine, seconds after): polled for, not read once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [lo for d in dirs for lo in loops_backed_under(d.rstrip("/") + "/")]
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.05)
+
+
 def loops_backed_under(path: str) -> list[str]:
     """Loop devices whose backing file is under ``path`` (a daemon's btrfs scratch image)."""
     found = []
@@ -300,13 +313,7 @@ def daemon():
     }
     # A graceful stop unmounts the scratch, which detaches its loop device (autoclear) and
     # takes every subvolume with it; a scratch that still held a sandbox stays mounted.
-    deadline = time.monotonic() + 5  # the detach runs when the last reference goes
-    def loops() -> list[str]:
-        return [lo for d in (STATE_DIR, *_MADE) for lo in loops_backed_under(d.rstrip("/") + "/")]
-
-    while loops() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    leaks["loop_devices"] = loops()
+    leaks["loop_devices"] = loops_left(STATE_DIR, *_MADE)
     sandboxes_dir = Path(STATE_DIR, "sandboxes")
     leaks["dirs"] = [str(p) for p in sandboxes_dir.iterdir()] if sandboxes_dir.is_dir() else []
     _force_cleanup()
@@ -360,7 +367,7 @@ def private_daemon(prefix: str, cgroup: str, **env: str) -> Iterator[DaemonProce
                     "pids": sorted(pids_in_cgroups(cgroup)),
                     "dirs": os.listdir(os.path.join(state, "sandboxes")),
                     "mounts": host_mounts_under(state),
-                    "loop_devices": loops_backed_under(state.rstrip("/") + "/")}
+                    "loop_devices": loops_left(state)}
             assert not any(left.values()), f"private daemon left {left}\n{d.tail()}"
         finally:  # a failed test too: its state dir goes
             shutil.rmtree(state, ignore_errors=True)

@@ -94,6 +94,10 @@ class DnsProxy:
                 if self._closed:
                     return
                 continue
+            if src is None:  # the socket was shut down (close): no sender, no query
+                if self._closed:
+                    return
+                continue
             self.counts["queries"] += 1
             if not self._admit(src[0]):
                 self.counts["rate_limited"] += 1
