@@ -94,6 +94,9 @@ def test_each_node_runs_its_own_corrald(cluster):
         assert n["capacity"] == 64 and n["live"] == 0 and n["report_age_s"] < 3
         assert n["endpoint"].startswith("http://127.0.0.1:")
     for d in nodes.values():
+        # Ray starts its workers niced (15); a node's corrald runs at the default priority.
+        kids = Path(f"/proc/{d['keeper_pid']}/task/{d['keeper_pid']}/children").read_text()
+        assert [os.getpriority(os.PRIO_PROCESS, int(k)) for k in kids.split()] == [0], kids
         assert cgroup_dirs(d["cgroup"]), d["cgroup"]          # each its own cgroup tree
         code, body = _get(d["endpoint"] + "/v1/status", None)  # TCP needs the token
         assert code == 401, body

@@ -17,6 +17,7 @@ import hmac
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -125,6 +126,7 @@ class Gateway:
     async def serve(self, host: str, port: int) -> str:
         """Start the HTTP endpoint and the report poller; the endpoint's URL."""
         if self._runner is None:
+            _normal_priority()
             app = web.Application(client_max_size=MAX_CREATE_BODY)
             app.router.add_get("/v1/health", self._health)
             app.router.add_get("/v1/cluster", self._status)
@@ -900,6 +902,18 @@ class Gateway:
             return await run(self, request, await request.read())
         except CorralError as e:
             return _error(e)
+
+
+def _normal_priority() -> None:
+    """The thread that serves the gateway's HTTP endpoint (this actor's event loop; threads it
+    starts inherit) at the default priority: Ray starts its workers niced (15), and a niced
+    gateway waits behind the busy nodes for every create it forwards."""
+    try:
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) > 0:
+            os.setpriority(os.PRIO_PROCESS, tid, 0)
+    except OSError:
+        pass  # not permitted: it stays as Ray made it
 
 
 def _image_of(body: bytes) -> str | None:

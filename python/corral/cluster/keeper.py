@@ -43,10 +43,22 @@ def _detach() -> None:
     os.close(devnull)
 
 
+def _normal_priority() -> None:
+    """Ray starts its workers niced (``worker_niceness``, 15), and the keeper and corrald
+    would inherit that: the node's daemon would yield to every other process on the machine
+    (and its own niced threads would outrank it). corrald runs at the default priority."""
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except OSError:
+        pass  # not permitted: corrald runs as the raylet made it
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--detach"]:
         _detach()
         argv = argv[1:]
+    _normal_priority()
     # The keeper is single-threaded, so the child's PDEATHSIG follows the keeper's life.
     daemon = subprocess.Popen([sys.executable, "-m", "corral.daemon", *argv],
                               stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)

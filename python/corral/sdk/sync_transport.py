@@ -98,6 +98,10 @@ class SyncTransport:
         conn.auto_open = 0  # never reconnect behind our back: a dead daemon must be noticed
         try:
             conn.connect()
+            if self.endpoint.unix_path is None:
+                # http.client sends a request's headers and its body in two writes: without
+                # this the body may wait for the peer to acknowledge the headers (Nagle).
+                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.endpoint.node is not None:
                 probe(conn.sock)
         except BaseException:
