@@ -261,6 +261,14 @@ def test_a_lost_nodes_episode_is_read_and_replayed_on_a_survivor(cluster):
     code, res = _http("POST", f"{alice_sb['endpoint']}/v1/sandboxes/{alice_sb['id']}/exec",
                       TOKENS["alice"], {"cmd": "echo alice"})
     assert code == 200 and res["stdout"] == "alice\n", res
+
+    def ingested() -> bool:
+        """The node's database has every call above: its ingester (a niced thread) moves
+        the journal there behind the calls, and only the database is shipped."""
+        ops = _rows(_node_db(cluster, node), "SELECT sandbox_id, op FROM entries")
+        return (alice_sb["id"], "exec") in ops and \
+            sum(1 for sbid, _ in ops if sbid == sid) >= len(logged)
+    assert wait_until(ingested, timeout=30)
     assert wait_until(lambda: _shipped(cluster, node), timeout=20)
     steps = sb._step
 
