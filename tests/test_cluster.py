@@ -35,6 +35,7 @@ from raycluster import NODE_ARGS, corral_on_ray  # noqa: E402
 
 import corral  # noqa: E402
 import corral.cluster  # noqa: E402
+from corral import placing  # noqa: E402
 from corral.errors import (  # noqa: E402
     CapacityExceeded,
     Conflict,
@@ -201,6 +202,55 @@ def test_node_selector_places_on_labelled_nodes_only(cluster, gateway):
     finally:
         for b in made:
             b.kill()
+
+
+def _ask_placement(url: str, token: str, placement: str, selector: str = "",
+                   labels: dict[str, str] | None = None) -> tuple[int, dict, str | None]:
+    body = {"image": "host", "memory_mb": 64, "labels": labels or {}}
+    req = urllib.request.Request(url + "/v1/sandboxes", method="POST",
+                                 data=json.dumps(body).encode())
+    req.add_header("Authorization", f"Bearer {token}")
+    req.add_header("Content-Type", "application/json")
+    req.add_header(placing.HEADER, placement)
+    if selector:
+        req.add_header("X-Corral-Node-Selector", selector)
+    try:  # urllib does not follow a 307 of a POST: it raises it
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read()), r.headers.get("Location")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), e.headers.get("Location")
+
+
+def test_a_create_that_asks_for_its_node_gets_the_node_and_nothing_is_made(cluster, gateway):
+    """The SDK's create through a gateway: the gateway answers the placement (307, the node)
+    and makes nothing; left-out nodes are never placed on; a bad ask is invalid_request; a
+    node itself ignores the ask and makes the sandbox."""
+    token = endpoint_mod._tokens[gateway.url]
+    head = cluster["head"]
+    other = next(n for n in cluster["nodes"] if n != head)
+    mark = {"ask": f"placement-{os.getpid()}"}
+    gw = ray.get_actor("gateway", namespace=corral.cluster.NAMESPACE)
+    placed_before = ray.get(gw.status.remote())["placed"]
+    code, body, location = _ask_placement(gateway.url, token, "node", "role=head", mark)
+    endpoint = cluster["nodes"][head]["endpoint"]
+    assert code == 307 and body == {"placed": {"node": head, "endpoint": endpoint}}, body
+    assert location == endpoint + "/v1/sandboxes"
+    assert ray.get(gw.status.remote())["placed"] == placed_before + 1
+    for _ in range(6):
+        code, body, _ = _ask_placement(gateway.url, token, f"node; exclude={head}",
+                                       labels=mark)
+        assert code == 307 and body["placed"]["node"] == other, body
+    code, body, _ = _ask_placement(gateway.url, token, f"node; exclude={head}", "role=head")
+    assert code == 429 and body["error"]["code"] == "capacity_exceeded"
+    code, body, _ = _ask_placement(gateway.url, token, "everything")
+    assert code == 400 and body["error"]["code"] == "invalid_request"
+    assert corral.Sandbox.list(labels=mark) == []  # the gateway made nothing
+    code, body, _ = _ask_placement(endpoint, token, "node", labels=mark)
+    try:
+        assert code == 201 and body["id"].startswith("sb-"), body
+        assert [b.id for b in corral.Sandbox.list(labels=mark)] == [body["id"]]
+    finally:
+        corral.Sandbox.from_id(body["id"], endpoint=gateway.on_node(endpoint, head)).kill()
 
 
 def test_the_sdks_node_selector_places_on_labelled_nodes_only(cluster, gateway):

@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from corral import placing
 from corral.cluster import (
     batch,
     broadcast,
@@ -742,6 +743,9 @@ class Gateway:
         assert self._session is not None
         try:
             selector = parse_selector(request.headers.get(SELECTOR_HEADER, ""))
+            # The SDK asks only where to go, and makes the sandbox there itself.
+            only_place, unanswered = placing.parse_request(
+                request.headers.get(placing.HEADER, ""))
         except InvalidRequest as e:
             return _error(e)
         body = await request.read()
@@ -755,6 +759,7 @@ class Gateway:
             except CorralError as e:
                 return _error(e)
             pool, by_image = held, None
+            only_place = False  # made here: a full holder's snapshot may have to move first
         headers = self.node_headers()
         headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
         keyed: tuple[str | None, str] | None = None
@@ -768,7 +773,7 @@ class Gateway:
                     return _error(SandboxLost(
                         f"the node that took the first create with this key ({where}) is "
                         f"gone", details={"node": where}))
-        tried: set[str] = set()
+        tried: set[str] = set(unanswered)
         while True:
             try:
                 if first is not None and first.node in tried:
@@ -795,6 +800,14 @@ class Gateway:
                 self._keyed.move_to_end(keyed)
                 if len(self._keyed) > KEYED_CREATES:
                     self._keyed.popitem(last=False)
+            if only_place:
+                # Counted as placed on n until a report of n's asked for later (as a
+                # create that finished here would be).
+                n.finished.append(time.monotonic())
+                self.placed += 1
+                return web.json_response(placing.answer(n.node, n.endpoint),
+                                         status=placing.STATUS,
+                                         headers={"Location": n.endpoint + "/v1/sandboxes"})
             n.inflight += 1
             try:
                 async with self._session.post(n.endpoint + "/v1/sandboxes", data=body,

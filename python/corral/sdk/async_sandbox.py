@@ -29,7 +29,7 @@ from corral.models import (
     SandboxInfo,
     SandboxSpec,
 )
-from corral.sdk import api, tarball
+from corral.sdk import api, placed, tarball
 from corral.sdk import sandbox as _sync
 from corral.sdk.call import Call, T, lost
 from corral.sdk.endpoint import Endpoint
@@ -158,12 +158,13 @@ class AsyncSandbox(SandboxHandle):
             call = self._create_call
             if self._traj is not None:
                 call.key = f"{self._traj}:create"
-            info = await _send(self._endpoint, call)
+            # Through a cluster gateway: placed there, made on (and talked to at) the node.
+            ep, info = await placed.drive_async(placed.create_steps(self._endpoint, call),
+                                                _send)
         except BaseException:
             self._creating = None  # a later call may try again
             raise
-        if info.endpoint:  # placed by a cluster gateway: talk to the node from now on
-            self._endpoint = self._endpoint.on_node(info.endpoint, info.node)
+        self._endpoint = ep
         self._sid = info.id
         self.last_info = info
         return info.id

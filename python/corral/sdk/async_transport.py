@@ -97,7 +97,7 @@ class AsyncTransport:
             try:
                 resp = await self._session.request(
                     call.method, url, data=call.body, headers=headers,
-                    timeout=self._timeout(call.timeout))
+                    timeout=self._timeout(call.timeout), allow_redirects=False)
                 if not self._seen:
                     self._seen = True
                     autostart.connected(self.endpoint)

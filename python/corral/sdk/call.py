@@ -92,17 +92,19 @@ def error_from_response(status: int, body: bytes) -> CorralError:
     return cls(f"HTTP {status} from corrald: {text}" if text else f"HTTP {status} from corrald")
 
 
-def _node_lost(endpoint: object, exc: BaseException) -> SandboxLost | None:
-    """A cluster node that stopped answering took its sandboxes with it (docs/cluster.md)."""
+def _node_lost(endpoint: object, exc: BaseException, connected: bool) -> SandboxLost | None:
+    """A cluster node that stopped answering took its sandboxes with it (docs/cluster.md).
+    ``connected``: whether the call reached it (if not, the call did nothing there)."""
     node = getattr(endpoint, "node", None)
     if node is None:
         return None
     return SandboxLost(f"cluster node {node} ({endpoint}) is gone, and its sandboxes with it: "
-                       f"{_describe(exc)}", details={"endpoint": str(endpoint), "node": node})
+                       f"{_describe(exc)}",
+                       details={"endpoint": str(endpoint), "node": node, "connected": connected})
 
 
 def unavailable(endpoint: object, exc: BaseException) -> InfraError:
-    if (gone := _node_lost(endpoint, exc)) is not None:
+    if (gone := _node_lost(endpoint, exc, connected=False)) is not None:
         return gone
     return DaemonUnavailable(f"no corrald answered on {endpoint}: {_describe(exc)}",
                              details={"endpoint": str(endpoint)})
@@ -110,7 +112,7 @@ def unavailable(endpoint: object, exc: BaseException) -> InfraError:
 
 def lost(endpoint: object, call: Call[Any], exc: BaseException) -> InfraError:
     # The request may or may not have been carried out: the caller must not assume either.
-    if (gone := _node_lost(endpoint, exc)) is not None:
+    if (gone := _node_lost(endpoint, exc, connected=True)) is not None:
         return gone
     return DaemonRestarted(
         f"connection to corrald ({endpoint}) lost during {call.method} {call.path}; the "

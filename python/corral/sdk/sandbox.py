@@ -24,7 +24,7 @@ from corral.models import (
     ProcessStatus,
     SandboxInfo,
 )
-from corral.sdk import api, tarball
+from corral.sdk import api, placed, tarball
 from corral.sdk.call import Call, T, lost
 from corral.sdk.endpoint import Endpoint
 from corral.sdk.handle import (
@@ -126,9 +126,8 @@ class Sandbox(SandboxHandle):
         if trajectory_id is not None:
             self._set_trajectory(trajectory_id)
             call.key = f"{trajectory_id}:create"  # a restarted client gets the same sandbox
-        info = _send(ep, call)
-        if info.endpoint:  # placed by a cluster gateway: talk to the node from now on
-            ep = ep.on_node(info.endpoint, info.node)
+        # Through a cluster gateway: placed there, made on (and talked to at) the node.
+        ep, info = placed.drive(placed.create_steps(ep, call), _send)
         self._init_handle(ep, info.id, info)
 
     def _init_files(self) -> None:
