@@ -3,13 +3,14 @@
 The real gateway (corral.bench.fleetgw: ``corral.cluster.gateway.Gateway``, its HTTP endpoint,
 placement, batch splitting and report poller, in a process of its own) in front of ``--nodes``
 simulated node agents (corral.bench.fleetnodes, one process) that cost what a real node costs:
-a real corrald (the session's daemon) is measured once at the start, a single create's
-latency and a batch create's per-sandbox throughput. Clients (this process) create through the
-gateway, single creates first, then ``create_many`` batches, until the fleet holds ``--live``
-sandboxes. Measured: creations per second (single, batch), the gateway's CPU seconds per
-creation (its own process, from /proc), its idle CPU (the report poller) per node, its memory
-per node, placement evenness (max/min live over the nodes), create latency through the
-gateway; and from those a projection of where one gateway stops scaling.
+a real corrald (the session's daemon) is measured once at the start, a single create's latency
+and a batch create's per-sandbox throughput. Clients (this process) create through the gateway,
+single creates first (placed by the gateway, made by the node, as the SDK does), then
+``create_many`` batches, until the fleet holds ``--live`` sandboxes. Measured: creations per
+second (single, batch), the gateway's CPU seconds per creation (its own process, from /proc),
+its idle CPU (the report poller) per node, its memory per node, placement evenness (max/min
+live over the nodes), create latency through the gateway; and from those a projection of where
+one gateway stops scaling.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 import aiohttp
 
+from corral import placing
 from corral.bench import host
 from corral.bench.session import Session
 from corral.bench.stats import median
@@ -125,12 +127,22 @@ async def singles(http: aiohttp.ClientSession, url: str, n: int) -> dict[str, An
     todo = iter(range(n))
     body = _spec()
 
+    ask = {placing.HEADER: placing.format_request()}
+
     async def worker() -> None:
+        # As the SDK does: the gateway places, the node makes the sandbox.
         for _ in todo:
             t = time.perf_counter()
-            async with http.post(url + "/v1/sandboxes", data=body) as r:
+            async with http.post(url + "/v1/sandboxes", data=body, headers=ask,
+                                 allow_redirects=False) as r:
                 raw = await r.read()
-            if r.status != 201 or "node" not in json.loads(raw):
+            where = json.loads(raw).get("placed") if r.status == placing.STATUS else None
+            if where is None:
+                errors.append(f"{r.status}: {raw[:200]!r}")
+                continue
+            async with http.post(where["endpoint"] + "/v1/sandboxes", data=body) as r:
+                raw = await r.read()
+            if r.status != 201:
                 errors.append(f"{r.status}: {raw[:200]!r}")
             else:
                 lat.append((time.perf_counter() - t) * 1000)
