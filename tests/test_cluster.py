@@ -222,9 +222,10 @@ def _ask_placement(url: str, token: str, placement: str, selector: str = "",
 
 
 def test_a_create_that_asks_for_its_node_gets_the_node_and_nothing_is_made(cluster, gateway):
-    """The SDK's create through a gateway: the gateway answers the placement (307, the node)
-    and makes nothing; left-out nodes are never placed on; a bad ask is invalid_request; a
-    node itself ignores the ask and makes the sandbox."""
+    """The SDK's create through a gateway: the gateway answers the placement (307, the node,
+    and the placements asked for ahead) and makes nothing; left-out nodes are never placed
+    on; a bad ask is invalid_request; a node itself ignores the ask and makes the
+    sandbox."""
     token = endpoint_mod._tokens[gateway.url]
     head = cluster["head"]
     other = next(n for n in cluster["nodes"] if n != head)
@@ -242,6 +243,15 @@ def test_a_create_that_asks_for_its_node_gets_the_node_and_nothing_is_made(clust
         assert code == 307 and body["placed"]["node"] == other, body
     code, body, _ = _ask_placement(gateway.url, token, f"node; exclude={head}", "role=head")
     assert code == 429 and body["error"]["code"] == "capacity_exceeded"
+    # Placements ahead: each placed like a create, counted, on the selected nodes only.
+    before = ray.get(gw.status.remote())["placed"]
+    code, body, _ = _ask_placement(gateway.url, token, "node; ahead=3", "role=head")
+    assert code == 307 and [a["node"] for a in body["ahead"]] == [head] * 3, body
+    assert ray.get(gw.status.remote())["placed"] == before + 4
+    assert wait_until(lambda: all(n["placed_since_report"] == 0
+                                  for n in corral.cluster.status()["nodes"]))
+    code, body, _ = _ask_placement(gateway.url, token, "node; ahead=4", labels=mark)
+    assert {a["node"] for a in body["ahead"]} | {body["placed"]["node"]} == set(cluster["nodes"])
     code, body, _ = _ask_placement(gateway.url, token, "everything")
     assert code == 400 and body["error"]["code"] == "invalid_request"
     assert corral.Sandbox.list(labels=mark) == []  # the gateway made nothing

@@ -25,11 +25,22 @@ GATEWAY = Endpoint("http://127.0.0.1:7001")
 NODE_A, NODE_B = "http://127.0.0.1:7101", "http://127.0.0.1:7102"
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.fixture(autouse=True)
-def _fresh_tokens(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[Clock]:
+    """Fresh tokens and spares for each test, the spares on a clock of the test's."""
     monkeypatch.setattr(ep_mod, "_tokens", {})
     monkeypatch.setattr(ep_mod, "_token_source", {})
-    yield
+    c = Clock()
+    monkeypatch.setattr(placed, "_spares", placed.Spares(c))
+    yield c
 
 
 def _info(sid: str = "sb-1", **extra: Any) -> bytes:
@@ -39,8 +50,8 @@ def _info(sid: str = "sb-1", **extra: Any) -> bytes:
                        "last_active_at": 1.0, **extra}).encode()
 
 
-def _placement(node: str, url: str) -> bytes:
-    return json.dumps(placing.answer(node, url)).encode()
+def _placement(node: str, url: str, *ahead: tuple[str, str]) -> bytes:
+    return json.dumps(placing.answer(node, url, [placing.where(*a) for a in ahead])).encode()
 
 
 class Script:
@@ -59,10 +70,15 @@ class Script:
         return call.finish(200, got)
 
 
-def _create(selector: dict[str, str] | None = None) -> Call[SandboxInfo]:
-    call = api.create(SandboxSpec(image="host"), node_selector=selector)
-    call.key = "traj-1:create"
+def _create(selector: dict[str, str] | None = None, key: str | None = "traj-1:create",
+            **spec: Any) -> Call[SandboxInfo]:
+    call = api.create(SandboxSpec(**{"image": "host", **spec}), node_selector=selector)
+    call.key = key
     return call
+
+
+def _make(send: Script, call: Call[SandboxInfo] | None = None) -> tuple[Endpoint, SandboxInfo]:
+    return placed.drive(placed.create_steps(GATEWAY, call or _create(key=None)), send)
 
 
 def test_a_daemon_endpoint_sends_the_create_as_is():
@@ -145,17 +161,19 @@ def test_a_node_reached_through_placement_gets_the_gateways_token():
 
 
 @pytest.mark.parametrize("value, want", [
-    ("", (False, frozenset())),
-    ("node", (True, frozenset())),
-    (" node ; exclude=a, b ,", (True, frozenset({"a", "b"}))),
-    (placing.format_request(["x", "y"]), (True, frozenset({"x", "y"}))),
+    ("", placing.Ask()),
+    ("node", placing.Ask(True)),
+    (" node ; exclude=a, b ,", placing.Ask(True, frozenset({"a", "b"}))),
+    ("node; ahead=3; exclude=x", placing.Ask(True, frozenset({"x"}), 3)),
+    (placing.format_request(["x", "y"], 2), placing.Ask(True, frozenset({"x", "y"}), 2)),
 ])
-def test_the_placement_header_reads_back(value: str, want: tuple[bool, frozenset[str]]):
+def test_the_placement_header_reads_back(value: str, want: placing.Ask):
     assert placing.parse_request(value) == want
 
 
 @pytest.mark.parametrize("value", [
-    "sandbox", "node; only=a", "node; exclude", ",".join(["node; exclude=a"] + [
+    "sandbox", "node; only=a", "node; exclude", "node; ahead=-1", "node; ahead=99",
+    "node; ahead=1; ahead=2", ",".join(["node; exclude=a"] + [
         f"n{i}" for i in range(placing.MAX_EXCLUDED + 1)])])
 def test_a_bad_placement_header_is_invalid_request(value: str):
     with pytest.raises(InvalidRequest) as e:
@@ -163,3 +181,63 @@ def test_a_bad_placement_header_is_invalid_request(value: str):
     assert e.value.code == "invalid_request" and e.value.details["header"] == placing.HEADER
 
 
+# ---- placements made ahead ------------------------------------------------------------------
+def test_placements_made_ahead_send_the_next_creates_straight_to_their_nodes():
+    send = Script(_placement("n1", NODE_A, ("n2", NODE_B), ("n1", NODE_A)), _info("sb-1"),
+                  _info("sb-2"), _info("sb-3"),
+                  _placement("n2", NODE_B), _info("sb-4"))
+    made = [_make(send) for _ in range(4)]
+    assert [(ep.node, info.id) for ep, info in made] == [
+        ("n1", "sb-1"), ("n2", "sb-2"), ("n1", "sb-3"), ("n2", "sb-4")]
+    to = [(ep.url, (c.headers or {}).get(placing.HEADER)) for ep, c in send.sent]
+    assert to == [(GATEWAY.url, f"node; ahead={placed.AHEAD}"), (NODE_A, None),
+                  (NODE_B, None), (NODE_A, None),
+                  (GATEWAY.url, f"node; ahead={placed.AHEAD}"), (NODE_B, None)]
+
+
+def test_a_placement_made_ahead_is_used_only_while_fresh(clock: Clock):
+    send = Script(_placement("n1", NODE_A, ("n2", NODE_B)), _info("sb-1"),
+                  _placement("n1", NODE_A), _info("sb-2"))
+    _make(send)
+    clock.now += placed.SPARE_TTL_S + 0.01
+    where, _ = _make(send)
+    assert where.node == "n1" and [ep.url for ep, _ in send.sent][2] == GATEWAY.url
+
+
+def test_keyed_and_snapshot_creates_are_placed_by_the_gateway_every_time():
+    send = Script(_placement("n1", NODE_A, ("n2", NODE_B)), _info("sb-1"))
+    _make(send)  # leaves a spare on n2
+    for call in (_create(key="t:create"), _create(key=None, snapshot="snap-1")):
+        send.answers += [_placement("n1", NODE_A), _info("sb-x")]
+        _make(send, call)
+        ask = send.sent[-2][1]
+        assert send.sent[-2][0] == GATEWAY and ask.headers[placing.HEADER] == "node"
+    # the spare is still there for the next plain create
+    send.answers.append(_info("sb-2"))
+    assert _make(send)[0].node == "n2"
+
+
+def test_spares_are_kept_per_image_selector_and_token():
+    send = Script(_placement("n1", NODE_A, ("n2", NODE_B)), _info("sb-1"))
+    _make(send)
+    for call in (_create(key=None, image="python:3.12"), _create({"role": "gpu"}, key=None)):
+        send.answers += [_placement("n1", NODE_A), _info("sb-x")]
+        _make(send, call)
+        assert send.sent[-2][0] == GATEWAY
+    ep_mod.set_token(GATEWAY.url, "bob")
+    send.answers += [_placement("n1", NODE_A), _info("sb-y")]
+    _make(send)
+    assert send.sent[-2][0] == GATEWAY
+
+
+def test_a_spares_node_that_does_not_answer_loses_its_spares_and_is_left_out():
+    a = Endpoint(NODE_A, "n1")
+    send = Script(_placement("n2", NODE_B, ("n1", NODE_A), ("n1", NODE_A)), _info("sb-1"),
+                  unavailable(a, ConnectionRefusedError()),
+                  _placement("n2", NODE_B), _info("sb-2"))
+    _make(send)
+    where, info = _make(send)
+    assert (where.node, info.id) == ("n2", "sb-2")
+    asks = [c.headers[placing.HEADER] for ep, c in send.sent if ep == GATEWAY]
+    assert asks == [f"node; ahead={placed.AHEAD}", f"node; exclude=n1; ahead={placed.AHEAD}"]
+    assert placed._spares.take(placed.kind_of(GATEWAY, _create(key=None))) is None

@@ -744,10 +744,10 @@ class Gateway:
         try:
             selector = parse_selector(request.headers.get(SELECTOR_HEADER, ""))
             # The SDK asks only where to go, and makes the sandbox there itself.
-            only_place, unanswered = placing.parse_request(
-                request.headers.get(placing.HEADER, ""))
+            ask = placing.parse_request(request.headers.get(placing.HEADER, ""))
         except InvalidRequest as e:
             return _error(e)
+        only_place = ask.node_only
         body = await request.read()
         image = _image_of(body)
         pool = self.pool()
@@ -773,7 +773,7 @@ class Gateway:
                     return _error(SandboxLost(
                         f"the node that took the first create with this key ({where}) is "
                         f"gone", details={"node": where}))
-        tried: set[str] = set(unanswered)
+        tried: set[str] = set(ask.exclude)
         while True:
             try:
                 if first is not None and first.node in tried:
@@ -801,11 +801,10 @@ class Gateway:
                 if len(self._keyed) > KEYED_CREATES:
                     self._keyed.popitem(last=False)
             if only_place:
-                # Counted as placed on n until a report of n's asked for later (as a
-                # create that finished here would be).
-                n.finished.append(time.monotonic())
-                self.placed += 1
-                return web.json_response(placing.answer(n.node, n.endpoint),
+                self._placed(n)
+                ahead = self._place_ahead(ask, pool, selector, image, by_image) \
+                    if ask.ahead and keyed is None else []
+                return web.json_response(placing.answer(n.node, n.endpoint, ahead),
                                          status=placing.STATUS,
                                          headers={"Location": n.endpoint + "/v1/sandboxes"})
             n.inflight += 1
@@ -830,6 +829,28 @@ class Gateway:
             info = json.loads(raw)
             info["node"], info["endpoint"] = n.node, n.endpoint
             return web.json_response(info, status=status)
+
+    def _placed(self, n: NodeLoad) -> None:
+        """A create placed on ``n`` and made by the client: counted as placed there until a
+        report of ``n``'s asked for later, as a create made through the gateway would be."""
+        n.finished.append(time.monotonic())
+        self.placed += 1
+
+    def _place_ahead(self, ask: placing.Ask, pool: list[NodeLoad], selector: dict[str, str],
+                     image: str | None, by_image: dict[str, list[NodeLoad]] | None
+                     ) -> list[dict[str, str]]:
+        """Up to ``ask.ahead`` more placements like this create's, each placed as a create
+        would be (fewer when the cluster runs out of room)."""
+        out = []
+        for _ in range(ask.ahead):
+            try:
+                m = choose(pool, time.monotonic(), k=self.k, selector=selector, image=image,
+                           by_image=by_image, exclude=ask.exclude)
+            except CapacityExceeded:
+                break
+            self._placed(m)
+            out.append(placing.where(m.node, m.endpoint))
+        return out
 
     async def _copy_for(self, snap_id: str, held: list[NodeLoad], selector: dict[str, str],
                         image: str | None) -> NodeLoad:
