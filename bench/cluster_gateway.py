@@ -8,7 +8,7 @@ a batch size B: rounds of create_many(B) + exec_many("true") + kill_many, the ga
 over both nodes against one node's own batch.
 
 The SDK's single creates through the gateway ask it for a placement and two more ahead, so
-two creates in three skip the gateway (docs/cluster.md, "Creates"). With ``keyed``, every
+two creates in three skip the gateway (docs/cluster.md, "Using it"). With ``keyed``, every
 create carries a trajectory id (an idempotency key): the gateway places each one itself (it
 keeps the node of every key for the create's retries).
 

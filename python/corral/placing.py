@@ -1,5 +1,5 @@
 """A create that asks a cluster gateway where to go, then goes there itself (docs/cluster.md,
-"Creates").
+"Using it").
 
 The SDK sends ``POST /v1/sandboxes`` to a remote endpoint with ``X-Corral-Placement: node``.
 A gateway then places the sandbox and answers ``307`` with the chosen node, ``{"placed":

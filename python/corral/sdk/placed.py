@@ -1,5 +1,5 @@
 """A create through a cluster gateway: ask the gateway where, then make the sandbox there
-(corral.placing has the protocol; docs/cluster.md, "Creates").
+(corral.placing has the protocol; docs/cluster.md, "Using it").
 
 Sans-I/O, as the Call layer: ``create_steps`` yields the (endpoint, call) pairs to send and
 is sent each call's result, or has its error thrown in; ``drive`` and ``drive_async`` are the
