@@ -263,6 +263,32 @@ def test_a_create_that_asks_for_its_node_gets_the_node_and_nothing_is_made(clust
         corral.Sandbox.from_id(body["id"], endpoint=gateway.on_node(endpoint, head)).kill()
 
 
+def test_placements_past_a_tenants_limit_are_made_by_the_gateway(cluster, gateway):
+    """A placement counts on its node until that node's next report though nothing is made
+    yet: a client asking for placements it never uses could make every node look full. Past
+    its limit in a second, a tenant's asks are answered with sandboxes the gateway made (real
+    ones, under the nodes' limits), which the SDK takes as well."""
+    gw = ray.get_actor("gateway", namespace=corral.cluster.NAMESPACE)
+    token = endpoint_mod._tokens[gateway.url]
+    mark = {"limit": f"placements-{os.getpid()}"}
+    assert ray.get(gw.set_placement_limit.remote(4)) == 4
+    made: list[corral.Sandbox] = []
+    try:
+        code, body, _ = _ask_placement(gateway.url, token, "node; ahead=8", labels=mark)
+        assert code == 307 and len(body["ahead"]) == 3, body  # 4 placements in all
+        code, body, _ = _ask_placement(gateway.url, token, "node; ahead=2", labels=mark)
+        assert code == 201 and body["node"] in cluster["nodes"], body
+        made.append(corral.Sandbox.from_id(body["id"], endpoint=gateway.on_node(
+            body["endpoint"], body["node"])))
+        sb = corral.Sandbox(image="host", memory_mb=64, labels=mark)
+        made.append(sb)
+        assert sb.exec("echo made").stdout == "made\n"
+        assert {b.id for b in corral.Sandbox.list(labels=mark)} == {b.id for b in made}
+    finally:
+        ray.get(gw.set_placement_limit.remote(None))
+        corral.Sandbox.kill_many(made, return_exceptions=True)
+
+
 def test_the_sdks_node_selector_places_on_labelled_nodes_only(cluster, gateway):
     """``node_selector=`` on Sandbox, create_many and their async twins: every sandbox on the
     labelled node; labels no node has: capacity_exceeded; a selector the header cannot carry:

@@ -65,6 +65,11 @@ KEYED_CREATES = 100_000
 REPORT_TIMEOUT_S = 2.0
 ADOPT_EVERY_S = 1.0   # autoscaling: how often the gateway looks for nodes Ray added
 MAX_CREATE_BODY = 16 << 20
+# Placements a tenant may take in a second to make the sandboxes itself (corral.placing): each
+# counts on its node until that node's next report, though nothing is made yet, so a client
+# asking for placements it never uses could make every node look full. Past this, the
+# tenant's creates are made by the gateway (real sandboxes, under the nodes' own limits).
+PLACEMENTS_PER_TENANT_S = 4096
 # The tenant the current request acts for (None: the admin), set by _authorized: a node call
 # made for it carries it in X-Corral-Tenant, with the cluster token only the gateway holds.
 _TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("tenant", default=None)
@@ -108,6 +113,9 @@ class Gateway:
         # from a snapshot no live node has waits for them before answering not found.
         self.moving: set[asyncio.Future[int]] = set()
         self.placed = 0
+        self.placement_limit = PLACEMENTS_PER_TENANT_S
+        # tenant (None: the admin) -> when each of its placements of the last second was taken
+        self._taken: dict[str | None, collections.deque[float]] = {}
         self.url = ""
         self._keyed: collections.OrderedDict[tuple[str | None, str], str] = \
             collections.OrderedDict()  # (tenant, key) -> node id, KEYED_CREATES at most
@@ -357,6 +365,13 @@ class Gateway:
             log.info("node drained", extra={"node": node})
         finally:
             self._starting.discard(node)
+
+    async def set_placement_limit(self, per_s: int | None) -> int:
+        """Placements a tenant may take in a second to make the sandboxes itself (None: the
+        default, ``PLACEMENTS_PER_TENANT_S``)."""
+        self.placement_limit = PLACEMENTS_PER_TENANT_S if per_s is None else max(0, per_s)
+        self._taken.clear()
+        return self.placement_limit
 
     # ---- the nodes' trajectory logs (cluster.trajship) ------------------------------------
     async def set_shipping(self, on: bool) -> bool:
@@ -800,7 +815,7 @@ class Gateway:
                 self._keyed.move_to_end(keyed)
                 if len(self._keyed) > KEYED_CREATES:
                     self._keyed.popitem(last=False)
-            if only_place:
+            if only_place and self._may_take(1):  # else: made here, as without the ask
                 self._placed(n)
                 ahead = self._place_ahead(ask, pool, selector, image, by_image) \
                     if ask.ahead and keyed is None else []
@@ -836,6 +851,19 @@ class Gateway:
         n.finished.append(time.monotonic())
         self.placed += 1
 
+    def _may_take(self, n: int) -> bool:
+        """Whether the current tenant may take ``n`` more placements now (counted if so)."""
+        now = time.monotonic()
+        q = self._taken.get(tenant := self.tenant())
+        if q is None:
+            q = self._taken[tenant] = collections.deque()
+        while q and now - q[0] > 1.0:
+            q.popleft()
+        if len(q) + n > self.placement_limit:
+            return False
+        q.extend([now] * n)
+        return True
+
     def _place_ahead(self, ask: placing.Ask, pool: list[NodeLoad], selector: dict[str, str],
                      image: str | None, by_image: dict[str, list[NodeLoad]] | None
                      ) -> list[dict[str, str]]:
@@ -843,6 +871,8 @@ class Gateway:
         would be (fewer when the cluster runs out of room)."""
         out = []
         for _ in range(ask.ahead):
+            if not self._may_take(1):
+                break
             try:
                 m = choose(pool, time.monotonic(), k=self.k, selector=selector, image=image,
                            by_image=by_image, exclude=ask.exclude)
