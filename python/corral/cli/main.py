@@ -34,6 +34,7 @@ from corral.cli import (
 
 app = typer.Typer(
     name="corral", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
     help="corral: isolated Linux sandboxes for agentic RL.\n\nThe daemon is found on "
          "$CORRAL_SOCKET (default /run/corral/corrald.sock) or $CORRAL_URL (+ $CORRAL_TOKEN).",
 )
