@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from corral import placing
-from corral.errors import InvalidRequest, SandboxLost
+from corral.errors import CapacityExceeded, InvalidRequest, SandboxLost
 from corral.models import SandboxInfo, SandboxSpec
 from corral.sdk import api, placed
 from corral.sdk import endpoint as ep_mod
@@ -118,6 +118,23 @@ def test_a_placed_node_that_cannot_be_reached_is_left_out_of_the_next_placement(
     asks = [c for ep, c in send.sent if ep == GATEWAY]
     assert [c.headers[placing.HEADER] for c in asks] == ["node", "node; exclude=n1"]
     assert where == b and info.node == "n2"
+
+
+def test_a_full_node_sends_the_create_back_to_the_gateway_which_may_refuse_it():
+    """A placement made ahead may find its node full (a report let the gateway fill the slot
+    again): the gateway places the create elsewhere, or refuses it itself, which is the
+    refusal its autoscaler counts as demand."""
+    full = CapacityExceeded("sandbox limit reached")
+    send = Script(_placement("n1", NODE_A, ("n2", NODE_B)), _info("sb-1"),
+                  full, _placement("n1", NODE_A), _info("sb-2"),
+                  _placement("n1", NODE_A), full, CapacityExceeded("every node is full"))
+    assert _make(send)[1].id == "sb-1"
+    assert _make(send)[1].id == "sb-2"  # n2 was full: placed again without it
+    with pytest.raises(CapacityExceeded, match="every node is full"):
+        _make(send)
+    asks = [c.headers[placing.HEADER] for ep, c in send.sent if ep == GATEWAY]
+    assert asks == [f"node; ahead={placed.AHEAD}", f"node; exclude=n2; ahead={placed.AHEAD}",
+                    f"node; ahead={placed.AHEAD}", f"node; exclude=n1; ahead={placed.AHEAD}"]
 
 
 def test_a_placed_node_that_drops_the_create_is_an_infra_error_not_a_second_sandbox():

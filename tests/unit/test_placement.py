@@ -151,6 +151,9 @@ def test_stale_full_and_unlabelled_nodes_are_skipped():
         choose(ns, 100.0)
     with pytest.raises(CapacityExceeded, match="no node answers"):
         choose(ns, 200.0)
+    ns[2].inflight = 0  # room on n2, which the caller tried already
+    with pytest.raises(CapacityExceeded, match="was tried"):
+        choose(ns, 100.0, exclude={"n2"})
 
 
 class Counting(Sequence[NodeLoad]):

@@ -837,6 +837,8 @@ class Gateway:
                                               details={"node": n.node}))
             finally:
                 n.inflight -= 1
+            if status == CapacityExceeded.status and first is None:
+                continue  # full before its report said so: another node, or a refusal here
             if status >= 300:
                 return web.Response(body=raw, status=status, content_type="application/json")
             n.finished.append(time.monotonic())

@@ -116,14 +116,14 @@ def choose(nodes: Sequence[NodeLoad], now: float, *, k: int = 2,
         if len(first) + len(rest) == k:
             return min([*first, *rest], key=_scorer(image, group))
     # The exact path: every node looked at.
-    fresh = [n for n in nodes if now - n.reported_at <= REPORT_MAX_AGE_S
-             and n.node not in exclude]
+    fresh = [n for n in nodes if now - n.reported_at <= REPORT_MAX_AGE_S]
     matching = [n for n in fresh if n.matches(selector)]
-    room = [n for n in matching if n.used < n.capacity]
+    room = [n for n in matching if n.used < n.capacity and n.node not in exclude]
     if not room:
         why = ("no node answers" if not fresh else
                f"no node has the labels {dict(selector or {})}" if not matching else
-               "every node is full")
+               "every node is full" if not exclude else
+               "every node is full, or was tried and full or not answering")
         raise CapacityExceeded(f"the cluster cannot place a sandbox: {why}",
                                details={"nodes": len(nodes), "fresh": len(fresh),
                                         "matching": len(matching)})

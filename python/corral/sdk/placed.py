@@ -17,13 +17,13 @@ from collections.abc import Awaitable, Callable, Generator
 from typing import Any, cast
 
 from corral import nodeselector, placing
-from corral.errors import CorralError, SandboxLost
+from corral.errors import CapacityExceeded, CorralError, SandboxLost
 from corral.models import SandboxInfo
 from corral.sdk.call import Call
 from corral.sdk.endpoint import Endpoint
 
-# Nodes that did not answer a placed create before the SDK gives up (the gateway also drops
-# a node from placement once its reports stop, within seconds).
+# Placed nodes that did not answer a create, or were full, before the SDK gives up (the
+# gateway also drops a node from placement once its reports stop, within seconds).
 MAX_UNANSWERED = 3
 # Placements asked for ahead with each one (corral.placing): a process creating one sandbox
 # after another asks the gateway for every third create only.
@@ -122,7 +122,7 @@ def create_steps(ep: Endpoint, call: Call[SandboxInfo], spares: Spares | None = 
     ``spares`` for the next creates of its kind, which then skip the gateway), and goes to
     the placed node (a daemon ignores the ask and makes the sandbox; a gateway making it
     itself, as for a create from a snapshot, answers with its node). A placed node that
-    cannot be reached made nothing: the gateway is asked again without it."""
+    cannot be reached, or is full, made nothing: the gateway is asked again without it."""
     if ep.unix_path is not None or ep.node is not None:
         info = yield ep, call
         return ep.placed(info), info
@@ -146,8 +146,11 @@ def create_steps(ep: Endpoint, call: Call[SandboxInfo], spares: Spares | None = 
         try:
             # Same body and key; the node needs no node selector.
             info = yield node, dataclasses.replace(call, headers=None)
-        except SandboxLost as e:
-            if (e.details or {}).get("connected") is not False \
+        except (SandboxLost, CapacityExceeded) as e:
+            # Made nothing there: not reached, or full (a placement made ahead can find its
+            # node full once a report has let the gateway fill the slot again). The gateway
+            # places it elsewhere, or refuses it itself: a refusal its autoscaler counts.
+            if isinstance(e, SandboxLost) and (e.details or {}).get("connected") is not False \
                     or len(unanswered) >= MAX_UNANSWERED:
                 raise
             unanswered.append(got.node)
