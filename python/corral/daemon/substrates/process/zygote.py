@@ -518,14 +518,12 @@ class Zygote:
             os._exit(127 if e.errno == errno.ENOENT else 126)
 
     def _child(self, slot: Slot, ctl: int, fout: int, ferr: int, fst: int) -> None:
-        _signal.set_wakeup_fd(-1)
-        _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
+        # The fork server reset the wakeup fd and SIGCHLD before its loop: inherited.
         # Its cgroups, a session, stdio, fd 3 the request, fd 4 (python) its exit code told
         # before it exits, no other fd, the scratch dir, its uid and limits: in one call.
         slot.entry.enter([(self.devnull, 0, False), (fout, 1, False), (ferr, 2, False),
                           (ctl, 3, False), (fst, 4, True)])
         own = {"HOME": slot.scratch, "TMPDIR": slot.scratch, "PWD": slot.scratch}
-        env = dict(self.env, **own)
         main = None
         if self.language == "python":
             _reseed()
@@ -561,6 +559,7 @@ class Zygote:
                 os.close(fd)
         code = req["code"]
         if self.language == "bash":
+            env = dict(self.env, **own)
             for sig in (_signal.SIGPIPE, _signal.SIGXFSZ):  # python ignores them; bash not
                 _signal.signal(sig, _signal.SIG_DFL)
             if len(code) < BASH_ARG_MAX:
