@@ -844,6 +844,7 @@ def test_nothing_is_left_after_a_sandbox(net: Env):
     with net.sandbox(network=Network(allow=["allowed.test"]), network_group="t") as sb, \
             net.sandbox(network="internet", network_group="t") as peer:
         probe(sb, "connect=allowed.test:80", "connect6=allowed.test:80")
+        probe(peer, "resolve=allowed.test")  # used its link: never reused, so it goes
         assert net.lab.addr6(10) in sb.info().net.pinned
         names = {}
         for s in (sb, peer):
@@ -1066,6 +1067,68 @@ def _ifname_of(addr: str) -> str:
     out = subprocess.run(["ip", "-o", "route", "get", addr], capture_output=True,
                          text=True).stdout
     return out.split(" dev ")[1].split()[0]
+
+
+# ---- reused slots ----------------------------------------------------------------------------
+# What a sandbox sees of its namespace's past: counters and its socket tables (entry counts).
+SLOT_VIEW = textwrap.dedent('''
+    import json
+    view = {f: open("/proc/net/" + f).read() for f in ("dev", "snmp", "snmp6", "netstat")}
+    for f in ("tcp", "tcp6", "udp", "udp6", "raw", "raw6", "icmp", "icmp6", "unix", "packet",
+              "igmp", "igmp6"):
+        view[f] = open("/proc/net/" + f).read().count("\\n")
+    print(json.dumps(view, sort_keys=True))
+''')
+
+
+def _slot_view(sb: Sandbox) -> dict:
+    r = sb.exec(["python3", "-c", SLOT_VIEW], timeout=60)
+    assert r.exit_code == 0, r
+    return json.loads(r.stdout)
+
+
+def _link_index(sb: Sandbox) -> int:
+    """The host end's ifindex: a link made again gets a new one, a reused link keeps its."""
+    with open(f"/sys/class/net/{_ifname_of(sb.info().net.address)}/ifindex") as f:
+        return int(f.read())
+
+
+def test_a_quiet_sandboxs_link_is_reused_and_shows_nothing_of_it(net: Env):
+    """A networked sandbox that sent and received nothing leaves its link and namespace to a
+    later one (NetworkManager.recycle), which sees exactly what the quiet one saw at its end,
+    gets its own policy (never the earlier one's) and reaches what that allows; a sandbox that
+    used the network leaves its link to nobody."""
+    lab = net.lab
+    quiet_end: dict[int, dict] = {}   # link -> what its quiet sandbox saw as it ended
+    used: set[int] = set()            # links of sandboxes that used the network
+    reused = policy_checked = 0
+    before = _metric(net, "corral_network_slots_recycled_total")
+    for i in range(12):
+        allow = i % 2 == 1
+        network = Network(allow=["allowed.test:80"]) if allow else "internet"
+        with net.sandbox(network=network) as sb:
+            link = _link_index(sb)
+            assert link not in used, (i, link)
+            view = _slot_view(sb)
+            if link in quiet_end:
+                reused += 1
+                assert view == quiet_end.pop(link), i
+                if allow and not policy_checked:
+                    r = probe(sb, "connect=allowed.test:80", f"connect={lab.addr(12)}:80")
+                    assert ok(r["connect=allowed.test:80"]), r
+                    assert not ok(r[f"connect={lab.addr(12)}:80"]), r  # not the earlier policy
+                    policy_checked += 1
+                    used.add(link)
+                    continue
+            if i == 4:  # traffic, a socket in TIME_WAIT: never reused
+                probe(sb, f"connect={lab.addr(10)}:80")
+                used.add(link)
+                continue
+            quiet_end[link] = _slot_view(sb)
+        if reused >= 3 and policy_checked:
+            break
+    assert reused >= 3 and policy_checked, (reused, policy_checked)
+    assert _metric(net, "corral_network_slots_recycled_total") >= before + reused
 
 
 # ---- limits --------------------------------------------------------------------------------

@@ -79,6 +79,10 @@ _HELP = {
     "pool_failures": "pool refills that failed",
     "snapshots_exported": "snapshot exports streamed to another node",
     "snapshots_imported": "snapshots stored from another node's export",
+    "network_slots_recycled": "ended networked sandboxes' links and namespaces reused (nothing "
+                              "of the sandbox showed there)",
+    "network_slots_not_recycled": "ended networked sandboxes' links and namespaces released "
+                                  "(a trace of the sandbox, or no room)",
 }
 
 

@@ -35,6 +35,10 @@ log = logging.getLogger("corral.network")
 
 Ports = tuple[tuple[int, int], ...]
 REFILL_QUIET_S = 0.02
+# A new link's own chatter (the multicast listener reports of its addresses, repeated within
+# 10 ms: corral._core.veth_setup) is over well within this; the namespace's counters are then
+# those of every quiet slot (``NetworkManager._settled_print``).
+SETTLE_S = 0.1
 DENIED_SHOWN = 50  # info()'s denied destinations: the most refused ones
 FINAL_KEPT = 4096  # ended sandboxes' last counters waiting for the engine to take them
 LINK_STATS = ("rx_bytes", "rx_packets", "tx_bytes", "tx_packets")
@@ -68,6 +72,9 @@ class Attachment:
     pins: dict[str, float] = field(default_factory=dict)
     ranges: RangePins = field(default_factory=RangePins)  # its pins of port ranges
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Its slot may go back to the pool when it ends (``NetworkManager.recycle``): not a
+    # shaped link (its qdiscs are the sandbox's), nor a re-adopted one (made by another daemon).
+    recyclable: bool = False
 
     # ---- what the DNS proxy calls --------------------------------------------------------
     def pin(self, addrs: list[str], ports: Ports, ttl: int) -> None:
@@ -157,6 +164,10 @@ class NetworkManager:
         self._free: list[int] = []
         self._next = 1
         self._ready: collections.deque[tuple[int, int]] = collections.deque()
+        self._held: dict[str, int] = {}  # ended sandboxes' slots, until ``recycle`` decides
+        self._quiet_print: bytes | None = None  # what a quiet slot's namespace shows
+        self.recycled = 0      # slots of ended sandboxes reused
+        self.not_recycled = 0  # dropped: a trace of their sandbox, or no room
         self._cv = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -373,6 +384,8 @@ class NetworkManager:
                     return
             try:
                 slot = self._make_slot()
+                if self._quiet_print is None:
+                    self._quiet_print = self._settled_print(slot[1])
             except Exception:
                 log.warning("network pool: cannot make a slot", exc_info=True)
                 time.sleep(1.0)
@@ -382,6 +395,21 @@ class NetworkManager:
                     self._ready.appendleft(slot)
                     continue
             os.close(slot[1])  # its links go with the namespace
+
+    @staticmethod
+    def _settled_print(netns_fd: int) -> bytes | None:
+        """The fingerprint of a fresh slot's namespace once its link's own chatter is over (the
+        same for every slot: the counters of a link that sent and received only that), or None
+        if it does not settle; ``recycle`` compares against it. Read once, off the create path,
+        by the refill thread: the wait is for the kernel's report timers, nothing to poll."""
+        last = None
+        for _ in range(10):
+            time.sleep(SETTLE_S)
+            now = _core.netns_fingerprint(netns_fd)
+            if now == last:
+                return now
+            last = now
+        return None
 
     # ---- attach/detach -------------------------------------------------------------------
     def attach(self, sandbox_id: str, network: Any, group: str | None,
@@ -398,7 +426,8 @@ class NetworkManager:
             slot = self._make_slot()
         idx, fd = slot
         att = Attachment(sandbox_id, idx, self.links.ifname(idx), self.links.address(idx),
-                         self.links.address6(idx), policy, group, label, self)
+                         self.links.address6(idx), policy, group, label, self,
+                         recyclable=bandwidth_mbit is None)
         att.elems = Firewall.policy_elems(att.ifname, policy)
         try:
             if bandwidth_mbit is not None:
@@ -622,7 +651,10 @@ class NetworkManager:
     def unexpose(self, sandbox_id: str, port: int) -> bool:
         return self.exposer is not None and self.exposer.unexpose(sandbox_id, port)
 
-    def detach(self, sandbox_id: str) -> None:
+    def detach(self, sandbox_id: str, hold: bool = False) -> bool:
+        """Remove a sandbox's rules and counters. With ``hold``, a slot that may be reused is
+        kept aside rather than released, and True returned: the caller then owes one call of
+        ``recycle`` for this sandbox, once every process of it is gone."""
         final = self.info(sandbox_id)  # its counters as it ends, for the trajectory log
         if final is not None:
             with self._lock:
@@ -635,11 +667,15 @@ class NetworkManager:
             att = self.attachments.pop(sandbox_id, None)
             if att is not None:
                 self._by_addr.pop(str(att.address), None)
-        if att is not None:
-            self._release(att, final["denied_packets"] if final is not None else None)
+        if att is None:
+            return False
+        held = hold and att.recyclable and self.s is not None and self.s.pool > 0
+        self._release(att, final["denied_packets"] if final is not None else None, held)
+        return held
 
-    def _release(self, att: Attachment, denied: int | None = None) -> None:
-        """``denied``: its denied count as just read (by ``info``), not read again."""
+    def _release(self, att: Attachment, denied: int | None = None, held: bool = False) -> None:
+        """``denied``: its denied count as just read (by ``info``), not read again; ``held``:
+        the slot waits for ``recycle`` rather than for its link to go."""
         with att.lock:
             try:
                 self.fw.peers(self._group_pairs(att), add=False)
@@ -647,8 +683,53 @@ class NetworkManager:
             except Exception:
                 log.warning("network: cannot remove the rules of %s", att.sandbox_id,
                             exc_info=True)
+                held = False  # some of its elements may be left: never reuse the slot
         with self._lock:
-            self._draining.append(att.index)
+            if held:
+                self._held[att.sandbox_id] = att.index
+            else:
+                self._draining.append(att.index)
+
+    def recycle(self, sandbox_id: str, netns_fd: int | None) -> bool:
+        """The held slot of an ended sandbox (``detach(hold=True)``), every process of it
+        gone: back to the ready slots with its namespace ``netns_fd`` if that shows nothing of
+        the sandbox, else released (the namespace closed, the link goes with it). This call
+        owns ``netns_fd`` (None: not reusable, e.g. some process may have outlived the init).
+
+        What a sandbox leaves in its namespace and cannot reset is the same as with network
+        "none" (container/netns.py ``NetnsPool``): counters (now eth0's too) and sockets. A
+        slot is reused only if its namespace's fingerprint equals a quiet fresh slot's: a
+        sandbox that sent or received nothing and holds no socket. Its rules, pins, group and
+        exposed ports went at ``detach``; its address and interface name stay the slot's, as
+        they would for the next sandbox given a released slot."""
+        with self._lock:
+            idx = self._held.pop(sandbox_id, None)
+        if idx is None:
+            if netns_fd is not None:
+                os.close(netns_fd)
+            return False
+        kept = False
+        try:
+            if netns_fd is not None and self._room():
+                quiet = self._quiet_print
+                kept = quiet is not None and _core.netns_fingerprint(netns_fd) == quiet
+        except OSError:
+            kept = False  # unreadable: not provably clean
+        with self._cv:
+            if kept and self._started and not self._closed and self._room():
+                self._ready.append((idx, netns_fd))  # type: ignore[arg-type]
+                self.recycled += 1
+                return True
+            self._draining.append(idx)
+            self.not_recycled += 1
+        if netns_fd is not None:
+            os.close(netns_fd)
+        return False
+
+    def _room(self) -> bool:
+        """Room among the ready slots for a recycled one: up to twice the pool's size (the
+        refill makes new ones only below it)."""
+        return self.s is not None and len(self._ready) < 2 * self.s.pool
 
     # ---- lookups -------------------------------------------------------------------------
     def _lookup(self, addr: str) -> Attachment | None:
@@ -693,7 +774,9 @@ class NetworkManager:
                             (self.exposer.ports(sandbox_id) if self.exposer else {}).items()}}
 
     def metrics(self) -> dict[str, int]:
-        out = {"network_sandboxes": len(self.attachments), "network_pool_ready": len(self._ready)}
+        out = {"network_sandboxes": len(self.attachments), "network_pool_ready": len(self._ready),
+               "network_slots_recycled": self.recycled,
+               "network_slots_not_recycled": self.not_recycled}
         if not self._started:
             return out
         tx = rx = 0

@@ -526,7 +526,15 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
 
     def _destroy(self, runtime: SandboxRuntime) -> None:
         self._close_root(runtime.sandbox_id)
-        self.network.detach(runtime.sandbox_id)
+        # A networked sandbox's slot (link and namespace) is held for ``recycle`` below.
+        held = self.network.detach(runtime.sandbox_id, hold=True)
+        try:
+            self._destroy_held(runtime, held)
+        finally:
+            if held:  # not handed back below (an error on the way): released, not reused
+                self.network.recycle(runtime.sandbox_id, None)
+
+    def _destroy_held(self, runtime: SandboxRuntime, held: bool) -> None:
         self.disk.forget(runtime.sandbox_id)
         self.cgroups.forget_thrash_kills(runtime.sandbox_id)
         self._live.pop(runtime.sandbox_id, None)
@@ -561,8 +569,13 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         if not clean:
             self.cgroups.kill_all(paths)
             self.cgroups.remove(paths)
-        if net is not None:
-            if clean:  # every process of the sandbox is gone: nothing can act in it now
+        if held:  # its slot: back to the network's ready ones if nothing of it shows there
+            self.network.recycle(runtime.sandbox_id, net if clean else None)
+            if net is not None and not clean:
+                os.close(net)
+        elif net is not None:
+            if clean and runtime.extra.get("netns") == "pool":
+                # every process of the sandbox is gone: nothing can act in it now
                 self.netns.recycle(net)
             else:
                 os.close(net)
@@ -690,8 +703,10 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
 
     def _netns_to_recycle(self, runtime: SandboxRuntime, pidfd: int) -> int | None:
         """The namespace of a sandbox about to be destroyed, if it came from the pool (network
-        "none"), for NetnsPool.recycle; taken through the pidfd while the init lives."""
-        if runtime.extra.get("netns") != "pool" or not self.netns.base:
+        "none", for NetnsPool.recycle) or is networked (NetworkManager.recycle); taken through
+        the pidfd while the init lives."""
+        pooled = runtime.extra.get("netns") == "pool" and self.netns.base
+        if not pooled and "net" not in runtime.extra:
             return None
         try:
             return _core.netns_of(pidfd)
