@@ -745,3 +745,47 @@ def test_disabled_commands_are_landlock_domains_of_their_own(sub, make, via_init
         assert code == 0 and "environ=1" in out and "seen" in out, out
     finally:
         sub.init_exec = True
+
+
+MOUNT_WATCH = r"""
+import json, os, subprocess, sys
+from corral.daemon.substrates.container.layout import MountWatch, detachable_mounts
+base = sys.argv[1]
+keep = os.path.join(base, "keep")
+os.makedirs(keep)
+w = MountWatch(keep)
+out = {"first": w.get() == detachable_mounts(keep)}
+out["unchanged"] = [w.get() == detachable_mounts(keep) for _ in range(3)]
+out["reads_unchanged"] = w.reads
+side = os.path.join(base, "side")
+os.makedirs(side)
+subprocess.run(["mount", "-t", "tmpfs", "tmpfs", side], check=True)
+got = w.get()
+out["mounted"] = side in got and got == detachable_mounts(keep)
+subprocess.run(["mount", "-t", "tmpfs", "tmpfs", keep], check=True)  # below keep: stays
+out["below_keep"] = w.get() == detachable_mounts(keep) and keep not in w.get()
+subprocess.run(["umount", side], check=True)
+out["unmounted"] = side not in w.get() and w.get() == detachable_mounts(keep)
+out["reads"] = w.reads
+w.close()
+print(json.dumps(out))
+"""
+
+
+def test_the_mounts_a_spawn_detaches_follow_every_change_of_the_table(tmp_path):
+    """MountWatch reads the mount table again only when the kernel flags a change: each
+    mount or unmount is seen by the next spawn, an unchanged table is not read again. Run in
+    a private mount namespace of its own, so the host's table is never touched."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "watch.py"
+    script.write_text(MOUNT_WATCH)
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable,
+                        str(script), str(tmp_path)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out == {"first": True, "unchanged": [True, True, True], "reads_unchanged": 1,
+                   "mounted": True, "below_keep": True, "unmounted": True, "reads": 4}, out

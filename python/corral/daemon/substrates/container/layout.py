@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import shutil
 import stat as stat_mod
+import threading
 
 from corral.daemon import scratch
 
@@ -146,15 +148,61 @@ def detachable_mounts(keep: str, mountinfo: str = "/proc/self/mountinfo") -> lis
     """The daemon's mounts a sandbox's new mount namespace copies but never reaches: the top
     of every subtree that is neither an ancestor of ``keep`` (the sandboxes' dir) nor below it.
     The spawn detaches each (recursively) once the root is built; every copied mount left
-    would pin kernel memory for as long as the sandbox lives. Read at each spawn: a mount
-    made since, such as a parent of ``keep``, must not be detached."""
+    would pin kernel memory for as long as the sandbox lives. A mount made since the last
+    read, such as a parent of ``keep``, must not be detached: ``MountWatch`` reads again
+    whenever the table changed."""
+    with open(mountinfo) as f:
+        return _tops(keep, f.read())
+
+
+class MountWatch:
+    """``detachable_mounts(keep)`` for each spawn, read again only when the mount table of
+    the calling process's namespace changed: the kernel flags an open mountinfo file with
+    POLLPRI at every mount or unmount there (proc(5)), so an unchanged table costs one poll
+    instead of a read and a parse of every line (measured: ~5 % of the daemon's Python time
+    under churn)."""
+
+    def __init__(self, keep: str, mountinfo: str = "/proc/self/mountinfo") -> None:
+        self.keep = keep
+        self._fd = os.open(mountinfo, os.O_RDONLY | os.O_CLOEXEC)
+        self._poll = select.poll()
+        self._poll.register(self._fd, select.POLLPRI)  # POLLERR comes with it
+        self._lock = threading.Lock()
+        self._tops: list[str] | None = None
+        self.reads = 0
+
+    def get(self) -> list[str]:
+        with self._lock:
+            if self._fd < 0:
+                raise ValueError("MountWatch is closed")
+            # The flag is cleared as poll reports it: a change after this poll and before
+            # the read below is read now and flagged again at the next call.
+            if self._poll.poll(0) or self._tops is None:
+                self._tops = _tops(self.keep, self._read())
+                self.reads += 1
+            return list(self._tops)
+
+    def _read(self) -> str:
+        os.lseek(self._fd, 0, os.SEEK_SET)
+        chunks = []
+        while data := os.read(self._fd, 1 << 16):
+            chunks.append(data)
+        return b"".join(chunks).decode()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+def _tops(keep: str, mountinfo: str) -> list[str]:
     keep = os.path.realpath(keep).rstrip("/") + "/"
     points: list[str] = []
-    with open(mountinfo) as f:
-        for line in f:
-            fields = line.split(" ", 5)
-            if len(fields) > 4:
-                points.append(_unescape(fields[4]))
+    for line in mountinfo.splitlines():
+        fields = line.split(" ", 5)
+        if len(fields) > 4:
+            points.append(_unescape(fields[4]))
     tops: list[str] = []
     for p in points:
         d = p.rstrip("/") + "/"

@@ -59,8 +59,8 @@ from .files import Files
 from .initpath import InitExec, Launch
 from .layout import (
     OVL_OPAQUE,
+    MountWatch,
     _image_tmp_unfit,
-    detachable_mounts,
     make_dev_dir,
     make_mask_dir,
     make_sys_dir,
@@ -97,6 +97,8 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         self.state_dir = state_dir
         self.sandboxes_dir = os.path.join(state_dir, "sandboxes")
         os.makedirs(self.sandboxes_dir, mode=0o700, exist_ok=True)
+        # The daemon's mounts each sandbox detaches from its copy of the table.
+        self.mounts = MountWatch(self.sandboxes_dir)
         self.scratch = scratch.Scratch(state_dir, self.sandboxes_dir)
         self.layers_dir = os.path.join(state_dir, "layers") + "/"  # snapshots' (lowerdirs)
         self._tmp_needed: dict[tuple[str, ...], bool] = {}  # see _tmp_on_layer
@@ -240,6 +242,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
             self.scratch.close()
         for sid in list(self._roots):
             self._close_root(sid)
+        self.mounts.close()
         if self.init_fd >= 0:
             os.close(self.init_fd)
             self.init_fd = -1
@@ -344,7 +347,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
                 tmp_tmpfs=not self.scratch.quota,
                 dev_dir=self.dev_dir,
                 shm_dir=shm,
-                detach=detachable_mounts(self.sandboxes_dir),
+                detach=self.mounts.get(),
             )
             pid, pidfd = _core.spawn_sandbox(cfg)
             if not self.keep_pidfds:
