@@ -1336,6 +1336,75 @@ def test_a_policy_changes_on_a_live_sandbox_at_once(net: Env):
             plain.network.update("internet")
 
 
+# One connect per line read; the count of those done so far in /tmp/done; the tally at EOF.
+CONNECT_EACH_LINE = textwrap.dedent('''
+    import json, socket, sys
+    host, port = sys.argv[1], int(sys.argv[2])
+    good, errors = 0, []
+    for _ in sys.stdin:
+        try:
+            socket.create_connection((host, port), timeout=3).close()
+            good += 1
+        except OSError as e:
+            errors.append(str(e))
+        with open("/tmp/done", "w") as f:
+            f.write(str(good + len(errors)))
+    print(json.dumps({"good": good, "errors": errors}))
+''')
+
+
+def test_a_policy_update_never_refuses_what_both_policies_allow(net: Env):
+    """The old policy's elements go and the new one's come in one transaction: a sandbox
+    connecting to an address both policies allow, while its policy flips between them as
+    fast as the API takes it, is never refused. (Fewer connects than the daemon's per-sandbox
+    connection cap here, each one once the last is done.)"""
+    import threading
+
+    target = net.lab.addr(11)
+    both = f"{target}/32:8080"
+    a, b = Network(allow=[both, "allowed.test:80"]), Network(allow=[both, "other.test:80"])
+    with net.sandbox(network=a) as sb:
+        proc = sb.exec(["python3", "-c", CONNECT_EACH_LINE, target, "8080"], background=True)
+        stop, flips = threading.Event(), [0]
+
+        def flip() -> None:
+            while not stop.is_set():
+                sb.network.update(b if flips[0] % 2 == 0 else a)
+                flips[0] += 1
+
+        # The set holding the rule both policies share, as the kernel shows it meanwhile.
+        holding = [x["set"]["name"] for x in (net.table_json() or {"nftables": []})["nftables"]
+                   if "set" in x and target in json.dumps(x["set"].get("elem", []))]
+        assert len(holding) == 1, holding
+        views: list[bool] = []
+
+        def look() -> None:
+            while not stop.is_set():
+                r = subprocess.run(["nft", "-j", "list", "set", "inet", net.table, holding[0]],
+                                   capture_output=True, text=True)
+                if r.returncode == 0:  # a dump a commit interrupted fails: not a view
+                    views.append(target in r.stdout)
+
+        workers = [threading.Thread(target=flip), threading.Thread(target=look)]
+        for w in workers:
+            w.start()
+        try:
+            n = MAX_CONNS - 8
+            for k in range(1, n + 1):
+                proc.send_stdin("\n")
+                assert wait_until(lambda k=k: sb.files.exists("/tmp/done") and
+                                  sb.files.read("/tmp/done") == str(k), timeout=30), k
+        finally:
+            stop.set()
+            for w in workers:
+                w.join()
+        proc.close_stdin()
+        out = json.loads(proc.wait(timeout=60).stdout)
+        assert out == {"good": n, "errors": []}, (out, flips[0])
+        assert flips[0] >= n, flips[0]  # the policy flipped while they ran
+        assert len(views) > 10 and all(views), (views.count(False), len(views), flips[0])
+
+
 def test_a_restore_keeps_the_network_and_its_policy(net: Env):
     lab = net.lab
     with net.sandbox(network=Network(allow=["allowed.test:80"])) as sb:

@@ -290,20 +290,16 @@ fn nft_destroy_elements(
         .map_err(|e| os_error(e.errno(), format!("nft_destroy_elements: {e}")))
 }
 
-/// Add elements to sets of nftables table `table` (family inet) in one transaction:
+/// Elements to add, as they cross from Python:
 /// [(set, [(key, end key or None, timeout in ms or None, chain to jump to or None)])].
-#[pyfunction]
 #[allow(clippy::type_complexity)]
-fn nft_add_elements(
-    py: Python<'_>,
-    table: String,
-    sets: Vec<(
-        String,
-        Vec<(Vec<u8>, Option<Vec<u8>>, Option<u64>, Option<String>)>,
-    )>,
-) -> PyResult<()> {
-    let sets: Vec<(String, Vec<nftset::NewElem>)> = sets
-        .into_iter()
+type NewElems = Vec<(
+    String,
+    Vec<(Vec<u8>, Option<Vec<u8>>, Option<u64>, Option<String>)>,
+)>;
+
+fn new_elems(sets: NewElems) -> Vec<(String, Vec<nftset::NewElem>)> {
+    sets.into_iter()
         .map(|(set, elems)| {
             let elems = elems
                 .into_iter()
@@ -316,9 +312,36 @@ fn nft_add_elements(
                 .collect();
             (set, elems)
         })
-        .collect();
+        .collect()
+}
+
+/// Add elements to sets of nftables table `table` (family inet) in one transaction:
+/// [(set, [(key, end key or None, timeout in ms or None, chain to jump to or None)])].
+#[pyfunction]
+fn nft_add_elements(py: Python<'_>, table: String, sets: NewElems) -> PyResult<()> {
+    let sets = new_elems(sets);
     py.detach(|| nftset::add_elements(&table, &sets))
         .map_err(|e| os_error(e.errno(), format!("nft_add_elements: {e}")))
+}
+
+/// Remove elements (as `nft_destroy_elements` takes them) and add others (as
+/// `nft_add_elements` takes them) in one transaction: a packet meets either every old
+/// element or every new one, never neither.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn nft_swap_elements(
+    py: Python<'_>,
+    table: String,
+    gone: Vec<(String, Vec<(Vec<u8>, Option<Vec<u8>>)>)>,
+    added: NewElems,
+) -> PyResult<()> {
+    let gone: Vec<nftset::SetElems> = gone
+        .into_iter()
+        .map(|(set, elems)| nftset::SetElems { set, elems })
+        .collect();
+    let added = new_elems(added);
+    py.detach(|| nftset::swap_elements(&table, &gone, &added))
+        .map_err(|e| os_error(e.errno(), format!("nft_swap_elements: {e}")))
 }
 
 /// The counter (packets, bytes) of the element `key` of set `set` in nftables table `table`
@@ -859,6 +882,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(veth_setup, m)?)?;
     m.add_function(wrap_pyfunction!(nft_destroy_elements, m)?)?;
     m.add_function(wrap_pyfunction!(nft_add_elements, m)?)?;
+    m.add_function(wrap_pyfunction!(nft_swap_elements, m)?)?;
     m.add_function(wrap_pyfunction!(nft_get_counter, m)?)?;
     m.add_function(wrap_pyfunction!(nft_dump_counters, m)?)?;
     m.add_function(wrap_pyfunction!(mount_tmpfs, m)?)?;

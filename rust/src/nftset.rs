@@ -126,21 +126,52 @@ pub struct SetElems {
 /// Remove the given elements of `table` (family inet) in one batch (one transaction); an
 /// element already gone is not an error.
 pub fn destroy_elements(table: &str, sets: &[SetElems]) -> Result<(), NftSetError> {
+    swap_elements(table, sets, &[])
+}
+
+/// Remove the elements of `gone`, then add those of `added`, in one batch: one transaction,
+/// so a packet is matched either against all the old elements or all the new ones, never
+/// against neither. An element in both stays.
+pub fn swap_elements(
+    table: &str,
+    gone: &[SetElems],
+    added: &[(String, Vec<NewElem>)],
+) -> Result<(), NftSetError> {
     let table = cstr(table)?;
-    let ty = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DESTROYSETELEM;
-    let sets = sets.iter().filter(|s| !s.elems.is_empty());
-    elem_batch(sets, |buf, seq, s| {
-        let flags = libc::NLM_F_REQUEST as u16 | libc::NLM_F_ACK as u16;
-        let at = elem_list(buf, ty, flags, seq, &table, &s.set)?;
-        for (key, end) in &s.elems {
-            buf.begin(NFTA_LIST_ELEM);
-            elem_keys(buf, key, end.as_deref());
-            buf.end();
-        }
-        buf.end();
-        buf.close_msg(at);
-        Ok(())
+    let items = gone
+        .iter()
+        .filter(|s| !s.elems.is_empty())
+        .map(Change::Gone)
+        .chain(
+            added
+                .iter()
+                .filter(|(_, e)| !e.is_empty())
+                .map(|(set, elems)| Change::Added(set, elems)),
+        );
+    elem_batch(items, |buf, seq, item| match item {
+        Change::Gone(s) => write_destroy(buf, seq, &table, s),
+        Change::Added(set, elems) => write_add(buf, seq, &table, set, elems),
     })
+}
+
+/// One element-list message of a batch.
+enum Change<'a> {
+    Gone(&'a SetElems),
+    Added(&'a str, &'a [NewElem]),
+}
+
+fn write_destroy(buf: &mut Buf, seq: u32, table: &[u8], s: &SetElems) -> Result<(), NftSetError> {
+    let ty = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DESTROYSETELEM;
+    let flags = libc::NLM_F_REQUEST as u16 | libc::NLM_F_ACK as u16;
+    let at = elem_list(buf, ty, flags, seq, table, &s.set)?;
+    for (key, end) in &s.elems {
+        buf.begin(NFTA_LIST_ELEM);
+        elem_keys(buf, key, end.as_deref());
+        buf.end();
+    }
+    buf.end();
+    buf.close_msg(at);
+    Ok(())
 }
 
 /// One element to add: its key (and end key in an interval set), a timeout, and in a verdict
@@ -156,32 +187,38 @@ pub struct NewElem {
 /// what libnftables would send for `add element`, without reading the table's sets first.
 /// An element already there stays as it is.
 pub fn add_elements(table: &str, sets: &[(String, Vec<NewElem>)]) -> Result<(), NftSetError> {
-    let table = cstr(table)?;
+    swap_elements(table, &[], sets)
+}
+
+fn write_add(
+    buf: &mut Buf,
+    seq: u32,
+    table: &[u8],
+    set: &str,
+    elems: &[NewElem],
+) -> Result<(), NftSetError> {
     let ty = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSETELEM;
-    let sets = sets.iter().filter(|(_, e)| !e.is_empty());
-    elem_batch(sets, |buf, seq, (set, elems)| {
-        let flags = libc::NLM_F_REQUEST as u16 | libc::NLM_F_ACK as u16 | libc::NLM_F_CREATE as u16;
-        let at = elem_list(buf, ty, flags, seq, &table, set)?;
-        for e in elems {
-            buf.begin(NFTA_LIST_ELEM);
-            elem_keys(buf, &e.key, e.end.as_deref());
-            if let Some(ms) = e.timeout_ms {
-                buf.attr(NFTA_SET_ELEM_TIMEOUT, &ms.to_be_bytes());
-            }
-            if let Some(chain) = &e.jump {
-                buf.begin(NFTA_SET_ELEM_DATA);
-                buf.begin(NFTA_DATA_VERDICT);
-                buf.attr(NFTA_VERDICT_CODE, &NFT_JUMP.to_be_bytes());
-                buf.attr(NFTA_VERDICT_CHAIN, &cstr(chain)?);
-                buf.end();
-                buf.end();
-            }
+    let flags = libc::NLM_F_REQUEST as u16 | libc::NLM_F_ACK as u16 | libc::NLM_F_CREATE as u16;
+    let at = elem_list(buf, ty, flags, seq, table, set)?;
+    for e in elems {
+        buf.begin(NFTA_LIST_ELEM);
+        elem_keys(buf, &e.key, e.end.as_deref());
+        if let Some(ms) = e.timeout_ms {
+            buf.attr(NFTA_SET_ELEM_TIMEOUT, &ms.to_be_bytes());
+        }
+        if let Some(chain) = &e.jump {
+            buf.begin(NFTA_SET_ELEM_DATA);
+            buf.begin(NFTA_DATA_VERDICT);
+            buf.attr(NFTA_VERDICT_CODE, &NFT_JUMP.to_be_bytes());
+            buf.attr(NFTA_VERDICT_CHAIN, &cstr(chain)?);
+            buf.end();
             buf.end();
         }
         buf.end();
-        buf.close_msg(at);
-        Ok(())
-    })
+    }
+    buf.end();
+    buf.close_msg(at);
+    Ok(())
 }
 
 /// One nf_tables batch (one transaction): `write` adds one element-list message per item

@@ -348,9 +348,7 @@ table {self.t} {{
         """Add elements (our own text form) in one transaction straight over netlink
         (corral._core.nft_add_elements): libnftables reads every set's definition of the
         table first, which costs more the more sets (shards) it has."""
-        batch = [(name, [new_element(e, name.rsplit("_", 1)[0] in INTERVAL_SETS)
-                         for e in items])
-                 for name, items in sets.items() if items]
+        batch = _new_batch(sets)
         if batch:
             _core.nft_add_elements(self.s.table, batch)
 
@@ -376,17 +374,22 @@ table {self.t} {{
         """Remove elements (our own text form) in one transaction straight over netlink
         (corral._core.nft_destroy_elements): libnftables reads the whole set before a
         delete, which costs O(elements in the set) per call."""
-        batch = [(name, [element_key(e, name.rsplit("_", 1)[0] in INTERVAL_SETS)
-                         for e in items])
-                 for name, items in sets.items() if items]
+        batch = _gone_batch(sets)
         if batch:
             _core.nft_destroy_elements(self.s.table, batch)
 
     def swap(self, ifname: str, old: dict[str, list[str]], new: dict[str, list[str]]) -> None:
-        """Replace a sandbox's policy elements (``old`` -> ``new``): the old out, then the
-        new in (in between, the sandbox's new connections are refused, never let through)."""
-        self.destroy(self._physical(ifname, old))
-        self.add(self._physical(ifname, new))
+        """Replace a sandbox's policy elements (``old`` -> ``new``) in one transaction that
+        removes only what ``new`` lacks and adds only what ``old`` lacked: an element both
+        hold is never touched, so what both policies allow is never refused meanwhile (a
+        set's delete and re-add of one element, even in one transaction, leaves an instant
+        where the kernel's lookup sees neither)."""
+        was, will = self._physical(ifname, old), self._physical(ifname, new)
+        gone = {k: _minus(v, will.get(k, ())) for k, v in was.items()}
+        added = {k: _minus(v, was.get(k, ())) for k, v in will.items()}
+        gone_batch, added_batch = _gone_batch(gone), _new_batch(added)
+        if gone_batch or added_batch:
+            _core.nft_swap_elements(self.s.table, gone_batch, added_batch)
 
     def peers(self, pairs: list[tuple[str, str]], add: bool) -> None:
         if not pairs:
@@ -470,6 +473,25 @@ def _json_part(x: object) -> str:
     if isinstance(x, dict) and "range" in x:
         return f"{x['range'][0]}-{x['range'][1]}"
     return str(x)
+
+
+def _minus(elems: list[str], other: Iterable[str]) -> list[str]:
+    drop = set(other)
+    return [e for e in elems if e not in drop]
+
+
+def _new_batch(sets: dict[str, list[str]]) -> list[tuple[str, list[tuple[
+        bytes, bytes | None, int | None, str | None]]]]:
+    """Elements to add, by set, as corral._core takes them."""
+    return [(name, [new_element(e, name.rsplit("_", 1)[0] in INTERVAL_SETS) for e in items])
+            for name, items in sets.items() if items]
+
+
+def _gone_batch(sets: dict[str, list[str]]) -> list[tuple[str, list[tuple[bytes,
+                                                                          bytes | None]]]]:
+    """Elements to remove, by set, as corral._core takes them."""
+    return [(name, [element_key(e, name.rsplit("_", 1)[0] in INTERVAL_SETS) for e in items])
+            for name, items in sets.items() if items]
 
 
 def new_element(elem: str, interval: bool) -> tuple[bytes, bytes | None, int | None,
