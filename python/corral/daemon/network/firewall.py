@@ -20,6 +20,7 @@ each)."""
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import re
@@ -494,6 +495,9 @@ def _gone_batch(sets: dict[str, list[str]]) -> list[tuple[str, list[tuple[bytes,
             for name, items in sets.items() if items]
 
 
+# Elements repeat: a slot's interface name (and with it its elements) comes back with the next
+# sandbox, a policy's with each sandbox that names it. Parsing one costs ~10 us of ipaddress.
+@functools.lru_cache(maxsize=8192)
 def new_element(elem: str, interval: bool) -> tuple[bytes, bytes | None, int | None,
                                                    str | None]:
     """An element in the text form this module writes (``key [timeout Ns]`` or, in the
@@ -514,6 +518,7 @@ def _address_bounds(part: str) -> tuple[bytes, bytes]:
     return net.network_address.packed, net.broadcast_address.packed
 
 
+@functools.lru_cache(maxsize=8192)
 def element_key(elem: str, interval: bool) -> tuple[bytes, bytes | None]:
     """The kernel's key (and, in an interval set, end key) of an element in the text form
     this module writes: fields joined by " . ", each an interface name in quotes (16 bytes),
