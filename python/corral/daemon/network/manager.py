@@ -166,6 +166,7 @@ class NetworkManager:
         self._ready: collections.deque[tuple[int, int]] = collections.deque()
         self._held: dict[str, int] = {}  # ended sandboxes' slots, until ``recycle`` decides
         self._quiet_print: bytes | None = None  # what a quiet slot's namespace shows
+        self._quiet_read = False
         self.recycled = 0      # slots of ended sandboxes reused
         self.not_recycled = 0  # dropped: a trace of their sandbox, or no room
         self._cv = threading.Condition(self._lock)
@@ -384,7 +385,8 @@ class NetworkManager:
                     return
             try:
                 slot = self._make_slot()
-                if self._quiet_print is None:
+                if not self._quiet_read:  # once: a link that never settles is not retried
+                    self._quiet_read = True
                     self._quiet_print = self._settled_print(slot[1])
             except Exception:
                 log.warning("network pool: cannot make a slot", exc_info=True)
@@ -405,10 +407,17 @@ class NetworkManager:
         last = None
         for _ in range(10):
             time.sleep(SETTLE_S)
-            now = _core.netns_fingerprint(netns_fd)
+            try:
+                now = _core.netns_fingerprint(netns_fd)
+            except OSError:
+                log.warning("network pool: cannot read a slot's fingerprint; slots of ended "
+                            "sandboxes are not reused", exc_info=True)
+                return None
             if now == last:
                 return now
             last = now
+        log.warning("network pool: a new slot's counters do not settle; slots of ended "
+                    "sandboxes are not reused")
         return None
 
     # ---- attach/detach -------------------------------------------------------------------
