@@ -272,20 +272,21 @@ fn veth_setup(
         .map_err(|e| os_error(e.errno(), format!("veth_setup: {e}")))
 }
 
-/// Remove set elements of the inet table `table` in one nf_tables batch, straight over
-/// netlink (an element already gone is fine): `sets` is [(set name, [(key, key_end or
-/// None)])], each key the concatenated register data of the element.
-#[pyfunction]
-#[allow(clippy::type_complexity)]
-fn nft_destroy_elements(
-    py: Python<'_>,
-    table: String,
-    sets: Vec<(String, Vec<(Vec<u8>, Option<Vec<u8>>)>)>,
-) -> PyResult<()> {
-    let sets: Vec<nftset::SetElems> = sets
-        .into_iter()
+/// Elements to remove, as they cross from Python: [(set name, [(key, key_end or None)])],
+/// each key the concatenated register data of the element.
+type GoneElems = Vec<(String, Vec<(Vec<u8>, Option<Vec<u8>>)>)>;
+
+fn gone_elems(sets: GoneElems) -> Vec<nftset::SetElems> {
+    sets.into_iter()
         .map(|(set, elems)| nftset::SetElems { set, elems })
-        .collect();
+        .collect()
+}
+
+/// Remove set elements of the inet table `table` in one nf_tables batch, straight over
+/// netlink (an element already gone is fine).
+#[pyfunction]
+fn nft_destroy_elements(py: Python<'_>, table: String, sets: GoneElems) -> PyResult<()> {
+    let sets = gone_elems(sets);
     py.detach(|| nftset::destroy_elements(&table, &sets))
         .map_err(|e| os_error(e.errno(), format!("nft_destroy_elements: {e}")))
 }
@@ -325,20 +326,17 @@ fn nft_add_elements(py: Python<'_>, table: String, sets: NewElems) -> PyResult<(
 }
 
 /// Remove elements (as `nft_destroy_elements` takes them) and add others (as
-/// `nft_add_elements` takes them) in one transaction: a packet meets either every old
-/// element or every new one, never neither.
+/// `nft_add_elements` takes them) in one transaction. Pass only the difference: an element
+/// removed and added again in one transaction can be missed by an interval set's lookup for
+/// an instant.
 #[pyfunction]
-#[allow(clippy::type_complexity)]
 fn nft_swap_elements(
     py: Python<'_>,
     table: String,
-    gone: Vec<(String, Vec<(Vec<u8>, Option<Vec<u8>>)>)>,
+    gone: GoneElems,
     added: NewElems,
 ) -> PyResult<()> {
-    let gone: Vec<nftset::SetElems> = gone
-        .into_iter()
-        .map(|(set, elems)| nftset::SetElems { set, elems })
-        .collect();
+    let gone = gone_elems(gone);
     let added = new_elems(added);
     py.detach(|| nftset::swap_elements(&table, &gone, &added))
         .map_err(|e| os_error(e.errno(), format!("nft_swap_elements: {e}")))
