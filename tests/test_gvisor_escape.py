@@ -201,11 +201,13 @@ def test_stop_and_continue_work_under_the_tracer(sb):
     """A command stopped by SIGSTOP stays stopped until SIGCONT, and a signal reaches it."""
     state = "awk '/^State/{print $2}' /proc/$p/status"
     until = ("i=0; until {s} | grep -q '{want}' || [ $i -gt 2000 ]; do i=$((i+1)); done; {s}; ")
+    # Each probe of the state is two processes under the tracer: slow on a loaded machine.
     r = sh(sb, "sleep 30 & p=$!; kill -STOP $p; " + until.format(s=state, want="[tT]") +
                "kill -CONT $p; " + until.format(s=state, want="S") +
-               "kill -TERM $p; wait $p; echo rc=$?")
+               "kill -TERM $p; wait $p; echo rc=$?", timeout=120)
     lines = r.stdout.split()
-    assert lines[0] in ("t", "T") and lines[1] == "S" and lines[2] == "rc=143", r.stdout
+    assert len(lines) == 3, r
+    assert lines[0] in ("t", "T") and lines[1] == "S" and lines[2] == "rc=143", r
 
 
 # --- processes ---------------------------------------------------------------------------------
