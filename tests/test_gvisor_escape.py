@@ -202,7 +202,7 @@ def test_stop_and_continue_work_under_the_tracer(sb):
     state = "awk '/^State/{print $2}' /proc/$p/status"
     until = ("i=0; until {s} | grep -q '{want}' || [ $i -gt 2000 ]; do i=$((i+1)); done; {s}; ")
     # Each probe of the state is two processes under the tracer: slow on a loaded machine.
-    r = sh(sb, "sleep 30 & p=$!; kill -STOP $p; " + until.format(s=state, want="[tT]") +
+    r = sh(sb, "sleep 300 & p=$!; kill -STOP $p; " + until.format(s=state, want="[tT]") +
                "kill -CONT $p; " + until.format(s=state, want="S") +
                "kill -TERM $p; wait $p; echo rc=$?", timeout=120)
     lines = r.stdout.split()
