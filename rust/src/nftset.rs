@@ -129,9 +129,9 @@ pub fn destroy_elements(table: &str, sets: &[SetElems]) -> Result<(), NftSetErro
     swap_elements(table, sets, &[])
 }
 
-/// Remove the elements of `gone`, then add those of `added`, in one batch: one transaction,
-/// so a packet is matched either against all the old elements or all the new ones, never
-/// against neither. An element in both stays.
+/// Remove the elements of `gone`, then add those of `added`, in one batch (one transaction).
+/// An element in both is deleted and added again, which an interval set's lookup can miss
+/// for an instant: callers pass only the difference (Firewall.swap).
 pub fn swap_elements(
     table: &str,
     gone: &[SetElems],
