@@ -148,16 +148,18 @@ def host_mounts_under(path: str) -> list[str]:
 class DaemonProcess:
     """A corrald subprocess the tests can stop, kill -9 and restart."""
 
-    def __init__(self, state_dir: str = STATE_DIR, socket_path: str = SOCKET) -> None:
+    def __init__(self, state_dir: str = STATE_DIR, socket_path: str = SOCKET,
+                 python: str = sys.executable) -> None:
         self.state_dir = state_dir
         self.socket_path = socket_path
+        self.python = python
         self.proc: subprocess.Popen | None = None
         self.log_path = os.path.join(state_dir, "corrald-test.log")
 
     def start(self, timeout: float = 60.0) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         env = dict(os.environ, CORRAL_STATE_DIR=self.state_dir, CORRAL_SOCKET=self.socket_path)
-        self.proc = subprocess.Popen([sys.executable, "-m", "corral.daemon"], stdout=log,
+        self.proc = subprocess.Popen([self.python, "-m", "corral.daemon"], stdout=log,
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout
@@ -338,13 +340,15 @@ def no_leaks(daemon):
 
 
 @contextlib.contextmanager
-def private_daemon(prefix: str, cgroup: str, **env: str) -> Iterator[DaemonProcess]:
-    """A corrald of its own: a state dir under /var/tmp named ``prefix...``, cgroup name
-    ``cgroup`` and the environment ``env``, all set for the whole block (a restart gets the
-    same settings, above all the same cgroup name, or it would clean up the session daemon's
-    sandboxes). It must stop leaving nothing behind; after a failure it is killed and swept."""
+def private_daemon(prefix: str, cgroup: str, python: str = sys.executable,
+                   **env: str) -> Iterator[DaemonProcess]:
+    """A corrald of its own, run by ``python``: a state dir under /var/tmp named
+    ``prefix...``, cgroup name ``cgroup`` and the environment ``env``, all set for the whole
+    block (a restart gets the same settings, above all the same cgroup name, or it would clean
+    up the session daemon's sandboxes). It must stop leaving nothing behind; after a failure it
+    is killed and swept."""
     state = tempfile.mkdtemp(prefix=prefix, dir="/var/tmp")
-    d = DaemonProcess(state, os.path.join(state, "run", "corrald.sock"))
+    d = DaemonProcess(state, os.path.join(state, "run", "corrald.sock"), python)
     d.cgroup = cgroup  # type: ignore[attr-defined]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CORRAL_CGROUP", cgroup)

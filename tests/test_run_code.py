@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -562,6 +564,45 @@ def test_cli_run_code(tmp_path):
     p = subprocess.run([*cli, "run-code", "--json", "-c", "print(1)"], capture_output=True,
                        text=True, env=env, timeout=60)
     assert json.loads(p.stdout)["status"] == "ok"
+
+
+# ---- a daemon of its own: an interpreter under /tmp ----------------------------------------------
+def test_an_interpreter_under_tmp_is_seen_and_nothing_else_of_tmp():
+    """The zygote's view mounts a /tmp of its own: a daemon whose venv lives under the host's
+    /tmp (a checkout there) still has its interpreter's packages inside, and only them."""
+    top = tempfile.mkdtemp(prefix="corral-test-venv-", dir="/tmp")
+    try:
+        venv = os.path.join(top, "venv")
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True,
+                       timeout=120)
+        site = subprocess.run([os.path.join(venv, "bin", "python"), "-c",
+                               "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+        # The daemon imports corral and its dependencies from where this test's do.
+        Path(site, "corral_test_paths.pth").write_text(
+            "\n".join(p for p in sys.path if p and os.path.isdir(p)) + "\n")
+        Path(site, "corral_probe_mod.py").write_text("WHERE = 'the venv under /tmp'\n")
+        Path(top, "secret.txt").write_text("beside the venv, not of it\n")
+        cg = f"corral-test-rcv-{os.getpid()}"
+        with private_daemon("corral-test-rcv-", cg, os.path.join(venv, "bin", "python"),
+                            CORRAL_RUNCODE_ZYGOTES="1") as d:
+            ep = d.socket_path
+            r = corral.run_code(
+                "import os, sys, corral_probe_mod\n"
+                "print(corral_probe_mod.WHERE)\nprint(sys.prefix)\n"
+                "print(sorted(os.listdir(os.path.dirname(sys.prefix))))\n"
+                "try:\n    open(os.path.join(sys.prefix, 'x'), 'w')\n"
+                "except OSError as e:\n    print(e.strerror)\n", endpoint=ep)
+            assert r.ok, r
+            assert r.stdout.splitlines() == ["the venv under /tmp", venv, "['venv']",
+                                             "Read-only file system"], r
+            with corral.Sandbox(substrate="process", endpoint=ep) as sb:
+                out = sb.exec(f"ls {top}; cat {venv}/pyvenv.cfg | head -1; "
+                              f"cat {top}/secret.txt").stdout
+                assert out.splitlines()[0] == "venv" and "home" in out, out
+                assert "beside" not in out, out
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 # ---- a daemon of its own: the queue bound, and the stop ----------------------------------------

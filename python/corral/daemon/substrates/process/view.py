@@ -1,6 +1,7 @@
-"""What a run_code zygote's root holds: the host's OS directories and the interpreter,
-read-only; a few files of /etc; the harmless devices; a /proc of its own; a private /tmp.
-Nothing else of the host (no /home, /root, /var, /work, /sys, the daemon's state dir)."""
+"""What a run_code zygote's root holds: the host's OS directories and the interpreter
+(wherever it lives), read-only; a few files of /etc; the harmless devices; a /proc of its own;
+a private /tmp. Nothing else of the host (no /home, /root, /var, /work, /sys, the daemon's
+state dir)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,8 @@ def session_entries(disk_mb: int, uid: int) -> list[tuple[str, str, str]]:
     """A session's view: the same, with /tmp its own tmpfs of ``disk_mb`` owned by its uid
     (its home and working directory; /root leads there too unless the interpreter lives
     under /root)."""
-    out = entries(0)
-    out[-1] = ("tmpfs", f"mode=0700,uid={uid},gid={uid},size={disk_mb}m,nr_inodes=262144",
-               "/tmp")
+    out = [("tmpfs", f"mode=0700,uid={uid},gid={uid},size={disk_mb}m,nr_inodes=262144",
+            "/tmp") if e[0] == "tmpfs" and e[2] == "/tmp" else e for e in entries(0)]
     if not any(_under(dst, ["/root"]) for _, _, dst in out):
         out.append(("symlink", "/tmp", "/root"))
     return out
@@ -44,13 +44,6 @@ def entries(tmp_mb: int) -> list[tuple[str, str, str]]:
     for f in ETC_FILES:
         if os.path.exists(f):
             out.append(("ro", f, f))
-    # The interpreter and its packages, wherever they live (a venv, pyenv under /root...).
-    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
-                                              sys.base_exec_prefix)}
-    for p in sorted(prefixes):
-        if not _under(p, bound) and os.path.isdir(p):
-            out.append(("ro", p, p))
-            bound.append(p)
     out.append(("tmpfs", "mode=0755,size=64k,nr_inodes=64", "/dev"))
     for name in DEVICES:
         out.append(("dev", f"/dev/{name}", f"/dev/{name}"))
@@ -59,4 +52,12 @@ def entries(tmp_mb: int) -> list[tuple[str, str, str]]:
         out.append(("symlink", target, f"/dev/{name}"))
     out.append(("proc", "", "/proc"))
     out.append(("tmpfs", f"mode=0755,size={tmp_mb}m,nr_inodes=65536", "/tmp"))
+    # The interpreter and its packages, wherever they live (a venv, pyenv under /root, a
+    # checkout under /tmp): bound last, so no mount above (/tmp, /dev) hides them.
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                              sys.base_exec_prefix)}
+    for p in sorted(prefixes):
+        if not _under(p, bound) and os.path.isdir(p):
+            out.append(("ro", p, p))
+            bound.append(p)
     return out
