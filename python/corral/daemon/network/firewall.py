@@ -49,8 +49,11 @@ INTERVAL_SETS = ("allow4", "deny4", "allow6", "deny6")
 # time linear in the set's size, so one set for every sandbox made ending a sandbox with CIDR
 # rules cost ~150 ms of kernel CPU at 1,000 sandboxes (5 ms with 256 shards); a vmap on the
 # interface jumps to its shard's chain, whose sets hold 1/SHARDS of the elements (a lookup is
-# a hash lookup more). Elements go in and out over netlink (corral._core), so the number of
-# sets costs nothing per sandbox.
+# a hash lookup more). Elements go in and out over netlink (corral._core). The kernel finds a
+# set by name by walking the table's list of sets in the order they were made, so the
+# ruleset makes the sets every sandbox touches (src4, internet, pin4, denied...) before the
+# 1,024 shard sets: a read of one sandbox's denied counter took 35 us of kernel time behind
+# them, 4 us ahead of them.
 SHARDS = 256
 # Denied destinations: one element per (sandbox, address), so a port scan of one host is one
 # element; a sweep of many addresses fills the set, after which new destinations go
@@ -125,7 +128,6 @@ table {self.t} {{
   set internet {{ type ifname; }}
   set peers {{ type ifname . ifname; }}
   map shard {{ type ifname : verdict; }}
-{shard_sets}
   set pin4 {{ type ifname . ipv4_addr . inet_proto . inet_service; flags timeout; }}
   set pinall4 {{ type ifname . ipv4_addr; flags timeout; }}
   set pin6 {{ type ifname . ipv6_addr . inet_proto . inet_service; flags timeout; }}
@@ -140,6 +142,7 @@ table {self.t} {{
   set denied_to6 {{ type ifname . ipv6_addr; flags dynamic, timeout; counter;
     size {DENIED_TO_SIZE}; timeout {DENIED_TO_TIMEOUT}; }}
   set conns {{ type ifname; flags dynamic; size 1048576; }}
+{shard_sets}
   chain input {{ type filter hook input priority -10; policy accept;
     iifname "{w}" jump to_host
   }}
