@@ -788,10 +788,7 @@ class NetworkManager:
                "network_slots_not_recycled": self.not_recycled}
         if not self._started:
             return out
-        tx = rx = 0
-        for att in list(self.attachments.values()):
-            st = _link_stats(att.ifname)
-            tx, rx = tx + st["rx_bytes"], rx + st["tx_bytes"]
+        tx, rx = _links_bytes({att.ifname for att in list(self.attachments.values())})
         out.update({"network_sent_bytes": tx, "network_received_bytes": rx,
                     "network_denied_packets": self.fw.denied_total()})
         if self.dns is not None:
@@ -820,6 +817,26 @@ def network_state(sandbox_id: str) -> dict[str, Any] | None:
         if st is not None:
             return st
     return None
+
+
+def _links_bytes(names: set[str]) -> tuple[int, int]:
+    """Bytes the links ``names`` received and sent on their host ends (what their sandboxes
+    sent and received), from one read of /proc/net/dev: a scrape runs on the event loop, and
+    the sysfs files cost 1.7x more at 6,000 links (5 opens per link)."""
+    rx = tx = 0
+    if not names:
+        return rx, tx
+    try:
+        with open("/proc/net/dev", "rb") as f:
+            lines = f.read().splitlines()[2:]
+    except OSError:
+        return rx, tx
+    for line in lines:
+        name, _, rest = line.partition(b":")
+        if name.strip().decode(errors="replace") in names:
+            fields = rest.split()
+            rx, tx = rx + int(fields[0]), tx + int(fields[8])
+    return rx, tx
 
 
 def _link_stats(ifname: str) -> dict[str, int]:
