@@ -189,10 +189,13 @@ def _exec_out(res: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _as_now(engine: Engine, info: dict[str, Any]) -> dict[str, Any]:
+def _as_now(engine: Engine, info: dict[str, Any], key: str | None) -> dict[str, Any]:
     """A logged SandboxInfo, as the sandbox is now (a fast-forwarded create, restore, pause or
     resume returns the sandbox's current state, not the one it had then): ``dead`` once it
-    is gone."""
+    is gone. Without an idempotency ``key`` nothing was fast-forwarded: ``info`` was made
+    just now, and is not made again (a networked sandbox's reads its link's counters)."""
+    if key is None:
+        return info
     now = engine.info_now(info.get("id", ""))
     if now is not None:
         return now
@@ -269,7 +272,7 @@ async def create_sandbox(request: web.Request) -> web.Response:
         # Create keys are one namespace: a key another tenant used names no sandbox here.
         raise ReplayDivergence(f"idempotency key {key!r} was used for a different request",
                                details={"key": key}) from e
-    return _json(_as_now(_engine(request), info), 201)
+    return _json(_as_now(_engine(request), info, key), 201)
 
 
 def _layer_dirs_allowed(request: web.Request, spec: SandboxSpec) -> SandboxSpec:
@@ -774,19 +777,22 @@ async def restore_sandbox(request: web.Request) -> web.StreamResponse:
     engine.precheck_sandbox(request.match_info["id"], _key(request))
     if (tenant := tenant_of(request)) is not None:
         tenancy.snapshot(engine, req.snapshot, tenant)
-    op = ops.Restore(request.match_info["id"], _key(request), req.snapshot)
+    key = _key(request)
+    op = ops.Restore(request.match_info["id"], key, req.snapshot)
     return await batches.run(request, batches.Progress(), lambda _: _dispatch(request, op),
-                             lambda info: _as_now(engine, info))
+                             lambda info: _as_now(engine, info, key))
 
 
 async def pause_sandbox(request: web.Request) -> web.Response:
-    info = await _dispatch(request, ops.Pause(request.match_info["id"], _key(request)))
-    return _json(_as_now(_engine(request), info))
+    key = _key(request)
+    info = await _dispatch(request, ops.Pause(request.match_info["id"], key))
+    return _json(_as_now(_engine(request), info, key))
 
 
 async def resume_sandbox(request: web.Request) -> web.Response:
-    info = await _dispatch(request, ops.Resume(request.match_info["id"], _key(request)))
-    return _json(_as_now(_engine(request), info))
+    key = _key(request)
+    info = await _dispatch(request, ops.Resume(request.match_info["id"], key))
+    return _json(_as_now(_engine(request), info, key))
 
 
 async def list_snapshots(request: web.Request) -> web.Response:
