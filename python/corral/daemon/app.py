@@ -193,7 +193,8 @@ def _as_now(engine: Engine, info: dict[str, Any], key: str | None) -> dict[str, 
     """A logged SandboxInfo, as the sandbox is now (a fast-forwarded create, restore, pause or
     resume returns the sandbox's current state, not the one it had then): ``dead`` once it
     is gone. Without an idempotency ``key`` nothing was fast-forwarded: ``info`` was made
-    just now, and is not made again (a networked sandbox's reads its link's counters)."""
+    just now, and is not made again (for a networked sandbox that reads its link's
+    counters)."""
     if key is None:
         return info
     now = engine.info_now(info.get("id", ""))
