@@ -8,6 +8,7 @@ cgroup, a mount or a directory.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import select
@@ -36,6 +37,15 @@ def _recording_mkdtemp(*args, **kwargs):  # type: ignore[no-untyped-def]
 
 tempfile.mkdtemp = _recording_mkdtemp
 STATE_DIR = tempfile.mkdtemp(prefix="corral-test-", dir="/var/tmp")
+
+
+def _remove_if_empty(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+# A run that starts no daemon (--collect-only, nothing selected) leaves it empty.
+atexit.register(_remove_if_empty, STATE_DIR)
 SOCKET = os.path.join(STATE_DIR, "run", "corrald.sock")
 CGROUP_NAME = f"corral-test-{os.getpid()}"
 os.environ["CORRAL_STATE_DIR"] = STATE_DIR
