@@ -532,11 +532,14 @@ def test_a_dead_fork_server_takes_its_zygote_and_is_replaced():
     zygote ends with it (a request in flight gets infra_error, never a task's failure), and
     the next request starts a new zygote with a new server."""
     servers = fork_server_pids()
-    zygotes = zygote_pids()
+    # The zygotes of these servers (not every zygote: one that is just starting has no
+    # server yet to kill).
+    procs = _zygote_cgroup_pids()
+    zygotes = {procs[p] for p in servers if p in procs} & set(zygote_pids())
     assert servers and zygotes
     for p in servers:
         os.kill(p, signal.SIGKILL)
-    assert wait_until(lambda: not set(zygotes) & set(zygote_pids()), timeout=10)
+    assert wait_until(lambda: not zygotes & set(zygote_pids()), timeout=10)
     results = []
     for _ in range(3):
         try:
