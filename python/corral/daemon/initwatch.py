@@ -8,9 +8,12 @@ every fd in that table was copied and closed by each fork (see rust/src/child.rs
 So the pidfds live elsewhere: in *shard threads*, each with a private fd table
 (``unshare(CLONE_FILES)`` affects only the calling thread) holding up to ``PER_SHARD`` pidfds
 in its own epoll set. RLIMIT_NOFILE bounds each table, not their sum. A shard opens the pidfd
-itself from the pid: safe because an init is the daemon's child and nobody reaps it before its
-sandbox is destroyed, so its pid cannot be reused meanwhile (``remove`` is synchronous and
-comes before any reap). Deaths come back to the event loop through one eventfd.
+itself from the pid. An init is the daemon's child and nobody reaps it before its sandbox is
+destroyed, whose ``remove`` is queued before the reap; a shard runs its queue in order. So
+should the pid be reused before the shard gets to it, the pidfd it opens from the ``add``
+is closed by the ``remove`` right behind it, and a death reported meanwhile carries the
+ended registration's token and is ignored. ``remove`` therefore only queues: a destroy
+does not wait for a shard thread. Deaths come back to the event loop through one eventfd.
 """
 
 from __future__ import annotations
@@ -103,7 +106,6 @@ class _Shard:
                                 del fds[pfd]
                                 ep.unregister(pfd)
                                 os.close(pfd)
-                            arg.set()  # the caller may reap now
                         elif op == "stop":
                             for pfd in fds:
                                 os.close(pfd)
@@ -129,8 +131,8 @@ def _open_fds() -> list[int]:
 
 
 class InitWatcher:
-    """``add(pid)`` after a sandbox's init is made; ``remove(pid)`` (blocking, in a worker
-    thread) before destroy reaps it; ``on_dead(pids)`` runs on the event loop."""
+    """``add(pid)`` after a sandbox's init is made; ``remove(pid)`` before destroy reaps it;
+    ``on_dead(pids)`` runs on the event loop."""
 
     def __init__(self, loop: Any, on_dead: Callable[[list[int]], None]) -> None:
         self.loop = loop
@@ -158,14 +160,13 @@ class InitWatcher:
             self._where[pid] = (shard, token)
         shard.send("add", pid, token)
 
-    def remove(self, pid: int, timeout: float = 10.0) -> None:
-        """Stop watching ``pid``; returns once its shard has closed the pidfd."""
-        self.remove_many([pid], timeout)
+    def remove(self, pid: int) -> None:
+        """Stop watching ``pid``: no death of it is reported from now on. Queued, not waited
+        for (see the module's docstring): the caller may reap it at once."""
+        self.remove_many([pid])
 
-    def remove_many(self, pids: list[int], timeout: float = 10.0) -> None:
-        """``remove`` for a batch: every removal sent, then all waited for (one round trip
-        to the shards, not one per pid)."""
-        waits: list[tuple[int, threading.Event]] = []
+    def remove_many(self, pids: list[int]) -> None:
+        """``remove`` for a batch."""
         for pid in pids:
             with self._lock:
                 entry = self._where.pop(pid, None)
@@ -173,12 +174,7 @@ class InitWatcher:
                     continue
                 shard = entry[0]
                 shard.count -= 1
-            done = threading.Event()
-            shard.send("remove", pid, done)
-            waits.append((pid, done))
-        for pid, done in waits:
-            if not done.wait(timeout):
-                log.warning("init watcher did not confirm a removal", extra={"pid": pid})
+            shard.send("remove", pid)
 
     def watching(self, pid: int) -> bool:
         return pid in self._where
