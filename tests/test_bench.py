@@ -231,6 +231,8 @@ def test_network_section(report):
     for name in ("raw-netns", "raw-veth-internet", "raw-veth-allowlist", "corral",
                  "corral-internet", "corral-allowlist"):
         assert run0["churn"][name]["n"] == N and run0["churn"][name]["errors"] == 0
+        if name.startswith("corral"):  # two halves around its raw baseline's run
+            assert run0["churn"][name]["blocks"] == 2
     for c in systems[1:]:
         assert _is_num(sec["ratios"][f"{c}/plain bulk MB/s"])
         assert _is_num(sec["added_us"][c]) and _is_num(sec["scale_growth_us"][c])

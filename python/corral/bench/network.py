@@ -16,7 +16,8 @@ on), none cold (never pooled: an explicit hostname), internet and the allowlist,
 churn (create -> exec -> destroy, ``--concurrency`` in flight) with none, internet and the
 allowlist, each against the raw baseline doing its kernel work: raw +netns for none, raw
 ``--veth`` (the same plus a veth pair routed as corral's and the sandbox's nftables elements
-in a table written with corral's ruleset) for internet and the allowlist. Once per
+in a table written with corral's ruleset) for internet and the allowlist, corral's cycles
+in two halves around its baseline's (``_churn``). Once per
 scenario, the scale curve: the same transfer, connect latency and refused-connect latency
 with 0, 100, 1,000, 3,000, 10,000 ... up to ``--scale-to`` (default ``--count``) live
 networked sandboxes, half of them ``internet``, half with an allowlist of their own (a CIDR
@@ -36,7 +37,7 @@ import shutil
 import time
 from typing import Any
 
-from corral.bench import netlab, sdk_runs
+from corral.bench import host, netlab, sdk_runs
 from corral.bench.daemon import PrivateDaemon
 from corral.bench.interleave import stop_and_check
 from corral.bench.netlab import ECHO_PORT, SINK_NAME, SINK_PORT, PlainNetns, Uplink
@@ -342,18 +343,61 @@ def _creates(ep: str, n: int, adv: sdk_runs.Advance) -> dict[str, list[float]]:
 
 
 def _churn(s: Session, net: Net, n: int, conc: int, tag: str) -> dict[str, OpResult]:
+    """Each corral mode against its raw baseline, corral's cycles in two halves around the
+    raw run (C R C): a drift of the machine's speed over the pair falls on both alike. Raw
+    runs whole, in one process, as it would alone (its cgroup spares are per process, so
+    splitting it would add their making and removal to every part). A corral half ends when
+    its daemon is idle again (its pools refilled): the work it leaves behind counts in it,
+    not in the raw run after it."""
     assert s.raw is not None
+    raw, daemon = s.raw, net.daemon
+    assert daemon is not None and daemon.pid is not None
     res: dict[str, OpResult] = {}
-    with s.ui.task(f"{tag} churn raw +netns", None):
-        res["raw-netns"] = s.raw.churn(n, conc, netns=True, system="raw-netns")
-    for name, internet in (("raw-veth-internet", True), ("raw-veth-allowlist", False)):
-        with s.ui.task(f"{tag} churn {name}", None):
-            res[name] = s.raw.churn(n, conc, netns=True, system=name, veth=net.veth(internet))
-    for name, spec in (("corral", "none"), ("corral-internet", "internet"),
-                       ("corral-allowlist", _allowlist())):
-        with s.ui.task(f"{tag} churn {name}", n) as adv:
-            res[name] = sdk_runs.churn(net.ep, n, conc, adv, spec)  # type: ignore[arg-type]
+    pairs: tuple[tuple[str, Any, str, bool | None], ...] = (
+        ("corral", "none", "raw-netns", None),
+        ("corral-internet", "internet", "raw-veth-internet", True),
+        ("corral-allowlist", _allowlist(), "raw-veth-allowlist", False))
+    for name, spec, raw_name, internet in pairs:
+        veth = net.veth(internet) if internet is not None else None
+        halves: list[OpResult] = []
+        with s.ui.task(f"{tag} churn {name} around {raw_name}", 2 * n) as adv:
+            for m in (n // 2, n - n // 2):
+                t0 = time.perf_counter()
+                r = sdk_runs.churn(net.ep, m, conc, adv, spec)
+                _wait_idle(daemon.pid)
+                r.wall_s = time.perf_counter() - t0
+                halves.append(r)
+                if len(halves) == 1:
+                    res[raw_name] = raw.churn(n, conc, netns=True, system=raw_name, veth=veth)
+                    adv(n)
+        res[name] = _merged(halves)
     return res
+
+
+IDLE_WINDOW_S = 0.01  # a daemon is idle after two such windows with under 10 % of a core
+
+
+def _wait_idle(pid: int, limit_s: float = 5.0) -> None:
+    """Until the process's CPU use falls quiet (its background work after a block done)."""
+    deadline = time.monotonic() + limit_s
+    quiet, last = 0, sum(host.proc_cpu_s(pid))
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(IDLE_WINDOW_S)
+        now = sum(host.proc_cpu_s(pid))
+        quiet = quiet + 1 if now - last < IDLE_WINDOW_S / 10 else 0
+        last = now
+
+
+def _merged(parts: list[OpResult]) -> OpResult:
+    """One system's blocks as one result: their ops over their summed wall time."""
+    phases: dict[str, list[float]] = {}
+    for p in parts:
+        for k, v in p.phases.items():
+            phases.setdefault(k, []).extend(v)
+    first = parts[0]
+    return OpResult(first.system, sum(p.n for p in parts), sum(p.wall_s for p in parts),
+                    sum(p.errors for p in parts), phases,
+                    {**first.extra, "blocks": len(parts)})
 
 
 # ---- scale: the data path with N live networked sandboxes -----------------------------------
