@@ -62,8 +62,8 @@ class Sandbox:
     """One sandbox's bookkeeping; kept small, tens of thousands live at once."""
 
     __slots__ = ("id", "spec", "runtime", "state", "reason", "created_at", "expires_at",
-                 "last_active", "sched", "busy", "threads", "procs", "stopping", "paused_at",
-                 "capturing", "cause", "trajectory")
+                 "last_active", "sched", "busy", "threads", "threads_done", "procs", "stopping",
+                 "paused_at", "capturing", "cause", "trajectory")
     # The cluster node this daemon serves (Config.node_id), one per process: set by the Engine.
     node: str | None = None
 
@@ -78,7 +78,10 @@ class Sandbox:
         self.last_active = created_at
         self.sched = 0.0          # the reaper-heap entry that is current for this sandbox
         self.busy = 0             # foreground execs in flight: not idle while > 0
-        self.threads = 0          # file operations running in worker threads
+        # Operations on it running in worker threads (file operations, a create, a capture,
+        # a reset): a destroy, a capture or a restore waits until there are none.
+        self.threads = 0
+        self.threads_done: asyncio.Event | None = None  # made by a waiter, set at 0
         self.procs: dict[int, procs.Process] | None = None
         self.stopping: asyncio.Future[None] | None = None
         self.paused_at: float | None = None
@@ -88,6 +91,22 @@ class Sandbox:
         # The trajectory it was made for (a create keyed "{T}:create", or child i of a fork
         # keyed for one): a kill without its keys is an operator's (Engine.by_operator).
         self.trajectory: str | None = None
+
+    def enter_thread(self) -> None:
+        self.threads += 1
+
+    def leave_thread(self) -> None:
+        self.threads -= 1
+        if not self.threads and self.threads_done is not None:
+            self.threads_done.set()  # its waiters hold it; the next one makes another
+            self.threads_done = None
+
+    async def no_threads(self) -> None:
+        """Until none of its operations runs in a worker thread (at once if none does)."""
+        while self.threads:
+            if self.threads_done is None:
+                self.threads_done = asyncio.Event()
+            await self.threads_done.wait()
 
     @property
     def rt(self) -> SandboxRuntime:

@@ -360,15 +360,16 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
                 await asyncio.to_thread(substrate.claim, pooled, spec)  # e.g. its policy
             else:
                 # In a worker thread (the Rust core releases the GIL): creates of concurrent
-                # clients, and of a batch, use every core; the loop stays free meanwhile.
-                sb.threads += 1  # a stop meanwhile (shutdown) waits for the runtime, then kills it
+                # clients, and of a batch, use every core; the loop stays free meanwhile. A
+                # stop meanwhile (shutdown) waits for the runtime, then kills it.
+                sb.enter_thread()
                 try:
                     fut = asyncio.ensure_future(asyncio.to_thread(substrate.create, sid, spec,
                                                                   image))
                     cancelled = await _settle(fut)
                     sb.runtime = fut.result()
                 finally:
-                    sb.threads -= 1
+                    sb.leave_thread()
                 if cancelled:
                     raise asyncio.CancelledError
                 if sb.stopping is not None:  # the daemon is stopping: it destroys this one
@@ -671,8 +672,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
 
         try:
             # destroy closes the root fd that file operations in worker threads use.
-            while sb.threads:
-                await asyncio.sleep(0.005)
+            await sb.no_threads()
             await asyncio.to_thread(work)
         except Exception:  # noqa: BLE001
             log.exception("destroy failed", extra={"sandbox": sb.id})
@@ -718,8 +718,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
                     removal.remove_or_quarantine(d)
 
         try:
-            while any(sb.threads for sb in sbs):  # see _destroy
-                await asyncio.sleep(0.005)
+            for sb in sbs:  # see _destroy
+                await sb.no_threads()
             parts = [group[i::DESTROY_THREADS] for group in by_sub.values()
                      for i in range(min(DESTROY_THREADS, len(group)))]
             await asyncio.gather(*(asyncio.to_thread(work, part) for part in parts))

@@ -33,11 +33,11 @@ class FileOps:
         assert runtime is not None
         try:
             if big:
-                sb.threads += 1
+                sb.enter_thread()
                 try:
                     return await asyncio.to_thread(call, sub, runtime)
                 finally:
-                    sb.threads -= 1
+                    sb.leave_thread()
             return call(sub, runtime)
         except CorralError as e:
             if sb.state == "running":
@@ -97,10 +97,10 @@ class FileOps:
         ops = await self._files(sid, path, lambda s, rt: s.tree_ops(rt, path))
         await self.stat(sid, path)  # a missing path fails here, with its error
         sb = self.get(sid)
-        sb.threads += 1
+        sb.enter_thread()
         try:
             await asyncio.to_thread(streams.plan, ops, path.rstrip("/") or "/", max_bytes,
                                     max_members)
         finally:
-            sb.threads -= 1
+            sb.leave_thread()
         return ops

@@ -62,7 +62,7 @@ class SnapshotOps:
             sb = self.lookup(sid)
             if not sb.threads:
                 break
-            await asyncio.sleep(0.001)
+            await sb.no_threads()
         base = sb.layers
         image = self._image(sb.spec.image)
         runtime = sb.runtime
@@ -70,7 +70,7 @@ class SnapshotOps:
         paused = sb.state == "paused"
         layers = list(base)
         store.acquire(layers)  # the sandbox may die meanwhile: keep its chain
-        sb.threads += 1
+        sb.enter_thread()
         sb.capturing = asyncio.get_running_loop().create_future()
         control = control if control is not None else snapshots.CaptureControl()
         try:
@@ -79,7 +79,7 @@ class SnapshotOps:
                 paused, control))
             tmp, digest, size = await _to_the_end(copy, control, store)
         finally:
-            sb.threads -= 1
+            sb.leave_thread()
             store.release(layers)
             done, sb.capturing = sb.capturing, None
             done.set_result(None)
@@ -135,15 +135,14 @@ class SnapshotOps:
         self._unwatch(sb)
         sb.state, sb.reason, sb.paused_at = "restoring", "restoring", None
         try:
-            while sb.threads:
-                await asyncio.sleep(0.001)
+            await sb.no_threads()
             # Counted as a thread: a kill or a shutdown that comes meanwhile waits for the
             # reset, then destroys what it made (not the runtime being replaced under it).
-            sb.threads += 1
+            sb.enter_thread()
             try:
                 runtime = await asyncio.to_thread(substrate.reset, sb.rt, spec, image)
             finally:
-                sb.threads -= 1
+                sb.leave_thread()
         except BaseException:
             store.release(rec["layers"])
             if sb.stopping is None:
