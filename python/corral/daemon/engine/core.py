@@ -718,8 +718,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
                     removal.remove_or_quarantine(d)
 
         try:
-            for sb in sbs:  # see _destroy
-                await sb.no_threads()
+            while busy := [sb for sb in sbs if sb.threads]:  # see _destroy
+                await busy[0].no_threads()
             parts = [group[i::DESTROY_THREADS] for group in by_sub.values()
                      for i in range(min(DESTROY_THREADS, len(group)))]
             await asyncio.gather(*(asyncio.to_thread(work, part) for part in parts))
