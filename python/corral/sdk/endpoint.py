@@ -24,6 +24,8 @@ _tokens: dict[str, str] = {}
 # A node's URL -> the gateway URL its token was taken from: a new token for that gateway
 # (``connect(token=...)`` as another tenant) is the token for its nodes too.
 _token_source: dict[str, str] = {}
+# (CORRAL_URL, CORRAL_SOCKET, the Endpoint they name): Endpoint.from_env's last answer.
+_from_env: tuple[str, str, Endpoint] | None = None
 
 
 def set_token(url: str, token: str) -> None:
@@ -49,11 +51,18 @@ class Endpoint:
 
     @classmethod
     def from_env(cls) -> Endpoint:
-        """``CORRAL_URL`` if set, else the unix socket ``CORRAL_SOCKET`` (or the default)."""
-        url = os.environ.get("CORRAL_URL", "").strip()
-        if url:
-            return cls.parse(url)
-        return cls(UNIX_PREFIX + config.socket_from_env())
+        """``CORRAL_URL`` if set, else the unix socket ``CORRAL_SOCKET`` (or the default).
+        Read on every call that names no endpoint; the Endpoint made for the same two values
+        is reused (making one costs a call ~10 us: a frozen dataclass, then its hash)."""
+        global _from_env
+        url = os.environ.get("CORRAL_URL", "")
+        sock = config.socket_from_env()
+        hit = _from_env
+        if hit is not None and hit[0] == url and hit[1] == sock:
+            return hit[2]
+        ep = cls.parse(url.strip()) if url.strip() else cls(UNIX_PREFIX + sock)
+        _from_env = (url, sock, ep)
+        return ep
 
     @classmethod
     def parse(cls, value: str | Endpoint | None) -> Endpoint:
