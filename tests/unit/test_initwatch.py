@@ -9,7 +9,7 @@ import asyncio
 import os
 import subprocess
 
-from corral.daemon.initwatch import InitWatcher
+from corral.daemon.initwatch import InitWatcher, run_batch
 
 
 def _shard_fds(w: InitWatcher) -> set[str]:
@@ -98,3 +98,55 @@ def test_a_removal_right_behind_its_add_after_the_reap():
             w.close()
 
     asyncio.run(main())
+
+
+class _LowestFdTable:
+    """A shard's table with the kernel's rule for new fd numbers (the lowest free one) and
+    no real pidfds: what ``run_batch`` does with a batch, step by step."""
+
+    def __init__(self) -> None:
+        self.fds: dict[int, tuple[int, int]] = {}
+        self.alive: set[int] = set()
+
+    def add(self, pid: int, token: int) -> bool:
+        if pid not in self.alive:
+            return False
+        fd = next(n for n in range(10, 1000) if n not in self.fds)
+        self.fds[fd] = (pid, token)
+        return True
+
+    def remove(self, pid: int) -> None:
+        for fd, (p, _) in list(self.fds.items()):
+            if p == pid:
+                del self.fds[fd]
+
+    def ended(self, fd: int) -> tuple[int, int] | None:
+        return self.fds.pop(fd, None)
+
+    def close_all(self) -> None:
+        self.fds.clear()
+
+
+def test_a_death_in_the_same_batch_as_a_removal_is_not_another_process_s():
+    """The destroy of A queues A's removal and the next create queues B's add; A dies. The
+    shard's epoll hands it the wake and A's pidfd in one batch, the wake first. The removal
+    closes A's pidfd and B's add gets the same fd number: A's death must stay A's (ignored
+    by its token), never B's (a live sandbox reported lost)."""
+    wake = 3
+    table = _LowestFdTable()
+    table.alive = {100, 200}
+    assert table.add(100, 1)
+    (a_fd,) = table.fds
+    table.alive.discard(100)  # A exits: its pidfd turns readable
+    cmds = [("remove", 100, None), ("add", 200, 2)]
+    died: list[tuple[int, int]] = []
+    assert run_batch([wake, a_fd], wake, table, lambda: cmds, lambda p, t: died.append((p, t)))
+    assert died == [(100, 1)]  # A's, with A's token: the watcher ignores it (A was removed)
+    assert table.fds == {a_fd: (200, 2)}  # B watched, on the number A's pidfd had
+
+
+def test_an_add_of_a_process_already_gone_reports_it():
+    table = _LowestFdTable()
+    died: list[tuple[int, int]] = []
+    assert run_batch([3], 3, table, lambda: [("add", 300, 7)], lambda p, t: died.append((p, t)))
+    assert died == [(300, 7)] and table.fds == {}

@@ -13,7 +13,9 @@ destroyed, whose ``remove`` is queued before the reap; a shard runs its queue in
 should the pid be reused before the shard gets to it, the pidfd it opens from the ``add``
 is closed by the ``remove`` right behind it, and a death reported meanwhile carries the
 ended registration's token and is ignored. ``remove`` therefore only queues: a destroy
-does not wait for a shard thread. Deaths come back to the event loop through one eventfd.
+does not wait for a shard thread. Within one batch of epoll events a shard handles the
+deaths before the commands (``run_batch`` says why). Deaths come back to the event loop
+through one eventfd.
 """
 
 from __future__ import annotations
@@ -75,52 +77,100 @@ class _Shard:
             self.ready.set()
             return
         self.ready.set()
-        fds: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, token)
-        by_pid: dict[int, int] = {}      # pid -> pidfd
+        table = _Table(ep)
         while True:
             try:
                 events = ep.poll()
             except InterruptedError:
                 continue
-            for fd, _ in events:
-                if fd == self.wake:
-                    try:
-                        os.eventfd_read(self.wake)
-                    except BlockingIOError:
-                        pass
-                    with self.lock:
-                        cmds, self.cmds = self.cmds, []
-                    for op, pid, arg in cmds:
-                        if op == "add":
-                            try:
-                                pfd = kernel.pidfd_open(pid)
-                            except OSError:
-                                self.watcher._died(pid, arg)  # already gone
-                                continue
-                            fds[pfd] = (pid, arg)
-                            by_pid[pid] = pfd
-                            ep.register(pfd, select.EPOLLIN)
-                        elif op == "remove":
-                            pfd = by_pid.pop(pid, -1)
-                            if pfd >= 0:
-                                del fds[pfd]
-                                ep.unregister(pfd)
-                                os.close(pfd)
-                        elif op == "stop":
-                            for pfd in fds:
-                                os.close(pfd)
-                            ep.close()
-                            os.close(self.wake)
-                            arg.set()
-                            return
-                    continue
-                entry = fds.pop(fd, None)
-                if entry is None:
-                    continue
-                ep.unregister(fd)
-                os.close(fd)
-                by_pid.pop(entry[0], None)
-                self.watcher._died(*entry)
+            ready = [fd for fd, _ in events]
+            if not run_batch(ready, self.wake, table, self._take, self.watcher._died):
+                os.close(self.wake)
+                return
+
+    def _take(self) -> list[tuple[str, int, Any]]:
+        """The queued commands (the wake eventfd read first, so none is missed)."""
+        try:
+            os.eventfd_read(self.wake)
+        except BlockingIOError:
+            pass
+        with self.lock:
+            cmds, self.cmds = self.cmds, []
+        return cmds
+
+
+class _Table:
+    """A shard's pidfds, in its own fd table and epoll set: pidfd -> (pid, token), pid ->
+    pidfd."""
+
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+        self.fds: dict[int, tuple[int, int]] = {}
+        self.by_pid: dict[int, int] = {}
+
+    def add(self, pid: int, token: int) -> bool:
+        """Watch ``pid``; False if it is already gone (no pidfd)."""
+        try:
+            pfd = kernel.pidfd_open(pid)
+        except OSError:
+            return False
+        self.fds[pfd] = (pid, token)
+        self.by_pid[pid] = pfd
+        self.ep.register(pfd, select.EPOLLIN)
+        return True
+
+    def remove(self, pid: int) -> None:
+        pfd = self.by_pid.pop(pid, -1)
+        if pfd >= 0:
+            del self.fds[pfd]
+            self._close(pfd)
+
+    def ended(self, pfd: int) -> tuple[int, int] | None:
+        """The registration whose pidfd turned readable, now closed; None if ``pfd`` is not
+        one of ours."""
+        entry = self.fds.pop(pfd, None)
+        if entry is not None:
+            self.by_pid.pop(entry[0], None)
+            self._close(pfd)
+        return entry
+
+    def close_all(self) -> None:
+        for pfd in list(self.fds):
+            os.close(pfd)
+        self.fds.clear()
+        self.by_pid.clear()
+        self.ep.close()
+
+    def _close(self, pfd: int) -> None:
+        self.ep.unregister(pfd)
+        os.close(pfd)
+
+
+def run_batch(ready: list[int], wake: int, table: Any,
+              take: Callable[[], list[tuple[str, int, Any]]],
+              died: Callable[[int, int], None]) -> bool:
+    """One batch of ready fds from a shard's epoll: the deaths first, then the commands.
+    In that order because a command closes pidfds (``remove``) and opens others (``add``),
+    and the kernel gives a new fd the lowest free number: a death event of this batch for a
+    pidfd that a ``remove`` closed would otherwise be read as the death of the process whose
+    ``add`` just got the same number, a live sandbox reported dead. False once told to stop.
+    """
+    for fd in ready:
+        if fd != wake and (entry := table.ended(fd)) is not None:
+            died(*entry)
+    if wake not in ready:
+        return True
+    for op, pid, arg in take():
+        if op == "add":
+            if not table.add(pid, arg):
+                died(pid, arg)  # already gone
+        elif op == "remove":
+            table.remove(pid)
+        elif op == "stop":
+            table.close_all()
+            arg.set()
+            return False
+    return True
 
 
 def _open_fds() -> list[int]:
