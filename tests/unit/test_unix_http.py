@@ -1,5 +1,6 @@
-"""The async SDK's unix-socket HTTP path (corral.sdk.unix_http, used by
-corral.sdk.async_transport for plain calls), against a real aiohttp server on a unix socket:
+"""The SDK's unix-socket HTTP path (corral.sdk.unix_http, used for plain calls by
+corral.sdk.async_transport and corral.sdk.sync_transport), against a real aiohttp server on a
+unix socket:
 what it sends, keep-alive reuse, chunked answers, and every way a call can fail (no daemon, a
 connection dropped before the answer, a read timeout, a cancelled call), each leaving the pool
 usable and no connection behind."""
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+import socket
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -17,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from corral.errors import DaemonRestarted, DaemonUnavailable, NotFound, Timeout
-from corral.sdk import async_transport, unix_http
+from corral.sdk import async_transport, sync_transport, unix_http
 from corral.sdk.call import Call
 from corral.sdk.endpoint import Endpoint
 
@@ -259,6 +262,96 @@ def test_an_idle_connection_the_daemon_closed_is_not_used(tmp_path: Path) -> Non
 
 
 def test_a_header_with_a_line_break_is_refused() -> None:
-    pool = unix_http.open_pool("/nonexistent", 4, 1.0)
     with pytest.raises(ValueError):
-        pool._head("GET", "/x", {"X-A": "1\r\nX-B: 2"}, None)
+        unix_http.request_head("GET", "/x", "localhost", {"X-A": "1\r\nX-B: 2"}, None)
+
+
+# ---- the blocking SDK's path (sync_transport._call_unix) ------------------------------------
+class ThreadServer:
+    """The same app, served by a loop in a thread, for the blocking transport."""
+
+    def __init__(self, sock: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.srv: Server | None = None
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.srv = Server(sock)
+            self.loop.run_until_complete(self.srv.start())
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert started.wait(10)
+
+    def release(self) -> None:
+        assert self.srv is not None
+        self.loop.call_soon_threadsafe(self.srv.release.set)
+
+    def stop(self) -> None:
+        assert self.srv is not None
+        asyncio.run_coroutine_threadsafe(self.srv.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def sync_served(tmp_path: Path) -> Iterator[tuple[Server, sync_transport.SyncTransport,
+                                                  ThreadServer]]:
+    ts = ThreadServer(str(tmp_path / "d.sock"))
+    assert ts.srv is not None
+    t = sync_transport.SyncTransport(Endpoint.parse(ts.srv.sock))
+    try:
+        yield ts.srv, t, ts
+    finally:
+        t.close()
+        ts.stop()
+
+
+def test_sync_a_call_sends_what_the_async_one_does(sync_served: Any) -> None:
+    srv, t, _ = sync_served
+    call = Call("POST", "/echo", _raw, query=[("a", "b c")], body=b'{"x":1}', key="k-1",
+                headers={"X-Corral-Node": "n1"})
+    assert t.call(call) == b'{"method": "POST", "len": 7}'
+    (seen,) = srv.seen
+    assert seen["path"] == "/echo?a=b%20c" and seen["body"] == b'{"x":1}'
+    h = seen["headers"]
+    assert (h["Content-Type"], h["Content-Length"], h["Idempotency-Key"], h["X-Corral-Node"]) \
+        == ("application/json", "7", "k-1", "n1")
+    for _ in range(4):
+        t.call(Call("GET", "/echo", _raw))
+    assert len({s["conn"] for s in srv.seen}) == 1  # kept alive
+    assert t.call(Call("GET", "/chunked", _raw)) == b"part0;part1;part2;part3;part4;"
+    with pytest.raises(NotFound, match="no such thing"):
+        t.call(Call("GET", "/missing", _raw))
+    t.call(Call("GET", "/close", _raw))
+    t.call(Call("GET", "/echo", _raw))
+    assert srv.seen[-1]["conn"] != srv.seen[-2]["conn"]  # not reused after Connection: close
+
+
+def test_sync_failures_follow_the_transport_rules(sync_served: Any) -> None:
+    srv, t, ts = sync_served
+    srv.drops_left = 1
+    assert t.call(Call("GET", "/flaky", _raw, retry_safe=True)) == b'{"ok": true}'
+    srv.drops_left = 1
+    with pytest.raises(DaemonRestarted):
+        t.call(Call("POST", "/flaky", _raw, body=b"{}"))
+    n = len(srv.seen)
+    with pytest.raises(Timeout):
+        t.call(Call("GET", "/slow", _raw, timeout=0.2))
+    ts.release()
+    assert t.call(Call("GET", "/echo", _raw)) == b'{"method": "GET", "len": 0}'
+    assert srv.seen[n]["conn"] != srv.seen[n + 1]["conn"]  # the timed-out one was dropped
+    # An idle connection the daemon closed: the next call goes out on a new one.
+    (_, conn), = t._idle
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    assert t.call(Call("POST", "/echo", _raw, body=b"x")) == b'{"method": "POST", "len": 1}'
+
+
+def test_sync_no_daemon_is_unavailable(tmp_path: Path) -> None:
+    t = sync_transport.SyncTransport(Endpoint.parse(str(tmp_path / "none.sock")))
+    with pytest.raises(DaemonUnavailable):
+        t.call(Call("GET", "/echo", _raw))

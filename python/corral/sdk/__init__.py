@@ -4,9 +4,9 @@ Layout (one job per module):
   endpoint.py          where the daemon is (unix socket or URL); what a handle pickles
   call.py              one API call as data; error bodies -> corral exceptions
   api.py               every operation as a Call: the single implementation of both facades
-  sync_transport.py    the blocking facade's transport: http.client pool + error mapping
+  sync_transport.py    the blocking facade's transport: a pool, unix_http or http.client, errors
   async_transport.py   the asyncio facade's transport: aiohttp, and unix_http for plain calls
-  unix_http.py         HTTP/1.1 on a unix socket with httptools: the async plain calls' path
+  unix_http.py         HTTP/1.1 on a unix socket with httptools: both facades' plain calls
   tarball.py           directory <-> tar for files.upload / files.download
   autostart.py         the embedded default: start a local corrald on first use
   handle.py            what both facades share: identity, pickling

@@ -1,7 +1,9 @@
-"""HTTP/1.1 over the local daemon's unix socket, for the async SDK's plain calls.
+"""HTTP/1.1 over the local daemon's unix socket, for the SDK's plain calls.
 
 Every call that is not a stream (create, exec, kill, run_code, ...) to a unix-socket endpoint
-goes through here; streams and TCP endpoints go through aiohttp (corral.sdk.async_transport).
+goes through here: the async SDK's through ``UnixHTTP``, the blocking SDK's through
+``request_head`` and ``read_answer`` on its own pooled sockets. Streams and TCP endpoints go
+through aiohttp and http.client (corral.sdk.async_transport, corral.sdk.sync_transport).
 Why: per call, aiohttp's client spends ~0.3 ms of CPU in Python (its request and response
 objects, timers, cookie jar, connector), which on a 2-core machine is a tenth of a run_code
 call and of a sandbox's create -> exec -> destroy. Here a call is one write of the request's
@@ -18,13 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections import deque
+from typing import Any
 
 import httptools
 
 IDLE_KEEP_S = 30.0       # an idle connection older than this is closed, not reused
 MAX_IDLE = 64            # idle connections kept per pool; more are closed when freed
+READ_CHUNK = 256 * 1024  # bytes per read of a blocking exchange
 
 
 class ConnectError(OSError):
@@ -37,6 +42,56 @@ class ConnectionLost(OSError):
 
 class ReadTimeout(TimeoutError):
     """No byte of the answer for the read timeout."""
+
+
+def request_head(method: str, target: str, host: str, headers: dict[str, str],
+                 body: bytes | None) -> bytes:
+    """The request line and headers, ready to send before ``body``."""
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}"]
+    if body is not None or method in ("POST", "PUT", "PATCH"):
+        lines.append(f"Content-Length: {len(body) if body else 0}")
+    for k, v in headers.items():
+        if "\r" in k or "\n" in k or "\r" in v or "\n" in v:
+            raise ValueError(f"a header with a line break: {k!r}")
+        lines.append(f"{k}: {v}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+class _Answer:
+    """httptools callbacks of one blocking exchange (``read_answer``). The status and
+    keep-alive are read at completion: the parser resets for the next message after it."""
+
+    def __init__(self) -> None:
+        self.parser: Any = None
+        self.body: list[bytes] = []
+        self.done = False
+        self.status = 0
+        self.keep = False
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.done = True
+        self.status = self.parser.get_status_code()
+        self.keep = self.parser.should_keep_alive()
+
+
+def read_answer(sock: socket.socket) -> tuple[int, bytes, bool]:
+    """Read one answer from a blocking socket (its own timeout applies to each read):
+    (status, body, whether the connection may be used again). Raises ConnectionLost if it
+    ends first or is not HTTP; the socket's TimeoutError as is."""
+    ans = _Answer()
+    parser = ans.parser = httptools.HttpResponseParser(ans)
+    while not ans.done:
+        data = sock.recv(READ_CHUNK)
+        if not data:
+            raise ConnectionLost("the daemon closed the connection before its answer")
+        try:
+            parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            raise ConnectionLost(f"a malformed answer: {e}") from None
+    return ans.status, b"".join(ans.body), ans.keep
 
 
 class _Conn(asyncio.Protocol):
@@ -137,17 +192,6 @@ class UnixHTTP:
         self._slots = asyncio.Semaphore(max_connections)
         self._all: set[_Conn] = set()
 
-    def _head(self, method: str, target: str, headers: dict[str, str],
-              body: bytes | None) -> bytes:
-        lines = [f"{method} {target} HTTP/1.1", f"Host: {self.host}"]
-        if body is not None or method in ("POST", "PUT", "PATCH"):
-            lines.append(f"Content-Length: {len(body) if body else 0}")
-        for k, v in headers.items():
-            if "\r" in k or "\n" in k or "\r" in v or "\n" in v:
-                raise ValueError(f"a header with a line break: {k!r}")
-            lines.append(f"{k}: {v}")
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
         try:
@@ -183,7 +227,7 @@ class UnixHTTP:
     async def request(self, method: str, target: str, headers: dict[str, str],
                       body: bytes | None, timeout: float | None) -> tuple[int, bytes]:
         """(status, body). Raises ConnectError, ConnectionLost or ReadTimeout."""
-        head = self._head(method, target, headers, body)
+        head = request_head(method, target, self.host, headers, body)
         async with self._slots:
             conn = self._take_idle() or await self._connect()
             ok = False
@@ -208,7 +252,8 @@ class UnixHTTP:
 
 
 def open_pool(path: str, max_connections: int, connect_timeout: float) -> UnixHTTP:
-    return UnixHTTP(path, "localhost", max_connections, connect_timeout)
+    return UnixHTTP(path, "corral", max_connections, connect_timeout)
 
 
-__all__ = ["ConnectError", "ConnectionLost", "ReadTimeout", "UnixHTTP", "open_pool"]
+__all__ = ["ConnectError", "ConnectionLost", "ReadTimeout", "UnixHTTP", "open_pool",
+           "read_answer", "request_head"]
