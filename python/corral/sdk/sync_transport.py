@@ -24,7 +24,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.client import (
     HTTPConnection,
     HTTPException,
@@ -48,6 +48,7 @@ from corral.sdk.endpoint import Endpoint
 from corral.sdk.keepalive import probe
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 READ = 256 * 1024    # bytes per read of a streamed response
 MAX_IDLE = 64        # idle connections kept per endpoint
@@ -161,25 +162,37 @@ class SyncTransport:
             headers = {**headers, "Idempotency-Key": call.key}
         if call.headers:
             headers = {**headers, **call.headers}
+
+        def attempt(conn: HTTPConnection, sent: list[bool]) -> HTTPResponse:
+            conn.request(call.method, call.target(), call.body, headers)
+            sent[0] = True
+            return conn.getresponse()
+
+        return self._exchange(call, attempt)
+
+    def _exchange(self, call: Call[Any],
+                  attempt: Callable[[HTTPConnection, list[bool]], R]) -> tuple[HTTPConnection, R]:
+        """``attempt(conn, sent)`` (it sets ``sent[0]`` once the request is written) on a
+        pooled or new connection, with the transport's rules: an idle connection the daemon
+        closed before the request left is replaced; a retry-safe call goes out once more on a
+        dropped connection; else the outcome is unknown (DaemonRestarted)."""
         retried = False
         while True:
             conn = self._acquire()
             reused = conn is not None
             if conn is None:
                 conn = self._connect()
-            sent = False
+            sent = [False]
             try:
                 conn.sock.settimeout(call.timeout)
-                conn.request(call.method, call.target(), call.body, headers)
-                sent = True
-                return conn, conn.getresponse()
+                return conn, attempt(conn, sent)
             except BaseException as e:
                 conn.close()
                 if isinstance(e, TimeoutError) and e.errno is None:  # our read timeout
                     raise Timeout(f"corrald did not answer {call.method} {call.path} within "
                                   f"{call.timeout} s") from None
                 if isinstance(e, OSError):
-                    if reused and not sent:
+                    if reused and not sent[0]:
                         continue  # an idle connection the daemon closed: the request never left
                     if call.retry_safe and not retried and e.errno != errno.ETIMEDOUT:
                         retried = True  # (ETIMEDOUT: the peer stopped answering probes: gone)
@@ -204,7 +217,7 @@ class SyncTransport:
     def _call_unix(self, call: Call[T]) -> T:
         """``call`` on a pooled unix-socket connection, bypassing http.client: the request's
         bytes written at once and the answer parsed by httptools (corral.sdk.unix_http), with
-        ``_start``'s rules for failures."""
+        ``_exchange``'s rules for failures."""
         headers = {"Content-Type": call.content_type} if call.body is not None else {}
         if call.key is not None:  # idempotency key (docs/trajectory.md)
             headers["Idempotency-Key"] = call.key
@@ -212,36 +225,18 @@ class SyncTransport:
             headers.update(call.headers)
         head = unix_http.request_head(call.method, call.target(), "corral", headers, call.body)
         data = head + call.body if call.body else head
-        retried = False
-        while True:
-            conn = self._acquire()
-            reused = conn is not None
-            if conn is None:
-                conn = self._connect()
-            sent = False
-            try:
-                conn.sock.settimeout(call.timeout)
-                conn.sock.sendall(data)
-                sent = True
-                status, body, keep = unix_http.read_answer(conn.sock)
-            except BaseException as e:
-                conn.close()
-                if isinstance(e, TimeoutError) and e.errno is None:  # our read timeout
-                    raise Timeout(f"corrald did not answer {call.method} {call.path} within "
-                                  f"{call.timeout} s") from None
-                if isinstance(e, OSError):  # ConnectionLost included
-                    if reused and not sent:
-                        continue  # an idle connection the daemon closed: the request never left
-                    if call.retry_safe and not retried:
-                        retried = True
-                        continue
-                    raise lost(self.endpoint, call, e) from None
-                raise
-            if keep:
-                self._release(conn)
-            else:
-                conn.close()
-            return call.finish(status, body)
+
+        def attempt(conn: HTTPConnection, sent: list[bool]) -> tuple[int, bytes, bool]:
+            conn.sock.sendall(data)
+            sent[0] = True
+            return unix_http.read_answer(conn.sock)
+
+        conn, (status, body, keep) = self._exchange(call, attempt)
+        if keep:
+            self._release(conn)
+        else:
+            conn.close()
+        return call.finish(status, body)
 
     def call(self, call: Call[T]) -> T:
         if self.endpoint.unix_path is not None and call.method != "HEAD":
