@@ -155,13 +155,7 @@ class SyncTransport:
             self._headers = {k: v for k, v in self._headers.items() if k != "Authorization"}
             if auth:
                 self._headers["Authorization"] = auth
-        headers = self._headers
-        if call.body is not None:
-            headers = {**headers, "Content-Type": call.content_type}
-        if call.key is not None:  # idempotency key (docs/trajectory.md)
-            headers = {**headers, "Idempotency-Key": call.key}
-        if call.headers:
-            headers = {**headers, **call.headers}
+        headers = {**self._headers, **_call_headers(call)}
 
         def attempt(conn: HTTPConnection, sent: list[bool]) -> HTTPResponse:
             conn.request(call.method, call.target(), call.body, headers)
@@ -218,12 +212,8 @@ class SyncTransport:
         """``call`` on a pooled unix-socket connection, bypassing http.client: the request's
         bytes written at once and the answer parsed by httptools (corral.sdk.unix_http), with
         ``_exchange``'s rules for failures."""
-        headers = {"Content-Type": call.content_type} if call.body is not None else {}
-        if call.key is not None:  # idempotency key (docs/trajectory.md)
-            headers["Idempotency-Key"] = call.key
-        if call.headers:
-            headers.update(call.headers)
-        head = unix_http.request_head(call.method, call.target(), "corral", headers, call.body)
+        head = unix_http.request_head(call.method, call.target(), "corral", _call_headers(call),
+                                      call.body)
         data = head + call.body if call.body else head
 
         def attempt(conn: HTTPConnection, sent: list[bool]) -> tuple[int, bytes, bool]:
@@ -285,6 +275,17 @@ class SyncTransport:
             idle, self._idle = self._idle, []
         for _, c in idle:
             c.close()
+
+
+def _call_headers(call: Call[Any]) -> dict[str, str]:
+    """The headers a call adds: its body's type, its idempotency key (docs/trajectory.md),
+    its own."""
+    headers = {"Content-Type": call.content_type} if call.body is not None else {}
+    if call.key is not None:
+        headers["Idempotency-Key"] = call.key
+    if call.headers:
+        headers.update(call.headers)
+    return headers
 
 
 def _stale(conn: HTTPConnection) -> bool:

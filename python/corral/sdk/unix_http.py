@@ -19,7 +19,6 @@ complete answer), and the caller decides (async_transport: autostart, retry_safe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import time
 from collections import deque
@@ -247,8 +246,7 @@ class UnixHTTP:
         for conn in list(self._all):
             self._drop(conn)
         self._idle.clear()
-        with contextlib.suppress(Exception):
-            await asyncio.sleep(0)  # let the transports' close callbacks run
+        await asyncio.sleep(0)  # let the transports' close callbacks run
 
 
 def open_pool(path: str, max_connections: int, connect_timeout: float) -> UnixHTTP:
