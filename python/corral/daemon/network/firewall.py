@@ -12,11 +12,14 @@ per-sandbox cap; a policy's deny entries; its allow CIDRs; never the private ran
 fc00::/7...); the DNS proxy's pins (which expire with the answer's TTL); everything else only
 in mode "internet". To the host itself (chains ``to_host``, ``to_host6``): only DNS (UDP
 and TCP) to the gateway address, a ping of the gateways and, over IPv6, neighbour discovery
-on the link. Denied packets are rejected (TCP: a reset, which the kernel does not
-rate-limit as it does ICMP errors; others: admin-prohibited) and counted per sandbox in the
-dynamic set ``denied``, and per sandbox and destination address in ``denied_to4`` and
-``denied_to6`` (entries expire DENIED_TO_TIMEOUT after their last packet; DENIED_TO_SIZE in
-each)."""
+on the link. A sandbox's packets to those services (DNS over UDP, new DNS connections over
+TCP, pings) first pass a per-sandbox rate limit (HOST_RATE, set ``host_rate``), ahead of
+conntrack's established flows: a flood is dropped by the kernel (chain ``flood``), counted
+as denied, and never reaches the DNS proxy's Python. Denied packets are rejected (TCP: a
+reset, which the kernel does not rate-limit as it does ICMP errors; others:
+admin-prohibited) and counted per sandbox in the dynamic set ``denied``, and per sandbox and
+destination address in ``denied_to4`` and ``denied_to6`` (entries expire DENIED_TO_TIMEOUT
+after their last packet; DENIED_TO_SIZE in each)."""
 
 from __future__ import annotations
 
@@ -58,6 +61,13 @@ SHARDS = 256
 # element; a sweep of many addresses fills the set, after which new destinations go
 # unrecorded (still refused, still in the sandbox's total) until older ones expire.
 DENIED_TO_SIZE = 65536
+# Packets a sandbox may send to the host's services (the DNS proxy, the gateway's ping) a
+# second, per sandbox: above the DNS proxy's own per-sandbox budget (dns.RATE_QPS queries a
+# second, twice that in a burst), so the proxy stays the limit of an honest resolver, and
+# low enough that a flood costs neither the daemon's CPU nor host conntrack entries beyond
+# HOST_RATE x the UDP timeout per sandbox. Its state lives in the dynamic set ``host_rate``,
+# an element per interface that expires a minute after its last packet.
+HOST_RATE = "200/second burst 200 packets"
 DENIED_TO_TIMEOUT = "10m"
 DENIED_TO = ("denied_to4", "denied_to6")
 
@@ -99,6 +109,7 @@ class Firewall:
             f"    iifname . ip6 daddr . meta l4proto . th dport @deny6_{k} goto deny\n"
             f"    iifname . ip6 daddr . meta l4proto . th dport @allow6_{k} accept\n  }}"
             for k in range(SHARDS))
+        over = f"update @host_rate {{ iifname limit rate over {HOST_RATE} }}"
         nd = "icmpv6 type { nd-neighbor-solicit, nd-neighbor-advert } ip6 hoplimit 255"
         if s.range6 is None:
             no6 = "meta nfproto ipv6 drop"
@@ -114,6 +125,8 @@ class Firewall:
             to_host6 = (f"ip6 saddr fe80::/10 {nd} accept\n"
                         f"    iifname . ip6 saddr @src6 {nd} accept\n"
                         f"    ip6 daddr ff00::/8 drop\n"
+                        f"    ip6 daddr {LINK_GATEWAY6}/96 icmpv6 type echo-request {over} "
+                        f"goto flood\n"
                         f"    ip6 daddr {LINK_GATEWAY6}/96 icmpv6 type echo-request accept\n"
                         f"    ip6 saddr fe80::/10 goto deny\n"
                         f"    iifname . ip6 saddr != @src6 drop\n"
@@ -141,6 +154,7 @@ table {self.t} {{
   set denied_to6 {{ type ifname . ipv6_addr; flags dynamic, timeout; counter;
     size {DENIED_TO_SIZE}; timeout {DENIED_TO_TIMEOUT}; }}
   set conns {{ type ifname; flags dynamic; size 1048576; }}
+  set host_rate {{ type ifname; flags dynamic, timeout; timeout 1m; size 1048576; }}
 {shard_sets}
   chain input {{ type filter hook input priority -10; policy accept;
     iifname "{w}" jump to_host
@@ -152,6 +166,9 @@ table {self.t} {{
   chain to_host {{
     meta nfproto ipv6 goto to_host6
     iifname . ip saddr != @src4 drop
+    ip daddr {s.gateway} udp dport 53 {over} goto flood
+    ip daddr {s.gateway} tcp dport 53 ct state new {over} goto flood
+    ip daddr {s.gateway} icmp type echo-request {over} goto flood
     ct state established,related accept
     ip daddr {s.gateway} udp dport 53 accept
     ip daddr {s.gateway} tcp dport 53 accept
@@ -186,6 +203,12 @@ table {self.t} {{
     drop
   }}
 {shard_chains}
+  chain flood {{
+    update @denied {{ iifname }}
+    meta nfproto ipv4 update @denied_to4 {{ iifname . ip daddr }}
+    meta nfproto ipv6 update @denied_to6 {{ iifname . ip6 daddr }}
+    drop
+  }}
   chain deny {{
     update @denied {{ iifname }}
     meta nfproto ipv4 update @denied_to4 {{ iifname . ip daddr }}
@@ -362,6 +385,7 @@ table {self.t} {{
         transaction. ``denied``: its denied count, when the caller has just read it."""
         i = _ifname(ifname)
         sets = {"src4": [f"{i} . {addr}"], "internet": [i], "denied": [i], "conns": [i],
+                "host_rate": [i],
                 "shard": [i], "src6": [f"{i} . {addr6}"] if addr6 is not None else []}
         for k, v in self._physical(ifname, elems).items():
             sets.setdefault(k, []).extend(v)
