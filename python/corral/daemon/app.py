@@ -44,6 +44,7 @@ from corral.daemon.params import (
     query_mode,
     query_path,
 )
+from corral.daemon.procs import Follower
 from corral.daemon.routes import (
     FORMAT_Q,
     KEY_H,
@@ -447,28 +448,15 @@ async def proc_stream(request: web.Request) -> web.StreamResponse:
     engine = _engine(request)
     sid = request.match_info["id"]
     sb, p = engine.proc(sid, path_int(request, "pid"))
-    queue: asyncio.Queue[tuple[str, str] | None] = asyncio.Queue()
-
-    def on_out(text: str) -> None:
-        queue.put_nowait(("stdout", text))
-
-    def on_err(text: str) -> None:
-        queue.put_nowait(("stderr", text))
-
-    if p.running:
-        first = [("stdout", p.stdout.subscribe(on_out)), ("stderr", p.stderr.subscribe(on_err))]
-        p.on_exit(lambda: queue.put_nowait(None))
-    else:
-        first = [("stdout", p.stdout.text()), ("stderr", p.stderr.text())]
-        queue.put_nowait(None)
-    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-    await resp.prepare(request)
+    follower = Follower(p)
     try:
-        for name, text in first:
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        for name, text in follower.first:
             if text:
                 await resp.write(_line({"stream": name, "data": text}))
         with engine.following(sb):  # a client following the output is activity (no idle)
-            while (item := await _unless_gone(request, queue.get())) is not None:
+            while (item := await _unless_gone(request, follower.next())) is not None:
                 await resp.write(_line({"stream": item[0], "data": item[1]}))
         final: dict[str, Any] = {"exit_code": p.exit_code, "timed_out": p.timed_out}
         try:
@@ -478,8 +466,7 @@ async def proc_stream(request: web.Request) -> web.StreamResponse:
         await resp.write(_line(final))
         await resp.write_eof()
     finally:
-        p.stdout.unsubscribe(on_out)
-        p.stderr.unsubscribe(on_err)
+        follower.close()
     return resp
 
 

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from corral.daemon import kernel
+from corral.daemon.discard import DiscardBudget
 from corral.daemon.substrates.base import ExecSpec, SandboxRuntime, Spawned, Substrate
 from corral.errors import Conflict
 
@@ -36,14 +37,22 @@ READ_CHUNK = 256 * 1024
 # After exit, read at most this many chunks synchronously: a grandchild flooding the pipe must
 # not pin the loop.
 DRAIN_CHUNKS = 64
+# A client following a process's output: past this many bytes waiting for it, the process's
+# pipes are not read (it waits on them) until the client has taken all but FOLLOW_LOW.
+FOLLOW_HIGH = 4 * 1024 * 1024
+FOLLOW_LOW = 1024 * 1024
 STDIN_MAX_PENDING = 64 * 1024 * 1024
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
 class Capture:
-    """One output stream read from the loop: kept up to ``cap`` bytes, counted to the end."""
+    """One output stream read from the loop: kept up to ``cap`` bytes, counted to the end.
+    What it does not keep (sent to a follower or thrown away) is read within the loop's
+    DiscardBudget; ``hold`` stops reading (the writer then waits on its full pipe) until every
+    holder has let go."""
 
-    __slots__ = ("fd", "buf", "cap", "total", "listeners", "decoder", "loop", "keep", "sha")
+    __slots__ = ("fd", "buf", "cap", "total", "listeners", "decoder", "loop", "keep", "sha",
+                 "holds")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, cap: int) -> None:
         self.loop = loop
@@ -55,14 +64,39 @@ class Capture:
         self.sha: Any = None       # sha256 of the whole stream, started once it passes the cap
         self.listeners: list[Callable[[str], None]] | None = None
         self.decoder: Any = None   # incremental UTF-8 decoder, made when someone streams
+        self.holds: list[object] = []  # who has reading stopped (DiscardBudget, Follower)
         loop.add_reader(fd, self._on_readable)
 
     @property
     def truncated(self) -> bool:
         return self.total > len(self.buf)
 
-    def _read(self) -> bool:
-        """One read; False when nothing more is readable right now (or at EOF)."""
+    def hold(self, who: object) -> None:
+        """Stop reading until ``who`` (and every other holder) releases it."""
+        if who in self.holds:
+            return
+        if not self.holds and self.fd >= 0:
+            self.loop.remove_reader(self.fd)
+        self.holds.append(who)
+
+    def release(self, who: object) -> None:
+        if who not in self.holds:
+            return
+        self.holds.remove(who)
+        if not self.holds and self.fd >= 0:
+            self.loop.add_reader(self.fd, self._on_readable)
+
+    def _past_cap(self) -> bool:
+        """The next read is not kept: the stream is past its cap, or its command is done.
+        (A follower may still get it: what one is sent past the cap is in the budget too.)"""
+        return not self.keep or len(self.buf) >= self.cap
+
+    def _read(self, budgeted: bool = True) -> bool:
+        """One read; False when nothing more is readable right now (or at EOF), or when what
+        it would not keep is over the loop's budget (then it is held until the refill)."""
+        budget = DiscardBudget.of(self.loop) if self._past_cap() else None
+        if budget is not None and budgeted and not budget.admit(self):
+            return False
         try:
             data = os.read(self.fd, READ_CHUNK)
         except BlockingIOError:
@@ -72,7 +106,9 @@ class Capture:
         if not data:
             self.close()
             return False
-        if self.keep:
+        if not self.keep:
+            DiscardBudget.of(self.loop).spend(len(data))
+        else:
             self.total += len(data)
             room = self.cap - len(self.buf)
             if room >= len(data):
@@ -86,6 +122,7 @@ class Capture:
                 if self.sha is None:
                     self.sha = hashlib.sha256(self.buf)
                 self.sha.update(data_rest)
+                DiscardBudget.of(self.loop).spend(len(data_rest))
             if self.listeners:
                 text = self.decoder.decode(data)
                 if text:
@@ -97,8 +134,10 @@ class Capture:
         self._read()
 
     def drain(self) -> None:
+        """What the pipe holds at the command's exit, whatever the budget (then charged to
+        it): at most DRAIN_CHUNKS reads."""
         for _ in range(DRAIN_CHUNKS):
-            if self.fd < 0 or not self._read():
+            if self.fd < 0 or not self._read(budgeted=False):
                 break
 
     def subscribe(self, cb: Callable[[str], None]) -> str:
@@ -133,7 +172,8 @@ class Capture:
 
     def close(self) -> None:
         if self.fd >= 0:
-            self.loop.remove_reader(self.fd)
+            if not self.holds:
+                self.loop.remove_reader(self.fd)
             os.close(self.fd)
             self.fd = -1
 
@@ -361,6 +401,53 @@ class Process:
             self.stdin.close()
         self.stdout.buf = bytearray()
         self.stderr.buf = bytearray()
+
+
+class Follower:
+    """A client following a process's output: what was buffered (``first``), then each chunk
+    as it is read, then None once the process has exited and its pipes were drained. While
+    more than FOLLOW_HIGH bytes wait for the client, the process's pipes are not read (it
+    waits on them, as on a slow terminal) until the client has taken all but FOLLOW_LOW: a
+    client slower than the process never makes the daemon buffer without bound."""
+
+    def __init__(self, proc: Process) -> None:
+        self.proc = proc
+        self.queue: asyncio.Queue[tuple[str, str] | None] = asyncio.Queue()
+        self.waiting = 0  # characters queued for the client
+        if proc.running:
+            self.first = [("stdout", proc.stdout.subscribe(self._on_out)),
+                          ("stderr", proc.stderr.subscribe(self._on_err))]
+            proc.on_exit(lambda: self.queue.put_nowait(None))
+        else:
+            self.first = [("stdout", proc.stdout.text()), ("stderr", proc.stderr.text())]
+            self.queue.put_nowait(None)
+
+    def _on_out(self, text: str) -> None:
+        self._push("stdout", text)
+
+    def _on_err(self, text: str) -> None:
+        self._push("stderr", text)
+
+    def _push(self, stream: str, text: str) -> None:
+        self.queue.put_nowait((stream, text))
+        self.waiting += len(text)
+        if self.waiting > FOLLOW_HIGH:
+            self.proc.stdout.hold(self)
+            self.proc.stderr.hold(self)
+
+    async def next(self) -> tuple[str, str] | None:
+        item = await self.queue.get()
+        if item is not None:
+            self.waiting -= len(item[1])
+            if self.waiting <= FOLLOW_LOW:
+                self.proc.stdout.release(self)
+                self.proc.stderr.release(self)
+        return item
+
+    def close(self) -> None:
+        for cap, cb in ((self.proc.stdout, self._on_out), (self.proc.stderr, self._on_err)):
+            cap.unsubscribe(cb)
+            cap.release(self)
 
 
 def _pipe() -> tuple[int, int]:

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral.daemon.discard import DiscardBudget
 from corral.daemon.substrates.process import cgroup, view, zygote
 from corral.errors import CapacityExceeded, CorralError, InfraError, InvalidRequest
 from corral.runcode_models import LANGUAGES, MAX_TIMEOUT_S, RunCodeRequest
@@ -160,28 +161,51 @@ class SlotState:
 
 
 class Output:
-    """One stream of a running request, read on the loop up to its cap (the rest dropped)."""
+    """One stream of a running request, read on the loop up to its cap; the rest is read
+    (and dropped) within the loop's DiscardBudget, the request waiting on its full pipe past
+    it."""
 
     def __init__(self, fd: int, cap: int) -> None:
         self.fd, self.cap = fd, cap
         self.buf = bytearray()
         self.truncated = False
         self.eof = False
-        self.watched = False  # a reader on the loop (removed at EOF or by unwatch)
+        self.watched = False  # a reader on the loop (removed at EOF, by unwatch or hold)
+        self.held = False     # by the DiscardBudget, until its refill
+        self.loop: asyncio.AbstractEventLoop | None = None
         os.set_blocking(fd, False)
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
         loop.add_reader(self.fd, self.read)
         self.watched = True
 
     def unwatch(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = None  # for good: a refill after this does not watch it again
         if self.watched:
             self.watched = False
             with contextlib.suppress(ValueError, OSError, RuntimeError):
                 loop.remove_reader(self.fd)
 
-    def read(self) -> None:
-        for _ in range(64):  # bounded per wakeup: a flood must not pin the loop
+    def hold(self, who: object) -> None:
+        if self.watched and self.loop is not None:
+            self.held = True
+            self.watched = False
+            self.loop.remove_reader(self.fd)
+
+    def release(self, who: object) -> None:
+        if self.held and self.loop is not None and not self.eof:
+            self.held = False
+            self.watch(self.loop)
+
+    def read(self, budgeted: bool = True) -> None:
+        """Up to 64 reads (a flood must not pin the loop); ``budgeted=False`` for the last
+        read after the process ended, which only takes what its pipe holds."""
+        for _ in range(64):
+            budget = DiscardBudget.of(self.loop) if self.loop is not None and \
+                len(self.buf) >= self.cap else None
+            if budget is not None and budgeted and not budget.admit(self):
+                return
             try:
                 data = os.read(self.fd, 1 << 16)
             except BlockingIOError:
@@ -196,6 +220,7 @@ class Output:
             room = self.cap - len(self.buf)
             if len(data) > room:
                 self.truncated = True
+                DiscardBudget.of(asyncio.get_running_loop()).spend(len(data) - max(room, 0))
                 data = data[:max(room, 0)]
             self.buf += data
 
@@ -459,8 +484,8 @@ class Zygote:
             code, sig, t_exit = told.result(), None, time.monotonic()
         # What is in the pipes now is all there is: the process has ended (a holder of a
         # copy elsewhere is not waited for; it dies with the slot).
-        out.read()
-        err.read()
+        out.read(budgeted=False)
+        err.read(budgeted=False)
         truncated = out.truncated or err.truncated
         ooms = slot.memory.oom_kills()
         oom = ooms > slot.ooms

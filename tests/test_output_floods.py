@@ -1,0 +1,134 @@
+"""A sandbox's output cannot take the daemon's CPU or memory: output the daemon only throws
+away (past a command's cap, or written by a background process after its command is done)
+is read within a rate for all streams together (procs.DISCARD_RATE), the writer waiting on
+its full pipe beyond it; and a client following output more slowly than the process writes
+it stops the daemon reading (procs.FOLLOW_HIGH), so nothing piles up in between. Attacked with
+`yes`, the fastest writer a shell has."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import corral
+from corral.daemon.discard import DISCARD_BURST, DISCARD_RATE
+from corral.daemon.procs import (
+    DRAIN_CHUNKS,
+    FOLLOW_HIGH,
+    READ_CHUNK,
+)
+
+MIB = 1024 * 1024
+
+
+@pytest.fixture
+def sb():
+    with corral.Sandbox(timeout=300) as box:
+        yield box
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) / 1024
+
+
+def test_output_past_the_cap_is_read_at_a_bounded_rate(sb):
+    """`yes` for 2 s with a 4 KiB cap: the daemon read (and hashed) no more than the discard
+    rate allows in that time, where it read ~1 GB/s before; another command answers at once."""
+    r = sb.exec("timeout 2 yes", max_output_bytes=4096, timeout=30)
+    assert r.exit_code == 124 and r.truncated and len(r.stdout) == 4096, r.exit_code
+    bound = DISCARD_RATE * (r.duration_s + 1) + DISCARD_BURST + DRAIN_CHUNKS * READ_CHUNK
+    assert r.stdout_bytes <= bound, (r.stdout_bytes / MIB, r.duration_s)
+    assert sb.exec("echo alive").stdout == "alive\n"
+
+
+def test_a_writer_left_behind_costs_the_daemon_little(sb, daemon):
+    """Background `yes` processes left writing into the pipes of commands that returned: the
+    daemon drains them (so they never get SIGPIPE) within the discard rate, using a small
+    part of a core where it used all of one."""
+    for _ in range(3):
+        r = sb.exec("(yes &) ; echo started")  # the command is done; its `yes` writes on
+        assert r.exit_code == 0, r.exit_code
+    pid = daemon.proc.pid
+    c0, t0 = _cpu_s(pid), time.monotonic()
+    lat = []
+    while time.monotonic() - t0 < 3:  # the measurement's window: commands keep the daemon busy
+        t = time.monotonic()
+        assert sb.exec("true").exit_code == 0
+        lat.append(time.monotonic() - t)
+    share = (_cpu_s(pid) - c0) / (time.monotonic() - t0)
+    assert share < 0.6, share
+    assert sorted(lat)[len(lat) // 2] < 0.5, lat
+
+
+def test_a_slow_follower_bounds_the_daemons_memory(sb, daemon):
+    """A client that follows `yes` and reads slowly: the daemon holds at most FOLLOW_HIGH
+    bytes for it (plus what one read brings), where it buffered ~400 MB a second before."""
+    pid = daemon.proc.pid
+    before = _rss_mib(pid)
+    p = sb.exec("yes", background=True)
+    t0 = time.monotonic()
+    got = 0
+    for _stream, data in p.stream():
+        got += len(data)
+        if time.monotonic() - t0 > 3:
+            break
+        time.sleep(0.005)  # the slow client, the thing under test
+    grown = _rss_mib(pid) - before
+    assert grown < 64 + 4 * FOLLOW_HIGH / MIB, grown
+    p.kill()
+    assert got > 0
+
+
+def test_a_followed_flood_arrives_whole_and_in_order(sb):
+    """Backpressure loses nothing: ~21 MB of numbered lines, followed by a client that
+    stops reading for a second after its first chunk (the process waits on its full pipe
+    meanwhile), arrive complete and in order, with the exit code."""
+    n = 3_000_000
+    p = sb.exec(f"seq 1 {n}; echo done >&2", background=True)
+    out, err = [], []
+    for stream, data in p.stream():
+        if not out and not err:
+            time.sleep(1)  # the slow client, the thing under test
+        (out if stream == "stdout" else err).append(data)
+    text = "".join(out)
+    assert len(text) > 4 * FOLLOW_HIGH
+    assert text == "".join(f"{i}\n" for i in range(1, n + 1))
+    assert "".join(err) == "done\n"
+    assert p.wait(timeout=30).exit_code == 0
+
+
+def test_run_code_output_past_its_cap_is_read_at_a_bounded_rate():
+    """A run_code request writing as fast as it can for 1.5 s, past a 4 KiB cap: what it
+    managed to write (it tells on stderr) is bounded by the discard rate, and the result is
+    `output_truncated` with the first 4 KiB."""
+    code = ("import sys, time\n"
+            "t, n, b = time.monotonic(), 0, b'y' * 65536\n"
+            "while time.monotonic() - t < 1.5:\n"
+            "    n += sys.stdout.buffer.write(b)\n"
+            "sys.stdout.flush()\n"
+            "sys.stderr.write(str(n))\n")
+    r = corral.run_code(code, timeout=20, max_output_bytes=4096)
+    assert r.status == "output_truncated" and r.stdout == "y" * 4096, (r.status, r.stderr)
+    written = int(r.stderr)
+    assert written <= DISCARD_RATE * 2.5 + DISCARD_BURST + 4 * MIB, written / MIB
+
+
+def test_a_fast_follower_gets_output_past_the_cap_at_the_bounded_rate(sb):
+    """A client following `yes` as fast as it reads: past the command's cap it is sent no
+    more than the discard rate allows (the daemon's work per byte is the same whether it
+    drops the byte or sends it), where the daemon forwarded ~1 GB a second before."""
+    cap = 64 * 1024
+    p = sb.exec("timeout 2 yes", background=True, max_output_bytes=cap)
+    t0 = time.monotonic()
+    got = sum(len(data) for _stream, data in p.stream())
+    elapsed = time.monotonic() - t0
+    assert got <= cap + DISCARD_RATE * (elapsed + 1) + DISCARD_BURST, (got / MIB, elapsed)
+    assert p.wait(timeout=30).exit_code == 124
