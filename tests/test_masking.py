@@ -26,6 +26,7 @@ from corral.errors import (
     CorralError,
     DaemonRestarted,
     DaemonUnavailable,
+    SandboxAtLimit,
     SandboxCrashed,
     SandboxExpired,
     SandboxKilled,
@@ -37,7 +38,7 @@ from corral.errors import (
 )
 
 from apiclient import client
-from conftest import CGROUP_NAME, DaemonProcess, leaked_sandbox_cgroups
+from conftest import CGROUP_NAME, DaemonProcess, leaked_sandbox_cgroups, wait_until
 
 HOG_PY = "b = []\nwhile True: b.append(bytearray(1 << 20))"
 HOG = f"python3 -c \"{HOG_PY}\""  # under sh: the shell reports the kill, exits 137
@@ -295,6 +296,39 @@ def test_a_pids_limit_hit_is_the_commands_own_failure():
         assert r.exit_code == 3 and r.stdout.startswith("fork failed 11 "), r
         assert 0 < int(r.stdout.split()[-1]) < 16
         assert r.signal is None and not r.oom_killed
+        assert sb.exec("echo alive").stdout == "alive\n"
+    finally:
+        sb.kill()
+
+
+FILL_PIDS = ("import os, signal\ntry:\n    while True:\n        if os.fork() == 0:\n"
+             "            signal.pause()\nexcept OSError:\n    signal.pause()\n")
+
+
+def _refused(sb: Sandbox, cmd: str | list[str]) -> SandboxAtLimit | None:
+    try:
+        sb.exec(cmd, timeout=10)
+    except SandboxAtLimit as e:
+        return e
+    return None
+
+
+def test_processes_left_to_fill_the_pids_limit_are_the_agents_not_infra():
+    """An agent leaves processes behind until its sandbox's process limit is full: the next
+    command cannot get even its first process. That is ``sandbox_at_limit``, category
+    ``limit`` (the rollout's own doing, scored), never ``capacity_exceeded`` (infra, which a
+    trainer masks: the agent would make its failing episode vanish). Commands start again
+    once those processes are gone."""
+    sb = Sandbox(pids=16, timeout=120)
+    try:
+        filler = sb.exec(["python3", "-c", FILL_PIDS], background=True)
+        assert wait_until(lambda: _refused(sb, "true") is not None, timeout=30)
+        for cmd in ("true", ["true"]):  # a shell command and an argv
+            err = _refused(sb, cmd)
+            assert err is not None and err.category == "limit" and not err.infra, err
+            assert err.details == {"limit": "pids", "max": 16}, err.details
+        filler.kill(9)  # its process group: the filler and every child it made
+        assert wait_until(lambda: _refused(sb, "true") is None, timeout=30)
         assert sb.exec("echo alive").stdout == "alive\n"
     finally:
         sb.kill()

@@ -132,3 +132,23 @@ def test_a_fast_follower_gets_output_past_the_cap_at_the_bounded_rate(sb):
     elapsed = time.monotonic() - t0
     assert got <= cap + DISCARD_RATE * (elapsed + 1) + DISCARD_BURST, (got / MIB, elapsed)
     assert p.wait(timeout=30).exit_code == 124
+
+
+def test_output_kept_for_finished_background_processes_is_bounded(sb, daemon):
+    """Background commands nobody waits for, 4 MiB of output each: the daemon keeps at most
+    MAX_KEPT_OUTPUT of finished processes' output per sandbox (the oldest are forgotten,
+    ``ProcessNotFound``), where 256 of them kept 2 GiB. The newest still answers in full."""
+    from corral.daemon.engine.base import MAX_KEPT_OUTPUT
+
+    pid = daemon.proc.pid
+    before = _rss_mib(pid)
+    n = 3 * MAX_KEPT_OUTPUT // (4 * MIB)
+    procs = []
+    for _ in range(n):
+        p = sb.exec("head -c 4M /dev/zero | tr '\\0' x", background=True)
+        p.wait(timeout=60)
+        procs.append(p)
+    assert _rss_mib(pid) - before < 3 * MAX_KEPT_OUTPUT / MIB, _rss_mib(pid) - before
+    with pytest.raises(corral.errors.ProcessNotFound):
+        procs[0].wait(timeout=5)
+    assert len(procs[-1].wait(timeout=5).stdout) == 4 * MIB

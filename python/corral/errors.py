@@ -277,6 +277,18 @@ class SandboxCrashed(SandboxNotRunning):
         return "limit" if self.details.get("cause") in ("oom", "pids") else "task"
 
 
+class SandboxAtLimit(Conflict):
+    """A command could not start because the sandbox is at one of its own limits: its
+    processes fill its process limit (``details["limit"] == "pids"``, with ``max``), so not
+    even the command's first process could be made. Category ``limit``: what ran in the
+    sandbox did this (an agent that leaves processes behind until no command can start is
+    scored, never masked). The sandbox keeps running; a command starts again once some of
+    its processes end or are killed."""
+
+    code, status = "sandbox_at_limit", 409
+    CATEGORY = "limit"
+
+
 class ReplayDivergence(Conflict):
     """An idempotency key already logged for a different request (trajectory log): the client
     is replaying a trajectory that does not match what was recorded."""

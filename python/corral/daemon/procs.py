@@ -395,6 +395,10 @@ class Process:
                 "exit_code": self.exit_code, "timed_out": self.timed_out,
                 "signal": self.signal, "oom_killed": self.oom_killed}
 
+    def kept_bytes(self) -> int:
+        """The output it keeps for a later wait or stream."""
+        return len(self.stdout.buf) + len(self.stderr.buf)
+
     def release(self) -> None:
         """Forget the buffers (the sandbox is gone); pipes close when their writers die."""
         if self.stdin is not None:

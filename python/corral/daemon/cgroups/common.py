@@ -299,6 +299,19 @@ class CgroupManager(abc.ABC):
             out.update(_read_pids(p))
         return out
 
+    def pids_count(self, paths: list[str]) -> tuple[int, int] | None:
+        """(processes now, the limit) of the cgroup among ``paths`` that has the pids
+        controller, or None (no such cgroup, or no limit)."""
+        for p in paths:
+            try:
+                limit = _read(os.path.join(p, "pids.max")).strip()
+                now = int(_read(os.path.join(p, "pids.current")))
+            except (OSError, ValueError):
+                continue
+            if limit.isdigit():
+                return now, int(limit)
+        return None
+
     def kill_all(self, paths: list[str], timeout: float = 2.0) -> None:
         """SIGKILL every process in the cgroups until they are empty (or ``timeout``)."""
         self._kill_first(paths)

@@ -27,6 +27,8 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 TOMBSTONES = 50_000          # remembered ended ids, so late calls get a precise error
 SHUTDOWN_ENDED = "ended-by-shutdown.json"  # in the state dir: ids a graceful stop destroyed
 MAX_PROCS_KEPT = 256         # finished background processes remembered per sandbox
+# ...and the output they keep, in all: finished ones go, oldest first, past either bound
+MAX_KEPT_OUTPUT = 64 << 20
 DIRECT_IO_BYTES = 1 << 20    # file reads/writes up to this size skip the thread hop
 MAX_READ_BYTES = 1 << 30
 PASSWD_MAX = 4 << 20

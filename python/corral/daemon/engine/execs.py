@@ -28,6 +28,7 @@ from .base import (
     DEFAULT_CWD,
     DEFAULT_PATH,
     INIT_EXIT_GRACE_STEPS,
+    MAX_KEPT_OUTPUT,
     MAX_PROCS_KEPT,
     PASSWD_MAX,
     Sandbox,
@@ -191,10 +192,12 @@ class ExecOps:
         if sb.procs is None:
             sb.procs = {}
         table = sb.procs
-        if len(table) >= MAX_PROCS_KEPT:
+        kept = sum(p.kept_bytes() for p in table.values() if not p.running)
+        if len(table) >= MAX_PROCS_KEPT or kept > MAX_KEPT_OUTPUT:
+            # Oldest finished first, down to half of each bound (not one per new process).
             for pid in [pid for pid, p in table.items() if not p.running]:
-                del table[pid]
-                if len(table) < MAX_PROCS_KEPT // 2:
+                kept -= table.pop(pid).kept_bytes()
+                if len(table) < MAX_PROCS_KEPT // 2 and kept <= MAX_KEPT_OUTPUT // 2:
                     break
         old = table.pop(proc.ns_pid, None)
         if old is not None:

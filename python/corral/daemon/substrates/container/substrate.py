@@ -49,6 +49,7 @@ from corral.errors import (
     CorralError,
     InternalError,
     InvalidRequest,
+    SandboxAtLimit,
     SandboxNotRunning,
 )
 from corral.models import SandboxSpec, network_kind
@@ -84,6 +85,9 @@ DEFAULT_RLIMITS: dict[str, int | tuple[int, int]] = {"core": (0, 0), "nofile": (
 
 # destroy_many: inits signalled ahead of their destroy (each holds a pidfd until destroyed).
 KILL_AHEAD = 64
+# A command refused a process (EAGAIN) with its sandbox this close to its pids limit: the
+# sandbox's own processes fill it (SandboxAtLimit, category limit), not the host.
+PIDS_SLACK = 2
 
 
 class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
@@ -855,6 +859,16 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         """The API's error for a command that could not be started."""
         if isinstance(e, initexec.Gone) or not self.is_alive(runtime):
             return SandboxNotRunning("the sandbox's init is gone")
+        if getattr(e, "errno", None) == errno.EAGAIN:
+            # A fork refused with the sandbox's pids cgroup (nearly) full is its own doing,
+            # not the host's. The slack covers processes that ended between the refusal and
+            # this read (a fork bomb keeps it at the limit, give or take a few).
+            count = self.cgroups.pids_count(runtime.cgroup_paths or
+                                            self.cgroups.paths_for(runtime.sandbox_id))
+            if count is not None and count[0] + PIDS_SLACK >= count[1]:
+                return SandboxAtLimit(
+                    f"cannot start the process: the sandbox's processes fill its process "
+                    f"limit ({count[1]})", details={"limit": "pids", "max": count[1]})
         return oserrors.start_error(e, "cannot start the process")
 
     def warm(self, runtime: SandboxRuntime) -> None:
