@@ -434,3 +434,25 @@ def test_mutated_uploads_never_crash_the_daemon(daemon):
                 assert r.json()["error"]["code"], r.text
         assert sh(sb, "echo alive").strip() == "alive"
     assert daemon.proc.poll() is None
+
+
+def test_names_that_are_not_utf8_are_files_like_any_other():
+    """An agent can name a file with bytes that are not UTF-8. Listing its directory (what a
+    harness does to collect the agent's work) must not fail, least of all as an internal
+    error (infra: the trainer would mask the episode): the name comes back as os.fsdecode
+    gives it (surrogate escapes), and that name stats, reads and writes the very file,
+    keyed and unkeyed; a keyed listing of it replays."""
+    with Sandbox(timeout=120) as sb:
+        sb.exec(["python3", "-c", "import os; os.makedirs('/w')\n"
+                 "open(b'/w/bad\\xff\\xfename', 'w').write('agent')"]).check()
+        for key in (None, "names-list"):
+            entries = sb.files.list("/w", key=key)
+            assert [e.name for e in entries] == ["bad\udcff\udcfename"], entries
+        assert [e.name for e in sb.files.list("/w", key="names-list")] == ["bad\udcff\udcfename"]
+        path = "/w/" + entries[0].name
+        assert sb.files.stat(path).size == 5
+        assert sb.files.stat(path, key="names-stat").size == 5
+        assert sb.files.read(path) == sb.files.read(path, key="names-read") == "agent"
+        sb.files.write(path + "2", "harness")
+        r = sb.exec(["python3", "-c", "print(open(b'/w/bad\\xff\\xfename2').read())"])
+        assert r.stdout == "harness\n", r

@@ -12,6 +12,7 @@ import posixpath
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
+from urllib.parse import parse_qs
 
 from aiohttp import web
 
@@ -33,7 +34,7 @@ T = TypeVar("T")
 
 
 def check_path(path: str, what: str = "path") -> str:
-    if not _PATH.match(path) or len(path.encode()) > MAX_PATH:
+    if not _PATH.match(path) or len(path.encode("utf-8", "surrogateescape")) > MAX_PATH:
         raise InvalidPath(f"{what} must be an absolute path inside the sandbox: {path!r}")
     return path
 
@@ -47,10 +48,14 @@ def not_root(path: str, what: str) -> None:
 
 
 def query_path(request: web.Request) -> str:
-    path = request.query.get("path")
-    if path is None:
+    """The ``path`` query parameter. Bytes that are not UTF-8 (a file name in the sandbox that
+    is not, as a listing gave it) are kept as surrogate escapes, as os.fsdecode does, so the
+    path names that very file (aiohttp's own decoding would replace them)."""
+    if "path" not in request.query:
         raise InvalidRequest("missing query parameter 'path'")
-    return check_path(path)
+    raw = parse_qs(request.rel_url.raw_query_string, keep_blank_values=True,
+                   errors="surrogateescape").get("path", [""])
+    return check_path(raw[0])
 
 
 def decimal(raw: str, what: str, lo: int, hi: int) -> int:

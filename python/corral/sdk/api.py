@@ -517,8 +517,14 @@ def page_key(key: str | None, index: int) -> str | None:
     return key if key is None or index == 0 else f"{key}/page{index}"
 
 
+def _file_entry(body: bytes) -> FileEntry:
+    # json.loads, not model_validate_json: a name that is not UTF-8 comes as surrogate
+    # escapes (as os.fsdecode gives it), which pydantic's JSON parser refuses.
+    return FileEntry.model_validate(json.loads(body))
+
+
 def stat(sid: str, path: str) -> Call[FileEntry]:
-    return _keyed(Call("GET", sb_path(sid) + "/files/stat", FileEntry.model_validate_json,
+    return _keyed(Call("GET", sb_path(sid) + "/files/stat", _file_entry,
                        query=[("path", _path(path))], retry_safe=True))
 
 

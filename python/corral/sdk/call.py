@@ -64,7 +64,10 @@ class Call(Generic[T]):
     def target(self) -> str:
         if not self.query:
             return self.path
-        return self.path + "?" + urlencode(self.query, quote_via=quote, safe="/")
+        # A path that is not UTF-8 (a name listed from the sandbox, decoded with
+        # surrogateescape, as os.fsdecode does) goes as its bytes.
+        return self.path + "?" + urlencode(self.query, quote_via=quote, safe="/",
+                                           errors="surrogateescape")
 
     def finish(self, status: int, body: bytes) -> T:
         if status < 400:

@@ -90,12 +90,15 @@ LIST_KEEP = 4096
 
 
 def listing_result(entries: list[dict[str, Any]], keep: bool) -> dict[str, Any]:
-    """What a listing logs: the count and a hash of its sorted ``name type size`` lines; for a
-    keyed one also the entries (up to LIST_KEEP), which its replay returns."""
+    """What a listing logs: the count and a hash of its sorted ``name type size`` lines (a
+    name that is not UTF-8 hashed as its bytes); for a keyed one also the entries (up to
+    LIST_KEEP, and only if every name is UTF-8: the log stores text), which its replay
+    returns."""
     lines = sorted(f"{e['name']}\t{e['type']}\t{e['size'] if e['type'] == 'file' else 0}"
                    for e in entries)
-    res = data_result("\n".join(lines).encode(), count=len(entries))
-    if keep and len(entries) <= LIST_KEEP:
+    text = "\n".join(lines)
+    res = data_result(text.encode("utf-8", "surrogateescape"), count=len(entries))
+    if keep and len(entries) <= LIST_KEEP and _utf8(text):
         res["entries"] = entries
     return res
 
