@@ -201,10 +201,9 @@ class Output:
     def read(self, budgeted: bool = True) -> None:
         """Up to 64 reads (a flood must not pin the loop); ``budgeted=False`` for the last
         read after the process ended, which only takes what its pipe holds."""
+        budget = DiscardBudget.of(asyncio.get_running_loop())
         for _ in range(64):
-            budget = DiscardBudget.of(self.loop) if self.loop is not None and \
-                len(self.buf) >= self.cap else None
-            if budget is not None and budgeted and not budget.admit(self):
+            if budgeted and len(self.buf) >= self.cap and not budget.admit(self):
                 return
             try:
                 data = os.read(self.fd, 1 << 16)
@@ -220,7 +219,7 @@ class Output:
             room = self.cap - len(self.buf)
             if len(data) > room:
                 self.truncated = True
-                DiscardBudget.of(asyncio.get_running_loop()).spend(len(data) - max(room, 0))
+                budget.spend(len(data) - max(room, 0))
                 data = data[:max(room, 0)]
             self.buf += data
 
