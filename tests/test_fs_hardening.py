@@ -456,3 +456,15 @@ def test_names_that_are_not_utf8_are_files_like_any_other():
         sb.files.write(path + "2", "harness")
         r = sb.exec(["python3", "-c", "print(open(b'/w/bad\\xff\\xfename2').read())"])
         assert r.stdout == "harness\n", r
+        # The JSON bodies carry it too (as \udcxx escapes), keyed and unkeyed.
+        for tag in ("plain", "keyed"):
+            def key(op: str, tag: str = tag) -> str | None:
+                return None if tag == "plain" else f"names-{op}"
+            sb.files.mkdir(path + f".d-{tag}", key=key("mkdir"))
+            sb.files.rename(path + "2", path + f".r-{tag}", key=key("rename"))
+            sb.files.write(path + "2", "again")
+            sb.files.remove(path + f".d-{tag}", key=key("remove"))
+        r = sb.exec(["python3", "-c", "import os; print(sorted(os.listdir(b'/w')))"])
+        assert r.stdout.strip() == str(sorted([b"bad\xff\xfename", b"bad\xff\xfename2",
+                                               b"bad\xff\xfename.r-plain",
+                                               b"bad\xff\xfename.r-keyed"])), r

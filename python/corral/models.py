@@ -15,10 +15,13 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainValidator,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
 from pydantic.config import JsonDict
+from pydantic_core import PydanticCustomError
 
 # The substrates corral names; a daemon serves some of them (GET /v1/substrates). A create
 # naming one it does not serve is unsupported (501); any other name, invalid_request.
@@ -53,14 +56,37 @@ PATH_PATTERN = r"^(/[^/\x00]{0,255})+$"
 MAX_PATH = 4095
 
 
-def _path_len(v: str) -> str:
+_ABS_PATH = re.compile(PATH_PATTERN)
+
+
+def _abs_path(v: Any) -> str:
+    """An absolute path, validated by hand rather than as a pydantic ``str``: a name that is
+    not UTF-8 (listed from the sandbox, decoded with surrogate escapes as os.fsdecode does)
+    names that very file, and pydantic's own strings refuse surrogates."""
+    if not isinstance(v, str):
+        raise PydanticCustomError("string_type", "Input should be a valid string")
+    if not _ABS_PATH.match(v):
+        raise PydanticCustomError("string_pattern_mismatch",
+                                  "String should match pattern '{pattern}'",
+                                  {"pattern": PATH_PATTERN})
     # Not a maxLength in the schema: generators choke on it next to the pattern.
+    if len(v.encode("utf-8", "surrogateescape")) > MAX_PATH:
+        raise PydanticCustomError("value_error", "path longer than {max} bytes",
+                                  {"max": MAX_PATH})
+    return v
+
+
+def _path_len(v: str) -> str:
     if len(v.encode()) > MAX_PATH:
         raise ValueError(f"path longer than {MAX_PATH} bytes")
     return v
 
 
-AbsPath = Annotated[str, Field(pattern=PATH_PATTERN, description=(
+AbsPath = Annotated[str, PlainValidator(_abs_path, json_schema_input_type=str), WithJsonSchema(
+    {"type": "string", "pattern": PATH_PATTERN,
+     "description": f"an absolute path, at most {MAX_PATH} bytes"})]
+# A command's working directory: UTF-8 only, as the rest of a command (argv, env) is.
+CwdPath = Annotated[str, Field(pattern=PATH_PATTERN, description=(
     f"an absolute path, at most {MAX_PATH} bytes")), AfterValidator(_path_len)]
 ENV_NAME_PATTERN = r"^[^=\x00]+$"
 NO_NUL_PATTERN = r"^[^\x00]*$"
@@ -208,7 +234,7 @@ class SandboxSpec(_Model):
                                          description="a networked sandbox's rate, each way "
                                                      "(Mbit/s; tc tbf on both ends of its link)")
     hostname: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9\-.]{0,62}$")
-    cwd: AbsPath = Field("/root", description="absolute working directory for commands "
+    cwd: CwdPath = Field("/root", description="absolute working directory for commands "
                                               "(must exist, unless it is the default; an "
                                               "OCI image's WorkingDir when not given)")
     user: str | int | None = Field(None, description=(
@@ -398,7 +424,7 @@ class ExecRequest(_Model):
          "items": {"type": "string", "pattern": NO_NUL_PATTERN}}]})
     timeout: float | None = Field(DEFAULT_EXEC_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
     env: dict[str, str] = Field(default_factory=dict, json_schema_extra=_ENV_SCHEMA)
-    cwd: AbsPath | None = Field(None, description="an existing directory in the sandbox "
+    cwd: CwdPath | None = Field(None, description="an existing directory in the sandbox "
                                                   "(default: the sandbox's cwd)")
     user: str | int | None = Field(None, description=(
         "a uid (0 to 4294967294; one not in /etc/passwd runs with gid = uid) or a user "

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticSerializationError
 
 from corral import nodeselector
 from corral.errors import (
@@ -94,7 +95,12 @@ def validated(model: type[M], **fields: Any) -> M:
 
 def _body(model: BaseModel) -> bytes:
     # Only what the caller set: the daemon fills in the rest (and tells "unset" from "default").
-    return model.model_dump_json(exclude_unset=True).encode()
+    try:
+        return model.model_dump_json(exclude_unset=True).encode()
+    except PydanticSerializationError:
+        # A path that is not UTF-8 (surrogate escapes, as a listing gave it): JSON's \udcxx
+        # escapes carry it, and the daemon reads them back to the same bytes.
+        return json.dumps(model.model_dump(mode="json", exclude_unset=True)).encode()
 
 
 class _DefaultTimeout(float):
