@@ -7,7 +7,11 @@ it stops the daemon reading (procs.FOLLOW_HIGH), so nothing piles up in between.
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 
@@ -20,6 +24,7 @@ from corral.daemon.procs import (
 )
 
 MIB = 1024 * 1024
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -152,3 +157,56 @@ def test_output_kept_for_finished_background_processes_is_bounded(sb, daemon):
     with pytest.raises(corral.errors.ProcessNotFound):
         procs[0].wait(timeout=5)
     assert len(procs[-1].wait(timeout=5).stdout) == 4 * MIB
+
+
+# Output that JSON writes six bytes to the byte: control characters, and bytes that are not
+# UTF-8 (each becomes U+FFFD, "\ufffd").
+_BINARY = ("head -c 4M /dev/zero | tr '\\0' '\\1'; "
+           "head -c 4M /dev/zero | tr '\\0' '\\377' >&2")
+
+
+def _peak_rss_while(pid: int, work: Callable[[], T]) -> tuple[T, float]:
+    """``work()``'s result and the daemon's highest RSS seen while it ran (sampled)."""
+    peak = [0.0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_mib(pid))
+            done.wait(0.01)
+
+    t = threading.Thread(target=sample)
+    t.start()
+    try:
+        return work(), peak[0]
+    finally:
+        done.set()
+        t.join()
+
+
+def _binary_ok(r: corral.ExecResult) -> None:
+    assert r.exit_code == 0, r
+    assert r.stdout == "\x01" * (4 * MIB), (len(r.stdout), r.stdout[:10])
+    assert r.stderr == "\ufffd" * (4 * MIB), (len(r.stderr), r.stderr[:10])
+
+
+def test_results_of_binary_output_cost_the_daemon_about_their_size(daemon):
+    """Sandboxes printing binary at once, 4 MiB to each stream (the default cap): each result
+    costs the daemon about its output's size, where its JSON (six bytes a byte, then a copy as
+    bytes) took ~100 MiB each. The results arrive whole, single and batched."""
+    n = 12
+    pid = daemon.proc.pid
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        boxes = list(pool.map(lambda _: corral.Sandbox(timeout=300), range(n)))
+        try:
+            before = _rss_mib(pid)
+            results, peak = _peak_rss_while(
+                pid, lambda: list(pool.map(lambda sb: sb.exec(_BINARY, timeout=120), boxes)))
+            for r in results:
+                _binary_ok(r)
+            # Kept output: 8 MiB a command, up to 2x as text; the old JSON alone was 96 MiB.
+            assert peak - before < n * 40, (before, peak)
+            for r in corral.Sandbox.exec_many(boxes[:2], _BINARY, timeout=120):
+                _binary_ok(r)
+        finally:
+            list(pool.map(lambda sb: sb.kill(), boxes))

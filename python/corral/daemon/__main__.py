@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from corral import __version__, config
-from corral.daemon import capacity, logs
+from corral.daemon import capacity, kernel, logs
 from corral.daemon.app import MAX_FIELD_SIZE, MAX_LINE_SIZE, create_app
 from corral.daemon.engine import Engine
 from corral.daemon.locks import try_lock
@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("corrald must run as root (it makes namespaces, mounts and cgroups)")
         return 1
     harden_self()
+    kernel.fix_mmap_threshold()
     cfg = admission_limit(cfg)
     nofile = raise_nofile()
     log.debug("fd limit", extra={"nofile": nofile})

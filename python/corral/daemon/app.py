@@ -27,7 +27,17 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel
 
-from corral.daemon import batches, dashboard, image_api, ops, snapxfer, spool, streams, tenancy
+from corral.daemon import (
+    batches,
+    dashboard,
+    image_api,
+    jsonbody,
+    ops,
+    snapxfer,
+    spool,
+    streams,
+    tenancy,
+)
 from corral.daemon.app_errors import JSON_MAX, MAX_BODY, is_unix, middleware
 from corral.daemon.bodies import parse
 from corral.daemon.engine import MAX_READ_BYTES, Engine
@@ -134,8 +144,7 @@ BIG_BODY = 1 << 20           # bigger writes go through a thread
 
 # ---- helpers ---------------------------------------------------------------------------
 def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=json.dumps(obj, separators=(",", ":")).encode(), status=status,
-                        content_type="application/json")
+    return jsonbody.response(obj, status)
 
 
 _OK = b'{"ok":true}'
@@ -454,16 +463,16 @@ async def proc_stream(request: web.Request) -> web.StreamResponse:
         await resp.prepare(request)
         for name, text in follower.first:
             if text:
-                await resp.write(_line({"stream": name, "data": text}))
+                await jsonbody.write_line(resp, {"stream": name, "data": text})
         with engine.following(sb):  # a client following the output is activity (no idle)
             while (item := await _unless_gone(request, follower.next())) is not None:
-                await resp.write(_line({"stream": item[0], "data": item[1]}))
+                await jsonbody.write_line(resp, {"stream": item[0], "data": item[1]})
         final: dict[str, Any] = {"exit_code": p.exit_code, "timed_out": p.timed_out}
         try:
             await engine.after_exit(sb, p)
         except CorralError as e:
             final = e.to_payload()
-        await resp.write(_line(final))
+        await jsonbody.write_line(resp, final)
         await resp.write_eof()
     finally:
         follower.close()

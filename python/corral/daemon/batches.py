@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from corral.daemon import jsonbody
 from corral.errors import CorralError, InternalError, InvalidRequest
 
 T = TypeVar("T")
@@ -137,8 +138,7 @@ async def run(request: web.Request, progress: Progress,
     obj = answer(task.result())
     if asyncio.iscoroutine(obj):
         obj = await obj
-    return web.Response(body=json.dumps(obj, separators=(",", ":")).encode(), status=status,
-                        content_type="application/json")
+    return jsonbody.response(obj, status)
 
 
 async def _streamed(request: web.Request, task: asyncio.Future[T], progress: Progress,
@@ -170,7 +170,7 @@ async def _streamed(request: web.Request, task: asyncio.Future[T], progress: Pro
         except Exception as e:  # noqa: BLE001 - the stream's last line says it; never a 500
             obj = InternalError(f"call failed: {e}").to_payload()
         await resp.write(progress.line())
-        await resp.write(_line(obj))
+        await jsonbody.write_line(resp, obj)
         await resp.write_eof()
     except (ConnectionError, asyncio.CancelledError):
         await _cancel(task)

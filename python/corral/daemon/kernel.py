@@ -103,6 +103,19 @@ def decode(status: int) -> tuple[int, int | None]:
     return 128 + (status & 0x7F), status & 0x7F
 
 
+# ---- memory ------------------------------------------------------------------------------------
+M_MMAP_THRESHOLD = -3  # mallopt(3)
+MMAP_THRESHOLD = 128 << 10
+
+
+def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
+    """Allocations of ``nbytes`` and more get their own mappings, given back when freed.
+    glibc raises this threshold each time such a block is freed (up to 32 MiB), after which
+    big blocks (a command's output, a response) come from the heap and a burst of them
+    leaves the daemon's RSS high for good. Setting it turns that off; False if refused."""
+    return bool(_libc.mallopt(M_MMAP_THRESHOLD, nbytes))
+
+
 # ---- threads -----------------------------------------------------------------------------------
 def unshare_files() -> None:
     """Give the calling thread an fd table of its own (a copy of the process's)."""

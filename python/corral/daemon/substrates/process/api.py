@@ -3,11 +3,11 @@ includes ``ROUTES``; ``install`` gives the app its service)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
 
+from corral.daemon import jsonbody
 from corral.daemon.bodies import parse
 from corral.daemon.routes import Route
 from corral.daemon.substrates.process.pool import RunCodeService
@@ -24,8 +24,7 @@ SERVICE: web.AppKey[RunCodeService] = web.AppKey("runcode", RunCodeService)
 
 
 def _json(obj: Any) -> web.Response:
-    return web.Response(body=json.dumps(obj, separators=(",", ":")).encode(),
-                        content_type="application/json")
+    return jsonbody.response(obj)
 
 
 def _service(request: web.Request) -> RunCodeService:
