@@ -468,3 +468,50 @@ def test_names_that_are_not_utf8_are_files_like_any_other():
         assert r.stdout.strip() == str(sorted([b"bad\xff\xfename", b"bad\xff\xfename2",
                                                b"bad\xff\xfename.r-plain",
                                                b"bad\xff\xfename.r-keyed"])), r
+
+
+def test_a_tar_of_a_tree_that_changes_while_it_is_sent_is_never_cut(tmp_path):
+    """Between a download's plan and its send, code in the sandbox can remove files, turn
+    them into FIFOs and grow them past the cap. A cut stream would look like a lost daemon
+    (infra): the send leaves out what it cannot read, cuts the file that crosses the cap to
+    fit, and ends a valid tar within the cap."""
+    import contextlib
+    import io
+    import tarfile
+
+    from corral.daemon import streams
+    from corral.daemon.substrates.rootfiles import RootFiles
+
+    for d, size in (("a", 1000), ("b", 1000), ("c", 1000), ("d", 10)):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "f").write_bytes(b"x" * size)
+
+    @contextlib.contextmanager
+    def rooted():
+        fd = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    ops = RootFiles(rooted, False, None, 1 << 20).tree_ops("/")
+    cap = streams.plan(ops, "/", 1 << 30, 100)
+    opened = ops.open_read
+
+    def open_and_change(path: str) -> tuple[int, int]:
+        if path == "/a/f":  # what the sandbox does while /a/f is sent
+            (tmp_path / "b" / "f").unlink()
+            os.mkfifo(tmp_path / "b" / "f")
+            (tmp_path / "c" / "f").write_bytes(b"y" * 100_000)
+        return opened(path)
+
+    ops.open_read = open_and_change
+    data = b"".join(streams.chunks(ops, "/", cap))
+    assert len(data) <= cap, (len(data), cap)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        assert tar.extractfile(members["a/f"]).read() == b"x" * 1000
+        assert "b/f" not in members  # a FIFO now: left out
+        cut = members["c/f"]
+        assert 0 < cut.size < 100_000 and tar.extractfile(cut).read() == b"y" * cut.size
+        assert "d/f" not in members  # past the cap: left out

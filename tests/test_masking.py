@@ -26,6 +26,7 @@ from corral.errors import (
     CorralError,
     DaemonRestarted,
     DaemonUnavailable,
+    FileBusy,
     SandboxAtLimit,
     SandboxCrashed,
     SandboxExpired,
@@ -430,3 +431,57 @@ def test_a_daemon_lost_mid_call_is_infra(private_daemon):
             private_daemon.start()
         sb.kill()
         Sandbox.from_id(traj.id, endpoint=ep).kill()
+
+
+# Takes a write lease on each file named (created if missing) and ignores the SIGIO that
+# asks it to let go: an open of the file by anyone else then waits out the kernel's
+# lease-break time (45 s), unless it is non-blocking.
+LEASE_PY = """
+import fcntl, os, signal, sys, time
+signal.signal(signal.SIGIO, signal.SIG_IGN)
+fds = []
+for p in sys.argv[1:]:
+    if not os.path.exists(p):
+        open(p, "w").write("leased")
+    fd = os.open(p, os.O_RDONLY)
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+    fds.append(fd)
+print("leased", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("substrate", ["container", "process"])
+def test_files_the_sandbox_holds_are_its_own_failure_and_never_stall_the_daemon(substrate,
+                                                                               tmp_path):
+    """Files a process in the sandbox holds: one it runs (ETXTBSY on a write) and ones it
+    holds a write lease on (an open would wait 45 s for the lease, on the daemon's event loop
+    for a small read). Each call on them fails at once as file_busy (task), never internal
+    (infra): the agent made them busy. A download leaves the leased file out; an exec as a
+    user, when /etc/passwd is leased, is file_busy too."""
+    sb = Sandbox(substrate=substrate, timeout=120)
+    try:
+        sb.files.write("/tmp/lease.py", LEASE_PY)
+        sb.exec("cp /bin/sleep /tmp/busy").check()
+        sb.exec("/tmp/busy 300", background=True)
+        held = ["/tmp/held"] + (["/etc/passwd"] if substrate == "container" else [])
+        lease = sb.exec(["python3", "/tmp/lease.py", *held], background=True)
+        assert next(iter(lease.stream()))[1] == "leased\n"
+        wait_until(lambda: "busy" in sb.exec("ps -o comm= -e").stdout, 10)
+        attempts = [lambda: sb.files.write("/tmp/busy", b"\0"),
+                    lambda: sb.files.read("/tmp/held"),
+                    lambda: sb.files.read_bytes("/tmp/held"),
+                    lambda: sb.files.write("/tmp/held", "mine")]
+        if substrate == "container":
+            attempts.append(lambda: sb.exec("id", user="nobody"))
+        for attempt in attempts:
+            with pytest.raises(FileBusy) as err:
+                attempt()
+            _sorted_as(err.value, "task")
+        sb.files.write("/tmp/free", "free")
+        names = sb.files.download("/tmp", str(tmp_path))
+        assert "free" in names and "held" not in names, names
+        assert (tmp_path / "free").read_text() == "free"
+        assert sb.exec("echo alive").stdout == "alive\n"
+    finally:
+        sb.kill()

@@ -192,6 +192,14 @@ class DirectoryNotEmpty(Conflict):
     code, status = "directory_not_empty", 409
 
 
+class FileBusy(Conflict):
+    """A process in the sandbox holds the file: it is running it (ETXTBSY), or holds a lease
+    on it that the daemon's open would have to wait out (EWOULDBLOCK). The sandbox's own
+    processes are in the way, not the platform."""
+
+    code, status = "file_busy", 409
+
+
 class ProcessStillRunning(Conflict):
     """A wait on a background command ran out of time; the command keeps running. This is the
     command's own slowness, not an infrastructure failure."""

@@ -299,7 +299,10 @@ pub fn open_read(root: RawFd, path: &OsStr) -> Result<(OwnedFd, u64)> {
     if check_kind(&st, OP, &p)? == FileType::Directory {
         return Err(FsError::os(OP, &p, Errno::ISDIR));
     }
-    let fd = reopen(pfd.as_fd(), OFlags::RDONLY).map_err(|e| FsError::os(OP, &p, e))?;
+    // O_NONBLOCK: a lease a process in the sandbox holds on the file makes the open fail with
+    // EWOULDBLOCK, where it would wait out the lease-break time (45 s) in a daemon thread.
+    let fd = reopen(pfd.as_fd(), OFlags::RDONLY | OFlags::NONBLOCK)
+        .map_err(|e| FsError::os(OP, &p, e))?;
     Ok((fd, st.st_size.max(0) as u64))
 }
 

@@ -16,6 +16,7 @@ from corral.errors import (
     CapacityExceeded,
     CorralError,
     DirectoryNotEmpty,
+    FileBusy,
     FileExists,
     FileNotFound,
     ForbiddenPath,
@@ -46,6 +47,8 @@ FILE_ERRORS: dict[int, type[CorralError]] = {
     errno.EBUSY: InvalidRequest,
     errno.EFBIG: InvalidRequest,
     errno.EOPNOTSUPP: InvalidRequest,
+    errno.ETXTBSY: FileBusy,
+    errno.EWOULDBLOCK: FileBusy,
 }
 # A full disk: inside a sandbox its own limit (disk_mb); for the daemon's files the request's.
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
@@ -62,6 +65,10 @@ HOST_OUT_OF_RESOURCES = frozenset({errno.EAGAIN, errno.ENOMEM, errno.ENOSPC})
 # The daemon's own limits reached while serving a request: infra (InternalError), never the
 # request's fault.
 DAEMON_LIMITS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN})
+# What a file operation in a sandbox can fail with because of the daemon or the host, not
+# because of what is in the sandbox: infra. Any other errno there comes from the sandbox's
+# files (code in it shapes them at will), so it is the task's, never a way to be masked.
+SANDBOX_FILE_INFRA = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EIO})
 
 # The messages host_file_error gives without an errno in the details.
 _PLAIN = {
@@ -97,7 +104,10 @@ def sandbox_file_error(e: OSError, path: str, disk_quota: bool = False) -> Corra
                                     details={"path": path, "errno": e.errno})
         return TooLarge(f"the sandbox's disk is full (disk_mb): {msg}",
                         details={"path": path, "errno": e.errno, "limit": "disk_mb"})
-    return file_error_class(e.errno)(msg, details={"path": path, "errno": e.errno})
+    cls = file_error_class(e.errno)
+    if cls is InternalError and e.errno not in SANDBOX_FILE_INFRA:
+        cls = InvalidRequest
+    return cls(msg, details={"path": path, "errno": e.errno})
 
 
 def host_file_error(e: OSError, path: str = "") -> CorralError:
@@ -109,7 +119,8 @@ def host_file_error(e: OSError, path: str = "") -> CorralError:
     if n in DISK_FULL or n == errno.EFBIG or n in INPUT_ERRNOS:
         # the request named a file that cannot be used that way, or too much for it
         return InvalidRequest(f"{_strerror(n)}{where}", details={"errno": n})
-    cls = file_error_class(n)
+    # EWOULDBLOCK on the daemon's own files is no lease of a sandbox's process: infra
+    cls = file_error_class(n) if n != errno.EWOULDBLOCK else InternalError
     if cls is InternalError:
         return InternalError(f"{e.strerror or e}{where}", details={"errno": n})
     if cls is InvalidPath:

@@ -6,9 +6,15 @@ the sandbox nothing) must not be read whole into memory. Here a file is sent in
 (``_core.fs_open_read``: resolved in the sandbox's root, regular files only, never on a kernel
 pseudo-filesystem); a tar is made one header or chunk at a time. Caps count the bytes actually
 sent, not the sizes files claim. A tar is planned first (a walk that only stats), so a tree past
-a cap is refused with a clear error before the first byte; if files grow between the plan and
-the send, the send stops at the cap and the connection is cut (the client sees a broken
-transfer, never a short tar that looks complete).
+a cap is refused with a clear error before the first byte.
+
+Once the first byte is out, the tree is still live: code in the sandbox can change it between
+the plan and the send, and a cut stream looks to the client like a lost daemon (infra, a
+masked episode). So nothing the sandbox does fails a send: an entry that cannot be read when
+its turn comes (removed, leased by a process, turned into a special file) is left out, a
+directory that cannot be listed any more is sent empty, and when the tree has grown past the
+cap the file that crosses it is cut to fit and the members after it are left out. Only a
+fault of the host (an I/O error, the daemon's own limits) cuts the stream.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from corral.errors import CorralError, FileNotFound, ForbiddenPath, InvalidPath, TooLarge
+from corral.errors import CorralError, ForbiddenPath, InvalidPath, TooLarge
 
 CHUNK = 1 << 20
 # Directory levels a download follows (paths are limited to 4096 bytes anyway).
@@ -31,10 +37,6 @@ TAR_MAX_MEMBERS = 1_000_000  # of an upload or a download
 TAR_MAX_BYTES = int(os.environ.get("CORRAL_TAR_MAX_BYTES", str(2 << 30)))
 # Kernel-made trees a download of "/" records as empty directories.
 NO_DESCEND = {"/proc", "/sys", "/dev"}
-
-
-# Entries a tar skips: gone since they were listed, or refused (pseudo-fs, special file).
-_SKIP = (FileNotFound, ForbiddenPath)
 
 
 @dataclass
@@ -113,9 +115,20 @@ def _join(d: str, name: str) -> str:
     return f"{d.rstrip('/')}/{name}"
 
 
-def _walk(ops: TreeOps, root: str) -> Iterator[tuple[str, str, str]]:
-    """(path, arcname, kind) depth first, names sorted; a loop, never a recursion."""
-    kind = ops.stat(root)[0]
+def _sandboxs(e: CorralError) -> bool:
+    """An error the sandbox's files caused (not the host's, not the daemon's)."""
+    return e.category != "infra"
+
+
+def _walk(ops: TreeOps, root: str, live: bool = False) -> Iterator[tuple[str, str, str]]:
+    """(path, arcname, kind) depth first, names sorted; a loop, never a recursion. ``live``
+    (while sending): what the sandbox changed since the plan is passed over, never raised."""
+    try:
+        kind = ops.stat(root)[0]
+    except CorralError as e:
+        if live and _sandboxs(e):
+            return
+        raise
     if kind != "dir":
         yield root, os.path.basename(root), kind
         return
@@ -126,12 +139,18 @@ def _walk(ops: TreeOps, root: str) -> Iterator[tuple[str, str, str]]:
         if d in NO_DESCEND:
             continue
         if depth >= TAR_MAX_DEPTH:
+            if live:
+                continue
             raise TooLarge(f"{d} is more than {TAR_MAX_DEPTH} directories deep",
                            details={"limit": "depth", "max": TAR_MAX_DEPTH})
         try:
             entries = ops.list(d)
         except ForbiddenPath:
             continue  # a pseudo-filesystem mounted there: recorded as an empty dir
+        except CorralError as e:
+            if live and _sandboxs(e):
+                continue
+            raise
         subdirs = []
         for name, ekind in entries:
             p, a = _join(d, name), (f"{arc}/{name}" if arc != "." else name)
@@ -169,54 +188,64 @@ def plan(ops: TreeOps, root: str, max_bytes: int, max_members: int) -> int:
     return total
 
 
-def chunks(ops: TreeOps, root: str, max_bytes: int) -> Iterator[bytes]:
-    """The tar, in pieces of at most CHUNK bytes (blocking: run each step in a thread).
-    Raises TooLarge if the bytes sent would pass ``max_bytes`` (files grew since the plan)."""
-    budget = max_bytes
-
-    def take(b: bytes) -> bytes:
-        nonlocal budget
-        budget -= len(b)
-        if budget < 0:
-            raise TooLarge(f"the tar passed {max_bytes} bytes while being sent",
-                           details={"limit": "bytes", "max": max_bytes})
-        return b
-
-    for path, arc, kind in _walk(ops, root):
+def chunks(ops: TreeOps, root: str, max_bytes: int,
+           max_members: int = TAR_MAX_MEMBERS) -> Iterator[bytes]:
+    """The tar, in pieces of at most CHUNK bytes (blocking: run each step in a thread), at
+    most ``max_bytes`` and ``max_members`` whatever the sandbox did since the plan (module
+    docstring)."""
+    room = max_bytes - 1024  # the two zero blocks that end the archive always fit
+    members = 0
+    for path, arc, kind in _walk(ops, root, live=True):
+        members += 1
+        if members > max_members:
+            break
         try:
             _, _, mode, mtime = ops.stat(path)
-        except _SKIP:
-            continue  # removed meanwhile
+        except CorralError as e:
+            if _sandboxs(e):
+                continue  # removed meanwhile
+            raise
         ti = tarfile.TarInfo(arc)
         ti.mode, ti.mtime = mode, int(mtime)
-        if kind == "dir":
-            ti.type = tarfile.DIRTYPE
-            yield take(_header(ti))
-        elif kind == "symlink":
-            ti.type = tarfile.SYMTYPE
-            try:
-                ti.linkname = ops.readlink(path)
-            except _SKIP:
-                continue
-            yield take(_header(ti))
+        if kind in ("dir", "symlink"):
+            ti.type = tarfile.DIRTYPE if kind == "dir" else tarfile.SYMTYPE
+            if kind == "symlink":
+                try:
+                    ti.linkname = ops.readlink(path)
+                except CorralError as e:
+                    if _sandboxs(e):
+                        continue
+                    raise
+            head = _header(ti)
+            if len(head) > room:
+                break
+            room -= len(head)
+            yield head
         elif kind == "file":
             try:
                 fd, size = ops.open_read(path)
-            except _SKIP:  # gone, or refused (pseudo-fs, special file)
-                continue
+            except CorralError as e:  # gone, refused (pseudo-fs, special file), leased
+                if _sandboxs(e):
+                    continue
+                raise
             try:
-                ti.size = size
-                yield take(_header(ti))
+                fits = (room - len(_header(ti))) // 512 * 512
+                ti.size = size = min(size, max(fits, 0))
+                head = _header(ti)  # longer by a pax record past 8 GiB
+                if fits < 0 or len(head) + size + (-size % 512) > room:
+                    break
+                room -= len(head) + size + (-size % 512)
+                yield head
                 off = 0
                 while off < size:  # exactly `size` bytes: zeros if the file shrank
                     n = min(CHUNK, size - off)
                     data = os.pread(fd, n, off) or b""
                     data += bytes(n - len(data))
-                    yield take(data)
+                    yield data
                     off += n
                 if size % 512:
-                    yield take(bytes(512 - size % 512))
+                    yield bytes(512 - size % 512)
             finally:
                 os.close(fd)
         # sockets, FIFOs, devices: skipped
-    yield take(bytes(1024))
+    yield bytes(1024)
