@@ -124,6 +124,32 @@ def test_a_huge_directory_listing_is_refused(daemon):
         sb.files.remove("/work/many", recursive=True)
 
 
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100
+
+
+def test_paging_through_a_big_directory_costs_each_entry_once(daemon):
+    """A listing is paged (1,000 entries a page): each page stats only its own entries, in a
+    worker thread. Stat'ing and building every entry for every page made 30,000 names cost
+    the daemon ~13 s of CPU on its event loop (100,000: ~140 s), stalling every sandbox.
+    Every name comes once, in byte order, also across names that are not UTF-8."""
+    with Sandbox() as sb:
+        n = 30_000
+        sh(sb, f"python3 -c \"import os; os.makedirs('/work/many'); "
+               f"[open(f'/work/many/{{i:05}}', 'w').close() for i in range({n})]; "
+               f"open(b'/work/many/00500\\\\xff', 'w').close()\"")
+        pid = daemon.proc.pid
+        before = _cpu_s(pid)
+        names = [e.name for e in sb.files.list("/work/many")]
+        spent = _cpu_s(pid) - before
+        want = sorted([f"{i:05}" for i in range(n)] + ["00500\udcff"], key=os.fsencode)
+        assert names == want, (len(names), names[:3])
+        assert spent < 4.0, spent
+        sb.files.remove("/work/many", recursive=True)
+
+
 # ---- sparse files: daemon memory and host disk -------------------------------------------------
 def test_sparse_file_read_and_tar_keep_daemon_memory_flat(daemon):
     pid = daemon.proc.pid

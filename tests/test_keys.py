@@ -388,9 +388,13 @@ def test_endpoint_is_unchanged_by_keys():
 
 
 def test_keyed_reads_past_the_logs_cap(daemon):
-    """A keyed read over 1 MiB (the bytes are not logged) or a listing over 4096 entries: the
-    replay returns the file (directory) as it is now if it is still what was read then, and
-    says replay_divergence, never something else, once it has changed."""
+    """A keyed read over 1 MiB (the bytes are not logged) or a page of a listing over 4096
+    entries: the replay returns the file (directory page) as it is now if it is still what
+    was read then, and says replay_divergence, never something else, once it has changed.
+    A listing in pages of 1000 (the SDK's) logs each page whole: its replay returns what was
+    listed then, whatever changed since."""
+    from apiclient import client
+
     from corral.errors import ReplayDivergence
 
     sb = Sandbox(timeout=600)
@@ -405,12 +409,22 @@ def test_keyed_reads_past_the_logs_cap(daemon):
         first = sb.files.list("/root/many", key="ls")
         assert len(first) == 5000
         assert sb.files.list("/root/many", key="ls") == first
+
+        def one_page() -> dict:
+            with client() as c:
+                r = c.get(f"/v1/sandboxes/{sb.id}/files/list",
+                          params={"path": "/root/many", "limit": "6000"},
+                          headers={"Idempotency-Key": "ls-one-page"})
+            return r.json()
+        whole = one_page()
+        assert len(whole["entries"]) == 5000 and whole["next"] is None
+        assert one_page() == whole
         sb.files.write("/root/big", big[:-1] + b"!")
         sb.exec("touch /root/many/extra")
         with pytest.raises(ReplayDivergence):
             sb.files.read_bytes("/root/big", key="big")
-        with pytest.raises(ReplayDivergence):
-            sb.files.list("/root/many", key="ls")
+        assert sb.files.list("/root/many", key="ls") == first
+        assert one_page()["error"]["code"] == "replay_divergence"
     finally:
         sb.kill()
 

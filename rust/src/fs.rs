@@ -489,6 +489,18 @@ pub const LIST_MAX: usize = 100_000;
 /// Entries of a directory: (name, kind, size, mode, mtime), sorted by name; symlinks are not
 /// followed. More than `LIST_MAX` entries: `TooMany`.
 pub fn list(root: RawFd, path: &OsStr) -> Result<Vec<ListEntry>> {
+    Ok(list_page(root, path, None, LIST_MAX)?.0)
+}
+
+/// One page of a directory's entries, sorted by name: those after `after` (by bytes), at
+/// most `limit`, and whether more follow. Only the page's entries are stat'ed: paging through
+/// a big directory costs its names once per page, not every entry's stat.
+pub fn list_page(
+    root: RawFd,
+    path: &OsStr,
+    after: Option<&OsStr>,
+    limit: usize,
+) -> Result<(Vec<ListEntry>, bool)> {
     const OP: &str = "list";
     let root = borrow(root)?;
     let p = Norm::new(path)?;
@@ -516,7 +528,16 @@ pub fn list(root: RawFd, path: &OsStr) -> Result<Vec<ListEntry>> {
         }
         names.push(name.to_owned());
     }
-    names.sort();
+    if let Some(after) = after {
+        names.retain(|n| n.as_bytes() > after.as_bytes());
+    }
+    let more = names.len() > limit;
+    if more {
+        // The page's names, without sorting the rest.
+        names.select_nth_unstable(limit);
+        names.truncate(limit);
+    }
+    names.sort_unstable();
     let dfd = dir.fd().map_err(|e| FsError::os(OP, &p, e))?;
     let mut out = Vec::with_capacity(names.len());
     for name in names {
@@ -529,7 +550,7 @@ pub fn list(root: RawFd, path: &OsStr) -> Result<Vec<ListEntry>> {
             Err(e) => return Err(FsError::os(OP, &p, e)),
         }
     }
-    Ok(out)
+    Ok((out, more))
 }
 
 /// lstat semantics: a symlink is reported as one.

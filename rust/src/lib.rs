@@ -574,6 +574,19 @@ fn fs_list(py: Python<'_>, root_fd: RawFd, path: OsString) -> PyResult<Vec<fs::L
     Ok(py.detach(|| fs::list(root_fd, &path))?)
 }
 
+/// One page of a listing: the entries after `after`, at most `limit`, and whether more follow.
+#[pyfunction]
+#[pyo3(signature = (root_fd, path, after, limit))]
+fn fs_list_page(
+    py: Python<'_>,
+    root_fd: RawFd,
+    path: OsString,
+    after: Option<OsString>,
+    limit: usize,
+) -> PyResult<(Vec<fs::ListEntry>, bool)> {
+    Ok(py.detach(|| fs::list_page(root_fd, &path, after.as_deref(), limit))?)
+}
+
 /// (kind, size, mode, mtime), lstat semantics.
 #[pyfunction]
 fn fs_stat(
@@ -906,6 +919,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CaptureCancelled", m.py().get_type::<CaptureCancelled>())?;
     m.add_function(wrap_pyfunction!(fs_write, m)?)?;
     m.add_function(wrap_pyfunction!(fs_list, m)?)?;
+    m.add_function(wrap_pyfunction!(fs_list_page, m)?)?;
     m.add_function(wrap_pyfunction!(fs_stat, m)?)?;
     m.add_function(wrap_pyfunction!(fs_mkdir, m)?)?;
     m.add_function(wrap_pyfunction!(fs_remove, m)?)?;

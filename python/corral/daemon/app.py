@@ -49,6 +49,7 @@ from corral.daemon.params import (
     label_filters,
     not_root,
     page,
+    page_args,
     path_int,
     query_int,
     query_mode,
@@ -621,12 +622,22 @@ async def file_write(request: web.Request) -> web.Response:
 
 
 async def file_list(request: web.Request) -> web.Response:
-    op = ops.ListDir(request.match_info["id"], _key(request), query_path(request))
-    entries = await _dispatch(request, op)
-    if isinstance(entries, dict):  # fast-forwarded: what was listed then
-        entries = await replayed_listing(entries, lambda: op.run(_engine(request)))
-    items, nxt = page(request, entries, lambda e: e["name"])
-    return _json({"entries": items, "next": nxt})
+    after, limit = page_args(request, names=True)
+    op = ops.ListDir(request.match_info["id"], _key(request), query_path(request), after, limit)
+    res = await _dispatch(request, op)
+    if not isinstance(res, dict):
+        return _json({"entries": res.entries, "next": res.next})
+
+    async def now() -> tuple[list[Any], str | None]:
+        page_now = await op.run(_engine(request))
+        return page_now.entries, page_now.next
+
+    # Fast-forwarded: what was listed then (a log that kept a whole listing, not a page,
+    # has no "next": paged here).
+    entries, nxt = await replayed_listing(res, now)
+    if "next" not in res:
+        entries, nxt = page(request, entries, lambda e: e["name"])
+    return _json({"entries": entries, "next": nxt})
 
 
 async def file_stat(request: web.Request) -> web.Response:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
 
 from pydantic import BaseModel
 
+from corral.daemon.params import DEFAULT_PAGE
 from corral.errors import SandboxNotFound
 from corral.models import ExecRequest, SandboxSpec
 
@@ -217,20 +218,38 @@ class Stat(Op):
 
 @dataclass(frozen=True, slots=True)
 class ListDir(Op):
+    """One page of a directory's entries: those after ``after``, at most ``limit``."""
+
     path: str
+    after: str | None = None
+    limit: int = DEFAULT_PAGE
     name: ClassVar[str] = "list"
 
     def request(self) -> Any:
-        return {"path": self.path}
+        req: dict[str, Any] = {"path": self.path}
+        if self.after is not None:
+            req["after"] = self.after
+        if self.limit != DEFAULT_PAGE:
+            req["limit"] = self.limit
+        return req
 
-    async def run(self, engine: Engine) -> Any:
-        return [entry(e) for e in await engine.list_dir(self.sid, self.path)]
+    async def run(self, engine: Engine) -> Listing:
+        found, more = await engine.list_page(self.sid, self.path, self.after, self.limit)
+        return Listing([entry(e) for e in found], found[-1].name if more and found else None)
 
     def to_log(self, engine: Engine) -> ToLog:
         from corral.daemon.trajlog import listing_result
 
         keyed = self.key is not None
-        return lambda v: listing_result(v, keyed)
+        return lambda v: listing_result(v.entries, keyed, v.next)
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """A page of a listing, as ListDir gives it: its entries and the next page's cursor."""
+
+    entries: list[dict[str, Any]]
+    next: str | None
 
 
 @dataclass(frozen=True, slots=True)

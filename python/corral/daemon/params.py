@@ -100,15 +100,27 @@ def path_int(request: web.Request, name: str) -> int:
 
 
 # ---- pagination ------------------------------------------------------------------------------
-def page(request: web.Request, items: Sequence[T], key: Callable[[T], str]
-         ) -> tuple[list[T], str | None]:
-    """One page of ``items`` in ``key`` order: ``?limit=N`` (default 1000, at most 10,000) and
-    ``?after=<cursor>`` (the ``next`` of the previous page). ``next`` is None on the last page.
-    Items made or gone between pages are seen or not, never twice."""
+def page_args(request: web.Request, names: bool = False) -> tuple[str | None, int]:
+    """``?after=<cursor>`` (the ``next`` of the previous page) and ``?limit=N`` (default 1000,
+    at most 10,000). ``names``: the cursor is a file name, kept as its bytes (surrogate
+    escapes) when they are not UTF-8, as query_path keeps a path."""
     limit = query_int(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
-    start = request.query.get("after") or None
+    if names:
+        raw = parse_qs(request.rel_url.raw_query_string, keep_blank_values=True,
+                       errors="surrogateescape").get("after", [""])
+        start = raw[0] or None
+    else:
+        start = request.query.get("after") or None
     if start is not None and len(start) > MAX_CURSOR:
         raise InvalidRequest("query parameter 'after' is not a cursor this daemon returned")
+    return start, limit
+
+
+def page(request: web.Request, items: Sequence[T], key: Callable[[T], str]
+         ) -> tuple[list[T], str | None]:
+    """One page of ``items`` in ``key`` order (page_args). ``next`` is None on the last page.
+    Items made or gone between pages are seen or not, never twice."""
+    start, limit = page_args(request)
     keyed = ((key(x), x) for x in items)
     if start is not None:
         keyed = (kx for kx in keyed if kx[0] > start)

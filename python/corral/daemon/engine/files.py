@@ -53,7 +53,14 @@ class FileOps:
         return await self._files(sid, path, lambda s, rt: s.stat(rt, path))
 
     async def list_dir(self: EngineHost, sid: str, path: str) -> builtins.list[FileEntry]:
-        return await self._files(sid, path, lambda s, rt: s.list_dir(rt, path))
+        return await self._files(sid, path, lambda s, rt: s.list_dir(rt, path), big=True)
+
+    async def list_page(self: EngineHost, sid: str, path: str, after: str | None,
+                        limit: int) -> tuple[builtins.list[FileEntry], bool]:
+        """One page of a listing (Substrate.list_page), in a thread: a directory of 100,000
+        names takes a while to read."""
+        return await self._files(sid, path, lambda s, rt: s.list_page(rt, path, after, limit),
+                                 big=True)
 
     async def mkdir(self: EngineHost, sid: str, path: str, parents: bool) -> None:
         await self._files(sid, path, lambda s, rt: s.mkdir(rt, path, parents))

@@ -16,6 +16,7 @@ Substrates are made by the registry (``corral.daemon.substrates.registry``).
 from __future__ import annotations
 
 import asyncio
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
@@ -203,6 +204,17 @@ class Substrate(ABC):
 
     def list_dir(self, runtime: SandboxRuntime, path: str) -> list[FileEntry]:
         raise self._lacks("files")
+
+    def list_page(self, runtime: SandboxRuntime, path: str, after: str | None,
+                  limit: int) -> tuple[list[FileEntry], bool]:
+        """The entries after ``after`` in name order (the names' bytes), at most ``limit``,
+        and whether more follow. Here from the whole listing; a substrate that can stat just
+        the page does (a page of a big directory then costs its names, not every stat)."""
+        key = os.fsencode
+        entries = sorted(self.list_dir(runtime, path), key=lambda e: key(e.name))
+        if after is not None:
+            entries = [e for e in entries if key(e.name) > key(after)]
+        return entries[:limit], len(entries) > limit
 
     def stat(self, runtime: SandboxRuntime, path: str) -> FileEntry:
         raise self._lacks("files")

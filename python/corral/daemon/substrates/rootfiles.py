@@ -104,6 +104,14 @@ class RootFiles:
                           mtime=mtime)
                 for name, kind, size, mode, mtime in self.fs(_core.fs_list, path, path)]
 
+    def ls_page(self, path: str, after: str | None, limit: int) -> tuple[list[FileEntry], bool]:
+        check_path(path)
+        base = path.rstrip("/") or ""
+        found, more = self.fs(_core.fs_list_page, path, path, after, limit)
+        return [FileEntry(name=name, path=f"{base}/{name}", type=kind, size=size, mode=mode,
+                          mtime=mtime)
+                for name, kind, size, mode, mtime in found], more
+
     def stat(self, path: str) -> FileEntry:
         check_path(path)
         kind, size, mode, mtime = self.fs(_core.fs_stat, path, path)
@@ -264,6 +272,11 @@ class RootFileOps:
     def list_dir(self, runtime: SandboxRuntime, path: str) -> list[FileEntry]:
         with self._files(runtime) as f:
             return f.ls(path)
+
+    def list_page(self, runtime: SandboxRuntime, path: str, after: str | None,
+                  limit: int) -> tuple[list[FileEntry], bool]:
+        with self._files(runtime) as f:
+            return f.ls_page(path, after, limit)
 
     def stat(self, runtime: SandboxRuntime, path: str) -> FileEntry:
         with self._files(runtime) as f:

@@ -89,16 +89,19 @@ def data_result(data: bytes, keep: int = -1, **fields: Any) -> dict[str, Any]:
 LIST_KEEP = 4096
 
 
-def listing_result(entries: list[dict[str, Any]], keep: bool) -> dict[str, Any]:
-    """What a listing logs: the count and a hash of its sorted ``name type size`` lines (a
-    name that is not UTF-8 hashed as its bytes); for a keyed one also the entries (up to
-    LIST_KEEP, and only if every name is UTF-8: the log stores text), which its replay
-    returns."""
+def listing_result(entries: list[dict[str, Any]], keep: bool,
+                   next_cursor: str | None = None) -> dict[str, Any]:
+    """What a listing (one page of it) logs: the count and a hash of its sorted ``name type
+    size`` lines (a name that is not UTF-8 hashed as its bytes) and the next page's cursor;
+    for a keyed one also the entries (up to LIST_KEEP, and only if every name is UTF-8: the
+    log stores text), which its replay returns."""
     lines = sorted(f"{e['name']}\t{e['type']}\t{e['size'] if e['type'] == 'file' else 0}"
                    for e in entries)
     text = "\n".join(lines)
     res = data_result(text.encode("utf-8", "surrogateescape"), count=len(entries))
-    if keep and len(entries) <= LIST_KEEP and _utf8(text):
+    storable = next_cursor is None or _utf8(next_cursor)
+    res["next"] = next_cursor if storable else None
+    if keep and len(entries) <= LIST_KEEP and _utf8(text) and storable:
         res["entries"] = entries
     return res
 
@@ -118,17 +121,19 @@ async def replayed_read(logged: dict[str, Any],
     return data, truncated
 
 
-async def replayed_listing(logged: dict[str, Any],
-                           now: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
-    """What a fast-forwarded keyed listing returns: the logged entries, or (a listing over
-    LIST_KEEP) the directory now, provided it is still what was listed then."""
+async def replayed_listing(
+        logged: dict[str, Any], now: Callable[[], Awaitable[tuple[list[Any], str | None]]]
+) -> tuple[list[Any], str | None]:
+    """What a fast-forwarded keyed listing returns, (entries, next cursor): the logged ones,
+    or (a listing over LIST_KEEP) the directory's page now, provided it is still what was
+    listed then."""
     if "entries" in logged:
-        return list(logged["entries"])
-    entries = await now()
+        return list(logged["entries"]), logged.get("next")
+    entries, nxt = await now()
     if listing_result(entries, False)["sha256"] != logged.get("sha256"):
         raise ReplayDivergence("the directory listed under this key was too long to log and "
                                "has changed since", details={"sha256": logged.get("sha256")})
-    return entries
+    return entries, nxt
 
 
 # json.dumps(obj, separators=...) builds a JSONEncoder and a C encoder per call: build the C

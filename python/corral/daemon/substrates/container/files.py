@@ -64,6 +64,10 @@ class Files:
     def list_dir(self: Host, runtime: SandboxRuntime, path: str) -> list[FileEntry]:
         return self._files(runtime).ls(path)
 
+    def list_page(self: Host, runtime: SandboxRuntime, path: str, after: str | None,
+                  limit: int) -> tuple[list[FileEntry], bool]:
+        return self._files(runtime).ls_page(path, after, limit)
+
     def stat(self: Host, runtime: SandboxRuntime, path: str) -> FileEntry:
         return self._files(runtime).stat(path)
 
