@@ -198,6 +198,42 @@ def test_integers_are_strict(remote):
             kill(c, sid)
 
 
+def test_strings_that_are_not_unicode_and_oversized_specs_are_refused(remote):
+    """JSON can spell a lone surrogate (\\ud800), which is no text: in a command, its env or
+    stdin, a sandbox's env (which every later exec carries) or its metadata it is refused as
+    invalid_request, where it was a 500 (infra) and a sandbox no command could run in. File
+    names may carry them (a name that is not UTF-8, as a listing gives it). A create's env,
+    labels and metadata are bounded, where 450,000 metadata entries stalled the daemon."""
+    with client(remote.socket_path) as c:
+        sid = create(c)["id"]
+        try:
+            for body in ('{"cmd": "echo \\ud800"}', '{"cmd": ["echo", "\\udfff"]}',
+                         '{"cmd": "true", "env": {"A": "\\ud800"}}',
+                         '{"cmd": "true", "env": {"\\ud800": "x"}}',
+                         '{"cmd": "cat", "stdin": "\\ud800"}'):
+                expect_error(c.post(f"/v1/sandboxes/{sid}/exec", content=body),
+                             "invalid_request", 400)
+            r = c.post(f"/v1/sandboxes/{sid}/exec", content='{"cmd": "cat", '
+                       '"background": true}')
+            pid = r.json()["pid"]
+            expect_error(c.post(f"/v1/sandboxes/{sid}/procs/{pid}/stdin",
+                                content='{"data": "\\ud800"}'), "invalid_request", 400)
+            r = c.post(f"/v1/sandboxes/{sid}/files/mkdir", content='{"path": "/tmp/a\\udcff"}')
+            assert r.status_code == 200, r.text
+            assert run(c, sid, "true")["exit_code"] == 0
+        finally:
+            kill(c, sid)
+        for body in ({"env": {"\ud800": "x"}}, {"metadata": {"k": "\udcff"}},
+                     {"labels": {"k": "\ud800"}},
+                     {"metadata": {f"k{i}": "v" for i in range(65)}},
+                     {"metadata": {"k" * 129: "v"}}, {"metadata": {"k": "v" * 4097}},
+                     {"labels": {f"k{i}": "v" for i in range(65)}},
+                     {"env": {f"V{i}": "v" for i in range(4097)}},
+                     {"env": {f"V{i}": "v" * 100_000 for i in range(11)}}):
+            raw = json.dumps(body)  # ensure_ascii: a lone surrogate as its \\u escape
+            expect_error(c.post("/v1/sandboxes", content=raw), "invalid_request", 400)
+
+
 # ---- malformed requests: one short line at most, rate-limited; the log rotates -----------
 def _raw(port: int, data: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:

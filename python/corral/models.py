@@ -89,6 +89,13 @@ AbsPath = Annotated[str, PlainValidator(_abs_path, json_schema_input_type=str), 
 CwdPath = Annotated[str, Field(pattern=PATH_PATTERN, description=(
     f"an absolute path, at most {MAX_PATH} bytes")), AfterValidator(_path_len)]
 ENV_NAME_PATTERN = r"^[^=\x00]+$"
+# What a sandbox carries along (its spec is in every listing, info and log entry of it).
+MAX_ENV_VARS = 4096
+MAX_ENV_BYTES = 1 << 20  # half of execve's 2 MiB: each command's own argv and env need room
+MAX_LABELS = 64
+MAX_METADATA = 64
+MAX_METADATA_KEY = 128
+MAX_METADATA_VALUE = 4096
 NO_NUL_PATTERN = r"^[^\x00]*$"
 # The JSON schema of a dict field whose keys and values the validators below restrict.
 _ENV_SCHEMA: JsonDict = {"propertyNames": {"pattern": ENV_NAME_PATTERN, "minLength": 1},
@@ -217,11 +224,21 @@ class SandboxSpec(_Model):
     idle_timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S,
                                        description="kill after this long with no API call")
     env: dict[str, str] = Field(default_factory=dict, json_schema_extra=_ENV_SCHEMA,
-                                description="names without '=' or NUL, values without NUL")
+                                max_length=MAX_ENV_VARS,
+                                description="names without '=' or NUL, values without NUL; "
+                                            f"at most {MAX_ENV_VARS} and {MAX_ENV_BYTES} "
+                                            "bytes in all (every command gets them)")
     labels: dict[str, str] = Field(default_factory=dict, json_schema_extra=_LABELS_SCHEMA,
+                                   max_length=MAX_LABELS,
                                    description=f"keys match {LABEL_KEY_PATTERN}, values of "
-                                               "at most 256 characters")
-    metadata: dict[str, str] = Field(default_factory=dict)
+                                               f"at most 256 characters; at most {MAX_LABELS}")
+    metadata: dict[str, str] = Field(
+        default_factory=dict, max_length=MAX_METADATA,
+        json_schema_extra={"propertyNames": {"maxLength": MAX_METADATA_KEY},
+                           "additionalProperties": {"type": "string",
+                                                    "maxLength": MAX_METADATA_VALUE}},
+        description=f"at most {MAX_METADATA} entries, keys of at most {MAX_METADATA_KEY} and "
+                    f"values of at most {MAX_METADATA_VALUE} characters")
     network: NetworkSpec = "none"
     network_group: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
                                       description="networked sandboxes of one group reach "
@@ -254,7 +271,18 @@ class SandboxSpec(_Model):
     @field_validator("env")
     @classmethod
     def _env_ok(cls, v: dict[str, str]) -> dict[str, str]:
+        if sum(len(k) + len(val) + 2 for k, val in v.items()) > MAX_ENV_BYTES:
+            raise ValueError(f"the environment takes more than {MAX_ENV_BYTES} bytes")
         return check_env(v)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_ok(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if len(k) > MAX_METADATA_KEY or len(val) > MAX_METADATA_VALUE:
+                raise ValueError(f"metadata {k[:40]!r}: keys of at most {MAX_METADATA_KEY}, "
+                                 f"values of at most {MAX_METADATA_VALUE} characters")
+        return v
 
     @field_validator("user")
     @classmethod

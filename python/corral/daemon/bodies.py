@@ -20,6 +20,12 @@ from corral.models import NETWORK_MODES
 PATH_MODELS = frozenset({"MkdirRequest", "RemoveRequest", "RenameRequest", "ExecRequest"})
 PATH_FIELDS = frozenset({"path", "src", "dst", "cwd"})
 PATH_ERRORS = frozenset({"string_pattern_mismatch", "value_error", "string_too_short"})
+# Fields that may carry a name that is not UTF-8, as surrogate escapes (models.AbsPath): JSON
+# writes them as lone surrogates (\udcff). Anywhere else a lone surrogate is refused: the
+# daemon could not encode it (a command, its environment, stdin, a label).
+SURROGATE_FIELDS: dict[str, frozenset[str]] = {
+    "MkdirRequest": frozenset({"path"}), "RemoveRequest": frozenset({"path"}),
+    "RenameRequest": frozenset({"src", "dst"})}
 
 
 def _number(text: str) -> float | int:
@@ -29,6 +35,35 @@ def _number(text: str) -> float | int:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def _text(s: str) -> bool:
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _lone_surrogate(data: Any, allowed: frozenset[str]) -> str | None:
+    """Where in ``data`` (a dotted path) a string holds a lone surrogate; None if nowhere.
+    ``allowed``: top-level fields that may (file names)."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        where, x = stack.pop()
+        if isinstance(x, str):
+            if not _text(x):
+                return where
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                at = f"{where}.{k}" if where else str(k)
+                if not _text(k):
+                    return at
+                if not (where == "" and k in allowed):
+                    stack.append((at, v))
+        elif isinstance(x, list):
+            stack.extend((f"{where}.{i}", v) for i, v in enumerate(x))
+    return None
 
 
 def validation_message(e: ValidationError) -> tuple[str, list[dict[str, Any]]]:
@@ -50,6 +85,12 @@ def parse(raw: bytes, model: type[BaseModel]) -> Any:
     except (ValueError, RecursionError) as e:
         raise InvalidRequest(f"invalid {model.__name__}: the body is not JSON: "
                              f"{str(e)[:200]}") from None
+    where = _lone_surrogate(data, SURROGATE_FIELDS.get(model.__name__, frozenset()))
+    if where is not None:
+        loc = where.encode("utf-8", "backslashreplace").decode() or "body"
+        raise InvalidRequest(f"invalid {model.__name__}: {loc}: a string holds a lone "
+                             "surrogate (\\ud800-\\udfff), which is not Unicode text",
+                             details={"loc": loc}) from None
     try:
         return model.model_validate(data, strict=True)
     except ValidationError as e:
