@@ -393,9 +393,9 @@ def test_keyed_reads_past_the_logs_cap(daemon):
     was read then, and says replay_divergence, never something else, once it has changed.
     A listing in pages of 1000 (the SDK's) logs each page whole: its replay returns what was
     listed then, whatever changed since."""
-    from apiclient import client
-
     from corral.errors import ReplayDivergence
+
+    from apiclient import client
 
     sb = Sandbox(timeout=600)
     try:

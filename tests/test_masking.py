@@ -485,3 +485,26 @@ def test_files_the_sandbox_holds_are_its_own_failure_and_never_stall_the_daemon(
         assert sb.exec("echo alive").stdout == "alive\n"
     finally:
         sb.kill()
+
+
+def test_users_the_agent_writes_into_passwd_are_its_own_failure_and_never_root():
+    """/etc/passwd and /etc/group are the agent's to write. An id no process can have
+    (4294967295 is "unchanged" to setresuid: the command would keep root; -5 would wrap) or
+    no number at all: an exec as that user is invalid_request (task), never internal (infra)
+    and never run as anyone else."""
+    sb = Sandbox(timeout=120)
+    try:
+        sb.exec("echo 'minus1:x:4294967295:4294967295::/:/bin/sh' >> /etc/passwd; "
+                "echo 'neg:x:-5:1000::/:/bin/sh' >> /etc/passwd; "
+                "echo 'word:x:1003:abc::/:/bin/sh' >> /etc/passwd; "
+                "echo 'e5:x:1001:1001::/:/bin/sh' >> /etc/passwd; "
+                "echo 'g5:x:4294967295:e5' >> /etc/group").check()
+        for user in ("minus1", "neg", "word", "e5", 4294967295):
+            with pytest.raises(CorralError) as err:
+                sb.exec("id -u", user=user)
+            assert err.value.code == "invalid_request", (user, repr(err.value))
+            _sorted_as(err.value, "task")
+        sb.exec("sed -i '/^g5:/d' /etc/group").check()
+        assert sb.exec("id -u", user="e5").stdout == "1001\n"
+    finally:
+        sb.kill()

@@ -933,11 +933,11 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         assert sb.runtime is not None
         try:
             substrate.freeze(sb.runtime)
-        except OSError as e:
-            raise Unsupported(f"cannot pause: {e.strerror or e}") from e
-        except TimeoutError as e:
+        except TimeoutError as e:  # an OSError too: first, or it would stay half frozen
             substrate.thaw(sb.runtime, wait=False)
             raise InternalError(f"cannot pause: {e}") from e
+        except OSError as e:
+            raise Unsupported(f"cannot pause: {e.strerror or e}") from e
         sb.state, sb.paused_at = "paused", self.clock.time()
         self._persist(sb)
         return sb
