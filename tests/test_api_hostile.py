@@ -29,6 +29,9 @@ from conftest import (
 )
 
 
+TCP_MAX = 256  # the remote daemon's TCP connection cap (the stream test holds 240)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -50,7 +53,8 @@ def remote():
     env = {"CORRAL_CGROUP": cg, "CORRAL_POOL": "off", "CORRAL_TCP": f"127.0.0.1:{port}",
            "CORRAL_TOKEN": token, "CORRAL_IMPORT_DIR": imports,
            "CORRAL_LOG_FILE": d.log_file, "CORRAL_LOG_MAX_BYTES": str(64 << 10),
-           "CORRAL_LOG_BACKUPS": "2", "CORRAL_LOG_LEVEL": "DEBUG"}
+           "CORRAL_LOG_BACKUPS": "2", "CORRAL_LOG_LEVEL": "DEBUG",
+           "CORRAL_TCP_MAX_CONNECTIONS": str(TCP_MAX)}
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
@@ -232,6 +236,44 @@ def test_strings_that_are_not_unicode_and_oversized_specs_are_refused(remote):
                      {"env": {f"V{i}": "v" * 100_000 for i in range(11)}}):
             raw = json.dumps(body)  # ensure_ascii: a lone surrogate as its \\u escape
             expect_error(c.post("/v1/sandboxes", content=raw), "invalid_request", 400)
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_connections_that_never_finish_a_request_cannot_take_the_daemons_fds(remote):
+    """No token is needed to connect and send half a request's headers, and aiohttp waits
+    for the rest forever: 20,000 such connections took every fd the daemon had. The TCP
+    listener holds at most its cap of connections (the rest are closed at once) and closes
+    one that has not sent its headers within tcpguard.HEADERS_S; the local socket answers
+    meanwhile, and TCP clients get in again once the squatters are gone."""
+    from corral.daemon.tcpguard import HEADERS_S
+
+    pid = remote.proc.pid
+    before = _fds(pid)
+    squatters = []
+    try:
+        for _ in range(TCP_MAX + 64):
+            s = socket.create_connection(("127.0.0.1", remote.port), timeout=10)
+            s.sendall(b"GET /v1/health HTTP/1.1\r\n")
+            squatters.append(s)
+        with client(remote.socket_path) as c:
+            assert c.get("/v1/health").status_code == 200
+        assert _fds(pid) < before + TCP_MAX + 32, (before, _fds(pid))
+        t0 = time.monotonic()
+        for s in squatters:  # each is closed by the daemon: at once, or after HEADERS_S
+            s.settimeout(HEADERS_S + 30)
+            try:
+                assert s.recv(1024) == b""
+            except ConnectionResetError:
+                pass  # closed with our unread bytes: a reset
+        assert time.monotonic() - t0 < HEADERS_S + 30
+    finally:
+        for s in squatters:
+            s.close()
+    with tcp(remote) as c:
+        assert c.get("/v1/health").status_code == 200
 
 
 # ---- malformed requests: one short line at most, rate-limited; the log rotates -----------

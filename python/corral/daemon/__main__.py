@@ -26,6 +26,7 @@ from corral.daemon.app import MAX_FIELD_SIZE, MAX_LINE_SIZE, create_app
 from corral.daemon.engine import Engine
 from corral.daemon.locks import try_lock
 from corral.daemon.protect import protect_daemon
+from corral.daemon.tcpguard import TcpGuard
 from corral.daemon.tenants import Tenants, TokensError
 
 log = logging.getLogger("corral.daemon")
@@ -222,19 +223,28 @@ async def serve(cfg: config.Config) -> None:
         ThreadPoolExecutor(max_workers=32, thread_name_prefix="corral-io"))
     engine = Engine(cfg)
     runner: web.AppRunner | None = None
+    tcp: asyncio.Server | None = None
     serving = False
     try:
         await engine.start()
         cgroups = engine.shared.get("cgroups")  # made by the container substrate
         protected = protect_daemon(cgroups, cfg.daemon_memory_mb) if cgroups is not None else {}
         app = create_app(engine, cfg.token or None, tenants)
+        guard = TcpGuard(cfg.tcp_max_connections)
+        if cfg.tcp_listen:
+            app.middlewares.insert(0, guard.middleware())
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0,
                                max_line_size=MAX_LINE_SIZE, max_field_size=MAX_FIELD_SIZE)
         await runner.setup()
         await web.SockSite(runner, sock, backlog=4096).start()
         if cfg.tcp_listen:
             host, port = parse_hostport(cfg.tcp_listen)
-            await web.TCPSite(runner, host, port, backlog=4096).start()
+            assert runner.server is not None
+            tcp = await asyncio.get_running_loop().create_server(
+                guard.protocol_factory(runner.server, access_log=None,
+                                       max_line_size=MAX_LINE_SIZE,
+                                       max_field_size=MAX_FIELD_SIZE),
+                host, port, backlog=4096, reuse_address=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -255,6 +265,8 @@ async def serve(cfg: config.Config) -> None:
             os.unlink(cfg.socket_path)
         except FileNotFoundError:
             pass
+        if tcp is not None:
+            tcp.close()
         if serving:
             await engine.shutdown()
         else:

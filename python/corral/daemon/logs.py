@@ -96,6 +96,12 @@ def setup(level: str = "INFO", log_file: str = "", max_bytes: int = 16 << 20,
         server.addFilter(RateLimited())
     # A request that hits a daemon bug keeps its traceback, but a client repeating it cannot
     # make the log grow faster than a few lines a second.
+    # A listener out of fds logs each failed accept (asyncio), and the TCP guard each
+    # connection it refuses: a flood of connections must not become a flood of lines.
+    for name in ("asyncio", "corral.tcp"):
+        noisy = logging.getLogger(name)
+        if not any(isinstance(f, RateLimited) for f in noisy.filters):
+            noisy.addFilter(RateLimited())
     api = logging.getLogger("corral.api")
     if not any(isinstance(f, RateLimited) for f in api.filters):
         api.addFilter(RateLimited(rate=2.0, burst=20, keep_exc=True))

@@ -1,0 +1,94 @@
+"""The TCP listener's guard against clients that hold connections without making requests.
+
+A client that connects and sends nothing, or half a request's headers, holds a socket and an
+fd of the daemon, and aiohttp waits for the rest as long as it takes. No token is needed for
+that: twenty thousand such connections took every fd the daemon had, so that nobody could
+connect any more, over TCP or the local socket, and accept(2)'s EMFILE filled the log.
+
+On the TCP listener (the local socket is root's, not guarded):
+- a connection has ``HEADERS_S`` to get its first request's headers in (a request reaching
+  the app marks it; a connection that has made one is no longer watched);
+- at most ``max_connections`` are open at once: past that, a new one is closed at once;
+- a kept-alive connection idle for ``KEEPALIVE_S`` is closed (aiohttp's default is an hour).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+log = logging.getLogger("corral.tcp")
+
+HEADERS_S = 10.0
+KEEPALIVE_S = 75.0
+DEFAULT_MAX_CONNECTIONS = 1024
+
+
+class TcpGuard:
+    """Counts the listener's connections and closes those over the cap or too slow to ask."""
+
+    def __init__(self, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 headers_s: float = HEADERS_S) -> None:
+        self.max_connections = max_connections
+        self.headers_s = headers_s
+        self.open = 0
+        self.refused = 0   # closed at once: over the cap
+        self.too_slow = 0  # closed: no request within headers_s
+        self._waiting: dict[asyncio.BaseTransport, asyncio.TimerHandle] = {}
+
+    def opened(self, transport: asyncio.BaseTransport) -> None:
+        self.open += 1
+        if self.open > self.max_connections:
+            self.refused += 1
+            log.warning("TCP connection refused: %d open, the most the daemon takes",
+                        self.max_connections)
+            transport.close()
+            return
+        loop = asyncio.get_running_loop()
+        self._waiting[transport] = loop.call_later(self.headers_s, self._late, transport)
+
+    def closed(self, transport: asyncio.BaseTransport) -> None:
+        self.open -= 1
+        self.started(transport)
+
+    def started(self, transport: asyncio.BaseTransport | None) -> None:
+        """A request of this connection reached the app: it is a client, not a squatter."""
+        if transport is not None and (timer := self._waiting.pop(transport, None)):
+            timer.cancel()
+
+    def _late(self, transport: asyncio.BaseTransport) -> None:
+        if self._waiting.pop(transport, None) is not None:
+            self.too_slow += 1
+            transport.close()
+
+    def middleware(self) -> Callable[..., Awaitable[web.StreamResponse]]:
+        @web.middleware
+        async def mark(request: web.Request,
+                       handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                       ) -> web.StreamResponse:
+            self.started(request.transport)
+            return await handler(request)
+        return mark
+
+    def protocol_factory(self, server: web.Server,
+                         **handler_args: Any) -> Callable[[], RequestHandler]:
+        """What ``loop.create_server`` takes: aiohttp's handler of ``server``, counted."""
+        guard = self
+
+        class Guarded(RequestHandler):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                super().connection_made(transport)
+                self.guarded = transport
+                guard.opened(transport)
+
+            def connection_lost(self, exc: BaseException | None) -> None:
+                guard.closed(self.guarded)
+                super().connection_lost(exc)
+
+        loop = asyncio.get_running_loop()
+        return lambda: Guarded(server, loop=loop, keepalive_timeout=KEEPALIVE_S, **handler_args)
