@@ -28,7 +28,6 @@ from conftest import (
     leaked_sandbox_cgroups,
 )
 
-
 TCP_MAX = 256  # the remote daemon's TCP connection cap (the stream test holds 240)
 
 

@@ -6,6 +6,7 @@ it lands."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
@@ -15,6 +16,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,6 +25,7 @@ from corral import Sandbox
 from corral.errors import (
     CATEGORIES,
     ERROR_CLASSES,
+    CapacityExceeded,
     CorralError,
     DaemonRestarted,
     DaemonUnavailable,
@@ -374,13 +377,15 @@ def test_an_oom_that_ends_the_sandbox_is_limit_and_an_init_crash_task():
 
 
 # ---- a daemon lost: infra ------------------------------------------------------------------
-@pytest.fixture
-def private_daemon():
+@contextlib.contextmanager
+def _own_daemon(**env: str) -> Iterator[DaemonProcess]:
     state = tempfile.mkdtemp(prefix="corral-mask-", dir="/var/tmp")
     cg = f"{CGROUP_NAME}-mask"
     d = DaemonProcess(state, os.path.join(state, "run", "corrald.sock"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CORRAL_CGROUP", cg)
+        for k, v in env.items():
+            mp.setenv(k, v)
         d.start()
         try:
             yield d
@@ -392,6 +397,36 @@ def private_daemon():
     assert os.listdir(os.path.join(state, "sandboxes")) == []
     shutil.rmtree(state, ignore_errors=True)
     subprocess.run(["rm", "-rf", state], check=False)
+
+
+@pytest.fixture
+def private_daemon():
+    with _own_daemon() as d:
+        yield d
+
+
+def test_a_sandbox_that_fills_the_shared_scratch_is_at_its_limit_the_others_are_not():
+    """The scratch area is shared and overcommitted (disk_mb is a bound per sandbox, not a
+    reservation): an agent can fill it while within its own quota, to have its episode
+    masked. A write through the API then fails for every sandbox: too_large (limit,
+    ``disk_share``) for the one holding its fair share or more, capacity_exceeded (infra)
+    for a neighbour that holds almost nothing."""
+    with _own_daemon(CORRAL_SCRATCH_SIZE="700m") as d:
+        filler = Sandbox(timeout=120, endpoint=d.socket_path)
+        neighbour = Sandbox(timeout=120, endpoint=d.socket_path)
+        try:
+            r = filler.exec("head -c 2G /dev/zero > /root/fill", timeout=120)
+            assert r.exit_code != 0 and "No space left" in r.stderr, r
+            with pytest.raises(TooLarge) as own:
+                filler.files.write("/root/more", b"x" * (4 << 20))
+            assert own.value.details.get("limit") == "disk_share", repr(own.value)
+            _sorted_as(own.value, "limit")
+            with pytest.raises(CapacityExceeded) as theirs:
+                neighbour.files.write("/root/mine", b"x" * (4 << 20))
+            _sorted_as(theirs.value, "infra")
+        finally:
+            filler.kill()
+            neighbour.kill()
 
 
 def test_a_daemon_lost_mid_call_is_infra(private_daemon):

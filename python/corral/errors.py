@@ -91,12 +91,13 @@ class TooLarge(InvalidRequest):
     """A bound on what one request may make the daemon read, write or keep: a snapshot past
     its size, entry or depth limit, an upload past its decompressed size or member count, a
     write past the sandbox's ``disk_mb``. ``details`` names the limit. Category ``limit``
-    for the sandbox's ``disk_mb`` (``details["limit"] == "disk_mb"``), else ``task``."""
+    for the sandbox's disk (``details["limit"]``: ``disk_mb``, or ``disk_share`` when the
+    shared scratch area is full and the sandbox holds its fair share of it), else ``task``."""
 
     code, status = "too_large", 400
 
     def _category(self) -> str:
-        return "limit" if self.details.get("limit") == "disk_mb" else "task"
+        return "limit" if self.details.get("limit") in ("disk_mb", "disk_share") else "task"
 
 
 class InvalidNetwork(InvalidRequest):

@@ -426,6 +426,12 @@ fn btrfs_subvol_create(
     Ok(py.detach(|| scratchfs::subvol_create(&parent, &name, limit))?)
 }
 
+/// The id of the btrfs subvolume that holds `path`.
+#[pyfunction]
+fn btrfs_subvol_id(py: Python<'_>, path: OsString) -> PyResult<u64> {
+    Ok(py.detach(|| scratchfs::subvol_id(&path))?)
+}
+
 /// Delete `path` if it is a btrfs subvolume's root (True); False if it is anything else.
 #[pyfunction]
 fn btrfs_subvol_delete(py: Python<'_>, path: OsString) -> PyResult<bool> {
@@ -920,6 +926,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fs_write, m)?)?;
     m.add_function(wrap_pyfunction!(fs_list, m)?)?;
     m.add_function(wrap_pyfunction!(fs_list_page, m)?)?;
+    m.add_function(wrap_pyfunction!(btrfs_subvol_id, m)?)?;
     m.add_function(wrap_pyfunction!(fs_stat, m)?)?;
     m.add_function(wrap_pyfunction!(fs_mkdir, m)?)?;
     m.add_function(wrap_pyfunction!(fs_remove, m)?)?;

@@ -256,10 +256,18 @@ struct QuotaCtlArgs {
     status: u64,
 }
 
+#[repr(C)]
+struct InoLookupArgs {
+    treeid: u64,
+    objectid: u64,
+    name: [u8; 4080],
+}
+
 const SUBVOL_CREATE: c_ulong = iow(14, std::mem::size_of::<VolArgs>());
 const SNAP_DESTROY: c_ulong = iow(15, std::mem::size_of::<VolArgs>());
 const SUBVOL_CREATE_V2: c_ulong = iow(24, std::mem::size_of::<VolArgsV2>());
 const QUOTA_CTL: c_ulong = iowr(40, std::mem::size_of::<QuotaCtlArgs>());
+const INO_LOOKUP: c_ulong = iowr(18, std::mem::size_of::<InoLookupArgs>());
 const QGROUP_LIMIT: c_ulong = ior(43, std::mem::size_of::<QgroupLimitArgs>());
 const SUBVOL_QGROUP_INHERIT: u64 = 1 << 2;
 const QGROUP_INHERIT_SET_LIMITS: u64 = 1;
@@ -381,6 +389,22 @@ pub fn subvol_create(parent: &OsStr, name: &OsStr, limit: Option<u64>) -> Result
         return Err(err);
     }
     Ok(())
+}
+
+/// The id of the subvolume that holds `path` (its qgroup is `0/<id>`: the kernel's usage
+/// counters for it are in /sys/fs/btrfs/<fsid>/qgroups/0_<id>/).
+pub fn subvol_id(path: &OsStr) -> Result<u64, ScratchError> {
+    let dir = open_dir(path, "open_subvol")?;
+    let mut a = InoLookupArgs {
+        treeid: 0, // the subvolume of the fd: the kernel fills it in
+        objectid: SUBVOL_ROOT_INO,
+        name: [0; 4080],
+    };
+    // SAFETY: BTRFS_IOC_INO_LOOKUP reads and writes one struct btrfs_ioctl_ino_lookup_args.
+    if unsafe { libc::ioctl(dir.as_raw_fd(), INO_LOOKUP as _, &mut a) } < 0 {
+        return Err(last("ino_lookup"));
+    }
+    Ok(a.treeid)
 }
 
 fn destroy_in(dir: &OwnedFd, name: &[u8]) -> io::Result<()> {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 
 from corral import _core
 from corral.errors import (
@@ -88,9 +89,12 @@ def file_error_class(n: int | None) -> type[CorralError]:
     return FILE_ERRORS.get(n or 0, InternalError)
 
 
-def sandbox_file_error(e: OSError, path: str, disk_quota: bool = False) -> CorralError:
+def sandbox_file_error(e: OSError, path: str, disk_quota: bool = False,
+                       holds_its_share: Callable[[], bool | None] | None = None
+                       ) -> CorralError:
     """A file operation inside a sandbox failed (through its root fd). ``disk_quota``: the
-    sandbox's disk is a kernel quota (btrfs), not the tmpfs fallback."""
+    sandbox's disk is a kernel quota (btrfs), not the tmpfs fallback. ``holds_its_share``:
+    whether the sandbox holds its fair share of the shared scratch area (scratch.Scratch)."""
     if isinstance(e, _core.ForbiddenPath):
         return ForbiddenPath(f"{e.strerror}: {path}", details={"path": path})
     reason = e.strerror or str(e)
@@ -100,6 +104,11 @@ def sandbox_file_error(e: OSError, path: str, disk_quota: bool = False) -> Corra
         # limit, as a write inside it sees it. A full host disk is the same errno on the
         # tmpfs fallback and ENOSPC on btrfs: then it is the scratch area's, CapacityExceeded.
         if e.errno == errno.ENOSPC and disk_quota:
+            if holds_its_share is not None and holds_its_share():
+                return TooLarge(f"the sandboxes' scratch area is full, and this sandbox holds "
+                                f"its share of it or more: {msg}",
+                                details={"path": path, "errno": e.errno,
+                                         "limit": "disk_share"})
             return CapacityExceeded(f"the sandboxes' scratch area is full: {msg}",
                                     details={"path": path, "errno": e.errno})
         return TooLarge(f"the sandbox's disk is full (disk_mb): {msg}",

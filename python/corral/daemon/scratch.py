@@ -95,6 +95,41 @@ class Scratch:
         """Whether the kernel bounds each sandbox's layer by its ``disk_mb``."""
         return self.kind == "btrfs"
 
+    # ---- who filled it ---------------------------------------------------------------------
+    def holds_its_share(self, layer: str, live: int) -> bool | None:
+        """Whether the sandbox whose writable layer is ``layer`` holds at least its fair
+        share of the scratch (its size over the ``live`` sandboxes); None if unknown.
+
+        The scratch is shared and overcommitted (each sandbox's ``disk_mb`` is a bound, not
+        a reservation), so it can fill up while every sandbox is within its own quota. Then a
+        write fails with ENOSPC for all of them: for one that holds its share or more, that
+        is its own doing (an agent filling the disk to have its episode masked); for the
+        others, the platform's."""
+        if self.kind != "btrfs":
+            return None
+        try:
+            qgroup = f"0_{_core.btrfs_subvol_id(layer)}"
+            sysfs = self._sysfs()
+            if sysfs is None:
+                return None
+            with open(os.path.join(sysfs, "qgroups", qgroup, "referenced")) as f:
+                used = int(f.read())
+            st = os.statvfs(self.dir)
+        except (OSError, ValueError):
+            return None
+        return used * max(1, live) >= st.f_blocks * st.f_frsize
+
+    def _sysfs(self) -> str | None:
+        """The scratch filesystem's directory in /sys/fs/btrfs (named by its uuid), found by
+        its loop device."""
+        if self.device is None:
+            return None
+        dev = os.path.basename(self.device)
+        for fsid in os.listdir("/sys/fs/btrfs"):
+            if os.path.exists(os.path.join("/sys/fs/btrfs", fsid, "devices", dev)):
+                return os.path.join("/sys/fs/btrfs", fsid)
+        return None
+
     # ---- set-up ----------------------------------------------------------------------------
     def _mount_btrfs(self) -> bool:
         have = mount_of(self.dir)

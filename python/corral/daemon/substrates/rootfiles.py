@@ -42,14 +42,17 @@ class RootFiles:
     quota (EDQUOT is the sandbox's limit, not the host's). ``charge``: counts bytes a tar
     upload writes against the sandbox's disk budget, chunk by chunk (None: no budget)."""
 
-    __slots__ = ("rooted", "disk_quota", "charge", "upload_max_bytes")
+    __slots__ = ("rooted", "disk_quota", "charge", "upload_max_bytes", "holds_its_share")
 
     def __init__(self, rooted: Callable[[], AbstractContextManager[int]], disk_quota: bool,
-                 charge: Callable[[int], None] | None, upload_max_bytes: int) -> None:
+                 charge: Callable[[int], None] | None, upload_max_bytes: int,
+                 holds_its_share: Callable[[], bool | None] | None = None) -> None:
         self.rooted = rooted
         self.disk_quota = disk_quota
         self.charge = charge
         self.upload_max_bytes = upload_max_bytes
+        # A full shared scratch: this sandbox's doing? (oserrors.sandbox_file_error)
+        self.holds_its_share = holds_its_share
 
     def fs(self, fn: Any, path: str, *args: Any) -> Any:
         """``fn(root_fd, *args)``, its errors as the API's (``path`` names the file)."""
@@ -59,7 +62,7 @@ class RootFiles:
         except ValueError as e:
             raise InvalidPath(str(e), details={"path": path}) from None
         except OSError as e:
-            raise sandbox_file_error(e, path, self.disk_quota) from None
+            raise sandbox_file_error(e, path, self.disk_quota, self.holds_its_share) from None
         except _core.LayerLimit as e:  # a listing past fs.rs LIST_MAX
             what, limit = e.args
             raise TooLarge(f"{path} has more than {limit} {what}",
@@ -93,7 +96,7 @@ class RootFiles:
                 while view:
                     view = view[os.write(fd, view):]
         except OSError as e:
-            raise sandbox_file_error(e, path, self.disk_quota) from None
+            raise sandbox_file_error(e, path, self.disk_quota, self.holds_its_share) from None
         finally:
             os.close(fd)
 

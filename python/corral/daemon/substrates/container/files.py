@@ -7,7 +7,7 @@ import contextlib
 import os
 from typing import TYPE_CHECKING, BinaryIO
 
-from corral.daemon import streams
+from corral.daemon import scratch, streams
 from corral.errors import CorralError, TooLarge
 from corral.models import DEFAULT_DISK_MB, FileEntry
 
@@ -26,8 +26,10 @@ class Files:
     def _files(self: Host, runtime: SandboxRuntime) -> RootFiles:
         charge = None if self.scratch.quota else (
             lambda delta: self._charge(runtime, delta))
+        layer = os.path.join(runtime.sandbox_dir, scratch.LAYER)
         return RootFiles(lambda: self._rooted(runtime), self.scratch.quota, charge,
-                         self.upload_max_bytes)
+                         self.upload_max_bytes,
+                         lambda: self.scratch.holds_its_share(layer, len(self._live)))
 
     def read_file(self: Host,
                   runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes:

@@ -26,6 +26,7 @@ class Host(Protocol):
     scratch: scratch.Scratch
     disk: uploads.DiskBudget
     upload_max_bytes: int
+    _live: dict[str, tuple[int, int]]
     rlimits: dict[str, int | tuple[int, int]]
     init_exec: bool
     _lock: threading.Lock
