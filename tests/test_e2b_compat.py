@@ -425,9 +425,20 @@ def test_malformed_connect_requests_are_answered(sbx: Sandbox, front: Front) -> 
     h = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token}
     base = front.url
     unary = dict(h, **{"Content-Type": "application/json"})
-    for body in (b"", b"{", b"[1]", b'{"path": 5}', b'{"path": "/x\\u0000y"}', b"\xff\xfe"):
+    for body in (b"", b"{", b"[1]", b'{"path": 5}', b'{"path": "/x\\u0000y"}', b"\xff\xfe",
+                 b'{"path": "/x\\ud800"}'):
         r = httpx.post(base + "/filesystem.Filesystem/Stat", content=body, headers=unary)
         assert 400 <= r.status_code < 500 and isinstance(r.json()["code"], str), (body, r.text)
+    # stdin that is not UTF-8 (a command's stdin is text in corral), a multipart upload cut
+    # short: 4xx, never a 500
+    proc = sbx.commands.run("cat", background=True)
+    r = httpx.post(base + "/process.Process/SendInput", headers=unary,
+                   json={"process": {"pid": proc.pid}, "input": {"stdin": "7A=="}})
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument", r.text
+    proc.kill()
+    r = httpx.post(base + "/files", params={"path": "/tmp/up"}, content=b"--x\r\n",
+                   headers=dict(h, **{"Content-Type": "multipart/form-data; boundary=x"}))
+    assert 400 <= r.status_code < 500, r.text
     r = httpx.post(base + "/process.Process/Nope", content=b"{}", headers=unary)
     assert r.status_code == 501 and r.json()["code"] == "unimplemented"
     stream = dict(h, **{"Content-Type": "application/connect+json"})

@@ -64,3 +64,21 @@ def test_no_token_set_falls_back_to_the_environment(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("CORRAL_TOKEN", "env")
     assert Endpoint(NODE_A).auth_header() == "Bearer env"
     assert Endpoint("unix:///run/corral.sock").auth_header() is None
+
+
+def test_each_credential_has_its_own_e2b_base_template():
+    """A tenant's E2B front cannot see another tenant's snapshot nor take its name: the base
+    template's snapshot is named per credential (the same token, the same snapshot)."""
+    from corral.e2b.templates import BASE_SNAPSHOT, Templates
+    from corral.sdk.endpoint import Endpoint, set_token
+
+    set_token("http://127.0.0.1:7001", "alice-token")
+    set_token("http://127.0.0.1:7002", "bob-token")
+    set_token("http://127.0.0.1:7003", "alice-token")
+    alice, bob, alice2 = (Templates(Endpoint.parse(f"http://127.0.0.1:{p}"))
+                          for p in (7001, 7002, 7003))
+    assert alice.base_snapshot != bob.base_snapshot
+    assert alice.base_snapshot == alice2.base_snapshot
+    assert alice.base_snapshot.startswith(BASE_SNAPSHOT + "-")
+    assert "alice" not in alice.base_snapshot
+    assert Templates(Endpoint.parse("unix:///run/x.sock")).base_snapshot == BASE_SNAPSHOT

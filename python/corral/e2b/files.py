@@ -139,6 +139,8 @@ async def guarded(handler: Any, request: web.Request) -> web.StreamResponse:
         return api_error(400 if e.code != "resource_exhausted" else 413, e.message)
     except ce.CorralError as e:
         return envd_http_error(e, request["sandbox_id"])
+    except ValueError as e:  # aiohttp: a multipart body that ends before its parts do
+        return api_error(400, f"malformed request body: {e}")
 
 
 def routes(api: FilesApi) -> list[web.RouteDef]:

@@ -221,6 +221,11 @@ class ProcessService:
         if "pty" in inp:
             raise ConnectError("unimplemented", "PTY sessions are not supported by corral")
         data = unb64(inp.get("stdin", ""), "input.stdin")
+        try:
+            data.decode()
+        except UnicodeDecodeError:
+            raise ConnectError("invalid_argument", "input.stdin must be UTF-8 text: a corral "
+                               "command's stdin is text") from None
         await self._proc(sid, pid).send_stdin(data)
 
     async def stream_input(self, request: web.Request) -> web.StreamResponse:

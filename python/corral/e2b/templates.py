@@ -44,6 +44,11 @@ class Templates:
         self._endpoint = endpoint
         self._lock = asyncio.Lock()
         self._base_ready = False
+        # One base per credential: a tenant's front cannot see another tenant's snapshot
+        # (nor use its name), so each tenant builds and keeps its own.
+        auth = endpoint.auth_header()
+        self.base_snapshot = BASE_SNAPSHOT if auth is None else \
+            f"{BASE_SNAPSHOT}-{hashlib.sha256(auth.encode()).hexdigest()[:12]}"
 
     async def _build_base(self) -> None:
         async with AsyncSandbox(BASE_IMAGE, endpoint=self._endpoint, timeout=120,
@@ -51,24 +56,24 @@ class Templates:
             r = await sb.exec(["/bin/sh", "-c", BASE_RECIPE], timeout=60)
             if not r.ok:
                 raise ce.InternalError(f"building the base template failed: {r.stderr}")
-            await sb.snapshot(BASE_SNAPSHOT)
+            await sb.snapshot(self.base_snapshot)
 
     async def base(self, rebuild: bool = False) -> str:
         """The base template's snapshot name, built if it does not exist."""
         if self._base_ready and not rebuild:
-            return BASE_SNAPSHOT
+            return self.base_snapshot
         async with self._lock:
             if self._base_ready and not rebuild:
-                return BASE_SNAPSHOT
+                return self.base_snapshot
             try:
-                await AsyncSnapshot.get(BASE_SNAPSHOT, endpoint=self._endpoint)
+                await AsyncSnapshot.get(self.base_snapshot, endpoint=self._endpoint)
             except ce.SnapshotNotFound:
                 try:
                     await self._build_base()
-                except ce.SnapshotExists:
-                    pass  # another front built it meanwhile
+                except ce.SnapshotExists:  # another front built it meanwhile: ready if ours
+                    await AsyncSnapshot.get(self.base_snapshot, endpoint=self._endpoint)
             self._base_ready = True
-        return BASE_SNAPSHOT
+        return self.base_snapshot
 
     def forget_base(self) -> None:
         self._base_ready = False

@@ -53,6 +53,10 @@ def resolve(path: str, user: str) -> str:
     """An absolute path: a relative one (and ``~``) start at the user's home, as in envd."""
     if not path:
         raise ConnectError("invalid_argument", "empty path")
+    try:
+        path.encode()
+    except UnicodeEncodeError:  # JSON can spell a lone surrogate; no file name is one
+        raise ConnectError("invalid_argument", "the path is not Unicode text") from None
     if path == "~" or path.startswith("~/"):
         path = home(user) + path[1:]
     if not path.startswith("/"):

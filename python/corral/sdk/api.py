@@ -448,7 +448,10 @@ def proc_wait(sid: str, pid: int, timeout: float | None = None) -> Call[ExecResu
 
 def proc_stdin(sid: str, pid: int, data: str | bytes, eof: bool = False) -> Call[None]:
     if isinstance(data, bytes):
-        data = data.decode("utf-8")
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidRequest(f"stdin must be UTF-8 text: {e}") from None
     req = validated(StdinRequest, data=data, eof=eof)
     return Call("POST", _proc(sid, pid) + "/stdin", _ok, body=_body(req))
 
