@@ -786,6 +786,37 @@ def test_pids_limit_contains_a_fork_bomb():
         assert os.path.exists("/proc/self")
 
 
+# Makes inotify instances until refused (or ``want``), says how many, and holds them.
+_INOTIFY_HOG = """
+import ctypes, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+fds = []
+while len(fds) < int(sys.argv[1]):
+    fd = libc.inotify_init1(0)
+    if fd < 0:
+        break
+    fds.append(fd)
+print(len(fds), flush=True)
+time.sleep(600)
+"""
+
+
+def test_per_user_kernel_counters_are_not_one_sandboxs_to_take():
+    """Every container sandbox's processes are uid 0 on the host, and inotify instances are
+    counted per user (128 by default): one sandbox holding them left no other sandbox an
+    inotify instance. The daemon lifts the per-user counts (each instance is kernel memory
+    charged to its sandbox's memory cgroup, the bound that holds): a sandbox takes 400 and
+    its neighbour still gets its own."""
+    with corral.Sandbox(image="host") as hog, corral.Sandbox(image="host") as other:
+        hog.files.write("/tmp/hog.py", _INOTIFY_HOG)
+        p = hog.exec("ulimit -n 4096; exec python3 /tmp/hog.py 400", background=True)
+        assert next(iter(p.stream()))[1] == "400\n"
+        other.files.write("/tmp/hog.py", _INOTIFY_HOG)
+        r = other.exec("timeout 5 python3 /tmp/hog.py 1", timeout=30)
+        assert r.stdout == "1\n", r
+        p.kill()
+
+
 # --- recycled kernel objects: nothing of a previous sandbox is visible to the next one ---------
 def _daemon_metrics() -> dict[str, float]:
     import re

@@ -87,6 +87,9 @@ def raise_nofile() -> int:
 # Kernel limits a host full of sandboxes runs into, raised (never lowered) at start-up. Each
 # sandbox is a process (its init) and six namespaces; a pooled netns is one more. The value is a
 # floor: a host already configured higher keeps its setting. CORRAL_SYSCTL=0 turns this off.
+INT_MAX = 2**31 - 1
+
+
 def _sysctl_floors(max_sandboxes: int) -> dict[str, int]:
     ns = 2 * max_sandboxes + 4096          # sandboxes + pooled netns + headroom
     return {
@@ -101,6 +104,14 @@ def _sysctl_floors(max_sandboxes: int) -> dict[str, int]:
         "user/max_uts_namespaces": ns,
         "user/max_ipc_namespaces": ns,
         "user/max_cgroup_namespaces": ns,
+        # Counted per user, and every container sandbox's processes are uid 0 on the host: at
+        # the defaults (128 inotify instances) one sandbox could take them all from every
+        # other sandbox, and exhausting epoll's would make the daemon's own epoll_ctl fail.
+        # Each instance and watch is kernel memory charged to its sandbox's memory cgroup,
+        # which bounds it; the per-user count then bounds nothing.
+        "fs/inotify/max_user_instances": INT_MAX,
+        "fs/inotify/max_user_watches": INT_MAX,
+        "fs/epoll/max_user_watches": INT_MAX,
     }
 
 
