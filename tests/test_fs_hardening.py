@@ -337,6 +337,11 @@ def test_files_api_refuses_proc_sys_and_special_files(daemon):
             with pytest.raises((ForbiddenPath, InvalidRequest)):
                 sb.files.remove(path, recursive=True)
         assert sh(sb, "cat /proc/1/comm && ls /dev/pts/ptmx")
+        # lxcfs's FUSE views (/proc/meminfo ...) are answered by a daemon process, with the
+        # daemon's view: not the sandbox's files either
+        if "fuse" in sh(sb, "grep ' /proc/meminfo ' /proc/self/mounts || true"):
+            with pytest.raises(ForbiddenPath):
+                sb.files.read("/proc/meminfo")
         assert sb.files.stat("/work/env").type == "symlink"  # the link itself is fine
         assert [e.name for e in sb.files.list("/work")] == ["env", "fifo", "k", "p"]
 
