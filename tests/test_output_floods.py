@@ -210,3 +210,25 @@ def test_results_of_binary_output_cost_the_daemon_about_their_size(daemon):
                 _binary_ok(r)
         finally:
             list(pool.map(lambda sb: sb.kill(), boxes))
+
+
+def _fds(pid: int) -> int:
+    import os
+
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_pipes_left_open_by_returned_commands_are_bounded(sb, daemon):
+    """Each command leaves a process holding its output pipes (``(sleep &)``): the daemon
+    drains them so the process never gets SIGPIPE, at most engine.base.MAX_LINGERING a
+    sandbox; past that the oldest are closed, where every command cost two fds for as long
+    as the sandbox lived."""
+    from corral.daemon.engine.base import MAX_LINGERING
+
+    pid = daemon.proc.pid
+    before = _fds(pid)
+    n = 3 * MAX_LINGERING
+    for _ in range(n):
+        assert sb.exec("(sleep 600 &); echo ok").stdout == "ok\n"
+    assert _fds(pid) - before <= 2 * MAX_LINGERING + 16, (before, _fds(pid))
+    assert sb.exec("echo alive").stdout == "alive\n"

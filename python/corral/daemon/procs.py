@@ -399,6 +399,14 @@ class Process:
         """The output it keeps for a later wait or stream."""
         return len(self.stdout.buf) + len(self.stderr.buf)
 
+    def pipes_open(self) -> bool:
+        return self.stdout.fd >= 0 or self.stderr.fd >= 0
+
+    def close_pipes(self) -> None:
+        """Stop draining its output (a writer left behind gets EPIPE)."""
+        self.stdout.close()
+        self.stderr.close()
+
     def release(self) -> None:
         """Forget the buffers (the sandbox is gone); pipes close when their writers die."""
         if self.stdin is not None:

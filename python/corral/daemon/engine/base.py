@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 from typing import Any, TypeVar
@@ -29,6 +30,10 @@ SHUTDOWN_ENDED = "ended-by-shutdown.json"  # in the state dir: ids a graceful st
 MAX_PROCS_KEPT = 256         # finished background processes remembered per sandbox
 # ...and the output they keep, in all: finished ones go, oldest first, past either bound
 MAX_KEPT_OUTPUT = 64 << 20
+# Returned commands whose output pipes a process they left still holds, drained per sandbox
+# (so that it never gets SIGPIPE); past this, the oldest's pipes are closed: each costs the
+# daemon two fds for as long as the sandbox lives.
+MAX_LINGERING = 64
 DIRECT_IO_BYTES = 1 << 20    # file reads/writes up to this size skip the thread hop
 MAX_READ_BYTES = 1 << 30
 PASSWD_MAX = 4 << 20
@@ -65,7 +70,7 @@ class Sandbox:
 
     __slots__ = ("id", "spec", "runtime", "state", "reason", "created_at", "expires_at",
                  "last_active", "sched", "busy", "threads", "threads_done", "procs", "stopping",
-                 "paused_at", "capturing", "cause", "trajectory")
+                 "paused_at", "capturing", "cause", "trajectory", "lingering")
     # The cluster node this daemon serves (Config.node_id), one per process: set by the Engine.
     node: str | None = None
 
@@ -93,6 +98,9 @@ class Sandbox:
         # The trajectory it was made for (a create keyed "{T}:create", or child i of a fork
         # keyed for one): a kill without its keys is an operator's (Engine.by_operator).
         self.trajectory: str | None = None
+        # Foreground commands that returned while processes they left still hold their
+        # output pipes open (Engine._linger).
+        self.lingering: collections.deque[procs.Process] | None = None
 
     def enter_thread(self) -> None:
         self.threads += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import collections
 import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from .base import (
     DEFAULT_PATH,
     INIT_EXIT_GRACE_STEPS,
     MAX_KEPT_OUTPUT,
+    MAX_LINGERING,
     MAX_PROCS_KEPT,
     PASSWD_MAX,
     Sandbox,
@@ -112,8 +114,24 @@ class ExecOps:
             sb.last_active = self.clock.time()
             if self.pools is not None:  # its first exec is over: refills may start
                 self.pools.settled(sid)
+        self._linger(sb, proc)
         await self.after_exit(sb, proc)
         return self._result(proc)
+
+    def _linger(self: EngineHost, sb: Sandbox, proc: procs.Process) -> None:
+        """A returned command whose output pipes are still open (a process it left holds
+        them: ``(server &)``) is drained until they close; past MAX_LINGERING of those in a
+        sandbox, the oldest's pipes are closed (a writer then gets EPIPE, as when any reader
+        goes away), so a sandbox cannot make the daemon hold two fds per command it ran."""
+        if not proc.pipes_open():
+            return
+        if sb.lingering is None:
+            sb.lingering = collections.deque()
+        sb.lingering.append(proc)
+        if len(sb.lingering) > MAX_LINGERING:
+            sb.lingering = collections.deque(p for p in sb.lingering if p.pipes_open())
+            while len(sb.lingering) > MAX_LINGERING:
+                sb.lingering.popleft().close_pipes()
 
     async def _check_cwd(self: EngineHost, sid: str, cwd: str) -> None:
         """A cwd named by the client must be a directory inside the sandbox (resolved in its
