@@ -546,3 +546,80 @@ def test_a_tar_of_a_tree_that_changes_while_it_is_sent_is_never_cut(tmp_path):
         cut = members["c/f"]
         assert 0 < cut.size < 100_000 and tar.extractfile(cut).read() == b"y" * cut.size
         assert "d/f" not in members  # past the cap: left out
+
+
+# ---- what a snapshot of a hostile tree costs, and what it keeps ------------------------------
+# Python in the sandbox: ``d`` is an fd of /root/<levels x a 250-byte name>, made if asked
+# (paths that long are past PATH_MAX: walked one name at a time).
+_DEEP = """
+import os
+d = os.open('/root', os.O_RDONLY)
+for _ in range({levels}):
+    if {make}:
+        os.mkdir('d' * 250, dir_fd=d)
+    nd = os.open('d' * 250, os.O_RDONLY, dir_fd=d)
+    os.close(d)
+    d = nd
+"""
+
+
+def _deep(levels: int, body: str, make: bool = True) -> list[str]:
+    return ["python3", "-c", _DEEP.format(levels=levels, make=make) + body]
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
+
+
+def test_a_hard_link_deeper_than_path_max_snapshots_and_forks(daemon):
+    """A hard link under a path longer than PATH_MAX (17 levels of 250-byte names): the
+    capture links it again through its directories one name at a time, where linking by the
+    whole path failed every snapshot and fork as an internal (infra) error."""
+    with Sandbox(timeout=120) as sb:
+        sb.exec(_deep(17, "os.close(os.open('f', os.O_CREAT | os.O_WRONLY, dir_fd=d))\n"
+                          "os.link('f', 'g', src_dir_fd=d, dst_dir_fd=d)")).check()
+        snap = sb.snapshot()
+        child = Sandbox(snapshot=snap.id, timeout=120)
+        try:
+            r = child.exec(_deep(17, "a = os.stat('f', dir_fd=d)\n"
+                                     "b = os.stat('g', dir_fd=d)\n"
+                                     "print(a.st_ino == b.st_ino, a.st_nlink)", make=False))
+            assert r.stdout == "True 2\n", r
+        finally:
+            child.kill()
+            snap.delete()
+
+
+def test_a_snapshot_of_deep_long_names_is_bounded_in_the_daemons_memory(daemon):
+    """Every entry's full path is in the capture's manifest: 1,100 empty files under 500
+    levels of 250-byte names would be ~140 MB of it (the daemon's memory grew ~130 KiB an
+    empty file). Past layer.rs MANIFEST_MAX the snapshot is too_large (task), and the daemon's
+    memory stays well under what the manifest would have been."""
+    pid = daemon.proc.pid
+    with Sandbox(timeout=120) as sb:
+        sb.exec(_deep(500, "for i in range(1100):\n"
+                           "    os.close(os.open(str(i), os.O_CREAT | os.O_WRONLY, dir_fd=d))"),
+                timeout=120).check()
+        before = _rss_kib(pid)
+        with pytest.raises(TooLarge) as err:
+            sb.snapshot()
+        assert "manifest" in err.value.details["limit"], err.value.details
+        assert err.value.category == "task"
+        assert _rss_kib(pid) - before < 300 * 1024
+        assert sh(sb, "echo alive").strip() == "alive"
+
+
+def test_a_file_whose_xattr_names_the_kernel_cannot_list_is_refused_not_dropped(daemon):
+    """More than 64 KiB of xattr names on one file: the kernel will not list them (E2BIG),
+    so a copy could not carry them. The snapshot is too_large (task), where the fork's
+    children silently had none."""
+    with Sandbox(timeout=120) as sb:
+        sb.exec(["python3", "-c",
+                 "import os\nopen('/root/x', 'w').close()\n"
+                 "for i in range(400):\n"
+                 "    os.setxattr('/root/x', 'user.' + 'n' * 190 + str(i), b'v')\n"]).check()
+        with pytest.raises(TooLarge) as err:
+            sb.snapshot()
+        assert "xattr" in err.value.details["limit"], err.value.details
+        assert err.value.category == "task"

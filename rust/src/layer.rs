@@ -16,8 +16,11 @@
 //! The walk is a loop over an explicit stack of directories, never a recursion, and it is
 //! bounded: at most `Limits::max_depth` levels (two fds each), `max_entries` entries and
 //! `max_bytes` of file content (apparent size; holes are kept as holes, found with
-//! SEEK_DATA/SEEK_HOLE, so only data is written). A tree past a bound fails the capture with
-//! `LayerError::Limit`, never a crash.
+//! SEEK_DATA/SEEK_HOLE, so only data is written), and `MANIFEST_MAX` bytes of manifest (it
+//! holds every entry's full path: deep trees of long names would otherwise make the daemon's
+//! memory grow with what the sandbox holds), and no file whose xattr names the kernel cannot
+//! list (more than 64 KiB of them: a copy without them would differ unseen). A tree past a
+//! bound fails the capture with `LayerError::Limit`, never a crash.
 //!
 //! A stored layer must never hold anything that could run with privilege on the host: set-user
 //! and set-group-ID bits are cleared on every non-directory and `security.capability` xattrs
@@ -81,6 +84,10 @@ pub struct Limits {
     pub max_entries: u64,
     pub max_depth: usize,
 }
+
+/// Bytes of manifest (and of the paths of hard-linked files kept to link them again) one
+/// capture may hold in memory.
+pub const MANIFEST_MAX: usize = 128 << 20;
 
 type Result<T> = std::result::Result<T, LayerError>;
 
@@ -147,6 +154,7 @@ pub fn capture(parts: &[Part], limits: Limits, ctl: &Arc<Control>) -> Result<(St
         slots: Vec::new(),
         hashes: Vec::new(),
         links: HashMap::new(),
+        link_bytes: 0,
         root: None,
         jobs: jobs_tx,
         bytes: 0,
@@ -316,6 +324,8 @@ struct Walker {
     /// under it: directories only, made by us, so nothing in it is a symlink) and hash index.
     /// One fd per part, not per directory: a tree of many dirs with linked files costs no fds.
     links: HashMap<(u64, u64), (Arc<OwnedFd>, CString, usize)>,
+    /// Bytes of the paths in `links` (counted with the manifest against MANIFEST_MAX).
+    link_bytes: usize,
     /// The dst root fd of the part being copied.
     root: Option<Arc<OwnedFd>>,
     jobs: mpsc::Sender<Job>,
@@ -404,7 +414,7 @@ impl Walker {
             .map_err(|e| os_err("open", p.src.to_bytes(), e))?;
         let st = rfs::fstat(&src).map_err(|e| os_err("stat", p.src.to_bytes(), e))?;
         let dst = self.root.clone().expect("set above");
-        self.copy_xattrs_fd(src.as_fd(), dst.as_fd());
+        self.copy_xattrs_fd(src.as_fd(), dst.as_fd())?;
         self.meta_fd(dst.as_fd(), &st, p.dst.to_bytes())
     }
 
@@ -431,6 +441,12 @@ impl Walker {
         r: Vec<u8>,
     ) -> Result<Option<Frame>> {
         self.ctl.check().map_err(|_| LayerError::Cancelled)?;
+        if self.manifest.len() + self.link_bytes > MANIFEST_MAX {
+            return Err(LayerError::Limit {
+                what: "manifest bytes",
+                limit: MANIFEST_MAX as u64,
+            });
+        }
         let mut st = rfs::statat(src, name, NOFOLLOW).map_err(|e| os_err("stat", &r, e))?;
         let ft = FileType::from_raw_mode(st.st_mode);
         if ft != FileType::Directory {
@@ -447,7 +463,7 @@ impl Walker {
                     .map_err(|e| os_err("open", &r, e))?;
                 let dfd = Arc::new(dfd);
                 // xattrs first (they go in the manifest before the children).
-                let x = self.copy_xattrs_fd(sfd.as_fd(), dfd.as_fd());
+                let x = self.copy_xattrs_fd(sfd.as_fd(), dfd.as_fd())?;
                 self.head(b'D', &r, &st);
                 self.manifest.extend_from_slice(&x);
                 self.manifest.push(b'\n');
@@ -467,7 +483,7 @@ impl Walker {
                     .map_err(|e| os_err("readlink", &r, e))?;
                 rfs::symlinkat(target.as_c_str(), dst, name)
                     .map_err(|e| os_err("symlink", &r, e))?;
-                let x = self.copy_xattrs_path(src, dst.as_fd(), name);
+                let x = self.copy_xattrs_path(src, dst.as_fd(), name)?;
                 self.meta_at(dst.as_fd(), name, &st, false, &r)?;
                 self.head(b'L', &r, &st);
                 self.manifest.extend_from_slice(target.as_bytes());
@@ -491,7 +507,7 @@ impl Walker {
                     st.st_rdev,
                 )
                 .map_err(|e| os_err("mknod", &r, e))?;
-                let x = self.copy_xattrs_path(src, dst.as_fd(), name);
+                let x = self.copy_xattrs_path(src, dst.as_fd(), name)?;
                 self.meta_at(dst.as_fd(), name, &st, true, &r)?;
                 self.head(b'O', &r, &st);
                 self.manifest.extend_from_slice(&x);
@@ -513,12 +529,14 @@ impl Walker {
         let key = (st0.st_dev, st0.st_ino);
         if st0.st_nlink > 1 {
             if let Some((lroot, lpath, idx)) = self.links.get(&key).cloned() {
-                rfs::linkat(lroot.as_fd(), lpath.as_c_str(), dst, name, AtFlags::empty())
-                    .map_err(|e| os_err("link", r, e))?;
-                // Same inode as the first copy: same metadata, same content hash.
-                let x = self.read_xattrs_at(dst.as_fd(), name);
-                self.file_line(r, st0, &x, idx);
-                return Ok(());
+                // A link that cannot be made (too many links to one inode, ...) is a copy of
+                // its own: the same content and metadata, so the same manifest line.
+                if link_again(lroot.as_fd(), &lpath, dst.as_fd(), name).is_ok() {
+                    // Same inode as the first copy: same metadata, same content hash.
+                    let x = self.read_xattrs_at(dst.as_fd(), name);
+                    self.file_line(r, st0, &x, idx);
+                    return Ok(());
+                }
             }
         }
         // NONBLOCK: a FIFO swapped in (no freezer) must not block the open; the fstat below
@@ -565,11 +583,12 @@ impl Walker {
                 .map_err(|e| os_err("copy", r, e))?;
         }
         self.bytes += size;
-        let x = self.copy_xattrs_fd(sfd.as_fd(), dfd.as_fd());
+        let x = self.copy_xattrs_fd(sfd.as_fd(), dfd.as_fd())?;
         self.meta_fd(dfd.as_fd(), &st, r)?;
         self.file_line(r, &st, &x, idx);
-        if st.st_nlink > 1 {
+        if st.st_nlink > 1 && !self.links.contains_key(&key) {
             if let (Some(root), Ok(rel)) = (&self.root, CString::new(&r[1..])) {
+                self.link_bytes += rel.as_bytes().len() + 64;
                 self.links.insert(key, (root.clone(), rel, idx));
             }
         }
@@ -673,10 +692,10 @@ impl Walker {
 
     /// Copy the kept xattrs of an opened source to an opened copy; returns the manifest bytes
     /// of those that were set.
-    fn copy_xattrs_fd(&mut self, src: BorrowedFd<'_>, dst: BorrowedFd<'_>) -> Vec<u8> {
+    fn copy_xattrs_fd(&mut self, src: BorrowedFd<'_>, dst: BorrowedFd<'_>) -> Result<Vec<u8>> {
         let names = match rfs::flistxattr(src, &mut self.xbuf[..]) {
             Ok(n) => split_names(&self.xbuf[..n]),
-            Err(_) => return Vec::new(),
+            Err(e) => return unlisted(e),
         };
         let mut out = Vec::new();
         for n in names {
@@ -688,7 +707,7 @@ impl Walker {
                 push_xattr(&mut out, &n, v);
             }
         }
-        out
+        Ok(out)
     }
 
     /// The same for entries that cannot be opened: through /proc/self/fd/N/name, not following.
@@ -697,14 +716,14 @@ impl Walker {
         src: BorrowedFd<'_>,
         dst: BorrowedFd<'_>,
         name: &CStr,
-    ) -> Vec<u8> {
+    ) -> Result<Vec<u8>> {
         let sp = fd_path(src, name);
         let names = match rfs::llistxattr(sp.as_c_str(), &mut self.xbuf[..]) {
             Ok(n) => split_names(&self.xbuf[..n]),
-            Err(_) => return Vec::new(),
+            Err(e) => return unlisted(e),
         };
         if names.is_empty() {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         let dp = fd_path(dst, name);
         let mut out = Vec::new();
@@ -717,7 +736,7 @@ impl Walker {
                 push_xattr(&mut out, &n, v);
             }
         }
-        out
+        Ok(out)
     }
 
     /// The kept xattrs of a copy already made (a second hard link to it).
@@ -736,6 +755,47 @@ impl Walker {
         }
         out
     }
+}
+
+/// An xattr list that could not be read: none there to copy (no support), or more names than
+/// the kernel lists (E2BIG past 64 KiB: a copy without them would differ unseen).
+fn unlisted(e: Errno) -> Result<Vec<u8>> {
+    match e {
+        Errno::TOOBIG | Errno::RANGE => Err(LayerError::Limit {
+            what: "bytes of xattr names on one file",
+            limit: 65536,
+        }),
+        _ => Ok(Vec::new()),
+    }
+}
+
+/// Link `dst/name` to the first copy at `rel` under `root` (a path of directories this
+/// capture made). Past PATH_MAX the kernel refuses the path whole: then its directories are
+/// opened one name at a time.
+fn link_again(
+    root: BorrowedFd<'_>,
+    rel: &CStr,
+    dst: BorrowedFd<'_>,
+    name: &CStr,
+) -> std::result::Result<(), Errno> {
+    match rfs::linkat(root, rel, dst, name, AtFlags::empty()) {
+        Err(Errno::NAMETOOLONG) => {}
+        other => return other,
+    }
+    let bytes = rel.to_bytes();
+    let (dirs, base) = match bytes.iter().rposition(|&b| b == b'/') {
+        Some(i) => (&bytes[..i], &bytes[i + 1..]),
+        None => (&b""[..], bytes),
+    };
+    let mut cur: Option<OwnedFd> = None;
+    for comp in dirs.split(|&b| b == b'/').filter(|c| !c.is_empty()) {
+        let c = CString::new(comp).map_err(|_| Errno::INVAL)?;
+        let at = cur.as_ref().map_or(root, |f| f.as_fd());
+        cur = Some(rfs::openat(at, c.as_c_str(), dir_flags(), Mode::empty())?);
+    }
+    let base = CString::new(base).map_err(|_| Errno::INVAL)?;
+    let at = cur.as_ref().map_or(root, |f| f.as_fd());
+    rfs::linkat(at, base.as_c_str(), dst, name, AtFlags::empty())
 }
 
 fn times(st: &rfs::Stat) -> Timestamps {

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from corral.daemon import jsonbody
+from corral.daemon import jsonbody, oserrors
 from corral.errors import CorralError, InternalError, InvalidRequest
 
 T = TypeVar("T")
@@ -167,6 +167,8 @@ async def _streamed(request: web.Request, task: asyncio.Future[T], progress: Pro
                 obj = await obj
         except CorralError as e:
             obj = e.to_payload()
+        except OSError as e:  # mapped as the middleware maps one (the daemon's limits: infra)
+            obj = oserrors.request_error(e).to_payload()
         except Exception as e:  # noqa: BLE001 - the stream's last line says it; never a 500
             obj = InternalError(f"call failed: {e}").to_payload()
         await resp.write(progress.line())
