@@ -252,6 +252,30 @@ def test_a_deep_tree_in_the_scratch_dir_is_wiped_without_a_restart():
     assert {p.name: p.started for p in run_code_pools().pools}["python"] == started["python"]
 
 
+def test_a_request_that_takes_every_inode_of_its_scratch_takes_none_of_the_others():
+    """Each request's scratch is a tmpfs of its own (room and inodes). A request that
+    creates files until refused fails on its own (its exit code), while requests beside it
+    write their files and run, and no zygote restarts; where all slots of a zygote shared
+    one /tmp, the filler left others' files unwritable and the scratch wipe failing, which
+    restarted the zygote and failed every request on it, the filler's too, as infra."""
+    every_slot("pass")
+    started = {p.name: p.started for p in run_code_pools().pools}
+    filler = ("import os\nn = 0\ntry:\n    while True:\n"
+              "        os.close(os.open(str(n), os.O_CREAT | os.O_WRONLY)); n += 1\n"
+              "except OSError as e:\n    print('refused', e.errno, n > 1000)\n"
+              "raise SystemExit(3)")
+    reader = "print(open('in.txt').read())"
+    items = [{"code": filler, "timeout": 60}] + [
+        {"code": reader, "files": {"in.txt": str(i)}} for i in range(12)]
+    for _ in range(2):
+        res = corral.run_code_many(items)
+        assert res[0].exit_code == 3 and res[0].stdout.startswith("refused 28 True"), res[0]
+        assert [r.stdout for r in res[1:]] == [f"{i}\n" for i in range(12)], res[1:]
+    for r in every_slot("import os; print(os.listdir('.'))"):
+        assert r.stdout == "[]\n"
+    assert {p.name: p.started for p in run_code_pools().pools}["python"] == started["python"]
+
+
 def test_no_network_at_all():
     r = run("""
 import socket, errno

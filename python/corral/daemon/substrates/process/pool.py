@@ -64,7 +64,7 @@ class Settings:
     slots: int = 8                  # concurrent requests per zygote
     max_queue: int = 1024           # requests waiting for a slot, per language
     pids: int = 64                  # processes of one request
-    tmp_mb: int = 512               # the scratch tmpfs of a zygote (all its slots)
+    tmp_mb: int = 512               # the scratch tmpfs of each request (its slot's)
     nofile: int = 1024
     fsize_mb: int = 256
 
@@ -252,8 +252,9 @@ class Zygote:
             svc.layout.make_pool, self.name, s.slots, s.pids)
         self.slots = [SlotState(i, d) for i, d in enumerate(slot_dirs)]
         uid0 = UID_BASE + (self.pool.number * 64 + self.index) * 256
-        cfg = config(self.pool.language, svc.root_dir, view.entries(s.tmp_mb), join,
-                     [{"uid": uid0 + i, "cgroups": d} for i, d in enumerate(slot_dirs)],
+        uids = [uid0 + i for i in range(len(slot_dirs))]
+        cfg = config(self.pool.language, svc.root_dir, view.entries(s.tmp_mb, uids), join,
+                     [{"uid": uid, "cgroups": d} for uid, d in zip(uids, slot_dirs, strict=True)],
                      POOLS[self.pool.name][1], s)
         self.proc, ours = launch()
         self.sock = ours

@@ -31,7 +31,16 @@ def session_entries(disk_mb: int, uid: int) -> list[tuple[str, str, str]]:
     return out
 
 
-def entries(tmp_mb: int) -> list[tuple[str, str, str]]:
+# Inodes of one request's scratch: a tmpfs's inodes are a count of its own, and a request that
+# could take the inodes of a /tmp shared with others would fail their files (and their
+# scratch's wipe) for them.
+SCRATCH_INODES = 65536
+
+
+def entries(tmp_mb: int, slot_uids: list[int] | None = None) -> list[tuple[str, str, str]]:
+    """The zygote's root. ``slot_uids``: a scratch tmpfs per slot, ``/tmp/s<i>`` (of
+    ``tmp_mb`` and SCRATCH_INODES, owned by the slot's uid): nothing a request writes takes
+    room or inodes from another's. Its pages are charged to the request's memory cgroup."""
     out: list[tuple[str, str, str]] = []
     bound: list[str] = []
     for d in OS_DIRS:
@@ -51,7 +60,13 @@ def entries(tmp_mb: int) -> list[tuple[str, str, str]]:
                          ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
         out.append(("symlink", target, f"/dev/{name}"))
     out.append(("proc", "", "/proc"))
-    out.append(("tmpfs", f"mode=0755,size={tmp_mb}m,nr_inodes=65536", "/tmp"))
+    if slot_uids is None:
+        out.append(("tmpfs", f"mode=0755,size={tmp_mb}m,nr_inodes=65536", "/tmp"))
+    else:
+        out.append(("tmpfs", f"mode=0755,size=64k,nr_inodes={len(slot_uids) + 16}", "/tmp"))
+        for i, uid in enumerate(slot_uids):
+            out.append(("tmpfs", f"mode=0700,uid={uid},gid={uid},size={tmp_mb}m,"
+                                 f"nr_inodes={SCRATCH_INODES}", f"/tmp/s{i}"))
     # The interpreter and its packages, wherever they live (a venv, pyenv under /root, a
     # checkout under /tmp): bound last, so no mount above (/tmp, /dev) hides them.
     prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,

@@ -256,6 +256,7 @@ class Zygote:
         self.sk = _socket.socket(fileno=sock)
         self.language = cfg["language"]
         self.session = self.language == "session"
+        self.entered = False  # a request's child: past ZygoteEntry.enter (stdio moved)
         self.slots = [Slot(i, s["uid"], s["cgroups"]) for i, s in enumerate(cfg["slots"])]
         self.by_pid: dict[int, Slot] = {}
         self.forks: Any = None                   # the fork server's socket (not a session)
@@ -317,16 +318,15 @@ class Zygote:
             self._start_fork_server()
 
     def _fresh_scratch(self, s: Slot) -> None:
-        try:
-            names = os.listdir(s.scratch)
-        except FileNotFoundError:
-            names = None
-        if names:
-            _remove_tree(s.scratch)
-            names = None
-        if names is None:
-            os.mkdir(s.scratch, 0o700)
-            os.chown(s.scratch, s.uid, s.uid)
+        """Empty the slot's scratch (a tmpfs of its own) in place: the directory itself stays,
+        so a wipe never needs an inode or room the next request could have taken."""
+        for name in os.listdir(s.scratch):
+            path = os.path.join(s.scratch, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                _remove_tree(path)
+            else:
+                os.unlink(path)
+        os.chown(s.scratch, s.uid, s.uid)
         os.chmod(s.scratch, 0o700)
 
     # -- the loop --
@@ -412,8 +412,10 @@ class Zygote:
             try:
                 self._child(self.slots[si], ctl, fout, ferr, fst)
             except BaseException as e:  # noqa: BLE001 - report, never return into the loop
+                # stderr is fd 2 once the child has entered its slot (ferr is closed then)
+                err = 2 if self.entered else ferr
                 try:
-                    os.write(ferr, f"run_code: could not start: {type(e).__name__}: {e}\n"
+                    os.write(err, f"run_code: could not start: {type(e).__name__}: {e}\n"
                              .encode())
                 finally:
                     os._exit(126)
@@ -523,6 +525,7 @@ class Zygote:
         # before it exits, no other fd, the scratch dir, its uid and limits: in one call.
         slot.entry.enter([(self.devnull, 0, False), (fout, 1, False), (ferr, 2, False),
                           (ctl, 3, False), (fst, 4, True)])
+        self.entered = True
         own = {"HOME": slot.scratch, "TMPDIR": slot.scratch, "PWD": slot.scratch}
         main = None
         if self.language == "python":
