@@ -439,7 +439,13 @@ class Zygote:
             release()
 
         try:
-            slot.memory.set(req.memory_mb << 20)
+            limit = req.memory_mb << 20
+            if limit < slot.memory.limit:
+                # A lower limit reclaims what the slot's last request left charged (its page
+                # cache: 0.15 s a GB) before the write returns: not on the loop.
+                await asyncio.to_thread(slot.memory.set, limit)
+            else:
+                slot.memory.set(limit)
             payload = json.dumps({"code": req.code, "stdin": req.stdin, "files": req.files,
                                   "timeout": req.timeout}, separators=(",", ":")).encode()
             out.watch(loop)
