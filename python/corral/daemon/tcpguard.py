@@ -2,8 +2,8 @@
 
 A client that connects and sends nothing, or half a request's headers, holds a socket and an
 fd of the daemon, and aiohttp waits for the rest as long as it takes. No token is needed for
-that: twenty thousand such connections took every fd the daemon had, so that nobody could
-connect any more, over TCP or the local socket, and accept(2)'s EMFILE filled the log.
+that: twenty thousand such connections take every fd the daemon has, so that nobody can
+connect any more, over TCP or the local socket, and accept(2)'s EMFILE fills the log.
 
 On the TCP listener (the local socket is root's, not guarded):
 - a connection has ``HEADERS_S`` to get its first request's headers in (a request reaching
