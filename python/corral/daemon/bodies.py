@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from corral.daemon.trajlog.keys import is_text
 from corral.errors import InvalidNetwork, InvalidPath, InvalidRequest
 from corral.models import NETWORK_MODES
 
@@ -37,14 +38,6 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _text(s: str) -> bool:
-    try:
-        s.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _lone_surrogate(data: Any, allowed: frozenset[str]) -> str | None:
     """Where in ``data`` (a dotted path) a string holds a lone surrogate; None if nowhere.
     ``allowed``: top-level fields that may (file names)."""
@@ -52,12 +45,12 @@ def _lone_surrogate(data: Any, allowed: frozenset[str]) -> str | None:
     while stack:
         where, x = stack.pop()
         if isinstance(x, str):
-            if not _text(x):
+            if not is_text(x):
                 return where
         elif isinstance(x, dict):
             for k, v in x.items():
                 at = f"{where}.{k}" if where else str(k)
-                if not _text(k):
+                if not is_text(k):
                     return at
                 if not (where == "" and k in allowed):
                     stack.append((at, v))

@@ -27,8 +27,8 @@ from .keys import (
     MAX_KEY_LEN,
     STARTED_OPS,
     _plain,
-    _utf8,
     interrupted_error,
+    is_text,
     keyed_text,
 )
 from .schema import _BINDS, _SANDBOX_SEQS
@@ -109,7 +109,7 @@ class Idempotency(Writer):
         if key is None:
             return await self._run_and_log(sid, op, request, None, None, call, to_log,
                                            snapshot_ids)
-        if not key or len(key) > MAX_KEY_LEN or not _utf8(key):
+        if not key or len(key) > MAX_KEY_LEN or not is_text(key):
             raise InvalidRequest(f"{KEY_HEADER} must be 1 to {MAX_KEY_LEN} characters of "
                                  "UTF-8 text")
         request = _plain(request)  # dumped and encoded once: the fingerprint and the entry

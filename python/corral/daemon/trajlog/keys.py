@@ -99,9 +99,9 @@ def listing_result(entries: list[dict[str, Any]], keep: bool,
                    for e in entries)
     text = "\n".join(lines)
     res = data_result(text.encode("utf-8", "surrogateescape"), count=len(entries))
-    storable = next_cursor is None or _utf8(next_cursor)
+    storable = next_cursor is None or is_text(next_cursor)
     res["next"] = next_cursor if storable else None
-    if keep and len(entries) <= LIST_KEEP and _utf8(text) and storable:
+    if keep and len(entries) <= LIST_KEEP and is_text(text) and storable:
         res["entries"] = entries
     return res
 
@@ -177,8 +177,9 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def _utf8(text: str) -> bool:
-    """No lone surrogates (a header can carry them; SQLite's JSON could not store them)."""
+def is_text(text: str) -> bool:
+    """No lone surrogates: JSON's \\u escapes and a header can carry them, but they are no
+    text (a request's strings, what SQLite's JSON stores)."""
     try:
         text.encode()
     except UnicodeEncodeError:
