@@ -16,6 +16,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainValidator,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -96,6 +97,12 @@ MAX_LABELS = 64
 MAX_METADATA = 64
 MAX_METADATA_KEY = 128
 MAX_METADATA_VALUE = 4096
+# The validation context of a stored spec (SandboxSpec's request bounds do not apply).
+STORED = {"stored": True}
+
+
+def _stored(info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get("stored"))
 NO_NUL_PATTERN = r"^[^\x00]*$"
 # The JSON schema of a dict field whose keys and values the validators below restrict.
 _ENV_SCHEMA: JsonDict = {"propertyNames": {"pattern": ENV_NAME_PATTERN, "minLength": 1},
@@ -223,18 +230,20 @@ class SandboxSpec(_Model):
                            description="TTL in seconds from creation")
     idle_timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S,
                                        description="kill after this long with no API call")
-    env: dict[str, str] = Field(default_factory=dict, json_schema_extra=_ENV_SCHEMA,
-                                max_length=MAX_ENV_VARS,
+    env: dict[str, str] = Field(default_factory=dict,
+                                json_schema_extra={**_ENV_SCHEMA, "maxProperties": MAX_ENV_VARS},
                                 description="names without '=' or NUL, values without NUL; "
                                             f"at most {MAX_ENV_VARS} and {MAX_ENV_BYTES} "
                                             "bytes in all (every command gets them)")
-    labels: dict[str, str] = Field(default_factory=dict, json_schema_extra=_LABELS_SCHEMA,
-                                   max_length=MAX_LABELS,
+    labels: dict[str, str] = Field(default_factory=dict,
+                                   json_schema_extra={**_LABELS_SCHEMA,
+                                                      "maxProperties": MAX_LABELS},
                                    description=f"keys match {LABEL_KEY_PATTERN}, values of "
                                                f"at most 256 characters; at most {MAX_LABELS}")
     metadata: dict[str, str] = Field(
-        default_factory=dict, max_length=MAX_METADATA,
-        json_schema_extra={"propertyNames": {"maxLength": MAX_METADATA_KEY},
+        default_factory=dict,
+        json_schema_extra={"maxProperties": MAX_METADATA,
+                           "propertyNames": {"maxLength": MAX_METADATA_KEY},
                            "additionalProperties": {"type": "string",
                                                     "maxLength": MAX_METADATA_VALUE}},
         description=f"at most {MAX_METADATA} entries, keys of at most {MAX_METADATA_KEY} and "
@@ -268,16 +277,27 @@ class SandboxSpec(_Model):
     pause_ttl: PauseTTL = Field("count", description="while paused, the TTL and idle clocks "
                                                      "keep counting (count) or stop (stop)")
 
+    # The bounds on env, labels and metadata are a request's: a stored spec (a sandbox's record
+    # read back at a restart, made before a bound existed or merged with an image's env) is
+    # validated with the context STORED and keeps what it has.
     @field_validator("env")
     @classmethod
-    def _env_ok(cls, v: dict[str, str]) -> dict[str, str]:
-        if sum(len(k) + len(val) + 2 for k, val in v.items()) > MAX_ENV_BYTES:
-            raise ValueError(f"the environment takes more than {MAX_ENV_BYTES} bytes")
+    def _env_ok(cls, v: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        if not _stored(info):
+            if len(v) > MAX_ENV_VARS:
+                raise ValueError(f"more than {MAX_ENV_VARS} environment variables")
+            if sum(len(k.encode()) + len(val.encode()) + 2 for k, val in v.items()) \
+                    > MAX_ENV_BYTES:
+                raise ValueError(f"the environment takes more than {MAX_ENV_BYTES} bytes")
         return check_env(v)
 
     @field_validator("metadata")
     @classmethod
-    def _metadata_ok(cls, v: dict[str, str]) -> dict[str, str]:
+    def _metadata_ok(cls, v: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        if _stored(info):
+            return v
+        if len(v) > MAX_METADATA:
+            raise ValueError(f"more than {MAX_METADATA} metadata entries")
         for k, val in v.items():
             if len(k) > MAX_METADATA_KEY or len(val) > MAX_METADATA_VALUE:
                 raise ValueError(f"metadata {k[:40]!r}: keys of at most {MAX_METADATA_KEY}, "
@@ -291,9 +311,11 @@ class SandboxSpec(_Model):
 
     @field_validator("labels")
     @classmethod
-    def _labels_ok(cls, v: dict[str, str]) -> dict[str, str]:
+    def _labels_ok(cls, v: dict[str, str], info: ValidationInfo) -> dict[str, str]:
         import re
 
+        if len(v) > MAX_LABELS and not _stored(info):
+            raise ValueError(f"more than {MAX_LABELS} labels")
         for k, val in v.items():
             if not re.match(LABEL_KEY_PATTERN, k) or len(val) > 256:
                 raise ValueError(f"bad label {k!r}: keys match {LABEL_KEY_PATTERN}, values <= 256")

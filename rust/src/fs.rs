@@ -104,7 +104,7 @@ const EFIVARFS_MAGIC: i64 = 0xde5e_81e4;
 const BINFMTFS_MAGIC: i64 = 0x4249_4e4d;
 const FUSECTL_MAGIC: i64 = 0x6573_5543;
 /// FUSE: in a sandbox only lxcfs's views of /proc and /sys (the daemon's own process answers
-/// them, with the daemon's view, and the daemon must not wait on a FUSE server).
+/// them, with the daemon's view: not the sandbox's files).
 const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
 const NSFS_MAGIC: i64 = 0x6e73_6673;
 const SELINUX_MAGIC: i64 = 0xf97c_ff8c;

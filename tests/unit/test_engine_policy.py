@@ -202,3 +202,21 @@ def test_graceful_stop_answers_daemon_restarted_after(state, clock):
             with pytest.raises(DaemonRestarted):
                 eng2.get(sb.id)
     run(go())
+
+
+def test_a_stored_spec_keeps_what_the_request_bounds_would_refuse():
+    """The bounds on a create's env, labels and metadata are a request's. A sandbox's record
+    read back at a restart (made before a bound existed, or its env merged with an image's)
+    must load, or the restart would destroy a live sandbox."""
+    import pytest
+    from pydantic import ValidationError
+
+    from corral.models import MAX_METADATA, STORED, SandboxSpec
+
+    big = {"metadata": {f"k{i}": "v" for i in range(MAX_METADATA + 1)},
+           "labels": {f"l{i}": "v" for i in range(100)},
+           "env": {"BIG": "x" * (2 << 20)}}
+    spec = SandboxSpec.model_validate(big, context=STORED)
+    assert len(spec.metadata) == MAX_METADATA + 1 and len(spec.env["BIG"]) == 2 << 20
+    with pytest.raises(ValidationError):
+        SandboxSpec.model_validate(big)

@@ -38,7 +38,7 @@ from corral.daemon import batches
 from corral.daemon.routes import KEY_PATTERN
 from corral.daemon.trajlog.keys import KEY_HEADER, MAX_KEY_LEN
 from corral.errors import InvalidRequest, SandboxNotFound
-from corral.models import CreateManyRequest, ForkRequest, SandboxSpec
+from corral.models import STORED, CreateManyRequest, ForkRequest, SandboxSpec
 from corral.nodeselector import HEADER as SELECTOR_HEADER
 from corral.nodeselector import parse_selector
 
@@ -88,7 +88,7 @@ class Fork:
             self.gw, parent, f"/v1/sandboxes/{quote(self.sid, safe='')}/snapshot", body,
             lambda _: None, {KEY_HEADER: self.key} if self.key else None))
         self.snap = dict(snap, node=parent.node, endpoint=parent.endpoint)
-        spec = SandboxSpec.model_validate({**spec_d, "snapshot": snap["id"]})
+        spec = SandboxSpec.model_validate({**spec_d, "snapshot": snap["id"]}, context=STORED)
         if kids is None:
             items = await self._batch(spec, progress)
         else:

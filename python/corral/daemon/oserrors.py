@@ -69,7 +69,8 @@ DAEMON_LIMITS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAI
 # What a file operation in a sandbox can fail with because of the daemon or the host, not
 # because of what is in the sandbox: infra. Any other errno there comes from the sandbox's
 # files (code in it shapes them at will), so it is the task's, never a way to be masked.
-SANDBOX_FILE_INFRA = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EIO})
+SANDBOX_FILE_INFRA = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EIO,
+                                errno.EUCLEAN, errno.ESTALE, errno.EINTR, errno.ENOBUFS})
 
 # The messages host_file_error gives without an errno in the details.
 _PLAIN = {

@@ -402,6 +402,11 @@ class Process:
     def pipes_open(self) -> bool:
         return self.stdout.fd >= 0 or self.stderr.fd >= 0
 
+    def forget_output(self) -> None:
+        """Drop what was kept of its output (the result has it)."""
+        self.stdout.buf = bytearray()
+        self.stderr.buf = bytearray()
+
     def close_pipes(self) -> None:
         """Stop draining its output (a writer left behind gets EPIPE)."""
         self.stdout.close()

@@ -114,9 +114,11 @@ class ExecOps:
             sb.last_active = self.clock.time()
             if self.pools is not None:  # its first exec is over: refills may start
                 self.pools.settled(sid)
-        self._linger(sb, proc)
-        await self.after_exit(sb, proc)
-        return self._result(proc)
+        try:
+            await self.after_exit(sb, proc)
+            return self._result(proc)
+        finally:
+            self._linger(sb, proc)
 
     def _linger(self: EngineHost, sb: Sandbox, proc: procs.Process) -> None:
         """A returned command whose output pipes are still open (a process it left holds
@@ -125,6 +127,7 @@ class ExecOps:
         goes away), so a sandbox cannot make the daemon hold two fds per command it ran."""
         if not proc.pipes_open():
             return
+        proc.forget_output()  # its result is made: only the draining goes on
         if sb.lingering is None:
             sb.lingering = collections.deque()
         sb.lingering.append(proc)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from corral.daemon import persist, removal
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
 from corral.errors import CorralError
-from corral.models import SandboxSpec
+from corral.models import STORED, SandboxSpec
 
 from .base import SHUTDOWN_ENDED, TOMBSTONES, Sandbox, log
 
@@ -27,7 +27,7 @@ class Recovery:
             if not meta or not meta.get("runtime"):
                 continue  # half-made (crash mid-create): cleanup_orphans removes it
             try:
-                spec = SandboxSpec.model_validate(meta["spec"])
+                spec = SandboxSpec.model_validate(meta["spec"], context=STORED)
                 runtime = SandboxRuntime.from_json(meta["runtime"])
                 substrate = self.substrates[spec.substrate]
             except Exception:  # noqa: BLE001 - an unreadable record is an orphan

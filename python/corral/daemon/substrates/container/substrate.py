@@ -869,7 +869,8 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
                 return SandboxAtLimit(
                     f"cannot start the process: the sandbox's processes fill its process "
                     f"limit ({count[1]})", details={"limit": "pids", "max": count[1]})
-        if isinstance(e, initexec.ChildFailed) and e.step == "set_ids":
+        if isinstance(e, initexec.ChildFailed) and e.step == "set_ids" \
+                and e.errno in (errno.EINVAL, errno.EPERM):
             # The ids come from the sandbox's own /etc/passwd and /etc/group (users.resolve
             # refuses those no process can have): what is left is theirs too.
             return InvalidRequest(f"cannot start the process as that user: {e.strerror}",

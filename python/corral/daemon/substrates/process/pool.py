@@ -442,8 +442,15 @@ class Zygote:
             limit = req.memory_mb << 20
             if limit < slot.memory.limit:
                 # A lower limit reclaims what the slot's last request left charged (its page
-                # cache: 0.15 s a GB) before the write returns: not on the loop.
-                await asyncio.to_thread(slot.memory.set, limit)
+                # cache: 0.15 s a GB) before the write returns: not on the loop. Cancelled,
+                # the slot is not let go before the write is done (the next request's limit
+                # would be overwritten).
+                setting = asyncio.ensure_future(asyncio.to_thread(slot.memory.set, limit))
+                try:
+                    await asyncio.shield(setting)
+                except asyncio.CancelledError:
+                    await setting
+                    raise
             else:
                 slot.memory.set(limit)
             payload = json.dumps({"code": req.code, "stdin": req.stdin, "files": req.files,
