@@ -32,7 +32,7 @@ class Config:
     tcp_listen: str = field(default_factory=lambda: _env("CORRAL_TCP", ""))
     # Connections the TCP listener holds at once (corral.daemon.tcpguard).
     tcp_max_connections: int = field(
-        default_factory=lambda: int(_env("CORRAL_TCP_MAX_CONNECTIONS", "1024")))
+        default_factory=lambda: int(_env("CORRAL_TCP_MAX_CONNECTIONS", "4096")))
     token: str = field(default_factory=lambda: _env("CORRAL_TOKEN", ""))
     # A JSON file of tenant name -> token (or "sha256:<hex>"): each tenant's TCP token reaches
     # only its own sandboxes (corral.daemon.tenants). Empty: no tenants.

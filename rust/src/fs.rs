@@ -497,14 +497,15 @@ pub fn list(root: RawFd, path: &OsStr) -> Result<Vec<ListEntry>> {
 }
 
 /// One page of a directory's entries, sorted by name: those after `after` (by bytes), at
-/// most `limit`, and whether more follow. Only the page's entries are stat'ed: paging through
-/// a big directory costs its names once per page, not every entry's stat.
+/// most `limit`, and the next page's cursor (the page's last name) when more follow, also
+/// when every entry of the page was removed before its stat. Only the page's entries are
+/// stat'ed: paging through a big directory costs its names once per page, not every stat.
 pub fn list_page(
     root: RawFd,
     path: &OsStr,
     after: Option<&OsStr>,
     limit: usize,
-) -> Result<(Vec<ListEntry>, bool)> {
+) -> Result<(Vec<ListEntry>, Option<OsString>)> {
     const OP: &str = "list";
     let root = borrow(root)?;
     let p = Norm::new(path)?;
@@ -542,6 +543,13 @@ pub fn list_page(
         names.truncate(limit);
     }
     names.sort_unstable();
+    let cursor = if more {
+        names
+            .last()
+            .map(|n| OsString::from_vec(n.as_bytes().to_vec()))
+    } else {
+        None
+    };
     let dfd = dir.fd().map_err(|e| FsError::os(OP, &p, e))?;
     let mut out = Vec::with_capacity(names.len());
     for name in names {
@@ -554,7 +562,7 @@ pub fn list_page(
             Err(e) => return Err(FsError::os(OP, &p, e)),
         }
     }
-    Ok((out, more))
+    Ok((out, cursor))
 }
 
 /// lstat semantics: a symlink is reported as one.

@@ -580,7 +580,8 @@ fn fs_list(py: Python<'_>, root_fd: RawFd, path: OsString) -> PyResult<Vec<fs::L
     Ok(py.detach(|| fs::list(root_fd, &path))?)
 }
 
-/// One page of a listing: the entries after `after`, at most `limit`, and whether more follow.
+/// One page of a listing: the entries after `after`, at most `limit`, and the next page's
+/// cursor (None on the last page).
 #[pyfunction]
 #[pyo3(signature = (root_fd, path, after, limit))]
 fn fs_list_page(
@@ -589,7 +590,7 @@ fn fs_list_page(
     path: OsString,
     after: Option<OsString>,
     limit: usize,
-) -> PyResult<(Vec<fs::ListEntry>, bool)> {
+) -> PyResult<(Vec<fs::ListEntry>, Option<OsString>)> {
     Ok(py.detach(|| fs::list_page(root_fd, &path, after.as_deref(), limit))?)
 }
 

@@ -242,8 +242,8 @@ async def serve(cfg: config.Config) -> None:
         protected = protect_daemon(cgroups, cfg.daemon_memory_mb) if cgroups is not None else {}
         app = create_app(engine, cfg.token or None, tenants)
         guard = TcpGuard(cfg.tcp_max_connections)
-        if cfg.tcp_listen:
-            app.middlewares.insert(0, guard.middleware())
+        if cfg.tcp_listen:  # after the token check: a request refused leaves it watched
+            app.middlewares.append(guard.middleware())
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0,
                                max_line_size=MAX_LINE_SIZE, max_field_size=MAX_FIELD_SIZE)
         await runner.setup()

@@ -50,6 +50,7 @@ from corral.daemon.params import (
     not_root,
     page,
     page_args,
+    page_of,
     path_int,
     query_int,
     query_mode,
@@ -627,16 +628,23 @@ async def file_list(request: web.Request) -> web.Response:
     res = await _dispatch(request, op)
     if not isinstance(res, dict):
         return _json({"entries": res.entries, "next": res.next})
+    engine = _engine(request)
+    if "next" in res:  # fast-forwarded: the page listed then
 
-    async def now() -> tuple[list[Any], str | None]:
-        page_now = await op.run(_engine(request))
-        return page_now.entries, page_now.next
+        async def page_now() -> tuple[list[Any], str | None]:
+            listed = await ops.ListDir(op.sid, None, op.path, res.get("after"),
+                                       op.limit).run(engine)
+            return listed.entries, listed.next
 
-    # Fast-forwarded: what was listed then (a log that kept a whole listing, not a page,
-    # has no "next": paged here).
-    entries, nxt = await replayed_listing(res, now)
-    if "next" not in res:
-        entries, nxt = page(request, entries, lambda e: e["name"])
+        entries, nxt = await replayed_listing(res, page_now)
+        return _json({"entries": entries, "next": nxt})
+
+    # A whole listing, as a daemon that logged whole listings logged each page: this page of it.
+    async def whole_now() -> tuple[list[Any], str | None]:
+        return [ops.entry(e) for e in await engine.list_dir(op.sid, op.path)], None
+
+    entries, _ = await replayed_listing(res, whole_now)
+    entries, nxt = page_of(entries, after, limit, lambda e: e["name"])
     return _json({"entries": entries, "next": nxt})
 
 

@@ -218,7 +218,10 @@ class Stat(Op):
 
 @dataclass(frozen=True, slots=True)
 class ListDir(Op):
-    """One page of a directory's entries: those after ``after``, at most ``limit``."""
+    """One page of a directory's entries: those after ``after``, at most ``limit``. The
+    logged request is the path (and a limit not the default): a keyed page is told by its key
+    (the SDK keys each page), and a daemon that logged whole listings logged just the path.
+    The cursor is in the logged result."""
 
     path: str
     after: str | None = None
@@ -227,21 +230,19 @@ class ListDir(Op):
 
     def request(self) -> Any:
         req: dict[str, Any] = {"path": self.path}
-        if self.after is not None:
-            req["after"] = self.after
         if self.limit != DEFAULT_PAGE:
             req["limit"] = self.limit
         return req
 
     async def run(self, engine: Engine) -> Listing:
-        found, more = await engine.list_page(self.sid, self.path, self.after, self.limit)
-        return Listing([entry(e) for e in found], found[-1].name if more and found else None)
+        found, cursor = await engine.list_page(self.sid, self.path, self.after, self.limit)
+        return Listing([entry(e) for e in found], cursor)
 
     def to_log(self, engine: Engine) -> ToLog:
         from corral.daemon.trajlog import listing_result
 
         keyed = self.key is not None
-        return lambda v: listing_result(v.entries, keyed, v.next)
+        return lambda v: listing_result(v.entries, keyed, v.next, self.after)
 
 
 @dataclass(frozen=True, slots=True)

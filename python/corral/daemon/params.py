@@ -8,9 +8,10 @@ neither 10 nor 8: it is refused). File modes may also be an explicit octal strin
 from __future__ import annotations
 
 import heapq
+import os
 import posixpath
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
@@ -129,6 +130,19 @@ def page(request: web.Request, items: Sequence[T], key: Callable[[T], str]
     out = [x for _, x in page[:limit]]
     nxt = page[limit - 1][0] if len(page) > limit else None
     return out, nxt
+
+
+def page_of(items: Iterable[T], after: str | None, limit: int,
+            name_of: Callable[[T], str]) -> tuple[list[T], str | None]:
+    """A page of directory entries: those whose name's bytes sort after ``after``'s, at most
+    ``limit``, and the next page's cursor (the page's last name; None on the last page)."""
+    key = os.fsencode
+    start = key(after) if after is not None else None
+    rest = sorted((x for x in items if start is None or key(name_of(x)) > start),
+                  key=lambda x: key(name_of(x)))
+    if len(rest) <= limit:
+        return rest, None
+    return rest[:limit], name_of(rest[limit - 1])
 
 
 def paged(key: str, items: list[Any], nxt: str | None) -> dict[str, Any]:

@@ -175,13 +175,22 @@ def plan(ops: TreeOps, root: str, max_bytes: int, max_members: int) -> int:
                            details={"limit": "members", "max": max_members})
         if len(path) > 4096:
             raise InvalidPath(f"a path under {root} is longer than 4096 bytes")
-        size = 0
+        size = link = 0
         if kind == "file":
             try:
                 size = ops.stat(path)[1]
             except CorralError:
                 size = 0
-        total += 512 * 3 + size + (-size % 512) + len(arc)  # pax header + data (bounded)
+        elif kind == "symlink":
+            try:
+                link = len(ops.readlink(path).encode("utf-8", "surrogateescape"))
+            except CorralError:
+                link = 0
+        # A member's headers: a pax header block, its records (path, linkpath, hdrcharset:
+        # under 600 bytes with the names) rounded up to a block, the ustar block; never less
+        # than chunks writes, so a tree that did not change is never cut to the cap.
+        name = len(arc.encode("utf-8", "surrogateescape"))
+        total += 2048 + name + link + size + (-size % 512)
         if total > max_bytes:
             raise TooLarge(f"the tar would exceed {max_bytes} bytes (at {path})",
                            details={"limit": "bytes", "max": max_bytes, "path": path})

@@ -6,8 +6,8 @@ that: twenty thousand such connections take every fd the daemon has, so that nob
 connect any more, over TCP or the local socket, and accept(2)'s EMFILE fills the log.
 
 On the TCP listener (the local socket is root's, not guarded):
-- a connection has ``HEADERS_S`` to get its first request's headers in (a request reaching
-  the app marks it; a connection that has made one is no longer watched);
+- a connection has ``HEADERS_S`` to make a request that passes the token check (one that
+  does marks it, and it is no longer watched; one refused, 401, leaves it watched);
 - at most ``max_connections`` are open at once: past that, a new one is closed at once;
 - a kept-alive connection idle for ``KEEPALIVE_S`` is closed (aiohttp's default is an hour).
 """
@@ -26,7 +26,7 @@ log = logging.getLogger("corral.tcp")
 
 HEADERS_S = 10.0
 KEEPALIVE_S = 75.0
-DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_MAX_CONNECTIONS = 4096  # above the SDK's pool (2048 connections an endpoint)
 
 
 class TcpGuard:

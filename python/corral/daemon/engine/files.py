@@ -56,7 +56,7 @@ class FileOps:
         return await self._files(sid, path, lambda s, rt: s.list_dir(rt, path), big=True)
 
     async def list_page(self: EngineHost, sid: str, path: str, after: str | None,
-                        limit: int) -> tuple[builtins.list[FileEntry], bool]:
+                        limit: int) -> tuple[builtins.list[FileEntry], str | None]:
         """One page of a listing (Substrate.list_page), in a thread: a directory of 100,000
         names takes a while to read."""
         return await self._files(sid, path, lambda s, rt: s.list_page(rt, path, after, limit),

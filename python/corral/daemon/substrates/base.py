@@ -16,11 +16,11 @@ Substrates are made by the registry (``corral.daemon.substrates.registry``).
 from __future__ import annotations
 
 import asyncio
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
+from corral.daemon.params import page_of
 from corral.daemon.substrates.types import (
     Capabilities,
     ExecSpec,
@@ -206,15 +206,12 @@ class Substrate(ABC):
         raise self._lacks("files")
 
     def list_page(self, runtime: SandboxRuntime, path: str, after: str | None,
-                  limit: int) -> tuple[list[FileEntry], bool]:
+                  limit: int) -> tuple[list[FileEntry], str | None]:
         """The entries after ``after`` in name order (the names' bytes), at most ``limit``,
-        and whether more follow. Here from the whole listing; a substrate that can stat just
-        the page does (a page of a big directory then costs its names, not every stat)."""
-        key = os.fsencode
-        entries = sorted(self.list_dir(runtime, path), key=lambda e: key(e.name))
-        if after is not None:
-            entries = [e for e in entries if key(e.name) > key(after)]
-        return entries[:limit], len(entries) > limit
+        and the next page's cursor (None: the last page). Here from the whole listing; a
+        substrate that can stat just the page does (a page of a big directory then costs its
+        names, not every stat)."""
+        return page_of(self.list_dir(runtime, path), after, limit, lambda e: e.name)
 
     def stat(self, runtime: SandboxRuntime, path: str) -> FileEntry:
         raise self._lacks("files")

@@ -107,13 +107,14 @@ class RootFiles:
                           mtime=mtime)
                 for name, kind, size, mode, mtime in self.fs(_core.fs_list, path, path)]
 
-    def ls_page(self, path: str, after: str | None, limit: int) -> tuple[list[FileEntry], bool]:
+    def ls_page(self, path: str, after: str | None,
+                limit: int) -> tuple[list[FileEntry], str | None]:
         check_path(path)
         base = path.rstrip("/") or ""
-        found, more = self.fs(_core.fs_list_page, path, path, after, limit)
+        found, cursor = self.fs(_core.fs_list_page, path, path, after, limit)
         return [FileEntry(name=name, path=f"{base}/{name}", type=kind, size=size, mode=mode,
                           mtime=mtime)
-                for name, kind, size, mode, mtime in found], more
+                for name, kind, size, mode, mtime in found], cursor
 
     def stat(self, path: str) -> FileEntry:
         check_path(path)
@@ -277,7 +278,7 @@ class RootFileOps:
             return f.ls(path)
 
     def list_page(self, runtime: SandboxRuntime, path: str, after: str | None,
-                  limit: int) -> tuple[list[FileEntry], bool]:
+                  limit: int) -> tuple[list[FileEntry], str | None]:
         with self._files(runtime) as f:
             return f.ls_page(path, after, limit)
 

@@ -89,18 +89,20 @@ def data_result(data: bytes, keep: int = -1, **fields: Any) -> dict[str, Any]:
 LIST_KEEP = 4096
 
 
-def listing_result(entries: list[dict[str, Any]], keep: bool,
-                   next_cursor: str | None = None) -> dict[str, Any]:
+def listing_result(entries: list[dict[str, Any]], keep: bool, next_cursor: str | None = None,
+                   after: str | None = None) -> dict[str, Any]:
     """What a listing (one page of it) logs: the count and a hash of its sorted ``name type
-    size`` lines (a name that is not UTF-8 hashed as its bytes) and the next page's cursor;
-    for a keyed one also the entries (up to LIST_KEEP, and only if every name is UTF-8: the
-    log stores text), which its replay returns."""
+    size`` lines (a name that is not UTF-8 hashed as its bytes), its cursor (``after``) and
+    the next page's; for a keyed one also the entries (up to LIST_KEEP, and only if every
+    name and cursor is UTF-8: the log stores text), which its replay returns."""
     lines = sorted(f"{e['name']}\t{e['type']}\t{e['size'] if e['type'] == 'file' else 0}"
                    for e in entries)
     text = "\n".join(lines)
     res = data_result(text.encode("utf-8", "surrogateescape"), count=len(entries))
-    storable = next_cursor is None or is_text(next_cursor)
+    storable = all(c is None or is_text(c) for c in (next_cursor, after))
     res["next"] = next_cursor if storable else None
+    if after is not None and storable:
+        res["after"] = after
     if keep and len(entries) <= LIST_KEEP and is_text(text) and storable:
         res["entries"] = entries
     return res
@@ -125,8 +127,8 @@ async def replayed_listing(
         logged: dict[str, Any], now: Callable[[], Awaitable[tuple[list[Any], str | None]]]
 ) -> tuple[list[Any], str | None]:
     """What a fast-forwarded keyed listing returns, (entries, next cursor): the logged ones,
-    or (a listing over LIST_KEEP) the directory's page now, provided it is still what was
-    listed then."""
+    or (a listing over LIST_KEEP) the directory's page (or whole listing, as a daemon that
+    logged whole listings logged it) now, provided it is still what was listed then."""
     if "entries" in logged:
         return list(logged["entries"]), logged.get("next")
     entries, nxt = await now()

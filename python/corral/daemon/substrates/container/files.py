@@ -67,7 +67,7 @@ class Files:
         return self._files(runtime).ls(path)
 
     def list_page(self: Host, runtime: SandboxRuntime, path: str, after: str | None,
-                  limit: int) -> tuple[list[FileEntry], bool]:
+                  limit: int) -> tuple[list[FileEntry], str | None]:
         return self._files(runtime).ls_page(path, after, limit)
 
     def stat(self: Host, runtime: SandboxRuntime, path: str) -> FileEntry:
