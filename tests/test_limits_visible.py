@@ -8,7 +8,9 @@ and stalled; and from outside: lxcfs killed or stalled while sandboxes run."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import select
 import shutil
 import signal
 import time
@@ -238,6 +240,32 @@ def test_lxcfs_outlives_a_daemon_crash_and_is_adopted():
             assert meminfo_total_kb(sb) == 64 * 1024
             with Sandbox(endpoint=ep(d), memory_mb=88) as new:
                 assert meminfo_total_kb(new) == 88 * 1024
+        finally:
+            sb.kill()
+
+
+def test_a_daemon_restarts_past_the_dead_mount_of_an_lxcfs_that_died_with_it():
+    """kill -9 of the daemon, then of its lxcfs: the FUSE mount stays, dead (stat answers
+    ENOTCONN). The next daemon detaches it and starts a new lxcfs."""
+    with lxcfs_daemon("d") as d:
+        sb = Sandbox(endpoint=ep(d), memory_mb=64)
+        try:
+            pid = lxcfs_pid(d.state_dir)
+            assert pid is not None
+            d.kill9()
+            pidfd = os.pidfd_open(pid)
+            os.kill(pid, signal.SIGKILL)
+            select.select([pidfd], [], [], 10)
+            os.close(pidfd)
+            with pytest.raises(OSError) as dead:
+                os.stat(os.path.join(d.state_dir, "lxcfs", "mnt"))
+            assert dead.value.errno == errno.ENOTCONN
+            d.start()
+            assert wait_until(lambda: lxcfs_pid(d.state_dir) not in (None, pid)
+                              and lxcfs_mounted(d.state_dir), 30), d.tail()
+            assert sb.exec("echo alive", timeout=30).stdout.strip() == "alive"
+            with Sandbox(endpoint=ep(d), memory_mb=72) as new:
+                assert meminfo_total_kb(new) == 72 * 1024
         finally:
             sb.kill()
 

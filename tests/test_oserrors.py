@@ -54,11 +54,21 @@ def test_a_file_errno_maps_to_one_class_everywhere(n):
 
 
 @pytest.mark.parametrize("n", [errno.EHOSTDOWN, errno.ECHILD, errno.ENOLINK])
-def test_an_unknown_errno_is_internal_not_the_callers_fault(n):
-    assert type(oserrors.sandbox_file_error(err(n), "/p")) is InternalError
+def test_an_unknown_errno_is_whoever_shaped_the_file(n):
+    # a sandbox's files are shaped by the code in it: an odd errno from them is the task's,
+    # never an infra failure it could provoke to be masked
+    inside = oserrors.sandbox_file_error(err(n), "/p")
+    assert type(inside) is InvalidRequest and not inside.infra
+    # the daemon's own files: infra
     assert type(oserrors.host_file_error(err(n), "/p")) is InternalError
     # at the API layer an unusable file the request named is the request's fault
     assert type(oserrors.request_error(err(n, "/p"))) is InvalidRequest
+
+
+@pytest.mark.parametrize("n", sorted(oserrors.SANDBOX_FILE_INFRA - set(EXPECTED)))
+def test_a_host_fault_under_a_sandboxs_file_stays_infra(n):
+    e = oserrors.sandbox_file_error(err(n), "/p")
+    assert type(e) is InternalError and e.infra
 
 
 @pytest.mark.parametrize("n", sorted(oserrors.INPUT_ERRNOS - set(EXPECTED)))

@@ -58,6 +58,17 @@ def _mounted(path: str) -> str | None:
     return fstype
 
 
+def _make_dir(path: str) -> None:
+    """mkdir -p, past a dead FUSE mount on ``path`` (an lxcfs that died while no daemon
+    watched it leaves one: stat answers ENOTCONN, so the directory 'exists' but is no dir)."""
+    try:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+    except FileExistsError:
+        while _mounted(path):
+            _core.umount_detach(path)
+        os.makedirs(path, mode=0o755, exist_ok=True)
+
+
 class Lxcfs:
     """Starts, watches and restarts one lxcfs; ``proc_binds()`` is what a spawn binds now."""
 
@@ -107,8 +118,8 @@ class Lxcfs:
         if not self.binary:
             log.warning("lxcfs not found: sandboxes see the host's /proc/meminfo, cpuinfo...")
             return False
-        os.makedirs(self.mnt, mode=0o755, exist_ok=True)
-        os.makedirs(self.view, mode=0o755, exist_ok=True)
+        _make_dir(self.mnt)
+        _make_dir(self.view)
         ok = self._adopt() or self._launch()
         self._thread = threading.Thread(target=self._supervise, name="corral-lxcfs",
                                         daemon=True)
