@@ -81,9 +81,17 @@ def test_protocol_has_one_return_type_per_method():
         if not isinstance(fn, ast.FunctionDef) or fn.name.startswith("_"):
             continue
         assert fn.returns is not None, fn.name
-        parts = [p.strip() for p in ast.unparse(fn.returns).split("|")]
+        parts = [ast.unparse(p) for p in _union_members(fn.returns)]
         assert len([p for p in parts if p != "None"]) <= 1 or fn.name == "destroy_many", \
             (fn.name, ast.unparse(fn.returns))
+
+
+def _union_members(node: ast.expr) -> list[ast.expr]:
+    """The alternatives of a top-level ``A | B | ...`` (a union inside ``tuple[...]`` is one
+    member: the tuple)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return _union_members(node.left) + _union_members(node.right)
+    return [node]
 
 
 # ---- a minimal real substrate, registered only here -----------------------------------------
