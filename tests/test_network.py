@@ -20,7 +20,7 @@ import netlab
 import pytest
 
 from corral import Network, Sandbox
-from corral.errors import InvalidNetwork, SandboxLost, Unsupported
+from corral.errors import InvalidNetwork, InvalidRequest, SandboxLost, Unsupported
 from corral.sdk import api
 
 from conftest import CGROUP_NAME, private_daemon, wait_until
@@ -1306,6 +1306,100 @@ def test_exposed_ports_reach_a_server_inside_from_the_host_only(net: Env):
     # Gone with the sandbox.
     p7000 = int(host7000.rsplit(":", 1)[1])
     assert wait_until(lambda: socket.socket().connect_ex(("127.0.0.1", p7000)) != 0)
+
+
+HOLDING_SERVER = """
+import socket, sys, threading
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(512)
+def serve(c):
+    n = 0
+    while d := c.recv(65536):  # holds the connection until the peer's EOF
+        n += len(d)
+    c.sendall(b"got %d" % n); c.close()
+while True:
+    c, _ = s.accept(); threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+
+def _hold(sb: Sandbox, port: int) -> None:
+    sb.exec(["python3", "-c", HOLDING_SERVER, str(port)], background=True)
+    assert wait_until(lambda: f":{port:04X}" in sb.exec("cat /proc/net/tcp").stdout)
+
+
+def _established(sb: Sandbox, port: int) -> int:
+    lines = sb.exec("cat /proc/net/tcp").stdout.splitlines()[1:]
+    return sum(1 for ln in lines if ln.split()[1].endswith(f":{port:04X}")
+               and ln.split()[3] == "01")
+
+
+def _clients(host_port: str, n: int) -> list[socket.socket]:
+    h, p = host_port.rsplit(":", 1)
+    return [socket.create_connection((h, int(p)), timeout=20) for _ in range(n)]
+
+
+def _ended(c: socket.socket) -> bool:
+    """The relay ended this connection (EOF or reset), within the socket's timeout."""
+    try:
+        return c.recv(100) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_an_exposed_ports_relays_end_with_the_port_and_with_the_sandbox(net: Env):
+    """Host clients of a sandbox's server must not hang once the port or the sandbox is
+    gone: the sandbox's own FIN never comes after its rules are removed."""
+    sb = net.sandbox(network="internet")
+    try:
+        _hold(sb, 7100)
+        _hold(sb, 7101)
+        by_unexpose = _clients(sb.expose(7100), 4)
+        by_kill = _clients(sb.expose(7101), 4)
+        assert wait_until(lambda: _established(sb, 7100) == 4 and _established(sb, 7101) == 4)
+        assert sb.unexpose(7100)
+        assert all(_ended(c) for c in by_unexpose)
+        assert _established(sb, 7101) == 4  # the other port's relays go on
+        sb.kill()
+        assert all(_ended(c) for c in by_kill)
+    finally:
+        sb.kill()
+        for c in by_unexpose + by_kill:
+            c.close()
+
+
+def test_an_exposed_port_passes_a_half_close_through(net: Env):
+    with net.sandbox(network="internet") as sb:
+        _hold(sb, 7102)
+        (c,) = _clients(sb.expose(7102), 1)
+        with c:
+            c.sendall(b"x" * 100_000)
+            c.shutdown(socket.SHUT_WR)  # the server answers after this EOF
+            got = b""
+            while d := c.recv(100):
+                got += d
+            assert got == b"got 100000"
+
+
+def test_exposed_ports_and_their_connections_are_bounded(net: Env):
+    from corral.daemon.network import expose
+
+    with net.sandbox(network="internet") as sb:
+        for port in range(8000, 8000 + expose.MAX_PORTS_PER_SANDBOX):
+            sb.expose(port)
+        with pytest.raises(InvalidRequest) as e:
+            sb.expose(9999)
+        assert e.value.details["limit"] == "exposed_ports"
+        assert sb.expose(8000)  # one exposed already: the same answer
+        _hold(sb, 8001)
+        clients = _clients(sb.info().net.exposed["8001"], expose.MAX_CONNECTIONS_PER_PORT + 1)
+        try:
+            # the connection past the cap is refused at once; the others are relayed
+            assert _ended(clients[-1])
+            assert wait_until(lambda: _established(sb, 8001) ==
+                              expose.MAX_CONNECTIONS_PER_PORT, 30)
+        finally:
+            for c in clients:
+                c.close()
 
 
 def test_expose_needs_a_networked_sandbox(net: Env):
