@@ -5,6 +5,8 @@ every call still sees the table as it is."""
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
 import shutil
 import subprocess
@@ -50,6 +52,7 @@ def table():
     _nft("-f", "-", stdin=f"""table inet {name} {{
   set names {{ type ifname; flags dynamic; counter; }}
   set src4 {{ type ifname . ipv4_addr; }}
+  set allow4 {{ type ifname . ipv4_addr . inet_proto . inet_service; flags interval, timeout; }}
 }}""")
     try:
         yield name
@@ -114,3 +117,44 @@ def test_threads_have_their_own_socket_and_see_the_same_table(table):
         t.join(60)
     assert not errors, errors
     assert '"t' not in _nft("list", "set", "inet", table, "names")
+
+
+def _elements(table: str, set_: str) -> list:
+    doc = json.loads(_nft("-j", "list", "set", "inet", table, set_))
+    return next(x["set"] for x in doc["nftables"] if "set" in x).get("elem", [])
+
+
+def test_element_lists_past_a_message_and_a_send_go_in_whole(table):
+    """A set's elements over 64 KiB (the 16 bits of a nested attribute's length) and over the
+    socket's send buffer: an add is one transaction whatever its size, every element in; a
+    removal takes every one out (an element list sent as one nest wrapped its length, and the
+    kernel acted on part of it; one send over the buffer failed with EMSGSIZE)."""
+    base = int(ipaddress.IPv4Address("10.0.0.0"))
+    plain = [f'"big0" . {ipaddress.IPv4Address(base + i)}' for i in range(12_000)]  # 384 KiB
+    ranges = [f'"big0" . {ipaddress.IPv4Address(base + 4 * i)}/30 . tcp . {1000 + i}-{1000 + i}'
+              f" timeout 600s" for i in range(4_000)]  # interval elements: 336 KiB
+    _core.nft_add_elements(table, [("src4", [new_element(e, False) for e in plain]),
+                                   ("allow4", [new_element(e, True) for e in ranges])])
+    assert len(_elements(table, "src4")) == len(plain)
+    assert len(_elements(table, "allow4")) == len(ranges)
+    _core.nft_destroy_elements(table, [("src4", [element_key(e, False) for e in plain]),
+                                       ("allow4", [element_key(e, True) for e in ranges])])
+    assert _elements(table, "src4") == [] and _elements(table, "allow4") == []
+    # The socket is kept and still works for small calls.
+    _add(table, "src4", '"a0" . 10.0.0.1')
+    assert '"a0" . 10.0.0.1' in _nft("list", "set", "inet", table, "src4")
+
+
+def test_a_refused_element_among_many_refuses_the_whole_add(table):
+    """An add stays one transaction however many messages it takes: an element the kernel
+    refuses (an interval overlapping another) in the last message leaves none of the others
+    in."""
+    base = int(ipaddress.IPv4Address("10.0.0.0"))
+    ranges = [f'"big1" . {ipaddress.IPv4Address(base + 4 * i)}/30 . tcp . 80'
+              for i in range(3_000)]
+    ranges.append('"big1" . 10.0.0.0/24 . tcp . 80')  # overlaps the first ones
+    with pytest.raises(OSError):
+        _core.nft_add_elements(table, [("allow4", [new_element(e, True) for e in ranges])])
+    assert _elements(table, "allow4") == []
+    _add(table, "src4", '"a1" . 10.0.0.2')
+    assert '"a1" . 10.0.0.2' in _nft("list", "set", "inet", table, "src4")

@@ -3,6 +3,14 @@
 //! quarter of a second per sandbox with 10,000 of them. The kernel's own cost does not grow
 //! like that. NFT_MSG_DESTROYSETELEM (Linux >= 6.3) ignores elements already gone (expired
 //! DNS pins), so one batch removes a sandbox's elements whatever expired meanwhile.
+//!
+//! Sizes: a nested netlink attribute's length is 16 bits, so a set's element list goes out
+//! as messages of at most `MSG_ELEMS` bytes of elements each (several messages for one set
+//! in one batch). A removal goes out in sends below the socket's send buffer, each its own
+//! transaction (DESTROYSETELEM is idempotent; the caller orders the sets so the first
+//! transaction already cuts the sandbox off). An add, or a swap, stays one transaction
+//! whatever its size: the socket's send buffer is raised to carry it (up to
+//! `MAX_TRANSACTION`), as libnftables does for a large ruleset.
 
 use std::cell::RefCell;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -13,6 +21,10 @@ use libc::c_void;
 pub enum NftSetError {
     #[error("invalid argument: {0}")]
     Invalid(String),
+    #[error("a netlink attribute of {0} bytes (a nested attribute's length holds 65,535)")]
+    TooLong(usize),
+    #[error("a transaction of {0} bytes (at most {MAX_TRANSACTION})")]
+    TooBig(usize),
     #[error("{step}: {source}")]
     Os {
         step: &'static str,
@@ -24,6 +36,7 @@ impl NftSetError {
     pub fn errno(&self) -> i32 {
         match self {
             NftSetError::Invalid(_) => libc::EINVAL,
+            NftSetError::TooLong(_) | NftSetError::TooBig(_) => libc::EMSGSIZE,
             NftSetError::Os { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
         }
     }
@@ -57,6 +70,12 @@ const NFTA_VERDICT_CODE: u16 = 1;
 const NFTA_VERDICT_CHAIN: u16 = 2;
 const NFT_JUMP: i32 = -3;
 const NLA_F_NESTED: u16 = 1 << 15;
+/// Bytes of elements in one element-list message: below the 65,535 of its nest's length.
+const MSG_ELEMS: usize = 60 * 1024;
+/// The largest add or swap (one transaction) sent: the socket's send buffer is raised to it.
+pub const MAX_TRANSACTION: usize = 32 << 20;
+const NETLINK_CAP_ACK: libc::c_int = 10;
+const SO_SNDBUFFORCE: libc::c_int = 32;
 
 fn align4(n: usize) -> usize {
     (n + 3) & !3
@@ -86,12 +105,14 @@ impl Buf {
         self.b[at..at + 4].copy_from_slice(&len.to_ne_bytes());
     }
 
-    fn attr(&mut self, ty: u16, data: &[u8]) {
-        self.b
-            .extend_from_slice(&((4 + data.len()) as u16).to_ne_bytes());
+    fn attr(&mut self, ty: u16, data: &[u8]) -> Result<(), NftSetError> {
+        let len =
+            u16::try_from(4 + data.len()).map_err(|_| NftSetError::TooLong(4 + data.len()))?;
+        self.b.extend_from_slice(&len.to_ne_bytes());
         self.b.extend_from_slice(&ty.to_ne_bytes());
         self.b.extend_from_slice(data);
         self.b.resize(align4(self.b.len()), 0);
+        Ok(())
     }
 
     fn begin(&mut self, ty: u16) {
@@ -100,10 +121,21 @@ impl Buf {
         self.b.extend_from_slice(&(ty | NLA_F_NESTED).to_ne_bytes());
     }
 
-    fn end(&mut self) {
+    /// Close the innermost nest; an error if it outgrew the 16 bits of its length (the
+    /// kernel would read a wrapped length, act on part of it and still acknowledge).
+    fn end(&mut self) -> Result<(), NftSetError> {
         let at = self.nests.pop().expect("end without begin");
-        let len = (self.b.len() - at) as u16;
+        let len = u16::try_from(self.b.len() - at)
+            .map_err(|_| NftSetError::TooLong(self.b.len() - at))?;
         self.b[at..at + 2].copy_from_slice(&len.to_ne_bytes());
+        Ok(())
+    }
+
+    fn new() -> Buf {
+        Buf {
+            b: Vec::new(),
+            nests: Vec::new(),
+        }
     }
 }
 
@@ -123,10 +155,16 @@ pub struct SetElems {
     pub elems: Vec<(Vec<u8>, Option<Vec<u8>>)>,
 }
 
-/// Remove the given elements of `table` (family inet) in one batch (one transaction); an
-/// element already gone is not an error.
+/// Remove the given elements of `table` (family inet); an element already gone is not an
+/// error. One transaction if it fits one send, else several, in the order given (the caller
+/// puts first what cuts the sandbox off).
 pub fn destroy_elements(table: &str, sets: &[SetElems]) -> Result<(), NftSetError> {
-    swap_elements(table, sets, &[])
+    let table = cstr(table)?;
+    let mut msgs = Vec::new();
+    for s in sets.iter().filter(|s| !s.elems.is_empty()) {
+        write_destroy(&mut msgs, &table, s)?;
+    }
+    send_msgs(&msgs, true)
 }
 
 /// Remove the elements of `gone`, then add those of `added`, in one batch (one transaction).
@@ -138,40 +176,28 @@ pub fn swap_elements(
     added: &[(String, Vec<NewElem>)],
 ) -> Result<(), NftSetError> {
     let table = cstr(table)?;
-    let items = gone
-        .iter()
-        .filter(|s| !s.elems.is_empty())
-        .map(Change::Gone)
-        .chain(
-            added
-                .iter()
-                .filter(|(_, e)| !e.is_empty())
-                .map(|(set, elems)| Change::Added(set, elems)),
-        );
-    elem_batch(items, |buf, seq, item| match item {
-        Change::Gone(s) => write_destroy(buf, seq, &table, s),
-        Change::Added(set, elems) => write_add(buf, seq, &table, set, elems),
-    })
-}
-
-/// One element-list message of a batch.
-enum Change<'a> {
-    Gone(&'a SetElems),
-    Added(&'a str, &'a [NewElem]),
-}
-
-fn write_destroy(buf: &mut Buf, seq: u32, table: &[u8], s: &SetElems) -> Result<(), NftSetError> {
-    let ty = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DESTROYSETELEM;
-    let flags = libc::NLM_F_REQUEST as u16 | libc::NLM_F_ACK as u16;
-    let at = elem_list(buf, ty, flags, seq, table, &s.set)?;
-    for (key, end) in &s.elems {
-        buf.begin(NFTA_LIST_ELEM);
-        elem_keys(buf, key, end.as_deref());
-        buf.end();
+    let mut msgs = Vec::new();
+    for s in gone.iter().filter(|s| !s.elems.is_empty()) {
+        write_destroy(&mut msgs, &table, s)?;
     }
-    buf.end();
-    buf.close_msg(at);
-    Ok(())
+    for (set, elems) in added.iter().filter(|(_, e)| !e.is_empty()) {
+        write_add(&mut msgs, &table, set, elems)?;
+    }
+    send_msgs(&msgs, false)
+}
+
+fn write_destroy(msgs: &mut Vec<Vec<u8>>, table: &[u8], s: &SetElems) -> Result<(), NftSetError> {
+    let ty = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DESTROYSETELEM;
+    let flags = libc::NLM_F_REQUEST as u16;
+    write_elems(
+        msgs,
+        ty,
+        flags,
+        table,
+        &s.set,
+        &s.elems,
+        |buf, (key, end)| elem_keys(buf, key, end.as_deref()),
+    )
 }
 
 /// One element to add: its key (and end key in an interval set), a timeout, and in a verdict
@@ -191,114 +217,189 @@ pub fn add_elements(table: &str, sets: &[(String, Vec<NewElem>)]) -> Result<(), 
 }
 
 fn write_add(
-    buf: &mut Buf,
-    seq: u32,
+    msgs: &mut Vec<Vec<u8>>,
     table: &[u8],
     set: &str,
     elems: &[NewElem],
 ) -> Result<(), NftSetError> {
     let ty = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSETELEM;
-    let flags = libc::NLM_F_REQUEST as u16 | libc::NLM_F_ACK as u16 | libc::NLM_F_CREATE as u16;
-    let at = elem_list(buf, ty, flags, seq, table, set)?;
-    for e in elems {
-        buf.begin(NFTA_LIST_ELEM);
-        elem_keys(buf, &e.key, e.end.as_deref());
+    let flags = libc::NLM_F_REQUEST as u16 | libc::NLM_F_CREATE as u16;
+    write_elems(msgs, ty, flags, table, set, elems, |buf, e| {
+        elem_keys(buf, &e.key, e.end.as_deref())?;
         if let Some(ms) = e.timeout_ms {
-            buf.attr(NFTA_SET_ELEM_TIMEOUT, &ms.to_be_bytes());
+            buf.attr(NFTA_SET_ELEM_TIMEOUT, &ms.to_be_bytes())?;
         }
         if let Some(chain) = &e.jump {
             buf.begin(NFTA_SET_ELEM_DATA);
             buf.begin(NFTA_DATA_VERDICT);
-            buf.attr(NFTA_VERDICT_CODE, &NFT_JUMP.to_be_bytes());
-            buf.attr(NFTA_VERDICT_CHAIN, &cstr(chain)?);
-            buf.end();
-            buf.end();
+            buf.attr(NFTA_VERDICT_CODE, &NFT_JUMP.to_be_bytes())?;
+            buf.attr(NFTA_VERDICT_CHAIN, &cstr(chain)?)?;
+            buf.end()?;
+            buf.end()?;
         }
-        buf.end();
+        Ok(())
+    })
+}
+
+/// One set's elements as element-list messages (sequence number 0, set when sent), each
+/// holding at most about `MSG_ELEMS` bytes of elements; `one` writes an element's attributes.
+fn write_elems<T>(
+    msgs: &mut Vec<Vec<u8>>,
+    ty: u16,
+    flags: u16,
+    table: &[u8],
+    set: &str,
+    elems: &[T],
+    mut one: impl FnMut(&mut Buf, &T) -> Result<(), NftSetError>,
+) -> Result<(), NftSetError> {
+    let mut rest = elems.iter().peekable();
+    while rest.peek().is_some() {
+        let mut buf = Buf::new();
+        let at = buf.msg(ty, flags, 0, NFPROTO_INET, 0);
+        buf.attr(NFTA_SET_ELEM_LIST_TABLE, table)?;
+        buf.attr(NFTA_SET_ELEM_LIST_SET, &cstr(set)?)?;
+        buf.begin(NFTA_SET_ELEM_LIST_ELEMENTS);
+        let start = buf.b.len();
+        while buf.b.len() - start < MSG_ELEMS {
+            let Some(e) = rest.next() else { break };
+            buf.begin(NFTA_LIST_ELEM);
+            one(&mut buf, e)?;
+            buf.end()?;
+        }
+        buf.end()?;
+        buf.close_msg(at);
+        msgs.push(buf.b);
     }
-    buf.end();
-    buf.close_msg(at);
     Ok(())
 }
 
-/// One nf_tables batch (one transaction): `write` adds one element-list message per item
-/// (its sequence number given); sent, and every message's ack read. Nothing is sent for no
-/// items.
-fn elem_batch<T>(
-    items: impl Iterator<Item = T>,
-    mut write: impl FnMut(&mut Buf, u32, T) -> Result<(), NftSetError>,
-) -> Result<(), NftSetError> {
-    let mut buf = Buf {
-        b: Vec::new(),
-        nests: Vec::new(),
-    };
-    let req = libc::NLM_F_REQUEST as u16;
-    let at = buf.msg(NFNL_MSG_BATCH_BEGIN, req, 1, 0, NFNL_SUBSYS_NFTABLES);
-    buf.close_msg(at);
-    let mut seq = 2u32;
-    let mut acks = Vec::new();
-    for item in items {
-        write(&mut buf, seq, item)?;
-        acks.push(seq);
-        seq += 1;
-    }
-    if acks.is_empty() {
+/// Send element-list messages in nf_tables batches, each message given its sequence number
+/// and the last of each batch an ack request (the kernel reports any message's error without
+/// one, and acknowledges the last only once the batch is committed). `split`: in as many
+/// batches (transactions) as the socket's send buffer needs; else one, the buffer raised to
+/// carry it. Nothing is sent for no messages.
+fn send_msgs(msgs: &[Vec<u8>], split: bool) -> Result<(), NftSetError> {
+    if msgs.is_empty() {
         return Ok(());
     }
-    let at = buf.msg(NFNL_MSG_BATCH_END, req, seq, 0, NFNL_SUBSYS_NFTABLES);
-    buf.close_msg(at);
-    send_batch(&buf.b, &acks)
+    with_socket(|fd| {
+        // Room in one send: the kernel refuses a message over its send buffer less 32 bytes.
+        let room = if split {
+            sndbuf(fd)?.saturating_sub(64).max(MSG_ELEMS + 1024)
+        } else {
+            usize::MAX
+        };
+        let mut rest = msgs.iter().peekable();
+        while rest.peek().is_some() {
+            let mut buf = Buf::new();
+            let req = libc::NLM_F_REQUEST as u16;
+            let at = buf.msg(NFNL_MSG_BATCH_BEGIN, req, 1, 0, NFNL_SUBSYS_NFTABLES);
+            buf.close_msg(at);
+            let mut seq = 1u32;
+            let mut last = 0;
+            while let Some(m) = rest.peek() {
+                if seq > 1 && buf.b.len() + m.len() + 2 * NLMSG_HDRLEN + 4 > room {
+                    break;
+                }
+                seq += 1;
+                last = buf.b.len();
+                buf.b.extend_from_slice(m);
+                buf.b[last + 8..last + 12].copy_from_slice(&seq.to_ne_bytes());
+                rest.next();
+            }
+            let flags = u16::from_ne_bytes([buf.b[last + 6], buf.b[last + 7]]);
+            let flags = flags | libc::NLM_F_ACK as u16;
+            buf.b[last + 6..last + 8].copy_from_slice(&flags.to_ne_bytes());
+            let at = buf.msg(NFNL_MSG_BATCH_END, req, seq + 1, 0, NFNL_SUBSYS_NFTABLES);
+            buf.close_msg(at);
+            if buf.b.len() > MAX_TRANSACTION {
+                return Err((NftSetError::TooBig(buf.b.len()), true));
+            }
+            fit_sndbuf(fd, buf.b.len())?;
+            exchange_on(fd, &buf.b, &[seq], |_, _| {})?;
+        }
+        Ok(())
+    })
 }
 
-/// The head of an element-list message for `set` of `table`, its elements' nest opened: the
-/// caller adds the elements, ends the nest and closes the message (at the offset returned).
-fn elem_list(
-    buf: &mut Buf,
-    ty: u16,
-    flags: u16,
-    seq: u32,
-    table: &[u8],
-    set: &str,
-) -> Result<usize, NftSetError> {
-    let at = buf.msg(ty, flags, seq, NFPROTO_INET, 0);
-    buf.attr(NFTA_SET_ELEM_LIST_TABLE, table);
-    buf.attr(NFTA_SET_ELEM_LIST_SET, &cstr(set)?);
-    buf.begin(NFTA_SET_ELEM_LIST_ELEMENTS);
-    Ok(at)
+/// This socket's send buffer (what the kernel holds it to: twice what was asked).
+fn sndbuf(fd: &OwnedFd) -> Result<usize, (NftSetError, bool)> {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt into an int we own, its size given.
+    let r = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            &mut v as *mut libc::c_int as *mut c_void,
+            &mut len,
+        )
+    };
+    if r < 0 {
+        return Err((os_err("getsockopt SO_SNDBUF"), false));
+    }
+    Ok(v.max(0) as usize)
+}
+
+/// Raise this socket's send buffer so one send of `len` bytes fits (the daemon is root:
+/// SO_SNDBUFFORCE passes the system's wmem_max, as libnftables does for a large batch).
+fn fit_sndbuf(fd: &OwnedFd, len: usize) -> Result<(), (NftSetError, bool)> {
+    if len + 32 <= sndbuf(fd)? {
+        return Ok(());
+    }
+    let want = libc::c_int::try_from(len / 2 + 4096).unwrap_or(libc::c_int::MAX);
+    // SAFETY: setsockopt from an int we own, its size given.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_SNDBUFFORCE,
+            &want as *const libc::c_int as *const c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        return Err((os_err("setsockopt SO_SNDBUFFORCE"), true));
+    }
+    Ok(())
+}
+
+fn os_err(step: &'static str) -> NftSetError {
+    NftSetError::Os {
+        step,
+        source: std::io::Error::last_os_error(),
+    }
 }
 
 /// An element's key, and its end key in an interval set.
-fn elem_keys(buf: &mut Buf, key: &[u8], end: Option<&[u8]>) {
+fn elem_keys(buf: &mut Buf, key: &[u8], end: Option<&[u8]>) -> Result<(), NftSetError> {
     buf.begin(NFTA_SET_ELEM_KEY);
-    buf.attr(NFTA_DATA_VALUE, key);
-    buf.end();
+    buf.attr(NFTA_DATA_VALUE, key)?;
+    buf.end()?;
     if let Some(end) = end {
         buf.begin(NFTA_SET_ELEM_KEY_END);
-        buf.attr(NFTA_DATA_VALUE, end);
-        buf.end();
+        buf.attr(NFTA_DATA_VALUE, end)?;
+        buf.end()?;
     }
+    Ok(())
 }
 
 /// The counter (packets, bytes) of one element of a set with a `counter` statement, straight
 /// over netlink (libnftables would read every set and chain of the table first); None if
 /// the element is not there.
 pub fn get_counter(table: &str, set: &str, key: &[u8]) -> Result<Option<(u64, u64)>, NftSetError> {
-    let mut buf = Buf {
-        b: Vec::new(),
-        nests: Vec::new(),
-    };
+    let mut buf = Buf::new();
     let ty = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETSETELEM;
     let flags = libc::NLM_F_REQUEST as u16 | libc::NLM_F_ACK as u16;
     let at = buf.msg(ty, flags, 1, NFPROTO_INET, 0);
-    buf.attr(NFTA_SET_ELEM_LIST_TABLE, &cstr(table)?);
-    buf.attr(NFTA_SET_ELEM_LIST_SET, &cstr(set)?);
+    buf.attr(NFTA_SET_ELEM_LIST_TABLE, &cstr(table)?)?;
+    buf.attr(NFTA_SET_ELEM_LIST_SET, &cstr(set)?)?;
     buf.begin(NFTA_SET_ELEM_LIST_ELEMENTS);
     buf.begin(NFTA_LIST_ELEM);
-    buf.begin(NFTA_SET_ELEM_KEY);
-    buf.attr(NFTA_DATA_VALUE, key);
-    buf.end();
-    buf.end();
-    buf.end();
+    elem_keys(&mut buf, key, None)?;
+    buf.end()?;
+    buf.end()?;
     buf.close_msg(at);
     let mut found = None;
     let res = exchange(&buf.b, &[1], |ty, payload| {
@@ -323,15 +424,12 @@ pub fn dump_counters(
     set: &str,
     prefix: &[u8],
 ) -> Result<Vec<(Vec<u8>, u64, u64)>, NftSetError> {
-    let mut buf = Buf {
-        b: Vec::new(),
-        nests: Vec::new(),
-    };
+    let mut buf = Buf::new();
     let ty = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETSETELEM;
     let flags = (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16;
     let at = buf.msg(ty, flags, 1, NFPROTO_INET, 0);
-    buf.attr(NFTA_SET_ELEM_LIST_TABLE, &cstr(table)?);
-    buf.attr(NFTA_SET_ELEM_LIST_SET, &cstr(set)?);
+    buf.attr(NFTA_SET_ELEM_LIST_TABLE, &cstr(table)?)?;
+    buf.attr(NFTA_SET_ELEM_LIST_SET, &cstr(set)?)?;
     buf.close_msg(at);
     let mut out = Vec::new();
     let res = exchange(&buf.b, &[1], |ty, payload| {
@@ -412,10 +510,6 @@ fn elem_counter(elem: &[u8]) -> Option<(u64, u64)> {
     None
 }
 
-fn send_batch(data: &[u8], acks: &[u32]) -> Result<(), NftSetError> {
-    exchange(data, acks, |_, _| {})
-}
-
 thread_local! {
     /// This thread's nf_tables socket, kept open from one call to the next: the kernel
     /// answers the close of a netfilter netlink socket (NETLINK_URELEASE) by taking the
@@ -442,20 +536,45 @@ fn new_socket() -> Result<OwnedFd, NftSetError> {
         });
     }
     // SAFETY: a fresh fd we own.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let one: libc::c_int = 1;
+    // An error answer without a copy of the request it refuses (up to a whole element list):
+    // every answer fits the receive buffer the exchange reads into.
+    // SAFETY: setsockopt from an int we own, its size given.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_NETLINK,
+            NETLINK_CAP_ACK,
+            &one as *const libc::c_int as *const c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        return Err(os_err("setsockopt NETLINK_CAP_ACK"));
+    }
+    Ok(fd)
 }
 
 /// Send `data` and read answers until each sequence number in `acks` is acknowledged;
 /// `seen(message type, payload)` gets every other message. On this thread's kept socket.
 fn exchange(data: &[u8], acks: &[u32], seen: impl FnMut(u16, &[u8])) -> Result<(), NftSetError> {
+    with_socket(|fd| exchange_on(fd, data, acks, seen))
+}
+
+/// `f` on this thread's kept socket (a new one if there is none), put back for the next
+/// call if `f` succeeds or its error says every answer was read.
+fn with_socket<R>(
+    f: impl FnOnce(&OwnedFd) -> Result<R, (NftSetError, bool)>,
+) -> Result<R, NftSetError> {
     let fd = match SOCKET.with(|c| c.borrow_mut().take()) {
         Some(fd) => fd,
         None => new_socket()?,
     };
     // A kernel's error answer to the one request of an exchange (a get of an element not
     // there: ENOENT, every get of a sandbox never denied) ends it cleanly too.
-    let (res, clean) = match exchange_on(&fd, data, acks, seen) {
-        Ok(()) => (Ok(()), true),
+    let (res, clean) = match f(&fd) {
+        Ok(r) => (Ok(r), true),
         Err((e, clean)) => (Err(e), clean),
     };
     if clean {
