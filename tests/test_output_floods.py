@@ -232,3 +232,44 @@ def test_pipes_left_open_by_returned_commands_are_bounded(sb, daemon):
         assert sb.exec("(sleep 600 &); echo ok").stdout == "ok\n"
     assert _fds(pid) - before <= 2 * MAX_LINGERING + 16, (before, _fds(pid))
     assert sb.exec("echo alive").stdout == "alive\n"
+
+
+_EMOJI = ("python3 -c 'import sys; s = \"\\U0001F600\" * (4 << 20); "
+          "sys.stdout.write(s); sys.stderr.write(s)'")
+
+
+def test_reading_a_big_log_costs_the_daemon_a_page_not_the_log(sb, daemon):
+    """The agent decides how big its log is: 8 commands printing 4 Mi emoji to each stream
+    are ~190 MiB of stored JSON (the log keeps 1 Mi characters an output, 12 bytes each as
+    JSON escapes). Reading the log, four readers at once, costs the daemon a page of rows
+    each, where it held the whole log twice (~530 MiB a reader); a viewer's read (tail,
+    max_output) is small."""
+    from apiclient import client
+
+    n = 8
+    for _ in range(n):
+        assert sb.exec(_EMOJI, timeout=120).exit_code == 0
+    pid = daemon.proc.pid
+
+    def read_all() -> int:
+        with client() as c, c.stream("GET", f"/v1/sandboxes/{sb.id}/log") as r:
+            assert r.status_code == 200
+            return sum(len(chunk) for chunk in r.iter_bytes())
+
+    before = _rss_mib(pid)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        sizes, peak = _peak_rss_while(pid, lambda: list(pool.map(lambda _: read_all(),
+                                                                 range(4))))
+    assert min(sizes) > n * (20 << 20), sizes
+    assert peak - before < 4 * 80, (before, peak)
+
+    with client() as c:
+        r = c.get(f"/v1/sandboxes/{sb.id}/log", params={"tail": 3, "max_output": 100})
+        assert r.status_code == 200 and len(r.content) < 64 << 10, len(r.content)
+        entries = r.json()["entries"]
+        total = len(c.get(f"/v1/sandboxes/{sb.id}/log", params={"format": "jsonl"})
+                    .content.splitlines())
+    assert [e["index"] for e in entries] == [total - 3, total - 2, total - 1]
+    last = entries[-1]["result"]
+    assert last["stdout"] == "\U0001F600" * 100 and last["stderr"] == "\U0001F600" * 100
+    assert last["view_truncated"] is True and last["exit_code"] == 0

@@ -52,9 +52,14 @@ def make_app(socket_path: str, token: str) -> web.Application:
             session["s"] = aiohttp.ClientSession(connector=aiohttp.UnixConnector(socket_path))
         url = URL.build(scheme="http", host="corral", path=path, query=request.query)
         async with session["s"].get(url) as r:
-            body = await r.read()
+            # streamed as it comes: a sandbox's log can be big, the proxy holds one chunk
             headers = {k: v for k, v in r.headers.items() if k.lower() not in _HOP}
-            return web.Response(body=body, status=r.status, headers=headers)
+            out = web.StreamResponse(status=r.status, headers=headers)
+            await out.prepare(request)
+            async for chunk in r.content.iter_chunked(1 << 16):
+                await out.write(chunk)
+            await out.write_eof()
+            return out
 
     async def close(app: web.Application) -> None:
         if "s" in session:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
 import logging
 import os
 import re
 import shutil
+import sqlite3
 import sys
 import tempfile
 import time
@@ -62,6 +62,10 @@ from corral.daemon.routes import (
     KEY_H,
     KEY_PATTERN,
     LABEL_Q,
+    LOG_OUTPUT_Q,
+    LOG_TAIL_Q,
+    MAX_LOG_OUTPUT,
+    MAX_LOG_TAIL,
     MODE_Q,
     PAGE_Q,
     PATH_Q,
@@ -481,10 +485,6 @@ async def proc_stream(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def _line(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
-
-
 async def proc_stdin(request: web.Request) -> web.Response:
     req = await _body(request, StdinRequest)
     await _dispatch(request, ops.Stdin(request.match_info["id"], None,
@@ -862,18 +862,40 @@ async def import_snapshot(request: web.Request) -> web.Response:
     return _json(_snap(rec), 201 if made else 200)
 
 
-async def sandbox_log(request: web.Request) -> web.Response:
+async def sandbox_log(request: web.Request) -> web.StreamResponse:
     """The sandbox's trajectory log (also after the sandbox is gone, until pruned)."""
     engine = _engine(request)
     sid = request.match_info["id"]
     fmt = request.query.get("format", "json")
     if fmt not in ("json", "jsonl"):
         raise InvalidRequest("query parameter 'format' must be json or jsonl")
-    data = await engine.trajlog.entries(sid, known=engine.info_now(sid) is not None)
-    if fmt == "jsonl":
-        return web.Response(body=b"".join(_line(e) for e in data["entries"]),
-                            content_type="application/x-ndjson")
-    return _json(data)
+    tail = query_int(request, "tail", 0, 1, MAX_LOG_TAIL) or None
+    max_output = query_int(request, "max_output", -1, 0, MAX_LOG_OUTPUT)
+    pages = await engine.trajlog.pages(sid, known=engine.info_now(sid) is not None,
+                                       tail=tail, max_output=None if max_output < 0
+                                       else max_output, jsonl=fmt == "jsonl")
+    # Streamed a page of rows at a time (the log's size is the sandbox's doing): the daemon
+    # holds one page, and the event loop only writes.
+    try:
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"
+                                           if fmt == "jsonl" else "application/json"})
+        await resp.prepare(request)
+        try:
+            while (pieces := await asyncio.to_thread(next, pages, None)) is not None:
+                for piece in pieces:
+                    await resp.write(piece)
+        except (sqlite3.Error, OSError):
+            # the status is sent: the client must see a cut stream, never a second answer
+            log.exception("reading the trajectory log failed mid-stream")
+            if request.transport is not None:
+                request.transport.abort()
+            return resp
+        await resp.write_eof()
+        return resp
+    finally:
+        close = getattr(pages, "close", None)
+        if close is not None:
+            close()
 
 
 async def get_trajectory(request: web.Request) -> web.Response:
@@ -1053,7 +1075,8 @@ ROUTES: tuple[Route, ...] = (
           response=ExecResult, alt_response=ProcessHandle, query=(KEY_H,), errors=SB_ERR,
           links=_PROC_LINKS),
     Route("GET", SB + "/log", sandbox_log, "The sandbox's trajectory log (kept after it ends, "
-          "until pruned)", response=_LOG_RESPONSE, query=(FORMAT_Q,), errors=(404, 501),
+          "until pruned)", response=_LOG_RESPONSE, query=(FORMAT_Q, LOG_TAIL_Q, LOG_OUTPUT_Q),
+          errors=(404, 501),
           also=("ndjson",)),
     Route("GET", PROC, proc_status, "Background process status", response=ProcessStatus,
           errors=SB_ERR),

@@ -84,6 +84,14 @@ STREAM_Q = Param("stream", description=(
     schema={"type": "string", "enum": ["ndjson"]})
 FORMAT_Q = Param("format", description="json (default) or jsonl (one LogEntry a line)",
                  schema={"type": "string", "enum": ["json", "jsonl"]})
+MAX_LOG_TAIL = 1_000_000
+MAX_LOG_OUTPUT = 1 << 20
+LOG_TAIL_Q = Param("tail", description="only the last N entries (their `index` is kept)",
+                   schema={"type": "integer", "minimum": 1, "maximum": MAX_LOG_TAIL})
+LOG_OUTPUT_Q = Param("max_output", description=(
+    "an exec's stdout and stderr cut to N characters (the entry then has `view_truncated`: "
+    "true); a viewer's bound on what a sandbox printed"),
+    schema={"type": "integer", "minimum": 0, "maximum": MAX_LOG_OUTPUT})
 
 
 def list_of(key: str, model: type[BaseModel], paged: bool = True) -> dict[str, Any]:

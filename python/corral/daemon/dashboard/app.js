@@ -4,6 +4,9 @@
 
 const KEY = "corral-dashboard-token";
 const POLL_MS = 2000;
+// what a poll reads of a sandbox's log: its last entries, outputs cut (the log is the agent's)
+const LOG_TAIL = 200;
+const LOG_OUTPUT = 8192;
 let token = sessionStorage.getItem(KEY) || "";
 let timer = null;
 let last = null; // previous summary, for rates
@@ -182,7 +185,8 @@ async function tick() {
   try {
     if (m) {
       const sid = decodeURIComponent(m[1]);
-      const log = await api("/v1/sandboxes/" + encodeURIComponent(sid) + "/log");
+      const log = await api("/v1/sandboxes/" + encodeURIComponent(sid) + "/log?tail=" + LOG_TAIL +
+                            "&max_output=" + LOG_OUTPUT);
       let info = null;
       try { info = await api("/v1/sandboxes/" + encodeURIComponent(sid)); } catch (e) {
         if (e.auth) throw e;

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+from collections.abc import Iterator
 from typing import Any
 
 from corral.errors import SandboxNotFound, Unsupported
@@ -12,6 +13,22 @@ from corral.errors import SandboxNotFound, Unsupported
 from .base import _Base
 from .keys import sha256
 from .schema import _BINDS, _SANDBOX_SEQS
+
+LOG_PAGE_ROWS = 64  # rows a page of a streamed log, at most
+PAGE_BYTES = 4 << 20  # ... and about this many bytes (one exec's row can hold ~2 x 12 MiB)
+
+# An exec result with an output cut to :cap characters, in SQLite (no row is parsed in
+# Python; a small row is not parsed at all): what a viewer of the log (the dashboard) needs.
+_CUT = ("CASE WHEN length({r}) <= :cap * 2 + 4096 THEN {r} "
+        "WHEN json_type({r}, '$.{k}') = 'text' AND length(json_extract({r}, '$.{k}')) > :cap "
+        "THEN json_set({r}, '$.{k}', substr(json_extract({r}, '$.{k}'), 1, :cap), "
+        "'$.view_truncated', json('true')) ELSE {r} END")
+_COLUMNS = "seq, op, idem_key, request, {result}, error, started_at, ended_at, snapshot_ids, status"
+
+
+def _num(v: Any) -> str:
+    """A number (or null) as JSON, as json.dumps writes it."""
+    return json.dumps(v)
 
 
 class Reader(_Base):
@@ -51,6 +68,98 @@ class Reader(_Base):
                 "snapshot_ids": json.loads(r[8]) if r[8] else [],
             })
         return sandbox, entries
+
+    def stream(self, sid: str, tail: int | None = None, max_output: int | None = None,
+               jsonl: bool = False) -> Iterator[list[bytes]] | None:
+        """``sid``'s log as pieces of one JSON document (``jsonl``: one entry a line), a
+        list of pieces for each page of rows: the daemon holds one page, never the whole
+        log (a sandbox decides how big its entries are). The stored JSON texts are spliced
+        in as they are. ``tail``: only the last entries; ``max_output``: exec outputs cut
+        to that many characters (``view_truncated``). None if the log never heard of
+        ``sid``. Call ``next`` from a worker thread: each page is a query."""
+        if not self.enabled:
+            raise Unsupported("the trajectory log is off on this daemon (CORRAL_TRAJLOG=0)")
+        conn = self._connect()
+        try:
+            srow = conn.execute("SELECT spec, created_at, ended_at, reason, net FROM sandboxes "
+                                "WHERE sandbox_id=?", (sid,)).fetchone()
+            count = conn.execute(f"SELECT count(*) FROM ({_SANDBOX_SEQS})",
+                                 {"sid": sid}).fetchone()[0]
+        except BaseException:
+            conn.close()
+            raise
+        if srow is None and not count:
+            conn.close()
+            return None
+        return self._pages(conn, sid, srow, count, tail, max_output, jsonl)
+
+    def _pages(self, conn: sqlite3.Connection, sid: str, srow: tuple[Any, ...] | None,
+               count: int, tail: int | None, max_output: int | None,
+               jsonl: bool) -> Iterator[list[bytes]]:
+        try:
+            first = max(0, count - tail) if tail is not None else 0
+            if not jsonl:
+                sandbox = "null" if srow is None else (
+                    f'{{"spec":{srow[0] or "null"},"created_at":{_num(srow[1])},'
+                    f'"ended_at":{_num(srow[2])},"reason":{json.dumps(srow[3])},'
+                    f'"net":{srow[4] or "null"}}}')
+                yield [f'{{"sandbox_id":{json.dumps(sid)},"sandbox":{sandbox},"entries":['
+                       .encode()]
+            index, last = first, -1
+            if first:
+                row = conn.execute(f"SELECT seq FROM ({_SANDBOX_SEQS}) ORDER BY seq "
+                                   "LIMIT 1 OFFSET :o", {"sid": sid, "o": first - 1}).fetchone()
+                last = row[0] if row is not None else -1
+            sid_json = json.dumps(sid).encode()
+            while True:
+                page = (f"SELECT {_COLUMNS.format(result='result')} FROM entries WHERE seq "
+                        f"IN ({_SANDBOX_SEQS}) AND seq > :last ORDER BY seq "
+                        f"LIMIT {LOG_PAGE_ROWS}")
+                if max_output is not None:  # stdout cut in a subquery, then stderr
+                    cut_out = _COLUMNS.format(result=_CUT.format(r="result", k="stdout")
+                                              + " AS r1")
+                    cut_err = _COLUMNS.format(result=_CUT.format(r="r1", k="stderr")
+                                              + " AS result")
+                    page = (f"SELECT {cut_err} FROM (SELECT {cut_out} FROM ({page})) "
+                            "ORDER BY seq")
+                # Rows until PAGE_BYTES, then the statement ends (no read transaction is
+                # held while a slow client takes the page).
+                cur = conn.execute(f"SELECT seq, op, idem_key, CAST(request AS BLOB), "
+                                   f"CAST(result AS BLOB), CAST(error AS BLOB), started_at, "
+                                   f"ended_at, snapshot_ids, status FROM ({page})",
+                                   {"sid": sid, "last": last, "cap": max_output})
+                parts: list[bytes] = []
+                size = 0
+                try:
+                    for r in cur:
+                        done = r[9] is None
+                        duration = _num(round(max(0.0, r[7] - r[6]), 6)) if done else "null"
+                        head = (f'{"" if jsonl or index == first else ","}'
+                                f'{{"index":{index},"seq":{r[0]},"sandbox_id":').encode()
+                        tail_ = (f',"error":{"null" if r[5] is None else r[5].decode()},'
+                                 f'"started_at":{_num(r[6])},'
+                                 f'"ended_at":{_num(r[7]) if done else "null"},'
+                                 f'"duration_s":{duration},"snapshot_ids":{r[8] or "[]"}}}'
+                                 f'{chr(10) if jsonl else ""}').encode()
+                        parts += [head, sid_json,
+                                  (f',"op":{json.dumps(r[1])},"status":'
+                                   f'{json.dumps(r[9] or "done")},"idempotency_key":'
+                                   f'{json.dumps(r[2])},"request":').encode(),
+                                  r[3] or b"null", b',"result":', r[4] or b"null", tail_]
+                        size += len(r[3] or b"") + len(r[4] or b"")
+                        index += 1
+                        last = r[0]
+                        if size >= PAGE_BYTES:
+                            break
+                finally:
+                    cur.close()
+                if not parts:
+                    break
+                yield [b"".join(parts)] if size < PAGE_BYTES else parts
+            if not jsonl:
+                yield [b"]}"]
+        finally:
+            conn.close()
 
     async def knows(self, sid: str) -> bool:
         """Whether the log has sandbox ``sid`` (also long after it is gone, until pruned)."""
@@ -109,16 +218,21 @@ class Reader(_Base):
                 return str(kids[int(child)]) if int(child) < len(kids) else None
         return None
 
-    async def entries(self, sid: str, known: bool) -> dict[str, Any]:
+    async def pages(self, sid: str, known: bool, tail: int | None = None,
+                    max_output: int | None = None, jsonl: bool = False
+                    ) -> Iterator[list[bytes]]:
+        """``stream`` once the log has every finished call; a sandbox the daemon ``known``s
+        but the log does not has an empty log."""
         await self.flushed()
-        got = await asyncio.to_thread(self.read, sid)
+        got = await asyncio.to_thread(self.stream, sid, tail, max_output, jsonl)
         if got is None:
             if not known:
                 raise SandboxNotFound(f"no sandbox {sid} and no trajectory log for it",
                                       details={"id": sid})
-            got = (None, [])
-        sandbox, entries = got
-        return {"sandbox_id": sid, "sandbox": sandbox, "entries": entries}
+            empty = b"" if jsonl else (f'{{"sandbox_id":{json.dumps(sid)},"sandbox":null,'
+                                       '"entries":[]}').encode()
+            return iter([[empty]])
+        return got
 
     def exec_result(self, res: dict[str, Any]) -> dict[str, Any]:
         """An exec's result as logged: outputs cut to the log's cap, with hashes of the full
