@@ -344,6 +344,8 @@ class NetworkState(_Response):
                                           description="names its DNS refused, with counts")
     pinned: list[str] = Field(default_factory=list,
                               description="addresses its DNS answers opened, unexpired")
+    pins_refused: int = Field(0, description="DNS answers refused: they would have taken it "
+                                             "past its cap of pinned addresses")
     exposed: dict[str, str] = Field(default_factory=dict,
                                     description="sandbox port -> host address reaching it")
 

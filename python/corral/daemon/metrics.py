@@ -83,6 +83,8 @@ _HELP = {
                               "of the sandbox showed there)",
     "network_slots_not_recycled": "ended networked sandboxes' links and namespaces released "
                                   "(a trace of the sandbox, or no room)",
+    "network_slots_retired": "networked slots never handed out again: the removal of their "
+                             "sandbox's rules failed",
 }
 
 

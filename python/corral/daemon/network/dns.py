@@ -34,14 +34,65 @@ UPSTREAM_TIMEOUT_S = 3.0
 # UDP answers longer than the asker's EDNS buffer (512 bytes without EDNS) are sent truncated
 # (TC set): the asker then asks again over TCP, where the same filtering and pinning apply.
 UDP_PLAIN, UDP_MAX = 512, 4096
-# DNS over TCP: connections open per sandbox and in all, and how long an idle one stays.
-TCP_PER_SOURCE, TCP_TOTAL, TCP_IDLE_S = 4, 4096, 10.0
+# A query from a sandbox is at most this long: without an additional record (EDNS), and with
+# one. Anything longer (a query has one question and at most an OPT record) is refused unparsed.
+QUERY_MAX, QUERY_MAX_EDNS = 512, 1232
+# Addresses of one answer pinned (and answered): the first ones of the asked type.
+PINS_PER_ANSWER = 64
+# DNS over TCP: connections open per sandbox and in all, and how long an idle one stays
+# (idle: no whole message received); a connection is closed after this many of its queries
+# were refused by the rate limit.
+TCP_PER_SOURCE, TCP_TOTAL, TCP_IDLE_S, TCP_REFUSED_MAX = 4, 4096, 10.0, 8
 # Per sandbox: queries per second (a token bucket of twice that) and queries in flight, so
 # one sandbox flooding its resolver cannot take the workers every other one needs.
 RATE_QPS, IN_FLIGHT = 50.0, 4
 
 
 _INTERNAL = [ipaddress.ip_network(n) for n in (*PRIVATE4, *BLOCKED4, *PRIVATE6, *BLOCKED6)]
+
+
+DROP = -1  # check_query: not a query, no answer
+
+
+def check_query(data: bytes) -> int | None:
+    """None if ``data`` is a query the proxy answers: a header saying one question and no
+    answer or authority records, at most one additional record (an OPT: EDNS), no longer
+    than QUERY_MAX (QUERY_MAX_EDNS with the OPT), a question name without compression
+    pointers. Else the rcode to answer (FORMERR, NOTIMP for another opcode), or DROP for no
+    answer (shorter than a header, or a response). Checked before any parse: dnslib decodes
+    a pointer chain again for every question that points at it, so a 64 KiB message could
+    cost seconds of the daemon's CPU."""
+    if len(data) < 12 or data[2] & 0x80:
+        return DROP
+    if (data[2] >> 3) & 0xF:
+        return int(RCODE.NOTIMP)
+    qd, an, ns, ar = (int.from_bytes(data[i:i + 2], "big") for i in (4, 6, 8, 10))
+    if qd != 1 or an or ns or ar > 1 or len(data) > (QUERY_MAX_EDNS if ar else QUERY_MAX):
+        return int(RCODE.FORMERR)
+    off, size = 12, 0
+    while True:
+        if off >= len(data):
+            return int(RCODE.FORMERR)
+        n = data[off]
+        off += 1
+        if n == 0:
+            break
+        size += n + 1
+        if n & 0xC0 or size > 254:  # a pointer (or an obsolete label type); over 255 bytes
+            return int(RCODE.FORMERR)
+        off += n
+    off += 4  # type, class
+    if ar:
+        # The OPT record: the root name, type 41, size, flags, and its options' length.
+        if data[off:off + 3] != b"\x00\x00\x29" or len(data) < off + 11:
+            return int(RCODE.FORMERR)
+        off += 11 + int.from_bytes(data[off + 9:off + 11], "big")
+    return None if off == len(data) else int(RCODE.FORMERR)
+
+
+def _error_reply(data: bytes, rcode: int) -> bytes:
+    """A header-only answer to a query refused unparsed: its id, opcode and RD bit."""
+    return data[:2] + bytes([0x80 | (data[2] & 0x79), rcode & 0xF]) + bytes(8)
 
 
 def _internal(addr: str) -> bool:
@@ -74,7 +125,8 @@ class DnsProxy:
             raise
         self.tcp.setblocking(False)
         self.counts = {"queries": 0, "refused": 0, "forwarded": 0, "failed": 0,
-                       "rate_limited": 0, "tcp_queries": 0, "truncated": 0}
+                       "rate_limited": 0, "tcp_queries": 0, "truncated": 0, "malformed": 0,
+                       "pins_refused": 0}
         # source address -> [tokens, last refill (monotonic), in flight]
         self._buckets: dict[str, list[float]] = {}
         self._block = threading.Lock()
@@ -170,28 +222,49 @@ class DnsProxy:
                     if not chunk:
                         drop(sock)
                         continue
-                    st.buf += chunk
-                    st.last = now
-                    while len(st.buf) >= 2:
-                        n = int.from_bytes(st.buf[:2], "big")
-                        if len(st.buf) < 2 + n:
-                            break
-                        msg, st.buf = bytes(st.buf[2:2 + n]), st.buf[2 + n:]
-                        self.counts["queries"] += 1
-                        self.counts["tcp_queries"] += 1
-                        if not self._admit(st.src):
-                            self.counts["rate_limited"] += 1
-                            continue
-                        try:
-                            self._pool.submit(self._answer_tcp, msg, st)
-                        except RuntimeError:
-                            return  # closing
+                    if not self._read_tcp(st, chunk, now):
+                        drop(sock)
                 for c in [c for c, st in conns.items() if now - st.last > TCP_IDLE_S]:
                     drop(c)
         finally:
             for c in list(conns):
                 drop(c)
             sel.close()
+
+    def _read_tcp(self, st: _TcpConn, chunk: bytes, now: float) -> bool:
+        """The whole messages of ``st`` with ``chunk`` read, each admitted and handed to the
+        workers; what is left of a message waits for the next chunk. False: close the
+        connection (a message shorter than a DNS header or longer than a query, or too many
+        refused by the rate limit)."""
+        buf = st.buf
+        buf += chunk
+        off, ok = 0, True
+        while len(buf) - off >= 2:
+            n = int.from_bytes(buf[off:off + 2], "big")
+            if n < 12 or n > QUERY_MAX_EDNS:
+                self.counts["malformed"] += 1
+                ok = False
+                break
+            if len(buf) - off < 2 + n:
+                break
+            msg = bytes(buf[off + 2:off + 2 + n])
+            off += 2 + n
+            st.last = now  # idle: no whole message
+            self.counts["queries"] += 1
+            self.counts["tcp_queries"] += 1
+            if not self._admit(st.src):
+                self.counts["rate_limited"] += 1
+                st.refused += 1
+                if st.refused >= TCP_REFUSED_MAX:
+                    ok = False
+                    break
+                continue
+            try:
+                self._pool.submit(self._answer_tcp, msg, st)
+            except RuntimeError:
+                return False  # closing
+        del buf[:off]
+        return ok
 
     def _accept_tcp(self, sel: selectors.BaseSelector, conns: dict[socket.socket, _TcpConn],
                     per_source: collections.Counter[str], now: float) -> None:
@@ -242,6 +315,10 @@ class DnsProxy:
         who = self.lookup(src)
         if who is None:
             return None
+        bad = check_query(data)
+        if bad is not None:
+            self.counts["malformed"] += 1
+            return None if bad == DROP else _error_reply(data, bad)
         q = DNSRecord.parse(data)
         if limit is None:
             opt = [rr for rr in q.ar if rr.rtype == QTYPE.OPT]
@@ -279,15 +356,24 @@ class DnsProxy:
         if who.policy is not None:
             # An allowed name answering with a private or link-local address (DNS rebinding
             # to an internal service) opens nothing: such addresses need an allow CIDR.
-            # Only the asked type is pinned (an A answer carrying AAAA records opens none).
+            # Only the asked type is pinned (an A answer carrying AAAA records opens none),
+            # and only its first PINS_PER_ANSWER addresses, the only ones answered.
+            kept, n = [], 0
+            for rr in ans.rr:
+                if rr.rtype == QTYPE.CNAME or (rr.rtype == qtype and n < PINS_PER_ANSWER):
+                    kept.append(rr)
+                    n += rr.rtype == qtype
+            ans.rr = kept
             pins = [(str(rr.rdata), int(rr.ttl)) for rr in ans.rr
                     if rr.rtype in (QTYPE.A, QTYPE.AAAA) and rr.rtype == qtype
                     and (not _internal(str(rr.rdata))
                          or who.policy.names_address(str(rr.rdata)))]
             if pins:
                 ttl = max(MIN_PIN_S, min(MAX_PIN_S, max(t for _, t in pins)))
-                who.pin([a for a, _ in pins], ports, ttl)
-            ans.rr = [rr for rr in ans.rr if rr.rtype == QTYPE.CNAME or rr.rtype == qtype]
+                if who.pin([a for a, _ in pins], ports, ttl) is False:
+                    # Past the sandbox's cap of live pins: refused, nothing opened.
+                    self.counts["pins_refused"] += 1
+                    return self._refuse(q, RCODE.REFUSED)
             ans.auth, ans.ar = [], []
         ans.header.id = qid
         out = ans.pack()
@@ -367,6 +453,7 @@ class _TcpConn:
     def __init__(self, sock: socket.socket, src: str, now: float) -> None:
         self.sock, self.src, self.last = sock, src, now
         self.buf = bytearray()
+        self.refused = 0  # queries refused by the rate limit
         self.lock = threading.Lock()  # answers of pipelined queries, one at a time
 
 

@@ -5,21 +5,21 @@ below holds for both, with sets of each family (``src4``/``src6``, ``pin4``/``pi
 
 What a sandbox may send (chain ``from_sandbox``), in order: nothing but from its own address
 (spoofing is dropped; IPv6 is dropped if the daemon has no IPv6 range); replies of flows
-already allowed; other sandboxes only if both are in one network group; out of the uplink
-only (never another host interface); never link-local/metadata (169.254.0.0/16, fe80::/10,
+already allowed; other sandboxes only if both are in one network group; out of the uplink only
+(never another host interface); never link-local/metadata (169.254.0.0/16, fe80::/10,
 fd00:ec2::254), multicast (ff00::/8) nor the daemon's own ranges; no new connection past the
-per-sandbox cap; a policy's deny entries; its allow CIDRs; never the private ranges (10/8,
-fc00::/7...); the DNS proxy's pins (which expire with the answer's TTL); everything else only
-in mode "internet". To the host itself (chains ``to_host``, ``to_host6``): only DNS (UDP
-and TCP) to the gateway address, a ping of the gateways and, over IPv6, neighbour discovery
-on the link. A sandbox's packets to those services (DNS over UDP, new DNS connections over
-TCP, pings) first pass a per-sandbox rate limit (HOST_RATE, set ``host_rate``), ahead of
-conntrack's established flows: a flood is dropped by the kernel (chain ``flood``), counted
-as denied, and never reaches the DNS proxy's Python. Denied packets are rejected (TCP: a
-reset, which the kernel does not rate-limit as it does ICMP errors; others:
-admin-prohibited) and counted per sandbox in the dynamic set ``denied``, and per sandbox and
-destination address in ``denied_to4`` and ``denied_to6`` (entries expire DENIED_TO_TIMEOUT
-after their last packet; DENIED_TO_SIZE in each)."""
+per-sandbox rate (set ``conn_rate``) or cap (set ``conns``); a policy's deny entries; its allow
+CIDRs; never the private ranges (10/8, fc00::/7...); the DNS proxy's pins (which expire with
+the answer's TTL); everything else only in mode "internet". To the host itself (chains
+``to_host``, ``to_host6``): only DNS (UDP and TCP) to the gateway address, a ping of the
+gateways and, over IPv6, neighbour discovery on the link. A sandbox's packets to those services
+(DNS over UDP, new DNS connections over TCP, pings) first pass a per-sandbox rate limit
+(HOST_RATE, set ``host_rate``), ahead of conntrack's established flows: a flood is dropped by
+the kernel (chain ``flood``), counted as denied, and never reaches the DNS proxy's Python.
+Denied packets are rejected (TCP: a reset, which the kernel does not rate-limit as it does ICMP
+errors; others: admin-prohibited) and counted per sandbox in the dynamic set ``denied``, and
+per sandbox and destination address in ``denied_to4`` and ``denied_to6`` (entries expire
+DENIED_TO_TIMEOUT after their last packet; DENIED_TO_SIZE in each)."""
 
 from __future__ import annotations
 
@@ -110,6 +110,11 @@ class Firewall:
             f"    iifname . ip6 daddr . meta l4proto . th dport @allow6_{k} accept\n  }}"
             for k in range(SHARDS))
         over = f"update @host_rate {{ iifname limit rate over {HOST_RATE} }}"
+        # New connections a sandbox opens, per second (its closed ones stay in the host's
+        # conntrack table for TIME_WAIT's 2 minutes, which ``ct count`` does not count).
+        rate = s.new_conns_per_s
+        conn_rate = (f"ct state new update @conn_rate {{ iifname limit rate over {rate}/second "
+                     f"burst {2 * rate} packets }} goto deny" if rate else "")
         nd = "icmpv6 type { nd-neighbor-solicit, nd-neighbor-advert } ip6 hoplimit 255"
         if s.range6 is None:
             no6 = "meta nfproto ipv6 drop"
@@ -155,6 +160,7 @@ table {self.t} {{
     size {DENIED_TO_SIZE}; timeout {DENIED_TO_TIMEOUT}; }}
   set conns {{ type ifname; flags dynamic; size 1048576; }}
   set host_rate {{ type ifname; flags dynamic, timeout; timeout 1m; size 1048576; }}
+  set conn_rate {{ type ifname; flags dynamic, timeout; timeout 1m; size 1048576; }}
 {shard_sets}
   chain input {{ type filter hook input priority -10; policy accept;
     iifname "{w}" jump to_host
@@ -187,6 +193,7 @@ table {self.t} {{
     oifname != "{s.uplink}" goto deny
     ip daddr @blocked4 goto deny
     ip6 daddr @blocked6 goto deny
+    {conn_rate}
     ct state new add @conns {{ iifname ct count over {s.max_connections} }} goto deny
     iifname vmap @shard
     ip daddr @private4 goto deny
@@ -381,12 +388,15 @@ table {self.t} {{
     def detach(self, ifname: str, addr: ipaddress.IPv4Address,
                addr6: ipaddress.IPv6Address | None, elems: dict[str, list[str]],
                denied: int | None = None) -> None:
-        """Remove every element of this sandbox (those that expired meanwhile too) in one
-        transaction. ``denied``: its denied count, when the caller has just read it."""
+        """Remove every element of this sandbox (those that expired meanwhile too): one
+        transaction if it fits one send, else several (corral._core), the first of which
+        takes its source addresses (``src4``, ``src6``: the sandbox sends nothing from then
+        on). ``denied``: its denied count, when the caller has just read it."""
         i = _ifname(ifname)
-        sets = {"src4": [f"{i} . {addr}"], "internet": [i], "denied": [i], "conns": [i],
-                "host_rate": [i],
-                "shard": [i], "src6": [f"{i} . {addr6}"] if addr6 is not None else []}
+        sets = {"src4": [f"{i} . {addr}"],
+                "src6": [f"{i} . {addr6}"] if addr6 is not None else [],
+                "internet": [i], "denied": [i], "conns": [i], "host_rate": [i],
+                "conn_rate": [i], "shard": [i]}
         for k, v in self._physical(ifname, elems).items():
             sets.setdefault(k, []).extend(v)
         # Its denied destinations too (the interface name is used again by a later

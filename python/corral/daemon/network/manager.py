@@ -67,21 +67,37 @@ class Attachment:
     group: str | None
     label: Any                     # what the sandbox asked for (for info)
     mgr: NetworkManager
-    elems: dict[str, list[str]] = field(default_factory=dict)
+    elems: dict[str, list[str]] = field(default_factory=dict)  # its policy's, by set
     refused_names: collections.Counter = field(default_factory=collections.Counter)
-    pins: dict[str, float] = field(default_factory=dict)
+    pins: dict[str, float] = field(default_factory=dict)  # pinned address -> expiry
+    # Its DNS pins in the kernel: (set, element without its timeout) -> expiry (time.time()).
+    pinned: dict[tuple[str, str], float] = field(default_factory=dict)
+    pins_refused: int = 0  # answers refused: they would have taken it past its cap of pins
     ranges: RangePins = field(default_factory=RangePins)  # its pins of port ranges
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Its slot may go back to the pool when it ends (``NetworkManager.recycle``): not a
     # shaped link (its qdiscs are the sandbox's), nor a re-adopted one (made by another daemon).
     recyclable: bool = False
+    _prune_at: float = 0.0
 
     # ---- what the DNS proxy calls --------------------------------------------------------
-    def pin(self, addrs: list[str], ports: Ports, ttl: int) -> None:
-        by_set = Firewall.pins(self.ifname, addrs, ports, ttl)
+    def pin(self, addrs: list[str], ports: Ports, ttl: int) -> bool:
+        """Pin ``addrs`` (an answer's) for ``ports`` and ``ttl`` seconds; False, pinning
+        nothing, if that would take the sandbox past its cap of live pinned addresses
+        (``NetSettings.max_pins``)."""
         with self.lock:
             if self.mgr.attachments.get(self.sandbox_id) is not self:
-                return  # detached meanwhile: pin nothing for a dead interface
+                return True  # detached meanwhile: pin nothing for a dead interface
+            now = time.time()
+            self._prune(now)
+            cap = self.mgr.s.max_pins if self.mgr.s is not None else 0
+            new = {a for a in addrs if a not in self.pins}
+            if len(self.pins) + len(new) > cap:
+                self._prune(now, force=True)
+                if len(self.pins) + len(new) > cap:
+                    self.pins_refused += 1
+                    return False
+            by_set = Firewall.pins(self.ifname, addrs, ports, ttl)
             placed = None
             for name in ("allow4", "allow6"):
                 if name in by_set:
@@ -90,13 +106,32 @@ class Attachment:
             self.mgr.fw.add_sets(self.ifname, by_set)
             if placed is not None:
                 self.ranges.commit(placed)
+            until = now + ttl
             for name, elems in by_set.items():
-                have = self.elems.setdefault(name, [])
-                known = {e.split(" timeout ")[0] for e in have}
-                have.extend(e for e in elems if e.split(" timeout ")[0] not in known)
-            until = time.time() + ttl
+                for e in elems:
+                    k = (name, e.split(" timeout ")[0])
+                    self.pinned[k] = max(until, self.pinned.get(k, 0.0))
             for a in addrs:
-                self.pins[a] = until
+                self.pins[a] = max(until, self.pins.get(a, 0.0))
+            return True
+
+    def _prune(self, now: float, force: bool = False) -> None:
+        """Forget pins past their expiry (the kernel has dropped them: ours is noted after
+        its add, so later than the kernel's); at most once a second unless ``force``."""
+        if not force and now < self._prune_at:
+            return
+        self._prune_at = now + 1.0
+        self.pins = {a: t for a, t in self.pins.items() if t > now}
+        self.pinned = {k: t for k, t in self.pinned.items() if t > now}
+        self.ranges.prune(now)
+
+    def current(self) -> dict[str, list[str]]:
+        """Its elements in the kernel by set: its policy's and its live pins (lock held)."""
+        self._prune(time.time(), force=True)
+        out = {k: list(v) for k, v in self.elems.items()}
+        for name, elem in self.pinned:
+            out.setdefault(name, []).append(elem)
+        return out
 
     def peer(self, name: str, version: int = 4) -> str | None:
         return self.mgr.peer_address(self, name, version)
@@ -109,6 +144,12 @@ class Attachment:
 LOCK_DIR = "/run/corral/locks"
 
 
+def lock_path(kind: str, key: str) -> str:
+    """The ownership flock of one network setting: named by its kind too, so a table named
+    like another daemon's interface prefix is no clash."""
+    return os.path.join(LOCK_DIR, f"net-{kind}-{key.replace('/', '_').replace(':', '-')}.lock")
+
+
 def _own_network(s: NetSettings) -> list[int]:
     """Flocks on this daemon's nftables table, address range and interface prefix, held
     while it networks sandboxes: a second daemon on any of them would sweep, rewrite or
@@ -116,12 +157,13 @@ def _own_network(s: NetSettings) -> list[int]:
     owner, if another live daemon holds one."""
     os.makedirs(LOCK_DIR, mode=0o700, exist_ok=True)
     held: list[int] = []
-    for what, key, var in (("nftables table", s.table, "CORRAL_NET_TABLE"),
-                           ("address range", str(s.range4), "CORRAL_NET_RANGE"),
-                           *([("IPv6 range", str(s.range6), "CORRAL_NET_RANGE6")]
-                             if s.range6 is not None else []),
-                           ("interface prefix", s.ifprefix, "CORRAL_NET_IFPREFIX")):
-        path = os.path.join(LOCK_DIR, f"net-{key.replace('/', '_').replace(':', '-')}.lock")
+    for what, kind, key, var in (
+            ("nftables table", "table", s.table, "CORRAL_NET_TABLE"),
+            ("address range", "range", str(s.range4), "CORRAL_NET_RANGE"),
+            *([("IPv6 range", "range6", str(s.range6), "CORRAL_NET_RANGE6")]
+              if s.range6 is not None else []),
+            ("interface prefix", "ifprefix", s.ifprefix, "CORRAL_NET_IFPREFIX")):
+        path = lock_path(kind, key)
         fd = try_lock(path)
         if fd is None:
             for h in held:
@@ -165,6 +207,7 @@ class NetworkManager:
         self._next = 1
         self._ready: collections.deque[tuple[int, int]] = collections.deque()
         self._held: dict[str, int] = {}  # ended sandboxes' slots, until ``recycle`` decides
+        self._retired: set[int] = set()  # slots whose removal failed: never handed out again
         self._quiet_print: bytes | None = None  # what a quiet slot's namespace shows
         self._quiet_read = False
         self.recycled = 0      # slots of ended sandboxes reused
@@ -273,6 +316,7 @@ class NetworkManager:
                     from None
         self.fw = Firewall(self.s)
         self.links = Links(self.s)
+        _warn_conntrack(self.s, self.links.capacity())
         for name in self.links.stale():
             if name not in keep:
                 self.links.remove_name(name)
@@ -512,11 +556,14 @@ class NetworkManager:
             pins: dict[str, list[str]] = {}
             for set_name, elem, left in old.get(att.ifname, {}).get("pins", []):
                 pins.setdefault(set_name, []).append(elem)
-                att.pins[elem.split(" . ")[1]] = now + left
+                addr = elem.split(" . ")[1]
+                att.pins[addr] = max(now + left, att.pins.get(addr, 0.0))
+                att.pinned[(set_name, elem.split(" timeout ")[0])] = now + left
                 if set_name.startswith("allow"):
                     att.ranges.note(elem, now + left)
+            both = {k: att.elems.get(k, []) + pins.get(k, []) for k in {*att.elems, *pins}}
             cmds = [probe.attach_cmds_for(att.ifname, att.address, att.address6,
-                                          att.policy is None, {**att.elems, **pins})]
+                                          att.policy is None, both)]
             denied = old.get(att.ifname, {}).get("denied")
             if denied:
                 cmds.append(f'add element inet {self.s.table} denied {{ "{att.ifname}" '
@@ -525,8 +572,6 @@ class NetworkManager:
                      f"counter packets {n} bytes {b} }}"
                      for name, a, n, b in old.get(att.ifname, {}).get("denied_to", [])]
             carried[att.sandbox_id] = cmds
-            for k, v in pins.items():
-                att.elems.setdefault(k, []).extend(v)
         with self._cv:
             for _, att in ok:
                 self.attachments[att.sandbox_id] = att
@@ -559,9 +604,8 @@ class NetworkManager:
                     continue
                 except NftError:
                     pass
-                att.elems = {k: [e for e in v if " timeout " not in e]
-                             for k, v in att.elems.items()}
-                att.pins = {}
+                att.pins, att.pinned = {}, {}
+                att.ranges.clear()
                 try:
                     self.fw.attach(att.ifname, att.address, att.address6, att.policy is None,
                                    att.elems)
@@ -627,10 +671,10 @@ class NetworkManager:
         i = f'"{att.ifname}"'
         with att.lock:
             elems = Firewall.policy_elems(att.ifname, policy)
-            old = {**att.elems, "internet": [i] if att.policy is None else []}
+            old = {**att.current(), "internet": [i] if att.policy is None else []}
             new = {**elems, "internet": [i] if policy is None else []}
             self.fw.swap(att.ifname, old, new)
-            att.policy, att.label, att.pins = policy, label, {}
+            att.policy, att.label, att.pins, att.pinned = policy, label, {}, {}
             att.elems = elems
             att.ranges.clear()
 
@@ -685,16 +729,21 @@ class NetworkManager:
     def _release(self, att: Attachment, denied: int | None = None, held: bool = False) -> None:
         """``denied``: its denied count as just read (by ``info``), not read again; ``held``:
         the slot waits for ``recycle`` rather than for its link to go."""
+        failed = False
         with att.lock:
             try:
                 self.fw.peers(self._group_pairs(att), add=False)
-                self.fw.detach(att.ifname, att.address, att.address6, att.elems, denied)
+                self.fw.detach(att.ifname, att.address, att.address6, att.current(), denied)
             except Exception:
-                log.warning("network: cannot remove the rules of %s", att.sandbox_id,
-                            exc_info=True)
-                held = False  # some of its elements may be left: never reuse the slot
+                log.warning("network: cannot remove the rules of %s; its slot %s (%s) is "
+                            "retired", att.sandbox_id, att.index, att.ifname, exc_info=True)
+                failed = True
         with self._lock:
-            if held:
+            if failed:
+                # Some of its elements may be left, keyed by the slot's interface and
+                # addresses: a next sandbox there would inherit them. Never handed out again.
+                self._retired.add(att.index)
+            elif held:
                 self._held[att.sandbox_id] = att.index
             else:
                 self._draining.append(att.index)
@@ -778,14 +827,16 @@ class NetworkManager:
                 "denied_destinations": dict(sorted(
                     dests.items(), key=lambda kv: -kv[1])[:DENIED_SHOWN]),
                 "refused_names": dict(att.refused_names.most_common(20)),
-                "pinned": sorted(a for a, t in att.pins.items() if t > now),
+                "pinned": sorted(a for a, t in list(att.pins.items()) if t > now),
+                "pins_refused": att.pins_refused,
                 "exposed": {str(p): f"127.0.0.1:{hp}" for p, hp in
                             (self.exposer.ports(sandbox_id) if self.exposer else {}).items()}}
 
     def metrics(self) -> dict[str, int]:
         out = {"network_sandboxes": len(self.attachments), "network_pool_ready": len(self._ready),
                "network_slots_recycled": self.recycled,
-               "network_slots_not_recycled": self.not_recycled}
+               "network_slots_not_recycled": self.not_recycled,
+               "network_slots_retired": len(self._retired)}
         if not self._started:
             return out
         tx, rx = _links_bytes({att.ifname for att in list(self.attachments.values())})
@@ -817,6 +868,30 @@ def network_state(sandbox_id: str) -> dict[str, Any] | None:
         if st is not None:
             return st
     return None
+
+
+def _warn_conntrack(s: NetSettings, slots: int) -> None:
+    """A warning if the sandboxes' connection caps together exceed the host's conntrack
+    table: a full table drops every new flow on the host, the daemon's and others' too."""
+    try:
+        with open("/proc/sys/net/netfilter/nf_conntrack_max") as f:
+            table = int(f.read())
+    except (OSError, ValueError):
+        return
+    try:
+        sandboxes = int(os.environ.get("CORRAL_MAX_SANDBOXES") or 0)
+    except ValueError:
+        sandboxes = 0
+    if sandboxes <= 0:
+        from corral.daemon.capacity import derive
+
+        sandboxes = derive().count
+    sandboxes = min(sandboxes, slots)
+    if sandboxes * s.max_connections > table:
+        log.warning("network: %d networked sandboxes x %d connections each "
+                    "(CORRAL_NET_MAX_CONNECTIONS) exceed the host's conntrack table "
+                    "(net.netfilter.nf_conntrack_max = %d): a few sandboxes can fill it",
+                    sandboxes, s.max_connections, table)
 
 
 def _links_bytes(names: set[str]) -> tuple[int, int]:

@@ -85,3 +85,8 @@ class RangePins:
 
     def commit(self, pins: Pins) -> None:
         self._pins = pins
+
+    def prune(self, now: float) -> None:
+        """Forget pins expired by ``now``."""
+        live = {k: [(r, t) for r, t in v if t > now] for k, v in self._pins.items()}
+        self._pins = {k: v for k, v in live.items() if v}

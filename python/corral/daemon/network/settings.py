@@ -87,6 +87,11 @@ class NetSettings:
     pool: int = 8
     # Connections a sandbox may hold at once (conntrack entries, every state).
     max_connections: int = 4096
+    # New connections (conntrack entries) a sandbox may open a second, twice that in a burst;
+    # 0: no limit. Bounds what its closed ones leave in the host's conntrack table (TIME_WAIT).
+    new_conns_per_s: int = 200
+    # Addresses a sandbox may have pinned by its DNS answers at once (live pins).
+    max_pins: int = 4096
     allowlists: dict[str, list[str]] = field(default_factory=dict)
 
     @property
@@ -103,7 +108,8 @@ def load() -> NetSettings:
     """The settings from CORRAL_NETWORK_CONFIG (default /etc/corral/network.json; missing is
     fine) and CORRAL_UPLINK, CORRAL_DNS_UPSTREAM, CORRAL_NET_RANGE, CORRAL_NET_RANGE6
     ("none": no IPv6), CORRAL_NET_TABLE,
-    CORRAL_NET_IFPREFIX, CORRAL_NET_POOL. Raises ValueError on a bad value."""
+    CORRAL_NET_IFPREFIX, CORRAL_NET_POOL, CORRAL_NET_MAX_CONNECTIONS,
+    CORRAL_NET_NEW_CONNS_PER_S, CORRAL_NET_MAX_PINS. Raises ValueError on a bad value."""
     path = os.environ.get("CORRAL_NETWORK_CONFIG", DEFAULT_CONFIG)
     doc: dict = {}
     if path and os.path.exists(path):
@@ -148,4 +154,14 @@ def load() -> NetSettings:
                        pool=int(pick("CORRAL_NET_POOL", "pool", "8")),
                        max_connections=int(pick("CORRAL_NET_MAX_CONNECTIONS",
                                                 "max_connections", "4096")),
+                       new_conns_per_s=_count(pick("CORRAL_NET_NEW_CONNS_PER_S",
+                                                   "new_conns_per_s", "200"), 0),
+                       max_pins=_count(pick("CORRAL_NET_MAX_PINS", "max_pins", "4096"), 1),
                        allowlists=lists)
+
+
+def _count(value: str, least: int) -> int:
+    n = int(value)
+    if n < least:
+        raise ValueError(f"expected a whole number of at least {least}, got {value!r}")
+    return n
