@@ -124,7 +124,7 @@ def pids_in_cgroups(name: str = CGROUP_NAME) -> set[int]:
     return pids
 
 
-def loops_left(*dirs: str, timeout: float = 10.0) -> list[str]:
+def loops_left(*dirs: str, timeout: float = 30.0) -> list[str]:
     """Loop devices still backed by a file under ``dirs`` once the kernel has had ``timeout``
     seconds to detach them. An unmount of a scratch drops its loop device's last reference
     and the autoclear detach then runs on a kernel workqueue, after the umount returned (on
