@@ -671,3 +671,283 @@ def test_full_pool_says_capacity_exceeded_and_stop_leaves_nothing():
             return True
 
     assert wait_until(lambda: all(gone(p) for p in zygotes), timeout=10), "zygotes left"
+
+
+# ---- a request against its zygote and the next request in its slot --------------------------
+def _zygotes_of(top: str) -> list[int]:
+    """Host pids of the zygotes under the cgroup top ``top`` (pid 1 of their namespaces)."""
+    pids = set()
+    for f in Path("/sys/fs/cgroup/pids", top).glob("*/zygote/cgroup.procs"):
+        pids |= {int(x) for x in f.read_text().split()}
+
+    def parent(p: int) -> int:
+        try:
+            return int(Path(f"/proc/{p}/status").read_text().split("\nPPid:\t")[1].split()[0])
+        except (OSError, IndexError):
+            return -1
+
+    launchers = {p for p in pids if parent(p) not in pids}
+    return [p for p in pids if parent(p) in launchers]
+
+
+def _started(ep: str, pool: str) -> int:
+    return next(p.started for p in run_code_pools(ep).pools if p.name == pool)
+
+
+def _cpu_cgroup(pid: int | str) -> str:
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, ctrls, path = line.split(":", 2)
+        if "cpu" in ctrls.split(","):
+            return path
+    raise AssertionError(f"no cpu cgroup for {pid}")
+
+
+@pytest.mark.skipif(not Path("/sys/fs/cgroup/cpu/cpu.shares").exists(),
+                    reason="the cgroup v1 cpu hierarchy (this host's layout)")
+def test_requests_weigh_less_cpu_than_their_zygote_and_the_daemon():
+    """A request's processes are in its slot's cpu cgroup, under a top that weighs a quarter
+    of one of the daemon's tasks; the zygote stays in the daemon's. Where every request
+    shared the daemon's cpu cgroup, 6 requests of 63 busy processes each starved the zygote
+    (their own timeouts came back as infra_error) and the daemon's lxcfs."""
+    r = run("cat /proc/self/cgroup", language="bash")
+    cpu = next(line.split(":", 2)[2] for line in r.stdout.splitlines()
+               if "cpu" in line.split(":", 2)[1].split(","))
+    assert cpu.startswith(f"/{RC_TOP}/bash-") and cpu.rsplit("/", 1)[1].startswith("s"), cpu
+    top = int(Path("/sys/fs/cgroup/cpu", RC_TOP, "cpu.shares").read_text())
+    assert top <= 256
+    def parent(p: int) -> int:
+        return int(Path(f"/proc/{p}/status").read_text().split("\nPPid:\t")[1].split()[0])
+
+    for z in zygote_pids():
+        daemon = parent(parent(z))  # the zygote's launcher's parent
+        assert "corral.daemon" in Path(f"/proc/{daemon}/cmdline").read_text()
+        assert not _cpu_cgroup(daemon).startswith(f"/{RC_TOP}")
+        assert not _cpu_cgroup(z).startswith(f"/{RC_TOP}"), _cpu_cgroup(z)
+        assert int(Path("/sys/fs/cgroup/cpu", _cpu_cgroup(z).lstrip("/"), "cpu.shares")
+                   .read_text()) > top
+
+
+def test_spinning_requests_end_as_timeouts_and_starve_neither_zygote_nor_neighbour():
+    """Requests that fill their process limit with busy loops each end as their own
+    ``timeout`` (limit), a request beside them on the same zygote runs, and the zygote is not
+    restarted."""
+    cg = f"corral-test-rcspin-{os.getpid()}"
+    spin = "for i in $(seq 40); do (while :; do :; done) & done; while :; do :; done"
+    with private_daemon("corral-test-rcspin-", cg, CORRAL_RUNCODE_SLOTS="8",
+                        CORRAL_RUNCODE_ZYGOTES="1") as d:
+        ep = d.socket_path
+        assert corral.run_code("true", language="bash", endpoint=ep).ok
+        items = [{"code": spin, "language": "bash", "timeout": 3}] * 5 + [
+            {"code": "echo hi", "language": "bash", "timeout": 20}]
+        res = corral.run_code_many(items, endpoint=ep)
+        assert [(r.status, r.signal) for r in res[:5]] == [("timeout", 9)] * 5, res
+        assert res[5].status == "ok" and res[5].stdout == "hi\n", res[5]
+        assert corral.run_code("echo after", language="bash", timeout=20,
+                               endpoint=ep).stdout == "after\n"
+        assert _started(ep, "bash") == 1
+
+
+def test_a_timeout_is_the_requests_own_when_its_zygote_is_slow_to_answer():
+    """A request whose own deadline passed is a ``timeout``, never infra, even when its
+    zygote does not confirm the kill in time (here: stopped from the host past the answer's
+    grace); a request beside it is answered, and the zygote goes on once it runs again."""
+    cg = f"corral-test-rcslow-{os.getpid()}"
+    with private_daemon("corral-test-rcslow-", cg, CORRAL_RUNCODE_SLOTS="2",
+                        CORRAL_RUNCODE_ZYGOTES="1") as d:
+        ep = d.socket_path
+        assert corral.run_code("true", language="bash", endpoint=ep).ok
+        zygotes = _zygotes_of(cg + ".runcode")
+        assert len(zygotes) == 1
+
+        async def both():  # type: ignore[no-untyped-def]
+            return await asyncio.gather(
+                corral.run_code_async("sleep 60", language="bash", timeout=1, endpoint=ep),
+                corral.run_code_async("import time; time.sleep(2); print('beside')",
+                                      timeout=30, endpoint=ep),
+                return_exceptions=True)
+
+        os.kill(zygotes[0], signal.SIGSTOP)
+        try:
+            slow, beside = asyncio.run(both())
+        finally:
+            os.kill(zygotes[0], signal.SIGCONT)
+        assert not isinstance(slow, BaseException), slow
+        assert (slow.status, slow.exit_code, slow.signal) == ("timeout", 137, 9)
+        assert not isinstance(beside, BaseException) and beside.stdout == "beside\n", beside
+        assert corral.run_code("echo on", language="bash", timeout=20,
+                               endpoint=ep).stdout == "on\n"
+        assert _started(ep, "bash") == 1
+
+
+def test_a_slot_s_files_are_out_of_reach_of_other_requests_whatever_their_modes():
+    """A request that opens its working directory and files to everyone (0777, 0666) still
+    has them out of reach of a request in another slot: the slot's tmpfs root is the
+    zygote's, 0710 with the slot's group. Where a request's scratch was its own 0700
+    directory, another slot opened its files after a chmod and held them past its end."""
+    cg = f"corral-test-rcreach-{os.getpid()}"
+    with private_daemon("corral-test-rcreach-", cg, CORRAL_RUNCODE_SLOTS="2",
+                        CORRAL_RUNCODE_ZYGOTES="1") as d:
+        ep = d.socket_path
+        assert corral.run_code("pass", endpoint=ep).ok
+        (z,) = _zygotes_of(cg + ".runcode")
+        owner = ("import os, time\nos.chmod('.', 0o777)\n"
+                 "open('big', 'w').write('x' * 4096); os.chmod('big', 0o666)\n"
+                 "open('ready', 'w').close()\nt = time.monotonic()\n"
+                 "while not os.path.exists('go') and time.monotonic() - t < 60:\n"
+                 "    time.sleep(0.01)\nprint(os.getcwd())")
+        out: dict[str, object] = {}
+
+        async def owner_run():  # type: ignore[no-untyped-def]
+            out["owner"] = await corral.run_code_async(owner, timeout=90, endpoint=ep)
+
+        async def attack():  # type: ignore[no-untyped-def]
+            task = asyncio.create_task(owner_run())
+            ready: list[Path] = []
+
+            def seen() -> bool:
+                ready[:] = list(Path(f"/proc/{z}/root/tmp").glob("s*/ready")) + list(
+                    Path(f"/proc/{z}/root/tmp").glob("s*/w/ready"))
+                return bool(ready)
+
+            while not seen():  # the owner is up: its files are there
+                assert not task.done(), out
+                await asyncio.sleep(0.01)
+            probe = ("import os\nfor i in (0, 1):\n"
+                     "    for p in (f'/tmp/s{i}', f'/tmp/s{i}/w'):\n"
+                     "        if p == os.getcwd(): continue\n"
+                     "        for f in (p + '/big', p):\n"
+                     "            try:\n"
+                     "                os.listdir(f) if f == p else os.close(os.open(f, 0))\n"
+                     "                print('REACHED', f)\n"
+                     "            except OSError as e:\n"
+                     "                print('no', f, e.errno)\n")
+            out["probe"] = await corral.run_code_async(probe, endpoint=ep)
+            (ready[0].parent / "go").write_text("")
+            await task
+
+        asyncio.run(attack())
+        probe = out["probe"]
+        assert "REACHED" not in probe.stdout and "no" in probe.stdout, probe  # type: ignore[attr-defined]
+        assert out["owner"].ok, out["owner"]  # type: ignore[attr-defined]
+
+
+def test_a_file_held_past_its_request_gets_the_slot_rebuilt_never_a_task_error():
+    """Files another process still holds when a request ends stay charged to its slot's
+    tmpfs and memory cgroup. The wipe sees the tmpfs is not empty: the slot is retired and
+    the zygote made afresh, so the next request has its whole scratch and its memory limit.
+    Where the slot was used again as it was, the next request saw the room taken and a
+    lower memory limit failed (EBUSY) as invalid_request, a task error."""
+    cg = f"corral-test-rchold-{os.getpid()}"
+    with private_daemon("corral-test-rchold-", cg, CORRAL_RUNCODE_SLOTS="1",
+                        CORRAL_RUNCODE_ZYGOTES="1") as d:
+        ep = d.socket_path
+        assert corral.run_code("pass", endpoint=ep).ok
+        (z,) = _zygotes_of(cg + ".runcode")
+        writer = ("import os, time\n"
+                  "for n in ('big1', 'big2'):\n"
+                  "    with open(n, 'wb') as f:\n"
+                  "        for _ in range(150): f.write(b'1' * (1 << 20))\n"
+                  "open('ready', 'w').close()\nt = time.monotonic()\n"
+                  "while not os.path.exists('go') and time.monotonic() - t < 60:\n"
+                  "    time.sleep(0.01)\nprint('wrote')")
+        held: list[int] = []
+
+        async def hold():  # type: ignore[no-untyped-def]
+            task = asyncio.create_task(corral.run_code_async(writer, memory_mb=1024,
+                                                             timeout=90, endpoint=ep))
+            root = Path(f"/proc/{z}/root/tmp/s0")
+            where = [root / "w", root]
+
+            def seen() -> bool:
+                return any((p / "ready").exists() for p in where)
+
+            while not seen():
+                assert not task.done(), task
+                await asyncio.sleep(0.01)
+            at = next(p for p in where if (p / "ready").exists())
+            held.extend(os.open(at / n, os.O_RDONLY) for n in ("big1", "big2"))
+            (at / "go").write_text("")
+            return await task
+
+        try:
+            assert asyncio.run(hold()).stdout == "wrote\n"
+            room = ("import os\nst = os.statvfs('.')\nprint(st.f_bavail * st.f_frsize >> 20)")
+            r = corral.run_code(room, memory_mb=1024, endpoint=ep)
+            assert int(r.stdout) >= 500, r
+            r = corral.run_code("x = bytearray(180 << 20); print('fits')", memory_mb=256,
+                                endpoint=ep)
+            assert (r.status, r.stdout) == ("ok", "fits\n"), r
+            assert _started(ep, "python") == 2  # made afresh once
+        finally:
+            for fd in held:
+                os.close(fd)
+
+
+def test_nothing_set_on_the_working_directory_reaches_the_next_request():
+    """The working directory is made afresh for each request: its xattrs, times and mode
+    are not the previous request's (they were a channel to the next one in the slot)."""
+    writer = ("import os\nd = os.getcwd()\nos.setxattr(d, 'user.secret', b'42')\n"
+              "os.utime(d, ns=(1234567890123456789, 987654321987654321))\n"
+              "os.chmod(d, 0o755)\nprint(os.listxattr(d))")
+    assert all(r.stdout == "['user.secret']\n" for r in every_slot(writer))
+    reader = ("import os, time\nd = os.getcwd()\nst = os.stat(d)\n"
+              "print(os.listxattr(d), abs(st.st_mtime - time.time()) < 600, "
+              "oct(st.st_mode & 0o777))")
+    for r in every_slot(reader):
+        assert r.stdout == "[] True 0o700\n", r.stdout
+
+
+def test_a_memory_limit_the_kernel_refuses_is_infra_and_retires_the_slot():
+    """The slot's limit write failing (v1: EBUSY, memory held from outside the slot) is the
+    host's state: infra_error, and the zygote is retired, never invalid_request."""
+    import errno
+
+    from corral.daemon.substrates.process import pool as pool_mod
+
+    class Memory:
+        limit = 1 << 62
+
+        def set(self, nbytes: int) -> None:
+            raise OSError(errno.EBUSY, "Device or resource busy")
+
+    class Slot:
+        index = 3
+        memory = Memory()
+
+    class FakePool:
+        language = "python"
+
+    z = pool_mod.Zygote.__new__(pool_mod.Zygote)
+    z.pool, z.name, z.retiring = FakePool(), "python-0", False  # type: ignore[assignment]
+    with pytest.raises(corral.InfraError) as e:
+        asyncio.run(z._set_limit(Slot(), 256 << 20))  # type: ignore[arg-type]
+    assert e.value.category == "infra" and e.value.details["errno"] == errno.EBUSY
+    assert z.retiring
+
+
+def test_a_huge_tree_is_wiped_off_the_zygote_s_loop():
+    """A tree of tens of thousands of directories is removed by a helper process: requests
+    on other slots of the same zygote go on meanwhile (on its loop, such a wipe held every
+    other slot of the zygote for about 1.5 s)."""
+    cg = f"corral-test-rcwipe-{os.getpid()}"
+    with private_daemon("corral-test-rcwipe-", cg, CORRAL_RUNCODE_SLOTS="2",
+                        CORRAL_RUNCODE_ZYGOTES="1") as d:
+        ep = d.socket_path
+        assert corral.run_code("pass", endpoint=ep).ok
+        deep = ("import os\nfor _ in range(60000):\n    os.mkdir('d'); os.chdir('d')\n"
+                "print('deep')")
+        r = corral.run_code(deep, memory_mb=1024, timeout=120, endpoint=ep)
+        assert r.stdout == "deep\n", r
+        # Answered on the child's word: its slot is being wiped now. Others run meanwhile,
+        # each in a small part of the wipe's time (on the loop, one of them waited it out).
+        t0, took = time.monotonic(), []
+        while run_code_pools(ep).pools[0].busy:
+            t = time.monotonic()
+            assert corral.run_code("print(1)", endpoint=ep).stdout == "1\n"
+            took.append(time.monotonic() - t)
+        wipe = time.monotonic() - t0
+        assert len(took) >= 3 and max(took) < wipe / 2, (wipe, took)
+        for _ in range(3):
+            assert corral.run_code("import os; print(os.listdir('.'))",
+                                   endpoint=ep).stdout == "[]\n"
+        assert _started(ep, "python") == 1

@@ -1,11 +1,18 @@
 """The cgroups of the run_code pools, on the daemon's side: made at a zygote's start, limits on
 the zygote and each slot, removed at the stop.
 
-Layout, in each hierarchy used (v1: memory, pids, freezer; v2: the unified one):
-``<root>/<daemon cgroup name>.runcode/<language>-<n>/{zygote,s0,s1,...}``; sessions
-(``Sandbox(substrate="process")``) under ``<daemon cgroup name>.process/<sandbox id>/
+Layout, in each hierarchy used (v1: memory, pids, freezer, and cpu for run_code; v2: the
+unified one): ``<root>/<daemon cgroup name>.runcode/<language>-<n>/{zygote,s0,s1,...}``;
+sessions (``Sandbox(substrate="process")``) under ``<daemon cgroup name>.process/<sandbox id>/
 {zygote,s0}``. The zygote moves each child into its slot; the daemon sets the slot's memory
 limit (per request, per session).
+
+CPU (run_code): the slots weigh less than the zygote, the daemon and lxcfs, so requests that
+spin every process they may have cannot starve what answers them. v1: the zygote stays in the
+daemon's cpu cgroup and only the slots are in the cpu hierarchy, under a ``.runcode`` top of
+RUNCODE_CPU_SHARES (a quarter of one nice-0 task of the daemon's); v2: the zygote's cgroup
+weighs ZYGOTE_CPU_WEIGHT against its slots' RUNCODE_CPU_WEIGHT each, under a top of
+RUNCODE_TOP_WEIGHT. No quota: an idle machine gives requests every CPU.
 """
 
 from __future__ import annotations
@@ -18,13 +25,18 @@ import time
 from corral.daemon.cgroups.common import _mounts, _read, _write
 
 ZYGOTE_MEMORY = 2 << 30     # the zygote and its launcher (numpy preloaded: ~60 MB)
-ZYGOTE_PIDS = 16
+ZYGOTE_PIDS = 16            # launcher, zygote, fork server, children not yet in their slot
+RUNCODE_CPU_SHARES = 256    # v1: all of run_code's slots against a nice-0 task's 1024
+RUNCODE_TOP_WEIGHT = 25     # v2: the same against the daemon's cgroup's default 100
+ZYGOTE_CPU_WEIGHT = 10000   # v2: the zygote first within its pool
+RUNCODE_CPU_WEIGHT = 1      # v2: each slot
 
 
 class Layout:
     """Where the pools' cgroups go on this host."""
 
-    def __init__(self, cgroup_name: str, suffix: str = ".runcode") -> None:
+    def __init__(self, cgroup_name: str, suffix: str = ".runcode", cpu: bool = False) -> None:
+        """``cpu``: weigh the slots below the zygote and the daemon (run_code's pools)."""
         v1, v2 = _mounts()
         ctrls: set[str] = set()
         if v2:
@@ -33,11 +45,14 @@ class Layout:
         if v2 and {"memory", "pids"} <= ctrls:
             self.v2 = True
             self.roots = {"unified": v2}
+            self.cpu = cpu and "cpu" in ctrls
         else:
             if "memory" not in v1 or "pids" not in v1:
                 raise RuntimeError("run_code needs the memory and pids cgroup controllers")
             self.v2 = False
-            self.roots = {k: v1[k] for k in ("memory", "pids", "freezer") if k in v1}
+            self.cpu = cpu and "cpu" in v1
+            self.roots = {k: v1[k] for k in ("memory", "pids", "freezer", "cpu")
+                          if k in v1 and (k != "cpu" or self.cpu)}
         self.top = cgroup_name + suffix
 
     def pools(self) -> list[str]:
@@ -59,6 +74,7 @@ class Layout:
         returns the files the launcher joins through and each slot's directories."""
         self.remove_pool(pool)
         base = self.pool_dirs(pool)
+        want = {"memory", "pids"} | ({"cpu"} if self.cpu else set())
         if self.v2:
             chain = [self.roots["unified"], os.path.join(self.roots["unified"], self.top),
                      base["unified"]]
@@ -66,24 +82,37 @@ class Layout:
                 os.makedirs(d, exist_ok=True)
             for d in chain[:-1] + [base["unified"]]:
                 ctl = os.path.join(d, "cgroup.subtree_control")
-                if not {"memory", "pids"} <= set(_read(ctl).split()):
-                    _write(ctl, "+memory +pids")
+                if not want <= set(_read(ctl).split()):
+                    _write(ctl, " ".join("+" + c for c in sorted(want)))
+            if self.cpu:
+                _write(chain[1] + "/cpu.weight", str(RUNCODE_TOP_WEIGHT))
+        elif self.cpu:
+            os.makedirs(os.path.join(self.roots["cpu"], self.top), exist_ok=True)
+            _write(os.path.join(self.roots["cpu"], self.top, "cpu.shares"),
+                   str(RUNCODE_CPU_SHARES))
         names = ["zygote"] + [f"s{i}" for i in range(slots)]
-        for b in base.values():
+        for k, b in base.items():
             for n in names:
-                os.makedirs(os.path.join(b, n), exist_ok=True)
-        zy = {k: os.path.join(b, "zygote") for k, b in base.items()}
+                if k != "cpu" or n != "zygote":  # v1: the zygote keeps the daemon's CPU
+                    os.makedirs(os.path.join(b, n), exist_ok=True)
+        zy = {k: os.path.join(b, "zygote") for k, b in base.items() if k != "cpu"}
         slot_dirs = [{k: os.path.join(b, f"s{i}") for k, b in base.items()}
                      for i in range(slots)]
+        # Room for the helpers that wipe big scratch trees, one per slot at most.
+        zygote_pids = ZYGOTE_PIDS + slots
         if self.v2:
             _write(zy["unified"] + "/memory.max", str(ZYGOTE_MEMORY))
-            _write(zy["unified"] + "/pids.max", str(ZYGOTE_PIDS))
+            _write(zy["unified"] + "/pids.max", str(zygote_pids))
+            if self.cpu:
+                _write(zy["unified"] + "/cpu.weight", str(ZYGOTE_CPU_WEIGHT))
             for s in slot_dirs:
                 _write(s["unified"] + "/pids.max", str(pids_max))
+                if self.cpu:
+                    _write(s["unified"] + "/cpu.weight", str(RUNCODE_CPU_WEIGHT))
             join = [zy["unified"] + "/cgroup.procs"]
         else:
             _write(zy["memory"] + "/memory.limit_in_bytes", str(ZYGOTE_MEMORY))
-            _write(zy["pids"] + "/pids.max", str(ZYGOTE_PIDS))
+            _write(zy["pids"] + "/pids.max", str(zygote_pids))
             for s in slot_dirs:
                 _write(s["pids"] + "/pids.max", str(pids_max))
             join = [os.path.join(d, "tasks") for d in zy.values()]

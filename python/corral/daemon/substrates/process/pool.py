@@ -4,7 +4,11 @@ queue, and the service that owns every pool.
 A zygote is a child of the daemon (its launcher, see zygote.py) spoken to over a socketpair in
 frames. The daemon never reaps with waitpid(-1) (see procs.py): the launcher is waited for
 through its pidfd. A zygote that dies (or stops answering) fails the requests it held with
-infra_error and is started again on the next request.
+infra_error and is started again on the next request; a request whose own timeout had passed
+is a ``timeout`` whatever its zygote did after. A slot that cannot be made clean for the next
+request (its memory limit cannot be set, its tmpfs is not empty after the wipe) is retired:
+its zygote takes no new request, and once its last one is done it is started afresh (new
+cgroups, new tmpfs).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import logging
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -243,6 +248,9 @@ class Zygote:
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self._reader = zygote.FrameReader()
         self._fds: list[int] = []  # received with the frames, 4 per "warm"
+        self.in_use: set[int] = set()  # slots handed to requests and not given back
+        self.retiring = False  # a slot of it cannot be cleaned: made afresh when idle
+        self.parked: set[int] = set()  # slots kept from requests while it retires
 
     async def start(self) -> None:
         svc = self.pool.service
@@ -251,6 +259,7 @@ class Zygote:
         join, slot_dirs = await asyncio.to_thread(
             svc.layout.make_pool, self.name, s.slots, s.pids)
         self.slots = [SlotState(i, d) for i, d in enumerate(slot_dirs)]
+        self.retiring = False
         uid0 = UID_BASE + (self.pool.number * 64 + self.index) * 256
         uids = [uid0 + i for i in range(len(slot_dirs))]
         cfg = config(self.pool.language, svc.root_dir, view.entries(s.tmp_mb, uids), join,
@@ -315,6 +324,8 @@ class Zygote:
                     slot.warm.close()  # died waiting
                     slot.warm = None
                     slot.ready.clear()
+                if f.get("dirty"):
+                    self.retire(f"slot {f['done']}'s scratch tmpfs is not empty after its wipe")
                 fut = slot.done.pop(f["pid"], None)
                 if fut is not None and not fut.done():
                     fut.set_result(f)
@@ -336,6 +347,13 @@ class Zygote:
             slot.done.clear()
         self.kill()
         log.warning("run_code zygote ended", extra={"zygote": self.name, "why": why})
+
+    def retire(self, why: str) -> None:
+        """Take no new request; the pool starts this zygote afresh once its requests are
+        done (Pool.give_back)."""
+        if not self.retiring:
+            self.retiring = True
+            log.warning("run_code zygote retired", extra={"zygote": self.name, "why": why})
 
     def kill(self) -> None:
         """SIGKILL the launcher (the zygote and its namespace follow) and reap it."""
@@ -439,20 +457,7 @@ class Zygote:
             release()
 
         try:
-            limit = req.memory_mb << 20
-            if limit < slot.memory.limit:
-                # A lower limit reclaims what the slot's last request left charged (its page
-                # cache: 0.15 s a GB) before the write returns: not on the loop. Cancelled,
-                # the slot is not let go before the write is done (the next request's limit
-                # would be overwritten).
-                setting = asyncio.ensure_future(asyncio.to_thread(slot.memory.set, limit))
-                try:
-                    await asyncio.shield(setting)
-                except asyncio.CancelledError:
-                    await setting
-                    raise
-            else:
-                slot.memory.set(limit)
+            await self._set_limit(slot, req.memory_mb << 20)
             payload = json.dumps({"code": req.code, "stdin": req.stdin, "files": req.files,
                                   "timeout": req.timeout}, separators=(",", ":")).encode()
             out.watch(loop)
@@ -467,7 +472,7 @@ class Zygote:
             waits: set[asyncio.Future[Any]] = {done, told}
             first, _ = await asyncio.wait(waits, timeout=req.timeout + ANSWER_GRACE_S,
                                           return_when=asyncio.FIRST_COMPLETED)
-            if not first:
+            if not first and not timed_out:  # its timer never ran: the loop, not the code
                 self._dead("no answer in time")
                 raise InfraError(f"the run_code {self.pool.language} zygote did not answer; "
                                  f"it was restarted")
@@ -477,22 +482,26 @@ class Zygote:
             expire()
             self._later(done, finish)
             raise
+        d: dict[str, Any] | None = None
         if done.done() or timed_out:
             if not done.done():
                 await asyncio.wait({done}, timeout=ANSWER_GRACE_S)
-            if not done.done() or done.exception() is not None:
+            if done.done() and done.exception() is None:
+                d = done.result()
+            elif not timed_out:  # the zygote failed it before its own deadline: infra
                 finish()
-                if done.done():
-                    raise done.exception()  # type: ignore[misc]
-                self._dead("no answer in time")
-                raise InfraError(f"the run_code {self.pool.language} zygote did not answer; "
-                                 f"it was restarted")
-            d = done.result()
+                raise done.exception()  # type: ignore[misc]
+            # Else its own deadline passed: a timeout, whatever its zygote did after (a
+            # zygote that never answers is restarted by _later, this request's tree with it).
+        if d is not None:
             st, t_exit = d["status"], d["t_exit"]
             sig = os.WTERMSIG(st) if os.WIFSIGNALED(st) else None
             code = 128 + sig if sig is not None else os.WEXITSTATUS(st)
             if d.get("broken"):  # a process of the slot would not die: start afresh
                 self._dead("a slot's processes would not die")
+        elif timed_out:  # killed at its timeout; the zygote has not said so yet
+            sig = int(signal.SIGKILL)
+            code, t_exit = 128 + sig, t0 + req.timeout
         else:
             code, sig, t_exit = told.result(), None, time.monotonic()
         # What is in the pipes now is all there is: the process has ended (a holder of a
@@ -505,7 +514,7 @@ class Zygote:
         if done.done():
             finish()
         else:
-            self._later(done, finish)
+            self._later(done, finish, ANSWER_GRACE_S if timed_out else None)
         if timed_out:
             result = "timeout"
         elif oom:
@@ -519,10 +528,38 @@ class Zygote:
                 "duration_s": round(max(0.0, t_exit - t0), 6), "truncated": truncated,
                 "language": self.pool.language}
 
-    def _later(self, done: asyncio.Future[dict[str, Any]], finish: Any) -> None:
-        """After an answer on the child's own word: free the slot when the zygote has reaped
-        it (its timer still runs: a child that said it was done and went on is killed). A
-        callback and a timer, not a task: this is every python request's path."""
+    async def _set_limit(self, slot: SlotState, limit: int) -> None:
+        """Set the slot's memory limit for a request. A write the kernel refuses (v1: EBUSY,
+        the slot's usage above the new limit and nothing reclaimable: memory a process
+        outside the slot holds) is the host's state, not the request's: infra, and the slot
+        is retired."""
+        try:
+            if limit < slot.memory.limit:
+                # A lower limit reclaims what the slot's last request left charged (its page
+                # cache: 0.15 s a GB) before the write returns: not on the loop. Cancelled,
+                # the slot is not let go before the write is done (the next request's limit
+                # would be overwritten).
+                setting = asyncio.ensure_future(asyncio.to_thread(slot.memory.set, limit))
+                try:
+                    await asyncio.shield(setting)
+                except asyncio.CancelledError:
+                    await setting
+                    raise
+            else:
+                slot.memory.set(limit)
+        except OSError as e:
+            slot.memory.limit = -1  # unknown: written again next time
+            self.retire(f"slot {slot.index}'s memory limit: {e.strerror or e}")
+            raise InfraError(f"the run_code {self.pool.language} slot's memory limit could "
+                             f"not be set ({e.strerror or e}); the slot is rebuilt",
+                             details={"errno": e.errno}) from None
+
+    def _later(self, done: asyncio.Future[dict[str, Any]], finish: Any,
+               wait: float | None = None) -> None:
+        """After an answer on the child's own word (or at its timeout): free the slot when the
+        zygote has reaped it (its timer still runs: a child that said it was done and went on
+        is killed); a zygote that has not within ``wait`` is restarted. A callback and a
+        timer, not a task: this is every python request's path."""
         loop = asyncio.get_running_loop()
 
         def settled(_: object = None) -> None:
@@ -535,7 +572,8 @@ class Zygote:
             finally:
                 finish()
 
-        timer = loop.call_later(MAX_TIMEOUT_S + ANSWER_GRACE_S, settled)
+        timer = loop.call_later(MAX_TIMEOUT_S + ANSWER_GRACE_S if wait is None else wait,
+                                settled)
         done.add_done_callback(settled)
 
 
@@ -582,6 +620,20 @@ class Pool:
             for zi in range(s.zygotes):
                 self.free.put_nowait((zi, si))
 
+    def _park(self, zi: int, si: int) -> None:
+        """Keep a slot of a retiring zygote; with every slot back, the zygote goes (its
+        cgroups and tmpfs are made afresh by its next start) and its slots serve again."""
+        z = self.zygotes[zi]
+        z.parked.add(si)
+        if z.in_use:
+            return
+        z.retiring = False
+        if z.alive:
+            z._dead("it was retired")
+        for s in sorted(z.parked):
+            self.free.put_nowait((zi, s))
+        z.parked.clear()
+
     @property
     def slots(self) -> int:
         return len(self.zygotes) * self.service.settings.slots
@@ -609,10 +661,15 @@ class Pool:
             self.admit()
         self.waiting += 1
         try:
-            zi, si = await self.free.get()
+            while True:
+                zi, si = await self.free.get()
+                if not self.zygotes[zi].retiring:
+                    break
+                self._park(zi, si)  # a retiring zygote takes no new request
         finally:
             self.waiting -= 1
         self.busy += 1
+        self.zygotes[zi].in_use.add(si)
         released = False
 
         def release() -> None:
@@ -620,7 +677,11 @@ class Pool:
             if not released:
                 released = True
                 self.busy -= 1
-                self.free.put_nowait((zi, si))
+                self.zygotes[zi].in_use.discard(si)
+                if self.zygotes[zi].retiring:
+                    self._park(zi, si)
+                else:
+                    self.free.put_nowait((zi, si))
 
         try:
             z = await self._ensure(zi)
@@ -655,7 +716,7 @@ class RunCodeService:
     @property
     def layout(self) -> cgroup.Layout:
         if self._layout is None:
-            self._layout = cgroup.Layout(self.cgroup_name)
+            self._layout = cgroup.Layout(self.cgroup_name, cpu=True)
             self._layout.remove_all()  # a previous daemon's, if it died
             os.makedirs(self.root_dir, mode=0o700, exist_ok=True)
         return self._layout
@@ -700,7 +761,7 @@ class RunCodeService:
                 z._dead("the daemon is stopping")
         # Also when no pool ran: a previous daemon that died may have left its cgroups.
         try:
-            layout = self._layout or cgroup.Layout(self.cgroup_name)
+            layout = self._layout or cgroup.Layout(self.cgroup_name, cpu=True)
         except (OSError, RuntimeError) as e:
             log.warning("run_code cgroups not checked", extra={"error": str(e)})
             return

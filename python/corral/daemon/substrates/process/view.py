@@ -39,8 +39,11 @@ SCRATCH_INODES = 65536
 
 def entries(tmp_mb: int, slot_uids: list[int] | None = None) -> list[tuple[str, str, str]]:
     """The zygote's root. ``slot_uids``: a scratch tmpfs per slot, ``/tmp/s<i>`` (of
-    ``tmp_mb`` and SCRATCH_INODES, owned by the slot's uid): nothing a request writes takes
-    room or inodes from another's. Its pages are charged to the request's memory cgroup."""
+    ``tmp_mb`` and SCRATCH_INODES): nothing a request writes takes room or inodes from
+    another's. Its root is the zygote's, mode 0710 with the slot's group: the slot's uid
+    reaches its working directory in it (made by the zygote), no other slot's uid reaches
+    anything in it, whatever modes a request gives its files. Its pages are charged to the
+    request's memory cgroup."""
     out: list[tuple[str, str, str]] = []
     bound: list[str] = []
     for d in OS_DIRS:
@@ -65,7 +68,7 @@ def entries(tmp_mb: int, slot_uids: list[int] | None = None) -> list[tuple[str, 
     else:
         out.append(("tmpfs", f"mode=0755,size=64k,nr_inodes={len(slot_uids) + 16}", "/tmp"))
         for i, uid in enumerate(slot_uids):
-            out.append(("tmpfs", f"mode=0700,uid={uid},gid={uid},size={tmp_mb}m,"
+            out.append(("tmpfs", f"mode=0710,uid=0,gid={uid},size={tmp_mb}m,"
                                  f"nr_inodes={SCRATCH_INODES}", f"/tmp/s{i}"))
     # The interpreter and its packages, wherever they live (a venv, pyenv under /root, a
     # checkout under /tmp): bound last, so no mount above (/tmp, /dev) hides them.

@@ -16,12 +16,20 @@ imports none of corral but the Rust core, loaded by path. Its life:
    the zygote made once its interpreter is ready, that forks on the zygote's command and runs
    no Python between forks (rust/src/zygote.rs ``fork_server``), so the pages it shares with
    the waiting children are not copied again at every fork. The child joins its slot's
-   cgroups (memory, pids, freezer), takes the slot's scratch dir, drops to the slot's uid
+   cgroups (memory, pids, freezer, cpu), takes the slot's scratch dir, drops to the slot's uid
    with no capability, rlimits and a Landlock domain of its own (abstract unix sockets), all
    in one call (``_core.ZygoteEntry``), then waits for its request on a pipe and runs it
    (python: in the forked interpreter; bash: exec). When its process exits, the zygote kills
    whatever it left running in the slot's cgroup, wipes the scratch dir, says so, and asks
    for the slot's next child.
+4. A slot's scratch is a tmpfs of its own, ``/tmp/s<i>``: its root is the zygote's (mode 0710,
+   the slot's group), so no other slot's uid reaches a file in it whatever a request makes
+   of its modes; the request's working directory is ``/tmp/s<i>/w``, its own, removed and
+   made afresh after each request (no mode, time, xattr or ACL of it reaches the next). A
+   big tree (more than WIPE_INLINE_INODES inodes or WIPE_INLINE_BYTES) is removed by a
+   helper process, off this loop: only its own slot waits for it. A tmpfs that is not back
+   to empty after the wipe (a file some other process still holds) is reported ``dirty``:
+   the daemon retires the slot, and the zygote, its tmpfs and its cgroups are made afresh.
 
 A session zygote (``language`` ``session``: one ``Sandbox(substrate="process")``) has one slot
 and no preloaded module: its /tmp is the session's own tmpfs (owned by the slot's uid), kept
@@ -67,6 +75,10 @@ EXITED = struct.Struct("=ciid")
 MAX_FRAME = 256 << 20
 READ_CHUNK = 1 << 16
 KILL_WAIT_S = 5.0
+# A scratch using more than this is removed by a helper process, not on the zygote's loop.
+WIPE_INLINE_INODES = 1024
+WIPE_INLINE_BYTES = 64 << 20
+CLEAN_INODES = 2  # a slot's tmpfs between requests: its root and the working directory
 BASH_ARG_MAX = 100_000  # longer bash programs go through a memfd (MAX_ARG_STRLEN is 128 KiB)
 
 
@@ -198,8 +210,8 @@ class SlotCgroups:
 
 
 def _remove_tree(path: str) -> None:
-    """rm -rf, whatever a request made there: shutil's recursion gives up on a tree a few
-    thousand directories deep (RecursionError), rm(1) does not."""
+    """rm -rf of a small tree (at most WIPE_INLINE_INODES): shutil's recursion gives up on a
+    tree a thousand directories deep (RecursionError), rm(1) does not."""
     import shutil
 
     try:
@@ -207,7 +219,7 @@ def _remove_tree(path: str) -> None:
         return
     except (RecursionError, OSError):
         pass
-    pid = os.posix_spawn("/bin/rm", ["rm", "-rf", "--one-file-system", "--", path], {})
+    pid = _spawn_rm(path)
     while True:
         try:
             os.waitpid(pid, 0)
@@ -216,6 +228,33 @@ def _remove_tree(path: str) -> None:
             continue
     if os.path.lexists(path):
         raise OSError(f"could not remove {path}")
+
+
+def _spawn_rm(path: str) -> int:
+    return os.posix_spawn("/bin/rm", ["rm", "-rf", "--one-file-system", "--", path], {})
+
+
+def _scratch_use(root: str) -> tuple[int, int]:
+    """(inodes, bytes) in use on a slot's tmpfs: one statvfs."""
+    st = os.statvfs(root)
+    return st.f_files - st.f_ffree, (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def _empty_and_remove(path: str) -> None:
+    """Remove a (small) working directory and what is in it."""
+    try:
+        os.rmdir(path)  # mostly it is empty: one call
+        return
+    except OSError as e:
+        if e.errno != errno.ENOTEMPTY:
+            raise
+    for name in os.listdir(path):
+        p = os.path.join(path, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            _remove_tree(p)
+        else:
+            os.unlink(p)
+    os.rmdir(path)
 
 
 def _reap_any() -> list[tuple[int, int]]:
@@ -236,9 +275,11 @@ class Slot:
         self.index = index
         self.uid = uid
         self.cg = SlotCgroups(cgroups)
-        self.scratch = f"/tmp/s{index}"
+        self.root = f"/tmp/s{index}"        # its tmpfs, the zygote's (0710, the slot's group)
+        self.scratch = f"/tmp/s{index}/w"   # a request's working directory, made per request
         self.pid = 0           # its child, waiting for a request or running one
         self.broken = False
+        self.retired = False   # its tmpfs is not empty after a wipe: the daemon rebuilds us
         self.entry: Any = None  # _core.ZygoteEntry: what its request children do first
 
 
@@ -259,6 +300,8 @@ class Zygote:
         self.entered = False  # a request's child: past ZygoteEntry.enter (stdio moved)
         self.slots = [Slot(i, s["uid"], s["cgroups"]) for i, s in enumerate(cfg["slots"])]
         self.by_pid: dict[int, Slot] = {}
+        # rm helpers of big scratch trees: pid -> (slot, its child's pid, status, t_exit)
+        self.wipers: dict[int, tuple[Slot, int, int, float]] = {}
         self.forks: Any = None                   # the fork server's socket (not a session)
         self.forks_fd = -1
         self.reader = FrameReader()
@@ -294,10 +337,10 @@ class Zygote:
                 f.write(value)
         if self.session:
             for s in self.slots:
-                s.scratch = "/tmp"  # the session's tmpfs, made with its uid and mode 0700
+                s.root = s.scratch = "/tmp"  # the session's tmpfs, its uid's, mode 0700
         else:
             for s in self.slots:
-                self._fresh_scratch(s)
+                self._new_scratch(s)
                 s.entry = self.core.ZygoteEntry(join=s.cg.join, dir=s.scratch, umask=0o077,
                                                 uid=s.uid, gid=s.uid, rlimits=self.rlimits)
         self.devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
@@ -317,17 +360,12 @@ class Zygote:
         if not self.session:
             self._start_fork_server()
 
-    def _fresh_scratch(self, s: Slot) -> None:
-        """Empty the slot's scratch (a tmpfs of its own) in place: the directory itself stays,
-        so a wipe never needs an inode or room the next request could have taken."""
-        for name in os.listdir(s.scratch):
-            path = os.path.join(s.scratch, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                _remove_tree(path)
-            else:
-                os.unlink(path)
+    def _new_scratch(self, s: Slot) -> None:
+        """Make the slot's working directory afresh (a new inode: nothing a request set on
+        the old one, times, xattrs, ACLs, reaches the next). Mode 0700: the zygote's umask
+        is the daemon's 022."""
+        os.mkdir(s.scratch, 0o700)
         os.chown(s.scratch, s.uid, s.uid)
-        os.chmod(s.scratch, 0o700)
 
     # -- the loop --
     def serve(self) -> None:
@@ -371,9 +409,14 @@ class Zygote:
         return True
 
     def _reaped(self, pid: int, status: int, t_exit: float | None = None) -> None:
-        """A slot's child ended (its request done, killed, or it died waiting)."""
+        """A slot's child ended (its request done, killed, or it died waiting), or the
+        helper that removed a slot's big tree did."""
         if t_exit is None:
             t_exit = time.monotonic()
+        wiper = self.wipers.pop(pid, None)
+        if wiper is not None:
+            self._wiped(*wiper)
+            return
         slot = self.by_pid.pop(pid, None)
         if slot is None or self.session:
             return  # an orphan of some request, reparented to us; or a session's command
@@ -381,13 +424,34 @@ class Zygote:
         if not slot.cg.kill_all(self._reaped):  # what it left behind dies with it
             slot.broken = True
         try:
-            self._fresh_scratch(slot)
+            inodes, used = _scratch_use(slot.root)
+            if inodes > WIPE_INLINE_INODES or used > WIPE_INLINE_BYTES:
+                # Off this loop: the other slots' requests go on; this one waits for it.
+                self.wipers[_spawn_rm(slot.scratch)] = (slot, pid, status, t_exit)
+                return
+            _empty_and_remove(slot.scratch)
         except Exception as e:  # noqa: BLE001 - that slot is not used again; the rest go on
             print(f"run_code zygote: slot {slot.index} scratch: {e}", file=sys.stderr)
             slot.broken = True
-        _write_all(self.sock, encode({"done": slot.index, "pid": pid, "status": status,
-                                      "t_exit": t_exit, "broken": slot.broken}))
+        self._wiped(slot, pid, status, t_exit)
+
+    def _wiped(self, slot: Slot, pid: int, status: int, t_exit: float) -> None:
+        """The slot's old working directory is gone: make a new one, check that its tmpfs is
+        empty again, say the request is done and have the next child forked."""
         if not slot.broken:
+            try:
+                self._new_scratch(slot)
+                inodes, used = _scratch_use(slot.root)
+                # Files another process still holds (an fd passed to it) stay charged to
+                # this slot's tmpfs and memory: only a new zygote frees the slot of them.
+                slot.retired = inodes > CLEAN_INODES or used > 0
+            except Exception as e:  # noqa: BLE001 - that slot is not used again
+                print(f"run_code zygote: slot {slot.index} scratch: {e}", file=sys.stderr)
+                slot.broken = True
+        _write_all(self.sock, encode({"done": slot.index, "pid": pid, "status": status,
+                                      "t_exit": t_exit, "broken": slot.broken,
+                                      "dirty": slot.retired}))
+        if not slot.broken and not slot.retired:
             self._fork(slot)
 
     # -- the fork server --
@@ -674,6 +738,7 @@ def _load_core(path: str) -> Any:
 
 def main() -> None:
     sock = int(sys.argv[1])
+    os.set_inheritable(sock, False)  # not into the helpers the zygote runs (rm)
     cfg = _read_frame(sock)
     core = _load_core(cfg["core"])
     for path in cfg["zygote_cgroups"]:
