@@ -224,6 +224,28 @@ def test_disk_limit():
         assert box.exec("echo ok > /tmp/small && cat /tmp/small").stdout == "ok\n"
 
 
+_SPIN = ("python3 -c 'import time, threading\n"
+         "def spin():\n"
+         "    t = time.monotonic() + 2\n"
+         "    while time.monotonic() < t: pass\n"
+         "ts = [threading.Thread(target=spin) for _ in range(2)]\n"
+         "w = time.monotonic(); c = time.process_time()\n"
+         "[t.start() for t in ts]; [t.join() for t in ts]\n"
+         "print((time.process_time() - c) / (time.monotonic() - w))'")
+
+
+def test_cpu_is_a_quota_and_weighs_less_than_the_daemon():
+    """A session's ``cpu`` is a CFS quota (two spinning threads get half a CPU of cpu=0.5;
+    load can only lower that), in a cpu cgroup of the session's own: its commands cannot
+    starve the daemon."""
+    with corral.Sandbox(substrate="process", cpu=0.5, timeout=120) as box:
+        used = float(box.exec(_SPIN, timeout=60).stdout)
+        assert used < 0.75, used
+        quotas = [q for d in session_cgroups(box.id)
+                  for q in Path(d).glob("s0/cpu.cfs_quota_us")]  # v1
+        assert quotas and all(q.read_text().strip() == "50000" for q in quotas), quotas
+
+
 def test_pids_limit_stops_a_fork_bomb():
     with corral.Sandbox(substrate="process", pids=64, timeout=120) as box:
         uid = uid_of(box)

@@ -161,6 +161,20 @@ def _remove_tree(top: str, timeout: float) -> None:
                 delay = min(delay * 2, 0.05)
 
 
+CPU_PERIOD_US = 100_000
+
+
+def set_cpu_quota(dirs: dict[str, str], cpus: float) -> None:
+    """A CFS quota of ``cpus`` CPUs on a slot made with a cpu cgroup (else nothing)."""
+    quota = max(1000, int(cpus * CPU_PERIOD_US))
+    if "unified" in dirs:
+        if os.path.exists(os.path.join(dirs["unified"], "cpu.max")):
+            _write(os.path.join(dirs["unified"], "cpu.max"), f"{quota} {CPU_PERIOD_US}")
+    elif "cpu" in dirs:
+        _write(os.path.join(dirs["cpu"], "cpu.cfs_period_us"), str(CPU_PERIOD_US))
+        _write(os.path.join(dirs["cpu"], "cpu.cfs_quota_us"), str(quota))
+
+
 class SlotMemory:
     """A slot's memory cgroup, from the daemon's side: the limit, set per request (only when
     it changes), and the count of OOM kills in it. With ``keep_open`` (run_code's slots, read

@@ -103,7 +103,8 @@ class ProcessSubstrate(RootFileOps, Substrate):
     def __init__(self, state_dir: str, cgroup_name: str, upload_max_bytes: int) -> None:
         self.records = os.path.join(state_dir, "sandboxes")  # the engine's, one per sandbox
         self.root_dir = os.path.join(state_dir, "process", "root")
-        self.layout = cgroup.Layout(cgroup_name, suffix=".process")
+        # cpu: a session's commands weigh less than the daemon, and get its ``cpu`` as a quota
+        self.layout = cgroup.Layout(cgroup_name, suffix=".process", cpu=True)
         self.settings = pool.Settings()
         self.upload_max_bytes = upload_max_bytes
         self.sessions: dict[str, Session] = {}
@@ -134,6 +135,7 @@ class ProcessSubstrate(RootFileOps, Substrate):
             rt.cgroup_paths = sorted(slots[0].values())
             memory = cgroup.SlotMemory(slots[0])
             memory.set(spec.memory_mb << 20)
+            cgroup.set_cpu_quota(slots[0], spec.cpu)
             cfg = pool.config("session", self.root_dir, view.session_entries(spec.disk_mb, uid),
                               join, [{"uid": uid, "cgroups": slots[0]}], [], self.settings)
             cfg["hostname"] = spec.hostname or sandbox_id[:63]
