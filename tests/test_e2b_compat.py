@@ -217,6 +217,18 @@ def test_large_file_as_user(sbx: Sandbox) -> None:
     assert r.stdout.splitlines() == [f"user {len(data)}",
                                      f"{hashlib.sha256(data).hexdigest()}  big.bin"]
     assert bytes(sbx.files.read("/home/user/big.bin", format="bytes")) == data
+    # symlinks the user planted lead nowhere the user could not write: at the target, or a
+    # directory on its way
+    sbx.files.write("/etc/root-only.conf", "root's\n", user="root")
+    sbx.commands.run("ln -sf /etc/root-only.conf /home/user/link.bin && "
+                     "ln -sfn /etc /home/user/etc")
+    with pytest.raises(SandboxException):
+        sbx.files.write("/home/user/link.bin", data)
+    assert sbx.files.read("/etc/root-only.conf") == "root's\n"
+    with pytest.raises(SandboxException):
+        sbx.files.write("/home/user/etc/planted.conf", data)
+    assert not sbx.files.exists("/etc/planted.conf")
+    assert sbx.commands.run("ls -A /tmp | grep -c corral-upload || true").stdout == "0\n"
 
 
 def test_file_not_found(sbx: Sandbox) -> None:
@@ -374,6 +386,35 @@ def test_other_sandboxes_are_invisible(front: Front) -> None:
             Sandbox.connect(own.id)
         assert Sandbox.kill(own.id) is False
         assert own.is_running()
+        # the API key's holder can compute an access token for any id: envd's routes still
+        # refuse a sandbox the front did not make
+        from corral.e2b.auth import Keys
+
+        h = {"E2b-Sandbox-Id": own.id, "X-Access-Token": Keys(API_KEY).access_token(own.id),
+             "Content-Type": "application/json"}
+        r = httpx.post(front.url + "/filesystem.Filesystem/Stat", headers=h,
+                       content=b'{"path": "/etc/hostname"}')
+        assert r.status_code == 401 and r.json()["code"] == "unauthenticated", r.text
+        r = httpx.post(front.url + "/process.Process/Start", headers=h,
+                       content=b'{"process": {"cmd": "/bin/true"}}')
+        assert r.status_code == 401, r.text
+        r = httpx.get(front.url + "/files", params={"path": "/etc/hostname"}, headers=h)
+        assert r.status_code == 401, r.text
+        assert own.exec("true").ok
+
+
+def test_header_bytes_that_are_not_utf8_are_a_wrong_key(sbx: Sandbox, front: Front) -> None:
+    r = httpx.get(front.url + "/v2/sandboxes", headers={"X-API-KEY": b"e2b_\xff\xfe" * 4})
+    assert r.status_code == 401, r.text
+    h = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": b"\xff" * 64,
+         "Content-Type": "application/json"}
+    r = httpx.post(front.url + "/filesystem.Filesystem/Stat", headers=h,
+                   content=b'{"path": "/etc/hostname"}')
+    assert r.status_code == 401 and r.json()["code"] == "unauthenticated", r.text
+    h = dict(h, **{"E2b-Sandbox-Id": b"sb-\xff", "X-Access-Token": sbx._envd_access_token})
+    r = httpx.post(front.url + "/filesystem.Filesystem/Stat", headers=h,
+                   content=b'{"path": "/etc/hostname"}')
+    assert r.status_code == 401, r.text
 
 
 def test_bad_requests_are_4xx(front: Front) -> None:

@@ -21,12 +21,14 @@ from corral.e2b.auth import (
     ACCESS_TOKEN_HEADER,
     API_KEY_HEADER,
     SANDBOX_ID_HEADER,
+    FrontSandboxes,
     Keys,
 )
 from corral.e2b.connect import ConnectError, ServerStream, error_response, is_stream
 from corral.e2b.errors import api_error, to_connect
 from corral.e2b.state import FrontState
 from corral.e2b.templates import Templates
+from corral.sdk.async_sandbox import AsyncSandbox
 from corral.sdk.endpoint import Endpoint
 
 log = logging.getLogger("corral.e2b")
@@ -41,6 +43,7 @@ class Front:
 
     def __init__(self, api_key: str, endpoint: str | Endpoint | None = None) -> None:
         self.keys = Keys(api_key)
+        self.known = FrontSandboxes()
         self.endpoint = Endpoint.parse(endpoint)
         self.state = FrontState()
         self.templates = Templates(self.endpoint)
@@ -55,6 +58,21 @@ def _envd_auth(front: Front, request: web.Request) -> str | None:
     if sid and front.keys.access_token_ok(sid, request.headers.get(ACCESS_TOKEN_HEADER)):
         return sid
     return None
+
+
+async def _front_made(front: Front, sid: str) -> bool:
+    """Whether ``sid`` is one of the front's sandboxes, or none at all (its handler answers
+    that it is gone): a valid token for a sandbox made some other way opens nothing."""
+    if sid in front.known:
+        return True
+    try:
+        info = await AsyncSandbox.from_id(sid, endpoint=front.endpoint).info()
+    except ce.SandboxNotFound:
+        return True
+    if info.labels.get(sandboxes.LABEL) != "1":
+        return False
+    front.known.add(sid)
+    return True
 
 
 @web.middleware
@@ -73,6 +91,13 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     elif not front.keys.api_key_ok(request.headers.get(API_KEY_HEADER)):
         return api_error(401, "Invalid API key")
     try:
+        if "sandbox_id" in request and not await _front_made(front, request["sandbox_id"]):
+            log.warning("envd call for sandbox %s, which the front did not make, refused",
+                        request["sandbox_id"])
+            if rpc:
+                return error_response(ConnectError(
+                    "unauthenticated", "a valid X-Access-Token for E2b-Sandbox-Id is required"))
+            return api_error(401, "a valid X-Access-Token for E2b-Sandbox-Id is required")
         if rpc:
             return await _rpc(handler, request)
         if path in ENVD_HTTP:

@@ -14,6 +14,7 @@ import base64
 import gzip
 import posixpath
 import re
+import secrets
 import zlib
 from typing import Any
 
@@ -29,6 +30,7 @@ MAX_UPLOAD = 256 << 20
 # Passed as base64 on a command's stdin, which rides in a JSON request to the daemon.
 AS_USER_MAX = 8 << 20
 WRITE_AS_USER = 'mkdir -p -- "$(dirname -- "$1")" && base64 -d > "$1"'
+COPY_AS_USER = 'mkdir -p -- "$(dirname -- "$1")" && cat -- "$2" > "$1"'
 
 
 class FilesApi:
@@ -66,10 +68,25 @@ class FilesApi:
                     raise ce.PermissionDenied(err)
                 raise ce.InvalidRequest(err)
         else:
-            await sb.files.write(path, data)
-            r = await sb.exec(["chown", "-h", "--", f"{user}:", path], cwd="/", timeout=30)
-            if not r.ok:
-                raise ce.InvalidRequest(f"chown to {user}: {r.stderr.strip()}")
+            # too big for stdin: the daemon writes it to a file of a fresh name only root can
+            # read, handed to the user, whose shell copies it to ``path``; the target is
+            # opened as the user, so a symlink planted there leads only where the user could
+            # write anyway
+            staged = f"/tmp/.corral-upload-{secrets.token_hex(16)}"
+            await sb.files.write(staged, data, mode=0o600)
+            try:
+                r = await sb.exec(["chown", "--", f"{user}:", staged], cwd="/", timeout=30)
+                if not r.ok:
+                    raise ce.InvalidRequest(f"chown to {user}: {r.stderr.strip()}")
+                r = await sb.exec(["/bin/sh", "-c", COPY_AS_USER, "copy", path, staged],
+                                  user=user, cwd="/", timeout=120)
+                if not r.ok:
+                    err = r.stderr.strip() or f"writing {path} failed"
+                    if "ermission denied" in err:
+                        raise ce.PermissionDenied(err)
+                    raise ce.InvalidRequest(err)
+            finally:
+                await sb.files.remove(staged)
         written.append({"name": posixpath.basename(path), "type": "file", "path": path})
 
     async def upload(self, request: web.Request) -> web.Response:

@@ -112,6 +112,7 @@ class ControlPlane:
         info = await sb.info()
         if info.labels.get(LABEL) != "1" or info.state in ("dead", "stopping"):
             raise ce.SandboxNotFound(f"sandbox {sid} not found")
+        self.f.known.add(sid)
         return sb, info
 
     # ---- routes ---------------------------------------------------------------------------
@@ -133,6 +134,7 @@ class ControlPlane:
         except (ce.ImageNotFound, ce.SnapshotNotFound):
             return api_error(404, f"template {template!r} not found")
         assert sb.last_info is not None
+        self.f.known.add(sb.last_info.id)
         return web.json_response(self.sandbox(sb.last_info), status=201)
 
     async def _all(self) -> list[SandboxInfo]:
