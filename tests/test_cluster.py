@@ -171,6 +171,20 @@ def test_gateway_authenticates_and_is_no_data_path(cluster, gateway):
     assert code == 404 and body["error"]["code"] == "sandbox_not_found"
 
 
+def test_an_id_in_a_gateway_path_reaches_no_other_node_route(cluster, gateway):
+    """The gateway asks nodes with its own credentials: an id that is a dot segment, or holds
+    a slash or a query, must not resolve into another route of a node (here /v1/status)."""
+    token = endpoint_mod._tokens[gateway.url]
+    for raw in ("..%2F..%2Fv1%2Fstatus%3F", "%2E%2E", "..", "%2E", "..%2Fstatus"):
+        for tail in ("/log", ""):
+            code, body = _get(gateway.url + "/v1/sandboxes/" + raw + tail, token)
+            assert code == 404, (raw, tail, body)
+            assert body["error"]["code"] == "sandbox_not_found", (raw, tail, body)
+        for kind in ("snapshots", "trajectories"):
+            code, body = _get(gateway.url + f"/v1/{kind}/{raw}", token)
+            assert code == 404 and "nodes" not in body, (raw, kind, body)
+
+
 def _create(url: str, token: str, selector: str) -> tuple[int, dict]:
     req = urllib.request.Request(url + "/v1/sandboxes", method="POST",
                                  data=json.dumps({"image": "host", "memory_mb": 64}).encode())

@@ -11,13 +11,13 @@ import asyncio
 import json
 import logging
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
 
 import aiohttp
 
 from corral.cluster import snapshots
+from corral.cluster.reads import segment
 from corral.daemon.app_errors import ACT_AS_HEADER
-from corral.errors import SnapshotCopyFailed
+from corral.errors import SnapshotCopyFailed, SnapshotNotFound
 
 if TYPE_CHECKING:
     from corral.cluster.gateway import Gateway
@@ -52,7 +52,8 @@ async def _listed(gw: Gateway, n: NodeLoad, tenant: str | None) -> list[dict[str
 
 async def _has(gw: Gateway, n: NodeLoad, snap_id: str) -> bool:
     try:
-        async with gw.session().get(n.endpoint + "/v1/snapshots/" + quote(snap_id, safe=""),
+        path = "/v1/snapshots/" + segment(snap_id, SnapshotNotFound)
+        async with gw.session().get(n.endpoint + path,
                                     headers=gw.node_headers(admin=True),
                                     timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)) as r:
             await r.read()

@@ -27,7 +27,6 @@ import contextlib
 import json
 import re
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
@@ -73,19 +72,19 @@ class Fork:
         self.made: batch.CreateBatch | None = None
 
     async def run(self, progress: batches.Progress) -> dict[str, Any]:
-        found = await reads._whichever_has(self.gw, "/v1/sandboxes/" + quote(self.sid, safe=""))
+        path = "/v1/sandboxes/" + reads.segment(self.sid, SandboxNotFound)
+        found = await reads._whichever_has(self.gw, path)
         if found is None:
             raise SandboxNotFound(f"no sandbox {self.sid!r} on any node",
                                   details={"id": self.sid})
         parent, info = found
         self.parent = parent
-        spec_d = await reads._get(self.gw, parent, f"/v1/sandboxes/{quote(self.sid, safe='')}"
-                                  "/spec")
+        spec_d = await reads._get(self.gw, parent, path + "/spec")
         assert spec_d is not None
         kids = children_of(info.get("trajectory_id"), self.key, self.req.count)
         body = json.dumps({"name": self.req.name} if self.req.name else {}).encode()
         snap = await batch.watched(self.gw, parent, batch.streamed_call(
-            self.gw, parent, f"/v1/sandboxes/{quote(self.sid, safe='')}/snapshot", body,
+            self.gw, parent, path + "/snapshot", body,
             lambda _: None, {KEY_HEADER: self.key} if self.key else None))
         self.snap = dict(snap, node=parent.node, endpoint=parent.endpoint)
         spec = SandboxSpec.model_validate({**spec_d, "snapshot": snap["id"]}, context=STORED)
@@ -118,7 +117,7 @@ class Fork:
         by a keyed create."""
         assert self.parent is not None
         looked = await asyncio.gather(*(reads._whichever_has(
-            self.gw, "/v1/trajectories/" + quote(t, safe="")) for t in kids))
+            self.gw, "/v1/trajectories/" + reads.segment(t)) for t in kids))
         out: list[dict[str, Any]] = [{} for _ in kids]
         missing = []
         for i, got in enumerate(looked):
@@ -167,7 +166,7 @@ class Fork:
         layers); a node that fails to is left with a listed copy."""
         if self.snap is None or self.parent is None:
             return
-        path = "/v1/snapshots/" + quote(self.snap["id"], safe="")
+        path = "/v1/snapshots/" + reads.segment(self.snap["id"])
 
         async def drop(n: NodeLoad) -> None:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):

@@ -460,10 +460,11 @@ class Gateway:
         every node asked at once): (status, body, content type), or None if none has it.
         SandboxLost if none has it while some node did not answer."""
         nodes = [self.nodes[node]] if node in self.nodes else list(self.nodes.values())
+        path = f"/v1/sandboxes/{reads.segment(sid, SandboxNotFound)}/log"
 
         async def ask(n: Any) -> tuple[int, bytes, str]:
             async with self.session().get(
-                    f"{n.endpoint}/v1/sandboxes/{sid}/log", params=query,
+                    n.endpoint + path, params=query,
                     headers=self.node_headers(),
                     timeout=aiohttp.ClientTimeout(total=reads.ASK_TIMEOUT_S)) as r:
                 return r.status, await r.read(), r.content_type

@@ -23,6 +23,15 @@ DEFAULT_PAGE, MAX_PAGE = 1000, 10_000
 ASK_TIMEOUT_S = 30.0
 
 
+def segment(value: str, missing: type[NotFound] = NotFound) -> str:
+    """``value`` (an id from a client) as one segment of a node's URL path. A dot segment is
+    refused as ``missing``: URL normalisation would resolve it into another of the node's
+    routes, called with the gateway's credentials."""
+    if value in ("", ".", ".."):
+        raise missing(f"no such id {value!r}", details={"id": value})
+    return quote(value, safe="")
+
+
 def _key(info: dict[str, Any]) -> str:
     """The nodes' own list order (corral.daemon.app list_sandboxes): one cursor for all."""
     return f"{float(info.get('created_at') or 0):020.6f}/{info.get('id')}"
@@ -85,7 +94,7 @@ async def get_snapshot(gw: Gateway, key: str) -> dict[str, Any]:
 
     _, held = await snapshots.holders(gw, key)
     n = held[0]
-    info = await _get(gw, n, "/v1/snapshots/" + quote(key, safe=""))
+    info = await _get(gw, n, "/v1/snapshots/" + segment(key))
     assert info is not None
     return dict(info, node=n.node, endpoint=n.endpoint)
 
@@ -111,7 +120,7 @@ async def _whichever_has(gw: Gateway, path: str) -> tuple[NodeLoad, dict[str, An
 async def get_sandbox(gw: Gateway, sid: str) -> dict[str, Any]:
     """Sandbox ``sid`` from the node that has it, naming that node and its endpoint:
     ``Sandbox.connect(id)`` through a gateway."""
-    found = await _whichever_has(gw, "/v1/sandboxes/" + quote(sid, safe=""))
+    found = await _whichever_has(gw, "/v1/sandboxes/" + segment(sid, SandboxNotFound))
     if found is None:
         raise SandboxNotFound(f"no sandbox {sid!r} on any node", details={"id": sid})
     n, info = found
@@ -122,11 +131,11 @@ async def get_trajectory(gw: Gateway, tid: str) -> dict[str, Any]:
     """Where trajectory ``tid`` stands, from the node whose log has it, its sandbox's info
     naming that node and endpoint: ``Sandbox.from_trajectory`` through a gateway resumes on
     the sandbox's node."""
-    found = await _whichever_has(gw, "/v1/trajectories/" + quote(tid, safe=""))
+    found = await _whichever_has(gw, "/v1/trajectories/" + segment(tid))
     if found is None:
         raise NotFound(f"no trajectory {tid!r} on any node", details={"trajectory_id": tid})
     n, got = found
     return dict(got, sandbox=dict(got.get("sandbox") or {}, node=n.node, endpoint=n.endpoint))
 
 
-__all__ = ["get_sandbox", "get_snapshot", "get_trajectory", "list_sandboxes"]
+__all__ = ["get_sandbox", "get_snapshot", "get_trajectory", "list_sandboxes", "segment"]

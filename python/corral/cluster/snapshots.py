@@ -14,10 +14,10 @@ import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
 
 import aiohttp
 
+from corral.cluster.reads import segment
 from corral.errors import Conflict, SandboxLost, SnapshotCopyFailed, SnapshotNotFound
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ async def holders(gw: Gateway, snapshot: str) -> tuple[str, list[NodeLoad]]:
     (they confirm it, as the request's tenant): a create from a snapshot costs as many
     requests as it has holders, not one per node. A name, an id no report lists yet, or an
     id none of its reported holders confirms (deleted since), asks every node."""
-    path = "/v1/snapshots/" + quote(snapshot, safe="")
+    path = "/v1/snapshots/" + segment(snapshot, SnapshotNotFound)
 
     async def ask(n: NodeLoad) -> str | bool | None:
         """The snapshot's id, False (not there) or None (no answer)."""
@@ -110,7 +110,7 @@ async def copy_to(gw: Gateway, snap_id: str, holders: list[NodeLoad],
 async def _copy(gw: Gateway, snap_id: str, holders: list[NodeLoad],
                 target: NodeLoad) -> None:
     src = min(holders, key=lambda n: (n.cpu_busy, n.load))
-    path = "/v1/snapshots/" + quote(snap_id, safe="")
+    path = "/v1/snapshots/" + segment(snap_id, SnapshotNotFound)
     details = {"snapshot": snap_id, "source": src.node, "target": target.node}
     started = time.monotonic()
     try:
@@ -150,8 +150,9 @@ async def _target_has(gw: Gateway, src: NodeLoad, target: NodeLoad, path: str) -
                                     timeout=timeout) as r:
             parent = json.loads(await r.read()).get("parent") if r.status == 200 else None
         if isinstance(parent, str) and parent:
-            async with gw.session().get(target.endpoint + "/v1/snapshots/" +
-                                        quote(parent, safe=""), headers=gw.node_headers(),
+            parent_path = "/v1/snapshots/" + segment(parent, SnapshotNotFound)
+            async with gw.session().get(target.endpoint + parent_path,
+                                        headers=gw.node_headers(),
                                         timeout=timeout) as r:
                 if r.status == 200:
                     layers = json.loads(await r.read()).get("layers")
