@@ -259,6 +259,30 @@ def test_fork_children_and_their_snapshot_are_the_tenants(world: dict[str, Any])
         alice.c.delete(f"/v1/snapshots/{snap}")
 
 
+def test_a_fork_childs_trajectory_cannot_be_squatted(world: dict[str, Any]) -> None:
+    """Bob creates a sandbox keyed with the trajectory id alice's fork child will have: alice
+    still resumes her child by it, and bob never finds it."""
+    bob, alice = world["bob"], world["alice"]
+    r = bob.c.post("/v1/sandboxes", json={}, headers={"Idempotency-Key": "sq-t/fork1/0:create"})
+    assert r.status_code == 201, r.text
+    squat = r.json()["id"]
+    r = alice.c.post("/v1/sandboxes", json={}, headers={"Idempotency-Key": "sq-t:create"})
+    assert r.status_code == 201, r.text
+    parent = r.json()["id"]
+    r = alice.c.post(f"/v1/sandboxes/{parent}/fork", json={"count": 1},
+                     headers={"Idempotency-Key": "sq-t:1"})
+    assert r.status_code == 201, r.text
+    child = r.json()["sandboxes"][0]["id"]
+    try:
+        r = alice.c.get("/v1/trajectories/sq-t%2Ffork1%2F0")
+        assert r.status_code == 200 and r.json()["sandbox_id"] == child, r.text
+        expect_error(bob.c.get("/v1/trajectories/sq-t%2Ffork1%2F0"), "not_found", 404)
+    finally:
+        for sid in (child, parent):
+            alice.c.delete(f"/v1/sandboxes/{sid}")
+        bob.c.delete(f"/v1/sandboxes/{squat}")
+
+
 def test_admin_only_routes_refuse_tenants(world: dict[str, Any]) -> None:
     bob, admin = world["bob"], world["admin"]
     expect_error(bob.c.post("/v1/images/prune"), "forbidden", 403)

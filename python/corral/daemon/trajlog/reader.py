@@ -196,11 +196,17 @@ class Reader(_Base):
         return sid, (max(steps) + 1 if steps else 0)
 
     def _trajectory_sandbox(self, conn: sqlite3.Connection, tid: str) -> str | None:
+        """A fork child's id resolves through its parent's fork first: a create keyed with
+        such an id (another tenant's, made before or after the fork) never takes its place."""
+        forked = self._fork_child(conn, tid)
+        if forked is not None:
+            return forked
         row = conn.execute("SELECT sandbox_id FROM entries WHERE idem_key=? AND op='create' "
                            "AND status IS NULL ORDER BY seq LIMIT 1",
                            (tid + ":create",)).fetchone()
-        if row is not None:
-            return str(row[0])
+        return None if row is None else str(row[0])
+
+    def _fork_child(self, conn: sqlite3.Connection, tid: str) -> str | None:
         parent_tid, sep, tail = tid.rpartition("/fork")
         step, _, child = tail.partition("/")
         if not sep or not child.isdigit():
