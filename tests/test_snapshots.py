@@ -146,6 +146,57 @@ def test_capture_layer_copies_exactly_and_hashes_what_it_wrote(tmp_path):
     assert _core.capture_layer([(0, str(src), str(out3 / "0"))])[0] != digest
 
 
+def test_layer_digest_tells_apart_trees_a_sandbox_crafted_to_collide(tmp_path):
+    """Every field a sandbox chooses is terminated or length-prefixed in the manifest: trees
+    whose fields would run together into the same bytes (an xattr value holding the next
+    xattr, a symlink target holding the next field, a root with other metadata) hash apart,
+    so a capture reusing a stored layer by digest always gets its own tree."""
+    import os
+
+    def capture(build) -> str:
+        n = len(list(tmp_path.iterdir()))
+        src, out = tmp_path / f"src{n}", tmp_path / f"out{n}"
+        src.mkdir()
+        out.mkdir()
+        build(src)
+        os.utime(src, ns=(1, 1))
+        for p in src.rglob("*"):
+            os.utime(p, ns=(1, 1), follow_symlinks=False)
+        digest = _core.capture_layer([(0, str(src), str(out / "0"))])[0]
+        assert layer_digest(str(out)) == digest
+        return digest
+
+    def one_value(src):
+        (src / "f").write_text("x")
+        os.setxattr(src / "f", "user.a", b"1;user.b=2")
+
+    def two_values(src):
+        (src / "f").write_text("x")
+        os.setxattr(src / "f", "user.a", b"1")
+        os.setxattr(src / "f", "user.b", b"2")
+
+    def link_with_xattr_text(src):
+        os.symlink("t" + "trusted.overlay.opaque=1;", src / "l")
+
+    def link_plain(src):
+        os.symlink("t", src / "l")
+        os.setxattr(src / "l", "trusted.overlay.opaque", b"1", follow_symlinks=False)
+
+    def root_0755(src):
+        (src / "f").write_text("x")
+        os.chmod(src, 0o755)
+
+    def root_0700(src):
+        (src / "f").write_text("x")
+        os.chmod(src, 0o700)
+
+    pairs = [(one_value, two_values), (link_with_xattr_text, link_plain),
+             (root_0755, root_0700)]
+    for a, b in pairs:
+        assert capture(a) != capture(b), (a.__name__, b.__name__)
+    assert capture(two_values) == capture(two_values)
+
+
 def test_snapshot_of_unchanged_sandboxes_share_one_layer():
     with Sandbox(timeout=60) as a, Sandbox(timeout=60) as b:
         sa, sb_ = a.snapshot(), b.snapshot()

@@ -32,12 +32,17 @@
 //! chunk and fails with `LayerError::Cancelled`; the caller removes the partial copy.
 //!
 //! The digest is blake3 over a sorted manifest, byte for byte the one
-//! `corral.daemon.snapshots.tree_digest` computes over the stored layer (the tests check that):
-//! per part `part N\n`, then per entry, depth first, names sorted bytewise,
-//!   D<head><xattrs>\n | L<head><target><xattrs>\n | O<head><xattrs>\n |
+//! `corral.daemon.snapshots.layer_digest` computes over the stored layer (the tests check
+//! that): `MANIFEST_VERSION`, then per part `part N\n`, per entry, depth first, names sorted
+//! bytewise,
+//!   D<head><xattrs>\n | L<head><len>\0<target><xattrs>\n | O<head><xattrs>\n |
 //!   F<head><size>\0<mtime_ns>\0<xattrs><blake3(content), 32 bytes>\n
-//! with head = `<rel path>\0<st_mode octal>\0<uid>\0<gid>\0<rdev>\0` and xattrs =
-//! `name=value;` for each kept xattr, sorted by name.
+//! and last the part's root, `R<head><xattrs>\n` (rel path empty), with
+//! head = `<rel path>\0<st_mode octal>\0<uid>\0<gid>\0<rdev>\0` and xattrs =
+//! `<count>\0` then `name\0<len>\0value` for each kept xattr, sorted by name. Every field a
+//! sandbox chooses is either free of NUL and NUL-terminated (a path, an xattr name) or
+//! length-prefixed (a symlink's target, an xattr's value): two different trees never share a
+//! manifest, so a layer found by digest (a capture that reuses a stored layer) is the tree.
 
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
@@ -137,6 +142,9 @@ const KEEP_OVL: [&[u8]; 5] = [
     b"trusted.overlay.whiteouts",
 ];
 
+/// What every manifest starts with: a manifest of another encoding never hashes the same.
+pub const MANIFEST_VERSION: &[u8] = b"corral layer manifest 2\n";
+
 /// One upper dir to capture: manifest part `n`, copied from `src` to the new dir `dst`
 /// (made here; nothing is made when `src` is empty or missing).
 pub struct Part {
@@ -165,6 +173,7 @@ pub fn capture(parts: &[Part], limits: Limits, ctl: &Arc<Control>) -> Result<(St
         xbuf: vec![0u8; 65536],
         vbuf: vec![0u8; 65536],
     };
+    w.manifest.extend_from_slice(MANIFEST_VERSION);
     let hctl = ctl.clone();
     let walked = std::thread::scope(|s| {
         s.spawn(move || hasher(jobs_rx, res_tx, &hctl));
@@ -409,13 +418,17 @@ impl Walker {
                 stack.push(frame);
             }
         }
-        // The root's own metadata (not in the manifest, as in tree_digest).
+        // The root's own metadata, last in the part's manifest.
         let src = rfs::open(p.src.as_c_str(), dir_flags(), Mode::empty())
             .map_err(|e| os_err("open", p.src.to_bytes(), e))?;
         let st = rfs::fstat(&src).map_err(|e| os_err("stat", p.src.to_bytes(), e))?;
         let dst = self.root.clone().expect("set above");
-        self.copy_xattrs_fd(src.as_fd(), dst.as_fd())?;
-        self.meta_fd(dst.as_fd(), &st, p.dst.to_bytes())
+        let x = self.copy_xattrs_fd(src.as_fd(), dst.as_fd())?;
+        self.meta_fd(dst.as_fd(), &st, p.dst.to_bytes())?;
+        self.head(b'R', b"", &st);
+        self.manifest.extend_from_slice(&x);
+        self.manifest.push(b'\n');
+        Ok(())
     }
 
     /// The entry names of an opened dir, counted against the entry limit.
@@ -486,7 +499,10 @@ impl Walker {
                 let x = self.copy_xattrs_path(src, dst.as_fd(), name)?;
                 self.meta_at(dst.as_fd(), name, &st, false, &r)?;
                 self.head(b'L', &r, &st);
-                self.manifest.extend_from_slice(target.as_bytes());
+                let target = target.as_bytes();
+                self.manifest
+                    .extend_from_slice(format!("{}\0", target.len()).as_bytes());
+                self.manifest.extend_from_slice(target);
                 self.manifest.extend_from_slice(&x);
                 self.manifest.push(b'\n');
             }
@@ -697,17 +713,17 @@ impl Walker {
             Ok(n) => split_names(&self.xbuf[..n]),
             Err(e) => return unlisted(e),
         };
-        let mut out = Vec::new();
+        let mut out = Xattrs::default();
         for n in names {
             let Ok(len) = rfs::fgetxattr(src, n.as_c_str(), &mut self.vbuf[..]) else {
                 continue;
             };
             let v = &self.vbuf[..len];
             if rfs::fsetxattr(dst, n.as_c_str(), v, rfs::XattrFlags::empty()).is_ok() {
-                push_xattr(&mut out, &n, v);
+                out.push(&n, v);
             }
         }
-        Ok(out)
+        Ok(out.section())
     }
 
     /// The same for entries that cannot be opened: through /proc/self/fd/N/name, not following.
@@ -722,38 +738,37 @@ impl Walker {
             Ok(n) => split_names(&self.xbuf[..n]),
             Err(e) => return unlisted(e),
         };
+        let mut out = Xattrs::default();
         if names.is_empty() {
-            return Ok(Vec::new());
+            return Ok(out.section());
         }
         let dp = fd_path(dst, name);
-        let mut out = Vec::new();
         for n in names {
             let Ok(len) = rfs::lgetxattr(sp.as_c_str(), n.as_c_str(), &mut self.vbuf[..]) else {
                 continue;
             };
             let v = &self.vbuf[..len];
             if rfs::lsetxattr(dp.as_c_str(), n.as_c_str(), v, rfs::XattrFlags::empty()).is_ok() {
-                push_xattr(&mut out, &n, v);
+                out.push(&n, v);
             }
         }
-        Ok(out)
+        Ok(out.section())
     }
 
     /// The kept xattrs of a copy already made (a second hard link to it).
     fn read_xattrs_at(&mut self, dir: BorrowedFd<'_>, name: &CStr) -> Vec<u8> {
         let p = fd_path(dir, name);
+        let mut out = Xattrs::default();
         let names = match rfs::llistxattr(p.as_c_str(), &mut self.xbuf[..]) {
             Ok(n) => split_names(&self.xbuf[..n]),
-            Err(_) => return Vec::new(),
+            Err(_) => return out.section(),
         };
-        let mut out = Vec::new();
         for n in names {
             if let Ok(len) = rfs::lgetxattr(p.as_c_str(), n.as_c_str(), &mut self.vbuf[..]) {
-                let v = self.vbuf[..len].to_vec();
-                push_xattr(&mut out, &n, &v);
+                out.push(&n, &self.vbuf[..len]);
             }
         }
-        out
+        out.section()
     }
 }
 
@@ -765,7 +780,7 @@ fn unlisted(e: Errno) -> Result<Vec<u8>> {
             what: "bytes of xattr names on one file",
             limit: 65536,
         }),
-        _ => Ok(Vec::new()),
+        _ => Ok(Xattrs::default().section()),
     }
 }
 
@@ -824,11 +839,28 @@ fn split_names(list: &[u8]) -> Vec<CString> {
     out
 }
 
-fn push_xattr(out: &mut Vec<u8>, name: &CStr, value: &[u8]) {
-    out.extend_from_slice(name.to_bytes());
-    out.push(b'=');
-    out.extend_from_slice(value);
-    out.push(b';');
+/// An entry's kept xattrs in manifest form (module docs): counted, each value
+/// length-prefixed.
+#[derive(Default)]
+struct Xattrs {
+    count: usize,
+    body: Vec<u8>,
+}
+
+impl Xattrs {
+    fn push(&mut self, name: &CStr, value: &[u8]) {
+        self.count += 1;
+        self.body.extend_from_slice(name.to_bytes());
+        self.body
+            .extend_from_slice(format!("\0{}\0", value.len()).as_bytes());
+        self.body.extend_from_slice(value);
+    }
+
+    fn section(self) -> Vec<u8> {
+        let mut out = format!("{}\0", self.count).into_bytes();
+        out.extend_from_slice(&self.body);
+        out
+    }
 }
 
 /// The entry names of an opened dir (without . and ..), sorted bytewise.

@@ -62,6 +62,9 @@ from corral.errors import SnapshotChainTooDeep, SnapshotExists, SnapshotNotFound
 
 log = logging.getLogger("corral.snapshots")
 
+# The first bytes of every layer manifest (rust/src/layer.rs MANIFEST_VERSION).
+MANIFEST_VERSION = b"corral layer manifest 2\n"
+
 # overlayfs xattrs that describe the layer's content and must carry over; the others
 # (origin, impure, nlink, upper, uuid) describe one mount's upper and are dropped.
 _KEEP_OVL = {"trusted.overlay.opaque", "trusted.overlay.redirect", "trusted.overlay.metacopy",
@@ -97,15 +100,23 @@ def _xattrs(path: str) -> list[tuple[str, bytes]]:
 def layer_digest(layer: str) -> str:
     """The digest of a stored layer dir, recomputed from its files: the same manifest
     ``_core.capture_layer`` hashes while it copies (an independent check; not on a hot path)."""
-    h = blake3.blake3()
+    h = blake3.blake3(MANIFEST_VERSION)
     for n in sorted(int(x) for x in os.listdir(layer) if x.isdigit()):
         h.update(f"part {n}\n".encode())
         tree_digest(os.path.join(layer, str(n)), h)
     return h.hexdigest()
 
 
+def _xattr_section(path: str) -> bytes:
+    got = _xattrs(path)
+    return f"{len(got)}\0".encode() + b"".join(
+        os.fsencode(n) + f"\0{len(v)}\0".encode() + v for n, v in got)
+
+
 def tree_digest(root: str, h: Any) -> None:
-    """Feed a canonical manifest of ``root`` (sorted) with file contents into hasher ``h``."""
+    """Feed a canonical manifest of ``root`` (sorted, every field a sandbox chooses
+    terminated or length-prefixed; the root's own line last) with file contents into hasher
+    ``h``: the encoding is the Rust core's (rust/src/layer.rs)."""
     def listing(d: str, rel: str) -> list[tuple[str, str]]:
         with os.scandir(d) as it:  # reversed: popped from the end, smallest name first
             return [(e.path, f"{rel}/{e.name}") for e in sorted(it, key=lambda e: e.name,
@@ -119,18 +130,22 @@ def tree_digest(root: str, h: Any) -> None:
         path, r = stack[-1].pop()
         st = os.lstat(path)
         m = st.st_mode
-        x = b"".join(n.encode() + b"=" + v + b";" for n, v in _xattrs(path))
-        head = f"{r}\0{m:o}\0{st.st_uid}\0{st.st_gid}\0{st.st_rdev}\0".encode()
+        x = _xattr_section(path)
+        head = os.fsencode(r) + f"\0{m:o}\0{st.st_uid}\0{st.st_gid}\0{st.st_rdev}\0".encode()
         if stat.S_ISDIR(m):
             h.update(b"D" + head + x + b"\n")
             stack.append(listing(path, r))
         elif stat.S_ISLNK(m):
-            h.update(b"L" + head + os.fsencode(os.readlink(path)) + x + b"\n")
+            target = os.fsencode(os.readlink(path))
+            h.update(b"L" + head + f"{len(target)}\0".encode() + target + x + b"\n")
         elif stat.S_ISREG(m):
             h.update(b"F" + head + f"{st.st_size}\0{st.st_mtime_ns}\0".encode() + x)
             h.update(_file_hash(path, st.st_size) + b"\n")
         else:
             h.update(b"O" + head + x + b"\n")
+    st = os.lstat(root)
+    h.update(f"R\0{st.st_mode:o}\0{st.st_uid}\0{st.st_gid}\0{st.st_rdev}\0".encode()
+             + _xattr_section(root) + b"\n")
 
 
 def _file_hash(path: str, size: int) -> bytes:
