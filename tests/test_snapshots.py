@@ -196,6 +196,13 @@ def test_layer_digest_tells_apart_trees_a_sandbox_crafted_to_collide(tmp_path):
         assert capture(a) != capture(b), (a.__name__, b.__name__)
     assert capture(two_values) == capture(two_values)
 
+    def not_utf8(src):  # the Python recomputation (a layer a node imports) hashes its bytes
+        os.mkdir(os.path.join(os.fsencode(src), b"d\xff"))
+        (src / "f").write_text("x")
+        os.symlink(b"t\xfe", os.path.join(os.fsencode(src), b"d\xff", b"l\xfe"))
+
+    capture(not_utf8)
+
 
 def test_snapshot_of_unchanged_sandboxes_share_one_layer():
     with Sandbox(timeout=60) as a, Sandbox(timeout=60) as b:
