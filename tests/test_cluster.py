@@ -384,6 +384,18 @@ def _live(node: str) -> int:
                 for n in corral.cluster.status()["nodes"] if n["node"] == node)
 
 
+def test_a_batch_whose_answer_is_megabytes_crosses_the_gateway(cluster, gateway):
+    """A node's batch answer is one line listing every sandbox's info, metadata included (up
+    to 256 KiB a sandbox): far past aiohttp's line limit, it still reaches the client."""
+    meta = {f"k{i}": "x" * 4096 for i in range(64)}
+    boxes = corral.Sandbox.create_many(6, "host", memory_mb=64, timeout=120, metadata=meta)
+    try:
+        assert len(boxes) == 6 and len({b.info().node for b in boxes}) == 2
+        assert all(b.info().metadata == meta for b in boxes)
+    finally:
+        corral.Sandbox.kill_many(boxes, return_exceptions=True)
+
+
 def test_create_many_splits_over_nodes_and_batches_go_to_each_node(cluster, gateway):
     assert wait_until(lambda: all(_live(n) == 0 for n in cluster["nodes"]), timeout=15)
     boxes = corral.Sandbox.create_many(10, "host", memory_mb=64, timeout=120)

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -243,7 +243,7 @@ async def streamed_call(gw: Gateway, n: NodeLoad, path: str, body: bytes,
             if r.status >= 300:
                 raise _answer_error(await r.read(), r.status)
             last: dict[str, Any] = {}
-            async for raw in r.content:
+            async for raw in ndjson_lines(r.content):
                 if not raw.strip():
                     continue
                 line = json.loads(raw)
@@ -259,6 +259,22 @@ async def streamed_call(gw: Gateway, n: NodeLoad, path: str, body: bytes,
     if not last:
         raise lost_error(n, "its stream ended before its answer")
     return last
+
+
+async def ndjson_lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The lines of a stream, however long: a batch's answer line lists every sandbox's info
+    (metadata up to 256 KiB each), far past the limit of aiohttp's own line reader."""
+    buf = bytearray()
+    searched = 0  # bytes of buf known to hold no newline
+    async for chunk in content.iter_any():
+        buf += chunk
+        while (i := buf.find(b"\n", searched)) >= 0:
+            yield bytes(buf[:i])
+            del buf[:i + 1]
+            searched = 0
+        searched = len(buf)
+    if buf:
+        yield bytes(buf)
 
 
 def lost_error(n: NodeLoad, why: str) -> SandboxLost:

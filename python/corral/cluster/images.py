@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from corral.cluster import batch
 from corral.daemon.bodies import parse
 from corral.errors import CapacityExceeded, CorralError, DaemonUnavailable, error_from_payload
 from corral.models import PullImageRequest
@@ -56,7 +57,7 @@ async def _pull_on(gw: Gateway, n: NodeLoad, reference: str,
                 if r.status != 201:
                     raise error_from_payload(got, r.status)
                 return dict(got)
-            async for line in r.content:
+            async for line in batch.ndjson_lines(r.content):
                 if not line.strip():
                     continue
                 ev = json.loads(line)
