@@ -103,6 +103,27 @@ def test_each_node_runs_its_own_corrald(cluster):
         assert code == 401, body
 
 
+def test_no_sandbox_reaches_a_node_of_the_cluster(cluster, gateway):
+    """Every node's corrald blocks every Ray node's address for its sandboxes, whatever
+    their policy (Ray's ports take commands from anyone); a list changed behind the
+    supervisor's back is put right at its next look."""
+    token = endpoint_mod._tokens[gateway.url]
+    addrs = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    want = sorted(f"{a}/32" for a in addrs)
+    for d in cluster["nodes"].values():
+        code, body = _get(d["endpoint"] + "/v1/network/blocked", token)
+        assert code == 200 and set(want) <= set(body["configured"]), body
+    d = next(iter(cluster["nodes"].values()))
+    req = urllib.request.Request(d["endpoint"] + "/v1/network/blocked", method="PUT",
+                                 data=json.dumps({"blocked": ["192.0.2.1"]}).encode())
+    req.add_header("Authorization", f"Bearer {token}")
+    req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert json.loads(r.read())["live"] == ["192.0.2.1/32"]
+    assert wait_until(lambda: sorted(_get(d["endpoint"] + "/v1/network/blocked",
+                                          token)[1]["live"]) == want, timeout=60)
+
+
 def test_cli_status_shows_the_nodes(cluster):
     r = subprocess.run([sys.executable, "-m", "corral.cli", "cluster", "status", "--json",
                         "--address", cluster["ray"].address],

@@ -512,6 +512,40 @@ def test_private_ranges_only_when_named_and_metadata_never(net: Env):
         assert not ok(r["connect=meta.test:80"]), r
 
 
+def test_blocked_addresses_are_unreachable_whatever_the_policy(net: Env):
+    """The admin's live list of blocked addresses (a Ray cluster's other nodes): a sandbox in
+    mode internet and one whose policy names the address lose it at once, and have it again
+    once it is lifted; a bad entry is invalid_request."""
+    import httpx
+
+    lab = net.lab
+    target = f"connect={lab.addr(10)}:80"
+    with httpx.Client(transport=httpx.HTTPTransport(uds=net.d.socket_path),
+                      base_url="http://corral", timeout=30) as c, \
+            net.sandbox(network="internet") as inet, \
+            net.sandbox(network=Network(allow=[f"{lab.addr(10)}/32:80"])) as pol:
+        assert ok(probe(inet, target)[target]) and ok(probe(pol, target)[target])
+        try:
+            r = c.put("/v1/network/blocked", json={"blocked": [f"{lab.addr(10)}/32",
+                                                               "2001:db8::/32"]})
+            assert r.status_code == 200, r.text
+            assert r.json()["live"] == [f"{lab.addr(10)}/32", "2001:db8::/32"]
+            for sb in (inet, pol):
+                got = probe(sb, target, f"connect={lab.addr(11)}:80")
+                assert got[target] == "err:111", got  # refused at once, counted as denied
+                assert ok(got[f"connect={lab.addr(11)}:80"]) or sb is pol, got  # only it
+            assert lab.addr(10) in inet.info().net.denied_destinations
+            with net.sandbox(network="internet") as fresh:  # a new sandbox (a pooled one too)
+                assert probe(fresh, target)[target] == "err:111"
+            r = c.put("/v1/network/blocked", json={"blocked": ["not-an-address"]})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+            assert c.get("/v1/network/blocked").json()["live"] == [f"{lab.addr(10)}/32",
+                                                                  "2001:db8::/32"]
+        finally:
+            assert c.put("/v1/network/blocked", json={"blocked": []}).status_code == 200
+        assert ok(probe(inet, target)[target]) and ok(probe(pol, target)[target])
+
+
 def test_an_allowed_name_cannot_rebind_to_an_internal_address(net: Env):
     """private.test answers with a private address, meta.test with the metadata one: allowing
     the name opens neither (only an allow CIDR opens a private range)."""

@@ -368,6 +368,17 @@ class AllowlistInfo(_Response):
     rules: list[str]
 
 
+class BlockedUpdate(_Model):
+    blocked: list[Annotated[str, Field(max_length=64)]] = Field(
+        max_length=4096, description="addresses or CIDRs (host bits ignored) no sandbox may "
+        "reach whatever its policy, replacing the live ones (a cluster's other nodes)")
+
+
+class BlockedInfo(_Response):
+    configured: list[str] = Field(description="from the settings (CORRAL_NET_BLOCKED)")
+    live: list[str] = Field(description="the last PUT /v1/network/blocked's")
+
+
 class SandboxInfo(_Response):
     id: str
     state: SandboxState

@@ -10,7 +10,9 @@ node (docs/cluster.md).
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
+import logging
 import os
 import select
 import socket
@@ -25,6 +27,11 @@ from corral.cluster.trajsource import LogSource
 from corral.sdk.sync_transport import UnixConnection
 
 START_TIMEOUT_S = 60.0
+# How often a supervisor looks for Ray nodes that came or went: its corrald keeps every node's
+# address out of its sandboxes' reach, whatever their policy (docs/cluster.md, "Security").
+PEERS_EVERY_S = 10.0
+
+log = logging.getLogger("corral.cluster")
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,35 @@ def _get(path: str, url: str, timeout: float = 5.0) -> dict[str, Any]:
         conn.close()
 
 
+def _put(path: str, url: str, doc: dict[str, Any], timeout: float = 5.0) -> None:
+    conn = UnixConnection(path)
+    conn.timeout = timeout
+    try:
+        conn.request("PUT", url, body=json.dumps(doc).encode(),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"corrald answered {resp.status} to {url}: {body[:200]!r}")
+    finally:
+        conn.close()
+
+
+def cluster_addresses() -> list[str]:
+    """The addresses of the Ray cluster's live nodes (Ray's own ports listen there)."""
+    import ray
+
+    out = set()
+    for n in ray.nodes():
+        addr = str(n.get("NodeManagerAddress") or "")
+        if n.get("Alive") and addr:
+            try:
+                out.add(str(ipaddress.ip_address(addr)))
+            except ValueError:
+                continue  # a name, not an address: nothing the firewall can match
+    return sorted(out)
+
+
 def mem_available_mb() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -105,6 +141,15 @@ class NodeSupervisor:
         env.pop("CORRAL_URL", None)
         if tokens_file:  # tenants (docs/cluster.md): the gateway's file, at the same path
             env["CORRAL_TOKENS"] = tokens_file
+        # No sandbox reaches a node of the cluster (Ray's ports take commands from anyone who
+        # connects): the nodes known now as settings, later ones live (_refresh_peers).
+        try:
+            self._peers = cluster_addresses()
+        except Exception:  # noqa: BLE001 - the next report tries again (_refresh_peers)
+            log.warning("could not read the cluster's node addresses", exc_info=True)
+            self._peers = []
+        self._peers_at = time.monotonic()
+        env["CORRAL_NET_BLOCKED"] = ",".join(self._peers)
         # The token goes in the environment, not argv (which /proc shows to everyone).
         launcher = subprocess.Popen(
             [sys.executable, "-m", "corral.cluster.keeper", "--detach", "--state-dir",
@@ -147,6 +192,7 @@ class NodeSupervisor:
     def report(self) -> dict[str, Any]:
         """The node's load: live sandboxes and its count of creates, admission capacity, free
         memory, CPU use since the last report, the images and snapshots it has."""
+        self._refresh_peers()
         st = _get(self.paths.socket, "/v1/status")
         busy, total = cpu_times()
         (busy0, total0), self._cpu = self._cpu, (busy, total)
@@ -158,6 +204,23 @@ class NodeSupervisor:
                 else 0.0,
                 "images": self._listed("images", "name"),
                 "snapshots": self._listed("snapshots", "id")}
+
+    def _refresh_peers(self) -> None:
+        """The cluster's node addresses as corrald's live blocked list, written when it
+        differs (nodes came or went, corrald started again): checked at most every
+        PEERS_EVERY_S, at a load report."""
+        now = time.monotonic()
+        if now - self._peers_at < PEERS_EVERY_S:
+            return
+        self._peers_at = now
+        try:
+            peers = cluster_addresses()
+            live = _get(self.paths.socket, "/v1/network/blocked")["live"]
+            if sorted(live) != sorted(f"{p}/{32 if ':' not in p else 128}" for p in peers):
+                _put(self.paths.socket, "/v1/network/blocked", {"blocked": peers})
+            self._peers = peers
+        except Exception:  # noqa: BLE001 - tried again at the next report; never fails one
+            log.warning("could not update the blocked cluster addresses", exc_info=True)
 
     def _listed(self, what: str, key: str) -> list[str]:
         """``key`` of every item of ``/v1/{what}`` (images by name, snapshots by id), all

@@ -104,6 +104,8 @@ from corral.errors import (
 )
 from corral.models import (
     AllowlistInfo,
+    BlockedInfo,
+    BlockedUpdate,
     CreateManyRequest,
     DaemonStatus,
     ExecManyRequest,
@@ -250,6 +252,16 @@ async def unexpose_port(request: web.Request) -> web.Response:
 async def list_networks(request: web.Request) -> web.Response:
     lists = _engine(request).allowlists()
     return _json({"networks": [{"name": n, "rules": r} for n, r in sorted(lists.items())]})
+
+
+async def get_blocked(request: web.Request) -> web.Response:
+    return _json(_engine(request).blocked_networks())
+
+
+async def put_blocked(request: web.Request) -> web.Response:
+    """The cluster's supervisor keeps its node's list of the other nodes here."""
+    req = await _body(request, BlockedUpdate)
+    return _json(await asyncio.to_thread(_engine(request).blocked_networks, req.blocked))
 
 
 async def get_network(request: web.Request) -> web.Response:
@@ -1040,6 +1052,12 @@ ROUTES: tuple[Route, ...] = (
           response=list_of("networks", AllowlistInfo, paged=False)),
     Route("GET", "/v1/networks/{name}", get_network, "One named allowlist",
           response=AllowlistInfo, errors=(404,)),
+    Route("GET", "/v1/network/blocked", get_blocked, "Addresses no sandbox may reach whatever "
+          "its policy, beyond the fixed ones (the admin's)", response=BlockedInfo,
+          errors=(403, 501)),
+    Route("PUT", "/v1/network/blocked", put_blocked, "Replace the live addresses no sandbox "
+          "may reach (the admin's: a cluster's supervisor keeps its other nodes here)",
+          body=BlockedUpdate, response=BlockedInfo, errors=(400, 403, 501)),
     Route("POST", "/v1/sandboxes", create_sandbox, "Create a sandbox", body=SandboxSpec,
           response=SandboxInfo, status=201, query=(KEY_H,),
           errors=(403, 404, 409, 413, 429, 501, 502, 503), links=_SB_LINKS),

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 MAX_GROUP_LEN = 63  # SandboxSpec.network_group
 ADMIN_ONLY = frozenset({"import_image", "upload_image", "tag_image", "push_image",
                         "prune_images", "delete_image", "commit_sandbox", "metrics",
+                        "get_blocked", "put_blocked",
                         # node to node (the cluster gateway): the import names the owner
                         "export_snapshot", "import_snapshot"})
 

@@ -301,11 +301,23 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
     def allowlists(self) -> dict[str, list[str]]:
         """The daemon's named allowlists (GET /v1/networks), from the substrate that networks
         sandboxes."""
+        net = self._networking()
+        return dict(net.allowlists) if net is not None else {}
+
+    def _networking(self) -> NetworkControl | None:
         for sub in self.substrates.values():
             net = sub.networking()
             if net is not None:
-                return dict(net.allowlists)
-        return {}
+                return net
+        return None
+
+    def blocked_networks(self, items: list[str] | None = None) -> dict[str, list[str]]:
+        """Addresses no sandbox may reach beyond the fixed ones (GET and PUT
+        /v1/network/blocked); ``items`` replaces the live ones."""
+        net = self._networking()
+        if net is None:
+            raise Unsupported("no substrate of this daemon networks sandboxes")
+        return net.blocked() if items is None else net.set_blocked(items)
 
     def substrate_table(self) -> list[dict[str, Any]]:
         """Each served substrate and its capabilities, then each one asked for that this host

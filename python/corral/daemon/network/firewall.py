@@ -83,16 +83,37 @@ def _ifname(name: str) -> str:
 
 
 class Firewall:
-    def __init__(self, settings: NetSettings) -> None:
+    def __init__(self, settings: NetSettings, blocked: tuple[AnyNet, ...] = ()) -> None:
         self.s = settings
         self.nft = Nft()
         self.t = f"inet {settings.table}"
+        self.blocked = blocked  # set live (set_blocked), on top of the settings' own
+
+    def _blocked(self, version: int) -> str:
+        s = self.s
+        fixed = ([*BLOCKED4, str(s.range4)] if version == 4
+                 else [*BLOCKED6, *([str(s.range6)] if s.range6 else [])])
+        more = [str(n) for n in (*s.blocked, *self.blocked) if n.version == version]
+        return ", ".join(fixed + more)
+
+    def set_blocked(self, blocked: tuple[AnyNet, ...]) -> None:
+        """Replace the live blocked addresses: both sets rewritten in one transaction (a new
+        connection is checked against them; flows already open run on)."""
+        old, self.blocked = self.blocked, blocked
+        cmds = "\n".join(f"flush set {self.t} {name}\n"
+                         f"add element {self.t} {name} {{ {self._blocked(v)} }}"
+                         for name, v in (("blocked4", 4), ("blocked6", 6)))
+        try:
+            self.nft.run(cmds)
+        except NftError:
+            self.blocked = old
+            raise
 
     def ruleset(self) -> str:
         s, w = self.s, self.s.ifprefix + "*"
-        blocked = ", ".join((*BLOCKED4, str(s.range4)))
+        blocked = self._blocked(4)
         private = ", ".join(PRIVATE4)
-        blocked6 = ", ".join((*BLOCKED6, *([str(s.range6)] if s.range6 else [])))
+        blocked6 = self._blocked(6)
         private6 = ", ".join(PRIVATE6)
         key = "ifname . ipv4_addr . inet_proto . inet_service"
         key6 = "ifname . ipv6_addr . inet_proto . inet_service"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from corral import _core
 from corral.daemon.locks import try_lock
-from corral.errors import InvalidNetwork, Unsupported
+from corral.errors import InvalidNetwork, InvalidRequest, Unsupported
 from corral.models import NETWORK_MODES
 
 from . import settings as settings_mod
@@ -219,6 +219,7 @@ class NetworkManager:
         self.exposer: Exposer | None = None
         self._carry_refused = False  # restore: the table was written without its elements
         self._owned: list[int] = []  # the ownership flocks (_own_network), once taken
+        self._blocked: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
         LIVE.add(self)
 
     def _take_ownership(self) -> None:
@@ -258,6 +259,26 @@ class NetworkManager:
     @property
     def allowlists(self) -> dict[str, list[str]]:
         return dict(self.s.allowlists) if self.s is not None else {}
+
+    def blocked(self) -> dict[str, list[str]]:
+        """Addresses no sandbox may reach beyond the fixed ones: the settings' and the live
+        ones (``set_blocked``)."""
+        return {"configured": [str(n) for n in self.s.blocked] if self.s is not None else [],
+                "live": [str(n) for n in self._blocked]}
+
+    def set_blocked(self, items: list[str]) -> dict[str, list[str]]:
+        """Replace the live blocked addresses (a cluster's other nodes, as they come and go):
+        in the kernel at once if the table is written, else when it is. InvalidRequest for
+        a bad entry."""
+        try:
+            nets = settings_mod.parse_blocked(items)
+        except ValueError as e:
+            raise InvalidRequest(str(e), details={"blocked": "invalid"}) from None
+        with self._lock:
+            if self._started:
+                self.fw.set_blocked(nets)
+            self._blocked = nets
+        return self.blocked()
 
     def check(self, network: Any) -> None:
         """InvalidNetwork (or Unsupported) now, before anything is made for a create."""
@@ -314,7 +335,7 @@ class NetworkManager:
                 raise Unsupported(f"cannot enable IPv6 forwarding for the sandboxes' IPv6 "
                                   f"({e}); CORRAL_NET_RANGE6=none gives them IPv4 only") \
                     from None
-        self.fw = Firewall(self.s)
+        self.fw = Firewall(self.s, self._blocked)
         self.links = Links(self.s)
         _warn_conntrack(self.s, self.links.capacity())
         for name in self.links.stale():

@@ -93,6 +93,9 @@ class NetSettings:
     # Addresses a sandbox may have pinned by its DNS answers at once (live pins).
     max_pins: int = 4096
     allowlists: dict[str, list[str]] = field(default_factory=dict)
+    # More addresses no sandbox may reach whatever its policy (as link-local ones): other
+    # hosts of the same deployment, such as the other nodes of a Ray cluster.
+    blocked: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
 
     @property
     def gateway(self) -> ipaddress.IPv4Address:
@@ -109,7 +112,8 @@ def load() -> NetSettings:
     fine) and CORRAL_UPLINK, CORRAL_DNS_UPSTREAM, CORRAL_NET_RANGE, CORRAL_NET_RANGE6
     ("none": no IPv6), CORRAL_NET_TABLE,
     CORRAL_NET_IFPREFIX, CORRAL_NET_POOL, CORRAL_NET_MAX_CONNECTIONS,
-    CORRAL_NET_NEW_CONNS_PER_S, CORRAL_NET_MAX_PINS. Raises ValueError on a bad value."""
+    CORRAL_NET_NEW_CONNS_PER_S, CORRAL_NET_MAX_PINS, CORRAL_NET_BLOCKED. Raises ValueError on
+    a bad value."""
     path = os.environ.get("CORRAL_NETWORK_CONFIG", DEFAULT_CONFIG)
     doc: dict = {}
     if path and os.path.exists(path):
@@ -148,6 +152,10 @@ def load() -> NetSettings:
             lists[name] = list(rules)
         else:
             lists.pop(name, None)
+    # Both: a cluster's supervisor names its nodes in the environment, an operator's file
+    # may name more.
+    blocked = parse_blocked([*os.environ.get("CORRAL_NET_BLOCKED", "").replace(",", " ").split(),
+                             *_strings(doc.get("blocked") or [], "blocked")])
     return NetSettings(uplink=uplink, range4=range4, range6=range6,
                        dns_upstream=_host_port(upstream, 53) if upstream else ("", 53),
                        table=table, ifprefix=ifprefix,
@@ -157,7 +165,25 @@ def load() -> NetSettings:
                        new_conns_per_s=_count(pick("CORRAL_NET_NEW_CONNS_PER_S",
                                                    "new_conns_per_s", "200"), 0),
                        max_pins=_count(pick("CORRAL_NET_MAX_PINS", "max_pins", "4096"), 1),
-                       allowlists=lists)
+                       allowlists=lists, blocked=blocked)
+
+
+MAX_BLOCKED = 4096
+
+
+def parse_blocked(items: object) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """Addresses or CIDRs (host bits ignored), at most MAX_BLOCKED. ValueError if not."""
+    if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) for x in items):
+        raise ValueError("blocked: expected a list of addresses or CIDRs")
+    if len(items) > MAX_BLOCKED:
+        raise ValueError(f"blocked: at most {MAX_BLOCKED} entries")
+    return tuple(ipaddress.ip_network(x, strict=False) for x in items)
+
+
+def _strings(value: object, key: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise ValueError(f"{key}: expected a list of strings")
+    return value
 
 
 def _count(value: str, least: int) -> int:
