@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from corral import placing
 from corral.daemon.app import ROUTES
 from corral.daemon.tenants import TENANT_LABEL
 
@@ -444,6 +445,86 @@ def test_the_gateway_forwards_a_tenant_no_client_can_forge(world: dict[str, Any]
         expect_error(alice.c.get(f"/v1/sandboxes/{made[0]}"), "sandbox_not_found", 404)
         assert world["bob"].c.get(f"/v1/sandboxes/{made[0]}").status_code == 200
         assert alice.c.get(f"/v1/sandboxes/{made[1]}").status_code == 200
+    finally:
+        for sid in made:
+            world["admin"].c.delete(f"/v1/sandboxes/{sid}")
+
+
+def _gateway_of(world: dict[str, Any]) -> tuple[Any, Any]:
+    """A gateway (in this process) with the private daemon as its one node, and a function
+    that feeds it the node's load report (its supervisor's, in a cluster)."""
+    from corral.cluster.gateway import Gateway
+
+    gw = Gateway("tenants-test", ADMIN, deploy={"tokens_file": world["tokens"]})
+
+    def report() -> None:
+        gw._take({"node": "n1", "endpoint": world["base"], "live": 0, "capacity": 100,
+                  "mem_free_mb": 1 << 20, "labels": {"rack": "r1"}}, time.monotonic())
+    return gw, report
+
+
+def test_the_cluster_status_is_the_admins(world: dict[str, Any]) -> None:
+    """GET /v1/cluster names every node, its labels, load and images: a tenant is refused
+    (the SDK never asks for it), the admin gets it."""
+    import asyncio
+
+    async def run() -> None:
+        gw, report = _gateway_of(world)
+        try:
+            url = await gw.serve("127.0.0.1", free_port())
+            report()
+            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+                for who in ("alice", "bob"):
+                    r = await c.get("/v1/cluster",
+                                    headers={"Authorization": f"Bearer {TOKENS[who]}"})
+                    expect_error(r, "forbidden", 403)
+                    assert world["base"] not in r.text and "r1" not in r.text
+                r = await c.get("/v1/cluster", headers={"Authorization": f"Bearer {ADMIN}"})
+                assert r.status_code == 200, r.text
+                assert r.json()["nodes"][0]["endpoint"] == world["base"]
+        finally:
+            await gw.close()
+    asyncio.run(run())
+
+
+def test_a_tenants_unused_placements_leave_room_for_the_others(world: dict[str, Any]) -> None:
+    """A placement holds a slot on its node until the node's next report though nothing is
+    made: alice asking for placements she never uses, as fast as she can, must not make the
+    node look full to bob. Past her share of the free room (a quarter), her asks are made by
+    the gateway (real sandboxes, hers), and bob is still placed."""
+    import asyncio
+
+    made: list[str] = []
+
+    async def run() -> int:
+        gw, report = _gateway_of(world)
+        try:
+            url = await gw.serve("127.0.0.1", free_port())
+            report()
+            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+                alice = {"Authorization": f"Bearer {TOKENS['alice']}"}
+                taken, code = 0, 0
+                for _ in range(20):  # 9 placements an ask: 180 > the node's 100 slots
+                    r = await c.post("/v1/sandboxes", json={"labels": {"who": "alice"}},
+                                     headers={**alice, placing.HEADER: "node; ahead=8"})
+                    code = r.status_code
+                    if code != placing.STATUS:
+                        break
+                    taken += 1 + len(r.json().get("ahead", []))
+                last = r
+                if code == 201:
+                    made.append(last.json()["id"])
+                r = await c.post("/v1/sandboxes", json={},
+                                 headers={"Authorization": f"Bearer {TOKENS['bob']}",
+                                          placing.HEADER: "node"})
+                assert r.status_code == placing.STATUS, r.text
+                assert code == 201, last.text  # made by the gateway, on the node
+                assert last.json()["labels"][TENANT_LABEL] == "alice"
+                return taken
+        finally:
+            await gw.close()
+    try:
+        assert asyncio.run(run()) <= 100 // 4
     finally:
         for sid in made:
             world["admin"].c.delete(f"/v1/sandboxes/{sid}")

@@ -35,7 +35,7 @@ from corral.cluster import (
     snapshots,
     trajship,
 )
-from corral.cluster.placement import NodeLoad, choose
+from corral.cluster.placement import REPORT_MAX_AGE_S, NodeLoad, choose
 from corral.cluster.rates import WINDOW_S
 from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resources
 from corral.config import log_retention_from_env
@@ -46,6 +46,7 @@ from corral.errors import (
     CapacityExceeded,
     CorralError,
     DaemonRestarted,
+    Forbidden,
     InvalidRequest,
     NotFound,
     SandboxLost,
@@ -70,6 +71,10 @@ MAX_CREATE_BODY = 16 << 20
 # asking for placements it never uses could make every node look full. Past this, the
 # tenant's creates are made by the gateway (real sandboxes, under the nodes' own limits).
 PLACEMENTS_PER_TENANT_S = 4096
+# Nor may a tenant's placements of the last second be more than this share of the free room
+# of the nodes' last reports (all tenants' together: twice that), however small the cluster:
+# the rest of the room stays for the creates other tenants make.
+PLACEMENT_ROOM_SHARE = 4
 # The tenant the current request acts for (None: the admin), set by _authorized: a node call
 # made for it carries it in X-Corral-Tenant, with the cluster token only the gateway holds.
 _TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("tenant", default=None)
@@ -116,6 +121,8 @@ class Gateway:
         self.placement_limit = PLACEMENTS_PER_TENANT_S
         # tenant (None: the admin) -> when each of its placements of the last second was taken
         self._taken: dict[str | None, collections.deque[float]] = {}
+        self._taken_all: collections.deque[float] = collections.deque()  # every tenant's
+        self._room = (-1.0, 0)  # (when, free slots in the fresh nodes' last reports)
         self.url = ""
         self._keyed: collections.OrderedDict[tuple[str | None, str], str] = \
             collections.OrderedDict()  # (tenant, key) -> node id, KEYED_CREATES at most
@@ -371,6 +378,7 @@ class Gateway:
         default, ``PLACEMENTS_PER_TENANT_S``)."""
         self.placement_limit = PLACEMENTS_PER_TENANT_S if per_s is None else max(0, per_s)
         self._taken.clear()
+        self._taken_all.clear()
         return self.placement_limit
 
     # ---- the nodes' trajectory logs (cluster.trajship) ------------------------------------
@@ -651,8 +659,13 @@ class Gateway:
         return web.json_response({"ok": True, "role": "gateway", "nodes": len(self.nodes)})
 
     async def _status(self, request: web.Request) -> web.Response:
+        """The whole cluster's status: the admin's. It names every node, its labels, load
+        and images, and what other tenants made; the SDK never asks for it (a tenant learns
+        its sandboxes' nodes from their placements and reads)."""
         if not self._authorized(request):
             return _error(Unauthorized("missing or wrong bearer token"))
+        if self.tenant() is not None:
+            return _error(Forbidden("the cluster's status is the admin's"))
         return web.json_response(await self.status())
 
     async def _list(self, request: web.Request) -> web.Response:
@@ -855,17 +868,31 @@ class Gateway:
         self.placed += 1
 
     def _may_take(self, n: int) -> bool:
-        """Whether the current tenant may take ``n`` more placements now (counted if so)."""
+        """Whether the current tenant may take ``n`` more placements now (counted if so):
+        at most ``placement_limit`` a second, and within its share of the free room."""
         now = time.monotonic()
         q = self._taken.get(tenant := self.tenant())
         if q is None:
             q = self._taken[tenant] = collections.deque()
-        while q and now - q[0] > 1.0:
-            q.popleft()
-        if len(q) + n > self.placement_limit:
+        for d in (q, self._taken_all):
+            while d and now - d[0] > 1.0:
+                d.popleft()
+        share = self._free_room(now) // PLACEMENT_ROOM_SHARE
+        if len(q) + n > min(self.placement_limit, share) or len(self._taken_all) + n > 2 * share:
             return False
         q.extend([now] * n)
+        self._taken_all.extend([now] * n)
         return True
+
+    def _free_room(self, now: float) -> int:
+        """Free slots in the fresh nodes' last reports, counted at most once a report
+        interval (a count over every node)."""
+        at, room = self._room
+        if now - at >= REPORT_INTERVAL_S:
+            room = sum(max(0, x.capacity - x.live) for x in self.nodes.values()
+                       if now - x.reported_at <= REPORT_MAX_AGE_S)
+            self._room = (now, room)
+        return room
 
     def _place_ahead(self, ask: placing.Ask, pool: list[NodeLoad], selector: dict[str, str],
                      image: str | None, by_image: dict[str, list[NodeLoad]] | None
