@@ -1185,3 +1185,61 @@ def test_node_loss_sandboxes_lost_and_cleaned(cluster, gateway):
                 b.kill()
             except SandboxLost:
                 pass
+
+
+def test_a_ship_call_is_bounded_whatever_its_node_holds_open(tmp_path):
+    """Every shipping call (each node, every 0.5 s) names the rows the gateway's copy holds
+    open (calls in flight) and a slice of the open sandboxes: a tenant's long calls with
+    megabyte requests, in sandboxes with megabyte environments, must not make each call carry
+    them all again, in the supervisor's memory and the gateway's. A row still started is not
+    sent again, every part of an answer stops at the call's bytes, and the copy still ends
+    equal to the node's log (no Ray needed: the supervisor's reader and the gateway's copy)."""
+    import sqlite3
+
+    from corral.cluster.trajship import LogCopies
+    from corral.cluster.trajsource import ENTRY_COLS, LogSource
+    from corral.daemon.trajlog import _SCHEMA, DB_NAME
+
+    big, budget, n = "x" * (1 << 20), 4 << 20, 32
+    node = tmp_path / "node"
+    node.mkdir()
+    db = sqlite3.connect(node / DB_NAME, isolation_level=None)
+    db.executescript(_SCHEMA)
+    db.executemany("INSERT INTO sandboxes (sandbox_id, spec, created_at) VALUES (?, ?, 1)",
+                   [(f"sb-{i}", json.dumps({"env": {"E": big}})) for i in range(n)])
+    db.executemany(f"INSERT INTO entries ({ENTRY_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                   [(i + 1, f"sb-{i}", "exec", None, None, json.dumps({"stdin": big}), None,
+                     None, 1.0, 1.0, None, "started") for i in range(n)])
+    src, copies = LogSource(str(node)), LogCopies(str(tmp_path / "gateway"))
+
+    def ship() -> dict[str, Any]:
+        """One call, as the gateway makes it; its answer's bytes within three budgets (new
+        rows, rows that ended, open sandboxes), each overshot by one row at most."""
+        cur = copies.cursor("n1")
+        got = src.since(cur["after"], cur["recheck"], cur["sandboxes"], budget)
+        size = sum(len(v) for r in got["entries"] + got["sandboxes"] for v in r
+                   if isinstance(v, str))
+        assert size <= 3 * (budget + (2 << 20)) + 4096, size
+        copies.apply("n1", cur["after"], got)
+        return got
+
+    def rows(conn: sqlite3.Connection) -> list[tuple[Any, ...]]:
+        return conn.execute(f"SELECT {ENTRY_COLS} FROM entries ORDER BY seq").fetchall()
+
+    try:
+        for _ in range(n):  # the backlog: a few rows a call
+            if not ship()["more"]:
+                break
+        copy = sqlite3.connect(os.path.join(copies.dir_of("n1"), DB_NAME))
+        assert rows(copy) == rows(db)
+        assert ship()["entries"] == []  # the open rows have not changed: not sent again
+        db.execute("UPDATE entries SET status=NULL, result=?", (json.dumps({"out": big}),))
+        for _ in range(n):  # every call ended: a few rows a call again
+            if not ship()["more"]:
+                break
+        assert rows(copy) == rows(db)
+        copy.close()
+    finally:
+        copies.close()
+        src.close()
+        db.close()

@@ -7,7 +7,8 @@ journal order and the ingester commits the journal in order, so everything up to
 committed ``seq`` is there: a cursor on ``seq`` misses nothing new. The only rows that change
 after they are written are started rows (a call in flight: its end replaces the row under the
 same ``seq``, or drops it) and the sandboxes' rows (their end); the gateway names those it
-holds open, and gets them again (``recheck``, ``sandboxes``).
+holds open (``recheck``, ``sandboxes``), and gets the started rows that ended and the
+sandboxes' rows again. An answer's bytes are bounded, whatever a tenant keeps in flight.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import sqlite3
 from typing import Any
 
+from corral.daemon.trajlog.keys import STARTED
 from corral.daemon.trajlog.schema import DB_NAME
 
 ENTRY_COLS = ("seq, sandbox_id, op, idem_key, fingerprint, request, result, error, "
@@ -43,14 +45,27 @@ class LogSource:
 
     def since(self, after: int, recheck: list[int], sandboxes: list[str],
               max_bytes: int) -> dict[str, Any]:
-        """Entries past ``after`` (in ``seq`` order, up to about ``max_bytes``), the current
-        rows of the ``recheck`` seqs (``gone``: those no longer there), and the rows of the
-        sandboxes named in either plus ``sandboxes``. One read transaction: one snapshot."""
+        """Entries past ``after`` (in ``seq`` order), those of the ``recheck`` seqs that ended
+        (``gone``: those no longer there; a row still started has not changed), and the rows
+        of the sandboxes named in either plus ``sandboxes``. Each of the three parts stops
+        past about ``max_bytes`` (a sandbox's row counted with its first entry), so an answer
+        holds at most about three times that; what a part leaves out is asked for again
+        (``more``). One read transaction: one snapshot."""
         conn = self._db()
         out: dict[str, Any] = {"entries": [], "gone": [], "sandboxes": [], "top": 0,
                                "more": False}
         if conn is None:
             return out
+        srows: dict[str, tuple[Any, ...] | None] = {}
+
+        def sandbox(sid: str) -> int:
+            """Sandbox ``sid``'s row taken into the answer: its bytes (0 if taken already)."""
+            if sid in srows:
+                return 0
+            srows[sid] = conn.execute(f"SELECT {SANDBOX_COLS} FROM sandboxes WHERE "
+                                      "sandbox_id=?", (sid,)).fetchone()
+            return _size(srows[sid])
+
         conn.execute("BEGIN")
         try:
             out["top"] = conn.execute("SELECT max(seq) FROM entries").fetchone()[0] or 0
@@ -61,7 +76,7 @@ class LogSource:
                                    "ORDER BY seq LIMIT ?", (last, CHUNK)).fetchall()
                 for r in got:
                     rows.append(r)
-                    size += sum(len(v) for v in r if isinstance(v, str))
+                    size += _size(r) + sandbox(r[1])
                     last = r[0]
                     if size >= max_bytes:
                         break
@@ -70,18 +85,25 @@ class LogSource:
             out["more"] = last < out["top"]
             if recheck:
                 marks = ",".join("?" * len(recheck))
-                again = conn.execute(f"SELECT {ENTRY_COLS} FROM entries WHERE seq IN "
-                                     f"({marks})", recheck).fetchall()
-                have = {r[0] for r in again}
-                out["gone"] = [s for s in recheck if s not in have]
-                rows += again
-            ids = sorted({r[1] for r in rows} | set(sandboxes))
-            srows: list[tuple[Any, ...]] = []
-            for i in range(0, len(ids), CHUNK):
-                part = ids[i:i + CHUNK]
-                srows += conn.execute(f"SELECT {SANDBOX_COLS} FROM sandboxes WHERE sandbox_id "
-                                      f"IN ({','.join('?' * len(part))})", part).fetchall()
-            out["entries"], out["sandboxes"] = rows, srows
+                now = dict(conn.execute(f"SELECT seq, status FROM entries WHERE seq IN "
+                                        f"({marks})", recheck).fetchall())
+                out["gone"] = [s for s in recheck if s not in now]
+                size = 0
+                for seq in sorted(s for s, st in now.items() if st != STARTED):
+                    if size >= max_bytes:
+                        out["more"] = True
+                        break
+                    r = conn.execute(f"SELECT {ENTRY_COLS} FROM entries WHERE seq=?",
+                                     (seq,)).fetchone()
+                    rows.append(r)
+                    size += _size(r) + sandbox(r[1])
+            size = 0
+            for sid in sandboxes:  # the open ones, for their end: the rotor comes back
+                if size >= max_bytes:
+                    break
+                size += sandbox(sid)
+            out["entries"] = rows
+            out["sandboxes"] = [r for r in srows.values() if r is not None]
         finally:
             conn.execute("COMMIT")
         return out
@@ -90,3 +112,7 @@ class LogSource:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+def _size(row: tuple[Any, ...] | None) -> int:
+    return sum(len(v) for v in row or () if isinstance(v, (str, bytes)))
