@@ -869,7 +869,8 @@ class Gateway:
 
     def _may_take(self, n: int) -> bool:
         """Whether the current tenant may take ``n`` more placements now (counted if so):
-        at most ``placement_limit`` a second, and within its share of the free room."""
+        at most ``placement_limit`` a second, and a tenant (not the admin, who runs the
+        cluster) within its share of the free room."""
         now = time.monotonic()
         q = self._taken.get(tenant := self.tenant())
         if q is None:
@@ -877,11 +878,14 @@ class Gateway:
         for d in (q, self._taken_all):
             while d and now - d[0] > 1.0:
                 d.popleft()
-        share = self._free_room(now) // PLACEMENT_ROOM_SHARE
-        if len(q) + n > min(self.placement_limit, share) or len(self._taken_all) + n > 2 * share:
+        if len(q) + n > self.placement_limit:
             return False
+        if tenant is not None:
+            share = self._free_room(now) // PLACEMENT_ROOM_SHARE
+            if len(q) + n > share or len(self._taken_all) + n > 2 * share:
+                return False
+            self._taken_all.extend([now] * n)  # every tenant's
         q.extend([now] * n)
-        self._taken_all.extend([now] * n)
         return True
 
     def _free_room(self, now: float) -> int:
