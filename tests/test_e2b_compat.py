@@ -2,7 +2,8 @@
 session's real corrald: configured by environment variables only, as a user would.
 
 Also attacks the front: no or wrong API key, a forged or another sandbox's access token, the
-daemon's other sandboxes, and a sandbox trying to reach the front from inside.
+daemon's other sandboxes, a sandbox trying to reach the front from inside, and a sandbox's token
+holder trying to use up the front (streams, watchers, memory).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from e2b import (  # noqa: E402
     CommandExitException,
     FileNotFoundException,
     NotFoundException,
+    RateLimitException,
     Sandbox,
     SandboxException,
     TimeoutException,
@@ -496,3 +498,272 @@ def test_malformed_connect_requests_are_answered(sbx: Sandbox, front: Front) -> 
     with pytest.raises(CommandExitException) as ei:
         sbx.commands.run("/no/such/program")
     assert ei.value.exit_code == 127
+
+
+# ---- resource exhaustion by a sandbox's token holder --------------------------------------
+def _envd(s: Sandbox, kind: str = "stream") -> dict[str, str]:
+    ctype = "application/connect+json" if kind == "stream" else "application/json"
+    return {"E2b-Sandbox-Id": s.sandbox_id, "X-Access-Token": s._envd_access_token,
+            "Content-Type": ctype}
+
+
+def _envelope(msg: dict) -> bytes:  # type: ignore[type-arg]
+    data = json.dumps(msg).encode()
+    return b"\x00" + len(data).to_bytes(4, "big") + data
+
+
+class _Stream:
+    """A Connect server stream held open, read one message at a time."""
+
+    def __init__(self, resp: httpx.Response) -> None:
+        self.resp, self.it, self.buf = resp, resp.aiter_raw(), b""
+
+    async def next(self) -> tuple[int, dict] | None:  # type: ignore[type-arg]
+        while True:
+            if len(self.buf) >= 5:
+                n = int.from_bytes(self.buf[1:5], "big")
+                if len(self.buf) >= 5 + n:
+                    flags, msg = self.buf[0], json.loads(self.buf[5:5 + n])
+                    self.buf = self.buf[5 + n:]
+                    return flags, msg
+            try:
+                self.buf += await self.it.__anext__()
+            except StopAsyncIteration:
+                return None
+
+    async def until_end(self) -> dict:  # type: ignore[type-arg]
+        while (got := await self.next()) is not None:
+            if got[0] & 0x02:
+                return got[1]
+        raise AssertionError("the stream ended without its end message")
+
+
+def test_keepalive_is_at_most_50_s() -> None:
+    """A client asking for rare keepalives (or none: a huge number) still gets one at least
+    every 50 s, so a vanished client's stream is noticed and ended."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from corral.e2b import process
+
+    def interval(raw: str) -> float:
+        return process._keepalive(make_mocked_request(
+            "POST", "/", headers={"Keepalive-Ping-Interval": raw}))
+
+    for raw in ("3600", "61", "999999", "9" * 5000, "\u00b2", "0", "-5", ""):
+        assert 0 < interval(raw) <= 50, raw
+    assert interval("10") == 10
+
+
+def test_streams_are_capped_per_sandbox(front: Front) -> None:
+    """One sandbox's client opening stream after stream gets resource_exhausted past its
+    share; other sandboxes are not affected, a closed stream gives its slot back, and every
+    stream ends when its sandbox does."""
+    from corral.e2b.state import STREAMS_PER_SANDBOX
+
+    a = Sandbox.create(timeout=120)
+    b = Sandbox.create(timeout=120)
+    try:
+        pid = a.commands.run("sleep 600", background=True).pid  # its stream is one
+        url = front.url + "/process.Process/Connect"
+        hdrs = dict(_envd(a), **{"Keepalive-Ping-Interval": "1"})
+        body = _envelope({"process": {"pid": pid}})
+
+        async def main() -> None:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+            async with httpx.AsyncClient(timeout=60, limits=limits) as c:
+                async def open_one() -> tuple[_Stream, dict]:  # type: ignore[type-arg]
+                    resp = await c.send(c.build_request("POST", url, content=body,
+                                                        headers=hdrs), stream=True)
+                    st = _Stream(resp)
+                    got = await st.next()
+                    assert got is not None
+                    return st, got[1]
+
+                held: list[_Stream] = []
+                refused: list[dict] = []  # type: ignore[type-arg]
+                for _ in range(STREAMS_PER_SANDBOX + 1):
+                    st, msg = await open_one()
+                    if "error" in msg:
+                        refused.append(msg["error"])
+                        await st.resp.aclose()
+                    else:
+                        assert msg["event"]["start"]["pid"] == pid
+                        held.append(st)
+                assert refused and len(held) == STREAMS_PER_SANDBOX - 1, (len(held), refused)
+                assert {e["code"] for e in refused} == {"resource_exhausted"}
+                # the stock SDK sees it as a rate limit; another sandbox runs as usual
+                with pytest.raises(RateLimitException):
+                    await asyncio.to_thread(a.commands.run, "echo no")
+                r = await asyncio.to_thread(b.commands.run, "echo yes")
+                assert r.stdout == "yes\n"
+                # a stream the client closed is noticed (its keepalive) and frees its slot
+                await held.pop().resp.aclose()
+                deadline = time.monotonic() + 15
+                while True:
+                    st, msg = await open_one()
+                    if "event" in msg:
+                        held.append(st)
+                        break
+                    await st.resp.aclose()
+                    assert time.monotonic() < deadline, "the closed stream kept its slot"
+                # the sandbox ends: so does every stream on it
+                await asyncio.to_thread(a.kill)
+                ends = await asyncio.wait_for(
+                    asyncio.gather(*(s.until_end() for s in held)), 30)
+                assert len(ends) == len(held)
+                for s in held:
+                    await s.resp.aclose()
+
+        asyncio.run(main())
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_watchers_are_capped_per_sandbox(front: Front) -> None:
+    """One sandbox's client cannot take every watcher slot of the front."""
+    from corral.e2b.filesystem import MAX_WATCHERS, WATCHERS_PER_SANDBOX
+
+    a = Sandbox.create(timeout=120)
+    b = Sandbox.create(timeout=120)
+    try:
+        base = front.url + "/filesystem.Filesystem/"
+        ids: list[str] = []
+        refused = None
+        for _ in range(MAX_WATCHERS + 1):
+            r = httpx.post(base + "CreateWatcher", json={"path": "/tmp"}, headers=_envd(a, "unary"))
+            if r.status_code != 200:
+                refused = r
+                break
+            ids.append(r.json()["watcherId"])
+        assert refused is not None and refused.status_code == 429, refused
+        assert refused.json()["code"] == "resource_exhausted"
+        assert len(ids) == WATCHERS_PER_SANDBOX
+        # a WatchDir stream is a watcher too
+        r = httpx.post(base + "WatchDir", content=_envelope({"path": "/tmp"}), headers=_envd(a),
+                       timeout=30)
+        assert r.content[0] == 0x02, r.content
+        assert json.loads(r.content[5:])["error"]["code"] == "resource_exhausted"
+        # another sandbox still watches
+        h = b.files.watch_dir("/tmp")
+        b.files.write("/tmp/seen.txt", "x")
+        assert wait_until(lambda: any(e.name == "seen.txt" for e in h.get_new_events()))
+        h.stop()
+        # a removed watcher gives its slot back
+        r = httpx.post(base + "RemoveWatcher", json={"watcherId": ids.pop()},
+                       headers=_envd(a, "unary"))
+        assert r.status_code == 200, r.text
+        r = httpx.post(base + "CreateWatcher", json={"path": "/tmp"}, headers=_envd(a, "unary"))
+        assert r.status_code == 200, r.text
+    finally:
+        a.kill()
+        b.kill()
+
+
+def _rss_peak_reset(pid: int) -> int:
+    """Reset the process's peak RSS (VmHWM) to its current RSS; the RSS in bytes."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+    return _vm(pid, "VmRSS")
+
+
+def _vm(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(field)
+
+
+def test_downloads_are_streamed(sbx: Sandbox, front: Front) -> None:
+    """A big file (sparse: free for the sandbox) passes through the front without the front
+    ever holding it: its peak memory grows by far less than the file."""
+    size = 256 << 20
+    sbx.commands.run(f"truncate -s {size} /home/user/sparse")
+    before = _rss_peak_reset(front.proc.pid)
+    got = 0
+    with httpx.stream("GET", front.url + "/files", params={"path": "/home/user/sparse"},
+                      headers=_envd(sbx, "unary"), timeout=120) as r:
+        assert r.status_code == 200
+        for chunk in r.iter_raw():
+            got += len(chunk)
+    assert got == size
+    grew = _vm(front.proc.pid, "VmHWM") - before
+    assert grew < 64 << 20, f"the front's peak memory grew by {grew >> 20} MiB"
+
+
+def test_request_bytes_in_memory_are_capped(front: Front) -> None:
+    """Uploads and RPC messages held in memory are taken from a share per sandbox: past it (a
+    slow upload holding it, a small gzip body that inflates past it, a big message) the answer
+    is 429 / resource_exhausted, other sandboxes upload as usual (gzip too), and the share
+    comes back when the upload ends."""
+    import gzip
+
+    from corral.e2b.files import MAX_BODY
+
+    a = Sandbox.create(timeout=120)
+    b = Sandbox.create(timeout=120)
+    try:
+        url = front.url + "/files"
+        stat = front.url + "/filesystem.Filesystem/Stat"
+        octet = {"Content-Type": "application/octet-stream"}
+        small = b"y" * (2 << 20)
+
+        async def hold_share() -> tuple[asyncio.StreamWriter, asyncio.Future[bytes]]:
+            """An upload that sends nearly all of a's share and stalls short of its end; its
+            answer (a refusal) as a future."""
+            reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+            sent = MAX_BODY - (1 << 20)
+            head = "".join(f"{k}: {v}\r\n" for k, v in dict(
+                _envd(a, "unary"), **octet, **{"Content-Length": str(sent + 1),
+                                              "Host": "front"}).items())
+            writer.write(f"POST /files?path=/tmp/slow&username=root HTTP/1.1\r\n{head}\r\n"
+                         .encode() + b"x" * sent)
+            await writer.drain()
+            return writer, asyncio.ensure_future(reader.read(100))
+
+        async def main() -> None:
+            async with httpx.AsyncClient(timeout=60) as c:
+                async def up(s: Sandbox, data: bytes, path: str,
+                             extra: dict[str, str] | None = None) -> httpx.Response:
+                    return await c.post(url, params={"path": path, "username": "root"},
+                                        content=data, headers=dict(_envd(s, "unary"), **octet,
+                                                                   **(extra or {})))
+
+                slow, answer = await hold_share()
+                deadline = time.monotonic() + 15
+                while (r := await up(a, small, "/tmp/second")).status_code != 429:
+                    assert r.status_code == 200, r.text
+                    assert time.monotonic() < deadline, "a second upload past the share passed"
+                    if answer.done():  # refused: it came while a second upload was held
+                        slow.close()
+                        slow, answer = await hold_share()
+                assert "at most" in r.json()["message"] and not answer.done()
+                bomb = gzip.compress(b"\0" * (4 << 20))  # ~4 KiB that inflates to 4 MiB
+                r = await up(a, bomb, "/tmp/bomb", {"Content-Encoding": "gzip"})
+                assert r.status_code == 429, r.text
+                r = await c.post(stat, headers=_envd(a, "unary"),  # an RPC's message too
+                                 json={"path": "/", "pad": "x" * (2 << 20)})
+                assert r.status_code == 429 and r.json()["code"] == "resource_exhausted", r.text
+                r = await up(b, small, "/tmp/other")
+                assert r.status_code == 200, r.text
+                r = await up(b, bomb, "/tmp/inflated", {"Content-Encoding": "gzip"})
+                assert r.status_code == 200, r.text
+                slow.close()  # cut short: its share comes back
+                answer.cancel()
+                deadline = time.monotonic() + 15
+                while (r := await up(a, small, "/tmp/third")).status_code == 429:
+                    assert time.monotonic() < deadline, "the cut upload kept its share"
+                assert r.status_code == 200, r.text
+                r = await c.post(stat, headers=_envd(a, "unary"),  # read whole, however big
+                                 json={"path": "/", "pad": "x" * (2 << 20)})
+                assert r.status_code == 200 and r.json()["entry"]["type"], r.text
+
+        asyncio.run(main())
+        assert a.commands.run("stat -c %s /tmp/third").stdout == f"{2 << 20}\n"
+        assert b.commands.run("stat -c %s /tmp/inflated").stdout == f"{4 << 20}\n"
+        b.files.write("/home/user/gz.txt", "through gzip\n", gzip=True)  # the stock SDK's way
+        assert b.files.read("/home/user/gz.txt") == "through gzip\n"
+    finally:
+        a.kill()
+        b.kill()

@@ -24,9 +24,9 @@ from corral.e2b.auth import (
     FrontSandboxes,
     Keys,
 )
-from corral.e2b.connect import ConnectError, ServerStream, error_response, is_stream
+from corral.e2b.connect import TAKE, ConnectError, ServerStream, error_response, is_stream
 from corral.e2b.errors import api_error, to_connect
-from corral.e2b.state import FrontState
+from corral.e2b.state import STREAMS_PER_SANDBOX, STREAMS_TOTAL, FrontState, Held, Quota
 from corral.e2b.templates import Templates
 from corral.sdk.async_sandbox import AsyncSandbox
 from corral.sdk.endpoint import Endpoint
@@ -35,7 +35,7 @@ log = logging.getLogger("corral.e2b")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 RPC_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
 ENVD_HTTP = frozenset({"/files", "/health"})
-MAX_BODY = files.MAX_UPLOAD + (1 << 20)
+MAX_BODY = files.MAX_BODY
 
 
 class Front:
@@ -46,6 +46,12 @@ class Front:
         self.known = FrontSandboxes()
         self.endpoint = Endpoint.parse(endpoint)
         self.state = FrontState()
+        self.streams = Quota("streams", STREAMS_PER_SANDBOX, STREAMS_TOTAL)
+        self.watchers = Quota("directory watchers", filesystem.WATCHERS_PER_SANDBOX,
+                              filesystem.MAX_WATCHERS)
+        # request bodies held in memory: uploads, and envd's RPC messages
+        self.bodies = Quota("bytes of requests in memory", files.MAX_BODY,
+                            files.BODY_BYTES_TOTAL)
         self.templates = Templates(self.endpoint)
 
 
@@ -99,7 +105,9 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
                     "unauthenticated", "a valid X-Access-Token for E2b-Sandbox-Id is required"))
             return api_error(401, "a valid X-Access-Token for E2b-Sandbox-Id is required")
         if rpc:
-            return await _rpc(handler, request)
+            with Held(front.bodies, request["sandbox_id"]) as held:
+                request[TAKE] = held.take  # the message's bytes, as connect.py reads them
+                return await _rpc(handler, request)
         if path in ENVD_HTTP:
             return await files.guarded(handler, request)
         return await sandboxes.guarded(handler, request)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -19,6 +20,8 @@ FLAG_END_STREAM = 0x02
 MAX_MESSAGE = 16 << 20
 STREAM_CONTENT_TYPE = "application/connect+json"
 UNARY_CONTENT_TYPE = "application/json"
+# The request's key for a callable told of each body byte read (app.py: the sandbox's quota).
+TAKE = "corral.e2b.take"
 
 # Connect code -> HTTP status of a unary error (connectrpc.com/docs/protocol).
 HTTP_STATUS = {
@@ -74,13 +77,27 @@ async def read_unary(request: web.Request) -> dict[str, Any]:
     return _loads_object(await _read_bounded(request))
 
 
+async def read_all(read: Callable[[], Awaitable[bytes]], at_eof: Callable[[], bool],
+                   limit: int, too_large: str,
+                   take: Callable[[int], None] | None = None) -> bytes:
+    """A body (or a multipart part) whole, at most ``limit`` bytes; ``take`` is told of each
+    chunk before it is kept (the front's quota of bytes held, which may refuse it)."""
+    buf = bytearray()
+    while not at_eof():
+        chunk = await read()
+        if take is not None:
+            take(len(chunk))
+        buf += chunk
+        if len(buf) > limit:
+            raise ConnectError("resource_exhausted", too_large)
+    return bytes(buf)
+
+
 async def _read_bounded(request: web.Request) -> bytes:
     if request.content_length is not None and request.content_length > MAX_MESSAGE + 5:
         raise ConnectError("resource_exhausted", "the request is too large")
-    data = await request.content.read(MAX_MESSAGE + 6)
-    if len(data) > MAX_MESSAGE + 5:
-        raise ConnectError("resource_exhausted", "the request is too large")
-    return data
+    return await read_all(request.content.readany, request.content.at_eof, MAX_MESSAGE + 5,
+                          "the request is too large", request.get(TAKE))
 
 
 def split_envelopes(data: bytes) -> list[tuple[int, bytes]]:

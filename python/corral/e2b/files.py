@@ -1,32 +1,42 @@
 """envd's HTTP API: ``GET/POST /files`` (download and upload) and ``GET /health``.
 
 Uploads come as ``multipart/form-data`` (each part's file name is its path) or as an
-``application/octet-stream`` body (the ``path`` query parameter), optionally gzip-encoded.
+``application/octet-stream`` body (the ``path`` query parameter), optionally gzip-encoded
+(aiohttp inflates the body as it is read, a bounded piece at a time).
 envd writes as the calling user, so for a user other than root the file and the directories
 it needs are made by that user (a command in the sandbox, its permissions apply); a file too
 big to pass that way is written by the daemon and then handed to the user (``chown``). Root's
 files are written by the daemon directly.
+
+Memory: a download is passed on as corrald sends it, never held whole, and holds one of its
+sandbox's streams. An upload is held whole until written: its bytes, as they are read (and
+inflated), are taken from the front's quota of request bytes held (app.py), MAX_BODY per
+sandbox and BODY_BYTES_TOTAL in all, and a request past it is 429.
 """
 
 from __future__ import annotations
 
 import base64
-import gzip
+import contextlib
 import posixpath
 import re
 import secrets
-import zlib
 from typing import Any
 
 from aiohttp import BodyPartReader, web
 
 from corral import errors as ce
 from corral.e2b import users
-from corral.e2b.connect import ConnectError
+from corral.e2b.connect import ConnectError, read_all
 from corral.e2b.errors import api_error, envd_http_error, gone_message
-from corral.sdk.async_sandbox import AsyncSandbox
+from corral.e2b.state import Held, QuotaExceeded
+from corral.sdk import api
+from corral.sdk.async_sandbox import AsyncSandbox, transport
 
 MAX_UPLOAD = 256 << 20
+MAX_BODY = MAX_UPLOAD + (1 << 20)  # and multipart's framing
+BODY_BYTES_TOTAL = 2 * MAX_BODY
+TOO_LARGE = f"uploads are at most {MAX_UPLOAD} bytes"
 # Passed as base64 on a command's stdin, which rides in a JSON request to the daemon.
 AS_USER_MAX = 8 << 20
 WRITE_AS_USER = 'mkdir -p -- "$(dirname -- "$1")" && base64 -d > "$1"'
@@ -52,8 +62,25 @@ class FilesApi:
     async def download(self, request: web.Request) -> web.StreamResponse:
         user = users.from_query(request)
         path = users.resolve(request.query.get("path", ""), user)
-        data = await self._sb(request).files.read_bytes(path)
-        return web.Response(body=data, content_type="application/octet-stream")
+        sid = request["sandbox_id"]
+        with self.f.streams.slot(sid):
+            async with contextlib.aclosing(
+                    transport(self.f.endpoint).chunks(api.read(sid, path))) as chunks:
+                first = await anext(chunks, b"")  # corrald's error, if any, comes before it
+                resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+                try:
+                    await resp.prepare(request)
+                    await resp.write(first)
+                    async for chunk in chunks:
+                        await resp.write(chunk)
+                except (ConnectionError, ce.CorralError):
+                    # the client left, or corrald did mid-file: cut the connection, so a
+                    # partial file never looks complete
+                    if request.transport is not None:
+                        request.transport.close()
+                    return resp
+                await resp.write_eof()
+                return resp
 
     async def _write(self, sb: AsyncSandbox, path: str, data: bytes, user: str,
                      written: list[dict[str, str]]) -> None:
@@ -93,34 +120,33 @@ class FilesApi:
         user = users.from_query(request)
         sb = self._sb(request)
         written: list[dict[str, str]] = []
-        if request.content_type == "multipart/form-data":
-            reader = await request.multipart()
-            default = request.query.get("path")
-            total = 0
-            while True:
-                part = await reader.next()
-                if part is None:
-                    break
-                if not isinstance(part, BodyPartReader) or part.name != "file":
-                    continue
-                data = await part.read()
-                total += len(data)
-                if total > MAX_UPLOAD:
-                    return api_error(413, f"uploads are at most {MAX_UPLOAD} bytes")
-                name = default if default and not written else _part_path(part)
-                if not name:
-                    return api_error(400, "a file part without a path")
-                await self._write(sb, users.resolve(name, user), bytes(data), user, written)
-        else:
-            path = request.query.get("path")
-            if not path:
-                return api_error(400, "path is required")
-            data = await request.content.read(MAX_UPLOAD + 1)
-            if len(data) > MAX_UPLOAD:
-                return api_error(413, f"uploads are at most {MAX_UPLOAD} bytes")
-            if request.headers.get("Content-Encoding", "").lower() == "gzip":
-                data = _gunzip(data)
-            await self._write(sb, users.resolve(path, user), data, user, written)
+        if request.content_length is not None and request.content_length > MAX_BODY:
+            return api_error(413, TOO_LARGE)
+        with Held(self.f.bodies, request["sandbox_id"]) as held:
+            if request.content_type == "multipart/form-data":
+                reader = await request.multipart()
+                default = request.query.get("path")
+                total = 0
+                while True:
+                    part = await reader.next()
+                    if part is None:
+                        break
+                    if not isinstance(part, BodyPartReader) or part.name != "file":
+                        continue
+                    data = await read_all(part.read_chunk, part.at_eof, MAX_UPLOAD - total,
+                                          TOO_LARGE, held.take)
+                    total += len(data)
+                    name = default if default and not written else _part_path(part)
+                    if not name:
+                        return api_error(400, "a file part without a path")
+                    await self._write(sb, users.resolve(name, user), data, user, written)
+            else:
+                path = request.query.get("path")
+                if not path:
+                    return api_error(400, "path is required")
+                data = await read_all(request.content.readany, request.content.at_eof,
+                                      MAX_UPLOAD, TOO_LARGE, held.take)
+                await self._write(sb, users.resolve(path, user), data, user, written)
         return web.json_response(written)
 
 
@@ -138,26 +164,19 @@ def _part_path(part: BodyPartReader) -> str | None:
     return m.group(2)
 
 
-def _gunzip(data: bytes) -> bytes:
-    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    try:
-        out = d.decompress(data, MAX_UPLOAD + 1)
-    except (zlib.error, gzip.BadGzipFile) as e:
-        raise ConnectError("invalid_argument", f"bad gzip body: {e}") from None
-    if len(out) > MAX_UPLOAD or d.unconsumed_tail:
-        raise ConnectError("resource_exhausted", f"uploads are at most {MAX_UPLOAD} bytes")
-    return out
-
-
 async def guarded(handler: Any, request: web.Request) -> web.StreamResponse:
     try:
         return await handler(request)
+    except QuotaExceeded as e:
+        return api_error(429, e.message)
     except ConnectError as e:
         return api_error(400 if e.code != "resource_exhausted" else 413, e.message)
     except ce.CorralError as e:
         return envd_http_error(e, request["sandbox_id"])
     except ValueError as e:  # aiohttp: a multipart body that ends before its parts do
         return api_error(400, f"malformed request body: {e}")
+    except ConnectionError:  # the client left mid-request: nobody reads the answer
+        return api_error(400, "the connection was lost")
 
 
 def routes(api: FilesApi) -> list[web.RouteDef]:

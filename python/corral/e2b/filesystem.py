@@ -4,7 +4,9 @@ Paths resolve inside the sandbox (corral's openat2 RESOLVE_IN_ROOT); a relative 
 the user's home. Directories are made by the user itself (``mkdir -p`` as that user, so they
 are its own and its permissions apply); reads, stats, moves and removes go through the
 daemon. Watching is by polling the listing (corral has no in-sandbox watcher): events are
-create, write (size or mtime changed) and remove, at the poll interval's resolution.
+create, write (size or mtime changed) and remove, at the poll interval's resolution. Each
+watcher (a WatchDir stream or a CreateWatcher one) polls corrald five times a second, so they
+are few: WATCHERS_PER_SANDBOX per sandbox, MAX_WATCHERS in all; one ends when its sandbox does.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ MAX_DEPTH = 64
 EXISTS_EXIT = 17
 POLL_S = 0.2
 MAX_WATCHERS = 64
+WATCHERS_PER_SANDBOX = 8
 MAX_EVENTS = 10_000
 
 
@@ -138,6 +141,11 @@ class FilesystemService:
 
     async def watch_dir(self, request: web.Request) -> web.StreamResponse:
         msg = await read_stream_request(request)
+        sid = request["sandbox_id"]
+        with self.f.streams.slot(sid), self.f.watchers.slot(sid):
+            return await self._watch(request, msg)
+
+    async def _watch(self, request: web.Request, msg: dict[str, Any]) -> web.StreamResponse:
         stream = ServerStream(request)
         try:
             w = await self._new_watcher(request, msg)
@@ -165,9 +173,14 @@ class FilesystemService:
         msg = await read_unary(request)
         for wid in [k for k, w in self._watchers.items() if w.task is not None and w.task.done()]:
             del self._watchers[wid]  # their sandbox ended: nobody reads them any more
-        if len(self._watchers) >= MAX_WATCHERS:
-            raise ConnectError("resource_exhausted", f"at most {MAX_WATCHERS} watchers")
-        w = await self._new_watcher(request, msg)
+        sid = request["sandbox_id"]
+        self.f.watchers.take(sid)
+        try:
+            w = await self._new_watcher(request, msg)
+        except BaseException:
+            self.f.watchers.give(sid)
+            raise
+        w.holds_slot = True
         wid = secrets.token_hex(8)
         self._watchers[wid] = w
         w.task = asyncio.ensure_future(w.run())
@@ -190,14 +203,12 @@ class FilesystemService:
     async def remove_watcher(self, request: web.Request) -> web.Response:
         wid, w = self._watcher(request, await read_unary(request))
         del self._watchers[wid]
-        if w.task is not None:
-            w.task.cancel()
+        w.stop()
         return unary_response({})
 
     async def close(self) -> None:
         for w in self._watchers.values():
-            if w.task is not None:
-                w.task.cancel()
+            w.stop()
         self._watchers.clear()
 
 
@@ -212,6 +223,17 @@ class _Watcher:
         self.pending: list[dict[str, Any]] = []
         self.error: ConnectError | None = None
         self.task: asyncio.Future[None] | None = None
+        self.holds_slot = False  # of the front's watchers (a WatchDir stream's is the stream's)
+
+    def release(self) -> None:
+        if self.holds_slot:
+            self.holds_slot = False
+            self.svc.f.watchers.give(self.sandbox_id)
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        self.release()
 
     async def _snapshot(self) -> dict[str, FileEntry]:
         entries = await self.svc._walk(self.sb, self.path, MAX_DEPTH if self.recursive else 1)
@@ -247,8 +269,9 @@ class _Watcher:
             await asyncio.sleep(POLL_S)
             try:
                 events = await self.poll()
-            except ce.CorralError as e:
+            except ce.CorralError as e:  # the sandbox ended: its slot is free, its error kept
                 self.error = to_connect(e, self.sandbox_id)
+                self.release()
                 return
             self.pending.extend(events)
             del self.pending[:-MAX_EVENTS]

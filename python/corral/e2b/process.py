@@ -36,13 +36,18 @@ from corral.sdk.results import OutputChunk
 
 SIGNAL_NAMES = {9: "killed", 15: "terminated", 2: "interrupt", 1: "hangup", 3: "quit",
                 6: "aborted", 13: "broken pipe", 14: "alarm clock"}
-DEFAULT_KEEPALIVE = 50.0
+# The SDK asks for 50 s (its streams time out after 60 s of silence). Longer is not granted:
+# a client that vanished is noticed at the next write, and until then its stream holds a slot
+# and a connection to corrald.
+MAX_KEEPALIVE = 50.0
 MAX_ARGS = 4096
 
 
 def _keepalive(request: web.Request) -> float:
     raw = request.headers.get("Keepalive-Ping-Interval", "")
-    return float(raw) if raw.isdigit() and 0 < int(raw) <= 3600 else DEFAULT_KEEPALIVE
+    if raw.isascii() and raw.isdigit() and len(raw) <= 6 and int(raw) > 0:
+        return min(float(raw), MAX_KEEPALIVE)
+    return MAX_KEEPALIVE
 
 
 def _config(msg: dict[str, Any]) -> tuple[str, list[str], dict[str, str], str | None]:
@@ -152,35 +157,37 @@ class ProcessService:
             raise ConnectError("invalid_argument", "tag must be a string")
         stdin = msg.get("stdin", True)
         timeout = timeout_s(request)
-        stream = ServerStream(request)
-        sb = AsyncSandbox.from_id(sid, endpoint=self.f.endpoint)
-        try:
-            p = await sb.exec([cmd, *args], background=True, env=envs, user=user,
-                              cwd=users.resolve(cwd, user) if cwd else users.home(user),
-                              timeout=timeout)
-        except ce.CorralError as e:
-            return await stream.end(to_connect(e, sid))
-        self.f.state.procs(sid).add(ProcEntry(pid=p.pid, cmd=cmd, args=args, envs=envs,
-                                              cwd=cwd, tag=tag))
-        closing = None if stdin is not False else asyncio.ensure_future(p.close_stdin())
-        await stream.send({"event": {"start": {"pid": p.pid}}})
-        await self._pump(stream, sid, p, _keepalive(request), closing)
-        return stream.response
+        with self.f.streams.slot(sid):  # taken before the command runs: refused, it never does
+            stream = ServerStream(request)
+            sb = AsyncSandbox.from_id(sid, endpoint=self.f.endpoint)
+            try:
+                p = await sb.exec([cmd, *args], background=True, env=envs, user=user,
+                                  cwd=users.resolve(cwd, user) if cwd else users.home(user),
+                                  timeout=timeout)
+            except ce.CorralError as e:
+                return await stream.end(to_connect(e, sid))
+            self.f.state.procs(sid).add(ProcEntry(pid=p.pid, cmd=cmd, args=args, envs=envs,
+                                                  cwd=cwd, tag=tag))
+            closing = None if stdin is not False else asyncio.ensure_future(p.close_stdin())
+            await stream.send({"event": {"start": {"pid": p.pid}}})
+            await self._pump(stream, sid, p, _keepalive(request), closing)
+            return stream.response
 
     async def connect(self, request: web.Request) -> web.StreamResponse:
         sid = request["sandbox_id"]
         pid = self._pid(sid, await read_stream_request(request))
-        stream = ServerStream(request)
-        p = self._proc(sid, pid)
-        try:
-            st = await p.status()
-        except ce.CorralError as e:
-            return await stream.end(to_connect(e, sid))
-        if not st.running:
-            return await stream.end(ConnectError("not_found", f"process {pid} has ended"))
-        await stream.send({"event": {"start": {"pid": pid}}})
-        await self._pump(stream, sid, p, _keepalive(request), None)
-        return stream.response
+        with self.f.streams.slot(sid):
+            stream = ServerStream(request)
+            p = self._proc(sid, pid)
+            try:
+                st = await p.status()
+            except ce.CorralError as e:
+                return await stream.end(to_connect(e, sid))
+            if not st.running:
+                return await stream.end(ConnectError("not_found", f"process {pid} has ended"))
+            await stream.send({"event": {"start": {"pid": pid}}})
+            await self._pump(stream, sid, p, _keepalive(request), None)
+            return stream.response
 
     # ---- unary ----------------------------------------------------------------------------
     async def list(self, request: web.Request) -> web.Response:

@@ -199,6 +199,20 @@ class AsyncTransport:
         finally:
             resp.release()
 
+    async def chunks(self, call: Call[Any]) -> AsyncIterator[bytes]:
+        """The answer's body as it comes (a big file read, passed on without holding it
+        whole); an error answer raises before the first chunk."""
+        resp = await self._send(call)
+        try:
+            if resp.status >= 400:
+                call.finish(resp.status, await resp.read())
+            async for chunk in resp.content.iter_any():
+                yield chunk
+        except aiohttp.ClientError as e:
+            raise lost(self.endpoint, call, e) from None
+        finally:
+            resp.release()
+
     async def aclose(self) -> None:
         if self._unix is not None:
             await self._unix.aclose()
