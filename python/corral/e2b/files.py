@@ -32,6 +32,7 @@ from corral.e2b.errors import api_error, envd_http_error, gone_message
 from corral.e2b.state import Held, QuotaExceeded
 from corral.sdk import api
 from corral.sdk.async_sandbox import AsyncSandbox, transport
+from corral.sdk.results import ExecResult
 
 MAX_UPLOAD = 256 << 20
 MAX_BODY = MAX_UPLOAD + (1 << 20)  # and multipart's framing
@@ -87,13 +88,9 @@ class FilesApi:
         if user == "root":
             await sb.files.write(path, data)
         elif len(data) <= AS_USER_MAX:
-            r = await sb.exec(["/bin/sh", "-c", WRITE_AS_USER, "write", path], user=user,
-                              cwd="/", stdin=base64.b64encode(data).decode(), timeout=60)
-            if not r.ok:
-                err = r.stderr.strip() or f"writing {path} failed"
-                if "ermission denied" in err:
-                    raise ce.PermissionDenied(err)
-                raise ce.InvalidRequest(err)
+            _written_as_user(path, await sb.exec(
+                ["/bin/sh", "-c", WRITE_AS_USER, "write", path], user=user, cwd="/",
+                stdin=base64.b64encode(data).decode(), timeout=60))
         else:
             # too big for stdin: the daemon writes it to a file of a fresh name only root can
             # read, handed to the user, whose shell copies it to ``path``; the target is
@@ -105,13 +102,9 @@ class FilesApi:
                 r = await sb.exec(["chown", "--", f"{user}:", staged], cwd="/", timeout=30)
                 if not r.ok:
                     raise ce.InvalidRequest(f"chown to {user}: {r.stderr.strip()}")
-                r = await sb.exec(["/bin/sh", "-c", COPY_AS_USER, "copy", path, staged],
-                                  user=user, cwd="/", timeout=120)
-                if not r.ok:
-                    err = r.stderr.strip() or f"writing {path} failed"
-                    if "ermission denied" in err:
-                        raise ce.PermissionDenied(err)
-                    raise ce.InvalidRequest(err)
+                _written_as_user(path, await sb.exec(
+                    ["/bin/sh", "-c", COPY_AS_USER, "copy", path, staged], user=user,
+                    cwd="/", timeout=120))
             finally:
                 await sb.files.remove(staged)
         written.append({"name": posixpath.basename(path), "type": "file", "path": path})
@@ -151,6 +144,16 @@ class FilesApi:
 
 
 _FILENAME = re.compile(r'(?:^|;)\s*filename\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^;\s]+))', re.I)
+
+
+def _written_as_user(path: str, r: ExecResult) -> None:
+    """The outcome of the user's own shell writing ``path``: its permission errors as
+    permission_denied, others as invalid_request."""
+    if not r.ok:
+        err = r.stderr.strip() or f"writing {path} failed"
+        if "ermission denied" in err:
+            raise ce.PermissionDenied(err)
+        raise ce.InvalidRequest(err)
 
 
 def _part_path(part: BodyPartReader) -> str | None:
