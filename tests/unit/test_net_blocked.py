@@ -30,6 +30,8 @@ def test_blocked_from_the_environment_or_the_file(monkeypatch, tmp_path) -> None
         settings_mod.parse_blocked(["10.0.0.1"] * (settings_mod.MAX_BLOCKED + 1))
     with pytest.raises(ValueError):
         settings_mod.parse_blocked("10.0.0.1")  # a string is not a list
+    with pytest.raises(ValueError):
+        settings_mod.parse_blocked(["fe80::1%eth0"])  # ipaddress takes it; nftables not
 
 
 def test_the_ruleset_denies_blocked_addresses_before_any_policy() -> None:

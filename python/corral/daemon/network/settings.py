@@ -177,7 +177,11 @@ def parse_blocked(items: object) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6
         raise ValueError("blocked: expected a list of addresses or CIDRs")
     if len(items) > MAX_BLOCKED:
         raise ValueError(f"blocked: at most {MAX_BLOCKED} entries")
-    return tuple(ipaddress.ip_network(x, strict=False) for x in items)
+    nets = tuple(ipaddress.ip_network(x, strict=False) for x in items)
+    for x, net in zip(items, nets, strict=True):
+        if isinstance(net, ipaddress.IPv6Network) and net.network_address.scope_id:
+            raise ValueError(f"blocked: {x!r} names an interface (a scope): not a network")
+    return nets
 
 
 def _strings(value: object, key: str) -> list[str]:
