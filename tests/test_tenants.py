@@ -288,9 +288,16 @@ def test_admin_only_routes_refuse_tenants(world: dict[str, Any]) -> None:
     bob, admin = world["bob"], world["admin"]
     expect_error(bob.c.post("/v1/images/prune"), "forbidden", 403)
     expect_error(bob.c.get("/metrics"), "forbidden", 403)
+    # the daemon's pid, state directory and every tenant's counts
+    r = bob.c.get("/v1/status")
+    expect_error(r, "forbidden", 403)
+    assert "state_dir" not in r.text
+    assert bob.c.get("/v1/substrates").status_code == 200
+    assert bob.c.get("/v1/health").status_code == 200
     expect_error(bob.c.post(f"/v1/sandboxes/{world['sb']}/commit", json={"name": "x-bob"}),
                  "forbidden", 403)
     assert admin.c.get("/metrics").status_code == 200
+    assert admin.c.get("/v1/status").json()["pid"] > 0
     assert bob.c.get("/v1/images").status_code == 200  # images are shared, read-only
 
 

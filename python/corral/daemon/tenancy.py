@@ -21,11 +21,12 @@ from corral.models import SandboxSpec
 if TYPE_CHECKING:
     from corral.daemon.engine import Engine
 
-# Routes a tenant may not call (the host's shared image store, the daemon's metrics): by
-# handler name (corral.daemon.app ROUTES, image_api.ROUTES).
+# Routes a tenant may not call (the host's shared image store, the daemon's metrics and
+# status: host facts and every tenant's counts): by handler name (corral.daemon.app ROUTES,
+# image_api.ROUTES).
 MAX_GROUP_LEN = 63  # SandboxSpec.network_group
 ADMIN_ONLY = frozenset({"import_image", "upload_image", "tag_image", "push_image",
-                        "prune_images", "delete_image", "commit_sandbox", "metrics",
+                        "prune_images", "delete_image", "commit_sandbox", "metrics", "status",
                         "get_blocked", "put_blocked",
                         # node to node (the cluster gateway): the import names the owner
                         "export_snapshot", "import_snapshot"})
