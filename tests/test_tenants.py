@@ -578,3 +578,87 @@ def test_ownership_survives_a_restart(world: dict[str, Any]) -> None:
     assert alice.c.get(f"/v1/snapshots/{snap}").status_code == 200
     expect_error(bob.c.get(f"/v1/snapshots/{snap}"), "snapshot_not_found", 404)
     assert snap not in bob.c.get("/v1/snapshots").text
+
+
+def test_a_tenant_holds_at_most_its_quota_of_live_sandboxes() -> None:
+    """One tenant must not fill the daemon and starve the others. bob's tokens file entry
+    gives him 2 live sandboxes, alice has none of her own so the default share (50 % of the
+    daemon's 8) gives her 4; past it a create, a batch and a fork answer quota_exceeded (429,
+    infra) and make nothing; one destroyed frees a place; a daemon restart keeps the count;
+    the admin is bound only by the daemon's limit."""
+    tokdir = tempfile.mkdtemp(prefix="corral-test-quota-tok-", dir="/var/tmp")
+    path = os.path.join(tokdir, "tokens.json")
+    with open(path, "w") as f:
+        json.dump({"alice": TOKENS["alice"],
+                   "bob": {"token": TOKENS["bob"], "max_sandboxes": 2}}, f)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with private_daemon("corral-test-quota-", f"{CGROUP_NAME}-quota",
+                        CORRAL_TCP=f"127.0.0.1:{port}", CORRAL_TOKEN=ADMIN,
+                        CORRAL_TOKENS=path, CORRAL_MAX_SANDBOXES="8") as d:
+        alice, bob, admin = (Tenant(base, TOKENS["alice"]), Tenant(base, TOKENS["bob"]),
+                             Tenant(base, ADMIN))
+        try:
+            def over_quota(r: httpx.Response, tenant: str, in_use: int, limit: int,
+                           requested: int) -> None:
+                err = expect_error(r, "quota_exceeded", 429)
+                assert err["category"] == "infra", err
+                assert err["details"] == {"tenant": tenant, "in_use": in_use,
+                                                    "limit": limit, "requested": requested}
+
+            def count(t: Tenant) -> int:
+                return len(t.c.get("/v1/sandboxes").json()["sandboxes"])
+
+            mine = [bob.create()["id"] for _ in range(2)]
+            over_quota(bob.c.post("/v1/sandboxes", json={}), "bob", 2, 2, 1)
+            over_quota(bob.c.post("/v1/sandboxes/batch", json={"count": 2, "spec": {}}),
+                       "bob", 2, 2, 2)
+            over_quota(bob.c.post(f"/v1/sandboxes/{mine[0]}/fork", json={"count": 1}),
+                       "bob", 2, 2, 1)
+            assert count(bob) == 2  # nothing was made past the quota
+            r = alice.c.post("/v1/sandboxes/batch", json={"count": 4, "spec": {}})
+            assert r.status_code == 201, r.text
+            over_quota(alice.c.post("/v1/sandboxes", json={}), "alice", 4, 4, 1)
+            # The admin (and only the admin) takes the rest of the daemon's 8.
+            admin.create()
+            admin.create()
+            expect_error(admin.c.post("/v1/sandboxes", json={}), "capacity_exceeded", 429)
+
+            assert bob.c.delete(f"/v1/sandboxes/{mine.pop()}").status_code in (200, 204)
+            mine.append(bob.create()["id"])  # the place it freed
+            over_quota(bob.c.post("/v1/sandboxes", json={}), "bob", 2, 2, 1)
+
+            d.kill9()  # the count is rebuilt from the sandboxes a restarted daemon adopts
+            d.start()
+            over_quota(bob.c.post("/v1/sandboxes", json={}), "bob", 2, 2, 1)
+            over_quota(alice.c.post("/v1/sandboxes", json={}), "alice", 4, 4, 1)
+            _over_quota_through_a_gateway(base, path)
+        finally:
+            for sb in admin.c.get("/v1/sandboxes").json()["sandboxes"]:
+                admin.c.delete(f"/v1/sandboxes/{sb['id']}")
+
+
+def _over_quota_through_a_gateway(base: str, tokens: str) -> None:
+    """Through a gateway, bob at his quota on its one node gets the node's quota_exceeded,
+    not capacity_exceeded, and his refusal is not demand for more nodes."""
+    import asyncio
+
+    from corral.cluster.gateway import Gateway
+
+    async def run() -> None:
+        gw = Gateway("quota-test", ADMIN, deploy={"tokens_file": tokens})
+        refused: list[int] = []
+        gw.refused = lambda err, count: refused.append(count)  # type: ignore[method-assign]
+        try:
+            url = await gw.serve("127.0.0.1", free_port())
+            gw._take({"node": "n1", "endpoint": base, "live": 0, "capacity": 100,
+                      "mem_free_mb": 1 << 20, "labels": {}}, time.monotonic())
+            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+                r = await c.post("/v1/sandboxes", json={},
+                                 headers={"Authorization": f"Bearer {TOKENS['bob']}"})
+                err = expect_error(r, "quota_exceeded", 429)
+                assert err["details"]["tenant"] == "bob", err
+            assert refused == []
+        finally:
+            await gw.close()
+    asyncio.run(run())

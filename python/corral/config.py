@@ -37,6 +37,10 @@ class Config:
     # A JSON file of tenant name -> token (or "sha256:<hex>"): each tenant's TCP token reaches
     # only its own sandboxes (corral.daemon.tenants). Empty: no tenants.
     tokens_file: str = field(default_factory=lambda: _env("CORRAL_TOKENS", ""))
+    # The most live sandboxes a tenant holds here when its tokens file entry gives no
+    # max_sandboxes: a count, or a share of max_sandboxes ("50%": no tenant fills the daemon).
+    tenant_max_sandboxes: str = field(
+        default_factory=lambda: _env("CORRAL_TENANT_MAX_SANDBOXES", "50%"))
     # The cluster node this daemon serves (its Ray node id, set by the node's supervisor:
     # docs/cluster.md); every SandboxInfo names it. Empty: a standalone daemon.
     node_id: str = field(default_factory=lambda: _env("CORRAL_NODE_ID", ""))

@@ -369,6 +369,14 @@ class CapacityExceeded(InfraError):
     code, status = "capacity_exceeded", 429
 
 
+class QuotaExceeded(CapacityExceeded):
+    """The tenant holds as many live sandboxes on this daemon as its quota allows (the
+    tokens file's ``max_sandboxes``, else ``CORRAL_TENANT_MAX_SANDBOXES``): not the task's
+    failure; free one or wait."""
+
+    code = "quota_exceeded"
+
+
 class SandboxLost(InfraError):
     """The sandbox died for a reason outside it (its init killed by the host with no
     out-of-memory kill recorded in it, node or daemon lost); see SandboxCrashed for the

@@ -49,6 +49,7 @@ from corral.errors import (
     Forbidden,
     InvalidRequest,
     NotFound,
+    QuotaExceeded,
     SandboxLost,
     SandboxNotFound,
     Unauthorized,
@@ -803,6 +804,9 @@ class Gateway:
                         f"the node that took the first create with this key ({where}) is "
                         f"gone", details={"node": where}))
         tried: set[str] = set(ask.exclude)
+        # A node's quota_exceeded (the tenant's quota there): another node may still take
+        # it, but when none does, that is the answer, and it is not demand for more nodes.
+        over_quota: bytes | None = None
         while True:
             try:
                 if first is not None and first.node in tried:
@@ -812,6 +816,9 @@ class Gateway:
                 n = first or choose(pool, time.monotonic(), k=self.k, selector=selector,
                                     image=image, by_image=by_image, exclude=tried)
             except CapacityExceeded as e:
+                if over_quota is not None:
+                    return web.Response(body=over_quota, status=QuotaExceeded.status,
+                                        content_type="application/json")
                 if pool is not held or not held:
                     self.refused(e, 1)
                     return _error(e)
@@ -852,6 +859,8 @@ class Gateway:
             finally:
                 n.inflight -= 1
             if status == CapacityExceeded.status and first is None:
+                if _code_of(raw) == QuotaExceeded.code:
+                    over_quota = raw
                 continue  # full before its report said so: another node, or a refusal here
             if status >= 300:
                 return web.Response(body=raw, status=status, content_type="application/json")
@@ -1012,6 +1021,15 @@ def _normal_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, tid, 0)
     except OSError:
         pass  # not permitted: it stays as Ray made it
+
+
+def _code_of(raw: bytes) -> str | None:
+    """The error code of a node's error body, if it is one."""
+    try:
+        code = json.loads(raw)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
 
 
 def _image_of(body: bytes) -> str | None:

@@ -24,10 +24,12 @@ from corral import __version__, config
 from corral.daemon import capacity, kernel, logs
 from corral.daemon.app import MAX_FIELD_SIZE, MAX_LINE_SIZE, create_app
 from corral.daemon.engine import Engine
+from corral.daemon.engine.quota import parse_limit
 from corral.daemon.locks import try_lock
 from corral.daemon.protect import protect_daemon
 from corral.daemon.tcpguard import TcpGuard
 from corral.daemon.tenants import Tenants, TokensError
+from corral.errors import InvalidRequest
 
 log = logging.getLogger("corral.daemon")
 PIDFILE = "corrald.pid"
@@ -47,6 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token", help="the admin's bearer token on TCP (default $CORRAL_TOKEN)")
     p.add_argument("--tokens", help="tenants' tokens file, JSON name -> token (default "
                                     "$CORRAL_TOKENS; docs/daemon.md)")
+    p.add_argument("--tenant-max-sandboxes",
+                   help="live sandboxes a tenant may hold when its tokens file entry gives no "
+                        "max_sandboxes: a count or a share of the admission limit (default "
+                        "$CORRAL_TENANT_MAX_SANDBOXES or 50%%)")
     p.add_argument("--node-id", help="the cluster node this daemon serves (default "
                                      "$CORRAL_NODE_ID; none: standalone)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
@@ -60,6 +66,7 @@ def build_config(args: argparse.Namespace) -> config.Config:
     over = {k: v for k, v in {"state_dir": args.state_dir, "socket_path": args.socket,
                               "tcp_listen": args.tcp, "token": args.token,
                               "tokens_file": args.tokens,
+                              "tenant_max_sandboxes": args.tenant_max_sandboxes,
                               "log_level": args.log_level, "node_id": args.node_id,
                               "log_file": args.log_file}.items() if v is not None}
     cfg = dataclasses.replace(config.load(), **over)
@@ -215,6 +222,22 @@ def parse_hostport(value: str) -> tuple[str, int]:
         raise StartupError(f"--tcp must be HOST:PORT, got {value!r}") from None
 
 
+def _set_tenant_quota(engine: Engine, tenants: Tenants, default: str) -> None:
+    """Each tenant's quota: its tokens file entry's max_sandboxes, else ``default`` (a count
+    or a share of the admission limit)."""
+    try:
+        fallback = parse_limit(default, engine.config.max_sandboxes)
+    except InvalidRequest as e:
+        raise StartupError(f"--tenant-max-sandboxes / CORRAL_TENANT_MAX_SANDBOXES: {e}") \
+            from None
+
+    def limit_of(tenant: str) -> int:
+        own = tenants.max_sandboxes(tenant)
+        return fallback if own is None else own
+
+    engine.set_tenant_quota(limit_of)
+
+
 async def serve(cfg: config.Config) -> None:
     if cfg.tcp_listen and not (cfg.token or cfg.tokens_file):
         raise StartupError("refusing to listen on TCP without a token (--token or "
@@ -233,6 +256,8 @@ async def serve(cfg: config.Config) -> None:
     asyncio.get_running_loop().set_default_executor(
         ThreadPoolExecutor(max_workers=32, thread_name_prefix="corral-io"))
     engine = Engine(cfg)
+    if tenants is not None:
+        _set_tenant_quota(engine, tenants, cfg.tenant_max_sandboxes)
     runner: web.AppRunner | None = None
     tcp: asyncio.Server | None = None
     serving = False

@@ -3,7 +3,12 @@
 A tokens file (``CORRAL_TOKENS``) maps a tenant name to its bearer token, or to the token's
 SHA-256 (``"sha256:<hex>"``), so the file need not hold secrets::
 
-    {"alice": "a-long-random-token", "bob": "sha256:5e88...42"}
+    {"alice": "a-long-random-token", "bob": "sha256:5e88...42",
+     "carol": {"token": "sha256:9f86...08", "max_sandboxes": 200}}
+
+A tenant's entry is its token, or an object with the token and its quota: ``max_sandboxes``,
+the most live sandboxes it may hold on this daemon (``CORRAL_TENANT_MAX_SANDBOXES`` when not
+given; the engine counts them, corral.daemon.engine.quota).
 
 The file is re-read when it changes (checked at most once a second, on a request): a token
 removed from it stops working within a second. A file that cannot be read or parsed admits no
@@ -44,8 +49,24 @@ def token_hash(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
-def parse(text: str) -> dict[bytes, str]:
-    """Token hash -> tenant name, from the file's JSON."""
+def _entry(name: str, value: Any) -> tuple[Any, int | None]:
+    """A tenant's (token, max_sandboxes or None) from its entry: a token, or an object."""
+    if not isinstance(value, dict):
+        return value, None
+    unknown = set(value) - {"token", "max_sandboxes"}
+    if unknown:
+        raise TokensError(f"tenant {name!r}: unknown keys {sorted(unknown)} (token, "
+                          "max_sandboxes)")
+    limit = value.get("max_sandboxes")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                              or limit < 0):
+        raise TokensError(f"tenant {name!r}: max_sandboxes must be a whole number >= 0")
+    return value.get("token"), limit
+
+
+def parse_table(text: str) -> tuple[dict[bytes, str], dict[str, int]]:
+    """(token hash -> tenant name, tenant name -> max_sandboxes where given), from the
+    file's JSON."""
     try:
         obj = json.loads(text)
     except ValueError as e:
@@ -53,9 +74,13 @@ def parse(text: str) -> dict[bytes, str]:
     if not isinstance(obj, dict):
         raise TokensError("the tokens file must be a JSON object: tenant name -> token")
     out: dict[bytes, str] = {}
-    for name, tok in obj.items():
+    limits: dict[str, int] = {}
+    for name, value in obj.items():
         if not NAME_RE.match(name):
             raise TokensError(f"bad tenant name {name!r} (letters, digits, _ . -; 1-63)")
+        tok, limit = _entry(name, value)
+        if limit is not None:
+            limits[name] = limit
         if not isinstance(tok, str):
             raise TokensError(f"tenant {name!r}: the token must be a string")
         m = HASH_RE.match(tok)
@@ -69,7 +94,12 @@ def parse(text: str) -> dict[bytes, str]:
         if digest in out:
             raise TokensError(f"tenants {out[digest]!r} and {name!r} share a token")
         out[digest] = name
-    return out
+    return out, limits
+
+
+def parse(text: str) -> dict[bytes, str]:
+    """Token hash -> tenant name, from the file's JSON."""
+    return parse_table(text)[0]
 
 
 class Tenants:
@@ -78,6 +108,7 @@ class Tenants:
     def __init__(self, path: str) -> None:
         self.path = path
         self._by_hash: dict[bytes, str] = {}
+        self._limits: dict[str, int] = {}
         self._sig: tuple[int, int, int] | None = None
         self._checked = 0.0
         self.reload(strict=True)
@@ -90,16 +121,16 @@ class Tenants:
             if sig == self._sig:
                 return
             with open(self.path, encoding="utf-8") as f:
-                table = parse(f.read())
+                table, limits = parse_table(f.read())
         except (OSError, TokensError) as e:
             if strict:
                 raise TokensError(f"tokens file {self.path}: {e}") from None
             if self._by_hash or self._sig is not None:
                 log.error("tokens file unusable: no tenant is admitted until it is fixed",
                           extra={"path": self.path, "error": str(e)})
-            self._by_hash, self._sig = {}, None
+            self._by_hash, self._limits, self._sig = {}, {}, None
             return
-        self._by_hash, self._sig = table, sig
+        self._by_hash, self._limits, self._sig = table, limits, sig
         log.info("tokens file loaded", extra={"path": self.path, "tenants": len(table)})
 
     def tenant(self, token: str) -> str | None:
@@ -112,6 +143,10 @@ class Tenants:
 
     def names(self) -> list[str]:
         return sorted(set(self._by_hash.values()))
+
+    def max_sandboxes(self, name: str) -> int | None:
+        """The tenant's own quota from the file, None where it gives none."""
+        return self._limits.get(name)
 
 
 def of_labels(labels: dict[str, Any] | None) -> str | None:

@@ -60,6 +60,7 @@ from .base import (
 from .committing import CommitOps
 from .execs import ExecOps
 from .files import FileOps
+from .quota import LabelQuota
 from .recovery import Recovery
 from .snapshotting import SnapshotOps
 
@@ -78,6 +79,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         self.clock = clock
         Sandbox.node = config.node_id or None
         self.sandboxes: dict[str, Sandbox] = {}
+        # Live sandboxes per tenant, each at most its quota (set_tenant_quota; none by default).
+        self.quota = LabelQuota(TENANT_LABEL, lambda tenant: None)
         # refuses creates while the host is short of memory
         self.memory = capacity.MemoryGuard(clock.monotonic)
         self.tombstones: OrderedDict[str, str] = OrderedDict()
@@ -336,9 +339,24 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
             raise ImageNotFound(f"no image {name!r}", details={"image": name})
         return image
 
-    def _admit(self, n: int) -> None:
+    def set_tenant_quota(self, limit_of: Callable[[str], int | None]) -> None:
+        """Each tenant's quota of live sandboxes: ``limit_of(tenant)``, None for no limit."""
+        self.quota.limit_of = limit_of
+
+    def _register(self, sb: Sandbox) -> None:
+        self.sandboxes[sb.id] = sb
+        self.quota.add(sb.spec.labels)
+
+    def _unregister(self, sid: str) -> None:
+        sb = self.sandboxes.pop(sid, None)
+        if sb is not None:
+            self.quota.remove(sb.spec.labels)
+
+    def _admit(self, n: int, labels: dict[str, Any] | None = None) -> None:
+        """Room for ``n`` more sandboxes (with ``labels``: within their tenant's quota)."""
         if self.shutting_down:
             raise DaemonRestarted("the daemon is shutting down")
+        self.quota.admit(labels, n)
         cap = self.config.max_sandboxes
         if len(self.sandboxes) + n > cap:
             raise CapacityExceeded(
@@ -365,7 +383,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         # dir without a runtime, which recovery hands to cleanup_orphans with everything else.
         if pooled is None:
             os.mkdir(sdir, 0o700)
-        self.sandboxes[sid] = sb  # counts against capacity while being made
+        self._register(sb)  # counts against capacity (and its tenant's quota) while made
         try:
             if pooled is not None:
                 sb.runtime = pooled
@@ -399,7 +417,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
             self.counters["create_failed"] += 1
             if sb.stopping is not None:
                 raise  # being destroyed by the stop that caught it half-made
-            del self.sandboxes[sid]
+            self._unregister(sid)
             if sb.state == "running" and sb.layers and self.snaps is not None:
                 self.snaps.release(sb.layers)
             if sb.runtime is not None:
@@ -482,7 +500,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
 
     async def create(self, spec: SandboxSpec, trajectory: str | None = None) -> Sandbox:
         substrate = self._for_create(spec)
-        self._admit(1)
+        self._admit(1, spec.labels)
         spec = await self._pull_missing(spec)
         spec, image = self._resolve(substrate, spec)
         return await self._create_one(substrate, spec, image, trajectory=trajectory)
@@ -505,7 +523,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         image that does not exist), raised before the batch starts: a streamed batch then
         answers it as an error status, not as the last line of a stream already begun."""
         self._for_create(spec)
-        self._admit(count)
+        self._admit(count, spec.labels)
         if spec.snapshot is None and not spec.layers and (
                 spec.image == "host" or not looks_like_ref(spec.image)):
             self._image(spec.image)
@@ -516,7 +534,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         """All or nothing: on the first failure (or a cancel: the client left) the ones
         already made are destroyed. ``on_made`` is called once per sandbox made."""
         substrate = self._for_create(spec)
-        self._admit(count)
+        self._admit(count, spec.labels)
         spec = await self._pull_missing(spec)
         spec, image = self._resolve(substrate, spec)
         if count > 1:
@@ -547,7 +565,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
                 if failed:
                     return
                 try:
-                    self._admit(1)
+                    self._admit(1, spec.labels)
                     # The batch counts as demand once, with its size.
                     made[i] = await self._create_one(substrate, spec, image,
                                                      count if i == 0 else 0,
@@ -751,7 +769,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
             for p in sb.procs.values():
                 p.release()
             sb.procs = None
-        self.sandboxes.pop(sb.id, None)
+        self._unregister(sb.id)
         if self.pools is not None:
             self.pools.settled(sb.id)
         if sb.layers and self.snaps is not None:

@@ -92,7 +92,7 @@ class Recovery:
             if self.snaps is not None:
                 self.snaps.acquire(sb.layers)
             sb.last_active = self.clock.time()  # the idle clock restarts with the daemon
-            self.sandboxes[sid] = sb
+            self._register(sb)
             known.add(sid)
             self._watch(sb)
             self._schedule(sb, self.clock.time())

@@ -98,7 +98,7 @@ class SnapshotOps:
         substrate = self.substrates[sb.spec.substrate]
         if not substrate.capabilities.snapshot:
             raise self._lacks(substrate, "fork")
-        self._admit(count)
+        self._admit(count, sb.spec.labels)
         kids_of: list[str] | None = None
         if sb.trajectory is not None and key is not None:
             head, sep, step = key.rpartition(":")
