@@ -45,6 +45,9 @@ if TYPE_CHECKING:
     from corral.cluster.gateway import Gateway
 
 KEY_RE = re.compile(KEY_PATTERN)
+# A keyed fork's children looked up at once, each on every node: a fork of 10,000 must not
+# hold every connection of the gateway's pool (and every node's attention) at the same time.
+LOOKUPS_AT_ONCE = 32
 
 
 def children_of(trajectory: str | None, key: str | None, count: int) -> list[str] | None:
@@ -116,8 +119,13 @@ class Fork:
         """Each child by its trajectory: found on the node whose log has it, else made there
         by a keyed create."""
         assert self.parent is not None
-        looked = await asyncio.gather(*(reads._whichever_has(
-            self.gw, "/v1/trajectories/" + reads.segment(t)) for t in kids))
+        gate = asyncio.Semaphore(LOOKUPS_AT_ONCE)
+
+        async def look(t: str) -> tuple[NodeLoad, dict[str, Any]] | None:
+            async with gate:
+                return await reads._whichever_has(self.gw, "/v1/trajectories/"
+                                                  + reads.segment(t))
+        looked = await asyncio.gather(*(look(t) for t in kids))
         out: list[dict[str, Any]] = [{} for _ in kids]
         missing = []
         for i, got in enumerate(looked):
