@@ -546,6 +546,59 @@ def test_blocked_addresses_are_unreachable_whatever_the_policy(net: Env):
         assert ok(probe(inet, target)[target]) and ok(probe(pol, target)[target])
 
 
+HELD = textwrap.dedent('''
+    import os, socket, sys, time
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the server's send stalls early
+    s.connect((sys.argv[1], 8081))                             # it sends netlab.BULK bytes
+    got = len(s.recv(1000))
+    open("/tmp/connected", "w").close()
+    while not os.path.exists("/tmp/go"):
+        time.sleep(0.02)
+    s.settimeout(3)
+    why = "eof"
+    try:
+        while data := s.recv(1 << 16):
+            got += len(data)
+    except OSError as e:
+        why = type(e).__name__
+    with open("/tmp/result.new", "w") as f:
+        f.write(f"{got} {why}")
+    os.rename("/tmp/result.new", "/tmp/result")
+''')
+
+
+def test_a_block_cuts_the_connections_already_open(net: Env):
+    """A connection a sandbox opened before its destination was blocked (a Ray node that
+    joined the cluster after it) does not run on: the block holds for it from its next
+    packet. Unblocked, the same download runs to its end."""
+    import httpx
+
+    lab = net.lab
+    with httpx.Client(transport=httpx.HTTPTransport(uds=net.d.socket_path),
+                      base_url="http://corral", timeout=30) as c, \
+            net.sandbox(network="internet") as sb:
+        def held(block: bool) -> tuple[int, str]:
+            sb.exec("rm -f /tmp/connected /tmp/go /tmp/result")
+            sb.exec(["python3", "-c", HELD, lab.addr(10)], background=True)
+            assert wait_until(lambda: sb.exec("test -e /tmp/connected").exit_code == 0, 30)
+            if block:
+                r = c.put("/v1/network/blocked", json={"blocked": [f"{lab.addr(10)}/32"]})
+                assert r.status_code == 200, r.text
+            sb.exec("touch /tmp/go")
+            assert wait_until(lambda: sb.exec("test -e /tmp/result").exit_code == 0, 30)
+            got, why = sb.exec("cat /tmp/result").stdout.split()
+            return int(got), why
+
+        assert held(block=False) == (netlab.BULK, "eof")
+        try:
+            got, why = held(block=True)
+            assert got < netlab.BULK and why in ("ConnectionResetError", "TimeoutError"), \
+                (got, why)
+        finally:
+            assert c.put("/v1/network/blocked", json={"blocked": []}).status_code == 200
+
+
 def test_an_allowed_name_cannot_rebind_to_an_internal_address(net: Env):
     """private.test answers with a private address, meta.test with the metadata one: allowing
     the name opens neither (only an allow CIDR opens a private range)."""

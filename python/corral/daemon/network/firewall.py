@@ -208,12 +208,12 @@ table {self.t} {{
   chain from_sandbox {{
     meta nfproto ipv4 iifname . ip saddr != @src4 drop
     {no6}
+    oifname "{s.uplink}" ip daddr @blocked4 goto deny
+    oifname "{s.uplink}" ip6 daddr @blocked6 goto deny
     ct state established,related accept
     oifname "{w}" iifname . oifname @peers accept
     oifname "{w}" goto deny
     oifname != "{s.uplink}" goto deny
-    ip daddr @blocked4 goto deny
-    ip6 daddr @blocked6 goto deny
     {conn_rate}
     ct state new add @conns {{ iifname ct count over {s.max_connections} }} goto deny
     iifname vmap @shard
@@ -227,6 +227,8 @@ table {self.t} {{
     goto deny
   }}
   chain to_sandbox {{
+    iifname "{s.uplink}" ip saddr @blocked4 drop
+    iifname "{s.uplink}" ip6 saddr @blocked6 drop
     ct state established,related accept
     drop
   }}
