@@ -273,3 +273,36 @@ def test_reading_a_big_log_costs_the_daemon_a_page_not_the_log(sb, daemon):
     last = entries[-1]["result"]
     assert last["stdout"] == "\U0001F600" * 100 and last["stderr"] == "\U0001F600" * 100
     assert last["view_truncated"] is True and last["exit_code"] == 0
+
+
+def test_big_output_caps_are_promised_from_a_bounded_pool():
+    """Commands asking for a cap above the default reserve it (both streams) from the
+    daemon's pool for such output (CORRAL_OUTPUT_MEMORY_MB, here 600 MiB) before they start:
+    a second 256 MiB command while one runs is refused capacity_exceeded (infra) and runs
+    nothing, commands with the default cap still run, and the pool is whole again once a
+    result is made, a background command's output forgotten, or its sandbox gone. Without
+    the pool, eight such commands at once held 2.4 GB of the daemon's memory."""
+    from corral.errors import CapacityExceeded
+    from corral.models import MAX_OUTPUT_BYTES
+
+    from conftest import CGROUP_NAME, private_daemon
+
+    big = MAX_OUTPUT_BYTES
+    with private_daemon("corral-test-outmem-", f"{CGROUP_NAME}-outmem",
+                        CORRAL_OUTPUT_MEMORY_MB="600") as d:
+        ep = f"unix://{d.socket_path}"
+        with corral.Sandbox(endpoint=ep, timeout=300) as box:
+            bg = box.exec("echo started; sleep 600", background=True, max_output_bytes=big)
+            with pytest.raises(CapacityExceeded) as e:
+                box.exec("touch /tmp/ran", max_output_bytes=big)
+            assert e.value.infra and e.value.details["requested"] == 2 * (big - 4 * MIB)
+            assert box.exec("test -e /tmp/ran").exit_code == 1  # refused before it ran
+            assert box.exec("head -c 5M /dev/zero | wc -c").stdout == "5242880\n"  # default
+            bg.kill()
+            bg.wait(timeout=30)
+            with pytest.raises(CapacityExceeded):  # still kept: its output may be read
+                box.exec("true", max_output_bytes=big)
+        with corral.Sandbox(endpoint=ep, timeout=300) as box:  # the first sandbox is gone
+            for _ in range(3):  # each result made gives its promise back
+                r = box.exec("head -c 6M /dev/zero | tr '\\0' x", max_output_bytes=big)
+                assert len(r.stdout) == 6 * MIB

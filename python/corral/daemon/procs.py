@@ -273,7 +273,7 @@ class Process:
 
     __slots__ = ("pid", "ns_pid", "pidfd", "cmd", "started_at", "t0", "stdout", "stderr",
                  "stdin", "exit_code", "timed_out", "duration", "done", "_timer", "loop",
-                 "_waiters", "init_child", "signal", "oom_killed")
+                 "_waiters", "init_child", "signal", "oom_killed", "reservation")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, child: Spawned,
                  cmd: str | list[str], stdout_fd: int, stderr_fd: int, stdin_fd: int, cap: int,
@@ -293,6 +293,7 @@ class Process:
         self.exit_code: int | None = None
         self.signal: int | None = None  # the signal that ended it, if one did
         self.oom_killed = False  # set by the engine from the memory cgroup's OOM counter
+        self.reservation: Any = None  # outputmem.Reservation of a cap above the default
         self.timed_out = False
         self.duration = 0.0
         self._waiters: list[Callable[[], None]] | None = None
@@ -406,6 +407,13 @@ class Process:
         """Drop what was kept of its output (the result has it)."""
         self.stdout.buf = bytearray()
         self.stderr.buf = bytearray()
+        self.release_output_memory()
+
+    def release_output_memory(self) -> None:
+        """Give back what was reserved for its output past the default cap (outputmem)."""
+        if self.reservation is not None:
+            self.reservation.release()
+            self.reservation = None
 
     def close_pipes(self) -> None:
         """Stop draining its output (a writer left behind gets EPIPE)."""
@@ -418,6 +426,7 @@ class Process:
             self.stdin.close()
         self.stdout.buf = bytearray()
         self.stderr.buf = bytearray()
+        self.release_output_memory()
 
 
 class Follower:

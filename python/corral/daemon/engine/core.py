@@ -14,9 +14,10 @@ from typing import Any
 
 from corral import __version__
 from corral.config import Config
-from corral.daemon import capacity, oserrors, persist, removal, snapshots
+from corral.daemon import capacity, oserrors, outputmem, persist, removal, snapshots
 from corral.daemon.clock import REAL, Clock
 from corral.daemon.oci.ref import looks_like_ref
+from corral.daemon.outputmem import OutputMemory
 from corral.daemon.substrates import registry
 from corral.daemon.substrates.base import (
     Capabilities,
@@ -81,6 +82,10 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         self.sandboxes: dict[str, Sandbox] = {}
         # Live sandboxes per tenant, each at most its quota (set_tenant_quota; none by default).
         self.quota = LabelQuota(TENANT_LABEL, lambda tenant: None)
+        # Memory for commands' output past the default cap, reserved as they start.
+        self.output_memory = OutputMemory(config.output_memory_mb << 20
+                                          if config.output_memory_mb > 0
+                                          else outputmem.default_limit())
         # refuses creates while the host is short of memory
         self.memory = capacity.MemoryGuard(clock.monotonic)
         self.tombstones: OrderedDict[str, str] = OrderedDict()

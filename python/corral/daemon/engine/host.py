@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from corral.config import Config
 from corral.daemon import procs, snapshots, users
 from corral.daemon.clock import Clock
+from corral.daemon.outputmem import OutputMemory
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
 from corral.daemon.trajlog import TrajLog
 from corral.errors import CorralError, Unsupported
@@ -22,6 +23,7 @@ class EngineHost(Protocol):
     config: Config
     clock: Clock
     sandboxes: dict[str, Sandbox]
+    output_memory: OutputMemory
     sandboxes_dir: str
     substrates: dict[str, Substrate]
     counters: dict[str, int]
