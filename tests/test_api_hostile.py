@@ -491,3 +491,56 @@ def test_an_upload_that_expands_past_the_bound_is_refused(remote):
         assert "bomb" not in [i["name"] for i in c.get("/v1/images").json()["images"]]
     assert not [n for n in os.listdir(os.path.join(remote.state_dir, "images"))
                 if n.startswith(".tmp-")]
+
+
+def test_big_json_bodies_at_once_are_bounded(remote):
+    """A client sending many 16 MiB JSON bodies at once (an exec's stdin), each with a command
+    that runs a while: the daemon holds them from one pool (corral.daemon.bodymem, 256 MiB), so
+    16 are taken and the other 32 are refused capacity_exceeded at once (infra, nothing ran),
+    while small requests go on as usual; without it 100 such held 5.9 GB. The pool is whole
+    again once they are answered."""
+    import asyncio
+
+    from corral.daemon.bodymem import LIMIT
+
+    with tcp(remote) as c:
+        sid = c.post("/v1/sandboxes", json={}).json()["id"]
+        try:
+            stdin = "x" * ((16 << 20) - 4096)
+            body = json.dumps({"cmd": "wc -c; while [ ! -e /tmp/go ]; do sleep 0.05; done",
+                               "stdin": stdin, "timeout": 120}).encode()
+            headers = {"Authorization": f"Bearer {remote.token}",
+                       "Content-Type": "application/json"}
+
+            async def flood() -> list[httpx.Response]:
+                async with httpx.AsyncClient(
+                        base_url=f"http://127.0.0.1:{remote.port}", timeout=120,
+                        limits=httpx.Limits(max_connections=64)) as ac:
+                    sent = [asyncio.ensure_future(ac.post(f"/v1/sandboxes/{sid}/exec",
+                                                          content=body, headers=headers))
+                            for _ in range(48)]
+                    refused = 48 - LIMIT // len(body)
+                    deadline = time.monotonic() + 60
+                    while sum(t.done() for t in sent) < refused:  # the refusals come at once
+                        left = deadline - time.monotonic()
+                        assert left > 0, f"{sum(t.done() for t in sent)} answered of 48"
+                        await asyncio.wait([t for t in sent if not t.done()], timeout=left,
+                                           return_when=asyncio.FIRST_COMPLETED)
+                    # The pool is full: a small request still goes through, and lets them end.
+                    r = await ac.post(f"/v1/sandboxes/{sid}/exec", headers=headers,
+                                      json={"cmd": "touch /tmp/go"})
+                    assert r.status_code == 200, r.text
+                    return list(await asyncio.gather(*sent))
+
+            got = asyncio.run(flood())
+            ok = [r for r in got if r.status_code == 200]
+            assert len(ok) == LIMIT // len(body) == 16, [r.status_code for r in got]
+            assert all(r.json()["stdout"].strip() == str(len(stdin)) for r in ok)
+            for r in got:
+                if r.status_code != 200:
+                    err = expect_error(r, "capacity_exceeded", 429)
+                    assert err["details"]["body_memory"] == LIMIT, err
+            r = c.post(f"/v1/sandboxes/{sid}/exec", content=body, headers=headers)
+            assert r.status_code == 200, r.text  # given back
+        finally:
+            kill(c, sid)

@@ -40,6 +40,7 @@ from corral.daemon import (
 )
 from corral.daemon.app_errors import JSON_MAX, MAX_BODY, is_unix, middleware
 from corral.daemon.bodies import parse
+from corral.daemon.bodymem import BodyMemory
 from corral.daemon.engine import MAX_READ_BYTES, Engine
 from corral.daemon.images import resolve_source
 from corral.daemon.metrics import CONTENT_TYPE, TIMED, Metrics
@@ -1205,7 +1206,9 @@ def create_app(engine: Engine | None, token: str | None = None,
     app[WAITING] = {"waiting": 0}
     app[METRICS] = Metrics(None if engine is None else lambda: _scrape(app))
     guard = tenancy.guard(engine) if engine is not None else None
-    app.middlewares.append(middleware(token, app[METRICS].error, tenants, guard))
+    json_handlers = frozenset(r.handler for r in ROUTES if isinstance(r.body, type))
+    app.middlewares.append(middleware(token, app[METRICS].error, tenants, guard,
+                                      json_handlers, BodyMemory()))
     if engine is not None:
         app[ENGINE] = engine
         run_code_api.install(app, engine.config.state_dir, engine.config.cgroup_name)

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from corral.daemon import dashboard, oserrors
+from corral.daemon.bodymem import BodyMemory
 from corral.daemon.spool import too_large
 from corral.daemon.tenants import NAME_RE, Tenants
 from corral.errors import CorralError, InternalError, InvalidRequest, NotFound, Unauthorized
@@ -79,10 +80,14 @@ def _http_error(request: web.Request, e: web.HTTPException
 
 
 def middleware(token: str | None, on_error: Callable[[CorralError], None] | None = None,
-               tenants: Tenants | None = None, guard: Guard | None = None) -> Any:
+               tenants: Tenants | None = None, guard: Guard | None = None,
+               json_handlers: frozenset[Handler] = frozenset(),
+               bodies: BodyMemory | None = None) -> Any:
     """``on_error`` sees every error answered with a code (the /metrics error counters).
     ``tenants``: the tenants' tokens; a tenant's request passes ``guard`` (which raises if the
-    route or what it names is not the tenant's) before its handler."""
+    route or what it names is not the tenant's) before its handler. A request to one of
+    ``json_handlers`` (they read their body whole) holds its body's size in ``bodies`` while
+    it is handled (corral.daemon.bodymem)."""
     expected = token.encode() if token else None
 
     async def authenticate(request: web.Request) -> None:
@@ -115,11 +120,23 @@ def middleware(token: str | None, on_error: Callable[[CorralError], None] | None
             on_error(err)
         return json_error(err, status, headers)
 
+    def body_size(request: web.Request) -> int:
+        """What the request's JSON body will hold (0: none, or not a JSON route)."""
+        if bodies is None or not request.body_exists:
+            return 0
+        if getattr(request.match_info, "handler", None) not in json_handlers:
+            return 0
+        n = request.content_length
+        return JSON_MAX if n is None else min(n, JSON_MAX)  # chunked: the most it may be
+
     @web.middleware
     async def handle(request: web.Request, handler: Handler) -> web.StreamResponse:
+        held = 0
         try:
             if request.path not in PUBLIC_PATHS:
                 await authenticate(request)
+            if bodies is not None:
+                held = bodies.take(body_size(request))
             return await handler(request)
         except CorralError as e:
             return answer(e)
@@ -133,5 +150,8 @@ def middleware(token: str | None, on_error: Callable[[CorralError], None] | None
             log.exception("unhandled error", extra={"method": request.method,
                                                     "path": request.path})
             return answer(InternalError(f"internal error: {type(e).__name__}: {e}"))
+        finally:
+            if held and bodies is not None:
+                bodies.give(held)
 
     return handle
