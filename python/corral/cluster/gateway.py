@@ -41,6 +41,7 @@ from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resource
 from corral.config import log_retention_from_env
 from corral.daemon import batches
 from corral.daemon.app_errors import ACT_AS_HEADER
+from corral.daemon.bodymem import BodyMemory
 from corral.daemon.tenants import Tenants
 from corral.errors import (
     CapacityExceeded,
@@ -138,13 +139,15 @@ class Gateway:
         self.shipping = True
         self._shipper: asyncio.Task[None] | None = None
         self._sealing: set[asyncio.Future[Any]] = set()
+        self.bodies = BodyMemory()  # request bodies held at once (_body_memory)
 
     # ---- Ray methods ----------------------------------------------------------------------
     async def serve(self, host: str, port: int) -> str:
         """Start the HTTP endpoint and the report poller; the endpoint's URL."""
         if self._runner is None:
             _normal_priority()
-            app = web.Application(client_max_size=MAX_CREATE_BODY)
+            app = web.Application(client_max_size=MAX_CREATE_BODY,
+                                  middlewares=[self._body_memory])
             app.router.add_get("/v1/health", self._health)
             app.router.add_get("/v1/cluster", self._status)
             app.router.add_post("/v1/sandboxes", self._create)
@@ -642,6 +645,23 @@ class Gateway:
             await r.read()
 
     # ---- HTTP -----------------------------------------------------------------------------
+    @web.middleware
+    async def _body_memory(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Every body the gateway takes is read whole (creates, batches, forks, pulls): an
+        authorized request's body of 64 KiB or more holds its size from one pool while it is
+        handled, or is refused capacity_exceeded at once (corral.daemon.bodymem)."""
+        if not request.body_exists or not self._authorized(request):
+            return await handler(request)  # nothing to hold, or the handler's 401
+        n = request.content_length
+        try:
+            held = self.bodies.take(MAX_CREATE_BODY if n is None else min(n, MAX_CREATE_BODY))
+        except CapacityExceeded as e:
+            return _error(e)
+        try:
+            return await handler(request)
+        finally:
+            self.bodies.give(held)
+
     def _authorized(self, request: web.Request) -> bool:
         """The cluster token or a tenant's; sets the tenant the request acts for (a client's
         own X-Corral-Tenant is never forwarded)."""
