@@ -11,6 +11,7 @@ import re
 import secrets
 import shutil
 import socket
+import subprocess
 import tarfile
 import tempfile
 import time
@@ -26,6 +27,7 @@ from conftest import (
     _force_cleanup,
     _unmount_under,
     leaked_sandbox_cgroups,
+    wait_until,
 )
 
 TCP_MAX = 256  # the remote daemon's TCP connection cap (the stream test holds 240)
@@ -544,3 +546,51 @@ def test_big_json_bodies_at_once_are_bounded(remote):
             assert r.status_code == 200, r.text  # given back
         finally:
             kill(c, sid)
+
+
+def test_a_client_that_stops_reading_its_answers_is_dropped():
+    """A TCP client that asks for a command's 4 MiB of output and never reads it (its
+    receive window shut): the daemon would hold the answer as long as the connection stays
+    open. With CORRAL_TCP_SEND_TIMEOUT (here 3 s) the kernel drops the connection once its
+    peer has taken nothing for that long (TCP_USER_TIMEOUT); the client then gets less than
+    the answer. Other clients go on."""
+    from conftest import private_daemon
+
+    port, token = _free_port(), secrets.token_hex(16)
+    with private_daemon("corral-test-sendto-", f"{CGROUP_NAME}-sendto",
+                        CORRAL_TCP=f"127.0.0.1:{port}", CORRAL_TOKEN=token,
+                        CORRAL_TCP_SEND_TIMEOUT="3", CORRAL_POOL="off"):
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60,
+                          headers={"Authorization": f"Bearer {token}"}) as c:
+            sid = c.post("/v1/sandboxes", json={}).json()["id"]
+            try:
+                body = json.dumps({"cmd": "head -c 4194304 /dev/zero | tr '\\0' x"}).encode()
+                req = (f"POST /v1/sandboxes/{sid}/exec HTTP/1.1\r\nHost: c\r\n"
+                       f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.connect(("127.0.0.1", port))
+                mine = s.getsockname()[1]
+                s.sendall(req)
+
+                def held() -> bool:  # the daemon's end of this connection still open
+                    return bool(subprocess.run(
+                        ["ss", "-Htn", "state", "established",
+                         f"( sport = :{port} and dport = :{mine} )"],
+                        capture_output=True, text=True, check=True).stdout.strip())
+                assert wait_until(held, 10), "the daemon never had the connection"
+                assert wait_until(lambda: not held(), 30), "the daemon kept the connection"
+                s.settimeout(10)
+                got = 0
+                try:
+                    while data := s.recv(1 << 16):
+                        got += len(data)
+                except OSError:
+                    pass
+                s.close()
+                assert got < 4 << 20, got  # the answer was cut, not held
+                assert c.post(f"/v1/sandboxes/{sid}/exec",
+                              json={"cmd": "echo fine"}).json()["stdout"] == "fine\n"
+            finally:
+                c.delete(f"/v1/sandboxes/{sid}")

@@ -33,6 +33,10 @@ class Config:
     # Connections the TCP listener holds at once (corral.daemon.tcpguard).
     tcp_max_connections: int = field(
         default_factory=lambda: int(_env("CORRAL_TCP_MAX_CONNECTIONS", "4096")))
+    # Seconds a TCP peer may take none of what the daemon sends before the connection is
+    # dropped (corral.daemon.tcpguard: a client that stopped reading its answers).
+    tcp_send_timeout_s: float = field(
+        default_factory=lambda: float(_env("CORRAL_TCP_SEND_TIMEOUT", "120")))
     token: str = field(default_factory=lambda: _env("CORRAL_TOKEN", ""))
     # A JSON file of tenant name -> token (or "sha256:<hex>"): each tenant's TCP token reaches
     # only its own sandboxes (corral.daemon.tenants). Empty: no tenants.

@@ -266,7 +266,7 @@ async def serve(cfg: config.Config) -> None:
         cgroups = engine.shared.get("cgroups")  # made by the container substrate
         protected = protect_daemon(cgroups, cfg.daemon_memory_mb) if cgroups is not None else {}
         app = create_app(engine, cfg.token or None, tenants)
-        guard = TcpGuard(cfg.tcp_max_connections)
+        guard = TcpGuard(cfg.tcp_max_connections, send_timeout_s=cfg.tcp_send_timeout_s)
         if cfg.tcp_listen:  # after the token check: a request refused leaves it watched
             app.middlewares.append(guard.middleware())
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0,

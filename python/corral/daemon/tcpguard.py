@@ -9,13 +9,19 @@ On the TCP listener (the local socket is root's, not guarded):
 - a connection has ``HEADERS_S`` to make a request that passes the token check (one that
   does marks it, and it is no longer watched; one refused, 401, leaves it watched);
 - at most ``max_connections`` are open at once: past that, a new one is closed at once;
-- a kept-alive connection idle for ``KEEPALIVE_S`` is closed (aiohttp's default is an hour).
+- a kept-alive connection idle for ``KEEPALIVE_S`` is closed (aiohttp's default is an hour);
+- a connection whose peer takes none of what the daemon sends for ``SEND_TIMEOUT_S`` (its
+  receive window shut: a client that asked for results and stopped reading them) is dropped
+  by the kernel (``TCP_USER_TIMEOUT``, zero-window probes included): the daemon would
+  otherwise hold each answer it cannot send, up to a command's whole output, for as long as
+  the connection stays open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -26,6 +32,7 @@ log = logging.getLogger("corral.tcp")
 
 HEADERS_S = 10.0
 KEEPALIVE_S = 75.0
+SEND_TIMEOUT_S = 120.0
 DEFAULT_MAX_CONNECTIONS = 4096  # above the SDK's pool (2048 connections an endpoint)
 
 
@@ -33,9 +40,10 @@ class TcpGuard:
     """Counts the listener's connections and closes those over the cap or too slow to ask."""
 
     def __init__(self, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 headers_s: float = HEADERS_S) -> None:
+                 headers_s: float = HEADERS_S, send_timeout_s: float = SEND_TIMEOUT_S) -> None:
         self.max_connections = max_connections
         self.headers_s = headers_s
+        self.send_timeout_ms = max(1, int(send_timeout_s * 1000))
         self.open = 0
         self.refused = 0   # closed at once: over the cap
         self.too_slow = 0  # closed: no request within headers_s
@@ -49,6 +57,13 @@ class TcpGuard:
                         self.max_connections)
             transport.close()
             return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                                self.send_timeout_ms)
+            except OSError as e:  # not TCP (a test's unix socket): nothing to bound
+                log.debug("TCP_USER_TIMEOUT not set: %s", e)
         loop = asyncio.get_running_loop()
         self._waiting[transport] = loop.call_later(self.headers_s, self._late, transport)
 
