@@ -7,6 +7,7 @@ it lands."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pickle
 import shutil
@@ -543,3 +544,58 @@ def test_users_the_agent_writes_into_passwd_are_its_own_failure_and_never_root()
         assert sb.exec("id -u", user="e5").stdout == "1001\n"
     finally:
         sb.kill()
+
+
+# Puts as many fds in flight in unix sockets (sent, never received) as its fd limit lets it,
+# raised to the hard limit first, and holds them. The kernel counts fds in flight per user,
+# and every container sandbox's processes are uid 0 on the host.
+INFLIGHT_PY = """
+import array, os, resource, socket, time
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+fds = array.array("i", [os.open("/dev/null", os.O_RDONLY)] * 253).tobytes()
+pairs, sent, err = [], 0, None
+while err is None:
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    pairs.append((a, b))
+    while True:
+        try:
+            a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            sent += 253
+        except BlockingIOError:
+            break
+        except OSError as e:
+            err = e.errno
+            break
+print("in flight", sent, hard, err, flush=True)
+time.sleep(600)
+"""
+
+
+def test_fds_held_in_flight_in_one_sandbox_never_stop_commands_from_starting():
+    """Code in a sandbox keeps as many fds in flight in unix sockets as its fd limit allows
+    (raised to its hard limit). The kernel counts them per user, and every sandbox is uid 0;
+    past the sender's limit a send fails (ETOOMANYREFS), also the init's pidfd answer to the
+    daemon. With the commands' hard limit as the init's, every command in every sandbox then
+    failed to start with internal (infra): an agent could have its failing episode masked,
+    and stop every other sandbox's commands. Commands get half the init's hard limit: the
+    commands still start, in that sandbox and in others."""
+    holder = Sandbox(timeout=120)
+    other = Sandbox(timeout=120)
+    try:
+        holder.files.write("/tmp/inflight.py", INFLIGHT_PY)
+        flood = holder.exec(["python3", "/tmp/inflight.py"], background=True)
+        line = next(iter(flood.stream()))[1].split()
+        sent, hard, err = int(line[2]), int(line[3]), int(line[4])
+        assert err == errno.ETOOMANYREFS and sent > hard, line  # all its limit lets it hold
+        for sb in (other, holder, Sandbox(timeout=60)):
+            try:
+                assert sb.exec("echo started").stdout == "started\n"
+            finally:
+                if sb not in (other, holder):
+                    sb.kill()
+        assert holder.exec("ulimit -Hn").stdout == f"{hard}\n"
+    finally:
+        holder.kill()
+        other.kill()

@@ -177,12 +177,18 @@ enum {
     STEP_LANDLOCK
 };
 
-/* The sandbox's fd limit (soft, hard), which the init raises for itself (soft to hard) and its
- * children get back; hard is 0 when nothing was raised. Sending a pidfd fails with ETOOMANYREFS
- * once the fds in flight in unix sockets of the same user (every sandbox is uid 0) pass the
- * sender's soft limit; 1,024 is within reach of a burst of commands across many sandboxes, the
- * hard limit is not. It lives on main's stack, not in .bss: an idle init dirties no page of
- * its data (density), and the children reach it through `struct job`. */
+/* The fd limit (soft, hard) the init's children get: half the hard limit the init was started
+ * with (the soft one no higher), while the init raises its own soft limit to that hard one.
+ * Sending a pidfd fails with ETOOMANYREFS once the fds in flight in unix sockets of the same
+ * user pass the sender's soft limit, and every sandbox is uid 0: code in any sandbox can raise
+ * its soft limit to its hard one and keep that many fds in flight (sent, never received) for
+ * as long as it likes. With the commands' hard limit at half the init's, all sandboxes
+ * together stay half the init's limit short of it (a fd in flight more per message of 253),
+ * and the rest is room for the answers and requests really in flight. Otherwise every
+ * sandbox's commands would fail to start, an error of the platform's, for as long as one
+ * sandbox holds them. hard is 0 when nothing is to be set. It lives on main's stack, not in
+ * .bss: an idle init dirties no page of its data (density), and the children reach it through
+ * `struct job`. */
 
 static unsigned long long buf[MAX_MSG / 8];        /* the request; pages touched on use */
 static unsigned long long child_stack[2048];       /* 16 KiB, the vfork child's */
@@ -500,10 +506,13 @@ __attribute__((noreturn, used)) void corral_init_main(void) {
     sys4(NR_prctl, PR_SET_NAME, (long)"corral-init", 0, 0);
     sys4(NR_prctl, PR_SET_DUMPABLE, 0, 0, 0);
     sys4(NR_rt_sigprocmask, SIG_BLOCK, (long)&all, 0, sizeof(all));
-    if (sys4(NR_prlimit64, 0, RLIMIT_NOFILE, 0, (long)nofile) >= 0 && nofile[0] < nofile[1]) {
+    if (sys4(NR_prlimit64, 0, RLIMIT_NOFILE, 0, (long)nofile) >= 0 && nofile[1] >= 2) {
         unsigned long raised[2] = {nofile[1], nofile[1]};
-        if (sys4(NR_prlimit64, 0, RLIMIT_NOFILE, (long)raised, 0) < 0)
-            nofile[1] = 0; /* unchanged: nothing for the children to restore */
+        if (nofile[0] < nofile[1])
+            sys4(NR_prlimit64, 0, RLIMIT_NOFILE, (long)raised, 0); /* never refused */
+        nofile[1] /= 2;
+        if (nofile[0] > nofile[1])
+            nofile[0] = nofile[1];
     } else {
         nofile[1] = 0;
     }

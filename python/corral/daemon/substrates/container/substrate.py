@@ -22,6 +22,7 @@ import dataclasses
 import errno
 import logging
 import os
+import resource
 import signal
 import threading
 import time
@@ -83,6 +84,27 @@ log = logging.getLogger("corral.container")
 # host's core_pattern helper with a sandbox's memory); a generous but finite fd limit.
 DEFAULT_RLIMITS: dict[str, int | tuple[int, int]] = {"core": (0, 0), "nofile": (1024, 524288)}
 
+
+def split_nofile(limits: dict[str, int | tuple[int, int]]
+                 ) -> tuple[dict[str, int | tuple[int, int]], dict[str, int | tuple[int, int]]]:
+    """(the commands' limits, the init's) from the limits commands are to have. The init is
+    started with twice the commands' hard fd limit (at most the daemon's own, the most a spawn
+    gets) and gives its children half of what it got (corral-init.c), so both exec paths give
+    commands the same. Why: the init's pidfd answers fail (ETOOMANYREFS) once the fds in flight
+    in unix sockets of uid 0, every sandbox's, pass the init's limit, and a command can keep
+    as many in flight as its own limit allows; at half the init's, no sandbox, nor all of them
+    together, can stop every sandbox's commands from starting (an error of the platform's,
+    which a trainer masks)."""
+    nofile = limits.get("nofile", 1024)
+    soft, hard = nofile if isinstance(nofile, tuple) else (nofile, nofile)
+    own = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    init_hard = 2 * hard if own == resource.RLIM_INFINITY else min(2 * hard, own)
+    init_soft = min(soft, init_hard)
+    cmd_hard = init_hard // 2
+    return (dict(limits, nofile=(min(init_soft, cmd_hard), cmd_hard)),
+            dict(limits, nofile=(init_soft, init_hard)))
+
+
 # destroy_many: inits signalled ahead of their destroy (each holds a pidfd until destroyed).
 KILL_AHEAD = 64
 # A command refused a process (EAGAIN) with its sandbox this close to its pids limit: the
@@ -139,7 +161,8 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
                 mem_base, lambda name: not name.startswith("."),  # spares, the daemon's
                 cgroups.record_thrash_kill)
             self.thrash.start()
-        self.rlimits = dict(DEFAULT_RLIMITS)
+        # The commands' limits (the daemon's exec path sets them) and the init's (spawn).
+        self.rlimits, self.init_rlimits = split_nofile(DEFAULT_RLIMITS)
         self.overlay_options = [o for o in os.environ.get(
             "CORRAL_OVERLAY_OPTIONS", "volatile").replace(",", " ").split() if o]
         # O_PATH fds of sandbox roots, opened on first use, reference-counted so destroy never
@@ -336,7 +359,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
                 overlays=[_core.Overlay(**o) for o in overlays],
                 hostname=spec.hostname or sandbox_id[:63],
                 cgroup_procs=self.cgroups.procs_files(join),
-                rlimits=self.rlimits,
+                rlimits=self.init_rlimits,
                 netns_fd=join_fd,
                 unix_only=unix_only,
                 mask_dir=self.mask_dir,
