@@ -112,8 +112,8 @@ def env(layouts: dict[str, str]) -> Iterator[dict]:
             "corral-img-", f"{CGROUP_NAME}-img", DOCKER_CONFIG=dcfg,
             CORRAL_IMAGE_MAX_BYTES=str(MAX_BYTES), CORRAL_IMAGE_MAX_FILES=str(MAX_FILES),
             CORRAL_INSECURE_REGISTRIES=far_ok.addr if far_ok else "",
-            CORRAL_REGISTRIES=",".join(r.addr for r in (plain, basic, token, far, far_ok)
-                                       if r is not None)))
+            CORRAL_REGISTRIES=",".join(n for r in (plain, basic, token, far, far_ok)
+                                       if r is not None for n in r.names)))
         yield {"plain": plain, "basic": basic, "token": token, "far": far, "far_ok": far_ok,
                "dcfg": dcfg, "daemon": d, "ep": f"unix://{d.socket_path}"}
 

@@ -101,7 +101,9 @@ class Config:
     image_max_files: int = field(
         default_factory=lambda: int(_env("CORRAL_IMAGE_MAX_FILES", "1000000")))
     # If set (comma-separated host[:port]), the only registries pulls may reach; others are
-    # forbidden (a remote client cannot make the daemon fetch from anywhere it likes).
+    # forbidden (a remote client cannot make the daemon fetch from anywhere it likes). A
+    # registry named here or in insecure_registries may be on a loopback, private or blocked
+    # address; no other connection of a pull goes to one (oci.egress).
     registries: tuple[str, ...] = field(default_factory=lambda: tuple(
         r.strip() for r in _env("CORRAL_REGISTRIES", "").split(",") if r.strip()))
     # How image layers are stored: "auto" (EROFS where mkfs.erofs and the kernel allow,

@@ -114,11 +114,11 @@ def images(s: Session) -> tuple[dict[str, Any], dict[str, Any]]:
     runs: list[dict[str, OpResult]] = []
     # the same image with its layers as plain directories, on a daemon of its own
     dird = PrivateDaemon(s.root / "images-dir", f"{s.prefix}img-dir", 100,
-                         env={"CORRAL_IMAGE_LAYERS": "dir"})
+                         env={"CORRAL_IMAGE_LAYERS": "dir", **s.registry_env})
     pull_ms: dict[str, float] = {}
     try:
         dird.start()
-        with ocifix.registry() as reg:
+        with ocifix.registry(port=s.registry_port) as reg:
             reg.push(layout, "bench/ten")
             reg.push(ocifix.oci_layout("bench40", image_layers(40)), "bench/forty")
             ref = f"{reg.addr}/bench/ten:latest"

@@ -240,6 +240,13 @@ class Registry:
         self.host, self.port, self.root, self.proc, self.creds = host, port, root, proc, creds
         self.addr = f"{host}:{port}"
         self.log = os.path.join(root, "registry.log")
+        self.token_addr: str | None = None  # the token server's host:port (auth "token")
+
+    @property
+    def names(self) -> list[str]:
+        """What the daemon must be told to reach it on loopback (CORRAL_REGISTRIES): the
+        registry and its token server."""
+        return [self.addr] + ([self.token_addr] if self.token_addr else [])
 
     def push(self, layout: str, repo: str, tag: str = "latest", *extra: str) -> None:
         """skopeo copy; ``extra``: e.g. ``--all`` (an index), ``--format v2s2`` (Docker)."""
@@ -264,10 +271,12 @@ class Registry:
 
 @contextlib.contextmanager
 def registry(host: str = "127.0.0.1", auth: str = "none",
-             creds: tuple[str, str] = ("corral", "s3cret")) -> Iterator[Registry]:
-    """A docker-registry on ``host``: auth "none", "htpasswd" or "token"."""
+             creds: tuple[str, str] = ("corral", "s3cret"),
+             port: int | None = None) -> Iterator[Registry]:
+    """A docker-registry on ``host`` (on ``port``, else a free one): auth "none",
+    "htpasswd" or "token"."""
     root = tempfile.mkdtemp(prefix="corral-registry-", dir="/var/tmp")
-    port = free_port(host)
+    port = port or free_port(host)
     cfg: dict[str, Any] = {
         "version": 0.1, "log": {"level": "info", "accesslog": {"disabled": False}},
         "storage": {"filesystem": {"rootdirectory": os.path.join(root, "data")},
@@ -294,6 +303,8 @@ def registry(host: str = "127.0.0.1", auth: str = "none",
                             env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
     log.close()
     reg = Registry(host, port, root, proc, None if auth == "none" else creds)
+    if token is not None:
+        reg.token_addr = token.realm.split("/")[2]
     try:
         deadline = time.monotonic() + 20
         while True:

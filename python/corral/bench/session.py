@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from corral.bench import host, raw
+from corral.bench import host, ocifix, raw
 from corral.bench.daemon import PrivateDaemon
 from corral.bench.peers import Peers, ensure_installed
 from corral.bench.ui import UI
@@ -73,9 +73,13 @@ class Session:
         self.prefix = f"corral-bench-run{os.getpid()}-"
         self.root = Path(tempfile.mkdtemp(prefix="corral-bench-", dir=opts.workdir))
         live = opts.n("density") if "density" in opts.scenarios else 1000
+        # The images scenario's registry, on loopback: a daemon reaches a registry there
+        # only if named (docs/images.md), so its port is chosen before the daemons start.
+        self.registry_port = ocifix.free_port()
+        self.registry_env = {"CORRAL_REGISTRIES": f"127.0.0.1:{self.registry_port}"}
         self.daemon = PrivateDaemon(self.root / "daemon", self.prefix + "d",
                                     max_sandboxes=max(20000, live + 1000),
-                                    own_memcg=self.prefix + "dproc")
+                                    own_memcg=self.prefix + "dproc", env=self.registry_env)
         self.raw: raw.RawBaseline | None = None
         self.raw_scratch: Any = None  # raw's btrfs scratch, when the daemon's is one
         self.peers: Peers | None = None

@@ -385,6 +385,11 @@ class ImageStore:
         self.max_bytes, self.max_files = max_bytes, max_files
         self.insecure = insecure_registries
         self.allowed = allowed_registries  # empty: any
+        # Where pulls and pushes may connect (oci.egress): the registries named here may be
+        # on internal addresses; the engine gives it the blocked addresses.
+        from corral.daemon.oci import egress
+
+        self.egress = egress.Egress(allowed_registries, insecure_registries)
         self.layers = LayerStore(state_dir, erofs)
         self._flights: dict[str, Any] = {}  # reference -> the pull under way (oci.flight)
         self._gc_temp()
@@ -678,7 +683,7 @@ class ImageStore:
         layers = self.layers_of(img)
         self.layers.pin(layers)
         try:
-            return push.push(ref, self.layers, layers, img.config, self.insecure)
+            return push.push(ref, self.layers, layers, img.config, self.egress)
         finally:
             self.layers.unpin(layers)
 
@@ -691,7 +696,7 @@ class ImageStore:
         pinned: builtins.list[str] = []
         created: builtins.list[str] = []
         try:
-            meta = pull.pull(ref, self.layers, self.limits(), self.insecure, progress, pinned,
+            meta = pull.pull(ref, self.layers, self.limits(), self.egress, progress, pinned,
                              created)
             return self.record_oci(str(ref), meta)
         except BaseException:

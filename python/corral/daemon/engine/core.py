@@ -173,6 +173,15 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         await asyncio.to_thread(self.images.ensure_host)
         ctx = registry.Context(self.config, self.images, self.shared)
         self.substrates = registry.build(self.substrate_names, ctx, self.unavailable)
+        # A pull reaches no address a sandbox may never reach (the live list included).
+        self.images.egress.blocked_source = self._blocked_addresses
+
+    def _blocked_addresses(self) -> list[str]:
+        net = self._networking()
+        if net is None:
+            return []
+        b = net.blocked()
+        return [*b["configured"], *b["live"]]
 
     def close(self) -> None:
         """Stop the reaper and watchers, leave every sandbox running (re-adopted next start)."""

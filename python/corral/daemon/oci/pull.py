@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from corral.daemon.oci import registry, unpack
+from corral.daemon.oci import egress, registry, unpack
 from corral.daemon.oci.layers import LayerStore
 from corral.daemon.oci.ref import Reference
 from corral.errors import InvalidImage
@@ -44,7 +44,7 @@ def image_config(cfg: dict) -> dict[str, Any]:
 
 
 def pull(ref: Reference, store: LayerStore, limits: unpack.Limits,
-         insecure: frozenset[str] = frozenset(), progress: Progress | None = None,
+         policy: egress.Egress | None = None, progress: Progress | None = None,
          pinned: list[str] | None = None, created: list[str] | None = None) -> dict:
     """The new image's metadata (the caller records it). Every layer is in the store when
     this returns; a failure leaves no half-made layer (layers already complete stay, shared
@@ -53,7 +53,7 @@ def pull(ref: Reference, store: LayerStore, limits: unpack.Limits,
     pinned = [] if pinned is None else pinned  # the caller unpins once the image is recorded
     created = [] if created is None else created  # new layers: removed if the pull fails
     t0 = time.monotonic()
-    with registry.Registry(ref, insecure) as reg:
+    with registry.Registry(ref, policy) as reg:
         manifest, mtype, digest = reg.manifest(ref.reference)
         cfg_desc = manifest.get("config")
         if not isinstance(cfg_desc, dict) or not isinstance(cfg_desc.get("digest"), str):

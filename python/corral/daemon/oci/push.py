@@ -21,7 +21,7 @@ import tarfile
 import tempfile
 from typing import IO, Any
 
-from corral.daemon.oci import registry
+from corral.daemon.oci import egress, registry
 from corral.daemon.oci.layers import LayerStore
 from corral.daemon.oci.ref import Reference
 from corral.daemon.oci.unpack import MTIME_NS, OPAQUE_XATTR
@@ -168,7 +168,7 @@ def _remembered(store: LayerStore, hexd: str) -> list[dict[str, Any]]:
 
 
 def push(ref: Reference, store: LayerStore, hexes: list[str], config: dict[str, Any],
-         insecure: frozenset[str] = frozenset()) -> dict[str, Any]:
+         policy: egress.Egress | None = None) -> dict[str, Any]:
     """Push the image of stored layers ``hexes`` (base first) and runtime ``config`` as
     ``ref``; returns the PushResult fields."""
     if ref.digest:
@@ -177,7 +177,7 @@ def push(ref: Reference, store: LayerStore, hexes: list[str], config: dict[str, 
     tag = ref.tag or "latest"
     descs, diff_ids = [], []
     uploaded = sent = 0
-    with registry.Registry(ref, insecure, actions="pull,push") as reg:
+    with registry.Registry(ref, policy, actions="pull,push") as reg:
         for hexd in hexes:
             found = None
             for cand in _remembered(store, hexd):

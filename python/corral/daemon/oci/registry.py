@@ -3,7 +3,9 @@ auth challenge, manifests (OCI and Docker v2 schema 2, indexes and manifest list
 streamed to a file while hashed; for a push, blob checks, monolithic uploads and manifest
 puts. Runs in a worker thread (sync httpx).
 
-Plain HTTP only for a registry on loopback or named in the daemon's config
+Every connection goes through the daemon's egress policy (oci.egress: no internal address
+unless the operator named the registry, redirects and token realms checked too). Plain HTTP
+only for a registry on loopback or named in the daemon's config
 (``CORRAL_INSECURE_REGISTRIES``), and even then HTTPS is tried first, as Docker does."""
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ from typing import Any
 
 import httpx
 
-from corral.daemon.oci import auth
+from corral.daemon.oci import auth, egress
 from corral.daemon.oci.ref import Reference
-from corral.daemon.oci.ref import parse as parse_ref
 from corral.errors import (
     DigestMismatch,
     ImageNotFound,
@@ -53,16 +54,15 @@ def check_digest(digest: str, what: str) -> str:
 
 
 class Registry:
-    def __init__(self, ref: Reference, insecure: frozenset[str] = frozenset(),
+    def __init__(self, ref: Reference, policy: egress.Egress | None = None,
                  timeout: float = 60.0, actions: str = "pull") -> None:
         self.ref = ref
         self.actions = actions  # the token scope's: "pull", or "pull,push"
-        self.plain_ok = ref.loopback() or ref.registry in insecure
-        self.insecure = insecure
+        self.policy = policy if policy is not None else egress.Egress()
+        self.plain_ok = ref.loopback() or ref.registry.lower() in self.policy.insecure
         self.base = ""
         self.creds = auth.credentials(ref.registry)  # at pull time: a fresh login counts
-        self.client = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0),
-                                   follow_redirects=True, trust_env=False)
+        self.client = self.policy.client(httpx.Timeout(timeout, connect=10.0))
         self.authz: str | None = None
         self.scheme = ""  # the challenge's: "basic" | "bearer" | "" (none asked)
         self.params: dict[str, str] = {}
@@ -105,14 +105,13 @@ class Registry:
                             "registries on 127.0.0.0/8 or named in CORRAL_INSECURE_REGISTRIES)"))
 
     def _plain_realm(self, realm: str) -> bool:
-        """A plain-HTTP token realm gets the credentials only on loopback or an insecure
-        registry's own host."""
-        host = httpx.URL(realm).host
-        netloc = httpx.URL(realm).netloc.decode()
+        """A plain-HTTP token realm gets the credentials only on loopback or a host named
+        insecure."""
         try:
-            return parse_ref(f"{netloc}/x").loopback() or netloc in self.insecure
-        except Exception:  # noqa: BLE001 - a malformed realm is simply not allowed
-            return host == "localhost"
+            url = httpx.URL(realm)
+        except httpx.InvalidURL:
+            return False
+        return self.policy.plain_ok(url.host, url.port or 80)
 
     def _unauthorized(self, why: str) -> RegistryUnauthorized:
         hint = "" if self.creds else (f"; no credentials for {self.ref.registry} in "

@@ -1,0 +1,304 @@
+"""Where a pull or push may make the daemon connect (docs/images.md, "Where pulls reach").
+
+A tenant names the image reference, and through it the registry whose answers (redirects,
+token realms, upload locations) steer the daemon's next requests. None of them may make the
+daemon reach what the tenant could not: a port on the host's loopback (a stand-in for the
+daemon's own API, Ray's dashboard, a database) or another internal address. The registries
+here are small HTTP servers on this machine; a "canary" is a TCP listener standing for a
+host-local service: it counts every connection made to it, TLS attempts included.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import http.server
+import json
+import os
+import socket
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import imagefix as fx
+import pytest
+
+from corral.errors import Forbidden
+
+from conftest import CGROUP_NAME, private_daemon
+
+ADMIN = "admin-token-egress-0123456789"
+EVE = "eve-token-egress-0123456789"
+CREDS = ("corral", "registry-secret")
+BASIC = "Basic " + base64.b64encode(":".join(CREDS).encode()).decode()
+
+
+class Canary:
+    """A TCP listener: every connection counted, its first bytes kept, a 200 ``{}`` sent."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(fam, socket.SOCK_STREAM)
+        self.sock.bind((host, 0))
+        self.sock.listen(64)
+        self.port = int(self.sock.getsockname()[1])
+        self.addr = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        self.seen: list[bytes] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(2)
+                try:
+                    self.seen.append(conn.recv(4096))
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+                except OSError:
+                    self.seen.append(b"")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self.thread.join(5)
+
+
+Answer = tuple[int, dict[str, str], bytes]
+
+
+class FakeRegistry:
+    """An HTTP server answering each ``METHOD path`` (no query) from ``routes``: an answer
+    or a function of the request giving one; 404 for anything else. Every request is kept
+    (method, path with query, headers)."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, Answer | Callable[[Any], Answer]] = {}
+        self.requests: list[tuple[str, str, dict[str, str]]] = []
+        reg = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def _answer(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                self.body = self.rfile.read(n) if n else b""
+                reg.requests.append((self.command, self.path, dict(self.headers)))
+                route = reg.routes.get(f"{self.command} {self.path.split('?')[0]}")
+                status, headers, body = (route(self) if callable(route) else route) \
+                    if route is not None else (404, {}, b"{}")
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            do_GET = do_HEAD = do_POST = do_PUT = _answer  # noqa: N815
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = int(self.httpd.server_address[1])
+        self.addr = f"127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+
+
+def manifest_for(config: bytes, layers: list[bytes]) -> bytes:
+    def desc(b: bytes, media: str) -> dict[str, Any]:
+        return {"mediaType": media, "digest": fx_digest(b), "size": len(b)}
+
+    return json.dumps({"schemaVersion": 2,
+                       "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                       "config": desc(config, "application/vnd.oci.image.config.v1+json"),
+                       "layers": [desc(b, "application/vnd.oci.image.layer.v1.tar")
+                                  for b in layers]}).encode()
+
+
+def fx_digest(b: bytes) -> str:
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(b).hexdigest()
+
+
+class Api:
+    def __init__(self, base: str, token: str) -> None:
+        self.c = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"},
+                              timeout=120)
+
+    def pull(self, ref: str) -> httpx.Response:
+        return self.c.post("/v1/images/pull", json={"reference": ref})
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[dict[str, Any]]:
+    with contextlib.ExitStack() as stack:
+        canary = Canary()
+        stack.callback(canary.close)
+        # Two registries the operator named (plain HTTP allowed, being on loopback: as a
+        # registry on the internet would be reachable): the tenant's own, hostile one, and
+        # another it sends the daemon to.
+        evil, other = FakeRegistry(), FakeRegistry()
+        stack.callback(evil.close)
+        stack.callback(other.close)
+        other.routes["GET /v2/"] = (200, {}, b"{}")
+        tokdir = tempfile.mkdtemp(prefix="corral-test-egress-", dir="/var/tmp")
+        stack.callback(lambda: __import__("shutil").rmtree(tokdir, ignore_errors=True))
+        tokens = os.path.join(tokdir, "tokens.json")
+        with open(tokens, "w") as f:
+            json.dump({"eve": EVE}, f)
+        dcfg = os.path.join(tokdir, "docker")
+        os.mkdir(dcfg)
+        fx.docker_config(dcfg, {evil.addr: CREDS})
+        port = fx.free_port()
+        d = stack.enter_context(private_daemon(
+            "corral-egress-", f"{CGROUP_NAME}-egress", CORRAL_TCP=f"127.0.0.1:{port}",
+            CORRAL_TOKEN=ADMIN, CORRAL_TOKENS=tokens, DOCKER_CONFIG=dcfg,
+            CORRAL_REGISTRIES="", CORRAL_INSECURE_REGISTRIES=f"{evil.addr},{other.addr}"))
+        base = f"http://127.0.0.1:{port}"
+        eve, admin = Api(base, EVE), Api(base, ADMIN)
+        stack.callback(eve.c.close)
+        stack.callback(admin.c.close)
+        yield {"canary": canary, "evil": evil, "other": other, "eve": eve, "admin": admin,
+               "daemon": d, "port": port}
+
+
+def _forbidden(r: httpx.Response) -> dict[str, Any]:
+    assert r.status_code == 403, r.text
+    err: dict[str, Any] = r.json()["error"]
+    assert err["code"] == "forbidden", err
+    return err
+
+
+def loopback_names() -> list[str]:
+    """Names this machine resolves to a loopback address that are not ``localhost``."""
+    out = []
+    for name in (socket.gethostname(), "ip6-localhost"):
+        try:
+            addrs = {a[4][0] for a in socket.getaddrinfo(name, 80, type=socket.SOCK_STREAM)}
+        except OSError:
+            continue
+        if addrs and all(a.startswith("127.") or a == "::1" for a in addrs):
+            out.append(name)
+    return out
+
+
+def test_a_reference_cannot_name_a_host_local_port(env: dict[str, Any]) -> None:
+    canary: Canary = env["canary"]
+    six = Canary("::1") if socket.has_ipv6 else None
+    try:
+        hosts = ["127.0.0.1", "localhost", "127.0.0.2", "0.0.0.0", "2130706433",
+                 *loopback_names()]
+        refs = [f"{h}:{canary.port}/team/app:1" for h in hosts]
+        if six is not None:
+            refs.append(f"[::1]:{six.port}/team/app:1")
+        # and the daemon's own API, where it listens
+        refs.append(f"127.0.0.1:{env['port']}/team/app:1")
+        for ref in refs:
+            err = _forbidden(env["eve"].pull(ref))
+            assert "CORRAL_REGISTRIES" in err["message"], err
+        # a sandbox's image is pulled the same way
+        r = env["eve"].c.post("/v1/sandboxes",
+                              json={"image": f"127.0.0.1:{canary.port}/team/app:2"})
+        _forbidden(r)
+        assert canary.seen == [], canary.seen
+        assert six is None or six.seen == [], six.seen
+    finally:
+        if six is not None:
+            six.close()
+
+
+def test_a_registry_cannot_redirect_the_daemon_to_a_host_local_port(
+        env: dict[str, Any]) -> None:
+    evil: FakeRegistry = env["evil"]
+    canary: Canary = env["canary"]
+    to_canary = f"http://127.0.0.1:{canary.port}/latest/meta-data/iam/security-credentials/"
+    config = b'{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}'
+    man = manifest_for(config, [])
+    evil.routes.update({
+        "GET /v2/": (200, {}, b"{}"),
+        "GET /v2/r/manifests/redirect": (302, {"Location": to_canary}, b""),
+        "GET /v2/r/manifests/blob": (200, {"Content-Type":
+                                           "application/vnd.oci.image.manifest.v1+json"}, man),
+        f"GET /v2/r/blobs/{fx_digest(config)}": (307, {"Location": to_canary}, b""),
+        # a redirect to a host the operator named is followed: it must not reach further
+        "GET /v2/r/manifests/hop": (302, {"Location": f"http://{env['other'].addr}/hop"}, b""),
+    })
+    env["other"].routes["GET /hop"] = (302, {"Location": to_canary}, b"")
+    for tag in ("redirect", "blob", "hop"):
+        err = _forbidden(env["eve"].pull(f"{evil.addr}/r:{tag}"))
+        assert err["details"].get("host") == f"127.0.0.1:{canary.port}", err
+    assert canary.seen == [], canary.seen
+
+
+def test_a_token_realm_cannot_point_at_a_host_local_port(env: dict[str, Any]) -> None:
+    evil: FakeRegistry = env["evil"]
+    canary: Canary = env["canary"]
+    for realm in (f"http://127.0.0.1:{canary.port}/token", f"https://localhost:{canary.port}/t"):
+        evil.routes["GET /v2/"] = (401, {"WWW-Authenticate": f'Bearer realm="{realm}",'
+                                                             'service="x"'}, b"{}")
+        err = _forbidden(env["eve"].pull(f"{evil.addr}/r:realm"))
+        assert err["details"].get("host") == f"{realm.split('/')[2]}", err
+    assert canary.seen == [], canary.seen
+
+
+def host_ip() -> str | None:
+    import subprocess
+
+    r = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"],
+                       capture_output=True, text=True)
+    for line in r.stdout.splitlines():
+        return line.split()[3].split("/")[0]
+    return None
+
+
+def test_the_policy_refuses_every_internal_form_of_an_address() -> None:
+    """The check itself, for addresses no test should connect to (no packet leaves this
+    machine): nothing here connects; "this host's" is found by binding."""
+    import ipaddress
+
+    from corral.daemon.oci.egress import Egress
+
+
+    blocked = ["198.51.100.0/24"]
+    e = Egress(named=["10.9.9.9:5000"], blocked=lambda: blocked)
+    refused = ["169.254.169.254", "127.0.0.1", "127.8.9.10", "0.0.0.0", "10.1.2.3",
+               "172.16.0.1", "192.168.1.1", "100.64.0.1", "224.0.0.1", "255.255.255.255",
+               "::1", "::", "fe80::1", "fd00:ec2::254", "fd20:ce::254", "fc00::1",
+               "::ffff:127.0.0.1", "::ffff:169.254.169.254", "64:ff9b::a9fe:a9fe",
+               "2002:7f00:1::", "ff02::1", "198.51.100.7"]
+    ip = host_ip()
+    if ip is not None:
+        refused.append(ip)  # this host's own address: every service listening on all
+    for a in refused:
+        assert e.why_refused(ipaddress.ip_address(a)) is not None, a
+    for a in ("8.8.8.8", "2606:4700::1111", "198.51.101.7"):
+        assert e.why_refused(ipaddress.ip_address(a)) is None, a
+    blocked.append("8.8.8.0/24")  # the live list is asked again at each check
+    assert e.why_refused(ipaddress.ip_address("8.8.8.8")) == "a blocked address"
+    # a named registry is reached wherever it is, on its own port only; no port: 80 and 443
+    assert e.resolve("10.9.9.9", 5000) == ["10.9.9.9"]
+    with pytest.raises(Forbidden):
+        e.resolve("10.9.9.9", 5001)
+    assert Egress(named=["127.0.0.1"]).resolve("127.0.0.1", 443) == ["127.0.0.1"]
+    with pytest.raises(Forbidden):
+        Egress(named=["127.0.0.1"]).resolve("127.0.0.1", 8265)
+    # plain HTTP: loopback or named insecure, per hop
+    assert e.plain_ok("127.0.0.1", 5000) and e.plain_ok("localhost", 1)
+    assert not e.plain_ok("10.9.9.9", 5000)
+    assert Egress(insecure=["reg.corp:5000"]).plain_ok("reg.corp", 5000)
