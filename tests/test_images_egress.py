@@ -1,11 +1,13 @@
-"""Where a pull or push may make the daemon connect (docs/images.md, "Where pulls reach").
+"""Where a pull or push may make the daemon connect (docs/images.md, "Where pulls and
+pushes reach").
 
 A tenant names the image reference, and through it the registry whose answers (redirects,
 token realms, upload locations) steer the daemon's next requests. None of them may make the
 daemon reach what the tenant could not: a port on the host's loopback (a stand-in for the
-daemon's own API, Ray's dashboard, a database) or another internal address. The registries
-here are small HTTP servers on this machine; a "canary" is a TCP listener standing for a
-host-local service: it counts every connection made to it, TLS attempts included.
+daemon's own API, Ray's dashboard, a database) or another internal address, nor carry one
+registry's credentials to another host. The registries here are small HTTP servers on this
+machine; a "canary" is a TCP listener standing for a host-local service: it counts every
+connection made to it, TLS attempts included.
 """
 
 from __future__ import annotations
@@ -255,6 +257,54 @@ def test_a_token_realm_cannot_point_at_a_host_local_port(env: dict[str, Any]) ->
         err = _forbidden(env["eve"].pull(f"{evil.addr}/r:realm"))
         assert err["details"].get("host") == f"{realm.split('/')[2]}", err
     assert canary.seen == [], canary.seen
+
+
+def _basic_only(answer: Answer) -> Callable[[Any], Answer]:
+    """A route that wants the registry's credentials (401 with a Basic challenge without)."""
+    def route(req: Any) -> Answer:
+        if req.headers.get("Authorization") != BASIC:
+            return 401, {"WWW-Authenticate": 'Basic realm="evil"'}, b"{}"
+        return answer
+    return route
+
+
+def test_credentials_go_to_their_registry_only(env: dict[str, Any],
+                                               tmp_path: Any) -> None:
+    """The daemon holds a login for ``evil``; a redirect or an upload location on another
+    host gets neither it nor the token (as Docker does)."""
+    evil: FakeRegistry = env["evil"]
+    other: FakeRegistry = env["other"]
+    config = b'{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}'
+    other.routes["GET /config"] = (200, {}, config)
+    other.routes["PUT /upload/1"] = (201, {}, b"")
+    evil.routes.update({
+        "GET /v2/": _basic_only((200, {}, b"{}")),
+        "GET /v2/creds/manifests/1": _basic_only(
+            (200, {"Content-Type": "application/vnd.oci.image.manifest.v1+json"},
+             manifest_for(config, []))),
+        f"GET /v2/creds/blobs/{fx_digest(config)}": _basic_only(
+            (307, {"Location": f"http://{other.addr}/config"}, b"")),
+        "POST /v2/pushed/blobs/uploads/": _basic_only(
+            (202, {"Location": f"http://{other.addr}/upload/1"}, b"")),
+        "PUT /v2/pushed/manifests/1": _basic_only((201, {}, b"")),
+    })
+    other.requests.clear()
+    r = env["eve"].pull(f"{evil.addr}/creds:1")
+    assert any(p == "/config" for _, p, _ in other.requests), (r.text, other.requests)
+    # a push (the admin's): the upload goes where the registry says, without the login
+    layout = fx.oci_layout("egress", [("gzip", [fx.f("hello", b"hi\n")])])
+    unix = f"unix://{env['daemon'].socket_path}"
+    from corral.sdk import admin
+
+    admin.import_image("egress-push", layout, endpoint=unix)
+    r = env["admin"].c.post("/v1/images/push", json={"name": "egress-push",
+                                                     "reference": f"{evil.addr}/pushed:1"})
+    assert r.status_code == 200, r.text
+    uploads = [h for m, p, h in other.requests if m == "PUT"]
+    assert uploads, other.requests
+    leaked = [(m, p) for m, p, h in other.requests
+              if any(k.lower() == "authorization" for k in h)]
+    assert leaked == [], leaked
 
 
 def host_ip() -> str | None:

@@ -6,7 +6,8 @@ puts. Runs in a worker thread (sync httpx).
 Every connection goes through the daemon's egress policy (oci.egress: no internal address
 unless the operator named the registry, redirects and token realms checked too). Plain HTTP
 only for a registry on loopback or named in the daemon's config
-(``CORRAL_INSECURE_REGISTRIES``), and even then HTTPS is tried first, as Docker does."""
+(``CORRAL_INSECURE_REGISTRIES``), and even then HTTPS is tried first, as Docker does. The
+registry's credentials (and its token) go to the registry's own origin only."""
 
 from __future__ import annotations
 
@@ -113,6 +114,16 @@ class Registry:
             return False
         return self.policy.plain_ok(url.host, url.port or 80)
 
+    def _own(self, url: str) -> bool:
+        """``url`` is on the registry's origin (scheme, host, port): the only one its
+        credentials and token go to, as Docker does (an upload Location elsewhere gets
+        none)."""
+        try:
+            a, b = httpx.URL(url), httpx.URL(self.base)
+        except httpx.InvalidURL:
+            return False
+        return (a.scheme, a.host, a.port) == (b.scheme, b.host, b.port)
+
     def _unauthorized(self, why: str) -> RegistryUnauthorized:
         hint = "" if self.creds else (f"; no credentials for {self.ref.registry} in "
                                       f"{auth.config_path()}")
@@ -205,7 +216,7 @@ class Registry:
             url = f"{self.base}/v2/{self.ref.repo}/{url}"
         for attempt in range(2):
             h = dict(headers or {})
-            if self.authz:
+            if self.authz and self._own(url):
                 h["Authorization"] = self.authz
             if hasattr(content, "seek"):
                 content.seek(0)
