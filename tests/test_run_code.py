@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -951,3 +952,73 @@ def test_a_huge_tree_is_wiped_off_the_zygote_s_loop():
             assert corral.run_code("import os; print(os.listdir('.'))",
                                    endpoint=ep).stdout == "[]\n"
         assert _started(ep, "python") == 1
+
+
+# 60 processes, each with 40 mappings of the same 256 MiB: 2.6 M page table entries apiece
+# (1.2 GiB of page tables, charged to the request), whose teardown at exit takes ~10 s of
+# the machine's two cores once they are killed.
+SLOW_TO_DIE = """
+import mmap, os, time
+fd = os.memfd_create('pages')
+size = 256 << 20
+os.ftruncate(fd, size)
+os.posix_fallocate(fd, 0, size)
+r, w = os.pipe()
+for _ in range(60):
+    if os.fork() == 0:
+        maps = [mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+                for _ in range(40)]
+        os.write(w, b'x')
+        time.sleep(1000)
+os.close(w)
+n = 0
+while n < 60:
+    n += len(os.read(r, 64))
+print('mapped')
+"""
+
+
+def test_processes_slow_to_die_hold_only_their_own_slot():
+    """A request that leaves processes whose exit takes seconds (page tables built up on
+    purpose) holds only its own slot while they die: requests beside it on the same zygote
+    run to their end, and the zygote is not restarted. Where the zygote waited for them on
+    its loop, it gave the slot up after 5 s and was restarted as dead, failing every other
+    request it ran with infra_error."""
+    cg = f"corral-test-rcslowdie-{os.getpid()}"
+    with private_daemon("corral-test-rcslowdie-", cg, CORRAL_RUNCODE_SLOTS="4",
+                        CORRAL_RUNCODE_ZYGOTES="1") as d:
+        ep = d.socket_path
+        assert corral.run_code("pass", endpoint=ep).ok
+        attack: list[object] = []
+        beside: list[object] = []
+
+        def attacker() -> None:
+            attack.append(corral.run_code(SLOW_TO_DIE, memory_mb=2048, timeout=200,
+                                          endpoint=ep))
+
+        def neighbour() -> None:
+            # Requests one after the other while the attack runs and its processes die.
+            until = None
+            while until is None or time.monotonic() < until:
+                if until is None and not a.is_alive():
+                    until = time.monotonic() + 15
+                try:
+                    beside.append(corral.run_code("import time; time.sleep(1); print('ok')",
+                                                  timeout=60, endpoint=ep))
+                except corral.CorralError as e:
+                    beside.append(e)
+
+        a = threading.Thread(target=attacker)
+        a.start()
+        others = [threading.Thread(target=neighbour) for _ in range(3)]
+        for t in others:
+            t.start()
+        for t in (a, *others):
+            t.join()
+        assert len(attack) == 1 and attack[0].stdout == "mapped\n", attack  # type: ignore[attr-defined]
+        bad = [r for r in beside if isinstance(r, BaseException) or r.stdout != "ok\n"]  # type: ignore[attr-defined]
+        assert not bad and len(beside) > 30, (bad, len(beside))
+        assert _started(ep, "python") == 1
+        for _ in range(5):  # the attacker's slot too, once its processes are gone
+            assert corral.run_code("print(2)", endpoint=ep).stdout == "2\n"
+

@@ -163,6 +163,9 @@ class SlotState:
         self.warm: Warm | None = None
         self.ready = asyncio.Event()                      # warm is set
         self.done: dict[int, asyncio.Future[dict[str, Any]]] = {}  # by pid
+        # pids whose processes the zygote is still killing (they take long to exit): their
+        # answer may come up to zygote.KILL_WAIT_S later, the zygote's other slots going on
+        self.draining: set[int] = set()
 
 
 class Output:
@@ -318,8 +321,11 @@ class Zygote:
                     slot.warm.close()
                 slot.warm = Warm(f["pid"], *fds)
                 slot.ready.set()
+            elif "draining" in f:
+                self.slots[f["draining"]].draining.add(f["pid"])
             elif "done" in f:
                 slot = self.slots[f["done"]]
+                slot.draining.discard(f["pid"])
                 if slot.warm is not None and slot.warm.pid == f["pid"]:
                     slot.warm.close()  # died waiting
                     slot.warm = None
@@ -480,7 +486,7 @@ class Zygote:
             # Cancelled (the client went away) or failed: its tree is killed now, and the slot
             # comes back when the zygote has reaped it.
             expire()
-            self._later(done, finish)
+            self._later(done, finish, slot, w.pid)
             raise
         d: dict[str, Any] | None = None
         if done.done() or timed_out:
@@ -498,7 +504,7 @@ class Zygote:
             sig = os.WTERMSIG(st) if os.WIFSIGNALED(st) else None
             code = 128 + sig if sig is not None else os.WEXITSTATUS(st)
             if d.get("broken"):  # a process of the slot would not die: start afresh
-                self._dead("a slot's processes would not die")
+                self.retire(f"slot {si}'s processes would not die")
         elif timed_out:  # killed at its timeout; the zygote has not said so yet
             sig = int(signal.SIGKILL)
             code, t_exit = 128 + sig, t0 + req.timeout
@@ -514,7 +520,7 @@ class Zygote:
         if done.done():
             finish()
         else:
-            self._later(done, finish, ANSWER_GRACE_S if timed_out else None)
+            self._later(done, finish, slot, w.pid, ANSWER_GRACE_S if timed_out else None)
         if timed_out:
             result = "timeout"
         elif oom:
@@ -554,26 +560,33 @@ class Zygote:
                              f"not be set ({e.strerror or e}); the slot is rebuilt",
                              details={"errno": e.errno}) from None
 
-    def _later(self, done: asyncio.Future[dict[str, Any]], finish: Any,
-               wait: float | None = None) -> None:
+    def _later(self, done: asyncio.Future[dict[str, Any]], finish: Any, slot: SlotState,
+               pid: int, wait: float | None = None) -> None:
         """After an answer on the child's own word (or at its timeout): free the slot when the
         zygote has reaped it (its timer still runs: a child that said it was done and went on
-        is killed); a zygote that has not within ``wait`` is restarted. A callback and a
-        timer, not a task: this is every python request's path."""
+        is killed); a zygote that has not within ``wait`` is restarted, unless it said the
+        slot's processes are still dying: then it has until zygote.KILL_WAIT_S, and one
+        that breaks the slot is retired (its other requests run to their end). A callback
+        and a timer, not a task: this is every python request's path."""
         loop = asyncio.get_running_loop()
+        timers: list[asyncio.TimerHandle] = []
 
         def settled(_: object = None) -> None:
-            timer.cancel()
+            timers[-1].cancel()
+            if not done.done() and len(timers) == 1 and self.alive and pid in slot.draining:
+                timers.append(loop.call_later(zygote.KILL_WAIT_S + ANSWER_GRACE_S, settled))
+                return
             try:
                 if not done.done():
                     self._dead("no answer in time")
                 elif done.exception() is None and done.result().get("broken"):
-                    self._dead("a slot's processes would not die")
+                    self.retire(f"slot {slot.index}'s processes would not die")
             finally:
+                slot.draining.discard(pid)
                 finish()
 
-        timer = loop.call_later(MAX_TIMEOUT_S + ANSWER_GRACE_S if wait is None else wait,
-                                settled)
+        timers.append(loop.call_later(MAX_TIMEOUT_S + ANSWER_GRACE_S if wait is None else wait,
+                                      settled))
         done.add_done_callback(settled)
 
 

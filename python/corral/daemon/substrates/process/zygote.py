@@ -74,7 +74,11 @@ FORKED = struct.Struct("=cIi")
 EXITED = struct.Struct("=ciid")
 MAX_FRAME = 256 << 20
 READ_CHUNK = 1 << 16
-KILL_WAIT_S = 5.0
+# A slot's processes are killed and waited for on the loop this long; past it the loop goes
+# on and checks again every KILL_POLL_S, for at most KILL_WAIT_S, before the slot is broken.
+KILL_INLINE_S = 0.02
+KILL_POLL_S = 0.005
+KILL_WAIT_S = 300.0
 # A scratch using more than this is removed by a helper process, not on the zygote's loop.
 WIPE_INLINE_INODES = 1024
 WIPE_INLINE_BYTES = 64 << 20
@@ -177,9 +181,11 @@ class SlotCgroups:
     def pids(self) -> list[int]:
         return [int(x) for x in _read_at(self.procs, "cgroup.procs").split()]
 
-    def kill_all(self, reaped: Any) -> bool:
-        """SIGKILL every process of the slot and wait until none is left; False if some
-        stayed (then the slot is not used again)."""
+    def kill_all(self, reaped: Any, wait: float = KILL_INLINE_S) -> bool:
+        """SIGKILL every process of the slot; True once none is left, False if some are
+        still there after ``wait`` seconds: they are dying (a process's exit can take
+        seconds, tearing down page tables a request built up on purpose), and the caller
+        calls again later, off its loop's critical path."""
         if not self.pids():
             return True
         if self.v2:
@@ -188,7 +194,7 @@ class SlotCgroups:
             except OSError:
                 pass
         freezer = self.fds.get("freezer")
-        deadline = time.monotonic() + KILL_WAIT_S
+        deadline = time.monotonic() + wait
         while True:
             # Frozen, nothing forks while we read the list; SIGKILL acts at the thaw.
             if freezer is not None:
@@ -280,6 +286,9 @@ class Slot:
         self.pid = 0           # its child, waiting for a request or running one
         self.broken = False
         self.retired = False   # its tmpfs is not empty after a wipe: the daemon rebuilds us
+        self.killing = 0.0     # while its processes are being killed: when it gives up
+        self.kill_at = 0.0     # and when it looks at them next
+        self.exited: tuple[int, int, float] | None = None  # (pid, status, t_exit), not wiped
         self.entry: Any = None  # _core.ZygoteEntry: what its request children do first
 
 
@@ -374,7 +383,12 @@ class Zygote:
             for slot in self.slots:
                 self._fork(slot)
         while True:
-            for fd, _ in self.poll.poll():
+            # While a slot's processes die, the loop looks at them again every KILL_POLL_S.
+            wait = None
+            killing = [s.kill_at for s in self.slots if s.killing]
+            if killing:
+                wait = max(0, int((min(killing) - time.monotonic()) * 1000) + 1)
+            for fd, _ in self.poll.poll(wait):
                 if fd == self.sock:
                     if not self._from_daemon():
                         return
@@ -389,6 +403,34 @@ class Zygote:
                         pass
             for pid, status in _reap_any():
                 self._reaped(pid, status)
+            if killing:
+                now = time.monotonic()
+                for slot in self.slots:
+                    if slot.killing and now >= slot.kill_at:
+                        self._kill(slot)
+
+    def _kill(self, slot: Slot) -> None:
+        """Kill every process of the slot, then (its child reaped) wipe it. Processes that
+        take long to exit are waited for off the loop's path: each other slot goes on (a
+        loop held by one slot's dying processes held every other request of the zygote, and
+        gave it up as dead). Ones still there after KILL_WAIT_S break the slot."""
+        first = not slot.killing
+        if first:
+            slot.killing = time.monotonic() + KILL_WAIT_S
+        if slot.cg.kill_all(self._reaped, KILL_INLINE_S if first else 0.0):
+            slot.killing = 0.0
+        elif time.monotonic() > slot.killing:
+            slot.killing = 0.0
+            slot.broken = True
+        else:
+            slot.kill_at = time.monotonic() + KILL_POLL_S
+            if first:  # the daemon waits for this slot's answer until KILL_WAIT_S
+                pid = slot.pid if slot.exited is None else slot.exited[0]
+                _write_all(self.sock, encode({"draining": slot.index, "pid": pid}))
+            return
+        if slot.exited is not None:
+            exited, slot.exited = slot.exited, None
+            self._clean(slot, *exited)
 
     def _from_daemon(self) -> bool:
         try:
@@ -404,8 +446,8 @@ class Zygote:
                 continue
             slot = self.slots[msg["kill"]]
             if slot.pid > 0 and slot.pid == msg.get("pid"):  # its timeout: the whole tree
-                if not slot.cg.kill_all(self._reaped):
-                    slot.broken = True
+                if not slot.killing:
+                    self._kill(slot)
         return True
 
     def _reaped(self, pid: int, status: int, t_exit: float | None = None) -> None:
@@ -421,8 +463,15 @@ class Zygote:
         if slot is None or self.session:
             return  # an orphan of some request, reparented to us; or a session's command
         slot.pid = 0
-        if not slot.cg.kill_all(self._reaped):  # what it left behind dies with it
-            slot.broken = True
+        slot.exited = (pid, status, t_exit)
+        if not slot.killing:  # what it left behind dies with it, then the slot is wiped
+            self._kill(slot)
+
+    def _clean(self, slot: Slot, pid: int, status: int, t_exit: float) -> None:
+        """The slot's child has exited and nothing of its request is left: wipe it."""
+        if slot.broken:
+            self._wiped(slot, pid, status, t_exit)
+            return
         try:
             inodes, used = _scratch_use(slot.root)
             if inodes > WIPE_INLINE_INODES or used > WIPE_INLINE_BYTES:
