@@ -599,3 +599,32 @@ def test_fds_held_in_flight_in_one_sandbox_never_stop_commands_from_starting():
     finally:
         holder.kill()
         other.kill()
+
+
+def _sysctl(name: str) -> int:
+    with open(f"/proc/sys/{name}") as f:
+        return int(f.read().split()[0])
+
+
+def test_a_sandbox_within_its_own_limits_cannot_fill_the_hosts_file_or_task_table():
+    """corral-init has no capability that exempts it from the host-wide tables: with the
+    open files at ``fs.file-max`` or the tasks at ``kernel.threads-max``, every command in
+    every sandbox fails to start with capacity_exceeded (infra), and a sandbox could fill
+    them within its own limits: its pids limit times its commands' fd limit in open files
+    (~1 GiB of struct file for 4M, under a 2 GiB memory limit), ~500 sandboxes at the
+    default pids limit for the default threads-max of a 24 GiB host. Not run here for real:
+    it would fail every command of every other engineer's sandboxes on this machine for as
+    long as it ran. Checked instead: after the daemon's start, what one sandbox can hold
+    fits the file table, and the task table is as large as the pid space (tasks are then
+    bounded by each sandbox's memory cgroup, which their kernel memory is charged to, and by
+    the kernel's pid ceiling)."""
+    sb = Sandbox(timeout=60)
+    try:
+        hard = int(sb.exec("ulimit -Hn").stdout)
+        pids = sb.info().pids
+    finally:
+        sb.kill()
+    used = int(open("/proc/sys/fs/file-nr").read().split()[0])
+    assert _sysctl("fs/file-max") - used > 1_000_000 * hard, (_sysctl("fs/file-max"), hard)
+    assert _sysctl("fs/file-max") - used > pids * hard
+    assert _sysctl("kernel/threads-max") >= _sysctl("kernel/pid_max")

@@ -95,15 +95,23 @@ def raise_nofile() -> int:
 # sandbox is a process (its init) and six namespaces; a pooled netns is one more. The value is a
 # floor: a host already configured higher keeps its setting. CORRAL_SYSCTL=0 turns this off.
 INT_MAX = 2**31 - 1
+LONG_MAX = 2**63 - 1
+PID_MAX_LIMIT = 4 * 1024 * 1024  # kernel.pid_max's ceiling on 64-bit
 
 
 def _sysctl_floors(max_sandboxes: int) -> dict[str, int]:
     ns = 2 * max_sandboxes + 4096          # sandboxes + pooled netns + headroom
     return {
-        "kernel/pid_max": 4 * 1024 * 1024,                 # default 32768: ~30k sandboxes
-        "kernel/threads-max": 4 * max_sandboxes + 65536,   # inits + exec'd processes
+        "kernel/pid_max": PID_MAX_LIMIT,                   # default 32768: ~30k sandboxes
         "fs/nr_open": 1 << 21,                             # RLIMIT_NOFILE's ceiling
-        "fs/file-max": 1 << 22,
+        # Host-wide tables no capability exempts corral-init from (a full one fails every
+        # sandbox's commands with capacity_exceeded, infra), which a sandbox fills within its
+        # own limits: 4M open files are 400 processes at the commands' fd limit and ~1 GiB of
+        # struct file; ~275k tasks (the default threads-max on 24 GiB) are ~500 sandboxes at
+        # the default pids limit. Both are kernel memory charged to the sandbox's memory
+        # cgroup, which bounds them; tasks are then bounded by pid_max, the kernel's ceiling.
+        "kernel/threads-max": max(4 * max_sandboxes + 65536, PID_MAX_LIMIT),
+        "fs/file-max": LONG_MAX,
         "vm/max_map_count": 1 << 18,
         "user/max_mnt_namespaces": ns,
         "user/max_pid_namespaces": ns,
