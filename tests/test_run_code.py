@@ -1022,3 +1022,39 @@ def test_processes_slow_to_die_hold_only_their_own_slot():
         for _ in range(5):  # the attacker's slot too, once its processes are gone
             assert corral.run_code("print(2)", endpoint=ep).stdout == "2\n"
 
+
+def test_cgroups_that_cannot_be_rebuilt_are_infra_never_the_request_s_fault():
+    """A zygote started again while a slot of its last one still holds a process that does
+    not die (here: a process of the test's, frozen in a freezer cgroup of its own, put in the
+    slot's memory cgroup; a request's processes slow to exit do the same for seconds) fails
+    the request that came to start it with infra_error, not with the errno's
+    invalid_request (EBUSY)."""
+    cg = f"corral-test-rcrebuild-{os.getpid()}"
+    frz = Path("/sys/fs/cgroup/freezer", f"corral-test-rcfrz-{os.getpid()}")
+    with private_daemon("corral-test-rcrebuild-", cg, CORRAL_RUNCODE_SLOTS="2",
+                        CORRAL_RUNCODE_ZYGOTES="1") as d:
+        ep = d.socket_path
+        assert corral.run_code("pass", endpoint=ep).ok
+        slot = Path("/sys/fs/cgroup/memory", cg + ".runcode", "python-0", "s0")
+        assert slot.is_dir()
+        frz.mkdir()
+        held = subprocess.Popen(["sleep", "1000"])
+        try:
+            (frz / "tasks").write_text(str(held.pid))
+            (slot / "tasks").write_text(str(held.pid))
+            (frz / "freezer.state").write_text("FROZEN")
+            assert wait_until(lambda: (frz / "freezer.state").read_text().strip() == "FROZEN")
+            zygotes = _zygotes_of(cg + ".runcode")
+            assert len(zygotes) == 1
+            os.kill(zygotes[0], signal.SIGKILL)
+            assert wait_until(lambda: not run_code_pools(ep).pools[0].zygotes)
+            with pytest.raises(corral.CorralError) as e:
+                corral.run_code("pass", endpoint=ep)
+            assert e.value.category == "infra", e.value
+        finally:
+            held.kill()
+            (frz / "freezer.state").write_text("THAWED")
+            held.wait()
+            frz.rmdir()
+        assert corral.run_code("print(3)", endpoint=ep).stdout == "3\n"
+        assert _started(ep, "python") == 2

@@ -259,9 +259,15 @@ class Zygote:
         svc = self.pool.service
         s = svc.settings
         loop = asyncio.get_running_loop()
-        join, slot_dirs = await asyncio.to_thread(
-            svc.layout.make_pool, self.name, s.slots, s.pids)
-        self.slots = [SlotState(i, d) for i, d in enumerate(slot_dirs)]
+        try:
+            join, slot_dirs = await asyncio.to_thread(
+                svc.layout.make_pool, self.name, s.slots, s.pids)
+            self.slots = [SlotState(i, d) for i, d in enumerate(slot_dirs)]
+        except OSError as e:
+            # The host's cgroups (a slot whose last processes have not died yet: EBUSY), never
+            # the request that came to start it: not an errno mapped as its fault.
+            raise InfraError(f"the run_code {self.pool.language} zygote's cgroups could not "
+                             f"be made: {e}", details={"errno": e.errno}) from None
         self.retiring = False
         uid0 = UID_BASE + (self.pool.number * 64 + self.index) * 256
         uids = [uid0 + i for i in range(len(slot_dirs))]
