@@ -172,7 +172,11 @@ def test_bad_requests_are_clear_errors():
         for body in ({"code": "print(1)", "language": "cobol"}, {"code": "x", "timeout": 0},
                      {"code": "x", "memory_mb": 1}, {"code": "a\x00b"},
                      {"code": "x", "files": {"../escape": "x"}},
-                     {"code": "x", "files": {"/abs": "x"}}, {"nope": 1}, {"requests": []}):
+                     {"code": "x", "files": {"/abs": "x"}}, {"nope": 1}, {"requests": []},
+                     # names no file can have: once the program's own exit 126
+                     {"code": "x", "files": {"a/": "x"}}, {"code": "x", "files": {"a//b": "x"}},
+                     {"code": "x", "files": {"a" * 256: "x"}},
+                     {"code": "x", "files": {"a": "x", "a/b": "y"}}):
             r = c.post("/v1/run_code", json=body)
             assert r.status_code == 400, (body, r.text)
             assert r.json()["error"]["code"] == "invalid_request"

@@ -72,6 +72,18 @@ class RunCodeRequest(_Model):
             if not _FILE.match(name):
                 raise ValueError(f"file name {name[:100]!r}: a relative path without . or .. "
                                  f"segments")
+            # What the pattern lets through but no file can be: an empty segment ("a/",
+            # "a//b"), a segment longer than a name may be, a name that another one needs as
+            # a directory ("a" and "a/b"). Refused here, they are the request's mistake;
+            # found while the files are written, they looked like the program's failure.
+            parts = name.split("/")
+            if "" in parts or any(len(p.encode()) > 255 for p in parts):
+                raise ValueError(f"file name {name[:100]!r}: an empty segment, or one of more "
+                                 f"than 255 bytes")
+            for i in range(1, len(parts)):
+                if "/".join(parts[:i]) in v:
+                    raise ValueError(f"file name {name[:100]!r}: {'/'.join(parts[:i])!r} is "
+                                     f"a file too")
             total += len(text)
         if total > MAX_FILES_BYTES:
             raise ValueError(f"files hold more than {MAX_FILES_BYTES} characters")
