@@ -29,7 +29,7 @@ import pytest
 
 from corral.errors import Forbidden
 
-from conftest import CGROUP_NAME, private_daemon
+from conftest import CGROUP_NAME, private_daemon, wait_until
 
 ADMIN = "admin-token-egress-0123456789"
 EVE = "eve-token-egress-0123456789"
@@ -73,7 +73,7 @@ class Canary:
         self.thread.join(5)
 
 
-Answer = tuple[int, dict[str, str], bytes]
+Answer = tuple[int, dict[str, str], Any]  # the body: bytes, or an iterator of chunks
 
 
 class FakeRegistry:
@@ -102,10 +102,20 @@ class FakeRegistry:
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(body)
+                if isinstance(body, bytes):
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(body)
+                    return
+                self.end_headers()  # a stream: its headers say its length
+                self.close_connection = True  # a stream cut short ends the connection
+                try:
+                    for chunk in body:
+                        self.wfile.write(chunk)
+                        self.wfile.flush()
+                except OSError:
+                    pass
 
             do_GET = do_HEAD = do_POST = do_PUT = _answer  # noqa: N815
 
@@ -352,3 +362,153 @@ def test_the_policy_refuses_every_internal_form_of_an_address() -> None:
     assert e.plain_ok("127.0.0.1", 5000) and e.plain_ok("localhost", 1)
     assert not e.plain_ok("10.9.9.9", 5000)
     assert Egress(insecure=["reg.corp:5000"]).plain_ok("reg.corp", 5000)
+
+
+def test_slow_registries_do_not_take_the_daemons_threads(env: dict[str, Any]) -> None:
+    """A registry that trickles its answers (a byte now and then, under every read timeout)
+    holds each pull as long as it likes; a tenant starting many such pulls (one per tag)
+    must not take the threads the rest of the daemon works in: a sandbox is still made."""
+    evil: FakeRegistry = env["evil"]
+    stop = threading.Event()
+    n = 40  # more than the daemon's worker threads (32)
+
+    def trickle(req: Any) -> Answer:
+        def body() -> Iterator[bytes]:
+            while not stop.wait(0.2):
+                yield b" "
+        return 200, {"Content-Type": "application/vnd.oci.image.manifest.v1+json",
+                     "Content-Length": str(1 << 20)}, body()
+
+    evil.routes["GET /v2/"] = (200, {}, b"{}")
+    for i in range(n):
+        evil.routes[f"GET /v2/slow/manifests/{i}"] = trickle
+
+    def started() -> int:
+        return sum(1 for m, p, _ in evil.requests if p.startswith("/v2/slow/manifests/"))
+
+    pulls = [threading.Thread(target=env["eve"].pull, args=(f"{evil.addr}/slow:{i}",),
+                              daemon=True) for i in range(n)]
+    try:
+        for t in pulls:
+            t.start()
+        assert wait_until(lambda: started() >= 4, timeout=30), started()
+        # every pull the daemon will run at once has started (without a bound: 32)
+        wait_until(lambda: started() >= 32, timeout=10)
+        r = env["eve"].c.post("/v1/sandboxes", json={"image": "host"}, timeout=30)
+        assert r.status_code == 201, r.text
+        assert env["eve"].c.delete(f"/v1/sandboxes/{r.json()['id']}",
+                                   timeout=30).status_code == 200
+    finally:
+        stop.set()
+        for t in pulls:
+            t.join(60)
+
+
+def test_a_registry_cannot_make_the_daemon_buffer_an_endless_answer(
+        env: dict[str, Any]) -> None:
+    """Bodies the client never needs (the /v2/ ping's, a redirect's) are not read, and the
+    ones it needs (a token) are bounded: a registry streaming 256 MiB into each gets little of
+    it taken (the kernel's socket buffers), never the whole into the daemon's memory."""
+    evil: FakeRegistry = env["evil"]
+    canary_free = f"http://{env['other'].addr}/nowhere"
+    sent: dict[str, int] = {}
+
+    def flood(name: str, status: int, headers: dict[str, str]) -> Callable[[Any], Answer]:
+        def route(req: Any) -> Answer:
+            def body() -> Iterator[bytes]:
+                chunk = b"\0" * (1 << 20)
+                for _ in range(256):
+                    yield chunk
+                    sent[name] = sent.get(name, 0) + len(chunk)
+            return status, {**headers, "Content-Length": str(256 << 20)}, body()
+        return route
+
+    cases = {
+        "ping": ("GET /v2/", flood("ping", 200, {})),
+        "redirect": ("GET /v2/flood/manifests/1",
+                     flood("redirect", 302, {"Location": canary_free})),
+        "token": ("GET /token", flood("token", 200, {"Content-Type": "application/json"})),
+    }
+    for name, (route, answer) in cases.items():
+        evil.routes.clear()
+        evil.routes["GET /v2/"] = (200, {}, b"{}")
+        if name == "token":
+            evil.routes["GET /v2/"] = (401, {"WWW-Authenticate":
+                                             f'Bearer realm="http://{evil.addr}/token"'}, b"")
+        evil.routes[route] = answer
+        r = env["eve"].pull(f"{evil.addr}/flood:1")
+        assert r.status_code >= 400, r.text
+        assert sent.get(name, 0) < 64 << 20, (name, sent)
+
+
+def test_a_trickled_manifest_or_blob_ends_within_its_bounds(tmp_path: Any) -> None:
+    """The registry client itself, with a 1 s timeout: a manifest must be whole within it
+    and a blob come at MIN_BLOB_RATE over each second, however steadily a byte arrives."""
+    import time
+
+    from corral.daemon.oci import egress, ref, registry
+    from corral.errors import ImagePullFailed
+
+    reg = FakeRegistry()
+    stop = threading.Event()
+    try:
+        def trickle(req: Any) -> Answer:
+            def body() -> Iterator[bytes]:
+                while not stop.wait(0.05):
+                    yield b" "
+            return 200, {"Content-Length": str(1 << 20)}, body()
+
+        blob = b"x" * (1 << 20)
+        reg.routes.update({"GET /v2/": (200, {}, b"{}"), "GET /v2/t/manifests/1": trickle,
+                           f"GET /v2/t/blobs/{fx_digest(blob)}": trickle})
+        policy = egress.Egress(named=[reg.addr])
+        with registry.Registry(ref.parse(f"{reg.addr}/t:1"), policy, timeout=1.0) as r:
+            t0 = time.monotonic()
+            with pytest.raises(ImagePullFailed, match="not whole after"):
+                r.manifest("1")
+            with pytest.raises(ImagePullFailed, match="a second"):
+                r.blob(fx_digest(blob), len(blob), str(tmp_path / "blob"))
+            assert time.monotonic() - t0 < 10
+        assert not (tmp_path / "blob").exists()
+    finally:
+        stop.set()
+        reg.close()
+
+
+def zstd_bomb(blocks: int) -> bytes:
+    """One zstd frame of ``blocks`` RLE blocks of 128 KiB each: 4 bytes a block."""
+    head = b"\x28\xb5\x2f\xfd" + b"\x00" + bytes([7 << 3])  # no size; a 128 KiB window
+    block = lambda last: (int(last) | (1 << 1) | ((128 << 10) << 3)).to_bytes(3, "little") \
+        + b"\0"  # noqa: E731
+    return head + b"".join(block(i == blocks - 1) for i in range(blocks))
+
+
+def peak_rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def test_a_content_encoded_answer_is_not_decoded(env: dict[str, Any]) -> None:
+    """A manifest sent with ``Content-Encoding: zstd`` (32 KiB that decode to 1 GiB of
+    zeros, in one read): the client asks for and reads bodies as sent, so the bound on a
+    manifest holds on what arrives and the daemon's memory does not grow by the bomb."""
+    import zstandard
+
+    bomb = zstd_bomb(8192)
+    assert len(zstandard.ZstdDecompressor().decompressobj().decompress(bomb[:4096])) > 0
+    evil: FakeRegistry = env["evil"]
+    evil.routes.clear()
+    evil.routes["GET /v2/"] = (200, {}, b"{}")
+    evil.routes["GET /v2/bomb/manifests/1"] = (200, {"Content-Encoding": "zstd",
+                                                     "Content-Type": "application/json"}, bomb)
+    pid = env["daemon"].proc.pid
+    before = peak_rss_kb(pid)
+    r = env["eve"].pull(f"{evil.addr}/bomb:1")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_image", r.text
+    grew = peak_rss_kb(pid) - before
+    assert grew < 256 << 10, f"the daemon's peak RSS grew by {grew} KiB"
+    sent = [h.get("Accept-Encoding") for m, p, h in evil.requests if p.startswith("/v2/bomb")]
+    assert sent and all(a == "identity" for a in sent), sent

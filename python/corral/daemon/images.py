@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ from corral.models import MAX_TIMEOUT_S, ImageInfo
 log = logging.getLogger("corral.images")
 
 HOST = "host"
+PULL_WORKERS = 8  # pulls at once on a node (each a thread; more wait their turn)
 # Bump when the host skeleton's recipe changes: every daemon then rebuilds it once.
 HOST_IMAGE_VERSION = 1
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.\-]{0,62}$")
@@ -392,6 +394,10 @@ class ImageStore:
         self.egress = egress.Egress(allowed_registries, insecure_registries)
         self.layers = LayerStore(state_dir, erofs)
         self._flights: dict[str, Any] = {}  # reference -> the pull under way (oci.flight)
+        # Pulls run in threads of their own: a registry decides how long a pull takes (it
+        # may trickle bytes forever), so pulls must never hold the daemon's worker threads
+        # (creates, files, snapshots); past PULL_WORKERS at once, pulls wait their turn.
+        self._pull_pool = ThreadPoolExecutor(PULL_WORKERS, thread_name_prefix="corral-pull")
         self._gc_temp()
         for n in sorted(os.listdir(self.dir)):
             if NAME_RE.match(n) or n.startswith("@"):
@@ -726,7 +732,8 @@ class ImageStore:
             if img is not None:
                 return img.info()
         info: ImageInfo = await flight.join(
-            self._flights, key, lambda emit: self.pull_sync(ref, emit), progress)
+            self._flights, key, lambda emit: self.pull_sync(ref, emit), progress,
+            self._pull_pool)
         return info
 
     def referenced_layers(self) -> builtins.set[str]:
@@ -739,6 +746,7 @@ class ImageStore:
         return self.layers.gc(self.referenced_layers() | (keep or set()))
 
     def close(self) -> None:
+        self._pull_pool.shutdown(wait=False, cancel_futures=True)
         self.layers.close()
 
     # ---- import / remove -------------------------------------------------------------------

@@ -144,9 +144,12 @@ class Egress:
             raise Forbidden(f"unsupported scheme in {url}", details={"host": url.host})
 
     def client(self, timeout: httpx.Timeout) -> httpx.Client:
-        """An httpx client whose every connection and request goes through this policy."""
-        return httpx.Client(timeout=timeout, follow_redirects=True,
-                            max_redirects=MAX_REDIRECTS, trust_env=False,
+        """An httpx client whose every connection and request goes through this policy (it
+        follows no redirect: its user does, each hop a request of its own)."""
+        # Accept-Encoding identity: httpx would decode gzip, deflate or zstd whole per
+        # chunk read (64 KiB of zstd is GiBs); the registry client reads bodies raw.
+        return httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False,
+                            headers={"Accept-Encoding": "identity"},
                             transport=_Transport(_Backend(self)),
                             event_hooks={"request": [self.check_request]})
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import Any
 
 Listener = Callable[[dict[str, Any]], None]
@@ -24,8 +25,9 @@ class Flight:
 
 async def join(flights: dict[str, Flight], key: str,
                work: Callable[[Callable[[dict[str, Any]], None]], Any],
-               listener: Listener | None = None) -> Any:
-    """``work(emit)`` runs in a thread once per ``key`` at a time; its result for all."""
+               listener: Listener | None = None, executor: Executor | None = None) -> Any:
+    """``work(emit)`` runs in a thread (of ``executor``, else the loop's default) once per
+    ``key`` at a time; its result for all."""
     loop = asyncio.get_running_loop()
     fl = flights.get(key)
     if fl is None:
@@ -37,7 +39,7 @@ async def join(flights: dict[str, Flight], key: str,
 
         async def run() -> Any:
             try:
-                return await asyncio.to_thread(work, emit)
+                return await loop.run_in_executor(executor, work, emit)
             finally:
                 flights.pop(key, None)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,12 @@ MANIFESTS = (OCI_MANIFEST, DOCKER_MANIFEST)
 INDEXES = (OCI_INDEX, DOCKER_LIST)
 MAX_MANIFEST = 4 << 20
 MAX_CONFIG = 8 << 20
+# A registry decides how fast it answers, and a byte now and then keeps any read timeout
+# from firing: a manifest, a config or a token must be whole within the timeout, and a blob
+# must come at this rate at least over every timeout's span (a stalled pull ends).
+MIN_BLOB_RATE = 4 << 10  # bytes a second
+MAX_TOKEN = 1 << 20  # a token server's answer
+MAX_ANSWER = 64 << 10  # the part of a push-side answer read (an error's text)
 PLATFORM = ("linux", "amd64")
 
 
@@ -58,6 +65,7 @@ class Registry:
     def __init__(self, ref: Reference, policy: egress.Egress | None = None,
                  timeout: float = 60.0, actions: str = "pull") -> None:
         self.ref = ref
+        self.timeout = timeout
         self.actions = actions  # the token scope's: "pull", or "pull,push"
         self.policy = policy if policy is not None else egress.Egress()
         self.plain_ok = ref.loopback() or ref.registry.lower() in self.policy.insecure
@@ -83,6 +91,46 @@ class Registry:
             d["status"] = status
         return ImagePullFailed(msg, details=d)
 
+    # ---- requests -------------------------------------------------------------------------
+    def _open(self, method: str, url: str | httpx.URL, *, headers: dict[str, str] | None = None,
+              content: Any = None, params: dict[str, str] | None = None) -> httpx.Response:
+        """A streamed response (the caller closes it). GET and HEAD follow redirects (at most
+        egress.MAX_REDIRECTS), each hop checked by the policy like the first; a redirect's
+        body is never read (httpx's own following reads it whole, however long), and the
+        Authorization stays on its origin only."""
+        h = dict(headers or {})
+        for _ in range(egress.MAX_REDIRECTS + 1):
+            req = self.client.build_request(method, url, headers=h, content=content,
+                                            params=params)
+            r = self.client.send(req, stream=True)
+            if not (r.is_redirect and method in ("GET", "HEAD")):
+                return r
+            r.close()
+            try:
+                nxt = r.url.join(r.headers["location"])
+            except httpx.InvalidURL as e:
+                raise httpx.RemoteProtocolError(f"bad redirect {e}", request=req) from e
+            if (nxt.scheme, nxt.host, nxt.port) != (r.url.scheme, r.url.host, r.url.port):
+                h.pop("Authorization", None)
+            url, params = nxt, None
+        raise httpx.TooManyRedirects(f"more than {egress.MAX_REDIRECTS} redirects", request=req)
+
+    def _read(self, r: httpx.Response, limit: int, what: str, cut: bool = False) -> bytes:
+        """The body of ``r``, whole within the timeout and at most ``limit`` bytes (more:
+        InvalidImage, or with ``cut`` the first ``limit``)."""
+        deadline = time.monotonic() + self.timeout
+        data = bytearray()
+        for chunk in r.iter_raw():  # as sent: never decoded (Content-Encoding: a bomb)
+            data += chunk
+            if len(data) > limit:
+                if cut:
+                    return bytes(data[:limit])
+                raise InvalidImage(f"{what}: larger than {limit} bytes",
+                                   details={"limit": limit})
+            if time.monotonic() > deadline:
+                raise self._fail(f"{what}: not whole after {self.timeout:g} s")
+        return bytes(data)
+
     # ---- scheme and auth ------------------------------------------------------------------
     def ping(self) -> None:
         schemes = ["https", "http"] if self.plain_ok else ["https"]
@@ -90,10 +138,11 @@ class Registry:
         for scheme in schemes:
             base = f"{scheme}://{self.ref.api_host}"
             try:
-                r = self.client.get(base + "/v2/")
+                r = self._open("GET", base + "/v2/")
             except httpx.HTTPError as e:
                 last = e
                 continue
+            r.close()  # the status and the challenge are all it says: its body is not read
             self.base = base
             if r.status_code == 401:
                 self.scheme, self.params = auth.challenge(r.headers.get("www-authenticate", ""))
@@ -150,19 +199,25 @@ class Registry:
         q = {"scope": f"repository:{self.ref.repo}:{self.actions}"}
         if self.params.get("service"):
             q["service"] = self.params["service"]
+        h = {"Authorization": httpx.BasicAuth(*self.creds)._auth_header} if self.creds else {}
         try:
-            r = self.client.get(realm, params=q,
-                                auth=httpx.BasicAuth(*self.creds) if self.creds else None)
+            r = self._open("GET", realm, headers=h, params=q)
+            try:
+                status = r.status_code
+                data = self._read(r, MAX_TOKEN, f"the token server {realm}") \
+                    if status == 200 else b""
+            finally:
+                r.close()
         except httpx.HTTPError as e:
             raise self._fail(f"token server {realm} unreachable: {e}") from e
-        if r.status_code in (401, 403):
-            raise self._unauthorized(f"the token server said {r.status_code}")
-        if r.status_code != 200:
-            raise self._fail(f"token server {realm} answered {r.status_code}", r.status_code)
+        if status in (401, 403):
+            raise self._unauthorized(f"the token server said {status}")
+        if status != 200:
+            raise self._fail(f"token server {realm} answered {status}", status)
         try:
-            body = r.json()
+            body = json.loads(data)
             token = body.get("token") or body.get("access_token")
-        except ValueError:
+        except (ValueError, AttributeError):
             token = None
         if not isinstance(token, str) or not token:
             raise self._fail(f"token server {realm} gave no token")
@@ -180,8 +235,7 @@ class Registry:
             if self.authz:
                 headers["Authorization"] = self.authz
             try:
-                req = self.client.build_request("GET", url, headers=headers)
-                r = self.client.send(req, stream=True)
+                r = self._open("GET", url, headers=headers)
             except httpx.HTTPError as e:
                 raise self._fail(f"GET {url}: {e}") from e
             if r.status_code == 401 and attempt == 0:
@@ -221,7 +275,11 @@ class Registry:
             if hasattr(content, "seek"):
                 content.seek(0)
             try:
-                r = self.client.request(method, url, headers=h, content=content)
+                r = self._open(method, url, headers=h, content=content)
+                try:
+                    text = self._read(r, MAX_ANSWER, f"{method} {url}", cut=True)
+                finally:
+                    r.close()
             except httpx.HTTPError as e:
                 raise self._fail(f"{method} {url}: {e}") from e
             if r.status_code == 401 and attempt == 0:
@@ -232,7 +290,7 @@ class Registry:
                 raise self._unauthorized(f"{r.status_code} on {method} {url}")
             if r.status_code not in ok:
                 raise self._fail(f"{method} {url}: registry answered {r.status_code} "
-                                 f"{r.text[:300]}", r.status_code)
+                                 f"{text[:300].decode(errors='replace')}", r.status_code)
             return r
         raise AssertionError("unreachable")
 
@@ -264,13 +322,8 @@ class Registry:
     def _small(self, path: str, limit: int, accept: str | None = None) -> tuple[bytes, str]:
         r = self._get(path, accept)
         try:
-            data = bytearray()
-            for chunk in r.iter_bytes():
-                data += chunk
-                if len(data) > limit:
-                    raise InvalidImage(f"{path}: larger than {limit} bytes",
-                                       details={"limit": limit})
-            return bytes(data), r.headers.get("content-type", "").split(";")[0].strip()
+            data = self._read(r, limit, f"GET {path}")
+            return data, r.headers.get("content-type", "").split(";")[0].strip()
         except httpx.HTTPError as e:
             raise self._fail(f"GET {path}: {e}") from e
         finally:
@@ -330,10 +383,21 @@ class Registry:
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             r = self._get(f"blobs/{digest}")
+            span, floor = self.timeout, int(MIN_BLOB_RATE * self.timeout)
+            since, at = time.monotonic(), 0
             try:
                 with os.fdopen(fd, "wb", closefd=False) as f:
-                    for chunk in r.iter_bytes(1 << 20):
+                    # as received (a 1 MiB chunker would wait for 1 MiB however slow), and
+                    # never decoded: a Content-Encoding would be a bomb past every bound
+                    for chunk in r.iter_raw():
                         got += len(chunk)
+                        now = time.monotonic()
+                        if now - since >= span:
+                            if got - at < floor:
+                                raise self._fail(f"blob {digest}: {got - at} bytes in "
+                                                 f"{now - since:.0f} s (at least "
+                                                 f"{MIN_BLOB_RATE} a second)")
+                            since, at = now, got
                         if got > size:
                             raise DigestMismatch(f"blob {digest} is larger than the {size} "
                                                  "bytes its descriptor says",
