@@ -512,3 +512,33 @@ def test_a_content_encoded_answer_is_not_decoded(env: dict[str, Any]) -> None:
     assert grew < 256 << 10, f"the daemon's peak RSS grew by {grew} KiB"
     sent = [h.get("Accept-Encoding") for m, p, h in evil.requests if p.startswith("/v2/bomb")]
     assert sent and all(a == "identity" for a in sent), sent
+
+
+def test_a_layer_larger_than_the_image_bound_is_not_fetched(env: dict[str, Any]) -> None:
+    """A manifest may say a layer is 1 TiB: the blob would be on the node's disk whole before
+    its digest could fail. Past the image bound (CORRAL_IMAGE_MAX_BYTES) it is too_large
+    before anything is fetched."""
+    evil: FakeRegistry = env["evil"]
+    config = b'{"architecture":"amd64","os":"linux","rootfs":{"type":"layers",' \
+             b'"diff_ids":["sha256:' + b"0" * 64 + b'"]}}'
+    digest = "sha256:" + "ab" * 32
+    man = json.dumps({"schemaVersion": 2,
+                      "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                      "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                                 "digest": fx_digest(config), "size": len(config)},
+                      "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+                                  "digest": digest, "size": 1 << 40}]}).encode()
+
+    def zeros(req: Any) -> Answer:
+        return 200, {"Content-Length": str(1 << 40)}, (b"\0" * (1 << 20) for _ in range(256))
+
+    evil.routes.clear()
+    evil.routes.update({
+        "GET /v2/": (200, {}, b"{}"),
+        "GET /v2/huge/manifests/1": (200, {"Content-Type":
+                                           "application/vnd.oci.image.manifest.v1+json"}, man),
+        f"GET /v2/huge/blobs/{fx_digest(config)}": (200, {}, config),
+        f"GET /v2/huge/blobs/{digest}": zeros})
+    r = env["eve"].pull(f"{evil.addr}/huge:1")
+    assert r.json()["error"]["code"] == "too_large", r.text
+    assert not any(p == f"/v2/huge/blobs/{digest}" for _, p, _ in evil.requests)

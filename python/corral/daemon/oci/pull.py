@@ -78,6 +78,10 @@ def pull(ref: Reference, store: LayerStore, limits: unpack.Limits,
             descs.append((registry.check_digest(d["digest"], "layer"), int(d["size"]),
                           str(d.get("mediaType") or unpack.GZIP[0])))
         total = sum(s for _, s, _ in descs)
+        # A blob is on disk whole before its digest can fail: one the image could not hold
+        # once unpacked is not fetched (1/64 over: incompressible data grows a little).
+        if total > limits.max_bytes + limits.max_bytes // 64:
+            raise unpack._too_large(limits)
         emit({"event": "resolved", "reference": str(ref), "digest": digest,
               "layers": len(descs), "total_bytes": total})
         hexes = []
