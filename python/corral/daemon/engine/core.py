@@ -178,8 +178,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
 
     def _blocked_addresses(self) -> list[str]:
         net = self._networking()
-        if net is None:
-            return []
+        if net is None:  # no networked substrate: the settings' list still holds for pulls
+            return os.environ.get("CORRAL_NET_BLOCKED", "").replace(",", " ").split()
         b = net.blocked()
         return [*b["configured"], *b["live"]]
 
