@@ -12,13 +12,20 @@ import re
 import signal
 import stat
 import tarfile
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from corral import Sandbox
-from corral.errors import CorralError, ForbiddenPath, InvalidRequest, TooLarge
+from corral.errors import (
+    CorralError,
+    DirectoryNotEmpty,
+    ForbiddenPath,
+    InvalidRequest,
+    TooLarge,
+)
 from corral.sdk import tarball
 
 import apiclient
@@ -111,6 +118,60 @@ def test_deep_tree_destroy_frees_everything(daemon):
         assert not sb.files.exists("/work/deep")
         assert "ok" in sh(sb, DEEP.format(n=9000))
     assert wait_until(lambda: not (SANDBOXES / sid).exists(), 20.0)
+    assert daemon.proc.poll() is None
+
+
+GROW = """python3 - <<'EOF'
+import os
+os.makedirs('/work/grow', exist_ok=True)
+for p in range(3):
+    if os.fork() == 0:
+        os.chdir('/work/grow')
+        i = 0
+        while i < 50_000_000 and not os.path.exists('/work/stop'):
+            i += 1
+            try:
+                os.close(os.open(f'{p}_{i}', os.O_CREAT | os.O_WRONLY))
+            except OSError:
+                pass
+            if i == 2000:
+                open(f'/work/started{p}', 'w').close()
+        os._exit(0)
+EOF"""
+
+
+def test_a_directory_the_sandbox_keeps_filling_does_not_hold_its_removal(daemon):
+    """A recursive remove of a directory that processes in the sandbox keep filling ends: as
+    soon as it is empty for a moment, or with directory_not_empty. One that never ended held
+    a worker thread of the daemon and, since a destroy waits for the sandbox's file
+    operations, made the sandbox impossible to kill, its TTL included. (A tree made ever
+    deeper ahead of the walk is bounded by the names a removal handles: rust/src/tree.rs.)"""
+    with Sandbox(timeout=600) as sb:
+        sb.exec(GROW, background=True)
+        assert wait_until(lambda: all(sb.files.exists(f"/work/started{p}") for p in range(3)),
+                          60)
+        outcome: list[object] = []
+
+        def remove() -> None:
+            try:
+                sb.files.remove("/work/grow", recursive=True)
+                outcome.append("removed")
+            except CorralError as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=remove, daemon=True)
+        t.start()
+        t.join(90)
+        ended = not t.is_alive()
+        sb.files.write("/work/stop", b"")  # the writers stop: an old daemon's walk ends too
+        t.join(300)
+        assert ended, "the removal did not end while the sandbox kept writing"
+        assert outcome == ["removed"] or isinstance(outcome[0], DirectoryNotEmpty), outcome
+        assert wait_until(lambda: sb.exec("pgrep -c python3 || true").stdout.strip() == "0",
+                          60)
+        if sb.files.exists("/work/grow"):
+            sb.files.remove("/work/grow", recursive=True)
+        assert not sb.files.exists("/work/grow")
     assert daemon.proc.poll() is None
 
 

@@ -604,7 +604,9 @@ pub fn mkdir(root: RawFd, path: &OsStr, parents: bool, mode: u32) -> Result<()> 
         .map_err(|e| FsError::os(OP, &p, e))
 }
 
-pub fn remove(root: RawFd, path: &OsStr, recursive: bool) -> Result<()> {
+/// Remove `path`; `recursive`: with everything under it, failing with `TooMany` past
+/// `max_entries` names (a tree the sandbox keeps growing meanwhile: tree.rs).
+pub fn remove(root: RawFd, path: &OsStr, recursive: bool, max_entries: u64) -> Result<()> {
     const OP: &str = "remove";
     let root = borrow(root)?;
     let p = Norm::new(path)?;
@@ -624,7 +626,13 @@ pub fn remove(root: RawFd, path: &OsStr, recursive: bool) -> Result<()> {
         let top = open_entry(dir.as_fd(), &base).map_err(|e| FsError::os(OP, &p, e))?;
         check_fs_type(top.as_fd(), OP, &p)?;
         drop(top);
-        crate::tree::remove_at(dir.as_fd(), &base).map_err(|e| FsError::os(OP, &p, e))
+        crate::tree::remove_at_bounded(dir.as_fd(), &base, max_entries).map_err(|e| match e {
+            Errno::FBIG => FsError::TooMany {
+                path: p.display(),
+                limit: usize::try_from(max_entries).unwrap_or(usize::MAX),
+            },
+            e => FsError::os(OP, &p, e),
+        })
     } else {
         rfs::unlinkat(&dir, &base, AtFlags::REMOVEDIR).map_err(|e| FsError::os(OP, &p, e))
     }

@@ -616,10 +616,19 @@ fn fs_mkdir(
     Ok(py.detach(|| fs::mkdir(root_fd, &path, parents, mode))?)
 }
 
+/// `max_entries`: a recursive removal that handles more names fails with LayerLimit (None:
+/// no bound, for trees no sandbox writes to any more).
 #[pyfunction]
-#[pyo3(signature = (root_fd, path, recursive = false))]
-fn fs_remove(py: Python<'_>, root_fd: RawFd, path: OsString, recursive: bool) -> PyResult<()> {
-    Ok(py.detach(|| fs::remove(root_fd, &path, recursive))?)
+#[pyo3(signature = (root_fd, path, recursive = false, max_entries = None))]
+fn fs_remove(
+    py: Python<'_>,
+    root_fd: RawFd,
+    path: OsString,
+    recursive: bool,
+    max_entries: Option<u64>,
+) -> PyResult<()> {
+    let max = max_entries.unwrap_or(u64::MAX);
+    Ok(py.detach(|| fs::remove(root_fd, &path, recursive, max))?)
 }
 
 #[pyfunction]

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 
 TAR_MAX_MEMBERS = streams.TAR_MAX_MEMBERS
 TAR_MAX_BYTES = streams.TAR_MAX_BYTES
+# Names a recursive remove handles at most (a snapshot's and a tar's bound). The sandbox can
+# keep growing the tree while the daemon removes it (ever deeper, ahead of the walk); the
+# removal must end, or its thread holds the sandbox's destroy and a worker of the daemon.
+REMOVE_MAX_ENTRIES = 1_000_000
 # What a corrupt or truncated upload raises while it is decompressed and parsed (bzip2 says
 # OSError; the file writes raise CorralErrors, never these).
 _BAD_ARCHIVE = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError, ValueError)
@@ -63,7 +67,7 @@ class RootFiles:
             raise InvalidPath(str(e), details={"path": path}) from None
         except OSError as e:
             raise sandbox_file_error(e, path, self.disk_quota, self.holds_its_share) from None
-        except _core.LayerLimit as e:  # a listing past fs.rs LIST_MAX
+        except _core.LayerLimit as e:  # a listing past fs.rs LIST_MAX, a remove past its bound
             what, limit = e.args
             raise TooLarge(f"{path} has more than {limit} {what}",
                            details={"path": path, "limit": what, "max": limit}) from None
@@ -131,7 +135,7 @@ class RootFiles:
 
     def remove(self, path: str, recursive: bool) -> None:
         check_path(path)
-        self.fs(_core.fs_remove, path, path, recursive)
+        self.fs(_core.fs_remove, path, path, recursive, REMOVE_MAX_ENTRIES)
 
     def rename(self, src: str, dst: str) -> None:
         check_path(src)
