@@ -317,16 +317,6 @@ def test_credentials_go_to_their_registry_only(env: dict[str, Any],
     assert leaked == [], leaked
 
 
-def host_ip() -> str | None:
-    import subprocess
-
-    r = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"],
-                       capture_output=True, text=True)
-    for line in r.stdout.splitlines():
-        return line.split()[3].split("/")[0]
-    return None
-
-
 def test_the_policy_refuses_every_internal_form_of_an_address() -> None:
     """The check itself, for addresses no test should connect to (no packet leaves this
     machine): nothing here connects; "this host's" is found by binding."""
@@ -342,6 +332,8 @@ def test_the_policy_refuses_every_internal_form_of_an_address() -> None:
                "::1", "::", "fe80::1", "fd00:ec2::254", "fd20:ce::254", "fc00::1",
                "::ffff:127.0.0.1", "::ffff:169.254.169.254", "64:ff9b::a9fe:a9fe",
                "2002:7f00:1::", "ff02::1", "198.51.100.7"]
+    from test_images_oci import host_ip  # this host's first global IPv4 address
+
     ip = host_ip()
     if ip is not None:
         refused.append(ip)  # this host's own address: every service listening on all

@@ -251,6 +251,18 @@ pub fn remove_path(path: &CStr) -> rustix::io::Result<()> {
 mod tests {
     use super::*;
 
+    /// The temp directory opened, and the name of `dir` (one of its entries) in it.
+    fn parent_and_name(dir: &std::path::Path) -> (OwnedFd, CString) {
+        let parent = rfs::open(
+            std::env::temp_dir().as_path(),
+            OFlags::DIRECTORY,
+            Mode::empty(),
+        )
+        .unwrap();
+        let name = CString::new(dir.file_name().unwrap().as_encoded_bytes()).unwrap();
+        (parent, name)
+    }
+
     #[test]
     fn removes_a_deep_tree_with_few_fds() {
         let tmp = std::env::temp_dir().join(format!("corral-tree-{}", std::process::id()));
@@ -279,13 +291,7 @@ mod tests {
         for i in 0..100 {
             std::fs::write(tmp.join(format!("f{i}")), b"").unwrap();
         }
-        let parent = rfs::open(
-            std::env::temp_dir().as_path(),
-            OFlags::DIRECTORY,
-            Mode::empty(),
-        )
-        .unwrap();
-        let name = CString::new(tmp.file_name().unwrap().as_encoded_bytes()).unwrap();
+        let (parent, name) = parent_and_name(&tmp);
         assert_eq!(
             remove_at_bounded(parent.as_fd(), &name, 50),
             Err(Errno::FBIG)
@@ -343,13 +349,7 @@ mod tests {
             while !started.load(Ordering::Relaxed) {
                 std::thread::yield_now();
             }
-            let parent = rfs::open(
-                std::env::temp_dir().as_path(),
-                OFlags::DIRECTORY,
-                Mode::empty(),
-            )
-            .unwrap();
-            let name = CString::new(tmp.file_name().unwrap().as_encoded_bytes()).unwrap();
+            let (parent, name) = parent_and_name(&tmp);
             let r = remove_at_bounded(parent.as_fd(), &name, 20_000);
             stop.store(true, Ordering::Relaxed);
             writer.join().unwrap();
