@@ -184,11 +184,20 @@ class FakeImage:
     kind: str = "builtin"
 
 
+class FakeEgress:
+    """The pulls' address policy (corral.daemon.oci.egress): the engine hands it the blocked
+    addresses' source; nothing here pulls."""
+
+    def __init__(self) -> None:
+        self.blocked_source: Any = None
+
+
 class FakeImages:
     """The image store the engine asks for images by name: ``host`` only."""
 
     def __init__(self, state_dir: str) -> None:
         self.state_dir = state_dir
+        self.egress = FakeEgress()
 
     def ensure_host(self) -> FakeImage:
         return FakeImage("host", self.state_dir)
