@@ -4,6 +4,7 @@ daemon is killed. Skipped only when runsc cannot run a sandbox on this host at a
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -244,6 +245,58 @@ def test_disk_limit():
         assert e.value.code == "too_large", e.value.code
         assert box.exec("echo ok > /root/small && cat /root/small").stdout == "ok\n"
 
+
+# Each failed execve makes the sentry log a line naming the path (info level, its boot log):
+# argv[1] execs of a missing path of 4 KiB, then how many failed.
+LOG_FLOOD_PY = """
+import os, sys
+p = "/" + "x" * 250 + ("/" + "y" * 250) * 15
+n = 0
+for _ in range(int(sys.argv[1])):
+    try:
+        os.execv(p, [p])
+    except OSError:
+        n += 1
+print(n)
+"""
+
+
+def _bytes_on(dev: int, top: Path) -> int:
+    """Bytes the files under ``top`` hold on the filesystem ``dev`` (other mounts left out)."""
+    total = 0
+    for dirpath, _, names in os.walk(top):
+        for name in names:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, name))
+                if st.st_dev == dev:
+                    total += st.st_blocks * 512
+    return total
+
+
+def test_the_sentrys_log_is_the_sandboxs_memory_not_the_state_dirs_disk():
+    """The sentry logs a line naming the path of each execve that fails (and each unsupported
+    syscall): a loop of 4 KiB paths wrote ~24 MB a second into the daemon's state dir, bounded
+    by nothing, so one sandbox could fill the host's disk under every sandbox and the daemon.
+    The log is on a tmpfs of its own whose pages are charged to the sentry: 48 MiB of it
+    leave the state dir's disk as it was and count in the sandbox's memory; past its memory
+    limit the sandbox ends as an OOM (its own limit), not lost."""
+    with corral.Sandbox(substrate="gvisor", memory_mb=256, timeout=120) as box:
+        gdir = GVISOR / "sandboxes" / box.id
+        dev = os.stat(STATE_DIR).st_dev
+        usage = Path(f"/sys/fs/cgroup/memory/{CGROUP_NAME}/{box.id}/memory.usage_in_bytes")
+        box.files.write("/tmp/flood.py", LOG_FLOOD_PY)
+        before = int(usage.read_text())
+        r = box.exec(["python3", "/tmp/flood.py", "12288"], timeout=60)
+        assert r.stdout == "12288\n", r
+        on_disk = _bytes_on(dev, gdir)
+        assert on_disk < 4 << 20, f"{on_disk} bytes of the sentry's log on the state dir's disk"
+        assert int(usage.read_text()) - before > 40 << 20  # charged to the sandbox
+        with pytest.raises(SandboxCrashed) as e:
+            for _ in range(30):  # 48 MiB a round: past 256 MiB within a few
+                box.exec(["python3", "/tmp/flood.py", "12288"], timeout=60)
+        assert e.value.details.get("cause") == "oom" and e.value.category == "limit", \
+            e.value.details
+        assert wait_until(lambda: gone(box.id), 15), traces(box.id)
 
 def test_pids_limit_stops_a_fork_bomb():
     """A fork bomb does not get past pids: under gVisor each sandbox process costs the sentry

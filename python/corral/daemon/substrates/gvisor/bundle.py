@@ -103,6 +103,23 @@ def make_root(gdir: str, image: Any, disk_mb: int) -> str:
     return root
 
 
+def make_log_dir(gdir: str, memory_mb: int) -> str:
+    """A tmpfs at ``gdir``/log for the sentry's info log, which the sandbox can make grow
+    without bound (a line naming the path of each failed execve, each unsupported syscall):
+    its pages are charged to the memory cgroup of the sentry that writes them, the
+    sandbox's, so a flood ends the sandbox at its own memory limit (an OOM), never fills the
+    state dir's disk. Sized past that limit, so the limit is reached first and the last
+    line, how the init ended, is never refused for room."""
+    path = os.path.join(gdir, "log")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o",
+                        f"size={2 * memory_mb}m,mode=0700,nosuid,nodev,noexec",
+                        "corral-gvisor-log", path], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise MountError(f"tmpfs on {path}: {r.stderr.strip() or r.returncode}")
+    return path
+
+
 def install_lockdown(path: str) -> None:
     """The lock-down binary and the filter in ``path`` (a directory bound read-only into every
     sandbox), each written whole and renamed into place: a sandbox never sees half a file."""

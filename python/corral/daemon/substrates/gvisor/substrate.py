@@ -103,14 +103,15 @@ _EXITING = "Exiting with status: "
 def _init_status(gdir: str) -> str | None:
     """How the sandbox's init ended, from the sentry's own last log line (``Exiting with
     status: <wait status>``, written only when the init ended: a sentry killed from outside
-    never writes it)."""
-    try:
-        logs = [n for n in os.listdir(gdir) if n.startswith("runsc.log.") and
-                n.endswith(".boot.txt")]
-    except OSError:
-        return None
-    for name in logs:
-        with contextlib.suppress(OSError), open(os.path.join(gdir, name), "rb") as f:
+    never writes it). In ``gdir``/log (bundle.make_log_dir), or ``gdir`` for a sandbox a
+    daemon before it made."""
+    logs = []
+    for d in (os.path.join(gdir, "log"), gdir):
+        with contextlib.suppress(OSError):
+            logs += [os.path.join(d, n) for n in os.listdir(d)
+                     if n.startswith("runsc.log.") and n.endswith(".boot.txt")]
+    for path in logs:
+        with contextlib.suppress(OSError), open(path, "rb") as f:
             f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
             tail = f.read().decode(errors="replace")
             at = tail.rfind(_EXITING)
@@ -185,9 +186,11 @@ class GvisorSubstrate(RootFileOps, Substrate):
                                        self.lockdown))
             logf = os.path.join(gdir, "runsc.log")
             # create + start in one runsc process (one Go start less than two commands). The
-            # sentry logs at info level into the sandbox's dir: how its init ended (end_cause).
+            # sentry logs at info level into a tmpfs charged to it: how its init ended
+            # (end_cause).
+            logs = bundle.make_log_dir(gdir, spec.memory_mb)
             self.runsc.run("run", "--detach", f"--bundle={gdir}", sandbox_id, log=logf,
-                           flags=(f"--debug-log={gdir}/", "--debug-command=boot"))
+                           flags=(f"--debug-log={logs}/", "--debug-command=boot"))
             state = self.runsc.state(sandbox_id)
             pid = int(state["sandbox"]["pid"]) if state else 0
             if pid <= 0:
