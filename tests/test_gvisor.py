@@ -298,6 +298,24 @@ def test_the_sentrys_log_is_the_sandboxs_memory_not_the_state_dirs_disk():
             e.value.details
         assert wait_until(lambda: gone(box.id), 15), traces(box.id)
 
+
+def test_the_file_apis_writes_stay_within_the_memory_limit():
+    """The sandbox's disk is a tmpfs: its pages are memory, and those the daemon writes for
+    the file API are charged to the daemon's memory cgroup, not the sandbox's (the gofer's
+    writes are the sandbox's). Sized by disk_mb alone (10 GiB by default), 1 GiB written
+    through the API into a 64 MiB sandbox held 1 GiB of the host's memory that no limit of the
+    sandbox counted. The tmpfs is at most memory_mb: what the API writes past it is
+    too_large."""
+    with corral.Sandbox(substrate="gvisor", memory_mb=64, timeout=120) as box:
+        chunk = b"x" * (16 << 20)
+        with pytest.raises(CorralError) as e:
+            for i in range(16):  # 256 MiB
+                box.files.write(f"/root/api-{i}", chunk)
+        assert e.value.code == "too_large", e.value
+        held = sum(box.files.stat(f"/root/api-{i}").size for i in range(16)
+                   if box.files.exists(f"/root/api-{i}"))
+        assert held <= 64 << 20, held
+
 def test_pids_limit_stops_a_fork_bomb():
     """A fork bomb does not get past pids: under gVisor each sandbox process costs the sentry
     host tasks in the sandbox's pids cgroup, so at the limit the sandbox ends, reported as

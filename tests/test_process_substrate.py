@@ -224,6 +224,23 @@ def test_disk_limit():
         assert box.exec("echo ok > /tmp/small && cat /tmp/small").stdout == "ok\n"
 
 
+
+def test_the_file_apis_writes_stay_within_the_memory_limit():
+    """/tmp is a tmpfs: its pages are memory, and those the daemon writes for the file API are
+    charged to the daemon's memory cgroup, not the session's. With /tmp sized by disk_mb
+    alone (10 GiB by default), 1 GiB written through the API into a 64 MiB session held 1 GiB
+    of the host's memory that no limit of the session counted. /tmp is at most memory_mb:
+    what the API writes past it is too_large."""
+    with corral.Sandbox(substrate="process", memory_mb=64, timeout=120) as box:
+        chunk = b"x" * (16 << 20)
+        with pytest.raises(CorralError) as e:
+            for i in range(16):  # 256 MiB
+                box.files.write(f"/tmp/api-{i}", chunk)
+        assert e.value.code == "too_large", e.value
+        held = int(box.exec("du -sm /tmp").stdout.split()[0])
+        assert held <= 64, held
+        assert box.exec("echo alive").stdout == "alive\n"
+
 _SPIN = ("python3 -c 'import time, threading\n"
          "def spin():\n"
          "    t = time.monotonic() + 2\n"

@@ -180,7 +180,9 @@ class GvisorSubstrate(RootFileOps, Substrate):
                             sandbox_dir=sdir, cgroup_paths=[self._cgroup(sandbox_id)],
                             extra={"platform": self.runsc.platform})
         try:
-            root = bundle.make_root(gdir, image, spec.disk_mb)
+            # The disk is a tmpfs: memory. What the file API writes there is charged to
+            # the daemon, not the sandbox, so it is at most the sandbox's memory limit.
+            root = bundle.make_root(gdir, image, min(spec.disk_mb, spec.memory_mb))
             bundle.write(os.path.join(gdir, "config.json"),
                          bundle.config(sandbox_id, spec, root, self._cgroup(sandbox_id),
                                        self.lockdown))

@@ -136,7 +136,10 @@ class ProcessSubstrate(RootFileOps, Substrate):
             memory = cgroup.SlotMemory(slots[0])
             memory.set(spec.memory_mb << 20)
             cgroup.set_cpu_quota(slots[0], spec.cpu)
-            cfg = pool.config("session", self.root_dir, view.session_entries(spec.disk_mb, uid),
+            # /tmp is a tmpfs: memory. What the file API writes there is charged to the
+            # daemon, not the session, so it is at most the session's memory limit.
+            tmp_mb = min(spec.disk_mb, spec.memory_mb)
+            cfg = pool.config("session", self.root_dir, view.session_entries(tmp_mb, uid),
                               join, [{"uid": uid, "cgroups": slots[0]}], [], self.settings)
             cfg["hostname"] = spec.hostname or sandbox_id[:63]
             proc, sock = pool.launch()
