@@ -269,6 +269,7 @@ def test_end_cause_reads_the_init_status_without_reaping(how, want):
     import subprocess
     import types
 
+    from corral.daemon.cgroups import OomCount
     from corral.daemon.substrates.base import SandboxRuntime
     from corral.daemon.substrates.container import ContainerSubstrate
 
@@ -287,10 +288,13 @@ def test_end_cause_reads_the_init_status_without_reaping(how, want):
         assert ContainerSubstrate.end_cause(fake, rt) == want  # type: ignore[arg-type]
         # still a zombie for destroy to reap
         assert os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG) is not None
-        # an OOM kill counted since the baseline wins over any status
-        fake.cgroups.oom_kills = lambda _sid: 5
-        rt.extra["oom_base"] = 4
+        # an OOM kill counted since the baseline, at the sandbox's own limit, wins over any
+        # status; one with no sign of its own limit hit is the host's (infra, host_oom)
+        fake.cgroups.oom_kills = lambda _sid: OomCount(5, 7)
+        rt.extra["oom_base"], rt.extra["oom_own_base"] = 4, 6
         assert ContainerSubstrate.end_cause(fake, rt) == {"cause": "oom", "oom_kills": 1}
+        rt.extra["oom_own_base"] = 7
+        assert ContainerSubstrate.end_cause(fake, rt) == {"cause": "host_oom", "oom_kills": 1}
         rt.extra["oom_base"] = 5
         assert ContainerSubstrate.end_cause(fake, rt) is None  # earlier tenants' kills
     finally:

@@ -273,7 +273,8 @@ class Process:
 
     __slots__ = ("pid", "ns_pid", "pidfd", "cmd", "started_at", "t0", "stdout", "stderr",
                  "stdin", "exit_code", "timed_out", "duration", "done", "_timer", "loop",
-                 "_waiters", "init_child", "signal", "oom_killed", "reservation")
+                 "_waiters", "init_child", "signal", "oom_killed", "host_oom",
+                 "reservation")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, child: Spawned,
                  cmd: str | list[str], stdout_fd: int, stderr_fd: int, stdin_fd: int, cap: int,
@@ -292,7 +293,8 @@ class Process:
         self.stdin = Stdin(loop, stdin_fd) if stdin_fd >= 0 else None
         self.exit_code: int | None = None
         self.signal: int | None = None  # the signal that ended it, if one did
-        self.oom_killed = False  # set by the engine from the memory cgroup's OOM counter
+        self.oom_killed = False  # set by the engine from the memory cgroup's OOM counts
+        self.host_oom = False  # the same, an OOM kill from outside the sandbox's own limit
         self.reservation: Any = None  # outputmem.Reservation of a cap above the default
         self.timed_out = False
         self.duration = 0.0

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import abc
 import collections
+import contextlib
 import errno
 import os
 import re
 import signal
 import time
+from typing import NamedTuple
 
 from corral.daemon import kernel
 
@@ -30,6 +32,76 @@ DAEMON_CGROUP = ".daemon"  # the daemon's own cgroup under <name> (never matches
 
 _write = kernel.write_knob  # every cgroup file write and read goes through the kernel seam
 _read = kernel.read_knob
+
+
+# v1: a sandbox's memory+swap limit is its memory limit plus one page, and its swappiness 0.
+# The kernel tries memory+swap first and (6.x) keeps no fail count for it: with both limits
+# equal a charge at the limit fails there, uncounted, and nothing shows that the sandbox's
+# own limit was hit (OomCount.own). One page above, the memory counter (whose fail count is
+# kept) refuses first. Swappiness 0 keeps memory+swap equal to memory (memcg reclaim then
+# swaps nothing), so swap cannot fill the page and make memory+swap refuse first again; it
+# also keeps the "no swap" of memory_mb on hosts with swap.
+MEMSW_SLACK = 4096
+
+
+class OomCount(NamedTuple):
+    """Two counters of a memory cgroup, read before and after a span (a command's run, a
+    sandbox's life): only their differences mean anything (oom_verdict).
+
+    - ``kills``: processes the kernel's OOM killer killed in the cgroup, whichever OOM chose
+      them: its own limit, an ancestor's limit (the daemon's slice, a node's), or the whole
+      host out of memory (the kernel counts a kill in the victim's cgroup whatever the cause).
+    - ``own``: evidence that the cgroup's *own* limit was hit. v2: ``memory.events`` ``oom``
+      (the cgroup, or one below it, at its ``memory.max`` with reclaim failing; an ancestor's
+      OOM counts in the ancestor, not here). v1 has no such count (``memory.oom_control``'s
+      ``under_oom`` and its OOM eventfd are set for every cgroup *below* an ancestor that is
+      out of memory too), so ``own`` is the cgroup's fail counts, ``memory.failcnt`` plus
+      ``memory.memsw.failcnt``: a charge refused at this cgroup's own limit (an ancestor's
+      refusal counts in the ancestor; see MEMSW_SLACK for why the memory counter is the one
+      that refuses). An OOM at its own limit always raises it; it also rises when the
+      cgroup reclaims at its limit without an OOM, so on v1 a kill from outside in a span
+      where the cgroup was also at its own limit counts as its own."""
+
+    kills: int
+    own: int
+
+
+def oom_verdict(before: OomCount | None, after: OomCount | None) -> str | None:
+    """What the OOM kills between two readings were: None (none, or not counted), ``own``
+    (the cgroup's own limit was hit in the span: the sandbox's doing, category limit) or
+    ``host`` (killed by an OOM outside its own limit: the host's or an ancestor's, infra)."""
+    if before is None or after is None or after.kills <= before.kills:
+        return None
+    return "own" if after.own > before.own else "host"
+
+
+def _key_values(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        with contextlib.suppress(ValueError):
+            out[key] = int(value)
+    return out
+
+
+def oom_count_at(path: str, version: int) -> OomCount | None:
+    """The OomCount of the memory cgroup directory ``path`` (None: no such cgroup, or a
+    kernel that counts no OOM kill)."""
+    try:
+        if version == 2:
+            ev = _key_values(_read(os.path.join(path, "memory.events")))
+            return OomCount(ev["oom_kill"], ev.get("oom", 0)) if "oom_kill" in ev else None
+        ctl = _key_values(_read(os.path.join(path, "memory.oom_control")))
+        if "oom_kill" not in ctl:
+            return None
+        own = int(_read(os.path.join(path, "memory.failcnt")))
+    except (OSError, ValueError):
+        return None
+    try:  # swap accounting off: no memsw counter
+        own += int(_read(os.path.join(path, "memory.memsw.failcnt")))
+    except (OSError, ValueError):
+        pass
+    return OomCount(ctl["oom_kill"], own)
 
 
 def _read_pids(path: str) -> list[int]:
@@ -456,15 +528,16 @@ class CgroupManager(abc.ABC):
                 continue
         return 0
 
-    def oom_kills(self, sandbox_id: str) -> int | None:
-        """How many processes the kernel's OOM killer has killed in the sandbox's memory
-        cgroup since the cgroup was made (v2 ``memory.events``; v1 ``memory.oom_control``).
-        A recycled v1 cgroup never has any (recycle_memory discards those); a cgroup kept
-        across a restore in place does, and callers keep a baseline. None when the sandbox
-        has no memory cgroup (yet) or the kernel does not count."""
+    def oom_kills(self, sandbox_id: str) -> OomCount | None:
+        """The OomCount of the sandbox's memory cgroup since the cgroup was made (v2
+        ``memory.events``; v1 ``memory.oom_control`` and the fail counts). A recycled v1
+        cgroup has no kill (recycle_memory discards those) and its fail counts reset; a
+        cgroup kept across a restore in place has both, and callers keep a baseline. The
+        daemon's thrash kills count as kills at the sandbox's own limit. None when the
+        sandbox has no memory cgroup (yet) or the kernel does not count."""
         extra = self.thrash_kills.get(sandbox_id, 0)
-        kills = self._oom_kills_at(os.path.join(self._memcgs, check_id(sandbox_id)))
-        return kills + extra if kills is not None else None
+        count = oom_count_at(os.path.join(self._memcgs, check_id(sandbox_id)), self.version)
+        return OomCount(count.kills + extra, count.own + extra) if count is not None else None
 
     def record_thrash_kill(self, sandbox_id: str) -> None:
         self.thrash_kills[sandbox_id] += 1

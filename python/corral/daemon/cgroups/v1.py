@@ -11,6 +11,7 @@ import time
 from .common import (
     _V1_REQUIRED,
     CFS_PERIOD_US,
+    MEMSW_SLACK,
     CgroupManager,
     _controllers,
     _mounts,
@@ -177,7 +178,8 @@ class CgroupsV1(CgroupManager):
             self.recycler.drain(m)
             _write(m + "/memory.limit_in_bytes", str(mem))
         if self._memsw:  # memsw must be >= limit, so it comes second
-            _write(m + "/memory.memsw.limit_in_bytes", str(mem))
+            _write(m + "/memory.memsw.limit_in_bytes", str(mem + MEMSW_SLACK))
+            _write(m + "/memory.swappiness", "0")  # see MEMSW_SLACK
 
     # ---- recycled cgroups --------------------------------------------------------------------
     def recycle_memory(self, sandbox_id: str) -> bool:

@@ -24,7 +24,8 @@ masks by in brackets, corral.errors):
       because of what ran in the sandbox: an OOM kill in its memory limit, or the init ending
       in a way nothing outside does (``details["cause"]``, see Substrate.end_cause).
   lost -> ``sandbox_lost`` (410, infra): the init died, the daemon did not kill it, and
-      nothing in the sandbox explains it (the host killed it, the node or daemon failed).
+      nothing in the sandbox explains it (the host killed it, the node or daemon failed), or
+      an OOM kill from outside its own memory limit did (``details["cause"]`` ``host_oom``).
   shutdown -> ``daemon_restarted`` (503, infra): the daemon stopped while the call was running.
 """
 from .base import DEFAULT_PATH, MAX_READ_BYTES, Sandbox, _effective_timeout, by_operator, new_id

@@ -43,7 +43,12 @@ _CAUSE_TEXT = {
     "oom": "it ran out of memory (the kernel's OOM killer killed in it)",
     "init_exited": "its init process ended",
     "pids": "it reached its process limit (pids)",
+    "host_oom": "an out-of-memory kill from outside its own memory limit (the host's or an "
+                "enclosing cgroup's) ended it",
 }
+# Causes (Substrate.end_cause) that are the host's doing: the sandbox ends as "lost"
+# (sandbox_lost, infra) with the cause in its details, not as "crashed".
+LOST_CAUSES = frozenset({"host_oom"})
 
 _REASON_TEXT = {
     "killed": "it was killed",
@@ -94,7 +99,7 @@ class Sandbox:
         self.paused_at: float | None = None
         # Set while a snapshot's capture holds the sandbox frozen (Engine.wait_capture).
         self.capturing: asyncio.Future[None] | None = None
-        self.cause: dict[str, Any] | None = None  # reason "crashed": why (end_cause)
+        self.cause: dict[str, Any] | None = None  # reason "crashed" (or "lost"): why (end_cause)
         # The trajectory it was made for (a create keyed "{T}:create", or child i of a fork
         # keyed for one): a kill without its keys is an operator's (Engine.by_operator).
         self.trajectory: str | None = None

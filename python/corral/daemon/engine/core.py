@@ -50,6 +50,7 @@ from .base import (
     _REASON_TEXT,
     CREATE_WORKERS,
     DESTROY_THREADS,
+    LOST_CAUSES,
     TOMBSTONES,
     Sandbox,
     _any_record,
@@ -241,6 +242,10 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         if reason in ("expired", "idle_timeout"):
             return SandboxExpired(text, details=details)
         if reason in ("lost", "network_lost"):
+            lost = (sb.cause if sb is not None else None) or self.causes.get(sid)
+            if lost:  # an infra cause (LOST_CAUSES): a host-wide OOM, say
+                details.update(lost)
+                text = f"sandbox {sid} is not running: {_CAUSE_TEXT[str(lost['cause'])]}"
             return SandboxLost(text, details=details)
         if reason == "shutdown":
             if self.config.node_id:  # a cluster node stops only when it leaves the cluster
@@ -625,6 +630,11 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
                 cause = substrate.end_cause(sb.runtime)
             except Exception:  # noqa: BLE001 - no cause found: lost
                 log.exception("end_cause failed", extra={"sandbox": sb.id})
+        if cause is not None and cause.get("cause") in LOST_CAUSES:
+            log.warning("sandbox lost", extra={"sandbox": sb.id, "cause": cause})
+            sb.cause = cause
+            self._begin_stop(sb, "lost")
+            return
         if cause is not None:
             log.info("sandbox crashed", extra={"sandbox": sb.id, "cause": cause})
             sb.cause = cause
@@ -796,7 +806,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
 
     def _tombstone(self, sid: str, reason: str, cause: dict[str, Any] | None = None) -> None:
         self.tombstones[sid] = reason
-        if reason == "crashed" and cause:
+        if reason in ("crashed", "lost") and cause:
             self.causes[sid] = cause
         else:
             self.causes.pop(sid, None)

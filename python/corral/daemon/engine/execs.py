@@ -10,12 +10,14 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from corral.daemon import procs, users
+from corral.daemon.cgroups.common import OomCount, oom_verdict
 from corral.daemon.substrates.base import Substrate
 from corral.errors import (
     Conflict,
     CorralError,
     CwdNotFound,
     FileNotFound,
+    InfraError,
     InternalError,
     InvalidPath,
     InvalidRequest,
@@ -207,19 +209,25 @@ class ExecOps:
         if not self._alive(sb):
             self._lose(sb)
             raise self._gone(sb.id, sb)
+        _raise_host_oom(sb.id, proc)
 
     @staticmethod
     def _oom_after(substrate: Substrate, runtime: Any, proc: procs.Process,
-                   before: int) -> None:
-        """At the command's exit: did the OOM killer kill in the sandbox while it ran? Read
-        as the exit is seen, so a background command's answer does not depend on when it is
-        waited for. The counter is the sandbox's: an OOM kill of a concurrent command's
-        process counts too."""
+                   before: OomCount) -> None:
+        """At the command's exit: did the OOM killer kill in the sandbox while it ran, and
+        was the sandbox at its own limit then (cgroups.oom_verdict)? Read as the exit is
+        seen, so a background command's answer does not depend on when it is waited for.
+        The counts are the sandbox's: an OOM kill of a concurrent command's process counts
+        too. A kill with no sign of the sandbox's own limit hit (a host-wide OOM, an
+        ancestor cgroup's limit) is not the command's doing: ``host_oom``, answered as an
+        infra error (_raise_host_oom), never as the command's result."""
         try:
             after = substrate.oom_kills(runtime)
         except (OSError, ValueError):
             return
-        proc.oom_killed = after is not None and after > before
+        verdict = oom_verdict(before, after)
+        proc.oom_killed = verdict == "own"
+        proc.host_oom = verdict == "host"
 
     def _keep_proc(self: EngineHost, sb: Sandbox, proc: procs.Process) -> None:
         if sb.procs is None:
@@ -265,6 +273,7 @@ class ExecOps:
         if p.running:
             await self.until_exit(sb, p, timeout)
             await self.after_exit(sb, p)
+        _raise_host_oom(sid, p)
         return self._result(p)
 
     async def until_exit(self: EngineHost, sb: Sandbox, p: procs.Process,
@@ -292,3 +301,17 @@ class ExecOps:
     def signal(self: EngineHost, sid: str, pid: int, sig: int) -> None:
         _, p = self.proc(sid, pid)
         p.killpg(sig)
+
+
+def _raise_host_oom(sid: str, proc: procs.Process) -> None:
+    """A command during which the OOM killer killed in the sandbox while the sandbox was not
+    at its own memory limit (a host-wide OOM, an ancestor cgroup's limit such as the
+    daemon's or a node's): its outcome is the host's doing, so it is an infra error (mask),
+    never an exit code (score). ``details`` keeps what the command's result would have
+    said."""
+    if proc.host_oom:
+        raise InfraError(
+            f"a process of sandbox {sid} was killed by an out-of-memory kill from outside its "
+            f"own memory limit (the host's or an enclosing cgroup's) while the command ran",
+            details={"cause": "host_oom", "id": sid, "pid": proc.ns_pid,
+                     "exit_code": proc.exit_code, "signal": proc.signal})

@@ -11,7 +11,7 @@ from corral.daemon.substrates.base import SandboxRuntime, Substrate
 from corral.errors import CorralError
 from corral.models import STORED, SandboxSpec
 
-from .base import SHUTDOWN_ENDED, TOMBSTONES, Sandbox, log
+from .base import LOST_CAUSES, SHUTDOWN_ENDED, TOMBSTONES, Sandbox, log
 
 if TYPE_CHECKING:  # pragma: no cover
     from .host import EngineHost
@@ -50,7 +50,8 @@ class Recovery:
                 except Exception:  # noqa: BLE001
                     log.exception("destroy of a dead sandbox failed", extra={"sandbox": sid})
                 removal.remove_or_quarantine(os.path.join(self.sandboxes_dir, sid))
-                self._tombstone(sid, "crashed" if cause else "lost", cause)
+                lost = not cause or cause.get("cause") in LOST_CAUSES
+                self._tombstone(sid, "lost" if lost else "crashed", cause)
                 continue
             adopted.append((sid, spec, runtime, substrate, meta))
         # Their networks, all at once per substrate (one rule set); one that cannot be

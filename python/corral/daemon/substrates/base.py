@@ -31,6 +31,7 @@ from corral.errors import Unsupported
 from corral.models import FileEntry, SandboxSpec
 
 if TYPE_CHECKING:
+    from corral.daemon.cgroups.common import OomCount
     from corral.daemon.snapshots import CaptureControl, SnapshotStore
     from corral.daemon.streams import TreeOps
 
@@ -132,13 +133,17 @@ class Substrate(ABC):
     def end_cause(self, runtime: SandboxRuntime) -> dict[str, Any] | None:
         """Why a sandbox whose init died ended, when what ran in it is the cause (its own
         out-of-memory kill, its init crashing): ``{"cause": ...}``, reported as
-        ``sandbox_crashed``. None: the cause is outside the sandbox (``sandbox_lost``).
-        Called before destroy. Default: None."""
+        ``sandbox_crashed``. None: the cause is outside the sandbox (``sandbox_lost``); so is
+        ``{"cause": "host_oom"}`` (engine.base.LOST_CAUSES: an OOM kill from outside its own
+        limit), reported as ``sandbox_lost`` with that cause. Called before destroy.
+        Default: None."""
         return None
 
-    def oom_kills(self, runtime: SandboxRuntime) -> int | None:
-        """How many processes the OOM killer has killed in the sandbox so far (a counter the
-        exec path reads before and after a command: ``ExecResult.oom_killed``). None: not
+    def oom_kills(self, runtime: SandboxRuntime) -> OomCount | None:
+        """The sandbox's OOM counts so far (cgroups.OomCount: the kills, and the evidence of
+        its own limit hit), read by the exec path before and after a command:
+        ``ExecResult.oom_killed`` when its own limit was hit, an infra error (cause
+        ``host_oom``) when a kill came from outside it (cgroups.oom_verdict). None: not
         counted here. Default: None."""
         return None
 

@@ -42,6 +42,7 @@ from corral.daemon import (
     thrash,
     uploads,
 )
+from corral.daemon.cgroups.common import OomCount, oom_verdict
 from corral.daemon.kernel import pidfd_exited as _pidfd_exited
 from corral.daemon.kernel import proc_alive, proc_starttime
 from corral.daemon.network.manager import NetworkManager
@@ -110,6 +111,12 @@ KILL_AHEAD = 64
 # A command refused a process (EAGAIN) with its sandbox this close to its pids limit: the
 # sandbox's own processes fill it (SandboxAtLimit, category limit), not the host.
 PIDS_SLACK = 2
+
+
+def _oom_base(runtime: SandboxRuntime) -> OomCount:
+    """The OOM counts the sandbox's memory cgroup had when it became the sandbox's."""
+    return OomCount(int(runtime.extra.get("oom_base", 0)),
+                    int(runtime.extra.get("oom_own_base", 0)))
 
 
 class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
@@ -792,37 +799,46 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
 
     # ---- why an init died (corral.daemon.engine: sandbox_crashed or sandbox_lost) ----------
     def _oom_baseline(self, sandbox_id: str, extra: dict[str, Any]) -> None:
-        """Remember the OOM kills a (recycled, or restored-in-place) memory cgroup already
-        counts: only later ones are this sandbox's."""
-        kills = self.cgroups.oom_kills(sandbox_id)
-        if kills:
-            extra["oom_base"] = kills
-        else:
-            extra.pop("oom_base", None)
+        """Remember the OOM counts a (recycled, or restored-in-place) memory cgroup already
+        has: only later ones are this sandbox's."""
+        count = self.cgroups.oom_kills(sandbox_id)
+        for key, value in (("oom_base", count.kills if count else 0),
+                           ("oom_own_base", count.own if count else 0)):
+            if value:
+                extra[key] = value
+            else:
+                extra.pop(key, None)
 
-    def oom_kills(self, runtime: SandboxRuntime) -> int | None:
-        """The memory cgroup's OOM kill counter (v2 ``memory.events``, v1
-        ``memory.oom_control``); before the cgroup is made (a lazy one, before the first
-        exec) the baseline it will start from. Only differences mean anything."""
-        kills = self.cgroups.oom_kills(runtime.sandbox_id)
-        if kills is None and not runtime.extra.get("memcg"):
-            return int(runtime.extra.get("oom_base", 0))
-        return kills
+    def oom_kills(self, runtime: SandboxRuntime) -> OomCount | None:
+        """The memory cgroup's OOM counts (cgroups.OomCount); before the cgroup is made (a
+        lazy one, before the first exec) the baseline it will start from. Only differences
+        mean anything."""
+        count = self.cgroups.oom_kills(runtime.sandbox_id)
+        if count is None and not runtime.extra.get("memcg"):
+            return _oom_base(runtime)
+        return count
 
     def end_cause(self, runtime: SandboxRuntime) -> dict[str, Any] | None:
         """Why the sandbox's (dead) init died, when the sandbox itself is the cause; None when
         the cause is outside it. Call before destroy: it reads the memory cgroup and peeks at
         the init's exit status without reaping it.
 
-        - an OOM kill recorded in its memory cgroup: ``{"cause": "oom"}``, whatever killed
-          the init (the OOM killer itself, or the pid namespace going with it);
+        - an OOM kill recorded in its memory cgroup at its own limit: ``{"cause": "oom"}``,
+          whatever killed the init (the OOM killer itself, or the pid namespace going with
+          it);
+        - an OOM kill with no sign of its own limit hit (a host-wide OOM, an ancestor
+          cgroup's limit): ``{"cause": "host_oom"}``, an infra cause (sandbox_lost);
         - the init ended by a signal other than SIGKILL, or exited non-zero: ``{"cause":
           "init_exited", "status": ...}`` (nothing outside does that: the host stops an init
           with SIGKILL, or SIGTERM, on which it exits 0);
         - SIGKILL or exit 0 with no OOM kill: the host's doing, None."""
-        kills = self.cgroups.oom_kills(runtime.sandbox_id)
-        if kills is not None and kills > int(runtime.extra.get("oom_base", 0)):
-            return {"cause": "oom", "oom_kills": kills - int(runtime.extra.get("oom_base", 0))}
+        base = _oom_base(runtime)
+        count = self.cgroups.oom_kills(runtime.sandbox_id)
+        verdict = oom_verdict(base, count)
+        if verdict is not None:
+            assert count is not None
+            return {"cause": "oom" if verdict == "own" else "host_oom",
+                    "oom_kills": count.kills - base.kills}
         try:  # WNOWAIT: destroy still reaps it
             st = kernel.peek_child(runtime.init_pid)
         except (ChildProcessError, OSError):

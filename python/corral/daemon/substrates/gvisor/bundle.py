@@ -12,6 +12,7 @@ import subprocess
 from typing import Any
 
 from corral import _core
+from corral.daemon.cgroups.common import MEMSW_SLACK
 from corral.daemon.initexec import candidates
 from corral.models import SandboxSpec
 
@@ -169,7 +170,10 @@ def config(sandbox_id: str, spec: SandboxSpec, root: str, cgroup: str,
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
             "cgroupsPath": cgroup,
             "resources": {
-                "memory": {"limit": spec.memory_mb << 20, "swap": spec.memory_mb << 20},
+                "memory": {"limit": spec.memory_mb << 20,
+                           # MEMSW_SLACK: the memory counter refuses first, its fail
+                           # count shows the sandbox's own limit hit (end_cause)
+                           "swap": (spec.memory_mb << 20) + MEMSW_SLACK, "swappiness": 0},
                 "pids": {"limit": spec.pids + PIDS_OVERHEAD},
                 "cpu": {"quota": max(1000, int(spec.cpu * CPU_PERIOD_US)),
                         "period": CPU_PERIOD_US},

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from corral.daemon import kernel
+from corral.daemon.cgroups.common import OomCount, oom_count_at, oom_verdict
 from corral.daemon.substrates.base import (
     Capabilities,
     ExecSpec,
@@ -317,8 +318,14 @@ class GvisorSubstrate(RootFileOps, Substrate):
         processes: an OOM kill, or the pids limit refusing the sentry a thread, ends the whole
         sandbox (``oom``, ``pids``)."""
         rel = self._cgroup(runtime.sandbox_id).strip("/")
-        if _counter(rel, ("memory", "memory.oom_control"), "memory.events", "oom_kill"):
+        v2 = os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers"))
+        memcg = os.path.join(CGROUP_ROOT, rel) if v2 else os.path.join(CGROUP_ROOT, "memory", rel)
+        # runsc makes the cgroup per sandbox: every count in it is the sandbox's
+        verdict = oom_verdict(OomCount(0, 0), oom_count_at(memcg, 2 if v2 else 1))
+        if verdict == "own":
             return {"cause": "oom"}
+        if verdict == "host":  # an OOM from outside its own limit (engine.base.LOST_CAUSES)
+            return {"cause": "host_oom"}
         if _counter(rel, ("pids", "pids.events"), "pids.events", "max"):
             return {"cause": "pids"}
         status = _init_status(self._gdir(runtime.sandbox_id))

@@ -22,7 +22,7 @@ import os
 import signal
 import time
 
-from corral.daemon.cgroups.common import _mounts, _read, _write
+from corral.daemon.cgroups.common import MEMSW_SLACK, OomCount, _mounts, _read, _write
 
 ZYGOTE_MEMORY = 2 << 30     # the zygote and its launcher (numpy preloaded: ~60 MB)
 ZYGOTE_PIDS = 16            # launcher, zygote, fork server, children not yet in their slot
@@ -177,8 +177,10 @@ def set_cpu_quota(dirs: dict[str, str], cpus: float) -> None:
 
 class SlotMemory:
     """A slot's memory cgroup, from the daemon's side: the limit, set per request (only when
-    it changes), and the count of OOM kills in it. With ``keep_open`` (run_code's slots, read
-    twice a request) the count's file stays open and is re-read in one pread; ``close`` it."""
+    it changes), and its OOM counts (cgroups.OomCount: the kills in it, and the evidence that
+    its own limit was hit: v2 ``memory.events`` ``oom``, v1 the fail counts). With
+    ``keep_open`` (run_code's slots, read twice a request) the counts' files stay open and
+    are re-read by pread; ``close`` them."""
 
     def __init__(self, dirs: dict[str, str], keep_open: bool = False) -> None:
         self.v2 = "unified" in dirs
@@ -187,7 +189,11 @@ class SlotMemory:
             os.path.join(self.dir, "memory.memsw.limit_in_bytes"))
         self.limit = 1 << 62  # unlimited, as made
         self.events = os.path.join(self.dir, "memory.events" if self.v2 else "memory.oom_control")
-        self.fd = os.open(self.events, os.O_RDONLY | os.O_CLOEXEC) if keep_open else -1
+        # v1: the charges refused at this cgroup's own limit (memory, and memory+swap)
+        self.failcnts = [] if self.v2 else [os.path.join(self.dir, f) for f in (
+            ["memory.failcnt"] + (["memory.memsw.failcnt"] if self.memsw else []))]
+        self.fds = ([os.open(f, os.O_RDONLY | os.O_CLOEXEC) for f in [self.events, *self.failcnts]]
+                    if keep_open else [])
 
     def set(self, nbytes: int) -> None:
         if nbytes == self.limit:
@@ -201,19 +207,29 @@ class SlotMemory:
             if self.memsw:  # memsw >= limit at every step
                 order = (["memory.memsw.limit_in_bytes"] + order if nbytes > self.limit
                          else order + ["memory.memsw.limit_in_bytes"])
+                if self.limit == 1 << 62:  # the first limit: see MEMSW_SLACK
+                    _write(os.path.join(self.dir, "memory.swappiness"), "0")
             for name in order:
-                _write(os.path.join(self.dir, name), str(nbytes))
+                slack = MEMSW_SLACK if name == "memory.memsw.limit_in_bytes" else 0
+                _write(os.path.join(self.dir, name), str(nbytes + slack))
         self.limit = nbytes
 
-    def oom_kills(self) -> int:
-        text = os.pread(self.fd, 4096, 0).decode() if self.fd >= 0 else _read(self.events)
-        for line in text.splitlines():
+    def _texts(self) -> list[str]:
+        if self.fds:
+            return [os.pread(fd, 4096, 0).decode() for fd in self.fds]
+        return [_read(f) for f in [self.events, *self.failcnts]]
+
+    def oom_kills(self) -> OomCount:
+        events, *failcnts = self._texts()
+        counts: dict[str, int] = {}
+        for line in events.splitlines():
             key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-        return 0
+            if key in ("oom_kill", "oom"):
+                counts[key] = int(value)
+        own = counts.get("oom", 0) if self.v2 else sum(int(t) for t in failcnts)
+        return OomCount(counts.get("oom_kill", 0), own)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []

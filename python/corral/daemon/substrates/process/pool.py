@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral.daemon.cgroups.common import oom_verdict
 from corral.daemon.discard import DiscardBudget
 from corral.daemon.substrates.process import cgroup, view, zygote
 from corral.errors import CapacityExceeded, CorralError, InfraError, InvalidRequest
@@ -159,7 +160,7 @@ class SlotState:
     def __init__(self, index: int, dirs: dict[str, str]) -> None:
         self.index = index
         self.memory = cgroup.SlotMemory(dirs, keep_open=True)
-        self.ooms = self.memory.oom_kills()  # the count after the slot's last request
+        self.ooms = self.memory.oom_kills()  # the counts after the slot's last request
         self.warm: Warm | None = None
         self.ready = asyncio.Event()                      # warm is set
         self.done: dict[int, asyncio.Future[dict[str, Any]]] = {}  # by pid
@@ -521,15 +522,21 @@ class Zygote:
         out.read(budgeted=False)
         err.read(budgeted=False)
         truncated = out.truncated or err.truncated
-        ooms = slot.memory.oom_kills()
-        oom = ooms > slot.ooms
+        oom = oom_verdict(slot.ooms, slot.memory.oom_kills())
         if done.done():
             finish()
         else:
             self._later(done, finish, slot, w.pid, ANSWER_GRACE_S if timed_out else None)
+        if oom == "host":
+            # Killed by an OOM outside the slot's own limit (the host's, an ancestor
+            # cgroup's): not the program's doing, whatever its status would have been.
+            raise InfraError("a process of the run_code request was killed by an "
+                             "out-of-memory kill from outside its own memory limit (the "
+                             "host's or an enclosing cgroup's)",
+                             details={"cause": "host_oom", "exit_code": code, "signal": sig})
         if timed_out:
             result = "timeout"
-        elif oom:
+        elif oom == "own":
             result = "memory_exceeded"
         elif truncated:
             result = "output_truncated"

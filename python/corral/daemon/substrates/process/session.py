@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Iterator
 from typing import Any
 
 from corral.daemon import kernel
+from corral.daemon.cgroups.common import OomCount
 from corral.daemon.substrates.base import (
     Capabilities,
     ExecSpec,
@@ -251,7 +252,7 @@ class ProcessSubstrate(RootFileOps, Substrate):
                 with contextlib.suppress(OSError):
                     os.rmdir(t)
 
-    def oom_kills(self, runtime: SandboxRuntime) -> int | None:
+    def oom_kills(self, runtime: SandboxRuntime) -> OomCount | None:
         s = self.sessions.get(runtime.sandbox_id)
         if s is None or s.memory is None:
             return None
