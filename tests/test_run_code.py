@@ -784,6 +784,74 @@ def test_a_timeout_is_the_requests_own_when_its_zygote_is_slow_to_answer():
         assert _started(ep, "bash") == 1
 
 
+def _queued_to(pid: int) -> int:
+    """Bytes waiting in the socket between the daemon and zygote ``pid`` (its end: fd
+    ``sys.argv[-1]`` of the launcher it was forked from), as the kernel's sock_diag says."""
+    fd = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")[-1].decode()
+    inode = os.readlink(f"/proc/{pid}/fd/{fd}").removeprefix("socket:[").rstrip("]")
+    out = subprocess.run(["ss", "-x", "-a", "-n"], capture_output=True, text=True,
+                         check=True).stdout
+    for line in out.splitlines():
+        f = line.split()
+        if len(f) >= 6 and f[5] == inode:  # Netid State Recv-Q Send-Q Local Port ...
+            return int(f[2])
+    raise AssertionError(f"no socket {inode} in ss:\n{out}")
+
+
+def test_a_program_that_ended_before_its_deadline_is_not_a_timeout_when_the_answer_is_late():
+    """The daemon's timer may run before the zygote's word that the program ended has
+    arrived: the program's outcome is then its own, decided by when its fork server reaped
+    it (the zygote's clock, never the program's), not by which message came first. Here the
+    zygote is stopped from the host before a bash request (no early word from the child):
+    the child exits at once, its fork server reaps it, and only once the daemon's timer has
+    run (its kill frame waits in the zygote's socket) does the zygote run again. Before,
+    this was ``timeout``."""
+    cg = f"corral-test-rclate-{os.getpid()}"
+    with private_daemon("corral-test-rclate-", cg, CORRAL_RUNCODE_SLOTS="2",
+                        CORRAL_RUNCODE_ZYGOTES="1") as d:
+        ep = d.socket_path
+        assert corral.run_code("true", language="bash", endpoint=ep).ok
+        (z,) = _zygotes_of(cg + ".runcode")
+        assert _queued_to(z) == 0
+        out: dict[str, object] = {}
+
+        def call() -> None:
+            try:
+                out["r"] = corral.run_code("echo hi; exit 3", language="bash", timeout=2,
+                                           endpoint=ep)
+            except BaseException as e:  # noqa: BLE001 - handed to the test
+                out["r"] = e
+
+        os.kill(z, signal.SIGSTOP)
+        t = threading.Thread(target=call, daemon=True)
+        try:
+            t.start()
+            # the daemon's timer ran: its kill frame waits for the stopped zygote
+            assert wait_until(lambda: _queued_to(z) > 0, 30), "the timer never ran"
+            assert "r" not in out, out  # no answer without the zygote's word
+        finally:
+            os.kill(z, signal.SIGCONT)
+        t.join(30)
+        r = out["r"]
+        assert not isinstance(r, BaseException), r
+        assert (r.status, r.exit_code, r.signal, r.stdout) == ("error", 3, None, "hi\n"), r
+        assert r.duration_s < 2, r
+        # a program still running at its deadline is a timeout, with the zygote stopped too
+        os.kill(z, signal.SIGSTOP)
+        try:
+            t = threading.Thread(target=lambda: out.update(
+                r=corral.run_code("sleep 60", language="bash", timeout=1, endpoint=ep)),
+                daemon=True)
+            t.start()
+            assert wait_until(lambda: _queued_to(z) > 0, 30), "the timer never ran"
+        finally:
+            os.kill(z, signal.SIGCONT)
+        t.join(30)
+        r = out["r"]
+        assert (r.status, r.exit_code, r.signal) == ("timeout", 137, 9), r  # type: ignore[union-attr]
+        assert _started(ep, "bash") == 1  # the zygote was never restarted
+
+
 def test_a_slot_s_files_are_out_of_reach_of_other_requests_whatever_their_modes():
     """A request that opens its working directory and files to everyone (0777, 0666) still
     has them out of reach of a request in another slot: the slot's tmpfs root is the

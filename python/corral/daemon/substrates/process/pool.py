@@ -448,7 +448,7 @@ class Zygote:
                 except ValueError:
                     pass  # nothing (bash, a crash), or not a number: the zygote's word
 
-        timer = loop.call_at(loop.time() + req.timeout, expire)
+        timer: asyncio.TimerHandle | None = None  # armed as the request goes to its process
         finished = False
 
         def finish() -> None:
@@ -457,7 +457,8 @@ class Zygote:
             if finished:
                 return
             finished = True
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
             slot.done.pop(w.pid, None)
             out.unwatch(loop)
             err.unwatch(loop)
@@ -478,7 +479,12 @@ class Zygote:
             os.set_blocking(w.st, False)
             loop.add_reader(w.st, status)
             status_watched = True
+            # The request's own clock starts here: its deadline is t0 + timeout, the instant
+            # its timer kills it (call_later counts from loop.time(), time.monotonic(), read
+            # after t0: never earlier).
             t0 = time.monotonic()
+            deadline = t0 + req.timeout
+            timer = loop.call_later(req.timeout, expire)
             await _write_pipe(w.ctl, payload)
             os.close(w.ctl)
             w.ctl = -1
@@ -496,12 +502,16 @@ class Zygote:
             self._later(done, finish, slot, w.pid)
             raise
         d: dict[str, Any] | None = None
-        if done.done() or timed_out:
+        # Past the deadline (the timer ran, or is due: a python child's word came too late),
+        # whether the process ended in time is the zygote's to say, not the timer's: its
+        # answer may simply arrive after the timer ran.
+        late = timed_out or time.monotonic() > deadline
+        if done.done() or late:
             if not done.done():
                 await asyncio.wait({done}, timeout=ANSWER_GRACE_S)
             if done.done() and done.exception() is None:
                 d = done.result()
-            elif not timed_out:  # the zygote failed it before its own deadline: infra
+            elif not late:  # the zygote failed it before its own deadline: infra
                 finish()
                 raise done.exception()  # type: ignore[misc]
             # Else its own deadline passed: a timeout, whatever its zygote did after (a
@@ -512,10 +522,14 @@ class Zygote:
             code = 128 + sig if sig is not None else os.WEXITSTATUS(st)
             if d.get("broken"):  # a process of the slot would not die: start afresh
                 self.retire(f"slot {si}'s processes would not die")
-        elif timed_out:  # killed at its timeout; the zygote has not said so yet
+            # In time or not by when the process ended: its fork server's clock when it
+            # reaped it (CLOCK_MONOTONIC, the daemon's too), never a time the process could
+            # give. A process killed at its deadline is reaped after it.
+            timed_out = t_exit > deadline
+        elif late:  # killed at its timeout; the zygote has not said so yet
             sig = int(signal.SIGKILL)
-            code, t_exit = 128 + sig, t0 + req.timeout
-        else:
+            code, t_exit, timed_out = 128 + sig, deadline, True
+        else:  # a python child's own word, before its deadline
             code, sig, t_exit = told.result(), None, time.monotonic()
         # What is in the pipes now is all there is: the process has ended (a holder of a
         # copy elsewhere is not waited for; it dies with the slot).
