@@ -368,6 +368,31 @@ def test_kill9_keeps_exec_through_the_init(daemon):
         _running_again(daemon, b)
 
 
+def test_an_adopted_sandbox_s_own_oom_is_still_its_own(daemon):
+    """A sandbox made with memory+swap equal to its memory limit (by a daemon before the
+    one-page slack) keeps no fail count at its own limit; adopted as it is, its own OOM would
+    read as the host's (infra: the agent's failure masked). The adopting daemon gives it the
+    page."""
+    from conftest import CGROUP_NAME
+
+    b = Sandbox(memory_mb=48, timeout=600)
+    try:
+        assert b.exec("true").exit_code == 0  # its memory cgroup exists
+        memcg = Path(f"/sys/fs/cgroup/memory/{CGROUP_NAME}/{b.id}")
+        if not (memcg / "memory.memsw.limit_in_bytes").exists():
+            pytest.skip("no v1 memory+swap accounting here")
+        limit = (memcg / "memory.limit_in_bytes").read_text().strip()
+        (memcg / "memory.memsw.limit_in_bytes").write_text(limit)  # as an older daemon made it
+        daemon.kill9()
+        daemon.start()
+        assert int((memcg / "memory.memsw.limit_in_bytes").read_text()) == int(limit) + 4096
+        again = Sandbox.connect(b.id)
+        r = again.exec(["python3", "-c", "b = []\nwhile True: b.append(bytearray(1 << 20))"])
+        assert (r.oom_killed, r.exit_code) == (True, 137), r
+    finally:
+        _running_again(daemon, b)
+
+
 def _running_again(daemon, *boxes) -> None:
     """Teardown of a restart test: the daemon up again, its sandboxes gone."""
     if daemon.proc is None:

@@ -274,6 +274,11 @@ class CgroupManager(abc.ABC):
         """Make the cgroups of a sandbox created with ``later`` (limits first, then ``pids``
         moved in)."""
 
+    def adopt_limits(self, sandbox_id: str) -> None:
+        """Bring the cgroups of a sandbox a daemon adopts (made by an earlier start, maybe an
+        older version) to the settings this one reads: see CgroupsV1's. v2: nothing to do."""
+        return None
+
     @abc.abstractmethod
     def recycle_memory(self, sandbox_id: str) -> bool:
         """Keep the sandbox's memory cgroup for a later sandbox; False if the caller should

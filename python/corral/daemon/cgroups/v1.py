@@ -181,6 +181,21 @@ class CgroupsV1(CgroupManager):
             _write(m + "/memory.memsw.limit_in_bytes", str(mem + MEMSW_SLACK))
             _write(m + "/memory.swappiness", "0")  # see MEMSW_SLACK
 
+    def adopt_limits(self, sandbox_id: str) -> None:
+        """A sandbox made with memory+swap equal to memory (before MEMSW_SLACK) would show no
+        fail count at its own limit, so its own OOMs would read as the host's (infra): give it
+        the page. Best effort: a memory cgroup not made yet (lazy) gets it when it is made."""
+        if not self._memsw:
+            return
+        m = os.path.join(self._mem, check_id(sandbox_id))
+        try:
+            mem = int(_read(m + "/memory.limit_in_bytes"))
+            if int(_read(m + "/memory.memsw.limit_in_bytes")) < mem + MEMSW_SLACK:
+                _write(m + "/memory.memsw.limit_in_bytes", str(mem + MEMSW_SLACK))
+                _write(m + "/memory.swappiness", "0")
+        except (OSError, ValueError):
+            pass
+
     # ---- recycled cgroups --------------------------------------------------------------------
     def recycle_memory(self, sandbox_id: str) -> bool:
         return self.recycler.recycle(sandbox_id)

@@ -523,6 +523,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         runtime.pidfd = fd
         if self.cpu_placer is not None:
             self.cpu_placer.hold(runtime.sandbox_id, runtime.extra.get("cpus"))
+        self.cgroups.adopt_limits(runtime.sandbox_id)
         self._live[runtime.sandbox_id] = (pid, runtime.init_starttime)
         return True
 
