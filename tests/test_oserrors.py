@@ -113,3 +113,11 @@ def test_a_process_that_cannot_start_otherwise_is_internal():
     e = oserrors.start_error(err(errno.ENOEXEC), "cannot start the process")
     assert type(e) is InternalError and e.details["errno"] == errno.ENOEXEC
     assert type(oserrors.start_error(RuntimeError("x"), "w")) is InternalError
+
+
+@pytest.mark.parametrize("n", sorted(oserrors.DISK_FULL))
+def test_the_daemons_full_disk_at_the_api_is_capacity(n):
+    # A sandbox's full disk is mapped where its files are written; at the API layer a full
+    # disk is the daemon's own (a snapshot's layer, a request body): infra, never the task's.
+    e = oserrors.request_error(err(n, "/var/lib/corral/layers/x"))
+    assert type(e) is CapacityExceeded and e.infra and e.details["disk"] == "state_dir"

@@ -143,6 +143,12 @@ def request_error(e: OSError) -> CorralError:
     use (a path it may not read, a special file); the daemon's own limits stay infra."""
     if e.errno in DAEMON_LIMITS:
         return InternalError(f"{e.strerror or e}", details={"errno": e.errno})
+    if e.errno in DISK_FULL:
+        # A sandbox's full disk is mapped where its files are written (sandbox_file_error);
+        # one that reaches here is the daemon's own disk (a layer, a body, an image being
+        # stored): the platform's, whoever's request it was.
+        return CapacityExceeded(f"the daemon's disk is full: {e.strerror or e}",
+                                details={"errno": e.errno, "disk": "state_dir"})
     err = host_file_error(e, getattr(e, "filename", None) or "")
     if isinstance(err, InternalError):  # EIO, ENXIO, ...: the input named an unusable file
         return InvalidRequest(f"{e.strerror or e}", details={"errno": e.errno})
