@@ -24,6 +24,10 @@ MAX_BOUND_SETS = 100_000
 # Records journaled and not yet in the database beyond which calls wait for the ingester (a
 # disk slower than the calls): memory stays bounded, the journal does not outrun SQLite.
 MAX_PENDING = 50_000
+# ...or bytes of them: an exec's entry carries up to output_cap characters of each stream
+# (JSON: up to ~12 MiB for 1 Mi characters each), and 48 commands flooding their output grew
+# the daemon by ~450 MiB of entries the ingester (nice 19) had not taken yet.
+MAX_PENDING_BYTES = 64 << 20
 
 log = logging.getLogger("corral.trajlog")
 
@@ -118,6 +122,7 @@ class _Base:
         # _now: someone waits (a barrier), do not gather for flush_s.
         self._mu = threading.Lock()
         self._pending: list[_Line | _Control] = []
+        self._pending_bytes = 0  # journal bytes of the lines in _pending (under _mu)
         self._wake = threading.Event()
         self._now = threading.Event()
         # Entries that bind an idempotency key, journaled and not yet ingested: (scope, key)
@@ -151,9 +156,9 @@ class _Base:
                       "journal_bytes": 0, "ingest_us": 0, "ingest_cpu_us": 0,
                       "ingest_errors": 0}
 
-    def _connect(self, autocheckpoint: int = 4000) -> sqlite3.Connection:
+    def _connect(self, autocheckpoint: int = 4000, cached: int = 128) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
-                               timeout=30)
+                               timeout=30, cached_statements=cached)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self.sync}")
         conn.execute(f"PRAGMA wal_autocheckpoint={autocheckpoint}")
@@ -182,6 +187,7 @@ class _Base:
         with self._mu:
             first = not self._pending
             self._pending.append((n, kind, fields, slot))
+            self._pending_bytes += len(data)
         if first:
             self._wake.set()
         return n
@@ -192,6 +198,16 @@ class _Base:
         self._wake.set()
         if now:
             self._now.set()
+
+    def _behind(self) -> bool:
+        """A call that journaled waits for the ingester (``flushed``): always with
+        ``sync=full``, else when it is ``_backlogged``."""
+        return self._full or self._backlogged()
+
+    def _backlogged(self) -> bool:
+        """What the ingester has not taken is past MAX_PENDING lines or MAX_PENDING_BYTES (a
+        disk, or an ingester, slower than the calls)."""
+        return len(self._pending) > MAX_PENDING or self._pending_bytes > MAX_PENDING_BYTES
 
     async def flushed(self) -> None:
         """Return once everything journaled so far is in the database (a reader of the log

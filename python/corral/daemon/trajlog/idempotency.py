@@ -19,7 +19,7 @@ from corral.errors import (
     error_from_payload,
 )
 
-from .base import MAX_BOUND_SETS, MAX_PENDING, SnapIds, _Start
+from .base import MAX_BOUND_SETS, SnapIds, _Start
 from .keys import (
     INTERRUPTED,
     KEY_HEADER,
@@ -196,6 +196,8 @@ class Idempotency(Writer):
                 pass  # the log is closed: its started row is interrupted at the next open
             raise
         start = self._close_start(c)
+        while self._backlogged():  # before its copy is made: calls ending together (a
+            await self.flushed()   # flood of big outputs) add at most the bound between them
         result = to_log(value) if to_log is not None else value
         scope = sid  # a create's key is bound globally (scope ""), its entry is the new id's
         if op == "create" and isinstance(result, dict):
@@ -206,7 +208,7 @@ class Idempotency(Writer):
             await self._wait_hold_file()
         self._write_entry(sid, op, request, result, None, started, clock.time(), key, fp, ids,
                           start, scope, c.req_text)
-        if self._full or len(self._pending) > MAX_PENDING:
+        if self._behind():
             await self.flushed()
         return value
 

@@ -23,7 +23,7 @@ from .schema import (
 )
 
 # The ingester thread's nice value (Linux: per thread): on a busy machine it yields to the
-# calls it trails; MAX_PENDING bounds how far behind that lets it fall.
+# calls it trails; MAX_PENDING(_BYTES) bounds how far behind that lets it fall.
 INGEST_NICE = 10
 # After a failed ingest (the records stay in the journal and in memory), the next try.
 INGEST_RETRY_S = 1.0
@@ -92,11 +92,14 @@ class Ingester(_Base):
                 time.sleep(0.01)  # tests only: journaled, not ingested
             with self._mu:
                 batch, self._pending = self._pending, []
+                self._pending_bytes = 0  # the batch is bounded by what the calls waited for
             if batch:
                 if not self._ingest(conn, batch):
                     lines = [it for it in batch if type(it) is tuple]
                     with self._mu:  # again, ahead of anything newer (the journal has them)
                         self._pending[:0] = lines
+                        self._pending_bytes += sum(len(f) for it in lines for f in it[2]
+                                                   if isinstance(f, str))
                     if self._closing:
                         return  # the next start ingests them from the journal
                     self._now.wait(INGEST_RETRY_S)

@@ -13,7 +13,7 @@ from corral.daemon.journal import Journal
 from corral.daemon.locks import try_lock
 from corral.errors import InternalError
 
-from .base import MAX_PENDING, PRUNE_EVERY_S, _committed, _Control, _Start
+from .base import PRUNE_EVERY_S, _committed, _Control, _Start
 from .ingest import Ingester
 from .keys import INTERRUPTED, STARTED, _dumps, _plain, interrupted_error
 from .schema import _SANDBOX_SEQS, _SCHEMA, _STARTED_INDEX, LOCK_NAME, _index_tail, _meta, _migrate
@@ -38,7 +38,11 @@ class Writer(Ingester):
         self._lock = lock
         journal = Journal(self.state_dir)
         # The ingester's connection; it checkpoints by itself every CHECKPOINT_EVERY records.
-        conn = self._connect(autocheckpoint=0)
+        # No statement cache: a cached statement keeps the copies of the values last bound
+        # to it (sqlite3_reset keeps bindings), and the entries' INSERTs bind up to 512
+        # results of up to ~12 MiB each (1 Mi characters an output, JSON): 48 commands
+        # printing binary kept ~450 MiB of them alive. A prepare costs microseconds a batch.
+        conn = self._connect(autocheckpoint=0, cached=0)
         try:
             conn.executescript(_SCHEMA)
             _migrate(conn)
@@ -140,8 +144,8 @@ class Writer(Ingester):
 
     async def _settled(self) -> None:
         """After journaling on a call's path: wait for the ingester only when asked to
-        (``sync=full``) or when it is far behind (MAX_PENDING)."""
-        if self._full or len(self._pending) > MAX_PENDING:
+        (``sync=full``) or when it is far behind (``_behind``)."""
+        if self._behind():
             await self.flushed()
 
     def sandbox_created(self, sid: str, spec: dict[str, Any], created_at: float) -> None:
