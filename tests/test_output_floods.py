@@ -8,6 +8,7 @@ it stops the daemon reading (procs.FOLLOW_HIGH), so nothing piles up in between.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -39,9 +40,15 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / 100
 
 
-def _rss_mib(pid: int) -> float:
+def _rss_mib(pid: int, field: str = "VmRSS") -> float:
     with open(f"/proc/{pid}/status") as f:
-        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) / 1024
+        return next(int(ln.split()[1]) for ln in f if ln.startswith(field + ":")) / 1024
+
+
+def _anon_mib(pid: int) -> float:
+    """The daemon's anonymous memory (its RSS less the files it maps: the trajectory log's
+    journal, which a tmpfs state dir would count)."""
+    return _rss_mib(pid, "RssAnon")
 
 
 def test_output_past_the_cap_is_read_at_a_bounded_rate(sb):
@@ -165,14 +172,15 @@ _BINARY = ("head -c 4M /dev/zero | tr '\\0' '\\1'; "
            "head -c 4M /dev/zero | tr '\\0' '\\377' >&2")
 
 
-def _peak_rss_while(pid: int, work: Callable[[], T]) -> tuple[T, float]:
+def _peak_rss_while(pid: int, work: Callable[[], T],
+                    rss: Callable[[int], float] = _rss_mib) -> tuple[T, float]:
     """``work()``'s result and the daemon's highest RSS seen while it ran (sampled)."""
     peak = [0.0]
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], _rss_mib(pid))
+            peak[0] = max(peak[0], rss(pid))
             done.wait(0.01)
 
     t = threading.Thread(target=sample)
@@ -275,34 +283,56 @@ def test_reading_a_big_log_costs_the_daemon_a_page_not_the_log(sb, daemon):
     assert last["view_truncated"] is True and last["exit_code"] == 0
 
 
-def test_big_output_caps_are_promised_from_a_bounded_pool():
-    """Commands asking for a cap above the default reserve it (both streams) from the
-    daemon's pool for such output (CORRAL_OUTPUT_MEMORY_MB, here 600 MiB) before they start:
-    a second 256 MiB command while one runs is refused capacity_exceeded (infra) and runs
-    nothing, commands with the default cap still run, and the pool is whole again once a
-    result is made, a background command's output forgotten, or its sandbox gone. Without
-    the pool, eight such commands at once held 2.4 GB of the daemon's memory."""
-    from corral.errors import CapacityExceeded
-    from corral.models import MAX_OUTPUT_BYTES
+_FLOOD = ("head -c 8M /dev/zero | tr '\\0' '\\1'; "
+          "head -c 8M /dev/zero | tr '\\0' '\\377' >&2")
+
+
+def _flood_ok(r: corral.ExecResult) -> None:
+    assert r.exit_code == 0, r
+    assert r.truncated and r.stdout_bytes == r.stderr_bytes == 8 * MIB, r
+    assert r.stdout == "\x01" * (4 * MIB), (len(r.stdout), r.stdout[:10])
+    assert r.stderr == "\ufffd" * (4 * MIB), (len(r.stderr), r.stderr[:10])
+
+
+def test_an_output_flood_holds_the_daemons_memory_to_its_pool(monkeypatch):
+    """Sandboxes all printing 8 MiB of binary to each stream at once, the default cap: the
+    daemon keeps each stream's first 64 KiB and what its pool (CORRAL_OUTPUT_MEMORY_MB, here
+    32 MiB) takes in memory, the rest in spill files, and its trajectory log lets go of its
+    copies once written. Every result is byte-exact with the same truncation, and a command
+    with a cap far above the pool is not refused. Before, each command cost the daemon ~16
+    MiB (48 at once: +0.8-1.1 GB), big caps were refused past the pool, and the log's
+    ingester kept ~450 MiB of written entries alive. ``CORRAL_TEST_OLD_CODE``: a source tree
+    to run the daemon from (checking that this test fails on it)."""
+    from corral.daemon import outputmem
 
     from conftest import CGROUP_NAME, private_daemon
 
-    big = MAX_OUTPUT_BYTES
+    if os.environ.get("CORRAL_TEST_OLD_CODE"):
+        monkeypatch.setenv("PYTHONPATH", os.environ["CORRAL_TEST_OLD_CODE"])
+    n = 32
     with private_daemon("corral-test-outmem-", f"{CGROUP_NAME}-outmem",
-                        CORRAL_OUTPUT_MEMORY_MB="600") as d:
+                        CORRAL_OUTPUT_MEMORY_MB="32") as d:
         ep = f"unix://{d.socket_path}"
-        with corral.Sandbox(endpoint=ep, timeout=300) as box:
-            bg = box.exec("echo started; sleep 600", background=True, max_output_bytes=big)
-            with pytest.raises(CapacityExceeded) as e:
-                box.exec("touch /tmp/ran", max_output_bytes=big)
-            assert e.value.infra and e.value.details["requested"] == 2 * (big - 4 * MIB)
-            assert box.exec("test -e /tmp/ran").exit_code == 1  # refused before it ran
-            assert box.exec("head -c 5M /dev/zero | wc -c").stdout == "5242880\n"  # default
-            bg.kill()
-            bg.wait(timeout=30)
-            with pytest.raises(CapacityExceeded):  # still kept: its output may be read
-                box.exec("true", max_output_bytes=big)
-        with corral.Sandbox(endpoint=ep, timeout=300) as box:  # the first sandbox is gone
-            for _ in range(3):  # each result made gives its promise back
-                r = box.exec("head -c 6M /dev/zero | tr '\\0' x", max_output_bytes=big)
-                assert len(r.stdout) == 6 * MIB
+        pid = d.proc.pid
+        boxes = corral.Sandbox.create_many(n, endpoint=ep, timeout=300)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(n) as pool:
+                before = _anon_mib(pid)
+                results, peak = _peak_rss_while(pid, lambda: list(
+                    pool.map(lambda sb: sb.exec(_FLOOD, timeout=240), boxes)), _anon_mib)
+            for r in results:
+                _flood_ok(r)
+            # The pool, the floors, up to 2 x 64 MiB of log entries not yet written, a few
+            # answers and log entries being encoded: ~230 MiB; before, ~16 MiB a command.
+            floors = 2 * n * outputmem.FLOOR / MIB
+            assert peak - before < 32 + floors + 128 + 136, (before, peak)
+            for sb in boxes[:2]:  # the log has them all: its ingester is done with them
+                assert sb.log()
+            after = _anon_mib(pid)
+            assert after - before < 64, (before, after)
+            big = boxes[0].exec("head -c 40M /dev/zero | tr '\\0' z; echo end >&2",
+                                max_output_bytes=64 * MIB, timeout=120)
+            assert big.exit_code == 0 and not big.truncated, big
+            assert big.stdout == "z" * (40 * MIB) and big.stderr == "end\n"
+        finally:
+            corral.Sandbox.kill_many(boxes)

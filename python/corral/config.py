@@ -54,10 +54,14 @@ class Config:
     max_sandboxes: int = field(
         default_factory=lambda: int(_env("CORRAL_MAX_SANDBOXES", "0")))
     capacity_bound_by: str = "config"  # what set max_sandboxes (set with it when derived)
-    # Memory promised to commands' output above the default cap, all commands together
-    # (corral.daemon.outputmem); 0 (the default): a quarter of the host's memory.
+    # Memory for commands' output past each stream's first 64 KiB, all commands together
+    # (corral.daemon.outputmem); 0 (the default): a quarter of the host's memory. Past it
+    # output goes to spill files in the state dir, at most output_disk_mb (0: a quarter of
+    # the state dir's free space at start).
     output_memory_mb: int = field(
         default_factory=lambda: int(_env("CORRAL_OUTPUT_MEMORY_MB", "0")))
+    output_disk_mb: int = field(
+        default_factory=lambda: int(_env("CORRAL_OUTPUT_DISK_MB", "0")))
     reaper_interval_s: float = field(
         default_factory=lambda: float(_env("CORRAL_REAPER_INTERVAL", "0.5")))
     # Trajectory log (docs/trajectory.md): on/off, retention of ended sandboxes' logs, the

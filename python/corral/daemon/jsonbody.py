@@ -11,7 +11,10 @@ Here a body whose strings add up to more than ``BIG`` characters is an async ite
 strings are cut into slices of ``SLICE`` characters, each encoded on its own (the same text
 ``json.dumps`` makes), gathered into pieces of about ``PIECE`` bytes and written as the client
 reads them (aiohttp awaits the transport's drain), with the event loop let go between pieces.
-A response then costs the daemon the result it answers plus a few hundred KiB.
+A response then costs the daemon the result it answers plus a few hundred KiB. An output too
+big to be a str (``outputmem.OutputText``: kept past its first 64 KiB, in memory or a spill
+file) is read and decoded slice by slice as it is written, so it is never whole in memory
+as text either.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.payload import AsyncIterablePayload
 
+from corral.daemon.outputmem import OutputText
+
 SLICE = 1 << 16   # characters of a string encoded at once (at most 6x that in bytes)
 PIECE = 1 << 18   # bytes gathered before one write
 BIG = 1 << 18     # characters of strings in a body past which it is written in pieces
@@ -32,20 +37,23 @@ _encode_str = json.encoder.encode_basestring_ascii
 
 
 def text_size(obj: Any, limit: int = BIG) -> int:
-    """The characters in ``obj``'s strings (keys too), counted until past ``limit``."""
+    """The characters in ``obj``'s strings (keys too), counted until past ``limit``; an
+    OutputText counts as past it (it is always written in pieces)."""
     if isinstance(obj, str):
         return len(obj)
+    if isinstance(obj, OutputText):
+        return limit + 1
     total = 0
     if isinstance(obj, dict):
         for k, v in obj.items():
             total += len(k) if isinstance(k, str) else 0
-            total += text_size(v, limit - total) if isinstance(v, (str, dict, list, tuple)) \
-                else 0
+            total += text_size(v, limit - total) \
+                if isinstance(v, (str, dict, list, tuple, OutputText)) else 0
             if total > limit:
                 break
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            if isinstance(v, (str, dict, list, tuple)):
+            if isinstance(v, (str, dict, list, tuple, OutputText)):
                 total += text_size(v, limit - total)
                 if total > limit:
                     break
@@ -62,6 +70,12 @@ def pieces(obj: Any) -> Iterator[str]:
         yield '"'
         for i in range(0, len(obj), SLICE):
             yield _encode_str(obj[i:i + SLICE])[1:-1]
+        yield '"'
+    elif isinstance(obj, OutputText):
+        yield '"'
+        for text in obj.slices():
+            for i in range(0, len(text), SLICE):
+                yield _encode_str(text[i:i + SLICE])[1:-1]
         yield '"'
     elif isinstance(obj, dict):
         yield "{"

@@ -30,6 +30,7 @@ from typing import Any
 
 from corral.daemon import kernel
 from corral.daemon.discard import DiscardBudget
+from corral.daemon.outputmem import FLOOR, Kept, OutputMemory, OutputText
 from corral.daemon.substrates.base import ExecSpec, SandboxRuntime, Spawned, Substrate
 from corral.errors import Conflict
 
@@ -46,18 +47,19 @@ EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
 class Capture:
-    """One output stream read from the loop: kept up to ``cap`` bytes, counted to the end.
-    What it does not keep (sent to a follower or thrown away) is read within the loop's
-    DiscardBudget; ``hold`` stops reading (the writer then waits on its full pipe) until every
-    holder has let go."""
+    """One output stream read from the loop: kept up to ``cap`` bytes (outputmem: in memory,
+    past its pool in a spill file), counted to the end. What it does not keep (sent to a
+    follower or thrown away) is read within the loop's DiscardBudget; ``hold`` stops reading
+    (the writer then waits on its full pipe) until every holder has let go."""
 
-    __slots__ = ("fd", "buf", "cap", "total", "listeners", "decoder", "loop", "keep", "sha",
+    __slots__ = ("fd", "kept", "cap", "total", "listeners", "decoder", "loop", "keep", "sha",
                  "holds")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, cap: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, cap: int,
+                 store: OutputMemory | None = None) -> None:
         self.loop = loop
         self.fd = fd
-        self.buf = bytearray()
+        self.kept = Kept(store)
         self.cap = cap
         self.total = 0
         self.keep = True           # False once the command is done: read only to avoid SIGPIPE
@@ -69,7 +71,7 @@ class Capture:
 
     @property
     def truncated(self) -> bool:
-        return self.total > len(self.buf)
+        return self.total > len(self.kept)
 
     def hold(self, who: object) -> None:
         """Stop reading until ``who`` (and every other holder) releases it."""
@@ -89,7 +91,7 @@ class Capture:
     def _past_cap(self) -> bool:
         """The next read is not kept: the stream is past its cap, or its command is done.
         (A follower may still get it: what one is sent past the cap is in the budget too.)"""
-        return not self.keep or len(self.buf) >= self.cap
+        return not self.keep or len(self.kept) >= self.cap
 
     def _read(self, budgeted: bool = True) -> bool:
         """One read; False when nothing more is readable right now (or at EOF), or when what
@@ -110,19 +112,18 @@ class Capture:
             DiscardBudget.of(self.loop).spend(len(data))
         else:
             self.total += len(data)
-            room = self.cap - len(self.buf)
-            if room >= len(data):
-                self.buf += data
-            else:  # past the cap: keep hashing what is dropped (trajectory log)
-                if room > 0:
-                    self.buf += data[:room]
-                    data_rest = data[room:]
-                else:
-                    data_rest = data
+            kept = self.kept
+            room = self.cap - len(kept)
+            n = kept.add(data if room >= len(data) else data[:room]) if room > 0 else 0
+            if n < len(data):  # past the cap: keep hashing what is dropped (trajectory log)
+                if n < room:  # nothing more can be kept (outputmem): as if at its cap
+                    self.cap = len(kept)
                 if self.sha is None:
-                    self.sha = hashlib.sha256(self.buf)
-                self.sha.update(data_rest)
-                DiscardBudget.of(self.loop).spend(len(data_rest))
+                    self.sha = hashlib.sha256()
+                    for chunk in kept.chunks():
+                        self.sha.update(chunk)
+                self.sha.update(data[n:] if n else data)
+                DiscardBudget.of(self.loop).spend(len(data) - n)
             if self.listeners:
                 text = self.decoder.decode(data)
                 if text:
@@ -140,30 +141,48 @@ class Capture:
             if self.fd < 0 or not self._read(budgeted=False):
                 break
 
-    def subscribe(self, cb: Callable[[str], None]) -> str:
+    def subscribe(self, cb: Callable[[str], None]) -> str | OutputText:
         """Start delivering decoded text to ``cb``; return what was buffered so far."""
         if self.decoder is None:
             self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-            # Bytes read before anyone streamed were not fed to the decoder: replay them now.
-            self.decoder.decode(bytes(self.buf))
+            # Bytes read before anyone streamed were not fed to the decoder: its state is
+            # their unfinished last character (at most 3 bytes), which their last 4 set.
+            self.decoder.decode(self.kept.tail(4))
         if self.listeners is None:
             self.listeners = []
         self.listeners.append(cb)
         pending = len(self.decoder.getstate()[0])
-        return bytes(self.buf[: len(self.buf) - pending]).decode("utf-8", "replace")
+        return self._text(len(self.kept) - pending)
 
     def unsubscribe(self, cb: Callable[[str], None]) -> None:
         if self.listeners and cb in self.listeners:
             self.listeners.remove(cb)
 
-    def text(self) -> str:
-        return self.buf.decode("utf-8", "replace")
+    def text(self) -> str | OutputText:
+        """What it kept, as text: a str when small, else read from the kept bytes as it is
+        written (OutputText), never held whole."""
+        return self._text(len(self.kept))
+
+    def _text(self, size: int) -> str | OutputText:
+        kept = self.kept
+        if kept.fd < 0 and size <= FLOOR:
+            return kept.head[:size].decode("utf-8", "replace")
+        return OutputText(kept, size)
 
     def sha256(self) -> str:
         """Hex sha256 of everything the stream produced (not only the kept part)."""
-        if self.sha is None and not self.buf:
+        if self.sha is not None:
+            return str(self.sha.hexdigest())
+        if not len(self.kept):
             return EMPTY_SHA256  # most streams of most commands: no hashing per exec
-        return (self.sha or hashlib.sha256(self.buf)).hexdigest()
+        h = hashlib.sha256()
+        for chunk in self.kept.chunks():
+            h.update(chunk)
+        return h.hexdigest()
+
+    def forget(self) -> None:
+        """Let go of what it kept (given back once no answer still reads it)."""
+        self.kept = Kept(None)
 
     def finish(self) -> None:
         """The command is done: stop buffering, keep draining to EOF."""
@@ -273,12 +292,11 @@ class Process:
 
     __slots__ = ("pid", "ns_pid", "pidfd", "cmd", "started_at", "t0", "stdout", "stderr",
                  "stdin", "exit_code", "timed_out", "duration", "done", "_timer", "loop",
-                 "_waiters", "init_child", "signal", "oom_killed", "host_oom",
-                 "reservation")
+                 "_waiters", "init_child", "signal", "oom_killed", "host_oom")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, child: Spawned,
                  cmd: str | list[str], stdout_fd: int, stderr_fd: int, stdin_fd: int, cap: int,
-                 timeout: float | None) -> None:
+                 timeout: float | None, store: OutputMemory | None = None) -> None:
         self.loop = loop
         # Our own child, or someone else's (the init's), whose pidfd we are handed.
         self.init_child = not child.own_child
@@ -288,14 +306,13 @@ class Process:
         self.cmd = cmd
         self.started_at = time.time()
         self.t0 = time.monotonic()
-        self.stdout = Capture(loop, stdout_fd, cap)
-        self.stderr = Capture(loop, stderr_fd, cap)
+        self.stdout = Capture(loop, stdout_fd, cap, store)
+        self.stderr = Capture(loop, stderr_fd, cap, store)
         self.stdin = Stdin(loop, stdin_fd) if stdin_fd >= 0 else None
         self.exit_code: int | None = None
         self.signal: int | None = None  # the signal that ended it, if one did
         self.oom_killed = False  # set by the engine from the memory cgroup's OOM counts
         self.host_oom = False  # the same, an OOM kill from outside the sandbox's own limit
-        self.reservation: Any = None  # outputmem.Reservation of a cap above the default
         self.timed_out = False
         self.duration = 0.0
         self._waiters: list[Callable[[], None]] | None = None
@@ -400,22 +417,15 @@ class Process:
 
     def kept_bytes(self) -> int:
         """The output it keeps for a later wait or stream."""
-        return len(self.stdout.buf) + len(self.stderr.buf)
+        return len(self.stdout.kept) + len(self.stderr.kept)
 
     def pipes_open(self) -> bool:
         return self.stdout.fd >= 0 or self.stderr.fd >= 0
 
     def forget_output(self) -> None:
-        """Drop what was kept of its output (the result has it)."""
-        self.stdout.buf = bytearray()
-        self.stderr.buf = bytearray()
-        self.release_output_memory()
-
-    def release_output_memory(self) -> None:
-        """Give back what was reserved for its output past the default cap (outputmem)."""
-        if self.reservation is not None:
-            self.reservation.release()
-            self.reservation = None
+        """Drop what was kept of its output (the result has it, or nobody wants it)."""
+        self.stdout.forget()
+        self.stderr.forget()
 
     def close_pipes(self) -> None:
         """Stop draining its output (a writer left behind gets EPIPE)."""
@@ -426,9 +436,7 @@ class Process:
         """Forget the buffers (the sandbox is gone); pipes close when their writers die."""
         if self.stdin is not None:
             self.stdin.close()
-        self.stdout.buf = bytearray()
-        self.stderr.buf = bytearray()
-        self.release_output_memory()
+        self.forget_output()
 
 
 class Follower:
@@ -442,6 +450,7 @@ class Follower:
         self.proc = proc
         self.queue: asyncio.Queue[tuple[str, str] | None] = asyncio.Queue()
         self.waiting = 0  # characters queued for the client
+        self.first: list[tuple[str, str | OutputText]]
         if proc.running:
             self.first = [("stdout", proc.stdout.subscribe(self._on_out)),
                           ("stderr", proc.stderr.subscribe(self._on_err))]
@@ -485,7 +494,8 @@ def _pipe() -> tuple[int, int]:
 async def start(loop: asyncio.AbstractEventLoop, substrate: Substrate, runtime: SandboxRuntime,
                 argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int,
                 groups: list[int], *, cmd: str | list[str], stdin: bytes | None,
-                keep_stdin: bool, cap: int, timeout: float | None) -> Process:
+                keep_stdin: bool, cap: int, timeout: float | None,
+                store: OutputMemory | None = None) -> Process:
     """Spawn ``argv`` in the sandbox with fresh pipes. ``stdin`` is written then closed unless
     ``keep_stdin`` (background commands keep it open for the stdin route)."""
     child_fds: list[int] = []
@@ -521,7 +531,7 @@ async def start(loop: asyncio.AbstractEventLoop, substrate: Substrate, runtime: 
             os.close(fd)
         raise
     try:
-        proc = Process(loop, child, cmd, out_r, err_r, in_w, cap, timeout)
+        proc = Process(loop, child, cmd, out_r, err_r, in_w, cap, timeout, store)
     except BaseException:  # e.g. EMFILE on pidfd_open: don't leave an unreaped child behind
         if not child.own_child:  # the init reaps it
             kernel.pidfd_signal(child.pidfd, signal.SIGKILL)

@@ -83,10 +83,13 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         self.sandboxes: dict[str, Sandbox] = {}
         # Live sandboxes per tenant, each at most its quota (set_tenant_quota; none by default).
         self.quota = LabelQuota(TENANT_LABEL, lambda tenant: None)
-        # Memory for commands' output past the default cap, reserved as they start.
-        self.output_memory = OutputMemory(config.output_memory_mb << 20
-                                          if config.output_memory_mb > 0
-                                          else outputmem.default_limit())
+        # Memory for commands' output past each stream's first 64 KiB; past it, spill files.
+        self.output_memory = OutputMemory(
+            config.output_memory_mb << 20 if config.output_memory_mb > 0
+            else outputmem.default_limit(),
+            config.state_dir,
+            config.output_disk_mb << 20 if config.output_disk_mb > 0
+            else outputmem.default_disk_limit(config.state_dir))
         # refuses creates while the host is short of memory
         self.memory = capacity.MemoryGuard(clock.monotonic)
         self.tombstones: OrderedDict[str, str] = OrderedDict()

@@ -80,30 +80,20 @@ class ExecOps:
         substrate = self.substrates[sb.spec.substrate]
         assert self._loop is not None and sb.runtime is not None
         oom_before = substrate.oom_kills(sb.runtime)  # ExecResult.oom_killed: see _oom_after
-        # A cap above the default holds the daemon's memory: promised before anything runs.
-        reservation = self.output_memory.reserve(req.max_output_bytes)
         try:
             proc = await procs.start(self._loop, substrate, sb.runtime, argv, env, cwd,
                                      ident.uid, ident.gid, ident.groups, cmd=req.cmd,
                                      stdin=stdin, keep_stdin=req.background,
                                      cap=req.max_output_bytes,
-                                     timeout=_effective_timeout(req))
+                                     timeout=_effective_timeout(req),
+                                     store=self.output_memory)
         except CorralError:
-            if reservation is not None:
-                reservation.release()
             self._check_alive(sb)  # e.g. sandbox_not_running from a dead init -> lost
             raise
         except OSError as e:
-            if reservation is not None:
-                reservation.release()
             self._check_alive(sb)
             log.exception("spawn failed", extra={"sandbox": sid})
             raise InternalError(f"could not start the command: {e}") from e
-        except BaseException:
-            if reservation is not None:
-                reservation.release()
-            raise
-        proc.reservation = reservation
         self.counters["execs"] += 1
         if oom_before is not None:
             runtime = sb.runtime
@@ -131,7 +121,6 @@ class ExecOps:
             await self.after_exit(sb, proc)
             return self._result(proc)
         finally:
-            proc.release_output_memory()  # the result holds it now, or nothing does
             self._linger(sb, proc)
 
     def _linger(self: EngineHost, sb: Sandbox, proc: procs.Process) -> None:
@@ -239,7 +228,7 @@ class ExecOps:
             for pid in [pid for pid, p in table.items() if not p.running]:
                 gone = table.pop(pid)
                 kept -= gone.kept_bytes()
-                gone.release_output_memory()
+                gone.forget_output()
                 if len(table) < MAX_PROCS_KEPT // 2 and kept <= MAX_KEPT_OUTPUT // 2:
                     break
         old = table.pop(proc.ns_pid, None)

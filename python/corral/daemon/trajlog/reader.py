@@ -8,6 +8,7 @@ import sqlite3
 from collections.abc import Iterator
 from typing import Any
 
+from corral.daemon.outputmem import OutputText
 from corral.errors import SandboxNotFound, Unsupported
 
 from .base import _Base
@@ -250,7 +251,13 @@ class Reader(_Base):
         cap = self.output_cap
         for name in ("stdout", "stderr"):
             text = out.get(name)
-            if isinstance(text, str) and (sha is None or len(text) > cap):
+            if isinstance(text, OutputText):  # past 64 KiB: its first cap characters only
+                if sha is None:
+                    out[f"{name}_sha256"] = text.sha256()
+                out[name], more = text.prefix(cap)
+                if more:
+                    out["log_truncated"] = True
+            elif isinstance(text, str) and (sha is None or len(text) > cap):
                 if sha is None:
                     out[f"{name}_sha256"] = sha256(text.encode("utf-8", "surrogateescape"))
                 if len(text) > cap:
