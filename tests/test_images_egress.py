@@ -33,6 +33,7 @@ from conftest import CGROUP_NAME, private_daemon, wait_until
 
 ADMIN = "admin-token-egress-0123456789"
 EVE = "eve-token-egress-0123456789"
+BOB = "bob-token-egress-0123456789"
 CREDS = ("corral", "registry-secret")
 BASIC = "Basic " + base64.b64encode(":".join(CREDS).encode()).decode()
 
@@ -153,8 +154,9 @@ class Api:
         self.c = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"},
                               timeout=120)
 
-    def pull(self, ref: str) -> httpx.Response:
-        return self.c.post("/v1/images/pull", json={"reference": ref})
+    def pull(self, ref: str, timeout: float = 120, progress: bool = False) -> httpx.Response:
+        return self.c.post("/v1/images/pull", json={"reference": ref, "progress": progress},
+                           timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +175,7 @@ def env() -> Iterator[dict[str, Any]]:
         stack.callback(lambda: __import__("shutil").rmtree(tokdir, ignore_errors=True))
         tokens = os.path.join(tokdir, "tokens.json")
         with open(tokens, "w") as f:
-            json.dump({"eve": EVE}, f)
+            json.dump({"eve": EVE, "bob": BOB}, f)
         dcfg = os.path.join(tokdir, "docker")
         os.mkdir(dcfg)
         fx.docker_config(dcfg, {evil.addr: CREDS})
@@ -183,11 +185,11 @@ def env() -> Iterator[dict[str, Any]]:
             CORRAL_TOKEN=ADMIN, CORRAL_TOKENS=tokens, DOCKER_CONFIG=dcfg,
             CORRAL_REGISTRIES="", CORRAL_INSECURE_REGISTRIES=f"{evil.addr},{other.addr}"))
         base = f"http://127.0.0.1:{port}"
-        eve, admin = Api(base, EVE), Api(base, ADMIN)
-        stack.callback(eve.c.close)
-        stack.callback(admin.c.close)
-        yield {"canary": canary, "evil": evil, "other": other, "eve": eve, "admin": admin,
-               "daemon": d, "port": port}
+        eve, bob, admin = Api(base, EVE), Api(base, BOB), Api(base, ADMIN)
+        for api in (eve, bob, admin):
+            stack.callback(api.c.close)
+        yield {"canary": canary, "evil": evil, "other": other, "eve": eve, "bob": bob,
+               "admin": admin, "daemon": d, "port": port}
 
 
 def _forbidden(r: httpx.Response) -> dict[str, Any]:
@@ -394,6 +396,73 @@ def test_slow_registries_do_not_take_the_daemons_threads(env: dict[str, Any]) ->
         stop.set()
         for t in pulls:
             t.join(60)
+
+
+def test_a_tenants_slow_pulls_leave_pull_threads_to_other_tenants(env: dict[str, Any]) -> None:
+    """Eve starts as many pulls as the daemon has pull threads, from her own registry that
+    trickles its manifests: at most images.PULLS_PER_TENANT of them run (or wait for a
+    thread); the rest are answered 429 quota_exceeded at once, streamed or not, and Bob's
+    pull from another registry is done in seconds. Before, Eve's pulls held all
+    PULL_WORKERS threads and Bob's waited behind them (~60 s, the manifest's bound)."""
+    from corral.daemon.images import PULL_WORKERS, PULLS_PER_TENANT
+
+    evil: FakeRegistry = env["evil"]
+    other: FakeRegistry = env["other"]
+    stop = threading.Event()
+
+    def trickle(req: Any) -> Answer:
+        def body() -> Iterator[bytes]:
+            while not stop.wait(0.2):
+                yield b" "
+        return 200, {"Content-Type": "application/vnd.oci.image.manifest.v1+json",
+                     "Content-Length": str(1 << 20)}, body()
+
+    evil.routes.clear()
+    evil.routes["GET /v2/"] = (200, {}, b"{}")
+    for i in range(PULL_WORKERS):
+        evil.routes[f"GET /v2/hold/manifests/{i}"] = trickle
+    config = b'{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}'
+    other.routes.update({
+        "GET /v2/fine/manifests/1": (200, {"Content-Type":
+                                           "application/vnd.oci.image.manifest.v1+json"},
+                                     manifest_for(config, [])),
+        f"GET /v2/fine/blobs/{fx_digest(config)}": (200, {}, config),
+    })
+
+    def started() -> int:
+        return sum(1 for m, p, _ in evil.requests if p.startswith("/v2/hold/manifests/"))
+
+    answers: list[httpx.Response] = []
+
+    def pull(i: int) -> None:
+        answers.append(env["eve"].pull(f"{evil.addr}/hold:{i}", progress=i % 2 == 1))
+
+    pulls = [threading.Thread(target=pull, args=(i,), daemon=True)
+             for i in range(PULL_WORKERS)]
+    try:
+        for t in pulls:
+            t.start()
+        # each of Eve's pulls has either reached her registry or been answered
+        assert wait_until(lambda: started() + len(answers) >= PULL_WORKERS, timeout=30), \
+            (started(), answers)
+        r = env["bob"].pull(f"{other.addr}/fine:1", timeout=20)
+        assert r.status_code == 201, r.text
+        assert started() == PULLS_PER_TENANT, started()
+        assert len(answers) == PULL_WORKERS - PULLS_PER_TENANT, answers
+        for a in answers:
+            assert a.status_code == 429, a.text
+            err = a.json()["error"]
+            assert err["code"] == "quota_exceeded" and err["infra"], err
+            assert err["details"] == {"tenant": "eve", "in_use": PULLS_PER_TENANT,
+                                      "limit": PULLS_PER_TENANT, "requested": 1,
+                                      "resource": "pulls"}, err
+    finally:
+        stop.set()
+        for t in pulls:
+            t.join(90)
+    # her pulls ended (failed): her share is whole again
+    evil.routes["GET /v2/hold/manifests/0"] = (404, {}, b"{}")
+    assert env["eve"].pull(f"{evil.addr}/hold:0").status_code == 404
 
 
 def test_a_registry_cannot_make_the_daemon_buffer_an_endless_answer(

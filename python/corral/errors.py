@@ -371,7 +371,8 @@ class CapacityExceeded(InfraError):
 
 class QuotaExceeded(CapacityExceeded):
     """The tenant holds as many live sandboxes on this daemon as its quota allows (the
-    tokens file's ``max_sandboxes``, else ``CORRAL_TENANT_MAX_SANDBOXES``): not the task's
+    tokens file's ``max_sandboxes``, else ``CORRAL_TENANT_MAX_SANDBOXES``), or has as many
+    image pulls under way as a tenant may (``details.resource == "pulls"``): not the task's
     failure; free one or wait."""
 
     code = "quota_exceeded"

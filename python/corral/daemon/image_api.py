@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from corral.daemon import ops
+from corral.daemon import ops, tenancy
 from corral.daemon.bodies import parse
 from corral.daemon.routes import SB, Route
 from corral.errors import Conflict, CorralError
@@ -68,10 +68,16 @@ async def pull_image(request: web.Request) -> web.StreamResponse:
     """Pull a reference from its registry (one pull per reference at a time on this node)."""
     req: PullImageRequest = parse(await request.read(), PullImageRequest)
     store = _engine(request).images
+    tenant = tenancy.tenant_of(request)  # its pulls are bounded (images.PULLS_PER_TENANT)
     if not req.progress:
-        return _json(ops.entry(await store.pull(req.reference)), 201)
+        return _json(ops.entry(await store.pull(req.reference, tenant=tenant)), 201)
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-    task = asyncio.ensure_future(store.pull(req.reference, queue.put_nowait))
+    task = asyncio.ensure_future(store.pull(req.reference, queue.put_nowait, tenant=tenant))
+    # One turn of the loop runs the pull's checks (reference, registry, the tenant's pull
+    # quota: no await before them): a refusal gets its own status, not a 201 stream.
+    await asyncio.sleep(0)
+    if task.done() and task.exception() is not None:
+        task.result()  # raises
     resp = web.StreamResponse(status=201, headers={"Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
     try:

@@ -19,6 +19,7 @@ skeleton (bin/lib symlinks, empty mountpoints, a sanitized copy of /etc) and the
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import dataclasses
 import hashlib
@@ -41,13 +42,24 @@ from corral.daemon import removal
 from corral.daemon.oci import ref as oci_ref
 from corral.daemon.oci import unpack as oci_unpack
 from corral.daemon.oci.layers import LayerStore
-from corral.errors import Conflict, Forbidden, ImageNotFound, InvalidRequest, Unsupported
+from corral.errors import (
+    Conflict,
+    Forbidden,
+    ImageNotFound,
+    InvalidRequest,
+    QuotaExceeded,
+    Unsupported,
+)
 from corral.models import MAX_TIMEOUT_S, ImageInfo
 
 log = logging.getLogger("corral.images")
 
 HOST = "host"
 PULL_WORKERS = 8  # pulls at once on a node (each a thread; more wait their turn)
+# Pulls one tenant may have started and not finished (running or waiting for a thread): a
+# registry decides how long a pull takes, so without a bound one tenant's slow pulls (from a
+# registry it controls) held all PULL_WORKERS threads and no other tenant could pull.
+PULLS_PER_TENANT = PULL_WORKERS // 2
 # Bump when the host skeleton's recipe changes: every daemon then rebuilds it once.
 HOST_IMAGE_VERSION = 1
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.\-]{0,62}$")
@@ -398,6 +410,7 @@ class ImageStore:
         # may trickle bytes forever), so pulls must never hold the daemon's worker threads
         # (creates, files, snapshots); past PULL_WORKERS at once, pulls wait their turn.
         self._pull_pool = ThreadPoolExecutor(PULL_WORKERS, thread_name_prefix="corral-pull")
+        self._tenant_pulls: dict[str, int] = {}  # tenant -> pulls it started, not ended
         self._gc_temp()
         for n in sorted(os.listdir(self.dir)):
             if NAME_RE.match(n) or n.startswith("@"):
@@ -715,9 +728,11 @@ class ImageStore:
             self.layers.unpin(pinned)
 
     async def pull(self, text: str, progress: Callable[[dict[str, Any]], None] | None = None,
-                   missing_only: bool = False) -> ImageInfo:
+                   missing_only: bool = False, tenant: str | None = None) -> ImageInfo:
         """Pull the reference ``text`` (again: a tag may have moved) or, ``missing_only``,
-        only if the store lacks it; one pull per reference at a time (oci.flight)."""
+        only if the store lacks it; one pull per reference at a time (oci.flight). A pull
+        ``tenant`` starts counts in its PULLS_PER_TENANT until it ends (joining a pull under
+        way costs nothing); past it, QuotaExceeded before anything is fetched."""
         from corral.daemon.oci import flight
 
         ref = oci_ref.parse(text)
@@ -731,10 +746,32 @@ class ImageStore:
                 img = self._images.get(key)
             if img is not None:
                 return img.info()
+        started = None
+        if tenant is not None and key not in self._flights:  # this call starts the pull
+            held = self._tenant_pulls.get(tenant, 0)
+            if held >= PULLS_PER_TENANT:
+                raise QuotaExceeded(
+                    f"tenant {tenant!r} has {held} image pulls under way on this daemon, as "
+                    f"many as a tenant may ({PULLS_PER_TENANT} of its {PULL_WORKERS} pull "
+                    "threads); retry when one ends",
+                    details={"tenant": tenant, "in_use": held, "limit": PULLS_PER_TENANT,
+                             "requested": 1, "resource": "pulls"})
+            self._tenant_pulls[tenant] = held + 1
+
+            def started(task: asyncio.Future[Any]) -> None:
+                task.add_done_callback(lambda _: self._pull_ended(tenant))
+
         info: ImageInfo = await flight.join(
             self._flights, key, lambda emit: self.pull_sync(ref, emit), progress,
-            self._pull_pool)
+            self._pull_pool, started)
         return info
+
+    def _pull_ended(self, tenant: str) -> None:
+        left = self._tenant_pulls.get(tenant, 0) - 1
+        if left > 0:
+            self._tenant_pulls[tenant] = left
+        else:
+            self._tenant_pulls.pop(tenant, None)
 
     def referenced_layers(self) -> builtins.set[str]:
         with self._lock:

@@ -462,15 +462,17 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         self._schedule(sb, now)
         return sb
 
-    async def _image_name(self, name: str) -> str:
+    async def _image_name(self, name: str, tenant: str | None = None) -> str:
         """``name`` as the store knows it; a registry reference the node lacks is pulled
-        first (once, however many creates ask at the same time: oci.flight)."""
+        first (once, however many creates ask at the same time: oci.flight), a pull
+        ``tenant``'s create starts counting in its pull quota (images.PULLS_PER_TENANT)."""
         if name == "host" or not looks_like_ref(name):
             return name  # a local name: never looked up in a registry
         try:
             if self.images.has(name):
                 return str(self.images.canonical(name))
-            return str((await self.images.pull(name, missing_only=True)).name)
+            return str((await self.images.pull(name, missing_only=True,
+                                               tenant=tenant)).name)
         except InvalidRequest as e:
             if e.code != "invalid_request":
                 raise  # invalid_image, too_large: about a real image
@@ -481,15 +483,17 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         """The spec with every image it names present on the node (by its full reference)
         and every dir layer resolved to its content-addressed layer (``digest``)."""
         update: dict[str, Any] = {}
+        tenant = spec.labels.get(TENANT_LABEL)  # set by the daemon on a tenant's create
         if spec.snapshot is None:
-            name = await self._image_name(spec.image)
+            name = await self._image_name(spec.image, tenant)
             if name != spec.image:
                 update["image"] = name
         if spec.layers:
             layers = []
             for lay in spec.layers:
                 if lay.image is not None:
-                    lay = lay.model_copy(update={"image": await self._image_name(lay.image)})
+                    lay = lay.model_copy(update={"image": await self._image_name(lay.image,
+                                                                                 tenant)})
                 elif lay.dir is not None:
                     hexd = await asyncio.to_thread(self.images.layers.from_dir, lay.dir,
                                                    self.images.max_bytes,

@@ -25,9 +25,11 @@ class Flight:
 
 async def join(flights: dict[str, Flight], key: str,
                work: Callable[[Callable[[dict[str, Any]], None]], Any],
-               listener: Listener | None = None, executor: Executor | None = None) -> Any:
+               listener: Listener | None = None, executor: Executor | None = None,
+               started: Callable[[asyncio.Future[Any]], None] | None = None) -> Any:
     """``work(emit)`` runs in a thread (of ``executor``, else the loop's default) once per
-    ``key`` at a time; its result for all."""
+    ``key`` at a time; its result for all. ``started(task)`` is called when this call is the
+    one that starts it (the task ends when the work does, whoever still waits)."""
     loop = asyncio.get_running_loop()
     fl = flights.get(key)
     if fl is None:
@@ -44,6 +46,8 @@ async def join(flights: dict[str, Flight], key: str,
                 flights.pop(key, None)
 
         fl.task = asyncio.ensure_future(run())
+        if started is not None:
+            started(fl.task)
     if listener is not None:
         fl.listeners.append(listener)
     assert fl.task is not None
