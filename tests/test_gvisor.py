@@ -334,6 +334,51 @@ def test_pids_limit_stops_a_fork_bomb():
         assert n < 400, (n, r)
 
 
+
+def _daemon_memory() -> int:
+    """Bytes charged to the daemon's own memory cgroup (v1 or v2)."""
+    for f in (Path("/sys/fs/cgroup/memory", CGROUP_NAME, ".daemon", "memory.usage_in_bytes"),
+              Path("/sys/fs/cgroup", CGROUP_NAME, ".daemon", "memory.current")):
+        if f.exists():
+            return int(f.read_text())
+    raise AssertionError("the daemon has no memory cgroup")
+
+
+def test_running_commands_are_paid_for_by_the_sandbox():
+    """Each running command keeps a `runsc exec` client (and its shell wrapper) on the host:
+    ~4 MiB and ~5 host tasks for as long as it runs. Those were in the daemon's cgroup, so a
+    sandbox that kept background commands running held ~4.4 MiB of the host's memory each,
+    ~7x what each cost it inside, outside every limit of its own (200 commands: 880 MiB of
+    the daemon's cgroup; many sandboxes: the host's memory). They are in the sandbox's own
+    cgroups: its memory limit pays for them, and past it the sandbox ends at its limit."""
+    n = 30
+    with corral.Sandbox(substrate="gvisor", memory_mb=256, pids=100000, timeout=180) as box:
+        box.exec("true")
+        before = _daemon_memory()
+        for _ in range(n):
+            box.exec("sleep 100000", background=True)
+
+        def host_side() -> list[int]:  # sentry, gofer, each command's wrapper and client
+            return [int(line.split(":")[0]) for line in host_procs_naming(box.id)]
+
+        assert wait_until(lambda: len(host_side()) >= 2 * n + 2, 30), host_procs_naming(box.id)
+        for pid in host_side():
+            with contextlib.suppress(OSError):
+                groups = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+                mine = {g.split(":")[1] for g in groups if g.endswith(f"/{box.id}")}
+                assert {"memory", "pids"} <= mine or groups == [f"0::/{CGROUP_NAME}/{box.id}"], \
+                    (pid, groups)
+        grew = _daemon_memory() - before
+        assert grew < n << 20, f"the daemon's cgroup grew {grew >> 20} MiB for {n} commands"
+        with pytest.raises(SandboxCrashed) as e:
+            for _ in range(200):  # ~4.5 MiB each: past 256 MiB long before the 200th
+                box.exec("sleep 100000", background=True)
+            box.exec("true")
+        assert e.value.details.get("cause") == "oom" and e.value.category == "limit", \
+            e.value.details
+        assert wait_until(lambda: gone(box.id), 15), traces(box.id)
+
+
 # ---- lifetimes --------------------------------------------------------------------------------
 def test_kill_leaves_nothing():
     box = corral.Sandbox(substrate="gvisor", timeout=120)

@@ -46,11 +46,17 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("corral.gvisor")
 
 CGROUP_ROOT = "/sys/fs/cgroup"
-# The exec wrapper: runs the `runsc exec` client, then writes its exit status to fd 9 (a pipe
-# the daemon reads) and ends the way the command did. A wrapper killed before that (the exec's
-# timeout or a kill SIGKILLs its process group) writes nothing: the daemon then kills the
-# command inside the sandbox, which the end of the client alone would leave running.
-_WRAP = ('"$@" 9>&-; s=$?; echo "$s" >&9; '
+# The exec wrapper: joins the sandbox's cgroups (every hierarchy runsc made it in, listed in
+# $CG), runs the `runsc exec` client, then writes its exit status to fd 9 (a pipe the daemon
+# reads) and ends the way the command did. The client lives as long as the command and holds
+# ~4 MiB and ~5 host tasks: in the sandbox's cgroups they count against its own memory and
+# pids limits, not the daemon's cgroup, so commands kept running cannot take the host's memory
+# (a cgroup it cannot join: the sandbox is gone, nothing runs). A wrapper killed before the
+# status (the exec's timeout or a kill SIGKILLs its process group) writes nothing: the daemon
+# then kills the command inside the sandbox, which the end of the client alone would leave
+# running.
+_WRAP = ('for d in $CG; do echo $$ >"$d/cgroup.procs" || exit 125; done; unset CG; '
+         '"$@" 9>&-; s=$?; echo "$s" >&9; '
          'if [ "$s" -gt 128 ] && [ "$s" -lt 160 ]; then kill -s "$((s - 128))" $$; fi; '
          'exit "$s"')
 _SH_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
@@ -339,6 +345,10 @@ class GvisorSubstrate(RootFileOps, Substrate):
         sid = runtime.sandbox_id
         if not self.is_alive(runtime):
             raise SandboxNotRunning("the sandbox is not running")
+        cgroups = _cgroup_dirs(self._cgroup(sid))  # the wrapper's (_WRAP)
+        if not cgroups:
+            raise SandboxNotRunning("the sandbox's cgroup is gone")
+        env = {**_SH_ENV, "CG": " ".join(cgroups)}
         cwd = spec.cwd
         try:  # a missing cwd: the command starts in / (runsc would refuse to start it)
             with self._files(runtime) as f:
@@ -362,7 +372,7 @@ class GvisorSubstrate(RootFileOps, Substrate):
                 acts.append((os.POSIX_SPAWN_OPEN, target, os.devnull, os.O_RDWR, 0))
         acts.append((os.POSIX_SPAWN_DUP2, w, 9))
         try:
-            pid = os.posix_spawn("/bin/sh", argv, _SH_ENV, file_actions=acts, setsid=True)
+            pid = os.posix_spawn("/bin/sh", argv, env, file_actions=acts, setsid=True)
         except BaseException:
             os.close(r)
             with contextlib.suppress(OSError):
