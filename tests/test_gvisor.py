@@ -13,8 +13,10 @@ import subprocess
 import sys
 import tarfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 import corral
@@ -399,6 +401,39 @@ def test_ttl_expiry_leaves_nothing():
     assert wait_until(lambda: gone(sid), 20), traces(sid)
     with pytest.raises(SandboxExpired):
         box.exec("true")
+
+
+
+def _metric(name: str) -> float:
+    t = httpx.HTTPTransport(uds=SOCKET)
+    with httpx.Client(transport=t, base_url="http://corral", timeout=30) as c:
+        for line in c.get("/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def test_a_timeout_while_paused_kills_the_command_at_resume():
+    """runsc signals nothing in a paused sandbox (`runsc kill`: "cannot signal ... in state
+    paused"; exec is refused too), so the kill of a command whose timeout fired while a pause
+    (or a snapshot's freeze) held the sandbox failed, and the command ran on after the resume
+    for as long as it liked. The kill is held for the resume."""
+    with corral.Sandbox(substrate="gvisor", timeout=120) as box:
+        deferred = _metric("corral_gvisor_exec_kills_deferred_total")
+
+        def running() -> bool:
+            return "sleep 777" in box.exec("ps -eo args").stdout
+
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(box.exec, "sleep 777", timeout=3)
+            assert wait_until(running, 15)
+            box.pause()
+            with contextlib.suppress(CorralError):
+                fut.result(30)
+        assert wait_until(
+            lambda: _metric("corral_gvisor_exec_kills_deferred_total") > deferred, 15)
+        box.resume()
+        assert wait_until(lambda: not running(), 15), box.exec("ps -ef").stdout
 
 
 def test_pause_resume(sb):

@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -170,7 +171,13 @@ class GvisorSubstrate(RootFileOps, Substrate):
         bundle.install_lockdown(self.lockdown)
         self._seq = itertools.count()
         self._pending: set[asyncio.Future[Any]] = set()  # kills of abandoned commands
-        self.counters = {"gvisor_execs": 0, "gvisor_exec_kills": 0}
+        # Kills of abandoned commands in a paused sandbox (runsc signals nothing in one), by
+        # sandbox id: sent when it is resumed (thaw). The lock makes "paused? then defer" one
+        # step against thaw's "resume, then take the deferred".
+        self._deferred: dict[str, tuple[asyncio.AbstractEventLoop, set[int]]] = {}
+        self._deferred_lock = threading.Lock()
+        self.counters = {"gvisor_execs": 0, "gvisor_exec_kills": 0,
+                         "gvisor_exec_kills_deferred": 0}
 
     # ---- lifecycle -----------------------------------------------------------------------
     def _gdir(self, sandbox_id: str) -> str:
@@ -254,6 +261,8 @@ class GvisorSubstrate(RootFileOps, Substrate):
         """Every trace of one sandbox: its sentry and gofer SIGKILLed and waited for (a
         `runsc delete --force` does the same in over a second), what else is in its cgroup,
         the cgroup, runsc's state files, the root's mounts, the directory."""
+        with self._deferred_lock:
+            self._deferred.pop(sandbox_id, None)
         state = self.runsc.state(sandbox_id)
         pids = {pid}
         if state is not None:
@@ -403,22 +412,42 @@ class GvisorSubstrate(RootFileOps, Substrate):
         if got or inner <= 0:
             return
         self.counters["gvisor_exec_kills"] += 1
-        fut = loop.run_in_executor(None, self._kill_inner, sid, inner)
+        self._schedule_kill(loop, sid, inner)
+
+    def _schedule_kill(self, loop: asyncio.AbstractEventLoop, sid: str, pid: int) -> None:
+        fut = loop.run_in_executor(None, self._kill_inner, loop, sid, pid)
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
 
-    def _kill_inner(self, sid: str, pid: int) -> None:
+    def _paused(self, sid: str) -> bool:
+        state = self.runsc.state(sid)
+        return state is not None and state.get("status") == "paused"
+
+    def _kill_inner(self, loop: asyncio.AbstractEventLoop, sid: str, pid: int) -> None:
         """SIGKILL the command's process group inside the sandbox (runsc kill reaches one
         process only: the group is killed from inside, by the lock-down binary, never by a
-        program of the sandbox's image), then the command itself."""
-        path = os.path.join(self._gdir(sid), "exec", f"kill-{pid}.json")
-        with contextlib.suppress(OSError, RunscError):
-            bundle.write(path, bundle.process(bundle.kill_argv(pid), {}, "/", 0, 0, []))
-            self.runsc.run("exec", f"--process={path}", sid)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        with contextlib.suppress(RunscError):
-            self.runsc.run("kill", f"--pid={pid}", sid, "KILL")
+        program of the sandbox's image), then the command itself. In a paused sandbox runsc
+        refuses both (a timeout that fired while a pause or a snapshot's freeze held it would
+        leave the command running once resumed): the kill waits for the resume."""
+        for _ in range(2):  # paused between the check and the kill: check again
+            with self._deferred_lock:
+                if self._paused(sid):
+                    self._deferred.setdefault(sid, (loop, set()))[1].add(pid)
+                    self.counters["gvisor_exec_kills_deferred"] += 1
+                    return
+            done = False
+            path = os.path.join(self._gdir(sid), "exec", f"kill-{pid}.json")
+            with contextlib.suppress(OSError, RunscError):
+                bundle.write(path, bundle.process(bundle.kill_argv(pid), {}, "/", 0, 0, []))
+                self.runsc.run("exec", f"--process={path}", sid)
+                done = True
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            with contextlib.suppress(RunscError):
+                self.runsc.run("kill", f"--pid={pid}", sid, "KILL")
+                done = True
+            if done:
+                return
 
     # ---- pause ---------------------------------------------------------------------------
     def freeze(self, runtime: SandboxRuntime) -> None:
@@ -432,6 +461,12 @@ class GvisorSubstrate(RootFileOps, Substrate):
             self.runsc.run("resume", runtime.sandbox_id)
         except RunscError as e:
             raise OSError(errno.EIO, str(e)) from None
+        with self._deferred_lock:
+            loop, pids = self._deferred.pop(runtime.sandbox_id, (None, set()))
+        for pid in pids:  # from the loop's thread: thaw may run in a worker thread
+            assert loop is not None
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon stops
+                loop.call_soon_threadsafe(self._schedule_kill, loop, runtime.sandbox_id, pid)
 
     def is_frozen(self, runtime: SandboxRuntime) -> bool:
         state = self.runsc.state(runtime.sandbox_id)
