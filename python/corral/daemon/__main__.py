@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from corral import __version__, config
-from corral.daemon import capacity, kernel, logs
+from corral.daemon import capacity, diskguard, kernel, logs
 from corral.daemon.app import MAX_FIELD_SIZE, MAX_LINE_SIZE, create_app
 from corral.daemon.engine import Engine
 from corral.daemon.engine.quota import parse_limit
@@ -255,6 +255,10 @@ async def serve(cfg: config.Config) -> None:
     except TokensError as e:
         raise StartupError(str(e)) from None
     os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
+    try:  # what the daemon keeps free on the state dir's disk for its own state
+        reserve = diskguard.reserve_from_env()
+    except ValueError as e:
+        raise StartupError(str(e)) from None
     lock_fd = lock_pidfile(cfg.state_dir)
     cgroup_lock_fd = lock_cgroup_name(cfg.cgroup_name)
     sock = bind_unix(cfg.socket_path)
@@ -264,6 +268,7 @@ async def serve(cfg: config.Config) -> None:
     asyncio.get_running_loop().set_default_executor(
         ThreadPoolExecutor(max_workers=32, thread_name_prefix="corral-io"))
     engine = Engine(cfg)
+    engine.disk = diskguard.DiskGuard(cfg.state_dir, reserve, engine.output_memory)
     if tenants is not None:
         _set_tenant_quota(engine, tenants, cfg.tenant_max_sandboxes)
     runner: web.AppRunner | None = None

@@ -610,7 +610,7 @@ async def _spooled_op(request: web.Request, path: str, mode: int | None = None,
         return _ok()
 
     try:
-        got = await spool.spool(request, f, MAX_BODY, engine.trajlog.body_cap)
+        got = await spool.spool(request, f, MAX_BODY, engine.trajlog.body_cap, engine.disk)
         fields: dict[str, Any] = {"path": path} if mode is None else {"path": path, "mode": mode}
         req = body_request(got.size, got.sha256, got.head, **fields)
         if mode is not None and got.head is not None and got.size <= BIG_BODY:  # on the loop
@@ -871,7 +871,10 @@ async def import_snapshot(request: web.Request) -> web.Response:
     201, or 200 if this node has that id already. ``?tenant=``: its owner here (the admin's
     call: a tenant's token cannot import), never what the stream says."""
     tenant = request.query.get("tenant") or None
-    rec, made = await _engine(request).snapshot_import(request.content.read, tenant)
+    engine = _engine(request)
+    if engine.disk is not None:  # its layers land on the state dir's disk
+        engine.disk.check("a snapshot import", request.content_length or 0)
+    rec, made = await engine.snapshot_import(request.content.read, tenant)
     return _json(_snap(rec), 201 if made else 200)
 
 
@@ -956,7 +959,7 @@ async def upload_image(request: web.Request) -> web.Response:
     try:
         path = os.path.join(tmp, "rootfs.tar")
         with open(path, "wb") as f:
-            await spool.spool(request, f, MAX_BODY)
+            await spool.spool(request, f, MAX_BODY, disk=_engine(request).disk)
         info = await asyncio.to_thread(store.import_image, name, path, "upload")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -67,7 +67,10 @@ async def gc_layers(engine: Any) -> list[str]:
 async def pull_image(request: web.Request) -> web.StreamResponse:
     """Pull a reference from its registry (one pull per reference at a time on this node)."""
     req: PullImageRequest = parse(await request.read(), PullImageRequest)
-    store = _engine(request).images
+    engine = _engine(request)
+    store = engine.images
+    if engine.disk is not None:  # the pull's layers land on the state dir's disk
+        engine.disk.check("an image pull")
     tenant = tenancy.tenant_of(request)  # its pulls are bounded (images.PULLS_PER_TENANT)
     if not req.progress:
         return _json(ops.entry(await store.pull(req.reference, tenant=tenant)), 201)

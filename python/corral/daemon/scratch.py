@@ -105,6 +105,18 @@ class Scratch:
         write fails with ENOSPC for all of them: for one that holds its share or more, that
         is its own doing (an agent filling the disk to have its episode masked); for the
         others, the platform's."""
+        used = self.used_bytes(layer)
+        if used is None:
+            return None
+        try:
+            st = os.statvfs(self.dir)
+        except OSError:
+            return None
+        return used * max(1, live) >= st.f_blocks * st.f_frsize
+
+    def used_bytes(self, layer: str) -> int | None:
+        """What the sandbox whose writable layer is ``layer`` holds on the scratch (the
+        kernel's qgroup counter of its subvolume); None where the scratch cannot tell."""
         if self.kind != "btrfs":
             return None
         try:
@@ -113,11 +125,9 @@ class Scratch:
             if sysfs is None:
                 return None
             with open(os.path.join(sysfs, "qgroups", qgroup, "referenced")) as f:
-                used = int(f.read())
-            st = os.statvfs(self.dir)
+                return int(f.read())
         except (OSError, ValueError):
             return None
-        return used * max(1, live) >= st.f_blocks * st.f_frsize
 
     def _sysfs(self) -> str | None:
         """The scratch filesystem's directory in /sys/fs/btrfs (named by its uuid), found by

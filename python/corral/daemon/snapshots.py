@@ -56,7 +56,7 @@ from typing import Any
 import blake3
 
 from corral import _core
-from corral.daemon import removal
+from corral.daemon import diskguard, removal
 from corral.daemon.snapdb import SnapshotDB
 from corral.errors import SnapshotChainTooDeep, SnapshotExists, SnapshotNotFound, TooLarge
 
@@ -385,6 +385,12 @@ class SnapshotStore:
             what, limit = e.args
             raise TooLarge(f"cannot snapshot: the sandbox's files exceed the limit of {limit} "
                            f"{what}", details={"limit": what, "max": limit}) from None
+        except OSError as e:
+            removal.quiet_remove(tmp)
+            if e.errno in diskguard.DISK_FULL:
+                # The copy's disk (the state dir's), not the sandbox's: never the task's.
+                raise diskguard.disk_full("a snapshot's copy", e) from None
+            raise
         except BaseException:
             removal.quiet_remove(tmp)
             raise

@@ -22,6 +22,7 @@ from typing import BinaryIO
 
 from aiohttp import web
 
+from corral.daemon.diskguard import DISK_FULL, DiskGuard, disk_full
 from corral.errors import TooLarge
 
 BUFFER = 1 << 20  # bytes gathered from the socket before one write to disk
@@ -55,12 +56,16 @@ def tmp_file(directory: str) -> BinaryIO:
     return os.fdopen(fd, "w+b")
 
 
-async def spool(request: web.Request, out: BinaryIO, limit: int, keep: int = -1) -> Spooled:
+async def spool(request: web.Request, out: BinaryIO, limit: int, keep: int = -1,
+                disk: DiskGuard | None = None) -> Spooled:
     """Copy the request's body into ``out`` (left at offset 0 when seekable); more than
     ``limit`` bytes is 413 too_large, refused from Content-Length before reading when the
-    client declares it."""
+    client declares it. ``disk``: the state dir's disk, which each piece must leave room on
+    above the daemon's reserve (else ``capacity_exceeded``, the file dropped by the caller)."""
     if request.content_length is not None and request.content_length > limit:
         raise too_large(limit)
+    if disk is not None:  # a declared size is refused before a byte is read
+        disk.check("a request body", request.content_length or 0)
     digest = hashlib.sha256()
     head: bytearray | None = bytearray() if keep >= 0 else None
     size, buf = 0, bytearray()
@@ -76,11 +81,31 @@ async def spool(request: web.Request, out: BinaryIO, limit: int, keep: int = -1)
                 head = None
         buf += chunk
         if len(buf) >= BUFFER:  # the disk may block (dirty-page throttling): not on the loop
-            await asyncio.to_thread(out.write, buf)
+            await _write(out, buf, disk)
             buf = bytearray()
     if buf:
-        await asyncio.to_thread(out.write, buf)
-    await asyncio.to_thread(out.flush)
+        await _write(out, buf, disk)
+    await _write(out, None, None)
     if out.seekable():
         out.seek(0)
     return Spooled(size, digest.hexdigest(), bytes(head) if head is not None else None)
+
+
+async def _write(out: BinaryIO, buf: bytearray | None, disk: DiskGuard | None) -> None:
+    """One piece of a body to disk (``None``: the flush); a full disk is the daemon's
+    (``capacity_exceeded``), never an error of the request."""
+    if disk is not None and buf is not None:
+        disk.check("a request body", len(buf))
+    try:
+        await asyncio.to_thread(_put, out, buf)
+    except OSError as e:
+        if e.errno in DISK_FULL:
+            raise disk_full("a request body", e) from None
+        raise
+
+
+def _put(out: BinaryIO, buf: bytearray | None) -> None:
+    if buf is None:
+        out.flush()
+    else:
+        out.write(buf)

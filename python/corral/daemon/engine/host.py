@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from corral.config import Config
-from corral.daemon import procs, snapshots, users
+from corral.daemon import diskguard, procs, snapshots, users
 from corral.daemon.cgroups.common import OomCount
 from corral.daemon.clock import Clock
 from corral.daemon.outputmem import OutputMemory
@@ -30,6 +30,7 @@ class EngineHost(Protocol):
     counters: dict[str, int]
     pools: Any
     snaps: snapshots.SnapshotStore | None
+    disk: diskguard.DiskGuard | None
     images: Any
     trajlog: TrajLog
     _loop: asyncio.AbstractEventLoop | None
@@ -40,6 +41,10 @@ class EngineHost(Protocol):
     def _register(self, sb: Sandbox) -> None: ...
     async def _capture(self, sid: str, control: snapshots.CaptureControl | None = None
                        ) -> tuple[Sandbox, list[str], tuple[str, str, int]]: ...
+    def _capture_estimate(self, sb: Sandbox) -> int: ...
+    async def _capture_claimed(self, sb: Sandbox, base: list[str], image: Any, paused: bool,
+                               control: snapshots.CaptureControl | None,
+                               ) -> tuple[Sandbox, list[str], tuple[str, str, int]]: ...
     def _alive(self, sb: Sandbox) -> bool: ...
     def _capturing(self, sid: str) -> bool: ...
     def _check_alive(self, sb: Sandbox) -> None: ...

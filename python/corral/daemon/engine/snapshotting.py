@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from corral.daemon import persist, snapshots, snapxfer
+from corral.daemon import diskguard, persist, scratch, snapshots, snapxfer
 from corral.daemon.tenants import TENANT_LABEL
 from corral.errors import SnapshotExists, SnapshotNotFound, Unsupported
 
@@ -20,6 +20,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class SnapshotOps:
+    # The state dir's disk (corral.daemon.diskguard), set at start; None: not guarded.
+    disk: diskguard.DiskGuard | None = None
+
     def _snaps(self: EngineHost) -> snapshots.SnapshotStore:
         if self.snaps is None:
             raise Unsupported("snapshots are not available")
@@ -55,8 +58,6 @@ class SnapshotOps:
         """Copy what the sandbox changed while it is frozen: (the sandbox, the chain it stands
         on, (temporary layer dir, digest, bytes)); ``control`` as for snapshot. Shared by
         snapshots and image commits."""
-        store = self._snaps()
-        substrate = self.substrates[self.lookup(sid).spec.substrate]
         while True:  # one capture at a time (a freeze is shared), after file ops in flight
             await self.wait_capture(sid)
             sb = self.lookup(sid)
@@ -65,9 +66,34 @@ class SnapshotOps:
             await sb.no_threads()
         base = sb.layers
         image = self._image(sb.spec.image)
+        paused = sb.state == "paused"
+        # The copy lands on the state dir's disk: what it is expected to write (the
+        # sandbox's disk use, where the scratch can tell) is claimed from the room above
+        # the daemon's reserve before it starts, so a full disk refuses it whole.
+        claim = self.disk.claim("a snapshot", self._capture_estimate(sb)) \
+            if self.disk is not None else contextlib.nullcontext()
+        with claim:
+            return await self._capture_claimed(sb, base, image, paused, control)
+
+    def _capture_estimate(self: EngineHost, sb: Sandbox) -> int:
+        """Bytes a capture of ``sb`` is expected to write: its disk use on a btrfs scratch
+        (holes and unchanged image files cost nothing there either), at most the snapshot
+        bound; 0 where the scratch cannot tell."""
+        sub = self.substrates[sb.spec.substrate]
+        area = getattr(sub, "scratch", None)
+        if not isinstance(area, scratch.Scratch) or sb.runtime is None:
+            return 0
+        used = area.used_bytes(os.path.join(sb.runtime.sandbox_dir, scratch.LAYER))
+        return 0 if used is None else min(used, self._snaps().max_bytes)
+
+    async def _capture_claimed(self: EngineHost, sb: Sandbox, base: builtins.list[str],
+                               image: Any, paused: bool,
+                               control: snapshots.CaptureControl | None,
+                               ) -> tuple[Sandbox, builtins.list[str], tuple[str, str, int]]:
+        store = self._snaps()
+        substrate = self.substrates[sb.spec.substrate]
         runtime = sb.runtime
         assert runtime is not None
-        paused = sb.state == "paused"
         layers = list(base)
         store.acquire(layers)  # the sandbox may die meanwhile: keep its chain
         sb.enter_thread()

@@ -1,0 +1,118 @@
+"""The state directory's disk: a reserve the daemon keeps for its own state, and the room
+others have already claimed on it.
+
+Every tenant shares the filesystem of ``<state_dir>``: the trajectory log (its journal files
+are allocated as they are made, the SQLite database and WAL grow), the snapshot records, the
+daemon's log, snapshots' layers, pulled images, request bodies being received, commands'
+output spill files, and the sparse image of the btrfs scratch that holds every sandbox's
+disk. A tenant that filled it would make every tenant's calls fail, each as infra, and a
+full disk under the sparse scratch image is worse: the loop device's writes fail, btrfs
+aborts its transaction and turns read-only, and every sandbox's disk answers EIO.
+
+So the daemon counts, on top of what is used:
+- the scratch image's room not written yet (its size less its allocated blocks): sandboxes
+  fill it without asking the daemon, and it must always find the disk blocks it may grow to;
+- the output spill files' budget not used yet (corral.daemon.outputmem);
+- captures in flight: what each is expected to copy (its sandbox's disk use, when the
+  scratch can tell);
+and keeps ``reserve`` bytes (``CORRAL_DISK_RESERVE_MB``, 1024) free of all of it for its own
+state. Tenant work that writes to the disk (a snapshot or fork, a file write or upload, a
+pull, an image upload, a snapshot import) is refused before it starts with
+``capacity_exceeded`` (infra) when what is left would cut into the reserve; what it writes
+once started is bounded by its own limits, and a disk that fills anyway (a write from outside
+the daemon) is ``capacity_exceeded`` too, never an error of the request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from corral.errors import CapacityExceeded
+
+DEFAULT_RESERVE_MB = 1024
+SCRATCH_IMAGE = "scratch.img"  # corral.daemon.scratch.IMAGE
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def reserve_from_env() -> int:
+    """``CORRAL_DISK_RESERVE_MB`` in bytes (1024 MiB when unset)."""
+    text = os.environ.get("CORRAL_DISK_RESERVE_MB", "").strip()
+    try:
+        mb = int(text) if text else DEFAULT_RESERVE_MB
+    except ValueError:
+        raise ValueError(f"CORRAL_DISK_RESERVE_MB must be a whole number of MiB, "
+                         f"not {text!r}") from None
+    if mb < 0:
+        raise ValueError("CORRAL_DISK_RESERVE_MB must be >= 0")
+    return mb << 20
+
+
+def disk_full(what: str, e: OSError | None = None) -> CapacityExceeded:
+    """The error for the daemon's disk found full by one of its own writes."""
+    details: dict[str, Any] = {"disk": "state_dir"}
+    if e is not None:
+        details["errno"] = e.errno
+    return CapacityExceeded(f"the daemon's disk is full: {what}", details=details)
+
+
+class DiskGuard:
+    """Room left on the state dir's filesystem for tenant work, above ``reserve`` bytes.
+    ``spill``: the engine's output store (its ``disk_limit`` and ``spilled``), or None."""
+
+    def __init__(self, state_dir: str, reserve: int, spill: Any = None) -> None:
+        self.state_dir = state_dir
+        self.reserve = reserve
+        self.spill = spill
+        self.scratch_image = os.path.join(state_dir, SCRATCH_IMAGE)
+        self.claims = 0  # bytes captures in flight are expected to write
+        self.counters = {"refused": 0}
+
+    def _scratch_room(self) -> int:
+        """Bytes the sparse scratch image may still take from the disk."""
+        try:
+            st = os.stat(self.scratch_image)
+        except OSError:
+            return 0
+        return max(0, st.st_size - st.st_blocks * 512)
+
+    def _spill_room(self) -> int:
+        if self.spill is None:
+            return 0
+        limit = int(getattr(self.spill, "disk_limit", 0) or 0)
+        used = int(getattr(self.spill, "spilled", 0) or 0)
+        return max(0, limit - used)
+
+    def state(self) -> dict[str, int]:
+        """free (the filesystem's, for an unprivileged writer), claimed, available (free less
+        claimed less the reserve; negative when the reserve is cut into)."""
+        st = os.statvfs(self.state_dir)
+        free = st.f_bavail * st.f_frsize
+        claimed = self._scratch_room() + self._spill_room() + self.claims
+        return {"free": free, "claimed": claimed, "reserve": self.reserve,
+                "available": free - claimed - self.reserve}
+
+    def check(self, what: str, need: int = 0) -> None:
+        """Refuse (``capacity_exceeded``) work that would leave less than the reserve."""
+        s = self.state()
+        if s["available"] < need:
+            self.counters["refused"] += 1
+            raise CapacityExceeded(
+                f"the daemon's disk is short of room: {what} needs {need} bytes, "
+                f"{max(0, s['available'])} are left above the {self.reserve}-byte reserve "
+                f"the daemon keeps for its own state",
+                details={"disk": "state_dir", "need": need, **s})
+
+    @contextlib.contextmanager
+    def claim(self, what: str, need: int) -> Iterator[None]:
+        """``check`` then count ``need`` bytes as taken until the block ends (a capture in
+        flight: concurrent ones do not each see the same room)."""
+        self.check(what, need)
+        self.claims += need
+        try:
+            yield
+        finally:
+            self.claims -= need
