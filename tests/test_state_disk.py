@@ -100,7 +100,8 @@ def test_a_tenant_cannot_fill_the_state_dir_disk_under_the_others():
     the full disk, btrfs aborted and went read-only (bob's own disk: EIO), bob's upload was
     invalid_request and the daemon could not restart."""
     with small_disk_daemon(2048, CORRAL_SCRATCH_SIZE="600m", CORRAL_DISK_RESERVE_MB="256",
-                           CORRAL_OUTPUT_DISK_MB="64") as (d, base):
+                           CORRAL_OUTPUT_DISK_MB="64", CORRAL_TENANT_SNAPSHOT_MB="100000"
+                           ) as (d, base):
         try:
             alice, bob = client(base, TOKENS["alice"]), client(base, TOKENS["bob"])
             sa = ok(alice.post("/v1/sandboxes", json={"disk_mb": 300}), 201)["id"]
@@ -140,3 +141,69 @@ def test_a_tenant_cannot_fill_the_state_dir_disk_under_the_others():
         finally:
             clean(base)
 
+
+def test_a_tenants_snapshots_are_bounded_in_count_and_bytes():
+    """Before, a tenant's snapshots were bounded one at a time (16 GiB each) and never
+    together: 24 of alice's 100 MB ones filled a 2 GiB state dir. Now each tenant's snapshots
+    hold at most CORRAL_TENANT_MAX_SNAPSHOTS records and CORRAL_TENANT_SNAPSHOT_MB of
+    distinct layers (its chains' too, the records deleted or not); past either, its snapshot
+    and fork are quota_exceeded with nothing kept, and another tenant is untouched."""
+    with small_disk_daemon(2048, CORRAL_SCRATCH_SIZE="600m", CORRAL_DISK_RESERVE_MB="256",
+                           CORRAL_OUTPUT_DISK_MB="64", CORRAL_TENANT_MAX_SNAPSHOTS="4",
+                           CORRAL_TENANT_SNAPSHOT_MB="250") as (d, base):
+        try:
+            alice, bob = client(base, TOKENS["alice"]), client(base, TOKENS["bob"])
+            sa = ok(alice.post("/v1/sandboxes", json={"disk_mb": 300}), 201)["id"]
+            sb = ok(bob.post("/v1/sandboxes", json={}), 201)["id"]
+
+            def layers_on_disk() -> int:
+                return len(os.listdir(os.path.join(d.state_dir, "layers")))
+
+            # Bytes: two 100 MB snapshots fit in 250 MB, the third does not.
+            made = []
+            for _ in range(2):
+                ok(alice.post(f"/v1/sandboxes/{sa}/exec", json={
+                    "cmd": "head -c 100000000 /dev/urandom > /root/f"}))
+                made.append(ok(alice.post(f"/v1/sandboxes/{sa}/snapshot", json={}), 201))
+            ok(alice.post(f"/v1/sandboxes/{sa}/exec", json={
+                "cmd": "head -c 100000000 /dev/urandom > /root/f"}))
+            before = layers_on_disk()
+            for r in (alice.post(f"/v1/sandboxes/{sa}/snapshot", json={"name": "a3"}),
+                      alice.post(f"/v1/sandboxes/{sa}/fork", json={"count": 1})):
+                e = error(r)
+                assert e["code"] == "quota_exceeded" and e["infra"], e
+                assert e["details"]["resource"] == "snapshot_bytes", e
+            assert layers_on_disk() == before  # nothing kept
+            assert len(ok(alice.get("/v1/snapshots"))["snapshots"]) == 2
+            assert ok(alice.get("/v1/sandboxes"))["sandboxes"][0]["id"] == sa  # no child
+            # A sandbox on a snapshot whose record is deleted still holds its layer: a
+            # snapshot of it counts that layer (its chain).
+            child = ok(alice.post("/v1/sandboxes", json={"snapshot": made[1]["id"]}),
+                       201)["id"]
+            ok(alice.delete(f"/v1/snapshots/{made[1]['id']}"))
+            ok(alice.delete(f"/v1/snapshots/{made[0]['id']}"))
+            ok(alice.post(f"/v1/sandboxes/{child}/exec", json={
+                "cmd": "head -c 100000000 /dev/urandom > /root/g"}))
+            ok(alice.post(f"/v1/sandboxes/{child}/snapshot", json={}), 201)  # 200 MB
+            ok(alice.post(f"/v1/sandboxes/{child}/exec", json={
+                "cmd": "head -c 100000000 /dev/urandom > /root/g"}))
+            e = error(alice.post(f"/v1/sandboxes/{child}/snapshot", json={}))
+            assert e["code"] == "quota_exceeded" and e["details"]["resource"] == "snapshot_bytes"
+            # Count: small snapshots, at most 4 records.
+            ok(alice.post(f"/v1/sandboxes/{child}/exec", json={"cmd": "rm /root/g"}))
+            for s in ok(alice.get("/v1/snapshots"))["snapshots"]:
+                ok(alice.delete(f"/v1/snapshots/{s['id']}"))
+            ok(alice.post(f"/v1/sandboxes/{sa}/exec", json={"cmd": "rm /root/f"}))
+            for i in range(4):
+                ok(alice.post(f"/v1/sandboxes/{sa}/exec", json={"cmd": f"echo {i} > /root/n"}))
+                ok(alice.post(f"/v1/sandboxes/{sa}/snapshot", json={}), 201)
+            e = error(alice.post(f"/v1/sandboxes/{sa}/snapshot", json={}))
+            assert e["code"] == "quota_exceeded" and e["details"]["resource"] == "snapshots", e
+            # Bob's quota is his own.
+            ok(bob.post(f"/v1/sandboxes/{sb}/exec", json={
+                "cmd": "head -c 100000000 /dev/urandom > /root/f"}))
+            ok(bob.post(f"/v1/sandboxes/{sb}/snapshot", json={}), 201)
+            kids = ok(bob.post(f"/v1/sandboxes/{sb}/fork", json={"count": 2}), 201)
+            assert len(kids["sandboxes"]) == 2
+        finally:
+            clean(base)

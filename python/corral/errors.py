@@ -372,8 +372,10 @@ class CapacityExceeded(InfraError):
 class QuotaExceeded(CapacityExceeded):
     """The tenant holds as many live sandboxes on this daemon as its quota allows (the
     tokens file's ``max_sandboxes``, else ``CORRAL_TENANT_MAX_SANDBOXES``), or has as many
-    image pulls under way as a tenant may (``details.resource == "pulls"``): not the task's
-    failure; free one or wait."""
+    image pulls under way as a tenant may (``details.resource == "pulls"``), or its
+    snapshots hold as many records (``"snapshots"``, ``CORRAL_TENANT_MAX_SNAPSHOTS``) or bytes
+    (``"snapshot_bytes"``, ``CORRAL_TENANT_SNAPSHOT_MB``) as it may: not the task's failure;
+    free one or wait."""
 
     code = "quota_exceeded"
 

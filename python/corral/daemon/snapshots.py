@@ -191,6 +191,11 @@ class SnapshotStore:
         self.records: dict[str, dict[str, Any]] = {}
         self.by_name: dict[str, str] = {}
         self.refs: Counter[str] = Counter()
+        # Bytes of each layer (its capture's file content), for the tenants' quotas: from
+        # every record's layer_sizes (a layer outlives the record that made it).
+        self.layer_sizes: dict[str, int] = {}
+        # Captures in flight per tenant: they count against its snapshot quota.
+        self.pending: Counter[str] = Counter()
         self._parts: dict[tuple[str, int], bool] = {}  # (digest, n) -> that part has content
         for d in (self.layers_dir, self.spares_dir, self.trash_dir):
             os.makedirs(d, mode=0o700, exist_ok=True)
@@ -218,6 +223,27 @@ class SnapshotStore:
             if rec.get("name"):
                 self.by_name[rec["name"]] = rec["id"]
             self.refs.update(layers)
+            self.note_sizes(rec)
+
+    def note_sizes(self, rec: dict[str, Any]) -> None:
+        sizes = rec.get("layer_sizes")
+        if isinstance(sizes, list) and len(sizes) == len(rec["layers"]):
+            for d, n in zip(rec["layers"], sizes, strict=True):
+                if isinstance(n, int):
+                    self.layer_sizes.setdefault(d, n)
+        if isinstance(rec.get("size"), int):
+            self.layer_sizes[rec["digest"]] = rec["size"]
+
+    def usage(self, tenant: str) -> tuple[int, int, set[str]]:
+        """What ``tenant``'s snapshots hold: (records, bytes of the distinct layers of their
+        chains, those layers). A layer is counted once however many of its snapshots share
+        it, and for as long as one of them stands on it (its own record deleted or not)."""
+        count, held = 0, set()
+        for rec in self.records.values():
+            if rec.get("tenant") == tenant:
+                count += 1
+                held.update(rec["layers"])
+        return count, sum(self.layer_sizes.get(d, 0) for d in held), held
 
     def collect(self) -> list[str]:
         """Remove every layer dir nothing references (after re-adoption), and the trash."""
@@ -348,6 +374,7 @@ class SnapshotStore:
     def _discard(self, path: str) -> None:
         """Move a layer to the trash at once (a rename) and delete it in the background."""
         digest = os.path.basename(path)
+        self.layer_sizes.pop(digest, None)
         for key in [k for k in self._parts if k[0] == digest]:
             del self._parts[key]
         dst = os.path.join(self.trash_dir, f"{digest}.{os.urandom(4).hex()}")
@@ -419,6 +446,7 @@ class SnapshotStore:
             os.rename(tmp, final)
         rec: dict[str, Any] = {"id": new_id(), "name": name, "parent": parent, "image": image,
                "digest": digest, "layers": [*base, digest], "size": size,
+               "layer_sizes": [self.layer_sizes.get(d, 0) for d in base] + [size],
                "created_at": time.time(), "sandbox_id": sandbox_id}
         if tenant is not None:
             rec["tenant"] = tenant
@@ -429,6 +457,7 @@ class SnapshotStore:
             self.release(rec["layers"])
             raise
         self.records[rec["id"]] = rec
+        self.note_sizes(rec)
         if name:
             self.by_name[name] = rec["id"]
         return rec

@@ -291,6 +291,7 @@ def commit(store: SnapshotStore, man: dict[str, Any], staging: str,
         store.release(new["layers"])
         raise
     store.records[new["id"]] = new
+    store.note_sizes(new)  # for its tenant's snapshot quota (snapshots.usage)
     if name:
         store.by_name[name] = new["id"]
     return new, True

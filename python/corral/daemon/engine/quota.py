@@ -9,6 +9,7 @@ policy (``limit_of``); this module only counts.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,6 +33,26 @@ def parse_limit(value: str, capacity: int) -> int:
     except ValueError:
         raise InvalidRequest(f"a tenant's sandbox quota is a count (200) or a share of the "
                              f"daemon's limit (50%), not {value!r}") from None
+
+
+def snapshot_quota_from_env(state_dir: str) -> tuple[int, int]:
+    """What each tenant's snapshots may hold: (``CORRAL_TENANT_MAX_SNAPSHOTS``, 1000;
+    ``CORRAL_TENANT_SNAPSHOT_MB`` in bytes, by default a quarter of the state dir's
+    filesystem, so no tenant's snapshots can take the disk every tenant shares)."""
+    def whole(name: str, default: int) -> int:
+        text = os.environ.get(name, "").strip()
+        try:
+            n = int(text) if text else default
+        except ValueError:
+            raise ValueError(f"{name} must be a whole number, not {text!r}") from None
+        if n < 0:
+            raise ValueError(f"{name} must be >= 0")
+        return n
+
+    st = os.statvfs(state_dir)
+    fs_mb = st.f_blocks * st.f_frsize >> 20
+    return (whole("CORRAL_TENANT_MAX_SNAPSHOTS", 1000),
+            whole("CORRAL_TENANT_SNAPSHOT_MB", fs_mb // 4) << 20)
 
 
 class LabelQuota:

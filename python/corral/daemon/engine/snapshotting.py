@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from corral.daemon import diskguard, persist, scratch, snapshots, snapxfer
 from corral.daemon.tenants import TENANT_LABEL
-from corral.errors import SnapshotExists, SnapshotNotFound, Unsupported
+from corral.errors import QuotaExceeded, SnapshotExists, SnapshotNotFound, Unsupported
 
 from .base import Sandbox
 
@@ -22,6 +22,10 @@ if TYPE_CHECKING:  # pragma: no cover
 class SnapshotOps:
     # The state dir's disk (corral.daemon.diskguard), set at start; None: not guarded.
     disk: diskguard.DiskGuard | None = None
+    # What each tenant's snapshots may hold here: (snapshots, bytes), set at start from
+    # CORRAL_TENANT_MAX_SNAPSHOTS / CORRAL_TENANT_SNAPSHOT_MB; None: no bound. The admin's
+    # snapshots (no tenant) are bound only by the disk.
+    snapshot_quota: tuple[int, int] | None = None
 
     def _snaps(self: EngineHost) -> snapshots.SnapshotStore:
         if self.snaps is None:
@@ -41,10 +45,27 @@ class SnapshotOps:
             raise self._lacks(substrate, "snapshot")
         if name is not None and name in store.by_name:  # checked again in commit
             raise SnapshotExists(f"a snapshot named {name!r} exists", details={"name": name})
-        sb, base, (tmp, digest, size) = await self._capture(sid, control)
+        tenant = sb.spec.labels.get(TENANT_LABEL)
+        quota = self.snapshot_quota if isinstance(tenant, str) else None
+        if quota is None:
+            sb, base, (tmp, digest, size) = await self._capture(sid, control)
+        else:
+            assert isinstance(tenant, str)
+            _within_quota(store, tenant, quota)
+            store.pending[tenant] += 1  # captures in flight count: none overtakes another
+            try:
+                sb, base, (tmp, digest, size) = await self._capture(sid, control)
+                try:
+                    _within_quota(store, tenant, quota, (digest, size))
+                except BaseException:
+                    store.drop(tmp)  # refused whole: no layer, no record
+                    raise
+            finally:
+                store.pending[tenant] -= 1
+                if store.pending[tenant] <= 0:
+                    del store.pending[tenant]
         rec = store.commit(tmp, digest, size, name=name, parent=sb.spec.snapshot,
-                           image=sb.spec.image, base=base, sandbox_id=sid,
-                           tenant=sb.spec.labels.get(TENANT_LABEL))
+                           image=sb.spec.image, base=base, sandbox_id=sid, tenant=tenant)
         if store.wants_spares():  # the next capture's dir, made while this one answers
             task = asyncio.ensure_future(asyncio.to_thread(store.refill_spares))
             self._batch_tasks.add(task)
@@ -239,6 +260,35 @@ class SnapshotOps:
         found = await self._image_name(name)
         self._image(found)
         return found
+
+
+def _within_quota(store: snapshots.SnapshotStore, tenant: str, quota: tuple[int, int],
+                  new: tuple[str, int] | None = None) -> None:
+    """Raise QuotaExceeded unless ``tenant`` may make one more snapshot (``new`` None: before
+    its capture, counting those in flight) or keep the one just captured (``new``: its
+    layer's digest and bytes, counted unless the tenant's snapshots hold that layer)."""
+    max_count, max_bytes = quota
+    count, held, layers = store.usage(tenant)
+    if new is None:
+        count += store.pending.get(tenant, 0)
+        if count >= max_count:
+            raise QuotaExceeded(
+                f"snapshot quota exceeded: tenant {tenant!r} holds {count} of its "
+                f"{max_count} snapshots (delete some)",
+                details={"tenant": tenant, "resource": "snapshots", "in_use": count,
+                         "limit": max_count})
+        if held < max_bytes:
+            return
+    else:
+        digest, size = new
+        if digest in layers or held + size <= max_bytes:
+            return
+        held += size
+    raise QuotaExceeded(
+        f"snapshot quota exceeded: tenant {tenant!r}'s snapshots would hold {held} bytes, "
+        f"of its {max_bytes} (delete some)",
+        details={"tenant": tenant, "resource": "snapshot_bytes", "in_use": held,
+                 "limit": max_bytes})
 
 
 async def _to_the_end(copy: asyncio.Future[tuple[str, str, int]],
