@@ -286,6 +286,46 @@ def test_an_oom_kill_is_flagged_and_kill_9_is_not():
         sb.kill()
 
 
+# Maps one memfd MAPS times, populated: ~MAPS/2 MiB of page tables, which the kernel takes
+# seconds to tear down once the process is killed (the mapping is fast to make, slow to undo).
+SLOW_TO_DIE = r"""
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+fd = os.memfd_create("m")
+os.ftruncate(fd, 256 << 20)
+for _ in range(MAPS):
+    # PROT_READ, MAP_SHARED | MAP_POPULATE
+    assert libc.mmap(None, 256 << 20, 1, 1 | 0x8000, fd, 0) != ctypes.c_void_p(-1).value
+open("/tmp/mapped", "w").close()
+time.sleep(3600)
+"""
+
+
+def test_a_command_slow_to_die_is_answered_as_killed_without_waiting_for_it():
+    """A command the daemon SIGKILLs (its timeout, a kill through the API) is answered as
+    killed within a second, not when the kernel has finished tearing it down: a process with
+    GiBs of page tables takes tens of seconds to die, long enough for the client to give up
+    on the call and read the command's own timeout as infra (masked). Here: ~300 MiB of page
+    tables; the answer comes while the process is still dying."""
+    sb = Sandbox(memory_mb=1024, timeout=300)
+    try:
+        sb.files.write("/tmp/slow.py", SLOW_TO_DIE.replace("MAPS", "600"))
+        p = sb.exec(["python3", "/tmp/slow.py"], background=True)
+        _until(lambda: sb.files.exists("/tmp/mapped"), timeout=120)
+        p.kill()
+        res = p.wait(timeout=60)
+        still_dying = sb.exec(f"test -e /proc/{p.pid}/stat && echo dying").stdout
+        assert (res.exit_code, res.signal, res.timed_out) == (137, 9, False), res
+        assert still_dying == "dying\n", "the answer waited for the process to be gone"
+        _until(lambda: sb.exec(f"test -e /proc/{p.pid}/stat").exit_code == 1, timeout=120)
+        assert sb.exec("echo alive").stdout == "alive\n"
+    finally:
+        sb.kill()
+
+
 def test_a_pids_limit_hit_is_the_commands_own_failure():
     """A fork refused at the pids limit is EAGAIN inside the sandbox, as on a machine with a
     process limit: the command decides what to do with it, so the outcome is its exit code

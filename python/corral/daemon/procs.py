@@ -43,6 +43,11 @@ DRAIN_CHUNKS = 64
 FOLLOW_HIGH = 4 * 1024 * 1024
 FOLLOW_LOW = 1024 * 1024
 STDIN_MAX_PENDING = 64 * 1024 * 1024
+# A command SIGKILLed by the daemon whose exit is not seen this long after is answered as
+# killed without waiting for it: no code of its runs again, and what is left is the kernel
+# tearing its memory down, which a command can make last (page tables: ~10 s a GiB here),
+# long enough for the client to give up and read the command's own timeout as infra.
+KILL_SETTLE_S = 1.0
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
@@ -292,7 +297,7 @@ class Process:
 
     __slots__ = ("pid", "ns_pid", "pidfd", "cmd", "started_at", "t0", "stdout", "stderr",
                  "stdin", "exit_code", "timed_out", "duration", "done", "_timer", "loop",
-                 "_waiters", "init_child", "signal", "oom_killed", "host_oom")
+                 "_waiters", "init_child", "signal", "oom_killed", "host_oom", "_settle")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, child: Spawned,
                  cmd: str | list[str], stdout_fd: int, stderr_fd: int, stdin_fd: int, cap: int,
@@ -325,6 +330,7 @@ class Process:
             self.pidfd = kernel.pidfd_open(pid)
             loop.add_reader(self.pidfd, self._on_exit)
         self._timer = loop.call_later(timeout, self._on_timeout) if timeout else None
+        self._settle: asyncio.TimerHandle | None = None
 
     @property
     def running(self) -> bool:
@@ -349,6 +355,15 @@ class Process:
             # No group yet: the child has not reached its setsid (stopped before it, say).
             # It can have no children of its own then: signalling it is the whole group.
             kernel.pidfd_signal(self.pidfd, sig)
+        if sig == signal.SIGKILL and self._settle is None:
+            self._settle = self.loop.call_later(KILL_SETTLE_S, self._settle_killed)
+
+    def _settle_killed(self) -> None:
+        """KILL_SETTLE_S after our SIGKILL and still not seen to exit: answer as its reap
+        would (killed by SIGKILL); the reap, when it comes, only closes the pidfd."""
+        self._settle = None
+        if self.exit_code is None:
+            self._finish(128 + signal.SIGKILL, signal.SIGKILL)
 
     def _on_exit(self) -> None:
         sig = None
@@ -371,9 +386,16 @@ class Process:
             self.loop.remove_reader(self.pidfd)
         os.close(self.pidfd)
         self.pidfd = -1
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if self.exit_code is None:  # else answered already (_settle_killed)
+            self._finish(code, sig)
+
+    def _finish(self, code: int, sig: int | None) -> None:
+        """The command's end as the API reports it: its final output drained, its result
+        set, its waiters told."""
+        for timer in (self._timer, self._settle):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._settle = None
         self.duration = time.monotonic() - self.t0
         self.stdout.drain()
         self.stderr.drain()
