@@ -336,3 +336,32 @@ def test_an_output_flood_holds_the_daemons_memory_to_its_pool(monkeypatch):
             assert big.stdout == "z" * (40 * MIB) and big.stderr == "end\n"
         finally:
             corral.Sandbox.kill_many(boxes)
+
+
+def test_output_the_daemon_could_not_keep_is_infra_never_the_commands_truncation():
+    """Output within a command's cap that the daemon cannot keep (its pool and its spill
+    disk share taken, by other commands, maybe another tenant's) is the daemon's failure:
+    ``infra_error``, cause ``output_store_full``, with what the result would have said; as a
+    truncated result it would be scored as the command's. A command past its own cap is
+    still a truncated result. Here the pool and the disk share are 1 MiB each."""
+    from corral.errors import InfraError
+
+    from conftest import CGROUP_NAME, private_daemon
+
+    with private_daemon("corral-test-outlost-", f"{CGROUP_NAME}-outlost",
+                        CORRAL_OUTPUT_MEMORY_MB="1", CORRAL_OUTPUT_DISK_MB="1") as d:
+        with corral.Sandbox(endpoint=f"unix://{d.socket_path}", timeout=120) as sb:
+            with pytest.raises(InfraError) as e:
+                sb.exec("head -c 3M /dev/zero; exit 3", timeout=60)
+            assert e.value.details["cause"] == "output_store_full", e.value.details
+            assert e.value.details["streams"] == ["stdout"]
+            assert (e.value.details["exit_code"], e.value.details["stdout_bytes"]) == \
+                (3, 3 * MIB)
+            own = sb.exec("head -c 3M /dev/zero", max_output_bytes=1000, timeout=60)
+            assert own.truncated and len(own.stdout) == 1000 and own.exit_code == 0
+            p = sb.exec("head -c 3M /dev/zero >&2", background=True)
+            with pytest.raises(InfraError) as e:
+                p.wait(timeout=60)
+            assert e.value.details["streams"] == ["stderr"]
+            small = sb.exec("echo fits")  # the store is whole again once results are made
+            assert small.stdout == "fits\n" and not small.truncated

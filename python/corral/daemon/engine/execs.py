@@ -152,6 +152,7 @@ class ExecOps:
             raise NotADirectory(f"cwd {cwd!r} is not a directory", details={"cwd": cwd})
 
     def _result(self: EngineHost, proc: procs.Process) -> dict[str, Any]:
+        _raise_output_lost(proc)
         res = proc.result()
         if self.trajlog.enabled:  # hashes of the full outputs, for the log (popped there)
             res["_sha"] = (proc.stdout.sha256(), proc.stderr.sha256())
@@ -290,6 +291,23 @@ class ExecOps:
     def signal(self: EngineHost, sid: str, pid: int, sig: int) -> None:
         _, p = self.proc(sid, pid)
         p.killpg(sig)
+
+
+def _raise_output_lost(proc: procs.Process) -> None:
+    """Output within the command's cap that the daemon could not keep (its output pool and
+    spill disk share full: other commands' output, maybe another tenant's) would read as
+    the command's own truncation and be scored: it is the daemon's failure, an infra error.
+    ``details`` keeps what the result would have said."""
+    lost = [name for name, c in (("stdout", proc.stdout), ("stderr", proc.stderr))
+            if c.kept.full]
+    if lost:
+        raise InfraError(
+            f"the daemon's output store was full: it could not keep all of the command's "
+            f"{' and '.join(lost)} within its max_output_bytes",
+            details={"cause": "output_store_full", "streams": lost, "pid": proc.ns_pid,
+                     "exit_code": proc.exit_code, "signal": proc.signal,
+                     "timed_out": proc.timed_out, "stdout_bytes": proc.stdout.total,
+                     "stderr_bytes": proc.stderr.total})
 
 
 def _raise_host_oom(sid: str, proc: procs.Process) -> None:
