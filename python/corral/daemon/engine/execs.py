@@ -194,7 +194,9 @@ class ExecOps:
                 if sb.state != "running" or not self._alive(sb):
                     break
                 await asyncio.sleep(0.005)
-        if sb.state != "running":
+        # Paused (or frozen for a snapshot) after the command ended, before its exit was
+        # seen here: the command's result stands.
+        if sb.state not in ("running", "paused"):
             raise self._gone(sb.id, sb)
         if not self._alive(sb):
             self._lose(sb)
