@@ -65,6 +65,18 @@ os.environ.pop("CORRAL_TCP", None)
 os.environ["CORRAL_REGISTRIES"] = "registry.invalid"
 
 
+def session_metric(name: str) -> float:
+    """One unlabelled sample of the session daemon's /metrics (0 when it is not there)."""
+    import httpx
+
+    t = httpx.HTTPTransport(uds=SOCKET)
+    with httpx.Client(transport=t, base_url="http://corral", timeout=30) as c:
+        for line in c.get("/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
 def wait_until(pred, timeout: float = 10.0, interval: float = 0.02) -> bool:  # type: ignore[no-untyped-def]
     """Poll ``pred`` until it holds or ``timeout`` seconds pass; its last value."""
     deadline = time.monotonic() + timeout

@@ -17,18 +17,7 @@ import corral
 from corral.daemon.protect import SANDBOX_OOM_SCORE_ADJ
 from corral.errors import CorralError, SandboxCrashed, SandboxLost
 
-from conftest import SOCKET, cgroup_dirs, spare_cgroups
-
-
-def _metric(name: str) -> float:
-    import httpx
-
-    t = httpx.HTTPTransport(uds=SOCKET)
-    with httpx.Client(transport=t, base_url="http://corral", timeout=10) as c:
-        for line in c.get("/metrics").text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return 0.0
+from conftest import cgroup_dirs, session_metric, spare_cgroups
 
 # Every way code inside can send pid 1 a signal, with a siginfo that claims to come from
 # outside the pid namespace (si_pid 0) where the syscall lets the sender write one.
@@ -211,12 +200,12 @@ def test_init_death_after_an_oom_in_the_sandbox_is_crashed_not_lost():
                      timeout=60)
         assert r.exit_code != 0
         pid = box.info().init_pid
-        crashed, lost = _metric("corral_crashed_total"), _metric("corral_lost_total")
+        crashed, lost = session_metric("corral_crashed_total"), session_metric("corral_lost_total")
         os.kill(pid, signal.SIGKILL)
         err = _wait_gone(box)
         assert isinstance(err, SandboxCrashed), repr(err)
-        assert _metric("corral_crashed_total") == crashed + 1
-        assert _metric("corral_lost_total") == lost
+        assert session_metric("corral_crashed_total") == crashed + 1
+        assert session_metric("corral_lost_total") == lost
         assert not err.infra and err.code == "sandbox_crashed"
         assert err.details["cause"] == "oom" and err.details["reason"] == "crashed"
         for call in (box.info, lambda: box.exec("true", timeout=10),
@@ -233,11 +222,11 @@ def test_host_sigkill_of_the_init_is_sandbox_lost():
     box = corral.Sandbox(image="host", timeout=300)
     try:
         assert box.exec("echo hi", timeout=10).stdout.strip() == "hi"  # memcg made, no OOM
-        lost = _metric("corral_lost_total")
+        lost = session_metric("corral_lost_total")
         os.kill(box.info().init_pid, signal.SIGKILL)
         err = _wait_gone(box)
         assert isinstance(err, SandboxLost) and err.infra, repr(err)
-        assert _metric("corral_lost_total") == lost + 1
+        assert session_metric("corral_lost_total") == lost + 1
         with pytest.raises(SandboxLost):
             box.info()
     finally:

@@ -30,7 +30,14 @@ from corral.errors import (
 )
 from corral.sdk import admin
 
-from conftest import CGROUP_NAME, SOCKET, STATE_DIR, private_daemon, wait_until
+from conftest import (
+    CGROUP_NAME,
+    SOCKET,
+    STATE_DIR,
+    private_daemon,
+    session_metric,
+    wait_until,
+)
 
 GVISOR = Path(STATE_DIR, "gvisor")
 NUL = b"\0"
@@ -404,22 +411,13 @@ def test_ttl_expiry_leaves_nothing():
 
 
 
-def _metric(name: str) -> float:
-    t = httpx.HTTPTransport(uds=SOCKET)
-    with httpx.Client(transport=t, base_url="http://corral", timeout=30) as c:
-        for line in c.get("/metrics").text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return 0.0
-
-
 def test_a_timeout_while_paused_kills_the_command_at_resume():
     """runsc signals nothing in a paused sandbox (`runsc kill`: "cannot signal ... in state
     paused"; exec is refused too), so the kill of a command whose timeout fired while a pause
     (or a snapshot's freeze) held the sandbox failed, and the command ran on after the resume
     for as long as it liked. The kill is held for the resume."""
     with corral.Sandbox(substrate="gvisor", timeout=120) as box:
-        deferred = _metric("corral_gvisor_exec_kills_deferred_total")
+        deferred = session_metric("corral_gvisor_exec_kills_deferred_total")
 
         def running() -> bool:
             return "sleep 777" in box.exec("ps -eo args").stdout
@@ -433,7 +431,7 @@ def test_a_timeout_while_paused_kills_the_command_at_resume():
             res = fut.result(30)
             assert (res.timed_out, res.exit_code) == (True, 137), res
         assert wait_until(
-            lambda: _metric("corral_gvisor_exec_kills_deferred_total") > deferred, 15)
+            lambda: session_metric("corral_gvisor_exec_kills_deferred_total") > deferred, 15)
         box.resume()
         assert wait_until(lambda: not running(), 15), box.exec("ps -ef").stdout
 
@@ -636,7 +634,6 @@ def test_tar_bytes_roundtrip_api(sb):
         ti = tarfile.TarInfo("x/y.bin")
         ti.size = len(data)
         tf.addfile(ti, io.BytesIO(data))
-    import httpx
 
     t = httpx.HTTPTransport(uds=SOCKET)
     with httpx.Client(transport=t, base_url="http://corral", timeout=30) as c:

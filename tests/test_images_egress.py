@@ -358,6 +358,17 @@ def test_the_policy_refuses_every_internal_form_of_an_address() -> None:
     assert Egress(insecure=["reg.corp:5000"]).plain_ok("reg.corp", 5000)
 
 
+def _trickled_manifest(stop: threading.Event) -> Callable[[Any], Answer]:
+    """A route answering a manifest of 1 MiB a byte every 0.2 s, until ``stop`` is set."""
+    def trickle(req: Any) -> Answer:
+        def body() -> Iterator[bytes]:
+            while not stop.wait(0.2):
+                yield b" "
+        return 200, {"Content-Type": "application/vnd.oci.image.manifest.v1+json",
+                     "Content-Length": str(1 << 20)}, body()
+    return trickle
+
+
 def test_slow_registries_do_not_take_the_daemons_threads(env: dict[str, Any]) -> None:
     """A registry that trickles its answers (a byte now and then, under every read timeout)
     holds each pull as long as it likes; a tenant starting many such pulls (one per tag)
@@ -366,12 +377,7 @@ def test_slow_registries_do_not_take_the_daemons_threads(env: dict[str, Any]) ->
     stop = threading.Event()
     n = 40  # more than the daemon's worker threads (32)
 
-    def trickle(req: Any) -> Answer:
-        def body() -> Iterator[bytes]:
-            while not stop.wait(0.2):
-                yield b" "
-        return 200, {"Content-Type": "application/vnd.oci.image.manifest.v1+json",
-                     "Content-Length": str(1 << 20)}, body()
+    trickle = _trickled_manifest(stop)
 
     evil.routes["GET /v2/"] = (200, {}, b"{}")
     for i in range(n):
@@ -410,12 +416,7 @@ def test_a_tenants_slow_pulls_leave_pull_threads_to_other_tenants(env: dict[str,
     other: FakeRegistry = env["other"]
     stop = threading.Event()
 
-    def trickle(req: Any) -> Answer:
-        def body() -> Iterator[bytes]:
-            while not stop.wait(0.2):
-                yield b" "
-        return 200, {"Content-Type": "application/vnd.oci.image.manifest.v1+json",
-                     "Content-Length": str(1 << 20)}, body()
+    trickle = _trickled_manifest(stop)
 
     evil.routes.clear()
     evil.routes["GET /v2/"] = (200, {}, b"{}")
