@@ -290,6 +290,30 @@ def test_checkpoints_run_in_the_ingester(tmp_path, monkeypatch):
     assert len(_rows(tl.path)) == 35
 
 
+def test_the_wal_is_bounded_in_bytes_not_only_in_records(tmp_path, monkeypatch):
+    """Big entries (a sandbox's outputs: up to ~12 MiB of JSON each) checkpoint the WAL by
+    bytes, and a WAL started over is cut back: before, the WAL waited for 1000 records and
+    never shrank (a 716 MB WAL after 186 execs of 1 MiB of binary output on a 768 MiB state
+    dir, which then filled)."""
+    monkeypatch.setattr(ingest, "CHECKPOINT_BYTES", 4 << 20)
+    monkeypatch.setattr(trajlog.writer, "WAL_SIZE_LIMIT", 4 << 20)
+    out = "x" * (1 << 20)
+    wal = os.path.join(str(tmp_path), "trajlog.db-wal")
+    sizes: list[int] = []
+
+    async def body(tl: TrajLog) -> None:
+        for i in range(40):
+            await tl.run("sb", "exec", {"i": i}, None,
+                         lambda: asyncio.sleep(0, {"exit_code": 0, "stdout": out}))
+            await tl.flushed()
+            sizes.append(os.path.getsize(wal))
+
+    tl = _run(tmp_path, body)
+    assert tl.stats["checkpoints"] >= 5
+    assert max(sizes) < 12 << 20, sizes
+    assert len(_rows(tl.path)) == 40
+
+
 def test_started_rows_then_finish_in_place(tmp_path):
     """A call that outlives the hold gets a started row; its end replaces that row (same
     seq)."""

@@ -17,7 +17,8 @@ Two tiers, one contract: a call's record is durable *before* the call's result i
   ingester thread takes the journal's new lines every ``CORRAL_TRAJLOG_FLUSH_MS`` (100 ms)
   and inserts them in one transaction: the entries by multi-row ``INSERT``s (one
   ``sqlite3_step`` each, so the thread takes the GIL back once per statement, not per row),
-  at nice ``INGEST_NICE``. It checkpoints the WAL every ``CHECKPOINT_EVERY`` records. The journal's
+  at nice ``INGEST_NICE``. It checkpoints the WAL every ``CHECKPOINT_EVERY`` records or
+  ``CHECKPOINT_BYTES`` of them (the WAL cut back to ``WAL_SIZE_LIMIT``). The journal's
   files are deleted once what they hold is in the database.
 
 Reads see both tiers: an idempotency key is looked up among the entries not yet ingested

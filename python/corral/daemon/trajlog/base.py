@@ -135,6 +135,7 @@ class _Base:
         self._bound: dict[str, set[str]] = {}
         self._live: set[str] = set()  # sandboxes created or re-adopted, not ended
         self._since_ckpt = 0
+        self._since_ckpt_bytes = 0
         self._unindexed = 0  # entries ingested since the index was last updated
         self._closing = False
         # Started rows held on the loop, oldest first (a dict: O(1) removal anywhere, O(1)

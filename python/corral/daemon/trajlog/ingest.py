@@ -30,8 +30,14 @@ INGEST_RETRY_S = 1.0
 # Entries per statement when a start ingests what a dead daemon left in the journal.
 RECOVER_CHUNK = 10_000
 # Records between two WAL checkpoints (by the ingester: one or two pages each, so the WAL
-# stays under ~10 MB).
+# stays under ~10 MB)...
 CHECKPOINT_EVERY = 1000
+# ...or bytes of them: an exec's entry is up to ~12 MiB of JSON (a sandbox's binary output),
+# and 1000 of those made a WAL of GBs on the state dir's disk (a passive checkpoint never
+# shrinks the file: WAL_SIZE_LIMIT does, when SQLite starts the WAL over).
+CHECKPOINT_BYTES = 64 << 20
+# The WAL file is cut back to this when it is started over after a checkpoint.
+WAL_SIZE_LIMIT = 64 << 20
 # Entries between two updates of the per-sandbox index (``entries_by_sandbox``): an insert
 # writes one b-tree (the row) instead of two; every INDEX_EVERY entries one batch also
 # indexes the ones since the last time. Readers find the rest, the unindexed tail, by a short
@@ -92,9 +98,9 @@ class Ingester(_Base):
                 time.sleep(0.01)  # tests only: journaled, not ingested
             with self._mu:
                 batch, self._pending = self._pending, []
-                self._pending_bytes = 0  # the batch is bounded by what the calls waited for
+                size, self._pending_bytes = self._pending_bytes, 0  # bounded by the waits
             if batch:
-                if not self._ingest(conn, batch):
+                if not self._ingest(conn, batch, size):
                     lines = [it for it in batch if type(it) is tuple]
                     with self._mu:  # again, ahead of anything newer (the journal has them)
                         self._pending[:0] = lines
@@ -111,10 +117,11 @@ class Ingester(_Base):
                         return
                 self._wake.set()
 
-    def _ingest(self, conn: sqlite3.Connection, batch: list[_Line | _Control]) -> bool:
-        """One transaction for the batch: its lines (by kind, ``_ingest_lines``) and control
-        items in order, and the journal watermark. Resolves the waiters; False if it failed
-        (nothing of it is in the database)."""
+    def _ingest(self, conn: sqlite3.Connection, batch: list[_Line | _Control],
+                size: int = 0) -> bool:
+        """One transaction for the batch (``size``: its lines' journal bytes): its lines (by
+        kind, ``_ingest_lines``) and control items in order, and the journal watermark.
+        Resolves the waiters; False if it failed (nothing of it is in the database)."""
         t0, c0 = time.perf_counter(), time.thread_time()
         results: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
         top = 0
@@ -164,8 +171,9 @@ class Ingester(_Base):
         st["ingest_cpu_us"] += int((time.thread_time() - c0) * 1e6)
         n = sum(1 for it in batch if type(it) is tuple)
         self._since_ckpt += n
-        if self._since_ckpt >= CHECKPOINT_EVERY:
-            self._since_ckpt = 0
+        self._since_ckpt_bytes += size
+        if self._since_ckpt >= CHECKPOINT_EVERY or self._since_ckpt_bytes >= CHECKPOINT_BYTES:
+            self._since_ckpt = self._since_ckpt_bytes = 0
             try:
                 conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
                 st["checkpoints"] += 1

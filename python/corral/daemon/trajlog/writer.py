@@ -14,7 +14,7 @@ from corral.daemon.locks import try_lock
 from corral.errors import InternalError
 
 from .base import PRUNE_EVERY_S, _committed, _Control, _Start
-from .ingest import Ingester
+from .ingest import WAL_SIZE_LIMIT, Ingester
 from .keys import INTERRUPTED, STARTED, _dumps, _plain, interrupted_error
 from .schema import _SANDBOX_SEQS, _SCHEMA, _STARTED_INDEX, LOCK_NAME, _index_tail, _meta, _migrate
 
@@ -37,12 +37,14 @@ class Writer(Ingester):
                                 "process")
         self._lock = lock
         journal = Journal(self.state_dir)
-        # The ingester's connection; it checkpoints by itself every CHECKPOINT_EVERY records.
+        # The ingester's connection; it checkpoints by itself every CHECKPOINT_EVERY records
+        # or CHECKPOINT_BYTES, and a WAL started over is cut back to WAL_SIZE_LIMIT.
         # No statement cache: a cached statement keeps the copies of the values last bound
         # to it (sqlite3_reset keeps bindings), and the entries' INSERTs bind up to 512
         # results of up to ~12 MiB each (1 Mi characters an output, JSON): 48 commands
         # printing binary kept ~450 MiB of them alive. A prepare costs microseconds a batch.
         conn = self._connect(autocheckpoint=0, cached=0)
+        conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
         try:
             conn.executescript(_SCHEMA)
             _migrate(conn)
