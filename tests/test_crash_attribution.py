@@ -258,9 +258,9 @@ def test_end_cause_reads_the_init_status_without_reaping(how, want):
     import subprocess
     import types
 
-    from corral.daemon.cgroups import OomCount
     from corral.daemon.substrates.base import SandboxRuntime
     from corral.daemon.substrates.container import ContainerSubstrate
+    from corral.daemon.substrates.types import OomCount
 
     code = {"segv": "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)",
             "exit3": "raise SystemExit(3)", "kill": "import os; os.kill(os.getpid(), 9)",

@@ -7,11 +7,9 @@ from .common import (
     CFS_PERIOD_US,
     DAEMON_CGROUP,
     CgroupManager,
-    OomCount,
     check_id,
     for_host,
     oom_count_at,
-    oom_verdict,
     parse_cpulist,
 )
 from .recycler import COOL_S, DRAIN_AT_STOP_S, MEMCG_SPARES, MemcgRecycler
@@ -20,4 +18,4 @@ from .v2 import CgroupsV2
 
 __all__ = ["CFS_PERIOD_US", "CGROUP_SPARES", "COOL_S", "DAEMON_CGROUP", "DRAIN_AT_STOP_S",
            "MEMCG_SPARES", "CgroupManager", "CgroupsV1", "CgroupsV2", "MemcgRecycler",
-           "OomCount", "check_id", "for_host", "oom_count_at", "oom_verdict", "parse_cpulist"]
+           "check_id", "for_host", "oom_count_at", "parse_cpulist"]

@@ -18,9 +18,9 @@ import os
 import re
 import signal
 import time
-from typing import NamedTuple
 
 from corral.daemon import kernel
+from corral.daemon.substrates.types import OomCount
 
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,127}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
@@ -44,37 +44,6 @@ _read = kernel.read_knob
 MEMSW_SLACK = 4096
 
 
-class OomCount(NamedTuple):
-    """Two counters of a memory cgroup, read before and after a span (a command's run, a
-    sandbox's life): only their differences mean anything (oom_verdict).
-
-    - ``kills``: processes the kernel's OOM killer killed in the cgroup, whichever OOM chose
-      them: its own limit, an ancestor's limit (the daemon's slice, a node's), or the whole
-      host out of memory (the kernel counts a kill in the victim's cgroup whatever the cause).
-    - ``own``: evidence that the cgroup's *own* limit was hit. v2: ``memory.events`` ``oom``
-      (the cgroup, or one below it, at its ``memory.max`` with reclaim failing; an ancestor's
-      OOM counts in the ancestor, not here). v1 has no such count (``memory.oom_control``'s
-      ``under_oom`` and its OOM eventfd are set for every cgroup *below* an ancestor that is
-      out of memory too), so ``own`` is the cgroup's fail counts, ``memory.failcnt`` plus
-      ``memory.memsw.failcnt``: a charge refused at this cgroup's own limit (an ancestor's
-      refusal counts in the ancestor; see MEMSW_SLACK for why the memory counter is the one
-      that refuses). An OOM at its own limit always raises it; it also rises when the
-      cgroup reclaims at its limit without an OOM, so on v1 a kill from outside in a span
-      where the cgroup was also at its own limit counts as its own."""
-
-    kills: int
-    own: int
-
-
-def oom_verdict(before: OomCount | None, after: OomCount | None) -> str | None:
-    """What the OOM kills between two readings were: None (none, or not counted), ``own``
-    (the cgroup's own limit was hit in the span: the sandbox's doing, category limit) or
-    ``host`` (killed by an OOM outside its own limit: the host's or an ancestor's, infra)."""
-    if before is None or after is None or after.kills <= before.kills:
-        return None
-    return "own" if after.own > before.own else "host"
-
-
 def _key_values(text: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for line in text.splitlines():
@@ -86,7 +55,16 @@ def _key_values(text: str) -> dict[str, int]:
 
 def oom_count_at(path: str, version: int) -> OomCount | None:
     """The OomCount of the memory cgroup directory ``path`` (None: no such cgroup, or a
-    kernel that counts no OOM kill)."""
+    kernel that counts no OOM kill). ``kills``: ``oom_kill`` (v2 ``memory.events``, v1
+    ``memory.oom_control``). ``own``: v2 ``memory.events`` ``oom`` (the cgroup, or one below
+    it, at its ``memory.max`` with reclaim failing; an ancestor's OOM counts in the
+    ancestor). v1 has no such count (``memory.oom_control``'s ``under_oom`` and its OOM
+    eventfd are set for every cgroup *below* an ancestor that is out of memory too), so it
+    is the cgroup's fail counts, ``memory.failcnt`` plus ``memory.memsw.failcnt``: a charge
+    refused at this cgroup's own limit (see MEMSW_SLACK for why the memory counter is the one
+    that refuses). They also rise when the cgroup reclaims at its limit without an OOM, so on
+    v1 a kill from outside in a span where the cgroup was also at its own limit counts as
+    its own."""
     try:
         if version == 2:
             ev = _key_values(_read(os.path.join(path, "memory.events")))

@@ -44,7 +44,7 @@ _CAUSE_TEXT = {
     "init_exited": "its init process ended",
     "pids": "it reached its process limit (pids)",
     "host_oom": "an out-of-memory kill from outside its own memory limit (the host's or an "
-                "enclosing cgroup's) ended it",
+                "enclosing limit's) ended it",
 }
 # Causes (Substrate.end_cause) that are the host's doing: the sandbox ends as "lost"
 # (sandbox_lost, infra) with the cause in its details, not as "crashed".

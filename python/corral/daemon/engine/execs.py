@@ -10,8 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from corral.daemon import procs, users
-from corral.daemon.cgroups.common import OomCount, oom_verdict
-from corral.daemon.substrates.base import Substrate
+from corral.daemon.substrates.base import OomCount, Substrate, oom_verdict
 from corral.errors import (
     Conflict,
     CorralError,
@@ -207,11 +206,11 @@ class ExecOps:
     def _oom_after(substrate: Substrate, runtime: Any, proc: procs.Process,
                    before: OomCount) -> None:
         """At the command's exit: did the OOM killer kill in the sandbox while it ran, and
-        was the sandbox at its own limit then (cgroups.oom_verdict)? Read as the exit is
+        was the sandbox at its own limit then (oom_verdict)? Read as the exit is
         seen, so a background command's answer does not depend on when it is waited for.
         The counts are the sandbox's: an OOM kill of a concurrent command's process counts
         too. A kill with no sign of the sandbox's own limit hit (a host-wide OOM, an
-        ancestor cgroup's limit) is not the command's doing: ``host_oom``, answered as an
+        enclosing limit) is not the command's doing: ``host_oom``, answered as an
         infra error (_raise_host_oom), never as the command's result."""
         try:
             after = substrate.oom_kills(runtime)
@@ -314,13 +313,13 @@ def _raise_output_lost(proc: procs.Process) -> None:
 
 def _raise_host_oom(sid: str, proc: procs.Process) -> None:
     """A command during which the OOM killer killed in the sandbox while the sandbox was not
-    at its own memory limit (a host-wide OOM, an ancestor cgroup's limit such as the
+    at its own memory limit (a host-wide OOM, an enclosing limit such as the
     daemon's or a node's): its outcome is the host's doing, so it is an infra error (mask),
     never an exit code (score). ``details`` keeps what the command's result would have
     said."""
     if proc.host_oom:
         raise InfraError(
             f"a process of sandbox {sid} was killed by an out-of-memory kill from outside its "
-            f"own memory limit (the host's or an enclosing cgroup's) while the command ran",
+            f"own memory limit (the host's or an enclosing limit's) while the command ran",
             details={"cause": "host_oom", "id": sid, "pid": proc.ns_pid,
                      "exit_code": proc.exit_code, "signal": proc.signal})

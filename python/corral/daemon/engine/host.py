@@ -9,10 +9,9 @@ from typing import Any, Protocol
 
 from corral.config import Config
 from corral.daemon import diskguard, procs, snapshots, users
-from corral.daemon.cgroups.common import OomCount
 from corral.daemon.clock import Clock
 from corral.daemon.outputmem import OutputMemory
-from corral.daemon.substrates.base import SandboxRuntime, Substrate
+from corral.daemon.substrates.base import OomCount, SandboxRuntime, Substrate
 from corral.daemon.trajlog import TrajLog
 from corral.errors import CorralError, Unsupported
 from corral.models import ExecRequest, FileEntry, SandboxSpec

@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from corral.daemon import diskguard, persist, scratch, snapshots, snapxfer
+from corral.daemon import diskguard, persist, snapshots, snapxfer
 from corral.daemon.tenants import TENANT_LABEL
 from corral.errors import QuotaExceeded, SnapshotExists, SnapshotNotFound, Unsupported
 
@@ -97,15 +97,12 @@ class SnapshotOps:
             return await self._capture_claimed(sb, base, image, paused, control)
 
     def _capture_estimate(self: EngineHost, sb: Sandbox) -> int:
-        """Bytes a capture of ``sb`` is expected to write: its disk use on a btrfs scratch
-        (holes and unchanged image files cost nothing there either), at most the snapshot
-        bound; 0 where the scratch cannot tell."""
-        sub = self.substrates[sb.spec.substrate]
-        area = getattr(sub, "scratch", None)
-        if not isinstance(area, scratch.Scratch) or sb.runtime is None:
+        """Bytes a capture of ``sb`` is expected to write (Substrate.capture_estimate), at
+        most the snapshot bound."""
+        if sb.runtime is None:
             return 0
-        used = area.used_bytes(os.path.join(sb.runtime.sandbox_dir, scratch.LAYER))
-        return 0 if used is None else min(used, self._snaps().max_bytes)
+        used = self.substrates[sb.spec.substrate].capture_estimate(sb.runtime)
+        return min(used, self._snaps().max_bytes)
 
     async def _capture_claimed(self: EngineHost, sb: Sandbox, base: builtins.list[str],
                                image: Any, paused: bool,

@@ -24,18 +24,20 @@ from corral.daemon.params import page_of
 from corral.daemon.substrates.types import (
     Capabilities,
     ExecSpec,
+    OomCount,
     SandboxRuntime,
     Spawned,
+    oom_verdict,
 )
 from corral.errors import Unsupported
 from corral.models import FileEntry, SandboxSpec
 
 if TYPE_CHECKING:
-    from corral.daemon.cgroups.common import OomCount
     from corral.daemon.snapshots import CaptureControl, SnapshotStore
     from corral.daemon.streams import TreeOps
 
-__all__ = ["Capabilities", "ExecSpec", "SandboxRuntime", "Spawned", "Substrate"]
+__all__ = ["Capabilities", "ExecSpec", "OomCount", "SandboxRuntime", "Spawned", "Substrate",
+           "oom_verdict"]
 
 
 class NetworkControl(Protocol):
@@ -140,10 +142,10 @@ class Substrate(ABC):
         return None
 
     def oom_kills(self, runtime: SandboxRuntime) -> OomCount | None:
-        """The sandbox's OOM counts so far (cgroups.OomCount: the kills, and the evidence of
+        """The sandbox's OOM counts so far (OomCount: the kills, and the evidence of
         its own limit hit), read by the exec path before and after a command:
         ``ExecResult.oom_killed`` when its own limit was hit, an infra error (cause
-        ``host_oom``) when a kill came from outside it (cgroups.oom_verdict). None: not
+        ``host_oom``) when a kill came from outside it (oom_verdict). None: not
         counted here. Default: None."""
         return None
 
@@ -184,6 +186,11 @@ class Substrate(ABC):
         layer dir, digest, bytes) for ``store.commit``. Runs in a worker thread; ``control``
         (passed on to ``store.capture``) reports its bytes copied and cancels it."""
         raise self._lacks("snapshot")
+
+    def capture_estimate(self, runtime: SandboxRuntime) -> int:
+        """Bytes a capture of the sandbox is expected to write on the state dir's disk (its
+        own files' disk use, where the substrate can tell cheaply). Default: 0 (unknown)."""
+        return 0
 
     def reset(self, runtime: SandboxRuntime, spec: SandboxSpec, image: Any) -> SandboxRuntime:
         """Restart a sandbox in place on ``image`` (restore): every process killed, same id

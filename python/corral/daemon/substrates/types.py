@@ -4,7 +4,31 @@ every substrate; nothing here belongs to one substrate."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class OomCount(NamedTuple):
+    """Two counts a substrate reads off a sandbox's memory accounting before and after a span
+    (a command's run, a sandbox's life): only their differences mean anything (oom_verdict).
+
+    - ``kills``: the sandbox's processes the kernel's OOM killer killed, whichever OOM chose
+      them: the sandbox's own limit, an enclosing limit (the daemon's, a node's), or the
+      whole host out of memory (the kernel counts a kill at the victim whatever the cause).
+    - ``own``: evidence that the sandbox's *own* limit was hit (a substrate's choice of
+      counter: see corral.daemon.cgroups.common.oom_count_at for the container's). An OOM at
+      its own limit always raises it."""
+
+    kills: int
+    own: int
+
+
+def oom_verdict(before: OomCount | None, after: OomCount | None) -> str | None:
+    """What the OOM kills between two readings were: None (none, or not counted), ``own``
+    (the sandbox's own limit was hit in the span: its doing, category limit) or ``host``
+    (killed by an OOM outside its own limit: the host's or an enclosing one's, infra)."""
+    if before is None or after is None or after.kills <= before.kills:
+        return None
+    return "own" if after.own > before.own else "host"
 
 
 @dataclass(slots=True)  # tens of thousands live at once

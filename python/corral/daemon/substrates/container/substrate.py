@@ -42,10 +42,10 @@ from corral.daemon import (
     thrash,
     uploads,
 )
-from corral.daemon.cgroups.common import OomCount, oom_verdict
 from corral.daemon.kernel import pidfd_exited as _pidfd_exited
 from corral.daemon.kernel import proc_alive, proc_starttime
 from corral.daemon.network.manager import NetworkManager
+from corral.daemon.substrates.types import OomCount, oom_verdict
 from corral.errors import (
     CapacityExceeded,
     CorralError,
@@ -1009,6 +1009,12 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         # "upper" below the sandbox's dir, or where spawn put it (its disk layer)
         base = os.path.join(runtime.sandbox_dir, runtime.extra.get("upper", "upper"))
         return [os.path.join(base, str(i)) for i in range(len(os.listdir(base)))]
+
+    def capture_estimate(self, runtime: SandboxRuntime) -> int:
+        """The disk use of its writable layer on a btrfs scratch (holes and unchanged image
+        files cost nothing there either); 0 where the scratch cannot tell."""
+        used = self.scratch.used_bytes(os.path.join(runtime.sandbox_dir, scratch.LAYER))
+        return used or 0
 
     def capture(self, runtime: SandboxRuntime, image: Any, store: SnapshotStore,
                 paused: bool, control: CaptureControl | None = None) -> tuple[str, str, int]:

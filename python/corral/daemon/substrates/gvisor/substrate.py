@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from corral.daemon import kernel
-from corral.daemon.cgroups.common import OomCount, oom_count_at, oom_verdict
+from corral.daemon.cgroups.common import oom_count_at
 from corral.daemon.substrates.base import (
     Capabilities,
     ExecSpec,
@@ -38,6 +38,7 @@ from corral.daemon.substrates.gvisor import bundle
 from corral.daemon.substrates.gvisor.probe import kill_under
 from corral.daemon.substrates.gvisor.runsc import Runsc, RunscError
 from corral.daemon.substrates.rootfiles import RootFileOps, RootFiles
+from corral.daemon.substrates.types import OomCount, oom_verdict
 from corral.errors import CorralError, InternalError, SandboxNotRunning
 from corral.models import SandboxSpec
 

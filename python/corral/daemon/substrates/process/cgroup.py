@@ -22,7 +22,8 @@ import os
 import signal
 import time
 
-from corral.daemon.cgroups.common import MEMSW_SLACK, OomCount, _mounts, _read, _write
+from corral.daemon.cgroups.common import MEMSW_SLACK, _mounts, _read, _write
+from corral.daemon.substrates.types import OomCount
 
 ZYGOTE_MEMORY = 2 << 30     # the zygote and its launcher (numpy preloaded: ~60 MB)
 ZYGOTE_PIDS = 16            # launcher, zygote, fork server, children not yet in their slot

@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from corral.daemon.cgroups.common import oom_verdict
 from corral.daemon.discard import DiscardBudget
 from corral.daemon.substrates.process import cgroup, view, zygote
+from corral.daemon.substrates.types import oom_verdict
 from corral.errors import CapacityExceeded, CorralError, InfraError, InvalidRequest
 from corral.runcode_models import LANGUAGES, MAX_TIMEOUT_S, RunCodeRequest
 

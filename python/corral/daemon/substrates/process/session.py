@@ -39,7 +39,6 @@ from collections.abc import Awaitable, Iterator
 from typing import Any
 
 from corral.daemon import kernel
-from corral.daemon.cgroups.common import OomCount
 from corral.daemon.substrates.base import (
     Capabilities,
     ExecSpec,
@@ -49,6 +48,7 @@ from corral.daemon.substrates.base import (
 )
 from corral.daemon.substrates.process import cgroup, pool, view, zygote
 from corral.daemon.substrates.rootfiles import RootFileOps, RootFiles
+from corral.daemon.substrates.types import OomCount
 from corral.errors import CorralError, InfraError, SandboxNotRunning
 from corral.models import SandboxSpec
 
