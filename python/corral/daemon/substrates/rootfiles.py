@@ -184,10 +184,15 @@ class RootFiles:
         dirs: list[tuple[str, int]] = []
         try:
             with tf:
-                for count, m in enumerate(tf):
+                count = 0
+                while (m := tf.next()) is not None:
+                    # tarfile keeps every member it has read (~500 bytes each: a million of
+                    # them held ~0.5 GB an upload); a stream never looks back at one
+                    tf.members.clear()  # type: ignore[attr-defined]  # (not in typeshed)
                     if count >= TAR_MAX_MEMBERS:
                         raise TooLarge(f"tar has more than {TAR_MAX_MEMBERS} members",
                                        details={"limit": "members", "max": TAR_MAX_MEMBERS})
+                    count += 1
                     self._extract(tf, m, base, dirs)
         except _BAD_ARCHIVE as e:
             raise InvalidRequest(f"bad tar archive: {e}") from None
