@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -205,5 +206,93 @@ def test_a_tenants_snapshots_are_bounded_in_count_and_bytes():
             ok(bob.post(f"/v1/sandboxes/{sb}/snapshot", json={}), 201)
             kids = ok(bob.post(f"/v1/sandboxes/{sb}/fork", json={"count": 2}), 201)
             assert len(kids["sandboxes"]) == 2
+        finally:
+            clean(base)
+
+
+def test_a_tenants_trajectory_log_is_bounded_by_its_budget():
+    """Alice's sandboxes print 1 MiB of binary a command (~4.5 MB an entry as JSON). Before,
+    nothing bounded her log: it filled the 768 MiB state dir in ~40 s and every tenant's
+    calls failed `internal` (the journal could not grow), bob's and the admin's too. Now her
+    log holds at most CORRAL_TENANT_LOG_MB: her ended sandbox's log goes first, then her
+    entries keep 4 KiB of each output, then her calls are quota_exceeded (log_bytes); her
+    keys still replay, bob's calls run and are logged whole, and a kill -9 keeps the
+    accounting."""
+    budget_mb = 16
+    binary = "head -c 1048576 /dev/urandom"
+    with small_disk_daemon(768, CORRAL_SCRATCH="tmpfs", CORRAL_DISK_RESERVE_MB="128",
+                           CORRAL_OUTPUT_DISK_MB="32", CORRAL_TENANT_LOG_MB=str(budget_mb)
+                           ) as (d, base):
+        try:
+            alice, bob = client(base, TOKENS["alice"]), client(base, TOKENS["bob"])
+            adm = client(base, ADMIN)
+            old = ok(alice.post("/v1/sandboxes", json={}), 201)["id"]
+            for _ in range(3):
+                ok(alice.post(f"/v1/sandboxes/{old}/exec", json={"cmd": binary}))
+            ok(alice.delete(f"/v1/sandboxes/{old}"))
+            # Within her budget its log stays; reading it waits for the ingester, whose batch
+            # also sees that her live sandboxes hold nothing now.
+            assert len(ok(alice.get(f"/v1/sandboxes/{old}/log"))["entries"]) == 5
+            live = [ok(alice.post("/v1/sandboxes", json={}), 201)["id"] for _ in range(2)]
+            sb_bob = ok(bob.post("/v1/sandboxes", json={}), 201)["id"]
+            early = ok(alice.post(f"/v1/sandboxes/{live[0]}/exec", json={"cmd": binary},
+                                  headers={"Idempotency-Key": "early"}))
+            # The flood: keyed, so that a compact entry's replay can be checked.
+            first: dict[str, dict[str, Any]] = {}
+            refused = None
+            for i in range(1500):
+                sid = live[i % 2]
+                r = alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": binary},
+                               headers={"Idempotency-Key": f"f{i}"})
+                if r.status_code != 200:
+                    refused = error(r)
+                    break
+                first[f"f{i}"] = {"sid": sid, **r.json()}
+            assert refused is not None, "1500 execs of 1 MiB fit in alice's log"
+            assert refused["code"] == "quota_exceeded" and refused["infra"], refused
+            assert refused["details"]["resource"] == "log_bytes", refused
+            assert refused["details"]["limit"] == budget_mb << 20
+            assert free_mb(d.state_dir) > 128 + 100, free_mb(d.state_dir)
+            # Her ended sandbox's log went first.
+            assert alice.get(f"/v1/sandboxes/{old}/log").status_code == 404
+            # Her keys replay: the early one whole, a compact one as its first 4 KiB.
+            again = ok(alice.post(f"/v1/sandboxes/{live[0]}/exec", json={"cmd": binary},
+                                  headers={"Idempotency-Key": "early"}))
+            assert again["stdout"] == early["stdout"] and not again["truncated"]
+            entries = ok(alice.get(f"/v1/sandboxes/{live[1]}/log"))["entries"]
+            compact = [e for e in entries if (e["result"] or {}).get("log_budget")]
+            assert compact, [e["result"] for e in entries][-1]
+            key = compact[-1]["idempotency_key"]
+            then = first[key]
+            replayed = ok(alice.post(f"/v1/sandboxes/{live[1]}/exec", json={"cmd": binary},
+                                     headers={"Idempotency-Key": key}))
+            assert replayed["stdout"] == then["stdout"][:4096] and replayed["truncated"]
+            assert replayed["stdout_bytes"] == then["stdout_bytes"] == 1 << 20
+            assert len(compact[-1]["result"]["stdout_tail"]) == 4096
+            # Bob and the admin are untouched, logged whole.
+            r = ok(bob.post(f"/v1/sandboxes/{sb_bob}/exec", json={"cmd": binary}))
+            last = ok(bob.get(f"/v1/sandboxes/{sb_bob}/log"))["entries"][-1]
+            assert last["result"]["stdout"] == r["stdout"], "bob's output was cut"
+            assert "log_budget" not in last["result"]
+            sb_adm = ok(adm.post("/v1/sandboxes", json={}), 201)["id"]
+            ok(adm.post(f"/v1/sandboxes/{sb_adm}/exec", json={"cmd": binary}))
+            # A kill -9 keeps the accounting: she is refused at once, bob is not.
+            d.restart(kill9=True)
+            e = error(alice.post(f"/v1/sandboxes/{live[0]}/exec", json={"cmd": "true"}))
+            assert e["code"] == "quota_exceeded" and e["details"]["resource"] == "log_bytes"
+            assert ok(bob.post(f"/v1/sandboxes/{sb_bob}/exec", json={"cmd": "echo hi"}))[
+                "stdout"] == "hi\n"
+            # A kill is never refused; once her sandboxes end, their logs make room.
+            for sid in live:
+                ok(alice.delete(f"/v1/sandboxes/{sid}"))
+            deadline = time.monotonic() + 30
+            while True:
+                r = alice.post("/v1/sandboxes", json={})
+                if r.status_code == 201 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)  # the ingester's next batch prunes her ended logs
+            assert r.status_code == 201, r.text
+            out = ok(alice.post(f"/v1/sandboxes/{r.json()['id']}/exec", json={"cmd": binary}))
+            assert out["stdout_bytes"] == 1 << 20
         finally:
             clean(base)

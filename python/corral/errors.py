@@ -374,8 +374,9 @@ class QuotaExceeded(CapacityExceeded):
     tokens file's ``max_sandboxes``, else ``CORRAL_TENANT_MAX_SANDBOXES``), or has as many
     image pulls under way as a tenant may (``details.resource == "pulls"``), or its
     snapshots hold as many records (``"snapshots"``, ``CORRAL_TENANT_MAX_SNAPSHOTS``) or bytes
-    (``"snapshot_bytes"``, ``CORRAL_TENANT_SNAPSHOT_MB``) as it may: not the task's failure;
-    free one or wait."""
+    (``"snapshot_bytes"``, ``CORRAL_TENANT_SNAPSHOT_MB``) as it may, or its live sandboxes'
+    trajectory logs hold its log budget (``"log_bytes"``, ``CORRAL_TENANT_LOG_MB``): not the
+    task's failure; free one or wait."""
 
     code = "quota_exceeded"
 

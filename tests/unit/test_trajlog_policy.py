@@ -17,6 +17,7 @@ from corral.daemon.trajlog import TrajLog
 from corral.errors import (
     FileNotFound,
     InfraError,
+    QuotaExceeded,
     ReplayDivergence,
     SandboxNotRunning,
     StepInterrupted,
@@ -242,4 +243,122 @@ def test_a_keyed_exec_fast_forwards_after_its_sandbox_is_gone(state, clock):
             assert again["stdout"] == first["stdout"] and eng.counters["execs"] == 1
             with pytest.raises(SandboxNotRunning):
                 await ops.dispatch(eng, ops.Exec(sid=sb.id, key=None, req=op.req))
+    run(go())
+
+
+def _tenant_bytes(path: str) -> dict[str, tuple[int, int]]:
+    """tenant_log as stored, and what its sandboxes' entries hold (counted from scratch)."""
+    import sqlite3
+
+    conn = sqlite3.connect(path)
+    try:
+        kept = {t: (b, live) for t, b, live in conn.execute(
+            "SELECT tenant, bytes, live FROM tenant_log WHERE bytes <> 0 OR live <> 0")}
+        counted = {t: (b, live) for t, b, live in conn.execute(
+            "SELECT s.tenant, sum(length(e.request) + ifnull(length(e.result), 0) + "
+            "ifnull(length(e.error), 0)), sum(CASE WHEN s.ended_at IS NULL THEN "
+            "length(e.request) + ifnull(length(e.result), 0) + ifnull(length(e.error), 0) "
+            "ELSE 0 END) FROM entries e JOIN sandboxes s USING (sandbox_id) "
+            "WHERE s.tenant IS NOT NULL GROUP BY s.tenant")}
+        return {"kept": kept, "counted": counted}  # type: ignore[dict-item]
+    finally:
+        conn.close()
+
+
+def test_a_tenants_log_is_bounded_by_its_budget(state, clock):
+    """Alice's sandboxes print 200 KB a command against a 1 MiB log budget. Past the budget her
+    ended sandbox's log goes first; once her live ones hold half of it their entries keep 4
+    KiB of each output (head and tail, hashes and sizes of the whole); at the budget her calls
+    are refused quota_exceeded (log_bytes), unlogged, but a kill and her keys already bound
+    still answer. Bob and the admin are untouched; the counts survive a reopen. Before, the
+    log took whatever the sandboxes printed."""
+    budget = 1 << 20
+    big = "".join(chr(65 + i % 26) for i in range(200_000))
+
+    def exec_of(out: str) -> Counted:
+        return Counted(clock, {"exit_code": 0, "stdout": out, "stderr": ""})
+
+    async def go():
+        async with opened(state, clock) as tl:
+            tl.tenant_log_budget = lambda tenant: budget
+            for sid, who in (("a-old", "alice"), ("a-live", "alice"), ("b-1", "bob")):
+                tl.sandbox_created(sid, {"labels": {"corral.tenant": who}}, clock.time())
+            tl.sandbox_created("admin-1", {"labels": {}}, clock.time())
+            for i in range(3):
+                await tl.run("a-old", "exec", {"cmd": f"old {i}"}, None, exec_of(big),
+                             to_log=tl.exec_result)
+            tl.sandbox_ended("a-old", "killed")
+            first = await tl.run("a-live", "exec", {"cmd": "first"}, "A:0", exec_of(big),
+                                 to_log=tl.exec_result)
+            refused = None
+            for i in range(200):
+                await tl.flushed()
+                try:
+                    await tl.run("a-live", "exec", {"cmd": f"live {i}"}, f"A:{i + 1}",
+                                 exec_of(big), to_log=tl.exec_result)
+                except QuotaExceeded as e:
+                    refused = e
+                    break
+                await tl.run("b-1", "exec", {"cmd": f"bob {i}"}, None, exec_of("b" * 1000),
+                             to_log=tl.exec_result)
+            assert refused is not None and refused.infra, "the budget never refused a call"
+            assert refused.details["resource"] == "log_bytes"
+            assert refused.details["limit"] == budget
+            assert tl.read("a-old") is None  # her ended sandbox's log went first
+            _, entries = tl.read("a-live")
+            full = [e for e in entries if not e["result"].get("log_budget")]
+            compact = [e for e in entries if e["result"].get("log_budget")]
+            assert full and compact, [e["result"].get("log_budget") for e in entries]
+            r = compact[-1]["result"]
+            assert r["stdout"] == big[:4096] and r["stdout_tail"] == big[-4096:]
+            assert r["stdout_sha256"] == full[0]["result"]["stdout_sha256"]
+            assert r["log_truncated"] is True
+            n_logged = len(entries)
+            # Refused calls are not logged; her bound keys replay (full and compact alike).
+            with pytest.raises(QuotaExceeded):
+                await tl.run("a-live", "mkdir", {"path": "/x"}, None, Counted(clock, {"ok": 1}))
+            again = exec_of("other")
+            replayed = await tl.run("a-live", "exec", {"cmd": "first"}, "A:0", again,
+                                    to_log=tl.exec_result)
+            assert replayed["stdout"] == first["stdout"] == big
+            assert not replayed.get("log_truncated")
+            key = compact[-1]["idempotency_key"]
+            i = int(key.split(":")[1]) - 1
+            replayed = await tl.run("a-live", "exec", {"cmd": f"live {i}"}, key, again,
+                                    to_log=tl.exec_result)
+            assert replayed["stdout"] == big[:4096] and replayed["log_truncated"]
+            assert again.runs == 0
+            await tl.flushed()
+            assert len(tl.read("a-live")[1]) == n_logged
+            # Bob's and the admin's calls run and are logged whole.
+            out = await tl.run("b-1", "exec", {"cmd": "hi"}, None, exec_of(big),
+                               to_log=tl.exec_result)
+            assert out == big or out["stdout"] == big
+            await tl.run("admin-1", "exec", {"cmd": "hi"}, None, exec_of(big * 5),
+                         to_log=tl.exec_result)
+            await tl.flushed()
+            assert tl.read("b-1")[1][-1]["result"]["stdout"] == big
+            assert tl.read("admin-1")[1][-1]["result"]["stdout"] == big * 5
+            # A kill is never refused.
+            await tl.run("a-live", "kill", {}, "A:kill", Counted(clock, {"killed": True}))
+            bytes_ = _tenant_bytes(tl.path)
+            assert bytes_["kept"] == bytes_["counted"], bytes_
+            alice_total = bytes_["kept"]["alice"][0]
+            assert alice_total <= budget + 2 * len(big) * 2, alice_total
+        # Reopened (the daemon restarted): the counts are the database's, and alice is still
+        # refused at once.
+        async with opened(state, clock) as tl:
+            tl.tenant_log_budget = lambda tenant: budget
+            tl.readopted([("a-live", {"labels": {"corral.tenant": "alice"}}, clock.time(), {})])
+            await tl.flushed()
+            assert "alice" in tl._over and "bob" not in tl._over
+            with pytest.raises(QuotaExceeded):
+                await tl.run("a-live", "exec", {"cmd": "again"}, None, exec_of("x"))
+            tl.sandbox_ended("a-live", "killed")
+            await tl.flushed()
+            await tl.run("b-1", "exec", {"cmd": "hi"}, None, exec_of("x"))
+            await tl.flushed()  # alice's only sandbox ended: its log goes, her budget is free
+            assert tl.read("a-live") is None and "alice" not in tl._over
+            bytes_ = _tenant_bytes(tl.path)
+            assert bytes_["kept"] == bytes_["counted"], bytes_
     run(go())

@@ -24,7 +24,7 @@ from corral import __version__, config
 from corral.daemon import capacity, diskguard, kernel, logs
 from corral.daemon.app import MAX_FIELD_SIZE, MAX_LINE_SIZE, create_app
 from corral.daemon.engine import Engine
-from corral.daemon.engine.quota import parse_limit, snapshot_quota_from_env
+from corral.daemon.engine.quota import log_budget_from_env, parse_limit, snapshot_quota_from_env
 from corral.daemon.locks import try_lock
 from corral.daemon.protect import protect_daemon
 from corral.daemon.tcpguard import TcpGuard
@@ -259,6 +259,7 @@ async def serve(cfg: config.Config) -> None:
         # each tenant's snapshots may take of it
         reserve = diskguard.reserve_from_env()
         snapshot_quota = snapshot_quota_from_env(cfg.state_dir)
+        log_budget = log_budget_from_env(cfg.state_dir)
     except ValueError as e:
         raise StartupError(str(e)) from None
     lock_fd = lock_pidfile(cfg.state_dir)
@@ -274,6 +275,7 @@ async def serve(cfg: config.Config) -> None:
     if tenants is not None:
         _set_tenant_quota(engine, tenants, cfg.tenant_max_sandboxes)
         engine.snapshot_quota = snapshot_quota
+        engine.trajlog.tenant_log_budget = lambda tenant: log_budget
     runner: web.AppRunner | None = None
     tcp: asyncio.Server | None = None
     serving = False

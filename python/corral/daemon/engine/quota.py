@@ -35,24 +35,35 @@ def parse_limit(value: str, capacity: int) -> int:
                              f"daemon's limit (50%), not {value!r}") from None
 
 
+def _whole(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    try:
+        n = int(text) if text else default
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number, not {text!r}") from None
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0")
+    return n
+
+
+def _fs_mb(state_dir: str) -> int:
+    st = os.statvfs(state_dir)
+    return st.f_blocks * st.f_frsize >> 20
+
+
 def snapshot_quota_from_env(state_dir: str) -> tuple[int, int]:
     """What each tenant's snapshots may hold: (``CORRAL_TENANT_MAX_SNAPSHOTS``, 1000;
     ``CORRAL_TENANT_SNAPSHOT_MB`` in bytes, by default a quarter of the state dir's
     filesystem, so no tenant's snapshots can take the disk every tenant shares)."""
-    def whole(name: str, default: int) -> int:
-        text = os.environ.get(name, "").strip()
-        try:
-            n = int(text) if text else default
-        except ValueError:
-            raise ValueError(f"{name} must be a whole number, not {text!r}") from None
-        if n < 0:
-            raise ValueError(f"{name} must be >= 0")
-        return n
+    return (_whole("CORRAL_TENANT_MAX_SNAPSHOTS", 1000),
+            _whole("CORRAL_TENANT_SNAPSHOT_MB", _fs_mb(state_dir) // 4) << 20)
 
-    st = os.statvfs(state_dir)
-    fs_mb = st.f_blocks * st.f_frsize >> 20
-    return (whole("CORRAL_TENANT_MAX_SNAPSHOTS", 1000),
-            whole("CORRAL_TENANT_SNAPSHOT_MB", fs_mb // 4) << 20)
+
+def log_budget_from_env(state_dir: str) -> int:
+    """What each tenant's sandboxes' trajectory logs may hold, in bytes:
+    ``CORRAL_TENANT_LOG_MB``, by default an eighth of the state dir's filesystem (a tenant's
+    logs and snapshots together then take at most three eighths of it)."""
+    return _whole("CORRAL_TENANT_LOG_MB", _fs_mb(state_dir) // 8) << 20
 
 
 class LabelQuota:

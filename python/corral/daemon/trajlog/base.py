@@ -149,13 +149,24 @@ class _Base:
         # (sid, key) -> the future a duplicate waits on (None: no duplicate yet)
         self._inflight: dict[tuple[str, str], asyncio.Future[Any] | None] = {}
         self._last_prune = 0.0
+        # A tenant's log budget in bytes (None: no budget), set by the daemon when it has
+        # tenants (CORRAL_TENANT_LOG_MB); called on the ingester thread. Sandboxes without a
+        # tenant (the admin's) have none.
+        self.tenant_log_budget: Callable[[str], int | None] | None = None
+        # What the ingester found at its last commit: the tenants whose live sandboxes' logs
+        # hold half their budget or more, tenant -> (bytes, live bytes, budget). Replaced
+        # whole by the ingester, read by the loop (``Idempotency._budget``).
+        self._over: dict[str, tuple[int, int, int]] = {}
+        # Live sandboxes' tenants (a sandbox without one is not in it).
+        self._tenant: dict[str, str] = {}
         self.interrupted = 0  # started rows found open (and marked interrupted) at open()
         self.recovered_records = 0  # journal records a dead daemon left, ingested at open()
         # records: entries ingested into SQLite; journaled: entries journaled (the loop's).
         self.stats = {"records": 0, "journaled": 0, "commits": 0, "started_rows": 0,
                       "checkpoints": 0,
                       "journal_bytes": 0, "ingest_us": 0, "ingest_cpu_us": 0,
-                      "ingest_errors": 0}
+                      "ingest_errors": 0, "budget_pruned_bytes": 0, "budget_compact": 0,
+                      "budget_refused": 0}
 
     def _connect(self, autocheckpoint: int = 4000, cached: int = 128) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,

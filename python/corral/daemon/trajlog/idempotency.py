@@ -9,10 +9,12 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from corral.daemon.tenants import TENANT_LABEL
 from corral.errors import (
     CorralError,
     InternalError,
     InvalidRequest,
+    QuotaExceeded,
     ReplayDivergence,
     SandboxNotFound,
     Unsupported,
@@ -33,6 +35,20 @@ from .keys import (
 )
 from .schema import _BINDS, _SANDBOX_SEQS
 from .writer import Writer
+
+# What a tenant's entries leave out once its live sandboxes' logs hold half its budget (the
+# replay of such a key then follows the rule for what is past the log's cap: docs/trajectory.md
+# "Retention"): a write's or upload's bytes, a read's bytes, a listing's entries.
+_BULKY_REQ = ("data_b64",)
+_BULKY_RES = ("data_b64", "entries")
+
+
+def _compacted(result: dict[str, Any]) -> dict[str, Any]:
+    if not any(k in result for k in _BULKY_RES):
+        return result
+    out = {k: v for k, v in result.items() if k not in _BULKY_RES}
+    out["log_budget"] = True
+    return out
 
 
 class Idempotency(Writer):
@@ -154,6 +170,15 @@ class Idempotency(Writer):
                            fp: str | None, call: Callable[[], Awaitable[Any]],
                            to_log: Callable[[Any], dict[str, Any]] | None,
                            snapshot_ids: SnapIds, req_text: str | None = None) -> Any:
+        compact = False
+        if self._over:  # a tenant at half its log budget or more (none: no cost)
+            compact = self._budget(sid, op, request)
+            if compact and isinstance(request, dict) and any(k in request for k in _BULKY_REQ):
+                # A write's or upload's bytes: logged with size and hash only, as a body
+                # past the log's cap (a key's fingerprint is still the whole request's).
+                request = {k: v for k, v in request.items() if k not in _BULKY_REQ}
+                request["log_budget"] = True
+                req_text = None
         clock = self.clock
         started = clock.time()
         c = _Start(sid, op, request, started, key, fp, clock.monotonic())
@@ -198,7 +223,12 @@ class Idempotency(Writer):
         start = self._close_start(c)
         while self._backlogged():  # before its copy is made: calls ending together (a
             await self.flushed()   # flood of big outputs) add at most the bound between them
-        result = to_log(value) if to_log is not None else value
+        if compact and getattr(to_log, "__func__", None) is Writer.exec_result:
+            result = self.exec_result(value, compact=True)  # the outputs' real tails
+        else:
+            result = to_log(value) if to_log is not None else value
+            if compact and isinstance(result, dict):
+                result = _compacted(result)
         scope = sid  # a create's key is bound globally (scope ""), its entry is the new id's
         if op == "create" and isinstance(result, dict):
             sid = str(result.get("id", sid))
@@ -211,6 +241,30 @@ class Idempotency(Writer):
         if self._behind():
             await self.flushed()
         return value
+
+    def _budget(self, sid: str, op: str, request: Any) -> bool:
+        """A call of a tenant whose live sandboxes' logs hold half its budget or more: True
+        (its entry is kept compact). At the budget itself the call is refused,
+        ``quota_exceeded`` (infra), before it runs and unlogged; a kill never is (it ends a
+        sandbox: its log can then be pruned)."""
+        if op == "create":
+            labels = request.get("labels") if isinstance(request, dict) else None
+            tenant = labels.get(TENANT_LABEL) if isinstance(labels, dict) else None
+        else:
+            tenant = self._tenant.get(sid)
+        got = self._over.get(tenant) if isinstance(tenant, str) else None
+        if got is None:
+            return False
+        total, live, limit = got
+        if live >= limit and op != "kill":
+            self.stats["budget_refused"] += 1
+            raise QuotaExceeded(
+                f"trajectory log quota exceeded: tenant {tenant!r}'s live sandboxes' logs "
+                f"hold {live} bytes of its {limit} (end some of its sandboxes)",
+                details={"tenant": tenant, "resource": "log_bytes", "in_use": live,
+                         "limit": limit})
+        self.stats["budget_compact"] += 1
+        return True
 
     async def _wait_hold_file(self) -> None:
         """Tests only: a finished call waits here, unjournaled, while the hold file exists."""

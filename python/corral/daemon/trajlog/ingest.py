@@ -13,6 +13,7 @@ from typing import Any
 from corral.errors import InternalError
 
 from .base import _Base, _Control, _Line, _resolve
+from .keys import STARTED
 from .schema import (
     _J_SQL,
     ENTRIES_PER_STATEMENT,
@@ -20,6 +21,7 @@ from .schema import (
     _index_tail,
     _watermark,
     prune_ended,
+    prune_tenant,
 )
 
 # The ingester thread's nice value (Linux: per thread): on a busy machine it yields to the
@@ -145,6 +147,7 @@ class Ingester(_Base):
             if top:
                 conn.execute("UPDATE log_meta SET v=? WHERE k='journal'", (top,))
             self._maybe_index(conn)
+            over = self._budgets(conn)
             conn.execute("COMMIT")
         except Exception as e:  # noqa: BLE001 - reported to every waiter; the journal keeps all
             log.exception("trajectory log ingest failed (its records stay in the journal)")
@@ -157,6 +160,7 @@ class Ingester(_Base):
             self._resolve_soon([(it.fut, None, err) for it in batch
                                 if isinstance(it, _Control) and it.fut is not None])
             return False
+        self._over = over
         if top:
             self._ingested = top
             for it in batch:
@@ -201,6 +205,17 @@ class Ingester(_Base):
                     chunk = rows[k:k + size]
                     conn.execute(_entries_sql(size), [v for r in chunk for v in r])
                     k += size
+                # Each sandbox's log bytes (a tenant's budget: tenant_log, by trigger): the
+                # JSON texts of its finished entries. A started row is counted by the entry
+                # that replaces it (one the daemon's death leaves interrupted is not).
+                added: dict[str, int] = {}
+                for it in seg[i:j]:
+                    r = it[2]
+                    if r[11] != STARTED:
+                        added[r[1]] = (added.get(r[1], 0) + len(r[5]) + len(r[6] or "")
+                                       + len(r[7] or ""))
+                conn.executemany("UPDATE sandboxes SET log_bytes = log_bytes + ?2 WHERE "
+                                 "sandbox_id = ?1", added.items())
                 self._unindexed += j - i
                 self.stats["records"] += j - i
                 i = j
@@ -210,6 +225,35 @@ class Ingester(_Base):
             if kind == "d":
                 self._lower_watermark(conn)
             i = j
+
+    def _budgets(self, conn: sqlite3.Connection) -> dict[str, tuple[int, int, int]]:
+        """In the batch's transaction: each tenant's log against its budget
+        (``tenant_log_budget``). A tenant past it loses its ended sandboxes' logs, the longest
+        ended first, until it is within it. The tenants whose live sandboxes' logs hold half
+        their budget or more: tenant -> (bytes, live bytes, budget), for the loop
+        (``_over``: their entries are kept compact, and at the budget their calls are
+        refused)."""
+        budget_of = self.tenant_log_budget
+        if budget_of is None:
+            return {}
+        over: dict[str, tuple[int, int, int]] = {}
+        pruned = False
+        for tenant, total, live in conn.execute(
+                "SELECT tenant, bytes, live FROM tenant_log").fetchall():
+            limit = budget_of(tenant)
+            if limit is None:
+                continue
+            if total > limit and total > live:
+                freed = prune_tenant(conn, tenant, total - limit)
+                if freed:
+                    pruned = True
+                    self.stats["budget_pruned_bytes"] += freed
+                    total -= freed
+            if live * 2 >= limit:
+                over[tenant] = (total, live, limit)
+        if pruned:
+            self._lower_watermark(conn)
+        return over
 
     def _apply(self, conn: sqlite3.Connection, p: _Control) -> Any:
         if p.kind == "barrier":

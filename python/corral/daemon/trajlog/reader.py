@@ -8,11 +8,9 @@ import sqlite3
 from collections.abc import Iterator
 from typing import Any
 
-from corral.daemon.outputmem import OutputText
 from corral.errors import SandboxNotFound, Unsupported
 
 from .base import _Base
-from .keys import sha256
 from .schema import _BINDS, _SANDBOX_SEQS
 
 LOG_PAGE_ROWS = 64  # rows a page of a streamed log, at most
@@ -240,27 +238,3 @@ class Reader(_Base):
                                        '"entries":[]}').encode()
             return iter([[empty]])
         return got
-
-    def exec_result(self, res: dict[str, Any]) -> dict[str, Any]:
-        """An exec's result as logged: outputs cut to the log's cap, with hashes of the full
-        output (``_sha``, added by the engine) and the sizes."""
-        sha = res.pop("_sha", None)
-        out = dict(res)
-        if sha is not None:
-            out["stdout_sha256"], out["stderr_sha256"] = sha
-        cap = self.output_cap
-        for name in ("stdout", "stderr"):
-            text = out.get(name)
-            if isinstance(text, OutputText):  # past 64 KiB: its first cap characters only
-                if sha is None:
-                    out[f"{name}_sha256"] = text.sha256()
-                out[name], more = text.prefix(cap)
-                if more:
-                    out["log_truncated"] = True
-            elif isinstance(text, str) and (sha is None or len(text) > cap):
-                if sha is None:
-                    out[f"{name}_sha256"] = sha256(text.encode("utf-8", "surrogateescape"))
-                if len(text) > cap:
-                    out[name] = text[:cap]
-                    out["log_truncated"] = True
-        return out

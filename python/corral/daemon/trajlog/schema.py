@@ -42,9 +42,53 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     created_at REAL,
     ended_at REAL,
     reason TEXT,
-    net TEXT
+    net TEXT,
+    tenant TEXT,
+    log_bytes INTEGER NOT NULL DEFAULT 0
 );
+-- Per tenant: the bytes of its sandboxes' logs (``log_bytes``), and of its live ones.
+CREATE TABLE IF NOT EXISTS tenant_log (
+    tenant TEXT PRIMARY KEY,
+    bytes INTEGER NOT NULL DEFAULT 0,
+    live INTEGER NOT NULL DEFAULT 0
+) WITHOUT ROWID;
 """
+
+
+# After _migrate (a log written before them lacks the columns). The triggers keep tenant_log
+# the sum of its sandboxes' log_bytes in the same transaction as the rows it counts, so the
+# accounting survives a crash exactly as the entries do (a journal replayed at the next start
+# adds its entries' bytes again, through the same statements).
+_TENANT_SCHEMA = """
+CREATE INDEX IF NOT EXISTS sandboxes_tenant ON sandboxes (tenant, ended_at)
+    WHERE tenant IS NOT NULL;
+CREATE TRIGGER IF NOT EXISTS tenant_log_add AFTER UPDATE OF log_bytes ON sandboxes
+    WHEN NEW.tenant IS NOT NULL BEGIN
+    INSERT INTO tenant_log (tenant, bytes, live) VALUES (NEW.tenant,
+        NEW.log_bytes - OLD.log_bytes,
+        CASE WHEN NEW.ended_at IS NULL THEN NEW.log_bytes - OLD.log_bytes ELSE 0 END)
+    ON CONFLICT (tenant) DO UPDATE SET bytes = bytes + excluded.bytes,
+                                       live = live + excluded.live;
+END;
+CREATE TRIGGER IF NOT EXISTS tenant_log_ended AFTER UPDATE OF ended_at ON sandboxes
+    WHEN NEW.tenant IS NOT NULL AND OLD.ended_at IS NULL AND NEW.ended_at IS NOT NULL BEGIN
+    UPDATE tenant_log SET live = live - NEW.log_bytes WHERE tenant = NEW.tenant;
+END;
+CREATE TRIGGER IF NOT EXISTS tenant_log_gone AFTER DELETE ON sandboxes
+    WHEN OLD.tenant IS NOT NULL BEGIN
+    UPDATE tenant_log SET bytes = bytes - OLD.log_bytes,
+        live = live - CASE WHEN OLD.ended_at IS NULL THEN OLD.log_bytes ELSE 0 END
+    WHERE tenant = OLD.tenant;
+END;
+"""
+
+
+# The tenant label of a sandbox's spec (corral.daemon.tenants.TENANT_LABEL), in SQL.
+_TENANT_OF_SPEC = "json_extract({spec}, '$.labels.\"corral.tenant\"')"
+
+
+# A sandbox's log bytes (as the ingester counts them: the JSON texts of its entries).
+_ENTRY_BYTES = "length(request) + ifnull(length(result), 0) + ifnull(length(error), 0)"
 
 
 # After the status column exists (logs written before it had none: added by _migrate).
@@ -77,7 +121,10 @@ _J_SQL: dict[str, tuple[str, ...]] = {
     "e": (_J_ENTRIES + _J_ROW,),
     "d": ("DELETE FROM entries WHERE seq=?1 AND sandbox_id=?2",
           "DELETE FROM entries_by_sandbox WHERE seq=?1 AND sandbox_id=?2"),
-    "sc": ("INSERT OR REPLACE INTO sandboxes (sandbox_id, spec, created_at) VALUES (?,?,?)",),
+    # An upsert, not a replace: the row's log_bytes are counted in tenant_log.
+    "sc": ("INSERT INTO sandboxes (sandbox_id, spec, created_at, tenant) VALUES (?1,?2,?3,"
+           + _TENANT_OF_SPEC.format(spec="?2") + ") ON CONFLICT (sandbox_id) DO UPDATE SET "
+           "spec=excluded.spec, created_at=excluded.created_at",),
     "se": ("UPDATE sandboxes SET ended_at=?2, reason=?3 WHERE sandbox_id=?1 AND "
            "ended_at IS NULL",),
     "sn": ("UPDATE sandboxes SET net=?2 WHERE sandbox_id=?1",),
@@ -101,8 +148,16 @@ def _migrate(conn: sqlite3.Connection) -> None:
     cols = {r[1] for r in conn.execute("PRAGMA table_info(entries)")}
     if "status" not in cols:
         conn.execute("ALTER TABLE entries ADD COLUMN status TEXT")
-    if "net" not in {r[1] for r in conn.execute("PRAGMA table_info(sandboxes)")}:
+    scols = {r[1] for r in conn.execute("PRAGMA table_info(sandboxes)")}
+    if "net" not in scols:
         conn.execute("ALTER TABLE sandboxes ADD COLUMN net TEXT")
+    if "log_bytes" not in scols:  # counted by _count_log_bytes once the log is indexed
+        conn.execute("ALTER TABLE sandboxes ADD COLUMN tenant TEXT")
+        conn.execute("ALTER TABLE sandboxes ADD COLUMN log_bytes INTEGER NOT NULL DEFAULT 0")
+        conn.execute("UPDATE sandboxes SET tenant = " + _TENANT_OF_SPEC.format(spec="spec"))
+        conn.execute("INSERT OR REPLACE INTO log_meta (k, v) VALUES ('log_bytes', 0)")
+    conn.execute("INSERT OR IGNORE INTO log_meta (k, v) VALUES ('log_bytes', 1)")
+    conn.executescript(_TENANT_SCHEMA)
     # The per-row (sandbox_id, seq) index became entries_by_sandbox (filled in batches): the
     # open that follows indexes every entry past the watermark, i.e. all of them.
     conn.execute("INSERT OR IGNORE INTO log_meta (k, v) VALUES ('indexed', 0)")
@@ -132,6 +187,41 @@ def _index_tail(conn: sqlite3.Connection) -> None:
         conn.execute("UPDATE log_meta SET v=? WHERE k='indexed'", (top,))
 
 
+def _count_log_bytes(conn: sqlite3.Connection) -> None:
+    """A log written before the per-sandbox byte counts: count them (once, at open, after
+    the index is complete); the triggers fill tenant_log."""
+    if _meta(conn, "log_bytes"):
+        return
+    conn.execute("UPDATE sandboxes SET log_bytes = (SELECT ifnull(sum(" + _ENTRY_BYTES + "), 0) "
+                 "FROM entries WHERE (status IS NULL OR status <> 'started') AND seq IN (SELECT "
+                 "seq FROM entries_by_sandbox AS b WHERE "
+                 "b.sandbox_id = sandboxes.sandbox_id))")
+    conn.execute("UPDATE log_meta SET v=1 WHERE k='log_bytes'")
+
+
+def _drop_sandbox(conn: sqlite3.Connection, sid: str) -> None:
+    """In the caller's transaction: a sandbox's whole log (the caller lowers the
+    watermark)."""
+    conn.execute(f"DELETE FROM entries WHERE seq IN ({_SANDBOX_SEQS})", {"sid": sid})
+    conn.execute("DELETE FROM entries_by_sandbox WHERE sandbox_id=?", (sid,))
+    conn.execute("DELETE FROM sandboxes WHERE sandbox_id=?", (sid,))
+
+
+def prune_tenant(conn: sqlite3.Connection, tenant: str, need: int) -> int:
+    """In the caller's transaction: the logs of ``tenant``'s ended sandboxes, the longest
+    ended first, until ``need`` bytes are freed or none is left; the bytes freed. The caller
+    lowers the watermark."""
+    freed = 0
+    rows = conn.execute("SELECT sandbox_id, log_bytes FROM sandboxes WHERE tenant=? AND "
+                        "ended_at IS NOT NULL ORDER BY ended_at", (tenant,))
+    for sid, n in rows.fetchall():
+        if freed >= need:
+            break
+        _drop_sandbox(conn, sid)
+        freed += n
+    return freed
+
+
 def prune_ended(conn: sqlite3.Connection, cutoff: float) -> int:
     """In the caller's transaction: the log of every sandbox that ended before ``cutoff``,
     and the entries older than it of ids with no sandbox row (a call on a sandbox of an older
@@ -140,9 +230,7 @@ def prune_ended(conn: sqlite3.Connection, cutoff: float) -> int:
         "SELECT sandbox_id FROM sandboxes WHERE ended_at IS NOT NULL AND ended_at < ?",
         (cutoff,)).fetchall()]
     for sid in old:
-        conn.execute(f"DELETE FROM entries WHERE seq IN ({_SANDBOX_SEQS})", {"sid": sid})
-        conn.execute("DELETE FROM entries_by_sandbox WHERE sandbox_id=?", (sid,))
-        conn.execute("DELETE FROM sandboxes WHERE sandbox_id=?", (sid,))
+        _drop_sandbox(conn, sid)
     gone = conn.execute("SELECT sandbox_id, seq FROM entries WHERE ended_at < ? AND "
                         "sandbox_id NOT IN (SELECT sandbox_id FROM sandboxes)",
                         (cutoff,)).fetchall()

@@ -7,18 +7,34 @@ import asyncio
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from corral.daemon.journal import Journal
 from corral.daemon.locks import try_lock
+from corral.daemon.outputmem import OutputText
+from corral.daemon.tenants import TENANT_LABEL
 from corral.errors import InternalError
 
 from .base import PRUNE_EVERY_S, _committed, _Control, _Start
 from .ingest import WAL_SIZE_LIMIT, Ingester
-from .keys import INTERRUPTED, STARTED, _dumps, _plain, interrupted_error
-from .schema import _SANDBOX_SEQS, _SCHEMA, _STARTED_INDEX, LOCK_NAME, _index_tail, _meta, _migrate
+from .keys import INTERRUPTED, STARTED, _dumps, _plain, interrupted_error, sha256
+from .schema import (
+    _SANDBOX_SEQS,
+    _SCHEMA,
+    _STARTED_INDEX,
+    LOCK_NAME,
+    _count_log_bytes,
+    _index_tail,
+    _meta,
+    _migrate,
+)
 
 log = logging.getLogger("corral.trajlog")
+
+# A tenant at half its log budget or more: characters of each output its entries keep, at
+# the start and (``stdout_tail``) at the end.
+COMPACT_KEEP = 4096
 
 
 class Writer(Ingester):
@@ -60,6 +76,10 @@ class Writer(Ingester):
             # before entries_by_sandbox existed).
             _index_tail(conn)
             self._unindexed = 0
+            _count_log_bytes(conn)  # a log written before the tenants' budgets
+            conn.execute("BEGIN")
+            self._over = self._budgets(conn)  # before any call: a tenant over its budget
+            conn.execute("COMMIT")
             # Before any new call can start: what was in flight when the last daemon died.
             open_rows = conn.execute("SELECT seq, sandbox_id, op, idem_key, started_at FROM "
                                      "entries WHERE status=?", (STARTED,)).fetchall()
@@ -150,8 +170,14 @@ class Writer(Ingester):
         if self._behind():
             await self.flushed()
 
+    def _note_tenant(self, sid: str, spec: dict[str, Any]) -> None:
+        tenant = (spec.get("labels") or {}).get(TENANT_LABEL)
+        if isinstance(tenant, str):
+            self._tenant[sid] = tenant
+
     def sandbox_created(self, sid: str, spec: dict[str, Any], created_at: float) -> None:
         self._live.add(sid)
+        self._note_tenant(sid, spec)
         if self.enabled:
             self._sandbox_write("sc", (sid, _dumps(spec), created_at))
 
@@ -161,6 +187,7 @@ class Writer(Ingester):
         to where, refused names), kept in its sandbox row."""
         self._live.discard(sid)
         self._bound.pop(sid, None)
+        self._tenant.pop(sid, None)
         if self.enabled:
             self._sandbox_write("se", (sid, self.clock.time(), reason))
             if net is not None:
@@ -181,6 +208,8 @@ class Writer(Ingester):
         create's entry, so no client saw it) get their sandbox row and a create entry from
         the record, marked ``recovered``. Runs after open(): the database has every record."""
         self._live.update(b[0] for b in boxes)
+        for sid, spec, _, _ in boxes:
+            self._note_tenant(sid, spec)
         if not self.enabled or not boxes:
             return
         assert self._reader is not None
@@ -306,3 +335,43 @@ class Writer(Ingester):
                                 fp, snapshot_ids, start, req_text=req_text)
         await self._settled()
         return seq
+
+    def exec_result(self, res: dict[str, Any], compact: bool = False) -> dict[str, Any]:
+        """An exec's result as logged: outputs cut to the log's cap, with hashes of the full
+        output (``_sha``, added by the engine) and the sizes. ``compact`` (a tenant at half
+        its log budget): each output cut to its first COMPACT_KEEP characters instead, with
+        its last COMPACT_KEEP as ``stdout_tail`` / ``stderr_tail`` (``log_budget``)."""
+        sha = res.pop("_sha", None)
+        out = dict(res)
+        if sha is not None:
+            out["stdout_sha256"], out["stderr_sha256"] = sha
+        cap = COMPACT_KEEP if compact else self.output_cap
+        for name in ("stdout", "stderr"):
+            text = out.get(name)
+            if isinstance(text, OutputText):  # past 64 KiB: its first cap characters only
+                if sha is None:
+                    out[f"{name}_sha256"] = text.sha256()
+                out[name], more = text.prefix(cap)
+                if more:
+                    out["log_truncated"] = True
+                    if compact:
+                        out[f"{name}_tail"] = _tail(text.slices(), COMPACT_KEEP)
+                        out["log_budget"] = True
+            elif isinstance(text, str) and (sha is None or len(text) > cap):
+                if sha is None:
+                    out[f"{name}_sha256"] = sha256(text.encode("utf-8", "surrogateescape"))
+                if len(text) > cap:
+                    out[name] = text[:cap]
+                    out["log_truncated"] = True
+                    if compact:
+                        out[f"{name}_tail"] = text[-COMPACT_KEEP:]
+                        out["log_budget"] = True
+        return out
+
+
+def _tail(slices: Iterator[str], n: int) -> str:
+    """The last ``n`` characters of a text given in slices (never the whole text at once)."""
+    tail = ""
+    for s in slices:
+        tail = (tail + s)[-n:] if len(s) < n else s[-n:]
+    return tail
