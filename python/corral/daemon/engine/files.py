@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 from collections.abc import Callable
 from typing import TYPE_CHECKING, BinaryIO
 
-from corral.daemon import oserrors, streams
+from corral.daemon import filethreads, oserrors, streams
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
+from corral.daemon.tenants import TENANT_LABEL
 from corral.errors import CorralError
 from corral.models import FileEntry
 
-from .base import DIRECT_IO_BYTES, T
+from .base import DIRECT_IO_BYTES, Sandbox, T
 
 if TYPE_CHECKING:  # pragma: no cover
     from .host import EngineHost
@@ -22,7 +22,7 @@ class FileOps:
     async def _files(self: EngineHost, sid: str, path: str,
                      call: Callable[[Substrate, SandboxRuntime], T], big: bool = False) -> T:
         """Run a substrate file operation on ``path`` (errors name it); ``big`` ones in a
-        thread."""
+        file thread, within the sandbox's tenant's share of them (_in_file_thread)."""
         if self._capturing(sid):
             await self.wait_capture(sid)
         sb = self.get(sid)
@@ -33,11 +33,7 @@ class FileOps:
         assert runtime is not None
         try:
             if big:
-                sb.enter_thread()
-                try:
-                    return await asyncio.to_thread(call, sub, runtime)
-                finally:
-                    sb.leave_thread()
+                return await _in_file_thread(self, sb, lambda: call(sub, runtime))
             return call(sub, runtime)
         except CorralError as e:
             if sb.state == "running":
@@ -104,10 +100,19 @@ class FileOps:
         ops = await self._files(sid, path, lambda s, rt: s.tree_ops(rt, path))
         await self.stat(sid, path)  # a missing path fails here, with its error
         sb = self.get(sid)
-        sb.enter_thread()
-        try:
-            await asyncio.to_thread(streams.plan, ops, path.rstrip("/") or "/", max_bytes,
-                                    max_members)
-        finally:
-            sb.leave_thread()
+        await _in_file_thread(self, sb, lambda: streams.plan(ops, path.rstrip("/") or "/",
+                                                            max_bytes, max_members))
         return ops
+
+
+async def _in_file_thread(engine: EngineHost, sb: Sandbox, fn: Callable[[], T]) -> T:
+    """``fn()`` in a file thread, within the share of the sandbox's tenant
+    (corral.daemon.filethreads). Queued behind the tenant's others, it holds nothing; once it
+    has a thread it checks that the sandbox still runs, and counts in its threads (which its
+    destroy waits for) until ``fn`` has ended, even if its caller left."""
+
+    def start() -> None:
+        engine.get(sb.id)  # ended while queued: its error, nothing run
+        sb.enter_thread()
+
+    return await filethreads.run(sb.spec.labels.get(TENANT_LABEL), fn, start, sb.leave_thread)
