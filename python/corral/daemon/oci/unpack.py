@@ -273,7 +273,11 @@ def unpack(blob: str, media_type: str, root: str, limits: Limits) -> Result:
         hashed = _Hashing(stream, limits)
         try:
             with tarfile.open(fileobj=hashed, mode="r|") as tf:  # type: ignore[call-overload]
-                for m in tf:
+                while (m := tf.next()) is not None:
+                    # tarfile keeps every member it has read (~500 bytes each), also from a
+                    # stream, which never looks back at one: cleared as it goes, a layer of
+                    # a million members costs its one member, not ~0.5 GB a pull
+                    tf.members.clear()
                     layer.apply(tf, m)
             while hashed.read(1 << 20):  # the end-of-archive padding counts in the diff_id
                 pass
