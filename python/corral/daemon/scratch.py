@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 
 from corral import _core
 
@@ -36,6 +37,7 @@ IMAGE = "scratch.img"
 LAYER = "disk"  # the sandbox's subvolume, below its dir
 BTRFS_OPTIONS = "discard=async"  # mounted noatime too
 MIN_IMAGE = 1 << 30
+LOOP_RELEASE_S = 10.0  # the longest a stop waits for the loop device to let go (_unmount)
 
 
 def mount_of(path: str) -> tuple[str, str] | None:
@@ -248,6 +250,24 @@ class Scratch:
             return
         if self.kind == "btrfs" or self.device is not None:
             self._remove_image()
+            self._wait_loop_released()
+
+    def _wait_loop_released(self, timeout: float = LOOP_RELEASE_S) -> None:
+        """The loop device detaches itself (autoclear) once its filesystem is gone from every
+        mount namespace: a sandbox's, torn down by its last process, can outlive the unmount
+        here by a moment. A daemon that has stopped leaves nothing behind, so it waits."""
+        if self.device is None:
+            return
+        backing = f"/sys/block/{os.path.basename(self.device)}/loop/backing_file"
+        deadline = time.monotonic() + timeout
+        delay = 0.005
+        while os.path.exists(backing):
+            if time.monotonic() >= deadline:
+                log.warning("scratch: the loop device is still attached after the unmount",
+                            extra={"device": self.device, "waited_s": timeout})
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
 
     def _remove_image(self) -> None:
         try:

@@ -82,6 +82,23 @@ def oom_count_at(path: str, version: int) -> OomCount | None:
     return OomCount(ctl["oom_kill"], own)
 
 
+def _rmdir_once_empty(path: str, timeout: float = 5.0) -> None:
+    """rmdir a cgroup directory, waiting out EBUSY a little: a child another program removes
+    (runsc's, its sandbox gone) or a dying task can hold it a moment after our own are gone.
+    Best effort: still busy after ``timeout``, it stays."""
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() >= deadline:
+                return
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
 def _read_pids(path: str) -> list[int]:
     try:
         return [int(x) for x in _read(os.path.join(path, "cgroup.procs")).split()]
@@ -476,20 +493,16 @@ class CgroupManager(abc.ABC):
         else:
             return
         self._daemon_home = None
-        try:
-            os.rmdir(self.daemon_cgroup())
-        except OSError:
-            pass  # a helper process still in it: it goes with the next stop
+        # A helper process still ending in it (a runsc or a zygote on its way out) is waited
+        # out a moment; one that stays keeps it for the next stop.
+        _rmdir_once_empty(self.daemon_cgroup())
 
     def remove_parents(self) -> None:
         """Remove our (empty) top-level directories; best effort, a busy one stays."""
         self.leave_daemon_cgroup(os.getpid())
         self.drop_spares()
         for base in self._bases:
-            try:
-                os.rmdir(base)
-            except OSError:
-                pass
+            _rmdir_once_empty(base)
 
     def list_ids(self) -> set[str]:
         ids: set[str] = set()
