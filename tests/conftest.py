@@ -14,6 +14,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -63,6 +64,13 @@ os.environ.pop("CORRAL_TCP", None)
 # No packet leaves this machine: an image reference a test makes up is never pulled from a
 # real registry (tests/test_images_oci.py names its own, on this machine).
 os.environ["CORRAL_REGISTRIES"] = "registry.invalid"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a daemon or server to bind)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def session_metric(name: str) -> float:

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from conftest import (
     SOCKET,
     STATE_DIR,
     DaemonProcess,
+    free_port,
     leaked_sandbox_cgroups,
     spare_cgroups,
     wait_until,
@@ -69,7 +69,6 @@ def fresh(c):
 
 def cgroups_of(sid: str) -> list[str]:
     return [p for p in leaked_sandbox_cgroups() if p.endswith("/" + sid)]
-
 
 
 # ---- daemon ----------------------------------------------------------------------------
@@ -680,10 +679,6 @@ def test_images(c):
 
 
 # ---- a second daemon: capacity, TCP with a token -----------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

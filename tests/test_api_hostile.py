@@ -26,17 +26,12 @@ from conftest import (
     DaemonProcess,
     _force_cleanup,
     _unmount_under,
+    free_port,
     leaked_sandbox_cgroups,
     wait_until,
 )
 
 TCP_MAX = 256  # the remote daemon's TCP connection cap (the stream test holds 240)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +43,7 @@ def remote():
     os.makedirs(os.path.join(imports, "rootfs", "etc"))
     Path(imports, "rootfs", "etc", "motd").write_text("imported\n")
     cg = f"{CGROUP_NAME}-hostile"
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     d = DaemonProcess(state, os.path.join(state, "run", "corrald.sock"))
     d.log_file = os.path.join(state, "corrald.log")  # type: ignore[attr-defined]
     env = {"CORRAL_CGROUP": cg, "CORRAL_POOL": "off", "CORRAL_TCP": f"127.0.0.1:{port}",
@@ -556,7 +551,7 @@ def test_a_client_that_stops_reading_its_answers_is_dropped():
     the answer. Other clients go on."""
     from conftest import private_daemon
 
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     with private_daemon("corral-test-sendto-", f"{CGROUP_NAME}-sendto",
                         CORRAL_TCP=f"127.0.0.1:{port}", CORRAL_TOKEN=token,
                         CORRAL_TCP_SEND_TIMEOUT="3", CORRAL_POOL="off"):

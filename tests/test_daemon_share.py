@@ -13,7 +13,6 @@ import gzip
 import io
 import json
 import os
-import socket
 import tarfile
 import tempfile
 import threading
@@ -24,16 +23,10 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import CGROUP_NAME, private_daemon, wait_until
+from conftest import CGROUP_NAME, free_port, private_daemon, wait_until
 
 ADMIN = "admin-token-0123456789"
 TOKENS = {"mallory": "mallory-token-0123456789", "victor": "victor-token-0123456789"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _client(base: str, who: str, timeout: float = 300) -> httpx.Client:
@@ -52,7 +45,7 @@ def served() -> Iterator[dict[str, Any]]:
     path = os.path.join(tokdir, "tokens.json")
     with open(path, "w") as f:
         json.dump(TOKENS, f)
-    port = _free_port()
+    port = free_port()
     try:
         with private_daemon("corral-test-share-", f"{CGROUP_NAME}-share",
                             CORRAL_TCP=f"127.0.0.1:{port}", CORRAL_TOKEN=ADMIN,

@@ -28,10 +28,7 @@ from corral.daemon.app import ROUTES
 from corral.daemon.openapi import SPEC_PATH
 
 from apiclient import client
-from conftest import (
-    CGROUP_NAME,
-    private_daemon,
-)
+from conftest import CGROUP_NAME, free_port, private_daemon
 
 pytest.importorskip("schemathesis")
 HERE = Path(__file__).resolve().parent
@@ -45,19 +42,11 @@ MUST_REACH = {
 }
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tcp_daemon():
     """A daemon of its own, on TCP with a token (what a remote client has), small capacity
     (generated batch creates and forks of 10,000 get capacity_exceeded, not a full host)."""
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     with private_daemon("corral-fuzz-", f"{CGROUP_NAME}-fuzz", CORRAL_MAX_SANDBOXES="24",
                         CORRAL_POOL="off", CORRAL_TCP=f"127.0.0.1:{port}",
                         CORRAL_TOKEN=token,

@@ -23,7 +23,7 @@ from corral import Network, Sandbox
 from corral.errors import InvalidNetwork, InvalidRequest, SandboxLost, Unsupported
 from corral.sdk import api
 
-from conftest import CGROUP_NAME, private_daemon, wait_until
+from conftest import CGROUP_NAME, free_port, private_daemon, wait_until
 
 TOKEN = "net-test-token"
 MAX_CONNS = 32
@@ -71,7 +71,7 @@ def net(lab: netlab.Lab, request: pytest.FixtureRequest) -> Iterator[Env]:
     with open(conf, "w") as f:
         json.dump({"allowlists": {"wild": ["*.wild.test:80"],
                                   "labweb": ["allowed.test:80", "other.test"]}}, f)
-    port = _free_port()
+    port = free_port()
     x = random.randint(0, 255)
     with private_daemon("corral-test-net-", f"{CGROUP_NAME}-net",
                         CORRAL_UPLINK=lab.uplink, CORRAL_DNS_UPSTREAM=lab.dns,
@@ -89,14 +89,6 @@ def net(lab: netlab.Lab, request: pytest.FixtureRequest) -> Iterator[Env]:
         # A graceful stop leaves no table, no link, no namespace of ours.
         assert env.table_json() is None
         assert env.links() == []
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 # A script run inside a sandbox: each probe prints one JSON line {probe: result}.
@@ -893,7 +885,7 @@ def test_a_daemon_without_an_ipv6_range_gives_ipv4_only(lab: netlab.Lab):
                         CORRAL_NET_RANGE=f"10.215.{x}.0/24", CORRAL_NET_RANGE6="none",
                         CORRAL_NET_TABLE=f"corral_f{tag}", CORRAL_NET_IFPREFIX=f"f{tag}",
                         CORRAL_NET_POOL="0", CORRAL_NETWORK_CONFIG="",
-                        CORRAL_TCP=f"127.0.0.1:{_free_port()}", CORRAL_TOKEN=TOKEN) as d:
+                        CORRAL_TCP=f"127.0.0.1:{free_port()}", CORRAL_TOKEN=TOKEN) as d:
         with Sandbox(endpoint=f"unix://{d.socket_path}", network="internet", timeout=120) as sb:
             st = sb.info().net
             assert st.address6 is None and st.gateway6 is None, st
@@ -1040,7 +1032,7 @@ def test_a_second_daemon_on_the_same_network_settings_takes_nothing(net: Env):
         # Its link (those of sandboxes a warm pool holds come and go meanwhile).
         links, owner = [_ifname_of(sb.info().net.address)], net.d.proc.pid
         with private_daemon("corral-test-net2-", f"{CGROUP_NAME}-net2",
-                            CORRAL_TCP=f"127.0.0.1:{_free_port()}") as d2:
+                            CORRAL_TCP=f"127.0.0.1:{free_port()}") as d2:
             assert net.table_json() is not None and set(links) <= set(net.links())
             with pytest.raises(Unsupported) as e:
                 Sandbox(endpoint=f"unix://{d2.socket_path}", network="internet", timeout=60)
@@ -1984,7 +1976,7 @@ def test_pins_and_new_connections_are_capped_per_sandbox(lab: netlab.Lab):
                         CORRAL_NET_TABLE=f"corral_p{tag}", CORRAL_NET_IFPREFIX=f"p{tag}",
                         CORRAL_NET_POOL="0", CORRAL_NETWORK_CONFIG="",
                         CORRAL_NET_MAX_PINS="40", CORRAL_NET_NEW_CONNS_PER_S="20",
-                        CORRAL_TCP=f"127.0.0.1:{_free_port()}", CORRAL_TOKEN=TOKEN) as d:
+                        CORRAL_TCP=f"127.0.0.1:{free_port()}", CORRAL_TOKEN=TOKEN) as d:
         policy = Network(allow=["big.test:80", "allowed.test:80"])
         with Sandbox(endpoint=f"unix://{d.socket_path}", network=policy, timeout=120) as sb:
             gw = sb.info().net.gateway

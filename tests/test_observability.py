@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import socket
 import subprocess
 import sys
 import uuid
@@ -20,13 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from apiclient import client, create, expect_error, kill, run
-from conftest import CGROUP_NAME, SOCKET, private_daemon, wait_until
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from conftest import CGROUP_NAME, SOCKET, free_port, private_daemon, wait_until
 
 
 def scrape(c: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -129,7 +122,7 @@ def test_dashboard_summary_lists_sandboxes_with_labels_age_and_latency() -> None
 # ---- TCP: the token guards everything but the static page and script --------------------
 @pytest.fixture(scope="module")
 def tcp_daemon() -> Iterator[Any]:
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     # A static warm pool of 2 for the host image: the pool gauges have something to show.
     with private_daemon("corral-observe-", f"{CGROUP_NAME}-observe", CORRAL_POOL="static",
                         CORRAL_POOL_SIZES="host:2",

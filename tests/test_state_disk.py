@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,17 +22,11 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import CGROUP_NAME, DaemonProcess, _force_cleanup, _unmount_under
+from conftest import CGROUP_NAME, DaemonProcess, _force_cleanup, _unmount_under, free_port
 
 ADMIN = "admin-token-0123456789"
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -25,17 +24,11 @@ from corral.daemon.app import ROUTES
 from corral.daemon.tenants import TENANT_LABEL
 
 from apiclient import expect_error
-from conftest import CGROUP_NAME, private_daemon, wait_until
+from conftest import CGROUP_NAME, free_port, private_daemon, wait_until
 
 ADMIN = "admin-token-0123456789"
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789",
           "carol": "carol-token-0123456789"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _write_tokens(path: str, tokens: dict[str, str]) -> None:
@@ -368,7 +361,6 @@ def test_guessed_ids_answer_the_same(world: dict[str, Any]) -> None:
         r = bob.c.get(f"/v1/sandboxes/{sid}")
         answers.add((r.status_code, re.sub(r"sb-[0-9a-f]+", "ID", r.text)))
     assert len(answers) == 1, answers
-
 
 
 def test_only_the_admin_may_act_for_a_tenant(world: dict[str, Any]) -> None:
