@@ -31,10 +31,10 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from corral.daemon import scratch
 from corral.errors import CapacityExceeded
 
 DEFAULT_RESERVE_MB = 1024
-SCRATCH_IMAGE = "scratch.img"  # corral.daemon.scratch.IMAGE
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
@@ -67,7 +67,7 @@ class DiskGuard:
         self.state_dir = state_dir
         self.reserve = reserve
         self.spill = spill
-        self.scratch_image = os.path.join(state_dir, SCRATCH_IMAGE)
+        self.scratch_image = os.path.join(state_dir, scratch.IMAGE)
         self.claims = 0  # bytes captures in flight are expected to write
         self.counters = {"refused": 0}
 
