@@ -62,7 +62,7 @@ def test_big_bodies_held_at_once_are_bounded() -> None:
 
                 sent = [asyncio.ensure_future(post(big)) for _ in range(20)]
                 taken = LIMIT // len(big)
-                deadline = time.monotonic() + 30
+                deadline = time.monotonic() + 120  # a loaded 2-core machine moves 300 MB slowly
                 while sum(t.done() for t in sent) < 20 - taken or arrived < taken:
                     assert time.monotonic() < deadline, (arrived, sum(t.done() for t in sent))
                     await asyncio.sleep(0.02)  # polling the fake node's count, with a deadline
