@@ -151,12 +151,12 @@ def _migrate(conn: sqlite3.Connection) -> None:
     scols = {r[1] for r in conn.execute("PRAGMA table_info(sandboxes)")}
     if "net" not in scols:
         conn.execute("ALTER TABLE sandboxes ADD COLUMN net TEXT")
-    if "log_bytes" not in scols:  # counted by _count_log_bytes once the log is indexed
+    if "log_bytes" not in scols:
+        # Entries an older daemon wrote are not counted: summing them reads the whole log
+        # (~30 s for 1.7 GB here) before the daemon can serve. They leave with retention.
         conn.execute("ALTER TABLE sandboxes ADD COLUMN tenant TEXT")
         conn.execute("ALTER TABLE sandboxes ADD COLUMN log_bytes INTEGER NOT NULL DEFAULT 0")
         conn.execute("UPDATE sandboxes SET tenant = " + _TENANT_OF_SPEC.format(spec="spec"))
-        conn.execute("INSERT OR REPLACE INTO log_meta (k, v) VALUES ('log_bytes', 0)")
-    conn.execute("INSERT OR IGNORE INTO log_meta (k, v) VALUES ('log_bytes', 1)")
     conn.executescript(_TENANT_SCHEMA)
     # The per-row (sandbox_id, seq) index became entries_by_sandbox (filled in batches): the
     # open that follows indexes every entry past the watermark, i.e. all of them.
@@ -185,18 +185,6 @@ def _index_tail(conn: sqlite3.Connection) -> None:
         conn.execute("INSERT OR IGNORE INTO entries_by_sandbox (sandbox_id, seq) SELECT "
                      "sandbox_id, seq FROM entries WHERE seq > ? AND seq <= ?", (since, top))
         conn.execute("UPDATE log_meta SET v=? WHERE k='indexed'", (top,))
-
-
-def _count_log_bytes(conn: sqlite3.Connection) -> None:
-    """A log written before the per-sandbox byte counts: count them (once, at open, after
-    the index is complete); the triggers fill tenant_log."""
-    if _meta(conn, "log_bytes"):
-        return
-    conn.execute("UPDATE sandboxes SET log_bytes = (SELECT ifnull(sum(" + _ENTRY_BYTES + "), 0) "
-                 "FROM entries WHERE (status IS NULL OR status <> 'started') AND seq IN (SELECT "
-                 "seq FROM entries_by_sandbox AS b WHERE "
-                 "b.sandbox_id = sandboxes.sandbox_id))")
-    conn.execute("UPDATE log_meta SET v=1 WHERE k='log_bytes'")
 
 
 def _drop_sandbox(conn: sqlite3.Connection, sid: str) -> None:

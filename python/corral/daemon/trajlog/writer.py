@@ -24,7 +24,6 @@ from .schema import (
     _SCHEMA,
     _STARTED_INDEX,
     LOCK_NAME,
-    _count_log_bytes,
     _index_tail,
     _meta,
     _migrate,
@@ -76,7 +75,6 @@ class Writer(Ingester):
             # before entries_by_sandbox existed).
             _index_tail(conn)
             self._unindexed = 0
-            _count_log_bytes(conn)  # a log written before the tenants' budgets
             conn.execute("BEGIN")
             self._over = self._budgets(conn)  # before any call: a tenant over its budget
             conn.execute("COMMIT")
