@@ -250,8 +250,9 @@ def _tenant_bytes(path: str) -> dict[str, tuple[int, int]]:
     """tenant_log as stored, and what its sandboxes' entries hold (counted from scratch)."""
     import sqlite3
 
-    conn = sqlite3.connect(path)
+    conn = sqlite3.connect(path, isolation_level=None)
     try:
+        conn.execute("BEGIN")  # one snapshot for both: the ingester may commit meanwhile
         kept = {t: (b, live) for t, b, live in conn.execute(
             "SELECT tenant, bytes, live FROM tenant_log WHERE bytes <> 0 OR live <> 0")}
         counted = {t: (b, live) for t, b, live in conn.execute(
@@ -341,6 +342,7 @@ def test_a_tenants_log_is_bounded_by_its_budget(state, clock):
             assert tl.read("admin-1")[1][-1]["result"]["stdout"] == big * 5
             # A kill is never refused.
             await tl.run("a-live", "kill", {}, "A:kill", Counted(clock, {"killed": True}))
+            await tl.flushed()
             bytes_ = _tenant_bytes(tl.path)
             assert bytes_["kept"] == bytes_["counted"], bytes_
             alice_total = bytes_["kept"]["alice"][0]
