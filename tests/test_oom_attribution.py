@@ -93,9 +93,9 @@ def oomd() -> Iterator[str]:
 
 def test_a_container_command_killed_by_an_ancestors_oom_is_infra(oomd):
     """A command far below its own memory_mb, killed by the OOM of the daemon's slice: the
-    exec (foreground, and a background command's wait) is infra_error, cause host_oom, not
-    an ``oom_killed`` result; the sandbox lives on. The same hog in a sandbox of 48 MiB is
-    still ``oom_killed`` (limit), under the same ancestor limit."""
+    exec (foreground, and a background command's wait and status) is infra_error, cause
+    host_oom, not an ``oom_killed`` result; the sandbox lives on. The same hog in a sandbox
+    of 48 MiB is still ``oom_killed`` (limit), under the same ancestor limit."""
     with Sandbox(memory_mb=OWN_MB, timeout=300, endpoint=oomd) as sb, \
             Sandbox(memory_mb=SMALL_MB, timeout=300, endpoint=oomd) as small:
         assert sb.exec("true").exit_code == 0 and small.exec("true").exit_code == 0
@@ -106,6 +106,8 @@ def test_a_container_command_killed_by_an_ancestors_oom_is_infra(oomd):
             assert e.details["signal"] == 9, e.details
             p = sb.exec(HOG_ARGV, background=True)
             e = _infra(lambda: p.wait(timeout=120))
+            assert e.details["cause"] == "host_oom", e
+            e = _infra(p.status)  # polled instead of waited for: the same answer
             assert e.details["cause"] == "host_oom", e
             own = small.exec(HOG_ARGV, timeout=120)
             assert (own.exit_code, own.signal, own.oom_killed) == (137, 9, True), own

@@ -247,7 +247,13 @@ class ExecOps:
         return sb, p
 
     def proc_status(self: EngineHost, sid: str, pid: int) -> dict[str, Any]:
-        return self.proc(sid, pid)[1].status()
+        """A process's state. An ended one's exit is the command's result only if it was its
+        own doing: one killed by an OOM from outside the sandbox's limit answers the infra
+        error its wait does (a trainer polling status would otherwise score the 137)."""
+        p = self.proc(sid, pid)[1]
+        if not p.running:
+            _raise_host_oom(sid, p)
+        return p.status()
 
     @contextlib.contextmanager
     def following(self: EngineHost, sb: Sandbox) -> Iterator[None]:
