@@ -30,8 +30,10 @@ MiB = 1 << 20
 
 
 @contextlib.contextmanager
-def small_disk_daemon(size_mb: int, **env: str) -> Iterator[tuple[DaemonProcess, str]]:
-    """A daemon whose state dir is a tmpfs of ``size_mb`` (its scratch image inside it)."""
+def small_disk_daemon(size_mb: int, tokens_file: dict[str, Any] | None = None,
+                      **env: str) -> Iterator[tuple[DaemonProcess, str]]:
+    """A daemon whose state dir is a tmpfs of ``size_mb`` (its scratch image inside it);
+    ``tokens_file``: its tokens file's content (TOKENS)."""
     top = tempfile.mkdtemp(prefix="corral-test-disk-", dir="/var/tmp")
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0700", "tmpfs", top],
                    check=True)
@@ -39,7 +41,7 @@ def small_disk_daemon(size_mb: int, **env: str) -> Iterator[tuple[DaemonProcess,
     os.mkdir(state, 0o700)
     tokens = os.path.join(top, "tokens.json")
     with open(tokens, "w") as f:
-        json.dump(TOKENS, f)
+        json.dump(TOKENS if tokens_file is None else tokens_file, f)
     port = free_port()
     cgroup = f"{CGROUP_NAME}-disk"
     d = DaemonProcess(state, os.path.join(state, "run", "corrald.sock"))
@@ -287,5 +289,54 @@ def test_a_tenants_trajectory_log_is_bounded_by_its_budget():
             assert r.status_code == 201, r.text
             out = ok(alice.post(f"/v1/sandboxes/{r.json()['id']}/exec", json={"cmd": binary}))
             assert out["stdout_bytes"] == 1 << 20
+        finally:
+            clean(base)
+
+
+def test_a_tenants_tokens_file_entry_sets_its_own_snapshot_and_log_quotas():
+    """Carol's entry gives her 1 snapshot of at most 10 MB and a 2 MiB log in place of the
+    daemon's defaults (4 snapshots, 250 MB, 64 MiB of log), which alice keeps."""
+    carol = "carol-token-0123456789"
+    tokens = {**TOKENS, "carol": {"token": carol, "max_snapshots": 1, "snapshot_mb": 10,
+                                  "log_mb": 2}}
+    with small_disk_daemon(1024, tokens, CORRAL_SCRATCH="tmpfs",
+                           CORRAL_DISK_RESERVE_MB="128", CORRAL_OUTPUT_DISK_MB="32",
+                           CORRAL_TENANT_MAX_SNAPSHOTS="4", CORRAL_TENANT_SNAPSHOT_MB="250",
+                           CORRAL_TENANT_LOG_MB="64") as (_, base):
+        try:
+            alice, cl = client(base, TOKENS["alice"]), client(base, carol)
+            sa = ok(alice.post("/v1/sandboxes", json={}), 201)["id"]
+            sc = ok(cl.post("/v1/sandboxes", json={}), 201)["id"]
+            # Bytes: a 20 MB layer passes her 10 MB, not alice's 250.
+            for c, sid in ((alice, sa), (cl, sc)):
+                ok(c.post(f"/v1/sandboxes/{sid}/exec", json={
+                    "cmd": "head -c 20000000 /dev/urandom > /root/f"}))
+            ok(alice.post(f"/v1/sandboxes/{sa}/snapshot", json={}), 201)
+            e = error(cl.post(f"/v1/sandboxes/{sc}/snapshot", json={}))
+            assert (e["code"], e["details"]["resource"]) == ("quota_exceeded",
+                                                             "snapshot_bytes"), e
+            assert e["details"]["limit"] == 10 * MiB, e
+            # Count: one small snapshot, then none; alice makes her second.
+            ok(cl.post(f"/v1/sandboxes/{sc}/exec", json={"cmd": "rm /root/f"}))
+            ok(cl.post(f"/v1/sandboxes/{sc}/snapshot", json={}), 201)
+            e = error(cl.post(f"/v1/sandboxes/{sc}/snapshot", json={}))
+            assert (e["code"], e["details"]["resource"]) == ("quota_exceeded", "snapshots"), e
+            assert e["details"]["limit"] == 1, e
+            ok(alice.post(f"/v1/sandboxes/{sa}/snapshot", json={}), 201)
+            # Log: 1 MiB outputs reach her 2 MiB budget within a few calls; alice's 64 MiB
+            # takes the same calls.
+            binary = "head -c 1048576 /dev/urandom"
+            refused = None
+            for _ in range(40):
+                r = cl.post(f"/v1/sandboxes/{sc}/exec", json={"cmd": binary})
+                ok(alice.post(f"/v1/sandboxes/{sa}/exec", json={"cmd": binary}))
+                if r.status_code != 200:
+                    refused = error(r)
+                    break
+            assert refused is not None, "40 outputs of 1 MiB fit in carol's 2 MiB log"
+            assert refused["details"]["resource"] == "log_bytes", refused
+            assert refused["details"]["limit"] == 2 * MiB, refused
+            assert ok(alice.post(f"/v1/sandboxes/{sa}/exec", json={"cmd": "echo hi"}))[
+                "stdout"] == "hi\n"
         finally:
             clean(base)

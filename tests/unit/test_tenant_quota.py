@@ -14,13 +14,16 @@ from corral.errors import InvalidRequest, QuotaExceeded
 TOKEN = "a-token-of-sixteen-chars"
 
 
-def test_an_entry_is_a_token_or_an_object_with_a_quota() -> None:
+def test_an_entry_is_a_token_or_an_object_with_its_quotas() -> None:
     by_hash, limits = parse_table(json.dumps({
         "alice": TOKEN, "bob": {"token": TOKEN + "-bob", "max_sandboxes": 3},
-        "carol": {"token": TOKEN + "-carol"}}))
+        "carol": {"token": TOKEN + "-carol"},
+        "dave": {"token": TOKEN + "-dave", "max_snapshots": 0, "snapshot_mb": 64,
+                 "log_mb": 16}}))
     assert by_hash[token_hash(TOKEN + "-bob")] == "bob"
     assert by_hash[token_hash(TOKEN + "-carol")] == "carol"
-    assert limits == {"bob": 3}
+    assert limits == {"bob": {"max_sandboxes": 3},
+                      "dave": {"max_snapshots": 0, "snapshot_mb": 64, "log_mb": 16}}
 
 
 @pytest.mark.parametrize("entry", [
@@ -29,6 +32,9 @@ def test_an_entry_is_a_token_or_an_object_with_a_quota() -> None:
     {"token": TOKEN, "max_sandboxes": True},
     {"token": TOKEN, "max_sandboxes": "3"},
     {"token": TOKEN, "quota": 3},
+    {"token": TOKEN, "log_mb": -1},
+    {"token": TOKEN, "snapshot_mb": 0.5},
+    {"token": TOKEN, "max_snapshots": False},
     {"max_sandboxes": 3},
 ])
 def test_a_bad_entry_is_refused(entry: dict[str, object]) -> None:

@@ -246,6 +246,26 @@ def _set_tenant_quota(engine: Engine, tenants: Tenants, default: str) -> None:
     engine.set_tenant_quota(limit_of)
 
 
+def _set_tenant_budgets(engine: Engine, tenants: Tenants, snapshot_quota: tuple[int, int],
+                        log_budget: int) -> None:
+    """Each tenant's snapshot quota and log budget: its tokens file entry's, else the
+    daemon's defaults (``snapshot_quota``: records, bytes; ``log_budget``: bytes)."""
+    records, size = snapshot_quota
+
+    def snapshots_of(tenant: str) -> tuple[int, int]:
+        own_records = tenants.quota(tenant, "max_snapshots")
+        own_mb = tenants.quota(tenant, "snapshot_mb")
+        return (records if own_records is None else own_records,
+                size if own_mb is None else own_mb << 20)
+
+    def log_of(tenant: str) -> int:
+        own = tenants.quota(tenant, "log_mb")
+        return log_budget if own is None else own << 20
+
+    engine.snapshot_quota = snapshots_of
+    engine.trajlog.tenant_log_budget = log_of
+
+
 async def serve(cfg: config.Config) -> None:
     if cfg.tcp_listen and not (cfg.token or cfg.tokens_file):
         raise StartupError("refusing to listen on TCP without a token (--token or "
@@ -274,8 +294,7 @@ async def serve(cfg: config.Config) -> None:
     engine.disk = diskguard.DiskGuard(cfg.state_dir, reserve, engine.output_memory)
     if tenants is not None:
         _set_tenant_quota(engine, tenants, cfg.tenant_max_sandboxes)
-        engine.snapshot_quota = snapshot_quota
-        engine.trajlog.tenant_log_budget = lambda tenant: log_budget
+        _set_tenant_budgets(engine, tenants, snapshot_quota, log_budget)
     runner: web.AppRunner | None = None
     tcp: asyncio.Server | None = None
     serving = False

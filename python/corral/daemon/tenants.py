@@ -6,9 +6,11 @@ SHA-256 (``"sha256:<hex>"``), so the file need not hold secrets::
     {"alice": "a-long-random-token", "bob": "sha256:5e88...42",
      "carol": {"token": "sha256:9f86...08", "max_sandboxes": 200}}
 
-A tenant's entry is its token, or an object with the token and its quota: ``max_sandboxes``,
-the most live sandboxes it may hold on this daemon (``CORRAL_TENANT_MAX_SANDBOXES`` when not
-given; the engine counts them, corral.daemon.engine.quota).
+A tenant's entry is its token, or an object with the token and its own quotas, each in place of
+the daemon's default for every tenant (corral.daemon.engine.quota counts them):
+``max_sandboxes`` (live sandboxes, ``CORRAL_TENANT_MAX_SANDBOXES``), ``max_snapshots`` and
+``snapshot_mb`` (``CORRAL_TENANT_MAX_SNAPSHOTS``, ``CORRAL_TENANT_SNAPSHOT_MB``), ``log_mb``
+(its trajectory logs, ``CORRAL_TENANT_LOG_MB``).
 
 The file is re-read when it changes (checked at most once a second, on a request): a token
 removed from it stops working within a second. A file that cannot be read or parsed admits no
@@ -49,23 +51,31 @@ def token_hash(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
-def _entry(name: str, value: Any) -> tuple[Any, int | None]:
-    """A tenant's (token, max_sandboxes or None) from its entry: a token, or an object."""
+# The quotas a tenant's entry may set for itself (whole numbers >= 0).
+QUOTA_KEYS = ("max_sandboxes", "max_snapshots", "snapshot_mb", "log_mb")
+
+
+def _entry(name: str, value: Any) -> tuple[Any, dict[str, int]]:
+    """A tenant's (token, its own quotas) from its entry: a token, or an object."""
     if not isinstance(value, dict):
-        return value, None
-    unknown = set(value) - {"token", "max_sandboxes"}
+        return value, {}
+    unknown = set(value) - {"token", *QUOTA_KEYS}
     if unknown:
         raise TokensError(f"tenant {name!r}: unknown keys {sorted(unknown)} (token, "
-                          "max_sandboxes)")
-    limit = value.get("max_sandboxes")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
-                              or limit < 0):
-        raise TokensError(f"tenant {name!r}: max_sandboxes must be a whole number >= 0")
-    return value.get("token"), limit
+                          f"{', '.join(QUOTA_KEYS)})")
+    quotas: dict[str, int] = {}
+    for key in QUOTA_KEYS:
+        limit = value.get(key)
+        if limit is None:
+            continue
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise TokensError(f"tenant {name!r}: {key} must be a whole number >= 0")
+        quotas[key] = limit
+    return value.get("token"), quotas
 
 
-def parse_table(text: str) -> tuple[dict[bytes, str], dict[str, int]]:
-    """(token hash -> tenant name, tenant name -> max_sandboxes where given), from the
+def parse_table(text: str) -> tuple[dict[bytes, str], dict[str, dict[str, int]]]:
+    """(token hash -> tenant name, tenant name -> the quotas its entry sets), from the
     file's JSON."""
     try:
         obj = json.loads(text)
@@ -74,13 +84,13 @@ def parse_table(text: str) -> tuple[dict[bytes, str], dict[str, int]]:
     if not isinstance(obj, dict):
         raise TokensError("the tokens file must be a JSON object: tenant name -> token")
     out: dict[bytes, str] = {}
-    limits: dict[str, int] = {}
+    limits: dict[str, dict[str, int]] = {}
     for name, value in obj.items():
         if not NAME_RE.match(name):
             raise TokensError(f"bad tenant name {name!r} (letters, digits, _ . -; 1-63)")
-        tok, limit = _entry(name, value)
-        if limit is not None:
-            limits[name] = limit
+        tok, quotas = _entry(name, value)
+        if quotas:
+            limits[name] = quotas
         if not isinstance(tok, str):
             raise TokensError(f"tenant {name!r}: the token must be a string")
         m = HASH_RE.match(tok)
@@ -108,7 +118,7 @@ class Tenants:
     def __init__(self, path: str) -> None:
         self.path = path
         self._by_hash: dict[bytes, str] = {}
-        self._limits: dict[str, int] = {}
+        self._limits: dict[str, dict[str, int]] = {}
         self._sig: tuple[int, int, int] | None = None
         self._checked = 0.0
         self.reload(strict=True)
@@ -144,9 +154,13 @@ class Tenants:
     def names(self) -> list[str]:
         return sorted(set(self._by_hash.values()))
 
+    def quota(self, name: str, key: str) -> int | None:
+        """The tenant's own ``key`` quota (QUOTA_KEYS) from the file, None where it gives
+        none. Read on the log's ingester thread too: the table is replaced whole."""
+        return self._limits.get(name, {}).get(key)
+
     def max_sandboxes(self, name: str) -> int | None:
-        """The tenant's own quota from the file, None where it gives none."""
-        return self._limits.get(name)
+        return self.quota(name, "max_sandboxes")
 
 
 def of_labels(labels: dict[str, Any] | None) -> str | None:

@@ -30,7 +30,7 @@ class EngineHost(Protocol):
     pools: Any
     snaps: snapshots.SnapshotStore | None
     disk: diskguard.DiskGuard | None
-    snapshot_quota: tuple[int, int] | None
+    snapshot_quota: Callable[[str], tuple[int, int]] | None
     images: Any
     trajlog: TrajLog
     _loop: asyncio.AbstractEventLoop | None

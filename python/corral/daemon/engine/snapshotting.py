@@ -22,10 +22,10 @@ if TYPE_CHECKING:  # pragma: no cover
 class SnapshotOps:
     # The state dir's disk (corral.daemon.diskguard), set at start; None: not guarded.
     disk: diskguard.DiskGuard | None = None
-    # What each tenant's snapshots may hold here: (snapshots, bytes), set at start from
-    # CORRAL_TENANT_MAX_SNAPSHOTS / CORRAL_TENANT_SNAPSHOT_MB; None: no bound. The admin's
-    # snapshots (no tenant) are bound only by the disk.
-    snapshot_quota: tuple[int, int] | None = None
+    # What a tenant's snapshots may hold here: tenant -> (snapshots, bytes), set at start
+    # from its tokens file entry or CORRAL_TENANT_MAX_SNAPSHOTS / CORRAL_TENANT_SNAPSHOT_MB;
+    # None: no bound. The admin's snapshots (no tenant) are bound only by the disk.
+    snapshot_quota: Callable[[str], tuple[int, int]] | None = None
 
     def _snaps(self: EngineHost) -> snapshots.SnapshotStore:
         if self.snaps is None:
@@ -46,7 +46,9 @@ class SnapshotOps:
         if name is not None and name in store.by_name:  # checked again in commit
             raise SnapshotExists(f"a snapshot named {name!r} exists", details={"name": name})
         tenant = sb.spec.labels.get(TENANT_LABEL)
-        quota = self.snapshot_quota if isinstance(tenant, str) else None
+        quota = None
+        if isinstance(tenant, str) and self.snapshot_quota is not None:
+            quota = self.snapshot_quota(tenant)
         if quota is None:
             sb, base, (tmp, digest, size) = await self._capture(sid, control)
         else:
