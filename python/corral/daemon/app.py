@@ -148,7 +148,7 @@ WAITING: web.AppKey[dict[str, int]] = web.AppKey("waiting", dict)
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics", Metrics)
 T = TypeVar("T")
 KEY_RE = re.compile(KEY_PATTERN)
-BIG_BODY = 1 << 20           # bigger writes go through a thread
+BIG_BODY = 1 << 20           # bigger writes are copied from the spooled body
 
 
 # ---- helpers ---------------------------------------------------------------------------
@@ -613,7 +613,7 @@ async def _spooled_op(request: web.Request, path: str, mode: int | None = None,
         got = await spool.spool(request, f, MAX_BODY, engine.trajlog.body_cap, engine.disk)
         fields: dict[str, Any] = {"path": path} if mode is None else {"path": path, "mode": mode}
         req = body_request(got.size, got.sha256, got.head, **fields)
-        if mode is not None and got.head is not None and got.size <= BIG_BODY:  # on the loop
+        if mode is not None and got.head is not None and got.size <= BIG_BODY:  # in hand
             return await put(got.head, False, req)
         # A thread reads f: cancelled here (the daemon stopping), f is closed when the thread
         # is done with it, never under it.

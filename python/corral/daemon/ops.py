@@ -307,7 +307,7 @@ class Rename(Op):
 @dataclass(frozen=True, slots=True)
 class Write(Op):
     """A file write (``mode`` given) or a tar upload into directory ``path``: the body is
-    bytes, or a spooled file (``big``: copied in a worker thread)."""
+    bytes, or a spooled file (``big``). Both run in a file thread (engine.files)."""
 
     path: str
     data: bytes | BinaryIO
@@ -324,7 +324,7 @@ class Write(Op):
 
     async def run(self, engine: Engine) -> Any:
         if self.mode is not None:
-            await engine.write_file(self.sid, self.path, self.data, self.mode, self.big)
+            await engine.write_file(self.sid, self.path, self.data, self.mode)
         else:
             await engine.upload_tar(self.sid, self.path, self.data, self.big)
 

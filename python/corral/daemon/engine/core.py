@@ -174,6 +174,8 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
             self.images = ImageStore(c.state_dir, c.image_max_bytes, c.image_max_files,
                                      frozenset(c.insecure_registries),
                                      frozenset(c.registries), erofs=c.image_layers != "dir")
+        if self.disk is not None:  # pulls and imports stop short of the disk's reserve
+            self.images.disk_check = self.disk.check
         await asyncio.to_thread(self.images.ensure_host)
         ctx = registry.Context(self.config, self.images, self.shared)
         self.substrates = registry.build(self.substrate_names, ctx, self.unavailable)
