@@ -15,11 +15,13 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import imagefix as fx
 import pytest
 
 from conftest import CGROUP_NAME, DaemonProcess, _force_cleanup, _unmount_under, free_port
@@ -339,4 +341,48 @@ def test_a_tenants_tokens_file_entry_sets_its_own_snapshot_and_log_quotas():
             assert ok(alice.post(f"/v1/sandboxes/{sa}/exec", json={"cmd": "echo hi"}))[
                 "stdout"] == "hi\n"
         finally:
+            clean(base)
+
+
+@pytest.mark.skipif(not all(os.path.exists(p) for p in ("/usr/bin/docker-registry",
+                                                       "/usr/bin/skopeo")),
+                    reason="needs docker-registry and skopeo (scripts/setup.sh)")
+def test_a_pull_stops_before_the_reserve_not_only_at_its_start():
+    """A pull was checked against the disk's reserve once, at its start: alice's pull of an
+    image of 2 x 160 MB (zeros, a few hundred KB compressed) with ~150 MB left above the
+    reserve unpacked and converted into the reserve until the disk was full. Its layers are
+    checked as they unpack: the pull is capacity_exceeded, leaves nothing, and the disk never
+    comes within 64 MiB of the reserve's edge."""
+    layout = fx.oci_layout("diskfill", [("zstd", [fx.f("a", 160 << 20)]),
+                                        ("zstd", [fx.f("b", 160 << 20)])])
+    reserve_mb = 512
+    with fx.registry() as reg:
+        reg.push(layout, "team/diskfill")
+        with small_disk_daemon(704, CORRAL_SCRATCH="tmpfs",
+                               CORRAL_DISK_RESERVE_MB=str(reserve_mb),
+                               CORRAL_OUTPUT_DISK_MB="16", CORRAL_IMAGE_MAX_BYTES=str(1 << 30),
+                               CORRAL_REGISTRIES=",".join(reg.names)) as (d, base):
+            lowest = [free_mb(d.state_dir)]
+            done = threading.Event()
+
+            def watch() -> None:
+                while not done.wait(0.005):
+                    lowest[0] = min(lowest[0], free_mb(d.state_dir))
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            try:
+                with client(base, TOKENS["alice"]) as alice:
+                    e = error(alice.post("/v1/images/pull", json={
+                        "reference": f"{reg.addr}/team/diskfill:latest"}))
+            finally:
+                done.set()
+                watcher.join()
+            assert e["code"] == "capacity_exceeded" and e["infra"], e
+            assert lowest[0] > reserve_mb - 64, lowest[0]
+            assert os.listdir(os.path.join(d.state_dir, "oci", "tmp")) == []
+            with client(base, TOKENS["bob"]) as bob:  # the daemon still works for others
+                sid = ok(bob.post("/v1/sandboxes", json={}), 201)["id"]
+                assert ok(bob.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo hi"}))[
+                    "stdout"] == "hi\n"
             clean(base)

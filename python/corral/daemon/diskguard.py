@@ -18,9 +18,11 @@ So the daemon counts, on top of what is used:
 and keeps ``reserve`` bytes (``CORRAL_DISK_RESERVE_MB``, 1024) free of all of it for its own
 state. Tenant work that writes to the disk (a snapshot or fork, a file write or upload, a
 pull, an image upload, a snapshot import) is refused before it starts with
-``capacity_exceeded`` (infra) when what is left would cut into the reserve; what it writes
-once started is bounded by its own limits, and a disk that fills anyway (a write from outside
-the daemon) is ``capacity_exceeded`` too, never an error of the request.
+``capacity_exceeded`` (infra) when what is left would cut into the reserve; a pull or an
+import is checked again as it unpacks (every 32 MiB, and before a layer's conversion), since
+its size is known only as it goes; what other work writes once started is bounded by its own
+limits, and a disk that fills anyway (a write from outside the daemon) is
+``capacity_exceeded`` too, never an error of the request.
 """
 
 from __future__ import annotations

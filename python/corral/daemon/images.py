@@ -411,6 +411,9 @@ class ImageStore:
         # (creates, files, snapshots); past PULL_WORKERS at once, pulls wait their turn.
         self._pull_pool = ThreadPoolExecutor(PULL_WORKERS, thread_name_prefix="corral-pull")
         self._tenant_pulls: dict[str, int] = {}  # tenant -> pulls it started, not ended
+        # The state dir's disk (diskguard.DiskGuard.check), set by the daemon: pulls and
+        # imports check it as they unpack (oci.unpack.Limits). None: not checked.
+        self.disk_check: Callable[[str, int], None] | None = None
         self._gc_temp()
         for n in sorted(os.listdir(self.dir)):
             if NAME_RE.match(n) or n.startswith("@"):
@@ -601,7 +604,7 @@ class ImageStore:
         return [p for p in img.overlays[0][1] if p != self.layers.skeleton]
 
     def limits(self) -> oci_unpack.Limits:
-        return oci_unpack.Limits(self.max_bytes, self.max_files)
+        return oci_unpack.Limits(self.max_bytes, self.max_files, disk_check=self.disk_check)
 
     def record_oci(self, name: str, meta: dict, replace: bool = True) -> ImageInfo:
         """Record (or, if ``replace``, replace: a tag pulled again) the OCI image ``name``

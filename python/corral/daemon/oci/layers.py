@@ -229,6 +229,8 @@ class LayerStore:
                                        details={"expected": diff_id, "got": res.diff_id})
                 fmt = "dir"
                 if self.erofs:
+                    if limits.disk_check is not None:  # the image is written once more
+                        limits.disk_check("an image layer's conversion", res.size)
                     if on_state:
                         on_state("converting")
                     self._mkfs(tree, os.path.join(tmp, "layer.erofs"))

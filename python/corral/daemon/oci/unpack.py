@@ -23,6 +23,7 @@ import os
 import stat
 import tarfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -43,12 +44,28 @@ _SUID = stat.S_ISUID | stat.S_ISGID
 MAX_DEPTH = 512  # directory levels of a member (the copy and mkfs walk trees this deep)
 
 
+# How many decompressed bytes a pull unpacks between two checks of the state dir's disk.
+DISK_CHECK_BYTES = 32 << 20
+
+
 @dataclass
 class Limits:
     max_bytes: int  # file bytes and decompressed stream bytes, across the whole image
     max_members: int
     used_bytes: int = 0
     used_members: int = 0
+    # The state dir's disk (corral.daemon.diskguard.DiskGuard.check): called with what is
+    # about to be written, before every DISK_CHECK_BYTES unpacked and before a layer's
+    # conversion, so a pull stops (capacity_exceeded) before it cuts into the daemon's
+    # reserve, not only at its start. None: not checked.
+    disk_check: Callable[[str, int], None] | None = None
+    checked_bytes: int = 0
+
+    def check_disk(self) -> None:
+        if self.disk_check is not None and \
+                self.used_bytes - self.checked_bytes >= DISK_CHECK_BYTES:
+            self.checked_bytes = self.used_bytes
+            self.disk_check("an image pull's layers", DISK_CHECK_BYTES)
 
 
 @dataclass
@@ -71,6 +88,7 @@ class _Hashing:
         self.limits.used_bytes += len(data)
         if self.limits.used_bytes > self.limits.max_bytes:
             raise _too_large(self.limits)
+        self.limits.check_disk()
         return data
 
 
