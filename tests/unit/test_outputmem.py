@@ -79,3 +79,33 @@ def test_a_late_follower_decodes_on_from_the_last_four_bytes() -> None:
             tail = codecs.getincrementaldecoder("utf-8")("replace")
             tail.decode(data[max(0, cut - 4):cut])
             assert whole.getstate() == tail.getstate(), (cut, data[cut - 4:cut])
+
+
+def test_a_tenants_output_holds_at_most_its_share_and_gives_it_all_back() -> None:
+    """Each tenant's streams together hold at most TENANT_SHARE of the pool and of the spill
+    share, whichever of its views (one per command) they were made with; the admin's only
+    the whole store; everything freed comes back to the store and to the tenant."""
+    from corral.daemon.outputmem import TENANT_SHARE
+
+    with tempfile.TemporaryDirectory() as d:
+        store = OutputMemory(limit=4 << 20, spill_dir=d, disk_limit=4 << 20)
+        data = b"x" * (8 << 20)
+
+        def add(k: Kept, data: bytes = data) -> int:  # as a pipe gives it: 64 KiB at a time
+            return sum(k.add(data[i:i + (64 << 10)]) for i in range(0, len(data), 64 << 10))
+
+        alice = [Kept(store.share("alice")) for _ in range(3)]
+        kept = [add(k) for k in alice]
+        held = store.tenant_held("alice")
+        assert held == (int((4 << 20) * TENANT_SHARE), int((4 << 20) * TENANT_SHARE)), held
+        assert sum(kept) == 3 * FLOOR + sum(held)
+        assert [k.full for k in alice] == [True, True, True]
+        bob = Kept(store.share("bob"))
+        assert add(bob, b"y" * (3 << 20)) == 3 << 20 and not bob.full  # his share is free
+        room = (store.limit - store.held) + (store.disk_limit - store.spilled)
+        admin = Kept(store.share(None))  # the rest of the store, past any share
+        assert add(admin) == FLOOR + room and admin.full
+        for k in (*alice, bob, admin):
+            k.free()
+        assert (store.held, store.spilled) == (0, 0)
+        assert store.tenant_held("alice") == (0, 0) and store._tenant_use == {}

@@ -18,6 +18,10 @@ the trajectory log and the sandboxes' layers live on. A stream that can keep not
 (both full, or the file cannot be written: ENOSPC) keeps what it has and is ``truncated``
 like one past its cap; its byte count and hash still cover everything it printed.
 
+One tenant's commands hold at most ``TENANT_SHARE`` of the pool and of the spill share
+(``OutputMemory.share``): past that its own streams keep nothing more, and another tenant's
+output still fits. The admin's (no tenant) are bound by the whole store only.
+
 What is kept (memory charged, file and its disk share) is given back when the last holder
 lets go: the command's result once its answer is written, a background process's record once
 forgotten, a follower's view once sent.
@@ -43,6 +47,7 @@ DISK_SHARE = 0.25    # of the state dir's free space, when CORRAL_OUTPUT_DISK_MB
 # stream already costs the kernel.
 FLOOR = 64 << 10
 READ_SLICE = 64 << 10  # bytes of a kept output read back (and decoded) at once
+TENANT_SHARE = 0.5  # of the pool and of the spill share, the most one tenant's output holds
 
 
 def default_limit() -> int:
@@ -70,7 +75,19 @@ class OutputMemory:
         self.spill_dir = spill_dir
         self.disk_limit = disk_limit if spill_dir else 0
         self.spilled = 0
-        self.counters = {"spills": 0, "spill_full": 0}
+        self.counters = {"spills": 0, "spill_full": 0, "tenant_full": 0}
+        # tenant -> [memory, spill] bytes its commands hold (TenantShare), none at zero
+        self._tenant_use: dict[str, list[int]] = {}
+
+    def share(self, tenant: str | None) -> OutputMemory:
+        """Where a command of ``tenant`` keeps its output: its share of this store (the store
+        itself for the admin's, None)."""
+        return self if tenant is None else TenantShare(self, tenant)
+
+    def tenant_held(self, tenant: str) -> tuple[int, int]:
+        """(memory, spill) bytes ``tenant``'s commands hold now."""
+        use = self._tenant_use.get(tenant, [0, 0])
+        return use[0], use[1]
 
     def take(self, size: int) -> bool:
         if self.held + size > self.limit:
@@ -105,6 +122,62 @@ class OutputMemory:
         except OSError as e:
             log.warning("cannot make an output spill file", extra={"error": str(e)})
             return -1
+
+
+class TenantShare(OutputMemory):
+    """One tenant's view of an OutputMemory: at most TENANT_SHARE of its pool and of its
+    spill share, charged to both. What the tenant holds is counted in the store
+    (``_tenant_use``, its entry dropped at zero), so every view of one tenant shares it."""
+
+    def __init__(self, store: OutputMemory, tenant: str) -> None:
+        self.store, self.tenant = store, tenant
+        self.limit = int(store.limit * TENANT_SHARE)
+        self.disk_limit = int(store.disk_limit * TENANT_SHARE)
+        self.spill_dir = store.spill_dir
+        self.counters = store.counters
+
+    def _use(self) -> list[int]:
+        return self.store._tenant_use.setdefault(self.tenant, [0, 0])
+
+    def _settle(self, use: list[int]) -> None:
+        if use == [0, 0]:
+            self.store._tenant_use.pop(self.tenant, None)
+
+    def take(self, size: int) -> bool:
+        use = self._use()
+        if use[0] + size > self.limit:
+            self.counters["tenant_full"] += 1
+            self._settle(use)
+            return False
+        if not self.store.take(size):
+            self._settle(use)
+            return False
+        use[0] += size
+        return True
+
+    def give(self, size: int) -> None:
+        use = self._use()
+        size = min(size, use[0])
+        use[0] -= size
+        self.store.give(size)
+        self._settle(use)
+
+    def take_disk(self, size: int) -> int:
+        use = self._use()
+        got = self.store.take_disk(max(0, min(size, self.disk_limit - use[1])))
+        use[1] += got
+        self._settle(use)
+        return got
+
+    def give_disk(self, size: int) -> None:
+        use = self._use()
+        size = min(size, use[1])
+        use[1] -= size
+        self.store.give_disk(size)
+        self._settle(use)
+
+    def share(self, tenant: str | None) -> OutputMemory:
+        return self.store.share(tenant)
 
 
 class Kept:

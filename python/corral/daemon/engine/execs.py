@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from corral.daemon import procs, users
 from corral.daemon.substrates.base import OomCount, Substrate, oom_verdict
+from corral.daemon.tenants import TENANT_LABEL
 from corral.errors import (
     Conflict,
     CorralError,
@@ -85,7 +86,8 @@ class ExecOps:
                                      stdin=stdin, keep_stdin=req.background,
                                      cap=req.max_output_bytes,
                                      timeout=_effective_timeout(req),
-                                     store=self.output_memory)
+                                     store=self.output_memory.share(
+                                         sb.spec.labels.get(TENANT_LABEL)))
         except CorralError:
             self._check_alive(sb)  # e.g. sandbox_not_running from a dead init -> lost
             raise
@@ -302,14 +304,16 @@ class ExecOps:
 
 def _raise_output_lost(proc: procs.Process) -> None:
     """Output within the command's cap that the daemon could not keep (its output pool and
-    spill disk share full: other commands' output, maybe another tenant's) would read as
-    the command's own truncation and be scored: it is the daemon's failure, an infra error.
-    ``details`` keeps what the result would have said."""
+    spill disk share full: other commands' output, maybe another tenant's; or the tenant's
+    own share of them, outputmem.TENANT_SHARE) would read as the command's own truncation
+    and be scored: it is the daemon's failure, an infra error. ``details`` keeps what the
+    result would have said."""
     lost = [name for name, c in (("stdout", proc.stdout), ("stderr", proc.stderr))
             if c.kept.full]
     if lost:
         raise InfraError(
-            f"the daemon's output store was full: it could not keep all of the command's "
+            f"the daemon's output store (or the tenant's share of it) was full: it could not "
+            f"keep all of the command's "
             f"{' and '.join(lost)} within its max_output_bytes",
             details={"cause": "output_store_full", "streams": lost, "pid": proc.ns_pid,
                      "exit_code": proc.exit_code, "signal": proc.signal,
