@@ -326,6 +326,51 @@ def test_a_command_slow_to_die_is_answered_as_killed_without_waiting_for_it():
         sb.kill()
 
 
+# Holds a write lease on the program the next command's exec opens: the init's child waits
+# in that exec (the init with it: CLONE_VFORK) until the lease goes, HOLD s after the break.
+HOLD_START = r"""
+import fcntl, os, signal, sys, time
+fd = os.open(os.path.realpath(sys.argv[1]), os.O_RDONLY)
+fcntl.fcntl(fd, 1024, fcntl.F_WRLCK)  # F_SETLEASE
+broken = []
+signal.signal(signal.SIGIO, lambda *_: broken.append(1))
+open("/tmp/leased", "w").close()
+while not broken:
+    signal.pause()
+time.sleep(float(sys.argv[2]))
+fcntl.fcntl(fd, 1024, fcntl.F_UNLCK)
+time.sleep(600)
+"""
+
+
+def test_a_command_whose_start_the_sandbox_holds_times_out_within_its_timeout():
+    """A process in the sandbox can hold a command's start: a write lease on the program its
+    exec opens (here /bin/sh, the sandbox's copy) keeps the init's child, and the init, in that
+    exec for up to the host's lease-break time, released when the holder likes. The command's
+    timeout counts from the request, not from its start: otherwise a start held for just under
+    the daemon's wait (exec_stalled) plus a command that runs out its own timeout is answered
+    past the client's deadline (timeout + 30 s), a client timeout (infra, masked) for what is
+    the command's own timeout (limit). The start held 20 s, a timeout of 8 s: answered as
+    timed out as soon as the command starts, not 8 s later."""
+    hold, timeout = 20.0, 8.0
+    with open("/proc/sys/fs/lease-break-time") as f:
+        if float(f.read()) < hold + 5:
+            pytest.skip("the host's lease-break time is shorter than the hold")
+    sb = Sandbox(timeout=300)
+    try:
+        sb.files.write("/tmp/hold.py", HOLD_START)
+        sb.exec(["python3", "/tmp/hold.py", "/bin/sh", str(hold)], background=True)
+        _until(lambda: sb.files.exists("/tmp/leased"))
+        t0 = time.monotonic()
+        res = sb.exec("sleep 120", timeout=timeout)
+        took = time.monotonic() - t0
+        assert (res.timed_out, res.exit_code, res.signal) == (True, 137, 9), res
+        assert hold - 1 < took < hold + timeout / 2, took
+        assert sb.exec("echo alive").stdout == "alive\n"
+    finally:
+        sb.kill()
+
+
 def test_a_pids_limit_hit_is_the_commands_own_failure():
     """A fork refused at the pids limit is EAGAIN inside the sandbox, as on a machine with a
     process limit: the command decides what to do with it, so the outcome is its exit code

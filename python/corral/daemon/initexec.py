@@ -61,10 +61,13 @@ MAX_BIG_GROUPS = 65536     # NGROUPS_MAX
 MAX_ARG_BYTES = 2 << 20
 MAX_ARG_STRLEN = 128 << 10
 ANSWER_TIMEOUT_S = 5.0     # a healthy init answers in well under a millisecond
-# Waiting for room to send, then for the answer, on the daemon's loop: generous, as a loaded
-# host may schedule an init late; an init that still has not answered is held by something in
-# its own sandbox (a stopped child), and the command fails with ExecStalled.
-WAIT_TIMEOUT_S = 30.0
+# Waiting for room to send, then for the answer, on the daemon's loop, in all: generous, as a
+# loaded host may schedule an init late; an init that still has not answered is held by
+# something in its own sandbox (a stopped child, a lease on the program its child execs), and
+# the command fails with ExecStalled. Below the SDK's grace (30 s past the command's timeout,
+# which counts from the request: procs.Process) by more than a SIGKILLed command's settling
+# (procs.KILL_SETTLE_S), so a held start is never answered past the client's deadline.
+WAIT_TIMEOUT_S = 25.0
 # Requests awaiting their answer per sandbox; more wait for one to be answered. It bounds what
 # the init may have to queue towards us, so an answer always fits the socket's buffer.
 MAX_IN_FLIGHT = 16

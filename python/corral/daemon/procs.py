@@ -301,7 +301,8 @@ class Process:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, child: Spawned,
                  cmd: str | list[str], stdout_fd: int, stderr_fd: int, stdin_fd: int, cap: int,
-                 timeout: float | None, store: OutputMemory | None = None) -> None:
+                 timeout: float | None, store: OutputMemory | None = None,
+                 began: float | None = None) -> None:
         self.loop = loop
         # Our own child, or someone else's (the init's), whose pidfd we are handed.
         self.init_child = not child.own_child
@@ -310,7 +311,12 @@ class Process:
         self.ns_pid = child.ns_pid or pid
         self.cmd = cmd
         self.started_at = time.time()
-        self.t0 = time.monotonic()
+        # ``began``: when its start was asked for (monotonic). Its timeout counts from there,
+        # so the time the sandbox held its start (a process in it stopping the init's child
+        # before its exec, a lease on the program the exec opens) is the command's own: the
+        # answer never comes later than the timeout plus the kill's settling, past which the
+        # client's deadline (timeout + 30 s) would turn the command's own timeout into infra.
+        self.t0 = time.monotonic() if began is None else began
         self.stdout = Capture(loop, stdout_fd, cap, store)
         self.stderr = Capture(loop, stderr_fd, cap, store)
         self.stdin = Stdin(loop, stdin_fd) if stdin_fd >= 0 else None
@@ -329,7 +335,10 @@ class Process:
             # The child is ours and unreaped, so the pid cannot have been reused yet.
             self.pidfd = kernel.pidfd_open(pid)
             loop.add_reader(self.pidfd, self._on_exit)
-        self._timer = loop.call_later(timeout, self._on_timeout) if timeout else None
+        self._timer = None
+        if timeout:
+            left = max(0.0, timeout - (time.monotonic() - self.t0))
+            self._timer = loop.call_later(left, self._on_timeout)
         self._settle: asyncio.TimerHandle | None = None
 
     @property
@@ -520,6 +529,7 @@ async def start(loop: asyncio.AbstractEventLoop, substrate: Substrate, runtime: 
                 store: OutputMemory | None = None) -> Process:
     """Spawn ``argv`` in the sandbox with fresh pipes. ``stdin`` is written then closed unless
     ``keep_stdin`` (background commands keep it open for the stdin route)."""
+    began = time.monotonic()  # the command's timeout counts from here (Process)
     child_fds: list[int] = []
     parent_fds: list[int] = []
     try:
@@ -553,7 +563,7 @@ async def start(loop: asyncio.AbstractEventLoop, substrate: Substrate, runtime: 
             os.close(fd)
         raise
     try:
-        proc = Process(loop, child, cmd, out_r, err_r, in_w, cap, timeout, store)
+        proc = Process(loop, child, cmd, out_r, err_r, in_w, cap, timeout, store, began)
     except BaseException:  # e.g. EMFILE on pidfd_open: don't leave an unreaped child behind
         if not child.own_child:  # the init reaps it
             kernel.pidfd_signal(child.pidfd, signal.SIGKILL)

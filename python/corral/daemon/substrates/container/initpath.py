@@ -120,9 +120,12 @@ class InitExec:
         stdio = tuple(_dup(fd) for fd in args[7])
         own = (*args[:7], stdio, *args[8:])
 
+        # One deadline for the room and the answer: two waits of WAIT_TIMEOUT_S each would
+        # let a sandbox that holds its init keep the answer past the client's deadline.
+        deadline = loop.time() + initexec.WAIT_TIMEOUT_S
+
         async def later() -> initexec.Spawned:
             try:
-                deadline = loop.time() + initexec.WAIT_TIMEOUT_S
                 fut = await chan.submit_when_ready(loop, deadline, *own)
             except initexec.Stalled as e:
                 raise ExecStalled(str(e)) from None
@@ -132,14 +135,15 @@ class InitExec:
                 for fd in stdio:
                     if fd >= 0:
                         os.close(fd)
-            return await self._answer(runtime, fut)
+            return await self._answer(runtime, fut, deadline - loop.time())
 
         return later()
 
     async def _answer(self: Host, runtime: SandboxRuntime,
-                      fut: asyncio.Future[initexec.Spawned]) -> initexec.Spawned:
+                      fut: asyncio.Future[initexec.Spawned],
+                      wait: float = initexec.WAIT_TIMEOUT_S) -> initexec.Spawned:
         try:  # on timeout fut is cancelled: the command is killed when its answer comes
-            return await _within(fut, initexec.WAIT_TIMEOUT_S, "the sandbox's init did not "
+            return await _within(fut, max(0.0, wait), "the sandbox's init did not "
                                  f"answer within {initexec.WAIT_TIMEOUT_S:.0f}s")
         except (initexec.Gone, OSError) as e:
             raise self._spawn_error(runtime, e) from e
