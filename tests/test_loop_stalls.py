@@ -157,3 +157,44 @@ def test_small_writes_to_lower_layer_files_leave_the_loop_serving(served: dict[s
     worst, quiet = _copy_ups(served["base"], lambda m, sid, big: m.put(
         f"/v1/sandboxes/{sid}/files", params={"path": big}, content=b"x"))
     assert worst < 1.0, f"a health check took {worst:.2f} s (quiet: {max(quiet):.3f} s)"
+
+
+def _deep(top: str, n: int) -> str:
+    """``top`` and ``n`` more components below it: a path near PATH_MAX for n ~2,000."""
+    return top + "/a" * n
+
+
+def _attack(base: str, n: int, call: Callable[[httpx.Client, int], httpx.Response],
+            expect: int = 200) -> tuple[float, list[float]]:
+    """``call(client, i)`` for i < ``n``, all at once (mallory): victor's slowest health check
+    meanwhile, and the quiet ones before."""
+    with _Prober(base) as p:
+        while len(p.took) < 20:  # a baseline, and the prober is connected
+            time.sleep(0.05)
+        quiet = list(p.took)
+
+        def one(i: int) -> None:
+            with _client(base, "mallory") as m:
+                r = call(m, i)
+                assert r.status_code == expect, r.text
+        _in_parallel(n, one)
+    return p.worst, quiet
+
+
+def test_deep_mkdirs_leave_the_loop_serving(served: dict[str, Any]) -> None:
+    """A mkdir of a path of 2,040 new components makes 2,040 directories, and made each
+    prefix resolve from the root again: on the loop, ~0.5 s a call (8 at once held it
+    ~4 s)."""
+    base = served["base"]
+    sid, = _sandboxes(base, 1)
+    try:
+        worst, quiet = _attack(base, 8, lambda m, i: m.post(
+            f"/v1/sandboxes/{sid}/files/mkdir",
+            json={"path": _deep(f"/tmp/m{i}", 2040), "parents": True}))
+        with _client(base, "mallory") as m:  # made whole
+            r = m.get(f"/v1/sandboxes/{sid}/files/stat", params={"path": _deep("/tmp/m7", 2040)})
+            assert r.status_code == 200 and r.json()["type"] == "dir", r.text
+    finally:
+        _destroy(base, [sid])
+    assert worst < 1.0, f"a health check took {worst:.2f} s (quiet: {max(quiet):.3f} s)"
+
