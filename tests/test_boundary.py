@@ -233,7 +233,7 @@ def test_a_missing_capability_is_unsupported_before_any_side_effect(engine):
             assert e.value.details["substrate"] == "hostproc"
         for op in (eng.pause, eng.resume):
             with pytest.raises(Unsupported):
-                op(sb.id)
+                await op(sb.id)
         assert sb.state == "running" and len(eng.sandboxes) == 1
         assert sorted(os.listdir(sb.runtime.sandbox_dir)) == before
         # a network mode the substrate cannot give: refused before anything is made

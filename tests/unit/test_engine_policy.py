@@ -151,7 +151,7 @@ def test_pause_freezes_and_a_call_resumes(state, clock):
     async def go():
         async with engine_on(state, clock) as (eng, sub):
             sb = await eng.create(spec())
-            eng.pause(sb.id)
+            await eng.pause(sb.id)
             assert sb.state == "paused" and sub.boxes[sb.id].frozen
             assert sb.paused_at == clock.time()
             assert eng.lookup(sb.id).state == "paused"  # info calls do not resume
@@ -180,7 +180,7 @@ def test_recovery_readopts_live_sandboxes_and_tombstones_dead_ones(state, clock)
             keep = await eng.create(spec(timeout=100))
             dead = await eng.create(spec())
             paused = await eng.create(spec())
-            eng.pause(paused.id)
+            await eng.pause(paused.id)
         sub.boxes[dead.id].alive = False  # died while no daemon ran
         clock.advance(10)
         async with engine_on(state, clock, sub) as (eng2, _):

@@ -77,7 +77,7 @@ def test_pause_ttl(state, clock, pause_ttl):
     async def go():
         async with engine_on(state, clock) as (eng, sub):
             sb = await eng.create(spec(timeout=10, pause_ttl=pause_ttl))
-            eng.pause(sb.id)
+            await eng.pause(sb.id)
             await tick(clock, 50)
             if pause_ttl == "count":
                 assert sb.stopping is not None
@@ -85,7 +85,7 @@ def test_pause_ttl(state, clock, pause_ttl):
                 assert sb.reason == "expired"
                 return
             assert sb.state == "paused"
-            eng.resume(sb.id)
+            await eng.resume(sb.id)
             assert sb.expires_at == clock.time() + 10  # 10 s of TTL were left at the pause
             await tick(clock, 9)
             assert sb.state == "running"

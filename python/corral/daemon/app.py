@@ -237,16 +237,19 @@ async def list_substrates(request: web.Request) -> web.Response:
 
 async def update_network(request: web.Request) -> web.Response:
     req = await _body(request, NetworkUpdate)
+    await _engine(request).ready(request.match_info["id"], capture=False)  # resumed off the loop
     return _json(_engine(request).update_network(request.match_info["id"], req.network).info())
 
 
 async def expose_port(request: web.Request) -> web.Response:
     req = await _body(request, ExposeRequest)
+    await _engine(request).ready(request.match_info["id"], capture=False)  # resumed off the loop
     return _json(await _engine(request).expose(request.match_info["id"], req.port))
 
 
 async def unexpose_port(request: web.Request) -> web.Response:
     port = decimal(request.match_info["port"], "port", 1, 65535)
+    await _engine(request).ready(request.match_info["id"], capture=False)  # resumed off the loop
     return _json({"removed": _engine(request).unexpose(request.match_info["id"], port)})
 
 
@@ -434,6 +437,7 @@ async def exec_cmd(request: web.Request) -> web.Response:
 
 
 async def proc_status(request: web.Request) -> web.Response:
+    await _engine(request).ready(request.match_info["id"], capture=False)  # resumed off the loop
     return _json(_engine(request).proc_status(request.match_info["id"],
                                               path_int(request, "pid")))
 
@@ -475,6 +479,7 @@ async def proc_stream(request: web.Request) -> web.StreamResponse:
     ``{"exit_code", "timed_out"}``, or ``{"error": {...}}`` if the sandbox ended under it."""
     engine = _engine(request)
     sid = request.match_info["id"]
+    await engine.ready(sid, capture=False)  # resumed off the loop
     sb, p = engine.proc(sid, path_int(request, "pid"))
     follower = Follower(p)
     try:

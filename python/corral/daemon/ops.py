@@ -62,6 +62,9 @@ class Op(abc.ABC):
     name: ClassVar[str]
     logged: ClassVar[bool] = True          # goes through the trajectory log
     waits_capture: ClassVar[bool] = False  # starts or changes processes: not during a capture
+    # Resumes a paused sandbox (its engine call's lookup is Engine.get): resumed first, in a
+    # worker thread (Engine.ready), never by that lookup on the event loop.
+    wakes: ClassVar[bool] = False
 
     def request(self) -> Any:
         """What the log records as the request (a dict or a model)."""
@@ -123,6 +126,7 @@ class Kill(Op):
 @dataclass(frozen=True, slots=True)
 class SetTimeout(Op):
     timeout: float
+    wakes: ClassVar[bool] = True
     name: ClassVar[str] = "timeout"
     logged: ClassVar[bool] = False
 
@@ -136,7 +140,7 @@ class Pause(Op):
     waits_capture: ClassVar[bool] = True  # a snapshot's freeze is not a pause
 
     async def run(self, engine: Engine) -> Any:
-        return engine.pause(self.sid).info()
+        return (await engine.pause(self.sid)).info()
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +149,7 @@ class Resume(Op):
     waits_capture: ClassVar[bool] = True  # a resume would thaw a capture's freeze mid-copy
 
     async def run(self, engine: Engine) -> Any:
-        return engine.resume(self.sid).info()
+        return (await engine.resume(self.sid)).info()
 
 
 # ---- processes -----------------------------------------------------------------------------------
@@ -168,6 +172,7 @@ class Exec(Op):
 class Wait(Op):
     pid: int
     timeout: float | None
+    wakes: ClassVar[bool] = True
     name: ClassVar[str] = "wait"
 
     def request(self) -> Any:
@@ -185,6 +190,7 @@ class Stdin(Op):
     pid: int
     data: str
     eof: bool
+    wakes: ClassVar[bool] = True
     name: ClassVar[str] = "stdin"
     logged: ClassVar[bool] = False
 
@@ -196,6 +202,7 @@ class Stdin(Op):
 class Signal(Op):
     pid: int
     signal: int
+    wakes: ClassVar[bool] = True
     name: ClassVar[str] = "signal"
     logged: ClassVar[bool] = False
 
@@ -336,6 +343,7 @@ class Write(Op):
 class Transfer(Op):
     """A read or a tar download, whose result is streamed by the handler as it is made:
     ``send`` runs it (the engine's part included) and gives what the log records."""
+    wakes: ClassVar[bool] = True
 
     op: str  # "read" or "download"
     logged_request: dict[str, Any]
@@ -432,9 +440,9 @@ async def dispatch(engine: Engine, op: Op) -> Any:
     processes), through the trajectory log (if it is logged). Returns the call's value, or
     the logged result dict when the log fast-forwards a repeated key."""
     call: Callable[[], Awaitable[Any]]
-    if op.waits_capture:
+    if op.waits_capture or op.wakes:
         async def after_capture() -> Any:
-            await engine.wait_capture(op.sid)
+            await engine.ready(op.sid, capture=op.waits_capture, wake=op.wakes)
             return await op.run(engine)
         call = after_capture
     else:  # the coroutine itself: no frame of our own

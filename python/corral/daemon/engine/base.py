@@ -75,7 +75,7 @@ class Sandbox:
 
     __slots__ = ("id", "spec", "runtime", "state", "reason", "created_at", "expires_at",
                  "last_active", "sched", "busy", "threads", "threads_done", "procs", "stopping",
-                 "paused_at", "capturing", "cause", "trajectory", "lingering")
+                 "paused_at", "capturing", "switching", "cause", "trajectory", "lingering")
     # The cluster node this daemon serves (Config.node_id), one per process: set by the Engine.
     node: str | None = None
 
@@ -99,6 +99,9 @@ class Sandbox:
         self.paused_at: float | None = None
         # Set while a snapshot's capture holds the sandbox frozen (Engine.wait_capture).
         self.capturing: asyncio.Future[None] | None = None
+        # Set while a pause or a resume runs in a worker thread (Engine._switch): its state
+        # is the one before until it has ended.
+        self.switching: asyncio.Future[None] | None = None
         self.cause: dict[str, Any] | None = None  # reason "crashed" (or "lost"): why (end_cause)
         # The trajectory it was made for (a create keyed "{T}:create", or child i of a fork
         # keyed for one): a kill without its keys is an operator's (Engine.by_operator).

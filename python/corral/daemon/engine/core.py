@@ -14,7 +14,15 @@ from typing import Any
 
 from corral import __version__
 from corral.config import Config
-from corral.daemon import capacity, oserrors, outputmem, persist, removal, snapshots
+from corral.daemon import (
+    capacity,
+    filethreads,
+    oserrors,
+    outputmem,
+    persist,
+    removal,
+    snapshots,
+)
 from corral.daemon.clock import REAL, Clock
 from corral.daemon.oci.ref import looks_like_ref
 from corral.daemon.outputmem import OutputMemory
@@ -961,9 +969,11 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         return out
 
     def _capturing(self, sid: str) -> bool:
-        """A snapshot's capture holds the sandbox frozen (cheap: the exec path asks first)."""
+        """A snapshot's capture holds the sandbox frozen, or a pause or resume of it runs, or
+        it is paused (cheap: the exec path asks first; Engine.ready)."""
         sb = self.sandboxes.get(sid)
-        return sb is not None and sb.capturing is not None
+        return sb is not None and (sb.capturing is not None or sb.switching is not None
+                                   or sb.state == "paused")
 
     async def wait_capture(self, sid: str) -> None:
         """Return once no snapshot capture holds the sandbox frozen. Anything that starts a
@@ -972,10 +982,23 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         the capture thaws. Pause and resume wait too (a resume would thaw the capture's
         freeze mid-copy; a capture's thaw would undo a pause made during it), and so do file
         operations (so a snapshot never holds half of a write made during it)."""
-        sb = self.sandboxes.get(sid)
-        while sb is not None and sb.capturing is not None:
-            await asyncio.shield(sb.capturing)
-            sb = self.sandboxes.get(sid)
+        await self.ready(sid, capture=True, wake=False)
+
+    async def ready(self, sid: str, capture: bool = True, wake: bool = True) -> None:
+        """Wait out a pause or resume in progress and (``capture``) a snapshot's capture;
+        then (``wake``) resume the sandbox if it is paused, in a worker thread (_switch):
+        a call that resumes a paused sandbox resumes it here, before the engine's sync
+        lookup (get) sees it, so no freeze or thaw runs on the event loop (a substrate's
+        may start a process: tens of ms, every tenant's calls held meanwhile)."""
+        while (sb := self.sandboxes.get(sid)) is not None:
+            paused = wake and sb.state == "paused"
+            fut = sb.switching or (sb.capturing if capture or paused else None)
+            if fut is not None:
+                await asyncio.shield(fut)
+                continue
+            if not paused:
+                return
+            await self._switch(sb, False)
 
     @staticmethod
     def _frozen(substrate: Substrate, runtime: SandboxRuntime) -> bool:
@@ -985,38 +1008,85 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         except OSError:
             return False
 
-    def pause(self, sid: str) -> Sandbox:
+    def _switch(self, sb: Sandbox, pause: bool) -> asyncio.Future[None]:
+        """Pause (or resume) ``sb`` in a file thread (corral.daemon.filethreads: a tenant's
+        pauses and resumes hold at most its share of them), with ``sb.switching`` set until
+        it has ended. The state changes when the freeze (thaw) has ended, in a task of its
+        own: a caller that leaves does not leave the sandbox frozen but marked running."""
+        substrate = self.substrates[sb.spec.substrate]
+        runtime = sb.rt
+        want = "running" if pause else "paused"
+        done = sb.switching = asyncio.get_running_loop().create_future()
+
+        def start() -> None:  # ended while queued for a thread: its error, nothing run
+            if sb.state != want:
+                raise self._gone(sb.id, sb)
+            sb.enter_thread()  # its destroy waits for the freeze (thaw) to end
+
+        def work() -> None:
+            if not pause:
+                substrate.thaw(runtime)
+                return
+            try:
+                substrate.freeze(runtime)
+            except TimeoutError:  # an OSError too: first, or it would stay half frozen
+                substrate.thaw(runtime, wait=False)
+                raise
+
+        async def go() -> None:
+            try:
+                await filethreads.run(sb.spec.labels.get(TENANT_LABEL), work, start,
+                                      sb.leave_thread)
+                if sb.state != want:  # ended (destroyed) meanwhile
+                    raise self._gone(sb.id, sb)
+                if pause:
+                    sb.state, sb.paused_at = "paused", self.clock.time()
+                    self._persist(sb)
+                else:
+                    self._resumed(sb)
+            finally:
+                sb.switching = None
+                done.set_result(None)
+
+        task = asyncio.ensure_future(go())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a caller left
+        return asyncio.shield(task)
+
+    async def pause(self, sid: str) -> Sandbox:
         """Freeze every process of the sandbox (Substrate.freeze): no CPU until resumed."""
+        await self.ready(sid, wake=False)
         sb = self.lookup(sid)
         substrate = self.substrates[sb.spec.substrate]
         if not substrate.capabilities.pause:
             raise self._lacks(substrate, "pause")
         if sb.state == "paused":
             return sb
-        assert sb.runtime is not None
         try:
-            substrate.freeze(sb.runtime)
-        except TimeoutError as e:  # an OSError too: first, or it would stay half frozen
-            substrate.thaw(sb.runtime, wait=False)
+            await self._switch(sb, True)
+        except TimeoutError as e:
             raise InternalError(f"cannot pause: {e}") from e
         except OSError as e:
             raise Unsupported(f"cannot pause: {e.strerror or e}") from e
-        sb.state, sb.paused_at = "paused", self.clock.time()
-        self._persist(sb)
         return sb
 
-    def resume(self, sid: str) -> Sandbox:
+    async def resume(self, sid: str) -> Sandbox:
+        await self.ready(sid, wake=False)
         sb = self.lookup(sid)
         substrate = self.substrates[sb.spec.substrate]
         if not substrate.capabilities.pause:
             raise self._lacks(substrate, "resume")
         if sb.state == "paused":
-            self._resume(sb)
+            await self._switch(sb, False)
         return sb
 
     def _resume(self, sb: Sandbox) -> None:
+        """Resume on the calling thread: a call that did not go through ``ready`` first (a
+        pause that raced a call between its steps)."""
         assert sb.runtime is not None
         self.substrates[sb.spec.substrate].thaw(sb.runtime)
+        self._resumed(sb)
+
+    def _resumed(self, sb: Sandbox) -> None:
         now = self.clock.time()
         if sb.spec.pause_ttl == "stop" and sb.paused_at is not None:
             sb.expires_at += now - sb.paused_at  # the TTL clock stood still while paused

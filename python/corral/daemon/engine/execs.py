@@ -60,7 +60,7 @@ class ExecOps:
 
     async def exec(self: EngineHost, sid: str, req: ExecRequest) -> dict[str, Any]:
         if self._capturing(sid):
-            await self.wait_capture(sid)
+            await self.ready(sid)
         sb = self.get(sid)
         for k, v in req.env.items():
             if not k or "=" in k or "\0" in k or "\0" in v:

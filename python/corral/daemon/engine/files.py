@@ -28,7 +28,7 @@ class FileOps:
         file's data, can take long in the kernel (an overlay copy-up of a lower file whole,
         a truncate, the last unlink of a big file), which must not hold the loop."""
         if self._capturing(sid):
-            await self.wait_capture(sid)
+            await self.ready(sid)
         sb = self.get(sid)
         sub = self.substrates[sb.spec.substrate]
         if not sub.capabilities.files:
@@ -112,6 +112,7 @@ class FileOps:
         thread); returns the primitives to stream it with (streams.chunks)."""
         ops = await self._files(sid, path, lambda s, rt: s.tree_ops(rt, path))
         await self.stat(sid, path)  # a missing path fails here, with its error
+        await self.ready(sid, capture=False)
         sb = self.get(sid)
         await _in_file_thread(self, sb, lambda: streams.plan(ops, path.rstrip("/") or "/",
                                                             max_bytes, max_members))
@@ -125,7 +126,8 @@ async def _in_file_thread(engine: EngineHost, sb: Sandbox, fn: Callable[[], T]) 
     destroy waits for) until ``fn`` has ended, even if its caller left."""
 
     def start() -> None:
-        engine.get(sb.id)  # ended while queued: its error, nothing run
+        if sb.state != "paused":  # paused while queued: run on its files, not resumed here
+            engine.get(sb.id)  # ended while queued: its error, nothing run
         sb.enter_thread()
 
     return await filethreads.run(sb.spec.labels.get(TENANT_LABEL), fn, start, sb.leave_thread)
