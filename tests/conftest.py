@@ -66,6 +66,18 @@ os.environ.pop("CORRAL_TCP", None)
 os.environ["CORRAL_REGISTRIES"] = "registry.invalid"
 
 
+HOOKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hooks")
+
+
+def with_holds(**holds: str | os.PathLike[str]) -> dict[str, str]:
+    """The environment for a daemon that waits at the named points while their files exist
+    (tests/hooks/sitecustomize.py: ``entry``, ``ingest``, ``snapshot``)."""
+    env = {f"CORRAL_TEST_HOLD_{name.upper()}_FILE": str(path) for name, path in holds.items()}
+    path = os.environ.get("PYTHONPATH")
+    env["PYTHONPATH"] = HOOKS_DIR + (os.pathsep + path if path else "")
+    return env
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a daemon or server to bind)."""
     with socket.socket() as s:

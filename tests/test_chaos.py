@@ -23,7 +23,7 @@ from test_pools import ep, pooled_daemon
 from corral import Sandbox, Snapshot
 from corral.errors import CorralError
 
-from conftest import journal_started, wait_until
+from conftest import journal_started, wait_until, with_holds
 
 ROUNDS = 3
 
@@ -303,7 +303,7 @@ def test_an_exec_during_a_snapshot_waits_without_blocking_the_daemon(monkeypatch
     the event loop blocked until the capture ended."""
     hold = tmp_path / "hold"
     monkeypatch.setenv("CORRAL_AUTOSTART", "0")
-    with pooled_daemon(CORRAL_POOL="off", CORRAL_SNAPSHOT_TEST_HOLD_FILE=str(hold)) as d:
+    with pooled_daemon(CORRAL_POOL="off", **with_holds(snapshot=hold)) as d:
         url = ep(d)
         a, b = Sandbox(endpoint=url), Sandbox(endpoint=url)
         a.files.write("/root/x", "1")

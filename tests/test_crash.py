@@ -19,7 +19,7 @@ import pytest
 from corral import AsyncSandbox, Sandbox
 from corral.errors import CorralError, DaemonRestarted, DaemonUnavailable, StepInterrupted
 
-from conftest import journal_started, wait_until
+from conftest import journal_started, wait_until, with_holds
 
 
 def _running(sb: Sandbox, name: str) -> bool:
@@ -207,16 +207,23 @@ def test_interrupted_calls_are_logged_and_a_retry_never_runs_them(daemon):
 
 
 @contextlib.contextmanager
-def _with_hook(daemon, var: str, hold: Path) -> Iterator[None]:
-    """The daemon restarted with test hook ``var`` (a hold file); afterwards restarted without
-    it, and (if the test passed) every sandbox it left killed."""
+def _with_hold(daemon, point: str, hold: Path) -> Iterator[None]:
+    """The daemon restarted holding at ``point`` while ``hold`` exists (conftest.with_holds);
+    afterwards restarted without it, and (if the test passed) every sandbox it left
+    killed."""
     daemon.stop()
-    os.environ[var] = str(hold)
+    env = with_holds(**{point: hold})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         daemon.start()
         yield
     finally:
-        del os.environ[var]
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         hold.unlink(missing_ok=True)
         if daemon.proc is not None:
             daemon.stop()
@@ -226,12 +233,12 @@ def _with_hook(daemon, var: str, hold: Path) -> Iterator[None]:
 
 
 def test_a_create_is_logged_before_its_client_sees_it(daemon, tmp_path):
-    """kill -9 with a create's entry not yet journaled (held by a test hook,
-    CORRAL_TRAJLOG_TEST_HOLD_FILE): the create has not answered, its client gets an infra
-    error, never a sandbox missing from the log."""
+    """kill -9 with a create's entry not yet journaled (held there, conftest.with_holds):
+    the create has not answered, its client gets an infra error, never a sandbox missing
+    from the log."""
     hold = tmp_path / "hold"
     made: list[object] = []
-    with _with_hook(daemon, "CORRAL_TRAJLOG_TEST_HOLD_FILE", hold):
+    with _with_hold(daemon, "entry", hold):
         sb = Sandbox(timeout=600)
         hold.touch()
 
@@ -278,8 +285,8 @@ def test_a_create_is_logged_before_its_client_sees_it(daemon, tmp_path):
 
 
 def test_journaled_calls_survive_kill9_before_they_reach_the_database(daemon, tmp_path):
-    """The journal is the log's commit point: with the ingester held (test hook
-    CORRAL_TRAJLOG_TEST_HOLD_INGEST_FILE), calls answer once journaled, none of them in the
+    """The journal is the log's commit point: with the ingester held (conftest.with_holds),
+    calls answer once journaled, none of them in the
     database yet; kill -9; the next daemon ingests them before serving, every one the client
     saw, in order, and an idempotency key bound by one of them still fast-forwards."""
     import sqlite3
@@ -287,7 +294,7 @@ def test_journaled_calls_survive_kill9_before_they_reach_the_database(daemon, tm
     from corral.daemon.trajlog import DB_NAME
 
     hold = tmp_path / "hold-ingest"
-    with _with_hook(daemon, "CORRAL_TRAJLOG_TEST_HOLD_INGEST_FILE", hold):
+    with _with_hold(daemon, "ingest", hold):
         sb = Sandbox(timeout=600, trajectory_id=f"t-{uuid.uuid4().hex[:8]}")
         sb.log()  # the create is in the database; everything after stays in the journal
         hold.touch()

@@ -13,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from typing import Any
 
 import pytest
@@ -72,10 +73,19 @@ def _run(tmp_path, body, **kw: Any) -> TrajLog:
 
 @pytest.fixture
 def held_ingest(tmp_path, monkeypatch):
-    """The ingester holds its batches while the returned file exists (the daemon's test
-    hook): records are journaled, not in the database."""
+    """The ingester holds its batches while the returned file exists: records are
+    journaled, not in the database."""
+    from corral.daemon.trajlog.ingest import Ingester
+
     hold = tmp_path / "hold-ingest"
-    monkeypatch.setenv("CORRAL_TRAJLOG_TEST_HOLD_INGEST_FILE", str(hold))
+    ingest = Ingester._ingest
+
+    def held(self, *a, **kw):  # type: ignore[no-untyped-def]
+        while hold.exists() and not self._closing:
+            time.sleep(0.01)
+        return ingest(self, *a, **kw)
+
+    monkeypatch.setattr(Ingester, "_ingest", held)
     hold.touch()
     yield hold
     hold.unlink(missing_ok=True)

@@ -107,11 +107,6 @@ class _Base:
         self._full = self.sync == "FULL"  # every call waits for its record's ingest (fsync)
         self.flush_s = max(0.0, flush_ms) / 1000.0
         self.start_hold_s = max(0.0, start_ms) / 1000.0
-        # Tests only (tests/test_crash.py): while the first file exists, a finished call's
-        # entry waits before it is journaled (the call does not answer); while the second
-        # does, the ingester holds its batches (journaled, not in the database).
-        self._hold_file = os.environ.get("CORRAL_TRAJLOG_TEST_HOLD_FILE") or None
-        self._hold_ingest = os.environ.get("CORRAL_TRAJLOG_TEST_HOLD_INGEST_FILE") or None
         self._journal: Journal | None = None
         self._lock = -1  # flock on LOCK_NAME while open
         self._jn = 0  # number of the last journal record (the loop's)

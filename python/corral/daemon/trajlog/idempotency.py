@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -200,8 +199,6 @@ class Idempotency(Writer):
                 raise  # nothing was made, or no such sandbox: nothing to log
             # A failure of the platform does not bind the key: a retry runs for real.
             logged_key = None if e.infra else key
-            if self._hold_file:
-                await self._wait_hold_file()
             await self.record(sid, op, request, None, e.to_payload(), started, clock.time(),
                               logged_key, fp if logged_key else None, ids, c)
             raise
@@ -234,8 +231,6 @@ class Idempotency(Writer):
             sid = str(result.get("id", sid))
         if callable(snapshot_ids):
             ids = snapshot_ids(result)
-        if self._hold_file:
-            await self._wait_hold_file()
         self._write_entry(sid, op, request, result, None, started, clock.time(), key, fp, ids,
                           start, scope, c.req_text)
         if self._behind():
@@ -265,8 +260,3 @@ class Idempotency(Writer):
                          "limit": limit})
         self.stats["budget_compact"] += 1
         return True
-
-    async def _wait_hold_file(self) -> None:
-        """Tests only: a finished call waits here, unjournaled, while the hold file exists."""
-        while self._hold_file and os.path.exists(self._hold_file):
-            await asyncio.sleep(0.01)

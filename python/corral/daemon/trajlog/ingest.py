@@ -95,9 +95,6 @@ class Ingester(_Base):
             if not self._closing:
                 self._now.wait(self.flush_s)  # gather a batch, unless someone waits
             self._now.clear()
-            while (self._hold_ingest and os.path.exists(self._hold_ingest)
-                   and not self._closing):
-                time.sleep(0.01)  # tests only: journaled, not ingested
             with self._mu:
                 batch, self._pending = self._pending, []
                 size, self._pending_bytes = self._pending_bytes, 0  # bounded by the waits

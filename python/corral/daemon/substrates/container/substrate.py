@@ -25,7 +25,6 @@ import os
 import resource
 import signal
 import threading
-import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
@@ -1029,11 +1028,6 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
                     self.cgroups.freeze(paths)
                 except OSError:
                     pass
-            # Tests only (tests/test_chaos.py): while this file exists the capture holds the
-            # sandbox frozen, so a test can act during it.
-            hold = os.environ.get("CORRAL_SNAPSHOT_TEST_HOLD_FILE")
-            while hold and os.path.exists(hold):
-                time.sleep(0.01)
 
         def thaw() -> None:
             if not paused:
