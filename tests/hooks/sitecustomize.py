@@ -41,7 +41,7 @@ def _install() -> None:
                 _wait(entry)
                 return write_entry(self, *a, **kw)
 
-            setattr(Writer, "_write_entry", held_write_entry)
+            Writer._write_entry = held_write_entry
         if ingest:
             ingest_batch = Ingester._ingest
 
@@ -50,7 +50,7 @@ def _install() -> None:
                     time.sleep(POLL_S)
                 return ingest_batch(self, *a, **kw)
 
-            setattr(Ingester, "_ingest", held_ingest)
+            Ingester._ingest = held_ingest
     if snapshot:
         from corral.daemon.snapshots import SnapshotStore
 
@@ -65,7 +65,7 @@ def _install() -> None:
 
             return capture(self, uppers, freeze_and_hold, thaw, *a, **kw)
 
-        setattr(SnapshotStore, "capture", held_capture)
+        SnapshotStore.capture = held_capture
 
 
 _install()
