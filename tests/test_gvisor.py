@@ -436,6 +436,34 @@ def test_a_timeout_while_paused_kills_the_command_at_resume():
         assert wait_until(lambda: not running(), 15), box.exec("ps -ef").stdout
 
 
+def test_a_kill_held_for_the_resume_outlives_a_daemon_kill9(daemon):
+    """A kill held for the resume (a timeout that fired while the sandbox was paused) was
+    the daemon's memory only: a daemon killed -9 before the resume lost it, and the command
+    its caller was told had timed out ran on once the next daemon resumed the sandbox. The
+    held kills are on disk; the next daemon sends them at the resume."""
+    box = corral.Sandbox(substrate="gvisor", timeout=300)
+    try:
+        def running() -> bool:
+            return "sleep 778" in box.exec("ps -eo args").stdout
+
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(box.exec, "sleep 778", timeout=3)
+            assert wait_until(running, 15)
+            deferred = session_metric("corral_gvisor_exec_kills_deferred_total")
+            box.pause()
+            res = fut.result(30)
+            assert (res.timed_out, res.exit_code) == (True, 137), res
+        assert wait_until(
+            lambda: session_metric("corral_gvisor_exec_kills_deferred_total") > deferred, 15)
+        daemon.kill9()
+        daemon.start()
+        assert box.info().state == "paused"
+        box.resume()
+        assert wait_until(lambda: not running(), 15), box.exec("ps -ef").stdout
+    finally:
+        box.kill()
+
+
 def test_pause_resume_hold_no_other_call(sb):
     """A pause or a resume is a `runsc` process (17-69 ms measured): run on the daemon's
     event loop, a caller pausing and resuming sandboxes in a loop held every other caller's

@@ -107,6 +107,7 @@ def _remove_cgroup(rel: str) -> None:
 
 
 _EXITING = "Exiting with status: "
+_HELD = "kill-held-"  # <exec dir>/kill-held-<pid>: a kill held for the resume, not yet sent
 
 
 def _init_status(gdir: str) -> str | None:
@@ -174,8 +175,11 @@ class GvisorSubstrate(RootFileOps, Substrate):
         self._pending: set[asyncio.Future[Any]] = set()  # kills of abandoned commands
         # Kills of abandoned commands in a paused sandbox (runsc signals nothing in one), by
         # sandbox id: sent when it is resumed (thaw). The lock makes "paused? then defer" one
-        # step against thaw's "resume, then take the deferred".
-        self._deferred: dict[str, tuple[asyncio.AbstractEventLoop, set[int]]] = {}
+        # step against thaw's "resume, then take the deferred". Each is on disk too until it
+        # has been sent (_HELD): a daemon killed before the resume leaves them to the next
+        # (adopt), or the command its caller was told had timed out would run on. The loop
+        # is None for kills read at adopt without one: thaw sends those itself.
+        self._deferred: dict[str, tuple[asyncio.AbstractEventLoop | None, set[int]]] = {}
         self._deferred_lock = threading.Lock()
         self.counters = {"gvisor_execs": 0, "gvisor_exec_kills": 0,
                          "gvisor_exec_kills_deferred": 0}
@@ -227,6 +231,18 @@ class GvisorSubstrate(RootFileOps, Substrate):
             raise
         return rt
 
+    def _held_path(self, sid: str, pid: int) -> str:
+        return os.path.join(self._gdir(sid), "exec", f"{_HELD}{pid}")
+
+    def _held(self, sid: str) -> set[int]:
+        """The kills a daemon held for the resume and had not sent yet (on disk)."""
+        out = set()
+        with contextlib.suppress(OSError):
+            for name in os.listdir(os.path.join(self._gdir(sid), "exec")):
+                if name.startswith(_HELD) and name[len(_HELD):].isdigit():
+                    out.add(int(name[len(_HELD):]))
+        return out
+
     def adopt(self, runtime: SandboxRuntime) -> bool:
         pid = runtime.init_pid
         if pid <= 0 or not kernel.proc_alive(pid, runtime.init_starttime):
@@ -243,6 +259,21 @@ class GvisorSubstrate(RootFileOps, Substrate):
             os.close(fd)
             return False
         runtime.pidfd = fd
+        held = self._held(runtime.sandbox_id)
+        if held:  # the last daemon's kills: at the resume, or now if it resumed already
+            try:
+                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            with self._deferred_lock:
+                if state.get("status") == "paused":
+                    self._deferred[runtime.sandbox_id] = (loop, held)
+                    held = set()
+            for pid in held:
+                if loop is not None:
+                    self._schedule_kill(loop, runtime.sandbox_id, pid)
+                else:
+                    self._kill_inner(None, runtime.sandbox_id, pid)
         return True
 
     def is_alive(self, runtime: SandboxRuntime) -> bool:
@@ -424,7 +455,7 @@ class GvisorSubstrate(RootFileOps, Substrate):
         state = self.runsc.state(sid)
         return state is not None and state.get("status") == "paused"
 
-    def _kill_inner(self, loop: asyncio.AbstractEventLoop, sid: str, pid: int) -> None:
+    def _kill_inner(self, loop: asyncio.AbstractEventLoop | None, sid: str, pid: int) -> None:
         """SIGKILL the command's process group inside the sandbox (runsc kill reaches one
         process only: the group is killed from inside, by the lock-down binary, never by a
         program of the sandbox's image), then the command itself. In a paused sandbox runsc
@@ -435,6 +466,14 @@ class GvisorSubstrate(RootFileOps, Substrate):
                 if self._paused(sid):
                     self._deferred.setdefault(sid, (loop, set()))[1].add(pid)
                     self.counters["gvisor_exec_kills_deferred"] += 1
+                    try:
+                        with open(self._held_path(sid, pid), "x"):
+                            pass
+                    except FileExistsError:
+                        pass
+                    except OSError as e:  # held in memory only: lost if the daemon dies
+                        log.warning("cannot record a held kill",
+                                    extra={"sandbox": sid, "error": str(e)})
                     return
             done = False
             path = os.path.join(self._gdir(sid), "exec", f"kill-{pid}.json")
@@ -448,7 +487,9 @@ class GvisorSubstrate(RootFileOps, Substrate):
                 self.runsc.run("kill", f"--pid={pid}", sid, "KILL")
                 done = True
             if done:
-                return
+                break
+        with contextlib.suppress(OSError):  # sent (or the sandbox cannot take it): not held
+            os.unlink(self._held_path(sid, pid))
 
     # ---- pause ---------------------------------------------------------------------------
     def freeze(self, runtime: SandboxRuntime) -> None:
@@ -465,7 +506,9 @@ class GvisorSubstrate(RootFileOps, Substrate):
         with self._deferred_lock:
             loop, pids = self._deferred.pop(runtime.sandbox_id, (None, set()))
         for pid in pids:  # from the loop's thread: thaw may run in a worker thread
-            assert loop is not None
+            if loop is None:  # held by the last daemon, adopted with no loop: sent here
+                self._kill_inner(None, runtime.sandbox_id, pid)
+                continue
             with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon stops
                 loop.call_soon_threadsafe(self._schedule_kill, loop, runtime.sandbox_id, pid)
 
