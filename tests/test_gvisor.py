@@ -644,6 +644,34 @@ def test_signals_to_the_init(sb):
         assert wait_until(lambda: gone(box.id), 15), traces(box.id)
 
 
+def test_a_forged_exit_line_in_the_sentrys_log_does_not_make_a_loss_its_own():
+    """The sentry logs text the sandbox chooses (the path of a failed execve, an exec's
+    argv), newlines included: a sandbox could write the sentry's own last line, ``Exiting
+    with status: 0``, into its log, and a sentry then killed from outside (an infra loss)
+    was scored ``sandbox_crashed`` cause ``init_exited``, the sandbox's own doing. Only the
+    sentry's own entry counts: the loss stays ``sandbox_lost``."""
+    forged = ['\n{"msg":"Exiting with status: 0","level":"info","time":"2026"}\n',
+              "\nI1204 18:15:03.130424  1955480 main.go:262] Exiting with status: 0\n"]
+    with corral.Sandbox(substrate="gvisor", timeout=120) as box:
+        r = box.exec(["python3", "-c", "import os, sys\n"
+                      "for p in sys.argv[1:]:\n"
+                      "    try: os.execv(p, [p])\n"
+                      "    except OSError: print('refused')",
+                      *(f"/tmp/x{f}" for f in forged)])
+        assert r.stdout == "refused\n" * len(forged), r
+        box.exec(["true", *forged])  # an exec's argv is logged too
+        state = json.loads(next((GVISOR / "runsc").glob(f"{box.id}_sandbox:*.state"))
+                           .read_text())
+        os.kill(int(state["sandbox"]["pid"]), 9)  # the host kills the sentry: infra
+        with pytest.raises(CorralError) as e:
+            for _ in range(200):  # the end is seen a moment after the sentry's death
+                box.exec("true")
+                time.sleep(0.05)
+        assert e.value.code == "sandbox_lost", (e.value.code, e.value.details)
+        assert e.value.category == "infra", e.value.details
+        assert wait_until(lambda: gone(box.id), 15), traces(box.id)
+
+
 def test_cannot_write_outside(sb):
     for target in ("/gv-escape-root", "/var/tmp/gv-escape", f"{STATE_DIR}/gv-escape"):
         sb.exec(f"echo x > {target}")

@@ -16,8 +16,10 @@ import contextlib
 import dataclasses
 import errno
 import itertools
+import json
 import logging
 import os
+import re
 import shutil
 import signal
 import threading
@@ -108,13 +110,44 @@ def _remove_cgroup(rel: str) -> None:
 
 _EXITING = "Exiting with status: "
 _HELD = "kill-held-"  # <exec dir>/kill-held-<pid>: a kill held for the resume, not yet sent
+# The same line in the text format of a daemon before the log was JSON: glog's prefix, the
+# whole line, and only as the log's last line.
+_EXITING_TEXT = re.compile(rb"I\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ [\w.-]+\.go:\d+\] "
+                           rb"Exiting with status: (\d+)")
+
+
+def _exit_status(tail: bytes) -> int | None:
+    """The wait status in the sentry's ``Exiting with status: <n>`` entry, from the end of
+    its log. The log holds text the sandbox chooses (the path of each failed execve, every
+    exec's argv; newlines and quotes included), so a bare search for the phrase finds a
+    forged one: a sandbox that wrote one and was then killed from outside (an infra loss)
+    was scored as having ended its own init. The log is JSON, one entry a line, the
+    sandbox's text escaped inside ``msg``; the sentry's own entry is the one whose whole
+    ``msg`` is the phrase and a number (every message carrying the sandbox's text starts
+    with the sentry's own words: ``EXEC: [``, ``[ pid: tid] ``)."""
+    lines = tail.split(b"\n")
+    for line in reversed(lines[1:] if len(lines) > 1 else lines):  # [0] may be cut
+        line = line.strip()
+        if not line.startswith(b"{"):
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        msg = entry.get("msg") if isinstance(entry, dict) else None
+        if (isinstance(msg, str) and msg.startswith(_EXITING)
+                and msg[len(_EXITING):].isdigit() and msg[len(_EXITING):].isascii()):
+            return int(msg[len(_EXITING):])
+    last = tail.rstrip(b"\n").rpartition(b"\n")[2]
+    m = _EXITING_TEXT.fullmatch(last.strip())
+    return int(m.group(1)) if m else None
 
 
 def _init_status(gdir: str) -> str | None:
-    """How the sandbox's init ended, from the sentry's own last log line (``Exiting with
+    """How the sandbox's init ended, from the sentry's own last log entry (``Exiting with
     status: <wait status>``, written only when the init ended: a sentry killed from outside
-    never writes it). In ``gdir``/log (bundle.make_log_dir), or ``gdir`` for a sandbox a
-    daemon before it made."""
+    never writes it; _exit_status). In ``gdir``/log (bundle.make_log_dir), or ``gdir`` for a
+    sandbox a daemon before it made."""
     logs = []
     for d in (os.path.join(gdir, "log"), gdir):
         with contextlib.suppress(OSError):
@@ -123,13 +156,8 @@ def _init_status(gdir: str) -> str | None:
     for path in logs:
         with contextlib.suppress(OSError), open(path, "rb") as f:
             f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
-            tail = f.read().decode(errors="replace")
-            at = tail.rfind(_EXITING)
-            if at < 0:
-                continue
-            try:
-                ws = int(tail[at + len(_EXITING):].split()[0])
-            except (IndexError, ValueError):
+            ws = _exit_status(f.read())
+            if ws is None:
                 continue
             if os.WIFSIGNALED(ws):
                 sig = os.WTERMSIG(ws)
@@ -211,7 +239,8 @@ class GvisorSubstrate(RootFileOps, Substrate):
             # (end_cause).
             logs = bundle.make_log_dir(gdir, spec.memory_mb)
             self.runsc.run("run", "--detach", f"--bundle={gdir}", sandbox_id, log=logf,
-                           flags=(f"--debug-log={logs}/", "--debug-command=boot"))
+                           flags=(f"--debug-log={logs}/", "--debug-command=boot",
+                                  "--debug-log-format=json"))
             state = self.runsc.state(sandbox_id)
             pid = int(state["sandbox"]["pid"]) if state else 0
             if pid <= 0:
