@@ -39,7 +39,7 @@ def test_a_kill_waits_for_a_file_operation_in_a_worker_thread(state, clock):
                 destroy(runtime)
 
             sub.destroy = recording_destroy
-            write = asyncio.ensure_future(eng.write_file(sb.id, "/f", data, 0o644, big=True))
+            write = asyncio.ensure_future(eng.write_file(sb.id, "/f", data, 0o644))
             await asyncio.to_thread(data.entered.wait, 10)
             assert sb.threads == 1
             kill = asyncio.ensure_future(eng.kill(sb.id))

@@ -25,7 +25,7 @@ class FileOps:
         file thread, within the sandbox's tenant's share of them (_in_file_thread). Only
         what cannot take long runs on the loop (a stat, a read of at most DIRECT_IO_BYTES:
         a few path resolutions each): what makes directories, or changes or replaces a
-        file's data, can take long in the kernel (an overlay copy-up of a lower file whole,
+        file's data, can take long in the kernel (a copy-up of an image's file whole,
         a truncate, the last unlink of a big file), which must not hold the loop."""
         if self._capturing(sid):
             await self.ready(sid)
