@@ -413,6 +413,49 @@ def test_dangerous_syscalls_blocked(sb, name, nr, args):
     attack_syscall(sb, name, nr, args)
 
 
+# madvise of the caller's own anonymous pages, by advice; each line "<name> <errno name|OK>".
+# After MADV_DONTNEED the page reads back as zero (the advice took effect).
+MADVISE_PROBE = r"""
+import ctypes, errno, mmap
+libc = ctypes.CDLL(None, use_errno=True)
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+size = 64 * mmap.PAGESIZE
+buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+for name, advice in [("cold", 20), ("pageout", 21), ("dontneed", 4), ("free", 8),
+                     ("willneed", 3), ("hugepage", 14)]:
+    buf[:] = b"x" * size
+    r = libc.madvise(addr, size, advice)
+    e = ctypes.get_errno()
+    print(name, "OK" if r == 0 else errno.errorcode.get(e, e))
+    if name == "dontneed" and r == 0:
+        print("dontneed_zeroed", buf[:mmap.PAGESIZE] == bytes(mmap.PAGESIZE))
+"""
+
+
+def attack_madvise_to_swap(box) -> None:
+    """MADV_COLD and MADV_PAGEOUT on the sandbox's own pages (which would push them to swap
+    whatever its swappiness, filling the v1 memory+swap page that makes its own OOM show:
+    docs/trajectory.md, "Whose OOM") are refused with EINVAL; the other advice still works."""
+    box.files.write("/tmp/madvise_probe.py", MADVISE_PROBE)
+    r = sh(box, "python3 /tmp/madvise_probe.py")
+    assert r.exit_code == 0, r.stderr
+    check_madvise_probe(r.stdout)
+
+
+def check_madvise_probe(out: str) -> None:
+    """MADVISE_PROBE's output ``out``: COLD and PAGEOUT refused with EINVAL, the rest done."""
+    got = dict(ln.split(" ", 1) for ln in out.splitlines())
+    assert got["cold"] == "EINVAL" and got["pageout"] == "EINVAL", out
+    for ok in ("dontneed", "free", "willneed"):
+        assert got[ok] == "OK", (ok, out)
+    assert got["dontneed_zeroed"] == "True", out
+
+
+def test_madvise_cannot_push_own_pages_to_swap(sb):
+    attack_madvise_to_swap(sb)
+
+
 # --- network -------------------------------------------------------------------------------------
 FAMILY_PROBE = r"""
 import errno, socket

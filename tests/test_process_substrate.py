@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_isolation import attack_madvise_to_swap
 
 import corral
 from corral.errors import (
@@ -390,6 +391,11 @@ def test_cannot_gain_privileges_or_change_the_system(sb):
         assert not os.path.exists(target)
     assert sb.exec("echo alive").stdout == "alive\n"
     assert sb.info().state == "running"
+
+
+def test_madvise_cannot_push_own_pages_to_swap(sb):
+    """The zygote's filter (inherited by every command) refuses MADV_COLD/MADV_PAGEOUT."""
+    attack_madvise_to_swap(sb)
 
 
 # ---- the daemon's lifetime ---------------------------------------------------------------------

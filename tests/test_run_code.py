@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_isolation import MADVISE_PROBE, check_madvise_probe
 
 import corral
 from corral.daemon.substrates.process.pool import UID_BASE, pool_for
@@ -379,6 +380,13 @@ print('seen', seen == [me], 'killed', killed, 'traced', traced)
     assert (v.status, v.stdout) == ("ok", "alive\n")
     assert before <= set(zygote_pids()) | set(fork_server_pids())  # none died
     assert run("print(1)").ok
+
+
+def test_madvise_cannot_push_own_pages_to_swap():
+    """The request's code cannot push its pages to swap (docs/trajectory.md, "Whose OOM")."""
+    r = run(MADVISE_PROBE)
+    assert r.exit_code == 0, r.stderr
+    check_madvise_probe(r.stdout)
 
 
 def test_no_process_outlives_its_request():

@@ -365,16 +365,30 @@ const CLONE_NEW_FLAGS: &[u64] = &[
     libc::CLONE_NEWNET as u64,
 ];
 
-/// When a syscall of `syscall_policy` is refused (with EPERM).
+/// When a syscall of `syscall_policy` is refused, and with which errno.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum When {
+    /// Always, with EPERM.
     Always,
-    /// Only when its first argument, a pid in the caller's pid namespace, is this one (the
-    /// low 32 bits: the kernel reads a `pid_t`). Pid 1 is the sandbox's init: nothing in the
-    /// sandbox may queue it a signal with a siginfo of its own making, change its rlimits or
-    /// its scheduling policy.
+    /// With EPERM, only when its first argument, a pid in the caller's pid namespace, is this
+    /// one (the low 32 bits: the kernel reads a `pid_t`). Pid 1 is the sandbox's init: nothing
+    /// in the sandbox may queue it a signal with a siginfo of its own making, change its
+    /// rlimits or its scheduling policy.
     Pid(u32),
+    /// With EINVAL, only when its third argument is one of these (the low 32 bits: the kernel
+    /// reads an `int`). EINVAL is what a kernel without the value answers, which programs
+    /// already handle; EPERM would read as a permission problem the caller might retry around.
+    Arg2In(&'static [u32]),
 }
+
+/// madvise advice that moves the caller's own pages towards swap whatever the cgroup's
+/// swappiness: MADV_COLD (deactivate) and MADV_PAGEOUT (reclaim now). On cgroup v1 a sandbox's
+/// memory+swap limit is one page above its memory limit, and that page is the evidence that an
+/// OOM was its own (docs/trajectory.md, "Whose OOM"): pages of its own pushed to swap fill it,
+/// memory+swap then refuses first, no fail count rises, and the sandbox's own OOM reads as the
+/// host's (infra, masked). Nothing a program needs: both are hints, refused as an older kernel
+/// refuses them.
+const MADV_TO_SWAP: &[u32] = &[libc::MADV_COLD as u32, libc::MADV_PAGEOUT as u32];
 
 /// One refused syscall. Numbers the `libc` crate lacks are spelled out (they are the same on
 /// x86_64 and aarch64: every syscall from 424 on has one number on every arch).
@@ -456,6 +470,12 @@ fn syscall_policy() -> Vec<Deny> {
         deny("process_madvise", libc::SYS_process_madvise),
         deny("pidfd_getfd", libc::SYS_pidfd_getfd),
         deny("kcmp", libc::SYS_kcmp),
+        // its own pages to swap (MADV_TO_SWAP): the v1 OOM evidence
+        Deny {
+            name: "madvise",
+            nr: libc::SYS_madvise,
+            when: When::Arg2In(MADV_TO_SWAP),
+        },
         // the sandbox's init
         Deny {
             name: "rt_sigqueueinfo",
@@ -579,6 +599,9 @@ enum Tgt {
     SocketCheck,
     /// The check "args[0] == pid" (`When::Pid`).
     PidCheck(u32),
+    /// The check "args[2] in values" (`When::Arg2In`) of the policy's syscall with this number.
+    Arg2Check(u32),
+    Einval,
 }
 
 struct Ins {
@@ -619,8 +642,8 @@ fn emit_tree(out: &mut Vec<Ins>, nrs: &[(u32, Tgt)]) {
 
 /// The filter (see docs/architecture.md): foreign arch -> kill; x32 ABI numbers and clone3 ->
 /// ENOSYS (libcs then fall back to clone, whose flags a filter can read); clone with any
-/// CLONE_NEW* flag -> EPERM; socket() by `SOCKET_POLICY`; `syscall_policy` -> EPERM;
-/// everything else allowed. `unix_only` (network "disabled"): socket() and socketpair() with
+/// CLONE_NEW* flag -> EPERM; socket() by `SOCKET_POLICY`; `syscall_policy` -> EPERM (EINVAL for
+/// `When::Arg2In`); everything else allowed. `unix_only` (network "disabled"): socket() and socketpair() with
 /// any family but AF_UNIX -> EAFNOSUPPORT (the family is args[0]: a filter can read it).
 fn build_filter(unix_only: bool) -> Result<Vec<libc::sock_filter>, HardenError> {
     let mut policy = syscall_policy();
@@ -637,6 +660,7 @@ fn build_filter(unix_only: bool) -> Result<Vec<libc::sock_filter>, HardenError> 
             let hit = match d.when {
                 When::Always => Tgt::Eperm,
                 When::Pid(pid) => Tgt::PidCheck(pid),
+                When::Arg2In(_) => Tgt::Arg2Check(d.nr as u32),
             };
             (d.nr as u32, hit)
         })
@@ -732,8 +756,27 @@ fn build_filter(unix_only: bool) -> Result<Vec<libc::sock_filter>, HardenError> 
             }
         }
     }
+    // One "args[2] in values" check per syscall of the policy refused by its third argument.
+    let mut arg2_checks: Vec<(u32, usize)> = Vec::new();
+    for d in &policy {
+        if let When::Arg2In(values) = d.when {
+            if values.is_empty() {
+                return Err(HardenError::Seccomp(format!("{}: no value", d.name)));
+            }
+            arg2_checks.push((d.nr as u32, p.len()));
+            p.push(ins(BPF_LD_W_ABS, OFF_ARG2_LO, Tgt::Next, Tgt::Next));
+            for (j, &v) in values.iter().enumerate() {
+                let miss = if j + 1 == values.len() {
+                    Tgt::Allow
+                } else {
+                    Tgt::Next
+                };
+                p.push(ins(BPF_JEQ_K, v, Tgt::Einval, miss));
+            }
+        }
+    }
     let (allow, eperm, enosys, kill) = (p.len(), p.len() + 1, p.len() + 2, p.len() + 3);
-    let (eafnosupport, eprotonosupport) = (p.len() + 4, p.len() + 5);
+    let (eafnosupport, eprotonosupport, einval) = (p.len() + 4, p.len() + 5, p.len() + 6);
     let errno_ret = |e: i32| libc::SECCOMP_RET_ERRNO | (e as u32 & libc::SECCOMP_RET_DATA);
     for k in [
         libc::SECCOMP_RET_ALLOW,
@@ -742,6 +785,7 @@ fn build_filter(unix_only: bool) -> Result<Vec<libc::sock_filter>, HardenError> 
         libc::SECCOMP_RET_KILL_PROCESS,
         errno_ret(libc::EAFNOSUPPORT),
         errno_ret(libc::EPROTONOSUPPORT),
+        errno_ret(libc::EINVAL),
     ] {
         p.push(ins(BPF_RET_K, k, Tgt::Next, Tgt::Next));
     }
@@ -758,6 +802,12 @@ fn build_filter(unix_only: bool) -> Result<Vec<libc::sock_filter>, HardenError> 
             Tgt::SocketCheck => socket_check,
             Tgt::Eafnosupport => eafnosupport,
             Tgt::Eprotonosupport => eprotonosupport,
+            Tgt::Einval => einval,
+            Tgt::Arg2Check(nr) => arg2_checks
+                .iter()
+                .find(|&&(q, _)| q == nr)
+                .map(|&(_, at)| at)
+                .ok_or_else(|| HardenError::Seccomp(format!("no check for syscall {nr}")))?,
             Tgt::PidCheck(pid) => pid_checks
                 .iter()
                 .find(|&&(q, _)| q == pid)
@@ -1083,20 +1133,51 @@ mod tests {
         assert!(p.len() < 200, "{} insns", p.len());
         let eperm = libc::SECCOMP_RET_ERRNO | libc::EPERM as u32;
         let enosys = libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32;
+        let einval = libc::SECCOMP_RET_ERRNO | libc::EINVAL as u32;
         let policy = syscall_policy();
+        let madv = |a: c_int| a as u32 as u64;
+        let arg2s = [
+            0u64,
+            1,
+            madv(libc::MADV_DONTNEED),
+            madv(libc::MADV_FREE),
+            madv(libc::MADV_COLD),
+            madv(libc::MADV_PAGEOUT),
+            0xffff_ffff_0000_0000 | madv(libc::MADV_PAGEOUT),
+            0x0000_0001_0000_0000 | madv(libc::MADV_COLD),
+        ];
         for nr in 0..1000u32 {
             let rule = policy.iter().find(|d| d.nr as u32 == nr);
             for arg0 in [0u64, 1, 2, 0xffff_ffff_0000_0001] {
-                let r = run(p, nr, AUDIT_ARCH, arg0);
-                let want = match rule.map(|d| d.when) {
-                    Some(When::Always) => eperm,
-                    // the kernel reads a pid_t: the high half does not matter
-                    Some(When::Pid(pid)) if arg0 as u32 == pid => eperm,
-                    _ if nr == libc::SYS_clone3 as u32 => enosys,
-                    _ if nr == libc::SYS_clone as u32 || nr == libc::SYS_socket as u32 => r,
-                    _ => libc::SECCOMP_RET_ALLOW,
-                };
-                assert_eq!(r, want, "syscall {nr} arg0 {arg0:#x}");
+                for arg2 in arg2s {
+                    let r = run_args(p, nr, AUDIT_ARCH, &[arg0, 0, arg2]);
+                    let want = match rule.map(|d| d.when) {
+                        Some(When::Always) => eperm,
+                        // the kernel reads a pid_t: the high half does not matter
+                        Some(When::Pid(pid)) if arg0 as u32 == pid => eperm,
+                        // and an int here
+                        Some(When::Arg2In(v)) if v.contains(&(arg2 as u32)) => einval,
+                        _ if nr == libc::SYS_clone3 as u32 => enosys,
+                        _ if nr == libc::SYS_clone as u32 || nr == libc::SYS_socket as u32 => r,
+                        _ => libc::SECCOMP_RET_ALLOW,
+                    };
+                    assert_eq!(r, want, "syscall {nr} arg0 {arg0:#x} arg2 {arg2:#x}");
+                }
+            }
+        }
+        // madvise: the advice that pushes the caller's pages to swap is refused as unknown;
+        // every other advice passes (the kernel judges it).
+        let madvise = libc::SYS_madvise as u32;
+        for advice in 0..128u64 {
+            let want = if advice == 20 || advice == 21 {
+                einval
+            } else {
+                libc::SECCOMP_RET_ALLOW
+            };
+            for unix_only in [false, true] {
+                let prog = seccomp_program(unix_only).unwrap();
+                let got = run_args(prog, madvise, AUDIT_ARCH, &[0x1000, 0x1000, advice]);
+                assert_eq!(got, want, "madvise advice {advice} unix_only {unix_only}");
             }
         }
         // Named in the policy, by the numbers the kernel gives them.

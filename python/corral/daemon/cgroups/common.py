@@ -40,7 +40,9 @@ _read = kernel.read_knob
 # own limit was hit (OomCount.own). One page above, the memory counter (whose fail count is
 # kept) refuses first. Swappiness 0 keeps memory+swap equal to memory (memcg reclaim then
 # swaps nothing), so swap cannot fill the page and make memory+swap refuse first again; it
-# also keeps the "no swap" of memory_mb on hosts with swap.
+# also keeps the "no swap" of memory_mb on hosts with swap. madvise MADV_COLD/MADV_PAGEOUT
+# and process_madvise swap regardless of swappiness: the sandbox seccomp filter refuses them
+# (rust/src/harden.rs, MADV_TO_SWAP).
 MEMSW_SLACK = 4096
 
 
