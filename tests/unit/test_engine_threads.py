@@ -67,3 +67,40 @@ def test_no_threads_returns_at_once_when_none_runs(state, clock):
             await asyncio.wait_for(asyncio.gather(*waiters), 1)
             assert sb.threads_done is None
     run(go())
+
+
+def test_a_failed_creates_destroy_runs_off_the_loop(state, clock, monkeypatch):
+    """A create that fails once its sandbox exists (here: its record cannot be written)
+    destroys what it made in a worker thread: while that destroy waits (a sandbox's
+    processes can take seconds to end), the loop serves other calls, and the create answers
+    its error once the destroy is done, with nothing left."""
+    from corral.daemon import persist
+
+    async def go():
+        async with engine_on(state, clock) as (eng, sub):
+            entered, release = threading.Event(), threading.Event()
+            destroy = sub.destroy
+
+            def slow_destroy(runtime):
+                entered.set()
+                release.wait(30)
+                destroy(runtime)
+
+            def no_room(*a, **kw):
+                raise OSError(28, "No space left on device")
+
+            sub.destroy = slow_destroy
+            monkeypatch.setattr(persist, "write_json_atomic", no_room)
+            create = asyncio.ensure_future(eng.create(spec()))
+            await asyncio.to_thread(entered.wait, 10)
+            # Here while the destroy waits: the loop is free (it ran this test's await).
+            assert eng.list({}) == [] and not create.done()
+            release.set()
+            try:
+                await create
+            except Exception as e:  # noqa: BLE001 - the create's own error
+                err = e
+            assert type(err).__name__ == "CapacityExceeded", err
+            assert sub.destroyed and sub.boxes == {}
+
+    run(go())

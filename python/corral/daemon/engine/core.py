@@ -4,6 +4,7 @@ pause), with exec, files, snapshots and recovery mixed in from their modules."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import heapq
 import logging
@@ -452,12 +453,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
             self._unregister(sid)
             if sb.state == "running" and sb.layers and self.snaps is not None:
                 self.snaps.release(sb.layers)
-            if sb.runtime is not None:
-                try:
-                    substrate.destroy(sb.runtime)
-                except Exception:  # noqa: BLE001
-                    log.exception("destroy after a failed create", extra={"sandbox": sid})
-            removal.remove_or_quarantine(sdir)
+            await self._undo_create(substrate, sb.runtime, sdir)
             if isinstance(e, CorralError) or not isinstance(e, Exception):
                 raise
             if isinstance(e, OSError) and e.errno in oserrors.HOST_OUT_OF_RESOURCES:
@@ -533,6 +529,27 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
             user = cfg["User"].split(":", 1)[0]  # "user:group": the user's own groups
             update["user"] = int(user) if user.isdigit() else user
         return spec.model_copy(update=update) if update else spec
+
+    async def _undo_create(self, substrate: Substrate, runtime: SandboxRuntime | None,
+                           sdir: str) -> None:
+        """What a failed create made, destroyed in a worker thread: a substrate's destroy
+        waits for the sandbox's processes to end (seconds, for some), which must not hold
+        the loop. It finishes even if the create's caller is cancelled."""
+        sid = os.path.basename(sdir)
+
+        def undo() -> None:
+            if runtime is not None:
+                try:
+                    substrate.destroy(runtime)
+                except Exception:  # noqa: BLE001
+                    log.exception("destroy after a failed create", extra={"sandbox": sid})
+            removal.remove_or_quarantine(sdir)
+
+        task = asyncio.ensure_future(asyncio.to_thread(undo))
+        self._batch_tasks.add(task)
+        task.add_done_callback(self._batch_tasks.discard)
+        with contextlib.suppress(asyncio.CancelledError):  # cancelled again: it goes on
+            await asyncio.shield(task)
 
     async def create(self, spec: SandboxSpec, trajectory: str | None = None) -> Sandbox:
         substrate = self._for_create(spec)
