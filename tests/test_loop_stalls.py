@@ -217,3 +217,25 @@ def test_reads_of_deep_missing_paths_leave_the_loop_serving(served: dict[str, An
     finally:
         _destroy(base, [sid])
     assert worst < 0.5, f"a health check took {worst:.2f} s (quiet: {max(quiet):.3f} s)"
+
+
+def test_commands_ending_with_binary_output_leave_the_loop_serving(served: dict[str, Any]
+                                                                   ) -> None:
+    """An exec's log entry carries up to a megabyte of each stream, and binary output is six
+    bytes of JSON a byte (\\ufffd): encoded at once, twice (the entry, then its journal line),
+    such an entry held the loop for tens of milliseconds; 24 commands printing a megabyte of
+    random bytes to each stream, ending together, held it ~1 s."""
+    base = served["base"]
+    sids = _sandboxes(base, 8)
+    cmd = {"cmd": "head -c 1100000 /dev/urandom; head -c 1100000 /dev/urandom >&2"}
+    try:
+        worst, quiet = _attack(base, 24, lambda m, i: m.post(
+            f"/v1/sandboxes/{sids[i % 8]}/exec", json=cmd))
+        with _client(base, "mallory") as m:  # such an entry is whole: its key replays it
+            key, small = {"Idempotency-Key": "bin-1"}, {"cmd": "head -c 900000 /dev/urandom"}
+            first = m.post(f"/v1/sandboxes/{sids[0]}/exec", json=small, headers=key).json()
+            again = m.post(f"/v1/sandboxes/{sids[0]}/exec", json=small, headers=key).json()
+            assert len(first["stdout"]) > 800_000 and again == first
+    finally:
+        _destroy(base, sids)
+    assert worst < 0.5, f"a health check took {worst:.2f} s (quiet: {max(quiet):.3f} s)"

@@ -154,6 +154,8 @@ class _Base:
         self._over: dict[str, tuple[int, int, int]] = {}
         # Live sandboxes' tenants (a sandbox without one is not in it).
         self._tenant: dict[str, str] = {}
+        # tenant -> its one big entry being encoded at a time (Idempotency._run_and_log)
+        self._encoding: dict[str, asyncio.Lock] = {}
         self.interrupted = 0  # started rows found open (and marked interrupted) at open()
         self.recovered_records = 0  # journal records a dead daemon left, ingested at open()
         # records: entries ingested into SQLite; journaled: entries journaled (the loop's).
@@ -172,15 +174,22 @@ class _Base:
         return conn
 
     def _append(self, kind: str, fields: tuple[Any, ...],
-                slot: tuple[str, str] | None = None) -> int:
+                slot: tuple[str, str] | None = None,
+                encoded: dict[int, str] | None = None) -> int:
         """Journal one record: durable when this returns; its number. Then hand it to the
-        ingester. Raises InternalError if it could not be written."""
+        ingester. Raises InternalError if it could not be written. ``encoded``: the JSON of
+        some fields (by index), made before (keys.encoded)."""
         journal = self._journal
         if journal is None:
             raise InternalError("the trajectory log is closed")
         self._jn += 1
         n = self._jn
-        data = _dumps((n, kind, *fields)).encode()
+        if encoded:  # the same text as _dumps of the whole record
+            data = ("[" + ",".join([_dumps(n), _dumps(kind)] + [
+                encoded[i] if i in encoded else _dumps(v) for i, v in enumerate(fields)])
+                + "]").encode()
+        else:
+            data = _dumps((n, kind, *fields)).encode()
         try:
             journal.append(data, n)
         except (OSError, ValueError) as e:  # ENOSPC making a file; a closed map

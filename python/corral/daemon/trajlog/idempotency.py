@@ -8,6 +8,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from corral.daemon.jsonbody import text_size
 from corral.daemon.tenants import TENANT_LABEL
 from corral.errors import (
     CorralError,
@@ -22,12 +23,14 @@ from corral.errors import (
 
 from .base import MAX_BOUND_SETS, SnapIds, _Start
 from .keys import (
+    BIG_ENTRY,
     INTERRUPTED,
     KEY_HEADER,
     KEYED_START_OPS,
     MAX_KEY_LEN,
     STARTED_OPS,
     _plain,
+    encoded,
     interrupted_error,
     is_text,
     keyed_text,
@@ -231,11 +234,28 @@ class Idempotency(Writer):
             sid = str(result.get("id", sid))
         if callable(snapshot_ids):
             ids = snapshot_ids(result)
+        texts = None
+        if text_size(result, BIG_ENTRY) > BIG_ENTRY:
+            # Encoded a piece at a time, one of a tenant's at once: its commands ending
+            # together leave the loop to the others between pieces.
+            job = asyncio.ensure_future(self._encoded(sid, result))
+            try:
+                texts = await asyncio.shield(job)
+            except asyncio.CancelledError:  # the call ran: its entry is written all the same
+                job.cancel()
+                self._write_entry(sid, op, request, result, None, started, clock.time(), key,
+                                  fp, ids, start, scope, c.req_text)
+                raise
         self._write_entry(sid, op, request, result, None, started, clock.time(), key, fp, ids,
-                          start, scope, c.req_text)
+                          start, scope, c.req_text, result_texts=texts)
         if self._behind():
             await self.flushed()
         return value
+
+    async def _encoded(self, sid: str, result: Any) -> tuple[str, str]:
+        lock = self._encoding.setdefault(self._tenant.get(sid, ""), asyncio.Lock())
+        async with lock:
+            return await encoded(result)
 
     def _budget(self, sid: str, op: str, request: Any) -> bool:
         """A call of a tenant whose live sandboxes' logs hold half its budget or more: True

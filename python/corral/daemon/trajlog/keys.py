@@ -3,11 +3,12 @@ form of results that a replay answers with."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from corral.errors import ReplayDivergence, StepInterrupted
@@ -160,6 +161,72 @@ def _dumps(obj: Any) -> str:
         return "".join(_ENCODE(obj, 0))
     except ValueError:
         return json.dumps(_finite(obj), separators=(",", ":"), allow_nan=False)
+
+
+# A big entry is encoded in slices of this many characters, the event loop let go after about
+# LOOP_PIECE characters of JSON (see encoded).
+SLICE = 1 << 16
+LOOP_PIECE = 1 << 18
+BIG_ENTRY = 1 << 18  # characters of JSON past which an entry is encoded a piece at a time
+_encode_str = json.encoder.encode_basestring_ascii
+
+
+class _Whole(Exception):
+    """What the pieces cannot make exactly as _dumps does (a key that is no string)."""
+
+
+def _parts(obj: Any) -> Iterator[str]:
+    """``_dumps(obj)`` as consecutive parts, a long string cut in slices of SLICE."""
+    if isinstance(obj, str):
+        if len(obj) <= SLICE:
+            yield _encode_str(obj)
+            return
+        yield '"'
+        for i in range(0, len(obj), SLICE):
+            yield _encode_str(obj[i:i + SLICE])[1:-1]
+        yield '"'
+    elif isinstance(obj, dict):
+        yield "{"
+        for i, (k, v) in enumerate(obj.items()):
+            if not isinstance(k, str):
+                raise _Whole
+            yield ("," if i else "") + _encode_str(k) + ":"
+            yield from _parts(v)
+        yield "}"
+    elif isinstance(obj, (list, tuple)):
+        yield "["
+        for i, v in enumerate(obj):
+            if i:
+                yield ","
+            yield from _parts(v)
+        yield "]"
+    else:
+        yield _dumps(obj)
+
+
+async def _joined(parts: Iterator[str]) -> str:
+    out: list[str] = []
+    size = 0
+    for part in parts:
+        out.append(part)
+        size += len(part)
+        if size >= LOOP_PIECE:
+            size = 0
+            await asyncio.sleep(0)
+    return "".join(out)
+
+
+async def encoded(obj: Any) -> tuple[str, str]:
+    """(``_dumps(obj)``, ``_dumps`` of that text): an entry's JSON and the same as a string
+    in its journal line, made a piece at a time with the event loop let go between pieces.
+    Each at once, an exec's entry with a megabyte of binary output in each stream (12 MB of
+    JSON, as each byte is a \\ufffd) held the loop for tens of milliseconds, and a few dozen
+    such commands ending together held it for a second."""
+    try:
+        text = await _joined(_parts(obj))
+    except _Whole:
+        text = _dumps(obj)
+    return text, await _joined(_parts(text))
 
 
 def _plain(request: Any) -> Any:

@@ -136,8 +136,10 @@ class Writer(Ingester):
                      started_at: float, ended_at: float, key: str | None, fp: str | None,
                      snapshot_ids: list[str] | None, start: _Start | None,
                      scope: str | None = None, req_text: str | None = None,
-                     status: str | None = None) -> int:
-        """Journal a finished call (replacing its started row if it had one); its seq."""
+                     status: str | None = None,
+                     result_texts: tuple[str, str] | None = None) -> int:
+        """Journal a finished call (replacing its started row if it had one); its seq.
+        ``result_texts``: ``result`` encoded before (keys.encoded)."""
         if start is not None and start.rowid is not None:
             seq = start.rowid
         else:
@@ -151,11 +153,18 @@ class Writer(Ingester):
             if bound is not None:
                 bound.add(key)
         try:
+            result_text: str | None = None
+            encoded: dict[int, str] | None = None
+            if result_texts is not None:
+                result_text, encoded = result_texts[0], {6: result_texts[1]}
+            elif result is not None:
+                result_text = _dumps(result)
             self._append("e", (seq, sid, op, key, fp,
                                _dumps(_plain(request)) if req_text is None else req_text,
-                               None if result is None else _dumps(result),
+                               result_text,
                                None if error is None else _dumps(error), started_at, ended_at,
-                               _dumps(snapshot_ids) if snapshot_ids else None, status), slot)
+                               _dumps(snapshot_ids) if snapshot_ids else None, status), slot,
+                         encoded)
         except InternalError:
             if slot is not None:
                 self._unbound.pop(slot, None)
