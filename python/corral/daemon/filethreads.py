@@ -1,7 +1,7 @@
 """Worker threads for file operations that may take long, shared fairly between tenants.
 
 A files call that may take long (a page of a big directory, a tar upload or the plan of a
-download, a recursive remove, a big read or write) runs in a worker thread. Those were the
+download, a remove, a rename, a mkdir, a write, a big read) runs in a worker thread. Those were the
 default executor's, which every create and destroy needs too: one tenant's 40 uploads of a
 tar of many small files held all 32 for minutes and another tenant's create waited for them
 (over 10 minutes, measured), and 32 threads running tarfile's Python took the GIL from the
