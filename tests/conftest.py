@@ -71,7 +71,7 @@ HOOKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hooks")
 
 def with_holds(**holds: str | os.PathLike[str]) -> dict[str, str]:
     """The environment for a daemon that waits at the named points while their files exist
-    (tests/hooks/sitecustomize.py: ``entry``, ``ingest``, ``snapshot``)."""
+    (tests/hooks/sitecustomize.py: ``entry``, ``ingest``, ``snapshot``, ``spawn_error``)."""
     env = {f"CORRAL_TEST_HOLD_{name.upper()}_FILE": str(path) for name, path in holds.items()}
     path = os.environ.get("PYTHONPATH")
     env["PYTHONPATH"] = HOOKS_DIR + (os.pathsep + path if path else "")

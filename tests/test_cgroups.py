@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
 from corral.daemon.cgroups import COOL_S, CgroupManager
+
+from conftest import wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="cgroups need root")
 MiB = 1024 * 1024
@@ -462,3 +466,78 @@ def test_busy_or_frozen_cgroups_are_never_spares(cg):
         p.kill()
         p.wait()
         cg.drop_spares()
+
+
+# Joins the cgroups (argv: procs files), forks paused children until a fork is refused, says
+# how many it made, then waits for a line on stdin and ends them all.
+FORK_TO_LIMIT = r"""
+import os, signal, sys
+for f in sys.argv[1:]:
+    with open(f, "w") as fh:
+        fh.write("0")
+kids = []
+try:
+    while True:
+        pid = os.fork()
+        if pid == 0:
+            signal.pause()
+            os._exit(0)
+        kids.append(pid)
+except OSError as e:
+    print(e.errno, len(kids), flush=True)
+sys.stdin.readline()
+for k in kids:
+    os.kill(k, signal.SIGKILL)
+    os.waitpid(k, 0)
+"""
+
+
+def _fork_to_limit(cg: CgroupManager, paths: list[str]) -> tuple[subprocess.Popen, int]:
+    """A process in the cgroups that forked until refused (EAGAIN); (it, children made)."""
+    p = subprocess.Popen([sys.executable, "-c", FORK_TO_LIMIT, *cg.procs_files(paths)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    err, made = p.stdout.readline().split()
+    assert int(err) == errno.EAGAIN
+    return p, int(made)
+
+
+def _end(p: subprocess.Popen) -> None:
+    assert p.stdin is not None
+    p.stdin.write("\n")
+    p.stdin.close()
+    assert p.wait(20) == 0
+
+
+def test_a_refused_fork_is_the_sandboxs_own_by_the_kernels_count_not_the_processes_left(cg):
+    """A fork refused at the sandbox's own pids limit is its own even when every one of its
+    processes has ended by the time the daemon looks (pids.events "max" rose since the base
+    read before the spawn); a fork refused by an ancestor's limit (the host's) is not, though
+    the sandbox's refusal count rises on v1 too: the ancestor is full."""
+    paths = cg.create("pr-own", cpu=1, memory_mb=64, pids=4)
+    base = cg.pids_refusals(paths)
+    assert base is not None
+    p, made = _fork_to_limit(cg, paths)
+    assert made == 3  # the forker and 3 children: its limit of 4
+    _end(p)
+    assert wait_until(lambda: cg.pids_count(paths) == (0, 4))
+    assert cg.pids_at_own_limit(paths, base) == 4  # its processes are gone: the count says so
+    assert cg.pids_at_own_limit(paths, cg.pids_refusals(paths)) is None  # no refusal since
+    assert cg.pids_at_own_limit(paths, None) is None  # no base, no processes: the count
+
+    other = cg.create("pr-host", cpu=1, memory_mb=64, pids=100)
+    pids_dir = next(p for p in other if os.path.exists(p + "/pids.max"))
+    parent = os.path.dirname(pids_dir)
+    with open(parent + "/pids.max", "w") as f:
+        f.write("3")
+    try:
+        base = cg.pids_refusals(other)
+        p, made = _fork_to_limit(cg, other)
+        assert made == 2  # the ancestor's limit of 3
+        try:
+            assert cg.pids_at_own_limit(other, base) is None  # the host's: infra
+        finally:
+            _end(p)
+    finally:
+        with open(parent + "/pids.max", "w") as f:
+            f.write("max")

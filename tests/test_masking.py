@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,7 +44,14 @@ from corral.errors import (
 )
 
 from apiclient import client
-from conftest import CGROUP_NAME, DaemonProcess, leaked_sandbox_cgroups, wait_until
+from conftest import (
+    CGROUP_NAME,
+    DaemonProcess,
+    cgroup_dirs,
+    leaked_sandbox_cgroups,
+    wait_until,
+    with_holds,
+)
 
 HOG_PY = "b = []\nwhile True: b.append(bytearray(1 << 20))"
 HOG = f"python3 -c \"{HOG_PY}\""  # under sh: the shell reports the kill, exits 137
@@ -422,6 +430,63 @@ def test_processes_left_to_fill_the_pids_limit_are_the_agents_not_infra():
         assert sb.exec("echo alive").stdout == "alive\n"
     finally:
         sb.kill()
+
+
+def _pids_cgroup(cgroup: str, sid: str) -> str:
+    """The sandbox's cgroup with the pids controller (under the daemon's ``cgroup``)."""
+    for top in cgroup_dirs(cgroup):
+        if os.path.exists(os.path.join(top, sid, "pids.max")):
+            return os.path.join(top, sid)
+    raise AssertionError(f"no pids cgroup for {sid}")
+
+
+def test_a_refusal_at_the_pids_limit_stays_the_agents_when_its_processes_end_first(tmp_path):
+    """The agent fills its process limit and its processes end between the refused fork of
+    a command and the daemon's look at the sandbox (an agent that churns at its limit does
+    this by chance, often: a probe of 8 kills and refills at a limit of 32 had 1,222 of
+    ~15,000 refused commands read as ``capacity_exceeded``). The refusal is still the
+    agent's, ``sandbox_at_limit``: the kernel's count of refused forks (pids.events) rose,
+    whatever the processes are by the time it is read. The daemon is held right there while
+    every process of the sandbox but its init is killed from the host."""
+    hold = tmp_path / "hold"
+    held = tmp_path / "hold.held"
+    with _own_daemon(**with_holds(spawn_error=hold)) as d:
+        sb = Sandbox(pids=16, timeout=120, endpoint=d.socket_path)
+        try:
+            sb.exec(["python3", "-c", FILL_PIDS], background=True)
+            assert wait_until(lambda: _refused(sb, "true") is not None, timeout=30)
+            init = sb.info().init_pid
+            cg = _pids_cgroup(f"{CGROUP_NAME}-mask", sb.id)
+            hold.write_text("")
+            out: dict[str, Any] = {}
+
+            def run() -> None:
+                try:
+                    sb.exec("true", timeout=30)
+                    out["ok"] = True
+                except CorralError as e:
+                    out["err"] = e
+
+            t = threading.Thread(target=run)
+            t.start()
+            assert wait_until(held.exists, timeout=30), "the command was not refused"
+            for pid in Path(cg, "cgroup.procs").read_text().split():
+                if int(pid) != init:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+            assert wait_until(lambda: int(Path(cg, "pids.current").read_text()) <= 4,
+                              timeout=30)
+            hold.unlink()
+            t.join(60)
+            err = out.get("err")
+            assert isinstance(err, SandboxAtLimit), out
+            assert err.category == "limit" and not err.infra, err
+            assert err.details == {"limit": "pids", "max": 16}, err.details
+            assert sb.exec("echo alive").stdout == "alive\n"
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                hold.unlink()
+            sb.kill()
 
 
 DISK_FULL = ("Disk quota exceeded", "No space left")  # btrfs quota; tmpfs fallback

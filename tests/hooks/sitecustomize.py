@@ -10,6 +10,9 @@ these wrap its functions from outside.
   transaction (calls are journaled, not in the database).
 - CORRAL_TEST_HOLD_SNAPSHOT_FILE: a snapshot's capture holds the sandbox frozen before it
   copies.
+- CORRAL_TEST_HOLD_SPAWN_ERROR_FILE: a container command refused a process (EAGAIN) waits
+  before the daemon judges whose refusal it was (it makes ``<file>.held`` first; the
+  daemon's loop waits with it).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def _install() -> None:
     entry = os.environ.get("CORRAL_TEST_HOLD_ENTRY_FILE")
     ingest = os.environ.get("CORRAL_TEST_HOLD_INGEST_FILE")
     snapshot = os.environ.get("CORRAL_TEST_HOLD_SNAPSHOT_FILE")
+    spawn_error = os.environ.get("CORRAL_TEST_HOLD_SPAWN_ERROR_FILE")
     if entry or ingest:
         from corral.daemon.trajlog.ingest import Ingester
         from corral.daemon.trajlog.writer import Writer
@@ -66,6 +70,22 @@ def _install() -> None:
             return capture(self, uppers, freeze_and_hold, thaw, *a, **kw)
 
         SnapshotStore.capture = held_capture
+    if spawn_error:
+        import errno
+
+        from corral.daemon.substrates.container.substrate import ContainerSubstrate
+
+        judge = ContainerSubstrate._spawn_error
+
+        def held_spawn_error(self: Any, runtime: Any, e: BaseException,
+                             *a: Any, **kw: Any) -> Any:
+            if getattr(e, "errno", None) == errno.EAGAIN and os.path.exists(spawn_error):
+                with open(spawn_error + ".held", "w"):
+                    pass
+                _wait(spawn_error)
+            return judge(self, runtime, e, *a, **kw)
+
+        ContainerSubstrate._spawn_error = held_spawn_error
 
 
 _install()

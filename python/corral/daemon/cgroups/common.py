@@ -45,6 +45,10 @@ _read = kernel.read_knob
 # (rust/src/harden.rs, MADV_TO_SWAP).
 MEMSW_SLACK = 4096
 
+# A fork in a sandbox refused with its processes this close to its pids limit is taken as its
+# own (CgroupManager.pids_at_own_limit), when no count of refusals says so.
+PIDS_SLACK = 2
+
 
 def _key_values(text: str) -> dict[str, int]:
     out: dict[str, int] = {}
@@ -172,6 +176,18 @@ def _mounts() -> tuple[dict[str, str], str | None]:
     return v1, v2
 
 
+def _v2_options(v2: str) -> set[str]:
+    """The superblock options of the cgroup2 mount at ``v2`` (nsdelegate, pids_localevents...)."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rfields = left.split(), right.split()
+            if (len(fields) >= 5 and len(rfields) >= 3 and rfields[0] == "cgroup2"
+                    and fields[4].replace("\\040", " ") == v2):
+                return set(rfields[2].split(","))
+    return set()
+
+
 def _v2_controllers(v2: str | None) -> set[str]:
     if not v2:
         return set()
@@ -199,6 +215,11 @@ class CgroupManager(abc.ABC):
     memory, pids and cpu, else v1)."""
 
     version: int
+    # Whether a rise of a cgroup's pids.events "max" means its own limit (or one below it)
+    # refused a fork. v2 counts a refusal at the cgroup whose limit refused and at each of
+    # its ancestors; v1, and v2 mounted with pids_localevents, count it in the cgroup of the
+    # process that forked, whichever limit (its own or an ancestor's) refused.
+    _pids_events_own = False
     # Per version: the file a new child joins through, memory usage, OOM kill count.
     _procs_file: str
     _usage_file: str
@@ -385,6 +406,67 @@ class CgroupManager(abc.ABC):
             if limit.isdigit():
                 return now, int(limit)
         return None
+
+    def pids_refusals(self, paths: list[str]) -> int | None:
+        """The ``max`` count of ``pids.events`` of the cgroup among ``paths`` that has the
+        pids controller (forks refused: see ``_pids_events_own`` for whose), or None. Read
+        before a spawn, it is the base ``pids_at_own_limit`` compares with."""
+        for p in paths:
+            try:
+                return _key_values(_read(os.path.join(p, "pids.events")))["max"]
+            except (OSError, KeyError):
+                continue
+        return None
+
+    def pids_at_own_limit(self, paths: list[str], base: int | None) -> int | None:
+        """A fork in the sandbox of ``paths`` was refused (EAGAIN) during a spawn: its pids
+        limit when the refusal is its own (its processes fill its limit), else None.
+
+        The evidence is a rise of ``pids.events`` ``max`` since ``base`` (``pids_refusals``
+        before the spawn): a count the kernel keeps, which processes that end after the
+        refusal cannot undo. v2 counts it only at and above the cgroup whose limit refused,
+        so a rise is the sandbox's own limit; v1 counts it in the forking process's cgroup
+        whichever limit refused, so it is the sandbox's own unless a limited ancestor is at
+        its limit too (then the host's: the count below decides). Without a rise: processes
+        now within PIDS_SLACK of the limit (a fork bomb keeps it there; the slack covers a
+        few that ended since). A rise is never needed: a kernel without pids.events, or the
+        span's other refusals, only fall back on the count."""
+        for p in paths:
+            try:
+                limit = _read(os.path.join(p, "pids.max")).strip()
+            except OSError:
+                continue
+            if not limit.isdigit():
+                return None
+            now = self.pids_refusals([p])
+            if base is not None and now is not None and now > base and (
+                    self._pids_events_own or not self._pids_ancestor_full(p)):
+                return int(limit)
+            try:
+                current = int(_read(os.path.join(p, "pids.current")))
+            except (OSError, ValueError):
+                return None
+            return int(limit) if current + PIDS_SLACK >= int(limit) else None
+        return None
+
+    def _pids_ancestor_full(self, path: str) -> bool:
+        """Whether an ancestor of the pids cgroup ``path`` (up to its hierarchy's root, which
+        has no limit) is within PIDS_SLACK of its own limit: its refusal would count in
+        ``path``'s pids.events too (v1)."""
+        d = os.path.dirname(path)
+        while True:
+            try:
+                limit = _read(os.path.join(d, "pids.max")).strip()
+            except OSError:
+                return False  # the root: no pids.max
+            if limit.isdigit():
+                try:
+                    current = int(_read(os.path.join(d, "pids.current")))
+                except (OSError, ValueError):
+                    return True
+                if current + PIDS_SLACK >= int(limit):
+                    return True
+            d = os.path.dirname(d)
 
     def kill_all(self, paths: list[str], timeout: float = 2.0) -> None:
         """SIGKILL every process in the cgroups until they are empty (or ``timeout``)."""

@@ -14,6 +14,7 @@ from .common import (
     _read,
     _read_pids,
     _v2_controllers,
+    _v2_options,
     _write,
 )
 
@@ -31,6 +32,7 @@ class CgroupsV2(CgroupManager):
         if not v2 or not _V2_REQUIRED <= controllers:
             raise RuntimeError(f"no usable cgroup2: at {v2} it offers {sorted(controllers)}")
         self._root = v2
+        self._pids_events_own = "pids_localevents" not in _v2_options(v2)
         self._bases = [os.path.join(v2, name)]
         self._setup_v2()
         self._views[self._bases[0]] = ("", "cgroup2", "")

@@ -102,9 +102,10 @@ class DaemonExec:
             )
         except (ValueError, TypeError, OverflowError) as e:  # an id out of range, say
             raise InvalidRequest(str(e)) from None
+        base = self._pids_base(runtime)  # before the fork: see _spawn_error
         try:
             return _core.exec_in(cfg)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         except OSError as e:
-            raise self._spawn_error(runtime, e) from e
+            raise self._spawn_error(runtime, e, base) from e

@@ -98,23 +98,24 @@ class InitExec:
         args = (list(spec.argv), spec.env, spec.cwd or "/", spec.uid, spec.gid,
                 list(spec.groups), cands, (spec.stdin_fd, spec.stdout_fd, spec.stderr_fd),
                 _unix_only(runtime))
+        base = self._pids_base(runtime)  # before the init forks: see _spawn_error
         try:
             if loop is None:
                 return chan.spawn(*args)
             try:
-                return self._answer(runtime, chan.submit(loop, *args))
+                return self._answer(runtime, chan.submit(loop, *args), pids_base=base)
             except initexec.Full:  # wait for room: never the daemon's path because of load
-                return self._submit_later(runtime, chan, loop, args)
+                return self._submit_later(runtime, chan, loop, args, base)
         except initexec.Invalid as e:
             raise InvalidRequest(str(e)) from None
         except initexec.Busy:
             return None
         except (initexec.Gone, OSError) as e:
-            raise self._spawn_error(runtime, e) from e
+            raise self._spawn_error(runtime, e, base) from e
 
     def _submit_later(self: Host, runtime: SandboxRuntime, chan: initexec.Channel,
-                      loop: asyncio.AbstractEventLoop,
-                      args: tuple[Any, ...]) -> Awaitable[initexec.Spawned]:
+                      loop: asyncio.AbstractEventLoop, args: tuple[Any, ...],
+                      pids_base: int | None) -> Awaitable[initexec.Spawned]:
         """Send once the init has room (copies of the stdio fds: the caller closes its own
         when we return), then await the answer; ExecStalled after WAIT_TIMEOUT_S."""
         stdio = tuple(_dup(fd) for fd in args[7])
@@ -130,20 +131,21 @@ class InitExec:
             except initexec.Stalled as e:
                 raise ExecStalled(str(e)) from None
             except (initexec.Gone, OSError) as e:
-                raise self._spawn_error(runtime, e) from e
+                raise self._spawn_error(runtime, e, pids_base) from e
             finally:
                 for fd in stdio:
                     if fd >= 0:
                         os.close(fd)
-            return await self._answer(runtime, fut, deadline - loop.time())
+            return await self._answer(runtime, fut, deadline - loop.time(), pids_base)
 
         return later()
 
     async def _answer(self: Host, runtime: SandboxRuntime,
                       fut: asyncio.Future[initexec.Spawned],
-                      wait: float = initexec.WAIT_TIMEOUT_S) -> initexec.Spawned:
+                      wait: float = initexec.WAIT_TIMEOUT_S,
+                      pids_base: int | None = None) -> initexec.Spawned:
         try:  # on timeout fut is cancelled: the command is killed when its answer comes
             return await _within(fut, max(0.0, wait), "the sandbox's init did not "
                                  f"answer within {initexec.WAIT_TIMEOUT_S:.0f}s")
         except (initexec.Gone, OSError) as e:
-            raise self._spawn_error(runtime, e) from e
+            raise self._spawn_error(runtime, e, pids_base) from e

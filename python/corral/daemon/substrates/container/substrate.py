@@ -107,10 +107,6 @@ def split_nofile(limits: dict[str, int | tuple[int, int]]
 
 # destroy_many: inits signalled ahead of their destroy (each holds a pidfd until destroyed).
 KILL_AHEAD = 64
-# A command refused a process (EAGAIN) with its sandbox this close to its pids limit: the
-# sandbox's own processes fill it (SandboxAtLimit, category limit), not the host.
-PIDS_SLACK = 2
-
 
 def _oom_base(runtime: SandboxRuntime) -> OomCount:
     """The OOM counts the sandbox's memory cgroup had when it became the sandbox's."""
@@ -894,20 +890,29 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
             return self._spawn_off_loop(runtime, own, loop)
         return self._spawn_here(runtime, spec)
 
-    def _spawn_error(self, runtime: SandboxRuntime, e: BaseException) -> CorralError:
-        """The API's error for a command that could not be started."""
+    def _pids_paths(self, runtime: SandboxRuntime) -> list[str]:
+        return runtime.cgroup_paths or self.cgroups.paths_for(runtime.sandbox_id)
+
+    def _pids_base(self, runtime: SandboxRuntime) -> int | None:
+        """The sandbox's count of refused forks, read before a spawn (see _spawn_error)."""
+        return self.cgroups.pids_refusals(self._pids_paths(runtime))
+
+    def _spawn_error(self, runtime: SandboxRuntime, e: BaseException,
+                     pids_base: int | None = None) -> CorralError:
+        """The API's error for a command that could not be started (``pids_base``:
+        ``_pids_base`` before the spawn)."""
         if isinstance(e, initexec.Gone) or not self.is_alive(runtime):
             return SandboxNotRunning("the sandbox's init is gone")
         if getattr(e, "errno", None) == errno.EAGAIN:
-            # A fork refused with the sandbox's pids cgroup (nearly) full is its own doing,
-            # not the host's. The slack covers processes that ended between the refusal and
-            # this read (a fork bomb keeps it at the limit, give or take a few).
-            count = self.cgroups.pids_count(runtime.cgroup_paths or
-                                            self.cgroups.paths_for(runtime.sandbox_id))
-            if count is not None and count[0] + PIDS_SLACK >= count[1]:
+            # A fork refused at the sandbox's own pids limit is its own doing, not the host's.
+            # The evidence is the kernel's count of refusals, which rose during the spawn: its
+            # processes may all end before this read (an agent that churns at its limit made
+            # a count of processes now read as the host's refusal, infra).
+            limit = self.cgroups.pids_at_own_limit(self._pids_paths(runtime), pids_base)
+            if limit is not None:
                 return SandboxAtLimit(
                     f"cannot start the process: the sandbox's processes fill its process "
-                    f"limit ({count[1]})", details={"limit": "pids", "max": count[1]})
+                    f"limit ({limit})", details={"limit": "pids", "max": limit})
         if isinstance(e, initexec.ChildFailed) and e.step == "set_ids" \
                 and e.errno in (errno.EINVAL, errno.EPERM):
             # The ids come from the sandbox's own /etc/passwd and /etc/group (users.resolve
