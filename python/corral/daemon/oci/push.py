@@ -24,7 +24,14 @@ from typing import IO, Any
 from corral.daemon.oci import egress, registry
 from corral.daemon.oci.layers import LayerStore
 from corral.daemon.oci.ref import Reference
-from corral.daemon.oci.unpack import MTIME_NS, OPAQUE_XATTR
+from corral.daemon.oci.unpack import (
+    EXACT_XATTRS,
+    LITERAL,
+    MTIME_NS,
+    OPAQUE_XATTR,
+    SOCKET,
+    WHITEOUT,
+)
 from corral.errors import InvalidImage, InvalidRequest
 
 GZIP_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
@@ -48,7 +55,7 @@ class _Hashing:
         pass
 
 
-def _member(root: str, rel: str, st: os.stat_result) -> tarfile.TarInfo:
+def _member(root: str, rel: str, st: os.stat_result, exact: bool = False) -> tarfile.TarInfo:
     ti = tarfile.TarInfo(rel)
     ti.mode, ti.uid, ti.gid = stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
     ti.mtime = int(st.st_mtime)
@@ -65,7 +72,7 @@ def _member(root: str, rel: str, st: os.stat_result) -> tarfile.TarInfo:
                 raise InvalidImage(f"cannot push: {rel!r} carries {n} (a directory renamed "
                                    "with overlay redirect_dir on has no tar form)",
                                    details={"path": rel, "xattr": n})
-            if n.startswith("user."):
+            if n.startswith("user.") or (exact and n in EXACT_XATTRS):
                 v = os.getxattr(path, n, follow_symlinks=False)
                 pax[f"SCHILY.xattr.{n}"] = v.decode("utf-8", "surrogateescape")
     ti.pax_headers = pax
@@ -100,13 +107,23 @@ def add_tree(tf: tarfile.TarFile, root: str, prefix: str = "", exact: bool = Fal
                 wh.mtime = int(st.st_mtime)
                 if exact:
                     wh.mode, wh.uid, wh.gid = stat.S_IMODE(m), st.st_uid, st.st_gid
+                    wh.pax_headers = {WHITEOUT: "1"}  # ".wh..opq"'s is no opaque marker
                 tf.addfile(wh)
                 continue
+            # A snapshot's layer holds what its sandbox made: a socket file (a leftover of a
+            # server), names like whiteouts, ACLs. The exact form carries them (unpack.LITERAL,
+            # SOCKET, EXACT_XATTRS): dropped, the layer would hash differently on arrival and a
+            # sandbox could make every copy of its snapshot fail as the cluster's (infra).
+            sock = exact and stat.S_ISSOCK(m)
             if not (stat.S_ISDIR(m) or stat.S_ISREG(m) or stat.S_ISLNK(m)
-                    or stat.S_ISFIFO(m)):
-                continue  # devices and sockets never reach a layer; skip if any
-            ti = _member(root, rel, st)
+                    or stat.S_ISFIFO(m) or sock):
+                continue  # devices and sockets never reach an image layer; skip if any
+            ti = _member(root, rel, st, exact)
             ti.name = prefix + rel
+            if exact and name.startswith(".wh."):
+                ti.pax_headers = {**ti.pax_headers, LITERAL: "1"}
+            if sock:
+                ti.pax_headers = {**ti.pax_headers, SOCKET: "1"}
             if stat.S_ISDIR(m):
                 ti.type = tarfile.DIRTYPE
                 tf.addfile(ti)
@@ -120,7 +137,7 @@ def add_tree(tf: tarfile.TarFile, root: str, prefix: str = "", exact: bool = Fal
             elif stat.S_ISLNK(m):
                 ti.type, ti.linkname = tarfile.SYMTYPE, os.readlink(path)
                 tf.addfile(ti)
-            elif stat.S_ISFIFO(m):
+            elif stat.S_ISFIFO(m) or sock:
                 ti.type = tarfile.FIFOTYPE
                 tf.addfile(ti)
             else:

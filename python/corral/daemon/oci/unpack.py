@@ -126,6 +126,15 @@ def _rel(name: str) -> list[str]:
 
 
 MTIME_NS = "CORRAL.mtime_ns"  # PAX: a file's mtime to the nanosecond (exact form)
+# Exact form only (a snapshot's layer, which holds whatever the sandbox made): PAX ``LITERAL``
+# marks a member whose name starts with ``.wh.`` as that name, not a whiteout or opaque marker;
+# ``SOCKET`` a FIFO member that is a UNIX socket file, ``WHITEOUT`` a ``.wh.`` member as a
+# whiteout even where it reads ``.wh..wh..opq`` (the whiteout of a file named ``.wh..opq``).
+# POSIX ACLs travel as xattrs.
+LITERAL = "CORRAL.literal"
+WHITEOUT = "CORRAL.whiteout"
+SOCKET = "CORRAL.socket"
+EXACT_XATTRS = ("system.posix_acl_access", "system.posix_acl_default")
 
 
 class _Layer:
@@ -183,10 +192,12 @@ class _Layer:
             return
         base = parts[-1]
         parent = self.parent(parts, m.name)
-        if base == _OPQ:
+        pax = (m.pax_headers or {}) if self.exact else {}
+        literal, whiteout = pax.get(LITERAL) == "1", pax.get(WHITEOUT) == "1"
+        if base == _OPQ and not (literal or whiteout):
             os.setxattr(parent, OPAQUE_XATTR, b"y", follow_symlinks=False)
             return
-        if base.startswith(_WH):
+        if base.startswith(_WH) and not literal:
             real = base[len(_WH):]
             if not real or real in (".", ".."):
                 raise InvalidImage(f"bad whiteout {m.name!r}", details={"member": m.name})
@@ -237,9 +248,12 @@ class _Layer:
             os.link(src_path, target, follow_symlinks=False)
             return  # the inode's owner, mode and xattrs are the first name's
         elif m.isfifo():
-            os.mkfifo(target, m.mode & 0o777)
-            if self.exact:
-                os.chmod(target, m.mode & 0o777)  # not narrowed by the daemon's umask
+            if self.exact and (m.pax_headers or {}).get(SOCKET) == "1":
+                os.mknod(target, stat.S_IFSOCK | (m.mode & 0o777))
+            else:
+                os.mkfifo(target, m.mode & 0o777)
+            if self.exact:  # not narrowed by the daemon's umask; a sticky bit kept
+                os.chmod(target, m.mode & 0o7777 & ~_SUID)
         elif m.ischr() or m.isblk():
             self.skip("devices")
             return
@@ -254,7 +268,8 @@ class _Layer:
             if not k.startswith(_PAX_XATTR):
                 continue
             name = k[len(_PAX_XATTR):]
-            if name.startswith(_DROPPED_XATTRS) or not name.startswith("user."):
+            if name.startswith(_DROPPED_XATTRS) or not (
+                    name.startswith("user.") or (self.exact and name in EXACT_XATTRS)):
                 self.skip("xattrs")
                 continue
             try:
@@ -276,7 +291,8 @@ class _Layer:
                     continue  # replaced by a later member
             except FileNotFoundError:
                 continue
-            mode = m.mode & 0o7777 & ~stat.S_ISUID
+            # setuid on a directory means nothing to Linux; the exact form keeps it as made
+            mode = m.mode & 0o7777 & (~0 if self.exact else ~stat.S_ISUID)
             self.finish(target, m)
             os.chmod(target, mode)
 
