@@ -189,6 +189,16 @@ class Capture:
         """Let go of what it kept (given back once no answer still reads it)."""
         self.kept = Kept(None)
 
+    def flush(self) -> None:
+        """The command's output is all read: give the listeners what the decoder still holds,
+        an unfinished last character (one U+FFFD, as the answer's decode gives it), or a
+        stream would end short of the command's own result."""
+        if self.listeners and self.decoder is not None:
+            text = self.decoder.decode(b"", True)
+            if text:
+                for cb in self.listeners:
+                    cb(text)
+
     def finish(self) -> None:
         """The command is done: stop buffering, keep draining to EOF."""
         self.keep = False
@@ -408,6 +418,8 @@ class Process:
         self.duration = time.monotonic() - self.t0
         self.stdout.drain()
         self.stderr.drain()
+        self.stdout.flush()  # before the waiters: a follower's end comes after its last text
+        self.stderr.flush()
         self.exit_code, self.signal = code, sig
         if self.stdin is not None:
             self.stdin.close()
