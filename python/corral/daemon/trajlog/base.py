@@ -154,8 +154,9 @@ class _Base:
         self._over: dict[str, tuple[int, int, int]] = {}
         # Live sandboxes' tenants (a sandbox without one is not in it).
         self._tenant: dict[str, str] = {}
-        # tenant -> its one big entry being encoded at a time (Idempotency._run_and_log)
-        self._encoding: dict[str, asyncio.Lock] = {}
+        # tenant -> its one big entry encoded or parsed at a time, and the calls that want
+        # it (Idempotency._one_big)
+        self._encoding: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self.interrupted = 0  # started rows found open (and marked interrupted) at open()
         self.recovered_records = 0  # journal records a dead daemon left, ingested at open()
         # records: entries ingested into SQLite; journaled: entries journaled (the loop's).

@@ -4,8 +4,9 @@ duplicate in flight."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from corral.daemon.jsonbody import text_size
@@ -53,6 +54,15 @@ def _compacted(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _Stored:
+    """A logged result in the database, not read yet: its entry's seq."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+
+
 class Idempotency(Writer):
     def binds(self, scope: str, key: str) -> bool:
         """A finished call is logged under ``key`` (a retry replays it)."""
@@ -60,7 +70,8 @@ class Idempotency(Writer):
 
     def _lookup(self, scope: str, key: str) -> tuple[str | None, str, Any, Any] | None:
         """The finished entry that binds ``key`` (started and interrupted rows do not):
-        (fingerprint, sandbox id, result, error), journaled or in the database."""
+        (fingerprint, sandbox id, result, error), journaled or in the database (then a
+        result is a _Stored, read and parsed by ``_parsed``: it can be big)."""
         got = self._unbound.get((scope, key))
         if got is not None:  # checked first: the ingester removes it only once it is in
             return got
@@ -68,18 +79,36 @@ class Idempotency(Writer):
         if scope:
             if key not in self._bound_keys(scope):
                 return None
-            sql = ("SELECT fingerprint, sandbox_id, result, error FROM entries WHERE "
-                   f"idem_key=? AND sandbox_id=? AND {_BINDS} ORDER BY status IS NOT NULL, "
+            sql = ("SELECT fingerprint, sandbox_id, seq, error, result IS NULL FROM entries "
+                   f"WHERE idem_key=? AND sandbox_id=? AND {_BINDS} ORDER BY status IS NOT NULL, "
                    "seq LIMIT 1")
             row = self._reader.execute(sql, (key, scope)).fetchone()
         else:
-            sql = ("SELECT fingerprint, sandbox_id, result, error FROM entries WHERE "
-                   "idem_key=? AND op='create' AND status IS NULL ORDER BY seq LIMIT 1")
+            sql = ("SELECT fingerprint, sandbox_id, seq, error, result IS NULL FROM entries "
+                   "WHERE idem_key=? AND op='create' AND status IS NULL ORDER BY seq LIMIT 1")
             row = self._reader.execute(sql, (key,)).fetchone()
         if row is None:
             return None
-        return (row[0], row[1], json.loads(row[2]) if row[2] is not None else None,
+        return (row[0], row[1], None if row[4] else _Stored(row[2]),
                 json.loads(row[3]) if row[3] is not None else None)
+
+    async def _parsed(self, sid: str, row: tuple[str | None, str, Any, Any]
+                      ) -> tuple[str | None, str, Any, Any]:
+        """``row`` (``_lookup``) with its result read and parsed: after the tenant's others
+        before it, in a step of the loop of its own. A big one (an exec's binary output:
+        12 MB of JSON) takes the loop ~30 ms to read and parse, and 32 replays of such a key
+        at once held it ~1.8 s."""
+        fp, logged_sid, result, error = row
+        if isinstance(result, _Stored):
+            async with self._one_big(sid):
+                await asyncio.sleep(0)  # the tenant's others queue behind it
+                assert self._reader is not None
+                got = self._reader.execute("SELECT result FROM entries WHERE seq=?",
+                                           (result.seq,)).fetchone()
+                if got is None:  # pruned meanwhile (its sandbox ended long ago): a retry
+                    raise InternalError("the logged result was removed while it was read")
+                result = None if got[0] is None else json.loads(got[0])
+        return fp, logged_sid, result, error
 
     def _bound_keys(self, sid: str) -> set[str]:
         """The keys ``sid``'s log binds (see ``_bound``). Loading it: the journaled keys first,
@@ -146,7 +175,7 @@ class Idempotency(Writer):
                 pass
         row = self._lookup(sid, key)
         if row is not None:
-            return self._replayed(op, key, fp, row)
+            return self._replayed(op, key, fp, await self._parsed(sid, row))
         self._inflight[slot] = None
         try:
             return await self._run_and_log(sid, op, request, key, fp, call, to_log,
@@ -253,9 +282,26 @@ class Idempotency(Writer):
         return value
 
     async def _encoded(self, sid: str, result: Any) -> tuple[str, str]:
-        lock = self._encoding.setdefault(self._tenant.get(sid, ""), asyncio.Lock())
-        async with lock:
+        async with self._one_big(sid):
             return await encoded(result)
+
+    @contextlib.asynccontextmanager
+    async def _one_big(self, sid: str) -> AsyncIterator[None]:
+        """Held while a big entry of ``sid``'s tenant (of ``sid`` itself once it is gone: no
+        tenant is known then) is encoded or parsed: one of a tenant's at a time."""
+        owner = self._tenant.get(sid) or f"sandbox {sid}"
+        held = self._encoding.get(owner)
+        if held is None:
+            held = self._encoding[owner] = (asyncio.Lock(), [0])
+        lock, users = held
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._encoding[owner]
 
     def _budget(self, sid: str, op: str, request: Any) -> bool:
         """A call of a tenant whose live sandboxes' logs hold half its budget or more: True
