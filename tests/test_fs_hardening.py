@@ -684,3 +684,35 @@ def test_a_file_whose_xattr_names_the_kernel_cannot_list_is_refused_not_dropped(
             sb.snapshot()
         assert "xattr" in err.value.details["limit"], err.value.details
         assert err.value.category == "task"
+
+
+def test_a_capture_of_a_directory_of_a_million_long_names_is_bounded_in_memory(tmp_path):
+    """A directory's names are listed before any is copied: a million 255-byte names held
+    ~280 MB of the daemon's memory (an agent makes them in a minute), past the 128 MiB the
+    manifest may take, and the manifest then grew to that on top. The names waiting to be
+    copied count with the manifest against that bound: the capture is too_large (manifest
+    bytes) with the daemon's peak memory well under the names' size."""
+    from corral import _core
+
+    src = tmp_path / "upper"
+    (src / "n").mkdir(parents=True)
+    d = os.open(src / "n", os.O_RDONLY)
+    try:
+        for i in range(1_000_000):
+            os.close(os.open(f"{i:07d}" + "x" * 248, os.O_CREAT | os.O_WRONLY, 0o644,
+                             dir_fd=d))
+    finally:
+        os.close(d)
+    Path("/proc/self/clear_refs").write_text("5")  # the peak RSS starts again from here
+    before = _hwm_kib()
+    with pytest.raises(_core.LayerLimit) as err:
+        _core.capture_layer([(0, str(src), str(tmp_path / "layer"))], max_entries=2_000_000)
+    assert err.value.args[0] == "manifest bytes", err.value.args
+    grew = _hwm_kib() - before
+    print(f"peak memory of the capture: {grew // 1024} MiB")
+    assert grew < 200 * 1024, f"{grew} KiB"
+
+
+def _hwm_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:"))

@@ -163,6 +163,7 @@ pub fn capture(parts: &[Part], limits: Limits, ctl: &Arc<Control>) -> Result<(St
         hashes: Vec::new(),
         links: HashMap::new(),
         link_bytes: 0,
+        listed_bytes: 0,
         root: None,
         jobs: jobs_tx,
         bytes: 0,
@@ -335,6 +336,10 @@ struct Walker {
     links: HashMap<(u64, u64), (Arc<OwnedFd>, CString, usize)>,
     /// Bytes of the paths in `links` (counted with the manifest against MANIFEST_MAX).
     link_bytes: usize,
+    /// Bytes of the names listed and not yet copied (held in the stack's frames, counted with
+    /// the manifest against MANIFEST_MAX: each enters the manifest when it is copied, and a
+    /// directory of a million 255-byte names held ~280 MB of them before any was).
+    listed_bytes: usize,
     /// The dst root fd of the part being copied.
     root: Option<Arc<OwnedFd>>,
     jobs: mpsc::Sender<Job>,
@@ -403,6 +408,7 @@ impl Walker {
                 }
                 continue;
             };
+            self.listed_bytes = self.listed_bytes.saturating_sub(name_cost(&name));
             let mut r = Vec::with_capacity(top.rel.len() + 1 + name.as_bytes().len());
             r.extend_from_slice(&top.rel);
             r.push(b'/');
@@ -434,14 +440,19 @@ impl Walker {
     /// The entry names of an opened dir, counted against the entry limit.
     fn list(&mut self, dir: BorrowedFd<'_>, r: &[u8]) -> Result<Vec<CString>> {
         let left = self.limits.max_entries.saturating_sub(self.entries);
-        let names = list(dir, r, left).map_err(|e| match e {
-            LayerError::Limit { what, .. } => LayerError::Limit {
-                what,
+        let room =
+            MANIFEST_MAX.saturating_sub(self.manifest.len() + self.link_bytes + self.listed_bytes);
+        let (names, cost) = list(dir, r, left, room).map_err(|e| match e {
+            LayerError::Limit {
+                what: "entries", ..
+            } => LayerError::Limit {
+                what: "entries",
                 limit: self.limits.max_entries,
             },
             e => e,
         })?;
         self.entries += names.len() as u64;
+        self.listed_bytes += cost;
         Ok(names)
     }
 
@@ -454,7 +465,7 @@ impl Walker {
         r: Vec<u8>,
     ) -> Result<Option<Frame>> {
         self.ctl.check().map_err(|_| LayerError::Cancelled)?;
-        if self.manifest.len() + self.link_bytes > MANIFEST_MAX {
+        if self.manifest.len() + self.link_bytes + self.listed_bytes > MANIFEST_MAX {
             return Err(LayerError::Limit {
                 what: "manifest bytes",
                 limit: MANIFEST_MAX as u64,
@@ -863,10 +874,18 @@ impl Xattrs {
     }
 }
 
-/// The entry names of an opened dir (without . and ..), sorted bytewise.
-fn list(dir: BorrowedFd<'_>, r: &[u8], max: u64) -> Result<Vec<CString>> {
+/// What a listed name costs the daemon's memory until it is copied: its bytes, its NUL and
+/// about what its allocation and its place in the list take.
+fn name_cost(n: &CStr) -> usize {
+    n.to_bytes().len() + 1 + 32
+}
+
+/// The entry names of an opened dir (without . and ..), sorted bytewise, and their cost
+/// (`name_cost`): at most `max` names, of at most `room` bytes.
+fn list(dir: BorrowedFd<'_>, r: &[u8], max: u64, room: usize) -> Result<(Vec<CString>, usize)> {
     let mut d = Dir::read_from(dir).map_err(|e| os_err("opendir", r, e))?;
     let mut names = Vec::new();
+    let mut cost = 0usize;
     while let Some(ent) = d.read() {
         let ent = ent.map_err(|e| os_err("readdir", r, e))?;
         let n = ent.file_name();
@@ -879,10 +898,17 @@ fn list(dir: BorrowedFd<'_>, r: &[u8], max: u64) -> Result<Vec<CString>> {
                 limit: max,
             });
         }
+        cost += name_cost(n);
+        if cost > room {
+            return Err(LayerError::Limit {
+                what: "manifest bytes",
+                limit: MANIFEST_MAX as u64,
+            });
+        }
         names.push(n.to_owned());
     }
     names.sort();
-    Ok(names)
+    Ok((names, cost))
 }
 
 /// Copy `[0, size)`: data segments in the kernel (copy_file_range; a plain read/write where
