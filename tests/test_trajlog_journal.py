@@ -80,10 +80,15 @@ def held_ingest(tmp_path, monkeypatch):
     hold = tmp_path / "hold-ingest"
     ingest = Ingester._ingest
 
-    def held(self, *a, **kw):  # type: ignore[no-untyped-def]
+    def held(self, conn, batch, size=0):  # type: ignore[no-untyped-def]
+        if not hold.exists():
+            return ingest(self, conn, batch, size)
         while hold.exists() and not self._closing:
             time.sleep(0.01)
-        return ingest(self, *a, **kw)
+        with self._mu:  # what came meanwhile joins the batch: one batch, as when held before
+            batch, self._pending = batch + self._pending, []  # it was taken
+            size, self._pending_bytes = size + self._pending_bytes, 0
+        return ingest(self, conn, batch, size)
 
     monkeypatch.setattr(Ingester, "_ingest", held)
     hold.touch()

@@ -49,10 +49,15 @@ def _install() -> None:
         if ingest:
             ingest_batch = Ingester._ingest
 
-            def held_ingest(self: Any, *a: Any, **kw: Any) -> bool:
+            def held_ingest(self: Any, conn: Any, batch: list[Any], size: int = 0) -> bool:
+                if not os.path.exists(ingest):
+                    return ingest_batch(self, conn, batch, size)
                 while os.path.exists(ingest) and not self._closing:
                     time.sleep(POLL_S)
-                return ingest_batch(self, *a, **kw)
+                with self._mu:  # what came meanwhile joins the batch taken before the hold
+                    batch, self._pending = batch + self._pending, []
+                    size, self._pending_bytes = size + self._pending_bytes, 0
+                return ingest_batch(self, conn, batch, size)
 
             Ingester._ingest = held_ingest
     if snapshot:
