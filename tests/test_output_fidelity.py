@@ -29,7 +29,7 @@ from corral.models import ProcessHandle
 from corral.sdk.sandbox import Process
 
 from apiclient import client
-from conftest import private_daemon
+from conftest import private_daemon, wait_until
 
 LOG_CAP = 70_000  # the private daemon's CORRAL_TRAJLOG_OUTPUT_CAP: past FLOOR, cheap to reach
 SEEDS = range(12)
@@ -40,9 +40,11 @@ SEEDS = range(12)
 GEN = r"""
 import json, os, signal, sys, time
 plan = json.load(open(sys.argv[1]))
-if plan.get("gate"):
-    sys.stdin.readline()
-for fd, hexdata, pause in plan["writes"]:
+for i, (fd, hexdata, pause) in enumerate(plan["writes"] + [(1, "", 0)]):
+    if i == plan.get("gate"):  # writes before it done (read by the daemon, if past a pipe)
+        if plan.get("ready"):
+            open(plan["ready"], "w").close()
+        sys.stdin.readline()
     data = bytes.fromhex(hexdata)
     while data:
         data = data[os.write(fd, data):]
@@ -187,16 +189,55 @@ def _replay_of(res: dict[str, Any]) -> dict[str, Any]:
                 truncated=res["truncated"] or cut)
 
 
-def _ndjson(resp: httpx.Response) -> tuple[dict[str, str], dict[str, Any]]:
+def _ndjson(resp: httpx.Response, gaps: dict[str, list[Any]] | None = None
+            ) -> tuple[dict[str, str], dict[str, Any]]:
+    """A stream's text per stream name and its final line. ``gaps``: filled with each
+    stream's [text before its gap, bytes skipped] (a gap fails the read without it)."""
     got = {"stdout": "", "stderr": ""}
     final: dict[str, Any] = {}
     for line in resp.iter_lines():
         obj = json.loads(line)
-        if "stream" in obj:
+        if obj.get("skipped"):
+            assert gaps is not None and obj["stream"] not in gaps, obj
+            gaps[obj["stream"]] = [got[obj["stream"]], obj["skipped"]]
+            got[obj["stream"]] = ""
+        elif "stream" in obj:
             got[obj["stream"]] += obj["data"]
         else:
             final = obj
     return got, final
+
+
+def _stream_opened_midway(c: httpx.Client, sb: Sandbox, seed: int, plan: dict[str, Any],
+                          body: dict[str, Any]) -> None:
+    """The command again in the background, held after some of its writes, a stream opened
+    there: what it delivers is the whole output, or (a stream past its cap by then) the kept
+    output, a gap of ``skipped`` bytes, and the decode of every byte after the gap."""
+    r = random.Random(seed)
+    ready = f"/tmp/ready{seed}"
+    mid = dict(plan, gate=r.randrange(len(plan["writes"]) + 1), ready=ready)
+    sb.files.write(f"/tmp/mplan{seed}", _plan_file(mid))
+    h = c.post(f"/v1/sandboxes/{sb.id}/exec",
+               json=dict(body, background=True, cmd=["python3", "/tmp/gen.py",
+                                                     f"/tmp/mplan{seed}"]))
+    assert h.status_code == 200, h.text
+    purl = f"/v1/sandboxes/{sb.id}/procs/{h.json()['pid']}"
+    assert wait_until(lambda: sb.files.exists(ready), 30)
+    gaps: dict[str, list[Any]] = {}
+    with c.stream("GET", purl + "/stream") as live:
+        s = c.post(purl + "/stdin", json={"data": "go\n", "eof": True})
+        assert s.status_code == 200, s.text
+        streamed, _ = _ndjson(live, gaps)
+    wres = c.post(purl + "/wait", json={"timeout": 60}).json()
+    _check_expected(wres, plan, True)
+    for name, data in (("stdout", plan["out"]), ("stderr", plan["err"])):
+        if name not in gaps:
+            assert streamed[name] == _text(data), (seed, name)
+            continue
+        before, skipped = gaps[name]
+        assert before == wres[name], (seed, name)  # the kept output, as the result has it
+        assert len(data) > plan["cap"]
+        assert streamed[name] == _text(data[plan["cap"] + skipped:]), (seed, name, skipped)
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +284,7 @@ def test_outputs_agree_across_answer_stream_log_and_replay(own):
                 # stream (what was kept), all of one run
                 kb = f"bg-{seed}"
                 bbody = dict(body, background=True)
-                plan_gate = dict(plan, gate=True)
+                plan_gate = dict(plan, gate=0)
                 sb.files.write(f"/tmp/gplan{seed}", _plan_file(plan_gate))
                 bbody["cmd"] = ["python3", "/tmp/gen.py", f"/tmp/gplan{seed}"]
                 h = c.post(url, json=bbody, headers={"Idempotency-Key": kb})
@@ -278,6 +319,8 @@ def test_outputs_agree_across_answer_stream_log_and_replay(own):
                 assert got == kept, seed
                 rb = c.post(url, json=bbody, headers={"Idempotency-Key": kb})
                 assert rb.json()["pid"] == pid, rb.text
+                if exact:
+                    _stream_opened_midway(c, sb, seed, plan, body)
 
                 # the log: the foreground exec and the wait, as the client got them
                 entries = c.get(f"/v1/sandboxes/{sid}/log").json()["entries"]
@@ -305,5 +348,54 @@ def test_outputs_agree_across_answer_stream_log_and_replay(own):
             after = c.get(f"/v1/sandboxes/{sid}/log").json()["entries"]
             assert [e["result"] for e in after[:len(before)]] == \
                 [e["result"] for e in before]
+    finally:
+        sb.kill()
+
+
+def test_a_stream_opened_past_the_cap_marks_the_bytes_it_missed(own):
+    """A command with a cap of 4095 writes 4094 A, a euro sign (3 bytes: the cap cuts it
+    after its first) and 200,000 A (more than a pipe holds: the daemon has read and dropped
+    them before the write returns), then waits; a stream opened then, the command writes
+    the euro sign's last two bytes and a B. The stream gives the kept output as the result
+    has it, a gap line with the bytes dropped, then the rest decoded on its own. It gave the
+    kept A, then a euro sign and B, as if contiguous: the kept first byte of the sign joined
+    to bytes written 200,000 later, a character the command never wrote."""
+    euro = "\u20ac".encode()
+    first = b"A" * 4094 + euro + b"A" * 200_000
+    last = euro[1:] + b"B"
+    plan = {"writes": [(1, first.hex(), 0), (1, last.hex(), 0)], "gate": 1,
+            "ready": "/tmp/ready-gap", "exit": 0}
+    sb = Sandbox(timeout=120, endpoint=own.socket_path)
+    try:
+        sb.files.write("/tmp/gen.py", GEN)
+        sb.files.write("/tmp/gap", json.dumps(plan))
+        p = sb.exec(["python3", "/tmp/gen.py", "/tmp/gap"], background=True,
+                    max_output_bytes=4095)
+        assert wait_until(lambda: sb.files.exists("/tmp/ready-gap"), 30)
+        with client(own.socket_path) as c:
+            purl = f"/v1/sandboxes/{sb.id}/procs/{p.pid}"
+            gaps: dict[str, list[Any]] = {}
+            with c.stream("GET", purl + "/stream") as live:
+                p.send_stdin("go\n", eof=True)
+                streamed, final = _ndjson(live, gaps)
+        res = p.wait()
+        assert res.stdout == "A" * 4094 + "\ufffd" and res.stdout_bytes == len(first + last)
+        assert gaps == {"stdout": [res.stdout, len(first) - 4095]}, \
+            (gaps.get("stdout", [""])[0][-3:], gaps.get("stdout", [0, 0])[1])
+        assert streamed == {"stdout": "\ufffd\ufffdB", "stderr": ""}
+        assert final == {"exit_code": 0, "timed_out": False}
+        # the SDK: the kept output, then the live one; the gap counted, not spliced over
+        sb.files.remove("/tmp/ready-gap")
+        q = sb.exec(["python3", "/tmp/gen.py", "/tmp/gap"], background=True,
+                    max_output_bytes=4095)
+        assert wait_until(lambda: sb.files.exists("/tmp/ready-gap"), 30)
+        chunks = q.stream()
+        assert next(chunks) == ("stdout", res.stdout)  # the kept output comes first
+        q.send_stdin("go\n", eof=True)
+        assert "".join(d for _, d in chunks) == "\ufffd\ufffdB"
+        assert q.skipped == {"stdout": len(first) - 4095, "stderr": 0}
+        assert q.wait().stdout == res.stdout
+        assert "".join(d for _, d in q.stream()) == res.stdout  # ended: what was kept
+        assert q.skipped == {"stdout": 0, "stderr": 0}
     finally:
         sb.kill()

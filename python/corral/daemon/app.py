@@ -476,7 +476,10 @@ async def proc_wait(request: web.Request) -> web.Response:
 
 async def proc_stream(request: web.Request) -> web.StreamResponse:
     """NDJSON: output chunks as they come (what was buffered first), then one final line:
-    ``{"exit_code", "timed_out"}``, or ``{"error": {...}}`` if the sandbox ended under it."""
+    ``{"exit_code", "timed_out"}``, or ``{"error": {...}}`` if the sandbox ended under it.
+    A stream that passed its cap before this follower came has bytes nobody kept between
+    what was buffered and what comes now: a line ``{"stream", "data": "", "skipped": n}``
+    says so where they were, so the chunks are never read as one contiguous output."""
     engine = _engine(request)
     sid = request.match_info["id"]
     await engine.ready(sid, capture=False)  # resumed off the loop
@@ -485,9 +488,12 @@ async def proc_stream(request: web.Request) -> web.StreamResponse:
     try:
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
-        for name, text in follower.first:
+        for name, text, skipped in follower.first:
             if text:
                 await jsonbody.write_line(resp, {"stream": name, "data": text})
+            if skipped:
+                await jsonbody.write_line(resp, {"stream": name, "data": "",
+                                                 "skipped": skipped})
         with engine.following(sb):  # a client following the output is activity (no idle)
             while (item := await _unless_gone(request, follower.next())) is not None:
                 await jsonbody.write_line(resp, {"stream": item[0], "data": item[1]})

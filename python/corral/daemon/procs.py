@@ -146,18 +146,25 @@ class Capture:
             if self.fd < 0 or not self._read(budgeted=False):
                 break
 
-    def subscribe(self, cb: Callable[[str], None]) -> str | OutputText:
-        """Start delivering decoded text to ``cb``; return what was buffered so far."""
+    def subscribe(self, cb: Callable[[str], None]) -> tuple[str | OutputText, int]:
+        """Start delivering decoded text to ``cb``; return what was buffered so far, and how
+        many bytes the command wrote after that which were dropped (past its cap before
+        anyone streamed): the text ``cb`` gets follows that gap, not the buffered text."""
+        skipped = self.total - len(self.kept)
         if self.decoder is None:
             self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
             # Bytes read before anyone streamed were not fed to the decoder: its state is
             # their unfinished last character (at most 3 bytes), which their last 4 set.
-            self.decoder.decode(self.kept.tail(4))
+            # Not past a gap: the bytes after it do not continue that character.
+            if not skipped:
+                self.decoder.decode(self.kept.tail(4))
         if self.listeners is None:
             self.listeners = []
         self.listeners.append(cb)
+        if skipped:  # the kept text whole, as the command's result has it
+            return self._text(len(self.kept)), skipped
         pending = len(self.decoder.getstate()[0])
-        return self._text(len(self.kept) - pending)
+        return self._text(len(self.kept) - pending), 0
 
     def unsubscribe(self, cb: Callable[[str], None]) -> None:
         if self.listeners and cb in self.listeners:
@@ -493,13 +500,14 @@ class Follower:
         self.proc = proc
         self.queue: asyncio.Queue[tuple[str, str] | None] = asyncio.Queue()
         self.waiting = 0  # characters queued for the client
-        self.first: list[tuple[str, str | OutputText]]
+        # (stream, what was kept of it, bytes dropped after that before this follower came)
+        self.first: list[tuple[str, str | OutputText, int]]
         if proc.running:
-            self.first = [("stdout", proc.stdout.subscribe(self._on_out)),
-                          ("stderr", proc.stderr.subscribe(self._on_err))]
+            self.first = [("stdout", *proc.stdout.subscribe(self._on_out)),
+                          ("stderr", *proc.stderr.subscribe(self._on_err))]
             proc.on_exit(lambda: self.queue.put_nowait(None))
         else:
-            self.first = [("stdout", proc.stdout.text()), ("stderr", proc.stderr.text())]
+            self.first = [("stdout", proc.stdout.text(), 0), ("stderr", proc.stderr.text(), 0)]
             self.queue.put_nowait(None)
 
     def _on_out(self, text: str) -> None:

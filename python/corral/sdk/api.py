@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import quote
 
 from pydantic import BaseModel, ValidationError
@@ -477,11 +477,21 @@ def proc_stream(sid: str, pid: int) -> Call[None]:
     return Call("GET", _proc(sid, pid) + "/stream", _ok, timeout=None)
 
 
-def stream_event(line: bytes) -> OutputChunk | ProcessStatus:
-    """One NDJSON line of a stream: an output chunk, or the final status (raises if the
-    sandbox ended under the process)."""
+class Skipped(NamedTuple):
+    """A stream line marking bytes of ``stream`` the daemon dropped (past the process's cap
+    before the stream was opened) between the chunks before it and after it."""
+
+    stream: str
+    bytes: int
+
+
+def stream_event(line: bytes) -> OutputChunk | Skipped | ProcessStatus:
+    """One NDJSON line of a stream: an output chunk, a gap, or the final status (raises if
+    the sandbox ended under the process)."""
     obj = json.loads(line)
     if "stream" in obj:
+        if obj.get("skipped"):
+            return Skipped(obj["stream"], int(obj["skipped"]))
         return OutputChunk(obj["stream"], obj.get("data", ""))
     if "error" in obj:
         raise error_from_payload(obj)

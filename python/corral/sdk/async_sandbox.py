@@ -464,12 +464,15 @@ class AsyncProcess(ProcessBase):
             await self._call(api.proc_wait(self.sandbox_id, self.pid, timeout)))
 
     async def stream(self) -> AsyncIterator[OutputChunk]:
-        """``async for stream, data in proc.stream()``."""
+        """``async for stream, data in proc.stream()`` (as Process.stream: ``skipped``)."""
         call = api.proc_stream(self.sandbox_id, self.pid)
+        self.skipped = {"stdout": 0, "stderr": 0}
         async for line in transport(self._endpoint).lines(call):
             ev = api.stream_event(line)
             if isinstance(ev, OutputChunk):
                 yield ev
+            elif isinstance(ev, api.Skipped):
+                self.skipped[ev.stream] = self.skipped.get(ev.stream, 0) + ev.bytes
             else:
                 self._saw_status(ev)
                 return

@@ -240,6 +240,10 @@ class ProcessBase:
         #: Set once the exit is known (from wait(), stream() or status()).
         self.exit_code: int | None = None
         self.timed_out = False
+        #: Bytes of each stream that stream() did not deliver: output past the process's
+        #: ``max_output_bytes`` the daemon dropped before stream() was opened. They came
+        #: right after the kept output (the first chunks), before the live ones.
+        self.skipped = {"stdout": 0, "stderr": 0}
 
     def _saw_status(self, st: ProcessStatus) -> ProcessStatus:
         if not st.running:

@@ -461,12 +461,17 @@ class Process(ProcessBase):
 
     def stream(self) -> Iterator[OutputChunk]:
         """Output as it comes, from the start, as ``(stream, data)`` pairs (``stream`` is
-        "stdout" or "stderr"), until the process exits."""
+        "stdout" or "stderr"), until the process exits. Opened after a stream passed its
+        ``max_output_bytes``: what was kept of it, then the live output; the bytes dropped
+        between them are counted in ``self.skipped``."""
         call = api.proc_stream(self.sandbox_id, self.pid)
+        self.skipped = {"stdout": 0, "stderr": 0}
         for line in transport(self._endpoint).lines(call):
             ev = api.stream_event(line)
             if isinstance(ev, OutputChunk):
                 yield ev
+            elif isinstance(ev, api.Skipped):
+                self.skipped[ev.stream] = self.skipped.get(ev.stream, 0) + ev.bytes
             else:
                 self._saw_status(ev)
                 return
