@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import select
 import shutil
@@ -21,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -417,3 +419,40 @@ def private_daemon(prefix: str, cgroup: str, python: str = sys.executable,
             assert not any(left.values()), f"private daemon left {left}\n{d.tail()}"
         finally:  # a failed test too: its state dir goes
             shutil.rmtree(state, ignore_errors=True)
+
+
+TENANT_ADMIN = "admin-token-0123456789"
+
+
+def tenant_client(base: str, token: str, timeout: float = 300) -> Any:
+    """An httpx client of ``base`` presenting ``token``."""
+    import httpx
+
+    return httpx.Client(base_url=base, timeout=timeout,
+                        headers={"Authorization": f"Bearer {token}"})
+
+
+@contextlib.contextmanager
+def tenant_daemon(prefix: str, cgroup: str, tokens: dict[str, Any],
+                  **env: str) -> Iterator[tuple[DaemonProcess, str]]:
+    """A private daemon on TCP with the tenants of ``tokens`` (a tokens file's content) and
+    the admin token TENANT_ADMIN: (daemon, base URL). At the end every sandbox left is
+    destroyed, then the daemon stops (private_daemon's checks)."""
+    tokdir = tempfile.mkdtemp(prefix=prefix + "tok-", dir="/var/tmp")
+    path = os.path.join(tokdir, "tokens.json")
+    with open(path, "w") as f:
+        json.dump(tokens, f)
+    port = free_port()
+    try:
+        with private_daemon(prefix, cgroup, CORRAL_TCP=f"127.0.0.1:{port}",
+                            CORRAL_TOKEN=TENANT_ADMIN, CORRAL_TOKENS=path, **env) as d:
+            base = f"http://127.0.0.1:{port}"
+            try:
+                yield d, base
+            finally:
+                with tenant_client(base, TENANT_ADMIN) as admin:
+                    for sb in admin.get("/v1/sandboxes").json()["sandboxes"]:
+                        admin.delete(f"/v1/sandboxes/{sb['id']}")
+    finally:
+        os.unlink(path)
+        os.rmdir(tokdir)

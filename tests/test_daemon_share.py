@@ -11,10 +11,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import io
-import json
-import os
 import tarfile
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -23,15 +20,14 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import CGROUP_NAME, free_port, private_daemon, wait_until
+from conftest import CGROUP_NAME, TENANT_ADMIN, tenant_client, tenant_daemon, wait_until
 
-ADMIN = "admin-token-0123456789"
+ADMIN = TENANT_ADMIN
 TOKENS = {"mallory": "mallory-token-0123456789", "victor": "victor-token-0123456789"}
 
 
 def _client(base: str, who: str, timeout: float = 300) -> httpx.Client:
-    return httpx.Client(base_url=base, timeout=timeout,
-                        headers={"Authorization": f"Bearer {TOKENS.get(who, ADMIN)}"})
+    return tenant_client(base, TOKENS.get(who, ADMIN), timeout)
 
 
 def _rss_peak_kib(pid: int) -> int:
@@ -41,25 +37,8 @@ def _rss_peak_kib(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[dict[str, Any]]:
-    tokdir = tempfile.mkdtemp(prefix="corral-test-share-tok-", dir="/var/tmp")
-    path = os.path.join(tokdir, "tokens.json")
-    with open(path, "w") as f:
-        json.dump(TOKENS, f)
-    port = free_port()
-    try:
-        with private_daemon("corral-test-share-", f"{CGROUP_NAME}-share",
-                            CORRAL_TCP=f"127.0.0.1:{port}", CORRAL_TOKEN=ADMIN,
-                            CORRAL_TOKENS=path) as d:
-            base = f"http://127.0.0.1:{port}"
-            try:
-                yield {"base": base, "daemon": d}
-            finally:
-                with _client(base, "admin") as admin:
-                    for sb in admin.get("/v1/sandboxes").json()["sandboxes"]:
-                        admin.delete(f"/v1/sandboxes/{sb['id']}")
-    finally:
-        os.unlink(path)
-        os.rmdir(tokdir)
+    with tenant_daemon("corral-test-share-", f"{CGROUP_NAME}-share", TOKENS) as (d, base):
+        yield {"base": base, "daemon": d}
 
 
 def _many_members_tgz(n: int, name: str) -> bytes:

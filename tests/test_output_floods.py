@@ -373,61 +373,35 @@ def test_one_tenants_held_output_leaves_room_for_anothers():
     never waited for (18 MiB held, with an 8 MiB pool and an 8 MiB spill share); bob's
     5 MiB command still comes back whole. Without the share alice's held the whole store and
     bob's command was infra_error (output_store_full), masked for a flood not his."""
-    import json
-    import tempfile
-
-    import httpx
-
-    from conftest import CGROUP_NAME, free_port, private_daemon
+    from conftest import CGROUP_NAME, tenant_client, tenant_daemon
 
     tokens = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", dir="/var/tmp") as f:
-        json.dump(tokens, f)
-        f.flush()
-        port = free_port()
-        with private_daemon("corral-test-outshare-", f"{CGROUP_NAME}-outshare",
-                            CORRAL_OUTPUT_MEMORY_MB="8", CORRAL_OUTPUT_DISK_MB="8",
-                            CORRAL_TCP=f"127.0.0.1:{port}", CORRAL_TOKEN="admin-token-012345",
-                            CORRAL_TOKENS=f.name):
-            base = f"http://127.0.0.1:{port}"
-
-            def client(who: str) -> httpx.Client:
-                return httpx.Client(base_url=base, timeout=120,
-                                    headers={"Authorization": f"Bearer {tokens[who]}"})
-
-            with client("alice") as alice, client("bob") as bob:
-                made: list[tuple[httpx.Client, str]] = []
-                try:
-                    held = []
-                    for _ in range(3):
-                        sid = alice.post("/v1/sandboxes", json={}).json()["id"]
-                        made.append((alice, sid))
-                        r = alice.post(f"/v1/sandboxes/{sid}/exec", json={
-                            "cmd": "head -c 6M /dev/zero", "background": True,
-                            "max_output_bytes": 8 * MIB})
-                        assert r.status_code == 200, r.text
-                        held.append((sid, r.json()["pid"]))
-                    for sid, pid in held:  # each has printed all it will
-                        deadline = time.monotonic() + 60
-                        while alice.get(f"/v1/sandboxes/{sid}/procs/{pid}").json()[
-                                "running"]:
-                            assert time.monotonic() < deadline, "a 6 MiB print still runs"
-                            time.sleep(0.05)
-                    sid = bob.post("/v1/sandboxes", json={}).json()["id"]
-                    made.append((bob, sid))
-                    r = bob.post(f"/v1/sandboxes/{sid}/exec", json={
-                        "cmd": "head -c 5M /dev/zero; exit 3", "max_output_bytes": 8 * MIB})
-                    assert r.status_code == 200, r.text
-                    res = r.json()
-                    assert (res["exit_code"], res["truncated"], res["stdout_bytes"]) == \
-                        (3, False, 5 * MIB), {k: v for k, v in res.items() if k != "stdout"}
-                    assert len(res["stdout"]) == 5 * MIB
-                    # Alice's own flood is past her share: what she cannot keep is infra.
-                    sid, pid = held[-1]
-                    r = alice.post(f"/v1/sandboxes/{sid}/procs/{pid}/wait", json={})
-                    err = r.json()["error"]
-                    assert (err["code"], err["details"]["cause"]) == ("infra_error",
-                                                                      "output_store_full")
-                finally:
-                    for c, sid in made:
-                        c.delete(f"/v1/sandboxes/{sid}")
+    with tenant_daemon("corral-test-outshare-", f"{CGROUP_NAME}-outshare", tokens,
+                       CORRAL_OUTPUT_MEMORY_MB="8", CORRAL_OUTPUT_DISK_MB="8") as (_, base), \
+            tenant_client(base, tokens["alice"], 120) as alice, \
+            tenant_client(base, tokens["bob"], 120) as bob:
+        held = []
+        for _ in range(3):
+            sid = alice.post("/v1/sandboxes", json={}).json()["id"]
+            r = alice.post(f"/v1/sandboxes/{sid}/exec", json={
+                "cmd": "head -c 6M /dev/zero", "background": True,
+                "max_output_bytes": 8 * MIB})
+            assert r.status_code == 200, r.text
+            held.append((sid, r.json()["pid"]))
+        for sid, pid in held:  # each has printed all it will
+            deadline = time.monotonic() + 60
+            while alice.get(f"/v1/sandboxes/{sid}/procs/{pid}").json()["running"]:
+                assert time.monotonic() < deadline, "a 6 MiB print still runs"
+                time.sleep(0.05)
+        sid = bob.post("/v1/sandboxes", json={}).json()["id"]
+        r = bob.post(f"/v1/sandboxes/{sid}/exec", json={
+            "cmd": "head -c 5M /dev/zero; exit 3", "max_output_bytes": 8 * MIB})
+        assert r.status_code == 200, r.text
+        res = r.json()
+        assert (res["exit_code"], res["truncated"], res["stdout_bytes"]) == \
+            (3, False, 5 * MIB), {k: v for k, v in res.items() if k != "stdout"}
+        assert len(res["stdout"]) == 5 * MIB
+        # Alice's own flood is past her share: what she cannot keep is infra.
+        sid, pid = held[-1]
+        err = alice.post(f"/v1/sandboxes/{sid}/procs/{pid}/wait", json={}).json()["error"]
+        assert (err["code"], err["details"]["cause"]) == ("infra_error", "output_store_full")
