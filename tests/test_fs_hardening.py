@@ -716,3 +716,41 @@ def test_a_capture_of_a_directory_of_a_million_long_names_is_bounded_in_memory(t
 def _hwm_kib() -> int:
     with open("/proc/self/status") as f:
         return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:"))
+
+
+def test_a_file_time_the_layers_filesystem_cannot_hold_keeps_the_layers_digest(tmp_path):
+    """A sandbox's file dated past what the state dir's filesystem holds (ext4: 2446; the
+    sandbox's own disk, btrfs or tmpfs, holds any): ext4 clamped the copy's mtime without an
+    error, the manifest had the source's, and the stored layer did not hash to its digest, so
+    every export of it was refused on arrival (snapshot_digest_mismatch: a cluster's copy,
+    snapshot_copy_failed, infra). The manifest records the copy's time."""
+    import shutil
+    import subprocess
+
+    from corral import _core
+    from corral.daemon.snapshots import layer_digest
+
+    if shutil.which("mkfs.ext4") is None:
+        pytest.skip("no mkfs.ext4")
+    img, mnt, src = tmp_path / "img", tmp_path / "mnt", tmp_path / "src"
+    with open(img, "wb") as f:
+        f.truncate(64 * MiB)
+    subprocess.run(["mkfs.ext4", "-q", str(img)], check=True)
+    mnt.mkdir()
+    src.mkdir()
+    subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "src", str(src)], check=True)  # holds any time
+    try:
+        (src / "far").write_text("x")
+        os.link(src / "far", src / "far-link")
+        (src / "old").write_text("y")
+        os.utime(src / "far", ns=(2**40 * 10**9 + 7, 2**40 * 10**9 + 7))
+        os.utime(src / "old", ns=(-2**35 * 10**9, -2**35 * 10**9))
+        layer = mnt / "layer"
+        layer.mkdir()
+        digest, _ = _core.capture_layer([(0, str(src), str(layer / "0"))])
+        assert (layer / "0" / "far").stat().st_mtime_ns != 2**40 * 10**9 + 7  # clamped
+        assert layer_digest(str(layer)) == digest
+    finally:
+        subprocess.run(["umount", str(src)], check=True)
+        subprocess.run(["umount", str(mnt)], check=True)

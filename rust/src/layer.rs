@@ -561,7 +561,13 @@ impl Walker {
                 if link_again(lroot.as_fd(), &lpath, dst.as_fd(), name).is_ok() {
                     // Same inode as the first copy: same metadata, same content hash.
                     let x = self.read_xattrs_at(dst.as_fd(), name);
-                    self.file_line(r, st0, &x, idx);
+                    let mut st = *st0;
+                    if !mtime_safe(&st) {
+                        let got =
+                            rfs::statat(dst, name, NOFOLLOW).map_err(|e| os_err("stat", r, e))?;
+                        (st.st_mtime, st.st_mtime_nsec) = (got.st_mtime, got.st_mtime_nsec);
+                    }
+                    self.file_line(r, &st, &x, idx);
                     return Ok(());
                 }
             }
@@ -612,6 +618,13 @@ impl Walker {
         self.bytes += size;
         let x = self.copy_xattrs_fd(sfd.as_fd(), dfd.as_fd())?;
         self.meta_fd(dfd.as_fd(), &st, r)?;
+        if !mtime_safe(&st) {
+            // The copy's filesystem may hold a narrower range of times (ext4: 1901 to 2446, or
+            // 2038) and clamps without an error: the manifest records the copy's, else the
+            // stored layer would not hash to its digest (an export refused on arrival).
+            let got = rfs::fstat(&dfd).map_err(|e| os_err("stat", r, e))?;
+            (st.st_mtime, st.st_mtime_nsec) = (got.st_mtime, got.st_mtime_nsec);
+        }
         self.file_line(r, &st, &x, idx);
         if st.st_nlink > 1 && !self.links.contains_key(&key) {
             if let (Some(root), Ok(rel)) = (&self.root, CString::new(&r[1..])) {
@@ -822,6 +835,11 @@ fn link_again(
     let base = CString::new(base).map_err(|_| Errno::INVAL)?;
     let at = cur.as_ref().map_or(root, |f| f.as_fd());
     rfs::linkat(at, base.as_c_str(), dst, name, AtFlags::empty())
+}
+
+/// An mtime every filesystem a layer is stored on holds as it is (1970 to 2038).
+fn mtime_safe(st: &rfs::Stat) -> bool {
+    (0..i64::from(i32::MAX)).contains(&st.st_mtime)
 }
 
 fn times(st: &rfs::Stat) -> Timestamps {
