@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -60,9 +60,10 @@ def text_size(obj: Any, limit: int = BIG) -> int:
     return total
 
 
-def pieces(obj: Any) -> Iterator[str]:
+def pieces(obj: Any, leaf: Callable[[Any], str] = json.dumps) -> Iterator[str]:
     """``json.dumps(obj, separators=(",", ":"))`` as consecutive parts, none longer than
-    6 * SLICE + a little."""
+    6 * SLICE + a little; ``leaf`` encodes what is neither a string nor a container (the
+    trajectory log's own encoder, which writes no NaN)."""
     if isinstance(obj, str):
         if len(obj) <= SLICE:
             yield _encode_str(obj)
@@ -83,17 +84,17 @@ def pieces(obj: Any) -> Iterator[str]:
             # json.dumps writes a key that is not a string as its JSON text, quoted
             yield ("," if i else "") + _encode_str(k if isinstance(k, str) else json.dumps(k))
             yield ":"
-            yield from pieces(v)
+            yield from pieces(v, leaf)
         yield "}"
     elif isinstance(obj, (list, tuple)):
         yield "["
         for i, v in enumerate(obj):
             if i:
                 yield ","
-            yield from pieces(v)
+            yield from pieces(v, leaf)
         yield "]"
     else:
-        yield json.dumps(obj)
+        yield leaf(obj)
 
 
 async def chunks(obj: Any, tail: bytes = b"") -> AsyncIterator[bytes]:

@@ -11,6 +11,7 @@ import math
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+from corral.daemon import jsonbody
 from corral.errors import ReplayDivergence, StepInterrupted
 
 KEY_HEADER = "Idempotency-Key"
@@ -163,45 +164,11 @@ def _dumps(obj: Any) -> str:
         return json.dumps(_finite(obj), separators=(",", ":"), allow_nan=False)
 
 
-# A big entry is encoded in slices of this many characters, the event loop let go after about
-# LOOP_PIECE characters of JSON (see encoded).
-SLICE = 1 << 16
+# Past BIG_ENTRY characters of JSON an entry is encoded a piece at a time
+# (corral.daemon.jsonbody.pieces), the event loop let go after about LOOP_PIECE characters
+# (see encoded).
 LOOP_PIECE = 1 << 18
-BIG_ENTRY = 1 << 18  # characters of JSON past which an entry is encoded a piece at a time
-_encode_str = json.encoder.encode_basestring_ascii
-
-
-class _Whole(Exception):
-    """What the pieces cannot make exactly as _dumps does (a key that is no string)."""
-
-
-def _parts(obj: Any) -> Iterator[str]:
-    """``_dumps(obj)`` as consecutive parts, a long string cut in slices of SLICE."""
-    if isinstance(obj, str):
-        if len(obj) <= SLICE:
-            yield _encode_str(obj)
-            return
-        yield '"'
-        for i in range(0, len(obj), SLICE):
-            yield _encode_str(obj[i:i + SLICE])[1:-1]
-        yield '"'
-    elif isinstance(obj, dict):
-        yield "{"
-        for i, (k, v) in enumerate(obj.items()):
-            if not isinstance(k, str):
-                raise _Whole
-            yield ("," if i else "") + _encode_str(k) + ":"
-            yield from _parts(v)
-        yield "}"
-    elif isinstance(obj, (list, tuple)):
-        yield "["
-        for i, v in enumerate(obj):
-            if i:
-                yield ","
-            yield from _parts(v)
-        yield "]"
-    else:
-        yield _dumps(obj)
+BIG_ENTRY = 1 << 18
 
 
 async def _joined(parts: Iterator[str]) -> str:
@@ -222,11 +189,8 @@ async def encoded(obj: Any) -> tuple[str, str]:
     Each at once, an exec's entry with a megabyte of binary output in each stream (12 MB of
     JSON, as each byte is a \\ufffd) held the loop for tens of milliseconds, and a few dozen
     such commands ending together held it for a second."""
-    try:
-        text = await _joined(_parts(obj))
-    except _Whole:
-        text = _dumps(obj)
-    return text, await _joined(_parts(text))
+    text = await _joined(jsonbody.pieces(obj, _dumps))
+    return text, await _joined(jsonbody.pieces(text, _dumps))
 
 
 def _plain(request: Any) -> Any:
