@@ -106,17 +106,7 @@ def _copy_ups(base: str, call: Callable[[httpx.Client, str, str], httpx.Response
     n = 8                                                                  # is the cost
     sids = _sandboxes(base, n)
     try:
-        with _Prober(base) as p:
-            while len(p.took) < 20:  # a baseline, and the prober is connected
-                time.sleep(0.05)
-            quiet = list(p.took)
-
-            def one(i: int) -> None:
-                with _client(base, "mallory") as m:
-                    r = call(m, sids[i], big)
-                    assert r.status_code == 200, r.text
-            _in_parallel(n, one)
-        return p.worst, quiet
+        return _attack(base, n, lambda m, i: call(m, sids[i], big))
     finally:
         _destroy(base, sids)
 
