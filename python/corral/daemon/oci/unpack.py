@@ -131,7 +131,11 @@ MTIME_NS = "CORRAL.mtime_ns"  # PAX: a file's mtime to the nanosecond (exact for
 # ``SOCKET`` a FIFO member that is a UNIX socket file, ``WHITEOUT`` a ``.wh.`` member as a
 # whiteout even where it reads ``.wh..wh..opq`` (the whiteout of a file named ``.wh..opq``).
 # POSIX ACLs travel as xattrs.
+# ``SPARSE`` ("<size>;<offset>:<length>,..."): a regular member whose content is only its
+# data segments, holes left out, at most SPARSE_MAX of them.
 LITERAL = "CORRAL.literal"
+SPARSE = "CORRAL.sparse"
+SPARSE_MAX = 4096
 WHITEOUT = "CORRAL.whiteout"
 SOCKET = "CORRAL.socket"
 EXACT_XATTRS = ("system.posix_acl_access", "system.posix_acl_default")
@@ -218,11 +222,21 @@ class _Layer:
         if m.isreg():
             if m.size < 0:
                 raise InvalidImage(f"layer member {m.name!r} has a negative size")
+            sparse = _sparse(m, self.limits) if self.exact and SPARSE in m.pax_headers \
+                else None
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "wb") as out:
                 src = tf.extractfile(m)
-                if src is not None:
+                if sparse is not None and src is not None:
+                    size, segs = sparse
+                    for off, n in segs:  # each segment's data at its offset, holes left
+                        out.seek(off)
+                        while n > 0 and (chunk := src.read(min(n, 1 << 20))):
+                            out.write(chunk)
+                            n -= len(chunk)
+                    out.truncate(size)
+                elif src is not None:
                     while chunk := src.read(1 << 20):
                         out.write(chunk)
             self.result.size += m.size
@@ -295,6 +309,28 @@ class _Layer:
             mode = m.mode & 0o7777 & (~0 if self.exact else ~stat.S_ISUID)
             self.finish(target, m)
             os.chmod(target, mode)
+
+
+def _sparse(m: tarfile.TarInfo, limits: Limits) -> tuple[int, list[tuple[int, int]]]:
+    """A SPARSE member's (size, segments), checked: ascending, apart, within its size (at
+    most the bytes a layer may hold), their lengths adding up to the member's."""
+    try:
+        head, _, body = m.pax_headers[SPARSE].partition(";")
+        size = int(head)
+        segs = [(int(o), int(n)) for o, n in (x.split(":") for x in body.split(",") if x)]
+    except ValueError:
+        raise InvalidImage(f"layer member {m.name!r}: bad {SPARSE}") from None
+    end = 0
+    for off, n in segs:
+        if off < end or n <= 0:
+            raise InvalidImage(f"layer member {m.name!r}: bad {SPARSE}")
+        end = off + n
+    if len(segs) > SPARSE_MAX or not 0 <= end <= size or \
+            sum(n for _, n in segs) != m.size:
+        raise InvalidImage(f"layer member {m.name!r}: bad {SPARSE}")
+    if size > limits.max_bytes:
+        raise _too_large(limits)
+    return size, segs
 
 
 def unpack(blob: str, media_type: str, root: str, limits: Limits) -> Result:
