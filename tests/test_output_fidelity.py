@@ -208,6 +208,35 @@ def _ndjson(resp: httpx.Response, gaps: dict[str, list[Any]] | None = None
     return got, final
 
 
+def _check_views(c: httpx.Client, sid: str, entries: list[dict[str, Any]], cut: int) -> None:
+    """The log's other readings against the whole one: one entry a line (``jsonl``), the
+    last entries (``tail``), and outputs cut to ``cut`` characters (``max_output``, in
+    SQLite: NULs, non-BMP characters and U+FFFD counted as Python counts them)."""
+    r = c.get(f"/v1/sandboxes/{sid}/log", params={"format": "jsonl"})
+    assert [json.loads(line) for line in r.text.splitlines()] == entries
+    r = c.get(f"/v1/sandboxes/{sid}/log", params={"tail": 3})
+    assert r.json()["entries"] == entries[-3:]
+    viewed = c.get(f"/v1/sandboxes/{sid}/log", params={"max_output": cut}).json()["entries"]
+    assert len(viewed) == len(entries)
+    for whole, view in zip(entries, viewed, strict=True):
+        res = whole["result"]
+        assert view == (dict(whole, result=_view_of(res, cut)) if isinstance(res, dict)
+                        else whole), (whole["op"], cut)
+
+
+def _view_of(res: dict[str, Any], cut: int) -> dict[str, Any]:
+    """``max_output``'s rule: stdout, then stderr, cut to ``cut`` characters (and marked
+    ``view_truncated``) while the result's JSON is longer than ``cut * 2 + 4096``."""
+    out = dict(res)
+    for k in ("stdout", "stderr"):
+        if len(json.dumps(out, separators=(",", ":"))) <= cut * 2 + 4096:
+            break
+        if isinstance(out.get(k), str) and len(out[k]) > cut:
+            out[k] = out[k][:cut]
+            out["view_truncated"] = True
+    return out
+
+
 def _stream_opened_midway(c: httpx.Client, sb: Sandbox, seed: int, plan: dict[str, Any],
                           body: dict[str, Any]) -> None:
     """The command again in the background, held after some of its writes, a stream opened
@@ -332,6 +361,7 @@ def test_outputs_agree_across_answer_stream_log_and_replay(own):
                 assert len(wait) == 2  # ours and the SDK's
                 for w in wait:
                     _check_logged(w["result"], wres, plan, exact)
+                _check_views(c, sid, entries, random.Random(seed).choice([1, 3, 4096, 70_001]))
                 # the SDK's log: the same entries, decoded
                 sdk = {e.idempotency_key: e for e in sb.log() if e.idempotency_key}
                 assert sdk[k].result == fg[0]["result"]
@@ -397,5 +427,27 @@ def test_a_stream_opened_past_the_cap_marks_the_bytes_it_missed(own):
         assert q.wait().stdout == res.stdout
         assert "".join(d for _, d in q.stream()) == res.stdout  # ended: what was kept
         assert q.skipped == {"stdout": 0, "stderr": 0}
+    finally:
+        sb.kill()
+
+
+def test_a_log_view_cuts_output_with_a_nul(own):
+    """``?max_output=N`` cuts each output to N characters in SQLite, whose json_extract ends
+    a string at its first NUL: an output with a NUL early passed whole (one NUL and 200,000
+    characters to a viewer asking for 100), where every other output is cut."""
+    sb = Sandbox(timeout=120, endpoint=own.socket_path)
+    try:
+        plain = sb.exec("head -c 200000 /dev/zero | tr '\\0' x")
+        nul = sb.exec("printf 'ab\\0'; head -c 200000 /dev/zero | tr '\\0' x; "
+                      "printf 'e\\0' >&2; head -c 10000 /dev/zero | tr '\\0' y >&2")
+        assert nul.stdout == "ab\0" + "x" * 200_000 and len(plain.stdout) == 200_000
+        with client(own.socket_path) as c:
+            got = c.get(f"/v1/sandboxes/{sb.id}/log", params={"max_output": 100})
+            entries = [e for e in got.json()["entries"] if e["op"] == "exec"]
+        assert [e["result"]["view_truncated"] for e in entries] == [True, True]
+        assert entries[0]["result"]["stdout"] == "x" * 100
+        assert entries[1]["result"]["stdout"] == "ab\0" + "x" * 97
+        assert entries[1]["result"]["stderr"] == "e\0" + "y" * 98
+        assert entries[1]["result"]["stdout_bytes"] == 200_003
     finally:
         sb.kill()

@@ -11,17 +11,46 @@ from typing import Any
 from corral.errors import SandboxNotFound, Unsupported
 
 from .base import _Base
+from .keys import _dumps
 from .schema import _BINDS, _SANDBOX_SEQS
 
 LOG_PAGE_ROWS = 64  # rows a page of a streamed log, at most
 PAGE_BYTES = 4 << 20  # ... and about this many bytes (one exec's row can hold ~2 x 12 MiB)
 
 # An exec result with an output cut to :cap characters, in SQLite (no row is parsed in
-# Python; a small row is not parsed at all): what a viewer of the log (the dashboard) needs.
-_CUT = ("CASE WHEN length({r}) <= :cap * 2 + 4096 THEN {r} "
+# Python but one with a NUL; a small row is not parsed at all): what a viewer of the log
+# (the dashboard) needs.
+# Not a row whose text has a NUL (\u0000): SQLite's json_extract ends a string at its first
+# NUL, so an output with a NUL in its first :cap characters passed whole (an agent printing
+# one NUL and 12 MiB sent them all to a viewer asking for 8 KiB). Such a row is cut in
+# Python (_cut_row), by the same rule.
+_CUT = ("CASE WHEN length({r}) <= :cap * 2 + 4096 OR instr({r}, '\\u0000') THEN {r} "
         "WHEN json_type({r}, '$.{k}') = 'text' AND length(json_extract({r}, '$.{k}')) > :cap "
         "THEN json_set({r}, '$.{k}', substr(json_extract({r}, '$.{k}'), 1, :cap), "
         "'$.view_truncated', json('true')) ELSE {r} END")
+_NUL = b"\\u0000"  # a NUL as the stored JSON text spells it
+
+
+def _cut_row(result: bytes, cap: int) -> bytes:
+    """``_CUT`` of a result with a NUL, in Python: stdout then stderr, each cut to ``cap``
+    characters while the row's text is longer than ``cap * 2 + 4096``."""
+    text = result.decode()
+    obj: Any = None
+    for k in ("stdout", "stderr"):
+        if len(text) <= cap * 2 + 4096:
+            break
+        if obj is None:
+            obj = json.loads(text)
+            if not isinstance(obj, dict):
+                return result
+        v = obj.get(k)
+        if isinstance(v, str) and len(v) > cap:
+            obj[k] = v[:cap]
+            obj["view_truncated"] = True
+            text = _dumps(obj)
+    return text.encode()
+
+
 _COLUMNS = "seq, op, idem_key, request, {result}, error, started_at, ended_at, snapshot_ids, status"
 
 
@@ -132,6 +161,8 @@ class Reader(_Base):
                 try:
                     for r in cur:
                         done = r[9] is None
+                        if max_output is not None and r[4] is not None and _NUL in r[4]:
+                            r = (*r[:4], _cut_row(r[4], max_output), *r[5:])
                         duration = _num(round(max(0.0, r[7] - r[6]), 6)) if done else "null"
                         head = (f'{"" if jsonl or index == first else ","}'
                                 f'{{"index":{index},"seq":{r[0]},"sandbox_id":').encode()
