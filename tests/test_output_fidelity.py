@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import signal
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from apiclient import client
 from conftest import private_daemon, wait_until
 
 LOG_CAP = 70_000  # the private daemon's CORRAL_TRAJLOG_OUTPUT_CAP: past FLOOR, cheap to reach
-SEEDS = range(12)
+SEEDS = range(int(os.environ.get("CORRAL_TEST_FIDELITY_SEEDS", "12")))  # more: a longer fuzz
 
 # Run in the sandbox: the plan's writes, in order, each its own write(2); a pause between
 # some of them, so the daemon reads them apart (a character split over two reads); then a
