@@ -272,8 +272,11 @@ def _stream_opened_midway(c: httpx.Client, sb: Sandbox, seed: int, plan: dict[st
 
 @pytest.fixture(scope="module")
 def own():
+    # a pool of 1 MiB: the finished processes' kept output fills it, and later outputs are
+    # kept in spill files, read back (and decoded) from there
     with private_daemon("corral-test-", "corral-test-fidelity",
-                       CORRAL_TRAJLOG_OUTPUT_CAP=str(LOG_CAP)) as d:
+                       CORRAL_TRAJLOG_OUTPUT_CAP=str(LOG_CAP),
+                       CORRAL_OUTPUT_MEMORY_MB="1") as d:
         yield d
 
 
@@ -289,6 +292,8 @@ def test_outputs_agree_across_answer_stream_log_and_replay(own):
     sb = Sandbox(timeout=600, endpoint=own.socket_path)
     sid = sb.id
     sb.files.write("/tmp/gen.py", GEN)
+    # a finished process's output held: the pool is full, later output past 64 KiB spills
+    sb.exec("head -c 1200000 /dev/zero", background=True, max_output_bytes=2 << 20).wait()
     seen: list[tuple[int, str, dict[str, Any], dict[str, Any]]] = []  # seed, key, body, answer
     try:
         with client(own.socket_path) as c:
@@ -367,8 +372,15 @@ def test_outputs_agree_across_answer_stream_log_and_replay(own):
                 sdk = {e.idempotency_key: e for e in sb.log() if e.idempotency_key}
                 assert sdk[k].result == fg[0]["result"]
 
-            # a kill -9, a restart: every key replays the same, the log reads the same
+            # a kill -9, a restart: every key replays the same, the log reads the same; the
+            # last few calls journaled and (most likely) not yet in the database
             before = c.get(f"/v1/sandboxes/{sid}/log").json()["entries"]
+            for seed in list(SEEDS)[-3:]:
+                _, _, body, _ = seen[seed]
+                k = f"fresh-{seed}"
+                r = c.post(f"/v1/sandboxes/{sid}/exec", json=body, headers={"Idempotency-Key": k})
+                assert r.status_code == 200, r.text[:300]
+                seen.append((seed, k, body, r.json()))
         own.restart(kill9=True)
         with client(own.socket_path) as c:
             for seed, k, body, res in seen:
@@ -379,6 +391,11 @@ def test_outputs_agree_across_answer_stream_log_and_replay(own):
             after = c.get(f"/v1/sandboxes/{sid}/log").json()["entries"]
             assert [e["result"] for e in after[:len(before)]] == \
                 [e["result"] for e in before]
+            for seed, k, _, res in seen[len(SEEDS):]:  # recovered from the journal
+                got = [e for e in after if e["idempotency_key"] == k]
+                assert len(got) == 1 and got[0]["status"] == "done", k
+                _check_logged(got[0]["result"], res, make_plan(seed), "late" not in
+                              make_plan(seed))
     finally:
         sb.kill()
 
