@@ -60,6 +60,8 @@ if plan.get("late"):
             except OSError:
                 pass
         os._exit(0)
+if plan.get("hang"):  # until its timeout kills it
+    time.sleep(600)
 if plan.get("signal"):
     os.kill(os.getpid(), plan["signal"])
 os._exit(plan.get("exit", 0))
@@ -131,7 +133,9 @@ def make_plan(seed: int) -> dict[str, Any]:
         "cap": cap, "out": out, "err": err,
     }
     end = r.random()
-    if end < 0.2:
+    if end < 0.07:
+        plan["hang"] = True
+    elif end < 0.2:
         plan["signal"] = r.choice([signal.SIGTERM, signal.SIGKILL, signal.SIGSEGV])
     else:
         plan["exit"] = r.choice([0, 1, 2, 7, 127, 255])
@@ -161,7 +165,10 @@ def _check_expected(res: dict[str, Any], plan: dict[str, Any], exact: bool) -> N
             assert res[name].startswith(_text(data[:cap])[:-1]), name
     if exact:
         assert res["truncated"] == (len(plan["out"]) > cap or len(plan["err"]) > cap)
-    if "signal" in plan:
+    assert res["timed_out"] == ("hang" in plan)
+    if "hang" in plan:
+        assert res["signal"] == 9 and res["exit_code"] == 137
+    elif "signal" in plan:
         assert res["signal"] == plan["signal"] and res["exit_code"] == 128 + plan["signal"]
     else:
         assert res["signal"] is None and res["exit_code"] == plan["exit"]
@@ -302,7 +309,8 @@ def test_outputs_agree_across_answer_stream_log_and_replay(own):
                 exact = "late" not in plan
                 sb.files.write(f"/tmp/plan{seed}", _plan_file(plan))
                 argv = ["python3", "/tmp/gen.py", f"/tmp/plan{seed}"]
-                body = {"cmd": argv, "timeout": 60, "max_output_bytes": plan["cap"]}
+                body = {"cmd": argv, "timeout": 3 if "hang" in plan else 60,
+                        "max_output_bytes": plan["cap"]}
                 url = f"/v1/sandboxes/{sid}/exec"
 
                 # foreground, keyed: the answer, then its replay
@@ -335,7 +343,8 @@ def test_outputs_agree_across_answer_stream_log_and_replay(own):
                 assert waited.status_code == 200, waited.text
                 wres = waited.json()
                 _check_expected(wres, plan, exact)
-                assert final == {"exit_code": wres["exit_code"], "timed_out": False}, final
+                assert final == {"exit_code": wres["exit_code"],
+                                 "timed_out": wres["timed_out"]}, final
                 for name, data in (("stdout", plan["out"]), ("stderr", plan["err"])):
                     # a live stream is not capped: every byte the command wrote
                     if exact:
