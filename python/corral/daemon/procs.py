@@ -57,7 +57,7 @@ class Capture:
     follower or thrown away) is read within the loop's DiscardBudget; ``hold`` stops reading
     (the writer then waits on its full pipe) until every holder has let go."""
 
-    __slots__ = ("fd", "kept", "cap", "total", "listeners", "decoder", "loop", "keep", "sha",
+    __slots__ = ("fd", "kept", "cap", "total", "listeners", "loop", "keep", "sha",
                  "holds")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, cap: int,
@@ -69,8 +69,9 @@ class Capture:
         self.total = 0
         self.keep = True           # False once the command is done: read only to avoid SIGPIPE
         self.sha: Any = None       # sha256 of the whole stream, started once it passes the cap
-        self.listeners: list[Callable[[str], None]] | None = None
-        self.decoder: Any = None   # incremental UTF-8 decoder, made when someone streams
+        # Who follows the stream, each with its own incremental UTF-8 decoder: one that came
+        # after a gap must not get a character begun by bytes before it.
+        self.listeners: list[tuple[Callable[[str], None], Any]] | None = None
         self.holds: list[object] = []  # who has reading stopped (DiscardBudget, Follower)
         loop.add_reader(fd, self._on_readable)
 
@@ -130,9 +131,9 @@ class Capture:
                 self.sha.update(data[n:] if n else data)
                 DiscardBudget.of(self.loop).spend(len(data) - n)
             if self.listeners:
-                text = self.decoder.decode(data)
-                if text:
-                    for cb in self.listeners:
+                for cb, dec in list(self.listeners):
+                    text = dec.decode(data)
+                    if text:
                         cb(text)
         return True
 
@@ -151,24 +152,23 @@ class Capture:
         many bytes the command wrote after that which were dropped (past its cap before
         anyone streamed): the text ``cb`` gets follows that gap, not the buffered text."""
         skipped = self.total - len(self.kept)
-        if self.decoder is None:
-            self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-            # Bytes read before anyone streamed were not fed to the decoder: its state is
-            # their unfinished last character (at most 3 bytes), which their last 4 set.
-            # Not past a gap: the bytes after it do not continue that character.
-            if not skipped:
-                self.decoder.decode(self.kept.tail(4))
+        dec = codecs.getincrementaldecoder("utf-8")("replace")
+        # Bytes read before it came were not fed to its decoder: its state is their
+        # unfinished last character (at most 3 bytes), which their last 4 set. Not past a
+        # gap: the bytes after it do not continue that character.
+        if not skipped:
+            dec.decode(self.kept.tail(4))
         if self.listeners is None:
             self.listeners = []
-        self.listeners.append(cb)
+        self.listeners.append((cb, dec))
         if skipped:  # the kept text whole, as the command's result has it
             return self._text(len(self.kept)), skipped
-        pending = len(self.decoder.getstate()[0])
+        pending = len(dec.getstate()[0])
         return self._text(len(self.kept) - pending), 0
 
     def unsubscribe(self, cb: Callable[[str], None]) -> None:
-        if self.listeners and cb in self.listeners:
-            self.listeners.remove(cb)
+        if self.listeners:
+            self.listeners = [(c, d) for c, d in self.listeners if c != cb]  # bound methods: ==
 
     def text(self) -> str | OutputText:
         """What it kept, as text: a str when small, else read from the kept bytes as it is
@@ -197,14 +197,13 @@ class Capture:
         self.kept = Kept(None)
 
     def flush(self) -> None:
-        """The command's output is all read: give the listeners what the decoder still holds,
-        an unfinished last character (one U+FFFD, as the answer's decode gives it), or a
-        stream would end short of the command's own result."""
-        if self.listeners and self.decoder is not None:
-            text = self.decoder.decode(b"", True)
+        """The command's output is all read: give each listener what its decoder still
+        holds, an unfinished last character (one U+FFFD, as the answer's decode gives it), or
+        a stream would end short of the command's own result."""
+        for cb, dec in list(self.listeners or ()):
+            text = dec.decode(b"", True)
             if text:
-                for cb in self.listeners:
-                    cb(text)
+                cb(text)
 
     def finish(self) -> None:
         """The command is done: stop buffering, keep draining to EOF."""
