@@ -130,6 +130,30 @@ def test_exit_code_and_stderr(sbx: Sandbox) -> None:
     assert ei.value.stdout == "out\n" and ei.value.stderr == "err\n"
 
 
+def test_adversarial_outputs_arrive_as_corral_decodes_them(sbx: Sandbox) -> None:
+    """The fidelity fuzz's outputs (tests/test_output_fidelity.py: invalid UTF-8 split
+    between reads, encoded surrogates, NULs, an unfinished last character...) through the
+    front: stdout and stderr are corral's text of them (``bytes.decode("utf-8",
+    "replace")``, to the last character), the exit code the command's."""
+    from test_output_fidelity import GEN, _plan_file, make_plan
+
+    sbx.files.write("/tmp/gen.py", GEN)
+    seeds = [s for s in range(40) if "late" not in make_plan(s) and "hang" not in
+             make_plan(s) and make_plan(s)["cap"] >= 4 << 20][:4]
+    for seed in [7, *seeds]:  # 7: stdout is one byte, b"\xe2"
+        plan = make_plan(seed)
+        sbx.files.write(f"/tmp/plan{seed}", _plan_file(plan))
+        try:
+            r = sbx.commands.run(f"python3 /tmp/gen.py /tmp/plan{seed}", timeout=60)
+            code, out, err = r.exit_code, r.stdout, r.stderr
+        except CommandExitException as e:
+            code, out, err = e.exit_code, e.stdout, e.stderr
+        assert out == plan["out"].decode("utf-8", "replace"), seed
+        assert err == plan["err"].decode("utf-8", "replace"), seed
+        signum = plan.get("signal")
+        assert code == (plan["exit"] if signum is None else 128 + signum) or signum, seed
+
+
 def test_streaming_callbacks(sbx: Sandbox) -> None:
     out: list[str] = []
     err: list[str] = []
