@@ -365,6 +365,14 @@ def test_outputs_agree_across_answer_stream_log_and_replay(own):
                 assert rb.json()["pid"] == pid, rb.text
                 if exact:
                     _stream_opened_midway(c, sb, seed, plan, body)
+                    # a batch of one: its result is the plan's, its log entry the result
+                    bat = c.post("/v1/sandboxes/batch/exec", json={
+                        "ids": [sid], "exec": body})
+                    assert bat.status_code == 200, bat.text[:300]
+                    bres = bat.json()["results"][0]
+                    _check_expected(bres, plan, True)
+                    last = c.get(f"/v1/sandboxes/{sid}/log", params={"tail": 1}).json()
+                    _check_logged(last["entries"][0]["result"], bres, plan, True)
 
                 # the log: the foreground exec and the wait, as the client got them
                 entries = c.get(f"/v1/sandboxes/{sid}/log").json()["entries"]
