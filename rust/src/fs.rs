@@ -345,7 +345,7 @@ fn mkdir_p(
     // From the deepest existing directory, each missing one is made in its parent and
     // entered by name (resolving each prefix from the root again cost a path of 2,000 new
     // components ~2 million lookups). What is not a directory there (a file, a symlink: the
-    // sandbox's, made meanwhile) is resolved from the root as before, for its error.
+    // sandbox's, made meanwhile) is resolved from the root, for its error.
     let (have, mut cur) = match deepest_dir(root, path, n) {
         Some(found) => found,
         None => (
