@@ -91,6 +91,12 @@ def _resolve(results: list[tuple[asyncio.Future[Any], Any, BaseException | None]
             fut.set_result(value)
 
 
+# Big entries (keys.BIG_ENTRY) encoded or parsed at once in the whole daemon. Their pieces
+# let the loop go, so without a bound every command ending together would hold its entry's
+# text at once (32 commands with 4 MiB of binary output kept: +640 MiB).
+BIG_AT_ONCE = 2
+
+
 class _Base:
     def __init__(self, state_dir: str, *, enabled: bool = True, retention_s: float = 7 * 86400,
                  output_cap: int = 1 << 20, body_cap: int = 1 << 20, sync: str = "normal",
@@ -157,6 +163,9 @@ class _Base:
         # tenant -> its one big entry encoded or parsed at a time, and the calls that want
         # it (Idempotency._one_big)
         self._encoding: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        # Big entries encoded or parsed at once, whoever's: each holds its text (and the
+        # journal line's) whole for a moment, ~6 bytes a byte of binary output.
+        self._big_slots = asyncio.Semaphore(BIG_AT_ONCE)
         self.interrupted = 0  # started rows found open (and marked interrupted) at open()
         self.recovered_records = 0  # journal records a dead daemon left, ingested at open()
         # records: entries ingested into SQLite; journaled: entries journaled (the loop's).

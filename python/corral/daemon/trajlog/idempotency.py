@@ -288,7 +288,8 @@ class Idempotency(Writer):
     @contextlib.asynccontextmanager
     async def _one_big(self, sid: str) -> AsyncIterator[None]:
         """Held while a big entry of ``sid``'s tenant (of ``sid`` itself once it is gone: no
-        tenant is known then) is encoded or parsed: one of a tenant's at a time."""
+        tenant is known then) is encoded or parsed: one of a tenant's at a time, and at most
+        BIG_AT_ONCE in all."""
         owner = self._tenant.get(sid) or f"sandbox {sid}"
         held = self._encoding.get(owner)
         if held is None:
@@ -296,7 +297,7 @@ class Idempotency(Writer):
         lock, users = held
         users[0] += 1
         try:
-            async with lock:
+            async with lock, self._big_slots:
                 yield
         finally:
             users[0] -= 1

@@ -16,7 +16,7 @@ from corral.daemon.outputmem import OutputText
 from corral.daemon.tenants import TENANT_LABEL
 from corral.errors import InternalError
 
-from .base import PRUNE_EVERY_S, _committed, _Control, _Start
+from .base import BIG_AT_ONCE, PRUNE_EVERY_S, _committed, _Control, _Start
 from .ingest import WAL_SIZE_LIMIT, Ingester
 from .keys import INTERRUPTED, STARTED, _dumps, _plain, interrupted_error, sha256
 from .schema import (
@@ -43,6 +43,7 @@ class Writer(Ingester):
         if not self.enabled:
             return
         self._loop = loop
+        self._big_slots = asyncio.Semaphore(BIG_AT_ONCE)  # this loop's
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         # One writer per state dir: a second one would take the first's journal for a dead
         # daemon's and remove it under its feet.
