@@ -306,10 +306,16 @@ class GvisorSubstrate(RootFileOps, Substrate):
         return True
 
     def is_alive(self, runtime: SandboxRuntime) -> bool:
-        if runtime.pidfd >= 0:
-            return not kernel.pidfd_exited(runtime.pidfd)
-        return runtime.init_pid > 0 and kernel.proc_alive(runtime.init_pid,
-                                                            runtime.init_starttime)
+        """The sandbox process exists and is not on its way out. Its pidfd turns readable only
+        once its last thread is gone, and a command's `runsc exec` client answers as soon
+        as the sentry's sockets close, before that: a sentry killed by an OOM from outside
+        (the host's) then read as alive, and the client's failure became the command's
+        result. A sentry in do_exit (PF_EXITING, or a zombie) is not alive."""
+        if runtime.init_pid <= 0:
+            return False
+        if runtime.pidfd >= 0 and kernel.pidfd_exited(runtime.pidfd):
+            return False
+        return kernel.proc_alive(runtime.init_pid, runtime.init_starttime)
 
     def destroy(self, runtime: SandboxRuntime) -> None:
         self._destroy_id(runtime.sandbox_id, runtime.init_pid if runtime.pidfd >= 0 else 0)
