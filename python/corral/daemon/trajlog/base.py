@@ -24,9 +24,10 @@ MAX_BOUND_SETS = 100_000
 # Records journaled and not yet in the database beyond which calls wait for the ingester (a
 # disk slower than the calls): memory stays bounded, the journal does not outrun SQLite.
 MAX_PENDING = 50_000
-# ...or bytes of them: an exec's entry carries up to output_cap characters of each stream
-# (JSON: up to ~12 MiB for 1 Mi characters each), and 48 commands flooding their output grew
-# the daemon by ~450 MiB of entries the ingester (nice 19) had not taken yet.
+# ...or bytes of them, counting the batch the ingester is writing: an exec's entry carries up
+# to output_cap characters of each stream (JSON: up to ~12 MiB for 1 Mi characters each), and
+# 48 commands flooding their output grew the daemon by ~450 MiB of entries the ingester (nice
+# 10) had not written yet.
 MAX_PENDING_BYTES = 64 << 20
 
 log = logging.getLogger("corral.trajlog")
@@ -124,6 +125,7 @@ class _Base:
         self._mu = threading.Lock()
         self._pending: list[_Line | _Control] = []
         self._pending_bytes = 0  # journal bytes of the lines in _pending (under _mu)
+        self._ingesting_bytes = 0  # ...and of the batch the ingester is writing
         self._wake = threading.Event()
         self._now = threading.Event()
         # Entries that bind an idempotency key, journaled and not yet ingested: (scope, key)
@@ -231,9 +233,10 @@ class _Base:
         return self._full or self._backlogged()
 
     def _backlogged(self) -> bool:
-        """What the ingester has not taken is past MAX_PENDING lines or MAX_PENDING_BYTES (a
-        disk, or an ingester, slower than the calls)."""
-        return len(self._pending) > MAX_PENDING or self._pending_bytes > MAX_PENDING_BYTES
+        """What the ingester has not taken is past MAX_PENDING lines, or with what it is
+        writing, past MAX_PENDING_BYTES (a disk, or an ingester, slower than the calls)."""
+        return (len(self._pending) > MAX_PENDING
+                or self._pending_bytes + self._ingesting_bytes > MAX_PENDING_BYTES)
 
     async def flushed(self) -> None:
         """Return once everything journaled so far is in the database (a reader of the log

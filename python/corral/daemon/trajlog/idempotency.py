@@ -252,38 +252,73 @@ class Idempotency(Writer):
         start = self._close_start(c)
         while self._backlogged():  # before its copy is made: calls ending together (a
             await self.flushed()   # flood of big outputs) add at most the bound between them
-        if compact and getattr(to_log, "__func__", None) is Writer.exec_result:
-            result = self.exec_result(value, compact=True)  # the outputs' real tails
-        else:
-            result = to_log(value) if to_log is not None else value
-            if compact and isinstance(result, dict):
-                result = _compacted(result)
+        await self._log_result(c, sid, op, request, value, key, fp, to_log, compact,
+                               snapshot_ids, ids, start)
+        if self._behind():  # (the copy and its texts are let go of by now)
+            await self.flushed()
+        return value
+
+    async def _log_result(self, c: _Start, sid: str, op: str, request: Any, value: Any,
+                          key: str | None, fp: str | None,
+                          to_log: Callable[[Any], dict[str, Any]] | None, compact: bool,
+                          snapshot_ids: SnapIds, ids: list[str] | None,
+                          start: _Start | None) -> None:
+        """Journal a call's result (the log's copy of ``value``)."""
+        def log_copy() -> Any:
+            if compact and getattr(to_log, "__func__", None) is Writer.exec_result:
+                return self.exec_result(value, compact=True)  # the outputs' real tails
+            copy = to_log(value) if to_log is not None else value
+            return _compacted(copy) if compact and isinstance(copy, dict) else copy
+
         scope = sid  # a create's key is bound globally (scope ""), its entry is the new id's
+        written = [False]
+
+        def write(result: Any, texts: tuple[str, str] | None = None) -> None:
+            entry_sid, entry_ids = self._entry_ids(op, sid, result, snapshot_ids, ids)
+            self._write_entry(entry_sid, op, request, result, None, c.started_at,
+                              self.clock.time(), key, fp, entry_ids, start, scope, c.req_text,
+                              result_texts=texts)
+            written[0] = True
+
+        made = None  # the log's copy, made now if the value is small
+        if text_size(value, BIG_ENTRY) <= BIG_ENTRY:
+            made = log_copy()
+            if text_size(made, BIG_ENTRY) <= BIG_ENTRY:
+                write(made)
+                return
+        # A big one is copied (an output's first megabyte made text), encoded a piece at a
+        # time and journaled while its tenant holds a big slot: its commands ending together
+        # leave the loop to the others between pieces, and those waiting hold no copy yet.
+        copy = log_copy if made is None else (lambda: made)
+        job = asyncio.ensure_future(self._write_big(scope, copy, write))
+        try:
+            await asyncio.shield(job)
+        except asyncio.CancelledError:  # the call ran: its entry is written all the same
+            job.cancel()
+            if not written[0]:
+                write(copy())
+            raise
+
+    async def _write_big(self, sid: str, copy: Callable[[], Any],
+                         write: Callable[[Any, tuple[str, str] | None], None]) -> None:
+        """``write`` the log's ``copy`` of a result, encoded a piece at a time, while ``sid``'s
+        tenant holds its big slot."""
+        async with self._one_big(sid):
+            while self._backlogged():  # checked again: the slot may have been a long wait
+                await self.flushed()
+            result = copy()
+            write(result, await encoded(result) if text_size(result, BIG_ENTRY) > BIG_ENTRY
+                  else None)
+
+    @staticmethod
+    def _entry_ids(op: str, sid: str, result: Any, snapshot_ids: SnapIds,
+                   ids: list[str] | None) -> tuple[str, list[str] | None]:
+        """The sandbox an entry is of (a create's: the new id) and its snapshot ids."""
         if op == "create" and isinstance(result, dict):
             sid = str(result.get("id", sid))
         if callable(snapshot_ids):
             ids = snapshot_ids(result)
-        texts = None
-        if text_size(result, BIG_ENTRY) > BIG_ENTRY:
-            # Encoded a piece at a time, one of a tenant's at once: its commands ending
-            # together leave the loop to the others between pieces.
-            job = asyncio.ensure_future(self._encoded(sid, result))
-            try:
-                texts = await asyncio.shield(job)
-            except asyncio.CancelledError:  # the call ran: its entry is written all the same
-                job.cancel()
-                self._write_entry(sid, op, request, result, None, started, clock.time(), key,
-                                  fp, ids, start, scope, c.req_text)
-                raise
-        self._write_entry(sid, op, request, result, None, started, clock.time(), key, fp, ids,
-                          start, scope, c.req_text, result_texts=texts)
-        if self._behind():
-            await self.flushed()
-        return value
-
-    async def _encoded(self, sid: str, result: Any) -> tuple[str, str]:
-        async with self._one_big(sid):
-            return await encoded(result)
+        return sid, ids
 
     @contextlib.asynccontextmanager
     async def _one_big(self, sid: str) -> AsyncIterator[None]:

@@ -46,7 +46,30 @@ WAL_SIZE_LIMIT = 64 << 20
 # rowid range scan.
 INDEX_EVERY = 64
 
+# A multi-row INSERT of entries binds at most CHUNK_TEXT characters of their texts (request,
+# result, error): SQLite copies each bound text until the statement is done, and a batch is
+# up to MAX_PENDING_BYTES of entries (an exec's with binary output: ~12 MiB of JSON), so one
+# statement for all of them held a second copy of the whole batch. A bigger one goes alone.
+CHUNK_TEXT = 1 << 20
+
 log = logging.getLogger("corral.trajlog")
+
+
+def _text_len(row: tuple[Any, ...]) -> int:
+    return len(row[5] or "") + len(row[6] or "") + len(row[7] or "")
+
+
+def _chunk(rows: list[tuple[Any, ...]], k: int) -> int:
+    """Rows from ``k`` for one multi-row INSERT: a power of two, at most
+    ENTRIES_PER_STATEMENT, their texts at most CHUNK_TEXT (or the one row ``k``)."""
+    limit = min(ENTRIES_PER_STATEMENT, len(rows) - k)
+    n = text = 0
+    while n < limit:
+        text += _text_len(rows[k + n])
+        if text > CHUNK_TEXT:
+            break
+        n += 1
+    return 1 << (n.bit_length() - 1) if n else 1
 
 
 class Ingester(_Base):
@@ -98,6 +121,7 @@ class Ingester(_Base):
             with self._mu:
                 batch, self._pending = self._pending, []
                 size, self._pending_bytes = self._pending_bytes, 0  # bounded by the waits
+                self._ingesting_bytes = size
             if batch:
                 if not self._ingest(conn, batch, size):
                     lines = [it for it in batch if type(it) is tuple]
@@ -154,6 +178,7 @@ class Ingester(_Base):
                 pass
             self.stats["ingest_errors"] += 1
             err = InternalError(f"could not write the trajectory log: {e}")
+            self._ingesting_bytes = 0  # back in _pending (the caller): counted there
             self._resolve_soon([(it.fut, None, err) for it in batch
                                 if isinstance(it, _Control) and it.fut is not None])
             return False
@@ -180,6 +205,7 @@ class Ingester(_Base):
                 st["checkpoints"] += 1
             except sqlite3.Error:
                 log.exception("trajectory log checkpoint failed")
+        self._ingesting_bytes = 0  # before the waiters wake: they check it
         self._resolve_soon(results)
         return True
 
@@ -198,7 +224,7 @@ class Ingester(_Base):
                     rows = list({r[0]: r for r in rows}.values())  # (in first-seen order)
                 k = 0
                 while k < len(rows):
-                    size = min(ENTRIES_PER_STATEMENT, 1 << ((len(rows) - k).bit_length() - 1))
+                    size = _chunk(rows, k)
                     chunk = rows[k:k + size]
                     conn.execute(_entries_sql(size), [v for r in chunk for v in r])
                     k += size
