@@ -478,11 +478,13 @@ def test_background_stream(c, sb):
     out = "".join(x["data"] for x in lines[:-1] if x["stream"] == "stdout")
     err = "".join(x["data"] for x in lines[:-1] if x["stream"] == "stderr")
     assert (out, err) == ("first\n2\n3\n", "e2\ne3\n")
-    assert lines[-1] == {"exit_code": 5, "timed_out": False}
+    end = {"pid": pid, "running": False, "exit_code": 5, "timed_out": False, "signal": None,
+           "oom_killed": False}
+    assert lines[-1] == end
     # Streaming a finished process replays its output.
     with c.stream("GET", f"/v1/sandboxes/{sb}/procs/{pid}/stream") as r:
         again = [json.loads(x) for x in r.iter_lines() if x]
-    assert again[-1] == {"exit_code": 5, "timed_out": False}
+    assert again[-1] == end
     assert "".join(x.get("data", "") for x in again if x.get("stream") == "stdout") == out
 
 

@@ -258,6 +258,24 @@ def test_background_stdin_and_kill(sb):
     assert res.exit_code == 137 and not r.status().running
 
 
+def test_a_streams_end_says_how_its_process_ended(sb):
+    """The last line of a stream carries the process's status whole: a signal is told from an
+    exit code past 128, and an OOM kill at the sandbox's limit is told as such, as wait()
+    does. Before, it had only the exit code and timed_out."""
+    p = sb.exec("exec sleep 60", background=True)
+    p.kill(15)
+    assert list(p.stream()) == []
+    assert (p.exit_code, p.signal, p.oom_killed) == (143, 15, False)
+    q = sb.exec("exit 143", background=True)
+    assert list(q.stream()) == []
+    assert (q.exit_code, q.signal, q.oom_killed) == (143, None, False)
+    with corral.Sandbox(memory_mb=48, timeout=120) as small:
+        hog = small.exec(["python3", "-c", "b = []\nwhile True: b.append(bytearray(1 << 20))"],
+                         background=True)
+        assert list(hog.stream()) == []
+        assert (hog.exit_code, hog.signal, hog.oom_killed) == (137, 9, True)
+
+
 def test_abandoned_stream_does_not_poison_the_client(sb):
     p = sb.exec("for i in $(seq 1 200); do echo line $i; sleep 0.01; done", background=True)
     for _stream, data in p.stream():

@@ -56,3 +56,17 @@ def test_exec_result_from_a_newer_daemon(sandbox):
     got["cpu_time_s"] = 0.01
     res = ExecResult.model_validate_json(json.dumps(got))
     assert res.stdout == "hi\n" and res.ok
+
+
+def test_a_streams_last_line_from_an_older_or_newer_daemon():
+    """The status a stream ends with: all of it from this daemon; an older one's (exit code
+    and timed_out only) reads as no signal and no OOM kill; a newer one's extra fields are
+    ignored."""
+    full = api.stream_event(b'{"pid": 3, "running": false, "exit_code": 137, '
+                            b'"timed_out": false, "signal": 9, "oom_killed": true}')
+    assert (full.pid, full.exit_code, full.signal, full.oom_killed) == (3, 137, 9, True)
+    old = api.stream_event(b'{"exit_code": 143, "timed_out": false}')
+    assert (old.exit_code, old.signal, old.oom_killed, old.running) == (143, None, False, False)
+    newer = api.stream_event(b'{"exit_code": 0, "timed_out": false, "signal": null, '
+                             b'"cpu_time_s": 0.5}')
+    assert newer.exit_code == 0 and newer.signal is None

@@ -476,7 +476,9 @@ async def proc_wait(request: web.Request) -> web.Response:
 
 async def proc_stream(request: web.Request) -> web.StreamResponse:
     """NDJSON: output chunks as they come (what was buffered first), then one final line:
-    ``{"exit_code", "timed_out"}``, or ``{"error": {...}}`` if the sandbox ended under it.
+    the process's status (``{"pid", "running": false, "exit_code", "timed_out", "signal",
+    "oom_killed"}``), or ``{"error": {...}}`` if the sandbox ended under it (a host OOM
+    included: the same answer as its wait).
     A stream that passed its cap before this follower came has bytes nobody kept between
     what was buffered and what comes now: a line ``{"stream", "data": "", "skipped": n}``
     says so where they were, so the chunks are never read as one contiguous output."""
@@ -497,7 +499,7 @@ async def proc_stream(request: web.Request) -> web.StreamResponse:
         with engine.following(sb):  # a client following the output is activity (no idle)
             while (item := await _unless_gone(request, follower.next())) is not None:
                 await jsonbody.write_line(resp, {"stream": item[0], "data": item[1]})
-        final: dict[str, Any] = {"exit_code": p.exit_code, "timed_out": p.timed_out}
+        final: dict[str, Any] = p.status()
         try:
             await engine.after_exit(sb, p)
         except CorralError as e:

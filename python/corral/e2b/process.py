@@ -134,14 +134,9 @@ class ProcessService:
             return
         code = p.exit_code if p.exit_code is not None else -1
         end: dict[str, Any] = {"exitCode": code, "exited": True, "status": f"exit status {code}"}
-        if code > 128:
-            try:
-                st = await p.status()
-            except ce.CorralError:
-                st = None
-            if st is not None and st.signal:
-                name = SIGNAL_NAMES.get(st.signal, f"signal {st.signal}")
-                end = {"exitCode": -1, "exited": False, "status": f"signal: {name}"}
+        if p.signal:  # the stream's last line says (a shell's exit code 137 is no signal)
+            name = SIGNAL_NAMES.get(p.signal, f"signal {p.signal}")
+            end = {"exitCode": -1, "exited": False, "status": f"signal: {name}"}
         await stream.send({"event": {"end": end}})
         await stream.end()
 

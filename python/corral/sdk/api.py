@@ -495,8 +495,12 @@ def stream_event(line: bytes) -> OutputChunk | Skipped | ProcessStatus:
         return OutputChunk(obj["stream"], obj.get("data", ""))
     if "error" in obj:
         raise error_from_payload(obj)
-    return ProcessStatus(pid=0, running=False, exit_code=obj.get("exit_code"),
-                         timed_out=bool(obj.get("timed_out", False)))
+    signal = obj.get("signal")
+    return ProcessStatus(pid=int(obj.get("pid") or 0), running=False,
+                         exit_code=obj.get("exit_code"),
+                         timed_out=bool(obj.get("timed_out", False)),
+                         signal=signal if isinstance(signal, int) else None,
+                         oom_killed=bool(obj.get("oom_killed", False)))
 
 
 # ---- files --------------------------------------------------------------------------------

@@ -240,6 +240,10 @@ class ProcessBase:
         #: Set once the exit is known (from wait(), stream() or status()).
         self.exit_code: int | None = None
         self.timed_out = False
+        #: The signal that ended it (None: it exited), and whether that was an OOM kill at
+        #: its sandbox's own memory limit.
+        self.signal: int | None = None
+        self.oom_killed = False
         #: Bytes of each stream that stream() did not deliver: output past the process's
         #: ``max_output_bytes`` the daemon dropped before stream() was opened. They came
         #: right after the kept output (the first chunks), before the live ones.
@@ -248,10 +252,12 @@ class ProcessBase:
     def _saw_status(self, st: ProcessStatus) -> ProcessStatus:
         if not st.running:
             self.exit_code, self.timed_out = st.exit_code, st.timed_out
+            self.signal, self.oom_killed = st.signal, st.oom_killed
         return st
 
     def _saw_result(self, res: E) -> E:
         self.exit_code, self.timed_out = res.exit_code, res.timed_out
+        self.signal, self.oom_killed = res.signal, res.oom_killed
         return res
 
     def __reduce__(self) -> tuple[Any, ...]:
