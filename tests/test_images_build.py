@@ -23,6 +23,7 @@ from corral.errors import (
     BuildFailed,
     Conflict,
     ImageNotFound,
+    InvalidImage,
     RegistryUnauthorized,
     SandboxNotFound,
     Unsupported,
@@ -508,6 +509,26 @@ def test_push_then_pull_on_a_fresh_node_and_run(env: dict) -> None:
             admin.push_image("topush", endpoint=ep)
     finally:
         _rm(ep, "topush")
+
+
+def test_a_file_named_like_a_whiteout_is_refused_at_push(env: dict) -> None:
+    """A file the sandbox named ``.wh.x`` (or ``.wh..wh..opq``) has no form in an OCI
+    layer: every reader takes it for a whiteout. Pushed as one, the image lost ``/opt/x``
+    and the file itself; the push is refused, naming the file, and nothing is sent."""
+    ep, reg = env["ep"], env["reg"]
+    for name in (".wh.x", ".wh..wh..opq"):
+        target = f"{reg.addr}/team/whiteoutname:v1"
+        try:
+            with corral.Sandbox(image=env["base"], endpoint=ep) as sb:
+                sb.exec(f"mkdir -p /opt/w && echo keep > /opt/w/x && echo data > /opt/w/{name}",
+                        user="root")
+                sb.commit("whname")
+            with pytest.raises(InvalidImage) as e:
+                admin.push_image("whname", target, endpoint=ep)
+            assert e.value.details["path"].endswith(f"opt/w/{name}"), e.value.details
+            assert "whiteout" in str(e.value)
+        finally:
+            _rm(ep, "whname")
 
 
 def test_cli_build_commit_push(env: dict) -> None:

@@ -8,7 +8,8 @@ PAX headers. The tar is deterministic (sorted names, the files' own mtimes and o
 without a timestamp), so pushing one layer twice gives one digest, which ``push.json`` in the
 layer's directory remembers: a blob the registry has is not made or sent again. A layer that
 was pulled is first looked for by its original digest. A layer with an overlay redirect or
-metacopy xattr (a directory renamed under ``redirect_dir=on``) has no tar form: refused."""
+metacopy xattr (a directory renamed under ``redirect_dir=on``) has no tar form, nor has a file
+named like a whiteout (``.wh.*``): refused."""
 
 from __future__ import annotations
 
@@ -121,6 +122,12 @@ def add_tree(tf: tarfile.TarFile, root: str, prefix: str = "", exact: bool = Fal
             if not (stat.S_ISDIR(m) or stat.S_ISREG(m) or stat.S_ISLNK(m)
                     or stat.S_ISFIFO(m) or sock):
                 continue  # devices and sockets never reach an image layer; skip if any
+            if name.startswith(".wh.") and not exact:
+                # Any reader of an OCI layer takes it for a whiteout (of the name after the
+                # prefix, or the opaque marker): pushed, the image would lose a file.
+                raise InvalidImage(f"cannot push: {rel!r} is named like an OCI whiteout "
+                                   "(.wh.*) and would read as one; rename it",
+                                   details={"path": rel})
             ti = _member(root, rel, st, exact)
             ti.name = prefix + rel
             if exact and name.startswith(".wh."):
