@@ -343,8 +343,9 @@ def test_outputs_agree_across_answer_stream_log_and_replay(own):
                 assert waited.status_code == 200, waited.text
                 wres = waited.json()
                 _check_expected(wres, plan, exact)
-                assert final == {"exit_code": wres["exit_code"],
-                                 "timed_out": wres["timed_out"]}, final
+                assert final == {"pid": pid, "running": False, "exit_code": wres["exit_code"],
+                                 "timed_out": wres["timed_out"], "signal": wres["signal"],
+                                 "oom_killed": False}, final
                 for name, data in (("stdout", plan["out"]), ("stderr", plan["err"])):
                     # a live stream is not capped: every byte the command wrote
                     if exact:
@@ -448,7 +449,8 @@ def test_a_stream_opened_past_the_cap_marks_the_bytes_it_missed(own):
         assert gaps == {"stdout": [res.stdout, len(first) - 4095]}, \
             (gaps.get("stdout", [""])[0][-3:], gaps.get("stdout", [0, 0])[1])
         assert streamed == {"stdout": "\ufffd\ufffdB", "stderr": ""}
-        assert final == {"exit_code": 0, "timed_out": False}
+        assert {k: final[k] for k in ("running", "exit_code", "timed_out", "signal")} == {
+            "running": False, "exit_code": 0, "timed_out": False, "signal": None}, final
         # the SDK: the kept output, then the live one; the gap counted, not spliced over
         sb.files.remove("/tmp/ready-gap")
         q = sb.exec(["python3", "/tmp/gen.py", "/tmp/gap"], background=True,
@@ -486,3 +488,42 @@ def test_a_log_view_cuts_output_with_a_nul(own):
         assert entries[1]["result"]["stdout_bytes"] == 200_003
     finally:
         sb.kill()
+
+
+def test_run_code_outputs_are_what_the_program_wrote(own):
+    """run_code's own output path (the process substrate's pipes and cap, not an exec's):
+    for the same seeded plans, run as the request's program, each stream's text is the bytes
+    written cut at ``max_output_bytes`` and decoded with replacement, ``truncated`` says
+    whether either passed it, and the exit code, signal and status follow the plan (a
+    hang: ``timeout``, its output up to then kept). Writes of a child after the program's
+    exit are not the request's (its tree is killed with it), so plans here have none."""
+    import corral
+
+    code = GEN.replace("json.load(open(sys.argv[1]))", 'json.load(open("plan.json"))')
+    ep = f"unix://{own.socket_path}"
+    ran = 0
+    for seed in range(40):
+        plan = make_plan(seed)
+        plan.pop("late", None)
+        text = _plan_file(plan).decode()
+        if len(text) > 15 << 20:  # past run_code's files limit (16 MiB)
+            continue
+        cap = plan["cap"]
+        res = corral.run_code(code, files={"plan.json": text}, max_output_bytes=cap,
+                              timeout=4 if plan.get("hang") else 60, memory_mb=512,
+                              endpoint=ep)
+        out, err = plan["out"], plan["err"]
+        truncated = len(out) > cap or len(err) > cap
+        assert res.stdout == _text(out[:cap]), (seed, len(res.stdout), len(out), cap)
+        assert res.stderr == _text(err[:cap]), (seed, len(res.stderr), len(err), cap)
+        assert res.truncated == truncated, (seed, res.truncated)
+        if plan.get("hang"):
+            assert (res.status, res.signal, res.exit_code) == ("timeout", 9, 137), (seed, res)
+            continue
+        sig = plan.get("signal")
+        code_ = 128 + sig if sig else plan["exit"]
+        assert (res.exit_code, res.signal) == (code_, sig), (seed, res.exit_code, res.signal)
+        want = "output_truncated" if truncated else "ok" if code_ == 0 else "error"
+        assert res.status == want, (seed, res.status, want)
+        ran += 1
+    assert ran >= 20, ran
