@@ -37,6 +37,7 @@ from conftest import (
     private_daemon,
     session_metric,
     wait_until,
+    with_holds,
 )
 
 GVISOR = Path(STATE_DIR, "gvisor")
@@ -461,6 +462,32 @@ def test_a_kill_held_for_the_resume_outlives_a_daemon_kill9(daemon):
         box.resume()
         assert wait_until(lambda: not running(), 15), box.exec("ps -ef").stdout
     finally:
+        box.kill()
+
+
+def test_a_kill_not_yet_sent_outlives_a_daemon_kill9(tmp_path):
+    """The kill of a timed-out command runs in the background (a runsc exec and a runsc
+    kill); a daemon killed -9 before it was sent lost it, and the command its caller was
+    told had timed out ran on under the next daemon. Every kill is on disk until sent; the
+    next daemon sends it when it adopts the sandbox. (A test hold keeps the kill from being
+    sent until the daemon is dead.)"""
+    hold = tmp_path / "hold-kill"
+    hold.touch()
+    with private_daemon("corral-test-gvkill-", f"{CGROUP_NAME}-gvkill",
+                        **with_holds(gvisor_kill=hold)) as d:
+        box = corral.Sandbox(substrate="gvisor", timeout=300, endpoint=f"unix://{d.socket_path}")
+
+        def running() -> bool:
+            return "sleep 779" in box.exec("ps -eo args").stdout
+
+        res = box.exec("sleep 779", timeout=2)
+        assert (res.timed_out, res.exit_code) == (True, 137), res
+        assert running()  # its kill waits at the hold
+        d.kill9()
+        hold.unlink()
+        d.start()
+        assert box.info().state == "running"
+        assert wait_until(lambda: not running(), 15), box.exec("ps -ef").stdout
         box.kill()
 
 

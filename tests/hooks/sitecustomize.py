@@ -13,6 +13,8 @@ these wrap its functions from outside.
 - CORRAL_TEST_HOLD_SPAWN_ERROR_FILE: a container command refused a process (EAGAIN) waits
   before the daemon judges whose refusal it was (it makes ``<file>.held`` first; the
   daemon's loop waits with it).
+- CORRAL_TEST_HOLD_GVISOR_KILL_FILE: the kill of a gvisor command that was abandoned (its
+  timeout) waits before it is sent (in its thread).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def _install() -> None:
     ingest = os.environ.get("CORRAL_TEST_HOLD_INGEST_FILE")
     snapshot = os.environ.get("CORRAL_TEST_HOLD_SNAPSHOT_FILE")
     spawn_error = os.environ.get("CORRAL_TEST_HOLD_SPAWN_ERROR_FILE")
+    gvisor_kill = os.environ.get("CORRAL_TEST_HOLD_GVISOR_KILL_FILE")
     if entry or ingest:
         from corral.daemon.trajlog.ingest import Ingester
         from corral.daemon.trajlog.writer import Writer
@@ -91,6 +94,16 @@ def _install() -> None:
             return judge(self, runtime, e, *a, **kw)
 
         ContainerSubstrate._spawn_error = held_spawn_error
+    if gvisor_kill:
+        from corral.daemon.substrates.gvisor.substrate import GvisorSubstrate
+
+        kill_inner = GvisorSubstrate._kill_inner
+
+        def held_kill_inner(self: Any, *a: Any, **kw: Any) -> None:
+            _wait(gvisor_kill)
+            kill_inner(self, *a, **kw)
+
+        GvisorSubstrate._kill_inner = held_kill_inner
 
 
 _install()

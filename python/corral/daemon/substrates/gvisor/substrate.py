@@ -12,6 +12,7 @@ exactly as long as the sandbox does.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -109,7 +110,9 @@ def _remove_cgroup(rel: str) -> None:
 
 
 _EXITING = "Exiting with status: "
-_HELD = "kill-held-"  # <exec dir>/kill-held-<pid>: a kill held for the resume, not yet sent
+KILL_THREADS = 2  # threads sending kills to abandoned commands, for all gvisor sandboxes
+_HELD = "kill-held-"  # <exec dir>/kill-held-<pid>: a kill not yet sent (queued, or held
+# for the resume)
 # The same line in the text format of a daemon before the log was JSON: glog's prefix, the
 # whole line, and only as the log's last line.
 _EXITING_TEXT = re.compile(rb"I\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ [\w.-]+\.go:\d+\] "
@@ -201,6 +204,11 @@ class GvisorSubstrate(RootFileOps, Substrate):
         bundle.install_lockdown(self.lockdown)
         self._seq = itertools.count()
         self._pending: set[asyncio.Future[Any]] = set()  # kills of abandoned commands
+        # They run on threads of their own (a runsc exec and a runsc kill each, ~0.1 s): many
+        # commands timing out at once held the default executor, every tenant's creates
+        # queued behind them.
+        self._killer = concurrent.futures.ThreadPoolExecutor(KILL_THREADS,
+                                                             thread_name_prefix="gvisor-kill")
         # Kills of abandoned commands in a paused sandbox (runsc signals nothing in one), by
         # sandbox id: sent when it is resumed (thaw). The lock makes "paused? then defer" one
         # step against thaw's "resume, then take the deferred". Each is on disk too until it
@@ -381,7 +389,8 @@ class GvisorSubstrate(RootFileOps, Substrate):
 
     def close(self, *, retire: bool = False) -> None:
         for fut in list(self._pending):
-            fut.cancel()
+            fut.cancel()  # one not started stays on disk: the next daemon sends it (adopt)
+        self._killer.shutdown(wait=False, cancel_futures=True)
         if not retire:
             return
         # Every sandbox is gone: the cgroup parents runsc made in hierarchies the daemon
@@ -482,7 +491,20 @@ class GvisorSubstrate(RootFileOps, Substrate):
         self._schedule_kill(loop, sid, inner)
 
     def _schedule_kill(self, loop: asyncio.AbstractEventLoop, sid: str, pid: int) -> None:
-        fut = loop.run_in_executor(None, self._kill_inner, loop, sid, pid)
+        """Kill an abandoned command in the background. It is on disk (_HELD) until sent: a
+        daemon that stops (or dies) before leaves it to the next one (adopt), or a command
+        its caller was told had timed out would run on."""
+        try:
+            with open(self._held_path(sid, pid), "x"):
+                pass
+        except FileExistsError:
+            pass
+        except OSError as e:
+            log.warning("cannot record a kill to send", extra={"sandbox": sid, "error": str(e)})
+        try:
+            fut = loop.run_in_executor(self._killer, self._kill_inner, loop, sid, pid)
+        except RuntimeError:  # closing: on disk, the next daemon sends it
+            return
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
 
