@@ -30,7 +30,7 @@ from corral.cluster.trajsource import ENTRY_COLS, SANDBOX_COLS
 from corral.daemon.tenants import TENANT_LABEL
 from corral.daemon.trajlog import _SCHEMA, DB_NAME, Reader, interrupted_error
 from corral.daemon.trajlog.keys import _dumps
-from corral.daemon.trajlog.schema import _STARTED_INDEX, _migrate, prune_ended
+from corral.daemon.trajlog.schema import _SANDBOX_SEQS, _STARTED_INDEX, _migrate, prune_ended
 
 SHIP_INTERVAL_S = 0.5
 PRUNE_EVERY_S = 600.0  # how often the copies drop what the nodes' retention drops
@@ -188,9 +188,10 @@ class LogCopies:
             if got is None:
                 continue
             sid, step = got
-            row = self._db(node).execute(
-                "SELECT result FROM entries WHERE sandbox_id=? AND op='create' AND status IS "
-                "NULL AND result IS NOT NULL ORDER BY seq LIMIT 1", (sid,)).fetchone()
+            row = self._db(node).execute(  # by the sandbox's seqs: no scan of every entry
+                f"SELECT result FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND op='create' "
+                "AND status IS NULL AND result IS NOT NULL ORDER BY seq LIMIT 1",
+                {"sid": sid}).fetchone()
             info = dict(json.loads(row[0]) if row else {"id": sid}, state="dead")
             return {"trajectory_id": tid, "sandbox_id": sid, "step": step, "sandbox": info,
                     "node": node}

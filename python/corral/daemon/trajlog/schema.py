@@ -60,6 +60,7 @@ CREATE TABLE IF NOT EXISTS tenant_log (
 # accounting survives a crash exactly as the entries do (a journal replayed at the next start
 # adds its entries' bytes again, through the same statements).
 _TENANT_SCHEMA = """
+CREATE INDEX IF NOT EXISTS sandboxes_ended ON sandboxes (ended_at) WHERE ended_at IS NOT NULL;
 CREATE INDEX IF NOT EXISTS sandboxes_tenant ON sandboxes (tenant, ended_at)
     WHERE tenant IS NOT NULL;
 CREATE TRIGGER IF NOT EXISTS tenant_log_add AFTER UPDATE OF log_bytes ON sandboxes
@@ -213,15 +214,30 @@ def prune_tenant(conn: sqlite3.Connection, tenant: str, need: int) -> int:
 def prune_ended(conn: sqlite3.Connection, cutoff: float) -> int:
     """In the caller's transaction: the log of every sandbox that ended before ``cutoff``,
     and the entries older than it of ids with no sandbox row (a call on a sandbox of an older
-    state dir, say). The number of sandboxes pruned. The caller lowers the watermark."""
+    state dir, say). The number of sandboxes pruned. The caller lowers the watermark.
+
+    It runs every minute on the ingester's thread, so it reads indexes and the entries'
+    leading columns only: a column after ``request`` (``ended_at``) is read of no entry but
+    an id's without a sandbox row, because reaching it reads the overflow pages of the
+    outputs before it (the whole file, for a log of big outputs)."""
     old = [r[0] for r in conn.execute(
         "SELECT sandbox_id FROM sandboxes WHERE ended_at IS NOT NULL AND ended_at < ?",
         (cutoff,)).fetchall()]
     for sid in old:
         _drop_sandbox(conn, sid)
-    gone = conn.execute("SELECT sandbox_id, seq FROM entries WHERE ended_at < ? AND "
-                        "sandbox_id NOT IN (SELECT sandbox_id FROM sandboxes)",
-                        (cutoff,)).fetchall()
-    conn.executemany("DELETE FROM entries WHERE seq=?", [(r[1],) for r in gone])
-    conn.executemany("DELETE FROM entries_by_sandbox WHERE sandbox_id=? AND seq=?", gone)
+    for sid in _ids_without_a_sandbox(conn):
+        gone = [(sid, r[0]) for r in conn.execute(
+            f"SELECT seq FROM entries WHERE seq IN ({_SANDBOX_SEQS}) AND ended_at < :cutoff",
+            {"sid": sid, "cutoff": cutoff})]
+        conn.executemany("DELETE FROM entries WHERE seq=?", [(seq,) for _, seq in gone])
+        conn.executemany("DELETE FROM entries_by_sandbox WHERE sandbox_id=? AND seq=?", gone)
     return len(old)
+
+
+def _ids_without_a_sandbox(conn: sqlite3.Connection) -> list[str]:
+    """The ids that have entries but no sandbox row: from the by-sandbox index and the
+    entries after it (their ``sandbox_id``, the row's second column)."""
+    return [r[0] for r in conn.execute(
+        "SELECT DISTINCT sandbox_id FROM (SELECT sandbox_id FROM entries_by_sandbox UNION ALL "
+        "SELECT sandbox_id FROM entries WHERE seq > (SELECT v FROM log_meta WHERE "
+        "k='indexed')) WHERE sandbox_id NOT IN (SELECT sandbox_id FROM sandboxes)")]
