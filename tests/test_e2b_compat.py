@@ -284,6 +284,39 @@ def test_watch_dir(sbx: Sandbox) -> None:
         h.stop()
 
 
+def test_a_recursive_watch_of_a_big_tree_stays_out_of_the_log(sbx: Sandbox) -> None:
+    """The agent makes 2,000 directories and the client watches them recursively: events
+    still come, each poll is one ``files.tree`` call that is not logged (before, one logged
+    ``list`` per directory per poll: ~3,000 entries a second in the sandbox's trajectory for
+    5,000 directories, and most of a core of corrald), and a tree past what a watcher
+    follows ends the watcher with ``resource_exhausted``, not corrald's time."""
+    from corral.e2b.filesystem import MAX_WATCHED
+
+    sbx.commands.run("mkdir -p /home/user/t && cd /home/user/t && seq 2000 | xargs mkdir",
+                     timeout=120)
+    before = len(corral.Sandbox.connect(sbx.sandbox_id).log())
+    h = sbx.files.watch_dir("/home/user/t", recursive=True)
+    try:
+        events: list = []
+
+        def seen(name: str) -> bool:
+            events.extend(h.get_new_events())
+            return any(e.name == name for e in events)
+
+        sbx.files.write("/home/user/t/1999/deep.txt", "x")
+        assert wait_until(lambda: seen("1999/deep.txt"), 30)
+        sbx.commands.run("touch /home/user/t/7/other")
+        assert wait_until(lambda: seen("7/other"), 30)
+    finally:
+        h.stop()
+    ops = [e.op for e in corral.Sandbox.connect(sbx.sandbox_id).log()[before:]]
+    assert "list" not in ops, ops.count("list")
+    sbx.commands.run(f"cd /home/user/t && seq 3000 {MAX_WATCHED + 1000} | xargs touch",
+                     timeout=120)
+    with pytest.raises(SandboxException, match="entries to watch"):
+        sbx.files.watch_dir("/home/user/t", recursive=True)
+
+
 # ---- lifecycle ----------------------------------------------------------------------------
 def test_list_timeout_kill_not_found(front: Front) -> None:
     tag = secrets.token_hex(4)

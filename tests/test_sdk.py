@@ -31,6 +31,7 @@ from corral.errors import (
     InvalidNetwork,
     InvalidPath,
     InvalidRequest,
+    NotADirectory,
     SandboxNotFound,
     SandboxNotRunning,
     Unsupported,
@@ -218,6 +219,30 @@ def test_large_bodies_both_ways(sb):
     assert sb.files.read_bytes("/big.bin") == blob
     out = sb.exec("head -c 1000000 /big.bin | od -An -v -tx1 | tr -d ' \\n'").stdout
     assert bytes.fromhex(out) == blob[:1000000]  # 2 MB of hex: under the output cap
+
+
+def test_files_tree_is_one_unlogged_breadth_first_answer():
+    """files.tree: breadth first, each directory's by name, cut at ``depth`` and ``limit``
+    (``truncated``), a symlink not followed; errors as list's; and no entry in the log."""
+    with Sandbox(timeout=120) as box:
+        box.exec("mkdir -p /t/b/d /t/a/c && touch /t/z /t/a/c/f && ln -s / /t/a/up")
+        before = len(box.log())
+        tree = box.files.tree("/t")
+        assert [e.path for e in tree.entries] == ["/t/a", "/t/b", "/t/z", "/t/a/c",
+                                                  "/t/a/up", "/t/b/d", "/t/a/c/f"]
+        assert not tree.truncated and tree.entries[4].type == "symlink"
+        assert [e.path for e in box.files.tree("/t", depth=1).entries] == ["/t/a", "/t/b",
+                                                                          "/t/z"]
+        cut = box.files.tree("/t", limit=4)
+        assert cut.truncated and [e.path for e in cut.entries][-1] == "/t/a/c"
+        assert not box.files.tree("/t", limit=7).truncated
+        with pytest.raises(FileNotFound):
+            box.files.tree("/nope")
+        with pytest.raises(NotADirectory):
+            box.files.tree("/t/z")
+        with pytest.raises(InvalidRequest):
+            box.files.tree("/t", depth=65)
+        assert len(box.log()) == before
 
 
 # ---- sync: background processes -------------------------------------------------------------

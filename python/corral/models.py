@@ -634,6 +634,11 @@ class FileEntry(_Response):
     mtime: float
 
 
+class FileTree(_Response):
+    entries: list[FileEntry] = Field(description="breadth first; each directory's by name")
+    truncated: bool = Field(description="more entries than the limit: these are the first")
+
+
 class MkdirRequest(_Model):
     path: AbsPath
     parents: bool = True

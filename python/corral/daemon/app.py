@@ -45,6 +45,8 @@ from corral.daemon.engine import MAX_READ_BYTES, Engine
 from corral.daemon.images import resolve_source
 from corral.daemon.metrics import CONTENT_TYPE, TIMED, Metrics
 from corral.daemon.params import (
+    MAX_PAGE,
+    MAX_TREE_DEPTH,
     check_path,
     decimal,
     label_filters,
@@ -59,6 +61,7 @@ from corral.daemon.params import (
 )
 from corral.daemon.procs import Follower
 from corral.daemon.routes import (
+    DEPTH_Q,
     FORMAT_Q,
     KEY_H,
     KEY_PATTERN,
@@ -116,6 +119,7 @@ from corral.models import (
     ExposedPort,
     ExposeRequest,
     FileEntry,
+    FileTree,
     ForkRequest,
     ForkResult,
     ImageInfo,
@@ -674,6 +678,13 @@ async def file_list(request: web.Request) -> web.Response:
     return _json({"entries": entries, "next": nxt})
 
 
+async def file_tree(request: web.Request) -> web.Response:
+    op = ops.Tree(request.match_info["id"], None, query_path(request),
+                  query_int(request, "depth", MAX_TREE_DEPTH, 1, MAX_TREE_DEPTH),
+                  query_int(request, "limit", MAX_PAGE, 1, MAX_PAGE))
+    return _json(await _dispatch(request, op))
+
+
 async def file_stat(request: web.Request) -> web.Response:
     op = ops.Stat(request.match_info["id"], _key(request), query_path(request))
     return _json(await _dispatch(request, op))
@@ -1134,6 +1145,12 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", SB + "/files/list", file_list, "List a directory, by name, a page at a "
           "time", query=(PATH_Q, *PAGE_Q, KEY_H), response=list_of("entries", FileEntry),
           errors=SB_ERR),
+    Route("GET", SB + "/files/tree", file_tree, "The entries under a directory, breadth first, "
+          "in one answer (an observation: not in the trajectory log)",
+          query=(PATH_Q, DEPTH_Q, Param("limit", description=f"at most this many entries "
+                 f"(default and most {MAX_PAGE}); more: `truncated`",
+                 schema={"type": "integer", "minimum": 1, "maximum": MAX_PAGE})),
+          response=FileTree, errors=SB_ERR),
     Route("GET", SB + "/files/stat", file_stat, "Stat a path (lstat)", query=(PATH_Q, KEY_H),
           response=FileEntry, errors=SB_ERR),
     Route("POST", SB + "/files/mkdir", file_mkdir, "Make a directory", body=MkdirRequest,

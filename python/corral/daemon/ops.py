@@ -253,6 +253,23 @@ class ListDir(Op):
 
 
 @dataclass(frozen=True, slots=True)
+class Tree(Op):
+    """The entries under a directory to ``depth`` levels, at most ``limit``, in one answer.
+    An observation, not a step: not in the trajectory log (a client watching a directory
+    polls it several times a second; logged, each poll would add the whole tree to the log)."""
+
+    path: str
+    depth: int
+    limit: int
+    name: ClassVar[str] = "tree"
+    logged: ClassVar[bool] = False
+
+    async def run(self, engine: Engine) -> Any:
+        found, truncated = await engine.tree(self.sid, self.path, self.depth, self.limit)
+        return {"entries": [entry(e) for e in found], "truncated": truncated}
+
+
+@dataclass(frozen=True, slots=True)
 class Listing:
     """A page of a listing, as ListDir gives it: its entries and the next page's cursor."""
 
@@ -431,7 +448,7 @@ class Restore(Op):
 
 
 OPS: tuple[type[Op], ...] = (Create, Info, Kill, SetTimeout, Pause, Resume, Exec, Wait, Stdin,
-                             Signal, Stat, ListDir, Mkdir, Remove, Rename, Write, Transfer,
+                             Signal, Stat, ListDir, Tree, Mkdir, Remove, Rename, Write, Transfer,
                              Snapshot, Fork, Restore)
 
 

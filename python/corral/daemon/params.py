@@ -30,6 +30,7 @@ LABEL_FILTER = r"^[A-Za-z0-9_.\-/]{1,63}(=.{0,256})?$"
 MAX_MODE = 0o7777
 DEFAULT_PAGE = 1000
 MAX_PAGE = 10_000
+MAX_TREE_DEPTH = 64  # levels a files/tree call walks
 MAX_CURSOR = 512
 T = TypeVar("T")
 

@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel
 
-from corral.daemon.params import LABEL_FILTER, MAX_CURSOR, MAX_PAGE, OCTAL_MODE
+from corral.daemon.params import LABEL_FILTER, MAX_CURSOR, MAX_PAGE, MAX_TREE_DEPTH, OCTAL_MODE
 from corral.daemon.trajlog import KEY_HEADER, MAX_KEY_LEN
 from corral.models import MAX_PATH, PATH_PATTERN
 
@@ -62,6 +62,9 @@ LIMIT_Q = Param("limit", description=f"items per page (default 1000, at most {MA
 AFTER_Q = Param("after", description="the `next` cursor of the previous page (opaque)",
                 schema={"type": "string", "maxLength": MAX_CURSOR})
 PAGE_Q = (LIMIT_Q, AFTER_Q)
+DEPTH_Q = Param("depth", description=f"levels below the directory (default and most "
+                f"{MAX_TREE_DEPTH}; 1: its own entries)",
+                schema={"type": "integer", "minimum": 1, "maximum": MAX_TREE_DEPTH})
 LABEL_Q = Param("label", description="key=value (equal) or key (present); repeat to AND them",
                 repeated=True, schema={"type": "string", "pattern": LABEL_FILTER})
 

@@ -3,10 +3,13 @@
 Paths resolve inside the sandbox (corral's openat2 RESOLVE_IN_ROOT); a relative path starts at
 the user's home. Directories are made by the user itself (``mkdir -p`` as that user, so they
 are its own and its permissions apply); reads, stats, moves and removes go through the
-daemon. Watching is by polling the listing (corral has no in-sandbox watcher): events are
+daemon. Watching is by polling the tree (corral has no in-sandbox watcher): events are
 create, write (size or mtime changed) and remove, at the poll interval's resolution. Each
-watcher (a WatchDir stream or a CreateWatcher one) polls corrald five times a second, so they
-are few: WATCHERS_PER_SANDBOX per sandbox, MAX_WATCHERS in all; one ends when its sandbox does.
+watcher (a WatchDir stream or a CreateWatcher one) polls corrald up to five times a second
+with one ``files.tree`` call (not logged: an observation), and waits WATCH_DUTY times as long
+as its last poll took before the next, so the sandbox's code, which decides how big the tree
+is, decides how rarely it is polled, not how much of corrald it takes. They are few:
+WATCHERS_PER_SANDBOX per sandbox, MAX_WATCHERS in all; one ends when its sandbox does.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ MAX_ENTRIES = 100_000
 MAX_DEPTH = 64
 EXISTS_EXIT = 17
 POLL_S = 0.2
+WATCH_DUTY = 10  # a watcher waits this many times its last poll's time before the next
+MAX_WATCHED = 10_000  # entries a watcher follows (one files.tree answer)
 MAX_WATCHERS = 64
 WATCHERS_PER_SANDBOX = 8
 MAX_EVENTS = 10_000
@@ -156,9 +161,11 @@ class FilesystemService:
         await stream.send({"start": {}})
         last_sent = time.monotonic()
         while stream.open:
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(w.interval())
             try:
                 events = await w.poll()
+            except ConnectError as e:
+                return await stream.end(e)
             except ce.CorralError as e:
                 return await stream.end(to_connect(e, request["sandbox_id"]))
             for ev in events:
@@ -224,6 +231,7 @@ class _Watcher:
         self.error: ConnectError | None = None
         self.task: asyncio.Future[None] | None = None
         self.holds_slot = False  # of the front's watchers (a WatchDir stream's is the stream's)
+        self.took = 0.0  # the last poll's time
 
     def release(self) -> None:
         if self.holds_slot:
@@ -236,8 +244,18 @@ class _Watcher:
         self.release()
 
     async def _snapshot(self) -> dict[str, FileEntry]:
-        entries = await self.svc._walk(self.sb, self.path, MAX_DEPTH if self.recursive else 1)
-        return {e.path: e for e in entries}
+        t0 = time.monotonic()
+        tree = await self.sb.files.tree(self.path, MAX_DEPTH if self.recursive else 1,
+                                        MAX_WATCHED)
+        self.took = time.monotonic() - t0
+        if tree.truncated:
+            raise ConnectError("resource_exhausted",
+                               f"more than {MAX_WATCHED} entries to watch under {self.path}")
+        return {e.path: e for e in tree.entries}
+
+    def interval(self) -> float:
+        """The wait before the next poll: WATCH_DUTY times what the last one took."""
+        return max(POLL_S, WATCH_DUTY * self.took)
 
     async def prime(self) -> None:
         self.seen = await self._snapshot()
@@ -266,9 +284,13 @@ class _Watcher:
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(self.interval())
             try:
                 events = await self.poll()
+            except ConnectError as e:  # the tree grew past MAX_WATCHED
+                self.error = e
+                self.release()
+                return
             except ce.CorralError as e:  # the sandbox ended: its slot is free, its error kept
                 self.error = to_connect(e, self.sandbox_id)
                 self.release()

@@ -40,6 +40,7 @@ from corral.models import (
     ExposedPort,
     ExposeRequest,
     FileEntry,
+    FileTree,
     ForkRequest,
     ForkResult,
     ImageInfo,
@@ -532,6 +533,16 @@ def list_dir(sid: str, path: str, after: str | None = None) -> Call[Page[FileEnt
     return _keyed(Call("GET", sb_path(sid) + "/files/list",
                        _page("entries", FileEntry.model_validate),
                        query=[("path", _path(path))] + _page_query(after), retry_safe=True))
+
+
+def tree(sid: str, path: str, depth: int | None = None,
+         limit: int | None = None) -> Call[FileTree]:
+    """The entries under a directory in one answer (not logged: an observation)."""
+    query = [("path", _path(path))]
+    query += [("depth", str(depth))] if depth is not None else []
+    query += [("limit", str(limit))] if limit is not None else []
+    return Call("GET", sb_path(sid) + "/files/tree", FileTree.model_validate_json,
+                query=query, retry_safe=True)
 
 
 def page_key(key: str | None, index: int) -> str | None:

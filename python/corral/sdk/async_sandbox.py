@@ -20,6 +20,7 @@ from corral.models import (
     DEFAULT_MAX_OUTPUT_BYTES,
     DEFAULT_TIMEOUT_S,
     FileEntry,
+    FileTree,
     ImageInfo,
     LayerSpec,
     LogEntry,
@@ -422,6 +423,10 @@ class AsyncFiles:
             return await self._sb._call(lambda _sid: call, key=api.page_key(key, next(pages)))
 
         return await api.all_pages_async(send, lambda after: api.list_dir(sid, path, after))
+
+    async def tree(self, path: str = "/", depth: int | None = None,
+                   limit: int | None = None) -> FileTree:
+        return await self._sb._call(api.tree, path, depth, limit)
 
     async def stat(self, path: str, *, key: str | None = None) -> FileEntry:
         return await self._sb._call(api.stat, path, key=key)

@@ -16,6 +16,7 @@ from corral.models import (
     DEFAULT_MAX_OUTPUT_BYTES,
     DEFAULT_TIMEOUT_S,
     FileEntry,
+    FileTree,
     ImageInfo,
     LayerSpec,
     LogEntry,
@@ -412,6 +413,13 @@ class Files:
         pages = itertools.count()
         return api.all_pages(lambda call: self._call(call, api.page_key(key, next(pages))),
                              lambda after: api.list_dir(self._sb.id, path, after))
+
+    def tree(self, path: str = "/", depth: int | None = None,
+             limit: int | None = None) -> FileTree:
+        """The entries under directory ``path`` to ``depth`` levels (default 64), breadth
+        first, at most ``limit`` (default 10,000; ``truncated`` says there were more), in one
+        call. Not in the trajectory log: for watching a tree, not for an agent's steps."""
+        return self._call(api.tree(self._sb.id, path, depth, limit))
 
     def stat(self, path: str, *, key: str | None = None) -> FileEntry:
         """Type, size, mode and mtime of ``path`` (symlinks are not followed)."""

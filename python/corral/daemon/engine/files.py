@@ -9,13 +9,49 @@ from typing import TYPE_CHECKING, BinaryIO
 from corral.daemon import filethreads, oserrors, streams
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
 from corral.daemon.tenants import TENANT_LABEL
-from corral.errors import CorralError
+from corral.errors import CorralError, FileNotFound, NotADirectory, PermissionDenied
 from corral.models import FileEntry
 
 from .base import DIRECT_IO_BYTES, Sandbox, T
 
 if TYPE_CHECKING:  # pragma: no cover
     from .host import EngineHost
+
+
+# Entries read from a directory at a time while walking a tree.
+TREE_PAGE = 1000
+
+
+def walk_tree(sub: Substrate, rt: SandboxRuntime, path: str, depth: int,
+              limit: int) -> tuple[builtins.list[FileEntry], bool]:
+    """Substrate.list_page over the tree under ``path``, breadth first (Engine.tree). A
+    directory below ``path`` that is gone, replaced or unreadable by the time it is read is
+    skipped: the sandbox changes its tree while it is walked."""
+    out: builtins.list[FileEntry] = []
+    level = [path]
+    for _ in range(depth):
+        below: builtins.list[str] = []
+        for d in level:
+            after: str | None = None
+            while True:
+                try:
+                    page, after = sub.list_page(rt, d, after, min(TREE_PAGE, limit + 1))
+                except (FileNotFound, NotADirectory, PermissionDenied):
+                    if d == path:
+                        raise
+                    break
+                for e in page:
+                    if len(out) == limit:
+                        return out, True
+                    out.append(e)
+                    if e.type == "dir":
+                        below.append(e.path)
+                if after is None:
+                    break
+        level = below
+        if not level:
+            break
+    return out, False
 
 
 class FileOps:
@@ -60,6 +96,14 @@ class FileOps:
         """One page of a listing (Substrate.list_page), in a thread: a directory of 100,000
         names takes a while to read."""
         return await self._files(sid, path, lambda s, rt: s.list_page(rt, path, after, limit),
+                                 big=True)
+
+    async def tree(self: EngineHost, sid: str, path: str, depth: int,
+                   limit: int) -> tuple[builtins.list[FileEntry], bool]:
+        """The entries under directory ``path`` to ``depth`` levels, breadth first, at most
+        ``limit`` of them, and whether there were more: one file-thread job for the tree
+        (a client polling it makes one call, not one per directory)."""
+        return await self._files(sid, path, lambda s, rt: walk_tree(s, rt, path, depth, limit),
                                  big=True)
 
     async def mkdir(self: EngineHost, sid: str, path: str, parents: bool) -> None:
