@@ -399,8 +399,8 @@ async def list_sandboxes(request: web.Request) -> web.Response:
     labels = label_filters(request.query.getall("label", []))
     if (tenant := tenant_of(request)) is not None:
         labels[TENANT_LABEL] = tenant
-    items, nxt = page(request, _engine(request).list(labels),
-                      lambda sb: f"{sb.created_at:020.6f}/{sb.id}")
+    after, limit = page_args(request)
+    items, nxt = _engine(request).sandbox_page(labels, after, limit)
     return _json({"sandboxes": [sb.info() for sb in items], "next": nxt})
 
 

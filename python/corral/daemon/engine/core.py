@@ -54,6 +54,7 @@ from corral.errors import (
 )
 from corral.models import SandboxSpec, network_kind
 
+from . import listing
 from .base import (
     _CAUSE_TEXT,
     _REASON_TEXT,
@@ -92,6 +93,7 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         self.sandboxes: dict[str, Sandbox] = {}
         # Live sandboxes per tenant, each at most its quota (set_tenant_quota; none by default).
         self.quota = LabelQuota(TENANT_LABEL, lambda tenant: None)
+        self.listing = listing.ListOrder()
         # Memory for commands' output past each stream's first 64 KiB; past it, spill files.
         self.output_memory = OutputMemory(
             config.output_memory_mb << 20 if config.output_memory_mb > 0
@@ -379,11 +381,13 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
     def _register(self, sb: Sandbox) -> None:
         self.sandboxes[sb.id] = sb
         self.quota.add(sb.spec.labels)
+        self.listing.add(sb.id, sb.created_at, sb.spec.labels.get(TENANT_LABEL))
 
     def _unregister(self, sid: str) -> None:
         sb = self.sandboxes.pop(sid, None)
         if sb is not None:
             self.quota.remove(sb.spec.labels)
+            self.listing.remove(sid)
 
     def _admit(self, n: int, labels: dict[str, Any] | None = None) -> None:
         """Room for ``n`` more sandboxes (with ``labels``: within their tenant's quota)."""
@@ -974,6 +978,23 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         persist.write_json_atomic(os.path.join(self.sandboxes_dir, sid, persist.META), sb.meta())
         self._schedule(sb, now)
         return sb
+
+    def sandbox_page(self, labels: dict[str, str | None], after: str | None,
+                     limit: int) -> tuple[list[Sandbox], str | None]:
+        """One page of ``list(labels)`` in listing order (oldest first), after cursor
+        ``after``, and the next page's cursor. With a tenant's label, only that tenant's
+        sandboxes are walked; a page stops at its ``limit``."""
+        tenant = labels.get(TENANT_LABEL)
+
+        def keep(sid: str) -> bool:
+            sb = self.sandboxes.get(sid)
+            if sb is None or sb.state not in ("running", "paused"):
+                return False
+            have = sb.spec.labels
+            return all(k in have and (v is None or have[k] == v) for k, v in labels.items())
+
+        ids, nxt = listing.page(self.listing, after, limit, tenant, tenant is not None, keep)
+        return [self.sandboxes[sid] for sid in ids], nxt
 
     def list(self, labels: dict[str, str | None]) -> list[Sandbox]:
         out = []
