@@ -997,14 +997,9 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
         return [self.sandboxes[sid] for sid in ids], nxt
 
     def list(self, labels: dict[str, str | None]) -> list[Sandbox]:
-        out = []
-        for sb in self.sandboxes.values():
-            if sb.state not in ("running", "paused"):
-                continue
-            have = sb.spec.labels
-            if all(k in have and (v is None or have[k] == v) for k, v in labels.items()):
-                out.append(sb)
-        return out
+        """Every live sandbox with ``labels``, in listing order (a tenant's: its own only
+        walked)."""
+        return self.sandbox_page(labels, None, len(self.sandboxes) + 1)[0]
 
     def _capturing(self, sid: str) -> bool:
         """A snapshot's capture holds the sandbox frozen, or a pause or resume of it runs, or
