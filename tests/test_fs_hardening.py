@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import stat
+import subprocess
 import tarfile
 import threading
 import time
@@ -754,3 +755,39 @@ def test_a_file_time_the_layers_filesystem_cannot_hold_keeps_the_layers_digest(t
     finally:
         subprocess.run(["umount", str(src)], check=True)
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_cached_only_read_refuses_what_needs_the_disk(tmp_path: Path) -> None:
+    """The Rust core's read from memory only (the event loop's try): bytes not in the page
+    cache, or a path it cannot resolve from the dentry cache, are NotCached (the engine then
+    reads in a file thread); once read, the same file comes from memory. A file a sandbox
+    keeps cold (fadvise DONTNEED in a loop) while its disk is busy held the loop ~2-100 ms a
+    1 MiB read."""
+    from corral import _core
+
+    if subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True,
+                      text=True).stdout.strip() == "tmpfs":
+        pytest.skip("the test's directory is a tmpfs: its pages are never evicted")
+    f = tmp_path / "cold"
+    f.write_bytes(os.urandom(1 << 20))
+    root = _core.root_fd(os.getpid())
+    try:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        with pytest.raises(_core.NotCached):
+            _core.fs_read(root, str(f), 1 << 20, True)
+        data = _core.fs_read(root, str(f), 1 << 20)
+        assert _core.fs_read(root, str(f), 1 << 20, True) == data and len(data) == 1 << 20
+        assert _core.fs_read(root, str(f), 10, True) == data[:10]
+        with pytest.raises(_core.NotCached):
+            _core.fs_read(root, str(tmp_path / "missing"), 10, True)
+        with pytest.raises(FileNotFoundError):
+            _core.fs_read(root, str(tmp_path / "missing"), 10)
+        (tmp_path / "empty").write_bytes(b"")
+        assert _core.fs_read(root, str(tmp_path / "empty"), 10, True) == b""
+    finally:
+        os.close(root)

@@ -34,6 +34,10 @@ pub enum FsError {
         path: String,
         msg: &'static str,
     },
+    /// A cached-only read found a step that needs the disk (a lookup, or data not in the page
+    /// cache): the caller does it again where blocking is allowed.
+    #[error("not in memory: a read from this thread would wait for the disk")]
+    NotCached,
     #[error("{op} {path:?}: {msg}")]
     Os {
         op: &'static str,
@@ -84,6 +88,7 @@ impl FsError {
             FsError::Invalid(_) => None,
             FsError::Forbidden { .. } => Some(libc::EACCES),
             FsError::TooMany { .. } => Some(libc::EFBIG),
+            FsError::NotCached => Some(libc::EAGAIN),
         }
     }
 }
@@ -313,11 +318,29 @@ fn deepest_dir(root: BorrowedFd<'_>, path: &Norm, below: usize) -> Option<(usize
 
 /// A checked, readable fd of the regular file at `path` and its size.
 pub fn open_read(root: RawFd, path: &OsStr) -> Result<(OwnedFd, u64)> {
+    open_read_from(root, path, false)
+}
+
+/// open_read; `cached`: only from the dentry cache (RESOLVE_CACHED), any failure NotCached
+/// (the caller asks again without it, from a thread, and gets the exact error there).
+fn open_read_from(root: RawFd, path: &OsStr, cached: bool) -> Result<(OwnedFd, u64)> {
     const OP: &str = "read";
     let root = borrow(root)?;
     let p = Norm::new(path)?;
-    let pfd = open_in(root, &p.full(), OFlags::PATH, Mode::empty())
-        .map_err(|e| failed(root, OP, &p, e))?;
+    let pfd = if cached {
+        let resolve = ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS | ResolveFlags::CACHED;
+        rfs::openat2(
+            root,
+            p.full(),
+            OFlags::PATH | OFlags::CLOEXEC,
+            Mode::empty(),
+            resolve,
+        )
+        .map_err(|_| FsError::NotCached)?
+    } else {
+        open_in(root, &p.full(), OFlags::PATH, Mode::empty())
+            .map_err(|e| failed(root, OP, &p, e))?
+    };
     check_fs_type(pfd.as_fd(), OP, &p)?;
     let st = rfs::fstat(&pfd).map_err(|e| FsError::os(OP, &p, e))?;
     if check_kind(&st, OP, &p)? == FileType::Directory {
@@ -328,6 +351,38 @@ pub fn open_read(root: RawFd, path: &OsStr) -> Result<(OwnedFd, u64)> {
     let fd = reopen(pfd.as_fd(), OFlags::RDONLY | OFlags::NONBLOCK)
         .map_err(|e| FsError::os(OP, &p, e))?;
     Ok((fd, st.st_size.max(0) as u64))
+}
+
+/// Whether the first `len` bytes of `fd`'s file are all in the page cache: mincore of a
+/// read-only shared mapping of them, never touched (nothing is read or faulted in). False
+/// when the file cannot be mapped.
+fn resident(fd: BorrowedFd<'_>, len: usize) -> bool {
+    if len == 0 {
+        return true;
+    }
+    let page = rustix::param::page_size();
+    // SAFETY: a new read-only shared mapping of a file the caller holds open, at an address
+    // the kernel picks; it is never dereferenced, only passed to mincore, and unmapped below.
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if addr == libc::MAP_FAILED {
+        return false;
+    }
+    let mut vec = vec![0u8; len.div_ceil(page)];
+    // SAFETY: `addr..addr + len` is the mapping made above; `vec` has a byte for each of its
+    // pages, as mincore writes.
+    let rc = unsafe { libc::mincore(addr, len, vec.as_mut_ptr()) };
+    // SAFETY: the mapping made above, not used after this.
+    unsafe { libc::munmap(addr, len) };
+    rc == 0 && vec.iter().all(|b| b & 1 == 1)
 }
 
 /// Create every missing directory of `path[..n]`; returns an O_PATH fd of it.
@@ -418,14 +473,20 @@ pub fn root_fd(pid: i32) -> std::io::Result<OwnedFd> {
     crate::enter::open_proc_root(pid)
 }
 
-pub fn read(root: RawFd, path: &OsStr, max_bytes: u64) -> Result<Vec<u8>> {
+/// At most `max_bytes` of the regular file at `path`. `cached`: only if that needs no disk
+/// read (the path in the dentry cache, the bytes in the page cache), else NotCached, so an
+/// event loop can try it first and hand the rest to a thread.
+pub fn read(root: RawFd, path: &OsStr, max_bytes: u64, cached: bool) -> Result<Vec<u8>> {
     const OP: &str = "read";
-    let (fd, size) = open_read(root, path)?;
+    let (fd, size) = open_read_from(root, path, cached)?;
     let p = Norm::new(path)?;
     let st_size = size;
     // At most `max_bytes`: the caller compares the length with its limit to spot truncation.
     let max = usize::try_from(max_bytes).unwrap_or(usize::MAX);
     let want = usize::try_from(st_size).unwrap_or(usize::MAX).min(max);
+    if cached && !resident(fd.as_fd(), want) {
+        return Err(FsError::NotCached);
+    }
     let mut buf = vec![0u8; want];
     let mut len = 0;
     loop {

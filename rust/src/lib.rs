@@ -102,6 +102,7 @@ impl From<FsError> for PyErr {
         match e {
             FsError::Invalid(m) => PyValueError::new_err(m),
             FsError::TooMany { limit, .. } => LayerLimit::new_err(("entries", limit as u64)),
+            FsError::NotCached => NotCached::new_err("a read from here would wait for the disk"),
             FsError::Forbidden { op, path, msg } => {
                 ForbiddenPath::new_err((libc::EACCES, format!("{op}: {msg}"), path))
             }
@@ -142,6 +143,13 @@ pyo3::create_exception!(
     LayerLimit,
     pyo3::exceptions::PyException,
     "A capture passed one of its limits: args (what, limit), what in bytes, entries, depth."
+);
+
+pyo3::create_exception!(
+    _core,
+    NotCached,
+    pyo3::exceptions::PyException,
+    "A cached-only read needed the disk (a lookup or data not in memory): ask again blocking."
 );
 
 pyo3::create_exception!(
@@ -512,15 +520,18 @@ fn root_fd(py: Python<'_>, pid: i32) -> PyResult<RawFd> {
         .map_err(|e| io_err("root_fd", e))
 }
 
+/// At most `max_bytes` of the regular file at `path`; `cached`: NotCached unless it is all
+/// in memory (fs::read).
 #[pyfunction]
-#[pyo3(signature = (root_fd, path, max_bytes = 64 * 1024 * 1024))]
+#[pyo3(signature = (root_fd, path, max_bytes = 64 * 1024 * 1024, cached = false))]
 fn fs_read<'py>(
     py: Python<'py>,
     root_fd: RawFd,
     path: OsString,
     max_bytes: u64,
+    cached: bool,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let data = py.detach(|| fs::read(root_fd, &path, max_bytes))?;
+    let data = py.detach(|| fs::read(root_fd, &path, max_bytes, cached))?;
     Ok(PyBytes::new(py, &data))
 }
 
@@ -932,6 +943,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(remove_tree, m)?)?;
     m.add("ForbiddenPath", m.py().get_type::<ForbiddenPath>())?;
     m.add("LayerLimit", m.py().get_type::<LayerLimit>())?;
+    m.add("NotCached", m.py().get_type::<NotCached>())?;
     m.add("CaptureCancelled", m.py().get_type::<CaptureCancelled>())?;
     m.add_function(wrap_pyfunction!(fs_write, m)?)?;
     m.add_function(wrap_pyfunction!(fs_list, m)?)?;

@@ -11,6 +11,7 @@ import errno
 import os
 import shutil
 import signal
+import threading
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -21,6 +22,7 @@ from corral.daemon.substrates.base import (
     Spawned,
     Substrate,
 )
+from corral.daemon.substrates.types import NotCached
 from corral.errors import FileNotFound
 from corral.models import FileEntry, SandboxSpec
 
@@ -37,6 +39,8 @@ class Box:
     frozen: bool = False
     cause: dict[str, Any] | None = None
     pids: list[int] = field(default_factory=list)  # commands started in it (process groups)
+    cold: set[str] = field(default_factory=set)  # files not in memory: a cached read refuses
+    read_threads: list[str] = field(default_factory=list)  # the thread each read ran in
 
 
 class FakeSubstrate(Substrate):
@@ -142,8 +146,13 @@ class FakeSubstrate(Substrate):
     def _box(self, runtime: SandboxRuntime) -> Box:
         return self.boxes[runtime.sandbox_id]
 
-    def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes:
-        data = self._box(runtime).files.get(path)
+    def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int,
+                  cached_only: bool = False) -> bytes:
+        box = self._box(runtime)
+        if cached_only and path in box.cold:
+            raise NotCached(path)
+        box.read_threads.append(threading.current_thread().name)
+        data = box.files.get(path)
         if data is None:
             raise FileNotFound(f"no such file: {path}", details={"path": path})
         return data[:max_bytes]

@@ -104,3 +104,25 @@ def test_a_failed_creates_destroy_runs_off_the_loop(state, clock, monkeypatch):
             assert sub.destroyed and sub.boxes == {}
 
     run(go())
+
+
+def test_a_read_that_needs_the_disk_runs_in_a_file_thread(state, clock):
+    """A small read is tried on the loop from memory only; a file the substrate says is not
+    in memory (a sandbox can keep its files cold and its disk busy) is read in a file thread,
+    never on the loop. The same for the /etc/passwd a command's user is looked up in."""
+    async def go():
+        async with engine_on(state, clock) as (eng, sub):
+            sb = await eng.create(spec())
+            box = sub.boxes[sb.id]
+            box.files.update({"/warm": b"w", "/cold": b"c",
+                              "/etc/passwd": b"agent:x:1000:1000::/home/agent:/bin/sh\n"})
+            box.cold.update({"/cold", "/etc/passwd"})
+            loop = threading.current_thread().name
+            assert (await eng.read_file(sb.id, "/warm", 100))[0] == b"w"
+            assert box.read_threads == [loop]
+            assert (await eng.read_file(sb.id, "/cold", 100))[0] == b"c"
+            assert box.read_threads[1] != loop
+            ident = await eng._identity(sb, "agent")
+            assert (ident.uid, ident.home) == (1000, "/home/agent")
+            assert box.read_threads[2] != loop  # /etc/passwd: cold
+    run(go())

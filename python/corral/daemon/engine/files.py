@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from corral.daemon import filethreads, oserrors, streams
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
+from corral.daemon.substrates.types import NotCached
 from corral.daemon.tenants import TENANT_LABEL
 from corral.errors import CorralError, FileNotFound, NotADirectory, PermissionDenied
 from corral.models import FileEntry
@@ -59,10 +60,11 @@ class FileOps:
                      call: Callable[[Substrate, SandboxRuntime], T], big: bool = False) -> T:
         """Run a substrate file operation on ``path`` (errors name it); ``big`` ones in a
         file thread, within the sandbox's tenant's share of them (_in_file_thread). Only
-        what cannot take long runs on the loop (a stat, a read of at most DIRECT_IO_BYTES:
-        a few path resolutions each): what makes directories, or changes or replaces a
-        file's data, can take long in the kernel (a copy-up of an image's file whole,
-        a truncate, the last unlink of a big file), which must not hold the loop."""
+        what cannot take long runs on the loop (a stat, a read of at most DIRECT_IO_BYTES
+        whose path and bytes are in memory: a few path resolutions each): what makes
+        directories, or changes or replaces a file's data, can take long in the kernel (a
+        copy-up of an image's file whole, a truncate, the last unlink of a big file), which
+        must not hold the loop."""
         if self._capturing(sid):
             await self.ready(sid)
         sb = self.get(sid)
@@ -141,7 +143,13 @@ class FileOps:
         of it (data empty) for the caller to stream in bounded chunks and close
         (corral.daemon.streams), so the daemon's memory does not grow with the file."""
         first = min(max_bytes, DIRECT_IO_BYTES)
-        data = await self._files(sid, path, lambda s, rt: s.read_file(rt, path, first + 1))
+        try:  # from memory on the loop; what needs the disk (cold: the sandbox can make it
+            # so, and keep the disk busy) is read in a file thread
+            data = await self._files(sid, path, lambda s, rt: s.read_file(rt, path, first + 1,
+                                                                          cached_only=True))
+        except NotCached:
+            data = await self._files(sid, path, lambda s, rt: s.read_file(rt, path, first + 1),
+                                     big=True)
         if len(data) > first and first < max_bytes:
             fd, size = await self._files(sid, path, lambda s, rt: s.open_read(rt, path),
                                          big=True)

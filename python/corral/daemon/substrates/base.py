@@ -208,7 +208,10 @@ class Substrate(ABC):
 
     # ---- files (capability files): every path is absolute inside the sandbox and resolved
     # inside its root --------------------------------------------------------------------------
-    def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes:
+    def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int,
+                  cached_only: bool = False) -> bytes:
+        """At most ``max_bytes`` of the file. ``cached_only``: raise NotCached rather than
+        wait for the disk (a substrate that cannot tell may read anyway)."""
         raise self._lacks("files")
 
     def write_file(self, runtime: SandboxRuntime, path: str, data: bytes | BinaryIO,

@@ -25,6 +25,7 @@ from corral.errors import CorralError, FileNotFound, InvalidPath, InvalidRequest
 from corral.models import FileEntry
 
 from .paths import check_path
+from .types import NotCached
 
 if TYPE_CHECKING:
     from .base import SandboxRuntime
@@ -73,9 +74,12 @@ class RootFiles:
                            details={"path": path, "limit": what, "max": limit}) from None
 
     # ---- one file or directory ---------------------------------------------------------
-    def read(self, path: str, max_bytes: int) -> bytes:
+    def read(self, path: str, max_bytes: int, cached_only: bool = False) -> bytes:
         check_path(path)
-        return self.fs(_core.fs_read, path, path, max(0, int(max_bytes)))
+        try:
+            return self.fs(_core.fs_read, path, path, max(0, int(max_bytes)), cached_only)
+        except _core.NotCached:
+            raise NotCached(path) from None
 
     def write(self, path: str, data: bytes | BinaryIO, mode: int, make_parents: bool) -> None:
         """``data``: bytes, or a binary file at its start (a spooled request body), copied in
@@ -266,9 +270,10 @@ class RootFileOps:
               tree: bool = False) -> None:
         return None
 
-    def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes:
+    def read_file(self, runtime: SandboxRuntime, path: str, max_bytes: int,
+                  cached_only: bool = False) -> bytes:
         with self._files(runtime) as f:
-            return f.read(path, max_bytes)
+            return f.read(path, max_bytes, cached_only)
 
     def write_file(self, runtime: SandboxRuntime, path: str, data: bytes | BinaryIO,
                    mode: int = 0o644, make_parents: bool = True) -> None:

@@ -7,6 +7,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 
+class NotCached(Exception):
+    """A file operation asked to use memory only (``cached_only``) needed the disk: a path
+    lookup or bytes not in the page cache. The engine asks again from a file thread; the
+    event loop never waits for a disk a sandbox can keep busy and its files cold."""
+
+
 class OomCount(NamedTuple):
     """Two counts a substrate reads off a sandbox's memory accounting before and after a span
     (a command's run, a sandbox's life): only their differences mean anything (oom_verdict).

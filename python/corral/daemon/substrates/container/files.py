@@ -31,9 +31,9 @@ class Files:
                          self.upload_max_bytes,
                          lambda: self.scratch.holds_its_share(layer, len(self._live)))
 
-    def read_file(self: Host,
-                  runtime: SandboxRuntime, path: str, max_bytes: int) -> bytes:
-        return self._files(runtime).read(path, max_bytes)
+    def read_file(self: Host, runtime: SandboxRuntime, path: str, max_bytes: int,
+                  cached_only: bool = False) -> bytes:
+        return self._files(runtime).read(path, max_bytes, cached_only)
 
     def write_file(self: Host,
                    runtime: SandboxRuntime, path: str, data: bytes | BinaryIO,
