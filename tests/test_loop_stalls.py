@@ -229,3 +229,45 @@ def test_replays_of_big_logged_results_leave_the_loop_serving(served: dict[str, 
     finally:
         _destroy(base, [sid])
     assert worst < 0.5, f"a health check took {worst:.2f} s (quiet: {max(quiet):.3f} s)"
+
+
+def test_commands_run_as_a_user_of_a_huge_passwd_leave_the_loop_serving(
+        served: dict[str, Any]) -> None:
+    """A command run as a user is looked up in the sandbox's /etc/passwd and /etc/group,
+    which its code writes, read and parsed on the loop: with a 4 MiB /etc/passwd each such
+    command held the loop ~86 ms (another tenant's `exec true` went from ~1 ms to 76 ms at
+    the median while one client ran commands as that user). Past PASSWD_MAX (256 KiB) the
+    command is the sandbox's error, `invalid_request`; under it the user is found."""
+    from corral.daemon.engine.base import PASSWD_MAX
+
+    base = served["base"]
+    sid, = _sandboxes(base, 1)
+    gen = ("import sys\nn = int(sys.argv[1])\nwith open('/etc/passwd', 'a') as f:\n"
+           "    for i in range(n):\n        f.write('u%d:x:%d:%d:%s:/h:/bin/sh\\n' % "
+           "(i, i + 2000, i + 2000, 'g' * 40))\n"
+           "    f.write('agent:x:1000:1000::/home/agent:/bin/sh\\n')\n")
+    try:
+        with _client(base, "mallory") as m:
+            m.put(f"/v1/sandboxes/{sid}/files", params={"path": "/tmp/gen.py"},
+                  content=gen.encode()).raise_for_status()
+            r = m.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "cp /etc/passwd /tmp/p0 && "
+                                                          "python3 /tmp/gen.py 60000"})
+            assert r.json()["exit_code"] == 0, r.text
+        worst, quiet = _attack(base, 16, lambda m, i: m.post(
+            f"/v1/sandboxes/{sid}/exec", json={"cmd": "true", "user": "agent"}), expect=400)
+        with _client(base, "mallory") as m:
+            r = m.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "id -u", "user": "agent"})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["code"] == "invalid_request", r.text
+            assert err["details"] == {"path": "/etc/passwd", "max": PASSWD_MAX}
+            assert err["infra"] is False
+            # just under the bound, the user on its last line: found
+            r = m.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "cp /tmp/p0 /etc/passwd && "
+                                                          "python3 /tmp/gen.py 3500 && "
+                                                          "stat -c %s /etc/passwd"})
+            assert 200_000 < int(r.json()["stdout"]) < PASSWD_MAX, r.text
+            r = m.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "id -u", "user": "agent"})
+            assert r.status_code == 200 and r.json()["stdout"] == "1000\n", r.text
+    finally:
+        _destroy(base, [sid])
+    assert worst < 0.5, f"a health check took {worst:.2f} s (quiet: {max(quiet):.3f} s)"

@@ -36,7 +36,7 @@ MAX_KEPT_OUTPUT = 64 << 20
 MAX_LINGERING = 64
 DIRECT_IO_BYTES = 1 << 20    # file reads/writes up to this size skip the thread hop
 MAX_READ_BYTES = 1 << 30
-PASSWD_MAX = 4 << 20
+PASSWD_MAX = 256 << 10  # bytes of /etc/passwd or /etc/group an exec's user is looked up in
 INIT_EXIT_GRACE_STEPS = 40   # x 5 ms: how long an unexplained SIGKILL waits for the init's exit
 
 _CAUSE_TEXT = {

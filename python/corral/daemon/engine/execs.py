@@ -45,18 +45,27 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class ExecOps:
-    def _identity(self: EngineHost, sb: Sandbox, user: str | int | None) -> users.Identity:
+    async def _identity(self: EngineHost, sb: Sandbox,
+                        user: str | int | None) -> users.Identity:
+        """``user`` from the sandbox's /etc/passwd and /etc/group, which its code writes: each
+        read as any file read is (from memory on the loop, else in a file thread) and at most
+        PASSWD_MAX bytes (the parse runs on the loop, for every command run as a user)."""
         if user is None or user == 0 or user in ("root", "0"):
             return users.ROOT
-        sub = self.substrates[sb.spec.substrate]
 
-        def read(path: str) -> str:
+        async def read(path: str) -> str:
             try:
-                return sub.read_file(sb.rt, path, PASSWD_MAX).decode("utf-8", "replace")
-            except (FileNotFound, FileNotFoundError):
+                data, truncated, _ = await self.read_file(sb.id, path, PASSWD_MAX)
+            except FileNotFound:
                 return ""
+            if truncated:
+                raise InvalidRequest(
+                    f"the sandbox's {path} is larger than {PASSWD_MAX} bytes: a command's "
+                    "user is looked up in it only up to that", details={"path": path,
+                                                                         "max": PASSWD_MAX})
+            return data.decode("utf-8", "replace")
 
-        return users.resolve(user, read("/etc/passwd"), read("/etc/group"))
+        return users.resolve(user, await read("/etc/passwd"), await read("/etc/group"))
 
     async def exec(self: EngineHost, sid: str, req: ExecRequest) -> dict[str, Any]:
         if self._capturing(sid):
@@ -70,7 +79,7 @@ class ExecOps:
             raise InvalidPath(f"cwd must be an absolute path: {cwd!r}")
         if req.cwd is not None or cwd != DEFAULT_CWD:
             await self._check_cwd(sid, cwd)
-        ident = self._identity(sb, req.user if req.user is not None else sb.spec.user)
+        ident = await self._identity(sb, req.user if req.user is not None else sb.spec.user)
         env = {"PATH": DEFAULT_PATH, "HOME": ident.home, "LANG": "C.UTF-8", "TERM": "xterm",
                "HOSTNAME": sb.hostname}
         env.update(sb.spec.env)
