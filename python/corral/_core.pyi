@@ -143,7 +143,7 @@ def last_profile(what: str = "spawn_sandbox") -> list[tuple[str, int]]:
     """Timings (ns) of the last call's steps, for the bench."""
 
 # ---- files, every path resolved inside ``root_fd`` (openat2 RESOLVE_IN_ROOT) -------------------
-def fs_read(root_fd: int, path: str, max_bytes: int = ..., cached: bool = ...) -> bytes: ...
+def fs_read(root_fd: int, path: str, max_bytes: int = ..., cached: bool = False) -> bytes: ...
 def fs_open_read(root_fd: int, path: str) -> tuple[int, int]:
     """(fd, size) of a regular file."""
 

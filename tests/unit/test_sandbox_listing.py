@@ -3,7 +3,7 @@ page costs (the sandboxes it looks at), on the engine with the fake substrate.""
 
 from __future__ import annotations
 
-from corral.daemon.engine import listing
+from corral.daemon import listing
 from corral.daemon.tenants import TENANT_LABEL
 
 from .unitkit import engine_on, run, spec

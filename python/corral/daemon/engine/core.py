@@ -18,6 +18,7 @@ from corral.config import Config
 from corral.daemon import (
     capacity,
     filethreads,
+    listing,
     oserrors,
     outputmem,
     persist,
@@ -54,7 +55,6 @@ from corral.errors import (
 )
 from corral.models import SandboxSpec, network_kind
 
-from . import listing
 from .base import (
     _CAUSE_TEXT,
     _REASON_TEXT,

@@ -7,8 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, BinaryIO
 
 from corral.daemon import filethreads, oserrors, streams
-from corral.daemon.substrates.base import SandboxRuntime, Substrate
-from corral.daemon.substrates.types import NotCached
+from corral.daemon.substrates.base import NotCached, SandboxRuntime, Substrate
 from corral.daemon.tenants import TENANT_LABEL
 from corral.errors import CorralError, FileNotFound, NotADirectory, PermissionDenied
 from corral.models import FileEntry

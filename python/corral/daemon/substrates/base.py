@@ -24,6 +24,7 @@ from corral.daemon.params import page_of
 from corral.daemon.substrates.types import (
     Capabilities,
     ExecSpec,
+    NotCached,
     OomCount,
     SandboxRuntime,
     Spawned,
@@ -36,8 +37,8 @@ if TYPE_CHECKING:
     from corral.daemon.snapshots import CaptureControl, SnapshotStore
     from corral.daemon.streams import TreeOps
 
-__all__ = ["Capabilities", "ExecSpec", "OomCount", "SandboxRuntime", "Spawned", "Substrate",
-           "oom_verdict"]
+__all__ = ["Capabilities", "ExecSpec", "NotCached", "OomCount", "SandboxRuntime", "Spawned",
+           "Substrate", "oom_verdict"]
 
 
 class NetworkControl(Protocol):
