@@ -6,5 +6,5 @@ bash scripts/setup.sh
 export PATH="$HOME/.cargo/bin:$PATH"
 .venv/bin/ruff check .
 .venv/bin/mypy
-(cd rust && cargo fmt --check && cargo clippy --quiet --all-targets -- -D warnings)
+(cd rust && cargo fmt --check && cargo clippy --quiet --all-targets -- -D warnings && cargo test --quiet --lib)
 exec .venv/bin/pytest -q tests "$@"

@@ -34,9 +34,10 @@ pub enum FsError {
         path: String,
         msg: &'static str,
     },
-    /// A cached-only read found a step that needs the disk (a lookup, or data not in the page
-    /// cache): the caller does it again where blocking is allowed.
-    #[error("not in memory: a read from this thread would wait for the disk")]
+    /// A cached-only call found a step that needs the disk (a lookup, or data not in the page
+    /// cache) or an unbounded walk (a symlink, a long path): the caller does it again where
+    /// blocking is allowed.
+    #[error("not served from memory in bounded time: a thread must do this")]
     NotCached,
     #[error("{op} {path:?}: {msg}")]
     Os {
@@ -204,6 +205,28 @@ fn open_in(
     }
 }
 
+/// The most components a cached-only call resolves. The walk's cost on the caller's thread
+/// (an event loop) is then bounded: no symlink is followed (each may name 4,095 bytes of
+/// path, and 40 of them chained made one short path cost ~10 ms of lookups), and at most this
+/// many lookups from the dentry cache, a few microseconds.
+pub const CACHED_MAX_COMPONENTS: usize = 64;
+
+/// openat2 of `rel` below `dir` (in the sandbox root when `dir` is it) for a cached-only call:
+/// from the dentry cache only, no symlink followed (a trailing one is opened itself with
+/// O_PATH | O_NOFOLLOW), at most CACHED_MAX_COMPONENTS; anything else is NotCached.
+fn open_cached(dir: BorrowedFd<'_>, rel: &CStr, flags: OFlags) -> Result<OwnedFd> {
+    let comps = rel.to_bytes().split(|&b| b == b'/').count();
+    if comps > CACHED_MAX_COMPONENTS {
+        return Err(FsError::NotCached);
+    }
+    let resolve = ResolveFlags::IN_ROOT
+        | ResolveFlags::NO_MAGICLINKS
+        | ResolveFlags::NO_SYMLINKS
+        | ResolveFlags::CACHED;
+    rfs::openat2(dir, rel, flags | OFlags::CLOEXEC, Mode::empty(), resolve)
+        .map_err(|_| FsError::NotCached)
+}
+
 fn open_dir_path(root: BorrowedFd<'_>, rel: &CStr) -> rustix::io::Result<OwnedFd> {
     open_in(root, rel, OFlags::PATH | OFlags::DIRECTORY, Mode::empty())
 }
@@ -321,22 +344,14 @@ pub fn open_read(root: RawFd, path: &OsStr) -> Result<(OwnedFd, u64)> {
     open_read_from(root, path, false)
 }
 
-/// open_read; `cached`: only from the dentry cache (RESOLVE_CACHED), any failure NotCached
-/// (the caller asks again without it, from a thread, and gets the exact error there).
+/// open_read; `cached`: only as open_cached resolves, any failure NotCached (the caller asks
+/// again without it, from a thread, and gets the exact error there).
 fn open_read_from(root: RawFd, path: &OsStr, cached: bool) -> Result<(OwnedFd, u64)> {
     const OP: &str = "read";
     let root = borrow(root)?;
     let p = Norm::new(path)?;
     let pfd = if cached {
-        let resolve = ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS | ResolveFlags::CACHED;
-        rfs::openat2(
-            root,
-            p.full(),
-            OFlags::PATH | OFlags::CLOEXEC,
-            Mode::empty(),
-            resolve,
-        )
-        .map_err(|_| FsError::NotCached)?
+        open_cached(root, &p.full(), OFlags::PATH)?
     } else {
         open_in(root, &p.full(), OFlags::PATH, Mode::empty())
             .map_err(|e| failed(root, OP, &p, e))?
@@ -474,8 +489,8 @@ pub fn root_fd(pid: i32) -> std::io::Result<OwnedFd> {
 }
 
 /// At most `max_bytes` of the regular file at `path`. `cached`: only if that needs no disk
-/// read (the path in the dentry cache, the bytes in the page cache), else NotCached, so an
-/// event loop can try it first and hand the rest to a thread.
+/// read and no unbounded walk (the path resolved as open_cached does, the bytes in the page
+/// cache), else NotCached, so an event loop can try it first and hand the rest to a thread.
 pub fn read(root: RawFd, path: &OsStr, max_bytes: u64, cached: bool) -> Result<Vec<u8>> {
     const OP: &str = "read";
     let (fd, size) = open_read_from(root, path, cached)?;
@@ -657,12 +672,23 @@ pub fn list_page(
     Ok((out, cursor))
 }
 
-/// lstat semantics: a symlink is reported as one.
-pub fn stat(root: RawFd, path: &OsStr) -> Result<StatInfo> {
+/// lstat semantics: a symlink is reported as one. `cached`: only as open_cached resolves,
+/// else NotCached (as `read`).
+pub fn stat(root: RawFd, path: &OsStr, cached: bool) -> Result<StatInfo> {
     const OP: &str = "stat";
     let root = borrow(root)?;
     let p = Norm::new(path)?;
     let st = match p.base() {
+        Some(_) if cached && p.comps.len() > CACHED_MAX_COMPONENTS => {
+            return Err(FsError::NotCached);
+        }
+        Some(base) if cached => {
+            let dir = open_cached(root, &p.parent(), OFlags::PATH | OFlags::DIRECTORY)?;
+            check_fs_type(dir.as_fd(), OP, &p)?;
+            let fd = open_cached(dir.as_fd(), &base, OFlags::PATH | OFlags::NOFOLLOW)?;
+            check_fs_type(fd.as_fd(), OP, &p)?; // a pseudo-filesystem mounted there
+            rfs::fstat(&fd)
+        }
         None => {
             let fd = open_dir_path(root, c".").map_err(|e| FsError::os(OP, &p, e))?;
             check_fs_type(fd.as_fd(), OP, &p)?;
@@ -896,5 +922,34 @@ mod tests {
         assert!(r.is_root());
         assert_eq!(r.full().as_bytes(), b".");
         assert!(Norm::new(OsStr::new("")).is_err());
+    }
+
+    #[test]
+    fn cached_calls_refuse_symlinks_and_long_paths() {
+        let top = std::env::temp_dir().join(format!("corral-fs-cached-{}", std::process::id()));
+        let deep = (0..CACHED_MAX_COMPONENTS).fold(top.clone(), |p, _| p.join("d"));
+        std::fs::create_dir_all(&deep).unwrap();
+        std::fs::write(top.join("f"), b"x").unwrap();
+        std::fs::write(deep.join("f"), b"y").unwrap();
+        std::os::unix::fs::symlink("f", top.join("l")).unwrap();
+        std::os::unix::fs::symlink("d", top.join("dl")).unwrap();
+        let root = rfs::open(&top, OFlags::PATH | OFlags::DIRECTORY, Mode::empty()).unwrap();
+        let fd = root.as_raw_fd();
+        let stat = |p: &str| stat(fd, OsStr::new(p), true).map(|s| s.0);
+        let read = |p: &str| read(fd, OsStr::new(p), 16, true);
+        // just written: in memory, and a few components
+        assert_eq!(read("/f").unwrap(), b"x");
+        assert_eq!(stat("/f").unwrap(), "file");
+        // a trailing symlink is stat'ed itself, never followed
+        assert_eq!(stat("/l").unwrap(), "symlink");
+        assert!(matches!(read("/l"), Err(FsError::NotCached)));
+        assert!(matches!(stat("/dl/d"), Err(FsError::NotCached)));
+        // 65 components: one too many for the loop, whole for a thread
+        let long = format!("{}/f", "/d".repeat(CACHED_MAX_COMPONENTS));
+        assert!(matches!(read(&long), Err(FsError::NotCached)));
+        assert!(matches!(stat(&long), Err(FsError::NotCached)));
+        assert_eq!(super::read(fd, OsStr::new(&long), 16, false).unwrap(), b"y");
+        assert_eq!(super::stat(fd, OsStr::new(&long), false).unwrap().0, "file");
+        std::fs::remove_dir_all(&top).unwrap();
     }
 }

@@ -102,7 +102,7 @@ impl From<FsError> for PyErr {
         match e {
             FsError::Invalid(m) => PyValueError::new_err(m),
             FsError::TooMany { limit, .. } => LayerLimit::new_err(("entries", limit as u64)),
-            FsError::NotCached => NotCached::new_err("a read from here would wait for the disk"),
+            FsError::NotCached => NotCached::new_err("not served from memory in bounded time"),
             FsError::Forbidden { op, path, msg } => {
                 ForbiddenPath::new_err((libc::EACCES, format!("{op}: {msg}"), path))
             }
@@ -149,7 +149,8 @@ pyo3::create_exception!(
     _core,
     NotCached,
     pyo3::exceptions::PyException,
-    "A cached-only read needed the disk (a lookup or data not in memory): ask again blocking."
+    "A cached-only call needed the disk or an unbounded walk (a symlink, a long path): ask again
+     from a thread."
 );
 
 pyo3::create_exception!(
@@ -605,14 +606,17 @@ fn fs_list_page(
     Ok(py.detach(|| fs::list_page(root_fd, &path, after.as_deref(), limit))?)
 }
 
-/// (kind, size, mode, mtime), lstat semantics.
+/// (kind, size, mode, mtime), lstat semantics; `cached`: NotCached unless the path resolves
+/// from memory in bounded time (fs::stat).
 #[pyfunction]
+#[pyo3(signature = (root_fd, path, cached = false))]
 fn fs_stat(
     py: Python<'_>,
     root_fd: RawFd,
     path: OsString,
+    cached: bool,
 ) -> PyResult<(&'static str, u64, u32, f64)> {
-    Ok(py.detach(|| fs::stat(root_fd, &path))?)
+    Ok(py.detach(|| fs::stat(root_fd, &path, cached))?)
 }
 
 #[pyfunction]

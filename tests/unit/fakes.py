@@ -39,8 +39,9 @@ class Box:
     frozen: bool = False
     cause: dict[str, Any] | None = None
     pids: list[int] = field(default_factory=list)  # commands started in it (process groups)
-    cold: set[str] = field(default_factory=set)  # files not in memory: a cached read refuses
+    cold: set[str] = field(default_factory=set)  # paths not in memory: cached calls refuse
     read_threads: list[str] = field(default_factory=list)  # the thread each read ran in
+    stat_threads: list[str] = field(default_factory=list)  # the thread each stat ran in
 
 
 class FakeSubstrate(Substrate):
@@ -166,8 +167,11 @@ class FakeSubstrate(Substrate):
             box.dirs.add(parent)
             parent = os.path.dirname(parent)
 
-    def stat(self, runtime: SandboxRuntime, path: str) -> FileEntry:
+    def stat(self, runtime: SandboxRuntime, path: str, cached_only: bool = False) -> FileEntry:
         box = self._box(runtime)
+        if cached_only and path in box.cold:
+            raise NotCached(path)
+        box.stat_threads.append(threading.current_thread().name)
         if path in box.dirs:
             return FileEntry(name=os.path.basename(path), path=path, type="dir", size=0,
                              mode=0o755, mtime=0.0)

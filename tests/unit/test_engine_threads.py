@@ -126,3 +126,21 @@ def test_a_read_that_needs_the_disk_runs_in_a_file_thread(state, clock):
             assert (ident.uid, ident.home) == (1000, "/home/agent")
             assert box.read_threads[2] != loop  # /etc/passwd: cold
     run(go())
+
+
+def test_a_stat_that_needs_the_disk_or_a_long_walk_runs_in_a_file_thread(state, clock):
+    """A stat is tried on the loop from memory only; a path the substrate cannot resolve
+    that way (a lookup from the disk, a symlink in it, a long path) is stat'ed in a file
+    thread."""
+    async def go():
+        async with engine_on(state, clock) as (eng, sub):
+            sb = await eng.create(spec())
+            box = sub.boxes[sb.id]
+            box.files.update({"/warm": b"w", "/s0/f": b"c"})
+            box.cold.add("/s0/f")
+            loop = threading.current_thread().name
+            assert (await eng.stat(sb.id, "/warm")).type == "file"
+            assert box.stat_threads == [loop]
+            assert (await eng.stat(sb.id, "/s0/f")).size == 1
+            assert box.stat_threads[1] != loop
+    run(go())

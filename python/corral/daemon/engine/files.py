@@ -59,8 +59,9 @@ class FileOps:
                      call: Callable[[Substrate, SandboxRuntime], T], big: bool = False) -> T:
         """Run a substrate file operation on ``path`` (errors name it); ``big`` ones in a
         file thread, within the sandbox's tenant's share of them (_in_file_thread). Only
-        what cannot take long runs on the loop (a stat, a read of at most DIRECT_IO_BYTES
-        whose path and bytes are in memory: a few path resolutions each): what makes
+        what cannot take long runs on the loop (a stat, a read of at most DIRECT_IO_BYTES,
+        each only when its path resolves from the dentry cache without a symlink in at most
+        64 steps and its bytes are in memory, else NotCached and a file thread): what makes
         directories, or changes or replaces a file's data, can take long in the kernel (a
         copy-up of an image's file whole, a truncate, the last unlink of a big file), which
         must not hold the loop."""
@@ -87,7 +88,12 @@ class FileOps:
             raise oserrors.host_file_error(e, path) from e
 
     async def stat(self: EngineHost, sid: str, path: str) -> FileEntry:
-        return await self._files(sid, path, lambda s, rt: s.stat(rt, path))
+        """On the loop when memory serves it in bounded time (as read_file), else in a file
+        thread."""
+        try:
+            return await self._files(sid, path, lambda s, rt: s.stat(rt, path, cached_only=True))
+        except NotCached:
+            return await self._files(sid, path, lambda s, rt: s.stat(rt, path), big=True)
 
     async def list_dir(self: EngineHost, sid: str, path: str) -> builtins.list[FileEntry]:
         return await self._files(sid, path, lambda s, rt: s.list_dir(rt, path), big=True)

@@ -231,7 +231,8 @@ class Substrate(ABC):
         names, not every stat)."""
         return page_of(self.list_dir(runtime, path), after, limit, lambda e: e.name)
 
-    def stat(self, runtime: SandboxRuntime, path: str) -> FileEntry:
+    def stat(self, runtime: SandboxRuntime, path: str, cached_only: bool = False) -> FileEntry:
+        """lstat semantics. ``cached_only``: as read_file's."""
         raise self._lacks("files")
 
     def mkdir(self, runtime: SandboxRuntime, path: str, parents: bool = True) -> None:

@@ -124,9 +124,12 @@ class RootFiles:
                           mtime=mtime)
                 for name, kind, size, mode, mtime in found], cursor
 
-    def stat(self, path: str) -> FileEntry:
+    def stat(self, path: str, cached_only: bool = False) -> FileEntry:
         check_path(path)
-        kind, size, mode, mtime = self.fs(_core.fs_stat, path, path)
+        try:
+            kind, size, mode, mtime = self.fs(_core.fs_stat, path, path, cached_only)
+        except _core.NotCached:
+            raise NotCached(path) from None
         norm = os.path.normpath(path)
         if norm.startswith("//"):
             norm = norm[1:]
@@ -296,9 +299,9 @@ class RootFileOps:
         with self._files(runtime) as f:
             return f.ls_page(path, after, limit)
 
-    def stat(self, runtime: SandboxRuntime, path: str) -> FileEntry:
+    def stat(self, runtime: SandboxRuntime, path: str, cached_only: bool = False) -> FileEntry:
         with self._files(runtime) as f:
-            return f.stat(path)
+            return f.stat(path, cached_only)
 
     def mkdir(self, runtime: SandboxRuntime, path: str, parents: bool = True) -> None:
         with self._files(runtime) as f:

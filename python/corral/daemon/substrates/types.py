@@ -8,9 +8,11 @@ from typing import Any, NamedTuple
 
 
 class NotCached(Exception):
-    """A file operation asked to use memory only (``cached_only``) needed the disk: a path
-    lookup or bytes not in the page cache. The engine asks again from a file thread; the
-    event loop never waits for a disk a sandbox can keep busy and its files cold."""
+    """A file operation asked to use memory only (``cached_only``) needed the disk (a path
+    lookup, bytes not in the page cache) or an unbounded walk (a symlink in the path, which
+    the sandbox can chain 40 deep at 4 KiB each; more than 64 components). The engine asks
+    again from a file thread; the event loop never waits for a disk a sandbox can keep busy
+    and its files cold, nor walks a path a sandbox made long."""
 
 
 class OomCount(NamedTuple):

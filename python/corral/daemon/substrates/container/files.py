@@ -70,8 +70,9 @@ class Files:
                   limit: int) -> tuple[list[FileEntry], str | None]:
         return self._files(runtime).ls_page(path, after, limit)
 
-    def stat(self: Host, runtime: SandboxRuntime, path: str) -> FileEntry:
-        return self._files(runtime).stat(path)
+    def stat(self: Host, runtime: SandboxRuntime, path: str,
+             cached_only: bool = False) -> FileEntry:
+        return self._files(runtime).stat(path, cached_only)
 
     def mkdir(self: Host,
               runtime: SandboxRuntime, path: str, parents: bool = True) -> None:

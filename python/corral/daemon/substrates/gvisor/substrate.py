@@ -41,7 +41,7 @@ from corral.daemon.substrates.gvisor import bundle
 from corral.daemon.substrates.gvisor.probe import kill_under
 from corral.daemon.substrates.gvisor.runsc import Runsc, RunscError
 from corral.daemon.substrates.rootfiles import RootFileOps, RootFiles
-from corral.daemon.substrates.types import OomCount, oom_verdict
+from corral.daemon.substrates.types import NotCached, OomCount, oom_verdict
 from corral.errors import CorralError, InternalError, SandboxNotRunning
 from corral.models import SandboxSpec
 
@@ -437,8 +437,10 @@ class GvisorSubstrate(RootFileOps, Substrate):
         cwd = spec.cwd
         try:  # a missing cwd: the command starts in / (runsc would refuse to start it)
             with self._files(runtime) as f:
-                if f.stat(cwd).type not in ("dir", "symlink"):
+                if f.stat(cwd, cached_only=True).type not in ("dir", "symlink"):
                     cwd = "/"
+        except NotCached:  # a symlink on the way (or a long path): runsc resolves it inside,
+            pass           # not the event loop here
         except CorralError:
             cwd = "/"
         n = next(self._seq)
