@@ -14,6 +14,8 @@ import socket
 import subprocess
 import tempfile
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
 
 import netlab
@@ -1479,6 +1481,54 @@ def test_exposed_ports_and_their_connections_are_bounded(net: Env):
         finally:
             for c in clients:
                 c.close()
+
+
+FLOODING_SERVER = """
+import socket, sys, threading
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(16)
+buf = b"x" * (1 << 20)
+def serve(c):
+    try:
+        while True:
+            c.sendall(buf)
+    except OSError:
+        pass
+while True:
+    c, _ = s.accept(); threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+
+def test_a_sandbox_answering_at_full_speed_gets_the_relay_budget(net: Env):
+    """A sandbox's server sending as fast as it can, to host clients reading as fast, made
+    the daemon's event loop copy ~470 MB/s, a whole core; the relays share RELAY_RATE."""
+    from corral.daemon.network import expose
+
+    with net.sandbox(network="internet") as sb:
+        sb.exec(["python3", "-c", FLOODING_SERVER, "7200"], background=True)
+        assert wait_until(lambda: ":1C20" in sb.exec("cat /proc/net/tcp").stdout)
+        clients = _clients(sb.expose(7200), 2)
+        got = [0, 0]
+        start = time.monotonic()
+        end = start + 3
+
+        def read(i: int) -> None:
+            while time.monotonic() < end:
+                d = clients[i].recv(1 << 20)
+                assert d and d.count(b"x") == len(d)
+                got[i] += len(d)
+        try:
+            threads = [threading.Thread(target=read, args=(i,)) for i in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            for c in clients:
+                c.close()
+        rate = (sum(got) - expose.RELAY_BURST) / (time.monotonic() - start)
+        assert 0.3 * expose.RELAY_RATE < rate < 1.3 * expose.RELAY_RATE, (rate, got)
+        assert min(got) > 0.25 * sum(got), got  # both relays served
 
 
 def test_expose_needs_a_networked_sandbox(net: Env):
