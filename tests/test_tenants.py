@@ -654,3 +654,57 @@ def _over_quota_through_a_gateway(base: str, tokens: str) -> None:
         finally:
             await gw.close()
     asyncio.run(run())
+
+
+def test_one_tenant_cannot_take_the_tcp_listener_from_the_others():
+    """The TCP listener holds at most CORRAL_TCP_MAX_CONNECTIONS; a tenant whose client
+    keeps opening connections (a leak, a pool sized for a bigger daemon) took all of them,
+    and every other tenant's connection was closed at once. A tenant holds at most its share
+    (here 50 % of 16): its request on one more is quota_exceeded and that connection closed;
+    the others get in, and the tenant does again once it lets one go."""
+    import http.client
+
+    tokdir = tempfile.mkdtemp(prefix="corral-test-tcpshare-tok-", dir="/var/tmp")
+    path = os.path.join(tokdir, "tokens.json")
+    _write_tokens(path, TOKENS)
+    port = free_port()
+
+    def ask(token: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        c.request("GET", "/v1/sandboxes", headers={"Authorization": f"Bearer {token}"})
+        r = c.getresponse()
+        r.body = r.read()  # type: ignore[attr-defined]
+        return c, r
+
+    held: list[http.client.HTTPConnection] = []
+    try:
+        with private_daemon("corral-test-tcpshare-", f"{CGROUP_NAME}-tcpshare",
+                            CORRAL_TCP=f"127.0.0.1:{port}", CORRAL_TOKEN=ADMIN,
+                            CORRAL_TOKENS=path, CORRAL_TCP_MAX_CONNECTIONS="16"):
+            for _ in range(8):  # alice's share: kept alive, each answered
+                c, r = ask(TOKENS["alice"])
+                held.append(c)
+                assert r.status == 200 and not r.will_close, r.body  # type: ignore[attr-defined]
+            for _ in range(12):  # past it: refused, each closed by the daemon
+                c, r = ask(TOKENS["alice"])
+                held.append(c)
+                err = json.loads(r.body)["error"]  # type: ignore[attr-defined]
+                assert r.status == 429 and err["code"] == "quota_exceeded", err
+                assert err["details"] == {"resource": "connections", "max": 8} and err["infra"]
+                assert r.will_close
+            for token in (TOKENS["bob"], TOKENS["carol"], ADMIN):  # the others get in
+                c, r = ask(token)
+                held.append(c)
+                assert r.status == 200, r.body  # type: ignore[attr-defined]
+            held.pop(0).close()  # alice lets one go: her next connection is served
+
+            def served() -> bool:
+                c, r = ask(TOKENS["alice"])
+                held.append(c)
+                return r.status == 200
+            assert wait_until(served, 10)
+    finally:
+        for c in held:
+            c.close()
+        os.unlink(path)
+        os.rmdir(tokdir)

@@ -33,6 +33,10 @@ class Config:
     # Connections the TCP listener holds at once (corral.daemon.tcpguard).
     tcp_max_connections: int = field(
         default_factory=lambda: int(_env("CORRAL_TCP_MAX_CONNECTIONS", "4096")))
+    # Of those, the most one tenant's requests hold: a count, or a share ("50%": no tenant
+    # takes the listener from the others).
+    tcp_max_connections_per_tenant: str = field(
+        default_factory=lambda: _env("CORRAL_TCP_MAX_CONNECTIONS_PER_TENANT", "50%"))
     # Seconds a TCP peer may take none of what the daemon sends before the connection is
     # dropped (corral.daemon.tcpguard: a client that stopped reading its answers).
     tcp_send_timeout_s: float = field(

@@ -375,8 +375,10 @@ class QuotaExceeded(CapacityExceeded):
     image pulls under way as a tenant may (``details.resource == "pulls"``), or its
     snapshots hold as many records (``"snapshots"``, ``CORRAL_TENANT_MAX_SNAPSHOTS``) or bytes
     (``"snapshot_bytes"``, ``CORRAL_TENANT_SNAPSHOT_MB``) as it may, or its live sandboxes'
-    trajectory logs hold its log budget (``"log_bytes"``, ``CORRAL_TENANT_LOG_MB``): not the
-    task's failure; free one or wait."""
+    trajectory logs hold its log budget (``"log_bytes"``, ``CORRAL_TENANT_LOG_MB``), or its
+    clients hold its share of the TCP listener's connections (``"connections"``,
+    ``CORRAL_TCP_MAX_CONNECTIONS_PER_TENANT``; that connection is closed): not the task's
+    failure; free one or wait."""
 
     code = "quota_exceeded"
 

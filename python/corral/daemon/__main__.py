@@ -230,6 +230,14 @@ def parse_hostport(value: str) -> tuple[str, int]:
         raise StartupError(f"--tcp must be HOST:PORT, got {value!r}") from None
 
 
+def _tcp_share(cfg: config.Config) -> int:
+    """CORRAL_TCP_MAX_CONNECTIONS_PER_TENANT as a count (corral.daemon.tcpguard)."""
+    try:
+        return parse_limit(cfg.tcp_max_connections_per_tenant, cfg.tcp_max_connections)
+    except InvalidRequest as e:
+        raise StartupError(f"CORRAL_TCP_MAX_CONNECTIONS_PER_TENANT: {e}") from None
+
+
 def _set_tenant_quota(engine: Engine, tenants: Tenants, default: str) -> None:
     """Each tenant's quota: its tokens file entry's max_sandboxes, else ``default`` (a count
     or a share of the admission limit)."""
@@ -303,7 +311,8 @@ async def serve(cfg: config.Config) -> None:
         cgroups = engine.shared.get("cgroups")  # made by the container substrate
         protected = protect_daemon(cgroups, cfg.daemon_memory_mb) if cgroups is not None else {}
         app = create_app(engine, cfg.token or None, tenants)
-        guard = TcpGuard(cfg.tcp_max_connections, send_timeout_s=cfg.tcp_send_timeout_s)
+        guard = TcpGuard(cfg.tcp_max_connections, send_timeout_s=cfg.tcp_send_timeout_s,
+                         per_tenant=_tcp_share(cfg))
         if cfg.tcp_listen:  # after the token check: a request refused leaves it watched
             app.middlewares.append(guard.middleware())
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0,

@@ -9,6 +9,10 @@ On the TCP listener (the local socket is root's, not guarded):
 - a connection has ``HEADERS_S`` to make a request that passes the token check (one that
   does marks it, and it is no longer watched; one refused, 401, leaves it watched);
 - at most ``max_connections`` are open at once: past that, a new one is closed at once;
+- a connection belongs to the tenant of its first request that passes the token check, and a
+  tenant holds at most ``per_tenant`` of them: its request on one more is answered
+  ``quota_exceeded`` (``details.resource: connections``) and that connection closed, so one
+  tenant's client (a leak, a pool far too big) cannot take the listener from the others;
 - a kept-alive connection idle for ``KEEPALIVE_S`` is closed (aiohttp's default is an hour);
 - a connection whose peer takes none of what the daemon sends for ``SEND_TIMEOUT_S`` (its
   receive window shut: a client that asked for results and stopped reading them) is dropped
@@ -20,6 +24,7 @@ On the TCP listener (the local socket is root's, not guarded):
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -27,6 +32,9 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
+
+from corral.daemon.app_errors import TENANT, json_error
+from corral.errors import QuotaExceeded
 
 log = logging.getLogger("corral.tcp")
 
@@ -40,8 +48,13 @@ class TcpGuard:
     """Counts the listener's connections and closes those over the cap or too slow to ask."""
 
     def __init__(self, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 headers_s: float = HEADERS_S, send_timeout_s: float = SEND_TIMEOUT_S) -> None:
+                 headers_s: float = HEADERS_S, send_timeout_s: float = SEND_TIMEOUT_S,
+                 per_tenant: int | None = None) -> None:
         self.max_connections = max_connections
+        self.per_tenant = max(1, max_connections // 2) if per_tenant is None else per_tenant
+        self.owner: dict[asyncio.BaseTransport, str] = {}  # connection -> its tenant
+        self.held: collections.Counter[str] = collections.Counter()  # tenant -> connections
+        self.over_share = 0  # closed: its tenant held its share
         self.headers_s = headers_s
         self.send_timeout_ms = max(1, int(send_timeout_s * 1000))
         self.open = 0
@@ -70,6 +83,23 @@ class TcpGuard:
     def closed(self, transport: asyncio.BaseTransport) -> None:
         self.open -= 1
         self.started(transport)
+        tenant = self.owner.pop(transport, None)
+        if tenant is not None:
+            self.held[tenant] -= 1
+            if not self.held[tenant]:
+                del self.held[tenant]
+
+    def claim(self, transport: asyncio.BaseTransport | None, tenant: str) -> bool:
+        """The connection's first tenant request: count it against ``tenant``'s share. False:
+        the tenant holds its share already (the caller refuses the request and closes)."""
+        if transport is None or transport in self.owner:
+            return True
+        if self.held[tenant] >= self.per_tenant:
+            self.over_share += 1
+            return False
+        self.owner[transport] = tenant
+        self.held[tenant] += 1
+        return True
 
     def started(self, transport: asyncio.BaseTransport | None) -> None:
         """A request of this connection reached the app: it is a client, not a squatter."""
@@ -87,6 +117,16 @@ class TcpGuard:
                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                        ) -> web.StreamResponse:
             self.started(request.transport)
+            tenant = request.get(TENANT)
+            if tenant is not None and not self.claim(request.transport, tenant):
+                log.warning("TCP connection of tenant %s closed: it holds %d, its share",
+                            tenant, self.per_tenant)
+                resp = json_error(QuotaExceeded(
+                    f"this tenant holds {self.per_tenant} connections to the daemon, the "
+                    "most one tenant may: reuse them (a smaller connection pool)",
+                    details={"resource": "connections", "max": self.per_tenant}))
+                resp.force_close()
+                return resp
             return await handler(request)
         return mark
 
