@@ -860,6 +860,94 @@ def test_per_user_kernel_counters_are_not_one_sandboxs_to_take():
         p.kill()
 
 
+# Takes as much of one per-user kernel count as its limits let it (``what`` ``n``), says how
+# much it got, and holds it; with ``n`` 1, takes one and says so (the neighbour's probe).
+_PER_USER_HOG = r"""
+import ctypes, fcntl, os, signal, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+rt = ctypes.CDLL("librt.so.1", use_errno=True)
+what, n = sys.argv[1], int(sys.argv[2])
+held = []
+
+
+class MqAttr(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_long), ("maxmsg", ctypes.c_long),
+                ("msgsize", ctypes.c_long), ("cur", ctypes.c_long), ("pad", ctypes.c_long * 4)]
+
+
+def one(i):
+    if what == "fanotify":  # FAN_CLASS_NOTIF | FAN_REPORT_FID: no capability needed
+        return libc.fanotify_init(0x200, 0) >= 0
+    if what == "mqueue":  # 10 messages of 8 KiB: ~80 KiB of the user's RLIMIT_MSGQUEUE sum
+        at = MqAttr(0, 10, 8192, 0)
+        name = b"/hog%d-%d" % (os.getpid(), i)
+        return rt.mq_open(name, os.O_CREAT | os.O_RDWR, 0o600, ctypes.byref(at)) >= 0
+    if what == "pipe":  # 1 MiB of buffer pages counted against the user's pipe pages
+        r, w = os.pipe()
+        held.append((r, w))
+        try:
+            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)
+        except OSError:
+            return False
+        return fcntl.fcntl(w, fcntl.F_GETPIPE_SZ) == 1 << 20
+    if what == "shmlock":  # 1 MiB SHM_LOCKed: the user's locked_shm against RLIMIT_MEMLOCK
+        libc.shmget.restype = ctypes.c_int
+        sid = libc.shmget(0, 1 << 20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+        return sid >= 0 and libc.shmctl(sid, 11, None) == 0  # SHM_LOCK
+    if what == "sigqueue":  # queued real-time signals: the user's RLIMIT_SIGPENDING sum
+        return signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN]) is not None and \
+            libc.sigqueue(os.getpid(), int(signal.SIGRTMIN), ctypes.c_void_p(0)) == 0
+    raise SystemExit(what)
+
+
+got = 0
+while got < n and one(got):
+    got += 1
+print(got, flush=True)
+if n > 1:
+    time.sleep(600)
+"""
+
+# what, how many the hog takes: past each count's default per-user bound (fanotify 128
+# groups; ~10 queues in 800 KiB; 16,384 pipe pages; 8 MiB locked; ~96,000 signals here)
+_PER_USER = [("fanotify", 200), ("mqueue", 40), ("pipe", 80), ("shmlock", 16),
+             ("sigqueue", 120_000)]
+# The sums checked against the caller's rlimit, by its line in /proc/<pid>/limits
+_BY_RLIMIT = {"mqueue": "Max msgqueue size", "shmlock": "Max locked memory",
+              "sigqueue": "Max pending signals"}
+
+
+def _has_cap(bit: int) -> bool:
+    """Whether this process (root, like the daemon it started) has capability ``bit``."""
+    with open("/proc/self/status") as f:
+        eff = next(ln for ln in f if ln.startswith("CapEff:")).split()[1]
+    return bool(int(eff, 16) >> bit & 1)
+
+
+@pytest.mark.parametrize("what,n", _PER_USER, ids=[w for w, _ in _PER_USER])
+def test_per_user_kernel_sums_are_not_one_sandboxs_to_take(what: str, n: int):
+    """Every container sandbox is uid 0 on the host, and the kernel keeps some counts as one
+    sum per user, checked against a host-wide sysctl or the caller's own rlimit: at the
+    host's defaults one sandbox holding fanotify groups, POSIX message queues, pipe buffer
+    pages, SHM_LOCKed memory or queued real-time signals left its neighbour none (or, for
+    pipes, 8 KiB ones). The daemon lifts the sysctls and the sandboxes' rlimits; what each
+    count holds is charged to the sandbox's memory cgroup, the bound that holds."""
+    with corral.Sandbox(image="host") as hog, corral.Sandbox(image="host") as other:
+        for sb in (hog, other):
+            sb.files.write("/tmp/hog.py", _PER_USER_HOG)
+        if what in _BY_RLIMIT:
+            line = other.exec(f"grep '{_BY_RLIMIT[what]}' /proc/self/limits").stdout
+            if "unlimited" not in line:
+                # a daemon without CAP_SYS_RESOURCE cannot give more than its own limits
+                assert not _has_cap(24), line  # CAP_SYS_RESOURCE
+                pytest.skip(f"the daemon cannot lift the rlimit here: {line.strip()}")
+        p = hog.exec(f"ulimit -n 4096; exec python3 /tmp/hog.py {what} {n}", background=True)
+        assert next(iter(p.stream()))[1] == f"{n}\n"
+        r = other.exec(f"timeout 20 python3 /tmp/hog.py {what} 1", timeout=60)
+        assert r.stdout == "1\n", r
+        p.kill()
+
+
 # --- recycled kernel objects: nothing of a previous sandbox is visible to the next one ---------
 def _daemon_metrics() -> dict[str, float]:
     import re

@@ -127,6 +127,13 @@ def _sysctl_floors(max_sandboxes: int) -> dict[str, int]:
         "fs/inotify/max_user_instances": INT_MAX,
         "fs/inotify/max_user_watches": INT_MAX,
         "fs/epoll/max_user_watches": INT_MAX,
+        # The same for fanotify groups (128) and marks, which need no capability since 5.13;
+        # and for pipe buffers: past 16,384 pages of a user's pipes, every new pipe of every
+        # sandbox got 2 pages (8 KiB, not 64) and F_SETPIPE_SZ failed. Groups, marks and pipe
+        # pages are charged to the memory cgroup that makes them.
+        "fs/fanotify/max_user_groups": INT_MAX,
+        "fs/fanotify/max_user_marks": INT_MAX,
+        "fs/pipe-user-pages-soft": INT_MAX,
     }
 
 

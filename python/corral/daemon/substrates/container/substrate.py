@@ -82,7 +82,16 @@ log = logging.getLogger("corral.container")
 
 # Limits every process of a sandbox starts with. No core dumps (a crash must not reach the
 # host's core_pattern helper with a sandbox's memory); a generous but finite fd limit.
-DEFAULT_RLIMITS: dict[str, int | tuple[int, int]] = {"core": (0, 0), "nofile": (1024, 524288)}
+# msgqueue, memlock and sigpending bound a sum over every process of the same host user,
+# checked against the caller's own limit: every container sandbox is uid 0 on the host, so at
+# the host's defaults one sandbox's POSIX message queues (800 KiB), SHM_LOCKed segments (8 MiB)
+# or queued real-time signals left every other sandbox none. Unlimited, each is bounded by
+# what bounds it inside the sandbox: its IPC namespace's queue count, and its memory cgroup,
+# which is charged for the messages, locked pages and signals.
+UNLIMITED = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+DEFAULT_RLIMITS: dict[str, int | tuple[int, int]] = {
+    "core": (0, 0), "nofile": (1024, 524288),
+    "msgqueue": UNLIMITED, "memlock": UNLIMITED, "sigpending": UNLIMITED}
 
 
 def split_nofile(limits: dict[str, int | tuple[int, int]]

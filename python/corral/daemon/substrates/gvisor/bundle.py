@@ -35,7 +35,8 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # of statx and newfstatat (this runsc refuses it with EINVAL, and coreutils 9 passes it: `ls
 # DIR`, `stat`, which then fail); "x", exec'd directly (the tracer exists on x86_64 only).
 EXEC_MODE = "t" if platform.machine() == "x86_64" else "x"
-# The rlimits of every command: the container substrate's (DEFAULT_RLIMITS there), by number.
+# The rlimits of every command: the container substrate's core and nofile (DEFAULT_RLIMITS
+# there), by number; the per-user sums it lifts are the sentry's own, one sandbox's, here.
 RLIMITS: dict[int, tuple[int, int]] = {resource.RLIMIT_CORE: (0, 0),
                                        resource.RLIMIT_NOFILE: (1024, 524288)}
 NO_CAPS: dict[str, list[str]] = {k: [] for k in
