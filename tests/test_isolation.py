@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import corral
+from corral.sdk import admin
 
 from conftest import CGROUP_NAME, SOCKET, STATE_DIR, wait_until
 
@@ -913,8 +914,9 @@ if n > 1:
 _PER_USER = [("fanotify", 200), ("mqueue", 40), ("pipe", 80), ("shmlock", 16),
              ("sigqueue", 120_000)]
 # The sums checked against the caller's rlimit, by its line in /proc/<pid>/limits
-_BY_RLIMIT = {"mqueue": "Max msgqueue size", "shmlock": "Max locked memory",
-              "sigqueue": "Max pending signals"}
+_BY_RLIMIT = {"mqueue": ("Max msgqueue size", "msgqueue"),
+              "shmlock": ("Max locked memory", "memlock"),
+              "sigqueue": ("Max pending signals", "sigpending")}
 
 
 def _has_cap(bit: int) -> bool:
@@ -936,9 +938,13 @@ def test_per_user_kernel_sums_are_not_one_sandboxs_to_take(what: str, n: int):
         for sb in (hog, other):
             sb.files.write("/tmp/hog.py", _PER_USER_HOG)
         if what in _BY_RLIMIT:
-            line = other.exec(f"grep '{_BY_RLIMIT[what]}' /proc/self/limits").stdout
-            if "unlimited" not in line:
-                # a daemon without CAP_SYS_RESOURCE cannot give more than its own limits
+            text, name = _BY_RLIMIT[what]
+            line = other.exec(f"grep '{text}' /proc/self/limits").stdout
+            shared = admin.status().shared_rlimits
+            assert ("unlimited" not in line) == (name in shared), (line, shared)
+            if name in shared:
+                # a daemon without CAP_SYS_RESOURCE cannot give more than its own limits,
+                # and says so (corral status)
                 assert not _has_cap(24), line  # CAP_SYS_RESOURCE
                 pytest.skip(f"the daemon cannot lift the rlimit here: {line.strip()}")
         p = hog.exec(f"ulimit -n 4096; exec python3 /tmp/hog.py {what} {n}", background=True)

@@ -773,6 +773,10 @@ class DaemonStatus(_Response):
     state_dir: str
     cgroup_version: Literal[1, 2] | None = Field(None, description=(
         "the host's cgroup version, when a substrate that uses cgroups is served"))
+    shared_rlimits: list[str] = Field(default_factory=list, description=(
+        "per-user rlimits (msgqueue, memlock, sigpending) the daemon cannot lift for its "
+        "container sandboxes (it lacks CAP_SYS_RESOURCE): every sandbox is uid 0 on the "
+        "host, so one can take those sums from the others (docs/security.md)"))
     substrates: list[str]
 
 

@@ -83,6 +83,9 @@ def status(json_: bool = JSON) -> None:
         ("state dir", st.state_dir),
         ("cgroup", f"v{st.cgroup_version}" if st.cgroup_version else "-"),
         ("substrates", ", ".join(st.substrates)),
+        *([("shared rlimits", ", ".join(st.shared_rlimits) + " (no CAP_SYS_RESOURCE: one "
+            "sandbox can take these per-user sums from the others)")]
+          if st.shared_rlimits else []),
     ]))
     out.print(capability_table(subs))
 

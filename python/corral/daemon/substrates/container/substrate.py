@@ -94,6 +94,23 @@ DEFAULT_RLIMITS: dict[str, int | tuple[int, int]] = {
     "msgqueue": UNLIMITED, "memlock": UNLIMITED, "sigpending": UNLIMITED}
 
 
+def unliftable(names: list[str]) -> list[str]:
+    """Of the rlimits ``names``, those this daemon cannot make unlimited for the sandboxes:
+    without CAP_SYS_RESOURCE a spawn gets at most the daemon's own hard limit. Tried on the
+    daemon itself (a higher hard limit of its own changes nothing it does)."""
+    out = []
+    for name in names:
+        res = getattr(resource, "RLIMIT_" + name.upper())
+        soft, hard = resource.getrlimit(res)
+        if hard == resource.RLIM_INFINITY:
+            continue
+        try:
+            resource.setrlimit(res, (soft, resource.RLIM_INFINITY))
+        except (ValueError, OSError):
+            out.append(name)
+    return out
+
+
 def split_nofile(limits: dict[str, int | tuple[int, int]]
                  ) -> tuple[dict[str, int | tuple[int, int]], dict[str, int | tuple[int, int]]]:
     """(the commands' limits, the init's) from the limits commands are to have. The init is
@@ -174,6 +191,12 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
             self.thrash.start()
         # The commands' limits (the daemon's exec path sets them) and the init's (spawn).
         self.rlimits, self.init_rlimits = split_nofile(DEFAULT_RLIMITS)
+        self.shared_rlimits = unliftable([k for k, v in DEFAULT_RLIMITS.items()
+                                          if v == UNLIMITED])
+        if self.shared_rlimits:
+            log.warning("cannot lift the sandboxes' per-user rlimits %s (no CAP_SYS_RESOURCE): "
+                        "one sandbox can take those sums from the others",
+                        ", ".join(self.shared_rlimits))
         self.overlay_options = [o for o in os.environ.get(
             "CORRAL_OVERLAY_OPTIONS", "volatile").replace(",", " ").split() if o]
         # O_PATH fds of sandbox roots, opened on first use, reference-counted so destroy never
@@ -1064,4 +1087,5 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         return out
 
     def status(self) -> dict[str, Any]:
-        return {"cgroup_version": self.cgroups.version}
+        return {"cgroup_version": self.cgroups.version,
+                "shared_rlimits": self.shared_rlimits}
