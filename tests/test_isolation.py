@@ -954,6 +954,43 @@ def test_per_user_kernel_sums_are_not_one_sandboxs_to_take(what: str, n: int):
         p.kill()
 
 
+_PTY_HOG = r"""
+import os, resource, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+fds = []
+try:
+    while len(fds) < int(sys.argv[1]):
+        m, s = os.openpty()
+        os.close(s)
+        fds.append(m)
+except OSError as e:
+    print(e.strerror, flush=True)
+print(len(fds), flush=True)
+if len(sys.argv) > 2:
+    time.sleep(600)
+"""
+
+
+def test_one_sandbox_cannot_take_every_pty():
+    """Every sandbox's devpts draws on one host-wide pool (kernel.pty.max less the host's
+    reserve: 3,071 at the defaults): one sandbox opening ptys until refused took them all,
+    and its neighbour's openpty failed with ENOSPC. A sandbox's devpts holds at most 256, and
+    the daemon raises the pool to the kernel's ceiling."""
+    with corral.Sandbox(image="host") as hog, corral.Sandbox(image="host") as other:
+        for sb in (hog, other):
+            sb.files.write("/tmp/pty.py", _PTY_HOG)
+        p = hog.exec("exec python3 /tmp/pty.py 4000 hold", background=True)
+        out = ""
+        for _, data in p.stream():  # until it says how many it got (it then holds them)
+            out += data
+            if out.count("\n") == 2:
+                break
+        assert out.split() == ["No", "space", "left", "on", "device", "256"], out
+        r = other.exec("python3 /tmp/pty.py 1", timeout=60)
+        assert r.stdout == "1\n", r
+        p.kill()
+
+
 # --- recycled kernel objects: nothing of a previous sandbox is visible to the next one ---------
 def _daemon_metrics() -> dict[str, float]:
     import re

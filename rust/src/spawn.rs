@@ -868,7 +868,9 @@ unsafe fn mount_shared_dev(r: &Report, dev_dir: &CString, shm_dir: Option<&CStri
     }
 }
 
-/// A devpts instance of the sandbox's own on dev/pts (its ptys and nobody else's).
+/// A devpts instance of the sandbox's own on dev/pts (its ptys and nobody else's), of at most
+/// 256 ptys: every instance but the host's draws on one pool (`kernel.pty.max` less the
+/// host's reserve, 3,071 at the defaults), which one sandbox otherwise took from all others.
 ///
 /// # Safety
 /// As `mount_own_dev`.
@@ -883,7 +885,7 @@ unsafe fn mount_devpts(r: &Report) {
                 c"dev/pts",
                 Some(c"devpts"),
                 libc::MS_NOSUID | libc::MS_NOEXEC,
-                Some(c"newinstance,ptmxmode=0666,mode=0620,gid=5"),
+                Some(c"newinstance,ptmxmode=0666,mode=0620,gid=5,max=256"),
             ),
         );
     }

@@ -134,6 +134,10 @@ def _sysctl_floors(max_sandboxes: int) -> dict[str, int]:
         "fs/fanotify/max_user_groups": INT_MAX,
         "fs/fanotify/max_user_marks": INT_MAX,
         "fs/pipe-user-pages-soft": INT_MAX,
+        # Every sandbox's devpts draws on one pool of ptys (4,096 less the host's reserve of
+        # 1,024); each sandbox's holds at most 256 (spawn.rs), so the pool is the kernel's
+        # ceiling. A pty is kernel memory charged to the memory cgroup that opens it.
+        "kernel/pty/max": 1 << 20,
     }
 
 
