@@ -864,7 +864,7 @@ def test_per_user_kernel_counters_are_not_one_sandboxs_to_take():
 # Takes as much of one per-user kernel count as its limits let it (``what`` ``n``), says how
 # much it got, and holds it; with ``n`` 1, takes one and says so (the neighbour's probe).
 _PER_USER_HOG = r"""
-import ctypes, fcntl, os, signal, sys, time
+import ctypes, fcntl, os, platform, signal, sys, time
 libc = ctypes.CDLL(None, use_errno=True)
 rt = ctypes.CDLL("librt.so.1", use_errno=True)
 what, n = sys.argv[1], int(sys.argv[2])
@@ -895,6 +895,10 @@ def one(i):
         libc.shmget.restype = ctypes.c_int
         sid = libc.shmget(0, 1 << 20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
         return sid >= 0 and libc.shmctl(sid, 11, None) == 0  # SHM_LOCK
+    if what == "aio":  # io_setup of 4,096 events: one host-wide count (fs.aio-nr)
+        ctx = ctypes.c_ulong(0)
+        nr = {"x86_64": 206, "aarch64": 0}[platform.machine()]  # io_setup
+        return libc.syscall(nr, 4096, ctypes.byref(ctx)) == 0
     if what == "sigqueue":  # queued real-time signals: the user's RLIMIT_SIGPENDING sum
         return signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN]) is not None and \
             libc.sigqueue(os.getpid(), int(signal.SIGRTMIN), ctypes.c_void_p(0)) == 0
@@ -909,10 +913,11 @@ if n > 1:
     time.sleep(600)
 """
 
-# what, how many the hog takes: past each count's default per-user bound (fanotify 128
-# groups; ~10 queues in 800 KiB; 16,384 pipe pages; 8 MiB locked; ~96,000 signals here)
+# what, how many the hog takes: past each count's default bound (fanotify 128 groups; ~10
+# queues in 800 KiB; 16,384 pipe pages; 8 MiB locked; ~96,000 signals here; 65,536 AIO
+# events on the whole host)
 _PER_USER = [("fanotify", 200), ("mqueue", 40), ("pipe", 80), ("shmlock", 16),
-             ("sigqueue", 120_000)]
+             ("sigqueue", 120_000), ("aio", 32)]
 # The sums checked against the caller's rlimit, by its line in /proc/<pid>/limits
 _BY_RLIMIT = {"mqueue": ("Max msgqueue size", "msgqueue"),
               "shmlock": ("Max locked memory", "memlock"),
@@ -929,11 +934,12 @@ def _has_cap(bit: int) -> bool:
 @pytest.mark.parametrize("what,n", _PER_USER, ids=[w for w, _ in _PER_USER])
 def test_per_user_kernel_sums_are_not_one_sandboxs_to_take(what: str, n: int):
     """Every container sandbox is uid 0 on the host, and the kernel keeps some counts as one
-    sum per user, checked against a host-wide sysctl or the caller's own rlimit: at the
-    host's defaults one sandbox holding fanotify groups, POSIX message queues, pipe buffer
-    pages, SHM_LOCKed memory or queued real-time signals left its neighbour none (or, for
-    pipes, 8 KiB ones). The daemon lifts the sysctls and the sandboxes' rlimits; what each
-    count holds is charged to the sandbox's memory cgroup, the bound that holds."""
+    sum per user, checked against a host-wide sysctl or the caller's own rlimit (AIO events:
+    one sum for the whole host): at the host's defaults one sandbox holding fanotify groups,
+    POSIX message queues, pipe buffer pages, SHM_LOCKed memory, queued real-time signals or
+    AIO contexts left its neighbour none (or, for pipes, 8 KiB ones). The daemon lifts the
+    sysctls and the sandboxes' rlimits; what each count holds is charged to the sandbox's
+    memory cgroup, the bound that holds."""
     with corral.Sandbox(image="host") as hog, corral.Sandbox(image="host") as other:
         for sb in (hog, other):
             sb.files.write("/tmp/hog.py", _PER_USER_HOG)

@@ -138,6 +138,11 @@ def _sysctl_floors(max_sandboxes: int) -> dict[str, int]:
         # 1,024); each sandbox's holds at most 256 (spawn.rs), so the pool is the kernel's
         # ceiling. A pty is kernel memory charged to the memory cgroup that opens it.
         "kernel/pty/max": 1 << 20,
+        # Kernel AIO contexts' events, one count for the whole host (65,536): a sandbox's 16
+        # io_setup calls of 4,096 took them all, from every sandbox and the host's own libaio
+        # users. A context's ring is charged to the memory cgroup that makes it, the bound
+        # that holds (a 64 MiB sandbox is OOM-killed at its limit first).
+        "fs/aio-max-nr": LONG_MAX,
     }
 
 
