@@ -45,6 +45,19 @@ _read = kernel.read_knob
 # (rust/src/harden.rs, MADV_TO_SWAP).
 MEMSW_SLACK = 4096
 
+# cgroup v1 charges socket buffers to a memory cgroup only once it has a limit of its own for
+# them (memory.kmem.tcp.limit_in_bytes, which covers UDP's too): without one, a sandbox of 256
+# MiB held 186 MiB of TCP and 398 MiB of UDP buffers charged nowhere, up to the host-wide
+# tcp_mem and udp_mem (2.2 and 4.4 GiB here). A sandbox's sockets may hold this share of its
+# memory limit, at least SOCKET_MEMORY_MIN, beside it (v2 counts them inside memory.max).
+SOCKET_MEMORY_SHARE = 0.25
+SOCKET_MEMORY_MIN = 16 << 20
+
+
+def socket_memory(memory_bytes: int) -> int:
+    """The socket buffer bytes a v1 sandbox of ``memory_bytes`` may hold."""
+    return max(SOCKET_MEMORY_MIN, int(memory_bytes * SOCKET_MEMORY_SHARE))
+
 # A fork in a sandbox refused with its processes this close to its pids limit is taken as its
 # own (CgroupManager.pids_at_own_limit), when no count of refusals says so.
 PIDS_SLACK = 2

@@ -19,6 +19,7 @@ from .common import (
     _write,
     check_id,
     parse_cpulist,
+    socket_memory,
 )
 from .recycler import _COOLING, _DRAINING, _SPARE, DRAIN_AT_STOP_S, MEMCG_SPARES, MemcgRecycler
 
@@ -74,6 +75,8 @@ class CgroupsV1(CgroupManager):
                                                   ",".join(ctrls))
         # Whether memory+swap can be limited (swap accounting on) is fixed per host.
         self._memsw = os.path.exists(os.path.join(self._mem, "memory.memsw.limit_in_bytes"))
+        self._sockets = os.path.exists(os.path.join(self._mem,
+                                                    "memory.kmem.tcp.limit_in_bytes"))
         self.recycler = MemcgRecycler(self._mem, MEMCG_SPARES, self._oom_kills_at)
         self.spares_max = self.recycler.spares_max
         self.spare_stats = self.recycler.stats
@@ -180,6 +183,24 @@ class CgroupsV1(CgroupManager):
         if self._memsw:  # memsw must be >= limit, so it comes second
             _write(m + "/memory.memsw.limit_in_bytes", str(mem + MEMSW_SLACK))
             _write(m + "/memory.swappiness", "0")  # see MEMSW_SLACK
+        if self._sockets:
+            self._socket_limit(m, socket_memory(mem))
+
+    @staticmethod
+    def _socket_limit(m: str, limit: int) -> None:
+        """Socket buffers charged to ``m`` (SOCKET_MEMORY_SHARE). A recycled cgroup may still
+        be charged for its last sandbox's sockets (an orphan sending what it was left): the
+        kernel refuses a limit under that (EBUSY), so the limit goes on top of it."""
+        f = m + "/memory.kmem.tcp.limit_in_bytes"
+        for _ in range(8):
+            try:
+                _write(f, str(limit))
+                return
+            except OSError as e:
+                if e.errno != errno.EBUSY:
+                    raise
+                limit = int(_read(m + "/memory.kmem.tcp.usage_in_bytes")) + limit
+        _write(f, str(limit))
 
     def adopt_limits(self, sandbox_id: str) -> None:
         """A sandbox made with memory+swap equal to memory (before MEMSW_SLACK) would show no
