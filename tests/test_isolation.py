@@ -376,6 +376,7 @@ DANGEROUS_SYSCALLS = [
     ("add_key", 248, [0, 0, 0, 0, 0]),
     ("perf_event_open", 298, [0, 0, 0, 0, 0]),
     ("userfaultfd", 323, [0]),
+    ("memfd_secret", 447, [0]),
     ("open_by_handle_at", 304, [0, 0, 0]),
     ("setns", 308, [0, 0]),
     ("unshare_user", 272, [0x10000000]),

@@ -380,7 +380,8 @@ def test_cannot_gain_privileges_or_change_the_system(sb):
                            ("perf_event_open", 298, "0, 0, -1, -1, 0"),
                            ("userfaultfd", 323, "0"), ("open_by_handle_at", 304, "3, 0, 0"),
                            ("init_module", 175, "0, 0, 0"), ("kexec_load", 246, "0, 0, 0, 0"),
-                           ("add_key", 248, "0, 0, 0, 0, 0"), ("unshare-user", 272, "0x10000000")):
+                           ("add_key", 248, "0, 0, 0, 0, 0"), ("unshare-user", 272, "0x10000000"),
+                           ("memfd_secret", 447, "0")):
         attempts[name] = (f"python3 -c \"import ctypes, sys; l=ctypes.CDLL(None, use_errno=True); "
                           f"r=l.syscall({nr}, {args}); "
                           f"sys.exit(1 if r < 0 and ctypes.get_errno() == 1 else 0)\"")
