@@ -377,6 +377,7 @@ DANGEROUS_SYSCALLS = [
     ("perf_event_open", 298, [0, 0, 0, 0, 0]),
     ("userfaultfd", 323, [0]),
     ("memfd_secret", 447, [0]),
+    ("modify_ldt", 154, [1, 0, 0]),
     ("open_by_handle_at", 304, [0, 0, 0]),
     ("setns", 308, [0, 0]),
     ("unshare_user", 272, [0x10000000]),

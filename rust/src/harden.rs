@@ -521,6 +521,9 @@ fn syscall_policy() -> Vec<Deny> {
         deny("lookup_dcookie", libc::SYS_lookup_dcookie),
         deny("nfsservctl", libc::SYS_nfsservctl),
         deny("uselib", libc::SYS_uselib),
+        // per-process segment descriptors: only 16-bit and Wine code needs them, and the
+        // kernel's LDT code has had use-after-free bugs (CVE-2017-17053)
+        deny("modify_ldt", libc::SYS_modify_ldt),
     ]);
     #[cfg(target_arch = "aarch64")]
     v.extend([

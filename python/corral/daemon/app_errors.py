@@ -61,6 +61,9 @@ TENANT = "corral.tenant"
 # An admin's request on a tenant's behalf (the cluster gateway's, which checked the tenant's
 # token): honoured with the admin's credentials only, so a tenant cannot name another.
 ACT_AS_HEADER = "X-Corral-Tenant"
+# request[BY_TENANT_TOKEN]: True when a tenant's own token authenticated it (not the admin's
+# acting for a tenant): its connection is the tenant's (corral.daemon.tcpguard).
+BY_TENANT_TOKEN = "corral.by_tenant_token"
 Guard = Callable[[web.Request, str], Awaitable[None]]
 
 
@@ -105,6 +108,7 @@ def middleware(token: str | None, on_error: Callable[[CorralError], None] | None
                 tenant = tenants.tenant(got) if tenants is not None else None
                 if tenant is None:
                     raise Unauthorized("missing or wrong bearer token")
+                request[BY_TENANT_TOKEN] = True
         if tenant is None:
             return
         if not NAME_RE.match(tenant):

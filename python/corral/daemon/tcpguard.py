@@ -9,7 +9,8 @@ On the TCP listener (the local socket is root's, not guarded):
 - a connection has ``HEADERS_S`` to make a request that passes the token check (one that
   does marks it, and it is no longer watched; one refused, 401, leaves it watched);
 - at most ``max_connections`` are open at once: past that, a new one is closed at once;
-- a connection belongs to the tenant of its first request that passes the token check, and a
+- a connection belongs to the tenant of its first request made with that tenant's own token
+  (the admin's token acting for a tenant, the cluster gateway's, counts for nobody), and a
   tenant holds at most ``per_tenant`` of them: its request on one more is answered
   ``quota_exceeded`` (``details.resource: connections``) and that connection closed, so one
   tenant's client (a leak, a pool far too big) cannot take the listener from the others;
@@ -33,7 +34,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from corral.daemon.app_errors import TENANT, json_error
+from corral.daemon.app_errors import BY_TENANT_TOKEN, TENANT, json_error
 from corral.errors import QuotaExceeded
 
 log = logging.getLogger("corral.tcp")
@@ -117,7 +118,7 @@ class TcpGuard:
                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                        ) -> web.StreamResponse:
             self.started(request.transport)
-            tenant = request.get(TENANT)
+            tenant = request.get(TENANT) if request.get(BY_TENANT_TOKEN) else None
             if tenant is not None and not self.claim(request.transport, tenant):
                 log.warning("TCP connection of tenant %s closed: it holds %d, its share",
                             tenant, self.per_tenant)
