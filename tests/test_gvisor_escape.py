@@ -87,7 +87,7 @@ def _locked(got: dict[str, str]) -> None:
     for k in ("CapInh", "CapPrm", "CapEff", "CapBnd"):
         assert got[k] == "0", got
     assert got["Seccomp"] == "2" and got["NoNewPrivs"] == "1", got
-    assert got["core"] == "0 0" and got["nofile"].split()[0] == "1024", got
+    assert got["core"] == "1 1" and got["nofile"].split()[0] == "1024", got  # NO_CORE
 
 
 # --- the lock-down of every process ------------------------------------------------------------

@@ -1024,6 +1024,45 @@ def test_socket_buffers_are_charged_to_the_sandbox(kind: str):
         assert 0 < held <= 1.5 * bound, (held, bound)
 
 
+_HELPER = """#!/bin/sh
+echo "$1" >> {log}
+cat > /dev/null
+"""
+
+
+def test_a_crash_in_a_sandbox_never_runs_the_hosts_core_helper(tmp_path):
+    """Where kernel.core_pattern is a pipe (apport, systemd-coredump), the kernel runs that
+    helper as root on the host for each crash, and RLIMIT_CORE 0 does not stop it (only the
+    kernel's own guard, RLIMIT_CORE 1, does): a segfault in a sandbox ran the host's helper,
+    outside every sandbox cgroup. Commands get RLIMIT_CORE 1: the container substrate, a
+    process substrate session and run_code, each crashing under a pipe pattern of the test's
+    own, leave the helper unrun; a host process crashing the same way runs it (the control)."""
+    log = tmp_path / "cores.log"
+    helper = tmp_path / "helper.sh"
+    helper.write_text(_HELPER.format(log=log))
+    helper.chmod(0o755)
+    crash = "import ctypes; ctypes.string_at(0)"
+    with open("/proc/sys/kernel/core_pattern") as f:
+        before = f.read()
+    try:
+        with open("/proc/sys/kernel/core_pattern", "w") as f:
+            f.write(f"|{helper} %e")
+        with corral.Sandbox(image="host") as sb, corral.Sandbox(substrate="process") as ps:
+            for box in (sb, ps):
+                r = box.exec(["python3", "-c", crash])
+                assert r.exit_code != 0 and r.signal == 11, r
+            r = corral.run_code(crash)
+            assert r.status != "ok", r
+        # the control: a host process of the same program, RLIMIT_CORE 0, runs the helper
+        subprocess.run([sys.executable, "-c", "import resource; resource.setrlimit("
+                        "resource.RLIMIT_CORE, (0, 0)); " + crash], check=False)
+        assert wait_until(log.exists, 10)
+    finally:
+        with open("/proc/sys/kernel/core_pattern", "w") as f:
+            f.write(before)
+    assert log.read_text().split() == [os.path.basename(sys.executable)[:15]], log.read_text()
+
+
 _PTY_HOG = r"""
 import os, resource, sys, time
 resource.setrlimit(resource.RLIMIT_NOFILE, (4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))

@@ -6,6 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
+# RLIMIT_CORE of every command of every substrate: no core dumps, and 1 rather than 0. Where
+# the host's kernel.core_pattern is a pipe (apport, systemd-coredump), the kernel ignores
+# RLIMIT_CORE 0 and runs the host's helper, as root outside every sandbox cgroup, for each crash
+# in a sandbox; 1 is the kernel's own guard against that (it aborts the dump), and below any
+# core file's size.
+NO_CORE = (1, 1)
+
 
 class NotCached(Exception):
     """A file operation asked to use memory only (``cached_only``) needed the disk (a path

@@ -44,7 +44,7 @@ from corral.daemon import (
 from corral.daemon.kernel import pidfd_exited as _pidfd_exited
 from corral.daemon.kernel import proc_alive, proc_starttime
 from corral.daemon.network.manager import NetworkManager
-from corral.daemon.substrates.types import OomCount, oom_verdict
+from corral.daemon.substrates.types import NO_CORE, OomCount, oom_verdict
 from corral.errors import (
     CapacityExceeded,
     CorralError,
@@ -90,7 +90,7 @@ log = logging.getLogger("corral.container")
 # which is charged for the messages, locked pages and signals.
 UNLIMITED = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
 DEFAULT_RLIMITS: dict[str, int | tuple[int, int]] = {
-    "core": (0, 0), "nofile": (1024, 524288),
+    "core": NO_CORE, "nofile": (1024, 524288),
     "msgqueue": UNLIMITED, "memlock": UNLIMITED, "sigpending": UNLIMITED}
 
 

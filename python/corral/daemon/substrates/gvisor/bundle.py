@@ -14,6 +14,7 @@ from typing import Any
 from corral import _core
 from corral.daemon.cgroups.common import MEMSW_SLACK
 from corral.daemon.initexec import candidates
+from corral.daemon.substrates.types import NO_CORE
 from corral.models import SandboxSpec
 
 # The sentry and the gofer are Go programs: their own threads count against the host pids
@@ -37,7 +38,7 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 EXEC_MODE = "t" if platform.machine() == "x86_64" else "x"
 # The rlimits of every command: the container substrate's core and nofile (DEFAULT_RLIMITS
 # there), by number; the per-user sums it lifts are the sentry's own, one sandbox's, here.
-RLIMITS: dict[int, tuple[int, int]] = {resource.RLIMIT_CORE: (0, 0),
+RLIMITS: dict[int, tuple[int, int]] = {resource.RLIMIT_CORE: NO_CORE,
                                        resource.RLIMIT_NOFILE: (1024, 524288)}
 NO_CAPS: dict[str, list[str]] = {k: [] for k in
                                  ("bounding", "effective", "permitted", "inheritable", "ambient")}

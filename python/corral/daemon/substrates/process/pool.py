@@ -29,7 +29,7 @@ from typing import Any
 
 from corral.daemon.discard import DiscardBudget
 from corral.daemon.substrates.process import cgroup, view, zygote
-from corral.daemon.substrates.types import oom_verdict
+from corral.daemon.substrates.types import NO_CORE, oom_verdict
 from corral.errors import CapacityExceeded, CorralError, InfraError, InvalidRequest
 from corral.runcode_models import LANGUAGES, MAX_TIMEOUT_S, RunCodeRequest
 
@@ -112,7 +112,7 @@ def config(language: str, root_dir: str, entries: list[tuple[str, str, str]],
         "language": language, "core": _core.__file__, "root": root_dir, "entries": entries,
         "zygote_cgroups": join, "slots": slots, "preload": preload, "zygote_env": ZYGOTE_ENV,
         "env": {"PATH": PATH, "LANG": "C.UTF-8"},
-        "rlimits": [("nofile", s.nofile, s.nofile), ("core", 0, 0),
+        "rlimits": [("nofile", s.nofile, s.nofile), ("core", *NO_CORE),
                     ("fsize", s.fsize_mb << 20, s.fsize_mb << 20)],
     }
 
