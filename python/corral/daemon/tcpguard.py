@@ -120,8 +120,10 @@ class TcpGuard:
             self.started(request.transport)
             tenant = request.get(TENANT) if request.get(BY_TENANT_TOKEN) else None
             if tenant is not None and not self.claim(request.transport, tenant):
-                log.warning("TCP connection of tenant %s closed: it holds %d, its share",
-                            tenant, self.per_tenant)
+                if self.over_share % 1000 == 1:  # the first, then every 1,000th: a leaking
+                    log.warning(  # client makes them as fast as it can
+                        "TCP connection of tenant %s closed: it holds %d, its share (%d "
+                        "closed so)", tenant, self.per_tenant, self.over_share)
                 resp = json_error(QuotaExceeded(
                     f"this tenant holds {self.per_tenant} connections to the daemon, the "
                     "most one tenant may: reuse them (a smaller connection pool)",
