@@ -217,6 +217,10 @@ class GvisorSubstrate(RootFileOps, Substrate):
         # is None for kills read at adopt without one: thaw sends those itself.
         self._deferred: dict[str, tuple[asyncio.AbstractEventLoop | None, set[int]]] = {}
         self._deferred_lock = threading.Lock()
+        # Sandboxes being destroyed (under the same lock): no kill file is made in one. A
+        # wrapper killed with its sandbox ends then (_exec_done), and a file it made while
+        # the directory was being removed left the directory behind for good.
+        self._ending: set[str] = set()
         self.counters = {"gvisor_execs": 0, "gvisor_exec_kills": 0,
                          "gvisor_exec_kills_deferred": 0}
 
@@ -338,6 +342,14 @@ class GvisorSubstrate(RootFileOps, Substrate):
         the cgroup, runsc's state files, the root's mounts, the directory."""
         with self._deferred_lock:
             self._deferred.pop(sandbox_id, None)
+            self._ending.add(sandbox_id)
+        try:
+            self._destroy_traces(sandbox_id, pid)
+        finally:
+            with self._deferred_lock:
+                self._ending.discard(sandbox_id)
+
+    def _destroy_traces(self, sandbox_id: str, pid: int) -> None:
         state = self.runsc.state(sandbox_id)
         pids = {pid}
         if state is not None:
@@ -495,20 +507,32 @@ class GvisorSubstrate(RootFileOps, Substrate):
     def _schedule_kill(self, loop: asyncio.AbstractEventLoop, sid: str, pid: int) -> None:
         """Kill an abandoned command in the background. It is on disk (_HELD) until sent: a
         daemon that stops (or dies) before leaves it to the next one (adopt), or a command
-        its caller was told had timed out would run on."""
-        try:
-            with open(self._held_path(sid, pid), "x"):
+        its caller was told had timed out would run on. A sandbox being destroyed (or gone)
+        needs no kill: its commands end with it."""
+        with self._deferred_lock:
+            if sid in self._ending:
+                return
+            try:
+                with open(self._held_path(sid, pid), "x"):
+                    pass
+            except FileExistsError:
                 pass
-        except FileExistsError:
-            pass
-        except OSError as e:
-            log.warning("cannot record a kill to send", extra={"sandbox": sid, "error": str(e)})
+            except FileNotFoundError:  # its directory is gone: so is the sandbox
+                return
+            except OSError as e:
+                log.warning("cannot record a kill to send",
+                            extra={"sandbox": sid, "error": str(e)})
         try:
             fut = loop.run_in_executor(self._killer, self._kill_inner, loop, sid, pid)
         except RuntimeError:  # closing: on disk, the next daemon sends it
             return
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
+
+    def _going(self, sid: str) -> bool:
+        """The sandbox is being destroyed, or is gone (with its directory). Under
+        _deferred_lock."""
+        return sid in self._ending or not os.path.isdir(self._gdir(sid))
 
     def _paused(self, sid: str) -> bool:
         state = self.runsc.state(sid)
@@ -522,6 +546,8 @@ class GvisorSubstrate(RootFileOps, Substrate):
         leave the command running once resumed): the kill waits for the resume."""
         for _ in range(2):  # paused between the check and the kill: check again
             with self._deferred_lock:
+                if self._going(sid):
+                    return
                 if self._paused(sid):
                     self._deferred.setdefault(sid, (loop, set()))[1].add(pid)
                     self.counters["gvisor_exec_kills_deferred"] += 1
@@ -537,7 +563,11 @@ class GvisorSubstrate(RootFileOps, Substrate):
             done = False
             path = os.path.join(self._gdir(sid), "exec", f"kill-{pid}.json")
             with contextlib.suppress(OSError, RunscError):
-                bundle.write(path, bundle.process(bundle.kill_argv(pid), {}, "/", 0, 0, []))
+                with self._deferred_lock:  # not into a directory being removed
+                    if self._going(sid):
+                        return
+                    bundle.write(path, bundle.process(bundle.kill_argv(pid), {}, "/", 0, 0,
+                                                      []))
                 self.runsc.run("exec", f"--process={path}", sid)
                 done = True
             with contextlib.suppress(OSError):

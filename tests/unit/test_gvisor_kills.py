@@ -1,0 +1,92 @@
+"""Kills of abandoned gvisor commands against the sandbox's destruction. Destroying a sandbox
+ends every command's wrapper, and each wrapper's end schedules a kill, which made a file in
+the sandbox's directory: one made while the directory was being removed left the directory
+behind for good. A sandbox being destroyed (or gone) gets no kill file and no kill. runsc is
+a recorder here (tests/test_gvisor.py runs the real one)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+
+import pytest
+
+from corral.daemon.substrates.gvisor.runsc import Runsc
+from corral.daemon.substrates.gvisor.substrate import GvisorSubstrate
+
+SID = "sb-0123456789abcdef"
+
+
+class RecordingRunsc(Runsc):
+    """Records the commands it is asked to run; ``on_forget`` runs in the middle of a
+    destroy, where a wrapper's end can land."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__("/nonexistent/runsc", root, "systrap")
+        self.runs: list[tuple[str, ...]] = []
+        self.on_forget: Callable[[], None] = lambda: None
+
+    def run(self, *args: str, timeout: float = 0, log: str | None = None,
+            flags: tuple[str, ...] = ()) -> None:
+        self.runs.append(args)
+
+    def forget(self, sandbox_id: str) -> None:
+        self.on_forget()
+        super().forget(sandbox_id)
+
+
+async def _drain(sub: GvisorSubstrate) -> None:
+    """Wait for the kills on the kill threads."""
+    await asyncio.gather(*sub._pending)
+
+
+@pytest.fixture
+def substrate(tmp_path):  # type: ignore[no-untyped-def]
+    runsc = RecordingRunsc(str(tmp_path / "runsc"))
+    sub = GvisorSubstrate(str(tmp_path), "corral-unit-test", runsc, 1 << 20)
+    yield sub, runsc
+    sub.close()
+
+
+def test_a_wrapper_ending_during_the_destroy_leaves_no_file_and_sends_no_kill(substrate):
+    sub, runsc = substrate
+    exec_dir = os.path.join(sub.dirs, SID, "exec")
+    os.makedirs(exec_dir)
+    loop = asyncio.new_event_loop()
+    seen: list[list[str]] = []
+
+    def wrappers_end() -> None:
+        sub._schedule_kill(loop, SID, 41)  # a wrapper's end, on the loop
+        sub._kill_inner(loop, SID, 42)     # a kill already on a kill thread
+        seen.append(sorted(os.listdir(exec_dir)))
+
+    runsc.on_forget = wrappers_end
+    try:
+        sub._destroy_id(SID, 0)
+        assert seen == [[]]
+        assert not os.path.exists(os.path.join(sub.dirs, SID))
+        sub._schedule_kill(loop, SID, 43)  # one that ends after: the sandbox is gone
+        sub._kill_inner(loop, SID, 44)
+        loop.run_until_complete(_drain(sub))
+    finally:
+        loop.close()
+    assert runsc.runs == [], runsc.runs
+    assert not os.path.exists(os.path.join(sub.dirs, SID))
+
+
+def test_a_live_sandboxs_abandoned_command_is_killed_and_its_record_removed(substrate):
+    """The same path for a sandbox that lives on: the kill is recorded on disk until sent
+    (a daemon that dies first leaves it to the next), sent, then the record is gone."""
+    sub, runsc = substrate
+    exec_dir = os.path.join(sub.dirs, SID, "exec")
+    os.makedirs(exec_dir)
+    loop = asyncio.new_event_loop()
+    try:
+        sub._schedule_kill(loop, SID, 41)
+        assert os.listdir(exec_dir) == ["kill-held-41"]
+        loop.run_until_complete(_drain(sub))
+    finally:
+        loop.close()
+    assert [r[0] for r in runsc.runs] == ["exec", "kill"], runsc.runs
+    assert os.listdir(exec_dir) == []
