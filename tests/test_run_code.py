@@ -964,6 +964,39 @@ def test_a_file_held_past_its_request_gets_the_slot_rebuilt_never_a_task_error()
                 os.close(fd)
 
 
+def test_files_a_request_leaves_in_flight_in_its_own_sockets_never_cost_the_zygote():
+    """A request that sends its scratch file and both ends of a socket pair over the pair
+    itself (SCM_RIGHTS) leaves a cycle only the kernel's collector frees, on its own pass
+    after the request's processes are gone. The wipe found the tmpfs not empty then and
+    retired the zygote: any request could have its zygote rebuilt at will (7 of 10 did), a
+    restart's CPU and a pool's worth of slots for a few milliseconds of its own. The slot
+    waits for the collector instead: the same zygote serves every request, each with its
+    whole scratch."""
+    cg = f"corral-test-rccycle-{os.getpid()}"
+    cycle = ("import array, os, socket\n"
+             "f = os.open('held.bin', os.O_RDWR | os.O_CREAT, 0o600)\n"
+             "os.write(f, b'y' * (4 << 20))\n"
+             "a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+             "def send(s, fds):\n"
+             "    s.sendmsg([b'x'], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,\n"
+             "                        array.array('i', fds))])\n"
+             "send(a, [a.fileno(), b.fileno(), f])\n"
+             "send(b, [a.fileno(), b.fileno()])\n"
+             "print('sent')")
+    room = ("import os\nst = os.statvfs('.')\n"
+            "print(st.f_files - st.f_ffree, st.f_bfree == st.f_blocks)")
+    with private_daemon("corral-test-rccycle-", cg, CORRAL_RUNCODE_SLOTS="1",
+                        CORRAL_RUNCODE_ZYGOTES="1") as d:
+        ep = d.socket_path
+        assert corral.run_code("pass", endpoint=ep).ok
+        for _ in range(10):
+            r = corral.run_code(cycle, endpoint=ep)
+            assert (r.status, r.stdout) == ("ok", "sent\n"), r
+            r = corral.run_code(room, endpoint=ep)
+            assert r.stdout == "2 True\n", r  # the tmpfs's root and the working directory
+        assert _started(ep, "python") == 1
+
+
 def test_nothing_set_on_the_working_directory_reaches_the_next_request():
     """The working directory is made afresh for each request: its xattrs, times and mode
     are not the previous request's (they were a channel to the next one in the slot)."""

@@ -28,8 +28,12 @@ imports none of corral but the Rust core, loaded by path. Its life:
    made afresh after each request (no mode, time, xattr or ACL of it reaches the next). A
    big tree (more than WIPE_INLINE_INODES inodes or WIPE_INLINE_BYTES) is removed by a
    helper process, off this loop: only its own slot waits for it. A tmpfs that is not back
-   to empty after the wipe (a file some other process still holds) is reported ``dirty``:
-   the daemon retires the slot, and the zygote, its tmpfs and its cgroups are made afresh.
+   to empty after the wipe is looked at again for up to SETTLE_WAIT_S before the request is
+   said done and the slot's next child forked: files in flight in a unix socket cycle the
+   request left (its fds sent over its own sockets) are freed by the kernel's collector on
+   its own pass, after the request's processes are gone. A tmpfs still in use then (a file
+   some other process holds) is reported ``dirty``: the daemon retires the slot, and the
+   zygote, its tmpfs and its cgroups are made afresh.
 
 A session zygote (``language`` ``session``: one ``Sandbox(substrate="process")``) has one slot
 and no preloaded module: its /tmp is the session's own tmpfs (owned by the slot's uid), kept
@@ -83,6 +87,13 @@ KILL_WAIT_S = 300.0
 WIPE_INLINE_INODES = 1024
 WIPE_INLINE_BYTES = 64 << 20
 CLEAN_INODES = 2  # a slot's tmpfs between requests: its root and the working directory
+# A tmpfs not empty after its wipe is looked at again, SETTLE_FIRST_S after, then at twice
+# the wait each time (at most SETTLE_MAX_STEP_S), for SETTLE_WAIT_S before the slot is given
+# up: a request whose files are in flight in a unix socket cycle (its own fds sent over its
+# own sockets) retired the zygote, where the kernel frees them within milliseconds.
+SETTLE_FIRST_S = 0.001
+SETTLE_MAX_STEP_S = 0.1
+SETTLE_WAIT_S = 1.0
 BASH_ARG_MAX = 100_000  # longer bash programs go through a memfd (MAX_ARG_STRLEN is 128 KiB)
 
 
@@ -246,6 +257,21 @@ def _scratch_use(root: str) -> tuple[int, int]:
     return st.f_files - st.f_ffree, (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
+def _dirty(slot: Slot) -> bool:
+    """The slot's tmpfs holds more than its root and a fresh working directory."""
+    inodes, used = _scratch_use(slot.root)
+    return inodes > CLEAN_INODES or used > 0
+
+
+def _collect_unix_cycles() -> None:
+    """Have the kernel's collector of unix socket cycles run: it runs (in a kernel worker,
+    soon after) when a unix socket is released while fds are in flight. A request's own
+    cycle releases none when it ends: its sockets are still referenced from inside it."""
+    a, b = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_DGRAM)
+    a.close()
+    b.close()
+
+
 def _empty_and_remove(path: str) -> None:
     """Remove a (small) working directory and what is in it."""
     try:
@@ -286,6 +312,10 @@ class Slot:
         self.pid = 0           # its child, waiting for a request or running one
         self.broken = False
         self.retired = False   # its tmpfs is not empty after a wipe: the daemon rebuilds us
+        self.settling = 0.0    # its tmpfs was not empty after the wipe: when it is given up
+        self.settle_at = 0.0   # and when it is looked at next
+        self.settle_step = 0.0
+        self.done_frame: dict[str, Any] = {}  # the request's answer, sent once it settles
         self.killing = 0.0     # while its processes are being killed: when it gives up
         self.kill_at = 0.0     # and when it looks at them next
         self.exited: tuple[int, int, float] | None = None  # (pid, status, t_exit), not wiped
@@ -383,11 +413,13 @@ class Zygote:
             for slot in self.slots:
                 self._fork(slot)
         while True:
-            # While a slot's processes die, the loop looks at them again every KILL_POLL_S.
+            # While a slot's processes die, the loop looks at them again every KILL_POLL_S;
+            # a slot whose tmpfs is settling, at its next look.
             wait = None
-            killing = [s.kill_at for s in self.slots if s.killing]
-            if killing:
-                wait = max(0, int((min(killing) - time.monotonic()) * 1000) + 1)
+            timers = [s.kill_at for s in self.slots if s.killing]
+            timers += [s.settle_at for s in self.slots if s.settling]
+            if timers:
+                wait = max(0, int((min(timers) - time.monotonic()) * 1000) + 1)
             for fd, _ in self.poll.poll(wait):
                 if fd == self.sock:
                     if not self._from_daemon():
@@ -403,11 +435,13 @@ class Zygote:
                         pass
             for pid, status in _reap_any():
                 self._reaped(pid, status)
-            if killing:
+            if timers:
                 now = time.monotonic()
                 for slot in self.slots:
                     if slot.killing and now >= slot.kill_at:
                         self._kill(slot)
+                    elif slot.settling and now >= slot.settle_at:
+                        self._settle(slot)
 
     def _kill(self, slot: Slot) -> None:
         """Kill every process of the slot, then (its child reaped) wipe it. Processes that
@@ -485,22 +519,51 @@ class Zygote:
         self._wiped(slot, pid, status, t_exit)
 
     def _wiped(self, slot: Slot, pid: int, status: int, t_exit: float) -> None:
-        """The slot's old working directory is gone: make a new one, check that its tmpfs is
-        empty again, say the request is done and have the next child forked."""
+        """The slot's old working directory is gone: make a new one and, once the slot's
+        tmpfs is empty again, say the request is done and have the next child forked."""
+        dirty = False
         if not slot.broken:
             try:
                 self._new_scratch(slot)
-                inodes, used = _scratch_use(slot.root)
-                # Files another process still holds (an fd passed to it) stay charged to
-                # this slot's tmpfs and memory: only a new zygote frees the slot of them.
-                slot.retired = inodes > CLEAN_INODES or used > 0
+                dirty = _dirty(slot)
             except Exception as e:  # noqa: BLE001 - that slot is not used again
                 print(f"run_code zygote: slot {slot.index} scratch: {e}", file=sys.stderr)
                 slot.broken = True
-        _write_all(self.sock, encode({"done": slot.index, "pid": pid, "status": status,
-                                      "t_exit": t_exit, "broken": slot.broken,
-                                      "dirty": slot.retired}))
-        if not slot.broken and not slot.retired:
+        done = {"done": slot.index, "pid": pid, "status": status, "t_exit": t_exit,
+                "broken": slot.broken, "dirty": False}
+        if dirty:  # the answer waits too: the daemon gives the slot out again once told
+            _collect_unix_cycles()
+            now = time.monotonic()
+            slot.settling = now + SETTLE_WAIT_S
+            slot.settle_step = SETTLE_FIRST_S
+            slot.settle_at = now + SETTLE_FIRST_S
+            slot.done_frame = done
+            return
+        _write_all(self.sock, encode(done))
+        if not slot.broken:
+            self._fork(slot)
+
+    def _settle(self, slot: Slot) -> None:
+        """Look again at a slot's tmpfs that was not empty after its wipe: empty, the slot
+        goes on; still in use at SETTLE_WAIT_S (files another process holds, charged to the
+        slot's tmpfs and memory: only a new zygote frees the slot of them), the request is
+        done with the slot ``dirty`` and the daemon retires it."""
+        try:
+            dirty = _dirty(slot)
+        except OSError as e:
+            print(f"run_code zygote: slot {slot.index} scratch: {e}", file=sys.stderr)
+            dirty = True
+        now = time.monotonic()
+        if dirty and now < slot.settling:
+            _collect_unix_cycles()
+            slot.settle_step = min(2 * slot.settle_step, SETTLE_MAX_STEP_S)
+            slot.settle_at = min(now + slot.settle_step, slot.settling)
+            return
+        slot.settling = 0.0
+        done, slot.done_frame = slot.done_frame, {}
+        slot.retired = done["dirty"] = dirty
+        _write_all(self.sock, encode(done))
+        if not dirty:
             self._fork(slot)
 
     # -- the fork server --
