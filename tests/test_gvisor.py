@@ -139,6 +139,20 @@ def test_exec_foreground_variants(sb):
     assert sb.exec("kill -s KILL $$").exit_code == 137
 
 
+@pytest.mark.parametrize("code", [147, 148, 149, 150, 146, 151])
+def test_an_exit_status_naming_a_stop_signal_is_just_an_exit(sb, code):
+    """The exec wrapper raises on itself the signal an exit status of 128 + N names (the
+    runsc client's answer for a command ended by N). For the stop signals that stopped the
+    wrapper: a command's `exit 147` came back as a timeout, and without a timeout never did
+    (the client's own deadline then: infra, masked)."""
+    t0 = time.monotonic()
+    r = sb.exec(f"exit {code}", timeout=30)
+    assert r.exit_code == code and not r.timed_out, r
+    assert time.monotonic() - t0 < 10
+    p = sb.exec(f"exit {code}", background=True)
+    assert p.wait(timeout=20).exit_code == code
+
+
 def test_exec_timeout_kills_the_command_inside(sb):
     """A timeout ends the command's whole process group inside the sandbox, not only the
     runsc client on the host."""
@@ -435,6 +449,28 @@ def test_a_timeout_while_paused_kills_the_command_at_resume():
             lambda: session_metric("corral_gvisor_exec_kills_deferred_total") > deferred, 15)
         box.resume()
         assert wait_until(lambda: not running(), 15), box.exec("ps -ef").stdout
+
+
+def test_a_sandbox_that_stops_its_kills_cannot_keep_another_sandboxs_command_running():
+    """The kill of a command whose timeout fired runs on a few threads shared by every
+    gvisor sandbox. A sandbox that stops each new process of its own (SIGSTOP to all) made
+    each of its kills run to runsc's timeout on one of them: six of its commands timing out
+    held every thread, and another sandbox's command, answered as timed out, ran on for 90 s."""
+    with corral.Sandbox(substrate="gvisor", timeout=300) as bad, \
+            corral.Sandbox(substrate="gvisor", timeout=300) as good:
+        bad.exec("(while :; do kill -STOP -1; done) >/dev/null 2>&1 &")
+        with ThreadPoolExecutor(6) as pool:
+            held = list(pool.map(lambda _: bad.exec(["true"], timeout=2), range(6)))
+        assert all(r.timed_out for r in held), held
+        r = good.exec("echo $$ > /tmp/pid; exec sleep 300", timeout=2)
+        assert r.timed_out, r
+        t0 = time.monotonic()
+
+        def ended() -> bool:
+            return good.exec("cat /proc/$(cat /tmp/pid)/comm || echo gone").stdout == "gone\n"
+
+        assert wait_until(ended, 15), good.exec("ps -ef").stdout
+        assert time.monotonic() - t0 < 15
 
 
 def test_a_kill_held_for_the_resume_outlives_a_daemon_kill9(daemon):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -37,8 +38,10 @@ class RecordingRunsc(Runsc):
 
 
 async def _drain(sub: GvisorSubstrate) -> None:
-    """Wait for the kills on the kill threads."""
-    await asyncio.gather(*sub._pending)
+    """Wait for the kills on the kill threads (a sandbox's next turn is queued as one ends)."""
+    while sub._pending or sub._kills:
+        await asyncio.gather(*list(sub._pending))
+        await asyncio.sleep(0.001)
 
 
 @pytest.fixture
@@ -88,5 +91,55 @@ def test_a_live_sandboxs_abandoned_command_is_killed_and_its_record_removed(subs
         loop.run_until_complete(_drain(sub))
     finally:
         loop.close()
-    assert [r[0] for r in runsc.runs] == ["exec", "kill"], runsc.runs
+    assert [r[0] for r in runsc.runs] == ["kill", "exec"], runsc.runs
     assert os.listdir(exec_dir) == []
+
+
+class HeldRunsc(RecordingRunsc):
+    """A sandbox whose processes stop each kill's process as it starts: its `runsc exec`
+    runs until released (in life, to its timeout)."""
+
+    def __init__(self, root: str, held: str) -> None:
+        super().__init__(root)
+        self.held = held
+        self.release = threading.Event()
+        self.others_sent = threading.Event()
+
+    def run(self, *args: str, timeout: float = 0, log: str | None = None,
+            flags: tuple[str, ...] = ()) -> None:
+        super().run(*args, timeout=timeout, log=log, flags=flags)
+        if args[0] == "exec" and args[-1] == self.held:
+            self.release.wait(30)
+        elif args[0] == "exec":
+            self.others_sent.set()
+
+
+def test_a_sandbox_whose_kills_hang_holds_one_kill_thread_and_others_go_between(tmp_path):
+    """Kills of abandoned commands share KILL_THREADS threads. A sandbox that stops each
+    kill's process as it starts held every thread with its kills, each to its timeout:
+    another sandbox's command, answered as timed out, ran on meanwhile (90 s measured)."""
+    runsc = HeldRunsc(str(tmp_path / "runsc"), "sb-hog")
+    sub = GvisorSubstrate(str(tmp_path), "corral-unit-test", runsc, 1 << 20)
+    for sid in ("sb-hog", "sb-victim"):
+        os.makedirs(os.path.join(sub.dirs, sid, "exec"))
+    loop = asyncio.new_event_loop()
+
+    async def attack() -> bool:
+        for pid in range(100, 110):  # ten timed-out commands of the hog first
+            sub._schedule_kill(loop, "sb-hog", pid)
+        sub._schedule_kill(loop, "sb-victim", 7)
+        return await asyncio.to_thread(runsc.others_sent.wait, 10)
+
+    try:
+        sent = loop.run_until_complete(attack())
+        hog = [r for r in runsc.runs if r[-1] == "sb-hog" or "sb-hog" in r]
+        assert sent, runsc.runs
+        assert len([r for r in hog if r[0] == "exec"]) == 1, hog  # one thread, the hog's
+        runsc.release.set()
+        loop.run_until_complete(_drain(sub))
+    finally:
+        runsc.release.set()
+        loop.close()
+        sub.close()
+    kills = [r for r in runsc.runs if r[0] == "kill"]
+    assert len(kills) == 11, kills  # every command was killed in the end

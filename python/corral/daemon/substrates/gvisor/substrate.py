@@ -12,6 +12,7 @@ exactly as long as the sandbox does.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -59,10 +60,14 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 # (a cgroup it cannot join: the sandbox is gone, nothing runs). A wrapper killed before the
 # status (the exec's timeout or a kill SIGKILLs its process group) writes nothing: the daemon
 # then kills the command inside the sandbox, which the end of the client alone would leave
-# running.
+# running. The client ends 128 + N for a command ended by signal N (and for one that exits
+# 128 + N: the two read the same), which the wrapper raises on itself, except the stop
+# signals (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU): a command's `exit 147` stopped the wrapper
+# instead of ending it, and its call waited for its timeout, or for ever.
 _WRAP = ('for d in $CG; do echo $$ >"$d/cgroup.procs" || exit 125; done; unset CG; '
          '"$@" 9>&-; s=$?; echo "$s" >&9; '
-         'if [ "$s" -gt 128 ] && [ "$s" -lt 160 ]; then kill -s "$((s - 128))" $$; fi; '
+         'if [ "$s" -gt 128 ] && [ "$s" -lt 160 ]; then case $((s - 128)) in '
+         '19|20|21|22) ;; *) kill -s "$((s - 128))" $$;; esac; fi; '
          'exit "$s"')
 _SH_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 
@@ -111,6 +116,8 @@ def _remove_cgroup(rel: str) -> None:
 
 _EXITING = "Exiting with status: "
 KILL_THREADS = 2  # threads sending kills to abandoned commands, for all gvisor sandboxes
+KILL_TIMEOUT_S = 10.0       # a `runsc kill` (the sentry's answer)
+GROUP_KILL_TIMEOUT_S = 5.0  # the lock-down binary's process-group kill, run in the sandbox
 _HELD = "kill-held-"  # <exec dir>/kill-held-<pid>: a kill not yet sent (queued, or held
 # for the resume)
 # The same line in the text format of a daemon before the log was JSON: glog's prefix, the
@@ -221,6 +228,9 @@ class GvisorSubstrate(RootFileOps, Substrate):
         # wrapper killed with its sandbox ends then (_exec_done), and a file it made while
         # the directory was being removed left the directory behind for good.
         self._ending: set[str] = set()
+        # Kills waiting, by sandbox (under the same lock): each sandbox has at most one turn
+        # in the kill threads' queue at a time (_kill_turn).
+        self._kills: dict[str, collections.deque[int]] = {}
         self.counters = {"gvisor_execs": 0, "gvisor_exec_kills": 0,
                          "gvisor_exec_kills_deferred": 0}
 
@@ -342,6 +352,7 @@ class GvisorSubstrate(RootFileOps, Substrate):
         the cgroup, runsc's state files, the root's mounts, the directory."""
         with self._deferred_lock:
             self._deferred.pop(sandbox_id, None)
+            self._kills.pop(sandbox_id, None)
             self._ending.add(sandbox_id)
         try:
             self._destroy_traces(sandbox_id, pid)
@@ -522,12 +533,47 @@ class GvisorSubstrate(RootFileOps, Substrate):
             except OSError as e:
                 log.warning("cannot record a kill to send",
                             extra={"sandbox": sid, "error": str(e)})
+            queued = self._kills.get(sid)
+            if queued is not None:  # this sandbox's turn is queued or running: it takes it
+                queued.append(pid)
+                return
+            self._kills[sid] = collections.deque([pid])
+        self._queue_turn(loop, sid)
+
+    def _queue_turn(self, loop: asyncio.AbstractEventLoop, sid: str) -> None:
+        """Put sandbox ``sid``'s next kill at the back of the kill threads' queue."""
         try:
-            fut = loop.run_in_executor(self._killer, self._kill_inner, loop, sid, pid)
+            fut = loop.run_in_executor(self._killer, self._kill_turn, loop, sid)
         except RuntimeError:  # closing: on disk, the next daemon sends it
+            with self._deferred_lock:
+                self._kills.pop(sid, None)
             return
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
+
+    def _kill_turn(self, loop: asyncio.AbstractEventLoop, sid: str) -> None:
+        """One of sandbox ``sid``'s kills; its next one, if any, goes to the back of the
+        queue. A sandbox holds one kill thread at a time, and every other sandbox's kills are
+        sent between its own: one whose processes stop each kill's process as it starts
+        (each then runs to its timeout) held both threads, and other sandboxes' commands,
+        answered as timed out, ran on for as long as it went on."""
+        with self._deferred_lock:
+            queued = self._kills.get(sid)
+            pid = queued.popleft() if queued else 0
+        try:
+            if pid:
+                self._kill_inner(loop, sid, pid)
+        finally:
+            with self._deferred_lock:
+                more = bool(self._kills.get(sid))
+                if not more:
+                    self._kills.pop(sid, None)
+            if more:
+                try:
+                    loop.call_soon_threadsafe(self._queue_turn, loop, sid)
+                except RuntimeError:  # the loop is closed: on disk, the next daemon sends them
+                    with self._deferred_lock:
+                        self._kills.pop(sid, None)
 
     def _going(self, sid: str) -> bool:
         """The sandbox is being destroyed, or is gone (with its directory). Under
@@ -539,11 +585,13 @@ class GvisorSubstrate(RootFileOps, Substrate):
         return state is not None and state.get("status") == "paused"
 
     def _kill_inner(self, loop: asyncio.AbstractEventLoop | None, sid: str, pid: int) -> None:
-        """SIGKILL the command's process group inside the sandbox (runsc kill reaches one
-        process only: the group is killed from inside, by the lock-down binary, never by a
-        program of the sandbox's image), then the command itself. In a paused sandbox runsc
-        refuses both (a timeout that fired while a pause or a snapshot's freeze held it would
-        leave the command running once resumed): the kill waits for the resume."""
+        """SIGKILL the command (`runsc kill`, which the sandbox cannot hold up), then its
+        process group inside the sandbox (runsc kill reaches one process only: the group is
+        killed from inside, by the lock-down binary, never by a program of the sandbox's
+        image; the sandbox can stop that process, so it has GROUP_KILL_TIMEOUT_S). In a
+        paused sandbox runsc refuses both (a timeout that fired while a pause or a
+        snapshot's freeze held it would leave the command running once resumed): the kill
+        waits for the resume."""
         for _ in range(2):  # paused between the check and the kill: check again
             with self._deferred_lock:
                 if self._going(sid):
@@ -561,6 +609,9 @@ class GvisorSubstrate(RootFileOps, Substrate):
                                     extra={"sandbox": sid, "error": str(e)})
                     return
             done = False
+            with contextlib.suppress(RunscError):
+                self.runsc.run("kill", f"--pid={pid}", sid, "KILL", timeout=KILL_TIMEOUT_S)
+                done = True
             path = os.path.join(self._gdir(sid), "exec", f"kill-{pid}.json")
             with contextlib.suppress(OSError, RunscError):
                 with self._deferred_lock:  # not into a directory being removed
@@ -568,13 +619,10 @@ class GvisorSubstrate(RootFileOps, Substrate):
                         return
                     bundle.write(path, bundle.process(bundle.kill_argv(pid), {}, "/", 0, 0,
                                                       []))
-                self.runsc.run("exec", f"--process={path}", sid)
+                self.runsc.run("exec", f"--process={path}", sid, timeout=GROUP_KILL_TIMEOUT_S)
                 done = True
             with contextlib.suppress(OSError):
                 os.unlink(path)
-            with contextlib.suppress(RunscError):
-                self.runsc.run("kill", f"--pid={pid}", sid, "KILL")
-                done = True
             if done:
                 break
         with contextlib.suppress(OSError):  # sent (or the sandbox cannot take it): not held
