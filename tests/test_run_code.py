@@ -997,6 +997,40 @@ def test_files_a_request_leaves_in_flight_in_its_own_sockets_never_cost_the_zygo
         assert _started(ep, "python") == 1
 
 
+# inotify and fanotify watches, each on the host's /usr/bin (the view binds it) and on the
+# request's own working directory: "<call> <result> <errno>" per line.
+WATCH_PROBE = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int,
+                               ctypes.c_char_p]
+fd = libc.inotify_init1(0)
+ffd = libc.fanotify_init(0x200, os.O_RDONLY)  # FAN_REPORT_FID: no capability needed
+for path in (b"/usr/bin", os.getcwd().encode()):
+    w = libc.inotify_add_watch(fd, path, 0x20)  # IN_OPEN
+    print("inotify", w, ctypes.get_errno() if w < 0 else 0)
+    m = libc.fanotify_mark(ffd, 1, 0x20, -100, path)  # FAN_MARK_ADD, FAN_OPEN
+    print("fanotify", m, ctypes.get_errno() if m < 0 else 0)
+"""
+
+
+def test_no_request_can_watch_the_hosts_files():
+    """The view binds the host's own OS directories: an inotify or fanotify watch on them
+    saw every open of their files on the host, by host processes and by other tenants'
+    requests (a watcher saw the binaries another tenant's bash request ran). The process
+    tier's filter refuses both watch calls (EPERM), on any path."""
+    lines = run(WATCH_PROBE).stdout.splitlines()
+    assert lines == ["inotify -1 1", "fanotify -1 1"] * 2, lines
+    with corral.Sandbox(substrate="process", timeout=60) as sb:
+        sb.files.write("/tmp/watch.py", WATCH_PROBE)
+        lines = sb.exec("cd /tmp && python3 watch.py").stdout.splitlines()
+        assert lines == ["inotify -1 1", "fanotify -1 1"] * 2, lines
+    with corral.Sandbox(timeout=60) as sb:  # a container's files are its own: watches work
+        sb.files.write("/tmp/watch.py", WATCH_PROBE)
+        lines = sb.exec("cd /tmp && python3 watch.py").stdout.splitlines()
+        assert [line.rsplit(" ", 1)[1] for line in lines] == ["0"] * 4, lines
+
+
 def test_nothing_set_on_the_working_directory_reaches_the_next_request():
     """The working directory is made afresh for each request: its xattrs, times and mode
     are not the previous request's (they were a channel to the next one in the slot)."""

@@ -533,6 +533,17 @@ fn syscall_policy() -> Vec<Deny> {
     v
 }
 
+/// What the process tier (run_code requests, process sessions) may not do beyond
+/// `syscall_policy`: its processes see the host's own OS directories (bind mounts, not a
+/// copy), so a watch on them would report every open of those files anywhere on the host:
+/// host processes' and other tenants' requests alike.
+fn host_view_policy() -> Vec<Deny> {
+    vec![
+        deny("inotify_add_watch", libc::SYS_inotify_add_watch),
+        deny("fanotify_mark", libc::SYS_fanotify_mark),
+    ]
+}
+
 /// What `socket(family, type, protocol)` may make, by family (network modes other than
 /// "disabled", which allows AF_UNIX only); a family not here is allowed.
 #[derive(Clone, Copy, Debug)]
@@ -653,8 +664,11 @@ fn emit_tree(out: &mut Vec<Ins>, nrs: &[(u32, Tgt)]) {
 /// CLONE_NEW* flag -> EPERM; socket() by `SOCKET_POLICY`; `syscall_policy` -> EPERM (EINVAL for
 /// `When::Arg2In`); everything else allowed. `unix_only` (network "disabled"): socket() and socketpair() with
 /// any family but AF_UNIX -> EAFNOSUPPORT (the family is args[0]: a filter can read it).
-fn build_filter(unix_only: bool) -> Result<Vec<libc::sock_filter>, HardenError> {
+fn build_filter(unix_only: bool, host_view: bool) -> Result<Vec<libc::sock_filter>, HardenError> {
     let mut policy = syscall_policy();
+    if host_view {
+        policy.extend(host_view_policy());
+    }
     policy.sort_unstable_by_key(|d| d.nr);
     if let Some(w) = policy.windows(2).find(|w| w[0].nr == w[1].nr) {
         let (a, b) = (w[0].name, w[1].name);
@@ -856,7 +870,16 @@ pub fn seccomp_program(unix_only: bool) -> Result<&'static [libc::sock_filter], 
     static PROG: Prog = OnceLock::new();
     static UNIX_ONLY: Prog = OnceLock::new();
     let cell = if unix_only { &UNIX_ONLY } else { &PROG };
-    match cell.get_or_init(|| build_filter(unix_only).map_err(|e| e.to_string())) {
+    match cell.get_or_init(|| build_filter(unix_only, false).map_err(|e| e.to_string())) {
+        Ok(p) => Ok(p.as_slice()),
+        Err(e) => Err(HardenError::Seccomp(e.clone())),
+    }
+}
+
+/// The process tier's filter: AF_UNIX sockets only, and `host_view_policy` refused too.
+pub fn host_view_program() -> Result<&'static [libc::sock_filter], HardenError> {
+    static PROG: OnceLock<Result<Vec<libc::sock_filter>, String>> = OnceLock::new();
+    match PROG.get_or_init(|| build_filter(true, true).map_err(|e| e.to_string())) {
         Ok(p) => Ok(p.as_slice()),
         Err(e) => Err(HardenError::Seccomp(e.clone())),
     }
@@ -1232,6 +1255,35 @@ mod tests {
             enosys
         );
         assert_eq!(run(p, 1, 0x4000_0003, 0), libc::SECCOMP_RET_KILL_PROCESS);
+    }
+
+    #[test]
+    fn host_view_policy_refuses_watches_and_nothing_else_more() {
+        // Against the unix-only filter it extends: the same answer for every syscall and
+        // argument but the two watches, which it refuses.
+        let view = host_view_program().unwrap();
+        let unix_only = seccomp_program(true).unwrap();
+        let eperm = libc::SECCOMP_RET_ERRNO | libc::EPERM as u32;
+        let watches = [
+            libc::SYS_inotify_add_watch as u32,
+            libc::SYS_fanotify_mark as u32,
+        ];
+        for nr in 0..1000u32 {
+            for arg0 in [0u64, 1, libc::AF_UNIX as u64, libc::AF_INET as u64] {
+                for arg2 in [0u64, 20, 21] {
+                    let got = run_args(view, nr, AUDIT_ARCH, &[arg0, 0, arg2]);
+                    let want = if watches.contains(&nr) {
+                        eperm
+                    } else {
+                        run_args(unix_only, nr, AUDIT_ARCH, &[arg0, 0, arg2])
+                    };
+                    assert_eq!(got, want, "syscall {nr} arg0 {arg0} arg2 {arg2}");
+                }
+            }
+        }
+        for nr in watches {
+            assert_eq!(run(unix_only, nr, AUDIT_ARCH, 3), libc::SECCOMP_RET_ALLOW);
+        }
     }
 
     #[test]

@@ -244,15 +244,16 @@ pub fn build_root(root: &Path, entries: &[Entry]) -> Result<(), ZygoteError> {
     )
 }
 
-/// Seal the zygote itself once its root is built: no_new_privs and the sandbox seccomp filter
-/// (only AF_UNIX sockets), which every request's child then inherits at its fork instead of
+/// Seal the zygote itself once its root is built: no_new_privs and the process tier's seccomp
+/// filter (the sandbox's, only AF_UNIX sockets, no file watches: `harden::host_view_program`),
+/// which every request's child then inherits at its fork instead of
 /// attaching its own (the kernel's per-attach cost stays out of the request path). The zygote
 /// needs nothing the filter refuses once its namespaces and mounts are made. With `landlock`
 /// (a session's zygote) the zygote also enters a Landlock domain (abstract unix socket scope)
 /// that every child shares: a session's commands see and signal each other, which separate
 /// domains (run_code's requests) would forbid.
 pub fn seal(landlock: bool) -> Result<(), ZygoteError> {
-    let prog = harden::seccomp_program(true)?;
+    let prog = harden::host_view_program()?;
     // SAFETY: prctl, seccomp and landlock on data that outlives the calls; single-threaded
     // caller.
     unsafe {
