@@ -153,6 +153,21 @@ def test_an_exit_status_naming_a_stop_signal_is_just_an_exit(sb, code):
     assert p.wait(timeout=20).exit_code == code
 
 
+def test_a_cwd_through_symlinks_starts_where_a_container_would(sb):
+    """A cwd whose walk goes through the sandbox's symlinks is followed inside its root, off
+    the event loop: to a directory, the command starts there; to a file, nowhere (dangling)
+    or round a loop, in `/`, as in a container. runsc was handed
+    such a cwd as it was: a command ran with a file as its cwd, or failed to start with
+    runsc's own words as its stderr."""
+    sb.exec("mkdir -p /root/cw/d && cd /root/cw && ln -sfn d ld && ln -sfn ld ld2 && "
+            "ln -sfn /nonexistent dangling && ln -sfn /etc/passwd lf && ln -sfn loop loop")
+    for cwd, want in (("/root/cw/ld", "/root/cw/d"), ("/root/cw/ld2", "/root/cw/d"),
+                      ("/root/cw/ld2/../d", "/root/cw/d"), ("/root/cw/dangling", "/"),
+                      ("/root/cw/lf", "/"), ("/root/cw/loop", "/")):
+        r = sb.exec("pwd -P", cwd=cwd)
+        assert (r.exit_code, r.stdout, r.stderr) == (0, want + "\n", ""), (cwd, r)
+
+
 def test_exec_timeout_kills_the_command_inside(sb):
     """A timeout ends the command's whole process group inside the sandbox, not only the
     runsc client on the host."""

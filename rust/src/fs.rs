@@ -674,6 +674,23 @@ pub fn list_page(
 
 /// lstat semantics: a symlink is reported as one. `cached`: only as open_cached resolves,
 /// else NotCached (as `read`).
+/// Whether `path` is a directory once its symlinks are followed inside the root, as a process
+/// of the sandbox would chdir to it: a missing path, a dangling symlink, a symlink loop or any
+/// other kind of file is `false`.
+pub fn is_dir(root: RawFd, path: &OsStr) -> Result<bool> {
+    const OP: &str = "is_dir";
+    let root = borrow(root)?;
+    let p = Norm::new(path)?;
+    match open_dir_path(root, &p.full()) {
+        Ok(fd) => {
+            check_fs_type(fd.as_fd(), OP, &p)?;
+            Ok(true)
+        }
+        Err(e) if [Errno::NOENT, Errno::NOTDIR, Errno::LOOP].contains(&e) => Ok(false),
+        Err(e) => Err(FsError::os(OP, &p, e)),
+    }
+}
+
 pub fn stat(root: RawFd, path: &OsStr, cached: bool) -> Result<StatInfo> {
     const OP: &str = "stat";
     let root = borrow(root)?;
@@ -950,6 +967,40 @@ mod tests {
         assert!(matches!(stat(&long), Err(FsError::NotCached)));
         assert_eq!(super::read(fd, OsStr::new(&long), 16, false).unwrap(), b"y");
         assert_eq!(super::stat(fd, OsStr::new(&long), false).unwrap().0, "file");
+        std::fs::remove_dir_all(&top).unwrap();
+    }
+
+    #[test]
+    fn is_dir_follows_symlinks_inside_the_root() {
+        let top = std::env::temp_dir().join(format!("corral-fs-isdir-{}", std::process::id()));
+        std::fs::create_dir_all(top.join("r/d")).unwrap();
+        std::fs::write(top.join("r/f"), b"x").unwrap();
+        std::fs::create_dir_all(top.join("outside")).unwrap();
+        for (target, link) in [
+            ("d", "ld"),
+            ("ld", "ld2"),
+            ("f", "lf"),
+            ("nowhere", "dangling"),
+            ("loop", "loop"),
+            ("../../outside", "up"),
+            ("/outside", "abs"),
+        ] {
+            std::os::unix::fs::symlink(target, top.join("r").join(link)).unwrap();
+        }
+        let root = rfs::open(
+            top.join("r"),
+            OFlags::PATH | OFlags::DIRECTORY,
+            Mode::empty(),
+        )
+        .unwrap();
+        let is = |p: &str| is_dir(root.as_raw_fd(), OsStr::new(p)).unwrap();
+        assert!(is("/") && is("/d") && is("/ld") && is("/ld2") && is("/ld2/../d"));
+        // `up` and `abs` name `/outside` inside the root (RESOLVE_IN_ROOT), which is not
+        // there: never the directory beside the root
+        assert!(!is("/up") && !is("/abs"));
+        for p in ["/f", "/lf", "/dangling", "/loop", "/missing", "/d/missing"] {
+            assert!(!is(p), "{p}");
+        }
         std::fs::remove_dir_all(&top).unwrap();
     }
 }

@@ -619,6 +619,12 @@ fn fs_stat(
     Ok(py.detach(|| fs::stat(root_fd, &path, cached))?)
 }
 
+/// Whether `path` is a directory with its symlinks followed inside the root (fs::is_dir).
+#[pyfunction]
+fn fs_is_dir(py: Python<'_>, root_fd: RawFd, path: OsString) -> PyResult<bool> {
+    Ok(py.detach(|| fs::is_dir(root_fd, &path))?)
+}
+
 #[pyfunction]
 #[pyo3(signature = (root_fd, path, parents = true, mode = 0o755))]
 fn fs_mkdir(
@@ -954,6 +960,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fs_list_page, m)?)?;
     m.add_function(wrap_pyfunction!(btrfs_subvol_id, m)?)?;
     m.add_function(wrap_pyfunction!(fs_stat, m)?)?;
+    m.add_function(wrap_pyfunction!(fs_is_dir, m)?)?;
     m.add_function(wrap_pyfunction!(fs_mkdir, m)?)?;
     m.add_function(wrap_pyfunction!(fs_remove, m)?)?;
     m.add_function(wrap_pyfunction!(fs_rename, m)?)?;

@@ -136,6 +136,12 @@ class RootFiles:
         return FileEntry(name=os.path.basename(norm) or "/", path=norm, type=kind, size=size,
                          mode=mode, mtime=mtime)
 
+    def is_dir(self, path: str) -> bool:
+        """``path`` is a directory, its symlinks followed inside the root (a walk: not on
+        the event loop)."""
+        check_path(path)
+        return bool(self.fs(_core.fs_is_dir, path, path))
+
     def mkdir(self, path: str, parents: bool) -> None:
         check_path(path)
         self.fs(_core.fs_mkdir, path, path, parents)

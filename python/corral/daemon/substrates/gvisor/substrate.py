@@ -450,22 +450,63 @@ class GvisorSubstrate(RootFileOps, Substrate):
     # ---- exec ----------------------------------------------------------------------------
     def spawn(self, runtime: SandboxRuntime, spec: ExecSpec,
               loop: asyncio.AbstractEventLoop) -> Awaitable[Spawned]:
-        sid = runtime.sandbox_id
         if not self.is_alive(runtime):
             raise SandboxNotRunning("the sandbox is not running")
+        cwd = self._cwd_from_memory(runtime, spec.cwd)
+        if cwd is not None:
+            return _ready(self._start(runtime, spec, cwd, loop))
+        # The caller closes its ends of the pipes once this returns: the start, after the
+        # walk, uses copies.
+        fds = [os.dup(fd) if fd >= 0 else -1
+               for fd in (spec.stdin_fd, spec.stdout_fd, spec.stderr_fd)]
+        own = dataclasses.replace(spec, stdin_fd=fds[0], stdout_fd=fds[1], stderr_fd=fds[2])
+        return self._start_after_walk(runtime, own, loop)
+
+    def _cwd_from_memory(self, runtime: SandboxRuntime, cwd: str) -> str | None:
+        """The cwd to start in, if the dentry cache tells (a missing one, or not a directory:
+        `/`, where runsc would refuse to start the command, as a login starts in `/`); None
+        when it takes a walk through the sandbox's symlinks, or a long path (on the event
+        loop: its time would be the sandbox's to choose)."""
+        try:
+            with self._files(runtime) as f:
+                kind = f.stat(cwd, cached_only=True).type
+        except NotCached:
+            return None
+        except CorralError:
+            return "/"
+        if kind == "symlink":
+            return None
+        return cwd if kind == "dir" else "/"
+
+    async def _start_after_walk(self, runtime: SandboxRuntime, spec: ExecSpec,
+                                loop: asyncio.AbstractEventLoop) -> Spawned:
+        """Start a command whose cwd takes a walk through symlinks: the walk in a thread,
+        following them inside the sandbox's root (a symlink to a file, a dangling one or a
+        loop: `/`), then the start, with the copies of the pipes spawn made."""
+        try:
+            cwd = await loop.run_in_executor(None, self._cwd_walked, runtime, spec.cwd)
+            if not self.is_alive(runtime):
+                raise SandboxNotRunning("the sandbox is not running")
+            return self._start(runtime, spec, cwd, loop)
+        finally:
+            for fd in (spec.stdin_fd, spec.stdout_fd, spec.stderr_fd):
+                if fd >= 0:
+                    os.close(fd)
+
+    def _cwd_walked(self, runtime: SandboxRuntime, cwd: str) -> str:
+        try:
+            with self._files(runtime) as f:
+                return cwd if f.is_dir(cwd) else "/"
+        except CorralError:
+            return "/"
+
+    def _start(self, runtime: SandboxRuntime, spec: ExecSpec, cwd: str,
+               loop: asyncio.AbstractEventLoop) -> Spawned:
+        sid = runtime.sandbox_id
         cgroups = _cgroup_dirs(self._cgroup(sid))  # the wrapper's (_WRAP)
         if not cgroups:
             raise SandboxNotRunning("the sandbox's cgroup is gone")
         env = {**_SH_ENV, "CG": " ".join(cgroups)}
-        cwd = spec.cwd
-        try:  # a missing cwd: the command starts in / (runsc would refuse to start it)
-            with self._files(runtime) as f:
-                if f.stat(cwd, cached_only=True).type not in ("dir", "symlink"):
-                    cwd = "/"
-        except NotCached:  # a symlink on the way (or a long path): runsc resolves it inside,
-            pass           # not the event loop here
-        except CorralError:
-            cwd = "/"
         n = next(self._seq)
         base = os.path.join(self._gdir(sid), "exec", str(n))
         bundle.write(base + ".json", bundle.process(bundle.exec_argv(spec.argv, spec.env),
@@ -492,7 +533,7 @@ class GvisorSubstrate(RootFileOps, Substrate):
             os.close(w)
         self.counters["gvisor_execs"] += 1
         loop.add_reader(r, self._exec_done, loop, r, sid, base)
-        return _ready(Spawned(pidfd=-1, pid=pid, ns_pid=0, own_child=True))
+        return Spawned(pidfd=-1, pid=pid, ns_pid=0, own_child=True)
 
     def _exec_done(self, loop: asyncio.AbstractEventLoop, r: int, sid: str, base: str) -> None:
         """The wrapper ended: with a status (the command ended), or without (killed: the
