@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +195,34 @@ def test_the_trajectorys_own_kill_is_task_and_a_batch_destroy_is_an_operators():
     finally:
         for sb in (own, explicit, batch, plain):
             Sandbox.from_id(sb.id).kill()
+
+
+def test_the_trajectorys_own_kill_under_a_key_it_used_already_is_still_its_own():
+    """A cleanup is never refused: a kill whose key is bound to another call (a restarted
+    trainer whose steps drifted, a reused cleanup key) kills, logged without the key. It
+    still carries the trajectory's key, so it is the trajectory's own kill: the command in
+    flight and the calls after it were sandbox_killed, infra, masked, for the trainer's own
+    doing."""
+    sb = Sandbox(trajectory_id=_tid(), timeout=120)
+    try:
+        sb.exec("true", key="finish")
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(sb.exec, "sleep 30", key="long")
+            assert wait_until(lambda: "sleep 30" in Sandbox.from_id(sb.id)
+                              .exec("ps -eo args").stdout, 15)
+            assert sb.kill(key="finish") is True
+            with pytest.raises(SandboxNotRunning) as inflight:
+                running.result(30)
+        with pytest.raises(SandboxNotRunning) as after:
+            sb.exec("true", key="after")
+        for err in (inflight.value, after.value):
+            assert type(err) is SandboxNotRunning, err
+            _sorted_as(err, "task")
+        with client() as c:
+            logged = c.get(f"/v1/sandboxes/{sb.id}/log").json()["sandbox"]
+        assert logged["reason"] == "killed", logged
+    finally:
+        Sandbox.from_id(sb.id).kill()
 
 
 def test_an_operator_kill_of_a_fork_child_is_infra():

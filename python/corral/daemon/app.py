@@ -424,8 +424,9 @@ async def kill_sandbox(request: web.Request) -> web.Response:
     try:
         return _json(await _dispatch(request, ops.Kill(sid, key)))
     except ReplayDivergence:
-        # A cleanup is never refused: a key bound to another call still kills (unkeyed).
-        return _json(await _dispatch(request, ops.Kill(sid, None)))
+        # A cleanup is never refused: a key bound to another call still kills (logged
+        # unkeyed); the key still says whose kill it is (an operator's is infra).
+        return _json(await _dispatch(request, ops.Kill(sid, None, whose=key)))
 
 
 async def set_timeout(request: web.Request) -> web.Response:

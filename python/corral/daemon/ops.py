@@ -109,11 +109,16 @@ class Info(Op):
 
 @dataclass(frozen=True, slots=True)
 class Kill(Op):
+    # The key that tells whose kill it is (Engine.kill) when the call is not logged under
+    # one: a cleanup whose key is bound to another call kills unkeyed, and is still the
+    # trajectory's own.
+    whose: str | None = None
+
     name: ClassVar[str] = "kill"
 
     async def run(self, engine: Engine) -> Any:
         try:
-            killed = await engine.kill(self.sid, self.key)
+            killed = await engine.kill(self.sid, self.key if self.whose is None else self.whose)
         except SandboxNotFound:
             # Keyed (a trainer's cleanup): a sandbox gone so long the daemon forgot it, but
             # whose log it still has, is killed already.
