@@ -366,6 +366,29 @@ def test_from_trajectory_positions_after_the_last_completed_step(daemon):
 
 
 # ---- kills and creates of gone sandboxes --------------------------------------------------------
+def test_a_forks_explicit_key_names_children_no_other_fork_has(daemon):
+    """The children of a trajectory's fork keyed ``S`` are ``T/fork{S}/{i}``, as are those of
+    the fork at step ``S``. An explicit key of digits only named the same children as that
+    step's fork: a resume of one child found the other's sandbox and ran its calls there
+    (and bound that child's keys, so its own next call diverged). A '/' in the key put the
+    name beyond a resume. Both are refused; other explicit keys name children of their own."""
+    tid = _tid()
+    sb = Sandbox(timeout=600, trajectory_id=tid)
+    try:
+        for bad in ("1", "007", "a/b", "x/fork1"):
+            with pytest.raises(InvalidRequest) as e:
+                sb.fork(1, key=bad)
+            assert e.value.details.get("key") == bad, e.value
+        named = sb.fork(1, key="expand-1")
+        stepped = sb.fork(1)  # step 0 (explicit keys take no step)
+        assert Sandbox.from_trajectory(f"{tid}/forkexpand-1/0").id == named[0].id
+        assert Sandbox.from_trajectory(f"{tid}/fork0/0").id == stepped[0].id
+        for kid in (*named, *stepped):
+            kid.kill()
+    finally:
+        sb.kill()
+
+
 def test_keyed_kill_of_a_gone_sandbox_and_replayed_create_of_a_dead_one(daemon):
     tid = _tid()
     sb = Sandbox(timeout=600, trajectory_id=tid)

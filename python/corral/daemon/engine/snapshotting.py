@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 from corral.daemon import diskguard, persist, snapshots, snapxfer
 from corral.daemon.tenants import TENANT_LABEL
-from corral.errors import QuotaExceeded, SnapshotExists, SnapshotNotFound, Unsupported
+from corral.errors import (
+    InvalidRequest,
+    QuotaExceeded,
+    SnapshotExists,
+    SnapshotNotFound,
+    Unsupported,
+)
 
 from .base import Sandbox
 
@@ -148,6 +154,8 @@ class SnapshotOps:
         kids_of: list[str] | None = None
         if sb.trajectory is not None and key is not None:
             head, sep, step = key.rpartition(":")
+            if not sep:
+                _check_fork_key(key)
             if not sep or head == sb.trajectory:
                 kids_of = [f"{sb.trajectory}/fork{step}/{i}" for i in range(count)]
         rec = await self.snapshot(sid, name, control)
@@ -305,3 +313,15 @@ async def _to_the_end(copy: asyncio.Future[tuple[str, str, int]],
         if not copy.cancelled() and copy.exception() is None:
             store.drop(copy.result()[0])  # it ended before it saw the cancel
         raise
+
+
+def _check_fork_key(key: str) -> None:
+    """An explicit key of a trajectory's fork names the children's trajectories
+    ``T/fork{key}/{i}``: digits only, it named the children of the fork at that step too (a
+    resume of one child ran calls in the other), and a ``/`` in it split the name where a
+    resume could not find the parent."""
+    if key.isdigit() or "/" in key:
+        raise InvalidRequest(
+            f"bad fork key {key!r}: an explicit key names its children's trajectories "
+            f"(T/fork{{key}}/{{i}}), so it cannot be digits only (a step's) or hold a '/'",
+            details={"key": key})
