@@ -111,18 +111,21 @@ class Reader(_Base):
         try:
             srow = conn.execute("SELECT spec, created_at, ended_at, reason, net FROM sandboxes "
                                 "WHERE sandbox_id=?", (sid,)).fetchone()
-            count = conn.execute(f"SELECT count(*) FROM ({_SANDBOX_SEQS})",
-                                 {"sid": sid}).fetchone()[0]
+            # One statement: the count and the last row of one state of the log; the pages
+            # stop at that row (rows logged meanwhile made a tail longer than asked for).
+            count, top = conn.execute(f"SELECT count(*), max(seq) FROM ({_SANDBOX_SEQS})",
+                                      {"sid": sid}).fetchone()
         except BaseException:
             conn.close()
             raise
         if srow is None and not count:
             conn.close()
             return None
-        return self._pages(conn, sid, srow, count, tail, max_output, jsonl)
+        return self._pages(conn, sid, srow, count, -1 if top is None else top, tail,
+                           max_output, jsonl)
 
     def _pages(self, conn: sqlite3.Connection, sid: str, srow: tuple[Any, ...] | None,
-               count: int, tail: int | None, max_output: int | None,
+               count: int, top: int, tail: int | None, max_output: int | None,
                jsonl: bool) -> Iterator[list[bytes]]:
         try:
             first = max(0, count - tail) if tail is not None else 0
@@ -141,7 +144,7 @@ class Reader(_Base):
             sid_json = json.dumps(sid).encode()
             while True:
                 page = (f"SELECT {_COLUMNS.format(result='result')} FROM entries WHERE seq "
-                        f"IN ({_SANDBOX_SEQS}) AND seq > :last ORDER BY seq "
+                        f"IN ({_SANDBOX_SEQS}) AND seq > :last AND seq <= :top ORDER BY seq "
                         f"LIMIT {LOG_PAGE_ROWS}")
                 if max_output is not None:  # stdout cut in a subquery, then stderr
                     cut_out = _COLUMNS.format(result=_CUT.format(r="result", k="stdout")
@@ -155,7 +158,8 @@ class Reader(_Base):
                 cur = conn.execute(f"SELECT seq, op, idem_key, CAST(request AS BLOB), "
                                    f"CAST(result AS BLOB), CAST(error AS BLOB), started_at, "
                                    f"ended_at, snapshot_ids, status FROM ({page})",
-                                   {"sid": sid, "last": last, "cap": max_output})
+                                   {"sid": sid, "last": last, "top": top,
+                                    "cap": max_output})
                 parts: list[bytes] = []
                 size = 0
                 try:
