@@ -284,6 +284,30 @@ def test_watch_dir(sbx: Sandbox) -> None:
         h.stop()
 
 
+def test_a_name_that_is_not_utf8_is_listed_and_watched(sbx: Sandbox) -> None:
+    """The agent names a file with bytes that are not UTF-8. envd's clients parse strings
+    strictly: the listing came back `internal` (an error the agent made, read as the
+    platform's), a watch stream broke and a watcher went silent for good. Such a name comes
+    with U+FFFD for each byte that is not UTF-8; the rest of the answer is whole."""
+    sbx.files.make_dir("/home/user/nb")
+    h = sbx.files.watch_dir("/home/user/nb")
+    events: list = []
+    try:
+        sbx.commands.run("cd /home/user/nb && touch \"$(printf 'bad\\377name')\" ok.txt")
+        names = sorted(e.name for e in sbx.files.list("/home/user/nb"))
+        assert names == ["bad\ufffdname", "ok.txt"], names
+
+        def seen() -> bool:
+            events.extend(h.get_new_events())
+            return {"bad\ufffdname", "ok.txt"} <= {e.name for e in events}
+
+        assert wait_until(seen), events
+        sbx.files.write("/home/user/nb/later.txt", "x")  # the watch goes on after it
+        assert wait_until(lambda: seen() and any(e.name == "later.txt" for e in events))
+    finally:
+        h.stop()
+
+
 def test_a_recursive_watch_of_a_big_tree_stays_out_of_the_log(sbx: Sandbox) -> None:
     """The agent makes 2,000 directories and the client watches them recursively: events
     still come, each poll is one ``files.tree`` call that is not logged (before, one logged

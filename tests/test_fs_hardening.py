@@ -542,6 +542,8 @@ def test_names_that_are_not_utf8_are_files_like_any_other():
             entries = sb.files.list("/w", key=key)
             assert [e.name for e in entries] == ["bad\udcff\udcfename"], entries
         assert [e.name for e in sb.files.list("/w", key="names-list")] == ["bad\udcff\udcfename"]
+        tree = sb.files.tree("/w")  # the SDK parsed it strictly: a pydantic error, no code
+        assert [e.name for e in tree.entries] == ["bad\udcff\udcfename"], tree
         path = "/w/" + entries[0].name
         assert sb.files.stat(path).size == 5
         assert sb.files.stat(path, key="names-stat").size == 5

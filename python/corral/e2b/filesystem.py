@@ -32,7 +32,7 @@ from corral.e2b.connect import (
     unary_response,
 )
 from corral.e2b.errors import to_connect
-from corral.e2b.pbjson import boolean, entry_info, string, uint
+from corral.e2b.pbjson import boolean, entry_info, string, text, uint
 from corral.models import FileEntry
 from corral.sdk.async_sandbox import AsyncSandbox
 
@@ -261,7 +261,7 @@ class _Watcher:
         self.seen = await self._snapshot()
 
     def _event(self, path: str, kind: str, e: FileEntry | None) -> dict[str, Any]:
-        ev: dict[str, Any] = {"name": posixpath.relpath(path, self.path), "type": kind}
+        ev: dict[str, Any] = {"name": text(posixpath.relpath(path, self.path)), "type": kind}
         if e is not None and self.include_entry:
             ev["entry"] = entry_info(e)
         return ev

@@ -91,6 +91,13 @@ def permissions(kind: str, mode: int) -> str:
     return statmod.filemode(_MODE_KIND.get(kind, 0) | (mode & 0o7777))
 
 
+def text(s: str) -> str:
+    """A file name as a protobuf string: valid UTF-8. A name that is not (its bytes come as
+    surrogate escapes) has U+FFFD for each byte that is not: envd's clients parse strings
+    strictly, and refused the whole answer (a listing, a watch) for one such name."""
+    return s.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def entry_info(e: FileEntry, symlink_target: str | None = None) -> dict[str, Any]:
     """An EntryInfo. ``mode`` carries Go's FileMode type bits, as envd reports it; corral's
     entries carry no owner, so owner and group stay empty."""
@@ -100,13 +107,13 @@ def entry_info(e: FileEntry, symlink_target: str | None = None) -> dict[str, Any
     elif e.type == "symlink":
         mode |= _GO_MODE_SYMLINK
     out: dict[str, Any] = {
-        "name": e.name, "type": FILE_TYPES.get(e.type, "FILE_TYPE_UNSPECIFIED"),
-        "path": e.path, "size": str(e.size), "mode": mode,
+        "name": text(e.name), "type": FILE_TYPES.get(e.type, "FILE_TYPE_UNSPECIFIED"),
+        "path": text(e.path), "size": str(e.size), "mode": mode,
         "permissions": permissions(e.type, e.mode), "owner": "", "group": "",
         "modifiedTime": timestamp(e.mtime),
     }
     if symlink_target is not None:
-        out["symlinkTarget"] = symlink_target
+        out["symlinkTarget"] = text(symlink_target)
     return out
 
 

@@ -541,7 +541,7 @@ def tree(sid: str, path: str, depth: int | None = None,
     query = [("path", _path(path))]
     query += [("depth", str(depth))] if depth is not None else []
     query += [("limit", str(limit))] if limit is not None else []
-    return Call("GET", sb_path(sid) + "/files/tree", FileTree.model_validate_json,
+    return Call("GET", sb_path(sid) + "/files/tree", _file_tree,
                 query=query, retry_safe=True)
 
 
@@ -549,6 +549,10 @@ def page_key(key: str | None, index: int) -> str | None:
     """The explicit key of page ``index`` of a keyed listing: each page is a call of its own
     in the log (the first keeps the caller's key)."""
     return key if key is None or index == 0 else f"{key}/page{index}"
+
+
+def _file_tree(body: bytes) -> FileTree:
+    return FileTree.model_validate(json.loads(body))  # json.loads: as _file_entry
 
 
 def _file_entry(body: bytes) -> FileEntry:
