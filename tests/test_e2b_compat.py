@@ -9,6 +9,7 @@ holder trying to use up the front (streams, watchers, memory).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import re
@@ -579,6 +580,57 @@ def test_malformed_connect_requests_are_answered(sbx: Sandbox, front: Front) -> 
     with pytest.raises(CommandExitException) as ei:
         sbx.commands.run("/no/such/program")
     assert ei.value.exit_code == 127
+
+
+def test_hostile_bodies_are_4xx_and_an_upload_is_never_written_short(sbx: Sandbox,
+                                                                    front: Front) -> None:
+    """A gzip upload cut short was inflated as far as it went and written, a shorter file
+    answered 200 (aiohttp checks a deflate stream's end, not a gzip one's); a corrupt one,
+    a signal that is a list, JSON nested 100,000 deep and a bad part header were 500s.
+    Each is a 4xx now, and a whole gzip or deflate upload is written whole."""
+    import gzip
+    import zlib
+
+    h = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token}
+    data = os.urandom(100_000) * 3
+    packed = gzip.compress(data)
+    up = dict(h, **{"Content-Type": "application/octet-stream"})
+
+    def upload(body: bytes, encoding: str, path: str) -> httpx.Response:
+        return httpx.post(front.url + "/files", params={"path": path, "username": "root"},
+                          content=body, headers=dict(up, **{"Content-Encoding": encoding}))
+
+    for body, encoding in ((packed[:len(packed) // 2], "gzip"), (packed[:-8], "gzip"),
+                           (packed[:20] + b"\x00" * 50 + packed[70:], "gzip"),
+                           (packed + b"tail", "gzip"), (b"not compressed", "deflate")):
+        r = upload(body, encoding, "/tmp/cut.bin")
+        assert r.status_code == 400, (encoding, len(body), r.text)
+    assert not sbx.files.exists("/tmp/cut.bin")
+    assert upload(b"x", "br", "/tmp/br.bin").status_code == 415
+    for body, encoding in ((packed, "gzip"), (zlib.compress(data), "deflate")):
+        r = upload(body, encoding, f"/tmp/whole-{encoding}.bin")
+        assert r.status_code == 200, r.text
+        got = sbx.commands.run(f"sha256sum /tmp/whole-{encoding}.bin").stdout.split()[0]
+        assert got == hashlib.sha256(data).hexdigest()
+    r = httpx.post(front.url + "/files", params={"path": "/tmp/m"},
+                   content=b"--x\r\nBad Header Line\r\n\r\nbody\r\n--x--\r\n",
+                   headers=dict(h, **{"Content-Type": "multipart/form-data; boundary=x"}))
+    assert 400 <= r.status_code < 500, r.text
+    unary = dict(h, **{"Content-Type": "application/json"})
+    proc = sbx.commands.run("sleep 60", background=True)
+    try:
+        for sig in ([], {}, [9], None, True):
+            r = httpx.post(front.url + "/process.Process/SendSignal", headers=unary,
+                           json={"process": {"pid": proc.pid}, "signal": sig})
+            assert r.status_code == 400 and r.json()["code"] == "invalid_argument", (sig, r.text)
+    finally:
+        proc.kill()
+    deep = b"[" * 100_000 + b"]" * 100_000
+    r = httpx.post(front.url + "/filesystem.Filesystem/Stat", content=deep, headers=unary)
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument", r.text
+    r = httpx.post(front.url + "/v2/sandboxes", content=deep,
+                   headers={"X-API-KEY": API_KEY, "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
 
 
 # ---- resource exhaustion by a sandbox's token holder --------------------------------------

@@ -24,8 +24,8 @@ from corral.e2b.auth import (
     FrontSandboxes,
     Keys,
 )
-from corral.e2b.connect import TAKE, ConnectError, ServerStream, error_response, is_stream
-from corral.e2b.errors import api_error, to_connect
+from corral.e2b.connect import TAKE, ConnectError, error_response, is_stream, stream_of
+from corral.e2b.errors import api_error, envd_http_error, to_connect
 from corral.e2b.state import STREAMS_PER_SANDBOX, STREAMS_TOTAL, FrontState, Held, Quota
 from corral.e2b.templates import Templates
 from corral.sdk.async_sandbox import AsyncSandbox
@@ -97,7 +97,15 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     elif not front.keys.api_key_ok(request.headers.get(API_KEY_HEADER)):
         return api_error(401, "Invalid API key")
     try:
-        if "sandbox_id" in request and not await _front_made(front, request["sandbox_id"]):
+        try:
+            made = "sandbox_id" not in request or await _front_made(front, request["sandbox_id"])
+        except ce.CorralError as e:  # corrald out of reach: unavailable, not internal
+            if rpc:
+                err = to_connect(e, request["sandbox_id"])
+                return await stream_of(request).end(err) if is_stream(request) \
+                    else error_response(err)
+            return envd_http_error(e, request["sandbox_id"])
+        if not made:
             log.warning("envd call for sandbox %s, which the front did not make, refused",
                         request["sandbox_id"])
             if rpc:
@@ -123,6 +131,8 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     except Exception:
         log.exception("unexpected error on %s %s", request.method, path)
         if rpc:
+            if is_stream(request):  # ended in its own stream, begun or not
+                return await stream_of(request).end(ConnectError("internal", "internal error"))
             return error_response(ConnectError("internal", "internal error"))
         return api_error(500, "internal error")
 
@@ -134,7 +144,7 @@ async def _rpc(handler: Handler, request: web.Request) -> web.StreamResponse:
     except (ConnectError, ce.CorralError) as e:
         err = e if isinstance(e, ConnectError) else to_connect(e, request["sandbox_id"])
         if is_stream(request):
-            return await ServerStream(request).end(err)
+            return await stream_of(request).end(err)
         return error_response(err)
 
 

@@ -8,6 +8,7 @@ envelope has flag 0x02 and holds ``{}`` or ``{"error": {...}}``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 from collections.abc import Awaitable, Callable
@@ -22,6 +23,12 @@ STREAM_CONTENT_TYPE = "application/connect+json"
 UNARY_CONTENT_TYPE = "application/json"
 # The request's key for a callable told of each body byte read (app.py: the sandbox's quota).
 TAKE = "corral.e2b.take"
+STREAM = "corral.e2b.stream"  # the request's ServerStream, once it has one
+# A stream whose client reads nothing for this long is cut (a handle kept and never waited
+# on held its stream, one of its sandbox's and of the front's, for good, also past its
+# sandbox's end); its last message gets less.
+WRITE_TIMEOUT_S = 60.0
+END_WRITE_TIMEOUT_S = 5.0
 
 # Connect code -> HTTP status of a unary error (connectrpc.com/docs/protocol).
 HTTP_STATUS = {
@@ -54,6 +61,8 @@ def _loads_object(data: bytes) -> dict[str, Any]:
         obj = json.loads(data or b"{}")
     except (ValueError, UnicodeDecodeError) as e:
         raise ConnectError("invalid_argument", f"the message is not JSON: {e}") from None
+    except RecursionError:  # nested past the parser's depth: not a message of envd's
+        raise ConnectError("invalid_argument", "the message is nested too deep") from None
     if not isinstance(obj, dict):
         raise ConnectError("invalid_argument", "the message is not a JSON object")
     return obj
@@ -164,30 +173,46 @@ class ServerStream:
                                            headers={"Content-Type": STREAM_CONTENT_TYPE})
         self.open = True
         self._prepared = False
+        request[STREAM] = self
 
-    async def _write(self, data: bytes) -> None:
+    @property
+    def prepared(self) -> bool:
+        return self._prepared
+
+    async def _write(self, data: bytes, timeout: float | None = None) -> None:
         if not self.open:
             return
         try:
             if not self._prepared:
                 self._prepared = True
                 await self.response.prepare(self.request)
-            await self.response.write(data)
+            await asyncio.wait_for(self.response.write(data),
+                                   WRITE_TIMEOUT_S if timeout is None else timeout)
         except (ConnectionError, RuntimeError):
             self.open = False
+        except asyncio.TimeoutError:  # a client that stopped reading: cut
+            self.open = False
+            if self.request.transport is not None:
+                self.request.transport.close()
 
     async def send(self, message: dict[str, Any]) -> None:
         await self._write(envelope(message))
 
     async def end(self, err: ConnectError | None = None) -> web.StreamResponse:
         end = {"error": err.payload()} if err is not None else {}
-        await self._write(envelope(end, FLAG_END_STREAM))
+        await self._write(envelope(end, FLAG_END_STREAM), END_WRITE_TIMEOUT_S)
         if self.open:
             try:
                 await self.response.write_eof()
             except (ConnectionError, RuntimeError):
                 self.open = False
         return self.response
+
+
+def stream_of(request: web.Request) -> ServerStream:
+    """The request's stream: the one its handler began, or a new one."""
+    s = request.get(STREAM)
+    return s if isinstance(s, ServerStream) else ServerStream(request)
 
 
 def unary_response(message: dict[str, Any]) -> web.Response:

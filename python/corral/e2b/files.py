@@ -1,8 +1,9 @@
 """envd's HTTP API: ``GET/POST /files`` (download and upload) and ``GET /health``.
 
 Uploads come as ``multipart/form-data`` (each part's file name is its path) or as an
-``application/octet-stream`` body (the ``path`` query parameter), optionally gzip-encoded
-(aiohttp inflates the body as it is read, a bounded piece at a time).
+``application/octet-stream`` body (the ``path`` query parameter), which may be gzip- or
+deflate-encoded: the front inflates it as it is read, a bounded piece at a time, and a
+stream that ends before its end (a truncated upload) is refused, never written short.
 envd writes as the calling user, so for a user other than root the file and the directories
 it needs are made by that user (a command in the sandbox, its permissions apply); a file too
 big to pass that way is written by the daemon and then handed to the user (``chown``). Root's
@@ -16,18 +17,21 @@ sandbox and BODY_BYTES_TOTAL in all, and a request past it is 429.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import posixpath
 import re
 import secrets
+import zlib
 from typing import Any
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from corral import errors as ce
 from corral.e2b import users
-from corral.e2b.connect import ConnectError, read_all
+from corral.e2b.connect import WRITE_TIMEOUT_S, ConnectError, read_all
 from corral.e2b.errors import api_error, envd_http_error, gone_message
 from corral.e2b.state import Held, QuotaExceeded
 from corral.sdk import api
@@ -41,6 +45,11 @@ TOO_LARGE = f"uploads are at most {MAX_UPLOAD} bytes"
 # Passed as base64 on a command's stdin, which rides in a JSON request to the daemon.
 AS_USER_MAX = 8 << 20
 WRITE_AS_USER = 'mkdir -p -- "$(dirname -- "$1")" && base64 -d > "$1"'
+# The body encodings an upload may come in (zlib's window bits for each): the front reads
+# bodies as sent (the app runs with aiohttp's decompression off, which let a gzip stream cut
+# short pass as a whole, shorter file).
+BODY_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS,
+                  "deflate": zlib.MAX_WBITS}
 COPY_AS_USER = 'mkdir -p -- "$(dirname -- "$1")" && cat -- "$2" > "$1"'
 
 
@@ -71,12 +80,12 @@ class FilesApi:
                 resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
                 try:
                     await resp.prepare(request)
-                    await resp.write(first)
+                    await asyncio.wait_for(resp.write(first), WRITE_TIMEOUT_S)
                     async for chunk in chunks:
-                        await resp.write(chunk)
-                except (ConnectionError, ce.CorralError):
-                    # the client left, or corrald did mid-file: cut the connection, so a
-                    # partial file never looks complete
+                        await asyncio.wait_for(resp.write(chunk), WRITE_TIMEOUT_S)
+                except (ConnectionError, ce.CorralError, asyncio.TimeoutError):
+                    # the client left, stopped reading, or corrald left mid-file: cut the
+                    # connection, so a partial file never looks complete
                     if request.transport is not None:
                         request.transport.close()
                     return resp
@@ -116,7 +125,11 @@ class FilesApi:
         if request.content_length is not None and request.content_length > MAX_BODY:
             return api_error(413, TOO_LARGE)
         with Held(self.f.bodies, request["sandbox_id"]) as held:
+            encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
             if request.content_type == "multipart/form-data":
+                if encoding not in ("identity", ""):
+                    return api_error(415, "a multipart upload cannot be content-encoded "
+                                          "(each part is sent as is)")
                 reader = await request.multipart()
                 default = request.query.get("path")
                 total = 0
@@ -137,10 +150,39 @@ class FilesApi:
                 path = request.query.get("path")
                 if not path:
                     return api_error(400, "path is required")
-                data = await read_all(request.content.readany, request.content.at_eof,
-                                      MAX_UPLOAD, TOO_LARGE, held.take)
+                if encoding in ("identity", ""):
+                    data = await read_all(request.content.readany, request.content.at_eof,
+                                          MAX_UPLOAD, TOO_LARGE, held.take)
+                elif encoding in BODY_ENCODINGS:
+                    data = await _inflated(request, BODY_ENCODINGS[encoding], held.take)
+                else:
+                    return api_error(415, f"unsupported Content-Encoding {encoding!r} "
+                                          f"(gzip, deflate or none)")
                 await self._write(sb, users.resolve(path, user), data, user, written)
         return web.json_response(written)
+
+
+async def _inflated(request: web.Request, wbits: int, take: Any) -> bytes:
+    """The body inflated, at most MAX_UPLOAD bytes (``take`` told of each piece kept); a
+    stream that is not whole (cut short, or with bytes after its end) is a ConnectError."""
+    d = zlib.decompressobj(wbits)
+    out = bytearray()
+    try:
+        while not request.content.at_eof():
+            chunk = await request.content.readany()
+            piece = d.decompress(chunk, MAX_UPLOAD + 1 - len(out))
+            take(len(piece))
+            out += piece
+            if d.unconsumed_tail or len(out) > MAX_UPLOAD:
+                raise ConnectError("resource_exhausted", TOO_LARGE)
+    except zlib.error as e:
+        raise ConnectError("invalid_argument", f"the body does not inflate: {e}") from None
+    if not d.eof:
+        raise ConnectError("invalid_argument", "the compressed body ends before its end "
+                                               "(a truncated upload)")
+    if d.unused_data:
+        raise ConnectError("invalid_argument", "bytes after the end of the compressed body")
+    return bytes(out)
 
 
 _FILENAME = re.compile(r'(?:^|;)\s*filename\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^;\s]+))', re.I)
@@ -176,8 +218,8 @@ async def guarded(handler: Any, request: web.Request) -> web.StreamResponse:
         return api_error(400 if e.code != "resource_exhausted" else 413, e.message)
     except ce.CorralError as e:
         return envd_http_error(e, request["sandbox_id"])
-    except ValueError as e:  # aiohttp: a multipart body that ends before its parts do
-        return api_error(400, f"malformed request body: {e}")
+    except (ValueError, HttpProcessingError) as e:  # aiohttp: a multipart body that ends
+        return api_error(400, f"malformed request body: {e}")  # early, a bad part header
     except ConnectionError:  # the client left mid-request: nobody reads the answer
         return api_error(400, "the connection was lost")
 

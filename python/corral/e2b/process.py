@@ -253,7 +253,8 @@ class ProcessService:
     async def send_signal(self, request: web.Request) -> web.Response:
         sid = request["sandbox_id"]
         msg = await read_unary(request)
-        sig = SIGNALS.get(msg.get("signal"))
+        name = msg.get("signal")
+        sig = SIGNALS.get(name) if isinstance(name, (str, int)) else None
         if sig is None:
             raise ConnectError("invalid_argument", f"unknown signal {msg.get('signal')!r}")
         p = self._proc(sid, self._pid(sid, msg))

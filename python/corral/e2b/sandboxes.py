@@ -39,6 +39,8 @@ def _body_object(raw: bytes) -> dict[str, Any]:
         obj = json.loads(raw or b"{}")
     except (ValueError, UnicodeDecodeError):
         raise BadRequest("the body is not JSON") from None
+    except RecursionError:
+        raise BadRequest("the body is nested too deep") from None
     if not isinstance(obj, dict):
         raise BadRequest("the body is not a JSON object")
     return obj

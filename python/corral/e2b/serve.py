@@ -21,7 +21,8 @@ from corral.e2b.config import DEFAULT_HOST, DEFAULT_PORT
 async def serve(api_key: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                 endpoint: str | None = None) -> None:
     front = Front(api_key, endpoint)
-    runner = web.AppRunner(make_app(front), access_log=None)
+    # Bodies as sent: the handlers that take an encoded body inflate it themselves (files.py).
+    runner = web.AppRunner(make_app(front), access_log=None, auto_decompress=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
