@@ -217,6 +217,14 @@ def test_files_roundtrip(sbx: Sandbox) -> None:
     moved = sbx.files.rename("/home/user/a.txt", "/home/user/d/a.txt")
     assert moved.path == "/home/user/d/a.txt"
     assert sbx.files.read("/home/user/d/a.txt") == "alpha\nmore\n"
+    # as envd: a destination's missing directories are made, as the user
+    moved = sbx.files.rename("/home/user/d/a.txt", "/home/user/n1/n2/a.txt")
+    assert moved.path == "/home/user/n1/n2/a.txt"
+    assert sbx.commands.run("stat -c %U /home/user/n1/n2").stdout == "user\n"
+    with pytest.raises(FileNotFoundException):
+        sbx.files.rename("/home/user/no-such", "/home/user/n3/x")
+    assert not sbx.files.exists("/home/user/n3")
+    sbx.files.rename("/home/user/n1/n2/a.txt", "/home/user/d/a.txt")
     deep = sbx.files.list("/home/user", depth=3)
     assert "/home/user/d/e" in {e.path for e in deep}
     st = sbx.files.get_info("/home/user/d")

@@ -84,8 +84,18 @@ class FilesystemService:
     async def move(self, request: web.Request) -> web.Response:
         msg = await read_unary(request)
         src, _ = await self._path(request, msg, "source")
-        dst, _ = await self._path(request, msg, "destination")
+        dst, user = await self._path(request, msg, "destination")
         sb = self._sb(request)
+        await sb.files.stat(src)  # a missing source is named as such, before anything is made
+        parent = posixpath.dirname(dst)
+        try:
+            await sb.files.stat(parent)
+        except ce.FileNotFound:  # envd makes the destination's directories, as the user
+            r = await sb.exec(["mkdir", "-p", "--", parent], user=user, cwd="/", timeout=30)
+            if not r.ok:
+                err = r.stderr.strip() or f"mkdir exited {r.exit_code}"
+                code = "permission_denied" if "ermission denied" in err else "invalid_argument"
+                raise ConnectError(code, err) from None
         await sb.files.rename(src, dst)
         return unary_response({"entry": entry_info(await sb.files.stat(dst))})
 
