@@ -126,7 +126,7 @@ def make_log_dir(gdir: str, memory_mb: int) -> str:
 def install_lockdown(path: str) -> None:
     """The lock-down binary and the filter in ``path`` (a directory bound read-only into every
     sandbox), each written whole and renamed into place: a sandbox never sees half a file."""
-    os.makedirs(path, mode=0o555, exist_ok=True)
+    os.makedirs(path, mode=0o755, exist_ok=True)  # bound read-only: its owner's w bit is moot
     for name, data, mode in (("lockdown", _core.lockdown_binary(), 0o555),
                              ("seccomp.bpf", _core.seccomp_filter(False), 0o444)):
         dest = os.path.join(path, name)
