@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 import corral
+from corral.e2b.auth import Keys
 
 e2b = pytest.importorskip("e2b")
 from e2b import (  # noqa: E402
@@ -41,8 +42,8 @@ API_KEY = "e2b_" + secrets.token_hex(20)
 
 
 class Front:
-    def __init__(self) -> None:
-        env = dict(os.environ, CORRAL_E2B_API_KEY=API_KEY)
+    def __init__(self, key: str = API_KEY) -> None:
+        env = dict(os.environ, CORRAL_E2B_API_KEY=key)
         self.proc = subprocess.Popen([sys.executable, "-m", "corral.e2b", "serve", "--port",
                                       "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env=env, text=True, start_new_session=True)
@@ -79,7 +80,7 @@ def front() -> Iterator[Front]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        for sb in corral.Sandbox.list({"corral.e2b": "1"}):
+        for sb in corral.Sandbox.list({"corral.e2b": Keys(API_KEY).front_label()}):
             sb.kill()
         f.stop()
 
@@ -434,6 +435,30 @@ def test_api_key_required(front: Front) -> None:
                     {"Authorization": f"Bearer {API_KEY}"}):
         r = httpx.get(front.url + "/v2/sandboxes", headers=headers)
         assert r.status_code == 401, headers
+
+
+def test_a_front_with_another_key_sees_none_of_this_ones_sandboxes(sbx: Sandbox) -> None:
+    """Two fronts on one daemon credential, each with its API key: the sandboxes one makes
+    are labelled with a fingerprint of its key, and the other lists, connects to, enters and
+    kills none of them (with the same label for all, the second front read a file of the
+    first's sandbox and killed it)."""
+    other_key = "e2b_" + secrets.token_hex(20)
+    other = Front(other_key)
+    try:
+        api = {"X-API-KEY": other_key}
+        r = httpx.get(other.url + "/v2/sandboxes", headers=api)
+        assert r.status_code == 200 and sbx.sandbox_id not in r.text, r.text
+        r = httpx.get(other.url + f"/v2/sandboxes/{sbx.sandbox_id}", headers=api)
+        assert r.status_code == 404, r.text
+        r = httpx.delete(other.url + f"/v2/sandboxes/{sbx.sandbox_id}", headers=api)
+        assert r.status_code == 404, r.text
+        h = {"E2b-Sandbox-Id": sbx.sandbox_id,
+             "X-Access-Token": Keys(other_key).access_token(sbx.sandbox_id)}
+        r = httpx.get(other.url + "/files", params={"path": "/etc/hostname"}, headers=h)
+        assert r.status_code == 401, r.text
+        assert sbx.is_running()
+    finally:
+        other.stop()
 
 
 @pytest.mark.parametrize("key", [None, "short"])

@@ -43,6 +43,7 @@ class Front:
 
     def __init__(self, api_key: str, endpoint: str | Endpoint | None = None) -> None:
         self.keys = Keys(api_key)
+        self.label = self.keys.front_label()  # on every sandbox it makes (sandboxes.LABEL)
         self.known = FrontSandboxes()
         self.endpoint = Endpoint.parse(endpoint)
         self.state = FrontState()
@@ -75,7 +76,7 @@ async def _front_made(front: Front, sid: str) -> bool:
         info = await AsyncSandbox.from_id(sid, endpoint=front.endpoint).info()
     except ce.SandboxNotFound:
         return True
-    if info.labels.get(sandboxes.LABEL) != "1":
+    if info.labels.get(sandboxes.LABEL) != front.label:
         return False
     front.known.add(sid)
     return True

@@ -45,6 +45,12 @@ class Keys:
     def api_key_ok(self, got: str | None) -> bool:
         return got is not None and hmac.compare_digest(_bytes(got), self._api_key)
 
+    def front_label(self) -> str:
+        """The value of the label ``corral.e2b`` on the sandboxes this key makes: a
+        fingerprint of the key (it tells nothing of it), so two fronts with different keys
+        on one daemon credential see only their own."""
+        return hmac.new(self._api_key, b"corral-e2b sandboxes", hashlib.sha256).hexdigest()[:32]
+
     def access_token(self, sandbox_id: str) -> str:
         return hmac.new(self._token_key, _bytes(sandbox_id), hashlib.sha256).hexdigest()
 
@@ -54,7 +60,8 @@ class Keys:
 
 
 class FrontSandboxes:
-    """Ids of sandboxes known to be the front's (label ``corral.e2b=1``), most recent last.
+    """Ids of sandboxes known to be the front's (its label, ``Keys.front_label``), most recent
+    last.
     A label is set at create and never changes, and ids are never reused, so a positive answer
     stays true; only positives are kept, at most KNOWN_SANDBOXES."""
 

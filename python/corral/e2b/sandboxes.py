@@ -1,7 +1,8 @@
 """The control plane of E2B's OpenAPI spec, over corral's SDK.
 
-Only sandboxes made through the front (label ``corral.e2b=1``) are visible to it: an API key
-for the front opens no other sandbox of the daemon. A sandbox that has ended is 404, as E2B
+Only sandboxes made through the front with its API key (label ``corral.e2b``, a fingerprint
+of the key) are visible to it: an API key for the front opens no other sandbox of the daemon,
+also none another front's key made. A sandbox that has ended is 404, as E2B
 answers. Paused sandboxes stop their TTL clock (corral ``pause_ttl="stop"``), as E2B's
 paused sandboxes do not time out.
 """
@@ -112,7 +113,7 @@ class ControlPlane:
         """The sandbox and its info if it is alive and the front's; SandboxNotFound if not."""
         sb = self.handle(sid)
         info = await sb.info()
-        if info.labels.get(LABEL) != "1" or info.state in ("dead", "stopping"):
+        if info.labels.get(LABEL) != self.f.label or info.state in ("dead", "stopping"):
             raise ce.SandboxNotFound(f"sandbox {sid} not found")
         self.f.known.add(sid)
         return sb, info
@@ -131,7 +132,8 @@ class ControlPlane:
         try:
             sb = await self.f.templates.create(
                 template, timeout=timeout, metadata=metadata, env=env,
-                labels={LABEL: "1", TEMPLATE_LABEL: template[:256]}, pause_ttl="stop",
+                labels={LABEL: self.f.label, TEMPLATE_LABEL: template[:256]},
+                pause_ttl="stop",
                 cwd="/home/user" if template == "base" else None)
         except (ce.ImageNotFound, ce.SnapshotNotFound):
             return api_error(404, f"template {template!r} not found")
@@ -140,7 +142,7 @@ class ControlPlane:
         return web.json_response(self.sandbox(sb.last_info), status=201)
 
     async def _all(self) -> list[SandboxInfo]:
-        boxes = await AsyncSandbox.list({LABEL: "1"}, endpoint=self.f.endpoint)
+        boxes = await AsyncSandbox.list({LABEL: self.f.label}, endpoint=self.f.endpoint)
         return sorted((b.last_info for b in boxes if b.last_info is not None),
                       key=lambda i: (i.created_at, i.id))
 
