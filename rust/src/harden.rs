@@ -864,25 +864,31 @@ fn build_filter(unix_only: bool, host_view: bool) -> Result<Vec<libc::sock_filte
     Ok(prog)
 }
 
-/// The compiled filter, built once per daemon (one for each value of `unix_only`).
-pub fn seccomp_program(unix_only: bool) -> Result<&'static [libc::sock_filter], HardenError> {
-    type Prog = OnceLock<Result<Vec<libc::sock_filter>, String>>;
-    static PROG: Prog = OnceLock::new();
-    static UNIX_ONLY: Prog = OnceLock::new();
-    let cell = if unix_only { &UNIX_ONLY } else { &PROG };
-    match cell.get_or_init(|| build_filter(unix_only, false).map_err(|e| e.to_string())) {
+type Prog = OnceLock<Result<Vec<libc::sock_filter>, String>>;
+
+/// A filter of `build_filter`, built once per daemon in `cell`.
+fn built(
+    cell: &'static Prog,
+    unix_only: bool,
+    host_view: bool,
+) -> Result<&'static [libc::sock_filter], HardenError> {
+    match cell.get_or_init(|| build_filter(unix_only, host_view).map_err(|e| e.to_string())) {
         Ok(p) => Ok(p.as_slice()),
         Err(e) => Err(HardenError::Seccomp(e.clone())),
     }
 }
 
+/// The sandbox filter (one for each value of `unix_only`).
+pub fn seccomp_program(unix_only: bool) -> Result<&'static [libc::sock_filter], HardenError> {
+    static PROG: Prog = OnceLock::new();
+    static UNIX_ONLY: Prog = OnceLock::new();
+    built(if unix_only { &UNIX_ONLY } else { &PROG }, unix_only, false)
+}
+
 /// The process tier's filter: AF_UNIX sockets only, and `host_view_policy` refused too.
 pub fn host_view_program() -> Result<&'static [libc::sock_filter], HardenError> {
-    static PROG: OnceLock<Result<Vec<libc::sock_filter>, String>> = OnceLock::new();
-    match PROG.get_or_init(|| build_filter(true, true).map_err(|e| e.to_string())) {
-        Ok(p) => Ok(p.as_slice()),
-        Err(e) => Err(HardenError::Seccomp(e.clone())),
-    }
+    static PROG: Prog = OnceLock::new();
+    built(&PROG, true, true)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ class Kill(Op):
 
     async def run(self, engine: Engine) -> Any:
         try:
-            killed = await engine.kill(self.sid, self.key if self.whose is None else self.whose)
+            killed = await engine.kill(self.sid, self.whose or self.key)
         except SandboxNotFound:
             # Keyed (a trainer's cleanup): a sandbox gone so long the daemon forgot it, but
             # whose log it still has, is killed already.

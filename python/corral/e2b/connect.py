@@ -175,10 +175,6 @@ class ServerStream:
         self._prepared = False
         request[STREAM] = self
 
-    @property
-    def prepared(self) -> bool:
-        return self._prepared
-
     async def _write(self, data: bytes, timeout: float | None = None) -> None:
         if not self.open:
             return

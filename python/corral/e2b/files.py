@@ -125,9 +125,9 @@ class FilesApi:
         if request.content_length is not None and request.content_length > MAX_BODY:
             return api_error(413, TOO_LARGE)
         with Held(self.f.bodies, request["sandbox_id"]) as held:
-            encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+            encoding = request.headers.get("Content-Encoding", "").strip().lower() or "identity"
             if request.content_type == "multipart/form-data":
-                if encoding not in ("identity", ""):
+                if encoding != "identity":
                     return api_error(415, "a multipart upload cannot be content-encoded "
                                           "(each part is sent as is)")
                 reader = await request.multipart()
@@ -150,7 +150,7 @@ class FilesApi:
                 path = request.query.get("path")
                 if not path:
                     return api_error(400, "path is required")
-                if encoding in ("identity", ""):
+                if encoding == "identity":
                     data = await read_all(request.content.readany, request.content.at_eof,
                                           MAX_UPLOAD, TOO_LARGE, held.take)
                 elif encoding in BODY_ENCODINGS:

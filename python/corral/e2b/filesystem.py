@@ -35,6 +35,7 @@ from corral.e2b.errors import to_connect
 from corral.e2b.pbjson import boolean, entry_info, string, text, uint
 from corral.models import FileEntry
 from corral.sdk.async_sandbox import AsyncSandbox
+from corral.sdk.results import ExecResult
 
 MAX_ENTRIES = 100_000
 MAX_DEPTH = 64
@@ -76,9 +77,7 @@ class FilesystemService:
         if r.exit_code == EXISTS_EXIT:
             raise ConnectError("already_exists", f"{path} already exists")
         if not r.ok:
-            msg_ = r.stderr.strip() or f"mkdir exited {r.exit_code}"
-            code = "permission_denied" if "ermission denied" in msg_ else "invalid_argument"
-            raise ConnectError(code, msg_)
+            raise _mkdir_failed(r)
         return unary_response({"entry": entry_info(await sb.files.stat(path))})
 
     async def move(self, request: web.Request) -> web.Response:
@@ -93,9 +92,7 @@ class FilesystemService:
         except ce.FileNotFound:  # envd makes the destination's directories, as the user
             r = await sb.exec(["mkdir", "-p", "--", parent], user=user, cwd="/", timeout=30)
             if not r.ok:
-                err = r.stderr.strip() or f"mkdir exited {r.exit_code}"
-                code = "permission_denied" if "ermission denied" in err else "invalid_argument"
-                raise ConnectError(code, err) from None
+                raise _mkdir_failed(r) from None
         await sb.files.rename(src, dst)
         return unary_response({"entry": entry_info(await sb.files.stat(dst))})
 
@@ -227,6 +224,13 @@ class FilesystemService:
         for w in self._watchers.values():
             w.stop()
         self._watchers.clear()
+
+
+def _mkdir_failed(r: ExecResult) -> ConnectError:
+    """The error of a mkdir run as the user: its permission errors as permission_denied."""
+    err = r.stderr.strip() or f"mkdir exited {r.exit_code}"
+    return ConnectError("permission_denied" if "ermission denied" in err else "invalid_argument",
+                        err)
 
 
 class _Watcher:
