@@ -226,6 +226,18 @@ def test_disk_limit():
 
 
 
+def test_a_sessions_home_starts_empty_wherever_the_daemon_is_installed():
+    """A session's /tmp is its home: nothing of the host's in it. The daemon's own environment
+    (its venv, which a checkout under /tmp puts under /tmp) is not in the session's view: the
+    session's commands run the host's programs."""
+    venv = os.path.realpath(sys.prefix)
+    assert venv != os.path.realpath(sys.base_prefix)  # the suite runs from its venv
+    with corral.Sandbox(substrate="process", timeout=120) as box:
+        r = box.exec(f"ls -A /tmp; du -sk /tmp | cut -f1; test -e {venv} || echo no-venv; "
+                     f"rm -rf /tmp/* && echo removed")
+        assert r.stdout.split() == ["0", "no-venv", "removed"], r.stdout
+
+
 def test_the_file_apis_writes_stay_within_the_memory_limit():
     """/tmp is a tmpfs: its pages are memory, and those the daemon writes for the file API are
     charged to the daemon's memory cgroup, not the session's. With /tmp sized by disk_mb

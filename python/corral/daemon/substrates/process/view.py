@@ -23,9 +23,13 @@ def _under(path: str, dirs: list[str]) -> bool:
 def session_entries(disk_mb: int, uid: int) -> list[tuple[str, str, str]]:
     """A session's view: the same, with /tmp its own tmpfs of ``disk_mb`` owned by its uid
     (its home and working directory; /root leads there too unless the interpreter lives
-    under /root)."""
+    under /root). Of the interpreter, only its base prefix (the standard library the session
+    zygote runs on): a session's commands run the host's programs, never the daemon's own
+    environment, and a daemon installed in a venv under /tmp would otherwise sit in the
+    session's home, counted in its ``du`` and in the way of its ``rm -rf /tmp/*``."""
     out = [("tmpfs", f"mode=0700,uid={uid},gid={uid},size={disk_mb}m,nr_inodes=262144",
-            "/tmp") if e[0] == "tmpfs" and e[2] == "/tmp" else e for e in entries(0)]
+            "/tmp") if e[0] == "tmpfs" and e[2] == "/tmp" else e
+           for e in entries(0, prefixes=(sys.base_prefix, sys.base_exec_prefix))]
     if not any(_under(dst, ["/root"]) for _, _, dst in out):
         out.append(("symlink", "/tmp", "/root"))
     return out
@@ -37,9 +41,11 @@ def session_entries(disk_mb: int, uid: int) -> list[tuple[str, str, str]]:
 SCRATCH_INODES = 65536
 
 
-def entries(tmp_mb: int, slot_uids: list[int] | None = None) -> list[tuple[str, str, str]]:
-    """The zygote's root. ``slot_uids``: a scratch tmpfs per slot, ``/tmp/s<i>`` (of
-    ``tmp_mb`` and SCRATCH_INODES): nothing a request writes takes room or inodes from
+def entries(tmp_mb: int, slot_uids: list[int] | None = None,
+            prefixes: tuple[str, ...] | None = None) -> list[tuple[str, str, str]]:
+    """The zygote's root (``prefixes``: the interpreter's to bind, all of them by default).
+    ``slot_uids``: a scratch tmpfs per slot, ``/tmp/s<i>`` (of ``tmp_mb`` and SCRATCH_INODES):
+    nothing a request writes takes room or inodes from
     another's. Its root is the zygote's, mode 0710 with the slot's group: the slot's uid
     reaches its working directory in it (made by the zygote), no other slot's uid reaches
     anything in it, whatever modes a request gives its files. Its pages are charged to the
@@ -72,9 +78,9 @@ def entries(tmp_mb: int, slot_uids: list[int] | None = None) -> list[tuple[str, 
                                  f"nr_inodes={SCRATCH_INODES}", f"/tmp/s{i}"))
     # The interpreter and its packages, wherever they live (a venv, pyenv under /root, a
     # checkout under /tmp): bound last, so no mount above (/tmp, /dev) hides them.
-    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
-                                              sys.base_exec_prefix)}
-    for p in sorted(prefixes):
+    if prefixes is None:
+        prefixes = (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)
+    for p in sorted({os.path.realpath(p) for p in prefixes}):
         if not _under(p, bound) and os.path.isdir(p):
             out.append(("ro", p, p))
             bound.append(p)
