@@ -490,6 +490,39 @@ def test_an_upload_that_expands_past_the_bound_is_refused(remote):
                 if n.startswith(".tmp-")]
 
 
+def test_encoded_bodies_are_refused_before_anything_runs(remote):
+    """Bodies are taken as sent. A gzip-encoded one was inflated by the server: a 15 KB body
+    became a 15 MiB exec stdin that the body pool charged by its 15 KB (60 of them held ~4 GB
+    of the daemon), and an upload cut short inside its gzip stream was written short. Any
+    Content-Encoding but identity is invalid_request, on every route, before it runs."""
+    import gzip
+
+    with tcp(remote) as c:
+        sid = c.post("/v1/sandboxes", json={}).json()["id"]
+        try:
+            body = gzip.compress(json.dumps({"cmd": "touch /tmp/ran; wc -c",
+                                             "stdin": "x" * (15 << 20)}).encode())
+            assert len(body) < 64 << 10
+            for enc in ("gzip", "deflate", "br", "GZip", "gzip, identity"):
+                r = c.post(f"/v1/sandboxes/{sid}/exec", content=body,
+                           headers={"Content-Type": "application/json",
+                                    "Content-Encoding": enc})
+                expect_error(r, "invalid_request", 400)
+                assert "Content-Encoding" in r.json()["error"]["message"]
+            whole = gzip.compress(b"y" * 300_000)
+            r = c.put(f"/v1/sandboxes/{sid}/files", params={"path": "/tmp/up"},
+                      content=whole[:len(whole) // 2], headers={"Content-Encoding": "gzip"})
+            expect_error(r, "invalid_request", 400)
+            r = c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "ls /tmp"})
+            assert r.status_code == 200 and r.json()["stdout"] == "", r.text
+            r = c.post(f"/v1/sandboxes/{sid}/exec", content=b'{"cmd": "echo ok"}',
+                       headers={"Content-Type": "application/json",
+                                "Content-Encoding": "identity"})
+            assert r.status_code == 200 and r.json()["stdout"] == "ok\n", r.text
+        finally:
+            kill(c, sid)
+
+
 def test_big_json_bodies_at_once_are_bounded(remote):
     """A client sending many 16 MiB JSON bodies at once (an exec's stdin), each with a command
     that runs a while: the daemon holds them from one pool (corral.daemon.bodymem, 256 MiB), so

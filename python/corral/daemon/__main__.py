@@ -331,8 +331,10 @@ async def serve(cfg: config.Config) -> None:
                          per_tenant=_tcp_share(cfg))
         if cfg.tcp_listen:  # after the token check: a request refused leaves it watched
             app.middlewares.append(guard.middleware())
+        # Bodies as sent: app_errors refuses an encoded one (charged by its compressed size).
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0,
-                               max_line_size=MAX_LINE_SIZE, max_field_size=MAX_FIELD_SIZE)
+                               max_line_size=MAX_LINE_SIZE, max_field_size=MAX_FIELD_SIZE,
+                               auto_decompress=False)
         await runner.setup()
         await web.SockSite(runner, sock, backlog=4096).start()
         if cfg.tcp_listen:
@@ -341,7 +343,7 @@ async def serve(cfg: config.Config) -> None:
             tcp = await asyncio.get_running_loop().create_server(
                 guard.protocol_factory(runner.server, access_log=None,
                                        max_line_size=MAX_LINE_SIZE,
-                                       max_field_size=MAX_FIELD_SIZE),
+                                       max_field_size=MAX_FIELD_SIZE, auto_decompress=False),
                 host, port, backlog=4096, reuse_address=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
