@@ -239,6 +239,27 @@ def test_node_selector_places_on_labelled_nodes_only(cluster, gateway):
             b.kill()
 
 
+def test_the_gateway_takes_bodies_as_sent(cluster, gateway):
+    """An encoded body is refused before anything is placed or made: the gateway's body pool
+    counts bodies by their size as sent, and 15 KB of gzip inflated to 15 MiB."""
+    import gzip
+
+    token = endpoint_mod._tokens[gateway.url]
+    mark = f"encoded-{os.getpid()}"
+    body = gzip.compress(json.dumps({"image": "host", "labels": {"mark": mark},
+                                     "env": {"PAD": "x" * (8 << 20)}}).encode())
+    req = urllib.request.Request(gateway.url + "/v1/sandboxes", method="POST", data=body)
+    for name, value in (("Authorization", f"Bearer {token}"),
+                        ("Content-Type", "application/json"), ("Content-Encoding", "gzip")):
+        req.add_header(name, value)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400
+    err = json.loads(e.value.read())["error"]
+    assert err["code"] == "invalid_request" and "Content-Encoding" in err["message"], err
+    assert not corral.Sandbox.list(endpoint=gateway.url, labels={"mark": mark})
+
+
 def _ask_placement(url: str, token: str, placement: str, selector: str = "",
                    labels: dict[str, str] | None = None) -> tuple[int, dict, str | None]:
     body = {"image": "host", "memory_mb": 64, "labels": labels or {}}

@@ -41,7 +41,7 @@ from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resource
 from corral.config import log_retention_from_env
 from corral.daemon import batches
 from corral.daemon.app_errors import ACT_AS_HEADER
-from corral.daemon.bodymem import BodyMemory
+from corral.daemon.bodymem import BodyMemory, check_not_encoded
 from corral.daemon.tenants import Tenants
 from corral.errors import (
     CapacityExceeded,
@@ -162,7 +162,7 @@ class Gateway:
             app.router.add_post("/v1/sandboxes/{id}/fork", self._fork)
             app.router.add_post(images.PATH, self._pull_image)
             app.router.add_route("*", "/{tail:.*}", self._elsewhere)
-            self._runner = web.AppRunner(app, access_log=None)
+            self._runner = web.AppRunner(app, access_log=None, auto_decompress=False)
             await self._runner.setup()
             await web.TCPSite(self._runner, host, port, backlog=4096).start()
             self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -654,8 +654,9 @@ class Gateway:
             return await handler(request)  # nothing to hold, or the handler's 401
         n = request.content_length
         try:
+            check_not_encoded(request.headers)
             held = self.bodies.take(MAX_CREATE_BODY if n is None else min(n, MAX_CREATE_BODY))
-        except CapacityExceeded as e:
+        except (CapacityExceeded, InvalidRequest) as e:
             return _error(e)
         try:
             return await handler(request)

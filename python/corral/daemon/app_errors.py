@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from corral.daemon import dashboard, oserrors
-from corral.daemon.bodymem import BodyMemory
+from corral.daemon.bodymem import BodyMemory, check_not_encoded
 from corral.daemon.spool import too_large
 from corral.daemon.tenants import NAME_RE, Tenants
 from corral.errors import CorralError, InternalError, InvalidRequest, NotFound, Unauthorized
@@ -124,15 +124,6 @@ def middleware(token: str | None, on_error: Callable[[CorralError], None] | None
             on_error(err)
         return json_error(err, status, headers)
 
-    def refuse_encoded_body(request: web.Request) -> None:
-        """Bodies are taken as sent (the server does not inflate them): an encoded one would be
-        charged by its compressed length (15 KB of gzip held 15 MiB), and aiohttp does not
-        check a gzip stream's end (an upload cut short would be written short)."""
-        encoding = request.headers.get("Content-Encoding", "").strip().lower()
-        if encoding not in ("", "identity"):
-            raise InvalidRequest(f"Content-Encoding {encoding[:40]!r} is not accepted: send the "
-                                 "body as it is")
-
     def body_size(request: web.Request) -> int:
         """What the request's JSON body will hold (0: none, or not a JSON route)."""
         if bodies is None or not request.body_exists:
@@ -148,7 +139,7 @@ def middleware(token: str | None, on_error: Callable[[CorralError], None] | None
         try:
             if request.path not in PUBLIC_PATHS:
                 await authenticate(request)
-            refuse_encoded_body(request)
+            check_not_encoded(request.headers)
             if bodies is not None:
                 held = bodies.take(body_size(request))
             return await handler(request)

@@ -13,10 +13,22 @@ nothing: 4,096 connections of them hold under a GiB.
 
 from __future__ import annotations
 
-from corral.errors import CapacityExceeded
+from collections.abc import Mapping
+
+from corral.errors import CapacityExceeded, InvalidRequest
 
 SMALL = 64 << 10
 LIMIT = 256 << 20
+
+
+def check_not_encoded(headers: Mapping[str, str]) -> None:
+    """Bodies are taken as sent (servers run with aiohttp's decompression off): an encoded one
+    would be charged by its compressed length (15 KB of gzip held 15 MiB), and aiohttp does
+    not check a gzip stream's end (an upload cut short would be written short)."""
+    encoding = headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise InvalidRequest(f"Content-Encoding {encoding[:40]!r} is not accepted: send the "
+                             "body as it is")
 
 
 class BodyMemory:
