@@ -302,6 +302,16 @@ os.chmod('/work/odd/su', 0o4755)
 os.mkfifo('/work/odd/fifo')
 os.chmod('/work/odd/fifo', 0o1644)
 os.remove('/work/odd/.wh..opq')   # a file of the parent snapshot: its whiteout is in this layer
+# xattr names a PAX keyword cannot hold (not UTF-8, a '=', a newline), on a file and a dir
+open('/work/odd/xa', 'w').write('xa')
+for target in (b'/work/odd/xa', b'/work/odd/d'):
+    for name in (b'user.\xff\xfe', b'user.a=b', b'user.new\nline', b'user.plain'):
+        os.setxattr(target, name, b'v\xff' + name)
+# mtimes before 1970 (one before 1901: past a 32-bit time)
+open('/work/odd/old', 'w').write('old')
+os.utime('/work/odd/old', ns=(0, -1))
+open('/work/odd/older', 'w').write('older')
+os.utime('/work/odd/older', ns=(0, -3_000_000_000_123_456_789))
 """
 
 
@@ -330,12 +340,22 @@ def test_a_snapshot_of_files_a_tar_has_no_plain_form_for_moves_whole(target):
                            "(test -e .wh..opq && echo present || echo gone)").stdout
             acl = kid.exec(["python3", "-c", "import os; print(os.getxattr('/work/odd/acl', "
                             "'system.posix_acl_access').hex())"]).stdout
+            odd = kid.exec(["python3", "-c", "import os\n"
+                            "for t in (b'/work/odd/xa', b'/work/odd/d'):\n"
+                            "    ns = [os.fsencode(n) for n in os.listxattr(t)]\n"
+                            "    print(sorted((n, os.getxattr(t, n)) for n in ns"
+                            " if n.startswith(b'user.')))\n"
+                            "print(os.lstat('/work/odd/old').st_mtime_ns, "
+                            "os.lstat('/work/odd/older').st_mtime_ns)"]).stdout
         assert "sock socket 755" in out, out
         assert ".wh.foo regular file 644" in out and "not a whiteout" in out, out
         assert "d/.wh..wh..opq regular file 644" in out and "not an opaque marker" in out, out
         assert "su directory 4755" in out and "fifo fifo 1644" in out, out
         assert out.endswith("gone\n"), out
         assert acl.startswith("0200000001000600ffffffff02000600e8030000"), acl
+        names = [b"user.\xff\xfe", b"user.a=b", b"user.new\nline", b"user.plain"]
+        want = repr(sorted((n, b"v\xff" + n) for n in names))
+        assert odd.splitlines() == [want, want, "-1 -3000000000123456789"], odd
         with client(d.socket_path) as c:
             for s in (snap.id, base.id):
                 c.delete(f"/v1/snapshots/{s}")

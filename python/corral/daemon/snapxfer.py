@@ -223,6 +223,7 @@ def read_stream(src: Any, staging: str, limits: unpack.Limits,
             on_manifest(man)
             layer = unpack._Layer(staging, limits, unpack.Result(), exact=True)
             while (m := tf.next()) is not None:
+                tf.members.clear()  # kept by tarfile for nothing: ~550 bytes a member
                 rel = _place(m.name, man)
                 files += m.size if m.isreg() else 0
                 if files > limits.max_bytes:

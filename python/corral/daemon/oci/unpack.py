@@ -20,6 +20,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import re
 import stat
 import tarfile
 import zlib
@@ -138,6 +139,10 @@ SPARSE = "CORRAL.sparse"
 SPARSE_MAX = 4096
 WHITEOUT = "CORRAL.whiteout"
 SOCKET = "CORRAL.socket"
+# ``XATTR_HEX`` + the name's bytes in hex: an xattr whose name is not UTF-8 (a PAX keyword
+# must be), its value as ``SCHILY.xattr.`` values are.
+XATTR_HEX = "CORRAL.xattr."
+_MTIME_NS_RE = re.compile(r"-?[0-9]{1,24}")
 EXACT_XATTRS = ("system.posix_acl_access", "system.posix_acl_default")
 
 
@@ -279,11 +284,18 @@ class _Layer:
     def finish(self, target: str, m: tarfile.TarInfo) -> None:
         os.lchown(target, m.uid, m.gid)
         for k, v in (m.pax_headers or {}).items():
-            if not k.startswith(_PAX_XATTR):
+            if k.startswith(_PAX_XATTR):
+                name: str | bytes = k[len(_PAX_XATTR):]
+            elif self.exact and k.startswith(XATTR_HEX):
+                try:
+                    name = bytes.fromhex(k[len(XATTR_HEX):])
+                except ValueError:
+                    raise InvalidImage(f"layer member {m.name!r}: bad {XATTR_HEX}") from None
+            else:
                 continue
-            name = k[len(_PAX_XATTR):]
-            if name.startswith(_DROPPED_XATTRS) or not (
-                    name.startswith("user.") or (self.exact and name in EXACT_XATTRS)):
+            text = os.fsdecode(name)
+            if text.startswith(_DROPPED_XATTRS) or not (
+                    text.startswith("user.") or (self.exact and text in EXACT_XATTRS)):
                 self.skip("xattrs")
                 continue
             try:
@@ -293,7 +305,7 @@ class _Layer:
                 self.skip("xattrs")
         if not m.issym():
             ns = (m.pax_headers or {}).get(MTIME_NS, "") if self.exact else ""
-            if ns.isdigit() and len(ns) < 25:
+            if _MTIME_NS_RE.fullmatch(ns):  # before 1970 too: the copy's digest needs it
                 os.utime(target, ns=(int(ns), int(ns)), follow_symlinks=False)
             else:
                 os.utime(target, (m.mtime, m.mtime), follow_symlinks=False)
