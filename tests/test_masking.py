@@ -363,6 +363,31 @@ def test_a_command_slow_to_die_is_answered_as_killed_without_waiting_for_it():
         sb.kill()
 
 
+def test_a_process_the_agent_left_dying_cannot_fail_a_pause_or_a_snapshot():
+    """The freezer cannot freeze a process in its exit, and the exit of one with ~1.5 GiB of
+    page tables takes the kernel over 10 s: the agent's own step kills such a process of its
+    own and returns, and the trainer's next pause failed as `internal` (infra: the rollout
+    masked), at will. Nothing of a process in its exit runs user code again: the pause, and
+    a snapshot of the paused sandbox, go through; resumed, the sandbox runs on."""
+    sb = Sandbox(memory_mb=4096, timeout=300)
+    try:
+        sb.files.write("/tmp/slow.py", SLOW_TO_DIE.replace("MAPS", "3000"))
+        r = sb.exec("python3 /tmp/slow.py & p=$!; until [ -e /tmp/mapped ]; do sleep 0.1; "
+                    "done; kill -9 $p; echo $p", timeout=240)
+        pid = int(r.stdout)
+        sb.pause()
+        assert sb.info().state == "paused"
+        snap = sb.snapshot()
+        try:
+            sb.resume()
+            assert sb.exec("echo alive").stdout == "alive\n"
+            _until(lambda: sb.exec(f"test -e /proc/{pid}/stat").exit_code == 1, timeout=120)
+        finally:
+            snap.delete()
+    finally:
+        sb.kill()
+
+
 # Holds a write lease on the program the next command's exec opens: the init's child waits
 # in that exec (the init with it: CLONE_VFORK) until the lease goes, HOLD s after the break.
 HOLD_START = r"""

@@ -171,6 +171,14 @@ def proc_alive(pid: int, starttime: int) -> bool:
             and not int(rest[6]) & PF_EXITING)
 
 
+def runs_no_user_code(tid: int) -> bool:
+    """Is thread ``tid`` gone, a zombie, in do_exit (PF_EXITING: it never returns to user
+    space), or asleep uninterruptibly (state D: frozen tasks show so; one in an
+    uninterruptible wait of its own freezes on its way back to user space)?"""
+    rest = _stat_fields(tid)
+    return rest is None or rest[0] in (b"D", b"Z", b"X") or bool(int(rest[6]) & PF_EXITING)
+
+
 def ns_pid(host_pid: int) -> int:
     """The pid as seen inside the process's own pid namespace (last NSpid field); the host
     pid if unknown."""

@@ -32,6 +32,7 @@ CGROUP_SPARES = int(os.environ.get("CORRAL_CGROUP_SPARES", "32"))
 class CgroupsV1(CgroupManager):
     version = 1
     _procs_file = "tasks"
+    _threads_file = "tasks"
     _usage_file = "memory.usage_in_bytes"
     _oom_file = "memory.oom_control"
 

@@ -22,6 +22,7 @@ from .common import (
 class CgroupsV2(CgroupManager):
     version = 2
     _procs_file = "cgroup.procs"
+    _threads_file = "cgroup.threads"
     _usage_file = "memory.current"
     _oom_file = "memory.events"
 

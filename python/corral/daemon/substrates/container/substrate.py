@@ -761,7 +761,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         if not kernel.pidfd_signal(pidfd, signal.SIGKILL):
             return
         try:
-            if self.cgroups.is_frozen(paths):
+            if self.cgroups.freeze_requested(paths):  # frozen, or held while freezing
                 self.cgroups.thaw(paths, wait=False)
         except OSError:
             pass
