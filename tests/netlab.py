@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BULK = 2 << 20  # what the bulk port (8081) sends
+SLOW_S = 1.5  # how long the lab's DNS server takes to answer slow.test (the proxy waits 3 s)
 
 
 def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -116,11 +117,13 @@ def start(tmp: str) -> Lab:
                 "wild.test": [f"{lab.net}.10", lab.addr6(10)],
                 "v6only.test": [lab.addr6(13)],
                 "private.test": [lab.private, lab.private6],
+                "slow.test": [f"{lab.net}.10", lab.addr6(10)],  # answered after SLOW_S
                 "meta.test": ["169.254.169.254", "fd00:ec2::254"],
                 # more addresses than a 512-byte UDP answer holds: asked again over TCP
                 "big.test": [f"{lab.net}.10"] + [f"{lab.net}.{n}" for n in range(100, 140)]}
         cfg = {"log": lab.log, "zone": zone, "dns": [f"{lab.net}.53", f"{lab.net}.54"],
                "tcp": [80, 8080], "udp": 9999, "ttl": 30, "bulk": BULK,
+               "delay": {"slow.test": SLOW_S},
                "special": {"bulk": 8081, "sink": 8082, "hold": 8083}}
         lab.proc = subprocess.Popen([*nse, sys.executable, os.path.join(HERE, "netlab_server.py"),
                                      json.dumps(cfg)], stdout=subprocess.DEVNULL,

@@ -54,7 +54,11 @@ def main() -> None:
                     r.rr = []
                     r.header.tc = 1
                     out = r.pack()
-                s.sendto(out, src)
+                delay = cfg.get("delay", {}).get(str(r.q.qname).rstrip(".").lower())
+                if delay:  # a slow upstream for this name: answered later, others meanwhile
+                    threading.Timer(delay, s.sendto, args=(out, src)).start()
+                else:
+                    s.sendto(out, src)
 
     def dns_tcp(s: socket.socket) -> None:
         addr = s.getsockname()[0]

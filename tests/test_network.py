@@ -606,6 +606,23 @@ def test_an_allowed_name_cannot_rebind_to_an_internal_address(net: Env):
         assert lab.private not in sb.info().net.pinned
 
 
+def test_a_private_address_opens_to_a_name_only_its_cidr_rules_ports(net: Env):
+    """A private address an allow CIDR names on one port, and a name resolving to it with a
+    port range (or another port): the name opens that port of it and no other (a range pin
+    went into the interval set, checked before the private ranges, and opened every port of
+    the range; a single port's pin, after them, opened none: the two differed)."""
+    lab = net.lab
+    for rule in ("private.test:1-65535", "private.test:8000-8100", "private.test:8080",
+                 "private.test"):
+        with net.sandbox(network=Network(allow=[f"{lab.private}/32:80", rule])) as sb:
+            r = probe(sb, "connect=private.test:8080", "connect=private.test:80")
+            assert r["connect=private.test:8080"] == "err:111", (rule, r)
+            if rule in ("private.test:1-65535", "private.test"):
+                assert ok(r["connect=private.test:80"]), (rule, r)
+            else:  # the CIDR's port, by address: open whatever the name says
+                assert ok(probe(sb, f"connect={lab.private}:80")[f"connect={lab.private}:80"])
+
+
 def test_deny_wins_over_allow(net: Env):
     lab = net.lab
     pol = Network(allow=["*.wild.test", f"{lab.net}.0/24"], deny=["a.wild.test", lab.addr(12),
@@ -627,7 +644,9 @@ def test_deny_wins_over_allow(net: Env):
                                      Network(allow=["[2001:db8::1"]),
                                      Network(allow=["[2001:db8::zz]:80"]),
                                      Network(allow=["[2001:db8::1]:99999"]),
-                                     Network(allow=["2001:db8::1/129"])])
+                                     Network(allow=["2001:db8::1/129"]),
+                                     Network(allow=[f"*.good.test:{p},{p + 1},{p + 2}"
+                                                    for p in range(1, 800, 3)][:256])])
 def test_bad_networks_are_invalid_network(net: Env, network):
     with pytest.raises(InvalidNetwork):
         net.sandbox(network=network)
@@ -1579,6 +1598,34 @@ def test_a_policy_changes_on_a_live_sandbox_at_once(net: Env):
             plain.network.update("internet")
 
 
+def test_a_lookup_in_flight_across_a_policy_update_opens_nothing(net: Env):
+    """The policy changes while the upstream is still answering a name only the old policy
+    allows (slow.test: the lab's DNS server answers it after netlab.SLOW_S): the answer
+    opens nothing (SERVFAIL; the asker's retry gets the new policy's answer). It was pinned
+    with the old policy's ports after the update had dropped the old pins, and the sandbox
+    reached an address the new policy forbids for the answer's TTL."""
+    lab = net.lab
+    with net.sandbox(network=Network(allow=["slow.test:80"])) as sb:
+        gw = sb.info().net.gateway
+        logged = len(lab.entries("dns"))
+        out: dict[str, str] = {}
+        t = threading.Thread(target=lambda: out.update(
+            dig=_dig(sb, "+time=5", f"@{gw}", "slow.test")))
+        t.start()
+        try:  # the query is upstream: the policy changes under it
+            assert wait_until(lambda: any(e["name"] == "slow.test"
+                                          for e in lab.entries("dns")[logged:]), timeout=10)
+            sb.network.update(Network(allow=["other.test:80"]))
+        finally:
+            t.join()
+        assert "status: SERVFAIL" in out["dig"], out
+        assert sb.info().net.pinned == []
+        r = probe(sb, f"connect={lab.addr(10)}:80", "resolve=slow.test", "connect=other.test:80")
+        assert r[f"connect={lab.addr(10)}:80"] == "err:111", r
+        assert not isinstance(r["resolve=slow.test"], list), r
+        assert ok(r["connect=other.test:80"]), r
+
+
 # One connect per line read; the count of those done so far in /tmp/done; the tally at EOF.
 CONNECT_EACH_LINE = textwrap.dedent('''
     import json, socket, sys
@@ -1990,6 +2037,7 @@ def test_pins_are_kept_by_element_pruned_when_expired_and_capped():
     past = time.time() - 1
     att.pins = dict.fromkeys(att.pins, past)
     att.pinned = dict.fromkeys(att.pinned, past)
+    att.entries = dict.fromkeys(att.entries, past)
     assert att.current().get("pin4", []) == []
     assert att.pin([f"192.0.2.{i}" for i in range(100)], ((80, 80),), 30)
     assert len(att.pins) == 100 and len(att.pinned) == 200

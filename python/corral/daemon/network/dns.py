@@ -103,8 +103,9 @@ def _internal(addr: str) -> bool:
 
 class DnsProxy:
     """``lookup(source address)`` -> the asker's state (an object with ``policy`` (None:
-    mode internet), ``address6`` (None: no IPv6), ``pin(addresses, ports, ttl)`` and
-    ``peer(name, version)``), or None to drop."""
+    mode internet), ``generation`` (bumped by each change of its policy), ``address6`` (None:
+    no IPv6), ``pin(addresses, ports, ttl, generation, only)`` and ``peer(name, version)``),
+    or None to drop."""
 
     def __init__(self, bind: str, upstream: tuple[str, int],
                  lookup: Callable[[str], Any]) -> None:
@@ -126,7 +127,7 @@ class DnsProxy:
         self.tcp.setblocking(False)
         self.counts = {"queries": 0, "refused": 0, "forwarded": 0, "failed": 0,
                        "rate_limited": 0, "tcp_queries": 0, "truncated": 0, "malformed": 0,
-                       "pins_refused": 0}
+                       "pins_refused": 0, "stale": 0}
         # source address -> [tokens, last refill (monotonic), in flight]
         self._buckets: dict[str, list[float]] = {}
         self._block = threading.Lock()
@@ -336,16 +337,21 @@ class DnsProxy:
             elif qtype == QTYPE.AAAA and peer and six:
                 r.add_answer(RR(q.q.qname, QTYPE.AAAA, rdata=AAAA(peer), ttl=5))
             return r.pack()
+        # The policy's generation before the policy itself (a policy update sets the policy,
+        # then bumps the generation): an answer looked up under a policy that changed
+        # meanwhile pins nothing (Attachment.pin).
+        generation = getattr(who, "generation", None)
+        policy = who.policy
         ports = None
-        if who.policy is not None:
-            ports = who.policy.name_ports(name)
+        if policy is not None:
+            ports = policy.name_ports(name)
             if ports is None:
                 self.counts["refused"] += 1
                 who.refused(name)
                 return self._refuse(q, RCODE.NXDOMAIN)
         if qtype == QTYPE.AAAA and not six:
             return q.reply().pack()  # no IPv6 in this sandbox: an empty answer, not an error
-        if who.policy is not None and qtype not in (QTYPE.A, QTYPE.AAAA, QTYPE.CNAME):
+        if policy is not None and qtype not in (QTYPE.A, QTYPE.AAAA, QTYPE.CNAME):
             return self._refuse(q, RCODE.NXDOMAIN)
         qid = q.header.id
         ans = self._forward(q)
@@ -353,9 +359,10 @@ class DnsProxy:
             self.counts["failed"] += 1
             return self._refuse(q, RCODE.SERVFAIL)
         self.counts["forwarded"] += 1
-        if who.policy is not None:
+        if policy is not None and ports is not None:
             # An allowed name answering with a private or link-local address (DNS rebinding
-            # to an internal service) opens nothing: such addresses need an allow CIDR.
+            # to an internal service) opens nothing but what an allow CIDR covering it opens:
+            # such an address is pinned only for the name's ports that rule's ports cover.
             # Only the asked type is pinned (an A answer carrying AAAA records opens none),
             # and only its first PINS_PER_ANSWER addresses, the only ones answered.
             kept, n = [], 0
@@ -364,16 +371,30 @@ class DnsProxy:
                     kept.append(rr)
                     n += rr.rtype == qtype
             ans.rr = kept
-            pins = [(str(rr.rdata), int(rr.ttl)) for rr in ans.rr
-                    if rr.rtype in (QTYPE.A, QTYPE.AAAA) and rr.rtype == qtype
-                    and (not _internal(str(rr.rdata))
-                         or who.policy.names_address(str(rr.rdata)))]
+            pins: list[tuple[str, int]] = []
+            only: dict[str, tuple[tuple[int, int], ...]] = {}
+            for rr in ans.rr:
+                if rr.rtype not in (QTYPE.A, QTYPE.AAAA) or rr.rtype != qtype:
+                    continue
+                addr = str(rr.rdata)
+                if _internal(addr):
+                    only[addr] = policy.address_ports(addr, ports)
+                    if not only[addr]:
+                        continue
+                pins.append((addr, int(rr.ttl)))
             if pins:
                 ttl = max(MIN_PIN_S, min(MAX_PIN_S, max(t for _, t in pins)))
-                if who.pin([a for a, _ in pins], ports, ttl) is False:
+                done = who.pin([a for a, _ in pins], ports, ttl, generation=generation,
+                               only=only)
+                if done is False:
                     # Past the sandbox's cap of live pins: refused, nothing opened.
                     self.counts["pins_refused"] += 1
                     return self._refuse(q, RCODE.REFUSED)
+                if done is None:
+                    # Its policy changed while the answer was on its way: nothing pinned;
+                    # the asker's retry is answered under the new policy.
+                    self.counts["stale"] += 1
+                    return self._refuse(q, RCODE.SERVFAIL)
             ans.auth, ans.ar = [], []
         ans.header.id = qid
         out = ans.pack()

@@ -70,40 +70,59 @@ class Attachment:
     elems: dict[str, list[str]] = field(default_factory=dict)  # its policy's, by set
     refused_names: collections.Counter = field(default_factory=collections.Counter)
     pins: dict[str, float] = field(default_factory=dict)  # pinned address -> expiry
+    # Its pinned entries, what its cap of pins counts: (address, port range) -> expiry.
+    entries: dict[tuple[str, tuple[int, int]], float] = field(default_factory=dict)
     # Its DNS pins in the kernel: (set, element without its timeout) -> expiry (time.time()).
     pinned: dict[tuple[str, str], float] = field(default_factory=dict)
     pins_refused: int = 0  # answers refused: they would have taken it past its cap of pins
     ranges: RangePins = field(default_factory=RangePins)  # its pins of port ranges
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Bumped by each policy change (under ``lock``, after ``policy`` is set): an answer looked
+    # up under an older policy pins nothing (``pin``).
+    generation: int = 0
     # Its slot may go back to the pool when it ends (``NetworkManager.recycle``): not a
     # shaped link (its qdiscs are the sandbox's), nor a re-adopted one (made by another daemon).
     recyclable: bool = False
     _prune_at: float = 0.0
 
     # ---- what the DNS proxy calls --------------------------------------------------------
-    def pin(self, addrs: list[str], ports: Ports, ttl: int) -> bool:
-        """Pin ``addrs`` (an answer's) for ``ports`` and ``ttl`` seconds; False, pinning
-        nothing, if that would take the sandbox past its cap of live pinned addresses
-        (``NetSettings.max_pins``)."""
+    def pin(self, addrs: list[str], ports: Ports, ttl: int, generation: int | None = None,
+            only: dict[str, Ports] | None = None) -> bool | None:
+        """Pin ``addrs`` (an answer's) for ``ports`` (``only[addr]`` instead for the addresses
+        it names) and ``ttl`` seconds. False, pinning nothing, if that would take the sandbox
+        past its cap of live pinned entries (``NetSettings.max_pins``: an address counts once
+        for each of its port entries); None, pinning nothing, if its policy changed since
+        ``generation`` (the answer was looked up under a policy that no longer holds)."""
         with self.lock:
             if self.mgr.attachments.get(self.sandbox_id) is not self:
                 return True  # detached meanwhile: pin nothing for a dead interface
+            if generation is not None and generation != self.generation:
+                return None
+            only = only or {}
+            want = {(a, p) for a in addrs for p in only.get(a, ports)}
             now = time.time()
             self._prune(now)
             cap = self.mgr.s.max_pins if self.mgr.s is not None else 0
-            new = {a for a in addrs if a not in self.pins}
-            if len(self.pins) + len(new) > cap:
+            new = sum(1 for k in want if k not in self.entries)
+            if len(self.entries) + new > cap:
                 self._prune(now, force=True)
-                if len(self.pins) + len(new) > cap:
+                new = sum(1 for k in want if k not in self.entries)
+                if len(self.entries) + new > cap:
                     self.pins_refused += 1
                     return False
-            by_set = Firewall.pins(self.ifname, addrs, ports, ttl)
+            by_set: dict[str, list[str]] = {}
+            groups: dict[Ports, list[str]] = {}
+            for a in addrs:
+                groups.setdefault(only.get(a, ports), []).append(a)
+            for p, group in groups.items():
+                for name, elems in Firewall.pins(self.ifname, group, p, ttl).items():
+                    by_set.setdefault(name, []).extend(elems)
             placed = None
             for name in ("allow4", "allow6"):
                 if name in by_set:
                     by_set[name], placed = self.ranges.place(
                         by_set[name], self.elems.get(name, []), ttl, placed)
-            self.mgr.fw.add_sets(self.ifname, by_set)
+            self.mgr.fw.add_sets(self.ifname, {k: v for k, v in by_set.items() if v})
             if placed is not None:
                 self.ranges.commit(placed)
             until = now + ttl
@@ -111,8 +130,10 @@ class Attachment:
                 for e in elems:
                     k = (name, e.split(" timeout ")[0])
                     self.pinned[k] = max(until, self.pinned.get(k, 0.0))
-            for a in addrs:
+            for a in {a for a, _ in want}:
                 self.pins[a] = max(until, self.pins.get(a, 0.0))
+            for entry in want:
+                self.entries[entry] = max(until, self.entries.get(entry, 0.0))
             return True
 
     def _prune(self, now: float, force: bool = False) -> None:
@@ -122,6 +143,7 @@ class Attachment:
             return
         self._prune_at = now + 1.0
         self.pins = {a: t for a, t in self.pins.items() if t > now}
+        self.entries = {k: t for k, t in self.entries.items() if t > now}
         self.pinned = {k: t for k, t in self.pinned.items() if t > now}
         self.ranges.prune(now)
 
@@ -579,6 +601,8 @@ class NetworkManager:
                 pins.setdefault(set_name, []).append(elem)
                 addr = elem.split(" . ")[1]
                 att.pins[addr] = max(now + left, att.pins.get(addr, 0.0))
+                entry = _entry(elem)
+                att.entries[entry] = max(now + left, att.entries.get(entry, 0.0))
                 att.pinned[(set_name, elem.split(" timeout ")[0])] = now + left
                 if set_name.startswith("allow"):
                     att.ranges.note(elem, now + left)
@@ -625,7 +649,7 @@ class NetworkManager:
                     continue
                 except NftError:
                     pass
-                att.pins, att.pinned = {}, {}
+                att.pins, att.pinned, att.entries = {}, {}, {}
                 att.ranges.clear()
                 try:
                     self.fw.attach(att.ifname, att.address, att.address6, att.policy is None,
@@ -696,8 +720,10 @@ class NetworkManager:
             new = {**elems, "internet": [i] if policy is None else []}
             self.fw.swap(att.ifname, old, new)
             att.policy, att.label, att.pins, att.pinned = policy, label, {}, {}
+            att.entries = {}
             att.elems = elems
             att.ranges.clear()
+            att.generation += 1  # after the policy: an answer in flight under the old pins nothing
 
     def claim(self, sandbox_id: str, network: Any, group: str | None) -> None:
         """A pooled sandbox's network (made with a policy that allows nothing) given the
@@ -889,6 +915,17 @@ def network_state(sandbox_id: str) -> dict[str, Any] | None:
         if st is not None:
             return st
     return None
+
+
+def _entry(elem: str) -> tuple[str, tuple[int, int]]:
+    """A pin's entry (address, port range) from its element (``"if" . addr [. proto .
+    port]``)."""
+    parts = elem.split(" timeout ")[0].split(" . ")
+    addr = str(ipaddress.ip_address(parts[1].split("/")[0]))
+    if len(parts) < 4:
+        return addr, (0, 65535)
+    lo, _, hi = parts[3].partition("-")
+    return addr, (int(lo), int(hi or lo))
 
 
 def _warn_conntrack(s: NetSettings, slots: int) -> None:
