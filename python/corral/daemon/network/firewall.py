@@ -12,7 +12,10 @@ per-sandbox rate (set ``conn_rate``) or cap (set ``conns``); a policy's deny ent
 CIDRs; never the private ranges (10/8, fc00::/7...); the DNS proxy's pins (which expire with
 the answer's TTL); everything else only in mode "internet". To the host itself (chains
 ``to_host``, ``to_host6``): only DNS (UDP and TCP) to the gateway address, a ping of the
-gateways and, over IPv6, neighbour discovery on the link. A sandbox's packets to those services
+gateways and, over IPv6, neighbour discovery on the link. DNS over UDP to the gateway is not
+tracked (chains ``untracked_in``, ``untracked_out``: no host conntrack entry for each query's
+source port); a DNS connection over TCP counts in the sandbox's cap of connections (``conns``)
+as any other. A sandbox's packets to those services
 (DNS over UDP, new DNS connections over TCP, pings) first pass a per-sandbox rate limit
 (HOST_RATE, set ``host_rate``), ahead of conntrack's established flows: a flood is dropped by
 the kernel (chain ``flood``), counted as denied, and never reaches the DNS proxy's Python.
@@ -136,6 +139,7 @@ class Firewall:
         rate = s.new_conns_per_s
         conn_rate = (f"ct state new update @conn_rate {{ iifname limit rate over {rate}/second "
                      f"burst {2 * rate} packets }} goto deny" if rate else "")
+        conns = f"add @conns {{ iifname ct count over {s.max_connections} }} goto deny"
         nd = "icmpv6 type { nd-neighbor-solicit, nd-neighbor-advert } ip6 hoplimit 255"
         if s.range6 is None:
             no6 = "meta nfproto ipv6 drop"
@@ -190,12 +194,19 @@ table {self.t} {{
     iifname "{w}" jump from_sandbox
     oifname "{w}" jump to_sandbox
   }}
+  chain untracked_in {{ type filter hook prerouting priority raw; policy accept;
+    iifname "{w}" ip daddr {s.gateway} udp dport 53 notrack
+  }}
+  chain untracked_out {{ type filter hook output priority raw; policy accept;
+    oifname "{w}" ip saddr {s.gateway} udp sport 53 notrack
+  }}
   chain to_host {{
     meta nfproto ipv6 goto to_host6
     iifname . ip saddr != @src4 drop
     ip daddr {s.gateway} udp dport 53 {over} goto flood
     ip daddr {s.gateway} tcp dport 53 ct state new {over} goto flood
     ip daddr {s.gateway} icmp type echo-request {over} goto flood
+    ip daddr {s.gateway} tcp dport 53 ct state new {conns}
     ct state established,related accept
     ip daddr {s.gateway} udp dport 53 accept
     ip daddr {s.gateway} tcp dport 53 accept
@@ -215,7 +226,7 @@ table {self.t} {{
     oifname "{w}" goto deny
     oifname != "{s.uplink}" goto deny
     {conn_rate}
-    ct state new add @conns {{ iifname ct count over {s.max_connections} }} goto deny
+    ct state new {conns}
     iifname vmap @shard
     ip daddr @private4 goto deny
     ip6 daddr @private6 goto deny
