@@ -174,3 +174,12 @@ def test_the_pin_cap_counts_address_and_port_entries() -> None:
     mgr.update("sb", "internet")
     assert att.entries == {} and att.pin(addrs[:1], five, 30) is True
 
+
+def test_settings_refuse_an_uplink_named_like_the_sandboxes_links(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("CORRAL_NETWORK_CONFIG", "")
+    monkeypatch.setenv("CORRAL_NET_IFPREFIX", "crl")
+    monkeypatch.setenv("CORRAL_UPLINK", "crl0")
+    with pytest.raises(ValueError, match="uplink"):
+        settings_mod.load()
+    monkeypatch.setenv("CORRAL_UPLINK", "eth0")
+    assert settings_mod.load().uplink == "eth0"

@@ -215,6 +215,7 @@ class NetworkManager:
             self.s = settings_mod.load()
         except (ValueError, OSError) as e:
             self._error = f"network settings: {e}"
+            log.error("%s (networked creates are refused)", self._error)
         self.fw: Firewall
         self.links: Links
         self.dns: DnsProxy | None = None

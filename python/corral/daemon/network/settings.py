@@ -142,6 +142,12 @@ def load() -> NetSettings:
         raise ValueError(f"bad nftables table name {table!r}")
     if not re.match(r"^[a-z][a-z0-9]{0,5}$", ifprefix):
         raise ValueError(f"bad interface prefix {ifprefix!r} (1-6 of [a-z0-9])")
+    if uplink.startswith(ifprefix):
+        # The ruleset matches the sandboxes' links by the glob "<prefix>*": the uplink would
+        # be taken for a sandbox's link (its traffic to the host refused, egress looping).
+        raise ValueError(f"the uplink {uplink!r} is named like the sandboxes' links "
+                         f"(interface prefix {ifprefix!r}: CORRAL_NET_IFPREFIX); give either "
+                         f"another name")
     lists = dict(EXAMPLE_ALLOWLISTS)
     for name, rules in (doc.get("allowlists") or {}).items():
         if not NAME_RE.match(name) or name in RESERVED:
