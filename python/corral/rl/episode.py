@@ -91,8 +91,10 @@ def score(sb: corral.Sandbox, task: Task) -> float:
 
 def is_infra(e: ce.CorralError) -> bool:
     """Not the policy's doing, so a trainer masks it: a platform failure, or the sandbox
-    killed from outside the episode. Its own limits (OOM, TTL) are the policy's."""
-    return e.infra or (isinstance(e, ce.SandboxNotRunning) and e.category == "task")
+    ended from outside the episode (``sandbox_not_running`` itself: killed by its client,
+    not started, being restored). How it ended of its own (``sandbox_crashed``: OOM, its
+    pids limit, its init's exit; ``sandbox_expired``) is the policy's."""
+    return e.infra or type(e) is ce.SandboxNotRunning
 
 
 def sandbox_gone(e: ce.CorralError) -> bool:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from corral import errors as ce
+from corral.rl.episode import is_infra
 from corral.sdk import AsyncSandbox
 from corral.tasks.agents import AGENT_LOGS, Agent, AgentOutcome
 from corral.tasks.environment import Environments
@@ -224,7 +225,7 @@ async def _trial(task: TaskDir, attempt: int, tid: str, agent: Agent, envs: Envi
         await _verify(sb, task, env.workdir, res)
         await sb.kill()
     except ce.CorralError as e:
-        outside = e.infra or isinstance(e, ce.SandboxNotRunning | ce.ReplayDivergence)
+        outside = is_infra(e) or isinstance(e, ce.ReplayDivergence)
         res.status = "infra" if outside else "error"
         res.infra_error = outside
         res.reward = None
