@@ -9,6 +9,7 @@ request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -18,8 +19,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from test_isolation import MADVISE_PROBE, check_madvise_probe
 
@@ -28,7 +31,8 @@ from corral.daemon.substrates.process.pool import UID_BASE, pool_for
 from corral.errors import CapacityExceeded, InvalidRequest
 from corral.sdk.run_code import run_code_pools
 
-from conftest import CGROUP_NAME, SOCKET, STATE_DIR, private_daemon, wait_until
+from apiclient import expect_error
+from conftest import CGROUP_NAME, SOCKET, STATE_DIR, free_port, private_daemon, wait_until
 
 RC_TOP = CGROUP_NAME + ".runcode"
 
@@ -685,6 +689,93 @@ def test_full_pool_says_capacity_exceeded_and_stop_leaves_nothing():
             return True
 
     assert wait_until(lambda: all(gone(p) for p in zygotes), timeout=10), "zygotes left"
+
+
+RC_ADMIN = "rc-admin-token-0123456789"
+RC_TOKENS = {"alice": "rc-alice-token-0123456789", "bob": "rc-bob-token-0123456789"}
+SLEEP_A = "import time; time.sleep(1); print('a')"
+
+
+@contextlib.contextmanager
+def _tenant_clients(**env: str) -> Iterator[dict[str, httpx.Client]]:
+    """A daemon of its own on TCP with two tenants (one slot, a queue of 8): their clients and
+    the admin's."""
+    tokdir = tempfile.mkdtemp(prefix="corral-test-rct-tok-", dir="/var/tmp")
+    tokens = os.path.join(tokdir, "tokens.json")
+    Path(tokens).write_text(json.dumps(RC_TOKENS))
+    port = free_port()
+    cg = f"corral-test-rct-{os.getpid()}"
+    clients: dict[str, httpx.Client] = {}
+    try:
+        with private_daemon("corral-test-rct-", cg, CORRAL_TCP=f"127.0.0.1:{port}",
+                            CORRAL_TOKEN=RC_ADMIN, CORRAL_TOKENS=tokens,
+                            CORRAL_RUNCODE_SLOTS="1", CORRAL_RUNCODE_ZYGOTES="1",
+                            CORRAL_RUNCODE_MAX_QUEUE="8", **env):
+            for who, tok in (("admin", RC_ADMIN), *RC_TOKENS.items()):
+                clients[who] = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120,
+                                            headers={"Authorization": f"Bearer {tok}"})
+            yield clients
+            for c in clients.values():
+                c.close()
+        assert not list(Path("/sys/fs/cgroup").glob(f"*/{cg}.runcode")), "cgroups left"
+    finally:
+        shutil.rmtree(tokdir, ignore_errors=True)
+
+
+def _pool(admin: httpx.Client) -> dict:
+    pools = admin.get("/v1/run_code/pools").json()["pools"]
+    return next(p for p in pools if p["name"] == "python")
+
+
+def test_one_tenants_run_code_neither_locks_out_nor_queues_ahead_of_another():
+    """A tenant held every slot and the whole queue (two batches of 1,024 snippets of up to
+    300 s): every other tenant's run_code was capacity_exceeded until they drained, hours
+    later, and a request that got in waited behind all of them. A tenant's requests hold at
+    most half of a pool's slots and queue (more is quota_exceeded, its own); the slots go to
+    the tenants by turns."""
+    with _tenant_clients() as c:
+        assert c["bob"].post("/v1/run_code", json={"code": "print(0)"}).status_code == 200
+        r = c["alice"].post("/v1/run_code/batch",
+                            json={"requests": [{"code": "print(1)"}] * 5})  # half of 1 + 8: 4
+        expect_error(r, "quota_exceeded", 429)
+        assert r.json()["error"]["details"]["resource"] == "run_code"
+        assert _pool(c["admin"])["queued"] == 0  # the refused batch took no place
+        out: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: out.append(c["alice"].post(
+            "/v1/run_code/batch", json={"requests": [{"code": SLEEP_A}] * 4})))
+        t.start()
+        try:
+            assert wait_until(lambda: _pool(c["admin"])["queued"] == 3, timeout=30)
+            r = c["bob"].post("/v1/run_code", json={"code": "print('b')"})
+            assert r.status_code == 200 and r.json()["stdout"] == "b\n", r.text
+            # bob waited behind one of alice's, not all three
+            assert _pool(c["admin"])["queued"] >= 1
+        finally:
+            t.join(60)
+        assert [x["stdout"] for x in out[0].json()["results"]] == ["a\n"] * 4
+
+
+def test_run_code_a_client_left_is_not_run_and_a_stop_with_a_queue_leaves_nothing():
+    """A batch whose client hung up ran to its end (1,084 snippets queued for a client long
+    gone). Its requests are dropped, the one running killed. Then a daemon stopped with a
+    queue: its zygotes came back for the queued requests after the stop had removed their
+    cgroups, and left ~20 cgroup directories behind (_tenant_clients checks)."""
+    with _tenant_clients() as c:
+        assert c["alice"].post("/v1/run_code", json={"code": "print(0)"}).status_code == 200
+        served = _pool(c["admin"])["served"]
+        with pytest.raises(httpx.ReadTimeout):
+            c["alice"].post("/v1/run_code/batch", json={"requests": [{"code": SLEEP_A}] * 4},
+                            timeout=0.5)
+        assert wait_until(lambda: (p := _pool(c["admin"]))["queued"] == 0 and p["busy"] == 0,
+                          timeout=30)
+        assert _pool(c["admin"])["served"] == served
+        def queue_up() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the daemon stops under it
+                c["admin"].post("/v1/run_code/batch", json={"requests": [{"code": SLEEP_A}] * 8})
+
+        t = threading.Thread(target=queue_up, daemon=True)
+        t.start()
+        assert wait_until(lambda: _pool(c["admin"])["queued"] >= 6, timeout=30)
 
 
 # ---- a request against its zygote and the next request in its slot --------------------------

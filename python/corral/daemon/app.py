@@ -41,6 +41,7 @@ from corral.daemon import (
 from corral.daemon.app_errors import JSON_MAX, MAX_BODY, is_unix, middleware
 from corral.daemon.bodies import parse
 from corral.daemon.bodymem import BodyMemory
+from corral.daemon.clientgone import WAITING, unless_gone
 from corral.daemon.engine import MAX_READ_BYTES, Engine
 from corral.daemon.images import resolve_source
 from corral.daemon.metrics import CONTENT_TYPE, TIMED, Metrics
@@ -147,8 +148,6 @@ from corral.models import (
 log = logging.getLogger("corral.api")
 
 ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
-# Handlers waiting on a process for a client (streams, waits): /metrics corral_api_waiting.
-WAITING: web.AppKey[dict[str, int]] = web.AppKey("waiting", dict)
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics", Metrics)
 T = TypeVar("T")
 KEY_RE = re.compile(KEY_PATTERN)
@@ -447,36 +446,10 @@ async def proc_status(request: web.Request) -> web.Response:
                                               path_int(request, "pid")))
 
 
-# How often a handler that waits on a process checks that its client is still there.
-DISCONNECT_POLL_S = 0.25
-
-
-async def _unless_gone(request: web.Request, aw: Awaitable[T]) -> T:
-    """``await aw``, cancelled if the client hangs up first: a waiter nobody reads costs
-    nothing after that (aiohttp does not cancel handlers on disconnect). Raises
-    ConnectionResetError then, which aiohttp drops silently."""
-    task = asyncio.ensure_future(aw)
-    counts = request.app[WAITING]
-    counts["waiting"] += 1
-    try:
-        while True:
-            done, _ = await asyncio.wait((task,), timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            transport = request.transport
-            if transport is None or transport.is_closing():
-                raise ConnectionResetError("client disconnected")
-    finally:
-        counts["waiting"] -= 1
-        if not task.done():
-            task.cancel()
-            await asyncio.wait((task,))
-
-
 async def proc_wait(request: web.Request) -> web.Response:
     req = await _body(request, WaitRequest)
     op = ops.Wait(request.match_info["id"], None, path_int(request, "pid"), req.timeout)
-    return _json(_exec_out(await _unless_gone(request, _dispatch(request, op))))
+    return _json(_exec_out(await unless_gone(request, _dispatch(request, op))))
 
 
 async def proc_stream(request: web.Request) -> web.StreamResponse:
@@ -502,7 +475,7 @@ async def proc_stream(request: web.Request) -> web.StreamResponse:
                 await jsonbody.write_line(resp, {"stream": name, "data": "",
                                                  "skipped": skipped})
         with engine.following(sb):  # a client following the output is activity (no idle)
-            while (item := await _unless_gone(request, follower.next())) is not None:
+            while (item := await unless_gone(request, follower.next())) is not None:
                 await jsonbody.write_line(resp, {"stream": item[0], "data": item[1]})
         final: dict[str, Any] = p.status()
         try:

@@ -9,8 +9,10 @@ from aiohttp import web
 
 from corral.daemon import jsonbody
 from corral.daemon.bodies import parse
+from corral.daemon.clientgone import unless_gone
 from corral.daemon.routes import Route
 from corral.daemon.substrates.process.pool import RunCodeService
+from corral.daemon.tenancy import tenant_of
 from corral.errors import InfraError
 from corral.runcode_models import (
     RunCodeManyRequest,
@@ -36,12 +38,14 @@ def _service(request: web.Request) -> RunCodeService:
 
 async def run_code(request: web.Request) -> web.Response:
     req = parse(await request.read(), RunCodeRequest)
-    return _json(await _service(request).run(req))
+    return _json(await unless_gone(request, _service(request).run(req, tenant_of(request))))
 
 
 async def run_code_batch(request: web.Request) -> web.Response:
     req = parse(await request.read(), RunCodeManyRequest)
-    return _json({"results": await _service(request).run_many(req.requests)})
+    results = await unless_gone(request, _service(request).run_many(req.requests,
+                                                                    tenant_of(request)))
+    return _json({"results": results})
 
 
 async def run_code_pools(request: web.Request) -> web.Response:

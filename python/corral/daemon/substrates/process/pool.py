@@ -14,6 +14,7 @@ cgroups, new tmpfs).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -24,19 +25,24 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from corral.daemon.discard import DiscardBudget
 from corral.daemon.substrates.process import cgroup, view, zygote
+from corral.daemon.substrates.process.fairslots import FairSlots
 from corral.daemon.substrates.types import NO_CORE, oom_verdict
-from corral.errors import CapacityExceeded, CorralError, InfraError, InvalidRequest
+from corral.errors import CapacityExceeded, CorralError, InfraError, InvalidRequest, QuotaExceeded
 from corral.runcode_models import LANGUAGES, MAX_TIMEOUT_S, RunCodeRequest
 
 log = logging.getLogger("corral.runcode")
 
 UID_BASE = 2_100_000_000   # slot uids: owned by nothing on the host
 START_TIMEOUT_S = 60.0
+# The most of a pool's slots and queue one tenant's requests hold at once: another tenant
+# always finds room, and its requests wait behind one of this tenant's at a time (FairSlots).
+TENANT_SHARE = 0.5
 ANSWER_GRACE_S = 10.0      # beyond a request's timeout before its zygote counts as hung
 # What a fork costs grows with the zygote's anonymous memory and its mappings (page tables
 # copied at the fork, torn down at the child's exit): measured per module, these are cheap
@@ -646,8 +652,11 @@ class Pool:
     language: str
     number: int
     zygotes: list[Zygote] = field(default_factory=list)
-    free: asyncio.Queue[tuple[int, int]] = field(default_factory=asyncio.Queue)
-    waiting: int = 0
+    free: FairSlots[tuple[int, int]] = field(default_factory=FairSlots)
+    waiting: int = 0  # admitted, not yet given a slot
+    # A tenant's requests admitted and not yet answered (admin requests, None, are not
+    # counted): at most TENANT_SHARE of the pool's slots and queue.
+    held: collections.Counter[str] = field(default_factory=collections.Counter)
     busy: int = 0
     started: int = 0
     served: int = 0
@@ -678,7 +687,19 @@ class Pool:
     def slots(self) -> int:
         return len(self.zygotes) * self.service.settings.slots
 
-    def admit(self, n: int = 1) -> None:
+    def tenant_cap(self) -> int:
+        return max(1, int(TENANT_SHARE * (self.slots + self.service.settings.max_queue)))
+
+    def admit(self, n: int = 1, tenant: str | None = None) -> None:
+        """Take ``n`` places in the queue for ``tenant``'s requests (all or none, before any
+        await: two batches cannot both pass one check); each request's ``run`` gives its
+        place up (``admitted=True``), else ``unadmit``."""
+        if tenant is not None and self.held[tenant] + n > self.tenant_cap():
+            raise QuotaExceeded(
+                f"run_code {self.name}: this tenant has {self.held[tenant]} requests running "
+                f"or waiting, at most {self.tenant_cap()} at once; try again later",
+                details={"resource": "run_code", "held": self.held[tenant],
+                         "limit": self.tenant_cap()})
         room = self.service.settings.max_queue + self.free.qsize() - self.waiting
         if n > room:
             raise CapacityExceeded(
@@ -686,6 +707,20 @@ class Pool:
                 f"waiting (at most {self.service.settings.max_queue} wait); try again later",
                 details={"running": self.busy, "waiting": self.waiting,
                          "max_queue": self.service.settings.max_queue})
+        self.waiting += n
+        if tenant is not None:
+            self.held[tenant] += n
+
+    def unadmit(self, n: int, tenant: str | None) -> None:
+        """Give up ``n`` places taken by ``admit`` whose requests never ran."""
+        self.waiting -= n
+        self._unhold(tenant, n)
+
+    def _unhold(self, tenant: str | None, n: int = 1) -> None:
+        if tenant is not None:
+            self.held[tenant] -= n
+            if self.held[tenant] <= 0:
+                del self.held[tenant]
 
     async def _ensure(self, zi: int) -> Zygote:
         z = self.zygotes[zi]
@@ -693,16 +728,22 @@ class Pool:
             return z
         async with self._locks[zi]:
             if not z.alive:
-                await z.start()
+                await self.service.starting(z.start())
         return z
 
-    async def run(self, req: RunCodeRequest, admitted: bool = False) -> dict[str, Any]:
+    async def run(self, req: RunCodeRequest, tenant: str | None = None,
+                  admitted: bool = False) -> dict[str, Any]:
         if not admitted:
-            self.admit()
-        self.waiting += 1
+            self.admit(1, tenant)
+        try:
+            return await self._run(req, tenant)
+        finally:
+            self._unhold(tenant)
+
+    async def _run(self, req: RunCodeRequest, tenant: str | None) -> dict[str, Any]:
         try:
             while True:
-                zi, si = await self.free.get()
+                zi, si = await self.free.get(tenant)
                 if not self.zygotes[zi].retiring:
                     break
                 self._park(zi, si)  # a retiring zygote takes no new request
@@ -752,6 +793,9 @@ class RunCodeService:
         self._layout: cgroup.Layout | None = None
         self.pools: dict[str, Pool] = {}
         self._closed = False
+        self._starts = 0
+        self._no_starts = asyncio.Event()
+        self._no_starts.set()
 
     @property
     def layout(self) -> cgroup.Layout:
@@ -772,30 +816,62 @@ class RunCodeService:
             p = self.pools[name] = Pool(self, name, language, POOL_NUMBERS[name])
         return p
 
-    async def run(self, req: RunCodeRequest) -> dict[str, Any]:
-        return await self.pool(req.language, req.code).run(req)
+    async def run(self, req: RunCodeRequest, tenant: str | None = None) -> dict[str, Any]:
+        return await self.pool(req.language, req.code).run(req, tenant)
 
-    async def run_many(self, reqs: list[RunCodeRequest]) -> list[dict[str, Any]]:
+    async def run_many(self, reqs: list[RunCodeRequest],
+                       tenant: str | None = None) -> list[dict[str, Any]]:
         counts: dict[Pool, int] = {}
         for r in reqs:
             p = self.pool(r.language, r.code)
             counts[p] = counts.get(p, 0) + 1
-        for p, n in counts.items():  # all or nothing at admission
-            p.admit(n)
+        taken: list[tuple[Pool, int]] = []
+        try:  # all or nothing at admission
+            for p, n in counts.items():
+                p.admit(n, tenant)
+                taken.append((p, n))
+        except CorralError:
+            for p, n in taken:
+                p.unadmit(n, tenant)
+            raise
+        started: collections.Counter[Pool] = collections.Counter()
 
         async def one(r: RunCodeRequest) -> dict[str, Any]:
+            p = self.pool(r.language, r.code)
+            started[p] += 1
             try:
-                return await self.pool(r.language, r.code).run(r, admitted=True)
+                return await p.run(r, tenant, admitted=True)
             except CorralError as e:
                 return {"error": e.to_payload()["error"]}
 
-        return list(await asyncio.gather(*(one(r) for r in reqs)))
+        try:
+            return list(await asyncio.gather(*(one(r) for r in reqs)))
+        finally:  # cancelled (its client left): the places of requests that never started
+            for p, n in counts.items():
+                if n > started[p]:
+                    p.unadmit(n - started[p], tenant)
+
+    async def starting(self, start: Coroutine[Any, Any, None]) -> None:
+        """Start a zygote, unless the daemon is stopping; ``close`` waits for starts under
+        way (a start it did not wait for made its cgroups after close removed them all)."""
+        if self._closed:
+            start.close()
+            raise InfraError("the daemon is stopping")
+        self._starts += 1
+        self._no_starts.clear()
+        try:
+            await start
+        finally:
+            self._starts -= 1
+            if not self._starts:
+                self._no_starts.set()
 
     def status(self) -> dict[str, Any]:
         return {"pools": [p.status() for p in self.pools.values()]}
 
     async def close(self) -> None:
         self._closed = True
+        await self._no_starts.wait()  # then no zygote starts again: stop every one
         for p in self.pools.values():
             for z in p.zygotes:
                 z._dead("the daemon is stopping")
