@@ -338,6 +338,40 @@ def test_an_output_flood_holds_the_daemons_memory_to_its_pool(monkeypatch):
             corral.Sandbox.kill_many(boxes)
 
 
+def test_a_batchs_results_hold_their_output_from_the_pool():
+    """A stream's first 64 KiB is free because a running command's pipe holds as much, but a
+    batch holds every item's result until its answer is written: 10,000 items printing 64 KiB
+    to each stream held 1.4 GB of the daemon that no pool counted. Here the pool is 4 MiB: a
+    batch of 96 such items keeps what the pool takes, the rest are capacity_exceeded (infra,
+    never a short stdout), and the pool is whole again once the answer is written."""
+    from apiclient import client, create, kill
+    from conftest import CGROUP_NAME, private_daemon
+
+    with private_daemon("corral-test-batchout-", f"{CGROUP_NAME}-batchout",
+                        CORRAL_OUTPUT_MEMORY_MB="4") as d, client(d.socket_path) as c:
+        ids = [create(c)["id"] for _ in range(2)]
+        try:
+            def batch(n: int) -> list[dict]:
+                r = c.post("/v1/sandboxes/batch/exec", json={
+                    "ids": [ids[i % 2] for i in range(n)], "concurrency": 8,
+                    "exec": {"cmd": "head -c 65536 /dev/zero | tr '\\0' x"}})
+                assert r.status_code == 200, r.text
+                return r.json()["results"]
+
+            out = batch(96)
+            kept = [r for r in out if "error" not in r]
+            refused = [r["error"] for r in out if "error" in r]
+            assert all(r["stdout"] == "x" * 65536 and not r["truncated"] for r in kept)
+            assert 32 <= len(kept) <= 64 and len(kept) + len(refused) == 96, len(kept)
+            assert {(e["code"], e["infra"], e["details"]["resource"]) for e in refused} == \
+                {("capacity_exceeded", True, "output_memory")}
+            again = batch(48)  # the first batch's answer is written: its charge is back
+            assert all(r.get("stdout") == "x" * 65536 for r in again)
+        finally:
+            for sid in ids:
+                kill(c, sid)
+
+
 def test_output_the_daemon_could_not_keep_is_infra_never_the_commands_truncation():
     """Output within a command's cap that the daemon cannot keep (its pool and its spill
     disk share taken, by other commands, maybe another tenant's) is the daemon's failure:

@@ -369,7 +369,7 @@ async def exec_batch(request: web.Request) -> web.StreamResponse:
     return await batches.run(
         request, batches.Progress(len(req.ids)),
         lambda p: _own_ids(request, req.ids, lambda ids: engine.exec_many(
-            ids, req.exec, req.concurrency, on_done=p.tick)),
+            ids, req.exec, req.concurrency, on_done=p.tick, tenant=tenant_of(request))),
         lambda results: {"results": results})
 
 
