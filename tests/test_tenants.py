@@ -714,3 +714,77 @@ def test_one_tenant_cannot_take_the_tcp_listener_from_the_others():
             c.close()
         os.unlink(path)
         os.rmdir(tokdir)
+
+
+def test_connections_without_a_token_cannot_keep_a_tenant_out():
+    """No token is needed to connect: a client that holds more idle connections than
+    CORRAL_TCP_MAX_CONNECTIONS (here 256), sending nothing and reconnecting each time one
+    is closed, had every slot, and 9 of 10 of a tenant's requests failed (its new connection
+    closed at once). Unauthenticated connections are capped apart and the oldest is closed to
+    make room: every request of a tenant gets through during the squat, on new connections
+    from the squatter's address and from another, and on one kept alive from before it."""
+    import asyncio
+    import resource
+
+    tcp_max, squatters = 256, 256 + 128
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 4 * squatters:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8 * squatters), hard))
+    tokdir = tempfile.mkdtemp(prefix="corral-test-tcpsquat-tok-", dir="/var/tmp")
+    path = os.path.join(tokdir, "tokens.json")
+    _write_tokens(path, TOKENS)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {TOKENS['alice']}"}
+
+    async def squat(stop: asyncio.Event, opened: list[int]) -> None:
+        while not stop.is_set():
+            try:
+                r, w = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                await asyncio.sleep(0.05)
+                continue
+            opened[0] += 1
+            try:
+                await asyncio.wait_for(r.read(1), timeout=30)  # b"": the daemon closed it
+            except (asyncio.TimeoutError, OSError):
+                pass
+            w.close()
+
+    async def ask(source: str) -> str:
+        transport = httpx.AsyncHTTPTransport(local_address=source)
+        try:
+            async with httpx.AsyncClient(base_url=base, headers=auth, timeout=10,
+                                         transport=transport) as c:
+                return str((await c.get("/v1/sandboxes")).status_code)
+        except httpx.HTTPError as e:
+            return type(e).__name__
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=base, headers=auth, timeout=10) as kept:
+            assert (await kept.get("/v1/sandboxes")).status_code == 200
+            stop, opened = asyncio.Event(), [0]
+            tasks = [asyncio.ensure_future(squat(stop, opened)) for _ in range(squatters)]
+            try:
+                await asyncio.sleep(3)
+                assert opened[0] >= tcp_max, opened  # the squat holds the listener
+                results = []
+                for i in range(20):  # new connections, from the squatter's address or not
+                    results.append(await ask("127.0.0.1" if i % 2 else "127.0.0.2"))
+                    results.append(str((await kept.get("/v1/sandboxes")).status_code))
+                    await asyncio.sleep(0.2)
+                assert results == ["200"] * 40, results
+            finally:
+                stop.set()
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        with private_daemon("corral-test-tcpsquat-", f"{CGROUP_NAME}-tcpsquat",
+                            CORRAL_TCP=f"127.0.0.1:{port}", CORRAL_TOKEN=ADMIN,
+                            CORRAL_TOKENS=path, CORRAL_TCP_MAX_CONNECTIONS=str(tcp_max)):
+            asyncio.run(run())
+    finally:
+        os.unlink(path)
+        os.rmdir(tokdir)

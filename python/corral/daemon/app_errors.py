@@ -64,6 +64,9 @@ ACT_AS_HEADER = "X-Corral-Tenant"
 # request[BY_TENANT_TOKEN]: True when a tenant's own token authenticated it (not the admin's
 # acting for a tenant): its connection is the tenant's (corral.daemon.tcpguard).
 BY_TENANT_TOKEN = "corral.by_tenant_token"
+# request[AUTHENTICATED]: True when a token (the admin's or a tenant's) authenticated it; a
+# request to a public path without one is not (corral.daemon.tcpguard).
+AUTHENTICATED = "corral.authenticated"
 Guard = Callable[[web.Request, str], Awaitable[None]]
 
 
@@ -109,6 +112,7 @@ def middleware(token: str | None, on_error: Callable[[CorralError], None] | None
                 if tenant is None:
                     raise Unauthorized("missing or wrong bearer token")
                 request[BY_TENANT_TOKEN] = True
+            request[AUTHENTICATED] = True
         if tenant is None:
             return
         if not NAME_RE.match(tenant):

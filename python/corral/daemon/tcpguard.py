@@ -6,9 +6,20 @@ that: twenty thousand such connections take every fd the daemon has, so that nob
 connect any more, over TCP or the local socket, and accept(2)'s EMFILE fills the log.
 
 On the TCP listener (the local socket is root's, not guarded):
-- a connection has ``HEADERS_S`` to make a request that passes the token check (one that
-  does marks it, and it is no longer watched; one refused, 401, leaves it watched);
-- at most ``max_connections`` are open at once: past that, a new one is closed at once;
+- a connection has ``HEADERS_S`` to make a request that reaches the app (one refused, 401,
+  leaves it watched);
+- a connection is unauthenticated until a request of it passes the token check (the
+  admin's or a tenant's token; ``/v1/health`` without one does not); it then counts as
+  authenticated. Unauthenticated connections hold at most a quarter of the cap, and those of
+  one source (an address, an IPv6 /64) a quarter of that: ``SWEEP_S`` after either is
+  passed, the oldest past it are closed, those that have sent nothing first. A client's new
+  connection has sent its request by then and is authenticated, so a squatter (no token,
+  reconnecting each time one of its connections is closed) holds only what the caps leave
+  it, and cannot keep a tenant's new connection out;
+- at most ``max_connections`` are open at once: past that, the oldest unauthenticated
+  connection is closed (those that have sent nothing first), so that a new one gets in;
+  when every other one is authenticated (the tenants, each within its share) the new one is
+  closed at once;
 - a connection belongs to the tenant of its first request made with that tenant's own token
   (the admin's token acting for a tenant, the cluster gateway's, counts for nobody), and a
   tenant holds at most ``per_tenant`` of them: its request on one more is answered
@@ -26,6 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
+import itertools
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -34,7 +47,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from corral.daemon.app_errors import BY_TENANT_TOKEN, TENANT, json_error
+from corral.daemon.app_errors import AUTHENTICATED, BY_TENANT_TOKEN, TENANT, json_error
 from corral.errors import QuotaExceeded
 
 log = logging.getLogger("corral.tcp")
@@ -43,34 +56,118 @@ HEADERS_S = 10.0
 KEEPALIVE_S = 75.0
 SEND_TIMEOUT_S = 120.0
 DEFAULT_MAX_CONNECTIONS = 4096  # above the SDK's pool (2048 connections an endpoint)
+SWEEP_S = 0.2  # after the unauthenticated caps were passed, they are enforced
+
+
+def source_of(peer: Any) -> str:
+    """Whose a connection is, for the per-source cap: its peer's address, an IPv6 one's /64
+    (one host's, as a single address is one IPv4 host's), an IPv4-mapped one as IPv4."""
+    host = peer[0] if isinstance(peer, tuple) and peer else str(peer or "")
+    try:
+        ip = ipaddress.ip_address(host.partition("%")[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
+class _Waiting:
+    """Unauthenticated connections (of one source, or of all), the oldest first: those that
+    have sent nothing yet, then those that have sent something."""
+
+    def __init__(self) -> None:
+        self.silent: collections.OrderedDict[asyncio.BaseTransport, None] = \
+            collections.OrderedDict()
+        self.heard: collections.OrderedDict[asyncio.BaseTransport, None] = \
+            collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.silent) + len(self.heard)
+
+    def add(self, transport: asyncio.BaseTransport) -> None:
+        self.silent[transport] = None
+
+    def hear(self, transport: asyncio.BaseTransport) -> None:
+        if transport in self.silent:
+            del self.silent[transport]
+            self.heard[transport] = None
+
+    def remove(self, transport: asyncio.BaseTransport) -> None:
+        self.silent.pop(transport, None)
+        self.heard.pop(transport, None)
+
+    def victim(self, spare: asyncio.BaseTransport | None = None
+               ) -> asyncio.BaseTransport | None:
+        """The one to close first (never ``spare``): the oldest silent, else the oldest."""
+        for group in (self.silent, self.heard):
+            for t in itertools.islice(group, 2):  # spare is one of them at most
+                if t is not spare:
+                    return t
+        return None
 
 
 class TcpGuard:
-    """Counts the listener's connections and closes those over the cap or too slow to ask."""
+    """Counts the listener's connections, unauthenticated ones apart, and closes those over
+    the caps or too slow to ask."""
 
     def __init__(self, max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  headers_s: float = HEADERS_S, send_timeout_s: float = SEND_TIMEOUT_S,
-                 per_tenant: int | None = None) -> None:
+                 per_tenant: int | None = None, max_unauthenticated: int | None = None,
+                 per_source: int | None = None, sweep_s: float = SWEEP_S) -> None:
         self.max_connections = max_connections
         self.per_tenant = max(1, max_connections // 2) if per_tenant is None else per_tenant
+        self.max_unauthenticated = (max(1, max_connections // 4)
+                                    if max_unauthenticated is None else max_unauthenticated)
+        self.per_source = (max(1, self.max_unauthenticated // 4)
+                           if per_source is None else per_source)
         self.owner: dict[asyncio.BaseTransport, str] = {}  # connection -> its tenant
         self.held: collections.Counter[str] = collections.Counter()  # tenant -> connections
         self.over_share = 0  # closed: its tenant held its share
         self.headers_s = headers_s
         self.send_timeout_ms = max(1, int(send_timeout_s * 1000))
+        self.sweep_s = sweep_s
         self.open = 0
-        self.refused = 0   # closed at once: over the cap
+        self.refused = 0   # closed at once: the cap held by authenticated connections
+        self.evicted = 0   # unauthenticated, closed to make room for a newer one
         self.too_slow = 0  # closed: no request within headers_s
-        self._waiting: dict[asyncio.BaseTransport, asyncio.TimerHandle] = {}
+        self._timers: dict[asyncio.BaseTransport, asyncio.TimerHandle] = {}
+        # The unauthenticated: all of them, by source, and each one's source.
+        self._unauth = _Waiting()
+        self._by_source: dict[str, _Waiting] = {}
+        self._source: dict[asyncio.BaseTransport, str] = {}
+        self._closing: set[asyncio.BaseTransport] = set()  # closed by the guard, not yet lost
+        self._sweep: asyncio.TimerHandle | None = None
+
+    @property
+    def unauthenticated(self) -> int:
+        return len(self._unauth)
+
+    @property
+    def authenticated(self) -> int:
+        return self.open - len(self._closing) - len(self._unauth)
 
     def opened(self, transport: asyncio.BaseTransport) -> None:
         self.open += 1
-        if self.open > self.max_connections:
-            self.refused += 1
-            log.warning("TCP connection refused: %d open, the most the daemon takes",
-                        self.max_connections)
-            transport.close()
-            return
+        source = source_of(transport.get_extra_info("peername"))
+        self._unauth.add(transport)
+        self._by_source.setdefault(source, _Waiting()).add(transport)
+        self._source[transport] = source
+        if self.open - len(self._closing) > self.max_connections:
+            # Full: an unauthenticated connection makes room, the oldest silent one first;
+            # when every other one is authenticated (each tenant within its share), the
+            # new one is refused.
+            victim = self._unauth.victim(spare=transport)
+            if victim is None:
+                self.refused += 1
+                if self.refused % 1000 == 1:
+                    log.warning("TCP connection refused: %d open, the most the daemon takes "
+                                "(%d refused so)", self.max_connections, self.refused)
+                self._close(transport)
+                return
+            self._evict(victim)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -79,11 +176,59 @@ class TcpGuard:
             except OSError as e:  # not TCP (a test's unix socket): nothing to bound
                 log.debug("TCP_USER_TIMEOUT not set: %s", e)
         loop = asyncio.get_running_loop()
-        self._waiting[transport] = loop.call_later(self.headers_s, self._late, transport)
+        self._timers[transport] = loop.call_later(self.headers_s, self._late, transport)
+        if self._sweep is None and (len(self._unauth) > self.max_unauthenticated
+                                    or len(self._by_source[source]) > self.per_source):
+            self._sweep = loop.call_later(self.sweep_s, self.sweep)
+
+    def heard(self, transport: asyncio.BaseTransport) -> None:
+        """The connection sent something (the guard closes those that sent nothing first)."""
+        if (source := self._source.get(transport)) is not None:
+            self._unauth.hear(transport)
+            self._by_source[source].hear(transport)
+
+    def sweep(self) -> None:
+        """Closes unauthenticated connections past the caps, the oldest silent ones first:
+        each source's past ``per_source``, then all of them past ``max_unauthenticated``.
+        Run ``sweep_s`` after the caps were passed, so that a client's new connection has
+        sent its request by then (its request checked, it is no longer counted)."""
+        self._sweep = None
+        for waiting in [w for w in self._by_source.values() if len(w) > self.per_source]:
+            while len(waiting) > self.per_source and (victim := waiting.victim()):
+                self._evict(victim)
+        while len(self._unauth) > self.max_unauthenticated and (victim := self._unauth.victim()):
+            self._evict(victim)
+
+    def _evict(self, transport: asyncio.BaseTransport) -> None:
+        self.evicted += 1
+        if self.evicted % 10000 == 1:
+            log.warning("unauthenticated TCP connection closed to make room (%d closed so; "
+                        "%d unauthenticated open, %d authenticated)", self.evicted,
+                        len(self._unauth), self.authenticated)
+        self._close(transport)
+
+    def _close(self, transport: asyncio.BaseTransport) -> None:
+        self._forget(transport)
+        self._closing.add(transport)
+        transport.close()
+
+    def _forget(self, transport: asyncio.BaseTransport) -> None:
+        """No longer unauthenticated (authenticated, closed or closing)."""
+        if timer := self._timers.pop(transport, None):
+            timer.cancel()
+        source = self._source.pop(transport, None)
+        if source is None:
+            return
+        self._unauth.remove(transport)
+        waiting = self._by_source[source]
+        waiting.remove(transport)
+        if not waiting:
+            del self._by_source[source]
 
     def closed(self, transport: asyncio.BaseTransport) -> None:
         self.open -= 1
-        self.started(transport)
+        self._forget(transport)
+        self._closing.discard(transport)
         tenant = self.owner.pop(transport, None)
         if tenant is not None:
             self.held[tenant] -= 1
@@ -103,14 +248,21 @@ class TcpGuard:
         return True
 
     def started(self, transport: asyncio.BaseTransport | None) -> None:
-        """A request of this connection reached the app: it is a client, not a squatter."""
-        if transport is not None and (timer := self._waiting.pop(transport, None)):
+        """A request of this connection reached the app: it is a client, not a squatter (no
+        longer closed for taking too long to ask; a request without a token, to a public
+        path, leaves it unauthenticated)."""
+        if transport is not None and (timer := self._timers.pop(transport, None)):
             timer.cancel()
 
+    def authenticate(self, transport: asyncio.BaseTransport | None) -> None:
+        """A request of this connection passed the token check: it counts as authenticated."""
+        if transport is not None:
+            self._forget(transport)
+
     def _late(self, transport: asyncio.BaseTransport) -> None:
-        if self._waiting.pop(transport, None) is not None:
+        if self._timers.pop(transport, None) is not None:
             self.too_slow += 1
-            transport.close()
+            self._close(transport)
 
     def middleware(self) -> Callable[..., Awaitable[web.StreamResponse]]:
         @web.middleware
@@ -118,6 +270,8 @@ class TcpGuard:
                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                        ) -> web.StreamResponse:
             self.started(request.transport)
+            if request.get(AUTHENTICATED):
+                self.authenticate(request.transport)
             tenant = request.get(TENANT) if request.get(BY_TENANT_TOKEN) else None
             if tenant is not None and not self.claim(request.transport, tenant):
                 if self.over_share % 1000 == 1:  # the first, then every 1,000th: a leaking
@@ -143,6 +297,10 @@ class TcpGuard:
                 super().connection_made(transport)
                 self.guarded = transport
                 guard.opened(transport)
+
+            def data_received(self, data: bytes) -> None:
+                guard.heard(self.guarded)
+                super().data_received(data)
 
             def connection_lost(self, exc: BaseException | None) -> None:
                 guard.closed(self.guarded)
