@@ -417,11 +417,13 @@ class SnapshotStore:
     def capture(self, uppers: Layers, freeze: Callable[[], Any], thaw: Callable[[], Any],
                 control: CaptureControl | None = None) -> tuple[str, str, int]:
         """Copy the uppers into a new temporary layer dir; return (tmp dir, digest, bytes).
-        Cancelled through ``control``: raises ``_core.CaptureCancelled``, nothing kept."""
+        ``freeze`` returns False when it could not hold the sandbox (the copy is then made
+        live, and hashed again from the copy). Cancelled through ``control``: raises
+        ``_core.CaptureCancelled``, nothing kept."""
         tmp = self._take_spare()
         parts = [(n, upper, os.path.join(tmp, str(n))) for n, upper in enumerate(uppers)]
         try:
-            freeze()
+            held = freeze()
             try:
                 # One pass in the Rust core, GIL released: copy and hash side by side (the
                 # source cannot change while frozen, so its hash is the copy's).
@@ -431,6 +433,11 @@ class SnapshotStore:
                 thaw()
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.join(tmp, "0"))  # the spare's part 0, if its upper was empty
+            if held is False:
+                # Copied live (the sandbox could not be frozen): a file may have changed
+                # between what was hashed and what was copied. Layers are shared by digest,
+                # also across tenants: the digest must be the stored copy's own.
+                digest = layer_digest(tmp)
             return tmp, digest, size
         except _core.LayerLimit as e:
             removal.quiet_remove(tmp)

@@ -1059,12 +1059,14 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         store.check_fits(image.overlays, self.sandboxes_dir, extra_layers=1)
         paths = runtime.cgroup_paths
 
-        def freeze() -> None:
+        def freeze() -> bool:
+            """Whether the sandbox is held (a timeout, or no freezer: a live copy)."""
             if not paused:
                 try:
                     self.cgroups.freeze(paths)
-                except OSError:
-                    pass
+                except OSError:  # TimeoutError too
+                    return False
+            return True
 
         def thaw() -> None:
             if not paused:
