@@ -9,6 +9,7 @@ in a temporary directory, with the real digest (snapshots.layer_digest)."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
 import tracemalloc
@@ -20,7 +21,7 @@ import pytest
 from corral.daemon import snapxfer
 from corral.daemon.oci import push, unpack
 from corral.daemon.snapshots import layer_digest
-from corral.errors import InvalidImage
+from corral.errors import InvalidImage, TooLarge
 
 # xattr names a PAX keyword cannot hold as they are: not UTF-8, a '=', a newline.
 ODD_NAMES = [b"user.\xff\xfe", b"user.a=b", b"user.new\nline", b"user.plain"]
@@ -153,3 +154,32 @@ def test_export_and_import_hold_one_member_not_all_of_them(tmp_path: Path) -> No
     with tarfile.open(fileobj=io.BytesIO(out.getvalue()), mode="r:") as tf:
         # and the manifest, the part, its directories
         assert len(tf.getnames()) == MEMBERS + 2 + MEMBERS // 100
+
+
+def test_an_import_counts_what_sparse_members_claim(tmp_path: Path) -> None:
+    """A sparse member sends its data and claims its size; the import writes and hashes the
+    holes. Counted by their data, 20 KB of members claiming 16 GiB each held a core for
+    minutes hashing zeros; what they claim counts against the snapshot's byte cap."""
+    digest = "0" * 64
+    man = {"format": snapxfer.FORMAT, "parts": {digest: [0]}, "sent": [digest],
+           "snapshot": {"id": "snap-0123456789abcdef", "layers": [digest], "digest": digest,
+                        "image": "host", "size": 0, "created_at": 0}}
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        data = json.dumps(man).encode()
+        ti = tarfile.TarInfo(snapxfer.MANIFEST)
+        ti.size = len(data)
+        tf.addfile(ti, io.BytesIO(data))
+        ti = tarfile.TarInfo(f"layers/{digest}/0")
+        ti.type, ti.mode = tarfile.DIRTYPE, 0o755
+        tf.addfile(ti)
+        for i in range(3):
+            ti = tarfile.TarInfo(f"layers/{digest}/0/f{i}")
+            ti.size, ti.uid, ti.gid = 1, os.getuid(), os.getgid()
+            ti.pax_headers = {unpack.SPARSE: f"{1 << 30};0:1"}
+            tf.addfile(ti, io.BytesIO(b"x"))
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    out.seek(0)
+    with pytest.raises(TooLarge):
+        snapxfer.read_stream(out, str(staging), unpack.Limits(2 << 30, 1000))

@@ -225,7 +225,9 @@ def read_stream(src: Any, staging: str, limits: unpack.Limits,
             while (m := tf.next()) is not None:
                 tf.members.clear()  # kept by tarfile for nothing: ~550 bytes a member
                 rel = _place(m.name, man)
-                files += m.size if m.isreg() else 0
+                if m.isreg():  # a sparse member claims its whole size: its holes are hashed
+                    files += (unpack._sparse(m, limits)[0] if unpack.SPARSE in m.pax_headers
+                              else m.size)
                 if files > limits.max_bytes:
                     raise unpack._too_large(limits)
                 if len(rel) == 3 and not m.isdir():
