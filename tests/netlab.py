@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 HERE = os.path.dirname(os.path.abspath(__file__))
 BULK = 2 << 20  # what the bulk port (8081) sends
 SLOW_S = 1.5  # how long the lab's DNS server takes to answer slow.test (the proxy waits 3 s)
+SILENT = "void.test"  # the lab's DNS server never answers a name under it (nor it)
 
 
 def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -123,7 +124,7 @@ def start(tmp: str) -> Lab:
                 "big.test": [f"{lab.net}.10"] + [f"{lab.net}.{n}" for n in range(100, 140)]}
         cfg = {"log": lab.log, "zone": zone, "dns": [f"{lab.net}.53", f"{lab.net}.54"],
                "tcp": [80, 8080], "udp": 9999, "ttl": 30, "bulk": BULK,
-               "delay": {"slow.test": SLOW_S},
+               "delay": {"slow.test": SLOW_S}, "silent": [SILENT],
                "special": {"bulk": 8081, "sink": 8082, "hold": 8083}}
         lab.proc = subprocess.Popen([*nse, sys.executable, os.path.join(HERE, "netlab_server.py"),
                                      json.dumps(cfg)], stdout=subprocess.DEVNULL,

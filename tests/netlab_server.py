@@ -29,6 +29,8 @@ def main() -> None:
             return None
         name = str(q.q.qname).rstrip(".").lower()
         note(kind="dns", name=name, qtype=QTYPE[q.q.qtype], src=src, server=addr, proto=proto)
+        if any(name == z or name.endswith("." + z) for z in cfg.get("silent", [])):
+            return None  # a domain whose servers never answer
         r = q.reply()
         ips = cfg["zone"].get(name)
         if ips is None:

@@ -1764,6 +1764,65 @@ def test_one_sandbox_flooding_its_resolver_is_stopped_by_the_kernel(net: Env):
         assert gw in flooder.info().net.denied_destinations
 
 
+# A name under the lab's silent domain every 0.1 s (10 a second, within the proxy's rate
+# limit), for at most a minute: each one the proxy forwards holds a worker until its wait
+# for the upstream ends.
+SILENT_FLOOD = textwrap.dedent('''
+    import os, random, socket, struct, sys, time
+    gw, domain = sys.argv[1], sys.argv[2].encode()
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    end, i = time.time() + 60, 0
+    while time.time() < end:
+        name = b"n%d-%d" % (os.getpid(), i)
+        q = struct.pack(">HHHHHH", random.getrandbits(16), 0x0100, 1, 0, 0, 0)
+        q += bytes([len(name)]) + name
+        q += b"".join(bytes([len(x)]) + x for x in domain.split(b".")) + b"\\0\\0\\1\\0\\1"
+        s.sendto(q, (gw, 53))
+        i += 1
+        time.sleep(0.1)
+''')
+# Lookups with the C library (the sandbox's resolv.conf: 2 s, twice), each one's result.
+LOOKUPS = textwrap.dedent('''
+    import json, socket, sys, time
+    out = []
+    for _ in range(int(sys.argv[2])):
+        try:
+            out.append(sorted({a[4][0] for a in socket.getaddrinfo(sys.argv[1], 80,
+                                                                   socket.AF_INET)}))
+        except OSError as e:
+            out.append("fail:" + str(e))
+        time.sleep(0.5)
+    print(json.dumps(out))
+''')
+SILENT_FLOODERS = 12
+
+
+def test_sandboxes_flooding_never_answered_names_do_not_starve_anothers_lookups(net: Env):
+    """12 sandboxes each keep their 4 queries in flight on names the upstream never answers
+    (each holds a worker of the proxy for the upstream wait, 3 s) while another resolves a
+    name the upstream answers: each of its lookups succeeds. With the 16 workers serving all
+    sandboxes' queries first come, first served, 32 of the flooders' queries waited ahead
+    of each lookup (6 to 9 s, past the resolver's 2 s twice) and every one failed."""
+    lab = net.lab
+    with contextlib.ExitStack() as stack:
+        victim = stack.enter_context(net.sandbox(network=Network(allow=["allowed.test:80"])))
+        flooders = [stack.enter_context(net.sandbox(network="internet"))
+                    for _ in range(SILENT_FLOODERS)]
+        logged = len(lab.entries("dns"))
+        failed = _metric(net, "corral_network_dns_failed_total")
+        for f in flooders:
+            f.exec(["python3", "-c", SILENT_FLOOD, f.info().net.gateway, netlab.SILENT],
+                   background=True)
+        assert wait_until(lambda: sum(e["name"].endswith(netlab.SILENT)
+                                      for e in lab.entries("dns")[logged:]) >= 16, timeout=30)
+        time.sleep(4)  # one upstream wait more: every flooder's queries in flight
+        r = victim.exec(["python3", "-c", LOOKUPS, "allowed.test", "6"], timeout=120)
+        assert json.loads(r.stdout) == [[lab.addr(10)]] * 6, r
+        assert ok(probe(victim, "connect=allowed.test:80")["connect=allowed.test:80"])
+        # the flooders' queries did hold workers for the upstream wait
+        assert _metric(net, "corral_network_dns_failed_total") - failed >= 2 * SILENT_FLOODERS
+
+
 def _conntrack_entries(src: str, dport: int, proto: str) -> list[str]:
     with open("/proc/net/nf_conntrack") as f:
         return [ln for ln in f if f" {proto} " in ln and f" src={src} " in ln

@@ -19,7 +19,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSHeader, DNSRecord
@@ -43,9 +42,14 @@ PINS_PER_ANSWER = 64
 # (idle: no whole message received); a connection is closed after this many of its queries
 # were refused by the rate limit.
 TCP_PER_SOURCE, TCP_TOTAL, TCP_IDLE_S, TCP_REFUSED_MAX = 4, 4096, 10.0, 8
-# Per sandbox: queries per second (a token bucket of twice that) and queries in flight, so
-# one sandbox flooding its resolver cannot take the workers every other one needs.
+# Per sandbox: queries per second (a token bucket of twice that) and queries in flight
+# (waiting for a worker or answered by one), so one sandbox flooding its resolver cannot take
+# the workers every other one needs.
 RATE_QPS, IN_FLIGHT = 50.0, 4
+# The workers answering queries (each waits for the upstream: at most UPSTREAM_TIMEOUT_S, twice
+# with a TCP retry after a truncated answer) and the most of them one sandbox's queries take at
+# once; the queries waiting for a worker are served one sandbox at a time, in turn (_Fair).
+WORKERS, WORKERS_PER_SOURCE = 32, 2
 
 
 _INTERNAL = [ipaddress.ip_network(n) for n in (*PRIVATE4, *BLOCKED4, *PRIVATE6, *BLOCKED6)]
@@ -105,20 +109,20 @@ class DnsProxy:
     """``lookup(source address)`` -> the asker's state (an object with ``policy`` (None:
     mode internet), ``generation`` (bumped by each change of its policy), ``address6`` (None:
     no IPv6), ``pin(addresses, ports, ttl, generation, only)`` and ``peer(name, version)``),
-    or None to drop."""
+    or None to drop. ``port``: 53 but in tests (0: any free one, for UDP and TCP each)."""
 
     def __init__(self, bind: str, upstream: tuple[str, int],
-                 lookup: Callable[[str], Any]) -> None:
+                 lookup: Callable[[str], Any], port: int = 53) -> None:
         self.upstream = upstream
         self.lookup = lookup
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_IP, IP_FREEBIND, 1)  # before the first veth has it
-        self.sock.bind((bind, 53))
+        self.sock.bind((bind, port))
         self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.tcp.setsockopt(socket.SOL_IP, IP_FREEBIND, 1)
         try:
-            self.tcp.bind((bind, 53))
+            self.tcp.bind((bind, port))
             self.tcp.listen(256)
         except OSError:
             self.sock.close()
@@ -131,7 +135,7 @@ class DnsProxy:
         # source address -> [tokens, last refill (monotonic), in flight]
         self._buckets: dict[str, list[float]] = {}
         self._block = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="corral-dns")
+        self._pool = _Fair(WORKERS, WORKERS_PER_SOURCE, "corral-dns")
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="corral-dns", daemon=True)
         self._thread.start()
@@ -156,7 +160,7 @@ class DnsProxy:
                 self.counts["rate_limited"] += 1
                 continue  # dropped, as a lossy link would: the client retries later
             try:
-                self._pool.submit(self._answer, data, src)
+                self._pool.submit(src[0], self._answer, data, src)
             except RuntimeError:
                 return  # closing
 
@@ -261,7 +265,7 @@ class DnsProxy:
                     break
                 continue
             try:
-                self._pool.submit(self._answer_tcp, msg, st)
+                self._pool.submit(st.src, self._answer_tcp, msg, st)
             except RuntimeError:
                 return False  # closing
         del buf[:off]
@@ -412,13 +416,15 @@ class DnsProxy:
         return r.pack()
 
     def _forward(self, q: DNSRecord) -> DNSRecord | None:
-        """The upstream's answer over UDP; asked again over TCP if that one is truncated."""
+        """The upstream's answer over UDP; asked again over TCP if that one is truncated. Each
+        waits at most UPSTREAM_TIMEOUT_S in all, whatever the upstream sends meanwhile."""
         ans = self._forward_udp(q)
         if ans is not None and ans.header.tc:
             ans = self._forward_tcp(q)
         return ans
 
     def _forward_tcp(self, q: DNSRecord) -> DNSRecord | None:
+        deadline = time.monotonic() + UPSTREAM_TIMEOUT_S
         try:
             s = socket.create_connection(self.upstream, timeout=UPSTREAM_TIMEOUT_S)
         except OSError:
@@ -426,9 +432,10 @@ class DnsProxy:
         try:
             out = DNSRecord(DNSHeader(id=int.from_bytes(os.urandom(2), "big"), rd=1),
                             questions=q.questions).pack()
+            _until(s, deadline)
             s.sendall(len(out).to_bytes(2, "big") + out)
-            n = int.from_bytes(_recv_exact(s, 2), "big")
-            ans = DNSRecord.parse(_recv_exact(s, n))
+            n = int.from_bytes(_recv_exact(s, 2, deadline), "big")
+            ans = DNSRecord.parse(_recv_exact(s, n, deadline))
             return ans if ans.header.id == int.from_bytes(out[:2], "big") else None
         except Exception:  # noqa: BLE001 - unreachable, timed out, or not DNS
             return None
@@ -438,18 +445,20 @@ class DnsProxy:
     def _forward_udp(self, q: DNSRecord) -> DNSRecord | None:
         if not self.upstream[0]:
             return None
+        deadline = time.monotonic() + UPSTREAM_TIMEOUT_S
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
-            s.settimeout(UPSTREAM_TIMEOUT_S)
             s.connect(self.upstream)
             out = DNSRecord(DNSHeader(id=int.from_bytes(os.urandom(2), "big"), rd=1),
                             questions=q.questions)
             s.send(out.pack())
             while True:
+                _until(s, deadline)
                 data = s.recv(4096)
-                ans = DNSRecord.parse(data)
-                if ans.header.id == out.header.id:
-                    return ans
+                with contextlib.suppress(Exception):  # not DNS: not the answer
+                    ans = DNSRecord.parse(data)
+                    if ans.header.id == out.header.id:
+                        return ans
         except Exception:  # noqa: BLE001 - unreachable, timed out, or not DNS
             return None
         finally:
@@ -465,7 +474,7 @@ class DnsProxy:
         self._thread.join(timeout=2)
         self._tcp_thread.join(timeout=2)  # it wakes at least once a second
         self.tcp.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
 
 
 class _TcpConn:
@@ -492,11 +501,103 @@ def _send_all(sock: socket.socket, data: bytes) -> None:
             sock.shutdown(socket.SHUT_RDWR)  # the reader thread sees it end and drops it
 
 
-def _recv_exact(s: socket.socket, n: int) -> bytes:
+def _until(s: socket.socket, deadline: float) -> None:
+    """The timeout of ``s``'s next call: what is left until ``deadline`` (past it: timed out)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the upstream took too long")
+    s.settimeout(left)
+
+
+def _recv_exact(s: socket.socket, n: int, deadline: float) -> bytes:
     buf = b""
     while len(buf) < n:
+        _until(s, deadline)
         chunk = s.recv(n - len(buf))
         if not chunk:
             raise ConnectionError("the upstream closed the connection")
         buf += chunk
     return buf
+
+
+class _Fair:
+    """Calls of many sources (sandboxes' addresses) run by at most ``workers`` threads (made
+    when first needed): each source's calls in the order given, at most ``per_source`` of
+    one source at once, and the sources with calls waiting served in turn. They wait in a
+    ring (``ready``: each source with a call waiting and fewer than ``per_source`` running,
+    once): a free worker takes the first call of the ring's first source, which goes to the
+    back if it can run another. So a call waits for a worker behind at most one call of each
+    other source with calls waiting, and no call waits while fewer than
+    ``workers // per_source`` sources have calls running."""
+
+    def __init__(self, workers: int, per_source: int, name: str) -> None:
+        self.workers, self.per_source, self.name = workers, per_source, name
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._waiting: dict[str, collections.deque[Callable[[], None]]] = {}
+        self._running: collections.Counter[str] = collections.Counter()
+        self._ready: collections.deque[str] = collections.deque()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # threads waiting for a call that no one woke yet
+        self._closed = False
+
+    def submit(self, source: str, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` as one of ``source``'s calls. RuntimeError once closed."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("closed")
+            q = self._waiting.get(source)
+            if q is None:
+                q = self._waiting[source] = collections.deque()
+            q.append(lambda: fn(*args))
+            if len(q) == 1 and self._running[source] < self.per_source:
+                self._ready.append(source)
+                if self._idle:
+                    self._idle -= 1
+                    self._cv.notify()
+                elif len(self._threads) < self.workers:
+                    t = threading.Thread(target=self._work, daemon=True,
+                                         name=f"{self.name}-{len(self._threads)}")
+                    self._threads.append(t)
+                    t.start()
+                # else every worker is running a call: the first one done takes it
+
+    def _work(self) -> None:
+        self._lock.acquire()
+        try:
+            while True:
+                while not self._ready and not self._closed:
+                    self._idle += 1
+                    self._cv.wait()
+                if self._closed:
+                    return
+                source = self._ready.popleft()
+                q = self._waiting[source]
+                call = q.popleft()
+                self._running[source] += 1
+                if not q:
+                    del self._waiting[source]
+                elif self._running[source] < self.per_source:
+                    self._ready.append(source)
+                self._lock.release()
+                try:
+                    call()
+                except Exception:  # noqa: BLE001 - a bug in one answer; the worker goes on
+                    log.exception("DNS worker")
+                finally:
+                    self._lock.acquire()
+                running = self._running[source] = self._running[source] - 1
+                if running <= 0:
+                    del self._running[source]
+                if running == self.per_source - 1 and source in self._waiting:
+                    self._ready.append(source)  # it was at its cap with calls waiting
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        """Calls waiting are dropped, the running ones end on their own."""
+        with self._lock:
+            self._closed = True
+            self._waiting.clear()
+            self._ready.clear()
+            self._cv.notify_all()
