@@ -552,15 +552,20 @@ class _Fair:
             q.append(lambda: fn(*args))
             if len(q) == 1 and self._running[source] < self.per_source:
                 self._ready.append(source)
-                if self._idle:
-                    self._idle -= 1
-                    self._cv.notify()
-                elif len(self._threads) < self.workers:
-                    t = threading.Thread(target=self._work, daemon=True,
-                                         name=f"{self.name}-{len(self._threads)}")
-                    self._threads.append(t)
-                    t.start()
-                # else every worker is running a call: the first one done takes it
+                self._wake()
+
+    def _wake(self) -> None:
+        """A source joined the ring: an idle worker takes it, else a new one while there is
+        room (else every worker is running a call: the first one done takes it). Under the
+        lock."""
+        if self._idle:
+            self._idle -= 1
+            self._cv.notify()
+        elif len(self._threads) < self.workers:
+            t = threading.Thread(target=self._work, daemon=True,
+                                 name=f"{self.name}-{len(self._threads)}")
+            self._threads.append(t)
+            t.start()
 
     def _work(self) -> None:
         self._lock.acquire()
@@ -578,7 +583,8 @@ class _Fair:
                 if not q:
                     del self._waiting[source]
                 elif self._running[source] < self.per_source:
-                    self._ready.append(source)
+                    self._ready.append(source)  # its next call may run beside this one
+                    self._wake()
                 self._lock.release()
                 try:
                     call()
