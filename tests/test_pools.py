@@ -133,6 +133,21 @@ def test_explicit_hostname_is_never_pooled():
             assert m["corral_pool_hits_total"] == 0 and m["corral_pool_ready"] == 1
 
 
+def test_a_create_with_layers_is_never_pooled(tmp_path):
+    """A pool's sandboxes are made of the bare image: a create asking for layers (a toolkit,
+    a workspace) of the same limits took one and silently lacked its layers (its record
+    still listed them; the task then failed as the agent's)."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "task.txt").write_text("the workspace\n")
+    with pooled_daemon(CORRAL_POOL="static", CORRAL_POOL_SIZES="host:1") as d:
+        wait_ready(d, 1)
+        with Sandbox(endpoint=ep(d), layers=[{"dir": str(ws), "at": "/opt/ws"}]) as sb:
+            assert sb.exec("cat /opt/ws/task.txt").stdout == "the workspace\n"
+            m = metrics(d)
+            assert m["corral_pool_hits_total"] == 0 and m["corral_pool_ready"] == 1
+
+
 def test_pool_off():
     with pooled_daemon(CORRAL_POOL="off", CORRAL_POOL_SIZES="host:4") as d:
         for _ in range(3):

@@ -182,8 +182,8 @@ class WarmPools:
     def key(self, spec: SandboxSpec) -> Key | None:
         if self.config.mode == "off" or spec.hostname is not None:
             return None
-        if getattr(spec, "snapshot", None) is not None:  # made from a snapshot's layers
-            return None
+        if getattr(spec, "snapshot", None) is not None or spec.layers:
+            return None  # made of a snapshot's or of its own layers; a pool's, of the image
         networked = network_kind(spec.network) in ("internet", "policy")
         if spec.bandwidth_mbit is not None or (spec.network_group and not networked):
             return None  # a shaped link is made with the sandbox
