@@ -1140,7 +1140,7 @@ def read(p):
         return None
 view = {f: read("/proc/net/" + f) for f in ("dev", "snmp", "snmp6", "netstat")}
 for f in ("tcp", "tcp6", "udp", "udp6", "udplite", "udplite6", "raw", "raw6", "icmp", "icmp6",
-          "unix", "packet", "netlink", "igmp", "igmp6"):
+          "unix", "packet", "netlink", "igmp", "igmp6", "ip6_flowlabel"):
     t = read("/proc/net/" + f)
     view[f] = None if t is None else t.count("\n")
 print(json.dumps(view, sort_keys=True))
@@ -1148,7 +1148,8 @@ print(json.dumps(view, sort_keys=True))
 
 # A tenant that leaves every kind of trace a namespace keeps without CAP_NET_ADMIN: TCP
 # traffic and TIME_WAIT (NET_TRACE), UDP to itself, a connect with no route (a MIB counter),
-# a ping socket, an abstract unix socket and a listener left to the kill.
+# a ping socket, an abstract unix socket, a lingering IPv6 flow label and a listener left to
+# the kill.
 NET_DIRTY = NET_TRACE + r"""
 import os, socket, time
 u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.sendto(b"x" * 100, ("127.0.0.1", 9))
@@ -1162,9 +1163,23 @@ try:
 except OSError:
     pass
 un = socket.socket(socket.AF_UNIX); un.bind("\0corral-trace"); un.listen(1)
+exec(open("/opt/flowlabel.py").read())
 if os.fork() == 0:
     l = socket.socket(); l.bind(("127.0.0.1", 47999)); l.listen(1); time.sleep(3600)
 print("dirty")
+"""
+
+
+# Its only trace: an IPv6 flow label shared with any process, lingering 150 s after its
+# socket (no packet sent, no counter moved).
+NET_FLOWLABEL = r"""
+import socket
+f6 = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+f6.setsockopt(socket.IPPROTO_IPV6, 32, socket.inet_pton(socket.AF_INET6, "::1")  # FLOWLABEL_MGR
+              + (0x12345).to_bytes(4, "big") + bytes([0, 255]) + (1).to_bytes(2, "little")
+              + (0).to_bytes(2, "little") + (150).to_bytes(2, "little") + bytes(4))
+assert open("/proc/net/ip6_flowlabel").read().count("\n") == 2
+print("labelled")
 """
 
 
@@ -1191,9 +1206,13 @@ def test_network_namespace_never_shows_a_previous_sandbox(tmp_path):
         with corral.Sandbox(**spec) as quiet:  # nothing on the network: its netns is reused
             assert quiet.exec("true", timeout=30).exit_code == 0
         with corral.Sandbox(**spec) as a:
+            a.files.write("/opt/flowlabel.py", NET_FLOWLABEL)
             a.files.write("/opt/dirty.py", NET_DIRTY)
             r = a.exec("python3 /opt/dirty.py", timeout=60)
             assert "traced" in r.stdout and "dirty" in r.stdout, r.stdout + r.stderr
+        with corral.Sandbox(**spec) as f:
+            f.files.write("/opt/flowlabel.py", NET_FLOWLABEL)
+            assert f.exec("python3 /opt/flowlabel.py", timeout=30).stdout == "labelled\n"
         for _ in range(3):
             with corral.Sandbox(**spec) as b:
                 b.files.write("/opt/view.py", NET_VIEW)

@@ -53,6 +53,9 @@ const TABLES: &[&CStr] = &[
     c"/proc/thread-self/net/icmp6",
     c"/proc/thread-self/net/igmp",
     c"/proc/thread-self/net/igmp6",
+    // IPv6 flow labels: a label shared "any" lingers (up to its linger time) after its
+    // socket and its sandbox are gone, readable by and joinable from the next.
+    c"/proc/thread-self/net/ip6_flowlabel",
 ];
 
 /// PIDFD_GET_NET_NAMESPACE: _IO(PIDFS_IOCTL_MAGIC 0xFF, 4) (Linux >= 6.11).
