@@ -19,6 +19,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -218,6 +219,30 @@ def test_an_agent_cannot_forge_its_reward(tmp_path: Path, no_leaks: None,
     assert r.agent_output_tail.strip() == "planted"
     assert (r.status, r.reward, r.error_code) == ("no_reward", 0.0, "reward_missing"), r
     assert not r.infra_error
+
+
+def test_what_an_agent_breaks_for_its_verifier_scores_zero(tmp_path: Path, no_leaks: None,
+                                                         cleanup_images: None) -> None:
+    """The verifier runs in the sandbox the agent left. An agent that removed the shell the
+    runner's steps need had its trial recorded infra (masked, and rerun at every resume); one
+    that removed the verifier's working directory, error with no reward (left out of the
+    mean); a verifier's reward of NaN was recorded as it was (and the results file was no
+    longer JSON). Each scores 0."""
+    make_task(tmp_path, "nosh")
+    make_task(tmp_path, "noworkdir")
+    make_task(tmp_path, "nanreward", test_sh="#!/bin/bash\necho nan > /logs/verifier/reward.txt\n")
+    by_task = {"nosh": "rm -f /bin/sh", "noworkdir": "rm -rf /app", "nanreward": "true"}
+
+    async def breaker(sb: corral.AsyncSandbox, task: Any) -> None:
+        await sb.exec(["/bin/busybox", "sh", "-c", by_task[task.name]], user="root")
+
+    s = asyncio.run(run_tasks(load_tasks(tmp_path), breaker, "breaker", tmp_path / "r.jsonl"))
+    got = {r.task: (r.status, r.reward, r.error_code, r.infra_error) for r in s.results}
+    assert got == {"nosh": ("no_reward", 0.0, "verifier_setup_failed", False),
+                   "noworkdir": ("no_reward", 0.0, "cwd_not_found", False),
+                   "nanreward": ("no_reward", 0.0, "reward_missing", False)}, got
+    for line in (tmp_path / "r.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
 
 
 def test_dockerfile_and_task_refusals(tmp_path: Path) -> None:

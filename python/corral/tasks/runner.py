@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import time
 import uuid
@@ -134,7 +135,7 @@ class _Writer:
         self.f = path.open("a")
 
     def write(self, rec: dict[str, Any]) -> None:
-        self.f.write(json.dumps(rec) + "\n")
+        self.f.write(json.dumps(rec, allow_nan=False) + "\n")
         self.f.flush()
         os.fsync(self.f.fileno())
 
@@ -240,9 +241,28 @@ async def _trial(task: TaskDir, attempt: int, tid: str, agent: Agent, envs: Envi
 
 
 async def _root(sb: AsyncSandbox, script: str) -> None:
+    """The runner's own step before the agent ran: its failure is the image's or the
+    platform's."""
     r = await sb.exec(["/bin/sh", "-c", script], user="root", cwd="/", timeout=60)
     if not r.ok:
         raise ce.InternalError(f"{script!r} failed in the trial's sandbox: {r.stderr[-400:]}")
+
+
+class _Unverifiable(Exception):
+    """The verifier could not run in what the agent left (its shell gone, its disk full, its
+    working directory removed...): the agent's doing, scored 0."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+async def _after_agent(sb: AsyncSandbox, script: str) -> None:
+    """A runner step in the sandbox the agent left: its failure is the agent's."""
+    r = await sb.exec(["/bin/sh", "-c", script], user="root", cwd="/", timeout=60)
+    if not r.ok:
+        raise _Unverifiable("verifier_setup_failed", f"{script!r} failed in what the agent "
+                            f"left: {r.stderr[-400:]}")
 
 
 async def _agent_phase(sb: AsyncSandbox, task: TaskDir, agent: Agent,
@@ -266,20 +286,42 @@ async def _agent_phase(sb: AsyncSandbox, task: TaskDir, agent: Agent,
         res.agent_output_tail = out.output_tail
 
 
+# Every process in the sandbox but the init and this shell (kill(-1) as root; a fork racing
+# it is refused by the kernel; a process killed runs no code of its own again).
+KILL_ALL = "kill -9 -1 2>/dev/null; true"
+
+
 async def _verify(sb: AsyncSandbox, task: TaskDir, workdir: str, res: TrialResult) -> None:
+    """The verifier, in the sandbox the agent left. What the agent broke there (its shell,
+    its disk, the verifier's working directory, the verifier's user) leaves the trial
+    unverifiable: ``no_reward`` 0.0, never the platform's failure nor an unscored error."""
+    try:
+        await _run_verifier(sb, task, workdir, res)
+    except _Unverifiable as e:
+        res.status, res.reward, res.error_code, res.error = "no_reward", 0.0, e.code, e.message
+    except ce.CorralError as e:
+        if is_infra(e):
+            raise
+        res.status, res.reward, res.error_code = "no_reward", 0.0, e.code
+        res.error = f"the verifier could not run in what the agent left: {e.message}"
+
+
+async def _run_verifier(sb: AsyncSandbox, task: TaskDir, workdir: str,
+                        res: TrialResult) -> None:
     user = task.verifier_user or "root"
-    # Every process the agent left is killed first (kill(-1) as root signals all but this
-    # shell and init; a fork racing it is refused by the kernel), so nothing of the agent's
-    # runs while the verifier does: no writer re-planting a reward, no test swapped mid-run.
-    await _root(sb, "kill -9 -1 2>/dev/null; true")
-    await _root(sb, f"rm -rf /tests {VERIFIER_LOGS} && mkdir -p /tests {VERIFIER_LOGS} && "
-                    f"chmod 0777 {VERIFIER_LOGS}")
+    # Every process the agent left is killed first, so nothing of the agent's runs while the
+    # verifier does: no writer re-planting a reward, no test swapped mid-run.
+    await _after_agent(sb, KILL_ALL)
+    await _after_agent(sb, f"rm -rf /tests {VERIFIER_LOGS} && mkdir -p /tests {VERIFIER_LOGS} "
+                           f"&& chmod 0777 {VERIFIER_LOGS}")
     await sb.files.upload(task.tests_dir, "/tests")
     r = await sb.exec(["bash", "/tests/test.sh"], timeout=task.verifier_timeout,
                       env=task.verifier_env or None, user=user, cwd=workdir)
     res.verifier_exit_code = r.exit_code
     res.verifier_timed_out = r.timed_out
     res.verifier_output_tail = (r.stdout + r.stderr)[-2000:]
+    # What the verifier started (it may run the agent's code) ends before the reward is read.
+    await _after_agent(sb, KILL_ALL)
     rewards = await _rewards(sb)
     if rewards is None:
         res.status, res.reward = "no_reward", 0.0
@@ -297,12 +339,15 @@ async def _rewards(sb: AsyncSandbox) -> dict[str, float] | None:
         parsed = json.loads(await sb.files.read(f"{VERIFIER_LOGS}/reward.json"))
         if isinstance(parsed, dict):
             out = {str(k): float(v) for k, v in parsed.items()
-                   if isinstance(v, int | float) and not isinstance(v, bool)}
-    except (ce.FileNotFound, ValueError):
+                   if isinstance(v, int | float) and not isinstance(v, bool)
+                   and math.isfinite(v)}
+    except (ce.FileNotFound, ValueError, OverflowError):
         pass
     if "reward" not in out:
         try:
-            out["reward"] = float((await sb.files.read(f"{VERIFIER_LOGS}/reward.txt")).strip())
+            got = float((await sb.files.read(f"{VERIFIER_LOGS}/reward.txt")).strip())
+            if math.isfinite(got):  # NaN or inf is no reward (nor valid JSON in the results)
+                out["reward"] = got
         except (ce.FileNotFound, ValueError):
             pass
     return out or None
