@@ -88,6 +88,19 @@ def test_async_tools() -> None:
     asyncio.run(main())
 
 
+def test_a_score_is_a_finite_number_of_a_script_that_succeeded(sb: corral.Sandbox) -> None:
+    """The scoring script may run the agent's code, which may print: a number printed by a
+    script that then failed was its score (an agent's wrong answer that printed 1 scored 1),
+    and inf or NaN were scores too (NaN reads as masked in TRL)."""
+    from corral.rl.episode import score
+    from corral.rl.task import Task
+
+    for script, want in (("echo 0.5", 0.5), ("echo 1; exit 1", 0.0), ("echo inf", 0.0),
+                         ("echo nan", 0.0), ("echo -1e999", 0.0), ("true", 1.0),
+                         ("echo not a number", 1.0), ("exit 3", 0.0)):
+        assert score(sb, Task(score=script, cwd="/")) == want, script
+
+
 def test_parse_tool_calls() -> None:
     text = ('thinking <tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'
             "<tool_call>oops</tool_call>")

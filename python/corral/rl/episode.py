@@ -9,6 +9,7 @@ rewound, same id), which costs less than a new sandbox plus the old one's kill.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Mapping
 from typing import Any
@@ -72,21 +73,25 @@ def discard(sb: corral.Sandbox | None) -> None:
 
 def score(sb: corral.Sandbox, task: Task) -> float:
     """Run the scoring script as root from a file written for this run and removed after it,
-    so the agent never finds it between steps. Its last line of output is the score; a script
-    that prints no number scores 1.0 on exit 0, else 0.0."""
+    so the agent never finds it between steps. A script that fails (exits non-zero) scores
+    0.0, whatever it printed (the agent's code it runs may print a number); one that exits 0
+    scores the finite number on its last line of output, else 1.0."""
     path = f"/tmp/.corral-score-{secrets.token_hex(8)}"
     sb.files.write(path, task.score, mode=0o700)
     try:
         r = sb.exec(["/bin/sh", path], timeout=task.score_timeout, cwd=task.cwd)
     finally:
         sb.files.remove(path)
+    if not r.ok:
+        return 0.0
     lines = [x for x in r.stdout.strip().splitlines() if x.strip()]
     if lines:
         try:
-            return float(lines[-1])
+            got = float(lines[-1])
         except ValueError:
-            pass
-    return 1.0 if r.ok else 0.0
+            return 1.0
+        return got if math.isfinite(got) else 0.0  # NaN would be read as masked, inf as won
+    return 1.0
 
 
 def is_infra(e: ce.CorralError) -> bool:

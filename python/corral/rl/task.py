@@ -4,8 +4,10 @@ The start state is built once per task and kept as a corral snapshot named after
 recipe (image, files, setup), shared by every environment of the task, so a reset restores
 files instead of rebuilding them. The scoring script runs as root after the agent's command
 (every step, or only at the end with ``score_every_step=False``) from a file written just for
-that run and removed after it, so the agent never sees it between steps. Its last line of
-output is the score (a number); a script that prints no number scores 1.0 for exit 0, else 0.0.
+that run and removed after it, so the agent never sees it between steps. A script that exits
+non-zero scores 0.0; one that exits 0 scores the finite number on its last line of output, else
+1.0. It runs in the agent's sandbox: an agent running as root (``user=None``) can change what
+it runs on (the shell, the interpreter); give the agent a ``user`` for training.
 """
 
 from __future__ import annotations
