@@ -68,6 +68,24 @@ def test_bad_calls_are_answered(sb: corral.Sandbox) -> None:
     assert sb.files.read("/w/dup") == "a a"
 
 
+def test_a_huge_file_the_agent_made_is_not_read_into_the_trainer(sb: corral.Sandbox) -> None:
+    """A sparse GiB costs the agent nothing to make; read_file read it whole into the
+    trainer's memory (+3 GiB of RSS) to show 16 KiB of it. Past MAX_FILE_BYTES, read_file and
+    str_replace answer an error the model can act on, having read that much at most."""
+    import resource
+
+    sb.exec("mkdir -p /w && truncate -s 1G /w/huge && printf a > /w/small").check()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for c in (call("read_file", path="/w/huge"),
+              call("str_replace", path="/w/huge", old_str="x", new_str="y")):
+        r = tools.execute(sb, c)
+        assert r.is_error and not r.infra and "bigger than" in r.content, r.content
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 64 << 10, grown_kib  # a few reads of MAX_FILE_BYTES, not a GiB
+    assert tools.execute(sb, call("read_file", path="/w/small")).content == "a"
+    assert sb.files.stat("/w/huge").size == 1 << 30  # untouched
+
+
 def test_infra_failure_is_flagged(sb: corral.Sandbox) -> None:
     corral.Sandbox.from_id(sb.id).kill()  # from outside the agent loop
     r = tools.execute(sb, call("bash", command="echo hi"))

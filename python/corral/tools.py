@@ -22,6 +22,9 @@ from corral.sdk.async_sandbox import AsyncSandbox
 from corral.sdk.sandbox import Sandbox
 
 MAX_OUTPUT = 16384        # characters of a result shown to the model (the end is kept)
+# The biggest file read_file and str_replace read: a file the agent made (a sparse GiB is
+# free to make) is read into the trainer's memory, and only MAX_OUTPUT of it is shown.
+MAX_FILE_BYTES = 4 << 20
 DEFAULT_TIMEOUT = 60.0
 MAX_TIMEOUT = 600.0
 
@@ -117,6 +120,15 @@ def _bash_text(stdout: str, stderr: str, code: int, timed_out: bool) -> str:
     return _tail(out + ("" if not out or out.endswith("\n") else "\n") + note)
 
 
+def _text(data: bytes, path: str) -> str:
+    """A file read with ``max_bytes=MAX_FILE_BYTES + 1``, as text; a bigger one is the
+    model's error."""
+    if len(data) > MAX_FILE_BYTES:
+        raise _BadCall(f"{path} is bigger than {MAX_FILE_BYTES} bytes: look at parts of it with "
+                       "bash (head, tail, grep, sed)")
+    return data.decode("utf-8", "replace")
+
+
 def _replace(text: str, old: str, new: str, path: str) -> str:
     if not old:
         raise _BadCall("old_str must not be empty")
@@ -146,13 +158,15 @@ def execute(sb: Sandbox, call: Mapping[str, Any]) -> ToolResult:
                               call_id=cid)
         path = _str(args, "path")
         if name == "read_file":
-            return ToolResult(name, _tail(sb.files.read(path)), call_id=cid)
+            data = sb.files.read_bytes(path, max_bytes=MAX_FILE_BYTES + 1)
+            return ToolResult(name, _tail(_text(data, path)), call_id=cid)
         if name == "write_file":
             sb.files.write(path, _str(args, "content"))
             return ToolResult(name, f"wrote {path}", call_id=cid)
         old, new = _str(args, "old_str"), _str(args, "new_str")
         mode = sb.files.stat(path).mode
-        sb.files.write(path, _replace(sb.files.read(path), old, new, path), mode=mode)
+        text = _text(sb.files.read_bytes(path, max_bytes=MAX_FILE_BYTES + 1), path)
+        sb.files.write(path, _replace(text, old, new, path), mode=mode)
         return ToolResult(name, f"replaced 1 occurrence in {path}", call_id=cid)
     except (_BadCall, ce.CorralError) as e:
         return _failed(name, cid, e)
@@ -169,14 +183,15 @@ async def aexecute(sb: AsyncSandbox, call: Mapping[str, Any]) -> ToolResult:
                               call_id=cid)
         path = _str(args, "path")
         if name == "read_file":
-            return ToolResult(name, _tail(await sb.files.read(path)), call_id=cid)
+            data = await sb.files.read_bytes(path, max_bytes=MAX_FILE_BYTES + 1)
+            return ToolResult(name, _tail(_text(data, path)), call_id=cid)
         if name == "write_file":
             await sb.files.write(path, _str(args, "content"))
             return ToolResult(name, f"wrote {path}", call_id=cid)
         old, new = _str(args, "old_str"), _str(args, "new_str")
         mode = (await sb.files.stat(path)).mode
-        text = _replace(await sb.files.read(path), old, new, path)
-        await sb.files.write(path, text, mode=mode)
+        text = _text(await sb.files.read_bytes(path, max_bytes=MAX_FILE_BYTES + 1), path)
+        await sb.files.write(path, _replace(text, old, new, path), mode=mode)
         return ToolResult(name, f"replaced 1 occurrence in {path}", call_id=cid)
     except (_BadCall, ce.CorralError) as e:
         return _failed(name, cid, e)
