@@ -35,12 +35,17 @@ On the TCP listener (the local socket is root's, not guarded):
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
+import fcntl
 import ipaddress
 import itertools
 import logging
+import math
 import socket
+import termios
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -57,6 +62,23 @@ KEEPALIVE_S = 75.0
 SEND_TIMEOUT_S = 120.0
 DEFAULT_MAX_CONNECTIONS = 4096  # above the SDK's pool (2048 connections an endpoint)
 SWEEP_S = 0.2  # after the unauthenticated caps were passed, they are enforced
+# A connection this young is closed only when nothing older can be: a client sends its request
+# within it, however busy this host is (at 0.2 s, a loaded host's clients lost new
+# connections to a squatter's reconnects).
+GRACE_S = 1.0
+
+
+def _unread(transport: asyncio.BaseTransport) -> bool:
+    """Bytes in the connection's socket that this process has not read yet."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    buf = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf)
+    except OSError:
+        return False
+    return buf[0] > 0
 
 
 def source_of(peer: Any) -> str:
@@ -75,37 +97,39 @@ def source_of(peer: Any) -> str:
 
 
 class _Waiting:
-    """Unauthenticated connections (of one source, or of all), the oldest first: those that
-    have sent nothing yet, then those that have sent something."""
+    """Unauthenticated connections (of one source, or of all), the oldest first, with when
+    each opened: those that have sent nothing yet, then those that have sent something."""
 
     def __init__(self) -> None:
-        self.silent: collections.OrderedDict[asyncio.BaseTransport, None] = \
+        self.silent: collections.OrderedDict[asyncio.BaseTransport, float] = \
             collections.OrderedDict()
-        self.heard: collections.OrderedDict[asyncio.BaseTransport, None] = \
+        self.heard: collections.OrderedDict[asyncio.BaseTransport, float] = \
             collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self.silent) + len(self.heard)
 
-    def add(self, transport: asyncio.BaseTransport) -> None:
-        self.silent[transport] = None
+    def add(self, transport: asyncio.BaseTransport, at: float) -> None:
+        self.silent[transport] = at
 
     def hear(self, transport: asyncio.BaseTransport) -> None:
         if transport in self.silent:
-            del self.silent[transport]
-            self.heard[transport] = None
+            self.heard[transport] = self.silent.pop(transport)
 
     def remove(self, transport: asyncio.BaseTransport) -> None:
         self.silent.pop(transport, None)
         self.heard.pop(transport, None)
 
-    def victim(self, spare: asyncio.BaseTransport | None = None
-               ) -> asyncio.BaseTransport | None:
-        """The one to close first (never ``spare``): the oldest silent, else the oldest."""
+    def victim(self, spare: asyncio.BaseTransport | None = None,
+               before: float = math.inf) -> asyncio.BaseTransport | None:
+        """The one to close first (never ``spare``), opened before ``before``: the oldest
+        silent, else the oldest that has sent something."""
         for group in (self.silent, self.heard):
             for t in itertools.islice(group, 2):  # spare is one of them at most
                 if t is not spare:
-                    return t
+                    if group[t] < before:
+                        return t
+                    break  # the rest of the group is younger (heard: near enough)
         return None
 
 
@@ -116,7 +140,8 @@ class TcpGuard:
     def __init__(self, max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  headers_s: float = HEADERS_S, send_timeout_s: float = SEND_TIMEOUT_S,
                  per_tenant: int | None = None, max_unauthenticated: int | None = None,
-                 per_source: int | None = None, sweep_s: float = SWEEP_S) -> None:
+                 per_source: int | None = None, sweep_s: float = SWEEP_S,
+                 grace_s: float = GRACE_S) -> None:
         self.max_connections = max_connections
         self.per_tenant = max(1, max_connections // 2) if per_tenant is None else per_tenant
         self.max_unauthenticated = (max(1, max_connections // 4)
@@ -128,7 +153,7 @@ class TcpGuard:
         self.over_share = 0  # closed: its tenant held its share
         self.headers_s = headers_s
         self.send_timeout_ms = max(1, int(send_timeout_s * 1000))
-        self.sweep_s = sweep_s
+        self.sweep_s, self.grace_s = sweep_s, grace_s
         self.open = 0
         self.refused = 0   # closed at once: the cap held by authenticated connections
         self.evicted = 0   # unauthenticated, closed to make room for a newer one
@@ -152,14 +177,16 @@ class TcpGuard:
     def opened(self, transport: asyncio.BaseTransport) -> None:
         self.open += 1
         source = source_of(transport.get_extra_info("peername"))
-        self._unauth.add(transport)
-        self._by_source.setdefault(source, _Waiting()).add(transport)
+        now = time.monotonic()
+        self._unauth.add(transport, now)
+        self._by_source.setdefault(source, _Waiting()).add(transport, now)
         self._source[transport] = source
         if self.open - len(self._closing) > self.max_connections:
-            # Full: an unauthenticated connection makes room, the oldest silent one first;
-            # when every other one is authenticated (each tenant within its share), the
-            # new one is refused.
-            victim = self._unauth.victim(spare=transport)
+            # Full: an unauthenticated connection makes room, the oldest silent one first
+            # (past its grace, if any is); when every other one is authenticated (each
+            # tenant within its share), the new one is refused.
+            victim = (self._pick(self._unauth, transport, now - self.grace_s)
+                      or self._pick(self._unauth, transport))
             if victim is None:
                 self.refused += 1
                 if self.refused % 1000 == 1:
@@ -193,11 +220,27 @@ class TcpGuard:
         Run ``sweep_s`` after the caps were passed, so that a client's new connection has
         sent its request by then (its request checked, it is no longer counted)."""
         self._sweep = None
+        before = time.monotonic() - self.grace_s  # the younger are left to a later sweep
         for waiting in [w for w in self._by_source.values() if len(w) > self.per_source]:
-            while len(waiting) > self.per_source and (victim := waiting.victim()):
+            while len(waiting) > self.per_source and (victim := self._pick(waiting, None,
+                                                                           before)):
                 self._evict(victim)
-        while len(self._unauth) > self.max_unauthenticated and (victim := self._unauth.victim()):
+        while len(self._unauth) > self.max_unauthenticated and (
+                victim := self._pick(self._unauth, None, before)):
             self._evict(victim)
+        if len(self._unauth) > self.max_unauthenticated or any(
+                len(w) > self.per_source for w in self._by_source.values()):
+            self._sweep = asyncio.get_running_loop().call_later(self.sweep_s, self.sweep)
+
+    def _pick(self, waiting: _Waiting, spare: asyncio.BaseTransport | None,
+              before: float = math.inf) -> asyncio.BaseTransport | None:
+        """``waiting``'s victim; a silent one whose bytes wait unread (this loop has not got
+        to them yet) has sent something."""
+        while (victim := waiting.victim(spare, before)) is not None:
+            if victim not in waiting.silent or not _unread(victim):
+                return victim
+            self.heard(victim)
+        return None
 
     def _evict(self, transport: asyncio.BaseTransport) -> None:
         self.evicted += 1
