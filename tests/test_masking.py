@@ -363,6 +363,14 @@ def test_a_command_slow_to_die_is_answered_as_killed_without_waiting_for_it():
         sb.kill()
 
 
+def _kernel_says_frozen(sid: str) -> bool:
+    v1 = Path(f"/sys/fs/cgroup/freezer/{CGROUP_NAME}/{sid}/freezer.state")
+    if v1.exists():
+        return v1.read_text().strip() == "FROZEN"
+    events = next(Path("/sys/fs/cgroup").glob(f"**/{CGROUP_NAME}/{sid}/cgroup.events"))
+    return "frozen 1" in events.read_text()
+
+
 def test_a_process_the_agent_left_dying_cannot_fail_a_pause_or_a_snapshot():
     """The freezer cannot freeze a process in its exit, and the exit of one with ~1.5 GiB of
     page tables takes the kernel over 10 s: the agent's own step kills such a process of its
@@ -377,6 +385,7 @@ def test_a_process_the_agent_left_dying_cannot_fail_a_pause_or_a_snapshot():
         pid = int(r.stdout)
         sb.pause()
         assert sb.info().state == "paused"
+        assert _kernel_says_frozen(sb.id)  # not before: a thread in a syscall still writes
         snap = sb.snapshot()
         try:
             sb.resume()

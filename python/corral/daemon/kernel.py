@@ -171,12 +171,10 @@ def proc_alive(pid: int, starttime: int) -> bool:
             and not int(rest[6]) & PF_EXITING)
 
 
-def runs_no_user_code(tid: int) -> bool:
-    """Is thread ``tid`` gone, a zombie, in do_exit (PF_EXITING: it never returns to user
-    space), or asleep uninterruptibly (state D: frozen tasks show so; one in an
-    uninterruptible wait of its own freezes on its way back to user space)?"""
+def exiting(tid: int) -> bool:
+    """Is thread ``tid`` in do_exit (PF_EXITING) or a zombie (False if gone)?"""
     rest = _stat_fields(tid)
-    return rest is None or rest[0] in (b"D", b"Z", b"X") or bool(int(rest[6]) & PF_EXITING)
+    return rest is not None and (rest[0] in (b"Z", b"X") or bool(int(rest[6]) & PF_EXITING))
 
 
 def ns_pid(host_pid: int) -> int:

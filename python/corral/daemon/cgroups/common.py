@@ -61,10 +61,10 @@ def socket_memory(memory_bytes: int) -> int:
 # A fork in a sandbox refused with its processes this close to its pids limit is taken as its
 # own (CgroupManager.pids_at_own_limit), when no count of refusals says so.
 PIDS_SLACK = 2
-# How long a freeze waits for the kernel's word before it also takes "no thread can run user
-# code" for frozen (CgroupManager._held): a freeze of a sandbox without an exiting process
-# ends well within it.
-HELD_AFTER_S = 0.05
+# How long a freeze waits in all while a thread of the sandbox is in its exit (the freezer
+# cannot freeze one, and the exit of a process with GiBs of page tables takes the kernel
+# seconds: 13 s for 1.5 GiB): it makes progress, and it is bounded by the sandbox's memory.
+FREEZE_EXIT_WAIT_S = 120.0
 
 
 def _key_values(text: str) -> dict[str, int]:
@@ -239,7 +239,7 @@ class CgroupManager(abc.ABC):
     _pids_events_own = False
     # Per version: the file a new child joins through, memory usage, OOM kill count.
     _procs_file: str
-    _threads_file: str  # every thread of a cgroup (the freezer's: _held)
+    _threads_file: str  # every thread of a cgroup (the freezer's: _exiting)
     _usage_file: str
     _oom_file: str
 
@@ -656,24 +656,22 @@ class CgroupManager(abc.ABC):
 
     # ---- freezer ---------------------------------------------------------------------------
     def freeze(self, paths: list[str], timeout: float = 5.0) -> None:
-        """Stop every process in the sandbox; returns once the kernel reports it frozen, or
-        once no thread of it can run user code again (``_held``)."""
+        """Stop every process in the sandbox; returns once the kernel reports it frozen. Past
+        ``timeout``, the wait goes on while a thread of the sandbox is in its exit (up to
+        FREEZE_EXIT_WAIT_S): a process the sandbox killed could otherwise fail any pause or
+        snapshot of its own at will. Only the kernel's word counts: a thread asleep in a
+        syscall may still write the sandbox's files until it is frozen."""
         self._set_frozen(self._freezer_path(paths), True)
         self._wait_state(paths, True, timeout)
 
-    def _held(self, paths: list[str]) -> bool:
-        """Frozen in effect, not yet in the kernel's word: the freezer cannot freeze a thread
-        in do_exit, and the exit of a process with GiBs of page tables takes the kernel
-        seconds (13 s measured). A sandbox's code could so fail any pause or snapshot of its
-        own at will. Every thread frozen, asleep in the kernel (it freezes before it gets
-        back to user space) or exiting: nothing of the sandbox runs, and nothing it can
-        still do changes its files."""
+    def _exiting(self, paths: list[str]) -> bool:
+        """A thread of the sandbox is in its exit (or a zombie)."""
         try:
             tids = [int(t) for t in
                     _read(os.path.join(self._freezer_path(paths), self._threads_file)).split()]
         except (OSError, ValueError):
             return False
-        return all(kernel.runs_no_user_code(t) for t in tids)
+        return any(kernel.exiting(t) for t in tids)
 
     def thaw(self, paths: list[str], wait: bool = True, timeout: float = 5.0) -> None:
         try:
@@ -697,8 +695,9 @@ class CgroupManager(abc.ABC):
         delay = 0.0005
         while self.is_frozen(paths) != frozen:
             now = time.monotonic()
-            if frozen and now - start >= HELD_AFTER_S and self._held(paths):
-                return
+            if now >= deadline and frozen and now < start + FREEZE_EXIT_WAIT_S \
+                    and self._exiting(paths):
+                deadline = min(now + 0.5, start + FREEZE_EXIT_WAIT_S)  # look again then
             if now >= deadline:
                 raise TimeoutError(f"cgroup did not become {'frozen' if frozen else 'thawed'}")
             time.sleep(delay)
