@@ -161,3 +161,31 @@ def test_a_young_connection_outlasts_the_squatters_reconnecting_after_it():
         assert sum(not c.shut for c in young) == 1 and not client.shut  # one a source
         assert g.unauthenticated == 2
     asyncio.run(main())
+
+
+def test_connections_being_served_are_never_swept():
+    """A cluster gateway's connections to a node all come from one address, and on a busy
+    node many have sent a request not yet handled: the sweep closed them past the per-source
+    cap, and the gateway's calls failed as sandbox_lost (infra). The sweep closes only
+    connections that sent nothing; one that sent something goes at the hard cap only."""
+    def body() -> None:
+        g = TcpGuard(max_connections=64, headers_s=3600, sweep_s=3600, grace_s=0)
+        gateway = opened(g, 40, "10.0.0.5")
+        for c in gateway:
+            g.heard(c)
+        squat = opened(g, 10, "10.0.0.6")
+        g.sweep()
+        settle(gateway + squat)
+        assert not any(c.shut for c in gateway)
+        assert all(c.shut for c in squat)  # silent, and the unauthenticated past their cap
+        more = opened(g, 30, "10.0.0.7")  # past the hard cap: the oldest silent make room
+        settle(gateway + more)
+        assert g.open == 64 and not any(c.shut for c in gateway)
+        last = []  # each sends its request at once: once none is silent, the oldest that
+        for _ in range(30):  # sent something makes room
+            last += opened(g, 1, "10.0.0.8")
+            g.heard(last[-1])
+            settle(gateway + more + last)
+        assert g.open == 64 and all(c.shut for c in more)
+        assert [c.shut for c in gateway] == [True] * 6 + [False] * 34
+    run(body)

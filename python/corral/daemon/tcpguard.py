@@ -121,10 +121,11 @@ class _Waiting:
         self.heard.pop(transport, None)
 
     def victim(self, spare: asyncio.BaseTransport | None = None,
-               before: float = math.inf) -> asyncio.BaseTransport | None:
+               before: float = math.inf, silent_only: bool = False
+               ) -> asyncio.BaseTransport | None:
         """The one to close first (never ``spare``), opened before ``before``: the oldest
-        silent, else the oldest that has sent something."""
-        for group in (self.silent, self.heard):
+        silent, else (unless ``silent_only``) the oldest that has sent something."""
+        for group in (self.silent,) if silent_only else (self.silent, self.heard):
             for t in itertools.islice(group, 2):  # spare is one of them at most
                 if t is not spare:
                     if group[t] < before:
@@ -215,28 +216,32 @@ class TcpGuard:
             self._by_source[source].hear(transport)
 
     def sweep(self) -> None:
-        """Closes unauthenticated connections past the caps, the oldest silent ones first:
-        each source's past ``per_source``, then all of them past ``max_unauthenticated``.
-        Run ``sweep_s`` after the caps were passed, so that a client's new connection has
-        sent its request by then (its request checked, it is no longer counted)."""
+        """Closes silent unauthenticated connections (they sent nothing) past the caps, the
+        oldest first: each source's past ``per_source``, then all of them past
+        ``max_unauthenticated``. One that has sent something is a client being served (the
+        headers timeout bounds it; a busy node's gateway holds hundreds of those): it is
+        closed only at the hard cap, to let a new connection in. Run ``sweep_s`` after the
+        caps were passed, and never on a connection in its grace."""
         self._sweep = None
         before = time.monotonic() - self.grace_s  # the younger are left to a later sweep
         for waiting in [w for w in self._by_source.values() if len(w) > self.per_source]:
-            while len(waiting) > self.per_source and (victim := self._pick(waiting, None,
-                                                                           before)):
+            while len(waiting) > self.per_source and (
+                    victim := self._pick(waiting, None, before, silent_only=True)):
                 self._evict(victim)
         while len(self._unauth) > self.max_unauthenticated and (
-                victim := self._pick(self._unauth, None, before)):
+                victim := self._pick(self._unauth, None, before, silent_only=True)):
             self._evict(victim)
-        if len(self._unauth) > self.max_unauthenticated or any(
-                len(w) > self.per_source for w in self._by_source.values()):
+        if any(len(w) > self.per_source and w.silent for w in self._by_source.values()) or \
+                (len(self._unauth) > self.max_unauthenticated and self._unauth.silent):
+            # silent ones still in their grace: closed once past it
             self._sweep = asyncio.get_running_loop().call_later(self.sweep_s, self.sweep)
 
     def _pick(self, waiting: _Waiting, spare: asyncio.BaseTransport | None,
-              before: float = math.inf) -> asyncio.BaseTransport | None:
+              before: float = math.inf, silent_only: bool = False
+              ) -> asyncio.BaseTransport | None:
         """``waiting``'s victim; a silent one whose bytes wait unread (this loop has not got
         to them yet) has sent something."""
-        while (victim := waiting.victim(spare, before)) is not None:
+        while (victim := waiting.victim(spare, before, silent_only)) is not None:
             if victim not in waiting.silent or not _unread(victim):
                 return victim
             self.heard(victim)
