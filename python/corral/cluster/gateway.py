@@ -42,6 +42,7 @@ from corral.config import log_retention_from_env
 from corral.daemon import batches
 from corral.daemon.app_errors import ACT_AS_HEADER
 from corral.daemon.bodymem import BodyMemory, check_not_encoded
+from corral.daemon.tcpguard import TcpGuard
 from corral.daemon.tenants import Tenants
 from corral.errors import (
     CapacityExceeded,
@@ -68,6 +69,9 @@ KEYED_CREATES = 100_000
 REPORT_TIMEOUT_S = 2.0
 ADOPT_EVERY_S = 1.0   # autoscaling: how often the gateway looks for nodes Ray added
 MAX_CREATE_BODY = 16 << 20
+# Connections the gateway's listener holds at once (its trainers' SDK pools: up to 2048 an
+# endpoint each); a quarter of them without a token yet (corral.daemon.tcpguard).
+GATEWAY_MAX_CONNECTIONS = 8192
 # Placements a tenant may take in a second to make the sandboxes itself (corral.placing): each
 # counts on its node until that node's next report, though nothing is made yet, so a client
 # asking for placements it never uses could make every node look full. Past this, the
@@ -140,6 +144,8 @@ class Gateway:
         self._shipper: asyncio.Task[None] | None = None
         self._sealing: set[asyncio.Future[Any]] = set()
         self.bodies = BodyMemory()  # request bodies held at once (_body_memory)
+        self.guard = TcpGuard(GATEWAY_MAX_CONNECTIONS)  # the listener's connections (_guarded)
+        self._listener: asyncio.base_events.Server | None = None
 
     # ---- Ray methods ----------------------------------------------------------------------
     async def serve(self, host: str, port: int) -> str:
@@ -147,7 +153,7 @@ class Gateway:
         if self._runner is None:
             _normal_priority()
             app = web.Application(client_max_size=MAX_CREATE_BODY,
-                                  middlewares=[self._body_memory])
+                                  middlewares=[self._guarded, self._body_memory])
             app.router.add_get("/v1/health", self._health)
             app.router.add_get("/v1/cluster", self._status)
             app.router.add_post("/v1/sandboxes", self._create)
@@ -164,7 +170,13 @@ class Gateway:
             app.router.add_route("*", "/{tail:.*}", self._elsewhere)
             self._runner = web.AppRunner(app, access_log=None, auto_decompress=False)
             await self._runner.setup()
-            await web.TCPSite(self._runner, host, port, backlog=4096).start()
+            assert self._runner.server is not None
+            # The listener's connections counted as corrald's are: no token is needed to
+            # connect, and idle half-sent connections held every fd the gateway has.
+            self._listener = await asyncio.get_running_loop().create_server(
+                self.guard.protocol_factory(self._runner.server, access_log=None,
+                                            auto_decompress=False),
+                host, port, backlog=4096, reuse_address=True)
             self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=1024),
@@ -298,6 +310,8 @@ class Gateway:
             await asyncio.to_thread(self.logs.close)
         if self._session is not None:
             await self._session.close()
+        if self._listener is not None:
+            self._listener.close()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -645,6 +659,24 @@ class Gateway:
             await r.read()
 
     # ---- HTTP -----------------------------------------------------------------------------
+    @web.middleware
+    async def _guarded(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """The listener's guard (corral.daemon.tcpguard) learns that a connection asked, and
+        whose it is: the cluster's or a tenant's token marks it authenticated, a tenant's
+        counts against its share of the connections."""
+        self.guard.started(request.transport)
+        if self._authorized(request):
+            self.guard.authenticate(request.transport)
+            tenant = _TENANT.get()
+            if tenant is not None and not self.guard.claim(request.transport, tenant):
+                resp = _error(QuotaExceeded(
+                    f"this tenant holds {self.guard.per_tenant} connections to the gateway, "
+                    "the most one tenant may: reuse them (a smaller connection pool)",
+                    details={"resource": "connections", "max": self.guard.per_tenant}))
+                resp.force_close()
+                return resp
+        return await handler(request)
+
     @web.middleware
     async def _body_memory(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Every body the gateway takes is read whole (creates, batches, forks, pulls): an
