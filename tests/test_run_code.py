@@ -692,14 +692,15 @@ def test_full_pool_says_capacity_exceeded_and_stop_leaves_nothing():
 
 
 RC_ADMIN = "rc-admin-token-0123456789"
-RC_TOKENS = {"alice": "rc-alice-token-0123456789", "bob": "rc-bob-token-0123456789"}
+RC_TOKENS = {"alice": "rc-alice-token-0123456789", "bob": "rc-bob-token-0123456789",
+             "carol": "rc-carol-token-0123456789"}
 SLEEP_A = "import time; time.sleep(1); print('a')"
 
 
 @contextlib.contextmanager
 def _tenant_clients(**env: str) -> Iterator[dict[str, httpx.Client]]:
-    """A daemon of its own on TCP with two tenants (one slot, a queue of 8): their clients and
-    the admin's."""
+    """A daemon of its own on TCP with three tenants (one slot, a queue of 7): their clients
+    and the admin's."""
     tokdir = tempfile.mkdtemp(prefix="corral-test-rct-tok-", dir="/var/tmp")
     tokens = os.path.join(tokdir, "tokens.json")
     Path(tokens).write_text(json.dumps(RC_TOKENS))
@@ -710,7 +711,7 @@ def _tenant_clients(**env: str) -> Iterator[dict[str, httpx.Client]]:
         with private_daemon("corral-test-rct-", cg, CORRAL_TCP=f"127.0.0.1:{port}",
                             CORRAL_TOKEN=RC_ADMIN, CORRAL_TOKENS=tokens,
                             CORRAL_RUNCODE_SLOTS="1", CORRAL_RUNCODE_ZYGOTES="1",
-                            CORRAL_RUNCODE_MAX_QUEUE="8", **env):
+                            CORRAL_RUNCODE_MAX_QUEUE="7", **env):
             for who, tok in (("admin", RC_ADMIN), *RC_TOKENS.items()):
                 clients[who] = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120,
                                             headers={"Authorization": f"Bearer {tok}"})
@@ -731,12 +732,13 @@ def test_one_tenants_run_code_neither_locks_out_nor_queues_ahead_of_another():
     """A tenant held every slot and the whole queue (two batches of 1,024 snippets of up to
     300 s): every other tenant's run_code was capacity_exceeded until they drained, hours
     later, and a request that got in waited behind all of them. A tenant's requests hold at
-    most half of a pool's slots and queue (more is quota_exceeded, its own); the slots go to
-    the tenants by turns."""
+    most an equal share of a pool's slots and queue among the tenants using it and one more
+    (half when alone; more is quota_exceeded, its own), so a third tenant finds room however
+    the two others fill theirs; the slots go to the tenants by turns."""
     with _tenant_clients() as c:
         assert c["bob"].post("/v1/run_code", json={"code": "print(0)"}).status_code == 200
         r = c["alice"].post("/v1/run_code/batch",
-                            json={"requests": [{"code": "print(1)"}] * 5})  # half of 1 + 8: 4
+                            json={"requests": [{"code": "print(1)"}] * 5})  # half of 1 + 7: 4
         expect_error(r, "quota_exceeded", 429)
         assert r.json()["error"]["details"]["resource"] == "run_code"
         assert _pool(c["admin"])["queued"] == 0  # the refused batch took no place
@@ -753,6 +755,26 @@ def test_one_tenants_run_code_neither_locks_out_nor_queues_ahead_of_another():
         finally:
             t.join(60)
         assert [x["stdout"] for x in out[0].json()["results"]] == ["a\n"] * 4
+        # Alice and bob both in: a third of 8 each (half each, 4 and 4, filled the pool), and
+        # carol finds room.
+        slow = "import time; time.sleep(3); print('s')"
+        held = [threading.Thread(target=lambda who=who, n=n: out.append(c[who].post(
+            "/v1/run_code/batch", json={"requests": [{"code": slow}] * n})))
+            for who, n in (("alice", 4), ("bob", 2))]
+        held[0].start()
+        try:
+            assert wait_until(lambda: _pool(c["admin"])["queued"] == 3, timeout=30)
+            r = c["bob"].post("/v1/run_code/batch", json={"requests": [{"code": slow}] * 3})
+            expect_error(r, "quota_exceeded", 429)
+            held[1].start()
+            assert wait_until(lambda: _pool(c["admin"])["queued"] == 5, timeout=30)
+            r = c["carol"].post("/v1/run_code", json={"code": "print('c')"})
+            assert r.status_code == 200 and r.json()["stdout"] == "c\n", r.text
+        finally:
+            for h in held:
+                if h.ident is not None:
+                    h.join(60)
+        assert sorted(len(x.json()["results"]) for x in out[1:]) == [2, 4]
 
 
 def test_run_code_a_client_left_is_not_run_and_a_stop_with_a_queue_leaves_nothing():

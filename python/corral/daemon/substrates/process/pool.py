@@ -40,9 +40,6 @@ log = logging.getLogger("corral.runcode")
 
 UID_BASE = 2_100_000_000   # slot uids: owned by nothing on the host
 START_TIMEOUT_S = 60.0
-# The most of a pool's slots and queue one tenant's requests hold at once: another tenant
-# always finds room, and its requests wait behind one of this tenant's at a time (FairSlots).
-TENANT_SHARE = 0.5
 ANSWER_GRACE_S = 10.0      # beyond a request's timeout before its zygote counts as hung
 # What a fork costs grows with the zygote's anonymous memory and its mappings (page tables
 # copied at the fork, torn down at the child's exit): measured per module, these are cheap
@@ -655,7 +652,7 @@ class Pool:
     free: FairSlots[tuple[int, int]] = field(default_factory=FairSlots)
     waiting: int = 0  # admitted, not yet given a slot
     # A tenant's requests admitted and not yet answered (admin requests, None, are not
-    # counted): at most TENANT_SHARE of the pool's slots and queue.
+    # counted): an equal share of the pool's slots and queue (tenant_cap).
     held: collections.Counter[str] = field(default_factory=collections.Counter)
     busy: int = 0
     started: int = 0
@@ -687,19 +684,24 @@ class Pool:
     def slots(self) -> int:
         return len(self.zygotes) * self.service.settings.slots
 
-    def tenant_cap(self) -> int:
-        return max(1, int(TENANT_SHARE * (self.slots + self.service.settings.max_queue)))
+    def tenant_cap(self, tenant: str | None = None) -> int:
+        """The most of the pool's slots and queue ``tenant``'s requests may hold: an equal
+        share among the tenants holding some and one more (a half when it is alone), so that
+        a tenant holding none always finds room, however many hold their share."""
+        others = sum(1 for t in self.held if t != tenant)
+        return max(1, int((self.slots + self.service.settings.max_queue) / (others + 2)))
 
     def admit(self, n: int = 1, tenant: str | None = None) -> None:
         """Take ``n`` places in the queue for ``tenant``'s requests (all or none, before any
         await: two batches cannot both pass one check); each request's ``run`` gives its
         place up (``admitted=True``), else ``unadmit``."""
-        if tenant is not None and self.held[tenant] + n > self.tenant_cap():
+        cap = self.tenant_cap(tenant)
+        if tenant is not None and self.held[tenant] + n > cap:
             raise QuotaExceeded(
                 f"run_code {self.name}: this tenant has {self.held[tenant]} requests running "
-                f"or waiting, at most {self.tenant_cap()} at once; try again later",
-                details={"resource": "run_code", "held": self.held[tenant],
-                         "limit": self.tenant_cap()})
+                f"or waiting, at most {cap} at once while {len(self.held)} tenants use the "
+                "pool; try again later",
+                details={"resource": "run_code", "held": self.held[tenant], "limit": cap})
         room = self.service.settings.max_queue + self.free.qsize() - self.waiting
         if n > room:
             raise CapacityExceeded(
