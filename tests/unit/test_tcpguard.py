@@ -189,3 +189,28 @@ def test_connections_being_served_are_never_swept():
         assert g.open == 64 and all(c.shut for c in more)
         assert [c.shut for c in gateway] == [True] * 6 + [False] * 34
     run(body)
+
+
+def test_two_tenants_holding_every_connection_leave_room_for_a_third():
+    """Two tenants within their halves held every connection: a third's new ones were closed
+    at once. The tenant holding more than an equal share among the tenants and one more
+    gives up its oldest idle connection (one with a request in it is never closed)."""
+    def body() -> None:
+        g = TcpGuard(max_connections=8, headers_s=3600, sweep_s=3600, grace_s=0)
+        a, b = opened(g, 4), opened(g, 4)
+        for c, who in [(c, "a") for c in a] + [(c, "b") for c in b]:
+            g.authenticate(c)
+            assert g.claim(c, who)
+        g._busy[a[0]] += 1  # a request in it
+        carol = Conn(g, "10.0.0.3")
+        g.opened(carol)
+        assert not carol.shut and g.refused == 0
+        assert not a[0].shut and a[1].shut and not any(c.shut for c in b)
+        settle(a + b)
+        g.authenticate(carol)
+        assert g.claim(carol, "carol") and g.open == 8
+        g._busy.clear()
+        late = Conn(g, "10.0.0.4")  # a, b and carol hold 3, 4, 1 of 8: b's oldest idle goes
+        g.opened(late)
+        assert not late.shut and b[0].shut
+    run(body)

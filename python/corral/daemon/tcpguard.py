@@ -158,6 +158,8 @@ class TcpGuard:
         self.open = 0
         self.refused = 0   # closed at once: the cap held by authenticated connections
         self.evicted = 0   # unauthenticated, closed to make room for a newer one
+        self.idle_closed = 0  # a tenant's idle ones, closed to make room for another's
+        self._busy: collections.Counter[asyncio.BaseTransport] = collections.Counter()
         self.too_slow = 0  # closed: no request within headers_s
         self._timers: dict[asyncio.BaseTransport, asyncio.TimerHandle] = {}
         # The unauthenticated: all of them, by source, and each one's source.
@@ -184,18 +186,21 @@ class TcpGuard:
         self._source[transport] = source
         if self.open - len(self._closing) > self.max_connections:
             # Full: an unauthenticated connection makes room, the oldest silent one first
-            # (past its grace, if any is); when every other one is authenticated (each
-            # tenant within its share), the new one is refused.
+            # (past its grace, if any is); when every other one is authenticated, an idle one
+            # of the tenant holding more than its share; else the new one is refused.
             victim = (self._pick(self._unauth, transport, now - self.grace_s)
                       or self._pick(self._unauth, transport))
-            if victim is None:
+            if victim is not None:
+                self._evict(victim)
+            elif (idle := self._idle_of_the_most()) is not None:
+                self._close(idle)
+            else:
                 self.refused += 1
                 if self.refused % 1000 == 1:
                     log.warning("TCP connection refused: %d open, the most the daemon takes "
                                 "(%d refused so)", self.max_connections, self.refused)
                 self._close(transport)
                 return
-            self._evict(victim)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -283,6 +288,24 @@ class TcpGuard:
             if not self.held[tenant]:
                 del self.held[tenant]
 
+    def _idle_of_the_most(self) -> asyncio.BaseTransport | None:
+        """Every connection authenticated: the oldest idle one (no request in it, nothing
+        unread) of the tenant holding the most, if it holds more than an equal share among
+        the tenants and one more. Two tenants within their halves held every connection, and
+        a third's new ones were closed at once; an idle kept-alive connection is one a
+        client opens again when it needs it."""
+        if not self.held:
+            return None
+        tenant, n = max(self.held.items(), key=lambda kv: kv[1])
+        if n <= self.max_connections / (len(self.held) + 1):
+            return None
+        for t, owner in self.owner.items():  # the oldest first
+            if owner == tenant and not self._busy.get(t) and t not in self._closing \
+                    and not _unread(t):
+                self.idle_closed += 1
+                return t
+        return None
+
     def claim(self, transport: asyncio.BaseTransport | None, tenant: str) -> bool:
         """The connection's first tenant request: count it against ``tenant``'s share. False:
         the tenant holds its share already (the caller refuses the request and closes)."""
@@ -332,7 +355,16 @@ class TcpGuard:
                     details={"resource": "connections", "max": self.per_tenant}))
                 resp.force_close()
                 return resp
-            return await handler(request)
+            t = request.transport
+            if t is None:
+                return await handler(request)
+            self._busy[t] += 1  # not idle: never closed to make room while it is asked
+            try:
+                return await handler(request)
+            finally:
+                self._busy[t] -= 1
+                if not self._busy[t]:
+                    del self._busy[t]
         return mark
 
     def protocol_factory(self, server: web.Server,
