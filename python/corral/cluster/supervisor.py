@@ -206,18 +206,20 @@ class NodeSupervisor:
                 "snapshots": self._listed("snapshots", "id")}
 
     def _refresh_peers(self) -> None:
-        """The cluster's node addresses as corrald's live blocked list, written when it
-        differs (nodes came or went, corrald started again): checked at most every
-        PEERS_EVERY_S, at a load report."""
+        """The cluster's node addresses in corrald's live blocked list, written when they
+        differ (nodes came or went, corrald started again): checked at most every
+        PEERS_EVERY_S, at a load report. Entries an admin added are kept: only the addresses
+        of nodes that left are taken out."""
         now = time.monotonic()
         if now - self._peers_at < PEERS_EVERY_S:
             return
         self._peers_at = now
         try:
             peers = cluster_addresses()
-            live = _get(self.paths.socket, "/v1/network/blocked")["live"]
-            if sorted(live) != sorted(f"{p}/{32 if ':' not in p else 128}" for p in peers):
-                _put(self.paths.socket, "/v1/network/blocked", {"blocked": peers})
+            live = set(_get(self.paths.socket, "/v1/network/blocked")["live"])
+            want = (live - {_cidr(p) for p in self._peers}) | {_cidr(p) for p in peers}
+            if want != live:
+                _put(self.paths.socket, "/v1/network/blocked", {"blocked": sorted(want)})
             self._peers = peers
         except Exception:  # noqa: BLE001 - tried again at the next report; never fails one
             log.warning("could not update the blocked cluster addresses", exc_info=True)
@@ -306,3 +308,8 @@ def start_supervisor(cluster: str, token: str, node: dict[str, Any], deploy: dic
     ).remote(cluster, nid, node["NodeManagerAddress"], token, deploy["state_root"],
              deploy["run_dir"], deploy.get("max_sandboxes", 0), labels,
              deploy.get("tokens_file") or "")
+
+
+def _cidr(address: str) -> str:
+    """An address as corrald's blocked list shows it."""
+    return f"{address}/{32 if ':' not in address else 128}"
