@@ -103,6 +103,45 @@ def test_each_node_runs_its_own_corrald(cluster):
         assert code == 401, body
 
 
+def test_a_nodes_corrald_that_dies_comes_back_with_its_sandboxes(cluster, gateway):
+    """A node's corrald killed (a crash, an OOM kill) left its sandboxes running unseen for
+    good: the node was never marked lost, its capacity gone, and a cluster stop left them
+    too. Its keeper starts it again on its state dir: the sandbox is adopted and runs on."""
+    token = endpoint_mod._tokens[gateway.url]
+    d = next(iter(cluster["nodes"].values()))
+
+    def corrald() -> int:
+        kids = Path(f"/proc/{d['keeper_pid']}/task/{d['keeper_pid']}/children").read_text()
+        return int(kids.split()[0]) if kids.split() else 0
+
+    def back(first: int) -> bool:
+        try:
+            return corrald() not in (0, first) and \
+                _get(d["endpoint"] + "/v1/sandboxes/" + sid, token)[0] == 200
+        except OSError:  # refused while it starts
+            return False
+
+    def post(path: str, body: dict, method: str = "POST") -> dict:
+        req = urllib.request.Request(d["endpoint"] + path, method=method,
+                                     data=json.dumps(body).encode())
+        req.add_header("Authorization", f"Bearer {token}")
+        req.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    sid = post("/v1/sandboxes", {})["id"]
+    try:
+        post(f"/v1/sandboxes/{sid}/exec", {"cmd": "sleep 600 >/dev/null 2>&1 &"})
+        first = corrald()
+        os.kill(first, signal.SIGKILL)
+        assert wait_until(lambda: back(first), timeout=90)
+        assert _get(d["endpoint"] + "/v1/sandboxes/" + sid, token)[1]["state"] == "running"
+        ps = post(f"/v1/sandboxes/{sid}/exec", {"cmd": "ps -e -o args"})["stdout"]
+        assert "sleep 600" in ps, ps  # the same sandbox, adopted
+    finally:
+        post(f"/v1/sandboxes/{sid}", {}, method="DELETE")
+
+
 def test_no_sandbox_reaches_a_node_of_the_cluster(cluster, gateway):
     """Every node's corrald blocks every Ray node's address for its sandboxes, whatever
     their policy (Ray's ports take commands from anyone); a list changed behind the

@@ -6,7 +6,10 @@ its raylet dies, the pipe reaches EOF and the keeper stops corrald with SIGTERM 
 destroys every sandbox of the node). If the keeper itself is killed, corrald gets SIGTERM from
 the kernel (PR_SET_PDEATHSIG), so the node's sandboxes never run on unseen. (The pipe, not a
 death signal, ties the keeper to the supervisor: a death signal follows the thread that forked,
-and Ray decides which thread runs an actor's methods.)
+and Ray decides which thread runs an actor's methods.) If corrald dies (a crash, an OOM kill,
+a kill -9), the keeper starts it again on its state dir (0.5 s, doubling to 30 s while it keeps
+dying young), and it adopts the node's sandboxes as a single machine's restart does; a
+supervisor gone while corrald is down gets it started once more, to end them.
 
 ``--detach`` first: the keeper leaves the actor's process tree (it forks, writes its pid on
 stdout and the parent exits; the keeper starts a session of its own). Ray SIGKILLs what stays
@@ -20,11 +23,15 @@ import ctypes
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 120.0  # corrald destroys every sandbox on SIGTERM; then SIGKILL
+# corrald started again after it died: 1 s, doubling to 30 s while it keeps dying young.
+RESTART_MIN_S, RESTART_MAX_S = 0.5, 30.0
 
 
 def _die_with_parent() -> None:
@@ -54,22 +61,61 @@ def _normal_priority() -> None:
         pass  # not permitted: corrald runs as the raylet made it
 
 
+def _start(argv: list[str]) -> subprocess.Popen[bytes]:
+    # The keeper is single-threaded, so the child's PDEATHSIG follows the keeper's life.
+    return subprocess.Popen([sys.executable, "-m", "corral.daemon", *argv],
+                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--detach"]:
         _detach()
         argv = argv[1:]
     _normal_priority()
-    # The keeper is single-threaded, so the child's PDEATHSIG follows the keeper's life.
-    daemon = subprocess.Popen([sys.executable, "-m", "corral.daemon", *argv],
-                              stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    daemon = [_start(argv)]
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: _stop(daemon))
+        signal.signal(sig, lambda *_: _stop(daemon[0]))
     stdin = sys.stdin.fileno()
-    while daemon.poll() is None:
+    backoff, born = RESTART_MIN_S, time.monotonic()
+    while True:
         ready, _, _ = select.select([stdin], [], [], 1.0)
         if ready and not os.read(stdin, 4096):  # EOF: the supervisor is gone
             break
-    return _stop(daemon)
+        if daemon[0].poll() is None:
+            continue
+        # corrald died (a crash, an OOM kill, a kill -9): its sandboxes run on unseen, its
+        # node out of placement. Started again on its state dir, it adopts them (or ends
+        # those that died), as a single machine's restart does.
+        lived = time.monotonic() - born
+        backoff = RESTART_MIN_S if lived > RESTART_MAX_S else min(RESTART_MAX_S, backoff * 2)
+        print(f"corral keeper: corrald exited ({daemon[0].returncode}) after {lived:.0f} s; "
+              f"starting it again in {backoff:g} s", file=sys.stderr, flush=True)
+        ready, _, _ = select.select([stdin], [], [], backoff)
+        if ready and not os.read(stdin, 4096):
+            break
+        daemon[0], born = _start(argv), time.monotonic()
+    if daemon[0].poll() is not None:
+        # The supervisor is gone with corrald down: start it once more to end the node's
+        # sandboxes (a stop of corrald destroys them), so nothing runs on unseen.
+        daemon[0] = _start(argv)
+        _wait_up(daemon[0], argv)
+    return _stop(daemon[0])
+
+
+def _wait_up(daemon: subprocess.Popen[bytes], argv: list[str]) -> None:
+    """Until corrald answers on its socket (its state recovered) or dies, at most a minute."""
+    sock = argv[argv.index("--socket") + 1] if "--socket" in argv[:-1] else None
+    deadline = time.monotonic() + 60
+    while daemon.poll() is None and time.monotonic() < deadline:
+        if sock is None:
+            return
+        with socket.socket(socket.AF_UNIX) as s:
+            try:
+                s.connect(sock)
+                return
+            except OSError:
+                pass
+        time.sleep(0.2)  # polling a socket another process makes, with a deadline
 
 
 def _stop(daemon: subprocess.Popen[bytes]) -> int:
