@@ -861,12 +861,19 @@ class RunCodeService:
             raise InfraError("the daemon is stopping")
         self._starts += 1
         self._no_starts.clear()
-        try:
-            await start
-        finally:
+        task = asyncio.ensure_future(start)
+
+        def ended(t: asyncio.Future[None]) -> None:
+            if not t.cancelled():
+                t.exception()  # seen (its caller may have left): raised to those awaiting
             self._starts -= 1
             if not self._starts:
                 self._no_starts.set()
+
+        task.add_done_callback(ended)
+        # A request that leaves (its client gone) does not cut the start short: its threads
+        # would make the zygote's cgroups after a stop had removed them all.
+        await asyncio.shield(task)
 
     def status(self) -> dict[str, Any]:
         return {"pools": [p.status() for p in self.pools.values()]}
