@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import aiohttp
@@ -17,15 +16,10 @@ from corral.cluster.gateway import Gateway
 from corral.cluster.placement import NodeLoad
 from corral.daemon.bodymem import LIMIT
 
+from .unitkit import free_port
+
 TOKEN = "cluster-token"
 HEADERS = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def test_big_bodies_held_at_once_are_bounded() -> None:
@@ -49,7 +43,7 @@ def test_big_bodies_held_at_once_are_bounded() -> None:
         ep = f"http://127.0.0.1:{runner.addresses[0][1]}"
         gw = Gateway("unit", TOKEN)
         try:
-            url = await gw.serve("127.0.0.1", _free_port())
+            url = await gw.serve("127.0.0.1", free_port())
             gw.nodes["n1"] = NodeLoad(node="n1", endpoint=ep, capacity=1000,
                                       reported_at=time.monotonic())
             gw.nodes_changed()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -21,6 +20,8 @@ from corral import placing
 from corral.cluster.gateway import Gateway
 from corral.cluster.placement import NodeLoad
 from corral.errors import CapacityExceeded
+
+from .unitkit import free_port
 
 TOKEN = "cluster-token"
 
@@ -60,13 +61,6 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 Fixture = tuple[RecordingGateway, str, list[str], Callable[[], None]]
 
 
@@ -77,7 +71,7 @@ async def _gateway(nodes: dict[str, bool]) -> AsyncIterator[Fixture]:
     runners = []
     gw = RecordingGateway()
     try:
-        url = await gw.serve("127.0.0.1", _free_port())
+        url = await gw.serve("127.0.0.1", free_port())
         for name, full in nodes.items():
             runner, ep = await _serve(_node_app(name, full, asked))
             runners.append(runner)

@@ -6,21 +6,15 @@ ones, and a client with the cluster's token is served throughout."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import aiohttp
 
 from corral.cluster.gateway import Gateway
 from corral.daemon.tcpguard import TcpGuard
 
+from .unitkit import free_port
+
 TOKEN = "cluster-token"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def test_silent_connections_cannot_keep_the_gateways_clients_out() -> None:
@@ -28,7 +22,7 @@ def test_silent_connections_cannot_keep_the_gateways_clients_out() -> None:
         gw = Gateway("unit", TOKEN)
         gw.guard = TcpGuard(32, sweep_s=0.05, grace_s=0.1)
         try:
-            url = await gw.serve("127.0.0.1", _free_port())
+            url = await gw.serve("127.0.0.1", free_port())
             port = int(url.rsplit(":", 1)[1])
             squat = [await asyncio.open_connection("127.0.0.1", port) for _ in range(64)]
             await asyncio.sleep(0.5)  # past the grace and the sweep

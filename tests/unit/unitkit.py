@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
@@ -79,3 +80,11 @@ async def tick(clock: ManualClock, seconds: float) -> None:
         clock.advance(due)
         await settle(clock)
     clock.advance(max(0.0, end - clock.monotonic()))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a server under test)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
