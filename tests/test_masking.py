@@ -47,6 +47,7 @@ from corral.errors import (
 from apiclient import client
 from conftest import (
     CGROUP_NAME,
+    STATE_DIR,
     DaemonProcess,
     cgroup_dirs,
     leaked_sandbox_cgroups,
@@ -361,6 +362,25 @@ def test_a_command_slow_to_die_is_answered_as_killed_without_waiting_for_it():
         assert sb.exec("echo alive").stdout == "alive\n"
     finally:
         sb.kill()
+
+
+def test_a_sandbox_killed_with_a_process_slow_to_die_leaves_nothing():
+    """Its cgroups cannot go while a process of it is in its exit, and that took the kernel
+    over 10 s: the destroy gave up after a second (EBUSY) and left the sandbox's cgroups,
+    its directory and its files for good. The removal waits while a thread is exiting."""
+    sb = Sandbox(memory_mb=4096, timeout=300)
+    sid = sb.id
+    try:
+        sb.files.write("/tmp/slow.py", SLOW_TO_DIE.replace("MAPS", "3000"))
+        sb.exec("python3 /tmp/slow.py >/dev/null 2>&1 & until [ -e /tmp/mapped ]; do "
+                "sleep 0.1; done", timeout=240).check()
+    finally:
+        sb.kill()
+
+    def gone() -> bool:
+        return not list(Path("/sys/fs/cgroup").glob(f"*/{CGROUP_NAME}/{sid}")) and \
+            not os.path.exists(os.path.join(STATE_DIR, "sandboxes", sid))
+    assert wait_until(gone, timeout=180)
 
 
 def _kernel_says_frozen(sid: str) -> bool:

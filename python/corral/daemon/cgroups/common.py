@@ -61,10 +61,11 @@ def socket_memory(memory_bytes: int) -> int:
 # A fork in a sandbox refused with its processes this close to its pids limit is taken as its
 # own (CgroupManager.pids_at_own_limit), when no count of refusals says so.
 PIDS_SLACK = 2
-# How long a freeze waits in all while a thread of the sandbox is in its exit (the freezer
-# cannot freeze one, and the exit of a process with GiBs of page tables takes the kernel
-# seconds: 13 s for 1.5 GiB): it makes progress, and it is bounded by the sandbox's memory.
-FREEZE_EXIT_WAIT_S = 120.0
+# How long a freeze or a removal waits in all while a thread of the sandbox is in its exit
+# (the freezer cannot freeze one, nor can its cgroups go, and the exit of a process with GiBs
+# of page tables takes the kernel seconds: 13 s for 1.5 GiB): it makes progress, and it is
+# bounded by the sandbox's memory.
+EXIT_WAIT_S = 120.0
 
 
 def _key_values(text: str) -> dict[str, int]:
@@ -508,8 +509,12 @@ class CgroupManager(abc.ABC):
 
     def remove(self, paths: list[str], timeout: float = 1.0) -> None:
         """rmdir each path (children first). A dying process may keep a cgroup busy for a few
-        ms, so EBUSY is retried; missing dirs are fine. Raises OSError if one stays busy."""
-        deadline = time.monotonic() + timeout
+        ms, so EBUSY is retried; past ``timeout``, for as long as a thread in them is in its
+        exit (up to EXIT_WAIT_S: a sandbox's process with GiBs of page tables takes seconds
+        to end, and a destroy failed on it, its cgroups and files left for good). Missing dirs
+        are fine. Raises OSError if one stays busy."""
+        start = time.monotonic()
+        deadline = start + timeout
         for p in paths:
             memcg = self._is_memcg(p)
             delay = 0.0005
@@ -526,7 +531,10 @@ class CgroupManager(abc.ABC):
                     if e.errno not in (errno.EBUSY, errno.ENOTEMPTY):
                         raise
                     self._remove_children(p)
-                    if time.monotonic() >= deadline:
+                    now = time.monotonic()
+                    if now >= deadline and now < start + EXIT_WAIT_S and self._exiting(paths):
+                        deadline = min(now + 0.5, start + EXIT_WAIT_S)  # look again then
+                    if now >= deadline:
                         raise
                     time.sleep(delay)
                     delay = min(delay * 2, 0.05)
@@ -658,20 +666,22 @@ class CgroupManager(abc.ABC):
     def freeze(self, paths: list[str], timeout: float = 5.0) -> None:
         """Stop every process in the sandbox; returns once the kernel reports it frozen. Past
         ``timeout``, the wait goes on while a thread of the sandbox is in its exit (up to
-        FREEZE_EXIT_WAIT_S): a process the sandbox killed could otherwise fail any pause or
+        EXIT_WAIT_S): a process the sandbox killed could otherwise fail any pause or
         snapshot of its own at will. Only the kernel's word counts: a thread asleep in a
         syscall may still write the sandbox's files until it is frozen."""
         self._set_frozen(self._freezer_path(paths), True)
         self._wait_state(paths, True, timeout)
 
     def _exiting(self, paths: list[str]) -> bool:
-        """A thread of the sandbox is in its exit (or a zombie)."""
-        try:
-            tids = [int(t) for t in
-                    _read(os.path.join(self._freezer_path(paths), self._threads_file)).split()]
-        except (OSError, ValueError):
-            return False
-        return any(kernel.exiting(t) for t in tids)
+        """A thread in one of ``paths`` is in its exit (or a zombie)."""
+        for p in paths:
+            try:
+                tids = [int(t) for t in _read(os.path.join(p, self._threads_file)).split()]
+            except (OSError, ValueError):
+                continue
+            if any(kernel.exiting(t) for t in tids):
+                return True
+        return False
 
     def thaw(self, paths: list[str], wait: bool = True, timeout: float = 5.0) -> None:
         try:
@@ -695,9 +705,9 @@ class CgroupManager(abc.ABC):
         delay = 0.0005
         while self.is_frozen(paths) != frozen:
             now = time.monotonic()
-            if now >= deadline and frozen and now < start + FREEZE_EXIT_WAIT_S \
-                    and self._exiting(paths):
-                deadline = min(now + 0.5, start + FREEZE_EXIT_WAIT_S)  # look again then
+            if now >= deadline and frozen and now < start + EXIT_WAIT_S \
+                    and self._exiting([self._freezer_path(paths)]):
+                deadline = min(now + 0.5, start + EXIT_WAIT_S)  # look again then
             if now >= deadline:
                 raise TimeoutError(f"cgroup did not become {'frozen' if frozen else 'thawed'}")
             time.sleep(delay)
