@@ -1282,6 +1282,8 @@ def test_processes_slow_to_die_hold_only_their_own_slot():
         assert _started(ep, "python") == 1
         for _ in range(5):  # the attacker's slot too, once its processes are gone
             assert corral.run_code("print(2)", endpoint=ep).stdout == "2\n"
+    # A stop while a process is still in its exit waits for it: no cgroup is left behind.
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/{cg}.runcode")), "cgroups left"
 
 
 def test_cgroups_that_cannot_be_rebuilt_are_infra_never_the_request_s_fault():

@@ -22,7 +22,8 @@ import os
 import signal
 import time
 
-from corral.daemon.cgroups.common import MEMSW_SLACK, _mounts, _read, _write
+from corral.daemon import kernel
+from corral.daemon.cgroups.common import EXIT_WAIT_S, MEMSW_SLACK, _mounts, _read, _write
 from corral.daemon.substrates.types import OomCount
 
 ZYGOTE_MEMORY = 2 << 30     # the zygote and its launcher (numpy preloaded: ~60 MB)
@@ -135,11 +136,18 @@ def _procs(d: str) -> list[int]:
         return []
 
 
+def _exiting(d: str) -> bool:
+    """A process in cgroup ``d`` is in its exit (seconds, for one with GiBs of page tables)."""
+    return any(kernel.exiting(pid) for pid in _procs(d))
+
+
 def _remove_tree(top: str, timeout: float) -> None:
-    """Kill every process under ``top`` and remove its cgroups, leaves first."""
+    """Kill every process under ``top`` and remove its cgroups, leaves first; past
+    ``timeout``, for as long as a process in them is in its exit (up to EXIT_WAIT_S)."""
     if not os.path.isdir(top):
         return
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
     dirs = [dp for dp, _, _ in os.walk(top)]
     for d in reversed(dirs):
         with contextlib.suppress(OSError):
@@ -156,7 +164,10 @@ def _remove_tree(top: str, timeout: float) -> None:
             except FileNotFoundError:
                 break
             except OSError:
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline and now < start + EXIT_WAIT_S and _exiting(d):
+                    deadline = min(now + 0.5, start + EXIT_WAIT_S)  # look again then
+                if now > deadline:
                     raise
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
