@@ -329,6 +329,9 @@ def test_a_snapshot_of_files_a_tar_has_no_plain_form_for_moves_whole(target):
     try:
         with Sandbox(snapshot=base.id, timeout=120) as sb:
             sb.exec(["python3", "-c", _ODD_FILES]).check()
+            # as the sandbox's filesystem holds them (one may clamp a time past 32 bits)
+            times = sb.exec(["python3", "-c", "import os; print(os.lstat('/work/odd/old')"
+                             ".st_mtime_ns, os.lstat('/work/odd/older').st_mtime_ns)"]).stdout
             snap = sb.snapshot()
         r = _import(d, _export(snap.id))
         assert r.status_code == 201, r.text
@@ -355,7 +358,8 @@ def test_a_snapshot_of_files_a_tar_has_no_plain_form_for_moves_whole(target):
         assert acl.startswith("0200000001000600ffffffff02000600e8030000"), acl
         names = [b"user.\xff\xfe", b"user.a=b", b"user.new\nline", b"user.plain"]
         want = repr(sorted((n, b"v\xff" + n) for n in names))
-        assert odd.splitlines() == [want, want, "-1 -3000000000123456789"], odd
+        assert odd.splitlines() == [want, want, times.strip()], odd
+        assert times.split()[0] == "-1" and int(times.split()[1]) < -(1 << 31) * 10**9 + 1
         with client(d.socket_path) as c:
             for s in (snap.id, base.id):
                 c.delete(f"/v1/snapshots/{s}")

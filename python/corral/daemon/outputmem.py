@@ -241,6 +241,36 @@ class Kept:
         self.spilled += done
         return n + done
 
+    def add_charged(self, data: bytes) -> bool:
+        """Keep ``data`` (an empty Kept's first and only bytes) with nothing of it free: in
+        memory if the pool takes it, else in a spill file. False, keeping nothing, if neither
+        can (the pool and the spill share full, or the file cannot be written)."""
+        store = self.store
+        if store is None or store.take(len(data)):
+            self.head += data
+            self.charged += len(data) if store is not None else 0
+            return True
+        fd = store.open_spill()
+        if fd < 0:
+            return False
+        got = store.take_disk(len(data))
+        done = 0
+        try:
+            while done < got:
+                w = os.pwrite(fd, memoryview(data)[done:got], done)
+                if w <= 0:
+                    break
+                done += w
+        except OSError as e:
+            log.warning("output spill write failed", extra={"error": str(e)})
+        if done < len(data):
+            store.give_disk(got)
+            os.close(fd)
+            return False
+        store.counters["spills"] += 1
+        self.fd, self.spilled = fd, done
+        return True
+
     def chunks(self, size: int | None = None) -> Iterator[bytes]:
         """The first ``size`` kept bytes (all of them: None), READ_SLICE at a time."""
         end = len(self) if size is None else min(size, len(self))

@@ -351,22 +351,22 @@ def _raise_host_oom(sid: str, proc: procs.Process) -> None:
 
 
 def _held_for_batch(res: dict[str, Any], store: OutputMemory) -> dict[str, Any]:
-    """``res`` with its small outputs charged to ``store`` for as long as it is held. A
-    stream's first FLOOR bytes are free because a running command's pipe holds as much; a
-    batch holds every item's result until its answer is written: 10,000 items printing 64 KiB
-    to each stream held 1.4 GB of the daemon that no pool counted. Output the store cannot
-    take is not kept: the item is capacity_exceeded (infra: not the command's doing)."""
+    """``res`` with its small outputs kept as the store keeps output, for as long as it is
+    held: charged to the pool, else in a spill file. A stream's first FLOOR bytes are free
+    because a running command's pipe holds as much; a batch holds every item's result until
+    its answer is written: 10,000 items printing 64 KiB to each stream held 1.4 GB of the
+    daemon that no pool counted. Output the store cannot keep at all (its pool and its spill
+    share full) fails the item as capacity_exceeded (infra: not the command's doing)."""
     for k in ("stdout", "stderr"):
         text = res.get(k)
         if not isinstance(text, str) or not text:
             continue  # an OutputText is charged already (past FLOOR) and spilled past that
         data = text.encode()
-        if not store.take(len(data)):
+        kept = Kept(store)
+        if not kept.add_charged(data):
             raise CapacityExceeded(
                 "the daemon cannot keep this batch item's output: the batch's results hold "
-                "the output memory this client may use; run fewer or smaller items at once",
-                details={"resource": "output_memory", "bytes": len(data)})
-        kept = Kept(store)
-        kept.head, kept.charged = bytearray(data), len(data)
+                "the output memory and spill room this client may use; run fewer or smaller "
+                "items at once", details={"resource": "output_memory", "bytes": len(data)})
         res[k] = OutputText(kept)
     return res
