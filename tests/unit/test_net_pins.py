@@ -86,7 +86,7 @@ def test_an_answer_in_flight_across_a_policy_update_pins_nothing() -> None:
     assert r.header.rcode == RCODE.SERVFAIL and not r.rr, r
     assert att.pins == {} and att.pinned == {} and _elements(fw) == []
     assert p.counts["stale"] == 1
-    # The same lookup with no update meanwhile pins as before.
+    # The same lookup with no update meanwhile pins its answer.
     p = _proxy(att, {"other.test": ["198.51.100.8"]})
     r = _ask(p, "other.test")
     assert r.header.rcode == RCODE.NOERROR and list(att.pins) == ["198.51.100.8"]
