@@ -70,13 +70,14 @@ def test_a_writer_left_behind_costs_the_daemon_little(sb, daemon):
         assert r.exit_code == 0, r.exit_code
     pid = daemon.proc.pid
     c0, t0 = _cpu_s(pid), time.monotonic()
+    time.sleep(3)  # the measurement's window: the writers alone (a command costs CPU too)
+    share = (_cpu_s(pid) - c0) / (time.monotonic() - t0)
+    assert share < 0.3, share
     lat = []
-    while time.monotonic() - t0 < 3:  # the measurement's window: commands keep the daemon busy
+    for _ in range(20):  # and commands are answered meanwhile
         t = time.monotonic()
         assert sb.exec("true").exit_code == 0
         lat.append(time.monotonic() - t)
-    share = (_cpu_s(pid) - c0) / (time.monotonic() - t0)
-    assert share < 0.6, share
     assert sorted(lat)[len(lat) // 2] < 0.5, lat
 
 
