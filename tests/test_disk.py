@@ -77,6 +77,46 @@ def test_a_write_past_disk_mb_is_a_disk_full_error_not_an_oom_kill(name):
         assert r.stdout.endswith("wrote\n"), r
 
 
+# The calls that make a subvolume in /dev/shm (a directory of the sandbox's own subvolume),
+# each with its btrfs_ioctl_vol_args(_v2): 4096 bytes, the source fd first, the new name at 8
+# (at 56 in the v2 form).
+BTRFS_CALLS = """
+import errno, fcntl, os, struct
+fd = os.open("/dev/shm", os.O_RDONLY | os.O_DIRECTORY)
+for name, cmd, name_at in (("subvol_create", 0x5000940E, 8),
+                           ("subvol_create_v2", 0x50009418, 56),
+                           ("snap_create_v2", 0x50009417, 56)):
+    args = bytearray(4096)
+    args[0:8] = struct.pack("q", fd if name.startswith("snap") else 0)
+    args[name_at:name_at + 2] = b"sv"
+    try:
+        fcntl.ioctl(fd, cmd, args)
+        print(name, "made")
+    except OSError as e:
+        print(name, errno.errorcode[e.errno])
+"""
+
+
+def test_a_sandbox_cannot_make_a_subvolume_of_its_own():
+    """A subvolume made inside the sandbox's own (no privilege needed) has a quota group of
+    its own, with no limit: 200 MiB went into one in a 64 MiB sandbox, its own "disk full"
+    became the whole scratch's (infra), and its destroy left it all (ENOTEMPTY). btrfs' own
+    calls are refused as a filesystem refuses a call it does not know; reflinks, counted by
+    the sandbox's quota, still work."""
+    with Sandbox(disk_mb=32, timeout=120) as sb:
+        sb.files.write("/root/calls.py", BTRFS_CALLS)
+        r = sb.exec("python3 /root/calls.py")
+        assert r.stdout.split() == ["subvol_create", "ENOTTY", "subvol_create_v2", "ENOTTY",
+                                    "snap_create_v2", "ENOTTY"], r
+        r = sb.exec("dd if=/dev/zero of=/dev/shm/sv bs=1M count=64")
+        assert FULL in r.stderr, r  # a plain file: the sandbox's quota
+        if _scratch_is_btrfs():
+            r = sb.exec("rm /dev/shm/sv; head -c 4M /dev/urandom > /dev/shm/a && "
+                        "cp --reflink=always /dev/shm/a /dev/shm/b && cmp /dev/shm/a /dev/shm/b "
+                        "&& echo cloned")
+            assert r.stdout == "cloned\n", r
+
+
 def test_files_written_are_page_cache_not_pinned_memory():
     """1 GiB written in a 128 MiB sandbox: the pages are written back and reclaimed; on a
     tmpfs they would be charged to the sandbox and could not be (OOM kill)."""

@@ -379,7 +379,24 @@ enum When {
     /// reads an `int`). EINVAL is what a kernel without the value answers, which programs
     /// already handle; EPERM would read as a permission problem the caller might retry around.
     Arg2In(&'static [u32]),
+    /// With ENOTTY (what a filesystem answers to an ioctl it does not know), only when its
+    /// second argument, an ioctl command (the low 32 bits: the kernel reads an `unsigned
+    /// int`), is of this ioctl type (its bits 8-15) and not one of `allow`.
+    IoctlType { ty: u8, allow: &'static [u32] },
 }
+
+/// The btrfs ioctls' type. Making a subvolume needs no privilege, and a subvolume made inside
+/// a sandbox's own (its writable layer on the btrfs scratch) has a quota group of its own, with
+/// no limit: its writes escaped the sandbox's `disk_mb` (up to the whole scratch, its own "disk
+/// full" then reading as the host's) and the daemon could not delete the sandbox's subvolume
+/// (ENOTEMPTY). Snapshots, received-subvolume flags, subvolume flags (read-only) and the
+/// subvolume info calls are the same kind: a sandbox has no use for any of them.
+const BTRFS_IOCTL_TYPE: u8 = 0x94;
+/// The generic VFS ioctls that share the btrfs type, allowed: reflinks (`cp --reflink`) and
+/// dedupe, whose extents the sandbox's quota group counts.
+const FICLONE: u32 = 0x4004_9409;
+const FICLONERANGE: u32 = 0x4020_940d;
+const FIDEDUPERANGE: u32 = 0xc018_9436;
 
 /// madvise advice that moves the caller's own pages towards swap whatever the cgroup's
 /// swappiness: MADV_COLD (deactivate) and MADV_PAGEOUT (reclaim now). On cgroup v1 a sandbox's
@@ -475,6 +492,15 @@ fn syscall_policy() -> Vec<Deny> {
         deny("process_madvise", libc::SYS_process_madvise),
         deny("pidfd_getfd", libc::SYS_pidfd_getfd),
         deny("kcmp", libc::SYS_kcmp),
+        // btrfs' own calls (BTRFS_IOCTL_TYPE)
+        Deny {
+            name: "ioctl",
+            nr: libc::SYS_ioctl,
+            when: When::IoctlType {
+                ty: BTRFS_IOCTL_TYPE,
+                allow: &[FICLONE, FICLONERANGE, FIDEDUPERANGE],
+            },
+        },
         // its own pages to swap (MADV_TO_SWAP): the v1 OOM evidence
         Deny {
             name: "madvise",
@@ -587,6 +613,7 @@ const BPF_JEQ_K: u16 = (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16;
 const BPF_JGE_K: u16 = (libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K) as u16;
 const BPF_JSET_K: u16 = (libc::BPF_JMP | libc::BPF_JSET | libc::BPF_K) as u16;
 const BPF_RET_K: u16 = (libc::BPF_RET | libc::BPF_K) as u16;
+const BPF_AND_K: u16 = (libc::BPF_ALU | libc::BPF_AND | libc::BPF_K) as u16;
 
 /// Offsets in `struct seccomp_data`.
 const OFF_NR: u32 = 0;
@@ -596,6 +623,12 @@ const OFF_ARCH: u32 = 4;
 const OFF_ARG0_LO: u32 = 16;
 #[cfg(target_endian = "big")]
 const OFF_ARG0_LO: u32 = 20;
+
+/// Low 32 bits of args[1] (ioctl's command).
+#[cfg(target_endian = "little")]
+const OFF_ARG1_LO: u32 = 24;
+#[cfg(target_endian = "big")]
+const OFF_ARG1_LO: u32 = 28;
 
 /// Low 32 bits of args[2] (socket's protocol).
 #[cfg(target_endian = "little")]
@@ -620,7 +653,10 @@ enum Tgt {
     PidCheck(u32),
     /// The check "args[2] in values" (`When::Arg2In`) of the policy's syscall with this number.
     Arg2Check(u32),
+    /// The check of `When::IoctlType` of the policy's syscall with this number.
+    IoctlCheck(u32),
     Einval,
+    Enotty,
 }
 
 struct Ins {
@@ -683,6 +719,7 @@ fn build_filter(unix_only: bool, host_view: bool) -> Result<Vec<libc::sock_filte
                 When::Always => Tgt::Eperm,
                 When::Pid(pid) => Tgt::PidCheck(pid),
                 When::Arg2In(_) => Tgt::Arg2Check(d.nr as u32),
+                When::IoctlType { .. } => Tgt::IoctlCheck(d.nr as u32),
             };
             (d.nr as u32, hit)
         })
@@ -797,8 +834,22 @@ fn build_filter(unix_only: bool, host_view: bool) -> Result<Vec<libc::sock_filte
             }
         }
     }
+    // One "args[1] of this ioctl type and not allowed" check per syscall refused so.
+    let mut ioctl_checks: Vec<(u32, usize)> = Vec::new();
+    for d in &policy {
+        if let When::IoctlType { ty, allow } = d.when {
+            ioctl_checks.push((d.nr as u32, p.len()));
+            p.push(ins(BPF_LD_W_ABS, OFF_ARG1_LO, Tgt::Next, Tgt::Next));
+            for &cmd in allow {
+                p.push(ins(BPF_JEQ_K, cmd, Tgt::Allow, Tgt::Next));
+            }
+            p.push(ins(BPF_AND_K, 0xff00, Tgt::Next, Tgt::Next));
+            p.push(ins(BPF_JEQ_K, u32::from(ty) << 8, Tgt::Enotty, Tgt::Allow));
+        }
+    }
     let (allow, eperm, enosys, kill) = (p.len(), p.len() + 1, p.len() + 2, p.len() + 3);
     let (eafnosupport, eprotonosupport, einval) = (p.len() + 4, p.len() + 5, p.len() + 6);
+    let enotty = p.len() + 7;
     let errno_ret = |e: i32| libc::SECCOMP_RET_ERRNO | (e as u32 & libc::SECCOMP_RET_DATA);
     for k in [
         libc::SECCOMP_RET_ALLOW,
@@ -808,6 +859,7 @@ fn build_filter(unix_only: bool, host_view: bool) -> Result<Vec<libc::sock_filte
         errno_ret(libc::EAFNOSUPPORT),
         errno_ret(libc::EPROTONOSUPPORT),
         errno_ret(libc::EINVAL),
+        errno_ret(libc::ENOTTY),
     ] {
         p.push(ins(BPF_RET_K, k, Tgt::Next, Tgt::Next));
     }
@@ -825,6 +877,12 @@ fn build_filter(unix_only: bool, host_view: bool) -> Result<Vec<libc::sock_filte
             Tgt::Eafnosupport => eafnosupport,
             Tgt::Eprotonosupport => eprotonosupport,
             Tgt::Einval => einval,
+            Tgt::Enotty => enotty,
+            Tgt::IoctlCheck(nr) => ioctl_checks
+                .iter()
+                .find(|&&(q, _)| q == nr)
+                .map(|&(_, at)| at)
+                .ok_or_else(|| HardenError::Seccomp(format!("no ioctl check for {nr}")))?,
             Tgt::Arg2Check(nr) => arg2_checks
                 .iter()
                 .find(|&&(q, _)| q == nr)
@@ -1104,6 +1162,7 @@ mod tests {
                 BPF_JEQ_K => pc += if a == i.k { i.jt } else { i.jf } as usize,
                 BPF_JGE_K => pc += if a >= i.k { i.jt } else { i.jf } as usize,
                 BPF_JSET_K => pc += if a & i.k != 0 { i.jt } else { i.jf } as usize,
+                BPF_AND_K => a &= i.k,
                 BPF_RET_K => return i.k,
                 c => panic!("unexpected opcode {c:#x}"),
             }
@@ -1194,6 +1253,7 @@ mod tests {
                         Some(When::Pid(pid)) if arg0 as u32 == pid => eperm,
                         // and an int here
                         Some(When::Arg2In(v)) if v.contains(&(arg2 as u32)) => einval,
+                        Some(When::IoctlType { .. }) => r, // by its command: below
                         _ if nr == libc::SYS_clone3 as u32 => enosys,
                         _ if nr == libc::SYS_clone as u32 || nr == libc::SYS_socket as u32 => r,
                         _ => libc::SECCOMP_RET_ALLOW,
@@ -1215,6 +1275,37 @@ mod tests {
                 let prog = seccomp_program(unix_only).unwrap();
                 let got = run_args(prog, madvise, AUDIT_ARCH, &[0x1000, 0x1000, advice]);
                 assert_eq!(got, want, "madvise advice {advice} unix_only {unix_only}");
+            }
+        }
+        // ioctl: btrfs' own commands (the subvolume and snapshot makers among them) are
+        // refused as a filesystem refuses a command it does not know; the generic reflink and
+        // dedupe commands of the same type, and every other type, pass. The kernel reads an
+        // unsigned int: the high half does not matter.
+        let enotty = libc::SECCOMP_RET_ERRNO | libc::ENOTTY as u32;
+        let ioctl = libc::SYS_ioctl as u32;
+        let btrfs_subvol_create: u64 = 0x5000_940e;
+        let btrfs_snap_create_v2: u64 = 0x5000_9417;
+        let btrfs_subvol_setflags: u64 = 0x4008_941a;
+        for unix_only in [false, true] {
+            let prog = seccomp_program(unix_only).unwrap();
+            for (cmd, want) in [
+                (btrfs_subvol_create, enotty),
+                (btrfs_snap_create_v2, enotty),
+                (btrfs_subvol_setflags, enotty),
+                (0xffff_ffff_0000_0000 | btrfs_subvol_create, enotty),
+                (0x9400, enotty),
+                (0xffff_94ff, enotty),
+                (u64::from(FICLONE), libc::SECCOMP_RET_ALLOW),
+                (u64::from(FICLONERANGE), libc::SECCOMP_RET_ALLOW),
+                (u64::from(FIDEDUPERANGE), libc::SECCOMP_RET_ALLOW),
+                (libc::TIOCGWINSZ, libc::SECCOMP_RET_ALLOW),
+                (libc::FIONREAD, libc::SECCOMP_RET_ALLOW),
+                (0x8008_6601, libc::SECCOMP_RET_ALLOW), // FS_IOC_GETFLAGS
+                (0x9300, libc::SECCOMP_RET_ALLOW),
+                (0x9500, libc::SECCOMP_RET_ALLOW),
+            ] {
+                let got = run_args(prog, ioctl, AUDIT_ARCH, &[3, cmd, 0]);
+                assert_eq!(got, want, "ioctl {cmd:#x} unix_only {unix_only}");
             }
         }
         // Named in the policy, by the numbers the kernel gives them.
