@@ -14,7 +14,8 @@ So the daemon counts, on top of what is used:
   fill it without asking the daemon, and it must always find the disk blocks it may grow to;
 - the output spill files' budget not used yet (corral.daemon.outputmem);
 - captures in flight: what each is expected to copy (its sandbox's disk use, when the
-  scratch can tell);
+  scratch can tell), raised ahead of what it has copied as it goes (files that share their
+  blocks, reflinks, cost the sandbox's quota once and the copy each time);
 and keeps ``reserve`` bytes (``CORRAL_DISK_RESERVE_MB``, 1024) free of all of it for its own
 state. Tenant work that writes to the disk (a snapshot or fork, a file write or upload, a
 pull, an image upload, a snapshot import) is refused before it starts with
@@ -109,12 +110,33 @@ class DiskGuard:
                 details={"disk": "state_dir", "need": need, **s})
 
     @contextlib.contextmanager
-    def claim(self, what: str, need: int) -> Iterator[None]:
+    def claim(self, what: str, need: int) -> Iterator[Claim]:
         """``check`` then count ``need`` bytes as taken until the block ends (a capture in
-        flight: concurrent ones do not each see the same room)."""
+        flight: concurrent ones do not each see the same room); the block may raise it
+        (``Claim.grow_to``)."""
         self.check(what, need)
+        held = Claim(self, what, need)
         self.claims += need
         try:
-            yield
+            yield held
         finally:
-            self.claims -= need
+            self.claims -= held.bytes
+
+
+class Claim:
+    """The bytes one piece of work in flight has claimed (``DiskGuard.claim``)."""
+
+    def __init__(self, guard: DiskGuard, what: str, need: int) -> None:
+        self.guard = guard
+        self.what = what
+        self.bytes = need
+
+    def grow_to(self, total: int) -> None:
+        """Claim up to ``total`` bytes, the growth checked as a new claim is (a copy found to
+        write more than expected: files sharing their blocks are copied whole)."""
+        more = total - self.bytes
+        if more <= 0:
+            return
+        self.guard.check(self.what, more)
+        self.guard.claims += more
+        self.bytes = total
