@@ -125,7 +125,7 @@ def test_a_snapshot_of_shared_blocks_is_bounded_by_disk_mb():
         pytest.skip("reflinks need the btrfs scratch")
     with Sandbox(disk_mb=64, timeout=180) as sb:
         r = sb.exec("head -c 20M /dev/urandom > /root/a && for i in $(seq 6); do "
-                    "cp --reflink=always /root/a /root/r$i || exit 1; done; du -sh --apparent /root")
+                    "cp --reflink=always /root/a /root/r$i || exit 1; done")
         assert r.exit_code == 0, r
         with pytest.raises(TooLarge) as err:
             sb.snapshot()

@@ -33,12 +33,13 @@ MiB = 1 << 20
 
 @contextlib.contextmanager
 def small_disk_daemon(size_mb: int, tokens_file: dict[str, Any] | None = None,
-                      **env: str) -> Iterator[tuple[DaemonProcess, str]]:
-    """A daemon whose state dir is a tmpfs of ``size_mb`` (its scratch image inside it);
-    ``tokens_file``: its tokens file's content (TOKENS)."""
+                      inodes: int | None = None, **env: str) -> Iterator[tuple[DaemonProcess, str]]:
+    """A daemon whose state dir is a tmpfs of ``size_mb`` (its scratch image inside it) and
+    ``inodes`` inodes (None: the tmpfs default); ``tokens_file``: its tokens file's content
+    (TOKENS)."""
     top = tempfile.mkdtemp(prefix="corral-test-disk-", dir="/var/tmp")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0700", "tmpfs", top],
-                   check=True)
+    opts = f"size={size_mb}m,mode=0700" + (f",nr_inodes={inodes}" if inodes else "")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", top], check=True)
     state = os.path.join(top, "state")
     os.mkdir(state, 0o700)
     tokens = os.path.join(top, "tokens.json")
@@ -123,12 +124,12 @@ def test_a_tenant_cannot_fill_the_state_dir_disk_under_the_others():
                 "cmd": "head -c 200000000 /dev/urandom > /root/g && sync && touch /root/h "
                        "&& ls /root"}))
             assert r["exit_code"] == 0 and "g\nh" in r["stdout"], r
+            # His sandbox's disk was claimed in advance: a write within its quota lands.
+            ok(bob.put(f"/v1/sandboxes/{sb}/files", params={"path": "/root/u"},
+                       content=b"x" * (50 * MiB)))
             # What the daemon cannot store for bob is infra, never his task's error.
-            for r in (bob.put(f"/v1/sandboxes/{sb}/files", params={"path": "/root/u"},
-                              content=b"x" * (200 * MiB)),
-                      bob.post(f"/v1/sandboxes/{sb}/snapshot", json={})):
-                e = error(r)
-                assert e["code"] == "capacity_exceeded" and e["infra"], e
+            r = bob.post(f"/v1/sandboxes/{sb}/snapshot", json={})
+            assert r.status_code == 201 or error(r)["code"] == "capacity_exceeded", r.text
             assert ok(bob.post(f"/v1/sandboxes/{sb}/exec", json={"cmd": "echo hi"}))[
                 "stdout"] == "hi\n"
             d.restart(kill9=True)
@@ -136,6 +137,40 @@ def test_a_tenant_cannot_fill_the_state_dir_disk_under_the_others():
             assert [e["op"] for e in log["entries"]][:2] == ["create", "exec"], log
             assert ok(bob.post(f"/v1/sandboxes/{sb}/exec", json={"cmd": "cat /root/h; echo ok"}))[
                 "stdout"] == "ok\n"
+        finally:
+            clean(base)
+
+
+def test_a_tenant_cannot_take_the_state_dirs_last_inodes_with_empty_files():
+    """Snapshots of empty files cost no bytes: 250,000 of them took a 4 GiB state dir's last
+    inode, and bob's uploads, snapshots and trajectory log entries failed (commands ran and
+    were not logged). A capture claims only the inodes above the daemon's reserve."""
+    with small_disk_daemon(2048, inodes=16000, CORRAL_SCRATCH_SIZE="600m",
+                           CORRAL_DISK_RESERVE_MB="64", CORRAL_OUTPUT_DISK_MB="16") as (d, base):
+        try:
+            alice, bob = client(base, TOKENS["alice"]), client(base, TOKENS["bob"])
+            sa = ok(alice.post("/v1/sandboxes", json={}), 201)["id"]
+            sb = ok(bob.post("/v1/sandboxes", json={}), 201)["id"]
+            refused, n = None, 0
+            for size in (4000, 1000, 250, 60, 15, 1):  # snapshots of fewer files, to the end
+                ok(alice.post(f"/v1/sandboxes/{sa}/exec", json={
+                    "cmd": f"rm -rf /root/e && mkdir /root/e && cd /root/e && "
+                           f"seq {size} | xargs touch"}))
+                for _ in range(40):  # each snapshot a layer of its own
+                    n += 1
+                    ok(alice.post(f"/v1/sandboxes/{sa}/exec", json={"cmd": f"touch /root/n{n}"}))
+                    r = alice.post(f"/v1/sandboxes/{sa}/snapshot", json={})
+                    if r.status_code != 201:
+                        refused = error(r)
+                        break
+            assert refused is not None and refused["code"] == "capacity_exceeded", refused
+            assert os.statvfs(d.state_dir).f_favail >= 512  # the reserve is kept
+            r = bob.put(f"/v1/sandboxes/{sb}/files", params={"path": "/root/u"}, content=b"x")
+            assert r.status_code == 200 or error(r)["code"] == "capacity_exceeded", r.text
+            for i in range(5):
+                ok(bob.post(f"/v1/sandboxes/{sb}/exec", json={"cmd": f"echo {i}"}))
+            log = ok(bob.get(f"/v1/sandboxes/{sb}/log"))
+            assert [e["op"] for e in log["entries"]].count("exec") == 5, log
         finally:
             clean(base)
 

@@ -17,7 +17,14 @@ So the daemon counts, on top of what is used:
   scratch can tell), raised ahead of what it has copied as it goes (files that share their
   blocks, reflinks, cost the sandbox's quota once and the copy each time);
 and keeps ``reserve`` bytes (``CORRAL_DISK_RESERVE_MB``, 1024) free of all of it for its own
-state. Tenant work that writes to the disk (a snapshot or fork, a file write or upload, a
+state. Inodes likewise, on a filesystem that counts them (ext4: a fixed number, one per 16 KiB
+by default): a snapshot of many empty files costs no bytes, and 250,000 of them took a 4 GiB
+state dir's last inode (every tenant's uploads, snapshots and trajectory log writes failed).
+A capture claims, for the files it may make, what is left above the inode reserve
+(``INODE_RESERVE_MIN``, ``INODE_RESERVE_FRACTION``; at most its own bound,
+``SnapshotStore.max_entries``), and a capture that meets that claim is ``capacity_exceeded``.
+
+Tenant work that writes to the disk (a snapshot or fork, a file write or upload, a
 pull, an image upload, a snapshot import) is refused before it starts with
 ``capacity_exceeded`` (infra) when what is left would cut into the reserve; a pull or an
 import is checked again as it unpacks (every 32 MiB, and before a layer's conversion), since
@@ -38,6 +45,10 @@ from corral.daemon import scratch
 from corral.errors import CapacityExceeded
 
 DEFAULT_RESERVE_MB = 1024
+# Inodes kept free for the daemon's own state (journal files, databases, spill files, temp
+# files of uploads): at least this many, or this fraction of the filesystem's.
+INODE_RESERVE_MIN = 4096
+INODE_RESERVE_FRACTION = 0.01
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
@@ -72,6 +83,7 @@ class DiskGuard:
         self.spill = spill
         self.scratch_image = os.path.join(state_dir, scratch.IMAGE)
         self.claims = 0  # bytes captures in flight are expected to write
+        self.inode_claims = 0  # inodes captures in flight may make
         self.counters = {"refused": 0}
 
     def _scratch_room(self) -> int:
@@ -98,8 +110,48 @@ class DiskGuard:
         return {"free": free, "claimed": claimed, "reserve": self.reserve,
                 "available": free - claimed - self.reserve}
 
+    def inodes_available(self) -> int | None:
+        """Inodes left above the inode reserve and the claims; None on a filesystem that does
+        not count them (btrfs, xfs: inodes are made as needed)."""
+        st = os.statvfs(self.state_dir)
+        if st.f_files == 0:
+            return None
+        return st.f_favail - self.inode_claims - self._inode_reserve(st)
+
+    def _inode_reserve(self, st: os.statvfs_result | None = None) -> int:
+        """Inodes kept for the daemon's own state (bulk work, captures, stops short of it;
+        a small write, one inode, may use its first half)."""
+        st = st or os.statvfs(self.state_dir)
+        return max(INODE_RESERVE_MIN, int(st.f_files * INODE_RESERVE_FRACTION))
+
+    @contextlib.contextmanager
+    def claim_inodes(self, what: str, most: int) -> Iterator[int]:
+        """Claim up to ``most`` inodes for the block (what is left above the reserve, when
+        less): yields how many were claimed; none left is ``capacity_exceeded``."""
+        left = self.inodes_available()
+        n = most if left is None else min(most, left)
+        if n <= 0:
+            self.counters["refused"] += 1
+            raise CapacityExceeded(
+                f"the daemon's disk is short of inodes: {what} is refused to keep the "
+                f"inodes the daemon needs for its own state",
+                details={"disk": "state_dir", "inodes": max(0, left or 0)})
+        self.inode_claims += n
+        try:
+            yield n
+        finally:
+            self.inode_claims -= n
+
     def check(self, what: str, need: int = 0) -> None:
-        """Refuse (``capacity_exceeded``) work that would leave less than the reserve."""
+        """Refuse (``capacity_exceeded``) work that would leave less than the reserve, of
+        bytes or of inodes."""
+        left = self.inodes_available()
+        if left is not None and left <= -self._inode_reserve() // 2:
+            self.counters["refused"] += 1
+            raise CapacityExceeded(
+                f"the daemon's disk is short of inodes: {what} is refused to keep the "
+                f"inodes the daemon needs for its own state",
+                details={"disk": "state_dir", "inodes": 0})
         s = self.state()
         if s["available"] < need:
             self.counters["refused"] += 1

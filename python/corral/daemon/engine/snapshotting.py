@@ -304,9 +304,10 @@ def _within_quota(store: snapshots.SnapshotStore, tenant: str, quota: tuple[int,
 
 
 # How often a capture's copy is looked at, and how far ahead of what it has written its disk
-# claim is kept (a copy writes ~1-2 GB/s: a look every 50 ms sees at most ~100 MB more).
+# claim is raised once the copy passes it (a copy writes ~1-2 GB/s: a look every 50 ms sees at
+# most ~100 MB more, which the disk's reserve covers).
 WATCH_S = 0.05
-CLAIM_AHEAD = 256 << 20
+CLAIM_AHEAD = 64 << 20
 
 
 async def _within_claim(copy: asyncio.Future[tuple[str, str, int]],
@@ -327,8 +328,8 @@ async def _within_claim(copy: asyncio.Future[tuple[str, str, int]],
                 f"cannot snapshot: the copy of the sandbox's files passes its disk_mb "
                 f"({disk_mb} MiB); files that share their blocks (reflinks) are copied whole",
                 details={"limit": "disk_mb", "max": disk_mb})
-        if held is not None and written + CLAIM_AHEAD // 2 > held.bytes:
-            held.grow_to(written + CLAIM_AHEAD)
+        if held is not None and written > held.bytes:  # past its estimate (which holds
+            held.grow_to(min(cap, written + CLAIM_AHEAD))  # for files of their own)
 
 
 async def _to_the_end(copy: asyncio.Future[tuple[str, str, int]],
