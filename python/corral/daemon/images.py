@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from corral.daemon import removal
+from corral.daemon import removal, safetar
 from corral.daemon.oci import ref as oci_ref
 from corral.daemon.oci import unpack as oci_unpack
 from corral.daemon.oci.layers import LayerStore
@@ -306,7 +306,7 @@ def _extract_tar(source: str, dst: str, max_bytes: int = MAX_IMAGE_BYTES,
     total = 0
     dirs: list[tuple[str, tarfile.TarInfo]] = []
     try:
-        tf = tarfile.open(source, "r:*")
+        tf = tarfile.open(source, "r:*", tarinfo=safetar.SafeTarInfo)
     except (tarfile.TarError, OSError) as e:
         raise InvalidRequest(f"cannot read tarball {source}: {e}") from e
     with tf:

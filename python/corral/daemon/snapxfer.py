@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from corral.daemon import removal
+from corral.daemon import removal, safetar
 from corral.daemon.oci import push, unpack
 from corral.daemon.snapshots import SnapshotStore, info, layer_digest
 from corral.errors import (
@@ -212,7 +212,8 @@ def read_stream(src: Any, staging: str, limits: unpack.Limits,
     hashed = unpack._Hashing(src, limits)  # bounds the stream's bytes
     files = 0  # and, apart, the bytes its files claim (a sparse member writes its holes)
     try:
-        with tarfile.open(fileobj=hashed, mode="r|") as tf:  # type: ignore[call-overload]
+        with tarfile.open(fileobj=hashed, mode="r|",  # type: ignore[call-overload]
+                          tarinfo=safetar.ImageTarInfo) as tf:
             first = tf.next()
             if first is None or first.name != MANIFEST or not first.isreg() or \
                     not 0 < first.size <= MAX_MANIFEST:

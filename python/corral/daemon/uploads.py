@@ -5,7 +5,7 @@ An upload's body is bounded as it is spooled to disk (corral.daemon.spool); what
 :class:`Bounded`, which counts the decompressed bytes and stops at the limit (a 1 MiB gzip of
 zeros can claim terabytes). The tar is read as a stream (``r|``: never a seek, so no member is
 decompressed twice) and each member is written in chunks, so the daemon holds at most one
-chunk of it.
+chunk of it; its headers are read through corral.daemon.safetar.
 
 On the btrfs scratch the kernel bounds what the daemon writes into a sandbox (its quota,
 corral.daemon.scratch). On the tmpfs fallback :class:`DiskBudget` keeps, per sandbox, the bytes
@@ -20,9 +20,8 @@ import bz2
 import gzip
 import io
 import lzma
-import tarfile
 import threading
-from typing import IO, Any, cast
+from typing import IO, cast
 
 from corral.errors import TooLarge
 
@@ -71,23 +70,6 @@ def open_bounded(data: bytes | IO[bytes], limit: int) -> Bounded:
     else:
         inner = raw
     return Bounded(inner, limit)
-
-
-# Extended headers (pax, GNU long names) are read whole into memory by tarfile: bound them.
-HEADER_MAX = 1 << 20
-_EXT_HEADERS = {tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
-                tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK}
-
-
-class BoundedTarInfo(tarfile.TarInfo):
-    """A TarInfo that refuses an extended header bigger than HEADER_MAX before it is read
-    (tarfile.open(..., tarinfo=BoundedTarInfo); hooks tarfile's per-member dispatch)."""
-
-    def _proc_member(self, tf: Any) -> Any:
-        if self.type in _EXT_HEADERS and self.size > HEADER_MAX:
-            raise TooLarge(f"a tar extended header of {self.size} bytes (max {HEADER_MAX})",
-                           details={"limit": "header_bytes", "max": HEADER_MAX})
-        return super()._proc_member(tf)  # type: ignore[misc]
 
 
 class DiskBudget:

@@ -13,6 +13,7 @@ import tarfile
 from collections.abc import Callable
 from typing import IO, Any
 
+from corral.daemon import safetar
 from corral.daemon.oci import registry, unpack
 from corral.daemon.oci.layers import LayerStore
 from corral.daemon.oci.pull import image_config
@@ -30,7 +31,7 @@ class _Source:
         self.members: dict[str, tarfile.TarInfo] = {}
         if not os.path.isdir(path):
             try:
-                self.tar = tarfile.open(path, "r:")
+                self.tar = tarfile.open(path, "r:", tarinfo=safetar.ImageTarInfo)
             except (tarfile.TarError, OSError) as e:
                 raise InvalidImage(f"{path}: not a tar archive ({e})") from e
             for m in self.tar.getmembers():

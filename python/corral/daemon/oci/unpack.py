@@ -11,8 +11,13 @@ Nothing in the layer is trusted:
   picks the group of new files); ``security.capability`` and ``trusted.*`` xattrs are dropped
   (the first grants privileges like setuid does, the second would forge overlay metadata),
   ``user.*`` xattrs are kept;
-- the bytes written and the members are bounded (a too_large error names the limit): a sparse
-  10 GB member or a million tiny files cannot fill the host's disk.
+- the bytes written and the members are bounded (a too_large error names the limit): a
+  10 GB run of zeros or a million tiny files cannot fill the host's disk. A regular member's
+  declared size must fit in what the image may still hold before a byte of it is written,
+  and the disk must have room for it. Sparse members are refused (corral.daemon.safetar):
+  their holes would be written as zeros that no compressed or tar byte accounts for;
+- headers are read through corral.daemon.safetar.ImageTarInfo (bounded in size, parsed in
+  linear time).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
 
-from corral.daemon import removal
+from corral.daemon import removal, safetar
 from corral.errors import InvalidImage, TooLarge
 
 GZIP = ("application/vnd.oci.image.layer.v1.tar+gzip",
@@ -61,6 +66,15 @@ class Limits:
     # reserve, not only at its start. None: not checked.
     disk_check: Callable[[str, int], None] | None = None
     checked_bytes: int = 0
+
+    def check_member(self, stream_start: int, m: tarfile.TarInfo) -> None:
+        """Before a regular member's bytes are written: the stream through its end (its
+        stream begins at ``stream_start`` of used_bytes) must fit in max_bytes, and the disk
+        must have room for it."""
+        if stream_start + m.offset_data + m.size > self.max_bytes:
+            raise _too_large(self)
+        if self.disk_check is not None and m.size >= DISK_CHECK_BYTES:
+            self.disk_check("an image pull's layers", m.size)
 
     def check_disk(self) -> None:
         if self.disk_check is not None and \
@@ -351,15 +365,19 @@ def unpack(blob: str, media_type: str, root: str, limits: Limits) -> Result:
     result = Result()
     layer = _Layer(root, limits, result)
     stream = open_stream(blob, media_type)
+    start = limits.used_bytes  # the image's bytes before this layer's stream
     try:
         hashed = _Hashing(stream, limits)
         try:
-            with tarfile.open(fileobj=hashed, mode="r|") as tf:  # type: ignore[call-overload]
+            with tarfile.open(fileobj=hashed, mode="r|",  # type: ignore[call-overload]
+                              tarinfo=safetar.ImageTarInfo) as tf:
                 while (m := tf.next()) is not None:
                     # tarfile keeps every member it has read (~500 bytes each), also from a
                     # stream, which never looks back at one: cleared as it goes, a layer of
                     # a million members costs its one member, not ~0.5 GB a pull
                     tf.members.clear()
+                    if m.isreg():
+                        limits.check_member(start, m)
                     layer.apply(tf, m)
             while hashed.read(1 << 20):  # the end-of-archive padding counts in the diff_id
                 pass

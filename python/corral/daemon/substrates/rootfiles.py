@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from corral import _core
-from corral.daemon import streams, uploads
+from corral.daemon import safetar, streams, uploads
 from corral.daemon.oserrors import sandbox_file_error
 from corral.errors import CorralError, FileNotFound, InvalidPath, InvalidRequest, TooLarge
 from corral.models import FileEntry
@@ -191,7 +191,7 @@ class RootFiles:
         # bounded (uploads.Bounded): the daemon never holds more than a chunk of a member.
         src = uploads.open_bounded(tar_bytes, self.upload_max_bytes)
         try:
-            tf = tarfile.open(fileobj=src, mode="r|", tarinfo=uploads.BoundedTarInfo)
+            tf = tarfile.open(fileobj=src, mode="r|", tarinfo=safetar.SafeTarInfo)
         except _BAD_ARCHIVE as e:
             raise InvalidRequest(f"not a tar archive: {e}") from None
         dirs: list[tuple[str, int]] = []

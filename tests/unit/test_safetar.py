@@ -1,0 +1,175 @@
+"""corral.daemon.safetar: extended headers that would hold the GIL for seconds (CVE-2024-6232's
+digit runs, records whose keyword runs past their length), that are too big, chained too
+deep or sparse are refused before tarfile parses them, in linear time; ordinary archives
+(long names, xattrs, PAX and GNU headers) read as the stdlib reads them."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from corral.daemon import safetar
+from corral.errors import InvalidImage, InvalidRequest, TooLarge
+
+
+def _pax_tar(body: bytes, count: int = 1) -> bytes:
+    """``count`` PAX extended headers holding ``body``, then a 3-byte file."""
+    hdr = tarfile.TarInfo("././@PaxHeader")
+    hdr.type, hdr.size = tarfile.XHDTYPE, len(body)
+    ti = tarfile.TarInfo("hello")
+    ti.size = 3
+    pad = b"\0" * (-len(body) % 512)
+    return (hdr.tobuf(tarfile.USTAR_FORMAT) + body + pad) * count + \
+        ti.tobuf(tarfile.USTAR_FORMAT) + b"hi\n" + b"\0" * 509 + b"\0" * 1024
+
+
+def _read(data: bytes | io.RawIOBase, tarinfo: type[tarfile.TarInfo] = safetar.SafeTarInfo
+          ) -> list[tuple[Any, ...]]:
+    src = io.BytesIO(data) if isinstance(data, bytes) else data
+    with tarfile.open(fileobj=src, mode="r|", tarinfo=tarinfo) as tf:
+        out = []
+        for m in tf:
+            f = tf.extractfile(m) if m.isreg() else None
+            out.append((m.name, m.linkname, m.type, m.size, m.mode, m.uid, m.mtime,
+                        dict(m.pax_headers), f.read() if f else None))
+        return out
+
+
+def _refused(data: bytes, tarinfo: type[tarfile.TarInfo] = safetar.SafeTarInfo) -> Any:
+    t0 = time.monotonic()
+    with pytest.raises((InvalidRequest, InvalidImage)) as e:
+        _read(data, tarinfo)
+    took = time.monotonic() - t0
+    # the stock tarfile takes ~21 s over 100,000 digits, and minutes over 1 MiB of records
+    assert took < 0.5, took
+    return e.value
+
+
+def test_a_long_run_of_digits_in_a_pax_header_is_refused_at_once() -> None:
+    e = _refused(_pax_tar(b"1" * 100_000))
+    assert type(e) is InvalidRequest
+    assert e.details["reason"] == "header_digits"
+    e = _refused(_pax_tar(b"1" * 100_000), safetar.ImageTarInfo)
+    assert type(e) is InvalidImage and e.details["reason"] == "header_digits"
+
+
+def test_many_runs_under_the_bound_are_refused_by_their_cost_in_all() -> None:
+    # each run 4096 digits: one costs ~0.04 s in tarfile's search, 200 of them ~8 s
+    e = _refused(_pax_tar((b"1" * safetar.DIGIT_RUN_MAX + b" ") * 200))
+    assert e.details["reason"] == "header_digits"
+
+
+def test_a_record_whose_keyword_runs_past_its_length_is_refused() -> None:
+    # each record's length lands inside it, the keyword reaches the last '=': quadratic in
+    # time and in the keywords tarfile keeps (32 KiB of this: 0.3 s; 1 MiB: minutes, GBs)
+    e = _refused(_pax_tar(b"4 aa" * 250_000 + b"=\n"))
+    assert e.details["reason"] == "header_framing"
+
+
+def test_an_extended_header_over_the_cap_is_refused_unread() -> None:
+    class Counting(io.RawIOBase):
+        def __init__(self, data: bytes) -> None:
+            self.src, self.read_bytes = io.BytesIO(data), 0
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, b: Any) -> int:
+            n = self.src.readinto(b)
+            self.read_bytes += n
+            return n
+
+    for kind in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME,
+                 tarfile.GNUTYPE_LONGLINK):
+        hdr = tarfile.TarInfo("././@LongLink")
+        hdr.type, hdr.size = kind, 2 << 20
+        src = Counting(hdr.tobuf(tarfile.GNU_FORMAT) + b"a" * (2 << 20) + b"\0" * 1024)
+        with pytest.raises(TooLarge) as e:
+            _read(src)  # type: ignore[arg-type]
+        assert e.value.details == {"limit": "header_bytes", "max": safetar.HEADER_MAX}
+        assert src.read_bytes < 1 << 20, src.read_bytes  # tarfile's buffering, not the header
+        with pytest.raises(InvalidImage) as e2:
+            _read(Counting(src.src.getvalue()), safetar.ImageTarInfo)  # type: ignore[arg-type]
+        assert e2.value.details["limit"] == "header_bytes"
+
+
+def test_a_chain_of_extended_headers_is_bounded() -> None:
+    rec = b"13 comment=x\n"
+    assert _read(_pax_tar(rec, safetar.CHAIN_MAX))[0][0] == "hello"
+    e = _refused(_pax_tar(rec, safetar.CHAIN_MAX + 1))
+    assert e.details["reason"] == "header_chain"
+    # tarfile recurses once per header: without the bound, a RecursionError
+    assert _refused(_pax_tar(rec, 2000)).details["reason"] == "header_chain"
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="needs GNU tar")
+@pytest.mark.parametrize("form", [["--format=gnu"], ["--format=pax", "--sparse-version=0.0"],
+                                  ["--format=pax", "--sparse-version=0.1"],
+                                  ["--format=pax", "--sparse-version=1.0"]])
+def test_sparse_members_are_refused(tmp_path: Path, form: list[str]) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(src / "big", "wb") as f:  # data, a 64 MiB hole, data
+        f.write(b"x" * 4096)
+        f.seek(64 << 20)
+        f.write(b"y" * 4096)
+    out = subprocess.run(["tar", "--sparse", *form, "-C", str(src), "-cf", "-", "big"],
+                         check=True, capture_output=True).stdout
+    assert len(out) < 64 << 10
+    assert _read(out, tarfile.TarInfo)[0][3] == (64 << 20) + 4096  # what the stdlib takes
+    e = _refused(out)
+    assert e.details["reason"] == "sparse"
+    assert _refused(out, safetar.ImageTarInfo).details["reason"] == "sparse"
+
+
+def _ordinary_archives() -> list[bytes]:
+    out = []
+    for fmt in (tarfile.PAX_FORMAT, tarfile.GNU_FORMAT):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=fmt,
+                          pax_headers={"comment": "a global header"}) as tf:
+            d = tarfile.TarInfo("d" * 150)
+            d.type, d.mode = tarfile.DIRTYPE, 0o755
+            tf.addfile(d)
+            f = tarfile.TarInfo("d" * 150 + "/" + "f" * 200 + "-1234567890")
+            f.size, f.mtime, f.uid = 5, 1_700_000_000, 3_000_000
+            f.pax_headers = {"SCHILY.xattr.user.tag": "v 42=x", "mtime": "1700000000.5",
+                             "comment": "9" * 4000}
+            tf.addfile(f, io.BytesIO(b"data\n"))
+            s = tarfile.TarInfo("caf\udce9-link")  # not UTF-8: hdrcharset=BINARY
+            s.type, s.linkname = tarfile.SYMTYPE, "t" * 300
+            tf.addfile(s)
+        out.append(buf.getvalue())
+    return out
+
+
+def test_ordinary_archives_read_as_the_stdlib_reads_them() -> None:
+    for data in _ordinary_archives():
+        want = _read(data, tarfile.TarInfo)
+        assert len(want) == 3 and want[1][8] == b"data\n"
+        assert _read(data) == want
+        assert _read(data, safetar.ImageTarInfo) == want
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="needs GNU tar")
+def test_a_gnu_tar_archive_with_xattrs_and_long_names_reads(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    deep = src / ("n" * 120) / ("m" * 120)
+    deep.mkdir(parents=True)
+    (deep / "f").write_bytes(b"content")
+    (src / "l").symlink_to("x" * 200)
+    os.setxattr(deep / "f", "user.note", b"12345")
+    for form in (["--format=pax", "--xattrs"], ["--format=gnu"]):
+        out = subprocess.run(["tar", *form, "-C", str(src), "-cf", "-", "."], check=True,
+                             capture_output=True).stdout
+        want = _read(out, tarfile.TarInfo)
+        assert _read(out) == want
+        assert any(r[8] == b"content" for r in want)
