@@ -277,6 +277,47 @@ def test_a_warm_pool_of_the_image_keeps_its_shared_layers(env: dict,
         _rm(ep, "pooled")
 
 
+def test_a_pool_follows_its_image_name_to_new_content(env: dict,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """An image name given other content (a commit that replaces it, a pull of a moved
+    tag): every create after it gets the new content, none a pooled sandbox of the old (28
+    creates in 30 s after a replace all got the old files, with no error); the pool refills
+    with the new."""
+    ep, d = env["ep"], env["daemon"]
+    try:
+        with corral.Sandbox(image=env["base"], endpoint=ep) as sb:
+            sb.exec("echo A > /VERSION", user="root").check()
+            sb.commit("moving")
+        monkeypatch.setenv("CORRAL_POOL", "static")
+        monkeypatch.setenv("CORRAL_POOL_SIZES", "moving:1")
+        monkeypatch.setenv("CORRAL_POOL_IDLE_S", "600")
+        d.restart()
+        _wait_pool(d.socket_path)
+        with corral.Sandbox(image="moving", endpoint=ep) as sb:
+            assert sb.exec("cat /VERSION").stdout == "A\n"
+        _wait_pool(d.socket_path)  # refilled: a sandbox of A is ready
+        with corral.Sandbox(image=env["base"], endpoint=ep) as sb:
+            sb.exec("echo B > /VERSION", user="root").check()
+            sb.commit("moving", replace=True)
+        for _ in range(3):
+            with corral.Sandbox(image="moving", endpoint=ep) as sb:
+                assert sb.exec("cat /VERSION").stdout == "B\n"
+        _wait_pool(d.socket_path)
+        with corral.Sandbox(image="moving", endpoint=ep) as sb:  # the pool's, of B
+            assert sb.exec("cat /VERSION").stdout == "B\n"
+    finally:
+        monkeypatch.undo()
+        d.restart()
+        _rm(ep, "moving")
+
+
+def _wait_pool(socket_path: str) -> None:
+    deadline = time.monotonic() + 60
+    while _pool_ready(socket_path) < 1:
+        assert time.monotonic() < deadline, "the pool never filled"
+        time.sleep(0.05)
+
+
 def test_commits_racing_prunes_and_snapshot_removal_lose_nothing(env: dict) -> None:
     """Prunes run back to back while sandboxes on a snapshot commit and the snapshot is
     deleted under them: every committed image still runs with all its files."""

@@ -63,6 +63,7 @@ from typing import Any
 
 from corral.daemon import removal
 from corral.daemon.substrates.base import SandboxRuntime, Substrate
+from corral.errors import CorralError
 from corral.models import NetworkPolicy, SandboxSpec, network_kind
 
 log = logging.getLogger("corral.pools")
@@ -135,6 +136,12 @@ class PoolConfig:
                    workers=max(1, _env_int("CORRAL_POOL_WORKERS",
                                            min(4, os.cpu_count() or 2))),
                    defer_s=max(0.0, _env_float("CORRAL_POOL_DEFER_MS", 10.0)) / 1000.0)
+
+
+def _same_content(a: Any, b: Any) -> bool:
+    """Whether two records of an image make the same sandboxes: its layers and its config."""
+    return bool(a.overlays == b.overlays and a.config == b.config
+                and a.created_at == b.created_at)
 
 
 class _Pool:
@@ -244,6 +251,9 @@ class WarmPools:
         pool.requests += count
         pool.last_use = time.monotonic()
         substrate = self.substrates[key[0]]
+        if not self._current(key, pool):
+            self.misses += 1
+            return None
         while pool.ready:
             rt = pool.ready.pop()  # newest first: its kernel state is the warmest
             if substrate.is_alive(rt):
@@ -336,6 +346,30 @@ class WarmPools:
                 del self.pools[key]
         return held
 
+    def _current(self, key: Key, pool: _Pool) -> bool:
+        """Whether ``pool`` still makes what its image's name stands for. A name can be given
+        to other content (a pull of a moved tag, a commit or build that replaces it): the
+        pool's ready sandboxes of the old content are discarded and it refills with the new
+        (28 creates in 30 s after a replace all got the old files); a name that is gone
+        takes its pool with it."""
+        if self.images is None:
+            return True
+        try:
+            current = self.images.get(pool.spec.image)
+        except CorralError:
+            current = None
+        if current is not None and _same_content(current, pool.image):
+            return True
+        for rt in list(pool.ready):
+            self._spawn(self._discard(self.substrates[key[0]], rt))
+        pool.ready.clear()
+        if current is None:
+            del self.pools[key]
+        else:
+            pool.image = current
+        self._wake.set()
+        return False
+
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._inflight.add(task)
@@ -346,11 +380,12 @@ class WarmPools:
         sid = self.new_id()
         sdir = os.path.join(self.sandboxes_dir, sid)
         pool.making += 1
+        image = pool.image
 
         def work() -> SandboxRuntime:
             os.mkdir(sdir, 0o700)
             try:
-                rt = substrate.create(sid, pool.spec, pool.image)
+                rt = substrate.create(sid, pool.spec, image)
             except BaseException:
                 removal.remove_or_quarantine(sdir)
                 raise
@@ -373,8 +408,8 @@ class WarmPools:
         finally:
             pool.making -= 1
             self._wake.set()
-        if self._closed or self.pools.get(pool.key) is not pool:
-            await self._discard(substrate, rt)
+        if self._closed or self.pools.get(pool.key) is not pool or pool.image is not image:
+            await self._discard(substrate, rt)  # the pool is gone, or its image's content
             return
         pool.ready.append(rt)
 
