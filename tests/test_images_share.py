@@ -311,6 +311,35 @@ def test_a_pool_follows_its_image_name_to_new_content(env: dict,
         _rm(ep, "moving")
 
 
+def test_a_pull_never_replaces_an_image_made_here(env: dict) -> None:
+    """Any tenant may pull. An image made here under a registry name (a commit, to push
+    later) is someone's work: a pull of that name replaced it with whatever the registry
+    served there (an older push), and every later sandbox of the name ran that. The pull is
+    a conflict; the image made here stays."""
+    from corral.errors import Conflict
+
+    ep, reg = env["ep"], env["reg"]
+    ref = f"{reg.addr}/team/made:v1"
+    try:
+        with corral.Sandbox(image=env["base"], endpoint=ep) as sb:
+            sb.exec("echo A > /VERSION", user="root").check()
+            sb.commit(ref)
+            admin.push_image(ref, endpoint=ep)  # the registry serves A there
+            sb.exec("echo B > /VERSION", user="root").check()
+            made = sb.commit(ref, replace=True)  # B, not pushed
+        with pytest.raises(Conflict):
+            admin.pull_image(ref, endpoint=ep)
+        assert admin.image_info(ref, endpoint=ep).layers == made.layers
+        with corral.Sandbox(image=ref, endpoint=ep) as sb:
+            assert sb.exec("cat /VERSION").stdout == "B\n"
+        _rm(ep, ref)
+        admin.pull_image(ref, endpoint=ep)  # once removed, the name pulls again
+        with corral.Sandbox(image=ref, endpoint=ep) as sb:
+            assert sb.exec("cat /VERSION").stdout == "A\n"
+    finally:
+        _rm(ep, ref)
+
+
 def _wait_pool(socket_path: str) -> None:
     deadline = time.monotonic() + 60
     while _pool_ready(socket_path) < 1:

@@ -606,11 +606,13 @@ class ImageStore:
     def limits(self) -> oci_unpack.Limits:
         return oci_unpack.Limits(self.max_bytes, self.max_files, disk_check=self.disk_check)
 
-    def record_oci(self, name: str, meta: dict, replace: bool = True) -> ImageInfo:
+    def record_oci(self, name: str, meta: dict, replace: bool = True,
+                   replace_made: bool = True) -> ImageInfo:
         """Record (or, if ``replace``, replace: a tag pulled again) the OCI image ``name``
         whose layers are in the layer store; written whole (rename) or not at all. The name
         is checked again here, under the lock: another commit may have taken it since the
-        caller's first check."""
+        caller's first check. ``replace_made`` False (a pull): an image made here (a commit,
+        tag, build or import: it has a ``source``) is not replaced, a Conflict."""
         meta = {**meta, "name": name, "kind": "oci", "created_at": time.time()}
         tmp = self._tmpdir("oci")
         try:
@@ -621,6 +623,12 @@ class ImageStore:
                 cur = self._images.get(name)
                 if cur is not None and (not replace or cur.kind != "oci"):
                     raise Conflict(f"image {name!r} already exists", details={"image": name})
+                if cur is not None and not replace_made and cur.meta.get("source"):
+                    # Any tenant may pull; what was made here under a registry name (to push
+                    # it later) is another's work: a pull of that name must not replace it.
+                    raise Conflict(f"image {name!r} was made here ({cur.meta['source']}), "
+                                   "not pulled: a pull does not replace it (remove it first)",
+                                   details={"image": name})
                 if os.path.lexists(final):
                     trash = os.path.join(self.dir, f".tmp-rm-{time.time_ns()}")
                     os.rename(final, trash)
@@ -720,7 +728,7 @@ class ImageStore:
         try:
             meta = pull.pull(ref, self.layers, self.limits(), self.egress, progress, pinned,
                              created)
-            return self.record_oci(str(ref), meta)
+            return self.record_oci(str(ref), meta, replace_made=False)
         except BaseException:
             self.layers.unpin(pinned)
             pinned = []
