@@ -875,3 +875,18 @@ def test_execs_hold_no_daemon_fds(sb):
         sb.exec("true", cwd="/tmp")
         sb.files.stat("/tmp")
     assert wait_until(lambda: fds() <= before + 2, 10), (before, fds())
+
+
+def test_the_hosts_dev_null_keeps_its_owner():
+    """runsc gives its stdio to the sandbox's user (nobody): with the host's /dev/null as
+    stdio, the platform probe, each runsc command and each exec without stdin changed the
+    owner of the host's /dev/null to nobody. The daemon's runsc gets a null node of its
+    own; this daemon is started here, so its probe runs too."""
+    before = os.stat("/dev/null")
+    with private_daemon("corral-gv-null-", f"{CGROUP_NAME}-gvnull") as d:
+        with corral.Sandbox(substrate="gvisor", endpoint=f"unix://{d.socket_path}",
+                            timeout=120) as sb:
+            assert sb.exec("echo hi").stdout == "hi\n"
+    after = os.stat("/dev/null")
+    assert (after.st_uid, after.st_gid, after.st_ctime_ns) == (
+        before.st_uid, before.st_gid, before.st_ctime_ns), (before, after)

@@ -25,7 +25,7 @@ class RecordingRunsc(Runsc):
     destroy, where a wrapper's end can land."""
 
     def __init__(self, root: str) -> None:
-        super().__init__("/nonexistent/runsc", root, "systrap")
+        super().__init__("/nonexistent/runsc", root, "systrap", os.devnull)  # never run
         self.runs: list[tuple[str, ...]] = []
         self.on_forget: Callable[[], None] = lambda: None
 

@@ -16,6 +16,7 @@ from corral.bench import sdk_runs
 from corral.bench.results import OpResult
 from corral.bench.session import Session
 from corral.bench.stats import median, ratio
+from corral.daemon import kernel
 from corral.daemon.substrates.gvisor.probe import detect, find_runsc, kill_under
 
 SYSTEMS = ("container", "gvisor")
@@ -33,6 +34,7 @@ def runsc_do(n: int, workdir: str, warmup: int = 2) -> OpResult:
         if platform is None:
             return OpResult("runsc-do", n, 0.0, skipped=why)
         root = os.path.join(work, "root")
+        null = kernel.private_null(os.path.join(work, "null"))
         argv = [binary, f"--root={root}", f"--platform={platform}", "--network=none",
                 "do", "true"]
         lat: list[float] = []
@@ -42,8 +44,9 @@ def runsc_do(n: int, workdir: str, warmup: int = 2) -> OpResult:
             if i == 0:
                 t_start = time.perf_counter()
             t = time.perf_counter()
-            r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, cwd=work, timeout=60)
+            with open(null, "r+b") as sink:  # runsc gives its stdio away: not the host's
+                r = subprocess.run(argv, stdin=sink, stdout=sink, stderr=sink, cwd=work,
+                                   timeout=60)
             if i < 0:
                 continue
             if r.returncode == 0:

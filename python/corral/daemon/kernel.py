@@ -1,7 +1,7 @@
 """The daemon's kernel calls made from Python, in one place: pidfds (open, signal, wait, reap,
 the exit status a non-parent reads through PIDFD_GET_INFO), process groups, /proc facts of a
-process, and the control files of cgroupfs/procfs. Everything else (namespaces, mounts,
-seccomp, exec) is the Rust core's (``corral._core``).
+process, the control files of cgroupfs/procfs, and a null device node of the daemon's own.
+Everything else (namespaces, mounts, seccomp, exec) is the Rust core's (``corral._core``).
 
 Each function is a thin, typed wrapper with one rule for "the process is gone": a boolean or
 None, never an exception the caller has to know the errno of.
@@ -9,11 +9,13 @@ None, never an exception the caller has to know the errno of.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import os
 import select
 import signal
+import stat
 import struct
 import threading
 
@@ -212,3 +214,24 @@ def read_knob(path: str) -> str:
         return b"".join(chunks).decode()
     finally:
         os.close(fd)
+
+
+# ---- a null device of its own ------------------------------------------------------------------
+def private_null(path: str) -> str:
+    """A character device node of the null device (1:3) at ``path``, made if missing; returns
+    ``path``. For the stdio of programs that change the owner of their stdio: runsc gives its
+    stdio to the sandbox's user (nobody), and with the host's /dev/null as stdio it changed
+    the owner of the host's /dev/null."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        os.mknod(tmp, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        os.chmod(tmp, 0o666)
+        os.rename(tmp, path)
+        return path
+    if not stat.S_ISCHR(st.st_mode) or st.st_rdev != os.makedev(1, 3):
+        raise OSError(f"{path} is not a null device node")
+    return path

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from corral.daemon import kernel
 from corral.daemon.substrates.base import Substrate
 from corral.daemon.substrates.gvisor.probe import detect, find_runsc
 from corral.daemon.substrates.gvisor.runsc import Runsc
@@ -22,6 +23,7 @@ def make(ctx: Context) -> Substrate:
     platform, why = detect(binary, work)
     if platform is None:
         raise Unavailable(f"no gVisor platform runs here: {why}")
-    runsc = Runsc(binary, os.path.join(work, "runsc"), platform)
+    runsc = Runsc(binary, os.path.join(work, "runsc"), platform,
+                  kernel.private_null(os.path.join(work, "null")))
     return GvisorSubstrate(ctx.config.state_dir, ctx.config.cgroup_name, runsc,
                            ctx.config.upload_max_bytes)

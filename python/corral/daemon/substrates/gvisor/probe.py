@@ -14,6 +14,8 @@ import subprocess
 import tempfile
 import time
 
+from corral.daemon import kernel
+
 # Preferred first: systrap (newer runsc only) and ptrace need no device; kvm last, it can hang.
 PLATFORMS = ("systrap", "ptrace", "kvm")
 PROBE_TIMEOUT_S = 8.0
@@ -56,8 +58,11 @@ def _try(runsc: str, platform: str, work: str) -> str | None:
     argv = [runsc, f"--root={root}", f"--platform={platform}", "--network=none",
             "do", "true"]
     try:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, cwd=work, start_new_session=True)
+        # runsc gives its stdio to the sandbox's user: a null node of our own, never the
+        # host's /dev/null (kernel.private_null)
+        with open(kernel.private_null(os.path.join(work, "null")), "r+b") as null:
+            proc = subprocess.Popen(argv, stdin=null, stdout=null, stderr=subprocess.PIPE,
+                                    cwd=work, start_new_session=True)
         try:
             _, err = proc.communicate(timeout=PROBE_TIMEOUT_S)
         except subprocess.TimeoutExpired:

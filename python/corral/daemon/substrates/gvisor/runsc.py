@@ -17,8 +17,11 @@ class RunscError(OSError):
 
 
 class Runsc:
-    def __init__(self, binary: str, root: str, platform: str) -> None:
+    def __init__(self, binary: str, root: str, platform: str, null: str) -> None:
         self.binary = binary
+        # runsc gives its stdio to the sandbox's user: a null node of the daemon's own
+        # (kernel.private_null), never the host's /dev/null
+        self.null = null
         self.root = root
         self.platform = platform
         self.prefix = [binary, f"--root={root}", f"--platform={platform}", "--network=none",
@@ -27,14 +30,14 @@ class Runsc:
     def run(self, *args: str, timeout: float = CMD_TIMEOUT_S, log: str | None = None,
             flags: tuple[str, ...] = ()) -> None:
         """Run one runsc command to its end; RunscError with its last stderr line if it
-        fails. stdout is /dev/null: a sandbox runsc starts inherits it (a pipe would never see
+        fails. stdout is the null node: a sandbox runsc starts inherits it (a pipe would never see
         its end); stderr goes to ``log`` (a file) for the same reason. ``flags``: global
         flags for this command only."""
-        err_path = log or os.devnull
-        with open(err_path, "ab") as err:
+        err_path = log or self.null
+        with open(self.null, "r+b") as null, open(err_path, "ab") as err:
             try:
-                r = subprocess.run([*self.prefix, *flags, *args], stdin=subprocess.DEVNULL,
-                                   stdout=subprocess.DEVNULL, stderr=err, timeout=timeout)
+                r = subprocess.run([*self.prefix, *flags, *args], stdin=null,
+                                   stdout=null, stderr=err, timeout=timeout)
             except subprocess.TimeoutExpired:
                 raise RunscError(f"runsc {args[0]}: no answer within {timeout:g}s") from None
         if r.returncode != 0:

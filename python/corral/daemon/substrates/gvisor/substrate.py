@@ -520,7 +520,7 @@ class GvisorSubstrate(RootFileOps, Substrate):
             if fd >= 0:
                 acts.append((os.POSIX_SPAWN_DUP2, fd, target))
             else:
-                acts.append((os.POSIX_SPAWN_OPEN, target, os.devnull, os.O_RDWR, 0))
+                acts.append((os.POSIX_SPAWN_OPEN, target, self.runsc.null, os.O_RDWR, 0))
         acts.append((os.POSIX_SPAWN_DUP2, w, 9))
         try:
             pid = os.posix_spawn("/bin/sh", argv, env, file_actions=acts, setsid=True)
