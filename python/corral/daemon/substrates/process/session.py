@@ -46,7 +46,7 @@ from corral.daemon.substrates.base import (
     Spawned,
     Substrate,
 )
-from corral.daemon.substrates.process import cgroup, pool, view, zygote
+from corral.daemon.substrates.process import cgroup, giveaway, pool, view, zygote
 from corral.daemon.substrates.rootfiles import RootFileOps, RootFiles
 from corral.daemon.substrates.types import OomCount
 from corral.errors import CorralError, InfraError, SandboxNotRunning
@@ -355,25 +355,15 @@ class ProcessSubstrate(RootFileOps, Substrate):
     def _made(self, runtime: SandboxRuntime, f: RootFiles, path: str, tree: bool = False) -> None:
         """What the daemon made in the session's /tmp (``path``, the parents it may have
         made, with ``tree`` all below it) belongs to the session's uid, so that its commands
-        may change it. Everything there is the session's: giving it again changes nothing
-        else. Elsewhere the root is read-only."""
-        from corral import _core
-
+        may change it (giveaway: walked by fd, never through a symlink the session swapped
+        in). Everything there is the session's: giving it again changes nothing else.
+        Elsewhere the root is read-only."""
         uid = runtime.extra.get("uid")
         parts = [x for x in os.path.normpath(path).split("/") if x]
         if not isinstance(uid, int) or len(parts) < 2 or parts[0] != HOME.strip("/"):
             return
-        todo = [("/" + "/".join(parts), tree)] + [
-            ("/" + "/".join(parts[:i]), False) for i in range(2, len(parts))]
         with f.rooted() as root:
-            while todo:
-                q, below = todo.pop(0)
-                try:
-                    _core.fs_chown(root, q, uid, uid)
-                    if below:
-                        base = q.rstrip("/")
-                        todo += [(f"{base}/{e[0]}", e[1] == "dir")
-                                 for e in _core.fs_list(root, q)]
-                except (OSError, ValueError) as e:
-                    log.warning("chown in a process session",
-                                extra={"path": q, "error": str(e)})
+            try:
+                giveaway.give(root, HOME, parts[1:], uid, tree)
+            except OSError as e:
+                log.warning("chown in a process session", extra={"path": path, "error": str(e)})
