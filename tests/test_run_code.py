@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -448,13 +449,52 @@ def test_infinite_loop_times_out_with_its_tree():
                       timeout=10)
 
 
-def test_a_child_that_says_it_is_done_and_goes_on_is_killed_at_its_timeout():
-    """A python child tells its exit code on a pipe before it exits, and the answer goes out
-    on it; code that writes that pipe itself and keeps running only lies about itself: its
-    timer still runs, its slot stays taken until the zygote has reaped it and cleaned up."""
-    r = run("import os, subprocess, time\nsubprocess.Popen(['sleep', '1234'])\n"
-            "print('bye', flush=True); os.write(4, b'0'); time.sleep(60)", timeout=2)
-    assert r.stdout == "bye\n"
+# Code that tries to tell the daemon a status of its own choosing: it writes ``word`` to every
+# fd it holds past stdio (fd 4 was a pipe on which a python child told its exit code as it
+# ended, and the answer went out on that word alone), then ends its own way.
+FORGE = """import os, struct
+for fd in range(3, 256):
+    try:
+        os.write(fd, {word!r})
+    except OSError:
+        pass
+"""
+
+
+def test_a_request_cannot_choose_the_status_it_is_reported_with():
+    """A request's status, exit code and signal are how its process really ended: the fork
+    server that reaps it writes its wait status to the daemon, on a pipe no request holds.
+    The attack: a status pipe a request holds (fd 4, written by python as it ended) let a
+    snippet write "0" and then abort, exit 3 or fail an assert and be reported ok with exit
+    code 0, its later output dropped, and go on running unreported until its timeout; "-7"
+    or "99999999999" became its exit code."""
+    cases = [  # (word, then, timeout) -> (status, exit_code, signal, stdout)
+        (b"0", "print('tests: FAILED', flush=True)\nos.abort()", 10,
+         ("error", 134, signal.SIGABRT, "tests: FAILED\n")),
+        (b"0", "raise SystemExit(3)", 10, ("error", 3, None, "")),
+        (b"0", "assert 1 == 2, 'test failed'", 10, ("error", 1, None, "")),
+        (b"-7", "raise SystemExit(1)", 10, ("error", 1, None, "")),
+        (b"99999999999", "print('end')", 10, ("ok", 0, None, "end\n")),
+        (struct.pack("=id", 0, 0.0), "raise SystemExit(4)", 10, ("error", 4, None, "")),
+        (b"0", "os.kill(os.getpid(), 9)", 10, ("error", 137, signal.SIGKILL, "")),
+        # it goes on after the word: answered at its real end, with what it printed until then
+        (b"0", "import time\ntime.sleep(1.5)\nprint('after', flush=True)\nraise SystemExit(5)",
+         10, ("error", 5, None, "after\n")),
+        (b"0", "import subprocess, time\nsubprocess.Popen(['sleep', '1234'])\n"
+               "print('bye', flush=True)\ntime.sleep(60)", 2,
+         ("timeout", 137, signal.SIGKILL, "bye\n")),
+    ]
+    rs = corral.run_code_many([{"code": FORGE.format(word=word) + then, "timeout": timeout}
+                               for word, then, timeout, _ in cases])
+    for (word, then, _, want), r in zip(cases, rs, strict=True):
+        assert (r.status, r.exit_code, r.signal, r.stdout) == want, (word, then, r)
+    assert "AssertionError: test failed" in rs[2].stderr
+    assert rs[7].duration_s >= 1.5 and rs[8].duration_s >= 2
+    # bash holds no such fd either
+    b = run("for fd in 3 4 5 6 7 8 9; do echo 0 >&$fd; done 2>/dev/null; kill -ABRT $$",
+            language="bash")
+    assert (b.status, b.exit_code, b.signal) == ("error", 134, signal.SIGABRT), b
+    # what the one that went on started died with it, and nothing is left in any slot
     assert wait_until(lambda: not [p for p in host_procs_of_slot_uids() if p[1] == "sleep"],
                       timeout=15)
     for r in every_slot("import os; print([p for p in os.listdir('/proc') if p.isdigit()] == "
@@ -921,49 +961,59 @@ def _queued_to(pid: int) -> int:
 
 
 def test_a_program_that_ended_before_its_deadline_is_not_a_timeout_when_the_answer_is_late():
-    """The daemon's timer may run before the zygote's word that the program ended has
-    arrived: the program's outcome is then its own, decided by when its fork server reaped
-    it (the zygote's clock, never the program's), not by which message came first. Here the
-    zygote is stopped from the host before a bash request (no early word from the child):
-    the child exits at once, its fork server reaps it, and only once the daemon's timer has
-    run (its kill frame waits in the zygote's socket) does the zygote run again. Before,
-    this was ``timeout``."""
+    """The daemon answers on the word of the child's fork server (its wait status and when it
+    reaped it), which does not wait for the zygote: a request whose zygote is stopped from
+    the host is answered with its own status. And the daemon's timer may run before that
+    word is read: the program's outcome is then its own, decided by when its fork server
+    reaped it (never by the program, nor by which came first). Here the daemon is stopped
+    from the host while the request runs, until past its deadline."""
     cg = f"corral-test-rclate-{os.getpid()}"
     with private_daemon("corral-test-rclate-", cg, CORRAL_RUNCODE_SLOTS="2",
                         CORRAL_RUNCODE_ZYGOTES="1") as d:
         ep = d.socket_path
         assert corral.run_code("true", language="bash", endpoint=ep).ok
         (z,) = _zygotes_of(cg + ".runcode")
-        assert _queued_to(z) == 0
         out: dict[str, object] = {}
 
-        def call() -> None:
+        def call(code: str, timeout: float) -> None:
             try:
-                out["r"] = corral.run_code("echo hi; exit 3", language="bash", timeout=2,
-                                           endpoint=ep)
+                out["r"] = corral.run_code(code, language="bash", timeout=timeout, endpoint=ep)
             except BaseException as e:  # noqa: BLE001 - handed to the test
                 out["r"] = e
 
         os.kill(z, signal.SIGSTOP)
-        t = threading.Thread(target=call, daemon=True)
         try:
+            t = threading.Thread(target=call, args=("echo hi; exit 3", 20), daemon=True)
             t.start()
-            # the daemon's timer ran: its kill frame waits for the stopped zygote
-            assert wait_until(lambda: _queued_to(z) > 0, 30), "the timer never ran"
-            assert "r" not in out, out  # no answer without the zygote's word
+            assert wait_until(lambda: "r" in out, 15), "no answer while the zygote is stopped"
         finally:
             os.kill(z, signal.SIGCONT)
-        t.join(30)
-        r = out["r"]
+        r = out.pop("r")
         assert not isinstance(r, BaseException), r
         assert (r.status, r.exit_code, r.signal, r.stdout) == ("error", 3, None, "hi\n"), r
-        assert r.duration_s < 2, r
+        # the word waits in its pipe, the timer is due: the program's own status
+        assert d.proc is not None
+        t = threading.Thread(target=call, args=("sleep 0.3; echo hi; exit 3", 1), daemon=True)
+        t.start()
+        assert wait_until(lambda: any(c == "sleep" for _, c in host_procs_of_slot_uids()), 15)
+        seen = time.monotonic()  # after the request's start: its deadline is before seen + 1
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            assert wait_until(lambda: not any(c == "sleep" for _, c in
+                                              host_procs_of_slot_uids()), 15)
+            assert wait_until(lambda: time.monotonic() > seen + 1.2, 5)
+            assert "r" not in out
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        t.join(30)
+        r = out.pop("r")
+        assert not isinstance(r, BaseException), r
+        assert (r.status, r.exit_code, r.signal, r.stdout) == ("error", 3, None, "hi\n"), r
+        assert r.duration_s < 1, r
         # a program still running at its deadline is a timeout, with the zygote stopped too
         os.kill(z, signal.SIGSTOP)
         try:
-            t = threading.Thread(target=lambda: out.update(
-                r=corral.run_code("sleep 60", language="bash", timeout=1, endpoint=ep)),
-                daemon=True)
+            t = threading.Thread(target=call, args=("sleep 60", 1), daemon=True)
             t.start()
             assert wait_until(lambda: _queued_to(z) > 0, 30), "the timer never ran"
         finally:

@@ -896,16 +896,16 @@ fn after_fork_child() {
 }
 
 /// run_code: the zygote's fork server (zygote.rs `fork_server`) on the SOCK_SEQPACKET
-/// `sock`. Returns only in a request's child: (slot, request fd, stdout, stderr, status fd).
+/// `sock`. Returns only in a request's child: (slot, request fd, stdout, stderr).
 #[pyfunction]
-fn zygote_fork_server(sock: RawFd) -> PyResult<(u32, RawFd, RawFd, RawFd, RawFd)> {
+fn zygote_fork_server(sock: RawFd) -> PyResult<(u32, RawFd, RawFd, RawFd)> {
     let hooks = zygote::ForkHooks {
         before: before_fork,
         after_parent: after_fork_parent,
         after_child: after_fork_child,
     };
     let f = zygote::fork_server(sock, &hooks)?;
-    Ok((f.slot, f.ctl, f.out, f.err, f.status))
+    Ok((f.slot, f.ctl, f.out, f.err))
 }
 
 #[pymodule]

@@ -401,15 +401,15 @@ impl ChildEntry {
     }
 }
 
-/// A request child's ends of its four pipes, as `fork_server` returns them in the child.
+/// A request child's ends of its pipes, as `fork_server` returns them in the child. The
+/// fourth pipe, its exit status, is written by the server, never by the child: see
+/// `write_status`.
 pub struct Forked {
     pub slot: u32,
     /// the request (read end)
     pub ctl: c_int,
     pub out: c_int,
     pub err: c_int,
-    /// the exit code a python child tells before it exits (write end)
-    pub status: c_int,
 }
 
 /// The three calls an embedding interpreter makes around a fork (CPython's `PyOS_*Fork*`).
@@ -430,6 +430,9 @@ const CMD_FORK: u8 = b'f';
 const MSG_FORKED: u8 = b'F';
 /// To the zygote: a child exited (pid i32, wait status i32, CLOCK_MONOTONIC f64 seconds).
 const MSG_EXITED: u8 = b'X';
+/// On a child's status pipe, to the daemon: its wait status (i32) and when it was reaped
+/// (CLOCK_MONOTONIC f64 seconds), native byte order, in one write.
+pub const STATUS_LEN: usize = 12;
 
 fn pipe_pair(step: &str) -> Result<[c_int; 2], ZygoteError> {
     let mut p = [-1 as c_int; 2];
@@ -457,12 +460,31 @@ fn monotonic() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
 }
 
-fn send_exited(sock: c_int, pid: libc::pid_t, status: c_int) -> Result<(), ZygoteError> {
+/// Tell the daemon, on the status pipe it holds the other end of, how a child ended: the wait
+/// status the kernel gave this server's waitpid and when. The child never holds this end (it
+/// is closed in the child at the fork), so code a request runs cannot write a status of its
+/// choosing, nor one before it has really ended. A daemon that has closed its end already
+/// makes this an EPIPE (SIGPIPE is ignored here: `serve_forks`), which is nothing to report.
+fn write_status(fd: c_int, status: c_int, t_exit: f64) {
+    let mut msg = [0u8; STATUS_LEN];
+    msg[0..4].copy_from_slice(&status.to_ne_bytes());
+    msg[4..12].copy_from_slice(&t_exit.to_ne_bytes());
+    // SAFETY: a write of a stack buffer to a pipe this server owns; under PIPE_BUF, so one
+    // write lands whole, and the pipe is fresh (nothing else in it) so it does not block.
+    unsafe { libc::write(fd, msg.as_ptr().cast(), msg.len()) };
+}
+
+fn send_exited(
+    sock: c_int,
+    pid: libc::pid_t,
+    status: c_int,
+    t_exit: f64,
+) -> Result<(), ZygoteError> {
     let mut msg = [0u8; 17];
     msg[0] = MSG_EXITED;
     msg[1..5].copy_from_slice(&pid.to_ne_bytes());
     msg[5..9].copy_from_slice(&status.to_ne_bytes());
-    msg[9..17].copy_from_slice(&monotonic().to_ne_bytes());
+    msg[9..17].copy_from_slice(&t_exit.to_ne_bytes());
     // SAFETY: a send of a stack buffer on a socket fd.
     if unsafe { libc::send(sock, msg.as_ptr().cast(), msg.len(), libc::MSG_NOSIGNAL) } < 0 {
         return Err(ZygoteError::os("send", harden::errno()));
@@ -513,7 +535,8 @@ fn send_forked(
 /// The fork server of a run_code zygote, run by a process forked from the zygote once its
 /// interpreter is ready: it forks each request's child on the zygote's command (`f` + slot,
 /// on the SOCK_SEQPACKET `sock`), sends back the daemon's ends of the child's pipes, reaps
-/// its children (pidfds) and tells each exit. It runs no Python between forks, so the pages
+/// its children (pidfds) and tells each exit: to the daemon on the child's status pipe, whose
+/// write end only this server holds (`write_status`), and to the zygote. It runs no Python between forks, so the pages
 /// it shares with its waiting children stay shared: when the zygote's Python loop forked,
 /// every page it wrote between two forks was copied again (~100 page faults a request).
 ///
@@ -541,7 +564,13 @@ fn serve_forks(sock: c_int, hooks: &ForkHooks) -> Result<Forked, ZygoteError> {
     // bounding set of its own.
     unsafe { harden::drop_bounding(&plan) }.map_err(|e| ZygoteError::os("drop_bounding", e))?;
     BOUNDING_EMPTY.store(true, Ordering::Relaxed);
-    let mut live: Vec<(libc::pid_t, c_int)> = Vec::with_capacity(256);
+    // A status write to a daemon that has closed its end must not end the server. Its python
+    // children inherit this disposition, as they would from the zygote (CPython ignores
+    // SIGPIPE); a bash child resets it before its exec.
+    // SAFETY: signal() with a valid signal number and SIG_IGN.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+    // Each live child: its pid, its pidfd, and the write end of its status pipe.
+    let mut live: Vec<(libc::pid_t, c_int, c_int)> = Vec::with_capacity(256);
     let mut pfds: Vec<libc::pollfd> = Vec::with_capacity(257);
     loop {
         pfds.clear();
@@ -550,7 +579,7 @@ fn serve_forks(sock: c_int, hooks: &ForkHooks) -> Result<Forked, ZygoteError> {
             events: libc::POLLIN,
             revents: 0,
         });
-        pfds.extend(live.iter().map(|&(_, fd)| libc::pollfd {
+        pfds.extend(live.iter().map(|&(_, fd, _)| libc::pollfd {
             fd,
             events: libc::POLLIN,
             revents: 0,
@@ -568,14 +597,18 @@ fn serve_forks(sock: c_int, hooks: &ForkHooks) -> Result<Forked, ZygoteError> {
             if pfds[i].revents == 0 {
                 continue;
             }
-            let (pid, pidfd) = live[i - 1];
+            let (pid, pidfd, st) = live[i - 1];
             let mut status: c_int = 0;
             // SAFETY: waitpid on our own child, writing into a local.
             let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
             if r == pid {
-                send_exited(sock, pid, status)?;
-                close_all(&[pidfd]);
+                let t_exit = monotonic();
+                // The daemon first: it answers the request on this word, the zygote then
+                // cleans the slot.
+                write_status(st, status, t_exit);
+                close_all(&[pidfd, st]);
                 live.swap_remove(i - 1);
+                send_exited(sock, pid, status, t_exit)?;
             }
         }
         if pfds[0].revents == 0 {
@@ -609,21 +642,27 @@ fn serve_forks(sock: c_int, hooks: &ForkHooks) -> Result<Forked, ZygoteError> {
         let pid = unsafe { libc::fork() };
         if pid == 0 {
             (hooks.after_child)();
-            close_all(&[ctl[1], out[0], err[0], st[0]]);
+            // No status pipe's write end stays in a child, its own or another's: only this
+            // server tells how a child ended. (The entry's close_range would close the
+            // others too; these are closed here, before anything else runs.)
+            close_all(&[ctl[1], out[0], err[0], st[0], st[1]]);
+            for &(_, pidfd, their_st) in &live {
+                close_all(&[pidfd, their_st]);
+            }
             return Ok(Forked {
                 slot,
                 ctl: ctl[0],
                 out: out[1],
                 err: err[1],
-                status: st[1],
             });
         }
         (hooks.after_parent)();
-        close_all(&[ctl[0], out[1], err[1], st[1]]);
+        close_all(&[ctl[0], out[1], err[1]]);
         let theirs = [ctl[1], out[0], err[0], st[0]];
         if pid < 0 {
             let e = harden::errno();
             close_all(&theirs);
+            close_all(&[st[1]]);
             return Err(ZygoteError::os("fork", e));
         }
         // SAFETY: pidfd_open of our own unreaped child.
@@ -631,9 +670,10 @@ fn serve_forks(sock: c_int, hooks: &ForkHooks) -> Result<Forked, ZygoteError> {
         if pidfd < 0 {
             let e = harden::errno();
             close_all(&theirs);
+            close_all(&[st[1]]);
             return Err(ZygoteError::os("pidfd_open", e));
         }
-        live.push((pid, pidfd));
+        live.push((pid, pidfd, st[1]));
         let sent = send_forked(sock, slot, pid, theirs);
         close_all(&theirs);
         sent?;

@@ -146,7 +146,7 @@ class ZygoteDied(InfraError):
 
 class Warm:
     """A slot's child waiting for its request: its pid and the daemon's ends of its pipes
-    (request, stdout, stderr, and the exit code a python child tells before it exits)."""
+    (request, stdout, stderr, and its status: the fork server writes there how it ended)."""
 
     def __init__(self, pid: int, ctl: int, out: int, err: int, st: int) -> None:
         self.pid, self.ctl, self.out, self.err, self.st = pid, ctl, out, err, st
@@ -403,8 +403,9 @@ class Zygote:
     # -- one request --
     async def request(self, si: int, req: RunCodeRequest, release: Any) -> dict[str, Any]:
         """Run ``req`` on slot ``si``; ``release()`` is called once the slot is clean again
-        (its processes dead, its scratch wiped), which may be after this returns: a python
-        child tells its exit code itself, and the answer does not wait for the zygote."""
+        (its processes dead, its scratch wiped), which may be after this returns: the fork
+        server that reaps the child writes its wait status to the status pipe, and the answer
+        does not wait for the zygote to clean the slot."""
         slot = self.slots[si]
         try:
             if not slot.ready.is_set():  # mostly it is: the child was forked while idle
@@ -421,7 +422,8 @@ class Zygote:
         slot.ready.clear()
         loop = asyncio.get_running_loop()
         done: asyncio.Future[dict[str, Any]] = loop.create_future()
-        told: asyncio.Future[int] = loop.create_future()
+        # The fork server's word: {"status": wait status, "t_exit": when it was reaped}.
+        told: asyncio.Future[dict[str, Any]] = loop.create_future()
         slot.done[w.pid] = done
         out, err = Output(w.out, req.max_output_bytes), Output(w.err, req.max_output_bytes)
         timed_out = False
@@ -438,18 +440,18 @@ class Zygote:
         def status() -> None:
             nonlocal status_watched
             try:
-                data = os.read(w.st, 16)
+                data = os.read(w.st, zygote.STATUS.size + 1)
             except BlockingIOError:
                 return
             except OSError:
                 data = b""
             status_watched = False
             loop.remove_reader(w.st)
-            if not told.done():
-                try:
-                    told.set_result(int(data))
-                except ValueError:
-                    pass  # nothing (bash, a crash), or not a number: the zygote's word
+            if told.done() or len(data) != zygote.STATUS.size:
+                return  # nothing (the fork server died): the zygote's word decides
+            st, t_exit = zygote.STATUS.unpack(data)
+            if os.WIFEXITED(st) or os.WIFSIGNALED(st):  # a wait status of an ended process
+                told.set_result({"status": st, "t_exit": t_exit})
 
         timer: asyncio.TimerHandle | None = None  # armed as the request goes to its process
         finished = False
@@ -505,11 +507,13 @@ class Zygote:
             self._later(done, finish, slot, w.pid)
             raise
         d: dict[str, Any] | None = None
-        # Past the deadline (the timer ran, or is due: a python child's word came too late),
-        # whether the process ended in time is the zygote's to say, not the timer's: its
-        # answer may simply arrive after the timer ran.
+        # Past the deadline (the timer ran, or is due: the fork server's word came too late),
+        # whether the process ended in time is its fork server's to say, not the timer's:
+        # its answer may simply arrive after the timer ran.
         late = timed_out or time.monotonic() > deadline
-        if done.done() or late:
+        if told.done():  # how it ended, from its fork server's waitpid: no word of its own
+            d = told.result()
+        elif done.done() or late:
             if not done.done():
                 await asyncio.wait({done}, timeout=ANSWER_GRACE_S)
             if done.done() and done.exception() is None:
@@ -529,11 +533,9 @@ class Zygote:
             # reaped it (CLOCK_MONOTONIC, the daemon's too), never a time the process could
             # give. A process killed at its deadline is reaped after it.
             timed_out = t_exit > deadline
-        elif late:  # killed at its timeout; the zygote has not said so yet
+        else:  # killed at its timeout; neither its fork server nor the zygote has said so yet
             sig = int(signal.SIGKILL)
             code, t_exit, timed_out = 128 + sig, deadline, True
-        else:  # a python child's own word, before its deadline
-            code, sig, t_exit = told.result(), None, time.monotonic()
         # What is in the pipes now is all there is: the process has ended (a holder of a
         # copy elsewhere is not waited for; it dies with the slot).
         out.read(budgeted=False)
@@ -592,9 +594,9 @@ class Zygote:
 
     def _later(self, done: asyncio.Future[dict[str, Any]], finish: Any, slot: SlotState,
                pid: int, wait: float | None = None) -> None:
-        """After an answer on the child's own word (or at its timeout): free the slot when the
-        zygote has reaped it (its timer still runs: a child that said it was done and went on
-        is killed); a zygote that has not within ``wait`` is restarted, unless it said the
+        """After an answer on the fork server's word (or at its timeout): free the slot when
+        the zygote has cleaned it (its timer still runs: what the child left running is
+        killed); a zygote that has not within ``wait`` is restarted, unless it said the
         slot's processes are still dying: then it has until zygote.KILL_WAIT_S, and one
         that breaks the slot is retired (its other requests run to their end). A callback
         and a timer, not a task: this is every python request's path."""

@@ -76,6 +76,9 @@ HDR = struct.Struct("!I")
 FORK = struct.Struct("=cI")
 FORKED = struct.Struct("=cIi")
 EXITED = struct.Struct("=ciid")
+# On a child's status pipe, from its fork server to the daemon: its wait status and when it was
+# reaped (rust/src/zygote.rs ``write_status``).
+STATUS = struct.Struct("=id")
 MAX_FRAME = 256 << 20
 READ_CHUNK = 1 << 16
 # A slot's processes are killed and waited for on the loop this long; past it the loop goes
@@ -580,13 +583,13 @@ class Zygote:
             _signal.set_wakeup_fd(-1)
             _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
             try:
-                si, ctl, fout, ferr, fst = self.core.zygote_fork_server(theirs.fileno())
+                si, ctl, fout, ferr = self.core.zygote_fork_server(theirs.fileno())
             except BaseException as e:  # noqa: BLE001 - say why, never return into the loop
                 os.write(2, f"run_code fork server: {type(e).__name__}: {e}\n".encode())
                 os._exit(1)
             # A request's child (the server itself never returns).
             try:
-                self._child(self.slots[si], ctl, fout, ferr, fst)
+                self._child(self.slots[si], ctl, fout, ferr)
             except BaseException as e:  # noqa: BLE001 - report, never return into the loop
                 # stderr is fd 2 once the child has entered its slot (ferr is closed then)
                 err = 2 if self.entered else ferr
@@ -695,12 +698,13 @@ class Zygote:
             os.write(2, f"{argv[0]}: {e.strerror}\n".encode())
             os._exit(127 if e.errno == errno.ENOENT else 126)
 
-    def _child(self, slot: Slot, ctl: int, fout: int, ferr: int, fst: int) -> None:
+    def _child(self, slot: Slot, ctl: int, fout: int, ferr: int) -> None:
         # The fork server reset the wakeup fd and SIGCHLD before its loop: inherited.
-        # Its cgroups, a session, stdio, fd 3 the request, fd 4 (python) its exit code told
-        # before it exits, no other fd, the scratch dir, its uid and limits: in one call.
+        # Its cgroups, a session, stdio, fd 3 the request, no other fd, the scratch dir, its
+        # uid and limits: in one call. How it ends is told to the daemon by the fork server
+        # that reaps it (its wait status), never by the child.
         slot.entry.enter([(self.devnull, 0, False), (fout, 1, False), (ferr, 2, False),
-                          (ctl, 3, False), (fst, 4, True)])
+                          (ctl, 3, False)])
         self.entered = True
         own = {"HOME": slot.scratch, "TMPDIR": slot.scratch, "PWD": slot.scratch}
         main = None
@@ -816,10 +820,6 @@ def _run_python(code: str, main: Any) -> None:
             stream.flush()
         except BaseException:  # noqa: BLE001 - a closed or broken stream: nothing to say
             rc = rc or 120
-    try:  # the daemon answers on this; the zygote's reap then frees the slot
-        os.write(4, b"%d" % rc)
-    except OSError:
-        pass
     os._exit(rc)
 
 
