@@ -26,8 +26,11 @@ from pathlib import Path
 import httpx
 import pytest
 from test_isolation import MADVISE_PROBE, check_madvise_probe
+from test_proc_policy import HOST_LEAKS
+from test_proc_policy import PROBE as PROC_PROBE
 
 import corral
+from corral.daemon import procpolicy
 from corral.daemon.substrates.process.pool import UID_BASE, pool_for
 from corral.errors import CapacityExceeded, InvalidRequest
 from corral.sdk.run_code import run_code_pools
@@ -231,6 +234,70 @@ print(open('/proc/self/mountinfo').read().count('\\n'))
     # The interpreter's own prefix is there, read-only; nothing else of its parents.
     r = run("import os, sys; print(os.listdir(os.path.dirname(os.path.realpath(sys.prefix))))")
     assert r.stdout.strip() == str([os.path.basename(os.path.realpath(sys.prefix))])
+
+
+# Every top-level /proc entry outside the allow list, in bash: what reading it (a file) or
+# listing it (a directory) gives; then the caller's cgroups.
+PROC_PROBE_BASH = r"""
+cd /proc
+for n in *; do
+    case $n in [0-9]*) continue ;; esac
+    case ",$ALLOWED," in *",$n,"*) continue ;; esac
+    if [ -d "$n" ] && [ ! -L "$n" ]; then
+        echo "$n entries=$(ls -A "$n" 2>/dev/null | wc -l)"
+    else
+        echo "$n bytes=$(head -c 65536 "$n" 2>/dev/null | wc -c)"
+    fi
+done
+sed 's/^/cgroup /' /proc/self/cgroup
+"""
+
+
+def check_proc_shows_nothing_of_the_host(out: str) -> None:
+    """``out``: a proc probe's lines (test_proc_policy.PROBE's or PROC_PROBE_BASH's), then
+    the caller's /proc/self/cgroup, each line prefixed ``cgroup``."""
+    seen: dict[str, str] = {}
+    cgroups: list[str] = []
+    for line in out.splitlines():
+        name, got = line.split(" ", 1)
+        if name == "cgroup":
+            cgroups.append(got)
+        else:
+            seen[name] = got
+    for name in HOST_LEAKS + ("config.gz", "softirqs"):
+        if os.path.exists(f"/proc/{name}"):
+            assert name in seen, (name, out)
+    for name, got in seen.items():
+        assert got in ("bytes=0", "entries=0") or got.startswith("error="), (name, got)
+        assert "created" not in got, (name, got)
+    # its own cgroup namespace, rooted at its own cgroups: no host path (v2 "0::/", v1 one
+    # line a hierarchy, each "/")
+    assert cgroups and all(c.rsplit(":", 1)[1] == "/" for c in cgroups), cgroups
+
+
+def test_proc_shows_nothing_of_the_host():
+    """The process tier's /proc has the container's masks (corral.daemon.procpolicy): every
+    top-level entry outside the allow list reads empty (the host's boot command line, kernel
+    config, iomem, interrupts, zoneinfo, diskstats...), in python and bash requests and in a
+    process session; and each sees its own cgroups as the root of a cgroup namespace."""
+    allowed = ",".join(sorted(procpolicy.PROC_ALLOWED))
+    r = run(f"import sys; sys.argv = ['-c', {allowed!r}]\n{PROC_PROBE}\n"
+            "print(''.join('cgroup ' + x for x in open('/proc/self/cgroup')), end='')")
+    assert r.status == "ok", r
+    check_proc_shows_nothing_of_the_host(r.stdout)
+    r = run(f"ALLOWED={allowed}\n{PROC_PROBE_BASH}", language="bash")
+    assert r.status == "ok", r
+    check_proc_shows_nothing_of_the_host(r.stdout)
+    with corral.Sandbox(substrate="process", timeout=60) as sb:
+        sb.files.write("/tmp/probe.sh", PROC_PROBE_BASH)
+        r2 = sb.exec(["bash", "-c", f"ALLOWED={allowed}; . /tmp/probe.sh"], timeout=30)
+        assert r2.exit_code == 0, r2
+        check_proc_shows_nothing_of_the_host(r2.stdout)
+        # /proc/sys stays readable (as in a container), and no command can write it
+        r2 = sb.exec("cat /proc/sys/kernel/ostype; echo x > /proc/sys/kernel/hostname; "
+                     "echo wrote=$?")
+        lines = r2.stdout.split()
+        assert lines[0] == "Linux" and lines[1] != "wrote=0", r2
 
 
 def test_nothing_is_writable_but_the_scratch_dir_and_it_is_wiped():
@@ -876,9 +943,15 @@ def test_requests_weigh_less_cpu_than_their_zygote_and_the_daemon():
     of one of the daemon's tasks; the zygote stays in the daemon's. Where every request
     shared the daemon's cpu cgroup, 6 requests of 63 busy processes each starved the zygote
     (their own timeouts came back as infra_error) and the daemon's lxcfs."""
-    r = run("cat /proc/self/cgroup", language="bash")
-    cpu = next(line.split(":", 2)[2] for line in r.stdout.splitlines()
-               if "cpu" in line.split(":", 2)[1].split(","))
+    # seen from the host: a request's own /proc/self/cgroup shows "/" (its cgroup namespace)
+    t = threading.Thread(target=run, args=("sleep 3",), kwargs={"language": "bash"})
+    t.start()
+    try:
+        assert wait_until(lambda: any(c == "sleep" for _, c in host_procs_of_slot_uids()), 15)
+        pid = next(p for p, c in host_procs_of_slot_uids() if c == "sleep")
+        cpu = _cpu_cgroup(pid)
+    finally:
+        t.join(30)
     assert cpu.startswith(f"/{RC_TOP}/bash-") and cpu.rsplit("/", 1)[1].startswith("s"), cpu
     top = int(Path("/sys/fs/cgroup/cpu", RC_TOP, "cpu.shares").read_text())
     assert top <= 256

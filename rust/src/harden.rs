@@ -383,6 +383,8 @@ enum When {
     /// second argument, an ioctl command (the low 32 bits: the kernel reads an `unsigned
     /// int`), is of this ioctl type (its bits 8-15) and not one of `allow`.
     IoctlType { ty: u8, allow: &'static [u32] },
+    /// With EPERM, unless its first argument is exactly this value (all 64 bits).
+    Arg0Not(u64),
 }
 
 /// The btrfs ioctls' type. Making a subvolume needs no privilege, and a subvolume made inside
@@ -560,13 +562,22 @@ fn syscall_policy() -> Vec<Deny> {
 }
 
 /// What the process tier (run_code requests, process sessions) may not do beyond
-/// `syscall_policy`: its processes see the host's own OS directories (bind mounts, not a
-/// copy), so a watch on them would report every open of those files anywhere on the host:
-/// host processes' and other tenants' requests alike.
+/// `syscall_policy`, whose rule for the same syscall it replaces: its processes see the host's
+/// own OS directories (bind mounts, not a copy), so a watch on them would report every open of
+/// those files anywhere on the host: host processes' and other tenants' requests alike. And
+/// `unshare` with exactly CLONE_NEWCGROUP: a request's child (a command's), after joining its
+/// cgroups and before dropping its capabilities, takes a cgroup namespace of its own under the
+/// zygote's filter (`zygote::lockdown`). Once they are dropped the kernel refuses it
+/// (CAP_SYS_ADMIN), and every other flag, CLONE_NEWUSER with it included, stays refused here.
 fn host_view_policy() -> Vec<Deny> {
     vec![
         deny("inotify_add_watch", libc::SYS_inotify_add_watch),
         deny("fanotify_mark", libc::SYS_fanotify_mark),
+        Deny {
+            name: "unshare",
+            nr: libc::SYS_unshare,
+            when: When::Arg0Not(libc::CLONE_NEWCGROUP as u64),
+        },
     ]
 }
 
@@ -629,6 +640,11 @@ const OFF_ARG0_LO: u32 = 20;
 const OFF_ARG1_LO: u32 = 24;
 #[cfg(target_endian = "big")]
 const OFF_ARG1_LO: u32 = 28;
+/// High 32 bits of args[0].
+#[cfg(target_endian = "little")]
+const OFF_ARG0_HI: u32 = 20;
+#[cfg(target_endian = "big")]
+const OFF_ARG0_HI: u32 = 16;
 
 /// Low 32 bits of args[2] (socket's protocol).
 #[cfg(target_endian = "little")]
@@ -655,6 +671,9 @@ enum Tgt {
     Arg2Check(u32),
     /// The check of `When::IoctlType` of the policy's syscall with this number.
     IoctlCheck(u32),
+    /// The check "args[0] is the value" (`When::Arg0Not`) of the policy's syscall with this
+    /// number.
+    Arg0Check(u32),
     Einval,
     Enotty,
 }
@@ -703,7 +722,9 @@ fn emit_tree(out: &mut Vec<Ins>, nrs: &[(u32, Tgt)]) {
 fn build_filter(unix_only: bool, host_view: bool) -> Result<Vec<libc::sock_filter>, HardenError> {
     let mut policy = syscall_policy();
     if host_view {
-        policy.extend(host_view_policy());
+        let more = host_view_policy();
+        policy.retain(|d| more.iter().all(|m| m.nr != d.nr));
+        policy.extend(more);
     }
     policy.sort_unstable_by_key(|d| d.nr);
     if let Some(w) = policy.windows(2).find(|w| w[0].nr == w[1].nr) {
@@ -720,6 +741,7 @@ fn build_filter(unix_only: bool, host_view: bool) -> Result<Vec<libc::sock_filte
                 When::Pid(pid) => Tgt::PidCheck(pid),
                 When::Arg2In(_) => Tgt::Arg2Check(d.nr as u32),
                 When::IoctlType { .. } => Tgt::IoctlCheck(d.nr as u32),
+                When::Arg0Not(_) => Tgt::Arg0Check(d.nr as u32),
             };
             (d.nr as u32, hit)
         })
@@ -847,6 +869,17 @@ fn build_filter(unix_only: bool, host_view: bool) -> Result<Vec<libc::sock_filte
             p.push(ins(BPF_JEQ_K, u32::from(ty) << 8, Tgt::Enotty, Tgt::Allow));
         }
     }
+    // One "args[0] is the value" check per syscall of the policy allowed only with it.
+    let mut arg0_checks: Vec<(u32, usize)> = Vec::new();
+    for d in &policy {
+        if let When::Arg0Not(v) = d.when {
+            arg0_checks.push((d.nr as u32, p.len()));
+            p.push(ins(BPF_LD_W_ABS, OFF_ARG0_LO, Tgt::Next, Tgt::Next));
+            p.push(ins(BPF_JEQ_K, v as u32, Tgt::Next, Tgt::Eperm));
+            p.push(ins(BPF_LD_W_ABS, OFF_ARG0_HI, Tgt::Next, Tgt::Next));
+            p.push(ins(BPF_JEQ_K, (v >> 32) as u32, Tgt::Allow, Tgt::Eperm));
+        }
+    }
     let (allow, eperm, enosys, kill) = (p.len(), p.len() + 1, p.len() + 2, p.len() + 3);
     let (eafnosupport, eprotonosupport, einval) = (p.len() + 4, p.len() + 5, p.len() + 6);
     let enotty = p.len() + 7;
@@ -884,6 +917,11 @@ fn build_filter(unix_only: bool, host_view: bool) -> Result<Vec<libc::sock_filte
                 .map(|&(_, at)| at)
                 .ok_or_else(|| HardenError::Seccomp(format!("no ioctl check for {nr}")))?,
             Tgt::Arg2Check(nr) => arg2_checks
+                .iter()
+                .find(|&&(q, _)| q == nr)
+                .map(|&(_, at)| at)
+                .ok_or_else(|| HardenError::Seccomp(format!("no check for syscall {nr}")))?,
+            Tgt::Arg0Check(nr) => arg0_checks
                 .iter()
                 .find(|&&(q, _)| q == nr)
                 .map(|&(_, at)| at)
@@ -1357,7 +1395,8 @@ mod tests {
     #[test]
     fn host_view_policy_refuses_watches_and_nothing_else_more() {
         // Against the unix-only filter it extends: the same answer for every syscall and
-        // argument but the two watches, which it refuses.
+        // argument but the two watches, which it refuses, and unshare with exactly
+        // CLONE_NEWCGROUP, which it allows.
         let view = host_view_program().unwrap();
         let unix_only = seccomp_program(true).unwrap();
         let eperm = libc::SECCOMP_RET_ERRNO | libc::EPERM as u32;
@@ -1365,12 +1404,26 @@ mod tests {
             libc::SYS_inotify_add_watch as u32,
             libc::SYS_fanotify_mark as u32,
         ];
+        let cgroupns = libc::CLONE_NEWCGROUP as u64;
+        let unshare = libc::SYS_unshare as u32;
         for nr in 0..1000u32 {
-            for arg0 in [0u64, 1, libc::AF_UNIX as u64, libc::AF_INET as u64] {
+            for arg0 in [
+                0u64,
+                1,
+                libc::AF_UNIX as u64,
+                libc::AF_INET as u64,
+                cgroupns,
+                cgroupns | libc::CLONE_NEWUSER as u64,
+                cgroupns | libc::CLONE_NEWNS as u64,
+                cgroupns | 1 << 32,
+                libc::CLONE_NEWUSER as u64,
+            ] {
                 for arg2 in [0u64, 20, 21] {
                     let got = run_args(view, nr, AUDIT_ARCH, &[arg0, 0, arg2]);
                     let want = if watches.contains(&nr) {
                         eperm
+                    } else if nr == unshare && arg0 == cgroupns {
+                        libc::SECCOMP_RET_ALLOW
                     } else {
                         run_args(unix_only, nr, AUDIT_ARCH, &[arg0, 0, arg2])
                     };

@@ -119,7 +119,9 @@ fn mount(
 /// One entry of the new root, made in order. `kind`: `ro` (read-only bind of a host file or
 /// directory), `dev` (bind of a host device node), `symlink` (src is the link's target),
 /// `tmpfs` (src holds the mount options), `proc` (a procfs of the caller's pid namespace that
-/// shows a process only to its own uid), `dir` (an empty directory).
+/// shows a process only to its own uid), `mask` (a host file or empty directory bound over an
+/// entry of that procfs: read-only for a directory; an entry this kernel lacks is skipped),
+/// `dir` (an empty directory).
 pub struct Entry {
     pub kind: String,
     pub src: OsString,
@@ -209,6 +211,20 @@ pub fn build_root(root: &Path, entries: &[Entry]) -> Result<(), ZygoteError> {
                 let flags = NOSUID_NODEV | libc::MS_NOEXEC;
                 mount("proc", b"proc", &at, b"proc", flags, b"hidepid=2")?;
             }
+            "mask" => {
+                // Over an existing entry only: nothing is made inside a procfs.
+                if let Err(e) = mount("mask", src, &at, b"", libc::MS_BIND, b"") {
+                    match e {
+                        ZygoteError::Os { errno, .. } if errno == libc::ENOENT => continue,
+                        e => return Err(e),
+                    }
+                }
+                if at.is_dir() {
+                    let flags = libc::MS_RDONLY | NOSUID_NODEV | libc::MS_NOEXEC;
+                    let remount = libc::MS_BIND | libc::MS_REMOUNT | flags;
+                    mount("remount", b"none", &at, b"", remount, b"")?;
+                }
+            }
             "dir" => mountpoint(&at, true)?,
             k => {
                 return Err(ZygoteError::Invalid(format!(
@@ -277,7 +293,10 @@ pub struct Lockdown {
 }
 
 /// Apply `l` to the calling (single-threaded) process, a child of a sealed zygote (`seal`:
-/// the seccomp filter is inherited): oom_score_adj as a sandbox, no capability left in any set
+/// the seccomp filter is inherited) that has joined its cgroups: a cgroup namespace of its own
+/// rooted at them (its /proc/self/cgroup shows "/", not the host's path of its cgroups; the
+/// process tier's filter allows exactly `unshare(CLONE_NEWCGROUP)`, which needs the
+/// CAP_SYS_ADMIN dropped just after), oom_score_adj as a sandbox, no capability left in any set
 /// (bounding and ambient included), the unprivileged uid/gid with no supplementary group, the
 /// rlimits, no_new_privs, and Landlock's abstract unix socket scope in a domain of its own
 /// where the kernel has it (all requests of a zygote share its network namespace).
@@ -291,6 +310,10 @@ pub fn lockdown(l: &Lockdown) -> Result<(), ZygoteError> {
     // SAFETY: each call is a handful of raw syscalls on data that lives on our stack or in
     // `l`/`prog` for the duration of the call; the caller is single-threaded.
     unsafe {
+        step(
+            "cgroup namespace",
+            harden::check(libc::unshare(libc::CLONE_NEWCGROUP) as libc::c_long),
+        )?;
         step("oom_score_adj", harden::set_sandbox_oom_score_adj())?;
         if !BOUNDING_EMPTY.load(Ordering::Relaxed) {
             step("drop_bounding", harden::drop_bounding(&plan))?;

@@ -6,7 +6,9 @@ kpagecount, kpagecgroup), the slab allocator (slabinfo), interrupts, timers, key
 symbols, the host's disks and devices. Only what a normal program reads is left (ps, top, free,
 uptime, df, ip, ss, nproc, Python's os/platform/multiprocessing, psutil); every other entry is
 covered when the sandbox starts (rust/src/spawn.rs, step "mask_proc"): a file by /dev/null, a
-directory by one empty, read-only host directory (no superblock of its own). /proc/sys stays
+directory by one empty, read-only host directory (no superblock of its own). The process tier
+(run_code, process sessions) covers the same entries once per zygote, in the mount namespace
+every request and command of it shares (substrates/process/view.py). /proc/sys stays
 readable but read-only. The policy is computed once per daemon from the host's /proc (one
 kernel, the same entries) and handed to every spawn.
 
@@ -17,6 +19,7 @@ first choice, so the sandbox could end itself by exhausting its own memory.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from dataclasses import dataclass
 
@@ -67,3 +70,24 @@ def compute(proc: str = "/proc") -> ProcPolicy:
         else:
             files.append(name)
     return ProcPolicy(PROC_READONLY, tuple(files), tuple(dirs))
+
+
+def make_mask_dir(path: str) -> str:
+    """The empty directory every sandbox (and every zygote of the process tier) binds
+    read-only over the /proc directories it masks, instead of mounting a tmpfs of its own
+    there: one superblock fewer per sandbox, and each superblock alive costs every memory
+    cgroup of the host a slot in its shrinker table until the host reboots (docs/daemon.md,
+    "Recycled memory cgroups"). Root-owned, mode 0555, emptied if anything is found in it."""
+    try:
+        os.mkdir(path, 0o555)
+    except FileExistsError:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(path)
+            os.mkdir(path, 0o555)
+        elif os.listdir(path):
+            shutil.rmtree(path)
+            os.mkdir(path, 0o555)
+    os.chown(path, 0, 0)
+    os.chmod(path, 0o555)
+    return path

@@ -9,8 +9,9 @@ snapshots), ``netns`` (the pool of ready network namespaces, the shared one), ``
 
 from corral import _core
 from corral.daemon.kernel import proc_starttime
+from corral.daemon.procpolicy import make_mask_dir
 
-from .layout import make_mask_dir, make_sys_dir
+from .layout import make_sys_dir
 from .netns import NetnsPool, SharedNetns
 from .substrate import ContainerSubstrate
 

@@ -48,27 +48,6 @@ def make_sys_dir(path: str, views: list[str]) -> str:
     return path
 
 
-def make_mask_dir(path: str) -> str:
-    """The empty directory every sandbox binds (read-only) over the /proc directories it
-    masks, instead of mounting a tmpfs of its own there: one superblock fewer per sandbox, and
-    each superblock alive costs every memory cgroup of the host a slot in its shrinker table
-    until the host reboots (docs/daemon.md, "Recycled memory cgroups"). Root-owned, mode 0555,
-    emptied if anything is found in it."""
-    try:
-        os.mkdir(path, 0o555)
-    except FileExistsError:
-        st = os.lstat(path)
-        if not stat_mod.S_ISDIR(st.st_mode):
-            os.unlink(path)
-            os.mkdir(path, 0o555)
-        elif os.listdir(path):
-            shutil.rmtree(path)
-            os.mkdir(path, 0o555)
-    os.chown(path, 0, 0)
-    os.chmod(path, 0o555)
-    return path
-
-
 # The shared /dev every sandbox binds read-only (spawn.rs DEVICES, DEV_LINKS): character
 # devices (major, minor), symlinks, and the mountpoints of each sandbox's own devpts and
 # /dev/shm.
@@ -81,7 +60,7 @@ DEV_MOUNTPOINTS = ("pts", "shm")
 
 def make_dev_dir(path: str) -> str:
     """The directory bound read-only at every sandbox's /dev instead of a tmpfs each (one
-    superblock fewer per sandbox, see make_mask_dir). Root-owned, mode 0755; the bind is
+    superblock fewer per sandbox, see procpolicy.make_mask_dir). Root-owned, mode 0755; the bind is
     nosuid, noexec and read-only, so a sandbox can neither add a node nor change one the
     others see. Made in place, entry by entry: live sandboxes of a previous daemon see the
     same directory, so only a wrong entry is replaced and nothing is taken away from them."""

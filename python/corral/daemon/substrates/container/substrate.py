@@ -64,7 +64,6 @@ from .layout import (
     MountWatch,
     _image_tmp_unfit,
     make_dev_dir,
-    make_mask_dir,
     make_sys_dir,
 )
 from .netns import NetnsPool, SharedNetns
@@ -166,7 +165,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         self.cpu_placer = cpuplace.CpuPlacer(host_cpus) if host_cpus else None
         self.images = images
         self.init_fd = _core.init_memfd()
-        self.mask_dir = make_mask_dir(os.path.join(state_dir, "mask"))
+        self.mask_dir = procpolicy.make_mask_dir(os.path.join(state_dir, "mask"))
         self.dev_dir = make_dev_dir(os.path.join(state_dir, "dev"))
         # /sys: a read-only skeleton holding only the mountpoints of the sandbox's own cgroups
         # (/sys/fs/cgroup/<hierarchy>), mounted in its cgroup namespace at spawn, or at the

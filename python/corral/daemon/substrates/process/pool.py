@@ -29,6 +29,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral.daemon import procpolicy
 from corral.daemon.discard import DiscardBudget
 from corral.daemon.substrates.process import cgroup, view, zygote
 from corral.daemon.substrates.process.fairslots import FairSlots
@@ -275,7 +276,8 @@ class Zygote:
         self.retiring = False
         uid0 = UID_BASE + (self.pool.number * 64 + self.index) * 256
         uids = [uid0 + i for i in range(len(slot_dirs))]
-        cfg = config(self.pool.language, svc.root_dir, view.entries(s.tmp_mb, uids), join,
+        cfg = config(self.pool.language, svc.root_dir,
+                     view.entries(s.tmp_mb, svc.proc_masks, uids), join,
                      [{"uid": uid, "cgroups": d} for uid, d in zip(uids, slot_dirs, strict=True)],
                      POOLS[self.pool.name][1], s)
         self.proc, ours = launch()
@@ -793,6 +795,8 @@ class RunCodeService:
                  settings: Settings | None = None) -> None:
         self.settings = settings or settings_from_env()
         self.root_dir = os.path.join(state_dir, "runcode", "root")
+        self.mask_dir = os.path.join(state_dir, "mask")
+        self.proc_masks: list[tuple[str, str, str]] = []  # view.proc_masks, at the first pool
         self.cgroup_name = cgroup_name
         self._layout: cgroup.Layout | None = None
         self.pools: dict[str, Pool] = {}
@@ -807,6 +811,8 @@ class RunCodeService:
             self._layout = cgroup.Layout(self.cgroup_name, cpu=True)
             self._layout.remove_all()  # a previous daemon's, if it died
             os.makedirs(self.root_dir, mode=0o700, exist_ok=True)
+            self.proc_masks = view.proc_masks(procpolicy.compute(),
+                                              procpolicy.make_mask_dir(self.mask_dir))
         return self._layout
 
     def pool(self, language: str, code: str = "") -> Pool:

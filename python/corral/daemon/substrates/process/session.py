@@ -38,7 +38,7 @@ import time
 from collections.abc import Awaitable, Iterator
 from typing import Any
 
-from corral.daemon import kernel
+from corral.daemon import kernel, procpolicy
 from corral.daemon.substrates.base import (
     Capabilities,
     ExecSpec,
@@ -113,6 +113,8 @@ class ProcessSubstrate(RootFileOps, Substrate):
         self._next_uid = 0
         self._lock = threading.Lock()
         os.makedirs(self.root_dir, mode=0o700, exist_ok=True)
+        self.proc_masks = view.proc_masks(procpolicy.compute(), procpolicy.make_mask_dir(
+            os.path.join(state_dir, "mask")))
         self.counters = {"process_sessions": 0, "process_execs": 0}
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -140,8 +142,9 @@ class ProcessSubstrate(RootFileOps, Substrate):
             # /tmp is a tmpfs: memory. What the file API writes there is charged to the
             # daemon, not the session, so it is at most the session's memory limit.
             tmp_mb = min(spec.disk_mb, spec.memory_mb)
-            cfg = pool.config("session", self.root_dir, view.session_entries(tmp_mb, uid),
-                              join, [{"uid": uid, "cgroups": slots[0]}], [], self.settings)
+            entries = view.session_entries(tmp_mb, uid, self.proc_masks)
+            cfg = pool.config("session", self.root_dir, entries, join,
+                              [{"uid": uid, "cgroups": slots[0]}], [], self.settings)
             cfg["hostname"] = spec.hostname or sandbox_id[:63]
             proc, sock = pool.launch()
             s = Session(proc, sock, uid)

@@ -1,12 +1,21 @@
 """What a run_code zygote's root holds: the host's OS directories and the interpreter
 (wherever it lives), read-only; a few files of /etc; the harmless devices; a /proc of its own;
 a private /tmp. Nothing else of the host (no /home, /root, /var, /work, /sys, the daemon's
-state dir)."""
+state dir).
+
+Its /proc has the container's masks (corral.daemon.procpolicy, the one list): every top-level
+entry outside the allow list is covered, a file by /dev/null, a directory by the daemon's empty
+mask directory, once when the zygote builds its root; every request and command of the zygote
+shares that mount namespace, so a request pays nothing for it. The policy's read-only binds
+(/proc/sys, pid 1's OOM score) guard against root in a container; here every request and
+command runs as an unprivileged uid with no capability, which can write neither."""
 
 from __future__ import annotations
 
 import os
 import sys
+
+from corral.daemon import procpolicy
 
 OS_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # The loader's cache (multiarch libraries), names of users and groups, the time zone.
@@ -20,7 +29,14 @@ def _under(path: str, dirs: list[str]) -> bool:
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
 
 
-def session_entries(disk_mb: int, uid: int) -> list[tuple[str, str, str]]:
+def proc_masks(policy: procpolicy.ProcPolicy, mask_dir: str) -> list[tuple[str, str, str]]:
+    """The entries that cover ``policy``'s masked /proc entries (made after the procfs)."""
+    return ([("mask", "/dev/null", f"/proc/{name}") for name in policy.mask_files]
+            + [("mask", mask_dir, f"/proc/{name}") for name in policy.mask_dirs])
+
+
+def session_entries(disk_mb: int, uid: int,
+                    masks: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
     """A session's view: the same, with /tmp its own tmpfs of ``disk_mb`` owned by its uid
     (its home and working directory; /root leads there too unless the interpreter lives
     under /root). Of the interpreter, only its base prefix (the standard library the session
@@ -29,7 +45,7 @@ def session_entries(disk_mb: int, uid: int) -> list[tuple[str, str, str]]:
     session's home, counted in its ``du`` and in the way of its ``rm -rf /tmp/*``."""
     out = [("tmpfs", f"mode=0700,uid={uid},gid={uid},size={disk_mb}m,nr_inodes=262144",
             "/tmp") if e[0] == "tmpfs" and e[2] == "/tmp" else e
-           for e in entries(0, prefixes=(sys.base_prefix, sys.base_exec_prefix))]
+           for e in entries(0, masks, prefixes=(sys.base_prefix, sys.base_exec_prefix))]
     if not any(_under(dst, ["/root"]) for _, _, dst in out):
         out.append(("symlink", "/tmp", "/root"))
     return out
@@ -41,9 +57,10 @@ def session_entries(disk_mb: int, uid: int) -> list[tuple[str, str, str]]:
 SCRATCH_INODES = 65536
 
 
-def entries(tmp_mb: int, slot_uids: list[int] | None = None,
+def entries(tmp_mb: int, masks: list[tuple[str, str, str]], slot_uids: list[int] | None = None,
             prefixes: tuple[str, ...] | None = None) -> list[tuple[str, str, str]]:
-    """The zygote's root (``prefixes``: the interpreter's to bind, all of them by default).
+    """The zygote's root (``masks``: ``proc_masks``; ``prefixes``: the interpreter's to bind,
+    all of them by default).
     ``slot_uids``: a scratch tmpfs per slot, ``/tmp/s<i>`` (of ``tmp_mb`` and SCRATCH_INODES):
     nothing a request writes takes room or inodes from
     another's. Its root is the zygote's, mode 0710 with the slot's group: the slot's uid
@@ -69,6 +86,7 @@ def entries(tmp_mb: int, slot_uids: list[int] | None = None,
                          ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
         out.append(("symlink", target, f"/dev/{name}"))
     out.append(("proc", "", "/proc"))
+    out += masks
     if slot_uids is None:
         out.append(("tmpfs", f"mode=0755,size={tmp_mb}m,nr_inodes=65536", "/tmp"))
     else:

@@ -9,7 +9,8 @@ imports none of corral but the Rust core, loaded by path. Its life:
    zygote gets SIGKILL (PDEATHSIG), and with pid 1 every process of the namespace goes.
 2. The zygote opens its slots' cgroup directories, imports the preloaded modules, switches to a
    read-only root that holds only the OS directories and the interpreter, with a private /tmp
-   and a /proc that shows each uid only its own processes; SysV IPC and POSIX message queues
+   and a /proc that shows each uid only its own processes, its host-wide entries masked as a
+   container's are (view.py); SysV IPC and POSIX message queues
    are capped at zero objects (nothing can outlive a request there). It then seals itself
    (no_new_privs and the sandbox seccomp filter, inherited by every child) and says ready.
 3. Each request runs in a fresh fork, made ahead of it by the zygote's fork server: a child of
