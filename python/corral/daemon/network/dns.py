@@ -94,6 +94,85 @@ def check_query(data: bytes) -> int | None:
     return None if off == len(data) else int(RCODE.FORMERR)
 
 
+# An upstream answer is checked before dnslib parses it (check_answer): dnslib decodes every
+# name in full, following its compression pointers again each time, so 4,079 records whose
+# names point at a 122-label name (a 64 KiB answer over TCP, the shape a resolver relays for a
+# zone its asker controls) cost ~0.5 s of the daemon's CPU, a backward pointer chain ~19 s.
+ANSWER_MAX_RRS = 512
+NAME_LABELS_MAX = 160  # a name's labels and pointers followed (255 bytes: at most 127 labels)
+NAME_WORK_MAX = 16384  # labels and pointers followed for the whole message
+# Record types whose data holds names dnslib decodes: the offset of the first, how many.
+_RDATA_NAMES = {2: (0, 1), 5: (0, 1), 12: (0, 1), 39: (0, 1), 15: (2, 1), 6: (0, 2),
+                33: (6, 1)}
+
+
+def check_answer(data: bytes) -> bool:
+    """Whether ``data`` is an answer dnslib parses in time linear in its size: at most
+    ANSWER_MAX_RRS records, every name (owners, and those in the data of NS, CNAME, PTR,
+    DNAME, MX, SOA, SRV) at most NAME_LABELS_MAX labels with its pointers followed, each
+    pointer pointing back, and NAME_WORK_MAX labels decoded in all."""
+    if len(data) < 12:
+        return False
+    qd, an, ns, ar = (int.from_bytes(data[i:i + 2], "big") for i in (4, 6, 8, 10))
+    if qd > 1 or an + ns + ar > ANSWER_MAX_RRS:
+        return False
+    work = 0
+
+    def name(off: int) -> int:
+        """The offset after the name at ``off``; -1 if it breaks a rule."""
+        nonlocal work
+        labels, end, at = 0, -1, off
+        while True:
+            if at >= len(data):
+                return -1
+            n = data[at]
+            if n & 0xC0 == 0xC0:
+                if at + 1 >= len(data):
+                    return -1
+                target = ((n & 0x3F) << 8) | data[at + 1]
+                if end < 0:
+                    end = at + 2
+                labels += 1  # a pointer followed costs as a label does
+                work += 1
+                if target >= at or labels > NAME_LABELS_MAX or work > NAME_WORK_MAX:
+                    return -1  # forward or self: a loop, or not a name yet
+                at = target
+                continue
+            if n & 0xC0:
+                return -1
+            if n == 0:
+                break
+            labels += 1
+            work += 1
+            if labels > NAME_LABELS_MAX or work > NAME_WORK_MAX:
+                return -1
+            at += n + 1
+        return end if end >= 0 else at + 1
+
+    off = 12
+    for _ in range(qd):
+        off = name(off)
+        if off < 0:
+            return False
+        off += 4
+    for _ in range(an + ns + ar):
+        off = name(off)
+        if off < 0 or off + 10 > len(data):
+            return False
+        rtype = int.from_bytes(data[off:off + 2], "big")
+        rdlen = int.from_bytes(data[off + 8:off + 10], "big")
+        start, off = off + 10, off + 10 + rdlen
+        if off > len(data):
+            return False
+        skip, count = _RDATA_NAMES.get(rtype, (0, 0))
+        at = start + skip
+        for _ in range(count):
+            at = name(at)
+            if at < 0 or at > off:
+                return False
+    return True
+
+
 def _error_reply(data: bytes, rcode: int) -> bytes:
     """A header-only answer to a query refused unparsed: its id, opcode and RD bit."""
     return data[:2] + bytes([0x80 | (data[2] & 0x79), rcode & 0xF]) + bytes(8)
@@ -435,7 +514,10 @@ class DnsProxy:
             _until(s, deadline)
             s.sendall(len(out).to_bytes(2, "big") + out)
             n = int.from_bytes(_recv_exact(s, 2, deadline), "big")
-            ans = DNSRecord.parse(_recv_exact(s, n, deadline))
+            data = _recv_exact(s, n, deadline)
+            if not check_answer(data):
+                return None
+            ans = DNSRecord.parse(data)
             return ans if ans.header.id == int.from_bytes(out[:2], "big") else None
         except Exception:  # noqa: BLE001 - unreachable, timed out, or not DNS
             return None
@@ -455,6 +537,8 @@ class DnsProxy:
             while True:
                 _until(s, deadline)
                 data = s.recv(4096)
+                if data[:2] == out.header.id.to_bytes(2, "big") and not check_answer(data):
+                    return None
                 with contextlib.suppress(Exception):  # not DNS: not the answer
                     ans = DNSRecord.parse(data)
                     if ans.header.id == out.header.id:
