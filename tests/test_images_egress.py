@@ -319,6 +319,43 @@ def test_credentials_go_to_their_registry_only(env: dict[str, Any],
     assert leaked == [], leaked
 
 
+def test_a_challenge_of_another_host_gets_no_login(env: dict[str, Any]) -> None:
+    """A redirect's target or an upload location on another host that answers 401 with a
+    Bearer challenge of its own: the daemon answered it with the registry's login (sent to
+    that host's token server) and then sent the token on. It is the registry's refusal."""
+    evil: FakeRegistry = env["evil"]
+    other: FakeRegistry = env["other"]
+    config = b'{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}'
+    challenge = {"WWW-Authenticate": f'Bearer realm="http://{other.addr}/token",service="x"'}
+    other.routes["GET /config401"] = (401, challenge, b"")
+    other.routes["PUT /upload/401"] = (401, challenge, b"")
+    other.routes["GET /token"] = (200, {}, b'{"token": "stolen"}')
+    evil.routes.update({
+        "GET /v2/": _basic_only((200, {}, b"{}")),
+        "GET /v2/creds401/manifests/1": _basic_only(
+            (200, {"Content-Type": "application/vnd.oci.image.manifest.v1+json"},
+             manifest_for(config, []))),
+        f"GET /v2/creds401/blobs/{fx_digest(config)}": _basic_only(
+            (307, {"Location": f"http://{other.addr}/config401"}, b"")),
+        "POST /v2/pushed401/blobs/uploads/": _basic_only(
+            (202, {"Location": f"http://{other.addr}/upload/401"}, b"")),
+    })
+    other.requests.clear()
+    r = env["eve"].pull(f"{evil.addr}/creds401:1")
+    assert r.status_code >= 400 and r.json()["error"]["code"] == "registry_unauthorized", r.text
+    layout = fx.oci_layout("egress401", [("gzip", [fx.f("hello", b"hi 401\n")])])
+    from corral.sdk import admin
+
+    admin.import_image("egress-401", layout, endpoint=f"unix://{env['daemon'].socket_path}")
+    r = env["admin"].c.post("/v1/images/push", json={"name": "egress-401",
+                                                     "reference": f"{evil.addr}/pushed401:1"})
+    assert r.status_code >= 400 and r.json()["error"]["code"] == "registry_unauthorized", r.text
+    assert [p for _, p, _ in other.requests if p.startswith("/token")] == [], other.requests
+    leaked = [(m, p) for m, p, h in other.requests
+              if any(k.lower() == "authorization" for k in h)]
+    assert leaked == [], leaked
+
+
 def test_the_policy_refuses_every_internal_form_of_an_address() -> None:
     """The check itself, for addresses no test should connect to (no packet leaves this
     machine): nothing here connects; "this host's" is found by binding."""

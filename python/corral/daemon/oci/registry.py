@@ -238,11 +238,13 @@ class Registry:
                 r = self._open("GET", url, headers=headers)
             except httpx.HTTPError as e:
                 raise self._fail(f"GET {url}: {e}") from e
-            if r.status_code == 401 and attempt == 0:
+            if r.status_code == 401 and attempt == 0 and self._own(str(r.url)):
                 r.close()
                 self.scheme, self.params = auth.challenge(r.headers.get("www-authenticate", ""))
                 self._login()
                 continue
+            # A 401 of another host (a redirect's target) is never answered with this
+            # registry's login: its challenge's realm would get the credentials.
             if r.status_code in (401, 403):
                 r.close()
                 raise self._unauthorized(f"{r.status_code} on {path}")
@@ -282,7 +284,7 @@ class Registry:
                     r.close()
             except httpx.HTTPError as e:
                 raise self._fail(f"{method} {url}: {e}") from e
-            if r.status_code == 401 and attempt == 0:
+            if r.status_code == 401 and attempt == 0 and self._own(url):
                 self.scheme, self.params = auth.challenge(r.headers.get("www-authenticate", ""))
                 self._login()
                 continue
