@@ -40,6 +40,11 @@ from corral.errors import ImagePullFailed, InvalidImage
 log = logging.getLogger("corral.images")
 
 # Mountpoints under the skeleton that every rootfs needs (the substrate mounts over them).
+# How long a pull waits for another caller's build of the same layer before it fetches the
+# layer itself: a tenant's registry that trickles a layer (just above the rate floor) held
+# every other pull of that digest, any tenant's, for hours, and the pull threads with them.
+GATE_WAIT_S = 30.0
+
 SKELETON = {"proc": 0o555, "dev": 0o755, "sys": 0o555, "tmp": 0o1777, "etc": 0o755,
             "run": 0o755, "root": 0o700}
 
@@ -200,10 +205,13 @@ class LayerStore:
                on_state: Callable[[str], None] | None = None) -> dict:
         """The layer's record, fetched (``fetch(dest)`` writes the verified blob), unpacked
         and converted first if the store lacks it. Concurrent calls for one digest make it
-        once; a failure leaves nothing behind. The caller pins the layer first (GC)."""
+        once, unless one waits GATE_WAIT_S for another (then it fetches too, and the first
+        placed is kept); a failure leaves nothing behind. The caller pins the layer first
+        (GC)."""
         with self._lock:
             gate = self._building.setdefault(hexd, threading.Lock())
-        with gate:
+        held = gate.acquire(timeout=GATE_WAIT_S)  # else: build it too, the first one placed wins
+        try:
             if self.has(hexd):
                 m = self.meta(hexd)
                 limits.used_bytes += int(m.get("unpacked_bytes", 0))
@@ -241,7 +249,8 @@ class LayerStore:
                         "skipped": res.skipped, "format": fmt}
                 with open(os.path.join(tmp, "layer.json"), "w") as f:
                     json.dump(meta, f, sort_keys=True)
-                os.rename(tmp, self.path(hexd))
+                if not self._place(tmp, hexd):
+                    return self.meta(hexd)
                 return meta
             except OSError as e:
                 removal.remove_tree(tmp)
@@ -250,9 +259,28 @@ class LayerStore:
             except BaseException:
                 removal.remove_tree(tmp)
                 raise
-            finally:
-                with self._lock:
-                    self._building.pop(hexd, None)
+        finally:
+            self._done_building(hexd, gate, held)
+
+    def _place(self, tmp: str, hexd: str) -> bool:
+        """Move a built layer dir into place; False (``tmp`` removed) if another build of
+        the same layer got there first (builds of one digest may run at once: GATE_WAIT_S,
+        and a gate is dropped by its last holder while another waits on it)."""
+        try:
+            os.rename(tmp, self.path(hexd))
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not self.has(hexd):
+                raise
+        removal.remove_tree(tmp)
+        return False
+
+    def _done_building(self, hexd: str, gate: threading.Lock, held: bool) -> None:
+        if held:
+            gate.release()
+        with self._lock:
+            if self._building.get(hexd) is gate:
+                del self._building[hexd]
 
     def from_dir(self, src: str, max_bytes: int, max_files: int) -> str:
         """The layer id of host directory ``src``, copied (devices skipped, setuid and
@@ -292,9 +320,10 @@ class LayerStore:
                     with open(os.path.join(tmp, "layer.json"), "w") as f:
                         json.dump({"digest": "dir:" + hexd, "source": src, "format": fmt,
                                    "unpacked_bytes": size}, f, sort_keys=True)
-                    os.rename(tmp, self.path(hexd))
+                    self._place(tmp, hexd)
                 with self._lock:
-                    self._building.pop(hexd, None)
+                    if self._building.get(hexd) is gate:  # not a newer caller's gate
+                        del self._building[hexd]
             os.makedirs(os.path.dirname(known), mode=0o700, exist_ok=True)
             # A name of its own: the same directory may be imported by several creates at once.
             fd, part = tempfile.mkstemp(prefix=fp[:16] + "-", dir=os.path.dirname(known))
@@ -327,11 +356,13 @@ class LayerStore:
                 meta = {**meta, "format": fmt}
                 with open(os.path.join(tmp, "layer.json"), "w") as f:
                     json.dump(meta, f, sort_keys=True)
-                os.rename(tmp, self.path(hexd))
+                if not self._place(tmp, hexd):
+                    return self.meta(hexd)
                 return meta
         finally:
             with self._lock:
-                self._building.pop(hexd, None)
+                if self._building.get(hexd) is gate:  # not a newer caller's gate
+                    del self._building[hexd]
             for p in (tmp, tree):
                 if os.path.lexists(p):
                     removal.remove_tree(p)
@@ -350,7 +381,8 @@ class LayerStore:
                 try:
                     with open(os.path.join(tmp, "layer.json"), "w") as f:
                         json.dump({**meta, "format": "snapshot"}, f, sort_keys=True)
-                    os.rename(tmp, self.path(hexd))
+                    if not self._place(tmp, hexd):
+                        return False
                 except BaseException:
                     removal.remove_tree(tmp)
                     raise
@@ -358,7 +390,8 @@ class LayerStore:
                 return True
         finally:
             with self._lock:
-                self._building.pop(hexd, None)
+                if self._building.get(hexd) is gate:  # not a newer caller's gate
+                    del self._building[hexd]
 
     def drain_released(self) -> list[str]:
         """The snapshot parts whose entries GC removed since the last call (their references
