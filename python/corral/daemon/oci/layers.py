@@ -22,6 +22,7 @@ removes a part an image lists; GC of the entry hands the reference back (:meth:`
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import json
 import logging
@@ -125,6 +126,22 @@ class LayerStore:
                 log.info("file-backed EROFS mounts unavailable on %s: loop devices instead",
                          self.dir)
         _core.mount_loop(img, mnt, "erofs", "", direct_io=False)
+
+    def _convert(self, tree: str, tmp: str, hexd: str) -> str:
+        """Make ``tmp/tree`` (``tree``) the layer's EROFS image ``tmp/layer.erofs`` and
+        remove it: "erofs". A tree mkfs.erofs cannot take (the installed one fails on a name
+        of exactly 255 bytes, which Linux allows) stays a directory layer: "dir", a layer all
+        the same, logged (a valid image refused would read as the image's fault)."""
+        try:
+            self._mkfs(tree, os.path.join(tmp, "layer.erofs"))
+        except InvalidImage as e:
+            log.warning("a layer stays a directory: mkfs.erofs cannot take it",
+                        extra={"layer": hexd, "error": str(e)[-300:]})
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(tmp, "layer.erofs"))
+            return "dir"
+        removal.remove_tree(tree)
+        return "erofs"
 
     @staticmethod
     def _mkfs(src: str, dest: str) -> None:
@@ -241,9 +258,7 @@ class LayerStore:
                         limits.disk_check("an image layer's conversion", res.size)
                     if on_state:
                         on_state("converting")
-                    self._mkfs(tree, os.path.join(tmp, "layer.erofs"))
-                    removal.remove_tree(tree)
-                    fmt = "erofs"
+                    fmt = self._convert(tree, tmp, hexd)
                 meta = {"digest": "sha256:" + hexd, "diff_id": res.diff_id,
                         "media_type": media_type, "unpacked_bytes": res.size,
                         "skipped": res.skipped, "format": fmt}
@@ -312,11 +327,7 @@ class LayerStore:
                 gate = self._building.setdefault(hexd, threading.Lock())
             with gate:
                 if not self.has(hexd):
-                    fmt = "dir"
-                    if self.erofs:
-                        self._mkfs(tree, os.path.join(tmp, "layer.erofs"))
-                        removal.remove_tree(tree)
-                        fmt = "erofs"
+                    fmt = self._convert(tree, tmp, hexd) if self.erofs else "dir"
                     with open(os.path.join(tmp, "layer.json"), "w") as f:
                         json.dump({"digest": "dir:" + hexd, "source": src, "format": fmt,
                                    "unpacked_bytes": size}, f, sort_keys=True)
@@ -347,12 +358,9 @@ class LayerStore:
             with gate:
                 if self.has(hexd):
                     return self.meta(hexd)
-                fmt = "dir"
-                if self.erofs:
-                    self._mkfs(tree, os.path.join(tmp, "layer.erofs"))
-                    fmt = "erofs"
-                else:
-                    os.rename(tree, os.path.join(tmp, "tree"))
+                os.rename(tree, os.path.join(tmp, "tree"))
+                fmt = self._convert(os.path.join(tmp, "tree"), tmp, hexd) if self.erofs \
+                    else "dir"
                 meta = {**meta, "format": fmt}
                 with open(os.path.join(tmp, "layer.json"), "w") as f:
                     json.dump(meta, f, sort_keys=True)
