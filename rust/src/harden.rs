@@ -465,6 +465,10 @@ fn syscall_policy() -> Vec<Deny> {
         deny("add_key", libc::SYS_add_key),
         deny("request_key", libc::SYS_request_key),
         deny("perf_event_open", libc::SYS_perf_event_open),
+        // fanotify marks (no capability needed with FAN_REPORT_FID) on the inodes sandboxes
+        // share (the daemon's /dev, lxcfs's /proc files) report other sandboxes' opens and
+        // reads; nothing a program needs (inotify, which file watchers use, is allowed)
+        deny("fanotify_mark", libc::SYS_fanotify_mark),
         deny("userfaultfd", libc::SYS_userfaultfd),
         // secret memory is taken out of the kernel's direct map, whose huge pages it splits
         // for good: one command's 160 MiB turned 3 GiB of the host's direct map into 4 KiB
@@ -563,8 +567,9 @@ fn syscall_policy() -> Vec<Deny> {
 
 /// What the process tier (run_code requests, process sessions) may not do beyond
 /// `syscall_policy`, whose rule for the same syscall it replaces: its processes see the host's
-/// own OS directories (bind mounts, not a copy), so a watch on them would report every open of
-/// those files anywhere on the host: host processes' and other tenants' requests alike. And
+/// own OS directories (bind mounts, not a copy), so an inotify watch on them would report every
+/// open of those files anywhere on the host: host processes' and other tenants' requests alike
+/// (fanotify marks are refused everywhere: `syscall_policy`). And
 /// `unshare` with exactly CLONE_NEWCGROUP: a request's child (a command's), after joining its
 /// cgroups and before dropping its capabilities, takes a cgroup namespace of its own under the
 /// zygote's filter (`zygote::lockdown`). Once they are dropped the kernel refuses it
@@ -572,7 +577,6 @@ fn syscall_policy() -> Vec<Deny> {
 fn host_view_policy() -> Vec<Deny> {
     vec![
         deny("inotify_add_watch", libc::SYS_inotify_add_watch),
-        deny("fanotify_mark", libc::SYS_fanotify_mark),
         Deny {
             name: "unshare",
             nr: libc::SYS_unshare,
@@ -1395,15 +1399,15 @@ mod tests {
     #[test]
     fn host_view_policy_refuses_watches_and_nothing_else_more() {
         // Against the unix-only filter it extends: the same answer for every syscall and
-        // argument but the two watches, which it refuses, and unshare with exactly
-        // CLONE_NEWCGROUP, which it allows.
+        // argument but inotify watches, which it refuses (fanotify marks: both refuse them),
+        // and unshare with exactly CLONE_NEWCGROUP, which it allows.
         let view = host_view_program().unwrap();
         let unix_only = seccomp_program(true).unwrap();
         let eperm = libc::SECCOMP_RET_ERRNO | libc::EPERM as u32;
-        let watches = [
-            libc::SYS_inotify_add_watch as u32,
-            libc::SYS_fanotify_mark as u32,
-        ];
+        let watches = [libc::SYS_inotify_add_watch as u32];
+        let fanotify_mark = libc::SYS_fanotify_mark as u32;
+        assert_eq!(run(unix_only, fanotify_mark, AUDIT_ARCH, 3), eperm);
+        assert_eq!(run(view, fanotify_mark, AUDIT_ARCH, 3), eperm);
         let cgroupns = libc::CLONE_NEWCGROUP as u64;
         let unshare = libc::SYS_unshare as u32;
         for nr in 0..1000u32 {
