@@ -160,7 +160,7 @@ def test_an_upload_with_a_header_of_digits_is_refused_and_stalls_no_one(served: 
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert err["code"] == "invalid_request"
-            assert err["details"]["reason"] == "header_digits"
+            assert err["details"]["reason"] == "header_framing"
             assert p.worst < STALL_S, p.took
         finally:
             m.delete(f"/v1/sandboxes/{sid}")
@@ -171,7 +171,7 @@ def test_a_layer_with_a_header_of_digits_is_refused_and_stalls_no_one(
     src = _layout(os.path.join(workdir, "digits"), _digits_tar(100_000))
     with _Prober(served["base"]) as p:
         err = _import(served, "tarhdr-digits", src)
-    assert err["code"] == "invalid_image" and err["details"]["reason"] == "header_digits"
+    assert err["code"] == "invalid_image" and err["details"]["reason"] == "header_framing"
     assert p.worst < STALL_S, p.took
     assert _leftovers(served["daemon"].state_dir) == []
 

@@ -43,7 +43,7 @@ def test_a_pax_header_of_digits_is_refused_at_once(tmp_path: Path) -> None:
     with pytest.raises(InvalidImage) as e:
         _unpack(blob, tmp_path / "root")
     assert time.monotonic() - t0 < 0.5
-    assert e.value.details["reason"] == "header_digits"
+    assert e.value.details["reason"] == "header_framing"
     assert not (tmp_path / "root" / "hello").exists()
 
 

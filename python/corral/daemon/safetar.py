@@ -1,72 +1,47 @@
 """Reading a tar nobody vouches for with the stdlib's tarfile, in bounded time and memory.
 
-tarfile reads each extended header (PAX, GNU long name and link) whole into memory, then
-parses a PAX one with regular expressions that take time quadratic in what the header
-holds, with the GIL held, so every thread of the daemon (its event loop too) waits:
-- ``\\d+ hdrcharset=...`` searched over the header (CVE-2024-6232): quadratic in a run of
-  ASCII digits, 100,000 digits (a 262-byte gzip) took 21 s;
+tarfile reads each extended header (PAX, GNU long name and link) whole into memory, and the
+Python the daemon may run on (3.11 before 3.11.10) parses a PAX one with regular expressions
+that take time quadratic in what the header holds, with the GIL held, so every thread of the
+daemon (its event loop too) waits:
+- ``\\d+ hdrcharset=([^\\n]+)\\n`` searched over the whole header (CVE-2024-6232):
+  quadratic in a run of ASCII digits (100,000 digits, a 262-byte gzip, took 21 s), and in
+  ``1 hdrcharset=`` repeated with no newline (1 MiB of it, a 2 KB gzip: minutes);
 - a record ``(\\d+) ([^=]+)=`` whose keyword runs past the record's length to a later ``=``:
-  the next record starts inside it and scans to that ``=`` again, and each keyword is kept,
-  so ``4 aa`` repeated is quadratic in time and in memory.
-The Python releases that fix the CVE are not the ones the daemon may run on, so
-:class:`SafeTarInfo` (``tarfile.open(..., tarinfo=SafeTarInfo)``) refuses, before tarfile
-parses it:
+  the next record starts inside it and scans to that ``=`` again, and each keyword is kept.
+So :class:`SafeTarInfo` (``tarfile.open(..., tarinfo=SafeTarInfo)``) parses PAX headers
+itself, in one pass over the records (``length keyword=value\\n``, each framed by its
+length; any other form is refused), and hands tarfile only the result; no regular expression
+runs over a header's bytes. It also refuses:
 - an extended header over HEADER_MAX bytes (it is never read);
-- a PAX header with a digit run over DIGIT_RUN_MAX bytes, or runs whose quadratic cost adds
-  up past DIGIT_COST_MAX (a path is at most 4096 bytes: two of those, path and link, fit);
-- a PAX header whose records are not framed: a keyword that does not end (``=``) inside its
-  record's length;
 - more than CHAIN_MAX extended headers in a row (tarfile recurses once per header);
 - sparse members (old GNU ``S`` and the PAX ``GNU.sparse.*`` forms): tarfile gives their
   holes back as zeros, so a few hundred bytes claim a GiB of written blocks, and their maps
   (extension blocks, a 1.0 map in the data) are unbounded lists in memory.
-Each check is one linear pass over the header's bytes. Refusals are the upload API's errors
-(``too_large`` with ``details.limit == "header_bytes"``, else ``invalid_request``);
-:class:`ImageTarInfo` words them as ``invalid_image`` for layers and image archives.
+Refusals are the upload API's errors (``too_large`` with ``details.limit ==
+"header_bytes"``, else ``invalid_request``); :class:`ImageTarInfo` words them as
+``invalid_image`` for layers and image archives.
 """
 
 from __future__ import annotations
 
-import re
 import tarfile
-from typing import IO, Any
+from typing import Any
 
 from corral.errors import CorralError, InvalidImage, InvalidRequest, TooLarge
 
 HEADER_MAX = 1 << 20
-DIGIT_RUN_MAX = 4096
-# tarfile's search costs about a run's length squared (~0.04 s for 4096 digits)
-DIGIT_COST_MAX = 4 * DIGIT_RUN_MAX * DIGIT_RUN_MAX
 CHAIN_MAX = 16
-_PAX_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)
-_EXT_TYPES = _PAX_TYPES + (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
-_DIGITS = re.compile(rb"\d+")
-_RECORD_LENGTH = re.compile(rb"(\d+) ")  # anchored at a record's start: one digit run
+LENGTH_DIGITS_MAX = 20  # a record's length field (as the fixed tarfile reads it)
+_EXT_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
+              tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
 _SPARSE_KEY = b"GNU.sparse."
 _DEPTH = "_corral_safetar_depth"  # extended headers being processed on a TarFile
 
 
-class _CheckedFirstRead:
-    """``inner``, whose next read (tarfile's read of a PAX header's bytes) goes through
-    ``check`` before tarfile sees it; every other attribute is ``inner``'s."""
-
-    def __init__(self, inner: IO[bytes], check: Any) -> None:
-        self._inner, self._check = inner, check
-
-    def read(self, n: int = -1) -> bytes:
-        data = self._inner.read(n)
-        check, self._check = self._check, None
-        if check is not None:
-            check(data)
-        return data
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
 class SafeTarInfo(tarfile.TarInfo):
-    """A TarInfo whose extended headers are checked before tarfile parses them (module
-    docstring). Errors in the upload API's words."""
+    """A TarInfo whose PAX headers are parsed in linear time, and whose extended headers are
+    bounded (module docstring). Errors in the upload API's words."""
 
     def refuse(self, message: str, reason: str, **details: Any) -> CorralError:
         if reason == "header_bytes":
@@ -92,45 +67,64 @@ class SafeTarInfo(tarfile.TarInfo):
             setattr(tf, _DEPTH, depth)
 
     def _proc_pax(self, tf: Any) -> Any:
-        inner = tf.fileobj
-        tf.fileobj = _CheckedFirstRead(inner, self._check_pax)
+        """tarfile's step for a PAX header (extended: for the next member; global: for every
+        one after), with the header parsed by ``_records``."""
+        records = self._records(tf.fileobj.read(self._block(self.size)))  # type: ignore[attr-defined]
+        pax = tf.pax_headers if self.type == tarfile.XGLTYPE else dict(tf.pax_headers)
+        # The first hdrcharset record says how path, linkpath, uname and gname are encoded.
+        names_in = next((tf.encoding if v == b"BINARY" else "utf-8"
+                         for k, v in records if k == b"hdrcharset"), "utf-8")
+        decode = self._decode_pax_field  # type: ignore[attr-defined]
+        for key, value in records:
+            k = decode(key, "utf-8", "utf-8", tf.errors)
+            if k in tarfile.PAX_NAME_FIELDS:
+                pax[k] = decode(value, names_in, tf.encoding, tf.errors)
+            else:
+                pax[k] = decode(value, "utf-8", "utf-8", tf.errors)
         try:
-            return super()._proc_pax(tf)  # type: ignore[misc]
-        finally:
-            tf.fileobj = inner
+            nxt = self.fromtarfile(tf)
+        except tarfile.HeaderError as e:
+            raise tarfile.SubsequentHeaderError(str(e)) from None  # type: ignore[attr-defined]
+        if self.type in (tarfile.XHDTYPE, tarfile.SOLARIS_XHDTYPE):
+            nxt._apply_pax_info(pax, tf.encoding, tf.errors)  # type: ignore[attr-defined]
+            nxt.offset = self.offset
+            if "size" in pax:  # the member's data starts after its own header
+                offset = nxt.offset_data
+                if nxt.isreg() or nxt.type not in tarfile.SUPPORTED_TYPES:
+                    offset += nxt._block(nxt.size)  # type: ignore[attr-defined]
+                tf.offset = offset
+        return nxt
+
+    def _records(self, buf: bytes) -> list[tuple[bytes, bytes]]:
+        """A PAX header's records, ``(keyword, value)`` in order, in one pass: each is
+        ``length keyword=value\\n`` with ``length`` its own size (at most
+        LENGTH_DIGITS_MAX digits, at least 5), ending in a newline, with a keyword; the
+        header ends at its end or at a NUL. Anything else is refused; so is a sparse key."""
+        out: list[tuple[bytes, bytes]] = []
+        pos = 0
+        while pos < len(buf) and buf[pos] != 0:
+            sp = buf.find(b" ", pos, pos + LENGTH_DIGITS_MAX + 1)
+            field = buf[pos:sp] if sp > pos else b""
+            length = int(field) if field.isdigit() else 0
+            end = pos + length - 1  # the record's newline
+            if length < 5 or end >= len(buf) or buf[end] != 0x0A:
+                raise self._unframed()
+            key, eq, value = buf[sp + 1:end].partition(b"=")
+            if not key or not eq:
+                raise self._unframed()
+            if key.startswith(_SPARSE_KEY):
+                raise self._sparse()
+            out.append((key, value))
+            pos = end + 1
+        return out
+
+    def _unframed(self) -> CorralError:
+        return self.refuse("a tar PAX header is not a sequence of records framed by their "
+                           "lengths", "header_framing")
 
     def _sparse(self) -> CorralError:
         return self.refuse(f"tar member {self.name[:200]!r} is sparse (GNU sparse members "
                            "are not taken)", "sparse", member=self.name[:200])
-
-    def _check_pax(self, buf: bytes) -> None:
-        """Refuse a PAX header that tarfile would take more than linear time to parse."""
-        cost = 0
-        for run in _DIGITS.finditer(buf):
-            n = run.end() - run.start()
-            cost += n * n
-            if n > DIGIT_RUN_MAX or cost > DIGIT_COST_MAX:
-                raise self.refuse(f"a tar PAX header holds a run of {n} digits (at most "
-                                  f"{DIGIT_RUN_MAX}, {DIGIT_COST_MAX} squared in all)",
-                                  "header_digits", max=DIGIT_RUN_MAX)
-        # The records, walked as tarfile does: where tarfile's own pattern would stop (no
-        # length, no keyword), it stops too and this walk ends there.
-        pos = 0
-        while (m := _RECORD_LENGTH.match(buf, pos)) is not None:
-            length = int(m.group(1))  # at most DIGIT_RUN_MAX digits
-            key = m.end()
-            if length == 0 or key >= len(buf) or buf[key:key + 1] == b"=":
-                return  # tarfile refuses a zero length itself, and matches no empty keyword
-            end = pos + length
-            eq = buf.find(b"=", key, end)
-            if eq < 0:
-                if buf.find(b"=", max(end, key)) < 0:
-                    return  # tarfile's pattern does not match here either: it stops
-                raise self.refuse("a tar PAX record's keyword runs past its length",
-                                  "header_framing")
-            if buf.startswith(_SPARSE_KEY, key):
-                raise self._sparse()
-            pos = end
 
 
 class ImageTarInfo(SafeTarInfo):
