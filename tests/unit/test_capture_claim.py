@@ -122,3 +122,45 @@ def test_a_claim_grows_only_into_room(room: int):
         with pytest.raises(CapacityExceeded):
             held.grow_to(room + MiB)
     assert guard.claims == 0
+
+
+class _Vfs:
+    """What os.statvfs says of a state dir with ``files`` inodes, ``free`` of them free."""
+
+    def __init__(self, files: int, free: int) -> None:
+        self.f_files, self.f_favail, self.f_ffree = files, free, free
+        self.f_bavail, self.f_frsize = 1 << 30, 4096
+
+
+def test_concurrent_captures_on_a_normal_disk_are_not_stopped_by_each_others_bounds(
+        monkeypatch, tmp_path):
+    """Each capture may make up to 1,000,000 files; claiming all of it let 17 tiny captures
+    stop the 18th (capacity_exceeded, masked) on a disk of 16.7M inodes. A capture holds a
+    usual capture's files of the room; its bound is still what is left."""
+    monkeypatch.setattr(diskguard.os, "statvfs", lambda _p: _Vfs(16_777_216, 16_219_467))
+    guard = diskguard.DiskGuard(str(tmp_path), 0)
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        bounds = [stack.enter_context(guard.claim_inodes("a snapshot", 1_000_000))
+                  for _ in range(64)]
+        assert bounds == [1_000_000] * 64
+        assert guard.inode_claims == 64 * diskguard.INODE_CLAIM
+    assert guard.inode_claims == 0
+
+
+def test_a_capture_is_bounded_by_the_inodes_left_and_refused_at_the_reserve(monkeypatch,
+                                                                          tmp_path):
+    vfs = _Vfs(100_000, 10_000)
+    monkeypatch.setattr(diskguard.os, "statvfs", lambda _p: vfs)
+    guard = diskguard.DiskGuard(str(tmp_path), 0)
+    with guard.claim_inodes("a snapshot", 1_000_000) as bound:
+        assert bound == 10_000 - diskguard.INODE_RESERVE_MIN
+    vfs.f_favail = diskguard.INODE_RESERVE_MIN
+    with pytest.raises(CapacityExceeded):
+        with guard.claim_inodes("a snapshot", 1_000_000):
+            pass
+    guard.check("a small write")  # half the reserve is still small writes'
+    vfs.f_favail = diskguard.INODE_RESERVE_MIN // 2
+    with pytest.raises(CapacityExceeded):
+        guard.check("a small write")

@@ -20,9 +20,11 @@ and keeps ``reserve`` bytes (``CORRAL_DISK_RESERVE_MB``, 1024) free of all of it
 state. Inodes likewise, on a filesystem that counts them (ext4: a fixed number, one per 16 KiB
 by default): a snapshot of many empty files costs no bytes, and 250,000 of them took a 4 GiB
 state dir's last inode (every tenant's uploads, snapshots and trajectory log writes failed).
-A capture claims, for the files it may make, what is left above the inode reserve
-(``INODE_RESERVE_MIN``, ``INODE_RESERVE_FRACTION``; at most its own bound,
-``SnapshotStore.max_entries``), and a capture that meets that claim is ``capacity_exceeded``.
+A capture may make what is left above the inode reserve (``INODE_RESERVE_MIN``,
+``INODE_RESERVE_FRACTION``; at most its own bound, ``SnapshotStore.max_entries``) and claims
+``INODE_CLAIM`` of it while it runs; a capture that meets its bound below its own is
+``capacity_exceeded``. Captures of more files than their claim running at once may use some
+of the reserve between them.
 
 Tenant work that writes to the disk (a snapshot or fork, a file write or upload, a
 pull, an image upload, a snapshot import) is refused before it starts with
@@ -38,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,6 +52,7 @@ DEFAULT_RESERVE_MB = 1024
 # files of uploads): at least this many, or this fraction of the filesystem's.
 INODE_RESERVE_MIN = 4096
 INODE_RESERVE_FRACTION = 0.01
+INODE_CLAIM = 65536  # what a capture in flight holds of the room (its bound may be more)
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
@@ -83,7 +87,8 @@ class DiskGuard:
         self.spill = spill
         self.scratch_image = os.path.join(state_dir, scratch.IMAGE)
         self.claims = 0  # bytes captures in flight are expected to write
-        self.inode_claims = 0  # inodes captures in flight may make
+        self.inode_claims = 0  # inodes captures in flight are expected to make
+        self._inode_lock = threading.Lock()  # captures claim from worker threads
         self.counters = {"refused": 0}
 
     def _scratch_room(self) -> int:
@@ -126,21 +131,27 @@ class DiskGuard:
 
     @contextlib.contextmanager
     def claim_inodes(self, what: str, most: int) -> Iterator[int]:
-        """Claim up to ``most`` inodes for the block (what is left above the reserve, when
-        less): yields how many were claimed; none left is ``capacity_exceeded``."""
-        left = self.inodes_available()
-        n = most if left is None else min(most, left)
-        if n <= 0:
-            self.counters["refused"] += 1
-            raise CapacityExceeded(
-                f"the daemon's disk is short of inodes: {what} is refused to keep the "
-                f"inodes the daemon needs for its own state",
-                details={"disk": "state_dir", "inodes": max(0, left or 0)})
-        self.inode_claims += n
+        """For work that makes up to ``most`` files (a capture; any thread): yields its bound,
+        ``most`` or what is left above the reserve when less, and claims INODE_CLAIM of it
+        (a capture's usual files) until the block ends: concurrent ones do not each see the
+        same room, and a claim of its whole bound would let a few captures (1,000,000 files
+        each) stop every other one on a normal disk. None left is ``capacity_exceeded``."""
+        with self._inode_lock:
+            left = self.inodes_available()
+            n = most if left is None else min(most, left)
+            if n <= 0:
+                self.counters["refused"] += 1
+                raise CapacityExceeded(
+                    f"the daemon's disk is short of inodes: {what} is refused to keep the "
+                    f"inodes the daemon needs for its own state",
+                    details={"disk": "state_dir", "inodes": max(0, left or 0)})
+            held = min(n, INODE_CLAIM)
+            self.inode_claims += held
         try:
             yield n
         finally:
-            self.inode_claims -= n
+            with self._inode_lock:
+                self.inode_claims -= held
 
     def check(self, what: str, need: int = 0) -> None:
         """Refuse (``capacity_exceeded``) work that would leave less than the reserve, of
