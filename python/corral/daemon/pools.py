@@ -139,9 +139,14 @@ class PoolConfig:
 
 
 def _same_content(a: Any, b: Any) -> bool:
-    """Whether two records of an image make the same sandboxes: its layers and its config."""
-    return bool(a.overlays == b.overlays and a.config == b.config
-                and a.created_at == b.created_at)
+    """Whether two records of an image make the same sandboxes: its layers and its config. An
+    OCI image's layers are named by their content (a pull of the same content again is the
+    same image, whenever it was recorded); a rootfs image's tree keeps its path when it is
+    replaced, so for it the record's time tells."""
+    same = bool(a.overlays == b.overlays and a.config == b.config)
+    if getattr(a, "kind", None) != "oci" or getattr(b, "kind", None) != "oci":
+        same = same and a.created_at == b.created_at
+    return same
 
 
 class _Pool:
@@ -364,7 +369,8 @@ class WarmPools:
             self._spawn(self._discard(self.substrates[key[0]], rt))
         pool.ready.clear()
         if current is None:
-            del self.pools[key]
+            if pool.static == 0:  # a static pool stays, empty, for its name to come back
+                del self.pools[key]
         else:
             pool.image = current
         self._wake.set()
