@@ -79,3 +79,31 @@ def test_another_filesystem_below_is_left(tmp_path):
         os.close(fd)
         os.system(f"umount {root}/tmp/up/proc")
     assert os.lstat(f"{root}/tmp/up/a/b/h").st_uid == UID
+
+
+def test_the_walk_holds_a_chain_of_directories_not_a_listing(tmp_path, monkeypatch):
+    """A session's 2,000 directories below an upload's target: the walk opened each before
+    walking any (2,001 fds at once; the daemon's fds are every tenant's)."""
+    root = str(tmp_path)
+    os.makedirs(f"{root}/tmp/up")
+    for i in range(2000):
+        os.mkdir(f"{root}/tmp/up/d{i}")
+    os.makedirs(f"{root}/tmp/up/d0/a/b/c")
+    live, peak = set(), [0]
+    real_open, real_dup, real_close = os.open, os.dup, os.close
+
+    def track(fd: int) -> int:
+        live.add(fd)
+        peak[0] = max(peak[0], len(live))
+        return fd
+    monkeypatch.setattr(os, "open", lambda *a, **k: track(real_open(*a, **k)))
+    monkeypatch.setattr(os, "dup", lambda fd: track(real_dup(fd)))
+    monkeypatch.setattr(os, "close", lambda fd: (live.discard(fd), real_close(fd))[1])
+    fd = real_open(root, os.O_PATH | os.O_DIRECTORY)
+    try:
+        given = giveaway.give(fd, "/tmp", ["up"], UID, tree=True)
+    finally:
+        real_close(fd)
+    assert given == 1 + 2000 + 3
+    assert peak[0] <= 8, peak[0]
+    assert os.lstat(f"{root}/tmp/up/d0/a/b/c").st_uid == UID

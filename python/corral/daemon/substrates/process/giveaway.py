@@ -56,29 +56,40 @@ def give(root: int, home: str, names: list[str], uid: int, tree: bool) -> int:
 
 
 def _give_below(top: int, dev: int, uid: int) -> int:
-    """chown everything below the directory ``top`` (depth first, one open directory per
-    level), never following a symlink nor leaving ``dev``."""
+    """chown everything below the directory ``top``, depth first, never following a symlink
+    nor leaving ``dev``: the directories open at once are the chain from ``top`` to the one
+    being walked (at most MAX_DEPTH), never a whole listing's subdirectories."""
     given = 0
-    stack = [(os.dup(top), 0)]
+    stack: list[tuple[int, list[str]]] = []
     try:
+        fd = os.dup(top)
+        stack.append((fd, _names(fd)))
         while stack:
-            fd, depth = stack.pop()
-            try:
-                names = os.listdir(fd)
-                for name in names:
-                    try:
-                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                        if st.st_dev != dev:
-                            continue
-                        os.chown(name, uid, uid, dir_fd=fd, follow_symlinks=False)
-                        given += 1
-                        if stat.S_ISDIR(st.st_mode) and depth + 1 < MAX_DEPTH:
-                            stack.append((os.open(name, _DIR, dir_fd=fd), depth + 1))
-                    except OSError:
-                        continue  # gone or swapped meanwhile: not ours to follow
-            finally:
+            fd, names = stack[-1]
+            if not names:
                 os.close(fd)
+                stack.pop()
+                continue
+            name = names.pop()
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if st.st_dev != dev:
+                    continue
+                os.chown(name, uid, uid, dir_fd=fd, follow_symlinks=False)
+                given += 1
+                if stat.S_ISDIR(st.st_mode) and len(stack) < MAX_DEPTH:
+                    sub = os.open(name, _DIR, dir_fd=fd)
+                    stack.append((sub, _names(sub)))
+            except OSError:
+                continue  # gone or swapped meanwhile: not ours to follow
     finally:
         for fd, _ in stack:
             os.close(fd)
     return given
+
+
+def _names(fd: int) -> list[str]:
+    try:
+        return os.listdir(fd)
+    except OSError:
+        return []
