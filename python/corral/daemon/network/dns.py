@@ -100,7 +100,7 @@ def check_query(data: bytes) -> int | None:
 # zone its asker controls) cost ~0.5 s of the daemon's CPU, a backward pointer chain ~19 s.
 ANSWER_MAX_RRS = 512
 NAME_LABELS_MAX = 160  # a name's labels and pointers followed (255 bytes: at most 127 labels)
-NAME_WORK_MAX = 16384  # labels and pointers followed for the whole message
+NAME_WORK_MAX = 4096  # labels and pointers followed for the whole message
 # Record types whose data holds names dnslib decodes: the offset of the first, how many.
 _RDATA_NAMES = {2: (0, 1), 5: (0, 1), 12: (0, 1), 39: (0, 1), 15: (2, 1), 6: (0, 2),
                 33: (6, 1)}
