@@ -14,7 +14,11 @@ itself, in one pass over the records (``length keyword=value\\n``, each framed b
 length; any other form is refused), and hands tarfile only the result; no regular expression
 runs over a header's bytes. It also refuses:
 - an extended header over HEADER_MAX bytes (it is never read);
-- more than CHAIN_MAX extended headers in a row (tarfile recurses once per header);
+- more than CHAIN_MAX extended headers in a row (tarfile recurses once per header), more
+  than RECORDS_MAX records in one, more than GLOBAL_KEYS_MAX in the global ones together
+  (tarfile applies them to, and copies them into, every member after);
+- a negative size (base-256 allows it), or any member after which the archive does not move
+  forward: a seekable read went round it forever;
 - sparse members (old GNU ``S`` and the PAX ``GNU.sparse.*`` forms): tarfile gives their
   holes back as zeros, so a few hundred bytes claim a GiB of written blocks, and their maps
   (extension blocks, a 1.0 map in the data) are unbounded lists in memory.
@@ -32,6 +36,8 @@ from corral.errors import CorralError, InvalidImage, InvalidRequest, TooLarge
 
 HEADER_MAX = 1 << 20
 CHAIN_MAX = 16
+RECORDS_MAX = 4096  # records in one PAX header (a file's xattrs are a record each)
+GLOBAL_KEYS_MAX = 64  # records of the global headers together, applied to every member
 LENGTH_DIGITS_MAX = 20  # a record's length field (as the fixed tarfile reads it)
 _EXT_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
               tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
@@ -51,8 +57,10 @@ class SafeTarInfo(tarfile.TarInfo):
     def _proc_member(self, tf: Any) -> Any:
         if self.type == tarfile.GNUTYPE_SPARSE:
             raise self._sparse()
+        if self.size < 0:  # base-256 sizes can be negative: tarfile would read backwards
+            raise self._unframed("a member's size is negative")
         if self.type not in _EXT_TYPES:
-            return super()._proc_member(tf)  # type: ignore[misc]
+            return self._advancing(tf, super()._proc_member(tf))  # type: ignore[misc]
         if self.size > HEADER_MAX:
             raise self.refuse(f"a tar extended header of {self.size} bytes (max {HEADER_MAX})",
                               "header_bytes", max=HEADER_MAX)
@@ -62,15 +70,27 @@ class SafeTarInfo(tarfile.TarInfo):
                               "header_chain", max=CHAIN_MAX)
         setattr(tf, _DEPTH, depth + 1)
         try:
-            return super()._proc_member(tf)  # type: ignore[misc]
+            return self._advancing(tf, super()._proc_member(tf))  # type: ignore[misc]
         finally:
             setattr(tf, _DEPTH, depth)
+
+    def _advancing(self, tf: Any, member: Any) -> Any:
+        """``member``, if the archive moves forward past it: a negative size (its own, or a
+        PAX ``size``) set tarfile's next offset back onto a header read already, and a
+        seekable read went round it forever (a 2 KB tar: 117,000 members in 3 s)."""
+        if member.size < 0 or tf.offset <= self.offset:
+            raise self._unframed("a member's size is negative")
+        return member
 
     def _proc_pax(self, tf: Any) -> Any:
         """tarfile's step for a PAX header (extended: for the next member; global: for every
         one after), with the header parsed by ``_records``."""
         records = self._records(tf.fileobj.read(self._block(self.size)))  # type: ignore[attr-defined]
         pax = tf.pax_headers if self.type == tarfile.XGLTYPE else dict(tf.pax_headers)
+        if self.type == tarfile.XGLTYPE and len(pax) + len(records) > GLOBAL_KEYS_MAX:
+            # tarfile applies the global records to every member after (and each member
+            # kept holds a copy): 100,000 keys cost 15 ms a member
+            raise self._unframed(f"tar global headers hold more than {GLOBAL_KEYS_MAX} records")
         # The first hdrcharset record says how path, linkpath, uname and gname are encoded.
         names_in = next((tf.encoding if v == b"BINARY" else "utf-8"
                          for k, v in records if k == b"hdrcharset"), "utf-8")
@@ -115,12 +135,14 @@ class SafeTarInfo(tarfile.TarInfo):
             if key.startswith(_SPARSE_KEY):
                 raise self._sparse()
             out.append((key, value))
+            if len(out) > RECORDS_MAX:
+                raise self._unframed(f"a tar PAX header holds more than {RECORDS_MAX} records")
             pos = end + 1
         return out
 
-    def _unframed(self) -> CorralError:
-        return self.refuse("a tar PAX header is not a sequence of records framed by their "
-                           "lengths", "header_framing")
+    def _unframed(self, why: str = "a tar PAX header is not a sequence of records framed "
+                                   "by their lengths") -> CorralError:
+        return self.refuse(why, "header_framing")
 
     def _sparse(self) -> CorralError:
         return self.refuse(f"tar member {self.name[:200]!r} is sparse (GNU sparse members "

@@ -101,15 +101,17 @@ def check_query(data: bytes) -> int | None:
 ANSWER_MAX_RRS = 512
 NAME_LABELS_MAX = 160  # a name's labels and pointers followed (255 bytes: at most 127 labels)
 NAME_WORK_MAX = 4096  # labels and pointers followed for the whole message
-# Record types whose data holds names dnslib decodes: the offset of the first, how many.
+# Record types whose data holds names dnslib decodes: the offset of the first, how many (NS,
+# CNAME, PTR, DNAME, MX, SOA, SRV, RP, RRSIG, NSEC; NAPTR's name follows three strings).
 _RDATA_NAMES = {2: (0, 1), 5: (0, 1), 12: (0, 1), 39: (0, 1), 15: (2, 1), 6: (0, 2),
-                33: (6, 1)}
+                33: (6, 1), 17: (0, 2), 46: (18, 1), 47: (0, 1)}
+_NAPTR = 35
 
 
 def check_answer(data: bytes) -> bool:
     """Whether ``data`` is an answer dnslib parses in time linear in its size: at most
-    ANSWER_MAX_RRS records, every name (owners, and those in the data of NS, CNAME, PTR,
-    DNAME, MX, SOA, SRV) at most NAME_LABELS_MAX labels with its pointers followed, each
+    ANSWER_MAX_RRS records, every name (owners, and those in the data of the types in
+    _RDATA_NAMES and NAPTR) at most NAME_LABELS_MAX labels with its pointers followed, each
     pointer pointing back, and NAME_WORK_MAX labels decoded in all."""
     if len(data) < 12:
         return False
@@ -166,6 +168,12 @@ def check_answer(data: bytes) -> bool:
             return False
         skip, count = _RDATA_NAMES.get(rtype, (0, 0))
         at = start + skip
+        if rtype == _NAPTR:  # order, preference, then flags, service, regexp: strings
+            at, count = start + 4, 1
+            for _ in range(3):
+                if at >= off:
+                    return False
+                at += 1 + data[at]
         for _ in range(count):
             at = name(at)
             if at < 0 or at > off:
