@@ -27,6 +27,7 @@ def _layer(name: str) -> tuple[bytes, str, str]:
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tf:
         ti = tarfile.TarInfo(name)
         ti.size = 3
+        ti.uid, ti.gid = os.getuid(), os.getgid()  # the unpack gives each file its owner
         tf.addfile(ti, io.BytesIO(b"hi\n"))
     plain = raw.getvalue()
     blob = gzip.compress(plain, mtime=0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import os
 import tarfile
 import threading
 import time
@@ -25,6 +26,7 @@ def _layer() -> tuple[bytes, str, str]:
     with tarfile.open(fileobj=raw, mode="w") as tf:
         ti = tarfile.TarInfo("f")
         ti.size = 1000
+        ti.uid, ti.gid = os.getuid(), os.getgid()  # the unpack gives each file its owner
         tf.addfile(ti, io.BytesIO(b"x" * 1000))
     plain = raw.getvalue()
     blob = gzip.compress(plain, mtime=0)

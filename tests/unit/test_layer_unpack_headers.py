@@ -6,6 +6,7 @@ against the image's bound and the disk before a byte of it is written."""
 from __future__ import annotations
 
 import gzip
+import os
 import shutil
 import subprocess
 import tarfile
@@ -81,6 +82,7 @@ def test_a_sparse_member_is_refused_before_its_holes_are_written(tmp_path: Path)
 def _one_file_layer(path: Path, size: int) -> None:
     ti = tarfile.TarInfo("big")
     ti.size = size
+    ti.uid, ti.gid = os.getuid(), os.getgid()  # the unpack gives each file its owner
     with gzip.open(path, "wb", compresslevel=1) as out:
         out.write(ti.tobuf(tarfile.USTAR_FORMAT))
         zeros = b"\0" * (1 << 20)
