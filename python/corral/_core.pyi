@@ -25,6 +25,8 @@ class CaptureControl:
     def __init__(self) -> None: ...
     def copied(self) -> int:
         """Bytes of file data copied so far."""
+    def entries(self) -> int:
+        """Entries listed so far (each one the copy makes)."""
     def cancel(self) -> None:
         """Stop the capture within one chunk (it raises CaptureCancelled)."""
     def cancelled(self) -> bool: ...

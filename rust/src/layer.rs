@@ -101,6 +101,8 @@ type Result<T> = std::result::Result<T, LayerError>;
 pub struct Control {
     /// Bytes of file data copied so far.
     pub copied: AtomicU64,
+    /// Entries listed so far (each one the copy makes: its caller claims inodes for them).
+    pub entries: AtomicU64,
     /// Set to stop the capture at its next entry or chunk.
     pub cancel: AtomicBool,
 }
@@ -452,6 +454,9 @@ impl Walker {
             e => e,
         })?;
         self.entries += names.len() as u64;
+        self.ctl
+            .entries
+            .fetch_add(names.len() as u64, Ordering::Relaxed);
         self.listed_bytes += cost;
         Ok(names)
     }

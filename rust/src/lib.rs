@@ -683,7 +683,7 @@ fn fs_chown(py: Python<'_>, root_fd: RawFd, path: OsString, uid: u32, gid: u32) 
 }
 
 /// A running capture_layer as another thread sees it: `copied()` bytes of file data so far,
-/// and `cancel()`, which stops it within one chunk (it then raises CaptureCancelled).
+/// `entries()` listed so far, and `cancel()`, which stops it within one chunk (it then raises CaptureCancelled).
 #[pyclass(name = "CaptureControl", module = "corral._core", frozen)]
 struct PyCaptureControl(Arc<layer::Control>);
 
@@ -696,6 +696,10 @@ impl PyCaptureControl {
 
     fn copied(&self) -> u64 {
         self.0.copied.load(Ordering::Relaxed)
+    }
+
+    fn entries(&self) -> u64 {
+        self.0.entries.load(Ordering::Relaxed)
     }
 
     fn cancel(&self) {

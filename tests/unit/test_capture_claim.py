@@ -27,6 +27,9 @@ class _Copy:
     def copied(self) -> int:
         return self.written
 
+    def entries(self) -> int:
+        return 0
+
     def cancel(self) -> None:
         self.stop.set()
 
@@ -135,32 +138,54 @@ class _Vfs:
 def test_concurrent_captures_on_a_normal_disk_are_not_stopped_by_each_others_bounds(
         monkeypatch, tmp_path):
     """Each capture may make up to 1,000,000 files; claiming all of it let 17 tiny captures
-    stop the 18th (capacity_exceeded, masked) on a disk of 16.7M inodes. A capture holds a
-    usual capture's files of the room; its bound is still what is left."""
+    stop the 18th (capacity_exceeded, masked) on a disk of 16.7M inodes. A capture claims a
+    usual capture's files and raises its claim as its copy lists more."""
     monkeypatch.setattr(diskguard.os, "statvfs", lambda _p: _Vfs(16_777_216, 16_219_467))
     guard = diskguard.DiskGuard(str(tmp_path), 0)
     import contextlib
 
     with contextlib.ExitStack() as stack:
-        bounds = [stack.enter_context(guard.claim_inodes("a snapshot", 1_000_000))
-                  for _ in range(64)]
-        assert bounds == [1_000_000] * 64
+        for _ in range(64):
+            stack.enter_context(guard.claim_inodes("a snapshot"))
         assert guard.inode_claims == 64 * diskguard.INODE_CLAIM
     assert guard.inode_claims == 0
 
 
-def test_a_capture_is_bounded_by_the_inodes_left_and_refused_at_the_reserve(monkeypatch,
-                                                                          tmp_path):
+def test_an_inode_claim_grows_only_into_room_and_the_reserve_stays(monkeypatch, tmp_path):
     vfs = _Vfs(100_000, 10_000)
     monkeypatch.setattr(diskguard.os, "statvfs", lambda _p: vfs)
     guard = diskguard.DiskGuard(str(tmp_path), 0)
-    with guard.claim_inodes("a snapshot", 1_000_000) as bound:
-        assert bound == 10_000 - diskguard.INODE_RESERVE_MIN
+    room = 10_000 - diskguard.INODE_RESERVE_MIN
+    with guard.claim_inodes("a snapshot") as held:
+        assert held.n == room  # less than a usual claim is left
+        held.grow_to(room)
+        with pytest.raises(CapacityExceeded):
+            held.grow_to(room + 1)
+    with guard.claim_inodes("a") as a:
+        assert a.n == room
+        with pytest.raises(CapacityExceeded):  # a holds all of it
+            with guard.claim_inodes("b"):
+                pass
     vfs.f_favail = diskguard.INODE_RESERVE_MIN
     with pytest.raises(CapacityExceeded):
-        with guard.claim_inodes("a snapshot", 1_000_000):
+        with guard.claim_inodes("a snapshot"):
             pass
     guard.check("a small write")  # half the reserve is still small writes'
     vfs.f_favail = diskguard.INODE_RESERVE_MIN // 2
     with pytest.raises(CapacityExceeded):
         guard.check("a small write")
+
+
+def test_three_big_captures_at_once_cannot_pass_what_is_free(monkeypatch, tmp_path):
+    """Bounds handed out whole let three captures of 1,000,000 files each plan 3,000,000 on
+    a disk with 1,700,000 free; claims raised as copies list entries stop the third."""
+    monkeypatch.setattr(diskguard.os, "statvfs", lambda _p: _Vfs(16_777_216, 1_700_000))
+    guard = diskguard.DiskGuard(str(tmp_path), 0)
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        claims = [stack.enter_context(guard.claim_inodes("a snapshot")) for _ in range(3)]
+        claims[0].grow_to(700_000)
+        claims[1].grow_to(700_000)
+        with pytest.raises(CapacityExceeded):
+            claims[2].grow_to(700_000)

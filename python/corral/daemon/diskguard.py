@@ -20,11 +20,9 @@ and keeps ``reserve`` bytes (``CORRAL_DISK_RESERVE_MB``, 1024) free of all of it
 state. Inodes likewise, on a filesystem that counts them (ext4: a fixed number, one per 16 KiB
 by default): a snapshot of many empty files costs no bytes, and 250,000 of them took a 4 GiB
 state dir's last inode (every tenant's uploads, snapshots and trajectory log writes failed).
-A capture may make what is left above the inode reserve (``INODE_RESERVE_MIN``,
-``INODE_RESERVE_FRACTION``; at most its own bound, ``SnapshotStore.max_entries``) and claims
-``INODE_CLAIM`` of it while it runs; a capture that meets its bound below its own is
-``capacity_exceeded``. Captures of more files than their claim running at once may use some
-of the reserve between them.
+A capture claims ``INODE_CLAIM`` inodes above the inode reserve (``INODE_RESERVE_MIN``,
+``INODE_RESERVE_FRACTION``) and raises its claim as its copy lists more entries, each raise
+checked as a claim is; one that cannot is stopped, ``capacity_exceeded``.
 
 Tenant work that writes to the disk (a snapshot or fork, a file write or upload, a
 pull, an image upload, a snapshot import) is refused before it starts with
@@ -52,7 +50,7 @@ DEFAULT_RESERVE_MB = 1024
 # files of uploads): at least this many, or this fraction of the filesystem's.
 INODE_RESERVE_MIN = 4096
 INODE_RESERVE_FRACTION = 0.01
-INODE_CLAIM = 65536  # what a capture in flight holds of the room (its bound may be more)
+INODE_CLAIM = 65536  # what a capture claims at first, and each raise ahead of its copy
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
@@ -130,28 +128,29 @@ class DiskGuard:
         return max(INODE_RESERVE_MIN, int(st.f_files * INODE_RESERVE_FRACTION))
 
     @contextlib.contextmanager
-    def claim_inodes(self, what: str, most: int) -> Iterator[int]:
-        """For work that makes up to ``most`` files (a capture; any thread): yields its bound,
-        ``most`` or what is left above the reserve when less, and claims INODE_CLAIM of it
-        (a capture's usual files) until the block ends: concurrent ones do not each see the
-        same room, and a claim of its whole bound would let a few captures (1,000,000 files
-        each) stop every other one on a normal disk. None left is ``capacity_exceeded``."""
+    def claim_inodes(self, what: str) -> Iterator[InodeClaim]:
+        """Claim INODE_CLAIM inodes (a capture's usual files; what is left above the reserve
+        when less) until the block ends; the holder raises it as its files pass it
+        (``InodeClaim.grow_to``). None left is ``capacity_exceeded``."""
         with self._inode_lock:
             left = self.inodes_available()
-            n = most if left is None else min(most, left)
+            n = INODE_CLAIM if left is None else min(INODE_CLAIM, left)
             if n <= 0:
                 self.counters["refused"] += 1
-                raise CapacityExceeded(
-                    f"the daemon's disk is short of inodes: {what} is refused to keep the "
-                    f"inodes the daemon needs for its own state",
-                    details={"disk": "state_dir", "inodes": max(0, left or 0)})
-            held = min(n, INODE_CLAIM)
-            self.inode_claims += held
+                raise self._short_of_inodes(what, left)
+            self.inode_claims += n
+        held = InodeClaim(self, what, n)
         try:
-            yield n
+            yield held
         finally:
             with self._inode_lock:
-                self.inode_claims -= held
+                self.inode_claims -= held.n
+
+    def _short_of_inodes(self, what: str, left: int | None) -> CapacityExceeded:
+        return CapacityExceeded(
+            f"the daemon's disk is short of inodes: {what} is refused to keep the inodes the "
+            f"daemon needs for its own state",
+            details={"disk": "state_dir", "inodes": max(0, left or 0)})
 
     def check(self, what: str, need: int = 0) -> None:
         """Refuse (``capacity_exceeded``) work that would leave less than the reserve, of
@@ -184,6 +183,30 @@ class DiskGuard:
             yield held
         finally:
             self.claims -= held.bytes
+
+
+class InodeClaim:
+    """The inodes one capture in flight has claimed (``DiskGuard.claim_inodes``)."""
+
+    def __init__(self, guard: DiskGuard, what: str, n: int) -> None:
+        self.guard = guard
+        self.what = what
+        self.n = n
+
+    def grow_to(self, total: int) -> None:
+        """Claim up to ``total`` inodes; refused (``capacity_exceeded``) past what is left
+        above the reserve."""
+        g = self.guard
+        with g._inode_lock:
+            more = total - self.n
+            if more <= 0:
+                return
+            left = g.inodes_available()
+            if left is not None and left < more:
+                g.counters["refused"] += 1
+                raise g._short_of_inodes(self.what, left)
+            g.inode_claims += more
+            self.n = total
 
 
 class Claim:

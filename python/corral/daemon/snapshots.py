@@ -210,9 +210,6 @@ class SnapshotStore:
         self.state_dir = state_dir
         self.max_bytes = max_bytes
         self.max_entries = max_entries
-        # The state dir's guard (corral.daemon.diskguard), set by the engine: a capture claims
-        # the inodes its files may take.
-        self.disk: Any = None
         self.layers_dir = os.path.join(state_dir, "layers")
         self.spares_dir = os.path.join(state_dir, "spares")
         self.trash_dir = os.path.join(state_dir, "trash")
@@ -423,13 +420,6 @@ class SnapshotStore:
         ``freeze`` returns False when it could not hold the sandbox (the copy is then made
         live, and hashed again from the copy). Cancelled through ``control``: raises
         ``_core.CaptureCancelled``, nothing kept."""
-        inodes = self.disk.claim_inodes("a snapshot", self.max_entries) \
-            if self.disk is not None else contextlib.nullcontext(self.max_entries)
-        with inodes as max_entries:
-            return self._capture(uppers, freeze, thaw, control, max_entries)
-
-    def _capture(self, uppers: Layers, freeze: Callable[[], Any], thaw: Callable[[], Any],
-                 control: CaptureControl | None, max_entries: int) -> tuple[str, str, int]:
         tmp = self._take_spare()
         parts = [(n, upper, os.path.join(tmp, str(n))) for n, upper in enumerate(uppers)]
         try:
@@ -437,7 +427,7 @@ class SnapshotStore:
             try:
                 # One pass in the Rust core, GIL released: copy and hash side by side (the
                 # source cannot change while frozen, so its hash is the copy's).
-                digest, size = _core.capture_layer(parts, self.max_bytes, max_entries,
+                digest, size = _core.capture_layer(parts, self.max_bytes, self.max_entries,
                                                    self.MAX_DEPTH, control)
             finally:
                 thaw()
@@ -452,8 +442,6 @@ class SnapshotStore:
         except _core.LayerLimit as e:
             removal.quiet_remove(tmp)
             what, limit = e.args
-            if what == "entries" and limit < self.max_entries:  # the disk's inodes, not its
-                raise diskguard.disk_full("a snapshot's copy: no inodes left") from None
             raise TooLarge(f"cannot snapshot: the sandbox's files exceed the limit of {limit} "
                            f"{what}", details={"limit": what, "max": limit}) from None
         except OSError as e:

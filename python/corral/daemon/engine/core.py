@@ -187,8 +187,6 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
                                      frozenset(c.registries), erofs=c.image_layers != "dir")
         if self.disk is not None:  # pulls and imports stop short of the disk's reserve
             self.images.disk_check = self.disk.check
-        if self.disk is not None and self.snaps is not None:  # captures: its inodes
-            self.snaps.disk = self.disk
         await asyncio.to_thread(self.images.ensure_host)
         ctx = registry.Context(self.config, self.images, self.shared)
         self.substrates = registry.build(self.substrate_names, ctx, self.unavailable)

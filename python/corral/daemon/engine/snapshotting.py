@@ -101,11 +101,12 @@ class SnapshotOps:
         # sandbox's disk use, where the scratch can tell) is claimed from the room above
         # the daemon's reserve before it starts, so a full disk refuses it whole; the claim
         # is raised ahead of the copy as it goes (_within_claim).
-        claim: contextlib.AbstractContextManager[diskguard.Claim | None] = \
-            self.disk.claim("a snapshot", self._capture_estimate(sb)) \
-            if self.disk is not None else contextlib.nullcontext()
-        with claim as held:
-            return await self._capture_claimed(sb, base, image, paused, control, held)
+        if self.disk is None:
+            return await self._capture_claimed(sb, base, image, paused, control)
+        with self.disk.claim("a snapshot", self._capture_estimate(sb)) as held, \
+                self.disk.claim_inodes("a snapshot") as inodes:
+            return await self._capture_claimed(sb, base, image, paused, control, held,
+                                               inodes)
 
     def _capture_estimate(self: EngineHost, sb: Sandbox) -> int:
         """Bytes a capture of ``sb`` is expected to write (Substrate.capture_estimate), at
@@ -119,6 +120,7 @@ class SnapshotOps:
                                image: Any, paused: bool,
                                control: snapshots.CaptureControl | None,
                                held: diskguard.Claim | None = None,
+                               inodes: diskguard.InodeClaim | None = None,
                                ) -> tuple[Sandbox, builtins.list[str], tuple[str, str, int]]:
         store = self._snaps()
         substrate = self.substrates[sb.spec.substrate]
@@ -133,7 +135,7 @@ class SnapshotOps:
             copy = asyncio.ensure_future(asyncio.to_thread(
                 substrate.capture, runtime, substrate.image_on(image, base, store), store,
                 paused, control))
-            watch = _within_claim(copy, control, held, sb.spec.disk_mb)
+            watch = _within_claim(copy, control, held, sb.spec.disk_mb, inodes)
             tmp, digest, size = await _to_the_end(copy, control, store, watch)
         finally:
             sb.leave_thread()
@@ -312,13 +314,14 @@ CLAIM_AHEAD = 64 << 20
 
 async def _within_claim(copy: asyncio.Future[tuple[str, str, int]],
                         control: snapshots.CaptureControl, held: diskguard.Claim | None,
-                        disk_mb: int) -> None:
+                        disk_mb: int, inodes: diskguard.InodeClaim | None = None) -> None:
     """Until ``copy`` ends: what it has written stays under the sandbox's ``disk_mb`` (the
     most its files hold on a disk of their own) and under its disk claim, raised ahead of it.
     Files that share their blocks (reflinks, made without privilege on a btrfs scratch) cost
     the sandbox's quota once and the copy each time: 60 reflinks of 100 MB in a 1 GiB sandbox
     made a 5.7 GB copy that filled the state dir and turned the sandboxes' scratch read-only.
-    Raises TooLarge (the sandbox's files) or CapacityExceeded (the disk's room)."""
+    Its inode claim is raised the same way as it lists entries. Raises TooLarge (the
+    sandbox's files) or CapacityExceeded (the disk's room)."""
     cap = disk_mb << 20
     while not copy.done():
         await asyncio.wait([copy], timeout=WATCH_S)
@@ -330,6 +333,9 @@ async def _within_claim(copy: asyncio.Future[tuple[str, str, int]],
                 details={"limit": "disk_mb", "max": disk_mb})
         if held is not None and written > held.bytes:  # past its estimate (which holds
             held.grow_to(min(cap, written + CLAIM_AHEAD))  # for files of their own)
+        listed = control.entries()
+        if inodes is not None and listed > inodes.n:  # each entry listed is one it makes
+            inodes.grow_to(listed + diskguard.INODE_CLAIM)
 
 
 async def _to_the_end(copy: asyncio.Future[tuple[str, str, int]],
