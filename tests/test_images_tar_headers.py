@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from corral.errors import CorralError
 from corral.sdk import admin
 
 from conftest import CGROUP_NAME, tenant_client, tenant_daemon
+from healthprobe import HealthProbe
 
 TOKENS = {"mallory": "mallory-token-0123456789", "victor": "victor-token-0123456789"}
 MAX_BYTES = 64 << 20
@@ -46,42 +46,9 @@ def workdir() -> Iterator[str]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-# victor's GET /v1/health in a loop, in a process of its own (its round trips are the
-# daemon's, not this process's): one line of seconds per check, until its stdin closes.
-_PROBER = r"""
-import sys, threading, time, httpx
-stop = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-with httpx.Client(base_url=sys.argv[1], timeout=600,
-                  headers={"Authorization": "Bearer " + sys.argv[2]}) as v:
-    while not stop.is_set():
-        t0 = time.monotonic()
-        assert v.get("/v1/health").status_code == 200
-        print(time.monotonic() - t0, flush=True)
-        stop.wait(0.02)
-"""
-
-
-class _Prober:
-    """The slowest of victor's health checks while the block runs (after a first one)."""
-
-    def __init__(self, base: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _PROBER, base, TOKENS["victor"]],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        self.took = [float(self.proc.stdout.readline())]  # connected
-
-    def __enter__(self) -> _Prober:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        out, _ = self.proc.communicate(timeout=600)
-        self.took += [float(x) for x in out.split()]
-        assert self.proc.returncode == 0, self.proc.returncode
-
-    @property
-    def worst(self) -> float:
-        return max(self.took)
+def _probe(base: str) -> HealthProbe:
+    """victor's health checks while the block runs."""
+    return HealthProbe(base, TOKENS["victor"])
 
 
 def _digits_tar(n: int) -> bytes:
@@ -154,7 +121,7 @@ def test_an_upload_with_a_header_of_digits_is_refused_and_stalls_no_one(served: 
         assert r.status_code == 201, r.text
         sid = r.json()["id"]
         try:
-            with _Prober(base) as p:
+            with _probe(base) as p:
                 r = m.put(f"/v1/sandboxes/{sid}/files/tar", params={"path": "/tmp/up"},
                           content=gzip.compress(_digits_tar(100_000)))
             assert r.status_code == 400, r.text
@@ -169,7 +136,7 @@ def test_an_upload_with_a_header_of_digits_is_refused_and_stalls_no_one(served: 
 def test_a_layer_with_a_header_of_digits_is_refused_and_stalls_no_one(
         served: dict, workdir: str) -> None:
     src = _layout(os.path.join(workdir, "digits"), _digits_tar(100_000))
-    with _Prober(served["base"]) as p:
+    with _probe(served["base"]) as p:
         err = _import(served, "tarhdr-digits", src)
     assert err["code"] == "invalid_image" and err["details"]["reason"] == "header_framing"
     assert p.worst < STALL_S, p.took
@@ -187,7 +154,7 @@ def test_a_layer_with_a_huge_header_is_refused_unread(served: dict, workdir: str
     del plain, body
     pid = served["daemon"].proc.pid
     before = _hwm_kib(pid)
-    with _Prober(served["base"]) as p:
+    with _probe(served["base"]) as p:
         err = _import(served, "tarhdr-huge", src)
     assert err["code"] == "invalid_image" and err["details"]["limit"] == "header_bytes"
     assert _hwm_kib(pid) - before < 32 << 10, (before, _hwm_kib(pid))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,6 +17,7 @@ import httpx
 import pytest
 
 from conftest import CGROUP_NAME, TENANT_ADMIN, tenant_client, tenant_daemon
+from healthprobe import HealthProbe
 
 ADMIN = TENANT_ADMIN
 TOKENS = {"mallory": "mallory-token-0123456789", "victor": "victor-token-0123456789"}
@@ -33,52 +33,9 @@ def served() -> Iterator[dict[str, Any]]:
         yield {"base": base, "daemon": d}
 
 
-# victor's prober, in a process of its own: the slowest health check is the daemon's, not
-# this process's GIL (mallory's 32 clients, each taking 12 MB, hold it here). It prints each
-# round trip's seconds on a line, and stops when its stdin closes.
-_PROBER = r"""
-import sys, threading, time, httpx
-stop = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-with httpx.Client(base_url=sys.argv[1], timeout=600,
-                  headers={"Authorization": "Bearer " + sys.argv[2]}) as v:
-    while not stop.is_set():
-        t0 = time.monotonic()
-        assert v.get("/v1/health").status_code == 200
-        print(time.monotonic() - t0, flush=True)
-        stop.wait(0.02)
-"""
-
-
-class _Prober:
-    """victor's GET /v1/health in a loop, in a process: the slowest round trip seen while
-    the block runs."""
-
-    def __init__(self, base: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _PROBER, base, TOKENS["victor"]],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.took: list[float] = []
-
-    def quiet(self, n: int) -> list[float]:
-        """The first ``n`` round trips (the prober is connected): the baseline."""
-        assert self.proc.stdout is not None
-        while len(self.took) < n:
-            line = self.proc.stdout.readline()
-            assert line, f"the prober ended: {self.proc.wait()}"
-            self.took.append(float(line))
-        return list(self.took)
-
-    def __enter__(self) -> _Prober:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        out, _ = self.proc.communicate(timeout=600)  # closes its stdin: it stops
-        self.took += [float(x) for x in out.split()]
-        assert self.proc.returncode == 0, self.proc.returncode
-
-    @property
-    def worst(self) -> float:
-        return max(self.took, default=0.0)
+def _probe(base: str) -> HealthProbe:
+    """victor's health checks while the block runs."""
+    return HealthProbe(base, TOKENS["victor"])
 
 
 def _big_lower_file(min_bytes: int) -> str | None:
@@ -153,7 +110,7 @@ def _attack(base: str, n: int, call: Callable[[httpx.Client, int], httpx.Respons
             expect: int = 200) -> tuple[float, list[float]]:
     """``call(client, i)`` for i < ``n``, all at once (mallory): victor's slowest health check
     meanwhile, and the quiet ones before."""
-    with _Prober(base) as p:
+    with _probe(base) as p:
         quiet = p.quiet(20)
 
         def one(i: int) -> None:
@@ -334,7 +291,7 @@ def test_stats_and_reads_through_symlink_chains_leave_the_loop_serving(
                     assert r.status_code == 200, r.text
                     r = m.get(f"/v1/sandboxes/{sid}/files", params={"path": chain + "/f"})
                     assert r.content == b"deep", r.text
-        with _Prober(base) as p:
+        with _probe(base) as p:
             quiet = p.quiet(20)
             _in_parallel(16, calls)
         during = p.took[len(quiet):]

@@ -41,22 +41,28 @@ def _run(store: LayerStore, hexd: str, diff: str, fetch: Any, out: dict, name: s
         out[name] = e.to_payload()
 
 
+def _fetch(blob: bytes, entered: threading.Event | None = None,
+           go: threading.Event | None = None, fail: bool = False) -> Any:
+    """A fetch that writes ``blob``: first it says it ``entered`` and waits for ``go`` (a
+    registry that takes its time), and with ``fail`` it then fails instead."""
+    def fetch(dest: str) -> None:
+        if entered is not None and go is not None:
+            entered.set()
+            go.wait(30)
+        if fail:
+            raise OSError(104, "the registry closed the connection")
+        with open(dest, "wb") as f:
+            f.write(blob)
+    return fetch
+
+
 def test_a_slow_fetch_of_one_caller_does_not_hold_another(tmp_path, monkeypatch):
     monkeypatch.setattr(layers, "GATE_WAIT_S", 0.2, raising=False)
     store = LayerStore(str(tmp_path), erofs=False)
     blob, hexd, diff = _layer()
     inside, go = threading.Event(), threading.Event()
-
-    def slow(dest: str) -> None:  # the tenant's trickling registry
-        inside.set()
-        go.wait(30)
-        with open(dest, "wb") as f:
-            f.write(blob)
-
-    def fast(dest: str) -> None:
-        with open(dest, "wb") as f:
-            f.write(blob)
-
+    slow = _fetch(blob, inside, go)  # the tenant's trickling registry
+    fast = _fetch(blob)
     out: dict[str, Any] = {}
     a = threading.Thread(target=_run, args=(store, hexd, diff, slow, out, "slow"))
     a.start()
@@ -78,22 +84,9 @@ def test_a_gate_dropped_while_another_waits_on_it_fails_no_one(tmp_path, monkeyp
     store = LayerStore(str(tmp_path), erofs=False)
     blob, hexd, diff = _layer()
     a_in, a_go, b_in, b_go = (threading.Event() for _ in range(4))
-
-    def fetch_a(dest: str) -> None:
-        a_in.set()
-        a_go.wait(30)
-        raise OSError(104, "the registry closed the connection")
-
-    def fetch_b(dest: str) -> None:
-        b_in.set()
-        b_go.wait(30)
-        with open(dest, "wb") as f:
-            f.write(blob)
-
-    def fetch_c(dest: str) -> None:
-        with open(dest, "wb") as f:
-            f.write(blob)
-
+    fetch_a = _fetch(blob, a_in, a_go, fail=True)
+    fetch_b = _fetch(blob, b_in, b_go)
+    fetch_c = _fetch(blob)
     out: dict[str, Any] = {}
     ta = threading.Thread(target=_run, args=(store, hexd, diff, fetch_a, out, "A"))
     ta.start()
