@@ -199,7 +199,8 @@ def test_replays_of_big_logged_results_leave_the_loop_serving(served: dict[str, 
             assert m.post(f"/v1/sandboxes/{sid}/exec", json=cmd, headers=key).json() == first
     finally:
         _destroy(base, [sid])
-    assert worst < 0.5, f"a health check took {worst:.2f} s (quiet: {max(quiet):.3f} s)"
+    # 0.12-0.2 s on a quiet machine, 0.53 s once in a full CI run; 1.3-1.8 s before the fix
+    assert worst < 1.0, f"a health check took {worst:.2f} s (quiet: {max(quiet):.3f} s)"
 
 
 def test_commands_run_as_a_user_of_a_huge_passwd_leave_the_loop_serving(

@@ -27,9 +27,11 @@
 //! (file capabilities) are not copied; the manifest records what was written.
 //!
 //! A capture reports and obeys a `Control` shared with its caller: the bytes of file data
-//! copied so far (updated per copied chunk of at most `STEP` bytes), and a cancel flag checked
-//! before each entry and each chunk (copy and hash), so a cancelled capture stops within one
-//! chunk and fails with `LayerError::Cancelled`; the caller removes the partial copy.
+//! copied so far (updated per copied chunk of at most `STEP` bytes), a budget of bytes it may
+//! copy (its caller's disk claim: a chunk that would pass it waits until the caller raises it
+//! or cancels), and a cancel flag checked before each entry and each chunk (copy and hash), so
+//! a cancelled capture stops within one chunk and fails with `LayerError::Cancelled`; the
+//! caller removes the partial copy.
 //!
 //! The digest is blake3 over a sorted manifest, byte for byte the one
 //! `corral.daemon.snapshots.layer_digest` computes over the stored layer (the tests check
@@ -49,7 +51,8 @@ use std::ffi::{CStr, CString};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use rustix::fs::{self as rfs, AtFlags, Dir, FileType, Mode, OFlags, Timespec, Timestamps};
 use rustix::io::Errno;
@@ -97,7 +100,7 @@ pub const MANIFEST_MAX: usize = 128 << 20;
 type Result<T> = std::result::Result<T, LayerError>;
 
 /// What a running capture shares with its caller (another thread reads and sets it).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Control {
     /// Bytes of file data copied so far.
     pub copied: AtomicU64,
@@ -105,7 +108,32 @@ pub struct Control {
     pub entries: AtomicU64,
     /// Set to stop the capture at its next entry or chunk.
     pub cancel: AtomicBool,
+    /// Bytes of file data the copy may write in all (`allow`).
+    budget: AtomicU64,
+    /// What a copy blocked at its budget needs `copied` to reach (0: not blocked).
+    wanted: AtomicU64,
+    /// Wakes a blocked copy when the budget is raised or the capture cancelled.
+    gate: Mutex<()>,
+    raised: Condvar,
 }
+
+impl Default for Control {
+    fn default() -> Self {
+        Self {
+            copied: AtomicU64::new(0),
+            entries: AtomicU64::new(0),
+            cancel: AtomicBool::new(false),
+            budget: AtomicU64::new(u64::MAX),
+            wanted: AtomicU64::new(0),
+            gate: Mutex::new(()),
+            raised: Condvar::new(),
+        }
+    }
+}
+
+/// How long a copy blocked at its budget sleeps between looks (a raise or a cancel wakes it
+/// sooner).
+const BLOCKED_LOOK: Duration = Duration::from_millis(50);
 
 impl Control {
     fn check(&self) -> std::result::Result<(), Errno> {
@@ -117,6 +145,49 @@ impl Control {
 
     fn add(&self, n: u64) {
         self.copied.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Set the bytes the copy may write in all and wake it if it waits for them.
+    pub fn allow(&self, total: u64) {
+        self.budget.store(total, Ordering::SeqCst);
+        let _held = self.gate.lock().unwrap_or_else(|p| p.into_inner());
+        self.raised.notify_all();
+    }
+
+    /// Stop the capture at its next entry or chunk, waking it if it waits for budget.
+    pub fn stop(&self) {
+        self.cancel.store(true, Ordering::SeqCst);
+        let _held = self.gate.lock().unwrap_or_else(|p| p.into_inner());
+        self.raised.notify_all();
+    }
+
+    /// What a blocked copy needs `copied` to reach (0: it is not blocked).
+    pub fn wanted(&self) -> u64 {
+        self.wanted.load(Ordering::SeqCst)
+    }
+
+    /// Wait until `n` more bytes fit the budget (or the capture is cancelled: ECANCELED).
+    fn room_for(&self, n: u64) -> std::result::Result<(), Errno> {
+        let need = self.copied.load(Ordering::Relaxed).saturating_add(n);
+        if need <= self.budget.load(Ordering::SeqCst) {
+            return self.check();
+        }
+        let mut held = self.gate.lock().unwrap_or_else(|p| p.into_inner());
+        self.wanted.store(need, Ordering::SeqCst);
+        let r = loop {
+            if self.cancel.load(Ordering::SeqCst) {
+                break Err(Errno::CANCELED);
+            }
+            if need <= self.budget.load(Ordering::SeqCst) {
+                break Ok(());
+            }
+            held = match self.raised.wait_timeout(held, BLOCKED_LOOK) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        };
+        self.wanted.store(0, Ordering::SeqCst);
+        r
     }
 }
 
@@ -675,6 +746,9 @@ impl Walker {
                 return Ok(*h.finalize().as_bytes());
             }
             h.update(&self.buf[..n]);
+            self.ctl
+                .room_for(n as u64)
+                .map_err(|_| LayerError::Cancelled)?;
             write_all(dst, &self.buf[..n], off).map_err(|e| os_err("write", r, e))?;
             self.ctl.add(n as u64);
             off += n as u64;
@@ -950,8 +1024,8 @@ fn copy_big(
         }
         let (mut off_in, mut off_out) = (start, start);
         while in_kernel && off_in < end {
-            ctl.check()?;
             let len = (end - off_in).min(STEP as u64) as usize;
+            ctl.room_for(len as u64)?;
             match rfs::copy_file_range(src, Some(&mut off_in), dst, Some(&mut off_out), len) {
                 Ok(0) => return Ok(()), // EOF: the file shrank
                 Ok(n) => ctl.add(n as u64),
@@ -963,7 +1037,7 @@ fn copy_big(
             }
         }
         read_range(src, buf, off_in, end, |chunk, off| {
-            ctl.check()?;
+            ctl.room_for(chunk.len() as u64)?;
             write_all(dst, chunk, off)?;
             ctl.add(chunk.len() as u64);
             Ok(())
@@ -985,4 +1059,43 @@ fn write_all(fd: BorrowedFd<'_>, mut data: &[u8], mut off: u64) -> std::result::
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_past_its_budget_waits_for_a_raise() {
+        let ctl = Arc::new(Control::default());
+        ctl.allow(10);
+        assert!(ctl.room_for(10).is_ok());
+        ctl.add(10);
+        let waiter = {
+            let ctl = ctl.clone();
+            std::thread::spawn(move || ctl.room_for(5))
+        };
+        while ctl.wanted() == 0 {
+            std::thread::yield_now();
+        }
+        assert_eq!(ctl.wanted(), 15);
+        ctl.allow(15);
+        assert!(waiter.join().unwrap().is_ok());
+        assert_eq!(ctl.wanted(), 0);
+    }
+
+    #[test]
+    fn a_cancel_ends_the_wait() {
+        let ctl = Arc::new(Control::default());
+        ctl.allow(0);
+        let waiter = {
+            let ctl = ctl.clone();
+            std::thread::spawn(move || ctl.room_for(1))
+        };
+        while ctl.wanted() == 0 {
+            std::thread::yield_now();
+        }
+        ctl.stop();
+        assert_eq!(waiter.join().unwrap(), Err(Errno::CANCELED));
+    }
 }

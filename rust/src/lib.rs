@@ -683,7 +683,9 @@ fn fs_chown(py: Python<'_>, root_fd: RawFd, path: OsString, uid: u32, gid: u32) 
 }
 
 /// A running capture_layer as another thread sees it: `copied()` bytes of file data so far,
-/// `entries()` listed so far, and `cancel()`, which stops it within one chunk (it then raises CaptureCancelled).
+/// `entries()` listed so far, `allow(total)` the bytes it may copy (a chunk past them waits,
+/// `wanted()` tells for how many), and `cancel()`, which stops it within one chunk (it then
+/// raises CaptureCancelled).
 #[pyclass(name = "CaptureControl", module = "corral._core", frozen)]
 struct PyCaptureControl(Arc<layer::Control>);
 
@@ -703,7 +705,17 @@ impl PyCaptureControl {
     }
 
     fn cancel(&self) {
-        self.0.cancel.store(true, Ordering::Relaxed);
+        self.0.stop();
+    }
+
+    /// Let the copy write `total` bytes of file data in all (a chunk past it waits).
+    fn allow(&self, total: u64) {
+        self.0.allow(total);
+    }
+
+    /// What a copy blocked at its allowance needs copied() to reach (0: not blocked).
+    fn wanted(&self) -> u64 {
+        self.0.wanted()
     }
 
     fn cancelled(&self) -> bool {

@@ -1,40 +1,23 @@
 """A capture's copy stays within its sandbox's disk_mb and within a disk claim raised ahead of
-it (corral.daemon.engine.snapshotting._within_claim): files that share their blocks cost the
-sandbox's quota once and the copy each time."""
+it (corral.daemon.engine.snapshotting._within_claim), waiting at its allowance: files that
+share their blocks cost the sandbox's quota once and the copy each time, and the claim's
+estimate can lag what the sandbox holds. Real copies (``_core.capture_layer``) of small
+trees."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
+import os
+from pathlib import Path
 
 import pytest
 
+from corral import _core
 from corral.daemon import diskguard
 from corral.daemon.engine import snapshotting
 from corral.errors import CapacityExceeded, TooLarge
 
 MiB = 1 << 20
-
-
-class _Copy:
-    """A capture's worker as the loop sees it: a future and a control whose copied bytes the
-    test moves on; cancelled, the worker ends."""
-
-    def __init__(self) -> None:
-        self.written = 0
-        self.stop = threading.Event()
-
-    def copied(self) -> int:
-        return self.written
-
-    def entries(self) -> int:
-        return 0
-
-    def cancel(self) -> None:
-        self.stop.set()
-
-    def cancelled(self) -> bool:
-        return self.stop.is_set()
 
 
 class _Guard(diskguard.DiskGuard):
@@ -54,65 +37,84 @@ class _Guard(diskguard.DiskGuard):
                 "available": self.room - self.claims}
 
 
-async def _run(ctl: _Copy, guard: _Guard | None, disk_mb: int, steps: list[int]
-               ) -> tuple[BaseException | None, int]:
-    """Copy ``steps`` bytes in turn under the watch; (what it raised, the claim at the end)."""
-    loop = asyncio.get_running_loop()
-    copy: asyncio.Future[tuple[str, str, int]] = loop.create_future()
+def _tree(root: Path, files: int, size: int = MiB) -> Path:
+    """An upper dir of ``files`` files of ``size`` random bytes (data, no holes)."""
+    src = root / "upper"
+    src.mkdir(parents=True)
+    for i in range(files):
+        (src / f"f{i}").write_bytes(os.urandom(size))
+    return src
 
-    async def worker() -> None:
-        for n in steps:
-            if ctl.stop.is_set():
-                copy.set_exception(RuntimeError("cancelled"))
-                return
-            ctl.written += n
-            await asyncio.sleep(snapshotting.WATCH_S * 2)  # the watch looks in between
-        copy.set_result(("tmp", "digest", ctl.written))
 
-    class _Store:
-        dropped: list[str] = []
+class _Store:
+    def __init__(self) -> None:
+        self.dropped: list[str] = []
 
-        def drop(self, tmp: str) -> None:
-            self.dropped.append(tmp)
+    def drop(self, tmp: str) -> None:
+        self.dropped.append(tmp)
 
-    task = asyncio.ensure_future(worker())
-    claim = guard.claim("a snapshot", 0) if guard is not None else None
+
+async def _run(root: Path, files: int, guard: _Guard | None, disk_mb: int, estimate: int = 0
+               ) -> tuple[BaseException | None, int, int]:
+    """A real capture of ``files`` MiB files under the watch, its claim starting at
+    ``estimate``: (what it raised, the claim at its end, the bytes it copied)."""
+    src = _tree(root, files)
+    control = _core.CaptureControl()
+    claim = guard.claim("a snapshot", estimate) if guard is not None else None
     held = claim.__enter__() if claim is not None else None
     try:
-        watch = snapshotting._within_claim(copy, ctl, held, disk_mb)  # type: ignore[arg-type]
+        snapshotting._allow_first(control, held, disk_mb)
+        copy = asyncio.ensure_future(asyncio.to_thread(
+            _core.capture_layer, [(0, str(src), str(root / "layer"))], control=control))
+        watch = snapshotting._within_claim(copy, control, held, disk_mb)  # type: ignore[arg-type]
+        err: BaseException | None = None
         try:
-            await snapshotting._to_the_end(copy, ctl, _Store(), watch)  # type: ignore[arg-type]
+            await snapshotting._to_the_end(copy, control, _Store(), watch)  # type: ignore[arg-type]
         except (TooLarge, CapacityExceeded) as e:
-            return e, held.bytes if held is not None else 0
-        return None, held.bytes if held is not None else 0
+            err = e
+        return err, held.bytes if held is not None else 0, control.copied()
     finally:
-        await task
         if claim is not None:
             claim.__exit__(None, None, None)
 
 
-def test_a_copy_past_its_sandboxs_disk_mb_is_the_sandboxs_limit():
-    ctl = _Copy()
-    err, _ = asyncio.run(_run(ctl, None, 64, [32 * MiB, 32 * MiB, 32 * MiB, 32 * MiB]))
+@pytest.fixture(autouse=True)
+def _small_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim raised 2 MiB ahead: the copies here are a few MiB."""
+    monkeypatch.setattr(snapshotting, "CLAIM_AHEAD", 2 * MiB)
+
+
+def test_a_copy_past_its_sandboxs_disk_mb_is_the_sandboxs_limit(tmp_path: Path):
+    err, _, copied = asyncio.run(_run(tmp_path, 8, None, 4))
     assert isinstance(err, TooLarge) and err.category == "limit", err
-    assert err.details == {"limit": "disk_mb", "max": 64}
-    assert ctl.cancelled() and ctl.written <= 96 * MiB  # stopped, not run to the end
+    assert err.details == {"limit": "disk_mb", "max": 4}
+    assert copied <= 4 * MiB  # it waited at the bound, and never wrote past it
 
 
-def test_the_claim_is_raised_ahead_of_the_copy_and_the_disk_refuses_past_its_room():
+def test_the_claim_is_raised_ahead_of_the_copy_and_the_disk_refuses_past_its_room(
+        tmp_path: Path):
     guard = _Guard(room=1 << 30)
-    err, claimed = asyncio.run(_run(_Copy(), guard, 4096, [200 * MiB] * 3))
-    assert err is None and claimed >= 600 * MiB, claimed  # raised as the copy went
+    err, claimed, copied = asyncio.run(_run(tmp_path / "a", 8, guard, 4096))
+    assert err is None and copied == 8 * MiB and claimed >= copied, (claimed, copied)
     assert guard.claims == 0  # given back at the end
-    ctl = _Copy()
-    err, _ = asyncio.run(_run(ctl, _Guard(room=300 * MiB), 4096, [200 * MiB] * 4))
+    guard = _Guard(room=3 * MiB)
+    err, claimed, copied = asyncio.run(_run(tmp_path / "b", 8, guard, 4096))
     assert isinstance(err, CapacityExceeded) and err.infra, err
-    assert ctl.cancelled()
+    assert copied <= 3 * MiB  # never past what the disk had room for
 
 
-def test_a_copy_within_both_ends_with_its_result():
-    err, claimed = asyncio.run(_run(_Copy(), _Guard(room=1 << 30), 64, [MiB, MiB]))
-    assert err is None and claimed >= 2 * MiB
+def test_a_copy_from_an_estimate_that_lagged_never_passes_its_claim(tmp_path: Path):
+    """The scratch's quota counts lag until its next commit: a claim of 0 for a sandbox that
+    holds 6 MiB. The copy waits at its claim while the claim is raised."""
+    guard = _Guard(room=5 * MiB)
+    err, _, copied = asyncio.run(_run(tmp_path, 6, guard, 4096, estimate=0))
+    assert isinstance(err, CapacityExceeded), err
+    assert copied <= 5 * MiB
+
+
+def test_a_copy_within_both_ends_with_its_result(tmp_path: Path):
+    err, claimed, copied = asyncio.run(_run(tmp_path, 2, _Guard(room=1 << 30), 64))
+    assert err is None and copied == 2 * MiB and claimed >= 2 * MiB
 
 
 @pytest.mark.parametrize("room", [0, 100 * MiB])

@@ -226,3 +226,11 @@ class Claim:
         self.guard.check(self.what, more)
         self.guard.claims += more
         self.bytes = total
+
+    def grow_up_to(self, total: int) -> None:
+        """Claim up to ``total`` bytes, as much of it as the disk has room for above the
+        reserve (none: the claim stays as it is)."""
+        more = min(total - self.bytes, self.guard.state()["available"])
+        if more > 0:
+            self.guard.claims += more
+            self.bytes += more

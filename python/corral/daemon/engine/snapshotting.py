@@ -100,7 +100,7 @@ class SnapshotOps:
         # The copy lands on the state dir's disk: what it is expected to write (the
         # sandbox's disk use, where the scratch can tell) is claimed from the room above
         # the daemon's reserve before it starts, so a full disk refuses it whole; the claim
-        # is raised ahead of the copy as it goes (_within_claim).
+        # is raised ahead of the copy as it goes, and the copy waits at it (_within_claim).
         if self.disk is None:
             return await self._capture_claimed(sb, base, image, paused, control)
         with self.disk.claim("a snapshot", self._capture_estimate(sb)) as held, \
@@ -131,6 +131,7 @@ class SnapshotOps:
         sb.enter_thread()
         sb.capturing = asyncio.get_running_loop().create_future()
         control = control if control is not None else snapshots.CaptureControl()
+        _allow_first(control, held, sb.spec.disk_mb)
         try:
             copy = asyncio.ensure_future(asyncio.to_thread(
                 substrate.capture, runtime, substrate.image_on(image, base, store), store,
@@ -306,33 +307,51 @@ def _within_quota(store: snapshots.SnapshotStore, tenant: str, quota: tuple[int,
 
 
 # How often a capture's copy is looked at, and how far ahead of what it has written its disk
-# claim is raised once the copy passes it (a copy writes ~1-2 GB/s: a look every 50 ms sees at
-# most ~100 MB more, which the disk's reserve covers).
-WATCH_S = 0.05
+# claim is raised (a copy writes ~1-2 GB/s: a look every 20 ms keeps a fast copy from waiting
+# on its allowance).
+WATCH_S = 0.02
 CLAIM_AHEAD = 64 << 20
+
+
+def _allow_first(control: snapshots.CaptureControl, held: diskguard.Claim | None,
+                 disk_mb: int) -> None:
+    """Before the copy starts: its allowance, the claim (the estimate, raised ahead of it as
+    far as the disk has room) within the sandbox's ``disk_mb``."""
+    cap = disk_mb << 20
+    if held is None:
+        control.allow(cap)
+        return
+    held.grow_up_to(min(cap, held.bytes + CLAIM_AHEAD))
+    control.allow(min(cap, held.bytes))
 
 
 async def _within_claim(copy: asyncio.Future[tuple[str, str, int]],
                         control: snapshots.CaptureControl, held: diskguard.Claim | None,
                         disk_mb: int, inodes: diskguard.InodeClaim | None = None) -> None:
-    """Until ``copy`` ends: what it has written stays under the sandbox's ``disk_mb`` (the
-    most its files hold on a disk of their own) and under its disk claim, raised ahead of it.
-    Files that share their blocks (reflinks, made without privilege on a btrfs scratch) cost
-    the sandbox's quota once and the copy each time: 60 reflinks of 100 MB in a 1 GiB sandbox
+    """Until ``copy`` ends: what it writes stays within its allowance (``_allow_first``), which
+    is its disk claim, raised ahead of it, and never more than the sandbox's ``disk_mb`` (the
+    most its files hold on a disk of their own). The copy waits at its allowance, so it never
+    writes past what was claimed: a claim from an estimate that lagged (the scratch's quota
+    counts catch up at its next commit) once let a copy cut into the daemon's reserve. Files
+    that share their blocks (reflinks, made without privilege on a btrfs scratch) cost the
+    sandbox's quota once and the copy each time: 60 reflinks of 100 MB in a 1 GiB sandbox
     made a 5.7 GB copy that filled the state dir and turned the sandboxes' scratch read-only.
     Its inode claim is raised the same way as it lists entries. Raises TooLarge (the
     sandbox's files) or CapacityExceeded (the disk's room)."""
     cap = disk_mb << 20
     while not copy.done():
         await asyncio.wait([copy], timeout=WATCH_S)
-        written = control.copied()
-        if written > cap:
+        wanted = control.wanted()  # a copy waiting at its allowance: what it needs
+        if wanted > cap:
             raise TooLarge(
                 f"cannot snapshot: the copy of the sandbox's files passes its disk_mb "
                 f"({disk_mb} MiB); files that share their blocks (reflinks) are copied whole",
                 details={"limit": "disk_mb", "max": disk_mb})
-        if held is not None and written > held.bytes:  # past its estimate (which holds
-            held.grow_to(min(cap, written + CLAIM_AHEAD))  # for files of their own)
+        if held is not None:
+            if wanted > held.bytes:
+                held.grow_to(wanted)  # CapacityExceeded when the disk has no room for it
+            held.grow_up_to(min(cap, max(wanted, control.copied()) + CLAIM_AHEAD))
+            control.allow(min(cap, held.bytes))
         listed = control.entries()
         if inodes is not None and listed > inodes.n:  # each entry listed is one it makes
             inodes.grow_to(listed + diskguard.INODE_CLAIM)
