@@ -116,6 +116,9 @@ def test_a_tenant_cannot_fill_the_state_dir_disk_under_the_others():
             assert refused is not None, "30 snapshots of 100 MB fit on a 2 GiB disk"
             assert refused["code"] == "capacity_exceeded" and refused["infra"], refused
             assert refused["details"]["disk"] == "state_dir"
+            # No copy cut into the reserve (a capture whose claim came from an estimate that
+            # lagged did: -81 MB); the log's own entries may use a few KiB of it.
+            assert refused["details"]["available"] >= -(1 << 20), refused
             # The reserve is left: the daemon's own state has room.
             assert free_mb(d.state_dir) >= 256 + 300, free_mb(d.state_dir)
             # Bob's sandbox disk still takes what its quota allows, written back to the
@@ -124,12 +127,13 @@ def test_a_tenant_cannot_fill_the_state_dir_disk_under_the_others():
                 "cmd": "head -c 200000000 /dev/urandom > /root/g && sync && touch /root/h "
                        "&& ls /root"}))
             assert r["exit_code"] == 0 and "g\nh" in r["stdout"], r
-            # His sandbox's disk was claimed in advance: a write within its quota lands.
-            ok(bob.put(f"/v1/sandboxes/{sb}/files", params={"path": "/root/u"},
-                       content=b"x" * (50 * MiB)))
-            # What the daemon cannot store for bob is infra, never his task's error.
-            r = bob.post(f"/v1/sandboxes/{sb}/snapshot", json={})
-            assert r.status_code == 201 or error(r)["code"] == "capacity_exceeded", r.text
+            # What the daemon cannot store for bob is infra, never his task's error: an upload
+            # is received on the state dir first (what alice left may be short of 50 MB).
+            for r in (bob.put(f"/v1/sandboxes/{sb}/files", params={"path": "/root/u"},
+                              content=b"x" * (50 * MiB)),
+                      bob.post(f"/v1/sandboxes/{sb}/snapshot", json={})):
+                assert r.status_code in (200, 201) or (
+                    error(r)["code"] == "capacity_exceeded" and error(r)["infra"]), r.text
             assert ok(bob.post(f"/v1/sandboxes/{sb}/exec", json={"cmd": "echo hi"}))[
                 "stdout"] == "hi\n"
             d.restart(kill9=True)

@@ -30,10 +30,12 @@ class CaptureControl:
     def cancel(self) -> None:
         """Stop the capture within one chunk (it raises CaptureCancelled)."""
     def cancelled(self) -> bool: ...
+    def charged(self) -> int:
+        """Bytes of disk taken so far: file data, a block for each entry made, xattrs."""
     def allow(self, total: int) -> None:
-        """Let the copy write ``total`` bytes of file data in all (a chunk past it waits)."""
+        """Let the copy take ``total`` bytes of disk in all (a write past it waits)."""
     def wanted(self) -> int:
-        """What a copy blocked at its allowance needs copied() to reach (0: not blocked)."""
+        """What a copy blocked at its allowance needs charged() to reach (0: not blocked)."""
 
 # An rlimit: one value (soft = hard) or (soft, hard); names as in `prlimit` (nofile, core, ...).
 Rlimits = dict[str, int | tuple[int, int]]

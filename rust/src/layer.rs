@@ -27,9 +27,10 @@
 //! (file capabilities) are not copied; the manifest records what was written.
 //!
 //! A capture reports and obeys a `Control` shared with its caller: the bytes of file data
-//! copied so far (updated per copied chunk of at most `STEP` bytes), a budget of bytes it may
-//! copy (its caller's disk claim: a chunk that would pass it waits until the caller raises it
-//! or cancels), and a cancel flag checked before each entry and each chunk (copy and hash), so
+//! copied so far (updated per copied chunk of at most `STEP` bytes), the bytes of disk it has
+//! charged (that data, `ENTRY_COST` for each entry it makes and its xattrs: a one-byte file
+//! takes a block, an empty directory too), a budget of them (its caller's disk claim: a write
+//! that would pass it waits until the caller raises it or cancels), and a cancel flag checked before each entry and each chunk (copy and hash), so
 //! a cancelled capture stops within one chunk and fails with `LayerError::Cancelled`; the
 //! caller removes the partial copy.
 //!
@@ -104,13 +105,15 @@ type Result<T> = std::result::Result<T, LayerError>;
 pub struct Control {
     /// Bytes of file data copied so far.
     pub copied: AtomicU64,
+    /// Bytes of disk the copy has taken: its file data, ENTRY_COST an entry, xattrs.
+    charged: AtomicU64,
     /// Entries listed so far (each one the copy makes: its caller claims inodes for them).
     pub entries: AtomicU64,
     /// Set to stop the capture at its next entry or chunk.
     pub cancel: AtomicBool,
-    /// Bytes of file data the copy may write in all (`allow`).
+    /// Bytes of disk the copy may take in all (`allow`), counted as `charged`.
     budget: AtomicU64,
-    /// What a copy blocked at its budget needs `copied` to reach (0: not blocked).
+    /// What a copy blocked at its budget needs `charged` to reach (0: not blocked).
     wanted: AtomicU64,
     /// Wakes a blocked copy when the budget is raised or the capture cancelled.
     gate: Mutex<()>,
@@ -121,6 +124,7 @@ impl Default for Control {
     fn default() -> Self {
         Self {
             copied: AtomicU64::new(0),
+            charged: AtomicU64::new(0),
             entries: AtomicU64::new(0),
             cancel: AtomicBool::new(false),
             budget: AtomicU64::new(u64::MAX),
@@ -143,11 +147,26 @@ impl Control {
         Ok(())
     }
 
+    /// `n` bytes of file data written.
     fn add(&self, n: u64) {
         self.copied.fetch_add(n, Ordering::Relaxed);
+        self.charged.fetch_add(n, Ordering::Relaxed);
     }
 
-    /// Set the bytes the copy may write in all and wake it if it waits for them.
+    /// Wait for room for `n` bytes of disk that are not file data (an entry, xattrs), then
+    /// count them.
+    fn take(&self, n: u64) -> std::result::Result<(), Errno> {
+        self.room_for(n)?;
+        self.charged.fetch_add(n, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Bytes of disk taken so far (file data, entries, xattrs).
+    pub fn charged(&self) -> u64 {
+        self.charged.load(Ordering::Relaxed)
+    }
+
+    /// Set the bytes of disk the copy may take in all and wake it if it waits for them.
     pub fn allow(&self, total: u64) {
         self.budget.store(total, Ordering::SeqCst);
         let _held = self.gate.lock().unwrap_or_else(|p| p.into_inner());
@@ -161,14 +180,15 @@ impl Control {
         self.raised.notify_all();
     }
 
-    /// What a blocked copy needs `copied` to reach (0: it is not blocked).
+    /// What a blocked copy needs `charged` to reach (0: it is not blocked).
     pub fn wanted(&self) -> u64 {
         self.wanted.load(Ordering::SeqCst)
     }
 
-    /// Wait until `n` more bytes fit the budget (or the capture is cancelled: ECANCELED).
+    /// Wait until `n` more bytes of disk fit the budget (or the capture is cancelled:
+    /// ECANCELED). Only the copying thread charges, so what fits now still fits when it writes.
     fn room_for(&self, n: u64) -> std::result::Result<(), Errno> {
-        let need = self.copied.load(Ordering::Relaxed).saturating_add(n);
+        let need = self.charged.load(Ordering::Relaxed).saturating_add(n);
         if need <= self.budget.load(Ordering::SeqCst) {
             return self.check();
         }
@@ -206,6 +226,9 @@ const SMALL: u64 = 256 * 1024;
 const CHUNK: usize = 256 * 1024;
 /// The most one copy_file_range call copies: progress and a cancel are seen this often.
 const STEP: usize = 16 << 20;
+/// Disk charged for each entry a capture makes, whatever its data: a block (a one-byte file,
+/// an empty directory and a long symlink each take one on the state dir's filesystem).
+const ENTRY_COST: u64 = 4096;
 /// overlayfs xattrs that describe a layer's content (the others describe one mount's upper).
 const KEEP_OVL: [&[u8]; 5] = [
     b"trusted.overlay.opaque",
@@ -540,7 +563,9 @@ impl Walker {
         name: &CStr,
         r: Vec<u8>,
     ) -> Result<Option<Frame>> {
-        self.ctl.check().map_err(|_| LayerError::Cancelled)?;
+        self.ctl
+            .take(ENTRY_COST)
+            .map_err(|_| LayerError::Cancelled)?;
         if self.manifest.len() + self.link_bytes + self.listed_bytes > MANIFEST_MAX {
             return Err(LayerError::Limit {
                 what: "manifest bytes",
@@ -809,6 +834,12 @@ impl Walker {
         rfs::utimensat(dir, name, &times(st), NOFOLLOW).map_err(|e| os_err("utimes", r, e))
     }
 
+    /// The disk an xattr takes (its name and value), charged before it is set.
+    fn take_xattr(&self, name: &CStr, len: usize) -> Result<()> {
+        let n = (name.to_bytes().len() + len) as u64;
+        self.ctl.take(n).map_err(|_| LayerError::Cancelled)
+    }
+
     /// Copy the kept xattrs of an opened source to an opened copy; returns the manifest bytes
     /// of those that were set.
     fn copy_xattrs_fd(&mut self, src: BorrowedFd<'_>, dst: BorrowedFd<'_>) -> Result<Vec<u8>> {
@@ -822,6 +853,7 @@ impl Walker {
                 continue;
             };
             let v = &self.vbuf[..len];
+            self.take_xattr(&n, len)?;
             if rfs::fsetxattr(dst, n.as_c_str(), v, rfs::XattrFlags::empty()).is_ok() {
                 out.push(&n, v);
             }
@@ -851,6 +883,7 @@ impl Walker {
                 continue;
             };
             let v = &self.vbuf[..len];
+            self.take_xattr(&n, len)?;
             if rfs::lsetxattr(dp.as_c_str(), n.as_c_str(), v, rfs::XattrFlags::empty()).is_ok() {
                 out.push(&n, v);
             }

@@ -683,8 +683,9 @@ fn fs_chown(py: Python<'_>, root_fd: RawFd, path: OsString, uid: u32, gid: u32) 
 }
 
 /// A running capture_layer as another thread sees it: `copied()` bytes of file data so far,
-/// `entries()` listed so far, `allow(total)` the bytes it may copy (a chunk past them waits,
-/// `wanted()` tells for how many), and `cancel()`, which stops it within one chunk (it then
+/// `entries()` listed so far, `charged()` the bytes of disk it has taken (data, a block an
+/// entry, xattrs), `allow(total)` how many it may take (a write past them waits, `wanted()`
+/// tells for how many), and `cancel()`, which stops it within one chunk (it then
 /// raises CaptureCancelled).
 #[pyclass(name = "CaptureControl", module = "corral._core", frozen)]
 struct PyCaptureControl(Arc<layer::Control>);
@@ -708,14 +709,19 @@ impl PyCaptureControl {
         self.0.stop();
     }
 
-    /// Let the copy write `total` bytes of file data in all (a chunk past it waits).
+    /// Let the copy take `total` bytes of disk in all (a write past it waits).
     fn allow(&self, total: u64) {
         self.0.allow(total);
     }
 
-    /// What a copy blocked at its allowance needs copied() to reach (0: not blocked).
+    /// What a copy blocked at its allowance needs charged() to reach (0: not blocked).
     fn wanted(&self) -> u64 {
         self.0.wanted()
+    }
+
+    /// Bytes of disk the copy has taken: its file data, a block for each entry, xattrs.
+    fn charged(&self) -> u64 {
+        self.0.charged()
     }
 
     fn cancelled(&self) -> bool {

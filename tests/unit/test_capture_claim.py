@@ -7,6 +7,7 @@ trees."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from pathlib import Path
 
@@ -21,10 +22,12 @@ MiB = 1 << 20
 
 
 class _Guard(diskguard.DiskGuard):
-    """A guard whose disk has ``room`` bytes above the reserve."""
+    """A guard whose disk has ``room`` bytes above the reserve, less what ``under`` holds on
+    the disk (the copy's own blocks, as a filesystem's free count sees them)."""
 
-    def __init__(self, room: int) -> None:
+    def __init__(self, room: int, under: Path | None = None) -> None:
         self.room = room
+        self.under = under
         self.claims = 0
         self.reserve = 0
         self.counters = {"refused": 0}
@@ -33,8 +36,19 @@ class _Guard(diskguard.DiskGuard):
         return None  # a filesystem that makes inodes as needed
 
     def state(self) -> dict[str, int]:
-        return {"free": self.room, "claimed": self.claims, "reserve": 0,
-                "available": self.room - self.claims}
+        free = self.room - (_blocks(self.under) if self.under is not None else 0)
+        return {"free": free, "claimed": self.claims, "reserve": 0,
+                "available": free - self.claims}
+
+
+def _blocks(top: Path) -> int:
+    """Bytes of disk the tree under ``top`` holds (blocks, directories included)."""
+    total = 0
+    for d, dirs, files in os.walk(top):
+        for name in [*dirs, *files]:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(d, name)).st_blocks * 512
+    return total
 
 
 def _tree(root: Path, files: int, size: int = MiB) -> Path:
@@ -54,25 +68,30 @@ class _Store:
         self.dropped.append(tmp)
 
 
-async def _run(root: Path, files: int, guard: _Guard | None, disk_mb: int, estimate: int = 0
-               ) -> tuple[BaseException | None, int, int]:
-    """A real capture of ``files`` MiB files under the watch, its claim starting at
-    ``estimate``: (what it raised, the claim at its end, the bytes it copied)."""
-    src = _tree(root, files)
+async def _run(root: Path, files: int, guard: _Guard | None, disk_mb: int, estimate: int = 0,
+               size: int = MiB) -> tuple[BaseException | None, int, _core.CaptureControl,
+                                         _Store]:
+    """A real capture of ``files`` files of ``size`` bytes under the watch, its claim
+    starting at ``estimate``: (what it raised, the claim at its end, its control, its store).
+    The guard's disk holds the copy (``root/layer``)."""
+    src = _tree(root, files, size)
+    if guard is not None:
+        guard.under = root / "layer"  # the copy is on the guard's disk
     control = _core.CaptureControl()
+    store = _Store()
     claim = guard.claim("a snapshot", estimate) if guard is not None else None
     held = claim.__enter__() if claim is not None else None
     try:
-        snapshotting._allow_first(control, held, disk_mb)
+        snapshotting._allow_first(control, held)
         copy = asyncio.ensure_future(asyncio.to_thread(
             _core.capture_layer, [(0, str(src), str(root / "layer"))], control=control))
         watch = snapshotting._within_claim(copy, control, held, disk_mb)  # type: ignore[arg-type]
         err: BaseException | None = None
         try:
-            await snapshotting._to_the_end(copy, control, _Store(), watch)  # type: ignore[arg-type]
+            await snapshotting._to_the_end(copy, control, store, watch)  # type: ignore[arg-type]
         except (TooLarge, CapacityExceeded) as e:
             err = e
-        return err, held.bytes if held is not None else 0, control.copied()
+        return err, held.bytes if held is not None else 0, control, store
     finally:
         if claim is not None:
             claim.__exit__(None, None, None)
@@ -85,36 +104,85 @@ def _small_steps(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_copy_past_its_sandboxs_disk_mb_is_the_sandboxs_limit(tmp_path: Path):
-    err, _, copied = asyncio.run(_run(tmp_path, 8, None, 4))
+    err, _, _, store = asyncio.run(_run(tmp_path, 8, None, 4))
     assert isinstance(err, TooLarge) and err.category == "limit", err
     assert err.details == {"limit": "disk_mb", "max": 4}
-    assert copied <= 4 * MiB  # it waited at the bound, and never wrote past it
+    assert store.dropped  # a copy that ended before the look is dropped all the same
 
 
 def test_the_claim_is_raised_ahead_of_the_copy_and_the_disk_refuses_past_its_room(
         tmp_path: Path):
     guard = _Guard(room=1 << 30)
-    err, claimed, copied = asyncio.run(_run(tmp_path / "a", 8, guard, 4096))
-    assert err is None and copied == 8 * MiB and claimed >= copied, (claimed, copied)
+    err, claimed, control, _ = asyncio.run(_run(tmp_path / "a", 8, guard, 4096))
+    assert err is None and control.copied() == 8 * MiB, err
+    assert claimed >= control.charged() > 8 * MiB  # data and a block for each entry
     assert guard.claims == 0  # given back at the end
     guard = _Guard(room=3 * MiB)
-    err, claimed, copied = asyncio.run(_run(tmp_path / "b", 8, guard, 4096))
+    err, claimed, control, _ = asyncio.run(_run(tmp_path / "b", 8, guard, 4096))
     assert isinstance(err, CapacityExceeded) and err.infra, err
-    assert copied <= 3 * MiB  # never past what the disk had room for
+    assert _blocks(tmp_path / "b" / "layer") <= 3 * MiB  # never past the disk's room
 
 
 def test_a_copy_from_an_estimate_that_lagged_never_passes_its_claim(tmp_path: Path):
     """The scratch's quota counts lag until its next commit: a claim of 0 for a sandbox that
     holds 6 MiB. The copy waits at its claim while the claim is raised."""
     guard = _Guard(room=5 * MiB)
-    err, _, copied = asyncio.run(_run(tmp_path, 6, guard, 4096, estimate=0))
+    err, _, control, _ = asyncio.run(_run(tmp_path, 6, guard, 4096, estimate=0))
     assert isinstance(err, CapacityExceeded), err
-    assert copied <= 5 * MiB
+    assert _blocks(tmp_path / "layer") <= 5 * MiB
+
+
+def test_what_the_copy_wrote_is_not_counted_twice(tmp_path: Path):
+    """The disk's free count drops as the copy writes: a claim that still counted those bytes
+    made a copy look twice its size, and one from a lagging estimate was refused at half the
+    room (16 MiB with 12 MiB of room)."""
+    guard = _Guard(room=12 * MiB)
+    err, _, control, _ = asyncio.run(_run(tmp_path, 8, guard, 4096, estimate=0))
+    assert err is None and control.copied() == 8 * MiB, err
+    assert guard.claims == 0
+
+
+def test_small_files_are_charged_the_blocks_they_take(tmp_path: Path):
+    """2,000 one-byte files are 2 KB of data and 8 MB of blocks on the copy's disk (and a
+    few hundred bytes of metadata each on the btrfs scratch, whose count is the estimate):
+    the copy is charged a block for each entry, and stops at the disk's room."""
+    guard = _Guard(room=4 * MiB)
+    err, _, control, _ = asyncio.run(_run(tmp_path, 2000, guard, 4096, size=1))
+    assert isinstance(err, CapacityExceeded), err
+    assert _blocks(tmp_path / "layer") <= 4 * MiB and control.copied() < 2000
+
+
+def test_a_sandbox_past_its_share_of_the_state_dirs_inodes_is_its_own_failure(tmp_path: Path):
+    """Empty files cost a sandbox's disk_mb nothing: a few hundred thousand of them made its
+    own snapshots capacity_exceeded (infra: masked) at will. Past a capture's share of the
+    state dir's inodes the sandbox's files are too many: too_large, as past the snapshot's
+    other bounds (task: scored, never masked)."""
+    src = _tree(tmp_path, 300, size=0)
+    guard = _Guard(room=1 << 30)
+    guard.under = tmp_path / "layer"
+    control = _core.CaptureControl()
+
+    async def run() -> BaseException | None:
+        inodes = diskguard.InodeClaim(guard, "a snapshot", 1000, share=100)
+        copy = asyncio.ensure_future(asyncio.to_thread(
+            _core.capture_layer, [(0, str(src), str(tmp_path / "layer"))], control=control))
+        watch = snapshotting._within_claim(copy, control, None, 4096, inodes)  # type: ignore[arg-type]
+        store = _Store()
+        try:
+            await snapshotting._to_the_end(copy, control, store, watch)  # type: ignore[arg-type]
+        except TooLarge as e:
+            assert store.dropped or control.cancelled()
+            return e
+        return None
+
+    err = asyncio.run(run())
+    assert isinstance(err, TooLarge) and err.category == "task" and not err.infra, err
+    assert err.details == {"limit": "snapshot_entries", "max": 100}
 
 
 def test_a_copy_within_both_ends_with_its_result(tmp_path: Path):
-    err, claimed, copied = asyncio.run(_run(tmp_path, 2, _Guard(room=1 << 30), 64))
-    assert err is None and copied == 2 * MiB and claimed >= 2 * MiB
+    err, claimed, control, _ = asyncio.run(_run(tmp_path, 2, _Guard(room=1 << 30), 64))
+    assert err is None and control.copied() == 2 * MiB and claimed >= 2 * MiB
 
 
 @pytest.mark.parametrize("room", [0, 100 * MiB])

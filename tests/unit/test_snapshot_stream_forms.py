@@ -8,6 +8,7 @@ in a temporary directory, with the real digest (snapshots.layer_digest)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -21,7 +22,7 @@ import pytest
 from corral.daemon import snapxfer
 from corral.daemon.oci import push, unpack
 from corral.daemon.snapshots import layer_digest
-from corral.errors import InvalidImage, TooLarge
+from corral.errors import CapacityExceeded, InvalidImage, TooLarge
 
 # xattr names a PAX keyword cannot hold as they are: not UTF-8, a '=', a newline.
 ODD_NAMES = [b"user.\xff\xfe", b"user.a=b", b"user.new\nline", b"user.plain"]
@@ -189,3 +190,39 @@ def test_an_import_counts_what_sparse_members_claim(tmp_path: Path) -> None:
     out.seek(0)
     with pytest.raises(TooLarge):
         snapxfer.read_stream(out, str(staging), unpack.Limits(2 << 30, 1000))
+
+
+def test_an_import_sent_chunked_asks_the_disk_as_it_unpacks(tmp_path: Path) -> None:
+    """The cluster copies a tenant's snapshot to another node as a chunked body, which
+    declares no size: checked only at its start (for 0 bytes), an import unpacked up to the
+    snapshot bound (16 GiB) into the node's reserve. It asks the disk as it goes."""
+    store, man = _layer(tmp_path / "src",
+                        lambda part: (part / "big").write_bytes(os.urandom(40 << 20)))
+    out = io.BytesIO()
+    snapxfer.write_stream(store, man, out)  # type: ignore[arg-type]
+    out.seek(0)
+    asked: list[tuple[str, int]] = []
+
+    def disk_check(what: str, need: int) -> None:
+        asked.append((what, need))
+        raise CapacityExceeded(f"the daemon's disk is short of room: {what}")
+
+    class _Into:
+        spares_dir = str(tmp_path / "spares")
+        trash_dir = str(tmp_path / "trash")
+        max_bytes, max_entries = 1 << 34, 1_000_000
+
+    os.mkdir(_Into.spares_dir)
+    os.mkdir(_Into.trash_dir)
+
+    async def recv(n: int) -> bytes:
+        return out.read(n)
+
+    async def check_image(name: str) -> str:
+        return name
+
+    with pytest.raises(CapacityExceeded):
+        asyncio.run(snapxfer.receive(_Into(), recv, check_image,  # type: ignore[arg-type]
+                                     disk_check=disk_check))
+    assert asked and asked[0][0] == "a snapshot import", asked
+    assert not os.listdir(_Into.spares_dir)  # nothing of it stays

@@ -51,6 +51,11 @@ DEFAULT_RESERVE_MB = 1024
 INODE_RESERVE_MIN = 4096
 INODE_RESERVE_FRACTION = 0.01
 INODE_CLAIM = 65536  # what a capture claims at first, and each raise ahead of its copy
+# The most entries one capture may make: an eighth of the state dir's inodes (INODE_CLAIM at
+# least). Past it the sandbox's own files are too many (``too_large``, limit): a sandbox that
+# made a few hundred thousand empty files (no bytes of its disk_mb) could otherwise have its
+# own snapshots refused as the daemon's capacity_exceeded (infra, masked) at will.
+INODE_SHARE = 8
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
@@ -139,12 +144,18 @@ class DiskGuard:
                 self.counters["refused"] += 1
                 raise self._short_of_inodes(what, left)
             self.inode_claims += n
-        held = InodeClaim(self, what, n)
+        held = InodeClaim(self, what, n, self.inode_share())
         try:
             yield held
         finally:
             with self._inode_lock:
                 self.inode_claims -= held.n
+
+    def inode_share(self) -> int | None:
+        """The most entries one capture may make (INODE_SHARE); None on a filesystem that
+        makes inodes as needed."""
+        files = os.statvfs(self.state_dir).f_files
+        return max(INODE_CLAIM, files // INODE_SHARE) if files else None
 
     def _short_of_inodes(self, what: str, left: int | None) -> CapacityExceeded:
         return CapacityExceeded(
@@ -182,16 +193,17 @@ class DiskGuard:
         try:
             yield held
         finally:
-            self.claims -= held.bytes
+            held.release()
 
 
 class InodeClaim:
     """The inodes one capture in flight has claimed (``DiskGuard.claim_inodes``)."""
 
-    def __init__(self, guard: DiskGuard, what: str, n: int) -> None:
+    def __init__(self, guard: DiskGuard, what: str, n: int, share: int | None = None) -> None:
         self.guard = guard
         self.what = what
         self.n = n
+        self.share = share  # the most entries the capture may make (None: no bound)
 
     def grow_to(self, total: int) -> None:
         """Claim up to ``total`` inodes; refused (``capacity_exceeded``) past what is left
@@ -210,12 +222,26 @@ class InodeClaim:
 
 
 class Claim:
-    """The bytes one piece of work in flight has claimed (``DiskGuard.claim``)."""
+    """The bytes one piece of work in flight may write (``DiskGuard.claim``): ``bytes`` in
+    all, of which ``written`` are on the disk already. The guard counts only what is still to
+    come: what was written is gone from the filesystem's free count, and counting it in the
+    claim as well made a copy look twice its size (one from an estimate that lagged was
+    refused at half the room)."""
 
     def __init__(self, guard: DiskGuard, what: str, need: int) -> None:
         self.guard = guard
         self.what = what
         self.bytes = need
+        self.written = 0
+
+    def _outstanding(self) -> int:
+        return max(0, self.bytes - self.written)
+
+    def wrote(self, total: int) -> None:
+        """``total`` bytes of it are on the disk now."""
+        before = self._outstanding()
+        self.written = max(self.written, total)
+        self.guard.claims -= before - self._outstanding()
 
     def grow_to(self, total: int) -> None:
         """Claim up to ``total`` bytes, the growth checked as a new claim is (a copy found to
@@ -223,14 +249,21 @@ class Claim:
         more = total - self.bytes
         if more <= 0:
             return
-        self.guard.check(self.what, more)
-        self.guard.claims += more
+        before = self._outstanding()
+        more = max(self.written, total) - max(self.written, self.bytes)
+        if more > 0:
+            self.guard.check(self.what, more)
         self.bytes = total
+        self.guard.claims += self._outstanding() - before
 
     def grow_up_to(self, total: int) -> None:
         """Claim up to ``total`` bytes, as much of it as the disk has room for above the
         reserve (none: the claim stays as it is)."""
-        more = min(total - self.bytes, self.guard.state()["available"])
-        if more > 0:
-            self.guard.claims += more
-            self.bytes += more
+        room = self.guard.state()["available"]
+        if room > 0 and total > self.bytes:
+            self.grow_to(min(total, max(self.bytes, self.written) + room))
+
+    def release(self) -> None:
+        """The work is done: nothing more is to come."""
+        self.guard.claims -= self._outstanding()
+        self.bytes = self.written

@@ -173,6 +173,14 @@ def proc_alive(pid: int, starttime: int) -> bool:
             and not int(rest[6]) & PF_EXITING)
 
 
+def running(tid: int) -> bool:
+    """Is thread ``tid`` running or runnable (state R; False if gone)? A thread of a frozen
+    cgroup sleeps; one that stays R is in a syscall the freezer cannot stop (or waits for a
+    CPU)."""
+    rest = _stat_fields(tid)
+    return rest is not None and rest[0] == b"R"
+
+
 def exiting(tid: int) -> bool:
     """Is thread ``tid`` in do_exit (PF_EXITING) or a zombie (False if gone)?"""
     rest = _stat_fields(tid)

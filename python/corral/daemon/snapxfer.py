@@ -303,15 +303,20 @@ def commit(store: SnapshotStore, man: dict[str, Any], staging: str,
 
 async def receive(store: SnapshotStore, recv: Callable[[int], Coroutine[Any, Any, bytes]],
                   check_image: Callable[[str], Coroutine[Any, Any, str]],
-                  tenant: str | None = None) -> tuple[dict[str, Any], bool]:
+                  tenant: str | None = None,
+                  disk_check: Callable[[str, int], None] | None = None,
+                  ) -> tuple[dict[str, Any], bool]:
     """Import a stream read with ``recv``: unpacked and checked in a worker thread, its image
     made present (``check_image``: the name the node knows it by, pulled if need be), then
-    committed. Cancelled (the client left) or failed, nothing of it stays."""
+    committed. ``disk_check``: the state dir's disk (DiskGuard.check), asked before every
+    32 MiB unpacked and every big file (a stream sent chunked declares no size to check at
+    its start). Cancelled (the client left) or failed, nothing of it stays."""
     staging = os.path.join(store.spares_dir, "imp-" + os.urandom(8).hex())
     os.mkdir(staging, 0o700)
     loop = asyncio.get_running_loop()
     reader = LoopReader(recv, loop)
-    limits = unpack.Limits(store.max_bytes, store.max_entries)
+    limits = unpack.Limits(store.max_bytes, store.max_entries, disk_check=disk_check,
+                           disk_what="a snapshot import")
 
     def on_manifest(man: dict[str, Any]) -> None:  # the image first, before any layer
         rec = man["snapshot"]

@@ -17,15 +17,21 @@ import asyncio
 import hashlib
 import os
 import tempfile
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
 from aiohttp import web
 
-from corral.daemon.diskguard import DISK_FULL, DiskGuard, disk_full
-from corral.errors import TooLarge
+from corral.daemon.diskguard import DISK_FULL, Claim, DiskGuard, disk_full
+from corral.errors import InvalidRequest, TooLarge
 
 BUFFER = 1 << 20  # bytes gathered from the socket before one write to disk
+# A body that sends nothing for STALL_S, or is not whole after DEADLINE_S (1 GiB at ~0.6
+# MB/s), is cut: what it spooled holds room on the state dir that other tenants' work
+# needs, and a client could otherwise hold it for as long as it keeps the connection.
+STALL_S = 60.0
+DEADLINE_S = 1800.0
 
 
 def too_large(limit: int, what: str = "request body") -> TooLarge:
@@ -56,20 +62,39 @@ def tmp_file(directory: str) -> BinaryIO:
     return os.fdopen(fd, "w+b")
 
 
+def body_stalled(what: str, after: float) -> InvalidRequest:
+    err = InvalidRequest(f"the request body {what} ({after:.0f} s): it was cut",
+                         details={"reason": "body_stalled", "after_s": after})
+    err.status = 408
+    return err
+
+
 async def spool(request: web.Request, out: BinaryIO, limit: int, keep: int = -1,
                 disk: DiskGuard | None = None) -> Spooled:
     """Copy the request's body into ``out`` (left at offset 0 when seekable); more than
     ``limit`` bytes is 413 too_large, refused from Content-Length before reading when the
-    client declares it. ``disk``: the state dir's disk, which each piece must leave room on
-    above the daemon's reserve (else ``capacity_exceeded``, the file dropped by the caller)."""
+    client declares it. ``disk``: the state dir's disk: the body's bytes are claimed from
+    the room above the daemon's reserve as they arrive, before they are written (else
+    ``capacity_exceeded``, the file dropped by the caller), so bodies arriving at once do not
+    each see the same room. A body that stalls STALL_S or takes longer than DEADLINE_S is
+    408 invalid_request (``details.reason``: body_stalled)."""
     if request.content_length is not None and request.content_length > limit:
         raise too_large(limit)
-    if disk is not None:  # a declared size is refused before a byte is read
-        disk.check("a request body", request.content_length or 0)
+    if disk is None:
+        return await _spool(request, out, limit, keep, None)
+    # A declared size is claimed whole before a byte is read.
+    with disk.claim("a request body", request.content_length or 0) as held:
+        return await _spool(request, out, limit, keep, held)
+
+
+async def _spool(request: web.Request, out: BinaryIO, limit: int, keep: int,
+                 held: Claim | None) -> Spooled:
     digest = hashlib.sha256()
     head: bytearray | None = bytearray() if keep >= 0 else None
-    size, buf = 0, bytearray()
-    async for chunk in request.content.iter_chunked(BUFFER):
+    size, written, buf = 0, 0, bytearray()
+    deadline = asyncio.get_running_loop().time() + DEADLINE_S
+    chunks = request.content.iter_chunked(BUFFER).__aiter__()
+    while (chunk := await _next_chunk(chunks, deadline)) is not None:
         size += len(chunk)
         if size > limit:
             raise too_large(limit)
@@ -81,27 +106,64 @@ async def spool(request: web.Request, out: BinaryIO, limit: int, keep: int = -1,
                 head = None
         buf += chunk
         if len(buf) >= BUFFER:  # the disk may block (dirty-page throttling): not on the loop
-            await _write(out, buf, disk)
+            written = await _write(out, buf, held, written)
             buf = bytearray()
     if buf:
-        await _write(out, buf, disk)
-    await _write(out, None, None)
+        written = await _write(out, buf, held, written)
+    await _write(out, None, None, written)
     if out.seekable():
         out.seek(0)
     return Spooled(size, digest.hexdigest(), bytes(head) if head is not None else None)
 
 
-async def _write(out: BinaryIO, buf: bytearray | None, disk: DiskGuard | None) -> None:
-    """One piece of a body to disk (``None``: the flush); a full disk is the daemon's
-    (``capacity_exceeded``), never an error of the request."""
-    if disk is not None and buf is not None:
-        disk.check("a request body", len(buf))
+async def _next_chunk(chunks: AsyncIterator[bytes], deadline: float) -> bytes | None:
+    """The body's next chunk (None at its end), cut after STALL_S without one or at
+    ``deadline``. Only the socket read is timed, never a write in flight (a write cancelled
+    under its thread would leave the thread writing to a file the caller closes)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    fired = False
+
+    def expire() -> None:
+        nonlocal fired
+        fired = True
+        task.cancel()
+
+    timer = loop.call_at(min(loop.time() + STALL_S, deadline), expire)
+    try:
+        return await chunks.__anext__()
+    except StopAsyncIteration:
+        return None
+    except asyncio.CancelledError:
+        if not fired:
+            raise
+        if hasattr(task, "uncancel"):  # our own cancel, answered here (Python 3.11+)
+            task.uncancel()
+        if loop.time() >= deadline:
+            raise body_stalled("was not whole in time", DEADLINE_S) from None
+        raise body_stalled("sent nothing", STALL_S) from None
+    finally:
+        timer.cancel()
+
+
+async def _write(out: BinaryIO, buf: bytearray | None, held: Claim | None,
+                 written: int) -> int:
+    """One piece of a body to disk (``None``: the flush), claimed first; the bytes written
+    so far after it. A full disk is the daemon's (``capacity_exceeded``), never an error of
+    the request."""
+    total = written + (len(buf) if buf is not None else 0)
+    if held is not None:
+        held.grow_to(total)
     try:
         await asyncio.to_thread(_put, out, buf)
     except OSError as e:
         if e.errno in DISK_FULL:
             raise disk_full("a request body", e) from None
         raise
+    if held is not None:
+        held.wrote(total)
+    return total
 
 
 def _put(out: BinaryIO, buf: bytearray | None) -> None:

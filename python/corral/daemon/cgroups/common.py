@@ -20,7 +20,7 @@ import signal
 import time
 
 from corral.daemon import kernel
-from corral.daemon.substrates.types import OomCount
+from corral.daemon.substrates.types import FreezeRefused, OomCount
 
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,127}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
@@ -665,23 +665,32 @@ class CgroupManager(abc.ABC):
     # ---- freezer ---------------------------------------------------------------------------
     def freeze(self, paths: list[str], timeout: float = 5.0) -> None:
         """Stop every process in the sandbox; returns once the kernel reports it frozen. Past
-        ``timeout``, the wait goes on while a thread of the sandbox is in its exit (up to
-        EXIT_WAIT_S): a process the sandbox killed could otherwise fail any pause or
-        snapshot of its own at will. Only the kernel's word counts: a thread asleep in a
-        syscall may still write the sandbox's files until it is frozen."""
+        ``timeout``, the wait goes on while a thread of the sandbox is in its exit or running
+        in the kernel (up to EXIT_WAIT_S): a process the sandbox killed, or a syscall it
+        made that the freezer cannot interrupt (populating the page tables of a huge
+        mapping), could otherwise fail any pause or snapshot of its own at will. A thread
+        still running then raises FreezeRefused (the sandbox's doing); TimeoutError
+        otherwise. Only the kernel's word counts: a thread asleep in a syscall may still
+        write the sandbox's files until it is frozen."""
         self._set_frozen(self._freezer_path(paths), True)
         self._wait_state(paths, True, timeout)
 
     def _exiting(self, paths: list[str]) -> bool:
         """A thread in one of ``paths`` is in its exit (or a zombie)."""
+        return any(kernel.exiting(t) for t in self._tids(paths))
+
+    def _running(self, paths: list[str]) -> int | None:
+        """A thread in one of ``paths`` that is running (state R), or None."""
+        return next((t for t in self._tids(paths) if kernel.running(t)), None)
+
+    def _tids(self, paths: list[str]) -> list[int]:
+        out: list[int] = []
         for p in paths:
             try:
-                tids = [int(t) for t in _read(os.path.join(p, self._threads_file)).split()]
+                out += [int(t) for t in _read(os.path.join(p, self._threads_file)).split()]
             except (OSError, ValueError):
                 continue
-            if any(kernel.exiting(t) for t in tids):
-                return True
-        return False
+        return out
 
     def thaw(self, paths: list[str], wait: bool = True, timeout: float = 5.0) -> None:
         try:
@@ -705,10 +714,16 @@ class CgroupManager(abc.ABC):
         delay = 0.0005
         while self.is_frozen(paths) != frozen:
             now = time.monotonic()
-            if now >= deadline and frozen and now < start + EXIT_WAIT_S \
-                    and self._exiting([self._freezer_path(paths)]):
-                deadline = min(now + 0.5, start + EXIT_WAIT_S)  # look again then
+            if now >= deadline and frozen and now < start + EXIT_WAIT_S:
+                where = [self._freezer_path(paths)]
+                if self._exiting(where) or self._running(where) is not None:
+                    deadline = min(now + 0.5, start + EXIT_WAIT_S)  # look again then
             if now >= deadline:
+                busy = self._running([self._freezer_path(paths)]) if frozen else None
+                if busy is not None:
+                    raise FreezeRefused(
+                        f"the sandbox's thread {busy} stayed running in the kernel for "
+                        f"{now - start:.0f} s: it could not be frozen", busy)
                 raise TimeoutError(f"cgroup did not become {'frozen' if frozen else 'thawed'}")
             time.sleep(delay)
             delay = min(delay * 2, 0.05)

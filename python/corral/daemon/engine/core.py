@@ -35,6 +35,7 @@ from corral.daemon.substrates.base import (
     SandboxRuntime,
     Substrate,
 )
+from corral.daemon.substrates.types import FreezeRefused
 from corral.daemon.tenants import TENANT_LABEL
 from corral.daemon.trajlog import TrajLog
 from corral.errors import (
@@ -45,6 +46,7 @@ from corral.errors import (
     InternalError,
     InvalidNetwork,
     InvalidRequest,
+    SandboxAtLimit,
     SandboxCrashed,
     SandboxExpired,
     SandboxKilled,
@@ -1096,6 +1098,11 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
             return sb
         try:
             await self._switch(sb, True)
+        except FreezeRefused as e:  # its own thread kept it from freezing: never masked
+            raise SandboxAtLimit(
+                "cannot pause: a thread of the sandbox stayed running in the kernel (a "
+                "syscall the freezer cannot stop) past the daemon's wait",
+                details={"limit": "freeze"}) from e
         except TimeoutError as e:
             raise InternalError(f"cannot pause: {e}") from e
         except OSError as e:

@@ -131,8 +131,8 @@ class SnapshotOps:
         sb.enter_thread()
         sb.capturing = asyncio.get_running_loop().create_future()
         control = control if control is not None else snapshots.CaptureControl()
-        _allow_first(control, held, sb.spec.disk_mb)
         try:
+            _allow_first(control, held)
             copy = asyncio.ensure_future(asyncio.to_thread(
                 substrate.capture, runtime, substrate.image_on(image, base, store), store,
                 paused, control))
@@ -265,7 +265,9 @@ class SnapshotOps:
         """A snapshot from another node's export stream read with ``recv``, owned by
         ``tenant`` (None: the admin): (record, made); an id this node has already is
         answered as it is if it is the same tenant's."""
-        rec, made = await snapxfer.receive(self._snaps(), recv, self._import_image, tenant)
+        rec, made = await snapxfer.receive(
+            self._snaps(), recv, self._import_image, tenant,
+            self.disk.check if self.disk is not None else None)
         self.counters["snapshots_imported"] += made
         return rec, made
 
@@ -306,53 +308,62 @@ def _within_quota(store: snapshots.SnapshotStore, tenant: str, quota: tuple[int,
                  "limit": max_bytes})
 
 
-# How often a capture's copy is looked at, and how far ahead of what it has written its disk
+# How often a capture's copy is looked at, and how far ahead of what it has taken its disk
 # claim is raised (a copy writes ~1-2 GB/s: a look every 20 ms keeps a fast copy from waiting
 # on its allowance).
 WATCH_S = 0.02
 CLAIM_AHEAD = 64 << 20
 
 
-def _allow_first(control: snapshots.CaptureControl, held: diskguard.Claim | None,
-                 disk_mb: int) -> None:
+def _allow_first(control: snapshots.CaptureControl, held: diskguard.Claim | None) -> None:
     """Before the copy starts: its allowance, the claim (the estimate, raised ahead of it as
-    far as the disk has room) within the sandbox's ``disk_mb``."""
-    cap = disk_mb << 20
+    far as the disk has room); none without a disk guard."""
     if held is None:
-        control.allow(cap)
         return
-    held.grow_up_to(min(cap, held.bytes + CLAIM_AHEAD))
-    control.allow(min(cap, held.bytes))
+    held.grow_up_to(held.bytes + CLAIM_AHEAD)
+    control.allow(held.bytes)
 
 
 async def _within_claim(copy: asyncio.Future[tuple[str, str, int]],
                         control: snapshots.CaptureControl, held: diskguard.Claim | None,
                         disk_mb: int, inodes: diskguard.InodeClaim | None = None) -> None:
-    """Until ``copy`` ends: what it writes stays within its allowance (``_allow_first``), which
-    is its disk claim, raised ahead of it, and never more than the sandbox's ``disk_mb`` (the
-    most its files hold on a disk of their own). The copy waits at its allowance, so it never
-    writes past what was claimed: a claim from an estimate that lagged (the scratch's quota
-    counts catch up at its next commit) once let a copy cut into the daemon's reserve. Files
+    """Until ``copy`` ends: the disk it takes (``control.charged()``: its file data, a block
+    for each entry it makes, xattrs) stays within its allowance (``_allow_first``), which is
+    its disk claim, raised ahead of it; the copy waits at it, so it never writes past what
+    was claimed. A claim from an estimate that lagged (the scratch's quota counts catch up at
+    its next commit) once let a copy cut into the daemon's reserve, and so could files that
+    cost the copy a block each but the scratch a few bytes of metadata. Its file data stays
+    under the sandbox's ``disk_mb`` (the most its files hold on a disk of their own): files
     that share their blocks (reflinks, made without privilege on a btrfs scratch) cost the
-    sandbox's quota once and the copy each time: 60 reflinks of 100 MB in a 1 GiB sandbox
-    made a 5.7 GB copy that filled the state dir and turned the sandboxes' scratch read-only.
-    Its inode claim is raised the same way as it lists entries. Raises TooLarge (the
-    sandbox's files) or CapacityExceeded (the disk's room)."""
+    sandbox's quota once and the copy each time; 60 reflinks of 100 MB in a 1 GiB sandbox
+    made a 5.7 GB copy. Its inode claim is raised the same way as it lists entries, up to
+    the share of the state dir's inodes one capture may make. Raises TooLarge (the sandbox's
+    files: its disk_mb, that share) or CapacityExceeded (the disk's room)."""
     cap = disk_mb << 20
-    while not copy.done():
+    while True:
         await asyncio.wait([copy], timeout=WATCH_S)
-        wanted = control.wanted()  # a copy waiting at its allowance: what it needs
-        if wanted > cap:
+        if control.charged() > cap:
             raise TooLarge(
                 f"cannot snapshot: the copy of the sandbox's files passes its disk_mb "
-                f"({disk_mb} MiB); files that share their blocks (reflinks) are copied whole",
+                f"({disk_mb} MiB); files that share their blocks (reflinks) are copied whole, "
+                f"and each file or directory takes a block of the copy at least",
                 details={"limit": "disk_mb", "max": disk_mb})
+        listed = control.entries()
+        if inodes is not None and inodes.share is not None and listed > inodes.share:
+            raise TooLarge(
+                f"cannot snapshot: the sandbox holds more than {inodes.share} files and "
+                f"directories, the most one snapshot may make on this daemon's disk",
+                details={"limit": "snapshot_entries", "max": inodes.share})
+        if copy.done():  # a last look at what it copied, then the copy's own outcome
+            return
         if held is not None:
+            charged = control.charged()
+            held.wrote(charged)
+            wanted = control.wanted()  # a copy waiting at its allowance: what it needs
             if wanted > held.bytes:
                 held.grow_to(wanted)  # CapacityExceeded when the disk has no room for it
-            held.grow_up_to(min(cap, max(wanted, control.copied()) + CLAIM_AHEAD))
-            control.allow(min(cap, held.bytes))
-        listed = control.entries()
+            held.grow_up_to(max(wanted, charged) + CLAIM_AHEAD)
+            control.allow(held.bytes)
         if inodes is not None and listed > inodes.n:  # each entry listed is one it makes
             inodes.grow_to(listed + diskguard.INODE_CLAIM)
 
@@ -361,16 +372,18 @@ async def _to_the_end(copy: asyncio.Future[tuple[str, str, int]],
                       control: snapshots.CaptureControl,
                       store: snapshots.SnapshotStore,
                       watch: Coroutine[Any, Any, None] | None = None) -> tuple[str, str, int]:
-    """The capture's result; cancelled, or stopped by ``watch`` (which raises to stop it),
-    it stops the copy and returns only once the worker thread is done (the sandbox thawed,
-    the partial layer removed), then raises."""
+    """The capture's result; cancelled, or stopped by ``watch`` (which raises to stop it,
+    also after the copy ended: its last look), it stops the copy and returns only once the
+    worker thread is done (the sandbox thawed, the partial layer removed), then raises."""
     watcher = asyncio.ensure_future(watch) if watch is not None else None
     try:
         if watcher is None:
             return await asyncio.shield(copy)
         both: set[asyncio.Future[Any]] = {copy, watcher}
         await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
-        if watcher.done() and not watcher.cancelled() and watcher.exception() is not None:
+        if not watcher.done():  # the copy ended: the watcher's last look at it
+            await asyncio.wait([watcher])
+        if not watcher.cancelled() and watcher.exception() is not None:
             control.cancel()
             await _stopped(copy, store)
             raise watcher.exception()  # type: ignore[misc]

@@ -66,6 +66,7 @@ class Limits:
     # reserve, not only at its start. None: not checked.
     disk_check: Callable[[str, int], None] | None = None
     checked_bytes: int = 0
+    disk_what: str = "an image pull's layers"  # the work disk_check names when it refuses
 
     def check_member(self, stream_start: int, m: tarfile.TarInfo) -> None:
         """Before a regular member's bytes are written: the stream through its end (its
@@ -74,13 +75,13 @@ class Limits:
         if stream_start + m.offset_data + m.size > self.max_bytes:
             raise _too_large(self)
         if self.disk_check is not None and m.size >= DISK_CHECK_BYTES:
-            self.disk_check("an image pull's layers", m.size)
+            self.disk_check(self.disk_what, m.size)
 
     def check_disk(self) -> None:
         if self.disk_check is not None and \
                 self.used_bytes - self.checked_bytes >= DISK_CHECK_BYTES:
             self.checked_bytes = self.used_bytes
-            self.disk_check("an image pull's layers", DISK_CHECK_BYTES)
+            self.disk_check(self.disk_what, DISK_CHECK_BYTES)
 
 
 @dataclass

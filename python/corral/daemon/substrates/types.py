@@ -22,6 +22,17 @@ class NotCached(Exception):
     and its files cold, nor walks a path a sandbox made long."""
 
 
+class FreezeRefused(TimeoutError):
+    """A freeze that did not take because a thread of the sandbox itself stayed running in
+    the kernel past every wait (a syscall the freezer cannot interrupt, such as populating or
+    tearing down the page tables of a huge mapping, issued on purpose): the sandbox's own
+    doing, never the platform's. ``tid``: one such thread (the host's id)."""
+
+    def __init__(self, message: str, tid: int) -> None:
+        super().__init__(message)
+        self.tid = tid
+
+
 class OomCount(NamedTuple):
     """Two counts a substrate reads off a sandbox's memory accounting before and after a span
     (a command's run, a sandbox's life): only their differences mean anything (oom_verdict).

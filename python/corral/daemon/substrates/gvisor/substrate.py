@@ -670,17 +670,22 @@ class GvisorSubstrate(RootFileOps, Substrate):
             os.unlink(self._held_path(sid, pid))
 
     # ---- pause ---------------------------------------------------------------------------
+    # runsc's sentry stops and starts the sandbox's tasks itself: nothing in the sandbox can
+    # hold a pause or a resume off, so a failure of runsc is the platform's (infra), never
+    # an OSError the request's error mapping would give to the caller.
     def freeze(self, runtime: SandboxRuntime) -> None:
         try:
             self.runsc.run("pause", runtime.sandbox_id)
         except RunscError as e:
-            raise OSError(errno.EIO, str(e)) from None
+            raise InternalError(f"runsc pause failed: {e}",
+                                details={"cause": "runsc"}) from None
 
     def thaw(self, runtime: SandboxRuntime, wait: bool = True) -> None:
         try:
             self.runsc.run("resume", runtime.sandbox_id)
         except RunscError as e:
-            raise OSError(errno.EIO, str(e)) from None
+            raise InternalError(f"runsc resume failed: {e}",
+                                details={"cause": "runsc"}) from None
         with self._deferred_lock:
             loop, pids = self._deferred.pop(runtime.sandbox_id, (None, set()))
         for pid in pids:  # from the loop's thread: thaw may run in a worker thread
