@@ -292,7 +292,9 @@ class SandboxAtLimit(Conflict):
     even the command's first process could be made. Category ``limit``: what ran in the
     sandbox did this (an agent that leaves processes behind until no command can start is
     scored, never masked). The sandbox keeps running; a command starts again once some of
-    its processes end or are killed."""
+    its processes end or are killed. Also a pause that a thread of the sandbox held off,
+    running in a syscall the freezer cannot stop past the daemon's wait
+    (``details["limit"] == "freeze"``)."""
 
     code, status = "sandbox_at_limit", 409
     CATEGORY = "limit"

@@ -118,8 +118,13 @@ def _codes(status: int) -> str:
     return ", ".join(codes)
 
 
+# Handlers whose body is spooled to disk (corral.daemon.spool): cut when it stalls (408).
+SPOOLED = frozenset({"file_write", "tar_upload", "upload_image"})
+
+
 def _error_response(status: int) -> dict[str, Any]:
-    codes = "too_large" if status == 413 else _codes(status)  # a body past its cap
+    codes = {413: "too_large",  # a body past its cap
+             408: "invalid_request (body_stalled)"}.get(status) or _codes(status)
     return {"description": f"error: {codes or 'http_error'}", "content": {
         "application/json": {"schema": {"$ref": SCHEMA_REF + "Error"}}}}
 
@@ -136,6 +141,8 @@ def _statuses(r: Route) -> list[int]:
         out.add(400)
     if r.body is not None:  # every body has a cap (JSON 16 MiB, raw 1 GiB)
         out.add(413)
+    if r.handler.__name__ in SPOOLED:  # a body that stalls is cut
+        out.add(408)
     if isinstance(r.body, type):  # a big JSON body the daemon's pool cannot take now (bodymem)
         out.add(429)
     return sorted(out)
