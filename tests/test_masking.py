@@ -417,6 +417,69 @@ def test_a_process_the_agent_left_dying_cannot_fail_a_pause_or_a_snapshot():
         sb.kill()
 
 
+# Two threads, each in turn mapping up to MAXGIB GiB read-only and populating it with the zero page
+# (4 KiB entries: transparent huge pages off), one syscall of seconds that the freezer cannot
+# interrupt (it waits for the syscall's return to user space), then unmapping it.
+UNFREEZABLE = r"""
+import ctypes, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
+
+def populate(size):
+    p = libc.mmap(None, size, 1, 0x22 | 0x4000, -1, 0)  # PRIVATE|ANONYMOUS|NORESERVE
+    t0 = time.monotonic()
+    libc.madvise(p, size, 22)  # MADV_POPULATE_READ
+    took = time.monotonic() - t0
+    libc.munmap(p, size)
+    return took
+
+# Sized for ~8 s a call (page tables: 1/512 of the mapping, charged to the sandbox).
+SIZE = min(MAXGIB, max(8, int(8 * 8 / populate(8 << 30)))) << 30
+
+def spin():
+    while True:
+        took = populate(SIZE)
+        with open("/tmp/took", "a") as f:
+            f.write(f"{took:.2f}\n")
+
+threading.Thread(target=spin).start()
+time.sleep(1.5)
+threading.Thread(target=spin).start()
+"""
+
+
+def test_a_syscall_the_freezer_cannot_stop_cannot_fail_a_pause_as_infra():
+    """A thread in a syscall is frozen only when it returns to user space: populating the
+    page tables of a huge read-only mapping takes seconds in one call, so two threads doing
+    it in turn kept the sandbox from freezing within the pause's 5 s, and the trainer's
+    pause failed as `internal` (infra: the rollout masked), at will. The wait goes on while
+    a thread of the sandbox runs in the kernel: the pause goes through (past the daemon's
+    whole wait it would be `sandbox_at_limit`, the agent's own)."""
+    sb = Sandbox(memory_mb=4096, timeout=300)
+    try:
+        sb.files.write("/tmp/unfreezable.py", UNFREEZABLE.replace("MAXGIB", "640"))
+        sb.exec(["python3", "/tmp/unfreezable.py"], background=True)
+        _until(lambda: sb.files.exists("/tmp/took"), timeout=120)
+        took = [float(x) for x in sb.files.read("/tmp/took").decode().split()]
+        if max(took) < 5.5:
+            pytest.skip(f"this host populates 640 GiB in {max(took):.1f} s: no call outlasts "
+                        "the pause's first 5 s")
+        try:
+            sb.pause()
+        except CorralError as e:
+            assert isinstance(e, SandboxAtLimit) and not e.infra, (e.code, e.message, took)
+        else:
+            assert sb.info().state == "paused" and _kernel_says_frozen(sb.id), took
+            sb.resume()
+    finally:
+        sb.kill()
+
+
 # Holds a write lease on the program the next command's exec opens: the init's child waits
 # in that exec (the init with it: CLONE_VFORK) until the lease goes, HOLD s after the break.
 HOLD_START = r"""

@@ -834,9 +834,11 @@ impl Walker {
         rfs::utimensat(dir, name, &times(st), NOFOLLOW).map_err(|e| os_err("utimes", r, e))
     }
 
-    /// The disk an xattr takes (its name and value), charged before it is set.
-    fn take_xattr(&self, name: &CStr, len: usize) -> Result<()> {
-        let n = (name.to_bytes().len() + len) as u64;
+    /// The disk an xattr takes, charged before it is set: its name and value, and a block
+    /// for an entry's first (ext4 and xfs keep xattrs that do not fit in the inode in a
+    /// block of their own, one per inode when their values differ).
+    fn take_xattr(&self, name: &CStr, len: usize, first: bool) -> Result<()> {
+        let n = (name.to_bytes().len() + len) as u64 + if first { ENTRY_COST } else { 0 };
         self.ctl.take(n).map_err(|_| LayerError::Cancelled)
     }
 
@@ -852,8 +854,8 @@ impl Walker {
             let Ok(len) = rfs::fgetxattr(src, n.as_c_str(), &mut self.vbuf[..]) else {
                 continue;
             };
+            self.take_xattr(&n, len, out.count == 0)?;
             let v = &self.vbuf[..len];
-            self.take_xattr(&n, len)?;
             if rfs::fsetxattr(dst, n.as_c_str(), v, rfs::XattrFlags::empty()).is_ok() {
                 out.push(&n, v);
             }
@@ -882,8 +884,8 @@ impl Walker {
             let Ok(len) = rfs::lgetxattr(sp.as_c_str(), n.as_c_str(), &mut self.vbuf[..]) else {
                 continue;
             };
+            self.take_xattr(&n, len, out.count == 0)?;
             let v = &self.vbuf[..len];
-            self.take_xattr(&n, len)?;
             if rfs::lsetxattr(dp.as_c_str(), n.as_c_str(), v, rfs::XattrFlags::empty()).is_ok() {
                 out.push(&n, v);
             }

@@ -180,6 +180,22 @@ def test_a_sandbox_past_its_share_of_the_state_dirs_inodes_is_its_own_failure(tm
     assert err.details == {"limit": "snapshot_entries", "max": 100}
 
 
+def test_an_opportunistic_raise_never_refuses(tmp_path: Path):
+    """Raising a claim ahead of the copy takes what the disk has room for: a second look
+    that found less (the copy wrote meanwhile) refused it, capacity_exceeded (infra), for a
+    capture that would fit."""
+
+    class _Shrinking(_Guard):
+        def state(self) -> dict[str, int]:
+            self.room -= MiB  # something writes between any two looks
+            return super().state()
+
+    guard = _Shrinking(room=50 * MiB)
+    with guard.claim("a snapshot", 0) as held:
+        held.grow_up_to(64 * MiB)
+        assert 0 < held.bytes <= 50 * MiB and guard.claims == held.bytes
+
+
 def test_a_copy_within_both_ends_with_its_result(tmp_path: Path):
     err, claimed, control, _ = asyncio.run(_run(tmp_path, 2, _Guard(room=1 << 30), 64))
     assert err is None and control.copied() == 2 * MiB and claimed >= 2 * MiB

@@ -116,3 +116,30 @@ def test_a_body_that_keeps_coming_is_whole(monkeypatch: pytest.MonkeyPatch):
     out = io.BytesIO()
     got = asyncio.run(spool.spool(_Body(_chunks(3)), out, 1 << 30))  # type: ignore[arg-type]
     assert got.size == 3 * MiB and len(out.getbuffer()) == 3 * MiB
+
+
+def test_a_declared_size_is_checked_but_claimed_only_as_it_arrives(
+        monkeypatch: pytest.MonkeyPatch):
+    """Claimed whole before a byte came, a body declaring 1 GiB that then trickled held a
+    GiB of the room other tenants' work needs, for as long as it kept coming."""
+    monkeypatch.setattr(spool, "STALL_S", 0.5)
+    out = io.BytesIO()
+    guard = _Guard(4 << 30, [out])
+    seen: list[int] = []
+
+    async def trickles() -> AsyncIterator[bytes]:
+        for _ in range(3):
+            yield bytes(MiB)
+            await asyncio.sleep(0.05)
+            seen.append(guard.claims)
+        await asyncio.sleep(3600)
+        yield b""
+
+    with pytest.raises(InvalidRequest):
+        asyncio.run(spool.spool(_Body(trickles(), length=1 << 30), out, 2 << 30,  # type: ignore[arg-type]
+                                disk=guard))
+    assert seen and max(seen) <= 2 * MiB, seen  # what came, not what was declared
+    assert guard.claims == 0
+    with pytest.raises(CapacityExceeded):  # a declared size the disk lacks: refused at once
+        asyncio.run(spool.spool(_Body(_chunks(1), length=8 << 30), io.BytesIO(), 16 << 30,  # type: ignore[arg-type]
+                                disk=_Guard(4 << 30, [])))

@@ -258,10 +258,15 @@ class Claim:
 
     def grow_up_to(self, total: int) -> None:
         """Claim up to ``total`` bytes, as much of it as the disk has room for above the
-        reserve (none: the claim stays as it is)."""
+        reserve (none: the claim stays as it is); never raises. The room is read once: a
+        second look (``check``) could find less, written meanwhile, and refuse a claim that
+        is only opportunistic."""
         room = self.guard.state()["available"]
-        if room > 0 and total > self.bytes:
-            self.grow_to(min(total, max(self.bytes, self.written) + room))
+        if room <= 0 or total <= self.bytes:
+            return
+        before = self._outstanding()
+        self.bytes = min(total, max(self.bytes, self.written) + room)
+        self.guard.claims += self._outstanding() - before
 
     def release(self) -> None:
         """The work is done: nothing more is to come."""

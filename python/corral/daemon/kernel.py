@@ -173,12 +173,13 @@ def proc_alive(pid: int, starttime: int) -> bool:
             and not int(rest[6]) & PF_EXITING)
 
 
-def running(tid: int) -> bool:
-    """Is thread ``tid`` running or runnable (state R; False if gone)? A thread of a frozen
-    cgroup sleeps; one that stays R is in a syscall the freezer cannot stop (or waits for a
-    CPU)."""
+def cpu_ticks(tid: int) -> int | None:
+    """The CPU time thread ``tid`` has used, user and system, in clock ticks (None if gone).
+    A frozen thread uses none: one whose time grows while its cgroup freezes is running,
+    in a syscall the freezer cannot stop (its state says less: a frozen thread reads R on
+    some kernels)."""
     rest = _stat_fields(tid)
-    return rest is not None and rest[0] == b"R"
+    return None if rest is None else int(rest[11]) + int(rest[12])  # fields 14 and 15
 
 
 def exiting(tid: int) -> bool:

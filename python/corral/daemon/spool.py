@@ -82,8 +82,10 @@ async def spool(request: web.Request, out: BinaryIO, limit: int, keep: int = -1,
         raise too_large(limit)
     if disk is None:
         return await _spool(request, out, limit, keep, None)
-    # A declared size is claimed whole before a byte is read.
-    with disk.claim("a request body", request.content_length or 0) as held:
+    # A declared size is checked before a byte is read, and claimed only as its bytes come:
+    # claimed whole at once, a body that trickles would hold room it never sends.
+    disk.check("a request body", request.content_length or 0)
+    with disk.claim("a request body", 0) as held:
         return await _spool(request, out, limit, keep, held)
 
 

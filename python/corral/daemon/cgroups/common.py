@@ -665,13 +665,14 @@ class CgroupManager(abc.ABC):
     # ---- freezer ---------------------------------------------------------------------------
     def freeze(self, paths: list[str], timeout: float = 5.0) -> None:
         """Stop every process in the sandbox; returns once the kernel reports it frozen. Past
-        ``timeout``, the wait goes on while a thread of the sandbox is in its exit or running
-        in the kernel (up to EXIT_WAIT_S): a process the sandbox killed, or a syscall it
-        made that the freezer cannot interrupt (populating the page tables of a huge
-        mapping), could otherwise fail any pause or snapshot of its own at will. A thread
-        still running then raises FreezeRefused (the sandbox's doing); TimeoutError
-        otherwise. Only the kernel's word counts: a thread asleep in a syscall may still
-        write the sandbox's files until it is frozen."""
+        ``timeout``, the wait goes on (up to EXIT_WAIT_S) while a thread of the sandbox is
+        in its exit or uses CPU (a frozen thread uses none: one that does runs in the
+        kernel): a process the sandbox killed, or a syscall it made that the freezer cannot
+        interrupt (populating the page tables of a huge mapping), could otherwise fail any
+        pause or snapshot of its own at will. A thread still using CPU then raises
+        FreezeRefused (the sandbox's doing); TimeoutError otherwise. Only the kernel's word
+        counts: a thread asleep in a syscall may still write the sandbox's files until it
+        is frozen."""
         self._set_frozen(self._freezer_path(paths), True)
         self._wait_state(paths, True, timeout)
 
@@ -679,9 +680,23 @@ class CgroupManager(abc.ABC):
         """A thread in one of ``paths`` is in its exit (or a zombie)."""
         return any(kernel.exiting(t) for t in self._tids(paths))
 
-    def _running(self, paths: list[str]) -> int | None:
-        """A thread in one of ``paths`` that is running (state R), or None."""
-        return next((t for t in self._tids(paths) if kernel.running(t)), None)
+    def _cpu_ticks(self, paths: list[str]) -> dict[int, int]:
+        """The CPU ticks of every thread in ``paths``."""
+        out = {}
+        for t in self._tids(paths):
+            ticks = kernel.cpu_ticks(t)
+            if ticks is not None:
+                out[t] = ticks
+        return out
+
+    def _burning(self, paths: list[str], seen: dict[int, int]) -> int | None:
+        """A thread in ``paths`` that used CPU since ``seen`` was taken (then updated), or
+        None."""
+        now = self._cpu_ticks(paths)
+        busy = next((t for t, ticks in now.items() if ticks > seen.get(t, ticks)), None)
+        seen.clear()
+        seen.update(now)
+        return busy
 
     def _tids(self, paths: list[str]) -> list[int]:
         out: list[int] = []
@@ -712,18 +727,19 @@ class CgroupManager(abc.ABC):
         start = time.monotonic()
         deadline = start + timeout
         delay = 0.0005
+        where = [self._freezer_path(paths)]
+        seen = self._cpu_ticks(where) if frozen else {}  # what each thread had used at the start
         while self.is_frozen(paths) != frozen:
             now = time.monotonic()
-            if now >= deadline and frozen and now < start + EXIT_WAIT_S:
-                where = [self._freezer_path(paths)]
-                if self._exiting(where) or self._running(where) is not None:
+            if now >= deadline and frozen:
+                burning = self._burning(where, seen)
+                if now < start + EXIT_WAIT_S and (burning is not None or self._exiting(where)):
                     deadline = min(now + 0.5, start + EXIT_WAIT_S)  # look again then
-            if now >= deadline:
-                busy = self._running([self._freezer_path(paths)]) if frozen else None
-                if busy is not None:
+                elif burning is not None:
                     raise FreezeRefused(
-                        f"the sandbox's thread {busy} stayed running in the kernel for "
-                        f"{now - start:.0f} s: it could not be frozen", busy)
+                        f"the sandbox's thread {burning} kept running in the kernel for "
+                        f"{now - start:.0f} s: it could not be frozen", burning)
+            if now >= deadline:
                 raise TimeoutError(f"cgroup did not become {'frozen' if frozen else 'thawed'}")
             time.sleep(delay)
             delay = min(delay * 2, 0.05)

@@ -336,17 +336,18 @@ async def _within_claim(copy: asyncio.Future[tuple[str, str, int]],
     under the sandbox's ``disk_mb`` (the most its files hold on a disk of their own): files
     that share their blocks (reflinks, made without privilege on a btrfs scratch) cost the
     sandbox's quota once and the copy each time; 60 reflinks of 100 MB in a 1 GiB sandbox
-    made a 5.7 GB copy. Its inode claim is raised the same way as it lists entries, up to
-    the share of the state dir's inodes one capture may make. Raises TooLarge (the sandbox's
+    made a 5.7 GB copy (the entries' blocks count in the disk's claim, not in the
+    sandbox's disk_mb: small files are inline on the btrfs scratch). Its inode claim is
+    raised the same way as it lists entries, up to the share of the state dir's inodes one
+    capture may make. Raises TooLarge (the sandbox's
     files: its disk_mb, that share) or CapacityExceeded (the disk's room)."""
     cap = disk_mb << 20
     while True:
         await asyncio.wait([copy], timeout=WATCH_S)
-        if control.charged() > cap:
+        if control.copied() > cap:
             raise TooLarge(
                 f"cannot snapshot: the copy of the sandbox's files passes its disk_mb "
-                f"({disk_mb} MiB); files that share their blocks (reflinks) are copied whole, "
-                f"and each file or directory takes a block of the copy at least",
+                f"({disk_mb} MiB); files that share their blocks (reflinks) are copied whole",
                 details={"limit": "disk_mb", "max": disk_mb})
         listed = control.entries()
         if inodes is not None and inodes.share is not None and listed > inodes.share:
