@@ -182,6 +182,24 @@ def cpu_ticks(tid: int) -> int | None:
     return None if rest is None else int(rest[11]) + int(rest[12])  # fields 14 and 15
 
 
+# Where a frozen thread waits: the v1 freezer's refrigerator (state D on recent kernels),
+# cgroup v2's freezer trap.
+_FROZEN_WCHANS = frozenset({b"__refrigerator", b"refrigerator", b"do_freezer_trap"})
+
+
+def blocked(tid: int) -> bool:
+    """Is thread ``tid`` in uninterruptible sleep (state D) for anything but the freezer (an
+    fsync, writeback throttling)? False if gone."""
+    rest = _stat_fields(tid)
+    if rest is None or rest[0] != b"D":
+        return False
+    try:
+        with open(f"/proc/{tid}/wchan", "rb") as f:
+            return f.read().strip() not in _FROZEN_WCHANS
+    except OSError:
+        return False
+
+
 def exiting(tid: int) -> bool:
     """Is thread ``tid`` in do_exit (PF_EXITING) or a zombie (False if gone)?"""
     rest = _stat_fields(tid)

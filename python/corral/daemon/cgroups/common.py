@@ -666,9 +666,10 @@ class CgroupManager(abc.ABC):
     def freeze(self, paths: list[str], timeout: float = 5.0) -> None:
         """Stop every process in the sandbox; returns once the kernel reports it frozen. Past
         ``timeout``, the wait goes on (up to EXIT_WAIT_S) while a thread of the sandbox is
-        in its exit or uses CPU (a frozen thread uses none: one that does runs in the
-        kernel): a process the sandbox killed, or a syscall it made that the freezer cannot
-        interrupt (populating the page tables of a huge mapping), could otherwise fail any
+        in its exit, uses CPU (a frozen thread uses none: one that does runs in the kernel)
+        or waits uninterruptibly for anything but the freezer: a process the sandbox
+        killed, a syscall it made that the freezer cannot interrupt (populating the page
+        tables of a huge mapping), or an fsync of GiBs it wrote could otherwise fail any
         pause or snapshot of its own at will. A thread still using CPU then raises
         FreezeRefused (the sandbox's doing); TimeoutError otherwise. Only the kernel's word
         counts: a thread asleep in a syscall may still write the sandbox's files until it
@@ -679,6 +680,11 @@ class CgroupManager(abc.ABC):
     def _exiting(self, paths: list[str]) -> bool:
         """A thread in one of ``paths`` is in its exit (or a zombie)."""
         return any(kernel.exiting(t) for t in self._tids(paths))
+
+    def _blocked(self, paths: list[str]) -> bool:
+        """A thread in one of ``paths`` waits in the kernel uninterruptibly, not frozen (an
+        fsync of what the sandbox wrote): frozen once the wait ends."""
+        return any(kernel.blocked(t) for t in self._tids(paths))
 
     def _cpu_ticks(self, paths: list[str]) -> dict[int, int]:
         """The CPU ticks of every thread in ``paths``."""
@@ -727,13 +733,14 @@ class CgroupManager(abc.ABC):
         start = time.monotonic()
         deadline = start + timeout
         delay = 0.0005
-        where = [self._freezer_path(paths)]
-        seen = self._cpu_ticks(where) if frozen else {}  # what each thread had used at the start
+        where = [self._freezer_path(paths)] if frozen else []
+        seen = self._cpu_ticks(where)  # what each thread had used at the start
         while self.is_frozen(paths) != frozen:
             now = time.monotonic()
             if now >= deadline and frozen:
                 burning = self._burning(where, seen)
-                if now < start + EXIT_WAIT_S and (burning is not None or self._exiting(where)):
+                if now < start + EXIT_WAIT_S and (burning is not None or self._exiting(where)
+                                                  or self._blocked(where)):
                     deadline = min(now + 0.5, start + EXIT_WAIT_S)  # look again then
                 elif burning is not None:
                     raise FreezeRefused(
