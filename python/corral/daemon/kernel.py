@@ -182,22 +182,13 @@ def cpu_ticks(tid: int) -> int | None:
     return None if rest is None else int(rest[11]) + int(rest[12])  # fields 14 and 15
 
 
-# Where a frozen thread waits: the v1 freezer's refrigerator (state D on recent kernels),
-# cgroup v2's freezer trap.
-_FROZEN_WCHANS = frozenset({b"__refrigerator", b"refrigerator", b"do_freezer_trap"})
-
-
 def blocked(tid: int) -> bool:
-    """Is thread ``tid`` in uninterruptible sleep (state D) for anything but the freezer (an
-    fsync, writeback throttling)? False if gone."""
+    """Is thread ``tid`` in uninterruptible sleep (state D: an fsync, writeback throttling)?
+    False if gone. On cgroup v1 a frozen thread reads D too (since Linux 6.1 a sleeping task
+    is frozen where it sleeps, its wait channel unchanged): a freeze that waits on while a
+    thread is blocked waits on for those as well."""
     rest = _stat_fields(tid)
-    if rest is None or rest[0] != b"D":
-        return False
-    try:
-        with open(f"/proc/{tid}/wchan", "rb") as f:
-            return f.read().strip() not in _FROZEN_WCHANS
-    except OSError:
-        return False
+    return rest is not None and rest[0] == b"D"
 
 
 def exiting(tid: int) -> bool:

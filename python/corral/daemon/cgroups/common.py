@@ -667,7 +667,8 @@ class CgroupManager(abc.ABC):
         """Stop every process in the sandbox; returns once the kernel reports it frozen. Past
         ``timeout``, the wait goes on (up to EXIT_WAIT_S) while a thread of the sandbox is
         in its exit, uses CPU (a frozen thread uses none: one that does runs in the kernel)
-        or waits uninterruptibly for anything but the freezer: a process the sandbox
+        or waits uninterruptibly (state D; on v1 a frozen thread reads D as well, so there a
+        freeze that does not take waits the whole EXIT_WAIT_S): a process the sandbox
         killed, a syscall it made that the freezer cannot interrupt (populating the page
         tables of a huge mapping), or an fsync of GiBs it wrote could otherwise fail any
         pause or snapshot of its own at will. A thread still using CPU then raises
@@ -682,8 +683,8 @@ class CgroupManager(abc.ABC):
         return any(kernel.exiting(t) for t in self._tids(paths))
 
     def _blocked(self, paths: list[str]) -> bool:
-        """A thread in one of ``paths`` waits in the kernel uninterruptibly, not frozen (an
-        fsync of what the sandbox wrote): frozen once the wait ends."""
+        """A thread in one of ``paths`` waits in the kernel uninterruptibly (an fsync of what
+        the sandbox wrote; on v1 a frozen thread reads so too): frozen once the wait ends."""
         return any(kernel.blocked(t) for t in self._tids(paths))
 
     def _cpu_ticks(self, paths: list[str]) -> dict[int, int]:
