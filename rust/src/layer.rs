@@ -1100,19 +1100,28 @@ fn write_all(fd: BorrowedFd<'_>, mut data: &[u8], mut off: u64) -> std::result::
 mod tests {
     use super::*;
 
+    /// A thread asking room for `n` more bytes, returned once it waits for them.
+    fn waiting(
+        ctl: &Arc<Control>,
+        n: u64,
+    ) -> std::thread::JoinHandle<std::result::Result<(), Errno>> {
+        let waiter = {
+            let ctl = ctl.clone();
+            std::thread::spawn(move || ctl.room_for(n))
+        };
+        while ctl.wanted() == 0 {
+            std::thread::yield_now();
+        }
+        waiter
+    }
+
     #[test]
     fn a_copy_past_its_budget_waits_for_a_raise() {
         let ctl = Arc::new(Control::default());
         ctl.allow(10);
         assert!(ctl.room_for(10).is_ok());
         ctl.add(10);
-        let waiter = {
-            let ctl = ctl.clone();
-            std::thread::spawn(move || ctl.room_for(5))
-        };
-        while ctl.wanted() == 0 {
-            std::thread::yield_now();
-        }
+        let waiter = waiting(&ctl, 5);
         assert_eq!(ctl.wanted(), 15);
         ctl.allow(15);
         assert!(waiter.join().unwrap().is_ok());
@@ -1123,14 +1132,17 @@ mod tests {
     fn a_cancel_ends_the_wait() {
         let ctl = Arc::new(Control::default());
         ctl.allow(0);
-        let waiter = {
-            let ctl = ctl.clone();
-            std::thread::spawn(move || ctl.room_for(1))
-        };
-        while ctl.wanted() == 0 {
-            std::thread::yield_now();
-        }
+        let waiter = waiting(&ctl, 1);
         ctl.stop();
         assert_eq!(waiter.join().unwrap(), Err(Errno::CANCELED));
+    }
+
+    #[test]
+    fn entries_and_xattrs_are_charged_apart_from_data() {
+        let ctl = Control::default();
+        ctl.add(100);
+        ctl.take(ENTRY_COST).unwrap();
+        assert_eq!(ctl.copied.load(Ordering::Relaxed), 100);
+        assert_eq!(ctl.charged(), 100 + ENTRY_COST);
     }
 }
