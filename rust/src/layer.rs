@@ -107,7 +107,8 @@ pub struct Control {
     pub copied: AtomicU64,
     /// Bytes of disk the copy has taken: its file data, ENTRY_COST an entry, xattrs.
     charged: AtomicU64,
-    /// Entries listed so far (each one the copy makes: its caller claims inodes for them).
+    /// Entries listed so far (each one the copy makes: its caller claims inodes for them),
+    /// and a unit per KiB of xattrs copied.
     pub entries: AtomicU64,
     /// Set to stop the capture at its next entry or chunk.
     pub cancel: AtomicBool,
@@ -836,9 +837,14 @@ impl Walker {
 
     /// The disk an xattr takes, charged before it is set: its name and value, and a block
     /// for an entry's first (ext4 and xfs keep xattrs that do not fit in the inode in a
-    /// block of their own, one per inode when their values differ).
+    /// block of their own, one per inode when their values differ). A unit of `entries` per
+    /// KiB of it too: tmpfs counts xattrs against its inodes.
     fn take_xattr(&self, name: &CStr, len: usize, first: bool) -> Result<()> {
-        let n = (name.to_bytes().len() + len) as u64 + if first { ENTRY_COST } else { 0 };
+        let bytes = (name.to_bytes().len() + len) as u64;
+        self.ctl
+            .entries
+            .fetch_add(bytes.div_ceil(1024), Ordering::Relaxed);
+        let n = bytes + if first { ENTRY_COST } else { 0 };
         self.ctl.take(n).map_err(|_| LayerError::Cancelled)
     }
 
@@ -856,7 +862,12 @@ impl Walker {
             };
             self.take_xattr(&n, len, out.count == 0)?;
             let v = &self.vbuf[..len];
-            if rfs::fsetxattr(dst, n.as_c_str(), v, rfs::XattrFlags::empty()).is_ok() {
+            if kept(rfs::fsetxattr(
+                dst,
+                n.as_c_str(),
+                v,
+                rfs::XattrFlags::empty(),
+            ))? {
                 out.push(&n, v);
             }
         }
@@ -886,7 +897,12 @@ impl Walker {
             };
             self.take_xattr(&n, len, out.count == 0)?;
             let v = &self.vbuf[..len];
-            if rfs::lsetxattr(dp.as_c_str(), n.as_c_str(), v, rfs::XattrFlags::empty()).is_ok() {
+            if kept(rfs::lsetxattr(
+                dp.as_c_str(),
+                n.as_c_str(),
+                v,
+                rfs::XattrFlags::empty(),
+            ))? {
                 out.push(&n, v);
             }
         }
@@ -1003,6 +1019,20 @@ impl Xattrs {
         let mut out = format!("{}\0", self.count).into_bytes();
         out.extend_from_slice(&self.body);
         out
+    }
+}
+
+/// Whether an xattr was set on the copy. One the copy's filesystem cannot hold (no room:
+/// the daemon's disk; too big for it: the sandbox's files) fails the capture, since a layer
+/// silently without it would hash as complete; one of a namespace or kind it does not take
+/// is left out, as the manifest then records.
+fn kept(r: std::result::Result<(), Errno>) -> Result<bool> {
+    match r {
+        Ok(()) => Ok(true),
+        Err(e @ (Errno::NOSPC | Errno::DQUOT | Errno::TOOBIG | Errno::RANGE)) => {
+            Err(os_err("setxattr", b"(an xattr of the layer)", e))
+        }
+        Err(_) => Ok(false),
     }
 }
 
@@ -1135,6 +1165,15 @@ mod tests {
         let waiter = waiting(&ctl, 1);
         ctl.stop();
         assert_eq!(waiter.join().unwrap(), Err(Errno::CANCELED));
+    }
+
+    #[test]
+    fn an_xattr_the_copy_cannot_hold_fails_the_capture() {
+        for e in [Errno::NOSPC, Errno::DQUOT, Errno::TOOBIG, Errno::RANGE] {
+            assert!(kept(Err(e)).is_err(), "{e:?}");
+        }
+        assert!(!kept(Err(Errno::OPNOTSUPP)).unwrap()); // a namespace it does not take
+        assert!(kept(Ok(())).unwrap());
     }
 
     #[test]
