@@ -143,3 +143,4 @@ def test_a_declared_size_is_checked_but_claimed_only_as_it_arrives(
     with pytest.raises(CapacityExceeded):  # a declared size the disk lacks: refused at once
         asyncio.run(spool.spool(_Body(_chunks(1), length=8 << 30), io.BytesIO(), 16 << 30,  # type: ignore[arg-type]
                                 disk=_Guard(4 << 30, [])))
+

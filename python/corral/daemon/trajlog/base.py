@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from corral.daemon.clock import REAL, Clock, Timer
+from corral.daemon.diskguard import DISK_FULL, disk_full
 from corral.daemon.journal import Journal
 from corral.errors import CorralError, InternalError
 
@@ -72,6 +73,17 @@ class _Start:
 SnapIds = list[str] | Callable[[Any], list[str]] | None
 
 
+def write_error(e: BaseException) -> CorralError:
+    """The API's error for a log write that failed: a full disk is the daemon's
+    (``capacity_exceeded``, as docs/daemon.md says of the state dir), anything else
+    ``internal``; both infra."""
+    full = (isinstance(e, OSError) and e.errno in DISK_FULL) or (
+        isinstance(e, sqlite3.OperationalError) and "full" in str(e))
+    if full:
+        return disk_full("the trajectory log", e if isinstance(e, OSError) else None)
+    return InternalError(f"could not write the trajectory log: {e}")
+
+
 async def _committed(fut: asyncio.Future[Any]) -> Any:
     """Wait for the commit of a queued (or coalesced) entry; its seq (None if coalesced)."""
     try:
@@ -79,7 +91,7 @@ async def _committed(fut: asyncio.Future[Any]) -> Any:
     except CorralError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise InternalError(f"could not write the trajectory log: {e}") from e
+        raise write_error(e) from e
 
 
 def _resolve(results: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
@@ -207,7 +219,7 @@ class _Base:
         except (OSError, ValueError) as e:  # ENOSPC making a file; a closed map
             log.error("trajectory log journal write failed", extra={"error": str(e)})
             journal.set_aside()
-            raise InternalError(f"could not write the trajectory log: {e}") from e
+            raise write_error(e) from e
         st = self.stats
         st["journal_bytes"] += len(data)
         if kind == "e":

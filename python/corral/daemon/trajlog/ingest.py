@@ -10,9 +10,7 @@ import threading
 import time
 from typing import Any
 
-from corral.errors import InternalError
-
-from .base import _Base, _Control, _Line, _resolve
+from .base import _Base, _Control, _Line, _resolve, write_error
 from .keys import STARTED
 from .schema import (
     _J_SQL,
@@ -177,7 +175,7 @@ class Ingester(_Base):
             except sqlite3.Error:
                 pass
             self.stats["ingest_errors"] += 1
-            err = InternalError(f"could not write the trajectory log: {e}")
+            err = write_error(e)
             self._ingesting_bytes = 0  # back in _pending (the caller): counted there
             self._resolve_soon([(it.fut, None, err) for it in batch
                                 if isinstance(it, _Control) and it.fut is not None])
