@@ -144,3 +144,39 @@ def test_a_declared_size_is_checked_but_claimed_only_as_it_arrives(
         asyncio.run(spool.spool(_Body(_chunks(1), length=8 << 30), io.BytesIO(), 16 << 30,  # type: ignore[arg-type]
                                 disk=_Guard(4 << 30, [])))
 
+
+
+def test_one_tenants_bodies_hold_at_most_their_share_of_the_room():
+    """58 bodies sent whole but for their last byte took all the room above the reserve:
+    every other tenant's upload, snapshot and pull was capacity_exceeded. One tenant's
+    bodies in flight hold at most a quarter of it; another tenant's still fit."""
+    files: list[io.BytesIO] = []
+    guard = _Guard(16 * MiB, files)
+
+    async def held_open() -> AsyncIterator[bytes]:
+        yield bytes(MiB)
+        await asyncio.sleep(3600)
+        yield b""
+
+    async def attack() -> tuple[list[Any], Any]:
+        outs = [io.BytesIO() for _ in range(8)]
+        files.extend(outs)
+        tasks = [asyncio.ensure_future(spool.spool(_Body(held_open()), f, 1 << 30, disk=guard,  # type: ignore[arg-type]
+                                                    tenant="alice")) for f in outs]
+        await asyncio.sleep(0.3)
+        done = [t.exception() for t in tasks if t.done()]
+        bob = io.BytesIO()
+        files.append(bob)
+        got = await spool.spool(_Body(_chunks(2)), bob, 1 << 30, disk=guard,  # type: ignore[arg-type]
+                                tenant="bob")
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return done, got
+
+    done, got = asyncio.run(attack())
+    refused = [e for e in done if isinstance(e, CapacityExceeded)]
+    assert refused and all(e.code == "quota_exceeded" and e.details["resource"] == "body_bytes"
+                           for e in refused), done
+    assert got.size == 2 * MiB  # bob's body fits
+    assert not spool._held  # given back, also by the bodies cut short

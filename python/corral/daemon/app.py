@@ -38,7 +38,7 @@ from corral.daemon import (
     streams,
     tenancy,
 )
-from corral.daemon.app_errors import JSON_MAX, MAX_BODY, is_unix, middleware
+from corral.daemon.app_errors import JSON_MAX, MAX_BODY, TENANT, is_unix, middleware
 from corral.daemon.bodies import parse
 from corral.daemon.bodymem import BodyMemory
 from corral.daemon.clientgone import WAITING, unless_gone
@@ -601,7 +601,8 @@ async def _spooled_op(request: web.Request, path: str, mode: int | None = None,
         return _ok()
 
     try:
-        got = await spool.spool(request, f, MAX_BODY, engine.trajlog.body_cap, engine.disk)
+        got = await spool.spool(request, f, MAX_BODY, engine.trajlog.body_cap, engine.disk,
+                                request.get(TENANT))
         fields: dict[str, Any] = {"path": path} if mode is None else {"path": path, "mode": mode}
         req = body_request(got.size, got.sha256, got.head, **fields)
         if mode is not None and got.head is not None and got.size <= BIG_BODY:  # in hand
@@ -957,7 +958,8 @@ async def upload_image(request: web.Request) -> web.Response:
     try:
         path = os.path.join(tmp, "rootfs.tar")
         with open(path, "wb") as f:
-            await spool.spool(request, f, MAX_BODY, disk=_engine(request).disk)
+            await spool.spool(request, f, MAX_BODY, disk=_engine(request).disk,
+                              tenant=request.get(TENANT))
         info = await asyncio.to_thread(store.import_image, name, path, "upload")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

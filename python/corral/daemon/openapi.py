@@ -141,8 +141,8 @@ def _statuses(r: Route) -> list[int]:
         out.add(400)
     if r.body is not None:  # every body has a cap (JSON 16 MiB, raw 1 GiB)
         out.add(413)
-    if r.handler.__name__ in SPOOLED:  # a body that stalls is cut
-        out.add(408)
+    if r.handler.__name__ in SPOOLED:  # a body that stalls is cut; the disk's room, shared
+        out.update((408, 429))
     if isinstance(r.body, type):  # a big JSON body the daemon's pool cannot take now (bodymem)
         out.add(429)
     return sorted(out)

@@ -14,6 +14,7 @@ that hangs up mid-body, a cancelled handler or a daemon crash leave nothing behi
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import os
 import tempfile
@@ -24,7 +25,7 @@ from typing import BinaryIO
 from aiohttp import web
 
 from corral.daemon.diskguard import DISK_FULL, Claim, DiskGuard, disk_full
-from corral.errors import InvalidRequest, TooLarge
+from corral.errors import InvalidRequest, QuotaExceeded, TooLarge
 
 BUFFER = 1 << 20  # bytes gathered from the socket before one write to disk
 # A body that sends nothing for STALL_S, or is not whole after DEADLINE_S (1 GiB at ~0.6
@@ -32,6 +33,12 @@ BUFFER = 1 << 20  # bytes gathered from the socket before one write to disk
 # needs, and a client could otherwise hold it for as long as it keeps the connection.
 STALL_S = 60.0
 DEADLINE_S = 1800.0
+# One tenant's bodies in flight hold at most this share of the room above the reserve (the
+# room as if it held none): 58 bodies sent whole but their last byte held back took all of
+# it, and every other tenant's upload, snapshot and pull was capacity_exceeded.
+TENANT_SHARE = 0.25
+
+_held: collections.Counter[str] = collections.Counter()  # tenant -> bytes its bodies hold
 
 
 def too_large(limit: int, what: str = "request body") -> TooLarge:
@@ -70,14 +77,15 @@ def body_stalled(what: str, after: float) -> InvalidRequest:
 
 
 async def spool(request: web.Request, out: BinaryIO, limit: int, keep: int = -1,
-                disk: DiskGuard | None = None) -> Spooled:
+                disk: DiskGuard | None = None, tenant: str | None = None) -> Spooled:
     """Copy the request's body into ``out`` (left at offset 0 when seekable); more than
     ``limit`` bytes is 413 too_large, refused from Content-Length before reading when the
     client declares it. ``disk``: the state dir's disk: the body's bytes are claimed from
     the room above the daemon's reserve as they arrive, before they are written (else
     ``capacity_exceeded``, the file dropped by the caller), so bodies arriving at once do not
     each see the same room. A body that stalls STALL_S or takes longer than DEADLINE_S is
-    408 invalid_request (``details.reason``: body_stalled)."""
+    408 invalid_request (``details.reason``: body_stalled). A ``tenant``'s bodies together
+    hold at most TENANT_SHARE of the room (past it: ``quota_exceeded``, ``body_bytes``)."""
     if request.content_length is not None and request.content_length > limit:
         raise too_large(limit)
     if disk is None:
@@ -86,11 +94,17 @@ async def spool(request: web.Request, out: BinaryIO, limit: int, keep: int = -1,
     # claimed whole at once, a body that trickles would hold room it never sends.
     disk.check("a request body", request.content_length or 0)
     with disk.claim("a request body", 0) as held:
-        return await _spool(request, out, limit, keep, held)
+        try:
+            return await _spool(request, out, limit, keep, held, tenant)
+        finally:
+            if tenant is not None:
+                _held[tenant] -= held.bytes
+                if _held[tenant] <= 0:
+                    del _held[tenant]
 
 
 async def _spool(request: web.Request, out: BinaryIO, limit: int, keep: int,
-                 held: Claim | None) -> Spooled:
+                 held: Claim | None, tenant: str | None = None) -> Spooled:
     digest = hashlib.sha256()
     head: bytearray | None = bytearray() if keep >= 0 else None
     size, written, buf = 0, 0, bytearray()
@@ -108,10 +122,10 @@ async def _spool(request: web.Request, out: BinaryIO, limit: int, keep: int,
                 head = None
         buf += chunk
         if len(buf) >= BUFFER:  # the disk may block (dirty-page throttling): not on the loop
-            written = await _write(out, buf, held, written)
+            written = await _write(out, buf, held, written, tenant)
             buf = bytearray()
     if buf:
-        written = await _write(out, buf, held, written)
+        written = await _write(out, buf, held, written, tenant)
     await _write(out, None, None, written)
     if out.seekable():
         out.seek(0)
@@ -150,13 +164,24 @@ async def _next_chunk(chunks: AsyncIterator[bytes], deadline: float) -> bytes | 
 
 
 async def _write(out: BinaryIO, buf: bytearray | None, held: Claim | None,
-                 written: int) -> int:
-    """One piece of a body to disk (``None``: the flush), claimed first; the bytes written
-    so far after it. A full disk is the daemon's (``capacity_exceeded``), never an error of
-    the request."""
+                 written: int, tenant: str | None = None) -> int:
+    """One piece of a body to disk (``None``: the flush), claimed first (within the tenant's
+    share); the bytes written so far after it. A full disk is the daemon's
+    (``capacity_exceeded``), never an error of the request."""
     total = written + (len(buf) if buf is not None else 0)
     if held is not None:
+        more = total - held.bytes
+        if tenant is not None and more > 0:
+            share = int((held.guard.state()["available"] + _held[tenant]) * TENANT_SHARE)
+            if _held[tenant] + more > share:
+                raise QuotaExceeded(
+                    f"tenant {tenant!r}'s request bodies being received hold "
+                    f"{_held[tenant]} bytes of the daemon's disk, their share of its room",
+                    details={"tenant": tenant, "resource": "body_bytes",
+                             "in_use": _held[tenant], "limit": max(0, share)})
         held.grow_to(total)
+        if tenant is not None and more > 0:
+            _held[tenant] += more
     try:
         await asyncio.to_thread(_put, out, buf)
     except OSError as e:
