@@ -52,9 +52,10 @@ INODE_RESERVE_MIN = 4096
 INODE_RESERVE_FRACTION = 0.01
 INODE_CLAIM = 65536  # what a capture claims at first, and each raise ahead of its copy
 # The most entries one capture may make: an eighth of the state dir's inodes (INODE_CLAIM at
-# least). Past it the sandbox's own files are too many (``too_large``, limit): a sandbox that
-# made a few hundred thousand empty files (no bytes of its disk_mb) could otherwise have its
-# own snapshots refused as the daemon's capacity_exceeded (infra, masked) at will.
+# least, up to a quarter of them). Past it the sandbox's own files are too many (too_large,
+# task): a sandbox that made a few hundred thousand empty files (no bytes of its disk_mb)
+# could otherwise have its own snapshots refused as the daemon's capacity_exceeded (infra,
+# masked) at will.
 INODE_SHARE = 8
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
@@ -155,7 +156,11 @@ class DiskGuard:
         """The most entries one capture may make (INODE_SHARE); None on a filesystem that
         makes inodes as needed."""
         files = os.statvfs(self.state_dir).f_files
-        return max(INODE_CLAIM, files // INODE_SHARE) if files else None
+        if not files:
+            return None
+        # A usual capture's claim where that is at most a quarter of the filesystem: a share
+        # above what the filesystem has would make a sandbox's own files the daemon's fault.
+        return max(files // INODE_SHARE, min(INODE_CLAIM, files // 4))
 
     def _short_of_inodes(self, what: str, left: int | None) -> CapacityExceeded:
         return CapacityExceeded(
