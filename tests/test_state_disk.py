@@ -427,3 +427,26 @@ def test_a_pull_stops_before_the_reserve_not_only_at_its_start():
                 assert ok(bob.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo hi"}))[
                     "stdout"] == "hi\n"
             clean(base)
+
+
+def test_a_tenants_snapshots_of_empty_files_count_against_her_quota():
+    """A snapshot's size was its file data: seven snapshots of trees of empty files held
+    every inode above the daemon's reserve at 0 bytes of a 1 MB quota, and the other
+    tenant's snapshots were capacity_exceeded until she deleted them. A layer weighs what
+    its copy took of the disk: a block for each entry."""
+    tokens = {**TOKENS, "alice": {"token": TOKENS["alice"], "snapshot_mb": 8}}
+    with small_disk_daemon(2048, tokens_file=tokens, CORRAL_SCRATCH_SIZE="600m",
+                           CORRAL_DISK_RESERVE_MB="64", CORRAL_OUTPUT_DISK_MB="16") as (_, base):
+        try:
+            alice = client(base, TOKENS["alice"])
+            sa = ok(alice.post("/v1/sandboxes", json={}), 201)["id"]
+            ok(alice.post(f"/v1/sandboxes/{sa}/exec", json={
+                "cmd": "mkdir /root/e && cd /root/e && seq 1500 | xargs touch"}))
+            snap = ok(alice.post(f"/v1/sandboxes/{sa}/snapshot", json={}), 201)
+            assert snap["size"] >= 1500 * 4096, snap  # not 0: its entries take the disk
+            ok(alice.post(f"/v1/sandboxes/{sa}/exec", json={
+                "cmd": "mkdir /root/f && cd /root/f && seq 1500 | xargs touch"}))
+            e = error(alice.post(f"/v1/sandboxes/{sa}/snapshot", json={}))
+            assert e["code"] == "quota_exceeded" and e["details"]["resource"] == "snapshot_bytes", e
+        finally:
+            clean(base)

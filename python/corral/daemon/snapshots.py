@@ -416,7 +416,9 @@ class SnapshotStore:
     # ---- capture (worker thread) -----------------------------------------------------------
     def capture(self, uppers: Layers, freeze: Callable[[], Any], thaw: Callable[[], Any],
                 control: CaptureControl | None = None) -> tuple[str, str, int]:
-        """Copy the uppers into a new temporary layer dir; return (tmp dir, digest, bytes).
+        """Copy the uppers into a new temporary layer dir; return (tmp dir, digest, bytes: its
+        file data, or with ``control`` what the copy took of the disk, a block for each entry
+        and its xattrs included: a layer of empty files is not free).
         ``freeze`` returns False when it could not hold the sandbox (the copy is then made
         live, and hashed again from the copy). Cancelled through ``control``: raises
         ``_core.CaptureCancelled``, nothing kept."""
@@ -431,6 +433,8 @@ class SnapshotStore:
                                                    self.MAX_DEPTH, control)
             finally:
                 thaw()
+            if control is not None:  # its weight on the disk and in the tenant's quota:
+                size = max(size, control.charged())  # a block for each entry, xattrs
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.join(tmp, "0"))  # the spare's part 0, if its upper was empty
             if held is False:
