@@ -677,15 +677,13 @@ class GvisorSubstrate(RootFileOps, Substrate):
         try:
             self.runsc.run("pause", runtime.sandbox_id)
         except RunscError as e:
-            raise InternalError(f"runsc pause failed: {e}",
-                                details={"cause": "runsc"}) from None
+            raise self._switch_error("pause", runtime, e) from None
 
     def thaw(self, runtime: SandboxRuntime, wait: bool = True) -> None:
         try:
             self.runsc.run("resume", runtime.sandbox_id)
         except RunscError as e:
-            raise InternalError(f"runsc resume failed: {e}",
-                                details={"cause": "runsc"}) from None
+            raise self._switch_error("resume", runtime, e) from None
         with self._deferred_lock:
             loop, pids = self._deferred.pop(runtime.sandbox_id, (None, set()))
         for pid in pids:  # from the loop's thread: thaw may run in a worker thread
@@ -694,6 +692,14 @@ class GvisorSubstrate(RootFileOps, Substrate):
                 continue
             with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon stops
                 loop.call_soon_threadsafe(self._schedule_kill, loop, runtime.sandbox_id, pid)
+
+    def _switch_error(self, what: str, runtime: SandboxRuntime, e: RunscError) -> CorralError:
+        """A runsc pause or resume that failed: the sandbox's end when it has stopped (its
+        init ended: the engine tells why), else runsc's (infra)."""
+        state = self.runsc.state(runtime.sandbox_id)
+        if not self.is_alive(runtime) or (state is not None and state.get("status") == "stopped"):
+            return SandboxNotRunning("the sandbox is not running")
+        return InternalError(f"runsc {what} failed: {e}", details={"cause": "runsc"})
 
     def is_frozen(self, runtime: SandboxRuntime) -> bool:
         state = self.runsc.state(runtime.sandbox_id)
