@@ -483,6 +483,50 @@ def test_a_syscall_the_freezer_cannot_stop_cannot_fail_a_pause_as_infra():
         sb.kill()
 
 
+def test_a_throttled_syscall_cannot_fail_a_pause_as_infra_nor_outlive_a_kill():
+    """The CPU quota is applied when a thread returns to user space: a syscall of seconds
+    (populating a huge mapping's page tables) runs past a small quota, and the sandbox is
+    then throttled until that CPU is paid back (at `cpu` 0.3, several times as long), its
+    threads runnable but using nothing. A pause waited on nothing it knew of and failed as
+    `internal` (infra) after 5 s, or 120 s; a kill sent SIGKILL, gave up after 2 s, and the
+    throttled processes lived on, their cgroups and files left. Throttling is the sandbox's
+    own: the pause waits it out (or is `sandbox_at_limit`); a kill lifts the quota. Whether
+    the pause meets the sandbox throttled depends on timing: a reviewer's run (1 TiB, `cpu`
+    0.3, a pause while the debt was paid) held it 120 s; in this test's runs here the pause
+    met it mid-syscall and went through before the change as well."""
+    sb = Sandbox(memory_mb=4096, cpu=0.3, timeout=300)
+    try:
+        sb.files.write("/tmp/unfreezable.py", UNFREEZABLE.replace("MAXGIB", "640").replace(
+            "threading.Thread(target=spin).start()\ntime.sleep(1.5)\n", ""))
+        sb.exec(["python3", "/tmp/unfreezable.py"], background=True)
+        _until(lambda: sb.files.exists("/tmp/took"), timeout=240)
+        try:
+            sb.pause()
+        except CorralError as e:
+            assert isinstance(e, SandboxAtLimit) and not e.infra, (e.code, e.message)
+        else:
+            assert sb.info().state == "paused" and _kernel_says_frozen(sb.id)
+            sb.resume()
+        _until(lambda: _throttled(sb.id) > 0, timeout=120)  # a kill while it is throttled
+    finally:
+        sb.kill()
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/{CGROUP_NAME}/{sb.id}"))
+    assert not os.path.exists(os.path.join(STATE_DIR, "sandboxes", sb.id))
+
+
+def _throttled(sid: str) -> int:
+    """Periods the sandbox's tasks were throttled for its CPU quota since the last look."""
+    stat = next(Path("/sys/fs/cgroup").glob(f"cpu*/{CGROUP_NAME}/{sid}/cpu.stat"), None) or \
+        next(Path("/sys/fs/cgroup").glob(f"**/{CGROUP_NAME}/{sid}/cpu.stat"))
+    now = int(dict(line.split() for line in stat.read_text().splitlines())["nr_throttled"])
+    was = _THROTTLED.get(sid, now)
+    _THROTTLED[sid] = now
+    return now - was
+
+
+_THROTTLED: dict[str, int] = {}
+
+
 # Holds a write lease on the program the next command's exec opens: the init's child waits
 # in that exec (the init with it: CLONE_VFORK) until the lease goes, HOLD s after the break.
 HOLD_START = r"""

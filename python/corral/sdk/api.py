@@ -69,7 +69,7 @@ from corral.models import (
     TagImageRequest,
     WaitRequest,
 )
-from corral.sdk.call import DEFAULT_READ_TIMEOUT, Call, T, seg
+from corral.sdk.call import DEFAULT_READ_TIMEOUT, WAIT_READ_TIMEOUT, Call, T, seg
 from corral.sdk.results import ExecResult, OutputChunk
 
 M = TypeVar("M", bound=BaseModel)
@@ -334,7 +334,8 @@ def list_(labels: Mapping[str, str | None] | list[str] | None = None,
 
 
 def kill(sid: str) -> Call[bool]:
-    return _keyed(Call("DELETE", sb_path(sid), lambda b: bool(json.loads(b)["killed"])))
+    return _keyed(Call("DELETE", sb_path(sid), lambda b: bool(json.loads(b)["killed"]),
+                       timeout=WAIT_READ_TIMEOUT))
 
 
 def set_timeout(sid: str, seconds: float) -> Call[SandboxInfo]:
@@ -391,7 +392,7 @@ def restore(sid: str, snapshot: Any) -> Call[SandboxInfo]:
 
 
 def pause(sid: str) -> Call[SandboxInfo]:
-    return _keyed(Call("POST", sb_path(sid) + "/pause", _info))
+    return _keyed(Call("POST", sb_path(sid) + "/pause", _info, timeout=WAIT_READ_TIMEOUT))
 
 
 def resume(sid: str) -> Call[SandboxInfo]:

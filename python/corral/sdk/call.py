@@ -32,6 +32,10 @@ from corral.errors import (
 T = TypeVar("T")
 
 DEFAULT_READ_TIMEOUT = 120.0  # seconds for an ordinary call (the daemon answers in ms)
+# A call the daemon may spend its whole 120 s wait on (a freeze a sandbox holds off, a kill
+# of processes slow to end) and then answer: read past it, so that the answer, not the
+# client's own timeout (infra), is what the caller gets.
+WAIT_READ_TIMEOUT = 180.0
 CONNECT_TIMEOUT = 10.0
 # A cluster node's endpoint: connects give up sooner (docs/cluster.md, "Node loss"; the
 # transports also probe its connections: corral.sdk.keepalive).

@@ -353,6 +353,30 @@ class CgroupManager(abc.ABC):
         """Before kill_all's signal rounds (v2: cgroup.kill)."""
         return
 
+    def _lift_cpu_quota(self, paths: list[str]) -> None:
+        """No CPU quota for the cgroups' tasks any more (a kill that does not take: a task
+        throttled for CPU it used in a long syscall acts on its SIGKILL only once its debt is
+        paid, minutes at a small quota)."""
+        for p in paths:
+            for name, unlimited in (("cpu.cfs_quota_us", "-1"), ("cpu.max", "max")):
+                with contextlib.suppress(OSError):
+                    _write(os.path.join(p, name), unlimited)
+
+    def _throttled(self, paths: list[str]) -> int:
+        """How often the cgroups' tasks have been throttled for their CPU quota (cpu.stat's
+        nr_throttled; 0 where not counted)."""
+        total = 0
+        for p in paths:
+            try:
+                text = _read(os.path.join(p, "cpu.stat"))
+            except OSError:
+                continue
+            for line in text.splitlines():
+                key, _, value = line.partition(" ")
+                if key == "nr_throttled":
+                    total += int(value)
+        return total
+
     def _after_kill_round(self, paths: list[str]) -> None:
         """After each of kill_all's signal rounds (v1: thaw)."""
         return
@@ -490,8 +514,10 @@ class CgroupManager(abc.ABC):
     def kill_all(self, paths: list[str], timeout: float = 2.0) -> None:
         """SIGKILL every process in the cgroups until they are empty (or ``timeout``)."""
         self._kill_first(paths)
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         delay = 0.0005
+        lifted = False
         while True:
             pids = self.pids(paths)
             if not pids:
@@ -502,7 +528,11 @@ class CgroupManager(abc.ABC):
                 except ProcessLookupError:
                     pass
             self._after_kill_round(paths)
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if not lifted and now - start >= 0.05:  # slow to die: maybe throttled (rare; a
+                self._lift_cpu_quota(paths)  # quota write walks every cpu cgroup)
+                lifted = True
+            if now >= deadline:
                 return
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
@@ -736,17 +766,23 @@ class CgroupManager(abc.ABC):
         delay = 0.0005
         where = [self._freezer_path(paths)] if frozen else []
         seen = self._cpu_ticks(where)  # what each thread had used at the start
+        throttled = self._throttled(paths) if frozen else 0
         while self.is_frozen(paths) != frozen:
             now = time.monotonic()
             if now >= deadline and frozen:
                 burning = self._burning(where, seen)
-                if now < start + EXIT_WAIT_S and (burning is not None or self._exiting(where)
+                # Throttled for its CPU quota: CPU it used in a long syscall (the quota is
+                # applied on return to user space) paid back before it can freeze.
+                was, throttled = throttled, self._throttled(paths)
+                own = burning is not None or throttled > was
+                if now < start + EXIT_WAIT_S and (own or self._exiting(where)
                                                   or self._blocked(where)):
                     deadline = min(now + 0.5, start + EXIT_WAIT_S)  # look again then
-                elif burning is not None:
+                elif own:
                     raise FreezeRefused(
-                        f"the sandbox's thread {burning} kept running in the kernel for "
-                        f"{now - start:.0f} s: it could not be frozen", burning)
+                        f"the sandbox's threads kept running in the kernel, or paying back "
+                        f"the CPU they used there, for {now - start:.0f} s: it could not be "
+                        f"frozen", burning or 0)
             if now >= deadline:
                 raise TimeoutError(f"cgroup did not become {'frozen' if frozen else 'thawed'}")
             time.sleep(delay)
