@@ -154,6 +154,7 @@ def _remove_tree(top: str, timeout: float) -> None:
             if _read(os.path.join(d, "freezer.state")).strip() != "THAWED":
                 _write(os.path.join(d, "freezer.state"), "THAWED")
         delay = 0.0005
+        lifted = False
         while True:
             for pid in _procs(d):
                 with contextlib.suppress(ProcessLookupError):
@@ -164,6 +165,11 @@ def _remove_tree(top: str, timeout: float) -> None:
             except FileNotFoundError:
                 break
             except OSError:
+                if not lifted:  # throttled for CPU used in a syscall, they would act on the
+                    lifted = True  # SIGKILL only once the debt is paid: no quota now
+                    for name, unlimited in (("cpu.cfs_quota_us", "-1"), ("cpu.max", "max")):
+                        with contextlib.suppress(OSError):
+                            _write(os.path.join(d, name), unlimited)
                 now = time.monotonic()
                 if now > deadline and now < start + EXIT_WAIT_S and _exiting(d):
                     deadline = min(now + 0.5, start + EXIT_WAIT_S)  # look again then
