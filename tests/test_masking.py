@@ -346,11 +346,11 @@ def test_a_command_slow_to_die_is_answered_as_killed_without_waiting_for_it():
     """A command the daemon SIGKILLs (its timeout, a kill through the API) is answered as
     killed within a second, not when the kernel has finished tearing it down: a process with
     GiBs of page tables takes tens of seconds to die, long enough for the client to give up
-    on the call and read the command's own timeout as infra (masked). Here: ~300 MiB of page
+    on the call and read the command's own timeout as infra (masked). Here: ~700 MiB of page
     tables; the answer comes while the process is still dying."""
-    sb = Sandbox(memory_mb=1024, timeout=300)
+    sb = Sandbox(memory_mb=2048, timeout=300)
     try:
-        sb.files.write("/tmp/slow.py", SLOW_TO_DIE.replace("MAPS", "600"))
+        sb.files.write("/tmp/slow.py", SLOW_TO_DIE.replace("MAPS", "1400"))
         p = sb.exec(["python3", "/tmp/slow.py"], background=True)
         _until(lambda: sb.files.exists("/tmp/mapped"), timeout=120)
         p.kill()

@@ -862,12 +862,8 @@ impl Walker {
             };
             self.take_xattr(&n, len, out.count == 0)?;
             let v = &self.vbuf[..len];
-            if kept(rfs::fsetxattr(
-                dst,
-                n.as_c_str(),
-                v,
-                rfs::XattrFlags::empty(),
-            ))? {
+            let set = rfs::fsetxattr(dst, n.as_c_str(), v, rfs::XattrFlags::empty());
+            if kept(set, dst, len)? {
                 out.push(&n, v);
             }
         }
@@ -897,12 +893,8 @@ impl Walker {
             };
             self.take_xattr(&n, len, out.count == 0)?;
             let v = &self.vbuf[..len];
-            if kept(rfs::lsetxattr(
-                dp.as_c_str(),
-                n.as_c_str(),
-                v,
-                rfs::XattrFlags::empty(),
-            ))? {
+            let set = rfs::lsetxattr(dp.as_c_str(), n.as_c_str(), v, rfs::XattrFlags::empty());
+            if kept(set, dst, len)? {
                 out.push(&n, v);
             }
         }
@@ -1022,19 +1014,34 @@ impl Xattrs {
     }
 }
 
-/// Whether an xattr was set on the copy. One the copy's filesystem cannot hold (no room:
-/// the daemon's disk; too big for it: the sandbox's files) fails the capture, since a layer
-/// silently without it would hash as complete; one of a namespace or kind it does not take
-/// is left out, as the manifest then records.
-fn kept(r: std::result::Result<(), Errno>) -> Result<bool> {
+/// Whether an xattr was set on the copy (`on`: a fd on the copy's filesystem; `len`: the
+/// value's bytes). One the copy's filesystem cannot hold fails the capture, since a layer
+/// silently without it would hash as complete: for want of room the daemon's disk's; too big
+/// for it the sandbox's files (ext4 and btrfs answer ENOSPC for that too: with room left it
+/// is the size); one of a namespace or kind it does not take is left out, as the manifest
+/// then records.
+fn kept(r: std::result::Result<(), Errno>, on: BorrowedFd<'_>, len: usize) -> Result<bool> {
     match r {
         Ok(()) => Ok(true),
-        Err(e @ (Errno::NOSPC | Errno::DQUOT | Errno::TOOBIG | Errno::RANGE)) => {
+        Err(e @ (Errno::NOSPC | Errno::DQUOT)) => {
+            let room = rfs::fstatvfs(on).map_or(0, |v| v.f_bavail.saturating_mul(v.f_frsize));
+            if room > XATTR_ROOM {
+                return Err(LayerError::Limit {
+                    what: "bytes in one xattr (the daemon's disk refuses one this big)",
+                    limit: len as u64,
+                });
+            }
+            Err(os_err("setxattr", b"(an xattr of the layer)", e))
+        }
+        Err(e @ (Errno::TOOBIG | Errno::RANGE)) => {
             Err(os_err("setxattr", b"(an xattr of the layer)", e))
         }
         Err(_) => Ok(false),
     }
 }
+
+/// Room on the copy's filesystem above which an ENOSPC setting an xattr is its size's.
+const XATTR_ROOM: u64 = 16 << 20;
 
 /// What a listed name costs the daemon's memory until it is copied: its bytes, its NUL and
 /// about what its allocation and its place in the list take.
@@ -1169,11 +1176,17 @@ mod tests {
 
     #[test]
     fn an_xattr_the_copy_cannot_hold_fails_the_capture() {
+        let dir = rfs::open(".", OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty()).unwrap();
         for e in [Errno::NOSPC, Errno::DQUOT, Errno::TOOBIG, Errno::RANGE] {
-            assert!(kept(Err(e)).is_err(), "{e:?}");
+            assert!(kept(Err(e), dir.as_fd(), 8000).is_err(), "{e:?}");
         }
-        assert!(!kept(Err(Errno::OPNOTSUPP)).unwrap()); // a namespace it does not take
-        assert!(kept(Ok(())).unwrap());
+        // ENOSPC with room left (the build's disk here) is the xattr's size: a limit.
+        assert!(matches!(
+            kept(Err(Errno::NOSPC), dir.as_fd(), 8000),
+            Err(LayerError::Limit { limit: 8000, .. })
+        ));
+        assert!(!kept(Err(Errno::OPNOTSUPP), dir.as_fd(), 1).unwrap()); // a namespace it lacks
+        assert!(kept(Ok(()), dir.as_fd(), 1).unwrap());
     }
 
     #[test]

@@ -180,3 +180,13 @@ def test_one_tenants_bodies_hold_at_most_their_share_of_the_room():
                            for e in refused), done
     assert got.size == 2 * MiB  # bob's body fits
     assert not spool._held  # given back, also by the bodies cut short
+
+
+def test_a_tenants_one_body_is_bounded_by_the_disk_not_its_share():
+    """The share bounds a tenant's bodies together: one body alone may use the room (a 1 GiB
+    upload with 2 GiB above the reserve was refused at 512 MiB, and waiting never helped)."""
+    out = io.BytesIO()
+    guard = _Guard(8 * MiB, [out])
+    got = asyncio.run(spool.spool(_Body(_chunks(6)), out, 1 << 30, disk=guard,  # type: ignore[arg-type]
+                                  tenant="alice"))
+    assert got.size == 6 * MiB and not spool._held

@@ -182,15 +182,6 @@ def cpu_ticks(tid: int) -> int | None:
     return None if rest is None else int(rest[11]) + int(rest[12])  # fields 14 and 15
 
 
-def blocked(tid: int) -> bool:
-    """Is thread ``tid`` in uninterruptible sleep (state D: an fsync, writeback throttling)?
-    False if gone. On cgroup v1 a frozen thread reads D too (since Linux 6.1 a sleeping task
-    is frozen where it sleeps, its wait channel unchanged): a freeze that waits on while a
-    thread is blocked waits on for those as well."""
-    rest = _stat_fields(tid)
-    return rest is not None and rest[0] == b"D"
-
-
 def exiting(tid: int) -> bool:
     """Is thread ``tid`` in do_exit (PF_EXITING) or a zombie (False if gone)?"""
     rest = _stat_fields(tid)

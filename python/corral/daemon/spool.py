@@ -34,8 +34,9 @@ BUFFER = 1 << 20  # bytes gathered from the socket before one write to disk
 STALL_S = 60.0
 DEADLINE_S = 1800.0
 # One tenant's bodies in flight hold at most this share of the room above the reserve (the
-# room as if it held none): 58 bodies sent whole but their last byte held back took all of
-# it, and every other tenant's upload, snapshot and pull was capacity_exceeded.
+# room as if it held none), a body of its own alone excepted: 58 bodies sent whole but their
+# last byte held back took all of it, and every other tenant's upload, snapshot and pull was
+# capacity_exceeded.
 TENANT_SHARE = 0.25
 
 _held: collections.Counter[str] = collections.Counter()  # tenant -> bytes its bodies hold
@@ -171,7 +172,8 @@ async def _write(out: BinaryIO, buf: bytearray | None, held: Claim | None,
     total = written + (len(buf) if buf is not None else 0)
     if held is not None:
         more = total - held.bytes
-        if tenant is not None and more > 0:
+        others = _held[tenant] - held.bytes if tenant is not None else 0
+        if tenant is not None and more > 0 and others > 0:  # one body alone: the disk decides
             share = int((held.guard.state()["available"] + _held[tenant]) * TENANT_SHARE)
             if _held[tenant] + more > share:
                 raise QuotaExceeded(

@@ -353,10 +353,12 @@ class CgroupManager(abc.ABC):
         """Before kill_all's signal rounds (v2: cgroup.kill)."""
         return
 
-    def _lift_cpu_quota(self, paths: list[str]) -> None:
+    def lift_cpu_quota(self, paths: list[str]) -> None:
         """No CPU quota for the cgroups' tasks any more (a kill that does not take: a task
         throttled for CPU it used in a long syscall acts on its SIGKILL only once its debt is
-        paid, minutes at a small quota)."""
+        paid, minutes at a small quota). Only for cgroups on their way out: a cgroup kept for
+        the same sandbox (a restore in place) would keep no quota; recycled ones get theirs
+        written again when reused."""
         for p in paths:
             for name, unlimited in (("cpu.cfs_quota_us", "-1"), ("cpu.max", "max")):
                 with contextlib.suppress(OSError):
@@ -511,8 +513,9 @@ class CgroupManager(abc.ABC):
                     return True
             d = os.path.dirname(d)
 
-    def kill_all(self, paths: list[str], timeout: float = 2.0) -> None:
-        """SIGKILL every process in the cgroups until they are empty (or ``timeout``)."""
+    def kill_all(self, paths: list[str], timeout: float = 2.0, lift: bool = True) -> None:
+        """SIGKILL every process in the cgroups until they are empty (or ``timeout``); with
+        ``lift``, past 50 ms the cgroups' CPU quota is lifted (lift_cpu_quota)."""
         self._kill_first(paths)
         start = time.monotonic()
         deadline = start + timeout
@@ -529,8 +532,8 @@ class CgroupManager(abc.ABC):
                     pass
             self._after_kill_round(paths)
             now = time.monotonic()
-            if not lifted and now - start >= 0.05:  # slow to die: maybe throttled (rare; a
-                self._lift_cpu_quota(paths)  # quota write walks every cpu cgroup)
+            if lift and not lifted and now - start >= 0.05:  # slow to die: throttled? (rare:
+                self.lift_cpu_quota(paths)  # a quota write walks every cpu cgroup)
                 lifted = True
             if now >= deadline:
                 return
@@ -697,25 +700,19 @@ class CgroupManager(abc.ABC):
         """Stop every process in the sandbox; returns once the kernel reports it frozen. Past
         ``timeout``, the wait goes on (up to EXIT_WAIT_S) while a thread of the sandbox is
         in its exit, uses CPU (a frozen thread uses none: one that does runs in the kernel)
-        or waits uninterruptibly (state D; on v1 a frozen thread reads D as well, so there a
-        freeze that does not take waits the whole EXIT_WAIT_S): a process the sandbox
-        killed, a syscall it made that the freezer cannot interrupt (populating the page
-        tables of a huge mapping), or an fsync of GiBs it wrote could otherwise fail any
-        pause or snapshot of its own at will. A thread still using CPU then raises
-        FreezeRefused (the sandbox's doing); TimeoutError otherwise. Only the kernel's word
-        counts: a thread asleep in a syscall may still write the sandbox's files until it
-        is frozen."""
+        or the sandbox is throttled for its CPU quota: a process the sandbox killed, or a
+        syscall it made that the freezer cannot interrupt (populating the page tables of a
+        huge mapping) and the CPU debt it leaves, could otherwise fail any pause or snapshot
+        of its own at will. A sandbox still busy so then raises FreezeRefused (its own
+        doing); TimeoutError otherwise. An uninterruptible wait (state D) does not extend it:
+        on cgroup v1 a frozen thread reads D too. Only the kernel's word counts: a thread
+        asleep in a syscall may still write the sandbox's files until it is frozen."""
         self._set_frozen(self._freezer_path(paths), True)
         self._wait_state(paths, True, timeout)
 
     def _exiting(self, paths: list[str]) -> bool:
         """A thread in one of ``paths`` is in its exit (or a zombie)."""
         return any(kernel.exiting(t) for t in self._tids(paths))
-
-    def _blocked(self, paths: list[str]) -> bool:
-        """A thread in one of ``paths`` waits in the kernel uninterruptibly (an fsync of what
-        the sandbox wrote; on v1 a frozen thread reads so too): frozen once the wait ends."""
-        return any(kernel.blocked(t) for t in self._tids(paths))
 
     def _cpu_ticks(self, paths: list[str]) -> dict[int, int]:
         """The CPU ticks of every thread in ``paths``."""
@@ -775,8 +772,7 @@ class CgroupManager(abc.ABC):
                 # applied on return to user space) paid back before it can freeze.
                 was, throttled = throttled, self._throttled(paths)
                 own = burning is not None or throttled > was
-                if now < start + EXIT_WAIT_S and (own or self._exiting(where)
-                                                  or self._blocked(where)):
+                if now < start + EXIT_WAIT_S and (own or self._exiting(where)):
                     deadline = min(now + 0.5, start + EXIT_WAIT_S)  # look again then
                 elif own:
                     raise FreezeRefused(

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from corral.daemon.clock import REAL, Clock, Timer
-from corral.daemon.diskguard import DISK_FULL, disk_full
+from corral.daemon.diskguard import DISK_FULL
 from corral.daemon.journal import Journal
 from corral.errors import CorralError, InternalError
 
@@ -73,14 +73,14 @@ class _Start:
 SnapIds = list[str] | Callable[[Any], list[str]] | None
 
 
-def write_error(e: BaseException) -> CorralError:
-    """The API's error for a log write that failed: a full disk is the daemon's
-    (``capacity_exceeded``, as docs/daemon.md says of the state dir), anything else
-    ``internal``; both infra."""
+def write_error(e: BaseException) -> InternalError:
+    """The API's error for a log write that failed: ``internal`` (infra), which the log's
+    callers catch; a full disk says so (``details.disk: state_dir``), the daemon's own."""
     full = (isinstance(e, OSError) and e.errno in DISK_FULL) or (
         isinstance(e, sqlite3.OperationalError) and "full" in str(e))
     if full:
-        return disk_full("the trajectory log", e if isinstance(e, OSError) else None)
+        return InternalError(f"could not write the trajectory log: the daemon's disk is full "
+                             f"({e})", details={"disk": "state_dir"})
     return InternalError(f"could not write the trajectory log: {e}")
 
 

@@ -514,13 +514,18 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
         self._live.pop(sandbox_id, None)
         removal.quiet_remove(sdir)
 
-    def _kill_and_wait(self, pid: int, pidfd: int, timeout_s: float = 10.0) -> bool:
+    def _kill_and_wait(self, pid: int, pidfd: int, timeout_s: float = 10.0,
+                       ending: list[str] | None = None) -> bool:
         """SIGKILL the init (the kernel then kills every process of its pid namespace) and
         wait until it is gone. The init only turns into a zombie once every process of the
         namespace has been reaped, and processes started with exec_in are the daemon's children,
         so this needs the daemon to keep reaping them meanwhile: bounded by ``timeout_s``.
+        ``ending``: the sandbox's cgroups, on their way out: not gone within 50 ms, their CPU
+        quota is lifted (throttled processes act on SIGKILL only once their debt is paid).
         True if the init has exited (so its whole pid namespace is gone)."""
         kernel.pidfd_signal(pidfd, signal.SIGKILL)
+        if ending and not _pidfd_exited(pidfd, 0.05):
+            self.cgroups.lift_cpu_quota(ending)
         if _pidfd_exited(pidfd, timeout_s):
             try:
                 kernel.reap(pidfd)
@@ -617,7 +622,7 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
             net = self._netns_to_recycle(runtime, pidfd)
         if pidfd >= 0:
             self._kill_thawed(pidfd, paths)
-            reaped = self._kill_and_wait(runtime.init_pid, pidfd)
+            reaped = self._kill_and_wait(runtime.init_pid, pidfd, ending=paths)
         # Once the init is gone, so is every process of its pid namespace (the kernel waits for
         # all of them before the init can be reaped), and only those ever join the cgroups: try
         # rmdir first. Reading cgroup.procs is not free (v1 builds a pid list per read and a
@@ -728,9 +733,9 @@ class ContainerSubstrate(DaemonExec, InitExec, Files, RootCache, Substrate):
                 self._kill_thawed(pidfd, paths)  # the kernel kills its whole pid namespace
                 # Anything in the cgroup but not in that namespace gets one SIGKILL now; the
                 # wait for the cgroup to empty would be a wait for the new init too.
-                self.cgroups.kill_all(paths, timeout=0)
+                self.cgroups.kill_all(paths, timeout=0, lift=False)  # kept: keep its quota
             else:  # no handle on the old init: wait for the cgroup to be empty
-                self.cgroups.kill_all(paths)
+                self.cgroups.kill_all(paths, lift=False)
             sdir = os.path.join(self.sandboxes_dir, sid)
             # In the sandboxes dir, so the rename stays on one filesystem (the scratch tmpfs);
             # a crash before the rmtree leaves it to the engine's recovery, which removes
