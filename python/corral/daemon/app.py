@@ -747,7 +747,7 @@ async def snapshot_sandbox(request: web.Request) -> web.StreamResponse:
     async def undo(snap: dict[str, Any]) -> None:
         _forget_snapshot(engine, snap["id"])
 
-    return await batches.run(request, batches.Progress(copied=control.copied),
+    return await batches.run(request, batches.Progress(copied=control.charged),
                              lambda _: _dispatch(request, op), _same, 201,
                              cancel_when_gone=True, undo=None if key else undo)
 
@@ -758,7 +758,7 @@ async def fork_sandbox(request: web.Request) -> web.StreamResponse:
     engine, key = _engine(request), _key(request)
     engine.precheck_sandbox(request.match_info["id"], key)
     control = CaptureControl()
-    progress = batches.Progress(req.count, copied=control.copied)
+    progress = batches.Progress(req.count, copied=control.charged)
     op = ops.Fork(request.match_info["id"], key, req.count, req.name,
                   req.keep_snapshot, req.model_dump(), control, progress.tick)
 

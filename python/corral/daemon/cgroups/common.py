@@ -20,7 +20,7 @@ import signal
 import time
 
 from corral.daemon import kernel
-from corral.daemon.substrates.types import FreezeRefused, OomCount
+from corral.daemon.substrates.types import OomCount, PauseHeldOff
 
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,127}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
@@ -703,7 +703,7 @@ class CgroupManager(abc.ABC):
         or the sandbox is throttled for its CPU quota: a process the sandbox killed, or a
         syscall it made that the freezer cannot interrupt (populating the page tables of a
         huge mapping) and the CPU debt it leaves, could otherwise fail any pause or snapshot
-        of its own at will. A sandbox still busy so then raises FreezeRefused (its own
+        of its own at will. A sandbox still busy so then raises PauseHeldOff (its own
         doing); TimeoutError otherwise. An uninterruptible wait (state D) does not extend it:
         on cgroup v1 a frozen thread reads D too. Only the kernel's word counts: a thread
         asleep in a syscall may still write the sandbox's files until it is frozen."""
@@ -775,7 +775,7 @@ class CgroupManager(abc.ABC):
                 if now < start + EXIT_WAIT_S and (own or self._exiting(where)):
                     deadline = min(now + 0.5, start + EXIT_WAIT_S)  # look again then
                 elif own:
-                    raise FreezeRefused(
+                    raise PauseHeldOff(
                         f"the sandbox's threads kept running in the kernel, or paying back "
                         f"the CPU they used there, for {now - start:.0f} s: it could not be "
                         f"frozen", burning or 0)

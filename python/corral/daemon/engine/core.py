@@ -32,10 +32,10 @@ from corral.daemon.substrates import registry
 from corral.daemon.substrates.base import (
     Capabilities,
     NetworkControl,
+    PauseHeldOff,
     SandboxRuntime,
     Substrate,
 )
-from corral.daemon.substrates.types import FreezeRefused
 from corral.daemon.tenants import TENANT_LABEL
 from corral.daemon.trajlog import TrajLog
 from corral.errors import (
@@ -1098,11 +1098,11 @@ class Engine(ExecOps, FileOps, SnapshotOps, CommitOps, Recovery):
             return sb
         try:
             await self._switch(sb, True)
-        except FreezeRefused as e:  # its own thread kept it from freezing: never masked
+        except PauseHeldOff as e:  # its own thread kept it from stopping: never masked
             raise SandboxAtLimit(
                 "cannot pause: a thread of the sandbox stayed running in the kernel (a "
-                "syscall the freezer cannot stop) past the daemon's wait",
-                details={"limit": "freeze"}) from e
+                "syscall that cannot be interrupted, or the CPU debt it left) past the "
+                "daemon's wait", details={"limit": "freeze"}) from e
         except TimeoutError as e:
             raise InternalError(f"cannot pause: {e}") from e
         except OSError as e:

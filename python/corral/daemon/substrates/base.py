@@ -26,6 +26,7 @@ from corral.daemon.substrates.types import (
     ExecSpec,
     NotCached,
     OomCount,
+    PauseHeldOff,
     SandboxRuntime,
     Spawned,
     oom_verdict,
@@ -37,8 +38,8 @@ if TYPE_CHECKING:
     from corral.daemon.snapshots import CaptureControl, SnapshotStore
     from corral.daemon.streams import TreeOps
 
-__all__ = ["Capabilities", "ExecSpec", "NotCached", "OomCount", "SandboxRuntime", "Spawned",
-           "Substrate", "oom_verdict"]
+__all__ = ["Capabilities", "ExecSpec", "NotCached", "OomCount", "PauseHeldOff",
+           "SandboxRuntime", "Spawned", "Substrate", "oom_verdict"]
 
 
 class NetworkControl(Protocol):

@@ -22,7 +22,7 @@ class NotCached(Exception):
     and its files cold, nor walks a path a sandbox made long."""
 
 
-class FreezeRefused(TimeoutError):
+class PauseHeldOff(TimeoutError):
     """A freeze that did not take because a thread of the sandbox itself stayed running in
     the kernel past every wait (a syscall the freezer cannot interrupt, such as populating or
     tearing down the page tables of a huge mapping, issued on purpose): the sandbox's own
