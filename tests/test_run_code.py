@@ -1022,6 +1022,83 @@ def test_a_timeout_is_the_requests_own_when_its_zygote_is_slow_to_answer():
         assert _started(ep, "bash") == 1
 
 
+def _waiting_children(top: str, pool: str) -> list[int]:
+    """Host pids of the processes in a pool's slot cgroups: each slot's child, forked ahead of
+    its request (the pool idle: none is running one)."""
+    pids: list[int] = []
+    for f in Path("/sys/fs/cgroup/pids", top).glob(f"{pool}-*/s*/cgroup.procs"):
+        pids += [int(x) for x in f.read_text().split()]
+    return pids
+
+
+def test_a_request_whose_process_died_before_it_ran_is_infra_never_its_own_status():
+    """Each request runs in a child forked ahead of it that waits for it. One that died while
+    it waited (killed from the host, or its own set-up failed) ran nothing of the request:
+    the request is infra_error, never the status of that death (137, SIGKILL: a failure of
+    the task to a trainer). The attack: the zygote stopped from the host (so the daemon hands
+    the slots out before it is told of the deaths), every waiting child of the pool killed,
+    then requests on them. A request that did start and was killed the same way is its own."""
+    cg = f"corral-test-rcgone-{os.getpid()}"
+    with private_daemon("corral-test-rcgone-", cg, CORRAL_RUNCODE_SLOTS="2",
+                        CORRAL_RUNCODE_ZYGOTES="1") as d:
+        ep = d.socket_path
+        top = cg + ".runcode"
+        assert corral.run_code("true", language="bash", endpoint=ep).ok
+        (z,) = _zygotes_of(top)
+        assert d.proc is not None
+
+        def handed_to_the_daemon() -> bool:
+            """Both slots' children waiting, the daemon holding each one's request pipe."""
+            kids = _waiting_children(top, "bash")
+            try:
+                held = {os.readlink(f) for f in Path(f"/proc/{d.proc.pid}/fd").iterdir()}
+                return len(kids) == 2 and all(os.readlink(f"/proc/{c}/fd/3") in held
+                                              for c in kids)
+            except OSError:
+                return False
+
+        assert wait_until(handed_to_the_daemon, 15)
+        os.kill(z, signal.SIGSTOP)
+        try:
+            victims = _waiting_children(top, "bash")
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
+            assert wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in victims),
+                              15)  # reaped by the fork server, the zygote still stopped
+
+            async def both():  # type: ignore[no-untyped-def]
+                return await asyncio.gather(
+                    *(corral.run_code_async("echo ran", language="bash", timeout=20,
+                                            endpoint=ep) for _ in victims),
+                    return_exceptions=True)
+
+            got = asyncio.run(both())
+        finally:
+            os.kill(z, signal.SIGCONT)
+        for r in got:
+            assert isinstance(r, corral.InfraError), r
+            assert r.details.get("cause") == "not_started", r.details
+        # The zygote goes on: the next requests run, on the same zygote.
+        assert corral.run_code("echo on", language="bash", timeout=20,
+                               endpoint=ep).stdout == "on\n"
+        # A request that had started is its own, however it ends: killed from the host too.
+        out: dict[str, object] = {}
+
+        def call() -> None:
+            out["r"] = corral.run_code("echo up; sleep 60", language="bash", timeout=30,
+                                       endpoint=ep)
+
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        assert wait_until(lambda: any(c == "sleep" for _, c in host_procs_of_slot_uids()), 15)
+        for pid in _waiting_children(top, "bash"):
+            os.kill(pid, signal.SIGKILL)
+        t.join(30)
+        r = out["r"]
+        assert (r.status, r.exit_code, r.stdout) == ("error", 137, "up\n"), r  # type: ignore[union-attr]
+        assert _started(ep, "bash") == 1
+
+
 def _queued_to(pid: int) -> int:
     """Bytes waiting in the socket between the daemon and zygote ``pid`` (its end: fd
     ``sys.argv[-1]`` of the launcher it was forked from), as the kernel's sock_diag says."""

@@ -197,10 +197,11 @@ def zygote_seal(landlock: bool = False) -> None:
 def zygote_lockdown(uid: int, gid: int, rlimits: list[tuple[str, int, int]],
                     landlock: bool = True) -> None:
     """A request's child: ``uid``/``gid``, no capability, rlimits, no_new_privs, Landlock."""
-def zygote_fork_server(sock: int) -> tuple[int, int, int, int]:
+def zygote_fork_server(sock: int) -> tuple[int, int, int, int, int]:
     """The zygote's fork server on the SOCK_SEQPACKET ``sock``: forks a request's child on
-    each command; returns only in a child: (slot, request fd, stdout, stderr). The child's
-    exit status goes to the daemon from the server, which reaps it."""
+    each command; returns only in a child: (slot, request fd, stdout, stderr, started fd:
+    one byte written to it once the child has its request). The child's exit status, and
+    whether it had started, go to the daemon from the server, which reaps it."""
 
 class ZygoteEntry:
     """What a request's child of one slot does to itself before its request, made once per

@@ -918,16 +918,16 @@ fn after_fork_child() {
 }
 
 /// run_code: the zygote's fork server (zygote.rs `fork_server`) on the SOCK_SEQPACKET
-/// `sock`. Returns only in a request's child: (slot, request fd, stdout, stderr).
+/// `sock`. Returns only in a request's child: (slot, request fd, stdout, stderr, started fd).
 #[pyfunction]
-fn zygote_fork_server(sock: RawFd) -> PyResult<(u32, RawFd, RawFd, RawFd)> {
+fn zygote_fork_server(sock: RawFd) -> PyResult<(u32, RawFd, RawFd, RawFd, RawFd)> {
     let hooks = zygote::ForkHooks {
         before: before_fork,
         after_parent: after_fork_parent,
         after_child: after_fork_child,
     };
     let f = zygote::fork_server(sock, &hooks)?;
-    Ok((f.slot, f.ctl, f.out, f.err))
+    Ok((f.slot, f.ctl, f.out, f.err, f.go))
 }
 
 #[pymodule]

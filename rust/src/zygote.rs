@@ -433,6 +433,9 @@ pub struct Forked {
     pub ctl: c_int,
     pub out: c_int,
     pub err: c_int,
+    /// the write end of its "started" pipe: the child writes one byte to it once it has its
+    /// request, before the request's code gets control, and closes it (`write_status`)
+    pub go: c_int,
 }
 
 /// The three calls an embedding interpreter makes around a fork (CPython's `PyOS_*Fork*`).
@@ -451,19 +454,37 @@ static BOUNDING_EMPTY: AtomicBool = AtomicBool::new(false);
 const CMD_FORK: u8 = b'f';
 /// To the zygote: forked (slot u32, pid i32; the four daemon-side pipe ends attached).
 const MSG_FORKED: u8 = b'F';
-/// To the zygote: a child exited (pid i32, wait status i32, CLOCK_MONOTONIC f64 seconds).
+/// To the zygote: a child exited (pid i32, wait status i32, CLOCK_MONOTONIC f64 seconds,
+/// started u8).
 const MSG_EXITED: u8 = b'X';
-/// On a child's status pipe, to the daemon: its wait status (i32) and when it was reaped
-/// (CLOCK_MONOTONIC f64 seconds), native byte order, in one write.
-pub const STATUS_LEN: usize = 12;
+/// On a child's status pipe, to the daemon: its wait status (i32), when it was reaped
+/// (CLOCK_MONOTONIC f64 seconds) and whether it had started its request (u8), native byte
+/// order, in one write.
+pub const STATUS_LEN: usize = 13;
 
 fn pipe_pair(step: &str) -> Result<[c_int; 2], ZygoteError> {
+    pipe_with(step, libc::O_CLOEXEC)
+}
+
+fn pipe_with(step: &str, flags: c_int) -> Result<[c_int; 2], ZygoteError> {
     let mut p = [-1 as c_int; 2];
     // SAFETY: pipe2 fills the two-element array it is given.
-    if unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+    if unsafe { libc::pipe2(p.as_mut_ptr(), flags) } != 0 {
         return Err(ZygoteError::os(step, harden::errno()));
     }
     Ok(p)
+}
+
+/// Whether a reaped child had started its request: the byte it writes to its "started" pipe
+/// once it has the request, before the request's code runs. Read after the child has ended
+/// (no writer is left: the child closed its end before that code ran, and none of its
+/// processes holds it), so an empty pipe means it never got that far: killed or failed
+/// while it waited, which is the host's doing, never the request's.
+fn started(go: c_int) -> bool {
+    let mut b = [0u8; 1];
+    // SAFETY: a read of at most one byte into a stack buffer from a non-blocking pipe end
+    // this server owns.
+    unsafe { libc::read(go, b.as_mut_ptr().cast(), 1) == 1 }
 }
 
 fn close_all(fds: &[c_int]) {
@@ -488,10 +509,11 @@ fn monotonic() -> f64 {
 /// is closed in the child at the fork), so code a request runs cannot write a status of its
 /// choosing, nor one before it has really ended. A daemon that has closed its end already
 /// makes this an EPIPE (SIGPIPE is ignored here: `serve_forks`), which is nothing to report.
-fn write_status(fd: c_int, status: c_int, t_exit: f64) {
+fn write_status(fd: c_int, status: c_int, t_exit: f64, started: bool) {
     let mut msg = [0u8; STATUS_LEN];
     msg[0..4].copy_from_slice(&status.to_ne_bytes());
     msg[4..12].copy_from_slice(&t_exit.to_ne_bytes());
+    msg[12] = started as u8;
     // SAFETY: a write of a stack buffer to a pipe this server owns; under PIPE_BUF, so one
     // write lands whole, and the pipe is fresh (nothing else in it) so it does not block.
     unsafe { libc::write(fd, msg.as_ptr().cast(), msg.len()) };
@@ -502,12 +524,14 @@ fn send_exited(
     pid: libc::pid_t,
     status: c_int,
     t_exit: f64,
+    started: bool,
 ) -> Result<(), ZygoteError> {
-    let mut msg = [0u8; 17];
+    let mut msg = [0u8; 18];
     msg[0] = MSG_EXITED;
     msg[1..5].copy_from_slice(&pid.to_ne_bytes());
     msg[5..9].copy_from_slice(&status.to_ne_bytes());
     msg[9..17].copy_from_slice(&t_exit.to_ne_bytes());
+    msg[17] = started as u8;
     // SAFETY: a send of a stack buffer on a socket fd.
     if unsafe { libc::send(sock, msg.as_ptr().cast(), msg.len(), libc::MSG_NOSIGNAL) } < 0 {
         return Err(ZygoteError::os("send", harden::errno()));
@@ -592,8 +616,9 @@ fn serve_forks(sock: c_int, hooks: &ForkHooks) -> Result<Forked, ZygoteError> {
     // SIGPIPE); a bash child resets it before its exec.
     // SAFETY: signal() with a valid signal number and SIG_IGN.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
-    // Each live child: its pid, its pidfd, and the write end of its status pipe.
-    let mut live: Vec<(libc::pid_t, c_int, c_int)> = Vec::with_capacity(256);
+    // Each live child: its pid, its pidfd, the write end of its status pipe and the read end
+    // of its "started" pipe.
+    let mut live: Vec<(libc::pid_t, c_int, c_int, c_int)> = Vec::with_capacity(256);
     let mut pfds: Vec<libc::pollfd> = Vec::with_capacity(257);
     loop {
         pfds.clear();
@@ -602,7 +627,7 @@ fn serve_forks(sock: c_int, hooks: &ForkHooks) -> Result<Forked, ZygoteError> {
             events: libc::POLLIN,
             revents: 0,
         });
-        pfds.extend(live.iter().map(|&(_, fd, _)| libc::pollfd {
+        pfds.extend(live.iter().map(|&(_, fd, _, _)| libc::pollfd {
             fd,
             events: libc::POLLIN,
             revents: 0,
@@ -620,18 +645,19 @@ fn serve_forks(sock: c_int, hooks: &ForkHooks) -> Result<Forked, ZygoteError> {
             if pfds[i].revents == 0 {
                 continue;
             }
-            let (pid, pidfd, st) = live[i - 1];
+            let (pid, pidfd, st, go) = live[i - 1];
             let mut status: c_int = 0;
             // SAFETY: waitpid on our own child, writing into a local.
             let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
             if r == pid {
                 let t_exit = monotonic();
+                let began = started(go);
                 // The daemon first: it answers the request on this word, the zygote then
                 // cleans the slot.
-                write_status(st, status, t_exit);
-                close_all(&[pidfd, st]);
+                write_status(st, status, t_exit, began);
+                close_all(&[pidfd, st, go]);
                 live.swap_remove(i - 1);
-                send_exited(sock, pid, status, t_exit)?;
+                send_exited(sock, pid, status, t_exit, began)?;
             }
         }
         if pfds[0].revents == 0 {
@@ -660,6 +686,7 @@ fn serve_forks(sock: c_int, hooks: &ForkHooks) -> Result<Forked, ZygoteError> {
         let out = pipe_pair("pipe")?;
         let err = pipe_pair("pipe")?;
         let st = pipe_pair("pipe")?;
+        let go = pipe_with("pipe", libc::O_CLOEXEC | libc::O_NONBLOCK)?;
         (hooks.before)();
         // SAFETY: fork of a single-threaded process; the child only returns to the caller.
         let pid = unsafe { libc::fork() };
@@ -668,24 +695,25 @@ fn serve_forks(sock: c_int, hooks: &ForkHooks) -> Result<Forked, ZygoteError> {
             // No status pipe's write end stays in a child, its own or another's: only this
             // server tells how a child ended. (The entry's close_range would close the
             // others too; these are closed here, before anything else runs.)
-            close_all(&[ctl[1], out[0], err[0], st[0], st[1]]);
-            for &(_, pidfd, their_st) in &live {
-                close_all(&[pidfd, their_st]);
+            close_all(&[ctl[1], out[0], err[0], st[0], st[1], go[0]]);
+            for &(_, pidfd, their_st, their_go) in &live {
+                close_all(&[pidfd, their_st, their_go]);
             }
             return Ok(Forked {
                 slot,
                 ctl: ctl[0],
                 out: out[1],
                 err: err[1],
+                go: go[1],
             });
         }
         (hooks.after_parent)();
-        close_all(&[ctl[0], out[1], err[1]]);
+        close_all(&[ctl[0], out[1], err[1], go[1]]);
         let theirs = [ctl[1], out[0], err[0], st[0]];
         if pid < 0 {
             let e = harden::errno();
             close_all(&theirs);
-            close_all(&[st[1]]);
+            close_all(&[st[1], go[0]]);
             return Err(ZygoteError::os("fork", e));
         }
         // SAFETY: pidfd_open of our own unreaped child.
@@ -693,10 +721,10 @@ fn serve_forks(sock: c_int, hooks: &ForkHooks) -> Result<Forked, ZygoteError> {
         if pidfd < 0 {
             let e = harden::errno();
             close_all(&theirs);
-            close_all(&[st[1]]);
+            close_all(&[st[1], go[0]]);
             return Err(ZygoteError::os("pidfd_open", e));
         }
-        live.push((pid, pidfd, st[1]));
+        live.push((pid, pidfd, st[1], go[0]));
         let sent = send_forked(sock, slot, pid, theirs);
         close_all(&theirs);
         sent?;

@@ -424,7 +424,8 @@ class Zygote:
         slot.ready.clear()
         loop = asyncio.get_running_loop()
         done: asyncio.Future[dict[str, Any]] = loop.create_future()
-        # The fork server's word: {"status": wait status, "t_exit": when it was reaped}.
+        # The fork server's word: {"status": wait status, "t_exit": when it was reaped,
+        # "started": whether the child had its request before it ended}.
         told: asyncio.Future[dict[str, Any]] = loop.create_future()
         slot.done[w.pid] = done
         out, err = Output(w.out, req.max_output_bytes), Output(w.err, req.max_output_bytes)
@@ -451,9 +452,9 @@ class Zygote:
             loop.remove_reader(w.st)
             if told.done() or len(data) != zygote.STATUS.size:
                 return  # nothing (the fork server died): the zygote's word decides
-            st, t_exit = zygote.STATUS.unpack(data)
+            st, t_exit, began = zygote.STATUS.unpack(data)
             if os.WIFEXITED(st) or os.WIFSIGNALED(st):  # a wait status of an ended process
-                told.set_result({"status": st, "t_exit": t_exit})
+                told.set_result({"status": st, "t_exit": t_exit, "started": bool(began)})
 
         timer: asyncio.TimerHandle | None = None  # armed as the request goes to its process
         finished = False
@@ -555,6 +556,16 @@ class Zygote:
                              "out-of-memory kill from outside its own memory limit (the "
                              "host's or an enclosing cgroup's)",
                              details={"cause": "host_oom", "exit_code": code, "signal": sig})
+        if d is not None and not d.get("started", True) and oom != "own" and not timed_out:
+            # Its process ended before it had its request (killed from outside while it
+            # waited, or its own set-up failed): none of the request ran, so the status is
+            # the host's, never the request's. A request whose payload alone passes its
+            # memory limit is its own (memory_exceeded); one past its deadline, a timeout.
+            why = err.text().strip()[-500:]
+            raise InfraError("the run_code request's process ended before it ran the request"
+                             + (f": {why}" if why else ""),
+                             details={"cause": "not_started", "exit_code": code,
+                                      "signal": sig})
         if timed_out:
             result = "timeout"
         elif oom == "own":

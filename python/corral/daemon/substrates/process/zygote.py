@@ -76,10 +76,13 @@ HDR = struct.Struct("!I")
 # The fork server's messages (rust/src/zygote.rs): a command, a fork, an exit.
 FORK = struct.Struct("=cI")
 FORKED = struct.Struct("=cIi")
-EXITED = struct.Struct("=ciid")
-# On a child's status pipe, from its fork server to the daemon: its wait status and when it was
-# reaped (rust/src/zygote.rs ``write_status``).
-STATUS = struct.Struct("=id")
+EXITED = struct.Struct("=ciidB")
+# On a child's status pipe, from its fork server to the daemon: its wait status, when it was
+# reaped and whether it had started its request (rust/src/zygote.rs ``write_status``).
+STATUS = struct.Struct("=idB")
+# The fd a request's child holds until it has its request: one byte written to it then tells
+# its fork server the request started (a child that ends before has failed the host's way).
+STARTED_FD = 4
 MAX_FRAME = 256 << 20
 READ_CHUNK = 1 << 16
 # A slot's processes are killed and waited for on the loop this long; past it the loop goes
@@ -323,6 +326,7 @@ class Slot:
         self.killing = 0.0     # while its processes are being killed: when it gives up
         self.kill_at = 0.0     # and when it looks at them next
         self.exited: tuple[int, int, float] | None = None  # (pid, status, t_exit), not wiped
+        self.started = True     # whether that child had started its request (its fork server's)
         self.entry: Any = None  # _core.ZygoteEntry: what its request children do first
 
 
@@ -488,7 +492,8 @@ class Zygote:
                     self._kill(slot)
         return True
 
-    def _reaped(self, pid: int, status: int, t_exit: float | None = None) -> None:
+    def _reaped(self, pid: int, status: int, t_exit: float | None = None,
+                started: bool = True) -> None:
         """A slot's child ended (its request done, killed, or it died waiting), or the
         helper that removed a slot's big tree did."""
         if t_exit is None:
@@ -502,6 +507,7 @@ class Zygote:
             return  # an orphan of some request, reparented to us; or a session's command
         slot.pid = 0
         slot.exited = (pid, status, t_exit)
+        slot.started = started
         if not slot.killing:  # what it left behind dies with it, then the slot is wiped
             self._kill(slot)
 
@@ -534,7 +540,7 @@ class Zygote:
                 print(f"run_code zygote: slot {slot.index} scratch: {e}", file=sys.stderr)
                 slot.broken = True
         done = {"done": slot.index, "pid": pid, "status": status, "t_exit": t_exit,
-                "broken": slot.broken, "dirty": False}
+                "started": slot.started, "broken": slot.broken, "dirty": False}
         if dirty:  # the answer waits too: the daemon gives the slot out again once told
             _collect_unix_cycles()
             now = time.monotonic()
@@ -584,13 +590,13 @@ class Zygote:
             _signal.set_wakeup_fd(-1)
             _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
             try:
-                si, ctl, fout, ferr = self.core.zygote_fork_server(theirs.fileno())
+                si, ctl, fout, ferr, go = self.core.zygote_fork_server(theirs.fileno())
             except BaseException as e:  # noqa: BLE001 - say why, never return into the loop
                 os.write(2, f"run_code fork server: {type(e).__name__}: {e}\n".encode())
                 os._exit(1)
             # A request's child (the server itself never returns).
             try:
-                self._child(self.slots[si], ctl, fout, ferr)
+                self._child(self.slots[si], ctl, fout, ferr, go)
             except BaseException as e:  # noqa: BLE001 - report, never return into the loop
                 # stderr is fd 2 once the child has entered its slot (ferr is closed then)
                 err = 2 if self.entered else ferr
@@ -628,8 +634,8 @@ class Zygote:
         if not data:
             return False
         if data[:1] == b"X":
-            _, pid, status, t_exit = EXITED.unpack(data)
-            self._reaped(pid, status, t_exit)
+            _, pid, status, t_exit, started = EXITED.unpack(data)
+            self._reaped(pid, status, t_exit, bool(started))
             return True
         _, si, pid = FORKED.unpack(data)
         slot = self.slots[si]
@@ -699,13 +705,13 @@ class Zygote:
             os.write(2, f"{argv[0]}: {e.strerror}\n".encode())
             os._exit(127 if e.errno == errno.ENOENT else 126)
 
-    def _child(self, slot: Slot, ctl: int, fout: int, ferr: int) -> None:
+    def _child(self, slot: Slot, ctl: int, fout: int, ferr: int, go: int) -> None:
         # The fork server reset the wakeup fd and SIGCHLD before its loop: inherited.
-        # Its cgroups, a session, stdio, fd 3 the request, no other fd, the scratch dir, its
-        # uid and limits: in one call. How it ends is told to the daemon by the fork server
-        # that reaps it (its wait status), never by the child.
+        # Its cgroups, a session, stdio, fd 3 the request, fd 4 its "started" pipe, no other
+        # fd, the scratch dir, its uid and limits: in one call. How it ends is told to the
+        # daemon by the fork server that reaps it (its wait status), never by the child.
         slot.entry.enter([(self.devnull, 0, False), (fout, 1, False), (ferr, 2, False),
-                          (ctl, 3, False)])
+                          (ctl, 3, False), (go, STARTED_FD, True)])
         self.entered = True
         own = {"HOME": slot.scratch, "TMPDIR": slot.scratch, "PWD": slot.scratch}
         main = None
@@ -722,6 +728,10 @@ class Zygote:
         if not chunks:
             os._exit(0)  # the daemon let it go unused
         req = json.loads(b"".join(chunks))
+        # Its request in hand: what ends it from here on is the request's. Written and closed
+        # before any of the request runs, so nothing of the request can say it started or not.
+        os.write(STARTED_FD, b"g")
+        os.close(STARTED_FD)
         used = resource.getrusage(resource.RUSAGE_SELF)
         cpu = int(used.ru_utime + used.ru_stime + float(req["timeout"])) + 2
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
