@@ -121,10 +121,16 @@ def start(tmp: str) -> Lab:
                 "slow.test": [f"{lab.net}.10", lab.addr6(10)],  # answered after SLOW_S
                 "meta.test": ["169.254.169.254", "fd00:ec2::254"],
                 # more addresses than a 512-byte UDP answer holds: asked again over TCP
-                "big.test": [f"{lab.net}.10"] + [f"{lab.net}.{n}" for n in range(100, 140)]}
+                "big.test": [f"{lab.net}.10"] + [f"{lab.net}.{n}" for n in range(100, 140)],
+                "extra.test": [f"{lab.net}.12"]}
         cfg = {"log": lab.log, "zone": zone, "dns": [f"{lab.net}.53", f"{lab.net}.54"],
                "tcp": [80, 8080], "udp": 9999, "ttl": 30, "bulk": BULK,
                "delay": {"slow.test": SLOW_S}, "silent": [SILENT],
+               # aliases: one of a denied name, one (a CDN's way) of an allowed one; and an
+               # answer that carries a record of another name
+               "cname": {"alias.test": "denied.test", "cdn.test": "edge.cdn.test",
+                         "edge.cdn.test": "allowed.test"},
+               "extra": {"extra.test": [["denied.test", f"{lab.net}.11"]]},
                "special": {"bulk": 8081, "sink": 8082, "hold": 8083}}
         lab.proc = subprocess.Popen([*nse, sys.executable, os.path.join(HERE, "netlab_server.py"),
                                      json.dumps(cfg)], stdout=subprocess.DEVNULL,

@@ -1,6 +1,7 @@
 """Servers of the tests' own small internet (tests/netlab.py), run inside its namespace: a
-DNS server answering from a zone (A and AAAA; UDP, truncating answers over 512 bytes, and
-TCP), TCP servers (IPv4 and IPv6) that say who connected to which address, and a UDP sink;
+DNS server answering from a zone (A and AAAA, CNAME chains, records of other owners added
+to an answer; UDP, truncating answers over 512 bytes, and TCP), TCP servers (IPv4 and IPv6)
+that say who connected to which address, and a UDP sink;
 every query and connection is logged, one JSON line each, to the log file."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import socket
 import sys
 import threading
 
-from dnslib import AAAA, QTYPE, RCODE, RR, TXT, A, DNSRecord
+from dnslib import AAAA, CNAME, QTYPE, RCODE, RR, TXT, A, DNSRecord
 
 
 def main() -> None:
@@ -32,15 +33,24 @@ def main() -> None:
         if any(name == z or name.endswith("." + z) for z in cfg.get("silent", [])):
             return None  # a domain whose servers never answer
         r = q.reply()
-        ips = cfg["zone"].get(name)
+        ttl = cfg.get("ttl", 30)
+        owner, cnames = name, cfg.get("cname", {})
+        while owner in cnames:  # an alias: its CNAME, then the records of where it leads
+            r.add_answer(RR(owner, QTYPE.CNAME, rdata=CNAME(cnames[owner]), ttl=ttl))
+            owner = cnames[owner]
+        ips = cfg["zone"].get(owner)
         if ips is None:
             r.header.rcode = RCODE.NXDOMAIN
         elif q.q.qtype in (QTYPE.A, QTYPE.AAAA):
             six = q.q.qtype == QTYPE.AAAA
             for ip in [ips] if isinstance(ips, str) else ips:
                 if (":" in ip) == six:
-                    r.add_answer(RR(q.q.qname, q.q.qtype, rdata=AAAA(ip) if six else A(ip),
-                                    ttl=cfg.get("ttl", 30)))
+                    r.add_answer(RR(owner, q.q.qtype, rdata=AAAA(ip) if six else A(ip),
+                                    ttl=ttl))
+            for other, ip in cfg.get("extra", {}).get(name, []):  # another name's, added
+                if (":" in ip) == six:
+                    r.add_answer(RR(other, q.q.qtype, rdata=AAAA(ip) if six else A(ip),
+                                    ttl=ttl))
         elif q.q.qtype == QTYPE.TXT:
             r.add_answer(RR(q.q.qname, QTYPE.TXT, rdata=TXT("leak"), ttl=30))
         return r

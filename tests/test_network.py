@@ -295,7 +295,59 @@ def test_two_tenants_naming_the_same_group_never_reach_each_other(net: Env):
                 c.delete(f"/v1/sandboxes/{sid}")
 
 
+def _peers(net: Env) -> list:
+    doc = net.table_json() or {"nftables": []}
+    return next((x["set"].get("elem", []) for x in doc["nftables"]
+                 if "set" in x and x["set"]["name"] == "peers"), [])
+
+
+def test_group_pairs_never_outlive_their_members_under_concurrent_churn(net: Env):
+    """The attack (a tenant's client): kill a group's sandboxes while creating new ones in it,
+    concurrently. A join worked out its pairs from the sandboxes registered at that moment and
+    a leave removed only the pairs it could work out then, so a pair of slots stayed linked
+    after both ended, and the next two sandboxes given those slots (any tenants', in no
+    group) reached each other. After every round, with all of them gone, no pair is left."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    live = [net.sandbox(network="internet", network_group="churn") for _ in range(4)]
+    try:
+        with ThreadPoolExecutor(8) as ex:
+            for _ in range(30):
+                old, live = live, []
+                ends = [ex.submit(sb.kill) for sb in old]
+                news = [ex.submit(net.sandbox, network="internet", network_group="churn")
+                        for _ in range(4)]
+                live = [f.result() for f in news]
+                for f in ends:
+                    f.result()
+    finally:
+        for sb in live:
+            sb.kill()
+    assert wait_until(lambda: _peers(net) == [], 10), _peers(net)
+
+
 # ---- policies --------------------------------------------------------------------------------
+def test_a_denied_name_stays_denied_through_an_alias_or_another_names_answer(net: Env):
+    """The attack (code in the sandbox): ``deny`` names a host the allow rules cover; the
+    sandbox resolves an alias of it (a CNAME to the denied name), or a name whose answer also
+    carries a record of the denied name. Every address in the answer was pinned, so the
+    denied host was reachable. A chain through a denied name is refused; an answer keeps only
+    the records of the asked name and the names its chain leads to. A CNAME chain to an
+    allowed host (a CDN's way) still opens it."""
+    lab = net.lab
+    with net.sandbox(network=Network(allow=["*.test:80"], deny=["denied.test"])) as sb:
+        r = probe(sb, "resolve=alias.test", f"connect={lab.addr(11)}:80",
+                  "resolve=extra.test", f"connect={lab.addr(11)}:80",
+                  "resolve=cdn.test", f"connect={lab.addr(10)}:80")
+        assert not isinstance(r["resolve=alias.test"], list), r
+        assert r["resolve=extra.test"] == [lab.addr(12)], r
+        assert not ok(r[f"connect={lab.addr(11)}:80"]), r
+        assert r["resolve=cdn.test"] == [lab.addr(10)], r
+        assert ok(r[f"connect={lab.addr(10)}:80"]), r
+        st = sb.info().net
+        assert lab.addr(11) not in st.pinned and "denied.test" in st.refused_names, st
+
+
 def test_a_policy_opens_only_resolved_names_on_their_ports(net: Env):
     lab = net.lab
     logged = len(lab.entries("dns"))  # the lab's log is the module's: this test's from here

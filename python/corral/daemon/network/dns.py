@@ -186,6 +186,21 @@ def _error_reply(data: bytes, rcode: int) -> bytes:
     return data[:2] + bytes([0x80 | (data[2] & 0x79), rcode & 0xF]) + bytes(8)
 
 
+def _owner(rr: RR) -> str:
+    return str(rr.rname).rstrip(".").lower()
+
+
+def _cname_chain(name: str, rrs: list[RR]) -> list[str]:
+    """``name`` and the names its CNAME records in ``rrs`` lead to, in order (a loop or a
+    record of another owner adds nothing)."""
+    chain = [name]
+    targets = {_owner(rr): str(rr.rdata).rstrip(".").lower()
+               for rr in rrs if rr.rtype == QTYPE.CNAME}
+    while chain[-1] in targets and targets[chain[-1]] not in chain:
+        chain.append(targets[chain[-1]])
+    return chain
+
+
 def _internal(addr: str) -> bool:
     """A private, link-local, metadata or multicast address (IPv4 or IPv6)."""
     ip = ipaddress.ip_address(addr)
@@ -454,10 +469,22 @@ class DnsProxy:
             # An allowed name answering with a private or link-local address (DNS rebinding
             # to an internal service) opens nothing but what an allow CIDR covering it opens:
             # such an address is pinned only for the name's ports that rule's ports cover.
-            # Only the asked type is pinned (an A answer carrying AAAA records opens none),
-            # and only its first PINS_PER_ANSWER addresses, the only ones answered.
+            # Only the asked name's records are kept: its own and those of the names its
+            # CNAME chain leads to (an answer carrying another name's addresses opens none of
+            # them), and a chain through a denied name is refused as that name is (a deny
+            # is not undone by an alias of it). Only the asked type is pinned (an A answer
+            # carrying AAAA records opens none), and only its first PINS_PER_ANSWER
+            # addresses, the only ones answered.
+            chain = _cname_chain(name, ans.rr)
+            denied = next((c for c in chain if policy.denies(c)), None)
+            if denied is not None:
+                self.counts["refused"] += 1
+                who.refused(denied)
+                return self._refuse(q, RCODE.NXDOMAIN)
             kept, n = [], 0
             for rr in ans.rr:
+                if _owner(rr) not in chain:
+                    continue
                 if rr.rtype == QTYPE.CNAME or (rr.rtype == qtype and n < PINS_PER_ANSWER):
                     kept.append(rr)
                     n += rr.rtype == qtype

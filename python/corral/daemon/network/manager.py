@@ -221,6 +221,13 @@ class NetworkManager:
         self.dns: DnsProxy | None = None
         self.attachments: dict[str, Attachment] = {}
         self._by_addr: dict[str, Attachment] = {}
+        # The network groups' members, by group then sandbox id: the pairs in the firewall's
+        # peers set are exactly those between two members of one group. Changed only under
+        # _group_lock, each change with its pairs (_join, _leave): worked out from a registry
+        # that changed meanwhile, a join racing a leave left a pair of slots linked, and the
+        # next sandboxes given those slots (any tenant's) could reach each other.
+        self._groups: dict[str, dict[str, Attachment]] = {}
+        self._group_lock = threading.Lock()
         self._final: dict[str, dict[str, Any]] = {}  # network_final_state
         # Slots of ended sandboxes: reusable once the kernel has removed their veth, which
         # it does when their namespace goes (cleanup_net, off the daemon's path: deleting a
@@ -530,8 +537,7 @@ class NetworkManager:
             if bandwidth_mbit is not None:
                 self.links.shape(idx, fd, bandwidth_mbit)
             self.fw.attach(att.ifname, att.address, att.address6, policy is None, att.elems)
-            peers = self._group_pairs(att)
-            self.fw.peers(peers, add=True)
+            self._join(att)
         except BaseException:
             os.close(fd)
             self._release(att)
@@ -622,7 +628,11 @@ class NetworkManager:
             for _, att in ok:
                 self.attachments[att.sandbox_id] = att
                 self._by_addr[str(att.address)] = att
-            pairs = sorted({p for _, att in ok for p in self._group_pairs(att)})
+            with self._group_lock:
+                for _, att in ok:
+                    if att.group is not None:
+                        self._groups.setdefault(att.group, {})[att.sandbox_id] = att
+                pairs = sorted({p for _, att in ok for p in self._group_pairs(att)})
             taken = {att.index for _, att in ok}
             self._next = max(taken) + 1
             self._free = [i for i in range(1, self._next) if i not in taken]
@@ -637,6 +647,8 @@ class NetworkManager:
                     self.attachments.pop(att.sandbox_id, None)
                     self._by_addr.pop(str(att.address), None)
                     failed[att.sandbox_id] = f"cannot write the network's rules: {e}"
+                with self._group_lock:
+                    self._groups.clear()
                 self._next, self._free = 1, []
                 if not isinstance(e, Exception):
                     raise
@@ -658,8 +670,9 @@ class NetworkManager:
                 except (NftError, OSError) as e:
                     failed[att.sandbox_id] = f"cannot write the network's rules: {e}"
                     self.detach(att.sandbox_id)
-            pairs = sorted({p for _, att in ok if att.sandbox_id not in failed
-                            for p in self._group_pairs(att)})
+            with self._group_lock:  # the failed ones left their groups (detach)
+                pairs = sorted({p for _, att in ok if att.sandbox_id not in failed
+                                for p in self._group_pairs(att)})
             try:
                 self.fw.peers(pairs, add=True)
             except (NftError, OSError):
@@ -698,13 +711,51 @@ class NetworkManager:
         return att
 
     def _group_pairs(self, att: Attachment) -> list[tuple[str, str]]:
+        """Both directions between ``att`` and every other member of its group (under
+        _group_lock)."""
         if att.group is None:
             return []
         out = []
-        for other in list(self.attachments.values()):
-            if other.group == att.group and other is not att:
+        for other in self._groups.get(att.group, {}).values():
+            if other is not att:
                 out += [(att.ifname, other.ifname), (other.ifname, att.ifname)]
         return out
+
+    def _join(self, att: Attachment, registered: bool = False) -> None:
+        """``att`` into its group, its pairs with the members into the firewall. With
+        ``registered``, only while it is still the registered attachment of its sandbox (a
+        pooled one's group comes after its registration: one detached meanwhile has left)."""
+        if att.group is None:
+            return
+        with self._group_lock:
+            if registered and self.attachments.get(att.sandbox_id) is not att:
+                return
+            members = self._groups.setdefault(att.group, {})
+            if att.sandbox_id in members:
+                return
+            try:
+                self.fw.peers(self._group_pairs(att), add=True)
+            except BaseException:
+                if not members:
+                    del self._groups[att.group]
+                raise
+            members[att.sandbox_id] = att
+
+    def _leave(self, att: Attachment) -> None:
+        """``att`` out of its group and its pairs out of the firewall: every pair it has,
+        whatever joined or left since it joined."""
+        if att.group is None:
+            return
+        with self._group_lock:
+            members = self._groups.get(att.group)
+            if members is None or members.get(att.sandbox_id) is not att:
+                return
+            del members[att.sandbox_id]
+            if not members:
+                del self._groups[att.group]
+            pairs = [p for other in members.values()
+                     for p in ((att.ifname, other.ifname), (other.ifname, att.ifname))]
+            self.fw.peers(pairs, add=False)
 
     def update(self, sandbox_id: str, network: Any) -> None:
         """Its policy replaced at once: the new rules in, the old ones and every DNS pin out
@@ -716,6 +767,8 @@ class NetworkManager:
                               details={"operation": "network_update"})
         i = f'"{att.ifname}"'
         with att.lock:
+            if self.attachments.get(sandbox_id) is not att:
+                return  # detached meanwhile: its rules are gone, none is put back
             elems = Firewall.policy_elems(att.ifname, policy)
             old = {**att.current(), "internet": [i] if att.policy is None else []}
             new = {**elems, "internet": [i] if policy is None else []}
@@ -730,11 +783,11 @@ class NetworkManager:
         """A pooled sandbox's network (made with a policy that allows nothing) given the
         policy and group of the create that took it."""
         self.update(sandbox_id, network)
-        if group is not None:
-            att = self.attachments[sandbox_id]
+        att = self.attachments.get(sandbox_id)
+        if group is not None and att is not None:
             with att.lock:
                 att.group = group
-            self.fw.peers(self._group_pairs(att), add=True)
+            self._join(att, registered=True)
 
     async def expose(self, sandbox_id: str, port: int, host_port: int = 0) -> int:
         """127.0.0.1:<the returned port> on the host reaches ``port`` in the sandbox;
@@ -780,7 +833,7 @@ class NetworkManager:
         failed = False
         with att.lock:
             try:
-                self.fw.peers(self._group_pairs(att), add=False)
+                self._leave(att)
                 self.fw.detach(att.ifname, att.address, att.address6, att.current(), denied)
             except Exception:
                 log.warning("network: cannot remove the rules of %s; its slot %s (%s) is "

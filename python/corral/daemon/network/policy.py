@@ -45,6 +45,11 @@ class Policy:
     allow: list[Rule] = field(default_factory=list)
     deny: list[Rule] = field(default_factory=list)
 
+    def denies(self, name: str) -> bool:
+        """Whether a deny rule names ``name`` (whatever the allow rules say)."""
+        name = name.lower().rstrip(".")
+        return any(r.kind != "cidr" and r.matches(name) for r in self.deny)
+
     def name_ports(self, name: str) -> tuple[tuple[int, int], ...] | None:
         """The ports a resolved ``name`` opens (None: the name is refused). A deny rule on the
         name wins whatever its ports (it is refused at DNS)."""
