@@ -74,6 +74,10 @@ def layouts() -> dict[str, str]:
     out["deep"] = fx.oci_layout("deep", [("gzip", [fx.f("d/" * 600 + "x", b"deep")])])
     out["huge"] = fx.oci_layout("huge", [("zstd", [fx.f("zeros", 200 << 20)])])
     out["many"] = fx.oci_layout("many", [("zstd", [fx.f(f"f{i}") for i in range(30_000)])])
+    # the same layer twice (the same COPY in two steps), and more layers than are taken
+    out["twice"] = fx.oci_layout("twice", [("gzip", base), ("gzip", [fx.f("mid", b"m")]),
+                                           ("gzip", base)])
+    out["tall"] = fx.oci_layout("tall", [("gzip", [fx.f(f"l{i}", b"x")]) for i in range(81)])
     return out
 
 
@@ -99,8 +103,9 @@ def env(layouts: dict[str, str]) -> Iterator[dict]:
         plain.push(layouts["other"], "team/other")
         plain.push(layouts["index"], "team/multi", "latest", "--all")
         plain.push(layouts["other"], "team/docker", "latest", "--format", "v2s2")
-        for name in ("dotdot", "symwrite", "hardlink", "deep", "huge", "many"):
+        for name in ("dotdot", "symwrite", "hardlink", "deep", "huge", "many", "tall"):
             plain.push(layouts[name], f"hostile/{name}")
+        plain.push(layouts["twice"], "team/twice")
         basic.push(layouts["other"], "private/other")
         token.push(layouts["other"], "private/other")
         for r in (far, far_ok):
@@ -294,6 +299,27 @@ def test_hostile_layer_is_refused_and_leaves_nothing(env: dict, name: str, error
     assert layer_dirs(state) == before
     assert leftovers(state) == []
     assert not os.path.exists(os.path.join(os.path.dirname(state), "escape"))
+
+
+def test_an_image_of_more_layers_than_taken_is_refused_before_any_is_fetched(env: dict) -> None:
+    """Each layer of an image is a mount of the daemon's for as long as it runs: 2,500 layers
+    were all mounted before the create found their overlay too long for the kernel."""
+    state = env["daemon"].state_dir
+    before = layer_dirs(state)
+    with pytest.raises(InvalidImage) as e:
+        admin.pull_image(f"{env['plain'].addr}/hostile/tall", endpoint=env["ep"])
+    assert e.value.details == {"limit": "image_layers", "max": 80, "layers": 81}
+    assert layer_dirs(state) == before and leftovers(state) == []
+
+
+def test_an_image_listing_a_layer_twice_runs(env: dict) -> None:
+    """Overlay refuses a lower twice: every create of such an image was ``internal``."""
+    ref = f"{env['plain'].addr}/team/twice"
+    img = admin.pull_image(ref, endpoint=env["ep"])
+    assert len(img.layers or []) == 3 and len(set(img.layers or [])) == 2
+    with corral.Sandbox(image=ref, endpoint=env["ep"]) as sb:
+        r = sb.exec("cat /mid && ls /bin/sh")
+        assert (r.exit_code, r.stdout) == (0, "m/bin/sh\n"), r
 
 
 # ---- the store ----------------------------------------------------------------------------

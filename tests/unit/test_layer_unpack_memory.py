@@ -43,3 +43,32 @@ def test_unpacking_a_layer_holds_one_member_not_all_of_them(tmp_path: Path) -> N
     # Kept, the headers are ~450 bytes each (~18 MB here); cleared, one at a time.
     assert peak < 4 << 20, peak
     assert (root / "l").is_symlink()
+
+
+def test_a_zstd_layer_asking_a_huge_window_is_refused_unread(tmp_path: Path) -> None:
+    """A zstd frame's window is memory the decoder holds for the whole stream: 200 MiB of
+    zeros with a 128 MiB window and no content size is a 7 KB blob that took the daemon
+    128 MiB a pull (four pulls at once: ~600 MB)."""
+    import pytest
+    import zstandard
+
+    from corral.errors import InvalidImage
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("zeros")
+        info.size = 8 << 20
+        info.uid, info.gid = os.getuid(), os.getgid()
+        tar.addfile(info, io.BytesIO(bytes(info.size)))
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=27,
+                                                            write_content_size=False)
+    cctx = zstandard.ZstdCompressor(compression_params=params)
+    blob = tmp_path / "layer"
+    with open(blob, "wb") as f, cctx.stream_writer(f) as w:
+        w.write(buf.getvalue())
+    root = tmp_path / "root"
+    root.mkdir()
+    with pytest.raises(InvalidImage) as e:
+        unpack.unpack(str(blob), unpack.ZSTD[0], str(root), unpack.Limits(1 << 30, 1000))
+    assert "memory" in e.value.message.lower() or "window" in e.value.message.lower(), e.value
+    assert not (root / "zeros").exists()

@@ -565,8 +565,15 @@ class ImageStore:
 
     # ---- OCI images ------------------------------------------------------------------------
     def _composed(self, img: Image) -> Image:
-        """The image with its overlay: the layers' mounts top-first over the skeleton."""
-        lowers = [self.layers.lower(h) for h in reversed(img.meta["oci_layers"])]
+        """The image with its overlay: the layers' mounts top-first over the skeleton. A layer
+        listed twice is stacked once, at its top place (overlay refuses a lower twice; what
+        the lower copy holds the upper one holds too, so the files are the same)."""
+        top_first: builtins.list[str] = []
+        for h in reversed(img.meta["oci_layers"]):
+            if h not in top_first:
+                top_first.append(h)
+        oci_unpack.check_layer_count(len(top_first))  # before any is mounted
+        lowers = [self.layers.lower(h) for h in top_first]
         return dataclasses.replace(img, overlays=[("/", [*lowers, self.layers.skeleton])])
 
     def compose(self, image: Image, layers: builtins.list[Any] | None) -> Image:

@@ -182,6 +182,7 @@ def _load_oci(src: _Source, store: LayerStore, limits: unpack.Limits,
     diff_ids = (cfg.get("rootfs") or {}).get("diff_ids") or []
     if len(diff_ids) != len(doc["layers"]):
         raise InvalidImage("the config's diff_ids do not match the layers")
+    unpack.check_layer_count(len(diff_ids))
     hexes = []
     for d, did in zip(doc["layers"], diff_ids, strict=True):
         hexd = registry.check_digest(d["digest"], "layer")
@@ -208,6 +209,7 @@ def _load_docker(src: _Source, store: LayerStore, limits: unpack.Limits,
     diff_ids = (cfg.get("rootfs") or {}).get("diff_ids") or []
     if len(diff_ids) != len(layers):
         raise InvalidImage("the config's diff_ids do not match the layers")
+    unpack.check_layer_count(len(diff_ids))
     hexes = []
     for rel, did in zip(layers, diff_ids, strict=True):
         if not isinstance(rel, str):

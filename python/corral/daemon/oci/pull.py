@@ -62,6 +62,7 @@ def pull(ref: Reference, store: LayerStore, limits: unpack.Limits,
         layers = manifest.get("layers")
         if not isinstance(layers, list):
             raise InvalidImage(f"{ref}: manifest without layers")
+        unpack.check_layer_count(len(layers))
         rootfs = cfg.get("rootfs") if isinstance(cfg.get("rootfs"), dict) else {}
         diff_ids = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None
         if not isinstance(diff_ids, list) or len(diff_ids) != len(layers):

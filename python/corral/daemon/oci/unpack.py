@@ -22,8 +22,10 @@ Nothing in the layer is trusted:
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
+import math
 import os
 import re
 import stat
@@ -47,6 +49,13 @@ _OPQ = ".wh..wh..opq"
 _PAX_XATTR = "SCHILY.xattr."
 _DROPPED_XATTRS = ("trusted.", "security.capability")
 _SUID = stat.S_ISUID | stat.S_ISGID
+# An image's layers at most: each is a mount of the daemon's, kept while the daemon runs, and
+# all of them are one overlay's lowerdir option, which the kernel takes up to a page.
+MAX_IMAGE_LAYERS = 80
+# The largest zstd window a layer may use: a frame's window is memory the decoder holds for
+# the whole stream (a 4 KB blob may ask for 128 MiB). zstd picks at most 8 MiB up to level
+# 19; only --long and --ultra go past it.
+ZSTD_MAX_WINDOW = 32 << 20
 MAX_DEPTH = 512  # directory levels of a member (the copy and mkfs walk trees this deep)
 
 
@@ -115,13 +124,23 @@ def _too_large(limits: Limits) -> TooLarge:
                              "max_members": limits.max_members})
 
 
+def check_layer_count(n: int) -> None:
+    """An image of more layers than MAX_IMAGE_LAYERS is refused before anything of it is
+    fetched or mounted."""
+    if n > MAX_IMAGE_LAYERS:
+        raise InvalidImage(f"the image has {n} layers; at most {MAX_IMAGE_LAYERS} are taken",
+                           details={"limit": "image_layers", "max": MAX_IMAGE_LAYERS,
+                                    "layers": n})
+
+
 def open_stream(path: str, media_type: str) -> IO[bytes]:
     if media_type in GZIP:
         return gzip.open(path, "rb")  # type: ignore[return-value]
     if media_type in ZSTD:
         import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+        return zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_reader(
+            open(path, "rb"), closefd=True)
     if media_type in PLAIN:
         return open(path, "rb")
     raise InvalidImage(f"unsupported layer media type {media_type!r}",
@@ -296,8 +315,12 @@ class _Layer:
             return
         self.finish(target, m)
 
-    def finish(self, target: str, m: tarfile.TarInfo) -> None:
-        os.lchown(target, m.uid, m.gid)
+    def finish(self, target: str | int, m: tarfile.TarInfo) -> None:
+        """A member's owner, xattrs and times, on its path (its last component not followed:
+        its parents were checked as it was applied) or on an fd of it."""
+        is_fd = isinstance(target, int)  # an fd: nothing to follow (and no such argument)
+        nofollow: dict[str, bool] = {} if is_fd else {"follow_symlinks": False}
+        os.chown(target, m.uid, m.gid, **nofollow)
         for k, v in (m.pax_headers or {}).items():
             if k.startswith(_PAX_XATTR):
                 name: str | bytes = k[len(_PAX_XATTR):]
@@ -309,33 +332,66 @@ class _Layer:
             else:
                 continue
             text = os.fsdecode(name)
-            if text.startswith(_DROPPED_XATTRS) or not (
+            if "\0" in text or text.startswith(_DROPPED_XATTRS) or not (
                     text.startswith("user.") or (self.exact and text in EXACT_XATTRS)):
                 self.skip("xattrs")
                 continue
             try:
-                os.setxattr(target, name, v.encode("utf-8", "surrogateescape"),
-                            follow_symlinks=False)
+                os.setxattr(target, name, v.encode("utf-8", "surrogateescape"), **nofollow)
             except OSError:
                 self.skip("xattrs")
         if not m.issym():
+            if not math.isfinite(m.mtime):
+                raise InvalidImage(f"layer member {m.name!r}: bad mtime {m.mtime!r}",
+                                   details={"member": m.name})
             ns = (m.pax_headers or {}).get(MTIME_NS, "") if self.exact else ""
-            if _MTIME_NS_RE.fullmatch(ns):  # before 1970 too: the copy's digest needs it
-                os.utime(target, ns=(int(ns), int(ns)), follow_symlinks=False)
+            times = (int(ns), int(ns)) if _MTIME_NS_RE.fullmatch(ns) else None
+            # before 1970 too: the copy's digest needs it
+            if times is not None and is_fd:
+                os.utime(target, ns=times)
+            elif times is not None:
+                os.utime(target, ns=times, follow_symlinks=False)
+            elif is_fd:
+                os.utime(target, (m.mtime, m.mtime))
             else:
                 os.utime(target, (m.mtime, m.mtime), follow_symlinks=False)
 
+    def _open_dir(self, target: str) -> int | None:
+        """An fd of the directory at ``target`` in the layer, opened one component at a time
+        from the layer's root without following a symlink: None if it is no longer there as
+        a directory. A later member may have made one of its parents a symlink (``a/dir``,
+        then ``a`` -> /etc): its path would then name the host's directory."""
+        rel = os.path.relpath(target, self.root)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if rel == ".":
+            return fd
+        try:
+            for part in rel.split(os.sep):
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              dir_fd=fd)
+                os.close(fd)
+                fd = nfd
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                return None  # replaced by a later member
+            raise
+        return fd
+
     def close(self) -> None:
+        """The directories' metadata, last (their children's creation would change their
+        times), each through an fd reached from the layer's root, never through a path."""
         for target, m in reversed(self.dirs):
-            try:
-                if not stat.S_ISDIR(os.lstat(target).st_mode):
-                    continue  # replaced by a later member
-            except FileNotFoundError:
+            fd = self._open_dir(target)
+            if fd is None:
                 continue
-            # setuid on a directory means nothing to Linux; the exact form keeps it as made
-            mode = m.mode & 0o7777 & (~0 if self.exact else ~stat.S_ISUID)
-            self.finish(target, m)
-            os.chmod(target, mode)
+            try:
+                # setuid on a directory means nothing to Linux; the exact form keeps it
+                mode = m.mode & 0o7777 & (~0 if self.exact else ~stat.S_ISUID)
+                self.finish(fd, m)
+                os.chmod(fd, mode)
+            finally:
+                os.close(fd)
 
 
 def _sparse(m: tarfile.TarInfo, limits: Limits) -> tuple[int, list[tuple[int, int]]]:
