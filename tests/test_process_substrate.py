@@ -286,6 +286,26 @@ def test_pids_limit_stops_a_fork_bomb():
 
 
 # ---- lifetimes --------------------------------------------------------------------------------
+def test_a_command_whose_set_up_failed_is_infra_never_its_exit_code():
+    """Each command is a fresh fork of the session's zygote that sets itself up (its cgroups,
+    session, stdio, uid, limits) and then execs. A set-up the host made fail (here the
+    session's pids cgroup removed from under it, so the join is refused) ran none of the
+    command: infra, where it was exit code 126 with "could not start" (the command's own
+    failure to a trainer). A command that is not there is still its own (127)."""
+    with corral.Sandbox(substrate="process", timeout=120) as box:
+        assert box.exec("true").exit_code == 0
+        # the commands' pids cgroup (s0; the zygote is in its own), empty between commands
+        (slot,) = [Path(d, "s0") for d in session_cgroups(box.id)
+                   if Path(d).parent.parent.name == "pids"]
+        os.rmdir(slot)
+        with pytest.raises(corral.InfraError) as e:
+            box.exec("echo ran")
+        assert "could not start" in e.value.message, e.value
+    with corral.Sandbox(substrate="process", timeout=120) as box:
+        r = box.exec("no-such-command-here")
+        assert r.exit_code == 127, r
+
+
 def test_kill_leaves_nothing():
     box = corral.Sandbox(substrate="process", timeout=120)
     sid, uid = box.id, uid_of(box)

@@ -231,6 +231,12 @@ class LayerStore:
         try:
             if self.has(hexd):
                 m = self.meta(hexd)
+                # The same blob read another way (another media type) is other files: the
+                # stored layer stands for this image only if it unpacked to its diff_id.
+                if diff_id is not None and m.get("diff_id") not in (None, diff_id):
+                    raise InvalidImage(f"layer sha256:{hexd} unpacks to {m['diff_id']}, the "
+                                       f"image config says {diff_id}",
+                                       details={"expected": diff_id, "got": m["diff_id"]})
                 limits.used_bytes += int(m.get("unpacked_bytes", 0))
                 if limits.used_bytes > limits.max_bytes:
                     raise unpack._too_large(limits)

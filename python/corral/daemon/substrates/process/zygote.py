@@ -85,6 +85,8 @@ STATUS = struct.Struct("=idB")
 STARTED_FD = 4
 MAX_FRAME = 256 << 20
 READ_CHUNK = 1 << 16
+# How long a session's zygote waits for a command's child to exec (or to say its set-up failed).
+SETUP_WAIT_S = 10.0
 # A slot's processes are killed and waited for on the loop this long; past it the loop goes
 # on and checks again every KILL_POLL_S, for at most KILL_WAIT_S, before the slot is broken.
 KILL_INLINE_S = 0.02
@@ -658,31 +660,43 @@ class Zygote:
             stdio.append(self.fds.pop(0) if have and self.fds else -1)
         slot = self.slots[0]
         pidfd = -1
+        setup_r, setup_w = os.pipe2(os.O_CLOEXEC)
         try:
             pid = os.fork()
             if pid == 0:
+                os.close(setup_r)
                 try:
-                    self._exec_child(slot, req, stdio)
+                    self._exec_child(slot, req, stdio, setup_w)
                 except BaseException as e:  # noqa: BLE001 - report, never return into the loop
                     try:
-                        os.write(2, f"corral: could not start: {type(e).__name__}: {e}\n"
-                                 .encode())
+                        os.write(setup_w, f"{type(e).__name__}: {e}".encode()[:1024])
                     finally:
                         os._exit(126)
                 os._exit(126)
+            os.close(setup_w)
+            setup_w = -1
             # Our child, not reaped before the loop runs again: its pid is still its own.
             pidfd = os.pidfd_open(pid)
+            failed = _setup_failure(setup_r)
+            if failed:  # none of the command ran: the host's failure, never its exit code
+                _write_all(self.sock, encode({"spawned": 0, "error": failed}))
+                return
             self.by_pid[pid] = slot
             self.sk.sendmsg([encode({"spawned": pid})],
                             [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack("i", pidfd))])
         except OSError as e:
             _write_all(self.sock, encode({"spawned": 0, "error": f"{e.strerror or e}"}))
         finally:
-            for fd in [*stdio, pidfd]:
+            for fd in [*stdio, pidfd, setup_r, setup_w]:
                 if fd >= 0:
                     os.close(fd)
 
-    def _exec_child(self, slot: Slot, req: dict[str, Any], stdio: list[int]) -> None:
+    def _exec_child(self, slot: Slot, req: dict[str, Any], stdio: list[int],
+                    setup: int) -> None:
+        """In a session command's child: its set-up, then its exec. A set-up step that fails
+        raises (the caller writes why to ``setup``, close-on-exec: the zygote reads nothing
+        there once the exec is done); a failed exec is the command's own (127 or 126, as a
+        shell says it)."""
         _signal.set_wakeup_fd(-1)
         for sig in (_signal.SIGCHLD, _signal.SIGPIPE, _signal.SIGXFSZ):  # python ignores some
             _signal.signal(sig, _signal.SIG_DFL)
@@ -691,7 +705,8 @@ class Zygote:
         os.setsid()
         for target, fd in enumerate(stdio):
             os.dup2(fd if fd >= 0 else self.devnull, target)
-        os.closerange(3, 1 << 20)
+        os.closerange(3, setup)  # the zygote's 0-2 are open: the pipe is above them
+        os.closerange(setup + 1, 1 << 20)
         try:
             os.chdir(req["cwd"])
         except OSError:
@@ -764,6 +779,25 @@ class Zygote:
             os.execve("/bin/bash", ["bash", f"/proc/self/fd/{fd}"], env)
         assert main is not None
         _run_python(code, main)
+
+
+def _setup_failure(fd: int) -> str:
+    """What a session command's child wrote to its set-up pipe before its exec ("" once the
+    exec closed the pipe, or the child exited, without a word). Waited for up to
+    SETUP_WAIT_S: a child frozen with its session before its exec is not waited out (its
+    command is then as good as started)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + SETUP_WAIT_S
+    got = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(left * 1000):
+            return ""
+        chunk = os.read(fd, 1024)
+        if not chunk:
+            return got.decode("utf-8", "replace")
+        got += chunk
 
 
 def _reseed() -> None:
