@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -205,63 +206,121 @@ def _copy_tree(src: str, dst: str, sanitize: bool) -> int:
     symlinks, owners, modes and times preserved, hard links kept. Devices and sockets are
     skipped (a device node in a lower layer would be a door to host hardware) and setuid/setgid
     bits stripped. With ``sanitize`` anything not world-readable is skipped too (secrets).
-    Returns the bytes of regular files copied."""
+    Returns the bytes of regular files copied.
+
+    The tree is walked by fds, each entry opened from its parent's without following a
+    symlink, and what is copied is what the opened fd is (fstat): a directory swapped for a
+    symlink between a look and the copy (by whoever may write in the source) would otherwise
+    copy the host directory it names."""
     total = 0
     links: dict[tuple[int, int], str] = {}
     dirs: list[tuple[str, os.stat_result]] = []
     pseudo = pseudo_devices()
 
-    def listing(s: str, d: str) -> list[tuple[str, str]]:
-        with os.scandir(s) as it:  # reversed: popped from the end, smallest name first
-            return [(e.path, os.path.join(d, e.name))
+    def listing(fd: int, d: str) -> list[tuple[str, str]]:
+        with os.scandir(fd) as it:  # reversed: popped from the end, smallest name first
+            return [(e.name, os.path.join(d, e.name))
                     for e in sorted(it, key=lambda e: e.name, reverse=True)]
 
-    stack = [listing(src, dst)]  # a loop, not a recursion: a tree may be deep
-    while stack:
-        if not stack[-1]:
-            stack.pop()
-            continue
-        sp, dp = stack[-1].pop()
-        try:
-            st = os.lstat(sp)
-        except OSError:
-            continue
-        mode = st.st_mode
-        if st.st_dev in pseudo:
-            continue  # /proc, /sys ... mounted inside the tree: not files of a rootfs
-        if stat.S_ISLNK(mode):
-            os.symlink(os.readlink(sp), dp)
-        elif sanitize and not _world_readable(st):
-            continue
-        elif stat.S_ISDIR(mode):
-            if len(stack) >= _MAX_DEPTH:
-                raise InvalidRequest(f"{src} is more than {_MAX_DEPTH} directories deep")
-            os.mkdir(dp, 0o700)
-            dirs.append((dp, st))
-            stack.append(listing(sp, dp))
-            continue  # owner, mode and times are set after its contents
-        elif stat.S_ISREG(mode):
-            key = (st.st_dev, st.st_ino)
-            if st.st_nlink > 1 and key in links:
-                os.link(links[key], dp)
+    top = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    # a loop, not a recursion: a tree may be deep
+    stack: list[tuple[int, list[tuple[str, str]]]] = []
+    try:
+        stack.append((top, listing(top, dst)))
+    except BaseException:
+        os.close(top)
+        raise
+    try:
+        while stack:
+            fd, todo = stack[-1]
+            if not todo:
+                os.close(fd)
+                stack.pop()
                 continue
-            shutil.copyfile(sp, dp, follow_symlinks=False)
-            os.chmod(dp, stat.S_IMODE(mode) & ~_SUID_BITS)
-            total += st.st_size
-            if st.st_nlink > 1:
-                links[key] = dp
-        elif stat.S_ISFIFO(mode):
-            os.mkfifo(dp, stat.S_IMODE(mode) & 0o777)
-        else:
-            continue  # sockets, char and block devices
-        os.lchown(dp, st.st_uid, st.st_gid)
-        os.utime(dp, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+            name, dp = todo.pop()
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if st.st_dev in pseudo:
+                continue  # /proc, /sys ... mounted inside the tree: not files of a rootfs
+            if stat.S_ISLNK(st.st_mode):
+                try:
+                    os.symlink(os.readlink(name, dir_fd=fd), dp)
+                except OSError:
+                    continue  # gone meanwhile
+            elif sanitize and not _world_readable(st):
+                continue
+            elif stat.S_ISDIR(st.st_mode):
+                if len(stack) >= _MAX_DEPTH:
+                    raise InvalidRequest(f"{src} is more than {_MAX_DEPTH} directories deep")
+                sub = _open_entry(fd, name, os.O_DIRECTORY)
+                if sub is None:
+                    continue
+                sst = os.fstat(sub)
+                if sst.st_dev in pseudo or (sanitize and not _world_readable(sst)):
+                    os.close(sub)
+                    continue
+                try:
+                    os.mkdir(dp, 0o700)
+                    stack.append((sub, listing(sub, dp)))
+                except BaseException:
+                    os.close(sub)
+                    raise
+                dirs.append((dp, sst))
+                continue  # owner, mode and times are set after its contents
+            elif stat.S_ISREG(st.st_mode):
+                key = (st.st_dev, st.st_ino)
+                if st.st_nlink > 1 and key in links:
+                    os.link(links[key], dp)
+                    continue
+                fin = _open_entry(fd, name, 0)
+                if fin is None:
+                    continue
+                try:
+                    st = os.fstat(fin)
+                    if not stat.S_ISREG(st.st_mode) or (sanitize and not _world_readable(st)):
+                        continue  # swapped for something else meanwhile
+                    fout = os.open(dp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                                   0o600)
+                    try:
+                        while os.sendfile(fout, fin, None, 1 << 30):
+                            pass
+                        os.fchmod(fout, stat.S_IMODE(st.st_mode) & ~_SUID_BITS)
+                    finally:
+                        os.close(fout)
+                finally:
+                    os.close(fin)
+                total += st.st_size
+                if st.st_nlink > 1:
+                    links[(st.st_dev, st.st_ino)] = dp
+            elif stat.S_ISFIFO(st.st_mode):
+                os.mkfifo(dp, stat.S_IMODE(st.st_mode) & 0o777)
+            else:
+                continue  # sockets, char and block devices
+            os.lchown(dp, st.st_uid, st.st_gid)
+            os.utime(dp, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+    finally:
+        for fd, _ in stack:
+            os.close(fd)
 
     for dp, st in reversed(dirs):
         os.lchown(dp, st.st_uid, st.st_gid)
         os.chmod(dp, stat.S_IMODE(st.st_mode))
         os.utime(dp, ns=(st.st_atime_ns, st.st_mtime_ns))
     return total
+
+
+def _open_entry(dir_fd: int, name: str, flags: int) -> int | None:
+    """An fd of ``name`` in the directory ``dir_fd``, not following a symlink and never
+    blocking on a FIFO swapped in; None if it is no longer there as it was."""
+    try:
+        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+                       | flags, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.ENXIO):
+            return None
+        raise
 
 
 def _safe_rel(name: str) -> str | None:
