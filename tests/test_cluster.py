@@ -479,6 +479,54 @@ def test_a_batch_whose_answer_is_megabytes_crosses_the_gateway(cluster, gateway)
         corral.Sandbox.kill_many(boxes, return_exceptions=True)
 
 
+def _gateway_pid() -> int:
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and (d / "cmdline").read_bytes().startswith(b"ray::Gateway"):
+                return int(d.name)
+        except OSError:
+            continue
+    raise AssertionError("no gateway process")
+
+
+def _status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(field)
+
+
+def test_a_big_log_crosses_the_gateway_a_page_at_a_time(cluster, gateway):
+    """A sandbox's log is as big as its commands' outputs made it (1 MiB each is kept): read
+    through the gateway it is streamed from the node, never held whole (six reads at once of
+    a 214 MB log took the gateway to 4 GB, every tenant's placements with it)."""
+    url = os.environ["CORRAL_URL"]
+    token = endpoint_mod._tokens[url]
+    with corral.Sandbox("host", memory_mb=128, timeout=300) as sb:
+        for _ in range(40):
+            r = sb.exec("head -c 786432 /dev/urandom | base64 -w0", max_output_bytes=2 << 20)
+            assert len(r.stdout) == 1 << 20
+        pid = _gateway_pid()
+        Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak from here on
+        before = _status_kib(pid, "VmRSS")
+
+        def read() -> int:
+            req = urllib.request.Request(f"{url}/v1/sandboxes/{sb.id}/log")
+            req.add_header("Authorization", f"Bearer {token}")
+            n = 0
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                assert resp.status == 200
+                while chunk := resp.read(1 << 20):
+                    n += len(chunk)
+            return n
+
+        with ThreadPoolExecutor(4) as ex:
+            sizes = list(ex.map(lambda _: read(), range(4)))
+        assert all(n > 40 << 20 for n in sizes), sizes
+        grew = _status_kib(pid, "VmHWM") - before
+        assert grew < 64 << 10, f"the gateway's peak grew {grew} KiB for 4 x {sizes[0]} bytes"
+
+
 def test_create_many_splits_over_nodes_and_batches_go_to_each_node(cluster, gateway):
     assert wait_until(lambda: all(_live(n) == 0 for n in cluster["nodes"]), timeout=15)
     boxes = corral.Sandbox.create_many(10, "host", memory_mb=64, timeout=120)

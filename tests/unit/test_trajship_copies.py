@@ -60,3 +60,27 @@ def test_a_gone_nodes_copy_is_removed_once_empty(tmp_path):
         assert not os.path.exists(copies.dir_of("n2"))
     finally:
         copies.close()
+
+
+def test_a_copy_is_read_a_page_at_a_time_and_its_owner_from_its_head(tmp_path):
+    """The gateway streams a lost node's sandbox's log from its copy (the node's own pages)
+    and tells whose it is from its sandbox row and first entry, never the whole log."""
+    copies = LogCopies(str(tmp_path), retention_s=100)
+    try:
+        labelled = (7, "c", "create", None, None,
+                    json.dumps({"labels": {"corral.tenant": "alice"}}), json.dumps({}),
+                    None, 7.0, 7.0, None, None)
+        _fill(copies, "n3")
+        copies.apply("n3", 6, {"entries": [labelled]})
+        assert copies.owner_of("n3", "c") == (True, "alice")
+        assert copies.owner_of("n3", "a") == (True, None)  # the admin's
+        assert copies.owner_of("n3", "zz") == (False, None)
+        pages = copies.stream("n3", "b", jsonl=False, more=b',"node":"n3","copy":true')
+        doc = json.loads(b"".join(p for page in pages for p in page))
+        assert [e["seq"] for e in doc["entries"]] == [4, 5]
+        assert doc["node"] == "n3" and doc["copy"] is True and doc["sandbox_id"] == "b"
+        lines = b"".join(p for page in copies.stream("n3", "b", jsonl=True) for p in page)
+        assert [json.loads(x)["seq"] for x in lines.splitlines()] == [4, 5]
+        assert copies.stream("n3", "zz", jsonl=False) is None
+    finally:
+        copies.close()

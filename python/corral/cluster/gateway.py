@@ -17,6 +17,7 @@ import hmac
 import json
 import logging
 import os
+import sqlite3
 import threading
 import time
 from typing import Any
@@ -480,34 +481,56 @@ class Gateway:
         self._sealing.add(fut)
         fut.add_done_callback(self._sealing.discard)
 
-    async def _log_from_nodes(self, sid: str, query: Any, node: str | None
-                              ) -> tuple[int, bytes, str] | None:
+    async def _log_from_nodes(self, request: web.Request, sid: str, node: str | None
+                              ) -> web.StreamResponse | None:
         """Sandbox ``sid``'s log from the live node that has it (``node`` if known, else
-        every node asked at once): (status, body, content type), or None if none has it.
-        SandboxLost if none has it while some node did not answer."""
+        every node asked at once), streamed to the client as the node sends it (a log is as
+        big as its sandbox made it: held whole, six reads of a 214 MB log took the gateway
+        to 4 GB); None if no node has it. SandboxLost if none has it while some node did
+        not answer."""
         nodes = [self.nodes[node]] if node in self.nodes else list(self.nodes.values())
         path = f"/v1/sandboxes/{reads.segment(sid, SandboxNotFound)}/log"
+        # A node that stops sending for ASK_TIMEOUT_S is cut; a long log is not.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=reads.ASK_TIMEOUT_S,
+                                        sock_read=reads.ASK_TIMEOUT_S)
 
-        async def ask(n: Any) -> tuple[int, bytes, str]:
-            async with self.session().get(
-                    n.endpoint + path, params=query,
-                    headers=self.node_headers(),
-                    timeout=aiohttp.ClientTimeout(total=reads.ASK_TIMEOUT_S)) as r:
-                return r.status, await r.read(), r.content_type
+        async def ask(n: Any) -> aiohttp.ClientResponse:
+            return await self.session().get(n.endpoint + path, params=request.query,
+                                            headers=self.node_headers(), timeout=timeout)
 
         got = await asyncio.gather(*(ask(n) for n in nodes), return_exceptions=True)
+        chosen: aiohttp.ClientResponse | None = None
         failed = False
         for r in got:
             if isinstance(r, BaseException):
                 failed = True
-            elif r[0] != 404:
-                return r
-        if failed:
-            raise SandboxLost(f"no answering node has sandbox {sid}'s log, and some node did "
-                              "not answer", details={"id": sid})
-        return None
+            elif chosen is None and r.status != 404:
+                chosen = r
+            else:
+                r.release()
+        if chosen is None:
+            if failed:
+                raise SandboxLost(f"no answering node has sandbox {sid}'s log, and some node "
+                                  "did not answer", details={"id": sid})
+            return None
+        try:
+            out = web.StreamResponse(status=chosen.status, headers={
+                "Content-Type": chosen.headers.get("Content-Type", "application/json")})
+            await out.prepare(request)
+            try:
+                async for chunk in chosen.content.iter_chunked(1 << 20):
+                    await out.write(chunk)
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                # the status is sent: the client sees a cut stream, never a second answer
+                if request.transport is not None:
+                    request.transport.abort()
+                return out
+            await out.write_eof()
+            return out
+        finally:
+            chosen.release()
 
-    async def _sandbox_log(self, request: web.Request) -> web.Response:
+    async def _sandbox_log(self, request: web.Request) -> web.StreamResponse:
         """A sandbox's trajectory log: from its node while the node lives, else from the
         node's copy here (a lost node's sandboxes: ``corral log``, ``corral replay``)."""
         if not self._authorized(request):
@@ -523,27 +546,54 @@ class Gateway:
                                                                          sid)
             if node is None or node in self.nodes:
                 try:
-                    got = await self._log_from_nodes(sid, request.query, node)
+                    got = await self._log_from_nodes(request, sid, node)
                 except SandboxLost:
                     if node is None:
                         raise
                     got = None
                 if got is not None:
-                    return web.Response(body=got[1], status=got[0], content_type=got[2])
+                    return got
             if node is None or logs is None:
                 raise SandboxNotFound(f"no node has sandbox {sid} or a trajectory log of it",
                                       details={"id": sid})
-            data = await loop.run_in_executor(logs.pool, logs.read, node, sid)
+            has, owner = await loop.run_in_executor(logs.pool, logs.owner_of, node, sid)
             tenant = self.tenant()
-            if data is None or (tenant is not None and trajship.owner(data) != tenant):
+            if not has or (tenant is not None and owner != tenant):
                 raise SandboxNotFound(f"no sandbox {sid} and no trajectory log for it",
                                       details={"id": sid})
         except CorralError as e:
             return _error(e)
-        if fmt == "jsonl":
-            return web.Response(body=trajship.jsonl(data["entries"]),
-                                content_type="application/x-ndjson")
-        return web.json_response(dict(data, node=node, copy=True))
+        return await self._log_from_copy(request, node, sid, fmt == "jsonl")
+
+    async def _log_from_copy(self, request: web.Request, node: str, sid: str,
+                             jsonl: bool) -> web.StreamResponse:
+        """A lost node's sandbox's log from its copy here, a page at a time (as a node
+        streams its own)."""
+        logs = self.logs
+        assert logs is not None
+        more = b',"node":' + json.dumps(node).encode() + b',"copy":true'
+        pages = await asyncio.get_running_loop().run_in_executor(
+            logs.pool, logs.stream, node, sid, jsonl, more)
+        if pages is None:
+            return _error(SandboxNotFound(f"no sandbox {sid} and no trajectory log for it",
+                                          details={"id": sid}))
+        try:
+            out = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"
+                                              if jsonl else "application/json"})
+            await out.prepare(request)
+            try:
+                while (pieces := await asyncio.to_thread(next, pages, None)) is not None:
+                    for piece in pieces:
+                        await out.write(piece)
+            except (sqlite3.Error, OSError):
+                log.exception("reading a lost node's log copy failed mid-stream")
+                if request.transport is not None:
+                    request.transport.abort()
+                return out
+            await out.write_eof()
+            return out
+        finally:
+            pages.close()
 
     # ---- placement's view of the nodes ----------------------------------------------------
     def nodes_changed(self) -> None:
@@ -781,9 +831,10 @@ class Gateway:
         if got is None:
             return None
         node = got.pop("node")
-        data = await loop.run_in_executor(logs.pool, logs.read, node, got["sandbox_id"])
+        has, owner = await loop.run_in_executor(logs.pool, logs.owner_of, node,
+                                                got["sandbox_id"])
         tenant = self.tenant()
-        if data is None or (tenant is not None and trajship.owner(data) != tenant):
+        if not has or (tenant is not None and owner != tenant):
             return None
         # No endpoint: a handle made from it calls the gateway, which answers sandbox_lost.
         got["sandbox"] = dict(got["sandbox"], node=node, endpoint=None)
@@ -809,9 +860,9 @@ class Gateway:
             loop = asyncio.get_running_loop()
             node = await loop.run_in_executor(logs.pool, logs.find, sid)
             if node is not None and node not in self.nodes:
-                data = await loop.run_in_executor(logs.pool, logs.read, node, sid)
+                has, owner = await loop.run_in_executor(logs.pool, logs.owner_of, node, sid)
                 tenant = self.tenant()
-                if data is not None and (tenant is None or trajship.owner(data) == tenant):
+                if has and (tenant is None or owner == tenant):
                     return _error(SandboxLost(
                         f"sandbox {sid} was on cluster node {node}, which is gone, and the "
                         "sandbox with it", details={"id": sid, "node": node}))

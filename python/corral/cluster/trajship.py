@@ -197,6 +197,27 @@ class LogCopies:
                     "node": node}
         return None
 
+    def owner_of(self, node: str, sid: str) -> tuple[bool, str | None]:
+        """(whether node ``node``'s copy has sandbox ``sid``'s log, the tenant it belongs to),
+        from its sandbox row and its first entry: never the whole log (a tenant's calls on
+        a lost sandbox must not each load it)."""
+        conn = self._db(node)
+        srow = conn.execute("SELECT spec FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()
+        first = conn.execute(f"SELECT op, request FROM entries WHERE seq IN ({_SANDBOX_SEQS}) "
+                             "ORDER BY seq LIMIT 1", {"sid": sid}).fetchone()
+        if srow is None and first is None:
+            return False, None
+        head: dict[str, Any] = {
+            "sandbox": {"spec": json.loads(srow[0]) if srow and srow[0] else None},
+            "entries": [{"op": first[0], "request": json.loads(first[1])}] if first else []}
+        return True, owner(head)
+
+    def stream(self, node: str, sid: str, jsonl: bool, more: bytes = b""
+               ) -> Any:
+        """Sandbox ``sid``'s log from node ``node``'s copy as pages of pieces (the node's
+        own ``Reader.stream``): the gateway holds one page, never the whole log."""
+        return Reader(self.dir_of(node)).stream(sid, jsonl=jsonl, more=more)
+
     def read(self, node: str, sid: str) -> dict[str, Any] | None:
         """Sandbox ``sid``'s log from node ``node``'s copy, as the node answers it."""
         got = Reader(self.dir_of(node)).read(sid)
@@ -233,7 +254,3 @@ def owner(log: dict[str, Any]) -> str | None:
         first = log["entries"][0]
         labels = (first.get("request") or {}).get("labels") if first["op"] == "create" else None
     return labels.get(TENANT_LABEL) if isinstance(labels, dict) else None
-
-
-def jsonl(entries: list[dict[str, Any]]) -> bytes:
-    return b"".join(json.dumps(e, separators=(",", ":")).encode() + b"\n" for e in entries)

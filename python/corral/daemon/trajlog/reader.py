@@ -98,13 +98,14 @@ class Reader(_Base):
         return sandbox, entries
 
     def stream(self, sid: str, tail: int | None = None, max_output: int | None = None,
-               jsonl: bool = False) -> Iterator[list[bytes]] | None:
+               jsonl: bool = False, more: bytes = b"") -> Iterator[list[bytes]] | None:
         """``sid``'s log as pieces of one JSON document (``jsonl``: one entry a line), a
         list of pieces for each page of rows: the daemon holds one page, never the whole
         log (a sandbox decides how big its entries are). The stored JSON texts are spliced
         in as they are. ``tail``: only the last entries; ``max_output``: exec outputs cut
         to that many characters (``view_truncated``). None if the log never heard of
-        ``sid``. Call ``next`` from a worker thread: each page is a query."""
+        ``sid``. ``more``: members added to the document at its end (``,"k":v``). Call
+        ``next`` from a worker thread: each page is a query."""
         if not self.enabled:
             raise Unsupported("the trajectory log is off on this daemon (CORRAL_TRAJLOG=0)")
         conn = self._connect()
@@ -122,11 +123,11 @@ class Reader(_Base):
             conn.close()
             return None
         return self._pages(conn, sid, srow, count, -1 if top is None else top, tail,
-                           max_output, jsonl)
+                           max_output, jsonl, more)
 
     def _pages(self, conn: sqlite3.Connection, sid: str, srow: tuple[Any, ...] | None,
                count: int, top: int, tail: int | None, max_output: int | None,
-               jsonl: bool) -> Iterator[list[bytes]]:
+               jsonl: bool, more: bytes = b"") -> Iterator[list[bytes]]:
         try:
             first = max(0, count - tail) if tail is not None else 0
             if not jsonl:
@@ -191,7 +192,7 @@ class Reader(_Base):
                     break
                 yield [b"".join(parts)] if size < PAGE_BYTES else parts
             if not jsonl:
-                yield [b"]}"]
+                yield [b"]" + more + b"}"]
         finally:
             conn.close()
 
