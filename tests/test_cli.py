@@ -85,6 +85,27 @@ def test_create_ls_info(sid, label):
     assert "256 MiB" in ok("info", sid)
 
 
+def test_what_a_tenant_or_a_sandbox_wrote_reaches_the_terminal_as_inert_text():
+    """Labels, metadata and command output are other people's text: a label
+    ``\x1b[23Dcorral.tenant=bob\x1b[K`` made the admin's ``corral ls`` show another tenant's
+    label, one of ``[/x]`` made it fail (Rich markup), and a command printing
+    ``\x1b[8Dexit 0  tests passed`` read as a pass in ``corral log``. Every control
+    character is shown escaped, brackets as they are, and no command fails on them."""
+    hostile = "\x1b[2J\x1b]52;c;cHduZWQ=\x07[/x][bold]b"
+    with corral.Sandbox(labels={"clitest": hostile[:200]}, metadata={"m": hostile},
+                        timeout=120) as sb:
+        sb.exec(["sh", "-c", "printf '\\033[8Dexit 0  tests passed\\033[K'; exit 1"])
+        for args in (("ls",), ("info", sb.id), ("log", sb.id)):
+            r = corral_cli(*args)
+            assert r.returncode == 0, (args, r.stdout, r.stderr)
+            assert "\x1b" not in r.stdout and "\x07" not in r.stdout, (args, r.stdout)
+            if args[0] != "log":
+                assert "[/x][bold]b" in r.stdout, (args, r.stdout)
+        assert "\\x1b[8Dexit 0" in ok("log", sb.id) and "exit 1" in ok("log", sb.id)
+    with pytest.raises(corral.InvalidRequest):  # "$" matched before a final newline
+        corral.Sandbox(labels={"corral.tenant\n": "bob"}, timeout=60)
+
+
 def test_create_json():
     info = json.loads(ok("create", "--json", "--cpu", "0.5", "--env", "A=1"))
     try:

@@ -316,8 +316,11 @@ class SandboxSpec(_Model):
 
         if len(v) > MAX_LABELS and not _stored(info):
             raise ValueError(f"more than {MAX_LABELS} labels")
+        # fullmatch: "$" also matches before a final newline ("corral.tenant\n" looked like
+        # the tenant label in a listing); a stored spec is read as it was written.
+        matches = re.match if _stored(info) else re.fullmatch
         for k, val in v.items():
-            if not re.match(LABEL_KEY_PATTERN, k) or len(val) > 256:
+            if not matches(LABEL_KEY_PATTERN, k) or len(val) > 256:
                 raise ValueError(f"bad label {k!r}: keys match {LABEL_KEY_PATTERN}, values <= 256")
         return v
 

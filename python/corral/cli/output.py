@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -18,8 +19,31 @@ from rich.text import Text
 
 from corral.errors import CorralError
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+# C0 and C1 control characters but tab and newline, DEL, and the bidirectional overrides: what
+# would let text a sandbox, a tenant or an image author wrote (labels, metadata, command
+# output, names, image configs, error messages) move the cursor, erase or restyle lines, write
+# the clipboard, hide a link or reorder what the operator's terminal shows.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def inert(text: str) -> str:
+    """``text`` with every control character shown as its escape (``\x1b``), never sent."""
+    return _CONTROL.sub(lambda m: (f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100
+                                   else f"\\u{ord(m[0]):04x}"), text)
+
+
+class InertConsole(Console):
+    """A console that shows every string as the text it is: no markup (labels, outputs and
+    names hold brackets: "[/x]" made a listing fail, "[timeout]" vanished) and no control
+    sequence. Strings reach the terminal through ``render_str`` (tables' cells too); a
+    ``Text`` made by hand must be made of ``inert`` text."""
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:
+        return super().render_str(inert(text), **kwargs)
+
+
+out = InertConsole(highlight=False, markup=False, emoji=False)
+err = InertConsole(stderr=True, highlight=False, markup=False, emoji=False)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -30,7 +54,8 @@ EXIT_TIMED_OUT = 124    # exec/run: the command hit its timeout (coreutils timeo
 
 def fail(e: CorralError, code: int = EXIT_ERROR) -> typer.Exit:
     # Text, not markup: messages may contain brackets.
-    err.print(Text.assemble(("error", "bold red"), f" [{e.code}]: {e.message}"), soft_wrap=True)
+    err.print(Text.assemble(("error", "bold red"), inert(f" [{e.code}]: {e.message}")),
+              soft_wrap=True)
     return typer.Exit(code)
 
 

@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from corral.cli.output import err, handled, out, print_json
+from corral.cli.output import err, handled, inert, out, print_json
 from corral.cli.sandboxes import no_autostart
 from corral.models import LogEntry
 from corral.sdk import Sandbox
@@ -20,7 +20,8 @@ app = typer.Typer()
 
 
 def _clip(text: str, n: int = 60) -> str:
-    text = text.replace("\n", "\\n")
+    """One line of at most ``n`` characters, inert (a command's output is the sandbox's)."""
+    text = inert(text.replace("\n", "\\n"))
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
@@ -90,7 +91,7 @@ def log(
         what, outcome = summary(e)
         style = "red" if e.error else None
         t.add_row(str(e.index), time.strftime("%H:%M:%S", time.localtime(e.started_at)), e.op,
-                  Text(_clip(what)), Text(outcome, style=style or ""),
+                  Text(_clip(what)), Text(inert(outcome), style=style or ""),
                   "-" if e.duration_s is None else f"{e.duration_s * 1000:.1f} ms",
                   e.idempotency_key or "")
     out.print(t)
@@ -122,7 +123,8 @@ def replay(
         for s in rep.steps:
             diffs: Any = "; ".join(f"{k}: {_short(a)} -> {_short(b)}"
                                    for k, (a, b) in s.diffs.items()) or s.note
-            t.add_row(str(s.index), s.op, Text(_clip(s.what)), marks[s.status], Text(diffs))
+            t.add_row(str(s.index), s.op, Text(_clip(s.what)), marks[s.status],
+                      Text(inert(diffs)))
         out.print(t)
         if rep.base.startswith("sb-"):
             err.print(f"started from {rep.base}: those parent steps were replayed first")
