@@ -659,9 +659,9 @@ class Zygote:
         for have in req["stdio"]:
             stdio.append(self.fds.pop(0) if have and self.fds else -1)
         slot = self.slots[0]
-        pidfd = -1
-        setup_r, setup_w = os.pipe2(os.O_CLOEXEC)
+        pidfd = setup_r = setup_w = -1
         try:
+            setup_r, setup_w = os.pipe2(os.O_CLOEXEC)
             pid = os.fork()
             if pid == 0:
                 os.close(setup_r)
@@ -709,7 +709,7 @@ class Zygote:
         os.closerange(setup + 1, 1 << 20)
         try:
             os.chdir(req["cwd"])
-        except OSError:
+        except (OSError, ValueError):
             os.chdir(slot.scratch)  # a missing working directory: its home
         os.umask(0o022)
         self.core.zygote_lockdown(slot.uid, slot.uid, self.rlimits, landlock=False)
@@ -719,6 +719,9 @@ class Zygote:
         except OSError as e:
             os.write(2, f"{argv[0]}: {e.strerror}\n".encode())
             os._exit(127 if e.errno == errno.ENOENT else 126)
+        except (ValueError, UnicodeError) as e:  # what the command names, not the host's
+            os.write(2, f"{argv[0]!r}: {e}\n".encode("utf-8", "replace"))
+            os._exit(126)
 
     def _child(self, slot: Slot, ctl: int, fout: int, ferr: int, go: int) -> None:
         # The fork server reset the wakeup fd and SIGCHLD before its loop: inherited.
@@ -793,7 +796,7 @@ def _setup_failure(fd: int) -> str:
     while True:
         left = deadline - time.monotonic()
         if left <= 0 or not poller.poll(left * 1000):
-            return ""
+            return got.decode("utf-8", "replace")
         chunk = os.read(fd, 1024)
         if not chunk:
             return got.decode("utf-8", "replace")
