@@ -68,3 +68,29 @@ def test_a_copy_keeps_the_tree(tmp_path: Path) -> None:
     assert os.readlink(dst / "out") == "/etc/passwd"
     assert (dst / "fifo").is_fifo()
     assert (dst / "d").stat().st_mtime_ns == 1_700_000_000_000_000_000
+
+
+def test_a_source_swapped_for_a_symlink_after_its_check_is_refused(tmp_path: Path) -> None:
+    """The source's own path (and every parent) was checked as a resolved path when the
+    request came: made a symlink to a host directory since, it is refused, never followed."""
+    import pytest
+
+    from corral.errors import InvalidRequest
+
+    secret = tmp_path / "host" / "secret"
+    secret.mkdir(parents=True)
+    (secret / "SECRET").write_text("host data")
+    parent = tmp_path / "import" / "team"
+    (parent / "ws").mkdir(parents=True)
+    src = os.path.realpath(parent / "ws")  # what the request's check resolved
+    for swapped in (Path(src), parent):  # the source itself, then a parent of it
+        real = swapped.with_name(swapped.name + ".real")
+        os.rename(swapped, real)
+        os.symlink(secret if swapped == Path(src) else secret.parent, swapped)
+        dst = tmp_path / f"copy-{swapped.name}"
+        dst.mkdir()
+        with pytest.raises(InvalidRequest):
+            images._copy_tree(src, str(dst), sanitize=False)
+        assert not list(dst.rglob("SECRET"))
+        os.unlink(swapped)
+        os.rename(real, swapped)

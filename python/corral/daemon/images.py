@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from corral.daemon import removal, safetar
+from corral.daemon import nofollow, removal, safetar
 from corral.daemon.oci import ref as oci_ref
 from corral.daemon.oci import unpack as oci_unpack
 from corral.daemon.oci.layers import LayerStore
@@ -222,7 +222,7 @@ def _copy_tree(src: str, dst: str, sanitize: bool) -> int:
             return [(e.name, os.path.join(d, e.name))
                     for e in sorted(it, key=lambda e: e.name, reverse=True)]
 
-    top = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    top = open_dir_nofollow(src)
     # a loop, not a recursion: a tree may be deep
     stack: list[tuple[int, list[tuple[str, str]]]] = []
     try:
@@ -309,6 +309,21 @@ def _copy_tree(src: str, dst: str, sanitize: bool) -> int:
         os.chmod(dp, stat.S_IMODE(st.st_mode))
         os.utime(dp, ns=(st.st_atime_ns, st.st_mtime_ns))
     return total
+
+
+def open_dir_nofollow(path: str) -> int:
+    """An fd of the directory ``path`` (absolute, resolved: the path its caller checked),
+    opened one component at a time from ``/`` without following a symlink: a component
+    swapped for a symlink since the check (a source dir, or a parent of it, made a link to
+    /root) is refused (``InvalidRequest``), never followed."""
+    try:
+        return nofollow.open_dir("/", path)
+    except OSError as e:
+        if e.errno in nofollow.GONE:
+            raise InvalidRequest(f"{path} is no longer the directory it was (a symlink or "
+                                 "something else now stands on its path)",
+                                 details={"source": path}) from None
+        raise
 
 
 def _open_entry(dir_fd: int, name: str, flags: int) -> int | None:
@@ -632,6 +647,7 @@ class ImageStore:
             if h not in top_first:
                 top_first.append(h)
         oci_unpack.check_layer_count(len(top_first))  # before any is mounted
+        oci_unpack.check_lowers([self.layers.lower_path(h) for h in top_first])
         lowers = [self.layers.lower(h) for h in top_first]
         return dataclasses.replace(img, overlays=[("/", [*lowers, self.layers.skeleton])])
 

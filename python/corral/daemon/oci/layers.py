@@ -183,6 +183,13 @@ class LayerStore:
     def snapshot_part(self, hexd: str) -> str:
         return os.path.join(self.snap_dir, hexd, "0")
 
+    def lower_path(self, hexd: str) -> str:
+        """The directory ``lower`` gives for this layer, without mounting anything."""
+        base = self.path(hexd)
+        if os.path.isfile(os.path.join(base, "layer.erofs")) or self.is_snapshot_part(hexd):
+            return os.path.join(self.mnt_dir, hexd[:16])
+        return os.path.join(base, "tree")
+
     def lower(self, hexd: str) -> str:
         """The directory to stack for this layer, mounted first if it is an EROFS image."""
         base = self.path(hexd)
@@ -233,10 +240,12 @@ class LayerStore:
                 m = self.meta(hexd)
                 # The same blob read another way (another media type) is other files: the
                 # stored layer stands for this image only if it unpacked to its diff_id.
-                if diff_id is not None and m.get("diff_id") not in (None, diff_id):
-                    raise InvalidImage(f"layer sha256:{hexd} unpacks to {m['diff_id']}, the "
-                                       f"image config says {diff_id}",
-                                       details={"expected": diff_id, "got": m["diff_id"]})
+                # A layer stored some other way (a host dir's, a commit's: no diff_id) is
+                # not one of an image's blobs either.
+                if diff_id is not None and m.get("diff_id") != diff_id:
+                    raise InvalidImage(f"layer sha256:{hexd} unpacks to {m.get('diff_id')}, "
+                                       f"the image config says {diff_id}",
+                                       details={"expected": diff_id, "got": m.get("diff_id")})
                 limits.used_bytes += int(m.get("unpacked_bytes", 0))
                 if limits.used_bytes > limits.max_bytes:
                     raise unpack._too_large(limits)

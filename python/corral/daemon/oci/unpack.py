@@ -22,7 +22,6 @@ Nothing in the layer is trusted:
 
 from __future__ import annotations
 
-import errno
 import gzip
 import hashlib
 import math
@@ -35,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
 
-from corral.daemon import removal, safetar
+from corral.daemon import nofollow, removal, safetar
 from corral.errors import InvalidImage, TooLarge
 
 GZIP = ("application/vnd.oci.image.layer.v1.tar+gzip",
@@ -122,6 +121,22 @@ def _too_large(limits: Limits) -> TooLarge:
                     f"and {limits.max_members} files)",
                     details={"limit": "image_max_bytes", "max_bytes": limits.max_bytes,
                              "max_members": limits.max_members})
+
+
+# The bytes of an image's lowerdir option (its layers' paths, a ':' each): what the kernel
+# takes in a page less the overlay's upper, work and the snapshots stacked on it.
+MAX_LOWERS_BYTES = 3072
+
+
+def check_lowers(paths: list[str]) -> None:
+    """An image whose layers' paths do not fit in one overlay option is refused before any
+    of them is mounted (a layer stored as a directory has a longer path than a mounted one)."""
+    n = sum(len(p) + 1 for p in paths)
+    if n > MAX_LOWERS_BYTES:
+        raise InvalidImage(f"the image's {len(paths)} layers take {n} bytes of overlay "
+                           f"options; at most {MAX_LOWERS_BYTES} fit",
+                           details={"limit": "image_layers", "layers": len(paths),
+                                    "option_bytes": n, "max_option_bytes": MAX_LOWERS_BYTES})
 
 
 def check_layer_count(n: int) -> None:
@@ -361,22 +376,12 @@ class _Layer:
         from the layer's root without following a symlink: None if it is no longer there as
         a directory. A later member may have made one of its parents a symlink (``a/dir``,
         then ``a`` -> /etc): its path would then name the host's directory."""
-        rel = os.path.relpath(target, self.root)
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        if rel == ".":
-            return fd
         try:
-            for part in rel.split(os.sep):
-                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                              dir_fd=fd)
-                os.close(fd)
-                fd = nfd
+            return nofollow.open_dir(self.root, os.path.relpath(target, self.root))
         except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            if e.errno in nofollow.GONE:
                 return None  # replaced by a later member
             raise
-        return fd
 
     def close(self) -> None:
         """The directories' metadata, last (their children's creation would change their
@@ -438,6 +443,7 @@ def unpack(blob: str, media_type: str, root: str, limits: Limits) -> Result:
                     layer.apply(tf, m)
             while hashed.read(1 << 20):  # the end-of-archive padding counts in the diff_id
                 pass
+            layer.close()  # the directories' owners and times: out of range is the layer's
         except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
             raise InvalidImage(f"corrupt layer: {e}", details={"error": str(e)}) from e
         except OverflowError as e:  # an owner (PAX uid) or time no syscall takes
@@ -447,7 +453,6 @@ def unpack(blob: str, media_type: str, root: str, limits: Limits) -> Result:
             if type(e).__name__ == "ZstdError":
                 raise InvalidImage(f"corrupt zstd layer: {e}", details={"error": str(e)}) from e
             raise
-        layer.close()
     finally:
         stream.close()
     result.diff_id = "sha256:" + hashed.h.hexdigest()
