@@ -108,6 +108,32 @@ def test_a_snapshot_moves_to_another_daemon_and_children_see_its_files(target):
     snap.delete()
 
 
+def test_long_paths_move_and_paths_past_the_bound_are_the_sandboxs_own_limit(target):
+    """A sandbox may make paths up to PATH_MAX; stored under the state dir they grew past
+    what a call by path takes, and the export of a snapshot holding a 4,020-byte one was cut
+    short (its copies to other nodes failed as infra, and a node drain with them). Paths
+    up to the bound move whole; a snapshot of one past it is the sandbox's ``too_large``."""
+    from corral.errors import TooLarge
+
+    d = target
+    deep = "/work/" + "/".join(["p" * 200] * 15)  # ~3,000 bytes from the layer's root
+    with Sandbox(timeout=120) as sb:
+        sb.exec(["mkdir", "-p", deep]).check()
+        sb.files.write(deep + "/f", "deep\n")
+        snap = sb.snapshot()
+        too_deep = deep + "/" + "/".join(["q" * 200] * 4)
+        sb.exec(["mkdir", "-p", too_deep]).check()
+        with pytest.raises(TooLarge) as e:
+            sb.snapshot()
+        assert e.value.details["limit"] == "path_bytes", e.value.details
+    data = _export(snap.id)
+    assert any(m.endswith("/f") and len(m) > 3000 for m in _members(data))
+    r = _import(d, data)
+    assert r.status_code == 201, r.text
+    with Sandbox(snapshot=snap.id, endpoint=f"unix://{d.socket_path}", timeout=120) as kid:
+        assert kid.files.read(deep + "/f") == "deep\n"
+
+
 def test_export_of_an_unknown_snapshot_and_bad_have(target):
     with client() as c:
         expect_error(c.get("/v1/snapshots/snap-0000000000000000/export"),

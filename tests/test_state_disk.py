@@ -429,6 +429,30 @@ def test_a_pull_stops_before_the_reserve_not_only_at_its_start():
             clean(base)
 
 
+def test_sparse_files_weigh_in_a_tenants_snapshot_quota_what_they_take_of_the_disk():
+    """A snapshot's size was the larger of its files' apparent sizes and what the copy took:
+    a sandbox's 15 GiB sparse files on 29 MB of disk took its tenant's quota, and her honest
+    snapshots and forks were quota_exceeded (infra, masked). The copy keeps the holes, and
+    the quota counts what it took."""
+    tokens = {**TOKENS, "alice": {"token": TOKENS["alice"], "snapshot_mb": 64}}
+    with small_disk_daemon(2048, tokens_file=tokens, CORRAL_SCRATCH_SIZE="600m",
+                           CORRAL_DISK_RESERVE_MB="64", CORRAL_OUTPUT_DISK_MB="16") as (_, base):
+        try:
+            alice = client(base, TOKENS["alice"])
+            sparse = ok(alice.post("/v1/sandboxes", json={}), 201)["id"]
+            ok(alice.post(f"/v1/sandboxes/{sparse}/exec", json={
+                "cmd": "truncate -s 1G /root/s && printf x >> /root/s"}))
+            snap = ok(alice.post(f"/v1/sandboxes/{sparse}/snapshot", json={}), 201)
+            assert snap["size"] < 1 << 20, snap
+            honest = ok(alice.post("/v1/sandboxes", json={}), 201)["id"]
+            ok(alice.post(f"/v1/sandboxes/{honest}/exec", json={
+                "cmd": "head -c 10000000 /dev/urandom > /root/d"}))
+            snap = ok(alice.post(f"/v1/sandboxes/{honest}/snapshot", json={}), 201)
+            assert 10_000_000 <= snap["size"] < 11 << 20, snap
+        finally:
+            clean(base)
+
+
 def test_a_tenants_snapshots_of_empty_files_count_against_her_quota():
     """A snapshot's size was its file data: seven snapshots of trees of empty files held
     every inode above the daemon's reserve at 0 bytes of a 1 MB quota, and the other

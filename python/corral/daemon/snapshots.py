@@ -433,8 +433,13 @@ class SnapshotStore:
                                                    self.MAX_DEPTH, control)
             finally:
                 thaw()
-            if control is not None:  # its weight on the disk and in the tenant's quota:
-                size = max(size, control.charged())  # a block for each entry, xattrs
+            if control is not None:
+                # Its weight on the disk and in the tenant's quota: what the copy took (file
+                # data, holes kept; a block for each entry; xattrs), never the files' apparent
+                # sizes (sparse files of 15 GiB on 29 MB of disk took a tenant's quota, and
+                # its honest snapshots were quota_exceeded, infra). ``max_bytes`` still bounds
+                # the apparent size, in the copy.
+                size = control.charged()
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.join(tmp, "0"))  # the spare's part 0, if its upper was empty
             if held is False:

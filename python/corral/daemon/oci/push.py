@@ -70,16 +70,18 @@ def _plain_name(name: str) -> bool:
     return name.isprintable() and "=" not in name
 
 
-def _member(root: str, rel: str, st: os.stat_result, exact: bool = False) -> tarfile.TarInfo:
+def _member(at: str | int, rel: str, st: os.stat_result, exact: bool = False
+            ) -> tarfile.TarInfo:
+    """The tar header of the entry ``rel`` with its xattrs, read through ``at``: an fd of the
+    entry itself, or the /proc/self/fd path of one (O_PATH); a symlink's are not read."""
     ti = tarfile.TarInfo(rel)
     ti.mode, ti.uid, ti.gid = stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
     ti.mtime = int(st.st_mtime)
     ti.uname = ti.gname = ""
     pax: dict[str, str] = {}
-    path = os.path.join(root, rel)
     if not stat.S_ISLNK(st.st_mode):
         try:
-            names = sorted(os.listxattr(path, follow_symlinks=False))
+            names = sorted(os.listxattr(at))
         except OSError:
             names = []
         for n in names:
@@ -88,7 +90,7 @@ def _member(root: str, rel: str, st: os.stat_result, exact: bool = False) -> tar
                                    "with overlay redirect_dir on has no tar form)",
                                    details={"path": rel, "xattr": n})
             if n.startswith("user.") or (exact and n in EXACT_XATTRS):
-                v = os.getxattr(path, n, follow_symlinks=False)
+                v = os.getxattr(at, n)
                 value = v.decode("utf-8", "surrogateescape")
                 if _plain_name(n):
                     pax[f"SCHILY.xattr.{n}"] = value
@@ -120,42 +122,87 @@ def add_tree(tf: tarfile.TarFile, root: str, prefix: str = "", exact: bool = Fal
     """Add the overlay-form tree ``root`` to ``tf``, every name (and hard link target) under
     ``prefix`` (empty, or ending in "/"). ``exact`` (a snapshot's layer moving to another
     node, whose digest must come out the same): a regular file's mtime to the nanosecond
-    (PAX ``CORRAL.mtime_ns``), and a whiteout's or FIFO's own mode and owner."""
+    (PAX ``CORRAL.mtime_ns``), and a whiteout's or FIFO's own mode and owner.
+
+    Walked by fds, one a directory on the way down: a sandbox's paths may be as long as the
+    kernel lets it make them (4,095 bytes), which the layer's own place on the host makes
+    longer than any path a call takes (a 4,020-byte one cut every export of its snapshot)."""
     links: dict[tuple[int, int], str] = {}
-    stack = [""]
-    while stack:
-        d = stack.pop()
-        with os.scandir(os.path.join(root, d)) as it:
-            names = sorted(e.name for e in it)
-        subdirs = []
-        for name in names:
-            rel = f"{d}/{name}" if d else name
-            path = os.path.join(root, rel)
-            st = os.lstat(path)
-            m = st.st_mode
-            if stat.S_ISCHR(m) and st.st_rdev == 0:  # a whiteout
-                wh = tarfile.TarInfo(prefix + (f"{d}/.wh.{name}" if d else f".wh.{name}"))
-                wh.mtime = int(st.st_mtime)
-                if exact:
-                    wh.mode, wh.uid, wh.gid = stat.S_IMODE(m), st.st_uid, st.st_gid
-                    wh.pax_headers = {WHITEOUT: "1"}  # ".wh..opq"'s is no opaque marker
-                _add(tf, wh)
+    top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    # Each directory on the way down: its fd, its path in the tree, its subdirectories to go.
+    frames: list[tuple[int, str, list[str]]] = []
+    try:
+        frames.append((top, "", _add_dir(tf, top, "", prefix, exact, links)))
+    except BaseException:
+        os.close(top)
+        raise
+    try:
+        while frames:
+            dfd, d, todo = frames[-1]
+            if not todo:
+                os.close(dfd)
+                frames.pop()
                 continue
-            # A snapshot's layer holds what its sandbox made: a socket file (a leftover of a
-            # server), names like whiteouts, ACLs. The exact form carries them (unpack.LITERAL,
-            # SOCKET, EXACT_XATTRS): dropped, the layer would hash differently on arrival and a
-            # sandbox could make every copy of its snapshot fail as the cluster's (infra).
-            sock = exact and stat.S_ISSOCK(m)
-            if not (stat.S_ISDIR(m) or stat.S_ISREG(m) or stat.S_ISLNK(m)
-                    or stat.S_ISFIFO(m) or sock):
-                continue  # devices and sockets never reach an image layer; skip if any
-            if name.startswith(".wh.") and not exact:
-                # Any reader of an OCI layer takes it for a whiteout (of the name after the
-                # prefix, or the opaque marker): pushed, the image would lose a file.
-                raise InvalidImage(f"cannot push: {rel!r} is named like an OCI whiteout "
-                                   "(.wh.*) and would read as one; rename it",
-                                   details={"path": rel})
-            ti = _member(root, rel, st, exact)
+            name = todo.pop()
+            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                          dir_fd=dfd)
+            rel = f"{d}/{name}" if d else name
+            try:
+                frames.append((sub, rel, _add_dir(tf, sub, rel, prefix, exact, links)))
+            except BaseException:
+                os.close(sub)
+                raise
+    finally:
+        for dfd, _, _ in frames:
+            os.close(dfd)
+
+
+def _add_dir(tf: tarfile.TarFile, dfd: int, d: str, prefix: str, exact: bool,
+             links: dict[tuple[int, int], str]) -> list[str]:
+    """Add the entries of the directory ``dfd`` (``d`` in the tree) to ``tf``, in name order;
+    return its subdirectories' names, last first (to be popped in name order)."""
+    with os.scandir(dfd) as it:
+        names = sorted(e.name for e in it)
+    subdirs = []
+    for name in names:
+        rel = f"{d}/{name}" if d else name
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        m = st.st_mode
+        if stat.S_ISCHR(m) and st.st_rdev == 0:  # a whiteout
+            wh = tarfile.TarInfo(prefix + (f"{d}/.wh.{name}" if d else f".wh.{name}"))
+            wh.mtime = int(st.st_mtime)
+            if exact:
+                wh.mode, wh.uid, wh.gid = stat.S_IMODE(m), st.st_uid, st.st_gid
+                wh.pax_headers = {WHITEOUT: "1"}  # ".wh..opq"'s is no opaque marker
+            _add(tf, wh)
+            continue
+        # A snapshot's layer holds what its sandbox made: a socket file (a leftover of a
+        # server), names like whiteouts, ACLs. The exact form carries them (unpack.LITERAL,
+        # SOCKET, EXACT_XATTRS): dropped, the layer would hash differently on arrival and a
+        # sandbox could make every copy of its snapshot fail as the cluster's (infra).
+        sock = exact and stat.S_ISSOCK(m)
+        if not (stat.S_ISDIR(m) or stat.S_ISREG(m) or stat.S_ISLNK(m)
+                or stat.S_ISFIFO(m) or sock):
+            continue  # devices and sockets never reach an image layer; skip if any
+        if name.startswith(".wh.") and not exact:
+            # Any reader of an OCI layer takes it for a whiteout (of the name after the
+            # prefix, or the opaque marker): pushed, the image would lose a file.
+            raise InvalidImage(f"cannot push: {rel!r} is named like an OCI whiteout "
+                               "(.wh.*) and would read as one; rename it",
+                               details={"path": rel})
+        if stat.S_ISLNK(m):
+            ti = _member(dfd, rel, st, exact)  # a symlink's xattrs are not read
+            ti.name, ti.type = prefix + rel, tarfile.SYMTYPE
+            ti.linkname = os.readlink(name, dir_fd=dfd)
+            _add(tf, ti)
+            continue
+        # The entry itself, by an fd that does not follow (a FIFO's is never opened for
+        # reading: O_PATH), for its xattrs and a file's data.
+        fd = os.open(name, (os.O_RDONLY if stat.S_ISREG(m) or stat.S_ISDIR(m) else os.O_PATH)
+                     | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        try:
+            at: str | int = fd if stat.S_ISREG(m) or stat.S_ISDIR(m) else f"/proc/self/fd/{fd}"
+            ti = _member(at, rel, st, exact)
             ti.name = prefix + rel
             if exact and name.startswith(".wh."):
                 ti.pax_headers = {**ti.pax_headers, LITERAL: "1"}
@@ -165,15 +212,12 @@ def add_tree(tf: tarfile.TarFile, root: str, prefix: str = "", exact: bool = Fal
                 ti.type = tarfile.DIRTYPE
                 _add(tf, ti)
                 try:
-                    opaque = os.getxattr(path, OPAQUE_XATTR, follow_symlinks=False)
+                    opaque = os.getxattr(fd, OPAQUE_XATTR)
                 except OSError:
                     opaque = b""
                 if opaque == b"y":
                     _add(tf, tarfile.TarInfo(f"{prefix}{rel}/.wh..wh..opq"))
-                subdirs.append(rel)
-            elif stat.S_ISLNK(m):
-                ti.type, ti.linkname = tarfile.SYMTYPE, os.readlink(path)
-                _add(tf, ti)
+                subdirs.append(name)
             elif stat.S_ISFIFO(m) or sock:
                 ti.type = tarfile.FIFOTYPE
                 _add(tf, ti)
@@ -188,7 +232,8 @@ def add_tree(tf: tarfile.TarFile, root: str, prefix: str = "", exact: bool = Fal
                 ti.size = st.st_size
                 if exact:
                     ti.pax_headers = {**ti.pax_headers, MTIME_NS: str(st.st_mtime_ns)}
-                with open(path, "rb") as f:
+                f = os.fdopen(os.dup(fd), "rb")
+                with f:
                     segs = _data_segments(f.fileno(), st.st_size) \
                         if exact and st.st_blocks * 512 < st.st_size else None
                     if segs is None:
@@ -200,7 +245,9 @@ def add_tree(tf: tarfile.TarFile, root: str, prefix: str = "", exact: bool = Fal
                     ti.pax_headers = {**ti.pax_headers, SPARSE: f"{st.st_size};" + ",".join(
                         f"{o}:{n}" for o, n in segs)}
                     _add(tf, ti, _Segments(f, segs))
-        stack.extend(reversed(subdirs))  # depth first, in name order
+        finally:
+            os.close(fd)
+    return list(reversed(subdirs))
 
 
 def _data_segments(fd: int, size: int) -> list[tuple[int, int]] | None:
