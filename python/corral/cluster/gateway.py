@@ -62,6 +62,13 @@ from corral.nodeselector import HEADER as SELECTOR_HEADER
 from corral.nodeselector import parse_selector
 
 log = logging.getLogger("corral.cluster")
+# Logs streamed through the gateway at once: each holds a connection of the session every
+# placement, read and batch shares (1,024) for as long as its client takes. In all, and for
+# one tenant (a slow reader of many big logs must not hold the others' connections).
+LOG_STREAMS = 64
+LOG_STREAMS_PER_TENANT = 8
+# A client that takes no piece of a streamed log for this long is cut.
+LOG_WRITE_STALL_S = 60.0
 REPORT_INTERVAL_S = 0.5
 # Keyed creates whose node the gateway remembers: a retry of one (its answer lost, the same
 # Idempotency-Key) goes to the node that has the first, which answers it from its log, rather
@@ -144,6 +151,8 @@ class Gateway:
         self.shipping = True
         self._shipper: asyncio.Task[None] | None = None
         self._sealing: set[asyncio.Future[Any]] = set()
+        # Logs streamed through now: in all, and by tenant (None: the admin's).
+        self._log_streams: collections.Counter[str | None] = collections.Counter()
         self.bodies = BodyMemory()  # request bodies held at once (_body_memory)
         self.guard = TcpGuard(GATEWAY_MAX_CONNECTIONS)  # the listener's connections (_guarded)
         self._listener: asyncio.base_events.Server | None = None
@@ -498,7 +507,16 @@ class Gateway:
             return await self.session().get(n.endpoint + path, params=request.query,
                                             headers=self.node_headers(), timeout=timeout)
 
-        got = await asyncio.gather(*(ask(n) for n in nodes), return_exceptions=True)
+        asks = [asyncio.ensure_future(ask(n)) for n in nodes]
+        try:
+            got = await asyncio.gather(*asks, return_exceptions=True)
+        except BaseException:  # cancelled: what has answered is let go
+            for a in asks:
+                if a.done() and not a.cancelled() and a.exception() is None:
+                    a.result().release()
+                else:
+                    a.cancel()
+            raise
         chosen: aiohttp.ClientResponse | None = None
         failed = False
         for r in got:
@@ -519,8 +537,8 @@ class Gateway:
             await out.prepare(request)
             try:
                 async for chunk in chosen.content.iter_chunked(1 << 20):
-                    await out.write(chunk)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+                    await asyncio.wait_for(out.write(chunk), LOG_WRITE_STALL_S)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
                 # the status is sent: the client sees a cut stream, never a second answer
                 if request.transport is not None:
                     request.transport.abort()
@@ -546,7 +564,7 @@ class Gateway:
                                                                          sid)
             if node is None or node in self.nodes:
                 try:
-                    got = await self._log_from_nodes(request, sid, node)
+                    got = await self._streaming(self._log_from_nodes(request, sid, node))
                 except SandboxLost:
                     if node is None:
                         raise
@@ -561,9 +579,34 @@ class Gateway:
             if not has or (tenant is not None and owner != tenant):
                 raise SandboxNotFound(f"no sandbox {sid} and no trajectory log for it",
                                       details={"id": sid})
+            return await self._streaming(self._log_from_copy(request, node, sid,
+                                                             fmt == "jsonl"))
         except CorralError as e:
             return _error(e)
-        return await self._log_from_copy(request, node, sid, fmt == "jsonl")
+
+    async def _streaming(self, stream: Any) -> Any:
+        """Run the coroutine ``stream`` (a log streamed to the client) within the gateway's
+        caps on streams at once, in all and for the request's tenant."""
+        tenant = self.tenant()
+        held = self._log_streams
+        if sum(held.values()) >= LOG_STREAMS or held[tenant] >= LOG_STREAMS_PER_TENANT:
+            stream.close()
+            if held[tenant] >= LOG_STREAMS_PER_TENANT and tenant is not None:
+                raise QuotaExceeded(
+                    f"tenant {tenant} has {held[tenant]} logs streaming through the gateway, "
+                    "as many as a tenant may; retry when one is done",
+                    details={"tenant": tenant, "resource": "log_streams",
+                             "limit": LOG_STREAMS_PER_TENANT})
+            raise CapacityExceeded(f"{sum(held.values())} logs are streaming through the "
+                                   "gateway, as many as it takes at once; retry shortly",
+                                   details={"resource": "log_streams", "limit": LOG_STREAMS})
+        held[tenant] += 1
+        try:
+            return await stream
+        finally:
+            held[tenant] -= 1
+            if not held[tenant]:
+                del held[tenant]
 
     async def _log_from_copy(self, request: web.Request, node: str, sid: str,
                              jsonl: bool) -> web.StreamResponse:
@@ -584,16 +627,19 @@ class Gateway:
             try:
                 while (pieces := await asyncio.to_thread(next, pages, None)) is not None:
                     for piece in pieces:
-                        await out.write(piece)
-            except (sqlite3.Error, OSError):
-                log.exception("reading a lost node's log copy failed mid-stream")
+                        await asyncio.wait_for(out.write(piece), LOG_WRITE_STALL_S)
+            except (sqlite3.Error, OSError, asyncio.TimeoutError) as e:
+                # the status is sent: the client sees a cut stream, never a second answer
+                if isinstance(e, sqlite3.Error):
+                    log.exception("reading a lost node's log copy failed mid-stream")
                 if request.transport is not None:
                     request.transport.abort()
                 return out
             await out.write_eof()
             return out
         finally:
-            pages.close()
+            with contextlib.suppress(ValueError):  # still running in its thread: let it go
+                pages.close()
 
     # ---- placement's view of the nodes ----------------------------------------------------
     def nodes_changed(self) -> None:
