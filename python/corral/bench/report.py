@@ -251,7 +251,7 @@ def runcode_table(sec: dict[str, Any]) -> Table:
         # of each run's better row, which the rows' own medians need not show.
         got = _f(v["got"], 2)
         if v.get("runs"):
-            got += f"; runs {', '.join(_f(x, 1) for x in v['runs'])}"
+            got += f"; runs {' / '.join(_f(x, 1) for x in v['runs'])}"
         t.add_row(f"target {k}", "", "", "", f"{op} {v['target']}",
                   f"[green]met ({got})[/green]" if v["met"] else f"[red]NOT met ({got})[/red]")
     return t
