@@ -525,28 +525,6 @@ def test_a_big_log_crosses_the_gateway_a_page_at_a_time(cluster, gateway):
         assert all(n > 40 << 20 for n in sizes), sizes
         grew = _status_kib(pid, "VmHWM") - before
         assert grew < 64 << 10, f"the gateway's peak grew {grew} KiB for 4 x {sizes[0]} bytes"
-        # A slow reader holds a connection every placement shares: so many streams at once.
-        from corral.cluster.gateway import LOG_STREAMS_PER_TENANT
-        held = []
-        try:
-            for _ in range(LOG_STREAMS_PER_TENANT):
-                req = urllib.request.Request(f"{url}/v1/sandboxes/{sb.id}/log")
-                req.add_header("Authorization", f"Bearer {token}")
-                held.append(urllib.request.urlopen(req, timeout=120))  # not read
-            code, body = _get(f"{url}/v1/sandboxes/{sb.id}/log", token)
-            assert code == 429 and body["error"]["details"]["resource"] == "log_streams", body
-        finally:
-            for h in held:
-                h.close()
-
-        def served() -> bool:  # again, once the held ones are done
-            try:
-                return read() > 40 << 20
-            except urllib.error.HTTPError as e:
-                assert e.code == 429
-                return False
-
-        assert wait_until(served, timeout=90)
 
 
 def test_create_many_splits_over_nodes_and_batches_go_to_each_node(cluster, gateway):

@@ -53,3 +53,23 @@ def test_a_tree_deeper_than_any_path_a_call_takes_is_exported_whole(tmp_path: Pa
         assert members["top"].size == 3
         names = list(members)
         assert names.index("a" * 200) < names.index(f"{'a' * 200}/{'a' * 200}")
+
+
+def test_entries_named_like_whiteouts_travel_as_what_they_are(tmp_path: Path) -> None:
+    """A sandbox's ``.wh.x`` symlink (or directory) is no whiteout: in a snapshot's exact form
+    it carries the literal marker, else the importer read it as one, the layer hashed
+    differently, and every copy of the snapshot was refused (infra)."""
+    from corral.daemon.oci.unpack import LITERAL
+
+    root = tmp_path / "layer"
+    root.mkdir()
+    os.symlink("target", root / ".wh.link")
+    (root / ".wh.dir").mkdir()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        push.add_tree(tf, str(root), exact=True)
+    buf.seek(0)
+    with tarfile.open(fileobj=buf) as tf:
+        members = {m.name: m for m in tf.getmembers()}
+    assert members[".wh.link"].issym() and members[".wh.link"].pax_headers.get(LITERAL) == "1"
+    assert members[".wh.dir"].isdir() and members[".wh.dir"].pax_headers.get(LITERAL) == "1"

@@ -161,8 +161,10 @@ def image_pull(
     if not progress or json_:
         info = admin.pull_image(reference)
     else:
-        bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                        TransferSpeedColumn(), TextColumn("{task.fields[state]}"),
+        # markup=False: a description names a node and a layer, not styles
+        bars = Progress(TextColumn("{task.description}", markup=False), BarColumn(),
+                        DownloadColumn(), TransferSpeedColumn(),
+                        TextColumn("{task.fields[state]}", markup=False),
                         console=err, transient=False)
         tasks: dict[tuple[str, str], Any] = {}
 

@@ -23,7 +23,8 @@ from corral.errors import CorralError
 # would let text a sandbox, a tenant or an image author wrote (labels, metadata, command
 # output, names, image configs, error messages) move the cursor, erase or restyle lines, write
 # the clipboard, hide a link or reorder what the operator's terminal shows.
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029"
+                      "\u202a-\u202e\u2066-\u2069]")
 
 
 def inert(text: str) -> str:

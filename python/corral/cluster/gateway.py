@@ -62,6 +62,14 @@ from corral.nodeselector import HEADER as SELECTOR_HEADER
 from corral.nodeselector import parse_selector
 
 log = logging.getLogger("corral.cluster")
+
+
+async def _write_paced(out: web.StreamResponse, data: bytes) -> None:
+    """Write ``data`` a slice at a time, each within LOG_WRITE_STALL_S: a client that takes
+    nothing for that long is cut (asyncio.TimeoutError), a slow one that keeps taking is not."""
+    view = memoryview(data)
+    for i in range(0, len(view), 64 << 10):
+        await asyncio.wait_for(out.write(view[i:i + (64 << 10)]), LOG_WRITE_STALL_S)
 # Logs streamed through the gateway at once: each holds a connection of the session every
 # placement, read and batch shares (1,024) for as long as its client takes. In all, and for
 # one tenant (a slow reader of many big logs must not hold the others' connections).
@@ -537,7 +545,7 @@ class Gateway:
             await out.prepare(request)
             try:
                 async for chunk in chosen.content.iter_chunked(1 << 20):
-                    await asyncio.wait_for(out.write(chunk), LOG_WRITE_STALL_S)
+                    await _write_paced(out, chunk)
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
                 # the status is sent: the client sees a cut stream, never a second answer
                 if request.transport is not None:
@@ -589,9 +597,10 @@ class Gateway:
         caps on streams at once, in all and for the request's tenant."""
         tenant = self.tenant()
         held = self._log_streams
-        if sum(held.values()) >= LOG_STREAMS or held[tenant] >= LOG_STREAMS_PER_TENANT:
+        mine = tenant is not None and held[tenant] >= LOG_STREAMS_PER_TENANT
+        if sum(held.values()) >= LOG_STREAMS or mine:
             stream.close()
-            if held[tenant] >= LOG_STREAMS_PER_TENANT and tenant is not None:
+            if mine:
                 raise QuotaExceeded(
                     f"tenant {tenant} has {held[tenant]} logs streaming through the gateway, "
                     "as many as a tenant may; retry when one is done",
@@ -627,7 +636,7 @@ class Gateway:
             try:
                 while (pieces := await asyncio.to_thread(next, pages, None)) is not None:
                     for piece in pieces:
-                        await asyncio.wait_for(out.write(piece), LOG_WRITE_STALL_S)
+                        await _write_paced(out, piece)
             except (sqlite3.Error, OSError, asyncio.TimeoutError) as e:
                 # the status is sent: the client sees a cut stream, never a second answer
                 if isinstance(e, sqlite3.Error):

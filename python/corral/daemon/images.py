@@ -748,7 +748,10 @@ class ImageStore:
         if img.kind == "oci":
             return list(img.meta.get("oci_layers", ()))
         if img.kind == "rootfs":
-            return [self.layers.from_dir(os.path.join(img.path, "rootfs"), self.max_bytes,
+            # The store's own path, resolved: a state dir on a symlink (to a bigger disk) is
+            # the admin's, and the copy opens its source without following one.
+            return [self.layers.from_dir(os.path.realpath(os.path.join(img.path, "rootfs")),
+                                         self.max_bytes,
                                          self.max_files)]
         raise Unsupported("the host image is the host's own files, not layers: commit or "
                           "build on an OCI or rootfs image", details={"image": img.name})

@@ -183,6 +183,8 @@ def _load_oci(src: _Source, store: LayerStore, limits: unpack.Limits,
     if len(diff_ids) != len(doc["layers"]):
         raise InvalidImage("the config's diff_ids do not match the layers")
     unpack.check_layer_count(len(diff_ids))
+    if not all(isinstance(d, str) for d in diff_ids):
+        raise InvalidImage("the config's diff_ids are not all digests")
     hexes = []
     for d, did in zip(doc["layers"], diff_ids, strict=True):
         hexd = registry.check_digest(d["digest"], "layer")
@@ -210,6 +212,8 @@ def _load_docker(src: _Source, store: LayerStore, limits: unpack.Limits,
     if len(diff_ids) != len(layers):
         raise InvalidImage("the config's diff_ids do not match the layers")
     unpack.check_layer_count(len(diff_ids))
+    if not all(isinstance(d, str) for d in diff_ids):
+        raise InvalidImage("the config's diff_ids are not all digests")
     hexes = []
     for rel, did in zip(layers, diff_ids, strict=True):
         if not isinstance(rel, str):

@@ -104,7 +104,9 @@ def pull(ref: Reference, store: LayerStore, limits: unpack.Limits,
                 emit({"event": "layer", "digest": "sha256:" + hexd, "state": s,
                       "done": size, "total": size})
 
-            did = diff_ids[i] if isinstance(diff_ids[i], str) else None
+            did = diff_ids[i]
+            if not isinstance(did, str):  # a layer is taken only as its config names it
+                raise InvalidImage(f"{ref}: the config's diff_id {i} is not a digest")
             store.pin([hexd])
             pinned.append(hexd)
             store.ensure(hexd, media, did, fetch, limits, state)

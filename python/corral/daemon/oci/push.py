@@ -194,6 +194,8 @@ def _add_dir(tf: tarfile.TarFile, dfd: int, d: str, prefix: str, exact: bool,
             ti = _member(dfd, rel, st, exact)  # a symlink's xattrs are not read
             ti.name, ti.type = prefix + rel, tarfile.SYMTYPE
             ti.linkname = os.readlink(name, dir_fd=dfd)
+            if exact and name.startswith(".wh."):
+                ti.pax_headers = {**ti.pax_headers, LITERAL: "1"}
             _add(tf, ti)
             continue
         # The entry itself, by an fd that does not follow (a FIFO's is never opened for

@@ -717,10 +717,10 @@ class Zygote:
         try:
             os.execvpe(argv[0], argv, env)
         except OSError as e:
-            os.write(2, f"{argv[0]}: {e.strerror}\n".encode())
+            _say(f"{argv[0]}: {e.strerror}")
             os._exit(127 if e.errno == errno.ENOENT else 126)
         except (ValueError, UnicodeError) as e:  # what the command names, not the host's
-            os.write(2, f"{argv[0]!r}: {e}\n".encode("utf-8", "replace"))
+            _say(f"{argv[0]!r}: {e}")
             os._exit(126)
 
     def _child(self, slot: Slot, ctl: int, fout: int, ferr: int, go: int) -> None:
@@ -782,6 +782,14 @@ class Zygote:
             os.execve("/bin/bash", ["bash", f"/proc/self/fd/{fd}"], env)
         assert main is not None
         _run_python(code, main)
+
+
+def _say(text: str) -> None:
+    """A line to stderr that may be gone (the exit code still says what happened)."""
+    try:
+        os.write(2, (text + "\n").encode("utf-8", "replace"))
+    except OSError:
+        pass
 
 
 def _setup_failure(fd: int) -> str:
