@@ -40,7 +40,7 @@ from corral.cluster.placement import REPORT_MAX_AGE_S, NodeLoad, choose
 from corral.cluster.rates import WINDOW_S
 from corral.cluster.scaling import AutoscaleConfig, Autoscaler, request_resources
 from corral.config import log_retention_from_env
-from corral.daemon import batches
+from corral.daemon import batches, streams
 from corral.daemon.app_errors import ACT_AS_HEADER
 from corral.daemon.bodymem import BodyMemory, check_not_encoded
 from corral.daemon.tcpguard import TcpGuard
@@ -540,19 +540,11 @@ class Gateway:
                                   "did not answer", details={"id": sid})
             return None
         try:
-            out = web.StreamResponse(status=chosen.status, headers={
-                "Content-Type": chosen.headers.get("Content-Type", "application/json")})
-            await out.prepare(request)
-            try:
-                async for chunk in chosen.content.iter_chunked(1 << 20):
-                    await _write_paced(out, chunk)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
-                # the status is sent: the client sees a cut stream, never a second answer
-                if request.transport is not None:
-                    request.transport.abort()
-                return out
-            await out.write_eof()
-            return out
+            return await streams.stream_out(
+                request, chosen.content.iter_chunked(1 << 20), status=chosen.status,
+                content_type=chosen.headers.get("Content-Type", "application/json"),
+                cut_by=(aiohttp.ClientError, asyncio.TimeoutError, ConnectionError),
+                write=_write_paced)
         finally:
             chosen.release()
 
@@ -629,23 +621,16 @@ class Gateway:
         if pages is None:
             return _error(SandboxNotFound(f"no sandbox {sid} and no trajectory log for it",
                                           details={"id": sid}))
+        def cut(e: BaseException) -> None:
+            if isinstance(e, sqlite3.Error):  # a client gone is no error of ours
+                log.error("reading a lost node's log copy failed mid-stream", exc_info=e)
+
         try:
-            out = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"
-                                              if jsonl else "application/json"})
-            await out.prepare(request)
-            try:
-                while (pieces := await asyncio.to_thread(next, pages, None)) is not None:
-                    for piece in pieces:
-                        await _write_paced(out, piece)
-            except (sqlite3.Error, OSError, asyncio.TimeoutError) as e:
-                # the status is sent: the client sees a cut stream, never a second answer
-                if isinstance(e, sqlite3.Error):
-                    log.exception("reading a lost node's log copy failed mid-stream")
-                if request.transport is not None:
-                    request.transport.abort()
-                return out
-            await out.write_eof()
-            return out
+            return await streams.stream_out(
+                request, streams.pages_of(pages),
+                content_type="application/x-ndjson" if jsonl else "application/json",
+                cut_by=(sqlite3.Error, OSError, asyncio.TimeoutError), write=_write_paced,
+                on_cut=cut)
         finally:
             with contextlib.suppress(ValueError):  # still running in its thread: let it go
                 pages.close()

@@ -891,22 +891,15 @@ async def sandbox_log(request: web.Request) -> web.StreamResponse:
                                        else max_output, jsonl=fmt == "jsonl")
     # Streamed a page of rows at a time (the log's size is the sandbox's doing): the daemon
     # holds one page, and the event loop only writes.
+    def cut(e: BaseException) -> None:
+        if isinstance(e, sqlite3.Error):  # a client gone is no error of ours
+            log.error("reading the trajectory log failed mid-stream", exc_info=e)
+
     try:
-        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"
-                                           if fmt == "jsonl" else "application/json"})
-        await resp.prepare(request)
-        try:
-            while (pieces := await asyncio.to_thread(next, pages, None)) is not None:
-                for piece in pieces:
-                    await resp.write(piece)
-        except (sqlite3.Error, OSError):
-            # the status is sent: the client must see a cut stream, never a second answer
-            log.exception("reading the trajectory log failed mid-stream")
-            if request.transport is not None:
-                request.transport.abort()
-            return resp
-        await resp.write_eof()
-        return resp
+        return await streams.stream_out(
+            request, streams.pages_of(pages),
+            content_type="application/x-ndjson" if fmt == "jsonl" else "application/json",
+            cut_by=(sqlite3.Error, OSError), on_cut=cut)
     finally:
         close = getattr(pages, "close", None)
         if close is not None:

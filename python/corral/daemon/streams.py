@@ -23,7 +23,7 @@ import asyncio
 import hashlib
 import os
 import tarfile
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -258,3 +258,36 @@ def chunks(ops: TreeOps, root: str, max_bytes: int,
                 os.close(fd)
         # sockets, FIFOs, devices: skipped
     yield bytes(1024)
+
+
+async def pages_of(pages: Iterator[list[bytes]]) -> AsyncIterator[bytes]:
+    """The pieces of ``pages`` (a trajectory log's, ``Reader.stream``), each page read in a
+    worker thread (a page is a query)."""
+    while (pieces := await asyncio.to_thread(next, pages, None)) is not None:
+        for piece in pieces:
+            yield piece
+
+
+async def stream_out(request: Any, pieces: AsyncIterator[bytes], *, content_type: str,
+                     cut_by: tuple[type[BaseException], ...], status: int = 200,
+                     write: Callable[[Any, bytes], Awaitable[None]] | None = None,
+                     on_cut: Callable[[BaseException], None] | None = None) -> Any:
+    """Answer ``request`` with ``pieces`` as they come (``write``: how a piece is written,
+    the response's own write by default). An error of ``cut_by`` once the status is sent
+    aborts the connection (``on_cut`` told first): the client sees a cut stream, never a
+    second answer."""
+    from aiohttp import web
+
+    out = web.StreamResponse(status=status, headers={"Content-Type": content_type})
+    await out.prepare(request)
+    try:
+        async for piece in pieces:
+            await (out.write(piece) if write is None else write(out, piece))
+    except cut_by as e:
+        if on_cut is not None:
+            on_cut(e)
+        if request.transport is not None:
+            request.transport.abort()
+        return out
+    await out.write_eof()
+    return out
