@@ -63,13 +63,6 @@ from corral.nodeselector import parse_selector
 
 log = logging.getLogger("corral.cluster")
 
-
-async def _write_paced(out: web.StreamResponse, data: bytes) -> None:
-    """Write ``data`` a slice at a time, each within LOG_WRITE_STALL_S: a client that takes
-    nothing for that long is cut (asyncio.TimeoutError), a slow one that keeps taking is not."""
-    view = memoryview(data)
-    for i in range(0, len(view), 64 << 10):
-        await asyncio.wait_for(out.write(view[i:i + (64 << 10)]), LOG_WRITE_STALL_S)
 # Logs streamed through the gateway at once: each holds a connection of the session every
 # placement, read and batch shares (1,024) for as long as its client takes. In all, and for
 # one tenant (a slow reader of many big logs must not hold the others' connections).
@@ -100,6 +93,14 @@ PLACEMENT_ROOM_SHARE = 4
 # The tenant the current request acts for (None: the admin), set by _authorized: a node call
 # made for it carries it in X-Corral-Tenant, with the cluster token only the gateway holds.
 _TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("tenant", default=None)
+
+
+async def _write_paced(out: web.StreamResponse, data: bytes) -> None:
+    """Write ``data`` a slice at a time, each within LOG_WRITE_STALL_S: a client that takes
+    nothing for that long is cut (asyncio.TimeoutError), a slow one that keeps taking is not."""
+    view = memoryview(data)
+    for i in range(0, len(view), 64 << 10):
+        await asyncio.wait_for(out.write(view[i:i + (64 << 10)]), LOG_WRITE_STALL_S)
 
 
 def _error(err: CorralError) -> web.Response:
