@@ -67,7 +67,7 @@ pub enum LayerError {
         path: String,
         msg: String,
     },
-    /// A bound was passed: `what` is "bytes", "entries", "depth" or "path_bytes".
+    /// A bound of `Limits` was passed: `what` is "bytes", "entries" or "depth".
     #[error("the sandbox's files exceed the snapshot limit of {limit} {what}")]
     Limit { what: &'static str, limit: u64 },
     /// The caller set `Control::cancel`.
@@ -97,13 +97,6 @@ pub struct Limits {
 /// Bytes of manifest (and of the paths of hard-linked files kept to link them again) one
 /// capture may hold in memory.
 pub const MANIFEST_MAX: usize = 128 << 20;
-
-/// The longest path (from the layer's root) a capture keeps. A sandbox may make paths up to
-/// PATH_MAX; stored under the state dir they grow by its place there, past what any call by
-/// path takes (an export or an import of the layer cut short: infra). Past this, the
-/// sandbox's files are over a limit of the snapshot's (`too_large`), as they are past
-/// `max_depth`.
-pub const MAX_PATH_BYTES: usize = 3584;
 
 type Result<T> = std::result::Result<T, LayerError>;
 
@@ -517,12 +510,6 @@ impl Walker {
             r.extend_from_slice(&top.rel);
             r.push(b'/');
             r.extend_from_slice(name.as_bytes());
-            if r.len() > MAX_PATH_BYTES {
-                return Err(LayerError::Limit {
-                    what: "path_bytes",
-                    limit: MAX_PATH_BYTES as u64,
-                });
-            }
             let (src, dst) = (top.src.as_fd(), top.dst.clone());
             if let Some(frame) = self.entry(src, &dst, &name, r)? {
                 if stack.len() >= self.limits.max_depth {
@@ -1200,42 +1187,6 @@ mod tests {
         ));
         assert!(!kept(Err(Errno::OPNOTSUPP), dir.as_fd(), 1).unwrap()); // a namespace it lacks
         assert!(kept(Ok(()), dir.as_fd(), 1).unwrap());
-    }
-
-    #[test]
-    fn a_path_past_the_bound_is_a_limit() {
-        let base = std::env::temp_dir().join(format!("corral-layer-path-{}", std::process::id()));
-        let src = base.join("src");
-        let mut deep = src.clone();
-        for _ in 0..18 {
-            deep.push("d".repeat(200)); // 3,618 bytes from the root: past the bound
-        }
-        std::fs::create_dir_all(&deep).unwrap();
-        std::fs::write(deep.join("f"), b"x").unwrap();
-        let dst = base.join("dst");
-        std::fs::create_dir_all(&dst).unwrap();
-        let parts = [Part {
-            n: 0,
-            src: CString::new(src.to_str().unwrap()).unwrap(),
-            dst: CString::new(dst.join("0").to_str().unwrap()).unwrap(),
-        }];
-        let limits = Limits {
-            max_bytes: 1 << 30,
-            max_entries: 1000,
-            max_depth: 100,
-        };
-        let got = capture(&parts, limits, &Arc::new(Control::default()));
-        std::fs::remove_dir_all(&base).unwrap();
-        assert!(
-            matches!(
-                got,
-                Err(LayerError::Limit {
-                    what: "path_bytes",
-                    ..
-                })
-            ),
-            "{got:?}"
-        );
     }
 
     #[test]
