@@ -889,12 +889,12 @@ async def sandbox_log(request: web.Request) -> web.StreamResponse:
     pages = await engine.trajlog.pages(sid, known=engine.info_now(sid) is not None,
                                        tail=tail, max_output=None if max_output < 0
                                        else max_output, jsonl=fmt == "jsonl")
-    # Streamed a page of rows at a time (the log's size is the sandbox's doing): the daemon
-    # holds one page, and the event loop only writes.
     def cut(e: BaseException) -> None:
         if isinstance(e, sqlite3.Error):  # a client gone is no error of ours
             log.error("reading the trajectory log failed mid-stream", exc_info=e)
 
+    # Streamed a page of rows at a time (the log's size is the sandbox's doing): the daemon
+    # holds one page, and the event loop only writes.
     try:
         return await streams.stream_out(
             request, streams.pages_of(pages),
